@@ -1,0 +1,1 @@
+"""NVML access: GPU inventory, health (XID events, lost GPUs) and usage sampling."""

@@ -1,0 +1,232 @@
+"""GPU health: XID critical-error events and lost GPUs take a GPU out; a quiet period brings it back.
+
+One thread waits on an NVML event set for XID critical errors and, between
+waits, probes every GPU with a cheap NVML query. A GPU becomes unhealthy on a
+critical XID (one not in the ignored list) or when NVML says it is lost; it
+becomes healthy again once it answers NVML normally and has had no critical
+XID and no failed probe for the quiet period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from gpumanager.device.types import GPUInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthState:
+    """The health of one GPU and why."""
+
+    healthy: bool
+    reason: str = ""
+    since: float = 0.0  # time.monotonic() of the last change
+
+
+HealthListener = Callable[[int, HealthState], None]
+
+
+def _handle_key(handle: Any) -> int | None:
+    """The address behind an NVML device handle, to recognise the device of an event."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
+
+
+class HealthMonitor:
+    """Watches XID events and NVML reachability of every GPU; tells listeners of changes."""
+
+    def __init__(
+        self,
+        gpus: Sequence[GPUInfo],
+        *,
+        ignored_xids: Iterable[int],
+        quiet_period: float,
+        probe_period: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._gpus = list(gpus)
+        self._ignored = frozenset(ignored_xids)
+        self._quiet = quiet_period
+        self._probe_period = probe_period
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self._state = {g.index: HealthState(True, "", now) for g in self._gpus}
+        self._last_bad: dict[int, float] = {}
+        self._listeners: list[HealthListener] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handles: dict[int, object] = {}
+        self._by_handle: dict[int, int] = {}
+        self.xid_events = 0
+        self.ignored_xid_events = 0
+
+    def add_listener(self, listener: HealthListener) -> None:
+        """Call ``listener(gpu_index, state)`` on every health change (from the monitor's thread)."""
+        self._listeners.append(listener)
+
+    def state(self, index: int) -> HealthState:
+        """Current health of GPU ``index``."""
+        with self._lock:
+            return self._state[index]
+
+    def snapshot(self) -> dict[int, HealthState]:
+        """Health of every GPU."""
+        with self._lock:
+            return dict(self._state)
+
+    def start(self) -> None:
+        """Start the monitoring thread."""
+        for g in self._gpus:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+            self._handles[g.index] = handle
+            key = _handle_key(handle)
+            if key is not None:
+                self._by_handle[key] = g.index
+        self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- state changes -------------------------------------------------------------------------
+
+    def _mark_bad(self, index: int, reason: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._last_bad[index] = now
+            old = self._state[index]
+            if not old.healthy:
+                return
+            new = HealthState(False, reason, now)
+            self._state[index] = new
+        log.warning("GPU %d (%s) is unhealthy: %s", index, self._gpus[index].uuid, reason)
+        self._notify(index, new)
+
+    def _mark_ok(self, index: int) -> None:
+        now = self._clock()
+        with self._lock:
+            old = self._state[index]
+            if old.healthy or now - self._last_bad.get(index, -1e18) < self._quiet:
+                return
+            new = HealthState(True, "", now)
+            self._state[index] = new
+        log.info(
+            "GPU %d (%s) is healthy again after %.0f s without errors (was: %s)",
+            index,
+            self._gpus[index].uuid,
+            self._quiet,
+            old.reason,
+        )
+        self._notify(index, new)
+
+    def _notify(self, index: int, state: HealthState) -> None:
+        for listener in self._listeners:
+            try:
+                listener(index, state)
+            except Exception:
+                log.exception("health listener failed for GPU %d", index)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _register_events(self) -> Any:
+        try:
+            event_set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as exc:
+            log.warning("XID events unavailable (nvmlEventSetCreate: %s); only probing GPUs", exc)
+            return None
+        registered = 0
+        for index, handle in self._handles.items():
+            try:
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+                registered += 1
+            except pynvml.NVMLError as exc:
+                log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
+        log.info(
+            "watching XID events on %d of %d GPUs (ignored XIDs: %s)",
+            registered,
+            len(self._handles),
+            ",".join(map(str, sorted(self._ignored))) or "none",
+        )
+        if registered == 0:
+            pynvml.nvmlEventSetFree(event_set)
+            return None
+        return event_set
+
+    def _handle_event(self, data: pynvml.c_nvmlEventData_t) -> None:
+        xid = int(data.eventData)
+        key = _handle_key(data.device)
+        index = self._by_handle.get(key) if key is not None else None
+        self.xid_events += 1
+        if xid in self._ignored:
+            self.ignored_xid_events += 1
+            log.info("GPU %s: XID %d ignored (application error, not a GPU fault)", index, xid)
+            return
+        targets = [index] if index is not None else list(self._handles)
+        for i in targets:
+            self._mark_bad(i, f"XID {xid}")
+
+    def _probe(self) -> None:
+        for index, handle in self._handles.items():
+            try:
+                pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except pynvml.NVMLError as exc:
+                self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
+                continue
+            self._mark_ok(index)
+
+    def _run(self) -> None:
+        event_set = self._register_events()
+        next_probe = 0.0
+        try:
+            while not self._stop.is_set():
+                try:
+                    next_probe = self._step(event_set, next_probe)
+                except Exception:
+                    # Keep watching: one bad NVML answer must not end health checking.
+                    log.exception("GPU health check failed; retrying in 1 s")
+                    self._stop.wait(1.0)
+        finally:
+            if event_set is not None:
+                try:
+                    pynvml.nvmlEventSetFree(event_set)
+                except pynvml.NVMLError:
+                    pass
+
+    def _step(self, event_set: object | None, next_probe: float) -> float:
+        now = self._clock()
+        if now >= next_probe:
+            self._probe()
+            next_probe = now + self._probe_period
+        wait_ms = max(1, int(min(self._probe_period, 0.5) * 1000))
+        if event_set is None:
+            self._stop.wait(wait_ms / 1000)
+            return next_probe
+        try:
+            data = pynvml.nvmlEventSetWait_v2(event_set, wait_ms)
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_ERROR_TIMEOUT:
+                return next_probe
+            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                next_probe = 0.0
+            else:
+                log.warning("nvmlEventSetWait: %s", exc)
+            self._stop.wait(0.05)
+            return next_probe
+        self._handle_event(data)
+        return next_probe

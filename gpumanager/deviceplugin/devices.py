@@ -1,0 +1,101 @@
+"""Fake device IDs advertised to the kubelet, and the GPU each one belongs to.
+
+IDs keep gpu-manager's prefixes (``tencent.com/vcuda-core-<n>``,
+``tencent.com/vcuda-memory-268435456-<n>``) but are numbered in per-GPU ranges:
+GPU g owns core IDs 100g .. 100g+99 and a contiguous run of
+floor(memory / 256 MiB) memory IDs, so every ID names its GPU, and the GPU's
+health and NUMA node can be reported per device.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpumanager import names
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.device.types import GPUInfo
+
+
+class UnknownDeviceError(ValueError):
+    """A device ID that this node never advertised."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    gpu: int
+    start: int
+    count: int
+
+
+class DeviceLayout:
+    """The mapping between fake device IDs and GPUs for both resources."""
+
+    def __init__(self, gpus: Sequence[GPUInfo]) -> None:
+        self._gpus = list(gpus)
+        self._core: list[_Range] = []
+        self._memory: list[_Range] = []
+        mem_start = 0
+        for g in self._gpus:
+            self._core.append(_Range(g.index, g.index * names.HUNDRED_CORES, names.HUNDRED_CORES))
+            blocks = g.memory_total // names.MEMORY_BLOCK_BYTES
+            self._memory.append(_Range(g.index, mem_start, blocks))
+            mem_start += blocks
+        self._mem_starts = [r.start for r in self._memory]
+
+    @staticmethod
+    def prefix(resource: str) -> str:
+        """The ID prefix of a resource."""
+        if resource == names.VCORE_RESOURCE:
+            return names.VCORE_ID_PREFIX
+        if resource == names.VMEMORY_RESOURCE:
+            return names.VMEMORY_ID_PREFIX
+        raise ValueError(f"unknown resource {resource!r}")
+
+    def _ranges(self, resource: str) -> list[_Range]:
+        return self._core if resource == names.VCORE_RESOURCE else self._memory
+
+    def ids_of_gpu(self, resource: str, gpu: int) -> list[str]:
+        """Every device ID of ``resource`` that belongs to GPU ``gpu``."""
+        prefix = self.prefix(resource)
+        r = self._ranges(resource)[gpu]
+        return [f"{prefix}{n}" for n in range(r.start, r.start + r.count)]
+
+    def count(self, resource: str) -> int:
+        """How many devices of ``resource`` the node advertises."""
+        return sum(r.count for r in self._ranges(resource))
+
+    def gpu_of(self, resource: str, device_id: str) -> int:
+        """The GPU index a device ID belongs to; UnknownDeviceError names a foreign ID."""
+        prefix = self.prefix(resource)
+        number_text = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
+        if not number_text.isdigit():
+            raise UnknownDeviceError(f"device ID {device_id!r} is not a {resource} device of this node")
+        number = int(number_text)
+        if resource == names.VCORE_RESOURCE:
+            gpu = number // names.HUNDRED_CORES
+            if gpu < len(self._core):
+                return gpu
+        else:
+            pos = bisect.bisect_right(self._mem_starts, number) - 1
+            if pos >= 0 and number < self._memory[pos].start + self._memory[pos].count:
+                return self._memory[pos].gpu
+        raise UnknownDeviceError(f"device ID {device_id!r} is past the last {resource} device of this node")
+
+    def group_by_gpu(self, resource: str, device_ids: Iterable[str]) -> dict[int, list[str]]:
+        """Split device IDs by GPU (raises UnknownDeviceError on a foreign ID)."""
+        grouped: dict[int, list[str]] = {}
+        for device_id in device_ids:
+            grouped.setdefault(self.gpu_of(resource, device_id), []).append(device_id)
+        return grouped
+
+    def devices(self, resource: str, healthy: Mapping[int, bool]) -> list[pb.Device]:
+        """The ListAndWatch device list of ``resource``; a GPU missing from ``healthy`` counts as healthy."""
+        out = []
+        for g in self._gpus:
+            health = names.HEALTHY if healthy.get(g.index, True) else names.UNHEALTHY
+            topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.numa_node)]) if g.numa_node is not None else None
+            for device_id in self.ids_of_gpu(resource, g.index):
+                out.append(pb.Device(ID=device_id, health=health, topology=topology))
+        return out

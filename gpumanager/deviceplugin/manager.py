@@ -1,0 +1,160 @@
+"""Keeps both device-plugin servers registered with the kubelet, across kubelet restarts.
+
+The kubelet wipes every socket in the device-plugin directory when it starts and
+then re-creates ``kubelet.sock``. A watch loop polls (every
+``watch_period``, 100 ms by default) the identity of ``kubelet.sock`` and of our
+own sockets: when ours is gone or replaced the servers are restarted, and when
+the kubelet's is re-created, or ours were restarted, both resources register
+again, in this process. Until the kubelet answers, registration is retried with
+a capped backoff and each change of state is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.deviceplugin.registration import RegistrationError, register
+from gpumanager.deviceplugin.server import PluginServer, socket_identity
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_START = 0.2
+_BACKOFF_MAX = 5.0
+
+
+@dataclass
+class RegistrationStatus:
+    """What the manager has achieved so far; read by /healthz and metrics."""
+
+    registered: bool = False
+    registrations: int = 0
+    server_restarts: int = 0
+    last_error: str = ""
+    last_registered_at: float = 0.0
+    history: list[float] = field(default_factory=list)
+
+
+class PluginManager:
+    """Runs the plugin servers and the registration/watch loop."""
+
+    def __init__(
+        self,
+        servers: Sequence[PluginServer],
+        kubelet_socket: Path,
+        *,
+        options_for: Callable[[PluginServer], pb.DevicePluginOptions],
+        watch_period: float = 0.1,
+        register_timeout: float = 5.0,
+    ) -> None:
+        self._servers = list(servers)
+        self._kubelet_socket = kubelet_socket
+        self._options_for = options_for
+        self._period = watch_period
+        self._register_timeout = register_timeout
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.status = RegistrationStatus()
+        self.registered_event = threading.Event()
+
+    def start(self) -> None:
+        """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
+        for s in self._servers:
+            s.start()
+        self._thread = threading.Thread(target=self._run, name="kubelet-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and the servers, and remove our sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=20)
+        for s in self._servers:
+            s.stop(remove_socket=True)
+
+    def alive(self) -> bool:
+        """Whether the watch loop is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def _restart_servers(self) -> None:
+        for s in self._servers:
+            s.stop(remove_socket=True)
+        for s in self._servers:
+            s.start()
+        self.status.server_restarts += 1
+
+    def _register_all(self) -> None:
+        for s in self._servers:
+            register(
+                self._kubelet_socket,
+                endpoint=s.socket_path.name,
+                resource=s.servicer.resource,
+                options=self._options_for(s),
+                timeout=self._register_timeout,
+            )
+
+    def _set_error(self, message: str) -> None:
+        if message != self.status.last_error:
+            log.warning("not registered with the kubelet: %s (retrying)", message)
+        self.status.last_error = message
+
+    def _run(self) -> None:
+        need_register = True
+        next_try = 0.0
+        backoff = _BACKOFF_START
+        kubelet_id = socket_identity(self._kubelet_socket)
+        while not self._stop.is_set():
+            try:
+                if not all(s.socket_intact() for s in self._servers):
+                    log.info("our device-plugin socket was removed (kubelet restart?); serving again")
+                    self._restart_servers()
+                    need_register, next_try = True, 0.0
+                current = socket_identity(self._kubelet_socket)
+                if current != kubelet_id:
+                    if current is not None:
+                        log.info("%s was (re)created; registering again", self._kubelet_socket)
+                        need_register, next_try = True, 0.0
+                    else:
+                        log.info("%s disappeared; waiting for the kubelet", self._kubelet_socket)
+                        self.status.registered = False
+                        self.registered_event.clear()
+                    kubelet_id = current
+                now = time.monotonic()
+                if need_register and now >= next_try:
+                    try:
+                        self._register_all()
+                    except RegistrationError as exc:
+                        self.status.registered = False
+                        self.registered_event.clear()
+                        self._set_error(str(exc))
+                        next_try = now + backoff
+                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                    else:
+                        need_register, backoff = False, _BACKOFF_START
+                        if self.status.last_error:
+                            log.info("registered with the kubelet after: %s", self.status.last_error)
+                        else:
+                            log.info(
+                                "registered %s with the kubelet",
+                                ", ".join(s.servicer.resource for s in self._servers),
+                            )
+                        self.status.registered = True
+                        self.status.registrations += 1
+                        self.status.last_error = ""
+                        self.status.last_registered_at = time.monotonic()
+                        self.status.history.append(self.status.last_registered_at)
+                        del self.status.history[:-100]
+                        self.registered_event.set()
+            except Exception:
+                # Never exit to recover: log and keep watching.
+                log.exception("device-plugin watch loop error; continuing")
+                self._stop.wait(1.0)
+            self._stop.wait(self._period)

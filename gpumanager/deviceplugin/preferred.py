@@ -1,0 +1,98 @@
+"""GetPreferredAllocation: steer the kubelet's pick of fake IDs towards the GPUs the allocator would choose.
+
+The kubelet offers the free IDs of a resource and asks for ``size`` of them.
+For vcuda-core a multiple of 100 means whole GPUs: the link/fragment
+evaluators run on a copy of the topology tree in which every GPU without all
+of its 100 core IDs free is taken; a smaller size is a share and goes to the
+GPU the share evaluator picks (tightest fit). For vcuda-memory the IDs come
+from the GPU with the fewest free blocks that still fits the request. IDs are
+taken lowest first, so the answer is deterministic. The answer is advisory:
+anything we cannot place is left for the kubelet to fill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from gpumanager import names
+from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.topology import TopologyTree, choose
+
+log = logging.getLogger(__name__)
+
+
+def _id_number(device_id: str) -> int:
+    tail = device_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+class Preference:
+    """Computes preferred device IDs from the topology tree and the device layout."""
+
+    def __init__(self, tree: TopologyTree, layout: DeviceLayout, lock: threading.RLock) -> None:
+        self._tree = tree
+        self._layout = layout
+        self._lock = lock
+
+    def _by_gpu(self, resource: str, ids: Sequence[str]) -> dict[int, list[str]]:
+        grouped: dict[int, list[str]] = {}
+        for device_id in ids:
+            try:
+                gpu = self._layout.gpu_of(resource, device_id)
+            except UnknownDeviceError as exc:
+                log.warning("GetPreferredAllocation: ignoring %s", exc)
+                continue
+            grouped.setdefault(gpu, []).append(device_id)
+        for group in grouped.values():
+            group.sort(key=_id_number)
+        return grouped
+
+    def choose(self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Up to ``size`` IDs from ``available``, starting with ``must_include``."""
+        chosen = list(dict.fromkeys(must_include))[:size]
+        if len(chosen) >= size:
+            return chosen
+        taken = set(chosen)
+        free = self._by_gpu(resource, [d for d in available if d not in taken])
+        need = size - len(chosen)
+        if resource == names.VCORE_RESOURCE:
+            gpus = self._core_gpus(free, need, self._by_gpu(resource, chosen))
+        else:
+            gpus = self._memory_gpus(free, need)
+        for gpu in gpus:
+            for device_id in free.get(gpu, []):
+                if len(chosen) >= size:
+                    break
+                chosen.append(device_id)
+        return chosen
+
+    def _core_gpus(self, free: dict[int, list[str]], need: int, already: dict[int, list[str]]) -> list[int]:
+        # GPUs that already hold must-include IDs are filled first.
+        head = sorted(already)
+        with self._lock:
+            scratch = self._tree.clone()
+        whole = need % names.HUNDRED_CORES == 0
+        for leaf in scratch.leaves:
+            count = len(free.get(leaf.index, []))
+            if whole and count < names.HUNDRED_CORES:
+                scratch.occupy(leaf.index, names.HUNDRED_CORES, 0)
+            elif not whole:
+                taken = names.HUNDRED_CORES - min(count, leaf.allocatable_cores)
+                if taken:
+                    scratch.occupy(leaf.index, taken, 0)
+        try:
+            picked = choose(scratch, need, 0) if whole or need < names.HUNDRED_CORES else []
+        except ValueError as exc:
+            log.debug("no topology preference for %d cores: %s", need, exc)
+            picked = []
+        return head + [g for g in picked if g not in head]
+
+    @staticmethod
+    def _memory_gpus(free: dict[int, list[str]], need: int) -> list[int]:
+        fitting = sorted((len(ids), gpu) for gpu, ids in free.items() if len(ids) >= need)
+        if fitting:
+            return [fitting[0][1]]
+        # Nothing fits on one GPU: take from the fullest-free GPUs first.
+        return [gpu for _, gpu in sorted(((-len(ids), gpu) for gpu, ids in free.items()))]

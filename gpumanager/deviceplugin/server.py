@@ -1,0 +1,69 @@
+"""A gRPC server on a unix socket in the device-plugin directory, serving one ResourceServicer."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from gpumanager.deviceplugin.servicer import ResourceServicer
+
+log = logging.getLogger(__name__)
+
+
+def socket_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a file, or None when it does not exist; tells a re-created file apart."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class PluginServer:
+    """Owns the socket file and the gRPC server of one resource."""
+
+    def __init__(self, servicer: ResourceServicer, socket_path: Path, *, max_workers: int = 8) -> None:
+        self.servicer = servicer
+        self.socket_path = socket_path
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self.identity: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        """Remove a stale socket, listen, serve."""
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dp-" + self.socket_path.stem)
+        )
+        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+        self.identity = socket_identity(self.socket_path)
+        log.debug("serving %s on %s", self.servicer.resource, self.socket_path)
+
+    def stop(self, *, remove_socket: bool = True) -> None:
+        """Stop serving; remove our socket file unless someone else has replaced it."""
+        self.servicer.stop()
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait(2.0)
+            self._server = None
+        if remove_socket and self.identity is not None and socket_identity(self.socket_path) == self.identity:
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        self.identity = None
+
+    def socket_intact(self) -> bool:
+        """Whether our socket file is still the one we created."""
+        return self.identity is not None and socket_identity(self.socket_path) == self.identity

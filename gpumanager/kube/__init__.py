@@ -1,0 +1,1 @@
+"""The Kubernetes API side: client construction, pod cache, annotation patches, node labels, PodResources."""

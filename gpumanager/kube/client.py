@@ -1,0 +1,33 @@
+"""Building a client for the Kubernetes API server and checking that it answers."""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+from kubernetes import client, config
+
+log = logging.getLogger(__name__)
+
+
+class KubeUnavailableError(RuntimeError):
+    """No usable API server configuration."""
+
+
+def api_client(kubeconfig: str = "") -> client.ApiClient:
+    """A client from ``kubeconfig``, or the in-cluster configuration when it is empty."""
+    try:
+        if kubeconfig:
+            return cast(client.ApiClient, config.new_client_from_config(config_file=kubeconfig))  # type: ignore[no-untyped-call]
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        return client.ApiClient(cfg)
+    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        where = kubeconfig or "in-cluster configuration"
+        raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
+
+
+def probe(api: client.ApiClient, timeout: float = 5.0) -> str:
+    """The API server's version string; raises on any failure."""
+    info = client.VersionApi(api).get_code(_request_timeout=timeout)
+    return str(info.git_version)

@@ -1,0 +1,1 @@
+"""Prometheus metrics, the display gRPC service and the HTTP endpoints."""

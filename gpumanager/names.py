@@ -1,0 +1,36 @@
+"""Names shared with the kubelet, gpu-admission and the in-container library.
+
+These values are part of the compatibility contract with tkestack gpu-manager
+clusters and must not change.
+"""
+
+from __future__ import annotations
+
+VCORE_RESOURCE = "tencent.com/vcuda-core"
+VMEMORY_RESOURCE = "tencent.com/vcuda-memory"
+
+#: 100 vcuda-core units make one whole GPU.
+HUNDRED_CORES = 100
+#: One vcuda-memory unit is 256 MiB.
+MEMORY_BLOCK_BYTES = 268435456
+
+VCORE_ID_PREFIX = f"{VCORE_RESOURCE}-"
+VMEMORY_ID_PREFIX = f"{VMEMORY_RESOURCE}-{MEMORY_BLOCK_BYTES}-"
+
+VCORE_SOCKET = "vcore.sock"
+VMEMORY_SOCKET = "vmemory.sock"
+KUBELET_SOCKET = "kubelet.sock"
+KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
+
+DEVICE_PLUGIN_API_VERSION = "v1beta1"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+DEFAULT_DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins/"
+DEFAULT_DISPLAY_SOCKET = "/var/run/gpu-manager.sock"
+DEFAULT_VIRTUAL_MANAGER_PATH = "/etc/gpu-manager/vm"
+DEFAULT_CHECKPOINT_PATH = "/etc/gpu-manager/checkpoint"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+#: XIDs that are application errors, not GPU faults (NVIDIA's device plugin skips the same set).
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)

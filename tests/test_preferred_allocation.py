@@ -1,0 +1,86 @@
+"""GetPreferredAllocation steers the kubelet towards the GPUs the evaluators would pick."""
+
+from __future__ import annotations
+
+import threading
+
+from gpumanager import names
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.deviceplugin.devices import DeviceLayout
+from gpumanager.deviceplugin.preferred import Preference
+from gpumanager.topology import build_tree
+
+MIB = 1 << 20
+CORE = names.VCORE_RESOURCE
+MEM = names.VMEMORY_RESOURCE
+
+
+def v100x4() -> tuple[Preference, DeviceLayout]:
+    gpus = [
+        GPUInfo(i, f"GPU-{i}", "Tesla V100", i, 1024 * MIB, f"00000000:{i + 16:02x}:00.0", 0) for i in range(4)
+    ]
+    # PIX pairs (0,1) and (2,3) under one PHB.
+    levels = tuple(tuple(0 if a == b else 10 if a // 2 == b // 2 else 30 for b in range(4)) for a in range(4))
+    tree = build_tree(gpus, NodeTopology(levels=levels))
+    layout = DeviceLayout(gpus)
+    return Preference(tree, layout, threading.RLock()), layout
+
+
+def all_ids(layout: DeviceLayout, resource: str, gpus: range | list[int]) -> list[str]:
+    return [i for g in gpus for i in layout.ids_of_gpu(resource, g)]
+
+
+def gpus_of(layout: DeviceLayout, resource: str, ids: list[str]) -> set[int]:
+    return {layout.gpu_of(resource, i) for i in ids}
+
+
+def test_two_whole_gpus_go_to_a_pix_pair() -> None:
+    pref, layout = v100x4()
+    chosen = pref.choose(CORE, all_ids(layout, CORE, range(4)), [], 200)
+    assert len(chosen) == 200 and len(set(chosen)) == 200
+    assert gpus_of(layout, CORE, chosen) == {0, 1}
+
+
+def test_partly_used_gpu_is_not_offered_for_whole_gpus() -> None:
+    pref, layout = v100x4()
+    available = all_ids(layout, CORE, range(4))[10:]  # GPU 0 has 10 core IDs in use
+    chosen = pref.choose(CORE, available, [], 200)
+    assert gpus_of(layout, CORE, chosen) == {2, 3}
+
+
+def test_share_goes_to_tightest_fit() -> None:
+    pref, layout = v100x4()
+    ids = all_ids(layout, CORE, range(4))
+    available = ids[:100] + ids[150:]  # GPU 1 has 50 free cores, the others 100
+    chosen = pref.choose(CORE, available, [], 30)
+    assert gpus_of(layout, CORE, chosen) == {1}
+    assert len(chosen) == 30
+
+
+def test_must_include_is_kept_first() -> None:
+    pref, layout = v100x4()
+    ids = all_ids(layout, CORE, range(4))
+    must = [ids[250]]
+    chosen = pref.choose(CORE, ids, must, 20)
+    assert chosen[0] == ids[250]
+    assert gpus_of(layout, CORE, chosen) == {2}
+
+
+def test_memory_best_fit_single_gpu() -> None:
+    pref, layout = v100x4()
+    ids = all_ids(layout, MEM, range(4))  # 4 blocks per GPU
+    available = ids[:4] + ids[6:]  # GPU 1 has 2 free blocks
+    assert gpus_of(layout, MEM, pref.choose(MEM, available, [], 2)) == {1}
+    assert gpus_of(layout, MEM, pref.choose(MEM, available, [], 3)) == {0}
+
+
+def test_unknown_ids_are_skipped_not_fatal() -> None:
+    pref, layout = v100x4()
+    chosen = pref.choose(CORE, ["bogus", *all_ids(layout, CORE, [3])], [], 100)
+    assert gpus_of(layout, CORE, chosen) == {3}
+
+
+def test_same_state_same_answer() -> None:
+    pref, layout = v100x4()
+    ids = all_ids(layout, CORE, range(4))
+    assert pref.choose(CORE, ids, [], 100) == pref.choose(CORE, list(reversed(ids)), [], 100)

@@ -1,0 +1,1238 @@
+"""A kubelet device-manager simulator speaking the real device-plugin gRPC API over unix sockets.
+
+It stands in for the kubelet on machines without one (tests, benchmarks, the demo) and follows
+the kubelet's device manager closely:
+
+* :meth:`KubeletSimulator.start` creates the plugin directory, removes every unix socket in it
+  (the kubelet's ``CleanupPluginDirectory``; the checkpoint and other files stay) and serves
+  ``v1beta1.Registration/Register`` on ``<dir>/kubelet.sock``.
+* ``Register`` checks the version and the extended-resource name, then - inside the call, as the
+  kubelet does - dials ``<dir>/<endpoint>`` (blocking, 10 s by default), fetches
+  ``GetDevicePluginOptions`` and starts a ``ListAndWatch`` reader. Errors carry the kubelet's
+  message texts with gRPC status ``UNKNOWN`` (a plain Go error returned from a handler).
+* Every ``ListAndWatch`` message replaces the resource's device list and rewrites
+  ``kubelet_internal_checkpoint`` (V2 shape). When the stream ends, every device of the resource
+  turns unhealthy.
+* :meth:`KubeletSimulator.allocate` picks devices like ``devicesToAllocate`` (reuse, availability
+  check, NUMA split into aligned/unaligned/no-affinity, ``GetPreferredAllocation``, fill) and
+  sends one ``Allocate`` with exactly one container request. The kubelet fills from Go sets, i.e.
+  in effectively random order; ``fill="random"`` (seedable) mimics that, ``fill="sorted"`` makes
+  it deterministic.
+* :meth:`KubeletSimulator.restart` simulates a kubelet restart: plugin connections dropped (their
+  devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
+* An optional PodResources v1 server (:mod:`gpumanager.testing.kubelet_podresources`).
+
+Not modelled: init-container device reuse, the 5-minute endpoint grace period, node status,
+the Topology Manager (a NUMA hint is passed to :meth:`KubeletSimulator.allocate` directly).
+
+Run as a process for demos::
+
+    python -m gpumanager.testing.kubelet --plugin-dir DIR [--pod-resources-socket PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import random
+import re
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Literal, NoReturn
+
+import grpc
+
+from gpumanager.api import deviceplugin_v1beta1_pb2 as _pb
+from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as _pb_grpc
+from gpumanager.testing.kubelet_checkpoint import (
+    CHECKPOINT_FILE,
+    NODE_WITHOUT_TOPOLOGY,
+    CheckpointEntry,
+    write_checkpoint_v1,
+    write_checkpoint_v2,
+    write_checkpoint_v2_boot_id,
+)
+from gpumanager.testing.kubelet_podresources import (
+    ContainerSnapshot,
+    DeviceSnapshot,
+    PodResourcesServer,
+    PodSnapshot,
+)
+
+pb: Any = _pb
+pb_grpc: Any = _pb_grpc
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "DEFAULT_DIAL_TIMEOUT",
+    "HEALTHY",
+    "KUBELET_SOCKET",
+    "PRE_START_TIMEOUT",
+    "SUPPORTED_VERSIONS",
+    "UNHEALTHY",
+    "AllocationError",
+    "AllocationRecord",
+    "AllocationTimings",
+    "CheckpointEntry",
+    "DeviceState",
+    "DeviceUpdate",
+    "FillOrder",
+    "KubeletSimError",
+    "KubeletSimulator",
+    "PluginRPCError",
+    "RegistrationRecord",
+    "is_extended_resource_name",
+    "main",
+    "write_checkpoint_v1",
+    "write_checkpoint_v2",
+    "write_checkpoint_v2_boot_id",
+]
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+VERSION = "v1beta1"
+SUPPORTED_VERSIONS = (VERSION,)
+KUBELET_SOCKET = "kubelet.sock"
+DEFAULT_DIAL_TIMEOUT = 10.0
+"""The kubelet dials a registering plugin with a 10 s blocking timeout."""
+PRE_START_TIMEOUT = 30.0
+"""``KubeletPreStartContainerRPCTimeoutInSecs``."""
+
+FillOrder = Literal["random", "sorted"]
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+class KubeletSimError(RuntimeError):
+    """Base class of the simulator's errors."""
+
+
+class AllocationError(KubeletSimError):
+    """The kubelet side refused an allocation (unregistered resource, too few devices, ...)."""
+
+
+class PluginRPCError(KubeletSimError):
+    """A call into the device plugin failed; carries the gRPC status code and details."""
+
+    def __init__(self, method: str, code: grpc.StatusCode | None, details: str) -> None:
+        self.method = method
+        self.code = code
+        self.details = details
+        code_name = code.name if code is not None else "Unknown"
+        super().__init__(f"device plugin {method} rpc failed: code = {code_name} desc = {details}")
+
+
+def _rpc_error_parts(err: BaseException) -> tuple[grpc.StatusCode | None, str]:
+    code_fn = getattr(err, "code", None)
+    details_fn = getattr(err, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    return (code if isinstance(code, grpc.StatusCode) else None), (details or str(err))
+
+
+# --------------------------------------------------------------------------------------------
+# validation helpers
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_QUALIFIED_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def is_extended_resource_name(name: str) -> bool:
+    """The kubelet's ``IsExtendedResourceName``: ``domain/name``, not native, qualified."""
+    if "/" not in name or "kubernetes.io/" in name:
+        return False  # native resource
+    if name.startswith("requests."):
+        return False
+    parts = ("requests." + name).split("/")
+    if len(parts) != 2:
+        return False
+    prefix, short = parts
+    if not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+        return False
+    return 0 < len(short) <= 63 and bool(_QUALIFIED_NAME_PART.match(short))
+
+
+def _natural_key(s: str) -> list[Any]:
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t]
+
+
+def _go_join(directory: Path, endpoint: str) -> Path:
+    """``filepath.Join(dir, endpoint)``: an absolute endpoint stays under ``dir``."""
+    return Path(os.path.normpath(os.path.join(str(directory), endpoint.lstrip("/"))))
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """A device as last reported by the plugin's ``ListAndWatch`` (or marked by the kubelet)."""
+
+    id: str
+    health: str
+    numa_nodes: tuple[int, ...] = ()
+    """NUMA node ids from the device's topology; empty when the plugin sent none."""
+
+    @property
+    def healthy(self) -> bool:
+        """True when the health string is ``Healthy``."""
+        return self.health == HEALTHY
+
+
+@dataclass
+class RegistrationRecord:
+    """One successful ``Register`` call. Times are ``time.monotonic()`` values."""
+
+    index: int
+    """Position among all successful registrations of this simulator (0-based)."""
+    resource: str
+    endpoint: str
+    version: str
+    options: Any
+    """``DevicePluginOptions`` as returned by ``GetDevicePluginOptions`` (what the kubelet uses)."""
+    request_options: Any
+    """``DevicePluginOptions`` carried in the ``RegisterRequest``."""
+    registered_at: float
+    """When the Register call arrived."""
+    connected_at: float
+    """When the dial and ``GetDevicePluginOptions`` had completed."""
+    first_list_and_watch_at: float | None = None
+    """When the first ``ListAndWatch`` response arrived."""
+    list_and_watch_messages: int = 0
+    ended_at: float | None = None
+    """When the ``ListAndWatch`` stream ended (error, EOF, replacement, restart or stop)."""
+    end_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceUpdate:
+    """An entry of a resource's device history."""
+
+    at: float
+    kind: Literal["list_and_watch", "disconnected", "restart", "stop"]
+    devices: Mapping[str, DeviceState]
+    registration_index: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class AllocationTimings:
+    """Monotonic timings of one :meth:`KubeletSimulator.allocate`."""
+
+    started_at: float
+    finished_at: float
+    preferred_seconds: float | None = None
+    """Duration of the ``GetPreferredAllocation`` call, None when not called."""
+    allocate_seconds: float | None = None
+    """Duration of the ``Allocate`` call, None when no call was made (reuse)."""
+
+    @property
+    def total_seconds(self) -> float:
+        """Whole allocation, picking included."""
+        return self.finished_at - self.started_at
+
+
+@dataclass(frozen=True)
+class AllocationRecord:
+    """Devices the simulator assigned to one resource of one container, and the plugin's answer."""
+
+    pod_uid: str
+    container_name: str
+    resource: str
+    device_ids: tuple[str, ...]
+    """The IDs sent in the ``ContainerAllocateRequest``, in the order sent."""
+    devices_per_numa: Mapping[int, tuple[str, ...]]
+    """NUMA node -> IDs, as recorded in the checkpoint (``-1``: no topology)."""
+    response: Any
+    """The ``ContainerAllocateResponse`` (``container_responses[0]`` of the plugin's answer)."""
+    timings: AllocationTimings
+    preferred: tuple[str, ...] | None = None
+    """What ``GetPreferredAllocation`` returned, None when it was not called."""
+    pod_name: str = ""
+    namespace: str = ""
+    reused: bool = False
+    """True when the container already held these devices and no ``Allocate`` was issued."""
+
+
+@dataclass
+class _PodInfo:
+    name: str
+    namespace: str
+
+
+class _Endpoint:
+    """The simulator's connection to one registered plugin."""
+
+    def __init__(
+        self, resource: str, path: Path, channel: grpc.Channel, options: Any, record: RegistrationRecord
+    ) -> None:
+        self.resource = resource
+        self.path = path
+        self.channel = channel
+        self.stub: Any = pb_grpc.DevicePluginStub(channel)
+        self.options = options
+        self.record = record
+        self.stopped = False
+        self.thread: threading.Thread | None = None
+
+    def close(self) -> None:
+        self.stopped = True
+        self.channel.close()  # cancels the ListAndWatch call
+
+
+class _RegistrationServicer:
+    """Duck-typed ``RegistrationServicer`` forwarding to the simulator."""
+
+    def __init__(self, sim: KubeletSimulator) -> None:
+        self._sim = sim
+
+    def Register(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._sim._handle_register(request, context)
+
+
+# --------------------------------------------------------------------------------------------
+# the simulator
+
+
+class KubeletSimulator:
+    """The kubelet's device manager, its Registration server, checkpoint and PodResources API.
+
+    Thread-safe: every piece of state is guarded by one lock (with a condition variable on it for
+    the ``wait_for_*`` helpers); no gRPC call is made while the lock is held.
+    """
+
+    def __init__(
+        self,
+        plugin_dir: Path,
+        *,
+        pod_resources_socket: Path | None = None,
+        dial_timeout: float = DEFAULT_DIAL_TIMEOUT,
+        pre_start_timeout: float = PRE_START_TIMEOUT,
+        rpc_timeout: float | None = None,
+        fill: FillOrder = "random",
+        seed: int | None = None,
+        rng: random.Random | None = None,
+        write_checkpoint: bool = True,
+    ) -> None:
+        """Configure (nothing starts until :meth:`start`).
+
+        ``dial_timeout``: the blocking dial inside Register (kubelet: 10 s).
+        ``rpc_timeout``: deadline for GetDevicePluginOptions, GetPreferredAllocation and Allocate
+        (kubelet: none, i.e. ``None``). ``fill``/``seed``/``rng``: default fill order of picking.
+        """
+        self.plugin_dir = Path(plugin_dir)
+        self.pod_resources_socket = Path(pod_resources_socket) if pod_resources_socket else None
+        self.dial_timeout = dial_timeout
+        self.pre_start_timeout = pre_start_timeout
+        self.rpc_timeout = rpc_timeout
+        self.fill: FillOrder = fill
+        self._rng = rng if rng is not None else random.Random(seed)
+        self._write_enabled = write_checkpoint
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._running = False
+        self._generation = 0
+        self._server: grpc.Server | None = None
+        self._pr_server: PodResourcesServer | None = None
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._devices: dict[str, dict[str, DeviceState]] = {}
+        self._history: dict[str, list[DeviceUpdate]] = {}
+        self._registrations: list[RegistrationRecord] = []
+        self._registration_errors: list[tuple[float, str, str]] = []
+        self._allocations: dict[tuple[str, str, str], AllocationRecord] = {}
+        self._pending: dict[str, set[str]] = {}
+        self._pods: dict[str, _PodInfo] = {}
+        self._pre_start_calls: list[tuple[str, str, str, tuple[str, ...]]] = []
+        self._checkpoint_writes = 0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def socket_path(self) -> Path:
+        """``<plugin_dir>/kubelet.sock``."""
+        return self.plugin_dir / KUBELET_SOCKET
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """``<plugin_dir>/kubelet_internal_checkpoint``."""
+        return self.plugin_dir / CHECKPOINT_FILE
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        with self._lock:
+            return self._running
+
+    def start(self) -> float:
+        """Create the directory, wipe its sockets, serve Registration (and PodResources).
+
+        Returns the monotonic time at which ``kubelet.sock`` was created.
+        """
+        with self._lock:
+            if self._running:
+                raise KubeletSimError("kubelet simulator already started")
+            self._running = True
+        try:
+            self.plugin_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            self.cleanup_plugin_directory()
+            return self._start_servers()
+        except BaseException:
+            with self._lock:
+                self._running = False
+            self._stop_servers()
+            raise
+
+    def stop(self) -> None:
+        """Stop serving and drop every plugin connection (devices turn unhealthy). Idempotent."""
+        with self._cond:
+            if not self._running:
+                return
+            self._running = False
+            self._generation += 1
+            endpoints = self._detach_endpoints_locked("stop", "kubelet stopped")
+            self._cond.notify_all()
+        self._stop_servers()
+        self._close_endpoints(endpoints)
+        logger.info("kubelet simulator stopped")
+
+    def restart(self) -> float:
+        """Simulate a kubelet restart; return the monotonic time the new ``kubelet.sock`` appeared.
+
+        The Registration server stops, plugin channels close (their devices turn unhealthy),
+        every unix socket in the directory is removed (plugins' sockets included), then
+        ``kubelet.sock`` is created again. Allocations, like the checkpoint, survive.
+        """
+        with self._cond:
+            if not self._running:
+                raise KubeletSimError("kubelet simulator is not running")
+            self._generation += 1
+            endpoints = self._detach_endpoints_locked("restart", "kubelet restarted")
+            self._cond.notify_all()
+        self._stop_servers()
+        self._close_endpoints(endpoints)
+        self.cleanup_plugin_directory()
+        created = self._start_servers()
+        logger.info("kubelet simulator restarted; kubelet.sock re-created")
+        return created
+
+    def __enter__(self) -> KubeletSimulator:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def cleanup_plugin_directory(self) -> list[Path]:
+        """Remove every unix socket directly in the plugin directory; return what was removed."""
+        removed: list[Path] = []
+        try:
+            names = os.listdir(self.plugin_dir)
+        except FileNotFoundError:
+            return removed
+        for name in names:
+            path = self.plugin_dir / name
+            if name == CHECKPOINT_FILE or not _is_socket(path):
+                continue
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        if removed:
+            logger.info("removed %d socket(s) from %s", len(removed), self.plugin_dir)
+        return removed
+
+    def _start_servers(self) -> float:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kubelet-reg"))
+        pb_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self), server)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        server.add_insecure_port(f"unix://{self.socket_path}")  # binds: the socket file exists now
+        created = time.monotonic()
+        server.start()
+        pr_server = None
+        if self.pod_resources_socket is not None:
+            pr_server = PodResourcesServer(self.pod_resources_socket, self)
+            pr_server.start()
+        with self._lock:
+            self._server = server
+            self._pr_server = pr_server
+        logger.info("kubelet registration server listening on %s", self.socket_path)
+        return created
+
+    def _stop_servers(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            pr_server, self._pr_server = self._pr_server, None
+        if server is not None:
+            server.stop(grace=None).wait()
+        if pr_server is not None:
+            pr_server.stop()
+
+    def _detach_endpoints_locked(self, kind: Literal["restart", "stop"], reason: str) -> list[_Endpoint]:
+        endpoints = list(self._endpoints.values())
+        now = time.monotonic()
+        for ep in endpoints:
+            ep.stopped = True
+            if ep.record.ended_at is None:
+                ep.record.ended_at = now
+                ep.record.end_reason = reason
+        for resource in list(self._devices):
+            self._mark_unhealthy_locked(resource, kind, None, reason)
+        return endpoints
+
+    @staticmethod
+    def _close_endpoints(endpoints: Iterable[_Endpoint]) -> None:
+        for ep in endpoints:
+            ep.close()
+        for ep in endpoints:
+            if ep.thread is not None and ep.thread is not threading.current_thread():
+                ep.thread.join(timeout=5.0)
+
+    # ---------------------------------------------------------------- Register
+
+    def _reject(self, context: grpc.ServicerContext, request: Any, message: str) -> NoReturn:
+        with self._cond:
+            self._registration_errors.append((time.monotonic(), request.resource_name, message))
+            self._cond.notify_all()
+        logger.warning("registration of %r refused: %s", request.resource_name, message)
+        context.abort(grpc.StatusCode.UNKNOWN, message)
+
+    def _handle_register(self, request: Any, context: grpc.ServicerContext) -> Any:
+        registered_at = time.monotonic()
+        with self._lock:
+            generation = self._generation
+        logger.info(
+            "got registration request: resource=%s endpoint=%s version=%s",
+            request.resource_name,
+            request.endpoint,
+            request.version,
+        )
+        if request.version not in SUPPORTED_VERSIONS:
+            self._reject(
+                context,
+                request,
+                f'requested API version "{request.version}" is not supported by kubelet. '
+                f'Supported version is "{VERSION}"',
+            )
+        if not is_extended_resource_name(request.resource_name):
+            self._reject(context, request, f'the ResourceName "{request.resource_name}" is invalid')
+
+        path = _go_join(self.plugin_dir, request.endpoint)
+        channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.default_authority", "localhost")])
+        error: str | None = None
+        options: Any = None
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.dial_timeout)
+        except grpc.FutureTimeoutError:
+            error = "failed to dial device plugin: context deadline exceeded"
+        if error is None:
+            try:
+                options = pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(pb.Empty(), timeout=self.rpc_timeout)
+            except grpc.RpcError as err:
+                code, details = _rpc_error_parts(err)
+                code_name = code.name if code is not None else "Unknown"
+                error = f"failed to get device plugin options: rpc error: code = {code_name} desc = {details}"
+        if error is not None:
+            channel.close()
+            self._reject(context, request, error)
+
+        old: _Endpoint | None = None
+        with self._cond:
+            if not self._running or self._generation != generation:
+                stale = True
+            else:
+                stale = False
+                record = RegistrationRecord(
+                    index=len(self._registrations),
+                    resource=request.resource_name,
+                    endpoint=request.endpoint,
+                    version=request.version,
+                    options=options,
+                    request_options=request.options,
+                    registered_at=registered_at,
+                    connected_at=time.monotonic(),
+                )
+                ep = _Endpoint(request.resource_name, path, channel, options, record)
+                old = self._endpoints.get(request.resource_name)
+                if old is not None:
+                    old.stopped = True
+                    if old.record.ended_at is None:
+                        old.record.ended_at = time.monotonic()
+                        old.record.end_reason = "replaced by a new registration"
+                self._endpoints[request.resource_name] = ep
+                self._registrations.append(record)
+                self._devices.setdefault(request.resource_name, {})
+                self._history.setdefault(request.resource_name, [])
+                thread = threading.Thread(
+                    target=self._run_list_and_watch,
+                    args=(ep,),
+                    name=f"listandwatch-{request.resource_name}-{record.index}",
+                    daemon=True,
+                )
+                ep.thread = thread
+                self._cond.notify_all()
+        if stale:
+            channel.close()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet is restarting")
+        if old is not None:
+            old.close()
+        thread.start()
+        logger.info(
+            "registered device plugin %s at %s (pre_start_required=%s, get_preferred_allocation=%s)",
+            record.resource,
+            record.endpoint,
+            options.pre_start_required,
+            options.get_preferred_allocation_available,
+        )
+        return pb.Empty()
+
+    # ---------------------------------------------------------------- ListAndWatch
+
+    def _run_list_and_watch(self, ep: _Endpoint) -> None:
+        reason = "listAndWatch stream ended"
+        try:
+            for resp in ep.stub.ListAndWatch(pb.Empty()):
+                self._on_devices(ep, resp)
+        except grpc.RpcError as err:
+            code, details = _rpc_error_parts(err)
+            code_name = code.name if code is not None else "Unknown"
+            reason = f"rpc error: code = {code_name} desc = {details}"
+        except Exception as err:  # closed channel and the like
+            reason = f"{type(err).__name__}: {err}"
+        self._on_stream_end(ep, reason)
+
+    def _on_devices(self, ep: _Endpoint, resp: Any) -> None:
+        now = time.monotonic()
+        devices: dict[str, DeviceState] = {}
+        for d in resp.devices:
+            nodes = tuple(int(n.ID) for n in d.topology.nodes) if d.HasField("topology") else ()
+            devices[d.ID] = DeviceState(id=d.ID, health=d.health, numa_nodes=nodes)
+        with self._cond:
+            if ep.stopped or self._endpoints.get(ep.resource) is not ep:
+                return
+            rec = ep.record
+            if rec.first_list_and_watch_at is None:
+                rec.first_list_and_watch_at = now
+            rec.list_and_watch_messages += 1
+            before = self._devices.get(ep.resource, {})
+            self._devices[ep.resource] = devices
+            self._history.setdefault(ep.resource, []).append(
+                DeviceUpdate(now, "list_and_watch", dict(devices), rec.index)
+            )
+            self._write_checkpoint_locked()
+            self._cond.notify_all()
+        healthy = sum(1 for d in devices.values() if d.healthy)
+        old_healthy = sum(1 for d in before.values() if d.healthy)
+        level = logging.INFO if (len(before), old_healthy) != (len(devices), healthy) else logging.DEBUG
+        logger.log(level, "%s: %d devices, %d healthy", ep.resource, len(devices), healthy)
+
+    def _on_stream_end(self, ep: _Endpoint, reason: str) -> None:
+        with self._cond:
+            if ep.record.ended_at is None:
+                ep.record.ended_at = time.monotonic()
+                ep.record.end_reason = reason
+            if ep.stopped or self._endpoints.get(ep.resource) is not ep:
+                self._cond.notify_all()
+                return
+            ep.stopped = True
+            self._mark_unhealthy_locked(
+                ep.resource,
+                "disconnected",
+                ep.record.index,
+                f"listAndWatch ended unexpectedly for device plugin {ep.resource} with error {reason}",
+            )
+            self._cond.notify_all()
+        logger.warning("ListAndWatch of %s ended (%s); its devices are unhealthy now", ep.resource, reason)
+        ep.channel.close()
+
+    def _mark_unhealthy_locked(
+        self,
+        resource: str,
+        kind: Literal["disconnected", "restart", "stop"],
+        registration_index: int | None,
+        detail: str,
+    ) -> None:
+        devices = {i: dataclasses.replace(d, health=UNHEALTHY) for i, d in self._devices.get(resource, {}).items()}
+        self._devices[resource] = devices
+        self._history.setdefault(resource, []).append(
+            DeviceUpdate(time.monotonic(), kind, dict(devices), registration_index, detail)
+        )
+
+    # ---------------------------------------------------------------- observation
+
+    @property
+    def registrations(self) -> list[RegistrationRecord]:
+        """Every successful registration so far, oldest first (records are live objects)."""
+        with self._lock:
+            return list(self._registrations)
+
+    @property
+    def registration_errors(self) -> list[tuple[float, str, str]]:
+        """Refused registrations as ``(monotonic time, resource name, message)``."""
+        with self._lock:
+            return list(self._registration_errors)
+
+    def registration_count(self, resource: str | None = None) -> int:
+        """How many successful registrations (of ``resource``, or of any) have happened."""
+        with self._lock:
+            return sum(1 for r in self._registrations if resource is None or r.resource == resource)
+
+    def wait_for_registration(
+        self,
+        resource: str,
+        after: int | None = None,
+        timeout: float = 10.0,
+        *,
+        with_devices: bool = False,
+    ) -> RegistrationRecord:
+        """Wait for a registration of ``resource`` and return its record.
+
+        ``after=None``: the latest registration (waiting for the first one if there is none).
+        ``after=n``: the registration that follows the first ``n`` ones of this resource, i.e.
+        its (n+1)-th, typically ``wait_for_registration(r, after=sim.registration_count(r))``.
+        ``with_devices``: also wait for its first ``ListAndWatch`` response.
+        Raises ``TimeoutError``.
+        """
+
+        def pick() -> RegistrationRecord | None:
+            regs = [r for r in self._registrations if r.resource == resource]
+            wanted = len(regs) - 1 if after is None else after
+            rec = regs[wanted] if 0 <= wanted < len(regs) else None
+            if rec is not None and with_devices and rec.first_list_and_watch_at is None:
+                return None
+            return rec
+
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                rec = pick()
+                if rec is not None:
+                    return rec
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    have = sum(1 for r in self._registrations if r.resource == resource)
+                    raise TimeoutError(
+                        f"no registration #{(after or 0) + 1} of {resource} within {timeout}s ({have} so far)"
+                    )
+                self._cond.wait(remaining)
+
+    def devices(self, resource: str) -> dict[str, DeviceState]:
+        """The resource's devices as last known (empty if never reported)."""
+        with self._lock:
+            return dict(self._devices.get(resource, {}))
+
+    def healthy_ids(self, resource: str) -> set[str]:
+        """IDs of the resource's healthy devices."""
+        with self._lock:
+            return {i for i, d in self._devices.get(resource, {}).items() if d.healthy}
+
+    def resources(self) -> list[str]:
+        """Every resource that has registered at least once."""
+        with self._lock:
+            return sorted(self._devices)
+
+    def updates(self, resource: str) -> list[DeviceUpdate]:
+        """The resource's device history (every ListAndWatch message and every health drop)."""
+        with self._lock:
+            return list(self._history.get(resource, []))
+
+    def endpoint_options(self, resource: str) -> Any:
+        """The ``DevicePluginOptions`` of the current endpoint of ``resource`` (None if none)."""
+        with self._lock:
+            ep = self._endpoints.get(resource)
+            return ep.options if ep is not None else None
+
+    def wait_for_devices(
+        self,
+        resource: str,
+        predicate_or_count: Callable[[dict[str, DeviceState]], bool] | int,
+        timeout: float = 10.0,
+    ) -> dict[str, DeviceState]:
+        """Wait until the resource's devices satisfy a predicate and return them.
+
+        An ``int`` means "exactly that many healthy devices". Raises ``TimeoutError``.
+        """
+        predicate: Callable[[dict[str, DeviceState]], bool]
+        if isinstance(predicate_or_count, int):
+            want = predicate_or_count
+
+            def predicate(devs: dict[str, DeviceState]) -> bool:
+                return sum(1 for d in devs.values() if d.healthy) == want
+
+        else:
+            predicate = predicate_or_count
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                devs = dict(self._devices.get(resource, {}))
+                if predicate(devs):
+                    return devs
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    healthy = sum(1 for d in devs.values() if d.healthy)
+                    raise TimeoutError(
+                        f"devices of {resource} did not reach the expected state within {timeout}s "
+                        f"({len(devs)} devices, {healthy} healthy)"
+                    )
+                self._cond.wait(remaining)
+
+    def allocations(self, pod_uid: str | None = None) -> list[AllocationRecord]:
+        """Recorded allocations (of one pod, or all), in allocation order."""
+        with self._lock:
+            return [a for a in self._allocations.values() if pod_uid is None or a.pod_uid == pod_uid]
+
+    @property
+    def pre_start_calls(self) -> list[tuple[str, str, str, tuple[str, ...]]]:
+        """``(resource, pod_uid, container_name, device_ids)`` of every PreStartContainer sent."""
+        with self._lock:
+            return list(self._pre_start_calls)
+
+    @property
+    def checkpoint_writes(self) -> int:
+        """How many times the checkpoint has been written."""
+        with self._lock:
+            return self._checkpoint_writes
+
+    # ---------------------------------------------------------------- allocation
+
+    def _order(self, ids: Iterable[str], fill: FillOrder) -> list[str]:
+        """Iteration order of a Go set: natural-sorted, then shuffled for ``random`` (lock held)."""
+        out = sorted(ids, key=_natural_key)
+        if fill == "random":
+            self._rng.shuffle(out)
+        return out
+
+    def _in_use_locked(self, resource: str) -> set[str]:
+        used = set(self._pending.get(resource, set()))
+        for (_, _, res), rec in self._allocations.items():
+            if res == resource:
+                used.update(rec.device_ids)
+        return used
+
+    def _filter_by_affinity_locked(
+        self, resource: str, available: set[str], numa_hint: set[int] | None
+    ) -> tuple[set[str], set[str], set[str]]:
+        devs = self._devices.get(resource, {})
+        has_topology = any(d.numa_nodes for d in devs.values())
+        if numa_hint is None or not has_topology:
+            return set(), set(), set(available)
+        per_node: dict[int, set[str]] = {}
+        for dev_id in available:
+            nodes = devs[dev_id].numa_nodes or (NODE_WITHOUT_TOPOLOGY,)
+            for n in nodes:
+                per_node.setdefault(n, set()).add(dev_id)
+
+        def rank(n: int) -> tuple[int, int]:
+            group = 0 if n in numa_hint else (2 if n == NODE_WITHOUT_TOPOLOGY else 1)
+            return group, len(per_node[n])
+
+        ordered_nodes = sorted(per_node, key=rank)
+        aligned: set[str] = set()
+        unaligned: set[str] = set()
+        no_affinity: set[str] = set()
+        for dev_id in available:
+            for n in ordered_nodes:
+                if dev_id in per_node[n]:
+                    if n in numa_hint:
+                        aligned.add(dev_id)
+                    elif n == NODE_WITHOUT_TOPOLOGY:
+                        no_affinity.add(dev_id)
+                    else:
+                        unaligned.add(dev_id)
+                    break
+        return aligned, unaligned, no_affinity
+
+    def _call_preferred(
+        self, ep: _Endpoint, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> tuple[tuple[str, ...] | None, float | None]:
+        if ep.options is None or not ep.options.get_preferred_allocation_available:
+            return None, None
+        if ep.stopped:
+            raise PluginRPCError("GetPreferredAllocation", None, f"endpoint {ep.resource} has been stopped")
+        req = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=list(available),
+                    must_include_deviceIDs=list(must_include),
+                    allocation_size=size,
+                )
+            ]
+        )
+        t0 = time.monotonic()
+        try:
+            resp = ep.stub.GetPreferredAllocation(req, timeout=self.rpc_timeout)
+        except grpc.RpcError as err:
+            code, details = _rpc_error_parts(err)
+            raise PluginRPCError("GetPreferredAllocation", code, details) from err
+        except ValueError as err:  # channel closed under us
+            raise PluginRPCError("GetPreferredAllocation", None, f"endpoint {ep.resource} has been stopped") from err
+        elapsed = time.monotonic() - t0
+        if len(resp.container_responses) == 0:
+            return (), elapsed
+        return tuple(resp.container_responses[0].deviceIDs), elapsed
+
+    def allocate(
+        self,
+        resource: str,
+        count: int,
+        *,
+        pod_uid: str,
+        container_name: str,
+        numa_hint: set[int] | None = None,
+        pod_name: str | None = None,
+        namespace: str | None = None,
+        fill: FillOrder | None = None,
+    ) -> AllocationRecord:
+        """Admit ``count`` devices of ``resource`` for one container, the kubelet's way.
+
+        Reuses the container's recorded devices (no Allocate call) when it already has them;
+        otherwise picks from healthy - allocated (NUMA split by ``numa_hint``, then
+        GetPreferredAllocation if the plugin offers it, then fill in ``fill`` order), calls
+        Allocate with one container request, records the answer and writes the checkpoint.
+
+        Raises :class:`AllocationError` when the kubelet would refuse, and
+        :class:`PluginRPCError` when a plugin call fails (nothing is recorded then).
+        """
+        if count <= 0:
+            raise ValueError("count must be positive")
+        order: FillOrder = fill or self.fill
+        started = time.monotonic()
+        key = (pod_uid, container_name, resource)
+        with self._lock:
+            existing = self._allocations.get(key)
+            if existing is not None and len(existing.device_ids) != count:
+                raise AllocationError(
+                    f'pod "{pod_uid}" container "{container_name}" changed request for resource '
+                    f'"{resource}" from {len(existing.device_ids)} to {count}'
+                )
+            if resource not in self._devices:
+                raise AllocationError(f"cannot allocate unregistered device {resource}")
+            healthy = {i for i, d in self._devices[resource].items() if d.healthy}
+            if not healthy:
+                raise AllocationError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            if existing is not None:
+                if not healthy.issuperset(existing.device_ids):
+                    raise AllocationError(
+                        "previously allocated devices are no longer healthy; "
+                        f"cannot allocate unhealthy devices {resource}"
+                    )
+                now = time.monotonic()
+                return dataclasses.replace(existing, reused=True, timings=AllocationTimings(started, now, None, None))
+            ep = self._endpoints.get(resource)
+            if ep is None:
+                raise AllocationError(f"unknown Device Plugin {resource}")
+            available = healthy - self._in_use_locked(resource)
+            if len(available) < count:
+                raise AllocationError(
+                    f"requested number of devices unavailable for {resource}. "
+                    f"Requested: {count}, Available: {len(available)}"
+                )
+            aligned, unaligned, no_affinity = self._filter_by_affinity_locked(resource, available, numa_hint)
+            pending = self._pending.setdefault(resource, set())
+            picked: list[str] = []
+
+        def take_locked(candidates: Iterable[str]) -> bool:
+            """allocateRemainingFrom: True once nothing more is needed."""
+            in_use = self._in_use_locked(resource)
+            for dev in self._order(set(candidates) - set(picked), order):
+                if len(picked) >= count:
+                    break
+                if dev in in_use:
+                    continue  # taken by a concurrent allocation meanwhile
+                picked.append(dev)
+                pending.add(dev)
+            return len(picked) >= count
+
+        preferred: tuple[str, ...] | None = None
+        preferred_seconds: float | None = None
+        try:
+            if count < len(aligned):
+                with self._lock:
+                    offer = self._order(aligned | set(picked), order)
+                preferred, preferred_seconds = self._call_preferred(ep, offer, list(picked), count)
+                with self._lock:
+                    done = take_locked(set(preferred or ()) & aligned) or take_locked(aligned)
+            else:
+                with self._lock:
+                    done = take_locked(aligned)
+                if not done:
+                    with self._lock:
+                        offer = self._order(available | set(picked), order)
+                        must = self._order(picked, order)
+                    preferred, preferred_seconds = self._call_preferred(ep, offer, must, count)
+                    with self._lock:
+                        done = (
+                            take_locked(set(preferred or ()) & available)
+                            or take_locked(unaligned)
+                            or take_locked(no_affinity)
+                        )
+            if not done:
+                raise AllocationError(
+                    f"unexpectedly allocated less resources than required. Requested: {count}, Got: {len(picked)}"
+                )
+
+            with self._lock:
+                device_ids = self._order(picked, order)  # the kubelet sends set.UnsortedList()
+            request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)])
+            t0 = time.monotonic()
+            try:
+                resp = ep.stub.Allocate(request, timeout=self.rpc_timeout)
+            except grpc.RpcError as err:
+                code, details = _rpc_error_parts(err)
+                raise PluginRPCError("Allocate", code, details) from err
+            except ValueError as err:  # channel closed under us
+                raise PluginRPCError("Allocate", None, f"endpoint {resource} has been stopped: {err}") from err
+            allocate_seconds = time.monotonic() - t0
+            if len(resp.container_responses) == 0:
+                raise PluginRPCError("Allocate", None, f"no containers return in allocation response {resp}")
+            container_resp = resp.container_responses[0]
+        except BaseException:
+            with self._lock:
+                pending.difference_update(picked)
+            raise
+
+        with self._cond:
+            pending.difference_update(picked)
+            devs = self._devices.get(resource, {})
+            per_numa: dict[int, list[str]] = {}
+            for dev in device_ids:
+                state = devs.get(dev)
+                for n in state.numa_nodes if state and state.numa_nodes else (NODE_WITHOUT_TOPOLOGY,):
+                    per_numa.setdefault(n, []).append(dev)
+            info = self._pods.get(pod_uid)
+            if info is None:
+                info = _PodInfo(pod_name or pod_uid, namespace or "default")
+                self._pods[pod_uid] = info
+            else:
+                if pod_name:
+                    info.name = pod_name
+                if namespace:
+                    info.namespace = namespace
+            record = AllocationRecord(
+                pod_uid=pod_uid,
+                container_name=container_name,
+                resource=resource,
+                device_ids=tuple(device_ids),
+                devices_per_numa={n: tuple(v) for n, v in per_numa.items()},
+                response=container_resp,
+                timings=AllocationTimings(started, time.monotonic(), preferred_seconds, allocate_seconds),
+                preferred=preferred,
+                pod_name=info.name,
+                namespace=info.namespace,
+            )
+            self._allocations[key] = record
+            self._write_checkpoint_locked()
+            self._cond.notify_all()
+        logger.info("allocated %s x%d to %s/%s: %s", resource, count, pod_uid, container_name, ", ".join(device_ids))
+        return record
+
+    def pre_start(self, resource: str, *, pod_uid: str, container_name: str) -> bool:
+        """Call PreStartContainer (30 s deadline) if the plugin asked for it; return whether it did.
+
+        Raises :class:`KubeletSimError` when the container holds no devices of ``resource`` or the
+        endpoint is gone, and :class:`PluginRPCError` when the call fails.
+        """
+        with self._lock:
+            ep = self._endpoints.get(resource)
+            if ep is None:
+                raise KubeletSimError(f"endpoint not found in cache for a registered resource: {resource}")
+            if ep.options is None or not ep.options.pre_start_required:
+                return False
+            rec = self._allocations.get((pod_uid, container_name, resource))
+            if rec is None:
+                raise KubeletSimError(
+                    f"no devices found allocated in local cache for pod {pod_uid}, "
+                    f"container {container_name}, resource {resource}"
+                )
+            if ep.stopped:
+                raise PluginRPCError("PreStartContainer", None, f"endpoint {resource} has been stopped")
+            ids = list(rec.device_ids)
+            self._pre_start_calls.append((resource, pod_uid, container_name, tuple(ids)))
+        try:
+            ep.stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids), timeout=self.pre_start_timeout)
+        except grpc.RpcError as err:
+            code, details = _rpc_error_parts(err)
+            raise PluginRPCError("PreStartContainer", code, details) from err
+        except ValueError as err:  # channel closed under us
+            raise PluginRPCError("PreStartContainer", None, f"endpoint {resource} has been stopped") from err
+        return True
+
+    def remove_pod(self, pod_uid: str) -> bool:
+        """Forget the pod's devices (they become available) and rewrite the checkpoint."""
+        with self._cond:
+            keys = [k for k in self._allocations if k[0] == pod_uid]
+            for k in keys:
+                del self._allocations[k]
+            known = self._pods.pop(pod_uid, None) is not None
+            if keys:
+                self._write_checkpoint_locked()
+            self._cond.notify_all()
+        return bool(keys) or known
+
+    # ---------------------------------------------------------------- checkpoint
+
+    def checkpoint_entries(self) -> list[CheckpointEntry]:
+        """The checkpoint's ``PodDeviceEntries`` as they would be written now."""
+        with self._lock:
+            return self._checkpoint_entries_locked()
+
+    def _checkpoint_entries_locked(self) -> list[CheckpointEntry]:
+        return [
+            CheckpointEntry(
+                pod_uid=a.pod_uid,
+                container_name=a.container_name,
+                resource_name=a.resource,
+                device_ids={n: list(v) for n, v in a.devices_per_numa.items()},
+                alloc_resp=a.response.SerializeToString(),
+            )
+            for a in self._allocations.values()
+        ]
+
+    def _write_checkpoint_locked(self) -> None:
+        if not self._write_enabled:
+            return
+        registered = {
+            res: sorted((i for i, d in devs.items() if d.healthy), key=_natural_key)
+            for res, devs in self._devices.items()
+        }
+        try:
+            write_checkpoint_v2(self.checkpoint_path, self._checkpoint_entries_locked(), registered)
+            self._checkpoint_writes += 1
+        except OSError as err:
+            logger.warning("cannot write %s: %s", self.checkpoint_path, err)
+
+    def write_checkpoint(self) -> Path:
+        """Write the V2 checkpoint now (it is also written on every update and allocation)."""
+        with self._lock:
+            self._write_checkpoint_locked()
+        return self.checkpoint_path
+
+    # ---------------------------------------------------------------- PodResources source
+
+    def pod_resources_snapshot(self) -> list[PodSnapshot]:
+        """Pods with their containers' devices, for the PodResources server."""
+        with self._lock:
+            pods: dict[str, dict[str, list[DeviceSnapshot]]] = {}
+            for a in self._allocations.values():
+                containers = pods.setdefault(a.pod_uid, {})
+                devs = containers.setdefault(a.container_name, [])
+                nodes_of: dict[str, list[int]] = {}
+                for n, ids in a.devices_per_numa.items():
+                    for i in ids:
+                        nodes_of.setdefault(i, []).append(n)
+                for i in a.device_ids:
+                    numa = tuple(sorted(n for n in nodes_of.get(i, []) if n != NODE_WITHOUT_TOPOLOGY))
+                    devs.append(DeviceSnapshot(a.resource, i, numa))
+            out = []
+            for uid, containers in pods.items():
+                info = self._pods.get(uid, _PodInfo(uid, "default"))
+                out.append(
+                    PodSnapshot(
+                        uid=uid,
+                        name=info.name,
+                        namespace=info.namespace,
+                        containers=tuple(ContainerSnapshot(c, tuple(d)) for c, d in containers.items()),
+                    )
+                )
+            return out
+
+    def allocatable_snapshot(self) -> list[DeviceSnapshot]:
+        """Every healthy device of every resource, for ``GetAllocatableResources``."""
+        with self._lock:
+            return [
+                DeviceSnapshot(res, d.id, d.numa_nodes)
+                for res in sorted(self._devices)
+                for d in sorted(self._devices[res].values(), key=lambda s: _natural_key(s.id))
+                if d.healthy
+            ]
+
+
+# --------------------------------------------------------------------------------------------
+# process entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a kubelet simulator until SIGTERM/SIGINT, logging registrations and device counts."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gpumanager.testing.kubelet", description="Kubelet device-manager simulator."
+    )
+    parser.add_argument("--plugin-dir", required=True, type=Path, help="device-plugin directory")
+    parser.add_argument("--pod-resources-socket", type=Path, default=None, help="serve PodResources v1 here")
+    parser.add_argument("--dial-timeout", type=float, default=DEFAULT_DIAL_TIMEOUT)
+    parser.add_argument("--fill", choices=("random", "sorted"), default="random")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--status-interval", type=float, default=30.0, help="seconds between summaries")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("received signal %d, stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sim = KubeletSimulator(
+        args.plugin_dir,
+        pod_resources_socket=args.pod_resources_socket,
+        dial_timeout=args.dial_timeout,
+        fill=args.fill,
+        seed=args.seed,
+    )
+    sim.start()
+    next_status = time.monotonic() + args.status_interval
+    try:
+        # Wait in short slices: the signal may land on a gRPC thread, and Python runs the handler
+        # on the main thread only once it wakes up.
+        while not stop.wait(0.2):
+            if time.monotonic() < next_status:
+                continue
+            next_status = time.monotonic() + args.status_interval
+            for res in sim.resources():
+                devs = sim.devices(res)
+                healthy = sum(1 for d in devs.values() if d.healthy)
+                logger.info("%s: %d devices, %d healthy", res, len(devs), healthy)
+    finally:
+        sim.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the importable module's main so that classes and logger names are the package's own.
+    from gpumanager.testing import kubelet as _kubelet
+
+    raise SystemExit(_kubelet.main())

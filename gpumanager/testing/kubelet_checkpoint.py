@@ -1,0 +1,249 @@
+"""Writers for the kubelet device-manager checkpoint file ``kubelet_internal_checkpoint``.
+
+The kubelet keeps this JSON file next to the device-plugin sockets. Its Go structs carry no json
+tags, so the keys are the Go field names. Three shapes exist in the wild:
+
+* V1 (Kubernetes <= 1.19): ``DeviceIDs`` is a flat list of device IDs.
+* V2 (Kubernetes >= 1.20): ``DeviceIDs`` maps a NUMA node id (as a JSON string) to the device IDs
+  on that node; devices without topology sit under ``"-1"``, a device on several nodes appears
+  under each.
+* V2 with ``BootID``: the newest kubelets add an optional top-level ``BootID`` next to ``Data``
+  and ``Checksum``.
+
+``Checksum``: the real kubelet stores an FNV-32a hash of a Go ``spew`` dump of ``Data``, which
+cannot reasonably be reproduced outside Go. The value written here is :func:`simulated_checksum`
+(FNV-32a over a canonical JSON dump of ``Data``): a plain integer that readers must ignore, and
+that a real kubelet would reject as corrupt. Do not feed these files to a real kubelet.
+
+Like Go's ``encoding/json``, the writers emit compact JSON, sort map keys (NUMA ids sort as
+strings, so ``"-1"`` comes first), base64-encode ``AllocResp`` with padding, and encode an empty
+entry list as ``null`` (the kubelet builds it as a nil slice), unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_FILE = "kubelet_internal_checkpoint"
+"""File name of the checkpoint inside the device-plugin directory."""
+
+NODE_WITHOUT_TOPOLOGY = -1
+"""The fake NUMA node the kubelet files topology-less devices under."""
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "NODE_WITHOUT_TOPOLOGY",
+    "CheckpointEntry",
+    "atomic_write_text",
+    "checkpoint_data",
+    "checkpoint_v1",
+    "checkpoint_v2",
+    "dump_checkpoint",
+    "simulated_checksum",
+    "write_checkpoint_v1",
+    "write_checkpoint_v2",
+    "write_checkpoint_v2_boot_id",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One ``PodDeviceEntries`` element: the devices of one resource of one container."""
+
+    pod_uid: str
+    container_name: str
+    resource_name: str
+    device_ids: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    """NUMA node id -> device IDs on that node (``-1`` for devices without topology)."""
+    alloc_resp: bytes = b""
+    """The serialized ``ContainerAllocateResponse`` the plugin returned for this container."""
+
+    @classmethod
+    def from_flat(
+        cls,
+        pod_uid: str,
+        container_name: str,
+        resource_name: str,
+        device_ids: Iterable[str],
+        alloc_resp: bytes = b"",
+        *,
+        numa_node: int = NODE_WITHOUT_TOPOLOGY,
+    ) -> CheckpointEntry:
+        """Build an entry whose devices all sit on one NUMA node (default: no topology)."""
+        return cls(pod_uid, container_name, resource_name, {numa_node: list(device_ids)}, alloc_resp)
+
+    def flat_device_ids(self) -> list[str]:
+        """All device IDs of the entry, each once, in NUMA-node then listed order."""
+        seen: dict[str, None] = {}
+        for node in sorted(self.device_ids):
+            for dev in self.device_ids[node]:
+                seen.setdefault(dev, None)
+        return list(seen)
+
+
+def _alloc_resp_b64(entry: CheckpointEntry) -> str:
+    return base64.b64encode(entry.alloc_resp).decode("ascii")
+
+
+def _registered(registered_devices: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:
+    return {res: list(registered_devices[res]) for res in sorted(registered_devices)}
+
+
+def _entries_json(rows: list[dict[str, Any]], null_when_empty: bool) -> list[dict[str, Any]] | None:
+    if not rows and null_when_empty:
+        return None
+    return rows
+
+
+def checkpoint_data(
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    *,
+    v1: bool = False,
+    null_when_empty: bool = True,
+) -> dict[str, Any]:
+    """Return the ``Data`` object of a checkpoint (V2 shape, or V1 when ``v1`` is true)."""
+    rows: list[dict[str, Any]] = []
+    for e in entries:
+        ids: Any
+        if v1:
+            ids = e.flat_device_ids()
+        else:
+            ids = {str(node): list(e.device_ids[node]) for node in sorted(e.device_ids, key=str)}
+        rows.append(
+            {
+                "PodUID": e.pod_uid,
+                "ContainerName": e.container_name,
+                "ResourceName": e.resource_name,
+                "DeviceIDs": ids,
+                "AllocResp": _alloc_resp_b64(e),
+            }
+        )
+    return {
+        "PodDeviceEntries": _entries_json(rows, null_when_empty),
+        "RegisteredDevices": _registered(registered_devices),
+    }
+
+
+def simulated_checksum(data: Mapping[str, Any]) -> int:
+    """FNV-32a over canonical JSON of ``data``. Not the kubelet's checksum (see module docstring)."""
+    h = 0x811C9DC5
+    for byte in json.dumps(data, sort_keys=True, separators=(",", ":")).encode():
+        h ^= byte
+        h = (h * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def checkpoint_v2(
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    *,
+    checksum: int | None = None,
+    boot_id: str | None = None,
+    null_when_empty: bool = True,
+) -> dict[str, Any]:
+    """Return the whole V2 checkpoint object (with a top-level ``BootID`` when ``boot_id`` is given)."""
+    data = checkpoint_data(entries, registered_devices, null_when_empty=null_when_empty)
+    doc: dict[str, Any] = {
+        "Data": data,
+        "Checksum": simulated_checksum(data) if checksum is None else checksum,
+    }
+    if boot_id:
+        doc["BootID"] = boot_id
+    return doc
+
+
+def checkpoint_v1(
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    *,
+    checksum: int | None = None,
+    null_when_empty: bool = True,
+) -> dict[str, Any]:
+    """Return the whole V1 checkpoint object (flat ``DeviceIDs`` lists)."""
+    data = checkpoint_data(entries, registered_devices, v1=True, null_when_empty=null_when_empty)
+    return {"Data": data, "Checksum": simulated_checksum(data) if checksum is None else checksum}
+
+
+def dump_checkpoint(doc: Mapping[str, Any]) -> str:
+    """Serialize a checkpoint object the way Go's ``json.Marshal`` lays it out (compact)."""
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _target(path: Path) -> Path:
+    path = Path(path)
+    return path / CHECKPOINT_FILE if path.is_dir() else path
+
+
+def write_checkpoint_v2(
+    path: Path,
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    *,
+    checksum: int | None = None,
+    null_when_empty: bool = True,
+) -> Path:
+    """Atomically write a V2 checkpoint; ``path`` is the file or its directory. Returns the file path."""
+    target = _target(path)
+    doc = checkpoint_v2(entries, registered_devices, checksum=checksum, null_when_empty=null_when_empty)
+    atomic_write_text(target, dump_checkpoint(doc))
+    return target
+
+
+def write_checkpoint_v2_boot_id(
+    path: Path,
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    boot_id: str,
+    *,
+    checksum: int | None = None,
+    null_when_empty: bool = True,
+) -> Path:
+    """Atomically write a V2 checkpoint carrying the newest kubelets' top-level ``BootID``."""
+    target = _target(path)
+    doc = checkpoint_v2(
+        entries, registered_devices, checksum=checksum, boot_id=boot_id, null_when_empty=null_when_empty
+    )
+    atomic_write_text(target, dump_checkpoint(doc))
+    return target
+
+
+def write_checkpoint_v1(
+    path: Path,
+    entries: Iterable[CheckpointEntry],
+    registered_devices: Mapping[str, Iterable[str]],
+    *,
+    checksum: int | None = None,
+    null_when_empty: bool = True,
+) -> Path:
+    """Atomically write a V1 (Kubernetes <= 1.19) checkpoint with flat ``DeviceIDs`` lists."""
+    target = _target(path)
+    doc = checkpoint_v1(entries, registered_devices, checksum=checksum, null_when_empty=null_when_empty)
+    atomic_write_text(target, dump_checkpoint(doc))
+    return target

@@ -128,12 +128,30 @@ def discover() -> list[GPUInfo]:
     return gpus
 
 
-def _nvlink_peers(handle: object, index: int, by_bus: dict[str, int]) -> dict[int, int]:
-    """Active NVLink links of one GPU, counted per peer GPU index."""
-    peers: dict[int, int] = {}
+@dataclass
+class _Links:
+    """Active NVLink links of one GPU: to peer GPUs directly, and to NVSwitches."""
+
+    peers: dict[int, int]
+    to_switch: int = 0
+
+
+def _remote_is_switch(handle: object, link: int) -> bool:
+    try:
+        kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+    except (pynvml.NVMLError, AttributeError):
+        return False
+    return bool(kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
+
+
+def _nvlinks(handle: object, index: int, by_bus: dict[str, int]) -> _Links:
+    links = _Links(peers={})
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            if _remote_is_switch(handle, link):
+                links.to_switch += 1
                 continue
             remote = normalize_bus_id(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
         except pynvml.NVMLError as exc:
@@ -144,12 +162,25 @@ def _nvlink_peers(handle: object, index: int, by_bus: dict[str, int]) -> dict[in
             continue
         peer = by_bus.get(remote)
         if peer is not None and peer != index:
-            peers[peer] = peers.get(peer, 0) + 1
-    return peers
+            links.peers[peer] = links.peers.get(peer, 0) + 1
+    return links
+
+
+def _p2p_nvlink(a: object, b: object) -> bool:
+    try:
+        status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+    except pynvml.NVMLError:
+        return False
+    return bool(status == pynvml.NVML_P2P_STATUS_OK)
 
 
 def topology(gpus: list[GPUInfo]) -> NodeTopology:
-    """Common-ancestor levels between every pair of GPUs, and their NVLink connections."""
+    """Common-ancestor levels between every pair of GPUs, and their NVLink connections.
+
+    Direct GPU-to-GPU links are counted per peer. GPUs whose links end at an
+    NVSwitch are joined to each other when NVML confirms NVLink peer-to-peer
+    between them; such a pair counts the smaller of the two GPUs' switch links.
+    """
     handles = [pynvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus]
     n = len(gpus)
     levels = [[0] * n for _ in range(n)]
@@ -158,11 +189,17 @@ def topology(gpus: list[GPUInfo]) -> NodeTopology:
             level = int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
             levels[a][b] = levels[b][a] = level
     by_bus = {g.pci_bus_id: g.index for g in gpus}
+    per_gpu = [_nvlinks(h, g.index, by_bus) for g, h in zip(gpus, handles, strict=True)]
     links: dict[tuple[int, int], int] = {}
-    for gpu, handle in zip(gpus, handles, strict=True):
-        for peer, count in _nvlink_peers(handle, gpu.index, by_bus).items():
+    for gpu, found in zip(gpus, per_gpu, strict=True):
+        for peer, count in found.peers.items():
             key = (min(gpu.index, peer), max(gpu.index, peer))
             # Each side reports the pair; keep the larger count if they disagree.
             links[key] = max(links.get(key, 0), count)
+    for a in range(n):
+        for b in range(a + 1, n):
+            switch_links = min(per_gpu[a].to_switch, per_gpu[b].to_switch)
+            if switch_links and (a, b) not in links and _p2p_nvlink(handles[a], handles[b]):
+                links[(a, b)] = switch_links
     nvlink = tuple((a, b, c) for (a, b), c in sorted(links.items()))
     return NodeTopology(levels=tuple(tuple(row) for row in levels), nvlink=nvlink)

@@ -1,0 +1,155 @@
+"""Run the real ``gpu-manager`` command as a child process on the simulated GPU node.
+
+Used by the integration tests, the benchmarks and the demo: the agent runs
+exactly as in production (its own process, real sockets, real signals), with
+``LD_LIBRARY_PATH`` pointing at the simulated ``libnvidia-ml.so.1`` and
+``GPUSIM_SPEC``/``GPUSIM_STATE`` naming the node spec and its live state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SIM_LIB_DIR = REPO_ROOT / "vcuda" / "build" / "sim"
+SPEC_DIR = REPO_ROOT / "deploy" / "sim"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sim_env(spec: Path, state: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a process that should see the simulated node."""
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(SIM_LIB_DIR), env.get("LD_LIBRARY_PATH", "")]))
+    env["GPUSIM_SPEC"] = str(spec)
+    env["GPUSIM_STATE"] = str(state)
+    return env
+
+
+class AgentProcess:
+    """One ``gpu-manager`` process with its own directories under ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        spec: Path,
+        *,
+        state: Path | None = None,
+        extra_args: Sequence[str] = (),
+        query_port: int | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self.spec = spec
+        self.state = state or workdir / "gpusim.state"
+        self.plugin_dir = workdir / "device-plugins"
+        self.display_socket = workdir / "gpu-manager.sock"
+        self.log_path = workdir / "agent.log"
+        self.query_port = query_port if query_port is not None else free_port()
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def args(self) -> list[str]:
+        """The command line."""
+        return [
+            sys.executable,
+            "-m",
+            "gpumanager.cli",
+            f"--device-plugin-path={self.plugin_dir}",
+            f"--display-socket={self.display_socket}",
+            "--query-addr=127.0.0.1",
+            f"--query-port={self.query_port}",
+            f"--kubeconfig={self.workdir / 'no-kubeconfig'}",
+            "--hostname-override=sim-node",
+            *self.extra_args,
+        ]
+
+    def start(self) -> AgentProcess:
+        """Start the process (returns at once)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
+        self._log_file = log_file
+        self.proc = subprocess.Popen(
+            self.args, env=sim_env(self.spec, self.state), stdout=log_file, stderr=subprocess.STDOUT
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        """PID of the running agent."""
+        if self.proc is None:
+            raise RuntimeError("agent not started")
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        """Everything the agent logged so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> str:
+        """Wait until ``text`` appears in the log; return the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = self.log_text()
+            if text in current:
+                return current
+            if self.proc is not None and self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"{text!r} not in the agent log within {timeout:g} s:\n{self.log_text()[-4000:]}")
+
+    def signal(self, signum: int) -> None:
+        """Send a signal to the agent."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        """Wait for the process to exit; return its exit code."""
+        if self.proc is None:
+            raise RuntimeError("agent not started")
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is not None and self._log_file is not None:
+                self._log_file.close()
+                self._log_file = None
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not stop in time. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.error("agent %d ignored SIGTERM for %g s; killing it", self.proc.pid, timeout)
+                self.proc.kill()
+        return self.wait(timeout)
+
+    def peak_rss_kib(self) -> int:
+        """Peak resident set size (VmHWM) of the running agent, KiB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise RuntimeError("VmHWM missing from /proc status")

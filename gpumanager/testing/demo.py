@@ -10,8 +10,8 @@ process, and a clean stop.
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
 import subprocess
 import sys
 import tempfile

@@ -85,6 +85,7 @@ class Agent:
         self.api_server_version = ""
         self._lock = threading.RLock()  # guards the tree
         self._nvml_started = False
+        self._device_cache: dict[str, tuple[tuple[str, tuple[int, ...]], list[dp_pb.Device]]] = {}
         self.started_at = 0.0
 
     # -- start ----------------------------------------------------------------------------------
@@ -264,7 +265,16 @@ class Agent:
 
     def _devices(self, resource: str) -> list[dp_pb.Device]:
         health = self.health.snapshot() if self.health is not None else {}
-        return self._layout().devices(resource, {i: s.healthy for i, s in health.items()})
+        healthy = {i: s.healthy for i, s in health.items()}
+        key = (resource, tuple(sorted(i for i, ok in healthy.items() if not ok)))
+        with self._lock:
+            cached = self._device_cache.get(resource)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        devices = self._layout().devices(resource, healthy)
+        with self._lock:
+            self._device_cache[resource] = (key, devices)
+        return devices
 
     def graph_text(self) -> str:
         """The topology tree in gpu-manager's PrintGraph format."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
-from gpumanager.deviceplugin.registration import RegistrationError, register
+from gpumanager.deviceplugin.registration import Endpoint, RegistrationError, register
 from gpumanager.deviceplugin.server import PluginServer, socket_identity
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class PluginManager:
         if self._thread is not None:
             self._thread.join(timeout=20)
         for s in self._servers:
-            s.stop(remove_socket=True)
+            s.close()
 
     def alive(self) -> bool:
         """Whether the watch loop is running."""
@@ -92,14 +92,8 @@ class PluginManager:
         self.status.server_restarts += 1
 
     def _register_all(self) -> None:
-        for s in self._servers:
-            register(
-                self._kubelet_socket,
-                endpoint=s.socket_path.name,
-                resource=s.servicer.resource,
-                options=self._options_for(s),
-                timeout=self._register_timeout,
-            )
+        endpoints = [Endpoint(s.socket_path.name, s.servicer.resource, self._options_for(s)) for s in self._servers]
+        register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
 
     def _set_error(self, message: str) -> None:
         if message != self.status.last_error:

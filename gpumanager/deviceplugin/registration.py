@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -15,36 +18,44 @@ class RegistrationError(RuntimeError):
     """The kubelet could not be reached or refused the registration."""
 
 
-def register(
-    kubelet_socket: Path,
-    *,
-    endpoint: str,
-    resource: str,
-    options: pb.DevicePluginOptions,
-    timeout: float = 5.0,
-) -> None:
-    """Send one RegisterRequest to the kubelet; raise RegistrationError with the reason on failure.
+@dataclass(frozen=True)
+class Endpoint:
+    """One resource to register: its socket file name (relative to the directory) and options."""
 
-    ``endpoint`` is the plugin's socket file name, relative to the device-plugin directory.
+    endpoint: str
+    resource: str
+    options: pb.DevicePluginOptions
+
+
+def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> None:
+    """Send one RegisterRequest per endpoint to the kubelet, in order, over one connection.
+
+    Raises RegistrationError with the reason on the first failure.
     """
     if not kubelet_socket.exists():
         raise RegistrationError(f"kubelet socket {kubelet_socket} does not exist")
-    with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
+    channel = grpc.insecure_channel(f"unix://{kubelet_socket}")
+    try:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError as exc:
             raise RegistrationError(f"cannot connect to the kubelet at {kubelet_socket} within {timeout:g} s") from exc
         stub = pb_grpc.RegistrationStub(channel)
-        request = pb.RegisterRequest(
-            version=names.DEVICE_PLUGIN_API_VERSION,
-            endpoint=endpoint,
-            resource_name=resource,
-            options=options,
-        )
-        try:
-            # The kubelet dials us back inside Register (up to 10 s); allow for that.
-            stub.Register(request, timeout=timeout + 10.0)
-        except grpc.RpcError as exc:
-            raise RegistrationError(
-                f"kubelet refused registration of {resource} ({endpoint}): {exc.code().name}: {exc.details()}"
-            ) from exc
+        for ep in endpoints:
+            request = pb.RegisterRequest(
+                version=names.DEVICE_PLUGIN_API_VERSION,
+                endpoint=ep.endpoint,
+                resource_name=ep.resource,
+                options=ep.options,
+            )
+            try:
+                # The kubelet dials us back inside Register (up to 10 s); allow for that.
+                stub.Register(request, timeout=timeout + 10.0)
+            except grpc.RpcError as exc:
+                raise RegistrationError(
+                    f"kubelet refused registration of {ep.resource} ({ep.endpoint}): "
+                    f"{exc.code().name}: {exc.details()}"
+                ) from exc
+    finally:
+        # Closing a channel can take a few hundred milliseconds; nothing waits for it.
+        threading.Thread(target=channel.close, name="close-kubelet-channel", daemon=True).start()

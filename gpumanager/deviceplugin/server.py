@@ -32,6 +32,7 @@ class PluginServer:
         self.socket_path = socket_path
         self._max_workers = max_workers
         self._server: grpc.Server | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
         self.identity: tuple[int, int] | None = None
 
     def start(self) -> None:
@@ -41,9 +42,12 @@ class PluginServer:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dp-" + self.socket_path.stem)
-        )
+        if self._executor is None:
+            # One pool for the server's whole life: restarts after a kubelet restart reuse its threads.
+            self._executor = futures.ThreadPoolExecutor(
+                max_workers=self._max_workers, thread_name_prefix="dp-" + self.socket_path.stem
+            )
+        server = grpc.server(self._executor)
         pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
@@ -63,6 +67,13 @@ class PluginServer:
             except FileNotFoundError:
                 pass
         self.identity = None
+
+    def close(self) -> None:
+        """Stop for good: also release the worker threads (grpc does not own the pool it was given)."""
+        self.stop(remove_socket=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def socket_intact(self) -> bool:
         """Whether our socket file is still the one we created."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing.agent_process import REPO_ROOT, SPEC_DIR, AgentProcess, sim_env
+from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
+from gpumanager.testing.gpusim_state import ensure_sim_built, sim_env
 from gpumanager.testing.kubelet import KubeletSimulator
 
 StartAgent = Callable[..., AgentProcess]
@@ -18,14 +19,7 @@ StartAgent = Callable[..., AgentProcess]
 @pytest.fixture(scope="session")
 def sim_built() -> Path:
     """Build vcuda/ (the simulated driver) once per test session."""
-    subprocess.run(
-        ["make", "-s", "-C", str(REPO_ROOT / "vcuda"), f"PYTHON={sys.executable}"],
-        check=True,
-        capture_output=True,
-    )
-    lib = REPO_ROOT / "vcuda" / "build" / "sim" / "libnvidia-ml.so.1"
-    assert lib.exists()
-    return lib
+    return ensure_sim_built()
 
 
 def spec_path(name: str) -> Path:

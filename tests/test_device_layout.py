@@ -37,9 +37,7 @@ def test_memory_ids_are_contiguous_runs_of_floor_blocks() -> None:
     # 1000 MiB -> 3 blocks of 256 MiB (floor), 2048 MiB -> 8 blocks.
     layout = DeviceLayout([gpu(0, 1000), gpu(1, 2048)])
     assert layout.count(names.VMEMORY_RESOURCE) == 11
-    assert layout.ids_of_gpu(names.VMEMORY_RESOURCE, 0) == [
-        f"tencent.com/vcuda-memory-268435456-{n}" for n in range(3)
-    ]
+    assert layout.ids_of_gpu(names.VMEMORY_RESOURCE, 0) == [f"tencent.com/vcuda-memory-268435456-{n}" for n in range(3)]
     assert layout.ids_of_gpu(names.VMEMORY_RESOURCE, 1)[0] == "tencent.com/vcuda-memory-268435456-3"
     assert layout.gpu_of(names.VMEMORY_RESOURCE, "tencent.com/vcuda-memory-268435456-2") == 0
     assert layout.gpu_of(names.VMEMORY_RESOURCE, "tencent.com/vcuda-memory-268435456-3") == 1

@@ -16,9 +16,7 @@ MEM = names.VMEMORY_RESOURCE
 
 
 def v100x4() -> tuple[Preference, DeviceLayout]:
-    gpus = [
-        GPUInfo(i, f"GPU-{i}", "Tesla V100", i, 1024 * MIB, f"00000000:{i + 16:02x}:00.0", 0) for i in range(4)
-    ]
+    gpus = [GPUInfo(i, f"GPU-{i}", "Tesla V100", i, 1024 * MIB, f"00000000:{i + 16:02x}:00.0", 0) for i in range(4)]
     # PIX pairs (0,1) and (2,3) under one PHB.
     levels = tuple(tuple(0 if a == b else 10 if a // 2 == b // 2 else 30 for b in range(4)) for a in range(4))
     tree = build_tree(gpus, NodeTopology(levels=levels))

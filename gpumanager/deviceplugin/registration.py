@@ -53,8 +53,7 @@ def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: fl
                 stub.Register(request, timeout=timeout + 10.0)
             except grpc.RpcError as exc:
                 raise RegistrationError(
-                    f"kubelet refused registration of {ep.resource} ({ep.endpoint}): "
-                    f"{exc.code().name}: {exc.details()}"
+                    f"kubelet refused registration of {ep.resource} ({ep.endpoint}): {exc.code().name}: {exc.details()}"
                 ) from exc
     finally:
         # Closing a channel can take a few hundred milliseconds; nothing waits for it.

@@ -9,7 +9,6 @@ exactly as in production (its own process, real sockets, real signals), with
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -19,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from gpumanager.testing.gpusim_state import sim_env, spec_dir
+
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SIM_LIB_DIR = REPO_ROOT / "vcuda" / "build" / "sim"
-SPEC_DIR = REPO_ROOT / "deploy" / "sim"
+SPEC_DIR = spec_dir()
 
 
 def free_port() -> int:
@@ -31,15 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def sim_env(spec: Path, state: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a process that should see the simulated node."""
-    env = dict(os.environ if base is None else base)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(SIM_LIB_DIR), env.get("LD_LIBRARY_PATH", "")]))
-    env["GPUSIM_SPEC"] = str(spec)
-    env["GPUSIM_STATE"] = str(state)
-    return env
 
 
 class AgentProcess:

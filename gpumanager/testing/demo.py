@@ -25,7 +25,8 @@ import grpc
 from gpumanager import names
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess, sim_env
+from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
+from gpumanager.testing.gpusim_state import sim_env
 from gpumanager.testing.kubelet import KubeletSimulator, PluginRPCError
 
 CORE = names.VCORE_RESOURCE

@@ -27,6 +27,7 @@ from gpumanager.config import Config
 from gpumanager.device import nvml
 from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.device.usage import gpu_usage
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.preferred import Preference
@@ -277,9 +278,18 @@ class Agent:
         return devices
 
     def graph_text(self) -> str:
-        """The topology tree in gpu-manager's PrintGraph format."""
+        """The topology tree in gpu-manager's PrintGraph format, with processes and memory refreshed from NVML."""
+        usages = {}
+        for g in self.gpus:
+            try:
+                usages[g.index] = gpu_usage(g.index)
+            except nvml.NVMLError as exc:
+                log.debug("GPU %d usage unavailable: %s", g.index, exc)
         with self._lock:
-            return render_graph(self._tree())
+            tree = self._tree()
+            for index, usage in usages.items():
+                tree.update_usage(index, usage.pids, usage.used_memory)
+            return render_graph(tree)
 
     def healthz(self) -> tuple[bool, dict[str, object]]:
         """Liveness: the kubelet watch loop runs. Details name registration state and failed components."""

@@ -271,6 +271,11 @@ def test_http_and_display_endpoints(kubelet: KubeletSimulator, start_agent: Star
     assert status == 200 and json.loads(body)["registered"] is True
     graph = json.loads(get("/graph")[1])["graph"]
     assert graph.startswith("ROOT:8\n")
+    assert "|   |   |---GPU6 (pids: [], usedMemory: 0," in graph
+    gpusim(agent, "proc", "--gpu", "6", "--pid", "4321", "--used-mib", "100")
+    gpusim(agent, "proc", "--gpu", "6", "--pid", "1234", "--used-mib", "28")
+    graph = json.loads(get("/graph")[1])["graph"]
+    assert f"|   |   |---GPU6 (pids: [1234 4321], usedMemory: {128 << 20}," in graph
     assert graph.count("|---NVL ") == 2 and "|---SYS " in graph
     assert json.loads(get("/version")[1])["version"]
     assert get("/usage") == (200, b"{}")

@@ -34,3 +34,27 @@ DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 #: XIDs that are application errors, not GPU faults (NVIDIA's device plugin skips the same set).
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+
+# Pod annotations shared with gpu-admission.
+PREDICATE_GPU_IDX_PREFIX = "tencent.com/predicate-gpu-idx-"
+PREDICATE_TIME = "tencent.com/predicate-time"
+PREDICATE_NODE = "tencent.com/predicate-node"
+GPU_ASSIGNED = "tencent.com/gpu-assigned"
+VCORE_LIMIT_ANNOTATION = "tencent.com/vcuda-core-limit"
+CLUSTER_NAME_ANNOTATION = "clusterName"
+
+# Annotations of an Allocate response (the runtime stores them on the container).
+VDEVICE_ANNOTATION = "tencent.com/vcuda-device"
+
+# Inside the container.
+VCUDA_MOUNTPOINT = "/etc/vcuda"
+DRIVER_MOUNTPOINT = "/usr/local/nvidia"
+#: Env var naming the container's vcuda.config for the interceptor (ours; upstream's library looks elsewhere).
+VCUDA_CONFIG_ENV = "VCUDA_CONFIG_PATH"
+VCUDA_CONFIG_FILE = "vcuda.config"
+PIDS_CONFIG_FILE = "pids.config"
+VCUDA_SOCKET = "vcuda.sock"
+OWN_CHECKPOINT = "gpumanager_internal_checkpoint"
+
+#: Marker the kubelet shows in a container's waiting message when PreStartContainer fails.
+PRESTART_FAILED = "PreStartContainer check failed"

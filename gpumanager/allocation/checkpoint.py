@@ -1,0 +1,71 @@
+"""Crash-safe checkpoint files: write to a temp file, fsync, rename, fsync the directory.
+
+A reader never sees a half-written file: either the old content or the new.
+A file that cannot be parsed is moved aside (never deleted) so an operator can
+look at it, and the caller rebuilds its state from other records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file exists but cannot be used; the message names the file and the problem."""
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomically replace ``path`` with ``data`` as JSON (directory created 0755 if missing)."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    payload = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON content of ``path``; None when it does not exist; CheckpointError when unreadable."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is not valid JSON: {exc}") from exc
+
+
+def quarantine(path: Path) -> Path | None:
+    """Move a bad checkpoint aside as ``<name>.corrupt-<unix time>``; returns the new path."""
+    target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return None
+    log.warning("moved unusable checkpoint %s to %s", path, target)
+    return target

@@ -1,0 +1,211 @@
+"""Reading what the allocator needs from pod objects (plain dicts as the API server sends them).
+
+Requests are read from ``resources.limits`` as gpu-manager does (extended
+resources must have limits equal to requests, so this is the same value).
+Init containers are not considered, as upstream: gpu-admission indexes
+``tencent.com/predicate-gpu-idx-<i>`` by position in ``spec.containers``.
+"""
+
+from __future__ import annotations
+
+import calendar
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from gpumanager import names
+
+Pod = Mapping[str, Any]
+
+
+class PodSpecError(ValueError):
+    """A pod carries a value the agent cannot use; the message names the pod, the field and the value."""
+
+
+def pod_key(pod: Pod) -> str:
+    """``namespace/name`` for messages."""
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def uid(pod: Pod) -> str:
+    """The pod's UID."""
+    return str((pod.get("metadata") or {}).get("uid", ""))
+
+
+def pod_annotations(pod: Pod) -> Mapping[str, str]:
+    """The pod's annotations (never None)."""
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def containers(pod: Pod) -> list[Mapping[str, Any]]:
+    """``spec.containers`` in order."""
+    return list((pod.get("spec") or {}).get("containers") or [])
+
+
+def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
+    limits = (container.get("resources") or {}).get("limits") or {}
+    raw = limits.get(resource)
+    if raw is None:
+        return 0
+    try:
+        value = Decimal(str(raw))
+    except InvalidOperation:
+        value = Decimal(-1)
+    if value != value.to_integral_value() or value < 0:
+        raise PodSpecError(
+            f"pod {pod_key(pod)} container {container.get('name')}: {resource} limit {raw!r} is not a whole number"
+        )
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GPURequest:
+    """What one container asks for: vcuda-core units and vcuda-memory blocks (256 MiB each)."""
+
+    name: str
+    index: int  # position in spec.containers
+    cores: int
+    memory_blocks: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory request in bytes."""
+        return self.memory_blocks * names.MEMORY_BLOCK_BYTES
+
+    @property
+    def gpu_required(self) -> bool:
+        """gpu-manager's IsGPURequiredContainer: some cores, and memory unless it is whole GPUs."""
+        return self.cores > 0 and not (self.cores < names.HUNDRED_CORES and self.memory_blocks <= 0)
+
+    @property
+    def shared(self) -> bool:
+        """A fraction of one GPU."""
+        return 0 < self.cores < names.HUNDRED_CORES
+
+
+def gpu_requests(pod: Pod) -> list[GPURequest]:
+    """The vcuda requests of every container (zero for containers that ask for none)."""
+    return [
+        GPURequest(
+            name=str(c.get("name", "")),
+            index=i,
+            cores=_quantity(pod, c, names.VCORE_RESOURCE),
+            memory_blocks=_quantity(pod, c, names.VMEMORY_RESOURCE),
+        )
+        for i, c in enumerate(containers(pod))
+    ]
+
+
+def gpu_containers(pod: Pod) -> list[GPURequest]:
+    """Containers that need a GPU, in spec order."""
+    return [r for r in gpu_requests(pod) if r.gpu_required]
+
+
+def is_gpu_pod(pod: Pod) -> bool:
+    """Whether any container of the pod needs a GPU (unreadable requests count as not)."""
+    try:
+        return bool(gpu_containers(pod))
+    except PodSpecError:
+        return False
+
+
+def is_assigned(pod: Pod) -> bool:
+    """gpu-manager's IsGPUAssignedPod: ``tencent.com/gpu-assigned`` present and not "false"."""
+    value = pod_annotations(pod).get(names.GPU_ASSIGNED)
+    return value is not None and value != "false"
+
+
+def _rfc3339_ns(text: str) -> int:
+    try:
+        return calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) * 1_000_000_000
+    except (TypeError, ValueError):
+        return 0
+
+
+def predicate_time(pod: Pod) -> int:
+    """``tencent.com/predicate-time`` (ns), else the creation time in ns, as upstream orders candidates."""
+    raw = pod_annotations(pod).get(names.PREDICATE_TIME)
+    if raw is not None:
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+    return _rfc3339_ns(str((pod.get("metadata") or {}).get("creationTimestamp", "")))
+
+
+def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
+    """Minor numbers from ``tencent.com/predicate-gpu-idx-<i>``; None when absent; PodSpecError when malformed."""
+    key = f"{names.PREDICATE_GPU_IDX_PREFIX}{container_index}"
+    raw = pod_annotations(pod).get(key)
+    if raw is None:
+        return None
+    parts = [p.strip() for p in raw.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={raw!r} is not a list of GPU indices")
+    return [int(p) for p in parts]
+
+
+def phase(pod: Pod) -> str:
+    """``status.phase``."""
+    return str((pod.get("status") or {}).get("phase", ""))
+
+
+def should_delete(pod: Pod) -> bool:
+    """gpu-manager's ShouldDelete: PreStart failed for a container, or admission failed."""
+    status = pod.get("status") or {}
+    if status.get("reason") == "UnexpectedAdmissionError":
+        return True
+    for cs in status.get("containerStatuses") or []:
+        waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
+        if names.PRESTART_FAILED in str(waiting.get("message", "")):
+            return True
+    return False
+
+
+def is_terminated(pod: Pod) -> bool:
+    """The pod will not run (again): Succeeded/Failed, or being deleted with no running container."""
+    if phase(pod) in ("Succeeded", "Failed"):
+        return True
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        return all("running" not in ((cs or {}).get("state") or {}) for cs in statuses)
+    return False
+
+
+def container_env(container: Mapping[str, Any], name: str) -> str | None:
+    """The literal value of an env var of a container spec."""
+    for env in container.get("env") or []:
+        if env.get("name") == name:
+            value = env.get("value")
+            return None if value is None else str(value)
+    return None
+
+
+def container_ids(pod: Pod) -> dict[str, str]:
+    """Container name -> runtime container ID (``containerd://<id>`` prefix removed) from the pod status."""
+    found = {}
+    status = pod.get("status") or {}
+    for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
+        cid = str((cs or {}).get("containerID") or "")
+        if cid:
+            found[str(cs.get("name", ""))] = cid.split("://", 1)[-1]
+    return found
+
+
+def core_limit(pod: Pod) -> int | None:
+    """The soft limit of ``tencent.com/vcuda-core-limit`` (capped at 100), None when absent."""
+    raw = pod_annotations(pod).get(names.VCORE_LIMIT_ANNOTATION)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PodSpecError(
+            f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is not an integer"
+        ) from None
+    if value < 0:
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is negative")
+    return min(value, names.HUNDRED_CORES)

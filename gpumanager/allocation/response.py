@@ -62,9 +62,7 @@ def build_response(
     envs = {
         "LD_LIBRARY_PATH": f"{names.DRIVER_MOUNTPOINT}/lib" if compat32 else f"{names.DRIVER_MOUNTPOINT}/lib64",
         "NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in chosen),
-        names.VCUDA_CONFIG_ENV: str(
-            Path(names.VCUDA_MOUNTPOINT) / allocation.container / names.VCUDA_CONFIG_FILE
-        ),
+        names.VCUDA_CONFIG_ENV: str(Path(names.VCUDA_MOUNTPOINT) / allocation.container / names.VCUDA_CONFIG_FILE),
     }
     devices = [DeviceNode(g.device_path, g.device_path) for g in chosen]
     devices += [DeviceNode(p, p) for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", *settings.extra_devices)]

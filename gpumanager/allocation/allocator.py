@@ -1,0 +1,603 @@
+"""The allocator: one object owns the allocation state, behind one lock.
+
+Allocate finds the (pod, container) a kubelet request is for, as gpu-manager
+does (the request carries only device IDs), chooses GPUs (gpu-admission's
+``predicate-gpu-idx`` when present, else the topology evaluators), occupies
+the tree, writes the checkpoint and only then answers. PreStartContainer checks
+the kubelet's view of who owns the device IDs against ours and repairs a swap
+between two identical requests. Every refusal names the pod, the container
+and the reason, and leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from gpumanager import names
+from gpumanager.allocation import checkpoint, records
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
+from gpumanager.device.types import GPUInfo
+from gpumanager.faults import crash_point
+from gpumanager.topology import TopologyTree, choose
+
+log = logging.getLogger(__name__)
+
+
+class AllocationError(Exception):
+    """A refused request. ``kind`` is one of: invalid, not_found, exhausted, unavailable, mismatch."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PodSource(Protocol):
+    """Where the allocator learns about the pods of this node."""
+
+    def synced(self) -> bool:
+        """Whether the cache has a complete view (a successful list)."""
+
+    def pods(self) -> list[Pod]:
+        """Every pod of this node the cache knows."""
+
+    def get(self, uid: str) -> Pod | None:
+        """A pod by UID."""
+
+    def refresh(self) -> list[Pod]:
+        """Pods of this node freshly listed from the API server (raises when it cannot)."""
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """What the node allows."""
+
+    share_mode: bool
+    response: ResponseSettings
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The pod and container an Allocate request was matched to."""
+
+    pod: Pod
+    request: GPURequest
+
+
+ChangeListener = Callable[[], None]
+
+
+class Allocator:
+    """Owns allocation state; all public methods are thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        gpus: Sequence[GPUInfo],
+        tree: TopologyTree,
+        lock: threading.RLock,
+        pods: PodSource,
+        settings: AllocatorSettings,
+        checkpoint_path: Path,
+    ) -> None:
+        self._gpus = list(gpus)
+        self._by_minor = {g.minor: g for g in self._gpus}
+        self._tree = tree
+        self._lock = lock
+        self._pods = pods
+        self._settings = settings
+        self._checkpoint_path = checkpoint_path
+        self._allocs: dict[tuple[str, str], ContainerAllocation] = {}
+        self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
+        self._responses: dict[tuple[str, str], ContainerResponse] = {}
+        self._listeners: list[ChangeListener] = []
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def add_listener(self, listener: ChangeListener) -> None:
+        """Called (outside the lock) after every change of the allocation state."""
+        self._listeners.append(listener)
+
+    def allocations(self) -> list[ContainerAllocation]:
+        """A copy of every allocation, ordered by pod and container."""
+        with self._lock:
+            return [replace(a) for _, a in sorted(self._allocs.items())]
+
+    def get(self, pod_uid: str, container: str) -> ContainerAllocation | None:
+        """One container's allocation."""
+        with self._lock:
+            a = self._allocs.get((pod_uid, container))
+            return replace(a) if a is not None else None
+
+    def response_of(self, pod_uid: str, container: str) -> ContainerResponse | None:
+        """The Allocate answer a container was given (rebuilt after a restart)."""
+        with self._lock:
+            return self._response((pod_uid, container))
+
+    def _response(self, key: tuple[str, str]) -> ContainerResponse | None:
+        alloc = self._allocs.get(key)
+        if alloc is None:
+            return None
+        cached = self._responses.get(key)
+        if cached is None:
+            pod = self._pods.get(alloc.pod_uid)
+            cached = build_response(alloc, self._gpus, self._settings.response, compat32=_compat32(pod, alloc))
+            self._responses[key] = cached
+        return cached
+
+    # -- Allocate ---------------------------------------------------------------------------------
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
+        """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""
+        cores = len(device_ids)
+        if cores == 0:
+            raise AllocationError("Allocate for tencent.com/vcuda-core carried no device IDs")
+        ids = frozenset(device_ids)
+        changed = False
+        try:
+            with self._lock:
+                known = self._by_ids.get(ids)
+                if known is not None:
+                    response = self._response(known)
+                    if response is not None:
+                        log.info("repeated Allocate for %s/%s: same answer", *known)
+                        return response
+                changed = self._recycle_locked()
+                candidate = self._find_candidate(cores)
+                alloc = self._decide(candidate, tuple(sorted(device_ids, key=_id_number)))
+                self._commit(alloc)
+                changed = True
+                response = self._response(alloc.key)
+                assert response is not None
+        finally:
+            if changed:
+                self._notify()
+        log.info(
+            "allocated %s container %s: GPUs %s, %d cores, %d MiB",
+            podinfo.pod_key(candidate.pod),
+            alloc.container,
+            list(alloc.minors),
+            alloc.cores,
+            alloc.memory >> 20,
+        )
+        return response
+
+    def _find_candidate(self, cores: int) -> Candidate:
+        try:
+            found = self._match(self._pods.pods(), cores)
+        except PodSpecError as exc:
+            raise AllocationError(str(exc)) from exc
+        if found is not None:
+            return found
+        # The cache may not have seen a pod the kubelet just admitted: ask the API server.
+        try:
+            fresh = self._pods.refresh()
+        except Exception as exc:
+            raise AllocationError(
+                f"no pending pod on this node needs {cores} tencent.com/vcuda-core, and the API server "
+                f"cannot be asked: {exc}",
+                "unavailable",
+            ) from exc
+        found = self._match(fresh, cores)
+        if found is None:
+            raise AllocationError(
+                f"candidate pod not found for request of {cores} tencent.com/vcuda-core: "
+                + (
+                    self._explain_no_match(fresh, cores)
+                    or "no pending pod on this node has an unallocated container asking for that many"
+                ),
+                "not_found",
+            )
+        return found
+
+    def _explain_no_match(self, pods: Sequence[Pod], cores: int) -> str:
+        """Why a pod that asks for ``cores`` was not taken, for the error message."""
+        for pod in pods:
+            if podinfo.phase(pod) != "Pending":
+                continue
+            try:
+                requests = podinfo.gpu_requests(pod)
+            except PodSpecError as exc:
+                return str(exc)
+            for r in requests:
+                if r.cores != cores:
+                    continue
+                who = f"pod {podinfo.pod_key(pod)} container {r.name}"
+                if not r.gpu_required:
+                    return f"{who}: a share ({cores} cores) needs tencent.com/vcuda-memory > 0"
+                if podinfo.should_delete(pod):
+                    return f"{who}: the pod already failed to start and is waiting to be deleted"
+                if podinfo.is_assigned(pod):
+                    return f"{who}: the pod is already marked {names.GPU_ASSIGNED}=true"
+        return ""
+
+    def _match(self, pods: Sequence[Pod], cores: int) -> Candidate | None:
+        pending = []
+        for pod in pods:
+            if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
+                continue
+            if podinfo.is_terminated(pod):
+                continue
+            try:
+                wanted = podinfo.gpu_containers(pod)
+            except PodSpecError as exc:
+                log.warning("skipping pod: %s", exc)
+                continue
+            uid = podinfo.uid(pod)
+            todo = [r for r in wanted if (uid, r.name) not in self._allocs]
+            if not todo:
+                continue
+            unfinished = len(todo) < len(wanted)
+            meta = pod.get("metadata") or {}
+            order = (
+                0 if unfinished else 1,
+                podinfo.predicate_time(pod),
+                str(meta.get("creationTimestamp", "")),
+                podinfo.pod_key(pod),
+            )
+            pending.append((order, pod, todo))
+        pending.sort(key=lambda item: item[0])
+        for _, pod, todo in pending:
+            for request in todo:
+                if request.cores == cores:
+                    return Candidate(pod, request)
+        return None
+
+    def _decide(self, candidate: Candidate, device_ids: tuple[str, ...]) -> ContainerAllocation:
+        pod, req = candidate.pod, candidate.request
+        who = f"pod {podinfo.pod_key(pod)} container {req.name}"
+        cores, memory = req.cores, req.memory_bytes
+        if cores > names.HUNDRED_CORES and cores % names.HUNDRED_CORES:
+            raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100")
+        if cores < names.HUNDRED_CORES:
+            if not self._settings.share_mode:
+                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but --share-mode is off")
+            if memory <= 0:
+                raise AllocationError(f"{who}: a share ({cores} cores) needs tencent.com/vcuda-memory > 0")
+        largest = max((g.memory_total for g in self._gpus), default=0)
+        if cores < names.HUNDRED_CORES and memory > largest:
+            raise AllocationError(
+                f"{who}: request memory {memory} bytes is larger than any GPU of this node ({largest} bytes)",
+                "exhausted",
+            )
+        try:
+            predicated = podinfo.predicated_gpus(pod, req.index)
+        except PodSpecError as exc:
+            raise AllocationError(f"{who}: {exc}") from exc
+        if predicated is not None:
+            minors = self._check_predicated(who, predicated, cores, memory)
+        else:
+            indices = choose(self._tree, cores, memory)
+            if not indices:
+                raise AllocationError(f"{who}: {self._why_none(cores, memory)}", "exhausted")
+            minors = tuple(self._tree.leaf(i).minor for i in indices)
+        meta = pod.get("metadata") or {}
+        return ContainerAllocation(
+            pod_uid=podinfo.uid(pod),
+            container=req.name,
+            minors=minors,
+            cores=cores,
+            memory=memory,
+            device_ids=device_ids,
+            namespace=str(meta.get("namespace", "")),
+            pod_name=str(meta.get("name", "")),
+            container_index=req.index,
+        )
+
+    def _check_predicated(self, who: str, minors: list[int], cores: int, memory: int) -> tuple[int, ...]:
+        need = 1 if cores <= names.HUNDRED_CORES else cores // names.HUNDRED_CORES
+        shown = ",".join(map(str, minors))
+        if len(minors) != need or len(set(minors)) != len(minors):
+            raise AllocationError(
+                f"{who}: predicate-gpu-idx names GPU(s) {shown} but {cores} cores need {need} distinct GPU(s)"
+            )
+        for minor in minors:
+            try:
+                leaf = self._tree.leaf_by_minor(minor)
+            except (KeyError, ValueError):
+                raise AllocationError(
+                    f"{who}: predicate-gpu-idx names GPU {minor}, which this node does not have "
+                    f"(GPUs: {sorted(self._by_minor)})"
+                ) from None
+            if not leaf.healthy:
+                raise AllocationError(f"{who}: predicated GPU {minor} is unhealthy", "exhausted")
+            if cores < names.HUNDRED_CORES:
+                if leaf.allocatable_cores < cores or leaf.allocatable_memory < memory:
+                    raise AllocationError(
+                        f"{who}: predicated GPU {minor} cannot hold {cores} cores / {memory >> 20} MiB: it has "
+                        f"{leaf.allocatable_cores} cores / {leaf.allocatable_memory >> 20} MiB free",
+                        "exhausted",
+                    )
+            elif not leaf.available:
+                raise AllocationError(
+                    f"{who}: predicated GPU {minor} is not entirely free ({leaf.allocatable_cores} cores free)",
+                    "exhausted",
+                )
+        return tuple(minors)
+
+    def _why_none(self, cores: int, memory: int) -> str:
+        healthy = [leaf for leaf in self._tree.leaves if leaf.healthy]
+        if cores < names.HUNDRED_CORES:
+            free = ", ".join(
+                f"GPU {g.minor}: {g.allocatable_cores} cores/{g.allocatable_memory >> 20} MiB" for g in healthy
+            )
+            return f"no GPU has {cores} cores and {memory >> 20} MiB free ({free})"
+        whole = [leaf.minor for leaf in healthy if leaf.available]
+        return f"{cores // names.HUNDRED_CORES} whole GPU(s) needed, entirely free and healthy: {whole}"
+
+    # -- state changes ----------------------------------------------------------------------------
+
+    def _occupy(self, alloc: ContainerAllocation) -> None:
+        for minor in alloc.minors:
+            leaf = self._tree.leaf_by_minor(minor)
+            self._tree.occupy(leaf.index, alloc.cores, alloc.memory)
+
+    def _free(self, alloc: ContainerAllocation) -> None:
+        for minor in alloc.minors:
+            try:
+                leaf = self._tree.leaf_by_minor(minor)
+            except (KeyError, ValueError):
+                continue
+            self._tree.free(leaf.index, alloc.cores, alloc.memory)
+
+    def _insert(self, alloc: ContainerAllocation) -> None:
+        self._allocs[alloc.key] = alloc
+        if alloc.device_ids:
+            self._by_ids[frozenset(alloc.device_ids)] = alloc.key
+
+    def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
+        alloc = self._allocs.pop(key, None)
+        self._responses.pop(key, None)
+        if alloc is not None and alloc.device_ids:
+            self._by_ids.pop(frozenset(alloc.device_ids), None)
+        return alloc
+
+    def _commit(self, alloc: ContainerAllocation) -> None:
+        """Occupy, record and checkpoint; on a checkpoint failure undo both and refuse."""
+        self._occupy(alloc)
+        self._insert(alloc)
+        crash_point("allocate-before-checkpoint")
+        try:
+            self._save()
+        except OSError as exc:
+            self._remove(alloc.key)
+            self._free(alloc)
+            raise AllocationError(f"cannot write checkpoint {self._checkpoint_path}: {exc}", "unavailable") from exc
+        crash_point("allocate-after-checkpoint")
+
+    def _save(self) -> None:
+        checkpoint.write_json(self._checkpoint_path, records.to_json(self._allocs.values()))
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("allocation listener failed")
+
+    # -- PreStartContainer ------------------------------------------------------------------------
+
+    def pre_start(self, device_ids: Sequence[str], owner: tuple[str, str] | None) -> ContainerAllocation:
+        """Check a PreStartContainer against our records; return the container's allocation.
+
+        ``owner`` is the (pod UID, container) the kubelet says holds ``device_ids`` (None when it
+        could not be asked). When our record of those IDs belongs to another container with the
+        same request, the two are swapped: the kubelet's view wins.
+        """
+        ids = frozenset(device_ids)
+        changed = False
+        try:
+            with self._lock:
+                key = self._by_ids.get(ids)
+                if owner is not None:
+                    if key is None and owner in self._allocs:
+                        key = owner  # recorded without IDs (e.g. by an older gpu-manager)
+                    elif key is not None and key != owner:
+                        self._reassign(key, owner)
+                        key, changed = owner, True
+                if key is None:
+                    whose = f"pod {owner[0]} container {owner[1]}" if owner else "unknown container"
+                    raise AllocationError(
+                        f"{names.PRESTART_FAILED}: no allocation for {len(ids)} tencent.com/vcuda-core devices "
+                        f"of {whose}",
+                        "not_found",
+                    )
+                alloc = self._allocs[key]
+                if alloc.cores != len(ids):
+                    raise AllocationError(
+                        f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} was allocated "
+                        f"{alloc.cores} cores but starts with {len(ids)} tencent.com/vcuda-core devices",
+                        "mismatch",
+                    )
+                if not alloc.device_ids:
+                    self._remove(key)
+                    alloc = replace(alloc, device_ids=tuple(sorted(ids, key=_id_number)))
+                    self._insert(alloc)
+                    self._save()
+                    changed = True
+                return replace(alloc)
+        finally:
+            if changed:
+                self._notify()
+
+    def _reassign(self, key: tuple[str, str], owner: tuple[str, str]) -> None:
+        mine = self._allocs[key]
+        theirs = self._allocs.get(owner)
+        pod = self._pods.get(owner[0])
+        if theirs is None:
+            request = _request_of(pod, owner[1])
+            if request is None or (request.cores, request.memory_bytes) != (mine.cores, mine.memory):
+                raise AllocationError(
+                    f"{names.PRESTART_FAILED}: devices allocated to pod {key[0]} container {key[1]} are used by "
+                    f"pod {owner[0]} container {owner[1]}, whose request differs",
+                    "mismatch",
+                )
+        elif (theirs.cores, theirs.memory) != (mine.cores, mine.memory):
+            raise AllocationError(
+                f"{names.PRESTART_FAILED}: pod {owner[0]} container {owner[1]} starts with devices allocated to "
+                f"pod {key[0]} container {key[1]}, and their requests differ",
+                "mismatch",
+            )
+        log.warning(
+            "pod %s container %s starts with the devices matched to pod %s container %s; swapping the two",
+            owner[0],
+            owner[1],
+            key[0],
+            key[1],
+        )
+        self._remove(key)
+        if theirs is not None:
+            self._remove(owner)
+        meta = (pod or {}).get("metadata") or {}
+        request = _request_of(pod, owner[1])
+        self._insert(
+            replace(
+                mine,
+                pod_uid=owner[0],
+                container=owner[1],
+                namespace=str(meta.get("namespace", "")),
+                pod_name=str(meta.get("name", "")),
+                container_index=request.index if request else -1,
+            )
+        )
+        if theirs is not None:
+            self._insert(
+                replace(
+                    theirs,
+                    pod_uid=key[0],
+                    container=key[1],
+                    namespace=mine.namespace,
+                    pod_name=mine.pod_name,
+                    container_index=mine.container_index,
+                )
+            )
+        self._save()
+
+    # -- release and recovery ---------------------------------------------------------------------
+
+    def release_pod(self, pod_uid: str) -> list[ContainerAllocation]:
+        """Free every allocation of a pod; returns what was freed."""
+        with self._lock:
+            freed = self._release_locked(pod_uid)
+        if freed:
+            self._notify()
+        return freed
+
+    def _release_locked(self, pod_uid: str) -> list[ContainerAllocation]:
+        freed = []
+        for key in [k for k in self._allocs if k[0] == pod_uid]:
+            alloc = self._remove(key)
+            if alloc is not None:
+                self._free(alloc)
+                freed.append(alloc)
+        if freed:
+            self._save()
+            log.info(
+                "released pod %s (%s): %s",
+                pod_uid,
+                freed[0].namespace + "/" + freed[0].pod_name if freed[0].pod_name else "?",
+                ", ".join(f"{a.container} on GPUs {list(a.minors)}" for a in freed),
+            )
+        return freed
+
+    def recycle(self) -> list[str]:
+        """Free pods that are gone or finished (only with a complete view of the node's pods)."""
+        with self._lock:
+            before = {k[0] for k in self._allocs}
+            changed = self._recycle_locked()
+            gone = sorted(before - {k[0] for k in self._allocs})
+        if changed:
+            self._notify()
+        return gone
+
+    def _recycle_locked(self) -> bool:
+        if not self._pods.synced():
+            return False
+        active = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
+        changed = False
+        for pod_uid in sorted({k[0] for k in self._allocs} - active):
+            changed |= bool(self._release_locked(pod_uid))
+        return changed
+
+    def load(self) -> tuple[int, list[str]]:
+        """Load our checkpoint and occupy the tree. Returns (containers recovered, problems).
+
+        A corrupt file is moved aside and AllocationError(kind="unavailable") is raised so the
+        caller can rebuild from the kubelet's records; a missing file recovers nothing.
+        """
+        try:
+            data = checkpoint.read_json(self._checkpoint_path)
+            if data is None:
+                return 0, []
+            allocs, problems = records.from_json(data)
+        except (checkpoint.CheckpointError, records.RecordError) as exc:
+            checkpoint.quarantine(self._checkpoint_path)
+            raise AllocationError(str(exc), "unavailable") from exc
+        recovered = self.adopt(allocs, source=str(self._checkpoint_path))
+        return recovered, problems
+
+    def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:
+        """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many."""
+        taken = 0
+        with self._lock:
+            for alloc in allocs:
+                unknown = [m for m in alloc.minors if m not in self._by_minor]
+                if unknown or not alloc.minors:
+                    log.warning(
+                        "%s: dropping pod %s container %s: GPU(s) %s not on this node",
+                        source,
+                        alloc.pod_uid,
+                        alloc.container,
+                        unknown or "none",
+                    )
+                    continue
+                if alloc.key in self._allocs:
+                    continue
+                self._occupy(alloc)
+                self._insert(alloc)
+                taken += 1
+            self._warn_overcommit(source)
+            self._save()
+        if taken:
+            self._notify()
+        return taken
+
+    def _warn_overcommit(self, source: str) -> None:
+        per_gpu: dict[int, int] = {}
+        for a in self._allocs.values():
+            for m in a.minors:
+                per_gpu[m] = per_gpu.get(m, 0) + min(a.cores, names.HUNDRED_CORES)
+        for minor, total in sorted(per_gpu.items()):
+            if total > names.HUNDRED_CORES:
+                log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)
+
+
+def _id_number(device_id: str) -> int:
+    tail = device_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _request_of(pod: Pod | None, container: str) -> GPURequest | None:
+    if pod is None:
+        return None
+    try:
+        return next((r for r in podinfo.gpu_requests(pod) if r.name == container), None)
+    except PodSpecError:
+        return None
+
+
+def _compat32(pod: Pod | None, alloc: ContainerAllocation) -> bool:
+    if pod is None:
+        return False
+    for c in podinfo.containers(pod):
+        if c.get("name") == alloc.container:
+            value = podinfo.container_env(c, "compat32")
+            return value is not None and value.lower() == "true"
+    return False

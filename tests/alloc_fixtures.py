@@ -1,0 +1,114 @@
+"""Helpers for allocator tests: pods as the API server sends them, and an in-memory pod source."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+from gpumanager.allocation.pods import Pod
+from gpumanager.allocation.response import ResponseSettings
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.topology import build_tree
+
+MIB = 1 << 20
+
+
+def make_pod(
+    name: str,
+    containers: Sequence[tuple[str, int, int]] = (("c0", 50, 4),),
+    *,
+    namespace: str = "default",
+    annotations: dict[str, str] | None = None,
+    phase: str = "Pending",
+    created: str = "2026-11-21T10:00:00Z",
+    uid: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod with (name, vcuda-core, vcuda-memory blocks) containers."""
+    specs = []
+    for cname, cores, blocks in containers:
+        limits = {}
+        if cores:
+            limits["tencent.com/vcuda-core"] = str(cores)
+        if blocks:
+            limits["tencent.com/vcuda-memory"] = str(blocks)
+        spec: dict[str, Any] = {"name": cname, "image": "cuda", "resources": {"limits": limits, "requests": limits}}
+        if env:
+            spec["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        specs.append(spec)
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{name}",
+            "annotations": dict(annotations or {}),
+            "creationTimestamp": created,
+        },
+        "spec": {"nodeName": "node-1", "containers": specs},
+        "status": {"phase": phase},
+    }
+
+
+class FakePods:
+    """A PodSource over a list the test controls; ``refresh_error`` simulates an API server outage."""
+
+    def __init__(self, pods: Sequence[Pod] = ()) -> None:
+        self.items: list[Pod] = list(pods)
+        self.is_synced = True
+        self.refresh_error: Exception | None = None
+        self.hidden: list[Pod] = []  # known to the API server but not yet to the cache
+        self.refreshes = 0
+
+    def synced(self) -> bool:
+        return self.is_synced
+
+    def pods(self) -> list[Pod]:
+        return list(self.items)
+
+    def get(self, uid: str) -> Pod | None:
+        return next((p for p in self.items + self.hidden if p["metadata"]["uid"] == uid), None)
+
+    def refresh(self) -> list[Pod]:
+        self.refreshes += 1
+        if self.refresh_error is not None:
+            raise self.refresh_error
+        self.items.extend(self.hidden)
+        self.hidden = []
+        return list(self.items)
+
+
+def v100x4() -> tuple[list[GPUInfo], NodeTopology]:
+    gpus = [
+        GPUInfo(i, f"GPU-{i:04d}", "Tesla V100-PCIE-32GB", i, 32768 * MIB, f"00000000:{i + 16:02x}:00.0", 0)
+        for i in range(4)
+    ]
+    levels = tuple(tuple(0 if a == b else 10 if a // 2 == b // 2 else 30 for b in range(4)) for a in range(4))
+    return gpus, NodeTopology(levels=levels)
+
+
+def make_allocator(tmp_path: Path, pods: FakePods, *, share_mode: bool = True) -> Allocator:
+    gpus, topo = v100x4()
+    return Allocator(
+        gpus=gpus,
+        tree=build_tree(gpus, topo),
+        lock=threading.RLock(),
+        pods=pods,
+        settings=AllocatorSettings(
+            share_mode=share_mode,
+            response=ResponseSettings(
+                vdriver_nvidia="/etc/gpu-manager/vdriver/nvidia",
+                vdriver_origin="/etc/gpu-manager/vdriver/origin",
+                virtual_manager_path="/etc/gpu-manager/vm",
+                extra_devices=("/dev/nvidia-uvm-tools",),
+            ),
+        ),
+        checkpoint_path=tmp_path / "checkpoint" / "gpumanager_internal_checkpoint",
+    )
+
+
+def core_ids(gpu: int, count: int, start: int = 0) -> list[str]:
+    """``count`` vcuda-core IDs of one GPU (per-GPU ranges of 100)."""
+    return [f"tencent.com/vcuda-core-{gpu * 100 + start + i}" for i in range(count)]

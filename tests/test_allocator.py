@@ -1,0 +1,289 @@
+"""The allocator: matching requests to pods, choosing GPUs, refusing clearly, checkpointing first."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpumanager.allocation.allocator import AllocationError
+from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod
+
+GIB = 1 << 30
+
+
+def test_share_response_has_upstreams_exact_shape(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("main", 50, 8)])])
+    alloc = make_allocator(tmp_path, pods)
+    resp = alloc.allocate(core_ids(0, 50))
+    assert resp.envs == {
+        "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64",
+        "NVIDIA_VISIBLE_DEVICES": "GPU-0000",
+        "VCUDA_CONFIG_PATH": "/etc/vcuda/main/vcuda.config",
+    }
+    assert [(d.container_path, d.host_path, d.permissions) for d in resp.devices] == [
+        ("/dev/nvidia0", "/dev/nvidia0", "rwm"),
+        ("/dev/nvidiactl", "/dev/nvidiactl", "rwm"),
+        ("/dev/nvidia-uvm", "/dev/nvidia-uvm", "rwm"),
+        ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools", "rwm"),
+    ]
+    assert [(m.container_path, m.host_path, m.read_only) for m in resp.mounts] == [
+        ("/usr/local/nvidia", "/etc/gpu-manager/vdriver/nvidia", True),
+        ("/etc/vcuda", "/etc/gpu-manager/vm/uid-a", True),
+    ]
+    assert resp.annotations == {
+        "tencent.com/vcuda-core": "50",
+        "tencent.com/vcuda-memory": str(8 * 256 * MIB),
+        "tencent.com/vcuda-device": "/dev/nvidia0",
+    }
+
+
+def test_whole_gpus_mount_the_untouched_driver_and_compat32(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("main", 200, 0)], env={"compat32": "True"})])
+    resp = make_allocator(tmp_path, pods).allocate(core_ids(0, 100) + core_ids(1, 100))
+    assert resp.envs["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib"
+    assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0000,GPU-0001"
+    assert resp.mounts[0].host_path == "/etc/gpu-manager/vdriver/origin"
+    assert resp.annotations["tencent.com/vcuda-device"] == "/dev/nvidia0,/dev/nvidia1"
+
+
+def test_predicated_gpu_is_used(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("main", 30, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "3"})])
+    alloc = make_allocator(tmp_path, pods)
+    assert alloc.allocate(core_ids(0, 30)).annotations["tencent.com/vcuda-device"] == "/dev/nvidia3"
+
+
+def test_checkpoint_is_written_in_upstreams_format(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("main", 50, 8)]), make_pod("b", [("x", 100, 0)])])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 50))
+    alloc.allocate(core_ids(1, 100))
+    data = json.loads((tmp_path / "checkpoint" / "gpumanager_internal_checkpoint").read_text())
+    assert data["PodGPUMapping"]["uid-a"]["main"]["Devices"] == ["/dev/nvidia0"]
+    assert data["PodGPUMapping"]["uid-a"]["main"]["Cores"] == 50
+    assert data["PodGPUMapping"]["uid-a"]["main"]["Memory"] == 8 * 256 * MIB
+    assert data["PodGPUMapping"]["uid-b"]["x"]["Cores"] == 100
+    assert len(data["PodGPUMapping"]["uid-b"]["x"]["DeviceIDs"]) == 100
+
+
+def test_candidates_in_predicate_time_order(tmp_path: Path) -> None:
+    late = make_pod("late", [("c", 50, 4)], annotations={"tencent.com/predicate-time": "200"})
+    early = make_pod("early", [("c", 50, 4)], annotations={"tencent.com/predicate-time": "100"})
+    alloc = make_allocator(tmp_path, FakePods([late, early]))
+    alloc.allocate(core_ids(0, 50))
+    assert alloc.get("uid-early", "c") is not None
+    assert alloc.get("uid-late", "c") is None
+
+
+def test_containers_in_spec_order_and_count_must_match(tmp_path: Path) -> None:
+    pod = make_pod("multi", [("sidecar", 0, 0), ("a", 100, 0), ("b", 50, 4)])
+    alloc = make_allocator(tmp_path, FakePods([pod]))
+    alloc.allocate(core_ids(0, 50))
+    assert alloc.get("uid-multi", "b") is not None
+    alloc.allocate(core_ids(1, 100))
+    assert alloc.get("uid-multi", "a") is not None
+
+
+def test_repeated_allocate_gets_the_same_answer_without_taking_more(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("main", 50, 8)]), make_pod("b", [("m", 50, 8)])]))
+    first = alloc.allocate(core_ids(2, 50))
+    again = alloc.allocate(list(reversed(core_ids(2, 50))))
+    assert again == first
+    assert len(alloc.allocations()) == 1
+
+
+def test_several_identical_pods_get_distinct_correct_allocations(tmp_path: Path) -> None:
+    pods = FakePods([make_pod(f"p{i}", [("c", 100, 0)], created=f"2026-11-21T10:00:0{i}Z") for i in range(4)])
+    alloc = make_allocator(tmp_path, pods)
+    results: list[object] = []
+
+    def one(i: int) -> None:
+        results.append(alloc.allocate(core_ids(i, 100)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    allocations = alloc.allocations()
+    assert sorted(a.pod_uid for a in allocations) == [f"uid-p{i}" for i in range(4)]
+    assert sorted(m for a in allocations for m in a.minors) == [0, 1, 2, 3]
+    with pytest.raises(AllocationError, match="candidate pod not found"):
+        alloc.allocate([*core_ids(0, 100)[:99], "tencent.com/vcuda-core-399"])
+
+
+def test_shares_fill_a_gpu_and_never_overcommit(tmp_path: Path) -> None:
+    pods = FakePods([make_pod(f"s{i}", [("c", 40, 4)], created=f"2026-11-21T10:00:{i:02d}Z") for i in range(12)])
+    alloc = make_allocator(tmp_path, pods)
+    for i in range(8):
+        alloc.allocate(core_ids(0, 40, start=i))
+    per_gpu: dict[int, int] = {}
+    for a in alloc.allocations():
+        per_gpu[a.minors[0]] = per_gpu.get(a.minors[0], 0) + a.cores
+    assert all(v <= 100 for v in per_gpu.values())
+    assert sorted(per_gpu.values()) == [80, 80, 80, 80]
+
+
+@pytest.mark.parametrize(
+    ("containers", "annotations", "share_mode", "message"),
+    [
+        ([("c", 50, 4)], {"tencent.com/predicate-gpu-idx-0": "x"}, True, "predicate-gpu-idx-0='x'"),
+        ([("c", 50, 4)], {"tencent.com/predicate-gpu-idx-0": "9"}, True, "GPU 9, which this node does not have"),
+        ([("c", 150, 0)], {}, True, "150 tencent.com/vcuda-core is more than 100 and not a multiple of 100"),
+        ([("c", 50, 0)], {}, True, "needs tencent.com/vcuda-memory > 0"),
+        ([("c", 50, 200)], {}, True, "request memory 53687091200 bytes is larger than any GPU"),
+        ([("c", 50, 4)], {}, False, "--share-mode is off"),
+        ([("c", 200, 0)], {"tencent.com/predicate-gpu-idx-0": "1"}, True, "need 2 distinct GPU(s)"),
+    ],
+)
+def test_bad_requests_are_refused_naming_pod_and_value(
+    tmp_path: Path, containers: list[tuple[str, int, int]], annotations: dict[str, str], share_mode: bool, message: str
+) -> None:
+    pods = FakePods([make_pod("bad", containers, annotations=annotations)])
+    alloc = make_allocator(tmp_path, pods, share_mode=share_mode)
+    with pytest.raises(AllocationError) as err:
+        alloc.allocate([f"tencent.com/vcuda-core-{i}" for i in range(containers[0][1])])
+    assert message in str(err.value)
+    assert "default/bad" in str(err.value)
+    assert alloc.allocations() == []
+    assert not (tmp_path / "checkpoint" / "gpumanager_internal_checkpoint").exists()
+
+
+def test_predicated_gpu_that_cannot_hold_the_request(tmp_path: Path) -> None:
+    first = make_pod("first", [("c", 100, 0)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    second = make_pod(
+        "second",
+        [("c", 50, 4)],
+        annotations={"tencent.com/predicate-gpu-idx-0": "2", "tencent.com/predicate-time": "9"},
+    )
+    alloc = make_allocator(tmp_path, FakePods([first]))
+    alloc.allocate(core_ids(2, 100))
+    alloc._pods.items.append(second)  # type: ignore[attr-defined]
+    with pytest.raises(AllocationError, match=r"predicated GPU 2 cannot hold 50 cores / 1024 MiB: it has 0 cores"):
+        alloc.allocate(core_ids(0, 50))
+
+
+def test_cache_miss_asks_the_api_server_and_outage_is_clear(tmp_path: Path) -> None:
+    pods = FakePods()
+    pods.hidden = [make_pod("new", [("c", 100, 0)])]
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    assert pods.refreshes == 1 and alloc.get("uid-new", "c") is not None
+    pods.refresh_error = ConnectionError("connection refused")
+    with pytest.raises(AllocationError, match="API server cannot be asked: connection refused") as err:
+        alloc.allocate(core_ids(1, 100))
+    assert err.value.kind == "unavailable"
+    assert len(alloc.allocations()) == 1
+
+
+def test_checkpoint_failure_leaves_no_partial_state(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 100, 0)])]))
+    (tmp_path / "checkpoint").write_text("a file where the directory should be")
+    with pytest.raises(AllocationError, match="cannot write checkpoint"):
+        alloc.allocate(core_ids(0, 100))
+    assert alloc.allocations() == []
+    (tmp_path / "checkpoint").unlink()
+    alloc.allocate(core_ids(0, 100))
+    assert alloc.get("uid-a", "c") is not None
+    assert alloc.get("uid-a", "c").minors == (0,)  # type: ignore[union-attr]
+
+
+def test_release_and_recycle_free_the_gpus(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 100, 0)]), make_pod("b", [("c", 100, 0)], created="2026-11-21T11:00:00Z")])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    alloc.allocate(core_ids(1, 100))
+    pods.items = [p for p in pods.items if p["metadata"]["name"] != "a"]
+    assert alloc.recycle() == ["uid-a"]
+    pods.is_synced = False
+    pods.items = []
+    assert alloc.recycle() == [], "without a complete view nothing is freed"
+    assert [a.pod_uid for a in alloc.allocations()] == ["uid-b"]
+
+
+def test_restart_recovers_from_checkpoint(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 60, 4)]), make_pod("b", [("c", 100, 0)], created="2026-11-21T11:00:00Z")])
+    first = make_allocator(tmp_path, pods)
+    first.allocate(core_ids(0, 60))
+    first.allocate(core_ids(1, 100))
+    second = make_allocator(tmp_path, pods)
+    assert second.load() == (2, [])
+    assert {(a.pod_uid, a.minors) for a in second.allocations()} == {(a.pod_uid, a.minors) for a in first.allocations()}
+    pods.items.append(make_pod("c", [("c", 60, 4)], created="2026-11-21T12:00:00Z"))
+    second.allocate(core_ids(2, 60))
+    # 60 + 60 cores cannot share one GPU, so the recovered share keeps its GPU to itself.
+    assert second.get("uid-c", "c").minors[0] != second.get("uid-a", "c").minors[0]  # type: ignore[union-attr]
+
+
+def test_corrupt_checkpoint_is_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    alloc = make_allocator(tmp_path, FakePods())
+    with pytest.raises(AllocationError, match="not valid JSON"):
+        alloc.load()
+    assert not path.exists()
+    assert len(list(path.parent.glob("gpumanager_internal_checkpoint.corrupt-*"))) == 1
+
+
+def test_checkpoint_entries_with_unknown_gpus_are_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    path.parent.mkdir()
+    path.write_text(
+        json.dumps(
+            {
+                "PodGPUMapping": {
+                    "u1": {"c": {"Devices": ["/dev/nvidia7"], "Cores": 100, "Memory": 0}},
+                    "u2": {"c": {"Devices": ["/dev/nvidia1"], "Cores": 100, "Memory": 0}},
+                    "u3": {"c": {"Devices": ["/dev/sda"], "Cores": 100, "Memory": 0}},
+                }
+            }
+        )
+    )
+    alloc = make_allocator(tmp_path, FakePods())
+    recovered, problems = alloc.load()
+    assert recovered == 1
+    assert any("/dev/sda" in p for p in problems)
+    assert [a.pod_uid for a in alloc.allocations()] == ["u2"]
+
+
+def test_pre_start_checks_and_repairs_a_swap(tmp_path: Path) -> None:
+    a = make_pod("a", [("c", 50, 4)], created="2026-11-21T10:00:00Z")
+    b = make_pod("b", [("c", 50, 4)], created="2026-11-21T10:00:01Z")
+    alloc = make_allocator(tmp_path, FakePods([a, b]))
+    ids_first = core_ids(0, 50)
+    alloc.allocate(ids_first)  # matched to a (older)
+    got = alloc.pre_start(ids_first, ("uid-b", "c"))  # but the kubelet gave those devices to b
+    assert got.pod_uid == "uid-b"
+    assert alloc.get("uid-a", "c") is None
+    ids_second = core_ids(1, 50)
+    alloc.allocate(ids_second)  # a's own Allocate now finds a
+    assert alloc.pre_start(ids_second, ("uid-a", "c")).pod_uid == "uid-a"
+    assert alloc.pre_start(ids_first, None).pod_uid == "uid-b"
+
+
+def test_pre_start_refusals(tmp_path: Path) -> None:
+    a = make_pod("a", [("c", 50, 4)])
+    big = make_pod("big", [("c", 100, 0)], created="2026-11-21T11:00:00Z")
+    alloc = make_allocator(tmp_path, FakePods([a, big]))
+    alloc.allocate(core_ids(0, 50))
+    with pytest.raises(AllocationError, match="PreStartContainer check failed: no allocation"):
+        alloc.pre_start(core_ids(3, 10), None)
+    with pytest.raises(AllocationError, match="whose request differs"):
+        alloc.pre_start(core_ids(0, 50), ("uid-big", "c"))
+    assert alloc.get("uid-a", "c") is not None
+
+
+def test_upstream_checkpoint_without_ids_is_matched_at_prestart(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    path.parent.mkdir()
+    path.write_text(
+        json.dumps({"PodGPUMapping": {"uid-a": {"c": {"Devices": ["/dev/nvidia1"], "Cores": 50, "Memory": GIB}}}})
+    )
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 50, 4)], phase="Running")]))
+    alloc.load()
+    got = alloc.pre_start(core_ids(3, 50), ("uid-a", "c"))
+    assert got.minors == (1,) and len(got.device_ids) == 50
+    assert "DeviceIDs" in json.loads(path.read_text())["PodGPUMapping"]["uid-a"]["c"]

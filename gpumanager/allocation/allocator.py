@@ -465,6 +465,7 @@ class Allocator:
                 namespace=str(meta.get("namespace", "")),
                 pod_name=str(meta.get("name", "")),
                 container_index=request.index if request else -1,
+                answered_as=mine.answered,
             )
         )
         if theirs is not None:
@@ -476,6 +477,7 @@ class Allocator:
                     namespace=mine.namespace,
                     pod_name=mine.pod_name,
                     container_index=mine.container_index,
+                    answered_as=theirs.answered,
                 )
             )
         self._save()

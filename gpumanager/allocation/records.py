@@ -8,7 +8,7 @@ allocation::
 
 We add fields upstream ignores: ``DeviceIDs`` (the kubelet's vcuda-core IDs, to
 recognise a repeated Allocate and map PreStartContainer), ``Namespace``,
-``Pod`` and ``Index`` (the container's position in the pod spec).
+``Pod``, ``Index`` (the container's position in the pod spec) and ``AnsweredAs``.
 """
 
 from __future__ import annotations
@@ -38,12 +38,20 @@ class ContainerAllocation:
     namespace: str = ""
     pod_name: str = ""
     container_index: int = -1
+    # (pod UID, container) the Allocate answer was built for; differs from the key after a swap
+    # repaired at PreStartContainer, and names the directory mounted at /etc/vcuda.
+    answered_as: tuple[str, str] = ("", "")
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:
         """(pod UID, container name)."""
         return (self.pod_uid, self.container)
+
+    @property
+    def answered(self) -> tuple[str, str]:
+        """(pod UID, container) of the answer the runtime got: its /etc/vcuda directory and config name."""
+        return self.answered_as if self.answered_as[0] else self.key
 
     @property
     def devices(self) -> list[str]:
@@ -66,6 +74,8 @@ class ContainerAllocation:
             entry["Pod"] = self.pod_name
         if self.container_index >= 0:
             entry["Index"] = self.container_index
+        if self.answered != self.key:
+            entry["AnsweredAs"] = list(self.answered)
         return entry
 
 
@@ -80,6 +90,12 @@ def _int(value: object, where: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RecordError(f"{where}: {what} {value!r} is not a non-negative integer")
     return value
+
+
+def _answered(raw: Any) -> tuple[str, str]:
+    if isinstance(raw, list) and len(raw) == 2:
+        return (str(raw[0]), str(raw[1]))
+    return ("", "")
 
 
 def from_json(data: Any) -> tuple[list[ContainerAllocation], list[str]]:
@@ -120,6 +136,7 @@ def from_json(data: Any) -> tuple[list[ContainerAllocation], list[str]]:
                         namespace=str(entry.get("Namespace", "")),
                         pod_name=str(entry.get("Pod", "")),
                         container_index=int(entry.get("Index", -1)) if isinstance(entry.get("Index"), int) else -1,
+                        answered_as=_answered(entry.get("AnsweredAs")),
                     )
                 )
             except RecordError as exc:

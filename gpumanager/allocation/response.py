@@ -69,7 +69,7 @@ def build_response(
     driver = settings.vdriver_nvidia if allocation.shared else settings.vdriver_origin
     mounts = (
         Mount(names.DRIVER_MOUNTPOINT, driver, True),
-        Mount(names.VCUDA_MOUNTPOINT, str(Path(settings.virtual_manager_path) / allocation.pod_uid), True),
+        Mount(names.VCUDA_MOUNTPOINT, str(Path(settings.virtual_manager_path) / allocation.answered[0]), True),
     )
     annotations = {
         names.VCORE_RESOURCE: str(allocation.cores),

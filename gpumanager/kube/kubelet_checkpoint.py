@@ -1,0 +1,110 @@
+"""Reading the kubelet's ``kubelet_internal_checkpoint`` (read only; every shape the kubelet has written).
+
+Shapes, detected by structure (never by trial and error):
+- current (1.20+): ``{"Data": {"PodDeviceEntries": [{..., "DeviceIDs": {"<numa>": [ids]}}], ...}, "Checksum": N}``
+- 1.10-1.19: the same with ``"DeviceIDs": [ids]``
+- oldest: no ``Data`` wrapper: ``{"PodDeviceEntries": [...], "RegisteredDevices": {...}}``
+``PodDeviceEntries`` may be null; unknown keys (e.g. ``BootID``) are ignored and the checksum is not checked.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class KubeletCheckpointError(ValueError):
+    """The file exists but is not a kubelet device checkpoint; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class KubeletEntry:
+    """One container's devices of one resource, as the kubelet recorded them."""
+
+    pod_uid: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+    alloc_resp: bytes  # serialized ContainerAllocateResponse (may be empty)
+
+
+def _device_ids(raw: Any, where: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, list):
+        return tuple(str(i) for i in raw)
+    if isinstance(raw, Mapping):
+        seen: dict[str, None] = {}
+        for numa in sorted(raw, key=str):
+            ids = raw[numa]
+            if not isinstance(ids, list):
+                raise KubeletCheckpointError(f"{where}: DeviceIDs[{numa!r}] is not a list")
+            for i in ids:
+                seen.setdefault(str(i))  # a device on several NUMA nodes is listed under each
+        return tuple(seen)
+    raise KubeletCheckpointError(f"{where}: DeviceIDs is neither a list nor a NUMA map")
+
+
+def parse(data: Any, source: str = "kubelet_internal_checkpoint") -> list[KubeletEntry]:
+    """Entries of an already-decoded checkpoint document."""
+    if not isinstance(data, Mapping):
+        raise KubeletCheckpointError(f"{source}: top level is a {type(data).__name__}, not an object")
+    body = data.get("Data") if "Data" in data else data
+    if body is None:
+        return []
+    if not isinstance(body, Mapping):
+        raise KubeletCheckpointError(f"{source}: Data is not an object")
+    entries = body.get("PodDeviceEntries")
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise KubeletCheckpointError(f"{source}: PodDeviceEntries is not a list")
+    out = []
+    for n, entry in enumerate(entries):
+        where = f"{source}: PodDeviceEntries[{n}]"
+        if not isinstance(entry, Mapping):
+            raise KubeletCheckpointError(f"{where} is not an object")
+        raw_resp = entry.get("AllocResp") or ""
+        try:
+            alloc_resp = base64.b64decode(raw_resp, validate=True) if raw_resp else b""
+        except (binascii.Error, TypeError) as exc:
+            raise KubeletCheckpointError(f"{where}: AllocResp is not base64: {exc}") from exc
+        out.append(
+            KubeletEntry(
+                pod_uid=str(entry.get("PodUID", "")),
+                container=str(entry.get("ContainerName", "")),
+                resource=str(entry.get("ResourceName", "")),
+                device_ids=_device_ids(entry.get("DeviceIDs"), where),
+                alloc_resp=alloc_resp,
+            )
+        )
+    return out
+
+
+def read(path: Path) -> list[KubeletEntry]:
+    """Entries of the checkpoint at ``path``; a missing file has none (a fresh node has no file yet)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise KubeletCheckpointError(f"{path}: cannot read: {exc}") from exc
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KubeletCheckpointError(f"{path}: not JSON: {exc}") from exc
+    return parse(data, str(path))
+
+
+def owner_of(entries: Iterable[KubeletEntry], resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:
+    """(pod UID, container) holding exactly ``device_ids`` of ``resource``."""
+    wanted = frozenset(device_ids)
+    for e in entries:
+        if e.resource == resource and frozenset(e.device_ids) == wanted:
+            return (e.pod_uid, e.container)
+    return None

@@ -1,0 +1,134 @@
+"""Pod annotation patches, off the critical path: a queue and one worker that retries.
+
+Patches are strategic-merge patches of ``metadata.annotations``. A pod that is
+gone (404) is dropped; conflicts, server errors and connection failures are
+retried every ``retry_period`` up to ``max_attempts``. Several patches queued
+for one pod are merged, later values winning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+
+
+@dataclass
+class _Pending:
+    namespace: str
+    name: str
+    annotations: dict[str, str]
+    attempts: int = 0
+    not_before: float = 0.0
+    done: list[threading.Event] = field(default_factory=list)
+
+
+class AnnotationPatcher:
+    """Applies annotation patches in the background. Thread-safe."""
+
+    def __init__(self, api: client.ApiClient, *, retry_period: float = 1.0, max_attempts: int = 10) -> None:
+        self._core = client.CoreV1Api(api)
+        self._retry = retry_period
+        self._max = max_attempts
+        self._cond = threading.Condition()
+        self._queue: OrderedDict[str, _Pending] = OrderedDict()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.applied = 0
+        self.failed = 0
+
+    def submit(self, namespace: str, name: str, uid: str, annotations: dict[str, str]) -> threading.Event:
+        """Queue a patch; the returned event is set when it is applied or given up."""
+        event = threading.Event()
+        with self._cond:
+            pending = self._queue.get(uid)
+            if pending is None:
+                pending = self._queue[uid] = _Pending(namespace, name, {})
+            pending.annotations.update(annotations)
+            pending.done.append(event)
+            self._cond.notify()
+        return event
+
+    def start(self) -> None:
+        """Start the worker."""
+        self._thread = threading.Thread(target=self._run, name="annotation-patcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the worker (pending patches are dropped)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _next(self) -> tuple[str, _Pending] | None:
+        with self._cond:
+            while not self._stop:
+                now = time.monotonic()
+                ready = [(uid, p) for uid, p in self._queue.items() if p.not_before <= now]
+                if ready:
+                    uid, pending = ready[0]
+                    del self._queue[uid]
+                    return uid, pending
+                wait = min((p.not_before for p in self._queue.values()), default=now + 60) - now
+                self._cond.wait(timeout=max(0.01, wait))
+        return None
+
+    def _run(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            uid, pending = item
+            if self._apply(pending):
+                for event in pending.done:
+                    event.set()
+                continue
+            pending.attempts += 1
+            if pending.attempts >= self._max:
+                self.failed += 1
+                log.error(
+                    "giving up annotating pod %s/%s after %d attempts",
+                    pending.namespace,
+                    pending.name,
+                    pending.attempts,
+                )
+                for event in pending.done:
+                    event.set()
+                continue
+            pending.not_before = time.monotonic() + self._retry
+            with self._cond:
+                newer = self._queue.get(uid)
+                if newer is not None:  # merge: values queued later win
+                    pending.annotations.update(newer.annotations)
+                    pending.done.extend(newer.done)
+                self._queue[uid] = pending
+
+    def _apply(self, p: _Pending) -> bool:
+        body = {"metadata": {"annotations": p.annotations}}
+        try:
+            self._core.patch_namespaced_pod(
+                p.name, p.namespace, body, _content_type=STRATEGIC_MERGE, _request_timeout=10
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                log.info("pod %s/%s is gone; annotations not needed", p.namespace, p.name)
+                return True
+            log.warning("annotating pod %s/%s: %s %s (will retry)", p.namespace, p.name, exc.status, exc.reason)
+            return False
+        except Exception as exc:
+            log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, exc)
+            return False
+        self.applied += 1
+        log.info("annotated pod %s/%s: %s", p.namespace, p.name, p.annotations)
+        return True

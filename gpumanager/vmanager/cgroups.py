@@ -1,0 +1,91 @@
+"""Host PIDs of a container, from its cgroup: v1 and v2, cgroupfs and systemd drivers, any CRI runtime.
+
+The container's cgroup directory is looked up by the names the kubelet and the
+runtimes use:
+
+- cgroupfs: ``kubepods[/burstable|/besteffort]/pod<uid>/<container id>``
+- systemd:  ``kubepods.slice[/kubepods-<qos>.slice]/kubepods[-<qos>]-pod<uid, - as _>.slice/<prefix>-<id>.scope``
+  with prefix ``docker``, ``cri-containerd`` (containerd) or ``crio`` (CRI-O)
+
+under the unified hierarchy (v2) or a v1 controller (memory, pids, cpu,cpuacct,
+systemd). When none exists (an unusual layout), the tree is searched for a
+directory named after the container ID below one named after the pod. Every
+``cgroup.procs`` below the container's directory is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_QOS = ("", "burstable", "besteffort")
+_PREFIXES = ("cri-containerd", "crio", "docker", "containerd")
+_V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "systemd")
+
+
+def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[str]:
+    classes = _QOS if qos is None else (("" if qos.lower() == "guaranteed" else qos.lower()),)
+    under = pod_uid.replace("-", "_")
+    for q in classes:
+        base = "kubepods" + (f"/{q}" if q else "")
+        yield f"{base}/pod{pod_uid}/{container_id}"
+        slice_dir = "kubepods.slice" + (f"/kubepods-{q}.slice" if q else "")
+        pod_slice = f"kubepods{'-' + q if q else ''}-pod{under}.slice"
+        for prefix in _PREFIXES:
+            yield f"{slice_dir}/{pod_slice}/{prefix}-{container_id}.scope"
+
+
+def _roots(cgroup_root: Path) -> list[Path]:
+    roots = [cgroup_root]
+    roots += [cgroup_root / c for c in _V1_CONTROLLERS if (cgroup_root / c).is_dir()]
+    return roots
+
+
+def find_container_cgroup(cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
+    """The container's cgroup directory, or None."""
+    for root in _roots(cgroup_root):
+        for rel in _candidates(pod_uid, container_id, qos):
+            path = root / rel
+            if path.is_dir():
+                return path
+    return _search(cgroup_root, pod_uid, container_id)
+
+
+def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int = 8) -> Path | None:
+    pod_marks = (pod_uid, pod_uid.replace("-", "_"))
+    base_depth = len(cgroup_root.parts)
+    for dirpath, dirnames, _ in os.walk(cgroup_root):
+        here = Path(dirpath)
+        if len(here.parts) - base_depth >= max_depth:
+            dirnames[:] = []
+            continue
+        if container_id in here.name and any(m in str(here.parent) for m in pod_marks):
+            return here
+    return None
+
+
+def pids_under(directory: Path) -> list[int]:
+    """Every PID in ``cgroup.procs`` of a cgroup and its descendants, sorted."""
+    found: set[int] = set()
+    for dirpath, _, filenames in os.walk(directory):
+        if "cgroup.procs" in filenames:
+            try:
+                text = (Path(dirpath) / "cgroup.procs").read_text()
+            except OSError as exc:
+                log.debug("cannot read %s/cgroup.procs: %s", dirpath, exc)
+                continue
+            found.update(int(line) for line in text.split() if line.isdigit())
+    return sorted(found)
+
+
+def container_pids(cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
+    """Host PIDs of a container (empty when its cgroup is not found)."""
+    directory = find_container_cgroup(cgroup_root, pod_uid, container_id, qos)
+    if directory is None:
+        log.warning("no cgroup found for pod %s container %s under %s", pod_uid, container_id, cgroup_root)
+        return []
+    return pids_under(directory)

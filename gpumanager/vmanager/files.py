@@ -1,0 +1,136 @@
+"""The files the in-container library reads: ``vcuda.config`` and ``pids.config``.
+
+``vcuda.config`` is vcuda-controller's ``struct resource_data_t`` (packed,
+aligned(8), little-endian x86-64, 8240 bytes)::
+
+    0     char pod_uid[48]          8208  uint64 gpu_memory (bytes)
+    48    int  limit                8216  int    utilization (vcuda-core)
+    52    char occupied[4044]       8220  int    hard_limit
+    4096  char container_name[4096] 8224  int    driver major, int driver minor
+    8192  char bus_id[16]           8232  int    enable; 4 bytes of padding
+
+``pids.config`` is the container's host PIDs as native int32, sorted ascending
+(the library looks them up with bsearch). Both are replaced atomically
+(temp file + rename), so a reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_SIZE = 8240
+_LAYOUT = struct.Struct("<48si4044s4096s16sQiiiii4x")
+assert _LAYOUT.size == CONFIG_SIZE
+
+
+@dataclass(frozen=True)
+class VcudaConfig:
+    """The values of one container's vcuda.config."""
+
+    pod_uid: str
+    container_name: str
+    gpu_memory: int
+    utilization: int
+    limit: int = 0
+    hard_limit: int = 1
+    driver_major: int = 0
+    driver_minor: int = 0
+    enable: int = 1
+    bus_id: str = ""
+
+
+def _cstr(text: str, size: int, what: str) -> bytes:
+    raw = text.encode()
+    if len(raw) >= size:
+        raise ValueError(f"{what} {text!r} is longer than {size - 1} bytes")
+    return raw
+
+
+def pack(config: VcudaConfig) -> bytes:
+    """The 8240-byte image of a config."""
+    return _LAYOUT.pack(
+        _cstr(config.pod_uid, 48, "pod UID"),
+        config.limit,
+        b"",
+        _cstr(config.container_name, 4096, "container name"),
+        _cstr(config.bus_id, 16, "bus id"),
+        config.gpu_memory,
+        config.utilization,
+        config.hard_limit,
+        config.driver_major,
+        config.driver_minor,
+        config.enable,
+    )
+
+
+def unpack(data: bytes) -> VcudaConfig:
+    """Read a vcuda.config image (ValueError on a wrong size)."""
+    if len(data) != CONFIG_SIZE:
+        raise ValueError(f"vcuda.config is {len(data)} bytes, expected {CONFIG_SIZE}")
+    uid, limit, _, name, bus, mem, util, hard, major, minor, enable = _LAYOUT.unpack(data)
+
+    def text(b: bytes) -> str:
+        return b.split(b"\0", 1)[0].decode()
+
+    return VcudaConfig(text(uid), text(name), mem, util, limit, hard, major, minor, enable, text(bus))
+
+
+def driver_version_fields(version: str) -> tuple[int, int]:
+    """(major, minor) as gpu-manager derives them from ``libcuda.so.<version>``.
+
+    The minor is the integer after the first dot, or 0 when the rest is not a plain
+    integer (so ``550.54.15`` gives (550, 0), as upstream; the library ignores it).
+    """
+    head, _, rest = version.partition(".")
+    major = int(head) if head.isdigit() else 0
+    minor = int(rest) if rest.isdigit() else 0
+    return major, minor
+
+
+def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_config(path: Path, config: VcudaConfig) -> None:
+    """Write (or replace) a vcuda.config."""
+    _atomic_write(path, pack(config), 0o644)
+
+
+def write_pids(path: Path, pids: Iterable[int]) -> list[int]:
+    """Write sorted int32 PIDs under an exclusive flock on the directory; returns what was written."""
+    ordered = sorted({int(p) for p in pids})
+    data = struct.pack(f"<{len(ordered)}i", *ordered)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        _atomic_write(path, data, 0o644)
+    finally:
+        os.close(dir_fd)
+    return ordered
+
+
+def read_pids(path: Path) -> list[int]:
+    """The PIDs of a pids.config."""
+    data = path.read_bytes()
+    return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))

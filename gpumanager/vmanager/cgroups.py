@@ -63,7 +63,7 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
         if len(here.parts) - base_depth >= max_depth:
             dirnames[:] = []
             continue
-        if container_id in here.name and any(m in str(here.parent) for m in pod_marks):
+        if container_id in here.name and any(m in str(here) for m in pod_marks):
             return here
     return None
 

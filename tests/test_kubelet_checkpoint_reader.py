@@ -1,0 +1,83 @@
+"""Our reader of kubelet_internal_checkpoint against every shape the kubelet simulator writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.kube import kubelet_checkpoint as kc
+from gpumanager.testing.kubelet_checkpoint import (
+    CheckpointEntry,
+    write_checkpoint_v1,
+    write_checkpoint_v2,
+    write_checkpoint_v2_boot_id,
+)
+
+RESP = pb.ContainerAllocateResponse(annotations={"tencent.com/vcuda-device": "/dev/nvidia1"}).SerializeToString()
+ENTRIES = [
+    CheckpointEntry(
+        "uid-a", "main", "tencent.com/vcuda-core", {0: ["tencent.com/vcuda-core-5", "tencent.com/vcuda-core-6"]}, RESP
+    ),
+    CheckpointEntry("uid-a", "main", "tencent.com/vcuda-memory", {-1: ["tencent.com/vcuda-memory-268435456-0"]}),
+]
+
+
+@pytest.mark.parametrize("writer", ["v1", "v2", "boot"])
+def test_every_shape(tmp_path: Path, writer: str) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    registered = {"tencent.com/vcuda-core": ["tencent.com/vcuda-core-5"]}
+    if writer == "v1":
+        write_checkpoint_v1(path, ENTRIES, registered)
+    elif writer == "v2":
+        write_checkpoint_v2(path, ENTRIES, registered)
+    else:
+        write_checkpoint_v2_boot_id(path, ENTRIES, registered, "boot-1")
+    entries = kc.read(path)
+    assert kc.owner_of(entries, "tencent.com/vcuda-core", ["tencent.com/vcuda-core-6", "tencent.com/vcuda-core-5"]) == (
+        "uid-a",
+        "main",
+    )
+    core = next(e for e in entries if e.resource == "tencent.com/vcuda-core")
+    assert (
+        pb.ContainerAllocateResponse.FromString(core.alloc_resp).annotations["tencent.com/vcuda-device"]
+        == "/dev/nvidia1"
+    )
+
+
+def test_oldest_shape_without_data_wrapper_and_null_entries(tmp_path: Path) -> None:
+    path = tmp_path / "cp"
+    path.write_text(
+        json.dumps(
+            {
+                "PodDeviceEntries": [{"PodUID": "u", "ContainerName": "c", "ResourceName": "r", "DeviceIDs": ["x"]}],
+                "RegisteredDevices": {},
+            }
+        )
+    )
+    assert kc.read(path)[0].device_ids == ("x",)
+    path.write_text(json.dumps({"Data": {"PodDeviceEntries": None, "RegisteredDevices": None}, "Checksum": 1}))
+    assert kc.read(path) == []
+
+
+def test_missing_file_is_not_an_error(tmp_path: Path) -> None:
+    assert kc.read(tmp_path / "absent") == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{broken", "not JSON"),
+        ("[]", "top level is a list"),
+        ('{"Data": {"PodDeviceEntries": {"a": 1}}}', "PodDeviceEntries is not a list"),
+        ('{"Data": {"PodDeviceEntries": [{"DeviceIDs": 5}]}}', "DeviceIDs is neither"),
+        ('{"Data": {"PodDeviceEntries": [{"AllocResp": "***"}]}}', "AllocResp is not base64"),
+    ],
+)
+def test_corrupt_files_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    path.write_text(content)
+    with pytest.raises(kc.KubeletCheckpointError, match=message):
+        kc.read(path)

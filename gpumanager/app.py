@@ -1,15 +1,17 @@
-"""Wiring and lifecycle of the agent: start order, health propagation, shutdown.
+"""Wiring and lifecycle of the agent: start order, health propagation, periodic checks, shutdown.
 
-Start order: NVML inventory and topology tree, GPU health monitor, display
-gRPC and HTTP, then the device-plugin servers and their registration loop (the
-servers listen before Register is sent). A failure of the HTTP or display
-server, or of the API server connection, is logged and reported on /healthz;
-it does not stop the device plugin.
+Start order: NVML inventory and topology tree; GPU health monitor; the
+Kubernetes side (pod cache, annotation patcher, node labels); allocation state
+(our checkpoint, else the kubelet's records); display gRPC and HTTP; then the
+device-plugin servers and their registration loop (the servers listen before
+Register is sent). A failure of HTTP, display, the API server or node labels
+is logged and reported on /healthz; it does not stop the device plugin.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
@@ -20,42 +22,47 @@ import grpc
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
 
-from gpumanager import __version__, names
+from gpumanager import __version__, names, recovery
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.allocator import AllocationError, Allocator, AllocatorSettings
+from gpumanager.allocation.annotations import missing_annotations
+from gpumanager.allocation.pods import Pod
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.response import ResponseSettings
 from gpumanager.api import deviceplugin_v1beta1_pb2 as dp_pb
 from gpumanager.api import display_pb2
-from gpumanager.config import Config
+from gpumanager.config import Config, ConfigError, parse_node_labels
 from gpumanager.device import nvml
 from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.device.usage import gpu_usage
 from gpumanager.deviceplugin.devices import DeviceLayout
+from gpumanager.deviceplugin.handlers import Handlers
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.preferred import Preference
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
 from gpumanager.kube import client as kube_client
+from gpumanager.kube import kubelet_checkpoint, nodelabels
+from gpumanager.kube.owners import OwnerResolver
+from gpumanager.kube.patcher import AnnotationPatcher
+from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
+from gpumanager.kube.pods import PodCache
+from gpumanager.metrics.calls import CallMetrics
 from gpumanager.metrics.collector import AgentCollector
+from gpumanager.metrics.containers import ContainerCollector, usage_response
 from gpumanager.metrics.display import DisplayServer, DisplayServicer
 from gpumanager.metrics.http import QueryServer
+from gpumanager.metrics.usage import UsageSampler
 from gpumanager.topology import TopologyTree, build_tree, render_graph
+from gpumanager.vmanager.manager import VirtualManager
 
 log = logging.getLogger(__name__)
 
 # Flags of gpu-manager v1.1 that this version accepts but whose feature it does not have yet.
-_NOT_YET_USED = (
-    "extra_config",
-    "volume_config",
-    "node_labels",
-    "virtual_manager_path",
-    "checkpoint_path",
-    "share_mode",
-    "allocation_check_period",
-    "sample_period",
-    "cgroup_driver",
-    "pod_resources_socket",
-)
-# Flags kept only so existing manifests work: we need no container runtime connection.
-_COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout")
+_NOT_YET_USED = ("volume_config",)
+# Flags kept only so existing manifests work.
+_COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout", "cgroup_driver")
 
 
 class StartupError(RuntimeError):
@@ -66,6 +73,45 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
+class _NoApiServer:
+    """Pod source used when no API server configuration exists: knows no pod, says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def synced(self) -> bool:
+        return False
+
+    def pods(self) -> list[Pod]:
+        return []
+
+    def get(self, uid: str) -> Pod | None:
+        return None
+
+    def find(self, namespace: str, name: str) -> Pod | None:
+        return None
+
+    def refresh(self) -> list[Pod]:
+        raise RuntimeError(self.reason)
+
+
+def load_extra_devices(path: str) -> tuple[str, ...]:
+    """Device paths of ``extra-config.json``'s ``default`` entry; ConfigError names the file and problem."""
+    if not path:
+        return ()
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--extra-config={path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--extra-config={path}: must be a JSON object")
+    default = data.get("default") or {}
+    devices = default.get("devices") or [] if isinstance(default, dict) else None
+    if not isinstance(devices, list) or not all(isinstance(d, str) and d.startswith("/") for d in devices):
+        raise ConfigError(f"--extra-config={path}: default.devices must be a list of absolute paths")
+    return tuple(devices)
+
+
 class Agent:
     """The node agent: owns every component and their order of start and stop."""
 
@@ -73,6 +119,7 @@ class Agent:
         self.config = config
         self.node_name = config.resolved_node_name()
         self.gpus: list[GPUInfo] = []
+        self.driver_version = ""
         self.topology = NodeTopology(levels=())
         self.tree: TopologyTree | None = None
         self.layout: DeviceLayout | None = None
@@ -81,12 +128,20 @@ class Agent:
         self.servicers: list[ResourceServicer] = []
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
+        self.pod_cache: PodCache | None = None
+        self.pods: PodCache | _NoApiServer = _NoApiServer("not started")
+        self.patcher: AnnotationPatcher | None = None
+        self.allocator: Allocator | None = None
+        self.vmanager: VirtualManager | None = None
+        self.sampler: UsageSampler | None = None
         self.registry = CollectorRegistry()
+        self.calls = CallMetrics(self.registry)
         self.component_errors: dict[str, str] = {}
-        self.api_server_version = ""
-        self._lock = threading.RLock()  # guards the tree
+        self._lock = threading.RLock()  # guards the tree and the allocation state
         self._nvml_started = False
         self._device_cache: dict[str, tuple[tuple[str, tuple[int, ...]], list[dp_pb.Device]]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.started_at = 0.0
 
     # -- start ----------------------------------------------------------------------------------
@@ -97,12 +152,19 @@ class Agent:
         self.started_at = time.monotonic()
         log.info("gpu-manager %s starting on node %s", __version__, self.node_name)
         self._log_flag_notes()
+        try:
+            extra_devices = load_extra_devices(cfg.extra_config)
+            labels = parse_node_labels(cfg.node_labels)
+        except ConfigError as exc:
+            raise StartupError(str(exc), 2) from exc
         self._start_nvml()
         self._start_health()
+        self._start_kube(labels)
+        self._start_allocation(extra_devices)
         self._start_display()
         self._start_http()
         self._start_plugins()
-        threading.Thread(target=self._probe_api_server, name="kube-probe", daemon=True).start()
+        self._spawn("allocation-check", self._check_loop)
         log.info(
             "serving %d GPUs: %s=%d, %s=%d devices in %s",
             len(self.gpus),
@@ -112,6 +174,11 @@ class Agent:
             self._layout().count(names.VMEMORY_RESOURCE),
             cfg.device_plugin_path,
         )
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _log_flag_notes(self) -> None:
         defaults = Config()
@@ -124,7 +191,8 @@ class Agent:
         compat = [f for f in _COMPAT_ONLY if getattr(self.config, f) != getattr(defaults, f)]
         if compat:
             log.info(
-                "%s: kept for compatibility; no container runtime connection is needed",
+                "%s: kept for compatibility; no container runtime connection is needed and both cgroup "
+                "drivers are recognised",
                 ", ".join("--" + f.replace("_", "-") for f in compat),
             )
 
@@ -137,6 +205,7 @@ class Agent:
             self.topology = nvml.topology(self.gpus)
         except (nvml.NVMLUnavailableError, nvml.NVMLError) as exc:
             raise StartupError(str(exc), 3) from exc
+        self.driver_version = driver.driver_version
         if not self.gpus:
             log.warning("NVML reports no GPU on this node; advertising no devices")
         log.info(
@@ -172,8 +241,110 @@ class Agent:
         self.health.add_listener(self._on_health_change)
         self.health.start()
 
+    def _start_kube(self, labels: dict[str, str]) -> None:
+        try:
+            api = kube_client.api_client(self.config.kubeconfig)
+        except kube_client.KubeUnavailableError as exc:
+            self._component_failed("api-server", f"{exc}; serving without it (Allocate will refuse)")
+            self.pods = _NoApiServer(str(exc))
+            return
+        self.pod_cache = PodCache(api, self.node_name)
+        self.pod_cache.add_listener(self._on_pod_event)
+        self.pods = self.pod_cache
+        self.pod_cache.start()
+        self.patcher = AnnotationPatcher(api)
+        self.patcher.start()
+        if labels:
+            resolved = nodelabels.resolve(labels, self.gpus[0].name if self.gpus else "")
+            self._spawn("node-labels", lambda: self._label_node(api, resolved))
+
+    def _label_node(self, api: object, labels: dict[str, str]) -> None:
+        if not nodelabels.apply(api, self.node_name, labels):  # type: ignore[arg-type]
+            self._component_failed("node-labels", f"could not label node {self.node_name} with {labels}")
+
+    def _start_allocation(self, extra_devices: tuple[str, ...]) -> None:
+        cfg = self.config
+        vdriver = Path("/etc/gpu-manager/vdriver")
+        settings = AllocatorSettings(
+            share_mode=cfg.share_mode,
+            response=ResponseSettings(
+                vdriver_nvidia=str(vdriver / "nvidia"),
+                vdriver_origin=str(vdriver / "origin"),
+                virtual_manager_path=cfg.virtual_manager_path,
+                extra_devices=extra_devices,
+            ),
+        )
+        self.allocator = Allocator(
+            gpus=self.gpus,
+            tree=self._tree(),
+            lock=self._lock,
+            pods=self.pods,
+            settings=settings,
+            checkpoint_path=Path(cfg.checkpoint_path) / names.OWN_CHECKPOINT,
+        )
+        self.vmanager = VirtualManager(
+            vm_path=Path(cfg.virtual_manager_path),
+            cgroup_root=Path(cfg.cgroup_root),
+            allocation=self.allocator.get,
+            pod=self.pods.get,
+            driver_version=self.driver_version,
+        )
+        self.sampler = UsageSampler(
+            gpus=self.gpus,
+            allocations=self.allocator.allocations,
+            pod=self.pods.get,
+            cgroup_root=Path(cfg.cgroup_root),
+            sample_period=float(cfg.sample_period),
+        )
+        self._recover()
+        self.vmanager.resume(sorted({a.answered[0] for a in self.allocator.allocations()}))
+
+    def _recover(self) -> None:
+        allocator = self._allocator()
+        path = Path(self.config.checkpoint_path) / names.OWN_CHECKPOINT
+        existed = path.exists()
+        try:
+            count, problems = allocator.load()
+        except AllocationError as exc:
+            log.error("our checkpoint is unusable (%s); rebuilding from the kubelet's records", exc)
+            count, problems, existed = 0, [], False
+        for problem in problems:
+            log.warning("checkpoint %s: skipped %s", path, problem)
+        if existed:
+            log.info("recovered %d container allocations from %s", count, path)
+            return
+        self._rebuild_from_kubelet()
+
+    def _rebuild_from_kubelet(self) -> None:
+        allocator = self._allocator()
+        cp_path = Path(self.config.device_plugin_path) / names.KUBELET_CHECKPOINT
+        try:
+            from_cp = recovery.from_kubelet_checkpoint(kubelet_checkpoint.read(cp_path))
+        except kubelet_checkpoint.KubeletCheckpointError as exc:
+            log.warning("cannot use %s: %s", cp_path, exc)
+            from_cp = []
+        taken = allocator.adopt(from_cp, source=str(cp_path))
+        from_pr: list[ContainerAllocation] = []
+        try:
+            entries = PodResourcesClient(Path(self.config.pod_resources_socket)).list()
+        except PodResourcesUnavailableError as exc:
+            log.info("PodResources not available for recovery: %s", exc)
+        else:
+            if entries and self.pod_cache is not None:
+                self.pod_cache.wait_synced(10.0)
+            from_pr = recovery.from_pod_resources(
+                entries, find_pod=self.pods.find, layout=self._layout(), gpus=self.gpus
+            )
+        taken += allocator.adopt(from_pr, source="PodResources")
+        log.info(
+            "rebuilt %d container allocations from the kubelet (checkpoint: %d found, PodResources: %d found)",
+            taken,
+            len(from_cp),
+            len(from_pr),
+        )
+
     def _start_display(self) -> None:
-        servicer = DisplayServicer(graph=self.graph_text, usages=display_pb2.UsageResponse, version=__version__)
+        servicer = DisplayServicer(graph=self.graph_text, usages=self.usages, version=__version__)
         self.display = DisplayServer(servicer, Path(self.config.display_socket))
         try:
             self.display.start()
@@ -183,9 +354,10 @@ class Agent:
 
     def _start_http(self) -> None:
         self.registry.register(AgentCollector(self))
+        self.registry.register(ContainerCollector(self._sample))
         routes: dict[str, Callable[[], Message]] = {
             "/graph": lambda: display_pb2.GraphResponse(graph=self.graph_text()),
-            "/usage": display_pb2.UsageResponse,
+            "/usage": self.usages,
             "/version": lambda: display_pb2.VersionResponse(version=__version__),
         }
         try:
@@ -205,17 +377,31 @@ class Agent:
         layout = self._layout()
         options = dp_pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
         preference = Preference(self._tree(), layout, self._lock)
+        owners = OwnerResolver(
+            pod_resources=PodResourcesClient(Path(self.config.pod_resources_socket)),
+            kubelet_checkpoint_path=Path(self.config.device_plugin_path) / names.KUBELET_CHECKPOINT,
+            find_pod=self._find_pod,
+        )
+        handlers = Handlers(
+            allocator=self._allocator(),
+            layout=layout,
+            owner=owners.owner,
+            prepared=self._prepared,
+            observe=self.calls.observe,
+        )
         dp_dir = Path(self.config.device_plugin_path)
         servers = []
-        for resource, sock in (
-            (names.VCORE_RESOURCE, names.VCORE_SOCKET),
-            (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET),
+        for resource, sock, allocate, pre_start in (
+            (names.VCORE_RESOURCE, names.VCORE_SOCKET, handlers.allocate_core, handlers.pre_start_core),
+            (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, handlers.allocate_memory, handlers.pre_start_memory),
         ):
             servicer = ResourceServicer(
                 resource,
                 devices=functools.partial(self._devices, resource),
                 options=options,
                 preference=functools.partial(preference.choose, resource),
+                allocate=allocate,
+                pre_start=pre_start,
             )
             self.servicers.append(servicer)
             servers.append(PluginServer(servicer, dp_dir / sock))
@@ -238,19 +424,77 @@ class Agent:
                     f"device-plugin server {path} not ready within --wait-timeout={self.config.wait_timeout:g}s", 1
                 ) from exc
 
-    def _probe_api_server(self) -> None:
-        try:
-            api = kube_client.api_client(self.config.kubeconfig)
-            self.api_server_version = kube_client.probe(api)
-        except Exception as exc:
-            self._component_failed("api-server", f"Kubernetes API server not reachable: {exc}; serving without it")
-            return
-        self.component_errors.pop("api-server", None)
-        log.info("Kubernetes API server %s reachable", self.api_server_version)
-
     def _component_failed(self, name: str, message: str) -> None:
         self.component_errors[name] = message
         log.error("%s", message)
+
+    # -- events and periodic work -----------------------------------------------------------------
+
+    def _find_pod(self, namespace: str, name: str) -> Pod | None:
+        pod = self.pods.find(namespace, name)
+        if pod is not None:
+            return pod
+        try:
+            fresh = self.pods.refresh()
+        except Exception as exc:
+            log.warning("cannot look up pod %s/%s: %s", namespace, name, exc)
+            return None
+        for p in fresh:
+            meta = p.get("metadata") or {}
+            if meta.get("namespace") == namespace and meta.get("name") == name:
+                return p
+        return None
+
+    def _prepared(self, alloc: ContainerAllocation) -> None:
+        """After PreStartContainer's check: limit files, then the pod's annotations (not awaited)."""
+        vmanager = self._vmanager()
+        vmanager.prepare(alloc)
+        self._annotate(alloc.pod_uid)
+
+    def _annotate(self, pod_uid: str) -> None:
+        pod = self.pods.get(pod_uid)
+        if pod is None or self.patcher is None:
+            return
+        mine = [a for a in self._allocator().allocations() if a.pod_uid == pod_uid]
+        wanted = missing_annotations(pod, mine)
+        if wanted:
+            meta = pod.get("metadata") or {}
+            self.patcher.submit(str(meta.get("namespace", "")), str(meta.get("name", "")), pod_uid, wanted)
+
+    def _on_pod_event(self, kind: str, pod: Pod) -> None:
+        uid = podinfo.uid(pod)
+        if self.allocator is None:
+            return
+        released = (kind == "DELETED" or podinfo.is_terminated(pod)) and self.allocator.release_pod(uid)
+        if released and self.vmanager is not None and self.pods.synced():
+            self.vmanager.gc(self._active_pod_dirs())
+
+    def _active_pod_dirs(self) -> set[str]:
+        """Pod directories to keep: those of allocations, and of every pod that may still run."""
+        allocs = self._allocator().allocations()
+        alive = {podinfo.uid(p) for p in self.pods.pods() if not podinfo.is_terminated(p)}
+        return {a.pod_uid for a in allocs} | {a.answered[0] for a in allocs} | alive
+
+    def check_allocations(self) -> None:
+        """gpu-manager's periodic check: free pods that are gone, remove their directories,
+        and annotate running pods whose annotations are missing or stale."""
+        allocator = self._allocator()
+        gone = allocator.recycle()
+        if self.pods.synced():
+            self._vmanager().gc(self._active_pod_dirs())
+        for uid in sorted({a.pod_uid for a in allocator.allocations()}):
+            pod = self.pods.get(uid)
+            if pod is not None and podinfo.phase(pod) == "Running":
+                self._annotate(uid)
+        if gone:
+            log.info("periodic check released %d pods that are gone", len(gone))
+
+    def _check_loop(self) -> None:
+        while not self._stop.wait(self.config.allocation_check_period):
+            try:
+                self.check_allocations()
+            except Exception:
+                log.exception("periodic allocation check failed; trying again next period")
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -264,6 +508,16 @@ class Agent:
             raise RuntimeError("the agent has not discovered its GPUs yet")
         return self.layout
 
+    def _allocator(self) -> Allocator:
+        if self.allocator is None:
+            raise RuntimeError("allocation is not started")
+        return self.allocator
+
+    def _vmanager(self) -> VirtualManager:
+        if self.vmanager is None:
+            raise RuntimeError("allocation is not started")
+        return self.vmanager
+
     def _devices(self, resource: str) -> list[dp_pb.Device]:
         health = self.health.snapshot() if self.health is not None else {}
         healthy = {i: s.healthy for i, s in health.items()}
@@ -276,6 +530,20 @@ class Agent:
         with self._lock:
             self._device_cache[resource] = (key, devices)
         return devices
+
+    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
+        """(index, allocatable cores, allocatable bytes, total bytes, available) per GPU."""
+        with self._lock:
+            return [
+                (
+                    leaf.index,
+                    leaf.allocatable_cores,
+                    leaf.allocatable_memory,
+                    leaf.total_memory,
+                    int(leaf.available),
+                )
+                for leaf in self._tree().leaves
+            ]
 
     def graph_text(self) -> str:
         """The topology tree in gpu-manager's PrintGraph format, with processes and memory refreshed from NVML."""
@@ -291,14 +559,24 @@ class Agent:
                 tree.update_usage(index, usage.pids, usage.used_memory)
             return render_graph(tree)
 
+    def _sample(self) -> list:  # type: ignore[type-arg]
+        return self.sampler.sample() if self.sampler is not None else []
+
+    def usages(self) -> display_pb2.UsageResponse:
+        """PrintUsages / GET /usage."""
+        return usage_response(self._sample())
+
     def healthz(self) -> tuple[bool, dict[str, object]]:
         """Liveness: the kubelet watch loop runs. Details name registration state and failed components."""
         plugins_alive = self.plugins is not None and self.plugins.alive()
         registered = self.plugins is not None and self.plugins.status.registered
+        unhealthy = [i for i, s in (self.health.snapshot() if self.health else {}).items() if not s.healthy]
         detail: dict[str, object] = {
             "registered": registered,
             "gpus": len(self.gpus),
-            "unhealthy_gpus": [i for i, s in (self.health.snapshot() if self.health else {}).items() if not s.healthy],
+            "unhealthy_gpus": unhealthy,
+            "pods_synced": self.pods.synced(),
+            "allocations": len(self.allocator.allocations()) if self.allocator else 0,
             "errors": dict(self.component_errors),
         }
         return plugins_alive, detail
@@ -313,12 +591,19 @@ class Agent:
 
     def stop(self) -> None:
         """Stop every component in reverse order and remove our sockets."""
+        self._stop.set()
         if self.plugins is not None:
             self.plugins.stop()
         if self.http is not None:
             self.http.stop()
         if self.display is not None:
             self.display.stop()
+        if self.vmanager is not None:
+            self.vmanager.stop()
+        if self.patcher is not None:
+            self.patcher.stop()
+        if self.pod_cache is not None:
+            self.pod_cache.stop()
         if self.health is not None:
             self.health.stop()
         if self._nvml_started:

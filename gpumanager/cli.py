@@ -82,12 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.container_runtime_endpoint,
         help="accepted for compatibility; container names come from the pod status instead",
     )
-    flag("--cgroup-driver", default=d.cgroup_driver, help="cgroupfs or systemd")
+    flag(
+        "--cgroup-driver",
+        default=d.cgroup_driver,
+        help="accepted for compatibility: both cgroupfs and systemd layouts are found automatically",
+    )
     flag("--runtime-request-timeout", type=_duration, default=d.runtime_request_timeout, help="e.g. 5s")
     flag("--wait-timeout", type=_duration, default=d.wait_timeout, help="max wait for our servers at start, e.g. 1m")
     flag("--display-socket", default=d.display_socket, help="display gRPC socket (default %(default)s)")
     flag("--pod-resources-socket", default=d.pod_resources_socket, help="kubelet PodResources socket")
     flag("--nvml-lib", default=d.nvml_lib, help="path of libnvidia-ml.so.1 (default: the linker's choice)")
+    flag("--cgroup-root", default=d.cgroup_root, help="where the cgroup hierarchy is mounted (v1 or v2)")
+    flag(
+        "--driver-root", default=d.driver_root, help="root of the host's driver files (the image uses /usr/local/host)"
+    )
+    flag("--vcuda-library", default=d.vcuda_library, help="the interceptor swapped in for shared containers")
     flag(
         "--ignored-xids",
         type=_xids,

@@ -43,6 +43,9 @@ class Config:
     display_socket: str = names.DEFAULT_DISPLAY_SOCKET
     pod_resources_socket: str = names.DEFAULT_POD_RESOURCES_SOCKET
     nvml_lib: str = ""
+    cgroup_root: str = "/sys/fs/cgroup"
+    driver_root: str = "/"
+    vcuda_library: str = "/usr/local/lib/gpu-manager/libcuda-control.so"
     ignored_xids: tuple[int, ...] = names.DEFAULT_IGNORED_XIDS
     health_quiet_period: float = 300.0
     health_probe_period: float = 1.0

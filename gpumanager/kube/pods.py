@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kubernetes import client
 
 log = logging.getLogger(__name__)
 
-Pod = dict[str, Any]
+Pod = Mapping[str, Any]
 PodListener = Callable[[str, Pod], None]
 
 _BACKOFF_START = 0.5
@@ -133,7 +133,7 @@ class PodCache:
             field_selector=self._selector, _preload_content=False, _request_timeout=self._timeout
         )
         data = json.loads(response.data)
-        items = [dict(p) for p in data.get("items") or []]
+        items: list[Pod] = [dict(p) for p in data.get("items") or []]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def _relist(self) -> None:

@@ -13,6 +13,7 @@ from gpumanager.device.health import HealthMonitor
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
+from gpumanager.topology import TopologyTree
 
 
 class AgentView(Protocol):
@@ -22,6 +23,10 @@ class AgentView(Protocol):
     layout: DeviceLayout | None
     health: HealthMonitor | None
     plugins: PluginManager | None
+    tree: TopologyTree | None
+
+    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
+        """(index, allocatable cores, allocatable bytes, total bytes, 1 if available for whole GPUs) per GPU."""
 
 
 class AgentCollector(Collector):
@@ -64,6 +69,21 @@ class AgentCollector(Collector):
             xids.add_metric(["false"], float(agent.health.xid_events - agent.health.ignored_xid_events))
             xids.add_metric(["true"], float(agent.health.ignored_xid_events))
             yield xids
+
+        if agent.tree is not None:
+            cores = GaugeMetricFamily(
+                "gpu_manager_gpu_cores", "vcuda-core units of a GPU, by state", labels=["gpu", "state"]
+            )
+            memory = GaugeMetricFamily(
+                "gpu_manager_gpu_memory_bytes", "Memory of a GPU, by allocation state", labels=["gpu", "state"]
+            )
+            for index, free_cores, free_mem, total_mem, _ in agent.tree_snapshot():
+                cores.add_metric([str(index), "allocatable"], float(free_cores))
+                cores.add_metric([str(index), "allocated"], float(names.HUNDRED_CORES - free_cores))
+                memory.add_metric([str(index), "allocatable"], float(free_mem))
+                memory.add_metric([str(index), "allocated"], float(total_mem - free_mem))
+            yield cores
+            yield memory
 
         if agent.plugins is not None:
             status = agent.plugins.status

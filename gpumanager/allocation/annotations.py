@@ -1,0 +1,34 @@
+"""The annotations gpu-manager writes on a pod once its containers have GPUs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import Pod, PodSpecError
+from gpumanager.allocation.records import ContainerAllocation
+
+
+def ready_annotations(pod: Pod, allocations: Sequence[ContainerAllocation]) -> dict[str, str]:
+    """``predicate-gpu-idx-<i>`` with the real GPU minors of each allocated container, and
+    ``gpu-assigned=true`` once every GPU container of the pod has its GPUs."""
+    by_name = {a.container: a for a in allocations}
+    out: dict[str, str] = {}
+    try:
+        wanted = podinfo.gpu_containers(pod)
+    except PodSpecError:
+        return out
+    for request in wanted:
+        alloc = by_name.get(request.name)
+        if alloc is not None:
+            out[f"{names.PREDICATE_GPU_IDX_PREFIX}{request.index}"] = ",".join(str(m) for m in alloc.minors)
+    if wanted and all(r.name in by_name for r in wanted):
+        out[names.GPU_ASSIGNED] = "true"
+    return out
+
+
+def missing_annotations(pod: Pod, allocations: Sequence[ContainerAllocation]) -> dict[str, str]:
+    """The ready annotations the pod does not carry yet (with these values)."""
+    current = podinfo.pod_annotations(pod)
+    return {k: v for k, v in ready_annotations(pod, allocations).items() if current.get(k) != v}

@@ -1,0 +1,134 @@
+"""Allocate and PreStartContainer for both resources: validation, conversion to protobuf, error mapping."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from gpumanager import names
+from gpumanager.allocation.allocator import AllocationError, Allocator
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.response import ContainerResponse
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.deviceplugin.servicer import RequestError
+
+log = logging.getLogger(__name__)
+
+_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "mismatch": grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+OwnerFn = Callable[[str, Sequence[str]], tuple[str, str] | None]
+PreparedFn = Callable[[ContainerAllocation], None]
+Observer = Callable[[str, str, float, bool], None]  # (resource, call, seconds, ok)
+
+
+def to_pb(resp: ContainerResponse) -> pb.ContainerAllocateResponse:
+    """Our plain answer as the kubelet's message."""
+    return pb.ContainerAllocateResponse(
+        envs=resp.envs,
+        mounts=[
+            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only) for m in resp.mounts
+        ],
+        devices=[
+            pb.DeviceSpec(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+            for d in resp.devices
+        ],
+        annotations=resp.annotations,
+    )
+
+
+class Handlers:
+    """The kubelet-facing calls that change allocation state."""
+
+    def __init__(
+        self,
+        *,
+        allocator: Allocator,
+        layout: DeviceLayout,
+        owner: OwnerFn,
+        prepared: PreparedFn,
+        observe: Observer | None = None,
+    ) -> None:
+        self._allocator = allocator
+        self._layout = layout
+        self._owner = owner
+        self._prepared = prepared
+        self._observe = observe
+
+    def _validate(self, resource: str, ids: Sequence[str]) -> None:
+        for device_id in ids:
+            try:
+                self._layout.gpu_of(resource, device_id)
+            except UnknownDeviceError as exc:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    def _timed(self, resource: str, call: str, started: float, ok: bool) -> None:
+        if self._observe is not None:
+            self._observe(resource, call, time.perf_counter() - started, ok)
+
+    def allocate_core(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        """vcuda-core Allocate: one answer per container request (the kubelet sends one)."""
+        started = time.perf_counter()
+        ok = False
+        try:
+            if not request.container_requests:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty container request")
+            answers = []
+            for creq in request.container_requests:
+                ids = list(creq.devices_ids)
+                self._validate(names.VCORE_RESOURCE, ids)
+                try:
+                    answers.append(to_pb(self._allocator.allocate(ids)))
+                except AllocationError as exc:
+                    raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+            ok = True
+            return pb.AllocateResponse(container_responses=answers)
+        finally:
+            self._timed(names.VCORE_RESOURCE, "Allocate", started, ok)
+
+    def allocate_memory(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        """vcuda-memory Allocate: validated, and one empty answer per container request (the memory
+        size is read from the pod spec by the vcuda-core side)."""
+        started = time.perf_counter()
+        ok = False
+        try:
+            for creq in request.container_requests:
+                self._validate(names.VMEMORY_RESOURCE, list(creq.devices_ids))
+            ok = True
+            return pb.AllocateResponse(
+                container_responses=[pb.ContainerAllocateResponse() for _ in request.container_requests]
+            )
+        finally:
+            self._timed(names.VMEMORY_RESOURCE, "Allocate", started, ok)
+
+    def pre_start_core(self, request: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
+        """vcuda-core PreStartContainer: who starts (the kubelet's view), check, write the limit files."""
+        started = time.perf_counter()
+        ok = False
+        try:
+            ids = list(request.devices_ids)
+            self._validate(names.VCORE_RESOURCE, ids)
+            owner = self._owner(names.VCORE_RESOURCE, ids)
+            try:
+                alloc = self._allocator.pre_start(ids, owner)
+            except AllocationError as exc:
+                raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+            self._prepared(alloc)
+            ok = True
+            return pb.PreStartContainerResponse()
+        finally:
+            self._timed(names.VCORE_RESOURCE, "PreStartContainer", started, ok)
+
+    def pre_start_memory(self, request: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
+        """vcuda-memory PreStartContainer: nothing to do beyond validation."""
+        self._validate(names.VMEMORY_RESOURCE, list(request.devices_ids))
+        return pb.PreStartContainerResponse()

@@ -1,0 +1,57 @@
+"""``--node-labels``: labels applied to this node once at start-up, as gpu-manager does.
+
+The key ``gaia.tencent.com/gpu-model`` takes its value from the model of GPU 0:
+the second word of the NVML name when it has more than two words (``NVIDIA H100
+80GB HBM3`` gives ``H100``); otherwise the label is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+
+GPU_MODEL_LABEL = "gaia.tencent.com/gpu-model"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def resolve(labels: dict[str, str], gpu_name: str) -> dict[str, str]:
+    """The labels to apply, with the GPU model filled in."""
+    out = dict(labels)
+    if GPU_MODEL_LABEL in out:
+        words = gpu_name.split()
+        if len(words) > 2:
+            out[GPU_MODEL_LABEL] = words[1]
+        else:
+            log.warning("cannot tell a GPU model from %r; %s not set", gpu_name, GPU_MODEL_LABEL)
+            del out[GPU_MODEL_LABEL]
+    return out
+
+
+def apply(api: client.ApiClient, node: str, labels: dict[str, str], *, timeout: float = 60.0) -> bool:
+    """Merge-patch the labels onto the node, retrying for up to ``timeout`` seconds."""
+    if not labels:
+        return True
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout
+    delay = 1.0
+    while True:
+        try:
+            core.patch_node(node, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH, _request_timeout=10)
+            log.info("labelled node %s: %s", node, labels)
+            return True
+        except ApiException as exc:
+            problem = f"{exc.status} {exc.reason}"
+            if exc.status in (401, 403, 404, 422):
+                log.error("cannot label node %s: %s", node, problem)
+                return False
+        except Exception as exc:
+            problem = str(exc)
+        if time.monotonic() + delay > deadline:
+            log.error("gave up labelling node %s: %s", node, problem)
+            return False
+        time.sleep(delay)

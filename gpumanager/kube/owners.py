@@ -1,0 +1,56 @@
+"""Who holds a set of device IDs, in the kubelet's own view: PodResources first, its checkpoint second."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gpumanager.allocation.pods import Pod
+from gpumanager.kube import kubelet_checkpoint
+from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
+
+log = logging.getLogger(__name__)
+
+FindPod = Callable[[str, str], Pod | None]
+
+
+class OwnerResolver:
+    """Maps device IDs to (pod UID, container) through the kubelet's records."""
+
+    def __init__(
+        self,
+        *,
+        pod_resources: PodResourcesClient | None,
+        kubelet_checkpoint_path: Path,
+        find_pod: FindPod,
+    ) -> None:
+        self._pr = pod_resources
+        self._checkpoint = kubelet_checkpoint_path
+        self._find_pod = find_pod
+        self.last_source = ""
+
+    def owner(self, resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:
+        """(pod UID, container) that the kubelet says holds exactly ``device_ids``; None when nobody says."""
+        if self._pr is not None:
+            try:
+                found = self._pr.owner_of(resource, device_ids)
+            except PodResourcesUnavailableError as exc:
+                log.debug("%s; trying the kubelet checkpoint", exc)
+            else:
+                if found is not None:
+                    namespace, name, container = found
+                    pod = self._find_pod(namespace, name)
+                    if pod is not None:
+                        self.last_source = "PodResources"
+                        return (str((pod.get("metadata") or {}).get("uid", "")), container)
+                    log.warning("PodResources names pod %s/%s, which the pod cache does not know", namespace, name)
+        try:
+            entries = kubelet_checkpoint.read(self._checkpoint)
+        except kubelet_checkpoint.KubeletCheckpointError as exc:
+            log.warning("cannot use the kubelet checkpoint: %s", exc)
+            return None
+        found_cp = kubelet_checkpoint.owner_of(entries, resource, device_ids)
+        if found_cp is not None:
+            self.last_source = "kubelet checkpoint"
+        return found_cp

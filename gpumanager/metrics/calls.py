@@ -1,0 +1,29 @@
+"""Latency and outcome of the kubelet's calls (Allocate, PreStartContainer)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class CallMetrics:
+    """``gpu_manager_call_duration_seconds{resource,call}`` and ``gpu_manager_call_errors_total{resource,call}``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "gpu_manager_call_duration_seconds",
+            "Time spent answering the kubelet",
+            ["resource", "call"],
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "gpu_manager_call_errors", "Kubelet calls answered with an error", ["resource", "call"], registry=registry
+        )
+
+    def observe(self, resource: str, call: str, seconds: float, ok: bool) -> None:
+        """Record one call."""
+        self.duration.labels(resource, call).observe(seconds)
+        if not ok:
+            self.errors.labels(resource, call).inc()

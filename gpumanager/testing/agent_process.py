@@ -43,6 +43,7 @@ class AgentProcess:
         state: Path | None = None,
         extra_args: Sequence[str] = (),
         query_port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.spec = spec
@@ -52,6 +53,7 @@ class AgentProcess:
         self.log_path = workdir / "agent.log"
         self.query_port = query_port if query_port is not None else free_port()
         self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -77,9 +79,9 @@ class AgentProcess:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
         self._log_file = log_file
-        self.proc = subprocess.Popen(
-            self.args, env=sim_env(self.spec, self.state), stdout=log_file, stderr=subprocess.STDOUT
-        )
+        env = sim_env(self.spec, self.state)
+        env.update(self.extra_env)
+        self.proc = subprocess.Popen(self.args, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         return self
 
     @property

@@ -1,0 +1,248 @@
+"""A whole simulated GPU node: API server, kubelet (with PodResources), the agent process, cgroups.
+
+``SimCluster`` plays what a cluster does around the agent: it creates pods as
+gpu-admission would have annotated them (or not), admits them through the
+kubelet simulator (GetPreferredAllocation, Allocate, PreStartContainer for both
+resources), then marks them Running with container IDs and gives each
+container a cgroup with a PID, so the agent finds its processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumanager import names
+from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
+from gpumanager.testing.apiserver import ApiServerSimulator
+from gpumanager.testing.apiserver_objects import pod_manifest
+from gpumanager.testing.kubelet import AllocationRecord, KubeletSimulator
+
+log = logging.getLogger(__name__)
+
+NODE = "sim-node"
+_pid_counter = itertools.count(40000)
+
+
+@dataclass
+class PodRun:
+    """A pod the cluster admitted: its manifest and what the kubelet recorded per container."""
+
+    manifest: dict[str, Any]
+    core: dict[str, AllocationRecord] = field(default_factory=dict)
+    memory: dict[str, AllocationRecord] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def uid(self) -> str:
+        """The pod UID."""
+        return str(self.manifest["metadata"]["uid"])
+
+    @property
+    def name(self) -> str:
+        """The pod name."""
+        return str(self.manifest["metadata"]["name"])
+
+    @property
+    def namespace(self) -> str:
+        """The pod namespace."""
+        return str(self.manifest["metadata"].get("namespace", "default"))
+
+
+def gpu_pod(
+    name: str,
+    containers: Sequence[tuple[str, int, int]],
+    *,
+    namespace: str = "default",
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A pod manifest on the simulated node with (name, vcuda-core, vcuda-memory blocks) containers."""
+    specs = []
+    for cname, cores, blocks in containers:
+        limits: dict[str, str] = {}
+        if cores:
+            limits[names.VCORE_RESOURCE] = str(cores)
+        if blocks:
+            limits[names.VMEMORY_RESOURCE] = str(blocks)
+        specs.append({"name": cname, "limits": limits, "requests": limits})
+    return pod_manifest(name, namespace=namespace, node=NODE, containers=specs, annotations=dict(annotations or {}))
+
+
+def admission_annotations(gpus: Sequence[Sequence[int]], predicate_time: int) -> dict[str, str]:
+    """What gpu-admission writes: one ``predicate-gpu-idx-<i>`` per container, time, node, assigned=false."""
+    out = {f"{names.PREDICATE_GPU_IDX_PREFIX}{i}": ",".join(map(str, g)) for i, g in enumerate(gpus) if g}
+    out[names.PREDICATE_TIME] = str(predicate_time)
+    out[names.PREDICATE_NODE] = NODE
+    out[names.GPU_ASSIGNED] = "false"
+    return out
+
+
+class SimCluster:
+    """Everything around one agent, under ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        spec: str | Path = "h100-nvlink-x8",
+        *,
+        agent_flags: Sequence[str] = (),
+        agent_env: Mapping[str, str] | None = None,
+        pod_resources: bool = True,
+        fill: str = "sorted",
+    ) -> None:
+        self.workdir = workdir
+        self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
+        self.api = ApiServerSimulator()
+        self.kubeconfig = workdir / "kubeconfig"
+        # Unix socket paths are limited to 107 bytes: keep <vm>/<pod uid>/vcuda.sock short.
+        self.vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))
+        self.checkpoint_dir = workdir / "checkpoint"
+        self.cgroup_root = workdir / "cgroup"
+        self.pod_resources_socket = workdir / "pod-resources" / "kubelet.sock"
+        self.kubelet = KubeletSimulator(
+            workdir / "device-plugins",
+            pod_resources_socket=self.pod_resources_socket if pod_resources else None,
+            fill=fill,  # type: ignore[arg-type]
+        )
+        self._agent_flags = list(agent_flags)
+        self._agent_env = dict(agent_env or {})
+        self.agent: AgentProcess | None = None
+        self.runs: dict[str, PodRun] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self, *, wait: bool = True) -> SimCluster:
+        """Start the API server, the kubelet and the agent; wait for registration."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.api.start()
+        self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
+        self.api.write_kubeconfig(self.kubeconfig)
+        self.kubelet.start()
+        self.start_agent(wait=wait)
+        return self
+
+    def agent_args(self) -> list[str]:
+        """The agent's flags (after the harness's own)."""
+        return [
+            f"--kubeconfig={self.kubeconfig}",
+            f"--hostname-override={NODE}",
+            "--share-mode=true",
+            f"--virtual-manager-path={self.vm_path}",
+            f"--checkpoint-path={self.checkpoint_dir}",
+            f"--pod-resources-socket={self.pod_resources_socket}",
+            f"--cgroup-root={self.cgroup_root}",
+            *self._agent_flags,
+        ]
+
+    def start_agent(self, *, wait: bool = True, env: Mapping[str, str] | None = None) -> AgentProcess:
+        """Start (or start again) the agent process."""
+        before = {r: self.kubelet.registration_count(r) for r in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)}
+        merged = {**self._agent_env, **(env or {})}
+        state = self.agent.state if self.agent is not None else None
+        self.agent = AgentProcess(self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged)
+        self.agent.start()
+        if wait:
+            for resource, count in before.items():
+                self.kubelet.wait_for_registration(resource, after=count, timeout=30, with_devices=True)
+            self.agent.wait_for_log("listed", timeout=30)
+        return self.agent
+
+    def stop(self) -> None:
+        """Stop everything."""
+        if self.agent is not None:
+            self.agent.stop()
+        self.kubelet.stop()
+        self.api.stop()
+        shutil.rmtree(self.vm_path, ignore_errors=True)
+
+    def __enter__(self) -> SimCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- pods -------------------------------------------------------------------------------------
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create a pod in the API server (it is Pending, bound to this node)."""
+        created = self.api.create_pod(manifest)
+        self.runs[str(created["metadata"]["uid"])] = PodRun(created)
+        return created
+
+    def admit(self, manifest: Mapping[str, Any], *, create: bool = True) -> PodRun:
+        """Admission as the kubelet does it: Allocate both resources for each GPU container, in order."""
+        pod = self.create(manifest) if create else dict(manifest)
+        run = self.runs[str(pod["metadata"]["uid"])]
+        for c in pod["spec"]["containers"]:
+            limits = (c.get("resources") or {}).get("limits") or {}
+            cores = int(limits.get(names.VCORE_RESOURCE, 0))
+            blocks = int(limits.get(names.VMEMORY_RESOURCE, 0))
+            kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
+            if cores:
+                run.core[c["name"]] = self.kubelet.allocate(names.VCORE_RESOURCE, cores, **kw)
+            if blocks:
+                run.memory[c["name"]] = self.kubelet.allocate(names.VMEMORY_RESOURCE, blocks, **kw)
+        return run
+
+    def start_containers(self, run: PodRun) -> None:
+        """PreStartContainer for each GPU container, then Running with container IDs and cgroups."""
+        for name in run.core:
+            self.kubelet.pre_start(names.VCORE_RESOURCE, pod_uid=run.uid, container_name=name)
+            if name in run.memory:
+                self.kubelet.pre_start(names.VMEMORY_RESOURCE, pod_uid=run.uid, container_name=name)
+        statuses = []
+        for c in run.manifest["spec"]["containers"]:
+            cid = f"{run.uid[:8]}{c['name']}".replace("-", "")
+            pid = next(_pid_counter)
+            run.pids[c["name"]] = pid
+            d = self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "cgroup.procs").write_text(f"{pid}\n")
+            statuses.append(
+                {
+                    "name": c["name"],
+                    "containerID": f"containerd://{cid}",
+                    "ready": True,
+                    "restartCount": 0,
+                    "image": "cuda",
+                    "imageID": "",
+                    "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
+                }
+            )
+        self.api.set_pod_phase(run.namespace, run.name, "Running", containerStatuses=statuses, qosClass="Guaranteed")
+
+    def run_pod(self, manifest: Mapping[str, Any]) -> PodRun:
+        """Create, admit and start a pod."""
+        run = self.admit(manifest)
+        self.start_containers(run)
+        return run
+
+    def delete(self, run: PodRun) -> None:
+        """The pod ends: deleted from the API server and forgotten by the kubelet."""
+        self.api.delete_pod(run.namespace, run.name)
+        self.kubelet.remove_pod(run.uid)
+
+    def pod(self, run: PodRun) -> dict[str, Any]:
+        """The pod as the API server has it now."""
+        found = self.api.get_pod(run.namespace, run.name)
+        if found is None:
+            raise KeyError(f"pod {run.namespace}/{run.name} is gone")
+        return found
+
+    def wait_annotations(self, run: PodRun, expected: Mapping[str, str], timeout: float = 10.0) -> dict[str, str]:
+        """Wait until the pod carries ``expected`` annotations; returns them all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = (self.pod(run).get("metadata") or {}).get("annotations") or {}
+            if all(current.get(k) == v for k, v in expected.items()):
+                return dict(current)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pod {run.name} annotations {current} do not include {dict(expected)}")
+            time.sleep(0.05)

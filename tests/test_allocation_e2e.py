@@ -1,0 +1,258 @@
+"""Pods through the whole node-side life: API server, kubelet (PodResources), agent process, simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumanager import names
+from gpumanager.api import vcuda_pb2, vcuda_pb2_grpc
+from gpumanager.testing.cluster import SimCluster, admission_annotations, gpu_pod
+from gpumanager.testing.gpusim_state import load_spec
+from gpumanager.testing.kubelet import KubeletSimError, PluginRPCError
+from gpumanager.vmanager import files
+from tests.agent_fixtures import gpusim
+
+CORE = names.VCORE_RESOURCE
+MEM = names.VMEMORY_RESOURCE
+BLOCK = names.MEMORY_BLOCK_BYTES
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, sim_built: Path) -> Iterator[SimCluster]:
+    c = SimCluster(tmp_path, "h100-nvlink-x8", agent_flags=["--allocation-check-period=1"])
+    c.start()
+    yield c
+    c.stop()
+
+
+def uuids() -> list[str]:
+    return [g.uuid for g in load_spec(Path("deploy/sim/h100-nvlink-x8.json")).gpus]
+
+
+def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
+    data = json.loads((c.checkpoint_dir / names.OWN_CHECKPOINT).read_text())
+    return data["PodGPUMapping"]  # type: ignore[no-any-return]
+
+
+def test_annotated_share_pod_end_to_end(cluster: SimCluster) -> None:
+    pod = gpu_pod("train", [("main", 30, 8)], annotations=admission_annotations([[5]], 1000))
+    run = cluster.run_pod(pod)
+    resp = run.core["main"].response
+    assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == uuids()[5]
+    assert resp.envs["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/main/vcuda.config"
+    assert [d.host_path for d in resp.devices] == ["/dev/nvidia5", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert [(m.container_path, m.host_path) for m in resp.mounts] == [
+        ("/usr/local/nvidia", "/etc/gpu-manager/vdriver/nvidia"),
+        ("/etc/vcuda", str(cluster.vm_path / run.uid)),
+    ]
+    assert dict(resp.annotations) == {
+        CORE: "30",
+        MEM: str(8 * BLOCK),
+        names.VDEVICE_ANNOTATION: "/dev/nvidia5",
+    }
+    assert run.memory["main"].response.ByteSize() == 0
+    cfg = files.unpack((cluster.vm_path / run.uid / "main" / "vcuda.config").read_bytes())
+    assert (cfg.pod_uid, cfg.container_name, cfg.gpu_memory, cfg.utilization, cfg.hard_limit, cfg.enable) == (
+        run.uid,
+        "main",
+        8 * BLOCK,
+        30,
+        1,
+        1,
+    )
+    cluster.wait_annotations(run, {"tencent.com/predicate-gpu-idx-0": "5", "tencent.com/gpu-assigned": "true"})
+    assert checkpoint(cluster)[run.uid]["main"]["Devices"] == ["/dev/nvidia5"]
+
+
+def test_unannotated_pods_whole_and_multi_gpu(cluster: SimCluster) -> None:
+    four = cluster.run_pod(gpu_pod("four", [("m", 400, 0)]))
+    assert (
+        four.core["m"].response.annotations[names.VDEVICE_ANNOTATION]
+        == "/dev/nvidia0,/dev/nvidia1,/dev/nvidia2,/dev/nvidia3"
+    )
+    assert four.core["m"].response.mounts[0].host_path == "/etc/gpu-manager/vdriver/origin"
+    two = cluster.run_pod(gpu_pod("two", [("m", 200, 0)]))
+    assert two.core["m"].response.annotations[names.VDEVICE_ANNOTATION] == "/dev/nvidia4,/dev/nvidia5"
+    one = cluster.run_pod(gpu_pod("one", [("a", 100, 0), ("b", 20, 4)]))
+    devs = {c: r.response.annotations[names.VDEVICE_ANNOTATION] for c, r in one.core.items()}
+    assert devs["a"] in ("/dev/nvidia6", "/dev/nvidia7") and devs["b"] in ("/dev/nvidia6", "/dev/nvidia7")
+    assert devs["a"] != devs["b"]
+    cluster.wait_annotations(
+        one,
+        {
+            "tencent.com/predicate-gpu-idx-0": devs["a"][-1],
+            "tencent.com/predicate-gpu-idx-1": devs["b"][-1],
+            "tencent.com/gpu-assigned": "true",
+        },
+    )
+    # The GetPreferredAllocation answer steered the kubelet onto the same GPUs.
+    assert {int(i.rsplit("-", 1)[1]) // 100 for i in two.core["m"].device_ids} == {4, 5}
+
+
+def test_identical_pods_arriving_together_get_distinct_gpus(cluster: SimCluster) -> None:
+    pods = [gpu_pod(f"p{i}", [("c", 100, 0)]) for i in range(8)]
+    for p in pods:
+        cluster.create(p)
+    runs = list(cluster.runs.values())
+    errors: list[BaseException] = []
+
+    def admit(run_index: int) -> None:
+        try:
+            cluster.admit(runs[run_index].manifest, create=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=admit, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    mapping = checkpoint(cluster)
+    assert sorted(mapping) == sorted(r.uid for r in runs)
+    assert sorted(d for per in mapping.values() for e in per.values() for d in e["Devices"]) == [  # type: ignore[attr-defined]
+        f"/dev/nvidia{i}" for i in range(8)
+    ]
+    with pytest.raises(KubeletSimError, match="Requested: 100, Available: 0"):
+        cluster.admit(gpu_pod("ninth", [("c", 100, 0)]))
+
+
+def test_prestart_through_the_kubelet_checkpoint_without_podresources(tmp_path: Path, sim_built: Path) -> None:
+    with SimCluster(tmp_path, "v100-pcie-x4", pod_resources=False) as c:
+        run = c.run_pod(gpu_pod("x", [("c", 50, 4)]))
+        assert (c.vm_path / run.uid / "c" / "vcuda.config").exists()
+        c.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
+
+
+def test_bad_requests_fail_admission_clearly(cluster: SimCluster) -> None:
+    # Distinct core counts: a pod that failed admission stays Pending until the kubelet marks it Failed.
+    cases = [
+        (
+            gpu_pod("badidx", [("c", 45, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "x"}),
+            "predicate-gpu-idx-0='x'",
+        ),
+        (
+            gpu_pod("pastlast", [("c", 46, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "8"}),
+            "GPU 8, which this node does not have",
+        ),
+        (gpu_pod("odd", [("c", 150, 0)]), "not a multiple of 100"),
+        (gpu_pod("nomem", [("c", 47, 0)]), "needs tencent.com/vcuda-memory > 0"),
+        (gpu_pod("huge", [("c", 48, 400)]), "larger than any GPU"),
+    ]
+    for manifest, message in cases:
+        with pytest.raises(PluginRPCError) as err:
+            cluster.admit(manifest)
+        assert message in err.value.details, err.value.details
+        assert manifest["metadata"]["name"] in err.value.details
+    assert checkpoint_or_empty(cluster) == {}
+
+
+def checkpoint_or_empty(c: SimCluster) -> dict[str, object]:
+    path = c.checkpoint_dir / names.OWN_CHECKPOINT
+    return json.loads(path.read_text())["PodGPUMapping"] if path.exists() else {}  # type: ignore[no-any-return]
+
+
+def test_api_server_down_during_allocate(cluster: SimCluster) -> None:
+    cluster.api.set_down(True)
+    try:
+        with pytest.raises(PluginRPCError) as err:
+            _admit_unknown(cluster)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "API server cannot be asked" in err.value.details
+    finally:
+        cluster.api.set_down(False)
+    assert checkpoint_or_empty(cluster) == {}
+
+
+def _admit_unknown(cluster: SimCluster) -> None:
+    # A pod the agent's cache has not seen: the agent must ask the API server, which is down.
+    cluster.kubelet.allocate(CORE, 100, pod_uid="unknown-uid", container_name="c")
+
+
+def test_deleted_pod_is_released_and_its_directory_removed(cluster: SimCluster) -> None:
+    run = cluster.run_pod(gpu_pod("gone", [("c", 100, 0)]))
+    assert (cluster.vm_path / run.uid).is_dir()
+    cluster.delete(run)
+    deadline = time.monotonic() + 10
+    while run.uid in checkpoint_or_empty(cluster) or (cluster.vm_path / run.uid).exists():
+        assert time.monotonic() < deadline, "pod not released"
+        time.sleep(0.1)
+    again = cluster.run_pod(gpu_pod("next", [("c", 800, 0)]))
+    assert again.core["c"].response.annotations[names.VDEVICE_ANNOTATION].count("/dev/nvidia") == 8
+
+
+def test_vcuda_sock_registration_and_isolation(cluster: SimCluster) -> None:
+    a = cluster.run_pod(gpu_pod("a", [("main", 40, 4)]))
+    b = cluster.run_pod(gpu_pod("b", [("main", 40, 4)]))
+    sock = cluster.vm_path / a.uid / "vcuda.sock"
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        stub = vcuda_pb2_grpc.VCUDAServiceStub(ch)
+        stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_name="main"), timeout=5)
+        assert files.read_pids(cluster.vm_path / a.uid / "main" / "pids.config") == [a.pids["main"]]
+        cid = f"{a.uid[:8]}main".replace("-", "")
+        stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_id=cid), timeout=5)
+        assert (cluster.vm_path / a.uid / cid / "vcuda.config").stat().st_size == 8240
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=b.uid, container_name="main"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_name="intruder"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert not (cluster.vm_path / a.uid / "intruder").exists()
+    assert not (cluster.vm_path / b.uid / "main" / "pids.config").exists()
+
+
+def test_metrics_and_usage(cluster: SimCluster) -> None:
+    run = cluster.run_pod(gpu_pod("metered", [("main", 50, 8), ("side", 0, 0)]))
+    assert cluster.agent is not None
+    gpu = int(run.core["main"].response.annotations[names.VDEVICE_ANNOTATION][-1])
+    gpusim(
+        cluster.agent,
+        "proc",
+        "--gpu",
+        str(gpu),
+        "--pid",
+        str(run.pids["main"]),
+        "--used-mib",
+        "1500",
+        "--sm-percent",
+        "37",
+    )
+    gpusim(cluster.agent, "proc", "--gpu", str(gpu), "--pid", "77", "--used-mib", "999")  # not ours
+    base = f"http://127.0.0.1:{cluster.agent.query_port}"
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.read().decode())
+            for s in family.samples
+        }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    main = {"pod_name": "metered", "namespace": "default", "node": "sim-node", "container_name": "main"}
+    side = {**main, "container_name": "side"}
+    assert value("container_gpu_memory_total", **main, gpu_memory=f"gpu{gpu}") == 1500.0
+    assert value("container_gpu_memory_total", **main, gpu_memory="total") == 1500.0
+    assert value("container_gpu_utilization", **main, gpu=f"gpu{gpu}") == 37.0
+    assert value("container_request_gpu_utilization", **main, req_of_gpu="total") == 0.5
+    assert value("container_request_gpu_memory", **main, req_of_gpu_memory="total") == 2048.0
+    assert value("container_request_gpu_utilization", **side, req_of_gpu="total") == 0.0
+    assert value("gpu_manager_gpu_cores", gpu=str(gpu), state="allocated") == 50.0
+    assert value("gpu_manager_call_duration_seconds_count", call="Allocate", resource=CORE) >= 1
+    with urllib.request.urlopen(base + "/usage", timeout=10) as r:
+        usage = json.loads(r.read())["usage"][run.uid]
+    assert usage["project"] == "default"
+    dev = usage["stat"]["main"]["dev"][0]
+    assert dev["card_idx"] == str(gpu) and dev["pids"] == [run.pids["main"]] and dev["mem"] == 1500.0
+    assert usage["spec"]["main"] == {"gpu": 0.5, "mem": 2048.0}

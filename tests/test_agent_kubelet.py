@@ -225,14 +225,19 @@ def test_dead_kubelet_socket_is_retried(tmp_path: Path, start_agent: StartAgent)
         sim.stop()
 
 
-def test_preferred_allocation_and_unimplemented_allocate(kubelet: KubeletSimulator, start_agent: StartAgent) -> None:
-    start_agent("v100-pcie-x4")
+def test_preferred_allocation_and_allocate_without_api_server(
+    kubelet: KubeletSimulator, start_agent: StartAgent
+) -> None:
+    agent = start_agent("v100-pcie-x4")
     registered(kubelet)
     kubelet.wait_for_devices(CORE, 400)
     with pytest.raises(PluginRPCError) as err:
         kubelet.allocate(CORE, 200, pod_uid="pod-a", container_name="main")
-    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
-    assert "Allocate is not implemented" in str(err.value)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "API server cannot be asked" in err.value.details
+    assert "no-kubeconfig" in err.value.details
+    assert kubelet.allocations() == []
+    assert "Invalid kube-config file" in agent.log_text()
     # Ask the plugin directly what it prefers: two whole GPUs of one PIX pair.
     with grpc.insecure_channel(f"unix://{kubelet.socket_path.parent / 'vcore.sock'}") as ch:
         stub = dp_grpc.DevicePluginStub(ch)

@@ -15,6 +15,7 @@ from gpumanager.allocation.response import ContainerResponse
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
 from gpumanager.deviceplugin.servicer import RequestError
+from gpumanager.faults import crash_point
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class Handlers:
                 alloc = self._allocator.pre_start(ids, owner)
             except AllocationError as exc:
                 raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+            crash_point("prestart-before-files")
             self._prepared(alloc)
+            crash_point("prestart-after-files")
             ok = True
             return pb.PreStartContainerResponse()
         finally:

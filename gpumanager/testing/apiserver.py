@@ -1,0 +1,477 @@
+"""A Kubernetes API-server simulator that the real ``kubernetes`` Python client talks to.
+
+It serves core/v1 ``pods`` (namespaced) and ``nodes`` over plain HTTP on 127.0.0.1, with the
+real server's JSON shapes, so a client built from :meth:`ApiServerSimulator.write_kubeconfig`
+deserialises its answers into ``V1Pod``, ``V1PodList``, ``V1Node``, ``V1Status`` as usual.
+Used by end-to-end tests, benchmarks and the demo of the node agent.
+
+Served (see :mod:`~gpumanager.testing.apiserver_http` for the routing):
+
+* ``GET /api/v1/pods``, ``GET|POST|DELETE /api/v1/namespaces/{ns}/pods``: list (``labelSelector``,
+  ``fieldSelector``, ``resourceVersion``/``resourceVersionMatch``, ``limit``/``continue``), watch
+  (``watch=true`` or ``/api/v1/watch/...``; ``resourceVersion``, ``timeoutSeconds``,
+  ``allowWatchBookmarks``, ``sendInitialEvents``), create, delete-collection;
+* ``GET|PUT|PATCH|DELETE /api/v1/namespaces/{ns}/pods/{name}``, ``GET|PUT|PATCH .../status``,
+  ``POST .../binding``;
+* the same for ``/api/v1/nodes`` (cluster-scoped; delete answers a ``Status``);
+* ``/version``, ``/api``, ``/api/v1``, ``/apis``, ``/healthz``, ``/livez``, ``/readyz``.
+
+Semantics kept from the real server: one cluster-wide resourceVersion counter (a write bumps it;
+a write that changes nothing does not); optimistic concurrency (a stale
+``metadata.resourceVersion`` in a PUT or a patch answers 409 Conflict); watch from a
+resourceVersion no longer in the bounded history answers HTTP 200 with one ``ERROR`` event
+carrying a 410 ``Expired`` Status; a watch without resourceVersion (or ``"0"``) starts with an
+``ADDED`` event per existing object; selectors apply to watches, and an object that stops (starts)
+matching arrives as ``DELETED`` (``ADDED``); ``Status`` objects for errors with the real codes,
+reasons and messages; pod defaulting and validation
+(:mod:`~gpumanager.testing.apiserver_objects`); optional graceful pod deletion
+(``graceful_delete=True``: a scheduled, non-terminal pod only gets ``deletionTimestamp`` until
+:meth:`ApiServerSimulator.finish_deletion`, as the kubelet would do) and finalizers.
+
+Differences a client may notice:
+
+* namespaces are not objects: any namespace exists; only pods and nodes are served (other
+  resources answer 404);
+* strategic merge patch is approximated (see :mod:`~gpumanager.testing.apiserver_patch`);
+  server-side apply (``application/apply-patch+yaml``) answers 415;
+* no ``managedFields``, no ``metadata.generation``; quantities are kept as sent (strings; numbers
+  become strings) rather than canonicalised (``"1000m"`` stays ``"1000m"``);
+* only JSON (no protobuf/CBOR/YAML, no ``Table`` output, ``pretty`` ignored);
+* a watch from a resourceVersion newer than the current one waits for it silently;
+  bookmarks come every ``bookmark_interval`` seconds when ``allowWatchBookmarks`` is set; without
+  ``timeoutSeconds`` a watch stays open until closed (no random server-side timeout);
+* the direct helpers (:meth:`ApiServerSimulator.create_pod` ...) bypass validation of updates, keep
+  a given ``metadata.uid`` and status on create, and :meth:`~ApiServerSimulator.update_pod`
+  always writes (new resourceVersion and a MODIFIED event) even when nothing changed;
+* ``set_down(True)`` answers 503 without ``Retry-After`` (urllib3 would otherwise retry it).
+
+Run as a process for demos (serves until SIGTERM/SIGINT)::
+
+    python -m gpumanager.testing.apiserver --kubeconfig /tmp/kubeconfig [--node node-1] [--port N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Self
+
+import kubernetes.client
+import kubernetes.config
+
+from gpumanager.testing.apiserver_errors import ApiError
+from gpumanager.testing.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
+from gpumanager.testing.apiserver_http import HttpContext, SimHTTPServer, version_info
+from gpumanager.testing.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
+from gpumanager.testing.apiserver_ops import Operations
+from gpumanager.testing.apiserver_store import Store
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+__all__ = ["ApiError", "ApiServerSimulator", "DownMode", "RequestRecord", "main", "pod_manifest"]
+
+CONTEXT_NAME = "gpumanager-sim"
+
+
+class ApiServerSimulator:
+    """An in-process Kubernetes API server for pods and nodes (thread-safe).
+
+    Use as a context manager, or :meth:`start` / :meth:`stop`::
+
+        with ApiServerSimulator() as sim:
+            sim.add_node("node-1")
+            sim.create_pod(pod_manifest("p0"))
+            v1 = kubernetes.client.CoreV1Api(sim.client())
+            v1.list_pod_for_all_namespaces(field_selector="spec.nodeName=node-1")
+
+    ``history``: changes kept for watch resumption (older resourceVersions answer 410).
+    ``token``: when set, requests must carry ``Authorization: Bearer <token>`` (401 otherwise;
+    none at all is the anonymous user, who may read only ``/version`` and the health paths).
+    ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); by
+    default a DELETE removes the pod at once. ``bookmark_interval``: seconds between BOOKMARK
+    events on watches that allow them. ``version``: the ``gitVersion`` of ``/version``.
+    """
+
+    def __init__(
+        self,
+        *,
+        history: int = 1000,
+        token: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        graceful_delete: bool = False,
+        bookmark_interval: float = 1.0,
+        version: str = "v1.31.4",
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._store = Store(history)
+        self._faults = Faults()
+        self._requests = RequestLog()
+        self._ops = Operations(self._store, graceful_delete=graceful_delete)
+        self._ctx = HttpContext(
+            store=self._store,
+            ops=self._ops,
+            faults=self._faults,
+            requests=self._requests,
+            version=version_info(version),
+            token=token,
+            bookmark_interval=bookmark_interval,
+        )
+        self._lock = threading.Lock()
+        self._server: SimHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Self:
+        """Listen (on a free port unless one was given) and serve in a background thread."""
+        with self._lock:
+            if self._started:
+                return self
+            self._ctx.stopping.clear()
+            self._listen()
+            self._started = True
+        log.info("API-server simulator listening on %s", self.url)
+        return self
+
+    def _listen(self) -> None:
+        server = SimHTTPServer((self._host, self._port), self._ctx)
+        self._port = int(server.server_address[1])
+        self._ctx.server_address = f"{self._host}:{self._port}"
+        thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"apiserver-sim-{self._port}", daemon=True
+        )
+        thread.start()
+        self._server, self._thread = server, thread
+
+    def _unlisten(self) -> None:
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        server.drop_connections()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def stop(self) -> None:
+        """Close every watch and connection and stop listening. Safe to call twice."""
+        with self._lock:
+            if not self._started:
+                return
+            self._started = False
+            self._ctx.stopping.set()
+            self._store.close_watches()
+            self._unlisten()
+        log.info("API-server simulator on port %d stopped", self._port)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        """The TCP port (known once started)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        if not self._port:
+            raise RuntimeError("the API-server simulator is not started")
+        return f"http://{self._host}:{self._port}"
+
+    # ------------------------------------------------------------------ clients
+
+    def kubeconfig(self, namespace: str = "default") -> JSON:
+        """The kubeconfig document pointing at this server (token user when a token is set)."""
+        user: JSON = {"token": self._ctx.token} if self._ctx.token else {}
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "preferences": {},
+            "clusters": [{"name": CONTEXT_NAME, "cluster": {"server": self.url}}],
+            "users": [{"name": CONTEXT_NAME, "user": user}],
+            "contexts": [
+                {
+                    "name": CONTEXT_NAME,
+                    "context": {"cluster": CONTEXT_NAME, "user": CONTEXT_NAME, "namespace": namespace},
+                }
+            ],
+            "current-context": CONTEXT_NAME,
+        }
+
+    def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
+        """Write :meth:`kubeconfig` to ``path`` (JSON, which is YAML) and return the path."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(self.kubeconfig(namespace), indent=2) + "\n")
+        return target
+
+    def client(self, *, retries: int | bool | None = None) -> Any:
+        """A ``kubernetes.client.ApiClient`` configured from :meth:`kubeconfig`.
+
+        ``retries`` is urllib3's (connection errors only; ``False``/``0`` for none); the
+        client's default is 3.
+        """
+        cfg = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config_from_dict(config_dict=self.kubeconfig(), client_configuration=cfg)  # type: ignore[no-untyped-call]
+        if retries is not None:
+            cfg.retries = retries
+        return kubernetes.client.ApiClient(cfg)
+
+    # ------------------------------------------------------------------ pods
+
+    def create_pod(self, manifest: Mapping[str, Any]) -> JSON:
+        """Store a pod as if created through the API (ADDED), keeping a given uid and status.
+
+        Defaults and validation apply as on ``POST``; errors raise :class:`ApiError`.
+        """
+        body = copy.deepcopy(dict(manifest))
+        namespace = str(meta(body).get("namespace") or "default")
+        return self._ops.create(PODS, namespace, body, {}, from_api=False)
+
+    def get_pod(self, namespace: str, name: str) -> JSON | None:
+        """A copy of the stored pod, or None."""
+        return self._store.get(PODS, (namespace, name))
+
+    def update_pod(self, namespace: str, name: str, fn: Callable[[JSON], None]) -> JSON:
+        """Change a pod in place with ``fn(pod)``; always a new resourceVersion and MODIFIED.
+
+        No update rules apply (``spec.nodeName`` may be set, for instance). Raises
+        :class:`ApiError` 404 when the pod does not exist.
+        """
+
+        def mutate(pod: JSON) -> JSON:
+            fn(pod)
+            meta(pod).pop("resourceVersion", None)
+            return pod
+
+        return self._store.update(PODS, (namespace, name), mutate, always_write=True)
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str, **status: Any) -> JSON:
+        """Set ``status.phase`` (and any other status fields given, e.g. ``podIP="10.0.0.5"``)."""
+
+        def change(pod: JSON) -> None:
+            st = pod.setdefault("status", {})
+            st["phase"] = phase
+            st.update(copy.deepcopy(status))
+
+        return self.update_pod(namespace, name, change)
+
+    def delete_pod(self, namespace: str, name: str) -> JSON | None:
+        """Remove a pod at once (DELETED), ignoring grace and finalizers; None when absent."""
+        return self._store.remove_now(PODS, (namespace, name))
+
+    def finish_deletion(self, namespace: str, name: str) -> JSON | None:
+        """Complete a graceful deletion as the kubelet does (a DELETE with grace 0).
+
+        The pod goes away unless finalizers hold it; returns the last state, None when absent.
+        """
+        try:
+            obj, _deleted = self._store.delete(PODS, (namespace, name), grace_seconds=0)
+        except ApiError as err:
+            if err.code == 404:
+                return None
+            raise
+        return obj
+
+    def pods(self, namespace: str | None = None) -> list[JSON]:
+        """Copies of every pod (of one namespace), ordered by namespace and name."""
+        return [p for p in self._store.iter_objects(PODS) if namespace is None or meta(p).get("namespace") == namespace]
+
+    # ------------------------------------------------------------------ nodes
+
+    def add_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        capacity: Mapping[str, str | int] | None = None,
+        *,
+        allocatable: Mapping[str, str | int] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        ready: bool = True,
+    ) -> JSON:
+        """Register a node as a kubelet would (default labels, capacity, Ready condition)."""
+        node = node_object(
+            name, labels=labels, capacity=capacity, allocatable=allocatable, annotations=annotations, ready=ready
+        )
+        return self._ops.create(NODES, None, node, {}, from_api=False)
+
+    def get_node(self, name: str) -> JSON | None:
+        """A copy of the stored node, or None."""
+        return self._store.get(NODES, ("", name))
+
+    def update_node(self, name: str, fn: Callable[[JSON], None]) -> JSON:
+        """Change a node in place with ``fn(node)``; always a new resourceVersion and MODIFIED."""
+
+        def mutate(node: JSON) -> JSON:
+            fn(node)
+            meta(node).pop("resourceVersion", None)
+            return node
+
+        return self._store.update(NODES, ("", name), mutate, always_write=True)
+
+    def delete_node(self, name: str) -> JSON | None:
+        """Remove a node at once (DELETED); None when absent."""
+        return self._store.remove_now(NODES, ("", name))
+
+    def nodes(self) -> list[JSON]:
+        """Copies of every node, ordered by name."""
+        return list(self._store.iter_objects(NODES))
+
+    # ------------------------------------------------------------------ history and log
+
+    @property
+    def resource_version(self) -> int:
+        """The current cluster-wide resourceVersion."""
+        return self._store.rv
+
+    def compact(self, before_rv: int | str | None = None) -> int:
+        """Drop history before ``before_rv`` (default: all of it), as etcd compaction does.
+
+        A watch or exact list from a resourceVersion older than ``before_rv - 1`` then gets 410.
+        Returns the oldest resourceVersion still usable.
+        """
+        return self._store.compact(int(before_rv) if before_rv is not None else None)
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        """Every request answered so far (method, path, query, status, content type, body)."""
+        return self._requests.snapshot()
+
+    def clear_requests(self) -> None:
+        """Empty :attr:`requests`."""
+        self._requests.clear()
+
+    # ------------------------------------------------------------------ faults
+
+    def set_down(self, down: bool, mode: DownMode = "503") -> None:
+        """Take the server down or bring it back.
+
+        ``mode="503"``: every request is answered 503 ServiceUnavailable and open watches end.
+        ``mode="refuse"``: the listening socket closes (connections are refused) and open
+        connections and watches are dropped; coming back listens on the same port.
+        """
+        with self._lock:
+            was = self._faults.down
+            if down:
+                if mode not in ("503", "refuse"):
+                    raise ValueError(f"mode must be '503' or 'refuse', got {mode!r}")
+                self._faults.down = mode
+                if mode == "refuse":
+                    self._store.close_watches(abrupt=True)
+                    if self._started:
+                        self._unlisten()
+                else:
+                    self._store.close_watches()
+                    if was == "refuse" and self._started:
+                        self._listen()
+            else:
+                self._faults.down = None
+                if was == "refuse" and self._started:
+                    self._listen()
+        log.info("API-server simulator %s", f"down ({mode})" if down else "up")
+
+    def fail_next(
+        self,
+        method: str | None,
+        path_regex: str,
+        status: int = 500,
+        count: int = 1,
+        *,
+        message: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        """Answer the next ``count`` requests matching ``method`` (None or ``*``: any) and
+        ``path_regex`` (``re.search`` on the path, no query) with a ``status`` Status object.
+
+        ``retry_after`` adds a ``Retry-After`` header; urllib3 (the client's transport) retries
+        413/429/503 answers carrying one by itself, up to its retry limit.
+        """
+        self._faults.fail_next(method, path_regex, status, count, message, retry_after)
+
+    def delay(self, path_regex: str, seconds: float, *, method: str | None = None, count: int | None = None) -> None:
+        """Hold matching requests ``seconds`` before answering (``seconds <= 0`` removes the rule);
+        ``count`` limits how many requests are held."""
+        self._faults.delay(method, path_regex, seconds, count)
+
+    def clear_faults(self) -> None:
+        """Forget every :meth:`fail_next` and :meth:`delay` rule."""
+        self._faults.clear()
+
+    def close_watches(self, *, abrupt: bool = False) -> int:
+        """End every open watch stream; returns how many were open.
+
+        Cleanly (the chunked response ends, as on a server-side timeout) by default; ``abrupt``
+        drops the connections instead. Either way the client has to watch again.
+        """
+        return self._store.close_watches(abrupt=abrupt)
+
+    def watch_count(self) -> int:
+        """How many watch streams are open."""
+        return self._store.watcher_count()
+
+    def wait_for_watches(self, count: int = 1, timeout: float = 5.0) -> bool:
+        """Wait until at least ``count`` watch streams are open; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._store.watcher_count() >= count:
+                return True
+            time.sleep(0.01)
+        return self._store.watcher_count() >= count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, with a kubeconfig written for clients."""
+    parser = argparse.ArgumentParser(prog="python -m gpumanager.testing.apiserver", description=__doc__.split("\n")[0])
+    parser.add_argument("--kubeconfig", required=True, help="where to write the kubeconfig for clients")
+    parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--token", default=None, help="require this bearer token")
+    parser.add_argument("--node", action="append", default=[], help="register a node (repeatable)")
+    parser.add_argument("--history", type=int, default=1000, help="changes kept for watch resumption")
+    parser.add_argument("--graceful-delete", action="store_true", help="pods get deletionTimestamp first")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sim = ApiServerSimulator(
+        history=args.history, token=args.token, port=args.port, graceful_delete=args.graceful_delete
+    )
+    with sim:
+        for name in args.node:
+            sim.add_node(name)
+        path = sim.write_kubeconfig(args.kubeconfig)
+        log.info("kubeconfig for %s written to %s", sim.url, path)
+        done.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

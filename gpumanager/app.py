@@ -326,7 +326,7 @@ class Agent:
         taken = allocator.adopt(from_cp, source=str(cp_path))
         from_pr: list[ContainerAllocation] = []
         try:
-            entries = PodResourcesClient(Path(self.config.pod_resources_socket)).list()
+            entries = PodResourcesClient(Path(self.config.pod_resources_socket)).list_all()
         except PodResourcesUnavailableError as exc:
             log.info("PodResources not available for recovery: %s", exc)
         else:
@@ -455,7 +455,7 @@ class Agent:
         pod = self.pods.get(pod_uid)
         if pod is None or self.patcher is None:
             return
-        mine = [a for a in self._allocator().allocations() if a.pod_uid == pod_uid]
+        mine = self._allocator().allocations_of(pod_uid)
         wanted = missing_annotations(pod, mine)
         if wanted:
             meta = pod.get("metadata") or {}

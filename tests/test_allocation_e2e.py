@@ -134,6 +134,14 @@ def test_prestart_through_the_kubelet_checkpoint_without_podresources(tmp_path: 
         c.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
 
 
+def test_prestart_through_podresources_without_the_kubelet_checkpoint(tmp_path: Path, sim_built: Path) -> None:
+    with SimCluster(tmp_path, "v100-pcie-x4", kubelet_checkpoint=False) as c:
+        assert not (tmp_path / "device-plugins" / names.KUBELET_CHECKPOINT).exists()
+        run = c.run_pod(gpu_pod("x", [("c", 200, 0)]))
+        assert (c.vm_path / run.uid / "c" / "vcuda.config").exists()
+        c.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
+
+
 def test_bad_requests_fail_admission_clearly(cluster: SimCluster) -> None:
     # Distinct core counts: a pod that failed admission stays Pending until the kubelet marks it Failed.
     cases = [

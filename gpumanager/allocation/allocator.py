@@ -98,6 +98,8 @@ class Allocator:
         self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
         self._responses: dict[tuple[str, str], ContainerResponse] = {}
         self._listeners: list[ChangeListener] = []
+        # A pod's containers and limits never change: parse them once per pod.
+        self._parsed: dict[str, list[GPURequest]] = {}
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -110,11 +112,23 @@ class Allocator:
         with self._lock:
             return [replace(a) for _, a in sorted(self._allocs.items())]
 
+    def allocations_of(self, pod_uid: str) -> list[ContainerAllocation]:
+        """A copy of one pod's allocations."""
+        with self._lock:
+            return [replace(a) for k, a in sorted(self._allocs.items()) if k[0] == pod_uid]
+
     def get(self, pod_uid: str, container: str) -> ContainerAllocation | None:
         """One container's allocation."""
         with self._lock:
             a = self._allocs.get((pod_uid, container))
             return replace(a) if a is not None else None
+
+    def holder_of(self, device_ids: Sequence[str]) -> tuple[str, str] | None:
+        """(namespace, pod name) of the allocation recorded for exactly these device IDs."""
+        with self._lock:
+            key = self._by_ids.get(frozenset(device_ids))
+            alloc = self._allocs.get(key) if key is not None else None
+            return (alloc.namespace, alloc.pod_name) if alloc is not None and alloc.pod_name else None
 
     def response_of(self, pod_uid: str, container: str) -> ContainerResponse | None:
         """The Allocate answer a container was given (rebuilt after a restart)."""
@@ -225,12 +239,12 @@ class Allocator:
                 continue
             if podinfo.is_terminated(pod):
                 continue
+            uid = podinfo.uid(pod)
             try:
-                wanted = podinfo.gpu_containers(pod)
+                wanted = self._gpu_containers(uid, pod)
             except PodSpecError as exc:
                 log.warning("skipping pod: %s", exc)
                 continue
-            uid = podinfo.uid(pod)
             todo = [r for r in wanted if (uid, r.name) not in self._allocs]
             if not todo:
                 continue
@@ -249,6 +263,15 @@ class Allocator:
                 if request.cores == cores:
                     return Candidate(pod, request)
         return None
+
+    def _gpu_containers(self, uid: str, pod: Pod) -> list[GPURequest]:
+        cached = self._parsed.get(uid)
+        if cached is None:
+            cached = podinfo.gpu_containers(pod)
+            if len(self._parsed) > 4096:
+                self._parsed.clear()
+            self._parsed[uid] = cached
+        return cached
 
     def _decide(self, candidate: Candidate, device_ids: tuple[str, ...]) -> ContainerAllocation:
         pod, req = candidate.pod, candidate.request

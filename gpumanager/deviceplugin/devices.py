@@ -43,6 +43,12 @@ class DeviceLayout:
             self._memory.append(_Range(g.index, mem_start, blocks))
             mem_start += blocks
         self._mem_starts = [r.start for r in self._memory]
+        # ID -> GPU for both resources: GetPreferredAllocation maps thousands of IDs per call.
+        self._owner: dict[str, int] = {}
+        for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+            for g in self._gpus:
+                for device_id in self.ids_of_gpu(resource, g.index):
+                    self._owner[device_id] = g.index
 
     @staticmethod
     def prefix(resource: str) -> str:
@@ -69,6 +75,10 @@ class DeviceLayout:
     def gpu_of(self, resource: str, device_id: str) -> int:
         """The GPU index a device ID belongs to; UnknownDeviceError names a foreign ID."""
         prefix = self.prefix(resource)
+        if device_id.startswith(prefix):
+            known = self._owner.get(device_id)
+            if known is not None:
+                return known
         number_text = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
         if not number_text.isdigit():
             raise UnknownDeviceError(f"device ID {device_id!r} is not a {resource} device of this node")

@@ -27,7 +27,7 @@ _CODES = {
     "mismatch": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-OwnerFn = Callable[[str, Sequence[str]], tuple[str, str] | None]
+OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None], tuple[str, str] | None]
 PreparedFn = Callable[[ContainerAllocation], None]
 Observer = Callable[[str, str, float, bool], None]  # (resource, call, seconds, ok)
 
@@ -118,7 +118,7 @@ class Handlers:
         try:
             ids = list(request.devices_ids)
             self._validate(names.VCORE_RESOURCE, ids)
-            owner = self._owner(names.VCORE_RESOURCE, ids)
+            owner = self._owner(names.VCORE_RESOURCE, ids, self._allocator.holder_of(ids))
             try:
                 alloc = self._allocator.pre_start(ids, owner)
             except AllocationError as exc:

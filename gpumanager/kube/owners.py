@@ -30,11 +30,16 @@ class OwnerResolver:
         self._find_pod = find_pod
         self.last_source = ""
 
-    def owner(self, resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:
-        """(pod UID, container) that the kubelet says holds exactly ``device_ids``; None when nobody says."""
+    def owner(
+        self, resource: str, device_ids: Sequence[str], hint: tuple[str, str] | None = None
+    ) -> tuple[str, str] | None:
+        """(pod UID, container) that the kubelet says holds exactly ``device_ids``; None when nobody says.
+
+        ``hint`` is the (namespace, pod name) we believe holds them: asked first.
+        """
         if self._pr is not None:
             try:
-                found = self._pr.owner_of(resource, device_ids)
+                found = self._pr.owner_of(resource, device_ids, hint)
             except PodResourcesUnavailableError as exc:
                 log.debug("%s; trying the kubelet checkpoint", exc)
             else:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -30,45 +32,95 @@ class ContainerDevices:
     device_ids: tuple[str, ...]
 
 
+def _flatten(pods: Iterable[pb.PodResources]) -> list[ContainerDevices]:
+    """One entry per (pod, container, resource): the kubelet splits a container's devices by NUMA node."""
+    merged: dict[tuple[str, str, str, str], list[str]] = {}
+    for pod in pods:
+        for container in pod.containers:
+            for dev in container.devices:
+                key = (pod.namespace, pod.name, container.name, dev.resource_name)
+                merged.setdefault(key, []).extend(dev.device_ids)
+    return [
+        ContainerDevices(namespace=ns, pod=name, container=c, resource=r, device_ids=tuple(ids))
+        for (ns, name, c, r), ids in merged.items()
+    ]
+
+
 class PodResourcesClient:
-    """Asks the kubelet (``/var/lib/kubelet/pod-resources/kubelet.sock``); one call per question."""
+    """Asks the kubelet (``/var/lib/kubelet/pod-resources/kubelet.sock``) over one long-lived channel.
+
+    The channel reconnects by itself when the kubelet restarts (the socket path stays).
+    """
 
     def __init__(self, socket_path: Path, *, timeout: float = 5.0) -> None:
         self.socket_path = socket_path
         self._timeout = timeout
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._get_supported = True
 
-    def list(self) -> list[ContainerDevices]:
-        """Every container's devices, as the kubelet sees them now."""
+    def _stub(self) -> Any:
         if not self.socket_path.exists():
             raise PodResourcesUnavailableError(f"PodResources socket {self.socket_path} does not exist")
-        with grpc.insecure_channel(f"unix://{self.socket_path}") as channel:
-            try:
-                reply = pb_grpc.PodResourcesListerStub(channel).List(
-                    pb.ListPodResourcesRequest(), timeout=self._timeout
-                )
-            except grpc.RpcError as exc:
-                raise PodResourcesUnavailableError(
-                    f"PodResources List on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
-                ) from exc
-        out = []
-        for pod in reply.pod_resources:
-            for container in pod.containers:
-                for dev in container.devices:
-                    out.append(
-                        ContainerDevices(
-                            namespace=pod.namespace,
-                            pod=pod.name,
-                            container=container.name,
-                            resource=dev.resource_name,
-                            device_ids=tuple(dev.device_ids),
-                        )
-                    )
-        return out
+        with self._lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            return pb_grpc.PodResourcesListerStub(self._channel)
 
-    def owner_of(self, resource: str, device_ids: Sequence[str]) -> tuple[str, str, str] | None:
-        """(namespace, pod name, container) holding exactly ``device_ids`` of ``resource``."""
+    def close(self) -> None:
+        """Close the channel."""
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+    def list_all(self) -> list[ContainerDevices]:
+        """Every container's devices, as the kubelet sees them now."""
+        try:
+            reply = self._stub().List(pb.ListPodResourcesRequest(), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise PodResourcesUnavailableError(
+                f"PodResources List on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
+            ) from exc
+        return _flatten(reply.pod_resources)
+
+    def get(self, namespace: str, name: str) -> list[ContainerDevices] | None:
+        """One pod's devices (PodResources ``Get``); None when the kubelet does not offer Get or has no such pod."""
+        if not self._get_supported:
+            return None
+        try:
+            reply = self._stub().Get(
+                pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self._timeout
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("the kubelet's PodResources has no Get (older than 1.27?); using List")
+                self._get_supported = False
+                return None
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN):
+                return None
+            raise PodResourcesUnavailableError(
+                f"PodResources Get on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
+            ) from exc
+        return _flatten([reply.pod_resources])
+
+    def owner_of(
+        self, resource: str, device_ids: Sequence[str], hint: tuple[str, str] | None = None
+    ) -> tuple[str, str, str] | None:
+        """(namespace, pod name, container) holding exactly ``device_ids`` of ``resource``.
+
+        ``hint`` (namespace, pod name) is asked first with ``Get``; the full ``List`` is the fallback.
+        """
         wanted = frozenset(device_ids)
-        for entry in self.list():
-            if entry.resource == resource and frozenset(entry.device_ids) == wanted:
-                return (entry.namespace, entry.pod, entry.container)
-        return None
+
+        def match(entries: Iterable[ContainerDevices]) -> tuple[str, str, str] | None:
+            for entry in entries:
+                if entry.resource == resource and frozenset(entry.device_ids) == wanted:
+                    return (entry.namespace, entry.pod, entry.container)
+            return None
+
+        if hint is not None:
+            found = match(self.get(*hint) or [])
+            if found is not None:
+                return found
+        return match(self.list_all())

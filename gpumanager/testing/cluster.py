@@ -10,14 +10,20 @@ container a cgroup with a PID, so the agent finds its processes.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
 
 from gpumanager import names
 from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
@@ -84,6 +90,83 @@ def admission_annotations(gpus: Sequence[Sequence[int]], predicate_time: int) ->
     return out
 
 
+class RemoteApiServer:
+    """The API-server simulator in its own process, driven over HTTP with the real client.
+
+    For benchmarks: a real API server is another machine, so its work must not compete
+    with the kubelet simulator for this process's interpreter.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._kubeconfig = workdir / "apiserver.kubeconfig"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._core: Any = None
+
+    def start(self) -> None:
+        """Start the process and wait for its kubeconfig."""
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpumanager.testing.apiserver",
+                f"--kubeconfig={self._kubeconfig}",
+                f"--node={NODE}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not self._kubeconfig.exists():
+            if time.monotonic() > deadline or self._proc.poll() is not None:
+                raise RuntimeError("the API-server simulator process did not start")
+            time.sleep(0.05)
+        time.sleep(0.1)
+        api = k8s_config.new_client_from_config(config_file=str(self._kubeconfig))  # type: ignore[no-untyped-call]
+        self._core = k8s_client.CoreV1Api(api)
+
+    def stop(self) -> None:
+        """Stop the process."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(10)
+
+    def add_node(self, name: str, labels: Mapping[str, str] | None = None) -> None:
+        """The node is registered when the process starts."""
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        """Copy the kubeconfig to ``path``."""
+        shutil.copyfile(self._kubeconfig, path)
+        return path
+
+    def create_pod(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """POST the pod."""
+        ns = str(manifest["metadata"].get("namespace", "default"))
+        resp = self._core.create_namespaced_pod(ns, dict(manifest), _preload_content=False)
+        return dict(json.loads(resp.data))
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """GET the pod."""
+        try:
+            resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False)
+        except k8s_client.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(json.loads(resp.data))
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str, **status: Any) -> None:
+        """Merge-patch the pod's status."""
+        body = {"status": {"phase": phase, **status}}
+        self._core.patch_namespaced_pod_status(
+            name, namespace, body, _content_type="application/merge-patch+json", _preload_content=False
+        )
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """DELETE the pod."""
+        self._core.delete_namespaced_pod(name, namespace, _preload_content=False)
+
+
 class SimCluster:
     """Everything around one agent, under ``workdir``."""
 
@@ -96,10 +179,12 @@ class SimCluster:
         agent_env: Mapping[str, str] | None = None,
         pod_resources: bool = True,
         fill: str = "sorted",
+        api_process: bool = False,
+        kubelet_checkpoint: bool = True,
     ) -> None:
         self.workdir = workdir
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
-        self.api = ApiServerSimulator()
+        self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
         # Unix socket paths are limited to 107 bytes: keep <vm>/<pod uid>/vcuda.sock short.
         self.vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))
@@ -110,6 +195,7 @@ class SimCluster:
             workdir / "device-plugins",
             pod_resources_socket=self.pod_resources_socket if pod_resources else None,
             fill=fill,  # type: ignore[arg-type]
+            write_checkpoint=kubelet_checkpoint,
         )
         self._agent_flags = list(agent_flags)
         self._agent_env = dict(agent_env or {})
@@ -172,7 +258,7 @@ class SimCluster:
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Create a pod in the API server (it is Pending, bound to this node)."""
-        created = self.api.create_pod(manifest)
+        created: dict[str, Any] = self.api.create_pod(manifest)
         self.runs[str(created["metadata"]["uid"])] = PodRun(created)
         return created
 
@@ -231,7 +317,7 @@ class SimCluster:
 
     def pod(self, run: PodRun) -> dict[str, Any]:
         """The pod as the API server has it now."""
-        found = self.api.get_pod(run.namespace, run.name)
+        found: dict[str, Any] | None = self.api.get_pod(run.namespace, run.name)
         if found is None:
             raise KeyError(f"pod {run.namespace}/{run.name} is gone")
         return found

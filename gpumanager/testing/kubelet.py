@@ -1139,11 +1139,16 @@ class KubeletSimulator:
 
     # ---------------------------------------------------------------- PodResources source
 
-    def pod_resources_snapshot(self) -> list[PodSnapshot]:
-        """Pods with their containers' devices, for the PodResources server."""
+    def pod_resources_snapshot(self, namespace: str | None = None, name: str | None = None) -> list[PodSnapshot]:
+        """Pods with their containers' devices, for the PodResources server (one pod when named, as ``Get``)."""
         with self._lock:
+            wanted: set[str] | None = None
+            if name is not None:
+                wanted = {uid for uid, info in self._pods.items() if info.name == name and info.namespace == namespace}
             pods: dict[str, dict[str, list[DeviceSnapshot]]] = {}
             for a in self._allocations.values():
+                if wanted is not None and a.pod_uid not in wanted:
+                    continue
                 containers = pods.setdefault(a.pod_uid, {})
                 devs = containers.setdefault(a.container_name, [])
                 nodes_of: dict[str, list[int]] = {}

@@ -72,8 +72,8 @@ class PodSnapshot:
 class PodResourcesSource(Protocol):
     """What the server needs from the simulator."""
 
-    def pod_resources_snapshot(self) -> list[PodSnapshot]:
-        """All pods with their containers' devices."""
+    def pod_resources_snapshot(self, namespace: str | None = None, name: str | None = None) -> list[PodSnapshot]:
+        """All pods with their containers' devices (only the named pod when a name is given)."""
         ...
 
     def allocatable_snapshot(self) -> list[DeviceSnapshot]:
@@ -130,7 +130,7 @@ class _Servicer:
         return pr.AllocatableResourcesResponse(devices=out)
 
     def Get(self, request: Any, context: grpc.ServicerContext) -> Any:
-        for pod in self._source.pod_resources_snapshot():
+        for pod in self._source.pod_resources_snapshot(request.pod_namespace, request.pod_name):
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return pr.GetPodResourcesResponse(pod_resources=_pod_message(pod))
         context.abort(

@@ -94,13 +94,13 @@ def driver_version_fields(version: str) -> tuple[int, int]:
 
 
 def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    # No fsync: readers never see a partial file (rename is atomic), and after a power loss the
+    # containers are gone too; PreStartContainer writes the file again when they start.
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

@@ -1,0 +1,78 @@
+"""The PodResources client against the kubelet simulator's server: owners of device IDs, Get then List."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpumanager.api import podresources_v1_pb2 as pb
+from gpumanager.api import podresources_v1_pb2_grpc as pb_grpc
+from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
+
+
+class _Lister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    """A kubelet that splits a container's devices by NUMA node, as the real one does."""
+
+    def __init__(self, with_get: bool) -> None:
+        self.with_get = with_get
+        self.calls: list[str] = []
+        numa0 = pb.TopologyInfo(nodes=[pb.NUMANode(ID=0)])
+        numa1 = pb.TopologyInfo(nodes=[pb.NUMANode(ID=1)])
+        self.pod = pb.PodResources(
+            name="train",
+            namespace="ml",
+            containers=[
+                pb.ContainerResources(
+                    name="main",
+                    devices=[
+                        pb.ContainerDevices(resource_name="r", device_ids=["a", "b"], topology=numa0),
+                        pb.ContainerDevices(resource_name="r", device_ids=["c"], topology=numa1),
+                        pb.ContainerDevices(resource_name="other", device_ids=["x"]),
+                    ],
+                )
+            ],
+        )
+
+    def List(self, request: object, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
+        self.calls.append("List")
+        return pb.ListPodResourcesResponse(pod_resources=[self.pod])
+
+    def Get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
+        self.calls.append("Get")
+        if not self.with_get:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Get")
+        if (request.pod_namespace, request.pod_name) != ("ml", "train"):
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such pod")
+        return pb.GetPodResourcesResponse(pod_resources=self.pod)
+
+
+@pytest.fixture(params=[True, False], ids=["with-get", "list-only"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[PodResourcesClient, _Lister]]:
+    lister = _Lister(request.param)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    sock = tmp_path / "kubelet.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    client = PodResourcesClient(sock)
+    yield client, lister
+    client.close()
+    server.stop(0)
+
+
+def test_devices_split_by_numa_are_one_owner(served: tuple[PodResourcesClient, _Lister]) -> None:
+    client, lister = served
+    assert client.owner_of("r", ["c", "a", "b"], hint=("ml", "train")) == ("ml", "train", "main")
+    assert lister.calls[0] == "Get"
+    assert ("List" in lister.calls) is (not lister.with_get)
+    assert client.owner_of("r", ["a", "b"]) is None
+    assert client.owner_of("other", ["x"], hint=("ml", "nope")) == ("ml", "train", "main")
+
+
+def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(PodResourcesUnavailableError, match="does not exist"):
+        PodResourcesClient(tmp_path / "absent.sock").list_all()

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench build clean proto
+.PHONY: demo test lint bench build clean proto deploy-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,23 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check gpumanager tests bench scripts
 	$(VENV)/bin/mypy
 
-test: build lint
+test: build lint deploy-check
 	$(VENV)/bin/pytest
 
 bench: build
 	$(PY) bench/bench_registration.py
+
+# The deployable agent: hadolint on the Dockerfile, the manifests against the Kubernetes API
+# schemas (kubernetes-validate, offline), and the image's build steps run outside Docker into a
+# temporary prefix (scripts/image-build-steps.sh, the same script the Dockerfile runs).
+K8S_VERSIONS ?= 1.30.0 1.37.0
+deploy-check: $(VENV)/.installed
+	$(VENV)/bin/hadolint --failure-threshold style Dockerfile
+	for v in $(K8S_VERSIONS); do \
+	  $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v deploy/*.yaml || exit 1; done
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  PYTHON=$(PYTHON) scripts/image-build-steps.sh --prefix "$$tmp/root" --work "$$tmp/work" \
+	    vcuda python config verify
 
 proto: $(VENV)/.installed
 	$(PY) scripts/gen_proto.py

@@ -1,0 +1,28 @@
+"""The driver mirror (vdriver): host NVIDIA driver files staged for containers.
+
+Reads the driver root's ``ld.so.cache`` and the ELF facts of each library, mirrors the
+libraries and binaries named in ``volume.conf`` into versioned trees under the volume base
+(``/etc/gpu-manager/vdriver``), swaps ``libcuda.so.1`` / ``libnvidia-ml.so.1`` for the
+interceptor in the share-mode tree, and publishes each tree through a stable symlink
+(``vdriver/nvidia``, ``vdriver/origin``) replaced atomically. Old trees are removed once no
+process maps them and no container has them mounted.
+
+Entry point: :func:`build_vdriver`.
+"""
+
+from gpumanager.volume.config import VolumeConfig, VolumeSpec, load_volume_config
+from gpumanager.volume.errors import NotElfError, VolumeError
+from gpumanager.volume.manager import VdriverResult, VolumeOutcome, build_vdriver
+from gpumanager.volume.version import DriverVersion
+
+__all__ = [
+    "DriverVersion",
+    "NotElfError",
+    "VdriverResult",
+    "VolumeConfig",
+    "VolumeError",
+    "VolumeOutcome",
+    "VolumeSpec",
+    "build_vdriver",
+    "load_volume_config",
+]

@@ -1,0 +1,107 @@
+"""``volume.conf``: which binaries and libraries go into which driver volume."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpumanager.volume.errors import VolumeError
+
+log = logging.getLogger(__name__)
+
+NVIDIA_VOLUME = "nvidia"
+ORIGIN_VOLUME = "origin"
+
+
+@dataclass(frozen=True)
+class VolumeSpec:
+    """One volume: mirrored into ``base/name``; ``libraries`` are soname prefixes, ``binaries`` file names."""
+
+    name: str
+    base: Path
+    mode: str
+    binaries: tuple[str, ...]
+    libraries: tuple[str, ...]
+
+    @property
+    def path(self) -> Path:
+        """The stable path of the volume, the one container mounts name."""
+        return self.base / self.name
+
+
+@dataclass(frozen=True)
+class VolumeConfig:
+    """The parsed ``volume.conf``: its file and its volumes in file order."""
+
+    path: Path
+    volumes: tuple[VolumeSpec, ...]
+
+    def with_base(self, base: Path | None) -> VolumeConfig:
+        """The same volumes with every ``base`` replaced by ``base`` (no change when None)."""
+        if base is None:
+            return self
+        return replace(self, volumes=tuple(replace(v, base=base) for v in self.volumes))
+
+
+def load_volume_config(path: Path) -> VolumeConfig:
+    """Read and validate ``path``; VolumeError names the file and the offending value."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise VolumeError(f"cannot read volume config {path}: {err.strerror or err}") from err
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise VolumeError(f"volume config {path} is not valid JSON: {err}") from err
+    return parse_volume_config(raw, path)
+
+
+def parse_volume_config(raw: Any, path: Path) -> VolumeConfig:
+    """Validate the decoded JSON of a volume config (``path`` is for messages)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("volume"), list):
+        raise VolumeError(f'volume config {path}: expected an object with a "volume" list')
+    volumes: list[VolumeSpec] = []
+    seen: set[tuple[Path, str]] = set()
+    for i, item in enumerate(raw["volume"]):
+        where = f"volume config {path}: volume[{i}]"
+        if not isinstance(item, dict):
+            raise VolumeError(f"{where}: expected an object, got {item!r}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name != name.strip():
+            raise VolumeError(f"{where}: name {name!r} must be a non-empty directory name not starting with '.'")
+        base = item.get("base")
+        if not isinstance(base, str) or not base.startswith("/"):
+            raise VolumeError(f"{where} ({name}): base {base!r} must be an absolute path")
+        mode = item.get("mode", "ro")
+        if not isinstance(mode, str):
+            raise VolumeError(f"{where} ({name}): mode {mode!r} must be a string")
+        components = item.get("components")
+        if components is None:
+            components = {}
+        if not isinstance(components, dict):
+            raise VolumeError(f"{where} ({name}): components must be an object, got {components!r}")
+        unknown = sorted(set(components) - {"binaries", "libraries"})
+        if unknown:
+            raise VolumeError(f"{where} ({name}): unknown component key(s) {unknown}")
+        if not components:
+            # As upstream: a volume without any component is not registered.
+            log.warning("%s (%s) has no components; skipped", where, name)
+            continue
+        binaries = _names(components.get("binaries", []), f"{where} ({name}).components.binaries")
+        libraries = _names(components.get("libraries", []), f"{where} ({name}).components.libraries")
+        key = (Path(base), name)
+        if key in seen:
+            raise VolumeError(f"{where}: volume {name!r} with base {base!r} appears twice")
+        seen.add(key)
+        volumes.append(VolumeSpec(name, Path(base), mode, binaries, libraries))
+    return VolumeConfig(path, tuple(volumes))
+
+
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise VolumeError(f"{where}: expected a list of names, got {value!r}")
+    for entry in value:
+        if not isinstance(entry, str) or not entry or "/" in entry or entry != entry.strip():
+            raise VolumeError(f"{where}: {entry!r} is not a file name")
+    return tuple(value)

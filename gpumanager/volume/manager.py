@@ -1,0 +1,408 @@
+"""Building the driver volumes: the entry point :func:`build_vdriver`.
+
+On-disk layout under each volume base (``/etc/gpu-manager/vdriver``)::
+
+    nvidia -> .trees/nvidia-<fingerprint>      stable paths, the mount sources of Allocate
+    origin -> .trees/origin-<fingerprint>
+    .trees/nvidia-<fingerprint>/{bin,lib,lib64}
+    .trees/nvidia-<fingerprint>.json           manifest; a tree without one is incomplete
+    .vdriver.lock
+
+The fingerprint covers the volume's configuration, the share mode, the identity (device, inode,
+size, mtime, mode) of every source file and of the interceptor. An unchanged driver gives the same
+fingerprint, and the run touches nothing; a changed one gives a new tree, written beside the old
+and published by an atomic symlink swap (see :mod:`gpumanager.volume.publish`). Old trees are
+removed once they are neither current, nor mapped by a process, nor mounted in a container.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpumanager.volume.config import NVIDIA_VOLUME, VolumeSpec, load_volume_config
+from gpumanager.volume.discovery import Discovery, Identity, SourceFile, driver_version, identity_of
+from gpumanager.volume.elffacts import ElfFacts, read_elf_facts
+from gpumanager.volume.errors import NotElfError, VolumeError
+from gpumanager.volume.inuse import ProcScan, scan_proc
+from gpumanager.volume.ldcache import host_lib_dirs, read_ldcache
+from gpumanager.volume.mirror import DIR_FOR_BITS, Interceptor, plan_volume
+from gpumanager.volume.publish import current_target, publish, tidy_leftovers
+from gpumanager.volume.rootfs import DEFAULT_SEARCH_PATH, DriverRoot
+from gpumanager.volume.tree import Manifest, build_tree, manifest_path, read_manifest, verify_tree, write_manifest
+from gpumanager.volume.version import DriverVersion
+
+log = logging.getLogger(__name__)
+
+TREES_DIR = ".trees"
+LOCK_FILE = ".vdriver.lock"
+STAGING_PREFIX = ".staging-"
+LAYOUT_VERSION = "vdriver-tree-1"  # bump when the mirror rules change, so trees are rebuilt
+LD_SO_CACHE = "etc/ld.so.cache"
+
+
+@dataclass(frozen=True)
+class VolumeOutcome:
+    """One volume after the run.
+
+    ``path`` is the stable path (mount source), ``tree`` the directory it names now. ``changed``:
+    the path names another tree than before the run; ``built``: that tree was written by this run.
+    """
+
+    name: str
+    path: Path
+    tree: Path
+    changed: bool
+    built: bool
+    previous_tree: Path | None
+    files: int
+    links: int
+
+
+@dataclass(frozen=True)
+class VdriverResult:
+    """What :func:`build_vdriver` did.
+
+    ``nvidia`` is the share-mode mount source (upstream's DriverLibraryPath), ``origin`` the one of
+    exclusive containers (DriverOriginLibraryPath); either is None when not configured.
+    """
+
+    volumes: tuple[VolumeOutcome, ...]
+    nvidia: Path | None
+    origin: Path | None
+    driver_version: DriverVersion | None
+    removed_trees: tuple[Path, ...] = ()
+    kept_trees: tuple[tuple[Path, str], ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        """True when any volume path names another tree than before, or an old tree was removed."""
+        return any(v.changed for v in self.volumes) or bool(self.removed_trees)
+
+
+def build_vdriver(
+    *,
+    volume_config: Path,
+    base_dir_override: Path | None = None,
+    driver_root: Path = Path("/"),
+    share_mode: bool,
+    interceptor: Path | None,
+    proc_root: Path = Path("/proc"),
+    machine: str | None = None,
+    search_path: Sequence[str] = DEFAULT_SEARCH_PATH,
+    allow_hardlinks: bool = True,
+) -> VdriverResult:
+    """Mirror the driver of ``driver_root`` into the volumes of ``volume_config``.
+
+    ``base_dir_override`` replaces every volume's ``base``. ``interceptor`` (``libcuda-control.so``)
+    is required in share mode when a volume is named ``nvidia``. ``machine`` (default: this host)
+    selects the cache entries used; ``search_path`` is where binaries are looked for in the root;
+    ``allow_hardlinks=False`` copies every file. Raises VolumeError naming the file or value at fault.
+    """
+    config = load_volume_config(volume_config).with_base(base_dir_override)
+    lib_dirs = host_lib_dirs(machine)
+    if not config.volumes:
+        log.warning("volume config %s has no volumes: nothing to mirror", volume_config)
+        return VdriverResult((), None, None, None)
+    root = DriverRoot(driver_root)
+    cache = read_ldcache(root.agent_path(LD_SO_CACHE))
+    wants_interceptor = share_mode and any(v.name == NVIDIA_VOLUME for v in config.volumes)
+    control = _interceptor(interceptor) if wants_interceptor else None
+    discovery = Discovery(root, cache, lib_dirs, search_path)
+    sources = {v: discovery.sources(v) for v in config.volumes}
+    run = _Run(share_mode, control, allow_hardlinks, proc_root, machine or "")
+    outcomes: list[VolumeOutcome] = []
+    for base, volumes in _by_base(config.volumes).items():
+        try:
+            outcomes.extend(run.sync_base(base, volumes, sources))
+        except OSError as err:
+            raise VolumeError(f"driver mirror under {base}: {err}") from err
+    all_sources = [s for v in config.volumes for s in sources[v]]
+    version = driver_version(all_sources)
+    if version is None:
+        run.warn(f"no libcuda.so.<version> found through {cache.path}: driver version unknown")
+    nvidia = next((o.path for o in outcomes if o.name == NVIDIA_VOLUME), None)
+    origin = next((o.path for o in reversed(outcomes) if o.name != NVIDIA_VOLUME), None)
+    result = VdriverResult(
+        volumes=tuple(outcomes),
+        nvidia=nvidia,
+        origin=origin,
+        driver_version=version,
+        removed_trees=tuple(run.removed),
+        kept_trees=tuple(run.kept),
+        warnings=tuple(discovery.warnings + run.warnings),
+    )
+    log.info(
+        "driver mirror: version %s, %s",
+        version or "unknown",
+        ", ".join(f"{o.name} -> {o.tree.name}{' (new)' if o.changed else ''}" for o in outcomes),
+    )
+    return result
+
+
+def _interceptor(path: Path | None) -> Interceptor:
+    if path is None:
+        raise VolumeError("share mode needs the interceptor library (libcuda-control.so); none was given")
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise VolumeError(f"interceptor library {path}: {err.strerror or err}") from err
+    try:
+        facts = read_elf_facts(path)
+    except NotElfError as err:
+        raise VolumeError(f"interceptor library {path} is unusable: {err}") from err
+    if facts.bits not in DIR_FOR_BITS:
+        raise VolumeError(f"interceptor library {path} has an unknown ELF class ({facts.bits}-bit)")
+    return Interceptor(path, identity_of(st), facts.bits)
+
+
+def _by_base(volumes: Sequence[VolumeSpec]) -> dict[Path, list[VolumeSpec]]:
+    groups: dict[Path, list[VolumeSpec]] = {}
+    for volume in volumes:
+        groups.setdefault(volume.base, []).append(volume)
+    return groups
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Run:
+    share_mode: bool
+    interceptor: Interceptor | None
+    allow_hardlinks: bool
+    proc_root: Path
+    machine: str
+    warnings: list[str] = field(default_factory=list)
+    removed: list[Path] = field(default_factory=list)
+    kept: list[tuple[Path, str]] = field(default_factory=list)
+    _facts: dict[str, ElfFacts | NotElfError] = field(default_factory=dict)
+    _reusable: dict[Identity, Path] | None = None
+
+    def warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self.warnings.append(message)
+
+    def facts_of(self, source: SourceFile) -> ElfFacts:
+        if source.host_path not in self._facts:
+            try:
+                self._facts[source.host_path] = read_elf_facts(source.path)
+            except NotElfError as err:
+                self._facts[source.host_path] = err
+        facts = self._facts[source.host_path]
+        if isinstance(facts, NotElfError):
+            raise facts
+        return facts
+
+    def sync_base(
+        self, base: Path, volumes: Sequence[VolumeSpec], sources: dict[VolumeSpec, list[SourceFile]]
+    ) -> list[VolumeOutcome]:
+        trees = base / TREES_DIR
+        try:
+            for directory in (base, trees):
+                directory.mkdir(parents=True, exist_ok=True)
+                if (os.stat(directory).st_mode & 0o777) != 0o755:
+                    os.chmod(directory, 0o755)
+        except OSError as err:
+            raise VolumeError(f"cannot create the volume base {base}: {err.strerror or err}") from err
+        self._reusable = None
+        with _locked(base / LOCK_FILE):
+            tidy_leftovers(base, trees)
+            outcomes = [self.sync_volume(v, trees, sources[v]) for v in volumes]
+            self.collect_garbage(base, trees)
+        return outcomes
+
+    def fingerprint(self, volume: VolumeSpec, sources: Sequence[SourceFile]) -> str:
+        swap = self.share_mode and volume.name == NVIDIA_VOLUME
+        data = {
+            "layout": LAYOUT_VERSION,
+            "machine": self.machine,
+            "volume": volume.name,
+            "binaries": volume.binaries,
+            "libraries": volume.libraries,
+            "share_mode": swap,
+            "interceptor": list(self.interceptor.identity) if swap and self.interceptor else None,
+            "sources": [[s.dir, s.host_path, list(s.identity)] for s in sources],
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def sync_volume(self, volume: VolumeSpec, trees: Path, sources: Sequence[SourceFile]) -> VolumeOutcome:
+        fingerprint = self.fingerprint(volume, sources)
+        target = current_target(volume.path)
+        current = trees.parent / target if target and target.startswith(TREES_DIR + "/") else None
+        if current is not None:
+            manifest = read_manifest(current)
+            if manifest is not None and manifest.fingerprint == fingerprint and verify_tree(current, manifest) is None:
+                log.debug("volume %s: %s is up to date", volume.name, current)
+                return _outcome(volume, current, manifest, changed=False, built=False, previous=None)
+        name = f"{volume.name}-{fingerprint[:16]}"
+        tree, manifest, built = self._find_or_build(volume, trees, name, fingerprint, sources)
+        legacy = publish(volume.path, f"{TREES_DIR}/{tree.name}", trees)
+        previous = legacy or current
+        log.info(
+            "volume %s: %s now names %s (%s)", volume.name, volume.path, tree.name, "new tree" if built else "reused"
+        )
+        return _outcome(volume, tree, manifest, changed=True, built=built, previous=previous)
+
+    def _find_or_build(
+        self, volume: VolumeSpec, trees: Path, name: str, fingerprint: str, sources: Sequence[SourceFile]
+    ) -> tuple[Path, Manifest, bool]:
+        for attempt in range(100):
+            tree = trees / (name if attempt == 0 else f"{name}-{attempt}")
+            if not tree.exists() and not manifest_path(tree).exists():
+                return tree, self._build(volume, tree, fingerprint, sources), True
+            manifest = read_manifest(tree)
+            if manifest is not None and manifest.fingerprint == fingerprint:
+                problem = verify_tree(tree, manifest)
+                if problem is None:
+                    return tree, manifest, False
+                log.warning("volume %s: tree %s is damaged (%s); building another", volume.name, tree, problem)
+        raise VolumeError(f"volume {volume.name}: no free tree name for {name} under {trees}")
+
+    def _build(self, volume: VolumeSpec, tree: Path, fingerprint: str, sources: Sequence[SourceFile]) -> Manifest:
+        swap = self.share_mode and volume.name == NVIDIA_VOLUME
+        plan = plan_volume(volume, sources, self.facts_of, share_mode=swap, interceptor=self.interceptor)
+        self.warnings.extend(plan.warnings)
+        staging = tree.with_name(f"{STAGING_PREFIX}{tree.name}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            reusable = self._reusable_files(tree.parent)
+            entries = build_tree(staging, plan, reusable, allow_hardlinks=self.allow_hardlinks)
+            os.rename(staging, tree)
+            for rel, item in plan.files.items():  # later trees of this run link to these files
+                reusable.setdefault(item.identity, tree / rel)
+        except OSError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise VolumeError(f"volume {volume.name}: cannot build {tree}: {err}") from err
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        versions = [s for s in sources if f"{s.dir}/{s.basename}" in plan.files]
+        version = driver_version(versions)
+        manifest = Manifest(tree.name, volume.name, fingerprint, version.full if version else None, entries)
+        write_manifest(tree, manifest)
+        return manifest
+
+    def _reusable_files(self, trees: Path) -> dict[Identity, Path]:
+        """Files of complete trees by source identity: hard-linking them is safe, they never change."""
+        if self._reusable is None:
+            self._reusable = {}
+            for manifest_file in sorted(trees.glob("*.json")):
+                tree = manifest_file.with_suffix("")
+                manifest = read_manifest(tree)
+                if manifest is None:
+                    continue
+                for rel, entry in manifest.entries.items():
+                    ident = entry.get("identity")
+                    if entry.get("type") == "file" and isinstance(ident, list) and len(ident) == 5:
+                        self._reusable.setdefault(tuple(int(v) for v in ident), tree / rel)  # type: ignore[arg-type]
+        return self._reusable
+
+    def collect_garbage(self, base: Path, trees: Path) -> None:
+        current = _current_trees(base)
+        stale: list[Path] = []
+        for entry in sorted(os.scandir(trees), key=lambda e: e.name):
+            path = Path(entry.path)
+            if entry.name.startswith(STAGING_PREFIX):
+                log.info("removing the unfinished tree %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+            elif entry.name.startswith("."):
+                if entry.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)
+            elif entry.name.endswith(".json"):
+                if not path.with_suffix("").is_dir():
+                    path.unlink(missing_ok=True)
+            elif entry.is_dir(follow_symlinks=False) and entry.name not in current:
+                stale.append(path)
+        if not stale:
+            return
+        try:
+            scan = scan_proc(self.proc_root)
+        except OSError as err:
+            for tree in stale:
+                self._keep(tree, f"cannot read {self.proc_root}: {err.strerror or err}")
+            return
+        current_inodes: set[tuple[int, int]] = set()
+        for name in current:
+            current_inodes |= _inodes(trees / name)
+        for tree in stale:
+            reason = _in_use(tree, scan, current_inodes)
+            if reason is not None:
+                self._keep(tree, reason)
+                continue
+            manifest_path(tree).unlink(missing_ok=True)
+            shutil.rmtree(tree, ignore_errors=True)
+            log.info("removed the unused driver tree %s", tree)
+            self.removed.append(tree)
+
+    def _keep(self, tree: Path, reason: str) -> None:
+        log.info("keeping the old driver tree %s: %s", tree, reason)
+        self.kept.append((tree, reason))
+
+
+def _in_use(tree: Path, scan: ProcScan, current_inodes: set[tuple[int, int]]) -> str | None:
+    if scan.unreadable:
+        return f"{len(scan.unreadable)} process(es) could not be inspected (pid {scan.unreadable[0]})"
+    mount = scan.mounts_tree(tree.name)
+    if mount is not None:
+        return f"mounted by a container ({mount})"
+    for key in _inodes(tree) - current_inodes:
+        pid = scan.mapped.get(key)
+        if pid is not None:
+            return f"mapped by process {pid}"
+    return None
+
+
+def _current_trees(base: Path) -> set[str]:
+    names: set[str] = set()
+    for entry in os.scandir(base):
+        if entry.is_symlink():
+            target = os.readlink(entry.path)
+            if target.startswith(TREES_DIR + "/"):
+                names.add(target[len(TREES_DIR) + 1 :].split("/", 1)[0])
+    return names
+
+
+def _inodes(tree: Path) -> set[tuple[int, int]]:
+    found: set[tuple[int, int]] = set()
+    for directory, _dirs, files in os.walk(tree):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if not os.path.islink(os.path.join(directory, name)):
+                found.add((st.st_dev, st.st_ino))
+    return found
+
+
+def _outcome(
+    volume: VolumeSpec, tree: Path, manifest: Manifest, *, changed: bool, built: bool, previous: Path | None
+) -> VolumeOutcome:
+    links = sum(1 for e in manifest.entries.values() if e.get("type") == "link")
+    return VolumeOutcome(
+        name=volume.name,
+        path=volume.path,
+        tree=tree,
+        changed=changed,
+        built=built,
+        previous_tree=previous,
+        files=len(manifest.entries) - links,
+        links=links,
+    )

@@ -1,0 +1,240 @@
+"""Writing a planned tree into a fresh directory, and its manifest.
+
+A tree is only ever written while it is a private staging directory; once published it is never
+modified. Files are created with ``O_EXCL`` (an existing file is never opened for writing), so a
+file that a running container maps can never change under it. A tree is complete when its
+manifest ``<trees>/<name>.json`` exists; the manifest is written after everything else is on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumanager.volume.discovery import Identity
+from gpumanager.volume.errors import VolumeError
+from gpumanager.volume.mirror import DIRS, TreePlan
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = 1
+_CHUNK = 1 << 20
+_NO_RANGE_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete tree holds and where it came from."""
+
+    name: str
+    volume: str
+    fingerprint: str
+    driver_version: str | None
+    entries: dict[str, dict[str, Any]]
+
+    def to_json(self) -> str:
+        """The manifest as JSON text."""
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "name": self.name,
+                "volume": self.volume,
+                "fingerprint": self.fingerprint,
+                "driver_version": self.driver_version,
+                "entries": self.entries,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+
+def manifest_path(tree: Path) -> Path:
+    """The manifest file of ``tree`` (beside it, so containers never see it)."""
+    return tree.with_name(tree.name + ".json")
+
+
+def read_manifest(tree: Path) -> Manifest | None:
+    """The manifest of ``tree``, or None when it is missing or unreadable (an incomplete tree)."""
+    try:
+        raw = json.loads(manifest_path(tree).read_text(encoding="utf-8"))
+        if raw.get("format") != MANIFEST_FORMAT:
+            return None
+        return Manifest(
+            name=str(raw["name"]),
+            volume=str(raw["volume"]),
+            fingerprint=str(raw["fingerprint"]),
+            driver_version=raw.get("driver_version"),
+            entries=dict(raw["entries"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def verify_tree(tree: Path, manifest: Manifest) -> str | None:
+    """Check that ``tree`` still holds what its manifest lists; returns what is wrong, or None."""
+    for rel, entry in manifest.entries.items():
+        try:
+            st = os.lstat(tree / rel)
+        except OSError:
+            return f"{rel} is missing"
+        kind = entry.get("type")
+        if kind == "link":
+            if not stat.S_ISLNK(st.st_mode) or os.readlink(tree / rel) != entry.get("target"):
+                return f"{rel} is not the symlink to {entry.get('target')}"
+        elif not stat.S_ISREG(st.st_mode) or st.st_size != entry.get("size"):
+            return f"{rel} is not the expected {entry.get('size')}-byte file"
+    return None
+
+
+def build_tree(
+    staging: Path,
+    plan: TreePlan,
+    reusable: Mapping[Identity, Path],
+    *,
+    allow_hardlinks: bool,
+) -> dict[str, dict[str, Any]]:
+    """Write ``plan`` into the new directory ``staging``; returns the manifest entries.
+
+    A file whose source identity is in ``reusable`` (a file of another of our trees, which are
+    never modified) is hard-linked from there; otherwise it is hard-linked from its source when
+    allowed and possible, else copied.
+    """
+    staging.mkdir(mode=0o755)
+    for directory in DIRS:
+        (staging / directory).mkdir(mode=0o755)
+    entries: dict[str, dict[str, Any]] = {}
+    for rel, item in sorted(plan.files.items()):
+        dst = staging / rel
+        _clone(item.source, dst, reusable.get(item.identity), allow_hardlinks and not item.copy_only)
+        entries[rel] = {
+            "type": "file",
+            "size": item.identity[2],
+            "source": item.host_path,
+            "identity": list(item.identity),
+        }
+    for rel, target in sorted(plan.aliases.items()):
+        os.link(staging / target, staging / rel)
+        entries[rel] = {"type": "file", "size": entries[target]["size"], "source": entries[target]["source"]}
+    for rel, target in sorted(plan.links.items()):
+        os.symlink(target, staging / rel)
+        entries[rel] = {"type": "link", "target": target}
+    for directory in (*DIRS, ""):
+        fsync_dir(staging / directory)
+    return entries
+
+
+def write_manifest(tree: Path, manifest: Manifest) -> None:
+    """Write the manifest atomically (temporary file, fsync, rename, fsync of the directory)."""
+    final = manifest_path(tree)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, manifest.to_json().encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and new entries in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _clone(source: Path, dst: Path, reuse: Path | None, link_source: bool) -> None:
+    for origin in (reuse, source if link_source else None):
+        if origin is None:
+            continue
+        try:
+            os.link(origin, dst)
+            return
+        except OSError as err:
+            log.debug("hard link %s -> %s failed (%s); trying the next way", origin, dst, err.strerror)
+    copy_file(source, dst)
+
+
+def copy_file(source: Path, dst: Path) -> None:
+    """Copy ``source`` to the new file ``dst`` (which must not exist), keeping holes, mode and mtime."""
+    try:
+        src_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise VolumeError(f"cannot read {source}: {err.strerror or err}") from err
+    try:
+        st = os.fstat(src_fd)
+        dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _copy_data(src_fd, dst_fd, st.st_size)
+            os.ftruncate(dst_fd, st.st_size)
+            os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
+            os.fsync(dst_fd)
+        except OSError as err:
+            raise VolumeError(f"cannot copy {source} to {dst}: {err.strerror or err}") from err
+        finally:
+            os.close(dst_fd)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(src_fd)
+
+
+def _copy_data(src: int, dst: int, size: int) -> None:
+    for start, end in _data_ranges(src, size):
+        _copy_range(src, dst, start, end - start)
+
+
+def _data_ranges(fd: int, size: int) -> list[tuple[int, int]]:
+    """The data extents of a file (holes skipped); the whole file when holes cannot be asked for."""
+    ranges: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as err:
+                if err.errno == errno.ENXIO:  # only a hole remains
+                    break
+                raise
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            ranges.append((start, end))
+            pos = end
+    except OSError:
+        return [(0, size)]
+    return ranges
+
+
+def _copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, offset + done, offset + done)
+        except OSError as err:
+            if err.errno not in _NO_RANGE_COPY:
+                raise
+            _copy_range_plain(src, dst, offset + done, length - done)
+            return
+        if n == 0:  # the source shrank under us
+            return
+        done += n
+
+
+def _copy_range_plain(src: int, dst: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        chunk = os.pread(src, min(_CHUNK, length - done), offset + done)
+        if not chunk:
+            return
+        written = 0
+        while written < len(chunk):
+            written += os.pwrite(dst, chunk[written:], offset + done + written)
+        done += len(chunk)

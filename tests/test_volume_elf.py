@@ -1,0 +1,142 @@
+"""ELF facts (pyelftools), the blacklist, the driver version and volume.conf validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpumanager.volume import NotElfError, VolumeError, load_volume_config
+from gpumanager.volume.blacklist import blacklist_reason
+from gpumanager.volume.elffacts import AbiTag, read_elf_facts
+from gpumanager.volume.mirror import devname
+from gpumanager.volume.version import DriverVersion, version_from_libcuda
+from tests.volume_fixtures import DEFAULT_VOLUME_CONF, LIB32, LIB64, MESA, V1, DriverStore, build_shared, driver_store
+
+__all__ = ["driver_store"]
+
+
+def built(store: DriverStore, host_path: str, version: str = V1) -> Path:
+    return store.files[f"{version}:{host_path}"]
+
+
+def test_facts_of_64_32_and_x32_objects(driver_store: DriverStore) -> None:
+    cuda = read_elf_facts(built(driver_store, f"{LIB64}/libcuda.so.{V1}"))
+    assert (cuda.bits, cuda.machine, cuda.soname, cuda.needed) == (64, "EM_X86_64", "libcuda.so.1", ())
+    cuda32 = read_elf_facts(built(driver_store, f"{LIB32}/libcuda.so.{V1}"))
+    assert (cuda32.bits, cuda32.machine, cuda32.soname) == (32, "EM_386", "libcuda.so.1")
+    x32 = read_elf_facts(built(driver_store, f"/usr/libx32/libcuda.so.{V1}"))
+    assert (x32.bits, x32.machine) == (32, "EM_X86_64")
+    gl = read_elf_facts(built(driver_store, f"{LIB64}/libGL.so.1.7.0"))
+    assert gl.soname == "libGL.so.1" and gl.needed[0] == "libGLdispatch.so.0"
+    tls = read_elf_facts(built(driver_store, f"{LIB64}/libnvidia-tls.so.{V1}"))
+    assert tls.abi_tag == AbiTag(os=0, version=(2, 3, 99)) and str(tls.abi_tag) == "2.3.99"
+    assert cuda.abi_tag is None and not cuda.has_abi_tag_section
+
+
+def test_non_elf_and_damaged_files(tmp_path: Path, driver_store: DriverStore) -> None:
+    text = tmp_path / "libnvidia-fbc.so.1"
+    text.write_text("INPUT(libnvidia-fbc.so.550)\n")
+    with pytest.raises(NotElfError, match=f"{text} is not an ELF file"):
+        read_elf_facts(text)
+    cut = tmp_path / "libcut.so"
+    cut.write_bytes(built(driver_store, f"{LIB64}/libcuda.so.{V1}").read_bytes()[:100])
+    with pytest.raises(NotElfError, match=str(cut)):
+        read_elf_facts(cut)
+    with pytest.raises(NotElfError, match="cannot read"):
+        read_elf_facts(tmp_path / "missing.so")
+
+
+def test_blacklist_rules(tmp_path: Path, driver_store: DriverStore) -> None:
+    def reason(host_path: str, file: Path | None = None) -> str | None:
+        return blacklist_reason(host_path, read_elf_facts(file or built(driver_store, host_path)))
+
+    assert reason(f"{LIB64}/libGL.so.1.7.0") is None  # GLVND: needs libGLdispatch
+    assert reason(f"{LIB64}/libEGL.so.1.1.0") is None
+    assert "not NVIDIA" in (reason(f"{MESA}/libGL.so.1.2.0") or "")
+    assert reason(f"{LIB64}/libnvidia-tls.so.{V1}") is None
+    assert "ABI 2.6.0" in (reason(f"{LIB64}/tls/libnvidia-tls.so.{V1}") or "")
+    assert reason(f"{LIB64}/libcuda.so.{V1}") is None
+    # an NVIDIA (non-GLVND) libGL needs libnvidia-glcore
+    stub = build_shared(tmp_path / f"libnvidia-glcore.so.{V1}", f"libnvidia-glcore.so.{V1}", marker="glcore")
+    legacy = build_shared(tmp_path / f"libGLESv2.so.{V1}", "libGLESv2.so.2", marker="gles", needed=[stub])
+    assert reason(f"/usr/lib64/libGLESv2.so.{V1}", legacy) is None
+    no_note = build_shared(tmp_path / "libnvidia-tls.so.1", "libnvidia-tls.so.1", marker="no note")
+    assert "without a .note.ABI-tag" in (reason("/usr/lib64/libnvidia-tls.so.1", no_note) or "")
+
+
+def test_driver_version_keeps_every_component() -> None:
+    assert version_from_libcuda("libcuda.so.550.54.15") == DriverVersion("550.54.15", 550, 54)
+    assert version_from_libcuda("libcuda.so.470.82.01") == DriverVersion("470.82.01", 470, 82)
+    assert version_from_libcuda("libcuda.so.418.87") == DriverVersion("418.87", 418, 87)
+    assert str(version_from_libcuda("libcuda.so.560.35.03")) == "560.35.03"
+    for name in ("libcuda.so", "libcuda.so.1", "libcuda-control.so", "libcuda.so.x"):
+        assert version_from_libcuda(name) is None
+
+
+def test_devname() -> None:
+    assert devname("libcuda.so.1") == "libcuda.so"
+    assert devname("libnvidia-glcore.so.550.54.15") == "libnvidia-glcore.so"
+    assert devname("libGLESv1_CM.so.1") == "libGLESv1_CM.so"
+
+
+def test_default_volume_conf_is_upstreams() -> None:
+    config = load_volume_config(DEFAULT_VOLUME_CONF)
+    nvidia, origin = config.volumes
+    assert (nvidia.name, origin.name) == ("nvidia", "origin")
+    assert nvidia.base == origin.base == Path("/etc/gpu-manager/vdriver")
+    assert nvidia.binaries == (*origin.binaries, "gpu-client")
+    assert set(nvidia.libraries) - set(origin.libraries) == {"libcuda-control.so", "libnvidia-gpucomp.so"}
+    assert len(nvidia.libraries) == 30 and nvidia.libraries[:3] == (
+        "libnvidia-ml.so",
+        "libcuda.so",
+        "libcuda-control.so",
+    )
+    assert nvidia.path == Path("/etc/gpu-manager/vdriver/nvidia")
+    assert config.with_base(Path("/x")).volumes[1].path == Path("/x/origin")
+    extra = json.loads((DEFAULT_VOLUME_CONF.parent / "extra-config.json").read_text())
+    assert extra == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[]", 'with a "volume" list'),
+        ('{"volume": [1]}', r"volume\[0\]: expected an object"),
+        ('{"volume": [{"name": "../x", "base": "/b", "components": {"binaries": []}}]}', "name '../x'"),
+        ('{"volume": [{"name": "n", "base": "rel", "components": {"binaries": []}}]}', "base 'rel'"),
+        ('{"volume": [{"name": "n", "base": "/b", "components": {"libraries": "libcuda.so"}}]}', "libraries"),
+        ('{"volume": [{"name": "n", "base": "/b", "components": {"libraries": [""]}}]}', "is not a file name"),
+        ('{"volume": [{"name": "n", "base": "/b", "components": {"bins": []}}]}', "unknown component"),
+        (
+            '{"volume": [{"name": "n", "base": "/b", "components": {"binaries": []}},'
+            ' {"name": "n", "base": "/b", "components": {"binaries": []}}]}',
+            "appears twice",
+        ),
+    ],
+)
+def test_volume_conf_errors_name_the_file_and_value(tmp_path: Path, raw: str, message: str) -> None:
+    path = tmp_path / "volume.conf"
+    path.write_text(raw)
+    with pytest.raises(VolumeError, match=message) as err:
+        load_volume_config(path)
+    assert str(path) in str(err.value)
+
+
+def test_volume_without_components_is_not_registered(tmp_path: Path) -> None:
+    path = tmp_path / "volume.conf"
+    path.write_text(
+        json.dumps(
+            {
+                "volume": [
+                    {"name": "empty", "base": "/b"},
+                    {"name": "n", "base": "/b", "components": {"binaries": ["x"]}},
+                ]
+            }
+        )
+    )
+    assert [v.name for v in load_volume_config(path).volumes] == ["n"]
+    with pytest.raises(VolumeError, match="cannot read volume config"):
+        load_volume_config(tmp_path / "missing.conf")

@@ -16,8 +16,9 @@ little-endian)::
                             util_updated_us, sample_count, lost_since_us, 120 util samples
     135168 EVENTS (id 2): ring of 1024 x 48 bytes {seq, event_type, event_data, time_us, gpu};
                             event ``seq`` lives in slot ``seq % entry_count``
-    184320 PROCS  (id 3): 1024 x 48 bytes {pid, gpu, used_bytes, flags (bit 0 in use),
-                            sm_util, mem_util, updated_us}
+    184320 PROCS  (id 3): 1024 x 48 bytes {pid, gpu, used_bytes, flags (bit 0 in use, bit 1
+                            written by the simulated libcuda: reaped when the process is gone),
+                            sm_util, mem_util, updated_us, owner_start}
 
 Readers locate sections through the directory and index entries with its ``entry_size``, so
 later layouts may append fields to entries or add sections.  Every access holds
@@ -59,6 +60,7 @@ SECTION_EVENTS = 2
 SECTION_PROCS = 3
 GPU_LOST = 0x1
 PROC_IN_USE = 0x1
+PROC_CUDA = 0x2  # entry of a simulated-libcuda process (its device memory); reaped when it is gone
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS of the nvml.h the simulator is built against
 TOPOLOGY_LEVELS = (0, 10, 20, 30, 40, 50)  # NVML_TOPOLOGY_INTERNAL .. NVML_TOPOLOGY_SYSTEM
@@ -362,6 +364,7 @@ class ProcessEntry:
     sm_util: int
     mem_util: int
     updated_us: int
+    cuda: bool = False  # written by the simulated libcuda (reaped when the process is gone)
 
 
 @dataclass(frozen=True)
@@ -635,7 +638,7 @@ class GpuSimState:
                 if e_seq == seq:
                     events.append(Event(seq, e_gpu, e_type, e_data, e_time))
             procs = [
-                ProcessEntry(pid, gpu, used, sm, mem, updated)
+                ProcessEntry(pid, gpu, used, sm, mem, updated, bool(flags & PROC_CUDA))
                 for _off, (pid, gpu, used, flags, sm, mem, _r0, updated, _r1) in self._proc_slots(m)
                 if flags & PROC_IN_USE
             ]
@@ -694,22 +697,26 @@ def sim_env(
 
 
 def _newest_source_mtime(vcuda: Path) -> float:
-    sources = [vcuda / "Makefile", *(p for p in (vcuda / "sim").iterdir() if p.suffix in {".c", ".h", ".py"})]
+    dirs = [vcuda / name for name in ("sim", "common", "tools") if (vcuda / name).is_dir()]
+    sources = [vcuda / "Makefile", *(p for d in dirs for p in d.iterdir() if p.suffix in {".c", ".h", ".py"})]
     return max(p.stat().st_mtime for p in sources)
 
 
 def ensure_sim_built(*, python: str | None = None, timeout: float = 300.0) -> Path:
     """Builds the simulated driver unless it is present and newer than its sources.
 
-    Runs ``make -C vcuda sim`` (with ``PYTHON`` set to ``python``, default this interpreter)
+    The simulated driver is ``libnvidia-ml.so.1`` and ``libcuda.so.1``.  Runs ``make -C vcuda sim``
+    (with ``PYTHON`` set to ``python``, default this interpreter)
     under a file lock, so concurrent callers build once.  Returns the library path; raises
     SimBuildError when make fails.
     """
     vcuda = repo_root() / "vcuda"
     lib = sim_library_dir() / "libnvidia-ml.so.1"
+    libs = [lib, sim_library_dir() / "libcuda.so.1"]
 
     def stale() -> bool:
-        return not lib.exists() or lib.stat().st_mtime < _newest_source_mtime(vcuda)
+        newest = _newest_source_mtime(vcuda)
+        return any(not p.exists() or p.stat().st_mtime < newest for p in libs)
 
     if not stale():
         return lib
@@ -724,7 +731,7 @@ def ensure_sim_built(*, python: str | None = None, timeout: float = 300.0) -> Pa
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise SimBuildError(f"{' '.join(cmd)}: {exc}") from exc
-            if done.returncode != 0 or not lib.exists():
+            if done.returncode != 0 or not all(p.exists() for p in libs):
                 raise SimBuildError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     finally:
         os.close(lock_fd)

@@ -43,6 +43,13 @@
 #define GPUSIM_GPU_LOST 0x1u
 /* gpusim_proc.flags */
 #define GPUSIM_PROC_IN_USE 0x1u
+/*
+ * Entry written by the simulated libcuda for one of its processes: it is
+ * reaped (cleared) by whoever notices that process gone (owner_start tells a
+ * reused PID apart).  Entries without this bit (gpusim set-process) are never
+ * reaped.
+ */
+#define GPUSIM_PROC_CUDA 0x2u
 
 struct gpusim_section {
     uint32_t id;          /* GPUSIM_SECTION_*; 0 = unused slot */
@@ -108,7 +115,7 @@ struct gpusim_proc {
     uint32_t mem_util;    /* percent */
     uint32_t reserved0;
     uint64_t updated_us;  /* last change of this entry */
-    uint64_t reserved1;
+    uint64_t owner_start; /* GPUSIM_PROC_CUDA: the process's start time (/proc/<pid>/stat field 22), 0 unknown */
 };
 
 /* Section placement used by the creator of a fresh file. */

@@ -333,6 +333,7 @@ static void memory_of(const struct sim_ctx *ctx, unsigned i, unsigned long long 
     *used = 0;
     if (sim_state_lock(ctx->state) != 0)
         return;
+    sim_state_reap_dead(ctx->state); /* a process that is gone uses no memory */
     unsigned cap = sim_state_proc_capacity(ctx->state);
     for (unsigned s = 0; s < cap; s++) {
         const struct gpusim_proc *p = sim_state_proc(ctx->state, s);

@@ -21,6 +21,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void
         sim_leave();
         return NVML_ERROR_UNKNOWN;
     }
+    sim_state_reap_dead(ctx->state);
     unsigned cap = sim_state_proc_capacity(ctx->state), n = 0;
     for (unsigned s = 0; s < cap; s++) {
         const struct gpusim_proc *p = sim_state_proc(ctx->state, s);

@@ -1,6 +1,8 @@
 /* The shared run-time state file; see sim_state.h and gpusim_state_layout.h. */
 #include "sim_state.h"
 
+#include "vc_proc.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -278,4 +280,21 @@ uint64_t sim_state_push_event(struct sim_state *st, unsigned gpu, uint64_t type,
     h->event_next_seq = seq + 1;
     sim_state_touch(st);
     return seq;
+}
+
+unsigned sim_state_reap_dead(struct sim_state *st)
+{
+    unsigned reaped = 0;
+    for (unsigned s = 0; s < st->procs.count; s++) {
+        struct gpusim_proc *p = sim_state_proc(st, s);
+        if ((p->flags & (GPUSIM_PROC_IN_USE | GPUSIM_PROC_CUDA)) != (GPUSIM_PROC_IN_USE | GPUSIM_PROC_CUDA))
+            continue;
+        if (vc_proc_alive((int)p->pid, p->owner_start))
+            continue;
+        memset(p, 0, st->procs.stride);
+        reaped++;
+    }
+    if (reaped > 0)
+        sim_state_touch(st);
+    return reaped;
 }

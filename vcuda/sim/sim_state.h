@@ -44,6 +44,12 @@ unsigned sim_state_event_capacity(const struct sim_state *st);
 void sim_state_touch(struct sim_state *st);
 uint64_t sim_state_push_event(struct sim_state *st, unsigned gpu, uint64_t type, uint64_t data);
 
+/*
+ * Clears the PROCS entries that the simulated libcuda wrote (GPUSIM_PROC_CUDA)
+ * for processes that are gone (caller holds the lock).  Returns how many.
+ */
+unsigned sim_state_reap_dead(struct sim_state *st);
+
 /* CLOCK_REALTIME in microseconds. */
 uint64_t sim_now_us(void);
 

@@ -1,0 +1,233 @@
+"""The simulated libcuda.so.1 on its own, driven by cuda-bindings and pynvml in subprocesses."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from gpumanager.testing.gpusim_state import GpuSimState, load_spec, spec_dir
+from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, MIB, last_json, run_python, sim_only_env, vcuda_built
+
+__all__ = ["vcuda_built"]  # fixtures
+
+
+def test_driver_files_carry_the_real_names(vcuda_built: Path) -> None:
+    del vcuda_built
+    for lib in ("libcuda.so", "libnvidia-ml.so"):
+        real = BUILD / "sim" / f"{lib}.{DRIVER_VERSION}"
+        assert real.is_file()
+        assert real.samefile(BUILD / "sim" / f"{lib}.1")
+
+
+def test_devices_come_from_the_spec(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    spec = load_spec(spec_dir() / "h100-nvlink-x8.json")
+    done = run_python(
+        r"""
+A = d.CUdevice_attribute
+out = {"version": ok(d.cuDriverGetVersion()), "count": ok(d.cuDeviceGetCount()), "gpus": []}
+for i in range(out["count"]):
+    g = ok(d.cuDeviceGet(i))
+    out["gpus"].append({
+        "name": ok(d.cuDeviceGetName(96, g)).split(b"\0")[0].decode(),
+        "uuid": bytes(ok(d.cuDeviceGetUuid(g)).bytes).hex(),
+        "total": ok(d.cuDeviceTotalMem(g)),
+        "sms": ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, g)),
+        "cc": [ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, g)),
+               ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, g))],
+        "pci": [ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, g)),
+                ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, g)),
+                ok(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, g))],
+        "bus_id": ok(d.cuDeviceGetPCIBusId(32, g)).split(b"\0")[0].decode(),
+    })
+print(json.dumps(out))
+""",
+        sim_only_env("h100-nvlink-x8", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["version"] == spec.cuda_driver_version
+    assert out["count"] == len(spec.gpus)
+    for g, s in zip(out["gpus"], spec.gpus, strict=True):
+        assert g["name"] == s.name
+        assert g["uuid"] == s.uuid[4:].replace("-", "").lower()
+        assert g["total"] == s.memory_bytes
+        assert g["sms"] == s.sm_count
+        assert g["cc"] == [9, 0]
+        domain, bus, device = (int(x, 16) for x in s.pci_bus_id.replace(".", ":").split(":")[:3])
+        assert g["pci"] == [domain, bus, device]
+        assert g["bus_id"] == f"{domain:04X}:{bus:02X}:{device:02X}.0"
+
+
+HOLD = r"""
+p = ok(d.cuMemAlloc(int(sys.argv[1]) << 20))
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+NVML = r"""
+import pynvml
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+m = pynvml.nvmlDeviceGetMemoryInfo(h)
+print(json.dumps({"used": m.used, "free": m.free, "total": m.total,
+                  "procs": sorted([p.pid, p.usedGpuMemory] for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)),
+                  "cuda_free": ok(d.cuMemGetInfo())[0]}))
+"""
+
+
+def test_memory_in_use_is_per_process_and_dead_processes_are_reaped(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    import subprocess
+    import sys
+
+    from gpumanager.testing.gpusim_state import repo_root
+    from tests.vcuda_fixtures import PRELUDE
+
+    env = sim_only_env("t4-x1", tmp_path / "node.state")
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + HOLD, str(mib)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=repo_root(),
+        )
+        for mib in (1024, 3072)
+    ]
+    try:
+        pids = []
+        for h in holders:
+            assert h.stdout is not None
+            line = h.stdout.readline()
+            assert line, h.stderr.read() if h.stderr else ""
+            pids.append(int(line))
+        total = load_spec(spec_dir() / "t4-x1.json").gpus[0].memory_bytes
+        both = run_python(NVML, env)
+        assert both.returncode == 0, both.stderr
+        assert last_json(both.stdout) == {
+            "used": 4096 * MIB,
+            "free": total - 4096 * MIB,
+            "total": total,
+            "procs": sorted([[pids[0], 1024 * MIB], [pids[1], 3072 * MIB]]),
+            "cuda_free": total - 4096 * MIB,
+        }
+        with GpuSimState(tmp_path / "node.state") as st:
+            assert all(p.cuda for p in st.snapshot().processes)
+        holders[1].send_signal(signal.SIGKILL)
+        holders[1].wait(timeout=30)
+        one = run_python(NVML, env)
+        assert last_json(one.stdout)["procs"] == [[pids[0], 1024 * MIB]]  # type: ignore[index]
+    finally:
+        for h in holders:
+            if h.poll() is None:
+                h.communicate(input="\n", timeout=30)
+
+
+def test_the_gpu_runs_out_for_everyone(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    done = run_python(
+        r"""
+total = ok(d.cuDeviceTotalMem(dev))
+a = ok(d.cuMemAlloc(total - (1 << 20)))
+print(json.dumps([d.cuMemAlloc(2 << 20)[0].name, d.cuMemAlloc(1 << 20)[0].name, ok(d.cuMemGetInfo())[0]]))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_SUCCESS", 0]
+
+
+def test_cu_get_proc_address_follows_versions_and_flags(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    done = run_python(
+        r"""
+lib = ctypes.CDLL("libcuda.so.1")
+addr = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+PT = d.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+DEF = d.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+gpa = lib.cuGetProcAddress_v2
+gpa.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_int)]
+def which(name, version, flags=DEF):
+    pp, st = ctypes.c_void_p(), ctypes.c_int(-1)
+    err = R(gpa(name.encode(), ctypes.byref(pp), version, int(flags), ctypes.byref(st)))
+    p, st = pp.value, st.value
+    names = ["cuCtxCreate", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuMemAlloc", "cuMemAlloc_v2",
+             "cuMemcpyAsync", "cuMemcpyAsync_ptsz", "cuMemcpyHtoD_v2", "cuMemcpyHtoD_v2_ptds",
+             "cuGetProcAddress", "cuGetProcAddress_v2", "cuMemAllocAsync"]
+    hit = [n for n in names if p and addr(n) == p]
+    return [err.name, int(st), hit[0] if hit else None]
+print(json.dumps({
+    "ctx3020": which("cuCtxCreate", 3020), "ctx11040": which("cuCtxCreate", 11040),
+    "ctx12050": which("cuCtxCreate", 12050),  # the driver is 12.4: _v4 does not exist yet
+    "alloc2000": which("cuMemAlloc", 2000), "alloc12000": which("cuMemAlloc", 12000),
+    "memcpy_pt": which("cuMemcpyAsync", 7000, PT), "memcpy": which("cuMemcpyAsync", 7000),
+    "htod_pt": which("cuMemcpyHtoD", 12000, PT),
+    "gpa": which("cuGetProcAddress", 12000), "gpa11": which("cuGetProcAddress", 11030),
+    "too_old": which("cuMemAllocAsync", 11000), "unknown": which("cuNoSuchThing", 12000),
+    "stub": d.cuEventCreate(0)[0].name,
+}))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == {
+        "ctx3020": ["CUDA_SUCCESS", 0, "cuCtxCreate_v2"],
+        "ctx11040": ["CUDA_SUCCESS", 0, "cuCtxCreate_v3"],
+        "ctx12050": ["CUDA_SUCCESS", 0, "cuCtxCreate_v3"],
+        "alloc2000": ["CUDA_SUCCESS", 0, "cuMemAlloc"],
+        "alloc12000": ["CUDA_SUCCESS", 0, "cuMemAlloc_v2"],
+        "memcpy_pt": ["CUDA_SUCCESS", 0, "cuMemcpyAsync_ptsz"],
+        "memcpy": ["CUDA_SUCCESS", 0, "cuMemcpyAsync"],
+        "htod_pt": ["CUDA_SUCCESS", 0, "cuMemcpyHtoD_v2_ptds"],
+        "gpa": ["CUDA_SUCCESS", 0, "cuGetProcAddress_v2"],
+        "gpa11": ["CUDA_SUCCESS", 0, "cuGetProcAddress"],
+        "too_old": ["CUDA_ERROR_NOT_FOUND", 2, None],
+        "unknown": ["CUDA_ERROR_NOT_FOUND", 1, None],
+        "stub": "CUDA_ERROR_NOT_SUPPORTED",
+    }
+
+
+def test_kernels_launch_and_contexts_nest(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    done = run_python(
+        r"""
+mod = ok(d.cuModuleLoadData(b"\x7fELF not really a cubin"))
+f = ok(d.cuModuleGetFunction(mod, b"kernel"))
+s = ok(d.cuStreamCreate(0))
+launched = d.cuLaunchKernel(f, 128, 1, 1, 256, 1, 1, 0, s, 0, 0)[0].name
+bad = d.cuLaunchKernel(f, 0, 1, 1, 256, 1, 1, 0, s, 0, 0)[0].name
+other = ok(d.cuCtxCreate(0, ok(d.cuDeviceGet(1)) if ok(d.cuDeviceGetCount()) > 1 else dev))
+cur = ok(d.cuCtxGetDevice())
+ok(d.cuCtxPopCurrent())
+back = ok(d.cuCtxGetDevice())
+ok(d.cuCtxDestroy(other)); ok(d.cuStreamSynchronize(s)); ok(d.cuStreamDestroy(s)); ok(d.cuModuleUnload(mod))
+print(json.dumps([launched, bad, int(cur), int(back)]))
+""",
+        sim_only_env("v100-pcie-x4", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", 1, 0]
+
+
+def test_cuinit_without_a_spec_says_why(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    import subprocess
+    import sys
+
+    env = sim_only_env("t4-x1", tmp_path / "node.state")
+    del env["GPUSIM_SPEC"]
+    done = subprocess.run(
+        [sys.executable, "-c", "from cuda.bindings import driver as d; print(d.cuInit(0)[0].name)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.stdout.strip() == "CUDA_ERROR_NO_DEVICE"
+    assert "GPUSIM_SPEC is not set" in done.stderr

@@ -1,0 +1,215 @@
+"""Fixtures for the interceptor (libcuda-control.so) and the simulated libcuda.
+
+A test container is a driver mirror laid out as gpu-manager's ``vdriver`` tree: the interceptor
+under the names ``libcuda.so.1`` and ``libnvidia-ml.so.1``, the simulated driver under its real
+file names ``libcuda.so.<version>`` / ``libnvidia-ml.so.<version>``, so the interceptor finds "the
+real library next to itself".  Programs run in subprocesses with ``LD_LIBRARY_PATH`` set before
+they start, and drive the libraries with NVIDIA's own clients (``cuda-bindings``, ``pynvml``).
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpumanager.testing.gpusim_state import ensure_sim_built, repo_root, sim_env, spec_dir
+
+VCUDA = repo_root() / "vcuda"
+BUILD = VCUDA / "build"
+DRIVER_VERSION = "550.54.15"  # vcuda/Makefile's SIM_DRIVER_VERSION
+CONFIG_SIZE = 8240
+MIB = 1 << 20
+
+# Preamble of every client program: initialise, make the primary context of device 0 current.
+PRELUDE = r"""
+import ctypes, json, os, sys
+from cuda.bindings import driver as d
+R = d.CUresult
+def ok(r):
+    assert r[0] == R.CUDA_SUCCESS, r
+    return r[1] if len(r) == 2 else r[1:]
+ok(d.cuInit(0))
+dev = ok(d.cuDeviceGet(0))
+ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
+ok(d.cuCtxSetCurrent(ctx))
+def phys_used():
+    from gpumanager.testing.gpusim_state import GpuSimState
+    with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+        return st.snapshot().used_bytes(0)
+"""
+
+
+def config_bytes(
+    limit_bytes: int,
+    *,
+    enable: int = 1,
+    pod_uid: str = "0b6e6e0c-1f4a-4c1e-9c53-6d1b2c3d4e5f",
+    container: str = "main",
+    cores: int = 50,
+) -> bytes:
+    """A vcuda.config as gpu-manager writes it (resource_data_t, packed, 8240 bytes)."""
+    buf = bytearray(CONFIG_SIZE)
+    struct.pack_into("48s", buf, 0, pod_uid.encode())
+    struct.pack_into("<i", buf, 48, 0)
+    struct.pack_into("4096s", buf, 4096, container.encode())
+    struct.pack_into("<QiiiiI", buf, 8208, limit_bytes, cores, 1, 550, 0, enable)
+    return bytes(buf)
+
+
+@dataclass
+class Container:
+    """One simulated container: mirror dir, config, budget dir, and the node's spec and state."""
+
+    root: Path
+    spec_path: Path
+    limit_bytes: int
+
+    @property
+    def mirror(self) -> Path:
+        return self.root / "nvidia" / "lib64"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "etc-vcuda" / "main" / "vcuda.config"
+
+    @property
+    def budget_dir(self) -> Path:
+        return self.root / "shm"
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "node.state"
+
+    def env(self, **overrides: str | None) -> dict[str, str]:
+        """Environment of a process in this container; an override of None removes the variable."""
+        env = sim_env(self.spec_path, self.state_path)
+        env["LD_LIBRARY_PATH"] = str(self.mirror)
+        env["VCUDA_CONFIG_PATH"] = str(self.config_path)
+        env["VCUDA_CONFIG_ROOT"] = str(self.root / "etc-vcuda")
+        env["VCUDA_BUDGET_DIR"] = str(self.budget_dir)
+        env["PYTHONPATH"] = str(repo_root())
+        env.pop("LOGGER_LEVEL", None)
+        for key, value in overrides.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def python(
+        self, code: str, *, env: Mapping[str, str] | None = None, timeout: float = 60, prelude: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs a client program (PRELUDE + code) in this container."""
+        return subprocess.run(
+            [sys.executable, "-c", (PRELUDE if prelude else "") + code],
+            env=dict(env) if env is not None else self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=repo_root(),
+        )
+
+    def popen(self, code: str, *, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+        """Starts a client program; stdin, stdout and stderr are pipes."""
+        return subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + code],
+            env=dict(env) if env is not None else self.env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=repo_root(),
+        )
+
+
+def ensure_vcuda_built() -> None:
+    """Builds the simulated driver and the interceptor (make is incremental)."""
+    ensure_sim_built()
+    cmd = ["make", "-C", str(VCUDA), "sim", "interceptor", f"PYTHON={sys.executable}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")
+
+
+@pytest.fixture(scope="session")
+def vcuda_built() -> Path:
+    """The interceptor, built once per session."""
+    ensure_vcuda_built()
+    return BUILD / "libcuda-control.so"
+
+
+def make_mirror(mirror: Path, interceptor: Path) -> None:
+    """gpu-manager's share-mode driver tree: the interceptor as libcuda.so.1 / libnvidia-ml.so.1."""
+    mirror.mkdir(parents=True, exist_ok=True)
+    for name in ("libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so"):
+        (mirror / name).symlink_to(interceptor)
+    for lib in ("libcuda.so", "libnvidia-ml.so"):
+        (mirror / f"{lib}.{DRIVER_VERSION}").symlink_to(BUILD / "sim" / f"{lib}.{DRIVER_VERSION}")
+
+
+@pytest.fixture
+def container(vcuda_built: Path, tmp_path: Path) -> Callable[..., Container]:
+    """Factory: container(limit_mib=1024, enable=1, spec="t4-x1", config=True) -> Container."""
+    count = 0
+
+    def make(limit_mib: int = 1024, *, enable: int = 1, spec: str = "t4-x1", config: bool = True) -> Container:
+        nonlocal count
+        count += 1
+        c = Container(tmp_path / f"c{count}", spec_dir() / f"{spec}.json", limit_mib * MIB)
+        make_mirror(c.mirror, vcuda_built)
+        c.config_path.parent.mkdir(parents=True)
+        if config:
+            c.config_path.write_bytes(config_bytes(c.limit_bytes, enable=enable))
+        return c
+
+    return make
+
+
+def sim_only_env(spec: str, state: Path) -> dict[str, str]:
+    """Environment of a process that uses the simulated driver directly (no interceptor)."""
+    env = sim_env(spec_dir() / f"{spec}.json", state)
+    env["PYTHONPATH"] = str(repo_root())
+    return env
+
+
+def run_python(code: str, env: Mapping[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Runs code (PRELUDE first) with env."""
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE + code],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=repo_root(),
+    )
+
+
+def last_json(stdout: str) -> object:
+    """The JSON document on the last line of a program's output."""
+    import json
+
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+__all__ = [
+    "MIB",
+    "PRELUDE",
+    "Container",
+    "config_bytes",
+    "container",
+    "last_json",
+    "make_mirror",
+    "run_python",
+    "sim_only_env",
+    "vcuda_built",
+]

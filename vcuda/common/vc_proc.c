@@ -1,0 +1,60 @@
+/* See vc_proc.h. */
+#include "vc_proc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Reads /proc/<pid>/stat; returns the state letter and the start time, or 0 when unreadable. */
+static char read_stat(int pid, uint64_t *start)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    /* "pid (comm) S ppid ...": comm may hold spaces and parentheses, so start after the last ')'. */
+    char *p = strrchr(buf, ')');
+    if (p == NULL || p[1] != ' ')
+        return 0;
+    char state = p[2];
+    p += 2;
+    /* Field 3 is the state; the start time is field 22, i.e. 19 fields further. */
+    for (int field = 3; field < 22 && p != NULL; field++) {
+        p = strchr(p, ' ');
+        if (p != NULL)
+            p++;
+    }
+    if (p == NULL)
+        return 0;
+    *start = strtoull(p, NULL, 10);
+    return state;
+}
+
+uint64_t vc_proc_start_time(int pid)
+{
+    uint64_t start = 0;
+    return read_stat(pid, &start) ? start : 0;
+}
+
+bool vc_proc_alive(int pid, uint64_t start)
+{
+    if (pid <= 0)
+        return false;
+    uint64_t now_start = 0;
+    char state = read_stat(pid, &now_start);
+    if (state == 0) /* no /proc entry: gone, or /proc not mounted; ask the kernel */
+        return kill(pid, 0) == 0 || errno == EPERM;
+    if (state == 'Z' || state == 'X' || state == 'x')
+        return false;
+    return start == 0 || now_start == start;
+}

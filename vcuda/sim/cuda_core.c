@@ -1,0 +1,817 @@
+/*
+ * Simulated libcuda: initialisation, versions, errors, devices and attributes,
+ * contexts, and cuGetProcAddress.
+ */
+#include "cuda_sim.h"
+
+#include <ctype.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_procs.h"
+
+/* ---- node (spec + state), loaded once ----------------------------------- */
+
+static pthread_once_t g_load_once = PTHREAD_ONCE_INIT;
+static struct sim_node g_node;          /* written once inside g_load_once */
+static CUresult g_load_rc;              /* likewise */
+static char g_load_err[1100];           /* likewise */
+static struct sim_spec *g_version_spec; /* spec for the version only (no state), likewise */
+static atomic_bool g_initialized;       /* cuInit succeeded */
+
+static void load_node(void)
+{
+    const char *spec_path = getenv("GPUSIM_SPEC");
+    const char *state_path = getenv("GPUSIM_STATE");
+    char err[1024];
+    if (spec_path == NULL || spec_path[0] == '\0') {
+        snprintf(g_load_err, sizeof(g_load_err), "GPUSIM_SPEC is not set: it must name the node spec JSON file");
+        g_load_rc = CUDA_ERROR_NO_DEVICE;
+        return;
+    }
+    struct sim_spec *spec = sim_spec_load(spec_path, err, sizeof(err));
+    if (spec == NULL) {
+        snprintf(g_load_err, sizeof(g_load_err), "%s", err);
+        g_load_rc = CUDA_ERROR_UNKNOWN;
+        return;
+    }
+    g_version_spec = spec;
+    if (state_path == NULL || state_path[0] == '\0') {
+        snprintf(g_load_err, sizeof(g_load_err), "GPUSIM_STATE is not set: it must name the run-time state file");
+        g_load_rc = CUDA_ERROR_UNKNOWN;
+        return;
+    }
+    struct sim_state *state = sim_state_open(state_path, err, sizeof(err));
+    if (state == NULL) {
+        snprintf(g_load_err, sizeof(g_load_err), "%s", err);
+        g_load_rc = CUDA_ERROR_UNKNOWN;
+        return;
+    }
+    /* Processes that died since the last run no longer hold memory. */
+    if (sim_state_lock(state) == 0) {
+        sim_state_reap_dead(state);
+        sim_state_unlock(state);
+    }
+    g_node.spec = spec;
+    g_node.state = state;
+    g_load_rc = CUDA_SUCCESS;
+}
+
+const struct sim_node *sim_cu_node(void)
+{
+    return atomic_load_explicit(&g_initialized, memory_order_acquire) ? &g_node : NULL;
+}
+
+int sim_cu_driver_version(void)
+{
+    pthread_once(&g_load_once, load_node);
+    return g_version_spec != NULL ? g_version_spec->cuda_driver_version : CUDA_VERSION;
+}
+
+SIM_EXPORT CUresult cuInit(unsigned int Flags)
+{
+    if (Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_once(&g_load_once, load_node);
+    if (g_load_rc != CUDA_SUCCESS) {
+        fprintf(stderr, "gpusim: cuInit: %s\n", g_load_err);
+        return g_load_rc;
+    }
+    atomic_store_explicit(&g_initialized, true, memory_order_release);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDriverGetVersion(int *driverVersion)
+{
+    if (driverVersion == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    *driverVersion = sim_cu_driver_version();
+    return CUDA_SUCCESS;
+}
+
+/* ---- errors ------------------------------------------------------------- */
+
+struct sim_error {
+    CUresult code;
+    const char *name;
+    const char *text;
+};
+
+#define E(code, text) {code, #code, text}
+static const struct sim_error k_errors[] = {
+    E(CUDA_SUCCESS, "no error"),
+    E(CUDA_ERROR_INVALID_VALUE, "invalid argument"),
+    E(CUDA_ERROR_OUT_OF_MEMORY, "out of memory"),
+    E(CUDA_ERROR_NOT_INITIALIZED, "initialization error"),
+    E(CUDA_ERROR_DEINITIALIZED, "driver shutting down"),
+    E(CUDA_ERROR_NO_DEVICE, "no CUDA-capable device is detected"),
+    E(CUDA_ERROR_INVALID_DEVICE, "invalid device ordinal"),
+    E(CUDA_ERROR_INVALID_IMAGE, "device kernel image is invalid"),
+    E(CUDA_ERROR_INVALID_CONTEXT, "invalid device context"),
+    E(CUDA_ERROR_CONTEXT_ALREADY_CURRENT, "context already current"),
+    E(CUDA_ERROR_INVALID_HANDLE, "invalid resource handle"),
+    E(CUDA_ERROR_NOT_FOUND, "named symbol not found"),
+    E(CUDA_ERROR_NOT_READY, "device not ready"),
+    E(CUDA_ERROR_ILLEGAL_ADDRESS, "an illegal memory access was encountered"),
+    E(CUDA_ERROR_LAUNCH_FAILED, "unspecified launch failure"),
+    E(CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE, "primary context active"),
+    E(CUDA_ERROR_CONTEXT_IS_DESTROYED, "context is destroyed"),
+    E(CUDA_ERROR_NOT_PERMITTED, "operation not permitted"),
+    E(CUDA_ERROR_NOT_SUPPORTED, "operation not supported"),
+    E(CUDA_ERROR_INVALID_PTX, "a PTX JIT compilation failed"),
+    E(CUDA_ERROR_FILE_NOT_FOUND, "file not found"),
+    E(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "operation not permitted when stream is capturing"),
+    E(CUDA_ERROR_UNKNOWN, "unknown error"),
+};
+#undef E
+
+static const struct sim_error *find_error(CUresult code)
+{
+    for (size_t i = 0; i < sizeof(k_errors) / sizeof(k_errors[0]); i++)
+        if (k_errors[i].code == code)
+            return &k_errors[i];
+    return NULL;
+}
+
+SIM_EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    if (pStr == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_error *e = find_error(error);
+    *pStr = e ? e->text : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr)
+{
+    if (pStr == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_error *e = find_error(error);
+    *pStr = e ? e->name : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- devices ------------------------------------------------------------ */
+
+CUresult sim_cu_device(CUdevice dev, const struct sim_node **node)
+{
+    const struct sim_node *n = sim_cu_node();
+    if (n == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || (unsigned)dev >= n->spec->gpu_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *node = n;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    if (count == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_node *n = sim_cu_node();
+    if (n == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *count = (int)n->spec->gpu_count;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    const struct sim_node *n;
+    if (device == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(ordinal, &n);
+    if (rc == CUDA_SUCCESS)
+        *device = ordinal;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (name == NULL || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc == CUDA_SUCCESS)
+        snprintf(name, (size_t)len, "%s", n->spec->gpus[dev].name);
+    return rc;
+}
+
+static CUresult device_uuid(CUuuid *uuid, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (uuid == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (validated by the spec loader) -> 16 bytes. */
+    const char *p = n->spec->gpus[dev].uuid + 4;
+    for (int i = 0; i < 16; i++) {
+        while (*p == '-')
+            p++;
+        char hex[3] = {p[0], p[1], '\0'};
+        uuid->bytes[i] = (char)strtoul(hex, NULL, 16);
+        p += 2;
+    }
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    return device_uuid(uuid, dev);
+}
+
+SIM_EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+{
+    return device_uuid(uuid, dev);
+}
+
+SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (bytes == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc == CUDA_SUCCESS)
+        *bytes = (size_t)(n->spec->gpus[dev].memory_mib * SIM_MIB);
+    return rc;
+}
+
+/* CUDA 2.0 ABI: 32-bit size (saturated). */
+SIM_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
+{
+    size_t b;
+    if (bytes == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuDeviceTotalMem_v2(&b, dev);
+    if (rc == CUDA_SUCCESS)
+        *bytes = b > UINT32_MAX ? UINT32_MAX : (unsigned)b;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (pciBusId == NULL || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc == CUDA_SUCCESS) {
+        const struct sim_gpu_spec *g = &n->spec->gpus[dev];
+        snprintf(pciBusId, (size_t)len, "%04X:%02X:%02X.%X", g->pci_domain, g->pci_bus, g->pci_device,
+                 g->pci_function);
+    }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)
+{
+    const struct sim_node *n = sim_cu_node();
+    if (dev == NULL || pciBusId == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (n == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    unsigned v[4] = {0, 0, 0, 0};
+    int got = sscanf(pciBusId, "%x:%x:%x.%x", &v[0], &v[1], &v[2], &v[3]);
+    if (got < 3) {
+        v[3] = 0;
+        if (sscanf(pciBusId, "%x:%x.%x", &v[1], &v[2], &v[3]) < 2)
+            return CUDA_ERROR_INVALID_VALUE;
+        v[0] = 0;
+    }
+    for (unsigned i = 0; i < n->spec->gpu_count; i++) {
+        const struct sim_gpu_spec *g = &n->spec->gpus[i];
+        if (g->pci_domain == v[0] && g->pci_bus == v[1] && g->pci_device == v[2] && g->pci_function == v[3]) {
+            *dev = (CUdevice)i;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_DEVICE;
+}
+
+static void compute_capability(const struct sim_gpu_spec *g, int *major, int *minor)
+{
+    /* Unknown model names get Ampere's 8.0. */
+    *major = g->cc_major > 0 ? g->cc_major : 8;
+    *minor = g->cc_major > 0 ? g->cc_minor : 0;
+}
+
+SIM_EXPORT CUresult cuDeviceComputeCapability(int *major, int *minor, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (major == NULL || minor == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc == CUDA_SUCCESS)
+        compute_capability(&n->spec->gpus[dev], major, minor);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (pi == NULL || attrib <= 0 || attrib >= CU_DEVICE_ATTRIBUTE_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    const struct sim_gpu_spec *g = &n->spec->gpus[dev];
+    int major, minor;
+    compute_capability(g, &major, &minor);
+    int v = 0;
+    switch (attrib) {
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: v = (int)g->sm_count; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: v = major; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: v = minor; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: v = major == 7 && minor == 5 ? 1024 : 2048; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X:
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: v = 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: v = 64; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y:
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: v = 65535; break;
+    case CU_DEVICE_ATTRIBUTE_WARP_SIZE: v = 32; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: v = 49152; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: v = 65536; break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT: v = 512; break;
+    case CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT: v = (int)SIM_ALLOC_ALIGN; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_PITCH: v = 2147483647; break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: v = 1410000; break;
+    case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: v = 1215000; break;
+    case CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: v = 5120; break;
+    case CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: v = 50 * 1024 * 1024; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: v = (int)g->pci_bus; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: v = (int)g->pci_device; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: v = (int)g->pci_domain; break;
+    case CU_DEVICE_ATTRIBUTE_MULTI_GPU_BOARD: v = g->multi_gpu_board; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: v = CU_COMPUTEMODE_DEFAULT; break;
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS:
+    case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
+    case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS:
+    case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY:
+    case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
+    case CU_DEVICE_ATTRIBUTE_STREAM_PRIORITIES_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_ECC_ENABLED:
+    case CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: v = 1; break;
+    case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: v = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; break;
+    default: v = 0; break; /* a valid attribute the simulation does not model */
+    }
+    *pi = v;
+    return CUDA_SUCCESS;
+}
+
+/* ---- contexts ----------------------------------------------------------- */
+
+#define SIM_CTX_STACK 16
+
+static _Thread_local CUcontext tl_stack[SIM_CTX_STACK];
+static _Thread_local int tl_depth;
+
+/* Primary contexts and per-device live-context counts (for context memory), under g_ctx_mu. */
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct CUctx_st g_primary[GPUSIM_MAX_GPUS];
+static unsigned g_primary_refs[GPUSIM_MAX_GPUS];
+static unsigned g_primary_flags[GPUSIM_MAX_GPUS];
+static unsigned g_live_ctx[GPUSIM_MAX_GPUS];
+
+static uint64_t context_bytes(void)
+{
+    const char *s = getenv("GPUSIM_CONTEXT_MIB");
+    return s != NULL ? strtoull(s, NULL, 10) * SIM_MIB : 0;
+}
+
+/* Called with g_ctx_mu held. */
+static CUresult live_ctx_up(int device)
+{
+    if (g_live_ctx[device] == 0) {
+        uint64_t b = context_bytes();
+        if (b > 0) {
+            CUresult rc = sim_mem_charge((unsigned)device, b);
+            if (rc != CUDA_SUCCESS)
+                return rc;
+        }
+    }
+    g_live_ctx[device]++;
+    return CUDA_SUCCESS;
+}
+
+static void live_ctx_down(int device)
+{
+    if (g_live_ctx[device] > 0 && --g_live_ctx[device] == 0) {
+        uint64_t b = context_bytes();
+        if (b > 0)
+            sim_mem_uncharge((unsigned)device, b);
+    }
+}
+
+CUresult sim_ctx_memory_acquire(int device)
+{
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = live_ctx_up(device);
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+void sim_ctx_memory_release(int device)
+{
+    pthread_mutex_lock(&g_ctx_mu);
+    live_ctx_down(device);
+    pthread_mutex_unlock(&g_ctx_mu);
+}
+
+bool sim_cu_ctx_valid(CUcontext ctx)
+{
+    return ctx != NULL && ctx->magic == SIM_CTX_MAGIC;
+}
+
+CUcontext sim_cu_current(void)
+{
+    return tl_depth > 0 ? tl_stack[tl_depth - 1] : NULL;
+}
+
+CUresult sim_cu_current_device(int *device)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    CUcontext c = sim_cu_current();
+    if (!sim_cu_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = c->device;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, unsigned flags, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (pctx == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (tl_depth >= SIM_CTX_STACK)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct CUctx_st *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    rc = sim_ctx_memory_acquire(dev);
+    if (rc != CUDA_SUCCESS) {
+        free(c);
+        return rc;
+    }
+    *c = (struct CUctx_st){.magic = SIM_CTX_MAGIC, .device = dev, .primary = false, .flags = flags};
+    tl_stack[tl_depth++] = c;
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    return ctx_create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    return ctx_create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                   unsigned int flags, CUdevice dev)
+{
+    (void)paramsArray;
+    if (numParams < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return ctx_create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                                   CUdevice dev)
+{
+    (void)ctxCreateParams;
+    return ctx_create(pctx, flags, dev);
+}
+
+static CUresult ctx_destroy(CUcontext ctx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_cu_ctx_valid(ctx) || ctx->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    /* Remove it from this thread's stack (other threads' stacks are their business, as in CUDA). */
+    for (int i = tl_depth - 1; i >= 0; i--) {
+        if (tl_stack[i] == ctx) {
+            memmove(&tl_stack[i], &tl_stack[i + 1], (size_t)(tl_depth - i - 1) * sizeof(tl_stack[0]));
+            tl_depth--;
+        }
+    }
+    int dev = ctx->device;
+    ctx->magic = 0;
+    free(ctx);
+    sim_ctx_memory_release(dev);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxDestroy(CUcontext ctx)
+{
+    return ctx_destroy(ctx);
+}
+
+SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    return ctx_destroy(ctx);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    const struct sim_node *n;
+    if (pctx == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_ctx_mu);
+    if (g_primary_refs[dev] == 0) {
+        rc = live_ctx_up(dev);
+        if (rc == CUDA_SUCCESS)
+            g_primary[dev] = (struct CUctx_st){
+                .magic = SIM_CTX_MAGIC, .device = dev, .primary = true, .flags = g_primary_flags[dev]};
+    }
+    if (rc == CUDA_SUCCESS) {
+        g_primary_refs[dev]++;
+        *pctx = &g_primary[dev];
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+static CUresult primary_release(CUdevice dev, bool reset)
+{
+    const struct sim_node *n;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_ctx_mu);
+    if (g_primary_refs[dev] == 0) {
+        rc = reset ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+    } else {
+        g_primary_refs[dev] = reset ? 0 : g_primary_refs[dev] - 1;
+        if (g_primary_refs[dev] == 0) {
+            live_ctx_down(dev);
+            /* The handle stays valid (as in CUDA); memory it "held" is gone with it. */
+        }
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    return primary_release(dev, false);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    return primary_release(dev, false);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    return primary_release(dev, true);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    return primary_release(dev, true);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
+{
+    const struct sim_node *n;
+    if (flags == NULL || active == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_ctx_mu);
+    *flags = g_primary_flags[dev];
+    *active = g_primary_refs[dev] > 0;
+    pthread_mutex_unlock(&g_ctx_mu);
+    return CUDA_SUCCESS;
+}
+
+static CUresult primary_set_flags(CUdevice dev, unsigned int flags)
+{
+    const struct sim_node *n;
+    CUresult rc = sim_cu_device(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_ctx_mu);
+    g_primary_flags[dev] = flags;
+    pthread_mutex_unlock(&g_ctx_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags)
+{
+    return primary_set_flags(dev, flags);
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
+{
+    return primary_set_flags(dev, flags);
+}
+
+SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ctx == NULL) {
+        if (tl_depth > 0)
+            tl_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (tl_depth == 0)
+        tl_depth = 1;
+    tl_stack[tl_depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    if (pctx == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    *pctx = sim_cu_current();
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_push(CUcontext ctx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (tl_depth >= SIM_CTX_STACK)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    tl_stack[tl_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_pop(CUcontext *pctx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (tl_depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    CUcontext c = tl_stack[--tl_depth];
+    if (pctx != NULL)
+        *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx)
+{
+    return ctx_push(ctx);
+}
+
+SIM_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    return ctx_push(ctx);
+}
+
+SIM_EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx)
+{
+    return ctx_pop(pctx);
+}
+
+SIM_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    return ctx_pop(pctx);
+}
+
+SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    int d;
+    if (device == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_current_device(&d);
+    if (rc == CUDA_SUCCESS)
+        *device = d;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags)
+{
+    if (flags == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    int d;
+    CUresult rc = sim_cu_current_device(&d);
+    if (rc == CUDA_SUCCESS)
+        *flags = sim_cu_current()->flags;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
+{
+    if (version == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ctx == NULL)
+        ctx = sim_cu_current();
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *version = 3020;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSynchronize(void)
+{
+    int d;
+    return sim_cu_current_device(&d);
+}
+
+/* ---- cuGetProcAddress --------------------------------------------------- */
+
+static int compare_base(const void *key, const void *entry)
+{
+    return strcmp((const char *)key, ((const struct sim_proc_entry *)entry)->base);
+}
+
+/*
+ * The driver's rule: among the ABIs of symbol, the newest one introduced at or
+ * before min(cudaVersion, driver version); with the per-thread flag the
+ * _ptds/_ptsz variant when there is one.
+ */
+static CUresult get_proc(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                         CUdriverProcAddressQueryResult *status)
+{
+    CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    CUresult rc = CUDA_ERROR_NOT_FOUND;
+    if (symbol == NULL || pfn == NULL) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+        goto out;
+    }
+    *pfn = NULL;
+    const struct sim_proc_entry *hit =
+        bsearch(symbol, sim_proc_table, sim_proc_table_len, sizeof(sim_proc_table[0]), compare_base);
+    if (hit == NULL)
+        goto out;
+    const struct sim_proc_entry *first = hit, *end = hit;
+    while (first > sim_proc_table && strcmp(first[-1].base, symbol) == 0)
+        first--;
+    while (end < sim_proc_table + sim_proc_table_len && strcmp(end->base, symbol) == 0)
+        end++;
+    int driver = sim_cu_driver_version();
+    int limit = cudaVersion < driver ? cudaVersion : driver;
+    bool per_thread = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct sim_proc_entry *best = NULL, *best_pt = NULL;
+    int oldest = -1;
+    for (const struct sim_proc_entry *e = first; e < end; e++) {
+        if (!e->per_thread && (oldest < 0 || e->version < oldest))
+            oldest = e->version;
+        if (e->version > limit)
+            continue;
+        if (e->per_thread) {
+            if (best_pt == NULL || e->version > best_pt->version)
+                best_pt = e;
+        } else if (best == NULL || e->version > best->version) {
+            best = e;
+        }
+    }
+    if (per_thread && best_pt != NULL)
+        best = best_pt;
+    if (best == NULL) {
+        /* Known symbol: too new for this driver, or the caller asked for a version before it existed. */
+        st = oldest > driver ? CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND : CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+        goto out;
+    }
+    *pfn = (void *)best->fn;
+    st = CU_GET_PROC_ADDRESS_SUCCESS;
+    rc = CUDA_SUCCESS;
+out:
+    if (status != NULL)
+        *status = st;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    return get_proc(symbol, pfn, cudaVersion, flags, NULL);
+}
+
+SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                        CUdriverProcAddressQueryResult *symbolStatus)
+{
+    return get_proc(symbol, pfn, cudaVersion, flags, symbolStatus);
+}

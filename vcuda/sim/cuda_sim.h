@@ -1,0 +1,79 @@
+/*
+ * Internals shared by the simulated libcuda.so.1 sources.
+ *
+ * Compiled with __CUDA_API_VERSION_INTERNAL, so cuda.h declares every exported
+ * name under its own name (cuMemAlloc is the CUDA 2.0 ABI, cuMemAlloc_v2 the
+ * current one, cuMemcpyHtoD_v2_ptds the per-thread variant, ...).
+ * tools/gen_cuda_api.py emits a CUDA_ERROR_NOT_SUPPORTED stub for every
+ * cuda.h function that no source defines with SIM_EXPORT.
+ *
+ * Node: the spec (GPUSIM_SPEC) and the shared state file (GPUSIM_STATE), as
+ * for the simulated NVML; device memory in use is recorded per process in the
+ * state file's PROCS table (flag GPUSIM_PROC_CUDA), so NVML reports it.
+ */
+#ifndef GPUSIM_CUDA_SIM_H
+#define GPUSIM_CUDA_SIM_H
+
+#include <cuda.h>
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "sim_spec.h"
+#include "sim_state.h"
+
+#define SIM_EXPORT __attribute__((visibility("default")))
+
+#define SIM_MIB (1024ull * 1024ull)
+#define SIM_VMM_GRANULARITY (2ull * SIM_MIB)
+#define SIM_ALLOC_ALIGN 512ull  /* cuMemAlloc alignment and pitch alignment */
+
+struct CUctx_st {
+    uint32_t magic;   /* SIM_CTX_MAGIC while alive */
+    int device;
+    bool primary;
+    unsigned flags;
+};
+#define SIM_CTX_MAGIC 0x43545853u
+
+struct sim_node {
+    struct sim_spec *spec;
+    struct sim_state *state;
+};
+
+/* The node once cuInit succeeded; NULL before (callers return CUDA_ERROR_NOT_INITIALIZED). */
+const struct sim_node *sim_cu_node(void);
+
+/* The CUDA version the driver reports (spec's cuda_driver_version, or CUDA_VERSION without a spec). */
+int sim_cu_driver_version(void);
+
+/* Checks cuInit and the device ordinal. */
+CUresult sim_cu_device(CUdevice dev, const struct sim_node **node);
+
+/* The calling thread's current context (NULL if none). */
+CUcontext sim_cu_current(void);
+
+/* Current context's device, or an error (NOT_INITIALIZED, INVALID_CONTEXT). */
+CUresult sim_cu_current_device(int *device);
+
+/* Valid context handle? */
+bool sim_cu_ctx_valid(CUcontext ctx);
+
+/*
+ * Device memory accounting in the state file, for this process on GPU gpu.
+ * sim_mem_charge returns CUDA_ERROR_OUT_OF_MEMORY when the GPU's total would
+ * be exceeded (dead processes' entries are reaped first).
+ */
+CUresult sim_mem_charge(unsigned gpu, uint64_t bytes);
+void sim_mem_uncharge(unsigned gpu, uint64_t bytes);
+/* Total and free bytes of the GPU (free = total - every process's usage). */
+void sim_mem_info(unsigned gpu, uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* A fresh fake device address range of size bytes on gpu (never reused in this process). */
+uint64_t sim_va_alloc(unsigned gpu, uint64_t size, uint64_t align);
+
+/* Context memory: charged on a device's first live context in this process, uncharged with its last. */
+CUresult sim_ctx_memory_acquire(int device);
+void sim_ctx_memory_release(int device);
+
+#endif

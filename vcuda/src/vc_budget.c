@@ -1,0 +1,320 @@
+/*
+ * The container's memory budget, shared by all its processes: a small file
+ * mapped MAP_SHARED, in $VCUDA_BUDGET_DIR (default /dev/shm/vcuda, because
+ * /etc/vcuda is read-only in the container), named after the pod and
+ * container of the config.  Layout (README.md "Budget file"):
+ *
+ *   header (4096 bytes): magic "VCUDABGT", version, header_size, file_size,
+ *     limit, slot_count, high (slots in use are below it), a process-shared
+ *     robust mutex
+ *   slots[1024] (64 bytes): pid, start time, used bytes, context bytes
+ *
+ * Reserve-then-allocate: a reservation takes the mutex, sums the slots, and
+ * adds to the caller's slot only if the total stays within the limit; the
+ * caller then calls the driver and releases on failure.  Releases are atomic
+ * subtractions.  A process that dies (even holding the mutex: it is robust)
+ * leaves a slot whose pid is gone or reused (start time differs); the next
+ * reservation that does not fit, and every usage query, reaps such slots, so
+ * their bytes return to the container.
+ */
+#include "vc_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "vc_proc.h"
+
+#define BUDGET_MAGIC "VCUDABGT"
+#define BUDGET_VERSION 1u
+#define BUDGET_HEADER 4096u
+#define BUDGET_SLOTS 1024u
+
+struct budget_slot {
+    _Atomic int32_t pid;     /* 0 = free */
+    uint32_t reserved0;
+    uint64_t start;          /* the process's start time (/proc/<pid>/stat field 22) */
+    _Atomic uint64_t used;   /* bytes reserved by the process, context reserve included */
+    _Atomic uint64_t context; /* of which context reserve */
+    uint64_t reserved[4];
+};
+
+struct budget_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t header_size;
+    uint64_t file_size;
+    uint64_t limit;          /* as the first process saw it in the config (informational) */
+    uint32_t slot_count;
+    _Atomic uint32_t high;   /* every slot in use has an index below high */
+    uint64_t reserved0[3];
+    pthread_mutex_t mu;      /* offset 64: process-shared, robust */
+};
+
+_Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
+_Static_assert(offsetof(struct budget_header, mu) == 64, "header layout");
+_Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
+
+#define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
+
+static pthread_once_t g_open_once = PTHREAD_ONCE_INIT;
+static struct budget_header *g_hdr; /* written once inside g_open_once */
+static struct budget_slot *g_slots; /* likewise */
+static _Atomic int g_slot = -1;      /* this process's slot; reset in a forked child */
+static _Atomic bool g_ctx_charged;   /* the context reserve is charged for this process */
+
+void vc_budget_atfork_child(void)
+{
+    atomic_store(&g_slot, -1);
+    atomic_store(&g_ctx_charged, false);
+}
+
+static bool init_mutex(pthread_mutex_t *mu)
+{
+    pthread_mutexattr_t a;
+    bool ok = pthread_mutexattr_init(&a) == 0 && pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED) == 0 &&
+              pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST) == 0 && pthread_mutex_init(mu, &a) == 0;
+    pthread_mutexattr_destroy(&a);
+    return ok;
+}
+
+static void *map_file(const char *path)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0) {
+        vc_log(VC_LOG_ERROR, "%s: cannot open the budget file: %s", path, strerror(errno));
+        return NULL;
+    }
+    (void)fchmod(fd, 0666); /* every user of the container shares it, whatever the umask */
+    void *map = NULL;
+    while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        vc_log(VC_LOG_ERROR, "%s: cannot stat the budget file: %s", path, strerror(errno));
+        goto out;
+    }
+    bool fresh = sb.st_size == 0;
+    if (fresh && ftruncate(fd, (off_t)BUDGET_FILE_SIZE) != 0) {
+        vc_log(VC_LOG_ERROR, "%s: cannot size the budget file: %s", path, strerror(errno));
+        goto out;
+    }
+    if (!fresh && sb.st_size != (off_t)BUDGET_FILE_SIZE) {
+        vc_log(VC_LOG_ERROR, "%s: %lld bytes, expected %zu: not a budget file of this version", path,
+               (long long)sb.st_size, BUDGET_FILE_SIZE);
+        goto out;
+    }
+    map = mmap(NULL, BUDGET_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) {
+        vc_log(VC_LOG_ERROR, "%s: cannot map the budget file: %s", path, strerror(errno));
+        map = NULL;
+        goto out;
+    }
+    struct budget_header *h = map;
+    if (fresh || memcmp(h->magic, "\0\0\0\0\0\0\0\0", 8) == 0) {
+        memset(map, 0, BUDGET_FILE_SIZE);
+        h->version = BUDGET_VERSION;
+        h->header_size = BUDGET_HEADER;
+        h->file_size = BUDGET_FILE_SIZE;
+        h->limit = vc_limit_bytes();
+        h->slot_count = BUDGET_SLOTS;
+        if (!init_mutex(&h->mu)) {
+            vc_log(VC_LOG_ERROR, "%s: cannot initialise the budget lock", path);
+            munmap(map, BUDGET_FILE_SIZE);
+            map = NULL;
+            goto out;
+        }
+        memcpy(h->magic, BUDGET_MAGIC, 8); /* last: the file is valid from here on */
+    } else if (memcmp(h->magic, BUDGET_MAGIC, 8) != 0 || h->version != BUDGET_VERSION ||
+               h->slot_count != BUDGET_SLOTS) {
+        vc_log(VC_LOG_ERROR, "%s: not a budget file of this version (magic/version/slots)", path);
+        munmap(map, BUDGET_FILE_SIZE);
+        map = NULL;
+    }
+out:
+    flock(fd, LOCK_UN);
+    close(fd);
+    return map;
+}
+
+static void open_budget(void)
+{
+    const char *dir = getenv("VCUDA_BUDGET_DIR");
+    if (dir == NULL || dir[0] == '\0')
+        dir = "/dev/shm/vcuda";
+    if (mkdir(dir, 01777) == 0)
+        (void)chmod(dir, 01777); /* shared by every user, like /tmp */
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/%s", dir, vc_budget_name());
+    void *map = map_file(path);
+    if (map == NULL) {
+        /* Still enforce the limit, for this process alone. */
+        vc_log(VC_LOG_ERROR, "the memory limit is enforced per process only (no shared budget file)");
+        map = mmap(NULL, BUDGET_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (map == MAP_FAILED)
+            return; /* every reservation fails */
+        struct budget_header *h = map;
+        h->slot_count = BUDGET_SLOTS;
+        init_mutex(&h->mu);
+    }
+    g_hdr = map;
+    g_slots = (struct budget_slot *)((char *)map + BUDGET_HEADER);
+}
+
+static bool budget_lock(void)
+{
+    int rc = pthread_mutex_lock(&g_hdr->mu);
+    if (rc == EOWNERDEAD) {
+        /* Its holder died inside a critical section; every update there is a single store. */
+        pthread_mutex_consistent(&g_hdr->mu);
+        vc_log(VC_LOG_WARN, "a process died holding the budget lock; recovered");
+        return true;
+    }
+    if (rc != 0)
+        vc_log(VC_LOG_ERROR, "cannot take the budget lock: %s", strerror(rc));
+    return rc == 0;
+}
+
+static void budget_unlock(void)
+{
+    pthread_mutex_unlock(&g_hdr->mu);
+}
+
+/* Clears the slots of processes that are gone (lock held); returns how many. */
+static unsigned reap(void)
+{
+    unsigned n = 0, high = atomic_load(&g_hdr->high), new_high = 0;
+    for (unsigned i = 0; i < high; i++) {
+        struct budget_slot *s = &g_slots[i];
+        int32_t pid = atomic_load(&s->pid);
+        if (pid == 0)
+            continue;
+        if (vc_proc_alive(pid, s->start)) {
+            new_high = i + 1;
+            continue;
+        }
+        vc_log(VC_LOG_INFO, "process %d is gone: its %llu bytes return to the container", (int)pid,
+               (unsigned long long)atomic_load(&s->used));
+        atomic_store(&s->used, 0);
+        atomic_store(&s->context, 0);
+        atomic_store(&s->pid, 0);
+        n++;
+    }
+    atomic_store(&g_hdr->high, new_high);
+    return n;
+}
+
+static uint64_t sum_used(void)
+{
+    uint64_t sum = 0;
+    unsigned high = atomic_load(&g_hdr->high);
+    for (unsigned i = 0; i < high; i++)
+        if (atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) != 0)
+            sum += atomic_load_explicit(&g_slots[i].used, memory_order_relaxed);
+    return sum;
+}
+
+/* This process's slot, claimed on first use; -1 when there is none. */
+static int my_slot(void)
+{
+    int slot = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (VC_LIKELY(slot >= 0))
+        return slot;
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || !budget_lock())
+        return -1;
+    slot = atomic_load(&g_slot);
+    if (slot < 0) {
+        int32_t pid = (int32_t)getpid();
+        uint64_t start = vc_proc_start_time(pid);
+        for (int pass = 0; pass < 2 && slot < 0; pass++) {
+            for (unsigned i = 0; i < BUDGET_SLOTS; i++) {
+                if (atomic_load(&g_slots[i].pid) == 0) {
+                    slot = (int)i;
+                    break;
+                }
+            }
+            if (slot < 0)
+                reap();
+        }
+        if (slot >= 0) {
+            struct budget_slot *s = &g_slots[slot];
+            s->start = start;
+            atomic_store(&s->used, 0);
+            atomic_store(&s->context, 0);
+            atomic_store(&s->pid, pid);
+            if ((unsigned)slot >= atomic_load(&g_hdr->high))
+                atomic_store(&g_hdr->high, (unsigned)slot + 1);
+            atomic_store_explicit(&g_slot, slot, memory_order_release);
+        } else {
+            vc_log(VC_LOG_ERROR, "all %u budget slots are taken by live processes", BUDGET_SLOTS);
+        }
+    }
+    budget_unlock();
+    return slot;
+}
+
+bool vc_budget_reserve(uint64_t bytes)
+{
+    int slot = my_slot();
+    if (slot < 0 || !budget_lock())
+        return false;
+    uint64_t limit = vc_limit_bytes(), used = sum_used();
+    if ((used > limit || bytes > limit - used) && reap() > 0)
+        used = sum_used();
+    bool ok = used <= limit && bytes <= limit - used;
+    if (ok)
+        atomic_fetch_add_explicit(&g_slots[slot].used, bytes, memory_order_relaxed);
+    budget_unlock();
+    if (!ok)
+        vc_log(VC_LOG_INFO, "out of memory: %llu bytes asked, %llu of %llu in use by the container",
+               (unsigned long long)bytes, (unsigned long long)used, (unsigned long long)limit);
+    return ok;
+}
+
+void vc_budget_release(uint64_t bytes)
+{
+    int slot = atomic_load_explicit(&g_slot, memory_order_acquire);
+    if (slot < 0 || bytes == 0)
+        return;
+    _Atomic uint64_t *used = &g_slots[slot].used;
+    uint64_t cur = atomic_load_explicit(used, memory_order_relaxed);
+    while (!atomic_compare_exchange_weak_explicit(used, &cur, cur > bytes ? cur - bytes : 0, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+    }
+}
+
+uint64_t vc_budget_used(void)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || !budget_lock())
+        return 0;
+    reap();
+    uint64_t used = sum_used();
+    budget_unlock();
+    return used;
+}
+
+bool vc_budget_charge_context(void)
+{
+    uint64_t reserve = vc_context_reserve();
+    if (reserve == 0 || atomic_load_explicit(&g_ctx_charged, memory_order_acquire))
+        return true;
+    bool expected = false;
+    if (!atomic_compare_exchange_strong(&g_ctx_charged, &expected, true))
+        return true; /* another thread charged it */
+    if (!vc_budget_reserve(reserve)) {
+        atomic_store(&g_ctx_charged, false);
+        return false;
+    }
+    atomic_fetch_add(&g_slots[atomic_load(&g_slot)].context, reserve);
+    return true;
+}

@@ -1,0 +1,249 @@
+/*
+ * Configuration, read once when the library is loaded: LOGGER_LEVEL and the
+ * container's vcuda.config.  See README.md "Configuration" for the lookup
+ * order; no helper process, no cgroup parsing, no fork.
+ */
+#include "vc_internal.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+_Atomic int vc_log_level = 3;
+_Atomic bool vc_limit_on;
+
+/* Written only by the constructor, before any other thread can call into the library. */
+static uint64_t g_limit;
+static uint64_t g_context_reserve;
+static char g_budget_name[256];
+
+uint64_t vc_limit_bytes(void)
+{
+    return g_limit;
+}
+
+uint64_t vc_context_reserve(void)
+{
+    return g_context_reserve;
+}
+
+const char *vc_budget_name(void)
+{
+    return g_budget_name;
+}
+
+void vc_log_write(int level, const char *fmt, ...)
+{
+    char buf[1024];
+    static const char *const names[] = {"", "", "ERROR", "WARN", "INFO", "DEBUG"};
+    const char *name = level >= 0 && level <= VC_LOG_DEBUG ? names[level] : "TRACE";
+    int n = snprintf(buf, sizeof(buf), "vcuda[%d] %s: ", (int)getpid(), name);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof(buf))
+        vsnprintf(buf + n, sizeof(buf) - (size_t)n, fmt, ap);
+    va_end(ap);
+    size_t len = strnlen(buf, sizeof(buf) - 2);
+    buf[len++] = '\n';
+    ssize_t w = write(STDERR_FILENO, buf, len); /* one write: lines of concurrent processes do not mix */
+    (void)w;
+}
+
+/* "123", "64k", "256M", "2g" (powers of 1024); false if malformed. */
+static bool parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || errno != 0)
+        return false;
+    unsigned shift = 0;
+    switch (*end) {
+    case 'k': case 'K': shift = 10; end++; break;
+    case 'm': case 'M': shift = 20; end++; break;
+    case 'g': case 'G': shift = 30; end++; break;
+    default: break;
+    }
+    if (*end != '\0' || (shift && v > (UINT64_MAX >> shift)))
+        return false;
+    *out = (uint64_t)v << shift;
+    return true;
+}
+
+/* ---- vcuda.config ---------------------------------------------------------------- */
+
+enum load_result { CFG_MISSING, CFG_BAD, CFG_OK };
+
+static enum load_result load_config(const char *path, struct vc_resource_data *cfg)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ENOTDIR)
+            return CFG_MISSING;
+        vc_log(VC_LOG_ERROR, "%s: cannot open the vcuda config: %s; ignoring it", path, strerror(errno));
+        return CFG_BAD;
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        vc_log(VC_LOG_ERROR, "%s: not a regular file; ignoring it", path);
+        return CFG_BAD;
+    }
+    if (sb.st_size != (off_t)sizeof(*cfg)) {
+        close(fd);
+        vc_log(VC_LOG_ERROR,
+               "%s: %lld bytes, expected %zu (gpu-manager's resource_data_t); ignoring it "
+               "(an agent of another version, or a partly written file?)",
+               path, (long long)sb.st_size, sizeof(*cfg));
+        return CFG_BAD;
+    }
+    ssize_t n = read(fd, cfg, sizeof(*cfg));
+    close(fd);
+    if (n != (ssize_t)sizeof(*cfg)) {
+        vc_log(VC_LOG_ERROR, "%s: short read (%zd of %zu bytes); ignoring it", path, n, sizeof(*cfg));
+        return CFG_BAD;
+    }
+    cfg->pod_uid[sizeof(cfg->pod_uid) - 1] = '\0';
+    cfg->container_name[sizeof(cfg->container_name) - 1] = '\0';
+    if (cfg->enable != 0 && cfg->enable != 1) {
+        vc_log(VC_LOG_ERROR, "%s: enable = %d (expected 0 or 1); ignoring it", path, cfg->enable);
+        return CFG_BAD;
+    }
+    return CFG_OK;
+}
+
+/* Is the directory name d part of this process's cgroup paths (the container id of upstream's layout)? */
+static bool in_own_cgroup(const char *d)
+{
+    char buf[8192];
+    int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0 || strlen(d) < 12) /* container ids are long; short names would match by accident */
+        return false;
+    buf[n] = '\0';
+    return strstr(buf, d) != NULL;
+}
+
+/*
+ * Upstream's per-container layout, <root>/<container id>/vcuda.config, without
+ * the upstream helper: the subdirectory whose name is in /proc/self/cgroup, or
+ * else the only subdirectory holding a config.
+ */
+static enum load_result load_from_subdirs(const char *root, struct vc_resource_data *cfg, char *used, size_t usedlen)
+{
+    DIR *d = opendir(root);
+    if (d == NULL)
+        return CFG_MISSING;
+    char only[PATH_MAX] = "", matched[PATH_MAX] = "";
+    int count = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[PATH_MAX];
+        struct stat sb;
+        if ((size_t)snprintf(path, sizeof(path), "%s/%s/vcuda.config", root, e->d_name) >= sizeof(path) ||
+            stat(path, &sb) != 0)
+            continue;
+        count++;
+        snprintf(only, sizeof(only), "%s", path);
+        if (matched[0] == '\0' && in_own_cgroup(e->d_name))
+            snprintf(matched, sizeof(matched), "%s", path);
+    }
+    closedir(d);
+    const char *pick = matched[0] ? matched : (count == 1 ? only : NULL);
+    if (pick == NULL) {
+        if (count > 1)
+            vc_log(VC_LOG_WARN, "%s holds %d container configs and none matches this container; set VCUDA_CONFIG_PATH",
+                   root, count);
+        return CFG_MISSING;
+    }
+    snprintf(used, usedlen, "%s", pick);
+    return load_config(pick, cfg);
+}
+
+/* The lookup order of README.md; returns CFG_OK with the path in used, or CFG_MISSING. */
+static enum load_result find_config(struct vc_resource_data *cfg, char *used, size_t usedlen)
+{
+    const char *explicit_path = getenv("VCUDA_CONFIG_PATH");
+    if (explicit_path != NULL && explicit_path[0] != '\0') {
+        enum load_result r = load_config(explicit_path, cfg);
+        if (r == CFG_OK) {
+            snprintf(used, usedlen, "%s", explicit_path);
+            return r;
+        }
+        if (r == CFG_MISSING)
+            vc_log(VC_LOG_WARN, "VCUDA_CONFIG_PATH=%s does not exist; trying the upstream layouts", explicit_path);
+    }
+    const char *root = getenv("VCUDA_CONFIG_ROOT");
+    if (root == NULL || root[0] == '\0')
+        root = "/etc/vcuda";
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/vcuda.config", root);
+    enum load_result r = load_config(path, cfg);
+    if (r == CFG_OK) {
+        snprintf(used, usedlen, "%s", path);
+        return r;
+    }
+    return load_from_subdirs(root, cfg, used, usedlen) == CFG_OK ? CFG_OK : CFG_MISSING;
+}
+
+static void sanitize(char *dst, size_t len, const char *src)
+{
+    size_t j = 0;
+    for (size_t i = 0; src[i] != '\0' && j + 1 < len; i++) {
+        unsigned char c = (unsigned char)src[i];
+        dst[j++] = (char)(isalnum(c) || c == '-' || c == '.' ? c : '_');
+    }
+    dst[j] = '\0';
+}
+
+__attribute__((constructor)) static void vc_config_init(void)
+{
+    const char *level = getenv("LOGGER_LEVEL");
+    if (level != NULL && level[0] != '\0')
+        atomic_store(&vc_log_level, atoi(level));
+
+    const char *reserve = getenv("VCUDA_CONTEXT_RESERVE");
+    if (reserve != NULL && reserve[0] != '\0' && !parse_size(reserve, &g_context_reserve)) {
+        vc_log(VC_LOG_ERROR, "VCUDA_CONTEXT_RESERVE=%s: expected bytes like 300M; using 0", reserve);
+        g_context_reserve = 0;
+    }
+
+    static struct vc_resource_data cfg; /* 8 KiB: not on a possibly small loader stack */
+    char used[PATH_MAX] = "";
+    if (find_config(&cfg, used, sizeof(used)) != CFG_OK) {
+        vc_log(VC_LOG_INFO, "no vcuda config: pass-through, no limits");
+        return;
+    }
+    if (!cfg.enable) {
+        vc_log(VC_LOG_INFO, "%s: enable = 0: pass-through, no limits", used);
+        return;
+    }
+    if (cfg.gpu_memory == 0) {
+        vc_log(VC_LOG_INFO, "%s: gpu_memory = 0: no memory limit", used);
+        return;
+    }
+    char pod[sizeof(cfg.pod_uid)], name[128];
+    sanitize(pod, sizeof(pod), cfg.pod_uid);
+    sanitize(name, sizeof(name), cfg.container_name);
+    if (pod[0] == '\0' && name[0] == '\0')
+        snprintf(g_budget_name, sizeof(g_budget_name), "container.budget");
+    else
+        snprintf(g_budget_name, sizeof(g_budget_name), "%s_%s.budget", pod, name);
+    g_limit = cfg.gpu_memory;
+    vc_log(VC_LOG_INFO, "%s: memory limit %llu bytes (pod %s, container %s)", used, (unsigned long long)g_limit,
+           cfg.pod_uid, cfg.container_name);
+    atomic_store(&vc_limit_on, true);
+}

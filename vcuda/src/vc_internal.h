@@ -1,0 +1,154 @@
+/*
+ * Internals of libcuda-control.so, the CUDA driver / NVML interceptor.
+ *
+ * Compiled with __CUDA_API_VERSION_INTERNAL (cuda.h declares every exported
+ * name as itself: cuMemAlloc is the CUDA 2.0 ABI, cuMemAlloc_v2 the current
+ * one) and NVML_NO_UNVERSIONED_FUNC_DEFS (nvmlInit and nvmlInit_v2 side by
+ * side).  Every cuda.h / nvml.h function is exported: the ones defined in
+ * src/ with VC_EXPORT are hooks; tools/gen_cuda_api.py generates a
+ * forwarding entry point for all the others (build/vc_forward.c).
+ */
+#ifndef VCUDA_VC_INTERNAL_H
+#define VCUDA_VC_INTERNAL_H
+
+#ifndef NVML_NO_UNVERSIONED_FUNC_DEFS
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
+#endif
+#include <cuda.h>
+#include <nvml.h>
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vc_api_gen.h"
+
+#define VC_EXPORT __attribute__((visibility("default")))
+#define VC_LIKELY(x) __builtin_expect(!!(x), 1)
+#define VC_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- real libraries (vc_loader.c) ----------------------------------------- */
+
+/* Resolved real functions; NULL until first use.  Indexed by enum vc_cu_index / vc_nvml_index. */
+extern _Atomic(void *) vc_cu_table[VC_CU_COUNT];
+extern _Atomic(void *) vc_nvml_table[VC_NVML_COUNT];
+extern const char *const vc_cu_names[VC_CU_COUNT];
+extern const char *const vc_nvml_names[VC_NVML_COUNT];
+
+enum { VC_RET_NVML, VC_RET_PTR };
+extern const unsigned char vc_nvml_ret_kind[VC_NVML_COUNT];
+
+/* Opens the real library on first use and resolves one function (never NULL: a stub if missing). */
+void *vc_resolve_cu(unsigned index);
+void *vc_resolve_nvml(unsigned index);
+
+static inline void *vc_real_cu(unsigned index)
+{
+    void *p = atomic_load_explicit(&vc_cu_table[index], memory_order_acquire);
+    return VC_LIKELY(p != NULL) ? p : vc_resolve_cu(index);
+}
+
+static inline void *vc_real_nvml(unsigned index)
+{
+    void *p = atomic_load_explicit(&vc_nvml_table[index], memory_order_acquire);
+    return VC_LIKELY(p != NULL) ? p : vc_resolve_nvml(index);
+}
+
+/* The real function name, with its own prototype: REAL_CU(cuMemAlloc_v2)(dptr, size). */
+#define REAL_CU(name) ((__typeof__(&name))vc_real_cu(VC_CU_##name))
+#define REAL_NVML(name) ((__typeof__(&name))vc_real_nvml(VC_NVML_##name))
+
+/* Hooked functions and their cuGetProcAddress keys (generated). */
+struct vc_hook {
+    unsigned index; /* VC_CU_* of the hooked name */
+    void *wrapper;  /* our exported function */
+};
+struct vc_proc_key {
+    const char *base;
+    int version;
+    int per_thread;
+    unsigned index; /* VC_CU_* of the symbol that answers */
+};
+extern const struct vc_hook vc_cu_hooks[];
+extern const unsigned vc_cu_hooks_len;
+extern const struct vc_proc_key vc_cu_hook_keys[];
+extern const unsigned vc_cu_hook_keys_len;
+
+/* The wrapper that replaces real function pointer p, or p itself (cuGetProcAddress answers). */
+void *vc_swap_proc(void *p);
+
+/* ---- logging (vc_config.c) ------------------------------------------------- */
+
+enum { VC_LOG_ERROR = 2, VC_LOG_WARN = 3, VC_LOG_INFO = 4, VC_LOG_DEBUG = 5, VC_LOG_TRACE = 8 };
+extern _Atomic int vc_log_level;
+void vc_log_write(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define vc_log(level, ...)                                                                                         \
+    do {                                                                                                           \
+        if (VC_UNLIKELY((level) <= atomic_load_explicit(&vc_log_level, memory_order_relaxed)))                     \
+            vc_log_write((level), __VA_ARGS__);                                                                    \
+    } while (0)
+
+/* ---- configuration (vc_config.c) ------------------------------------------- */
+
+/* vcuda.config as gpu-manager writes it: struct resource_data_t, 8240 bytes (gpu-manager.md 4.2). */
+struct vc_version {
+    int major;
+    int minor;
+} __attribute__((packed, aligned(8)));
+
+struct vc_resource_data {
+    char pod_uid[48];
+    int limit;
+    char occupied[4044];
+    char container_name[4096];
+    char bus_id[16];
+    uint64_t gpu_memory;
+    int utilization;
+    int hard_limit;
+    struct vc_version driver_version;
+    int enable;
+} __attribute__((packed, aligned(8)));
+
+_Static_assert(sizeof(struct vc_resource_data) == 8240, "resource_data_t is 8240 bytes");
+_Static_assert(offsetof(struct vc_resource_data, limit) == 48, "limit");
+_Static_assert(offsetof(struct vc_resource_data, occupied) == 52, "occupied");
+_Static_assert(offsetof(struct vc_resource_data, container_name) == 4096, "container_name");
+_Static_assert(offsetof(struct vc_resource_data, bus_id) == 8192, "bus_id");
+_Static_assert(offsetof(struct vc_resource_data, gpu_memory) == 8208, "gpu_memory");
+_Static_assert(offsetof(struct vc_resource_data, utilization) == 8216, "utilization");
+_Static_assert(offsetof(struct vc_resource_data, hard_limit) == 8220, "hard_limit");
+_Static_assert(offsetof(struct vc_resource_data, driver_version) == 8224, "driver_version");
+_Static_assert(offsetof(struct vc_resource_data, enable) == 8232, "enable");
+
+/*
+ * Whether the memory cap is on: set once by the library constructor from the
+ * config, read on every hooked call (the single pass-through branch).
+ */
+extern _Atomic bool vc_limit_on;
+static inline bool vc_limited(void)
+{
+    return atomic_load_explicit(&vc_limit_on, memory_order_relaxed);
+}
+
+/* The container's limit in bytes (valid when vc_limited()). */
+uint64_t vc_limit_bytes(void);
+/* Bytes charged once per process for its CUDA context(s) (VCUDA_CONTEXT_RESERVE). */
+uint64_t vc_context_reserve(void);
+/* The budget file's name inside its directory (derived from the config). */
+const char *vc_budget_name(void);
+
+/* ---- the container's shared budget (vc_budget.c) ---------------------------- */
+
+/* Reserves bytes for this process; false when the container's limit would be exceeded. */
+bool vc_budget_reserve(uint64_t bytes);
+/* Returns bytes reserved earlier by this process. */
+void vc_budget_release(uint64_t bytes);
+/* Bytes in use by the whole container (processes that are gone are reaped first). */
+uint64_t vc_budget_used(void);
+/* Charges the context reserve once per process; false if it does not fit. */
+bool vc_budget_charge_context(void);
+/* In a forked child: it owns no slot and no reservation of its parent. */
+void vc_budget_atfork_child(void);
+
+#endif

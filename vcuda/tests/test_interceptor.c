@@ -1,0 +1,281 @@
+/*
+ * C test of libcuda-control.so over the simulated driver, built and run
+ * under AddressSanitizer/UBSan by `make test`:
+ *   test_interceptor <interceptor.so> <sim libcuda.so.1> <sim libnvidia-ml.so.1> <spec.json>
+ * Lays out a driver mirror in a temporary directory, writes a vcuda.config,
+ * and checks the cap (single thread, racing threads, forked child),
+ * cuGetProcAddress, and the memory queries of CUDA and NVML.
+ */
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
+#include <cuda.h>
+#include <nvml.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MIB (1024ull * 1024ull)
+#define LIMIT (256 * MIB)
+
+static int g_failures;
+#define CHECK(cond)                                                                                                \
+    do {                                                                                                           \
+        if (!(cond)) {                                                                                             \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);                               \
+            g_failures++;                                                                                          \
+        }                                                                                                          \
+    } while (0)
+
+static CUresult (*p_cuInit)(unsigned);
+static CUresult (*p_cuDeviceGet)(CUdevice *, int);
+static CUresult (*p_cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+static CUresult (*p_cuCtxSetCurrent)(CUcontext);
+static CUresult (*p_cuMemAlloc_v2)(CUdeviceptr *, size_t);
+static CUresult (*p_cuMemFree_v2)(CUdeviceptr);
+static CUresult (*p_cuMemGetInfo_v2)(size_t *, size_t *);
+static CUresult (*p_cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+static CUresult (*p_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                                 unsigned long long);
+static CUresult (*p_cuMemRelease)(CUmemGenericAllocationHandle);
+static nvmlReturn_t (*p_nvmlInit_v2)(void);
+static nvmlReturn_t (*p_nvmlDeviceGetHandleByIndex_v2)(unsigned, nvmlDevice_t *);
+static nvmlReturn_t (*p_nvmlDeviceGetMemoryInfo)(nvmlDevice_t, nvmlMemory_t *);
+static nvmlReturn_t (*p_nvmlShutdown)(void);
+
+static CUcontext g_ctx;
+
+static void *need(void *h, const char *name)
+{
+    void *p = dlsym(h, name);
+    if (p == NULL) {
+        fprintf(stderr, "missing %s: %s\n", name, dlerror());
+        exit(2);
+    }
+    return p;
+}
+
+static void write_config(const char *path, uint64_t limit)
+{
+    unsigned char buf[8240];
+    memset(buf, 0, sizeof(buf));
+    memcpy(buf, "pod-c-test", 10);
+    memcpy(buf + 4096, "main", 4);
+    memcpy(buf + 8208, &limit, 8);
+    int one = 1;
+    memcpy(buf + 8232, &one, 4);
+    FILE *f = fopen(path, "wb");
+    if (f == NULL || fwrite(buf, 1, sizeof(buf), f) != sizeof(buf) || fclose(f) != 0) {
+        perror(path);
+        exit(2);
+    }
+}
+
+static size_t used_now(void)
+{
+    size_t free_b = 0, total = 0;
+    CHECK(p_cuMemGetInfo_v2(&free_b, &total) == CUDA_SUCCESS);
+    CHECK(total == LIMIT);
+    return total - free_b;
+}
+
+static void test_fill_and_free(void)
+{
+    CUdeviceptr ptrs[64];
+    int n = 0;
+    CUresult rc;
+    while ((rc = p_cuMemAlloc_v2(&ptrs[n], 16 * MIB)) == CUDA_SUCCESS)
+        n++;
+    CHECK(rc == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(n == (int)(LIMIT / (16 * MIB)));
+    CHECK(used_now() == LIMIT);
+    for (int i = 0; i < n; i++)
+        CHECK(p_cuMemFree_v2(ptrs[i]) == CUDA_SUCCESS);
+    CHECK(used_now() == 0);
+}
+
+static void *racer(void *arg)
+{
+    unsigned seed = (unsigned)(uintptr_t)arg;
+    CUdeviceptr held[8];
+    size_t sizes[8];
+    int n = 0;
+    CHECK(p_cuCtxSetCurrent(g_ctx) == CUDA_SUCCESS);
+    for (int i = 0; i < 2000; i++) {
+        if (n < 8 && (rand_r(&seed) & 1)) {
+            size_t sz = ((size_t)(rand_r(&seed) % 16) + 1) * MIB;
+            if (p_cuMemAlloc_v2(&held[n], sz) == CUDA_SUCCESS)
+                sizes[n++] = sz;
+        } else if (n > 0) {
+            CHECK(p_cuMemFree_v2(held[--n]) == CUDA_SUCCESS);
+        }
+        if (i % 100 == 0)
+            CHECK(used_now() <= LIMIT);
+    }
+    while (n > 0)
+        CHECK(p_cuMemFree_v2(held[--n]) == CUDA_SUCCESS);
+    (void)sizes;
+    return NULL;
+}
+
+static void test_racing_threads(void)
+{
+    pthread_t t[4];
+    for (uintptr_t i = 0; i < 4; i++)
+        CHECK(pthread_create(&t[i], NULL, racer, (void *)(i + 1)) == 0);
+    for (int i = 0; i < 4; i++)
+        pthread_join(t[i], NULL);
+    CHECK(used_now() == 0);
+}
+
+static void test_get_proc_address(void)
+{
+    void *p = NULL;
+    CUdriverProcAddressQueryResult st;
+    CHECK(p_cuGetProcAddress_v2("cuMemAlloc", &p, 12000, 0, &st) == CUDA_SUCCESS);
+    CHECK(st == CU_GET_PROC_ADDRESS_SUCCESS);
+    CHECK(p == (void *)p_cuMemAlloc_v2);
+    CUdeviceptr d;
+    CHECK(((CUresult(*)(CUdeviceptr *, size_t))p)(&d, LIMIT + MIB) == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(p_cuGetProcAddress_v2("cuGetProcAddress", &p, 12000, 0, &st) == CUDA_SUCCESS);
+    CHECK(p == (void *)p_cuGetProcAddress_v2);
+}
+
+static void test_vmm(void)
+{
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof(prop));
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle h, big;
+    CHECK(p_cuMemCreate(&h, 128 * MIB, &prop, 0) == CUDA_SUCCESS);
+    CHECK(p_cuMemCreate(&big, 256 * MIB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(used_now() == 128 * MIB);
+    CHECK(p_cuMemRelease(h) == CUDA_SUCCESS);
+    /* Host memory (NCCL's cuMemCreate) is not the device's. */
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    CHECK(p_cuMemCreate(&h, 512 * MIB, &prop, 0) == CUDA_SUCCESS);
+    CHECK(used_now() == 0);
+    CHECK(p_cuMemRelease(h) == CUDA_SUCCESS);
+}
+
+static void test_fork(void)
+{
+    CUdeviceptr d;
+    CHECK(p_cuMemAlloc_v2(&d, 100 * MIB) == CUDA_SUCCESS);
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* A child of its own: its reservations go to a slot of its own, the parent's stay. */
+        CUdeviceptr c;
+        int bad = p_cuMemAlloc_v2(&c, 100 * MIB) != CUDA_SUCCESS;
+        bad |= p_cuMemAlloc_v2(&c, 100 * MIB) != CUDA_ERROR_OUT_OF_MEMORY;
+        _exit(bad);
+    }
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    /* The child is gone: what it held comes back. */
+    CHECK(used_now() == 100 * MIB);
+    CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
+}
+
+static void test_nvml(void *nvml)
+{
+    *(void **)&p_nvmlInit_v2 = need(nvml, "nvmlInit_v2");
+    *(void **)&p_nvmlDeviceGetHandleByIndex_v2 = need(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    *(void **)&p_nvmlDeviceGetMemoryInfo = need(nvml, "nvmlDeviceGetMemoryInfo");
+    *(void **)&p_nvmlShutdown = need(nvml, "nvmlShutdown");
+    CUdeviceptr d;
+    CHECK(p_cuMemAlloc_v2(&d, 64 * MIB) == CUDA_SUCCESS);
+    nvmlDevice_t dev;
+    nvmlMemory_t m;
+    CHECK(p_nvmlInit_v2() == NVML_SUCCESS);
+    CHECK(p_nvmlDeviceGetHandleByIndex_v2(0, &dev) == NVML_SUCCESS);
+    CHECK(p_nvmlDeviceGetMemoryInfo(dev, &m) == NVML_SUCCESS);
+    CHECK(m.total == LIMIT && m.used == 64 * MIB && m.free == LIMIT - 64 * MIB);
+    CHECK(p_nvmlShutdown() == NVML_SUCCESS);
+    CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 5) {
+        fprintf(stderr, "usage: %s interceptor.so sim-libcuda.so sim-libnvidia-ml.so spec.json\n", argv[0]);
+        return 2;
+    }
+    char dir[] = "/tmp/vcuda-ctest-XXXXXX", path[512], target[512];
+    if (mkdtemp(dir) == NULL) {
+        perror("mkdtemp");
+        return 2;
+    }
+    const char *links[][2] = {{"libcuda.so.1", argv[1]},
+                              {"libnvidia-ml.so.1", argv[1]},
+                              {"libcuda.so.550.54.15", argv[2]},
+                              {"libnvidia-ml.so.550.54.15", argv[3]}};
+    snprintf(path, sizeof(path), "%s/lib64", dir);
+    mkdir(path, 0755);
+    for (size_t i = 0; i < 4; i++) {
+        snprintf(path, sizeof(path), "%s/lib64/%s", dir, links[i][0]);
+        if (realpath(links[i][1], target) == NULL || symlink(target, path) != 0) {
+            perror(links[i][1]);
+            return 2;
+        }
+    }
+    snprintf(path, sizeof(path), "%s/vcuda.config", dir);
+    write_config(path, LIMIT);
+    setenv("VCUDA_CONFIG_PATH", path, 1);
+    snprintf(path, sizeof(path), "%s/shm", dir);
+    setenv("VCUDA_BUDGET_DIR", path, 1);
+    snprintf(path, sizeof(path), "%s/node.state", dir);
+    setenv("GPUSIM_STATE", path, 1);
+    setenv("GPUSIM_SPEC", argv[4], 1);
+
+    snprintf(path, sizeof(path), "%s/lib64/libcuda.so.1", dir);
+    void *cuda = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    snprintf(path, sizeof(path), "%s/lib64/libnvidia-ml.so.1", dir);
+    void *nvml = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (cuda == NULL || nvml == NULL) {
+        fprintf(stderr, "dlopen: %s\n", dlerror());
+        return 2;
+    }
+    *(void **)&p_cuInit = need(cuda, "cuInit");
+    *(void **)&p_cuDeviceGet = need(cuda, "cuDeviceGet");
+    *(void **)&p_cuDevicePrimaryCtxRetain = need(cuda, "cuDevicePrimaryCtxRetain");
+    *(void **)&p_cuCtxSetCurrent = need(cuda, "cuCtxSetCurrent");
+    *(void **)&p_cuMemAlloc_v2 = need(cuda, "cuMemAlloc_v2");
+    *(void **)&p_cuMemFree_v2 = need(cuda, "cuMemFree_v2");
+    *(void **)&p_cuMemGetInfo_v2 = need(cuda, "cuMemGetInfo_v2");
+    *(void **)&p_cuGetProcAddress_v2 = need(cuda, "cuGetProcAddress_v2");
+    *(void **)&p_cuMemCreate = need(cuda, "cuMemCreate");
+    *(void **)&p_cuMemRelease = need(cuda, "cuMemRelease");
+
+    CUdevice dev;
+    CHECK(p_cuInit(0) == CUDA_SUCCESS);
+    CHECK(p_cuDeviceGet(&dev, 0) == CUDA_SUCCESS);
+    CHECK(p_cuDevicePrimaryCtxRetain(&g_ctx, dev) == CUDA_SUCCESS);
+    CHECK(p_cuCtxSetCurrent(g_ctx) == CUDA_SUCCESS);
+
+    test_fill_and_free();
+    test_racing_threads();
+    test_get_proc_address();
+    test_vmm();
+    test_fork();
+    test_nvml(nvml);
+
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+    if (g_failures > 0) {
+        fprintf(stderr, "test_interceptor: %d check(s) failed\n", g_failures);
+        return 1;
+    }
+    printf("test_interceptor: all passed\n");
+    return 0;
+}

@@ -56,11 +56,15 @@ from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import UsageSampler
 from gpumanager.topology import TopologyTree, build_tree, render_graph
 from gpumanager.vmanager.manager import VirtualManager
+from gpumanager.volume import VolumeError, build_vdriver
 
 log = logging.getLogger(__name__)
 
 # Flags of gpu-manager v1.1 that this version accepts but whose feature it does not have yet.
-_NOT_YET_USED = ("volume_config",)
+_NOT_YET_USED: tuple[str, ...] = ()
+DEFAULT_VDRIVER = Path("/etc/gpu-manager/vdriver")
+#: How often the driver mirror is checked again (an unchanged driver costs a few ms and changes nothing).
+VOLUME_RECHECK_SECONDS = 300.0
 # Flags kept only so existing manifests work.
 _COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout", "cgroup_driver")
 
@@ -157,10 +161,11 @@ class Agent:
             labels = parse_node_labels(cfg.node_labels)
         except ConfigError as exc:
             raise StartupError(str(exc), 2) from exc
+        vdriver = self._start_volume()
         self._start_nvml()
         self._start_health()
         self._start_kube(labels)
-        self._start_allocation(extra_devices)
+        self._start_allocation(extra_devices, vdriver)
         self._start_display()
         self._start_http()
         self._start_plugins()
@@ -195,6 +200,53 @@ class Agent:
                 "drivers are recognised",
                 ", ".join("--" + f.replace("_", "-") for f in compat),
             )
+
+    def _build_vdriver(self) -> tuple[str, str]:
+        cfg = self.config
+        result = build_vdriver(
+            volume_config=Path(cfg.volume_config),
+            driver_root=Path(cfg.driver_root),
+            share_mode=cfg.share_mode,
+            interceptor=Path(cfg.vcuda_library) if cfg.share_mode else None,
+        )
+        for warning in result.warnings:
+            log.warning("driver mirror: %s", warning)
+        for tree in result.removed_trees:
+            log.info("driver mirror: removed unused tree %s", tree)
+        if result.changed:
+            log.info(
+                "driver mirror %s: %s",
+                result.driver_version.full if result.driver_version else "(no libcuda found)",
+                ", ".join(f"{v.path} -> {v.tree.name}" + (" (new)" if v.built else "") for v in result.volumes),
+            )
+        self.component_errors.pop("volume", None)
+        return (
+            str(result.nvidia or DEFAULT_VDRIVER / "nvidia"),
+            str(result.origin or DEFAULT_VDRIVER / "origin"),
+        )
+
+    def _start_volume(self) -> tuple[str, str]:
+        """Build the driver mirror; returns the (share, exclusive) mount sources. Errors are reported, not fatal."""
+        defaults = (str(DEFAULT_VDRIVER / "nvidia"), str(DEFAULT_VDRIVER / "origin"))
+        if not self.config.volume_config:
+            log.warning("--volume-config is not set: no driver mirror is built; containers mount %s", defaults)
+            return defaults
+        try:
+            paths = self._build_vdriver()
+        except VolumeError as exc:
+            self._component_failed("volume", f"driver mirror not built: {exc}")
+            return defaults
+        self._spawn("volume-check", self._volume_loop)
+        return paths
+
+    def _volume_loop(self) -> None:
+        while not self._stop.wait(VOLUME_RECHECK_SECONDS):
+            try:
+                self._build_vdriver()
+            except VolumeError as exc:
+                self._component_failed("volume", f"driver mirror check failed: {exc}")
+            except Exception:
+                log.exception("driver mirror check failed; trying again later")
 
     def _start_nvml(self) -> None:
         try:
@@ -262,14 +314,13 @@ class Agent:
         if not nodelabels.apply(api, self.node_name, labels):  # type: ignore[arg-type]
             self._component_failed("node-labels", f"could not label node {self.node_name} with {labels}")
 
-    def _start_allocation(self, extra_devices: tuple[str, ...]) -> None:
+    def _start_allocation(self, extra_devices: tuple[str, ...], vdriver: tuple[str, str]) -> None:
         cfg = self.config
-        vdriver = Path("/etc/gpu-manager/vdriver")
         settings = AllocatorSettings(
             share_mode=cfg.share_mode,
             response=ResponseSettings(
-                vdriver_nvidia=str(vdriver / "nvidia"),
-                vdriver_origin=str(vdriver / "origin"),
+                vdriver_nvidia=vdriver[0],
+                vdriver_origin=vdriver[1],
                 virtual_manager_path=cfg.virtual_manager_path,
                 extra_devices=extra_devices,
             ),

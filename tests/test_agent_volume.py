@@ -1,0 +1,50 @@
+"""The agent builds the driver mirror at start and mounts it into containers; a broken mirror is not fatal."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+from gpumanager.testing.cluster import SimCluster, gpu_pod
+from tests.volume_fixtures import DEFAULT_VOLUME_CONF, V1, DriverStore, driver_store, install_driver
+
+__all__ = ["driver_store"]
+
+
+def volume_conf(tmp_path: Path) -> Path:
+    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+    for volume in conf["volume"]:
+        volume["base"] = str(tmp_path / "vdriver")
+    path = tmp_path / "volume.conf"
+    path.write_text(json.dumps(conf))
+    return path
+
+
+def test_share_containers_mount_the_mirror_with_the_interceptor(
+    tmp_path: Path, sim_built: Path, driver_store: DriverStore
+) -> None:
+    root = tmp_path / "host"
+    install_driver(driver_store, root, V1)
+    interceptor = driver_store.interceptor(0)
+    flags = [f"--volume-config={volume_conf(tmp_path)}", f"--driver-root={root}", f"--vcuda-library={interceptor}"]
+    with SimCluster(tmp_path / "node", "v100-pcie-x4", agent_flags=flags) as c:
+        share = c.run_pod(gpu_pod("share", [("c", 30, 4)]))
+        mounts = {m.container_path: m.host_path for m in share.core["c"].response.mounts}
+        assert mounts["/usr/local/nvidia"] == str(tmp_path / "vdriver" / "nvidia")
+        lib = Path(mounts["/usr/local/nvidia"]) / "lib64" / "libcuda.so.1"
+        assert lib.read_bytes() == interceptor.read_bytes()
+        whole = c.run_pod(gpu_pod("whole", [("c", 100, 0)]))
+        assert whole.core["c"].response.mounts[0].host_path == str(tmp_path / "vdriver" / "origin")
+
+
+def test_broken_volume_config_is_reported_and_the_plugin_still_serves(tmp_path: Path, sim_built: Path) -> None:
+    bad = tmp_path / "volume.conf"
+    bad.write_text("{not json")
+    with SimCluster(tmp_path / "node", "t4-x1", agent_flags=[f"--volume-config={bad}"]) as c:
+        run = c.run_pod(gpu_pod("still", [("c", 100, 0)]))
+        assert run.core["c"].response.mounts[0].host_path == "/etc/gpu-manager/vdriver/origin"
+        assert c.agent is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{c.agent.query_port}/healthz", timeout=5) as resp:
+            health = json.loads(resp.read())
+        assert "volume" in health["errors"] and str(bad) in health["errors"]["volume"]

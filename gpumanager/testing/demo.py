@@ -1,10 +1,12 @@
-"""A short, narrated run of the agent on a simulated 8 x H100 node with a simulated kubelet.
+"""A short, narrated run of the agent on a simulated 8 x H100 node, with a simulated kubelet and API server.
 
 ``python -m gpumanager.testing.demo`` (or ``make demo``) shows: discovery and
-the topology tree, registration of both resources, the devices the kubelet
-sees, the GPUs the agent steers pods to, an XID error taking a GPU out of
-service and the quiet period bringing it back, a kubelet restart survived in
-process, and a clean stop.
+the topology tree, registration of both resources, pods being allocated (a
+share placed by gpu-admission's annotation, whole GPUs chosen by the topology
+evaluators), their limit files and annotations, an XID error taking a GPU out
+of service and the quiet period bringing it back, a kubelet restart and an
+agent restart survived with every allocation kept, a finished pod released,
+and a clean stop.
 """
 
 from __future__ import annotations
@@ -20,14 +22,10 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import grpc
-
 from gpumanager import names
-from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
-from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
-from gpumanager.testing.gpusim_state import sim_env
-from gpumanager.testing.kubelet import KubeletSimulator, PluginRPCError
+from gpumanager.testing.cluster import SimCluster, admission_annotations, gpu_pod
+from gpumanager.testing.gpusim_state import sim_env, spec_dir
+from gpumanager.vmanager import files
 
 CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
@@ -41,97 +39,115 @@ def gpu_of_core(device_id: str) -> int:
     return int(device_id.rsplit("-", 1)[1]) // 100
 
 
-def health_line(kubelet: KubeletSimulator) -> str:
-    devices = kubelet.devices(CORE)
+def health_line(c: SimCluster) -> str:
+    devices = c.kubelet.devices(CORE)
     bad = sorted({gpu_of_core(i) for i, d in devices.items() if not d.healthy})
     healthy = sum(d.healthy for d in devices.values())
     return f"{healthy}/{len(devices)} vcuda-core devices healthy" + (f", GPUs out: {bad}" if bad else "")
 
 
-def preferred_gpus(plugin_socket: Path, available: list[str], size: int) -> list[int]:
-    with grpc.insecure_channel(f"unix://{plugin_socket}") as channel:
-        reply = pb_grpc.DevicePluginStub(channel).GetPreferredAllocation(
-            pb.PreferredAllocationRequest(
-                container_requests=[
-                    pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size)
-                ]
-            ),
-            timeout=5,
-        )
-    return sorted({gpu_of_core(i) for i in reply.container_responses[0].deviceIDs})
+def http_json(c: SimCluster, path: str) -> dict[str, object]:
+    assert c.agent is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{c.agent.query_port}{path}", timeout=5) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
+    return json.loads((c.checkpoint_dir / names.OWN_CHECKPOINT).read_text())["PodGPUMapping"]  # type: ignore[no-any-return]
 
 
 def run(workdir: Path, spec: Path) -> int:
     """Run the demo in ``workdir``; returns the agent's exit code."""
     say(f"== Simulated node: {spec.name}; work directory {workdir}")
-    kubelet = KubeletSimulator(workdir / "device-plugins", fill="sorted")
-    kubelet.start()
-    agent = AgentProcess(workdir, spec, extra_args=["--health-quiet-period=3s", "--health-probe-period=200ms"])
+    c = SimCluster(workdir, spec, agent_flags=["--health-quiet-period=3s", "--health-probe-period=200ms"])
     t0 = time.monotonic()
-    agent.start()
-    say(f"== Started gpu-manager (pid {agent.pid}); log: {agent.log_path}")
+    c.start()
+    assert c.agent is not None
+    say(f"== gpu-manager running (pid {c.agent.pid}); log: {c.agent.log_path}")
+    code = 1
     try:
         for resource in (CORE, MEM):
-            record = kubelet.wait_for_registration(resource, timeout=30, with_devices=True)
-            first = (record.first_list_and_watch_at or record.registered_at) - record.registered_at
+            record = c.kubelet.wait_for_registration(resource, timeout=30, with_devices=True)
             say(
-                f"   registered {resource} on {record.endpoint} {record.version} "
-                f"(pre_start_required={record.options.pre_start_required}, "
-                f"get_preferred_allocation_available={record.options.get_preferred_allocation_available}); "
-                f"{record.registered_at - t0:.2f} s after start, first device list {first * 1000:.1f} ms later"
+                f"   registered {resource} on {record.endpoint} ({record.version}, PreStart and "
+                f"GetPreferredAllocation on) {record.registered_at - t0:.2f} s after start"
             )
-        cores = kubelet.wait_for_devices(CORE, lambda d: len(d) > 0)
-        memory = kubelet.wait_for_devices(MEM, lambda d: len(d) > 0)
-        say(f"== The kubelet sees {len(cores)} vcuda-core and {len(memory)} vcuda-memory devices (256 MiB each)")
-        numa = Counter(d.numa_nodes for d in cores.values())
-        for nodes, count in sorted(numa.items()):
+        cores = c.kubelet.devices(CORE)
+        say(f"== The kubelet sees {len(cores)} vcuda-core and {len(c.kubelet.devices(MEM))} vcuda-memory devices")
+        for nodes, count in sorted(Counter(d.numa_nodes for d in cores.values()).items()):
             say(f"   NUMA {list(nodes)}: {count} vcuda-core devices")
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{agent.query_port}/graph", timeout=5) as resp:
-            graph = json.loads(resp.read())["graph"]
         say("== Topology tree (GET /graph)")
-        for line in graph.splitlines():
+        for line in str(http_json(c, "/graph")["graph"]).splitlines():
             say("   " + line)
 
-        say("== Where the agent steers pods (GetPreferredAllocation, as the kubelet asks it)")
-        plugin = agent.plugin_dir / names.VCORE_SOCKET
-        free = sorted(cores, key=lambda i: int(i.rsplit("-", 1)[1]))
-        for size, label in ((400, "4 whole GPUs"), (200, "2 whole GPUs"), (30, "a 30% share")):
-            say(f"   {label:13s} ({size} vcuda-core) -> GPUs {preferred_gpus(plugin, free, size)}")
-        busy = [i for i in free if gpu_of_core(i) != 1]
-        say(f"   with GPU 1 busy, 2 whole GPUs -> GPUs {preferred_gpus(plugin, busy, 200)} (same socket, NVLink)")
+        say("== Pods")
+        share = c.run_pod(gpu_pod("notebook", [("jupyter", 30, 16)], annotations=admission_annotations([[6]], 1_000)))
+        resp = share.core["jupyter"].response
+        say(
+            f"   notebook (30 cores, 4 GiB; gpu-admission chose GPU 6): {resp.annotations[names.VDEVICE_ANNOTATION]}, "
+            f"mounts {resp.mounts[0].host_path} at /usr/local/nvidia"
+        )
+        cfg = files.unpack((c.vm_path / share.uid / "jupyter" / "vcuda.config").read_bytes())
+        say(
+            f"   its vcuda.config: gpu_memory={cfg.gpu_memory >> 20} MiB utilization={cfg.utilization} "
+            f"enable={cfg.enable}; env VCUDA_CONFIG_PATH={resp.envs['VCUDA_CONFIG_PATH']}"
+        )
+        train = c.run_pod(gpu_pod("trainer", [("worker", 400, 0)]))
+        say(f"   trainer (4 whole GPUs): {train.core['worker'].response.annotations[names.VDEVICE_ANNOTATION]}")
+        pair = c.run_pod(gpu_pod("finetune", [("worker", 200, 0)]))
+        say(
+            f"   finetune (2 whole GPUs): {pair.core['worker'].response.annotations[names.VDEVICE_ANNOTATION]} "
+            "(same NVLink group, the partly used one)"
+        )
+        annotations = c.wait_annotations(share, {names.GPU_ASSIGNED: "true"})
+        idx_key = names.PREDICATE_GPU_IDX_PREFIX + "0"
+        say(
+            f"   notebook annotations: {idx_key}={annotations[idx_key]}, "
+            f"{names.GPU_ASSIGNED}={annotations[names.GPU_ASSIGNED]}"
+        )
         try:
-            kubelet.allocate(CORE, 200, pod_uid="demo-pod", container_name="main")
-        except PluginRPCError as exc:
-            say(f"   Allocate -> {exc.code.name if exc.code else '?'}: {exc.details}")
-            say("   (Allocate and PreStartContainer are not implemented yet in this version.)")
+            c.admit(gpu_pod("toobig", [("x", 300, 0)]))
+        except Exception as exc:
+            say(f"   toobig (3 whole GPUs, only 1 free) is not admitted: {exc}")
 
-        say("== XID 79 (GPU fell off the bus) on GPU 5")
+        say("== XID 79 (GPU fell off the bus) on GPU 7")
         subprocess.run(
-            [sys.executable, "-m", "gpumanager.testing.gpusim", "xid", "--gpu", "5", "--xid", "79"],
-            env=sim_env(agent.spec, agent.state),
+            [sys.executable, "-m", "gpumanager.testing.gpusim", "xid", "--gpu", "7", "--xid", "79"],
+            env=sim_env(c.agent.spec, c.agent.state),
             check=True,
+            stdout=subprocess.DEVNULL,
         )
         t_xid = time.monotonic()
-        kubelet.wait_for_devices(CORE, len(cores) - 100, timeout=10)
-        say(f"   after {time.monotonic() - t_xid:.2f} s: {health_line(kubelet)}")
-        kubelet.wait_for_devices(CORE, len(cores), timeout=30)
-        say(f"   after {time.monotonic() - t_xid:.2f} s (3 s quiet period): {health_line(kubelet)}")
+        c.kubelet.wait_for_devices(CORE, lambda d: sum(x.healthy for x in d.values()) == len(cores) - 100, timeout=10)
+        say(f"   after {time.monotonic() - t_xid:.2f} s: {health_line(c)}")
+        c.kubelet.wait_for_devices(CORE, lambda d: all(x.healthy for x in d.values()), timeout=30)
+        say(f"   after {time.monotonic() - t_xid:.2f} s (3 s quiet period): {health_line(c)}")
 
         say("== Kubelet restart (every socket in the device-plugin directory removed)")
-        before = kubelet.registration_count(CORE)
-        created = kubelet.restart()
-        record = kubelet.wait_for_registration(CORE, after=before, timeout=10)
-        kubelet.wait_for_devices(CORE, len(cores), timeout=10)
-        say(
-            f"   re-registered in {(record.registered_at - created) * 1000:.0f} ms, same process "
-            f"(pid {agent.pid}); {health_line(kubelet)}"
-        )
+        before = c.kubelet.registration_count(CORE)
+        created = c.kubelet.restart()
+        record = c.kubelet.wait_for_registration(CORE, after=before, timeout=10)
+        say(f"   re-registered in {(record.registered_at - created) * 1000:.0f} ms, same process (pid {c.agent.pid})")
+
+        say("== Agent restart")
+        kept = checkpoint(c)
+        c.agent.stop()
+        c.start_agent()
+        same = checkpoint(c) == kept
+        say(f"   new pid {c.agent.pid}; {len(kept)} pods' allocations recovered from the checkpoint: {same}")
+
+        say("== The trainer finishes")
+        c.delete(train)
+        deadline = time.monotonic() + 10
+        while train.uid in checkpoint(c) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        free = [line for line in str(http_json(c, "/graph")["graph"]).splitlines() if "allocatableCores: 100" in line]
+        say(f"   released: {train.uid not in checkpoint(c)}; GPUs entirely free again: {len(free)}")
     finally:
         say("== SIGTERM")
-        code = agent.stop()
-        kubelet.stop()
-    left = sorted(p.name for p in agent.plugin_dir.glob("*.sock"))
+        code = c.agent.stop() if c.agent is not None else 1
+        c.stop()
+    left = sorted(p.name for p in (workdir / "device-plugins").glob("*.sock"))
     say(f"   exit code {code}; sockets left in the device-plugin directory: {left or 'none'}")
     return code
 
@@ -139,7 +155,7 @@ def run(workdir: Path, spec: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--spec", type=Path, default=SPEC_DIR / "h100-nvlink-x8.json", help="node spec JSON")
+    parser.add_argument("--spec", type=Path, default=spec_dir() / "h100-nvlink-x8.json", help="node spec JSON")
     parser.add_argument("--workdir", type=Path, default=None, help="keep files here (default: a temp dir)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")

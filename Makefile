@@ -26,8 +26,9 @@ lint: $(VENV)/.installed
 test: build lint deploy-check
 	$(VENV)/bin/pytest
 
+BENCHES ?= bench_registration bench_allocation bench_volume bench_interceptor
 bench: build
-	$(PY) bench/bench_registration.py
+	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 
 # The deployable agent: hadolint on the Dockerfile, the manifests against the Kubernetes API
 # schemas (kubernetes-validate, offline), and the image's build steps run outside Docker into a

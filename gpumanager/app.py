@@ -65,6 +65,8 @@ _NOT_YET_USED: tuple[str, ...] = ()
 DEFAULT_VDRIVER = Path("/etc/gpu-manager/vdriver")
 #: How often the driver mirror is checked again (an unchanged driver costs a few ms and changes nothing).
 VOLUME_RECHECK_SECONDS = 300.0
+#: How often shared containers' pids.config files are brought up to date.
+PIDS_REFRESH_SECONDS = 1.0
 # Flags kept only so existing manifests work.
 _COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout", "cgroup_driver")
 
@@ -170,6 +172,7 @@ class Agent:
         self._start_http()
         self._start_plugins()
         self._spawn("allocation-check", self._check_loop)
+        self._spawn("pids-refresh", self._pids_loop)
         log.info(
             "serving %d GPUs: %s=%d, %s=%d devices in %s",
             len(self.gpus),
@@ -546,6 +549,14 @@ class Agent:
                 self.check_allocations()
             except Exception:
                 log.exception("periodic allocation check failed; trying again next period")
+
+    def _pids_loop(self) -> None:
+        """Keep every shared container's pids.config current (the library matches NVML's host PIDs)."""
+        while not self._stop.wait(PIDS_REFRESH_SECONDS):
+            try:
+                self._vmanager().refresh_pids(self._allocator().allocations())
+            except Exception:
+                log.exception("pids.config refresh failed; trying again")
 
     # -- queries --------------------------------------------------------------------------------
 

@@ -264,3 +264,24 @@ def test_metrics_and_usage(cluster: SimCluster) -> None:
     dev = usage["stat"]["main"]["dev"][0]
     assert dev["card_idx"] == str(gpu) and dev["pids"] == [run.pids["main"]] and dev["mem"] == 1500.0
     assert usage["spec"]["main"] == {"gpu": 0.5, "mem": 2048.0}
+
+
+def test_shared_containers_pids_config_follows_their_processes(cluster: SimCluster) -> None:
+    run = cluster.run_pod(gpu_pod("pids", [("main", 20, 4)]))
+    whole = cluster.run_pod(gpu_pod("nopids", [("main", 100, 0)]))
+    path = cluster.vm_path / run.uid / "main" / "pids.config"
+
+    def pids() -> list[int]:
+        return files.read_pids(path) if path.exists() else []
+
+    deadline = time.monotonic() + 10
+    while pids() != [run.pids["main"]]:
+        assert time.monotonic() < deadline, f"pids.config is {pids()}"
+        time.sleep(0.1)
+    cid = f"{run.uid[:8]}main".replace("-", "")
+    procs = cluster.cgroup_root / "kubepods" / f"pod{run.uid}" / cid / "cgroup.procs"
+    procs.write_text(f"{run.pids['main']}\n7\n")
+    while pids() != sorted([7, run.pids["main"]]):
+        assert time.monotonic() < deadline + 5, f"pids.config is {pids()}"
+        time.sleep(0.1)
+    assert not (cluster.vm_path / whole.uid / "main" / "pids.config").exists()

@@ -83,6 +83,8 @@ class VirtualManager:
         self._lock = threading.Lock()
         self._servers: dict[str, grpc.Server] = {}
         self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vcuda")
+        self._last_pids: dict[Path, list[int]] = {}
+        self._cgroup_dirs: dict[tuple[str, str], Path] = {}
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -187,6 +189,49 @@ class VirtualManager:
         log.info("registered pod %s container %s: %d pids", podinfo.pod_key(pod), name, len(pids))
         return directory
 
+    # -- pids.config ------------------------------------------------------------------------------
+
+    def refresh_pids(self, allocations: Iterable[ContainerAllocation]) -> int:
+        """Rewrite ``pids.config`` of every shared container whose processes changed; returns how many.
+
+        Written next to the container's vcuda.config (``<pod dir>/<container>/``) and in the
+        directories the upstream library registered (``<pod dir>/<container id>/``).
+        """
+        written = 0
+        for alloc in allocations:
+            if not alloc.shared:
+                continue
+            pod = self._pod(alloc.pod_uid)
+            if pod is None:
+                continue
+            cid = podinfo.container_ids(pod).get(alloc.container)
+            if not cid:
+                continue
+            pids = self._container_pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
+            answered_pod, answered_container = alloc.answered
+            targets = [self.pod_dir(answered_pod) / answered_container]
+            registered = self.pod_dir(alloc.pod_uid) / cid
+            if registered.is_dir():
+                targets.append(registered)
+            for directory in targets:
+                path = directory / names.PIDS_CONFIG_FILE
+                if self._last_pids.get(path) == pids or not directory.is_dir():
+                    continue
+                files.write_pids(path, pids)
+                self._last_pids[path] = pids
+                written += 1
+        return written
+
+    def _container_pids(self, pod_uid: str, container_id: str, qos: str | None) -> list[int]:
+        key = (pod_uid, container_id)
+        directory = self._cgroup_dirs.get(key)
+        if directory is None or not directory.is_dir():
+            directory = cgroups.find_container_cgroup(self._cgroup_root, pod_uid, container_id, qos)
+            if directory is None:
+                return []
+            self._cgroup_dirs[key] = directory
+        return cgroups.pids_under(directory)
+
     # -- cleanup ----------------------------------------------------------------------------------
 
     def gc(self, active: Iterable[str]) -> list[str]:
@@ -200,6 +245,10 @@ class VirtualManager:
                 self._stop_server(entry.name)
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
+                for path in [p for p in self._last_pids if entry in p.parents]:
+                    del self._last_pids[path]
+                for key in [k for k in self._cgroup_dirs if k[0] == entry.name]:
+                    del self._cgroup_dirs[key]
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))
         return removed

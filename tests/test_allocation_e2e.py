@@ -285,3 +285,17 @@ def test_shared_containers_pids_config_follows_their_processes(cluster: SimClust
         assert time.monotonic() < deadline + 5, f"pids.config is {pids()}"
         time.sleep(0.1)
     assert not (cluster.vm_path / whole.uid / "main" / "pids.config").exists()
+
+
+def test_node_labels_with_gpu_model(tmp_path: Path, sim_built: Path) -> None:
+    flags = ["--node-labels=gaia.tencent.com/gpu-model=auto,team=ml"]
+    with SimCluster(tmp_path, "h100-nvlink-x8", agent_flags=flags) as c:
+        deadline = time.monotonic() + 10
+        while True:
+            labels = (c.api.get_node("sim-node") or {}).get("metadata", {}).get("labels", {})
+            if labels.get("team") == "ml":
+                break
+            assert time.monotonic() < deadline, f"labels not applied: {labels}"
+            time.sleep(0.1)
+        assert labels["gaia.tencent.com/gpu-model"] == "H100"
+        assert labels["nvidia-device-enable"] == "enable"

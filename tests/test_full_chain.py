@@ -1,0 +1,92 @@
+"""The whole chain on the simulated node: the agent mirrors the driver with the interceptor, allocates a
+share, writes its vcuda.config; a CUDA client in that "container" (NVIDIA's cuda-bindings and pynvml,
+loading the mirror) is capped at the pod's vcuda-memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from gpumanager import names
+from gpumanager.testing.cluster import SimCluster, gpu_pod
+from gpumanager.testing.gpusim_state import repo_root, sim_env
+from tests.volume_fixtures import DEFAULT_VOLUME_CONF, run_ldconfig
+
+VERSION = "550.54.15"
+MIB = 1 << 20
+
+CLIENT = r"""
+import json, pynvml
+from cuda.bindings import driver as d
+R = d.CUresult
+def ok(r):
+    assert r[0] == R.CUDA_SUCCESS, r
+    return r[1] if len(r) == 2 else r[1:]
+ok(d.cuInit(0))
+dev = ok(d.cuDeviceGet(0))
+ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
+ok(d.cuCtxSetCurrent(ctx))
+total = 0
+ptrs = []
+while True:
+    err, ptr = d.cuMemAlloc(128 << 20)
+    if err != R.CUDA_SUCCESS:
+        break
+    ptrs.append(ptr)
+    total += 128 << 20
+free, cap = ok(d.cuMemGetInfo())
+pynvml.nvmlInit()
+mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": cap, "nvml_total": mem.total}))
+"""
+
+
+def driver_root(root: Path) -> None:
+    """A host whose driver is the simulated one, installed as the NVIDIA installer would."""
+    libdir = root / "usr/lib/x86_64-linux-gnu"
+    libdir.mkdir(parents=True)
+    sim = repo_root() / "vcuda/build/sim"
+    for name in ("libcuda", "libnvidia-ml"):
+        shutil.copy2(sim / f"{name}.so.{VERSION}", libdir / f"{name}.so.{VERSION}")
+        (libdir / f"{name}.so.1").symlink_to(f"{name}.so.{VERSION}")
+    (root / "etc").mkdir()
+    (root / "etc/ld.so.conf").write_text("/usr/lib/x86_64-linux-gnu\n")
+    run_ldconfig(root)
+
+
+def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path) -> None:
+    interceptor = repo_root() / "vcuda/build/libcuda-control.so"
+    assert interceptor.exists(), "make -C vcuda builds the interceptor"
+    root = tmp_path / "host"
+    driver_root(root)
+    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+    for volume in conf["volume"]:
+        volume["base"] = str(tmp_path / "vdriver")
+    (tmp_path / "volume.conf").write_text(json.dumps(conf))
+    flags = [
+        f"--volume-config={tmp_path / 'volume.conf'}",
+        f"--driver-root={root}",
+        f"--vcuda-library={interceptor}",
+    ]
+    with SimCluster(tmp_path / "node", "t4-x1", agent_flags=flags) as c:
+        run = c.run_pod(gpu_pod("capped", [("main", 50, 4)]))  # 4 x 256 MiB
+        resp = run.core["main"].response
+        mounts = {m.container_path: m.host_path for m in resp.mounts}
+        config_in_container = resp.envs["VCUDA_CONFIG_PATH"]
+        host_config = Path(mounts["/etc/vcuda"]) / Path(config_in_container).relative_to("/etc/vcuda")
+        assert c.agent is not None
+        env = sim_env(c.spec, c.agent.state)
+        env["LD_LIBRARY_PATH"] = str(Path(mounts["/usr/local/nvidia"]) / "lib64")
+        env["VCUDA_CONFIG_PATH"] = str(host_config)
+        env["VCUDA_BUDGET_DIR"] = str(tmp_path / "shm")
+        done = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+    cap = 4 * names.MEMORY_BLOCK_BYTES
+    assert out["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert cap - 128 * MIB < out["allocated"] <= cap
+    assert out["total"] == cap and out["free"] == cap - out["allocated"]
+    assert out["nvml_total"] == cap

@@ -79,3 +79,26 @@ def test_pids_are_sorted_int32(tmp_path: Path) -> None:
     assert files.write_pids(path, [300, 12, 7, 12]) == [7, 12, 300]
     assert path.read_bytes() == struct.pack("<3i", 7, 12, 300)
     assert files.read_pids(path) == [7, 12, 300]
+
+
+def test_byte_for_byte_against_an_independent_layout() -> None:
+    expected = bytearray(8240)
+    expected[0:36] = b"0d7a6c3e-1f2b-4c5d-8e9f-001122334455"
+    expected[48:52] = (0).to_bytes(4, "little")
+    expected[4096 : 4096 + 4] = b"main"
+    expected[8208:8216] = (1 << 30).to_bytes(8, "little")
+    expected[8216:8220] = (25).to_bytes(4, "little")
+    expected[8220:8224] = (1).to_bytes(4, "little")
+    expected[8224:8228] = (550).to_bytes(4, "little")
+    expected[8228:8232] = (0).to_bytes(4, "little")
+    expected[8232:8236] = (1).to_bytes(4, "little")
+    got = files.pack(
+        files.VcudaConfig(
+            pod_uid="0d7a6c3e-1f2b-4c5d-8e9f-001122334455",
+            container_name="main",
+            gpu_memory=1 << 30,
+            utilization=25,
+            driver_major=550,
+        )
+    )
+    assert got == bytes(expected)

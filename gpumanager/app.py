@@ -544,6 +544,12 @@ class Agent:
             log.info("periodic check released %d pods that are gone", len(gone))
 
     def _check_loop(self) -> None:
+        # First check as soon as the pod cache is complete: pods that ended while we were down are freed now.
+        if self.pod_cache is not None and self.pod_cache.wait_synced(self.config.allocation_check_period):
+            try:
+                self.check_allocations()
+            except Exception:
+                log.exception("allocation check failed; trying again next period")
         while not self._stop.wait(self.config.allocation_check_period):
             try:
                 self.check_allocations()

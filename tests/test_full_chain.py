@@ -13,22 +13,14 @@ from pathlib import Path
 from gpumanager import names
 from gpumanager.testing.cluster import SimCluster, gpu_pod
 from gpumanager.testing.gpusim_state import repo_root, sim_env
+from tests.vcuda_fixtures import PRELUDE
 from tests.volume_fixtures import DEFAULT_VOLUME_CONF, run_ldconfig
 
 VERSION = "550.54.15"
 MIB = 1 << 20
 
-CLIENT = r"""
-import json, pynvml
-from cuda.bindings import driver as d
-R = d.CUresult
-def ok(r):
-    assert r[0] == R.CUDA_SUCCESS, r
-    return r[1] if len(r) == 2 else r[1:]
-ok(d.cuInit(0))
-dev = ok(d.cuDeviceGet(0))
-ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
-ok(d.cuCtxSetCurrent(ctx))
+CLIENT = PRELUDE + r"""
+import pynvml
 total = 0
 ptrs = []
 while True:

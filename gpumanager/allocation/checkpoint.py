@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from gpumanager.fileio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -23,27 +24,8 @@ class CheckpointError(RuntimeError):
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Atomically replace ``path`` with ``data`` as JSON (directory created 0755 if missing)."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    payload = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Atomically and durably replace ``path`` with ``data`` as JSON (directory created 0755 if missing)."""
+    atomic_write(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), durable=True)
 
 
 def read_json(path: Path) -> Any | None:

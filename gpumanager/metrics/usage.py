@@ -83,23 +83,8 @@ class UsageSampler:
         self._gpus = {g.minor: g for g in gpus}
         self._allocations = allocations
         self._pod = pod
-        self._cgroup_root = cgroup_root
+        self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._period = sample_period
-        self._dirs: dict[tuple[str, str], Path] = {}
-
-    def _pids(self, pod_uid: str, container_id: str, qos: str | None) -> list[int]:
-        """The container's PIDs; its cgroup directory is remembered while it exists."""
-        key = (pod_uid, container_id)
-        directory = self._dirs.get(key)
-        if directory is None or not directory.is_dir():
-            directory = cgroups.find_container_cgroup(self._cgroup_root, pod_uid, container_id, qos)
-            if directory is None:
-                self._dirs.pop(key, None)
-                return []
-            if len(self._dirs) > 4096:
-                self._dirs.clear()
-            self._dirs[key] = directory
-        return cgroups.pids_under(directory)
 
     def sample(self) -> list[ContainerUsage]:
         """One pass over all containers (NVML is asked once per GPU)."""
@@ -113,7 +98,7 @@ class UsageSampler:
             usage = ContainerUsage(pod, alloc.container, alloc.cores, alloc.memory >> 28)
             cid = podinfo.container_ids(pod).get(alloc.container)
             qos = (pod.get("status") or {}).get("qosClass")
-            pids = set(self._pids(alloc.pod_uid, cid, qos)) if cid else set()
+            pids = set(self._cgroups.pids(alloc.pod_uid, cid, qos)) if cid else set()
             for minor in alloc.minors:
                 gpu = self._gpus.get(minor)
                 if gpu is None:

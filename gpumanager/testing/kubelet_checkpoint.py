@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gpumanager.fileio import atomic_write
 
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 """File name of the checkpoint inside the device-plugin directory."""
@@ -179,21 +179,7 @@ def dump_checkpoint(doc: Mapping[str, Any]) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix="." + path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(Path(path), text.encode("utf-8"), durable=True)
 
 
 def _target(path: Path) -> Path:

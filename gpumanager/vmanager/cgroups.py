@@ -89,3 +89,31 @@ def container_pids(cgroup_root: Path, pod_uid: str, container_id: str, qos: str 
         log.warning("no cgroup found for pod %s container %s under %s", pod_uid, container_id, cgroup_root)
         return []
     return pids_under(directory)
+
+
+class CgroupLocator:
+    """Finds containers' PIDs, remembering each container's cgroup directory while it exists."""
+
+    def __init__(self, cgroup_root: Path, *, limit: int = 4096) -> None:
+        self.root = cgroup_root
+        self._limit = limit
+        self._dirs: dict[tuple[str, str], Path] = {}
+
+    def pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
+        """Host PIDs of a container (empty when its cgroup is not found)."""
+        key = (pod_uid, container_id)
+        directory = self._dirs.get(key)
+        if directory is None or not directory.is_dir():
+            directory = find_container_cgroup(self.root, pod_uid, container_id, qos)
+            if directory is None:
+                self._dirs.pop(key, None)
+                return []
+            if len(self._dirs) >= self._limit:
+                self._dirs.clear()
+            self._dirs[key] = directory
+        return pids_under(directory)
+
+    def forget_pod(self, pod_uid: str) -> None:
+        """Drop what is remembered of a pod's containers."""
+        for key in [k for k in self._dirs if k[0] == pod_uid]:
+            del self._dirs[key]

@@ -19,10 +19,11 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpumanager.fileio import atomic_write
 
 CONFIG_SIZE = 8240
 _LAYOUT = struct.Struct("<48si4044s4096s16sQiiiii4x")
@@ -93,27 +94,10 @@ def driver_version_fields(version: str) -> tuple[int, int]:
     return major, minor
 
 
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    # No fsync: readers never see a partial file (rename is atomic), and after a power loss the
-    # containers are gone too; PreStartContainer writes the file again when they start.
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_config(path: Path, config: VcudaConfig) -> None:
     """Write (or replace) a vcuda.config."""
-    _atomic_write(path, pack(config), 0o644)
+    # Not fsynced: after a power loss the containers are gone too, and PreStart writes it again.
+    atomic_write(path, pack(config))
 
 
 def write_pids(path: Path, pids: Iterable[int]) -> list[int]:
@@ -124,7 +108,7 @@ def write_pids(path: Path, pids: Iterable[int]) -> list[int]:
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(dir_fd, fcntl.LOCK_EX)
-        _atomic_write(path, data, 0o644)
+        atomic_write(path, data)
     finally:
         os.close(dir_fd)
     return ordered

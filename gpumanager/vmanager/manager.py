@@ -76,7 +76,6 @@ class VirtualManager:
         driver_version: str,
     ) -> None:
         self.vm_path = vm_path
-        self._cgroup_root = cgroup_root
         self._allocation = allocation
         self._pod = pod
         self._driver = files.driver_version_fields(driver_version)
@@ -84,7 +83,7 @@ class VirtualManager:
         self._servers: dict[str, grpc.Server] = {}
         self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vcuda")
         self._last_pids: dict[Path, list[int]] = {}
-        self._cgroup_dirs: dict[tuple[str, str], Path] = {}
+        self._cgroups = cgroups.CgroupLocator(cgroup_root)
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -180,7 +179,7 @@ class VirtualManager:
         if not container_id:
             raise RegistrationRefused(f"container {name} of pod {podinfo.pod_key(pod)} has no container ID yet")
         qos = (pod.get("status") or {}).get("qosClass")
-        pids = cgroups.container_pids(self._cgroup_root, socket_pod, container_id, qos)
+        pids = self._cgroups.pids(socket_pod, container_id, qos)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {container_id}")
         directory = self.pod_dir(socket_pod) / subdir
@@ -207,7 +206,7 @@ class VirtualManager:
             cid = podinfo.container_ids(pod).get(alloc.container)
             if not cid:
                 continue
-            pids = self._container_pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
+            pids = self._cgroups.pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
             answered_pod, answered_container = alloc.answered
             targets = [self.pod_dir(answered_pod) / answered_container]
             registered = self.pod_dir(alloc.pod_uid) / cid
@@ -221,16 +220,6 @@ class VirtualManager:
                 self._last_pids[path] = pids
                 written += 1
         return written
-
-    def _container_pids(self, pod_uid: str, container_id: str, qos: str | None) -> list[int]:
-        key = (pod_uid, container_id)
-        directory = self._cgroup_dirs.get(key)
-        if directory is None or not directory.is_dir():
-            directory = cgroups.find_container_cgroup(self._cgroup_root, pod_uid, container_id, qos)
-            if directory is None:
-                return []
-            self._cgroup_dirs[key] = directory
-        return cgroups.pids_under(directory)
 
     # -- cleanup ----------------------------------------------------------------------------------
 
@@ -247,8 +236,7 @@ class VirtualManager:
                 removed.append(entry.name)
                 for path in [p for p in self._last_pids if entry in p.parents]:
                     del self._last_pids[path]
-                for key in [k for k in self._cgroup_dirs if k[0] == entry.name]:
-                    del self._cgroup_dirs[key]
+                self._cgroups.forget_pod(entry.name)
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))
         return removed

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -42,8 +43,8 @@ from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.preferred import Preference
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
+from gpumanager.kube import cleanup, kubelet_checkpoint, nodelabels
 from gpumanager.kube import client as kube_client
-from gpumanager.kube import kubelet_checkpoint, nodelabels
 from gpumanager.kube.owners import OwnerResolver
 from gpumanager.kube.patcher import AnnotationPatcher
 from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
@@ -135,6 +136,7 @@ class Agent:
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
         self.pod_cache: PodCache | None = None
+        self.api_client: Any = None
         self.pods: PodCache | _NoApiServer = _NoApiServer("not started")
         self.patcher: AnnotationPatcher | None = None
         self.allocator: Allocator | None = None
@@ -303,6 +305,7 @@ class Agent:
             self._component_failed("api-server", f"{exc}; serving without it (Allocate will refuse)")
             self.pods = _NoApiServer(str(exc))
             return
+        self.api_client = api
         self.pod_cache = PodCache(api, self.node_name)
         self.pod_cache.add_listener(self._on_pod_event)
         self.pods = self.pod_cache
@@ -534,6 +537,7 @@ class Agent:
         and annotate running pods whose annotations are missing or stale."""
         allocator = self._allocator()
         gone = allocator.recycle()
+        self._clean_failed_pods()
         if self.pods.synced():
             self._vmanager().gc(self._active_pod_dirs())
         for uid in sorted({a.pod_uid for a in allocator.allocations()}):
@@ -542,6 +546,17 @@ class Agent:
                 self._annotate(uid)
         if gone:
             log.info("periodic check released %d pods that are gone", len(gone))
+
+    def _clean_failed_pods(self) -> None:
+        """Pods whose admission or PreStart failed: free their GPUs; delete them when a controller owns them."""
+        for pod in self.pods.pods():
+            if podinfo.phase(pod) not in ("Failed", "Pending") or not podinfo.should_delete(pod):
+                continue
+            if not podinfo.is_gpu_pod(pod):
+                continue
+            self._allocator().release_pod(podinfo.uid(pod))
+            if self.api_client is not None and cleanup.controller_owned(pod):
+                cleanup.delete_pod(self.api_client, pod)
 
     def _check_loop(self) -> None:
         # First check as soon as the pod cache is complete: pods that ended while we were down are freed now.

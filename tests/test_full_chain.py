@@ -5,7 +5,6 @@ loading the mirror) is capped at the pod's vcuda-memory."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +12,9 @@ from pathlib import Path
 from gpumanager import names
 from gpumanager.testing.cluster import SimCluster, gpu_pod
 from gpumanager.testing.gpusim_state import repo_root, sim_env
+from gpumanager.testing.simhost import install_sim_driver, volume_conf
 from tests.vcuda_fixtures import PRELUDE
-from tests.volume_fixtures import DEFAULT_VOLUME_CONF, run_ldconfig
 
-VERSION = "550.54.15"
 MIB = 1 << 20
 
 CLIENT = PRELUDE + r"""
@@ -36,30 +34,13 @@ print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": 
 """
 
 
-def driver_root(root: Path) -> None:
-    """A host whose driver is the simulated one, installed as the NVIDIA installer would."""
-    libdir = root / "usr/lib/x86_64-linux-gnu"
-    libdir.mkdir(parents=True)
-    sim = repo_root() / "vcuda/build/sim"
-    for name in ("libcuda", "libnvidia-ml"):
-        shutil.copy2(sim / f"{name}.so.{VERSION}", libdir / f"{name}.so.{VERSION}")
-        (libdir / f"{name}.so.1").symlink_to(f"{name}.so.{VERSION}")
-    (root / "etc").mkdir()
-    (root / "etc/ld.so.conf").write_text("/usr/lib/x86_64-linux-gnu\n")
-    run_ldconfig(root)
-
-
 def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path) -> None:
     interceptor = repo_root() / "vcuda/build/libcuda-control.so"
     assert interceptor.exists(), "make -C vcuda builds the interceptor"
     root = tmp_path / "host"
-    driver_root(root)
-    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
-    for volume in conf["volume"]:
-        volume["base"] = str(tmp_path / "vdriver")
-    (tmp_path / "volume.conf").write_text(json.dumps(conf))
+    install_sim_driver(root)
     flags = [
-        f"--volume-config={tmp_path / 'volume.conf'}",
+        f"--volume-config={volume_conf(tmp_path / 'vdriver', tmp_path / 'volume.conf')}",
         f"--driver-root={root}",
         f"--vcuda-library={interceptor}",
     ]

@@ -23,8 +23,9 @@ from collections import Counter
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.testing.cluster import SimCluster, admission_annotations, gpu_pod
-from gpumanager.testing.gpusim_state import sim_env, spec_dir
+from gpumanager.testing.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
+from gpumanager.testing.gpusim_state import repo_root, sim_env, spec_dir
+from gpumanager.testing.simhost import install_sim_driver, volume_conf
 from gpumanager.vmanager import files
 
 CORE = names.VCORE_RESOURCE
@@ -56,10 +57,60 @@ def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
     return json.loads((c.checkpoint_dir / names.OWN_CHECKPOINT).read_text())["PodGPUMapping"]  # type: ignore[no-any-return]
 
 
+CLIENT = r"""
+import json, pynvml
+from cuda.bindings import driver as d
+R = d.CUresult
+assert d.cuInit(0)[0] == R.CUDA_SUCCESS
+ctx = d.cuDevicePrimaryCtxRetain(d.cuDeviceGet(0)[1])[1]
+d.cuCtxSetCurrent(ctx)
+total, ptrs = 0, []
+while True:
+    err, ptr = d.cuMemAlloc(256 << 20)
+    if err != R.CUDA_SUCCESS:
+        break
+    ptrs.append(ptr)
+    total += 256 << 20
+free, cap = d.cuMemGetInfo()[1:]
+pynvml.nvmlInit()
+nvml = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+print(json.dumps({"err": err.name, "total": total, "cap": cap, "nvml": nvml}))
+"""
+
+
+def capped_client(c: SimCluster, run: PodRun) -> str:
+    """Run a CUDA program as the pod's container would: the mirror's interceptor and the pod's config."""
+    resp = run.core["jupyter"].response
+    mounts = {m.container_path: m.host_path for m in resp.mounts}
+    assert c.agent is not None
+    env = sim_env(c.spec, c.agent.state)
+    env["LD_LIBRARY_PATH"] = str(Path(mounts["/usr/local/nvidia"]) / "lib64")
+    env["VCUDA_CONFIG_PATH"] = str(
+        Path(mounts["/etc/vcuda"]) / Path(resp.envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
+    )
+    env["VCUDA_BUDGET_DIR"] = str(c.workdir / "shm")
+    done = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return f"failed: {done.stderr.strip()[-300:]}"
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return (
+        f"allocated {out['total'] >> 20} MiB, then {out['err']}; cuMemGetInfo total {out['cap'] >> 20} MiB, "
+        f"NVML total {out['nvml'] >> 20} MiB"
+    )
+
+
 def run(workdir: Path, spec: Path) -> int:
     """Run the demo in ``workdir``; returns the agent's exit code."""
     say(f"== Simulated node: {spec.name}; work directory {workdir}")
-    c = SimCluster(workdir, spec, agent_flags=["--health-quiet-period=3s", "--health-probe-period=200ms"])
+    install_sim_driver(workdir / "host")
+    flags = [
+        "--health-quiet-period=3s",
+        "--health-probe-period=200ms",
+        f"--volume-config={volume_conf(workdir / 'vdriver', workdir / 'volume.conf')}",
+        f"--driver-root={workdir / 'host'}",
+        f"--vcuda-library={repo_root() / 'vcuda' / 'build' / 'libcuda-control.so'}",
+    ]
+    c = SimCluster(workdir / "node", spec, agent_flags=flags)
     t0 = time.monotonic()
     c.start()
     assert c.agent is not None
@@ -99,6 +150,7 @@ def run(workdir: Path, spec: Path) -> int:
             f"   finetune (2 whole GPUs): {pair.core['worker'].response.annotations[names.VDEVICE_ANNOTATION]} "
             "(same NVLink group, the partly used one)"
         )
+        say(f"   a CUDA program in the notebook (cuda-bindings, loading the mirror): {capped_client(c, share)}")
         annotations = c.wait_annotations(share, {names.GPU_ASSIGNED: "true"})
         idx_key = names.PREDICATE_GPU_IDX_PREFIX + "0"
         say(
@@ -147,7 +199,7 @@ def run(workdir: Path, spec: Path) -> int:
         say("== SIGTERM")
         code = c.agent.stop() if c.agent is not None else 1
         c.stop()
-    left = sorted(p.name for p in (workdir / "device-plugins").glob("*.sock"))
+    left = sorted(p.name for p in (workdir / "node" / "device-plugins").glob("*.sock"))
     say(f"   exit code {code}; sockets left in the device-plugin directory: {left or 'none'}")
     return code
 

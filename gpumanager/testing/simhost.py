@@ -1,0 +1,58 @@
+"""A host root whose NVIDIA driver is the simulated one, for the driver mirror on the simulated node.
+
+``install_sim_driver(root)`` lays ``libcuda.so.<version>`` and ``libnvidia-ml.so.<version>``
+(built by ``make -C vcuda``) out as the NVIDIA installer does and builds the root's
+``/etc/ld.so.cache`` with the real ``ldconfig``; ``volume_conf`` writes a copy of the shipped
+``volume.conf`` whose volumes live under a chosen base directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from gpumanager.testing.gpusim_state import repo_root
+
+SIM_DRIVER_VERSION = "550.54.15"  # vcuda/Makefile's SIM_DRIVER_VERSION
+LIB_DIR = "usr/lib/x86_64-linux-gnu"
+
+
+def _ldconfig() -> str:
+    for candidate in ("/sbin/ldconfig", "/usr/sbin/ldconfig"):
+        if Path(candidate).exists():
+            return candidate
+    found = shutil.which("ldconfig")
+    if found is None:
+        raise FileNotFoundError("ldconfig not found")
+    return found
+
+
+def install_sim_driver(root: Path, version: str = SIM_DRIVER_VERSION) -> Path:
+    """Install the simulated driver under ``root`` (a host ``/``); returns its library directory."""
+    libdir = root / LIB_DIR
+    libdir.mkdir(parents=True, exist_ok=True)
+    built = repo_root() / "vcuda" / "build" / "sim"
+    for name in ("libcuda", "libnvidia-ml"):
+        shutil.copy2(built / f"{name}.so.{version}", libdir / f"{name}.so.{version}")
+        link = libdir / f"{name}.so.1"
+        if not link.is_symlink():
+            link.symlink_to(f"{name}.so.{version}")
+    (root / "etc").mkdir(exist_ok=True)
+    (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n")
+    subprocess.run(
+        [_ldconfig(), "-r", str(root), "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"],
+        check=True,
+        capture_output=True,
+    )
+    return libdir
+
+
+def volume_conf(base: Path, path: Path) -> Path:
+    """Write the shipped volume.conf to ``path`` with every volume under ``base``."""
+    conf = json.loads((repo_root() / "deploy" / "volume.conf").read_text())
+    for volume in conf["volume"]:
+        volume["base"] = str(base)
+    path.write_text(json.dumps(conf, indent=2))
+    return path

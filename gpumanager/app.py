@@ -54,7 +54,7 @@ from gpumanager.metrics.collector import AgentCollector
 from gpumanager.metrics.containers import ContainerCollector, usage_response
 from gpumanager.metrics.display import DisplayServer, DisplayServicer
 from gpumanager.metrics.http import QueryServer
-from gpumanager.metrics.usage import UsageSampler
+from gpumanager.metrics.usage import ContainerUsage, UsageSampler
 from gpumanager.topology import TopologyTree, build_tree, render_graph
 from gpumanager.vmanager.manager import VirtualManager
 from gpumanager.volume import VolumeError, build_vdriver
@@ -316,8 +316,8 @@ class Agent:
             resolved = nodelabels.resolve(labels, self.gpus[0].name if self.gpus else "")
             self._spawn("node-labels", lambda: self._label_node(api, resolved))
 
-    def _label_node(self, api: object, labels: dict[str, str]) -> None:
-        if not nodelabels.apply(api, self.node_name, labels):  # type: ignore[arg-type]
+    def _label_node(self, api: Any, labels: dict[str, str]) -> None:
+        if not nodelabels.apply(api, self.node_name, labels):
             self._component_failed("node-labels", f"could not label node {self.node_name} with {labels}")
 
     def _start_allocation(self, extra_devices: tuple[str, ...], vdriver: tuple[str, str]) -> None:
@@ -642,7 +642,7 @@ class Agent:
                 tree.update_usage(index, usage.pids, usage.used_memory)
             return render_graph(tree)
 
-    def _sample(self) -> list:  # type: ignore[type-arg]
+    def _sample(self) -> list[ContainerUsage]:
         return self.sampler.sample() if self.sampler is not None else []
 
     def usages(self) -> display_pb2.UsageResponse:

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import empty_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import names
-from gpumanager.api import vcuda_pb2, vcuda_pb2_grpc
+from gpumanager.api import display_pb2_grpc, vcuda_pb2, vcuda_pb2_grpc
+from gpumanager.testing.agent_process import AgentProcess
 from gpumanager.testing.cluster import SimCluster, admission_annotations, gpu_pod
-from gpumanager.testing.gpusim_state import load_spec
+from gpumanager.testing.gpusim_state import load_spec, spec_dir
 from gpumanager.testing.kubelet import KubeletSimError, PluginRPCError
 from gpumanager.vmanager import files
 from tests.agent_fixtures import gpusim
@@ -331,3 +333,29 @@ def test_pods_that_failed_to_start_are_freed_and_deleted_when_owned(cluster: Sim
         assert time.monotonic() < deadline, (checkpoint_or_empty(cluster), cluster.api.get_pod("default", "owned"))
         time.sleep(0.1)
     assert cluster.api.get_pod("default", "naked") is not None, "a pod no controller owns is not deleted"
+
+
+def test_extra_config_devices_and_printusages(tmp_path: Path, sim_built: Path) -> None:
+    extra = tmp_path / "extra-config.json"
+    extra.write_text(json.dumps({"default": {"devices": ["/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]}}))
+    with SimCluster(tmp_path / "node", "v100-pcie-x4", agent_flags=[f"--extra-config={extra}"]) as c:
+        run = c.run_pod(gpu_pod("x", [("c", 50, 4)]))
+        assert [d.host_path for d in run.core["c"].response.devices][-2:] == [
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-modeset",
+        ]
+        assert c.agent is not None
+        gpu = int(run.core["c"].response.annotations[names.VDEVICE_ANNOTATION][-1])
+        gpusim(c.agent, "proc", "--gpu", str(gpu), "--pid", str(run.pids["c"]), "--used-mib", "300")
+        with grpc.insecure_channel(f"unix://{c.agent.display_socket}") as ch:
+            usage = display_pb2_grpc.GPUDisplayStub(ch).PrintUsages(empty_pb2.Empty(), timeout=10).usage
+        dev = usage[run.uid].stat["c"].dev[0]
+        assert (dev.card_idx, list(dev.pids), dev.mem) == (str(gpu), [run.pids["c"]], 300.0)
+
+
+def test_bad_extra_config_stops_the_agent_with_the_file_named(tmp_path: Path, sim_built: Path) -> None:
+    extra = tmp_path / "extra-config.json"
+    extra.write_text('{"default": {"devices": "oops"}}')
+    agent = AgentProcess(tmp_path, spec_dir() / "t4-x1.json", extra_args=[f"--extra-config={extra}"]).start()
+    assert agent.wait(30) == 2
+    assert f"--extra-config={extra}" in agent.log_text()

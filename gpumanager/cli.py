@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.cgroup_driver,
         help="accepted for compatibility: both cgroupfs and systemd layouts are found automatically",
     )
-    flag("--runtime-request-timeout", type=_duration, default=d.runtime_request_timeout, help="e.g. 5s")
+    flag(
+        "--runtime-request-timeout",
+        type=_duration,
+        default=d.runtime_request_timeout,
+        help="accepted for compatibility; no container runtime is called",
+    )
     flag("--wait-timeout", type=_duration, default=d.wait_timeout, help="max wait for our servers at start, e.g. 1m")
     flag("--display-socket", default=d.display_socket, help="display gRPC socket (default %(default)s)")
     flag("--pod-resources-socket", default=d.pod_resources_socket, help="kubelet PodResources socket")

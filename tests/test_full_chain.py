@@ -17,7 +17,9 @@ from tests.vcuda_fixtures import PRELUDE
 
 MIB = 1 << 20
 
-CLIENT = PRELUDE + r"""
+CLIENT = (
+    PRELUDE
+    + r"""
 import pynvml
 total = 0
 ptrs = []
@@ -32,6 +34,7 @@ pynvml.nvmlInit()
 mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
 print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": cap, "nvml_total": mem.total}))
 """
+)
 
 
 def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path) -> None:

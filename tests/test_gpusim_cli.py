@@ -75,12 +75,18 @@ def test_new_state_file_has_the_documented_layout(tmp_path: Path) -> None:
     with gs.GpuSimState(path) as state:
         snap = state.snapshot(2)
     raw = path.read_bytes()
-    assert len(raw) == gs.FILE_SIZE == 233472
+    assert len(raw) == gs.FILE_SIZE == 233472 + 64 * 188416
     magic, version, header_size, file_size = struct.unpack_from("<8sIIQ", raw, 0)
-    assert (magic, version, header_size, file_size) == (b"GPUSIMST", 1, 4096, 233472)
+    assert (magic, version, header_size, file_size) == (b"GPUSIMST", 1, 4096, gs.FILE_SIZE)
     assert struct.unpack_from("<Q", raw, 32)[0] == 1  # event_next_seq
-    sections = [struct.unpack_from("<IIIIQ", raw, 256 + 32 * i) for i in range(3)]
-    assert sections == [(1, 2048, 64, 0, 4096), (2, 48, 1024, 0, 135168), (3, 48, 1024, 0, 184320)]
+    assert struct.unpack_from("<I", raw, 48)[0] == 4  # section_count
+    sections = [struct.unpack_from("<IIIIQ", raw, 256 + 32 * i) for i in range(4)]
+    assert sections == [
+        (1, 2048, 64, 0, 4096),
+        (2, 48, 1024, 0, 135168),
+        (3, 48, 1024, 0, 184320),
+        (4, 188416, 64, 0, 233472),
+    ]
     assert snap.event_next_seq == 1 and snap.events == () and snap.processes == ()
     assert [g.lost for g in snap.gpus] == [False, False]
 

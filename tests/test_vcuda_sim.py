@@ -169,7 +169,7 @@ print(json.dumps({
     "htod_pt": which("cuMemcpyHtoD", 12000, PT),
     "gpa": which("cuGetProcAddress", 12000), "gpa11": which("cuGetProcAddress", 11030),
     "too_old": which("cuMemAllocAsync", 11000), "unknown": which("cuNoSuchThing", 12000),
-    "stub": d.cuEventCreate(0)[0].name,
+    "stub": d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)[0].name,
 }))
 """,
         sim_only_env("t4-x1", tmp_path / "node.state"),

@@ -9,7 +9,7 @@ sees the change at once::
     gpusim proc --gpu 0 --pid 4242 --used-mib 1024 [--sm-percent 30] [--mem-percent 10]
     gpusim proc-remove --pid 4242 [--gpu 0]
     gpusim util --gpu 0 --percent 75 [--memory-percent 40]
-    gpusim show [--json]
+    gpusim show [--json]                   (also the simulated GPU time of GPUs that ran kernels)
 
 The state file comes from ``--state`` or ``GPUSIM_STATE``, the node spec (for the GPU count
 and names) from ``--spec`` or ``GPUSIM_SPEC``.  Exit status: 0 done, 1 error, 2 usage.
@@ -94,6 +94,7 @@ def _show(spec: NodeSpec, state: GpuSimState, as_json: bool) -> None:
                     "uuid": spec.gpus[g.index].uuid,
                     "used_bytes": snap.used_bytes(g.index),
                     "total_bytes": spec.gpus[g.index].memory_bytes,
+                    "timeline": asdict(tl) if (tl := state.timeline(g.index)) is not None else None,
                 }
                 for g in snap.gpus
             ],
@@ -114,6 +115,11 @@ def _show(spec: NodeSpec, state: GpuSimState, as_json: bool) -> None:
         for p in snap.processes:
             if p.gpu == g.index:
                 print(f"      pid {p.pid}: {p.used_bytes // MIB} MiB, sm {p.sm_util}%, mem {p.mem_util}%")
+        tl = state.timeline(g.index)
+        if tl is not None and tl.active:
+            print(f"      simulated GPU time: busy {tl.busy_ns / 1e9:.3f} s, {tl.kernels_done} kernels done")
+            for tp in tl.processes:
+                print(f"      pid {tp.pid}: kernels ran {tp.busy_ns / 1e9:.3f} s, {tp.pending} queued")
     recent = snap.events[-10:]
     print(f"events: {snap.event_next_seq - 1} queued in total" + (", latest:" if recent else ""))
     for e in recent:

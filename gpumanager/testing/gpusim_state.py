@@ -19,6 +19,9 @@ little-endian)::
     184320 PROCS  (id 3): 1024 x 48 bytes {pid, gpu, used_bytes, flags (bit 0 in use, bit 1
                             written by the simulated libcuda: reaped when the process is gone),
                             sm_util, mem_util, updated_us, owner_start}
+    233472 TIMELINE (id 4): 64 x 188416 bytes: simulated GPU time per GPU (a process-shared
+                            mutex, seqlock counter, device and per-process busy time, run queues);
+                            read here without the mutex through the seqlock (``timeline()``)
 
 Readers locate sections through the directory and index entries with its ``entry_size``, so
 later layouts may append fields to entries or add sections.  Every access holds
@@ -58,6 +61,11 @@ UTIL_SAMPLES = 120
 SECTION_GPUS = 1
 SECTION_EVENTS = 2
 SECTION_PROCS = 3
+SECTION_TIMELINE = 4
+TL_SLOTS = 16  # per GPU: processes with simulated kernels
+TL_DEPTH = 1024
+TL_ENDS = 256
+TL_CKPTS = 128
 GPU_LOST = 0x1
 PROC_IN_USE = 0x1
 PROC_CUDA = 0x2  # entry of a simulated-libcuda process (its device memory); reaped when it is gone
@@ -78,7 +86,15 @@ _GPU_ENTRY_SIZE = _GPU_HEAD.size + UTIL_SAMPLES * _SAMPLE.size
 _GPUS_OFFSET = HEADER_SIZE
 _EVENTS_OFFSET = _GPUS_OFFSET + MAX_GPUS * _GPU_ENTRY_SIZE
 _PROCS_OFFSET = _EVENTS_OFFSET + EVENT_RING * _EVENT.size
-FILE_SIZE = _PROCS_OFFSET + MAX_PROCS * _PROC.size
+# TIMELINE entry (gpusim_state_layout.h struct gpusim_tl_gpu): mutex[64], init, active, seq, now_ns,
+# busy_ns, kernels_done, cur, reserved, slice_left_ns, ck_count, ck_next_ns, ...; slots at 2304.
+_TL_HEAD = struct.Struct("<64xIIQQQQ")
+_TL_SLOT_HEAD = struct.Struct("<IIQQQQQ")  # pid, flags, owner_start, busy_ns, head_seq, tail_seq, head_left_ns
+_TL_SLOTS_OFFSET = 2304
+_TL_SLOT_SIZE = 128 + 8 * (TL_CKPTS + TL_ENDS + TL_DEPTH)
+_TL_ENTRY_SIZE = 188416
+_TIMELINE_OFFSET = _PROCS_OFFSET + MAX_PROCS * _PROC.size
+FILE_SIZE = _TIMELINE_OFFSET + MAX_GPUS * _TL_ENTRY_SIZE
 
 _UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _BUS_RE = re.compile(r"([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])")
@@ -104,6 +120,7 @@ class GpuSpec:
     numa_node: int
     sm_count: int
     multi_gpu_board: bool
+    sm_threads_per_us: int = 1024  # the simulated kernel cost model's rate (optional spec field)
 
     @property
     def serial(self) -> str:
@@ -195,7 +212,10 @@ class _SpecChecker:
         if not isinstance(board, bool):
             problem = "missing (expected a boolean)" if "multi_gpu_board" not in raw else "expected a boolean"
             raise self.fail(f + "multi_gpu_board", problem)
-        gpu = GpuSpec(index, uuid, name, minor, memory, bus, numa, sms, board)
+        rate = 1024
+        if "sm_threads_per_us" in raw:
+            rate = self.integer(raw, "sm_threads_per_us", f + "sm_threads_per_us", 1, 10**9, "a positive integer")
+        gpu = GpuSpec(index, uuid, name, minor, memory, bus, numa, sms, board, rate)
         for other in seen:
             if other.uuid.lower() == gpu.uuid.lower():
                 raise self.fail(f + "uuid", f"duplicate of gpus[{other.index}].uuid ({gpu.uuid})")
@@ -383,6 +403,31 @@ class StateSnapshot:
 
 
 @dataclass(frozen=True)
+class TimelineProcess:
+    """One process's run queue on a simulated GPU."""
+
+    pid: int
+    busy_ns: int  # GPU time its kernels ran, cumulative
+    pending: int  # kernels queued, not finished
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Simulated GPU time of one GPU, as of ``now_ns`` (CLOCK_MONOTONIC ns)."""
+
+    gpu: int
+    active: bool  # a simulated kernel ever ran (NVML reports utilisation from here)
+    now_ns: int
+    busy_ns: int  # time with a kernel running, cumulative
+    kernels_done: int
+    processes: tuple[TimelineProcess, ...]
+
+    def busy_of(self, pids: set[int] | frozenset[int]) -> int:
+        """Cumulative GPU time of the given processes."""
+        return sum(p.busy_ns for p in self.processes if p.pid in pids)
+
+
+@dataclass(frozen=True)
 class _Section:
     offset: int
     stride: int
@@ -395,12 +440,15 @@ def _now_us() -> int:
 
 def _fresh_header() -> bytes:
     header = bytearray(HEADER_SIZE)
-    _HEADER.pack_into(header, 0, STATE_MAGIC, LAYOUT_VERSION, HEADER_SIZE, FILE_SIZE, 1, 1, _now_us(), 3, 0, b"")
     sections = [
         (SECTION_GPUS, _GPU_ENTRY_SIZE, MAX_GPUS, _GPUS_OFFSET),
         (SECTION_EVENTS, _EVENT.size, EVENT_RING, _EVENTS_OFFSET),
         (SECTION_PROCS, _PROC.size, MAX_PROCS, _PROCS_OFFSET),
+        (SECTION_TIMELINE, _TL_ENTRY_SIZE, MAX_GPUS, _TIMELINE_OFFSET),
     ]
+    _HEADER.pack_into(
+        header, 0, STATE_MAGIC, LAYOUT_VERSION, HEADER_SIZE, FILE_SIZE, 1, 1, _now_us(), len(sections), 0, b""
+    )
     for i, (sid, size, count, offset) in enumerate(sections):
         _SECTION.pack_into(header, _HEADER.size + i * _SECTION.size, sid, size, count, 0, offset, 0)
     return bytes(header[: _HEADER.size + len(sections) * _SECTION.size])
@@ -431,7 +479,7 @@ class GpuSimState:
         try:
             _flock(self._fd)
             try:
-                self._size, self._gpus, self._events, self._procs = self._validate()
+                self._size, self._gpus, self._events, self._procs, self._timeline = self._validate()
                 self._map = mmap.mmap(self._fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -439,7 +487,7 @@ class GpuSimState:
             os.close(self._fd)
             raise
 
-    def _validate(self) -> tuple[int, _Section, _Section, _Section]:
+    def _validate(self) -> tuple[int, _Section, _Section, _Section, _Section | None]:
         size = os.fstat(self._fd).st_size
         head = os.pread(self._fd, HEADER_SIZE, 0) if size else b""
         if size == 0 or head[:8] == bytes(8):
@@ -485,7 +533,14 @@ class GpuSimState:
                 or sec.offset + sec.stride * sec.count > size
             ):
                 raise StateError(f"{self.path}: corrupt state file (section directory); delete it")
-        return size, found[SECTION_GPUS], found[SECTION_EVENTS], found[SECTION_PROCS]
+        timeline = found.get(SECTION_TIMELINE)
+        if timeline is not None and (
+            timeline.stride < _TL_ENTRY_SIZE
+            or timeline.count < MAX_GPUS
+            or timeline.offset + timeline.stride * timeline.count > size
+        ):
+            timeline = None  # unusable: treated as absent (an older writer's file)
+        return size, found[SECTION_GPUS], found[SECTION_EVENTS], found[SECTION_PROCS], timeline
 
     # -- plumbing --
 
@@ -643,6 +698,36 @@ class GpuSimState:
                 if flags & PROC_IN_USE
             ]
         return StateSnapshot(counter, next_seq, tuple(gpus), tuple(events), tuple(procs))
+
+    def timeline(self, gpu: int) -> Timeline | None:
+        """Simulated GPU time of one GPU (None when the file has no TIMELINE section).
+
+        Read without the simulator's mutex: the entry's seqlock counter is read before and
+        after, and the copy is retried until both agree and are even.  Counters are as of
+        ``now_ns`` (CLOCK_MONOTONIC), the time the simulation last advanced to.
+        """
+        self._gpu_offset(gpu)
+        if self._timeline is None:
+            return None
+        off = self._timeline.offset + gpu * self._timeline.stride
+        with self._mutex:
+            m = self._map
+            for _ in range(100000):
+                seq1 = struct.unpack_from("<Q", m, off + 72)[0]
+                if seq1 & 1:
+                    continue
+                _init, active, _seq, now_ns, busy_ns, done = _TL_HEAD.unpack_from(m, off)
+                procs = []
+                for i in range(TL_SLOTS):
+                    pid, flags, _start, busy, head, tail, _left = _TL_SLOT_HEAD.unpack_from(
+                        m, off + _TL_SLOTS_OFFSET + i * _TL_SLOT_SIZE
+                    )
+                    if flags & 1:
+                        procs.append(TimelineProcess(pid, busy, tail - head))
+                if struct.unpack_from("<Q", m, off + 72)[0] == seq1:
+                    return Timeline(gpu, bool(active), now_ns, busy_ns, done, tuple(procs))
+                time.sleep(0)
+        raise StateError(f"{self.path}: timeline of GPU {gpu} kept changing while read")
 
     def _read_gpu(self, m: mmap.mmap, index: int) -> GpuState:
         off = self._gpus.offset + index * self._gpus.stride

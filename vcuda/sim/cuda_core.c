@@ -735,11 +735,6 @@ SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuCtxSynchronize(void)
-{
-    int d;
-    return sim_cu_current_device(&d);
-}
 
 /* ---- cuGetProcAddress --------------------------------------------------- */
 

@@ -38,6 +38,7 @@
 #define GPUSIM_SECTION_GPUS 1u
 #define GPUSIM_SECTION_EVENTS 2u
 #define GPUSIM_SECTION_PROCS 3u
+#define GPUSIM_SECTION_TIMELINE 4u
 
 /* gpusim_gpu.flags */
 #define GPUSIM_GPU_LOST 0x1u
@@ -118,11 +119,71 @@ struct gpusim_proc {
     uint64_t owner_start; /* GPUSIM_PROC_CUDA: the process's start time (/proc/<pid>/stat field 22), 0 unknown */
 };
 
+/*
+ * Section TIMELINE: simulated GPU time, one entry per NVML index
+ * (GPUSIM_MAX_GPUS entries of sizeof(struct gpusim_tl_gpu)).  Kernels queue
+ * per (process, GPU) "slot" and the GPU time-slices between slots (round
+ * robin, GPUSIM_TIMESLICE_US).  The simulation advances lazily: whoever
+ * touches an entry first runs it up to CLOCK_MONOTONIC "now" (sim_timeline.c).
+ *
+ * Locking: the entry's own process-shared robust mutex (not the file's
+ * flock: launches are frequent), initialised by the first C user under the
+ * file lock (init == 2 afterwards).  Every change of the counters is wrapped
+ * in seqlock increments of `seq` (odd while writing), so readers that cannot
+ * take the mutex (gpusim_state.py) read a consistent copy by retrying.
+ */
+#define GPUSIM_TL_SLOTS 16u      /* processes per GPU with kernels queued or run */
+#define GPUSIM_TL_DEPTH 1024u    /* pending kernels per slot (a launch blocks while it is full) */
+#define GPUSIM_TL_ENDS 256u      /* completion times kept per slot (event timestamps) */
+#define GPUSIM_TL_CKPTS 128u     /* busy-time checkpoints kept */
+#define GPUSIM_TL_CKPT_NS 10000000ull /* one checkpoint every 10 ms of simulated time */
+#define GPUSIM_TL_NONE 0xFFFFFFFFu
+#define GPUSIM_TL_READY 2u       /* gpusim_tl_gpu.init: the mutex is initialised */
+#define GPUSIM_TL_IN_USE 0x1u    /* gpusim_tl_slot.flags */
+
+struct gpusim_tl_slot {
+    uint32_t pid;            /* 0 = free */
+    uint32_t flags;          /* GPUSIM_TL_IN_USE */
+    uint64_t owner_start;    /* /proc/<pid>/stat field 22 (tells a reused pid apart) */
+    uint64_t busy_ns;        /* GPU time this process's kernels have run, cumulative */
+    uint64_t head_seq;       /* kernels with seq < head_seq are done; head_seq runs next */
+    uint64_t tail_seq;       /* seq of the next kernel submitted */
+    uint64_t head_left_ns;   /* time left of kernel head_seq (when head_seq < tail_seq) */
+    uint64_t checked_ns;     /* last liveness check (CLOCK_MONOTONIC) */
+    uint64_t since_ns;       /* when the slot was taken */
+    uint64_t reserved[8];
+    uint64_t ck_busy[GPUSIM_TL_CKPTS];  /* busy_ns at checkpoint n, in [n % GPUSIM_TL_CKPTS] */
+    uint64_t end_ns[GPUSIM_TL_ENDS];    /* completion time of kernel seq, in [seq % GPUSIM_TL_ENDS] */
+    uint64_t queue[GPUSIM_TL_DEPTH];    /* duration (ns) of pending kernel seq, in [seq % GPUSIM_TL_DEPTH] */
+};
+
+struct gpusim_tl_gpu {
+    uint8_t mutex[64];       /* pthread_mutex_t, PTHREAD_PROCESS_SHARED + PTHREAD_MUTEX_ROBUST */
+    uint32_t init;           /* GPUSIM_TL_READY once the mutex is initialised */
+    uint32_t active;         /* 1 once a kernel was submitted: NVML reports utilisation from here */
+    uint64_t seq;            /* seqlock: odd while the counters change */
+    uint64_t now_ns;         /* simulated up to this CLOCK_MONOTONIC time (0 = never) */
+    uint64_t busy_ns;        /* time with a kernel running, cumulative */
+    uint64_t kernels_done;
+    uint32_t cur;            /* slot whose time slice runs, GPUSIM_TL_NONE */
+    uint32_t reserved0;
+    uint64_t slice_left_ns;
+    uint64_t ck_count;       /* checkpoints written; checkpoint n at [n % GPUSIM_TL_CKPTS] */
+    uint64_t ck_next_ns;     /* time of the next checkpoint */
+    uint64_t real_offset_us; /* CLOCK_REALTIME us - CLOCK_MONOTONIC us, fixed when the entry starts */
+    uint8_t reserved[112];
+    uint64_t ck_t[GPUSIM_TL_CKPTS];     /* checkpoint times */
+    uint64_t ck_busy[GPUSIM_TL_CKPTS];  /* busy_ns at those times */
+    struct gpusim_tl_slot slots[GPUSIM_TL_SLOTS];
+    uint8_t pad[3840];       /* rounds the entry to a multiple of 4096 */
+};
+
 /* Section placement used by the creator of a fresh file. */
 #define GPUSIM_GPUS_OFFSET ((uint64_t)GPUSIM_HEADER_SIZE)
 #define GPUSIM_EVENTS_OFFSET (GPUSIM_GPUS_OFFSET + (uint64_t)GPUSIM_MAX_GPUS * sizeof(struct gpusim_gpu))
 #define GPUSIM_PROCS_OFFSET (GPUSIM_EVENTS_OFFSET + (uint64_t)GPUSIM_EVENT_RING * sizeof(struct gpusim_event))
-#define GPUSIM_FILE_SIZE (GPUSIM_PROCS_OFFSET + (uint64_t)GPUSIM_MAX_PROCS * sizeof(struct gpusim_proc))
+#define GPUSIM_TIMELINE_OFFSET (GPUSIM_PROCS_OFFSET + (uint64_t)GPUSIM_MAX_PROCS * sizeof(struct gpusim_proc))
+#define GPUSIM_FILE_SIZE (GPUSIM_TIMELINE_OFFSET + (uint64_t)GPUSIM_MAX_GPUS * sizeof(struct gpusim_tl_gpu))
 
 _Static_assert(sizeof(struct gpusim_section) == 32, "section layout");
 _Static_assert(sizeof(struct gpusim_header) == 256 + 32 * GPUSIM_MAX_SECTIONS, "header layout");
@@ -133,5 +194,9 @@ _Static_assert(sizeof(struct gpusim_event) == 48, "event layout");
 _Static_assert(sizeof(struct gpusim_proc) == 48, "proc layout");
 _Static_assert(GPUSIM_EVENTS_OFFSET % 4096 == 0, "events aligned");
 _Static_assert(GPUSIM_PROCS_OFFSET % 4096 == 0, "procs aligned");
+_Static_assert(GPUSIM_TIMELINE_OFFSET % 4096 == 0, "timeline aligned");
+_Static_assert(sizeof(struct gpusim_tl_slot) == 128 + 8 * (GPUSIM_TL_CKPTS + GPUSIM_TL_ENDS + GPUSIM_TL_DEPTH),
+               "timeline slot layout");
+_Static_assert(sizeof(struct gpusim_tl_gpu) % 4096 == 0, "timeline entry aligned");
 
 #endif

@@ -3,6 +3,13 @@
 
 #include <string.h>
 
+#include "sim_timeline.h"
+
+/* nvmlDeviceGetUtilizationRates' sample period on the timeline (NVML: between 1/6 s and 1 s). */
+#define DEVICE_UTIL_WINDOW_NS 166666667ull
+/* Per-process utilisation samples one call returns at most. */
+#define MAX_TL_PROCS 64u
+
 /* ---- compute running processes ------------------------------------------ */
 
 /* One entry point for all versions: v1 fills nvmlProcessInfo_v1_t, v2/v3 fill nvmlProcessInfo_v2_t. */
@@ -86,13 +93,18 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlU
         return rc;
     if (utilization == NULL) {
         rc = NVML_ERROR_INVALID_ARGUMENT;
-    } else if (sim_state_lock(ctx->state) != 0) {
-        rc = NVML_ERROR_UNKNOWN;
     } else {
-        const struct gpusim_gpu *g = sim_state_gpu(ctx->state, i);
-        utilization->gpu = g->util_gpu;
-        utilization->memory = g->util_memory;
-        sim_state_unlock(ctx->state);
+        /* A GPU that ran simulated kernels reports its timeline; otherwise what `gpusim util` set. */
+        bool timeline = sim_tl_active(ctx->state, i);
+        unsigned tl_gpu = timeline ? sim_tl_gpu_percent(ctx->state, i, DEVICE_UTIL_WINDOW_NS) : 0;
+        if (sim_state_lock(ctx->state) != 0) {
+            rc = NVML_ERROR_UNKNOWN;
+        } else {
+            const struct gpusim_gpu *g = sim_state_gpu(ctx->state, i);
+            utilization->gpu = timeline ? tl_gpu : g->util_gpu;
+            utilization->memory = g->util_memory;
+            sim_state_unlock(ctx->state);
+        }
     }
     sim_leave();
     return rc;
@@ -118,6 +130,29 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingTy
     if (type != NVML_GPU_UTILIZATION_SAMPLES && type != NVML_MEMORY_UTILIZATION_SAMPLES) {
         sim_leave();
         return NVML_ERROR_NOT_SUPPORTED;
+    }
+    if (type == NVML_GPU_UTILIZATION_SAMPLES && sim_tl_active(ctx->state, i)) {
+        /* One sample per 10 ms of the timeline. */
+        uint64_t ts[GPUSIM_TL_CKPTS];
+        unsigned pct[GPUSIM_TL_CKPTS];
+        unsigned want = samples == NULL ? GPUSIM_TL_CKPTS : *sampleCount;
+        if (want > GPUSIM_TL_CKPTS)
+            want = GPUSIM_TL_CKPTS;
+        unsigned n = sim_tl_samples(ctx->state, i, lastSeenTimeStamp, ts, pct, want);
+        *sampleValType = NVML_VALUE_TYPE_UNSIGNED_INT;
+        if (n == 0) {
+            rc = NVML_ERROR_NOT_FOUND;
+        } else if (samples != NULL) {
+            for (unsigned k = 0; k < n; k++) {
+                memset(&samples[k], 0, sizeof(samples[k]));
+                samples[k].timeStamp = ts[k];
+                samples[k].sampleValue.uiVal = pct[k];
+            }
+        }
+        if (rc == NVML_SUCCESS)
+            *sampleCount = n;
+        sim_leave();
+        return rc;
     }
     if (sim_state_lock(ctx->state) != 0) {
         sim_leave();
@@ -150,7 +185,55 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingTy
     return rc;
 }
 
-/* One sample per process of this GPU with non-zero utilisation updated after lastSeenTimeStamp. */
+/*
+ * Per-process utilisation of GPU i: the processes whose simulated kernels ran
+ * in (max(lastSeen, now - 1 s), now] (smUtil = their share of that window,
+ * timestamp = now), then the entries `gpusim proc` wrote with a non-zero
+ * utilisation updated after lastSeen (a pid the timeline reported is not
+ * repeated).  Returns how many samples exist; fills at most max.
+ */
+struct util_sample {
+    uint32_t pid;
+    uint64_t ts;
+    unsigned sm, mem;
+};
+
+static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
+                                    struct util_sample *out, unsigned max, unsigned *count)
+{
+    struct sim_tl_proc_util tl[MAX_TL_PROCS];
+    uint64_t now_us = 0;
+    unsigned ntl = sim_tl_process_util(ctx->state, i, lastSeen, tl, MAX_TL_PROCS, &now_us);
+    if (ntl > MAX_TL_PROCS)
+        ntl = MAX_TL_PROCS;
+    unsigned n = 0;
+    for (unsigned k = 0; k < ntl; k++, n++)
+        if (n < max)
+            out[n] = (struct util_sample){.pid = tl[k].pid, .ts = now_us, .sm = tl[k].sm_percent, .mem = 0};
+    if (sim_state_lock(ctx->state) != 0)
+        return NVML_ERROR_UNKNOWN;
+    unsigned cap = sim_state_proc_capacity(ctx->state);
+    for (unsigned s = 0; s < cap; s++) {
+        const struct gpusim_proc *p = sim_state_proc(ctx->state, s);
+        if (!(p->flags & GPUSIM_PROC_IN_USE) || p->gpu != i || (p->sm_util == 0 && p->mem_util == 0) ||
+            p->updated_us <= lastSeen)
+            continue;
+        bool seen = false;
+        for (unsigned k = 0; k < ntl && !seen; k++)
+            seen = tl[k].pid == p->pid;
+        if (seen)
+            continue;
+        if (n < max)
+            out[n] = (struct util_sample){.pid = p->pid, .ts = p->updated_us, .sm = p->sm_util, .mem = p->mem_util};
+        n++;
+    }
+    sim_state_unlock(ctx->state);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+#define MAX_SAMPLES (MAX_TL_PROCS + GPUSIM_MAX_PROCS)
+
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
                                                         unsigned int *processSamplesCount,
                                                         unsigned long long lastSeenTimeStamp)
@@ -164,35 +247,56 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvm
         sim_leave();
         return NVML_ERROR_INVALID_ARGUMENT;
     }
-    if (sim_state_lock(ctx->state) != 0) {
-        sim_leave();
-        return NVML_ERROR_UNKNOWN;
-    }
-    unsigned cap = sim_state_proc_capacity(ctx->state), n = 0;
-#define SAMPLE_OF(p)                                                                                             \
-    (((p)->flags & GPUSIM_PROC_IN_USE) && (p)->gpu == i && ((p)->sm_util > 0 || (p)->mem_util > 0) &&           \
-     (p)->updated_us > lastSeenTimeStamp)
-    for (unsigned s = 0; s < cap; s++)
-        n += SAMPLE_OF(sim_state_proc(ctx->state, s));
-    if (n == 0) {
+    static _Thread_local struct util_sample buf[MAX_SAMPLES];
+    unsigned n = 0;
+    rc = process_samples(ctx, i, lastSeenTimeStamp, buf, MAX_SAMPLES, &n);
+    if (rc != NVML_SUCCESS) {
+    } else if (n == 0) {
         rc = NVML_ERROR_NOT_FOUND;
     } else if (utilization == NULL || *processSamplesCount < n) {
         *processSamplesCount = n;
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
-        unsigned k = 0;
-        for (unsigned s = 0; s < cap && k < n; s++) {
-            const struct gpusim_proc *p = sim_state_proc(ctx->state, s);
-            if (!SAMPLE_OF(p))
-                continue;
+        for (unsigned k = 0; k < n; k++)
             utilization[k] = (nvmlProcessUtilizationSample_t){
-                .pid = p->pid, .timeStamp = p->updated_us, .smUtil = p->sm_util, .memUtil = p->mem_util};
-            k++;
-        }
+                .pid = buf[k].pid, .timeStamp = buf[k].ts, .smUtil = buf[k].sm, .memUtil = buf[k].mem};
         *processSamplesCount = n;
     }
-#undef SAMPLE_OF
-    sim_state_unlock(ctx->state);
+    sim_leave();
+    return rc;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t device,
+                                                              nvmlProcessesUtilizationInfo_t *info)
+{
+    const struct sim_ctx *ctx;
+    unsigned i;
+    nvmlReturn_t rc = sim_enter_device(device, &ctx, &i);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (info == NULL) {
+        sim_leave();
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (info->version != nvmlProcessesUtilizationInfo_v1) {
+        sim_leave();
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    }
+    static _Thread_local struct util_sample buf[MAX_SAMPLES];
+    unsigned n = 0;
+    rc = process_samples(ctx, i, info->lastSeenTimeStamp, buf, MAX_SAMPLES, &n);
+    if (rc != NVML_SUCCESS) {
+    } else if (n == 0) {
+        rc = NVML_ERROR_NOT_FOUND;
+    } else if (info->procUtilArray == NULL || info->processSamplesCount < n) {
+        info->processSamplesCount = n;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (unsigned k = 0; k < n; k++)
+            info->procUtilArray[k] = (nvmlProcessUtilizationInfo_v1_t){
+                .timeStamp = buf[k].ts, .pid = buf[k].pid, .smUtil = buf[k].sm, .memUtil = buf[k].mem};
+        info->processSamplesCount = n;
+    }
     sim_leave();
     return rc;
 }

@@ -219,6 +219,13 @@ static void check_gpu(struct checker *c, struct sim_spec *spec, unsigned i, cons
     if (!get_int(c, sim_json_get(obj, "sm_count"), FIELD("sm_count"), 1, 1000000, "a positive integer", &v))
         return;
     g->sm_count = (unsigned)v;
+    g->sm_threads_per_us = 1024;
+    if (sim_json_get(obj, "sm_threads_per_us") != NULL) {
+        if (!get_int(c, sim_json_get(obj, "sm_threads_per_us"), FIELD("sm_threads_per_us"), 1, 1000000000,
+                     "a positive integer", &v))
+            return;
+        g->sm_threads_per_us = (unsigned)v;
+    }
     const struct sim_json *board = sim_json_get(obj, "multi_gpu_board");
     if (board == NULL || board->type != SIM_JSON_BOOL) {
         bad(c, FIELD("multi_gpu_board"), board == NULL ? "missing (expected a boolean)" : "expected a boolean");

@@ -29,6 +29,7 @@ struct sim_gpu_spec {
     unsigned pci_domain, pci_bus, pci_device, pci_function;
     unsigned numa_node;
     unsigned sm_count;
+    unsigned sm_threads_per_us; /* optional "sm_threads_per_us" (default 1024): the kernel cost model's rate */
     bool multi_gpu_board;
     /* From the model table (by name); 0 when the model is unknown. */
     unsigned pci_device_id;    /* (device << 16) | 0x10DE */

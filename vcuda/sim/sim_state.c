@@ -28,7 +28,7 @@ struct sim_state {
     pid_t pid;          /* process that opened fd: a forked child reopens the file */
     unsigned char *map;
     size_t size;
-    struct sim_section_view gpus, events, procs;
+    struct sim_section_view gpus, events, procs, timeline; /* timeline.count == 0: absent (older file) */
     char path[];
 };
 
@@ -59,7 +59,7 @@ static int write_fresh_file(int fd)
     h.change_counter = 1;
     h.event_next_seq = 1;
     h.created_us = sim_now_us();
-    h.section_count = 3;
+    h.section_count = 4;
     h.sections[0] = (struct gpusim_section){.id = GPUSIM_SECTION_GPUS,
                                             .entry_size = sizeof(struct gpusim_gpu),
                                             .entry_count = GPUSIM_MAX_GPUS,
@@ -72,6 +72,10 @@ static int write_fresh_file(int fd)
                                             .entry_size = sizeof(struct gpusim_proc),
                                             .entry_count = GPUSIM_MAX_PROCS,
                                             .offset = GPUSIM_PROCS_OFFSET};
+    h.sections[3] = (struct gpusim_section){.id = GPUSIM_SECTION_TIMELINE,
+                                            .entry_size = sizeof(struct gpusim_tl_gpu),
+                                            .entry_count = GPUSIM_MAX_GPUS,
+                                            .offset = GPUSIM_TIMELINE_OFFSET};
     /* Zero everything (the file may hold a half-written earlier attempt), then write the header. */
     if (ftruncate(fd, 0) != 0 || ftruncate(fd, (off_t)GPUSIM_FILE_SIZE) != 0)
         return -1;
@@ -138,6 +142,13 @@ static int validate_and_map(struct sim_state *st, char *err, size_t errlen)
         !find_section(&h, h.file_size, GPUSIM_SECTION_PROCS, sizeof(struct gpusim_proc), 1, &st->procs)) {
         snprintf(err, errlen, "%s: corrupt state file (section directory); delete it", st->path);
         return -1;
+    }
+    /* TIMELINE is optional: a file of an older writer lacks it (kernels then take no simulated time). */
+    if (!find_section(&h, h.file_size, GPUSIM_SECTION_TIMELINE, sizeof(struct gpusim_tl_gpu), GPUSIM_MAX_GPUS,
+                      &st->timeline)) {
+        st->timeline.count = 0;
+        fprintf(stderr, "gpusim: %s: no TIMELINE section (a file of an older writer): kernels take no simulated "
+                        "time; delete the file to recreate it\n", st->path);
     }
     void *map = mmap(NULL, (size_t)h.file_size, PROT_READ | PROT_WRITE, MAP_SHARED, st->fd, 0);
     if (map == MAP_FAILED) {
@@ -247,6 +258,13 @@ struct gpusim_proc *sim_state_proc(struct sim_state *st, unsigned slot)
     if (slot >= st->procs.count)
         return NULL;
     return (struct gpusim_proc *)(st->map + st->procs.offset + (uint64_t)slot * st->procs.stride);
+}
+
+struct gpusim_tl_gpu *sim_state_timeline(struct sim_state *st, unsigned index)
+{
+    if (index >= st->timeline.count)
+        return NULL;
+    return (struct gpusim_tl_gpu *)(st->map + st->timeline.offset + (uint64_t)index * st->timeline.stride);
 }
 
 unsigned sim_state_event_capacity(const struct sim_state *st)

@@ -36,6 +36,11 @@ struct gpusim_header *sim_state_header(struct sim_state *st);
 struct gpusim_gpu *sim_state_gpu(struct sim_state *st, unsigned index);
 unsigned sim_state_proc_capacity(const struct sim_state *st);
 struct gpusim_proc *sim_state_proc(struct sim_state *st, unsigned slot);
+/*
+ * Timeline entry of GPU index, or NULL when the file has no TIMELINE section.
+ * Not covered by sim_state_lock: see sim_timeline.h.
+ */
+struct gpusim_tl_gpu *sim_state_timeline(struct sim_state *st, unsigned index);
 /* Ring slot holding event seq (check slot->seq == seq before use). */
 struct gpusim_event *sim_state_event_slot(struct sim_state *st, uint64_t seq);
 unsigned sim_state_event_capacity(const struct sim_state *st);

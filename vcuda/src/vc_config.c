@@ -19,11 +19,24 @@
 
 _Atomic int vc_log_level = 3;
 _Atomic bool vc_limit_on;
+_Atomic bool vc_core_on;
 
 /* Written only by the constructor, before any other thread can call into the library. */
 static uint64_t g_limit;
 static uint64_t g_context_reserve;
 static char g_budget_name[256];
+static struct vc_core_config g_core;
+static char g_pids_path[PATH_MAX];
+
+const struct vc_core_config *vc_core_config(void)
+{
+    return &g_core;
+}
+
+const char *vc_pids_path(void)
+{
+    return g_pids_path;
+}
 
 uint64_t vc_limit_bytes(void)
 {
@@ -209,6 +222,38 @@ static void sanitize(char *dst, size_t len, const char *src)
     dst[j] = '\0';
 }
 
+/*
+ * The SM limit (README "Compute limit"): utilization = the container's share
+ * in percent (tencent.com/vcuda-core); hard_limit = 0 makes it a soft limit
+ * whose ceiling is `limit` (tencent.com/vcuda-core-limit).  pids.config is
+ * looked up next to vcuda.config.
+ */
+static void core_config(const struct vc_resource_data *cfg, const char *used)
+{
+    const char *slash = strrchr(used, '/');
+    if (slash != NULL)
+        snprintf(g_pids_path, sizeof(g_pids_path), "%.*s/pids.config", (int)(slash - used), used);
+    else
+        snprintf(g_pids_path, sizeof(g_pids_path), "pids.config");
+    const char *algo = getenv("VCUDA_CORE_ALGORITHM");
+    g_core.upstream = algo != NULL && strcmp(algo, "upstream") == 0;
+    if (algo != NULL && algo[0] != '\0' && !g_core.upstream && strcmp(algo, "budget") != 0)
+        vc_log(VC_LOG_WARN, "VCUDA_CORE_ALGORITHM=%s: expected budget or upstream; using budget", algo);
+    int share = cfg->utilization;
+    if (share <= 0 || share >= 100) {
+        vc_log(VC_LOG_INFO, "%s: utilization = %d: no SM limit", used, share);
+        return;
+    }
+    g_core.share = share;
+    g_core.soft = cfg->hard_limit == 0;
+    g_core.ceiling = share;
+    if (g_core.soft)
+        g_core.ceiling = cfg->limit > share && cfg->limit <= 100 ? cfg->limit : 100;
+    vc_log(VC_LOG_INFO, "%s: SM limit %d%% (%s, ceiling %d%%), algorithm %s", used, share, g_core.soft ? "soft" : "hard",
+           g_core.ceiling, g_core.upstream ? "upstream" : "budget");
+    atomic_store(&vc_core_on, true);
+}
+
 __attribute__((constructor)) static void vc_config_init(void)
 {
     const char *level = getenv("LOGGER_LEVEL");
@@ -231,6 +276,7 @@ __attribute__((constructor)) static void vc_config_init(void)
         vc_log(VC_LOG_INFO, "%s: enable = 0: pass-through, no limits", used);
         return;
     }
+    core_config(&cfg, used);
     if (cfg.gpu_memory == 0) {
         vc_log(VC_LOG_INFO, "%s: gpu_memory = 0: no memory limit", used);
         return;

@@ -131,6 +131,26 @@ static inline bool vc_limited(void)
     return atomic_load_explicit(&vc_limit_on, memory_order_relaxed);
 }
 
+/*
+ * Whether the SM (core) limit is on: set once by the constructor, read on
+ * every hooked launch (the single pass-through branch).
+ */
+extern _Atomic bool vc_core_on;
+static inline bool vc_core_limited(void)
+{
+    return atomic_load_explicit(&vc_core_on, memory_order_relaxed);
+}
+
+struct vc_core_config {
+    int share;     /* percent of the GPU: vcuda.config `utilization` (tencent.com/vcuda-core) */
+    int ceiling;   /* soft limit: `limit` (tencent.com/vcuda-core-limit); = share when hard */
+    bool soft;     /* hard_limit == 0 */
+    bool upstream; /* VCUDA_CORE_ALGORITHM=upstream: gpu-manager's token bucket (baseline) */
+};
+const struct vc_core_config *vc_core_config(void);
+/* pids.config next to the vcuda.config in use (host PIDs of the container, int32, sorted). */
+const char *vc_pids_path(void);
+
 /* The container's limit in bytes (valid when vc_limited()). */
 uint64_t vc_limit_bytes(void);
 /* Bytes charged once per process for its CUDA context(s) (VCUDA_CONTEXT_RESERVE). */

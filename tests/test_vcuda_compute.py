@@ -1,0 +1,270 @@
+"""Simulated GPU time and the interceptor's SM limit (vcuda-core), on the simulated node.
+
+The simulated driver runs kernels on a shared per-GPU timeline (vcuda/sim/README.md, "Simulated
+GPU time"); the limiter in libcuda-control.so must hold each container to its share through every
+launch path.  Workloads are ``vcuda/build/bench/launch_loop`` processes (continuously fed,
+unsynchronised); shares are read from the timeline.  Bounds are wide (direction and rough size),
+so the tests stay deterministic on a loaded machine; bench/bench_compute.py prints the precise
+figures.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpumanager.testing.gpusim_state import GpuSimState, repo_root
+from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, VCUDA, last_json, make_mirror, run_python, vcuda_built
+
+__all__ = ["vcuda_built"]  # fixture
+
+LOOP = BUILD / "bench" / "launch_loop"
+PATHS = ("kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi", "graph", "graph_ptsz", "proc",
+         "proc_ptsz")  # fmt: skip
+
+
+def core_config(share: int, *, hard: bool = True, ceiling: int = 0, enable: int = 1) -> bytes:
+    """vcuda.config with no memory limit and an SM share (resource_data_t, 8240 bytes)."""
+    buf = bytearray(8240)
+    struct.pack_into("48s", buf, 0, b"compute-pod")
+    struct.pack_into("<i", buf, 48, ceiling)
+    struct.pack_into("4096s", buf, 4096, b"main")
+    struct.pack_into("<QiiiiI", buf, 8208, 0, share, 1 if hard else 0, 550, 0, enable)
+    return bytes(buf)
+
+
+@dataclass
+class Node:
+    """A 16-GPU simulated node (GPUs 0-7: 16 SMs, 8-15: 132 SMs) with a driver mirror."""
+
+    root: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.root / "node.json"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "node.state"
+
+    @property
+    def mirror(self) -> Path:
+        return self.root / "lib64"
+
+    def env(self, name: str, config: bytes | None, **extra: str) -> dict[str, str]:
+        cfg = self.root / name / "vcuda.config"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            cfg.write_bytes(config)
+        env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(self.mirror), "GPUSIM_SPEC": str(self.spec),
+               "GPUSIM_STATE": str(self.state), "VCUDA_CONFIG_PATH": str(cfg), "VCUDA_CONFIG_ROOT": str(cfg.parent),
+               "VCUDA_BUDGET_DIR": str(self.root / "shm"), "PYTHONPATH": str(repo_root())}  # fmt: skip
+        env.update(extra)
+        return env
+
+    def loop(self, name: str, gpu: int, seconds: float, config: bytes | None, *, path: str = "kernel",
+             kernel: str = "spin_1ms", **extra: str) -> subprocess.Popen[str]:  # fmt: skip
+        blocks = 64 if gpu < 8 else 528
+        cmd = [str(LOOP), path, kernel, f"{seconds:.2f}", str(blocks), "256", str(gpu)]
+        return subprocess.Popen(cmd, env=self.env(name, config, **extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loop_built(vcuda_built: Path) -> Path:
+    done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return LOOP
+
+
+@pytest.fixture
+def node(loop_built: Path, vcuda_built: Path, tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    sms = [16] * 8 + [132] * 8
+    gpus = [{"uuid": f"GPU-{i:08x}-0000-4000-8000-{0xC0DE00000000 + i:012x}",
+             "name": "NVIDIA H100 80GB HBM3" if sm == 132 else "NVIDIA A2", "minor": i, "memory_mib": 16384,
+             "pci_bus_id": f"00000000:{0x20 + i:02X}:00.0", "numa_node": 0, "sm_count": sm, "multi_gpu_board": False}
+            for i, sm in enumerate(sms)]  # fmt: skip
+    topo = [[0 if i == j else 50 for j in range(16)] for i in range(16)]
+    n.spec.write_text(json.dumps({"driver_version": DRIVER_VERSION, "cuda_driver_version": 12040, "gpus": gpus,
+                                  "topology": topo}))  # fmt: skip
+    make_mirror(n.mirror, vcuda_built)
+    yield n
+
+
+def shares(
+    node: Node, procs: dict[str, tuple[int, subprocess.Popen[str]]], settle: float, measure: float
+) -> dict[str, float]:
+    """Share (percent) of each process of its GPU's time over [settle, settle + measure]."""
+    time.sleep(settle)
+    gpus = {g for g, _p in procs.values()}
+    with GpuSimState(node.state) as st:
+        before = {g: st.timeline(g) for g in gpus}
+        time.sleep(measure)
+        after = {g: st.timeline(g) for g in gpus}
+    out = {}
+    for name, (g, p) in procs.items():
+        b0, b1 = before[g], after[g]
+        assert b0 is not None and b1 is not None
+        out[name] = 100.0 * (b1.busy_of({p.pid}) - b0.busy_of({p.pid})) / (b1.now_ns - b0.now_ns)
+    for name, (_g, p) in procs.items():
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, f"{name}: {err}"
+    return out
+
+
+# ---- the simulated GPU time --------------------------------------------------------------------
+
+
+def test_kernels_take_simulated_time_and_sync_waits(node: Node) -> None:
+    env = node.env("sim", None)
+    env["LD_LIBRARY_PATH"] = str(BUILD / "sim")  # the simulated driver alone
+    done = run_python(
+        r"""
+import time, pynvml
+mod = ok(d.cuModuleLoadData(b"x"))
+f = ok(d.cuModuleGetFunction(mod, b"spin_2ms"))
+model = ok(d.cuModuleGetFunction(mod, b"plain"))
+s = ok(d.cuStreamCreate(0))
+e0, e1 = ok(d.cuEventCreate(0)), ok(d.cuEventCreate(0))
+t0 = time.monotonic()
+ok(d.cuEventRecord(e0, s))
+for _ in range(50):
+    ok(d.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+ok(d.cuEventRecord(e1, s))
+queued = time.monotonic() - t0
+busy = d.cuStreamQuery(s)[0].name, d.cuEventQuery(e1)[0].name
+ok(d.cuStreamSynchronize(s))
+waited = time.monotonic() - t0
+after = d.cuStreamQuery(s)[0].name, d.cuEventQuery(e1)[0].name
+ms = ok(d.cuEventElapsedTime(e0, e1))
+# the cost model: 16 SMs x 1024 threads/us: 64 blocks x 256 threads = 1 us ... 1024 blocks x 1024 = 64 us
+t1 = time.monotonic()
+for _ in range(100):
+    ok(d.cuLaunchKernel(model, 1024, 1, 1, 1024, 1, 1, 0, s, 0, 0))
+ok(d.cuCtxSynchronize())
+model_s = time.monotonic() - t1
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+rate = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+procs = {p.pid: p.smUtil for p in pynvml.nvmlDeviceGetProcessUtilization(h, 0)}
+samples = pynvml.nvmlDeviceGetSamples(h, pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)[1]
+print(json.dumps({"queued": queued, "waited": waited, "busy": busy, "after": after, "ms": ms,
+                  "model_s": model_s, "rate": rate, "procs": procs, "pid": os.getpid(),
+                  "samples": [s.sampleValue.uiVal for s in samples]}))
+""",
+        env,
+    )
+    assert done.returncode == 0, done.stderr
+    r = last_json(done.stdout)
+    assert isinstance(r, dict)
+    assert r["queued"] < 0.05  # launches are asynchronous
+    assert r["busy"] == ["CUDA_ERROR_NOT_READY", "CUDA_ERROR_NOT_READY"]
+    assert r["after"] == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
+    assert 0.095 <= r["waited"] < 1.0  # 50 x 2 ms
+    assert 99.0 <= r["ms"] <= 101.0  # event timestamps come from the timeline
+    assert 0.0063 <= r["model_s"] < 0.5  # 100 x 64 us
+    assert r["rate"] > 0  # the GPU ran kernels in the last 1/6 s
+    assert str(r["pid"]) in {str(k) for k in r["procs"]} and max(r["procs"].values()) >= 5
+    assert max(r["samples"]) >= 90  # 10 ms samples while the 2 ms kernels ran back to back
+
+
+def test_processes_share_a_gpu_by_time_slices(node: Node, tmp_path: Path) -> None:
+    sim = {"LD_LIBRARY_PATH": str(BUILD / "sim")}
+    procs = {f"p{i}": (3, node.loop(f"p{i}", 3, 3.0, None, **sim)) for i in range(2)}
+    got = shares(node, procs, 1.0, 1.5)
+    assert 40 <= got["p0"] <= 60 and 40 <= got["p1"] <= 60, got
+    assert 95 <= got["p0"] + got["p1"] <= 100.5, got
+    # NVML per-process utilisation and the Python reader agree on who ran.
+    with GpuSimState(node.state) as st:
+        tl = st.timeline(3)
+    assert tl is not None and tl.active and tl.kernels_done > 1000
+
+
+def test_state_file_reader_reports_the_timeline(node: Node) -> None:
+    p = node.loop("solo", 1, 1.0, None, kernel="spin_100us", LD_LIBRARY_PATH=str(BUILD / "sim"))
+    got = shares(node, {"solo": (1, p)}, 0.3, 0.5)
+    assert got["solo"] >= 90
+    with GpuSimState(node.state) as st:
+        assert st.timeline(0) is not None and not st.timeline(0).active  # type: ignore[union-attr]
+
+
+# ---- the limiter -------------------------------------------------------------------------------
+
+
+def test_hard_limit_holds_on_small_and_large_gpus(node: Node) -> None:
+    procs = {
+        "16sm-30": (0, node.loop("a", 0, 4.0, core_config(30))),
+        "132sm-30": (8, node.loop("b", 8, 4.0, core_config(30))),
+        "132sm-70": (9, node.loop("c", 9, 4.0, core_config(70))),
+        "16sm-10us": (1, node.loop("d", 1, 4.0, core_config(50), kernel="spin_10us")),
+        "off": (10, node.loop("e", 10, 4.0, core_config(0))),
+        "enable0": (11, node.loop("f", 11, 4.0, core_config(30, enable=0))),
+    }
+    got = shares(node, procs, 2.0, 1.5)
+    assert 22 <= got["16sm-30"] <= 38, got
+    assert 22 <= got["132sm-30"] <= 38, got
+    assert 60 <= got["132sm-70"] <= 80, got
+    assert 40 <= got["16sm-10us"] <= 60, got
+    assert got["off"] >= 90 and got["enable0"] >= 90, got
+
+
+def test_no_launch_path_escapes(node: Node) -> None:
+    procs = {path: (i, node.loop(path, i, 3.5, core_config(30), path=path)) for i, path in enumerate(PATHS)}
+    got = shares(node, procs, 1.5, 1.5)
+    for path in PATHS:
+        assert 15 <= got[path] <= 42, (path, got)
+
+
+def test_two_containers_split_30_70(node: Node) -> None:
+    procs = {
+        "30": (8, node.loop("a", 8, 4.0, core_config(30))),
+        "70": (8, node.loop("b", 8, 4.0, core_config(70))),
+    }
+    got = shares(node, procs, 2.0, 1.5)
+    assert 22 <= got["30"] <= 38 and 60 <= got["70"] <= 80, got
+    assert got["70"] > got["30"] + 25, got
+
+
+def test_soft_limit_takes_idle_capacity_and_gives_it_back(node: Node) -> None:
+    soft = core_config(30, hard=False, ceiling=80)
+    p = node.loop("soft", 8, 6.0, soft)
+    with GpuSimState(node.state) as st:
+        time.sleep(1.5)
+        t0 = st.timeline(8)
+        time.sleep(1.0)
+        t1 = st.timeline(8)
+        assert t0 is not None and t1 is not None
+        alone = 100.0 * (t1.busy_of({p.pid}) - t0.busy_of({p.pid})) / (t1.now_ns - t0.now_ns)
+        greedy = node.loop("greedy", 8, 3.4, None)
+        time.sleep(1.8)
+        t2 = st.timeline(8)
+        time.sleep(1.2)
+        t3 = st.timeline(8)
+        assert t2 is not None and t3 is not None
+        shared = 100.0 * (t3.busy_of({p.pid}) - t2.busy_of({p.pid})) / (t3.now_ns - t2.now_ns)
+        other = 100.0 * (t3.busy_of({greedy.pid}) - t2.busy_of({greedy.pid})) / (t3.now_ns - t2.now_ns)
+    for proc in (p, greedy):
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    assert 65 <= alone <= 85, alone
+    assert 20 <= shared <= 42 and other >= 55, (shared, other)
+
+
+def test_upstream_baseline_is_selectable(node: Node) -> None:
+    procs = {
+        "up-graph": (8, node.loop("a", 8, 3.0, core_config(30), path="graph", VCUDA_CORE_ALGORITHM="upstream")),
+        "up-kernel": (1, node.loop("b", 1, 3.0, core_config(30), VCUDA_CORE_ALGORITHM="upstream")),
+    }
+    got = shares(node, procs, 1.5, 1.0)
+    assert got["up-graph"] >= 90, got  # upstream never gated graph launches
+    assert got["up-kernel"] < 90, got  # ... but it does gate cuLaunchKernel

@@ -1,0 +1,754 @@
+/*
+ * The SM (core) limit: every kernel launch path is gated per device, so that
+ * the container's share of the GPU's time (what NVML reports as process SM
+ * utilisation) stays at its `utilization` (tencent.com/vcuda-core), or for a
+ * soft limit between it and `limit` (tencent.com/vcuda-core-limit).
+ *
+ * Algorithm "budget" (default; README.md "Compute limit" has the constants):
+ *   credit  (ns of GPU time) grows at rate x wall time and shrinks by the GPU
+ *           time the container's processes actually used, measured with
+ *           nvmlDeviceGetProcessUtilization (its samples integrated over time);
+ *   cost    (ns per launch) learnt as measured GPU time / launches completed;
+ *   in flight = launches issued - launches known complete (completion markers:
+ *           an event recorded after a launch, at most MARKERS outstanding);
+ *   a launch may go when credit >= in_flight x cost, else it sleeps until the
+ *   refill covers the difference.  The long-run share equals rate whatever the
+ *   cost estimate (it only bounds the queued work); nothing depends on SM count.
+ *
+ * Algorithm "upstream" (VCUDA_CORE_ALGORITHM=upstream): gpu-manager's token
+ * bucket of reference/interceptors.md 1.7, kept as a baseline for the bench.
+ *
+ * With the limit off every launch hook is one branch and a tail call.
+ */
+#include "vc_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_DEVICES 64
+#define MARKERS 64                  /* completion markers outstanding per device */
+#define MARKER_WORK_NS 100000.0     /* a marker after at least this much estimated work (or when none is out) */
+#define TICK_NS 10000000ull         /* watcher period (budget) */
+#define MEASURE_MIN_NS 2000000ull   /* a blocked launch re-measures at most every 2 ms */
+#define BURST_WALL_NS 100000000ull  /* credit beyond the work in flight: at most 100 ms of the rate */
+#define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
+#define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
+#define WAIT_MIN_NS 50000ull
+#define WAIT_MAX_NS 10000000ull
+#define SOFT_MARGIN 0.05            /* soft limit: leave this much of the GPU to busy neighbours */
+#define SOFT_RISE 0.02              /* soft limit: rate rises at most this much per tick */
+#define OTHERS_IDLE 0.01            /* neighbours below 1 %: the GPU counts as ours */
+#define PIDS_CHECK_NS 100000000ull  /* pids.config is re-read (when changed) at most every 100 ms */
+#define MAX_PIDS 1024
+#define MAX_SAMPLES 256
+
+/* upstream (interceptors.md 1.7) */
+#define UP_TICK_NS 120000000ull
+#define UP_WAIT_NS 10000000ull
+#define UP_FACTOR 32
+#define UP_CHANGE_LIMIT_INTERVAL 30
+#define UP_USAGE_THRESHOLD 5
+
+struct dev {
+    pthread_mutex_t mu;
+    bool ready, usable; /* initialised; NVML handle found (else the limit is not enforced) */
+    int index;
+    nvmlDevice_t nvml;
+    /* budget */
+    double rate;          /* allowed fraction of the GPU now */
+    double credit;        /* ns */
+    double cost;          /* ns per launch */
+    double acc_busy, acc_done;
+    double others;        /* neighbours' share (soft limit), smoothed */
+    uint64_t launched, completed, completed_seen;
+    uint64_t last_refill, last_measure, last_seen_us;
+    double measured;      /* own GPU time measured, total (debug log) */
+    uint64_t next_log;
+    /* markers */
+    CUcontext marker_ctx;
+    CUevent ev[MARKERS];
+    uint64_t ev_count[MARKERS];
+    unsigned head, n; /* ring of outstanding markers */
+    uint64_t marked;  /* launch number of the newest marker */
+    /* upstream */
+    _Atomic int64_t up_cur;
+    int64_t up_share, up_total, up_sm, up_thr;
+    int up_limit, up_i, up_procs;
+    int64_t up_avg_free;
+    uint64_t up_next;
+};
+
+static struct dev g_dev[MAX_DEVICES];
+static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
+static bool g_nvml_ready, g_watcher;
+
+/* The container's host PIDs (pids.config, else this process), under g_pids_mu. */
+static pthread_mutex_t g_pids_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_pids[MAX_PIDS];
+static unsigned g_npids;
+static uint64_t g_pids_checked;
+static struct timespec g_pids_mtime;
+static pid_t g_pids_owner;
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t real_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static void sleep_ns(uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* ---- the container's processes ------------------------------------------------------ */
+
+static int cmp_int(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+static void refresh_pids(uint64_t now)
+{
+    if (g_pids_owner == getpid() && now - g_pids_checked < PIDS_CHECK_NS)
+        return;
+    g_pids_checked = now;
+    struct stat sb;
+    const char *path = vc_pids_path();
+    if (path[0] == '\0' || stat(path, &sb) != 0) {
+        g_pids[0] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
+        g_npids = 1;
+        g_pids_owner = getpid();
+        return;
+    }
+    if (g_pids_owner == getpid() && sb.st_mtim.tv_sec == g_pids_mtime.tv_sec &&
+        sb.st_mtim.tv_nsec == g_pids_mtime.tv_nsec)
+        return;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    ssize_t got = read(fd, g_pids, sizeof(g_pids));
+    close(fd);
+    g_npids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
+    qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
+    g_pids_mtime = sb.st_mtim;
+    g_pids_owner = getpid();
+}
+
+static bool in_container(unsigned pid)
+{
+    int key = (int)pid;
+    return bsearch(&key, g_pids, g_npids, sizeof(int), cmp_int) != NULL;
+}
+
+/* ---- measurement: NVML per-process utilisation ------------------------------------------ */
+
+/*
+ * GPU time (ns) the container (*own) and everyone else (*other) used on d since
+ * the previous call: each sample's smUtil times the span it covers (from the
+ * previous sample time, at most 1 s).  false when NVML cannot tell.
+ */
+static bool measure(struct dev *d, uint64_t now, double *own, double *other, double *span_ns)
+{
+    static _Thread_local nvmlProcessUtilizationSample_t buf[MAX_SAMPLES];
+    *own = *other = *span_ns = 0;
+    uint64_t since = d->last_seen_us;
+    unsigned n = MAX_SAMPLES;
+    nvmlReturn_t rc = REAL_NVML(nvmlDeviceGetProcessUtilization)(d->nvml, buf, &n, since);
+    if (rc == NVML_ERROR_NOT_SUPPORTED) {
+        /* Newer drivers (580 / Blackwell) only answer the v1 "info" call. */
+        static _Thread_local nvmlProcessUtilizationInfo_v1_t info[MAX_SAMPLES];
+        nvmlProcessesUtilizationInfo_t q = {
+            .version = nvmlProcessesUtilizationInfo_v1, .processSamplesCount = MAX_SAMPLES,
+            .lastSeenTimeStamp = since, .procUtilArray = info};
+        rc = REAL_NVML(nvmlDeviceGetProcessesUtilizationInfo)(d->nvml, &q);
+        n = q.processSamplesCount;
+        for (unsigned i = 0; rc == NVML_SUCCESS && i < n && i < MAX_SAMPLES; i++)
+            buf[i] = (nvmlProcessUtilizationSample_t){
+                .pid = info[i].pid, .timeStamp = info[i].timeStamp, .smUtil = info[i].smUtil};
+    }
+    if (rc == NVML_ERROR_NOT_FOUND)
+        return true; /* nothing ran since `since` */
+    if (rc != NVML_SUCCESS)
+        return false;
+    pthread_mutex_lock(&g_pids_mu);
+    refresh_pids(now);
+    uint64_t newest = since;
+    for (unsigned i = 0; i < n && i < MAX_SAMPLES; i++) {
+        if (buf[i].timeStamp <= since)
+            continue;
+        uint64_t span = buf[i].timeStamp - since;
+        if (span > 1000000u)
+            span = 1000000u;
+        double ns = (double)(buf[i].smUtil > 100 ? 100 : buf[i].smUtil) * (double)span * 10.0;
+        if (in_container(buf[i].pid))
+            *own += ns;
+        else
+            *other += ns;
+        if (buf[i].timeStamp > newest)
+            newest = buf[i].timeStamp;
+    }
+    pthread_mutex_unlock(&g_pids_mu);
+    *span_ns = (double)(newest - since) * 1000.0;
+    d->last_seen_us = newest;
+    return true;
+}
+
+/* ---- completion markers ---------------------------------------------------------------------- */
+
+static void poll_markers(struct dev *d)
+{
+    if (d->n == 0)
+        return;
+    CUcontext ctx = d->marker_ctx;
+    bool pushed = REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
+    while (d->n > 0) {
+        CUresult rc = REAL_CU(cuEventQuery)(d->ev[d->head]);
+        if (rc == CUDA_ERROR_NOT_READY)
+            break;
+        /* Complete (or broken: never wait on it again). */
+        if (d->ev_count[d->head] > d->completed)
+            d->completed = d->ev_count[d->head];
+        d->head = (d->head + 1) % MARKERS;
+        d->n--;
+    }
+    if (pushed) {
+        CUcontext popped;
+        REAL_CU(cuCtxPopCurrent_v2)(&popped);
+    }
+}
+
+/*
+ * After a launch (d->mu held): a marker on its stream, in the markers' context.
+ * With all MARKERS out, the newest is recorded again here, so the last launch
+ * is always covered (launches without a marker of their own would otherwise
+ * count as in flight for ever).
+ */
+static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
+{
+    CUcontext ctx = NULL;
+    if (REAL_CU(cuCtxGetCurrent)(&ctx) != CUDA_SUCCESS || ctx == NULL)
+        return;
+    if (ctx != d->marker_ctx) {
+        if (d->n > 0)
+            return; /* another context's markers are still out */
+        for (unsigned i = 0; i < MARKERS; i++) {
+            if (d->ev[i] != NULL)
+                REAL_CU(cuEventDestroy_v2)(d->ev[i]);
+            d->ev[i] = NULL;
+        }
+        d->marker_ctx = ctx;
+        d->head = 0;
+    }
+    if (d->n > 0 && (double)(count - d->marked) * d->cost < MARKER_WORK_NS)
+        return; /* cheap launches: one marker per MARKER_WORK_NS of work is enough */
+    bool full = d->n >= MARKERS;
+    unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
+    if (d->ev[slot] == NULL && REAL_CU(cuEventCreate)(&d->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+        d->ev[slot] = NULL;
+        return;
+    }
+    CUresult rc = ptsz ? REAL_CU(cuEventRecord_ptsz)(d->ev[slot], s) : REAL_CU(cuEventRecord)(d->ev[slot], s);
+    if (rc != CUDA_SUCCESS)
+        return;
+    if (count > d->ev_count[slot] || !full)
+        d->ev_count[slot] = count;
+    d->marked = count;
+    d->n += full ? 0 : 1;
+}
+
+/* ---- budget ---------------------------------------------------------------------------------- */
+
+static double in_flight(const struct dev *d)
+{
+    return d->launched > d->completed ? (double)(d->launched - d->completed) : 0.0;
+}
+
+static void refill(struct dev *d, uint64_t now)
+{
+    if (now > d->last_refill)
+        d->credit += d->rate * (double)(now - d->last_refill);
+    d->last_refill = now;
+    double cap = in_flight(d) * d->cost + d->rate * (double)BURST_WALL_NS + d->cost;
+    if (d->credit > cap)
+        d->credit = cap;
+}
+
+/* Soft limit: the guaranteed share under contention, up to the ceiling when the GPU has room. */
+static void adapt_rate(struct dev *d, double other_ns, double span_ns)
+{
+    const struct vc_core_config *cfg = vc_core_config();
+    double floor = cfg->share / 100.0, ceiling = cfg->ceiling / 100.0;
+    if (span_ns > 0) {
+        double o = other_ns / span_ns;
+        double w = span_ns / 100e6; /* ~100 ms smoothing */
+        if (w > 1)
+            w = 1;
+        d->others += w * ((o > 1 ? 1 : o) - d->others);
+    }
+    double target = d->others < OTHERS_IDLE ? ceiling : 1.0 - d->others - SOFT_MARGIN;
+    target = target < floor ? floor : target > ceiling ? ceiling : target;
+    if (target < d->rate)
+        d->rate = target;
+    else
+        d->rate = d->rate + SOFT_RISE < target ? d->rate + SOFT_RISE : target;
+}
+
+/* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
+static void update(struct dev *d, uint64_t now, uint64_t min_ns)
+{
+    refill(d, now);
+    poll_markers(d);
+    if (now - d->last_measure < min_ns)
+        return;
+    double own, other, span;
+    if (!measure(d, now, &own, &other, &span))
+        return;
+    d->last_measure = now;
+    d->credit -= own;
+    d->measured += own;
+    if (now >= d->next_log) {
+        d->next_log = now + 1000000000u;
+        vc_log(VC_LOG_DEBUG, "device %d: rate %.3f credit %.0f us cost %.1f us in flight %.0f measured %.3f s",
+               d->index, d->rate, d->credit / 1e3, d->cost / 1e3, in_flight(d), d->measured / 1e9);
+    }
+    double done = (double)(d->completed - d->completed_seen);
+    d->completed_seen = d->completed;
+    d->acc_busy = d->acc_busy * COST_DECAY + own;
+    d->acc_done = d->acc_done * COST_DECAY + done;
+    if (d->acc_done >= 1.0 && d->acc_busy > 0)
+        d->cost = d->acc_busy / d->acc_done;
+    else if (span > 0 && done > 0)
+        d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
+    if (vc_core_config()->soft)
+        adapt_rate(d, other, span);
+}
+
+/* Waits until the launch fits; returns its number (1, 2, ...). */
+static uint64_t budget_gate(struct dev *d)
+{
+    pthread_mutex_lock(&d->mu);
+    uint64_t now = mono_ns();
+    refill(d, now); /* the fast path: markers are polled only when the launch would have to wait */
+    while (d->credit < in_flight(d) * d->cost) {
+        update(d, now, MEASURE_MIN_NS);
+        double missing = in_flight(d) * d->cost - d->credit;
+        if (missing <= 0)
+            break;
+        double wait = d->rate > 0 ? missing / d->rate : (double)WAIT_MAX_NS;
+        uint64_t w = wait < (double)WAIT_MIN_NS ? WAIT_MIN_NS : wait > (double)WAIT_MAX_NS ? WAIT_MAX_NS : (uint64_t)wait;
+        pthread_mutex_unlock(&d->mu);
+        sleep_ns(w);
+        pthread_mutex_lock(&d->mu);
+        now = mono_ns();
+        refill(d, now);
+    }
+    uint64_t count = ++d->launched;
+    pthread_mutex_unlock(&d->mu);
+    return count;
+}
+
+/* ---- upstream (interceptors.md 1.7) ------------------------------------------------------------ */
+
+static int64_t up_delta(const struct dev *d, int up_limit, int user_current, int64_t share)
+{
+    int64_t diff = up_limit > user_current ? up_limit - user_current : user_current - up_limit;
+    if (diff < 5)
+        diff = 5;
+    int64_t inc = d->up_sm * d->up_sm * d->up_thr / 256 * diff / 10;
+    if (diff > up_limit / 2)
+        inc = inc * diff * 2 / (up_limit + 1);
+    if (user_current <= up_limit)
+        share = share + inc > d->up_total ? d->up_total : share + inc;
+    else
+        share = share - inc < 0 ? 0 : share - inc;
+    return share;
+}
+
+static void up_tick(struct dev *d, uint64_t now)
+{
+    const struct vc_core_config *cfg = vc_core_config();
+    unsigned count = 0;
+    REAL_NVML(nvmlDeviceGetComputeRunningProcesses_v3)(d->nvml, &count, NULL);
+    static _Thread_local nvmlProcessUtilizationSample_t buf[MAX_SAMPLES];
+    unsigned n = MAX_SAMPLES;
+    uint64_t check = real_us() - 1000000u;
+    int user = 0, sys = 0;
+    if (REAL_NVML(nvmlDeviceGetProcessUtilization)(d->nvml, buf, &n, check) == NVML_SUCCESS) {
+        pthread_mutex_lock(&g_pids_mu);
+        refresh_pids(now);
+        for (unsigned i = 0; i < n && i < MAX_SAMPLES; i++) {
+            if (buf[i].timeStamp < check)
+                continue;
+            int v = buf[i].smUtil <= 100 ? (int)buf[i].smUtil : 0;
+            sys += v;
+            if (in_container(buf[i].pid))
+                user += v;
+        }
+        pthread_mutex_unlock(&g_pids_mu);
+    }
+    int sys_free = 100 - sys;
+    int64_t cur;
+    if (!cfg->soft) {
+        if (count <= 1 && user < cfg->share / 10) {
+            atomic_store(&d->up_cur, up_delta(d, cfg->share, user, d->up_share));
+            return;
+        }
+        d->up_share = up_delta(d, cfg->share, user, d->up_share);
+    } else {
+        if ((int)count > d->up_procs) {
+            d->up_share = d->up_thr;
+            d->up_limit = cfg->share;
+            d->up_i = 0;
+            d->up_avg_free = 0;
+        }
+        d->up_procs = (int)count;
+        if (count <= 1) {
+            d->up_share = up_delta(d, cfg->ceiling, user, d->up_share);
+        } else {
+            d->up_i++;
+            d->up_avg_free += sys_free;
+            if (d->up_i % UP_CHANGE_LIMIT_INTERVAL == 0) {
+                if (d->up_avg_free * 2 / UP_CHANGE_LIMIT_INTERVAL > UP_USAGE_THRESHOLD) {
+                    d->up_limit += cfg->share / 10;
+                    if (d->up_limit > cfg->ceiling)
+                        d->up_limit = cfg->ceiling;
+                }
+                d->up_i = 0;
+            }
+            if (d->up_i % (UP_CHANGE_LIMIT_INTERVAL / 2) == 0)
+                d->up_avg_free = 0;
+            d->up_share = up_delta(d, d->up_limit, user, d->up_share);
+        }
+    }
+    cur = atomic_load(&d->up_cur);
+    int64_t next;
+    do {
+        next = cur + d->up_share > d->up_total ? d->up_total : cur + d->up_share;
+    } while (!atomic_compare_exchange_weak(&d->up_cur, &cur, next));
+}
+
+static void up_gate(struct dev *d, uint64_t grids)
+{
+    int64_t cur = atomic_load(&d->up_cur);
+    for (;;) {
+        while (cur < 0) {
+            sleep_ns(UP_WAIT_NS);
+            cur = atomic_load(&d->up_cur);
+        }
+        if (atomic_compare_exchange_weak(&d->up_cur, &cur, cur - (int64_t)grids))
+            return;
+    }
+}
+
+/* ---- devices and the watcher ---------------------------------------------------------------- */
+
+static void *watcher(void *arg)
+{
+    (void)arg;
+    const bool upstream = vc_core_config()->upstream;
+    for (;;) {
+        sleep_ns(TICK_NS);
+        uint64_t now = mono_ns();
+        for (int i = 0; i < MAX_DEVICES; i++) {
+            struct dev *d = &g_dev[i];
+            if (!__atomic_load_n(&d->usable, __ATOMIC_ACQUIRE))
+                continue;
+            pthread_mutex_lock(&d->mu);
+            if (upstream) {
+                if (now >= d->up_next) {
+                    d->up_next = now + UP_TICK_NS;
+                    up_tick(d, now);
+                }
+            } else {
+                update(d, now, 0);
+            }
+            pthread_mutex_unlock(&d->mu);
+        }
+    }
+    return NULL;
+}
+
+static void init_device(struct dev *d, int index)
+{
+    pthread_mutex_lock(&g_init_mu);
+    if (d->ready) {
+        pthread_mutex_unlock(&g_init_mu);
+        return;
+    }
+    const struct vc_core_config *cfg = vc_core_config();
+    d->index = index;
+    d->rate = cfg->soft ? cfg->ceiling / 100.0 : cfg->share / 100.0;
+    d->cost = INITIAL_COST_NS;
+    d->last_refill = d->last_measure = mono_ns();
+    d->last_seen_us = real_us();
+    if (!g_nvml_ready && REAL_NVML(nvmlInit_v2)() == NVML_SUCCESS)
+        g_nvml_ready = true;
+    CUuuid uuid;
+    char name[48];
+    bool found = false;
+    if (g_nvml_ready && REAL_CU(cuDeviceGetUuid_v2)(&uuid, index) == CUDA_SUCCESS) {
+        const unsigned char *b = (const unsigned char *)uuid.bytes;
+        snprintf(name, sizeof(name),
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+                 b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+        found = REAL_NVML(nvmlDeviceGetHandleByUUID)(name, &d->nvml) == NVML_SUCCESS;
+    }
+    int sm = 0, thr = 0;
+    REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);
+    REAL_CU(cuDeviceGetAttribute)(&thr, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, index);
+    d->up_sm = sm > 0 ? sm : 1;
+    d->up_thr = thr > 0 ? thr : 1024;
+    d->up_total = d->up_sm * d->up_thr * UP_FACTOR;
+    d->up_limit = cfg->share;
+    __atomic_store_n(&d->ready, true, __ATOMIC_RELEASE);
+    if (!found) {
+        vc_log(VC_LOG_ERROR, "device %d: no NVML handle (NVML %s): the SM limit is NOT enforced on it", index,
+               g_nvml_ready ? "has no such UUID" : "unavailable");
+    } else {
+        __atomic_store_n(&d->usable, true, __ATOMIC_RELEASE);
+        vc_log(VC_LOG_INFO, "device %d (%s): SM limit %d%%%s, %s", index, name, cfg->share,
+               cfg->soft ? " (soft)" : "", cfg->upstream ? "upstream algorithm" : "budget algorithm");
+        if (!g_watcher) {
+            pthread_t t;
+            pthread_attr_t a;
+            pthread_attr_init(&a);
+            pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+            g_watcher = pthread_create(&t, &a, watcher, NULL) == 0;
+            pthread_attr_destroy(&a);
+        }
+    }
+    pthread_mutex_unlock(&g_init_mu);
+}
+
+static void atfork_child(void)
+{
+    /* The child has no watcher and none of the parent's events; it starts afresh. */
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        memset(&g_dev[i], 0, sizeof(g_dev[i]));
+        pthread_mutex_init(&g_dev[i].mu, NULL);
+    }
+    pthread_mutex_init(&g_init_mu, NULL);
+    pthread_mutex_init(&g_pids_mu, NULL);
+    g_watcher = false;
+    g_pids_owner = 0;
+}
+
+__attribute__((constructor)) static void vc_core_init(void)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        pthread_mutex_init(&g_dev[i].mu, NULL);
+    pthread_atfork(NULL, NULL, atfork_child);
+}
+
+/* ---- the gate around every launch ------------------------------------------------------------- */
+
+struct gate {
+    struct dev *d; /* NULL: not limited (bypass) */
+    uint64_t count;
+};
+
+/* Before a launch on stream s of the current context's device; grids = upstream's cost. */
+static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstream_hooks)
+{
+    struct gate g = {NULL, 0};
+    const bool upstream = vc_core_config()->upstream;
+    if (upstream && !upstream_hooks)
+        return g; /* upstream leaves this path unlimited: the baseline keeps that */
+    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult rc = ptsz ? REAL_CU(cuStreamIsCapturing_ptsz)(s, &cap) : REAL_CU(cuStreamIsCapturing)(s, &cap);
+    if (rc == CUDA_SUCCESS && cap != CU_STREAM_CAPTURE_STATUS_NONE)
+        return g; /* recorded into a graph, not run: the graph's launch is gated */
+    CUdevice dev;
+    if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES)
+        return g;
+    struct dev *d = &g_dev[dev];
+    if (VC_UNLIKELY(!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)))
+        init_device(d, dev);
+    if (!__atomic_load_n(&d->usable, __ATOMIC_ACQUIRE))
+        return g;
+    if (upstream) {
+        up_gate(d, grids);
+        return g;
+    }
+    g.count = budget_gate(d);
+    g.d = d;
+    return g;
+}
+
+static void gate_after(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
+{
+    if (g->d == NULL)
+        return;
+    pthread_mutex_lock(&g->d->mu);
+    if (rc == CUDA_SUCCESS)
+        add_marker(g->d, s, ptsz, g->count);
+    else if (g->d->completed < g->count)
+        g->d->completed++; /* it never ran: one fewer in flight */
+    pthread_mutex_unlock(&g->d->mu);
+}
+
+#define GRIDS(x, y, z) ((uint64_t)(x) * (uint64_t)(y) * (uint64_t)(z))
+
+/* Wraps one launch: gate, the real call, marker. */
+#define GATED(stream, ptsz, grids, upstream_hooks, call)                                                            \
+    do {                                                                                                           \
+        struct gate g_ = gate_before((stream), (ptsz), (grids), (upstream_hooks));                                 \
+        CUresult rc_ = (call);                                                                                     \
+        gate_after(&g_, (stream), (ptsz), rc_);                                                                    \
+        return rc_;                                                                                                \
+    } while (0)
+
+VC_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                  unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                  unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                       sharedMemBytes, hStream, kernelParams, extra);
+    GATED(hStream, false, GRIDS(gridDimX, gridDimY, gridDimZ), true,
+          REAL_CU(cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes,
+                                  hStream, kernelParams, extra));
+}
+
+VC_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                       unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                       unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                       void **kernelParams, void **extra)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                            sharedMemBytes, hStream, kernelParams, extra);
+    GATED(hStream, true, GRIDS(gridDimX, gridDimY, gridDimZ), true,
+          REAL_CU(cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                       sharedMemBytes, hStream, kernelParams, extra));
+}
+
+VC_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    if (VC_LIKELY(!vc_core_limited()) || config == NULL)
+        return REAL_CU(cuLaunchKernelEx)(config, f, kernelParams, extra);
+    GATED(config->hStream, false, GRIDS(config->gridDimX, config->gridDimY, config->gridDimZ), false,
+          REAL_CU(cuLaunchKernelEx)(config, f, kernelParams, extra));
+}
+
+VC_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    if (VC_LIKELY(!vc_core_limited()) || config == NULL)
+        return REAL_CU(cuLaunchKernelEx_ptsz)(config, f, kernelParams, extra);
+    GATED(config->hStream, true, GRIDS(config->gridDimX, config->gridDimY, config->gridDimZ), false,
+          REAL_CU(cuLaunchKernelEx_ptsz)(config, f, kernelParams, extra));
+}
+
+VC_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                             unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                             unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                             void **kernelParams)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                                  sharedMemBytes, hStream, kernelParams);
+    GATED(hStream, false, GRIDS(gridDimX, gridDimY, gridDimZ), true,
+          REAL_CU(cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                             sharedMemBytes, hStream, kernelParams));
+}
+
+VC_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                  unsigned int gridDimZ, unsigned int blockDimX,
+                                                  unsigned int blockDimY, unsigned int blockDimZ,
+                                                  unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY,
+                                                       blockDimZ, sharedMemBytes, hStream, kernelParams);
+    GATED(hStream, true, GRIDS(gridDimX, gridDimY, gridDimZ), true,
+          REAL_CU(cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                                  sharedMemBytes, hStream, kernelParams));
+}
+
+/* One launch per device: each device's gate in turn (with its context made current for it). */
+VC_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                        unsigned int flags)
+{
+    if (VC_LIKELY(!vc_core_limited()) || launchParamsList == NULL || vc_core_config()->upstream)
+        return REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
+    struct gate gates[MAX_DEVICES];
+    unsigned n = numDevices < MAX_DEVICES ? numDevices : MAX_DEVICES;
+    for (unsigned i = 0; i < n; i++) {
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        CUcontext ctx = NULL;
+        bool pushed = p->hStream != NULL && REAL_CU(cuStreamGetCtx)(p->hStream, &ctx) == CUDA_SUCCESS &&
+                      REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
+        gates[i] = gate_before(p->hStream, false, GRIDS(p->gridDimX, p->gridDimY, p->gridDimZ), false);
+        if (pushed)
+            REAL_CU(cuCtxPopCurrent_v2)(&ctx);
+    }
+    CUresult rc = REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
+    for (unsigned i = 0; i < n; i++) {
+        CUcontext ctx = NULL;
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        bool pushed = p->hStream != NULL && REAL_CU(cuStreamGetCtx)(p->hStream, &ctx) == CUDA_SUCCESS &&
+                      REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
+        gate_after(&gates[i], p->hStream, false, rc);
+        if (pushed)
+            REAL_CU(cuCtxPopCurrent_v2)(&ctx);
+    }
+    return rc;
+}
+
+VC_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuGraphLaunch)(hGraphExec, hStream);
+    GATED(hStream, false, 1, false, REAL_CU(cuGraphLaunch)(hGraphExec, hStream));
+}
+
+VC_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream);
+    GATED(hStream, true, 1, false, REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream));
+}
+
+/* The legacy launches (block shape from cuFuncSetBlockShape; upstream counts 1 resp. w x h grids). */
+VC_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunch)(f);
+    GATED(NULL, false, 1, true, REAL_CU(cuLaunch)(f));
+}
+
+VC_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchGrid)(f, grid_width, grid_height);
+    GATED(NULL, false, GRIDS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), true,
+          REAL_CU(cuLaunchGrid)(f, grid_width, grid_height));
+}
+
+VC_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    if (VC_LIKELY(!vc_core_limited()))
+        return REAL_CU(cuLaunchGridAsync)(f, grid_width, grid_height, hStream);
+    GATED(hStream, false, GRIDS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), true,
+          REAL_CU(cuLaunchGridAsync)(f, grid_width, grid_height, hStream));
+}

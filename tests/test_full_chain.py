@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gpumanager import names
 from gpumanager.testing.cluster import SimCluster, gpu_pod
-from gpumanager.testing.gpusim_state import repo_root, sim_env
+from gpumanager.testing.gpusim_state import GpuSimState, repo_root, sim_env
 from gpumanager.testing.simhost import install_sim_driver, volume_conf
+from gpumanager.vmanager import files
 from tests.vcuda_fixtures import PRELUDE
 
 MIB = 1 << 20
@@ -66,3 +68,62 @@ def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path)
     assert cap - 128 * MIB < out["allocated"] <= cap
     assert out["total"] == cap and out["free"] == cap - out["allocated"]
     assert out["nvml_total"] == cap
+
+
+def test_two_processes_of_a_shared_pod_stay_within_its_vcuda_core_together(tmp_path: Path, sim_built: Path) -> None:
+    """The agent keeps pids.config current, so the container's processes are limited as one."""
+    done = subprocess.run(
+        ["make", "-s", "-C", str(repo_root() / "vcuda"), "bench", f"PYTHON={sys.executable}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    loop = repo_root() / "vcuda/build/bench/launch_loop"
+    root = tmp_path / "host"
+    install_sim_driver(root)
+    interceptor = repo_root() / "vcuda/build/libcuda-control.so"
+    flags = [
+        f"--volume-config={volume_conf(tmp_path / 'vdriver', tmp_path / 'volume.conf')}",
+        f"--driver-root={root}",
+        f"--vcuda-library={interceptor}",
+    ]
+    with SimCluster(tmp_path / "node", "t4-x1", agent_flags=flags) as c:
+        run = c.run_pod(gpu_pod("shared", [("main", 30, 4)]))
+        resp = run.core["main"].response
+        mounts = {m.container_path: m.host_path for m in resp.mounts}
+        host_config = Path(mounts["/etc/vcuda"]) / Path(resp.envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
+        assert c.agent is not None
+        env = sim_env(c.spec, c.agent.state)
+        env.update(
+            LD_LIBRARY_PATH=str(Path(mounts["/usr/local/nvidia"]) / "lib64"),
+            VCUDA_CONFIG_PATH=str(host_config),
+            VCUDA_BUDGET_DIR=str(tmp_path / "shm"),
+        )
+        procs = [
+            subprocess.Popen(
+                [str(loop), "kernel", "spin_1ms", "6.0", "64", "256", "0"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        # The container's processes, as its cgroup shows them: the agent writes them to pids.config.
+        cid = f"{run.uid[:8]}main".replace("-", "")
+        procs_file = c.cgroup_root / "kubepods" / f"pod{run.uid}" / cid / "cgroup.procs"
+        procs_file.write_text("".join(f"{p.pid}\n" for p in procs))
+        time.sleep(3.0)
+        with GpuSimState(c.agent.state) as st:
+            before = st.timeline(0)
+            time.sleep(2.0)
+            after = st.timeline(0)
+        for p in procs:
+            _out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+        assert files.read_pids(host_config.parent / "pids.config") == sorted(p.pid for p in procs)
+    assert before is not None and after is not None
+    pids = {p.pid for p in procs}
+    share = 100.0 * (after.busy_of(pids) - before.busy_of(pids)) / (after.now_ns - before.now_ns)
+    assert 15.0 <= share <= 42.0, f"the two processes together used {share:.1f}% of a 30% share"

@@ -21,105 +21,13 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-C_TYPE_WORDS = {
-    "void", "char", "short", "int", "long", "float", "double", "signed", "unsigned",
-    "const", "volatile", "struct", "union", "enum", "restrict",
-}  # fmt: skip
+from cdecl import ALIAS_RE, Function, param_name, parse_functions, preprocess
 
-DECL_RE = re.compile(r"^(?P<ret>[\w\s\*]+?)\s*\b(?P<name>nvml\w+)\s*\((?P<params>.*)\)$", re.DOTALL)
 EXPORT_RE = re.compile(r"\bSIM_EXPORT\s+[\w\s\*]*?\b(nvml\w+)\s*\(")
-ALIAS_RE = re.compile(r"^#define\s+(nvml\w+)\s+(nvml\w+)\s*$", re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class Function:
-    """One C function declaration from nvml.h."""
-
-    name: str
-    ret: str
-    params: tuple[str, ...]  # declarations, each with a parameter name
-
-
-def preprocess(cc: list[str], header: Path, *extra: str) -> str:
-    """Runs the C preprocessor on header and returns its output."""
-    cmd = [*cc, "-E", "-P", "-x", "c", *extra, str(header)]
-    try:
-        return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    except subprocess.CalledProcessError as e:
-        sys.exit(f"gen_nvml_stubs: {shlex.join(cmd)} failed:\n{e.stderr}")
-
-
-def statements(text: str) -> list[str]:
-    """Top-level C statements of preprocessed text (split on ';' outside braces/parens)."""
-    out: list[str] = []
-    depth = 0
-    start = 0
-    for i, ch in enumerate(text):
-        if ch in "{(":
-            depth += 1
-        elif ch in "})":
-            depth -= 1
-        elif ch == ";" and depth == 0:
-            out.append(" ".join(text[start:i].split()))
-            start = i + 1
-    return out
-
-
-def split_params(params: str) -> list[str]:
-    """Splits a parameter list on top-level commas."""
-    parts: list[str] = []
-    depth = 0
-    cur = ""
-    for ch in params:
-        if ch == "," and depth == 0:
-            parts.append(cur.strip())
-            cur = ""
-            continue
-        depth += ch in "(["
-        depth -= ch in ")]"
-        cur += ch
-    if cur.strip():
-        parts.append(cur.strip())
-    return parts
-
-
-def name_param(decl: str, index: int) -> str:
-    """Returns decl with a parameter name, adding argN where the header omits it."""
-    fnptr = re.search(r"\(\s*\*\s*(\w+)\s*\)", decl)
-    if fnptr:
-        return decl
-    words = re.findall(r"[A-Za-z_]\w*", re.sub(r"\[[^\]]*\]", "", decl))
-    last = words[-1] if words else ""
-    if len(words) <= 1 or last in C_TYPE_WORDS or last.endswith("_t"):
-        return f"{decl} arg{index}"
-    return decl
-
-
-def param_name(decl: str) -> str:
-    fnptr = re.search(r"\(\s*\*\s*(\w+)\s*\)", decl)
-    if fnptr:
-        return fnptr.group(1)
-    return re.findall(r"[A-Za-z_]\w*", re.sub(r"\[[^\]]*\]", "", decl))[-1]
-
-
-def parse_functions(text: str) -> dict[str, Function]:
-    """All function declarations named nvml* in preprocessed header text."""
-    funcs: dict[str, Function] = {}
-    for stmt in statements(text):
-        if stmt.startswith(("typedef", "extern \"C\"")) or "{" in stmt or "}" in stmt:
-            continue
-        m = DECL_RE.match(stmt)
-        if not m:
-            continue
-        raw = split_params(m.group("params"))
-        params = () if raw in ([], ["void"]) else tuple(name_param(p, i) for i, p in enumerate(raw))
-        funcs[m.group("name")] = Function(m.group("name"), " ".join(m.group("ret").split()), params)
-    return funcs
+TOOL = "gen_nvml_stubs"
 
 
 def stub(func: Function, declare: bool) -> str:
@@ -154,11 +62,11 @@ def main() -> int:
 
     cc = shlex.split(args.cc)
     include = ["-I", str(args.header.parent)]
-    funcs = parse_functions(preprocess(cc, args.header, *include, "-DNVML_NO_UNVERSIONED_FUNC_DEFS"))
+    funcs = parse_functions(preprocess(TOOL, cc, args.header, *include, "-DNVML_NO_UNVERSIONED_FUNC_DEFS"), "nvml")
     if len(funcs) < 100:
         sys.exit(f"gen_nvml_stubs: only {len(funcs)} functions found in {args.header}; is it nvml.h?")
     aliases: dict[str, Function] = {}
-    for alias, target in ALIAS_RE.findall(preprocess(cc, args.header, *include, "-dM")):
+    for alias, target in ALIAS_RE.findall(preprocess(TOOL, cc, args.header, *include, "-dM")):
         if alias not in funcs and target in funcs:
             aliases[alias] = Function(alias, funcs[target].ret, funcs[target].params)
 

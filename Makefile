@@ -10,17 +10,19 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The test world (simnode/) is not part of the wheel: the dev venv finds it through a .pth file.
+	$(PY) -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()["purelib"], "simnode-dev.pth").write_text("$(CURDIR)\n")'
 	touch $@
 
 build: $(VENV)/.installed
 	$(MAKE) -C vcuda PYTHON=$(abspath $(PY))
 
 demo: build
-	$(PY) -m gpumanager.testing.demo
+	$(PY) -m simnode.demo
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check gpumanager tests bench scripts
-	$(VENV)/bin/ruff format --check gpumanager tests bench scripts
+	$(VENV)/bin/ruff check gpumanager simnode tests bench scripts
+	$(VENV)/bin/ruff format --check gpumanager simnode tests bench scripts
 	$(VENV)/bin/mypy
 
 test: build lint deploy-check

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.testing.cluster import SimCluster, gpu_pod
+from simnode.cluster import SimCluster, gpu_pod
 
 CORE = names.VCORE_RESOURCE
 

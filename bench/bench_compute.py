@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpumanager.testing.gpusim_state import GpuSimState  # noqa: E402
+from simnode.gpusim_state import GpuSimState  # noqa: E402
 
 VCUDA = ROOT / "vcuda"
 BUILD = VCUDA / "build"

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
-from gpumanager.testing.kubelet import KubeletSimulator
+from simnode.agent_process import SPEC_DIR, AgentProcess
+from simnode.kubelet import KubeletSimulator
 
 RESOURCES = (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
-from gpumanager.testing.gpusim_state import ensure_sim_built, sim_env
-from gpumanager.testing.kubelet import KubeletSimulator
+from simnode.agent_process import SPEC_DIR, AgentProcess
+from simnode.gpusim_state import ensure_sim_built, sim_env
+from simnode.kubelet import KubeletSimulator
 
 StartAgent = Callable[..., AgentProcess]
 
@@ -52,9 +52,9 @@ def start_agent(tmp_path: Path, sim_built: Path) -> Iterator[StartAgent]:
 
 
 def gpusim(agent: AgentProcess, *args: str) -> str:
-    """Run ``python -m gpumanager.testing.gpusim`` against the agent's simulated node."""
+    """Run ``python -m simnode.gpusim`` against the agent's simulated node."""
     done = subprocess.run(
-        [sys.executable, "-m", "gpumanager.testing.gpusim", *args],
+        [sys.executable, "-m", "simnode.gpusim", *args],
         env=sim_env(agent.spec, agent.state),
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Fixtures for the simulated GPU node's own tests (vcuda/sim and gpumanager.testing.gpusim*).
+"""Fixtures for the simulated GPU node's own tests (vcuda/sim and simnode.gpusim*).
 
 Programs that use the simulated driver run in subprocesses: the dynamic loader reads
 LD_LIBRARY_PATH only when a process starts, and loading the simulated ``libnvidia-ml.so.1``
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing.gpusim_state import NodeSpec, ensure_sim_built, load_spec, sim_env, spec_dir
+from simnode.gpusim_state import NodeSpec, ensure_sim_built, load_spec, sim_env, spec_dir
 
 SPEC_NAMES = ("t4-x1", "v100-pcie-x4", "h100-nvlink-x8", "h200-x16")
 
@@ -69,9 +69,9 @@ class SimNode:
         )
 
     def gpusim(self, *args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        """Runs ``python -m gpumanager.testing.gpusim`` against this node."""
+        """Runs ``python -m simnode.gpusim`` against this node."""
         return subprocess.run(
-            [sys.executable, "-m", "gpumanager.testing.gpusim", *args],
+            [sys.executable, "-m", "simnode.gpusim", *args],
             env=dict(env) if env is not None else self.env(),
             capture_output=True,
             text=True,

@@ -16,7 +16,7 @@ from gpumanager import names
 from gpumanager.api import deviceplugin_v1beta1_pb2 as dp_pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from gpumanager.api import display_pb2_grpc
-from gpumanager.testing.kubelet import KubeletSimulator, PluginRPCError
+from simnode.kubelet import KubeletSimulator, PluginRPCError
 from tests.agent_fixtures import StartAgent, gpusim, spec_path
 
 CORE = names.VCORE_RESOURCE
@@ -183,7 +183,7 @@ def test_malformed_spec_fails_with_the_field_named(tmp_path: Path, start_agent: 
     spec.write_text(json.dumps(bad))
     agent = start_agent("t4-x1")
     agent.stop()
-    from gpumanager.testing.agent_process import AgentProcess
+    from simnode.agent_process import AgentProcess
 
     broken = AgentProcess(tmp_path / "broken", spec).start()
     assert broken.wait(30) == 3

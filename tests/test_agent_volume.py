@@ -6,7 +6,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-from gpumanager.testing.cluster import SimCluster, gpu_pod
+from simnode.cluster import SimCluster, gpu_pod
 from tests.volume_fixtures import DEFAULT_VOLUME_CONF, V1, DriverStore, driver_store, install_driver
 
 __all__ = ["driver_store"]

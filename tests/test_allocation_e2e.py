@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import names
 from gpumanager.api import display_pb2_grpc, vcuda_pb2, vcuda_pb2_grpc
-from gpumanager.testing.agent_process import AgentProcess
-from gpumanager.testing.cluster import SimCluster, admission_annotations, gpu_pod
-from gpumanager.testing.gpusim_state import load_spec, spec_dir
-from gpumanager.testing.kubelet import KubeletSimError, PluginRPCError
 from gpumanager.vmanager import files
+from simnode.agent_process import AgentProcess
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from simnode.gpusim_state import load_spec, spec_dir
+from simnode.kubelet import KubeletSimError, PluginRPCError
 from tests.agent_fixtures import gpusim
 
 CORE = names.VCORE_RESOURCE

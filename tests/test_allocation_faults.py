@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpumanager import names
-from gpumanager.testing.cluster import PodRun, SimCluster, gpu_pod
-from gpumanager.testing.kubelet import KubeletSimError
+from simnode.cluster import PodRun, SimCluster, gpu_pod
+from simnode.kubelet import KubeletSimError
 
 CORE = names.VCORE_RESOURCE
 

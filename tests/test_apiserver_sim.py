@@ -16,8 +16,8 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from gpumanager.kube.client import api_client, probe
-from gpumanager.testing.apiserver import ApiError, ApiServerSimulator, pod_manifest
-from gpumanager.testing.apiserver_patch import (
+from simnode.apiserver import ApiError, ApiServerSimulator, pod_manifest
+from simnode.apiserver_patch import (
     NODE_MERGE_KEYS,
     POD_MERGE_KEYS,
     PatchError,
@@ -25,7 +25,7 @@ from gpumanager.testing.apiserver_patch import (
     merge_patch,
     strategic_merge_patch,
 )
-from gpumanager.testing.apiserver_selectors import parse_label_selector
+from simnode.apiserver_selectors import parse_label_selector
 
 VCORE = "tencent.com/vcuda-core"
 VMEM = "tencent.com/vcuda-memory"

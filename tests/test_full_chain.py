@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.testing.cluster import SimCluster, gpu_pod
-from gpumanager.testing.gpusim_state import GpuSimState, repo_root, sim_env
-from gpumanager.testing.simhost import install_sim_driver, volume_conf
 from gpumanager.vmanager import files
+from simnode.cluster import SimCluster, gpu_pod
+from simnode.gpusim_state import GpuSimState, repo_root, sim_env
+from simnode.simhost import install_sim_driver, volume_conf
 from tests.vcuda_fixtures import PRELUDE
 
 MIB = 1 << 20

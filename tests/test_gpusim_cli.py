@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing import gpusim_state as gs
+from simnode import gpusim_state as gs
 from tests.gpusim_fixtures import SPEC_NAMES, SimNode, gpusim_lib, sim_node
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
@@ -161,7 +161,7 @@ def test_process_table_upserts_and_reports_full(tmp_path: Path) -> None:
 
 WRITER = r"""
 import sys
-from gpumanager.testing.gpusim_state import GpuSimState
+from simnode.gpusim_state import GpuSimState
 with GpuSimState(sys.argv[1]) as state:
     for i in range(int(sys.argv[3])):
         state.queue_xid(int(sys.argv[2]), 10000 * int(sys.argv[2]) + i)

@@ -12,7 +12,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from gpumanager.testing.gpusim_state import SpecError, load_spec, repo_root, sim_library_dir
+from simnode.gpusim_state import SpecError, load_spec, repo_root, sim_library_dir
 from tests.gpusim_fixtures import SPEC_NAMES, SimNode, gpusim_lib, sim_node
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures

@@ -9,7 +9,7 @@ import pytest
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.kube import kubelet_checkpoint as kc
-from gpumanager.testing.kubelet_checkpoint import (
+from simnode.kubelet_checkpoint import (
     CheckpointEntry,
     write_checkpoint_v1,
     write_checkpoint_v2,

@@ -1,4 +1,4 @@
-"""Tests of the kubelet simulator (gpumanager.testing.kubelet) against a tiny fake device plugin."""
+"""Tests of the kubelet simulator (simnode.kubelet) against a tiny fake device plugin."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from gpumanager.api import podresources_v1_pb2 as prpb
 from gpumanager.api import podresources_v1_pb2_grpc as prpb_grpc
-from gpumanager.testing.kubelet import (
+from simnode.kubelet import (
     AllocationError,
     KubeletSimulator,
     PluginRPCError,
     is_extended_resource_name,
 )
-from gpumanager.testing.kubelet_checkpoint import (
+from simnode.kubelet_checkpoint import (
     CHECKPOINT_FILE,
     CheckpointEntry,
     write_checkpoint_v1,
@@ -743,7 +743,7 @@ def test_pod_resources_api(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
 def test_runs_as_process(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumanager.testing.kubelet", "--plugin-dir", str(plugin_dir)],
+        [sys.executable, "-m", "simnode.kubelet", "--plugin-dir", str(plugin_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

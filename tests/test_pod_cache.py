@@ -9,8 +9,8 @@ import pytest
 import urllib3
 
 from gpumanager.kube.pods import PodCache
-from gpumanager.testing.apiserver import ApiServerSimulator
-from gpumanager.testing.apiserver_objects import pod_manifest
+from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_objects import pod_manifest
 
 
 @pytest.fixture

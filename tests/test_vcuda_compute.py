@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing.gpusim_state import GpuSimState, repo_root
+from simnode.gpusim_state import GpuSimState, repo_root
 from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, VCUDA, last_json, make_mirror, run_python, vcuda_built
 
 __all__ = ["vcuda_built"]  # fixture

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpumanager.testing.gpusim_state import repo_root
+from simnode.gpusim_state import repo_root
 from tests.vcuda_fixtures import BUILD, MIB, Container, config_bytes, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures

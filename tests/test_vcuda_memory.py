@@ -235,7 +235,7 @@ def test_two_processes_racing_never_exceed_the_cap(container: MakeContainer) -> 
             line = p.stdout.readline()
             assert line, p.stderr.read() if p.stderr else ""
             counts.append(last_json(line)["held"])  # type: ignore[index]
-        from gpumanager.testing.gpusim_state import GpuSimState
+        from simnode.gpusim_state import GpuSimState
 
         with GpuSimState(c.state_path) as st:
             phys = st.snapshot().used_bytes(0)

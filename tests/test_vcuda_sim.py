@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from gpumanager.testing.gpusim_state import GpuSimState, load_spec, spec_dir
+from simnode.gpusim_state import GpuSimState, load_spec, spec_dir
 from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, MIB, last_json, run_python, sim_only_env, vcuda_built
 
 __all__ = ["vcuda_built"]  # fixtures
@@ -82,7 +82,7 @@ def test_memory_in_use_is_per_process_and_dead_processes_are_reaped(vcuda_built:
     import subprocess
     import sys
 
-    from gpumanager.testing.gpusim_state import repo_root
+    from simnode.gpusim_state import repo_root
     from tests.vcuda_fixtures import PRELUDE
 
     env = sim_only_env("t4-x1", tmp_path / "node.state")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.testing.gpusim_state import ensure_sim_built, repo_root, sim_env, spec_dir
+from simnode.gpusim_state import ensure_sim_built, repo_root, sim_env, spec_dir
 
 VCUDA = repo_root() / "vcuda"
 BUILD = VCUDA / "build"
@@ -39,7 +39,7 @@ dev = ok(d.cuDeviceGet(0))
 ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
 ok(d.cuCtxSetCurrent(ctx))
 def phys_used():
-    from gpumanager.testing.gpusim_state import GpuSimState
+    from simnode.gpusim_state import GpuSimState
     with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
         return st.snapshot().used_bytes(0)
 """

@@ -2,7 +2,7 @@
  * On-disk layout of the simulated node's run-time state file (GPUSIM_STATE).
  *
  * One fixed-size binary file, shared by every process that loads the simulated
- * driver and by gpumanager/testing/gpusim_state.py.  All integers are native
+ * driver and by simnode/gpusim_state.py.  All integers are native
  * little-endian; every struct below has explicit padding so that C and Python
  * (struct module) agree byte for byte.  The file is mapped MAP_SHARED.
  *

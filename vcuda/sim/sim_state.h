@@ -5,7 +5,7 @@
  * Every accessor that returns a pointer into the mapping may only be used
  * between sim_state_lock() and sim_state_unlock().  The lock is a mutex (for
  * threads of this process) plus flock(LOCK_EX) on the file (for other
- * processes, including gpumanager/testing/gpusim_state.py).
+ * processes, including simnode/gpusim_state.py).
  */
 #ifndef GPUSIM_SIM_STATE_H
 #define GPUSIM_SIM_STATE_H

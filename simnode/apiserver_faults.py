@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpumanager.testing.apiserver_errors import ApiError, for_code
+from simnode.apiserver_errors import ApiError, for_code
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumanager.testing.apiserver_errors import ApiError, already_exists, conflict, expired, not_found
-from gpumanager.testing.apiserver_objects import ResourceKind, meta, now_rfc3339
-from gpumanager.testing.apiserver_selectors import FieldSelector, LabelSelector, selectable_fields
+from simnode.apiserver_errors import ApiError, already_exists, conflict, expired, not_found
+from simnode.apiserver_objects import ResourceKind, meta, now_rfc3339
+from simnode.apiserver_selectors import FieldSelector, LabelSelector, selectable_fields
 
 log = logging.getLogger(__name__)
 

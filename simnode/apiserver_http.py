@@ -20,11 +20,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from gpumanager.testing.apiserver_errors import ApiError, forbidden_anonymous, method_not_allowed, server_not_found
-from gpumanager.testing.apiserver_faults import Faults, RequestLog, RequestRecord
-from gpumanager.testing.apiserver_objects import KINDS, PODS, ResourceKind
-from gpumanager.testing.apiserver_ops import Operations, WatchPlan, parse_bool, wrap_error
-from gpumanager.testing.apiserver_store import Key, Store, WatchEnd
+from simnode.apiserver_errors import ApiError, forbidden_anonymous, method_not_allowed, server_not_found
+from simnode.apiserver_faults import Faults, RequestLog, RequestRecord
+from simnode.apiserver_objects import KINDS, PODS, ResourceKind
+from simnode.apiserver_ops import Operations, WatchPlan, parse_bool, wrap_error
+from simnode.apiserver_store import Key, Store, WatchEnd
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from gpumanager.testing.gpusim_state import repo_root
+from simnode.gpusim_state import repo_root
 
 SIM_DRIVER_VERSION = "550.54.15"  # vcuda/Makefile's SIM_DRIVER_VERSION
 LIB_DIR = "usr/lib/x86_64-linux-gnu"

@@ -33,9 +33,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from gpumanager.testing.apiserver_errors import ApiError, bad_request, invalid
-from gpumanager.testing.apiserver_patch import NODE_MERGE_KEYS, POD_MERGE_KEYS
-from gpumanager.testing.apiserver_selectors import NODE_FIELDS, POD_FIELDS, valid_label_key, valid_label_value
+from simnode.apiserver_errors import ApiError, bad_request, invalid
+from simnode.apiserver_patch import NODE_MERGE_KEYS, POD_MERGE_KEYS
+from simnode.apiserver_selectors import NODE_FIELDS, POD_FIELDS, valid_label_key, valid_label_value
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ the kubelet's device manager closely:
   it deterministic.
 * :meth:`KubeletSimulator.restart` simulates a kubelet restart: plugin connections dropped (their
   devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
-* An optional PodResources v1 server (:mod:`gpumanager.testing.kubelet_podresources`).
+* An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
 
 Not modelled: init-container device reuse, the 5-minute endpoint grace period, node status,
 the Topology Manager (a NUMA hint is passed to :meth:`KubeletSimulator.allocate` directly).
 
 Run as a process for demos::
 
-    python -m gpumanager.testing.kubelet --plugin-dir DIR [--pod-resources-socket PATH]
+    python -m simnode.kubelet --plugin-dir DIR [--pod-resources-socket PATH]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import grpc
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as _pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as _pb_grpc
-from gpumanager.testing.kubelet_checkpoint import (
+from simnode.kubelet_checkpoint import (
     CHECKPOINT_FILE,
     NODE_WITHOUT_TOPOLOGY,
     CheckpointEntry,
@@ -61,7 +61,7 @@ from gpumanager.testing.kubelet_checkpoint import (
     write_checkpoint_v2,
     write_checkpoint_v2_boot_id,
 )
-from gpumanager.testing.kubelet_podresources import (
+from simnode.kubelet_podresources import (
     ContainerSnapshot,
     DeviceSnapshot,
     PodResourcesServer,
@@ -1188,9 +1188,7 @@ class KubeletSimulator:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a kubelet simulator until SIGTERM/SIGINT, logging registrations and device counts."""
-    parser = argparse.ArgumentParser(
-        prog="python -m gpumanager.testing.kubelet", description="Kubelet device-manager simulator."
-    )
+    parser = argparse.ArgumentParser(prog="python -m simnode.kubelet", description="Kubelet device-manager simulator.")
     parser.add_argument("--plugin-dir", required=True, type=Path, help="device-plugin directory")
     parser.add_argument("--pod-resources-socket", type=Path, default=None, help="serve PodResources v1 here")
     parser.add_argument("--dial-timeout", type=float, default=DEFAULT_DIAL_TIMEOUT)
@@ -1238,6 +1236,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the importable module's main so that classes and logger names are the package's own.
-    from gpumanager.testing import kubelet as _kubelet
+    from simnode import kubelet as _kubelet
 
     raise SystemExit(_kubelet.main())

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from gpumanager.testing.gpusim_state import sim_env, spec_dir
+from simnode.gpusim_state import sim_env, spec_dir
 
 log = logging.getLogger(__name__)
 

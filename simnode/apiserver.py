@@ -5,7 +5,7 @@ real server's JSON shapes, so a client built from :meth:`ApiServerSimulator.writ
 deserialises its answers into ``V1Pod``, ``V1PodList``, ``V1Node``, ``V1Status`` as usual.
 Used by end-to-end tests, benchmarks and the demo of the node agent.
 
-Served (see :mod:`~gpumanager.testing.apiserver_http` for the routing):
+Served (see :mod:`~simnode.apiserver_http` for the routing):
 
 * ``GET /api/v1/pods``, ``GET|POST|DELETE /api/v1/namespaces/{ns}/pods``: list (``labelSelector``,
   ``fieldSelector``, ``resourceVersion``/``resourceVersionMatch``, ``limit``/``continue``), watch
@@ -24,7 +24,7 @@ carrying a 410 ``Expired`` Status; a watch without resourceVersion (or ``"0"``) 
 ``ADDED`` event per existing object; selectors apply to watches, and an object that stops (starts)
 matching arrives as ``DELETED`` (``ADDED``); ``Status`` objects for errors with the real codes,
 reasons and messages; pod defaulting and validation
-(:mod:`~gpumanager.testing.apiserver_objects`); optional graceful pod deletion
+(:mod:`~simnode.apiserver_objects`); optional graceful pod deletion
 (``graceful_delete=True``: a scheduled, non-terminal pod only gets ``deletionTimestamp`` until
 :meth:`ApiServerSimulator.finish_deletion`, as the kubelet would do) and finalizers.
 
@@ -32,7 +32,7 @@ Differences a client may notice:
 
 * namespaces are not objects: any namespace exists; only pods and nodes are served (other
   resources answer 404);
-* strategic merge patch is approximated (see :mod:`~gpumanager.testing.apiserver_patch`);
+* strategic merge patch is approximated (see :mod:`~simnode.apiserver_patch`);
   server-side apply (``application/apply-patch+yaml``) answers 415;
 * no ``managedFields``, no ``metadata.generation``; quantities are kept as sent (strings; numbers
   become strings) rather than canonicalised (``"1000m"`` stays ``"1000m"``);
@@ -47,7 +47,7 @@ Differences a client may notice:
 
 Run as a process for demos (serves until SIGTERM/SIGINT)::
 
-    python -m gpumanager.testing.apiserver --kubeconfig /tmp/kubeconfig [--node node-1] [--port N]
+    python -m simnode.apiserver --kubeconfig /tmp/kubeconfig [--node node-1] [--port N]
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ from typing import Any, Self
 import kubernetes.client
 import kubernetes.config
 
-from gpumanager.testing.apiserver_errors import ApiError
-from gpumanager.testing.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
-from gpumanager.testing.apiserver_http import HttpContext, SimHTTPServer, version_info
-from gpumanager.testing.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
-from gpumanager.testing.apiserver_ops import Operations
-from gpumanager.testing.apiserver_store import Store
+from simnode.apiserver_errors import ApiError
+from simnode.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
+from simnode.apiserver_http import HttpContext, SimHTTPServer, version_info
+from simnode.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
+from simnode.apiserver_ops import Operations
+from simnode.apiserver_store import Store
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ class ApiServerSimulator:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT, with a kubeconfig written for clients."""
-    parser = argparse.ArgumentParser(prog="python -m gpumanager.testing.apiserver", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m simnode.apiserver", description=__doc__.split("\n")[0])
     parser.add_argument("--kubeconfig", required=True, help="where to write the kubeconfig for clients")
     parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--token", default=None, help="require this bearer token")

@@ -748,7 +748,7 @@ class SimBuildError(RuntimeError):
 
 def repo_root() -> Path:
     """The source tree this module lives in."""
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def sim_library_dir() -> Path:

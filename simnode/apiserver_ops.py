@@ -1,8 +1,8 @@
 """The API operations of the simulator (list, watch, get, create, update, patch, delete, bind).
 
 They take decoded request parts (resource kind, namespace, name, query, body) and answer JSON
-objects or raise :class:`~gpumanager.testing.apiserver_errors.ApiError`; the HTTP layer
-(:mod:`gpumanager.testing.apiserver_http`) does the transport.
+objects or raise :class:`~simnode.apiserver_errors.ApiError`; the HTTP layer
+(:mod:`simnode.apiserver_http`) does the transport.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpumanager.testing.apiserver_errors import ApiError, bad_request, conflict, invalid, success_status
-from gpumanager.testing.apiserver_objects import (
+from simnode.apiserver_errors import ApiError, bad_request, conflict, invalid, success_status
+from simnode.apiserver_objects import (
     NODES,
     PODS,
     TERMINAL_PHASES,
@@ -30,14 +30,14 @@ from gpumanager.testing.apiserver_objects import (
     now_rfc3339,
     raise_if_name_mismatch,
 )
-from gpumanager.testing.apiserver_patch import PatchError, json_patch, merge_patch, strategic_merge_patch
-from gpumanager.testing.apiserver_selectors import (
+from simnode.apiserver_patch import PatchError, json_patch, merge_patch, strategic_merge_patch
+from simnode.apiserver_selectors import (
     FieldSelector,
     LabelSelector,
     parse_field_selector,
     parse_label_selector,
 )
-from gpumanager.testing.apiserver_store import Key, Store, Watcher
+from simnode.apiserver_store import Key, Store, Watcher
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A short, narrated run of the agent on a simulated 8 x H100 node, with a simulated kubelet and API server.
 
-``python -m gpumanager.testing.demo`` (or ``make demo``) shows: discovery and
+``python -m simnode.demo`` (or ``make demo``) shows: discovery and
 the topology tree, registration of both resources, pods being allocated (a
 share placed by gpu-admission's annotation, whole GPUs chosen by the topology
 evaluators), their limit files and annotations, an XID error taking a GPU out
@@ -23,10 +23,10 @@ from collections import Counter
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.testing.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
-from gpumanager.testing.gpusim_state import repo_root, sim_env, spec_dir
-from gpumanager.testing.simhost import install_sim_driver, volume_conf
 from gpumanager.vmanager import files
+from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
+from simnode.gpusim_state import repo_root, sim_env, spec_dir
+from simnode.simhost import install_sim_driver, volume_conf
 
 CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
@@ -164,7 +164,7 @@ def run(workdir: Path, spec: Path) -> int:
 
         say("== XID 79 (GPU fell off the bus) on GPU 7")
         subprocess.run(
-            [sys.executable, "-m", "gpumanager.testing.gpusim", "xid", "--gpu", "7", "--xid", "79"],
+            [sys.executable, "-m", "simnode.gpusim", "xid", "--gpu", "7", "--xid", "79"],
             env=sim_env(c.agent.spec, c.agent.state),
             check=True,
             stdout=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""``python -m gpumanager.testing.gpusim``: change the live state of the simulated GPU node.
+"""``python -m simnode.gpusim``: change the live state of the simulated GPU node.
 
 Every process that loads the simulated ``libnvidia-ml.so.1`` with the same ``GPUSIM_STATE``
 sees the change at once::
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from gpumanager.testing.gpusim_state import GpuSimState, NodeSpec, SpecError, StateError, load_spec
+from simnode.gpusim_state import GpuSimState, NodeSpec, SpecError, StateError, load_spec
 
 MIB = 1024 * 1024
 
@@ -35,7 +35,7 @@ class _UsageError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m gpumanager.testing.gpusim",
+        prog="python -m simnode.gpusim",
         description="Change the live state of the simulated GPU node (see vcuda/sim/README.md).",
     )
     p.add_argument("--state", help="state file (default: $GPUSIM_STATE)")

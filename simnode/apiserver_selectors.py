@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpumanager.testing.apiserver_errors import ApiError, bad_request
+from simnode.apiserver_errors import ApiError, bad_request
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from gpumanager import names
-from gpumanager.testing.agent_process import SPEC_DIR, AgentProcess
-from gpumanager.testing.apiserver import ApiServerSimulator
-from gpumanager.testing.apiserver_objects import pod_manifest
-from gpumanager.testing.kubelet import AllocationRecord, KubeletSimulator
+from simnode.agent_process import SPEC_DIR, AgentProcess
+from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_objects import pod_manifest
+from simnode.kubelet import AllocationRecord, KubeletSimulator
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class RemoteApiServer:
             [
                 sys.executable,
                 "-m",
-                "gpumanager.testing.apiserver",
+                "simnode.apiserver",
                 f"--kubeconfig={self._kubeconfig}",
                 f"--node={NODE}",
             ],

@@ -61,3 +61,45 @@ def test_wire_names_are_upstreams() -> None:
         "annotations": 4,
         "cdi_devices": 5,
     }
+
+
+def test_dra_wire_names_are_the_kubelets() -> None:
+    """Service and message names, packages and field numbers as k8s.io/kubelet's DRA protos."""
+    from gpumanager.api import dra_v1_pb2, dra_v1beta1_pb2, drahealth_v1_pb2, pluginregistration_v1_pb2
+
+    reg = pluginregistration_v1_pb2.DESCRIPTOR.services_by_name["Registration"]
+    assert reg.full_name == "pluginregistration.Registration"
+    assert {m.name for m in reg.methods} == {"GetInfo", "NotifyRegistrationStatus"}
+    info = pluginregistration_v1_pb2.PluginInfo.DESCRIPTOR
+    assert {f.name: f.number for f in info.fields} == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
+    status = pluginregistration_v1_pb2.RegistrationStatus.DESCRIPTOR
+    assert {f.name: f.number for f in status.fields} == {"plugin_registered": 1, "error": 2}
+
+    for module, version in ((dra_v1_pb2, "v1"), (dra_v1beta1_pb2, "v1beta1")):
+        service = module.DESCRIPTOR.services_by_name["DRAPlugin"]
+        assert service.full_name == f"k8s.io.kubelet.pkg.apis.dra.{version}.DRAPlugin"
+        assert {m.name for m in service.methods} == {"NodePrepareResources", "NodeUnprepareResources"}
+        claim = module.Claim.DESCRIPTOR
+        assert {f.name: f.number for f in claim.fields} == {"namespace": 1, "uid": 2, "name": 3}
+        assert {f.name: f.number for f in module.NodePrepareResourceResponse.DESCRIPTOR.fields} == {
+            "devices": 1,
+            "error": 2,
+        }
+        assert {f.name: f.number for f in module.NodeUnprepareResourceResponse.DESCRIPTOR.fields} == {"error": 1}
+    device_fields = {f.name: f.number for f in dra_v1_pb2.Device.DESCRIPTOR.fields}
+    assert device_fields == {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4, "share_id": 5}
+    assert dra_v1_pb2.Device.DESCRIPTOR.fields_by_name["share_id"].has_presence
+
+    health = drahealth_v1_pb2.DESCRIPTOR.services_by_name["DRAResourceHealth"]
+    assert health.full_name == "v1.DRAResourceHealth"
+    method = health.methods_by_name["NodeWatchResources"]
+    assert method.server_streaming and not method.client_streaming
+    dh = drahealth_v1_pb2.DeviceHealth.DESCRIPTOR
+    assert {f.name: f.number for f in dh.fields} == {
+        "device": 1,
+        "health": 2,
+        "last_updated_time": 3,
+        "health_check_timeout_seconds": 4,
+        "message": 5,
+    }
+    assert dict(drahealth_v1_pb2.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}

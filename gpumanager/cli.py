@@ -8,16 +8,23 @@ on the simulated node).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import textwrap
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
+from typing import Any
 
-from gpumanager import __version__, names
+from gpumanager import __version__, buildinfo, flagspec, names
 from gpumanager.config import Config, ConfigError
+from gpumanager.flagspec import FlagField
 
 log = logging.getLogger(__name__)
 
@@ -26,107 +33,82 @@ EXIT_CONFIG = 2
 EXIT_NVML = 3
 
 
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "t", "true", "yes", "y", "on"):
-        return True
-    if value in ("0", "f", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
+def _argparse_type(field: FlagField) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return field.spec.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = field.flag  # argparse names the type in some errors
+    return convert
 
 
-def _duration(text: str) -> float:
-    """Seconds, or a Go duration such as 500ms, 5s, 1m, 1h."""
-    value = text.strip()
-    for suffix, scale in (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
-        if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit():
-            return float(value[: -len(suffix)]) * scale
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 30s, 5m)") from None
+def flag_help(field: FlagField) -> str:
+    """The help line of one flag: meaning, default and environment variable."""
+    return f"{field.spec.help} (default: {field.default_text()}; env {field.env})"
 
 
-def _xids(text: str) -> tuple[int, ...]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    try:
-        return tuple(sorted({int(t) for t in items}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of XID numbers") from None
+def env_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Values of the ``GPU_MANAGER_<FLAG>`` variables that are set; ValueError names the variable and value."""
+    values: dict[str, Any] = {}
+    for field in flagspec.flag_fields(Config):
+        if field.env in environ:
+            raw = environ[field.env]
+            try:
+                values[field.name] = field.spec.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"{field.env}={raw!r} ({field.flag}): {exc}") from None
+    return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (flag names as gpu-manager's; ``_`` and ``-`` are interchangeable)."""
-    d = Config()
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help text at spaces only, so paths and flag names stay whole."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=min(110, shutil.get_terminal_size().columns))
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser (flag names as gpu-manager's; ``_`` and ``-`` are interchangeable).
+
+    Every flag also reads ``GPU_MANAGER_<FLAG>`` from ``environ`` (default: none);
+    a flag on the command line wins over the variable.
+    """
     p = argparse.ArgumentParser(
         prog="gpu-manager",
+        formatter_class=_HelpFormatter,
         description="Share NVIDIA GPUs between Kubernetes containers (tencent.com/vcuda-core, vcuda-memory).",
+        epilog="Every flag can also be set with the environment variable shown; the flag wins. "
+        "Durations: 500ms, 30s, 5m, 1h or seconds.",
     )
-    flag = p.add_argument
-    flag("--driver", default=d.driver, help="GPU driver family (only 'nvidia')")
-    flag("--extra-config", default=d.extra_config, help="extra config JSON file")
-    flag("--volume-config", default=d.volume_config, help="volume.conf describing the driver mirror")
-    flag("--query-port", type=int, default=d.query_port, help="HTTP port (default %(default)s)")
-    flag("--query-addr", default=d.query_addr, help="HTTP bind address (default %(default)s)")
-    flag("--kubeconfig", default=d.kubeconfig, help="kubeconfig file; empty means in-cluster")
-    flag("--sample-period", type=int, default=d.sample_period, help="GPU utilisation sample window, seconds")
-    flag("--node-labels", default=d.node_labels, help="k=v,k2=v2 labels for this node")
-    flag("--hostname-override", default=d.hostname_override, help="node name (default: $NODE_NAME, else hostname)")
-    flag("--virtual-manager-path", default=d.virtual_manager_path, help="per-pod directories")
-    flag("--device-plugin-path", default=d.device_plugin_path, help="kubelet device-plugin directory")
-    flag("--checkpoint-path", default=d.checkpoint_path, help="directory of our own checkpoint")
-    flag("--share-mode", type=_bool, nargs="?", const=True, default=d.share_mode, help="allow vcuda-core < 100")
-    flag("--allocation-check-period", type=int, default=d.allocation_check_period, help="seconds")
-    flag(
-        "--container-runtime-endpoint",
-        default=d.container_runtime_endpoint,
-        help="accepted for compatibility; container names come from the pod status instead",
+    for field in flagspec.flag_fields(Config):
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if field.spec.bare_means_true else {}
+        p.add_argument(
+            field.flag,
+            dest=field.name,
+            type=_argparse_type(field),
+            default=field.default,
+            metavar=field.spec.metavar or field.name.upper(),
+            help=flag_help(field).replace("%", "%%"),
+            **extra,
+        )
+    p.add_argument(
+        "--version",
+        nargs="?",
+        const="true",
+        default="false",
+        metavar="BOOL",
+        help="print the version and the git commit it was built from, and exit",
     )
-    flag(
-        "--cgroup-driver",
-        default=d.cgroup_driver,
-        help="accepted for compatibility: both cgroupfs and systemd layouts are found automatically",
-    )
-    flag(
-        "--runtime-request-timeout",
-        type=_duration,
-        default=d.runtime_request_timeout,
-        help="accepted for compatibility; no container runtime is called",
-    )
-    flag("--wait-timeout", type=_duration, default=d.wait_timeout, help="max wait for our servers at start, e.g. 1m")
-    flag("--display-socket", default=d.display_socket, help="display gRPC socket (default %(default)s)")
-    flag("--pod-resources-socket", default=d.pod_resources_socket, help="kubelet PodResources socket")
-    flag("--nvml-lib", default=d.nvml_lib, help="path of libnvidia-ml.so.1 (default: the linker's choice)")
-    flag("--cgroup-root", default=d.cgroup_root, help="where the cgroup hierarchy is mounted (v1 or v2)")
-    flag(
-        "--driver-root", default=d.driver_root, help="root of the host's driver files (the image uses /usr/local/host)"
-    )
-    flag("--vcuda-library", default=d.vcuda_library, help="the interceptor swapped in for shared containers")
-    flag(
-        "--ignored-xids",
-        type=_xids,
-        default=d.ignored_xids,
-        help="XIDs that do not make a GPU unhealthy (default %(default)s)",
-    )
-    flag(
-        "--health-quiet-period",
-        type=_duration,
-        default=d.health_quiet_period,
-        help="error-free time before an unhealthy GPU is healthy again (default 5m)",
-    )
-    flag("--health-probe-period", type=_duration, default=d.health_probe_period, help="GPU probe interval")
-    flag(
-        "--kubelet-watch-period",
-        type=_duration,
-        default=d.kubelet_watch_period,
-        help="how often the kubelet socket is checked for a restart (default 100ms)",
-    )
-    # klog-compatible logging flags.
-    flag("--v", type=int, default=0, help="log verbosity (>= 4 logs debug messages)")
-    flag("--logtostderr", type=_bool, nargs="?", const=True, default=True, help="log to stderr")
-    flag("--alsologtostderr", type=_bool, nargs="?", const=True, default=False, help="klog compatibility")
-    flag("--log-dir", default="", help="also write gpu-manager.log in this directory")
-    flag("--version", nargs="?", const="short", default=None, help="print the version and exit")
+    if environ:
+        try:
+            p.set_defaults(**env_defaults(environ))
+        except ValueError as exc:
+            p.error(str(exc))
     return p
 
 
@@ -141,7 +123,7 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:
     """Build and validate the Config; raise ConfigError on a bad value."""
     env = os.environ if environ is None else environ
     fields = {f: getattr(args, f) for f in Config.__dataclass_fields__ if hasattr(args, f)}
@@ -149,18 +131,51 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     return Config(**fields).validate()
 
 
-def setup_logging(verbosity: int, log_dir: str) -> None:
-    """One format for every module; --v >= 4 enables debug messages."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    if log_dir:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(Path(log_dir) / "gpu-manager.log"))
-    logging.basicConfig(
-        level=logging.DEBUG if verbosity >= 4 else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=handlers,
-        force=True,
+class JSONFormatter(logging.Formatter):
+    """One JSON object per line: ``ts`` (RFC 3339, UTC), ``level``, ``logger``, ``msg``, and ``exc`` on errors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+LOG_BACKUPS = 3
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """One format for every module (--log-format); --v >= 4 enables debug messages.
+
+    As klog: stderr by default; ``--log-dir`` adds ``gpu-manager.log`` there (rotated at
+    ``--log-file-max-size`` MiB, 3 older files kept); ``--logtostderr=false`` with a
+    log directory writes the file only, unless ``--alsologtostderr``.
+    """
+    handlers: list[logging.Handler] = []
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        handlers.append(
+            RotatingFileHandler(
+                Path(args.log_dir) / "gpu-manager.log",
+                maxBytes=max(1, args.log_file_max_size) << 20,
+                backupCount=LOG_BACKUPS,
+            )
+        )
+    if args.logtostderr or args.alsologtostderr or not handlers:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    formatter = (
+        JSONFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    for handler in handlers:
+        handler.setFormatter(formatter)
+    logging.basicConfig(level=logging.DEBUG if args.v >= 4 else logging.INFO, handlers=handlers, force=True)
     # grpc and the kubernetes client are noisy at debug level.
     for noisy in ("urllib3", "kubernetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -168,11 +183,18 @@ def setup_logging(verbosity: int, log_dir: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-manager`` command."""
-    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
-    if args.version is not None:
-        print(f"gpu-manager {__version__} (device plugin API {names.DEVICE_PLUGIN_API_VERSION})")
+    args = build_parser(os.environ).parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
+    if args.version.lower() not in ("false", "0"):
+        print(
+            f"gpu-manager {__version__} (commit {buildinfo.commit()}, "
+            f"device plugin API {names.DEVICE_PLUGIN_API_VERSION})"
+        )
         return EXIT_OK
-    setup_logging(args.v, args.log_dir)
+    try:
+        setup_logging(args)
+    except OSError as exc:
+        print(f"gpu-manager: --log-dir={args.log_dir}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         config = config_from_args(args)
     except ConfigError as exc:

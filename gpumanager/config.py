@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager import names
+from gpumanager.flagspec import choice, duration, number, switch, text, xid_list
 
 
 class ConfigError(ValueError):
@@ -18,38 +19,85 @@ class Config:
     """Everything the agent needs to know at start-up.
 
     Field names follow gpu-manager v1.1's flags (``--device-plugin-path`` is
-    ``device_plugin_path``); durations are seconds.
+    ``device_plugin_path``); durations are seconds. Every field declared with a
+    :mod:`gpumanager.flagspec` helper is a flag and an environment variable
+    (``GPU_MANAGER_DEVICE_PLUGIN_PATH``); a new flag is one such field here.
     """
 
-    driver: str = "nvidia"
-    extra_config: str = ""
-    volume_config: str = ""
-    query_port: int = 5678
-    query_addr: str = "localhost"
-    kubeconfig: str = ""
-    sample_period: int = 1
-    node_labels: str = ""
-    hostname_override: str = ""
-    virtual_manager_path: str = names.DEFAULT_VIRTUAL_MANAGER_PATH
-    device_plugin_path: str = names.DEFAULT_DEVICE_PLUGIN_PATH
-    checkpoint_path: str = names.DEFAULT_CHECKPOINT_PATH
-    share_mode: bool = False
-    allocation_check_period: int = 30
-    container_runtime_endpoint: str = "/var/run/dockershim.sock"
-    cgroup_driver: str = "cgroupfs"
-    runtime_request_timeout: float = 5.0
-    wait_timeout: float = 60.0
+    # gpu-manager v1.1's flags, same names and meanings.
+    driver: str = text("nvidia", "GPU driver family (only nvidia)", metavar="NAME")
+    extra_config: str = text(
+        "", "extra-config.json: device nodes added to every container (default.devices)", shown="none", metavar="FILE"
+    )
+    volume_config: str = text(
+        "", "volume.conf: build the driver mirror (vdriver/{nvidia,origin}) at start", shown="none", metavar="FILE"
+    )
+    query_addr: str = text(
+        "localhost", "bind address of the HTTP endpoints (/metrics, /healthz, /usage, ...)", metavar="ADDR"
+    )
+    query_port: int = number(5678, "port of the HTTP endpoints", metavar="PORT")
+    kubeconfig: str = text(
+        "",
+        "kubeconfig of the API server; without one the device plugin serves and Allocate refuses clearly",
+        shown="in-cluster",
+        metavar="FILE",
+    )
+    sample_period: int = number(1, "seconds of NVML utilisation samples behind the usage metrics", metavar="SECONDS")
+    node_labels: str = text(
+        "", "k=v,... applied to the node; gaia.tencent.com/gpu-model gets the GPU model", shown="none", metavar="LABELS"
+    )
+    hostname_override: str = text(
+        "", "node name (pods are watched with spec.nodeName=)", shown="$NODE_NAME, else the host name", metavar="NAME"
+    )
+    virtual_manager_path: str = text(
+        names.DEFAULT_VIRTUAL_MANAGER_PATH, "per-pod directories, mounted at /etc/vcuda", metavar="DIR"
+    )
+    device_plugin_path: str = text(names.DEFAULT_DEVICE_PLUGIN_PATH, "kubelet device-plugin directory", metavar="DIR")
+    checkpoint_path: str = text(
+        names.DEFAULT_CHECKPOINT_PATH, "directory of the checkpoint gpumanager_internal_checkpoint", metavar="DIR"
+    )
+    share_mode: bool = switch(False, "allow vcuda-core < 100 (a share of one GPU; needs vcuda-memory)")
+    allocation_check_period: int = number(
+        30, "seconds between checks that free finished pods and repair annotations", metavar="SECONDS"
+    )
+    container_runtime_endpoint: str = text(
+        "/var/run/dockershim.sock",
+        "accepted for compatibility; container names come from the pod status instead",
+        metavar="ENDPOINT",
+    )
+    cgroup_driver: str = text(
+        "cgroupfs", "accepted for compatibility: both cgroupfs and systemd layouts are found", metavar="DRIVER"
+    )
+    runtime_request_timeout: float = duration(5.0, "accepted for compatibility; no container runtime is called")
+    wait_timeout: float = duration(60.0, "longest wait for the agent's own gRPC servers at start")
     # Beyond upstream.
-    display_socket: str = names.DEFAULT_DISPLAY_SOCKET
-    pod_resources_socket: str = names.DEFAULT_POD_RESOURCES_SOCKET
-    nvml_lib: str = ""
-    cgroup_root: str = "/sys/fs/cgroup"
-    driver_root: str = "/"
-    vcuda_library: str = "/usr/local/lib/gpu-manager/libcuda-control.so"
-    ignored_xids: tuple[int, ...] = names.DEFAULT_IGNORED_XIDS
-    health_quiet_period: float = 300.0
-    health_probe_period: float = 1.0
-    kubelet_watch_period: float = 0.1
+    display_socket: str = text(names.DEFAULT_DISPLAY_SOCKET, "display gRPC socket", metavar="PATH")
+    pod_resources_socket: str = text(
+        names.DEFAULT_POD_RESOURCES_SOCKET, "the kubelet's PodResources API socket", metavar="PATH"
+    )
+    nvml_lib: str = text("", "path of libnvidia-ml.so.1", shown="the linker's choice", metavar="PATH")
+    cgroup_root: str = text(
+        "/sys/fs/cgroup", "where container PIDs are looked up (cgroup v1 or v2, either driver)", metavar="DIR"
+    )
+    driver_root: str = text(
+        "/", "the host's root for driver files (the image mounts the host's / at /usr/local/host)", metavar="DIR"
+    )
+    vcuda_library: str = text(
+        "/usr/local/lib/gpu-manager/libcuda-control.so", "the interceptor shared containers get", metavar="PATH"
+    )
+    ignored_xids: tuple[int, ...] = xid_list(names.DEFAULT_IGNORED_XIDS, "XIDs that never make a GPU unhealthy")
+    health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
+    health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
+    kubelet_watch_period: float = duration(0.1, "how often the kubelet socket and the agent's own are checked")
+    # Logging (klog's flag names).
+    v: int = number(0, "log verbosity; 4 or more logs debug messages")
+    log_format: str = choice("text", ("text", "json"), "log line format (json: one JSON object per line)")
+    logtostderr: bool = switch(True, "log to stderr; with false and --log-dir, log to the file only")
+    alsologtostderr: bool = switch(False, "log to stderr as well when --logtostderr=false")
+    log_dir: str = text("", "also write gpu-manager.log in this directory (rotated)", shown="none", metavar="DIR")
+    log_file_max_size: int = number(
+        100, "MiB after which gpu-manager.log is rotated (3 older files are kept)", metavar="MIB"
+    )
     node_name: str = field(default="", compare=False)
 
     @property
@@ -78,6 +126,8 @@ class Config:
         ):
             if fvalue < 0 or (flag != "--health-quiet-period" and fvalue == 0):
                 raise ConfigError(f"{flag}={fvalue}: must be a positive number of seconds")
+        if self.log_file_max_size <= 0:
+            raise ConfigError(f"--log-file-max-size={self.log_file_max_size}: must be a positive number of MiB")
         if self.cgroup_driver not in ("cgroupfs", "systemd"):
             raise ConfigError(f"--cgroup-driver={self.cgroup_driver!r}: must be 'cgroupfs' or 'systemd'")
         if not self.device_plugin_path:

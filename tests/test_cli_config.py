@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import runpy
+from pathlib import Path
+
 import pytest
 
-from gpumanager import cli
+import gpumanager
+from gpumanager import buildinfo, cli, flagspec
 from gpumanager.config import Config, ConfigError, parse_node_labels
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> Config:
-    args = cli.build_parser().parse_args(cli.normalize_argv(argv))
+    args = cli.build_parser(env or {}).parse_args(cli.normalize_argv(argv))
     return cli.config_from_args(args, env or {})
 
 
@@ -90,6 +97,130 @@ def test_node_labels() -> None:
     assert parse_node_labels("") == {}
 
 
-def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_flag_prints_version_and_commit(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--version"]) == 0
-    assert "gpu-manager" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"gpu-manager {gpumanager.__version__} (commit {buildinfo.commit()}," in out
+    assert re.fullmatch(r"[0-9a-f]{40}", buildinfo.commit())  # this checkout's HEAD
+
+
+def test_every_flag_is_read_from_its_environment_variable() -> None:
+    fields = list(flagspec.flag_fields(Config))
+    assert {f.env for f in fields} >= {"GPU_MANAGER_SHARE_MODE", "GPU_MANAGER_DEVICE_PLUGIN_PATH", "GPU_MANAGER_V"}
+    samples = {int: "7", float: "90s", str: "/x/y", tuple: "79,13"}
+    for f in fields:
+        raw = "json" if f.name == "log_format" else samples.get(type(f.default), str(not f.default).lower())
+        args = cli.build_parser({f.env: raw}).parse_args([])
+        assert getattr(args, f.name) == f.spec.parse(raw) != f.default, f.flag
+
+
+def test_flag_wins_over_environment() -> None:
+    env = {"GPU_MANAGER_QUERY_PORT": "6000", "GPU_MANAGER_SHARE_MODE": "true", "GPU_MANAGER_IGNORED_XIDS": "79"}
+    c = parse("--query-port=7000", "--share-mode=false", env=env)
+    assert (c.query_port, c.share_mode, c.ignored_xids) == (7000, False, (79,))
+    assert parse("--share_mode", env={"GPU_MANAGER_SHARE_MODE": "false"}).share_mode is True
+
+
+def test_bad_environment_value_exits_2_naming_variable_and_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser({"GPU_MANAGER_WAIT_TIMEOUT": "soon"})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "GPU_MANAGER_WAIT_TIMEOUT='soon'" in err and "--wait-timeout" in err
+
+
+def test_bad_environment_value_from_main_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPU_MANAGER_QUERY_PORT", "many")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 2
+
+
+def test_help_shows_every_default_as_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for f in flagspec.flag_fields(Config):
+        assert f"{f.flag} " in out
+        assert f"(default: {f.default_text()}; env {f.env})" in out, f.flag
+    assert "(13, 31" not in out  # a list, not a Python tuple
+    assert "default: 13,31,43,45,68,109;" in out
+    assert "default: 5m;" in out and "default: 100ms;" in out
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(300.0, "5m"), (0.1, "100ms"), (1.0, "1s"), (60.0, "1m"), (7200.0, "2h"), (1.5, "1500ms")]
+)
+def test_durations_are_shown_as_typed(seconds: float, text: str) -> None:
+    assert flagspec.format_duration(seconds) == text
+    assert flagspec.parse_duration(text) == pytest.approx(seconds)
+
+
+def test_readme_flags_table_is_current() -> None:
+    script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "flags_table.py"))
+    readme = script["README"].read_text()
+    assert script["replace_block"](readme) == readme, "README flags table: run python scripts/flags_table.py"
+    for f in flagspec.flag_fields(Config):
+        assert f"| `{f.flag}` |" in readme
+
+
+def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
+    args = cli.build_parser().parse_args(["--log-format=json", f"--log-dir={tmp_path}", "--logtostderr=false"])
+    try:
+        cli.setup_logging(args)
+        logging.getLogger("gpumanager.test").info("hello %s", "world")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("gpumanager.test").exception("failed")
+    finally:
+        _reset_logging()
+    lines = (tmp_path / "gpu-manager.log").read_text().splitlines()
+    first, second = (json.loads(line) for line in lines)
+    assert first["msg"] == "hello world" and first["level"] == "info" and first["logger"] == "gpumanager.test"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["ts"])
+    assert second["level"] == "error" and "RuntimeError: boom" in second["exc"]
+
+
+def test_log_format_rejects_unknown(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["--log-format=xml"])
+    assert exc.value.code == 2
+    assert "'xml'" in capsys.readouterr().err
+
+
+def test_log_file_is_rotated(tmp_path: Path) -> None:
+    args = cli.build_parser().parse_args([f"--log-dir={tmp_path}", "--log-file-max-size=1", "--logtostderr=false"])
+    try:
+        cli.setup_logging(args)
+        line = "x" * 1000
+        for _ in range(5000):  # about 5 MiB
+            logging.getLogger("gpumanager.test").info(line)
+    finally:
+        _reset_logging()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["gpu-manager.log", "gpu-manager.log.1", "gpu-manager.log.2", "gpu-manager.log.3"]
+    assert all((tmp_path / f).stat().st_size <= (1 << 20) for f in files)
+
+
+def test_no_log_file_without_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    try:
+        cli.setup_logging(cli.build_parser().parse_args([]))
+        handlers = logging.getLogger().handlers
+        assert [type(h) for h in handlers] == [logging.StreamHandler]
+    finally:
+        _reset_logging()
+
+
+def test_unusable_log_dir_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    assert cli.main([f"--log-dir={tmp_path / 'file' / 'sub'}"]) == cli.EXIT_CONFIG
+    assert f"--log-dir={tmp_path / 'file' / 'sub'}" in capsys.readouterr().err
+
+
+def _reset_logging() -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()

@@ -1,0 +1,168 @@
+"""How a Config field becomes a command-line flag and an environment variable.
+
+A field declared with one of the helpers below (``text``, ``choice``, ``number``,
+``switch``, ``duration``, ``xid_list``) is a flag: ``--<name with - for _>``, also read from
+``GPU_MANAGER_<NAME IN UPPER CASE>`` (the flag wins over the variable). The
+helper carries the help text, the parser of a value and how the default is shown,
+so adding a flag is one field in :class:`gpumanager.config.Config`; ``--help``
+and the README's flags table are built from the same declaration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "GPU_MANAGER_"
+_META_KEY = "flag"
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """What turns one Config field into a flag."""
+
+    help: str
+    parse: Callable[[str], Any]
+    shown_default: Callable[[Any], str]
+    #: bool flags accept a bare ``--flag`` (meaning true), as Go's flag package does.
+    bare_means_true: bool = False
+    metavar: str = ""
+    #: False when the shown default is a description ("none", "in-cluster") rather than a value.
+    literal_default: bool = True
+
+
+@dataclass(frozen=True)
+class FlagField:
+    """A Config field that is a flag."""
+
+    name: str
+    default: Any
+    spec: FlagSpec
+
+    @property
+    def flag(self) -> str:
+        """``--device-plugin-path`` for ``device_plugin_path``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        """``GPU_MANAGER_DEVICE_PLUGIN_PATH`` for ``device_plugin_path``."""
+        return ENV_PREFIX + self.name.upper()
+
+    def default_text(self) -> str:
+        """The default as an operator would type it (``5m``, ``13,31``, ``false``)."""
+        return self.spec.shown_default(self.default)
+
+
+def parse_bool(text: str) -> bool:
+    """Go's strconv.ParseBool plus yes/no/on/off."""
+    value = text.strip().lower()
+    if value in ("1", "t", "true", "yes", "y", "on"):
+        return True
+    if value in ("0", "f", "false", "no", "n", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean")
+
+
+def parse_int(text: str) -> int:
+    """A decimal integer."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+
+
+_DURATION_UNITS = (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds, or a Go duration such as 500ms, 5s, 1m, 1h."""
+    value = text.strip()
+    for suffix, scale in _DURATION_UNITS:
+        if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit():
+            return float(value[: -len(suffix)]) * scale
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m)") from None
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest Go-style spelling of a whole number of hours, minutes, seconds or milliseconds."""
+    for suffix, scale in reversed(_DURATION_UNITS):
+        count = seconds / scale
+        if count >= 1 and abs(count - round(count)) < 1e-9:
+            return f"{round(count)}{suffix}"
+    return f"{seconds:g}s"
+
+
+def parse_xids(text: str) -> tuple[int, ...]:
+    """A comma-separated list of XID numbers, sorted and without repeats."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return tuple(sorted({int(t) for t in items}))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of XID numbers") from None
+
+
+def _declare(default: Any, spec: FlagSpec) -> Any:
+    return field(default=default, metadata={_META_KEY: spec})
+
+
+def text(default: str, help: str, *, shown: str | None = None, metavar: str = "") -> Any:
+    """A string flag; ``shown`` replaces the default in help (e.g. ``none`` for an empty path)."""
+    return _declare(
+        default,
+        FlagSpec(
+            help,
+            str,
+            lambda v: shown if shown is not None else str(v),
+            metavar=metavar,
+            literal_default=shown is None,
+        ),
+    )
+
+
+def choice(default: str, options: tuple[str, ...], help: str) -> Any:
+    """A string flag that takes one of ``options``."""
+
+    def parse(value: str) -> str:
+        if value not in options:
+            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
+        return value
+
+    return _declare(default, FlagSpec(help, parse, str, metavar="{" + ",".join(options) + "}"))
+
+
+def number(default: int, help: str, *, metavar: str = "N") -> Any:
+    """An integer flag."""
+    return _declare(default, FlagSpec(help, parse_int, str, metavar=metavar))
+
+
+def switch(default: bool, help: str) -> Any:
+    """A boolean flag (``--flag``, ``--flag=true|false``)."""
+    return _declare(
+        default, FlagSpec(help, parse_bool, lambda v: "true" if v else "false", bare_means_true=True, metavar="BOOL")
+    )
+
+
+def duration(default: float, help: str) -> Any:
+    """A duration flag, stored in seconds (``30``, ``30s``, ``500ms``, ``5m``)."""
+    return _declare(default, FlagSpec(help, parse_duration, format_duration, metavar="DURATION"))
+
+
+def xid_list(default: tuple[int, ...], help: str) -> Any:
+    """A comma-separated list of XIDs."""
+    return _declare(
+        default, FlagSpec(help, parse_xids, lambda v: ",".join(str(x) for x in v) or "none", metavar="XIDS")
+    )
+
+
+def flag_fields(cls: type) -> Iterator[FlagField]:
+    """The flags of a dataclass, in declaration order."""
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(_META_KEY)
+        if isinstance(spec, FlagSpec):
+            yield FlagField(f.name, f.default, spec)

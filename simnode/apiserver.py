@@ -1,6 +1,8 @@
 """A Kubernetes API-server simulator that the real ``kubernetes`` Python client talks to.
 
-It serves core/v1 ``pods`` (namespaced) and ``nodes`` over plain HTTP on 127.0.0.1, with the
+It serves core/v1 ``pods`` (namespaced) and ``nodes``, and the ``resource.k8s.io/v1`` kinds of
+:mod:`simnode.apiserver_resource` (DeviceClass, ResourceSlice, ResourceClaim with ``/status``,
+ResourceClaimTemplate: list, watch, get, create, update, patch, delete), over plain HTTP on 127.0.0.1, with the
 real server's JSON shapes, so a client built from :meth:`ApiServerSimulator.write_kubeconfig`
 deserialises its answers into ``V1Pod``, ``V1PodList``, ``V1Node``, ``V1Status`` as usual.
 Used by end-to-end tests, benchmarks and the demo of the node agent.
@@ -30,12 +32,13 @@ reasons and messages; pod defaulting and validation
 
 Differences a client may notice:
 
-* namespaces are not objects: any namespace exists; only pods and nodes are served (other
-  resources answer 404);
+* namespaces are not objects: any namespace exists; only pods, nodes and the resource.k8s.io
+  kinds are served (other resources answer 404);
 * strategic merge patch is approximated (see :mod:`~simnode.apiserver_patch`);
   server-side apply (``application/apply-patch+yaml``) answers 415;
-* no ``managedFields``, no ``metadata.generation``; quantities are kept as sent (strings; numbers
-  become strings) rather than canonicalised (``"1000m"`` stays ``"1000m"``);
+* no ``managedFields``, no ``metadata.generation``; pod quantities are kept as sent (strings;
+  numbers become strings) rather than canonicalised (``"1000m"`` stays ``"1000m"``), while
+  resource.k8s.io quantities are canonicalised as the real server does;
 * only JSON (no protobuf/CBOR/YAML, no ``Table`` output, ``pretty`` ignored);
 * a watch from a resourceVersion newer than the current one waits for it silently;
   bookmarks come every ``bookmark_interval`` seconds when ``allowWatchBookmarks`` is set; without

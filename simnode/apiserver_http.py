@@ -24,6 +24,7 @@ from simnode.apiserver_errors import ApiError, forbidden_anonymous, method_not_a
 from simnode.apiserver_faults import Faults, RequestLog, RequestRecord
 from simnode.apiserver_objects import KINDS, PODS, ResourceKind
 from simnode.apiserver_ops import Operations, WatchPlan, parse_bool, wrap_error
+from simnode.apiserver_resource import GROUP_KINDS, api_group_list, discovery_document
 from simnode.apiserver_store import Key, Store, WatchEnd
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,14 @@ class _Route:
 
 
 def _parse_api_path(path: str) -> _Route | None:
-    rest = path[len("/api/v1/") :].strip("/")
+    kinds: Mapping[str, ResourceKind] = KINDS
+    prefix = "/api/v1/"
+    if not path.startswith(prefix):
+        group = next((gv for gv in GROUP_KINDS if path.startswith(f"/apis/{gv}/")), None)
+        if group is None:
+            return None
+        kinds, prefix = GROUP_KINDS[group], f"/apis/{group}/"
+    rest = path[len(prefix) :].strip("/")
     segs = [unquote(s) for s in rest.split("/")] if rest else []
     watch_path = False
     if segs and segs[0] == "watch":
@@ -172,9 +180,9 @@ def _parse_api_path(path: str) -> _Route | None:
     if len(segs) >= 3 and segs[0] == "namespaces":
         namespace = segs[1]
         segs = segs[2:]
-    if not segs or segs[0] not in KINDS or len(segs) > 3:
+    if not segs or segs[0] not in kinds or len(segs) > 3:
         return None
-    kind = KINDS[segs[0]]
+    kind = kinds[segs[0]]
     if namespace is not None and not kind.namespaced:
         return None
     name = segs[1] if len(segs) >= 2 else None
@@ -351,7 +359,7 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
         if header is None:
             if path in PUBLIC_PATHS:
                 return
-            route = _parse_api_path(path) if path.startswith("/api/v1/") else None
+            route = _parse_api_path(path)
             if route is None:
                 raise forbidden_anonymous(method.lower(), None, None, path)
             watch = route.watch_path or query.get("watch") in ("1", "true", "True")
@@ -395,13 +403,18 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             return
         if path in ("/apis", "/apis/") and method == "GET":
             record(200)
-            self._send_json(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": []})
+            self._send_json(200, api_group_list())
             return
-        if not path.startswith("/api/"):
+        discovery = discovery_document(path) if method == "GET" else None
+        if discovery is not None:
+            record(200)
+            self._send_json(200, discovery)
+            return
+        if not path.startswith(("/api/", "/apis/")):
             record(404)
             self._send_text(404, "404 page not found\n")
             return
-        route = _parse_api_path(path) if path.startswith("/api/v1/") else None
+        route = _parse_api_path(path)
         if route is None:
             raise server_not_found()
         if method in ("POST", "PUT") and raw and body is None:

@@ -124,16 +124,19 @@ def _check_string_map(obj: JSON, field: str) -> None:
             )
 
 
-def check_shape(obj: Any, kind: str) -> JSON:
+def check_shape(obj: Any, kind: str, api_version: str = "v1") -> JSON:
     """Reject bodies the real server could not decode into the Go type (400)."""
     if not isinstance(obj, dict):
         raise bad_request(f"json: cannot unmarshal {type(obj).__name__} into Go value of type v1.{kind}")
     body_kind = obj.get("kind")
     if body_kind not in (None, "", kind):
-        raise bad_request(f"the API version in the data (v1) does not match the expected kind {kind} (got {body_kind})")
-    if obj.get("apiVersion") not in (None, "", "v1"):
         raise bad_request(
-            f"the API version in the data ({obj.get('apiVersion')}) does not match the expected API version (v1)"
+            f"the API version in the data ({api_version}) does not match the expected kind {kind} (got {body_kind})"
+        )
+    if obj.get("apiVersion") not in (None, "", api_version):
+        raise bad_request(
+            f"the API version in the data ({obj.get('apiVersion')}) does not match the expected API version "
+            f"({api_version})"
         )
     if "metadata" in obj and not isinstance(obj["metadata"], dict):
         raise bad_request("json: cannot unmarshal into Go struct field metadata of type v1.ObjectMeta")
@@ -610,6 +613,8 @@ class ResourceKind:
     prepare_update: Callable[[JSON, JSON], None]
     prepare_status_update: Callable[[JSON, JSON], None]
     short_names: Sequence[str] = ()
+    group_version: str = "v1"
+    """``v1`` for the core group, ``<group>/<version>`` otherwise (the objects' ``apiVersion``)."""
 
     @property
     def list_kind(self) -> str:

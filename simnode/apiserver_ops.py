@@ -194,7 +194,7 @@ class Operations:
             list_meta["continue"] = encode_continue(result.rv, result.next_key)
             if labels.empty and fields.empty:
                 list_meta["remainingItemCount"] = result.remaining
-        return {"kind": kind.list_kind, "apiVersion": "v1", "metadata": list_meta, "items": result.items}
+        return {"kind": kind.list_kind, "apiVersion": kind.group_version, "metadata": list_meta, "items": result.items}
 
     def open_watch(self, kind: ResourceKind, namespace: str | None, name: str | None, query: Query) -> WatchPlan:
         """``GET ...?watch=true``: a registered watcher, or the 410 to send as an ERROR event."""
@@ -245,7 +245,7 @@ class Operations:
         self, kind: ResourceKind, namespace: str | None, body: Any, query: Query, *, from_api: bool = True
     ) -> JSON:
         """``POST`` on a collection (``from_api=False``: the direct helpers, which keep a given uid/status)."""
-        obj = copy.deepcopy(check_shape(body, kind.kind))
+        obj = copy.deepcopy(check_shape(body, kind.kind, kind.group_version))
         md = meta(obj)
         if kind.namespaced:
             body_ns = md.get("namespace")
@@ -273,7 +273,7 @@ class Operations:
 
     def replace(self, kind: ResourceKind, key: Key, body: Any, query: Query, *, status: bool = False) -> JSON:
         """``PUT`` on an object or its ``/status``."""
-        new = copy.deepcopy(check_shape(body, kind.kind))
+        new = copy.deepcopy(check_shape(body, kind.kind, kind.group_version))
         raise_if_name_mismatch(new, key[1], key[0] if kind.namespaced else None)
         if not kind.namespaced:
             meta(new).pop("namespace", None)
@@ -321,7 +321,7 @@ class Operations:
                     patched = strategic_merge_patch(current, patch, kind.merge_keys)
             except PatchError as exc:
                 raise ApiError(400 if exc.decode else 422, str(exc)) from None
-            patched = check_shape(patched, kind.kind)
+            patched = check_shape(patched, kind.kind, kind.group_version)
             raise_if_name_mismatch(patched, key[1], key[0] if kind.namespaced else None)
             if not kind.namespaced:
                 meta(patched).pop("namespace", None)
@@ -355,8 +355,8 @@ class Operations:
             preconditions=preconditions if isinstance(preconditions, dict) else None,
             dry_run=_dry_run(query) or options.get("dryRun") == ["All"],
         )
-        if kind is PODS:
-            return obj
+        if kind is not NODES:
+            return obj  # pods and resource.k8s.io objects answer the object; nodes a Status
         return success_status({"name": key[1], "kind": kind.resource, "uid": meta(obj).get("uid")})
 
     def delete_collection(self, kind: ResourceKind, namespace: str | None, body: Any, query: Query) -> JSON:
@@ -377,7 +377,7 @@ class Operations:
                 deleted.append(obj)
         return {
             "kind": kind.list_kind,
-            "apiVersion": "v1",
+            "apiVersion": kind.group_version,
             "metadata": {"resourceVersion": str(self.store.rv)},
             "items": deleted,
         }

@@ -117,7 +117,7 @@ def bookmark_object(kind: ResourceKind, rv: int, *, initial_events_end: bool = F
     md: JSON = {"resourceVersion": str(rv), "creationTimestamp": None}
     if initial_events_end:
         md["annotations"] = {INITIAL_EVENTS_END: "true"}
-    return {"kind": kind.kind, "apiVersion": "v1", "metadata": md}
+    return {"kind": kind.kind, "apiVersion": kind.group_version, "metadata": md}
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class Store:
 
     def _stamp(self, kind: ResourceKind, obj: JSON, rv: int) -> None:
         obj["kind"] = kind.kind
-        obj["apiVersion"] = "v1"
+        obj["apiVersion"] = kind.group_version
         meta(obj)["resourceVersion"] = str(rv)
 
     def create(self, kind: ResourceKind, obj: JSON, *, dry_run: bool = False) -> JSON:

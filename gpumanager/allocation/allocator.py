@@ -20,7 +20,9 @@ from typing import Protocol
 
 from gpumanager import names
 from gpumanager.allocation import checkpoint, records
+from gpumanager.allocation import claims as claim_records
 from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
@@ -100,6 +102,8 @@ class Allocator:
         self._listeners: list[ChangeListener] = []
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
+        # ResourceClaims prepared on this node (DRA mode), by claim UID.
+        self._claims: dict[str, ClaimAllocation] = {}
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -396,7 +400,10 @@ class Allocator:
         crash_point("allocate-after-checkpoint")
 
     def _save(self) -> None:
-        checkpoint.write_json(self._checkpoint_path, records.to_json(self._allocs.values()))
+        document = records.to_json(self._allocs.values())
+        if self._claims:
+            document["Claims"] = claim_records.to_json(self._claims.values())
+        checkpoint.write_json(self._checkpoint_path, document)
 
     def _notify(self) -> None:
         for listener in self._listeners:
@@ -562,11 +569,14 @@ class Allocator:
             if data is None:
                 return 0, []
             allocs, problems = records.from_json(data)
+            claims, claim_problems = claim_records.from_json(data)
         except (checkpoint.CheckpointError, records.RecordError) as exc:
             checkpoint.quarantine(self._checkpoint_path)
             raise AllocationError(str(exc), "unavailable") from exc
-        recovered = self.adopt(allocs, source=str(self._checkpoint_path))
-        return recovered, problems
+        # Claims first, without saving: adopt() then writes the checkpoint once, with both.
+        recovered = self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
+        recovered += self.adopt(allocs, source=str(self._checkpoint_path))
+        return recovered, problems + claim_problems
 
     def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:
         """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many."""
@@ -590,6 +600,126 @@ class Allocator:
                 taken += 1
             self._warn_overcommit(source)
             self._save()
+        if taken:
+            self._notify()
+        return taken
+
+    # -- ResourceClaims (DRA mode) ------------------------------------------------------------------
+
+    def claims(self) -> list[ClaimAllocation]:
+        """Every prepared claim, ordered by UID."""
+        with self._lock:
+            return [self._claims[uid] for uid in sorted(self._claims)]
+
+    def claim(self, uid: str) -> ClaimAllocation | None:
+        """A prepared claim by UID."""
+        with self._lock:
+            return self._claims.get(uid)
+
+    def prepare_claim(self, claim: ClaimAllocation, *, allow_unhealthy: frozenset[int] = frozenset()) -> bool:
+        """Record a claim and occupy its GPUs; checkpointed before returning. Returns False when it was
+        already prepared (a repeated Prepare: nothing changes).
+
+        Refused (AllocationError naming the claim, the device and the amounts, nothing changed) when
+        a GPU is not on this node, is unhealthy (unless its minor is in ``allow_unhealthy``: the
+        result tolerates the taint), or cannot hold what the claim consumes next to the claims
+        already prepared.
+        """
+        who = f"claim {claim.key} ({claim.uid})"
+        with self._lock:
+            known = self._claims.get(claim.uid)
+            if known is not None:
+                return False
+            wanted: dict[int, tuple[int, int, bool]] = {}
+            for dev in claim.devices:
+                try:
+                    leaf = self._tree.leaf_by_minor(dev.minor)
+                except (KeyError, ValueError):
+                    raise AllocationError(
+                        f"{who}: device {dev.device}: GPU minor {dev.minor} is not on this node"
+                    ) from None
+                if not leaf.healthy and dev.minor not in allow_unhealthy:
+                    raise AllocationError(f"{who}: device {dev.device} is unhealthy", "unavailable")
+                cores, memory, whole = wanted.get(dev.minor, (0, 0, False))
+                wanted[dev.minor] = (cores + dev.cores, memory + dev.memory, whole or dev.whole)
+            for minor, (cores, memory, whole) in sorted(wanted.items()):
+                leaf = self._tree.leaf_by_minor(minor)
+                name = next(d.device for d in claim.devices if d.minor == minor)
+                free_cores, free_memory = leaf.allocatable_cores, leaf.allocatable_memory
+                if whole and free_cores < names.HUNDRED_CORES:
+                    raise AllocationError(
+                        f"{who}: device {name} is asked for whole but holds {names.HUNDRED_CORES - free_cores} cores "
+                        f"of other claims",
+                        "exhausted",
+                    )
+                if cores > free_cores or memory > free_memory:
+                    raise AllocationError(
+                        f"{who}: device {name}: consumed capacity cores={cores} memory={memory} is more than the "
+                        f"device has left (cores={free_cores} memory={free_memory})",
+                        "exhausted",
+                    )
+            for dev in claim.devices:
+                leaf = self._tree.leaf_by_minor(dev.minor)
+                self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+            self._claims[claim.uid] = claim
+            crash_point("prepare-before-checkpoint")
+            try:
+                self._save()
+            except OSError as exc:
+                self._drop_claim(claim.uid)
+                raise AllocationError(f"cannot write checkpoint {self._checkpoint_path}: {exc}", "unavailable") from exc
+        self._notify()
+        log.info(
+            "prepared %s: %s",
+            who,
+            ", ".join(
+                f"{d.device} ({'whole' if d.whole else f'{d.cores} cores, {d.memory >> 20} MiB'})"
+                for d in claim.devices
+            ),
+        )
+        return True
+
+    def _drop_claim(self, uid: str) -> ClaimAllocation | None:
+        claim = self._claims.pop(uid, None)
+        if claim is None:
+            return None
+        for dev in claim.devices:
+            try:
+                leaf = self._tree.leaf_by_minor(dev.minor)
+            except (KeyError, ValueError):
+                continue
+            self._tree.free(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+        return claim
+
+    def unprepare_claim(self, uid: str) -> ClaimAllocation | None:
+        """Free a claim's GPUs (checkpointed); None when it was not prepared (a repeated Unprepare)."""
+        with self._lock:
+            claim = self._drop_claim(uid)
+            if claim is None:
+                return None
+            self._save()
+        self._notify()
+        log.info("unprepared claim %s (%s)", claim.key, uid)
+        return claim
+
+    def adopt_claims(self, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
+        """Take over prepared claims from a checkpoint; returns how many."""
+        taken = 0
+        with self._lock:
+            for claim in claims:
+                unknown = [m for m in claim.minors if m not in self._by_minor]
+                if unknown:
+                    log.warning("%s: dropping claim %s: GPU(s) %s not on this node", source, claim.key, unknown)
+                    continue
+                if claim.uid in self._claims:
+                    continue
+                for dev in claim.devices:
+                    leaf = self._tree.leaf_by_minor(dev.minor)
+                    self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+                self._claims[claim.uid] = claim
+                taken += 1
+            if taken and save:
+                self._save()
         if taken:
             self._notify()
         return taken

@@ -1,0 +1,139 @@
+"""Prepared ResourceClaims (DRA mode) and their checkpoint form.
+
+A claim prepared on this node holds one or more GPUs; each allocation result of
+our driver names one GPU, the capacity it consumes (``cores``, ``memory``) and,
+for a device that allows several allocations, a share ID. The records live in
+the same checkpoint file as the container allocations, under ``Claims`` (a key
+upstream gpu-manager ignores)::
+
+    {"PodGPUMapping": {...},
+     "Claims": {"<claim uid>": {"Namespace": "ml", "Name": "train-gpu-x2k4",
+                                "Devices": [{"Request": "gpu", "Pool": "node-a", "Device": "gpu-0",
+                                             "Minor": 0, "ShareID": "…", "Cores": 30,
+                                             "Memory": 4294967296, "Whole": false}]}}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpumanager.allocation.records import RecordError
+
+
+@dataclass(frozen=True)
+class ClaimDevice:
+    """One allocation result of a claim: a GPU and what the claim consumes of it."""
+
+    request: str
+    pool: str
+    device: str  # gpu-<index>
+    minor: int
+    share_id: str  # "" when the device was allocated whole (no shareID)
+    cores: int
+    memory: int  # bytes
+    whole: bool  # no consumed capacity, or all of it: no limits are enforced
+
+    def to_json(self) -> dict[str, Any]:
+        """The checkpoint entry."""
+        return {
+            "Request": self.request,
+            "Pool": self.pool,
+            "Device": self.device,
+            "Minor": self.minor,
+            "ShareID": self.share_id,
+            "Cores": self.cores,
+            "Memory": self.memory,
+            "Whole": self.whole,
+        }
+
+
+@dataclass(frozen=True)
+class ClaimAllocation:
+    """A ResourceClaim prepared on this node."""
+
+    uid: str
+    namespace: str
+    name: str
+    devices: tuple[ClaimDevice, ...]
+
+    @property
+    def minors(self) -> tuple[int, ...]:
+        """The GPUs (device minors) in result order."""
+        return tuple(d.minor for d in self.devices)
+
+    @property
+    def shared(self) -> bool:
+        """Whether any result is a share of its GPU (its limits are enforced)."""
+        return any(not d.whole for d in self.devices)
+
+    @property
+    def key(self) -> str:
+        """``<namespace>/<name>``."""
+        return f"{self.namespace}/{self.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The checkpoint entry."""
+        return {"Namespace": self.namespace, "Name": self.name, "Devices": [d.to_json() for d in self.devices]}
+
+
+def _field(entry: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
+    value = entry.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise RecordError(f"{where}: {name} {value!r} is not a {kind.__name__}")
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise RecordError(f"{where}: {name} {value!r} is negative")
+    return value
+
+
+def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
+    """The claims of a checkpoint document (its ``Claims`` key) and problems with skipped entries."""
+    raw = data.get("Claims") if isinstance(data, Mapping) else None
+    if raw is None:
+        return [], []
+    if not isinstance(raw, Mapping):
+        raise RecordError("Claims is not an object")
+    found: list[ClaimAllocation] = []
+    problems: list[str] = []
+    for uid, entry in raw.items():
+        where = f"claim {uid}"
+        try:
+            if not isinstance(entry, Mapping):
+                raise RecordError(f"{where}: entry is not an object")
+            devices = entry.get("Devices")
+            if not isinstance(devices, list) or not devices:
+                raise RecordError(f"{where}: Devices is not a non-empty list")
+            parsed = []
+            for i, dev in enumerate(devices):
+                at = f"{where} device {i}"
+                if not isinstance(dev, Mapping):
+                    raise RecordError(f"{at}: not an object")
+                parsed.append(
+                    ClaimDevice(
+                        request=_field(dev, "Request", str, at),
+                        pool=_field(dev, "Pool", str, at),
+                        device=_field(dev, "Device", str, at),
+                        minor=_field(dev, "Minor", int, at),
+                        share_id=_field(dev, "ShareID", str, at),
+                        cores=_field(dev, "Cores", int, at),
+                        memory=_field(dev, "Memory", int, at),
+                        whole=_field(dev, "Whole", bool, at),
+                    )
+                )
+            found.append(
+                ClaimAllocation(
+                    uid=str(uid),
+                    namespace=_field(entry, "Namespace", str, where),
+                    name=_field(entry, "Name", str, where),
+                    devices=tuple(parsed),
+                )
+            )
+        except RecordError as exc:
+            problems.append(str(exc))
+    return found, problems
+
+
+def to_json(claims: Iterable[ClaimAllocation]) -> dict[str, Any]:
+    """The ``Claims`` object of the checkpoint."""
+    return {c.uid: c.to_json() for c in claims}

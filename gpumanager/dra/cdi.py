@@ -1,0 +1,147 @@
+"""CDI specs of prepared claims: the only way a DRA driver gives a container env, mounts and devices.
+
+One spec per claim, ``<cdi-root>/<driver>-<claim uid>.json``, kind ``<driver>/gpu``,
+one CDI device per allocation result named from the claim UID, request, device and
+share ID. What is common to the claim sits in the spec's own ``containerEdits``
+(the runtime applies them once when any of its devices is used): the env of the
+device plugin's Allocate answer (one merged ``NVIDIA_VISIBLE_DEVICES``, since env
+edits of several devices are merged last-wins), the driver mirror read-only at
+``/usr/local/nvidia``, the claim's directory read-only at ``/etc/vcuda``, the
+control device nodes and ``extra-config.json``'s; each device adds its
+``/dev/nvidia<minor>`` (a CDI device without edits would invalidate the file).
+Written atomically (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumanager import names
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+from gpumanager.device.types import GPUInfo
+from gpumanager.dra import constants as c
+from gpumanager.fileio import atomic_write
+
+JSON = dict[str, Any]
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
+_MOUNT_OPTIONS = ["ro", "nosuid", "nodev", "bind"]
+
+
+@dataclass(frozen=True)
+class CDISettings:
+    """Node-wide inputs of every spec."""
+
+    root: Path
+    driver: str
+    vdriver_nvidia: str  # host path of the driver mirror with the interceptor (shares)
+    vdriver_origin: str  # host path of the untouched mirror (whole GPUs)
+    virtual_manager_path: str
+    extra_devices: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        """``<driver>/gpu``."""
+        return f"{self.driver}/{c.CDI_CLASS}"
+
+
+def spec_path(settings: CDISettings, claim_uid: str) -> Path:
+    """``<cdi-root>/<driver>-<claim uid>.json``."""
+    return settings.root / f"{settings.driver}-{claim_uid}.json"
+
+
+def device_name(claim_uid: str, dev: ClaimDevice) -> str:
+    """The CDI device of one result: ``<claim uid>-<request>-<device>[-<share id>]``."""
+    parts = [claim_uid, dev.request, dev.device] + ([dev.share_id] if dev.share_id else [])
+    return _UNSAFE.sub("_", "-".join(p for p in parts if p))
+
+
+def device_id(settings: CDISettings, claim_uid: str, dev: ClaimDevice) -> str:
+    """The fully qualified CDI device ID the kubelet passes to the runtime."""
+    return f"{settings.kind}={device_name(claim_uid, dev)}"
+
+
+def claim_dir(settings: CDISettings, claim_uid: str) -> Path:
+    """The claim's directory on the host (limit files), mounted at /etc/vcuda."""
+    return Path(settings.virtual_manager_path) / claim_uid
+
+
+def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> JSON:
+    """The CDI spec of a claim."""
+    by_minor = {g.minor: g for g in gpus}
+    chosen = [by_minor[m] for m in dict.fromkeys(claim.minors)]
+    env = [
+        f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in chosen)}",
+        f"LD_LIBRARY_PATH={names.DRIVER_MOUNTPOINT}/lib64",
+        f"{names.VCUDA_CONFIG_ENV}={names.VCUDA_MOUNTPOINT}/{names.VCUDA_CONFIG_FILE}",
+    ]
+    driver = settings.vdriver_nvidia if claim.shared else settings.vdriver_origin
+    common = ["/dev/nvidiactl", "/dev/nvidia-uvm", *settings.extra_devices]
+    edits: JSON = {
+        "env": env,
+        "deviceNodes": [{"path": p, "hostPath": p, "permissions": "rwm"} for p in dict.fromkeys(common)],
+        "mounts": [
+            {"hostPath": driver, "containerPath": names.DRIVER_MOUNTPOINT, "type": "bind", "options": _MOUNT_OPTIONS},
+            {
+                "hostPath": str(claim_dir(settings, claim.uid)),
+                "containerPath": names.VCUDA_MOUNTPOINT,
+                "type": "bind",
+                "options": _MOUNT_OPTIONS,
+            },
+        ],
+    }
+    devices = [
+        {
+            "name": device_name(claim.uid, dev),
+            "containerEdits": {
+                "deviceNodes": [
+                    {
+                        "path": by_minor[dev.minor].device_path,
+                        "hostPath": by_minor[dev.minor].device_path,
+                        "permissions": "rwm",
+                    }
+                ]
+            },
+        }
+        for dev in claim.devices
+    ]
+    return {"cdiVersion": c.CDI_VERSION, "kind": settings.kind, "devices": devices, "containerEdits": edits}
+
+
+def write_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> Path:
+    """Write (or replace) the claim's spec atomically and durably; returns its path."""
+    path = spec_path(settings, claim.uid)
+    data = json.dumps(build_spec(settings, claim, gpus), indent=2, sort_keys=True).encode() + b"\n"
+    atomic_write(path, data, durable=True)
+    return path
+
+
+def spec_current(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> bool:
+    """Whether the claim's spec on disk is what :func:`build_spec` gives now."""
+    try:
+        return bool(json.loads(spec_path(settings, claim.uid).read_text()) == build_spec(settings, claim, gpus))
+    except (OSError, ValueError):
+        return False
+
+
+def remove_spec(settings: CDISettings, claim_uid: str) -> bool:
+    """Remove the claim's spec; returns whether there was one."""
+    with contextlib.suppress(FileNotFoundError):
+        spec_path(settings, claim_uid).unlink()
+        return True
+    return False
+
+
+def specs_on_disk(settings: CDISettings) -> list[str]:
+    """Claim UIDs of this driver's specs in the CDI root."""
+    prefix = f"{settings.driver}-"
+    try:
+        entries = sorted(settings.root.iterdir())
+    except OSError:
+        return []
+    return [p.name[len(prefix) : -len(".json")] for p in entries if p.name.startswith(prefix) and p.suffix == ".json"]

@@ -1,0 +1,167 @@
+"""Reading an allocated ResourceClaim: which of this node's GPUs it holds, and how much of each.
+
+The kubelet names a claim by namespace, name and UID; the claim itself (GET from
+the API server) carries ``status.allocation.devices.results``. Each result of our
+driver and our pool names a device (``gpu-<index>``), an optional ``shareID`` and
+``consumedCapacity`` (``cores``, ``memory``). A result without consumed capacity,
+or consuming all of both, is a whole GPU (no limits). Every refusal names the
+claim, the device and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+from gpumanager.device.types import GPUInfo
+from gpumanager.dra import constants as c
+from gpumanager.dra.devices import published_memory
+from gpumanager.dra.quantity import QuantityError, parse
+from gpumanager.topology.nodes import HUNDRED_CORES
+
+JSON = dict[str, Any]
+
+
+class ClaimError(Exception):
+    """A claim this node cannot prepare; the message names the claim, device and value."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """What the kubelet names: namespace, name, UID."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def tolerated(result: Mapping[str, Any], driver: str) -> bool:
+    """Whether a result tolerates the driver's unhealthy taint."""
+    key = c.taint_key(driver)
+    for tol in result.get("tolerations") or []:
+        if not isinstance(tol, Mapping):
+            continue
+        if tol.get("effect") not in (None, "", c.TAINT_EFFECT):
+            continue
+        if tol.get("operator") == "Exists" and tol.get("key") in (None, "", key):
+            return True
+        if tol.get("key") == key:
+            return True
+    return False
+
+
+def parse_claim(
+    claim: Mapping[str, Any],
+    ref: ClaimRef,
+    *,
+    driver: str,
+    pool: str,
+    gpus: Sequence[GPUInfo],
+) -> tuple[ClaimAllocation, frozenset[int]]:
+    """The claim's results on this node, and the minors whose results tolerate the unhealthy taint.
+
+    Raises ClaimError for a claim whose UID differs, that is not allocated, that holds no device
+    of ``driver``, or whose results name another pool, a device this node does not have, a bad
+    quantity, more capacity than the device has, or more than one share (the limits of a claim
+    are one vcuda.config).
+    """
+    meta = claim.get("metadata") or {}
+    who = f"claim {ref}"
+    if meta.get("uid") != ref.uid:
+        raise ClaimError(f"{who}: its UID is {meta.get('uid')!r}, the kubelet asked for {ref.uid!r}")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not isinstance(allocation, Mapping):
+        raise ClaimError(f"{who} ({ref.uid}) is not allocated (no status.allocation)")
+    results = (allocation.get("devices") or {}).get("results") or []
+    mine = [r for r in results if isinstance(r, Mapping) and r.get("driver") == driver]
+    if not mine:
+        others = ", ".join(
+            f"{r.get('driver')}/{r.get('pool')}/{r.get('device')}" for r in results if isinstance(r, Mapping)
+        )
+        raise ClaimError(f"{who} ({ref.uid}) holds no device of driver {driver} (its devices: {others or 'none'})")
+    by_name = {c.device_name(g.index): g for g in gpus}
+    devices: list[ClaimDevice] = []
+    tolerant: set[int] = set()
+    for r in mine:
+        name = str(r.get("device") or "")
+        at = f"{who} ({ref.uid}) device {name!r}"
+        if r.get("pool") != pool:
+            raise ClaimError(f"{at}: pool {r.get('pool')!r} is not this node's ({pool!r})")
+        gpu = by_name.get(name)
+        if gpu is None:
+            raise ClaimError(f"{at}: this node has no such device (it has {', '.join(sorted(by_name)) or 'none'})")
+        devices.append(_device(r, gpu, at))
+        if tolerated(r, driver):
+            tolerant.add(gpu.minor)
+    shares = [d for d in devices if not d.whole]
+    if shares and len(devices) > 1:
+        raise ClaimError(
+            f"{who} ({ref.uid}): {len(devices)} devices ({', '.join(d.device for d in devices)}) and "
+            f"{len(shares)} of them a share: a claim with a share must hold one device (its limits are one "
+            "vcuda.config)"
+        )
+    return ClaimAllocation(uid=ref.uid, namespace=ref.namespace, name=ref.name, devices=tuple(devices)), frozenset(
+        tolerant
+    )
+
+
+def _device(result: Mapping[str, Any], gpu: GPUInfo, at: str) -> ClaimDevice:
+    consumed = result.get("consumedCapacity")
+    total_memory = published_memory(gpu)
+    share_id = str(result.get("shareID") or "")
+    if consumed in (None, {}):
+        return _whole(result, gpu, share_id)
+    if not isinstance(consumed, Mapping):
+        raise ClaimError(f"{at}: consumedCapacity {consumed!r} is not a map")
+    cores = _amount(consumed, c.CORES, Decimal(HUNDRED_CORES), at)
+    memory = _amount(consumed, c.MEMORY, Decimal(total_memory), at)
+    unknown = sorted(set(consumed) - {c.CORES, c.MEMORY})
+    if unknown:
+        raise ClaimError(f"{at}: consumedCapacity names {unknown}, which the device does not have")
+    if cores != cores.to_integral_value() or not 1 <= cores <= HUNDRED_CORES:
+        raise ClaimError(f"{at}: consumed cores {consumed.get(c.CORES)!r} is not a whole number from 1 to 100")
+    if memory != memory.to_integral_value() or not 0 < memory <= total_memory:
+        raise ClaimError(
+            f"{at}: consumed memory {consumed.get(c.MEMORY)!r} is more than the device has ({total_memory} bytes) "
+            "or not a positive number of bytes"
+        )
+    if cores == HUNDRED_CORES and memory == total_memory:
+        return _whole(result, gpu, share_id)
+    return ClaimDevice(
+        request=str(result.get("request") or ""),
+        pool=str(result.get("pool") or ""),
+        device=str(result.get("device") or ""),
+        minor=gpu.minor,
+        share_id=share_id,
+        cores=int(cores),
+        memory=int(memory),
+        whole=False,
+    )
+
+
+def _whole(result: Mapping[str, Any], gpu: GPUInfo, share_id: str) -> ClaimDevice:
+    return ClaimDevice(
+        request=str(result.get("request") or ""),
+        pool=str(result.get("pool") or ""),
+        device=str(result.get("device") or ""),
+        minor=gpu.minor,
+        share_id=share_id,
+        cores=HUNDRED_CORES,
+        memory=gpu.memory_total,
+        whole=True,
+    )
+
+
+def _amount(consumed: Mapping[str, Any], key: str, default: Decimal, at: str) -> Decimal:
+    if key not in consumed:
+        return default
+    try:
+        return parse(consumed[key])
+    except QuantityError as exc:
+        raise ClaimError(f"{at}: consumed {key} {consumed[key]!r}: {exc}") from None

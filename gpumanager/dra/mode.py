@@ -1,0 +1,268 @@
+"""DRA mode as one object the agent starts instead of the device-plugin servers.
+
+It owns the claim preparer, the ResourceSlice publisher, the kubelet-facing sockets and
+the health feed; it reads the agent's shared pieces (GPUs, topology, health monitor,
+allocator, pod cache, driver mirror paths) and writes into the same allocation state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.pods import Pod
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, drahealth_v1_pb2_grpc, pluginregistration_v1_pb2_grpc
+from gpumanager.device.health import HealthMonitor, HealthState
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.dra import cdi, consumers, devices
+from gpumanager.dra import constants as c
+from gpumanager.dra.plugin import DRAPluginSockets, socket_paths
+from gpumanager.dra.prepare import ClaimPreparer, api_reader
+from gpumanager.dra.publisher import SlicePublisher
+from gpumanager.dra.servicers import (
+    DeviceHealthState,
+    DRAPluginV1,
+    DRAPluginV1beta1,
+    HealthFeed,
+    HealthServicer,
+    RegistrationServicer,
+)
+from gpumanager.vmanager import cgroups
+from gpumanager.vmanager import claims as claim_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DRASettings:
+    """Flags of DRA mode."""
+
+    driver: str
+    plugin_registry_path: str
+    plugin_path: str
+    cdi_root: str
+    sysfs_root: str = "/sys"
+    watch_period: float = 0.1
+
+
+def _rfc3339(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class DRAMode:
+    """The DRA face of the agent."""
+
+    def __init__(
+        self,
+        *,
+        settings: DRASettings,
+        node: str,
+        gpus: Sequence[GPUInfo],
+        topology: NodeTopology,
+        health: HealthMonitor | None,
+        allocator: Allocator,
+        api_client: Any,
+        pods: Callable[[], list[Pod]],
+        pod: Callable[[str], Pod | None],
+        cdi_settings: cdi.CDISettings,
+        vm_path: Path,
+        cgroup_root: Path,
+        driver_version: str,
+        observe: Callable[[str, float, bool], None],
+        report: Callable[[str, str | None], None],
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self.pool = node
+        self._gpus = list(gpus)
+        self._topology = topology
+        self._health = health
+        self._allocator = allocator
+        self._pods = pods
+        self._pod = pod
+        self._vm = vm_path
+        self._cgroups = cgroups.CgroupLocator(cgroup_root)
+        self._report = report
+        self._started_unix = time.time()
+        self._last_pids: dict[str, list[int]] = {}
+        if api_client is not None:
+            reader = api_reader(api_client)
+        else:
+
+            def reader(namespace: str, name: str) -> dict[str, Any]:
+                from gpumanager.dra.claims import ClaimError
+
+                raise ClaimError(f"claim {namespace}/{name}: no API server is configured (--kubeconfig)")
+
+        self.preparer = ClaimPreparer(
+            read_claim=reader,
+            allocator=allocator,
+            gpus=self._gpus,
+            driver=settings.driver,
+            pool=self.pool,
+            cdi_settings=cdi_settings,
+            vm_path=vm_path,
+            driver_version=driver_version,
+        )
+        self.publisher: SlicePublisher | None = None
+        if api_client is not None:
+            self.publisher = SlicePublisher(
+                api_client,
+                node=node,
+                driver=settings.driver,
+                content=self.slice_spec,
+                on_error=lambda m: report("resourceslice", m),
+                on_ok=lambda: report("resourceslice", None),
+            )
+        self.feed = HealthFeed(self.pool, self.health_states)
+        reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
+        v1 = DRAPluginV1(self.preparer, observe)
+        v1beta1 = DRAPluginV1beta1(self.preparer, observe)
+        health_servicer = HealthServicer(self.feed)
+        self.sockets = DRAPluginSockets(
+            registration_socket=reg_sock,
+            service_socket=dra_sock,
+            register_registration=lambda s: pluginregistration_v1_pb2_grpc.add_RegistrationServicer_to_server(
+                RegistrationServicer(settings.driver, str(dra_sock), self._on_registration), s
+            ),
+            register_services=[
+                lambda s: dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, s),
+                lambda s: dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, s),
+                lambda s: drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(health_servicer, s),
+            ],
+            watch_period=settings.watch_period,
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Restore claim files, publish the slice, serve the sockets."""
+        stale = self.preparer.restore_files()
+        if stale:
+            log.info("removed the files of %d claims that are not prepared", len(stale))
+        if self.publisher is not None:
+            self.publisher.start()
+        else:
+            self._report("resourceslice", "no API server (--kubeconfig): the ResourceSlice cannot be published")
+        self.sockets.start()
+        if self._health is not None:
+            self._health.add_listener(self.on_health_change)
+
+    def stop(self) -> None:
+        """Stop serving (prepared claims and their files stay: containers still use them)."""
+        self.feed.close()
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.sockets.stop()
+
+    def _on_registration(self, registered: bool, error: str) -> None:
+        self.sockets.on_status(registered, error)
+        self._report("dra-registration", None if registered else f"kubelet refused the DRA registration: {error}")
+
+    def on_health_change(self, index: int, state: HealthState) -> None:
+        """A GPU's health changed: taint or untaint it, tell the kubelet's health stream."""
+        if self.publisher is not None:
+            self.publisher.changed()
+        self.feed.changed()
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def _taints(self) -> dict[int, devices.Taint]:
+        if self._health is None:
+            return {}
+        now_mono, now_unix = time.monotonic(), time.time()
+        out = {}
+        for index, state in self._health.snapshot().items():
+            if not state.healthy:
+                out[index] = devices.Taint(state.reason or "unhealthy", _rfc3339(now_unix - (now_mono - state.since)))
+        return out
+
+    def slice_spec(self, generation: int) -> dict[str, Any]:
+        """The node's ResourceSlice spec at ``generation``."""
+        return devices.slice_spec(
+            node=self.node,
+            driver=self.settings.driver,
+            gpus=self._gpus,
+            topology=self._topology,
+            taints=self._taints(),
+            generation=generation,
+            sysfs_root=Path(self.settings.sysfs_root),
+        )
+
+    def health_states(self) -> list[DeviceHealthState]:
+        """Every device's health for the kubelet's health stream."""
+        snapshot = self._health.snapshot() if self._health is not None else {}
+        now_mono, now_unix = time.monotonic(), time.time()
+        out = []
+        for g in self._gpus:
+            state = snapshot.get(g.index)
+            healthy = state is None or state.healthy
+            updated = now_unix - (now_mono - state.since) if state is not None else self._started_unix
+            out.append(
+                DeviceHealthState(
+                    c.device_name(g.index), healthy, "" if healthy else (state.reason if state else ""), updated
+                )
+            )
+        return out
+
+    def claims(self) -> list[ClaimAllocation]:
+        """Prepared claims."""
+        return self._allocator.claims()
+
+    def container_allocations(self) -> list[ContainerAllocation]:
+        """Containers using prepared claims, as allocations (for /usage and the container metrics)."""
+        return consumers.container_allocations(self.claims(), self._pods())
+
+    def refresh_pids(self) -> int:
+        """Rewrite pids.config of every shared claim whose containers' processes changed."""
+        written = 0
+        live: set[str] = set()
+        pods = self._pods()
+        for claim in self.claims():
+            if not claim.shared:
+                continue
+            live.add(claim.uid)
+            pids: set[int] = set()
+            for pod, container in consumers.consumers(claim, pods):
+                from gpumanager.allocation import pods as podinfo
+
+                cid = podinfo.container_ids(pod).get(container)
+                if cid:
+                    pids.update(self._cgroups.pids(podinfo.uid(pod), cid, (pod.get("status") or {}).get("qosClass")))
+            ordered = sorted(pids)
+            if self._last_pids.get(claim.uid) == ordered:
+                continue
+            if not claim_files.claim_dir(self._vm, claim.uid).is_dir():
+                continue
+            claim_files.write_pids(self._vm, claim.uid, ordered)
+            self._last_pids[claim.uid] = ordered
+            written += 1
+        for uid in [u for u in self._last_pids if u not in live]:
+            del self._last_pids[uid]
+        return written
+
+    def healthz(self) -> dict[str, object]:
+        """Details for /healthz."""
+        state = self.sockets.state
+        return {
+            "mode": "dra",
+            "driver": self.settings.driver,
+            "registered": state.registered,
+            "registration_error": state.last_error,
+            "claims": len(self.claims()),
+            "slice_published": bool(self.publisher and self.publisher.published.is_set()),
+        }
+
+    def ready(self) -> tuple[bool, dict[str, object]]:
+        """/readyz: registered with the kubelet, no refusal reported, and the slice published."""
+        detail = self.healthz()
+        ok = bool(detail["registered"]) and not detail["registration_error"] and bool(detail["slice_published"])
+        return ok, detail

@@ -1,0 +1,171 @@
+"""The kubelet-facing sockets of DRA mode, kept served across kubelet restarts.
+
+``<plugin-registry-path>/<driver>-reg.sock`` serves ``pluginregistration.Registration``
+(the kubelet's plugin watcher finds it, calls ``GetInfo`` and reports the outcome
+with ``NotifyRegistrationStatus``); ``<dra-plugin-path>/dra.sock`` serves the DRA
+plugin services (v1 and v1beta1) and ``DRAResourceHealth``. Both listen before the
+registration socket appears, so the kubelet never dials a socket that is not served.
+
+A watch loop checks every ``watch_period`` that both socket files are still ours
+(same device and inode): when either was removed or replaced (a kubelet restart
+that cleaned its directories, an operator), both are served again, in this process,
+and the kubelet's plugin watcher registers us again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from gpumanager.deviceplugin.server import socket_identity
+
+log = logging.getLogger(__name__)
+
+Register = Callable[[grpc.Server], None]
+
+
+@dataclass
+class RegistrationState:
+    """What the kubelet last told us (read by /readyz and metrics)."""
+
+    registered: bool = False
+    notifications: int = 0
+    last_error: str = ""
+    server_restarts: int = 0
+    info_calls: int = 0
+    history: list[float] = field(default_factory=list)
+
+
+class _Socket:
+    def __init__(self, path: Path, register: Sequence[Register], executor: futures.ThreadPoolExecutor) -> None:
+        self.path = path
+        self._register = register
+        self._executor = executor
+        self._server: grpc.Server | None = None
+        self.identity: tuple[int, int] | None = None
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        server = grpc.server(self._executor)
+        for register in self._register:
+            register(server)
+        server.add_insecure_port(f"unix://{self.path}")
+        server.start()
+        self._server = server
+        self.identity = socket_identity(self.path)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait(2.0)
+            self._server = None
+        if self.identity is not None and socket_identity(self.path) == self.identity:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        self.identity = None
+
+    def intact(self) -> bool:
+        return self.identity is not None and socket_identity(self.path) == self.identity
+
+
+class DRAPluginSockets:
+    """Serves the registration socket and dra.sock; re-serves them when they disappear."""
+
+    def __init__(
+        self,
+        *,
+        registration_socket: Path,
+        service_socket: Path,
+        register_registration: Register,
+        register_services: Sequence[Register],
+        watch_period: float = 0.1,
+        max_workers: int = 16,
+    ) -> None:
+        self.registration_socket = registration_socket
+        self.service_socket = service_socket
+        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dra")
+        self._service = _Socket(service_socket, register_services, self._executor)
+        self._registration = _Socket(registration_socket, [register_registration], self._executor)
+        self._period = watch_period
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.state = RegistrationState()
+        self.registered_event = threading.Event()
+
+    # -- registration status (called by the Registration servicer) -----------------------------
+
+    def on_status(self, registered: bool, error: str) -> None:
+        """NotifyRegistrationStatus from the kubelet."""
+        self.state.notifications += 1
+        self.state.registered = registered
+        if registered:
+            self.state.last_error = ""
+            self.state.history.append(time.monotonic())
+            del self.state.history[:-100]
+            self.registered_event.set()
+            log.info("registered with the kubelet as a DRA driver")
+        else:
+            self.state.last_error = error or "the kubelet refused the registration without a reason"
+            self.registered_event.clear()
+            log.error("the kubelet refused our DRA registration: %s", self.state.last_error)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Serve dra.sock, then the registration socket; start the watch loop."""
+        self._serve()
+        self._thread = threading.Thread(target=self._run, name="dra-socket-watch", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self._service.start()
+        self._registration.start()
+        log.info("serving DRA on %s (registration %s)", self.service_socket, self.registration_socket)
+
+    def stop(self) -> None:
+        """Stop serving and remove our sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._registration.stop()
+        self._service.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def alive(self) -> bool:
+        """Whether the watch loop runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                if self._service.intact() and self._registration.intact():
+                    continue
+                log.info("a DRA socket was removed (kubelet restart?); serving both again")
+                self.state.registered = False
+                self.registered_event.clear()
+                self._registration.stop()
+                self._service.stop()
+                self._serve()
+                self.state.server_restarts += 1
+            except Exception:
+                log.exception("DRA socket watch failed; continuing")
+                self._stop.wait(1.0)
+
+
+def socket_paths(registry: str, plugin_path: str, driver: str) -> tuple[Path, Path]:
+    """(registration socket, service socket)."""
+    from gpumanager.dra import constants as c
+
+    return Path(registry) / f"{driver}-reg.sock", Path(plugin_path) / c.DRA_SOCKET

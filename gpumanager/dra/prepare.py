@@ -1,0 +1,190 @@
+"""NodePrepareResources and NodeUnprepareResources, without gRPC types.
+
+Prepare, per claim: a claim already prepared answers what it answered before (its
+files are rewritten if missing; the API server is not needed). A new claim is read
+from the API server (its UID checked), its results of this driver and pool are
+checked against the node, recorded in the allocation state (which occupies the
+topology tree and writes the checkpoint), then its limit files and CDI spec are
+written, and only then is the answer given. A failure leaves nothing behind and
+is reported for that claim alone; the other claims of the request proceed.
+
+Unprepare, per claim: frees it, removes its CDI spec and directory; a claim that
+is not prepared succeeds (the kubelet retries). Calls are serialized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumanager.allocation.allocator import AllocationError, Allocator
+from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.device.types import GPUInfo
+from gpumanager.dra import cdi
+from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+from gpumanager.vmanager import claims as claim_files
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+ClaimReader = Callable[[str, str], JSON]
+"""``(namespace, name) -> claim`` as JSON; raises ClaimError when it cannot be read."""
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One device of a prepared claim as the kubelet is told."""
+
+    request: str
+    pool: str
+    device: str
+    cdi_id: str
+    share_id: str
+
+
+@dataclass
+class Outcome:
+    """The answer for one claim: devices, or an error."""
+
+    devices: list[PreparedDevice] = field(default_factory=list)
+    error: str = ""
+
+
+def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
+    """A ClaimReader over the kubernetes client (GET .../resourceclaims/{name})."""
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
+
+    api: Any = k8s.ResourceV1Api(api_client)
+
+    def read(namespace: str, name: str) -> JSON:
+        try:
+            resp = api.read_namespaced_resource_claim(name, namespace, _request_timeout=timeout, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ClaimError(f"claim {namespace}/{name} not found") from None
+            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc.status} {exc.reason}") from None
+        except Exception as exc:  # connection errors, timeouts
+            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc}") from None
+        out: JSON = json.loads(resp.data)
+        return out
+
+    return read
+
+
+class ClaimPreparer:
+    """Prepares and unprepares claims (thread-safe, serialized)."""
+
+    def __init__(
+        self,
+        *,
+        read_claim: ClaimReader,
+        allocator: Allocator,
+        gpus: Sequence[GPUInfo],
+        driver: str,
+        pool: str,
+        cdi_settings: cdi.CDISettings,
+        vm_path: Path,
+        driver_version: str,
+    ) -> None:
+        self._read = read_claim
+        self._allocator = allocator
+        self._gpus = list(gpus)
+        self.driver = driver
+        self.pool = pool
+        self._cdi = cdi_settings
+        self._vm = vm_path
+        self._driver_version = driver_version
+        self._lock = threading.Lock()
+
+    def _answer(self, claim: ClaimAllocation) -> list[PreparedDevice]:
+        return [
+            PreparedDevice(d.request, d.pool, d.device, cdi.device_id(self._cdi, claim.uid, d), d.share_id)
+            for d in claim.devices
+        ]
+
+    def _write_files(self, claim: ClaimAllocation) -> None:
+        if not claim_files.config_current(self._vm, claim, self._driver_version):
+            claim_files.write_config(self._vm, claim, self._driver_version)
+        if not cdi.spec_current(self._cdi, claim, self._gpus):
+            cdi.write_spec(self._cdi, claim, self._gpus)
+
+    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Outcome]:
+        """One NodePrepareResources: an outcome for every claim UID of the request."""
+        out: dict[str, Outcome] = {}
+        with self._lock:
+            for ref in refs:
+                try:
+                    out[ref.uid] = Outcome(self._prepare_one(ref))
+                except (ClaimError, AllocationError) as exc:
+                    log.warning("NodePrepareResources: %s", exc)
+                    out[ref.uid] = Outcome(error=str(exc))
+                except OSError as exc:
+                    message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
+                    log.error("NodePrepareResources: %s", message)
+                    out[ref.uid] = Outcome(error=message)
+        return out
+
+    def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
+        known = self._allocator.claim(ref.uid)
+        if known is not None:
+            self._write_files(known)
+            log.info("claim %s (%s) is already prepared: same answer", ref, ref.uid)
+            return self._answer(known)
+        if not ref.uid or not ref.name or not ref.namespace:
+            raise ClaimError(f"claim {ref!s} ({ref.uid!r}): namespace, name and UID are all required")
+        data = self._read(ref.namespace, ref.name)
+        claim, tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
+        self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
+        try:
+            self._write_files(claim)
+        except OSError:
+            self._allocator.unprepare_claim(claim.uid)
+            self._remove_files(claim.uid)
+            raise
+        return self._answer(claim)
+
+    def _remove_files(self, uid: str) -> None:
+        cdi.remove_spec(self._cdi, uid)
+        claim_files.remove(self._vm, uid)
+
+    def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """One NodeUnprepareResources: an error text (empty: done) for every claim UID."""
+        out: dict[str, str] = {}
+        with self._lock:
+            for ref in refs:
+                try:
+                    freed = self._allocator.unprepare_claim(ref.uid)
+                    self._remove_files(ref.uid)
+                    if freed is None:
+                        log.info("claim %s (%s) was not prepared: nothing to do", ref, ref.uid)
+                    out[ref.uid] = ""
+                except (AllocationError, OSError) as exc:
+                    out[ref.uid] = f"claim {ref} ({ref.uid}): {exc}"
+                    log.error("NodeUnprepareResources: %s", out[ref.uid])
+        return out
+
+    def restore_files(self) -> list[str]:
+        """After a restart: rewrite missing files of every recovered claim, remove specs of unknown
+        claims. Returns the UIDs of the specs removed."""
+        with self._lock:
+            known = {c.uid: c for c in self._allocator.claims()}
+            for claim in known.values():
+                try:
+                    self._write_files(claim)
+                except OSError as exc:
+                    log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
+            stale = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known]
+            for uid in stale:
+                log.info("removing the CDI spec and directory of claim %s, which is not prepared", uid)
+                self._remove_files(uid)
+            return stale
+
+    def claims(self) -> Mapping[str, ClaimAllocation]:
+        """Prepared claims by UID."""
+        return {c.uid: c for c in self._allocator.claims()}

@@ -1,0 +1,260 @@
+"""Keeps the node's ResourceSlice in the API server equal to what the node has.
+
+One slice, ``<node>-<driver>``, holds every GPU (one pool named after the node).
+A sync lists the slices of this node and driver (field selectors
+``spec.nodeName`` and ``spec.driver``, the only ones the server offers besides
+the name), deletes any other (stale ones, from an earlier version or another
+node name), and creates or replaces ours when its content differs: quantities
+are compared by value, never as strings (the server answers ``81920Mi`` as
+``80Gi``). Every change of content bumps the pool's generation.
+
+A sync runs at start, whenever the content changes (a GPU's health), whenever a
+watch on those slices shows someone else's change (the kubelet deletes its
+node's slices when it starts), and every ``resync_period`` seconds. Failures
+are retried with a capped backoff and reported through ``on_error``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from gpumanager.dra import constants as c
+from gpumanager.dra.quantity import QuantityError, parse
+from gpumanager.kube.pods import _lines
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+#: Seconds any one API call may take (a hanging API server must not stop the loop).
+REQUEST_TIMEOUT = 10.0
+_BACKOFF_START = 0.2
+_BACKOFF_MAX = 10.0
+
+
+def _comparable(spec: JSON) -> Any:
+    """The spec without the generation, capacity quantities as exact values."""
+    out = copy.deepcopy(spec)
+    (out.get("pool") or {}).pop("generation", None)
+    for dev in out.get("devices") or []:
+        for cap in (dev.get("capacity") or {}).values():
+            if not isinstance(cap, dict):
+                continue
+            _to_value(cap, "value")
+            policy = cap.get("requestPolicy") or {}
+            _to_value(policy, "default")
+            for key in ("min", "max", "step"):
+                _to_value(policy.get("validRange") or {}, key)
+        for taint in dev.get("taints") or []:
+            taint.pop("timeAdded", None)
+    return out
+
+
+def _to_value(holder: JSON, key: str) -> None:
+    if key in holder:
+        try:
+            holder[key] = parse(holder[key])
+        except QuantityError:
+            pass
+
+
+class SlicePublisher:
+    """Publishes and repairs the node's ResourceSlice (thread-safe)."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        *,
+        node: str,
+        driver: str,
+        content: Callable[[int], JSON],
+        resync_period: float = 60.0,
+        on_error: Callable[[str], None] = lambda _m: None,
+        on_ok: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._api: Any = k8s.ResourceV1Api(api_client)
+        self.node = node
+        self.driver = driver
+        self.name = c.slice_name(node, driver)
+        self._content = content
+        self._resync = resync_period
+        self._on_error = on_error
+        self._on_ok = on_ok
+        self._selector = f"spec.nodeName={node},spec.driver={driver}"
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.syncs = 0
+        self.writes = 0
+        self.published = threading.Event()
+        self.last_error = ""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Sync once now (errors are retried in the background), then keep syncing."""
+        self._sync_logged()
+        for name, target in (("slice-sync", self._sync_loop), ("slice-watch", self._watch_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop syncing (the slice stays: the node's devices are still there)."""
+        self._stop.set()
+        self._wake.set()
+
+    def changed(self) -> None:
+        """The content changed (health): sync soon."""
+        self._wake.set()
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def _sync_logged(self) -> bool:
+        try:
+            self.sync()
+        except (ApiException, OSError, ValueError) as exc:
+            text = getattr(exc, "reason", None) or str(exc)
+            message = f"cannot publish ResourceSlice {self.name}: {getattr(exc, 'status', '')} {text}".strip()
+            if message != self.last_error:
+                log.warning("%s (retrying)", message)
+            self.last_error = message
+            self._on_error(message)
+            return False
+        except Exception as exc:  # urllib3 errors and the like: keep going
+            self.last_error = f"cannot publish ResourceSlice {self.name}: {exc}"
+            log.warning("%s (retrying)", self.last_error)
+            self._on_error(self.last_error)
+            return False
+        if self.last_error:
+            log.info("ResourceSlice %s published again after: %s", self.name, self.last_error)
+        self.last_error = ""
+        self._on_ok()
+        return True
+
+    def sync(self) -> bool:
+        """One pass; returns whether it wrote. Raises ApiException and connection errors."""
+        with self._lock:
+            self.syncs += 1
+            listed = self._api.list_resource_slice(
+                field_selector=self._selector, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+            )
+            items = _json(listed).get("items") or []
+            ours: JSON | None = None
+            wrote = False
+            for item in items:
+                meta = item.get("metadata") or {}
+                gen = int(((item.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                if meta.get("name") == self.name:
+                    ours = item
+                    self._generation = max(self._generation, gen)
+                    continue
+                self._generation = max(self._generation, gen)
+                log.info("deleting stale ResourceSlice %s of node %s", meta.get("name"), self.node)
+                try:
+                    self._api.delete_resource_slice(
+                        meta.get("name"), _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+                    )
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                wrote = True
+            desired = self._content(self._generation)
+            if ours is not None and _comparable(ours.get("spec") or {}) == _comparable(desired):
+                self.published.set()
+                return wrote
+            self._generation += 1
+            desired = self._content(self._generation)
+            body: JSON = {
+                "apiVersion": c.RESOURCE_API,
+                "kind": "ResourceSlice",
+                "metadata": {"name": self.name},
+                "spec": desired,
+            }
+            if ours is None:
+                self._api.create_resource_slice(body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
+                log.info("published ResourceSlice %s (generation %d)", self.name, self._generation)
+            else:
+                body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
+                self._api.replace_resource_slice(
+                    self.name, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+                )
+                log.info("updated ResourceSlice %s (generation %d)", self.name, self._generation)
+            self.writes += 1
+            self.published.set()
+            return True
+
+    def _sync_loop(self) -> None:
+        backoff = _BACKOFF_START
+        while not self._stop.is_set():
+            woken = self._wake.wait(self._resync)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            if not woken:
+                log.debug("periodic ResourceSlice resync")
+            if self._sync_logged():
+                backoff = _BACKOFF_START
+                continue
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+            self._wake.set()
+
+    # -- watch --------------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        backoff = _BACKOFF_START
+        while not self._stop.is_set():
+            try:
+                listed = _json(
+                    self._api.list_resource_slice(
+                        field_selector=self._selector, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+                    )
+                )
+                rv = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+                self._wake.set()
+                response = self._api.list_resource_slice(
+                    field_selector=self._selector,
+                    watch=True,
+                    resource_version=rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=300,
+                    _preload_content=False,
+                    _request_timeout=(REQUEST_TIMEOUT, 330),
+                )
+                try:
+                    for line in _lines(response):
+                        if self._stop.is_set():
+                            return
+                        event = json.loads(line)
+                        etype = event.get("type")
+                        if etype == "ERROR":
+                            raise RuntimeError(str((event.get("object") or {}).get("message", "watch error")))
+                        if etype in ("ADDED", "MODIFIED", "DELETED"):
+                            name = ((event.get("object") or {}).get("metadata") or {}).get("name", "?")
+                            log.debug("ResourceSlice %s %s", name, etype)
+                            self._wake.set()
+                finally:
+                    response.release_conn()
+                backoff = _BACKOFF_START
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                log.debug("ResourceSlice watch ended: %s; watching again in %.1f s", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+
+
+def _json(resp: Any) -> JSON:
+    data = resp.data if hasattr(resp, "data") else resp
+    out: JSON = json.loads(data)
+    return out

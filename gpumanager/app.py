@@ -4,7 +4,9 @@ Start order: NVML inventory and topology tree; GPU health monitor; the
 Kubernetes side (pod cache, annotation patcher, node labels); allocation state
 (our checkpoint, else the kubelet's records); display gRPC and HTTP; then the
 device-plugin servers and their registration loop (the servers listen before
-Register is sent). A failure of HTTP, display, the API server or node labels
+Register is sent), or, with --mode=dra, DRA mode instead (gpumanager.dra: the
+ResourceSlice, the kubelet's DRA sockets, claims in the same allocation state).
+A failure of HTTP, display, the API server or node labels
 is logged and reported on /healthz; it does not stop the device plugin.
 """
 
@@ -43,6 +45,8 @@ from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.preferred import Preference
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
+from gpumanager.dra import cdi
+from gpumanager.dra.mode import DRAMode, DRASettings
 from gpumanager.kube import cleanup, kubelet_checkpoint, nodelabels
 from gpumanager.kube import client as kube_client
 from gpumanager.kube.owners import OwnerResolver
@@ -50,6 +54,7 @@ from gpumanager.kube.patcher import AnnotationPatcher
 from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
 from gpumanager.kube.pods import PodCache
 from gpumanager.metrics.calls import CallMetrics
+from gpumanager.metrics.claims import ClaimCollector
 from gpumanager.metrics.collector import AgentCollector
 from gpumanager.metrics.containers import ContainerCollector, usage_response
 from gpumanager.metrics.display import DisplayServer, DisplayServicer
@@ -133,6 +138,7 @@ class Agent:
         self.health: HealthMonitor | None = None
         self.plugins: PluginManager | None = None
         self.servicers: list[ResourceServicer] = []
+        self.dra: DRAMode | None = None
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
         self.pod_cache: PodCache | None = None
@@ -172,6 +178,9 @@ class Agent:
         self._start_allocation(extra_devices, vdriver)
         self._start_display()
         self._start_http()
+        if cfg.mode == "dra":
+            self._start_dra(extra_devices, vdriver)
+            return
         self._start_plugins()
         self._spawn("allocation-check", self._check_loop)
         self._spawn("pids-refresh", self._pids_loop)
@@ -348,7 +357,7 @@ class Agent:
         )
         self.sampler = UsageSampler(
             gpus=self.gpus,
-            allocations=self.allocator.allocations,
+            allocations=self._usage_allocations,
             pod=self.pods.get,
             cgroup_root=Path(cfg.cgroup_root),
             sample_period=float(cfg.sample_period),
@@ -424,6 +433,7 @@ class Agent:
                 routes=routes,
                 registry=self.registry,
                 health=self.healthz,
+                ready=self.readyz,
             )
             self.http.start()
         except OSError as exc:
@@ -471,6 +481,72 @@ class Agent:
         self.plugins.start()
         for server in servers:
             self._wait_serving(server.socket_path)
+
+    def _start_dra(self, extra_devices: tuple[str, ...], vdriver: tuple[str, str]) -> None:
+        """DRA mode: claims prepared into the same allocation state, limit files and driver mirror."""
+        cfg = self.config
+        allocator = self._allocator()
+        self.dra = DRAMode(
+            settings=DRASettings(
+                driver=cfg.dra_driver_name,
+                plugin_registry_path=cfg.plugin_registry_path,
+                plugin_path=str(cfg.dra_socket_dir),
+                cdi_root=cfg.cdi_root,
+                sysfs_root=cfg.sysfs_root,
+                watch_period=cfg.kubelet_watch_period,
+            ),
+            node=self.node_name,
+            gpus=self.gpus,
+            topology=self.topology,
+            health=self.health,
+            allocator=allocator,
+            api_client=self.api_client,
+            pods=self.pods.pods,
+            pod=self.pods.get,
+            cdi_settings=cdi.CDISettings(
+                root=Path(cfg.cdi_root),
+                driver=cfg.dra_driver_name,
+                vdriver_nvidia=vdriver[0],
+                vdriver_origin=vdriver[1],
+                virtual_manager_path=cfg.virtual_manager_path,
+                extra_devices=extra_devices,
+            ),
+            vm_path=Path(cfg.virtual_manager_path),
+            cgroup_root=Path(cfg.cgroup_root),
+            driver_version=self.driver_version,
+            observe=functools.partial(self.calls.observe, cfg.dra_driver_name),
+            report=self._report,
+        )
+        self.registry.register(ClaimCollector(self.dra.claims, self.pods.pods))
+        self.dra.start()
+        self._wait_serving(self.dra.sockets.service_socket)
+        self._spawn("dra-pids-refresh", self._dra_pids_loop)
+        log.info(
+            "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
+            len(self.gpus),
+            cfg.dra_driver_name,
+            f"{self.node_name}-{cfg.dra_driver_name}",
+            self.dra.sockets.service_socket,
+        )
+
+    def _dra_pids_loop(self) -> None:
+        while not self._stop.wait(PIDS_REFRESH_SECONDS):
+            try:
+                if self.dra is not None:
+                    self.dra.refresh_pids()
+            except Exception:
+                log.exception("pids.config refresh of claims failed; trying again")
+
+    def _report(self, name: str, message: str | None) -> None:
+        """A component's error (logged once), or its recovery (None)."""
+        if message is None:
+            self.component_errors.pop(name, None)
+        elif self.component_errors.get(name) != message:
+            self._component_failed(name, message)
+
+    def _usage_allocations(self) -> list[ContainerAllocation]:
+        mine = self._allocator().allocations()
+        return mine + self.dra.container_allocations() if self.dra is not None else mine
 
     def _wait_serving(self, path: Path) -> None:
         with grpc.insecure_channel(f"unix://{path}") as channel:
@@ -649,8 +725,25 @@ class Agent:
         """PrintUsages / GET /usage."""
         return usage_response(self._sample())
 
+    def readyz(self) -> tuple[bool, dict[str, object]]:
+        """Readiness: registered with the kubelet (DRA mode: and no refusal, and the ResourceSlice published)."""
+        alive, detail = self.healthz()
+        if self.dra is not None:
+            ok, dra = self.dra.ready()
+            return alive and ok, {**detail, **dra}
+        return alive and bool(detail.get("registered")), detail
+
     def healthz(self) -> tuple[bool, dict[str, object]]:
         """Liveness: the kubelet watch loop runs. Details name registration state and failed components."""
+        if self.dra is not None:
+            dra_detail = self.dra.healthz()
+            dra_detail.update(
+                gpus=len(self.gpus),
+                unhealthy_gpus=[i for i, s in (self.health.snapshot() if self.health else {}).items() if not s.healthy],
+                pods_synced=self.pods.synced(),
+                errors=dict(self.component_errors),
+            )
+            return self.dra.sockets.alive(), dra_detail
         plugins_alive = self.plugins is not None and self.plugins.alive()
         registered = self.plugins is not None and self.plugins.status.registered
         unhealthy = [i for i, s in (self.health.snapshot() if self.health else {}).items() if not s.healthy]
@@ -675,6 +768,8 @@ class Agent:
     def stop(self) -> None:
         """Stop every component in reverse order and remove our sockets."""
         self._stop.set()
+        if self.dra is not None:
+            self.dra.stop()
         if self.plugins is not None:
             self.plugins.stop()
         if self.http is not None:

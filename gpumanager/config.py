@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager import names
 from gpumanager.flagspec import choice, duration, number, switch, text, xid_list
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class ConfigError(ValueError):
@@ -89,6 +92,23 @@ class Config:
     health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
     health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
     kubelet_watch_period: float = duration(0.1, "how often the kubelet socket and the agent's own are checked")
+    # DRA mode (one mode per node).
+    mode: str = choice(
+        "device-plugin",
+        ("device-plugin", "dra"),
+        "device-plugin: tencent.com/vcuda-* through the device-plugin API; dra: ResourceSlices and DRA claims",
+    )
+    dra_driver_name: str = text(
+        "vcuda.tencent.com", "DRA driver name (DeviceClass, ResourceSlices, CDI kind)", metavar="NAME"
+    )
+    plugin_registry_path: str = text(
+        "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory (DRA mode)", metavar="DIR"
+    )
+    dra_plugin_path: str = text(
+        "", "directory of dra.sock (DRA mode)", shown="/var/lib/kubelet/plugins/<driver name>", metavar="DIR"
+    )
+    cdi_root: str = text("/var/run/cdi", "where CDI specs of prepared claims are written (DRA mode)", metavar="DIR")
+    sysfs_root: str = text("/sys", "sysfs, where a GPU's PCIe root is read (DRA mode)", metavar="DIR")
     # Logging (klog's flag names).
     v: int = number(0, "log verbosity; 4 or more logs debug messages")
     log_format: str = choice("text", ("text", "json"), "log line format (json: one JSON object per line)")
@@ -99,6 +119,11 @@ class Config:
         100, "MiB after which gpu-manager.log is rotated (3 older files are kept)", metavar="MIB"
     )
     node_name: str = field(default="", compare=False)
+
+    @property
+    def dra_socket_dir(self) -> Path:
+        """Directory of dra.sock: --dra-plugin-path, else /var/lib/kubelet/plugins/<driver name>."""
+        return Path(self.dra_plugin_path or f"/var/lib/kubelet/plugins/{self.dra_driver_name}")
 
     @property
     def kubelet_socket(self) -> Path:
@@ -136,10 +161,26 @@ class Config:
             if x < 0:
                 raise ConfigError(f"--ignored-xids: {x} is not a valid XID")
         parse_node_labels(self.node_labels)
+        if not _DNS_SUBDOMAIN.match(self.dra_driver_name) or len(self.dra_driver_name) > 63:
+            raise ConfigError(
+                f"--dra-driver-name={self.dra_driver_name!r}: must be a DNS subdomain of at most 63 characters "
+                "(lower-case letters, digits, '-' and '.')"
+            )
         # sun_path is 108 bytes including the terminating NUL.
         for flag, path in (
             ("--device-plugin-path", str(Path(self.device_plugin_path) / names.VMEMORY_SOCKET)),
             ("--display-socket", self.display_socket),
+            *(
+                (
+                    (
+                        "--plugin-registry-path",
+                        str(Path(self.plugin_registry_path) / f"{self.dra_driver_name}-reg.sock"),
+                    ),
+                    ("--dra-plugin-path", str(self.dra_socket_dir / "dra.sock")),
+                )
+                if self.mode == "dra"
+                else ()
+            ),
         ):
             if len(path.encode()) >= 108:
                 raise ConfigError(f"{flag}: socket path {path!r} is longer than the 107 bytes a unix socket allows")

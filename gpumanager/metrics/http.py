@@ -1,4 +1,4 @@
-"""HTTP endpoints: /graph, /usage, /version (as gpu-manager's gateway), /metric(s), /healthz."""
+"""HTTP endpoints: /graph, /usage, /version (as gpu-manager's gateway), /metric(s), /healthz, /readyz."""
 
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ class QueryServer:
         routes: dict[str, Callable[[], Message]],
         registry: CollectorRegistry,
         health: HealthFn,
+        ready: HealthFn | None = None,
     ) -> None:
         self._routes = routes
         self._registry = registry
         self._health = health
+        self._ready = ready or health
         handler = self._handler_class()
         self._httpd = ThreadingHTTPServer((addr, port), handler)
         self._httpd.daemon_threads = True
@@ -52,7 +54,9 @@ class QueryServer:
         """Serve in a background thread."""
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="http", daemon=True)
         self._thread.start()
-        log.info("HTTP on %s:%d (/graph /usage /version /metric /metrics /healthz)", *self._httpd.server_address[:2])
+        log.info(
+            "HTTP on %s:%d (/graph /usage /version /metric /metrics /healthz /readyz)", *self._httpd.server_address[:2]
+        )
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
@@ -80,8 +84,8 @@ class QueryServer:
                         self._send(200, message_json(outer._routes[path]()), "application/json")
                     elif path in ("/metric", "/metrics"):
                         self._send(200, generate_latest(outer._registry), CONTENT_TYPE_LATEST)
-                    elif path == "/healthz":
-                        ok, detail = outer._health()
+                    elif path in ("/healthz", "/readyz"):
+                        ok, detail = (outer._health if path == "/healthz" else outer._ready)()
                         body = json.dumps({"ok": ok, **detail}, default=str).encode()
                         self._send(200 if ok else 503, body, "application/json")
                     else:

@@ -1,0 +1,326 @@
+"""A simulated DRA node: API server, the agent in ``--mode=dra``, the kubelet DRA stand-in, the claim
+controller and the scheduler stand-in, driven one reconcile pass at a time.
+
+``settle()`` runs passes (controller, scheduler, kubelet) until nothing changes: claims are
+created from templates, allocated and written back, pods bound, claims prepared through the
+agent's ``dra.sock``, containers started from the CDI edits; pods that ended are stopped and
+their claims unprepared and released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s
+
+from simnode.agent_process import SPEC_DIR, AgentProcess
+from simnode.apiserver import ApiServerSimulator
+from simnode.dra_controller import ClaimController
+from simnode.dra_kubelet import DRAKubeletSimulator, PrepareFailed
+from simnode.dra_scheduler import DRAScheduler
+from simnode.gpusim_state import sim_env
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+NODE = "sim-node"
+DRIVER = "vcuda.tencent.com"
+
+
+def device_class(driver: str = DRIVER) -> JSON:
+    """The DeviceClass that selects the driver's devices (named after the driver)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": driver},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]},
+    }
+
+
+def claim_template(
+    name: str,
+    *,
+    namespace: str = "default",
+    count: int = 1,
+    cores: int | None = None,
+    memory: str | None = None,
+    match_attribute: str | None = None,
+    tolerations: Sequence[JSON] = (),
+    driver: str = DRIVER,
+) -> JSON:
+    """A ResourceClaimTemplate with one request ``gpu``: ``count`` devices, each ``cores``/``memory``."""
+    exactly: JSON = {"deviceClassName": driver, "count": count}
+    requests: JSON = {}
+    if cores is not None:
+        requests["cores"] = str(cores)
+    if memory is not None:
+        requests["memory"] = memory
+    if requests:
+        exactly["capacity"] = {"requests": requests}
+    if tolerations:
+        exactly["tolerations"] = list(tolerations)
+    spec: JSON = {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}
+    if match_attribute:
+        spec["devices"]["constraints"] = [{"requests": ["gpu"], "matchAttribute": match_attribute}]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"spec": spec},
+    }
+
+
+def claim_pod(name: str, template: str, *, namespace: str = "default", containers: Sequence[str] = ("main",)) -> JSON:
+    """An unscheduled pod whose containers use one claim made from ``template``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [
+                {"name": c, "image": "cuda:12", "resources": {"claims": [{"name": "gpu"}]}} for c in containers
+            ],
+        },
+    }
+
+
+class DRACluster:
+    """Everything around one agent in DRA mode, under ``workdir``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        spec: str | Path = "t4-x1",
+        *,
+        agent_flags: Sequence[str] = (),
+        health_quiet_period: str = "5m",
+    ) -> None:
+        self.workdir = workdir
+        self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
+        self.api = ApiServerSimulator()
+        self.kubeconfig = workdir / "kubeconfig"
+        # Unix socket paths are limited to 107 bytes: keep the kubelet's directories short.
+        self.sockets_dir = Path(tempfile.mkdtemp(prefix="gm-dra-"))
+        self.registry_dir = self.sockets_dir / "plugins_registry"
+        self.plugin_dir = self.sockets_dir / "plugins" / DRIVER
+        self.cdi_root = workdir / "cdi"
+        self.vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))
+        self.checkpoint_dir = workdir / "checkpoint"
+        self.cgroup_root = workdir / "cgroup"
+        self._agent_flags = [f"--health-quiet-period={health_quiet_period}", *agent_flags]
+        self.agent: AgentProcess | None = None
+        self.kubelet: DRAKubeletSimulator | None = None
+        self.controller: ClaimController | None = None
+        self.scheduler: DRAScheduler | None = None
+        self.client: Any = None
+        self.prepare_errors: dict[str, dict[str, str]] = {}
+        self.commands: dict[str, dict[str, Sequence[str]]] = {}
+        self.base_env: dict[str, str] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> DRACluster:
+        """API server with the DeviceClass, the kubelet stand-in, the agent; waits for registration and the slice."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.api.start()
+        self.api.add_node(NODE)
+        self.api.write_kubeconfig(self.kubeconfig)
+        self.client = self.api.client()
+        self.resource.create_device_class(device_class())
+        self.kubelet = DRAKubeletSimulator(
+            registry_dir=self.registry_dir, api_client=self.client, node=NODE, cdi_dirs=[self.cdi_root]
+        )
+        self.kubelet.start()
+        self.controller = ClaimController(self.client, seed=1)
+        self.scheduler = DRAScheduler(self.client, [NODE])
+        self.start_agent()
+        return self
+
+    def agent_args(self) -> list[str]:
+        """The agent's flags."""
+        return [
+            "--mode=dra",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--hostname-override={NODE}",
+            f"--plugin-registry-path={self.registry_dir}",
+            f"--dra-plugin-path={self.plugin_dir}",
+            f"--cdi-root={self.cdi_root}",
+            f"--virtual-manager-path={self.vm_path}",
+            f"--checkpoint-path={self.checkpoint_dir}",
+            f"--cgroup-root={self.cgroup_root}",
+            *self._agent_flags,
+        ]
+
+    def start_agent(self, *, wait: bool = True) -> AgentProcess:
+        """Start (or start again) the agent; wait for its registration and its ResourceSlice."""
+        assert self.kubelet is not None
+        before = self.kubelet.registrations(DRIVER)
+        state = self.agent.state if self.agent is not None else None
+        self.agent = AgentProcess(self.workdir, self.spec, state=state, extra_args=self.agent_args())
+        self.agent.start()
+        if wait:
+            self.kubelet.wait_registered(DRIVER, after=before, timeout=30)
+            self.wait_slice(lambda s: s is not None)
+        self.base_env = sim_env(self.spec, self.agent.state)
+        return self.agent
+
+    def stop(self) -> None:
+        """Stop everything."""
+        if self.kubelet is not None:
+            self.kubelet.kill_all()
+            self.kubelet.stop()
+        if self.agent is not None:
+            self.agent.stop()
+        self.api.stop()
+        shutil.rmtree(self.vm_path, ignore_errors=True)
+        shutil.rmtree(self.sockets_dir, ignore_errors=True)
+
+    def __enter__(self) -> DRACluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- API helpers ----------------------------------------------------------------------------
+
+    @property
+    def resource(self) -> Any:
+        """ResourceV1Api."""
+        return k8s.ResourceV1Api(self.client)
+
+    @property
+    def core(self) -> Any:
+        """CoreV1Api."""
+        return k8s.CoreV1Api(self.client)
+
+    def slice(self) -> JSON | None:
+        """The node's ResourceSlice as JSON, or None."""
+        items = json.loads(
+            self.resource.list_resource_slice(field_selector=f"spec.nodeName={NODE}", _preload_content=False).data
+        )["items"]
+        return items[0] if items else None
+
+    def wait_slice(self, predicate: Any, timeout: float = 20.0) -> JSON | None:
+        """Wait until ``predicate(slice)`` holds; returns the slice."""
+        deadline = time.monotonic() + timeout
+        current = None
+        while time.monotonic() < deadline:
+            current = self.slice()
+            if predicate(current):
+                return current
+            time.sleep(0.05)
+        raise TimeoutError(f"ResourceSlice condition not met within {timeout:g} s; last: {json.dumps(current)[:2000]}")
+
+    def add_template(self, template: JSON) -> None:
+        """Create a ResourceClaimTemplate."""
+        ns = template["metadata"].get("namespace", "default")
+        self.resource.create_namespaced_resource_claim_template(ns, template)
+
+    def create_pod(self, manifest: JSON, commands: Mapping[str, Sequence[str]] | None = None) -> JSON:
+        """Create a pod; ``commands`` are the processes its containers run once started."""
+        ns = manifest["metadata"].get("namespace", "default")
+        created: JSON = json.loads(self.core.create_namespaced_pod(ns, manifest, _preload_content=False).data)
+        if commands:
+            self.commands[created["metadata"]["uid"]] = dict(commands)
+        return created
+
+    def pod(self, name: str, namespace: str = "default") -> JSON:
+        """The pod as stored."""
+        out: JSON = json.loads(self.core.read_namespaced_pod(name, namespace, _preload_content=False).data)
+        return out
+
+    def claim_of(self, pod_name: str, namespace: str = "default") -> JSON:
+        """The ResourceClaim made for a pod's claim ``gpu``."""
+        pod = self.pod(pod_name, namespace)
+        name = next(s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"] if s["name"] == "gpu")
+        out: JSON = json.loads(
+            self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False).data
+        )
+        return out
+
+    def end_pod(self, name: str, namespace: str = "default") -> None:
+        """The pod's containers finish (phase Succeeded)."""
+        self.core.patch_namespaced_pod_status(
+            name, namespace, {"status": {"phase": "Succeeded"}}, _content_type="application/merge-patch+json"
+        )
+
+    # -- reconcile ------------------------------------------------------------------------------
+
+    def settle(self, passes: int = 10) -> None:
+        """Run controller, scheduler and kubelet passes until nothing changes."""
+        assert self.controller is not None and self.scheduler is not None
+        for _ in range(passes):
+            changed = self.controller.sync()
+            changed += len(self.scheduler.schedule_once())
+            changed += self._kubelet_pass()
+            if not changed:
+                return
+
+    def _kubelet_pass(self) -> int:
+        assert self.kubelet is not None
+        changed = 0
+        pods = json.loads(
+            self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={NODE}", _preload_content=False).data
+        )["items"]
+        # Finished pods first: their claims are unprepared before new ones are prepared.
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                running = any(k[0] == uid for k in self.kubelet.containers)
+                if running or any(uid in c.pods for c in self.kubelet.claims.values()):
+                    self.kubelet.stop_pod(uid)
+                    changed += 1
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            if any(k[0] == uid for k in self.kubelet.containers):
+                continue
+            try:
+                started = self.kubelet.start_pod(
+                    pod, self.commands.get(uid), base_env=self.base_env, cgroup_root=self.cgroup_root
+                )
+            except PrepareFailed as exc:
+                # The kubelet retries a failed Prepare; the errors stay visible until one succeeds.
+                self.prepare_errors[uid] = exc.errors
+                continue
+            self.prepare_errors.pop(uid, None)
+            statuses = []
+            for c in pod["spec"]["containers"]:
+                cid = f"{uid[:8]}{c['name']}".replace("-", "")
+                run = started.get(c["name"])
+                if run is not None and run.proc is None:
+                    d = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
+                    d.mkdir(parents=True, exist_ok=True)
+                statuses.append(
+                    {
+                        "name": c["name"],
+                        "containerID": f"containerd://{cid}",
+                        "ready": True,
+                        "restartCount": 0,
+                        "image": c.get("image", ""),
+                        "imageID": "",
+                        "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
+                    }
+                )
+            self.core.patch_namespaced_pod_status(
+                pod["metadata"]["name"],
+                pod["metadata"].get("namespace", "default"),
+                {"status": {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}},
+                _content_type="application/merge-patch+json",
+            )
+            changed += 1
+        # Pods deleted from the API server: stop what is left of them.
+        known = {p["metadata"]["uid"] for p in pods}
+        for uid in {k[0] for k in self.kubelet.containers} - known:
+            self.kubelet.stop_pod(uid)
+            changed += 1
+        return changed

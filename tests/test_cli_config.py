@@ -109,7 +109,8 @@ def test_every_flag_is_read_from_its_environment_variable() -> None:
     assert {f.env for f in fields} >= {"GPU_MANAGER_SHARE_MODE", "GPU_MANAGER_DEVICE_PLUGIN_PATH", "GPU_MANAGER_V"}
     samples = {int: "7", float: "90s", str: "/x/y", tuple: "79,13"}
     for f in fields:
-        raw = "json" if f.name == "log_format" else samples.get(type(f.default), str(not f.default).lower())
+        choices = {"log_format": "json", "mode": "dra"}
+        raw = choices.get(f.name) or samples.get(type(f.default), str(not f.default).lower())
         args = cli.build_parser({f.env: raw}).parse_args([])
         assert getattr(args, f.name) == f.spec.parse(raw) != f.default, f.flag
 
@@ -224,3 +225,22 @@ def _reset_logging() -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
         h.close()
+
+
+def test_dra_flags() -> None:
+    c = parse("--mode=dra", "--dra-driver-name=gpu.example.com")
+    assert (c.mode, c.dra_driver_name) == ("dra", "gpu.example.com")
+    assert str(c.dra_socket_dir) == "/var/lib/kubelet/plugins/gpu.example.com"
+    assert (c.plugin_registry_path, c.cdi_root) == ("/var/lib/kubelet/plugins_registry", "/var/run/cdi")
+    assert parse().mode == "device-plugin"
+
+
+def test_bad_dra_flags_name_the_flag_and_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"--dra-driver-name='Not_A_Name'"):
+        parse("--mode=dra", "--dra-driver-name=Not_A_Name")
+    with pytest.raises(ConfigError, match="--dra-plugin-path"):
+        parse("--mode=dra", "--dra-plugin-path=/" + "d" * 110)
+    with pytest.raises(SystemExit) as exc:
+        parse("--mode=gpu")
+    assert exc.value.code == 2
+    assert "--mode" in capsys.readouterr().err

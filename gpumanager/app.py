@@ -220,8 +220,9 @@ class Agent:
         result = build_vdriver(
             volume_config=Path(cfg.volume_config),
             driver_root=Path(cfg.driver_root),
-            share_mode=cfg.share_mode,
-            interceptor=Path(cfg.vcuda_library) if cfg.share_mode else None,
+            # DRA mode always has shares (a claim's consumed capacity): the mirror gets the interceptor.
+            share_mode=cfg.share_mode or cfg.mode == "dra",
+            interceptor=Path(cfg.vcuda_library) if cfg.share_mode or cfg.mode == "dra" else None,
         )
         for warning in result.warnings:
             log.warning("driver mirror: %s", warning)

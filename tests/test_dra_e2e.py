@@ -5,6 +5,9 @@ real kubernetes client."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,9 @@ import pytest
 
 from gpumanager.vmanager import files
 from simnode.dra_cluster import DRIVER, NODE, DRACluster, claim_pod, claim_template
+from simnode.gpusim_state import GpuSimState, repo_root
+from simnode.simhost import install_sim_driver, volume_conf
+from tests.vcuda_fixtures import PRELUDE
 
 GiB = 1 << 30
 
@@ -80,6 +86,31 @@ def test_shares_fill_one_gpu_and_a_third_waits_until_one_ends(t4: DRACluster) ->
 
     health = http_json(t4, "/healthz")
     assert health["mode"] == "dra" and health["claims"] == 2 and health["registered"] is True
+    assert http_json(t4, "/readyz")["slice_published"] is True
+    # One view of the node: the tree's free capacity, /usage, the metrics.
+    assert t4.agent is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{t4.agent.query_port}/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'gpu_manager_gpu_cores{gpu="0",state="allocatable"} 10.0' in metrics
+    claim_line = (
+        f'gpu_manager_claim_cores{{claim="{claim30["metadata"]["name"]}",claim_uid="{claim30["metadata"]["uid"]}",'
+        'device="gpu-0",namespace="default",share="true"} 30.0'
+    )
+    assert claim_line in metrics
+    assert (
+        f'gpu_manager_claim_containers{{claim="{claim30["metadata"]["name"]}",namespace="default",pod="p30"}} 1.0'
+        in metrics
+    )
+    assert (
+        'container_request_gpu_utilization{container_name="main",namespace="default",node="sim-node",pod_name="p30"'
+        in metrics
+    )
+    usage = http_json(t4, "/usage")["usage"]
+    p30_uid = t4.pod("p30")["metadata"]["uid"]
+    assert usage[p30_uid]["spec"]["main"] == {"gpu": 0.3, "mem": 4096.0}
+    assert usage[p30_uid]["stat"]["main"]["dev"][0]["card_idx"] == "0"
+    graph = http_json(t4, "/graph")["graph"]
+    assert "allocatableCores: 10, allocatableMemory: 3221225472" in graph  # 15 GiB - 4 GiB - 8 GiB
 
     t4.end_pod("p60")
     t4.settle()
@@ -90,3 +121,96 @@ def test_shares_fill_one_gpu_and_a_third_waits_until_one_ends(t4: DRACluster) ->
     specs = sorted(p.name for p in t4.cdi_root.iterdir())
     assert len(specs) == 2 and f"{DRIVER}-{uid20}.json" in specs
     assert len([d for d in t4.vm_path.iterdir() if d.is_dir()]) == 2
+
+
+MIB = 1 << 20
+CLIENT = (
+    PRELUDE
+    + r"""
+import pynvml
+total = 0
+while True:
+    err, ptr = d.cuMemAlloc(128 << 20)
+    if err != R.CUDA_SUCCESS:
+        break
+    total += 128 << 20
+free, cap = ok(d.cuMemGetInfo())
+pynvml.nvmlInit()
+mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": cap, "nvml_total": mem.total}))
+"""
+)
+
+
+@pytest.fixture
+def t4_mirror(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    """A T4 node in DRA mode whose driver mirror holds the interceptor."""
+    interceptor = repo_root() / "vcuda/build/libcuda-control.so"
+    assert interceptor.exists(), "make -C vcuda builds the interceptor"
+    root = tmp_path / "host"
+    install_sim_driver(root)
+    flags = [
+        f"--volume-config={volume_conf(tmp_path / 'vdriver', tmp_path / 'volume.conf')}",
+        f"--driver-root={root}",
+        f"--vcuda-library={interceptor}",
+    ]
+    with DRACluster(tmp_path / "node", "t4-x1", agent_flags=flags) as cluster:
+        cluster.base_env["VCUDA_BUDGET_DIR"] = str(tmp_path / "shm")
+        yield cluster
+
+
+def test_cuda_program_started_through_the_cdi_edits_is_held_to_its_claim(t4_mirror: DRACluster) -> None:
+    c = t4_mirror
+    c.add_template(claim_template("c30", cores=30, memory="4Gi"))
+    pod = c.create_pod(claim_pod("cuda", "c30"), commands={"main": [sys.executable, "-c", CLIENT]})
+    c.settle()
+    assert c.kubelet is not None
+    run = c.kubelet.containers[(pod["metadata"]["uid"], "main")]
+    assert (
+        run.mounts["/usr/local/nvidia"].endswith("nvidia") and run.env["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib64"
+    )
+    assert run.proc is not None
+    out, err = run.proc.communicate(timeout=120)
+    assert run.proc.returncode == 0, err.decode()
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    cap = 4 * GiB
+    assert result["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert cap - 128 * MIB < result["allocated"] <= cap
+    assert result["total"] == cap and result["free"] == cap - result["allocated"]
+    assert result["nvml_total"] == cap
+
+
+def test_sm_limit_of_a_30_core_claim_holds(t4_mirror: DRACluster) -> None:
+    done = subprocess.run(
+        ["make", "-s", "-C", str(repo_root() / "vcuda"), "bench", f"PYTHON={sys.executable}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    loop = repo_root() / "vcuda/build/bench/launch_loop"
+    c = t4_mirror
+    c.add_template(claim_template("c30", cores=30, memory="2Gi"))
+    pod = c.create_pod(
+        claim_pod("spin", "c30"), commands={"main": [str(loop), "kernel", "spin_1ms", "6.0", "64", "256", "0"]}
+    )
+    c.settle()
+    assert c.kubelet is not None and c.agent is not None
+    run = c.kubelet.containers[(pod["metadata"]["uid"], "main")]
+    assert run.proc is not None
+    claim_dir = c.vm_path / c.claim_of("spin")["metadata"]["uid"]
+    # The agent writes the container's processes (from its cgroup) into the claim's pids.config.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (claim_dir / "pids.config").exists():
+        time.sleep(0.1)
+    assert files.read_pids(claim_dir / "pids.config") == [run.proc.pid]
+    time.sleep(2.0)
+    with GpuSimState(c.agent.state) as st:
+        before = st.timeline(0)
+        time.sleep(2.0)
+        after = st.timeline(0)
+    _out, err = run.proc.communicate(timeout=60)
+    assert run.proc.returncode == 0, err.decode()
+    assert before is not None and after is not None
+    share = 100.0 * (after.busy_of({run.proc.pid}) - before.busy_of({run.proc.pid})) / (after.now_ns - before.now_ns)
+    assert 15.0 <= share <= 42.0, f"a 30-core claim used {share:.1f}% of the GPU"

@@ -28,7 +28,9 @@ __all__ = ["vcuda_built"]  # fixture
 
 LOOP = BUILD / "bench" / "launch_loop"
 PATHS = ("kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi", "graph", "graph_ptsz", "proc",
-         "proc_ptsz")  # fmt: skip
+         "proc_ptsz", "launch", "grid", "grid_async")  # fmt: skip
+# A context-less CUkernel (or a graph of one) launched on a created stream while no context is current.
+NOCTX_PATHS = ("kernel_noctx", "ex_noctx", "graph_noctx")
 
 
 def core_config(share: int, *, hard: bool = True, ceiling: int = 0, enable: int = 1) -> bytes:
@@ -59,11 +61,13 @@ class Node:
     def mirror(self) -> Path:
         return self.root / "lib64"
 
-    def env(self, name: str, config: bytes | None, **extra: str) -> dict[str, str]:
+    def env(self, name: str, config: bytes | None, pids: list[int] | None = None, **extra: str) -> dict[str, str]:
         cfg = self.root / name / "vcuda.config"
         cfg.parent.mkdir(parents=True, exist_ok=True)
         if config is not None:
             cfg.write_bytes(config)
+        if pids is not None:  # the agent's list of the container's host PIDs
+            (cfg.parent / "pids.config").write_bytes(struct.pack(f"<{len(pids)}i", *pids))
         env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(self.mirror), "GPUSIM_SPEC": str(self.spec),
                "GPUSIM_STATE": str(self.state), "VCUDA_CONFIG_PATH": str(cfg), "VCUDA_CONFIG_ROOT": str(cfg.parent),
                "VCUDA_BUDGET_DIR": str(self.root / "shm"), "PYTHONPATH": str(repo_root())}  # fmt: skip
@@ -71,10 +75,11 @@ class Node:
         return env
 
     def loop(self, name: str, gpu: int, seconds: float, config: bytes | None, *, path: str = "kernel",
-             kernel: str = "spin_1ms", **extra: str) -> subprocess.Popen[str]:  # fmt: skip
+             kernel: str = "spin_1ms", pids: list[int] | None = None,
+             **extra: str) -> subprocess.Popen[str]:  # fmt: skip
         blocks = 64 if gpu < 8 else 528
         cmd = [str(LOOP), path, kernel, f"{seconds:.2f}", str(blocks), "256", str(gpu)]
-        return subprocess.Popen(cmd, env=self.env(name, config, **extra), stdout=subprocess.PIPE,
+        return subprocess.Popen(cmd, env=self.env(name, config, pids, **extra), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
@@ -223,6 +228,25 @@ def test_no_launch_path_escapes(node: Node) -> None:
     got = shares(node, procs, 1.5, 1.5)
     for path in PATHS:
         assert 15 <= got[path] <= 42, (path, got)
+
+
+def test_launches_without_a_current_context_are_gated(node: Node) -> None:
+    """cuda.h: a CUkernel (and a graph) runs in its stream's context, current or not; the gate follows the stream."""
+    procs = {path: (i, node.loop(path, i, 3.5, core_config(30), path=path)) for i, path in enumerate(NOCTX_PATHS)}
+    got = shares(node, procs, 1.5, 1.5)
+    for path in NOCTX_PATHS:
+        assert 15 <= got[path] <= 42, (path, got)
+
+
+def test_a_process_missing_from_pids_config_is_limited(node: Node) -> None:
+    """The agent's pids.config lags behind a new process (or lists only others): its own time still counts."""
+    procs = {
+        "listed-other": (2, node.loop("a", 2, 3.5, core_config(30), pids=[1])),
+        "empty": (3, node.loop("b", 3, 3.5, core_config(30), pids=[])),
+    }
+    got = shares(node, procs, 1.5, 1.5)
+    for name in procs:
+        assert 15 <= got[name] <= 42, (name, got)
 
 
 def test_two_containers_split_30_70(node: Node) -> None:

@@ -231,3 +231,74 @@ def test_cuinit_without_a_spec_says_why(vcuda_built: Path, tmp_path: Path) -> No
     )
     assert done.stdout.strip() == "CUDA_ERROR_NO_DEVICE"
     assert "GPUSIM_SPEC is not set" in done.stderr
+
+
+def test_libraries_and_context_less_kernels(vcuda_built: Path, tmp_path: Path) -> None:
+    """cuLibrary* / CUkernel: a kernel launched as a CUfunction runs in its stream's context, current or not."""
+    del vcuda_built
+    done = run_python(
+        r"""
+import time
+lib = ok(d.cuLibraryLoadData(b"ptx or cubin", None, None, 0, None, None, 0))
+k = ok(d.cuLibraryGetKernel(lib, b"spin_20ms"))
+name = ok(d.cuKernelGetName(k))
+f = ok(d.cuKernelGetFunction(k))
+s = ok(d.cuStreamCreate(0))
+stream_ctx = ok(d.cuStreamGetCtx(s))
+popped = ok(d.cuCtxPopCurrent())
+no_ctx = [d.cuCtxGetCurrent()[1] is None or int(d.cuCtxGetCurrent()[1]) == 0,
+          d.cuLaunchKernel(k, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0)[0].name]  # NULL stream: needs a current context
+t0 = time.monotonic()
+on_stream = d.cuLaunchKernel(k, 1, 1, 1, 32, 1, 1, 0, s, 0, 0)[0].name
+ok(d.cuStreamSynchronize(s))
+waited = time.monotonic() - t0
+ok(d.cuCtxPushCurrent(popped))
+via_fn = d.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, 0, 0)[0].name
+ok(d.cuStreamSynchronize(s))
+ok(d.cuLibraryUnload(lib))
+after_unload = d.cuLaunchKernel(k, 1, 1, 1, 32, 1, 1, 0, s, 0, 0)[0].name
+print(json.dumps({"name": name.decode() if isinstance(name, bytes) else name, "same_ctx": int(stream_ctx) == int(ctx),
+                  "no_ctx": no_ctx, "on_stream": on_stream, "waited": waited, "via_fn": via_fn,
+                  "after_unload": after_unload}))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["name"] == "spin_20ms" and out["same_ctx"] is True
+    assert out["no_ctx"] == [True, "CUDA_ERROR_INVALID_CONTEXT"]
+    assert out["on_stream"] == "CUDA_SUCCESS" and out["waited"] >= 0.019  # it took simulated GPU time
+    assert out["via_fn"] == "CUDA_SUCCESS"
+    assert out["after_unload"] == "CUDA_ERROR_INVALID_HANDLE"
+
+
+def test_the_legacy_launch_api(vcuda_built: Path, tmp_path: Path) -> None:
+    del vcuda_built
+    done = run_python(
+        r"""
+import time
+mod = ok(d.cuModuleLoadData(b"x"))
+f = ok(d.cuModuleGetFunction(mod, b"spin_5ms"))
+out = {"unshaped": d.cuLaunch(f)[0].name}
+out["shape"] = [d.cuFuncSetBlockShape(f, 0, 1, 1)[0].name, d.cuFuncSetBlockShape(f, 128, 1, 1)[0].name]
+out["params"] = [d.cuParamSetSize(f, 8)[0].name, d.cuParamSeti(f, 0, 7)[0].name, d.cuParamSetf(f, 4, 1.5)[0].name,
+                 d.cuParamSetSize(f, 1 << 20)[0].name, d.cuFuncSetSharedSize(f, 1024)[0].name]
+s = ok(d.cuStreamCreate(0))
+t0 = time.monotonic()
+out["launch"] = [d.cuLaunch(f)[0].name, d.cuLaunchGrid(f, 4, 2)[0].name, d.cuLaunchGridAsync(f, 4, 1, s)[0].name,
+                 d.cuLaunchGrid(f, 0, 1)[0].name]
+ok(d.cuCtxSynchronize())
+out["waited"] = time.monotonic() - t0
+print(json.dumps(out))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["unshaped"] == "CUDA_ERROR_INVALID_VALUE"
+    assert out["shape"] == ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"]
+    assert out["params"] == ["CUDA_SUCCESS"] * 3 + ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"]
+    assert out["launch"] == ["CUDA_SUCCESS"] * 3 + ["CUDA_ERROR_INVALID_VALUE"]
+    assert out["waited"] >= 0.0145  # three 5 ms kernels ran

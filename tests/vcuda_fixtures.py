@@ -156,17 +156,19 @@ def make_mirror(mirror: Path, interceptor: Path) -> None:
 
 @pytest.fixture
 def container(vcuda_built: Path, tmp_path: Path) -> Callable[..., Container]:
-    """Factory: container(limit_mib=1024, enable=1, spec="t4-x1", config=True) -> Container."""
+    """Factory: container(limit_mib=1024, enable=1, spec="t4-x1", config=True, cores=50) -> Container."""
     count = 0
 
-    def make(limit_mib: int = 1024, *, enable: int = 1, spec: str = "t4-x1", config: bool = True) -> Container:
+    def make(
+        limit_mib: int = 1024, *, enable: int = 1, spec: str = "t4-x1", config: bool = True, cores: int = 50
+    ) -> Container:
         nonlocal count
         count += 1
         c = Container(tmp_path / f"c{count}", spec_dir() / f"{spec}.json", limit_mib * MIB)
         make_mirror(c.mirror, vcuda_built)
         c.config_path.parent.mkdir(parents=True)
         if config:
-            c.config_path.write_bytes(config_bytes(c.limit_bytes, enable=enable))
+            c.config_path.write_bytes(config_bytes(c.limit_bytes, enable=enable, cores=cores))
         return c
 
     return make

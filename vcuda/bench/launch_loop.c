@@ -10,8 +10,13 @@
  *
  * usage: launch_loop <path> <kernel name> <seconds> [blocks] [threads per block] [device]
  *   path: kernel | kernel_ptsz | ex | ex_ptsz | coop | coop_ptsz | multi | graph | graph_ptsz | proc | proc_ptsz
+ *         | launch | grid | grid_async | kernel_noctx | ex_noctx | graph_noctx
  *   ("proc": cuLaunchKernel obtained through cuGetProcAddress_v2; "multi":
- *   cuLaunchCooperativeKernelMultiDevice with one device)
+ *   cuLaunchCooperativeKernelMultiDevice with one device; "launch", "grid",
+ *   "grid_async": the legacy cuLaunch, cuLaunchGrid (blocks x 1 grid),
+ *   cuLaunchGridAsync after cuFuncSetBlockShape; "*_noctx": a context-less
+ *   CUkernel (cuLibraryLoadData, cuLibraryGetKernel), or a graph of one, launched
+ *   on a created stream while no context is current)
  *   kernel name: the simulated driver takes a name ending in _<N>ns, _<N>us
  *   or _<N>ms as the kernel's duration, e.g. spin_10us.
  */
@@ -89,6 +94,7 @@ int main(int argc, char **argv)
     CUresult (*get_fn)(CUfunction *, CUmodule, const char *) = need("cuModuleGetFunction");
     CUresult (*alloc)(CUdeviceptr *, size_t) = need("cuMemAlloc_v2");
     CUresult (*stream_create)(CUstream *, unsigned) = need("cuStreamCreate");
+    CUresult (*pop)(CUcontext *) = need("cuCtxPopCurrent_v2");
     CHECK(init(0));
     CUdevice dev;
     CUcontext ctx;
@@ -99,8 +105,20 @@ int main(int argc, char **argv)
     CHECK(dev_get(&dev, device));
     CHECK(retain(&ctx, dev));
     CHECK(set_cur(ctx));
-    CHECK(load(&mod, "fatbin"));
-    CHECK(get_fn(&fn, mod, kname));
+    bool noctx = strstr(path, "_noctx") != NULL;
+    if (noctx) {
+        CUresult (*lib_load)(CUlibrary *, const void *, CUjit_option *, void **, unsigned, CUlibraryOption *,
+                             void **, unsigned) = need("cuLibraryLoadData");
+        CUresult (*get_kernel)(CUkernel *, CUlibrary, const char *) = need("cuLibraryGetKernel");
+        CUlibrary library;
+        CUkernel kernel;
+        CHECK(lib_load(&library, "fatbin", NULL, NULL, 0, NULL, NULL, 0));
+        CHECK(get_kernel(&kernel, library, kname));
+        fn = (CUfunction)(void *)kernel; /* cuda.h: a CUkernel may be launched as a CUfunction */
+    } else {
+        CHECK(load(&mod, "fatbin"));
+        CHECK(get_fn(&fn, mod, kname));
+    }
     CHECK(alloc(&buf, 1 << 20)); /* so that the process is listed among the GPU's compute processes */
     CHECK(stream_create(&stream, CU_STREAM_NON_BLOCKING));
     void *args[] = {&buf};
@@ -112,9 +130,25 @@ int main(int argc, char **argv)
                      void **) = NULL;
     CUresult (*multi)(CUDA_LAUNCH_PARAMS *, unsigned, unsigned) = NULL;
     CUresult (*graph_launch)(CUgraphExec, CUstream) = NULL;
+    CUresult (*grid)(CUfunction, int, int) = NULL;
+    CUresult (*grid_async)(CUfunction, int, int, CUstream) = NULL;
+    CUresult (*launch1)(CUfunction) = NULL;
     CUgraphExec exec = NULL;
     bool ptsz = strstr(path, "_ptsz") != NULL;
-    if (strncmp(path, "kernel", 6) == 0) {
+    if (strcmp(path, "launch") == 0 || strncmp(path, "grid", 4) == 0) {
+        CUresult (*shape)(CUfunction, int, int, int) = need("cuFuncSetBlockShape");
+        CUresult (*param_size)(CUfunction, unsigned) = need("cuParamSetSize");
+        CUresult (*param_v)(CUfunction, int, void *, unsigned) = need("cuParamSetv");
+        CHECK(shape(fn, (int)threads, 1, 1));
+        CHECK(param_size(fn, sizeof(buf)));
+        CHECK(param_v(fn, 0, &buf, sizeof(buf)));
+        if (strcmp(path, "launch") == 0)
+            launch1 = need("cuLaunch");
+        else if (strcmp(path, "grid") == 0)
+            grid = need("cuLaunchGrid");
+        else
+            grid_async = need("cuLaunchGridAsync");
+    } else if (strncmp(path, "kernel", 6) == 0) {
         launch = need(ptsz ? "cuLaunchKernel_ptsz" : "cuLaunchKernel");
     } else if (strncmp(path, "proc", 4) == 0) {
         CUresult (*gpa)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *) =
@@ -138,7 +172,10 @@ int main(int argc, char **argv)
         CUgraphNode node;
         CUDA_KERNEL_NODE_PARAMS p;
         memset(&p, 0, sizeof(p));
-        p.func = fn;
+        if (noctx)
+            p.kern = (CUkernel)(void *)fn; /* func NULL: the context-less kernel */
+        else
+            p.func = fn;
         p.gridDimX = blocks, p.gridDimY = 1, p.gridDimZ = 1;
         p.blockDimX = threads, p.blockDimY = 1, p.blockDimZ = 1;
         p.kernelParams = args;
@@ -162,6 +199,11 @@ int main(int argc, char **argv)
     mp.hStream = stream;
     mp.kernelParams = args;
 
+    if (noctx) {
+        CUcontext popped;
+        CHECK(pop(&popped)); /* from here on no context is current: the stream's context is used */
+    }
+
     uint64_t start = now_ns(), end = start + (uint64_t)(seconds * 1e9);
     uint64_t launches = 0;
     size_t nb = 0;
@@ -180,6 +222,12 @@ int main(int argc, char **argv)
                 CHECK(coop(fn, blocks, 1, 1, threads, 1, 1, 0, stream, args));
             else if (multi != NULL)
                 CHECK(multi(&mp, 1, 0));
+            else if (launch1 != NULL)
+                CHECK(launch1(fn));
+            else if (grid != NULL)
+                CHECK(grid(fn, (int)blocks, 1));
+            else if (grid_async != NULL)
+                CHECK(grid_async(fn, (int)blocks, 1, stream));
             else
                 CHECK(graph_launch(exec, stream));
         }

@@ -6,10 +6,9 @@
  * fails with CUDA_ERROR_OUT_OF_MEMORY.  Device addresses are fake (never
  * dereferenced): a bump allocator per GPU in this process.
  *
- * Also here: streams, events, modules and launches (simulated GPU time: each
- * kernel occupies the GPU for a duration from the cost model, see
- * kernel_ns(); sim_timeline.c runs the shared per-GPU timeline), memory pools,
- * VMM and graphs with memory and kernel nodes.
+ * Also here: the process-local records of every simulated object (shared by
+ * the other cuda_*.c files), arrays, VMM, memory pools and stream-ordered
+ * allocation.
  */
 #include "cuda_sim.h"
 
@@ -170,28 +169,8 @@ uint64_t sim_va_alloc(unsigned range, uint64_t size, uint64_t align)
 
 /* ---- process-local records ---------------------------------------------------- */
 
-enum rec_kind {
-    REC_DEV = 1,   /* cuMemAlloc*, pitch, managed, async: key = address */
-    REC_LEGACY,    /* CUDA 2.0 ABI cuMemAlloc: key = 32-bit address */
-    REC_HOST,      /* page-locked host memory: key = pointer */
-    REC_ARRAY,     /* key = CUarray */
-    REC_MIPMAP,    /* key = CUmipmappedArray */
-    REC_VMM,       /* key = CUmemGenericAllocationHandle; gpu = UINT32_MAX for host memory */
-    REC_VA,        /* reserved address range: key = start */
-    REC_POOL,      /* key = CUmemoryPool */
-    REC_STREAM,    /* key = CUstream */
-    REC_MODULE,    /* key = CUmodule */
-    REC_FUNCTION,  /* key = CUfunction, aux = module */
-    REC_GRAPH,     /* key = CUgraph */
-    REC_GNODE,     /* key = CUgraphNode, aux = graph, size = bytes of a memory allocation node */
-    REC_GEXEC,     /* key = CUgraphExec */
-};
-
-#define NO_GPU UINT32_MAX
-
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs and the pools below */
 static struct vc_map g_recs;
-static uint64_t g_graph_mem[GPUSIM_MAX_GPUS]; /* bytes of live graph allocation nodes, per GPU */
 
 static void atfork_prepare(void)
 {
@@ -207,7 +186,7 @@ static void atfork_child(void)
 {
     /* The child owns none of the parent's device memory. */
     vc_map_reset(&g_recs);
-    memset(g_graph_mem, 0, sizeof(g_graph_mem));
+    sim_exec_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
 }
 
@@ -216,7 +195,22 @@ __attribute__((constructor)) static void mem_init(void)
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
-static int put(uint64_t key, enum rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
+void sim_rec_lock(void)
+{
+    pthread_mutex_lock(&g_mu);
+}
+
+void sim_rec_unlock(void)
+{
+    pthread_mutex_unlock(&g_mu);
+}
+
+struct vc_map *sim_recs(void)
+{
+    return &g_recs;
+}
+
+int sim_put(uint64_t key, enum sim_rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
 {
     struct vc_map_entry e = {.key = key, .kind = kind, .gpu = gpu, .size = size, .aux = aux};
     pthread_mutex_lock(&g_mu);
@@ -225,7 +219,7 @@ static int put(uint64_t key, enum rec_kind kind, unsigned gpu, uint64_t size, ui
     return rc;
 }
 
-static bool find(uint64_t key, enum rec_kind kind, struct vc_map_entry *out, bool take)
+bool sim_find(uint64_t key, enum sim_rec_kind kind, struct vc_map_entry *out, bool take)
 {
     if (key == 0)
         return false;
@@ -236,13 +230,13 @@ static bool find(uint64_t key, enum rec_kind kind, struct vc_map_entry *out, boo
 }
 
 /* Charges gpu, takes an address in range, records it; on any failure nothing stays charged. */
-static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, unsigned range, enum rec_kind kind)
+static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, unsigned range, enum sim_rec_kind kind)
 {
     CUresult rc = sim_mem_charge(gpu, bytes);
     if (rc != CUDA_SUCCESS)
         return rc;
     uint64_t va = sim_va_alloc(range, bytes, SIM_ALLOC_ALIGN);
-    if (va == 0 || put(va, kind, gpu, bytes, 0) != 0) {
+    if (va == 0 || sim_put(va, kind, gpu, bytes, 0) != 0) {
         sim_mem_uncharge(gpu, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -250,14 +244,14 @@ static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, un
     return CUDA_SUCCESS;
 }
 
-static CUresult device_free(uint64_t va, enum rec_kind kind)
+static CUresult device_free(uint64_t va, enum sim_rec_kind kind)
 {
     struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (va == 0)
         return CUDA_SUCCESS;
-    if (!find(va, kind, &e, true))
+    if (!sim_find(va, kind, &e, true))
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_uncharge(e.gpu, e.size);
     return CUDA_SUCCESS;
@@ -302,7 +296,7 @@ SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
 }
 
 static CUresult alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned elem,
-                            unsigned range, enum rec_kind kind)
+                            unsigned range, enum sim_rec_kind kind)
 {
     int dev;
     CUresult rc = sim_cu_current_device(&dev);
@@ -392,7 +386,7 @@ static CUresult host_alloc(void **pp, size_t bytesize)
     void *p = calloc(1, bytesize);
     if (p == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    if (put((uint64_t)(uintptr_t)p, REC_HOST, NO_GPU, bytesize, 0) != 0) {
+    if (sim_put((uint64_t)(uintptr_t)p, REC_HOST, NO_GPU, bytesize, 0) != 0) {
         free(p);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -421,7 +415,7 @@ SIM_EXPORT CUresult cuMemFreeHost(void *p)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)p, REC_HOST, NULL, true))
+    if (!sim_find((uint64_t)(uintptr_t)p, REC_HOST, NULL, true))
         return CUDA_ERROR_INVALID_VALUE;
     free(p);
     return CUDA_SUCCESS;
@@ -459,7 +453,7 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
     return row * (h ? h : 1) * (d ? d : 1);
 }
 
-static CUresult array_create(void **handle, uint64_t bytes, enum rec_kind kind)
+static CUresult array_create(void **handle, uint64_t bytes, enum sim_rec_kind kind)
 {
     int dev;
     CUresult rc = sim_cu_current_device(&dev);
@@ -472,7 +466,7 @@ static CUresult array_create(void **handle, uint64_t bytes, enum rec_kind kind)
         return CUDA_ERROR_OUT_OF_MEMORY;
     *a = (struct sim_array){.size = bytes, .gpu = (unsigned)dev};
     rc = sim_mem_charge((unsigned)dev, bytes);
-    if (rc == CUDA_SUCCESS && put((uint64_t)(uintptr_t)a, kind, (unsigned)dev, bytes, 0) != 0) {
+    if (rc == CUDA_SUCCESS && sim_put((uint64_t)(uintptr_t)a, kind, (unsigned)dev, bytes, 0) != 0) {
         sim_mem_uncharge((unsigned)dev, bytes);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -531,12 +525,12 @@ SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA
     return array_create((void **)pHandle, bytes, REC_MIPMAP);
 }
 
-static CUresult array_destroy(void *handle, enum rec_kind kind)
+static CUresult array_destroy(void *handle, enum sim_rec_kind kind)
 {
     struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)handle, kind, &e, true))
+    if (!sim_find((uint64_t)(uintptr_t)handle, kind, &e, true))
         return CUDA_ERROR_INVALID_HANDLE;
     sim_mem_uncharge(e.gpu, e.size);
     free(handle);
@@ -553,7 +547,7 @@ SIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
     return array_destroy(hMipmappedArray, REC_MIPMAP);
 }
 
-static CUresult array_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *req, void *handle, enum rec_kind kind,
+static CUresult array_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *req, void *handle, enum sim_rec_kind kind,
                                    CUdevice device)
 {
     struct vc_map_entry e;
@@ -563,7 +557,7 @@ static CUresult array_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *req, void *ha
         return rc;
     if (req == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!find((uint64_t)(uintptr_t)handle, kind, &e, false))
+    if (!sim_find((uint64_t)(uintptr_t)handle, kind, &e, false))
         return CUDA_ERROR_INVALID_HANDLE;
     memset(req, 0, sizeof(*req));
     req->size = e.size;
@@ -636,7 +630,7 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     *m = (struct sim_vmm){.prop = *prop, .size = size};
     if (gpu != NO_GPU)
         rc = sim_mem_charge(gpu, size);
-    if (rc == CUDA_SUCCESS && put((uint64_t)(uintptr_t)m, REC_VMM, gpu, size, 0) != 0) {
+    if (rc == CUDA_SUCCESS && sim_put((uint64_t)(uintptr_t)m, REC_VMM, gpu, size, 0) != 0) {
         if (gpu != NO_GPU)
             sim_mem_uncharge(gpu, size);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -654,7 +648,7 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find(handle, REC_VMM, &e, true))
+    if (!sim_find(handle, REC_VMM, &e, true))
         return CUDA_ERROR_INVALID_VALUE;
     if (e.gpu != NO_GPU)
         sim_mem_uncharge(e.gpu, e.size);
@@ -667,7 +661,7 @@ SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
 {
     if (prop == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!find(handle, REC_VMM, NULL, false))
+    if (!sim_find(handle, REC_VMM, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
     *prop = ((const struct sim_vmm *)(uintptr_t)handle)->prop;
     return CUDA_SUCCESS;
@@ -683,7 +677,7 @@ SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
         (alignment & (alignment - 1)) != 0)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t va = sim_va_alloc(VA_RESERVE_RANGE, size, alignment > SIM_VMM_GRANULARITY ? alignment : SIM_VMM_GRANULARITY);
-    if (va == 0 || put(va, REC_VA, NO_GPU, size, 0) != 0)
+    if (va == 0 || sim_put(va, REC_VA, NO_GPU, size, 0) != 0)
         return CUDA_ERROR_OUT_OF_MEMORY;
     *ptr = (CUdeviceptr)va;
     return CUDA_SUCCESS;
@@ -694,9 +688,9 @@ SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
     struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find(ptr, REC_VA, &e, false) || e.size != size)
+    if (!sim_find(ptr, REC_VA, &e, false) || e.size != size)
         return CUDA_ERROR_INVALID_VALUE;
-    find(ptr, REC_VA, NULL, true);
+    sim_find(ptr, REC_VA, NULL, true);
     return CUDA_SUCCESS;
 }
 
@@ -706,7 +700,7 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (ptr == 0 || size == 0 || flags != 0 || !find(handle, REC_VMM, &e, false) || offset > e.size ||
+    if (ptr == 0 || size == 0 || flags != 0 || !sim_find(handle, REC_VMM, &e, false) || offset > e.size ||
         size > e.size - offset)
         return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
@@ -726,345 +720,6 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
     return ptr == 0 || size == 0 || desc == NULL || count == 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
-/* ---- streams --------------------------------------------------------------------------- */
-
-struct sim_stream {
-    int device;
-    _Atomic uint64_t upto; /* sim_tl upto of its last kernel (0 = none) */
-};
-
-static CUresult stream_create(CUstream *ph)
-{
-    int dev;
-    CUresult rc = sim_cu_current_device(&dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (ph == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct sim_stream *s = malloc(sizeof(*s));
-    if (s == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    s->device = dev;
-    atomic_init(&s->upto, 0);
-    if (put((uint64_t)(uintptr_t)s, REC_STREAM, (unsigned)dev, 0, 0) != 0) {
-        free(s);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *ph = (CUstream)s;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
-{
-    if (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
-        return CUDA_ERROR_INVALID_VALUE;
-    return stream_create(phStream);
-}
-
-SIM_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
-{
-    (void)priority;
-    if (flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
-        return CUDA_ERROR_INVALID_VALUE;
-    return stream_create(phStream);
-}
-
-static CUresult stream_destroy(CUstream s)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)s, REC_STREAM, NULL, true))
-        return CUDA_ERROR_INVALID_HANDLE;
-    free(s);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
-{
-    return stream_destroy(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamDestroy(CUstream hStream)
-{
-    return stream_destroy(hStream);
-}
-
-static bool special_stream(CUstream s)
-{
-    return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
-}
-
-/* The device work on stream s goes to: its own, or the current context's for the special streams. */
-static CUresult stream_device(CUstream s, unsigned *gpu)
-{
-    int dev;
-    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) {
-        CUresult rc = sim_cu_current_device(&dev);
-        if (rc != CUDA_SUCCESS)
-            return rc;
-        *gpu = (unsigned)dev;
-        return CUDA_SUCCESS;
-    }
-    struct vc_map_entry e;
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)s, REC_STREAM, &e, false))
-        return CUDA_ERROR_INVALID_HANDLE;
-    *gpu = e.gpu;
-    return CUDA_SUCCESS;
-}
-
-/*
- * What waiting for stream s means: kernels before *upto of this process on
- * *gpu.  A process's kernels on one GPU run in submission order (one FIFO, see
- * sim_timeline.h), so a special stream (NULL, legacy, per-thread) waits for
- * everything the process queued on the GPU, a created stream for its own last
- * kernel.
- */
-static CUresult stream_upto(CUstream s, unsigned *gpu, uint64_t *upto)
-{
-    CUresult rc = stream_device(s, gpu);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    const struct sim_node *n = sim_cu_node();
-    *upto = special_stream(s) ? sim_tl_tail(n->state, *gpu)
-                              : atomic_load(&((struct sim_stream *)(void *)s)->upto);
-    return CUDA_SUCCESS;
-}
-
-static void stream_mark(CUstream s, uint64_t upto)
-{
-    if (!special_stream(s))
-        atomic_store(&((struct sim_stream *)(void *)s)->upto, upto);
-}
-
-static CUresult stream_sync(CUstream s)
-{
-    unsigned gpu;
-    uint64_t upto;
-    CUresult rc = stream_upto(s, &gpu, &upto);
-    if (rc == CUDA_SUCCESS)
-        sim_tl_wait(sim_cu_node()->state, gpu, upto);
-    return rc;
-}
-
-static CUresult stream_query(CUstream s)
-{
-    unsigned gpu;
-    uint64_t upto;
-    CUresult rc = stream_upto(s, &gpu, &upto);
-    if (rc == CUDA_SUCCESS && !sim_tl_done(sim_cu_node()->state, gpu, upto, NULL))
-        rc = CUDA_ERROR_NOT_READY;
-    return rc;
-}
-
-SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
-{
-    return stream_sync(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
-{
-    return stream_sync(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
-{
-    return stream_query(hStream);
-}
-
-SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
-{
-    return stream_query(hStream);
-}
-
-/* Kernels of one process on one GPU run in order, so cross-stream waits are met by construction. */
-static CUresult stream_wait_event(CUstream s, CUevent e)
-{
-    unsigned gpu;
-    CUresult rc = stream_device(s, &gpu);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    return e == NULL ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    (void)Flags;
-    return stream_wait_event(hStream, hEvent);
-}
-
-SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
-{
-    (void)Flags;
-    return stream_wait_event(hStream, hEvent);
-}
-
-/* The current context's device: every kernel this process queued there. */
-SIM_EXPORT CUresult cuCtxSynchronize(void)
-{
-    int dev;
-    CUresult rc = sim_cu_current_device(&dev);
-    if (rc == CUDA_SUCCESS)
-        sim_tl_wait(sim_cu_node()->state, (unsigned)dev, sim_tl_tail(sim_cu_node()->state, (unsigned)dev));
-    return rc;
-}
-
-/* ---- events ------------------------------------------------------------------------------ */
-
-#define SIM_EVENT_MAGIC 0x45565453u
-
-struct CUevent_st {
-    uint32_t magic;
-    unsigned flags;
-    unsigned gpu;
-    bool recorded;
-    uint64_t upto;    /* kernels it waits for */
-    uint64_t rec_ns;  /* when it was recorded (CLOCK_MONOTONIC) */
-    uint64_t end_ns;  /* its completion time once seen complete, else 0 */
-};
-
-static bool event_valid(CUevent e)
-{
-    return e != NULL && e->magic == SIM_EVENT_MAGIC;
-}
-
-SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
-{
-    int dev;
-    CUresult rc = sim_cu_current_device(&dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (phEvent == NULL || (Flags & ~0xFu))
-        return CUDA_ERROR_INVALID_VALUE;
-    struct CUevent_st *e = calloc(1, sizeof(*e));
-    if (e == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    *e = (struct CUevent_st){.magic = SIM_EVENT_MAGIC, .flags = Flags, .gpu = (unsigned)dev};
-    *phEvent = e;
-    return CUDA_SUCCESS;
-}
-
-static CUresult event_destroy(CUevent e)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(e))
-        return CUDA_ERROR_INVALID_HANDLE;
-    e->magic = 0;
-    free(e);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventDestroy(CUevent hEvent)
-{
-    return event_destroy(hEvent);
-}
-
-SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
-{
-    return event_destroy(hEvent);
-}
-
-static CUresult event_record(CUevent e, CUstream s)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(e))
-        return CUDA_ERROR_INVALID_HANDLE;
-    unsigned gpu;
-    uint64_t upto;
-    CUresult rc = stream_upto(s, &gpu, &upto);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    e->gpu = gpu;
-    e->upto = upto;
-    e->rec_ns = sim_mono_ns();
-    e->end_ns = upto == 0 ? e->rec_ns : 0; /* nothing before it: complete at once */
-    e->recorded = true;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream);
-}
-
-SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
-{
-    return event_record(hEvent, hStream);
-}
-
-SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    (void)flags;
-    return event_record(hEvent, hStream);
-}
-
-SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
-{
-    (void)flags;
-    return event_record(hEvent, hStream);
-}
-
-/* Whether e completed (a never-recorded event counts as complete); notes its completion time. */
-static bool event_done(CUevent e)
-{
-    if (!e->recorded || e->end_ns != 0)
-        return true;
-    uint64_t end;
-    if (!sim_tl_done(sim_cu_node()->state, e->gpu, e->upto, &end))
-        return false;
-    e->end_ns = end > e->rec_ns ? end : e->rec_ns;
-    return true;
-}
-
-SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(hEvent))
-        return CUDA_ERROR_INVALID_HANDLE;
-    return event_done(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
-}
-
-SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(hEvent))
-        return CUDA_ERROR_INVALID_HANDLE;
-    if (hEvent->recorded)
-        sim_tl_wait(sim_cu_node()->state, hEvent->gpu, hEvent->upto);
-    event_done(hEvent);
-    return CUDA_SUCCESS;
-}
-
-static CUresult elapsed(float *ms, CUevent a, CUevent b)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (ms == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!event_valid(a) || !event_valid(b) || (a->flags & CU_EVENT_DISABLE_TIMING) ||
-        (b->flags & CU_EVENT_DISABLE_TIMING) || !a->recorded || !b->recorded)
-        return CUDA_ERROR_INVALID_HANDLE;
-    if (!event_done(a) || !event_done(b))
-        return CUDA_ERROR_NOT_READY;
-    *ms = (float)(((double)b->end_ns - (double)a->end_ns) / 1e6);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
-{
-    return elapsed(pMilliseconds, hStart, hEnd);
-}
-
-SIM_EXPORT CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
-{
-    return elapsed(pMilliseconds, hStart, hEnd);
-}
-
 /* ---- memory pools and stream-ordered allocation ------------------------------------------ */
 
 struct sim_pool {
@@ -1082,7 +737,7 @@ static bool pool_gpu(CUmemoryPool pool, unsigned *gpu)
         return true;
     }
     struct vc_map_entry e;
-    if (!find(p, REC_POOL, &e, false))
+    if (!sim_find(p, REC_POOL, &e, false))
         return false;
     *gpu = e.gpu;
     return true;
@@ -1107,9 +762,9 @@ SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
     CUresult rc = sim_cu_device(dev, &n);
     if (rc != CUDA_SUCCESS)
         return rc;
-    pthread_mutex_lock(&g_mu);
+    sim_rec_lock();
     *pool = g_current_pool[dev] ? g_current_pool[dev] : (CUmemoryPool)&g_default_pool[dev];
-    pthread_mutex_unlock(&g_mu);
+    sim_rec_unlock();
     return CUDA_SUCCESS;
 }
 
@@ -1122,9 +777,9 @@ SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
         return rc;
     if (!pool_gpu(pool, &gpu) || gpu != (unsigned)dev)
         return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
+    sim_rec_lock();
     g_current_pool[dev] = pool;
-    pthread_mutex_unlock(&g_mu);
+    sim_rec_unlock();
     return CUDA_SUCCESS;
 }
 
@@ -1141,7 +796,7 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *po
     if (p == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
     p->gpu = (unsigned)poolProps->location.id;
-    if (put((uint64_t)(uintptr_t)p, REC_POOL, p->gpu, 0, 0) != 0) {
+    if (sim_put((uint64_t)(uintptr_t)p, REC_POOL, p->gpu, 0, 0) != 0) {
         free(p);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1153,13 +808,13 @@ SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)pool, REC_POOL, NULL, true))
+    if (!sim_find((uint64_t)(uintptr_t)pool, REC_POOL, NULL, true))
         return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
+    sim_rec_lock();
     for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
         if (g_current_pool[i] == pool)
             g_current_pool[i] = NULL;
-    pthread_mutex_unlock(&g_mu);
+    sim_rec_unlock();
     free(pool);
     return CUDA_SUCCESS;
 }
@@ -1194,7 +849,7 @@ SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
 {
     unsigned gpu, pgpu;
-    CUresult rc = stream_device(stream, &gpu);
+    CUresult rc = sim_stream_device(stream, &gpu);
     if (rc != CUDA_SUCCESS)
         return rc;
     if (dptr == NULL || bytesize == 0)
@@ -1235,7 +890,7 @@ SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
 static CUresult free_async(CUdeviceptr dptr, CUstream stream)
 {
     unsigned gpu;
-    CUresult rc = stream_device(stream, &gpu);
+    CUresult rc = sim_stream_device(stream, &gpu);
     if (rc != CUDA_SUCCESS)
         return rc;
     if (dptr == 0)
@@ -1251,553 +906,4 @@ SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     return free_async(dptr, hStream);
-}
-
-/* ---- modules and launches (accepted; no GPU time yet) ------------------------------------ */
-
-struct sim_module {
-    int device;
-};
-struct sim_function {
-    CUmodule module;
-    uint64_t named_ns; /* duration from the name ("..._<N>ns|us|ms"), 0 = the cost model */
-};
-
-/* "spin_50us" -> 50000; 0 unless the name ends in _<digits>ns, _<digits>us or _<digits>ms. */
-static uint64_t duration_in_name(const char *name)
-{
-    size_t len = strlen(name);
-    if (len < 4)
-        return 0;
-    const char *unit = name + len - 2;
-    uint64_t scale = strcmp(unit, "ns") == 0 ? 1u : strcmp(unit, "us") == 0 ? 1000u : strcmp(unit, "ms") == 0 ? 1000000u : 0;
-    if (scale == 0)
-        return 0;
-    const char *p = unit;
-    while (p > name && p[-1] >= '0' && p[-1] <= '9')
-        p--;
-    if (p == unit || p == name || p[-1] != '_' || unit - p > 12)
-        return 0;
-    return strtoull(p, NULL, 10) * scale;
-}
-
-/* GPUSIM_KERNEL_NS: every kernel of this process (without a duration in its name) takes that long. */
-static uint64_t env_kernel_ns(void)
-{
-    static _Atomic int64_t cached = -1;
-    int64_t v = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (v < 0) {
-        const char *s = getenv("GPUSIM_KERNEL_NS");
-        v = s != NULL ? atoll(s) : 0;
-        if (v < 0)
-            v = 0;
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return (uint64_t)v;
-}
-
-/*
- * The cost model (vcuda/sim/README.md "Simulated GPU time"): a named duration,
- * else GPUSIM_KERNEL_NS, else threads / (sm_count x sm_threads_per_us), at
- * least 1 us.
- */
-static uint64_t kernel_ns(const struct sim_function *f, unsigned gpu, uint64_t blocks, uint64_t threads_per_block)
-{
-    if (f != NULL && f->named_ns != 0)
-        return f->named_ns;
-    uint64_t env = env_kernel_ns();
-    if (env != 0)
-        return env;
-    const struct sim_gpu_spec *g = &sim_cu_node()->spec->gpus[gpu];
-    double rate = (double)g->sm_count * (double)g->sm_threads_per_us; /* threads per us */
-    double ns = (double)blocks * (double)threads_per_block * 1000.0 / rate;
-    return ns < 1000.0 ? 1000u : ns > 1e12 ? (uint64_t)1e12 : (uint64_t)ns;
-}
-
-static CUresult module_new(CUmodule *module)
-{
-    int dev;
-    CUresult rc = sim_cu_current_device(&dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    struct sim_module *m = malloc(sizeof(*m));
-    if (m == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    m->device = dev;
-    if (put((uint64_t)(uintptr_t)m, REC_MODULE, (unsigned)dev, 0, 0) != 0) {
-        free(m);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *module = (CUmodule)m;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
-{
-    if (module == NULL || image == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    return module_new(module);
-}
-
-SIM_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
-                                       CUjit_option *options, void **optionValues)
-{
-    (void)numOptions, (void)options, (void)optionValues;
-    return cuModuleLoadData(module, image);
-}
-
-SIM_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
-{
-    return cuModuleLoadData(module, fatCubin);
-}
-
-SIM_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
-{
-    struct stat sb;
-    if (module == NULL || fname == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (stat(fname, &sb) != 0)
-        return CUDA_ERROR_FILE_NOT_FOUND;
-    return module_new(module);
-}
-
-static bool function_of(const struct vc_map_entry *e, void *module)
-{
-    return e->aux == (uint64_t)(uintptr_t)module;
-}
-
-static void free_record_object(const struct vc_map_entry *e, void *arg)
-{
-    (void)arg;
-    free((void *)(uintptr_t)e->key);
-}
-
-SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, true))
-        return CUDA_ERROR_INVALID_HANDLE;
-    pthread_mutex_lock(&g_mu);
-    vc_map_remove_if(&g_recs, REC_FUNCTION, function_of, free_record_object, hmod);
-    pthread_mutex_unlock(&g_mu);
-    free(hmod);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (hfunc == NULL || name == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, false))
-        return CUDA_ERROR_INVALID_HANDLE;
-    struct sim_function *f = malloc(sizeof(*f));
-    if (f == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    f->module = hmod;
-    f->named_ns = duration_in_name(name);
-    if (put((uint64_t)(uintptr_t)f, REC_FUNCTION, 0, 0, (uint64_t)(uintptr_t)hmod) != 0) {
-        free(f);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *hfunc = (CUfunction)f;
-    return CUDA_SUCCESS;
-}
-
-/* Queues dur_ns of GPU time for this process on gpu; the stream remembers it. */
-static void run_on_gpu(unsigned gpu, CUstream stream, uint64_t dur_ns)
-{
-    uint64_t upto;
-    if (sim_tl_submit(sim_cu_node()->state, gpu, dur_ns, &upto))
-        stream_mark(stream, upto);
-}
-
-static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                       CUstream stream)
-{
-    unsigned gpu;
-    CUresult rc = stream_device(stream, &gpu);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (!find((uint64_t)(uintptr_t)f, REC_FUNCTION, NULL, false))
-        return CUDA_ERROR_INVALID_HANDLE;
-    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
-        return CUDA_ERROR_INVALID_VALUE;
-    run_on_gpu(gpu, stream, kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz,
-                                      (uint64_t)bx * by * bz));
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
-                                   unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
-                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
-{
-    (void)sharedMemBytes, (void)kernelParams, (void)extra;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
-}
-
-SIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                        void **kernelParams, void **extra)
-{
-    (void)sharedMemBytes, (void)kernelParams, (void)extra;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
-}
-
-SIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                              unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                                              void **kernelParams)
-{
-    (void)sharedMemBytes, (void)kernelParams;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
-}
-
-SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                                   unsigned int gridDimZ, unsigned int blockDimX,
-                                                   unsigned int blockDimY, unsigned int blockDimZ,
-                                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
-{
-    (void)sharedMemBytes, (void)kernelParams;
-    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
-}
-
-static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f)
-{
-    if (c == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    return launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY, c->blockDimZ, c->hStream);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
-{
-    (void)kernelParams, (void)extra;
-    return launch_ex(config, f);
-}
-
-SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                          void **extra)
-{
-    (void)kernelParams, (void)extra;
-    return launch_ex(config, f);
-}
-
-SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
-                                                         unsigned int flags)
-{
-    (void)flags;
-    if (launchParamsList == NULL || numDevices == 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    for (unsigned i = 0; i < numDevices; i++) {
-        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
-        CUresult rc = launch(p->function, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX, p->blockDimY,
-                             p->blockDimZ, p->hStream);
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return CUDA_SUCCESS;
-}
-
-/* ---- graphs with memory nodes ------------------------------------------------------------ */
-
-/* Graphs, nodes and executable graphs; graphs and execs sum their kernel nodes' durations. */
-struct sim_graph_obj {
-    _Atomic uint64_t kernel_ns;
-    _Atomic uint32_t kernels;
-};
-
-static CUresult new_object(void **out, enum rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
-{
-    struct sim_graph_obj *o = calloc(1, sizeof(*o));
-    if (o == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    if (put((uint64_t)(uintptr_t)o, kind, gpu, size, aux) != 0) {
-        free(o);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *out = o;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (phGraph == NULL || flags != 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    return new_object((void **)phGraph, REC_GRAPH, NO_GPU, 0, 0);
-}
-
-static CUresult check_graph(CUgraph g, const CUgraphNode *deps, size_t n)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)g, REC_GRAPH, NULL, false) || (n > 0 && deps == NULL))
-        return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < n; i++)
-        if (!find((uint64_t)(uintptr_t)deps[i], REC_GNODE, NULL, false))
-            return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                           size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
-{
-    CUresult rc = check_graph(hGraph, dependencies, numDependencies);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (phGraphNode == NULL || nodeParams == NULL || nodeParams->bytesize == 0 ||
-        nodeParams->poolProps.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        return CUDA_ERROR_INVALID_VALUE;
-    const struct sim_node *n;
-    if (sim_cu_device(nodeParams->poolProps.location.id, &n) != CUDA_SUCCESS)
-        return CUDA_ERROR_INVALID_VALUE;
-    unsigned gpu = (unsigned)nodeParams->poolProps.location.id;
-    uint64_t bytes = nodeParams->bytesize;
-    /* Charged when the node is made (the driver reserves it by the first launch) until the graph goes. */
-    rc = sim_mem_charge(gpu, bytes);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    uint64_t va = sim_va_alloc(gpu, bytes, SIM_ALLOC_ALIGN);
-    void *node = NULL;
-    rc = va == 0 ? CUDA_ERROR_OUT_OF_MEMORY
-                 : new_object(&node, REC_GNODE, gpu, bytes, (uint64_t)(uintptr_t)hGraph);
-    if (rc != CUDA_SUCCESS) {
-        sim_mem_uncharge(gpu, bytes);
-        return rc;
-    }
-    pthread_mutex_lock(&g_mu);
-    g_graph_mem[gpu] += bytes;
-    pthread_mutex_unlock(&g_mu);
-    nodeParams->dptr = (CUdeviceptr)va;
-    *phGraphNode = (CUgraphNode)node;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                          size_t numDependencies, CUdeviceptr dptr)
-{
-    CUresult rc = check_graph(hGraph, dependencies, numDependencies);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (phGraphNode == NULL || dptr == 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    return new_object((void **)phGraphNode, REC_GNODE, NO_GPU, 0, (uint64_t)(uintptr_t)hGraph);
-}
-
-static void node_gone(const struct vc_map_entry *e, void *arg)
-{
-    (void)arg;
-    if (e->gpu != NO_GPU) {
-        g_graph_mem[e->gpu] -= e->size; /* g_mu is held by the caller */
-        sim_mem_uncharge(e->gpu, e->size);
-    } else if (e->size > 0) { /* a kernel node: size = its duration */
-        struct sim_graph_obj *g = (struct sim_graph_obj *)(uintptr_t)e->aux;
-        atomic_fetch_sub(&g->kernel_ns, e->size);
-        atomic_fetch_sub(&g->kernels, 1);
-    }
-    free((void *)(uintptr_t)e->key);
-}
-
-static CUresult add_kernel_node(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps, CUfunction f,
-                                unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz)
-{
-    CUresult rc = check_graph(graph, deps, ndeps);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (node == NULL || !find((uint64_t)(uintptr_t)f, REC_FUNCTION, NULL, false) || gx == 0 || gy == 0 || gz == 0 ||
-        bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
-        return CUDA_ERROR_INVALID_VALUE;
-    int dev;
-    rc = sim_cu_current_device(&dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, (unsigned)dev, (uint64_t)gx * gy * gz,
-                            (uint64_t)bx * by * bz);
-    rc = new_object((void **)node, REC_GNODE, NO_GPU, ns, (uint64_t)(uintptr_t)graph);
-    if (rc == CUDA_SUCCESS) {
-        struct sim_graph_obj *g = (struct sim_graph_obj *)(void *)graph;
-        atomic_fetch_add(&g->kernel_ns, ns);
-        atomic_fetch_add(&g->kernels, 1);
-    }
-    return rc;
-}
-
-SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                         size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS_v1 *p)
-{
-    if (p == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    return add_kernel_node(phGraphNode, hGraph, dependencies, numDependencies, p->func, p->gridDimX, p->gridDimY,
-                           p->gridDimZ, p->blockDimX, p->blockDimY, p->blockDimZ);
-}
-
-SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
-                                            size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS *p)
-{
-    if (p == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    return add_kernel_node(phGraphNode, hGraph, dependencies, numDependencies, p->func, p->gridDimX, p->gridDimY,
-                           p->gridDimZ, p->blockDimX, p->blockDimY, p->blockDimZ);
-}
-
-static bool node_is(const struct vc_map_entry *e, void *node)
-{
-    return e->key == (uint64_t)(uintptr_t)node;
-}
-
-static bool node_of_graph(const struct vc_map_entry *e, void *graph)
-{
-    return e->aux == (uint64_t)(uintptr_t)graph;
-}
-
-SIM_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)hNode, REC_GNODE, NULL, false))
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
-    vc_map_remove_if(&g_recs, REC_GNODE, node_is, node_gone, hNode);
-    pthread_mutex_unlock(&g_mu);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, true))
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_mu);
-    vc_map_remove_if(&g_recs, REC_GNODE, node_of_graph, node_gone, hGraph);
-    pthread_mutex_unlock(&g_mu);
-    free(hGraph);
-    return CUDA_SUCCESS;
-}
-
-static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (exec == NULL || !find((uint64_t)(uintptr_t)graph, REC_GRAPH, NULL, false))
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = new_object((void **)exec, REC_GEXEC, NO_GPU, 0, (uint64_t)(uintptr_t)graph);
-    if (rc == CUDA_SUCCESS) {
-        const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
-        struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
-        atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
-        atomic_store(&x->kernels, atomic_load(&g->kernels));
-    }
-    return rc;
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
-{
-    (void)flags;
-    return instantiate(phGraphExec, hGraph);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
-                                       char *logBuffer, size_t bufferSize)
-{
-    (void)phErrorNode, (void)logBuffer, (void)bufferSize;
-    return instantiate(phGraphExec, hGraph);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
-                                          char *logBuffer, size_t bufferSize)
-{
-    (void)phErrorNode, (void)logBuffer, (void)bufferSize;
-    return instantiate(phGraphExec, hGraph);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                                 CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
-{
-    CUresult rc = instantiate(phGraphExec, hGraph);
-    if (instantiateParams != NULL)
-        instantiateParams->result_out = rc == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
-    return rc;
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                                      CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
-{
-    return cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
-}
-
-static CUresult graph_launch(CUgraphExec exec, CUstream stream)
-{
-    unsigned gpu;
-    CUresult rc = stream_device(stream, &gpu);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (!find((uint64_t)(uintptr_t)exec, REC_GEXEC, NULL, false))
-        return CUDA_ERROR_INVALID_VALUE;
-    /* Its kernel nodes run back to back: one entry of their total duration. */
-    const struct sim_graph_obj *x = (const struct sim_graph_obj *)(void *)exec;
-    if (atomic_load(&x->kernels) > 0)
-        run_on_gpu(gpu, stream, atomic_load(&x->kernel_ns));
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraph, CUstream hStream)
-{
-    return graph_launch(hGraph, hStream);
-}
-
-SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
-{
-    return graph_launch(hGraphExec, hStream);
-}
-
-SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
-{
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, true))
-        return CUDA_ERROR_INVALID_VALUE;
-    free(hGraphExec);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, void *value)
-{
-    const struct sim_node *n;
-    CUresult rc = sim_cu_device(device, &n);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (value == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    switch (attr) {
-    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT:
-    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH:
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT:
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH:
-        pthread_mutex_lock(&g_mu);
-        *(cuuint64_t *)value = g_graph_mem[device];
-        pthread_mutex_unlock(&g_mu);
-        return CUDA_SUCCESS;
-    default: return CUDA_ERROR_INVALID_VALUE;
-    }
-}
-
-SIM_EXPORT CUresult cuDeviceSetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, void *value)
-{
-    const struct sim_node *n;
-    (void)attr;
-    CUresult rc = sim_cu_device(device, &n);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    return value == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
-{
-    const struct sim_node *n;
-    return sim_cu_device(device, &n);
 }

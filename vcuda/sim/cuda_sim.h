@@ -76,4 +76,48 @@ uint64_t sim_va_alloc(unsigned gpu, uint64_t size, uint64_t align);
 CUresult sim_ctx_memory_acquire(int device);
 void sim_ctx_memory_release(int device);
 
+/* ---- process-local records of simulated objects (cuda_mem.c) ---------------------------- */
+
+enum sim_rec_kind {
+    REC_DEV = 1,   /* cuMemAlloc*, pitch, managed, async: key = address */
+    REC_LEGACY,    /* CUDA 2.0 ABI cuMemAlloc: key = 32-bit address */
+    REC_HOST,      /* page-locked host memory: key = pointer */
+    REC_ARRAY,     /* key = CUarray */
+    REC_MIPMAP,    /* key = CUmipmappedArray */
+    REC_VMM,       /* key = CUmemGenericAllocationHandle; gpu = UINT32_MAX for host memory */
+    REC_VA,        /* reserved address range: key = start */
+    REC_POOL,      /* key = CUmemoryPool */
+    REC_STREAM,    /* key = CUstream */
+    REC_MODULE,    /* key = CUmodule */
+    REC_FUNCTION,  /* key = CUfunction, aux = module */
+    REC_GRAPH,     /* key = CUgraph */
+    REC_GNODE,     /* key = CUgraphNode, aux = graph, size = bytes of a memory allocation node */
+    REC_GEXEC,     /* key = CUgraphExec */
+    REC_LIBRARY,   /* key = CUlibrary */
+    REC_KERNEL,    /* key = CUkernel, aux = library */
+};
+
+#define NO_GPU UINT32_MAX
+
+struct vc_map;
+struct vc_map_entry;
+/* Records: (key, kind) -> entry.  sim_put/sim_find take the lock themselves. */
+int sim_put(uint64_t key, enum sim_rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux);
+bool sim_find(uint64_t key, enum sim_rec_kind kind, struct vc_map_entry *out, bool take);
+/* For vc_map_remove_if over sim_recs(): hold the lock around it. */
+void sim_rec_lock(void);
+void sim_rec_unlock(void);
+struct vc_map *sim_recs(void);
+/* Graph state of cuda_exec.c, forgotten in a forked child (called with the records lock held). */
+void sim_exec_atfork_child(void);
+
+/* ---- streams (cuda_stream.c) ------------------------------------------------------------- */
+
+/* NULL, CU_STREAM_LEGACY or CU_STREAM_PER_THREAD: work goes to the current context. */
+bool sim_special_stream(CUstream s);
+/* The device work on stream s goes to: its own, or the current context's for the special streams. */
+CUresult sim_stream_device(CUstream s, unsigned *gpu);
+/* Remembers that the stream's last kernel is upto (created streams only). */
+void sim_stream_mark(CUstream s, uint64_t upto);
+
 #endif

@@ -138,6 +138,7 @@ static void refresh_pids(uint64_t now)
         g_pids[0] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
         g_npids = 1;
         g_pids_owner = getpid();
+        g_pids_mtime = (struct timespec){0, 0};
         return;
     }
     if (g_pids_owner == getpid() && sb.st_mtim.tv_sec == g_pids_mtime.tv_sec &&
@@ -146,9 +147,10 @@ static void refresh_pids(uint64_t now)
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return;
-    ssize_t got = read(fd, g_pids, sizeof(g_pids));
+    ssize_t got = read(fd, g_pids, sizeof(g_pids) - 2 * sizeof(int));
     close(fd);
     g_npids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
+    g_pids[g_npids++] = (int)getpid(); /* this process counts, whether or not the agent listed it yet */
     qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
     g_pids_mtime = sb.st_mtim;
     g_pids_owner = getpid();
@@ -243,14 +245,47 @@ static void poll_markers(struct dev *d)
  * is always covered (launches without a marker of their own would otherwise
  * count as in flight for ever).
  */
-static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
+static void mark_unknown(struct dev *d, uint64_t count)
+{
+    /* No marker for this launch: count it as done (the measured GPU time still charges the credit). */
+    if (d->completed < count)
+        d->completed = count;
+}
+
+static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count);
+
+static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count, CUcontext ctx)
+{
+    if (ctx == NULL) {
+        mark_unknown(d, count);
+        return;
+    }
+    CUcontext cur = NULL;
+    bool pushed = false;
+    if (REAL_CU(cuCtxGetCurrent)(&cur) != CUDA_SUCCESS || cur != ctx) {
+        if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS) {
+            mark_unknown(d, count);
+            return;
+        }
+        pushed = true;
+    }
+    if (ctx != d->marker_ctx && d->n > 0)
+        mark_unknown(d, count); /* another context's markers are still out */
+    else if (!record_marker(d, s, ptsz, count))
+        mark_unknown(d, count);
+    if (pushed) {
+        CUcontext popped;
+        REAL_CU(cuCtxPopCurrent_v2)(&popped);
+    }
+}
+
+/* Records a marker after launch `count` on s, in the current context (= ctx); false if it could not. */
+static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
 {
     CUcontext ctx = NULL;
     if (REAL_CU(cuCtxGetCurrent)(&ctx) != CUDA_SUCCESS || ctx == NULL)
-        return;
+        return false;
     if (ctx != d->marker_ctx) {
-        if (d->n > 0)
-            return; /* another context's markers are still out */
         for (unsigned i = 0; i < MARKERS; i++) {
             if (d->ev[i] != NULL)
                 REAL_CU(cuEventDestroy_v2)(d->ev[i]);
@@ -260,20 +295,21 @@ static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
         d->head = 0;
     }
     if (d->n > 0 && (double)(count - d->marked) * d->cost < MARKER_WORK_NS)
-        return; /* cheap launches: one marker per MARKER_WORK_NS of work is enough */
+        return true; /* cheap launches: one marker per MARKER_WORK_NS of work is enough */
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
     if (d->ev[slot] == NULL && REAL_CU(cuEventCreate)(&d->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
         d->ev[slot] = NULL;
-        return;
+        return false;
     }
     CUresult rc = ptsz ? REAL_CU(cuEventRecord_ptsz)(d->ev[slot], s) : REAL_CU(cuEventRecord)(d->ev[slot], s);
     if (rc != CUDA_SUCCESS)
-        return;
+        return false;
     if (count > d->ev_count[slot] || !full)
         d->ev_count[slot] = count;
     d->marked = count;
     d->n += full ? 0 : 1;
+    return true;
 }
 
 /* ---- budget ---------------------------------------------------------------------------------- */
@@ -565,12 +601,90 @@ __attribute__((constructor)) static void vc_core_init(void)
 struct gate {
     struct dev *d; /* NULL: not limited (bypass) */
     uint64_t count;
+    CUcontext ctx; /* the launch's context (NULL: unknown) */
 };
 
-/* Before a launch on stream s of the current context's device; grids = upstream's cost. */
+/*
+ * Which device a launch on stream s runs on.  cuda.h: a CUkernel (and a graph) runs in the context of
+ * its stream, current or not; a special stream (NULL, legacy, per-thread) means the current context.
+ * Created streams are looked up once per thread (a small cache, dropped whenever a stream or context
+ * is destroyed anywhere in the process).  When the device cannot be told, the launch is gated on the
+ * container's first GPU: a launch is never let through ungated.
+ */
+#define STREAM_CACHE 4
+struct stream_hit {
+    CUstream s;
+    CUcontext ctx;
+    int dev;
+    uint64_t gen;
+};
+static _Thread_local struct stream_hit tl_streams[STREAM_CACHE];
+static _Thread_local unsigned tl_next;
+static _Atomic uint64_t g_stream_gen = 1;
+
+static bool special_stream(CUstream s)
+{
+    return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
+}
+
+static int ctx_device(CUcontext ctx, CUcontext current)
+{
+    CUdevice dev = -1;
+    if (ctx == current)
+        return REAL_CU(cuCtxGetDevice)(&dev) == CUDA_SUCCESS ? dev : -1;
+    if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
+        return -1;
+    if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS)
+        dev = -1;
+    CUcontext popped;
+    REAL_CU(cuCtxPopCurrent_v2)(&popped);
+    return dev;
+}
+
+static int launch_device(CUstream s, CUcontext *ctx_out)
+{
+    CUcontext current = NULL, ctx = NULL;
+    int dev = -1;
+    if (REAL_CU(cuCtxGetCurrent)(&current) != CUDA_SUCCESS)
+        current = NULL;
+    if (special_stream(s)) {
+        ctx = current;
+        if (ctx != NULL)
+            dev = ctx_device(ctx, current);
+    } else {
+        uint64_t gen = atomic_load_explicit(&g_stream_gen, memory_order_acquire);
+        for (unsigned i = 0; i < STREAM_CACHE; i++) {
+            if (tl_streams[i].s == s && tl_streams[i].gen == gen) {
+                *ctx_out = tl_streams[i].ctx;
+                return tl_streams[i].dev;
+            }
+        }
+        if (REAL_CU(cuStreamGetCtx)(s, &ctx) == CUDA_SUCCESS && ctx != NULL)
+            dev = ctx_device(ctx, current);
+        if (dev >= 0 && dev < MAX_DEVICES) {
+            tl_streams[tl_next] = (struct stream_hit){s, ctx, dev, gen};
+            tl_next = (tl_next + 1) % STREAM_CACHE;
+        }
+    }
+    if (dev < 0 || dev >= MAX_DEVICES) {
+        vc_log(VC_LOG_DEBUG, "launch on stream %p: its device is unknown; gated as device 0", (void *)s);
+        dev = 0;
+        ctx = NULL;
+    }
+    *ctx_out = ctx;
+    return dev;
+}
+
+/* A stream or context went away: cached stream lookups of every thread are stale. */
+void vc_core_streams_changed(void)
+{
+    atomic_fetch_add_explicit(&g_stream_gen, 1, memory_order_acq_rel);
+}
+
+/* Before a launch on stream s; grids = upstream's cost. */
 static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstream_hooks)
 {
-    struct gate g = {NULL, 0};
+    struct gate g = {NULL, 0, NULL};
     const bool upstream = vc_core_config()->upstream;
     if (upstream && !upstream_hooks)
         return g; /* upstream leaves this path unlimited: the baseline keeps that */
@@ -578,9 +692,7 @@ static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstr
     CUresult rc = ptsz ? REAL_CU(cuStreamIsCapturing_ptsz)(s, &cap) : REAL_CU(cuStreamIsCapturing)(s, &cap);
     if (rc == CUDA_SUCCESS && cap != CU_STREAM_CAPTURE_STATUS_NONE)
         return g; /* recorded into a graph, not run: the graph's launch is gated */
-    CUdevice dev;
-    if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES)
-        return g;
+    int dev = launch_device(s, &g.ctx);
     struct dev *d = &g_dev[dev];
     if (VC_UNLIKELY(!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)))
         init_device(d, dev);
@@ -601,7 +713,7 @@ static void gate_after(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
         return;
     pthread_mutex_lock(&g->d->mu);
     if (rc == CUDA_SUCCESS)
-        add_marker(g->d, s, ptsz, g->count);
+        add_marker(g->d, s, ptsz, g->count, g->ctx);
     else if (g->d->completed < g->count)
         g->d->completed++; /* it never ran: one fewer in flight */
     pthread_mutex_unlock(&g->d->mu);
@@ -695,23 +807,11 @@ VC_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
     unsigned n = numDevices < MAX_DEVICES ? numDevices : MAX_DEVICES;
     for (unsigned i = 0; i < n; i++) {
         const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
-        CUcontext ctx = NULL;
-        bool pushed = p->hStream != NULL && REAL_CU(cuStreamGetCtx)(p->hStream, &ctx) == CUDA_SUCCESS &&
-                      REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
         gates[i] = gate_before(p->hStream, false, GRIDS(p->gridDimX, p->gridDimY, p->gridDimZ), false);
-        if (pushed)
-            REAL_CU(cuCtxPopCurrent_v2)(&ctx);
     }
     CUresult rc = REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
-    for (unsigned i = 0; i < n; i++) {
-        CUcontext ctx = NULL;
-        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
-        bool pushed = p->hStream != NULL && REAL_CU(cuStreamGetCtx)(p->hStream, &ctx) == CUDA_SUCCESS &&
-                      REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
-        gate_after(&gates[i], p->hStream, false, rc);
-        if (pushed)
-            REAL_CU(cuCtxPopCurrent_v2)(&ctx);
-    }
+    for (unsigned i = 0; i < n; i++)
+        gate_after(&gates[i], launchParamsList[i].hStream, false, rc);
     return rc;
 }
 
@@ -751,4 +851,24 @@ VC_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
         return REAL_CU(cuLaunchGridAsync)(f, grid_width, grid_height, hStream);
     GATED(hStream, false, GRIDS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), true,
           REAL_CU(cuLaunchGridAsync)(f, grid_width, grid_height, hStream));
+}
+
+/* ---- destroyed streams and contexts: the stream-to-device cache forgets them -------------------- */
+
+#define FORGETS_STREAMS(call)                                                                                      \
+    do {                                                                                                           \
+        CUresult rc_ = (call);                                                                                     \
+        if (VC_UNLIKELY(vc_core_limited()))                                                                        \
+            vc_core_streams_changed();                                                                                   \
+        return rc_;                                                                                                \
+    } while (0)
+
+VC_EXPORT CUresult cuStreamDestroy(CUstream hStream)
+{
+    FORGETS_STREAMS(REAL_CU(cuStreamDestroy)(hStream));
+}
+
+VC_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
+{
+    FORGETS_STREAMS(REAL_CU(cuStreamDestroy_v2)(hStream));
 }

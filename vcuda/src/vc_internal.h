@@ -141,6 +141,9 @@ static inline bool vc_core_limited(void)
     return atomic_load_explicit(&vc_core_on, memory_order_relaxed);
 }
 
+/* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
+void vc_core_streams_changed(void);
+
 struct vc_core_config {
     int share;     /* percent of the GPU: vcuda.config `utilization` (tencent.com/vcuda-core) */
     int ceiling;   /* soft limit: `limit` (tencent.com/vcuda-core-limit); = share when hard */

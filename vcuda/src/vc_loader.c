@@ -116,7 +116,34 @@ static bool find_next_to_self(const char *prefix, char *out, size_t outlen)
     return found;
 }
 
-static void *open_real(const char *what, const char *env, const char *prefix)
+/*
+ * Loader identity.  The real library's soname (libcuda.so.1, libnvidia-ml.so.1) must never answer
+ * a later dlopen of the process: the dynamic linker matches a requested name against the names and
+ * sonames of the objects already loaded, in load order.  Our own soname is libcuda.so.1 and we are
+ * always loaded before the real library, so "libcuda.so.1" finds us first.  For the other name we
+ * make the loader attach it to us before the real library exists: a dlopen of the bare name, which
+ * searches the path (LD_LIBRARY_PATH: the mirror), finds our own file under that name and adds the
+ * name to our object.  If the search does not lead to us (the mirror is not on the search path),
+ * the real library is opened in a link-map namespace of its own (dlmopen), where the process's
+ * lookups never see it.  Returns whether `soname` now names this library.
+ */
+static bool claim_name(const char *soname, void *own_symbol)
+{
+    void *h = dlopen(soname, RTLD_LAZY | RTLD_LOCAL);
+    if (h == NULL) {
+        vc_log(VC_LOG_INFO, "%s is not found on the search path: the real library goes to a namespace of its own",
+               soname);
+        return false;
+    }
+    bool ours = dlsym(h, "cuGetErrorString") == own_symbol;
+    if (!ours) {
+        vc_log(VC_LOG_INFO, "%s resolves to another library: the real library goes to a namespace of its own", soname);
+        dlclose(h);
+    }
+    return ours; /* our handle stays open: we are never unloaded (-z nodelete) anyway */
+}
+
+static void *open_real(const char *what, const char *env, const char *prefix, const char *soname)
 {
     char path[PATH_MAX + 256];
     const char *override = getenv(env);
@@ -129,7 +156,11 @@ static void *open_real(const char *what, const char *env, const char *prefix)
                what, prefix, env, what);
         return NULL;
     }
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    void *h;
+    if (claim_name(soname, (void *)&cuGetErrorString))
+        h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    else
+        h = dlmopen(LM_ID_NEWLM, path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (h == NULL)
         vc_log(VC_LOG_ERROR, "cannot open the real %s %s: %s", what, path, dlerror());
     else
@@ -142,12 +173,12 @@ static void *g_cu_handle, *g_nvml_handle; /* written once inside their pthread_o
 
 static void open_cu(void)
 {
-    g_cu_handle = open_real("libcuda", "VCUDA_LIBCUDA", "libcuda.so.");
+    g_cu_handle = open_real("libcuda", "VCUDA_LIBCUDA", "libcuda.so.", "libcuda.so.1");
 }
 
 static void open_nvml(void)
 {
-    g_nvml_handle = open_real("libnvidia-ml", "VCUDA_LIBNVML", "libnvidia-ml.so.");
+    g_nvml_handle = open_real("libnvidia-ml", "VCUDA_LIBNVML", "libnvidia-ml.so.", "libnvidia-ml.so.1");
 }
 
 void *vc_resolve_cu(unsigned index)

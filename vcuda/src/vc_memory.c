@@ -467,46 +467,6 @@ VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
     return rc;
 }
 
-/* ---- contexts: the per-process context reserve ---------------------------------------------------- */
-
-#define CONTEXT_FIRST()                                                                                            \
-    do {                                                                                                           \
-        if (VC_UNLIKELY(vc_limited()) && !vc_budget_charge_context())                                              \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
-    } while (0)
-
-VC_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate)(pctx, flags, dev);
-}
-
-VC_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v2)(pctx, flags, dev);
-}
-
-VC_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
-                                  unsigned int flags, CUdevice dev)
-{
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev);
-}
-
-VC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
-                                  CUdevice dev)
-{
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev);
-}
-
-VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
-{
-    CONTEXT_FIRST();
-    return REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
-}
-
 /* ---- what the container sees ----------------------------------------------------------------- */
 
 /* total = min(limit, physical), free = max(0, min(total - used, physically free)). */

@@ -4,7 +4,10 @@
  *   test_interceptor <interceptor.so> <sim libcuda.so.1> <sim libnvidia-ml.so.1> <spec.json>
  * Lays out a driver mirror in a temporary directory, writes a vcuda.config,
  * and checks the cap (single thread, racing threads, forked child),
- * cuGetProcAddress, and the memory queries of CUDA and NVML.
+ * cuGetProcAddress, the memory queries of CUDA and NVML, and that the names
+ * libcuda.so.1 / libnvidia-ml.so.1 keep finding the interceptor once the real
+ * libraries are open.  It re-executes itself with the mirror on LD_LIBRARY_PATH,
+ * as a container has it.
  */
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
 #include <cuda.h>
@@ -203,6 +206,8 @@ static void test_nvml(void *nvml)
     CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
 }
 
+static int run(const char *dir);
+
 int main(int argc, char **argv)
 {
     if (argc != 5) {
@@ -210,6 +215,12 @@ int main(int argc, char **argv)
         return 2;
     }
     char dir[] = "/tmp/vcuda-ctest-XXXXXX", path[512], target[512];
+    const char *again = getenv("VCUDA_CTEST_DIR");
+    if (again != NULL) {
+        /* Second run: the mirror is on the loader's search path, as in a container. */
+        snprintf(dir, sizeof(dir), "%s", again);
+        return run(dir);
+    }
     if (mkdtemp(dir) == NULL) {
         perror("mkdtemp");
         return 2;
@@ -235,7 +246,27 @@ int main(int argc, char **argv)
     snprintf(path, sizeof(path), "%s/node.state", dir);
     setenv("GPUSIM_STATE", path, 1);
     setenv("GPUSIM_SPEC", argv[4], 1);
+    snprintf(path, sizeof(path), "%s/lib64", dir);
+    setenv("LD_LIBRARY_PATH", path, 1);
+    setenv("VCUDA_CTEST_DIR", dir, 1);
+    execv("/proc/self/exe", argv);
+    perror("execv");
+    return 2;
+}
 
+/* Loader identity: after the interceptor opened the real library, the name still finds the interceptor. */
+static void test_names(void *lib, const char *name)
+{
+    void *h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+    CHECK(h != NULL && dlsym(h, "cuMemAlloc_v2") == (void *)p_cuMemAlloc_v2);
+    if (h != NULL)
+        dlclose(h);
+    (void)lib;
+}
+
+static int run(const char *dir)
+{
+    char path[512];
     snprintf(path, sizeof(path), "%s/lib64/libcuda.so.1", dir);
     void *cuda = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     snprintf(path, sizeof(path), "%s/lib64/libnvidia-ml.so.1", dir);
@@ -267,6 +298,8 @@ int main(int argc, char **argv)
     test_vmm();
     test_fork();
     test_nvml(nvml);
+    test_names(cuda, "libcuda.so.1");
+    test_names(nvml, "libnvidia-ml.so.1");
 
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);

@@ -1,0 +1,842 @@
+/*
+ * Simulated libcuda: modules, functions, launches on every path (each kernel
+ * occupies the simulated GPU for a duration from the cost model, see
+ * kernel_ns(); sim_timeline.c runs the shared per-GPU timeline), and graphs
+ * with kernel and memory nodes.
+ */
+#include "cuda_sim.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "sim_timeline.h"
+#include "vc_map.h"
+
+static uint64_t g_graph_mem[GPUSIM_MAX_GPUS]; /* bytes of live graph allocation nodes, per GPU (under the records lock) */
+
+void sim_exec_atfork_child(void)
+{
+    memset(g_graph_mem, 0, sizeof(g_graph_mem));
+}
+
+/* ---- modules and launches ----------------------------------------------------------------- */
+
+struct sim_module {
+    int device;
+};
+struct sim_function {
+    CUmodule module;    /* NULL for a CUkernel */
+    uint64_t named_ns;  /* duration from the name ("..._<N>ns|us|ms"), 0 = the cost model */
+    /* The legacy launch API's state: cuFuncSetBlockShape, cuFuncSetSharedSize, cuParamSetSize. */
+    unsigned bx, by, bz, shared, param_size;
+    char name[64];
+};
+
+/* A context-less kernel of a library (CUkernel): launchable like a function, in the stream's context. */
+struct sim_kernel {
+    struct sim_function fn; /* first: a CUkernel is also a sim_function */
+    CUlibrary library;
+};
+
+/* f names a function or (cast to CUfunction, as cuda.h allows) a kernel. */
+static bool callable(CUfunction f)
+{
+    return sim_find((uint64_t)(uintptr_t)f, REC_FUNCTION, NULL, false) ||
+           sim_find((uint64_t)(uintptr_t)f, REC_KERNEL, NULL, false);
+}
+
+/* "spin_50us" -> 50000; 0 unless the name ends in _<digits>ns, _<digits>us or _<digits>ms. */
+static uint64_t duration_in_name(const char *name)
+{
+    size_t len = strlen(name);
+    if (len < 4)
+        return 0;
+    const char *unit = name + len - 2;
+    uint64_t scale = strcmp(unit, "ns") == 0 ? 1u : strcmp(unit, "us") == 0 ? 1000u : strcmp(unit, "ms") == 0 ? 1000000u : 0;
+    if (scale == 0)
+        return 0;
+    const char *p = unit;
+    while (p > name && p[-1] >= '0' && p[-1] <= '9')
+        p--;
+    if (p == unit || p == name || p[-1] != '_' || unit - p > 12)
+        return 0;
+    return strtoull(p, NULL, 10) * scale;
+}
+
+/* GPUSIM_KERNEL_NS: every kernel of this process (without a duration in its name) takes that long. */
+static uint64_t env_kernel_ns(void)
+{
+    static _Atomic int64_t cached = -1;
+    int64_t v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v < 0) {
+        const char *s = getenv("GPUSIM_KERNEL_NS");
+        v = s != NULL ? atoll(s) : 0;
+        if (v < 0)
+            v = 0;
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return (uint64_t)v;
+}
+
+/*
+ * The cost model (vcuda/sim/README.md "Simulated GPU time"): a named duration,
+ * else GPUSIM_KERNEL_NS, else threads / (sm_count x sm_threads_per_us), at
+ * least 1 us.
+ */
+static uint64_t kernel_ns(const struct sim_function *f, unsigned gpu, uint64_t blocks, uint64_t threads_per_block)
+{
+    if (f != NULL && f->named_ns != 0)
+        return f->named_ns;
+    uint64_t env = env_kernel_ns();
+    if (env != 0)
+        return env;
+    const struct sim_gpu_spec *g = &sim_cu_node()->spec->gpus[gpu];
+    double rate = (double)g->sm_count * (double)g->sm_threads_per_us; /* threads per us */
+    double ns = (double)blocks * (double)threads_per_block * 1000.0 / rate;
+    return ns < 1000.0 ? 1000u : ns > 1e12 ? (uint64_t)1e12 : (uint64_t)ns;
+}
+
+static CUresult module_new(CUmodule *module)
+{
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct sim_module *m = malloc(sizeof(*m));
+    if (m == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m->device = dev;
+    if (sim_put((uint64_t)(uintptr_t)m, REC_MODULE, (unsigned)dev, 0, 0) != 0) {
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *module = (CUmodule)m;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    if (module == NULL || image == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return module_new(module);
+}
+
+SIM_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                                       CUjit_option *options, void **optionValues)
+{
+    (void)numOptions, (void)options, (void)optionValues;
+    return cuModuleLoadData(module, image);
+}
+
+SIM_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
+{
+    return cuModuleLoadData(module, fatCubin);
+}
+
+SIM_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
+{
+    struct stat sb;
+    if (module == NULL || fname == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (stat(fname, &sb) != 0)
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    return module_new(module);
+}
+
+static bool function_of(const struct vc_map_entry *e, void *module)
+{
+    return e->aux == (uint64_t)(uintptr_t)module;
+}
+
+static void free_record_object(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    free((void *)(uintptr_t)e->key);
+}
+
+SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, true))
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, hmod);
+    sim_rec_unlock();
+    free(hmod);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (hfunc == NULL || name == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct sim_function *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *f = (struct sim_function){.module = hmod, .named_ns = duration_in_name(name)};
+    snprintf(f->name, sizeof(f->name), "%s", name);
+    if (sim_put((uint64_t)(uintptr_t)f, REC_FUNCTION, 0, 0, (uint64_t)(uintptr_t)hmod) != 0) {
+        free(f);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *hfunc = (CUfunction)f;
+    return CUDA_SUCCESS;
+}
+
+/* ---- libraries and context-less kernels (CUDA 12.0) ----------------------------------- */
+
+SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                                      void **jitOptionsValues, unsigned int numJitOptions,
+                                      CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                      unsigned int numLibraryOptions)
+{
+    (void)jitOptions, (void)jitOptionsValues, (void)libraryOptions, (void)libraryOptionValues;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (library == NULL || code == NULL || (numJitOptions > 0 && jitOptions == NULL) ||
+        (numLibraryOptions > 0 && libraryOptions == NULL))
+        return CUDA_ERROR_INVALID_VALUE;
+    void *lib = calloc(1, 16);
+    if (lib == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (sim_put((uint64_t)(uintptr_t)lib, REC_LIBRARY, NO_GPU, 0, 0) != 0) {
+        free(lib);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *library = (CUlibrary)lib;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                                          void **jitOptionsValues, unsigned int numJitOptions,
+                                          CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                          unsigned int numLibraryOptions)
+{
+    struct stat sb;
+    if (fileName == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (stat(fileName, &sb) != 0)
+        return CUDA_ERROR_FILE_NOT_FOUND;
+    return cuLibraryLoadData(library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                             libraryOptionValues, numLibraryOptions);
+}
+
+static bool kernel_of(const struct vc_map_entry *e, void *library)
+{
+    return e->aux == (uint64_t)(uintptr_t)library;
+}
+
+SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)library, REC_LIBRARY, NULL, true))
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_KERNEL, kernel_of, free_record_object, library);
+    vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, library);
+    sim_rec_unlock();
+    free(library);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (pKernel == NULL || name == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)library, REC_LIBRARY, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct sim_kernel *k = calloc(1, sizeof(*k));
+    if (k == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    k->fn.named_ns = duration_in_name(name);
+    snprintf(k->fn.name, sizeof(k->fn.name), "%s", name);
+    k->library = library;
+    if (sim_put((uint64_t)(uintptr_t)k, REC_KERNEL, NO_GPU, 0, (uint64_t)(uintptr_t)library) != 0) {
+        free(k);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *pKernel = (CUkernel)k;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library)
+{
+    if (pMod == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)library, REC_LIBRARY, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return module_new(pMod);
+}
+
+/* The kernel's function in the current context (a function record owned by the library). */
+SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)
+{
+    struct vc_map_entry e;
+    if (pFunc == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!sim_find((uint64_t)(uintptr_t)kernel, REC_KERNEL, &e, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    const struct sim_kernel *k = (const struct sim_kernel *)(void *)kernel;
+    struct sim_function *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *f = k->fn;
+    f->module = NULL;
+    if (sim_put((uint64_t)(uintptr_t)f, REC_FUNCTION, 0, 0, e.aux) != 0) {
+        free(f);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *pFunc = (CUfunction)f;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel)
+{
+    struct vc_map_entry e;
+    if (pLib == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)kernel, REC_KERNEL, &e, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pLib = (CUlibrary)(uintptr_t)e.aux;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuKernelGetName(const char **name, CUkernel hfunc)
+{
+    if (name == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)hfunc, REC_KERNEL, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *name = ((const struct sim_kernel *)(void *)hfunc)->fn.name;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuFuncGetName(const char **name, CUfunction hfunc)
+{
+    if (name == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!callable(hfunc))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *name = ((const struct sim_function *)(void *)hfunc)->name;
+    return CUDA_SUCCESS;
+}
+
+/* Queues dur_ns of GPU time for this process on gpu; the stream remembers it. */
+static void run_on_gpu(unsigned gpu, CUstream stream, uint64_t dur_ns)
+{
+    uint64_t upto;
+    if (sim_tl_submit(sim_cu_node()->state, gpu, dur_ns, &upto))
+        sim_stream_mark(stream, upto);
+}
+
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       CUstream stream)
+{
+    unsigned gpu;
+    CUresult rc = sim_stream_device(stream, &gpu);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!callable(f))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    run_on_gpu(gpu, stream, kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz,
+                                      (uint64_t)bx * by * bz));
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                                   unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes, (void)kernelParams, (void)extra;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+SIM_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                        void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes, (void)kernelParams, (void)extra;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+SIM_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                              unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                              void **kernelParams)
+{
+    (void)sharedMemBytes, (void)kernelParams;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+SIM_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                   unsigned int gridDimZ, unsigned int blockDimX,
+                                                   unsigned int blockDimY, unsigned int blockDimZ,
+                                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+{
+    (void)sharedMemBytes, (void)kernelParams;
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream);
+}
+
+static CUresult launch_ex(const CUlaunchConfig *c, CUfunction f)
+{
+    if (c == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY, c->blockDimZ, c->hStream);
+}
+
+SIM_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
+{
+    (void)kernelParams, (void)extra;
+    return launch_ex(config, f);
+}
+
+SIM_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                          void **extra)
+{
+    (void)kernelParams, (void)extra;
+    return launch_ex(config, f);
+}
+
+SIM_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                         unsigned int flags)
+{
+    (void)flags;
+    if (launchParamsList == NULL || numDevices == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; i < numDevices; i++) {
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        CUresult rc = launch(p->function, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX, p->blockDimY,
+                             p->blockDimZ, p->hStream);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* ---- the legacy launch API (deprecated since CUDA 4.0, still exported) ---------------------- */
+
+/* A function of the current context's modules (the legacy API has no context-less kernels). */
+static CUresult legacy_function(CUfunction f, struct sim_function **out)
+{
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!sim_find((uint64_t)(uintptr_t)f, REC_FUNCTION, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *out = (struct sim_function *)(void *)f;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuFuncSetBlockShape(CUfunction hfunc, int x, int y, int z)
+{
+    struct sim_function *f;
+    CUresult rc = legacy_function(hfunc, &f);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (x <= 0 || y <= 0 || z <= 0 || (int64_t)x * y * z > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    f->bx = (unsigned)x, f->by = (unsigned)y, f->bz = (unsigned)z;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuFuncSetSharedSize(CUfunction hfunc, unsigned int bytes)
+{
+    struct sim_function *f;
+    CUresult rc = legacy_function(hfunc, &f);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (bytes > 49152)
+        return CUDA_ERROR_INVALID_VALUE;
+    f->shared = bytes;
+    return CUDA_SUCCESS;
+}
+
+#define SIM_PARAM_MAX 4096 /* bytes of kernel parameters */
+
+SIM_EXPORT CUresult cuParamSetSize(CUfunction hfunc, unsigned int numbytes)
+{
+    struct sim_function *f;
+    CUresult rc = legacy_function(hfunc, &f);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (numbytes > SIM_PARAM_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    f->param_size = numbytes;
+    return CUDA_SUCCESS;
+}
+
+static CUresult param_set(CUfunction hfunc, int offset, const void *ptr, unsigned numbytes)
+{
+    struct sim_function *f;
+    CUresult rc = legacy_function(hfunc, &f);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (offset < 0 || ptr == NULL || (uint64_t)offset + numbytes > SIM_PARAM_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS; /* the values themselves are never read: kernels do not run code here */
+}
+
+SIM_EXPORT CUresult cuParamSeti(CUfunction hfunc, int offset, unsigned int value)
+{
+    return param_set(hfunc, offset, &value, sizeof(value));
+}
+
+SIM_EXPORT CUresult cuParamSetf(CUfunction hfunc, int offset, float value)
+{
+    return param_set(hfunc, offset, &value, sizeof(value));
+}
+
+SIM_EXPORT CUresult cuParamSetv(CUfunction hfunc, int offset, void *ptr, unsigned int numbytes)
+{
+    return param_set(hfunc, offset, ptr, numbytes);
+}
+
+static CUresult legacy_launch(CUfunction hfunc, int w, int h, CUstream stream)
+{
+    struct sim_function *f;
+    CUresult rc = legacy_function(hfunc, &f);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (f->bx == 0 || w <= 0 || h <= 0)
+        return CUDA_ERROR_INVALID_VALUE; /* no cuFuncSetBlockShape yet */
+    return launch(hfunc, (unsigned)w, (unsigned)h, 1, f->bx, f->by, f->bz, stream);
+}
+
+SIM_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    return legacy_launch(f, 1, 1, NULL);
+}
+
+SIM_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    return legacy_launch(f, grid_width, grid_height, NULL);
+}
+
+SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    return legacy_launch(f, grid_width, grid_height, hStream);
+}
+
+/* ---- graphs with memory nodes ------------------------------------------------------------ */
+
+/* Graphs, nodes and executable graphs; graphs and execs sum their kernel nodes' durations. */
+struct sim_graph_obj {
+    _Atomic uint64_t kernel_ns;
+    _Atomic uint32_t kernels;
+};
+
+static CUresult new_object(void **out, enum sim_rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
+{
+    struct sim_graph_obj *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (sim_put((uint64_t)(uintptr_t)o, kind, gpu, size, aux) != 0) {
+        free(o);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = o;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (phGraph == NULL || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return new_object((void **)phGraph, REC_GRAPH, NO_GPU, 0, 0);
+}
+
+static CUresult check_graph(CUgraph g, const CUgraphNode *deps, size_t n)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)g, REC_GRAPH, NULL, false) || (n > 0 && deps == NULL))
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < n; i++)
+        if (!sim_find((uint64_t)(uintptr_t)deps[i], REC_GNODE, NULL, false))
+            return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                           size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
+{
+    CUresult rc = check_graph(hGraph, dependencies, numDependencies);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (phGraphNode == NULL || nodeParams == NULL || nodeParams->bytesize == 0 ||
+        nodeParams->poolProps.location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_node *n;
+    if (sim_cu_device(nodeParams->poolProps.location.id, &n) != CUDA_SUCCESS)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned gpu = (unsigned)nodeParams->poolProps.location.id;
+    uint64_t bytes = nodeParams->bytesize;
+    /* Charged when the node is made (the driver reserves it by the first launch) until the graph goes. */
+    rc = sim_mem_charge(gpu, bytes);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t va = sim_va_alloc(gpu, bytes, SIM_ALLOC_ALIGN);
+    void *node = NULL;
+    rc = va == 0 ? CUDA_ERROR_OUT_OF_MEMORY
+                 : new_object(&node, REC_GNODE, gpu, bytes, (uint64_t)(uintptr_t)hGraph);
+    if (rc != CUDA_SUCCESS) {
+        sim_mem_uncharge(gpu, bytes);
+        return rc;
+    }
+    sim_rec_lock();
+    g_graph_mem[gpu] += bytes;
+    sim_rec_unlock();
+    nodeParams->dptr = (CUdeviceptr)va;
+    *phGraphNode = (CUgraphNode)node;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                          size_t numDependencies, CUdeviceptr dptr)
+{
+    CUresult rc = check_graph(hGraph, dependencies, numDependencies);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (phGraphNode == NULL || dptr == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return new_object((void **)phGraphNode, REC_GNODE, NO_GPU, 0, (uint64_t)(uintptr_t)hGraph);
+}
+
+static void node_gone(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    if (e->gpu != NO_GPU) {
+        g_graph_mem[e->gpu] -= e->size; /* the records lock is held by the caller */
+        sim_mem_uncharge(e->gpu, e->size);
+    } else if (e->size > 0) { /* a kernel node: size = its duration */
+        struct sim_graph_obj *g = (struct sim_graph_obj *)(uintptr_t)e->aux;
+        atomic_fetch_sub(&g->kernel_ns, e->size);
+        atomic_fetch_sub(&g->kernels, 1);
+    }
+    free((void *)(uintptr_t)e->key);
+}
+
+static CUresult add_kernel_node(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps, CUfunction f,
+                                unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz)
+{
+    CUresult rc = check_graph(graph, deps, ndeps);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (node == NULL || !callable(f) || gx == 0 || gy == 0 || gz == 0 ||
+        bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev;
+    rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, (unsigned)dev, (uint64_t)gx * gy * gz,
+                            (uint64_t)bx * by * bz);
+    rc = new_object((void **)node, REC_GNODE, NO_GPU, ns, (uint64_t)(uintptr_t)graph);
+    if (rc == CUDA_SUCCESS) {
+        struct sim_graph_obj *g = (struct sim_graph_obj *)(void *)graph;
+        atomic_fetch_add(&g->kernel_ns, ns);
+        atomic_fetch_add(&g->kernels, 1);
+    }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                         size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS_v1 *p)
+{
+    if (p == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return add_kernel_node(phGraphNode, hGraph, dependencies, numDependencies, p->func, p->gridDimX, p->gridDimY,
+                           p->gridDimZ, p->blockDimX, p->blockDimY, p->blockDimZ);
+}
+
+SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                            size_t numDependencies, const CUDA_KERNEL_NODE_PARAMS *p)
+{
+    if (p == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUfunction f = p->func != NULL ? p->func : (CUfunction)(void *)p->kern; /* func NULL: the CUkernel */
+    return add_kernel_node(phGraphNode, hGraph, dependencies, numDependencies, f, p->gridDimX, p->gridDimY,
+                           p->gridDimZ, p->blockDimX, p->blockDimY, p->blockDimZ);
+}
+
+static bool node_is(const struct vc_map_entry *e, void *node)
+{
+    return e->key == (uint64_t)(uintptr_t)node;
+}
+
+static bool node_of_graph(const struct vc_map_entry *e, void *graph)
+{
+    return e->aux == (uint64_t)(uintptr_t)graph;
+}
+
+SIM_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_GNODE, node_is, node_gone, hNode);
+    sim_rec_unlock();
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, true))
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_GNODE, node_of_graph, node_gone, hGraph);
+    sim_rec_unlock();
+    free(hGraph);
+    return CUDA_SUCCESS;
+}
+
+static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (exec == NULL || !sim_find((uint64_t)(uintptr_t)graph, REC_GRAPH, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = new_object((void **)exec, REC_GEXEC, NO_GPU, 0, (uint64_t)(uintptr_t)graph);
+    if (rc == CUDA_SUCCESS) {
+        const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
+        struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
+        atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
+        atomic_store(&x->kernels, atomic_load(&g->kernels));
+    }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    (void)flags;
+    return instantiate(phGraphExec, hGraph);
+}
+
+SIM_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                       char *logBuffer, size_t bufferSize)
+{
+    (void)phErrorNode, (void)logBuffer, (void)bufferSize;
+    return instantiate(phGraphExec, hGraph);
+}
+
+SIM_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                          char *logBuffer, size_t bufferSize)
+{
+    (void)phErrorNode, (void)logBuffer, (void)bufferSize;
+    return instantiate(phGraphExec, hGraph);
+}
+
+SIM_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                 CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    CUresult rc = instantiate(phGraphExec, hGraph);
+    if (instantiateParams != NULL)
+        instantiateParams->result_out = rc == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                      CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    return cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
+}
+
+static CUresult graph_launch(CUgraphExec exec, CUstream stream)
+{
+    unsigned gpu;
+    CUresult rc = sim_stream_device(stream, &gpu);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!sim_find((uint64_t)(uintptr_t)exec, REC_GEXEC, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Its kernel nodes run back to back: one entry of their total duration. */
+    const struct sim_graph_obj *x = (const struct sim_graph_obj *)(void *)exec;
+    if (atomic_load(&x->kernels) > 0)
+        run_on_gpu(gpu, stream, atomic_load(&x->kernel_ns));
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraph, CUstream hStream)
+{
+    return graph_launch(hGraph, hStream);
+}
+
+SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    return graph_launch(hGraphExec, hStream);
+}
+
+SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, true))
+        return CUDA_ERROR_INVALID_VALUE;
+    free(hGraphExec);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, void *value)
+{
+    const struct sim_node *n;
+    CUresult rc = sim_cu_device(device, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (value == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT:
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH:
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT:
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH:
+        sim_rec_lock();
+        *(cuuint64_t *)value = g_graph_mem[device];
+        sim_rec_unlock();
+        return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+SIM_EXPORT CUresult cuDeviceSetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, void *value)
+{
+    const struct sim_node *n;
+    (void)attr;
+    CUresult rc = sim_cu_device(device, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return value == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    const struct sim_node *n;
+    return sim_cu_device(device, &n);
+}

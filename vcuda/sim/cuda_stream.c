@@ -1,0 +1,395 @@
+/*
+ * Simulated libcuda: streams and events.  A stream remembers its device and
+ * context and the last kernel queued on it; waiting for a stream or an event
+ * waits on the simulated GPU timeline (sim_timeline.c).
+ */
+#include "cuda_sim.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim_timeline.h"
+#include "vc_map.h"
+
+struct sim_stream {
+    int device;
+    CUcontext ctx;         /* the context it was created in */
+    _Atomic uint64_t upto; /* sim_tl upto of its last kernel (0 = none) */
+};
+
+static CUresult stream_create(CUstream *ph)
+{
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (ph == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_stream *s = malloc(sizeof(*s));
+    if (s == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    s->device = dev;
+    s->ctx = sim_cu_current();
+    atomic_init(&s->upto, 0);
+    if (sim_put((uint64_t)(uintptr_t)s, REC_STREAM, (unsigned)dev, 0, 0) != 0) {
+        free(s);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ph = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
+/* The context of stream s: its own, or the current one for the special streams. */
+static CUresult stream_ctx(CUstream s, CUcontext *pctx)
+{
+    if (pctx == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (sim_special_stream(s)) {
+        CUcontext c = sim_cu_current();
+        if (!sim_cu_ctx_valid(c))
+            return CUDA_ERROR_INVALID_CONTEXT;
+        *pctx = c;
+        return CUDA_SUCCESS;
+    }
+    if (!sim_find((uint64_t)(uintptr_t)s, REC_STREAM, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *pctx = ((struct sim_stream *)(void *)s)->ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
+{
+    return stream_ctx(hStream, pctx);
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
+{
+    return stream_ctx(hStream, pctx);
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx_v2(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)
+{
+    if (pGreenCtx != NULL)
+        *pGreenCtx = NULL;
+    return stream_ctx(hStream, pCtx);
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx_v2_ptsz(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)
+{
+    return cuStreamGetCtx_v2(hStream, pCtx, pGreenCtx);
+}
+
+SIM_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    if (Flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
+        return CUDA_ERROR_INVALID_VALUE;
+    return stream_create(phStream);
+}
+
+SIM_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    (void)priority;
+    if (flags & ~(unsigned)CU_STREAM_NON_BLOCKING)
+        return CUDA_ERROR_INVALID_VALUE;
+    return stream_create(phStream);
+}
+
+static CUresult stream_destroy(CUstream s)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)s, REC_STREAM, NULL, true))
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
+{
+    return stream_destroy(hStream);
+}
+
+SIM_EXPORT CUresult cuStreamDestroy(CUstream hStream)
+{
+    return stream_destroy(hStream);
+}
+
+bool sim_special_stream(CUstream s)
+{
+    return s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD;
+}
+
+/* The device work on stream s goes to: its own, or the current context's for the special streams. */
+CUresult sim_stream_device(CUstream s, unsigned *gpu)
+{
+    int dev;
+    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) {
+        CUresult rc = sim_cu_current_device(&dev);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+        *gpu = (unsigned)dev;
+        return CUDA_SUCCESS;
+    }
+    struct vc_map_entry e;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_find((uint64_t)(uintptr_t)s, REC_STREAM, &e, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    *gpu = e.gpu;
+    return CUDA_SUCCESS;
+}
+
+/*
+ * What waiting for stream s means: kernels before *upto of this process on
+ * *gpu.  A process's kernels on one GPU run in submission order (one FIFO, see
+ * sim_timeline.h), so a special stream (NULL, legacy, per-thread) waits for
+ * everything the process queued on the GPU, a created stream for its own last
+ * kernel.
+ */
+static CUresult stream_upto(CUstream s, unsigned *gpu, uint64_t *upto)
+{
+    CUresult rc = sim_stream_device(s, gpu);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    const struct sim_node *n = sim_cu_node();
+    *upto = sim_special_stream(s) ? sim_tl_tail(n->state, *gpu)
+                              : atomic_load(&((struct sim_stream *)(void *)s)->upto);
+    return CUDA_SUCCESS;
+}
+
+void sim_stream_mark(CUstream s, uint64_t upto)
+{
+    if (!sim_special_stream(s))
+        atomic_store(&((struct sim_stream *)(void *)s)->upto, upto);
+}
+
+static CUresult stream_sync(CUstream s)
+{
+    unsigned gpu;
+    uint64_t upto;
+    CUresult rc = stream_upto(s, &gpu, &upto);
+    if (rc == CUDA_SUCCESS)
+        sim_tl_wait(sim_cu_node()->state, gpu, upto);
+    return rc;
+}
+
+static CUresult stream_query(CUstream s)
+{
+    unsigned gpu;
+    uint64_t upto;
+    CUresult rc = stream_upto(s, &gpu, &upto);
+    if (rc == CUDA_SUCCESS && !sim_tl_done(sim_cu_node()->state, gpu, upto, NULL))
+        rc = CUDA_ERROR_NOT_READY;
+    return rc;
+}
+
+SIM_EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+    return stream_sync(hStream);
+}
+
+SIM_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    return stream_sync(hStream);
+}
+
+SIM_EXPORT CUresult cuStreamQuery(CUstream hStream)
+{
+    return stream_query(hStream);
+}
+
+SIM_EXPORT CUresult cuStreamQuery_ptsz(CUstream hStream)
+{
+    return stream_query(hStream);
+}
+
+/* Kernels of one process on one GPU run in order, so cross-stream waits are met by construction. */
+static CUresult stream_wait_event(CUstream s, CUevent e)
+{
+    unsigned gpu;
+    CUresult rc = sim_stream_device(s, &gpu);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return e == NULL ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    (void)Flags;
+    return stream_wait_event(hStream, hEvent);
+}
+
+SIM_EXPORT CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    (void)Flags;
+    return stream_wait_event(hStream, hEvent);
+}
+
+/* The current context's device: every kernel this process queued there. */
+SIM_EXPORT CUresult cuCtxSynchronize(void)
+{
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc == CUDA_SUCCESS)
+        sim_tl_wait(sim_cu_node()->state, (unsigned)dev, sim_tl_tail(sim_cu_node()->state, (unsigned)dev));
+    return rc;
+}
+
+/* ---- events ------------------------------------------------------------------------------ */
+
+#define SIM_EVENT_MAGIC 0x45565453u
+
+struct CUevent_st {
+    uint32_t magic;
+    unsigned flags;
+    unsigned gpu;
+    bool recorded;
+    uint64_t upto;    /* kernels it waits for */
+    uint64_t rec_ns;  /* when it was recorded (CLOCK_MONOTONIC) */
+    uint64_t end_ns;  /* its completion time once seen complete, else 0 */
+};
+
+static bool event_valid(CUevent e)
+{
+    return e != NULL && e->magic == SIM_EVENT_MAGIC;
+}
+
+SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
+{
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (phEvent == NULL || (Flags & ~0xFu))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUevent_st *e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *e = (struct CUevent_st){.magic = SIM_EVENT_MAGIC, .flags = Flags, .gpu = (unsigned)dev};
+    *phEvent = e;
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_destroy(CUevent e)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!event_valid(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    e->magic = 0;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventDestroy(CUevent hEvent)
+{
+    return event_destroy(hEvent);
+}
+
+SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
+{
+    return event_destroy(hEvent);
+}
+
+static CUresult event_record(CUevent e, CUstream s)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!event_valid(e))
+        return CUDA_ERROR_INVALID_HANDLE;
+    unsigned gpu;
+    uint64_t upto;
+    CUresult rc = stream_upto(s, &gpu, &upto);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    e->gpu = gpu;
+    e->upto = upto;
+    e->rec_ns = sim_mono_ns();
+    e->end_ns = upto == 0 ? e->rec_ns : 0; /* nothing before it: complete at once */
+    e->recorded = true;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
+{
+    return event_record(hEvent, hStream);
+}
+
+SIM_EXPORT CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream)
+{
+    return event_record(hEvent, hStream);
+}
+
+SIM_EXPORT CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    (void)flags;
+    return event_record(hEvent, hStream);
+}
+
+SIM_EXPORT CUresult cuEventRecordWithFlags_ptsz(CUevent hEvent, CUstream hStream, unsigned int flags)
+{
+    (void)flags;
+    return event_record(hEvent, hStream);
+}
+
+/* Whether e completed (a never-recorded event counts as complete); notes its completion time. */
+static bool event_done(CUevent e)
+{
+    if (!e->recorded || e->end_ns != 0)
+        return true;
+    uint64_t end;
+    if (!sim_tl_done(sim_cu_node()->state, e->gpu, e->upto, &end))
+        return false;
+    e->end_ns = end > e->rec_ns ? end : e->rec_ns;
+    return true;
+}
+
+SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!event_valid(hEvent))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return event_done(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!event_valid(hEvent))
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (hEvent->recorded)
+        sim_tl_wait(sim_cu_node()->state, hEvent->gpu, hEvent->upto);
+    event_done(hEvent);
+    return CUDA_SUCCESS;
+}
+
+static CUresult elapsed(float *ms, CUevent a, CUevent b)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ms == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!event_valid(a) || !event_valid(b) || (a->flags & CU_EVENT_DISABLE_TIMING) ||
+        (b->flags & CU_EVENT_DISABLE_TIMING) || !a->recorded || !b->recorded)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!event_done(a) || !event_done(b))
+        return CUDA_ERROR_NOT_READY;
+    *ms = (float)(((double)b->end_ns - (double)a->end_ns) / 1e6);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    return elapsed(pMilliseconds, hStart, hEnd);
+}
+
+SIM_EXPORT CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    return elapsed(pMilliseconds, hStart, hEnd);
+}

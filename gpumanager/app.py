@@ -55,10 +55,10 @@ from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavail
 from gpumanager.kube.pods import PodCache
 from gpumanager.metrics.calls import CallMetrics
 from gpumanager.metrics.claims import ClaimCollector
-from gpumanager.metrics.collector import AgentCollector
-from gpumanager.metrics.containers import ContainerCollector, usage_response
+from gpumanager.metrics.containers import usage_response
 from gpumanager.metrics.display import DisplayServer, DisplayServicer
 from gpumanager.metrics.http import QueryServer
+from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import ContainerUsage, UsageSampler
 from gpumanager.topology import TopologyTree, build_tree, render_graph
 from gpumanager.vmanager.manager import VirtualManager
@@ -420,8 +420,9 @@ class Agent:
             self.display = None
 
     def _start_http(self) -> None:
-        self.registry.register(AgentCollector(self))
-        self.registry.register(ContainerCollector(self._sample))
+        page = MetricsPage(
+            agent=self, registry=self.registry, sample=self._sample, legacy_metrics=self.config.legacy_metrics
+        )
         routes: dict[str, Callable[[], Message]] = {
             "/graph": lambda: display_pb2.GraphResponse(graph=self.graph_text()),
             "/usage": self.usages,
@@ -432,7 +433,7 @@ class Agent:
                 self.config.query_addr,
                 self.config.query_port,
                 routes=routes,
-                registry=self.registry,
+                metrics=page.render,
                 health=self.healthz,
                 ready=self.readyz,
             )

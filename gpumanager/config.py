@@ -109,6 +109,11 @@ class Config:
     )
     cdi_root: str = text("/var/run/cdi", "where CDI specs of prepared claims are written (DRA mode)", metavar="DIR")
     sysfs_root: str = text("/sys", "sysfs, where a GPU's PCIe root is read (DRA mode)", metavar="DIR")
+    legacy_metrics: bool = switch(
+        False,
+        "also export gpu-manager 1.x's container_gpu_utilization, container_gpu_memory_total, "
+        "container_request_gpu_utilization and container_request_gpu_memory, as it wrote them",
+    )
     # Logging (klog's flag names).
     v: int = number(0, "log verbosity; 4 or more logs debug messages")
     log_format: str = choice("text", ("text", "json"), "log line format (json: one JSON object per line)")

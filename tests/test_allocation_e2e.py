@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import empty_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import names
 from gpumanager.api import display_pb2_grpc, vcuda_pb2, vcuda_pb2_grpc
@@ -220,52 +218,6 @@ def test_vcuda_sock_registration_and_isolation(cluster: SimCluster) -> None:
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert not (cluster.vm_path / a.uid / "intruder").exists()
     assert not (cluster.vm_path / b.uid / "main" / "pids.config").exists()
-
-
-def test_metrics_and_usage(cluster: SimCluster) -> None:
-    run = cluster.run_pod(gpu_pod("metered", [("main", 50, 8), ("side", 0, 0)]))
-    assert cluster.agent is not None
-    gpu = int(run.core["main"].response.annotations[names.VDEVICE_ANNOTATION][-1])
-    gpusim(
-        cluster.agent,
-        "proc",
-        "--gpu",
-        str(gpu),
-        "--pid",
-        str(run.pids["main"]),
-        "--used-mib",
-        "1500",
-        "--sm-percent",
-        "37",
-    )
-    gpusim(cluster.agent, "proc", "--gpu", str(gpu), "--pid", "77", "--used-mib", "999")  # not ours
-    base = f"http://127.0.0.1:{cluster.agent.query_port}"
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.read().decode())
-            for s in family.samples
-        }
-
-    def value(name: str, **labels: str) -> float:
-        return samples[(name, tuple(sorted(labels.items())))]
-
-    main = {"pod_name": "metered", "namespace": "default", "node": "sim-node", "container_name": "main"}
-    side = {**main, "container_name": "side"}
-    assert value("container_gpu_memory_total", **main, gpu_memory=f"gpu{gpu}") == 1500.0
-    assert value("container_gpu_memory_total", **main, gpu_memory="total") == 1500.0
-    assert value("container_gpu_utilization", **main, gpu=f"gpu{gpu}") == 37.0
-    assert value("container_request_gpu_utilization", **main, req_of_gpu="total") == 0.5
-    assert value("container_request_gpu_memory", **main, req_of_gpu_memory="total") == 2048.0
-    assert value("container_request_gpu_utilization", **side, req_of_gpu="total") == 0.0
-    assert value("gpu_manager_gpu_cores", gpu=str(gpu), state="allocated") == 50.0
-    assert value("gpu_manager_call_duration_seconds_count", call="Allocate", resource=CORE) >= 1
-    with urllib.request.urlopen(base + "/usage", timeout=10) as r:
-        usage = json.loads(r.read())["usage"][run.uid]
-    assert usage["project"] == "default"
-    dev = usage["stat"]["main"]["dev"][0]
-    assert dev["card_idx"] == str(gpu) and dev["pids"] == [run.pids["main"]] and dev["mem"] == 1500.0
-    assert usage["spec"]["main"] == {"gpu": 0.5, "mem": 2048.0}
 
 
 def test_shared_containers_pids_config_follows_their_processes(cluster: SimCluster) -> None:

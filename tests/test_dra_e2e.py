@@ -91,7 +91,10 @@ def test_shares_fill_one_gpu_and_a_third_waits_until_one_ends(t4: DRACluster) ->
     assert t4.agent is not None
     with urllib.request.urlopen(f"http://127.0.0.1:{t4.agent.query_port}/metrics", timeout=5) as resp:
         metrics = resp.read().decode()
-    assert 'gpu_manager_gpu_cores{gpu="0",state="allocatable"} 10.0' in metrics
+    lines = metrics.splitlines()
+    assert any(
+        ln.startswith('gpu_manager_gpu_core_allocated_ratio{gpu="0",uuid="') and ln.endswith("} 0.9") for ln in lines
+    )
     claim_line = (
         f'gpu_manager_claim_cores{{claim="{claim30["metadata"]["name"]}",claim_uid="{claim30["metadata"]["uid"]}",'
         'device="gpu-0",namespace="default",share="true"} 30.0'
@@ -101,9 +104,12 @@ def test_shares_fill_one_gpu_and_a_third_waits_until_one_ends(t4: DRACluster) ->
         f'gpu_manager_claim_containers{{claim="{claim30["metadata"]["name"]}",namespace="default",pod="p30"}} 1.0'
         in metrics
     )
-    assert (
-        'container_request_gpu_utilization{container_name="main",namespace="default",node="sim-node",pod_name="p30"'
-        in metrics
+    assert any(
+        ln.startswith(
+            'gpu_manager_container_gpu_core_limit_ratio{namespace="default",pod="p30",container="main",gpu="0",'
+        )
+        and ln.endswith("} 0.3")
+        for ln in lines
     )
     usage = http_json(t4, "/usage")["usage"]
     p30_uid = t4.pod("p30")["metadata"]["uid"]

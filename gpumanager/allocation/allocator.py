@@ -96,6 +96,9 @@ class Allocator:
         self._pods = pods
         self._settings = settings
         self._checkpoint_path = checkpoint_path
+        #: Checkpoint writes done and failed (for metrics).
+        self.checkpoint_writes = 0
+        self.checkpoint_write_failures = 0
         self._allocs: dict[tuple[str, str], ContainerAllocation] = {}
         self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
         self._responses: dict[tuple[str, str], ContainerResponse] = {}
@@ -403,7 +406,12 @@ class Allocator:
         document = records.to_json(self._allocs.values())
         if self._claims:
             document["Claims"] = claim_records.to_json(self._claims.values())
-        checkpoint.write_json(self._checkpoint_path, document)
+        try:
+            checkpoint.write_json(self._checkpoint_path, document)
+        except OSError:
+            self.checkpoint_write_failures += 1
+            raise
+        self.checkpoint_writes += 1
 
     def _notify(self) -> None:
         for listener in self._listeners:

@@ -1,26 +1,39 @@
-"""Latency and outcome of the kubelet's calls (Allocate, PreStartContainer)."""
+"""Latency and outcome of the kubelet's calls (Allocate, PreStartContainer), per resource."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gpumanager import names
+
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RESOURCES = (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
+CALLS = ("Allocate", "PreStartContainer")
 
 
 class CallMetrics:
-    """``gpu_manager_call_duration_seconds{resource,call}`` and ``gpu_manager_call_errors_total{resource,call}``."""
+    """``gpu_manager_kubelet_call_duration_seconds{resource,call}`` and
+    ``gpu_manager_kubelet_call_errors_total{resource,call}``, with a series for every resource and call
+    from the start (an error counter that appears only at its first error hides that error from ``rate``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.duration = Histogram(
-            "gpu_manager_call_duration_seconds",
+            "gpu_manager_kubelet_call_duration_seconds",
             "Time spent answering the kubelet",
             ["resource", "call"],
             buckets=_BUCKETS,
             registry=registry,
         )
         self.errors = Counter(
-            "gpu_manager_call_errors", "Kubelet calls answered with an error", ["resource", "call"], registry=registry
+            "gpu_manager_kubelet_call_errors",
+            "Kubelet calls answered with an error (Allocate errors are refused allocations)",
+            ["resource", "call"],
+            registry=registry,
         )
+        for resource in RESOURCES:
+            for call in CALLS:
+                self.duration.labels(resource, call)
+                self.errors.labels(resource, call)
 
     def observe(self, resource: str, call: str, seconds: float, ok: bool) -> None:
         """Record one call."""

@@ -1,19 +1,29 @@
-"""Prometheus collector for the agent's own state: GPU health, advertised devices, kubelet registration."""
+"""Prometheus collector for the agent's own state: build, GPUs, kubelet registration, XIDs, checkpoint.
+
+Every per-GPU family carries ``gpu`` (the NVML index, as in every family of the
+agent) and ``uuid``; sums over GPUs are left to PromQL. Counters have a series for
+every label value from the start, so ``rate()`` and ``increase()`` see their first
+increment.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
+import pynvml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpumanager import names
+from gpumanager import buildinfo, names
+from gpumanager.allocation.allocator import Allocator
 from gpumanager.device.health import HealthMonitor
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.topology import TopologyTree
+
+GPU_LABELS = ["gpu", "uuid"]
 
 
 class AgentView(Protocol):
@@ -24,9 +34,14 @@ class AgentView(Protocol):
     health: HealthMonitor | None
     plugins: PluginManager | None
     tree: TopologyTree | None
+    allocator: Allocator | None
 
     def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
         """(index, allocatable cores, allocatable bytes, total bytes, 1 if available for whole GPUs) per GPU."""
+
+
+def _gauge(name: str, help_text: str, labels: Sequence[str] = GPU_LABELS) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, labels=list(labels))
 
 
 class AgentCollector(Collector):
@@ -39,22 +54,63 @@ class AgentCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        build = _gauge(
+            "gpu_manager_build_info", "Version and git commit of the running agent (always 1)", ["version", "commit"]
+        )
+        build.add_metric([buildinfo.version(), buildinfo.commit()], 1.0)
+        yield build
+        yield from self._gpus()
+        yield from self._devices()
+        yield from self._kubelet()
+        yield from self._xids()
+        yield from self._checkpoint()
+
+    def _gpus(self) -> Iterator[Metric]:
         agent = self._agent
         health = agent.health.snapshot() if agent.health is not None else {}
-        healthy = GaugeMetricFamily(
-            "gpu_manager_gpu_healthy", "1 when the GPU is healthy, 0 when it is out of service", labels=["gpu", "uuid"]
+        info = _gauge("gpu_manager_gpu_info", "A GPU of the node (always 1)", [*GPU_LABELS, "model", "pci_bus_id"])
+        healthy = _gauge("gpu_manager_gpu_healthy", "1 when the GPU is healthy, 0 while it is out of service")
+        capacity = _gauge("gpu_manager_gpu_memory_bytes", "Memory of the GPU")
+        used = _gauge("gpu_manager_gpu_memory_used_bytes", "Memory in use on the GPU, as NVML reports it")
+        util = _gauge("gpu_manager_gpu_utilization_ratio", "Utilisation of the GPU, as NVML reports it (0-1)")
+        allocated_mem = _gauge("gpu_manager_gpu_memory_allocated_bytes", "Memory of the GPU allocated to containers")
+        allocated_cores = _gauge(
+            "gpu_manager_gpu_core_allocated_ratio", "Share of the GPU's compute allocated to containers (0-1)"
         )
         for g in agent.gpus:
+            key = [str(g.index), g.uuid]
+            info.add_metric([*key, g.name, g.pci_bus_id], 1.0)
             state = health.get(g.index)
-            healthy.add_metric([str(g.index), g.uuid], 1.0 if state is None or state.healthy else 0.0)
-        yield healthy
+            healthy.add_metric(key, 1.0 if state is None or state.healthy else 0.0)
+            capacity.add_metric(key, float(g.memory_total))
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            except pynvml.NVMLError:
+                continue  # a lost GPU has no usage; gpu_manager_gpu_healthy says why
+            used.add_metric(key, float(memory.used))
+            util.add_metric(key, float(rates.gpu) / 100)
+        by_index = {g.index: g for g in agent.gpus}
+        if agent.tree is not None:
+            for index, free_cores, free_mem, total_mem, _ in agent.tree_snapshot():
+                gpu = by_index.get(index)
+                if gpu is None:
+                    continue
+                key = [str(index), gpu.uuid]
+                allocated_cores.add_metric(key, (names.HUNDRED_CORES - free_cores) / names.HUNDRED_CORES)
+                allocated_mem.add_metric(key, float(total_mem - free_mem))
+        yield from (info, healthy, capacity, used, util, allocated_mem, allocated_cores)
 
-        devices = GaugeMetricFamily(
+    def _devices(self) -> Iterator[Metric]:
+        agent = self._agent
+        devices = _gauge(
             "gpu_manager_advertised_devices",
-            "Fake devices advertised to the kubelet, by resource and health",
-            labels=["resource", "health"],
+            "Devices advertised to the kubelet, by resource and health",
+            ["resource", "health"],
         )
         if agent.layout is not None:
+            health = agent.health.snapshot() if agent.health is not None else {}
             for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
                 total = agent.layout.count(resource)
                 bad = sum(len(agent.layout.ids_of_gpu(resource, i)) for i, s in health.items() if not s.healthy)
@@ -62,38 +118,41 @@ class AgentCollector(Collector):
                 devices.add_metric([resource, names.UNHEALTHY], float(bad))
         yield devices
 
-        if agent.health is not None:
-            xids = CounterMetricFamily(
-                "gpu_manager_xid_events", "XID critical-error events received", labels=["ignored"]
-            )
-            xids.add_metric(["false"], float(agent.health.xid_events - agent.health.ignored_xid_events))
-            xids.add_metric(["true"], float(agent.health.ignored_xid_events))
-            yield xids
+    def _kubelet(self) -> Iterator[Metric]:
+        status = self._agent.plugins.status if self._agent.plugins is not None else None
+        yield GaugeMetricFamily(
+            "gpu_manager_kubelet_registered",
+            "1 while both resources are registered with the kubelet",
+            value=1.0 if status is not None and status.registered else 0.0,
+        )
+        yield CounterMetricFamily(
+            "gpu_manager_kubelet_registrations",
+            "Successful registrations of both resources with the kubelet",
+            value=float(status.registrations if status is not None else 0),
+        )
 
-        if agent.tree is not None:
-            cores = GaugeMetricFamily(
-                "gpu_manager_gpu_cores", "vcuda-core units of a GPU, by state", labels=["gpu", "state"]
-            )
-            memory = GaugeMetricFamily(
-                "gpu_manager_gpu_memory_bytes", "Memory of a GPU, by allocation state", labels=["gpu", "state"]
-            )
-            for index, free_cores, free_mem, total_mem, _ in agent.tree_snapshot():
-                cores.add_metric([str(index), "allocatable"], float(free_cores))
-                cores.add_metric([str(index), "allocated"], float(names.HUNDRED_CORES - free_cores))
-                memory.add_metric([str(index), "allocatable"], float(free_mem))
-                memory.add_metric([str(index), "allocated"], float(total_mem - free_mem))
-            yield cores
-            yield memory
+    def _xids(self) -> Iterator[Metric]:
+        health = self._agent.health
+        xids = CounterMetricFamily(
+            "gpu_manager_xid_events",
+            "XID critical-error events received; ignored=true for the XIDs of --ignored-xids",
+            labels=["ignored"],
+        )
+        total = health.xid_events if health is not None else 0
+        ignored = health.ignored_xid_events if health is not None else 0
+        xids.add_metric(["false"], float(total - ignored))
+        xids.add_metric(["true"], float(ignored))
+        yield xids
 
-        if agent.plugins is not None:
-            status = agent.plugins.status
-            yield GaugeMetricFamily(
-                "gpu_manager_kubelet_registered",
-                "1 while both resources are registered with the kubelet",
-                value=1.0 if status.registered else 0.0,
-            )
-            yield CounterMetricFamily(
-                "gpu_manager_kubelet_registrations",
-                "Successful registrations with the kubelet",
-                value=float(status.registrations),
-            )
+    def _checkpoint(self) -> Iterator[Metric]:
+        allocator = self._agent.allocator
+        yield CounterMetricFamily(
+            "gpu_manager_checkpoint_writes",
+            "Writes of the allocation checkpoint",
+            value=float(allocator.checkpoint_writes if allocator is not None else 0),
+        )
+        yield CounterMetricFamily(
+            "gpu_manager_checkpoint_write_failures",
+            "Writes of the allocation checkpoint that failed (the allocation was refused)",
+            value=float(allocator.checkpoint_write_failures if allocator is not None else 0),
+        )

@@ -1,78 +1,93 @@
-"""gpu-manager's container metrics and the /usage (PrintUsages) answer, from one usage sample.
+"""Per-container metrics and the ``/usage`` (PrintUsages) answer, from one usage sample.
 
-Metrics (labels ``pod_name, namespace, node, container_name`` plus one):
-``container_gpu_utilization{gpu="gpu<i>"|"total"}``,
-``container_gpu_memory_total{gpu_memory="gpu<i>"|"total"}`` (MiB),
-``container_request_gpu_utilization{req_of_gpu="total"}`` (cores / 100) and
-``container_request_gpu_memory{req_of_gpu_memory="total"}`` (MiB; for a whole-GPU
-container without a memory request, the memory of its GPUs). Request metrics
-are emitted for every container of a pod that has an allocation (0 for the
-others), usage metrics for containers with devices.
+Families (labels ``namespace, pod, container, gpu, uuid``; one series per GPU the
+container holds, present from allocation to release):
+
+- ``gpu_manager_container_gpu_memory_limit_bytes``: memory the container may use on
+  the GPU (``vcuda-memory`` x 256 MiB for a share, the GPU's memory for a whole GPU);
+- ``gpu_manager_container_gpu_core_limit_ratio``: share of the GPU's compute it is
+  allotted (``vcuda-core`` / 100, 1 for a whole GPU);
+- ``gpu_manager_container_gpu_memory_used_bytes``: memory its processes use there;
+- ``gpu_manager_container_gpu_utilization_ratio``: their SM utilisation (0-1).
+
+Label sets are rendered once per container and GPU and reused across scrapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from collections.abc import Sequence
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.api import display_pb2 as pb
-from gpumanager.metrics.usage import ContainerUsage
+from gpumanager.metrics import textformat
+from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 
-BASE = ["pod_name", "namespace", "node", "container_name"]
+LABELS = ("namespace", "pod", "container", "gpu", "uuid")
+
+FAMILIES = (
+    (
+        "gpu_manager_container_gpu_memory_limit_bytes",
+        "GPU memory the container may use on this GPU (vcuda-memory x 256 MiB; the GPU's memory for a whole GPU)",
+    ),
+    (
+        "gpu_manager_container_gpu_core_limit_ratio",
+        "Share of this GPU's compute allotted to the container (vcuda-core / 100; 1 for a whole GPU)",
+    ),
+    ("gpu_manager_container_gpu_memory_used_bytes", "GPU memory used by the container's processes on this GPU"),
+    (
+        "gpu_manager_container_gpu_utilization_ratio",
+        "SM utilisation of the container's processes on this GPU over the sample period (0-1)",
+    ),
+)
+
+_HEADERS = tuple(textformat.header(name, help_text, "gauge") for name, help_text in FAMILIES)
 
 
-class ContainerCollector(Collector):
-    """Samples at scrape time."""
+def limits(usage: ContainerUsage, device: DeviceUsage) -> tuple[int, float]:
+    """(memory limit in bytes, core share 0-1) of a container on one of its GPUs."""
+    alloc = usage.allocation
+    if alloc.shared:
+        return alloc.memory, alloc.cores / names.HUNDRED_CORES
+    return device.gpu.memory_total, 1.0
 
-    def __init__(self, sample: Callable[[], list[ContainerUsage]]) -> None:
-        self._sample = sample
 
-    def describe(self) -> Sequence[Metric]:
-        return []
+class ContainerFamilies:
+    """Renders the per-container families in the text format, reusing label sets between scrapes."""
 
-    def collect(self) -> Iterator[Metric]:
-        util = GaugeMetricFamily("container_gpu_utilization", "gpu utilization", labels=[*BASE, "gpu"])
-        mem = GaugeMetricFamily("container_gpu_memory_total", "gpu memory usage in MiB", labels=[*BASE, "gpu_memory"])
-        req_util = GaugeMetricFamily(
-            "container_request_gpu_utilization", "request of gpu utilization", labels=[*BASE, "req_of_gpu"]
-        )
-        req_mem = GaugeMetricFamily(
-            "container_request_gpu_memory", "request of gpu memory in MiB", labels=[*BASE, "req_of_gpu_memory"]
-        )
-        usages = self._sample()
-        seen_pods: dict[str, dict[str, ContainerUsage]] = {}
-        for usage in usages:
-            seen_pods.setdefault(podinfo.uid(usage.pod), {})[usage.container] = usage
-        for by_container in seen_pods.values():
-            pod = next(iter(by_container.values())).pod
-            meta = pod.get("metadata") or {}
-            node = str((pod.get("spec") or {}).get("nodeName", ""))
-            for c in podinfo.containers(pod):
-                cname = str(c.get("name", ""))
-                base = [str(meta.get("name", "")), str(meta.get("namespace", "")), node, cname]
-                u = by_container.get(cname)
-                cores = u.cores if u else 0
-                mem_mib = (u.memory_blocks * names.MEMORY_BLOCK_BYTES >> 20) if u else 0
-                if u is not None and mem_mib == 0:
-                    mem_mib = int(sum(d.device_mem for d in u.devices))
-                req_util.add_metric([*base, "total"], cores / names.HUNDRED_CORES)
-                req_mem.add_metric([*base, "total"], float(mem_mib))
-                if u is None or not u.devices:
-                    continue
-                for d in u.devices:
-                    util.add_metric([*base, f"gpu{d.index}"], d.gpu)
-                    mem.add_metric([*base, f"gpu{d.index}"], d.mem)
-                util.add_metric([*base, "total"], sum(d.gpu for d in u.devices))
-                mem.add_metric([*base, "total"], sum(d.mem for d in u.devices))
-        yield from (util, mem, req_util, req_mem)
+    def __init__(self) -> None:
+        self._labels: dict[tuple[str, ...], str] = {}
+
+    def render(self, usages: Sequence[ContainerUsage]) -> str:
+        """The four families for ``usages`` (header lines even when there is no container)."""
+        known = self._labels
+        current: dict[tuple[str, ...], str] = {}
+        columns: tuple[list[str], list[str], list[str], list[str]] = ([], [], [], [])
+        for u in usages:
+            meta = u.pod.get("metadata") or {}
+            namespace = str(meta.get("namespace", "")) or u.allocation.namespace
+            pod_name = str(meta.get("name", "")) or u.allocation.pod_name
+            for d in u.devices:
+                key = (namespace, pod_name, u.container, str(d.gpu.index), d.gpu.uuid)
+                label_text = known.get(key)
+                if label_text is None:
+                    label_text = textformat.labels(LABELS, key)
+                current[key] = label_text
+                memory_limit, core_limit = limits(u, d)
+                columns[0].append(f"{label_text} {float(memory_limit)!r}\n")
+                columns[1].append(f"{label_text} {core_limit!r}\n")
+                columns[2].append(f"{label_text} {float(d.used_bytes)!r}\n")
+                columns[3].append(f"{label_text} {d.sm_ratio!r}\n")
+        self._labels = current
+        parts: list[str] = []
+        for (name, _), head, lines in zip(FAMILIES, _HEADERS, columns, strict=True):
+            parts.append(head)
+            parts.extend(name + line for line in lines)
+        return "".join(parts)
 
 
 def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
-    """PrintUsages: per pod UID, per container device usage and request."""
+    """PrintUsages: per pod UID, per container device usage and request (gpu-manager's units: MiB, percent)."""
     out = pb.UsageResponse()
     for u in usages:
         if not u.devices:
@@ -88,9 +103,14 @@ def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
         for d in u.devices:
             devices.dev.append(
                 pb.DeviceInfo(
-                    id=d.bus_id, card_idx=str(d.index), gpu=d.gpu, mem=d.mem, pids=list(d.pids), device_mem=d.device_mem
+                    id=d.gpu.pci_bus_id,
+                    card_idx=str(d.gpu.index),
+                    gpu=d.sm_samples_sum,
+                    mem=float(d.used_bytes >> 20),
+                    pids=list(d.pids),
+                    device_mem=float(d.gpu.memory_total >> 20),
                 )
             )
-        stat.spec[u.container].gpu = u.cores / names.HUNDRED_CORES
-        stat.spec[u.container].mem = float(u.memory_blocks * names.MEMORY_BLOCK_BYTES >> 20)
+        stat.spec[u.container].gpu = u.allocation.cores / names.HUNDRED_CORES
+        stat.spec[u.container].mem = float(u.allocation.memory >> 20)
     return out

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gpumanager.metrics.page import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +32,12 @@ class QueryServer:
         port: int,
         *,
         routes: dict[str, Callable[[], Message]],
-        registry: CollectorRegistry,
+        metrics: Callable[[], bytes],
         health: HealthFn,
         ready: HealthFn | None = None,
     ) -> None:
         self._routes = routes
-        self._registry = registry
+        self._metrics = metrics
         self._health = health
         self._ready = ready or health
         handler = self._handler_class()
@@ -83,7 +83,7 @@ class QueryServer:
                     if path in outer._routes:
                         self._send(200, message_json(outer._routes[path]()), "application/json")
                     elif path in ("/metric", "/metrics"):
-                        self._send(200, generate_latest(outer._registry), CONTENT_TYPE_LATEST)
+                        self._send(200, outer._metrics(), CONTENT_TYPE)
                     elif path in ("/healthz", "/readyz"):
                         ok, detail = (outer._health if path == "/healthz" else outer._ready)()
                         body = json.dumps({"ok": ok, **detail}, default=str).encode()

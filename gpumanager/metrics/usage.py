@@ -1,10 +1,18 @@
-"""Per-container GPU usage: the container's host PIDs (from its cgroup) matched against NVML's view.
+"""Per-container GPU usage: NVML's processes on each GPU, attributed to containers by their cgroups.
 
-For each device of a container (as gpu-manager computes it): ``mem`` is the sum
-of ``usedGpuMemory`` of the GPU's compute processes that belong to the container
-(MiB), ``gpu`` the sum of their SM utilisation samples over the last
-``sample_period`` seconds, ``pids`` those PIDs, ``device_mem`` the GPU's memory
-(MiB).
+For each GPU of a container: ``used_bytes`` is the sum of ``usedGpuMemory`` of the
+GPU's compute processes that belong to the container, ``sm_ratio`` their SM
+utilisation (per process the mean of NVML's samples over the last
+``sample_period`` seconds, summed, 0-1), ``pids`` those PIDs. ``sm_samples_sum``
+is gpu-manager's figure (every sample's ``smUtil`` added up) for its legacy metrics
+and ``/usage``.
+
+Which container a GPU process belongs to is read from the containers' cgroups
+(``cgroup.procs``). Reading every container's cgroup on every scrape is the
+expensive part, so the answer is kept: the cgroups are read again only when NVML
+shows a PID that the last reading did not place (a new process), or when that
+reading is older than ``rescan_period`` (which bounds how long a PID reused by
+another container could be misattributed).
 """
 
 from __future__ import annotations
@@ -25,51 +33,66 @@ from gpumanager.vmanager import cgroups
 
 log = logging.getLogger(__name__)
 
+#: Longest time a container's PIDs are trusted without reading its cgroup again.
+RESCAN_SECONDS = 60.0
+
+Key = tuple[str, str]  # (pod UID, container)
+
 
 @dataclass(frozen=True)
 class DeviceUsage:
     """One GPU as seen by one container."""
 
-    index: int
-    bus_id: str
-    gpu: float  # SM utilisation, percent
-    mem: float  # MiB used by the container's processes
+    gpu: GPUInfo
+    used_bytes: int
+    sm_ratio: float  # 0-1: mean SM utilisation of each process over the window, summed
+    sm_samples_sum: float  # gpu-manager's figure: smUtil percent of every sample, summed
     pids: tuple[int, ...]
-    device_mem: float  # MiB
 
 
 @dataclass
 class ContainerUsage:
-    """A container's request and what it uses."""
+    """A container's allocation, its pod, and what it uses on each of its GPUs."""
 
     pod: Pod
-    container: str
-    cores: int
-    memory_blocks: int
+    allocation: ContainerAllocation
     devices: list[DeviceUsage] = field(default_factory=list)
+
+    @property
+    def container(self) -> str:
+        """The container's name."""
+        return self.allocation.container
 
 
 @dataclass
 class _GPUSample:
     procs: dict[int, int]  # pid -> used bytes
-    sm: dict[int, float]  # pid -> summed smUtil
+    sm_sum: dict[int, float]  # pid -> summed smUtil percent
+    sm_count: dict[int, int]  # pid -> number of samples
+
+
+_EMPTY = _GPUSample({}, {}, {})
 
 
 def _sample_gpu(index: int, since_us: int) -> _GPUSample:
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     procs = {int(p.pid): int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-    sm: dict[int, float] = {}
-    try:
-        for s in pynvml.nvmlDeviceGetProcessUtilization(handle, since_us):
-            sm[int(s.pid)] = sm.get(int(s.pid), 0.0) + float(s.smUtil)
-    except pynvml.NVMLError as exc:
-        if exc.value != pynvml.NVML_ERROR_NOT_FOUND:  # NOT_FOUND: no sample in the window
-            log.debug("GPU %d process utilisation: %s", index, exc)
-    return _GPUSample(procs, sm)
+    sm_sum: dict[int, float] = {}
+    sm_count: dict[int, int] = {}
+    if procs:
+        try:
+            for s in pynvml.nvmlDeviceGetProcessUtilization(handle, since_us):
+                pid = int(s.pid)
+                sm_sum[pid] = sm_sum.get(pid, 0.0) + float(s.smUtil)
+                sm_count[pid] = sm_count.get(pid, 0) + 1
+        except pynvml.NVMLError as exc:
+            if exc.value != pynvml.NVML_ERROR_NOT_FOUND:  # NOT_FOUND: no sample in the window
+                log.debug("GPU %d process utilisation: %s", index, exc)
+    return _GPUSample(procs, sm_sum, sm_count)
 
 
 class UsageSampler:
-    """Builds ContainerUsage for every allocated container of every active pod."""
+    """Builds ContainerUsage for every allocated container of every known pod."""
 
     def __init__(
         self,
@@ -79,47 +102,95 @@ class UsageSampler:
         pod: Callable[[str], Pod | None],
         cgroup_root: Path,
         sample_period: float,
+        rescan_period: float = RESCAN_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._gpus = {g.minor: g for g in gpus}
         self._allocations = allocations
         self._pod = pod
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._period = sample_period
+        self._rescan_period = rescan_period
+        self._clock = clock
+        self._owner: dict[int, Key] = {}  # pid -> container, from the last cgroup reading
+        self._placed: set[int] = set()  # every PID the last reading saw (in a container or not)
+        self._containers: dict[Key, tuple[str, str | None]] = {}  # containers of the last reading
+        self._parsed: dict[str, tuple[Pod, dict[str, str], str | None]] = {}  # pod UID -> (pod, IDs, QoS)
+        self._scanned_at: float | None = None
+        #: How many times the containers' cgroups were read (for tests and benchmarks).
+        self.scans = 0
 
     def sample(self) -> list[ContainerUsage]:
         """One pass over all containers (NVML is asked once per GPU)."""
         since_us = int((time.time() - self._period) * 1_000_000)
-        per_gpu: dict[int, _GPUSample] = {}
-        out = []
+        usages: list[ContainerUsage] = []
         for alloc in self._allocations():
             pod = self._pod(alloc.pod_uid)
-            if pod is None:
-                continue
-            usage = ContainerUsage(pod, alloc.container, alloc.cores, alloc.memory >> 28)
-            cid = podinfo.container_ids(pod).get(alloc.container)
-            qos = (pod.get("status") or {}).get("qosClass")
-            pids = set(self._cgroups.pids(alloc.pod_uid, cid, qos)) if cid else set()
-            for minor in alloc.minors:
+            if pod is not None:
+                usages.append(ContainerUsage(pod, alloc))
+        per_gpu: dict[int, _GPUSample] = {}
+        for u in usages:
+            for minor in u.allocation.minors:
+                gpu = self._gpus.get(minor)
+                if gpu is None or gpu.index in per_gpu:
+                    continue
+                try:
+                    per_gpu[gpu.index] = _sample_gpu(gpu.index, since_us)
+                except pynvml.NVMLError as exc:
+                    log.debug("GPU %d usage unavailable: %s", gpu.index, exc)
+                    per_gpu[gpu.index] = _EMPTY
+        gpu_pids = {pid for s in per_gpu.values() for pid in s.procs}
+        self._place(gpu_pids, usages)
+        # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
+        mine: dict[tuple[int, Key], list[int]] = {}
+        for index, s in per_gpu.items():
+            for pid in s.procs:
+                owner = self._owner.get(pid)
+                if owner is not None:
+                    mine.setdefault((index, owner), []).append(pid)
+        for u in usages:
+            key = u.allocation.key
+            for minor in u.allocation.minors:
                 gpu = self._gpus.get(minor)
                 if gpu is None:
                     continue
-                if gpu.index not in per_gpu:
-                    try:
-                        per_gpu[gpu.index] = _sample_gpu(gpu.index, since_us)
-                    except pynvml.NVMLError as exc:
-                        log.debug("GPU %d usage unavailable: %s", gpu.index, exc)
-                        per_gpu[gpu.index] = _GPUSample({}, {})
-                s = per_gpu[gpu.index]
-                mine = sorted(pids & set(s.procs))
-                usage.devices.append(
+                s = per_gpu.get(gpu.index, _EMPTY)
+                pids = sorted(mine.get((gpu.index, key), ()))
+                u.devices.append(
                     DeviceUsage(
-                        index=gpu.index,
-                        bus_id=gpu.pci_bus_id,
-                        gpu=sum(v for p, v in s.sm.items() if p in pids),
-                        mem=sum(s.procs[p] for p in mine) / (1 << 20),
-                        pids=tuple(mine),
-                        device_mem=gpu.memory_total / (1 << 20),
+                        gpu=gpu,
+                        used_bytes=sum(s.procs[p] for p in pids),
+                        sm_ratio=min(1.0, sum(s.sm_sum[p] / s.sm_count[p] for p in pids if p in s.sm_count) / 100),
+                        sm_samples_sum=sum(s.sm_sum.get(p, 0.0) for p in pids),
+                        pids=tuple(pids),
                     )
                 )
-            out.append(usage)
-        return out
+        return usages
+
+    def _place(self, gpu_pids: set[int], usages: Sequence[ContainerUsage]) -> None:
+        """Read the containers' cgroups again when a GPU PID or a container is new, or the reading is old."""
+        containers: dict[Key, tuple[str, str | None]] = {}
+        parsed: dict[str, tuple[Pod, dict[str, str], str | None]] = {}
+        for u in usages:
+            uid = u.allocation.pod_uid
+            entry = parsed.get(uid) or self._parsed.get(uid)
+            if entry is None or entry[0] is not u.pod:  # the pod cache holds a new object after every change
+                entry = (u.pod, podinfo.container_ids(u.pod), (u.pod.get("status") or {}).get("qosClass"))
+            parsed[uid] = entry
+            cid = entry[1].get(u.container)
+            if cid:
+                containers[u.allocation.key] = (cid, entry[2])
+        self._parsed = parsed
+        now = self._clock()
+        fresh = self._scanned_at is not None and now - self._scanned_at < self._rescan_period
+        if fresh and gpu_pids <= self._placed and containers == self._containers:
+            return
+        owner: dict[int, Key] = {}
+        for key, (cid, qos) in containers.items():
+            for pid in self._cgroups.pids(key[0], cid, qos):
+                owner[pid] = key
+        self._owner = owner
+        self._placed = set(owner) | gpu_pids
+        self._containers = containers
+        self._scanned_at = now
+        self.scans += 1

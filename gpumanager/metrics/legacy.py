@@ -1,0 +1,87 @@
+"""tkestack gpu-manager's four ``container_*`` families, byte for byte as it wrote them (``--legacy-metrics``).
+
+For clusters upgrading in place whose dashboards and alerts read them. As upstream:
+
+- ``container_gpu_utilization{gpu="gpu<i>"|"total"}``: SM utilisation percent (every
+  sample of the container's processes added up), per GPU and in total;
+- ``container_gpu_memory_total{gpu_memory="gpu<i>"|"total"}``: MiB used by its processes;
+- ``container_request_gpu_utilization{req_of_gpu="total"}``: ``vcuda-core`` / 100;
+- ``container_request_gpu_memory{req_of_gpu_memory="total"}``: ``vcuda-memory`` x 256 MiB,
+  for a whole-GPU container without a memory request the memory of its GPUs (MiB).
+
+All carry ``pod_name, namespace, node, container_name``. The request families cover every
+container of a pod that holds GPUs (0 for the others), the usage families the containers
+with GPUs. The text is what upstream's Go client library wrote: families sorted by name,
+label pairs by label name, series by label values, numbers as Go formats them. These
+families do not follow Prometheus naming rules (a gauge ending in ``_total``, a ``total``
+series that a ``sum`` counts twice, MiB), which is why they are off by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.metrics import textformat
+from gpumanager.metrics.usage import ContainerUsage
+
+_HELP = {
+    "container_gpu_memory_total": "gpu memory usage in MiB",
+    "container_gpu_utilization": "gpu utilization",
+    "container_request_gpu_memory": "request of gpu memory in MiB",
+    "container_request_gpu_utilization": "request of gpu utilization",
+}
+_EXTRA_LABEL = {
+    "container_gpu_memory_total": "gpu_memory",
+    "container_gpu_utilization": "gpu",
+    "container_request_gpu_memory": "req_of_gpu_memory",
+    "container_request_gpu_utilization": "req_of_gpu",
+}
+BASE = ("pod_name", "namespace", "node", "container_name")
+
+
+def render(usages: Sequence[ContainerUsage]) -> str:
+    """The four families for ``usages``; a family without series is left out, as upstream's registry did."""
+    series: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in _HELP}
+    by_pod: dict[str, dict[str, ContainerUsage]] = {}
+    for u in usages:
+        by_pod.setdefault(podinfo.uid(u.pod), {})[u.container] = u
+    for by_container in by_pod.values():
+        pod = next(iter(by_container.values())).pod
+        usage: ContainerUsage | None
+        meta = pod.get("metadata") or {}
+        node = str((pod.get("spec") or {}).get("nodeName", ""))
+        for c in podinfo.containers(pod):
+            cname = str(c.get("name", ""))
+            base = dict(
+                zip(BASE, (str(meta.get("name", "")), str(meta.get("namespace", "")), node, cname), strict=True)
+            )
+            usage = by_container.get(cname)
+            cores = usage.allocation.cores if usage else 0
+            mem_mib = (usage.allocation.memory >> 28) * (names.MEMORY_BLOCK_BYTES >> 20) if usage else 0
+            if usage is not None and mem_mib == 0:
+                mem_mib = sum(d.gpu.memory_total >> 20 for d in usage.devices)
+            series["container_request_gpu_utilization"].append(({**base, "req_of_gpu": "total"}, cores / 100))
+            series["container_request_gpu_memory"].append(({**base, "req_of_gpu_memory": "total"}, float(mem_mib)))
+            if usage is None or not usage.devices:
+                continue
+            for d in usage.devices:
+                series["container_gpu_utilization"].append(({**base, "gpu": f"gpu{d.gpu.index}"}, d.sm_samples_sum))
+                series["container_gpu_memory_total"].append(
+                    ({**base, "gpu_memory": f"gpu{d.gpu.index}"}, float(d.used_bytes >> 20))
+                )
+            util_total = sum(d.sm_samples_sum for d in usage.devices)
+            mem_total = sum(float(d.used_bytes >> 20) for d in usage.devices)
+            series["container_gpu_utilization"].append(({**base, "gpu": "total"}, util_total))
+            series["container_gpu_memory_total"].append(({**base, "gpu_memory": "total"}, mem_total))
+    parts: list[str] = []
+    for name in sorted(series):
+        if not series[name]:
+            continue
+        label_names = sorted((*BASE, _EXTRA_LABEL[name]))
+        rows = sorted((tuple(labels[n] for n in label_names), value) for labels, value in series[name])
+        parts.append(textformat.header(name, _HELP[name], "gauge"))
+        for values, value in rows:
+            parts.append(f"{name}{textformat.labels(label_names, values)} {textformat.go_float(value)}\n")
+    return "".join(parts)

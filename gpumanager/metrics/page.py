@@ -1,0 +1,50 @@
+"""The ``/metrics`` page: the agent's families, the process metrics, the per-container families.
+
+One usage sample per scrape feeds the per-container families (and upstream's legacy
+families with ``--legacy-metrics``). The page carries no ``_created`` series: counters
+and histograms start at the agent's start, which ``process_start_time_seconds`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gpumanager.metrics import legacy
+from gpumanager.metrics.collector import AgentCollector, AgentView
+from gpumanager.metrics.containers import ContainerFamilies
+from gpumanager.metrics.usage import ContainerUsage
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class MetricsPage:
+    """Renders the whole page in the text format (0.0.4)."""
+
+    def __init__(
+        self,
+        *,
+        agent: AgentView,
+        registry: CollectorRegistry,
+        sample: Callable[[], list[ContainerUsage]],
+        legacy_metrics: bool,
+    ) -> None:
+        # Process-wide: this agent exports no _created series (counters start with the process).
+        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+        registry.register(AgentCollector(agent))
+        ProcessCollector(registry=registry)
+        self._registry = registry
+        self._sample = sample
+        self._legacy = legacy_metrics
+        self._containers = ContainerFamilies()
+
+    def render(self) -> bytes:
+        """The page body."""
+        usages = self._sample()
+        body = generate_latest(self._registry) + self._containers.render(usages).encode()
+        if self._legacy:
+            body += legacy.render(usages).encode()
+        return body

@@ -1,0 +1,77 @@
+"""Prometheus text exposition format 0.0.4, written directly for the large per-container families.
+
+``prometheus_client.generate_latest`` formats every label of every sample on every
+scrape; with hundreds of containers that alone takes longer than the whole scrape
+should. Here a container's label set is rendered once and reused while the
+container lives, so a scrape only formats numbers. The output is the same text
+format (``promtool check metrics`` reads both alike).
+
+``go_float`` spells a number as Go's ``strconv.FormatFloat(f, 'g', -1, 64)``, which
+is what tkestack gpu-manager's client library wrote; the legacy families use it to
+stay byte for byte the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from decimal import Decimal
+
+
+def escape_label(value: str) -> str:
+    """A label value escaped for the text format (backslash, double quote, newline)."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def escape_help(text: str) -> str:
+    """A HELP text escaped for the text format (backslash, newline)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def labels(names: Sequence[str], values: Sequence[str]) -> str:
+    """``{a="1",b="2"}`` (empty string for no labels)."""
+    if not names:
+        return ""
+    return "{" + ",".join(f'{n}="{escape_label(v)}"' for n, v in zip(names, values, strict=True)) + "}"
+
+
+def header(name: str, help_text: str, kind: str) -> str:
+    """The ``# HELP`` and ``# TYPE`` lines of a family."""
+    return f"# HELP {name} {escape_help(help_text)}\n# TYPE {name} {kind}\n"
+
+
+def py_float(value: float) -> str:
+    """A sample value as prometheus_client writes it (``repr`` of the float, ``+Inf``, ``NaN``)."""
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    return repr(float(value))
+
+
+def go_float(value: float) -> str:
+    """``strconv.FormatFloat(value, 'g', -1, 64)``: shortest digits, exponent form below 1e-4 or from 1e6."""
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    if value == 0:  # client_golang writes 0 for -0 too
+        return "0"
+    # repr() gives the shortest digits that read back to the same float, as Go's -1 precision does.
+    sign, digits, exponent = Decimal(repr(float(value))).normalize().as_tuple()
+    assert isinstance(exponent, int)
+    text = "".join(map(str, digits))
+    point = len(text) + exponent  # position of the decimal point relative to the digits
+    x = point - 1  # exponent in scientific notation
+    out = "-" if sign else ""
+    # Go: %e when x < -4 || x >= eprec, and eprec is 6 for the shortest form ('g', -1).
+    if x < -4 or x >= 6:
+        mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+        return f"{out}{mantissa}e{'-' if x < 0 else '+'}{abs(x):02d}"
+    if point <= 0:
+        return f"{out}0.{'0' * -point}{text}"
+    if point >= len(text):
+        return f"{out}{text}{'0' * (point - len(text))}"
+    return f"{out}{text[:point]}.{text[point:]}"

@@ -1,0 +1,304 @@
+"""Metric families: text format, upstream's legacy families byte for byte, usage attribution, the page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumanager import buildinfo, names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device.types import GPUInfo
+from gpumanager.deviceplugin.devices import DeviceLayout
+from gpumanager.metrics import legacy, textformat, usage
+from gpumanager.metrics.calls import CallMetrics
+from gpumanager.metrics.containers import ContainerFamilies
+from gpumanager.metrics.page import MetricsPage
+from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
+from gpumanager.topology import TopologyTree
+from gpumanager.vmanager import cgroups
+
+MIB = 1 << 20
+H100 = 81559 * MIB
+GPUS = [
+    GPUInfo(i, f"GPU-{i:08d}-0000-0000-0000-000000000000", "NVIDIA H100", i, H100, f"0000:{i:02x}:00.0")
+    for i in range(4)
+]
+
+
+def pod(
+    name: str, namespace: str, uid: str, containers: list[str], ids: dict[str, str] | None = None
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "spec": {"nodeName": "sim-node", "containers": [{"name": c} for c in containers]},
+        "status": {
+            "qosClass": "Guaranteed",
+            "containerStatuses": [{"name": c, "containerID": f"containerd://{i}"} for c, i in (ids or {}).items()],
+        },
+    }
+
+
+def alloc(uid: str, container: str, minors: tuple[int, ...], cores: int, memory: int) -> ContainerAllocation:
+    return ContainerAllocation(uid, container, minors, cores, memory)
+
+
+def sample_usages() -> list[ContainerUsage]:
+    metered = pod("metered", "default", "uid-a", ["main", "side"])
+    whole = pod("whole", "ml", "uid-b", ["train"])
+    return [
+        ContainerUsage(
+            metered,
+            alloc("uid-a", "main", (3,), 50, 8 * names.MEMORY_BLOCK_BYTES),
+            [DeviceUsage(GPUS[3], 1500 * MIB, 0.37, 37.0, (4001,))],
+        ),
+        ContainerUsage(
+            whole,
+            alloc("uid-b", "train", (1, 2), 200, 0),
+            [DeviceUsage(GPUS[1], 0, 0.0, 0.0, ()), DeviceUsage(GPUS[2], 2 * MIB + 5, 0.25, 50.0, (4002, 4003))],
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "go"),
+    [
+        (0.0, "0"),
+        (-0.0, "0"),
+        (1.0, "1"),
+        (0.5, "0.5"),
+        (0.05, "0.05"),
+        (37.0, "37"),
+        (2048.0, "2048"),
+        (163118.0, "163118"),
+        (999999.0, "999999"),
+        (1e6, "1e+06"),
+        (1234567.0, "1.234567e+06"),
+        (0.0001, "0.0001"),
+        (0.00001, "1e-05"),
+        (-2.5, "-2.5"),
+        (float("inf"), "+Inf"),
+        (float("nan"), "NaN"),
+    ],
+)
+def test_go_float_is_strconv_format_float_g(value: float, go: str) -> None:
+    assert textformat.go_float(value) == go
+
+
+def test_label_values_are_escaped() -> None:
+    assert textformat.labels(["a", "b"], ['x"y', "back\\slash\nnl"]) == '{a="x\\"y",b="back\\\\slash\\nnl"}'
+
+
+# What tkestack gpu-manager 1.x wrote for sample_usages() (client_golang text format).
+LEGACY = (Path(__file__).parent / "data" / "legacy-metrics.prom").read_text()
+
+
+def test_legacy_families_are_upstreams_text_byte_for_byte() -> None:
+    assert legacy.render(sample_usages()) == LEGACY
+
+
+def test_legacy_families_are_absent_without_containers() -> None:
+    assert legacy.render([]) == ""
+
+
+def families(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def key(**labels: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+def test_container_families_in_base_units_with_the_same_gpu_label() -> None:
+    renderer = ContainerFamilies()
+    text = renderer.render(sample_usages())
+    assert renderer.render(sample_usages()) == text  # label sets reused, same text
+    got = families(text)
+    main = key(namespace="default", pod="metered", container="main", gpu="3", uuid=GPUS[3].uuid)
+    train1 = key(namespace="ml", pod="whole", container="train", gpu="1", uuid=GPUS[1].uuid)
+    train2 = key(namespace="ml", pod="whole", container="train", gpu="2", uuid=GPUS[2].uuid)
+    assert got["gpu_manager_container_gpu_memory_limit_bytes"] == {main: 2048.0 * MIB, train1: H100, train2: H100}
+    assert got["gpu_manager_container_gpu_core_limit_ratio"] == {main: 0.5, train1: 1.0, train2: 1.0}
+    assert got["gpu_manager_container_gpu_memory_used_bytes"] == {
+        main: 1500.0 * MIB,
+        train1: 0.0,
+        train2: 2.0 * MIB + 5,
+    }
+    assert got["gpu_manager_container_gpu_utilization_ratio"] == {main: 0.37, train1: 0.0, train2: 0.25}
+    assert "node=" not in text and "total" not in text and "pod_name" not in text
+
+
+def test_container_families_have_headers_without_containers() -> None:
+    text = ContainerFamilies().render([])
+    assert text.count("# TYPE ") == 4 and "{" not in text
+
+
+# -- attribution of GPU processes to containers -------------------------------------------------
+
+
+class FakeNode:
+    """NVML processes per GPU and cgroup PIDs per container, with a count of cgroup readings."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.procs: dict[int, dict[int, int]] = {}
+        self.samples: dict[int, dict[int, list[float]]] = {}
+        self.cgroup_pids: dict[str, list[int]] = {}
+        self.cgroup_reads = 0
+        self.now = 1000.0
+        monkeypatch.setattr(usage, "_sample_gpu", self._sample_gpu)
+        monkeypatch.setattr(cgroups.CgroupLocator, "pids", self._pids)
+
+    def _sample_gpu(self, index: int, since_us: int) -> Any:
+        sm = self.samples.get(index, {})
+        return usage._GPUSample(
+            dict(self.procs.get(index, {})), {p: sum(v) for p, v in sm.items()}, {p: len(v) for p, v in sm.items()}
+        )
+
+    def _pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
+        self.cgroup_reads += 1
+        return list(self.cgroup_pids.get(container_id, []))
+
+
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch) -> FakeNode:
+    return FakeNode(monkeypatch)
+
+
+def sampler_for(node: FakeNode, allocs: list[ContainerAllocation], pods: dict[str, dict[str, Any]]) -> UsageSampler:
+    return UsageSampler(
+        gpus=GPUS,
+        allocations=lambda: list(allocs),
+        pod=pods.get,
+        cgroup_root=Path("/nonexistent"),
+        sample_period=1.0,
+        clock=lambda: node.now,
+    )
+
+
+def by_key(usages: list[ContainerUsage]) -> dict[tuple[str, str], list[DeviceUsage]]:
+    return {u.allocation.key: u.devices for u in usages}
+
+
+def test_gpu_processes_are_attributed_to_their_containers(node: FakeNode) -> None:
+    pods = {"a": pod("a", "default", "a", ["main"], {"main": "cid-a"}), "b": pod("b", "ns", "b", ["w"], {"w": "cid-b"})}
+    allocs = [alloc("a", "main", (0,), 30, 4 * names.MEMORY_BLOCK_BYTES), alloc("b", "w", (0, 1), 200, 0)]
+    node.cgroup_pids = {"cid-a": [10, 11], "cid-b": [20]}
+    node.procs = {0: {10: 100 * MIB, 11: 50 * MIB, 20: 7 * MIB, 99: 999 * MIB}, 1: {20: 3 * MIB}}
+    node.samples = {0: {10: [30.0, 50.0], 11: [10.0], 99: [90.0]}, 1: {20: [60.0, 60.0]}}
+    got = by_key(sampler_for(node, allocs, pods).sample())
+    (a0,) = got[("a", "main")]
+    assert (a0.gpu.index, a0.used_bytes, a0.pids) == (0, 150 * MIB, (10, 11))
+    assert a0.sm_ratio == pytest.approx(0.5)  # mean 40 % + 10 %
+    assert a0.sm_samples_sum == 90.0  # gpu-manager's figure: every sample added up
+    b0, b1 = got[("b", "w")]
+    assert (b0.used_bytes, b0.pids, b0.sm_ratio) == (7 * MIB, (20,), 0.0)
+    assert (b1.used_bytes, b1.sm_ratio, b1.sm_samples_sum) == (3 * MIB, pytest.approx(0.6), 120.0)
+
+
+def test_cgroups_are_read_again_only_when_something_changed(node: FakeNode) -> None:
+    pods = {"a": pod("a", "default", "a", ["main"], {"main": "cid-a"})}
+    allocs = [alloc("a", "main", (0,), 30, 4 * names.MEMORY_BLOCK_BYTES)]
+    node.cgroup_pids = {"cid-a": [10]}
+    node.procs = {0: {10: MIB, 99: MIB}}  # 99: a process of no container
+    sampler = sampler_for(node, allocs, pods)
+    for _ in range(5):
+        sampler.sample()
+    assert sampler.scans == 1  # the stranger 99 does not make every scrape read the cgroups
+
+    node.cgroup_pids["cid-a"] = [10, 12]
+    node.procs[0][12] = 5 * MIB  # a new process: read again, and it is counted at once
+    assert by_key(sampler.sample())[("a", "main")][0].used_bytes == 6 * MIB
+    assert sampler.scans == 2
+
+    pods["b"] = pod("b", "default", "b", ["c"], {"c": "cid-b"})
+    allocs.append(alloc("b", "c", (1,), 30, 4 * names.MEMORY_BLOCK_BYTES))
+    node.cgroup_pids["cid-b"] = [99]  # the stranger turns out to be b's, now that b's ID is known
+    node.procs[1] = {99: MIB}
+    assert by_key(sampler.sample())[("b", "c")][0].pids == (99,)
+    assert sampler.scans == 3
+
+    sampler.sample()
+    assert sampler.scans == 3
+    node.now += usage.RESCAN_SECONDS
+    sampler.sample()
+    assert sampler.scans == 4  # never trusted longer than the rescan period
+
+
+def test_a_restarted_container_is_read_again(node: FakeNode) -> None:
+    pods = {"a": pod("a", "default", "a", ["main"], {"main": "cid-1"})}
+    allocs = [alloc("a", "main", (0,), 30, 4 * names.MEMORY_BLOCK_BYTES)]
+    node.cgroup_pids = {"cid-1": [10], "cid-2": [11]}
+    node.procs = {0: {10: MIB, 11: 2 * MIB}}
+    sampler = sampler_for(node, allocs, pods)
+    assert by_key(sampler.sample())[("a", "main")][0].pids == (10,)
+    pods["a"] = pod("a", "default", "a", ["main"], {"main": "cid-2"})
+    assert by_key(sampler.sample())[("a", "main")][0].pids == (11,)
+
+
+# -- the whole page -------------------------------------------------------------------------------
+
+
+class FakeAgent:
+    def __init__(self) -> None:
+        self.gpus = GPUS
+        self.layout: DeviceLayout | None = DeviceLayout(GPUS)
+        self.health = None
+        self.plugins = None
+        self.tree: TopologyTree | None = None
+        self.allocator = None
+
+    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
+        return []
+
+
+@pytest.fixture
+def page_text() -> Iterator[str]:
+    registry = CollectorRegistry()
+    calls = CallMetrics(registry)
+    calls.observe(names.VCORE_RESOURCE, "Allocate", 0.002, ok=False)
+    page = MetricsPage(agent=FakeAgent(), registry=registry, sample=sample_usages, legacy_metrics=False)
+    yield page.render().decode()
+
+
+def test_page_has_build_info_process_metrics_and_no_created_series(page_text: str) -> None:
+    got = families(page_text)
+    assert got["gpu_manager_build_info"] == {key(version=buildinfo.version(), commit=buildinfo.commit()): 1.0}
+    assert "process_resident_memory_bytes" in got and "process_start_time_seconds" in got
+    assert "_created" not in page_text
+    assert "\ncontainer_" not in page_text and "# TYPE container_" not in page_text  # legacy: off by default
+
+
+def test_error_counters_have_every_series_from_the_start(page_text: str) -> None:
+    errors = families(page_text)["gpu_manager_kubelet_call_errors_total"]
+    assert errors == {
+        key(resource=names.VCORE_RESOURCE, call="Allocate"): 1.0,
+        key(resource=names.VCORE_RESOURCE, call="PreStartContainer"): 0.0,
+        key(resource=names.VMEMORY_RESOURCE, call="Allocate"): 0.0,
+        key(resource=names.VMEMORY_RESOURCE, call="PreStartContainer"): 0.0,
+    }
+    got = families(page_text)
+    assert set(got["gpu_manager_xid_events_total"]) == {key(ignored="true"), key(ignored="false")}
+    assert got["gpu_manager_checkpoint_write_failures_total"] == {(): 0.0}
+
+
+def test_gpu_label_is_the_index_in_every_family(page_text: str) -> None:
+    for name, series in families(page_text).items():
+        for labels in series:
+            d = dict(labels)
+            assert "node" not in d, name
+            if "gpu" in d:
+                assert d["gpu"].isdigit() and d["uuid"] == GPUS[int(d["gpu"])].uuid, (name, d)
+
+
+def test_legacy_families_follow_the_others_when_enabled() -> None:
+    page = MetricsPage(agent=FakeAgent(), registry=CollectorRegistry(), sample=sample_usages, legacy_metrics=True)
+    text = page.render().decode()
+    assert text.endswith(LEGACY)

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench build clean proto deploy-check
+.PHONY: demo demo-dra test lint bench build clean proto deploy-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ build: $(VENV)/.installed
 demo: build
 	$(PY) -m simnode.demo
 
+# DRA mode (ResourceSlices, claims, CDI) on the simulated node.
+demo-dra: build
+	$(PY) -m simnode.demo_dra
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check gpumanager simnode tests bench scripts
 	$(VENV)/bin/ruff format --check gpumanager simnode tests bench scripts
@@ -28,7 +32,7 @@ lint: $(VENV)/.installed
 test: build lint deploy-check
 	$(VENV)/bin/pytest
 
-BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute
+BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra
 bench: build
 	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 
@@ -36,10 +40,14 @@ bench: build
 # schemas (kubernetes-validate, offline), and the image's build steps run outside Docker into a
 # temporary prefix (scripts/image-build-steps.sh, the same script the Dockerfile runs).
 K8S_VERSIONS ?= 1.30.0 1.37.0
+DRA_K8S_VERSIONS ?= 1.35.0 1.37.0
 deploy-check: $(VENV)/.installed
 	$(VENV)/bin/hadolint --failure-threshold style Dockerfile
 	for v in $(K8S_VERSIONS); do \
-	  $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v deploy/*.yaml || exit 1; done
+	  $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v deploy/*.yaml deploy/dra/daemonset.yaml || exit 1; done
+	# resource.k8s.io/v1 exists from 1.34; consumable capacity from 1.35 (feature gate) and 1.36 (default).
+	for v in $(DRA_K8S_VERSIONS); do \
+	  $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v deploy/dra/*.yaml || exit 1; done
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  PYTHON=$(PYTHON) scripts/image-build-steps.sh --prefix "$$tmp/root" --work "$$tmp/work" \
 	    vcuda python config verify

@@ -46,7 +46,8 @@ from gpumanager.deviceplugin.preferred import Preference
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
 from gpumanager.dra import cdi
-from gpumanager.dra.mode import DRAMode, DRASettings
+from gpumanager.dra.mode import DRAMode, DRASettings, make_publisher
+from gpumanager.dra.publisher import SlicePublisher
 from gpumanager.kube import cleanup, kubelet_checkpoint, nodelabels
 from gpumanager.kube import client as kube_client
 from gpumanager.kube.owners import OwnerResolver
@@ -139,6 +140,7 @@ class Agent:
         self.plugins: PluginManager | None = None
         self.servicers: list[ResourceServicer] = []
         self.dra: DRAMode | None = None
+        self._slices: SlicePublisher | None = None
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
         self.pod_cache: PodCache | None = None
@@ -316,6 +318,10 @@ class Agent:
             self.pods = _NoApiServer(str(exc))
             return
         self.api_client = api
+        if self.config.mode == "dra":
+            # Before the pod cache: the slice needs only the GPUs and their health, and the pod
+            # cache's client types take a second or more to load.
+            self._start_dra_slices()
         self.pod_cache = PodCache(api, self.node_name)
         self.pod_cache.add_listener(self._on_pod_event)
         self.pods = self.pod_cache
@@ -484,19 +490,39 @@ class Agent:
         for server in servers:
             self._wait_serving(server.socket_path)
 
+    def _dra_settings(self) -> DRASettings:
+        cfg = self.config
+        return DRASettings(
+            driver=cfg.dra_driver_name,
+            plugin_registry_path=cfg.plugin_registry_path,
+            plugin_path=str(cfg.dra_socket_dir),
+            cdi_root=cfg.cdi_root,
+            sysfs_root=cfg.sysfs_root,
+            watch_period=cfg.kubelet_watch_period,
+        )
+
+    def _start_dra_slices(self) -> None:
+        """Publish the ResourceSlice as early as possible: it needs only the GPUs and their health."""
+        if self.api_client is None:
+            return
+        self._slices = make_publisher(
+            self.api_client,
+            settings=self._dra_settings(),
+            node=self.node_name,
+            gpus=self.gpus,
+            topology=self.topology,
+            health=self.health,
+            report=self._report,
+        )
+        self._spawn("slice-first-sync", self._slices.start)
+
     def _start_dra(self, extra_devices: tuple[str, ...], vdriver: tuple[str, str]) -> None:
         """DRA mode: claims prepared into the same allocation state, limit files and driver mirror."""
         cfg = self.config
         allocator = self._allocator()
         self.dra = DRAMode(
-            settings=DRASettings(
-                driver=cfg.dra_driver_name,
-                plugin_registry_path=cfg.plugin_registry_path,
-                plugin_path=str(cfg.dra_socket_dir),
-                cdi_root=cfg.cdi_root,
-                sysfs_root=cfg.sysfs_root,
-                watch_period=cfg.kubelet_watch_period,
-            ),
+            settings=self._dra_settings(),
+            publisher=self._slices,
             node=self.node_name,
             gpus=self.gpus,
             topology=self.topology,

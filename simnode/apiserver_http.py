@@ -11,6 +11,7 @@ import logging
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -141,6 +142,13 @@ class SimHTTPServer(ThreadingHTTPServer):
             self._connections.discard(request)
         super().shutdown_request(request)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets its connection is normal (a real server does not log it); log others."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            return
+        log.exception("API-server simulator: error serving %s", client_address)
+
     def drop_connections(self) -> int:
         """Shut down every open connection (clients see a reset/EOF); returns how many."""
         with self._conn_lock:
@@ -207,6 +215,9 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "kube-apiserver-sim"
+    # Go's net/http (the real API server) sets TCP_NODELAY; without it a response written as
+    # headers then body waits for the client's delayed ACK (about 40 ms) on a reused connection.
+    disable_nagle_algorithm = True
     server: SimHTTPServer
 
     def log_message(self, format: str, *args: Any) -> None:

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
+from simnode.cluster import RemoteApiServer
 from simnode.dra_controller import ClaimController
 from simnode.dra_kubelet import DRAKubeletSimulator, PrepareFailed
 from simnode.dra_scheduler import DRAScheduler
@@ -102,10 +104,13 @@ class DRACluster:
         *,
         agent_flags: Sequence[str] = (),
         health_quiet_period: str = "5m",
+        api_process: bool = False,
     ) -> None:
         self.workdir = workdir
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
-        self.api = ApiServerSimulator()
+        # api_process: the API server in its own process (benchmarks: a real one is another machine,
+        # its work must not compete with the stand-ins for this interpreter).
+        self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
         # Unix socket paths are limited to 107 bytes: keep the kubelet's directories short.
         self.sockets_dir = Path(tempfile.mkdtemp(prefix="gm-dra-"))
@@ -133,7 +138,7 @@ class DRACluster:
         self.api.start()
         self.api.add_node(NODE)
         self.api.write_kubeconfig(self.kubeconfig)
-        self.client = self.api.client()
+        self.client = k8s_config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
         self.resource.create_device_class(device_class())
         self.kubelet = DRAKubeletSimulator(
             registry_dir=self.registry_dir, api_client=self.client, node=NODE, cdi_dirs=[self.cdi_root]

@@ -226,3 +226,29 @@ def test_every_bad_claim_is_refused_clearly_and_the_good_one_proceeds(v100: DRAC
     assert v100.kubelet.unprepare(DRIVER, [("default", "good", good)]) == {good: ""}
     assert list(v100.cdi_root.iterdir()) == []
     assert os.path.exists(v100.checkpoint_dir / "gpumanager_internal_checkpoint")
+
+
+def test_shipped_example_templates_are_allocated_as_documented(v100: DRACluster) -> None:
+    import yaml
+
+    from simnode.gpusim_state import repo_root
+
+    docs = [d for d in yaml.safe_load_all((repo_root() / "deploy/dra/example.yaml").read_text()) if d]
+    shipped_class = yaml.safe_load((repo_root() / "deploy/dra/deviceclass.yaml").read_text())
+    live_class = v100.resource.read_device_class(DRIVER)
+    assert live_class.spec.selectors[0].cel.expression == shipped_class["spec"]["selectors"][0]["cel"]["expression"]
+    for doc in docs:
+        if doc["kind"] == "ResourceClaimTemplate":
+            v100.add_template(doc)
+        else:
+            v100.create_pod(doc)
+    v100.settle()
+    share = v100.claim_of("cuda-share")["status"]["allocation"]["devices"]["results"]
+    assert [r["consumedCapacity"] for r in share] == [{"cores": "30", "memory": "4Gi"}]
+    pair_pod = v100.pod("cuda-nvlink-pair")
+    pair_claim = next(s["resourceClaimName"] for s in pair_pod["status"]["resourceClaimStatuses"])
+    pair = v100.resource.read_namespaced_resource_claim(pair_claim, "default")
+    devices = sorted(r.device for r in pair.status.allocation.devices.results)
+    assert devices in (["gpu-0", "gpu-2"], ["gpu-1", "gpu-3"])
+    for name in ("cuda-share", "cuda-whole", "cuda-nvlink-pair"):
+        assert v100.pod(name)["status"]["phase"] == "Running", name

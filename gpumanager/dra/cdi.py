@@ -9,7 +9,7 @@ edits of several devices are merged last-wins), the driver mirror read-only at
 ``/usr/local/nvidia``, the claim's directory read-only at ``/etc/vcuda``, the
 control device nodes and ``extra-config.json``'s; each device adds its
 ``/dev/nvidia<minor>`` (a CDI device without edits would invalidate the file).
-Written atomically (temp file, fsync, rename).
+Written atomically (temp file, rename).
 """
 
 from __future__ import annotations
@@ -114,10 +114,14 @@ def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPU
 
 
 def write_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> Path:
-    """Write (or replace) the claim's spec atomically and durably; returns its path."""
+    """Write (or replace) the claim's spec atomically; returns its path.
+
+    Not fsynced: the claim itself is in the (durable) checkpoint, and a spec lost with a power
+    failure is written again when the agent starts or the kubelet prepares the claim again.
+    """
     path = spec_path(settings, claim.uid)
     data = json.dumps(build_spec(settings, claim, gpus), indent=2, sort_keys=True).encode() + b"\n"
-    atomic_write(path, data, durable=True)
+    atomic_write(path, data)
     return path
 
 

@@ -57,6 +57,51 @@ def _rfc3339(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def taints(health: HealthMonitor | None) -> dict[int, devices.Taint]:
+    """The unhealthy GPUs as slice taints (cause and since when)."""
+    if health is None:
+        return {}
+    now_mono, now_unix = time.monotonic(), time.time()
+    out = {}
+    for index, state in health.snapshot().items():
+        if not state.healthy:
+            out[index] = devices.Taint(state.reason or "unhealthy", _rfc3339(now_unix - (now_mono - state.since)))
+    return out
+
+
+def make_publisher(
+    api_client: Any,
+    *,
+    settings: DRASettings,
+    node: str,
+    gpus: Sequence[GPUInfo],
+    topology: NodeTopology,
+    health: HealthMonitor | None,
+    report: Callable[[str, str | None], None],
+) -> SlicePublisher:
+    """The node's ResourceSlice publisher (started early: the slice needs only the GPUs and their health)."""
+
+    def content(generation: int) -> dict[str, Any]:
+        return devices.slice_spec(
+            node=node,
+            driver=settings.driver,
+            gpus=gpus,
+            topology=topology,
+            taints=taints(health),
+            generation=generation,
+            sysfs_root=Path(settings.sysfs_root),
+        )
+
+    return SlicePublisher(
+        api_client,
+        node=node,
+        driver=settings.driver,
+        content=content,
+        on_error=lambda m: report("resourceslice", m),
+        on_ok=lambda: report("resourceslice", None),
+    )
+
+
 class DRAMode:
     """The DRA face of the agent."""
 
@@ -78,6 +123,7 @@ class DRAMode:
         driver_version: str,
         observe: Callable[[str, float, bool], None],
         report: Callable[[str, str | None], None],
+        publisher: SlicePublisher | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
@@ -112,15 +158,10 @@ class DRAMode:
             vm_path=vm_path,
             driver_version=driver_version,
         )
-        self.publisher: SlicePublisher | None = None
-        if api_client is not None:
-            self.publisher = SlicePublisher(
-                api_client,
-                node=node,
-                driver=settings.driver,
-                content=self.slice_spec,
-                on_error=lambda m: report("resourceslice", m),
-                on_ok=lambda: report("resourceslice", None),
+        self.publisher = publisher
+        if publisher is None and api_client is not None:
+            self.publisher = make_publisher(
+                api_client, settings=settings, node=node, gpus=gpus, topology=topology, health=health, report=report
             )
         self.feed = HealthFeed(self.pool, self.health_states)
         reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
@@ -174,28 +215,6 @@ class DRAMode:
         self.feed.changed()
 
     # -- views ----------------------------------------------------------------------------------
-
-    def _taints(self) -> dict[int, devices.Taint]:
-        if self._health is None:
-            return {}
-        now_mono, now_unix = time.monotonic(), time.time()
-        out = {}
-        for index, state in self._health.snapshot().items():
-            if not state.healthy:
-                out[index] = devices.Taint(state.reason or "unhealthy", _rfc3339(now_unix - (now_mono - state.since)))
-        return out
-
-    def slice_spec(self, generation: int) -> dict[str, Any]:
-        """The node's ResourceSlice spec at ``generation``."""
-        return devices.slice_spec(
-            node=self.node,
-            driver=self.settings.driver,
-            gpus=self._gpus,
-            topology=self._topology,
-            taints=self._taints(),
-            generation=generation,
-            sysfs_root=Path(self.settings.sysfs_root),
-        )
 
     def health_states(self) -> list[DeviceHealthState]:
         """Every device's health for the kubelet's health stream."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,15 +139,26 @@ class ClaimPreparer:
             return self._answer(known)
         if not ref.uid or not ref.name or not ref.namespace:
             raise ClaimError(f"claim {ref!s} ({ref.uid!r}): namespace, name and UID are all required")
+        t0 = time.perf_counter()
         data = self._read(ref.namespace, ref.name)
+        t1 = time.perf_counter()
         claim, tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
+        t2 = time.perf_counter()
         try:
             self._write_files(claim)
         except OSError:
             self._allocator.unprepare_claim(claim.uid)
             self._remove_files(claim.uid)
             raise
+        t3 = time.perf_counter()
+        log.debug(
+            "claim %s prepared: read %.1f ms, recorded and checkpointed %.1f ms, files %.1f ms",
+            ref,
+            (t1 - t0) * 1000,
+            (t2 - t1) * 1000,
+            (t3 - t2) * 1000,
+        )
         return self._answer(claim)
 
     def _remove_files(self, uid: str) -> None:

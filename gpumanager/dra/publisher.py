@@ -97,11 +97,17 @@ class SlicePublisher:
         self.writes = 0
         self.published = threading.Event()
         self.last_error = ""
+        self.started = False
+        self._start_lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Sync once now (errors are retried in the background), then keep syncing."""
+        """Sync once now (errors are retried in the background), then keep syncing. Idempotent."""
+        with self._start_lock:
+            if self.started:
+                return
+            self.started = True
         self._sync_logged()
         for name, target in (("slice-sync", self._sync_loop), ("slice-watch", self._watch_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)

@@ -99,19 +99,24 @@ class CgroupLocator:
         self._limit = limit
         self._dirs: dict[tuple[str, str], Path] = {}
 
-    def pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
-        """Host PIDs of a container (empty when its cgroup is not found)."""
+    def find(self, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
+        """The container's cgroup directory (below its pod's), or None when there is none."""
         key = (pod_uid, container_id)
         directory = self._dirs.get(key)
         if directory is None or not directory.is_dir():
             directory = find_container_cgroup(self.root, pod_uid, container_id, qos)
             if directory is None:
                 self._dirs.pop(key, None)
-                return []
+                return None
             if len(self._dirs) >= self._limit:
                 self._dirs.clear()
             self._dirs[key] = directory
-        return pids_under(directory)
+        return directory
+
+    def pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
+        """Host PIDs of a container (empty when its cgroup is not found)."""
+        directory = self.find(pod_uid, container_id, qos)
+        return [] if directory is None else pids_under(directory)
 
     def forget_pod(self, pod_uid: str) -> None:
         """Drop what is remembered of a pod's containers."""

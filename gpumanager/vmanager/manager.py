@@ -2,10 +2,16 @@
 
 At PreStartContainer the pod's directory ``<vm>/<pod uid>`` (mounted read-only
 at ``/etc/vcuda``) gets ``<container>/vcuda.config``, the file our interceptor
-reads (named by ``VCUDA_CONFIG_PATH``), and the pod's ``vcuda.sock`` starts, for
-the upstream vcuda-controller library, which registers with
-``RegisterVDevice``; we then write ``pids.config`` and ``vcuda.config`` where it
-looks: ``<container id>/`` or ``<container name>/``.
+reads (named by ``VCUDA_CONFIG_PATH``), and the pod's ``vcuda.sock`` is served
+(all pods' sockets by one server, :mod:`gpumanager.vmanager.sockets`), for the
+upstream vcuda-controller library, which registers with ``RegisterVDevice``
+through ``gpu-client``; we then write ``pids.config`` (and ``vcuda.config`` if
+it is missing) where it looks: ``<container id>/`` or ``<container name>/``.
+
+A process may register before the kubelet's status update, which names its
+container ID, reaches us. Such a container is recognised by its cgroup below
+the pod's when that leaves one candidate; otherwise the call waits (bounded by
+the caller's deadline and :data:`REGISTER_WAIT_SECONDS`) for the pod's status.
 
 A pod's socket acts for that pod only: a request naming another pod's UID, or a
 container that is not in the pod or has no allocation, is refused and logged,
@@ -15,10 +21,12 @@ and nothing is written. Directories of pods that are gone are removed.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
-from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,35 +36,43 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
-from gpumanager.api import vcuda_pb2_grpc as pb_grpc
 from gpumanager.vmanager import cgroups, files
+from gpumanager.vmanager.sockets import CallRefused, PodSockets
 
 log = logging.getLogger(__name__)
 
 AllocationLookup = Callable[[str, str], ContainerAllocation | None]
 PodLookup = Callable[[str], Pod | None]
 
+#: The longest RegisterVDevice waits for the pod's status to name the caller's container.
+REGISTER_WAIT_SECONDS = 20.0
+#: How often a waiting registration looks again (the pod cache; the cgroups at most once a second).
+_WAIT_POLL_SECONDS = 0.05
+_CGROUP_POLL_SECONDS = 1.0
+#: Time kept back from the caller's deadline to send the answer.
+_DEADLINE_MARGIN_SECONDS = 0.5
+# A container ID as the runtimes write it (hex, 64 characters for containerd and docker); it becomes a directory.
+_CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
-class RegistrationRefused(Exception):
+
+class RegistrationRefused(CallRefused):
     """A RegisterVDevice request that is not allowed or cannot be served."""
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
 
 
-class _PodServicer(pb_grpc.VCUDAServiceServicer):  # type: ignore[misc]
-    def __init__(self, manager: VirtualManager, pod_uid: str) -> None:
-        self._manager = manager
-        self._pod_uid = pod_uid
+class _NotYet(RegistrationRefused):
+    """A refusal that may turn into an answer once the pod's status or our pod cache catches up."""
 
-    def RegisterVDevice(self, request: pb.VDeviceRequest, context: grpc.ServicerContext) -> pb.VDeviceResponse:
-        try:
-            self._manager.register(self._pod_uid, request)
-        except RegistrationRefused as exc:
-            log.warning("vcuda.sock of pod %s refused %s: %s", self._pod_uid, _describe(request), exc)
-            context.abort(exc.code, str(exc))
-        return pb.VDeviceResponse()
+
+@dataclass(frozen=True)
+class _Target:
+    pod: Pod
+    name: str
+    container_id: str
+    subdir: str
+    alloc: ContainerAllocation
 
 
 def _describe(req: pb.VDeviceRequest) -> str:
@@ -80,8 +96,7 @@ class VirtualManager:
         self._pod = pod
         self._driver = files.driver_version_fields(driver_version)
         self._lock = threading.Lock()
-        self._servers: dict[str, grpc.Server] = {}
-        self._executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vcuda")
+        self._sockets: PodSockets | None = None  # started with the first pod socket
         self._last_pids: dict[Path, list[int]] = {}
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
 
@@ -123,69 +138,143 @@ class VirtualManager:
         )
 
     def _serve(self, pod_uid: str) -> None:
+        sock = self.pod_dir(pod_uid) / names.VCUDA_SOCKET
         with self._lock:
-            if pod_uid in self._servers:
-                return
-            sock = self.pod_dir(pod_uid) / names.VCUDA_SOCKET
-            if len(str(sock).encode()) >= 108:
-                log.warning("not serving %s: the path is too long for a unix socket", sock)
-                return
-            try:
-                sock.unlink()
-            except FileNotFoundError:
-                pass
-            server = grpc.server(self._executor)
-            pb_grpc.add_VCUDAServiceServicer_to_server(_PodServicer(self, pod_uid), server)
-            server.add_insecure_port(f"unix://{sock}")
-            server.start()
-            sock.chmod(0o777)  # the library in the container may run as any user
-            self._servers[pod_uid] = server
+            if self._sockets is None:
+                self._sockets = PodSockets(self._handle)
+                self._sockets.start()
+            sockets = self._sockets
+        if sockets.is_serving(pod_uid):
+            return
+        try:
+            sockets.serve(pod_uid, sock)
+        except OSError as exc:
+            log.warning("not serving %s: %s", sock, exc)
+            return
         log.info("serving %s", sock)
+
+    def _handle(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
+        try:
+            self.register(socket_pod, req, time_left=time_left)
+        except RegistrationRefused as exc:
+            log.warning("vcuda.sock of pod %s refused %s: %s", socket_pod, _describe(req), exc)
+            raise
 
     # -- RegisterVDevice --------------------------------------------------------------------------
 
-    def register(self, socket_pod: str, req: pb.VDeviceRequest) -> Path:
-        """Handle RegisterVDevice on pod ``socket_pod``'s socket; returns the directory written."""
+    def register(self, socket_pod: str, req: pb.VDeviceRequest, *, time_left: float | None = None) -> Path:
+        """Handle RegisterVDevice on pod ``socket_pod``'s socket; returns the directory written.
+
+        ``time_left``: seconds until the caller's deadline (None: none); a container the pod's
+        status does not name yet is waited for until then, at most REGISTER_WAIT_SECONDS.
+        """
         if req.pod_uid and req.pod_uid != socket_pod:
             raise RegistrationRefused(
                 f"pod UID {req.pod_uid!r} is not the pod this socket serves", grpc.StatusCode.PERMISSION_DENIED
             )
+        if not req.container_name and not req.container_id:
+            raise RegistrationRefused("request names no container", grpc.StatusCode.INVALID_ARGUMENT)
+        wait = REGISTER_WAIT_SECONDS
+        if time_left is not None:
+            wait = max(0.0, min(wait, time_left - _DEADLINE_MARGIN_SECONDS))
+        started = time.monotonic()
+        next_cgroup_look = started
+        while True:
+            now = time.monotonic()
+            try:
+                target = self._identify(socket_pod, req, use_cgroups=now >= next_cgroup_look)
+                break
+            except _NotYet as exc:
+                if now - started >= wait:
+                    raise RegistrationRefused(f"{exc} (waited {now - started:.1f} s)", exc.code) from None
+                if now >= next_cgroup_look:
+                    next_cgroup_look = now + _CGROUP_POLL_SECONDS
+                time.sleep(min(_WAIT_POLL_SECONDS, max(0.0, started + wait - now)))
+        return self._write_registration(socket_pod, target)
+
+    def _identify(self, socket_pod: str, req: pb.VDeviceRequest, *, use_cgroups: bool) -> _Target:
+        """Which container of the pod the request is for; _NotYet while the pod's status may still tell."""
         pod = self._pod(socket_pod)
         if pod is None:
-            raise RegistrationRefused(f"pod {socket_pod} is not known on this node", grpc.StatusCode.NOT_FOUND)
+            raise _NotYet(f"pod {socket_pod} is not known on this node", grpc.StatusCode.NOT_FOUND)
         ids = podinfo.container_ids(pod)
+        where = f"pod {podinfo.pod_key(pod)}"
         if req.container_name:
             name = _container_name(req.container_name, [c.get("name", "") for c in podinfo.containers(pod)])
             if name is None:
                 raise RegistrationRefused(
-                    f"container {req.container_name!r} is not in pod {podinfo.pod_key(pod)}",
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"container {req.container_name!r} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
                 )
+            alloc = self._allocated(socket_pod, name, where)
             container_id = ids.get(name, "")
-            subdir = name
-        elif req.container_id:
-            matches = [n for n, cid in ids.items() if cid == req.container_id or cid.startswith(req.container_id)]
-            if len(matches) != 1:
-                raise RegistrationRefused(
-                    f"container ID {req.container_id!r} is not a container of pod {podinfo.pod_key(pod)}",
-                    grpc.StatusCode.PERMISSION_DENIED,
+            if not container_id:
+                raise _NotYet(f"container {name} of {where} has no container ID yet")
+            return _Target(pod, name, container_id, name, alloc)
+        matches = [n for n, cid in ids.items() if cid == req.container_id or cid.startswith(req.container_id)]
+        if len(matches) == 1:
+            name = matches[0]
+            return _Target(pod, name, ids[name], req.container_id, self._allocated(socket_pod, name, where))
+        if _CONTAINER_ID.fullmatch(req.container_id) is None:
+            raise RegistrationRefused(
+                f"container ID {req.container_id!r} is not a container ID", grpc.StatusCode.INVALID_ARGUMENT
+            )
+        if use_cgroups:
+            name = self._recognise_by_cgroup(socket_pod, pod, req.container_id)
+            if name is not None:
+                log.info(
+                    "%s: container ID %s is %s (its cgroup; the status does not name it yet)",
+                    where,
+                    req.container_id,
+                    name,
                 )
-            name, container_id, subdir = matches[0], ids[matches[0]], req.container_id
-        else:
-            raise RegistrationRefused("request names no container", grpc.StatusCode.INVALID_ARGUMENT)
-        alloc = self._allocation(socket_pod, name)
+                return _Target(pod, name, req.container_id, req.container_id, self._allocated(socket_pod, name, where))
+        raise _NotYet(
+            f"container ID {req.container_id!r} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
+        )
+
+    def _allocated(self, pod_uid: str, name: str, where: str) -> ContainerAllocation:
+        alloc = self._allocation(pod_uid, name)
         if alloc is None:
-            raise RegistrationRefused(f"container {name} of pod {podinfo.pod_key(pod)} has no GPU allocation")
-        if not container_id:
-            raise RegistrationRefused(f"container {name} of pod {podinfo.pod_key(pod)} has no container ID yet")
+            raise RegistrationRefused(f"container {name} of {where} has no GPU allocation")
+        return alloc
+
+    def _recognise_by_cgroup(self, pod_uid: str, pod: Pod, container_id: str) -> str | None:
+        """The container a cgroup below the pod's belongs to, when only one GPU container can be it.
+
+        Candidates: containers with an allocation whose status names no container ID, or one
+        whose cgroup is gone (the container was restarted and has a new ID).
+        """
         qos = (pod.get("status") or {}).get("qosClass")
-        pids = self._cgroups.pids(socket_pod, container_id, qos)
+        if self._cgroups.find(pod_uid, container_id, qos) is None:
+            return None
+        ids = podinfo.container_ids(pod)
+        candidates = []
+        for c in podinfo.containers(pod):
+            name = str(c.get("name", ""))
+            if self._allocation(pod_uid, name) is None:
+                continue
+            known = ids.get(name)
+            if not known or self._cgroups.find(pod_uid, known, qos) is None:
+                candidates.append(name)
+        return candidates[0] if len(candidates) == 1 else None
+
+    def _write_registration(self, socket_pod: str, target: _Target) -> Path:
+        qos = (target.pod.get("status") or {}).get("qosClass")
+        pids = self._cgroups.pids(socket_pod, target.container_id, qos)
         if not pids:
-            raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {container_id}")
-        directory = self.pod_dir(socket_pod) / subdir
+            raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
+        directory = self.pod_dir(socket_pod) / target.subdir
         files.write_pids(directory / names.PIDS_CONFIG_FILE, pids)
-        files.write_config(directory / names.VCUDA_CONFIG_FILE, self.config_for(alloc))
-        log.info("registered pod %s container %s: %d pids", podinfo.pod_key(pod), name, len(pids))
+        config = directory / names.VCUDA_CONFIG_FILE
+        if not config.exists():  # as upstream: written once; a running container may be reading it
+            files.write_config(config, self.config_for(target.alloc))
+        log.info(
+            "registered pod %s container %s (%s): %d pids",
+            podinfo.pod_key(target.pod),
+            target.name,
+            target.container_id,
+            len(pids),
+        )
         return directory
 
     # -- pids.config ------------------------------------------------------------------------------
@@ -242,15 +331,12 @@ class VirtualManager:
         return removed
 
     def _stop_server(self, pod_uid: str) -> None:
-        with self._lock:
-            server = self._servers.pop(pod_uid, None)
-        if server is not None:
-            server.stop(grace=0.2)
+        if self._sockets is not None:
+            self._sockets.unserve(pod_uid)
 
     def serving(self) -> list[str]:
         """UIDs of pods whose vcuda.sock is served."""
-        with self._lock:
-            return sorted(self._servers)
+        return self._sockets.serving() if self._sockets is not None else []
 
     def resume(self, pod_uids: Iterable[str]) -> None:
         """Serve again the sockets of pods that have a directory (after an agent restart)."""
@@ -259,13 +345,11 @@ class VirtualManager:
                 self._serve(uid)
 
     def stop(self) -> None:
-        """Stop every socket server (directories stay: the containers still use them)."""
+        """Stop serving every socket (directories stay: the containers still use them)."""
         with self._lock:
-            servers = list(self._servers.values())
-            self._servers.clear()
-        for server in servers:
-            server.stop(grace=0.2)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            sockets, self._sockets = self._sockets, None
+        if sockets is not None:
+            sockets.stop()
 
 
 def _container_name(requested: str, known: list[str]) -> str | None:

@@ -1,0 +1,261 @@
+"""Every pod's ``vcuda.sock`` served by one gRPC server.
+
+The upstream vcuda-controller library registers a container by calling
+``vcuda.VCUDAService/RegisterVDevice`` on ``/etc/vcuda/vcuda.sock``, the
+pod's own socket (``<vm>/<pod uid>/vcuda.sock`` on the host). A gRPC server
+per pod would cost a server, its threads and its memory for each running pod,
+and grpcio cannot add a listening port to a server that has started.
+
+So one gRPC server listens on a private abstract unix socket, and one thread
+(an asyncio loop) listens on every pod's ``vcuda.sock``. Each connection
+accepted there is relayed, byte for byte, to the gRPC server over a new
+connection whose own address names it (``<server name>.<n>``, an abstract
+address bound for that connection only); the server looks that address up
+among the relayed connections and so knows which pod's socket the call came
+in on. A call on any other connection is refused. A pod costs one listening
+socket and a dictionary entry; a call in progress costs two sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.api import vcuda_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+#: The longest unix socket path (sun_path holds 108 bytes with the NUL).
+MAX_SOCKET_PATH = 107
+#: Connections relayed at once for one pod; more are closed at once (a container cannot take them all).
+MAX_CONNECTIONS_PER_POD = 16
+#: gRPC worker threads (a registration may wait for the pod's status; see VirtualManager.register).
+WORKERS = 8
+#: The longest a relayed connection lives (a registration is one short call).
+CONNECTION_LIFETIME_SECONDS = 300.0
+_RELAY_CHUNK = 64 * 1024
+_ABSTRACT_PEER = "unix-abstract:"
+
+#: Handles one call: (pod UID of the socket, request, seconds left before the caller's deadline or None).
+Handler = Callable[[str, pb.VDeviceRequest, float | None], None]
+
+
+class CallRefused(Exception):
+    """A call the handler refuses; ``code`` is the gRPC status it is answered with."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Servicer(pb_grpc.VCUDAServiceServicer):  # type: ignore[misc]
+    def __init__(self, sockets: PodSockets) -> None:
+        self._sockets = sockets
+
+    def RegisterVDevice(self, request: pb.VDeviceRequest, context: grpc.ServicerContext) -> pb.VDeviceResponse:
+        peer = context.peer()
+        pod_uid = self._sockets.pod_of_peer(peer)
+        if pod_uid is None:
+            log.warning("RegisterVDevice from %s refused: it did not come in on a pod's vcuda.sock", peer)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock")
+        try:
+            self._sockets.handler(pod_uid, request, context.time_remaining())
+        except CallRefused as exc:
+            context.abort(exc.code, str(exc))
+        return pb.VDeviceResponse()
+
+
+class PodSockets:
+    """Listens on pods' ``vcuda.sock`` files and serves them all from one gRPC server."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        # Abstract names: nothing on disk to clean up; unique per process and start.
+        self._name = f"gpu-manager-vcuda.{os.getpid()}.{secrets.token_hex(6)}"
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+        self._peers: dict[str, str] = {}  # bound name of a relayed connection -> pod UID
+        self._listeners: dict[str, tuple[asyncio.Server, Path, tuple[int, int]]] = {}
+        self._active: dict[str, int] = {}  # pod UID -> relayed connections now
+        self._server: grpc.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the gRPC server and the relay thread (no pod socket yet)."""
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="vcuda"),
+            maximum_concurrent_rpcs=WORKERS * 8,
+        )
+        pb_grpc.add_VCUDAServiceServicer_to_server(_Servicer(self), server)
+        if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
+            raise OSError(f"cannot listen on the abstract unix socket {self._name}")
+        server.start()
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="vcuda-relay", daemon=True)
+        thread.start()
+        self._server, self._loop, self._thread = server, loop, thread
+
+    def stop(self) -> None:
+        """Stop listening on every pod socket (the files are removed) and stop the server."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=5)
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            if not loop.is_running():
+                loop.close()
+        if self._server is not None:
+            self._server.stop(grace=0.2)
+        self._loop = self._thread = self._server = None
+
+    # -- pod sockets ------------------------------------------------------------------------------
+
+    def serve(self, pod_uid: str, path: Path) -> None:
+        """Listen on ``path`` for ``pod_uid`` (a stale file there is replaced). OSError when impossible."""
+        if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+            raise OSError(f"{path} is longer than {MAX_SOCKET_PATH} bytes, too long for a unix socket")
+        loop = self._running_loop()
+        asyncio.run_coroutine_threadsafe(self._listen(pod_uid, path), loop).result(timeout=10)
+
+    def unserve(self, pod_uid: str) -> None:
+        """Stop listening for ``pod_uid`` and remove its socket file (if it is still ours)."""
+        loop = self._loop
+        if loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._close(pod_uid), loop).result(timeout=10)
+
+    def serving(self) -> list[str]:
+        """UIDs of the pods whose socket is listened on."""
+        with self._lock:
+            return sorted(self._listeners)
+
+    def is_serving(self, pod_uid: str) -> bool:
+        """Whether ``pod_uid``'s socket is listened on."""
+        with self._lock:
+            return pod_uid in self._listeners
+
+    def pod_of_peer(self, peer: str) -> str | None:
+        """The pod whose socket a call's connection came in on (from ``context.peer()``), or None."""
+        if not peer.startswith(_ABSTRACT_PEER):
+            return None
+        with self._lock:
+            return self._peers.get(peer[len(_ABSTRACT_PEER) :])
+
+    # -- the relay (runs on the loop) -------------------------------------------------------------
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("the vcuda.sock server is not started")
+        return self._loop
+
+    async def _listen(self, pod_uid: str, path: Path) -> None:
+        await self._close(pod_uid)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)  # left by an earlier agent: nobody listens on it any more
+            sock.bind(str(path))
+            os.chmod(path, 0o777)  # the library in the container may run as any user
+            sock.listen(64)
+            sock.setblocking(False)
+            st = os.stat(path)
+            server = await asyncio.start_unix_server(
+                lambda r, w: self._relay(pod_uid, r, w), sock=sock, limit=_RELAY_CHUNK
+            )
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._listeners[pod_uid] = (server, path, (st.st_dev, st.st_ino))
+
+    async def _close(self, pod_uid: str) -> None:
+        with self._lock:
+            entry = self._listeners.pop(pod_uid, None)
+        if entry is None:
+            return
+        server, path, ident = entry
+        server.close()
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == ident:
+                os.unlink(path)
+
+    async def _shutdown(self) -> None:
+        for uid in self.serving():
+            await self._close(uid)
+        relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in relays:
+            task.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+
+    async def _relay(self, pod_uid: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._lock:
+            busy = self._active.get(pod_uid, 0)
+            if busy < MAX_CONNECTIONS_PER_POD:
+                self._active[pod_uid] = busy + 1
+        if busy >= MAX_CONNECTIONS_PER_POD:
+            log.warning("vcuda.sock of pod %s: %d connections open already; closing another", pod_uid, busy)
+            writer.close()
+            return
+        name = f"{self._name}.{next(self._counter)}"
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        up_writer: asyncio.StreamWriter | None = None
+        try:
+            upstream.bind("\0" + name)
+            upstream.setblocking(False)
+            with self._lock:
+                self._peers[name] = pod_uid
+            await asyncio.get_running_loop().sock_connect(upstream, "\0" + self._name)
+            up_reader, up_writer = await asyncio.open_unix_connection(sock=upstream, limit=_RELAY_CHUNK)
+            await asyncio.wait_for(
+                asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer)), CONNECTION_LIFETIME_SECONDS
+            )
+        except TimeoutError:
+            log.warning("vcuda.sock of pod %s: connection open for %g s; closed", pod_uid, CONNECTION_LIFETIME_SECONDS)
+        except OSError as exc:
+            log.warning("vcuda.sock of pod %s: relay failed: %s", pod_uid, exc)
+        finally:
+            with self._lock:
+                self._peers.pop(name, None)
+                self._active[pod_uid] -= 1
+                if not self._active[pod_uid]:
+                    del self._active[pod_uid]
+            for w in (writer, up_writer):
+                if w is not None:
+                    w.close()
+            if up_writer is None:
+                upstream.close()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy until end of stream, then pass the end on (half-close); a reset ends it quietly."""
+    try:
+        while True:
+            data = await reader.read(_RELAY_CHUNK)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()

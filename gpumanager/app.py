@@ -225,6 +225,7 @@ class Agent:
             # DRA mode always has shares (a claim's consumed capacity): the mirror gets the interceptor.
             share_mode=cfg.share_mode or cfg.mode == "dra",
             interceptor=Path(cfg.vcuda_library) if cfg.share_mode or cfg.mode == "dra" else None,
+            gpu_client=cfg.gpu_client_path,
         )
         for warning in result.warnings:
             log.warning("driver mirror: %s", warning)

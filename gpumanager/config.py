@@ -88,6 +88,12 @@ class Config:
     vcuda_library: str = text(
         "/usr/local/lib/gpu-manager/libcuda-control.so", "the interceptor shared containers get", metavar="PATH"
     )
+    gpu_client: str = text(
+        "",
+        "gpu-client put in vdriver/nvidia/bin (upstream's library runs it to register over vcuda.sock)",
+        shown="gpu-client beside --vcuda-library",
+        metavar="PATH",
+    )
     ignored_xids: tuple[int, ...] = xid_list(names.DEFAULT_IGNORED_XIDS, "XIDs that never make a GPU unhealthy")
     health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
     health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
@@ -131,6 +137,11 @@ class Config:
         return Path(self.dra_plugin_path or f"/var/lib/kubelet/plugins/{self.dra_driver_name}")
 
     @property
+    def gpu_client_path(self) -> Path:
+        """--gpu-client, else ``gpu-client`` in the directory of --vcuda-library."""
+        return Path(self.gpu_client) if self.gpu_client else Path(self.vcuda_library).parent / "gpu-client"
+
+    @property
     def kubelet_socket(self) -> Path:
         """Path of the kubelet's Registration socket."""
         return Path(self.device_plugin_path) / names.KUBELET_SOCKET
@@ -166,6 +177,8 @@ class Config:
             if x < 0:
                 raise ConfigError(f"--ignored-xids: {x} is not a valid XID")
         parse_node_labels(self.node_labels)
+        if self.gpu_client and not Path(self.gpu_client).is_file():
+            raise ConfigError(f"--gpu-client={self.gpu_client}: no such file")
         if not _DNS_SUBDOMAIN.match(self.dra_driver_name) or len(self.dra_driver_name) > 63:
             raise ConfigError(
                 f"--dra-driver-name={self.dra_driver_name!r}: must be a DNS subdomain of at most 63 characters "

@@ -6,7 +6,8 @@
 #
 # Usage: scripts/image-build-steps.sh [--prefix DIR] [--work DIR] STEP...
 #   vcuda   build vcuda/ with gcc (NVIDIA headers from PyPI wheels, in a throwaway venv) and
-#           install the interceptor as $PREFIX/usr/local/lib/gpu-manager/libcuda-control.so
+#           install the interceptor as $PREFIX/usr/local/lib/gpu-manager/libcuda-control.so and,
+#           beside it, gpu-client (the static registration client the driver mirror ships)
 #   python  install the Python package into the venv $PREFIX/opt/gpu-manager
 #   config  install the defaults: $PREFIX/etc/gpu-manager/{volume.conf,extra-config.json}
 #   verify  check the result: the command runs, the defaults load, the interceptor is a shared object
@@ -52,6 +53,8 @@ step_vcuda() {
     else
         echo "image-build-steps: note: vcuda/ built no libcuda-control.so; the image has no interceptor" >&2
     fi
+    install -m 0755 "$WORK/vcuda-build/gpu-client" "$LIBDIR/gpu-client"
+    echo "image-build-steps: gpu-client -> $LIBDIR/gpu-client"
 }
 
 step_python() {
@@ -67,19 +70,22 @@ step_config() {
 
 step_verify() {
     "$VENV/bin/gpu-manager" --version
-    "$VENV/bin/python" - "$CONFDIR" "$LIBDIR/libcuda-control.so" <<'PY'
+    "$VENV/bin/python" - "$CONFDIR" "$LIBDIR/libcuda-control.so" "$LIBDIR/gpu-client" <<'PY'
 import json, sys
 from pathlib import Path
 from gpumanager.volume import load_volume_config
 from gpumanager.volume.elffacts import read_elf_facts
 
-conf, interceptor = Path(sys.argv[1]), Path(sys.argv[2])
+conf, interceptor, client = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 volumes = load_volume_config(conf / "volume.conf").volumes
 assert [v.name for v in volumes] == ["nvidia", "origin"], volumes
 assert isinstance(json.loads((conf / "extra-config.json").read_text()), dict)
 if interceptor.exists():
     facts = read_elf_facts(interceptor)
     print(f"interceptor: {interceptor} ({facts.bits}-bit, soname {facts.soname})")
+facts = read_elf_facts(client)
+assert facts.bits == 64 and not facts.needed, f"{client} must be a static executable: {facts}"
+print(f"gpu-client: {client} (static)")
 print(f"defaults: {conf}/volume.conf ({len(volumes)} volumes), extra-config.json")
 PY
 }

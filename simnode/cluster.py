@@ -45,6 +45,7 @@ class PodRun:
     core: dict[str, AllocationRecord] = field(default_factory=dict)
     memory: dict[str, AllocationRecord] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
+    statuses: list[dict[str, Any]] = field(default_factory=list)  # containerStatuses, once started
 
     @property
     def uid(self) -> str:
@@ -277,8 +278,12 @@ class SimCluster:
                 run.memory[c["name"]] = self.kubelet.allocate(names.VMEMORY_RESOURCE, blocks, **kw)
         return run
 
-    def start_containers(self, run: PodRun) -> None:
-        """PreStartContainer for each GPU container, then Running with container IDs and cgroups."""
+    def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:
+        """PreStartContainer for each GPU container, then Running with container IDs and cgroups.
+
+        ``publish_status=False``: the containers run (their cgroups exist) but the kubelet's status
+        update, which names their IDs, has not reached the API server yet; see publish_status().
+        """
         for name in run.core:
             self.kubelet.pre_start(names.VCORE_RESOURCE, pod_uid=run.uid, container_name=name)
             if name in run.memory:
@@ -302,7 +307,15 @@ class SimCluster:
                     "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
                 }
             )
-        self.api.set_pod_phase(run.namespace, run.name, "Running", containerStatuses=statuses, qosClass="Guaranteed")
+        run.statuses = statuses
+        if publish_status:
+            self.publish_status(run)
+
+    def publish_status(self, run: PodRun) -> None:
+        """The kubelet's status update: Running, with the containers' IDs."""
+        self.api.set_pod_phase(
+            run.namespace, run.name, "Running", containerStatuses=run.statuses, qosClass="Guaranteed"
+        )
 
     def run_pod(self, manifest: Mapping[str, Any]) -> PodRun:
         """Create, admit and start a pod."""

@@ -9,7 +9,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,30 +27,15 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2, vcuda_pb2_grpc
 from gpumanager.vmanager import files
 from gpumanager.vmanager.manager import VirtualManager
-from simnode.gpusim_state import repo_root
 from tests import h2_servers as hs
+from tests.gpu_client_fixtures import ASAN_CLIENT, VCUDA, client_built
 
-VCUDA = repo_root() / "vcuda"
-CLIENT = VCUDA / "build" / "gpu-client"
-ASAN_CLIENT = VCUDA / "build" / "asan" / "gpu-client"
+__all__ = ["client_built"]
+
 POD = "3f0c6a8e-51b2-4d7a-9b0e-7c1d2e3f4a5b"
 OTHER_POD = "9a8b7c6d-0000-4111-8222-933344445555"
 CID = "4be2c6f1e0d94d3b8c8f0e5a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f8"
 SANITIZER = re.compile(r"AddressSanitizer|UndefinedBehaviorSanitizer|runtime error:|LeakSanitizer")
-
-
-@pytest.fixture(scope="session")
-def client_built() -> Path:
-    """vcuda/build/gpu-client and its sanitizer build (make is incremental)."""
-    done = subprocess.run(
-        ["make", "-C", str(VCUDA), "client", f"PYTHON={sys.executable}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return CLIENT
 
 
 @dataclass

@@ -16,6 +16,7 @@ from gpumanager.volume import DriverVersion, VdriverResult, VolumeError, build_v
 from gpumanager.volume.inuse import scan_proc
 from gpumanager.volume.ldcache import CacheArch
 from gpumanager.volume.rootfs import DriverRoot, ResolveError
+from tests.gpu_client_fixtures import client_built
 from tests.volume_fixtures import (
     DEFAULT_VOLUME_CONF,
     LIB32,
@@ -32,7 +33,7 @@ from tests.volume_fixtures import (
     write_cache,
 )
 
-__all__ = ["driver_store"]
+__all__ = ["client_built", "driver_store"]
 
 INTERCEPTED = ("libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so", "libcuda-control.so")
 
@@ -135,6 +136,27 @@ def test_share_mode_mirror(node: Node) -> None:
     assert not (o64 / "libGLX_indirect.so.0").is_symlink()
     assert not (o64 / f"libnvidia-gpucomp.so.{V1}").exists()
     assert _is_link_to(origin / "lib" / "libcuda.so.1", f"libcuda.so.{V1}")
+
+
+def test_gpu_client_comes_from_the_agent(node: Node, client_built: Path, tmp_path: Path) -> None:
+    """volume.conf lists gpu-client in the nvidia volume: the agent's own binary goes there (a copy)."""
+    client = tmp_path / "agent" / "gpu-client"
+    client.parent.mkdir()
+    shutil.copy2(client_built, client)
+    first = node.run(gpu_client=client)
+    placed = node.base / "nvidia" / "bin" / "gpu-client"
+    assert placed.read_bytes() == client.read_bytes() and os.access(placed, os.X_OK)
+    assert placed.stat().st_ino != client.stat().st_ino  # never shares the agent's inode
+    assert not (node.base / "origin" / "bin" / "gpu-client").exists()  # as upstream's volume.conf
+    assert not any("gpu-client" in w for w in first.warnings)
+    assert not any(v.changed for v in node.run(gpu_client=client).volumes)
+    client.write_bytes(client.read_bytes() + b"\0")  # a new agent image: a new nvidia tree, origin kept
+    second = node.run(gpu_client=client)
+    assert [v.name for v in second.volumes if v.changed] == ["nvidia"]
+    assert placed.read_bytes() == client.read_bytes()
+    missing = node.run(gpu_client=tmp_path / "nowhere" / "gpu-client")
+    assert any(f"gpu-client {tmp_path}/nowhere/gpu-client: No such file or directory" in w for w in missing.warnings)
+    assert any("'gpu-client' not found on the PATH" in w for w in missing.warnings)
 
 
 def test_mirrored_libraries_load(node: Node) -> None:

@@ -1,4 +1,7 @@
-"""Finding a volume's files in the driver root: binaries on its PATH, libraries through its ld.so.cache."""
+"""Finding a volume's files in the driver root: binaries on its PATH, libraries through its ld.so.cache.
+
+Binaries the agent brings itself (``gpu-client``) are taken from the agent's files instead.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ class SourceFile:
     path: Path
     identity: Identity
     found_as: str
+    #: never hard-linked into a tree (a file of the agent's own, not of the driver)
+    copy_only: bool = False
 
     @property
     def basename(self) -> str:
@@ -52,11 +57,13 @@ class Discovery:
         cache: LdCache,
         lib_dirs: dict[CacheArch, str],
         search_path: Sequence[str] = DEFAULT_SEARCH_PATH,
+        provided: dict[str, SourceFile] | None = None,
     ) -> None:
         self.root = root
         self.cache = cache
         self.lib_dirs = lib_dirs
         self.search_path = tuple(search_path)
+        self.provided = dict(provided or {})  # binaries the agent brings itself (gpu-client), by name
         self.warnings: list[str] = []
         self._resolved: dict[str, tuple[str, Path, Identity] | None] = {}
         self._binaries: dict[str, str | None] = {}
@@ -66,6 +73,10 @@ class Discovery:
         found: list[SourceFile] = []
         seen: set[str] = set()
         for name in volume.binaries:
+            if name in self.provided:
+                found.append(self.provided[name])
+                seen.add(self.provided[name].host_path)
+                continue
             host_path = self._binary(name)
             if host_path is not None:
                 self._add(found, seen, BIN_DIR, host_path, name)

@@ -24,13 +24,14 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager.volume.config import NVIDIA_VOLUME, VolumeSpec, load_volume_config
-from gpumanager.volume.discovery import Discovery, Identity, SourceFile, driver_version, identity_of
+from gpumanager.volume.discovery import BIN_DIR, Discovery, Identity, SourceFile, driver_version, identity_of
 from gpumanager.volume.elffacts import ElfFacts, read_elf_facts
 from gpumanager.volume.errors import NotElfError, VolumeError
 from gpumanager.volume.inuse import ProcScan, scan_proc
@@ -48,6 +49,8 @@ LOCK_FILE = ".vdriver.lock"
 STAGING_PREFIX = ".staging-"
 LAYOUT_VERSION = "vdriver-tree-1"  # bump when the mirror rules change, so trees are rebuilt
 LD_SO_CACHE = "etc/ld.so.cache"
+#: The registration client of upstream's library; the agent brings its own (--gpu-client).
+GPU_CLIENT = "gpu-client"
 
 
 @dataclass(frozen=True)
@@ -101,13 +104,16 @@ def build_vdriver(
     machine: str | None = None,
     search_path: Sequence[str] = DEFAULT_SEARCH_PATH,
     allow_hardlinks: bool = True,
+    gpu_client: Path | None = None,
 ) -> VdriverResult:
     """Mirror the driver of ``driver_root`` into the volumes of ``volume_config``.
 
     ``base_dir_override`` replaces every volume's ``base``. ``interceptor`` (``libcuda-control.so``)
     is required in share mode when a volume is named ``nvidia``. ``machine`` (default: this host)
     selects the cache entries used; ``search_path`` is where binaries are looked for in the root;
-    ``allow_hardlinks=False`` copies every file. Raises VolumeError naming the file or value at fault.
+    ``allow_hardlinks=False`` copies every file. ``gpu_client``: the agent's own ``gpu-client``,
+    used for that binary wherever volume.conf lists it (when missing, a warning, and the driver
+    root's PATH is searched as for any binary). Raises VolumeError naming the file or value at fault.
     """
     config = load_volume_config(volume_config).with_base(base_dir_override)
     lib_dirs = host_lib_dirs(machine)
@@ -118,7 +124,15 @@ def build_vdriver(
     cache = read_ldcache(root.agent_path(LD_SO_CACHE))
     wants_interceptor = share_mode and any(v.name == NVIDIA_VOLUME for v in config.volumes)
     control = _interceptor(interceptor) if wants_interceptor else None
-    discovery = Discovery(root, cache, lib_dirs, search_path)
+    provided: dict[str, SourceFile] = {}
+    client_warnings: list[str] = []
+    if gpu_client is not None and any(GPU_CLIENT in v.binaries for v in config.volumes):
+        try:
+            provided[GPU_CLIENT] = _own_binary(gpu_client, GPU_CLIENT)
+        except VolumeError as err:
+            log.warning("%s", err)
+            client_warnings.append(str(err))
+    discovery = Discovery(root, cache, lib_dirs, search_path, provided)
     sources = {v: discovery.sources(v) for v in config.volumes}
     run = _Run(share_mode, control, allow_hardlinks, proc_root, machine or "")
     outcomes: list[VolumeOutcome] = []
@@ -140,7 +154,7 @@ def build_vdriver(
         driver_version=version,
         removed_trees=tuple(run.removed),
         kept_trees=tuple(run.kept),
-        warnings=tuple(discovery.warnings + run.warnings),
+        warnings=tuple(client_warnings + discovery.warnings + run.warnings),
     )
     log.info(
         "driver mirror: version %s, %s",
@@ -164,6 +178,17 @@ def _interceptor(path: Path | None) -> Interceptor:
     if facts.bits not in DIR_FOR_BITS:
         raise VolumeError(f"interceptor library {path} has an unknown ELF class ({facts.bits}-bit)")
     return Interceptor(path, identity_of(st), facts.bits)
+
+
+def _own_binary(path: Path, name: str) -> SourceFile:
+    """A binary of the agent's own (gpu-client) as a source file of the mirror."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise VolumeError(f"{name} {path}: {err.strerror or err}; looking for it in the driver root instead") from err
+    if not stat.S_ISREG(st.st_mode):
+        raise VolumeError(f"{name} {path} is not a regular file; looking for it in the driver root instead")
+    return SourceFile(BIN_DIR, str(path), path, identity_of(st), name, copy_only=True)
 
 
 def _by_base(volumes: Sequence[VolumeSpec]) -> dict[Path, list[VolumeSpec]]:

@@ -111,7 +111,7 @@ def plan_volume(
                 f"{plan.files[rel].host_path}",
             )
             continue
-        plan.files[rel] = FileEntry(source.path, source.host_path, source.identity)
+        plan.files[rel] = FileEntry(source.path, source.host_path, source.identity, copy_only=source.copy_only)
         soname = facts.soname
         if soname is None or source.dir == BIN_DIR:
             continue

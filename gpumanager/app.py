@@ -226,6 +226,7 @@ class Agent:
             share_mode=cfg.share_mode or cfg.mode == "dra",
             interceptor=Path(cfg.vcuda_library) if cfg.share_mode or cfg.mode == "dra" else None,
             gpu_client=cfg.gpu_client_path,
+            proc_root=Path(cfg.proc_root),
         )
         for warning in result.warnings:
             log.warning("driver mirror: %s", warning)

@@ -205,14 +205,15 @@ class SimCluster:
 
     # -- lifecycle --------------------------------------------------------------------------------
 
-    def start(self, *, wait: bool = True) -> SimCluster:
-        """Start the API server, the kubelet and the agent; wait for registration."""
+    def start(self, *, wait: bool = True, agent: bool = True) -> SimCluster:
+        """Start the API server, the kubelet and (unless ``agent=False``) the agent; wait for registration."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.api.start()
         self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
         self.api.write_kubeconfig(self.kubeconfig)
         self.kubelet.start()
-        self.start_agent(wait=wait)
+        if agent:
+            self.start_agent(wait=wait)
         return self
 
     def agent_args(self) -> list[str]:

@@ -32,7 +32,7 @@ lint: $(VENV)/.installed
 test: build lint deploy-check
 	$(VENV)/bin/pytest
 
-BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra
+BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock
 bench: build
 	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 

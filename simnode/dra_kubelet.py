@@ -4,8 +4,9 @@ What it does as the kubelet does:
 
 * **Plugin watcher**: polls the registry directory (``watch_period``; the kubelet uses inotify)
   for unix sockets; for each new one (by device and inode) it calls ``GetInfo``, checks the type
-  (``DRAPlugin``), the name and the endpoint, picks the newest version it speaks (``v1.DRAPlugin``,
-  else ``v1beta1.DRAPlugin``) and answers ``NotifyRegistrationStatus``. A socket that disappears
+  (``DRAPlugin``), the name and the endpoint, picks the newest version it speaks (``versions``:
+  ``v1.DRAPlugin``, else ``v1beta1.DRAPlugin``; a 1.33 kubelet speaks only v1beta1) and answers
+  ``NotifyRegistrationStatus``. A socket that disappears
   deregisters its driver. It reads the driver's ``DRAResourceHealth`` stream while registered.
 * **Start and restart** delete every ResourceSlice of its node (as the kubelet does when it
   starts); a restart drops the plugin connections and, with ``wipe_sockets``, removes the
@@ -124,6 +125,7 @@ class DRAKubeletSimulator:
         cdi_dirs: Sequence[Path],
         watch_period: float = 0.1,
         rpc_timeout: float = 45.0,
+        versions: Sequence[str] = VERSIONS,
     ) -> None:
         self.registry_dir = registry_dir
         self.node = node
@@ -132,6 +134,7 @@ class DRAKubeletSimulator:
         self._core: Any = k8s.CoreV1Api(api_client)
         self._period = watch_period
         self._rpc_timeout = rpc_timeout
+        self.versions = tuple(versions)
         self._lock = threading.RLock()
         self._plugins: dict[str, PluginRecord] = {}
         self._seen: dict[Path, tuple[int, int]] = {}
@@ -230,7 +233,7 @@ class DRAKubeletSimulator:
                 log.warning("kubelet: GetInfo on %s failed: %s", path, exc.code())
                 return
             error = ""
-            version = next((v for v in VERSIONS if v in info.supported_versions), "")
+            version = next((v for v in self.versions if v in info.supported_versions), "")
             if info.type != "DRAPlugin":
                 error = f"unsupported plugin type {info.type!r}"
             elif not info.name:

@@ -252,3 +252,45 @@ def test_shipped_example_templates_are_allocated_as_documented(v100: DRACluster)
     assert devices in (["gpu-0", "gpu-2"], ["gpu-1", "gpu-3"])
     for name in ("cuda-share", "cuda-whole", "cuda-nvlink-pair"):
         assert v100.pod(name)["status"]["phase"] == "Running", name
+
+
+def test_a_kubelet_that_speaks_only_v1beta1_prepares_through_it(tmp_path: Path, sim_built: Path) -> None:
+    with DRACluster(tmp_path / "node", "t4-x1") as c:
+        assert c.kubelet is not None
+        c.kubelet.stop()
+        c.kubelet.versions = ("v1beta1.DRAPlugin",)
+        before = c.kubelet.registrations(DRIVER)
+        c.kubelet.start()
+        assert c.kubelet.wait_registered(DRIVER, after=before).version == "v1beta1.DRAPlugin"
+        c.wait_slice(lambda s: s is not None)
+        uid = make_claim(c, "old-api", cores="20", memory="1Gi")
+        answer = c.kubelet.prepare(DRIVER, [("default", "old-api", uid)])[uid]
+        assert not answer["error"] and answer["devices"][0]["device"] == "gpu-0"
+        assert answer["devices"][0]["share_id"] == "" and answer["devices"][0]["cdi_ids"][0].startswith(
+            f"{DRIVER}/gpu={uid}-gpu-gpu-0-"
+        )
+
+
+def test_a_refused_registration_is_reported_on_readyz(v100: DRACluster) -> None:
+    import urllib.error
+    import urllib.request
+
+    import grpc
+
+    from gpumanager.api import pluginregistration_v1_pb2 as reg_pb
+    from gpumanager.api import pluginregistration_v1_pb2_grpc as reg_grpc
+
+    assert v100.agent is not None
+    url = f"http://127.0.0.1:{v100.agent.query_port}/readyz"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        assert json.loads(resp.read())["registered"] is True
+    with grpc.insecure_channel(f"unix://{v100.registry_dir / (DRIVER + '-reg.sock')}") as ch:
+        reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
+            reg_pb.RegistrationStatus(plugin_registered=False, error="driver name is already registered"), timeout=5
+        )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=5)
+    assert err.value.code == 503
+    body = json.loads(err.value.read())
+    assert body["registration_error"] == "driver name is already registered"
+    assert "dra-registration" in body["errors"]

@@ -551,6 +551,7 @@ class Agent:
         self.dra.start()
         self._wait_serving(self.dra.sockets.service_socket)
         self._spawn("dra-pids-refresh", self._dra_pids_loop)
+        self._spawn("allocation-recycle", self._recycle_loop)
         log.info(
             "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
             len(self.gpus),
@@ -558,6 +559,22 @@ class Agent:
             f"{self.node_name}-{cfg.dra_driver_name}",
             self.dra.sockets.service_socket,
         )
+
+    def _recycle_loop(self) -> None:
+        """DRA mode: container allocations left from device-plugin mode are freed when their pods end
+        (claims are freed by NodeUnprepareResources; no directory is removed here)."""
+        if self.pod_cache is None or not self.pod_cache.wait_synced(self.config.allocation_check_period):
+            if self._stop.wait(self.config.allocation_check_period):
+                return
+        while True:
+            try:
+                gone = self._allocator().recycle()
+                if gone:
+                    log.info("released %d pods of device-plugin mode that are gone: %s", len(gone), ", ".join(gone))
+            except Exception:
+                log.exception("allocation recycle failed; trying again next period")
+            if self._stop.wait(self.config.allocation_check_period):
+                return
 
     def _dra_pids_loop(self) -> None:
         while not self._stop.wait(PIDS_REFRESH_SECONDS):

@@ -294,3 +294,24 @@ def test_a_refused_registration_is_reported_on_readyz(v100: DRACluster) -> None:
     body = json.loads(err.value.read())
     assert body["registration_error"] == "driver name is already registered"
     assert "dra-registration" in body["errors"]
+
+
+def test_after_a_switch_from_device_plugin_mode_finished_pods_free_their_gpus(tmp_path: Path, sim_built: Path) -> None:
+    cluster = DRACluster(tmp_path / "node", "t4-x1")
+    checkpoint = cluster.checkpoint_dir / "gpumanager_internal_checkpoint"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text(
+        json.dumps({"PodGPUMapping": {"gone-pod": {"main": {"Devices": ["/dev/nvidia0"], "Cores": 100, "Memory": 0}}}})
+    )
+    with cluster as c:
+        assert c.kubelet is not None
+        uid = make_claim(c, "whole", cores=None, memory=None)
+        deadline = time.monotonic() + 20
+        while True:
+            answer = c.kubelet.prepare(DRIVER, [("default", "whole", uid)])[uid]
+            if not answer["error"] or time.monotonic() > deadline:
+                break
+            assert "whole" in answer["error"]  # the old pod still counts until the pod cache has been read
+            time.sleep(0.2)
+        assert not answer["error"], answer["error"]
+        assert "gone-pod" not in json.loads(checkpoint.read_text())["PodGPUMapping"]

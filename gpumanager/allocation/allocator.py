@@ -657,7 +657,7 @@ class Allocator:
                 if whole and free_cores < names.HUNDRED_CORES:
                     raise AllocationError(
                         f"{who}: device {name} is asked for whole but holds {names.HUNDRED_CORES - free_cores} cores "
-                        f"of other claims",
+                        f"of other allocations",
                         "exhausted",
                     )
                 if cores > free_cores or memory > free_memory:

@@ -563,9 +563,9 @@ class Agent:
     def _recycle_loop(self) -> None:
         """DRA mode: container allocations left from device-plugin mode are freed when their pods end
         (claims are freed by NodeUnprepareResources; no directory is removed here)."""
-        if self.pod_cache is None or not self.pod_cache.wait_synced(self.config.allocation_check_period):
-            if self._stop.wait(self.config.allocation_check_period):
-                return
+        synced = self.pod_cache is not None and self.pod_cache.wait_synced(self.config.allocation_check_period)
+        if not synced and self._stop.wait(self.config.allocation_check_period):
+            return
         while True:
             try:
                 gone = self._allocator().recycle()

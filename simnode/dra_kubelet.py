@@ -9,8 +9,9 @@ What it does as the kubelet does:
   ``NotifyRegistrationStatus``. A socket that disappears
   deregisters its driver. It reads the driver's ``DRAResourceHealth`` stream while registered.
 * **Start and restart** delete every ResourceSlice of its node (as the kubelet does when it
-  starts); a restart drops the plugin connections and, with ``wipe_sockets``, removes the
-  sockets in the registry and plugins directories.
+  starts); the slices of a driver whose socket is gone are deleted ``slice_wipe_delay`` seconds
+  (30 by default) later unless it registered again; a restart drops the plugin connections and,
+  with ``wipe_sockets``, removes the sockets in the registry and plugins directories.
 * **Pods**: :meth:`start_pod` resolves the pod's claims (``resourceClaimName`` or
   ``status.resourceClaimStatuses``), groups them by driver from their allocation results, calls
   ``NodePrepareResources`` once per driver (claims it has already prepared are not sent again:
@@ -126,6 +127,7 @@ class DRAKubeletSimulator:
         watch_period: float = 0.1,
         rpc_timeout: float = 45.0,
         versions: Sequence[str] = VERSIONS,
+        slice_wipe_delay: float = 30.0,
     ) -> None:
         self.registry_dir = registry_dir
         self.node = node
@@ -135,6 +137,7 @@ class DRAKubeletSimulator:
         self._period = watch_period
         self._rpc_timeout = rpc_timeout
         self.versions = tuple(versions)
+        self.slice_wipe_delay = slice_wipe_delay
         self._lock = threading.RLock()
         self._plugins: dict[str, PluginRecord] = {}
         self._seen: dict[Path, tuple[int, int]] = {}
@@ -200,6 +203,19 @@ class DRAKubeletSimulator:
             except ApiException:
                 pass
 
+    def _wipe_driver_slices(self, driver: str) -> None:
+        """A driver gone for ``slice_wipe_delay`` seconds: delete its slices of this node, as the kubelet does."""
+        with self._lock:
+            if driver in self._plugins or self._stop.is_set():
+                return
+        try:
+            listed = self._api.list_resource_slice(field_selector=f"spec.nodeName={self.node},spec.driver={driver}")
+            for item in listed.items:
+                self._api.delete_resource_slice(item.metadata.name)
+                log.info("kubelet: driver %s is gone; deleted its ResourceSlice %s", driver, item.metadata.name)
+        except ApiException as exc:
+            log.warning("kubelet: cannot delete the slices of driver %s: %s", driver, exc.reason)
+
     def _watch(self) -> None:
         while not self._stop.is_set():
             try:
@@ -220,6 +236,9 @@ class DRAKubeletSimulator:
                             if plugin.channel is not None:
                                 plugin.channel.close()
                             del self._plugins[name]
+                            timer = threading.Timer(self.slice_wipe_delay, self._wipe_driver_slices, args=(name,))
+                            timer.daemon = True
+                            timer.start()
             new = [(p, i) for p, i in present.items() if i is not None and self._seen.get(p) != i]
         for path, ident in new:
             self._register(path, ident)

@@ -315,3 +315,40 @@ def test_after_a_switch_from_device_plugin_mode_finished_pods_free_their_gpus(tm
             time.sleep(0.2)
         assert not answer["error"], answer["error"]
         assert "gone-pod" not in json.loads(checkpoint.read_text())["PodGPUMapping"]
+
+
+def test_taint_goes_when_the_gpu_is_healthy_again_and_kubelet_restart_without_wipe(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    with DRACluster(tmp_path / "node", "t4-x1", health_quiet_period="2s") as c:
+        assert c.agent is not None and c.kubelet is not None
+        first = c.slice()
+        assert first is not None
+        subprocess.run(
+            [sys.executable, "-m", "simnode.gpusim", "xid", "--gpu", "0", "--xid", "48"],
+            env=sim_env(c.spec, c.agent.state),
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        tainted = c.wait_slice(lambda s: s is not None and bool(s["spec"]["devices"][0].get("taints")))
+        assert tainted is not None and tainted["spec"]["devices"][0]["taints"][0]["value"] == "xid-48"
+        healed = c.wait_slice(lambda s: s is not None and not s["spec"]["devices"][0].get("taints"), timeout=30)
+        assert healed is not None
+        generations = [s["spec"]["pool"]["generation"] for s in (first, tainted, healed)]
+        assert generations == sorted(set(generations)), f"every change bumps the generation: {generations}"
+        # A kubelet restart that keeps the sockets: its plugin watcher finds ours and registers again.
+        before = c.kubelet.registrations(DRIVER)
+        c.kubelet.restart(wipe_sockets=False)
+        c.kubelet.wait_registered(DRIVER, after=before)
+        assert c.wait_slice(lambda s: s is not None) is not None
+
+
+def test_a_stopped_driver_loses_its_slice_after_the_kubelets_delay(tmp_path: Path, sim_built: Path) -> None:
+    with DRACluster(tmp_path / "node", "t4-x1") as c:
+        assert c.agent is not None and c.kubelet is not None
+        c.kubelet.slice_wipe_delay = 1.0
+        assert c.agent.stop() == 0
+        c.wait_slice(lambda s: s is None, timeout=15)
+        c.start_agent()
+        assert c.slice() is not None

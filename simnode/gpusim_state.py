@@ -13,7 +13,8 @@ little-endian)::
            change_counter, event_next_seq, created_us, section_count, reserved
     256    section directory: 16 x {id, entry_size, entry_count, flags, offset, reserved}
     4096   GPUS   (id 1):   64 x 2048 bytes: flags (bit 0 lost), util_gpu, util_memory,
-                            util_updated_us, sample_count, lost_since_us, 120 util samples
+                            util_updated_us, sample_count, lost_since_us, used_peak (highest
+                            memory in use, all processes: a diagnostic), 120 util samples
     135168 EVENTS (id 2): ring of 1024 x 48 bytes {seq, event_type, event_data, time_us, gpu};
                             event ``seq`` lives in slot ``seq % entry_count``
     184320 PROCS  (id 3): 1024 x 48 bytes {pid, gpu, used_bytes, flags (bit 0 in use, bit 1
@@ -361,6 +362,7 @@ class GpuState:
     util_memory: int
     util_updated_us: int
     samples: tuple[UtilSample, ...]  # oldest first
+    used_peak: int = 0  # highest device memory in use (all processes) the simulated driver saw
 
 
 @dataclass(frozen=True)
@@ -731,12 +733,13 @@ class GpuSimState:
 
     def _read_gpu(self, m: mmap.mmap, index: int) -> GpuState:
         off = self._gpus.offset + index * self._gpus.stride
-        flags, u_gpu, u_mem, _r0, updated, count, since, _pad = _GPU_HEAD.unpack_from(m, off)
+        flags, u_gpu, u_mem, _r0, updated, count, since, pad = _GPU_HEAD.unpack_from(m, off)
         samples = []
         for n in range(max(0, count - UTIL_SAMPLES), count):
             ts, g, mem = _SAMPLE.unpack_from(m, off + _GPU_HEAD.size + (n % UTIL_SAMPLES) * _SAMPLE.size)
             samples.append(UtilSample(ts, g, mem))
-        return GpuState(index, bool(flags & GPU_LOST), since, u_gpu, u_mem, updated, tuple(samples))
+        peak = struct.unpack_from("<Q", pad, 0)[0]  # used_peak: the first 8 of the reserved bytes
+        return GpuState(index, bool(flags & GPU_LOST), since, u_gpu, u_mem, updated, tuple(samples), peak)
 
 
 # ---- running programs on the simulated node -------------------------------------------------

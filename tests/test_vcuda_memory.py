@@ -8,12 +8,13 @@ neither in the container's budget nor on the simulated GPU.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
 
 import pytest
 
-from tests.vcuda_fixtures import MIB, Container, container, last_json, vcuda_built
+from tests.vcuda_fixtures import MIB, PRELUDE, Container, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
 
@@ -104,15 +105,20 @@ def alloc():
 def free(h): ok(d.cuMipmappedArrayDestroy(h))
 """,
     "cuGraphAddMemAllocNode": r"""
-graph = ok(d.cuGraphCreate(0))
+# One graph per allocation, instantiated: the memory is the exec's (cuda.h).
 def alloc():
+    graph = ok(d.cuGraphCreate(0))
     p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
     p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     p.poolProps.location.id = 0
     p.bytesize = 64 << 20
-    r = d.cuGraphAddMemAllocNode(graph, None, 0, p); return r[0], r[1]
-def free(h): ok(d.cuGraphDestroyNode(h))
+    r = d.cuGraphAddMemAllocNode(graph, None, 0, p)
+    if r[0] != R.CUDA_SUCCESS:
+        ok(d.cuGraphDestroy(graph))
+        return r[0], None
+    return r[0], (graph, ok(d.cuGraphInstantiate(graph, 0)))
+def free(h): ok(d.cuGraphExecDestroy(h[1])); ok(d.cuGraphDestroy(h[0]))
 """,
     "legacy cuMemAlloc (CUDA 2.0 ABI)": r"""
 lib = ctypes.CDLL("libcuda.so.1")
@@ -138,6 +144,7 @@ full_phys = phys_used()
 full_free, full_total = ok(d.cuMemGetInfo())
 for h, _size in handles:
     free(h)
+ok(d.cuCtxSynchronize())  # memory pools give freed memory back at synchronisation
 after_free, after_total = ok(d.cuMemGetInfo())
 print(json.dumps({
     "rc": rc.name, "count": len(handles), "sizes": sorted({s for _h, s in handles}),
@@ -307,3 +314,328 @@ print(json.dumps(list(ok(d.cuMemGetInfo()))))
     )
     assert done.returncode == 0, done.stderr
     assert last_json(done.stdout)[0] == 512 * MIB  # type: ignore[index]
+
+
+PEAK = r"""
+from simnode.gpusim_state import GpuSimState
+def peak():
+    with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+        return st.snapshot(1).gpus[0].used_peak
+"""
+
+
+@pytest.mark.parametrize("shape", ["2d", "3d", "mipmap", "layered"])
+def test_arrays_are_reserved_at_their_footprint_before_the_driver_call(container: MakeContainer, shape: str) -> None:
+    """A thin array's rows are padded: a 256 KiB description takes 32 MiB.  With 16 MiB left under the cap the
+    driver must never be asked (the GPU would hold more than the cap, even for a moment)."""
+    c = container(1024)
+    make = {
+        "2d": "desc = d.CUDA_ARRAY_DESCRIPTOR(); desc.Width, desc.Height = 1, 65536\n"
+        "create = lambda: d.cuArrayCreate(desc)",
+        "3d": "desc = d.CUDA_ARRAY3D_DESCRIPTOR(); desc.Width, desc.Height, desc.Depth = 1, 64, 1024\n"
+        "create = lambda: d.cuArray3DCreate(desc)",
+        "layered": "desc = d.CUDA_ARRAY3D_DESCRIPTOR(); desc.Width, desc.Height, desc.Depth = 1, 2048, 32\n"
+        "desc.Flags = d.CUDA_ARRAY3D_LAYERED\ncreate = lambda: d.cuArray3DCreate(desc)",
+        "mipmap": "desc = d.CUDA_ARRAY3D_DESCRIPTOR(); desc.Width, desc.Height, desc.Depth = 1, 43690, 0\n"
+        "create = lambda: d.cuMipmappedArrayCreate(desc, 2)",
+    }[shape]
+    done = c.python(
+        PEAK
+        + make
+        + r"""
+desc.NumChannels, desc.Format = 1, d.CUarray_format.CU_AD_FORMAT_FLOAT
+fill = ok(d.cuMemAlloc((1024 - 16) << 20))
+r = create()
+out = {"rc": r[0].name, "peak": peak()}
+ok(d.cuMemFree(fill))
+h = ok(create())
+is_mip = isinstance(h, d.CUmipmappedArray)
+req = ok((d.cuMipmappedArrayGetMemoryRequirements if is_mip else d.cuArrayGetMemoryRequirements)(h, dev))
+free_b, total = ok(d.cuMemGetInfo())
+out.update(size=req.size, charged=total - free_b, phys=phys_used())
+ok((d.cuMipmappedArrayDestroy if is_mip else d.cuArrayDestroy)(h))
+out["after"] = ok(d.cuMemGetInfo())[0]
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["rc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a {c.limit_bytes >> 20} MiB cap"
+    assert out["size"] >= 31 * MIB  # the padded footprint, far above the description
+    assert out["charged"] == out["size"] == out["phys"]
+    assert out["after"] == c.limit_bytes
+
+
+VMM = r"""
+prop = d.CUmemAllocationProp()
+prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop.location.id = 0
+prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+def mapped(size):
+    h = ok(d.cuMemCreate(size, prop, 0))
+    va = ok(d.cuMemAddressReserve(size, 0, 0, 0))
+    ok(d.cuMemMap(va, size, 0, h, 0))
+    acc = d.CUmemAccessDesc()
+    acc.location = prop.location
+    acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    ok(d.cuMemSetAccess(va, size, [acc], 1))
+    return h, va
+def try_alloc(size):
+    r = d.cuMemAlloc(size)
+    if r[0] == R.CUDA_SUCCESS:
+        ok(d.cuMemFree(r[1]))
+    return r[0].name
+"""
+
+
+def test_vmm_memory_stays_charged_while_mapped(container: MakeContainer) -> None:
+    """cuda.h: cuMemRelease right after cuMemMap is the usual pattern; the memory goes with the last unmap."""
+    c = container(1024)
+    done = c.python(
+        PEAK
+        + VMM
+        + r"""
+h, va = mapped(512 << 20)
+ok(d.cuMemRelease(h))
+out = {"released_mapped": try_alloc(768 << 20), "phys1": phys_used()}
+h2 = ok(d.cuMemRetainAllocationHandle(va))
+out["same_handle"] = int(h2) == int(h)
+ok(d.cuMemRelease(h2))
+out["retained_released"] = try_alloc(768 << 20)
+ok(d.cuMemUnmap(va, 512 << 20)); ok(d.cuMemAddressFree(va, 512 << 20))
+out["unmapped"] = try_alloc(768 << 20)
+# Two mappings of one allocation: it goes with the second unmap, not the first.
+h, va = mapped(256 << 20)
+va2 = ok(d.cuMemAddressReserve(256 << 20, 0, 0, 0))
+ok(d.cuMemMap(va2, 256 << 20, 0, h, 0))
+ok(d.cuMemRelease(h)); ok(d.cuMemUnmap(va, 256 << 20))
+out["one_left"] = list(ok(d.cuMemGetInfo()))
+ok(d.cuMemUnmap(va2, 256 << 20))
+out["none_left"] = list(ok(d.cuMemGetInfo()))
+out.update(peak=peak(), phys=phys_used())
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap = c.limit_bytes
+    assert out["released_mapped"] == "CUDA_ERROR_OUT_OF_MEMORY", "released but still mapped: must stay charged"
+    assert out["phys1"] == 512 * MIB
+    assert out["same_handle"] is True
+    assert out["retained_released"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["unmapped"] == "CUDA_SUCCESS"
+    assert out["one_left"] == [cap - 256 * MIB, cap]
+    assert out["none_left"] == [cap, cap]
+    assert out["peak"] <= cap and out["phys"] == 0
+
+
+def test_imported_shareable_memory_is_the_exporters(container: MakeContainer) -> None:
+    """cuMemExportToShareableHandle -> another container imports it: not charged there, and nothing credited."""
+    exporter, importer = container(1024), container(256)
+    done = exporter.python(
+        VMM
+        + r"""
+import subprocess
+h, va = mapped(512 << 20)
+fd = ok(d.cuMemExportToShareableHandle(h, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+child = subprocess.run([sys.executable, "-c", os.environ["IMPORTER"], str(fd)], env=json.loads(os.environ["ENV_B"]),
+                       pass_fds=[fd], capture_output=True, text=True, timeout=60)
+assert child.returncode == 0, child.stderr
+print(json.dumps({"importer": json.loads(child.stdout.splitlines()[-1]), "exporter": list(ok(d.cuMemGetInfo()))}))
+""",
+        env=exporter.env(
+            ENV_B=json.dumps(importer.env()),
+            IMPORTER=PRELUDE
+            + VMM
+            + r"""
+fd = int(sys.argv[1])
+h = ok(d.cuMemImportFromShareableHandle(fd, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+va = ok(d.cuMemAddressReserve(512 << 20, 0, 0, 0))
+ok(d.cuMemMap(va, 512 << 20, 0, h, 0))
+out = {"mapped": list(ok(d.cuMemGetInfo()))}
+full = ok(d.cuMemAlloc(256 << 20))
+ok(d.cuMemUnmap(va, 512 << 20)); ok(d.cuMemRelease(h))
+out["after_release"] = [try_alloc(1 << 20), list(ok(d.cuMemGetInfo()))]
+print(json.dumps(out))
+""",
+        ),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["importer"]["mapped"] == [256 * MIB, 256 * MIB]  # nothing charged to the importer
+    assert out["importer"]["after_release"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 256 * MIB]]  # nothing credited
+    assert out["exporter"] == [512 * MIB, 1024 * MIB]
+
+
+GRAPH = r"""
+s = ok(d.cuStreamCreate(0))
+def alloc_node(graph, size):
+    p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = size
+    node = ok(d.cuGraphAddMemAllocNode(graph, None, 0, p))
+    return node, int(p.dptr)
+def try_alloc(size):
+    r = d.cuMemAlloc(size)
+    if r[0] == R.CUDA_SUCCESS:
+        ok(d.cuMemFree(r[1]))
+    return r[0].name
+"""
+
+
+def test_graph_memory_is_the_execs_and_outlives_the_graph(container: MakeContainer) -> None:
+    """cuda.h: destroying a graph frees nothing; the exec holds the memory; a launch without a free node leaves
+    it live until cuMemFree."""
+    c = container(1024)
+    done = c.python(
+        PEAK
+        + GRAPH
+        + r"""
+graph = ok(d.cuGraphCreate(0))
+node, dptr = alloc_node(graph, 512 << 20)
+x = ok(d.cuGraphInstantiate(graph, 0))
+ok(d.cuGraphDestroy(graph))
+out = {"graph_destroyed": try_alloc(768 << 20)}
+ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+ok(d.cuGraphExecDestroy(x))
+out["launched_not_freed"] = try_alloc(768 << 20)
+ok(d.cuMemFreeAsync(dptr, s)); ok(d.cuStreamSynchronize(s))
+out["freed"] = try_alloc(768 << 20)
+# Freed in its own graph: each launch gives it back; the exec holds it until destroyed.
+graph = ok(d.cuGraphCreate(0))
+node, dptr = alloc_node(graph, 512 << 20)
+ok(d.cuGraphAddMemFreeNode(graph, [node], 1, dptr))
+x = ok(d.cuGraphInstantiate(graph, 0))
+ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+out["exec_alive"] = try_alloc(768 << 20)
+ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(graph))
+out["all_gone"] = [try_alloc(768 << 20), list(ok(d.cuMemGetInfo()))]
+out.update(peak=peak(), phys=phys_used())
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    oom = "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["graph_destroyed"] == oom, "the exec still holds the graph's memory"
+    assert out["launched_not_freed"] == oom, "the launch left the allocation live"
+    assert out["freed"] == "CUDA_SUCCESS"
+    assert out["exec_alive"] == oom
+    assert out["all_gone"] == ["CUDA_SUCCESS", [c.limit_bytes, c.limit_bytes]]
+    assert out["peak"] <= c.limit_bytes and out["phys"] == 0
+
+
+def test_allocations_captured_into_a_graph_follow_the_graph(container: MakeContainer) -> None:
+    """cuMemAllocAsync/cuMemFreeAsync in a stream capture become the graph's memory nodes."""
+    c = container(1024)
+    done = c.python(
+        PEAK
+        + GRAPH
+        + r"""
+mod = ok(d.cuModuleLoadData(b"x"))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_1ms"))
+ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+dptr = ok(d.cuMemAllocAsync(512 << 20, s))
+ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+ok(d.cuMemFreeAsync(dptr, s))
+graph = ok(d.cuStreamEndCapture(s))
+out = {"captured": try_alloc(768 << 20)}
+x = ok(d.cuGraphInstantiate(graph, 0))
+ok(d.cuGraphDestroy(graph))
+out["instantiated"] = try_alloc(768 << 20)
+ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+out["launched"] = try_alloc(768 << 20)
+ok(d.cuGraphExecDestroy(x))
+out["exec_gone"] = try_alloc(768 << 20)
+out.update(peak=peak(), phys=phys_used(), info=list(ok(d.cuMemGetInfo())))
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    oom = "CUDA_ERROR_OUT_OF_MEMORY"
+    assert [out["captured"], out["instantiated"], out["launched"]] == [oom, oom, oom]
+    assert out["exec_gone"] == "CUDA_SUCCESS"
+    assert out["peak"] <= c.limit_bytes and out["phys"] == 0
+    assert out["info"] == [c.limit_bytes, c.limit_bytes]
+
+
+def test_memory_freed_with_its_context_comes_back(container: MakeContainer) -> None:
+    """cuda.h: cuCtxDestroy (and cuDevicePrimaryCtxReset) free everything allocated in the context."""
+    c = container(1024)
+    done = c.python(
+        GRAPH
+        + r"""
+other = ok(d.cuCtxCreate(0, dev))
+p = ok(d.cuMemAlloc(512 << 20))
+desc = d.CUDA_ARRAY_DESCRIPTOR()
+desc.Width, desc.Height, desc.NumChannels, desc.Format = 4096, 4096, 1, d.CUarray_format.CU_AD_FORMAT_FLOAT
+arr = ok(d.cuArrayCreate(desc))
+ok(d.cuCtxDestroy(other))
+ok(d.cuCtxSetCurrent(ctx))
+out = {"ctx_destroyed": [try_alloc(900 << 20), phys_used()]}
+p = ok(d.cuMemAlloc(512 << 20))
+ok(d.cuDevicePrimaryCtxReset(dev))
+ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
+ok(d.cuCtxSetCurrent(ctx))
+out["primary_reset"] = [try_alloc(900 << 20), phys_used(), list(ok(d.cuMemGetInfo()))]
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["ctx_destroyed"] == ["CUDA_SUCCESS", 0]
+    assert out["primary_reset"] == ["CUDA_SUCCESS", 0, [c.limit_bytes, c.limit_bytes]]
+
+
+def test_ipc_memory_is_the_exporters(container: MakeContainer) -> None:
+    """cuIpcOpenMemHandle in another container: not charged there, and closing it credits no one."""
+    exporter, importer = container(1024), container(256)
+    done = exporter.python(
+        GRAPH
+        + r"""
+import subprocess
+p = ok(d.cuMemAlloc(512 << 20))
+handle = ctypes.string_at(ok(d.cuIpcGetMemHandle(p)).getPtr(), 64)  # CUipcMemHandle: 64 opaque bytes
+child = subprocess.run([sys.executable, "-c", os.environ["IMPORTER"], handle.hex()],
+                       env=json.loads(os.environ["ENV_B"]), capture_output=True, text=True, timeout=60)
+assert child.returncode == 0, child.stderr
+print(json.dumps({"importer": json.loads(child.stdout.splitlines()[-1]), "exporter": list(ok(d.cuMemGetInfo())),
+                  "phys": phys_used()}))
+""",
+        env=exporter.env(
+            ENV_B=json.dumps(importer.env()),
+            IMPORTER=PRELUDE
+            + GRAPH
+            + r"""
+h = d.CUipcMemHandle()
+ctypes.memmove(h.getPtr(), bytes.fromhex(sys.argv[1]), 64)
+flags = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+ptr = ok(d.cuIpcOpenMemHandle(h, flags))
+again = ok(d.cuIpcOpenMemHandle(h, flags))
+out = {"same_ptr": int(again) == int(ptr), "opened": list(ok(d.cuMemGetInfo()))}
+full = ok(d.cuMemAlloc(256 << 20))
+ok(d.cuIpcCloseMemHandle(ptr)); ok(d.cuIpcCloseMemHandle(ptr))
+out["closed"] = [try_alloc(1 << 20), list(ok(d.cuMemGetInfo())), d.cuIpcCloseMemHandle(ptr)[0].name]
+print(json.dumps(out))
+""",
+        ),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["importer"]["same_ptr"] is True
+    assert out["importer"]["opened"] == [256 * MIB, 256 * MIB]
+    assert out["importer"]["closed"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 256 * MIB], "CUDA_ERROR_INVALID_VALUE"]
+    assert out["exporter"] == [512 * MIB, 1024 * MIB]
+    assert out["phys"] == 512 * MIB  # the exporter's process holds it; the importer's holds 256 MiB of its own

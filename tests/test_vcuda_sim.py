@@ -302,3 +302,110 @@ print(json.dumps(out))
     assert out["params"] == ["CUDA_SUCCESS"] * 3 + ["CUDA_ERROR_INVALID_VALUE", "CUDA_SUCCESS"]
     assert out["launch"] == ["CUDA_SUCCESS"] * 3 + ["CUDA_ERROR_INVALID_VALUE"]
     assert out["waited"] >= 0.0145  # three 5 ms kernels ran
+
+
+def test_memory_pools_reserve_keep_and_trim(vcuda_built: Path, tmp_path: Path) -> None:
+    """A pool reserves 2 MiB chunks, keeps what is freed until a synchronisation above its release threshold, and
+    gives it back on cuMemPoolTrimTo; the GPU (and NVML) sees what the pool reserves."""
+    del vcuda_built
+    done = run_python(
+        r"""
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+s = ok(d.cuStreamCreate(0))
+def attr(a):
+    return int(ok(d.cuMemPoolGetAttribute(pool, a)))
+def state():
+    return [attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), attr(A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT), phys_used()]
+out = {"threshold0": attr(A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)}
+p = ok(d.cuMemAllocAsync(3 << 20, s))
+out["one"] = state()                      # 3 MiB used, 4 MiB reserved (2 MiB chunks)
+q = ok(d.cuMemAllocAsync(1 << 20, s))
+out["two"] = state()                      # fits in the reserved 4 MiB
+ok(d.cuMemFreeAsync(p, s)); ok(d.cuMemFreeAsync(q, s))
+out["freed"] = state()                    # still reserved until a synchronisation
+ok(d.cuStreamSynchronize(s))
+out["synced"] = state()                   # threshold 0: given back
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+p = ok(d.cuMemAllocAsync(64 << 20, s)); ok(d.cuMemFreeAsync(p, s)); ok(d.cuStreamSynchronize(s))
+out["retained"] = state()                 # a high threshold keeps it
+out["high"] = [attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH), attr(A.CU_MEMPOOL_ATTR_USED_MEM_HIGH)]
+ok(d.cuMemPoolTrimTo(pool, 16 << 20))
+out["trimmed"] = state()
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, d.cuuint64_t(0)))
+out["high_reset"] = attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+ok(d.cuMemPoolTrimTo(pool, 0))
+out["empty"] = state()
+out["read_only"] = d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, d.cuuint64_t(5))[0].name
+print(json.dumps(out))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    M = MIB
+    assert out == {
+        "threshold0": 0,
+        "one": [4 * M, 3 * M, 4 * M],
+        "two": [4 * M, 4 * M, 4 * M],
+        "freed": [4 * M, 0, 4 * M],
+        "synced": [0, 0, 0],
+        "retained": [64 * M, 0, 64 * M],
+        "high": [64 * M, 64 * M],
+        "trimmed": [16 * M, 0, 16 * M],
+        "high_reset": 16 * M,
+        "empty": [0, 0, 0],
+        "read_only": "CUDA_ERROR_INVALID_VALUE",
+    }
+
+
+def test_stream_capture_records_a_graph(vcuda_built: Path, tmp_path: Path) -> None:
+    """Work on a capturing stream becomes graph nodes (nothing runs, nothing allocated) until the graph runs."""
+    del vcuda_built
+    done = run_python(
+        r"""
+import time
+S = d.CUstreamCaptureStatus
+s = ok(d.cuStreamCreate(0))
+mod = ok(d.cuModuleLoadData(b"x"))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_20ms"))
+ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+status, cid, graph, _deps, _n = ok(d.cuStreamGetCaptureInfo(s))
+ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+buf = ok(d.cuMemAllocAsync(64 << 20, s))
+ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+ok(d.cuMemFreeAsync(buf, s))
+out = {"capturing": [ok(d.cuStreamIsCapturing(s)).name, status.name, int(cid) > 0], "phys_captured": phys_used(),
+       "legacy": d.cuStreamBeginCapture(0, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)[0].name}
+g = ok(d.cuStreamEndCapture(s))
+out["same_graph"] = int(g) == int(graph)
+out["after"] = ok(d.cuStreamIsCapturing(s)).name
+x = ok(d.cuGraphInstantiate(g, 0))
+out["phys_instantiated"] = phys_used()
+t0 = time.monotonic()
+ok(d.cuStreamSynchronize(s))
+out["nothing_ran"] = time.monotonic() - t0  # the captured kernels were not queued
+t1 = time.monotonic()
+ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+out["graph_ran"] = time.monotonic() - t1
+ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(g))
+out["phys_end"] = phys_used()
+# A synchronisation inside a capture invalidates it.
+ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+out["sync_in_capture"] = [d.cuStreamSynchronize(s)[0].name, ok(d.cuStreamIsCapturing(s)).name,
+                          d.cuStreamEndCapture(s)[0].name]
+print(json.dumps(out))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["capturing"] == ["CU_STREAM_CAPTURE_STATUS_ACTIVE", "CU_STREAM_CAPTURE_STATUS_ACTIVE", True]
+    assert out["phys_captured"] == 0 and out["legacy"] == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"
+    assert out["same_graph"] is True and out["after"] == "CU_STREAM_CAPTURE_STATUS_NONE"
+    assert out["phys_instantiated"] == 64 * MIB  # the exec holds the graph's memory
+    assert out["nothing_ran"] < 0.02 and out["graph_ran"] >= 0.039, out  # two 20 ms kernels
+    assert out["phys_end"] == 0
+    assert out["sync_in_capture"] == ["CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CU_STREAM_CAPTURE_STATUS_INVALIDATED",
+                                      "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]  # fmt: skip

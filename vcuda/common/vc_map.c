@@ -49,6 +49,11 @@ static struct vc_map_entry *lookup(struct vc_map *m, uint64_t key, uint32_t kind
     return NULL;
 }
 
+struct vc_map_entry *vc_map_lookup(struct vc_map *m, uint64_t key, uint32_t kind)
+{
+    return key == 0 ? NULL : lookup(m, key, kind);
+}
+
 int vc_map_put(struct vc_map *m, const struct vc_map_entry *e)
 {
     struct vc_map_entry *old = lookup(m, e->key, e->kind);
@@ -99,6 +104,29 @@ void vc_map_remove_if(struct vc_map *m, uint32_t kind, bool (*pred)(const struct
         erase(m, e);
         if (done != NULL)
             done(&copy, arg);
+    }
+}
+
+bool vc_map_find_if(const struct vc_map *m, uint32_t kind, bool (*pred)(const struct vc_map_entry *, void *), void *arg,
+                    struct vc_map_entry *out)
+{
+    for (size_t i = 0; i < m->cap; i++) {
+        const struct vc_map_entry *e = &m->slots[i];
+        if (e->key != 0 && e->kind == kind && pred(e, arg)) {
+            if (out != NULL)
+                *out = *e;
+            return true;
+        }
+    }
+    return false;
+}
+
+void vc_map_each(struct vc_map *m, uint32_t kind, void (*fn)(struct vc_map_entry *, void *), void *arg)
+{
+    for (size_t i = 0; i < m->cap; i++) {
+        struct vc_map_entry *e = &m->slots[i];
+        if (e->key != 0 && e->kind == kind)
+            fn(e, arg);
     }
 }
 

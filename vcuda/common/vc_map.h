@@ -17,6 +17,8 @@ struct vc_map_entry {
     uint32_t gpu;   /* caller data */
     uint64_t size;  /* caller data: bytes accounted */
     uint64_t aux;   /* caller data: e.g. owning graph, pid */
+    uint64_t aux2;  /* caller data */
+    uint64_t ctx;   /* caller data: the context an allocation belongs to */
 };
 
 #define VC_MAP_TOMB 0xFFFFFFFFu
@@ -31,12 +33,22 @@ struct vc_map {
 /* Inserts or replaces.  Returns 0, or -1 when memory runs out (the map is unchanged). */
 int vc_map_put(struct vc_map *m, const struct vc_map_entry *e);
 
+/* The entry of (key, kind) in place (valid until the map changes), or NULL. */
+struct vc_map_entry *vc_map_lookup(struct vc_map *m, uint64_t key, uint32_t kind);
+
 /* Looks up (key, kind); copies the entry to *out (if not NULL) and removes it when take. */
 bool vc_map_find(struct vc_map *m, uint64_t key, uint32_t kind, struct vc_map_entry *out, bool take);
 
 /* Removes every entry of kind for which pred(entry, arg) is true, calling done(entry, arg) for each. */
 void vc_map_remove_if(struct vc_map *m, uint32_t kind, bool (*pred)(const struct vc_map_entry *, void *),
                       void (*done)(const struct vc_map_entry *, void *), void *arg);
+
+/* The first entry of kind for which pred(entry, arg) is true, copied to *out; false if none. */
+bool vc_map_find_if(const struct vc_map *m, uint32_t kind, bool (*pred)(const struct vc_map_entry *, void *), void *arg,
+                    struct vc_map_entry *out);
+
+/* Calls fn(entry, arg) for every entry of kind; fn may change the entry's caller data (not key or kind). */
+void vc_map_each(struct vc_map *m, uint32_t kind, void (*fn)(struct vc_map_entry *, void *), void *arg);
 
 /* Forgets everything (keeps no memory). */
 void vc_map_reset(struct vc_map *m);

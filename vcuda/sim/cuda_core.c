@@ -512,6 +512,7 @@ static CUresult ctx_destroy(CUcontext ctx)
         }
     }
     int dev = ctx->device;
+    sim_ctx_gone(ctx);
     ctx->magic = 0;
     free(ctx);
     sim_ctx_memory_release(dev);
@@ -557,6 +558,7 @@ static CUresult primary_release(CUdevice dev, bool reset)
     CUresult rc = sim_cu_device(dev, &n);
     if (rc != CUDA_SUCCESS)
         return rc;
+    bool gone = false;
     pthread_mutex_lock(&g_ctx_mu);
     if (g_primary_refs[dev] == 0) {
         rc = reset ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
@@ -564,10 +566,12 @@ static CUresult primary_release(CUdevice dev, bool reset)
         g_primary_refs[dev] = reset ? 0 : g_primary_refs[dev] - 1;
         if (g_primary_refs[dev] == 0) {
             live_ctx_down(dev);
-            /* The handle stays valid (as in CUDA); memory it "held" is gone with it. */
+            gone = true; /* the handle stays valid (as in CUDA); the memory allocated in it is freed */
         }
     }
     pthread_mutex_unlock(&g_ctx_mu);
+    if (gone)
+        sim_ctx_gone(&g_primary[dev]);
     return rc;
 }
 

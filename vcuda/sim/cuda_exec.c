@@ -358,8 +358,11 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
         return CUDA_ERROR_INVALID_HANDLE;
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
         return CUDA_ERROR_INVALID_VALUE;
-    run_on_gpu(gpu, stream, kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz,
-                                      (uint64_t)bx * by * bz));
+    uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz, (uint64_t)bx * by * bz);
+    CUgraph capture = sim_stream_capture(stream);
+    if (capture != NULL) /* captured: a kernel node of the capturing graph, nothing runs */
+        return sim_graph_kernel_node(NULL, capture, ns);
+    run_on_gpu(gpu, stream, ns);
     return CUDA_SUCCESS;
 }
 
@@ -539,12 +542,31 @@ SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_hei
     return legacy_launch(f, grid_width, grid_height, hStream);
 }
 
-/* ---- graphs with memory nodes ------------------------------------------------------------ */
+/* ---- graphs ------------------------------------------------------------------------------ */
 
-/* Graphs, nodes and executable graphs; graphs and execs sum their kernel nodes' durations. */
+/*
+ * Graphs, nodes and executable graphs.  A graph and its exec sum their kernel nodes' durations (one
+ * timeline entry per launch).  Memory allocation nodes follow cuda.h: the address is fixed when the
+ * node is made; the memory is the exec's (charged when the graph is instantiated: the driver backs it
+ * by then, and "only one instantiation of the graph may exist"); a launch without a free node for
+ * it leaves the allocation live after the graph ran, until cuMemFree/cuMemFreeAsync of its address;
+ * destroying the graph frees nothing.  REC_GALLOC (key = address, aux = its struct sim_galloc) keeps
+ * one allocation's state; a node record (REC_GNODE) carries its type in ctx.
+ */
+enum { NODE_KERNEL = 0, NODE_ALLOC = 1, NODE_FREE = 2 };
+
 struct sim_graph_obj {
     _Atomic uint64_t kernel_ns;
     _Atomic uint32_t kernels;
+    CUgraph graph; /* an exec: the graph it was instantiated from (an identity only: may be gone) */
+};
+
+struct sim_galloc {
+    uint64_t dptr, bytes;
+    unsigned gpu;
+    CUgraph graph;    /* NULL once the graph (or the node) is destroyed */
+    CUgraphExec exec; /* the instantiation holding it, or NULL */
+    bool charged, outstanding, freed_in_graph;
 };
 
 static CUresult new_object(void **out, enum sim_rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
@@ -557,6 +579,25 @@ static CUresult new_object(void **out, enum sim_rec_kind kind, unsigned gpu, uin
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *out = o;
+    return CUDA_SUCCESS;
+}
+
+/* Node records with their type and the allocation they name (records lock not held). */
+static CUresult new_node(CUgraphNode *out, CUgraph graph, unsigned type, uint64_t size, uint64_t dptr)
+{
+    struct sim_graph_obj *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)o, .kind = REC_GNODE, .gpu = NO_GPU, .size = size,
+                             .aux = (uint64_t)(uintptr_t)graph, .aux2 = dptr, .ctx = type};
+    sim_rec_lock();
+    int rc = vc_map_put(sim_recs(), &e);
+    sim_rec_unlock();
+    if (rc != 0) {
+        free(o);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = (CUgraphNode)(void *)o;
     return CUDA_SUCCESS;
 }
 
@@ -581,6 +622,95 @@ static CUresult check_graph(CUgraph g, const CUgraphNode *deps, size_t n)
     return CUDA_SUCCESS;
 }
 
+static struct sim_galloc *galloc_of(uint64_t dptr)
+{
+    struct vc_map_entry *e = vc_map_lookup(sim_recs(), dptr, REC_GALLOC);
+    return e != NULL ? (struct sim_galloc *)(uintptr_t)e->aux : NULL;
+}
+
+static void galloc_uncharge(struct sim_galloc *a)
+{
+    if (a->charged) {
+        a->charged = false;
+        g_graph_mem[a->gpu] -= a->bytes;
+        sim_mem_uncharge(a->gpu, a->bytes);
+    }
+}
+
+/* Forgets an allocation nothing holds any more (records lock held). */
+static void galloc_settle(struct sim_galloc *a)
+{
+    if (a->exec == NULL && !a->outstanding)
+        galloc_uncharge(a);
+    if (a->graph == NULL && a->exec == NULL && !a->outstanding) {
+        vc_map_find(sim_recs(), a->dptr, REC_GALLOC, NULL, true);
+        free(a);
+    }
+}
+
+/* A memory allocation node of graph (also what a captured cuMemAllocAsync becomes). */
+CUresult sim_graph_alloc_node(CUgraphNode *node, CUgraph graph, unsigned gpu, uint64_t bytes, CUdeviceptr *dptr)
+{
+    uint64_t va = sim_va_alloc(gpu, bytes, SIM_ALLOC_ALIGN);
+    struct sim_galloc *a = calloc(1, sizeof(*a));
+    if (va == 0 || a == NULL) {
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *a = (struct sim_galloc){.dptr = va, .bytes = bytes, .gpu = gpu, .graph = graph};
+    CUgraphNode n = NULL;
+    CUresult rc = new_node(&n, graph, NODE_ALLOC, bytes, va);
+    if (rc != CUDA_SUCCESS) {
+        free(a);
+        return rc;
+    }
+    struct vc_map_entry e = {.key = va, .kind = REC_GALLOC, .gpu = gpu, .size = bytes, .aux = (uint64_t)(uintptr_t)a};
+    sim_rec_lock();
+    int put = vc_map_put(sim_recs(), &e);
+    sim_rec_unlock();
+    if (put != 0) {
+        cuGraphDestroyNode(n);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (node != NULL)
+        *node = n;
+    *dptr = (CUdeviceptr)va;
+    return CUDA_SUCCESS;
+}
+
+/* A free node of graph for dptr (also what a captured cuMemFreeAsync becomes). */
+CUresult sim_graph_free_node(CUgraphNode *node, CUgraph graph, CUdeviceptr dptr)
+{
+    sim_rec_lock();
+    struct sim_galloc *a = galloc_of(dptr);
+    bool ok = a != NULL && !a->freed_in_graph;
+    if (ok && a->graph == graph)
+        a->freed_in_graph = true;
+    sim_rec_unlock();
+    if (!ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUgraphNode n;
+    CUresult rc = new_node(&n, graph, NODE_FREE, 0, dptr);
+    if (rc == CUDA_SUCCESS && node != NULL)
+        *node = n;
+    return rc;
+}
+
+/* cuMemFree/cuMemFreeAsync of an allocation a graph launch left live; false if dptr is none. */
+bool sim_graph_free(uint64_t dptr)
+{
+    sim_rec_lock();
+    struct sim_galloc *a = galloc_of(dptr);
+    bool ok = a != NULL && a->outstanding;
+    if (ok) {
+        a->outstanding = false;
+        galloc_settle(a);
+    }
+    sim_rec_unlock();
+    return ok;
+}
+
 SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                            size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
 {
@@ -593,26 +723,8 @@ SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGr
     const struct sim_node *n;
     if (sim_cu_device(nodeParams->poolProps.location.id, &n) != CUDA_SUCCESS)
         return CUDA_ERROR_INVALID_VALUE;
-    unsigned gpu = (unsigned)nodeParams->poolProps.location.id;
-    uint64_t bytes = nodeParams->bytesize;
-    /* Charged when the node is made (the driver reserves it by the first launch) until the graph goes. */
-    rc = sim_mem_charge(gpu, bytes);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    uint64_t va = sim_va_alloc(gpu, bytes, SIM_ALLOC_ALIGN);
-    void *node = NULL;
-    rc = va == 0 ? CUDA_ERROR_OUT_OF_MEMORY
-                 : new_object(&node, REC_GNODE, gpu, bytes, (uint64_t)(uintptr_t)hGraph);
-    if (rc != CUDA_SUCCESS) {
-        sim_mem_uncharge(gpu, bytes);
-        return rc;
-    }
-    sim_rec_lock();
-    g_graph_mem[gpu] += bytes;
-    sim_rec_unlock();
-    nodeParams->dptr = (CUdeviceptr)va;
-    *phGraphNode = (CUgraphNode)node;
-    return CUDA_SUCCESS;
+    return sim_graph_alloc_node(phGraphNode, hGraph, (unsigned)nodeParams->poolProps.location.id,
+                                nodeParams->bytesize, &nodeParams->dptr);
 }
 
 SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
@@ -623,21 +735,40 @@ SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGra
         return rc;
     if (phGraphNode == NULL || dptr == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    return new_object((void **)phGraphNode, REC_GNODE, NO_GPU, 0, (uint64_t)(uintptr_t)hGraph);
+    return sim_graph_free_node(phGraphNode, hGraph, dptr);
 }
 
+/* A node goes (records lock held): its graph's kernel time, or its allocation's graph. */
 static void node_gone(const struct vc_map_entry *e, void *arg)
 {
     (void)arg;
-    if (e->gpu != NO_GPU) {
-        g_graph_mem[e->gpu] -= e->size; /* the records lock is held by the caller */
-        sim_mem_uncharge(e->gpu, e->size);
-    } else if (e->size > 0) { /* a kernel node: size = its duration */
+    if (e->ctx == NODE_KERNEL && e->size > 0) {
         struct sim_graph_obj *g = (struct sim_graph_obj *)(uintptr_t)e->aux;
         atomic_fetch_sub(&g->kernel_ns, e->size);
         atomic_fetch_sub(&g->kernels, 1);
+    } else if (e->ctx == NODE_ALLOC) {
+        struct sim_galloc *a = galloc_of(e->aux2);
+        if (a != NULL) {
+            a->graph = NULL; /* destroying the graph frees nothing an exec or a launch holds */
+            galloc_settle(a);
+        }
     }
     free((void *)(uintptr_t)e->key);
+}
+
+/* Adds a kernel node of ns to graph (records lock not held). */
+CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns)
+{
+    CUgraphNode n;
+    CUresult rc = new_node(&n, graph, NODE_KERNEL, ns, 0);
+    if (rc == CUDA_SUCCESS) {
+        struct sim_graph_obj *g = (struct sim_graph_obj *)(void *)graph;
+        atomic_fetch_add(&g->kernel_ns, ns);
+        atomic_fetch_add(&g->kernels, 1);
+        if (node != NULL)
+            *node = n;
+    }
+    return rc;
 }
 
 static CUresult add_kernel_node(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps, CUfunction f,
@@ -655,13 +786,7 @@ static CUresult add_kernel_node(CUgraphNode *node, CUgraph graph, const CUgraphN
         return rc;
     uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, (unsigned)dev, (uint64_t)gx * gy * gz,
                             (uint64_t)bx * by * bz);
-    rc = new_object((void **)node, REC_GNODE, NO_GPU, ns, (uint64_t)(uintptr_t)graph);
-    if (rc == CUDA_SUCCESS) {
-        struct sim_graph_obj *g = (struct sim_graph_obj *)(void *)graph;
-        atomic_fetch_add(&g->kernel_ns, ns);
-        atomic_fetch_add(&g->kernels, 1);
-    }
-    return rc;
+    return sim_graph_kernel_node(node, graph, ns);
 }
 
 SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
@@ -718,6 +843,45 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
     return CUDA_SUCCESS;
 }
 
+struct instantiation {
+    CUgraph graph;
+    CUgraphExec exec;
+    CUresult rc;
+};
+
+/* The graph's allocations become the exec's: charged now (records lock held). */
+static void galloc_instantiate(struct vc_map_entry *e, void *arg)
+{
+    struct instantiation *in = arg;
+    struct sim_galloc *a = (struct sim_galloc *)(uintptr_t)e->aux;
+    if (in->rc != CUDA_SUCCESS || a->graph != in->graph)
+        return;
+    if (a->exec != NULL) {
+        in->rc = CUDA_ERROR_NOT_SUPPORTED; /* cuda.h: only one instantiation of such a graph at a time */
+        return;
+    }
+    if (!a->charged) {
+        CUresult rc = sim_mem_charge(a->gpu, a->bytes);
+        if (rc != CUDA_SUCCESS) {
+            in->rc = rc;
+            return;
+        }
+        a->charged = true;
+        g_graph_mem[a->gpu] += a->bytes;
+    }
+    a->exec = in->exec;
+}
+
+/* Undoes galloc_instantiate for a failed instantiation, or an exec destroyed (records lock held). */
+static void galloc_release_exec(struct vc_map_entry *e, void *arg)
+{
+    struct sim_galloc *a = (struct sim_galloc *)(uintptr_t)e->aux;
+    if (a->exec == (CUgraphExec)arg) {
+        a->exec = NULL;
+        galloc_settle(a); /* may remove e: vc_map_each tolerates that (the slot becomes a tombstone) */
+    }
+}
+
 static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
 {
     if (sim_cu_node() == NULL)
@@ -725,13 +889,25 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
     if (exec == NULL || !sim_find((uint64_t)(uintptr_t)graph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = new_object((void **)exec, REC_GEXEC, NO_GPU, 0, (uint64_t)(uintptr_t)graph);
-    if (rc == CUDA_SUCCESS) {
-        const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
-        struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
-        atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
-        atomic_store(&x->kernels, atomic_load(&g->kernels));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
+    struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
+    atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
+    atomic_store(&x->kernels, atomic_load(&g->kernels));
+    x->graph = graph;
+    struct instantiation in = {graph, *exec, CUDA_SUCCESS};
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_GALLOC, galloc_instantiate, &in);
+    if (in.rc != CUDA_SUCCESS)
+        vc_map_each(sim_recs(), REC_GALLOC, galloc_release_exec, *exec);
+    sim_rec_unlock();
+    if (in.rc != CUDA_SUCCESS) {
+        sim_find((uint64_t)(uintptr_t)*exec, REC_GEXEC, NULL, true);
+        free(*exec);
+        *exec = NULL;
     }
-    return rc;
+    return in.rc;
 }
 
 SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
@@ -769,6 +945,14 @@ SIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, 
     return cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
 }
 
+/* After a launch of exec: its allocations without a free node in the graph stay live (records lock held). */
+static void galloc_launched(struct vc_map_entry *e, void *arg)
+{
+    struct sim_galloc *a = (struct sim_galloc *)(uintptr_t)e->aux;
+    if (a->exec == (CUgraphExec)arg && !a->freed_in_graph)
+        a->outstanding = true;
+}
+
 static CUresult graph_launch(CUgraphExec exec, CUstream stream)
 {
     unsigned gpu;
@@ -777,10 +961,16 @@ static CUresult graph_launch(CUgraphExec exec, CUstream stream)
         return rc;
     if (!sim_find((uint64_t)(uintptr_t)exec, REC_GEXEC, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
-    /* Its kernel nodes run back to back: one entry of their total duration. */
     const struct sim_graph_obj *x = (const struct sim_graph_obj *)(void *)exec;
+    CUgraph capture = sim_stream_capture(stream);
+    if (capture != NULL) /* launched into a capture: its kernels become a node of the capturing graph */
+        return sim_graph_kernel_node(NULL, capture, atomic_load(&x->kernel_ns));
+    /* Its kernel nodes run back to back: one entry of their total duration. */
     if (atomic_load(&x->kernels) > 0)
         run_on_gpu(gpu, stream, atomic_load(&x->kernel_ns));
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_GALLOC, galloc_launched, exec);
+    sim_rec_unlock();
     return CUDA_SUCCESS;
 }
 
@@ -800,6 +990,9 @@ SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, true))
         return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_GALLOC, galloc_release_exec, hGraphExec);
+    sim_rec_unlock();
     free(hGraphExec);
     return CUDA_SUCCESS;
 }

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -102,6 +103,9 @@ CUresult sim_mem_charge(unsigned gpu, uint64_t bytes)
         }
         mine->used_bytes += bytes;
         mine->updated_us = sim_now_us();
+        struct gpusim_gpu *g = sim_state_gpu(n->state, gpu);
+        if (g != NULL && used + bytes > g->used_peak)
+            g->used_peak = used + bytes;
         sim_state_touch(n->state);
     }
     sim_state_unlock(n->state);
@@ -182,16 +186,20 @@ static void atfork_parent(void)
     pthread_mutex_unlock(&g_mu);
 }
 
+static void pools_atfork_child(void);
+
 static void atfork_child(void)
 {
     /* The child owns none of the parent's device memory. */
     vc_map_reset(&g_recs);
     sim_exec_atfork_child();
+    pools_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
 }
 
 __attribute__((constructor)) static void mem_init(void)
 {
+    pools_atfork_child(); /* the default pools' initial state */
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
@@ -212,7 +220,8 @@ struct vc_map *sim_recs(void)
 
 int sim_put(uint64_t key, enum sim_rec_kind kind, unsigned gpu, uint64_t size, uint64_t aux)
 {
-    struct vc_map_entry e = {.key = key, .kind = kind, .gpu = gpu, .size = size, .aux = aux};
+    struct vc_map_entry e = {.key = key, .kind = kind, .gpu = gpu, .size = size, .aux = aux,
+                             .ctx = (uint64_t)(uintptr_t)sim_cu_current()}; /* the context it belongs to */
     pthread_mutex_lock(&g_mu);
     int rc = vc_map_put(&g_recs, &e);
     pthread_mutex_unlock(&g_mu);
@@ -229,6 +238,33 @@ bool sim_find(uint64_t key, enum sim_rec_kind kind, struct vc_map_entry *out, bo
     return hit;
 }
 
+/* ---- what a context takes with it ------------------------------------------------------------- */
+
+static bool of_context(const struct vc_map_entry *e, void *ctx)
+{
+    return e->ctx == (uint64_t)(uintptr_t)ctx && !(e->kind == REC_DEV && e->aux != 0); /* pool memory is the device's */
+}
+
+static void freed_with_context(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    if (e->kind == REC_DEV || e->kind == REC_LEGACY || e->kind == REC_ARRAY || e->kind == REC_MIPMAP ||
+        e->kind == REC_MODULE)
+        sim_mem_uncharge(e->gpu, e->size);
+    if (e->kind == REC_ARRAY || e->kind == REC_MIPMAP || e->kind == REC_STREAM || e->kind == REC_MODULE)
+        free((void *)(uintptr_t)e->key);
+}
+
+/* cuda.h: destroying a context (or resetting a primary one) frees every allocation made in it. */
+void sim_ctx_gone(CUcontext ctx)
+{
+    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_STREAM};
+    sim_rec_lock();
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        vc_map_remove_if(&g_recs, kinds[i], of_context, freed_with_context, ctx);
+    sim_rec_unlock();
+}
+
 /* Charges gpu, takes an address in range, records it; on any failure nothing stays charged. */
 static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, unsigned range, enum sim_rec_kind kind)
 {
@@ -236,7 +272,12 @@ static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, un
     if (rc != CUDA_SUCCESS)
         return rc;
     uint64_t va = sim_va_alloc(range, bytes, SIM_ALLOC_ALIGN);
-    if (va == 0 || sim_put(va, kind, gpu, bytes, 0) != 0) {
+    struct vc_map_entry e = {.key = va, .kind = kind, .gpu = gpu, .size = bytes,
+                             .ctx = (uint64_t)(uintptr_t)sim_cu_current()}; /* the context it belongs to */
+    sim_rec_lock();
+    int put = va == 0 ? -1 : vc_map_put(&g_recs, &e);
+    sim_rec_unlock();
+    if (put != 0) {
         sim_mem_uncharge(gpu, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -252,8 +293,11 @@ static CUresult device_free(uint64_t va, enum sim_rec_kind kind)
     if (va == 0)
         return CUDA_SUCCESS;
     if (!sim_find(va, kind, &e, true))
-        return CUDA_ERROR_INVALID_VALUE;
-    sim_mem_uncharge(e.gpu, e.size);
+        return kind == REC_DEV && sim_graph_free(va) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (e.aux != 0)
+        sim_pool_free_record(&e); /* a pool's: back to the pool */
+    else
+        sim_mem_uncharge(e.gpu, e.size);
     return CUDA_SUCCESS;
 }
 
@@ -579,9 +623,32 @@ SIM_EXPORT CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQU
 
 /* ---- virtual memory management -------------------------------------------------------- */
 
+/*
+ * A physical allocation (CUmemGenericAllocationHandle).  cuda.h: cuMemRelease only gives up the
+ * handle; "the memory is freed when all outstanding mappings to it are unmapped", so it stays
+ * charged while refs (the handle from cuMemCreate or cuMemImportFromShareableHandle, plus one per
+ * cuMemRetainAllocationHandle) or maps (cuMemMap ranges) are non-zero.  An imported allocation is
+ * the exporter's memory: never charged here.
+ */
 struct sim_vmm {
     CUmemAllocationProp prop;
     uint64_t size;
+    unsigned gpu;     /* NO_GPU: host memory */
+    unsigned refs;    /* handles not yet released (under the records lock) */
+    unsigned maps;    /* mapped ranges (under the records lock) */
+    bool imported;
+};
+
+#define SHAREABLE_MAGIC 0x4853534d49535047ull /* "GPSIMSSH" */
+
+/* What an exported POSIX file descriptor holds (a memfd): enough to import it in another process. */
+struct sim_shareable {
+    uint64_t magic;
+    uint32_t pid;
+    uint32_t gpu;
+    uint64_t start;
+    uint64_t size;
+    CUmemAllocationProp prop;
 };
 
 static CUresult check_prop(const CUmemAllocationProp *prop, unsigned *gpu)
@@ -615,23 +682,17 @@ SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUm
     return rc;
 }
 
-SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
-                                unsigned long long flags)
+static CUresult vmm_new(CUmemGenericAllocationHandle *handle, const CUmemAllocationProp *prop, uint64_t size,
+                       unsigned gpu, bool imported)
 {
-    unsigned gpu;
-    if (handle == NULL || flags != 0 || size == 0 || size % SIM_VMM_GRANULARITY != 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = check_prop(prop, &gpu);
-    if (rc != CUDA_SUCCESS)
-        return rc;
     struct sim_vmm *m = malloc(sizeof(*m));
     if (m == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *m = (struct sim_vmm){.prop = *prop, .size = size};
-    if (gpu != NO_GPU)
-        rc = sim_mem_charge(gpu, size);
+    *m = (struct sim_vmm){.prop = *prop, .size = size, .gpu = gpu, .refs = 1, .maps = 0, .imported = imported};
+    bool charge = gpu != NO_GPU && !imported;
+    CUresult rc = charge ? sim_mem_charge(gpu, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS && sim_put((uint64_t)(uintptr_t)m, REC_VMM, gpu, size, 0) != 0) {
-        if (gpu != NO_GPU)
+        if (charge)
             sim_mem_uncharge(gpu, size);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -643,17 +704,51 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                unsigned long long flags)
+{
+    unsigned gpu;
+    if (handle == NULL || flags != 0 || size == 0 || size % SIM_VMM_GRANULARITY != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = check_prop(prop, &gpu);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return vmm_new(handle, prop, size, gpu, false);
+}
+
+/* The live allocation behind handle (records lock held), or NULL. */
+static struct sim_vmm *vmm_of(uint64_t handle)
 {
     struct vc_map_entry e;
+    if (handle == 0 || !vc_map_find(sim_recs(), handle, REC_VMM, &e, false))
+        return NULL;
+    return (struct sim_vmm *)(uintptr_t)handle;
+}
+
+/* Frees m when nothing refers to it any more (records lock held). */
+static void vmm_maybe_free(struct sim_vmm *m)
+{
+    if (m->refs > 0 || m->maps > 0)
+        return;
+    vc_map_find(sim_recs(), (uint64_t)(uintptr_t)m, REC_VMM, NULL, true);
+    if (m->gpu != NO_GPU && !m->imported)
+        sim_mem_uncharge(m->gpu, m->size);
+    free(m);
+}
+
+SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_find(handle, REC_VMM, &e, true))
-        return CUDA_ERROR_INVALID_VALUE;
-    if (e.gpu != NO_GPU)
-        sim_mem_uncharge(e.gpu, e.size);
-    free((void *)(uintptr_t)handle);
-    return CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_vmm *m = vmm_of(handle);
+    CUresult rc = m == NULL || m->refs == 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) {
+        m->refs--;
+        vmm_maybe_free(m);
+    }
+    sim_rec_unlock();
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
@@ -661,10 +756,12 @@ SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
 {
     if (prop == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_find(handle, REC_VMM, NULL, false))
-        return CUDA_ERROR_INVALID_VALUE;
-    *prop = ((const struct sim_vmm *)(uintptr_t)handle)->prop;
-    return CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_vmm *m = vmm_of(handle);
+    if (m != NULL)
+        *prop = m->prop;
+    sim_rec_unlock();
+    return m != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
@@ -694,23 +791,143 @@ SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
     return CUDA_SUCCESS;
 }
 
+/* A mapping: REC_MAP, key = start address, size, aux = the allocation (handle). */
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                              unsigned long long flags)
 {
-    struct vc_map_entry e;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (ptr == 0 || size == 0 || flags != 0 || !sim_find(handle, REC_VMM, &e, false) || offset > e.size ||
-        size > e.size - offset)
+    if (ptr == 0 || size == 0 || flags != 0 || size % SIM_VMM_GRANULARITY != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_vmm *m = vmm_of(handle);
+    CUresult rc = CUDA_SUCCESS;
+    struct vc_map_entry e = {.key = ptr, .kind = REC_MAP, .gpu = m != NULL ? m->gpu : NO_GPU, .size = size,
+                             .aux = handle};
+    if (m == NULL || m->refs == 0 || offset > m->size || size > m->size - offset ||
+        vc_map_find(sim_recs(), ptr, REC_MAP, NULL, false))
+        rc = CUDA_ERROR_INVALID_VALUE;
+    else if (vc_map_put(sim_recs(), &e) != 0)
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    else
+        m->maps++;
+    sim_rec_unlock();
+    return rc;
+}
+
+struct range {
+    uint64_t lo, hi;
+};
+
+static bool map_in_range(const struct vc_map_entry *e, void *arg)
+{
+    const struct range *r = arg;
+    return e->key >= r->lo && e->key < r->hi;
+}
+
+static void map_gone(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    struct sim_vmm *m = vmm_of(e->aux);
+    if (m != NULL && m->maps > 0) {
+        m->maps--;
+        vmm_maybe_free(m);
+    }
 }
 
 SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    return ptr == 0 || size == 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (ptr == 0 || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct range r = {ptr, ptr + size};
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_MAP, map_in_range, map_gone, &r);
+    sim_rec_unlock();
+    return CUDA_SUCCESS;
+}
+
+static bool map_covers(const struct vc_map_entry *e, void *arg)
+{
+    uint64_t addr = *(const uint64_t *)arg;
+    return addr >= e->key && addr - e->key < e->size;
+}
+
+/* The allocation mapped at addr, with one more reference (released with cuMemRelease). */
+SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    struct vc_map_entry e;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (handle == NULL || addr == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t a = (uint64_t)(uintptr_t)addr;
+    sim_rec_lock();
+    struct sim_vmm *m = NULL;
+    if (vc_map_find_if(sim_recs(), REC_MAP, map_covers, &a, &e))
+        m = vmm_of(e.aux);
+    if (m != NULL) {
+        m->refs++;
+        *handle = e.aux;
+    }
+    sim_rec_unlock();
+    return m != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- shareable handles: a POSIX file descriptor (a memfd) that another process imports ----------- */
+
+SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                 CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (shareableHandle == NULL || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    struct sim_shareable sh;
+    memset(&sh, 0, sizeof(sh));
+    sim_rec_lock();
+    struct sim_vmm *m = vmm_of(handle);
+    CUresult rc = CUDA_SUCCESS;
+    if (m == NULL || m->refs == 0)
+        rc = CUDA_ERROR_INVALID_VALUE;
+    else if (!(m->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        rc = CUDA_ERROR_INVALID_VALUE; /* cuMemCreate did not ask for this handle type */
+    else
+        sh = (struct sim_shareable){.magic = SHAREABLE_MAGIC, .pid = (uint32_t)getpid(), .gpu = m->gpu,
+                                    .start = vc_proc_start_time((int)getpid()), .size = m->size, .prop = m->prop};
+    sim_rec_unlock();
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    int fd = memfd_create("gpusim-allocation", MFD_CLOEXEC);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (pwrite(fd, &sh, sizeof(sh), 0) != (ssize_t)sizeof(sh)) {
+        close(fd);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    *(int *)shareableHandle = fd;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                   CUmemAllocationHandleType shHandleType)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (handle == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    int fd = (int)(intptr_t)osHandle;
+    struct sim_shareable sh;
+    if (pread(fd, &sh, sizeof(sh), 0) != (ssize_t)sizeof(sh) || sh.magic != SHAREABLE_MAGIC)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!vc_proc_alive((int)sh.pid, sh.start))
+        return CUDA_ERROR_INVALID_VALUE; /* the exporter (and its memory) is gone */
+    return vmm_new(handle, &sh.prop, sh.size, sh.gpu, true);
 }
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
@@ -722,25 +939,111 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
 
 /* ---- memory pools and stream-ordered allocation ------------------------------------------ */
 
+/*
+ * A pool reserves physical memory in 2 MiB chunks and keeps what its allocations free: a free
+ * (cuMemFreeAsync, or cuMemFree of a pool pointer) returns the bytes to the pool, not to the GPU.
+ * The pool gives reserved memory back when a stream, event or context is synchronised and it holds
+ * more than its CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0), and on cuMemPoolTrimTo.  The GPU (and
+ * NVML) sees the reserved bytes.  Pool allocations are REC_DEV records with aux = the pool.
+ */
+#define POOL_CHUNK SIM_VMM_GRANULARITY
+
 struct sim_pool {
     unsigned gpu;
+    bool destroyed;            /* cuMemPoolDestroy with allocations outstanding */
+    int reuse[3];              /* CU_MEMPOOL_ATTR_REUSE_* */
+    uint64_t threshold;        /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
+    uint64_t reserved, used, reserved_high, used_high;
 };
 
 static struct sim_pool g_default_pool[GPUSIM_MAX_GPUS];
-static CUmemoryPool g_current_pool[GPUSIM_MAX_GPUS]; /* under g_mu; NULL = default */
+static CUmemoryPool g_current_pool[GPUSIM_MAX_GPUS]; /* under the records lock; NULL = default */
+static struct sim_pool *g_pools[256];                 /* every pool, for releasing at synchronisation */
+static unsigned g_npools;
+
+static void pools_atfork_child(void)
+{
+    /* The child holds none of its parent's pool memory. */
+    for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
+        g_default_pool[i] = (struct sim_pool){.gpu = i, .reuse = {1, 1, 1}};
+    g_npools = 0;
+}
+
+static bool is_default_pool(const struct sim_pool *p)
+{
+    uintptr_t a = (uintptr_t)p, base = (uintptr_t)&g_default_pool[0];
+    return a >= base && a < base + sizeof(g_default_pool);
+}
+
+/* The pool behind a handle (records lock held), or NULL. */
+static struct sim_pool *pool_of(CUmemoryPool pool)
+{
+    uintptr_t p = (uintptr_t)pool, base = (uintptr_t)&g_default_pool[0];
+    if (p >= base && p < base + sizeof(g_default_pool) && (p - base) % sizeof(g_default_pool[0]) == 0)
+        return (struct sim_pool *)pool;
+    struct vc_map_entry *e = vc_map_lookup(sim_recs(), p, REC_POOL);
+    return e != NULL ? (struct sim_pool *)pool : NULL;
+}
 
 static bool pool_gpu(CUmemoryPool pool, unsigned *gpu)
 {
-    uintptr_t p = (uintptr_t)pool, base = (uintptr_t)&g_default_pool[0];
-    if (p >= base && p < base + sizeof(g_default_pool) && (p - base) % sizeof(g_default_pool[0]) == 0) {
-        *gpu = (unsigned)((p - base) / sizeof(g_default_pool[0]));
-        return true;
+    sim_rec_lock();
+    struct sim_pool *p = pool_of(pool);
+    if (p != NULL)
+        *gpu = p->gpu;
+    sim_rec_unlock();
+    return p != NULL && !p->destroyed;
+}
+
+/* Gives back free reserved memory, keeping at least `keep` reserved bytes (records lock held). */
+static void pool_release(struct sim_pool *p, uint64_t keep)
+{
+    uint64_t floor = p->used > keep ? p->used : keep;
+    if (p->reserved <= floor)
+        return;
+    uint64_t give = (p->reserved - floor) / POOL_CHUNK * POOL_CHUNK;
+    if (p->destroyed || p->used == 0)
+        give = p->reserved - floor; /* nothing left to fragment: all of it */
+    if (give == 0)
+        return;
+    p->reserved -= give;
+    sim_mem_uncharge(p->gpu, give);
+}
+
+static void pool_forget(struct sim_pool *p)
+{
+    for (unsigned i = 0; i < g_npools; i++) {
+        if (g_pools[i] == p) {
+            g_pools[i] = g_pools[--g_npools];
+            break;
+        }
     }
-    struct vc_map_entry e;
-    if (!sim_find(p, REC_POOL, &e, false))
-        return false;
-    *gpu = e.gpu;
-    return true;
+}
+
+/* An allocation goes back to its pool (records lock held). */
+static void pool_free(struct sim_pool *p, uint64_t bytes)
+{
+    p->used -= bytes < p->used ? bytes : p->used;
+    if (p->destroyed) {
+        pool_release(p, 0);
+        if (p->used == 0) {
+            pool_forget(p);
+            free(p);
+        }
+    }
+}
+
+/* Stream, event or context synchronisation: pools above their release threshold give memory back. */
+void sim_pools_synchronized(void)
+{
+    sim_rec_lock();
+    for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
+        if (g_default_pool[i].reserved > g_default_pool[i].threshold)
+            pool_release(&g_default_pool[i], g_default_pool[i].threshold);
+    for (unsigned i = 0; i < g_npools; i++)
+        if (g_pools[i]->reserved > g_pools[i]->threshold)
+            pool_release(g_pools[i], g_pools[i]->threshold);
+    sim_rec_unlock();
 }
 
 SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
@@ -795,71 +1098,173 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *po
     struct sim_pool *p = malloc(sizeof(*p));
     if (p == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    p->gpu = (unsigned)poolProps->location.id;
-    if (sim_put((uint64_t)(uintptr_t)p, REC_POOL, p->gpu, 0, 0) != 0) {
+    *p = (struct sim_pool){.gpu = (unsigned)poolProps->location.id, .reuse = {1, 1, 1}};
+    sim_rec_lock();
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)p, .kind = REC_POOL, .gpu = p->gpu};
+    rc = g_npools >= sizeof(g_pools) / sizeof(g_pools[0]) || vc_map_put(sim_recs(), &e) != 0 ? CUDA_ERROR_OUT_OF_MEMORY
+                                                                                                : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS)
+        g_pools[g_npools++] = p;
+    sim_rec_unlock();
+    if (rc != CUDA_SUCCESS) {
         free(p);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return rc;
     }
     *pool = (CUmemoryPool)p;
     return CUDA_SUCCESS;
 }
 
+/* cuda.h: with allocations outstanding the pool's resources go once they are all freed. */
 SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_find((uint64_t)(uintptr_t)pool, REC_POOL, NULL, true))
-        return CUDA_ERROR_INVALID_VALUE;
     sim_rec_lock();
-    for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
-        if (g_current_pool[i] == pool)
-            g_current_pool[i] = NULL;
+    struct sim_pool *p = pool_of(pool);
+    bool ok = p != NULL && !is_default_pool(p) && !p->destroyed;
+    if (ok) {
+        vc_map_find(sim_recs(), (uint64_t)(uintptr_t)pool, REC_POOL, NULL, true);
+        for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
+            if (g_current_pool[i] == pool)
+                g_current_pool[i] = NULL;
+        p->destroyed = true;
+        pool_release(p, 0);
+        if (p->used == 0) {
+            pool_forget(p);
+            free(p);
+        }
+    }
     sim_rec_unlock();
-    free(pool);
-    return CUDA_SUCCESS;
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
-    unsigned gpu;
-    (void)minBytesToKeep;
-    return pool_gpu(pool, &gpu) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    struct sim_pool *p = pool_of(pool);
+    if (p != NULL)
+        pool_release(p, minBytesToKeep);
+    sim_rec_unlock();
+    return p != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
-    unsigned gpu;
-    (void)attr;
-    return pool_gpu(pool, &gpu) && value != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (value == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_pool *p = pool_of(pool);
+    if (p == NULL) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: p->reuse[0] = *(int *)value != 0; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: p->reuse[1] = *(int *)value != 0; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: p->reuse[2] = *(int *)value != 0; break;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: p->threshold = *(cuuint64_t *)value; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: /* only 0 is allowed: reset to the current value */
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+            if (*(cuuint64_t *)value != 0)
+                rc = CUDA_ERROR_INVALID_VALUE;
+            else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+                p->reserved_high = p->reserved;
+            else
+                p->used_high = p->used;
+            break;
+        default: rc = CUDA_ERROR_INVALID_VALUE; break; /* the current values are read-only */
+        }
+    }
+    sim_rec_unlock();
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
-    unsigned gpu;
-    if (!pool_gpu(pool, &gpu) || value == NULL)
+    if (value == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (attr == CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES || attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC ||
-        attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES)
-        *(int *)value = 1;
-    else
-        *(cuuint64_t *)value = 0;
-    return CUDA_SUCCESS;
+    CUresult rc = CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_pool *p = pool_of(pool);
+    if (p == NULL) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        switch (attr) {
+        case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: *(int *)value = p->reuse[0]; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC: *(int *)value = p->reuse[1]; break;
+        case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *(int *)value = p->reuse[2]; break;
+        case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = p->threshold; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = p->reserved; break;
+        case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = p->reserved_high; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = p->used; break;
+        case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = p->used_high; break;
+        default: rc = CUDA_ERROR_INVALID_VALUE; break;
+        }
+    }
+    sim_rec_unlock();
+    return rc;
+}
+
+/* An allocation of bytes from pool p on the GPU: from its free reserved memory, else new chunks. */
+static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, CUmemoryPool pool)
+{
+    sim_rec_lock();
+    struct sim_pool *p = pool_of(pool);
+    CUresult rc = p == NULL || p->destroyed ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    uint64_t grow = 0;
+    if (rc == CUDA_SUCCESS && p->reserved - p->used < bytes) {
+        grow = (bytes - (p->reserved - p->used) + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
+        rc = sim_mem_charge(p->gpu, grow);
+    }
+    uint64_t va = rc == CUDA_SUCCESS ? sim_va_alloc(p->gpu, bytes, SIM_ALLOC_ALIGN) : 0;
+    struct vc_map_entry e = {.key = va, .kind = REC_DEV, .gpu = rc == CUDA_SUCCESS ? p->gpu : 0, .size = bytes,
+                             .aux = (uint64_t)(uintptr_t)p, .ctx = (uint64_t)(uintptr_t)sim_cu_current()};
+    if (rc == CUDA_SUCCESS && (va == 0 || vc_map_put(sim_recs(), &e) != 0)) {
+        if (grow > 0)
+            sim_mem_uncharge(p->gpu, grow);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc == CUDA_SUCCESS) {
+        p->reserved += grow;
+        p->used += bytes;
+        if (p->reserved > p->reserved_high)
+            p->reserved_high = p->reserved;
+        if (p->used > p->used_high)
+            p->used_high = p->used;
+        *dptr = (CUdeviceptr)va;
+    }
+    sim_rec_unlock();
+    return rc;
+}
+
+/* A pool allocation freed (cuMemFreeAsync, or cuMemFree of a pool pointer): back to its pool. */
+void sim_pool_free_record(const struct vc_map_entry *e)
+{
+    sim_rec_lock();
+    pool_free((struct sim_pool *)(uintptr_t)e->aux, e->size);
+    sim_rec_unlock();
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream)
 {
-    unsigned gpu, pgpu;
+    unsigned gpu;
     CUresult rc = sim_stream_device(stream, &gpu);
     if (rc != CUDA_SUCCESS)
         return rc;
     if (dptr == NULL || bytesize == 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (pool != NULL) {
-        if (!pool_gpu(pool, &pgpu))
-            return CUDA_ERROR_INVALID_VALUE;
-        gpu = pgpu;
+    if (pool == NULL) {
+        sim_rec_lock();
+        pool = g_current_pool[gpu] ? g_current_pool[gpu] : (CUmemoryPool)&g_default_pool[gpu];
+        sim_rec_unlock();
     }
-    return device_alloc(dptr, bytesize, gpu, gpu, REC_DEV);
+    unsigned pgpu;
+    if (!pool_gpu(pool, &pgpu))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUgraph capture = sim_stream_capture(stream);
+    if (capture != NULL) /* captured: a memory allocation node of the capturing graph */
+        return sim_graph_alloc_node(NULL, capture, pgpu, bytesize, dptr);
+    return pool_alloc(dptr, bytesize, pool);
 }
 
 SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
@@ -895,6 +1300,9 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream)
         return rc;
     if (dptr == 0)
         return CUDA_ERROR_INVALID_VALUE;
+    CUgraph capture = sim_stream_capture(stream);
+    if (capture != NULL) /* captured: a free node (of a graph allocation) */
+        return sim_graph_free_node(NULL, capture, dptr);
     return device_free(dptr, REC_DEV);
 }
 

@@ -95,6 +95,9 @@ enum sim_rec_kind {
     REC_GEXEC,     /* key = CUgraphExec */
     REC_LIBRARY,   /* key = CUlibrary */
     REC_KERNEL,    /* key = CUkernel, aux = library */
+    REC_MAP,       /* key = start of a cuMemMap range, size, aux = the allocation handle */
+    REC_GALLOC,    /* key = address of a graph memory allocation, aux = its struct sim_galloc */
+    REC_IPC,       /* key = address of an opened IPC memory handle, size, aux = open count */
 };
 
 #define NO_GPU UINT32_MAX
@@ -111,7 +114,29 @@ struct vc_map *sim_recs(void);
 /* Graph state of cuda_exec.c, forgotten in a forked child (called with the records lock held). */
 void sim_exec_atfork_child(void);
 
+/* A context is destroyed (or a primary context reset): the memory allocated in it is freed. */
+void sim_ctx_gone(CUcontext ctx);
+
+/* Stream, event or context synchronisation: memory pools above their release threshold give memory back. */
+void sim_pools_synchronized(void);
+/* A pool allocation's record was taken: its bytes go back to its pool. */
+void sim_pool_free_record(const struct vc_map_entry *e);
+
+/* ---- graphs (cuda_exec.c) ---------------------------------------------------------------- */
+
+/* A memory allocation node of graph (node may be NULL): the address is fixed now, memory at instantiation. */
+CUresult sim_graph_alloc_node(CUgraphNode *node, CUgraph graph, unsigned gpu, uint64_t bytes, CUdeviceptr *dptr);
+/* A free node of graph for a graph allocation dptr (node may be NULL). */
+CUresult sim_graph_free_node(CUgraphNode *node, CUgraph graph, CUdeviceptr dptr);
+/* A kernel node of ns nanoseconds (node may be NULL). */
+CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns);
+/* cuMemFree(Async) of an allocation a graph launch left live; false if dptr is not one. */
+bool sim_graph_free(uint64_t dptr);
+
 /* ---- streams (cuda_stream.c) ------------------------------------------------------------- */
+
+/* The graph stream s is capturing into, or NULL (also for the special streams). */
+CUgraph sim_stream_capture(CUstream s);
 
 /* NULL, CU_STREAM_LEGACY or CU_STREAM_PER_THREAD: work goes to the current context. */
 bool sim_special_stream(CUstream s);

@@ -17,7 +17,13 @@ struct sim_stream {
     int device;
     CUcontext ctx;         /* the context it was created in */
     _Atomic uint64_t upto; /* sim_tl upto of its last kernel (0 = none) */
+    /* Stream capture (under the records lock): the graph work goes to while capturing. */
+    CUgraph capture;
+    uint64_t capture_id;
+    bool invalidated;      /* a call not allowed while capturing was made: cuStreamEndCapture fails */
 };
+
+static uint64_t g_capture_ids; /* under the records lock */
 
 static CUresult stream_create(CUstream *ph)
 {
@@ -27,7 +33,7 @@ static CUresult stream_create(CUstream *ph)
         return rc;
     if (ph == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_stream *s = malloc(sizeof(*s));
+    struct sim_stream *s = calloc(1, sizeof(*s));
     if (s == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
     s->device = dev;
@@ -167,13 +173,229 @@ void sim_stream_mark(CUstream s, uint64_t upto)
         atomic_store(&((struct sim_stream *)(void *)s)->upto, upto);
 }
 
+/* ---- stream capture ------------------------------------------------------------------------ */
+
+/* The created stream behind s (records lock held), or NULL. */
+static struct sim_stream *stream_of(CUstream s)
+{
+    if (sim_special_stream(s) || vc_map_lookup(sim_recs(), (uint64_t)(uintptr_t)s, REC_STREAM) == NULL)
+        return NULL;
+    return (struct sim_stream *)(void *)s;
+}
+
+CUgraph sim_stream_capture(CUstream s)
+{
+    if (sim_special_stream(s))
+        return NULL;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    CUgraph g = st != NULL && !st->invalidated ? st->capture : NULL;
+    sim_rec_unlock();
+    return g;
+}
+
+/* A synchronising call on a capturing stream: not allowed, and the capture is invalidated. */
+static bool capture_violated(CUstream s)
+{
+    if (sim_special_stream(s))
+        return false;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    bool capturing = st != NULL && st->capture != NULL;
+    if (capturing)
+        st->invalidated = true;
+    sim_rec_unlock();
+    return capturing;
+}
+
+static CUresult begin_capture(CUstream s, CUstreamCaptureMode mode)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (mode != CU_STREAM_CAPTURE_MODE_GLOBAL && mode != CU_STREAM_CAPTURE_MODE_THREAD_LOCAL &&
+        mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_special_stream(s))
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED; /* the legacy stream cannot be captured */
+    CUgraph g;
+    CUresult rc = cuGraphCreate(&g, 0);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    rc = st == NULL ? CUDA_ERROR_INVALID_HANDLE : st->capture != NULL ? CUDA_ERROR_ILLEGAL_STATE : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) {
+        st->capture = g;
+        st->capture_id = ++g_capture_ids;
+        st->invalidated = false;
+    }
+    sim_rec_unlock();
+    if (rc != CUDA_SUCCESS)
+        cuGraphDestroy(g);
+    return rc;
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
+{
+    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
+{
+    return begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    return begin_capture(hStream, mode);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
+{
+    return begin_capture(hStream, mode);
+}
+
+static CUresult end_capture(CUstream s, CUgraph *phGraph)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (phGraph == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    CUgraph g = st != NULL ? st->capture : NULL;
+    bool bad = st != NULL && st->invalidated;
+    if (st != NULL) {
+        st->capture = NULL;
+        st->invalidated = false;
+    }
+    sim_rec_unlock();
+    *phGraph = NULL;
+    if (g == NULL)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    if (bad) {
+        cuGraphDestroy(g);
+        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    }
+    *phGraph = g;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+{
+    return end_capture(hStream, phGraph);
+}
+
+SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+{
+    return end_capture(hStream, phGraph);
+}
+
+static CUresult capture_info(CUstream s, CUstreamCaptureStatus *status, cuuint64_t *id, CUgraph *graph,
+                             const CUgraphNode **deps, size_t *ndeps)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (status == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = CUDA_SUCCESS;
+    CUstreamCaptureStatus st_out = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUgraph g = NULL;
+    uint64_t cid = 0;
+    if (!sim_special_stream(s)) {
+        sim_rec_lock();
+        struct sim_stream *st = stream_of(s);
+        if (st == NULL) {
+            rc = CUDA_ERROR_INVALID_HANDLE;
+        } else if (st->capture != NULL) {
+            st_out = st->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+            g = st->capture;
+            cid = st->capture_id;
+        }
+        sim_rec_unlock();
+    }
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    *status = st_out;
+    if (id != NULL)
+        *id = cid;
+    if (graph != NULL)
+        *graph = g;
+    if (deps != NULL)
+        *deps = NULL;
+    if (ndeps != NULL)
+        *ndeps = 0;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    return capture_info(hStream, captureStatus, NULL, NULL, NULL, NULL);
+}
+
+SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus)
+{
+    return capture_info(hStream, captureStatus, NULL, NULL, NULL, NULL);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                           cuuint64_t *id_out)
+{
+    return capture_info(hStream, captureStatus_out, id_out, NULL, NULL, NULL);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                cuuint64_t *id_out)
+{
+    return capture_info(hStream, captureStatus_out, id_out, NULL, NULL, NULL);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                              cuuint64_t *id_out, CUgraph *graph_out,
+                                              const CUgraphNode **dependencies_out, size_t *numDependencies_out)
+{
+    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, numDependencies_out);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                   cuuint64_t *id_out, CUgraph *graph_out,
+                                                   const CUgraphNode **dependencies_out, size_t *numDependencies_out)
+{
+    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, numDependencies_out);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                              cuuint64_t *id_out, CUgraph *graph_out,
+                                              const CUgraphNode **dependencies_out, const CUgraphEdgeData **edgeData_out,
+                                              size_t *numDependencies_out)
+{
+    if (edgeData_out != NULL)
+        *edgeData_out = NULL;
+    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, numDependencies_out);
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                   cuuint64_t *id_out, CUgraph *graph_out,
+                                                   const CUgraphNode **dependencies_out,
+                                                   const CUgraphEdgeData **edgeData_out, size_t *numDependencies_out)
+{
+    return cuStreamGetCaptureInfo_v3(hStream, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
+                                     numDependencies_out);
+}
+
+/* ---- waiting ----------------------------------------------------------------------------------- */
+
 static CUresult stream_sync(CUstream s)
 {
     unsigned gpu;
     uint64_t upto;
+    if (capture_violated(s))
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     CUresult rc = stream_upto(s, &gpu, &upto);
-    if (rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS) {
         sim_tl_wait(sim_cu_node()->state, gpu, upto);
+        sim_pools_synchronized();
+    }
     return rc;
 }
 
@@ -181,6 +403,8 @@ static CUresult stream_query(CUstream s)
 {
     unsigned gpu;
     uint64_t upto;
+    if (capture_violated(s))
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     CUresult rc = stream_upto(s, &gpu, &upto);
     if (rc == CUDA_SUCCESS && !sim_tl_done(sim_cu_node()->state, gpu, upto, NULL))
         rc = CUDA_ERROR_NOT_READY;
@@ -234,8 +458,10 @@ SIM_EXPORT CUresult cuCtxSynchronize(void)
 {
     int dev;
     CUresult rc = sim_cu_current_device(&dev);
-    if (rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS) {
         sim_tl_wait(sim_cu_node()->state, (unsigned)dev, sim_tl_tail(sim_cu_node()->state, (unsigned)dev));
+        sim_pools_synchronized();
+    }
     return rc;
 }
 
@@ -366,6 +592,7 @@ SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
     if (hEvent->recorded)
         sim_tl_wait(sim_cu_node()->state, hEvent->gpu, hEvent->upto);
     event_done(hEvent);
+    sim_pools_synchronized();
     return CUDA_SUCCESS;
 }
 

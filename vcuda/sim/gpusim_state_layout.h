@@ -91,7 +91,8 @@ struct gpusim_gpu {
     uint64_t util_updated_us; /* when util_* was last set */
     uint64_t sample_count;    /* samples ever written; sample n (0-based) is in slot n % GPUSIM_UTIL_SAMPLES */
     uint64_t lost_since_us;   /* 0 unless GPUSIM_GPU_LOST */
-    uint8_t reserved[88];
+    uint64_t used_peak;       /* highest memory in use on the GPU (all processes) so far; a simulator diagnostic */
+    uint8_t reserved[80];
     struct gpusim_util_sample samples[GPUSIM_UTIL_SAMPLES];
 };
 

@@ -280,6 +280,13 @@ bool vc_budget_reserve(uint64_t bytes)
     return ok;
 }
 
+void vc_budget_charge(uint64_t bytes)
+{
+    int slot = my_slot();
+    if (slot >= 0)
+        atomic_fetch_add_explicit(&g_slots[slot].used, bytes, memory_order_relaxed);
+}
+
 void vc_budget_release(uint64_t bytes)
 {
     int slot = atomic_load_explicit(&g_slot, memory_order_acquire);

@@ -817,16 +817,36 @@ VC_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
 
 VC_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
-    if (VC_LIKELY(!vc_core_limited()))
+    if (VC_LIKELY(!vc_core_limited() && !vc_limited()))
         return REAL_CU(cuGraphLaunch)(hGraphExec, hStream);
-    GATED(hStream, false, 1, false, REAL_CU(cuGraphLaunch)(hGraphExec, hStream));
+    CUresult rc;
+    if (vc_core_limited()) {
+        struct gate g = gate_before(hStream, false, 1, false);
+        rc = REAL_CU(cuGraphLaunch)(hGraphExec, hStream);
+        gate_after(&g, hStream, false, rc);
+    } else {
+        rc = REAL_CU(cuGraphLaunch)(hGraphExec, hStream);
+    }
+    if (rc == CUDA_SUCCESS && vc_limited())
+        vc_memory_graph_launched(hGraphExec); /* its allocations without a free node stay live */
+    return rc;
 }
 
 VC_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
-    if (VC_LIKELY(!vc_core_limited()))
+    if (VC_LIKELY(!vc_core_limited() && !vc_limited()))
         return REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream);
-    GATED(hStream, true, 1, false, REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream));
+    CUresult rc;
+    if (vc_core_limited()) {
+        struct gate g = gate_before(hStream, true, 1, false);
+        rc = REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream);
+        gate_after(&g, hStream, true, rc);
+    } else {
+        rc = REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream);
+    }
+    if (rc == CUDA_SUCCESS && vc_limited())
+        vc_memory_graph_launched(hGraphExec); /* its allocations without a free node stay live */
+    return rc;
 }
 
 /* The legacy launches (block shape from cuFuncSetBlockShape; upstream counts 1 resp. w x h grids). */

@@ -141,6 +141,12 @@ static inline bool vc_core_limited(void)
     return atomic_load_explicit(&vc_core_on, memory_order_relaxed);
 }
 
+/* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
+void vc_memory_context_gone(CUcontext ctx);
+
+/* After a launch of exec (memory limit on): its graph allocations without a free node stay live. */
+void vc_memory_graph_launched(CUgraphExec exec);
+
 /* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
 void vc_core_streams_changed(void);
 
@@ -165,6 +171,8 @@ const char *vc_budget_name(void);
 
 /* Reserves bytes for this process; false when the container's limit would be exceeded. */
 bool vc_budget_reserve(uint64_t bytes);
+/* Charges bytes the driver already holds, whatever the limit (an undo that cannot be refused). */
+void vc_budget_charge(uint64_t bytes);
 /* Returns bytes reserved earlier by this process. */
 void vc_budget_release(uint64_t bytes);
 /* Bytes in use by the whole container (processes that are gone are reaped first). */

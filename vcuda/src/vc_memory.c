@@ -24,12 +24,20 @@ enum rec_kind {
     REC_LEGACY,  /* CUDA 2.0 ABI cuMemAlloc / cuMemAllocPitch: key = 32-bit address */
     REC_ARRAY,   /* key = CUarray */
     REC_MIPMAP,  /* key = CUmipmappedArray */
-    REC_VMM,     /* key = CUmemGenericAllocationHandle (device memory only) */
-    REC_GNODE,   /* key = CUgraphNode of a memory allocation node, aux = its graph */
+    REC_VMM,     /* key = CUmemGenericAllocationHandle (device memory only), gpu = handle references, aux = mappings */
+    REC_GNODE,   /* key = CUgraphNode of a memory allocation node, aux = its graph, aux2 = its address */
+    REC_GALLOC,  /* key = address of a graph allocation, size, aux = its graph (0: gone), aux2 = the exec holding
+                    it (0: none), gpu = GA_* flags */
+    REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
 };
 
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs */
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs and g_gallocs */
 static struct vc_map g_recs;
+static unsigned g_gallocs; /* REC_GALLOC records: graph launches and frees look for them only when there are some */
+
+enum { GA_OUTSTANDING = 1, GA_FREED_IN_GRAPH = 2 };
+
+static bool galloc_free(uint64_t dptr, CUstream capturing_stream, bool ptsz);
 
 static void atfork_prepare(void)
 {
@@ -45,6 +53,7 @@ static void atfork_child(void)
 {
     /* The child owns none of its parent's allocations, and reserves in a slot of its own. */
     vc_map_reset(&g_recs);
+    g_gallocs = 0;
     pthread_mutex_init(&g_mu, NULL);
     vc_budget_atfork_child();
 }
@@ -54,9 +63,17 @@ __attribute__((constructor)) static void vc_memory_init(void)
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
-static void remember(uint64_t key, enum rec_kind kind, uint64_t size, uint64_t aux)
+/* The current context: what an allocation belongs to (cuCtxDestroy frees it); 0 if none. */
+static uint64_t current_ctx(void)
 {
-    struct vc_map_entry e = {.key = key, .kind = kind, .size = size, .aux = aux};
+    CUcontext ctx = NULL;
+    return REAL_CU(cuCtxGetCurrent)(&ctx) == CUDA_SUCCESS ? (uint64_t)(uintptr_t)ctx : 0;
+}
+
+/* Records key -> size; in_context: the allocation is the current context's (freed when it is destroyed). */
+static void remember(uint64_t key, enum rec_kind kind, uint64_t size, bool in_context)
+{
+    struct vc_map_entry e = {.key = key, .kind = kind, .size = size, .ctx = in_context ? current_ctx() : 0};
     pthread_mutex_lock(&g_mu);
     int rc = vc_map_put(&g_recs, &e);
     pthread_mutex_unlock(&g_mu);
@@ -78,7 +95,12 @@ static bool take(uint64_t key, enum rec_kind kind, struct vc_map_entry *out)
 
 static void put_back(const struct vc_map_entry *e)
 {
-    remember(e->key, (enum rec_kind)e->kind, e->size, e->aux);
+    pthread_mutex_lock(&g_mu);
+    int rc = vc_map_put(&g_recs, e);
+    pthread_mutex_unlock(&g_mu);
+    if (rc != 0)
+        vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
+               (unsigned long long)e->size);
 }
 
 /* After the driver freed (rc == success) or refused: return the bytes, or keep the record. */
@@ -99,7 +121,7 @@ static uint64_t mul_sat(uint64_t a, uint64_t b)
 }
 
 /* Reserve-then-allocate around one driver call; remembers key -> bytes on success. */
-#define RESERVED(bytes, call, key_expr, kind, aux)                                                                 \
+#define RESERVED(bytes, call, key_expr, kind, in_context)                                                                 \
     do {                                                                                                           \
         uint64_t bytes_ = (bytes);                                                                                 \
         if (!vc_budget_reserve(bytes_))                                                                            \
@@ -109,7 +131,7 @@ static uint64_t mul_sat(uint64_t a, uint64_t b)
             vc_budget_release(bytes_);                                                                             \
             return rc_;                                                                                            \
         }                                                                                                          \
-        remember((uint64_t)(key_expr), (kind), bytes_, (aux));                                                     \
+        remember((uint64_t)(key_expr), (kind), bytes_, (in_context));                                              \
         return rc_;                                                                                                \
     } while (0)
 
@@ -119,21 +141,21 @@ VC_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAlloc_v2)(dptr, bytesize);
-    RESERVED(bytesize, REAL_CU(cuMemAlloc_v2)(dptr, bytesize), *dptr, REC_DEV, 0);
+    RESERVED(bytesize, REAL_CU(cuMemAlloc_v2)(dptr, bytesize), *dptr, REC_DEV, true);
 }
 
 VC_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAlloc)(dptr, bytesize);
-    RESERVED(bytesize, REAL_CU(cuMemAlloc)(dptr, bytesize), *dptr, REC_LEGACY, 0);
+    RESERVED(bytesize, REAL_CU(cuMemAlloc)(dptr, bytesize), *dptr, REC_LEGACY, true);
 }
 
 VC_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocManaged)(dptr, bytesize, flags);
-    RESERVED(bytesize, REAL_CU(cuMemAllocManaged)(dptr, bytesize, flags), *dptr, REC_DEV, 0);
+    RESERVED(bytesize, REAL_CU(cuMemAllocManaged)(dptr, bytesize, flags), *dptr, REC_DEV, true);
 }
 
 VC_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
@@ -142,7 +164,10 @@ VC_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
         return REAL_CU(cuMemFree_v2)(dptr);
     struct vc_map_entry e;
     bool had = take(dptr, REC_DEV, &e);
-    return settle(REAL_CU(cuMemFree_v2)(dptr), had, &e);
+    CUresult rc = settle(REAL_CU(cuMemFree_v2)(dptr), had, &e);
+    if (!had && rc == CUDA_SUCCESS)
+        galloc_free(dptr, NULL, false); /* an allocation a graph launch left live */
+    return rc;
 }
 
 VC_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr)
@@ -182,7 +207,7 @@ VC_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         vc_budget_release(guess);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    remember(*dptr, REC_DEV, actual, 0);
+    remember(*dptr, REC_DEV, actual, true);
     return rc;
 }
 
@@ -205,31 +230,76 @@ VC_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, u
         vc_budget_release(guess);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    remember(*dptr, REC_LEGACY, actual, 0);
+    remember(*dptr, REC_LEGACY, actual, true);
     return rc;
 }
 
 /* ---- stream-ordered allocation and pools ----------------------------------------------- */
 
+/* The graph stream s captures into, or NULL. */
+static CUgraph capture_graph(CUstream s, bool ptsz)
+{
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    cuuint64_t id;
+    CUgraph g = NULL;
+    const CUgraphNode *deps;
+    size_t n;
+    CUresult rc = ptsz ? REAL_CU(cuStreamGetCaptureInfo_v2_ptsz)(s, &st, &id, &g, &deps, &n)
+                       : REAL_CU(cuStreamGetCaptureInfo_v2)(s, &st, &id, &g, &deps, &n);
+    return rc == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_ACTIVE ? g : NULL;
+}
+
+static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
+{
+    struct vc_map_entry e = {.key = dptr, .kind = REC_GALLOC, .size = bytes, .aux = (uint64_t)(uintptr_t)graph};
+    pthread_mutex_lock(&g_mu);
+    int rc = vc_map_put(&g_recs, &e);
+    if (rc == 0)
+        g_gallocs++;
+    pthread_mutex_unlock(&g_mu);
+    if (rc != 0)
+        vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
+               (unsigned long long)bytes);
+}
+
+/*
+ * Stream-ordered allocation.  Into a capture it becomes a memory node of the capturing graph: its
+ * memory is then the graph's and the exec's (below), not this call's.
+ */
+#define ASYNC_ALLOC(call, stream, ptsz)                                                                            \
+    do {                                                                                                           \
+        CUgraph graph_ = capture_graph((stream), (ptsz));                                                          \
+        if (graph_ == NULL)                                                                                        \
+            RESERVED(bytesize, (call), *dptr, REC_DEV, false); /* pool memory: the device's */                 \
+        if (!vc_budget_reserve(bytesize))                                                                          \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ != CUDA_SUCCESS)                                                                                   \
+            vc_budget_release(bytesize);                                                                           \
+        else                                                                                                       \
+            remember_galloc(*dptr, bytesize, graph_);                                                              \
+        return rc_;                                                                                                \
+    } while (0)
+
 VC_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream);
-    RESERVED(bytesize, REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), *dptr, REC_DEV, 0);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), hStream, false);
 }
 
 VC_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream);
-    RESERVED(bytesize, REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), *dptr, REC_DEV, 0);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), hStream, true);
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream);
-    RESERVED(bytesize, REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), *dptr, REC_DEV, 0);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), hStream, false);
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
@@ -237,7 +307,7 @@ VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream);
-    RESERVED(bytesize, REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), *dptr, REC_DEV, 0);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), hStream, true);
 }
 
 VC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
@@ -246,7 +316,10 @@ VC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
         return REAL_CU(cuMemFreeAsync)(dptr, hStream);
     struct vc_map_entry e;
     bool had = take(dptr, REC_DEV, &e);
-    return settle(REAL_CU(cuMemFreeAsync)(dptr, hStream), had, &e);
+    CUresult rc = settle(REAL_CU(cuMemFreeAsync)(dptr, hStream), had, &e);
+    if (!had && rc == CUDA_SUCCESS)
+        galloc_free(dptr, hStream, false); /* of a graph allocation: in a capture, or after a launch */
+    return rc;
 }
 
 VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
@@ -255,11 +328,20 @@ VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
         return REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream);
     struct vc_map_entry e;
     bool had = take(dptr, REC_DEV, &e);
-    return settle(REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream), had, &e);
+    CUresult rc = settle(REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream), had, &e);
+    if (!had && rc == CUDA_SUCCESS)
+        galloc_free(dptr, hStream, true); /* of a graph allocation: in a capture, or after a launch */
+    return rc;
 }
 
 /* ---- virtual memory management ------------------------------------------------------------ */
 
+/*
+ * cuda.h: cuMemRelease gives up the handle; the memory is freed when its last mapping is unmapped.
+ * So a cuMemCreate'd allocation stays charged while it has a handle reference (cuMemCreate, and one
+ * per cuMemRetainAllocationHandle) or a mapping.  Imported allocations (cuMemImportFromShareableHandle)
+ * are the exporter's: never recorded, never charged, never credited.
+ */
 VC_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                unsigned long long flags)
 {
@@ -267,16 +349,129 @@ VC_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (VC_LIKELY(!vc_limited()) || handle == NULL || size == 0 || prop == NULL ||
         prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return REAL_CU(cuMemCreate)(handle, size, prop, flags);
-    RESERVED(size, REAL_CU(cuMemCreate)(handle, size, prop, flags), *handle, REC_VMM, 0);
+    if (!vc_budget_reserve(size))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = REAL_CU(cuMemCreate)(handle, size, prop, flags);
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(size);
+        return rc;
+    }
+    struct vc_map_entry e = {.key = *handle, .kind = REC_VMM, .size = size, .gpu = 1, .aux = 0};
+    pthread_mutex_lock(&g_mu);
+    int put = vc_map_put(&g_recs, &e);
+    pthread_mutex_unlock(&g_mu);
+    if (put != 0)
+        vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
+               (unsigned long long)size);
+    return rc;
+}
+
+/* Returns the allocation's bytes when nothing refers to it any more (g_mu held; the entry is in the map). */
+static void vmm_settle(struct vc_map_entry *e)
+{
+    if (e->gpu == 0 && e->aux == 0) {
+        uint64_t size = e->size;
+        vc_map_find(&g_recs, e->key, REC_VMM, NULL, true);
+        vc_budget_release(size);
+    }
+}
+
+static struct vc_map_entry *vmm_entry(uint64_t handle)
+{
+    return vc_map_lookup(&g_recs, handle, REC_VMM);
 }
 
 VC_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemRelease)(handle);
-    struct vc_map_entry e;
-    bool had = take(handle, REC_VMM, &e);
-    return settle(REAL_CU(cuMemRelease)(handle), had, &e);
+    /* The reference goes first (a concurrent cuMemCreate may get the same handle once the driver freed it). */
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vmm_entry(handle);
+    bool had = e != NULL && e->gpu > 0;
+    struct vc_map_entry saved;
+    if (had) {
+        saved = *e;
+        e->gpu--;
+        vmm_settle(e);
+    }
+    pthread_mutex_unlock(&g_mu);
+    CUresult rc = REAL_CU(cuMemRelease)(handle);
+    if (rc != CUDA_SUCCESS && had) {
+        pthread_mutex_lock(&g_mu);
+        e = vmm_entry(handle);
+        if (e != NULL) {
+            e->gpu++;
+        } else { /* it was the last reference: charge it again */
+            vc_budget_charge(saved.size); /* the driver still holds it: charged whatever the limit */
+            if (vc_map_put(&g_recs, &saved) != 0)
+                vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
+                       (unsigned long long)saved.size);
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+VC_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    CUresult rc = REAL_CU(cuMemRetainAllocationHandle)(handle, addr);
+    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS || handle == NULL)
+        return rc;
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vmm_entry(*handle);
+    if (e != NULL)
+        e->gpu++;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+VC_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                            unsigned long long flags)
+{
+    CUresult rc = REAL_CU(cuMemMap)(ptr, size, offset, handle, flags);
+    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_mu);
+    if (vmm_entry(handle) != NULL) {
+        struct vc_map_entry m = {.key = ptr, .kind = REC_MAP, .size = size, .aux = handle};
+        if (vc_map_put(&g_recs, &m) == 0)
+            vmm_entry(handle)->aux++; /* looked up again: the put may have moved the entries */
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+struct va_range {
+    uint64_t lo, hi;
+};
+
+static bool map_in_range(const struct vc_map_entry *e, void *arg)
+{
+    const struct va_range *r = arg;
+    return e->key >= r->lo && e->key < r->hi;
+}
+
+static void map_gone(const struct vc_map_entry *m, void *arg)
+{
+    (void)arg;
+    struct vc_map_entry *e = vmm_entry(m->aux);
+    if (e != NULL && e->aux > 0) {
+        e->aux--;
+        vmm_settle(e);
+    }
+}
+
+VC_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    CUresult rc = REAL_CU(cuMemUnmap)(ptr, size);
+    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
+        return rc;
+    struct va_range r = {ptr, ptr + size};
+    pthread_mutex_lock(&g_mu);
+    vc_map_remove_if(&g_recs, REC_MAP, map_in_range, map_gone, &r);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 /* ---- arrays ------------------------------------------------------------------------------- */
@@ -293,43 +488,116 @@ static unsigned format_bytes(CUarray_format f)
     }
 }
 
-/* A lower estimate from the description; the driver's own requirements settle it afterwards. */
-static uint64_t array_guess(size_t w, size_t h, size_t d, CUarray_format f, unsigned channels)
+/*
+ * An upper bound of an array's footprint from its description, reserved before the driver is
+ * called (the driver's own cuArrayGetMemoryRequirements settles it afterwards).  Arrays are laid out
+ * in tiles: rows padded (pitch alignment 512 bytes covers the 64-byte GOB rows and the simulated
+ * driver), heights padded to the largest block height (16 GOBs of 8 rows), depths to the largest
+ * block depth (32) unless the array is layered (then every layer is padded on its own), and the
+ * whole rounded up to the 2 MiB page the driver maps it with.
+ */
+#define ARRAY_ROW_ALIGN 512ull
+#define ARRAY_BLOCK_ROWS 128ull
+#define ARRAY_BLOCK_DEPTH 32ull
+#define ARRAY_PAGE (2ull << 20)
+
+static uint64_t round_up(uint64_t v, uint64_t to)
 {
-    return mul_sat(mul_sat(mul_sat((uint64_t)w, (uint64_t)format_bytes(f) * channels), h ? h : 1), d ? d : 1);
+    return v > UINT64_MAX - to ? UINT64_MAX : (v + to - 1) / to * to;
 }
 
-/* After the array exists: its real size (cuArrayGetMemoryRequirements), or the estimate if unknown. */
-static uint64_t array_actual(void *array, bool mipmap, uint64_t guess)
+static uint64_t pow2_ceil(uint64_t v)
+{
+    uint64_t p = 1;
+    while (p < v && p < (1ull << 62))
+        p <<= 1;
+    return p;
+}
+
+/* A block is at most 16 GOBs of 8 rows high and 32 deep, and no larger than the array needs. */
+static uint64_t level_bound(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned channels, bool layered)
+{
+    uint64_t row = round_up(mul_sat(w ? w : 1, (uint64_t)format_bytes(f) * (channels ? channels : 1)), ARRAY_ROW_ALIGN);
+    uint64_t rows = 1;
+    if (h) {
+        uint64_t gobs = (h + 7) / 8, block = pow2_ceil(gobs);
+        rows = round_up(gobs, block < ARRAY_BLOCK_ROWS / 8 ? block : ARRAY_BLOCK_ROWS / 8) * 8;
+    }
+    uint64_t depth = 1;
+    if (d) {
+        uint64_t block = pow2_ceil(d);
+        depth = layered ? d : round_up(d, block < ARRAY_BLOCK_DEPTH ? block : ARRAY_BLOCK_DEPTH);
+    }
+    return mul_sat(mul_sat(row, rows), depth);
+}
+
+/* Sparse and deferred-mapping arrays get their memory from cuMemCreate + cuMemMapArrayAsync (charged there). */
+static bool array_unbacked(unsigned flags)
+{
+    return (flags & (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING)) != 0;
+}
+
+static uint64_t array_bound(size_t w, size_t h, size_t d, CUarray_format f, unsigned channels, unsigned flags)
+{
+    if (array_unbacked(flags))
+        return 0;
+    bool layered = (flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    return round_up(level_bound(w, h, d, f, channels, layered), ARRAY_PAGE);
+}
+
+static uint64_t mipmap_bound(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    if (array_unbacked(d->Flags))
+        return 0;
+    bool layered = (d->Flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    uint64_t sum = 0;
+    for (unsigned l = 0; l < levels && l < 64; l++) {
+        uint64_t w = d->Width >> l, h = d->Height >> l, dd = layered ? d->Depth : d->Depth >> l;
+        uint64_t b = level_bound(w ? w : 1, d->Height ? (h ? h : 1) : 0, d->Depth ? (dd ? dd : 1) : 0, d->Format,
+                                 d->NumChannels, layered);
+        sum = sum > UINT64_MAX - b ? UINT64_MAX : sum + b;
+    }
+    return round_up(sum, ARRAY_PAGE);
+}
+
+/* After the array exists: its real size (cuArrayGetMemoryRequirements), or the bound if the driver cannot tell. */
+static uint64_t array_actual(void *array, bool mipmap, uint64_t bound)
 {
     CUdevice dev;
     CUDA_ARRAY_MEMORY_REQUIREMENTS req;
     memset(&req, 0, sizeof(req));
     if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS)
-        return guess;
+        return bound;
     CUresult rc = mipmap ? REAL_CU(cuMipmappedArrayGetMemoryRequirements)(&req, (CUmipmappedArray)array, dev)
                          : REAL_CU(cuArrayGetMemoryRequirements)(&req, (CUarray)array, dev);
-    return rc == CUDA_SUCCESS && req.size > 0 ? req.size : guess;
+    return rc == CUDA_SUCCESS && req.size > 0 ? req.size : bound;
 }
 
-/* Reserve guess, create with call, settle on the real size; destroy and fail if it does not fit. */
-#define ARRAY_CREATE(guess, call, handle, mipmap, destroy)                                                         \
+/*
+ * Reserve the bound, create with call, settle on the real size (returning the difference).  A real
+ * size above the bound (a layout the bound does not know) is charged too, or the array destroyed
+ * and refused if that does not fit; it is logged, since the GPU then held it for a moment.
+ */
+#define ARRAY_CREATE(bound, call, handle, mipmap, destroy)                                                         \
     do {                                                                                                           \
-        uint64_t guess_ = (guess);                                                                                 \
-        if (!vc_budget_reserve(guess_))                                                                            \
+        uint64_t bound_ = (bound);                                                                                 \
+        if (!vc_budget_reserve(bound_))                                                                            \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         CUresult rc_ = (call);                                                                                     \
         if (rc_ != CUDA_SUCCESS) {                                                                                 \
-            vc_budget_release(guess_);                                                                             \
+            vc_budget_release(bound_);                                                                             \
             return rc_;                                                                                            \
         }                                                                                                          \
-        uint64_t actual_ = array_actual((void *)*(handle), (mipmap), guess_);                                     \
-        if (true_up(guess_, actual_) != CUDA_SUCCESS) {                                                            \
+        uint64_t actual_ = bound_ == 0 ? 0 : array_actual((void *)*(handle), (mipmap), bound_);                  \
+        if (actual_ > bound_)                                                                                      \
+            vc_log(VC_LOG_WARN, "an array took %llu bytes, more than the %llu reserved for it",                  \
+                   (unsigned long long)actual_, (unsigned long long)bound_);                                      \
+        if (true_up(bound_, actual_) != CUDA_SUCCESS) {                                                            \
             destroy(*(handle));                                                                                    \
-            vc_budget_release(guess_);                                                                             \
+            vc_budget_release(bound_);                                                                             \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         }                                                                                                          \
-        remember((uint64_t)(uintptr_t) * (handle), (mipmap) ? REC_MIPMAP : REC_ARRAY, actual_, 0);                 \
+        remember((uint64_t)(uintptr_t) * (handle), (mipmap) ? REC_MIPMAP : REC_ARRAY, actual_, true);              \
         return rc_;                                                                                                \
     } while (0)
 
@@ -337,15 +605,15 @@ VC_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTO
 {
     if (VC_LIKELY(!vc_limited()) || pHandle == NULL || d == NULL)
         return REAL_CU(cuArrayCreate_v2)(pHandle, d);
-    ARRAY_CREATE(array_guess(d->Width, d->Height, 0, d->Format, d->NumChannels), REAL_CU(cuArrayCreate_v2)(pHandle, d),
-                 pHandle, false, REAL_CU(cuArrayDestroy));
+    ARRAY_CREATE(array_bound(d->Width, d->Height, 0, d->Format, d->NumChannels, 0),
+                 REAL_CU(cuArrayCreate_v2)(pHandle, d), pHandle, false, REAL_CU(cuArrayDestroy));
 }
 
 VC_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
 {
     if (VC_LIKELY(!vc_limited()) || pHandle == NULL || d == NULL)
         return REAL_CU(cuArrayCreate)(pHandle, d);
-    ARRAY_CREATE(array_guess(d->Width, d->Height, 0, d->Format, d->NumChannels), REAL_CU(cuArrayCreate)(pHandle, d),
+    ARRAY_CREATE(array_bound(d->Width, d->Height, 0, d->Format, d->NumChannels, 0), REAL_CU(cuArrayCreate)(pHandle, d),
                  pHandle, false, REAL_CU(cuArrayDestroy));
 }
 
@@ -353,7 +621,7 @@ VC_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCR
 {
     if (VC_LIKELY(!vc_limited()) || pHandle == NULL || d == NULL)
         return REAL_CU(cuArray3DCreate_v2)(pHandle, d);
-    ARRAY_CREATE(array_guess(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
+    ARRAY_CREATE(array_bound(d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags),
                  REAL_CU(cuArray3DCreate_v2)(pHandle, d), pHandle, false, REAL_CU(cuArrayDestroy));
 }
 
@@ -361,7 +629,7 @@ VC_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPT
 {
     if (VC_LIKELY(!vc_limited()) || pHandle == NULL || d == NULL)
         return REAL_CU(cuArray3DCreate)(pHandle, d);
-    ARRAY_CREATE(array_guess(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
+    ARRAY_CREATE(array_bound(d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags),
                  REAL_CU(cuArray3DCreate)(pHandle, d), pHandle, false, REAL_CU(cuArrayDestroy));
 }
 
@@ -370,13 +638,8 @@ VC_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
 {
     if (VC_LIKELY(!vc_limited()) || pHandle == NULL || d == NULL)
         return REAL_CU(cuMipmappedArrayCreate)(pHandle, d, numMipmapLevels);
-    uint64_t guess = 0;
-    for (unsigned l = 0; l < numMipmapLevels && l < 64; l++) {
-        size_t w = d->Width >> l, h = d->Height >> l, dd = d->Depth >> l;
-        guess += array_guess(w ? w : 1, h, dd, d->Format, d->NumChannels);
-    }
-    ARRAY_CREATE(guess, REAL_CU(cuMipmappedArrayCreate)(pHandle, d, numMipmapLevels), pHandle, true,
-                 REAL_CU(cuMipmappedArrayDestroy));
+    ARRAY_CREATE(mipmap_bound(d, numMipmapLevels), REAL_CU(cuMipmappedArrayCreate)(pHandle, d, numMipmapLevels),
+                 pHandle, true, REAL_CU(cuMipmappedArrayDestroy));
 }
 
 VC_EXPORT CUresult cuArrayDestroy(CUarray hArray)
@@ -399,61 +662,261 @@ VC_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 
 /* ---- graph memory nodes ------------------------------------------------------------------------ */
 
-/* A memory allocation node holds its bytes (the driver backs it by the first launch) until it is destroyed. */
+/*
+ * cuda.h: an allocation node's address is fixed when the node is made; its memory is the graph's
+ * exec's (one instantiation at a time); a launch that does not free it in the graph leaves it live
+ * after the graph ran, until cuMemFree/cuMemFreeAsync of its address; destroying the graph frees
+ * nothing.  So it is charged from the node's creation (before the driver backs it) until none of
+ * these holds it: its graph (or node), an exec, a launch.  REC_GALLOC keeps that per address.
+ */
+
+/* Returns the bytes when nothing holds the allocation any more (g_mu held; e is in the map). */
+static void galloc_settle(struct vc_map_entry *e)
+{
+    if (e->aux == 0 && e->aux2 == 0 && !(e->gpu & GA_OUTSTANDING)) {
+        uint64_t size = e->size;
+        vc_map_find(&g_recs, e->key, REC_GALLOC, NULL, true);
+        g_gallocs--;
+        vc_budget_release(size);
+    }
+}
+
+/* cuMemFree(Async) of an address that is no plain allocation: a graph allocation freed in a capture or after a launch. */
+static bool galloc_free(uint64_t dptr, CUstream capturing_stream, bool ptsz)
+{
+    if (__atomic_load_n(&g_gallocs, __ATOMIC_RELAXED) == 0)
+        return false;
+    CUgraph capture = capturing_stream != NULL ? capture_graph(capturing_stream, ptsz) : NULL;
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vc_map_lookup(&g_recs, dptr, REC_GALLOC);
+    if (e != NULL) {
+        if (capture != NULL) {
+            if (e->aux == (uint64_t)(uintptr_t)capture)
+                e->gpu |= GA_FREED_IN_GRAPH; /* a free node of its own graph: each launch gives it back */
+        } else {
+            e->gpu &= ~(uint32_t)GA_OUTSTANDING;
+            galloc_settle(e);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e != NULL;
+}
+
+static void remember_gnode(CUgraphNode node, CUgraph graph, uint64_t dptr)
+{
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)node, .kind = REC_GNODE, .aux = (uint64_t)(uintptr_t)graph,
+                             .aux2 = dptr};
+    pthread_mutex_lock(&g_mu);
+    if (vc_map_put(&g_recs, &e) != 0)
+        vc_log(VC_LOG_ERROR, "out of host memory: a graph node's memory stays charged until this process exits");
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* Reserve-then-create an allocation node; *dptr is the address the driver fixed for it. */
+#define ALLOC_NODE(bytes, call, dptr)                                                                              \
+    do {                                                                                                           \
+        uint64_t bytes_ = (bytes);                                                                                 \
+        if (!vc_budget_reserve(bytes_))                                                                            \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ != CUDA_SUCCESS) {                                                                                 \
+            vc_budget_release(bytes_);                                                                             \
+            return rc_;                                                                                            \
+        }                                                                                                          \
+        remember_galloc((dptr), bytes_, hGraph);                                                                   \
+        remember_gnode(*phGraphNode, hGraph, (dptr));                                                              \
+        return rc_;                                                                                                \
+    } while (0)
+
 VC_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                           size_t numDependencies, CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams)
 {
     if (VC_LIKELY(!vc_limited()) || phGraphNode == NULL || nodeParams == NULL || nodeParams->bytesize == 0)
         return REAL_CU(cuGraphAddMemAllocNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
-    RESERVED(nodeParams->bytesize,
-             REAL_CU(cuGraphAddMemAllocNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams),
-             (uintptr_t)*phGraphNode, REC_GNODE, (uint64_t)(uintptr_t)hGraph);
+    ALLOC_NODE(nodeParams->bytesize,
+               REAL_CU(cuGraphAddMemAllocNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams),
+               nodeParams->dptr);
 }
 
-/* The generic node API (CUDA 12.2+) can add the same allocation nodes. */
+/* A free node of the allocation's own graph: each launch gives the memory back. */
+static void freed_in_graph(CUgraph graph, uint64_t dptr)
+{
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vc_map_lookup(&g_recs, dptr, REC_GALLOC);
+    if (e != NULL && e->aux == (uint64_t)(uintptr_t)graph)
+        e->gpu |= GA_FREED_IN_GRAPH;
+    pthread_mutex_unlock(&g_mu);
+}
+
+VC_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                         size_t numDependencies, CUdeviceptr dptr)
+{
+    CUresult rc = REAL_CU(cuGraphAddMemFreeNode)(phGraphNode, hGraph, dependencies, numDependencies, dptr);
+    if (VC_UNLIKELY(vc_limited()) && rc == CUDA_SUCCESS)
+        freed_in_graph(hGraph, dptr);
+    return rc;
+}
+
+/* The generic node API (CUDA 12.2+) adds the same allocation and free nodes. */
 VC_EXPORT CUresult cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                   size_t numDependencies, CUgraphNodeParams *nodeParams)
 {
-    if (VC_LIKELY(!vc_limited()) || phGraphNode == NULL || nodeParams == NULL ||
-        nodeParams->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC || nodeParams->alloc.bytesize == 0)
+    if (VC_LIKELY(!vc_limited()) || phGraphNode == NULL || nodeParams == NULL)
         return REAL_CU(cuGraphAddNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
-    RESERVED(nodeParams->alloc.bytesize,
-             REAL_CU(cuGraphAddNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams),
-             (uintptr_t)*phGraphNode, REC_GNODE, (uint64_t)(uintptr_t)hGraph);
+    if (nodeParams->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && nodeParams->alloc.bytesize > 0)
+        ALLOC_NODE(nodeParams->alloc.bytesize,
+                   REAL_CU(cuGraphAddNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams),
+                   nodeParams->alloc.dptr);
+    CUresult rc = REAL_CU(cuGraphAddNode)(phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+    if (rc == CUDA_SUCCESS && nodeParams->type == CU_GRAPH_NODE_TYPE_MEM_FREE)
+        freed_in_graph(hGraph, nodeParams->free.dptr);
+    return rc;
 }
 
 VC_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
                                      const CUgraphEdgeData *dependencyData, size_t numDependencies,
                                      CUgraphNodeParams *nodeParams)
 {
-    if (VC_LIKELY(!vc_limited()) || phGraphNode == NULL || nodeParams == NULL ||
-        nodeParams->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC || nodeParams->alloc.bytesize == 0)
+    if (VC_LIKELY(!vc_limited()) || phGraphNode == NULL || nodeParams == NULL)
         return REAL_CU(cuGraphAddNode_v2)(phGraphNode, hGraph, dependencies, dependencyData, numDependencies,
                                           nodeParams);
-    RESERVED(nodeParams->alloc.bytesize,
-             REAL_CU(cuGraphAddNode_v2)(phGraphNode, hGraph, dependencies, dependencyData, numDependencies,
-                                        nodeParams),
-             (uintptr_t)*phGraphNode, REC_GNODE, (uint64_t)(uintptr_t)hGraph);
+    if (nodeParams->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && nodeParams->alloc.bytesize > 0)
+        ALLOC_NODE(nodeParams->alloc.bytesize,
+                   REAL_CU(cuGraphAddNode_v2)(phGraphNode, hGraph, dependencies, dependencyData, numDependencies,
+                                              nodeParams),
+                   nodeParams->alloc.dptr);
+    CUresult rc =
+        REAL_CU(cuGraphAddNode_v2)(phGraphNode, hGraph, dependencies, dependencyData, numDependencies, nodeParams);
+    if (rc == CUDA_SUCCESS && nodeParams->type == CU_GRAPH_NODE_TYPE_MEM_FREE)
+        freed_in_graph(hGraph, nodeParams->free.dptr);
+    return rc;
+}
+
+struct graph_change {
+    uint64_t match; /* the graph or exec */
+    uint64_t set;   /* the new exec (instantiation) */
+};
+
+static void galloc_instantiated(struct vc_map_entry *e, void *arg)
+{
+    const struct graph_change *c = arg;
+    if (e->aux == c->match)
+        e->aux2 = c->set;
+}
+
+static void galloc_exec_gone(struct vc_map_entry *e, void *arg)
+{
+    const struct graph_change *c = arg;
+    if (e->aux2 == c->match) {
+        e->aux2 = 0;
+        galloc_settle(e); /* may erase e: vc_map_each allows it */
+    }
+}
+
+static void galloc_graph_gone(struct vc_map_entry *e, void *arg)
+{
+    const struct graph_change *c = arg;
+    if (e->aux == c->match) {
+        e->aux = 0;
+        galloc_settle(e);
+    }
+}
+
+static void galloc_launched(struct vc_map_entry *e, void *arg)
+{
+    const struct graph_change *c = arg;
+    if (e->aux2 == c->match && !(e->gpu & GA_FREED_IN_GRAPH))
+        e->gpu |= GA_OUTSTANDING;
+}
+
+static CUresult graph_changed(CUresult rc, void (*fn)(struct vc_map_entry *, void *), uint64_t match, uint64_t set)
+{
+    if (rc != CUDA_SUCCESS || __atomic_load_n(&g_gallocs, __ATOMIC_RELAXED) == 0)
+        return rc;
+    struct graph_change c = {match, set};
+    pthread_mutex_lock(&g_mu);
+    vc_map_each(&g_recs, REC_GALLOC, fn, &c);
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+void vc_memory_graph_launched(CUgraphExec exec)
+{
+    graph_changed(CUDA_SUCCESS, galloc_launched, (uint64_t)(uintptr_t)exec, 0);
+}
+
+#define INSTANTIATED(call, exec, graph)                                                                            \
+    do {                                                                                                           \
+        CUresult rc_ = (call);                                                                                     \
+        if (VC_LIKELY(!vc_limited()) || rc_ != CUDA_SUCCESS || (exec) == NULL)                                     \
+            return rc_;                                                                                            \
+        return graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph), (uint64_t)(uintptr_t) * (exec)); \
+    } while (0)
+
+VC_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                      char *logBuffer, size_t bufferSize)
+{
+    INSTANTIATED(REAL_CU(cuGraphInstantiate)(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize), phGraphExec,
+                 hGraph);
+}
+
+VC_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                         char *logBuffer, size_t bufferSize)
+{
+    INSTANTIATED(REAL_CU(cuGraphInstantiate_v2)(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize), phGraphExec,
+                 hGraph);
+}
+
+VC_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    INSTANTIATED(REAL_CU(cuGraphInstantiateWithFlags)(phGraphExec, hGraph, flags), phGraphExec, hGraph);
+}
+
+VC_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    INSTANTIATED(REAL_CU(cuGraphInstantiateWithParams)(phGraphExec, hGraph, instantiateParams), phGraphExec, hGraph);
+}
+
+VC_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                     CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    INSTANTIATED(REAL_CU(cuGraphInstantiateWithParams_ptsz)(phGraphExec, hGraph, instantiateParams), phGraphExec,
+                 hGraph);
+}
+
+VC_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    CUresult rc = REAL_CU(cuGraphExecDestroy)(hGraphExec);
+    if (VC_LIKELY(!vc_limited()))
+        return rc;
+    return graph_changed(rc, galloc_exec_gone, (uint64_t)(uintptr_t)hGraphExec, 0);
 }
 
 VC_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuGraphDestroyNode)(hNode);
-    struct vc_map_entry e;
-    bool had = take((uint64_t)(uintptr_t)hNode, REC_GNODE, &e);
-    return settle(REAL_CU(cuGraphDestroyNode)(hNode), had, &e);
+    struct vc_map_entry n;
+    bool had = take((uint64_t)(uintptr_t)hNode, REC_GNODE, &n);
+    CUresult rc = REAL_CU(cuGraphDestroyNode)(hNode);
+    if (had && rc != CUDA_SUCCESS) {
+        put_back(&n);
+    } else if (had) {
+        pthread_mutex_lock(&g_mu);
+        struct vc_map_entry *e = vc_map_lookup(&g_recs, n.aux2, REC_GALLOC);
+        if (e != NULL && e->aux == n.aux) {
+            e->aux = 0;
+            galloc_settle(e);
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
 }
 
 static bool in_graph(const struct vc_map_entry *e, void *graph)
 {
     return e->aux == (uint64_t)(uintptr_t)graph;
-}
-
-static void release_entry(const struct vc_map_entry *e, void *arg)
-{
-    (void)arg;
-    vc_budget_release(e->size);
 }
 
 VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
@@ -462,9 +925,31 @@ VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
     if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
         return rc;
     pthread_mutex_lock(&g_mu);
-    vc_map_remove_if(&g_recs, REC_GNODE, in_graph, release_entry, hGraph);
+    vc_map_remove_if(&g_recs, REC_GNODE, in_graph, NULL, hGraph);
     pthread_mutex_unlock(&g_mu);
-    return rc;
+    return graph_changed(rc, galloc_graph_gone, (uint64_t)(uintptr_t)hGraph, 0);
+}
+
+/* ---- what a destroyed context takes with it ----------------------------------------------------- */
+
+static bool of_context(const struct vc_map_entry *e, void *ctx)
+{
+    return e->ctx != 0 && e->ctx == (uint64_t)(uintptr_t)ctx;
+}
+
+static void release_entry(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    vc_budget_release(e->size);
+}
+
+void vc_memory_context_gone(CUcontext ctx)
+{
+    static const enum rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP};
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        vc_map_remove_if(&g_recs, kinds[i], of_context, release_entry, ctx);
+    pthread_mutex_unlock(&g_mu);
 }
 
 /* ---- what the container sees ----------------------------------------------------------------- */

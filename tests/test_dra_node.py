@@ -352,3 +352,60 @@ def test_a_stopped_driver_loses_its_slice_after_the_kubelets_delay(tmp_path: Pat
         c.wait_slice(lambda s: s is None, timeout=15)
         c.start_agent()
         assert c.slice() is not None
+
+
+def test_one_claim_shared_by_two_pods_holds_both_to_its_limits(tmp_path: Path, sim_built: Path) -> None:
+    from gpumanager.vmanager import files
+
+    with DRACluster(tmp_path / "node", "t4-x1") as c:
+        assert c.kubelet is not None
+        c.resource.create_namespaced_resource_claim(
+            "default",
+            {
+                "metadata": {"name": "team-gpu", "namespace": "default"},
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "gpu",
+                                "exactly": {
+                                    "deviceClassName": DRIVER,
+                                    "capacity": {"requests": {"cores": "40", "memory": "2Gi"}},
+                                },
+                            }
+                        ]
+                    }
+                },
+            },
+        )
+        pods = []
+        for name in ("a", "b"):
+            manifest = claim_pod(name, "unused")
+            manifest["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "team-gpu"}]
+            pods.append(c.create_pod(manifest, commands={"main": ["sleep", "60"]}))
+        c.settle()
+        claim = json.loads(
+            c.resource.read_namespaced_resource_claim("team-gpu", "default", _preload_content=False).data
+        )
+        assert sorted(r["name"] for r in claim["status"]["reservedFor"]) == ["a", "b"]
+        assert [call for call in c.kubelet.prepare_calls if call[1] == ["team-gpu"]] == [(DRIVER, ["team-gpu"])], (
+            "the kubelet prepares a claim once per node"
+        )
+        procs = [c.kubelet.containers[(p["metadata"]["uid"], "main")].proc for p in pods]
+        assert all(p is not None for p in procs)
+        pids = sorted(p.pid for p in procs if p is not None)
+        path = c.vm_path / claim["metadata"]["uid"] / "pids.config"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (not path.exists() or files.read_pids(path) != pids):
+            time.sleep(0.1)
+        assert files.read_pids(path) == pids
+        c.end_pod("a")
+        c.settle()
+        assert (c.vm_path / claim["metadata"]["uid"]).exists(), "b still uses the claim"
+        c.end_pod("b")
+        c.settle()
+        assert not (c.vm_path / claim["metadata"]["uid"]).exists()
+        released = json.loads(
+            c.resource.read_namespaced_resource_claim("team-gpu", "default", _preload_content=False).data
+        )
+        assert not (released.get("status") or {}).get("allocation"), "a claim no pod reserves is deallocated"

@@ -3,8 +3,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo demo-dra test lint bench build clean proto deploy-check
+.PHONY: demo demo-dra test lint bench build clean proto deploy-check prometheus manifests
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +30,15 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check gpumanager simnode tests bench scripts
 	$(VENV)/bin/mypy
 
-test: build lint deploy-check
+test: build lint deploy-check prometheus
 	$(VENV)/bin/pytest
+
+# Debian's prometheus package (prometheus and promtool) for the alert, dashboard and metrics tests.
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus package (prometheus, promtool)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock
 bench: build
@@ -43,6 +51,7 @@ K8S_VERSIONS ?= 1.30.0 1.37.0
 DRA_K8S_VERSIONS ?= 1.35.0 1.37.0
 deploy-check: $(VENV)/.installed
 	$(VENV)/bin/hadolint --failure-threshold style Dockerfile
+	$(PY) scripts/render_manifests.py --check
 	for v in $(K8S_VERSIONS); do \
 	  $(VENV)/bin/kubernetes-validate --strict --quiet -k $$v deploy/*.yaml deploy/dra/daemonset.yaml || exit 1; done
 	# resource.k8s.io/v1 exists from 1.34; consumable capacity from 1.35 (feature gate) and 1.36 (default).
@@ -51,6 +60,10 @@ deploy-check: $(VENV)/.installed
 	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	  PYTHON=$(PYTHON) scripts/image-build-steps.sh --prefix "$$tmp/root" --work "$$tmp/work" \
 	    vcuda python config verify
+
+# deploy/daemonset.yaml and deploy/prometheus/gpu-manager.rules.yaml from the Helm chart.
+manifests: $(VENV)/.installed
+	$(PY) scripts/render_manifests.py
 
 proto: $(VENV)/.installed
 	$(PY) scripts/gen_proto.py

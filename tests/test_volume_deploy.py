@@ -20,7 +20,7 @@ def manifests() -> dict[str, dict[str, Any]]:
     return {doc["kind"]: doc for doc in docs if doc}
 
 
-def test_daemonset_as_upstream_plus_probes() -> None:
+def test_daemonset_as_upstream_plus_probes_and_gpu_taints() -> None:
     ds = manifests()["DaemonSet"]
     assert ds["metadata"]["namespace"] == "kube-system"
     assert ds["spec"]["selector"]["matchLabels"] == {"name": "gpu-manager-ds"}
@@ -28,13 +28,14 @@ def test_daemonset_as_upstream_plus_probes() -> None:
     assert pod["hostPID"] is True and pod["priorityClassName"] == "system-node-critical"
     assert pod["serviceAccountName"] == "gpu-manager"
     assert pod["nodeSelector"] == {"nvidia-device-enable": "enable"}
-    assert {t["key"] for t in pod["tolerations"]} == {"CriticalAddonsOnly", "tencent.com/vcuda-core"}
+    assert {t["key"] for t in pod["tolerations"]} == {"CriticalAddonsOnly", "tencent.com/vcuda-core", "nvidia.com/gpu"}
     (container,) = pod["containers"]
     assert container["securityContext"]["privileged"] is True
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": 5678}
+    assert container["ports"] == [{"name": "metrics", "containerPort": 5678, "protocol": "TCP"}]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     volumes = {v["name"]: v["hostPath"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: (volumes[m["name"]]["path"], m.get("readOnly", False)) for m in container["volumeMounts"]}
     assert mounts == {
@@ -43,7 +44,6 @@ def test_daemonset_as_upstream_plus_probes() -> None:
         "/etc/gpu-manager/vdriver": ("/etc/gpu-manager/vdriver", False),
         "/etc/gpu-manager/vm": ("/etc/gpu-manager/vm", False),
         "/etc/gpu-manager/checkpoint": ("/etc/gpu-manager/checkpoint", False),
-        "/var/log/gpu-manager": ("/etc/gpu-manager/log", False),
         "/var/run": ("/var/run", False),
         "/sys/fs/cgroup": ("/sys/fs/cgroup", True),
         "/usr/local/host": ("/", True),
@@ -54,19 +54,12 @@ def test_daemonset_as_upstream_plus_probes() -> None:
 def test_rbac_is_least_privilege() -> None:
     docs = manifests()
     rules = {(tuple(r["resources"]), tuple(sorted(r["verbs"]))) for r in docs["ClusterRole"]["rules"]}
-    assert rules == {
-        (("pods",), ("delete", "get", "list", "patch", "update", "watch")),
-        (("pods/status",), ("patch", "update")),
-        (("nodes",), ("get", "patch", "update")),
-    }
+    assert rules == {(("pods",), ("delete", "list", "patch", "watch")), (("nodes",), ("patch",))}
     binding = docs["ClusterRoleBinding"]
     assert binding["roleRef"]["name"] == "gpu-manager" != "cluster-admin"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-manager", "namespace": "kube-system"}]
-    assert docs["ServiceAccount"]["metadata"] == {
-        "name": "gpu-manager",
-        "namespace": "kube-system",
-        "labels": {"name": "gpu-manager-ds"},
-    }
+    meta = docs["ServiceAccount"]["metadata"]
+    assert (meta["name"], meta["namespace"], meta["labels"]["name"]) == ("gpu-manager", "kube-system", "gpu-manager-ds")
 
 
 def test_metrics_service() -> None:
@@ -99,6 +92,33 @@ def test_image_command_is_accepted_by_the_agent() -> None:
     assert config.driver_root == "/usr/local/host"
     assert config.vcuda_library == "/usr/local/lib/gpu-manager/libcuda-control.so"
     assert config.hostname_override == "node-1"
+
+
+def test_daemonset_command_is_accepted_by_the_agent_and_writes_no_log_file() -> None:
+    (container,) = manifests()["DaemonSet"]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["gpu-manager"]
+    config = config_from_args(build_parser().parse_args(normalize_argv(container["args"])), {"NODE_NAME": "node-1"})
+    image = config_from_args(
+        build_parser().parse_args(
+            normalize_argv(
+                [f.replace("${LOG_LEVEL}", "2").replace("${NODE_NAME}", "node-1") for f in image_command()[:-1]]
+            )
+        ),
+        {"NODE_NAME": "node-1"},
+    )
+    # The image's own command and the DaemonSet's agree on everything but the log file.
+    for field in (
+        "share_mode",
+        "volume_config",
+        "extra_config",
+        "query_addr",
+        "driver_root",
+        "vcuda_library",
+        "nvml_lib",
+    ):
+        assert getattr(config, field) == getattr(image, field), field
+    assert config.resolved_node_name() == "node-1"
+    assert config.log_dir == "" and config.logtostderr is True
 
 
 def test_image_installs_what_the_command_names() -> None:

@@ -1,0 +1,77 @@
+{{/*
+The agent's alerts, as the groups of a Prometheus rule file. Rendered into the PrometheusRule,
+and by scripts/render_manifests.py into deploy/prometheus/gpu-manager.rules.yaml for Prometheus
+set up without the operator (both are tested with promtool).
+*/}}
+{{- define "gpu-manager.ruleGroups" -}}
+{{- $job := printf "job=%q" .Values.prometheusRule.job -}}
+groups:
+  - name: gpu-manager
+    rules:
+      - alert: GPUManagerDown
+        expr: up{ {{- $job -}} } == 0
+        for: 5m
+        labels:
+          severity: critical
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} is down
+          description: >-
+            gpu-manager on {{`{{ $labels.instance }}`}} has not answered a scrape for 5 minutes:
+            no GPU pod can be admitted or started on its node.
+      - alert: GPUManagerNotRegistered
+        expr: gpu_manager_kubelet_registered{ {{- $job -}} } == 0
+        for: 5m
+        labels:
+          severity: critical
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} is not registered with the kubelet
+          description: >-
+            The kubelet on {{`{{ $labels.instance }}`}} has not listed tencent.com/vcuda-core and
+            tencent.com/vcuda-memory from gpu-manager for 5 minutes: the node offers no GPU.
+            See the agent's /readyz and its log.
+      - alert: GPUManagerGPUUnhealthy
+        expr: gpu_manager_gpu_healthy{ {{- $job -}} } == 0
+        for: {{ .Values.prometheusRule.gpuUnhealthyFor }}
+        labels:
+          severity: warning
+        annotations:
+          summary: GPU {{`{{ $labels.gpu }}`}} on {{`{{ $labels.instance }}`}} is out of service
+          description: >-
+            GPU {{`{{ $labels.gpu }}`}} ({{`{{ $labels.uuid }}`}}) on {{`{{ $labels.instance }}`}} has been
+            unhealthy (an XID critical error or a lost GPU) for {{ .Values.prometheusRule.gpuUnhealthyFor }};
+            its devices are not offered to new pods.
+      - alert: GPUManagerAllocationRefusals
+        expr: increase(gpu_manager_kubelet_call_errors_total{ {{- $job -}} ,call=~"Allocate|PreStartContainer"}[10m]) > 0
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} refuses {{`{{ $labels.call }}`}} calls
+          description: >-
+            {{`{{ $value | humanize }}`}} {{`{{ $labels.call }}`}} calls for {{`{{ $labels.resource }}`}} were
+            refused in the last 10 minutes on {{`{{ $labels.instance }}`}}: those containers do not start.
+            The agent's log names each pod and the reason.
+      - alert: GPUManagerContainerNearMemoryLimit
+        expr: >-
+          gpu_manager_container_gpu_memory_used_bytes{ {{- $job -}} }
+          / gpu_manager_container_gpu_memory_limit_bytes{ {{- $job -}} } > {{ .Values.prometheusRule.memoryNearLimitRatio }}
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            {{`{{ $labels.namespace }}/{{ $labels.pod }}`}} container {{`{{ $labels.container }}`}} is near its GPU memory limit
+          description: >-
+            Container {{`{{ $labels.container }}`}} of {{`{{ $labels.namespace }}/{{ $labels.pod }}`}} uses
+            {{`{{ $value | humanizePercentage }}`}} of its GPU memory limit on GPU {{`{{ $labels.gpu }}`}};
+            its next allocations will fail with out-of-memory.
+      - alert: GPUManagerCheckpointWriteFailures
+        expr: increase(gpu_manager_checkpoint_write_failures_total{ {{- $job -}} }[10m]) > 0
+        labels:
+          severity: critical
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} cannot write its checkpoint
+          description: >-
+            The allocation checkpoint could not be written on {{`{{ $labels.instance }}`}} in the last
+            10 minutes, so allocations are refused. Check the disk behind --checkpoint-path.
+{{- end -}}

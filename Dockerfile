@@ -12,6 +12,9 @@ RUN apt-get update \
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+# .git is not sent to the build: the commit the image is built from is passed in, for
+# `gpu-manager --version` and gpu_manager_build_info (docker build --build-arg GPU_MANAGER_COMMIT=$(git rev-parse HEAD)).
+ARG GPU_MANAGER_COMMIT=""
 COPY . .
 RUN scripts/image-build-steps.sh --prefix / --work /tmp/build vcuda python config verify
 

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo demo-dra test lint bench build clean proto deploy-check prometheus manifests
+.PHONY: demo demo-dra test test-min-deps lint bench build clean proto deploy-check prometheus manifests
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,20 @@ prometheus:
 	  echo "installing Debian's prometheus package (prometheus, promtool)"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+# The declared minimum of every runtime dependency (scripts/min_constraints.py), in a venv of its
+# own, with the end-to-end tests: a minimum that does not work fails here.
+MIN_VENV := .venv-min
+E2E_TESTS ?= tests/test_agent_kubelet.py tests/test_allocation_e2e.py tests/test_metrics_e2e.py tests/test_dra_e2e.py
+test-min-deps: build
+	rm -rf $(MIN_VENV)
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PY) scripts/min_constraints.py > $(MIN_VENV)/constraints.txt
+	$(MIN_VENV)/bin/python -m pip install --quiet -c $(MIN_VENV)/constraints.txt -e '.[dev]'
+	$(MIN_VENV)/bin/python -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()["purelib"], "simnode-dev.pth").write_text("$(CURDIR)\n")'
+	$(MIN_VENV)/bin/python scripts/min_constraints.py --verify
+	$(MIN_VENV)/bin/pytest -p no:cacheprovider $(E2E_TESTS)
 
 BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock
 bench: build

@@ -50,6 +50,7 @@ from gpumanager.dra.mode import DRAMode, DRASettings, make_publisher
 from gpumanager.dra.publisher import SlicePublisher
 from gpumanager.kube import cleanup, kubelet_checkpoint, nodelabels
 from gpumanager.kube import client as kube_client
+from gpumanager.kube.inventory_publisher import InventoryPublisher
 from gpumanager.kube.owners import OwnerResolver
 from gpumanager.kube.patcher import AnnotationPatcher
 from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
@@ -147,6 +148,7 @@ class Agent:
         self.api_client: Any = None
         self.pods: PodCache | _NoApiServer = _NoApiServer("not started")
         self.patcher: AnnotationPatcher | None = None
+        self.inventory: InventoryPublisher | None = None
         self.allocator: Allocator | None = None
         self.vmanager: VirtualManager | None = None
         self.sampler: UsageSampler | None = None
@@ -330,6 +332,16 @@ class Agent:
         self.pod_cache.start()
         self.patcher = AnnotationPatcher(api)
         self.patcher.start()
+        health = self.health
+        self.inventory = InventoryPublisher(
+            api,
+            self.node_name,
+            self.gpus,
+            self.topology,
+            lambda: {i: s.healthy for i, s in (health.snapshot() if health else {}).items()},
+            share_mode=self.config.share_mode,
+        )
+        self.inventory.start()
         if labels:
             resolved = nodelabels.resolve(labels, self.gpus[0].name if self.gpus else "")
             self._spawn("node-labels", lambda: self._label_node(api, resolved))
@@ -809,6 +821,8 @@ class Agent:
             self._tree().set_healthy(index, state.healthy)
         for servicer in self.servicers:
             servicer.notify()
+        if self.inventory is not None:
+            self.inventory.changed()
 
     # -- stop -----------------------------------------------------------------------------------
 
@@ -825,6 +839,8 @@ class Agent:
             self.display.stop()
         if self.vmanager is not None:
             self.vmanager.stop()
+        if self.inventory is not None:
+            self.inventory.stop()
         if self.patcher is not None:
             self.patcher.stop()
         if self.pod_cache is not None:

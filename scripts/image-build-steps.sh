@@ -70,6 +70,7 @@ step_config() {
 
 step_verify() {
     "$VENV/bin/gpu-manager" --version
+    "$VENV/bin/gpu-manager-extender" --version
     "$VENV/bin/python" - "$CONFDIR" "$LIBDIR/libcuda-control.so" "$LIBDIR/gpu-client" <<'PY'
 import json, sys
 from pathlib import Path

@@ -224,8 +224,8 @@ _CLIENT_CALLS = {
     "patch_node": ("patch", "nodes"),
 }
 _CLIENT_METHOD = re.compile(r"^(list|watch|read|get|patch|delete|create|replace)_\w+$")
-# DRA mode has its own manifests and RBAC.
-_OTHER_MODES = ("gpumanager/dra/",)
+# DRA mode and the scheduler extender (deploy/extender.yaml) have their own manifests and RBAC.
+_OTHER_MODES = ("gpumanager/dra/", "gpumanager/extender/")
 
 
 def _calls_in_code() -> set[tuple[str, str]]:

@@ -1,0 +1,73 @@
+"""What a pod holds: its node and, per GPU container, the GPUs named by gpu-admission's annotations.
+
+A pod counts on ``spec.nodeName``, else on ``tencent.com/predicate-node`` (chosen, not yet
+bound), unless it has ended (Succeeded/Failed). Each GPU container ``i`` holds what
+``tencent.com/predicate-gpu-idx-<i>`` names: its cores and memory on that GPU for a share, every
+named GPU whole otherwise. A bound GPU container without the annotation holds no known GPU yet
+(the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import Pod, PodSpecError
+from gpumanager.extender.nodes import Charge
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class PodCharges:
+    """Where a pod counts and what it holds there."""
+
+    node: str
+    charges: tuple[Charge, ...]
+    unplaced: int = 0
+    """GPU containers without a ``predicate-gpu-idx`` annotation."""
+    predicate_time: str = ""
+
+
+def pod_node(pod: Pod) -> str:
+    """``spec.nodeName``, else the ``predicate-node`` annotation, else ``""``."""
+    bound = str((pod.get("spec") or {}).get("nodeName") or "")
+    return bound or str(podinfo.pod_annotations(pod).get(names.PREDICATE_NODE) or "")
+
+
+def counts(pod: Pod) -> bool:
+    """Whether the pod may hold GPUs now: on (or chosen for) a node, and not ended."""
+    return bool(pod_node(pod)) and podinfo.phase(pod) not in TERMINAL
+
+
+def pod_charges(pod: Pod) -> PodCharges | None:
+    """The pod's charges, or None when it holds nothing (ended, nowhere, no GPU container)."""
+    if not counts(pod):
+        return None
+    try:
+        requests = podinfo.gpu_containers(pod)
+    except PodSpecError as exc:
+        log.warning("%s; the pod is not counted", exc)
+        return None
+    if not requests:
+        return None
+    charges: list[Charge] = []
+    unplaced = 0
+    for request in requests:
+        try:
+            minors = podinfo.predicated_gpus(pod, request.index)
+        except PodSpecError as exc:
+            log.warning("%s; container %s is not counted", exc, request.name)
+            unplaced += 1
+            continue
+        if minors is None:
+            unplaced += 1
+            continue
+        memory = request.memory_bytes if request.shared else 0
+        charges.extend(Charge(m, request.cores, memory) for m in dict.fromkeys(minors))
+    when = str(podinfo.pod_annotations(pod).get(names.PREDICATE_TIME, ""))
+    return PodCharges(pod_node(pod), tuple(charges), unplaced, when)

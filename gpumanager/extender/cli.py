@@ -1,0 +1,151 @@
+"""``gpu-manager-extender``: the kube-scheduler extender for tencent.com/vcuda-core and vcuda-memory.
+
+Exit codes: 0 after a clean stop (SIGTERM/SIGINT), 2 for an invalid flag (the flag and the
+value are named), 1 when it cannot start (the port is taken, the certificate cannot be read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import ssl
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn, cast
+
+from gpumanager import __version__
+from gpumanager.extender.placement import POLICIES, Policy
+from gpumanager.extender.server import parse_listen
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_START = 1
+EXIT_CONFIG = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_CONFIG, f"{self.prog}: invalid flag: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser."""
+    p = _Parser(
+        prog="gpu-manager-extender",
+        description="kube-scheduler extender placing tencent.com/vcuda-* requests on GPUs that can hold them.",
+    )
+    p.add_argument("--listen", default=":3456", help="address to serve on, host:port or :port (default %(default)s)")
+    p.add_argument("--kubeconfig", default="", help="kubeconfig file; empty means in-cluster")
+    p.add_argument(
+        "--policy",
+        default="binpack",
+        choices=POLICIES,
+        help="binpack: fill used GPUs first, keeping whole GPUs free; spread: emptiest GPU first",
+    )
+    p.add_argument("--url-prefix", default="/scheduler", help="path prefix of the verbs (default %(default)s)")
+    p.add_argument("--tls-cert-file", default="", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-private-key-file", default="", help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--assume-ttl",
+        type=float,
+        default=300.0,
+        help="seconds a bound pod's GPUs are held before the watch must have shown it (default %(default)s)",
+    )
+    p.add_argument("--v", type=int, default=0, help="log verbosity (>= 4 logs debug messages)")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    return p
+
+
+def _fail(flag: str, value: str, problem: str) -> NoReturn:
+    print(f"gpu-manager-extender: invalid flag: {flag}={value}: {problem}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIG)
+
+
+def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | None]:
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as exc:
+        _fail("--listen", args.listen, str(exc))
+    if args.url_prefix and not args.url_prefix.startswith("/"):
+        _fail("--url-prefix", args.url_prefix, "must start with /")
+    if args.assume_ttl <= 0:
+        _fail("--assume-ttl", str(args.assume_ttl), "must be positive")
+    if args.kubeconfig and not Path(args.kubeconfig).is_file():
+        _fail("--kubeconfig", args.kubeconfig, "no such file")
+    cert, key = args.tls_cert_file, args.tls_private_key_file
+    if bool(cert) != bool(key):
+        missing = "--tls-private-key-file" if cert else "--tls-cert-file"
+        flag, value = ("--tls-cert-file", cert) if cert else ("--tls-private-key-file", key)
+        _fail(flag, value, f"needs {missing} too")
+    tls = None
+    if cert:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            _fail("--tls-cert-file", f"{cert} (key {key})", f"cannot be loaded: {exc}")
+        tls = (cert, key)
+    return host, port, tls
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpu-manager-extender``."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        print(f"gpu-manager-extender {__version__}")
+        return EXIT_OK
+    host, port, tls = _validate(args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.v >= 4 else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    for noisy in ("urllib3", "kubernetes"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    from gpumanager.extender.service import Extender, ExtenderSettings  # late: keeps --help fast
+    from gpumanager.kube.client import KubeUnavailableError, api_client
+
+    try:
+        api = api_client(args.kubeconfig)
+    except KubeUnavailableError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_START
+    settings = ExtenderSettings(
+        host=host,
+        port=port,
+        policy=cast(Policy, args.policy),
+        url_prefix=args.url_prefix,
+        tls=tls,
+        assume_ttl=args.assume_ttl,
+    )
+    try:
+        extender = Extender(api, settings)
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", args.listen, exc)
+        return EXIT_START
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("gpu-manager-extender %s starting", __version__)
+    extender.start()
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        extender.stop()
+    log.info("stopped")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""filter and prioritize: which candidate nodes can hold a pod's GPU containers, and how well.
+
+Neither writes anything. A pod is judged without its own charges (a pod that carries
+predicate annotations from an earlier attempt is judged afresh). A node fails with a reason
+naming the container and the best GPU; it is *unresolvable* (preemption cannot help) when even
+its GPUs with nothing on them could not hold the pod.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import GPURequest, PodSpecError
+from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
+from gpumanager.extender.nodes import NodeGPUs
+from gpumanager.extender.placement import Placement, Policy, place
+from gpumanager.extender.state import ClusterState
+
+log = logging.getLogger(__name__)
+
+
+def requests_of(pod: JSON) -> list[GPURequest]:
+    """The pod's GPU containers (raises PodSpecError on unreadable quantities)."""
+    return podinfo.gpu_containers(pod)
+
+
+class Decider:
+    """Answers filter and prioritize from a :class:`ClusterState`."""
+
+    def __init__(self, state: ClusterState, policy: Policy) -> None:
+        self.state = state
+        self.policy = policy
+
+    def _node(self, name: str, objects: Mapping[str, JSON]) -> NodeGPUs | None:
+        gpus = self.state.node(name)
+        if gpus is None and name in objects:
+            # The scheduler may know a node the watch has not shown yet.
+            gpus = self.state.add_node(objects[name])
+        return gpus
+
+    def judge(self, name: str, gpus: NodeGPUs | None, requests: list[GPURequest]) -> tuple[str, Placement | None]:
+        """``("pass"|"fail"|"unresolvable", placement)`` for one node; placement carries the reason."""
+        if gpus is None:
+            return "unresolvable", Placement((), f"node has no {names.VCORE_RESOURCE}")
+        placement = place(gpus, requests, self.policy)
+        if placement.ok:
+            return "pass", placement
+        note = f"; {gpus.note}" if gpus.note else ""
+        placement = Placement(placement.choices, placement.failed + note)
+        never = place(gpus, requests, self.policy, empty=True)
+        return ("fail" if never.ok else "unresolvable"), placement
+
+    def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
+        """``ExtenderFilterResult`` for the candidates, and the count of each outcome."""
+        outcomes: Counter[str] = Counter()
+        try:
+            requests = requests_of(args.pod)
+        except PodSpecError as exc:
+            return error_filter_result(str(exc)), Counter(error=1)
+        node_names = args.names
+        if not requests:
+            outcomes["pass"] += len(node_names)
+            return filter_result(args, node_names, {}, {}), outcomes
+        objects = {str((n.get("metadata") or {}).get("name", "")): n for n in args.nodes}
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        unresolvable: dict[str, str] = {}
+        uid = podinfo.uid(args.pod)
+        with self.state.lock:
+            self.state.expire()
+            with self.state.without(uid):
+                for name in node_names:
+                    verdict, placement = self.judge(name, self._node(name, objects), requests)
+                    outcomes[verdict] += 1
+                    if verdict == "pass":
+                        passed.append(name)
+                    elif verdict == "fail":
+                        failed[name] = placement.failed if placement else ""
+                    else:
+                        unresolvable[name] = placement.failed if placement else ""
+        log.debug(
+            "filter %s: %d pass, %d fail, %d unresolvable",
+            podinfo.pod_key(args.pod),
+            len(passed),
+            len(failed),
+            len(unresolvable),
+        )
+        return filter_result(args, passed, failed, unresolvable), outcomes
+
+    def prioritize(self, args: ExtenderArgs) -> list[JSON]:
+        """``HostPriorityList``: 0-10 per candidate (0 where the pod does not fit now)."""
+        try:
+            requests = requests_of(args.pod)
+        except PodSpecError:
+            requests = []
+        node_names = args.names
+        if not requests:
+            return [{"Host": name, "Score": 0} for name in node_names]
+        objects = {str((n.get("metadata") or {}).get("name", "")): n for n in args.nodes}
+        scores: list[JSON] = []
+        uid = podinfo.uid(args.pod)
+        with self.state.lock:
+            self.state.expire()
+            with self.state.without(uid):
+                for name in node_names:
+                    gpus = self._node(name, objects)
+                    placement = place(gpus, requests, self.policy) if gpus is not None else None
+                    score = placement.score if placement is not None and placement.ok else 0
+                    scores.append({"Host": name, "Score": score})
+        return scores

@@ -1,0 +1,180 @@
+"""Choosing GPUs on one node for every GPU container of a pod, and scoring the choice.
+
+Whole GPUs are chosen by the agent's own evaluators (:func:`gpumanager.topology.choose`:
+``link`` for several GPUs, ``fragment`` for one), so the extender picks what the agent would.
+A share goes, under ``binpack``, to the fullest GPU that holds it (the agent's ``share``
+evaluator) and, under ``spread``, to the emptiest. Containers are placed in ``spec.containers``
+order, each seeing what the previous ones took. Nothing here changes the node: choices are
+made inside :meth:`NodeGPUs.trial`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from gpumanager.allocation.pods import GPURequest
+from gpumanager.extender.nodes import Charge, NodeGPUs
+from gpumanager.topology import HUNDRED_CORES, GroupNode, Level, TopologyTree, choose
+
+Policy = Literal["binpack", "spread"]
+POLICIES: tuple[Policy, ...] = ("binpack", "spread")
+MAX_SCORE = 10
+MIB = 1 << 20
+
+#: Topology score of the tightest group that holds all GPUs of one container.
+_LEVEL_SCORE = {
+    Level.NVLINK: 10,
+    Level.SINGLE: 8,
+    Level.MULTIPLE: 6,
+    Level.HOSTBRIDGE: 4,
+    Level.CPU: 2,
+}
+
+
+@dataclass(frozen=True)
+class ContainerChoice:
+    """The GPUs (minors) chosen for one container."""
+
+    request: GPURequest
+    minors: tuple[int, ...]
+
+    def charges(self) -> list[Charge]:
+        """What the container will hold on each GPU."""
+        return [Charge(m, self.request.cores, self.request.memory_bytes) for m in self.minors]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A pod's GPUs on one node, or why there are none (``failed`` names the container)."""
+
+    choices: tuple[ContainerChoice, ...]
+    failed: str = ""
+    score: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every GPU container has its GPUs."""
+        return not self.failed
+
+
+def _spread_share(tree: TopologyTree, cores: int, memory: int) -> list[int]:
+    fits = [
+        leaf
+        for leaf in tree.leaves
+        if leaf.healthy and leaf.allocatable_cores >= cores and leaf.allocatable_memory >= memory
+    ]
+    if not fits:
+        return []
+    best = min(fits, key=lambda g: (-g.allocatable_cores, -g.allocatable_memory, g.index))
+    return [best.index]
+
+
+def pick(tree: TopologyTree, request: GPURequest, policy: Policy) -> list[int]:
+    """NVML indices for one container (empty when nothing fits now)."""
+    if request.shared and policy == "spread":
+        return _spread_share(tree, request.cores, request.memory_bytes)
+    return choose(tree, request.cores, request.memory_bytes if request.shared else 0)
+
+
+def _best_gpu_text(tree: TopologyTree) -> str:
+    healthy = [leaf for leaf in tree.leaves if leaf.healthy]
+    if not healthy:
+        return "every GPU is unhealthy"
+    best = max(healthy, key=lambda g: (g.allocatable_cores, g.allocatable_memory, -g.index))
+    return (
+        f"best GPU {best.minor} has {best.allocatable_cores} cores / {best.allocatable_memory // MIB} MiB free "
+        f"of {best.total_memory // MIB} MiB"
+    )
+
+
+def _why_not(tree: TopologyTree, request: GPURequest) -> str:
+    who = f"container {request.name!r}"
+    if request.shared:
+        return f"{who} needs {request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU: " + _best_gpu_text(
+            tree
+        )
+    need = request.cores // HUNDRED_CORES
+    free = [leaf.minor for leaf in tree.leaves if leaf.available]
+    unhealthy = [leaf.minor for leaf in tree.leaves if not leaf.healthy]
+    text = f"{who} needs {need} whole GPU(s): {len(free)} entirely free and healthy ({free})"
+    if unhealthy:
+        text += f", unhealthy: {unhealthy}"
+    return text
+
+
+def _invalid(node: NodeGPUs, request: GPURequest) -> str:
+    who = f"container {request.name!r}"
+    if request.cores > HUNDRED_CORES and request.cores % HUNDRED_CORES:
+        return f"{who}: {request.cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100"
+    if request.shared and not node.share_mode:
+        return f"{who}: {request.cores} cores is a share, and the agent on this node runs without --share-mode"
+    return ""
+
+
+def _topology_score(tree: TopologyTree, indices: Sequence[int]) -> int:
+    if len(indices) < 2:
+        return MAX_SCORE
+    wanted = set(indices)
+    group: GroupNode | None = tree.leaf(indices[0]).parent
+    while group is not None and not wanted.issubset(group.indices):
+        group = group.parent
+    if group is None or group.is_root:
+        return 0
+    return _LEVEL_SCORE.get(group.level, 0)
+
+
+def _policy_score(node: NodeGPUs, request: GPURequest, indices: Sequence[int], policy: Policy) -> int:
+    """How full the GPU (a share) or the node (whole GPUs) is once the container is placed, 0-10."""
+    if request.shared:
+        leaf = node.tree.leaf(indices[0])
+        fullness = (HUNDRED_CORES - leaf.allocatable_cores) / HUNDRED_CORES
+    else:
+        cores, _ = node.used()
+        fullness = cores / (HUNDRED_CORES * max(node.gpu_count, 1))
+    score = round(MAX_SCORE * fullness)
+    return score if policy == "binpack" else MAX_SCORE - score
+
+
+def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> Placement:
+    """Choose GPUs for ``requests`` (the pod's GPU containers) on ``node``; the node is left as it was.
+
+    ``empty=True`` asks the same of the node with nothing held (is it possible at all?).
+    The score (0-10) is the mean over containers of the policy score, and for containers of
+    several GPUs the topology score (counted twice: NVLink matters more than packing).
+    """
+    tree = node.empty if empty else node.tree
+    choices: list[ContainerChoice] = []
+    weighted = weights = 0
+    scratch: list[int] = []  # GPUs of the empty tree taken by this call
+    with node.trial() as held:
+        try:
+            for request in requests:
+                problem = _invalid(node, request)
+                if problem:
+                    return Placement(tuple(choices), problem)
+                indices = pick(tree, request, policy)
+                if not indices:
+                    return Placement(tuple(choices), _why_not(tree, request))
+                choice = ContainerChoice(request, tuple(tree.leaf(i).minor for i in indices))
+                choices.append(choice)
+                if empty:
+                    for i in indices:
+                        tree.occupy(i, request.cores, request.memory_bytes if request.shared else 0)
+                        scratch.append(i)
+                    continue
+                node.charge(choice.charges())
+                held.extend(choice.charges())
+                policy_score = _policy_score(node, request, indices, policy)
+                if len(indices) > 1:
+                    weighted += 2 * _topology_score(tree, indices) + policy_score
+                    weights += 3
+                else:
+                    weighted += policy_score
+                    weights += 1
+        finally:
+            for i in scratch:
+                tree.free(i, HUNDRED_CORES, 0)
+    score = round(weighted / weights) if weights else MAX_SCORE
+    return Placement(tuple(choices), "", max(0, min(MAX_SCORE, score)))

@@ -1,0 +1,212 @@
+"""The extender's HTTP(S) server: the verbs under the URL prefix, health, version and metrics.
+
+``POST <prefix>/filter`` (also ``<prefix>/predicates``, gpu-admission's name, so scheduler
+configurations written for it keep working), ``POST <prefix>/prioritize``, ``POST
+<prefix>/bind``; ``GET /healthz``, ``/readyz`` (503 until the watches have listed), ``/version``
+(also ``<prefix>/version``), ``/metrics``. HTTP/1.1 with keep-alive, as the scheduler's Go client
+reuses connections. Bodies are JSON; a body that is not the verb's argument answers 400 with
+``{"Error": ...}`` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gpumanager.extender.api import BadRequestError
+from gpumanager.extender.metrics import ExtenderMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 << 20
+
+Verb = Callable[[Any], tuple[Any, int]]
+"""A verb: decoded body -> (answer, HTTP status)."""
+
+
+@dataclass
+class Routes:
+    """What the server answers with."""
+
+    verbs: dict[str, Verb]
+    """Verb name (after the prefix) -> handler."""
+    ready: Callable[[], tuple[bool, dict[str, object]]]
+    version: dict[str, str]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+class ExtenderServer:
+    """Serves :class:`Routes` on ``host:port`` in background threads."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        routes: Routes,
+        metrics: ExtenderMetrics,
+        *,
+        url_prefix: str = "/scheduler",
+        tls: tuple[str, str] | None = None,
+    ) -> None:
+        self._routes = routes
+        self._metrics = metrics
+        self._prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
+        self._httpd = _Server((host, port), self._handler_class())
+        self.tls = tls is not None
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(tls[0], tls[1])
+            # The handshake happens in the request's thread, so a slow client cannot stall accept().
+            self._httpd.socket = context.wrap_socket(
+                self._httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="extender-http", daemon=True)
+        self._thread.start()
+        host, port = self._httpd.server_address[:2]
+        log.info(
+            "serving %s on %s:%d: POST %s/{filter,prioritize,bind}, GET /healthz /readyz /version /metrics",
+            "HTTPS" if self.tls else "HTTP",
+            host,
+            port,
+            self._prefix,
+        )
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def _verb_of(self, path: str) -> str | None:
+        if self._prefix and not path.startswith(self._prefix + "/"):
+            return None
+        name = path[len(self._prefix) + 1 :]
+        return "filter" if name == "predicates" else name
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                if isinstance(self.request, ssl.SSLSocket):
+                    self.request.settimeout(30)
+                    try:
+                        self.request.do_handshake()
+                    except (OSError, ssl.SSLError) as exc:
+                        log.info("TLS handshake with %s failed: %s", self.client_address[0], exc)
+                        raise
+                    self.request.settimeout(None)
+                super().setup()
+
+            def log_message(self, format: str, *args: object) -> None:
+                log.debug("http: " + format, *args)
+
+            def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _json(self, code: int, answer: object) -> None:
+                self._send(code, json.dumps(answer, separators=(",", ":")).encode())
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0].rstrip("/") or "/"
+                if path in ("/healthz", "/livez"):
+                    self._send(200, b"ok", "text/plain; charset=utf-8")
+                elif path == "/readyz":
+                    ok, detail = outer._routes.ready()
+                    self._json(200 if ok else 503, {"ready": ok, **detail})
+                elif path in ("/version", f"{outer._prefix}/version"):
+                    self._json(200, outer._routes.version)
+                elif path == "/metrics":
+                    self._send(200, generate_latest(outer._metrics.registry), CONTENT_TYPE_LATEST)
+                else:
+                    self._json(404, {"Error": f"no such path {path!r}"})
+
+            def do_POST(self) -> None:
+                started = time.perf_counter()
+                path = self.path.split("?", 1)[0].rstrip("/")
+                verb = outer._verb_of(path)
+                handler = outer._routes.verbs.get(verb) if verb else None
+                if handler is None or verb is None:
+                    self._read_body()
+                    self._json(404, {"Error": f"no such verb {path!r} (prefix {outer._prefix or '/'})"})
+                    outer._metrics.requests.labels("unknown", "404").inc()
+                    return
+                code = 500
+                try:
+                    try:
+                        body = json.loads(self._read_body() or b"null")
+                    except (ValueError, UnicodeDecodeError) as exc:
+                        raise BadRequestError(f"{verb}: the body is not JSON: {exc}") from None
+                    answer, code = handler(body)
+                    self._json(code, answer)
+                except BadRequestError as exc:
+                    code = 400
+                    self._json(code, {"Error": str(exc)})
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True
+                except Exception as exc:
+                    log.exception("%s failed", verb)
+                    code = 500
+                    self._json(code, {"Error": f"{verb}: internal error: {exc}"})
+                finally:
+                    outer._metrics.requests.labels(verb, str(code)).inc()
+                    outer._metrics.latency.labels(verb).observe(time.perf_counter() - started)
+
+            def _read_body(self) -> bytes:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_BODY:
+                    self.close_connection = True
+                    raise BadRequestError(f"the body is {length} bytes, more than {MAX_BODY}")
+                return self.rfile.read(length) if length > 0 else b""
+
+        return Handler
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``host:port``, ``:port`` or ``[v6]:port`` -> (host, port); ValueError names the problem."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        raise ValueError("expected host:port or :port")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"port {port_text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    if host:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"host {host!r} does not resolve: {exc}") from None
+    return host or "0.0.0.0", port

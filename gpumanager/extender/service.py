@@ -1,0 +1,139 @@
+"""The extender process: watches of nodes and pods feeding the cluster state, the verbs, the server."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+
+from gpumanager import __version__
+from gpumanager.extender.api import JSON, error_filter_result, parse_args, parse_binding
+from gpumanager.extender.binder import Binder, BindError
+from gpumanager.extender.charges import counts
+from gpumanager.extender.decisions import Decider
+from gpumanager.extender.metrics import ExtenderMetrics
+from gpumanager.extender.placement import Policy
+from gpumanager.extender.server import ExtenderServer, Routes
+from gpumanager.extender.state import ClusterState
+from gpumanager.kube.reflector import Reflector
+
+log = logging.getLogger(__name__)
+
+#: The kube-scheduler's own pod informer ignores ended pods the same way.
+POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+@dataclass(frozen=True)
+class ExtenderSettings:
+    """How the extender runs."""
+
+    host: str = "0.0.0.0"
+    port: int = 3456
+    policy: Policy = "binpack"
+    url_prefix: str = "/scheduler"
+    tls: tuple[str, str] | None = None
+    assume_ttl: float = 300.0
+    watch_timeout: int = 300
+
+
+class Extender:
+    """Owns the watches, the state, the verbs and the HTTP server."""
+
+    def __init__(self, api: client.ApiClient, settings: ExtenderSettings) -> None:
+        self.settings = settings
+        self.state = ClusterState(assume_ttl=settings.assume_ttl)
+        self.decider = Decider(self.state, settings.policy)
+        self.metrics = ExtenderMetrics(self._sizes)
+        self.binder = Binder(api, self.state, settings.policy, on_conflict=self.metrics.conflicts.inc)
+        core = client.CoreV1Api(api)
+        self.nodes = Reflector("nodes", core.list_node, watch_timeout=settings.watch_timeout)
+        self.pods = Reflector(
+            "pods",
+            core.list_pod_for_all_namespaces,
+            field_selector=POD_SELECTOR,
+            keep=counts,
+            watch_timeout=settings.watch_timeout,
+        )
+        self.nodes.add_listener(lambda kind, obj, _prev: self.state.node_event(kind, obj))
+        self.pods.add_listener(lambda kind, obj, _prev: self.state.pod_event(kind, obj))
+        routes = Routes(
+            verbs={"filter": self.filter, "prioritize": self.prioritize, "bind": self.bind},
+            ready=self.ready,
+            version={"version": __version__, "component": "gpu-manager-extender", "policy": settings.policy},
+        )
+        self.server = ExtenderServer(
+            settings.host, settings.port, routes, self.metrics, url_prefix=settings.url_prefix, tls=settings.tls
+        )
+
+    def start(self) -> None:
+        """Start watching and serving (verbs answer once the watches have listed)."""
+        self.nodes.start()
+        self.pods.start()
+        self.server.start()
+        log.info("policy %s; watching nodes and pods", self.settings.policy)
+
+    def stop(self) -> None:
+        """Stop serving and watching."""
+        self.server.stop()
+        self.pods.stop()
+        self.nodes.stop()
+
+    def synced(self) -> bool:
+        """Whether both watches have listed once."""
+        return self.nodes.synced() and self.pods.synced()
+
+    def ready(self) -> tuple[bool, dict[str, object]]:
+        """/readyz: the caches are synced."""
+        ok = self.synced()
+        return ok, {"nodes_synced": self.nodes.synced(), "pods_synced": self.pods.synced()}
+
+    def _sizes(self) -> dict[str, float]:
+        return {
+            "assumed_pods": self.state.assumed_count(),
+            "pods": self.state.pod_count(),
+            "unplaced_containers": self.state.unplaced(),
+            "nodes": len(self.state.node_names()),
+            "caches_synced": 1.0 if self.synced() else 0.0,
+        }
+
+    # -- verbs ------------------------------------------------------------------------------------
+
+    def _not_ready(self) -> str:
+        return "" if self.synced() else "the extender has not listed nodes and pods yet; try again"
+
+    def filter(self, body: Any) -> tuple[JSON, int]:
+        """POST <prefix>/filter."""
+        args = parse_args(body)
+        problem = self._not_ready()
+        if problem:
+            self.metrics.decisions.labels("filter", "error").inc()
+            return error_filter_result(problem), 200
+        result, outcomes = self.decider.filter(args)
+        for outcome, n in outcomes.items():
+            self.metrics.decisions.labels("filter", outcome).inc(n)
+        return result, 200
+
+    def prioritize(self, body: Any) -> tuple[list[JSON], int]:
+        """POST <prefix>/prioritize."""
+        args = parse_args(body)
+        if self._not_ready():
+            return [{"Host": name, "Score": 0} for name in args.names], 200
+        return self.decider.prioritize(args), 200
+
+    def bind(self, body: Any) -> tuple[JSON, int]:
+        """POST <prefix>/bind."""
+        args = parse_binding(body)
+        problem = self._not_ready()
+        if problem:
+            self.metrics.decisions.labels("bind", "error").inc()
+            return {"Error": problem}, 200
+        try:
+            outcome = self.binder.bind(args)
+        except BindError as exc:
+            log.warning("bind %s/%s to %s: %s", args.pod_namespace, args.pod_name, args.node, exc)
+            self.metrics.decisions.labels("bind", exc.outcome).inc()
+            return {"Error": str(exc)}, 200
+        self.metrics.decisions.labels("bind", outcome).inc()
+        return {"Error": ""}, 200

@@ -1,0 +1,220 @@
+"""The extender's view of the cluster: each node's GPUs and what every pod holds, plus assumptions.
+
+Fed by the node and pod watches (:meth:`ClusterState.node_event`, :meth:`ClusterState.pod_event`)
+and by bind (:meth:`ClusterState.assume`, :meth:`ClusterState.forget`). A pod's *effective*
+charges are its assumption when it has one (bind chose GPUs and the watch has not shown the
+pod's annotations yet), else what the watch shows; only effective charges are held on the
+nodes. An assumption ends when the watch shows the pod carrying the same predicate time, when
+the pod is deleted, when bind drops it, or ``assume_ttl`` seconds after bind finished.
+
+Every method takes :attr:`ClusterState.lock`; callers that read the nodes hold it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import Pod
+from gpumanager.extender.charges import PodCharges, pod_charges
+from gpumanager.extender.nodes import Node, NodeGPUs, fingerprint, node_gpus, node_name
+
+log = logging.getLogger(__name__)
+
+NEVER = float("inf")
+
+
+@dataclass
+class Assumption:
+    """GPUs bind chose for a pod, held until the watch shows them."""
+
+    charges: PodCharges
+    expires: float = NEVER
+
+
+class ClusterState:
+    """Nodes, pods and assumptions. Thread-safe through :attr:`lock`."""
+
+    def __init__(self, *, assume_ttl: float = 300.0) -> None:
+        self.lock = threading.RLock()
+        self.assume_ttl = assume_ttl
+        self._nodes: dict[str, NodeGPUs] = {}
+        self._fingerprints: dict[str, tuple[str, str, str]] = {}
+        self._watched: dict[str, PodCharges] = {}
+        self._assumed: dict[str, Assumption] = {}
+        self._applied: dict[str, PodCharges] = {}
+        self._by_node: dict[str, set[str]] = {}
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def node(self, name: str) -> NodeGPUs | None:
+        """A node's GPUs (hold :attr:`lock` while using them)."""
+        with self.lock:
+            return self._nodes.get(name)
+
+    def node_names(self) -> list[str]:
+        """Nodes with GPUs."""
+        with self.lock:
+            return sorted(self._nodes)
+
+    def assumed_count(self) -> int:
+        """Pods in the assume cache."""
+        with self.lock:
+            return len(self._assumed)
+
+    def is_assumed(self, uid: str) -> bool:
+        """Whether the pod has an assumption."""
+        with self.lock:
+            return uid in self._assumed
+
+    def pod_count(self) -> int:
+        """Pods holding (or about to hold) GPUs."""
+        with self.lock:
+            return len(self._applied)
+
+    def unplaced(self) -> int:
+        """GPU containers on nodes whose GPUs are not named yet."""
+        with self.lock:
+            return sum(c.unplaced for c in self._applied.values())
+
+    def charges_of(self, uid: str) -> PodCharges | None:
+        """A pod's effective charges."""
+        with self.lock:
+            return self._applied.get(uid)
+
+    def over_committed(self) -> dict[str, list[int]]:
+        """Node -> minors of GPUs holding more than they have (empty when all is well)."""
+        with self.lock:
+            found = {name: n.over_committed() for name, n in self._nodes.items()}
+        return {k: v for k, v in found.items() if v}
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def node_event(self, kind: str, node: Node) -> None:
+        """A node was added, changed or deleted."""
+        name = node_name(node)
+        with self.lock:
+            if kind == "DELETED":
+                self._fingerprints.pop(name, None)
+                if self._nodes.pop(name, None) is not None:
+                    log.info("node %s removed", name)
+                return
+            self.add_node(node)
+
+    def add_node(self, node: Node) -> NodeGPUs | None:
+        """Build (or rebuild, when its GPUs changed) a node's GPUs and hold its pods' charges on them."""
+        name = node_name(node)
+        mark = fingerprint(node)
+        with self.lock:
+            if self._fingerprints.get(name) == mark:
+                return self._nodes.get(name)
+            self._fingerprints[name] = mark
+            gpus = node_gpus(node)
+            if gpus is None:
+                self._nodes.pop(name, None)
+                return None
+            for uid in self._by_node.get(name, ()):
+                gpus.charge(self._applied[uid].charges)
+            self._nodes[name] = gpus
+            unhealthy = [leaf.minor for leaf in gpus.tree.leaves if not leaf.healthy]
+            log.info(
+                "node %s: %d GPUs%s%s",
+                name,
+                gpus.gpu_count,
+                f", unhealthy: {unhealthy}" if unhealthy else "",
+                f" ({gpus.note})" if gpus.note else "",
+            )
+            return gpus
+
+    # -- pods -------------------------------------------------------------------------------------
+
+    def pod_event(self, kind: str, pod: Pod) -> None:
+        """A pod was added, changed or deleted (as the watch shows it)."""
+        uid = podinfo.uid(pod)
+        with self.lock:
+            charges = None if kind == "DELETED" else pod_charges(pod)
+            if charges is None:
+                self._watched.pop(uid, None)
+            else:
+                self._watched[uid] = charges
+            assumption = self._assumed.get(uid)
+            if assumption is not None and (
+                kind == "DELETED"
+                or (charges is not None and charges.predicate_time == assumption.charges.predicate_time)
+                or podinfo.phase(pod) in ("Succeeded", "Failed")
+            ):
+                del self._assumed[uid]
+            self._reapply(uid)
+
+    def assume(self, uid: str, charges: PodCharges) -> None:
+        """Hold ``charges`` for the pod from now on (bind chose them)."""
+        with self.lock:
+            self._assumed[uid] = Assumption(charges)
+            self._reapply(uid)
+
+    def assumed_bound(self, uid: str) -> None:
+        """Bind finished: the assumption now ends at the latest ``assume_ttl`` seconds from now."""
+        with self.lock:
+            assumption = self._assumed.get(uid)
+            if assumption is not None:
+                assumption.expires = time.monotonic() + self.assume_ttl
+
+    def forget(self, uid: str) -> None:
+        """Drop the pod's assumption (bind failed)."""
+        with self.lock:
+            if self._assumed.pop(uid, None) is not None:
+                self._reapply(uid)
+
+    def expire(self) -> int:
+        """Drop assumptions past their time; returns how many."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [uid for uid, a in self._assumed.items() if a.expires <= now]
+            for uid in gone:
+                log.warning("assumption for pod %s expired before the watch showed it", uid)
+                del self._assumed[uid]
+                self._reapply(uid)
+            return len(gone)
+
+    @contextmanager
+    def without(self, uid: str) -> Iterator[None]:
+        """Within the block the pod's own charges are not held (a pod is judged against the others)."""
+        with self.lock:
+            mine = self._applied.get(uid)
+            node = self._nodes.get(mine.node) if mine is not None else None
+            if mine is None or node is None:
+                yield
+                return
+            node.charge(mine.charges, -1)
+            try:
+                yield
+            finally:
+                node.charge(mine.charges)
+
+    def _reapply(self, uid: str) -> None:
+        assumption = self._assumed.get(uid)
+        wanted = assumption.charges if assumption is not None else self._watched.get(uid)
+        current = self._applied.get(uid)
+        if wanted == current:
+            return
+        if current is not None:
+            node = self._nodes.get(current.node)
+            if node is not None:
+                node.charge(current.charges, -1)
+            members = self._by_node.get(current.node)
+            if members is not None:
+                members.discard(uid)
+                if not members:
+                    del self._by_node[current.node]
+            del self._applied[uid]
+        if wanted is not None:
+            node = self._nodes.get(wanted.node)
+            if node is not None:
+                node.charge(wanted.charges)
+            self._by_node.setdefault(wanted.node, set()).add(uid)
+            self._applied[uid] = wanted

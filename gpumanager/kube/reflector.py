@@ -1,0 +1,253 @@
+"""List, then watch from the list's resourceVersion: a cache of one kind of object for any reader.
+
+Objects stay the plain JSON the API server sends. Listeners hear every change as
+``(event_type, object, previous)``: ``ADDED``, ``MODIFIED`` or ``DELETED``; a relist (first
+start, or a watch answered "too old resource version", 410) is delivered as the difference to
+what was known. The watch resumes from the last resourceVersion seen (bookmarks included);
+errors back off 0.5 s doubling to 10 s and each change of state is logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+Listener = Callable[[str, Obj, Obj | None], None]
+#: ``list_fn(resource_version)``-style calls of ``CoreV1Api`` taking the client's keyword arguments.
+ListCall = Callable[..., Any]
+
+_BACKOFF_START = 0.5
+_BACKOFF_MAX = 10.0
+
+
+class WatchExpiredError(Exception):
+    """The API server no longer has the history the watch asked for (HTTP 410)."""
+
+
+def _lines(response: Any) -> Iterator[bytes]:
+    buffer = b""
+    for chunk in response.stream(amt=None, decode_content=True):
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield line
+    if buffer.strip():
+        yield buffer
+
+
+def object_key(obj: Obj) -> str:
+    """The object's UID (the cache key)."""
+    return str((obj.get("metadata") or {}).get("uid", ""))
+
+
+class Reflector:
+    """List+watch of one resource through a ``CoreV1Api`` list call (e.g. ``list_node``). Thread-safe.
+
+    ``keep(obj)`` decides which objects are stored (others are treated as absent, so an object
+    that stops matching is delivered as ``DELETED``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        list_call: ListCall,
+        *,
+        field_selector: str = "",
+        keep: Callable[[Obj], bool] | None = None,
+        request_timeout: float = 30.0,
+        watch_timeout: int = 300,
+    ) -> None:
+        self.name = name
+        self._call = list_call
+        self._selector = field_selector
+        self._keep = keep or (lambda _obj: True)
+        self._timeout = request_timeout
+        self._watch_timeout = watch_timeout
+        self._lock = threading.Lock()
+        self._objects: dict[str, Obj] = {}
+        self._rv = ""
+        self._synced = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._response: Any = None
+        self._listeners: list[Listener] = []
+        self._last_error = ""
+        self.lists = 0
+        self.watch_restarts = 0
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def synced(self) -> bool:
+        """Whether a list has completed."""
+        return self._synced.is_set()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Wait for the first complete list."""
+        return self._synced.wait(timeout)
+
+    def objects(self) -> list[Obj]:
+        """Every stored object."""
+        with self._lock:
+            return list(self._objects.values())
+
+    def get(self, key: str) -> Obj | None:
+        """A stored object by UID."""
+        with self._lock:
+            return self._objects.get(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._objects)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(event_type, obj, previous)`` from the watch thread, in order."""
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        """List and watch in the background."""
+        self._thread = threading.Thread(target=self._run, name=f"watch-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            # Closing the response does not wake a thread blocked reading it; shutting the socket does.
+            sock = getattr(getattr(response, "connection", None), "sock", None)
+            try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+                response.close()
+            except Exception:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _list(self) -> tuple[list[Obj], str]:
+        kwargs: dict[str, Any] = {"_preload_content": False, "_request_timeout": self._timeout}
+        if self._selector:
+            kwargs["field_selector"] = self._selector
+        response = self._call(**kwargs)
+        data = json.loads(response.data)
+        items = [dict(o) for o in data.get("items") or []]
+        return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _relist(self) -> None:
+        items, rv = self._list()
+        self.lists += 1
+        fresh = {object_key(o): o for o in items if self._keep(o)}
+        with self._lock:
+            old = self._objects
+            self._objects = fresh
+            self._rv = rv
+        for key, obj in fresh.items():
+            prev = old.get(key)
+            if prev is None:
+                self._emit("ADDED", obj, None)
+            elif prev.get("metadata", {}).get("resourceVersion") != obj.get("metadata", {}).get("resourceVersion"):
+                self._emit("MODIFIED", obj, prev)
+        for key, obj in old.items():
+            if key not in fresh:
+                self._emit("DELETED", obj, obj)
+        self._synced.set()
+        log.info("%s: listed %d (resourceVersion %s)", self.name, len(fresh), rv)
+
+    def _watch(self) -> None:
+        kwargs: dict[str, Any] = {
+            "watch": True,
+            "resource_version": self._rv,
+            "allow_watch_bookmarks": True,
+            "timeout_seconds": self._watch_timeout,
+            "_preload_content": False,
+            "_request_timeout": (self._timeout, self._watch_timeout + 30),
+        }
+        if self._selector:
+            kwargs["field_selector"] = self._selector
+        response = self._call(**kwargs)
+        self._response = response
+        try:
+            for line in _lines(response):
+                if self._stop.is_set():
+                    return
+                self._apply(json.loads(line))
+        finally:
+            self._response = None
+            response.release_conn()
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise WatchExpiredError(str(obj.get("message", "")))
+            raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+        rv = str((obj.get("metadata") or {}).get("resourceVersion", ""))
+        if kind == "BOOKMARK":
+            with self._lock:
+                self._rv = rv or self._rv
+            return
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return
+        key = object_key(obj)
+        kept = kind != "DELETED" and self._keep(obj)
+        with self._lock:
+            prev = self._objects.get(key)
+            if kept:
+                self._objects[key] = obj
+            else:
+                self._objects.pop(key, None)
+            self._rv = rv or self._rv
+        if kept:
+            self._emit("MODIFIED" if prev is not None else "ADDED", obj, prev)
+        elif prev is not None:
+            self._emit("DELETED", obj, prev)
+
+    def _emit(self, kind: str, obj: Obj, prev: Obj | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(kind, obj, prev)
+            except Exception:
+                log.exception("%s: listener failed on %s", self.name, kind)
+
+    def _report(self, message: str) -> None:
+        if message != self._last_error:
+            if message:
+                log.warning("%s: %s (retrying)", self.name, message)
+            else:
+                log.info("%s: API server reachable again", self.name)
+            self._last_error = message
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_START
+        need_list = True
+        while not self._stop.is_set():
+            try:
+                if need_list:
+                    self._relist()
+                    need_list = False
+                self._report("")
+                backoff = _BACKOFF_START
+                self._watch()
+                self.watch_restarts += 1
+            except WatchExpiredError as exc:
+                log.info("%s: watch expired (%s); listing again", self.name, exc)
+                need_list = True
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                self._report(f"{type(exc).__name__}: {exc}")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -90,3 +91,14 @@ def test_outage_then_recovery(api: ApiServerSimulator) -> None:
         eventually(lambda: names(c) == {"late"})
     finally:
         c.stop()
+
+
+def test_stop_returns_while_the_watch_is_quiet() -> None:
+    # No event and no bookmark for an hour: stop() must not wait for the next byte of the stream.
+    with ApiServerSimulator(bookmark_interval=3600) as sim:
+        c = PodCache(sim.client(), "node-1")
+        c.start()
+        assert c.wait_synced(10) and sim.wait_for_watches(1)
+        stopped = threading.Event()
+        threading.Thread(target=lambda: (c.stop(), stopped.set()), daemon=True).start()
+        assert stopped.wait(30), "PodCache.stop() hangs while its watch is idle"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -119,7 +120,12 @@ class PodCache:
         self._stop.set()
         response = self._response
         if response is not None:
+            # close() waits for the reading thread to let go of the stream, which it does only when
+            # the next bytes come (possibly a minute later); shutting the socket wakes it at once.
+            sock = getattr(getattr(response, "connection", None), "sock", None)
             try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
                 response.close()
             except Exception:
                 pass

@@ -1,0 +1,609 @@
+"""A kube-scheduler stand-in that calls scheduler extenders over HTTP, as configured for the real one.
+
+It reads the ``extenders`` of a ``KubeSchedulerConfiguration`` (v1: ``urlPrefix``, ``filterVerb``,
+``prioritizeVerb``, ``bindVerb``, ``weight``, ``nodeCacheCapable``, ``httpTimeout``,
+``ignorable``, ``managedResources``) and schedules the pods whose ``spec.schedulerName`` is its
+own, the way kube-scheduler does:
+
+* one scheduling cycle at a time: the in-tree filter (``NodeResourcesFit`` on the resources the
+  pod requests against ``status.allocatable`` minus what pods bound or assumed there request;
+  ``nodeSelector``; Ready and schedulable nodes), then each interested extender's filter (an
+  extender is interested when the pod requests one of its managed resources), then - with more
+  than one node left - the extenders' prioritize (``score x weight x 10``; errors ignored, as
+  kube-scheduler does), the highest total wins, ties broken at random;
+* the pod is *assumed* on its node (its requests count there) and bound in the background (up
+  to ``bind_workers`` at once, as binding goroutines): through the extender that has a bind
+  verb, else by POSTing the Binding itself; on failure the assumption is dropped and the pod
+  goes back to the queue with a backoff (1 s doubling to 10 s);
+* a pod that fits nowhere gets ``PodScheduled=False, reason Unschedulable`` with a
+  "0/N nodes are available" message and waits until a pod is deleted or a node changes (or
+  ``unschedulable_timeout``, 5 minutes as kube-scheduler), then tries again after its backoff.
+
+An extender's answer naming a node that was not offered is an error, as in kube-scheduler; an
+error from a non-ignorable extender fails the attempt. Not modelled: preemption, in-tree
+scoring plugins, taints, affinity, volumes, scheduling gates, PreBind.
+"""
+
+from __future__ import annotations
+
+import heapq
+import http.client
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+from kubernetes.utils import parse_quantity as _parse_quantity
+
+from gpumanager.kube.reflector import Reflector
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+DEFAULT_SCHEDULER = "default-scheduler"
+MAX_NODE_SCORE = 100
+MAX_EXTENDER_PRIORITY = 10
+
+
+def go_duration(text: str | int | float) -> float:
+    """Seconds of a Go duration (``10s``, ``500ms``, ``1m30s``) or a plain number."""
+    if isinstance(text, int | float):
+        return float(text)
+    total, number = 0.0, ""
+    units = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            number += ch
+            i += 1
+            continue
+        unit = text[i : i + 2] if text[i : i + 2] in units else ch
+        if unit not in units or not number:
+            raise ValueError(f"{text!r} is not a duration")
+        total += float(number) * units[unit]
+        number = ""
+        i += len(unit)
+    if number:
+        raise ValueError(f"{text!r} is not a duration (missing unit)")
+    return total
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    """One ``extenders[]`` entry of a KubeSchedulerConfiguration."""
+
+    url_prefix: str
+    filter_verb: str = ""
+    prioritize_verb: str = ""
+    bind_verb: str = ""
+    weight: int = 1
+    node_cache_capable: bool = False
+    http_timeout: float = 5.0
+    ignorable: bool = False
+    managed_resources: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ExtenderConfig:
+        """From the YAML mapping (kube-scheduler's field names)."""
+        return cls(
+            url_prefix=str(raw["urlPrefix"]),
+            filter_verb=str(raw.get("filterVerb", "")),
+            prioritize_verb=str(raw.get("prioritizeVerb", "")),
+            bind_verb=str(raw.get("bindVerb", "")),
+            weight=int(raw.get("weight", 1)),
+            node_cache_capable=bool(raw.get("nodeCacheCapable", False)),
+            http_timeout=go_duration(raw.get("httpTimeout", "5s")),
+            ignorable=bool(raw.get("ignorable", False)),
+            managed_resources=tuple(str(m["name"]) for m in raw.get("managedResources") or []),
+        )
+
+    def interested(self, pod: Mapping[str, Any]) -> bool:
+        """kube-scheduler's IsInterested: no managed resources, or the pod requests one of them."""
+        if not self.managed_resources:
+            return True
+        spec = pod.get("spec") or {}
+        for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+            resources = c.get("resources") or {}
+            asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+            if any(r in asked for r in self.managed_resources):
+                return True
+        return False
+
+
+def load_configuration(path: str | Path, *, url_prefix: str | None = None) -> tuple[str, list[ExtenderConfig]]:
+    """(scheduler name of the first profile, extenders) of a KubeSchedulerConfiguration file.
+
+    ``url_prefix`` replaces every extender's ``urlPrefix`` (the file names a cluster address).
+    """
+    doc = yaml.safe_load(Path(path).read_text())
+    if doc.get("kind") != "KubeSchedulerConfiguration":
+        raise ValueError(f"{path}: kind is {doc.get('kind')!r}, not KubeSchedulerConfiguration")
+    profiles = doc.get("profiles") or [{}]
+    name = str(profiles[0].get("schedulerName") or DEFAULT_SCHEDULER)
+    extenders = []
+    for raw in doc.get("extenders") or []:
+        if url_prefix is not None:
+            raw = {**raw, "urlPrefix": url_prefix}
+        extenders.append(ExtenderConfig.from_dict(raw))
+    return name, extenders
+
+
+class ExtenderCallError(Exception):
+    """An extender call failed (connection, timeout, status, or an ``Error`` in the answer)."""
+
+
+class ExtenderClient:
+    """HTTP calls to one extender, keeping one connection per thread (as Go's client reuses them)."""
+
+    def __init__(self, config: ExtenderConfig) -> None:
+        self.config = config
+        url = urllib.parse.urlsplit(config.url_prefix)
+        if url.scheme != "http":
+            raise ValueError(f"only http extenders are supported by the stand-in: {config.url_prefix}")
+        self._host = url.hostname or "127.0.0.1"
+        self._port = url.port or 80
+        self._path = url.path.rstrip("/")
+        self._local = threading.local()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.config.http_timeout)
+            self._local.conn = conn
+        return conn
+
+    def call(self, verb: str, body: object) -> Any:
+        """POST ``<urlPrefix>/<verb>``; raises :class:`ExtenderCallError`."""
+        data = json.dumps(body).encode()
+        for attempt in (1, 2):  # a kept-alive connection the server closed is redialled once
+            conn = self._connection()
+            try:
+                conn.request("POST", f"{self._path}/{verb}", body=data, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                payload = resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                self._local.conn = None
+                if attempt == 2 or isinstance(exc, TimeoutError):
+                    raise ExtenderCallError(f"{verb} at {self.config.url_prefix}: {exc}") from exc
+                continue
+            if resp.status != 200:
+                where = self.config.url_prefix
+                raise ExtenderCallError(
+                    f"failed {verb} with extender at URL {where}, code {resp.status}: {payload[:300]!r}"
+                )
+            return json.loads(payload)
+        raise AssertionError("unreachable")
+
+
+def parse_quantity(value: object) -> Decimal:
+    """A Kubernetes quantity (``500m``, ``1Gi``, ``100``) as a Decimal."""
+    return Decimal(_parse_quantity(value))  # type: ignore[no-untyped-call]
+
+
+def _requests(pod: Mapping[str, Any]) -> dict[str, Decimal]:
+    """The pod's effective requests: max(sum of containers, each init container), per resource."""
+    spec = pod.get("spec") or {}
+    total: dict[str, Decimal] = {}
+    for c in spec.get("containers") or []:
+        resources = c.get("resources") or {}
+        asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        for name, value in asked.items():
+            total[name] = total.get(name, Decimal(0)) + parse_quantity(value)
+    for c in spec.get("initContainers") or []:
+        resources = c.get("resources") or {}
+        asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        for name, value in asked.items():
+            total[name] = max(total.get(name, Decimal(0)), parse_quantity(value))
+    return total
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def _key(pod: Mapping[str, Any]) -> str:
+    return f"{_meta(pod).get('namespace', 'default')}/{_meta(pod).get('name', '')}"
+
+
+def _terminal(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+@dataclass
+class _Queued:
+    attempts: int = 0
+    unschedulable_since: float | None = None
+    last_message: str = ""
+
+
+@dataclass
+class SchedulerStats:
+    """What the stand-in did."""
+
+    scheduled: int = 0
+    attempts: int = 0
+    unschedulable: int = 0
+    bind_failures: int = 0
+    extender_errors: int = 0
+    messages: dict[str, str] = field(default_factory=dict)
+    """Pod (namespace/name) -> the last reason it could not be scheduled or bound."""
+
+
+class SchedulerStandIn:
+    """Schedules pods of ``scheduler_name`` with ``extenders``. Thread-safe; start/stop."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        extenders: Sequence[ExtenderConfig] = (),
+        *,
+        scheduler_name: str = DEFAULT_SCHEDULER,
+        initial_backoff: float = 1.0,
+        max_backoff: float = 10.0,
+        unschedulable_timeout: float = 300.0,
+        bind_workers: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        self._core = client.CoreV1Api(api)
+        self._extenders = [ExtenderClient(e) for e in extenders]
+        self.scheduler_name = scheduler_name
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+        self._unschedulable_timeout = unschedulable_timeout
+        self._random = random.Random(seed)
+        self.nodes = Reflector("scheduler-nodes", self._core.list_node)
+        self.pods = Reflector("scheduler-pods", self._core.list_pod_for_all_namespaces)
+        self.nodes.add_listener(self._on_node)
+        self.pods.add_listener(self._on_pod)
+        self._lock = threading.Condition()
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._queued: dict[str, _Queued] = {}
+        self._waiting: set[str] = set()  # unschedulable: wait for a cluster event
+        self._in_flight: set[str] = set()  # being scheduled or bound
+        self._assumed: dict[str, tuple[str, dict[str, Decimal]]] = {}
+        self._binders = ThreadPoolExecutor(max_workers=bind_workers, thread_name_prefix="sched-bind")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = SchedulerStats()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> SchedulerStandIn:
+        """Watch nodes and pods and start scheduling."""
+        self.nodes.start()
+        self.pods.start()
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop scheduling (binds in flight finish)."""
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._binders.shutdown(wait=True)
+        self.pods.stop()
+        self.nodes.stop()
+
+    def idle(self) -> bool:
+        """No pod is queued (ready or backing off), being scheduled or bound."""
+        with self._lock:
+            return not self._in_flight and all(uid in self._waiting for _, _, uid in self._heap)
+
+    def pending(self) -> int:
+        """Pods queued, waiting, or in flight."""
+        with self._lock:
+            return len(self._queued)
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def _mine(self, pod: Mapping[str, Any]) -> bool:
+        spec = pod.get("spec") or {}
+        return (
+            not spec.get("nodeName")
+            and (spec.get("schedulerName") or DEFAULT_SCHEDULER) == self.scheduler_name
+            and not _terminal(pod)
+            and not _meta(pod).get("deletionTimestamp")
+        )
+
+    def _on_pod(self, kind: str, pod: JSON, _prev: JSON | None) -> None:
+        uid = str(_meta(pod).get("uid", ""))
+        with self._lock:
+            if kind != "DELETED" and self._mine(pod):
+                if uid not in self._queued:
+                    self._queued[uid] = _Queued()
+                    self._push(uid, time.monotonic())
+                return
+            self._queued.pop(uid, None)
+            self._waiting.discard(uid)
+            # Seen bound (its requests now count from the cache) or gone: no assumption needed.
+            self._assumed.pop(uid, None)
+            if kind == "DELETED" or _terminal(pod):
+                self._wake_waiting()
+
+    def _on_node(self, kind: str, node: JSON, prev: JSON | None) -> None:
+        if (
+            kind == "MODIFIED"
+            and prev is not None
+            and (prev.get("status") or {}).get("allocatable") == (node.get("status") or {}).get("allocatable")
+            and (_meta(prev).get("annotations") == _meta(node).get("annotations"))
+        ):
+            return
+        with self._lock:
+            self._wake_waiting()
+
+    def _wake_waiting(self) -> None:
+        """A cluster event: unschedulable pods go back to the queue (after their backoff)."""
+        for uid in list(self._waiting):
+            self._waiting.discard(uid)
+            queued = self._queued.get(uid)
+            if queued is not None:
+                queued.unschedulable_since = None
+                self._push(uid, time.monotonic() + self._backoff(queued.attempts))
+        self._lock.notify_all()
+
+    def _push(self, uid: str, when: float) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), uid))
+        self._lock.notify_all()
+
+    def _backoff(self, attempts: int) -> float:
+        if attempts <= 0:
+            return 0.0
+        return float(min(self._initial_backoff * 2 ** (attempts - 1), self._max_backoff))
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _next(self) -> str | None:
+        with self._lock:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                for uid in list(self._waiting):
+                    q = self._queued.get(uid)
+                    since = q.unschedulable_since if q is not None else None
+                    if q is not None and since is not None and now - since >= self._unschedulable_timeout:
+                        self._waiting.discard(uid)
+                        q.unschedulable_since = None
+                        self._push(uid, now)
+                if self._heap and self._heap[0][0] <= now:
+                    _, _, uid = heapq.heappop(self._heap)
+                    if uid in self._queued and uid not in self._waiting and uid not in self._in_flight:
+                        self._in_flight.add(uid)
+                        return uid
+                    continue
+                wait = self._heap[0][0] - now if self._heap else 1.0
+                self._lock.wait(timeout=min(max(wait, 0.001), 1.0))
+        return None
+
+    def _run(self) -> None:
+        self.nodes.wait_synced(30)
+        self.pods.wait_synced(30)
+        while not self._stop.is_set():
+            uid = self._next()
+            if uid is None:
+                return
+            try:
+                self._schedule(uid)
+            except Exception:
+                log.exception("scheduling pod %s failed", uid)
+                self._retry(uid, "internal error", unschedulable=False)
+
+    def _retry(self, uid: str, message: str, *, unschedulable: bool) -> None:
+        with self._lock:
+            self._in_flight.discard(uid)
+            queued = self._queued.get(uid)
+            if queued is None:
+                return
+            queued.attempts += 1
+            queued.last_message = message
+            if unschedulable:
+                queued.unschedulable_since = time.monotonic()
+                self._waiting.add(uid)
+            else:
+                self._push(uid, time.monotonic() + self._backoff(queued.attempts))
+
+    def _usage(self) -> dict[str, dict[str, Decimal]]:
+        """Node -> requests of the pods bound or assumed there (and a pod count)."""
+        used: dict[str, dict[str, Decimal]] = {}
+        seen: set[str] = set()
+        for pod in self.pods.objects():
+            node = (pod.get("spec") or {}).get("nodeName")
+            if not node or _terminal(pod):
+                continue
+            uid = str(_meta(pod).get("uid", ""))
+            seen.add(uid)
+            into = used.setdefault(node, {})
+            for name, value in _requests(pod).items():
+                into[name] = into.get(name, Decimal(0)) + value
+            into["pods"] = into.get("pods", Decimal(0)) + 1
+        with self._lock:
+            assumed = [(u, a) for u, a in self._assumed.items() if u not in seen]
+        for _, (node, requests) in assumed:
+            into = used.setdefault(node, {})
+            for name, value in requests.items():
+                into[name] = into.get(name, Decimal(0)) + value
+            into["pods"] = into.get("pods", Decimal(0)) + 1
+        return used
+
+    def _fits(self, pod: Mapping[str, Any], node: Mapping[str, Any], used: Mapping[str, Decimal]) -> str:
+        """ "" when the in-tree filters pass, else the reason (as kube-scheduler words it)."""
+        spec = node.get("spec") or {}
+        if spec.get("unschedulable"):
+            return "node(s) were unschedulable"
+        ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+        if not ready or ready[0].get("status") != "True":
+            return "node(s) were not ready"
+        selector = (pod.get("spec") or {}).get("nodeSelector") or {}
+        labels = _meta(node).get("labels") or {}
+        if any(labels.get(k) != v for k, v in selector.items()):
+            return "node(s) didn't match Pod's node affinity/selector"
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        asked = _requests(pod)
+        asked["pods"] = Decimal(1)
+        for name, value in sorted(asked.items()):
+            if value <= 0:
+                continue
+            have = parse_quantity(allocatable[name]) if name in allocatable else Decimal(0)
+            if used.get(name, Decimal(0)) + value > have:
+                return "Too many pods" if name == "pods" else f"Insufficient {name}"
+        return ""
+
+    def _schedule(self, uid: str) -> None:
+        pod = self.pods.get(uid)
+        if pod is None or not self._mine(pod):
+            with self._lock:
+                self._in_flight.discard(uid)
+                self._queued.pop(uid, None)
+            return
+        self.stats.attempts += 1
+        key = _key(pod)
+        nodes = {str(_meta(n).get("name")): n for n in self.nodes.objects()}
+        used = self._usage()
+        reasons: dict[str, str] = {}
+        feasible = []
+        for name in sorted(nodes):
+            why = self._fits(pod, nodes[name], used.get(name, {}))
+            if why:
+                reasons[name] = why
+            else:
+                feasible.append(name)
+        interested = [e for e in self._extenders if e.config.interested(pod)]
+        for ext in interested:
+            if not feasible or not ext.config.filter_verb:
+                continue
+            try:
+                passed, failed = self._extender_filter(ext, pod, [nodes[n] for n in feasible])
+            except ExtenderCallError as exc:
+                self.stats.extender_errors += 1
+                if ext.config.ignorable:
+                    log.warning("ignorable extender failed: %s", exc)
+                    continue
+                self._failed(uid, key, pod, f"extender error: {exc}", unschedulable=False)
+                return
+            reasons.update(failed)
+            feasible = [n for n in feasible if n in passed]
+        if not feasible:
+            counts = Counter(reasons.values())
+            detail = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+            per_node = "; ".join(f"{n}: {why}" for n, why in sorted(reasons.items()))
+            self.stats.unschedulable += 1
+            message = f"0/{len(nodes)} nodes are available: {detail}. ({per_node})"
+            self._failed(uid, key, pod, message, unschedulable=True)
+            return
+        chosen = feasible[0] if len(feasible) == 1 else self._score(pod, interested, [nodes[n] for n in feasible])
+        with self._lock:
+            self._assumed[uid] = (chosen, _requests(pod))
+        binder = next((e for e in interested if e.config.bind_verb), None)
+        self._binders.submit(self._bind, uid, key, pod, chosen, binder)
+
+    def _extender_filter(self, ext: ExtenderClient, pod: JSON, nodes: list[JSON]) -> tuple[set[str], dict[str, str]]:
+        names = [str(_meta(n).get("name")) for n in nodes]
+        if ext.config.node_cache_capable:
+            args: JSON = {"Pod": pod, "Nodes": None, "NodeNames": names}
+        else:
+            args = {"Pod": pod, "Nodes": {"metadata": {}, "items": nodes}, "NodeNames": None}
+        result = ext.call(ext.config.filter_verb, args)
+        if result.get("Error"):
+            raise ExtenderCallError(str(result["Error"]))
+        if ext.config.node_cache_capable:
+            passed = list(result.get("NodeNames") or [])
+        else:
+            passed = [str(_meta(n).get("name")) for n in (result.get("Nodes") or {}).get("items") or []]
+        unknown = [n for n in passed if n not in names]
+        if unknown:
+            raise ExtenderCallError(f"extender claims filtered node(s) {unknown} that were not in the input list")
+        failed = {**(result.get("FailedNodes") or {}), **(result.get("FailedAndUnresolvableNodes") or {})}
+        return set(passed), {str(k): str(v) for k, v in failed.items()}
+
+    def _score(self, pod: JSON, interested: list[ExtenderClient], nodes: list[JSON]) -> str:
+        names = [str(_meta(n).get("name")) for n in nodes]
+        totals = dict.fromkeys(names, 0)
+        for ext in interested:
+            if not ext.config.prioritize_verb:
+                continue
+            if ext.config.node_cache_capable:
+                args: JSON = {"Pod": pod, "Nodes": None, "NodeNames": names}
+            else:
+                args = {"Pod": pod, "Nodes": {"metadata": {}, "items": nodes}, "NodeNames": None}
+            try:
+                answer = ext.call(ext.config.prioritize_verb, args)
+            except ExtenderCallError as exc:
+                log.info("prioritize ignored: %s", exc)  # kube-scheduler ignores prioritize errors
+                continue
+            for host in answer or []:
+                if host.get("Host") in totals:
+                    scale = MAX_NODE_SCORE // MAX_EXTENDER_PRIORITY
+                    totals[host["Host"]] += int(host.get("Score", 0)) * ext.config.weight * scale
+        best = max(totals.values())
+        return self._random.choice([n for n in names if totals[n] == best])
+
+    def _bind(self, uid: str, key: str, pod: JSON, node: str, binder: ExtenderClient | None) -> None:
+        namespace, name = key.split("/", 1)
+        try:
+            if binder is not None:
+                answer = binder.call(
+                    binder.config.bind_verb,
+                    {"PodName": name, "PodNamespace": namespace, "PodUID": uid, "Node": node},
+                )
+                if answer.get("Error"):
+                    raise ExtenderCallError(str(answer["Error"]))
+            else:
+                body: Any = {
+                    "apiVersion": "v1",
+                    "kind": "Binding",
+                    "metadata": {"name": name, "namespace": namespace, "uid": uid},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+                }
+                self._core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
+        except Exception as exc:
+            self.stats.bind_failures += 1
+            with self._lock:
+                self._assumed.pop(uid, None)
+            log.info("binding %s to %s failed: %s", key, node, exc)
+            self._failed(uid, key, pod, f"binding rejected: {exc}", unschedulable=False)
+            return
+        self.stats.scheduled += 1
+        with self._lock:
+            self._in_flight.discard(uid)
+            self._queued.pop(uid, None)
+        log.debug("bound %s to %s", key, node)
+
+    def _failed(self, uid: str, key: str, pod: JSON, message: str, *, unschedulable: bool) -> None:
+        self.stats.messages[key] = message
+        if unschedulable:
+            namespace, name = key.split("/", 1)
+            condition = {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": message,
+                "lastProbeTime": None,
+                "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            try:
+                self._core.patch_namespaced_pod_status(
+                    name,
+                    namespace,
+                    {"status": {"conditions": [condition]}},
+                    _content_type="application/merge-patch+json",
+                    _preload_content=False,
+                )
+            except Exception as exc:
+                log.info("cannot record why %s is unschedulable: %s", key, exc)
+        self._retry(uid, message, unschedulable=unschedulable)

@@ -332,16 +332,17 @@ class Agent:
         self.pod_cache.start()
         self.patcher = AnnotationPatcher(api)
         self.patcher.start()
-        health = self.health
-        self.inventory = InventoryPublisher(
-            api,
-            self.node_name,
-            self.gpus,
-            self.topology,
-            lambda: {i: s.healthy for i, s in (health.snapshot() if health else {}).items()},
-            share_mode=self.config.share_mode,
-        )
-        self.inventory.start()
+        if self.config.mode != "dra":  # the scheduler extender's view of each GPU (DRA has ResourceSlices)
+            health = self.health
+            self.inventory = InventoryPublisher(
+                api,
+                self.node_name,
+                self.gpus,
+                self.topology,
+                lambda: {i: s.healthy for i, s in (health.snapshot() if health else {}).items()},
+                share_mode=self.config.share_mode,
+            )
+            self.inventory.start()
         if labels:
             resolved = nodelabels.resolve(labels, self.gpus[0].name if self.gpus else "")
             self._spawn("node-labels", lambda: self._label_node(api, resolved))

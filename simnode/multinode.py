@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -280,14 +281,15 @@ class SimNode:
                     f"used: {used.get(resource, 0)}, capacity: {allocatable[resource]}",
                 )
                 return
-        kw = {"pod_uid": uid, "pod_name": name, "namespace": namespace}
         try:
             for c in containers:
                 limits = (c.get("resources") or {}).get("limits") or {}
                 for resource in GPU_RESOURCES:
                     count = int(parse_quantity(limits.get(resource, 0)))
                     if count:
-                        self.kubelet.allocate(resource, count, container_name=c["name"], **kw)
+                        self.kubelet.allocate(
+                            resource, count, pod_uid=uid, container_name=c["name"], pod_name=name, namespace=namespace
+                        )
         except KubeletSimError as exc:
             self._reject(pod, "UnexpectedAdmissionError", f"Allocate failed due to {exc}, which is unexpected")
             return
@@ -388,7 +390,7 @@ class MultiNodeCluster:
         api = self.api.client()
         for name, spec in self._node_specs:
             self.api.add_node(name, labels={"nvidia-device-enable": "enable"})
-            node = SimNode(
+            self.nodes[name] = SimNode(
                 name,
                 spec,
                 self.workdir / name,
@@ -397,8 +399,9 @@ class MultiNodeCluster:
                 agent_flags=self._agent_flags,
                 node_status_period=self._status_period,
             )
-            self.nodes[name] = node
-            node.start()
+        with ThreadPoolExecutor(max_workers=len(self.nodes) or 1) as pool:
+            for started in [pool.submit(node.start) for node in self.nodes.values()]:
+                started.result()
         if self.with_extender:
             self.start_extender()
         self.start_scheduler()
@@ -485,14 +488,14 @@ class MultiNodeCluster:
     def over_committed(self) -> dict[str, list[int]]:
         """Node -> minors of GPUs whose live pods' annotations ask more than the GPU has."""
         capacity: dict[str, dict[int, int]] = {}
-        for node in self.api.nodes():
-            text = (node["metadata"].get("annotations") or {}).get(ANNOTATION)
+        for node_obj in self.api.nodes():
+            text = (node_obj["metadata"].get("annotations") or {}).get(ANNOTATION)
             if text:
-                capacity[node["metadata"]["name"]] = {g.minor: g.memory for g in decode(text).gpus}
+                capacity[node_obj["metadata"]["name"]] = {g.minor: g.memory for g in decode(text).gpus}
         cores: dict[tuple[str, int], int] = {}
         memory: dict[tuple[str, int], int] = {}
         for pod in self.api.pods():
-            node = (pod.get("spec") or {}).get("nodeName")
+            node = str((pod.get("spec") or {}).get("nodeName") or "")
             if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
             ann = pod["metadata"].get("annotations") or {}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumanager.extender.cli import build_parser
 from simnode.agent_process import free_port
 from simnode.apiserver import ApiServerSimulator
 from tests.extender_fixtures import BLOCK, GIB, gpu_pod, inventory
@@ -167,3 +168,15 @@ def test_port_in_use_exits_1(tmp_path: Path, api: ApiServerSimulator) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_every_flag_is_documented() -> None:
+    root = Path(__file__).resolve().parent.parent
+    docs = (root / "docs" / "scheduling.md").read_text()
+    readme = (root / "README.md").read_text()
+    flags = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert flags
+    for flag in flags:
+        assert f"`{flag}`" in docs or f"`{flag}`," in docs, f"{flag} missing from docs/scheduling.md"
+        if flag != "--version":
+            assert f"`{flag}" in readme, f"{flag} missing from README.md"

@@ -91,14 +91,14 @@ def _best_gpu_text(tree: TopologyTree) -> str:
 
 def _why_not(tree: TopologyTree, request: GPURequest) -> str:
     who = f"container {request.name!r}"
-    if request.shared:
-        return f"{who} needs {request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU: " + _best_gpu_text(
-            tree
-        )
-    need = request.cores // HUNDRED_CORES
-    free = [leaf.minor for leaf in tree.leaves if leaf.available]
     unhealthy = [leaf.minor for leaf in tree.leaves if not leaf.healthy]
-    text = f"{who} needs {need} whole GPU(s): {len(free)} entirely free and healthy ({free})"
+    if request.shared:
+        need = f"{request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU"
+        text = f"{who} needs {need}: {_best_gpu_text(tree)}"
+    else:
+        free = [leaf.minor for leaf in tree.leaves if leaf.available]
+        whole = request.cores // HUNDRED_CORES
+        text = f"{who} needs {whole} whole GPU(s): {len(free)} entirely free and healthy ({free})"
     if unhealthy:
         text += f", unhealthy: {unhealthy}"
     return text
@@ -142,7 +142,7 @@ def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, emp
 
     ``empty=True`` asks the same of the node with nothing held (is it possible at all?).
     The score (0-10) is the mean over containers of the policy score, and for containers of
-    several GPUs the topology score (counted twice: NVLink matters more than packing).
+    several GPUs the topology score (counted three times: NVLink matters more than packing).
     """
     tree = node.empty if empty else node.tree
     choices: list[ContainerChoice] = []
@@ -168,8 +168,8 @@ def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, emp
                 held.extend(choice.charges())
                 policy_score = _policy_score(node, request, indices, policy)
                 if len(indices) > 1:
-                    weighted += 2 * _topology_score(tree, indices) + policy_score
-                    weights += 3
+                    weighted += 3 * _topology_score(tree, indices) + policy_score
+                    weights += 4
                 else:
                     weighted += policy_score
                     weights += 1

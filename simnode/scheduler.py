@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -162,6 +163,9 @@ class ExtenderClient:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self.config.http_timeout)
+            conn.connect()
+            if conn.sock is not None:  # as Go's net/http: no Nagle delay between headers and body
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.conn = conn
         return conn
 
@@ -169,13 +173,15 @@ class ExtenderClient:
         """POST ``<urlPrefix>/<verb>``; raises :class:`ExtenderCallError`."""
         data = json.dumps(body).encode()
         for attempt in (1, 2):  # a kept-alive connection the server closed is redialled once
-            conn = self._connection()
+            conn: http.client.HTTPConnection | None = None
             try:
+                conn = self._connection()
                 conn.request("POST", f"{self._path}/{verb}", body=data, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 payload = resp.read()
             except (OSError, http.client.HTTPException) as exc:
-                conn.close()
+                if conn is not None:
+                    conn.close()
                 self._local.conn = None
                 if attempt == 2 or isinstance(exc, TimeoutError):
                     raise ExtenderCallError(f"{verb} at {self.config.url_prefix}: {exc}") from exc

@@ -288,7 +288,11 @@ def test_bad_requests_are_named(world: World) -> None:
     status, answer = http_error(world, "filter", b'{"Pod": {}}')
     assert status == 400 and "neither Nodes nor NodeNames" in answer["Error"]
     status, answer = http_error(world, "bind", b'{"PodName": "x", "PodNamespace": "default", "Node": ""}')
-    assert status == 400 and "ExtenderBindingArgs.PodUID" in answer["Error"]
+    assert status == 400 and "ExtenderBindingArgs" in answer["Error"] and "`PodUID`" in answer["Error"]
+    status, answer = http_error(world, "bind", b'{"PodName": "x", "PodNamespace": "default", "PodUID": "", "Node": ""}')
+    assert status == 400 and "ExtenderBindingArgs.Node is empty" in answer["Error"]
+    status, answer = http_error(world, "filter", b'{"Pod": {}, "NodeNames": "n"}')
+    assert status == 400 and "ExtenderArgs" in answer["Error"] and "NodeNames" in answer["Error"]
     status, answer = http_error(world, "nonsense", b"{}")
     assert status == 404
     bad = gpu_pod("bad", [(50, 4)])

@@ -5,13 +5,21 @@ Nodes, NodeNames}``, ``ExtenderFilterResult{Nodes, NodeNames, FailedNodes,
 FailedAndUnresolvableNodes, Error}``, ``HostPriorityList = [HostPriority{Host, Score}]``,
 ``ExtenderBindingArgs{PodName, PodNamespace, PodUID, Node}``, ``ExtenderBindingResult{Error}``.
 ``Pod`` and ``Nodes`` (a ``v1.NodeList``) are Kubernetes objects with their usual JSON keys.
+
+With ``nodeCacheCapable: false`` every request carries whole Node objects (hundreds of KiB for
+a hundred nodes) and filter must answer with the objects that pass. They are decoded with
+msgspec into raw JSON pieces: only each node's name is read, and the pieces that pass are sent
+back unchanged, so no Node object is ever fully decoded or encoded again (one is decoded only
+when the extender does not know that node yet).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 JSON = dict[str, Any]
 
@@ -20,52 +28,87 @@ class BadRequestError(ValueError):
     """The request body is not what the verb takes; the message names the field."""
 
 
+class _Meta(msgspec.Struct):
+    name: str = ""
+
+
+class _NodeHead(msgspec.Struct):
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
+
+
+class _NodeList(msgspec.Struct):
+    items: list[msgspec.Raw] | None = None
+
+
+class _Args(msgspec.Struct):
+    Pod: dict[str, Any]
+    Nodes: _NodeList | None = None
+    NodeNames: list[str] | None = None
+
+
+class _Binding(msgspec.Struct):
+    PodName: str
+    PodNamespace: str
+    PodUID: str
+    Node: str
+
+
+_ARGS = msgspec.json.Decoder(_Args)
+_HEAD = msgspec.json.Decoder(_NodeHead)
+_BINDING = msgspec.json.Decoder(_Binding)
+_OBJECT = msgspec.json.Decoder(dict[str, Any])
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode(answer: object) -> bytes:
+    """JSON bytes of an answer (raw Node pieces are copied as they are)."""
+    return _ENCODER.encode(answer)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"{what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequestError(f"{what}: the body is not JSON: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ExtenderArgs:
     """Arguments of filter and prioritize.
 
-    ``nodes`` holds full Node objects when the scheduler sends them (``nodeCacheCapable:
-    false``); ``node_names`` is set only when it sends names instead.
+    ``raw_nodes`` holds the Node objects as sent (``nodeCacheCapable: false``), by name, in the
+    order sent; ``node_names`` is set only when the scheduler sends names instead.
     """
 
     pod: JSON
-    nodes: list[JSON]
     node_names: list[str] | None
+    raw_nodes: dict[str, msgspec.Raw] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
         """The candidate nodes' names, in the order sent."""
-        if self.node_names is not None:
-            return list(self.node_names)
-        return [str((n.get("metadata") or {}).get("name", "")) for n in self.nodes]
+        return list(self.node_names) if self.node_names is not None else list(self.raw_nodes)
+
+    def node_object(self, name: str) -> JSON | None:
+        """The Node object sent for ``name`` (decoded now), None when only names were sent."""
+        raw = self.raw_nodes.get(name)
+        return None if raw is None else _OBJECT.decode(raw)
 
 
-def _object(raw: object, what: str) -> JSON:
-    if not isinstance(raw, dict):
-        raise BadRequestError(f"{what} must be a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def parse_args(body: object) -> ExtenderArgs:
-    """``ExtenderArgs`` from a decoded request body."""
-    data = _object(body, "ExtenderArgs")
-    pod = _object(data.get("Pod"), "ExtenderArgs.Pod")
-    raw_nodes = data.get("Nodes")
-    raw_names = data.get("NodeNames")
-    nodes: list[JSON] = []
-    if raw_nodes is not None:
-        items = _object(raw_nodes, "ExtenderArgs.Nodes").get("items") or []
-        if not isinstance(items, list):
-            raise BadRequestError("ExtenderArgs.Nodes.items must be a list")
-        nodes = [_object(n, f"ExtenderArgs.Nodes.items[{i}]") for i, n in enumerate(items)]
-    names: list[str] | None = None
-    if raw_names is not None:
-        if not isinstance(raw_names, list) or not all(isinstance(n, str) for n in raw_names):
-            raise BadRequestError("ExtenderArgs.NodeNames must be a list of strings")
-        names = list(raw_names)
-    if raw_nodes is None and names is None:
+def parse_args(body: bytes) -> ExtenderArgs:
+    """``ExtenderArgs`` from a request body."""
+    data: _Args = _decode(_ARGS, body, "ExtenderArgs")
+    if data.Nodes is None and data.NodeNames is None:
         raise BadRequestError("ExtenderArgs has neither Nodes nor NodeNames")
-    return ExtenderArgs(pod=pod, nodes=nodes, node_names=names if raw_nodes is None else None)
+    if data.Nodes is not None:
+        raw: dict[str, msgspec.Raw] = {}
+        for i, item in enumerate(data.Nodes.items or []):
+            head: _NodeHead = _decode(_HEAD, item, f"ExtenderArgs.Nodes.items[{i}]")
+            raw[head.metadata.name] = item
+        return ExtenderArgs(pod=data.Pod, node_names=None, raw_nodes=raw)
+    return ExtenderArgs(pod=data.Pod, node_names=list(data.NodeNames or []))
 
 
 def filter_result(
@@ -85,9 +128,7 @@ def filter_result(
         result["Nodes"] = None
         result["NodeNames"] = passed
     else:
-        keep = set(passed)
-        items = [n for n in args.nodes if str((n.get("metadata") or {}).get("name", "")) in keep]
-        result["Nodes"] = {"metadata": {}, "items": items}
+        result["Nodes"] = {"metadata": {}, "items": [args.raw_nodes[name] for name in passed]}
         result["NodeNames"] = None
     return result
 
@@ -107,13 +148,10 @@ class BindingArgs:
     node: str
 
 
-def parse_binding(body: object) -> BindingArgs:
-    """``ExtenderBindingArgs`` from a decoded request body."""
-    data = _object(body, "ExtenderBindingArgs")
-    values = {}
-    for key in ("PodName", "PodNamespace", "PodUID", "Node"):
-        value = data.get(key)
-        if not isinstance(value, str) or (not value and key != "PodUID"):
-            raise BadRequestError(f"ExtenderBindingArgs.{key} must be a non-empty string, got {value!r}")
-        values[key] = value
-    return BindingArgs(values["PodName"], values["PodNamespace"], values["PodUID"], values["Node"])
+def parse_binding(body: bytes) -> BindingArgs:
+    """``ExtenderBindingArgs`` from a request body."""
+    data: _Binding = _decode(_BINDING, body, "ExtenderBindingArgs")
+    for key in ("PodName", "PodNamespace", "Node"):
+        if not getattr(data, key):
+            raise BadRequestError(f"ExtenderBindingArgs.{key} is empty")
+    return BindingArgs(data.PodName, data.PodNamespace, data.PodUID, data.Node)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.nodes import NodeGPUs
-from gpumanager.extender.placement import Placement, Policy, place
+from gpumanager.extender.placement import Policy, fits, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -35,24 +34,26 @@ class Decider:
         self.state = state
         self.policy = policy
 
-    def _node(self, name: str, objects: Mapping[str, JSON]) -> NodeGPUs | None:
+    def _node(self, name: str, args: ExtenderArgs) -> NodeGPUs | None:
         gpus = self.state.node(name)
-        if gpus is None and name in objects:
+        if gpus is None and name in args.raw_nodes:
             # The scheduler may know a node the watch has not shown yet.
-            gpus = self.state.add_node(objects[name])
+            obj = args.node_object(name)
+            if obj is not None:
+                gpus = self.state.add_node(obj)
         return gpus
 
-    def judge(self, name: str, gpus: NodeGPUs | None, requests: list[GPURequest]) -> tuple[str, Placement | None]:
-        """``("pass"|"fail"|"unresolvable", placement)`` for one node; placement carries the reason."""
+    def judge(self, gpus: NodeGPUs | None, requests: list[GPURequest]) -> tuple[str, str]:
+        """``("pass"|"fail"|"unresolvable", reason)`` for one node."""
         if gpus is None:
-            return "unresolvable", Placement((), f"node has no {names.VCORE_RESOURCE}")
-        placement = place(gpus, requests, self.policy)
-        if placement.ok:
-            return "pass", placement
-        note = f"; {gpus.note}" if gpus.note else ""
-        placement = Placement(placement.choices, placement.failed + note)
-        never = place(gpus, requests, self.policy, empty=True)
-        return ("fail" if never.ok else "unresolvable"), placement
+            return "unresolvable", f"node has no {names.VCORE_RESOURCE}"
+        problem = fits(gpus, requests, self.policy)
+        if not problem:
+            return "pass", ""
+        if gpus.note:
+            problem += f"; {gpus.note}"
+        never = fits(gpus, requests, self.policy, empty=True)
+        return ("unresolvable" if never else "fail"), problem
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
         """``ExtenderFilterResult`` for the candidates, and the count of each outcome."""
@@ -65,7 +66,6 @@ class Decider:
         if not requests:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes
-        objects = {str((n.get("metadata") or {}).get("name", "")): n for n in args.nodes}
         passed: list[str] = []
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
@@ -74,14 +74,14 @@ class Decider:
             self.state.expire()
             with self.state.without(uid):
                 for name in node_names:
-                    verdict, placement = self.judge(name, self._node(name, objects), requests)
+                    verdict, reason = self.judge(self._node(name, args), requests)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)
                     elif verdict == "fail":
-                        failed[name] = placement.failed if placement else ""
+                        failed[name] = reason
                     else:
-                        unresolvable[name] = placement.failed if placement else ""
+                        unresolvable[name] = reason
         log.debug(
             "filter %s: %d pass, %d fail, %d unresolvable",
             podinfo.pod_key(args.pod),
@@ -100,14 +100,13 @@ class Decider:
         node_names = args.names
         if not requests:
             return [{"Host": name, "Score": 0} for name in node_names]
-        objects = {str((n.get("metadata") or {}).get("name", "")): n for n in args.nodes}
         scores: list[JSON] = []
         uid = podinfo.uid(args.pod)
         with self.state.lock:
             self.state.expire()
             with self.state.without(uid):
                 for name in node_names:
-                    gpus = self._node(name, objects)
+                    gpus = self._node(name, args)
                     placement = place(gpus, requests, self.policy) if gpus is not None else None
                     score = placement.score if placement is not None and placement.ok else 0
                     scores.append({"Host": name, "Score": score})

@@ -126,15 +126,52 @@ def _topology_score(tree: TopologyTree, indices: Sequence[int]) -> int:
 
 
 def _policy_score(node: NodeGPUs, request: GPURequest, indices: Sequence[int], policy: Policy) -> int:
-    """How full the GPU (a share) or the node (whole GPUs) is once the container is placed, 0-10."""
+    """How full the GPU (a share) or the node (whole GPUs) is once the container is placed, 0-10.
+
+    Computed from the state *before* the container is placed.
+    """
     if request.shared:
         leaf = node.tree.leaf(indices[0])
-        fullness = (HUNDRED_CORES - leaf.allocatable_cores) / HUNDRED_CORES
+        fullness = (HUNDRED_CORES - leaf.allocatable_cores + request.cores) / HUNDRED_CORES
     else:
         cores, _ = node.used()
-        fullness = cores / (HUNDRED_CORES * max(node.gpu_count, 1))
-    score = round(MAX_SCORE * fullness)
+        fullness = (cores + HUNDRED_CORES * len(indices)) / (HUNDRED_CORES * max(node.gpu_count, 1))
+    score = round(MAX_SCORE * min(fullness, 1.0))
     return score if policy == "binpack" else MAX_SCORE - score
+
+
+def _container_score(node: NodeGPUs, request: GPURequest, indices: Sequence[int], policy: Policy) -> tuple[int, int]:
+    """(weighted score, weight) of one placed container (scored before it is held)."""
+    policy_score = _policy_score(node, request, indices, policy)
+    if len(indices) > 1:
+        return 3 * _topology_score(node.tree, indices) + policy_score, 4
+    return policy_score, 1
+
+
+def _could_fit(tree: TopologyTree, request: GPURequest) -> bool:
+    """Whether one container fits the tree now (the evaluators' answer, without choosing)."""
+    if request.shared:
+        return any(
+            leaf.healthy and leaf.allocatable_cores >= request.cores and leaf.allocatable_memory >= request.memory_bytes
+            for leaf in tree.leaves
+        )
+    # link and fragment both find GPUs exactly when the root has that many available.
+    return tree.root.available_count >= request.cores // HUNDRED_CORES
+
+
+def fits(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> str:
+    """ "" when the pod's GPU containers fit the node (with nothing held when ``empty``), else why not.
+
+    The same answer as :func:`place`, faster for the usual pod of one GPU container.
+    """
+    if len(requests) != 1:
+        return place(node, requests, policy, empty=empty).failed
+    request = requests[0]
+    problem = _invalid(node, request)
+    if problem:
+        return problem
+    tree = node.empty if empty else node.tree
+    return "" if _could_fit(tree, request) else _why_not(tree, request)
 
 
 def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> Placement:
@@ -145,6 +182,17 @@ def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, emp
     several GPUs the topology score (counted three times: NVLink matters more than packing).
     """
     tree = node.empty if empty else node.tree
+    if len(requests) == 1 and not empty:  # the usual pod: nothing to hold between containers
+        request = requests[0]
+        problem = _invalid(node, request)
+        if problem:
+            return Placement((), problem)
+        indices = pick(tree, request, policy)
+        if not indices:
+            return Placement((), _why_not(tree, request))
+        weighted, weight = _container_score(node, request, indices, policy)
+        choice = ContainerChoice(request, tuple(tree.leaf(i).minor for i in indices))
+        return Placement((choice,), "", max(0, min(MAX_SCORE, round(weighted / weight))))
     choices: list[ContainerChoice] = []
     weighted = weights = 0
     scratch: list[int] = []  # GPUs of the empty tree taken by this call
@@ -164,15 +212,11 @@ def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, emp
                         tree.occupy(i, request.cores, request.memory_bytes if request.shared else 0)
                         scratch.append(i)
                     continue
+                score, weight = _container_score(node, request, indices, policy)
+                weighted += score
+                weights += weight
                 node.charge(choice.charges())
                 held.extend(choice.charges())
-                policy_score = _policy_score(node, request, indices, policy)
-                if len(indices) > 1:
-                    weighted += 3 * _topology_score(tree, indices) + policy_score
-                    weights += 4
-                else:
-                    weighted += policy_score
-                    weights += 1
         finally:
             for i in scratch:
                 tree.free(i, HUNDRED_CORES, 0)

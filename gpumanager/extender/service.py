@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from kubernetes import client
 
@@ -103,7 +102,7 @@ class Extender:
     def _not_ready(self) -> str:
         return "" if self.synced() else "the extender has not listed nodes and pods yet; try again"
 
-    def filter(self, body: Any) -> tuple[JSON, int]:
+    def filter(self, body: bytes) -> tuple[JSON, int]:
         """POST <prefix>/filter."""
         args = parse_args(body)
         problem = self._not_ready()
@@ -115,14 +114,14 @@ class Extender:
             self.metrics.decisions.labels("filter", outcome).inc(n)
         return result, 200
 
-    def prioritize(self, body: Any) -> tuple[list[JSON], int]:
+    def prioritize(self, body: bytes) -> tuple[list[JSON], int]:
         """POST <prefix>/prioritize."""
         args = parse_args(body)
         if self._not_ready():
             return [{"Host": name, "Score": 0} for name in args.names], 200
         return self.decider.prioritize(args), 200
 
-    def bind(self, body: Any) -> tuple[JSON, int]:
+    def bind(self, body: bytes) -> tuple[JSON, int]:
         """POST <prefix>/bind."""
         args = parse_binding(body)
         problem = self._not_ready()

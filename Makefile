@@ -43,7 +43,8 @@ prometheus:
 # The declared minimum of every runtime dependency (scripts/min_constraints.py), in a venv of its
 # own, with the end-to-end tests: a minimum that does not work fails here.
 MIN_VENV := .venv-min
-E2E_TESTS ?= tests/test_agent_kubelet.py tests/test_allocation_e2e.py tests/test_metrics_e2e.py tests/test_dra_e2e.py
+E2E_TESTS ?= tests/test_agent_kubelet.py tests/test_allocation_e2e.py tests/test_metrics_e2e.py tests/test_dra_e2e.py \
+  tests/test_extender_verbs.py tests/test_multinode_scheduling.py
 test-min-deps: build
 	rm -rf $(MIN_VENV)
 	$(PYTHON) -m venv $(MIN_VENV)
@@ -54,7 +55,7 @@ test-min-deps: build
 	$(MIN_VENV)/bin/python scripts/min_constraints.py --verify
 	$(MIN_VENV)/bin/pytest -p no:cacheprovider $(E2E_TESTS)
 
-BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock
+BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn
 bench: build
 	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from kubernetes import client
 
 from gpumanager import __version__
+from gpumanager.allocation import pods as podinfo
 from gpumanager.extender.api import JSON, error_filter_result, parse_args, parse_binding
 from gpumanager.extender.binder import Binder, BindError
 from gpumanager.extender.charges import counts
@@ -22,6 +24,11 @@ log = logging.getLogger(__name__)
 
 #: The kube-scheduler's own pod informer ignores ended pods the same way.
 POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+def _holds_gpus(pod: dict[str, Any]) -> bool:
+    """Pods worth keeping: on (or chosen for) a node, not ended, with a GPU container."""
+    return counts(pod) and podinfo.is_gpu_pod(pod)
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class Extender:
             "pods",
             core.list_pod_for_all_namespaces,
             field_selector=POD_SELECTOR,
-            keep=counts,
+            keep=_holds_gpus,
             watch_timeout=settings.watch_timeout,
         )
         self.nodes.add_listener(lambda kind, obj, _prev: self.state.node_event(kind, obj))

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import buildinfo, names
@@ -302,3 +302,21 @@ def test_legacy_families_follow_the_others_when_enabled() -> None:
     page = MetricsPage(agent=FakeAgent(), registry=CollectorRegistry(), sample=sample_usages, legacy_metrics=True)
     text = page.render().decode()
     assert text.endswith(LEGACY)
+
+
+def test_family_text_is_what_generate_latest_writes() -> None:
+    registry = CollectorRegistry()
+    calls = CallMetrics(registry)
+    calls.observe(names.VCORE_RESOURCE, "Allocate", 0.002, ok=False)
+    MetricsPage(agent=FakeAgent(), registry=registry, sample=lambda: [], legacy_metrics=False)
+    renderer = textformat.FamilyText()
+    first = renderer.render(registry.collect())
+    calls.observe(names.VMEMORY_RESOURCE, "PreStartContainer", 0.3, ok=True)
+    second = renderer.render(registry.collect())  # cached label sets, new values
+
+    # The process collector's values move between two collections: compare the rest.
+    def stable(text: str) -> str:
+        return "".join(ln for ln in text.splitlines(keepends=True) if not ln.startswith("process_"))
+
+    assert stable(second) == stable(generate_latest(registry).decode())
+    assert first != second

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpumanager.metrics import legacy
+from gpumanager.metrics import legacy, textformat
 from gpumanager.metrics.collector import AgentCollector, AgentView
 from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.usage import ContainerUsage
@@ -40,11 +40,13 @@ class MetricsPage:
         self._sample = sample
         self._legacy = legacy_metrics
         self._containers = ContainerFamilies()
+        self._families = textformat.FamilyText()
 
     def render(self) -> bytes:
         """The page body."""
         usages = self._sample()
-        body = generate_latest(self._registry) + self._containers.render(usages).encode()
+        text = self._families.render(self._registry.collect()) + self._containers.render(usages)
+        body = text.encode()
         if self._legacy:
             body += legacy.render(usages).encode()
         return body

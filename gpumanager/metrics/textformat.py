@@ -6,6 +6,8 @@ should. Here a container's label set is rendered once and reused while the
 container lives, so a scrape only formats numbers. The output is the same text
 format (``promtool check metrics`` reads both alike).
 
+``FamilyText`` writes the families of a registry the same way, with the same caching.
+
 ``go_float`` spells a number as Go's ``strconv.FormatFloat(f, 'g', -1, 64)``, which
 is what tkestack gpu-manager's client library wrote; the legacy families use it to
 stay byte for byte the same.
@@ -14,8 +16,11 @@ stay byte for byte the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from decimal import Decimal
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString
 
 
 def escape_label(value: str) -> str:
@@ -42,15 +47,6 @@ def header(name: str, help_text: str, kind: str) -> str:
     return f"# HELP {name} {escape_help(help_text)}\n# TYPE {name} {kind}\n"
 
 
-def py_float(value: float) -> str:
-    """A sample value as prometheus_client writes it (``repr`` of the float, ``+Inf``, ``NaN``)."""
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    return repr(float(value))
-
-
 def go_float(value: float) -> str:
     """``strconv.FormatFloat(value, 'g', -1, 64)``: shortest digits, exponent form below 1e-4 or from 1e6."""
     if math.isinf(value):
@@ -75,3 +71,38 @@ def go_float(value: float) -> str:
     if point >= len(text):
         return f"{out}{text}{'0' * (point - len(text))}"
     return f"{out}{text[:point]}.{text[point:]}"
+
+
+_KINDS = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+
+
+class FamilyText:
+    """The text of a registry's families, as ``prometheus_client.generate_latest`` writes it.
+
+    Each series' name and label set is rendered once and kept while the series exists, so a
+    scrape formats only values. The page carries no ``_created`` series (they are disabled).
+    """
+
+    def __init__(self) -> None:
+        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+
+    def render(self, families: Iterable[Metric]) -> str:
+        """Every family: ``# HELP``, ``# TYPE`` and one line per sample."""
+        known = self._prefixes
+        current: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        out: list[str] = []
+        for metric in families:
+            name = metric.name + ("_total" if metric.type == "counter" else "_info" if metric.type == "info" else "")
+            out.append(header(name, metric.documentation, _KINDS.get(metric.type, metric.type)))
+            for s in metric.samples:
+                key = (s.name, tuple(s.labels.items()))
+                prefix = known.get(key)
+                if prefix is None:
+                    items = sorted(s.labels.items())
+                    prefix = s.name + labels([k for k, _ in items], [v for _, v in items])
+                current[key] = prefix
+                stamp = "" if s.timestamp is None else f" {int(float(s.timestamp) * 1000):d}"
+                value = floatToGoString(s.value)  # type: ignore[no-untyped-call]
+                out.append(f"{prefix} {value}{stamp}\n")
+        self._prefixes = current
+        return "".join(out)

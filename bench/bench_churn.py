@@ -130,10 +130,10 @@ def run(label: str, jobs: list[Job], *, extender: bool, workdir: Path) -> Result
                     result.refusals += pod["status"].get("reason") == "UnexpectedAdmissionError"
                     if len(result.refusal_examples) < 3:
                         result.refusal_examples.append(f"{name}: {pod['status'].get('message', '')[:160]}")
-                    cluster.api.delete_pod("default", name)
+                    cluster.delete(name)
                     done.add(name)
                 if name in running_since and time.monotonic() - running_since[name] >= by_name[name].lifetime:
-                    cluster.api.delete_pod("default", name)
+                    cluster.delete(name)  # graceful: the node stops it, reports it, then it is gone
                     done.add(name)
             time.sleep(0.1)
         result.never_placed = len(jobs) - len(done)
@@ -155,7 +155,7 @@ def report(r: Result) -> None:
         f"create->Running median {median:5.2f} s p99 {p99:5.2f} s   ({r.wall:.0f} s)"
     )
     for example in r.refusal_examples:
-        print(f"{'':<18}   e.g. {example}")
+        print(f"{'':<18}   refused: {example}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", type=int, default=500)
     parser.add_argument("--rate", type=float, default=8.0, help="pods created per second")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--only", choices=("with", "without"), help="run one of the two")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     ensure_sim_built()
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     for label, extender in (("with extender", True), ("without extender", False)):
+        if args.only and label != f"{args.only} extender":
+            continue
         with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
             results.append(run(label, jobs, extender=extender, workdir=Path(tmp)))
         report(results[-1])

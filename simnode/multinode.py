@@ -12,7 +12,9 @@ a *node loop* doing what the kubelet does with the API server:
   (the agent's refusal makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as
   the kubelet does), then PreStartContainer, then ``Running`` with container IDs, a cgroup and
   a PID per container;
-* a pod deleted (or being deleted, or ended) gives its devices back.
+* a pod being deleted (graceful deletion is on): its containers stop at once and are reported
+  terminated with a terminal phase, its devices are given back, and the pod is deleted for good;
+  a pod deleted or ended otherwise gives its devices back too.
 
 The scheduling is done by :class:`~simnode.scheduler.SchedulerStandIn` configured with
 ``deploy/scheduler/default-scheduler.yaml``; with ``extender=True`` the real
@@ -224,12 +226,43 @@ class SimNode:
             uid = str(pod["metadata"]["uid"])
             phase = (pod.get("status") or {}).get("phase")
             try:
-                if kind == "DELETED" or pod["metadata"].get("deletionTimestamp") or phase in ("Succeeded", "Failed"):
+                if kind != "DELETED" and pod["metadata"].get("deletionTimestamp"):
+                    self._terminate(pod)
+                elif kind == "DELETED" or phase in ("Succeeded", "Failed"):
                     self._forget(uid)
                 elif uid not in self._admitted and phase == "Pending":
                     self._admit(pod)
             except Exception:
                 log.exception("node %s: handling pod %s failed", self.name, uid)
+
+    def _terminate(self, pod: dict[str, Any]) -> None:
+        """A graceful deletion: stop the containers (they exit at once), report them terminated with
+        a terminal phase (as the kubelet does since 1.27), give the devices back, then delete the pod
+        for good (grace 0), as the kubelet's status manager does."""
+        md = pod["metadata"]
+        uid, name, namespace = str(md["uid"]), str(md["name"]), str(md.get("namespace", "default"))
+        with self._lock:
+            admitted = uid in self._admitted
+        if admitted:
+            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            statuses = []
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                state = {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}}
+                statuses.append({**cs, "ready": False, "state": state})
+            body = {"status": {"phase": "Succeeded", "containerStatuses": statuses}}
+            try:
+                self._core.patch_namespaced_pod_status(
+                    name, namespace, body, _content_type="application/merge-patch+json", _preload_content=False
+                )
+            except client.exceptions.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        self._forget(uid)
+        try:
+            self._core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
+        except client.exceptions.ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def _forget(self, uid: str) -> None:
         with self._lock:
@@ -367,7 +400,7 @@ class MultiNodeCluster:
         bookmark_interval: float = 60.0,
     ) -> None:
         self.workdir = workdir
-        self.api = ApiServerSimulator(bookmark_interval=bookmark_interval)
+        self.api = ApiServerSimulator(bookmark_interval=bookmark_interval, graceful_delete=True)
         self.kubeconfig = workdir / "kubeconfig"
         self._node_specs = [(n, Path(s) if "/" in str(s) else SPEC_DIR / f"{s}.json") for n, s in nodes]
         self._agent_flags = list(agent_flags)
@@ -381,6 +414,7 @@ class MultiNodeCluster:
         self._seed = seed
         self.nodes: dict[str, SimNode] = {}
         self.scheduler: SchedulerStandIn | None = None
+        self._core_api: client.CoreV1Api | None = None
 
     def start(self) -> MultiNodeCluster:
         """Start everything; returns when every node is registered and the scheduler runs."""
@@ -450,6 +484,19 @@ class MultiNodeCluster:
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Create a pod (as a user or controller would)."""
         return self.api.create_pod(manifest)
+
+    def delete(self, name: str, namespace: str = "default") -> None:
+        """DELETE the pod through the API: a running pod is deleted gracefully (its node finishes it)."""
+        try:
+            self._core().delete_namespaced_pod(name, namespace, _preload_content=False)
+        except client.exceptions.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def _core(self) -> client.CoreV1Api:
+        if self._core_api is None:
+            self._core_api = client.CoreV1Api(self.api.client())
+        return self._core_api
 
     def pod(self, name: str, namespace: str = "default") -> dict[str, Any]:
         """The pod as stored now (KeyError when gone)."""

@@ -226,3 +226,17 @@ def test_unhealthy_gpus_are_skipped(cluster: MultiNodeCluster, plain: SchedulerS
     # The node totals still show 120 cores free on healthy devices: without the extender it is refused.
     cluster.create(plain_pod(on("v100", [(60, 4)], "share-plain")))
     assert "no GPU has 60 cores" in refusal_of(cluster, "share-plain")
+
+
+def test_a_deleted_pods_gpu_goes_to_the_next_pod(cluster: MultiNodeCluster) -> None:
+    first = cluster.create(on("t4", [(100, 0)], "first"))
+    cluster.wait_phase("first")
+    second = cluster.create(on("t4", [(100, 0)], "second"))
+    message = cluster.wait_unschedulable("second")
+    assert "Insufficient tencent.com/vcuda-core" in message, message  # the node total is taken
+    cluster.delete("first")  # graceful: the node stops it, reports it Succeeded, then deletes it
+    wait_for(lambda: cluster.api.get_pod("default", "first") is None, what="first gone")
+    cluster.wait_phase("second")
+    assert refused(cluster, [first, second]) == []
+    t4 = cluster.nodes["t4"].kubelet
+    assert [r.pod_uid for r in t4.allocations()] == [second["metadata"]["uid"]]

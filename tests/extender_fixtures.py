@@ -60,7 +60,9 @@ def gpu_pod(
         if blocks:
             limits[names.VMEMORY_RESOURCE] = str(blocks)
         specs.append({"name": f"c{i}", "limits": limits, "requests": limits})
-    return pod_manifest(name, node=node, containers=specs, annotations=dict(annotations or {}), phase=phase)
+    return pod_manifest(
+        name, node=node, containers=specs, annotations=dict(annotations or {}), phase=phase, uid=f"uid-{name}"
+    )
 
 
 def held(node: str, gpus: Sequence[Sequence[int]]) -> dict[str, str]:

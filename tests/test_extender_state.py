@@ -1,0 +1,117 @@
+"""The extender's cluster state: charges in any order, assumptions, their end, nodes coming and going."""
+
+from __future__ import annotations
+
+import time
+
+from gpumanager import names
+from gpumanager.extender.charges import PodCharges, pod_charges
+from gpumanager.extender.nodes import Charge
+from gpumanager.extender.state import ClusterState
+from simnode.apiserver_objects import node_object
+from tests.extender_fixtures import GIB, gpu_pod, held, inventory
+
+
+def node(name: str = "n", memory: tuple[int, ...] = (80, 80)) -> dict[str, object]:
+    return node_object(name, annotations={"tencent.com/gpu-inventory": inventory(list(memory))})
+
+
+def free(state: ClusterState, name: str = "n") -> list[tuple[int, int]]:
+    gpus = state.node(name)
+    assert gpus is not None
+    return [(leaf.allocatable_cores, leaf.allocatable_memory // GIB) for leaf in gpus.tree.leaves]
+
+
+def test_charges_in_any_order_leave_an_exact_tree() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    a = gpu_pod("a", [(30, 40)], node="n", annotations=held("n", [[0]]))  # 30 cores, 10 GiB
+    b = gpu_pod("b", [(100, 0)], node="n", annotations=held("n", [[1]]))
+    c = gpu_pod("c", [(50, 80)], node="n", annotations=held("n", [[0]]))  # 20 GiB
+    for pod in (a, b, c):
+        state.pod_event("ADDED", pod)
+    assert free(state) == [(20, 50), (0, 0)]
+    state.pod_event("DELETED", b)
+    state.pod_event("DELETED", a)
+    assert free(state) == [(50, 60), (100, 80)]
+    gpus = state.node("n")
+    assert gpus is not None and gpus.tree.leaf(1).available and not gpus.tree.leaf(0).available
+    state.pod_event("DELETED", c)
+    assert free(state) == [(100, 80), (100, 80)] and gpus.tree.leaf(0).available
+    assert state.pod_count() == 0
+
+
+def test_over_commitment_is_seen_not_hidden() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    state.pod_event("ADDED", gpu_pod("whole", [(100, 0)], node="n", annotations=held("n", [[0]])))
+    state.pod_event("ADDED", gpu_pod("share", [(10, 4)], node="n", annotations=held("n", [[0]])))
+    assert state.over_committed() == {"n": [0]}
+
+
+def test_pods_count_where_they_are_bound_or_chosen_until_they_end() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    chosen = gpu_pod("chosen", [(40, 4)], annotations=held("n", [[1]]))  # predicate-node, no nodeName
+    assert pod_charges(chosen) == PodCharges("n", (Charge(1, 40, 4 * names.MEMORY_BLOCK_BYTES),), 0, "1")
+    state.pod_event("ADDED", chosen)
+    assert free(state)[1][0] == 60
+    unplaced = gpu_pod("unplaced", [(40, 4)], node="n")  # bound, the agent has not said which GPU yet
+    state.pod_event("ADDED", unplaced)
+    assert state.unplaced() == 1 and free(state)[0][0] == 100
+    chosen["status"] = {"phase": "Succeeded"}
+    state.pod_event("MODIFIED", chosen)
+    assert free(state)[1][0] == 100
+
+
+def test_an_assumption_holds_until_the_watch_shows_the_pod() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    pod = gpu_pod("p", [(60, 4)])
+    uid = pod["metadata"]["uid"] = "uid-p"
+    state.assume(uid, PodCharges("n", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),), 0, "777"))
+    assert free(state)[0][0] == 40 and state.is_assumed(uid)
+    state.pod_event("MODIFIED", pod)  # an older version of the pod: no annotations yet
+    assert free(state)[0][0] == 40 and state.is_assumed(uid)
+    pod["metadata"]["annotations"] = {**held("n", [[0]]), names.PREDICATE_TIME: "777"}
+    state.pod_event("MODIFIED", pod)  # the watch shows what bind wrote
+    assert not state.is_assumed(uid) and free(state)[0][0] == 40
+    state.pod_event("DELETED", pod)
+    assert free(state)[0][0] == 100
+
+
+def test_assumptions_expire_and_bind_failures_forget() -> None:
+    state = ClusterState(assume_ttl=0.05)
+    state.node_event("ADDED", node())
+    state.assume("u1", PodCharges("n", (Charge(0, 100, 0),), 0, "1"))
+    state.assume("u2", PodCharges("n", (Charge(1, 100, 0),), 0, "2"))
+    state.assumed_bound("u1")  # bound: the TTL starts now
+    state.forget("u2")  # bind failed
+    assert free(state) == [(0, 0), (100, 80)]
+    time.sleep(0.1)
+    assert state.expire() == 1 and free(state) == [(100, 80), (100, 80)]
+
+
+def test_a_pod_is_judged_without_its_own_charges() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    pod = gpu_pod("p", [(100, 0)], annotations=held("n", [[0]]))
+    state.pod_event("ADDED", pod)
+    with state.without(pod["metadata"]["uid"]):
+        assert free(state)[0] == (100, 80)
+    assert free(state)[0] == (0, 0)
+
+
+def test_nodes_rebuilt_on_change_keep_their_pods() -> None:
+    state = ClusterState()
+    state.pod_event("ADDED", gpu_pod("p", [(30, 4)], node="n", annotations=held("n", [[1]])))
+    state.node_event("ADDED", node())  # the node arrives after its pod
+    assert free(state)[1][0] == 70
+    changed = node_object("n", annotations={"tencent.com/gpu-inventory": inventory([80, 80], unhealthy=[0])})
+    state.node_event("MODIFIED", changed)
+    gpus = state.node("n")
+    assert gpus is not None and not gpus.tree.leaf(0).healthy and free(state)[1][0] == 70
+    state.node_event("DELETED", changed)
+    assert state.node("n") is None
+    state.node_event("ADDED", node())
+    assert free(state)[1][0] == 70

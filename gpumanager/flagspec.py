@@ -31,6 +31,8 @@ class FlagSpec:
     metavar: str = ""
     #: False when the shown default is a description ("none", "in-cluster") rather than a value.
     literal_default: bool = True
+    #: The values a choice flag takes (empty for other flags).
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def choice(default: str, options: tuple[str, ...], help: str) -> Any:
             raise ValueError(f"{value!r} is not one of {', '.join(options)}")
         return value
 
-    return _declare(default, FlagSpec(help, parse, str, metavar="{" + ",".join(options) + "}"))
+    return _declare(default, FlagSpec(help, parse, str, metavar="{" + ",".join(options) + "}", choices=options))
 
 
 def number(default: int, help: str, *, metavar: str = "N") -> Any:

@@ -161,10 +161,8 @@ def test_image_by_tag_or_digest() -> None:
 
 def _non_default(f: flagspec.FlagField) -> Any:
     """A value unlike the flag's default, as a chart value (what YAML would hold)."""
-    if f.name == "log_format":
-        return "json"
-    if f.name == "mode":
-        return "dra"
+    if f.spec.choices:
+        return next(c for c in f.spec.choices if c != f.default)
     if isinstance(f.default, bool):
         return not f.default
     if isinstance(f.default, int):

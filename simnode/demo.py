@@ -58,7 +58,7 @@ def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
 
 
 CLIENT = r"""
-import json, pynvml
+import json, os, pynvml
 from cuda.bindings import driver as d
 R = d.CUresult
 assert d.cuInit(0)[0] == R.CUDA_SUCCESS
@@ -73,8 +73,10 @@ while True:
     total += 256 << 20
 free, cap = d.cuMemGetInfo()[1:]
 pynvml.nvmlInit()
-nvml = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
-print(json.dumps({"err": err.name, "total": total, "cap": cap, "nvml": nvml}))
+handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+nvml = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+held = sum(p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid())
+print(json.dumps({"err": err.name, "total": total, "cap": cap, "nvml": nvml, "held": held}))
 """
 
 
@@ -94,8 +96,9 @@ def capped_client(c: SimCluster, run: PodRun) -> str:
         return f"failed: {done.stderr.strip()[-300:]}"
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return (
-        f"allocated {out['total'] >> 20} MiB, then {out['err']}; cuMemGetInfo total {out['cap'] >> 20} MiB, "
-        f"NVML total {out['nvml'] >> 20} MiB"
+        f"allocated {out['total'] >> 20} MiB, then {out['err']}: with its CUDA context the GPU holds "
+        f"{out['held'] >> 20} MiB for it, within the pod's {out['cap'] >> 20} MiB (cuMemGetInfo total "
+        f"{out['cap'] >> 20} MiB, NVML total {out['nvml'] >> 20} MiB)"
     )
 
 

@@ -104,6 +104,33 @@ _BUS_RE = re.compile(r"([0-9a-fA-F]{4}|[0-9a-fA-F]{8}):([0-9a-fA-F]{2}):([0-9a-f
 # ---- node spec --------------------------------------------------------------------------------
 
 
+# Device memory of one CUDA context per known GPU model (MiB), as vcuda/sim/sim_spec.c's model table has it.
+_CONTEXT_MIB_BY_CC = {(7, 5): 250, (7, 0): 300, (8, 6): 250, (8, 0): 400, (8, 9): 250, (9, 0): 500}
+_MODEL_CC = {
+    "Tesla T4": (7, 5),
+    "Tesla V100-PCIE-16GB": (7, 0),
+    "Tesla V100-PCIE-32GB": (7, 0),
+    "Tesla V100-SXM2-16GB": (7, 0),
+    "Tesla V100-SXM2-32GB": (7, 0),
+    "NVIDIA A10": (8, 6),
+    "NVIDIA A100-SXM4-40GB": (8, 0),
+    "NVIDIA A100-SXM4-80GB": (8, 0),
+    "NVIDIA A100-PCIE-40GB": (8, 0),
+    "NVIDIA A100 80GB PCIe": (8, 0),
+    "NVIDIA L4": (8, 9),
+    "NVIDIA H100 PCIe": (9, 0),
+    "NVIDIA H100 80GB HBM3": (9, 0),
+    "NVIDIA H200": (9, 0),
+}
+DEFAULT_CONTEXT_MIB = 300  # a model the table does not know
+
+
+def context_mib_of_model(name: str) -> int:
+    """The simulator's context size for a GPU model name (MiB)."""
+    cc = _MODEL_CC.get(name)
+    return _CONTEXT_MIB_BY_CC[cc] if cc is not None else DEFAULT_CONTEXT_MIB
+
+
 class SpecError(ValueError):
     """An invalid node spec; the message reads ``<file>: <field>: <problem>``."""
 
@@ -122,6 +149,13 @@ class GpuSpec:
     sm_count: int
     multi_gpu_board: bool
     sm_threads_per_us: int = 1024  # the simulated kernel cost model's rate (optional spec field)
+    context_mib: int | None = None  # device memory one CUDA context takes (optional; None: the model's)
+
+    @property
+    def context_bytes(self) -> int:
+        """Device memory each CUDA context takes on this GPU (the spec's, else its model's)."""
+        mib = self.context_mib if self.context_mib is not None else context_mib_of_model(self.name)
+        return mib * 1024 * 1024
 
     @property
     def serial(self) -> str:
@@ -216,7 +250,10 @@ class _SpecChecker:
         rate = 1024
         if "sm_threads_per_us" in raw:
             rate = self.integer(raw, "sm_threads_per_us", f + "sm_threads_per_us", 1, 10**9, "a positive integer")
-        gpu = GpuSpec(index, uuid, name, minor, memory, bus, numa, sms, board, rate)
+        ctx = None
+        if "context_mib" in raw:
+            ctx = self.integer(raw, "context_mib", f + "context_mib", 0, 1 << 20, "an integer from 0 to 1048576")
+        gpu = GpuSpec(index, uuid, name, minor, memory, bus, numa, sms, board, rate, ctx)
         for other in seen:
             if other.uuid.lower() == gpu.uuid.lower():
                 raise self.fail(f + "uuid", f"duplicate of gpus[{other.index}].uuid ({gpu.uuid})")
@@ -302,6 +339,8 @@ def parse_spec(data: object, *, source: str = "<spec>") -> NodeSpec:
     if not isinstance(data, dict):
         raise check.fail("(document)", f"expected an object, got {type(data).__name__}")
     driver = check.string(data, "driver_version", "driver_version", 79, "a non-empty string of at most 79 characters")
+    if "proc_version_path" in data:
+        check.string(data, "proc_version_path", "proc_version_path", 4095, "a file path")
     cuda = check.integer(
         data, "cuda_driver_version", "cuda_driver_version", 1, 2**31 - 1, "a positive integer such as 12040"
     )

@@ -142,8 +142,11 @@ while True:
     total += 128 << 20
 free, cap = ok(d.cuMemGetInfo())
 pynvml.nvmlInit()
-mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": cap, "nvml_total": mem.total}))
+handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+held = sum(p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid())
+print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": cap, "nvml_total": mem.total,
+                  "held": held}))
 """
 )
 
@@ -181,8 +184,9 @@ def test_cuda_program_started_through_the_cdi_edits_is_held_to_its_claim(t4_mirr
     result = json.loads(out.decode().strip().splitlines()[-1])
     cap = 4 * GiB
     assert result["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
-    assert cap - 128 * MIB < result["allocated"] <= cap
-    assert result["total"] == cap and result["free"] == cap - result["allocated"]
+    # The cap holds for what the GPU holds for the process: its allocations and its context.
+    assert cap - 128 * MIB < result["held"] <= cap and result["held"] > result["allocated"]
+    assert result["total"] == cap and result["free"] == cap - result["held"]
     assert result["nvml_total"] == cap
 
 

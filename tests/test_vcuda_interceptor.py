@@ -38,7 +38,7 @@ print(json.dumps({
 """
     )
     assert done.returncode == 0, done.stderr
-    used, limit = 100 * MIB, c.limit_bytes
+    used, limit = c.context_bytes + 100 * MIB, c.limit_bytes  # the whole footprint: its context too
     assert last_json(done.stdout) == {
         "info": [limit - used, limit],
         "total": limit,
@@ -64,7 +64,8 @@ def test_nvml_in_a_process_without_cuda_sees_the_container(container: MakeContai
     finally:
         holder.communicate(input="\n", timeout=30)
     assert done.returncode == 0, done.stderr
-    assert last_json(done.stdout) == [2048 * MIB, 300 * MIB, 1748 * MIB]
+    held = c.context_bytes + 300 * MIB  # the holder's context and allocation
+    assert last_json(done.stdout) == [2048 * MIB, held, 2048 * MIB - held]
 
 
 GPA = r"""
@@ -190,7 +191,7 @@ def test_bad_config_falls_back_to_the_upstream_layout(container: MakeContainer) 
     done = c.python(OVER_LIMIT)
     assert "expected 8240" in done.stderr
     assert last_json(done.stdout) == {"alloc": "CUDA_ERROR_OUT_OF_MEMORY", "total": 512 * MIB,
-                                      "info": [512 * MIB, 512 * MIB]}  # fmt: skip
+                                      "info": [512 * MIB - c.context_bytes, 512 * MIB]}  # fmt: skip
 
 
 def test_upstream_pod_level_config(container: MakeContainer) -> None:

@@ -2,8 +2,9 @@
 
 Each program allocates until the driver says no.  The cap must stop it at the allocation that
 would cross the container's limit, with CUDA_ERROR_OUT_OF_MEMORY, while the simulated GPU (whose
-own memory is far larger) still has room; after everything is freed, nothing stays charged,
-neither in the container's budget nor on the simulated GPU.
+own memory is far larger) still has room.  The cap covers the container's whole footprint: the
+context each process makes takes device memory too (the simulated T4's 250 MiB), and counts.
+After everything is freed, only the contexts stay charged, in the budget and on the GPU.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def free(h): assert lib.cuMemFree(h) == 0
 }
 
 FILL = r"""
+context = phys_used()  # what the GPU holds for this process before any allocation: its context
 handles = []
 while True:
     before = phys_used()
@@ -148,7 +150,7 @@ ok(d.cuCtxSynchronize())  # memory pools give freed memory back at synchronisati
 after_free, after_total = ok(d.cuMemGetInfo())
 print(json.dumps({
     "rc": rc.name, "count": len(handles), "sizes": sorted({s for _h, s in handles}),
-    "full_phys": full_phys, "full_free": full_free, "total": full_total,
+    "full_phys": full_phys, "full_free": full_free, "total": full_total, "context": context,
     "after_phys": phys_used(), "after_free": after_free, "gpu_total": ok(d.cuDeviceTotalMem(dev)),
 }))
 """
@@ -165,14 +167,16 @@ def test_every_allocation_path_stops_at_the_cap(container: MakeContainer, path: 
     chunk = max(out["sizes"])
     assert out["rc"] == "CUDA_ERROR_OUT_OF_MEMORY"
     assert out["count"] >= 1
-    # The cap held, and it was the cap (not the 15 GiB GPU) that said no: one more chunk would cross it.
+    # The cap held for the whole footprint (context included), and it was the cap (not the 15 GiB GPU)
+    # that said no: one more chunk would cross it.
+    assert out["context"] == c.context_bytes
     assert out["full_phys"] <= limit
     assert out["full_phys"] + chunk > limit
     assert out["total"] == limit
     assert out["full_free"] == limit - out["full_phys"]
-    # Nothing leaks: the GPU and the container's budget are empty again.
-    assert out["after_phys"] == 0
-    assert out["after_free"] == limit
+    # Nothing leaks: the GPU and the container's budget hold the context only.
+    assert out["after_phys"] == c.context_bytes
+    assert out["after_free"] == limit - c.context_bytes
     assert out["gpu_total"] == limit
 
 
@@ -188,7 +192,8 @@ print(json.dumps({"bad": [b.name for b in bad], "free": free_now, "total": total
     )
     assert done.returncode == 0, done.stderr
     out = last_json(done.stdout)
-    assert out == {"bad": ["CUDA_ERROR_INVALID_VALUE"] * 2, "free": c.limit_bytes, "total": c.limit_bytes}
+    assert out == {"bad": ["CUDA_ERROR_INVALID_VALUE"] * 2, "free": c.limit_bytes - c.context_bytes,
+                   "total": c.limit_bytes}  # fmt: skip
 
 
 def test_frees_of_unknown_pointers_reach_the_driver(container: MakeContainer) -> None:
@@ -246,8 +251,9 @@ def test_two_processes_racing_never_exceed_the_cap(container: MakeContainer) -> 
 
         with GpuSimState(c.state_path) as st:
             phys = st.snapshot().used_bytes(0)
-        # Both stopped only when the container was full, and together they never went past it.
-        assert sum(counts) * 256 * 1024 == c.limit_bytes
+        # Both stopped only when the container was full (their two contexts included), and together they
+        # never went past it.
+        assert sum(counts) * 256 * 1024 == c.limit_bytes - 2 * c.context_bytes
         assert phys == c.limit_bytes
         assert all(n > 0 for n in counts)
     finally:
@@ -259,7 +265,7 @@ def test_a_killed_process_gives_its_reservation_back(container: MakeContainer) -
     c = container(1024)
     holder = c.popen(
         r"""
-p = ok(d.cuMemAlloc(768 << 20))
+p = ok(d.cuMemAlloc(512 << 20))
 print("ready", flush=True)
 sys.stdin.readline()
 """
@@ -268,7 +274,7 @@ sys.stdin.readline()
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "ready"
         blocked = c.python("print(d.cuMemAlloc(512 << 20)[0].name)")
-        assert blocked.stdout.strip() == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert blocked.stdout.strip() == "CUDA_ERROR_OUT_OF_MEMORY", blocked.stderr
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
     finally:
@@ -277,25 +283,55 @@ sys.stdin.readline()
         holder.communicate(timeout=30)
     after = c.python(
         r"""
-p = ok(d.cuMemAlloc(768 << 20))
+p = ok(d.cuMemAlloc(512 << 20))
 print(json.dumps({"info": list(ok(d.cuMemGetInfo())), "phys": phys_used()}))
 """
     )
     assert after.returncode == 0, after.stderr
-    assert last_json(after.stdout) == {"info": [256 * MIB, c.limit_bytes], "phys": 768 * MIB}
+    held = c.context_bytes + 512 * MIB
+    assert last_json(after.stdout) == {"info": [c.limit_bytes - held, c.limit_bytes], "phys": held}
 
 
-def test_context_reserve_is_charged_once_per_process(container: MakeContainer) -> None:
+def test_every_context_is_charged_what_it_takes(container: MakeContainer) -> None:
+    """A created context costs its measured size on top of the primary one, until it is destroyed."""
     c = container(1024)
     done = c.python(
         r"""
+out = {"primary": list(ok(d.cuMemGetInfo()))}
 other = ok(d.cuCtxCreate(0, dev))
-print(json.dumps(list(ok(d.cuMemGetInfo()))))
-""",
-        env=c.env(VCUDA_CONTEXT_RESERVE="256M"),
+out["two"] = [list(ok(d.cuMemGetInfo())), phys_used()]
+ok(d.cuCtxDestroy(other)); ok(d.cuCtxSetCurrent(ctx))
+out["one"] = list(ok(d.cuMemGetInfo()))
+print(json.dumps(out))
+"""
     )
     assert done.returncode == 0, done.stderr
-    assert last_json(done.stdout) == [768 * MIB, c.limit_bytes]
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert last_json(done.stdout) == {"primary": [cap - ctx, cap], "two": [[cap - 2 * ctx, cap], 2 * ctx],
+                                      "one": [cap - ctx, cap]}  # fmt: skip
+
+
+def test_a_context_that_does_not_fit_is_refused(container: MakeContainer) -> None:
+    """A 256 MiB container on a GPU whose contexts take 250 MiB: one process fits, a second one's context does not."""
+    c = container(256)
+    holder = c.popen('print("ready", flush=True); sys.stdin.readline()')
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "ready"
+        second = c.python(
+            "import json\nfrom cuda.bindings import driver as d\nd.cuInit(0)\ndev = d.cuDeviceGet(0)[1]\n"
+            "print(json.dumps([d.cuDevicePrimaryCtxRetain(dev)[0].name, d.cuCtxCreate(0, dev)[0].name]))",
+            prelude=False,
+        )
+        from simnode.gpusim_state import GpuSimState
+
+        with GpuSimState(c.state_path) as st:
+            phys = st.snapshot().used_bytes(0)
+    finally:
+        holder.communicate(input="\n", timeout=30)
+    assert second.returncode == 0, second.stderr
+    assert last_json(second.stdout) == ["CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY"]
+    assert phys == c.context_bytes  # the holder's context; the refused ones are gone
 
 
 def test_forked_child_has_its_own_reservations(container: MakeContainer) -> None:
@@ -313,7 +349,7 @@ print(json.dumps(list(ok(d.cuMemGetInfo()))))
 """
     )
     assert done.returncode == 0, done.stderr
-    assert last_json(done.stdout)[0] == 512 * MIB  # type: ignore[index]
+    assert last_json(done.stdout)[0] == c.limit_bytes - c.context_bytes - 512 * MIB  # type: ignore[index]
 
 
 PEAK = r"""
@@ -344,7 +380,8 @@ def test_arrays_are_reserved_at_their_footprint_before_the_driver_call(container
         + make
         + r"""
 desc.NumChannels, desc.Format = 1, d.CUarray_format.CU_AD_FORMAT_FLOAT
-fill = ok(d.cuMemAlloc((1024 - 16) << 20))
+context = phys_used()
+fill = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0] - (16 << 20)))  # 16 MiB left under the cap
 r = create()
 out = {"rc": r[0].name, "peak": peak()}
 ok(d.cuMemFree(fill))
@@ -352,7 +389,7 @@ h = ok(create())
 is_mip = isinstance(h, d.CUmipmappedArray)
 req = ok((d.cuMipmappedArrayGetMemoryRequirements if is_mip else d.cuArrayGetMemoryRequirements)(h, dev))
 free_b, total = ok(d.cuMemGetInfo())
-out.update(size=req.size, charged=total - free_b, phys=phys_used())
+out.update(size=req.size, charged=total - free_b - context, phys=phys_used() - context)
 ok((d.cuMipmappedArrayDestroy if is_mip else d.cuArrayDestroy)(h))
 out["after"] = ok(d.cuMemGetInfo())[0]
 print(json.dumps(out))
@@ -365,7 +402,7 @@ print(json.dumps(out))
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a {c.limit_bytes >> 20} MiB cap"
     assert out["size"] >= 31 * MIB  # the padded footprint, far above the description
     assert out["charged"] == out["size"] == out["phys"]
-    assert out["after"] == c.limit_bytes
+    assert out["after"] == c.limit_bytes - c.context_bytes
 
 
 VMM = r"""
@@ -423,19 +460,20 @@ print(json.dumps(out))
     out = last_json(done.stdout)
     assert isinstance(out, dict)
     cap = c.limit_bytes
+    ctx = c.context_bytes
     assert out["released_mapped"] == "CUDA_ERROR_OUT_OF_MEMORY", "released but still mapped: must stay charged"
-    assert out["phys1"] == 512 * MIB
+    assert out["phys1"] == ctx + 512 * MIB
     assert out["same_handle"] is True
     assert out["retained_released"] == "CUDA_ERROR_OUT_OF_MEMORY"
     assert out["unmapped"] == "CUDA_SUCCESS"
-    assert out["one_left"] == [cap - 256 * MIB, cap]
-    assert out["none_left"] == [cap, cap]
-    assert out["peak"] <= cap and out["phys"] == 0
+    assert out["one_left"] == [cap - ctx - 256 * MIB, cap]
+    assert out["none_left"] == [cap - ctx, cap]
+    assert out["peak"] <= cap and out["phys"] == ctx
 
 
 def test_imported_shareable_memory_is_the_exporters(container: MakeContainer) -> None:
     """cuMemExportToShareableHandle -> another container imports it: not charged there, and nothing credited."""
-    exporter, importer = container(1024), container(256)
+    exporter, importer = container(1024), container(512)
     done = exporter.python(
         VMM
         + r"""
@@ -457,7 +495,7 @@ h = ok(d.cuMemImportFromShareableHandle(fd, d.CUmemAllocationHandleType.CU_MEM_H
 va = ok(d.cuMemAddressReserve(512 << 20, 0, 0, 0))
 ok(d.cuMemMap(va, 512 << 20, 0, h, 0))
 out = {"mapped": list(ok(d.cuMemGetInfo()))}
-full = ok(d.cuMemAlloc(256 << 20))
+full = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))  # all this container has left
 ok(d.cuMemUnmap(va, 512 << 20)); ok(d.cuMemRelease(h))
 out["after_release"] = [try_alloc(1 << 20), list(ok(d.cuMemGetInfo()))]
 print(json.dumps(out))
@@ -467,9 +505,10 @@ print(json.dumps(out))
     assert done.returncode == 0, done.stderr
     out = last_json(done.stdout)
     assert isinstance(out, dict)
-    assert out["importer"]["mapped"] == [256 * MIB, 256 * MIB]  # nothing charged to the importer
-    assert out["importer"]["after_release"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 256 * MIB]]  # nothing credited
-    assert out["exporter"] == [512 * MIB, 1024 * MIB]
+    ctx = exporter.context_bytes
+    assert out["importer"]["mapped"] == [512 * MIB - ctx, 512 * MIB]  # nothing charged to the importer
+    assert out["importer"]["after_release"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 512 * MIB]]  # nothing credited
+    assert out["exporter"] == [512 * MIB - ctx, 1024 * MIB]
 
 
 GRAPH = r"""
@@ -529,8 +568,8 @@ print(json.dumps(out))
     assert out["launched_not_freed"] == oom, "the launch left the allocation live"
     assert out["freed"] == "CUDA_SUCCESS"
     assert out["exec_alive"] == oom
-    assert out["all_gone"] == ["CUDA_SUCCESS", [c.limit_bytes, c.limit_bytes]]
-    assert out["peak"] <= c.limit_bytes and out["phys"] == 0
+    assert out["all_gone"] == ["CUDA_SUCCESS", [c.limit_bytes - c.context_bytes, c.limit_bytes]]
+    assert out["peak"] <= c.limit_bytes and out["phys"] == c.context_bytes
 
 
 def test_allocations_captured_into_a_graph_follow_the_graph(container: MakeContainer) -> None:
@@ -565,8 +604,9 @@ print(json.dumps(out))
     oom = "CUDA_ERROR_OUT_OF_MEMORY"
     assert [out["captured"], out["instantiated"], out["launched"]] == [oom, oom, oom]
     assert out["exec_gone"] == "CUDA_SUCCESS"
-    assert out["peak"] <= c.limit_bytes and out["phys"] == 0
-    assert out["info"] == [c.limit_bytes, c.limit_bytes]
+    module = 2 * MIB  # the loaded module's memory: no hook sees it, NVML does (reconciled)
+    assert out["peak"] <= c.limit_bytes and out["phys"] == c.context_bytes + module
+    assert out["info"] == [c.limit_bytes - c.context_bytes - module, c.limit_bytes]
 
 
 def test_memory_freed_with_its_context_comes_back(container: MakeContainer) -> None:
@@ -576,31 +616,32 @@ def test_memory_freed_with_its_context_comes_back(container: MakeContainer) -> N
         GRAPH
         + r"""
 other = ok(d.cuCtxCreate(0, dev))
-p = ok(d.cuMemAlloc(512 << 20))
+p = ok(d.cuMemAlloc(256 << 20))
 desc = d.CUDA_ARRAY_DESCRIPTOR()
 desc.Width, desc.Height, desc.NumChannels, desc.Format = 4096, 4096, 1, d.CUarray_format.CU_AD_FORMAT_FLOAT
 arr = ok(d.cuArrayCreate(desc))
 ok(d.cuCtxDestroy(other))
 ok(d.cuCtxSetCurrent(ctx))
-out = {"ctx_destroyed": [try_alloc(900 << 20), phys_used()]}
+out = {"ctx_destroyed": [try_alloc(750 << 20), phys_used()]}
 p = ok(d.cuMemAlloc(512 << 20))
 ok(d.cuDevicePrimaryCtxReset(dev))
 ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
 ok(d.cuCtxSetCurrent(ctx))
-out["primary_reset"] = [try_alloc(900 << 20), phys_used(), list(ok(d.cuMemGetInfo()))]
+out["primary_reset"] = [try_alloc(750 << 20), phys_used(), list(ok(d.cuMemGetInfo()))]
 print(json.dumps(out))
 """
     )
     assert done.returncode == 0, done.stderr
     out = last_json(done.stdout)
     assert isinstance(out, dict)
-    assert out["ctx_destroyed"] == ["CUDA_SUCCESS", 0]
-    assert out["primary_reset"] == ["CUDA_SUCCESS", 0, [c.limit_bytes, c.limit_bytes]]
+    ctx = c.context_bytes  # the primary context's own memory stays
+    assert out["ctx_destroyed"] == ["CUDA_SUCCESS", ctx]
+    assert out["primary_reset"] == ["CUDA_SUCCESS", ctx, [c.limit_bytes - ctx, c.limit_bytes]]
 
 
 def test_ipc_memory_is_the_exporters(container: MakeContainer) -> None:
     """cuIpcOpenMemHandle in another container: not charged there, and closing it credits no one."""
-    exporter, importer = container(1024), container(256)
+    exporter, importer = container(1024), container(512)
     done = exporter.python(
         GRAPH
         + r"""
@@ -624,7 +665,7 @@ flags = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 ptr = ok(d.cuIpcOpenMemHandle(h, flags))
 again = ok(d.cuIpcOpenMemHandle(h, flags))
 out = {"same_ptr": int(again) == int(ptr), "opened": list(ok(d.cuMemGetInfo()))}
-full = ok(d.cuMemAlloc(256 << 20))
+full = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))  # all this container has left
 ok(d.cuIpcCloseMemHandle(ptr)); ok(d.cuIpcCloseMemHandle(ptr))
 out["closed"] = [try_alloc(1 << 20), list(ok(d.cuMemGetInfo())), d.cuIpcCloseMemHandle(ptr)[0].name]
 print(json.dumps(out))
@@ -635,7 +676,110 @@ print(json.dumps(out))
     out = last_json(done.stdout)
     assert isinstance(out, dict)
     assert out["importer"]["same_ptr"] is True
-    assert out["importer"]["opened"] == [256 * MIB, 256 * MIB]
-    assert out["importer"]["closed"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 256 * MIB], "CUDA_ERROR_INVALID_VALUE"]
-    assert out["exporter"] == [512 * MIB, 1024 * MIB]
-    assert out["phys"] == 512 * MIB  # the exporter's process holds it; the importer's holds 256 MiB of its own
+    ctx = exporter.context_bytes
+    assert out["importer"]["opened"] == [512 * MIB - ctx, 512 * MIB]
+    assert out["importer"]["closed"] == ["CUDA_ERROR_OUT_OF_MEMORY", [0, 512 * MIB], "CUDA_ERROR_INVALID_VALUE"]
+    assert out["exporter"] == [512 * MIB - ctx, 1024 * MIB]
+    assert out["phys"] == ctx + 512 * MIB  # the exporter's (the importer has exited)
+
+
+FOOTPRINT_PROC = r"""
+import json, sys
+from cuda.bindings import driver as d
+R = d.CUresult
+print("ready", flush=True)
+sys.stdin.readline()  # start together
+assert d.cuInit(0)[0] == R.CUDA_SUCCESS
+dev = d.cuDeviceGet(0)[1]
+rc, ctx = d.cuDevicePrimaryCtxRetain(dev)
+chunks = 0
+if rc == R.CUDA_SUCCESS:
+    d.cuCtxSetCurrent(ctx)
+    while d.cuMemAlloc(64 << 20)[0] == R.CUDA_SUCCESS:
+        chunks += 1
+print(json.dumps({"context": rc.name, "chunks": chunks}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_four_processes_hold_the_cap_with_their_contexts(container: MakeContainer) -> None:
+    """What the GPU holds for the container's processes, contexts included, never exceeds its cap."""
+    import subprocess
+    import sys
+
+    from simnode.gpusim_state import GpuSimState, repo_root
+
+    c = container(1024)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FOOTPRINT_PROC], env=c.env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root())
+        for _ in range(4)
+    ]  # fmt: skip
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line, p.stderr.read() if p.stderr else ""
+            results.append(json.loads(line))
+        with GpuSimState(c.state_path) as st:
+            snap = st.snapshot(1)
+    finally:
+        for p in procs:
+            p.communicate(input="\n", timeout=30)
+    pids = {p.pid for p in procs}
+    held = sum(e.used_bytes for e in snap.processes if e.pid in pids)
+    contexts = sum(r["context"] == "CUDA_SUCCESS" for r in results)
+    assert held <= c.limit_bytes, f"the container's processes held {held >> 20} MiB on a 1024 MiB cap: {results}"
+    assert snap.gpus[0].used_peak <= c.limit_bytes
+    assert contexts >= 1 and held == contexts * c.context_bytes + 64 * MIB * sum(r["chunks"] for r in results)
+    assert held + 64 * MIB > c.limit_bytes or contexts < 4  # full: nothing more fitted
+
+
+def test_memory_no_hook_sees_is_reconciled(container: MakeContainer) -> None:
+    """A pool that keeps freed memory, module code: NVML shows it for the process; the cap counts it."""
+    c = container(1024)
+    done = c.python(
+        PEAK
+        + GRAPH
+        + r"""
+import time, pynvml
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+p = ok(d.cuMemAllocAsync(600 << 20, s)); ok(d.cuMemFreeAsync(p, s)); ok(d.cuStreamSynchronize(s))
+out = {"pool_kept": phys_used(), "beyond_pool": try_alloc(300 << 20)}
+ok(d.cuMemPoolTrimTo(pool, 0))
+out["trimmed"] = try_alloc(300 << 20)
+mods = [ok(d.cuModuleLoadData(b"x")) for _ in range(100)]  # 200 MiB of module code
+time.sleep(0.15)  # memory views reconcile at most every 100 ms
+free_b, total = ok(d.cuMemGetInfo())
+pynvml.nvmlInit()
+m = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+out["views"] = [total - free_b, m.used, phys_used()]
+chunks = []
+while True:
+    r = d.cuMemAlloc(16 << 20)
+    if r[0] != R.CUDA_SUCCESS:
+        break
+    chunks.append(r[1])
+out.update(full=phys_used(), peak=peak())
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["pool_kept"] == ctx + 600 * MIB
+    assert out["beyond_pool"] == "CUDA_ERROR_OUT_OF_MEMORY", "the pool still holds 600 MiB"
+    assert out["trimmed"] == "CUDA_SUCCESS"
+    assert out["views"] == [ctx + 200 * MIB] * 3  # cuMemGetInfo and NVML inside show what the GPU holds
+    assert out["full"] <= cap and out["full"] + 16 * MIB > cap
+    assert out["peak"] <= cap

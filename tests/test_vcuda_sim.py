@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -105,22 +106,29 @@ def test_memory_in_use_is_per_process_and_dead_processes_are_reaped(vcuda_built:
             line = h.stdout.readline()
             assert line, h.stderr.read() if h.stderr else ""
             pids.append(int(line))
-        total = load_spec(spec_dir() / "t4-x1.json").gpus[0].memory_bytes
+        gpu = load_spec(spec_dir() / "t4-x1.json").gpus[0]
+        total, ctx = gpu.memory_bytes, gpu.context_bytes  # every process's context takes memory too
         both = run_python(NVML, env)
         assert both.returncode == 0, both.stderr
-        assert last_json(both.stdout) == {
-            "used": 4096 * MIB,
-            "free": total - 4096 * MIB,
+        out = last_json(both.stdout)
+        assert isinstance(out, dict)
+        me = [p for p in out["procs"] if p[0] not in pids]  # the querying process: its context only
+        used = 4096 * MIB + 3 * ctx
+        assert out == {
+            "used": used,
+            "free": total - used,
             "total": total,
-            "procs": sorted([[pids[0], 1024 * MIB], [pids[1], 3072 * MIB]]),
-            "cuda_free": total - 4096 * MIB,
+            "procs": sorted([[pids[0], ctx + 1024 * MIB], [pids[1], ctx + 3072 * MIB], *me]),
+            "cuda_free": total - used,
         }
+        assert [p[1] for p in me] == [ctx]
         with GpuSimState(tmp_path / "node.state") as st:
             assert all(p.cuda for p in st.snapshot().processes)
         holders[1].send_signal(signal.SIGKILL)
         holders[1].wait(timeout=30)
         one = run_python(NVML, env)
-        assert last_json(one.stdout)["procs"] == [[pids[0], 1024 * MIB]]  # type: ignore[index]
+        procs = last_json(one.stdout)["procs"]  # type: ignore[index]
+        assert [p for p in procs if p[0] in pids] == [[pids[0], ctx + 1024 * MIB]]
     finally:
         for h in holders:
             if h.poll() is None:
@@ -131,8 +139,8 @@ def test_the_gpu_runs_out_for_everyone(vcuda_built: Path, tmp_path: Path) -> Non
     del vcuda_built
     done = run_python(
         r"""
-total = ok(d.cuDeviceTotalMem(dev))
-a = ok(d.cuMemAlloc(total - (1 << 20)))
+free, total = ok(d.cuMemGetInfo())  # the context already holds some of it
+a = ok(d.cuMemAlloc(free - (1 << 20)))
 print(json.dumps([d.cuMemAlloc(2 << 20)[0].name, d.cuMemAlloc(1 << 20)[0].name, ok(d.cuMemGetInfo())[0]]))
 """,
         sim_only_env("t4-x1", tmp_path / "node.state"),
@@ -315,8 +323,10 @@ pool = ok(d.cuDeviceGetDefaultMemPool(dev))
 s = ok(d.cuStreamCreate(0))
 def attr(a):
     return int(ok(d.cuMemPoolGetAttribute(pool, a)))
+context = phys_used()
 def state():
-    return [attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), attr(A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT), phys_used()]
+    return [attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), attr(A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+            phys_used() - context]
 out = {"threshold0": attr(A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)}
 p = ok(d.cuMemAllocAsync(3 << 20, s))
 out["one"] = state()                      # 3 MiB used, 4 MiB reserved (2 MiB chunks)
@@ -369,19 +379,21 @@ S = d.CUstreamCaptureStatus
 s = ok(d.cuStreamCreate(0))
 mod = ok(d.cuModuleLoadData(b"x"))
 fn = ok(d.cuModuleGetFunction(mod, b"spin_20ms"))
+base = phys_used()  # the context and the module
 ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
 status, cid, graph, _deps, _n = ok(d.cuStreamGetCaptureInfo(s))
 ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
 buf = ok(d.cuMemAllocAsync(64 << 20, s))
 ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
 ok(d.cuMemFreeAsync(buf, s))
-out = {"capturing": [ok(d.cuStreamIsCapturing(s)).name, status.name, int(cid) > 0], "phys_captured": phys_used(),
+out = {"capturing": [ok(d.cuStreamIsCapturing(s)).name, status.name, int(cid) > 0],
+       "phys_captured": phys_used() - base,
        "legacy": d.cuStreamBeginCapture(0, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)[0].name}
 g = ok(d.cuStreamEndCapture(s))
 out["same_graph"] = int(g) == int(graph)
 out["after"] = ok(d.cuStreamIsCapturing(s)).name
 x = ok(d.cuGraphInstantiate(g, 0))
-out["phys_instantiated"] = phys_used()
+out["phys_instantiated"] = phys_used() - base
 t0 = time.monotonic()
 ok(d.cuStreamSynchronize(s))
 out["nothing_ran"] = time.monotonic() - t0  # the captured kernels were not queued
@@ -389,7 +401,7 @@ t1 = time.monotonic()
 ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
 out["graph_ran"] = time.monotonic() - t1
 ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(g))
-out["phys_end"] = phys_used()
+out["phys_end"] = phys_used() - base
 # A synchronisation inside a capture invalidates it.
 ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
 out["sync_in_capture"] = [d.cuStreamSynchronize(s)[0].name, ok(d.cuStreamIsCapturing(s)).name,
@@ -409,3 +421,77 @@ print(json.dumps(out))
     assert out["phys_end"] == 0
     assert out["sync_in_capture"] == ["CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CU_STREAM_CAPTURE_STATUS_INVALIDATED",
                                       "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]  # fmt: skip
+
+
+def test_contexts_and_modules_take_memory_nvml_shows_per_process(vcuda_built: Path, tmp_path: Path) -> None:
+    """Every context takes its GPU model's size (the spec may set it), every module a 2 MiB page; NVML's process
+    list shows it per process."""
+    del vcuda_built
+    spec = json.loads((spec_dir() / "v100-pcie-x4.json").read_text())
+    spec["gpus"][1]["context_mib"] = 123
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    program = r"""
+import pynvml
+pynvml.nvmlInit()
+def mine(i):
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    return [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid()]
+out = {"primary": mine(0)}
+other = ok(d.cuCtxCreate(0, dev))
+out["two_contexts"] = mine(0)
+mod = ok(d.cuModuleLoadData(b"x"))
+out["module"] = mine(0)
+ok(d.cuModuleUnload(mod)); ok(d.cuCtxDestroy(other)); ok(d.cuCtxSetCurrent(ctx))
+out["one_context"] = mine(0)
+g1 = ok(d.cuDeviceGet(1))
+c1 = ok(d.cuDevicePrimaryCtxRetain(g1))
+out["spec_set"] = mine(1)
+ok(d.cuDevicePrimaryCtxRelease(g1))
+out["released"] = mine(1)
+print(json.dumps(out))
+"""
+    env = sim_only_env("v100-pcie-x4", tmp_path / "node.state")
+    env["GPUSIM_SPEC"] = str(path)
+    done = run_python(program, env)
+    assert done.returncode == 0, done.stderr
+    v100 = load_spec(path).gpus[0].context_bytes
+    assert v100 == 300 * MIB  # the V100's default
+    assert last_json(done.stdout) == {
+        "primary": [v100],
+        "two_contexts": [2 * v100],
+        "module": [2 * v100 + 2 * MIB],
+        "one_context": [v100],
+        "spec_set": [123 * MIB],
+        "released": [],
+    }
+    env["GPUSIM_CONTEXT_MIB"] = "0"  # the knob for tests that want contexts free
+    free = run_python("print(json.dumps(ok(d.cuMemGetInfo())[0] == ok(d.cuDeviceTotalMem(dev))))", env)
+    assert last_json(free.stdout) is True
+
+
+def test_proc_driver_nvidia_version_is_served(vcuda_built: Path, tmp_path: Path) -> None:
+    """The simulated driver writes its /proc/driver/nvidia/version where GPUSIM_PROC_VERSION says; preloading
+    libgpusim-proc.so makes a process read it at the real path."""
+    del vcuda_built
+    env = sim_only_env("t4-x1", tmp_path / "node.state")
+    env["GPUSIM_PROC_VERSION"] = str(tmp_path / "version")
+    env["LD_PRELOAD"] = str(BUILD / "sim" / "libgpusim-proc.so")
+    done = run_python(
+        r"""
+import pynvml
+pynvml.nvmlInit()
+with open("/proc/driver/nvidia/version") as f:
+    text = f.read()
+print(json.dumps({"text": text, "nvml": pynvml.nvmlSystemGetDriverVersion(),
+                  "other_paths": os.path.exists("/proc/self/status")}))
+""",
+        env,
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    first = out["text"].splitlines()[0]
+    assert first.startswith("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ")
+    assert out["nvml"] == "550.54.15" and out["other_paths"] is True
+    assert (tmp_path / "version").read_text() == out["text"]

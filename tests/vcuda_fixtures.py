@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from simnode.gpusim_state import ensure_sim_built, repo_root, sim_env, spec_dir
+from simnode.gpusim_state import ensure_sim_built, load_spec, repo_root, sim_env, spec_dir
 
 VCUDA = repo_root() / "vcuda"
 BUILD = VCUDA / "build"
@@ -69,6 +69,11 @@ class Container:
     root: Path
     spec_path: Path
     limit_bytes: int
+
+    @property
+    def context_bytes(self) -> int:
+        """Device memory one CUDA context takes on the node's GPU 0 (the simulator's size for its model)."""
+        return load_spec(self.spec_path).gpus[0].context_bytes
 
     @property
     def mirror(self) -> Path:

@@ -39,6 +39,7 @@ static void load_node(void)
         return;
     }
     g_version_spec = spec;
+    sim_serve_proc_version(spec);
     if (state_path == NULL || state_path[0] == '\0') {
         snprintf(g_load_err, sizeof(g_load_err), "GPUSIM_STATE is not set: it must name the run-time state file");
         g_load_rc = CUDA_ERROR_UNKNOWN;
@@ -375,56 +376,36 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUd
 static _Thread_local CUcontext tl_stack[SIM_CTX_STACK];
 static _Thread_local int tl_depth;
 
-/* Primary contexts and per-device live-context counts (for context memory), under g_ctx_mu. */
+/* Primary contexts, under g_ctx_mu. */
 static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct CUctx_st g_primary[GPUSIM_MAX_GPUS];
 static unsigned g_primary_refs[GPUSIM_MAX_GPUS];
 static unsigned g_primary_flags[GPUSIM_MAX_GPUS];
-static unsigned g_live_ctx[GPUSIM_MAX_GPUS];
 
-static uint64_t context_bytes(void)
+/*
+ * Device memory one context takes: the spec's context_mib for the GPU (default: its model's, see
+ * sim_spec.c), or GPUSIM_CONTEXT_MIB when set (a knob for tests; 0 turns it off).  Every context
+ * takes it, the primary one while it is retained, a created one until it is destroyed.
+ */
+static uint64_t context_bytes(int device)
 {
     const char *s = getenv("GPUSIM_CONTEXT_MIB");
-    return s != NULL ? strtoull(s, NULL, 10) * SIM_MIB : 0;
-}
-
-/* Called with g_ctx_mu held. */
-static CUresult live_ctx_up(int device)
-{
-    if (g_live_ctx[device] == 0) {
-        uint64_t b = context_bytes();
-        if (b > 0) {
-            CUresult rc = sim_mem_charge((unsigned)device, b);
-            if (rc != CUDA_SUCCESS)
-                return rc;
-        }
-    }
-    g_live_ctx[device]++;
-    return CUDA_SUCCESS;
-}
-
-static void live_ctx_down(int device)
-{
-    if (g_live_ctx[device] > 0 && --g_live_ctx[device] == 0) {
-        uint64_t b = context_bytes();
-        if (b > 0)
-            sim_mem_uncharge((unsigned)device, b);
-    }
+    if (s != NULL && s[0] != '\0')
+        return strtoull(s, NULL, 10) * SIM_MIB;
+    return (uint64_t)sim_cu_node()->spec->gpus[device].context_mib * SIM_MIB;
 }
 
 CUresult sim_ctx_memory_acquire(int device)
 {
-    pthread_mutex_lock(&g_ctx_mu);
-    CUresult rc = live_ctx_up(device);
-    pthread_mutex_unlock(&g_ctx_mu);
-    return rc;
+    uint64_t b = context_bytes(device);
+    return b > 0 ? sim_mem_charge((unsigned)device, b) : CUDA_SUCCESS;
 }
 
 void sim_ctx_memory_release(int device)
 {
-    pthread_mutex_lock(&g_ctx_mu);
-    live_ctx_down(device);
-    pthread_mutex_unlock(&g_ctx_mu);
+    uint64_t b = context_bytes(device);
+    if (b > 0)
+        sim_mem_uncharge((unsigned)device, b);
 }
 
 bool sim_cu_ctx_valid(CUcontext ctx)
@@ -539,7 +520,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return rc;
     pthread_mutex_lock(&g_ctx_mu);
     if (g_primary_refs[dev] == 0) {
-        rc = live_ctx_up(dev);
+        rc = sim_ctx_memory_acquire(dev);
         if (rc == CUDA_SUCCESS)
             g_primary[dev] = (struct CUctx_st){
                 .magic = SIM_CTX_MAGIC, .device = dev, .primary = true, .flags = g_primary_flags[dev]};
@@ -565,7 +546,7 @@ static CUresult primary_release(CUdevice dev, bool reset)
     } else {
         g_primary_refs[dev] = reset ? 0 : g_primary_refs[dev] - 1;
         if (g_primary_refs[dev] == 0) {
-            live_ctx_down(dev);
+            sim_ctx_memory_release(dev);
             gone = true; /* the handle stays valid (as in CUDA); the memory allocated in it is freed */
         }
     }

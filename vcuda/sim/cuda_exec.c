@@ -110,9 +110,15 @@ static CUresult module_new(CUmodule *module)
     if (m == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
     m->device = dev;
-    if (sim_put((uint64_t)(uintptr_t)m, REC_MODULE, (unsigned)dev, 0, 0) != 0) {
+    /* Its code and data take device memory the allocation APIs never see (what NVML shows per process). */
+    rc = sim_mem_charge((unsigned)dev, SIM_MODULE_BYTES);
+    if (rc == CUDA_SUCCESS && sim_put((uint64_t)(uintptr_t)m, REC_MODULE, (unsigned)dev, SIM_MODULE_BYTES, 0) != 0) {
+        sim_mem_uncharge((unsigned)dev, SIM_MODULE_BYTES);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc != CUDA_SUCCESS) {
         free(m);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return rc;
     }
     *module = (CUmodule)m;
     return CUDA_SUCCESS;
@@ -162,8 +168,10 @@ SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, true))
+    struct vc_map_entry e;
+    if (!sim_find((uint64_t)(uintptr_t)hmod, REC_MODULE, &e, true))
         return CUDA_ERROR_INVALID_HANDLE;
+    sim_mem_uncharge(e.gpu, e.size);
     sim_rec_lock();
     vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, hmod);
     sim_rec_unlock();

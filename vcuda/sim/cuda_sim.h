@@ -27,6 +27,7 @@
 #define SIM_MIB (1024ull * 1024ull)
 #define SIM_VMM_GRANULARITY (2ull * SIM_MIB)
 #define SIM_ALLOC_ALIGN 512ull  /* cuMemAlloc alignment and pitch alignment */
+#define SIM_MODULE_BYTES (2ull * SIM_MIB) /* a loaded module's code, constants and globals: one 2 MiB page */
 
 struct CUctx_st {
     uint32_t magic;   /* SIM_CTX_MAGIC while alive */
@@ -72,7 +73,7 @@ void sim_mem_info(unsigned gpu, uint64_t *free_bytes, uint64_t *total_bytes);
 /* A fresh fake device address range of size bytes on gpu (never reused in this process). */
 uint64_t sim_va_alloc(unsigned gpu, uint64_t size, uint64_t align);
 
-/* Context memory: charged on a device's first live context in this process, uncharged with its last. */
+/* Context memory (the GPU's context size): charged for each context while it lives. */
 CUresult sim_ctx_memory_acquire(int device);
 void sim_ctx_memory_release(int device);
 

@@ -102,6 +102,7 @@ static nvmlReturn_t load_node(struct sim_ctx *ctx)
         fprintf(stderr, "gpusim: %s\n", err);
         return NVML_ERROR_UNKNOWN;
     }
+    sim_serve_proc_version(spec);
     const char *state_path = getenv("GPUSIM_STATE");
     if (state_path == NULL || state_path[0] == '\0') {
         fprintf(stderr, "gpusim: GPUSIM_STATE is not set: it must name the run-time state file\n");

@@ -7,33 +7,39 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "sim_json.h"
 
 #define SPEC_MAX_BYTES (16u << 20)
 
-/* Known GPU models: PCI device id and CUDA compute capability. */
+/*
+ * Known GPU models: PCI device id, CUDA compute capability, and the device memory one CUDA context
+ * takes (MiB; what nvidia-smi shows for a process that only created a context, CUDA 12, lazy loading:
+ * the order of magnitude of real drivers, not a measurement of each model).
+ */
 struct sim_model {
     const char *name;
     unsigned device_id;
     int cc_major, cc_minor;
+    unsigned context_mib;
 };
 
 static const struct sim_model k_models[] = {
-    {"Tesla T4", 0x1EB8, 7, 5},
-    {"Tesla V100-PCIE-16GB", 0x1DB4, 7, 0},
-    {"Tesla V100-PCIE-32GB", 0x1DB6, 7, 0},
-    {"Tesla V100-SXM2-16GB", 0x1DB1, 7, 0},
-    {"Tesla V100-SXM2-32GB", 0x1DB5, 7, 0},
-    {"NVIDIA A10", 0x2236, 8, 6},
-    {"NVIDIA A100-SXM4-40GB", 0x20B0, 8, 0},
-    {"NVIDIA A100-SXM4-80GB", 0x20B2, 8, 0},
-    {"NVIDIA A100-PCIE-40GB", 0x20F1, 8, 0},
-    {"NVIDIA A100 80GB PCIe", 0x20B5, 8, 0},
-    {"NVIDIA L4", 0x27B8, 8, 9},
-    {"NVIDIA H100 PCIe", 0x2331, 9, 0},
-    {"NVIDIA H100 80GB HBM3", 0x2330, 9, 0},
-    {"NVIDIA H200", 0x2335, 9, 0},
+    {"Tesla T4", 0x1EB8, 7, 5, 250},
+    {"Tesla V100-PCIE-16GB", 0x1DB4, 7, 0, 300},
+    {"Tesla V100-PCIE-32GB", 0x1DB6, 7, 0, 300},
+    {"Tesla V100-SXM2-16GB", 0x1DB1, 7, 0, 300},
+    {"Tesla V100-SXM2-32GB", 0x1DB5, 7, 0, 300},
+    {"NVIDIA A10", 0x2236, 8, 6, 250},
+    {"NVIDIA A100-SXM4-40GB", 0x20B0, 8, 0, 400},
+    {"NVIDIA A100-SXM4-80GB", 0x20B2, 8, 0, 400},
+    {"NVIDIA A100-PCIE-40GB", 0x20F1, 8, 0, 400},
+    {"NVIDIA A100 80GB PCIe", 0x20B5, 8, 0, 400},
+    {"NVIDIA L4", 0x27B8, 8, 9, 250},
+    {"NVIDIA H100 PCIe", 0x2331, 9, 0, 500},
+    {"NVIDIA H100 80GB HBM3", 0x2330, 9, 0, 500},
+    {"NVIDIA H200", 0x2335, 9, 0, 500},
 };
 
 struct checker {
@@ -162,11 +168,15 @@ static bool parse_bus_id(const char *s, unsigned *domain, unsigned *bus, unsigne
 static void fill_model(struct sim_gpu_spec *g)
 {
     g->pci_device_id = 0x10DE; /* vendor only: unknown model */
+    if (!g->context_mib_set)
+        g->context_mib = SIM_DEFAULT_CONTEXT_MIB;
     for (size_t i = 0; i < sizeof(k_models) / sizeof(k_models[0]); i++) {
         if (strcmp(k_models[i].name, g->name) == 0) {
             g->pci_device_id = (k_models[i].device_id << 16) | 0x10DE;
             g->cc_major = k_models[i].cc_major;
             g->cc_minor = k_models[i].cc_minor;
+            if (!g->context_mib_set)
+                g->context_mib = k_models[i].context_mib;
             return;
         }
     }
@@ -225,6 +235,13 @@ static void check_gpu(struct checker *c, struct sim_spec *spec, unsigned i, cons
                      "a positive integer", &v))
             return;
         g->sm_threads_per_us = (unsigned)v;
+    }
+    if (sim_json_get(obj, "context_mib") != NULL) {
+        if (!get_int(c, sim_json_get(obj, "context_mib"), FIELD("context_mib"), 0, INT64_C(1) << 20,
+                     "an integer from 0 to 1048576", &v))
+            return;
+        g->context_mib = (unsigned)v;
+        g->context_mib_set = true;
     }
     const struct sim_json *board = sim_json_get(obj, "multi_gpu_board");
     if (board == NULL || board->type != SIM_JSON_BOOL) {
@@ -425,6 +442,10 @@ static void check_root(struct checker *c, struct sim_spec *spec, const struct si
     if (!get_string(c, sim_json_get(root, "driver_version"), "driver_version", spec->driver_version,
                     sizeof(spec->driver_version), "a non-empty string of at most 79 characters"))
         return;
+    if (sim_json_get(root, "proc_version_path") != NULL &&
+        !get_string(c, sim_json_get(root, "proc_version_path"), "proc_version_path", spec->proc_version_path,
+                    sizeof(spec->proc_version_path), "a file path"))
+        return;
     int64_t v;
     if (!get_int(c, sim_json_get(root, "cuda_driver_version"), "cuda_driver_version", 1, INT32_MAX,
                  "a positive integer such as 12040", &v))
@@ -491,4 +512,44 @@ unsigned sim_spec_nvlink_links(const struct sim_spec *spec, unsigned a, unsigned
             return l->links;
     }
     return 0;
+}
+
+/*
+ * /proc/driver/nvidia/version, as the NVIDIA kernel module writes it, served at the path that
+ * GPUSIM_PROC_VERSION (or else the spec's "proc_version_path") names; written when the content
+ * differs (a temporary file renamed over it, so concurrent readers see one version or the other).
+ * libgpusim-proc.so (LD_PRELOAD) makes a process read it at the real path.
+ */
+void sim_serve_proc_version(const struct sim_spec *spec)
+{
+    const char *path = getenv("GPUSIM_PROC_VERSION");
+    if (path == NULL || path[0] == '\0')
+        path = spec->proc_version_path;
+    if (path[0] == '\0')
+        return;
+    char text[512], old[512];
+    int n = snprintf(text, sizeof(text),
+                     "NVRM version: NVIDIA UNIX x86_64 Kernel Module  %s  Tue Mar  5 22:23:56 UTC 2024\n"
+                     "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n",
+                     spec->driver_version);
+    FILE *f = fopen(path, "r");
+    if (f != NULL) {
+        size_t got = fread(old, 1, sizeof(old), f);
+        fclose(f);
+        if (got == (size_t)n && memcmp(old, text, got) == 0)
+            return;
+    }
+    char tmp[4200];
+    snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+    f = fopen(tmp, "w");
+    if (f == NULL || fwrite(text, 1, (size_t)n, f) != (size_t)n) {
+        fprintf(stderr, "gpusim: cannot write %s: %s\n", tmp, strerror(errno));
+        if (f != NULL)
+            fclose(f);
+        return;
+    }
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        fprintf(stderr, "gpusim: cannot write %s: %s\n", path, strerror(errno));
+        unlink(tmp);
+    }
 }

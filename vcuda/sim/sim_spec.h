@@ -30,6 +30,8 @@ struct sim_gpu_spec {
     unsigned numa_node;
     unsigned sm_count;
     unsigned sm_threads_per_us; /* optional "sm_threads_per_us" (default 1024): the kernel cost model's rate */
+    unsigned context_mib;      /* optional "context_mib": device memory of one CUDA context (default: the model's) */
+    bool context_mib_set;
     bool multi_gpu_board;
     /* From the model table (by name); 0 when the model is unknown. */
     unsigned pci_device_id;    /* (device << 16) | 0x10DE */
@@ -40,6 +42,9 @@ struct sim_gpu_spec {
     unsigned switch_domain;    /* NVSwitch domain number when a link goes to a switch */
 };
 
+/* Context memory of a model the table does not know (MiB). */
+#define SIM_DEFAULT_CONTEXT_MIB 300u
+
 struct sim_nvlink {
     unsigned a, b, links;
 };
@@ -47,6 +52,7 @@ struct sim_nvlink {
 struct sim_spec {
     char path[4096];
     char driver_version[80];
+    char proc_version_path[4096]; /* optional "proc_version_path": where /proc/driver/nvidia/version is served */
     int cuda_driver_version;
     unsigned gpu_count;
     struct sim_gpu_spec gpus[GPUSIM_MAX_GPUS];
@@ -62,6 +68,9 @@ struct sim_spec {
 struct sim_spec *sim_spec_load(const char *path, char *err, size_t errlen);
 
 void sim_spec_free(struct sim_spec *spec);
+
+/* Writes /proc/driver/nvidia/version's text where GPUSIM_PROC_VERSION (or the spec) says, if anywhere. */
+void sim_serve_proc_version(const struct sim_spec *spec);
 
 /* Number of NVLink links between GPUs a and b in the spec (0 if none). */
 unsigned sim_spec_nvlink_links(const struct sim_spec *spec, unsigned a, unsigned b);

@@ -29,6 +29,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "vc_proc.h"
@@ -39,13 +40,15 @@
 #define BUDGET_SLOTS 1024u
 
 struct budget_slot {
-    _Atomic int32_t pid;     /* 0 = free */
-    uint32_t reserved0;
+    _Atomic int32_t pid;     /* 0 = free; the PID as the process sees it (liveness is checked with it) */
+    _Atomic int32_t host_pid; /* the PID NVML reports for it (its host PID), 0 = not known */
     uint64_t start;          /* the process's start time (/proc/<pid>/stat field 22) */
-    _Atomic uint64_t used;   /* bytes reserved by the process, context reserve included */
-    _Atomic uint64_t context; /* of which context reserve */
+    _Atomic uint64_t used;   /* bytes reserved by the process, contexts included */
+    _Atomic uint64_t context; /* of which contexts */
     uint64_t reserved[4];
 };
+
+#define MAX_DEVICES 64
 
 struct budget_header {
     char magic[8];
@@ -57,10 +60,17 @@ struct budget_header {
     _Atomic uint32_t high;   /* every slot in use has an index below high */
     uint64_t reserved0[3];
     pthread_mutex_t mu;      /* offset 64: process-shared, robust */
+    uint8_t pad[128 - 64 - sizeof(pthread_mutex_t)];
+    _Atomic uint64_t untracked;     /* offset 128: what NVML showed beyond the slots' sum at the last reconciliation */
+    _Atomic uint64_t reconciled_ns; /* CLOCK_MONOTONIC of the last reconciliation */
+    uint64_t reserved1[6];
+    _Atomic uint64_t context_size[MAX_DEVICES]; /* offset 192: last measured context size per CUDA device, 0 unknown */
 };
 
 _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
 _Static_assert(offsetof(struct budget_header, mu) == 64, "header layout");
+_Static_assert(offsetof(struct budget_header, untracked) == 128, "header layout");
+_Static_assert(offsetof(struct budget_header, context_size) == 192, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
 #define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
@@ -69,12 +79,11 @@ static pthread_once_t g_open_once = PTHREAD_ONCE_INIT;
 static struct budget_header *g_hdr; /* written once inside g_open_once */
 static struct budget_slot *g_slots; /* likewise */
 static _Atomic int g_slot = -1;      /* this process's slot; reset in a forked child */
-static _Atomic bool g_ctx_charged;   /* the context reserve is charged for this process */
+static _Atomic bool g_dirty;         /* memory no hook charges may have changed: reconcile at the next reservation */
 
 void vc_budget_atfork_child(void)
 {
     atomic_store(&g_slot, -1);
-    atomic_store(&g_ctx_charged, false);
 }
 
 static bool init_mutex(pthread_mutex_t *mu)
@@ -205,6 +214,7 @@ static unsigned reap(void)
                (unsigned long long)atomic_load(&s->used));
         atomic_store(&s->used, 0);
         atomic_store(&s->context, 0);
+        atomic_store(&s->host_pid, 0);
         atomic_store(&s->pid, 0);
         n++;
     }
@@ -250,6 +260,7 @@ static int my_slot(void)
             s->start = start;
             atomic_store(&s->used, 0);
             atomic_store(&s->context, 0);
+            atomic_store(&s->host_pid, vc_host_pid());
             atomic_store(&s->pid, pid);
             if ((unsigned)slot >= atomic_load(&g_hdr->high))
                 atomic_store(&g_hdr->high, (unsigned)slot + 1);
@@ -262,21 +273,116 @@ static int my_slot(void)
     return slot;
 }
 
-bool vc_budget_reserve(uint64_t bytes)
+/* ---- the whole footprint: reconciliation with NVML ------------------------------------------------ */
+
+/*
+ * The GPU holds memory for the container's processes that no hook charged: module code, what memory
+ * pools keep after frees, the driver's own allocations.  NVML accounts it per process.  A
+ * reconciliation sums NVML's memory of the container's processes (the host PIDs of its live slots and
+ * pids.config) and keeps what exceeds the slots' sum as `untracked`, which every reservation and
+ * memory view adds.  It runs (lock held) when a reservation would bring the container within
+ * RECONCILE_MARGIN of its limit, and otherwise at most every RECONCILE_PERIOD_NS.
+ */
+#define RECONCILE_PERIOD_NS 1000000000ull
+#define MAX_CONTAINER_PIDS 2048
+
+static uint64_t mono_ns(void)
 {
-    int slot = my_slot();
-    if (slot < 0 || !budget_lock())
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t margin(uint64_t limit)
+{
+    return limit / 4;
+}
+
+static unsigned container_pids(int *pids, unsigned max)
+{
+    unsigned n = 0, high = atomic_load(&g_hdr->high);
+    for (unsigned i = 0; i < high && n < max; i++) {
+        int32_t pid = atomic_load(&g_slots[i].pid);
+        if (pid == 0)
+            continue;
+        int32_t host = atomic_load(&g_slots[i].host_pid);
+        pids[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace */
+    }
+    const char *path = vc_pids_path();
+    if (path[0] != '\0' && n < max) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            ssize_t got = read(fd, pids + n, (max - n) * sizeof(int));
+            close(fd);
+            if (got > 0)
+                n += (unsigned)((size_t)got / sizeof(int));
+        }
+    }
+    return n;
+}
+
+/* Lock held; returns whether NVML could tell. */
+static bool reconcile(uint64_t now)
+{
+    static int pids[MAX_CONTAINER_PIDS]; /* under the budget lock */
+    unsigned n = container_pids(pids, MAX_CONTAINER_PIDS);
+    bool ok;
+    uint64_t gpu = vc_nvml_used_by(pids, n, &ok);
+    atomic_store(&g_hdr->reconciled_ns, now);
+    if (!ok)
         return false;
-    uint64_t limit = vc_limit_bytes(), used = sum_used();
+    uint64_t tracked = sum_used();
+    uint64_t untracked = gpu > tracked ? gpu - tracked : 0;
+    uint64_t before = atomic_exchange(&g_hdr->untracked, untracked);
+    if (untracked != before)
+        vc_log(VC_LOG_DEBUG, "reconciled: the GPU holds %llu bytes for the container, %llu of them unseen by the hooks",
+               (unsigned long long)gpu, (unsigned long long)untracked);
+    return true;
+}
+
+static uint64_t effective_used(void)
+{
+    return sum_used() + atomic_load(&g_hdr->untracked);
+}
+
+void vc_budget_untracked_changed(void)
+{
+    atomic_store_explicit(&g_dirty, true, memory_order_release);
+}
+
+static bool try_reserve(int slot, uint64_t bytes, uint64_t *used_out)
+{
+    if (!budget_lock())
+        return false;
+    uint64_t limit = vc_limit_bytes(), now = mono_ns();
+    uint64_t used = effective_used();
     if ((used > limit || bytes > limit - used) && reap() > 0)
-        used = sum_used();
+        used = effective_used();
+    bool near = used > limit - margin(limit) || bytes > limit - margin(limit) - used;
+    if (near || atomic_exchange(&g_dirty, false) || now - atomic_load(&g_hdr->reconciled_ns) > RECONCILE_PERIOD_NS) {
+        reconcile(now);
+        used = effective_used();
+    }
     bool ok = used <= limit && bytes <= limit - used;
     if (ok)
         atomic_fetch_add_explicit(&g_slots[slot].used, bytes, memory_order_relaxed);
     budget_unlock();
+    *used_out = used;
+    return ok;
+}
+
+bool vc_budget_reserve(uint64_t bytes)
+{
+    int slot = my_slot();
+    if (slot < 0)
+        return false;
+    uint64_t used = 0;
+    bool ok = try_reserve(slot, bytes, &used);
+    if (!ok && vc_memory_refresh_pools()) /* memory pools gave memory back since they were last asked */
+        ok = try_reserve(slot, bytes, &used);
     if (!ok)
         vc_log(VC_LOG_INFO, "out of memory: %llu bytes asked, %llu of %llu in use by the container",
-               (unsigned long long)bytes, (unsigned long long)used, (unsigned long long)limit);
+               (unsigned long long)bytes, (unsigned long long)used, (unsigned long long)vc_limit_bytes());
     return ok;
 }
 
@@ -305,23 +411,38 @@ uint64_t vc_budget_used(void)
     if (g_hdr == NULL || !budget_lock())
         return 0;
     reap();
-    uint64_t used = sum_used();
+    uint64_t now = mono_ns();
+    if (now - atomic_load(&g_hdr->reconciled_ns) > RECONCILE_PERIOD_NS / 10)
+        reconcile(now); /* views (cuMemGetInfo, NVML) at most every 100 ms */
+    uint64_t used = effective_used();
     budget_unlock();
     return used;
 }
 
-bool vc_budget_charge_context(void)
+void vc_budget_set_host_pid(int pid)
 {
-    uint64_t reserve = vc_context_reserve();
-    if (reserve == 0 || atomic_load_explicit(&g_ctx_charged, memory_order_acquire))
-        return true;
-    bool expected = false;
-    if (!atomic_compare_exchange_strong(&g_ctx_charged, &expected, true))
-        return true; /* another thread charged it */
-    if (!vc_budget_reserve(reserve)) {
-        atomic_store(&g_ctx_charged, false);
-        return false;
-    }
-    atomic_fetch_add(&g_slots[atomic_load(&g_slot)].context, reserve);
-    return true;
+    int slot = my_slot();
+    if (slot >= 0)
+        atomic_store(&g_slots[slot].host_pid, pid);
+}
+
+uint64_t vc_budget_context_estimate(int dev)
+{
+    pthread_once(&g_open_once, open_budget);
+    uint64_t learned = g_hdr != NULL && dev >= 0 && dev < MAX_DEVICES ? atomic_load(&g_hdr->context_size[dev]) : 0;
+    return learned > 0 ? learned : vc_context_reserve();
+}
+
+void vc_budget_learn_context(int dev, uint64_t bytes)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr != NULL && dev >= 0 && dev < MAX_DEVICES && bytes > 0)
+        atomic_store(&g_hdr->context_size[dev], bytes);
+}
+
+void vc_budget_note_context(int64_t delta)
+{
+    int slot = atomic_load(&g_slot);
+    if (slot >= 0)
+        atomic_fetch_add(&g_slots[slot].context, (uint64_t)delta);
 }

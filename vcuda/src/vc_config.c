@@ -23,7 +23,8 @@ _Atomic bool vc_core_on;
 
 /* Written only by the constructor, before any other thread can call into the library. */
 static uint64_t g_limit;
-static uint64_t g_context_reserve;
+#define DEFAULT_CONTEXT_RESERVE (256ull << 20)
+static uint64_t g_context_reserve = DEFAULT_CONTEXT_RESERVE;
 static char g_budget_name[256];
 static struct vc_core_config g_core;
 static char g_pids_path[PATH_MAX];
@@ -262,8 +263,8 @@ __attribute__((constructor)) static void vc_config_init(void)
 
     const char *reserve = getenv("VCUDA_CONTEXT_RESERVE");
     if (reserve != NULL && reserve[0] != '\0' && !parse_size(reserve, &g_context_reserve)) {
-        vc_log(VC_LOG_ERROR, "VCUDA_CONTEXT_RESERVE=%s: expected bytes like 300M; using 0", reserve);
-        g_context_reserve = 0;
+        vc_log(VC_LOG_ERROR, "VCUDA_CONTEXT_RESERVE=%s: expected bytes like 300M; using 256M", reserve);
+        g_context_reserve = DEFAULT_CONTEXT_RESERVE;
     }
 
     static struct vc_resource_data cfg; /* 8 KiB: not on a possibly small loader stack */

@@ -1,66 +1,287 @@
 /*
- * Contexts: what creating one costs the container's memory budget, and what
- * destroying one changes (README.md "Contexts").
+ * Contexts: each one costs the container the device memory the driver gives
+ * it (README.md "Whole footprint"), and destroying one frees what was made in
+ * it.
+ *
+ * Creation reserves an estimate first (the size last measured on that device
+ * in this container, else VCUDA_CONTEXT_RESERVE), creates the context, then
+ * measures what it really took: NVML's memory of this process on the device
+ * after minus before.  The same two process lists reveal this process's host
+ * PID when it runs in a PID namespace (the one PID that appeared).  The charge
+ * is settled on the measured size (a context that does not fit after all is
+ * destroyed again and refused) and returned when the context is destroyed.
  */
 #include "vc_internal.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
+#include <unistd.h>
 
-#define CONTEXT_FIRST()                                                                                            \
+#define MAX_DEVICES 64
+#define MAX_CONTEXTS 256
+
+struct charged_ctx {
+    CUcontext ctx; /* NULL = free entry */
+    uint64_t bytes;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_ctx and the primary state */
+static struct charged_ctx g_ctx[MAX_CONTEXTS];
+static _Atomic(CUcontext) g_primary[MAX_DEVICES]; /* each device's primary context, once retained */
+static uint64_t g_primary_bytes[MAX_DEVICES];     /* what its primary context is charged, while active */
+static pthread_mutex_t g_primary_mu[MAX_DEVICES];
+
+static void atfork_child(void)
+{
+    /* The child holds none of its parent's contexts (nor their charges, which are the parent's slot's). */
+    memset(g_ctx, 0, sizeof(g_ctx));
+    memset(g_primary_bytes, 0, sizeof(g_primary_bytes));
+    pthread_mutex_init(&g_mu, NULL);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        pthread_mutex_init(&g_primary_mu[i], NULL);
+    vc_nvml_atfork_child();
+}
+
+__attribute__((constructor)) static void vc_context_init(void)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        pthread_mutex_init(&g_primary_mu[i], NULL);
+    pthread_atfork(NULL, NULL, atfork_child);
+}
+
+/* ---- measuring a context -------------------------------------------------------------------------- */
+
+struct before {
+    bool nvml;         /* NVML lists were read */
+    int n;
+    struct vc_proc_mem procs[VC_MAX_PROCS];
+};
+
+static _Thread_local struct before tl_before;
+
+static void measure_before(int dev, struct before *b)
+{
+    nvmlDevice_t h;
+    b->nvml = vc_nvml_device(dev, &h) && (b->n = vc_nvml_processes(h, b->procs, VC_MAX_PROCS)) >= 0;
+}
+
+static uint64_t used_of(const struct vc_proc_mem *p, int n, int pid, bool *found)
+{
+    for (int i = 0; i < n; i++)
+        if (p[i].pid == pid) {
+            *found = true;
+            return p[i].used;
+        }
+    *found = false;
+    return 0;
+}
+
+/*
+ * What the new context took on dev: this process's NVML memory after minus before.  Finds this
+ * process in the lists first: its own PID (host PID namespace), the host PID found earlier, or the
+ * one PID that appeared.  Returns false when NVML cannot tell (then the estimate stays charged).
+ */
+static bool measure_after(int dev, const struct before *b, uint64_t *bytes)
+{
+    static _Thread_local struct vc_proc_mem after[VC_MAX_PROCS];
+    nvmlDevice_t h;
+    if (!b->nvml || !vc_nvml_device(dev, &h))
+        return false;
+    int n = vc_nvml_processes(h, after, VC_MAX_PROCS);
+    if (n < 0)
+        return false;
+    int me = vc_host_pid();
+    bool found = false;
+    if (me <= 0) {
+        used_of(after, n, (int)getpid(), &found);
+        if (found) {
+            me = (int)getpid();
+        } else {
+            int appeared = 0, count = 0;
+            for (int i = 0; i < n; i++) {
+                bool was;
+                used_of(b->procs, b->n, after[i].pid, &was);
+                if (!was) {
+                    appeared = after[i].pid;
+                    count++;
+                }
+            }
+            if (count != 1) {
+                vc_log(VC_LOG_WARN, "cannot tell this process in NVML's list of device %d (%d new processes): its "
+                       "context is charged at the estimate", dev, count);
+                return false;
+            }
+            me = appeared;
+        }
+        vc_set_host_pid(me);
+    }
+    bool was;
+    uint64_t now = used_of(after, n, me, &found), then = used_of(b->procs, b->n, me, &was);
+    if (!found)
+        return false;
+    *bytes = now > then ? now - then : 0;
+    return true;
+}
+
+/* Settles the reservation `est` on the measured size; false when the context does not fit after all. */
+static bool settle_context(int dev, uint64_t est, uint64_t *charged)
+{
+    uint64_t real;
+    if (!measure_after(dev, &tl_before, &real)) {
+        *charged = est;
+        return true;
+    }
+    vc_budget_learn_context(dev, real);
+    if (real > est && !vc_budget_reserve(real - est)) {
+        vc_log(VC_LOG_INFO, "a context of device %d takes %llu bytes, more than the container has left", dev,
+               (unsigned long long)real);
+        vc_budget_release(est);
+        return false;
+    }
+    if (real < est)
+        vc_budget_release(est - real);
+    *charged = real;
+    return true;
+}
+
+static void remember_ctx(CUcontext ctx, uint64_t bytes)
+{
+    pthread_mutex_lock(&g_mu);
+    int i = 0;
+    while (i < MAX_CONTEXTS && g_ctx[i].ctx != NULL)
+        i++;
+    if (i < MAX_CONTEXTS)
+        g_ctx[i] = (struct charged_ctx){ctx, bytes};
+    pthread_mutex_unlock(&g_mu);
+    if (i == MAX_CONTEXTS)
+        vc_log(VC_LOG_WARN, "more than %d contexts: this one's %llu bytes stay charged until the process exits",
+               MAX_CONTEXTS, (unsigned long long)bytes);
+    vc_budget_note_context((int64_t)bytes);
+}
+
+/* ---- creating contexts ---------------------------------------------------------------------------- */
+
+/* Reserve the estimate, create with call, settle on the measured size (destroy with undo if it does not fit). */
+#define CREATED(dev, call, pctx, undo)                                                                             \
     do {                                                                                                           \
-        if (VC_UNLIKELY(vc_limited()) && !vc_budget_charge_context())                                              \
+        if (VC_LIKELY(!vc_limited()))                                                                              \
+            return (call);                                                                                         \
+        uint64_t est_ = vc_budget_context_estimate(dev);                                                           \
+        if (!vc_budget_reserve(est_))                                                                              \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        measure_before((dev), &tl_before);                                                                         \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ != CUDA_SUCCESS) {                                                                                 \
+            vc_budget_release(est_);                                                                               \
+            return rc_;                                                                                            \
+        }                                                                                                          \
+        uint64_t bytes_;                                                                                           \
+        if (!settle_context((dev), est_, &bytes_)) {                                                               \
+            undo;                                                                                                  \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        }                                                                                                          \
+        remember_ctx(*(pctx), bytes_);                                                                             \
+        return rc_;                                                                                                \
     } while (0)
 
 VC_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate)(pctx, flags, dev);
+    CREATED(dev, REAL_CU(cuCtxCreate)(pctx, flags, dev), pctx, REAL_CU(cuCtxDestroy)(*pctx));
 }
 
 VC_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v2)(pctx, flags, dev);
+    CREATED(dev, REAL_CU(cuCtxCreate_v2)(pctx, flags, dev), pctx, REAL_CU(cuCtxDestroy_v2)(*pctx));
 }
 
 VC_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                   unsigned int flags, CUdevice dev)
 {
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev);
+    CREATED(dev, REAL_CU(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev), pctx,
+            REAL_CU(cuCtxDestroy_v2)(*pctx));
 }
 
 VC_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
                                   CUdevice dev)
 {
-    CONTEXT_FIRST();
-    return REAL_CU(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev);
+    CREATED(dev, REAL_CU(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev), pctx, REAL_CU(cuCtxDestroy_v2)(*pctx));
 }
 
-#define MAX_DEVICES 64
-static _Atomic(CUcontext) g_primary[MAX_DEVICES]; /* each device's primary context, once retained */
+static bool primary_active(CUdevice dev)
+{
+    unsigned flags = 0;
+    int active = 0;
+    return REAL_CU(cuDevicePrimaryCtxGetState)(dev, &flags, &active) == CUDA_SUCCESS && active;
+}
 
+/* The primary context costs memory when it comes alive (its first retain), not at every retain. */
 VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    CONTEXT_FIRST();
-    CUresult rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
-    if (rc == CUDA_SUCCESS && pctx != NULL && dev >= 0 && dev < MAX_DEVICES)
+    if (VC_LIKELY(!vc_limited()) || dev < 0 || dev >= MAX_DEVICES || pctx == NULL) {
+        CUresult rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
+        if (rc == CUDA_SUCCESS && pctx != NULL && dev >= 0 && dev < MAX_DEVICES)
+            atomic_store(&g_primary[dev], *pctx);
+        return rc;
+    }
+    pthread_mutex_lock(&g_primary_mu[dev]);
+    CUresult rc;
+    if (primary_active(dev)) {
+        rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
+    } else {
+        uint64_t est = vc_budget_context_estimate(dev), bytes = 0;
+        rc = vc_budget_reserve(est) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+        if (rc == CUDA_SUCCESS) {
+            measure_before(dev, &tl_before);
+            rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
+            if (rc != CUDA_SUCCESS) {
+                vc_budget_release(est);
+            } else if (!settle_context(dev, est, &bytes)) {
+                REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev);
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+            } else {
+                g_primary_bytes[dev] = bytes;
+                vc_budget_note_context((int64_t)bytes);
+            }
+        }
+    }
+    if (rc == CUDA_SUCCESS)
         atomic_store(&g_primary[dev], *pctx); /* the same handle for the device's whole life (cuda.h) */
+    pthread_mutex_unlock(&g_primary_mu[dev]);
     return rc;
 }
 
 /* ---- destroying a context --------------------------------------------------------------------------- */
 
-/* After ctx went away (rc: the driver's answer): what was allocated in it is freed by the driver. */
+static void forget_ctx(CUcontext ctx)
+{
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < MAX_CONTEXTS; i++) {
+        if (g_ctx[i].ctx == ctx) {
+            bytes = g_ctx[i].bytes;
+            g_ctx[i] = (struct charged_ctx){NULL, 0};
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (bytes > 0) {
+        vc_budget_release(bytes);
+        vc_budget_note_context(-(int64_t)bytes);
+    }
+}
+
+/* After ctx went away (rc: the driver's answer): its own memory and what was allocated in it are freed. */
 static CUresult context_gone(CUresult rc, CUcontext ctx)
 {
     if (rc != CUDA_SUCCESS)
         return rc;
     if (VC_UNLIKELY(vc_core_limited()))
         vc_core_streams_changed(); /* its streams are gone with it */
-    if (VC_UNLIKELY(vc_limited()) && ctx != NULL)
+    if (VC_UNLIKELY(vc_limited()) && ctx != NULL) {
         vc_memory_context_gone(ctx);
+        forget_ctx(ctx);
+    }
     return rc;
 }
 
@@ -79,34 +300,52 @@ static CUcontext primary_of(CUdevice dev)
     return dev >= 0 && dev < MAX_DEVICES ? atomic_load(&g_primary[dev]) : NULL;
 }
 
-/* A release destroys the primary context when it was the last reference. */
-static CUresult primary_released(CUresult rc, CUdevice dev)
+/* The primary context of dev is gone (released for the last time, or reset). */
+static CUresult primary_gone(CUresult rc, CUdevice dev)
 {
-    if (rc != CUDA_SUCCESS || (!vc_limited() && !vc_core_limited()))
+    if (rc != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES)
         return rc;
-    unsigned flags = 0;
-    int active = 1;
-    if (REAL_CU(cuDevicePrimaryCtxGetState)(dev, &flags, &active) == CUDA_SUCCESS && !active)
-        return context_gone(rc, primary_of(dev));
+    context_gone(rc, primary_of(dev));
+    if (VC_UNLIKELY(vc_limited())) {
+        uint64_t bytes = g_primary_bytes[dev];
+        g_primary_bytes[dev] = 0;
+        if (bytes > 0) {
+            vc_budget_release(bytes);
+            vc_budget_note_context(-(int64_t)bytes);
+        }
+    }
     return rc;
 }
 
+/* A release destroys the primary context when it was the last reference. */
+#define RELEASED(call, dev)                                                                                        \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || (dev) < 0 || (dev) >= MAX_DEVICES)                  \
+            return (call);                                                                                         \
+        pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ == CUDA_SUCCESS && !primary_active(dev))                                                           \
+            primary_gone(rc_, (dev));                                                                              \
+        pthread_mutex_unlock(&g_primary_mu[dev]);                                                                  \
+        return rc_;                                                                                                \
+    } while (0)
+
 VC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
-    return primary_released(REAL_CU(cuDevicePrimaryCtxRelease)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease)(dev), dev);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
-    return primary_released(REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev), dev);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
 {
-    return context_gone(REAL_CU(cuDevicePrimaryCtxReset)(dev), primary_of(dev));
+    RELEASED(REAL_CU(cuDevicePrimaryCtxReset)(dev), dev);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
-    return context_gone(REAL_CU(cuDevicePrimaryCtxReset_v2)(dev), primary_of(dev));
+    RELEASED(REAL_CU(cuDevicePrimaryCtxReset_v2)(dev), dev);
 }

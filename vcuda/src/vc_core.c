@@ -88,7 +88,7 @@ struct dev {
 
 static struct dev g_dev[MAX_DEVICES];
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
-static bool g_nvml_ready, g_watcher;
+static bool g_watcher;
 
 /* The container's host PIDs (pids.config, else this process), under g_pids_mu. */
 static pthread_mutex_t g_pids_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -137,6 +137,9 @@ static void refresh_pids(uint64_t now)
     if (path[0] == '\0' || stat(path, &sb) != 0) {
         g_pids[0] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
         g_npids = 1;
+        if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
+            g_pids[g_npids++] = vc_host_pid();
+        qsort(g_pids, g_npids, sizeof(int), cmp_int);
         g_pids_owner = getpid();
         g_pids_mtime = (struct timespec){0, 0};
         return;
@@ -150,7 +153,10 @@ static void refresh_pids(uint64_t now)
     ssize_t got = read(fd, g_pids, sizeof(g_pids) - 2 * sizeof(int));
     close(fd);
     g_npids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
-    g_pids[g_npids++] = (int)getpid(); /* this process counts, whether or not the agent listed it yet */
+    /* This process counts, whether or not the agent listed it yet: its PID, and its host PID (vc_nvml.c). */
+    g_pids[g_npids++] = (int)getpid();
+    if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
+        g_pids[g_npids++] = vc_host_pid();
     qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
     g_pids_mtime = sb.st_mtim;
     g_pids_owner = getpid();
@@ -537,18 +543,7 @@ static void init_device(struct dev *d, int index)
     d->cost = INITIAL_COST_NS;
     d->last_refill = d->last_measure = mono_ns();
     d->last_seen_us = real_us();
-    if (!g_nvml_ready && REAL_NVML(nvmlInit_v2)() == NVML_SUCCESS)
-        g_nvml_ready = true;
-    CUuuid uuid;
-    char name[48];
-    bool found = false;
-    if (g_nvml_ready && REAL_CU(cuDeviceGetUuid_v2)(&uuid, index) == CUDA_SUCCESS) {
-        const unsigned char *b = (const unsigned char *)uuid.bytes;
-        snprintf(name, sizeof(name),
-                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
-                 b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
-        found = REAL_NVML(nvmlDeviceGetHandleByUUID)(name, &d->nvml) == NVML_SUCCESS;
-    }
+    bool found = vc_nvml_device(index, &d->nvml);
     int sm = 0, thr = 0;
     REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);
     REAL_CU(cuDeviceGetAttribute)(&thr, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, index);
@@ -559,10 +554,10 @@ static void init_device(struct dev *d, int index)
     __atomic_store_n(&d->ready, true, __ATOMIC_RELEASE);
     if (!found) {
         vc_log(VC_LOG_ERROR, "device %d: no NVML handle (NVML %s): the SM limit is NOT enforced on it", index,
-               g_nvml_ready ? "has no such UUID" : "unavailable");
+               vc_nvml_ready() ? "has no such UUID" : "unavailable");
     } else {
         __atomic_store_n(&d->usable, true, __ATOMIC_RELEASE);
-        vc_log(VC_LOG_INFO, "device %d (%s): SM limit %d%%%s, %s", index, name, cfg->share,
+        vc_log(VC_LOG_INFO, "device %d: SM limit %d%%%s, %s", index, cfg->share,
                cfg->soft ? " (soft)" : "", cfg->upstream ? "upstream algorithm" : "budget algorithm");
         if (!g_watcher) {
             pthread_t t;
@@ -673,6 +668,12 @@ static int launch_device(CUstream s, CUcontext *ctx_out)
     }
     *ctx_out = ctx;
     return dev;
+}
+
+int vc_stream_device(CUstream s)
+{
+    CUcontext ctx;
+    return launch_device(s, &ctx);
 }
 
 /* A stream or context went away: cached stream lookups of every thread are stale. */

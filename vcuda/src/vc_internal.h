@@ -78,6 +78,26 @@ extern const unsigned vc_cu_hook_keys_len;
 /* The wrapper that replaces real function pointer p, or p itself (cuGetProcAddress answers). */
 void *vc_swap_proc(void *p);
 
+/* ---- NVML's view (vc_nvml.c) ---------------------------------------------------- */
+
+#define VC_MAX_PROCS 1024
+struct vc_proc_mem {
+    int pid;       /* as NVML reports it: the host PID */
+    uint64_t used; /* device memory NVML accounts to the process on one GPU */
+};
+/* Initialises the real NVML once; false when it cannot be used. */
+bool vc_nvml_ready(void);
+/* The NVML handle of CUDA device cuda_dev (by UUID). */
+bool vc_nvml_device(int cuda_dev, nvmlDevice_t *out);
+/* The processes NVML lists on dev with their memory; -1 on error. */
+int vc_nvml_processes(nvmlDevice_t dev, struct vc_proc_mem *out, int max);
+/* Device memory NVML accounts to the given host PIDs, all GPUs together; *ok false when NVML cannot tell. */
+uint64_t vc_nvml_used_by(const int *pids, unsigned npids, bool *ok);
+/* This process's PID in NVML's lists (its host PID), 0 until a context creation revealed it. */
+int vc_host_pid(void);
+void vc_set_host_pid(int pid);
+void vc_nvml_atfork_child(void);
+
 /* ---- logging (vc_config.c) ------------------------------------------------- */
 
 enum { VC_LOG_ERROR = 2, VC_LOG_WARN = 3, VC_LOG_INFO = 4, VC_LOG_DEBUG = 5, VC_LOG_TRACE = 8 };
@@ -147,6 +167,15 @@ void vc_memory_context_gone(CUcontext ctx);
 /* After a launch of exec (memory limit on): its graph allocations without a free node stay live. */
 void vc_memory_graph_launched(CUgraphExec exec);
 
+/* The CUDA device work on stream s goes to (its context's; the current one for the special streams; 0 if unknown). */
+int vc_stream_device(CUstream s);
+
+/* Settles every memory pool's charge on what it reserves now; true if that returned bytes. */
+bool vc_memory_refresh_pools(void);
+
+/* Something the hooks do not charge may now hold device memory (a module was loaded): reconcile soon. */
+void vc_budget_untracked_changed(void);
+
 /* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
 void vc_core_streams_changed(void);
 
@@ -162,23 +191,32 @@ const char *vc_pids_path(void);
 
 /* The container's limit in bytes (valid when vc_limited()). */
 uint64_t vc_limit_bytes(void);
-/* Bytes charged once per process for its CUDA context(s) (VCUDA_CONTEXT_RESERVE). */
+/* What a context is reserved at before its size is measured (VCUDA_CONTEXT_RESERVE, default 256 MiB). */
 uint64_t vc_context_reserve(void);
 /* The budget file's name inside its directory (derived from the config). */
 const char *vc_budget_name(void);
 
 /* ---- the container's shared budget (vc_budget.c) ---------------------------- */
 
-/* Reserves bytes for this process; false when the container's limit would be exceeded. */
+/*
+ * Reserves bytes for this process; false when the container's limit would be exceeded.  Counts what
+ * the hooks charged plus what the GPU holds for the container beyond that (reconciled with NVML's
+ * per-process memory when the reservation comes near the cap, README.md "Whole footprint").
+ */
 bool vc_budget_reserve(uint64_t bytes);
 /* Charges bytes the driver already holds, whatever the limit (an undo that cannot be refused). */
 void vc_budget_charge(uint64_t bytes);
 /* Returns bytes reserved earlier by this process. */
 void vc_budget_release(uint64_t bytes);
-/* Bytes in use by the whole container (processes that are gone are reaped first). */
+/* Bytes in use by the whole container, as the GPU holds them (processes that are gone are reaped first). */
 uint64_t vc_budget_used(void);
-/* Charges the context reserve once per process; false if it does not fit. */
-bool vc_budget_charge_context(void);
+/* Records this process's host PID in its slot (the container's processes are found in NVML by it). */
+void vc_budget_set_host_pid(int pid);
+/* The context size last measured on CUDA device dev in this container, else vc_context_reserve(). */
+uint64_t vc_budget_context_estimate(int dev);
+void vc_budget_learn_context(int dev, uint64_t bytes);
+/* Bytes this process charged for contexts (its slot's context field). */
+void vc_budget_note_context(int64_t delta);
 /* In a forked child: it owns no slot and no reservation of its parent. */
 void vc_budget_atfork_child(void);
 

@@ -158,6 +158,8 @@ VC_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     RESERVED(bytesize, REAL_CU(cuMemAllocManaged)(dptr, bytesize, flags), *dptr, REC_DEV, true);
 }
 
+static void freed(const struct vc_map_entry *e);
+
 VC_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     if (VC_LIKELY(!vc_limited()))
@@ -165,7 +167,9 @@ VC_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     struct vc_map_entry e;
     bool had = take(dptr, REC_DEV, &e);
     CUresult rc = settle(REAL_CU(cuMemFree_v2)(dptr), had, &e);
-    if (!had && rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS && had)
+        freed(&e); /* a pool's allocation: its pool settles */
+    else if (rc == CUDA_SUCCESS)
         galloc_free(dptr, NULL, false); /* an allocation a graph launch left live */
     return rc;
 }
@@ -263,21 +267,134 @@ static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
 }
 
 /*
- * Stream-ordered allocation.  Into a capture it becomes a memory node of the capturing graph: its
- * memory is then the graph's and the exec's (below), not this call's.
+ * Memory pools (stream-ordered allocation).  A pool holds device memory beyond its live allocations:
+ * what they freed stays reserved until a synchronisation above its release threshold, or a trim.  So a
+ * pool is charged what it reserves (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), settled after every
+ * allocation and free from it, trim and attribute change, and before a reservation is refused or a
+ * memory view answers; an allocation reserves beforehand only what the pool's free reserved memory
+ * cannot give.  A pool allocation's record (REC_DEV) carries no bytes, its pool in aux2.
  */
-#define ASYNC_ALLOC(call, stream, ptsz)                                                                            \
+#define MAX_POOLS 64
+
+struct pool_charge {
+    CUmemoryPool pool; /* NULL: free entry */
+    uint64_t charged;  /* what the budget holds for it */
+    uint64_t live;     /* bytes of its allocations not freed yet */
+    bool destroyed;    /* cuMemPoolDestroy: settles on live (it can no longer be asked) */
+};
+
+static struct pool_charge g_pools[MAX_POOLS]; /* under g_mu */
+
+static uint64_t pool_attr(CUmemoryPool pool, CUmemPool_attribute attr)
+{
+    cuuint64_t v = 0;
+    return REAL_CU(cuMemPoolGetAttribute)(pool, attr, &v) == CUDA_SUCCESS ? (uint64_t)v : 0;
+}
+
+/* g_mu held; NULL when the table is full. */
+static struct pool_charge *pool_entry(CUmemoryPool pool)
+{
+    struct pool_charge *free_e = NULL;
+    for (int i = 0; i < MAX_POOLS; i++) {
+        if (g_pools[i].pool == pool)
+            return &g_pools[i];
+        if (g_pools[i].pool == NULL && free_e == NULL)
+            free_e = &g_pools[i];
+    }
+    if (free_e != NULL)
+        *free_e = (struct pool_charge){pool, 0, 0, false};
+    return free_e;
+}
+
+/*
+ * Settles pool's charge on what it reserves (reserved: read by the caller without g_mu); reserved_ahead =
+ * what the caller reserved for it before the driver call.  Returns the bytes given back.
+ */
+static uint64_t pool_settle(CUmemoryPool pool, uint64_t reserved, uint64_t reserved_ahead, int64_t live_delta)
+{
+    uint64_t released = 0;
+    pthread_mutex_lock(&g_mu);
+    struct pool_charge *p = pool_entry(pool);
+    if (p == NULL) { /* more pools than the table: what was reserved stays charged */
+        pthread_mutex_unlock(&g_mu);
+        return 0;
+    }
+    p->live += (uint64_t)live_delta;
+    uint64_t target = p->destroyed ? p->live : reserved;
+    uint64_t before = p->charged + reserved_ahead;
+    if (target > before)
+        vc_budget_charge(target - before); /* the pool grew past what was reserved: it holds it already */
+    else
+        released = before - target;
+    vc_budget_release(released);
+    p->charged = target;
+    if (p->destroyed && p->live == 0)
+        *p = (struct pool_charge){NULL, 0, 0, false};
+    pthread_mutex_unlock(&g_mu);
+    return released;
+}
+
+static uint64_t pool_reserved_now(CUmemoryPool pool)
+{
+    return pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+}
+
+bool vc_memory_refresh_pools(void)
+{
+    CUmemoryPool pools[MAX_POOLS];
+    int n = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < MAX_POOLS; i++)
+        if (g_pools[i].pool != NULL && !g_pools[i].destroyed)
+            pools[n++] = g_pools[i].pool;
+    pthread_mutex_unlock(&g_mu);
+    uint64_t released = 0;
+    for (int i = 0; i < n; i++)
+        released += pool_settle(pools[i], pool_reserved_now(pools[i]), 0, 0);
+    return released > 0;
+}
+
+/* The pool an allocation on stream s comes from when none is named: its device's current pool. */
+static CUmemoryPool stream_pool(CUstream s)
+{
+    CUmemoryPool pool = NULL;
+    return REAL_CU(cuDeviceGetMemPool)(&pool, vc_stream_device(s)) == CUDA_SUCCESS ? pool : NULL;
+}
+
+/*
+ * Stream-ordered allocation from pool (NULL: the stream's device's).  Into a capture it becomes a
+ * memory node of the capturing graph: its memory is then the graph's and the exec's (below).
+ */
+#define ASYNC_ALLOC(call, stream, ptsz, named_pool)                                                                \
     do {                                                                                                           \
         CUgraph graph_ = capture_graph((stream), (ptsz));                                                          \
-        if (graph_ == NULL)                                                                                        \
-            RESERVED(bytesize, (call), *dptr, REC_DEV, false); /* pool memory: the device's */                 \
-        if (!vc_budget_reserve(bytesize))                                                                          \
+        if (graph_ != NULL) {                                                                                      \
+            if (!vc_budget_reserve(bytesize))                                                                      \
+                return CUDA_ERROR_OUT_OF_MEMORY;                                                                   \
+            CUresult rc_ = (call);                                                                                 \
+            if (rc_ != CUDA_SUCCESS)                                                                               \
+                vc_budget_release(bytesize);                                                                       \
+            else                                                                                                   \
+                remember_galloc(*dptr, bytesize, graph_);                                                          \
+            return rc_;                                                                                            \
+        }                                                                                                          \
+        CUmemoryPool pool_ = (named_pool) != NULL ? (named_pool) : stream_pool(stream);                            \
+        if (pool_ == NULL)                                                                                         \
+            RESERVED(bytesize, (call), *dptr, REC_DEV, false);                                                     \
+        uint64_t spare_ = pool_attr(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) -                                 \
+                          pool_attr(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);                                      \
+        uint64_t ahead_ = bytesize > spare_ ? bytesize - spare_ : 0;                                               \
+        if (!vc_budget_reserve(ahead_))                                                                            \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         CUresult rc_ = (call);                                                                                     \
-        if (rc_ != CUDA_SUCCESS)                                                                                   \
-            vc_budget_release(bytesize);                                                                           \
-        else                                                                                                       \
-            remember_galloc(*dptr, bytesize, graph_);                                                              \
+        if (rc_ != CUDA_SUCCESS) {                                                                                 \
+            vc_budget_release(ahead_);                                                                             \
+            return rc_;                                                                                            \
+        }                                                                                                          \
+        pool_settle(pool_, pool_reserved_now(pool_), ahead_, (int64_t)bytesize);                                  \
+        struct vc_map_entry e_ = {.key = *dptr, .kind = REC_DEV, .size = 0, .aux = bytesize,                       \
+                                  .aux2 = (uint64_t)(uintptr_t)pool_};                                             \
+        put_back(&e_);                                                                                             \
         return rc_;                                                                                                \
     } while (0)
 
@@ -285,52 +402,94 @@ VC_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream 
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), hStream, false);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), hStream, false, NULL);
 }
 
 VC_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), hStream, true);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), hStream, true, NULL);
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
-    if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
+    if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0 || pool == NULL)
         return REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), hStream, false);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), hStream, false, pool);
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                                 CUstream hStream)
 {
-    if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
+    if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0 || pool == NULL)
         return REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), hStream, true);
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), hStream, true, pool);
 }
+
+/* After a free (of any kind) that succeeded: a pool allocation settles its pool. */
+static void freed(const struct vc_map_entry *e)
+{
+    if (e->aux2 != 0) {
+        CUmemoryPool pool = (CUmemoryPool)(uintptr_t)e->aux2;
+        pool_settle(pool, pool_reserved_now(pool), 0, -(int64_t)e->aux);
+    }
+}
+
+#define FREE_HOOK(call, dptr, capture_stream, ptsz)                                                                \
+    do {                                                                                                           \
+        struct vc_map_entry e_;                                                                                    \
+        bool had_ = take((dptr), REC_DEV, &e_);                                                                    \
+        CUresult rc_ = settle((call), had_, &e_);                                                          \
+        if (rc_ == CUDA_SUCCESS && had_)                                                                           \
+            freed(&e_);                                                                                            \
+        else if (rc_ == CUDA_SUCCESS)                                                                              \
+            galloc_free((dptr), (capture_stream), (ptsz)); /* a graph allocation: in a capture, or launched */  \
+        return rc_;                                                                                                \
+    } while (0)
 
 VC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync)(dptr, hStream);
-    struct vc_map_entry e;
-    bool had = take(dptr, REC_DEV, &e);
-    CUresult rc = settle(REAL_CU(cuMemFreeAsync)(dptr, hStream), had, &e);
-    if (!had && rc == CUDA_SUCCESS)
-        galloc_free(dptr, hStream, false); /* of a graph allocation: in a capture, or after a launch */
-    return rc;
+    FREE_HOOK(REAL_CU(cuMemFreeAsync)(dptr, hStream), dptr, hStream, false);
 }
 
 VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream);
-    struct vc_map_entry e;
-    bool had = take(dptr, REC_DEV, &e);
-    CUresult rc = settle(REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream), had, &e);
-    if (!had && rc == CUDA_SUCCESS)
-        galloc_free(dptr, hStream, true); /* of a graph allocation: in a capture, or after a launch */
+    FREE_HOOK(REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream), dptr, hStream, true);
+}
+
+/* Trimming, a new release threshold, destruction: what the pool holds changes. */
+VC_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    CUresult rc = REAL_CU(cuMemPoolTrimTo)(pool, minBytesToKeep);
+    if (VC_UNLIKELY(vc_limited()) && rc == CUDA_SUCCESS)
+        pool_settle(pool, pool_reserved_now(pool), 0, 0);
+    return rc;
+}
+
+VC_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    CUresult rc = REAL_CU(cuMemPoolSetAttribute)(pool, attr, value);
+    if (VC_UNLIKELY(vc_limited()) && rc == CUDA_SUCCESS)
+        pool_settle(pool, pool_reserved_now(pool), 0, 0);
+    return rc;
+}
+
+VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    CUresult rc = REAL_CU(cuMemPoolDestroy)(pool);
+    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_mu);
+    struct pool_charge *p = pool_entry(pool);
+    if (p != NULL)
+        p->destroyed = true; /* its outstanding allocations keep their memory until freed */
+    pthread_mutex_unlock(&g_mu);
+    pool_settle(pool, 0, 0, 0);
     return rc;
 }
 
@@ -930,6 +1089,55 @@ VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
     return graph_changed(rc, galloc_graph_gone, (uint64_t)(uintptr_t)hGraph, 0);
 }
 
+/* ---- modules: their code and data take device memory no allocation call shows ------------------- */
+
+#define LOADED(call)                                                                                               \
+    do {                                                                                                           \
+        CUresult rc_ = (call);                                                                                     \
+        if (VC_UNLIKELY(vc_limited()) && rc_ == CUDA_SUCCESS)                                                      \
+            vc_budget_untracked_changed(); /* the next reservation asks NVML what the GPU holds */                 \
+        return rc_;                                                                                                \
+    } while (0)
+
+VC_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
+{
+    LOADED(REAL_CU(cuModuleLoad)(module, fname));
+}
+
+VC_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    LOADED(REAL_CU(cuModuleLoadData)(module, image));
+}
+
+VC_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                                      CUjit_option *options, void **optionValues)
+{
+    LOADED(REAL_CU(cuModuleLoadDataEx)(module, image, numOptions, options, optionValues));
+}
+
+VC_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
+{
+    LOADED(REAL_CU(cuModuleLoadFatBinary)(module, fatCubin));
+}
+
+VC_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                                     void **jitOptionsValues, unsigned int numJitOptions,
+                                     CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                     unsigned int numLibraryOptions)
+{
+    LOADED(REAL_CU(cuLibraryLoadData)(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                                      libraryOptionValues, numLibraryOptions));
+}
+
+VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                                         void **jitOptionsValues, unsigned int numJitOptions,
+                                         CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                         unsigned int numLibraryOptions)
+{
+    LOADED(REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                                          libraryOptions, libraryOptionValues, numLibraryOptions));
+}
+
 /* ---- what a destroyed context takes with it ----------------------------------------------------- */
 
 static bool of_context(const struct vc_map_entry *e, void *ctx)
@@ -957,6 +1165,7 @@ void vc_memory_context_gone(CUcontext ctx)
 /* total = min(limit, physical), free = max(0, min(total - used, physically free)). */
 static void container_view(uint64_t *free_bytes, uint64_t *total_bytes)
 {
+    vc_memory_refresh_pools(); /* pools may have given memory back at a synchronisation */
     uint64_t limit = vc_limit_bytes(), used = vc_budget_used();
     uint64_t total = *total_bytes < limit ? *total_bytes : limit;
     uint64_t free_b = total > used ? total - used : 0;
@@ -1014,6 +1223,7 @@ VC_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
 /* NVML: total = min(limit, physical), used = the container's, free = total - used (never negative). */
 static void nvml_view(unsigned long long *total, unsigned long long *used, unsigned long long *free_bytes)
 {
+    vc_memory_refresh_pools();
     uint64_t limit = vc_limit_bytes(), u = vc_budget_used();
     uint64_t t = *total < limit ? *total : limit;
     *total = t;

@@ -24,7 +24,9 @@
 #include <unistd.h>
 
 #define MIB (1024ull * 1024ull)
-#define LIMIT (256 * MIB)
+#define LIMIT (1024 * MIB)
+
+static size_t g_base; /* what the context takes (charged too): the baseline of every check */
 
 static int g_failures;
 #define CHECK(cond)                                                                                                \
@@ -95,11 +97,11 @@ static void test_fill_and_free(void)
     while ((rc = p_cuMemAlloc_v2(&ptrs[n], 16 * MIB)) == CUDA_SUCCESS)
         n++;
     CHECK(rc == CUDA_ERROR_OUT_OF_MEMORY);
-    CHECK(n == (int)(LIMIT / (16 * MIB)));
-    CHECK(used_now() == LIMIT);
+    CHECK(n == (int)((LIMIT - g_base) / (16 * MIB)));
+    CHECK(used_now() <= LIMIT && used_now() + 16 * MIB > LIMIT);
     for (int i = 0; i < n; i++)
         CHECK(p_cuMemFree_v2(ptrs[i]) == CUDA_SUCCESS);
-    CHECK(used_now() == 0);
+    CHECK(used_now() == g_base);
 }
 
 static void *racer(void *arg)
@@ -133,7 +135,7 @@ static void test_racing_threads(void)
         CHECK(pthread_create(&t[i], NULL, racer, (void *)(i + 1)) == 0);
     for (int i = 0; i < 4; i++)
         pthread_join(t[i], NULL);
-    CHECK(used_now() == 0);
+    CHECK(used_now() == g_base);
 }
 
 static void test_get_proc_address(void)
@@ -158,13 +160,13 @@ static void test_vmm(void)
     prop.location.id = 0;
     CUmemGenericAllocationHandle h, big;
     CHECK(p_cuMemCreate(&h, 128 * MIB, &prop, 0) == CUDA_SUCCESS);
-    CHECK(p_cuMemCreate(&big, 256 * MIB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY);
-    CHECK(used_now() == 128 * MIB);
+    CHECK(p_cuMemCreate(&big, LIMIT - 64 * MIB, &prop, 0) == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(used_now() == g_base + 128 * MIB);
     CHECK(p_cuMemRelease(h) == CUDA_SUCCESS);
     /* Host memory (NCCL's cuMemCreate) is not the device's. */
     prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
     CHECK(p_cuMemCreate(&h, 512 * MIB, &prop, 0) == CUDA_SUCCESS);
-    CHECK(used_now() == 0);
+    CHECK(used_now() == g_base);
     CHECK(p_cuMemRelease(h) == CUDA_SUCCESS);
 }
 
@@ -177,14 +179,16 @@ static void test_fork(void)
         /* A child of its own: its reservations go to a slot of its own, the parent's stay. */
         CUdeviceptr c;
         int bad = p_cuMemAlloc_v2(&c, 100 * MIB) != CUDA_SUCCESS;
-        bad |= p_cuMemAlloc_v2(&c, 100 * MIB) != CUDA_ERROR_OUT_OF_MEMORY;
+        /* Both 100 MiB are charged: 1 MiB more than what is left does not fit. */
+        bad |= p_cuMemAlloc_v2(&c, LIMIT - g_base - 200 * MIB + MIB) != CUDA_ERROR_OUT_OF_MEMORY;
+        bad |= p_cuMemAlloc_v2(&c, LIMIT - g_base - 200 * MIB) != CUDA_SUCCESS;
         _exit(bad);
     }
     int status = 0;
     CHECK(waitpid(pid, &status, 0) == pid);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     /* The child is gone: what it held comes back. */
-    CHECK(used_now() == 100 * MIB);
+    CHECK(used_now() == g_base + 100 * MIB);
     CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
 }
 
@@ -201,7 +205,7 @@ static void test_nvml(void *nvml)
     CHECK(p_nvmlInit_v2() == NVML_SUCCESS);
     CHECK(p_nvmlDeviceGetHandleByIndex_v2(0, &dev) == NVML_SUCCESS);
     CHECK(p_nvmlDeviceGetMemoryInfo(dev, &m) == NVML_SUCCESS);
-    CHECK(m.total == LIMIT && m.used == 64 * MIB && m.free == LIMIT - 64 * MIB);
+    CHECK(m.total == LIMIT && m.used == g_base + 64 * MIB && m.free == LIMIT - g_base - 64 * MIB);
     CHECK(p_nvmlShutdown() == NVML_SUCCESS);
     CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
 }
@@ -291,6 +295,8 @@ static int run(const char *dir)
     CHECK(p_cuDeviceGet(&dev, 0) == CUDA_SUCCESS);
     CHECK(p_cuDevicePrimaryCtxRetain(&g_ctx, dev) == CUDA_SUCCESS);
     CHECK(p_cuCtxSetCurrent(g_ctx) == CUDA_SUCCESS);
+    g_base = used_now();
+    CHECK(g_base > 0 && g_base < LIMIT); /* the context's measured size */
 
     test_fill_and_free();
     test_racing_threads();

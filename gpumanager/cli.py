@@ -182,8 +182,13 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gpu-manager`` command."""
-    args = build_parser(os.environ).parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
+    """Entry point of the ``gpu-manager`` command (``gpu-manager selftest ...``: gpumanager/selftest)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["selftest"]:
+        from gpumanager.selftest import main as selftest
+
+        return selftest(argv[1:])
+    args = build_parser(os.environ).parse_args(normalize_argv(argv))
     if args.version.lower() not in ("false", "0"):
         print(
             f"gpu-manager {__version__} (commit {buildinfo.commit()}, "

@@ -59,7 +59,8 @@ step_vcuda() {
 
 step_python() {
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet "$SRC"
+    # [selftest]: NVIDIA's cuda-bindings, for gpu-manager selftest.
+    "$VENV/bin/pip" install --quiet "$SRC[selftest]"
 }
 
 step_config() {
@@ -70,6 +71,7 @@ step_config() {
 
 step_verify() {
     "$VENV/bin/gpu-manager" --version
+    "$VENV/bin/python" -c 'import cuda.bindings.driver' # gpu-manager selftest runs its programs with it
     "$VENV/bin/gpu-manager-extender" --version
     "$VENV/bin/python" - "$CONFDIR" "$LIBDIR/libcuda-control.so" "$LIBDIR/gpu-client" <<'PY'
 import json, sys

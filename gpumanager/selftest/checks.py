@@ -1,0 +1,381 @@
+"""The checks of ``gpu-manager selftest``: each runs CUDA programs in child processes and returns rows.
+
+A *container* here is what the agent gives a pod: the mirror on ``LD_LIBRARY_PATH``, a
+``vcuda.config`` (written with the agent's own code) and a budget directory of its own.  Memory is
+judged by what NVML accounts to the processes (their whole footprint), the SM share by kernel
+throughput against an unlimited run and by NVML's per-process utilisation, sampled while the
+programs run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumanager.selftest import programs
+from gpumanager.vmanager.files import VcudaConfig, pack
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+ALLOCATION_PATHS = (
+    "cuMemAlloc",
+    "cuMemAllocPitch",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemCreate + cuMemMap",
+    "cuArray3DCreate",
+    "cuMipmappedArrayCreate",
+    "graph memory node",
+    "cuMemAlloc (CUDA 2.0 ABI)",
+)
+CHILD_TIMEOUT = 120.0
+
+
+@dataclass
+class Row:
+    """One line of the table: what was checked, what was seen, and whether it passed."""
+
+    section: str
+    name: str
+    result: str
+    ok: bool
+
+
+@dataclass
+class Setup:
+    """Where the children run: the GPU, the mirror, the real driver, the work directory, the limits."""
+
+    uuid: str
+    gpu_index: int
+    gpu_total: int
+    work: Path
+    mirror: Path
+    direct: Path
+    cap: int
+    settle: float
+    measure: float
+    tolerance: float
+    calls: int
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    count: int = 0
+
+    def container(self, *, memory: int = 0, cores: int = 0) -> dict[str, str]:
+        """The environment of a new container with its own config and budget."""
+        self.count += 1
+        name = f"selftest-{self.count}"
+        directory = self.work / "vcuda" / name
+        directory.mkdir(parents=True)
+        config = VcudaConfig(pod_uid=f"selftest-{os.getpid()}", container_name=name, gpu_memory=memory,
+                             utilization=cores, hard_limit=1)  # fmt: skip
+        (directory / "vcuda.config").write_bytes(pack(config))
+        env = self._env(self.mirror)
+        env["VCUDA_CONFIG_PATH"] = str(directory / "vcuda.config")
+        env["VCUDA_CONFIG_ROOT"] = str(directory)
+        env["VCUDA_BUDGET_DIR"] = str(self.work / "shm")
+        return env
+
+    def plain(self) -> dict[str, str]:
+        """The environment of a process without the interceptor."""
+        return self._env(self.direct)
+
+    def _env(self, libdir: Path) -> dict[str, str]:
+        env = {k: v for k, v in self.base_env.items() if not k.startswith("VCUDA_") and k != "LD_PRELOAD"}
+        env["LD_LIBRARY_PATH"] = str(libdir)
+        return env
+
+
+class ChildError(Exception):
+    """A child program failed; the message says how."""
+
+
+def run_child(source: str, args: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Runs a program to its end; its last output line, parsed."""
+    try:
+        done = subprocess.run([sys.executable, "-c", source, json.dumps(args)], env=dict(env), capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        raise ChildError(f"no answer within {CHILD_TIMEOUT:.0f} s") from err
+    return _last_json(done.stdout, done.returncode, done.stderr)
+
+
+def nvml_held(uuid: str, pids: set[int]) -> int | None:
+    """Device memory the real NVML accounts to these processes on the GPU (None: none of them is listed)."""
+    import pynvml
+
+    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    found = [p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
+    return sum(found) if found else None
+
+
+def run_held(source: str, args: dict[str, Any], env: Mapping[str, str], uuid: str) -> tuple[dict[str, Any], int | None]:
+    """Runs a program that reports and then holds its memory: its report, and what NVML accounts to it then."""
+    proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(args)], env=dict(env), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        held = nvml_held(uuid, {proc.pid}) if line.startswith("{") else None
+    finally:
+        try:
+            out, err = proc.communicate(input="\n", timeout=CHILD_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            raise ChildError(f"no answer within {CHILD_TIMEOUT:.0f} s") from exc
+    return _last_json(line + out, proc.returncode, err), held
+
+
+def _last_json(stdout: str, returncode: int | None, stderr: str) -> dict[str, Any]:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = stderr.strip().splitlines()[-1:] or [f"exit code {returncode}"]
+        raise ChildError(tail[0][:200])
+    result: dict[str, Any] = json.loads(lines[-1])
+    if "error" in result:
+        raise ChildError(str(result["error"]))
+    return result
+
+
+def mib(n: float) -> str:
+    return f"{n / MIB:.0f} MiB"
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+def allocation_paths(s: Setup) -> list[Row]:
+    """Every allocation path, alone in a container, to its cap: held or escaped (by NVML's count)."""
+    rows = []
+    chunk = max(2 * MIB, s.cap // 16 // (2 * MIB) * (2 * MIB))
+    for path in ALLOCATION_PATHS:
+        args = {"uuid": s.uuid, "path": path, "chunk": chunk}
+        try:
+            r, held = run_held(programs.ALLOCATE, args, s.container(memory=s.cap), s.uuid)
+        except ChildError as err:
+            rows.append(Row("memory", path, f"error: {err}", False))
+            continue
+        if held is None:
+            rows.append(Row("memory", path, "NVML does not list the process: cannot tell", False))
+            continue
+        stopped = r["rc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        if held > s.cap:
+            rows.append(Row("memory", path, f"ESCAPED: {mib(held)} held on a {mib(s.cap)} cap", False))
+        elif not stopped:
+            rows.append(Row("memory", path, f"stopped by {r['rc']} at {mib(held)}", False))
+        else:
+            rows.append(Row("memory", path, f"held: {mib(held)} of {mib(s.cap)} ({r['count']} allocations)", True))
+    return rows
+
+
+def memory_views(s: Setup) -> list[Row]:
+    """What cuMemGetInfo, cuDeviceTotalMem and NVML report inside a container holding part of its cap."""
+    try:
+        r, held_now = run_held(programs.VIEWS, {"uuid": s.uuid, "alloc": s.cap // 4}, s.container(memory=s.cap), s.uuid)
+    except ChildError as err:
+        return [Row("views", "cuMemGetInfo, NVML", f"error: {err}", False)]
+    cap = min(s.cap, s.gpu_total)
+    held = held_now if held_now is not None else cap - r["free"]
+    rows = [
+        Row("views", "cuMemGetInfo", f"free {mib(r['free'])}, total {mib(r['total'])}",
+            r["total"] == cap and abs(r["free"] - (cap - held)) <= 2 * MIB),
+        Row("views", "cuDeviceTotalMem", mib(r["device_total"]), r["device_total"] == cap),
+        Row("views", "nvmlDeviceGetMemoryInfo", f"total {mib(r['nvml_total'])}, used {mib(r['nvml_used'])}",
+            r["nvml_total"] == cap and abs(r["nvml_used"] - held) <= 2 * MIB),
+    ]  # fmt: skip
+    return rows
+
+
+def four_processes(s: Setup) -> list[Row]:
+    """Four processes of one container, started together, each allocating to the cap: their whole footprint."""
+    env = s.container(memory=s.cap)
+    chunk = max(2 * MIB, s.cap // 32 // (2 * MIB) * (2 * MIB))
+    procs = [subprocess.Popen([sys.executable, "-c", programs.HOLD, json.dumps({"uuid": s.uuid, "chunk": chunk})],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]  # fmt: skip
+    results: list[dict[str, Any]] = []
+    error = ""
+    total_held: int | None = None
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise ChildError("a process did not start")
+        for p in procs:  # every context first (all four take memory), then the allocations
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        started = []
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if line.strip() == "context":
+                started.append(p)
+            else:
+                results.append(_last_json(line, p.poll(), ""))
+        for p in started:
+            assert p.stdin is not None
+            p.stdin.write("allocate\n")
+            p.stdin.flush()
+        for p in started:
+            assert p.stdout is not None
+            results.append(_last_json(p.stdout.readline(), p.poll(), ""))
+        running = {int(r["pid"]) for r in results if r.get("context") == "CUDA_SUCCESS"}
+        total_held = nvml_held(s.uuid, running) if running else 0
+    except (ChildError, OSError) as err:
+        error = str(err)
+    finally:
+        for p in procs:
+            try:
+                p.communicate(input="\n", timeout=CHILD_TIMEOUT)
+            except (subprocess.TimeoutExpired, ValueError):
+                p.kill()
+                p.communicate()
+    if error:
+        return [Row("footprint", "4 processes of one container", f"error: {error}", False)]
+    if total_held is None:
+        return [Row("footprint", "4 processes of one container", "NVML does not list them: cannot tell", False)]
+    total = total_held
+    refused = sum(r.get("context") != "CUDA_SUCCESS" for r in results)
+    detail = f"{mib(total)} held together on a {mib(s.cap)} cap" + (
+        f" ({refused} context(s) refused: no room)" if refused else ""
+    )
+    return [Row("footprint", "4 processes of one container", ("held: " if total <= s.cap else "ESCAPED: ") + detail,
+                total <= s.cap)]  # fmt: skip
+
+
+# ---- SM share -----------------------------------------------------------------------------------
+
+
+class UtilSampler:
+    """Samples NVML's per-process SM utilisation of one GPU while programs run (the real NVML)."""
+
+    def __init__(self, gpu_index: int) -> None:
+        import pynvml
+
+        self._nvml = pynvml
+        pynvml.nvmlInit()
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        self._busy: dict[int, float] = {}  # pid -> percent x microseconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._since = 0
+        self._start_us = 0
+
+    def start(self) -> None:
+        self._since = self._start_us = int(time.time() * 1e6)
+        self._busy.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="selftest-nvml", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> tuple[dict[int, float], float]:
+        """Percent of the window each PID's kernels ran, and the window (s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._poll()
+        window_us = max(1.0, self._since - self._start_us)
+        return {pid: busy / window_us for pid, busy in self._busy.items()}, window_us / 1e6
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._since)
+        except self._nvml.NVMLError:
+            return  # NOT_FOUND: nothing ran since
+        newest = self._since
+        for smp in samples:
+            if smp.timeStamp <= self._since:
+                continue
+            span = min(smp.timeStamp - self._since, 1_000_000)
+            self._busy[smp.pid] = self._busy.get(smp.pid, 0.0) + min(smp.smUtil, 100) * span
+            newest = max(newest, smp.timeStamp)
+        self._since = newest
+
+
+def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> list[tuple[float, float]]:
+    """Runs one launch loop per environment together; (launches/s, NVML percent) of each."""
+    args = json.dumps({"uuid": s.uuid, "ptx": programs.PTX, "settle": s.settle, "seconds": s.measure})
+    procs = [subprocess.Popen([sys.executable, "-c", programs.SPIN, args], env=dict(env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None
+        first = p.stdout.readline()
+        if first.strip() != "running":
+            p.kill()
+            raise ChildError(_last_json(first, p.wait(), p.stderr.read() if p.stderr else "").get("error", "failed"))
+    time.sleep(s.settle)
+    sampler.start()
+    time.sleep(max(0.1, s.measure - 0.2))  # NVML's window ends before the programs do
+    util, _window = sampler.stop()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
+        results.append(_last_json(out, p.returncode, err))
+    return [(float(r["rate"]), util.get(int(r["pid"]), 0.0)) for r in results]
+
+
+def sm_shares(s: Setup, limits: Sequence[int]) -> list[Row]:
+    """The share achieved at each limit (throughput against an unlimited run, and NVML), then 30/70 together."""
+    try:
+        sampler = UtilSampler(s.gpu_index)
+        (base, base_util), = _spin(s, [s.container()], sampler)  # fmt: skip
+    except (ChildError, OSError, ImportError) as err:
+        return [Row("SM share", "unlimited run", f"error: {err}", False)]
+    if base <= 0:
+        return [Row("SM share", "unlimited run", "no kernel completed", False)]
+    rows = [Row("SM share", "no limit", f"{base:.0f} kernels/s, NVML {base_util:.1f} %", True)]
+
+    def judge(name: str, limit: int, rate: float, util: float) -> Row:
+        share = 100.0 * rate / base
+        good = abs(share - limit) <= s.tolerance and abs(util - limit) <= s.tolerance
+        text = f"throughput {share:.1f} %, NVML {util:.1f} % (limit {limit} %)"
+        return Row("SM share", name, text if good else f"OFF: {text}", good)
+
+    for limit in limits:
+        try:
+            (rate, util), = _spin(s, [s.container(cores=limit)], sampler)  # fmt: skip
+        except ChildError as err:
+            rows.append(Row("SM share", f"limit {limit} %", f"error: {err}", False))
+            continue
+        rows.append(judge(f"limit {limit} %", limit, rate, util))
+    try:
+        pair = _spin(s, [s.container(cores=30), s.container(cores=70)], sampler)
+    except ChildError as err:
+        return [*rows, Row("SM share", "two containers 30/70", f"error: {err}", False)]
+    rows.append(judge("two containers: the 30 % one", 30, *pair[0]))
+    rows.append(judge("two containers: the 70 % one", 70, *pair[1]))
+    return rows
+
+
+# ---- cost -----------------------------------------------------------------------------------------
+
+
+def call_costs(s: Setup) -> list[Row]:
+    """Per-call cost through ctypes, without the interceptor and with it (memory cap and SM limit on)."""
+    args = {"uuid": s.uuid, "ptx": programs.PTX, "calls": s.calls}
+    try:
+        plain = run_child(programs.COST, args, s.plain())
+        limited = run_child(programs.COST, args, s.container(memory=s.cap, cores=99))
+    except ChildError as err:
+        return [Row("cost", "per call", f"error: {err}", False)]
+    rows = []
+    for key, label in (("passthrough", "pass-through (cuDriverGetVersion)"), ("alloc_free", "cuMemAlloc+cuMemFree"),
+                       ("launch", "cuLaunchKernel")):  # fmt: skip
+        extra = limited[key] - plain[key]
+        rows.append(Row("cost", label, f"{plain[key]:.0f} ns without, {limited[key]:.0f} ns with ({extra:+.0f} ns)",
+                        True))  # fmt: skip
+    return rows

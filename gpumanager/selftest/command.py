@@ -1,0 +1,171 @@
+"""``gpu-manager selftest [flags]``: run the isolation checks on one GPU of this node and print the table.
+
+Exit codes: 0 when every check passed; 1 when any allocation escaped its cap, a share was more than
+``--tolerance`` points off, or a check could not run; 2 for a bad flag or when something the
+self-test needs is missing (the interceptor, the driver, NVIDIA's cuda-bindings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpumanager.config import Config
+from gpumanager.selftest import checks
+from gpumanager.selftest.mirror import SelftestError, find_driver, lay_out
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+SECTIONS = ("memory", "views", "footprint", "share", "cost")
+
+
+def _limits(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of percentages") from None
+    if not values or any(not 1 <= v <= 99 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every limit must be 1..99")
+    return values
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The self-test's flags."""
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="gpu-manager selftest",
+        description="Prove memory and SM isolation on this node's GPU with the installed interceptor.",
+    )
+    p.add_argument("--vcuda-library", default=d.vcuda_library, help="the interceptor (default %(default)s)")
+    p.add_argument("--driver-root", default=d.driver_root, help="root of the host's driver files (%(default)s)")
+    p.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to test (default 0)")
+    p.add_argument("--memory-mib", type=_positive_int, default=0,
+                   help="the test container's memory cap (default: a quarter of the GPU, at most 4096)")  # fmt: skip
+    p.add_argument("--limits", type=_limits, default=(10, 30, 50, 70, 90), help="SM limits to measure, in %%")
+    p.add_argument("--settle", type=_positive_float, default=2.0, help="seconds before a share is measured")
+    p.add_argument("--measure", type=_positive_float, default=4.0, help="seconds a share is measured over")
+    p.add_argument("--tolerance", type=_positive_float, default=3.0, help="points a share may be off (default 3)")
+    p.add_argument("--calls", type=_positive_int, default=200_000, help="calls per cost measurement")
+    p.add_argument("--only", type=_sections, default=SECTIONS, help=f"sections to run: {','.join(SECTIONS)}")
+    return p
+
+
+def _gpu(index: int) -> tuple[str, int]:
+    import pynvml
+
+    count = pynvml.nvmlDeviceGetCount()
+    if not 0 <= index < count:
+        raise SelftestError(f"--gpu {index}: this node has {count} GPU(s) (0..{count - 1})")
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+    return uuid.decode() if isinstance(uuid, bytes) else uuid, int(total)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The self-test; returns the exit code."""
+    if importlib.util.find_spec("cuda.bindings") is None:
+        raise SelftestError(
+            "the self-test runs its CUDA programs with NVIDIA's cuda-bindings, which is not installed: "
+            "pip install 'gpu-manager[selftest]' (the gpu-manager image has it)"
+        )
+    interceptor = Path(args.vcuda_library)
+    if not interceptor.is_file():
+        raise SelftestError(f"--vcuda-library {interceptor}: no such file")
+    driver = find_driver(Path(args.driver_root))
+    from gpumanager.device import nvml
+
+    try:
+        nvml.init(str(driver.libnvml))
+    except nvml.NVMLUnavailableError as err:
+        raise SelftestError(f"--driver-root {args.driver_root}: {err}") from err
+    uuid, total = _gpu(args.gpu)
+    cap = args.memory_mib * checks.MIB if args.memory_mib else min(4096 * checks.MIB, total // 4)
+    started = time.monotonic()
+    print(f"gpu-manager selftest: GPU {args.gpu} ({uuid}, {checks.mib(total)}), interceptor {interceptor}")
+    print(f"  driver {driver.libcuda}, {driver.libnvml}; test container cap {checks.mib(cap)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-manager-selftest-") as tmp:
+        work = Path(tmp)
+        direct, mirror = lay_out(work, driver, interceptor.resolve())
+        setup = checks.Setup(uuid=uuid, gpu_index=args.gpu, gpu_total=total, work=work, mirror=mirror, direct=direct,
+                             cap=cap, settle=args.settle, measure=args.measure, tolerance=args.tolerance,
+                             calls=args.calls)  # fmt: skip
+        rows: list[checks.Row] = []
+        plan = (
+            ("memory", checks.allocation_paths),
+            ("views", checks.memory_views),
+            ("footprint", checks.four_processes),
+            ("share", lambda s: checks.sm_shares(s, args.limits)),
+            ("cost", checks.call_costs),
+        )
+        for name, check in plan:
+            if name in args.only:
+                rows.extend(check(setup))
+    print_table(rows)
+    failed = [r for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} checks passed in {time.monotonic() - started:.0f} s"
+          + (f"; FAILED: {', '.join(r.name for r in failed)}" if failed else ""))  # fmt: skip
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def print_table(rows: Sequence[checks.Row]) -> None:
+    """The one table: section, check, result, verdict."""
+    width = max((len(r.name) for r in rows), default=10)
+    section = ""
+    for r in rows:
+        if r.section != section:
+            section = r.section
+            print(f"\n{section}")
+        print(f"  {r.name:<{width}}  {'ok  ' if r.ok else 'FAIL'}  {r.result}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpu-manager selftest``."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except SelftestError as err:
+        print(f"gpu-manager selftest: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The CUDA programs the self-test runs in child processes, and the PTX kernels they load.
+
+Each program is Python source run as ``python -c <source> <json arguments>`` with the
+environment of a container (the mirror on ``LD_LIBRARY_PATH``, its ``vcuda.config``) or of a
+plain process (the real driver only).  It prints one JSON object on its last line.  The kernels
+are PTX text, compiled by the driver (``cuModuleLoadData``): no nvcc or NVRTC on the node.
+"""
+
+from __future__ import annotations
+
+# spin_1000us spins for the number of clock cycles it is given (1 ms at the SM clock); empty_1ns
+# returns at once.  Their names carry their intended duration, which the simulated driver uses.
+PTX = r"""
+.version 6.0
+.target sm_50
+.address_size 64
+
+.visible .entry spin_1000us(.param .u64 cycles)
+{
+    .reg .pred %p<2>;
+    .reg .b64 %rd<6>;
+    ld.param.u64 %rd1, [cycles];
+    mov.u64 %rd2, %clock64;
+$Lspin:
+    mov.u64 %rd3, %clock64;
+    sub.s64 %rd4, %rd3, %rd2;
+    setp.lt.u64 %p1, %rd4, %rd1;
+    @%p1 bra $Lspin;
+    ret;
+}
+
+.visible .entry empty_1ns()
+{
+    ret;
+}
+"""
+
+# Every program starts here: the device of the given UUID, its primary context, helpers.
+PRELUDE = r"""
+import ctypes, json, os, sys, time
+from cuda.bindings import driver as d
+R = d.CUresult
+ARGS = json.loads(sys.argv[1])
+def report(**fields):
+    print(json.dumps(fields), flush=True)
+def ok(r):
+    if r[0] != R.CUDA_SUCCESS:
+        report(error=r[0].name)
+        sys.exit(3)
+    return r[1] if len(r) == 2 else r[1:]
+def uuid_of(dev):
+    h = bytes(ok(d.cuDeviceGetUuid(dev)).bytes).hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+ok(d.cuInit(0))
+dev = next(g for g in (ok(d.cuDeviceGet(i)) for i in range(ok(d.cuDeviceGetCount()))) if uuid_of(g) == ARGS["uuid"])
+rc, ctx = d.cuDevicePrimaryCtxRetain(dev)
+if rc != R.CUDA_SUCCESS:
+    report(context=rc.name)
+    sys.exit(0)
+ok(d.cuCtxSetCurrent(ctx))
+def hold():
+    # The self-test reads what NVML accounts to this process now; it says when to go.
+    sys.stdin.readline()
+"""
+
+# One allocation path, to the cap: ARGS chunk (bytes), path.
+ALLOCATE = (
+    PRELUDE
+    + r"""
+chunk, path = ARGS["chunk"], ARGS["path"]
+A = d.CUmemAllocationProp()
+A.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+A.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+A.location.id = int(dev)
+stream = ok(d.cuStreamCreate(0))
+def pool_props():
+    p = d.CUmemPoolProps()
+    p.allocType = A.type
+    p.location = A.location
+    return p
+pool = ok(d.cuMemPoolCreate(pool_props())) if path == "cuMemAllocFromPoolAsync" else None
+def array(desc3d, mip=False):
+    desc = d.CUDA_ARRAY3D_DESCRIPTOR()
+    desc.Width, desc.Height, desc.Depth = desc3d
+    desc.NumChannels, desc.Format = 1, d.CUarray_format.CU_AD_FORMAT_FLOAT
+    return d.cuMipmappedArrayCreate(desc, 1) if mip else d.cuArray3DCreate(desc)
+def graph_alloc():
+    graph = ok(d.cuGraphCreate(0))
+    p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = A.type
+    p.poolProps.location = A.location
+    p.bytesize = chunk
+    r = d.cuGraphAddMemAllocNode(graph, None, 0, p)
+    if r[0] != R.CUDA_SUCCESS:
+        return r
+    return d.cuGraphInstantiate(graph, 0)
+def vmm():
+    r = d.cuMemCreate(chunk, A, 0)
+    if r[0] != R.CUDA_SUCCESS:
+        return r
+    va = ok(d.cuMemAddressReserve(chunk, 0, 0, 0))
+    ok(d.cuMemMap(va, chunk, 0, r[1], 0))
+    ok(d.cuMemRelease(r[1]))  # the usual pattern: the mapping keeps the memory
+    return (R.CUDA_SUCCESS, va)
+def legacy():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemAlloc.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_uint]
+    p = ctypes.c_uint(0)
+    return (R(lib.cuMemAlloc(ctypes.byref(p), chunk)), p.value)
+side = int(chunk ** 0.5) // 4  # a square float array of about one chunk
+ALLOC = {
+    "cuMemAlloc": lambda: d.cuMemAlloc(chunk),
+    "cuMemAllocPitch": lambda: d.cuMemAllocPitch(chunk // 1024, 1024, 4),
+    "cuMemAllocManaged": lambda: d.cuMemAllocManaged(chunk, d.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL),
+    "cuMemAllocAsync": lambda: d.cuMemAllocAsync(chunk, stream),
+    "cuMemAllocFromPoolAsync": lambda: d.cuMemAllocFromPoolAsync(chunk, pool, stream),
+    "cuMemCreate + cuMemMap": vmm,
+    "cuArray3DCreate": lambda: array((side, side, 1)),
+    "cuMipmappedArrayCreate": lambda: array((side, side, 0), True),
+    "graph memory node": graph_alloc,
+    "cuMemAlloc (CUDA 2.0 ABI)": legacy,
+}[path]
+count, rc = 0, R.CUDA_SUCCESS
+while count < 100000:
+    r = ALLOC()
+    rc = r[0]
+    if rc != R.CUDA_SUCCESS:
+        break
+    count += 1
+d.cuCtxSynchronize()
+free, total = ok(d.cuMemGetInfo())
+report(rc=rc.name, count=count, free=free, total=total, pid=os.getpid())
+hold()
+"""
+)
+
+# What the container sees: ARGS alloc (bytes).
+VIEWS = (
+    PRELUDE
+    + r"""
+import pynvml
+p = ok(d.cuMemAlloc(ARGS["alloc"]))
+free, total = ok(d.cuMemGetInfo())
+pynvml.nvmlInit()
+m = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(ARGS["uuid"]))
+report(free=free, total=total, device_total=ok(d.cuDeviceTotalMem(dev)), nvml_total=m.total, nvml_used=m.used,
+       pid=os.getpid())
+hold()
+"""
+)
+
+# One of several processes of a container: on "go" makes its context (a refused one reports that and
+# exits) and says so; on the next line allocates chunks to the cap, reports, holds.
+HOLD = (
+    r"""
+import json, sys
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+    + PRELUDE
+    + r"""
+print("context", flush=True)
+sys.stdin.readline()
+count = 0
+while d.cuMemAlloc(ARGS["chunk"])[0] == R.CUDA_SUCCESS:
+    count += 1
+report(context="CUDA_SUCCESS", count=count, pid=os.getpid())
+hold()
+"""
+)
+
+# A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle.
+SPIN = (
+    PRELUDE
+    + r"""
+mod = ok(d.cuModuleLoadData(ARGS["ptx"].encode()))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_1000us"))
+khz = d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev)
+cycles = (khz[1] if khz[0] == R.CUDA_SUCCESS and khz[1] > 0 else 1400000) * 1000 // 1000  # 1 ms
+stream = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
+params = ((cycles,), (ctypes.c_uint64,))
+print("running", flush=True)
+start = time.monotonic()
+settle, end = start + ARGS["settle"], start + ARGS["settle"] + ARGS["seconds"]
+counted, t0 = 0, None
+while True:
+    now = time.monotonic()
+    if now >= end:
+        break
+    ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, params, 0))
+    if now >= settle:
+        if t0 is None:
+            t0 = now
+        counted += 1
+elapsed = time.monotonic() - (t0 or end)
+ok(d.cuStreamSynchronize(stream))
+report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid())
+"""
+)
+
+# Per-call cost, through ctypes (the same overhead with and without the interceptor): ARGS calls.
+COST = r"""
+import ctypes, json, statistics, sys, time
+ARGS = json.loads(sys.argv[1])
+lib = ctypes.CDLL("libcuda.so.1")
+def check(rc, what):
+    if rc != 0:
+        print(json.dumps({"error": f"{what}: {rc}"}))
+        sys.exit(3)
+check(lib.cuInit(0), "cuInit")
+dev, ctx, count = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_int()
+check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+uuid = (ctypes.c_ubyte * 16)()
+for i in range(count.value):
+    check(lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
+    check(lib.cuDeviceGetUuid_v2(uuid, dev), "cuDeviceGetUuid")
+    h = bytes(uuid).hex()
+    if f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}" == ARGS["uuid"]:
+        break
+check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+check(lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ARGS["ptx"].encode())), "cuModuleLoadData")
+check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, b"empty_1ns"), "cuModuleGetFunction")
+lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+version, ptr = ctypes.c_int(), ctypes.c_uint64()
+def median_ns(call, batches, batch):
+    per = []
+    for _ in range(batches):
+        t = time.perf_counter_ns()
+        for _ in range(batch):
+            call()
+        per.append((time.perf_counter_ns() - t) / batch)
+    return statistics.median(per)
+def alloc_free():
+    lib.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20)
+    lib.cuMemFree_v2(ptr)
+def launch():
+    lib.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, None, None, None)
+n = ARGS["calls"]
+out = {"passthrough": median_ns(lambda: lib.cuDriverGetVersion(ctypes.byref(version)), 50, max(1, n // 50))}
+out["alloc_free"] = median_ns(alloc_free, 20, max(1, n // 200))
+out["launch"] = median_ns(launch, 20, max(1, n // 200))
+lib.cuCtxSynchronize()
+print(json.dumps(out))
+"""

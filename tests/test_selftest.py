@@ -1,0 +1,113 @@
+"""``gpu-manager selftest`` on the simulated node: the table, its verdicts and its exit codes.
+
+The simulated driver is installed in a host root the way NVIDIA's installer lays it out (with its
+ld.so.cache), so the command finds it as it finds the real driver on a node.  Shares are measured
+on the simulated GPU's timeline over short windows here (with a wide tolerance: the machine running
+the tests is loaded); bench/bench_compute.py measures them precisely.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simnode.gpusim_state import repo_root, sim_env, spec_dir
+from simnode.simhost import install_sim_driver
+from tests.vcuda_fixtures import BUILD, vcuda_built
+
+__all__ = ["vcuda_built"]  # fixtures
+
+
+def selftest(tmp_path: Path, *flags: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    root = tmp_path / "host"
+    if not root.exists():
+        install_sim_driver(root)
+    env = sim_env(spec_dir() / "t4-x1.json", tmp_path / "node.state")
+    return subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "selftest", f"--driver-root={root}", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=repo_root(),
+    )
+
+
+def test_every_check_passes_with_the_interceptor(vcuda_built: Path, tmp_path: Path) -> None:
+    done = selftest(
+        tmp_path,
+        f"--vcuda-library={vcuda_built}",
+        "--memory-mib=1024",
+        "--settle=1",
+        "--measure=1.5",
+        "--tolerance=12",
+        "--limits=30,70",
+        "--calls=20000",
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    for path in ("cuMemAlloc", "cuMemAllocAsync", "cuMemCreate + cuMemMap", "cuArray3DCreate", "graph memory node",
+                 "cuMemAlloc (CUDA 2.0 ABI)"):  # fmt: skip
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(path + " "))
+        assert " ok " in line and "held:" in line and "of 1024 MiB" in line, line
+    assert "4 processes of one container" in out and "ESCAPED" not in out
+    assert "cuMemGetInfo" in out and "nvmlDeviceGetMemoryInfo" in out
+    assert "limit 30 %" in out and "limit 70 %" in out and "two containers: the 70 % one" in out
+    assert "pass-through (cuDriverGetVersion)" in out and "cuLaunchKernel" in out
+    assert "checks passed" in out.splitlines()[-1]
+
+
+def test_an_escape_fails_the_selftest(vcuda_built: Path, tmp_path: Path) -> None:
+    """Without an interceptor (the driver itself in its place) every allocation path escapes: exit 1."""
+    del vcuda_built
+    done = selftest(tmp_path, f"--vcuda-library={BUILD / 'sim' / 'libcuda.so.1'}", "--memory-mib=1024",
+                    "--only=memory")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = next(ln for ln in done.stdout.splitlines() if ln.strip().startswith("cuMemAlloc "))
+    assert "FAIL" in line and "ESCAPED" in line and "on a 1024 MiB cap" in line
+    assert "FAILED:" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--vcuda-library=/nonexistent/libcuda-control.so"], "--vcuda-library /nonexistent/libcuda-control.so"),
+        (["--gpu=5"], "--gpu 5: this node has 1 GPU(s)"),
+        (["--limits=30,120"], "every limit must be 1..99"),
+        (["--only=memory,disk"], "choose from memory"),
+    ],
+)
+def test_operator_errors_exit_2_naming_the_flag(
+    vcuda_built: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    library = [] if any(f.startswith("--vcuda-library") for f in flags) else [f"--vcuda-library={vcuda_built}"]
+    done = selftest(tmp_path, *library, *flags, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_driver_root_without_the_driver_is_named(vcuda_built: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    (empty / "etc").mkdir(parents=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpumanager.cli",
+            "selftest",
+            f"--driver-root={empty}",
+            f"--vcuda-library={vcuda_built}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=repo_root(),
+    )
+    assert done.returncode == 2
+    assert f"--driver-root {empty}" in done.stderr and "ld.so.cache" in done.stderr

@@ -25,7 +25,6 @@ the stand-in only counts the node totals (as a cluster without gpu-admission doe
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
 import shutil
@@ -564,20 +563,3 @@ class MultiNodeCluster:
             if used > 100 or (total is not None and memory[(node, minor)] > total):
                 found.setdefault(node, []).append(minor)
         return found
-
-    def summary(self) -> dict[str, object]:
-        """Counts for reports."""
-        stats = self.scheduler.stats if self.scheduler is not None else None
-        return {
-            "refusals": len([r for r in self.refusals() if r.reason == "UnexpectedAdmissionError"]),
-            "running": sum(n.running for n in self.nodes.values()),
-            "scheduled": stats.scheduled if stats else 0,
-            "unschedulable_attempts": stats.unschedulable if stats else 0,
-            "bind_failures": stats.bind_failures if stats else 0,
-            "over_committed": self.over_committed(),
-        }
-
-
-def dump(obj: object) -> str:
-    """Compact JSON for logs."""
-    return json.dumps(obj, separators=(",", ":"), default=str)

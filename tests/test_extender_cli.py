@@ -180,3 +180,15 @@ def test_every_flag_is_documented() -> None:
         assert f"`{flag}`" in docs or f"`{flag}`," in docs, f"{flag} missing from docs/scheduling.md"
         if flag != "--version":
             assert f"`{flag}" in readme, f"{flag} missing from README.md"
+
+
+def test_ipv6_listen_address(tmp_path: Path, api: ApiServerSimulator) -> None:
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    port = free_port()
+    proc = subprocess.Popen([*CMD, f"--kubeconfig={kubeconfig}", f"--listen=[::1]:{port}"])
+    try:
+        wait_ready(f"http://[::1]:{port}", proc)
+        assert get(f"http://[::1]:{port}/healthz") == (200, b"ok")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0

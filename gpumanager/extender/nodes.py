@@ -100,14 +100,6 @@ class NodeGPUs:
         """Number of GPUs."""
         return len(self.tree)
 
-    def minors(self) -> list[int]:
-        """Every GPU's minor number, ascending."""
-        return sorted(self.held)
-
-    def has_minor(self, minor: int) -> bool:
-        """Whether the node has ``/dev/nvidia<minor>``."""
-        return minor in self.held
-
     def charge(self, charges: Iterable[Charge], sign: int = 1) -> None:
         """Add (``sign=1``) or remove (``sign=-1``) charges; unknown GPUs are skipped."""
         touched = set()

@@ -50,6 +50,10 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class ExtenderServer:
     """Serves :class:`Routes` on ``host:port`` in background threads."""
 
@@ -66,7 +70,8 @@ class ExtenderServer:
         self._routes = routes
         self._metrics = metrics
         self._prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
-        self._httpd = _Server((host, port), self._handler_class())
+        server_class = _Server6 if ":" in host else _Server
+        self._httpd = server_class((host, port), self._handler_class())
         self.tls = tls is not None
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -82,11 +82,6 @@ class ClusterState:
         with self.lock:
             return sum(c.unplaced for c in self._applied.values())
 
-    def charges_of(self, uid: str) -> PodCharges | None:
-        """A pod's effective charges."""
-        with self.lock:
-            return self._applied.get(uid)
-
     def over_committed(self) -> dict[str, list[int]]:
         """Node -> minors of GPUs holding more than they have (empty when all is well)."""
         with self.lock:

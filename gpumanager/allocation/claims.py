@@ -15,11 +15,34 @@ upstream gpu-manager ignores)::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpumanager.allocation.records import RecordError
+
+#: What a claim UID may be: it names the claim's directory and CDI spec, so a plain name (letters,
+#: digits, ``-`` and ``_`` inside, at most 128 characters; the API server's UUIDs are such names).
+_CLAIM_UID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,126}[A-Za-z0-9])?")
+
+
+def uid_problem(uid: object) -> str | None:
+    """Why ``uid`` cannot be a claim UID (it would not be a plain file name), or None when it can."""
+    if not isinstance(uid, str) or _CLAIM_UID.fullmatch(uid) is None:
+        return (
+            f"UID {uid!r} is not a claim UID (letters, digits, '-' and '_', starting and ending with a letter "
+            "or digit, at most 128 characters)"
+        )
+    return None
+
+
+def check_uid(uid: str) -> str:
+    """``uid`` if it is a claim UID; ValueError naming it otherwise (before it becomes a path)."""
+    problem = uid_problem(uid)
+    if problem is not None:
+        raise ValueError(problem)
+    return uid
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,9 @@ def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
     for uid, entry in raw.items():
         where = f"claim {uid}"
         try:
+            problem = uid_problem(uid)
+            if problem is not None:
+                raise RecordError(f"{where}: {problem}")
             if not isinstance(entry, Mapping):
                 raise RecordError(f"{where}: entry is not an object")
             devices = entry.get("Devices")

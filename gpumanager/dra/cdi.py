@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager import names
-from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice, check_uid, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import constants as c
 from gpumanager.fileio import atomic_write
@@ -51,8 +51,8 @@ class CDISettings:
 
 
 def spec_path(settings: CDISettings, claim_uid: str) -> Path:
-    """``<cdi-root>/<driver>-<claim uid>.json``."""
-    return settings.root / f"{settings.driver}-{claim_uid}.json"
+    """``<cdi-root>/<driver>-<claim uid>.json``; ValueError when the UID is not a plain name."""
+    return settings.root / f"{settings.driver}-{check_uid(claim_uid)}.json"
 
 
 def device_name(claim_uid: str, dev: ClaimDevice) -> str:
@@ -68,7 +68,7 @@ def device_id(settings: CDISettings, claim_uid: str, dev: ClaimDevice) -> str:
 
 def claim_dir(settings: CDISettings, claim_uid: str) -> Path:
     """The claim's directory on the host (limit files), mounted at /etc/vcuda."""
-    return Path(settings.virtual_manager_path) / claim_uid
+    return Path(settings.virtual_manager_path) / check_uid(claim_uid)
 
 
 def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> JSON:
@@ -142,10 +142,11 @@ def remove_spec(settings: CDISettings, claim_uid: str) -> bool:
 
 
 def specs_on_disk(settings: CDISettings) -> list[str]:
-    """Claim UIDs of this driver's specs in the CDI root."""
+    """Claim UIDs of this driver's specs in the CDI root (names that hold no claim UID are not ours)."""
     prefix = f"{settings.driver}-"
     try:
         entries = sorted(settings.root.iterdir())
     except OSError:
         return []
-    return [p.name[len(prefix) : -len(".json")] for p in entries if p.name.startswith(prefix) and p.suffix == ".json"]
+    uids = [p.name[len(prefix) : -len(".json")] for p in entries if p.name.startswith(prefix) and p.suffix == ".json"]
+    return [u for u in uids if uid_problem(u) is None]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager.allocation.allocator import AllocationError, Allocator
-from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi
 from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
@@ -132,6 +132,7 @@ class ClaimPreparer:
         return out
 
     def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
+        _check_ref_uid(ref)
         known = self._allocator.claim(ref.uid)
         if known is not None:
             self._write_files(known)
@@ -162,6 +163,7 @@ class ClaimPreparer:
         return self._answer(claim)
 
     def _remove_files(self, uid: str) -> None:
+        """Remove the claim's spec and directory (``uid`` is checked: no path leaves their roots)."""
         cdi.remove_spec(self._cdi, uid)
         claim_files.remove(self._vm, uid)
 
@@ -170,6 +172,11 @@ class ClaimPreparer:
         out: dict[str, str] = {}
         with self._lock:
             for ref in refs:
+                problem = uid_problem(ref.uid)
+                if problem is not None:
+                    out[ref.uid] = f"claim {ref}: {problem}; nothing was removed"
+                    log.error("NodeUnprepareResources: %s", out[ref.uid])
+                    continue
                 try:
                     freed = self._allocator.unprepare_claim(ref.uid)
                     self._remove_files(ref.uid)
@@ -200,3 +207,10 @@ class ClaimPreparer:
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""
         return {c.uid: c for c in self._allocator.claims()}
+
+
+def _check_ref_uid(ref: ClaimRef) -> None:
+    """ClaimError when the kubelet's UID cannot name a directory and a CDI spec."""
+    problem = uid_problem(ref.uid)
+    if problem is not None:
+        raise ClaimError(f"claim {ref}: {problem}")

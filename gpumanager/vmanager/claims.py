@@ -15,15 +15,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.claims import ClaimAllocation, check_uid
 from gpumanager.vmanager import files
 
 log = logging.getLogger(__name__)
 
 
 def claim_dir(vm_path: Path, claim_uid: str) -> Path:
-    """``<vm>/<claim uid>``."""
-    return vm_path / claim_uid
+    """``<vm>/<claim uid>``; ValueError when the UID is not a plain name (it would leave ``<vm>``)."""
+    return vm_path / check_uid(claim_uid)
 
 
 def config_for(claim: ClaimAllocation, driver_version: str) -> files.VcudaConfig:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
@@ -100,6 +102,33 @@ class Client:
         return elapsed, json.loads(data)
 
 
+def buckets(ext: ExtenderProcess, verb: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of the extender's own latency histogram for ``verb``."""
+    out = []
+    for family in text_string_to_metric_families(ext.metrics()):
+        if family.name != "gpu_extender_request_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels.get("verb") == verb:
+                out.append((float(sample.labels["le"]), sample.value))
+    return sorted(out)
+
+
+def server_side(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> str:
+    """Median and p99 (the bucket bound they fall in) of the requests between two readings."""
+    previous = dict(before)
+    counts = [(le, a - previous.get(le, 0.0)) for le, a in after]
+    total = counts[-1][1] if counts else 0
+    if not total:
+        return ""
+
+    def bound(q: float) -> str:
+        le = next(le for le, n in counts if n >= q * total)
+        return "> 5 s" if le == float("inf") else f"<= {le * 1e3:g} ms"
+
+    return f"   (in the extender: median {bound(0.5)}, p99 {bound(0.99)})"
+
+
 def figures(label: str, samples: list[float]) -> str:
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -147,13 +176,15 @@ def run(api: ApiServerSimulator, ext: ExtenderProcess, node_names: list[str], re
         print(f"-- {label}: requests of {sizes}")
         for _ in range(20):  # warm up
             client.post("/scheduler/filter", full)
-        samples = [client.post("/scheduler/filter", full)[0] for _ in range(requests)]
         passed = len(client.post("/scheduler/filter", full)[1]["Nodes"]["items"])
-        print(figures(f"filter, {len(nodes)} Node objects ({passed} pass)", samples))
-        samples = [client.post("/scheduler/filter", short)[0] for _ in range(requests)]
-        print(figures(f"filter, {len(nodes)} node names", samples))
-        samples = [client.post("/scheduler/prioritize", full)[0] for _ in range(requests)]
-        print(figures(f"prioritize, {len(nodes)} Node objects", samples))
+        for verb, body, what in (
+            ("filter", full, f"filter, {len(nodes)} Node objects ({passed} pass)"),
+            ("filter", short, f"filter, {len(nodes)} node names"),
+            ("prioritize", full, f"prioritize, {len(nodes)} Node objects"),
+        ):
+            before = buckets(ext, verb)
+            samples = [client.post(f"/scheduler/{verb}", body)[0] for _ in range(requests)]
+            print(figures(what, samples) + server_side(before, buckets(ext, verb)))
 
     # bind: fresh pending pods, each to the first node filter lets through (filter is not timed here).
     count = min(requests, 300)
@@ -168,13 +199,14 @@ def run(api: ApiServerSimulator, ext: ExtenderProcess, node_names: list[str], re
         return json.dumps(args).encode()
 
     samples, errors = [], 0
+    before = buckets(ext, "bind")
     for i, p in enumerate(created[:count]):
         elapsed, answer = client.post("/scheduler/bind", bind_body(client, p, i))
         samples.append(elapsed)
         if answer["Error"] and not errors:
             print(f"first refusal: {answer['Error']}")
         errors += bool(answer["Error"])
-    print(figures("bind, one at a time", samples) + f"   refused {errors}")
+    print(figures("bind, one at a time", samples) + f"   refused {errors}" + server_side(before, buckets(ext, "bind")))
 
     lock = threading.Lock()
     parallel: list[float] = []

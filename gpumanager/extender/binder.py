@@ -1,6 +1,6 @@
 """bind: choose the GPUs again, write gpu-admission's annotations, then bind the pod to the node.
 
-1. GET the pod (its current resourceVersion; a recreated pod, a different UID, is refused).
+1. Take the pod from the watch cache (else GET it; a recreated pod, a different UID, is refused).
    A pod already bound to this node is done (a repeated bind is idempotent); to another, refused.
 2. Under the cluster state's lock, choose GPUs on the node with the pod's own old charges left
    out, and *assume* them (the next filter and bind see them taken).
@@ -71,6 +71,7 @@ class Binder:
         max_conflicts: int = 5,
         request_timeout: float = 10.0,
         on_conflict: Callable[[], None] | None = None,
+        cached: Callable[[str], JSON | None] | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self._state = state
@@ -79,6 +80,7 @@ class Binder:
         self._timeout = request_timeout
         self._stripes = [threading.Lock() for _ in range(64)]
         self._on_conflict = on_conflict or (lambda: None)
+        self._cached = cached or (lambda _uid: None)
 
     def bind(self, args: BindingArgs) -> str:
         """Bind the pod; returns the outcome (``bound``, ``already_bound``); raises :class:`BindError`."""
@@ -172,9 +174,18 @@ class Binder:
         patch[names.GPU_ASSIGNED] = "false"
         return patch
 
+    def _start(self, args: BindingArgs) -> JSON:
+        """The pod from the watch cache when it has it (a stale copy fails the patch's precondition
+        and is read again), else from the API server."""
+        pod = self._cached(args.pod_uid)
+        meta = (pod or {}).get("metadata") or {}
+        if pod is not None and meta.get("name") == args.pod_name and meta.get("namespace") == args.pod_namespace:
+            return pod
+        return self._get(args)
+
     def _bind(self, args: BindingArgs) -> str:
         who = f"pod {args.pod_namespace}/{args.pod_name}"
-        pod = self._get(args)
+        pod = self._start(args)
         uid = podinfo.uid(pod)
         if self._bound_already(args, pod):
             return "already_bound"

@@ -12,7 +12,6 @@ from gpumanager import __version__
 from gpumanager.allocation import pods as podinfo
 from gpumanager.extender.api import JSON, error_filter_result, parse_args, parse_binding
 from gpumanager.extender.binder import Binder, BindError
-from gpumanager.extender.charges import counts
 from gpumanager.extender.decisions import Decider
 from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.placement import Policy
@@ -26,9 +25,10 @@ log = logging.getLogger(__name__)
 POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 
 
-def _holds_gpus(pod: dict[str, Any]) -> bool:
-    """Pods worth keeping: on (or chosen for) a node, not ended, with a GPU container."""
-    return counts(pod) and podinfo.is_gpu_pod(pod)
+def _gpu_pod(pod: dict[str, Any]) -> bool:
+    """Pods worth keeping: not ended, with a GPU container (those on or chosen for a node hold GPUs;
+    the pending ones are kept so bind starts from the cached pod instead of reading it)."""
+    return podinfo.phase(pod) not in ("Succeeded", "Failed") and podinfo.is_gpu_pod(pod)
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,16 @@ class Extender:
         self.state = ClusterState(assume_ttl=settings.assume_ttl)
         self.decider = Decider(self.state, settings.policy)
         self.metrics = ExtenderMetrics(self._sizes)
-        self.binder = Binder(api, self.state, settings.policy, on_conflict=self.metrics.conflicts.inc)
+        self.binder = Binder(
+            api, self.state, settings.policy, on_conflict=self.metrics.conflicts.inc, cached=self._cached_pod
+        )
         core = client.CoreV1Api(api)
         self.nodes = Reflector("nodes", core.list_node, watch_timeout=settings.watch_timeout)
         self.pods = Reflector(
             "pods",
             core.list_pod_for_all_namespaces,
             field_selector=POD_SELECTOR,
-            keep=_holds_gpus,
+            keep=_gpu_pod,
             watch_timeout=settings.watch_timeout,
         )
         self.nodes.add_listener(lambda kind, obj, _prev: self.state.node_event(kind, obj))
@@ -72,6 +74,9 @@ class Extender:
         self.server = ExtenderServer(
             settings.host, settings.port, routes, self.metrics, url_prefix=settings.url_prefix, tls=settings.tls
         )
+
+    def _cached_pod(self, uid: str) -> dict[str, Any] | None:
+        return self.pods.get(uid) if uid else None
 
     def start(self) -> None:
         """Start watching and serving (verbs answer once the watches have listed)."""

@@ -514,6 +514,7 @@ class Agent:
             cdi_root=cfg.cdi_root,
             sysfs_root=cfg.sysfs_root,
             watch_period=cfg.kubelet_watch_period,
+            health_report_period=cfg.health_probe_period,
         )
 
     def _start_dra_slices(self) -> None:

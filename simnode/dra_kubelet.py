@@ -7,7 +7,9 @@ What it does as the kubelet does:
   (``DRAPlugin``), the name and the endpoint, picks the newest version it speaks (``versions``:
   ``v1.DRAPlugin``, else ``v1beta1.DRAPlugin``; a 1.33 kubelet speaks only v1beta1) and answers
   ``NotifyRegistrationStatus``. A socket that disappears
-  deregisters its driver. It reads the driver's ``DRAResourceHealth`` stream while registered.
+  deregisters its driver. It reads the driver's ``DRAResourceHealth`` stream while registered;
+  a device the stream has not named again within the report's timeout (30 s unless the report
+  says otherwise) shows as UNKNOWN, as in the kubelet's health cache.
 * **Start and restart** delete every ResourceSlice of its node (as the kubelet does when it
   starts); the slices of a driver whose socket is gone are deleted ``slice_wipe_delay`` seconds
   (30 by default) later unless it registered again; a restart drops the plugin connections and,
@@ -57,6 +59,8 @@ log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+#: The kubelet's health timeout when a report names none (DefaultHealthTimeout).
+DEFAULT_HEALTH_TIMEOUT = 30.0
 
 
 class PrepareFailed(RuntimeError):
@@ -79,6 +83,8 @@ class PluginRecord:
     registered_at: float
     channel: grpc.Channel | None = None
     health: dict[str, tuple[int, str]] = field(default_factory=dict)  # device -> (status, message)
+    # device -> (when the stream last named it, its health_check_timeout_seconds or the default)
+    health_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -286,10 +292,29 @@ class DRAKubeletSimulator:
         stub = drahealth_v1_pb2_grpc.DRAResourceHealthStub(record.channel)
         try:
             for resp in stub.NodeWatchResources(drahealth_v1_pb2.NodeWatchResourcesRequest()):
+                now = time.monotonic()
                 with self._lock:
                     record.health = {d.device.device_name: (int(d.health), d.message) for d in resp.devices}
+                    for d in resp.devices:
+                        timeout = float(d.health_check_timeout_seconds) or DEFAULT_HEALTH_TIMEOUT
+                        record.health_seen[d.device.device_name] = (now, timeout)
         except grpc.RpcError:
             return
+
+    def device_health(self, driver: str) -> dict[str, tuple[int, str]]:
+        """Each device's health as the kubelet shows it in pod status: as last reported, or UNKNOWN
+        (0, no message) once the driver has not named the device within the report's timeout (the
+        kubelet stamps a report with its own clock and ignores the driver's time)."""
+        now = time.monotonic()
+        with self._lock:
+            record = self._plugins.get(driver)
+            if record is None:
+                return {}
+            out = {}
+            for device, (status, message) in record.health.items():
+                seen, timeout = record.health_seen.get(device, (0.0, DEFAULT_HEALTH_TIMEOUT))
+                out[device] = (status, message) if now - seen <= timeout else (0, "")
+            return out
 
     def plugins(self) -> dict[str, PluginRecord]:
         """Registered drivers by name."""

@@ -112,11 +112,21 @@ class DRAClient:
 @pytest.fixture
 def dra_node(tmp_path: Path, sim_built: Path) -> Iterator[DRAClient]:
     """A one-GPU DRA node (t4-x1) and a client for its dra.sock."""
-    cluster = DRACluster(tmp_path / "node", "t4-x1")
-    cluster.start()
-    client = DRAClient(cluster)
+    client = start_dra_node(tmp_path / "node")
     try:
         yield client
     finally:
-        client.close()
-        cluster.stop()
+        stop_dra_node(client)
+
+
+def start_dra_node(workdir: Path, spec: str = "t4-x1", flags: Sequence[str] = ()) -> DRAClient:
+    """A started DRA node with agent ``flags`` and a client for its dra.sock (close with stop_dra_node)."""
+    cluster = DRACluster(workdir, spec, agent_flags=flags)
+    cluster.start()
+    return DRAClient(cluster)
+
+
+def stop_dra_node(client: DRAClient) -> None:
+    """Close the client and stop its node."""
+    client.close()
+    client.cluster.stop()

@@ -51,6 +51,8 @@ class DRASettings:
     cdi_root: str
     sysfs_root: str = "/sys"
     watch_period: float = 0.1
+    #: How often the kubelet's health stream gets every device's health again (the GPU probe period).
+    health_report_period: float = 1.0
 
 
 def _rfc3339(unix: float) -> str:
@@ -163,7 +165,7 @@ class DRAMode:
             self.publisher = make_publisher(
                 api_client, settings=settings, node=node, gpus=gpus, topology=topology, health=health, report=report
             )
-        self.feed = HealthFeed(self.pool, self.health_states)
+        self.feed = HealthFeed(self.pool, self.health_states, settings.health_report_period)
         reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
         v1 = DRAPluginV1(self.preparer, observe)
         v1beta1 = DRAPluginV1beta1(self.preparer, observe)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: Longest health message the kubelet keeps.
 MAX_HEALTH_MESSAGE = 1024
+#: The kubelet's own health timeout: a device not reported again within it shows as Unknown.
+KUBELET_HEALTH_TIMEOUT_SECONDS = 30
 
 
 class RegistrationServicer(reg_grpc.RegistrationServicer):  # type: ignore[misc]
@@ -140,11 +143,21 @@ class DeviceHealthState:
 
 
 class HealthFeed:
-    """The latest health of every device, and a condition to wait for the next change."""
+    """The latest health of every device, and a condition to wait for the next change.
 
-    def __init__(self, pool: str, states: Callable[[], list[DeviceHealthState]]) -> None:
+    The kubelet takes a device's health as Unknown once it has not heard of the device for the
+    report's ``health_check_timeout_seconds`` (30 s when unset), so the full list is sent again
+    every ``report_period`` seconds (each GPU is probed that often) and the timeout announced is
+    three periods, at least the kubelet's default.
+    """
+
+    def __init__(
+        self, pool: str, states: Callable[[], list[DeviceHealthState]], report_period: float = 1.0
+    ) -> None:
         self.pool = pool
         self._states = states
+        self.report_period = report_period
+        self.timeout_seconds = max(KUBELET_HEALTH_TIMEOUT_SECONDS, math.ceil(3 * report_period))
         self._cond = threading.Condition()
         self._version = 0
         self._closed = False
@@ -162,13 +175,15 @@ class HealthFeed:
             self._cond.notify_all()
 
     def message(self) -> health_pb.NodeWatchResourcesResponse:
-        """The complete list, as sent on the stream."""
+        """The complete list, as sent on the stream (every device observed now)."""
         resp = health_pb.NodeWatchResourcesResponse()
+        now = int(time.time())
         for s in self._states():
             resp.devices.add(
                 device=health_pb.DeviceIdentifier(pool_name=self.pool, device_name=s.device),
                 health=health_pb.HEALTHY if s.healthy else health_pb.UNHEALTHY,
-                last_updated_time=int(s.updated),
+                last_updated_time=now,
+                health_check_timeout_seconds=self.timeout_seconds,
                 message=s.message[:MAX_HEALTH_MESSAGE],
             )
         return resp
@@ -192,10 +207,13 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):  # type: ignore[mis
     ) -> Iterator[health_pb.NodeWatchResourcesResponse]:
         version, closed = self._feed.wait(-1, 0)
         yield self._feed.message()
+        sent = time.monotonic()
         while context.is_active():
-            new, closed = self._feed.wait(version, 1.0)
+            due = sent + self._feed.report_period
+            new, closed = self._feed.wait(version, max(0.0, min(1.0, due - time.monotonic())))
             if closed:
                 return
-            if new != version:
+            if new != version or time.monotonic() >= due:
                 version = new
                 yield self._feed.message()
+                sent = time.monotonic()

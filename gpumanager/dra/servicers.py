@@ -151,9 +151,7 @@ class HealthFeed:
     three periods, at least the kubelet's default.
     """
 
-    def __init__(
-        self, pool: str, states: Callable[[], list[DeviceHealthState]], report_period: float = 1.0
-    ) -> None:
+    def __init__(self, pool: str, states: Callable[[], list[DeviceHealthState]], report_period: float = 1.0) -> None:
         self.pool = pool
         self._states = states
         self.report_period = report_period

@@ -3,6 +3,10 @@
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT), 2 for invalid flags or
 configuration, 3 when NVML cannot be used (no driver, or a broken node spec
 on the simulated node).
+
+Signals: SIGTERM and SIGINT stop the agent within two seconds whatever it is
+doing (its sockets are removed first). SIGHUP does not stop it: it re-checks
+allocations and the driver mirror at once.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumanager import __version__, buildinfo, flagspec, names
 from gpumanager.config import Config, ConfigError
 from gpumanager.flagspec import FlagField
+
+if TYPE_CHECKING:
+    from gpumanager.app import Agent
 
 log = logging.getLogger(__name__)
 
@@ -209,28 +216,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
 
     stop = threading.Event()
+    recheck = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:
+            recheck.set()
+            return
         log.info("received %s; stopping", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
     agent = Agent(config)
     try:
         agent.start()
     except StartupError as exc:
         log.error("cannot start: %s", exc)
-        agent.stop()
+        _stop_within(agent, STOP_DEADLINE)
         return exc.exit_code
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        agent.stop()
+    while not stop.wait(0.5):
+        if recheck.is_set():
+            recheck.clear()
+            log.info("received SIGHUP")
+            agent.recheck()
+    _stop_within(agent, STOP_DEADLINE)
     log.info("stopped")
     return EXIT_OK
+
+
+#: Seconds a stop may take; the kubelet waits 30 s but a rolling update should not.
+STOP_DEADLINE = 1.5
+
+
+def _stop_within(agent: Agent, deadline: float) -> None:
+    """Stop the agent; if some component does not let go in time, leave anyway (sockets are gone first)."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            agent.stop()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="stop", daemon=True).start()
+    if not done.wait(deadline):
+        log.warning("stopping took longer than %.1f s; exiting now", deadline)
+        logging.shutdown()
+        os._exit(EXIT_OK)
 
 
 if __name__ == "__main__":

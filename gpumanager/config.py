@@ -100,7 +100,9 @@ class Config:
     ignored_xids: tuple[int, ...] = xid_list(names.DEFAULT_IGNORED_XIDS, "XIDs that never make a GPU unhealthy")
     health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
     health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
-    kubelet_watch_period: float = duration(0.1, "how often the kubelet socket and the agent's own are checked")
+    kubelet_watch_period: float = duration(
+        5.0, "safety-net check of the kubelet socket and the agent's own (inotify reports changes at once)"
+    )
     # DRA mode (one mode per node).
     mode: str = choice(
         "device-plugin",
@@ -176,6 +178,14 @@ class Config:
             raise ConfigError(f"--cgroup-driver={self.cgroup_driver!r}: must be 'cgroupfs' or 'systemd'")
         if not self.device_plugin_path:
             raise ConfigError("--device-plugin-path: must not be empty")
+        # gRPC binds and dials unix sockets by absolute path only.
+        for flag, path_value in (
+            ("--device-plugin-path", self.device_plugin_path),
+            ("--display-socket", self.display_socket),
+            ("--pod-resources-socket", self.pod_resources_socket),
+        ):
+            if not Path(path_value).is_absolute():
+                raise ConfigError(f"{flag}={path_value}: must be an absolute path")
         for x in self.ignored_xids:
             if x < 0:
                 raise ConfigError(f"--ignored-xids: {x} is not a valid XID")

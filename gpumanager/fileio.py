@@ -30,8 +30,13 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
             os.unlink(tmp)
         raise
     if durable:
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

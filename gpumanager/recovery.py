@@ -14,16 +14,20 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation import records
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.kube import kubelet_checkpoint
 from gpumanager.kube.kubelet_checkpoint import KubeletEntry
-from gpumanager.kube.podresources import ContainerDevices
+from gpumanager.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +114,117 @@ def from_pod_resources(
             )
         )
     return out
+
+
+class Recovery:
+    """Rebuilds the allocation state at start: our checkpoint first, the kubelet's records for the rest.
+
+    :meth:`from_disk` needs no API server: our checkpoint, then every vcuda-core entry of
+    ``kubelet_internal_checkpoint`` for a container we hold nothing for (so an entry our
+    checkpoint lost or cannot be trusted with comes back from the kubelet's own record of
+    our answer). :meth:`from_pod_resources` runs once the pod cache can name pods: the
+    kubelet's current assignments fill what is still missing. An untrusted entry that no
+    kubelet record explains keeps the GPUs it names reserved whole while no kubelet record
+    could be read at all, so what was lost is never handed out twice.
+    """
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        *,
+        kubelet_checkpoint_path: Path,
+        layout: DeviceLayout,
+        gpus: Sequence[GPUInfo],
+    ) -> None:
+        self._allocator = allocator
+        self._kubelet_checkpoint = kubelet_checkpoint_path
+        self._layout = layout
+        self._gpus = list(gpus)
+        self._untrusted: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._kubelet_answered = False
+        self.rebuilt = 0
+
+    def from_disk(self) -> None:
+        """Our checkpoint, then the kubelet checkpoint for whatever is missing."""
+        allocator = self._allocator
+        path = allocator.checkpoint_path
+        full_rebuild = False
+        try:
+            parsed = allocator.load()
+        except AllocationError as exc:
+            log.error("our checkpoint is unusable (%s); rebuilding every allocation from the kubelet's records", exc)
+            parsed, full_rebuild = records.Parsed(), True
+        for problem in parsed.problems:
+            log.warning("checkpoint %s: cannot trust %s; rebuilding it from the kubelet's records", path, problem)
+        self._untrusted = {key: parsed.salvaged.get(key, ()) for key in parsed.untrusted}
+        if parsed.allocations:
+            log.info("recovered %d container allocations from %s", len(parsed.allocations), path)
+        try:
+            entries = kubelet_checkpoint.read(self._kubelet_checkpoint)
+        except kubelet_checkpoint.KubeletCheckpointError as exc:
+            log.warning("cannot use %s: %s", self._kubelet_checkpoint, exc)
+            entries = []
+        else:
+            self._kubelet_answered = True
+        found = from_kubelet_checkpoint(entries)
+        missing = [a for a in found if not allocator.holds(a.key)]
+        taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint))
+        self.rebuilt += taken
+        self._settle_untrusted()
+        if taken or full_rebuild or self._untrusted:
+            log.info(
+                "rebuilt %d container allocations from the kubelet (its checkpoint names %d)", self.rebuilt, len(found)
+            )
+
+    def from_pod_resources(self, client: PodResourcesClient, find_pod: Callable[[str, str], Pod | None]) -> None:
+        """The kubelet's current assignments, for containers still missing (needs pod names resolved)."""
+        try:
+            entries = client.list_all()
+        except PodResourcesUnavailableError as exc:
+            log.info("PodResources not available for recovery: %s", exc)
+            entries = []
+        else:
+            self._kubelet_answered = True
+        wanted = [e for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids]
+        found = from_pod_resources(wanted, find_pod=find_pod, layout=self._layout, gpus=self._gpus) if wanted else []
+        missing = [a for a in found if not self._allocator.holds(a.key)]
+        taken = self._allocator.adopt(missing, source="PodResources")
+        self.rebuilt += taken
+        if taken:
+            log.info("rebuilt %d container allocations from PodResources", taken)
+        self._settle_untrusted(final=True)
+
+    def _settle_untrusted(self, *, final: bool = False) -> None:
+        for key in [k for k in self._untrusted if self._allocator.holds(k)]:
+            del self._untrusted[key]
+        if not final or not self._untrusted:
+            return
+        for (pod_uid, container), minors in sorted(self._untrusted.items()):
+            if self._kubelet_answered:
+                log.warning(
+                    "checkpoint entry of pod %s container %s is not in the kubelet's records: the kubelet holds "
+                    "no devices for it, so it holds no GPU",
+                    pod_uid,
+                    container or "(all)",
+                )
+                continue
+            if not minors or not container:
+                log.error(
+                    "checkpoint entry of pod %s container %s cannot be rebuilt (no kubelet record could be read, "
+                    "no GPU named)",
+                    pod_uid,
+                    container or "(all)",
+                )
+                continue
+            reserve = ContainerAllocation(
+                pod_uid=pod_uid, container=container, minors=minors, cores=names.HUNDRED_CORES * len(minors), memory=0
+            )
+            if self._allocator.adopt([reserve], source="unreadable checkpoint entry"):
+                log.error(
+                    "checkpoint entry of pod %s container %s cannot be rebuilt (no kubelet record could be read): "
+                    "GPU(s) %s stay reserved whole until the pod ends",
+                    pod_uid,
+                    container,
+                    list(minors),
+                )
+        self._untrusted.clear()

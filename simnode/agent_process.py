@@ -69,6 +69,7 @@ class AgentProcess:
             "--query-addr=127.0.0.1",
             f"--query-port={self.query_port}",
             f"--kubeconfig={self.workdir / 'no-kubeconfig'}",
+            f"--checkpoint-path={self.workdir / 'checkpoint'}",
             "--hostname-override=sim-node",
             *self.extra_args,
         ]

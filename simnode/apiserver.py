@@ -102,7 +102,8 @@ class ApiServerSimulator:
     none at all is the anonymous user, who may read only ``/version`` and the health paths).
     ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); by
     default a DELETE removes the pod at once. ``bookmark_interval``: seconds between BOOKMARK
-    events on watches that allow them. ``version``: the ``gitVersion`` of ``/version``.
+    events on watches that allow them (60 s, about what a real server does: an idle watch is
+    silent that long). ``version``: the ``gitVersion`` of ``/version``.
     """
 
     def __init__(
@@ -113,7 +114,7 @@ class ApiServerSimulator:
         host: str = "127.0.0.1",
         port: int = 0,
         graceful_delete: bool = False,
-        bookmark_interval: float = 1.0,
+        bookmark_interval: float = 60.0,
         version: str = "v1.31.4",
     ) -> None:
         self._host = host
@@ -372,14 +373,19 @@ class ApiServerSimulator:
         ``mode="503"``: every request is answered 503 ServiceUnavailable and open watches end.
         ``mode="refuse"``: the listening socket closes (connections are refused) and open
         connections and watches are dropped; coming back listens on the same port.
+        ``mode="hang"``: connections are accepted and requests read but not answered until the
+        server is back (as an overloaded or partitioned API server does); open watches stay
+        open and silent.
         """
         with self._lock:
             was = self._faults.down
             if down:
-                if mode not in ("503", "refuse"):
-                    raise ValueError(f"mode must be '503' or 'refuse', got {mode!r}")
+                if mode not in ("503", "refuse", "hang"):
+                    raise ValueError(f"mode must be '503', 'refuse' or 'hang', got {mode!r}")
                 self._faults.down = mode
-                if mode == "refuse":
+                if mode == "hang":
+                    pass
+                elif mode == "refuse":
                     self._store.close_watches(abrupt=True)
                     if self._started:
                         self._unlisten()
@@ -451,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node", action="append", default=[], help="register a node (repeatable)")
     parser.add_argument("--history", type=int, default=1000, help="changes kept for watch resumption")
     parser.add_argument("--graceful-delete", action="store_true", help="pods get deletionTimestamp first")
+    parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -465,7 +472,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     sim = ApiServerSimulator(
-        history=args.history, token=args.token, port=args.port, graceful_delete=args.graceful_delete
+        history=args.history,
+        token=args.token,
+        port=args.port,
+        graceful_delete=args.graceful_delete,
+        bookmark_interval=args.bookmark_interval,
     )
     with sim:
         for name in args.node:

@@ -15,7 +15,7 @@ from simnode.apiserver_errors import ApiError, for_code
 
 log = logging.getLogger(__name__)
 
-DownMode = Literal["503", "refuse"]
+DownMode = Literal["503", "refuse", "hang"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,13 @@ class Faults:
             self._delay = [d for d in self._delay if not (d.path.pattern == path_regex and d.method == method)]
             if seconds > 0:
                 self._delay.append(_DelayRule(method, re.compile(path_regex), seconds, count))
+
+    def hold_while_hanging(self, stopping: threading.Event) -> bool:
+        """Hold a request while the server hangs (``down == "hang"``); True when it should be answered."""
+        while self.down == "hang":
+            if stopping.wait(0.05):
+                return False
+        return True
 
     def clear(self) -> None:
         """Forget every failure and delay rule (the down state stays)."""

@@ -336,6 +336,10 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             record(0)
             self._drop()
             return
+        if ctx.faults.down == "hang" and not ctx.faults.hold_while_hanging(ctx.stopping):
+            record(0)
+            self._drop()
+            return
         if ctx.faults.down == "503":
             err = ApiError(503)
             record(503)

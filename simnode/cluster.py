@@ -29,11 +29,15 @@ from gpumanager import names
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
+from simnode.gpusim_state import repo_root
 from simnode.kubelet import AllocationRecord, KubeletSimulator
+from simnode.simhost import install_sim_driver, volume_conf
 
 log = logging.getLogger(__name__)
 
 NODE = "sim-node"
+#: What the agent logs once its background start (API server, driver mirror) is done.
+STARTED_MARK = "devices in "
 _pid_counter = itertools.count(40000)
 
 
@@ -182,6 +186,7 @@ class SimCluster:
         fill: str = "sorted",
         api_process: bool = False,
         kubelet_checkpoint: bool = True,
+        driver_mirror: bool = True,
     ) -> None:
         self.workdir = workdir
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
@@ -200,6 +205,8 @@ class SimCluster:
         )
         self._agent_flags = list(agent_flags)
         self._agent_env = dict(agent_env or {})
+        # As on a real node: the share-mode answer mounts a driver mirror holding the interceptor.
+        self._mirror = driver_mirror
         self.agent: AgentProcess | None = None
         self.runs: dict[str, PodRun] = {}
 
@@ -211,6 +218,9 @@ class SimCluster:
         self.api.start()
         self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
         self.api.write_kubeconfig(self.kubeconfig)
+        if self._mirror:
+            install_sim_driver(self.workdir / "host")
+            volume_conf(self.workdir / "vdriver", self.workdir / "volume.conf")
         self.kubelet.start()
         if agent:
             self.start_agent(wait=wait)
@@ -226,7 +236,17 @@ class SimCluster:
             f"--checkpoint-path={self.checkpoint_dir}",
             f"--pod-resources-socket={self.pod_resources_socket}",
             f"--cgroup-root={self.cgroup_root}",
+            *self._mirror_flags(),
             *self._agent_flags,
+        ]
+
+    def _mirror_flags(self) -> list[str]:
+        if not self._mirror:
+            return []
+        return [
+            f"--volume-config={self.workdir / 'volume.conf'}",
+            f"--driver-root={self.workdir / 'host'}",
+            f"--vcuda-library={repo_root() / 'vcuda' / 'build' / 'libcuda-control.so'}",
         ]
 
     def start_agent(self, *, wait: bool = True, env: Mapping[str, str] | None = None) -> AgentProcess:
@@ -234,13 +254,22 @@ class SimCluster:
         before = {r: self.kubelet.registration_count(r) for r in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)}
         merged = {**self._agent_env, **(env or {})}
         state = self.agent.state if self.agent is not None else None
-        self.agent = AgentProcess(self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged)
-        self.agent.start()
+        # The log file is shared by every agent started here: count what earlier ones wrote.
+        started = self.agent.log_text().count(STARTED_MARK) if self.agent is not None else 0
+        agent = self.agent = AgentProcess(
+            self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged
+        )
+        agent.start()
         if wait:
             for resource, count in before.items():
                 self.kubelet.wait_for_registration(resource, after=count, timeout=30, with_devices=True)
-            self.agent.wait_for_log("listed", timeout=30)
-        return self.agent
+            # The agent registers first and connects to the API server in the background: wait for that.
+            deadline = time.monotonic() + 60
+            while agent.log_text().count(STARTED_MARK) <= started:
+                if time.monotonic() > deadline or (agent.proc is not None and agent.proc.poll() is not None):
+                    raise TimeoutError(f"the agent did not finish starting:\n{agent.log_text()[-3000:]}")
+                time.sleep(0.05)
+        return agent
 
     def stop(self) -> None:
         """Stop everything."""

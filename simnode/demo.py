@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from gpumanager import names
+from gpumanager.allocation.journal import read_document
 from gpumanager.vmanager import files
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
@@ -54,7 +55,7 @@ def http_json(c: SimCluster, path: str) -> dict[str, object]:
 
 
 def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
-    return json.loads((c.checkpoint_dir / names.OWN_CHECKPOINT).read_text())["PodGPUMapping"]  # type: ignore[no-any-return]
+    return (read_document(c.checkpoint_dir / names.OWN_CHECKPOINT) or {})["PodGPUMapping"]  # type: ignore[no-any-return]
 
 
 CLIENT = r"""

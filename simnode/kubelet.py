@@ -17,7 +17,9 @@ the kubelet's device manager closely:
   check, NUMA split into aligned/unaligned/no-affinity, ``GetPreferredAllocation``, fill) and
   sends one ``Allocate`` with exactly one container request. The kubelet fills from Go sets, i.e.
   in effectively random order; ``fill="random"`` (seedable) mimics that, ``fill="sorted"`` makes
-  it deterministic.
+  it deterministic. IDs freed by :meth:`KubeletSimulator.remove_pod` come first in that order
+  (``reuse_freed``, on by default): the kubelet frees a deleted pod's IDs at once and a new
+  container of the same size may well get the very same set.
 * :meth:`KubeletSimulator.restart` simulates a kubelet restart: plugin connections dropped (their
   devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
 * An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
@@ -334,6 +336,7 @@ class KubeletSimulator:
         seed: int | None = None,
         rng: random.Random | None = None,
         write_checkpoint: bool = True,
+        reuse_freed: bool = True,
     ) -> None:
         """Configure (nothing starts until :meth:`start`).
 
@@ -349,6 +352,8 @@ class KubeletSimulator:
         self.fill: FillOrder = fill
         self._rng = rng if rng is not None else random.Random(seed)
         self._write_enabled = write_checkpoint
+        self.reuse_freed = reuse_freed
+        self._freed: list[str] = []  # IDs freed by remove_pod, most recent first
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -830,6 +835,9 @@ class KubeletSimulator:
         out = sorted(ids, key=_natural_key)
         if fill == "random":
             self._rng.shuffle(out)
+        if self.reuse_freed and self._freed:
+            rank = {dev: i for i, dev in enumerate(self._freed)}
+            out.sort(key=lambda dev: rank.get(dev, len(rank)))
         return out
 
     def _in_use_locked(self, resource: str) -> set[str]:
@@ -1091,6 +1099,9 @@ class KubeletSimulator:
         """Forget the pod's devices (they become available) and rewrite the checkpoint."""
         with self._cond:
             keys = [k for k in self._allocations if k[0] == pod_uid]
+            freed = [dev for k in keys for dev in self._allocations[k].device_ids]
+            fresh = set(freed)
+            self._freed = (freed + [d for d in self._freed if d not in fresh])[:4096]
             for k in keys:
                 del self._allocations[k]
             known = self._pods.pop(pod_uid, None) is not None

@@ -47,8 +47,10 @@ from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
 from simnode.extender_process import ExtenderProcess
+from simnode.gpusim_state import repo_root
 from simnode.kubelet import KubeletSimError, KubeletSimulator
 from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity
+from simnode.simhost import install_sim_driver, volume_conf
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,14 @@ class SimNode:
         self.kubelet = KubeletSimulator(
             workdir / "device-plugins", pod_resources_socket=self.pod_resources_socket, fill="random"
         )
+        # As on a real node: shares mount a driver mirror that holds the interceptor.
+        workdir.mkdir(parents=True, exist_ok=True)
+        install_sim_driver(workdir / "host")
+        mirror = [
+            f"--volume-config={volume_conf(workdir / 'vdriver', workdir / 'volume.conf')}",
+            f"--driver-root={workdir / 'host'}",
+            f"--vcuda-library={repo_root() / 'vcuda' / 'build' / 'libcuda-control.so'}",
+        ]
         self.agent = AgentProcess(
             workdir,
             spec,
@@ -133,6 +143,7 @@ class SimNode:
                 f"--kubeconfig={kubeconfig}",
                 f"--hostname-override={name}",
                 "--share-mode=true",
+                *mirror,
                 f"--virtual-manager-path={self.vm_path}",
                 f"--checkpoint-path={workdir / 'checkpoint'}",
                 f"--pod-resources-socket={self.pod_resources_socket}",

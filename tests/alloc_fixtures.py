@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,13 +43,18 @@ def make_pod(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "uid": uid or f"uid-{name}",
+            "uid": uid or uid_of(name),
             "annotations": dict(annotations or {}),
             "creationTimestamp": created,
         },
         "spec": {"nodeName": "node-1", "containers": specs},
         "status": {"phase": phase},
     }
+
+
+def uid_of(name: str) -> str:
+    """The UUID that :func:`make_pod` gives a pod named ``name``."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"pod/{name}"))
 
 
 class FakePods:
@@ -94,7 +99,6 @@ def make_allocator(tmp_path: Path, pods: FakePods, *, share_mode: bool = True) -
     return Allocator(
         gpus=gpus,
         tree=build_tree(gpus, topo),
-        lock=threading.RLock(),
         pods=pods,
         settings=AllocatorSettings(
             share_mode=share_mode,

@@ -13,6 +13,7 @@ import pytest
 from google.protobuf import empty_pb2
 
 from gpumanager import names
+from gpumanager.allocation.journal import read_document
 from gpumanager.api import display_pb2_grpc, vcuda_pb2, vcuda_pb2_grpc
 from gpumanager.vmanager import files
 from simnode.agent_process import AgentProcess
@@ -39,7 +40,7 @@ def uuids() -> list[str]:
 
 
 def checkpoint(c: SimCluster) -> dict[str, dict[str, dict[str, object]]]:
-    data = json.loads((c.checkpoint_dir / names.OWN_CHECKPOINT).read_text())
+    data = read_document(c.checkpoint_dir / names.OWN_CHECKPOINT) or {}
     return data["PodGPUMapping"]  # type: ignore[no-any-return]
 
 
@@ -52,7 +53,7 @@ def test_annotated_share_pod_end_to_end(cluster: SimCluster) -> None:
     assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/main/vcuda.config"
     assert [d.host_path for d in resp.devices] == ["/dev/nvidia5", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     assert [(m.container_path, m.host_path) for m in resp.mounts] == [
-        ("/usr/local/nvidia", "/etc/gpu-manager/vdriver/nvidia"),
+        ("/usr/local/nvidia", str(cluster.workdir / "vdriver" / "nvidia")),
         ("/etc/vcuda", str(cluster.vm_path / run.uid)),
     ]
     assert dict(resp.annotations) == {
@@ -80,7 +81,7 @@ def test_unannotated_pods_whole_and_multi_gpu(cluster: SimCluster) -> None:
         four.core["m"].response.annotations[names.VDEVICE_ANNOTATION]
         == "/dev/nvidia0,/dev/nvidia1,/dev/nvidia2,/dev/nvidia3"
     )
-    assert four.core["m"].response.mounts[0].host_path == "/etc/gpu-manager/vdriver/origin"
+    assert four.core["m"].response.mounts[0].host_path == str(cluster.workdir / "vdriver" / "origin")
     two = cluster.run_pod(gpu_pod("two", [("m", 200, 0)]))
     assert two.core["m"].response.annotations[names.VDEVICE_ANNOTATION] == "/dev/nvidia4,/dev/nvidia5"
     one = cluster.run_pod(gpu_pod("one", [("a", 100, 0), ("b", 20, 4)]))
@@ -166,8 +167,8 @@ def test_bad_requests_fail_admission_clearly(cluster: SimCluster) -> None:
 
 
 def checkpoint_or_empty(c: SimCluster) -> dict[str, object]:
-    path = c.checkpoint_dir / names.OWN_CHECKPOINT
-    return json.loads(path.read_text())["PodGPUMapping"] if path.exists() else {}  # type: ignore[no-any-return]
+    document = read_document(c.checkpoint_dir / names.OWN_CHECKPOINT)
+    return (document or {}).get("PodGPUMapping") or {}
 
 
 def test_api_server_down_during_allocate(cluster: SimCluster) -> None:

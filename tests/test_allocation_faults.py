@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager import names
+from gpumanager.allocation.journal import read_document
 from simnode.cluster import PodRun, SimCluster, gpu_pod
 from simnode.kubelet import KubeletSimError
 
@@ -25,10 +25,8 @@ def cluster(tmp_path: Path, sim_built: Path) -> Iterator[SimCluster]:
 
 
 def ours(c: SimCluster) -> dict[tuple[str, str], list[str]]:
-    path = c.checkpoint_dir / names.OWN_CHECKPOINT
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())["PodGPUMapping"]
+    document = read_document(c.checkpoint_dir / names.OWN_CHECKPOINT)
+    data = (document or {}).get("PodGPUMapping") or {}
     return {(uid, cname): entry["Devices"] for uid, per in data.items() for cname, entry in per.items()}
 
 
@@ -148,8 +146,9 @@ def test_released_after_restart_when_pod_ended_while_down(cluster: SimCluster) -
 def test_kubelet_restart_with_running_pods(cluster: SimCluster) -> None:
     run = cluster.run_pod(gpu_pod("steady", [("c", 50, 4)]))
     before = ours(cluster)
-    count = cluster.kubelet.registration_count(CORE)
+    counts = {r: cluster.kubelet.registration_count(r) for r in (CORE, names.VMEMORY_RESOURCE)}
     cluster.kubelet.restart()
-    cluster.kubelet.wait_for_registration(CORE, after=count, timeout=10, with_devices=True)
+    for resource, count in counts.items():  # both: PreStart goes to each resource's plugin
+        cluster.kubelet.wait_for_registration(resource, after=count, timeout=10, with_devices=True)
     cluster.start_containers(run)  # containers restart after a kubelet restart: PreStart again
     assert ours(cluster) == before

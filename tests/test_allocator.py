@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager.allocation.allocator import AllocationError
-from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod
+from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod, uid_of
 
 GIB = 1 << 30
 
@@ -31,7 +31,7 @@ def test_share_response_has_upstreams_exact_shape(tmp_path: Path) -> None:
     ]
     assert [(m.container_path, m.host_path, m.read_only) for m in resp.mounts] == [
         ("/usr/local/nvidia", "/etc/gpu-manager/vdriver/nvidia", True),
-        ("/etc/vcuda", "/etc/gpu-manager/vm/uid-a", True),
+        ("/etc/vcuda", f"/etc/gpu-manager/vm/{uid_of('a')}", True),
     ]
     assert resp.annotations == {
         "tencent.com/vcuda-core": "50",
@@ -60,12 +60,13 @@ def test_checkpoint_is_written_in_upstreams_format(tmp_path: Path) -> None:
     alloc = make_allocator(tmp_path, pods)
     alloc.allocate(core_ids(0, 50))
     alloc.allocate(core_ids(1, 100))
+    alloc.compact()  # the snapshot, upstream's file, is brought up to date in the background
     data = json.loads((tmp_path / "checkpoint" / "gpumanager_internal_checkpoint").read_text())
-    assert data["PodGPUMapping"]["uid-a"]["main"]["Devices"] == ["/dev/nvidia0"]
-    assert data["PodGPUMapping"]["uid-a"]["main"]["Cores"] == 50
-    assert data["PodGPUMapping"]["uid-a"]["main"]["Memory"] == 8 * 256 * MIB
-    assert data["PodGPUMapping"]["uid-b"]["x"]["Cores"] == 100
-    assert len(data["PodGPUMapping"]["uid-b"]["x"]["DeviceIDs"]) == 100
+    assert data["PodGPUMapping"][uid_of("a")]["main"]["Devices"] == ["/dev/nvidia0"]
+    assert data["PodGPUMapping"][uid_of("a")]["main"]["Cores"] == 50
+    assert data["PodGPUMapping"][uid_of("a")]["main"]["Memory"] == 8 * 256 * MIB
+    assert data["PodGPUMapping"][uid_of("b")]["x"]["Cores"] == 100
+    assert len(data["PodGPUMapping"][uid_of("b")]["x"]["DeviceIDs"]) == 100
 
 
 def test_candidates_in_predicate_time_order(tmp_path: Path) -> None:
@@ -73,17 +74,17 @@ def test_candidates_in_predicate_time_order(tmp_path: Path) -> None:
     early = make_pod("early", [("c", 50, 4)], annotations={"tencent.com/predicate-time": "100"})
     alloc = make_allocator(tmp_path, FakePods([late, early]))
     alloc.allocate(core_ids(0, 50))
-    assert alloc.get("uid-early", "c") is not None
-    assert alloc.get("uid-late", "c") is None
+    assert alloc.get(uid_of("early"), "c") is not None
+    assert alloc.get(uid_of("late"), "c") is None
 
 
 def test_containers_in_spec_order_and_count_must_match(tmp_path: Path) -> None:
     pod = make_pod("multi", [("sidecar", 0, 0), ("a", 100, 0), ("b", 50, 4)])
     alloc = make_allocator(tmp_path, FakePods([pod]))
     alloc.allocate(core_ids(0, 50))
-    assert alloc.get("uid-multi", "b") is not None
+    assert alloc.get(uid_of("multi"), "b") is not None
     alloc.allocate(core_ids(1, 100))
-    assert alloc.get("uid-multi", "a") is not None
+    assert alloc.get(uid_of("multi"), "a") is not None
 
 
 def test_repeated_allocate_gets_the_same_answer_without_taking_more(tmp_path: Path) -> None:
@@ -108,7 +109,7 @@ def test_several_identical_pods_get_distinct_correct_allocations(tmp_path: Path)
     for t in threads:
         t.join()
     allocations = alloc.allocations()
-    assert sorted(a.pod_uid for a in allocations) == [f"uid-p{i}" for i in range(4)]
+    assert sorted(a.pod_uid for a in allocations) == sorted(uid_of(f"p{i}") for i in range(4))
     assert sorted(m for a in allocations for m in a.minors) == [0, 1, 2, 3]
     with pytest.raises(AllocationError, match="candidate pod not found"):
         alloc.allocate([*core_ids(0, 100)[:99], "tencent.com/vcuda-core-399"])
@@ -170,7 +171,7 @@ def test_cache_miss_asks_the_api_server_and_outage_is_clear(tmp_path: Path) -> N
     pods.hidden = [make_pod("new", [("c", 100, 0)])]
     alloc = make_allocator(tmp_path, pods)
     alloc.allocate(core_ids(0, 100))
-    assert pods.refreshes == 1 and alloc.get("uid-new", "c") is not None
+    assert pods.refreshes == 1 and alloc.get(uid_of("new"), "c") is not None
     pods.refresh_error = ConnectionError("connection refused")
     with pytest.raises(AllocationError, match="API server cannot be asked: connection refused") as err:
         alloc.allocate(core_ids(1, 100))
@@ -186,8 +187,8 @@ def test_checkpoint_failure_leaves_no_partial_state(tmp_path: Path) -> None:
     assert alloc.allocations() == []
     (tmp_path / "checkpoint").unlink()
     alloc.allocate(core_ids(0, 100))
-    assert alloc.get("uid-a", "c") is not None
-    assert alloc.get("uid-a", "c").minors == (0,)  # type: ignore[union-attr]
+    assert alloc.get(uid_of("a"), "c") is not None
+    assert alloc.get(uid_of("a"), "c").minors == (0,)  # type: ignore[union-attr]
 
 
 def test_release_and_recycle_free_the_gpus(tmp_path: Path) -> None:
@@ -196,11 +197,11 @@ def test_release_and_recycle_free_the_gpus(tmp_path: Path) -> None:
     alloc.allocate(core_ids(0, 100))
     alloc.allocate(core_ids(1, 100))
     pods.items = [p for p in pods.items if p["metadata"]["name"] != "a"]
-    assert alloc.recycle() == ["uid-a"]
+    assert alloc.recycle() == [uid_of("a")]
     pods.is_synced = False
     pods.items = []
     assert alloc.recycle() == [], "without a complete view nothing is freed"
-    assert [a.pod_uid for a in alloc.allocations()] == ["uid-b"]
+    assert [a.pod_uid for a in alloc.allocations()] == [uid_of("b")]
 
 
 def test_restart_recovers_from_checkpoint(tmp_path: Path) -> None:
@@ -209,12 +210,13 @@ def test_restart_recovers_from_checkpoint(tmp_path: Path) -> None:
     first.allocate(core_ids(0, 60))
     first.allocate(core_ids(1, 100))
     second = make_allocator(tmp_path, pods)
-    assert second.load() == (2, [])
+    loaded = second.load()
+    assert (len(loaded.allocations), loaded.problems, loaded.untrusted) == (2, [], [])
     assert {(a.pod_uid, a.minors) for a in second.allocations()} == {(a.pod_uid, a.minors) for a in first.allocations()}
     pods.items.append(make_pod("c", [("c", 60, 4)], created="2026-11-21T12:00:00Z"))
     second.allocate(core_ids(2, 60))
     # 60 + 60 cores cannot share one GPU, so the recovered share keeps its GPU to itself.
-    assert second.get("uid-c", "c").minors[0] != second.get("uid-a", "c").minors[0]  # type: ignore[union-attr]
+    assert second.get(uid_of("c"), "c").minors[0] != second.get(uid_of("a"), "c").minors[0]  # type: ignore[union-attr]
 
 
 def test_corrupt_checkpoint_is_moved_aside(tmp_path: Path) -> None:
@@ -228,25 +230,144 @@ def test_corrupt_checkpoint_is_moved_aside(tmp_path: Path) -> None:
     assert len(list(path.parent.glob("gpumanager_internal_checkpoint.corrupt-*"))) == 1
 
 
-def test_checkpoint_entries_with_unknown_gpus_are_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", ["null", "[]", '"text"', "7"])
+def test_checkpoint_that_is_not_an_object_is_unusable_not_empty(tmp_path: Path, content: str) -> None:
     path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
     path.parent.mkdir()
+    path.write_text(content)
+    with pytest.raises(AllocationError, match="not an object"):
+        make_allocator(tmp_path, FakePods()).load()
+    assert len(list(path.parent.glob("gpumanager_internal_checkpoint.corrupt-*"))) == 1
+
+
+def test_untrusted_checkpoint_entries_are_listed_for_rebuild_never_dropped_silently(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    path.parent.mkdir()
+    u = [uid_of(f"u{i}") for i in range(5)]
     path.write_text(
         json.dumps(
             {
                 "PodGPUMapping": {
-                    "u1": {"c": {"Devices": ["/dev/nvidia7"], "Cores": 100, "Memory": 0}},
-                    "u2": {"c": {"Devices": ["/dev/nvidia1"], "Cores": 100, "Memory": 0}},
-                    "u3": {"c": {"Devices": ["/dev/sda"], "Cores": 100, "Memory": 0}},
+                    u[0]: {"c": {"Devices": ["/dev/nvidia7"], "Cores": 100, "Memory": 0}},
+                    u[1]: {"c": {"Devices": ["/dev/nvidia1"], "Cores": 100, "Memory": 0}},
+                    u[2]: {"c": {"Devices": ["/dev/sda"], "Cores": 100, "Memory": 0}},
+                    u[3]: {"c": {"Devices": ["/dev/nvidia2"], "Cores": "thirty", "Memory": 0}},
+                    "../" + u[4]: {"c": {"Devices": ["/dev/nvidia3"], "Cores": 30, "Memory": 0}},
                 }
             }
         )
     )
     alloc = make_allocator(tmp_path, FakePods())
-    recovered, problems = alloc.load()
-    assert recovered == 1
-    assert any("/dev/sda" in p for p in problems)
-    assert [a.pod_uid for a in alloc.allocations()] == ["u2"]
+    parsed = alloc.load()
+    assert [a.pod_uid for a in alloc.allocations()] == [u[1]]
+    assert sorted(parsed.untrusted) == sorted([(u[0], "c"), (u[2], "c"), (u[3], "c"), ("../" + u[4], "c")])
+    assert any("/dev/sda" in p for p in parsed.problems)
+    assert any("'thirty'" in p for p in parsed.problems)
+    assert parsed.salvaged[(u[3], "c")] == (2,)
+
+
+def test_reused_ids_of_a_started_container_go_to_the_new_pod(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("old", [("c", 50, 4)])])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.pre_start(ids, (uid_of("old"), "c"))
+    # The kubelet freed the old pod's IDs (it was deleted) before the deletion reached the agent,
+    # and gives the very same IDs to a new container of the same size.
+    pods.items.append(make_pod("new", [("c", 50, 4)], created="2026-11-21T11:00:00Z"))
+    answer = alloc.allocate(list(reversed(ids)))
+    assert answer.mounts[1].host_path.endswith(uid_of("new"))
+    assert alloc.get(uid_of("old"), "c") is None
+    alloc.release_pod(uid_of("old"))  # the deletion arrives
+    assert alloc.pre_start(ids, (uid_of("new"), "c")).pod_uid == uid_of("new")
+    assert sum(a.cores for a in alloc.allocations()) == 50
+
+
+def test_reused_ids_of_a_gone_pod_are_matched_anew(tmp_path: Path) -> None:
+    old = make_pod("old", [("c", 50, 4)])
+    pods = FakePods([old])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(1, 50)
+    alloc.allocate(ids)  # never started: the pod was deleted first
+    pods.items = [make_pod("new", [("c", 50, 4)], created="2026-11-21T11:00:00Z")]
+    assert alloc.allocate(ids).mounts[1].host_path.endswith(uid_of("new"))
+    assert [a.pod_uid for a in alloc.allocations()] == [uid_of("new")]
+
+
+def test_reused_ids_of_a_running_container_seen_in_the_pod_status(tmp_path: Path) -> None:
+    old = make_pod("old", [("c", 50, 4)])
+    pods = FakePods([old])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(2, 50)
+    alloc.allocate(ids)
+    old["status"] = {"phase": "Running", "containerStatuses": [{"name": "c", "containerID": "containerd://abc"}]}
+    pods.items.append(make_pod("new", [("c", 50, 4)], created="2026-11-21T11:00:00Z"))
+    assert alloc.allocate(ids).mounts[1].host_path.endswith(uid_of("new"))
+
+
+def test_duplicate_ids_are_refused_naming_the_id(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 3, 4)])]))
+    doubled = ["tencent.com/vcuda-core-5", "tencent.com/vcuda-core-6", "tencent.com/vcuda-core-5"]
+    with pytest.raises(AllocationError, match=r"device ID tencent\.com/vcuda-core-5 appears more than once"):
+        alloc.allocate(doubled)
+    assert alloc.allocations() == []
+
+
+def test_refusals_name_the_device_ids(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 50, 4)])]))
+    with pytest.raises(AllocationError, match=r"tencent\.com/vcuda-core-300") as err:
+        alloc.pre_start(core_ids(3, 10), None)
+    assert "container the kubelet's records do not name" in str(err.value)
+    with pytest.raises(AllocationError, match=r"candidate pod not found for 7 devices tencent\.com/vcuda-core-100"):
+        alloc.allocate(core_ids(1, 7))
+
+
+@pytest.mark.parametrize("bad", ["../other/worker", "Main", "a/b"])
+def test_container_names_that_are_not_dns_labels_are_refused(tmp_path: Path, bad: str) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [(bad, 50, 4)])]))
+    with pytest.raises(AllocationError, match="is not a DNS label") as err:
+        alloc.allocate(core_ids(0, 50))
+    assert "default/a" in str(err.value) and "tencent.com/vcuda-core-0" in str(err.value)
+    assert alloc.allocations() == []
+
+
+def test_pod_uids_that_are_not_uuids_are_refused(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 50, 4)], uid="../../etc")]))
+    with pytest.raises(AllocationError, match="is not a UUID"):
+        alloc.allocate(core_ids(0, 50))
+
+
+def test_api_server_is_never_asked_while_the_lock_is_held(tmp_path: Path) -> None:
+    known = make_pod("known", [("c", 100, 0)])
+    pods = FakePods([known])
+    alloc = make_allocator(tmp_path, pods)
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging_refresh() -> list[object]:
+        entered.set()
+        release.wait(10)
+        raise TimeoutError("the API server did not answer a pod list within 3 s")
+
+    pods.refresh = hanging_refresh  # type: ignore[method-assign]
+    failed: list[Exception] = []
+
+    def unknown() -> None:
+        try:
+            alloc.allocate(core_ids(0, 30))
+        except AllocationError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=unknown)
+    t.start()
+    assert entered.wait(5)
+    # While a request for an unknown pod waits on the API server, a known pod is served.
+    done = threading.Event()
+    threading.Thread(target=lambda: (alloc.allocate(core_ids(1, 100)), done.set())).start()
+    assert done.wait(5), "Allocate for a known pod waited on the API server"
+    assert alloc.tree_snapshot() and alloc.allocations()
+    release.set()
+    t.join(5)
+    assert failed and "did not answer" in str(failed[0])
 
 
 def test_pre_start_checks_and_repairs_a_swap(tmp_path: Path) -> None:
@@ -255,13 +376,13 @@ def test_pre_start_checks_and_repairs_a_swap(tmp_path: Path) -> None:
     alloc = make_allocator(tmp_path, FakePods([a, b]))
     ids_first = core_ids(0, 50)
     alloc.allocate(ids_first)  # matched to a (older)
-    got = alloc.pre_start(ids_first, ("uid-b", "c"))  # but the kubelet gave those devices to b
-    assert got.pod_uid == "uid-b"
-    assert alloc.get("uid-a", "c") is None
+    got = alloc.pre_start(ids_first, (uid_of("b"), "c"))  # but the kubelet gave those devices to b
+    assert got.pod_uid == uid_of("b")
+    assert alloc.get(uid_of("a"), "c") is None
     ids_second = core_ids(1, 50)
     alloc.allocate(ids_second)  # a's own Allocate now finds a
-    assert alloc.pre_start(ids_second, ("uid-a", "c")).pod_uid == "uid-a"
-    assert alloc.pre_start(ids_first, None).pod_uid == "uid-b"
+    assert alloc.pre_start(ids_second, (uid_of("a"), "c")).pod_uid == uid_of("a")
+    assert alloc.pre_start(ids_first, None).pod_uid == uid_of("b")
 
 
 def test_pre_start_refusals(tmp_path: Path) -> None:
@@ -272,18 +393,19 @@ def test_pre_start_refusals(tmp_path: Path) -> None:
     with pytest.raises(AllocationError, match="PreStartContainer check failed: no allocation"):
         alloc.pre_start(core_ids(3, 10), None)
     with pytest.raises(AllocationError, match="whose request differs"):
-        alloc.pre_start(core_ids(0, 50), ("uid-big", "c"))
-    assert alloc.get("uid-a", "c") is not None
+        alloc.pre_start(core_ids(0, 50), (uid_of("big"), "c"))
+    assert alloc.get(uid_of("a"), "c") is not None
 
 
 def test_upstream_checkpoint_without_ids_is_matched_at_prestart(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
     path.parent.mkdir()
     path.write_text(
-        json.dumps({"PodGPUMapping": {"uid-a": {"c": {"Devices": ["/dev/nvidia1"], "Cores": 50, "Memory": GIB}}}})
+        json.dumps({"PodGPUMapping": {uid_of("a"): {"c": {"Devices": ["/dev/nvidia1"], "Cores": 50, "Memory": GIB}}}})
     )
     alloc = make_allocator(tmp_path, FakePods([make_pod("a", [("c", 50, 4)], phase="Running")]))
     alloc.load()
-    got = alloc.pre_start(core_ids(3, 50), ("uid-a", "c"))
+    got = alloc.pre_start(core_ids(3, 50), (uid_of("a"), "c"))
     assert got.minors == (1,) and len(got.device_ids) == 50
-    assert "DeviceIDs" in json.loads(path.read_text())["PodGPUMapping"]["uid-a"]["c"]
+    alloc.compact()
+    assert "DeviceIDs" in json.loads(path.read_text())["PodGPUMapping"][uid_of("a")]["c"]

@@ -146,7 +146,7 @@ def test_help_shows_every_default_as_typed(capsys: pytest.CaptureFixture[str]) -
         assert f"(default: {f.default_text()}; env {f.env})" in out, f.flag
     assert "(13, 31" not in out  # a list, not a Python tuple
     assert "default: 13,31,43,45,68,109;" in out
-    assert "default: 5m;" in out and "default: 100ms;" in out
+    assert "default: 5m;" in out and "default: 5s;" in out
 
 
 @pytest.mark.parametrize(

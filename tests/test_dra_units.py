@@ -4,7 +4,6 @@ claim parsing, the claim records, and the scheduler stand-in's capacity rounding
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -218,7 +217,7 @@ def test_claim_records_survive_the_checkpoint_and_bad_entries_are_skipped(tmp_pa
 
     settings = AllocatorSettings(True, ResponseSettings("n", "o", str(tmp_path / "vm")))
     path = tmp_path / "cp" / "gpumanager_internal_checkpoint"
-    a = Allocator(gpus=GPUS, tree=tree, lock=threading.RLock(), pods=NoPods(), settings=settings, checkpoint_path=path)
+    a = Allocator(gpus=GPUS, tree=tree, pods=NoPods(), settings=settings, checkpoint_path=path)
     share, _ = parse(claim([result(shareID="s1", consumedCapacity={"cores": "60", "memory": "8Gi"})]))
     assert a.prepare_claim(share) is True and a.prepare_claim(share) is False
     second, _ = parse(claim([result(shareID="s2", consumedCapacity={"cores": "50", "memory": "1Gi"})]))
@@ -232,13 +231,12 @@ def test_claim_records_survive_the_checkpoint_and_bad_entries_are_skipped(tmp_pa
     b = Allocator(
         gpus=GPUS,
         tree=build_tree(GPUS, TOPOLOGY),
-        lock=threading.RLock(),
         pods=NoPods(),
         settings=settings,
         checkpoint_path=path,
     )
-    count, problems = b.load()
-    assert count == 1 and b.claim("u1") == share and "broken" in problems[0]
+    loaded = b.load()
+    assert b.claims() == [share] and "broken" in loaded.problems[0]
     assert b.unprepare_claim("u1") == share and b.unprepare_claim("u1") is None
     assert "Claims" not in json.loads(path.read_text())
 

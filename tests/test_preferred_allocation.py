@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devices import DeviceLayout
@@ -21,7 +19,7 @@ def v100x4() -> tuple[Preference, DeviceLayout]:
     levels = tuple(tuple(0 if a == b else 10 if a // 2 == b // 2 else 30 for b in range(4)) for a in range(4))
     tree = build_tree(gpus, NodeTopology(levels=levels))
     layout = DeviceLayout(gpus)
-    return Preference(tree, layout, threading.RLock()), layout
+    return Preference(tree.clone, layout), layout
 
 
 def all_ids(layout: DeviceLayout, resource: str, gpus: range | list[int]) -> list[str]:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -193,9 +194,13 @@ def scraped_node(tmp_path_factory: pytest.TempPathFactory, sim_built: Path) -> I
         checkpoint = cluster.checkpoint_dir / names.OWN_CHECKPOINT
         checkpoint.unlink()
         (checkpoint / "not-a-file").mkdir(parents=True)
+        # Changes go to the journal; the agent finds the snapshot unwritable when it next writes it
+        # (SIGHUP: check now), and from then on refuses new allocations until it can be written.
+        assert cluster.agent is not None
+        cluster.agent.signal(signal.SIGHUP)
+        prometheus.wait(f'gpu_manager_checkpoint_write_failures_total{{instance="{node_a}"}} > 0')
         with pytest.raises(KubeletSimError):
             cluster.run_pod(gpu_pod("late", [("main", 10, 1)]))
-        prometheus.wait(f'gpu_manager_checkpoint_write_failures_total{{instance="{node_a}"}} > 0')
         prometheus.wait(f'gpu_manager_gpu_healthy{{instance="{node_a}"}} == 0')
         time.sleep(3)  # a few more scrapes, so rates see the increments
         yield {

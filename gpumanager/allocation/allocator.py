@@ -1,25 +1,35 @@
-"""The allocator: one object owns the allocation state, behind one lock.
+"""The allocator: one object owns the allocation state and the lock that guards it.
 
 Allocate finds the (pod, container) a kubelet request is for, as gpu-manager
 does (the request carries only device IDs), chooses GPUs (gpu-admission's
 ``predicate-gpu-idx`` when present, else the topology evaluators), occupies
 the tree, writes the checkpoint and only then answers. PreStartContainer checks
 the kubelet's view of who owns the device IDs against ours and repairs a swap
-between two identical requests. Every refusal names the pod, the container
-and the reason, and leaves the state as it was.
+between two identical requests. Every refusal names the device IDs, the pod,
+the container and the reason, and leaves the state as it was.
+
+The lock is held only over the state: a request for a pod the cache has not
+seen asks the API server with the lock released, so a hanging API server
+never holds up calls for pods the agent knows.
+
+Device IDs come back: the kubelet frees a deleted pod's IDs at once and may
+hand the same set to a new container of the same size. The same IDs are a
+repeat of an earlier Allocate only while their holder is alive and has not
+started; otherwise the old allocation is freed and the request matched anew.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from gpumanager import names
-from gpumanager.allocation import checkpoint, records
+from gpumanager import names, safenames
+from gpumanager.allocation import checkpoint, ids, journal, records
 from gpumanager.allocation import claims as claim_records
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.claims import ClaimAllocation
@@ -28,7 +38,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
 from gpumanager.device.types import GPUInfo
 from gpumanager.faults import crash_point
-from gpumanager.topology import TopologyTree, choose
+from gpumanager.topology import TopologyTree, choose, render_graph
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +64,8 @@ class PodSource(Protocol):
         """A pod by UID."""
 
     def refresh(self) -> list[Pod]:
-        """Pods of this node freshly listed from the API server (raises when it cannot)."""
+        """Pods of this node freshly listed from the API server, within a short deadline (raises when it
+        cannot; the message says the API server did not answer)."""
 
 
 @dataclass(frozen=True)
@@ -84,18 +95,22 @@ class Allocator:
         *,
         gpus: Sequence[GPUInfo],
         tree: TopologyTree,
-        lock: threading.RLock,
         pods: PodSource,
         settings: AllocatorSettings,
         checkpoint_path: Path,
+        share_problem: Callable[[], str] = lambda: "",
     ) -> None:
         self._gpus = list(gpus)
         self._by_minor = {g.minor: g for g in self._gpus}
         self._tree = tree
-        self._lock = lock
+        self._lock = threading.RLock()
         self._pods = pods
         self._settings = settings
+        self._share_problem = share_problem
         self._checkpoint_path = checkpoint_path
+        self._store = journal.CheckpointStore(checkpoint_path)
+        self._compactor: threading.Thread | None = None
+        self._closing = threading.Event()
         #: Checkpoint writes done and failed (for metrics).
         self.checkpoint_writes = 0
         self.checkpoint_write_failures = 0
@@ -103,6 +118,9 @@ class Allocator:
         self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
         self._responses: dict[tuple[str, str], ContainerResponse] = {}
         self._listeners: list[ChangeListener] = []
+        self._checkpoint_error = ""
+        # Containers whose device IDs the kubelet handed to another container: never matched again.
+        self._retired: set[tuple[str, str]] = set()
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
@@ -153,6 +171,39 @@ class Allocator:
             self._responses[key] = cached
         return cached
 
+    def set_response_settings(self, response: ResponseSettings) -> None:
+        """Answers from now on use these node-wide settings (e.g. the driver mirror's paths once built)."""
+        with self._lock:
+            self._settings = replace(self._settings, response=response)
+            self._responses.clear()
+
+    # -- the topology tree (guarded by the same lock) --------------------------------------------
+
+    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
+        """(index, allocatable cores, allocatable bytes, total bytes, 1 if entirely free) per GPU."""
+        with self._lock:
+            return [
+                (leaf.index, leaf.allocatable_cores, leaf.allocatable_memory, leaf.total_memory, int(leaf.available))
+                for leaf in self._tree.leaves
+            ]
+
+    def clone_tree(self) -> TopologyTree:
+        """A copy of the tree to try choices on."""
+        with self._lock:
+            return self._tree.clone()
+
+    def set_healthy(self, index: int, healthy: bool) -> None:
+        """Take a GPU out of the evaluators' reach (or bring it back); its accounting stays."""
+        with self._lock:
+            self._tree.set_healthy(index, healthy)
+
+    def graph(self, usages: Mapping[int, tuple[Sequence[int], int]]) -> str:
+        """The tree in PrintGraph form, after recording each GPU's (pids, used memory)."""
+        with self._lock:
+            for index, (pids, used) in usages.items():
+                self._tree.update_usage(index, list(pids), used)
+            return render_graph(self._tree)
+
     # -- Allocate ---------------------------------------------------------------------------------
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
@@ -160,23 +211,48 @@ class Allocator:
         cores = len(device_ids)
         if cores == 0:
             raise AllocationError("Allocate for tencent.com/vcuda-core carried no device IDs")
-        ids = frozenset(device_ids)
+        doubled = ids.duplicates(device_ids)
+        if doubled:
+            raise AllocationError(
+                f"Allocate for {ids.describe(device_ids)}: device ID {doubled[0]} appears more than once"
+            )
+        wanted = frozenset(device_ids)
+        ordered = tuple(sorted(device_ids, key=ids.number))
         changed = False
         try:
             with self._lock:
-                known = self._by_ids.get(ids)
+                known = self._by_ids.get(wanted)
                 if known is not None:
-                    response = self._response(known)
-                    if response is not None:
-                        log.info("repeated Allocate for %s/%s: same answer", *known)
-                        return response
-                changed = self._recycle_locked()
-                candidate = self._find_candidate(cores)
-                alloc = self._decide(candidate, tuple(sorted(device_ids, key=_id_number)))
-                self._commit(alloc)
-                changed = True
-                response = self._response(alloc.key)
-                assert response is not None
+                    if self._is_repeat(known):
+                        repeat = self._response(known)
+                        if repeat is not None:
+                            log.info("repeated Allocate for pod %s container %s: same answer", *known)
+                            return repeat
+                    else:
+                        self._take_back(known)
+                        changed = True
+                changed |= self._recycle_locked()
+                candidate = self._match_cached(cores, ordered)
+                if candidate is not None:
+                    alloc, response = self._allocate_locked(candidate, ordered)
+                    changed = True
+            if candidate is None:
+                # The cache has not seen the pod yet: ask the API server, with the lock released.
+                fresh = self._refresh(cores, ordered)
+                with self._lock:
+                    found = self._match(fresh, cores)
+                    if found is None:
+                        raise AllocationError(
+                            f"candidate pod not found for {ids.describe(ordered)} ({cores} tencent.com/vcuda-core): "
+                            + (
+                                self._explain_no_match(fresh, cores)
+                                or "no pending pod on this node has an unallocated container asking for that many"
+                            ),
+                            "not_found",
+                        )
+                    candidate = found
+                    alloc, response = self._allocate_locked(candidate, ordered)
+                    changed = True
         finally:
             if changed:
                 self._notify()
@@ -190,33 +266,63 @@ class Allocator:
         )
         return response
 
-    def _find_candidate(self, cores: int) -> Candidate:
+    def _allocate_locked(
+        self, candidate: Candidate, device_ids: tuple[str, ...]
+    ) -> tuple[ContainerAllocation, ContainerResponse]:
+        alloc = self._decide(candidate, device_ids)
+        self._commit(alloc)
+        response = self._response(alloc.key)
+        assert response is not None
+        return alloc, response
+
+    def _is_repeat(self, key: tuple[str, str]) -> bool:
+        """Whether an Allocate naming the IDs held by ``key`` repeats that container's own Allocate."""
+        alloc = self._allocs[key]
+        if alloc.started:
+            return False
+        pod = self._pods.get(key[0])
+        if pod is None:
+            # Gone from a complete view: the kubelet has freed its IDs. Without one we cannot tell.
+            return not self._pods.synced()
+        if podinfo.is_terminated(pod):
+            return False
+        return key[1] not in podinfo.started_containers(pod)
+
+    def _take_back(self, key: tuple[str, str]) -> None:
+        """The kubelet gave ``key``'s device IDs to a new container: ``key`` no longer holds them."""
+        alloc = self._remove(key)
+        if alloc is None:
+            return
+        self._free(alloc)
+        self._save_or_report([_del(key)])
+        # It will not ask again: the kubelet allocates a container once (it reuses IDs across restarts).
+        if len(self._retired) > 4096:
+            self._retired.clear()
+        self._retired.add(key)
+        log.info(
+            "%s of pod %s container %s come back in a new Allocate: that container has started or ended, so "
+            "the kubelet freed them; releasing its GPUs %s and matching the request anew",
+            ids.describe(alloc.device_ids),
+            alloc.pod_uid,
+            alloc.container,
+            list(alloc.minors),
+        )
+
+    def _match_cached(self, cores: int, device_ids: Sequence[str]) -> Candidate | None:
         try:
-            found = self._match(self._pods.pods(), cores)
+            return self._match(self._pods.pods(), cores)
         except PodSpecError as exc:
-            raise AllocationError(str(exc)) from exc
-        if found is not None:
-            return found
-        # The cache may not have seen a pod the kubelet just admitted: ask the API server.
+            raise AllocationError(f"Allocate for {ids.describe(device_ids)}: {exc}") from exc
+
+    def _refresh(self, cores: int, device_ids: Sequence[str]) -> list[Pod]:
         try:
-            fresh = self._pods.refresh()
+            return self._pods.refresh()
         except Exception as exc:
             raise AllocationError(
-                f"no pending pod on this node needs {cores} tencent.com/vcuda-core, and the API server "
-                f"cannot be asked: {exc}",
+                f"Allocate for {ids.describe(device_ids)}: no pending pod known on this node needs {cores} "
+                f"tencent.com/vcuda-core, and the API server cannot be asked: {exc}",
                 "unavailable",
             ) from exc
-        found = self._match(fresh, cores)
-        if found is None:
-            raise AllocationError(
-                f"candidate pod not found for request of {cores} tencent.com/vcuda-core: "
-                + (
-                    self._explain_no_match(fresh, cores)
-                    or "no pending pod on this node has an unallocated container asking for that many"
-                ),
-                "not_found",
-            )
-        return found
 
     def _explain_no_match(self, pods: Sequence[Pod], cores: int) -> str:
         """Why a pod that asks for ``cores`` was not taken, for the error message."""
@@ -252,7 +358,7 @@ class Allocator:
             except PodSpecError as exc:
                 log.warning("skipping pod: %s", exc)
                 continue
-            todo = [r for r in wanted if (uid, r.name) not in self._allocs]
+            todo = [r for r in wanted if (uid, r.name) not in self._allocs and (uid, r.name) not in self._retired]
             if not todo:
                 continue
             unfinished = len(todo) < len(wanted)
@@ -282,7 +388,12 @@ class Allocator:
 
     def _decide(self, candidate: Candidate, device_ids: tuple[str, ...]) -> ContainerAllocation:
         pod, req = candidate.pod, candidate.request
-        who = f"pod {podinfo.pod_key(pod)} container {req.name}"
+        who = f"pod {podinfo.pod_key(pod)} container {req.name} ({ids.describe(device_ids)})"
+        try:
+            safenames.pod_uid(podinfo.uid(pod))
+            safenames.container_name(req.name)
+        except safenames.UnsafeNameError as exc:
+            raise AllocationError(f"{who}: {exc}; refused, it would become a path on this node") from None
         cores, memory = req.cores, req.memory_bytes
         if cores > names.HUNDRED_CORES and cores % names.HUNDRED_CORES:
             raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100")
@@ -291,6 +402,9 @@ class Allocator:
                 raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but --share-mode is off")
             if memory <= 0:
                 raise AllocationError(f"{who}: a share ({cores} cores) needs tencent.com/vcuda-memory > 0")
+            problem = self._share_problem()
+            if problem:
+                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but {problem}", "unavailable")
         largest = max((g.memory_total for g in self._gpus), default=0)
         if cores < names.HUNDRED_CORES and memory > largest:
             raise AllocationError(
@@ -395,23 +509,96 @@ class Allocator:
         self._insert(alloc)
         crash_point("allocate-before-checkpoint")
         try:
-            self._save()
+            self._write([_put(alloc)])
         except OSError as exc:
             self._remove(alloc.key)
             self._free(alloc)
-            raise AllocationError(f"cannot write checkpoint {self._checkpoint_path}: {exc}", "unavailable") from exc
+            raise AllocationError(
+                f"pod {alloc.pod_uid} container {alloc.container} ({ids.describe(alloc.device_ids)}): "
+                f"{self._checkpoint_error}; no new allocation until it can be written",
+                "unavailable",
+            ) from exc
         crash_point("allocate-after-checkpoint")
 
-    def _save(self) -> None:
+    def _document(self) -> dict[str, Any]:
         document = records.to_json(self._allocs.values())
         if self._claims:
             document["Claims"] = claim_records.to_json(self._claims.values())
+        return document
+
+    def _save(self) -> None:
+        """Write the whole state as the snapshot now (under the lock)."""
+        self._write(None)
+
+    def _write(self, changes: list[dict[str, Any]] | None) -> None:
+        """Make changes durable before the answer: one journal record; the whole snapshot for ``None``
+        or a large batch. Raises OSError (and remembers why, for /readyz) when it cannot."""
+        if self._checkpoint_error:
+            changes = None  # the snapshot could not be written lately: it must be, before anything else
         try:
-            checkpoint.write_json(self._checkpoint_path, document)
-        except OSError:
+            if changes is None or len(changes) > _BATCH_SNAPSHOT:
+                seq = self._store.switch()
+                self._store.write_snapshot(self._document(), seq)
+                self._store.mark_clean()
+            elif changes:
+                self._store.record(changes[0] if len(changes) == 1 else {"batch": changes})
+        except OSError as exc:
             self.checkpoint_write_failures += 1
+            self._checkpoint_error = f"cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}"
             raise
         self.checkpoint_writes += 1
+        self._checkpoint_error = ""
+
+    # -- the snapshot, kept current in the background ----------------------------------------------
+
+    def start_compactor(self, period: float = 0.25) -> None:
+        """Bring the snapshot up to date a moment after changes stop, off the Allocate path."""
+        self._compactor = threading.Thread(target=self._compact_loop, args=(period,), name="checkpoint", daemon=True)
+        self._compactor.start()
+
+    def _compact_loop(self, period: float) -> None:
+        while not self._closing.wait(period):
+            try:
+                self.compact(only_if_due=True)
+            except OSError as exc:
+                with self._lock:
+                    self.checkpoint_write_failures += 1
+                    self._checkpoint_error = f"cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}"
+                log.error(
+                    "cannot bring checkpoint %s up to date: %s (the journal keeps every change)",
+                    self._checkpoint_path,
+                    exc,
+                )
+            except Exception:
+                log.exception("checkpoint compaction failed; trying again")
+
+    def compact(self, *, only_if_due: bool = False) -> None:
+        """Write the snapshot of the state now (the journal's older segments go), and a spare segment."""
+        with self._lock:
+            seq = self._store.reserve()
+        spare = self._store.make_spare(seq)
+        with self._lock:
+            self._store.set_spare(spare)
+            if only_if_due and not self._store.due():
+                return
+            document = self._document()
+            seq = self._store.switch()
+            self._store.mark_clean()
+        self._store.write_snapshot(document, seq)
+
+    def close(self) -> None:
+        """Stop the compactor; leave the snapshot current for whoever reads it next (an upgrade too)."""
+        self._closing.set()
+        try:
+            with self._lock:
+                self._save()
+        except OSError as exc:
+            log.error(
+                "cannot write checkpoint %s at stop: %s (the journal keeps every change)", self._checkpoint_path, exc
+            )
+        finally:
+            with self._lock:
+                self._store.close()
 
     def _notify(self) -> None:
         for listener in self._listeners:
@@ -429,11 +616,11 @@ class Allocator:
         could not be asked). When our record of those IDs belongs to another container with the
         same request, the two are swapped: the kubelet's view wins.
         """
-        ids = frozenset(device_ids)
+        wanted = frozenset(device_ids)
         changed = False
         try:
             with self._lock:
-                key = self._by_ids.get(ids)
+                key = self._by_ids.get(wanted)
                 if owner is not None:
                     if key is None and owner in self._allocs:
                         key = owner  # recorded without IDs (e.g. by an older gpu-manager)
@@ -441,24 +628,33 @@ class Allocator:
                         self._reassign(key, owner)
                         key, changed = owner, True
                 if key is None:
-                    whose = f"pod {owner[0]} container {owner[1]}" if owner else "unknown container"
+                    whose = (
+                        f"pod {owner[0]} container {owner[1]}"
+                        if owner
+                        else "a container the kubelet's records do not name"
+                    )
                     raise AllocationError(
-                        f"{names.PRESTART_FAILED}: no allocation for {len(ids)} tencent.com/vcuda-core devices "
-                        f"of {whose}",
+                        f"{names.PRESTART_FAILED}: no allocation for {ids.describe(device_ids)} "
+                        f"(tencent.com/vcuda-core) of {whose}",
                         "not_found",
                     )
                 alloc = self._allocs[key]
-                if alloc.cores != len(ids):
+                if alloc.cores != len(wanted):
                     raise AllocationError(
                         f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} was allocated "
-                        f"{alloc.cores} cores but starts with {len(ids)} tencent.com/vcuda-core devices",
+                        f"{alloc.cores} cores but starts with {ids.describe(device_ids)} ({len(wanted)} "
+                        "tencent.com/vcuda-core)",
                         "mismatch",
                     )
-                if not alloc.device_ids:
+                if not alloc.device_ids or not alloc.started:
                     self._remove(key)
-                    alloc = replace(alloc, device_ids=tuple(sorted(ids, key=_id_number)))
+                    alloc = replace(
+                        alloc,
+                        device_ids=alloc.device_ids or tuple(sorted(wanted, key=ids.number)),
+                        started=True,
+                    )
                     self._insert(alloc)
-                    self._save()
+                    self._save_or_report([_put(alloc)])
                     changed = True
                 return replace(alloc)
         finally:
@@ -473,14 +669,15 @@ class Allocator:
             request = _request_of(pod, owner[1])
             if request is None or (request.cores, request.memory_bytes) != (mine.cores, mine.memory):
                 raise AllocationError(
-                    f"{names.PRESTART_FAILED}: devices allocated to pod {key[0]} container {key[1]} are used by "
-                    f"pod {owner[0]} container {owner[1]}, whose request differs",
+                    f"{names.PRESTART_FAILED}: {ids.describe(mine.device_ids)} allocated to pod {key[0]} container "
+                    f"{key[1]} are used by pod {owner[0]} container {owner[1]}, whose request differs",
                     "mismatch",
                 )
         elif (theirs.cores, theirs.memory) != (mine.cores, mine.memory):
             raise AllocationError(
-                f"{names.PRESTART_FAILED}: pod {owner[0]} container {owner[1]} starts with devices allocated to "
-                f"pod {key[0]} container {key[1]}, and their requests differ",
+                f"{names.PRESTART_FAILED}: pod {owner[0]} container {owner[1]} starts with "
+                f"{ids.describe(mine.device_ids)} allocated to pod {key[0]} container {key[1]}, and their requests "
+                "differ",
                 "mismatch",
             )
         log.warning(
@@ -518,7 +715,9 @@ class Allocator:
                     answered_as=theirs.answered,
                 )
             )
-        self._save()
+        changes = [_del(key), _del(owner)]
+        changes += [_put(self._allocs[k]) for k in (owner, key) if k in self._allocs]
+        self._save_or_report(changes)
 
     # -- release and recovery ---------------------------------------------------------------------
 
@@ -538,7 +737,7 @@ class Allocator:
                 self._free(alloc)
                 freed.append(alloc)
         if freed:
-            self._save()
+            self._save_or_report([_del(a.key) for a in freed])
             log.info(
                 "released pod %s (%s): %s",
                 pod_uid,
@@ -566,51 +765,113 @@ class Allocator:
             changed |= bool(self._release_locked(pod_uid))
         return changed
 
-    def load(self) -> tuple[int, list[str]]:
-        """Load our checkpoint and occupy the tree. Returns (containers recovered, problems).
+    def load(self) -> records.Parsed:
+        """Load our checkpoint and occupy the tree; returns what was taken and what must be rebuilt.
 
-        A corrupt file is moved aside and AllocationError(kind="unavailable") is raised so the
-        caller can rebuild from the kubelet's records; a missing file recovers nothing.
+        A file that cannot be read or parsed as a whole is moved aside (when it can be) and
+        AllocationError(kind="unavailable") is raised: the caller rebuilds everything from the
+        kubelet's records. An entry that cannot be trusted (a bad field, a GPU this node does not
+        have, an unsafe name) is listed in ``untrusted`` for the caller to rebuild; a missing file
+        recovers nothing.
         """
         try:
-            data = checkpoint.read_json(self._checkpoint_path)
+            with self._lock:
+                loaded = self._store.load()
+            data = loaded.document
             if data is None:
-                return 0, []
-            allocs, problems = records.from_json(data)
+                return records.Parsed()
+            parsed = records.from_json(data)
             claims, claim_problems = claim_records.from_json(data)
         except (checkpoint.CheckpointError, records.RecordError) as exc:
             checkpoint.quarantine(self._checkpoint_path)
             raise AllocationError(str(exc), "unavailable") from exc
-        # Claims first, without saving: adopt() then writes the checkpoint once, with both.
-        recovered = self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
-        recovered += self.adopt(allocs, source=str(self._checkpoint_path))
-        return recovered, problems + claim_problems
+        parsed.problems.extend(loaded.problems)
+        parsed.journal_damaged = bool(loaded.problems)
+        # Claims first, without saving: _adopt() then writes the checkpoint once, with both.
+        self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
+        taken, refused = self._adopt(parsed.allocations, source=str(self._checkpoint_path))
+        parsed.allocations = taken
+        parsed.untrusted.extend(a.key for a in refused)
+        parsed.problems.extend(claim_problems)
+        parsed.problems.extend(
+            f"pod {a.pod_uid} container {a.container}: GPU(s) {list(a.minors)} not on this node" for a in refused
+        )
+        return parsed
 
     def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:
-        """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many."""
-        taken = 0
+        """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many.
+
+        Containers we already hold are left as they are; entries naming a GPU this node does not
+        have or an unsafe name are refused (and logged).
+        """
+        taken, refused = self._adopt(allocs, source=source)
+        for alloc in refused:
+            log.error(
+                "%s: cannot take pod %s container %s: GPU(s) %s not on this node",
+                source,
+                alloc.pod_uid,
+                alloc.container,
+                list(alloc.minors),
+            )
+        return len(taken)
+
+    def _adopt(
+        self, allocs: Sequence[ContainerAllocation], *, source: str
+    ) -> tuple[list[ContainerAllocation], list[ContainerAllocation]]:
+        taken: list[ContainerAllocation] = []
+        refused: list[ContainerAllocation] = []
         with self._lock:
             for alloc in allocs:
-                unknown = [m for m in alloc.minors if m not in self._by_minor]
-                if unknown or not alloc.minors:
-                    log.warning(
-                        "%s: dropping pod %s container %s: GPU(s) %s not on this node",
-                        source,
-                        alloc.pod_uid,
-                        alloc.container,
-                        unknown or "none",
-                    )
+                try:
+                    safenames.pod_uid(alloc.pod_uid)
+                    safenames.container_name(alloc.container)
+                except safenames.UnsafeNameError as exc:
+                    log.error("%s: refusing pod %s container %s: %s", source, alloc.pod_uid, alloc.container, exc)
+                    continue
+                if not alloc.minors or any(m not in self._by_minor for m in alloc.minors):
+                    refused.append(alloc)
                     continue
                 if alloc.key in self._allocs:
                     continue
                 self._occupy(alloc)
                 self._insert(alloc)
-                taken += 1
+                taken.append(alloc)
             self._warn_overcommit(source)
-            self._save()
+            if taken:
+                self._save_or_report([_put(a) for a in taken])
         if taken:
             self._notify()
-        return taken
+        return taken, refused
+
+    def holds(self, key: tuple[str, str]) -> bool:
+        """Whether (pod UID, container) has an allocation."""
+        with self._lock:
+            return key in self._allocs
+
+    # -- checkpoint health -----------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where the checkpoint is written."""
+        return self._checkpoint_path
+
+    @property
+    def checkpoint_error(self) -> str:
+        """Why the checkpoint cannot be written now ('' when the last write worked)."""
+        return self._checkpoint_error
+
+    def _save_or_report(self, changes: list[dict[str, Any]] | None = None) -> None:
+        """Write the checkpoint; on failure keep serving from memory and remember why (for /readyz)."""
+        try:
+            self._write(changes)
+        except OSError as exc:
+            log.error("cannot write checkpoint %s: %s", self._checkpoint_path, exc)
+
+    def probe_checkpoint(self) -> str:
+        """Write the checkpoint now (it may have become writable again); returns the error or ''."""
+        with self._lock:
+            self._save_or_report()
+            return self._checkpoint_error
 
     # -- ResourceClaims (DRA mode) ------------------------------------------------------------------
 
@@ -742,9 +1003,23 @@ class Allocator:
                 log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)
 
 
-def _id_number(device_id: str) -> int:
-    tail = device_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
+#: A batch larger than this is written as a whole snapshot rather than one journal record.
+_BATCH_SNAPSHOT = 64
+
+
+def _put(alloc: ContainerAllocation) -> dict[str, Any]:
+    return {"op": "put", "pod": alloc.pod_uid, "container": alloc.container, "entry": alloc.to_json()}
+
+
+def _del(key: tuple[str, str]) -> dict[str, Any]:
+    return {"op": "del", "pod": key[0], "container": key[1]}
+
+
+def _oserror(exc: OSError) -> str:
+    """``[Errno 28] No space left on device (ENOSPC)``: the errno by number and by name."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+    return f"{text} ({name})" if name else text
 
 
 def _request_of(pod: Pod | None, container: str) -> GPURequest | None:

@@ -37,17 +37,26 @@ def read_json(path: Path) -> Any | None:
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def quarantine(path: Path) -> Path | None:
-    """Move a bad checkpoint aside as ``<name>.corrupt-<unix time>``; returns the new path."""
+    """Move a bad checkpoint aside as ``<name>.corrupt-<unix time>``; returns the new path.
+
+    None when there was nothing to move or it cannot be moved (the reason is logged).
+    """
     target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
     try:
         os.replace(path, target)
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.error("cannot move unusable checkpoint %s aside: %s", path, exc)
         return None
     log.warning("moved unusable checkpoint %s to %s", path, target)
     return target

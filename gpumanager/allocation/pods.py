@@ -195,6 +195,16 @@ def container_ids(pod: Pod) -> dict[str, str]:
     return found
 
 
+def started_containers(pod: Pod) -> set[str]:
+    """Names of containers the runtime has started: a container ID, or a running or terminated state."""
+    found = set()
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        state = (cs or {}).get("state") or {}
+        if cs.get("containerID") or "running" in state or "terminated" in state:
+            found.add(str(cs.get("name", "")))
+    return found
+
+
 def core_limit(pod: Pod) -> int | None:
     """The soft limit of ``tencent.com/vcuda-core-limit`` (capped at 100), None when absent."""
     raw = pod_annotations(pod).get(names.VCORE_LIMIT_ANNOTATION)

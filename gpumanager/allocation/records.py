@@ -8,7 +8,8 @@ allocation::
 
 We add fields upstream ignores: ``DeviceIDs`` (the kubelet's vcuda-core IDs, to
 recognise a repeated Allocate and map PreStartContainer), ``Namespace``,
-``Pod``, ``Index`` (the container's position in the pod spec) and ``AnsweredAs``.
+``Pod``, ``Index`` (the container's position in the pod spec), ``AnsweredAs`` and
+``Started`` (PreStartContainer was answered).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from gpumanager import safenames
 
 _DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
 
@@ -41,6 +44,8 @@ class ContainerAllocation:
     # (pod UID, container) the Allocate answer was built for; differs from the key after a swap
     # repaired at PreStartContainer, and names the directory mounted at /etc/vcuda.
     answered_as: tuple[str, str] = ("", "")
+    # PreStartContainer has been answered for it: the container has started at least once.
+    started: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -76,6 +81,8 @@ class ContainerAllocation:
             entry["Index"] = self.container_index
         if self.answered != self.key:
             entry["AnsweredAs"] = list(self.answered)
+        if self.started:
+            entry["Started"] = True
         return entry
 
 
@@ -98,8 +105,58 @@ def _answered(raw: Any) -> tuple[str, str]:
     return ("", "")
 
 
-def from_json(data: Any) -> tuple[list[ContainerAllocation], list[str]]:
-    """Parse a checkpoint; returns the allocations and a list of problems with entries that were skipped.
+@dataclass
+class Parsed:
+    """A checkpoint read entry by entry: what can be trusted, and what must be rebuilt."""
+
+    allocations: list[ContainerAllocation] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: (pod UID, container) of entries that cannot be trusted: rebuilt from the kubelet's records.
+    untrusted: list[tuple[str, str]] = field(default_factory=list)
+    #: GPU minors still readable from an untrusted entry's ``Devices`` (to reserve if nothing else says).
+    salvaged: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
+    #: The journal had damage (besides a last write cut short): some change may be missing.
+    journal_damaged: bool = False
+
+
+def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
+    where = f"pod {pod_uid} container {container}"
+    try:
+        safenames.pod_uid(pod_uid)
+        safenames.container_name(container)
+    except safenames.UnsafeNameError as exc:
+        raise RecordError(f"{where}: {exc}") from None
+    if not isinstance(entry, Mapping):
+        raise RecordError(f"{where}: entry is not an object")
+    devices = entry.get("Devices") or []
+    if not isinstance(devices, list) or not devices:
+        raise RecordError(f"{where}: Devices {devices!r} is not a list of devices")
+    ids = entry.get("DeviceIDs") or []
+    return ContainerAllocation(
+        pod_uid=pod_uid,
+        container=container,
+        minors=tuple(_minor(d, where) for d in devices),
+        cores=_int(entry.get("Cores", 0), where, "Cores"),
+        memory=_int(entry.get("Memory", 0), where, "Memory"),
+        device_ids=tuple(str(i) for i in ids) if isinstance(ids, list) else (),
+        namespace=str(entry.get("Namespace", "")),
+        pod_name=str(entry.get("Pod", "")),
+        container_index=int(entry.get("Index", -1)) if isinstance(entry.get("Index"), int) else -1,
+        answered_as=_answered(entry.get("AnsweredAs")),
+        started=entry.get("Started") is True,
+    )
+
+
+def _salvage(entry: Any) -> tuple[int, ...]:
+    devices = entry.get("Devices") if isinstance(entry, Mapping) else None
+    if not isinstance(devices, list):
+        return ()
+    found = [m for d in devices if (m := _DEVICE_RE.match(str(d)))]
+    return tuple(int(m.group(1)) for m in found) if len(found) == len(devices) else ()
+
+
+def from_json(data: Any) -> Parsed:
+    """Parse a checkpoint entry by entry; a bad entry is listed as untrusted, never silently dropped.
 
     Raises RecordError when the document itself has the wrong shape.
     """
@@ -110,38 +167,22 @@ def from_json(data: Any) -> tuple[list[ContainerAllocation], list[str]]:
         mapping = {}
     if not isinstance(mapping, Mapping):
         raise RecordError("PodGPUMapping is not an object")
-    found: list[ContainerAllocation] = []
-    problems: list[str] = []
+    parsed = Parsed()
     for pod_uid, per_container in mapping.items():
         if not isinstance(per_container, Mapping):
-            problems.append(f"pod {pod_uid}: entry is not an object")
+            parsed.problems.append(f"pod {pod_uid}: entry is not an object")
+            parsed.untrusted.append((str(pod_uid), ""))
             continue
         for container, entry in per_container.items():
-            where = f"pod {pod_uid} container {container}"
             try:
-                if not isinstance(entry, Mapping):
-                    raise RecordError(f"{where}: entry is not an object")
-                devices = entry.get("Devices") or []
-                if not isinstance(devices, list):
-                    raise RecordError(f"{where}: Devices is not a list")
-                ids = entry.get("DeviceIDs") or []
-                found.append(
-                    ContainerAllocation(
-                        pod_uid=str(pod_uid),
-                        container=str(container),
-                        minors=tuple(_minor(d, where) for d in devices),
-                        cores=_int(entry.get("Cores", 0), where, "Cores"),
-                        memory=_int(entry.get("Memory", 0), where, "Memory"),
-                        device_ids=tuple(str(i) for i in ids) if isinstance(ids, list) else (),
-                        namespace=str(entry.get("Namespace", "")),
-                        pod_name=str(entry.get("Pod", "")),
-                        container_index=int(entry.get("Index", -1)) if isinstance(entry.get("Index"), int) else -1,
-                        answered_as=_answered(entry.get("AnsweredAs")),
-                    )
-                )
+                parsed.allocations.append(_entry(str(pod_uid), str(container), entry))
             except RecordError as exc:
-                problems.append(str(exc))
-    return found, problems
+                parsed.problems.append(str(exc))
+                parsed.untrusted.append((str(pod_uid), str(container)))
+                minors = _salvage(entry)
+                if minors:
+                    parsed.salvaged[(str(pod_uid), str(container))] = minors
+    return parsed
 
 
 def to_json(allocations: Iterable[ContainerAllocation]) -> dict[str, Any]:

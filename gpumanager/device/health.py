@@ -54,6 +54,7 @@ class HealthMonitor:
         ignored_xids: Iterable[int],
         quiet_period: float,
         probe_period: float = 1.0,
+        lost: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._gpus = list(gpus)
@@ -63,8 +64,13 @@ class HealthMonitor:
         self._clock = clock
         self._lock = threading.Lock()
         now = clock()
-        self._state = {g.index: HealthState(True, "", now) for g in self._gpus}
-        self._last_bad: dict[int, float] = {}
+        gone = set(lost)
+        self._state = {
+            g.index: HealthState(g.index not in gone, "lost at start" if g.index in gone else "", now)
+            for g in self._gpus
+        }
+        self._last_bad: dict[int, float] = {i: now for i in gone}
+        self._last_answer = now
         self._listeners: list[HealthListener] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,6 +93,19 @@ class HealthMonitor:
         with self._lock:
             return dict(self._state)
 
+    def alive(self) -> bool:
+        """Whether the monitoring thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def nvml_problem(self, stale_after: float = 10.0) -> str:
+        """'' while NVML answers (some GPU answered a probe lately, or the node has none), else why not."""
+        if not self._gpus:
+            return ""
+        silent = self._clock() - self._last_answer
+        if silent > max(stale_after, 3 * self._probe_period):
+            return f"NVML has not answered a probe of any GPU for {silent:.0f} s"
+        return ""
+
     def start(self) -> None:
         """Start the monitoring thread."""
         for g in self._gpus:
@@ -98,11 +117,11 @@ class HealthMonitor:
         self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread and wait for it."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the thread and wait for it (an event wait returns within half a second)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
 
     # -- state changes -------------------------------------------------------------------------
 
@@ -188,6 +207,7 @@ class HealthMonitor:
             except pynvml.NVMLError as exc:
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
                 continue
+            self._last_answer = self._clock()
             self._mark_ok(index)
 
     def _run(self) -> None:

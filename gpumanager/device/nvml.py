@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pynvml
@@ -103,29 +104,79 @@ def _numa_node(handle: object) -> int | None:
     return None
 
 
-def discover() -> list[GPUInfo]:
-    """Every GPU NVML reports, in NVML index order."""
-    gpus = []
+def _describe(index: int, handle: object) -> GPUInfo:
+    try:
+        multi_board = bool(pynvml.nvmlDeviceGetMultiGpuBoard(handle))
+    except pynvml.NVMLError as exc:
+        if is_gpu_lost(exc):
+            raise
+        log.debug("GPU %d: nvmlDeviceGetMultiGpuBoard: %s", index, exc)
+        multi_board = False
+    return GPUInfo(
+        index=index,
+        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
+        memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+        pci_bus_id=normalize_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+        numa_node=_numa_node(handle),
+        multi_gpu_board=multi_board,
+    )
+
+
+def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GPUInfo:
+    """A lost GPU as last seen (saved inventory), else shaped like its healthy peers."""
+    saved = known.get(index)
+    if saved is not None:
+        return saved
+    sizes = sorted({g.memory_total for g in found})
+    used_minors = {g.minor for g in found} | {g.minor for g in known.values()}
+    minor = index if index not in used_minors else max(used_minors, default=-1) + 1
+    log.warning(
+        "GPU %d is lost and was never seen whole: counted with %d MiB (as its peers) and minor %d, so the other "
+        "GPUs' device IDs stay where they are",
+        index,
+        (sizes[-1] if sizes else 0) >> 20,
+        minor,
+    )
+    return GPUInfo(
+        index=index,
+        uuid=f"GPU-lost-{index}",
+        name=found[0].name if found else "lost GPU",
+        minor=minor,
+        memory_total=sizes[-1] if sizes else 0,
+        pci_bus_id="",
+    )
+
+
+def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
+    """Every GPU NVML reports, in NVML index order, and the indices of those that are lost.
+
+    A lost GPU (``NVML_ERROR_GPU_IS_LOST``) does not stop discovery: it is described from
+    ``known`` (the saved inventory) or like its peers, so that its device IDs are kept.
+    """
+    known = known or {}
+    gpus: list[GPUInfo] = []
+    lost: list[int] = []
+    pending: list[int] = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         try:
-            multi_board = bool(pynvml.nvmlDeviceGetMultiGpuBoard(handle))
+            gpus.append(_describe(index, handle))
         except pynvml.NVMLError as exc:
-            log.debug("GPU %d: nvmlDeviceGetMultiGpuBoard: %s", index, exc)
-            multi_board = False
-        gpus.append(
-            GPUInfo(
-                index=index,
-                uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                name=_text(pynvml.nvmlDeviceGetName(handle)),
-                minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
-                memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                pci_bus_id=normalize_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId),
-                numa_node=_numa_node(handle),
-                multi_gpu_board=multi_board,
-            )
-        )
-    return gpus
+            if not is_gpu_lost(exc):
+                raise
+            log.error("GPU %d is lost (%s); serving the other GPUs and listing its devices as Unhealthy", index, exc)
+            lost.append(index)
+            pending.append(index)
+            gpus.append(GPUInfo(index=index, uuid="", name="", minor=-1, memory_total=0, pci_bus_id=""))
+    healthy = [g for g in gpus if g.index not in lost]
+    if known and (len(known) != len(gpus) or any(known.get(g.index, g).uuid != g.uuid for g in healthy)):
+        log.warning("the saved GPU inventory is of other GPUs; not using it")
+        known = {}
+    for index in pending:
+        gpus[index] = _stand_in(index, known, healthy)
+    return gpus, lost
 
 
 @dataclass
@@ -174,22 +225,36 @@ def _p2p_nvlink(a: object, b: object) -> bool:
     return bool(status == pynvml.NVML_P2P_STATUS_OK)
 
 
-def topology(gpus: list[GPUInfo]) -> NodeTopology:
+#: NVML's loosest level (SYSTEM): what a pair with a lost GPU counts as when nothing better is known.
+_SYSTEM_LEVEL = 50
+
+
+def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology | None = None) -> NodeTopology:
     """Common-ancestor levels between every pair of GPUs, and their NVLink connections.
 
     Direct GPU-to-GPU links are counted per peer. GPUs whose links end at an
     NVSwitch are joined to each other when NVML confirms NVLink peer-to-peer
     between them; such a pair counts the smaller of the two GPUs' switch links.
+    A lost GPU's pairs come from ``saved`` (the last inventory) when it has them,
+    else count as SYSTEM with no NVLink.
     """
     handles = [pynvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus]
     n = len(gpus)
+    gone = set(lost)
+    usable_saved = saved is not None and len(saved.levels) == n
     levels = [[0] * n for _ in range(n)]
     for a in range(n):
         for b in range(a + 1, n):
-            level = int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
+            if a in gone or b in gone:
+                level = saved.levels[a][b] if saved is not None and usable_saved else _SYSTEM_LEVEL
+            else:
+                level = int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
             levels[a][b] = levels[b][a] = level
-    by_bus = {g.pci_bus_id: g.index for g in gpus}
-    per_gpu = [_nvlinks(h, g.index, by_bus) for g, h in zip(gpus, handles, strict=True)]
+    by_bus = {g.pci_bus_id: g.index for g in gpus if g.index not in gone}
+    per_gpu = [
+        _nvlinks(h, g.index, by_bus) if g.index not in gone else _Links(peers={})
+        for g, h in zip(gpus, handles, strict=True)
+    ]
     links: dict[tuple[int, int], int] = {}
     for gpu, found in zip(gpus, per_gpu, strict=True):
         for peer, count in found.peers.items():
@@ -201,5 +266,9 @@ def topology(gpus: list[GPUInfo]) -> NodeTopology:
             switch_links = min(per_gpu[a].to_switch, per_gpu[b].to_switch)
             if switch_links and (a, b) not in links and _p2p_nvlink(handles[a], handles[b]):
                 links[(a, b)] = switch_links
+    if saved is not None and usable_saved:
+        for a, b, count in saved.nvlink:
+            if a in gone or b in gone:
+                links[(a, b)] = count
     nvlink = tuple((a, b, c) for (a, b), c in sorted(links.items()))
     return NodeTopology(levels=tuple(tuple(row) for row in levels), nvlink=nvlink)

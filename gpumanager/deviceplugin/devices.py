@@ -104,8 +104,12 @@ class DeviceLayout:
         """The ListAndWatch device list of ``resource``; a GPU missing from ``healthy`` counts as healthy."""
         out = []
         for g in self._gpus:
-            health = names.HEALTHY if healthy.get(g.index, True) else names.UNHEALTHY
-            topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.numa_node)]) if g.numa_node is not None else None
-            for device_id in self.ids_of_gpu(resource, g.index):
-                out.append(pb.Device(ID=device_id, health=health, topology=topology))
+            out.extend(self.devices_of_gpu(resource, g.index, healthy=healthy.get(g.index, True)))
         return out
+
+    def devices_of_gpu(self, resource: str, gpu: int, *, healthy: bool) -> list[pb.Device]:
+        """One GPU's devices of ``resource`` in the given health, with its NUMA node."""
+        info = self._gpus[gpu]
+        health = names.HEALTHY if healthy else names.UNHEALTHY
+        topology = pb.TopologyInfo(nodes=[pb.NUMANode(ID=info.numa_node)]) if info.numa_node is not None else None
+        return [pb.Device(ID=i, health=health, topology=topology) for i in self.ids_of_gpu(resource, gpu)]

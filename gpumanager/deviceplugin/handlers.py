@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from gpumanager import names
+from gpumanager.allocation import ids as device_ids
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse
@@ -28,6 +29,8 @@ _CODES = {
 }
 
 OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None], tuple[str, str] | None]
+#: Blocks (bounded) until Allocate can be served; returns '' or why it cannot be yet.
+ReadyFn = Callable[[], str]
 PreparedFn = Callable[[ContainerAllocation], None]
 Observer = Callable[[str, str, float, bool], None]  # (resource, call, seconds, ok)
 
@@ -58,19 +61,29 @@ class Handlers:
         owner: OwnerFn,
         prepared: PreparedFn,
         observe: Observer | None = None,
+        ready: ReadyFn | None = None,
     ) -> None:
         self._allocator = allocator
+        self._ready = ready
         self._layout = layout
         self._owner = owner
         self._prepared = prepared
         self._observe = observe
 
     def _validate(self, resource: str, ids: Sequence[str]) -> None:
+        doubled = device_ids.duplicates(ids)
+        if doubled:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{resource}: {device_ids.describe(ids)}: device ID {doubled[0]} appears more than once",
+            )
         for device_id in ids:
             try:
                 self._layout.gpu_of(resource, device_id)
             except UnknownDeviceError as exc:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{resource}: {device_ids.describe(ids)}: {exc}"
+                ) from exc
 
     def _timed(self, resource: str, call: str, started: float, ok: bool) -> None:
         if self._observe is not None:
@@ -87,6 +100,11 @@ class Handlers:
             for creq in request.container_requests:
                 ids = list(creq.devices_ids)
                 self._validate(names.VCORE_RESOURCE, ids)
+                problem = self._ready() if self._ready is not None else ""
+                if problem:
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE, f"Allocate for {device_ids.describe(ids)}: {problem}"
+                    )
                 try:
                     answers.append(to_pb(self._allocator.allocate(ids)))
                 except AllocationError as exc:

@@ -1,12 +1,13 @@
 """Keeps both device-plugin servers registered with the kubelet, across kubelet restarts.
 
 The kubelet wipes every socket in the device-plugin directory when it starts and
-then re-creates ``kubelet.sock``. A watch loop polls (every
-``watch_period``, 100 ms by default) the identity of ``kubelet.sock`` and of our
-own sockets: when ours is gone or replaced the servers are restarted, and when
-the kubelet's is re-created, or ours were restarted, both resources register
-again, in this process. Until the kubelet answers, registration is retried with
-a capped backoff and each change of state is logged once.
+then re-creates ``kubelet.sock``. A watch loop wakes on inotify events of that
+directory (and, as a safety net, every ``watch_period``) and compares the
+identity of ``kubelet.sock`` and of our own sockets: when ours is gone or
+replaced the servers serve again at once, and when the kubelet's is re-created,
+or ours were restarted, both resources register again, in this process. Until
+the kubelet answers, registration is retried with the agent's jittered backoff
+and each change of state is logged once.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.deviceplugin.dirwatch import DirectoryWatch
 from gpumanager.deviceplugin.registration import Endpoint, RegistrationError, register
 from gpumanager.deviceplugin.server import PluginServer, socket_identity
+from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
-
-_BACKOFF_START = 0.2
-_BACKOFF_MAX = 5.0
 
 
 @dataclass
@@ -49,7 +49,7 @@ class PluginManager:
         kubelet_socket: Path,
         *,
         options_for: Callable[[PluginServer], pb.DevicePluginOptions],
-        watch_period: float = 0.1,
+        watch_period: float = 5.0,
         register_timeout: float = 5.0,
     ) -> None:
         self._servers = list(servers)
@@ -62,21 +62,27 @@ class PluginManager:
         self._lock = threading.Lock()
         self.status = RegistrationStatus()
         self.registered_event = threading.Event()
+        self._watch: DirectoryWatch | None = None
 
     def start(self) -> None:
         """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
         for s in self._servers:
             s.start()
+        self._watch = DirectoryWatch(self._kubelet_socket.parent)
         self._thread = threading.Thread(target=self._run, name="kubelet-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the loop and the servers, and remove our sockets."""
+        """Remove our sockets and stop the servers and the loop (a registration in flight is not waited for)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=20)
+        if self._watch is not None:
+            self._watch.wake()
         for s in self._servers:
             s.close()
+        if self._thread is not None:
+            self._thread.join(timeout=0.5)
+        if self._watch is not None:
+            self._watch.close()
 
     def alive(self) -> bool:
         """Whether the watch loop is running."""
@@ -86,12 +92,15 @@ class PluginManager:
 
     def _restart_servers(self) -> None:
         for s in self._servers:
-            s.stop(remove_socket=True)
-        for s in self._servers:
-            s.start()
+            if not s.socket_intact():
+                s.restart()
         self.status.server_restarts += 1
 
     def _register_all(self) -> None:
+        # A stopped server's listener removes its socket path as it goes, possibly after a new
+        # server took the path: check just before the kubelet dials us back.
+        if not all(s.socket_intact() for s in self._servers):
+            self._restart_servers()
         endpoints = [Endpoint(s.socket_path.name, s.servicer.resource, self._options_for(s)) for s in self._servers]
         register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
 
@@ -100,10 +109,16 @@ class PluginManager:
             log.warning("not registered with the kubelet: %s (retrying)", message)
         self.status.last_error = message
 
+    def _wait(self, timeout: float) -> None:
+        if self._watch is not None:
+            self._watch.wait(timeout)
+        else:
+            self._stop.wait(timeout)
+
     def _run(self) -> None:
         need_register = True
         next_try = 0.0
-        backoff = _BACKOFF_START
+        backoff = Backoff()
         kubelet_id = socket_identity(self._kubelet_socket)
         while not self._stop.is_set():
             try:
@@ -129,10 +144,10 @@ class PluginManager:
                         self.status.registered = False
                         self.registered_event.clear()
                         self._set_error(str(exc))
-                        next_try = now + backoff
-                        backoff = min(backoff * 2, _BACKOFF_MAX)
+                        next_try = now + backoff.next_delay()
                     else:
-                        need_register, backoff = False, _BACKOFF_START
+                        need_register = False
+                        backoff.reset()
                         if self.status.last_error:
                             log.info("registered with the kubelet after: %s", self.status.last_error)
                         else:
@@ -151,4 +166,9 @@ class PluginManager:
                 # Never exit to recover: log and keep watching.
                 log.exception("device-plugin watch loop error; continuing")
                 self._stop.wait(1.0)
-            self._stop.wait(self._period)
+            if self._stop.is_set():
+                return
+            timeout = self._period
+            if need_register:
+                timeout = min(timeout, max(0.0, next_try - time.monotonic()))
+            self._wait(timeout)

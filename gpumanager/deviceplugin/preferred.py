@@ -13,8 +13,7 @@ anything we cannot place is left for the kubelet to fill.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gpumanager import names
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
@@ -31,10 +30,9 @@ def _id_number(device_id: str) -> int:
 class Preference:
     """Computes preferred device IDs from the topology tree and the device layout."""
 
-    def __init__(self, tree: TopologyTree, layout: DeviceLayout, lock: threading.RLock) -> None:
-        self._tree = tree
+    def __init__(self, scratch_tree: Callable[[], TopologyTree], layout: DeviceLayout) -> None:
+        self._scratch_tree = scratch_tree  # a copy of the allocator's tree, taken under its lock
         self._layout = layout
-        self._lock = lock
 
     def _by_gpu(self, resource: str, ids: Sequence[str]) -> dict[int, list[str]]:
         grouped: dict[int, list[str]] = {}
@@ -71,8 +69,7 @@ class Preference:
     def _core_gpus(self, free: dict[int, list[str]], need: int, already: dict[int, list[str]]) -> list[int]:
         # GPUs that already hold must-include IDs are filled first.
         head = sorted(already)
-        with self._lock:
-            scratch = self._tree.clone()
+        scratch = self._scratch_tree()
         whole = need % names.HUNDRED_CORES == 0
         for leaf in scratch.leaves:
             count = len(free.get(leaf.index, []))

@@ -6,13 +6,49 @@ import logging
 import os
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.servicer import ResourceServicer
 
+SERVICE = "v1beta1.DevicePlugin"
+
 log = logging.getLogger(__name__)
+
+
+def _passthrough(message: bytes | pb.ListAndWatchResponse) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def method_handlers(servicer: ResourceServicer) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+    """The DevicePlugin service's handlers; ListAndWatch sends its prepared bytes without re-encoding."""
+    return {
+        "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+            servicer.GetDevicePluginOptions,
+            request_deserializer=pb.Empty.FromString,
+            response_serializer=pb.DevicePluginOptions.SerializeToString,
+        ),
+        "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+            servicer.ListAndWatch, request_deserializer=pb.Empty.FromString, response_serializer=_passthrough
+        ),
+        "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
+            servicer.GetPreferredAllocation,
+            request_deserializer=pb.PreferredAllocationRequest.FromString,
+            response_serializer=pb.PreferredAllocationResponse.SerializeToString,
+        ),
+        "Allocate": grpc.unary_unary_rpc_method_handler(
+            servicer.Allocate,
+            request_deserializer=pb.AllocateRequest.FromString,
+            response_serializer=pb.AllocateResponse.SerializeToString,
+        ),
+        "PreStartContainer": grpc.unary_unary_rpc_method_handler(
+            servicer.PreStartContainer,
+            request_deserializer=pb.PreStartContainerRequest.FromString,
+            response_serializer=pb.PreStartContainerResponse.SerializeToString,
+        ),
+    }
 
 
 def socket_identity(path: Path) -> tuple[int, int] | None:
@@ -48,29 +84,43 @@ class PluginServer:
                 max_workers=self._max_workers, thread_name_prefix="dp-" + self.socket_path.stem
             )
         server = grpc.server(self._executor)
-        pb_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        handlers = method_handlers(self.servicer)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
         self.identity = socket_identity(self.socket_path)
         log.debug("serving %s on %s", self.servicer.resource, self.socket_path)
 
-    def stop(self, *, remove_socket: bool = True) -> None:
+    def stop(self, *, remove_socket: bool = True, wait: float = 2.0) -> None:
         """Stop serving; remove our socket file unless someone else has replaced it."""
-        self.servicer.stop()
-        if self._server is not None:
-            self._server.stop(grace=0.5).wait(2.0)
-            self._server = None
         if remove_socket and self.identity is not None and socket_identity(self.socket_path) == self.identity:
             try:
                 self.socket_path.unlink()
             except FileNotFoundError:
                 pass
+        self.servicer.stop()
+        if self._server is not None:
+            self._server.stop(grace=min(0.5, wait)).wait(wait)
+            self._server = None
         self.identity = None
+
+    def restart(self) -> None:
+        """Serve on a fresh socket at once (ours was removed by someone else).
+
+        The old server is cancelled without grace first: its listener removes the socket path when
+        it closes, which must not be the new server's.
+        """
+        self.servicer.stop()
+        old, self._server = self._server, None
+        self.identity = None
+        if old is not None:
+            old.stop(grace=None).wait(1.0)
+        self.start()
 
     def close(self) -> None:
         """Stop for good: also release the worker threads (grpc does not own the pool it was given)."""
-        self.stop(remove_socket=True)
+        self.stop(remove_socket=True, wait=0.3)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

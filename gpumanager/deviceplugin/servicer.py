@@ -14,7 +14,8 @@ from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-DeviceSource = Callable[[], list[pb.Device]]
+#: The encoded ListAndWatchResponse to send now (prepared by :class:`~gpumanager.deviceplugin.devicelists.DeviceLists`).
+DeviceSource = Callable[[], bytes]
 PreferenceFn = Callable[[Sequence[str], Sequence[str], int], list[str]]
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -34,8 +35,10 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     """Serves one extended resource to the kubelet.
 
     ListAndWatch sends the full device list at once and again whenever
-    :meth:`notify` is called (health changes). Allocate and PreStartContainer
-    are delegated to handlers; without one the call answers UNIMPLEMENTED.
+    :meth:`notify` is called (health changes); the list arrives encoded and is
+    sent as it is (:func:`~gpumanager.deviceplugin.server.method_handlers`).
+    Allocate and PreStartContainer are delegated to handlers; without one the
+    call answers UNIMPLEMENTED.
     """
 
     def __init__(
@@ -47,7 +50,7 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         preference: PreferenceFn | None = None,
         allocate: AllocateFn | None = None,
         pre_start: PreStartFn | None = None,
-        stream_poll: float = 1.0,
+        stream_poll: float = 30.0,
     ) -> None:
         self.resource = resource
         self._devices = devices
@@ -74,23 +77,25 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._generation += 1
             self._cond.notify_all()
 
-    def _changed(self, generation: int, sent: int) -> Callable[[], bool]:
-        return lambda: self._generation != generation or self._version != sent
+    def _changed(self, generation: int, sent: int, context: grpc.ServicerContext) -> Callable[[], bool]:
+        return lambda: self._generation != generation or self._version != sent or not context.is_active()
 
     # -- RPCs ---------------------------------------------------------------------------------------
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:
         return self._options
 
-    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
+    def ListAndWatch(self, request: pb.Empty, context: grpc.ServicerContext) -> Iterator[bytes]:
         self.streams_served += 1
         sent = -1
         with self._cond:
             generation = self._generation
+        # Wake at once when the kubelet goes away instead of polling for it.
+        context.add_callback(self.wake)
         log.info("%s: kubelet opened ListAndWatch", self.resource)
         while True:
             with self._cond:
-                self._cond.wait_for(self._changed(generation, sent), timeout=self._poll)
+                self._cond.wait_for(self._changed(generation, sent, context), timeout=self._poll)
                 if self._generation != generation:
                     return
                 version = self._version
@@ -99,11 +104,15 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                 return
             if version == sent:
                 continue
-            devices = self._devices()
-            unhealthy = sum(1 for d in devices if d.health != "Healthy")
-            log.info("%s: sending %d devices (%d unhealthy)", self.resource, len(devices), unhealthy)
-            yield pb.ListAndWatchResponse(devices=devices)
+            encoded = self._devices()
+            log.debug("%s: sending the device list (%d bytes)", self.resource, len(encoded))
+            yield encoded
             sent = version
+
+    def wake(self) -> None:
+        """Let every stream look at its state again (a stream ended)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext

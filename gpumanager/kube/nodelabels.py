@@ -8,10 +8,13 @@ the second word of the NVML name when it has more than two words (``NVIDIA H100
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,21 @@ def resolve(labels: dict[str, str], gpu_name: str) -> dict[str, str]:
     return out
 
 
-def apply(api: client.ApiClient, node: str, labels: dict[str, str], *, timeout: float = 60.0) -> bool:
-    """Merge-patch the labels onto the node, retrying for up to ``timeout`` seconds."""
+def apply(
+    api: client.ApiClient,
+    node: str,
+    labels: dict[str, str],
+    *,
+    timeout: float = 60.0,
+    stop: threading.Event | None = None,
+) -> bool:
+    """Merge-patch the labels onto the node, retrying with backoff for up to ``timeout`` seconds."""
     if not labels:
         return True
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + timeout
-    delay = 1.0
+    backoff = Backoff()
+    stop = stop or threading.Event()
     while True:
         try:
             core.patch_node(node, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH, _request_timeout=10)
@@ -51,7 +62,9 @@ def apply(api: client.ApiClient, node: str, labels: dict[str, str], *, timeout: 
                 return False
         except Exception as exc:
             problem = str(exc)
+        delay = backoff.next_delay()
         if time.monotonic() + delay > deadline:
             log.error("gave up labelling node %s: %s", node, problem)
             return False
-        time.sleep(delay)
+        if stop.wait(delay):
+            return False

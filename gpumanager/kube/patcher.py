@@ -2,8 +2,9 @@
 
 Patches are strategic-merge patches of ``metadata.annotations``. A pod that is
 gone (404) is dropped; conflicts, server errors and connection failures are
-retried every ``retry_period`` up to ``max_attempts``. Several patches queued
-for one pod are merged, later values winning.
+retried with the agent's jittered backoff (:mod:`gpumanager.retry`) up to
+``max_attempts``. Several patches queued for one pod are merged, later values
+winning.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,16 @@ class _Pending:
     attempts: int = 0
     not_before: float = 0.0
     done: list[threading.Event] = field(default_factory=list)
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 class AnnotationPatcher:
     """Applies annotation patches in the background. Thread-safe."""
 
-    def __init__(self, api: client.ApiClient, *, retry_period: float = 1.0, max_attempts: int = 10) -> None:
+    def __init__(self, api: client.ApiClient, *, max_attempts: int = 10, request_timeout: float = 10.0) -> None:
         self._core = client.CoreV1Api(api)
-        self._retry = retry_period
         self._max = max_attempts
+        self._timeout = request_timeout
         self._cond = threading.Condition()
         self._queue: OrderedDict[str, _Pending] = OrderedDict()
         self._stop = False
@@ -63,13 +67,17 @@ class AnnotationPatcher:
         self._thread = threading.Thread(target=self._run, name="annotation-patcher", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the worker (pending patches are dropped)."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the worker (pending patches are dropped; a patch in flight is not waited for long)."""
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
+
+    def alive(self) -> bool:
+        """Whether the worker runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _next(self) -> tuple[str, _Pending] | None:
         with self._cond:
@@ -106,7 +114,7 @@ class AnnotationPatcher:
                 for event in pending.done:
                     event.set()
                 continue
-            pending.not_before = time.monotonic() + self._retry
+            pending.not_before = time.monotonic() + pending.backoff.next_delay()
             with self._cond:
                 newer = self._queue.get(uid)
                 if newer is not None:  # merge: values queued later win
@@ -118,7 +126,7 @@ class AnnotationPatcher:
         body = {"metadata": {"annotations": p.annotations}}
         try:
             self._core.patch_namespaced_pod(
-                p.name, p.namespace, body, _content_type=STRATEGIC_MERGE, _request_timeout=10
+                p.name, p.namespace, body, _content_type=STRATEGIC_MERGE, _request_timeout=self._timeout
             )
         except ApiException as exc:
             if exc.status == 404:

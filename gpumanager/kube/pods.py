@@ -2,28 +2,36 @@
 
 Pods are kept as the plain JSON objects the API server sends (no model
 conversion). The watch resumes from the last resourceVersion it saw; a "too old
-resource version" answer (410) starts over with a fresh list; errors back off
-(0.5 s doubling to 10 s) and each change of state is logged once.
+resource version" answer (410) starts over with a fresh list. Failures and 410s
+wait the agent's jittered backoff (:mod:`gpumanager.retry`, 0.8 s doubling to
+30 s) and each change of state is logged once.
+
+:meth:`PodCache.refresh` (a list for a pod the cache has not seen yet, asked
+inside a kubelet call) has a short total deadline: one list at a time runs in
+the background and callers wait for it at most ``refresh_deadline`` seconds,
+so a hanging API server costs a caller that long and never more.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kubernetes import client
+
+from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
 PodListener = Callable[[str, Pod], None]
 
-_BACKOFF_START = 0.5
-_BACKOFF_MAX = 10.0
+#: A watch that lived this long counts as a success: the next failure backs off from the start.
+_HEALTHY_WATCH_SECONDS = 30.0
 
 
 class WatchExpiredError(Exception):
@@ -52,6 +60,7 @@ class PodCache:
         *,
         request_timeout: float = 10.0,
         watch_timeout: int = 300,
+        refresh_deadline: float = 3.0,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self._node = node_name
@@ -67,6 +76,11 @@ class PodCache:
         self._response: Any = None
         self._listeners: list[PodListener] = []
         self._last_error = ""
+        self._refresh_deadline = refresh_deadline
+        self._refresh_lock = threading.Lock()
+        self._refresh_done: threading.Event | None = None
+        self._refresh_result: tuple[list[Pod] | None, BaseException | None] = (None, None)
+        self.backoff = Backoff()
         self.lists = 0
         self.watch_restarts = 0
 
@@ -96,9 +110,51 @@ class PodCache:
         return None
 
     def refresh(self) -> list[Pod]:
-        """List the node's pods from the API server now (raises on failure); the cache is not changed."""
-        items, _ = self._list()
+        """The node's pods listed from the API server now; the cache is not changed.
+
+        Waits at most ``refresh_deadline`` seconds in all (one list at a time is in flight; later
+        callers share it) and raises TimeoutError saying the API server did not answer, or the
+        list's own error.
+        """
+        with self._refresh_lock:
+            done = self._refresh_done
+            if done is None:
+                done = self._refresh_done = threading.Event()
+                threading.Thread(target=self._refresh_once, args=(done,), name="pod-refresh", daemon=True).start()
+        if not done.wait(self._refresh_deadline):
+            raise TimeoutError(f"the API server did not answer a pod list within {self._refresh_deadline:g} s")
+        items, error = self._refresh_result
+        if error is not None:
+            raise error
+        assert items is not None
         return items
+
+    def _refresh_once(self, done: threading.Event) -> None:
+        try:
+            items, _ = self._list()
+            result: tuple[list[Pod] | None, BaseException | None] = (items, None)
+        except Exception as exc:
+            result = (None, exc)
+        with self._refresh_lock:
+            self._refresh_result = result
+            self._refresh_done = None
+        done.set()
+
+    def lookup(self, namespace: str, name: str) -> Pod | None:
+        """A pod by namespace and name: from the cache, else from a fresh list (bounded as :meth:`refresh`)."""
+        pod = self.find(namespace, name)
+        if pod is not None:
+            return pod
+        try:
+            fresh = self.refresh()
+        except Exception as exc:
+            log.warning("cannot look up pod %s/%s: %s", namespace, name, exc)
+            return None
+        for p in fresh:
+            meta = p.get("metadata") or {}
+            if meta.get("namespace") == namespace and meta.get("name") == name:
+                return p
+        return None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -115,22 +171,21 @@ class PodCache:
         """Wait for the first complete list."""
         return self._synced.wait(timeout)
 
-    def stop(self) -> None:
-        """Stop watching."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop watching: the watch connection is shut down, so a reader blocked on it returns at once."""
         self._stop.set()
         response = self._response
         if response is not None:
-            # close() waits for the reading thread to let go of the stream, which it does only when
-            # the next bytes come (possibly a minute later); shutting the socket wakes it at once.
-            sock = getattr(getattr(response, "connection", None), "sock", None)
             try:
-                if sock is not None:
-                    sock.shutdown(socket.SHUT_RDWR)
-                response.close()
-            except Exception:
-                pass
+                response.shutdown()
+            except Exception as exc:
+                log.debug("shutting down the watch connection: %s", exc)
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
+
+    def alive(self) -> bool:
+        """Whether the list/watch loop runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -169,14 +224,20 @@ class PodCache:
             _request_timeout=(self._timeout, self._watch_timeout + 30),
         )
         self._response = response
+        if self._stop.is_set():
+            response.shutdown()
+        started = time.monotonic()
         try:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
                 self._apply(json.loads(line))
+                self.backoff.reset()
         finally:
             self._response = None
             response.release_conn()
+        if time.monotonic() - started >= _HEALTHY_WATCH_SECONDS:
+            self.backoff.reset()
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -217,7 +278,6 @@ class PodCache:
             self._last_error = message
 
     def _run(self) -> None:
-        backoff = _BACKOFF_START
         need_list = True
         while not self._stop.is_set():
             try:
@@ -225,17 +285,18 @@ class PodCache:
                     self._relist()
                     need_list = False
                 self._report("")
-                backoff = _BACKOFF_START
                 self._watch()
                 self.watch_restarts += 1
             except WatchExpiredError as exc:
-                log.info("pod watch expired (%s); listing again", exc)
+                log.info("pod watch expired (%s); listing again after a backoff", exc)
                 need_list = True
+                if self.backoff.wait(self._stop):
+                    return
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 self._report(f"{type(exc).__name__}: {exc}")
                 # The watch resumes from the last resourceVersion; the server answers 410 if it
                 # no longer has that history, and then we list again.
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX)
+                if self.backoff.wait(self._stop):
+                    return

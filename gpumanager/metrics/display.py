@@ -64,10 +64,10 @@ class DisplayServer:
 
     def stop(self) -> None:
         """Stop serving and remove the socket."""
-        if self._server is not None:
-            self._server.stop(grace=0.5).wait(2.0)
-            self._server = None
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
+        if self._server is not None:
+            self._server.stop(grace=0.2).wait(0.3)
+            self._server = None

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import grpc
 
-from gpumanager import names
+from gpumanager import names, safenames
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
@@ -109,9 +109,10 @@ class VirtualManager:
     def prepare(self, alloc: ContainerAllocation) -> Path:
         """Write the container's vcuda.config where its answer points and serve the pod's vcuda.sock."""
         answered_pod, answered_container = alloc.answered
-        directory = self.pod_dir(answered_pod)
+        # The allocator refuses unsafe names already; nothing is ever written outside the pod's directory.
+        directory = safenames.child(self.vm_path, safenames.pod_uid(answered_pod))
         directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = directory / answered_container / names.VCUDA_CONFIG_FILE
+        path = safenames.child(directory, safenames.container_name(answered_container), names.VCUDA_CONFIG_FILE)
         files.write_config(path, self.config_for(alloc))
         self._serve(answered_pod)
         return path
@@ -263,7 +264,7 @@ class VirtualManager:
         pids = self._cgroups.pids(socket_pod, target.container_id, qos)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
-        directory = self.pod_dir(socket_pod) / target.subdir
+        directory = safenames.child(self.pod_dir(socket_pod), target.subdir)
         files.write_pids(directory / names.PIDS_CONFIG_FILE, pids)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it

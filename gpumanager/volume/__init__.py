@@ -10,10 +10,37 @@ process maps them and no container has them mounted.
 Entry point: :func:`build_vdriver`.
 """
 
-from gpumanager.volume.config import VolumeConfig, VolumeSpec, load_volume_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gpumanager.volume.errors import NotElfError, VolumeError
-from gpumanager.volume.manager import VdriverResult, VolumeOutcome, build_vdriver
-from gpumanager.volume.version import DriverVersion
+
+if TYPE_CHECKING:
+    from gpumanager.volume.config import VolumeConfig, VolumeSpec, load_volume_config
+    from gpumanager.volume.manager import VdriverResult, VolumeOutcome, build_vdriver
+    from gpumanager.volume.version import DriverVersion
+
+# Loaded on first use: reading ELF files (pyelftools) is the slowest import of the agent, and the
+# agent registers with the kubelet before it builds the mirror.
+_LAZY = {
+    "VolumeConfig": "config",
+    "VolumeSpec": "config",
+    "load_volume_config": "config",
+    "VdriverResult": "manager",
+    "VolumeOutcome": "manager",
+    "build_vdriver": "manager",
+    "DriverVersion": "version",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "DriverVersion",

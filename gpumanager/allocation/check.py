@@ -1,0 +1,118 @@
+"""gpu-manager's periodic allocation check, and releases as pods end.
+
+Every ``--allocation-check-period`` (and as soon as the pod cache is first
+complete, so pods that ended while the agent was down are freed at once): pods
+that are gone are freed, pods whose admission or PreStart failed are freed (and
+deleted when a controller owns them), directories of pods that are gone are
+removed, and running pods whose annotations are missing or stale are annotated
+again. Pod events free a pod's GPUs the moment it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.allocator import Allocator, PodSource
+from gpumanager.allocation.pods import Pod
+
+log = logging.getLogger(__name__)
+
+Annotate = Callable[[str], None]
+DeletePod = Callable[[Pod], None]
+CollectDirs = Callable[[Iterable[str]], object]
+
+
+class AllocationCheck:
+    """The periodic check and the pod-event listener, over the allocator."""
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        pods: PodSource,
+        *,
+        period: float,
+        annotate: Annotate,
+        delete_failed: DeletePod,
+        collect_dirs: CollectDirs,
+        wait_synced: Callable[[float], bool],
+    ) -> None:
+        self._allocator = allocator
+        self._pods = pods
+        self._period = period
+        self._annotate = annotate
+        self._delete_failed = delete_failed
+        self._collect_dirs = collect_dirs
+        self._wait_synced = wait_synced
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the loop in the background."""
+        self._thread = threading.Thread(target=self._run, name="allocation-check", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the loop (not waited for: it only ever waits on its own events)."""
+        self._stop.set()
+        self._wake.set()
+
+    def alive(self) -> bool:
+        """Whether the loop runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Check now instead of at the end of the period."""
+        self._wake.set()
+
+    def on_pod_event(self, kind: str, pod: Pod) -> None:
+        """Pod watch listener: a pod that is deleted or has ended gives its GPUs back at once."""
+        if not (kind == "DELETED" or podinfo.is_terminated(pod)):
+            return
+        if self._allocator.release_pod(podinfo.uid(pod)) and self._pods.synced():
+            self._collect_dirs(self.active_pod_dirs())
+
+    def active_pod_dirs(self) -> set[str]:
+        """Pod directories to keep: those of allocations, and of every pod that may still run."""
+        allocs = self._allocator.allocations()
+        alive = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
+        return {a.pod_uid for a in allocs} | {a.answered[0] for a in allocs} | alive
+
+    def check(self) -> None:
+        """One check: free what is gone or failed, remove stale directories, re-annotate running pods."""
+        gone = self._allocator.recycle()
+        self._clean_failed_pods()
+        self._allocator.probe_checkpoint()
+        if self._pods.synced():
+            self._collect_dirs(self.active_pod_dirs())
+        for uid in sorted({a.pod_uid for a in self._allocator.allocations()}):
+            pod = self._pods.get(uid)
+            if pod is not None and podinfo.phase(pod) == "Running":
+                self._annotate(uid)
+        if gone:
+            log.info("periodic check released %d pods that are gone", len(gone))
+
+    def _clean_failed_pods(self) -> None:
+        for pod in self._pods.pods():
+            if podinfo.phase(pod) not in ("Failed", "Pending") or not podinfo.should_delete(pod):
+                continue
+            if not podinfo.is_gpu_pod(pod):
+                continue
+            self._allocator.release_pod(podinfo.uid(pod))
+            self._delete_failed(pod)
+
+    def _run(self) -> None:
+        # First check as soon as the pod cache is complete: pods that ended while we were down are freed now.
+        first = self._wait_synced(self._period)
+        while not self._stop.is_set():
+            if first:
+                try:
+                    self.check()
+                except Exception:
+                    log.exception("allocation check failed; trying again next period")
+            first = True
+            self._wake.wait(self._period)
+            self._wake.clear()

@@ -1,0 +1,32 @@
+"""Device IDs in messages: every refusal names the IDs it is about, briefly."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+#: How many IDs a message lists one by one before it summarises the rest.
+SHOWN = 6
+
+
+def number(device_id: str) -> int:
+    """The trailing number of a fake device ID (-1 when there is none)."""
+    tail = device_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def duplicates(device_ids: Iterable[str]) -> list[str]:
+    """IDs that appear more than once, in first-seen order."""
+    counts = Counter(device_ids)
+    return [i for i, n in counts.items() if n > 1]
+
+
+def describe(device_ids: Sequence[str]) -> str:
+    """``devices a, b, c`` for a few IDs; the first ones and a count for many."""
+    ordered = sorted(device_ids, key=lambda i: (i.rsplit("-", 1)[0], number(i), i))
+    if not ordered:
+        return "no devices"
+    if len(ordered) <= SHOWN:
+        return "devices " + ", ".join(ordered)
+    head = ", ".join(ordered[:SHOWN])
+    return f"{len(ordered)} devices {head}, ... {ordered[-1]}"

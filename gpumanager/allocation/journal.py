@@ -1,0 +1,323 @@
+"""Our checkpoint on disk: a snapshot in upstream's format, and an append-only journal of changes since.
+
+Every change must be durable before the kubelet gets its answer. Rewriting and
+fsyncing the whole ``gpumanager_internal_checkpoint`` for each one costs several
+milliseconds (file data, a rename, the directory); so a change is one small
+record written into a journal segment that was filled with zeros and synced
+beforehand (``O_DSYNC``, an overwrite of blocks already allocated: no file
+size or block map to update, typically a fraction of a millisecond). The
+snapshot, upstream's exact shape, is rewritten in the background a moment after
+changes stop, when a segment fills up, and at stop; so an upgrade or downgrade
+in place reads a snapshot at most a second or so old, and this agent reads the
+journal too.
+
+Files, beside the snapshot ``<name>``: ``<name>.journal-<seq>`` segments of
+:data:`SEGMENT_BYTES`. A record is ``<length:8 hex> <crc32:8 hex> <json>\\n``;
+zeros mark the free rest of a segment. On load the snapshot is read, then every
+segment in order (a change is a put or a delete of one container's entry, so
+replaying one the snapshot already holds changes nothing). A record whose
+checksum does not match at the end of the last segment is a write cut short by
+a crash and is ignored; anywhere else it is damage: the segment is moved aside
+and reported, and the caller reconciles with the kubelet's records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumanager.allocation import checkpoint
+from gpumanager.fileio import fsync_dir
+
+log = logging.getLogger(__name__)
+
+#: Size of one journal segment (about 2000 changes of a one-GPU container).
+SEGMENT_BYTES = 1 << 20
+_HEADER = 18  # "%08x %08x " before the JSON
+
+
+class JournalError(RuntimeError):
+    """A journal segment is damaged (not just cut short at its end); the message names file and offset."""
+
+
+@dataclass
+class Loaded:
+    """What :meth:`CheckpointStore.load` found."""
+
+    document: dict[str, Any] | None  # the snapshot with the journal applied; None when neither exists
+    replayed: int = 0
+    problems: list[str] = field(default_factory=list)  # damaged segments (moved aside)
+
+
+def _record(change: Mapping[str, Any]) -> bytes:
+    body = json.dumps(change, sort_keys=True, separators=(",", ":")).encode()
+    return b"%08x %08x " % (len(body), zlib.crc32(body)) + body + b"\n"
+
+
+def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
+    """Apply one journal change (or a batch of them) to a checkpoint document, in place."""
+    if "batch" in change:
+        for one in change.get("batch") or []:
+            if isinstance(one, Mapping):
+                apply(document, one)
+        return
+    mapping = document.setdefault("PodGPUMapping", {})
+    pod, container = str(change.get("pod", "")), str(change.get("container", ""))
+    if change.get("op") == "put":
+        mapping.setdefault(pod, {})[container] = change.get("entry")
+    elif change.get("op") == "del":
+        per = mapping.get(pod)
+        if isinstance(per, dict):
+            per.pop(container, None)
+            if not per:
+                mapping.pop(pod, None)
+
+
+class _Segment:
+    """One preallocated journal file, written record by record with O_DSYNC."""
+
+    def __init__(self, path: Path, fd: int, seq: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.seq = seq
+        self.offset = 0
+
+    @classmethod
+    def create(cls, path: Path, seq: int) -> _Segment:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            zeros = b"\0" * (1 << 20)
+            for _ in range(SEGMENT_BYTES // len(zeros)):
+                os.write(fd, zeros)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return cls(path, os.open(path, os.O_RDWR | os.O_DSYNC), seq)
+
+    def room(self, size: int) -> bool:
+        return self.offset + size <= SEGMENT_BYTES
+
+    def append(self, record: bytes) -> None:
+        written = os.pwrite(self.fd, record, self.offset)
+        if written != len(record):
+            raise OSError(f"short write to {self.path} ({written} of {len(record)} bytes)")
+        self.offset += len(record)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def discard(self) -> None:
+        self.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int]:
+    """The change at ``pos`` and the offset after it; (None, -1) when the record there is damaged."""
+    header = data[pos : pos + _HEADER]
+    try:
+        length, crc = int(header[0:8], 16), int(header[9:17], 16)
+    except ValueError:
+        return None, -1
+    end = pos + _HEADER + length
+    body = data[pos + _HEADER : end]
+    if len(body) != length or zlib.crc32(body) != crc or data[end : end + 1] != b"\n":
+        return None, -1
+    try:
+        change = json.loads(body)
+    except ValueError:
+        return None, -1
+    return (change, end + 1) if isinstance(change, dict) else (None, -1)
+
+
+def _cut_short(data: bytes, pos: int) -> bool:
+    """Whether the record at ``pos`` is a write that never completed: it runs into unwritten zeros.
+
+    Records hold no NUL byte (JSON escapes it), so zeros mark space never written to.
+    """
+    written = data.find(b"\0", pos)
+    written = len(data) if written < 0 else written
+    try:
+        length = int(data[pos : pos + 8], 16)
+    except ValueError:
+        return written - pos < _HEADER
+    return pos + _HEADER + length + 1 > written
+
+
+def _read_segment(path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
+    """The changes of one segment, and a problem ('' when it is whole or only cut short at its end)."""
+    data = path.read_bytes()
+    changes: list[dict[str, Any]] = []
+    pos = 0
+    while pos < len(data) and data[pos] != 0:
+        change, after = _parse(data, pos)
+        if change is None:
+            if last and _cut_short(data, pos):
+                log.info("journal %s: last record cut short at offset %d (a crash while writing); ignored", path, pos)
+                return changes, ""
+            return changes, f"journal {path}: damaged record at offset {pos}"
+        changes.append(change)
+        pos = after
+    return changes, ""
+
+
+class CheckpointStore:
+    """The snapshot and its journal.
+
+    :meth:`record`, :meth:`switch` and :meth:`load` are called under the allocator's lock;
+    :meth:`write_snapshot` and :meth:`make_spare` may run outside it (the compactor).
+    """
+
+    def __init__(self, path: Path, *, idle_compact: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self._segment: _Segment | None = None
+        self._spare: _Segment | None = None
+        self._seq = 0
+        self._active_seq = 0
+        self._idle = idle_compact
+        self._clock = clock
+        self._snap_lock = threading.Lock()
+        self._snapshot_seq = -1
+        self.dirty_since: float | None = None  # first change not yet in the snapshot
+        self.records = 0
+
+    def _segment_path(self, seq: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.journal-{seq}")
+
+    def _segments(self) -> list[tuple[int, Path]]:
+        found = []
+        for p in self.path.parent.glob(self.path.name + ".journal-*"):
+            tail = p.name.rsplit("-", 1)[-1]
+            if tail.isdigit():
+                found.append((int(tail), p))
+        return sorted(found)
+
+    def load(self, *, quarantine: bool = True) -> Loaded:
+        """The snapshot with every journal change applied (raises checkpoint.CheckpointError when the
+        snapshot itself is unusable; it is left for the caller to move aside). A damaged segment is
+        moved aside when ``quarantine``."""
+        snapshot = checkpoint.read_json(self.path)
+        segments = self._segments()
+        for seq, _ in segments:
+            self._seq = max(self._seq, seq)
+        if snapshot is None and not segments:
+            return Loaded(None)
+        document: dict[str, Any] = dict(snapshot) if snapshot is not None else {"PodGPUMapping": {}}
+        loaded = Loaded(document)
+        if not isinstance(document.get("PodGPUMapping") or {}, dict):
+            return loaded  # the caller reports the shape
+        for i, (_, path) in enumerate(segments):
+            changes, problem = _read_segment(path, last=i == len(segments) - 1)
+            for change in changes:
+                apply(document, change)
+            loaded.replayed += len(changes)
+            if problem:
+                loaded.problems.append(problem)
+                if not quarantine:
+                    continue
+                aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+                with contextlib.suppress(OSError):
+                    os.replace(path, aside)
+                log.error("%s; moved aside as %s (the kubelet's records fill what it lost)", problem, aside)
+        return loaded
+
+    def record(self, change: Mapping[str, Any]) -> None:
+        """Make one change durable (raises OSError when it cannot be written)."""
+        data = _record(change)
+        if self._segment is None or not self._segment.room(len(data)):
+            self.switch()
+        assert self._segment is not None
+        if not self._segment.room(len(data)):
+            raise OSError(f"a change of {len(data)} bytes does not fit a journal segment")
+        self._segment.append(data)
+        self.records += 1
+        if self.dirty_since is None:
+            self.dirty_since = self._clock()
+
+    def switch(self) -> int:
+        """Start a new journal segment (the spare one when it is ready); returns its sequence number.
+
+        Every change recorded before this call is in older segments, which a snapshot of the state
+        at this moment makes unnecessary (:meth:`write_snapshot`).
+        """
+        spare, self._spare = self._spare, None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if spare is None or spare.seq <= self._active_seq:
+            if spare is not None:
+                spare.discard()
+            self._seq += 1
+            spare = _Segment.create(self._segment_path(self._seq), self._seq)
+        self._segment = spare
+        self._active_seq = spare.seq
+        return spare.seq
+
+    def reserve(self) -> int:
+        """A sequence number for a spare segment, 0 when one is ready (under the lock)."""
+        if self._spare is not None:
+            return 0
+        self._seq += 1
+        return self._seq
+
+    def make_spare(self, seq: int) -> _Segment | None:
+        """Create the reserved segment, zero-filled and synced (outside the lock)."""
+        return _Segment.create(self._segment_path(seq), seq) if seq else None
+
+    def set_spare(self, segment: _Segment | None) -> None:
+        """Keep a prepared segment for the next :meth:`switch` (under the lock)."""
+        if segment is None:
+            return
+        if self._spare is None and segment.seq > self._active_seq:
+            self._spare = segment
+        else:
+            segment.discard()
+
+    def write_snapshot(self, document: Mapping[str, Any], seq: int) -> None:
+        """Write the state as of :meth:`switch` number ``seq``; then older segments go. A snapshot older
+        than one already written is skipped."""
+        with self._snap_lock:
+            if seq <= self._snapshot_seq:
+                return
+            checkpoint.write_json(self.path, document)
+            self._snapshot_seq = seq
+            for old_seq, path in self._segments():
+                if old_seq < seq:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+
+    def mark_clean(self) -> None:
+        """Everything recorded so far is in the snapshot being written."""
+        self.dirty_since = None
+
+    def due(self) -> bool:
+        """Whether the snapshot should be brought up to date now (changes idle for a moment)."""
+        return self.dirty_since is not None and self._clock() - self.dirty_since >= self._idle
+
+    def close(self) -> None:
+        """Close the open segments (the spare one is removed)."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if self._spare is not None:
+            self._spare.discard()
+            self._spare = None
+
+
+def read_document(path: Path) -> dict[str, Any] | None:
+    """The current checkpoint document at ``path``: the snapshot with its journal applied (for tools)."""
+    return CheckpointStore(path).load(quarantine=False).document

@@ -1,0 +1,76 @@
+"""Waiting for changes in the device-plugin directory (inotify), so a kubelet restart is seen at once."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+from pathlib import Path
+
+from inotify_simple import INotify, flags
+
+log = logging.getLogger(__name__)
+
+_EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM | flags.DELETE_SELF | flags.MOVE_SELF
+
+
+class DirectoryWatch:
+    """inotify on one directory; :meth:`wait` returns on a change, a timeout, or :meth:`wake`.
+
+    Without inotify (or when the directory cannot be watched) :meth:`wait` simply sleeps: the
+    caller's own periodic check still sees every change, later.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._wake_r, self._wake_w = os.pipe()
+        self._inotify: INotify | None = None
+        self._watching = False
+        try:
+            self._inotify = INotify(nonblocking=True)
+        except OSError as exc:
+            log.warning("inotify unavailable (%s); checking %s periodically only", exc, directory)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._inotify is None or self._watching:
+            return
+        try:
+            self._inotify.add_watch(str(self._dir), _EVENTS)
+            self._watching = True
+        except OSError as exc:
+            log.debug("cannot watch %s yet: %s", self._dir, exc)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until something changes in the directory (True), or ``timeout`` / :meth:`wake` (False)."""
+        self._arm()
+        fds = [self._wake_r] + ([self._inotify.fileno()] if self._inotify is not None and self._watching else [])
+        try:
+            ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
+        except (OSError, ValueError):
+            return False
+        changed = False
+        if self._inotify is not None and self._inotify.fileno() in ready:
+            for event in self._inotify.read(timeout=0):
+                changed = True
+                if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED):
+                    self._watching = False  # the directory itself went away: watch it again when it is back
+        if self._wake_r in ready:
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 64)
+        return changed
+
+    def wake(self) -> None:
+        """Make a pending :meth:`wait` return now."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        """Release the inotify instance and the pipe."""
+        if self._inotify is not None:
+            with contextlib.suppress(OSError):
+                self._inotify.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,53 @@
+"""Checks on names that become parts of host paths: pod UIDs, container names, container IDs.
+
+A pod's directory is ``<virtual-manager-path>/<pod uid>`` and its containers'
+files live in ``<pod dir>/<container name or id>/``. Every such name comes from
+outside (the API server, the kubelet, a request on ``vcuda.sock``, a checkpoint
+on disk) and is checked before it is joined to a path: pod UIDs must be UUIDs,
+container names DNS labels (RFC 1123, as Kubernetes requires) and container IDs
+plain tokens, so nothing is ever written outside the pod's own directory.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,254}$")
+
+
+class UnsafeNameError(ValueError):
+    """A name that must not become part of a path; the message names what and the value."""
+
+
+def pod_uid(value: str) -> str:
+    """``value`` when it is a UUID; UnsafeNameError otherwise."""
+    if not _UUID.match(value):
+        raise UnsafeNameError(f"pod UID {value!r} is not a UUID")
+    return value
+
+
+def container_name(value: str) -> str:
+    """``value`` when it is a DNS label (what Kubernetes allows as a container name)."""
+    if not _DNS_LABEL.match(value):
+        raise UnsafeNameError(f"container name {value!r} is not a DNS label (RFC 1123: a-z, 0-9, '-', at most 63)")
+    return value
+
+
+def container_id(value: str) -> str:
+    """``value`` when it is a plain container-ID token (letters, digits, ``_.-``; no ``/``, not ``..``)."""
+    if not _CONTAINER_ID.match(value) or value in (".", ".."):
+        raise UnsafeNameError(f"container ID {value!r} is not a plain token")
+    return value
+
+
+def child(base: Path, *parts: str) -> Path:
+    """``base/part/...`` after checking that each part is one plain path component inside ``base``."""
+    path = base
+    for part in parts:
+        if not part or part in (".", "..") or "/" in part or "\0" in part:
+            raise UnsafeNameError(f"{part!r} is not a single path component under {base}")
+        path = path / part
+    return path

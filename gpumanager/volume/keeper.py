@@ -1,0 +1,127 @@
+"""Keeps the driver mirror built: at start, every few minutes, and on request.
+
+It also knows whether shared containers can be served: in share mode their
+answer mounts the share-mode tree, which must exist and hold the interceptor;
+:attr:`MirrorKeeper.share_problem` says why not when it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from gpumanager.volume.errors import VolumeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VDRIVER = Path("/etc/gpu-manager/vdriver")
+#: How often the driver mirror is checked again (an unchanged driver costs a few ms and changes nothing).
+RECHECK_SECONDS = 300.0
+
+
+class MirrorKeeper:
+    """Builds the vdriver trees and rechecks them in the background."""
+
+    def __init__(
+        self,
+        *,
+        volume_config: str,
+        driver_root: str,
+        share_mode: bool,
+        interceptor: str,
+        gpu_client: Path | None = None,
+        proc_root: str = "/proc",
+        period: float = RECHECK_SECONDS,
+    ) -> None:
+        self._gpu_client = gpu_client
+        self._proc_root = proc_root
+        self._config = volume_config
+        self._root = driver_root
+        self._share = share_mode
+        self._interceptor = interceptor
+        self._period = period
+        self.nvidia = str(DEFAULT_VDRIVER / "nvidia")
+        self.origin = str(DEFAULT_VDRIVER / "origin")
+        self.error = ""
+        self._built = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def share_problem(self) -> str:
+        """Why shared containers cannot get the interceptor now ('' when they can, or share mode is off)."""
+        if not self._share:
+            return ""
+        if not self._config:
+            return "share mode has no interceptor: --volume-config is not set, so no driver tree holds it"
+        if not self._built:
+            return f"share mode has no interceptor: the driver mirror is not built ({self.error or 'not yet'})"
+        return ""
+
+    def build(self) -> bool:
+        """Build (or check) the mirror now; False with :attr:`error` set when it fails."""
+        if not self._config:
+            return False
+        # Loaded here, after registration: ELF reading is the slowest import of the agent.
+        from gpumanager.volume.manager import build_vdriver
+
+        try:
+            result = build_vdriver(
+                volume_config=Path(self._config),
+                driver_root=Path(self._root),
+                share_mode=self._share,
+                interceptor=Path(self._interceptor) if self._share else None,
+                gpu_client=self._gpu_client,
+                proc_root=Path(self._proc_root),
+            )
+        except VolumeError as exc:
+            self.error = str(exc)
+            log.error("driver mirror not built: %s", exc)
+            return False
+        for warning in result.warnings:
+            log.warning("driver mirror: %s", warning)
+        for tree in result.removed_trees:
+            log.info("driver mirror: removed unused tree %s", tree)
+        if result.changed:
+            log.info(
+                "driver mirror %s: %s",
+                result.driver_version.full if result.driver_version else "(no libcuda found)",
+                ", ".join(f"{v.path} -> {v.tree.name}" + (" (new)" if v.built else "") for v in result.volumes),
+            )
+        self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
+        self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
+        self.error = ""
+        self._built = True
+        return True
+
+    def start(self) -> None:
+        """Recheck in the background every period (and on :meth:`wake`)."""
+        if not self._config:
+            log.warning(
+                "--volume-config is not set: no driver mirror is built; containers mount %s", (self.nvidia, self.origin)
+            )
+            return
+        self._thread = threading.Thread(target=self._run, name="volume-check", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Check now."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the loop."""
+        self._stop.set()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._period)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.build()
+            except Exception:
+                log.exception("driver mirror check failed; trying again later")

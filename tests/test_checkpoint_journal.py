@@ -1,0 +1,108 @@
+"""The checkpoint journal: every change durable at once, the snapshot kept in upstream's shape, damage found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpumanager.allocation import journal
+from gpumanager.allocation.journal import CheckpointStore, read_document
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+
+def put(pod: str, container: str, cores: int) -> dict[str, object]:
+    entry = {"Devices": ["/dev/nvidia0"], "Cores": cores, "Memory": 0}
+    return {"op": "put", "pod": pod, "container": container, "entry": entry}
+
+
+def test_changes_are_replayed_over_a_stale_snapshot(tmp_path: Path) -> None:
+    path = tmp_path / "gpumanager_internal_checkpoint"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.record({"batch": [put("b", "c", 40), put("a", "c", 50)]})
+    store.record({"op": "del", "pod": "b", "container": "c"})
+    store.close()
+    assert json.loads(path.read_text()) == {"PodGPUMapping": {}}, "the snapshot is written later"
+    loaded = CheckpointStore(path).load()
+    assert loaded.problems == [] and loaded.replayed == 3
+    assert loaded.document == {"PodGPUMapping": {"a": {"c": put("a", "c", 50)["entry"]}}}
+
+
+def test_a_record_cut_short_at_the_end_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.record(put("b", "c", 40))
+    store.close()
+    segment = next(tmp_path.glob("cp.journal-*"))
+    data = bytearray(segment.read_bytes())
+    end = data.index(b"\0")
+    data[end - 10 : end] = b"\0" * 10  # the last write reached the disk only in part
+    segment.write_bytes(bytes(data))
+    loaded = CheckpointStore(path).load()
+    assert loaded.problems == []
+    assert loaded.document == {"PodGPUMapping": {"a": {"c": put("a", "c", 30)["entry"]}}}
+
+
+def test_damage_inside_the_journal_is_reported_and_set_aside(tmp_path: Path) -> None:
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.record(put("b", "c", 40))
+    store.close()
+    segment = next(tmp_path.glob("cp.journal-*"))
+    data = bytearray(segment.read_bytes())
+    data[25] ^= 0xFF  # a flipped byte inside the first record
+    segment.write_bytes(bytes(data))
+    loaded = CheckpointStore(path).load()
+    assert len(loaded.problems) == 1 and "damaged record at offset 0" in loaded.problems[0]
+    assert str(segment) in loaded.problems[0]
+    assert not segment.exists() and list(tmp_path.glob("cp.journal-*.corrupt-*"))
+
+
+def test_compaction_writes_upstreams_snapshot_and_drops_old_segments(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 50, 4)])])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.probe_checkpoint()
+    alloc.allocate(core_ids(0, 50))
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    assert json.loads(path.read_text())["PodGPUMapping"] == {}
+    assert uid_of("a") in (read_document(path) or {})["PodGPUMapping"]
+    before = {p.name for p in path.parent.glob("gpumanager_internal_checkpoint.journal-*")}
+    alloc.compact()
+    assert json.loads(path.read_text())["PodGPUMapping"][uid_of("a")]["c"]["Cores"] == 50
+    after = {p.name for p in path.parent.glob("gpumanager_internal_checkpoint.journal-*")}
+    assert len(after) == 1 and not before & after, "the segment the snapshot holds is gone; a fresh one is open"
+
+
+def test_an_agent_that_died_before_compaction_recovers_from_the_journal(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 50, 4)]), make_pod("b", [("c", 100, 0)], created="2026-11-21T11:00:00Z")])
+    first = make_allocator(tmp_path, pods)
+    first.probe_checkpoint()
+    first.allocate(core_ids(0, 50))
+    first.allocate(core_ids(1, 100))
+    first.release_pod(uid_of("a"))
+    # No compaction, no close: the process is gone.
+    second = make_allocator(tmp_path, pods)
+    loaded = second.load()
+    assert [(a.pod_uid, a.cores) for a in loaded.allocations] == [(uid_of("b"), 100)]
+    assert not loaded.journal_damaged
+
+
+def test_segments_fill_up_and_roll_over(tmp_path: Path, monkeypatch: object) -> None:
+    import pytest
+
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    monkeypatch.setattr(journal, "SEGMENT_BYTES", 4096)
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    for i in range(60):
+        store.record(put(f"p{i}", "c", i))
+    store.close()
+    assert len(list(tmp_path.glob("cp.journal-*"))) > 1
+    document = CheckpointStore(path).load().document or {}
+    assert sorted(document["PodGPUMapping"]) == sorted(f"p{i}" for i in range(60))

@@ -9,7 +9,10 @@ written, and only then is the answer given. A failure leaves nothing behind and
 is reported for that claim alone; the other claims of the request proceed.
 
 Unprepare, per claim: frees it, removes its CDI spec and directory; a claim that
-is not prepared succeeds (the kubelet retries). Calls are serialized.
+is not prepared succeeds (the kubelet retries). Recording and file changes are
+serialized, but the API server is asked with no lock held: a claim whose GET
+hangs holds up its own Prepare only. A claim unprepared while its GET is in
+flight is not prepared by that GET's answer.
 """
 
 from __future__ import annotations
@@ -101,7 +104,10 @@ class ClaimPreparer:
         self._cdi = cdi_settings
         self._vm = vm_path
         self._driver_version = driver_version
+        # Guards the claims and their files; never held while the API server is asked.
         self._lock = threading.Lock()
+        self._reading: dict[str, int] = {}  # claim UID -> Prepares waiting for its GET
+        self._unprepared_while_read: set[str] = set()
 
     def _answer(self, claim: ClaimAllocation) -> list[PreparedDevice]:
         return [
@@ -118,31 +124,55 @@ class ClaimPreparer:
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Outcome]:
         """One NodePrepareResources: an outcome for every claim UID of the request."""
         out: dict[str, Outcome] = {}
-        with self._lock:
-            for ref in refs:
-                try:
-                    out[ref.uid] = Outcome(self._prepare_one(ref))
-                except (ClaimError, AllocationError) as exc:
-                    log.warning("NodePrepareResources: %s", exc)
-                    out[ref.uid] = Outcome(error=str(exc))
-                except OSError as exc:
-                    message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
-                    log.error("NodePrepareResources: %s", message)
-                    out[ref.uid] = Outcome(error=message)
+        for ref in refs:
+            try:
+                out[ref.uid] = Outcome(self._prepare_one(ref))
+            except (ClaimError, AllocationError) as exc:
+                log.warning("NodePrepareResources: %s", exc)
+                out[ref.uid] = Outcome(error=str(exc))
+            except OSError as exc:
+                message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
+                log.error("NodePrepareResources: %s", message)
+                out[ref.uid] = Outcome(error=message)
         return out
 
     def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
         _check_ref_uid(ref)
+        with self._lock:
+            known = self._allocator.claim(ref.uid)
+            if known is not None:
+                self._write_files(known)
+                log.info("claim %s (%s) is already prepared: same answer", ref, ref.uid)
+                return self._answer(known)
+            self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
+        try:
+            if not ref.name or not ref.namespace:
+                raise ClaimError(f"claim {ref!s} ({ref.uid!r}): namespace, name and UID are all required")
+            t0 = time.perf_counter()
+            # Outside the lock: a GET that hangs holds this claim only, never the other calls.
+            data = self._read(ref.namespace, ref.name)
+            t1 = time.perf_counter()
+            with self._lock:
+                return self._record(ref, data, t0, t1)
+        finally:
+            with self._lock:
+                left = self._reading[ref.uid] - 1
+                if left:
+                    self._reading[ref.uid] = left
+                else:
+                    del self._reading[ref.uid]
+                    self._unprepared_while_read.discard(ref.uid)
+
+    def _record(self, ref: ClaimRef, data: JSON, t0: float, t1: float) -> list[PreparedDevice]:
+        """Second half of a Prepare, under the lock: check, record, write the files, answer."""
+        if ref.uid in self._unprepared_while_read:
+            raise ClaimError(
+                f"claim {ref} ({ref.uid}) was unprepared while the API server was asked for it; not prepared"
+            )
         known = self._allocator.claim(ref.uid)
-        if known is not None:
+        if known is not None:  # a concurrent Prepare of the same claim recorded it first
             self._write_files(known)
-            log.info("claim %s (%s) is already prepared: same answer", ref, ref.uid)
             return self._answer(known)
-        if not ref.uid or not ref.name or not ref.namespace:
-            raise ClaimError(f"claim {ref!s} ({ref.uid!r}): namespace, name and UID are all required")
-        t0 = time.perf_counter()
-        data = self._read(ref.namespace, ref.name)
-        t1 = time.perf_counter()
         claim, tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
         t2 = time.perf_counter()
@@ -177,6 +207,8 @@ class ClaimPreparer:
                     out[ref.uid] = f"claim {ref}: {problem}; nothing was removed"
                     log.error("NodeUnprepareResources: %s", out[ref.uid])
                     continue
+                if ref.uid in self._reading:
+                    self._unprepared_while_read.add(ref.uid)
                 try:
                     freed = self._allocator.unprepare_claim(ref.uid)
                     self._remove_files(ref.uid)

@@ -392,7 +392,6 @@ class Agent:
             cfg.kubelet_socket,
             options_for=lambda _s: options,
             watch_period=cfg.kubelet_watch_period,
-            health_report_period=cfg.health_probe_period,
         )
         try:
             self.plugins.start()
@@ -555,6 +554,7 @@ class Agent:
             cdi_root=cfg.cdi_root,
             sysfs_root=cfg.sysfs_root,
             watch_period=cfg.kubelet_watch_period,
+            health_report_period=cfg.health_probe_period,
         )
 
     def _start_dra_slices(self, api_client: Any) -> None:

@@ -11,12 +11,14 @@ algorithm ("budget") and once with the upstream gpu-manager token bucket
 simulated GPUs of one node.
 
     python bench/bench_compute.py [--settle 3] [--measure 3] [--only limits,pairs,soft,kernels,overhead]
+                                  [--before PATH]
 
 Scenarios: limits 10..90 % on a 16-SM and a 132-SM GPU (1 ms kernels); 30/70 and 4 x 25 on one
 GPU; a soft limit (30 %, ceiling 80 %) alone and then with a greedy neighbour; 10 us and 50 ms
-kernels and graph launches at 30 %; the cost per launch (simulated driver alone, interceptor with
-the limit off, with the limit on and never binding).  Target: every share within 3 points of its
-limit; limit-off overhead < 5 ns per launch.
+kernels, graph launches and a context-less CUkernel launched with no current context at 30 %;
+the cost per launch (simulated driver alone, interceptor with the limit off, with the limit on
+and never binding; with ``--before PATH`` also another interceptor build).  Target: every share
+within 3 points of its limit; limit-off overhead < 5 ns per launch.
 """
 
 from __future__ import annotations
@@ -229,10 +231,12 @@ def scenario_kernels(node: Node, args: argparse.Namespace) -> list[tuple[str, fl
     cfg = config_bytes(30)
     ws = [Workload("short-10us", 8, 30, "spin_10us", config=cfg),
           Workload("long-50ms", 9, 30, "spin_50ms", config=cfg),
-          Workload("graph-1ms", 10, 30, "spin_1ms", "graph", config=cfg)]  # fmt: skip
+          Workload("graph-1ms", 10, 30, "spin_1ms", "graph", config=cfg),
+          Workload("noctx-1ms", 11, 30, "spin_1ms", "kernel_noctx", config=cfg)]  # fmt: skip
     # long kernels need a longer window: a 50 ms kernel is 1/6 of a 300 ms slice at 30 %.
     got = shares(node, both(ws), args.settle, max(args.measure, 3.0))
-    for w, label in zip(ws, ("10 us kernels", "50 ms kernels", "graph launches (1 ms kernel node)"), strict=True):
+    labels = ("10 us kernels", "50 ms kernels", "graph launches (1 ms kernel node)", "CUkernel, no current context")
+    for w, label in zip(ws, labels, strict=True):
         print(row(label, 30, got, w.name))
     return [(w.name, 30, got[f"budget:{w.name}"], got[f"upstream:{w.name}"]) for w in ws]
 
@@ -249,17 +253,32 @@ def scenario_overhead(node: Node, args: argparse.Namespace) -> dict[str, float]:
     print("\nCost per cuLaunchKernel (1 ns kernels: the limit never binds), median of batches, best of 3 runs")
     sim = BUILD / "sim"
     runs: dict[str, list[float]] = {"sim": [], "off": [], "on": [], "upstream": []}
+    before = None
+    if args.before is not None:
+        before = node.root / "before-lib64"
+        before.mkdir()
+        for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+            (before / name).symlink_to(args.before.resolve())
+        for lib in ("libcuda.so", "libnvidia-ml.so"):
+            (before / f"{lib}.{DRIVER_VERSION}").symlink_to(BUILD / "sim" / f"{lib}.{DRIVER_VERSION}")
+        runs.update({"before-off": [], "before-on": []})
     for _ in range(3):  # interleaved, so that drifting machine load hits every variant alike
         runs["sim"].append(launch_cost(node, sim, None, "budget", args.overhead_seconds))
         runs["off"].append(launch_cost(node, node.mirror, config_bytes(0), "budget", args.overhead_seconds))
         runs["on"].append(launch_cost(node, node.mirror, config_bytes(90), "budget", args.overhead_seconds))
         runs["upstream"].append(launch_cost(node, node.mirror, config_bytes(90), "upstream", args.overhead_seconds))
+        if before is not None:
+            runs["before-off"].append(launch_cost(node, before, config_bytes(0), "budget", args.overhead_seconds))
+            runs["before-on"].append(launch_cost(node, before, config_bytes(90), "budget", args.overhead_seconds))
     best = {k: min(v) for k, v in runs.items()}
     print(f"  simulated driver alone        {best['sim']:8.1f} ns")
     off = best["off"] - best["sim"]
     print(f"  interceptor, limit off        {best['off']:8.1f} ns   ({off:+.1f} ns; target < {TARGET_OFF_NS:g})")
     print(f"  interceptor, limit on (ours)  {best['on']:8.1f} ns   ({best['on'] - best['sim']:+.1f} ns)")
     print(f"  interceptor, upstream         {best['upstream']:8.1f} ns   ({best['upstream'] - best['sim']:+.1f} ns)")
+    if before is not None:
+        for key, label in (("before-off", "--before, limit off"), ("before-on", "--before, limit on")):
+            print(f"  {label:<29} {best[key]:8.1f} ns   ({best[key] - best['sim']:+.1f} ns)")
     return {"sim_ns": best["sim"], "off_extra_ns": off, "on_extra_ns": best["on"] - best["sim"],
             "upstream_extra_ns": best["upstream"] - best["sim"]}  # fmt: skip
 
@@ -271,6 +290,8 @@ def main() -> int:
     ap.add_argument("--overhead-seconds", type=float, default=1.0, help="per launch-cost run (default 1)")
     ap.add_argument("--only", default="limits,pairs,soft,kernels,overhead", help="comma-separated scenarios")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="another libcuda-control.so whose launch cost is measured beside this one")  # fmt: skip
     args = ap.parse_args()
     done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip

@@ -3,11 +3,15 @@
  * bench/bench_interceptor.py.  Loads "libcuda.so.1" through the loader's
  * search path (the simulated driver, or a mirror where it is the interceptor),
  * then prints one JSON line:
- *   dlopen_ns, first_cuinit_ns: one-off costs of this process;
+ *   dlopen_ns, first_cuinit_ns, context_ns: one-off costs of this process (the
+ *     library's load, its first cuInit, its first context: cuDevicePrimaryCtxRetain);
  *   passthrough_ns: median per call of cuDriverGetVersion (a function the
- *     interceptor forwards), over batches of 1000;
- *   alloc_free_ns: median per cuMemAlloc_v2 + cuMemFree_v2 pair (1 MiB).
- * usage: bench_calls <calls>   (calls per measurement, a multiple of 1000)
+ *     interceptor forwards), over batches of 1000 (and _p1_ns, _p99_ns: the
+ *     batches' 1st and 99th percentiles);
+ *   alloc_free_ns: median per cuMemAlloc_v2 + cuMemFree_v2 pair (1 MiB), after
+ *     allocating <hold> bytes first (0: none; near a container's cap the
+ *     interceptor reconciles with NVML at every reservation).
+ * usage: bench_calls <calls> [hold bytes]   (calls per measurement, a multiple of 1000)
  */
 #include <cuda.h>
 
@@ -32,9 +36,12 @@ static int cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static double median(double *v, size_t n)
+/* Sorts v; its median, and (out) its 1st and 99th percentiles. */
+static double median(double *v, size_t n, double *p1, double *p99)
 {
     qsort(v, n, sizeof(*v), cmp);
+    *p1 = v[n / 100];
+    *p99 = v[n - 1 - n / 100];
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
@@ -51,6 +58,7 @@ static void *need(void *h, const char *name)
 int main(int argc, char **argv)
 {
     size_t calls = argc > 1 ? strtoull(argv[1], NULL, 10) : 1000000;
+    size_t hold = argc > 2 ? strtoull(argv[2], NULL, 10) : 0;
     size_t batches = calls / BATCH ? calls / BATCH : 1;
     uint64_t t0 = now_ns();
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -70,8 +78,16 @@ int main(int argc, char **argv)
     CUresult rc = init(0);
     uint64_t t3 = now_ns();
     CUcontext ctx;
-    if (rc != CUDA_SUCCESS || retain(&ctx, 0) != CUDA_SUCCESS || set_current(ctx) != CUDA_SUCCESS) {
-        fprintf(stderr, "bench_calls: cannot initialise the driver (%d)\n", rc);
+    uint64_t t4 = now_ns();
+    CUresult rc_ctx = rc == CUDA_SUCCESS ? retain(&ctx, 0) : rc;
+    uint64_t t5 = now_ns();
+    if (rc_ctx != CUDA_SUCCESS || set_current(ctx) != CUDA_SUCCESS) {
+        fprintf(stderr, "bench_calls: cannot initialise the driver (%d)\n", rc_ctx);
+        return 2;
+    }
+    CUdeviceptr held = 0;
+    if (hold > 0 && alloc(&held, hold) != CUDA_SUCCESS) {
+        fprintf(stderr, "bench_calls: cannot hold %zu bytes\n", hold);
         return 2;
     }
     double *per = malloc(batches * sizeof(*per));
@@ -84,7 +100,8 @@ int main(int argc, char **argv)
             version(&v);
         per[b] = (double)(now_ns() - s) / BATCH;
     }
-    double passthrough = median(per, batches);
+    double pass_p1, pass_p99;
+    double passthrough = median(per, batches, &pass_p1, &pass_p99);
     for (size_t b = 0; b < batches; b++) {
         uint64_t s = now_ns();
         for (int i = 0; i < BATCH; i++) {
@@ -96,10 +113,15 @@ int main(int argc, char **argv)
         }
         per[b] = (double)(now_ns() - s) / BATCH;
     }
-    double alloc_free = median(per, batches);
-    printf("{\"dlopen_ns\": %llu, \"first_cuinit_ns\": %llu, \"passthrough_ns\": %.2f, \"alloc_free_ns\": %.1f, "
-           "\"calls\": %zu}\n",
-           (unsigned long long)(t1 - t0), (unsigned long long)(t3 - t2), passthrough, alloc_free, batches * BATCH);
+    double alloc_p1, alloc_p99;
+    double alloc_free = median(per, batches, &alloc_p1, &alloc_p99);
+    printf("{\"dlopen_ns\": %llu, \"first_cuinit_ns\": %llu, \"context_ns\": %llu, \"passthrough_ns\": %.2f, "
+           "\"passthrough_p1_ns\": %.2f, \"passthrough_p99_ns\": %.2f, \"alloc_free_ns\": %.1f, "
+           "\"alloc_free_p1_ns\": %.1f, \"alloc_free_p99_ns\": %.1f, \"calls\": %zu}\n",
+           (unsigned long long)(t1 - t0), (unsigned long long)(t3 - t2), (unsigned long long)(t5 - t4), passthrough,
+           pass_p1, pass_p99, alloc_free, alloc_p1, alloc_p99, batches * BATCH);
+    if (held != 0)
+        release(held);
     free(per);
     return 0;
 }

@@ -63,7 +63,9 @@ struct budget_header {
     uint8_t pad[128 - 64 - sizeof(pthread_mutex_t)];
     _Atomic uint64_t untracked;     /* offset 128: what NVML showed beyond the slots' sum at the last reconciliation */
     _Atomic uint64_t reconciled_ns; /* CLOCK_MONOTONIC of the last reconciliation */
-    uint64_t reserved1[6];
+    _Atomic uint32_t dirty;         /* a process loaded a module since: reconcile at the next reservation */
+    uint32_t reserved2;
+    uint64_t reserved1[5];
     _Atomic uint64_t context_size[MAX_DEVICES]; /* offset 192: last measured context size per CUDA device, 0 unknown */
 };
 
@@ -79,7 +81,6 @@ static pthread_once_t g_open_once = PTHREAD_ONCE_INIT;
 static struct budget_header *g_hdr; /* written once inside g_open_once */
 static struct budget_slot *g_slots; /* likewise */
 static _Atomic int g_slot = -1;      /* this process's slot; reset in a forked child */
-static _Atomic bool g_dirty;         /* memory no hook charges may have changed: reconcile at the next reservation */
 
 void vc_budget_atfork_child(void)
 {
@@ -284,12 +285,14 @@ static int my_slot(void)
  * RECONCILE_MARGIN of its limit, and otherwise at most every RECONCILE_PERIOD_NS.
  */
 #define RECONCILE_PERIOD_NS 1000000000ull
+#define RECONCILE_NEAR_NS 2000000ull /* near the cap: at most every 2 ms (NVML's process list costs tens of us) */
 #define MAX_CONTAINER_PIDS 2048
 
 static uint64_t mono_ns(void)
 {
+    /* The coarse clock (a few ns, ms resolution): enough for the 2 ms and 1 s thresholds. */
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
@@ -347,7 +350,9 @@ static uint64_t effective_used(void)
 
 void vc_budget_untracked_changed(void)
 {
-    atomic_store_explicit(&g_dirty, true, memory_order_release);
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr != NULL)
+        atomic_store_explicit(&g_hdr->dirty, 1, memory_order_release);
 }
 
 static bool try_reserve(int slot, uint64_t bytes, uint64_t *used_out)
@@ -359,7 +364,9 @@ static bool try_reserve(int slot, uint64_t bytes, uint64_t *used_out)
     if ((used > limit || bytes > limit - used) && reap() > 0)
         used = effective_used();
     bool near = used > limit - margin(limit) || bytes > limit - margin(limit) - used;
-    if (near || atomic_exchange(&g_dirty, false) || now - atomic_load(&g_hdr->reconciled_ns) > RECONCILE_PERIOD_NS) {
+    uint64_t since = now - atomic_load(&g_hdr->reconciled_ns);
+    bool dirty = atomic_load_explicit(&g_hdr->dirty, memory_order_relaxed) && atomic_exchange(&g_hdr->dirty, 0);
+    if ((near && since > RECONCILE_NEAR_NS) || dirty || since > RECONCILE_PERIOD_NS) {
         reconcile(now);
         used = effective_used();
     }

@@ -27,16 +27,19 @@ little-endian)::
 Readers locate sections through the directory and index entries with its ``entry_size``, so
 later layouts may append fields to entries or add sections.  Every access holds
 ``flock(LOCK_EX)`` on the file (and a thread lock, since flock does not separate threads
-sharing one open file); every mutation increments ``change_counter``.
+sharing one open file); every mutation increments ``change_counter`` and wakes the processes
+blocked on it (a futex on its low half: the simulated driver's ``nvmlEventSetWait``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import logging
 import mmap
 import os
+import platform
 import re
 import struct
 import subprocess
@@ -495,6 +498,22 @@ def _fresh_header() -> bytes:
     return bytes(header[: _HEADER.size + len(sections) * _SECTION.size])
 
 
+#: futex(2) system call numbers, to wake waiters of the simulated driver's event wait.
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAKE = 1
+_libc = ctypes.CDLL(None, use_errno=True) if _SYS_FUTEX is not None else None
+
+
+def _futex_wake(address: int) -> None:
+    """Wakes every process blocked on the futex word at ``address`` (a shared mapping).
+
+    On an architecture not listed in _SYS_FUTEX nobody is woken: waiters then notice a change
+    only when their own timeout ends.
+    """
+    if _libc is not None:
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
 def _flock(fd: int) -> None:
     while True:
         try:
@@ -522,6 +541,10 @@ class GpuSimState:
             try:
                 self._size, self._gpus, self._events, self._procs, self._timeline = self._validate()
                 self._map = mmap.mmap(self._fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                # The simulated driver's event wait blocks on the low half of change_counter.
+                view = ctypes.c_char.from_buffer(self._map, _OFF_CHANGE_COUNTER)
+                self._change_word = ctypes.addressof(view)
+                del view  # releases the buffer export, so that close() may unmap
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         except BaseException:
@@ -620,6 +643,7 @@ class GpuSimState:
     def _touch(self, m: mmap.mmap) -> None:
         (counter,) = struct.unpack_from("<Q", m, _OFF_CHANGE_COUNTER)
         struct.pack_into("<Q", m, _OFF_CHANGE_COUNTER, counter + 1)
+        _futex_wake(self._change_word)
 
     def _gpu_offset(self, gpu: int) -> int:
         if not _is_int(gpu, 0, min(self._gpus.count, MAX_GPUS) - 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from simnode.gpusim_state import SpecError, load_spec, repo_root, sim_library_dir
+from simnode.gpusim_state import GpuSimState, SpecError, load_spec, repo_root, sim_library_dir
 from tests.gpusim_fixtures import SPEC_NAMES, SimNode, gpusim_lib, sim_node
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
@@ -428,6 +429,47 @@ def test_wait_times_out_and_ignores_events_queued_before_registration(sim_node: 
     assert node.gpusim("xid", "--gpu", "0", "--xid", "48").returncode == 0
     proc = start_waiter(node, 200)
     assert waiter_result(proc) == {"error": pynvml.NVML_ERROR_TIMEOUT}
+
+
+BLOCKING_WAITER = r"""
+import json, resource, sys, pynvml as n
+from simnode.gpusim_state import GpuSimState
+n.nvmlInit()
+s = n.nvmlEventSetCreate()
+n.nvmlDeviceRegisterEvents(n.nvmlDeviceGetHandleByIndex(0), n.nvmlEventTypeXidCriticalError, s)
+out = {}
+for name in ("quiet", "woken"):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    if name == "woken":
+        print("READY", flush=True)
+    try:
+        d = n.nvmlEventSetWait_v2(s, int(sys.argv[1]))
+        result = d.eventData
+    except n.NVMLError as e:
+        result = {"error": e.value}
+    out[name] = {"result": result, "switches": resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before}
+print(json.dumps(out))
+"""
+
+
+def test_event_wait_blocks_until_a_writer_wakes_it(sim_node: MakeNode) -> None:
+    # The driver's nvmlEventSetWait sleeps in the kernel until an event comes; the simulated one
+    # blocks on the state file's change counter. A poller would wake hundreds of times a second
+    # (voluntary context switches of the waiting thread); a blocked waiter once or twice.
+    node = sim_node("t4-x1")
+    proc = node.popen_python(BLOCKING_WAITER, "1000")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "READY"
+    time.sleep(0.3)
+    with GpuSimState(node.state_path) as state:
+        state.queue_xid(0, 79)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["quiet"]["result"] == {"error": pynvml.NVML_ERROR_TIMEOUT}
+    assert got["woken"]["result"] == 79
+    assert got["quiet"]["switches"] <= 5, got
+    assert got["woken"]["switches"] <= 5, got
 
 
 LOST_PROBE = r"""

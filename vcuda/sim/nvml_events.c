@@ -10,13 +10,11 @@
  */
 #include "nvml_sim.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
 
 #define EVENT_SET_MAGIC 0x45565453u /* "EVTS" */
-#define POLL_INTERVAL_NS 5000000L   /* 5 ms */
 
 struct nvmlEventSet_st {
     unsigned magic;
@@ -188,15 +186,15 @@ SIM_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t 
         } else {
             rc = NVML_ERROR_TIMEOUT;
         }
+        const uint32_t *word = sim_state_change_word(ctx->state);
         sim_leave();
         if (rc != NVML_ERROR_TIMEOUT)
             return rc;
         int64_t left = deadline - monotonic_ns();
         if (left <= 0)
             return NVML_ERROR_TIMEOUT;
-        struct timespec nap = {0, left < POLL_INTERVAL_NS ? (long)left : POLL_INTERVAL_NS};
-        while (nanosleep(&nap, &nap) != 0 && errno == EINTR) {
-        }
+        /* Block until the state file changes (every writer wakes us), as the driver blocks. */
+        sim_state_wait_change(word, seen_change, left);
     }
 }
 

@@ -4,6 +4,8 @@
 #include "vc_proc.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -13,6 +15,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -236,6 +239,32 @@ uint64_t sim_state_change_hint(const struct sim_state *st)
     return __atomic_load_n(&h->change_counter, __ATOMIC_ACQUIRE);
 }
 
+/*
+ * The futex word of the state file: the low half of header.change_counter (the file is
+ * little-endian).  The mapping is MAP_SHARED, so a (non-private) futex on it is shared by every
+ * process that maps the file.
+ */
+static uint32_t *change_word(const struct sim_state *st)
+{
+    return (uint32_t *)(void *)&((struct gpusim_header *)(void *)st->map)->change_counter;
+}
+
+const uint32_t *sim_state_change_word(const struct sim_state *st)
+{
+    return change_word(st);
+}
+
+void sim_state_wait_change(const uint32_t *word, uint64_t seen, int64_t timeout_ns)
+{
+    if (timeout_ns <= 0)
+        return;
+    struct timespec rel = {(time_t)(timeout_ns / 1000000000), (long)(timeout_ns % 1000000000)};
+    /* Returns at once (EAGAIN) when the counter moved since `seen` was read, and with EFAULT when
+     * the file was unmapped meanwhile (nvmlShutdown); EINTR and ETIMEDOUT simply return: the
+     * caller looks at the state again in every case. */
+    syscall(SYS_futex, word, FUTEX_WAIT, (uint32_t)seen, &rel, NULL, 0);
+}
+
 struct gpusim_header *sim_state_header(struct sim_state *st)
 {
     return (struct gpusim_header *)st->map;
@@ -282,6 +311,7 @@ void sim_state_touch(struct sim_state *st)
 {
     struct gpusim_header *h = sim_state_header(st);
     __atomic_store_n(&h->change_counter, h->change_counter + 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, change_word(st), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 uint64_t sim_state_push_event(struct sim_state *st, unsigned gpu, uint64_t type, uint64_t data)

@@ -31,6 +31,17 @@ void sim_state_unlock(struct sim_state *st);
 
 /* Unlocked, atomic read of header.change_counter: a hint for pollers. */
 uint64_t sim_state_change_hint(const struct sim_state *st);
+/*
+ * The word to wait on for changes (the low half of header.change_counter), and the wait: blocks
+ * until that word differs from the low half of `seen` (a value sim_state_change_hint returned),
+ * at most timeout_ns; may return early (signal, spurious wake-up).  Every mutation wakes the
+ * waiters of every process (sim_state_touch here, GpuSimState in simnode/gpusim_state.py), so a
+ * waiter costs nothing while nothing happens, as the driver's own event wait.  The wait needs no
+ * lock: take the word under sim_enter(), wait after sim_leave() (a word unmapped meanwhile by
+ * nvmlShutdown makes the wait return).
+ */
+const uint32_t *sim_state_change_word(const struct sim_state *st);
+void sim_state_wait_change(const uint32_t *word, uint64_t seen, int64_t timeout_ns);
 
 struct gpusim_header *sim_state_header(struct sim_state *st);
 struct gpusim_gpu *sim_state_gpu(struct sim_state *st, unsigned index);

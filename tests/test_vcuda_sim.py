@@ -177,7 +177,7 @@ print(json.dumps({
     "htod_pt": which("cuMemcpyHtoD", 12000, PT),
     "gpa": which("cuGetProcAddress", 12000), "gpa11": which("cuGetProcAddress", 11030),
     "too_old": which("cuMemAllocAsync", 11000), "unknown": which("cuNoSuchThing", 12000),
-    "stub": d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)[0].name,
+    "stub": d.cuCtxResetPersistingL2Cache()[0].name,
 }))
 """,
         sim_only_env("t4-x1", tmp_path / "node.state"),
@@ -495,3 +495,71 @@ print(json.dumps({"text": text, "nvml": pynvml.nvmlSystemGetDriverVersion(),
     assert first.startswith("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ")
     assert out["nvml"] == "550.54.15" and out["other_paths"] is True
     assert (tmp_path / "version").read_text() == out["text"]
+
+
+def test_copies_sets_pointer_queries_limits_and_host_functions(vcuda_built: Path, tmp_path: Path) -> None:
+    """Copies and sets check their ranges (no data moves); pointers are looked up; a bigger stack takes memory."""
+    del vcuda_built
+    done = run_python(
+        r"""
+import time
+M = 1 << 20
+p = int(ok(d.cuMemAlloc(M)))
+host = bytearray(M)
+out = {
+    "htod": d.cuMemcpyHtoD(p, host, M)[0].name,
+    "htod_past_end": d.cuMemcpyHtoD(p + M - 10, host, 100)[0].name,
+    "dtoh": d.cuMemcpyDtoH(host, p, M)[0].name,
+    "dtod": d.cuMemcpyDtoD(p, p + M // 2, M // 2)[0].name,
+    "memset": [d.cuMemsetD32(p, 7, M // 4)[0].name, d.cuMemsetD8(p, 1, M + 1)[0].name],
+    "unknown": d.cuMemcpyHtoD(0x1234, host, 4)[0].name,
+}
+A = d.CUpointer_attribute
+out["pointer"] = [int(ok(d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p + 100))) == int(p),
+                  ok(d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_RANGE_SIZE, p + 100)),
+                  ok(d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p))]
+base, size = ok(d.cuMemGetAddressRange(p + 5))
+out["range"] = [int(base) == int(p), size, d.cuMemGetAddressRange(0x1234)[0].name]
+s = ok(d.cuStreamCreate(0))
+q = int(ok(d.cuMemAllocAsync(M, s)))
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+out["pool"] = int(ok(d.cuPointerGetAttribute(A.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, q))) == int(pool)
+# A host function runs once the stream's work before it is done.
+lib = ctypes.CDLL("libcuda.so.1")
+called = []
+CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+cb = CB(lambda _arg: called.append(time.monotonic()))
+mod = ok(d.cuModuleLoadData(b"x"))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_20ms"))
+t0 = time.monotonic()
+ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, CB, ctypes.c_void_p]
+assert lib.cuLaunchHostFunc(ctypes.c_void_p(int(s)), cb, None) == 0
+ok(d.cuStreamSynchronize(s))
+time.sleep(0.05)
+out["host_fn"] = len(called) == 1 and called[0] - t0 >= 0.019
+# A bigger stack is reserved for every thread the GPU can hold (T4: 40 SMs x 1024 threads).
+before = phys_used()
+L = d.CUlimit
+ok(d.cuCtxSetLimit(L.CU_LIMIT_STACK_SIZE, 4096))
+out["stack"] = [ok(d.cuCtxGetLimit(L.CU_LIMIT_STACK_SIZE)), phys_used() - before]
+ok(d.cuCtxSetLimit(L.CU_LIMIT_STACK_SIZE, 1024))
+out["stack_back"] = phys_used() - before
+out["priorities"] = list(ok(d.cuCtxGetStreamPriorityRange()))
+print(json.dumps(out))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    bad = "CUDA_ERROR_INVALID_VALUE"
+    assert [out["htod"], out["htod_past_end"], out["dtoh"], out["dtod"]] == ["CUDA_SUCCESS", bad, "CUDA_SUCCESS",
+                                                                            "CUDA_SUCCESS"]  # fmt: skip
+    assert out["memset"] == ["CUDA_SUCCESS", bad] and out["unknown"] == bad
+    assert out["pointer"] == [True, MIB, 0]
+    assert out["range"] == [True, MIB, "CUDA_ERROR_NOT_FOUND"]
+    assert out["pool"] is True and out["host_fn"] is True
+    assert out["stack"] == [4096, (4096 - 1024) * 40 * 1024]
+    assert out["stack_back"] == 0
+    assert out["priorities"] == [0, -5]

@@ -494,6 +494,8 @@ static CUresult ctx_destroy(CUcontext ctx)
     }
     int dev = ctx->device;
     sim_ctx_gone(ctx);
+    if (ctx->extra_bytes > 0)
+        sim_mem_uncharge((unsigned)dev, ctx->extra_bytes);
     ctx->magic = 0;
     free(ctx);
     sim_ctx_memory_release(dev);
@@ -547,6 +549,10 @@ static CUresult primary_release(CUdevice dev, bool reset)
         g_primary_refs[dev] = reset ? 0 : g_primary_refs[dev] - 1;
         if (g_primary_refs[dev] == 0) {
             sim_ctx_memory_release(dev);
+            if (g_primary[dev].extra_bytes > 0)
+                sim_mem_uncharge((unsigned)dev, g_primary[dev].extra_bytes);
+            g_primary[dev].extra_bytes = 0;
+            memset(g_primary[dev].limit_set, 0, sizeof(g_primary[dev].limit_set));
             gone = true; /* the handle stays valid (as in CUDA); the memory allocated in it is freed */
         }
     }
@@ -720,6 +726,78 @@ SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
     return CUDA_SUCCESS;
 }
 
+
+/* ---- limits: the stack, the malloc heap and the printf FIFO take device memory of the context ----------- */
+
+/* Threads whose stacks a context reserves: every thread the GPU can hold at once. */
+static uint64_t resident_threads(int device)
+{
+    const struct sim_gpu_spec *g = &sim_cu_node()->spec->gpus[device];
+    int major, minor;
+    compute_capability(g, &major, &minor);
+    return (uint64_t)g->sm_count * (major == 7 && minor == 5 ? 1024u : 2048u);
+}
+
+/* Bytes a limit's value takes on the device beyond what the context's size already covers (its default). */
+static uint64_t limit_bytes(CUlimit limit, size_t value, int device)
+{
+    switch (limit) {
+    case CU_LIMIT_STACK_SIZE: return value > SIM_DEFAULT_STACK ? (value - SIM_DEFAULT_STACK) * resident_threads(device) : 0;
+    case CU_LIMIT_MALLOC_HEAP_SIZE: return value > SIM_DEFAULT_HEAP ? value - SIM_DEFAULT_HEAP : 0;
+    case CU_LIMIT_PRINTF_FIFO_SIZE: return value > SIM_DEFAULT_FIFO ? value - SIM_DEFAULT_FIFO : 0;
+    default: return 0;
+    }
+}
+
+static size_t limit_default(CUlimit limit)
+{
+    switch (limit) {
+    case CU_LIMIT_STACK_SIZE: return SIM_DEFAULT_STACK;
+    case CU_LIMIT_MALLOC_HEAP_SIZE: return SIM_DEFAULT_HEAP;
+    case CU_LIMIT_PRINTF_FIFO_SIZE: return SIM_DEFAULT_FIFO;
+    case CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT: return 2048;
+    case CU_LIMIT_MAX_L2_FETCH_GRANULARITY: return 64;
+    default: return 0;
+    }
+}
+
+SIM_EXPORT CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
+{
+    int dev;
+    if (pvalue == NULL || (unsigned)limit >= SIM_LIMITS)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    CUcontext c = sim_cu_current();
+    *pvalue = c->limit_set[limit] ? c->limits[limit] : limit_default(limit);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    int dev;
+    if ((unsigned)limit >= SIM_LIMITS)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    CUcontext c = sim_cu_current();
+    pthread_mutex_lock(&g_ctx_mu);
+    size_t old = c->limit_set[limit] ? c->limits[limit] : limit_default(limit);
+    uint64_t before = limit_bytes(limit, old, dev), after = limit_bytes(limit, value, dev);
+    if (after > before)
+        rc = sim_mem_charge((unsigned)dev, after - before);
+    else if (before > after)
+        sim_mem_uncharge((unsigned)dev, before - after);
+    if (rc == CUDA_SUCCESS) {
+        c->limits[limit] = value;
+        c->limit_set[limit] = true;
+        c->extra_bytes = c->extra_bytes - before + after;
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
 
 /* ---- cuGetProcAddress --------------------------------------------------- */
 

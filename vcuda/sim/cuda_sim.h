@@ -29,11 +29,19 @@
 #define SIM_ALLOC_ALIGN 512ull  /* cuMemAlloc alignment and pitch alignment */
 #define SIM_MODULE_BYTES (2ull * SIM_MIB) /* a loaded module's code, constants and globals: one 2 MiB page */
 
+#define SIM_LIMITS CU_LIMIT_MAX
+#define SIM_DEFAULT_STACK 1024u         /* CU_LIMIT_STACK_SIZE: bytes per thread */
+#define SIM_DEFAULT_HEAP (8ull << 20)   /* CU_LIMIT_MALLOC_HEAP_SIZE */
+#define SIM_DEFAULT_FIFO (1ull << 20)   /* CU_LIMIT_PRINTF_FIFO_SIZE */
+
 struct CUctx_st {
     uint32_t magic;   /* SIM_CTX_MAGIC while alive */
     int device;
     bool primary;
     unsigned flags;
+    size_t limits[SIM_LIMITS];  /* cuCtxSetLimit values (when limit_set) */
+    bool limit_set[SIM_LIMITS];
+    uint64_t extra_bytes;       /* device memory the limits take beyond the context's size */
 };
 #define SIM_CTX_MAGIC 0x43545853u
 
@@ -99,6 +107,7 @@ enum sim_rec_kind {
     REC_MAP,       /* key = start of a cuMemMap range, size, aux = the allocation handle */
     REC_GALLOC,    /* key = address of a graph memory allocation, aux = its struct sim_galloc */
     REC_IPC,       /* key = address of an opened IPC memory handle, size, aux = open count */
+    REC_HOSTREG,   /* key = host address registered with cuMemHostRegister, size */
 };
 
 #define NO_GPU UINT32_MAX

@@ -1138,6 +1138,12 @@ VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNam
                                           libraryOptions, libraryOptionValues, numLibraryOptions));
 }
 
+/* A bigger stack, malloc heap or printf FIFO takes device memory of the context (reserved by the driver). */
+VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    LOADED(REAL_CU(cuCtxSetLimit)(limit, value));
+}
+
 /* ---- what a destroyed context takes with it ----------------------------------------------------- */
 
 static bool of_context(const struct vc_map_entry *e, void *ctx)

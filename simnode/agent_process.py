@@ -59,7 +59,9 @@ class AgentProcess:
 
     @property
     def args(self) -> list[str]:
-        """The command line."""
+        """The command line: every directory and socket the agent writes or dials is under ``workdir``
+        (never the host's /etc/gpu-manager, /var/lib/kubelet or /var/run); ``extra_args`` come last and
+        override."""
         return [
             sys.executable,
             "-m",
@@ -70,6 +72,11 @@ class AgentProcess:
             f"--query-port={self.query_port}",
             f"--kubeconfig={self.workdir / 'no-kubeconfig'}",
             f"--checkpoint-path={self.workdir / 'checkpoint'}",
+            f"--virtual-manager-path={self.workdir / 'vm'}",
+            f"--pod-resources-socket={self.workdir / 'pod-resources' / 'kubelet.sock'}",
+            f"--plugin-registry-path={self.workdir / 'reg'}",
+            f"--dra-plugin-path={self.workdir / 'dra'}",
+            f"--cdi-root={self.workdir / 'cdi'}",
             "--hostname-override=sim-node",
             *self.extra_args,
         ]

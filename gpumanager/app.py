@@ -612,7 +612,7 @@ class Agent:
             report=self._report,
         )
         if self.registry is not None:
-            self.registry.register(ClaimCollector(self.dra.claims, self.pods.pods))
+            self.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus))
         self.dra.start()
         self._wait_serving(self.dra.sockets.service_socket)
         log.info(

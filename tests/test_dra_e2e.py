@@ -95,15 +95,15 @@ def test_shares_fill_one_gpu_and_a_third_waits_until_one_ends(t4: DRACluster) ->
     assert any(
         ln.startswith('gpu_manager_gpu_core_allocated_ratio{gpu="0",uuid="') and ln.endswith("} 0.9") for ln in lines
     )
+    name30, uid30 = claim30["metadata"]["name"], claim30["metadata"]["uid"]
+    uuid0 = json.loads(t4.spec.read_text())["gpus"][0]["uuid"]
     claim_line = (
-        f'gpu_manager_claim_cores{{claim="{claim30["metadata"]["name"]}",claim_uid="{claim30["metadata"]["uid"]}",'
-        'device="gpu-0",namespace="default",share="true"} 30.0'
+        f'gpu_manager_claim_gpu_core_ratio{{claim="{name30}",claim_uid="{uid30}",gpu="0",namespace="default",'
+        f'share="true",uuid="{uuid0}"}} 0.3'
     )
     assert claim_line in metrics
-    assert (
-        f'gpu_manager_claim_containers{{claim="{claim30["metadata"]["name"]}",namespace="default",pod="p30"}} 1.0'
-        in metrics
-    )
+    users = f'gpu_manager_claim_containers{{claim="{name30}",claim_uid="{uid30}",namespace="default",pod="p30"}} 1.0'
+    assert users in metrics
     assert any(
         ln.startswith(
             'gpu_manager_container_gpu_core_limit_ratio{namespace="default",pod="p30",container="main",gpu="0",'

@@ -320,3 +320,53 @@ def test_family_text_is_what_generate_latest_writes() -> None:
 
     assert stable(second) == stable(generate_latest(registry).decode())
     assert first != second
+
+
+# -- DRA claims ---------------------------------------------------------------------------------------
+
+# Minors unlike the indices: the `gpu` label is the index, as in every other family.
+CLAIM_GPUS = [
+    GPUInfo(i, f"GPU-{i:08d}-0000-0000-0000-00000000c1a1", "NVIDIA H100", 10 + i, H100, f"0000:{i:02x}:00.0")
+    for i in range(2)
+]
+
+
+def claim_page() -> str:
+    from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+    from gpumanager.metrics.claims import ClaimCollector
+
+    def dev(request: str, minor: int, cores: int, memory: int, whole: bool = False) -> ClaimDevice:
+        return ClaimDevice(request, "node-a", f"gpu-{minor - 10}", minor, "" if whole else f"s-{request}", cores,
+                           memory, whole)  # fmt: skip
+
+    claims = [
+        ClaimAllocation("uid-share", "ml", "share", (dev("gpu", 11, 30, 4 << 30),)),
+        # two requests of one claim on the same GPU: one series, their sum
+        ClaimAllocation("uid-two", "ml", "two", (dev("a", 10, 20, 1 << 30), dev("b", 10, 10, 1 << 30))),
+        ClaimAllocation("uid-whole", "default", "whole", (dev("gpu", 10, 100, H100, whole=True),)),
+    ]
+    user = pod("trainer", "ml", "uid-p", ["main", "side"])
+    user["spec"]["resourceClaims"] = [{"name": "g", "resourceClaimName": "share"}]
+    for c in user["spec"]["containers"]:
+        c["resources"] = {"claims": [{"name": "g"}]}
+    registry = CollectorRegistry()
+    registry.register(ClaimCollector(lambda: claims, lambda: [user], CLAIM_GPUS))
+    return generate_latest(registry).decode()
+
+
+def test_claim_families_label_gpus_by_index_and_uuid_as_every_family() -> None:
+    families = {f.name: f for f in text_string_to_metric_families(claim_page())}
+    cores, memory = families["gpu_manager_claim_gpu_core_ratio"], families["gpu_manager_claim_gpu_memory_bytes"]
+    got = {(s.labels["claim"], s.labels["gpu"], s.labels["uuid"], s.labels["share"]): s.value for s in cores.samples}
+    assert got == {
+        ("share", "1", CLAIM_GPUS[1].uuid, "true"): 0.3,
+        ("two", "0", CLAIM_GPUS[0].uuid, "true"): 0.3,
+        ("whole", "0", CLAIM_GPUS[0].uuid, "false"): 1.0,
+    }
+    assert {s.labels["claim"]: s.value for s in memory.samples} == {"share": 4 << 30, "two": 2 << 30, "whole": H100}
+    for family in (cores, memory):
+        for s in family.samples:
+            assert set(s.labels) == {"namespace", "claim", "claim_uid", "gpu", "uuid", "share"}
+    (users,) = families["gpu_manager_claim_containers"].samples
+    assert users.labels == {"namespace": "ml", "claim": "share", "claim_uid": "uid-share", "pod": "trainer"}
+    assert users.value == 2

@@ -86,6 +86,15 @@ def test_promtool_check_metrics_on_a_scrape(tmp_path: Path, sim_built: Path, leg
         assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 
+def test_promtool_check_metrics_on_the_claim_families() -> None:
+    from tests.test_metrics import claim_page
+
+    page = claim_page()
+    assert "gpu_manager_claim_gpu_core_ratio{" in page and "gpu_manager_claim_containers{" in page
+    done = _check_metrics(page)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
 # -- a real Prometheus ------------------------------------------------------------------------------
 
 

@@ -1,4 +1,16 @@
-"""Prometheus metrics of prepared ResourceClaims (DRA mode): per namespace, claim, device and pod."""
+"""Prometheus metrics of prepared ResourceClaims (DRA mode).
+
+Labels as in every family of the agent: ``gpu`` (the NVML index) and ``uuid`` for the
+GPU, ``namespace`` and ``pod`` for who uses it, plus ``claim`` and ``claim_uid``:
+
+- ``gpu_manager_claim_gpu_core_ratio``: share of a GPU's compute a prepared claim consumes
+  (0-1; a whole GPU is 1), one series per claim and GPU (results of one claim on the same GPU
+  are summed);
+- ``gpu_manager_claim_gpu_memory_bytes``: memory of that GPU it consumes (a whole GPU: all of it);
+- ``gpu_manager_claim_containers``: containers of a pod that use a prepared claim.
+
+``share`` is ``false`` for a GPU allocated whole (no limits are enforced), else ``true``.
+"""
 
 from __future__ import annotations
 
@@ -7,46 +19,71 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpumanager import names
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
+from gpumanager.device.types import GPUInfo
 from gpumanager.dra.consumers import consumers
+
+CLAIM_GPU_LABELS = ("namespace", "claim", "claim_uid", "gpu", "uuid", "share")
+CLAIM_POD_LABELS = ("namespace", "claim", "claim_uid", "pod")
 
 
 class ClaimCollector(Collector):
-    """``gpu_manager_claim_cores`` / ``gpu_manager_claim_memory_bytes`` (what each claim consumes of each
-    device; a whole GPU counts 100 cores and all its memory) and ``gpu_manager_claim_containers``
-    (the containers of each pod that use a claim)."""
+    """What each prepared claim consumes of each GPU, and which pods use it."""
 
-    def __init__(self, claims: Callable[[], list[ClaimAllocation]], pods: Callable[[], list[Pod]]) -> None:
+    def __init__(
+        self,
+        claims: Callable[[], list[ClaimAllocation]],
+        pods: Callable[[], list[Pod]],
+        gpus: Sequence[GPUInfo],
+    ) -> None:
         self._claims = claims
         self._pods = pods
+        self._by_minor = {g.minor: g for g in gpus}
 
     def describe(self) -> Sequence[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["namespace", "claim", "claim_uid", "device", "share"]
         cores = GaugeMetricFamily(
-            "gpu_manager_claim_cores", "cores (100 per GPU) a prepared claim consumes", labels=labels
+            "gpu_manager_claim_gpu_core_ratio",
+            "Share of the GPU's compute a prepared ResourceClaim consumes (0-1; 1 for a whole GPU)",
+            labels=list(CLAIM_GPU_LABELS),
         )
         memory = GaugeMetricFamily(
-            "gpu_manager_claim_memory_bytes", "GPU memory a prepared claim consumes", labels=labels
+            "gpu_manager_claim_gpu_memory_bytes",
+            "GPU memory a prepared ResourceClaim consumes on this GPU (all of it for a whole GPU)",
+            labels=list(CLAIM_GPU_LABELS),
         )
         users = GaugeMetricFamily(
             "gpu_manager_claim_containers",
-            "containers of a pod that use a prepared claim",
-            labels=["namespace", "claim", "pod"],
+            "Containers of a pod that use a prepared ResourceClaim",
+            labels=list(CLAIM_POD_LABELS),
         )
         pods = self._pods()
         for claim in self._claims():
+            per_gpu: dict[int, tuple[int, int, bool]] = {}
             for d in claim.devices:
-                values = [claim.namespace, claim.name, claim.uid, d.device, "false" if d.whole else "true"]
-                cores.add_metric(values, float(d.cores))
-                memory.add_metric(values, float(d.memory))
+                gpu = self._by_minor.get(d.minor)
+                if gpu is None:
+                    continue
+                taken_cores, taken_memory, whole = per_gpu.get(gpu.index, (0, 0, False))
+                per_gpu[gpu.index] = (
+                    taken_cores + (names.HUNDRED_CORES if d.whole else d.cores),
+                    taken_memory + (gpu.memory_total if d.whole else d.memory),
+                    whole or d.whole,
+                )
+            by_index = {g.index: g for g in self._by_minor.values()}
+            for index, (taken_cores, taken_memory, whole) in sorted(per_gpu.items()):
+                gpu = by_index[index]
+                values = [claim.namespace, claim.name, claim.uid, str(index), gpu.uuid, "false" if whole else "true"]
+                cores.add_metric(values, min(taken_cores, names.HUNDRED_CORES) / names.HUNDRED_CORES)
+                memory.add_metric(values, float(taken_memory))
             per_pod: dict[str, int] = {}
             for pod, _container in consumers(claim, pods):
                 name = str((pod.get("metadata") or {}).get("name", ""))
                 per_pod[name] = per_pod.get(name, 0) + 1
             for name, count in sorted(per_pod.items()):
-                users.add_metric([claim.namespace, claim.name, name], float(count))
+                users.add_metric([claim.namespace, claim.name, claim.uid, name], float(count))
         yield from (cores, memory, users)

@@ -236,7 +236,8 @@ def test_upgrade_keeps_every_allocation_file_and_socket(old_node: OldNode, tmp_p
     # New pods see what the old ones hold: GPU 0 whole, GPU 1 at 70 cores, GPU 2 at 20.
     whole = cluster.run_pod(gpu_pod("new-whole", [("main", 100, 0)]))
     assert whole.core["main"].response.annotations[names.VDEVICE_ANNOTATION] == "/dev/nvidia3"
-    with pytest.raises(PluginRPCError, match=r"predicated GPU 1 cannot hold 50 cores .* it has 30 cores"):
+    # The scheduler's GPU is honoured or the request refused (RESOURCE_EXHAUSTED), never placed elsewhere.
+    with pytest.raises(PluginRPCError, match=r"RESOURCE_EXHAUSTED .*predicated GPU 1 cannot hold 50 cores .* 30 cores"):
         cluster.admit(gpu_pod("on-gpu1", [("main", 50, 4)], annotations=admission_annotations([[1]], 2000)))
     share_new = cluster.run_pod(gpu_pod("new-share", [("main", 45, 4)]))
     assert share_new.core["main"].response.annotations[names.VDEVICE_ANNOTATION] == "/dev/nvidia2"

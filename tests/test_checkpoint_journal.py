@@ -106,3 +106,27 @@ def test_segments_fill_up_and_roll_over(tmp_path: Path, monkeypatch: object) -> 
     assert len(list(tmp_path.glob("cp.journal-*"))) > 1
     document = CheckpointStore(path).load().document or {}
     assert sorted(document["PodGPUMapping"]) == sorted(f"p{i}" for i in range(60))
+
+
+def test_a_segment_moved_aside_is_not_read_again_at_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.record(put("b", "c", 40))
+    store.close()
+    segment = next(tmp_path.glob("cp.journal-*"))
+    data = bytearray(segment.read_bytes())
+    data[25] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    assert CheckpointStore(path).load().problems
+    (aside,) = tmp_path.glob("cp.journal-*.corrupt-*")
+    kept = aside.read_bytes()
+    # The next start sees no damage (the operator has the file), replays nothing from it, and numbers
+    # its own segments after the live ones, not after the time in the name of the one moved aside.
+    again = CheckpointStore(path)
+    loaded = again.load()
+    assert (loaded.problems, loaded.replayed) == ([], 0)
+    assert loaded.document == {"PodGPUMapping": {}}
+    assert again.switch() == 1
+    assert list(tmp_path.glob("cp.journal-*.corrupt-*")) == [aside] and aside.read_bytes() == kept

@@ -199,9 +199,12 @@ class CheckpointStore:
         return self.path.with_name(f"{self.path.name}.journal-{seq}")
 
     def _segments(self) -> list[tuple[int, Path]]:
+        """The live segments, ``<name>.journal-<seq>`` (not a damaged one moved aside as ``.corrupt-<time>``,
+        nor a ``.tmp`` being prepared)."""
+        prefix = self.path.name + ".journal-"
         found = []
-        for p in self.path.parent.glob(self.path.name + ".journal-*"):
-            tail = p.name.rsplit("-", 1)[-1]
+        for p in self.path.parent.glob(prefix + "*"):
+            tail = p.name[len(prefix) :]
             if tail.isdigit():
                 found.append((int(tail), p))
         return sorted(found)

@@ -13,6 +13,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from gpumanager.kube.rest import KubeRest
+
 log = logging.getLogger(__name__)
 
 
@@ -26,9 +28,8 @@ def delete_pod(api: client.ApiClient, pod: Mapping[str, Any]) -> bool:
     """Delete the pod (only that exact UID); True when it is gone."""
     meta = pod.get("metadata") or {}
     name, namespace, uid = str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid"))
-    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
     try:
-        client.CoreV1Api(api).delete_namespaced_pod(name, namespace, body=body, _request_timeout=10)
+        KubeRest(api).delete_pod(namespace, name, {"preconditions": {"uid": uid}}, timeout=10)
     except ApiException as exc:
         if exc.status in (404, 409):
             return True

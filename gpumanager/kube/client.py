@@ -1,4 +1,4 @@
-"""Building a client for the Kubernetes API server and checking that it answers."""
+"""Building a client for the Kubernetes API server."""
 
 from __future__ import annotations
 
@@ -25,9 +25,3 @@ def api_client(kubeconfig: str = "") -> client.ApiClient:
     except (config.ConfigException, OSError, TypeError, ValueError) as exc:
         where = kubeconfig or "in-cluster configuration"
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
-
-
-def probe(api: client.ApiClient, timeout: float = 5.0) -> str:
-    """The API server's version string; raises on any failure."""
-    info = client.VersionApi(api).get_code(_request_timeout=timeout)
-    return str(info.git_version)

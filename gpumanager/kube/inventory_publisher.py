@@ -19,10 +19,10 @@ from kubernetes.client.exceptions import ApiException
 
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
+from gpumanager.kube.rest import MERGE_PATCH, KubeRest
 
 log = logging.getLogger(__name__)
 
-MERGE_PATCH = "application/merge-patch+json"
 _RETRY_START = 1.0
 _RETRY_MAX = 30.0
 
@@ -43,7 +43,7 @@ class InventoryPublisher:
         resync_period: float = 300.0,
         request_timeout: float = 10.0,
     ) -> None:
-        self._core = client.CoreV1Api(api)
+        self._rest = KubeRest(api)
         self._node = node
         self._gpus = list(gpus)
         self._topology = topology
@@ -83,9 +83,7 @@ class InventoryPublisher:
 
     def _publish(self, value: str) -> None:
         body = {"metadata": {"annotations": {ANNOTATION: value}}}
-        self._core.patch_node(
-            self._node, body, _content_type=MERGE_PATCH, _request_timeout=self._timeout, _preload_content=False
-        )
+        self._rest.patch_node(self._node, body, content_type=MERGE_PATCH, timeout=self._timeout)
 
     def _report(self, problem: str) -> None:
         if problem == self._last_error:

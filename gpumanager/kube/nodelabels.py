@@ -14,12 +14,12 @@ import time
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from gpumanager.kube.rest import MERGE_PATCH, KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 GPU_MODEL_LABEL = "gaia.tencent.com/gpu-model"
-MERGE_PATCH = "application/merge-patch+json"
 
 
 def resolve(labels: dict[str, str], gpu_name: str) -> dict[str, str]:
@@ -46,13 +46,13 @@ def apply(
     """Merge-patch the labels onto the node, retrying with backoff for up to ``timeout`` seconds."""
     if not labels:
         return True
-    core = client.CoreV1Api(api)
+    rest = KubeRest(api)
     deadline = time.monotonic() + timeout
     backoff = Backoff()
     stop = stop or threading.Event()
     while True:
         try:
-            core.patch_node(node, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH, _request_timeout=10)
+            rest.patch_node(node, {"metadata": {"labels": labels}}, content_type=MERGE_PATCH, timeout=10)
             log.info("labelled node %s: %s", node, labels)
             return True
         except ApiException as exc:

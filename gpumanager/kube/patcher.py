@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from gpumanager.kube.rest import STRATEGIC_MERGE_PATCH, KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
-
-STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 
 
 @dataclass
@@ -40,7 +39,7 @@ class AnnotationPatcher:
     """Applies annotation patches in the background. Thread-safe."""
 
     def __init__(self, api: client.ApiClient, *, max_attempts: int = 10, request_timeout: float = 10.0) -> None:
-        self._core = client.CoreV1Api(api)
+        self._rest = KubeRest(api)
         self._max = max_attempts
         self._timeout = request_timeout
         self._cond = threading.Condition()
@@ -125,9 +124,7 @@ class AnnotationPatcher:
     def _apply(self, p: _Pending) -> bool:
         body = {"metadata": {"annotations": p.annotations}}
         try:
-            self._core.patch_namespaced_pod(
-                p.name, p.namespace, body, _content_type=STRATEGIC_MERGE, _request_timeout=self._timeout
-            )
+            self._rest.patch_pod(p.namespace, p.name, body, content_type=STRATEGIC_MERGE_PATCH, timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 404:
                 log.info("pod %s/%s is gone; annotations not needed", p.namespace, p.name)

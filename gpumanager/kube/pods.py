@@ -23,6 +23,7 @@ from typing import Any
 
 from kubernetes import client
 
+from gpumanager.kube.rest import KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class PodCache:
         watch_timeout: int = 300,
         refresh_deadline: float = 3.0,
     ) -> None:
-        self._core = client.CoreV1Api(api)
+        self._rest = KubeRest(api)
         self._node = node_name
         self._selector = f"spec.nodeName={node_name}"
         self._timeout = request_timeout
@@ -190,10 +191,7 @@ class PodCache:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _list(self) -> tuple[list[Pod], str]:
-        response: Any = self._core.list_pod_for_all_namespaces(
-            field_selector=self._selector, _preload_content=False, _request_timeout=self._timeout
-        )
-        data = json.loads(response.data)
+        data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout) or {}
         items: list[Pod] = [dict(p) for p in data.get("items") or []]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
@@ -214,14 +212,11 @@ class PodCache:
         log.info("listed %d pods on node %s (resourceVersion %s)", len(fresh), self._node, rv)
 
     def _watch(self) -> None:
-        response: Any = self._core.list_pod_for_all_namespaces(
+        response: Any = self._rest.watch_pods(
             field_selector=self._selector,
-            watch=True,
             resource_version=self._rv,
-            allow_watch_bookmarks=True,
             timeout_seconds=self._watch_timeout,
-            _preload_content=False,
-            _request_timeout=(self._timeout, self._watch_timeout + 30),
+            timeout=(self._timeout, self._watch_timeout + 30),
         )
         self._response = response
         if self._stop.is_set():

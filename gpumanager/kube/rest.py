@@ -1,0 +1,154 @@
+"""The agent's calls to the API server, made through the Kubernetes client's ``ApiClient``.
+
+The client's typed API classes (``CoreV1Api`` and the like) are not used: since kubernetes 37
+each of their methods is wrapped in a pydantic validator and their modules import every model
+they name, so loading ``CoreV1Api`` alone takes about 0.8 s of CPU and 21 MiB, more than the
+rest of the agent. The agent makes a handful of calls with plain JSON in and out; they go through
+``ApiClient``'s own request path (its configuration, authentication, TLS and proxy settings, its
+HTTP pool) and fail with the client's own ``ApiException`` as the typed methods do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+Timeout = float | tuple[float, float] | None
+
+
+def _query_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class KubeRest:
+    """The few API-server requests the agent makes, on one ``ApiClient``. Thread-safe as the client is."""
+
+    def __init__(self, api: ApiClient) -> None:
+        # Typed loosely: the two generations of ApiClient differ in call_api's signature.
+        self._client: Any = api
+        # kubernetes >= 37 builds a request with param_serialize and sends it with call_api;
+        # older releases take everything in one call_api.
+        self._serialize = getattr(self._client, "param_serialize", None)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Sequence[tuple[str, object]] = (),
+        body: object = None,
+        content_type: str | None = None,
+        timeout: Timeout = None,
+    ) -> Any:
+        """Send one request; the ``urllib3`` response, its body not read yet.
+
+        A status outside 2xx raises the client's ``ApiException`` (its subclass for the status),
+        with the response body.
+        """
+        headers = {"Accept": "application/json"}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        params = [(key, _query_value(value)) for key, value in query]
+        if self._serialize is None:
+            return self._client.call_api(
+                path,
+                method,
+                query_params=params,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                response_types_map={},
+                _return_http_data_only=True,
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
+        prepared = self._serialize(
+            method=method,
+            resource_path=path,
+            query_params=params,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._client.call_api(*prepared, _request_timeout=timeout)
+        if not 200 <= response.status <= 299:
+            response.read()
+            text = response.data.decode("utf-8", "replace") if response.data else None
+            raise ApiException.from_response(http_resp=response, body=text, data=None)
+        return response.response
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """``request`` and the body decoded as JSON (None when empty)."""
+        response = self.request(method, path, **kwargs)
+        data = response.data
+        return json.loads(data) if data else None
+
+    # -- the calls the agent makes -------------------------------------------------------------------
+
+    def list_pods(self, *, field_selector: str, timeout: Timeout) -> Any:
+        """``GET /api/v1/pods``: the PodList as JSON."""
+        return self.json("GET", "/api/v1/pods", query=[("fieldSelector", field_selector)], timeout=timeout)
+
+    def watch_pods(self, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout) -> Any:
+        """``GET /api/v1/pods?watch=true``: the streaming response (one JSON event per line)."""
+        query: list[tuple[str, object]] = [
+            ("fieldSelector", field_selector),
+            ("watch", True),
+            ("allowWatchBookmarks", True),
+            ("timeoutSeconds", timeout_seconds),
+        ]
+        if resource_version:
+            query.append(("resourceVersion", resource_version))
+        return self.request("GET", "/api/v1/pods", query=query, timeout=timeout)
+
+    def patch_pod(
+        self, namespace: str, name: str, body: Mapping[str, Any], *, content_type: str, timeout: Timeout
+    ) -> None:
+        """``PATCH`` one pod."""
+        response = self.request(
+            "PATCH",
+            f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}",
+            body=body,
+            content_type=content_type,
+            timeout=timeout,
+        )
+        _finish(response)
+
+    def delete_pod(self, namespace: str, name: str, body: Mapping[str, Any], *, timeout: Timeout) -> None:
+        """``DELETE`` one pod (``body`` is the DeleteOptions)."""
+        response = self.request(
+            "DELETE",
+            f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}",
+            body=body,
+            content_type="application/json",
+            timeout=timeout,
+        )
+        _finish(response)
+
+    def patch_node(self, name: str, body: Mapping[str, Any], *, content_type: str, timeout: Timeout) -> None:
+        """``PATCH`` one node."""
+        response = self.request(
+            "PATCH", f"/api/v1/nodes/{_segment(name)}", body=body, content_type=content_type, timeout=timeout
+        )
+        _finish(response)
+
+
+def _finish(response: Any) -> None:
+    """Read the rest of a response whose body is not needed, so that its connection can serve again."""
+    response.read()
+    response.release_conn()
+
+
+def _segment(value: str) -> str:
+    """A name as one URL path segment, quoted as the typed API classes quote it."""
+    return quote(value, safe="")

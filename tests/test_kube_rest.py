@@ -1,0 +1,106 @@
+"""The agent's API-server calls through ApiClient (gpumanager.kube.rest), against the API-server simulator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from gpumanager.kube.rest import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeRest
+from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_objects import pod_manifest
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerSimulator]:
+    with ApiServerSimulator(history=50) as sim:
+        sim.add_node("node-1")
+        yield sim
+
+
+@pytest.fixture
+def rest(api: ApiServerSimulator) -> KubeRest:
+    return KubeRest(api.client(retries=False))
+
+
+def test_list_and_watch_pods_of_one_node(api: ApiServerSimulator, rest: KubeRest) -> None:
+    api.create_pod(pod_manifest("mine"))
+    api.create_pod(pod_manifest("other", node="node-2"))
+    listed = rest.list_pods(field_selector="spec.nodeName=node-1", timeout=5)
+    assert [p["metadata"]["name"] for p in listed["items"]] == ["mine"]
+    rv = listed["metadata"]["resourceVersion"]
+    response = rest.watch_pods(field_selector="spec.nodeName=node-1", resource_version=rv, timeout_seconds=5, timeout=5)
+    try:
+        api.create_pod(pod_manifest("later"))
+        line = response.readline()
+    finally:
+        response.release_conn()
+    event = json.loads(line)
+    assert (event["type"], event["object"]["metadata"]["name"]) == ("ADDED", "later")
+
+
+def test_patch_pod_and_node(api: ApiServerSimulator, rest: KubeRest) -> None:
+    api.create_pod(pod_manifest("p"))
+    rest.patch_pod(
+        "default", "p", {"metadata": {"annotations": {"a": "1"}}}, content_type=STRATEGIC_MERGE_PATCH, timeout=5
+    )
+    pod = api.get_pod("default", "p")
+    assert pod is not None and pod["metadata"]["annotations"]["a"] == "1"
+    rest.patch_node("node-1", {"metadata": {"labels": {"l": "v"}}}, content_type=MERGE_PATCH, timeout=5)
+    node = api.get_node("node-1")
+    assert node is not None and node["metadata"]["labels"]["l"] == "v"
+
+
+def test_errors_are_the_clients_api_exceptions(api: ApiServerSimulator, rest: KubeRest) -> None:
+    with pytest.raises(ApiException) as missing:
+        rest.patch_pod("default", "nobody", {"metadata": {}}, content_type=STRATEGIC_MERGE_PATCH, timeout=5)
+    assert missing.value.status == 404
+    assert "nobody" in str(missing.value.body)
+    created = api.create_pod(pod_manifest("p"))
+    with pytest.raises(ApiException) as conflict:
+        rest.delete_pod("default", "p", {"preconditions": {"uid": "not-its-uid"}}, timeout=5)
+    assert conflict.value.status == 409
+    rest.delete_pod("default", "p", {"preconditions": {"uid": created["metadata"]["uid"]}}, timeout=5)
+    assert api.get_pod("default", "p") is None
+
+
+AGENT_SIDE = r"""
+import json, sys
+from kubernetes.client import ApiClient
+client_itself = {m for m in sys.modules if m.startswith("kubernetes.client.api.")}
+from gpumanager.kube import cleanup
+from gpumanager.kube.connection import ApiConnection
+conn = ApiConnection(kubeconfig=sys.argv[1], node_name="node-1")
+cache = conn.connect(lambda kind, pod: None)
+assert cache is not None and cache.wait_synced(10), conn.error
+pod = {"metadata": {"namespace": "default", "name": "p", "uid": sys.argv[2]}}
+assert conn.patcher is not None and conn.patcher.submit("default", "p", sys.argv[2], {"a": "1"}).wait(10)
+assert conn.label_node({"l": "v"}, "NVIDIA H100 80GB HBM3") == ""
+assert cleanup.delete_pod(conn.api, pod)
+print(json.dumps(sorted({m for m in sys.modules if m.startswith("kubernetes.client.api.")} - client_itself)))
+conn.stop()
+"""
+
+
+def test_the_agents_api_side_loads_no_typed_api_class(api: ApiServerSimulator, tmp_path: Path) -> None:
+    # CoreV1Api alone costs ~0.8 s of CPU and ~21 MiB to import (kubernetes >= 37, which loads the
+    # API classes only when asked; older releases load all of them with the package).
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    pod = api.create_pod(pod_manifest("p", node="node-1"))
+    done = subprocess.run(
+        [sys.executable, "-c", AGENT_SIDE, str(kubeconfig), pod["metadata"]["uid"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    patched = api.get_node("node-1")
+    assert patched is not None and patched["metadata"]["labels"]["l"] == "v"
+    assert api.get_pod("default", "p") is None

@@ -75,19 +75,31 @@ def test_xid_takes_gpu_out_and_quiet_period_brings_it_back(kubelet: KubeletSimul
     registered(kubelet)
     cores = expected_counts("h100-nvlink-x8")[0]
     kubelet.wait_for_devices(CORE, cores)
+    mem_blocks = sum(1 for _ in kubelet.devices(MEM))
     agent.wait_for_log("watching XID events on 8 of 8 GPUs")
     gpusim(agent, "xid", "--gpu", "3", "--xid", "79")
-    devices = kubelet.wait_for_devices(CORE, cores - 100, timeout=10)
-    unhealthy = sorted(int(i.rsplit("-", 1)[1]) for i, d in devices.items() if not d.healthy)
-    assert unhealthy == list(range(300, 400))
-    mem_blocks = sum(1 for _ in kubelet.devices(MEM))
-    memory = kubelet.wait_for_devices(MEM, lambda ds: sum(1 for d in ds.values() if not d.healthy) > 0, timeout=10)
-    assert len(memory) == mem_blocks
-    assert sorted(int(i.rsplit("-", 1)[1]) for i, d in memory.items() if not d.healthy) == list(range(3 * 318, 4 * 318))
     assert "GPU 3 (" in agent.wait_for_log("is unhealthy: XID 79")
     # Back after the quiet period without another error.
     kubelet.wait_for_devices(CORE, cores, timeout=15)
+    kubelet.wait_for_devices(MEM, mem_blocks, timeout=15)
     assert "healthy again" in agent.log_text()
+
+    # Both resources went through a ListAndWatch message with exactly GPU 3's devices Unhealthy and then
+    # one with all of them Healthy again. Read from the kubelet's history, so a loaded machine that only
+    # looks after the quiet period has ended still sees what was sent.
+    def unhealthy_sets(resource: str) -> list[list[int]]:
+        return [
+            sorted(int(i.rsplit("-", 1)[1]) for i, d in u.devices.items() if not d.healthy)
+            for u in kubelet.updates(resource)
+            if u.kind == "list_and_watch"
+        ]
+
+    for resource, gpu3 in ((CORE, list(range(300, 400))), (MEM, list(range(3 * 318, 4 * 318)))):
+        seen = unhealthy_sets(resource)
+        assert gpu3 in seen, f"{resource}: no message with GPU 3 unhealthy in {[len(s) for s in seen]}"
+        assert seen[-1] == [], f"{resource}: still unhealthy at the end: {seen[-1][:5]}"
+        assert all(s in ([], gpu3) for s in seen), f"{resource}: other devices went unhealthy"
+        assert all(len(u.devices) == len(kubelet.devices(resource)) for u in kubelet.updates(resource))
 
 
 def test_ignored_xid_keeps_gpu_healthy(kubelet: KubeletSimulator, start_agent: StartAgent) -> None:

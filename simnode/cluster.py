@@ -3,8 +3,11 @@
 ``SimCluster`` plays what a cluster does around the agent: it creates pods as
 gpu-admission would have annotated them (or not), admits them through the
 kubelet simulator (GetPreferredAllocation, Allocate, PreStartContainer for both
-resources), then marks them Running with container IDs and gives each
-container a cgroup with a PID, so the agent finds its processes.
+resources), then gives each container a cgroup with a PID, so the agent finds
+its processes, and marks the pod Running with the container IDs. As on a real
+node, that status update reaches the API server a while after the containers
+started (``status_lag``, :data:`STATUS_LAG_SECONDS` by default; 0 publishes it
+at once).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +40,10 @@ from simnode.simhost import install_sim_driver, volume_conf
 log = logging.getLogger(__name__)
 
 NODE = "sim-node"
+#: How long after its containers start the kubelet's status update naming their IDs reaches the API
+#: server: the kubelet notices a started container at its next PLEG relist (every second) and its
+#: status manager writes the pod after that, later still on a busy node.
+STATUS_LAG_SECONDS = 2.0
 #: What the agent logs once its background start (API server, driver mirror) is done.
 STARTED_MARK = "devices in "
 _pid_counter = itertools.count(40000)
@@ -187,8 +195,11 @@ class SimCluster:
         api_process: bool = False,
         kubelet_checkpoint: bool = True,
         driver_mirror: bool = True,
+        status_lag: float = STATUS_LAG_SECONDS,
     ) -> None:
         self.workdir = workdir
+        self.status_lag = status_lag
+        self._status_timers: list[threading.Timer] = []
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
@@ -273,6 +284,8 @@ class SimCluster:
 
     def stop(self) -> None:
         """Stop everything."""
+        for timer in self._status_timers:
+            timer.cancel()
         if self.agent is not None:
             self.agent.stop()
         self.kubelet.stop()
@@ -309,7 +322,8 @@ class SimCluster:
         return run
 
     def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:
-        """PreStartContainer for each GPU container, then Running with container IDs and cgroups.
+        """PreStartContainer for each GPU container, then cgroups with a PID; the pod's status (Running,
+        with the container IDs) follows ``status_lag`` seconds later.
 
         ``publish_status=False``: the containers run (their cgroups exist) but the kubelet's status
         update, which names their IDs, has not reached the API server yet; see publish_status().
@@ -338,14 +352,44 @@ class SimCluster:
                 }
             )
         run.statuses = statuses
-        if publish_status:
+        if not publish_status:
+            return
+        if self.status_lag <= 0:
             self.publish_status(run)
+            return
+        timer = threading.Timer(self.status_lag, self._publish_late, args=(run,))
+        timer.daemon = True
+        self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
+        timer.start()
+
+    def _publish_late(self, run: PodRun) -> None:
+        """The lagging status update; skipped when the pod is gone or was replaced by another of its name."""
+        try:
+            current = self.api.get_pod(run.namespace, run.name)
+            if current is None or current["metadata"].get("uid") != run.uid:
+                return
+            self.publish_status(run)
+        except Exception as exc:  # the pod went away meanwhile
+            log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, exc)
 
     def publish_status(self, run: PodRun) -> None:
         """The kubelet's status update: Running, with the containers' IDs."""
         self.api.set_pod_phase(
             run.namespace, run.name, "Running", containerStatuses=run.statuses, qosClass="Guaranteed"
         )
+
+    def wait_status(self, run: PodRun, timeout: float = 30.0) -> None:
+        """Wait until the pod's status names its containers' IDs in the API server."""
+        deadline = time.monotonic() + timeout
+        while True:
+            statuses = ((self.api.get_pod(run.namespace, run.name) or {}).get("status") or {}).get(
+                "containerStatuses"
+            ) or []
+            if run.statuses and all(s.get("containerID") for s in statuses) and len(statuses) == len(run.statuses):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pod {run.namespace}/{run.name}: no container status within {timeout:g} s")
+            time.sleep(0.05)
 
     def run_pod(self, manifest: Mapping[str, Any]) -> PodRun:
         """Create, admit and start a pod."""

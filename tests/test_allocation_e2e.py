@@ -300,9 +300,15 @@ def test_extra_config_devices_and_printusages(tmp_path: Path, sim_built: Path) -
         assert c.agent is not None
         gpu = int(run.core["c"].response.annotations[names.VDEVICE_ANNOTATION][-1])
         gpusim(c.agent, "proc", "--gpu", str(gpu), "--pid", str(run.pids["c"]), "--used-mib", "300")
-        with grpc.insecure_channel(f"unix://{c.agent.display_socket}") as ch:
-            usage = display_pb2_grpc.GPUDisplayStub(ch).PrintUsages(empty_pb2.Empty(), timeout=10).usage
-        dev = usage[run.uid].stat["c"].dev[0]
+        c.wait_status(run)  # the container's processes are known once its status names it
+        deadline = time.monotonic() + 20
+        while True:
+            with grpc.insecure_channel(f"unix://{c.agent.display_socket}") as ch:
+                usage = display_pb2_grpc.GPUDisplayStub(ch).PrintUsages(empty_pb2.Empty(), timeout=10).usage
+            dev = usage[run.uid].stat["c"].dev[0]
+            if list(dev.pids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert (dev.card_idx, list(dev.pids), dev.mem) == (str(gpu), [run.pids["c"]], 300.0)
 
 

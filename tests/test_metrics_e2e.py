@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,21 @@ def metered_pods(c: SimCluster) -> tuple[int, dict[str, int]]:
     pid = run.pids["main"]
     gpusim(c.agent, "proc", "--gpu", str(gpu), "--pid", str(pid), "--used-mib", "1500", "--sm-percent", "37")
     gpusim(c.agent, "proc", "--gpu", str(gpu), "--pid", "77", "--used-mib", "999")  # not a container's
+    # A process is the container's once the kubelet's status update (late, as on a real node) names it.
+    c.wait_status(run)
+    deadline = time.monotonic() + 20
+    while pid not in {p for u in json.loads(scrape(c, "/usage"))["usage"].values() for p in _pids(u)}:
+        assert time.monotonic() < deadline, "the agent never attributed the process to its container"
+        time.sleep(0.1)
+    # A fresh utilisation sample (NVML's samples age out of the sampler's window).
+    gpusim(c.agent, "proc", "--gpu", str(gpu), "--pid", str(pid), "--used-mib", "1500", "--sm-percent", "37")
     return gpu, {"main": pid}
+
+
+def _pids(usage: dict[str, object]) -> set[int]:
+    stat = usage.get("stat") or {}
+    assert isinstance(stat, dict)
+    return {p for c in stat.values() for d in c.get("dev") or [] for p in d.get("pids") or []}
 
 
 def test_metrics_for_shared_and_whole_containers(cluster: SimCluster) -> None:

@@ -20,6 +20,7 @@ and nothing is written. Directories of pods that are gone are removed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import shutil
@@ -154,21 +155,17 @@ class VirtualManager:
             return
         log.info("serving %s", sock)
 
-    def _handle(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
+    async def _handle(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
         try:
-            self.register(socket_pod, req, time_left=time_left)
+            await self.register_async(socket_pod, req, time_left=time_left)
         except RegistrationRefused as exc:
             log.warning("vcuda.sock of pod %s refused %s: %s", socket_pod, _describe(req), exc)
             raise
 
     # -- RegisterVDevice --------------------------------------------------------------------------
 
-    def register(self, socket_pod: str, req: pb.VDeviceRequest, *, time_left: float | None = None) -> Path:
-        """Handle RegisterVDevice on pod ``socket_pod``'s socket; returns the directory written.
-
-        ``time_left``: seconds until the caller's deadline (None: none); a container the pod's
-        status does not name yet is waited for until then, at most REGISTER_WAIT_SECONDS.
-        """
+    def _wait_budget(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> float:
+        """Refuse what no wait can mend; else how long the call may wait for the pod's status."""
         if req.pod_uid and req.pod_uid != socket_pod:
             raise RegistrationRefused(
                 f"pod UID {req.pod_uid!r} is not the pod this socket serves", grpc.StatusCode.PERMISSION_DENIED
@@ -178,6 +175,15 @@ class VirtualManager:
         wait = REGISTER_WAIT_SECONDS
         if time_left is not None:
             wait = max(0.0, min(wait, time_left - _DEADLINE_MARGIN_SECONDS))
+        return wait
+
+    def register(self, socket_pod: str, req: pb.VDeviceRequest, *, time_left: float | None = None) -> Path:
+        """Handle RegisterVDevice on pod ``socket_pod``'s socket; returns the directory written.
+
+        ``time_left``: seconds until the caller's deadline (None: none); a container the pod's
+        status does not name yet is waited for until then, at most REGISTER_WAIT_SECONDS.
+        """
+        wait = self._wait_budget(socket_pod, req, time_left)
         started = time.monotonic()
         next_cgroup_look = started
         while True:
@@ -192,6 +198,28 @@ class VirtualManager:
                     next_cgroup_look = now + _CGROUP_POLL_SECONDS
                 time.sleep(min(_WAIT_POLL_SECONDS, max(0.0, started + wait - now)))
         return self._write_registration(socket_pod, target)
+
+    async def register_async(self, socket_pod: str, req: pb.VDeviceRequest, *, time_left: float | None = None) -> Path:
+        """:meth:`register` on the vcuda.sock server's event loop: the wait holds no thread (one pod's
+        waiting calls cannot hold up another pod's), and the cgroup and file work runs in a thread."""
+        wait = self._wait_budget(socket_pod, req, time_left)
+        started = time.monotonic()
+        next_cgroup_look = started
+        while True:
+            now = time.monotonic()
+            try:
+                if now >= next_cgroup_look:
+                    target = await asyncio.to_thread(self._identify, socket_pod, req, use_cgroups=True)
+                else:  # the pod cache and allocations only: memory, no I/O
+                    target = self._identify(socket_pod, req, use_cgroups=False)
+                break
+            except _NotYet as exc:
+                if now - started >= wait:
+                    raise RegistrationRefused(f"{exc} (waited {now - started:.1f} s)", exc.code) from None
+                if now >= next_cgroup_look:
+                    next_cgroup_look = now + _CGROUP_POLL_SECONDS
+                await asyncio.sleep(min(_WAIT_POLL_SECONDS, max(0.0, started + wait - now)))
+        return await asyncio.to_thread(self._write_registration, socket_pod, target)
 
     def _identify(self, socket_pod: str, req: pb.VDeviceRequest, *, use_cgroups: bool) -> _Target:
         """Which container of the pod the request is for; _NotYet while the pod's status may still tell."""

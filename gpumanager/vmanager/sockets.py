@@ -6,29 +6,35 @@ pod's own socket (``<vm>/<pod uid>/vcuda.sock`` on the host). A gRPC server
 per pod would cost a server, its threads and its memory for each running pod,
 and grpcio cannot add a listening port to a server that has started.
 
-So one gRPC server listens on a private abstract unix socket, and one thread
-(an asyncio loop) listens on every pod's ``vcuda.sock``. Each connection
-accepted there is relayed, byte for byte, to the gRPC server over a new
-connection whose own address names it (``<server name>.<n>``, an abstract
-address bound for that connection only); the server looks that address up
-among the relayed connections and so knows which pod's socket the call came
-in on. A call on any other connection is refused. A pod costs one listening
-socket and a dictionary entry; a call in progress costs two sockets.
+So one gRPC server (grpc.aio) listens on a private abstract unix socket, and
+the same thread (one asyncio loop) listens on every pod's ``vcuda.sock``. Each
+connection accepted there is relayed, byte for byte, to the gRPC server over a
+new connection whose own address names it (``<server name>.<random>``, an
+abstract address bound for that connection only, unguessable: a process in the
+host's network namespace sees the names in ``/proc/net/unix`` and could take a
+predictable next one); the server looks that address up among the relayed
+connections and so knows which pod's socket the call came in on. A call on any
+other connection is refused.
+
+A call waits without holding a thread (a registration may wait for the pod's
+status), and a pod holds at most :data:`MAX_CONNECTIONS_PER_POD` connections
+with one call each, so no pod can keep another pod's calls waiting. A pod costs
+one listening socket and a dictionary entry; a call in progress costs two
+sockets. When a pod's socket is no longer served, its relayed connections end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import errno
 import logging
 import os
 import secrets
 import socket
 import stat
 import threading
-from collections.abc import Callable
-from concurrent import futures
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -42,15 +48,16 @@ log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 107
 #: Connections relayed at once for one pod; more are closed at once (a container cannot take them all).
 MAX_CONNECTIONS_PER_POD = 16
-#: gRPC worker threads (a registration may wait for the pod's status; see VirtualManager.register).
-WORKERS = 8
+#: Calls at once on one connection (the clients make one call per connection).
+CALLS_PER_CONNECTION = 1
 #: The longest a relayed connection lives (a registration is one short call).
 CONNECTION_LIFETIME_SECONDS = 300.0
 _RELAY_CHUNK = 64 * 1024
 _ABSTRACT_PEER = "unix-abstract:"
 
-#: Handles one call: (pod UID of the socket, request, seconds left before the caller's deadline or None).
-Handler = Callable[[str, pb.VDeviceRequest, float | None], None]
+#: Handles one call on the relay's loop: (pod UID of the socket, request, seconds left before the
+#: caller's deadline or None). It must not block the loop (waits are awaited; file work in a thread).
+Handler = Callable[[str, pb.VDeviceRequest, float | None], Awaitable[None]]
 
 
 class CallRefused(Exception):
@@ -65,16 +72,21 @@ class _Servicer(pb_grpc.VCUDAServiceServicer):  # type: ignore[misc]
     def __init__(self, sockets: PodSockets) -> None:
         self._sockets = sockets
 
-    def RegisterVDevice(self, request: pb.VDeviceRequest, context: grpc.ServicerContext) -> pb.VDeviceResponse:
+    async def RegisterVDevice(
+        self, request: pb.VDeviceRequest, context: grpc.aio.ServicerContext[pb.VDeviceRequest, pb.VDeviceResponse]
+    ) -> pb.VDeviceResponse:
         peer = context.peer()
         pod_uid = self._sockets.pod_of_peer(peer)
         if pod_uid is None:
             log.warning("RegisterVDevice from %s refused: it did not come in on a pod's vcuda.sock", peer)
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock"
+            )
+            raise AssertionError("abort returned")  # abort always raises
         try:
-            self._sockets.handler(pod_uid, request, context.time_remaining())
+            await self._sockets.handler(pod_uid, request, context.time_remaining())
         except CallRefused as exc:
-            context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc))
         return pb.VDeviceResponse()
 
 
@@ -85,31 +97,37 @@ class PodSockets:
         self.handler = handler
         # Abstract names: nothing on disk to clean up; unique per process and start.
         self._name = f"gpu-manager-vcuda.{os.getpid()}.{secrets.token_hex(6)}"
-        self._counter = itertools.count(1)
         self._lock = threading.Lock()
         self._peers: dict[str, str] = {}  # bound name of a relayed connection -> pod UID
         self._listeners: dict[str, tuple[asyncio.Server, Path, tuple[int, int]]] = {}
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
-        self._server: grpc.Server | None = None
+        self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
+        self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the gRPC server and the relay thread (no pod socket yet)."""
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="vcuda"),
-            maximum_concurrent_rpcs=WORKERS * 8,
-        )
-        pb_grpc.add_VCUDAServiceServicer_to_server(_Servicer(self), server)
-        if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
-            raise OSError(f"cannot listen on the abstract unix socket {self._name}")
-        server.start()
+        """Start the relay thread and, on its loop, the gRPC server (no pod socket yet)."""
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="vcuda-relay", daemon=True)
         thread.start()
-        self._server, self._loop, self._thread = server, loop, thread
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(self._start_server(), loop).result(timeout=10)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            raise
+        self._loop, self._thread = loop, thread
+
+    async def _start_server(self) -> grpc.aio.Server:
+        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", CALLS_PER_CONNECTION)])
+        pb_grpc.add_VCUDAServiceServicer_to_server(_Servicer(self), server)
+        if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
+            raise OSError(f"cannot listen on the abstract unix socket {self._name}")
+        await server.start()
+        return server
 
     def stop(self) -> None:
         """Stop listening on every pod socket (the files are removed) and stop the server."""
@@ -122,8 +140,6 @@ class PodSockets:
                 self._thread.join(timeout=5)
             if not loop.is_running():
                 loop.close()
-        if self._server is not None:
-            self._server.stop(grace=0.2)
         self._loop = self._thread = self._server = None
 
     # -- pod sockets ------------------------------------------------------------------------------
@@ -190,6 +206,9 @@ class PodSockets:
     async def _close(self, pod_uid: str) -> None:
         with self._lock:
             entry = self._listeners.pop(pod_uid, None)
+        # The pod's connections end with its socket: nothing is relayed for a pod no longer served.
+        for task in list(self._relays.pop(pod_uid, ())):
+            task.cancel()
         if entry is None:
             return
         server, path, ident = entry
@@ -202,6 +221,8 @@ class PodSockets:
     async def _shutdown(self) -> None:
         for uid in self.serving():
             await self._close(uid)
+        if self._server is not None:
+            await self._server.stop(0.2)
         relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in relays:
             task.cancel()
@@ -216,14 +237,14 @@ class PodSockets:
             log.warning("vcuda.sock of pod %s: %d connections open already; closing another", pod_uid, busy)
             writer.close()
             return
-        name = f"{self._name}.{next(self._counter)}"
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        task = asyncio.current_task()
+        assert task is not None
+        self._relays.setdefault(pod_uid, set()).add(task)
+        name = ""
+        upstream: socket.socket | None = None
         up_writer: asyncio.StreamWriter | None = None
         try:
-            upstream.bind("\0" + name)
-            upstream.setblocking(False)
-            with self._lock:
-                self._peers[name] = pod_uid
+            name, upstream = self._bind_relay_end(pod_uid)
             await asyncio.get_running_loop().sock_connect(upstream, "\0" + self._name)
             up_reader, up_writer = await asyncio.open_unix_connection(sock=upstream, limit=_RELAY_CHUNK)
             await asyncio.wait_for(
@@ -235,15 +256,39 @@ class PodSockets:
             log.warning("vcuda.sock of pod %s: relay failed: %s", pod_uid, exc)
         finally:
             with self._lock:
-                self._peers.pop(name, None)
+                if name:
+                    self._peers.pop(name, None)
                 self._active[pod_uid] -= 1
                 if not self._active[pod_uid]:
                     del self._active[pod_uid]
+            tasks = self._relays.get(pod_uid)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self._relays[pod_uid]
             for w in (writer, up_writer):
                 if w is not None:
                     w.close()
-            if up_writer is None:
+            if up_writer is None and upstream is not None:
                 upstream.close()
+
+    def _bind_relay_end(self, pod_uid: str) -> tuple[str, socket.socket]:
+        """Our end of a relayed connection, bound to a fresh unguessable abstract name for ``pod_uid``."""
+        for _ in range(8):
+            name = f"{self._name}.{secrets.token_hex(8)}"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind("\0" + name)
+            except OSError as exc:
+                sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                raise
+            sock.setblocking(False)
+            with self._lock:
+                self._peers[name] = pod_uid
+            return name, sock
+        raise OSError(errno.EADDRINUSE, "no free abstract name for a relayed connection")
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

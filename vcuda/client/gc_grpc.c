@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -39,6 +40,7 @@ enum {
 #define MAX_FRAME 16384u             /* our SETTINGS_MAX_FRAME_SIZE (the default) */
 #define MAX_HEADER_BLOCK (64u * 1024u) /* one header block, all its frames */
 #define FRAME_HEADER 9
+#define H2_REFUSED_STREAM 0x7u
 
 static const char PREFACE[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -111,6 +113,7 @@ struct conn {
     int64_t deadline;
     char *err;
     size_t errlen;
+    int lost; /* the peer closed or reset the connection */
 };
 
 /* Wait for events on the socket; 0 when ready, -1 (err set) on timeout or failure. */
@@ -137,7 +140,8 @@ static int write_all(struct conn *c, const void *p, size_t n)
 {
     const uint8_t *at = p;
     while (n) {
-        ssize_t w = write(c->fd, at, n);
+        /* send(), not write(): a peer that went away is an error to report, not a SIGPIPE. */
+        ssize_t w = send(c->fd, at, n, MSG_NOSIGNAL);
         if (w > 0) {
             at += w;
             n -= (size_t)w;
@@ -147,6 +151,8 @@ static int write_all(struct conn *c, const void *p, size_t n)
         } else if (w < 0 && errno == EINTR) {
             continue;
         } else {
+            if (w < 0 && (errno == EPIPE || errno == ECONNRESET))
+                c->lost = 1;
             set_err(c->err, c->errlen, "cannot send to the server: %s", w < 0 ? strerror(errno) : "short write");
             return -1;
         }
@@ -163,12 +169,15 @@ static int read_all(struct conn *c, void *p, size_t n)
             at += r;
             n -= (size_t)r;
         } else if (r == 0) {
+            c->lost = 1;
             set_err(c->err, c->errlen, "the server closed the connection before the call finished");
             return -1;
         } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
             if (wait_fd(c, POLLIN) != 0)
                 return -1;
         } else if (errno != EINTR) {
+            if (errno == ECONNRESET)
+                c->lost = 1;
             set_err(c->err, c->errlen, "cannot read from the server: %s", strerror(errno));
             return -1;
         }
@@ -442,6 +451,7 @@ static int on_frame(struct call_state *st, uint8_t type, uint8_t flags, uint32_t
         uint32_t code = be32(p + 4);
         if (last >= STREAM_ID)
             return 0; /* our call was accepted: its answer still comes */
+        c->lost = 1; /* the call's stream was not processed (RFC 9113, 6.8): it may be sent again */
         size_t dlen = len - 8 > 200 ? 200 : len - 8;
         char debug[201];
         decode_message((const char *)p + 8, dlen, debug, sizeof(debug));
@@ -455,6 +465,8 @@ static int on_frame(struct call_state *st, uint8_t type, uint8_t flags, uint32_t
             return -1;
         }
         if (stream == STREAM_ID) {
+            if (be32(p) == H2_REFUSED_STREAM)
+                c->lost = 1; /* refused before any processing (RFC 9113, 8.7) */
             set_err(c->err, c->errlen, "the server reset the call (RST_STREAM %s)", h2_error_name(be32(p)));
             return -1;
         }
@@ -545,6 +557,7 @@ int gc_grpc_unary(int fd, const struct gc_call *call, int64_t deadline_ms, struc
 {
     struct conn c = {.fd = fd, .deadline = deadline_ms, .err = err, .errlen = errlen};
     struct call_state st = {.conn = &c, .reply = reply, .stage = AWAIT_HEADERS};
+    reply->lost = 0;
     reply->http_status = -1;
     reply->grpc_status = -1;
     reply->grpc_message[0] = '\0';
@@ -588,6 +601,8 @@ int gc_grpc_unary(int fd, const struct gc_call *call, int64_t deadline_ms, struc
     send_frame(&quiet, FRAME_GOAWAY, 0, 0, goaway, sizeof(goaway));
     rc = 0;
 out:
+    if (rc != 0)
+        reply->lost = c.lost;
     free(payload);
     gc_buf_free(&request);
     gc_buf_free(&st.block);

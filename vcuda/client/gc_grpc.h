@@ -24,6 +24,8 @@ struct gc_call {
 };
 
 struct gc_reply {
+    int lost;               /* the connection ended, or the server refused the stream, before the answer:
+                               the call did not complete and may be sent again (it is idempotent) */
     int http_status;        /* :status, -1 if none came */
     int grpc_status;        /* grpc-status, -1 if none came */
     char grpc_message[512]; /* grpc-message, percent-decoded (truncated) */

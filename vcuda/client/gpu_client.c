@@ -10,7 +10,9 @@
  * and ends the process when this exits non-zero. We send
  * vcuda.VCUDAService/RegisterVDevice as a gRPC call over HTTP/2 on the unix
  * socket and exit 0 when the agent answers OK; otherwise one line on stderr
- * says what failed and the exit status is 1 (2 for a bad command line).
+ * says what failed and the exit status is 1 (2 for a bad command line). A call
+ * the agent did not complete (it restarted meanwhile) is sent again until the
+ * deadline.
  *
  * A static executable with no dependency on the container's libc. Flags are
  * read as Go's flag package reads them: -name or --name, value as the next
@@ -34,6 +36,7 @@
 #define METHOD "/vcuda.VCUDAService/RegisterVDevice"
 #define DEFAULT_TIMEOUT_S 30.0
 #define MAX_FIELD 4096 /* longest flag value sent (a pod UID is 36 bytes, a container ID 64) */
+#define GRPC_UNAVAILABLE 14
 
 enum { EXIT_OK = 0, EXIT_FAILED = 1, EXIT_USAGE = 2 };
 
@@ -231,23 +234,35 @@ int main(int argc, char **argv)
     int64_t timeout_ms = (int64_t)(opts.timeout_s * 1000.0);
     int64_t deadline = gc_now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
     char err[512] = "";
-    int fd = connect_unix(socket_path(opts.addr), deadline, err, sizeof(err));
-    if (fd < 0) {
-        fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);
-        gc_buf_free(&message);
-        return EXIT_FAILED;
-    }
-    struct gc_call call = {
-        .path = METHOD,
-        .authority = "localhost",
-        .user_agent = "gpu-client/" GPU_CLIENT_VERSION,
-        .message = message.data,
-        .message_len = message.len,
-        .timeout_ms = deadline - gc_now_ms(),
-    };
     struct gc_reply reply;
-    int rc = gc_grpc_unary(fd, &call, deadline, &reply, err, sizeof(err));
-    close(fd);
+    int rc = -1;
+    /*
+     * The registration is idempotent: a call the agent did not complete (it restarted under
+     * the call, or refused the stream unprocessed, or answered UNAVAILABLE) is sent again on a
+     * new connection until the deadline.
+     */
+    for (int64_t pause = 50;; pause = pause * 2 > 1000 ? 1000 : pause * 2) {
+        int fd = connect_unix(socket_path(opts.addr), deadline, err, sizeof(err));
+        if (fd < 0) {
+            fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);
+            gc_buf_free(&message);
+            return EXIT_FAILED;
+        }
+        struct gc_call call = {
+            .path = METHOD,
+            .authority = "localhost",
+            .user_agent = "gpu-client/" GPU_CLIENT_VERSION,
+            .message = message.data,
+            .message_len = message.len,
+            .timeout_ms = deadline - gc_now_ms(),
+        };
+        rc = gc_grpc_unary(fd, &call, deadline, &reply, err, sizeof(err));
+        close(fd);
+        int again = rc != 0 ? reply.lost : reply.grpc_status == GRPC_UNAVAILABLE;
+        if (!again || gc_now_ms() + pause >= deadline)
+            break;
+        sleep_ms(pause);
+    }
     gc_buf_free(&message);
     if (rc != 0) {
         fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);

@@ -164,12 +164,15 @@ class DRACluster:
             *self._agent_flags,
         ]
 
-    def start_agent(self, *, wait: bool = True) -> AgentProcess:
-        """Start (or start again) the agent; wait for its registration and its ResourceSlice."""
+    def start_agent(self, *, wait: bool = True, env: Mapping[str, str] | None = None) -> AgentProcess:
+        """Start (or start again) the agent (``env``: more environment variables); wait for its
+        registration and its ResourceSlice."""
         assert self.kubelet is not None
         before = self.kubelet.registrations(DRIVER)
         state = self.agent.state if self.agent is not None else None
-        self.agent = AgentProcess(self.workdir, self.spec, state=state, extra_args=self.agent_args())
+        self.agent = AgentProcess(
+            self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=dict(env or {})
+        )
         self.agent.start()
         if wait:
             self.kubelet.wait_registered(DRIVER, after=before, timeout=30)

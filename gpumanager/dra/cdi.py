@@ -150,3 +150,13 @@ def specs_on_disk(settings: CDISettings) -> list[str]:
         return []
     uids = [p.name[len(prefix) : -len(".json")] for p in entries if p.name.startswith(prefix) and p.suffix == ".json"]
     return [u for u in uids if uid_problem(u) is None]
+
+
+def unfinished_writes(settings: CDISettings) -> list[Path]:
+    """Temp files of this driver's specs left in the CDI root by a write that did not finish (the
+    agent was killed between creating and renaming one)."""
+    prefix = f".{settings.driver}-"
+    try:
+        return sorted(p for p in settings.root.iterdir() if p.name.startswith(prefix) and ".json." in p.name)
+    except OSError:
+        return []

@@ -31,6 +31,7 @@ from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi
 from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ class ClaimPreparer:
             return self._answer(known)
         claim, tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
+        crash_point("prepare-after-checkpoint")
         t2 = time.perf_counter()
         try:
             self._write_files(claim)
@@ -230,6 +232,9 @@ class ClaimPreparer:
                     self._write_files(claim)
                 except OSError as exc:
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
+            for leftover in cdi.unfinished_writes(self._cdi):
+                log.info("removing %s, left by a write that did not finish", leftover)
+                leftover.unlink(missing_ok=True)
             stale = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known]
             for uid in stale:
                 log.info("removing the CDI spec and directory of claim %s, which is not prepared", uid)

@@ -156,20 +156,29 @@ class SlicePublisher:
             )
             items = _json(listed).get("items") or []
             ours: JSON | None = None
-            wrote = False
+            stale: list[str] = []
+            newest_other = 0  # the newest generation of another slice of this node and driver
             for item in items:
                 meta = item.get("metadata") or {}
                 gen = int(((item.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                self._generation = max(self._generation, gen)
                 if meta.get("name") == self.name:
                     ours = item
-                    self._generation = max(self._generation, gen)
-                    continue
-                self._generation = max(self._generation, gen)
-                log.info("deleting stale ResourceSlice %s of node %s", meta.get("name"), self.node)
+                else:
+                    newest_other = max(newest_other, gen)
+                    stale.append(str(meta.get("name")))
+            wrote = False
+            if stale:
+                # Consumers take only the newest generation of a pool: ours goes above the stale
+                # slices' first, so they count for nothing even if deleting them fails.
+                ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
+                if ours is not None and ours_gen <= newest_other:
+                    ours = self._write(ours, force=True)
+                    wrote = True
+            for name in stale:
+                log.info("deleting stale ResourceSlice %s of node %s", name, self.node)
                 try:
-                    self._api.delete_resource_slice(
-                        meta.get("name"), _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-                    )
+                    self._api.delete_resource_slice(name, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
                 except ApiException as exc:
                     if exc.status != 404:
                         raise
@@ -178,26 +187,35 @@ class SlicePublisher:
             if ours is not None and _comparable(ours.get("spec") or {}) == _comparable(desired):
                 self.published.set()
                 return wrote
-            self._generation += 1
-            desired = self._content(self._generation)
-            body: JSON = {
-                "apiVersion": c.RESOURCE_API,
-                "kind": "ResourceSlice",
-                "metadata": {"name": self.name},
-                "spec": desired,
-            }
-            if ours is None:
-                self._api.create_resource_slice(body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
-                log.info("published ResourceSlice %s (generation %d)", self.name, self._generation)
-            else:
-                body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
-                self._api.replace_resource_slice(
-                    self.name, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-                )
-                log.info("updated ResourceSlice %s (generation %d)", self.name, self._generation)
-            self.writes += 1
-            self.published.set()
+            self._write(ours)
             return True
+
+    def _write(self, ours: JSON | None, *, force: bool = False) -> JSON:
+        """Create or replace our slice with the content of the next generation; returns it as stored."""
+        self._generation += 1
+        body: JSON = {
+            "apiVersion": c.RESOURCE_API,
+            "kind": "ResourceSlice",
+            "metadata": {"name": self.name},
+            "spec": self._content(self._generation),
+        }
+        if ours is None:
+            resp = self._api.create_resource_slice(body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
+            log.info("published ResourceSlice %s (generation %d)", self.name, self._generation)
+        else:
+            body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
+            resp = self._api.replace_resource_slice(
+                self.name, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
+            )
+            log.info(
+                "%s ResourceSlice %s (generation %d)",
+                "re-versioned" if force else "updated",
+                self.name,
+                self._generation,
+            )
+        self.writes += 1
+        self.published.set()
+        return _json(resp)
 
     def _sync_loop(self) -> None:
         backoff = _BACKOFF_START

@@ -1,0 +1,59 @@
+"""An agent killed in the middle of a Prepare loses nothing and leaves nothing: the claim recorded
+in the checkpoint gets its files at the next start (or at the kubelet's retry), and the temp file of
+a spec write that did not finish is removed."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from simnode.dra_cluster import DRIVER
+from tests.dra_claim_fixtures import DRAClient, dra_node, result
+
+__all__ = ["dra_node"]
+
+
+def test_a_kill_between_the_checkpoint_and_the_files_loses_nothing(dra_node: DRAClient) -> None:
+    c = dra_node.cluster
+    share = dra_node.claim("share", [result(cores="30", memory="4Gi", share="s-1")])
+    ref = dra_node.ref(share)
+    assert c.agent is not None
+    c.agent.stop()
+    c.start_agent(env={"GPU_MANAGER_CRASH_AT": "prepare-after-checkpoint"})
+    with pytest.raises(grpc.RpcError):
+        dra_node.prepare(ref, timeout=20)
+    assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
+    c.start_agent()
+    # At start, the claim recorded before the kill has its files.
+    spec = dra_node.spec_path(ref[2])
+    assert spec.exists() and (c.vm_path / ref[2] / "vcuda.config").exists()
+    devices = [d["name"] for d in json.loads(spec.read_text())["devices"]]
+    # The kubelet's retry answers what a Prepare that was not interrupted would have.
+    answer = dra_node.prepare(ref)[ref[2]]
+    assert answer.error == "" and answer.cdi_ids == [f"{DRIVER}/gpu={d}" for d in devices]
+    # Its capacity is held once: a whole GPU does not fit beside it, and does once it is gone.
+    whole = dra_node.claim("whole", [result()])
+    assert "whole" in dra_node.prepare(dra_node.ref(whole))[whole["metadata"]["uid"]].error
+    assert dra_node.unprepare(ref) == {ref[2]: ""}
+    assert dra_node.prepare(dra_node.ref(whole))[whole["metadata"]["uid"]].error == ""
+    assert not spec.exists()
+
+
+def test_a_spec_write_cut_short_leaves_no_temp_file(dra_node: DRAClient) -> None:
+    c = dra_node.cluster
+    share = dra_node.claim("share", [result(cores="30", memory="4Gi", share="s-1")])
+    ref = dra_node.ref(share)
+    assert dra_node.prepare(ref)[ref[2]].error == ""
+    # What atomic_write leaves when the agent is killed before its rename.
+    leftover = c.cdi_root / f".{DRIVER}-{ref[2]}.json.k9x2ab"
+    leftover.write_text('{"cdiVersion": "0.5.0", "kind": "')
+    other = c.cdi_root / ".someone-else.json.k9x2ab"
+    other.write_text("{}")
+    assert c.agent is not None
+    c.agent.stop()
+    c.start_agent()
+    assert not leftover.exists()
+    assert other.exists(), "a file that is not the driver's was removed"
+    assert dra_node.spec_path(ref[2]).exists()

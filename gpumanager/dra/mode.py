@@ -22,7 +22,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, drahealth_v1_pb2_grpc, pluginregistration_v1_pb2_grpc
 from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
-from gpumanager.dra import cdi, consumers, devices
+from gpumanager.dra import cdi, consumers, devices, sharing
 from gpumanager.dra import constants as c
 from gpumanager.dra.plugin import DRAPluginSockets, socket_paths
 from gpumanager.dra.prepare import ClaimPreparer, api_reader
@@ -141,8 +141,10 @@ class DRAMode:
         self._report = report
         self._started_unix = time.time()
         self._last_pids: dict[str, list[int]] = {}
+        read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
             reader = api_reader(api_client)
+            read_pod = sharing.api_pod_reader(api_client)
         else:
 
             def reader(namespace: str, name: str) -> dict[str, Any]:
@@ -159,6 +161,15 @@ class DRAMode:
             cdi_settings=cdi_settings,
             vm_path=vm_path,
             driver_version=driver_version,
+            sharing_check=sharing.SharingCheck(
+                driver=settings.driver,
+                pool=self.pool,
+                gpus=self._gpus,
+                pod_by_uid=pod,
+                read_pod=read_pod,
+                read_claim=reader,
+                prepared=self._prepared_by_name,
+            ),
         )
         self.publisher = publisher
         if publisher is None and api_client is not None:
@@ -237,6 +248,9 @@ class DRAMode:
     def claims(self) -> list[ClaimAllocation]:
         """Prepared claims."""
         return self._allocator.claims()
+
+    def _prepared_by_name(self, namespace: str, name: str) -> ClaimAllocation | None:
+        return next((c for c in self._allocator.claims() if c.namespace == namespace and c.name == name), None)
 
     def container_allocations(self) -> list[ContainerAllocation]:
         """Containers using prepared claims, as allocations (for /usage and the container metrics)."""

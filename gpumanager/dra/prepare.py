@@ -29,7 +29,7 @@ from typing import Any
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
-from gpumanager.dra import cdi
+from gpumanager.dra import cdi, sharing
 from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
@@ -96,8 +96,10 @@ class ClaimPreparer:
         cdi_settings: cdi.CDISettings,
         vm_path: Path,
         driver_version: str,
+        sharing_check: sharing.SharingCheck | None = None,
     ) -> None:
         self._read = read_claim
+        self._sharing = sharing_check
         self._allocator = allocator
         self._gpus = list(gpus)
         self.driver = driver
@@ -152,6 +154,7 @@ class ClaimPreparer:
             t0 = time.perf_counter()
             # Outside the lock: a GET that hangs holds this claim only, never the other calls.
             data = self._read(ref.namespace, ref.name)
+            self._check_sharing(ref, data)
             t1 = time.perf_counter()
             with self._lock:
                 return self._record(ref, data, t0, t1)
@@ -163,6 +166,18 @@ class ClaimPreparer:
                 else:
                     del self._reading[ref.uid]
                     self._unprepared_while_read.discard(ref.uid)
+
+    def _check_sharing(self, ref: ClaimRef, data: JSON) -> None:
+        """ClaimError when a container would use this claim beside another of ours and one is a share."""
+        if self._sharing is None:
+            return
+        try:
+            claim, _ = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
+        except ClaimError:
+            return  # refused with its own reason when it is recorded
+        why = sharing.problem(self._sharing, ref, data, claim)
+        if why is not None:
+            raise ClaimError(why)
 
     def _record(self, ref: ClaimRef, data: JSON, t0: float, t1: float) -> list[PreparedDevice]:
         """Second half of a Prepare, under the lock: check, record, write the files, answer."""

@@ -1,0 +1,129 @@
+"""Whether a claim may be prepared given the containers that use it: one share per container.
+
+A container's limits are one vcuda.config, mounted at ``/etc/vcuda`` by the CDI spec of its
+claim. A container that lists several claims of the driver gets every spec's edits, merged by the
+runtime in the order the container lists them, the last mount and env winning: with a share and
+another claim (a whole GPU, or a second share), the container would run with the other claim's
+``/etc/vcuda`` and the share's GPU would no longer be held to the share. So a claim is refused
+when a container of a pod it is reserved for also uses another claim of the driver and either of
+them holds a share; containers that each use one claim are fine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.pods import Pod
+from gpumanager.device.types import GPUInfo
+from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+from gpumanager.dra.consumers import claim_names
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SharingCheck:
+    """What the check needs: the driver and node, and ways to find pods and other claims."""
+
+    driver: str
+    pool: str
+    gpus: Sequence[GPUInfo]
+    pod_by_uid: Callable[[str], Pod | None]
+    read_pod: Callable[[str, str], JSON | None]
+    read_claim: Callable[[str, str], JSON]
+    prepared: Callable[[str, str], ClaimAllocation | None]  # (namespace, name) -> our prepared claim
+
+
+def _pods(check: SharingCheck, namespace: str, claim: Mapping[str, Any]) -> Iterator[Pod]:
+    for entry in (claim.get("status") or {}).get("reservedFor") or []:
+        if not isinstance(entry, Mapping) or entry.get("resource") != "pods":
+            continue
+        uid, name = str(entry.get("uid") or ""), str(entry.get("name") or "")
+        pod = check.pod_by_uid(uid) if uid else None
+        if pod is None and name:
+            pod = check.read_pod(namespace, name)
+            if pod is not None and uid and (pod.get("metadata") or {}).get("uid") != uid:
+                pod = None  # another pod of that name now
+        if pod is None:
+            meta = claim.get("metadata") or {}
+            log.warning(
+                "claim %s/%s: pod %s (%s) it is reserved for is not found", namespace, meta.get("name"), name, uid
+            )
+            continue
+        yield pod
+
+
+def _ours(check: SharingCheck, namespace: str, name: str) -> ClaimAllocation | None:
+    """The claim as this driver holds it, or None when it holds no device of the driver here."""
+    known = check.prepared(namespace, name)
+    if known is not None:
+        return known
+    try:
+        data = check.read_claim(namespace, name)
+        uid = str((data.get("metadata") or {}).get("uid") or "")
+        parsed, _ = parse_claim(
+            data, ClaimRef(namespace, name, uid), driver=check.driver, pool=check.pool, gpus=check.gpus
+        )
+    except ClaimError:
+        return None
+    return parsed
+
+
+def problem(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: ClaimAllocation) -> str | None:
+    """Why ``claim`` (read as ``data``) must not be prepared, naming the container and claims; or None."""
+    namespace = ref.namespace
+    for pod in _pods(check, namespace, data):
+        local = claim_names(pod)
+        meta = pod.get("metadata") or {}
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            refs = ((container.get("resources") or {}).get("claims")) or []
+            used = list(
+                dict.fromkeys(local[r["name"]] for r in refs if isinstance(r, Mapping) and r.get("name") in local)
+            )
+            if ref.name not in used or len(used) < 2:
+                continue
+            for other in used:
+                if other == ref.name:
+                    continue
+                theirs = _ours(check, namespace, other)
+                if theirs is None or not (claim.shared or theirs.shared):
+                    continue
+                share = ref.name if claim.shared else other
+                return (
+                    f"claim {ref} ({ref.uid}): container {container.get('name')} of pod "
+                    f"{meta.get('namespace')}/{meta.get('name')} uses it and claim {namespace}/{other} of driver "
+                    f"{check.driver}, and {namespace}/{share} is a share of a GPU: a container with a share can use "
+                    "no other claim of this driver (its limits are one vcuda.config)"
+                )
+    return None
+
+
+def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str], JSON | None]:
+    """GET a pod (None when it is not there or cannot be read)."""
+    import json
+
+    from kubernetes import client as k8s
+
+    api: Any = k8s.CoreV1Api(api_client)
+
+    def read(namespace: str, name: str) -> JSON | None:
+        try:
+            resp = api.read_namespaced_pod(name, namespace, _request_timeout=timeout, _preload_content=False)
+        except Exception as exc:  # 404, connection errors, timeouts: the check is skipped for this pod
+            log.warning("pod %s/%s: cannot read it: %s", namespace, name, getattr(exc, "status", exc))
+            return None
+        out: JSON = json.loads(resp.data)
+        return out
+
+    return read
+
+
+def no_pod(_namespace: str, _name: str) -> JSON | None:
+    """A pod reader for an agent with no API server: nothing is found."""
+    return None

@@ -1,0 +1,88 @@
+"""A container that uses a share claim is held to that share, whatever other claims it lists.
+
+A container's limits are one vcuda.config, mounted at /etc/vcuda from the claim's CDI spec; the
+runtime merges the edits of several specs in the order the container lists its claims, the last
+mount and env winning. A container listing a share and, after it, another claim of the driver
+(a whole GPU, or a second share) got the other claim's /etc/vcuda: the share's GPU was no longer
+held to the share. Either such a container is refused at Prepare, or it runs with the share's limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager.vmanager import files
+from simnode.dra_cluster import DRACluster, claim_template
+
+JSON = dict[str, Any]
+
+
+@pytest.fixture
+def node(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    with DRACluster(tmp_path / "node", "v100-pcie-x4") as c:
+        c.add_template(claim_template("share", cores=30, memory="4Gi"))
+        c.add_template(claim_template("share2", cores=50, memory="8Gi"))
+        c.add_template(claim_template("whole"))
+        yield c
+
+
+def _pod(name: str, claims: Sequence[str], containers: dict[str, Sequence[str]]) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "resourceClaims": [{"name": c, "resourceClaimTemplateName": c} for c in claims],
+            "containers": [
+                {"name": n, "image": "cuda:12", "resources": {"claims": [{"name": c} for c in uses]}}
+                for n, uses in containers.items()
+            ],
+        },
+    }
+
+
+def _effective_config(c: DRACluster, pod_uid: str, container: str) -> files.VcudaConfig | None:
+    assert c.kubelet is not None
+    run = c.kubelet.containers[(pod_uid, container)]
+    mount = run.mounts.get("/etc/vcuda")
+    if mount is None:
+        return None
+    path = Path(mount) / "vcuda.config"
+    return files.unpack(path.read_bytes()) if path.exists() else None
+
+
+@pytest.mark.parametrize(
+    "order",
+    [("share", "whole"), ("whole", "share"), ("share", "share2"), ("share2", "share")],
+    ids=["share-then-whole", "whole-then-share", "share-then-share", "share2-then-share"],
+)
+def test_a_container_with_a_share_claim_never_runs_without_its_limits(node: DRACluster, order: list[str]) -> None:
+    created = node.create_pod(_pod("mixed", order, {"main": order}))
+    node.settle()
+    uid = created["metadata"]["uid"]
+    assert node.kubelet is not None
+    if (uid, "main") in node.kubelet.containers:
+        config = _effective_config(node, uid, "main")
+        limits = {"share": (30, 4 << 30), "share2": (50, 8 << 30)}
+        wanted = [limits[c] for c in order if c in limits]
+        assert config is not None and config.enable == 1, "the container runs without the share's limits"
+        assert (config.utilization, config.gpu_memory) in wanted
+        assert len(wanted) == 1, "a container with two shares runs with one share's limits on both GPUs"
+        return
+    errors = node.prepare_errors.get(uid)
+    assert errors, "the pod neither started nor got an error"
+    text = " ".join(errors.values())
+    assert "main" in text and "default/mixed" in text, errors
+
+
+def test_claims_used_by_different_containers_of_a_pod_are_fine(node: DRACluster) -> None:
+    created = node.create_pod(_pod("split", ["share", "whole"], {"a": ["share"], "b": ["whole"]}))
+    node.settle()
+    uid = created["metadata"]["uid"]
+    assert node.prepare_errors.get(uid) is None
+    config = _effective_config(node, uid, "a")
+    assert config is not None and (config.enable, config.utilization, config.gpu_memory) == (1, 30, 4 << 30)

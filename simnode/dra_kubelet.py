@@ -79,7 +79,7 @@ class PluginRecord:
     endpoint: str
     version: str
     socket: Path
-    identity: tuple[int, int]
+    identity: tuple[int, int, int]
     registered_at: float
     channel: grpc.Channel | None = None
     health: dict[str, tuple[int, str]] = field(default_factory=dict)  # device -> (status, message)
@@ -112,12 +112,14 @@ class RunningContainer:
     proc: subprocess.Popen[bytes] | None = None
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Which file is at ``path`` now: device, inode and change time (a socket created again after
+    its predecessor was unlinked often gets the same inode; the kubelet's inotify watch sees it)."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 class DRAKubeletSimulator:
@@ -146,7 +148,7 @@ class DRAKubeletSimulator:
         self.slice_wipe_delay = slice_wipe_delay
         self._lock = threading.RLock()
         self._plugins: dict[str, PluginRecord] = {}
-        self._seen: dict[Path, tuple[int, int]] = {}
+        self._seen: dict[Path, tuple[int, int, int]] = {}
         self.claims: dict[str, PreparedClaim] = {}
         self.containers: dict[tuple[str, str], RunningContainer] = {}
         self.registration_log: list[tuple[float, str, str]] = []  # (time, driver, "ok" or error)
@@ -249,7 +251,7 @@ class DRAKubeletSimulator:
         for path, ident in new:
             self._register(path, ident)
 
-    def _register(self, path: Path, ident: tuple[int, int]) -> None:
+    def _register(self, path: Path, ident: tuple[int, int, int]) -> None:
         with grpc.insecure_channel(f"unix://{path}") as channel:
             stub = reg_grpc.RegistrationStub(channel)
             try:

@@ -9,6 +9,7 @@ import json
 import grpc
 import pytest
 
+from gpumanager.allocation.journal import read_document
 from simnode.dra_cluster import DRIVER
 from tests.dra_claim_fixtures import DRAClient, dra_node, result
 
@@ -57,3 +58,54 @@ def test_a_spec_write_cut_short_leaves_no_temp_file(dra_node: DRAClient) -> None
     assert not leftover.exists()
     assert other.exists(), "a file that is not the driver's was removed"
     assert dra_node.spec_path(ref[2]).exists()
+
+
+CHECKPOINT = "gpumanager_internal_checkpoint"
+
+
+@pytest.mark.parametrize("damage", ["bad-field", "entry-lost"])
+def test_a_claim_whose_checkpoint_entry_cannot_be_trusted_is_rebuilt_not_dropped(
+    dra_node: DRAClient, damage: str
+) -> None:
+    c = dra_node.cluster
+    share = dra_node.claim("share", [result(cores="30", memory="4Gi", share="s-1")])
+    ref = dra_node.ref(share)
+    first = dra_node.prepare(ref)[ref[2]]
+    assert first.error == ""
+    assert c.agent is not None
+    c.agent.stop()  # a clean stop: the snapshot holds everything
+    path = c.checkpoint_dir / CHECKPOINT
+    doc = read_document(path)
+    assert doc is not None and ref[2] in doc["Claims"]
+    if damage == "bad-field":
+        doc["Claims"][ref[2]]["Devices"][0]["Cores"] = "thirty"
+    else:
+        del doc["Claims"][ref[2]]
+    path.write_text(json.dumps(doc))
+    c.start_agent()
+    # The running container's files are still there, and the claim is prepared as before.
+    assert dra_node.spec_path(ref[2]).exists() and (c.vm_path / ref[2] / "vcuda.config").exists()
+    assert dra_node.prepare(ref)[ref[2]] == first
+    # Its capacity is held: a whole GPU does not fit beside it.
+    whole = dra_node.claim("whole", [result()])
+    assert "whole" in dra_node.prepare(dra_node.ref(whole))[whole["metadata"]["uid"]].error
+    assert dra_node.unprepare(ref) == {ref[2]: ""}
+    assert not dra_node.spec_path(ref[2]).exists()
+
+
+def test_files_of_a_claim_the_api_server_no_longer_has_are_removed_at_start(dra_node: DRAClient) -> None:
+    c = dra_node.cluster
+    share = dra_node.claim("gone", [result(cores="30", memory="4Gi", share="s-1")])
+    ref = dra_node.ref(share)
+    assert dra_node.prepare(ref)[ref[2]].error == ""
+    assert c.agent is not None
+    c.agent.stop()
+    path = c.checkpoint_dir / CHECKPOINT
+    doc = read_document(path)
+    assert doc is not None
+    del doc["Claims"][ref[2]]
+    path.write_text(json.dumps(doc))
+    c.resource.delete_namespaced_resource_claim("gone", "default", _preload_content=False)
+    c.start_agent()
+    assert not dra_node.spec_path(ref[2]).exists()
+    assert not (c.vm_path / ref[2]).exists()

@@ -29,6 +29,10 @@ class ClaimError(Exception):
     """A claim this node cannot prepare; the message names the claim, device and value."""
 
 
+class ClaimNotFound(ClaimError):
+    """The API server has no claim of that namespace and name."""
+
+
 @dataclass(frozen=True)
 class ClaimRef:
     """What the kubelet names: namespace, name, UID."""

@@ -30,7 +30,7 @@ from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi, sharing
-from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
 
@@ -72,7 +72,7 @@ def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
             resp = api.read_namespaced_resource_claim(name, namespace, _request_timeout=timeout, _preload_content=False)
         except ApiException as exc:
             if exc.status == 404:
-                raise ClaimError(f"claim {namespace}/{name} not found") from None
+                raise ClaimNotFound(f"claim {namespace}/{name} not found") from None
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc.status} {exc.reason}") from None
         except Exception as exc:  # connection errors, timeouts
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc}") from None
@@ -238,23 +238,60 @@ class ClaimPreparer:
         return out
 
     def restore_files(self) -> list[str]:
-        """After a restart: rewrite missing files of every recovered claim, remove specs of unknown
-        claims. Returns the UIDs of the specs removed."""
+        """After a restart: rewrite missing files of every recovered claim; a claim whose spec is on
+        disk but whose record was lost or could not be trusted is rebuilt from the API server, and
+        its files removed only when the API server no longer has it. Returns the UIDs removed."""
         with self._lock:
             known = {c.uid: c for c in self._allocator.claims()}
+            for leftover in cdi.unfinished_writes(self._cdi):
+                log.info("removing %s, left by a write that did not finish", leftover)
+                leftover.unlink(missing_ok=True)
+            unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known]
+        removed = []
+        for uid in unknown:
+            outcome, rebuilt = self._rebuild(uid)
+            if outcome == "removed":
+                removed.append(uid)
+            elif rebuilt is not None:
+                known[uid] = rebuilt
+        with self._lock:
             for claim in known.values():
                 try:
                     self._write_files(claim)
                 except OSError as exc:
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
-            for leftover in cdi.unfinished_writes(self._cdi):
-                log.info("removing %s, left by a write that did not finish", leftover)
-                leftover.unlink(missing_ok=True)
-            stale = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known]
-            for uid in stale:
-                log.info("removing the CDI spec and directory of claim %s, which is not prepared", uid)
+        return removed
+
+    def _rebuild(self, uid: str) -> tuple[str, ClaimAllocation | None]:
+        """A claim with files but no record: ("rebuilt", claim) from the API server, ("removed", None)
+        when the API server no longer has it, ("kept", None) when that cannot be told."""
+        key = claim_files.recorded_key(self._vm, uid)
+        if key is None:
+            log.warning("claim %s has a CDI spec but no record and no readable vcuda.config: files left", uid)
+            return "kept", None
+        namespace, _, name = key.partition("/")
+        ref = ClaimRef(namespace, name, uid)
+        try:
+            data = self._read(namespace, name)
+        except ClaimNotFound:
+            data = None
+        except ClaimError as exc:
+            log.warning("claim %s (%s) has files but no record, and cannot be rebuilt now: %s", ref, uid, exc)
+            return "kept", None
+        if data is None or (data.get("metadata") or {}).get("uid") != uid:  # deleted, or recreated: gone
+            log.info("removing the CDI spec and directory of claim %s (%s): the API server no longer has it", ref, uid)
+            with self._lock:
                 self._remove_files(uid)
-            return stale
+            return "removed", None
+        try:
+            claim, _tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
+            with self._lock:
+                self._allocator.prepare_claim(claim, allow_unhealthy=frozenset(claim.minors))
+        except (ClaimError, AllocationError) as exc:
+            log.error("claim %s (%s) has files but no record, and cannot be recorded again: %s", ref, uid, exc)
+            return "kept", None
+        log.warning("claim %s (%s): its record was lost or could not be trusted; rebuilt from the API server", ref, uid)
+        return "rebuilt", claim
 
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""

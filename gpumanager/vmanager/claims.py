@@ -69,6 +69,17 @@ def config_current(vm_path: Path, claim: ClaimAllocation, driver_version: str) -
         return False
 
 
+def recorded_key(vm_path: Path, claim_uid: str) -> str | None:
+    """The ``<namespace>/<name>`` the claim's vcuda.config names (None when it cannot be read)."""
+    try:
+        data = (claim_dir(vm_path, claim_uid) / names.VCUDA_CONFIG_FILE).read_bytes()
+        key = files.unpack(data).container_name
+    except (OSError, ValueError):
+        return None
+    namespace, sep, name = key.partition("/")
+    return key if sep and namespace and name else None
+
+
 def write_pids(vm_path: Path, claim_uid: str, pids: Iterable[int]) -> list[int]:
     """Write the claim's pids.config."""
     return files.write_pids(claim_dir(vm_path, claim_uid) / names.PIDS_CONFIG_FILE, pids)

@@ -58,7 +58,8 @@ def spec_path(settings: CDISettings, claim_uid: str) -> Path:
 def device_name(claim_uid: str, dev: ClaimDevice) -> str:
     """The CDI device of one result: ``<claim uid>-<request>-<device>[-<share id>]``."""
     parts = [claim_uid, dev.request, dev.device] + ([dev.share_id] if dev.share_id else [])
-    return _UNSAFE.sub("_", "-".join(p for p in parts if p))
+    # CDI allows letters, digits, '_', '-', '.', ':' inside, and a letter or digit at both ends.
+    return _UNSAFE.sub("_", "-".join(p for p in parts if p)).rstrip("_.:-")
 
 
 def device_id(settings: CDISettings, claim_uid: str, dev: ClaimDevice) -> str:

@@ -15,7 +15,8 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from gpumanager.kube.client import api_client, probe
+from gpumanager.kube.client import api_client
+from gpumanager.kube.rest import KubeRest
 from simnode.apiserver import ApiError, ApiServerSimulator, pod_manifest
 from simnode.apiserver_patch import (
     NODE_MERGE_KEYS,
@@ -92,7 +93,7 @@ def test_kubeconfig_loads_with_the_client_and_the_agent_helpers(sim: ApiServerSi
     path = sim.write_kubeconfig(tmp_path / "kube" / "config")
     api = config.new_client_from_config(config_file=str(path))
     assert client.VersionApi(api).get_code().git_version == "v1.31.4"
-    assert probe(api_client(str(path))) == "v1.31.4"
+    assert KubeRest(api_client(str(path))).json("GET", "/version")["gitVersion"] == "v1.31.4"
     assert api.configuration.host == sim.url
 
 

@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from gpumanager.allocation.journal import read_document
 from simnode.agent_process import SPEC_DIR
 from simnode.dra_cluster import DRIVER, NODE, DRACluster, claim_pod, claim_template
 from simnode.gpusim_state import sim_env
@@ -94,6 +96,32 @@ def test_agent_restart_keeps_every_prepared_claim(v100: DRACluster) -> None:
     answer = v100.kubelet.prepare(DRIVER, [("default", "over", over)])[over]
     assert "more than the device has left" in answer["error"] and "cores=80" in answer["error"]
     assert "default/over" in answer["error"] and device in answer["error"]
+
+
+@pytest.mark.parametrize("point", ["prepare-before-checkpoint", "prepare-after-checkpoint"])
+def test_sigkill_inside_prepare_then_the_kubelet_prepares_again(v100: DRACluster, point: str) -> None:
+    assert v100.kubelet is not None and v100.agent is not None
+    kept = make_claim(v100, "kept", device="gpu-1", cores="20", memory="1Gi")
+    assert not v100.kubelet.prepare(DRIVER, [("default", "kept", kept)])[kept]["error"]
+    v100.agent.stop()
+    v100.start_agent(env={"GPU_MANAGER_CRASH_AT": point})
+    victim = make_claim(v100, "victim", device="gpu-1", cores="40", memory="4Gi")
+    with pytest.raises(grpc.RpcError):
+        v100.kubelet.prepare(DRIVER, [("default", "victim", victim)])
+    assert v100.agent.wait(10) == -9
+    v100.start_agent()
+    # The kubelet never got an answer and asks again: prepared once, with its files, whichever side of
+    # the record the agent died on (before it, nothing was recorded; after it, the journal has it).
+    again = v100.kubelet.prepare(DRIVER, [("default", "victim", victim)])[victim]
+    assert not again["error"] and again["devices"][0]["device"] == "gpu-1"
+    assert (v100.cdi_root / f"{DRIVER}-{victim}.json").exists()
+    claims = (read_document(v100.checkpoint_dir / "gpumanager_internal_checkpoint") or {})["Claims"]
+    assert sorted(claims) == sorted([kept, victim])
+    # gpu-1 holds 20 + 40 cores, counted once each: 40 more fit, 41 do not.
+    over = make_claim(v100, "over", device="gpu-1", cores="41", memory="1Gi")
+    assert "cores=41" in v100.kubelet.prepare(DRIVER, [("default", "over", over)])[over]["error"]
+    fits = make_claim(v100, "fits", device="gpu-1", cores="40", memory="1Gi")
+    assert not v100.kubelet.prepare(DRIVER, [("default", "fits", fits)])[fits]["error"]
 
 
 def test_kubelet_restart_reregisters_in_process_and_slice_comes_back(v100: DRACluster) -> None:

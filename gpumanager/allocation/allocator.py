@@ -125,6 +125,9 @@ class Allocator:
         self._parsed: dict[str, list[GPURequest]] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
+        #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
+        #: prepared claims may be missing from the state, to be rebuilt from other records.
+        self.claims_in_doubt = False
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -784,10 +787,12 @@ class Allocator:
             claims, claim_problems = claim_records.from_json(data)
         except (checkpoint.CheckpointError, records.RecordError) as exc:
             checkpoint.quarantine(self._checkpoint_path)
+            self.claims_in_doubt = True
             raise AllocationError(str(exc), "unavailable") from exc
         parsed.problems.extend(loaded.problems)
         parsed.journal_damaged = bool(loaded.problems)
-        # Claims first, without saving: _adopt() then writes the checkpoint once, with both.
+        self.claims_in_doubt = bool(loaded.problems or claim_problems)
+        # Claims first, without recording them again: they are on disk as loaded.
         self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
         taken, refused = self._adopt(parsed.allocations, source=str(self._checkpoint_path))
         parsed.allocations = taken
@@ -886,8 +891,8 @@ class Allocator:
             return self._claims.get(uid)
 
     def prepare_claim(self, claim: ClaimAllocation, *, allow_unhealthy: frozenset[int] = frozenset()) -> bool:
-        """Record a claim and occupy its GPUs; checkpointed before returning. Returns False when it was
-        already prepared (a repeated Prepare: nothing changes).
+        """Record a claim and occupy its GPUs; one journal record, durable before returning. Returns False
+        when it was already prepared (a repeated Prepare: nothing changes).
 
         Refused (AllocationError naming the claim, the device and the amounts, nothing changed) when
         a GPU is not on this node, is unhealthy (unless its minor is in ``allow_unhealthy``: the
@@ -933,10 +938,13 @@ class Allocator:
             self._claims[claim.uid] = claim
             crash_point("prepare-before-checkpoint")
             try:
-                self._save()
+                self._write([_claim_put(claim)])
             except OSError as exc:
                 self._drop_claim(claim.uid)
-                raise AllocationError(f"cannot write checkpoint {self._checkpoint_path}: {exc}", "unavailable") from exc
+                raise AllocationError(
+                    f"{who}: {self._checkpoint_error}; no claim is prepared until it can be written", "unavailable"
+                ) from exc
+            crash_point("prepare-after-checkpoint")
         self._notify()
         log.info(
             "prepared %s: %s",
@@ -961,19 +969,27 @@ class Allocator:
         return claim
 
     def unprepare_claim(self, uid: str) -> ClaimAllocation | None:
-        """Free a claim's GPUs (checkpointed); None when it was not prepared (a repeated Unprepare)."""
+        """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare).
+
+        AllocationError when the record cannot be written: the claim is freed all the same.
+        """
         with self._lock:
             claim = self._drop_claim(uid)
             if claim is None:
                 return None
-            self._save()
+            try:
+                self._write([_claim_del(uid)])
+            except OSError as exc:
+                # Freed in memory all the same: the kubelet retries an Unprepare that failed, and the
+                # next write (a whole snapshot after a failure) records it.
+                raise AllocationError(f"claim {claim.key} ({uid}): {self._checkpoint_error}", "unavailable") from exc
         self._notify()
         log.info("unprepared claim %s (%s)", claim.key, uid)
         return claim
 
     def adopt_claims(self, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
-        """Take over prepared claims from a checkpoint; returns how many."""
-        taken = 0
+        """Take over prepared claims (from the checkpoint, or rebuilt); returns how many."""
+        taken: list[ClaimAllocation] = []
         with self._lock:
             for claim in claims:
                 unknown = [m for m in claim.minors if m not in self._by_minor]
@@ -986,12 +1002,12 @@ class Allocator:
                     leaf = self._tree.leaf_by_minor(dev.minor)
                     self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
                 self._claims[claim.uid] = claim
-                taken += 1
+                taken.append(claim)
             if taken and save:
-                self._save()
+                self._save_or_report([_claim_put(c) for c in taken])
         if taken:
             self._notify()
-        return taken
+        return len(taken)
 
     def _warn_overcommit(self, source: str) -> None:
         per_gpu: dict[int, int] = {}
@@ -1013,6 +1029,14 @@ def _put(alloc: ContainerAllocation) -> dict[str, Any]:
 
 def _del(key: tuple[str, str]) -> dict[str, Any]:
     return {"op": "del", "pod": key[0], "container": key[1]}
+
+
+def _claim_put(claim: ClaimAllocation) -> dict[str, Any]:
+    return {"op": "claim-put", "uid": claim.uid, "entry": claim.to_json()}
+
+
+def _claim_del(uid: str) -> dict[str, Any]:
+    return {"op": "claim-del", "uid": uid}
 
 
 def _oserror(exc: OSError) -> str:

@@ -3,8 +3,9 @@
 A claim prepared on this node holds one or more GPUs; each allocation result of
 our driver names one GPU, the capacity it consumes (``cores``, ``memory``) and,
 for a device that allows several allocations, a share ID. The records live in
-the same checkpoint file as the container allocations, under ``Claims`` (a key
-upstream gpu-manager ignores)::
+the same checkpoint as the container allocations: each Prepare and Unprepare is
+one journal record (``claim-put``, ``claim-del``), and the snapshot holds them
+under ``Claims`` (a key upstream gpu-manager ignores)::
 
     {"PodGPUMapping": {...},
      "Claims": {"<claim uid>": {"Namespace": "ml", "Name": "train-gpu-x2k4",

@@ -12,10 +12,11 @@ in place reads a snapshot at most a second or so old, and this agent reads the
 journal too.
 
 Files, beside the snapshot ``<name>``: ``<name>.journal-<seq>`` segments of
-:data:`SEGMENT_BYTES`. A record is ``<length:8 hex> <crc32:8 hex> <json>\\n``;
-zeros mark the free rest of a segment. On load the snapshot is read, then every
-segment in order (a change is a put or a delete of one container's entry, so
-replaying one the snapshot already holds changes nothing). A record whose
+:data:`SEGMENT_BYTES`, for container allocations and prepared claims (DRA mode)
+alike. A record is ``<length:8 hex> <crc32:8 hex> <json>\\n``; zeros mark the
+free rest of a segment. On load the snapshot is read, then every segment in
+order (a change is a put or a delete of one container's or one claim's entry,
+so replaying one the snapshot already holds changes nothing). A record whose
 checksum does not match at the end of the last segment is a write cut short by
 a crash and is ignored; anywhere else it is damage: the segment is moved aside
 and reported, and the caller reconciles with the kubelet's records.
@@ -64,11 +65,28 @@ def _record(change: Mapping[str, Any]) -> bytes:
 
 
 def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
-    """Apply one journal change (or a batch of them) to a checkpoint document, in place."""
+    """Apply one journal change (or a batch of them) to a checkpoint document, in place.
+
+    A container's entry (``PodGPUMapping``) is put or deleted by ``put``/``del``; a prepared
+    claim's (``Claims``, DRA mode) by ``claim-put``/``claim-del``.
+    """
     if "batch" in change:
         for one in change.get("batch") or []:
             if isinstance(one, Mapping):
                 apply(document, one)
+        return
+    op = change.get("op")
+    if op in ("claim-put", "claim-del"):
+        claims = document.get("Claims")
+        if not isinstance(claims, dict):
+            claims = document["Claims"] = {}
+        uid = str(change.get("uid", ""))
+        if op == "claim-put":
+            claims[uid] = change.get("entry")
+        else:
+            claims.pop(uid, None)
+            if not claims:
+                document.pop("Claims", None)
         return
     mapping = document.setdefault("PodGPUMapping", {})
     pod, container = str(change.get("pod", "")), str(change.get("container", ""))

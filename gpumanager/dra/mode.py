@@ -199,7 +199,7 @@ class DRAMode:
 
     def start(self) -> None:
         """Restore claim files, publish the slice, serve the sockets."""
-        stale = self.preparer.restore_files()
+        stale = self.preparer.restore_files(verify_recovered=self._allocator.claims_in_doubt)
         if stale:
             log.info("removed the files of %d claims that are not prepared", len(stale))
         if self.publisher is not None:

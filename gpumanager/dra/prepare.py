@@ -237,17 +237,25 @@ class ClaimPreparer:
                     log.error("NodeUnprepareResources: %s", out[ref.uid])
         return out
 
-    def restore_files(self) -> list[str]:
+    def restore_files(self, *, verify_recovered: bool = False) -> list[str]:
         """After a restart: rewrite missing files of every recovered claim; a claim whose spec is on
         disk but whose record was lost or could not be trusted is rebuilt from the API server, and
-        its files removed only when the API server no longer has it. Returns the UIDs removed."""
+        its files removed only when the API server no longer has it. Returns the UIDs removed.
+
+        ``verify_recovered`` (the checkpoint had damage, so a release may have been lost with it):
+        a recovered claim the API server no longer has, or reserves for no pod, is freed and its
+        files removed.
+        """
         with self._lock:
             known = {c.uid: c for c in self._allocator.claims()}
             for leftover in cdi.unfinished_writes(self._cdi):
                 log.info("removing %s, left by a write that did not finish", leftover)
                 leftover.unlink(missing_ok=True)
-            unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known]
-        removed = []
+        removed = [uid for uid in (list(known) if verify_recovered else []) if self._free_if_gone(known[uid])]
+        for uid in removed:
+            del known[uid]
+        with self._lock:
+            unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known and uid not in removed]
         for uid in unknown:
             outcome, rebuilt = self._rebuild(uid)
             if outcome == "removed":
@@ -261,6 +269,33 @@ class ClaimPreparer:
                 except OSError as exc:
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
         return removed
+
+    def _free_if_gone(self, claim: ClaimAllocation) -> bool:
+        """Whether a recovered claim was released in a change the damaged checkpoint lost: the API server
+        no longer has it (or has another claim of that name), or reserves it for no pod. Then it is
+        freed and its files removed."""
+        ref = ClaimRef(claim.namespace, claim.name, claim.uid)
+        try:
+            data: JSON | None = self._read(claim.namespace, claim.name)
+        except ClaimNotFound:
+            data = None
+        except ClaimError as exc:
+            log.warning("claim %s (%s): cannot check it against the API server (%s); kept", ref, claim.uid, exc)
+            return False
+        if data is not None and (data.get("metadata") or {}).get("uid") == claim.uid:
+            if (data.get("status") or {}).get("reservedFor"):
+                return False
+            reason = "it is reserved for no pod"
+        else:
+            reason = "the API server no longer has it"
+        log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
+        with self._lock:
+            try:
+                self._allocator.unprepare_claim(claim.uid)
+            except AllocationError as exc:  # freed all the same; the next checkpoint write records it
+                log.error("claim %s (%s): %s", ref, claim.uid, exc)
+            self._remove_files(claim.uid)
+        return True
 
     def _rebuild(self, uid: str) -> tuple[str, ClaimAllocation | None]:
         """A claim with files but no record: ("rebuilt", claim) from the API server, ("removed", None)

@@ -11,6 +11,7 @@ and the README's flags table are built from the same declaration.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,15 +81,21 @@ _DURATION_UNITS = (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
 
 
 def parse_duration(text: str) -> float:
-    """Seconds, or a Go duration such as 500ms, 5s, 1m, 1h."""
+    """Seconds, or a Go duration such as 500ms, 5s, 1m, 1h (a finite number: not nan, inf or 1e999)."""
     value = text.strip()
+    seconds: float | None = None
     for suffix, scale in _DURATION_UNITS:
         if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit():
-            return float(value[: -len(suffix)]) * scale
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m)") from None
+            seconds = float(value[: -len(suffix)]) * scale
+            break
+    else:
+        try:
+            seconds = float(value)
+        except ValueError:
+            pass
+    if seconds is None or not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m)")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:

@@ -1,0 +1,75 @@
+"""Battery: operator errors on the agent's flags exit 2 naming the flag and the value, never a traceback.
+
+Each case starts the real ``gpu-manager`` command on a simulated one-GPU node with one bad
+value; everything else points into the test's own directory.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simnode.gpusim_state import sim_env
+from tests.battery_fixtures import spec_one_gpu
+
+EXIT_CONFIG = 2
+
+
+def _run(tmp_path: Path, *flags: str, timeout: float = 30.0) -> tuple[int | None, str]:
+    spec = spec_one_gpu(tmp_path / "spec.json")
+    args = [
+        sys.executable,
+        "-m",
+        "gpumanager.cli",
+        f"--device-plugin-path={tmp_path / 'dp'}",
+        f"--display-socket={tmp_path / 'gm.sock'}",
+        "--query-addr=127.0.0.1",
+        "--query-port=0",
+        f"--kubeconfig={tmp_path / 'no-kubeconfig'}",
+        f"--checkpoint-path={tmp_path / 'ck'}",
+        f"--virtual-manager-path={tmp_path / 'vm'}",
+        f"--pod-resources-socket={tmp_path / 'pr.sock'}",
+        f"--plugin-registry-path={tmp_path / 'reg'}",
+        f"--dra-plugin-path={tmp_path / 'dra'}",
+        f"--cdi-root={tmp_path / 'cdi'}",
+        "--hostname-override=battery-node",
+        *flags,
+    ]
+    (tmp_path / "dp").mkdir(exist_ok=True)
+    with subprocess.Popen(
+        args,
+        env=sim_env(spec, tmp_path / "state"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            return proc.returncode, out
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # still running: a clean stop
+            out, _ = proc.communicate(timeout=30)
+            return None, out
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--wait-timeout", "inf"),
+        ("--wait-timeout", "nan"),
+        ("--health-probe-period", "nan"),
+        ("--health-probe-period", "inf"),
+        ("--kubelet-watch-period", "nan"),
+        ("--health-quiet-period", "nan"),
+        ("--runtime-request-timeout", "1e999"),
+    ],
+)
+def test_bad_value_exits_2_naming_flag_and_value(tmp_path: Path, flag: str, value: str) -> None:
+    rc, out = _run(tmp_path, f"{flag}={value}", timeout=10)
+    assert rc == EXIT_CONFIG, f"{flag}={value!r}: exit {rc}\n{out[-3000:]}"
+    assert "Traceback" not in out, out
+    assert flag in out and (value in out or repr(value) in out), out

@@ -179,13 +179,23 @@ class Config:
         if not self.device_plugin_path:
             raise ConfigError("--device-plugin-path: must not be empty")
         # gRPC binds and dials unix sockets by absolute path only.
+        # The pod directories are mount sources the kubelet must find, the checkpoint must outlive the
+        # agent's working directory: both are host paths, absolute.
         for flag, path_value in (
             ("--device-plugin-path", self.device_plugin_path),
             ("--display-socket", self.display_socket),
             ("--pod-resources-socket", self.pod_resources_socket),
+            ("--checkpoint-path", self.checkpoint_path),
+            ("--virtual-manager-path", self.virtual_manager_path),
         ):
             if not Path(path_value).is_absolute():
                 raise ConfigError(f"{flag}={path_value}: must be an absolute path")
+        try:
+            socket.getaddrinfo(
+                self.query_addr or None, self.query_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except (OSError, UnicodeError) as exc:
+            raise ConfigError(f"--query-addr={self.query_addr!r}: not an address to listen on ({exc})") from None
         for x in self.ignored_xids:
             if x < 0:
                 raise ConfigError(f"--ignored-xids: {x} is not a valid XID")

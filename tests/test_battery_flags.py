@@ -66,6 +66,12 @@ def _run(tmp_path: Path, *flags: str, timeout: float = 30.0) -> tuple[int | None
         ("--kubelet-watch-period", "nan"),
         ("--health-quiet-period", "nan"),
         ("--runtime-request-timeout", "1e999"),
+        ("--checkpoint-path", "relative/checkpoint"),
+        ("--checkpoint-path", ""),
+        ("--virtual-manager-path", "relative/vm"),
+        ("--virtual-manager-path", ""),
+        ("--query-addr", "999.1.1.1"),
+        ("--query-addr", "no-such-host.invalid"),
     ],
 )
 def test_bad_value_exits_2_naming_flag_and_value(tmp_path: Path, flag: str, value: str) -> None:

@@ -79,3 +79,13 @@ def test_bad_value_exits_2_naming_flag_and_value(tmp_path: Path, flag: str, valu
     assert rc == EXIT_CONFIG, f"{flag}={value!r}: exit {rc}\n{out[-3000:]}"
     assert "Traceback" not in out, out
     assert flag in out and (value in out or repr(value) in out), out
+
+
+def test_malformed_kubeconfig_is_reported_not_a_traceback(tmp_path: Path) -> None:
+    """A kubeconfig that is not YAML is like a missing one: named in the log, the agent serves on."""
+    bad = tmp_path / "kubeconfig"
+    bad.write_text("apiVersion: v1\nclusters: [\n")
+    rc, out = _run(tmp_path, f"--kubeconfig={bad}", timeout=8)
+    assert rc is None, f"exited {rc}:\n{out[-3000:]}"
+    assert "Traceback" not in out, out
+    assert str(bad) in out, out

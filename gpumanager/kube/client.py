@@ -22,6 +22,6 @@ def api_client(kubeconfig: str = "") -> client.ApiClient:
         cfg = client.Configuration()
         config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         return client.ApiClient(cfg)
-    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+    except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
         where = kubeconfig or "in-cluster configuration"
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc

@@ -262,7 +262,6 @@ class SimCluster:
 
     def start_agent(self, *, wait: bool = True, env: Mapping[str, str] | None = None) -> AgentProcess:
         """Start (or start again) the agent process."""
-        before = {r: self.kubelet.registration_count(r) for r in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)}
         merged = {**self._agent_env, **(env or {})}
         state = self.agent.state if self.agent is not None else None
         # The log file is shared by every agent started here: count what earlier ones wrote.
@@ -270,10 +269,11 @@ class SimCluster:
         agent = self.agent = AgentProcess(
             self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged
         )
+        launched = time.monotonic()
         agent.start()
         if wait:
-            for resource, count in before.items():
-                self.kubelet.wait_for_registration(resource, after=count, timeout=30, with_devices=True)
+            for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+                self.kubelet.wait_for_registration(resource, since=launched, timeout=30, with_devices=True)
             # The agent registers first and connects to the API server in the background: wait for that.
             deadline = time.monotonic() + 60
             while agent.log_text().count(STARTED_MARK) <= started:

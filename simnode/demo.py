@@ -30,6 +30,7 @@ from simnode.gpusim_state import repo_root, sim_env, spec_dir
 from simnode.simhost import install_sim_driver, volume_conf
 
 CORE = names.VCORE_RESOURCE
+MEMORY = names.VMEMORY_RESOURCE
 MEM = names.VMEMORY_RESOURCE
 
 
@@ -180,10 +181,13 @@ def run(workdir: Path, spec: Path) -> int:
         say(f"   after {time.monotonic() - t_xid:.2f} s (3 s quiet period): {health_line(c)}")
 
         say("== Kubelet restart (every socket in the device-plugin directory removed)")
-        before = c.kubelet.registration_count(CORE)
         created = c.kubelet.restart()
-        record = c.kubelet.wait_for_registration(CORE, after=before, timeout=10)
-        say(f"   re-registered in {(record.registered_at - created) * 1000:.0f} ms, same process (pid {c.agent.pid})")
+        records = [
+            c.kubelet.wait_for_registration(resource, since=created, timeout=10, with_devices=True)
+            for resource in (CORE, MEMORY)
+        ]
+        took = (max(r.registered_at for r in records) - created) * 1000
+        say(f"   both resources re-registered in {took:.0f} ms, same process (pid {c.agent.pid})")
 
         say("== Agent restart")
         kept = checkpoint(c)

@@ -719,19 +719,28 @@ class KubeletSimulator:
         timeout: float = 10.0,
         *,
         with_devices: bool = False,
+        since: float | None = None,
     ) -> RegistrationRecord:
         """Wait for a registration of ``resource`` and return its record.
 
         ``after=None``: the latest registration (waiting for the first one if there is none).
         ``after=n``: the registration that follows the first ``n`` ones of this resource, i.e.
         its (n+1)-th, typically ``wait_for_registration(r, after=sim.registration_count(r))``.
+        ``since``: instead of ``after``, the first registration whose ``Register`` call arrived at or
+        after this ``time.monotonic()`` value. A registration is recorded only once the kubelet has
+        dialled the plugin back, so one still in flight when a count is taken would be miscounted;
+        use ``since`` for "the registration of the process started at that time".
         ``with_devices``: also wait for its first ``ListAndWatch`` response.
         Raises ``TimeoutError``.
         """
 
         def pick() -> RegistrationRecord | None:
             regs = [r for r in self._registrations if r.resource == resource]
-            wanted = len(regs) - 1 if after is None else after
+            if since is not None:
+                regs = sorted((r for r in regs if r.registered_at >= since), key=lambda r: r.registered_at)
+                wanted = 0
+            else:
+                wanted = len(regs) - 1 if after is None else after
             rec = regs[wanted] if 0 <= wanted < len(regs) else None
             if rec is not None and with_devices and rec.first_list_and_watch_at is None:
                 return None
@@ -746,8 +755,10 @@ class KubeletSimulator:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     have = sum(1 for r in self._registrations if r.resource == resource)
+                    which = "since the given time" if since is not None else f"#{(after or 0) + 1}"
+                    devices = " with its first ListAndWatch" if with_devices else ""
                     raise TimeoutError(
-                        f"no registration #{(after or 0) + 1} of {resource} within {timeout}s ({have} so far)"
+                        f"no registration {which} of {resource}{devices} within {timeout}s ({have} so far)"
                     )
                 self._cond.wait(remaining)
 

@@ -36,9 +36,9 @@ Differences a client may notice:
   kinds are served (other resources answer 404);
 * strategic merge patch is approximated (see :mod:`~simnode.apiserver_patch`);
   server-side apply (``application/apply-patch+yaml``) answers 415;
-* no ``managedFields``, no ``metadata.generation``; pod quantities are kept as sent (strings;
-  numbers become strings) rather than canonicalised (``"1000m"`` stays ``"1000m"``), while
-  resource.k8s.io quantities are canonicalised as the real server does;
+* no ``managedFields``, no ``metadata.generation``; quantities (pod resources and the
+  resource.k8s.io kinds) are answered in canonical form as the real server does (``1000`` reads
+  back as ``1k``, ``1000m`` as ``1``);
 * only JSON (no protobuf/CBOR/YAML, no ``Table`` output, ``pretty`` ignored);
 * a watch from a resourceVersion newer than the current one waits for it silently;
   bookmarks come every ``bookmark_interval`` seconds when ``allowWatchBookmarks`` is set; without

@@ -21,6 +21,7 @@ change; updates of ``/status`` keep the stored spec.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import re
@@ -35,6 +36,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from simnode.apiserver_errors import ApiError, bad_request, invalid
 from simnode.apiserver_patch import NODE_MERGE_KEYS, POD_MERGE_KEYS
+from simnode.apiserver_quantity import QuantityError, canonical
 from simnode.apiserver_selectors import NODE_FIELDS, POD_FIELDS, valid_label_key, valid_label_value
 
 log = logging.getLogger(__name__)
@@ -217,6 +219,8 @@ def _containers(spec: JSON) -> list[tuple[str, JSON]]:
 
 
 def _normalize_quantities(container: JSON) -> None:
+    """Quantities as the server stores them: canonical form (``1000`` reads back as ``1k``, ``1024Mi`` as
+    ``1Gi``); a value that is not a quantity is left for validation to refuse."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return
@@ -225,7 +229,9 @@ def _normalize_quantities(container: JSON) -> None:
         if isinstance(values, dict):
             for key, value in list(values.items()):
                 if isinstance(value, int | float) and not isinstance(value, bool):
-                    values[key] = str(value)
+                    values[key] = value = str(value)
+                with contextlib.suppress(QuantityError):
+                    values[key] = canonical(value)
 
 
 def _image_pull_policy(image: str) -> str:

@@ -33,6 +33,7 @@ from gpumanager import names
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
+from simnode.apiserver_quantity import value as quantity_value
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import AllocationRecord, KubeletSimulator
 from simnode.simhost import install_sim_driver, volume_conf
@@ -312,8 +313,8 @@ class SimCluster:
         run = self.runs[str(pod["metadata"]["uid"])]
         for c in pod["spec"]["containers"]:
             limits = (c.get("resources") or {}).get("limits") or {}
-            cores = int(limits.get(names.VCORE_RESOURCE, 0))
-            blocks = int(limits.get(names.VMEMORY_RESOURCE, 0))
+            cores = int(quantity_value(limits.get(names.VCORE_RESOURCE, 0)))
+            blocks = int(quantity_value(limits.get(names.VMEMORY_RESOURCE, 0)))
             kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
             if cores:
                 run.core[c["name"]] = self.kubelet.allocate(names.VCORE_RESOURCE, cores, **kw)

@@ -561,8 +561,8 @@ class MultiNodeCluster:
                 if not raw:
                     continue
                 limits = (c.get("resources") or {}).get("limits") or {}
-                c_cores = int(limits.get(names.VCORE_RESOURCE, 0))
-                c_mem = int(limits.get(names.VMEMORY_RESOURCE, 0)) * names.MEMORY_BLOCK_BYTES
+                c_cores = int(parse_quantity(limits.get(names.VCORE_RESOURCE, 0)))
+                c_mem = int(parse_quantity(limits.get(names.VMEMORY_RESOURCE, 0))) * names.MEMORY_BLOCK_BYTES
                 for minor in (int(m) for m in raw.split(",")):
                     key = (node, minor)
                     cores[key] = cores.get(key, 0) + min(c_cores, 100)

@@ -12,8 +12,10 @@ import calendar
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from gpumanager import names
 
@@ -51,10 +53,11 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     if raw is None:
         return 0
     try:
-        value = Decimal(str(raw))
-    except InvalidOperation:
+        # A quantity, as the API server answers it in canonical form: 1000 reads back as "1k".
+        value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError, ArithmeticError):
         value = Decimal(-1)
-    if value != value.to_integral_value() or value < 0:
+    if not value.is_finite() or value != value.to_integral_value() or value < 0:
         raise PodSpecError(
             f"pod {pod_key(pod)} container {container.get('name')}: {resource} limit {raw!r} is not a whole number"
         )

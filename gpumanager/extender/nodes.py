@@ -16,8 +16,10 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
@@ -51,11 +53,12 @@ class _Held:
 
 
 def _quantity(raw: object) -> int:
+    """A capacity as the API server answers it (canonical form: ten GPUs have ``1k`` cores); 0 if unreadable."""
     try:
-        value = Decimal(str(raw))
-    except InvalidOperation:
+        value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
+    except (ValueError, TypeError, ArithmeticError):
         return 0
-    return int(value) if value >= 0 else 0
+    return int(value) if value.is_finite() and value >= 0 else 0
 
 
 def _resources(node: Node, section: str) -> Mapping[str, Any]:

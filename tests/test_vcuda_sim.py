@@ -470,6 +470,105 @@ print(json.dumps(out))
     assert last_json(free.stdout) is True
 
 
+MODULE_IMAGES = r"""
+import pynvml
+pynvml.nvmlInit()
+def mine():
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    return sum(p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid == os.getpid())
+PTX = b'''.version 7.0
+.target sm_75
+.address_size 64
+// .global .b8 commented[999999999];
+.visible .global .align 8 .b8 table[104857600];
+.visible .const .align 4 .u32 coeffs[4] = {1, 2, 3, 4};
+.extern .global .b8 elsewhere[64];
+.visible .entry work_1us(.param .u64 p) { .reg .b64 %rd<2>; ret; }
+''' + b"\0"
+"""
+
+
+def test_modules_and_libraries_take_their_variables_where_they_are_loaded(vcuda_built: Path, tmp_path: Path) -> None:
+    """A module's code page and PTX variables (whole 2 MiB pages) are its context's; a library goes into a context
+    lazily (when something there needs it) or, with CUDA_MODULE_LOADING=EAGER, into every context at once."""
+    del vcuda_built
+    program = (
+        MODULE_IMAGES
+        + r"""
+base = mine()
+out = {}
+mod = ok(d.cuModuleLoadData(PTX))
+out["module"] = mine() - base
+ptr, size = ok(d.cuModuleGetGlobal(mod, b"table"))
+out["table"] = int(size)
+out["set"] = d.cuMemsetD8(ptr, 0, int(size))[0].name  # copies and sets accept a module's variables
+out["coeffs"] = int(ok(d.cuModuleGetGlobal(mod, b"coeffs"))[1])
+out["extern"] = d.cuModuleGetGlobal(mod, b"elsewhere")[0].name
+out["commented"] = d.cuModuleGetGlobal(mod, b"commented")[0].name
+other = ok(d.cuCtxCreate(0, dev))
+m2 = ok(d.cuModuleLoadData(PTX))
+out["two"] = mine() - base
+ok(d.cuCtxDestroy(other))  # its module goes with it
+ok(d.cuCtxSetCurrent(ctx))
+out["after_destroy"] = mine() - base
+ok(d.cuModuleUnload(mod))
+out["unloaded"] = mine() - base
+lib = ok(d.cuLibraryLoadData(PTX, None, None, 0, None, None, 0))
+out["library"] = mine() - base
+other = ok(d.cuCtxCreate(0, dev))
+ctx_size = mine() - base
+out["library_new_ctx"] = ctx_size
+gptr, gsize = ok(d.cuLibraryGetGlobal(lib, b"table"))
+out["get_global"] = mine() - base - ctx_size
+ok(d.cuCtxSetCurrent(ctx))
+k = ok(d.cuLibraryGetKernel(lib, b"work_1us"))
+s = ok(d.cuStreamCreate(0))
+ok(d.cuLaunchKernel(k, 1, 1, 1, 32, 1, 1, 0, s, 0, 0))
+ok(d.cuStreamSynchronize(s))
+out["launched"] = mine() - base - ctx_size
+ok(d.cuLibraryUnload(lib))
+out["library_unloaded"] = mine() - base - ctx_size
+print(json.dumps(out))
+"""
+    )
+    env = sim_only_env("t4-x1", tmp_path / "node.state")
+    done = run_python(program, env)
+    assert done.returncode == 0, done.stderr
+    footprint = 2 * MIB + 102 * MIB  # code page + 100 MiB and 16 bytes of variables in whole pages
+    ctx = load_spec(spec_dir() / "t4-x1.json").gpus[0].context_bytes
+    assert last_json(done.stdout) == {
+        "module": footprint,
+        "table": 100 * MIB,
+        "set": "CUDA_SUCCESS",
+        "coeffs": 16,
+        "extern": "CUDA_ERROR_NOT_FOUND",
+        "commented": "CUDA_ERROR_NOT_FOUND",
+        "two": ctx + 2 * footprint,
+        "after_destroy": footprint,
+        "unloaded": 0,
+        "library": 0,  # lazily: nothing until a context needs it
+        "library_new_ctx": ctx,
+        "get_global": footprint,  # into the current (new) context
+        "launched": 2 * footprint,  # a launch in the primary context loads it there too
+        "library_unloaded": 0,
+    }
+    eager = run_python(
+        MODULE_IMAGES
+        + r"""
+base = mine()
+lib = ok(d.cuLibraryLoadData(PTX, None, None, 0, None, None, 0))
+loaded = mine() - base
+other = ok(d.cuCtxCreate(0, dev))
+with_ctx = mine() - base
+ok(d.cuLibraryUnload(lib))
+print(json.dumps([loaded, with_ctx, mine() - base]))
+""",
+        {**env, "CUDA_MODULE_LOADING": "EAGER"},
+    )
+    assert eager.returncode == 0, eager.stderr
+    assert last_json(eager.stdout) == [footprint, ctx + 2 * footprint, ctx]
+
+
 def test_proc_driver_nvidia_version_is_served(vcuda_built: Path, tmp_path: Path) -> None:
     """The simulated driver writes its /proc/driver/nvidia/version where GPUSIM_PROC_VERSION says; preloading
     libgpusim-proc.so makes a process read it at the real path."""

@@ -34,7 +34,7 @@ static bool holds(const struct vc_map_entry *e, void *arg)
 /* The allocation that holds [ptr, ptr + bytes): true with its record in *out. */
 static bool device_range(uint64_t ptr, uint64_t bytes, struct vc_map_entry *out)
 {
-    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_MAP, REC_GALLOC, REC_IPC};
+    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_MAP, REC_GALLOC, REC_IPC, REC_MODVAR};
     struct lookup l = {ptr, bytes};
     bool hit = false;
     sim_rec_lock();

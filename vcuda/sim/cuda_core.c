@@ -429,6 +429,53 @@ CUresult sim_cu_current_device(int *device)
     return CUDA_SUCCESS;
 }
 
+static CUresult ctx_destroy(CUcontext ctx);
+
+/* Created contexts alive in this process, under g_ctx_mu (sim_ctx_each). */
+#define SIM_MAX_CREATED 1024
+static CUcontext g_created[SIM_MAX_CREATED];
+static unsigned g_ncreated;
+
+static void created_forget(CUcontext c)
+{
+    pthread_mutex_lock(&g_ctx_mu);
+    for (unsigned i = 0; i < g_ncreated; i++) {
+        if (g_created[i] == c) {
+            g_created[i] = g_created[--g_ncreated];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+}
+
+static void created_atfork_child(void)
+{
+    g_ncreated = 0; /* a forked child has none of its parent's contexts */
+}
+
+__attribute__((constructor)) static void created_init(void)
+{
+    pthread_atfork(NULL, NULL, created_atfork_child);
+}
+
+void sim_ctx_each(void (*fn)(CUcontext ctx, void *arg), void *arg)
+{
+    static CUcontext all[SIM_MAX_CREATED + GPUSIM_MAX_GPUS];
+    static pthread_mutex_t each_mu = PTHREAD_MUTEX_INITIALIZER; /* one walk at a time (all[] is static) */
+    pthread_mutex_lock(&each_mu);
+    unsigned n = 0;
+    pthread_mutex_lock(&g_ctx_mu);
+    for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
+        if (g_primary_refs[i] > 0)
+            all[n++] = &g_primary[i];
+    for (unsigned i = 0; i < g_ncreated; i++)
+        all[n++] = g_created[i];
+    pthread_mutex_unlock(&g_ctx_mu);
+    for (unsigned i = 0; i < n; i++)
+        fn(all[i], arg);
+    pthread_mutex_unlock(&each_mu);
+}
+
 static CUresult ctx_create(CUcontext *pctx, unsigned flags, CUdevice dev)
 {
     const struct sim_node *n;
@@ -448,7 +495,22 @@ static CUresult ctx_create(CUcontext *pctx, unsigned flags, CUdevice dev)
         return rc;
     }
     *c = (struct CUctx_st){.magic = SIM_CTX_MAGIC, .device = dev, .primary = false, .flags = flags};
+    pthread_mutex_lock(&g_ctx_mu);
+    bool room = g_ncreated < SIM_MAX_CREATED;
+    if (room)
+        g_created[g_ncreated++] = c;
+    pthread_mutex_unlock(&g_ctx_mu);
+    if (!room) {
+        sim_ctx_memory_release(dev);
+        free(c);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     tl_stack[tl_depth++] = c;
+    rc = sim_libraries_context_created(c);
+    if (rc != CUDA_SUCCESS) {
+        ctx_destroy(c);
+        return rc;
+    }
     *pctx = c;
     return CUDA_SUCCESS;
 }
@@ -493,6 +555,7 @@ static CUresult ctx_destroy(CUcontext ctx)
         }
     }
     int dev = ctx->device;
+    created_forget(ctx);
     sim_ctx_gone(ctx);
     if (ctx->extra_bytes > 0)
         sim_mem_uncharge((unsigned)dev, ctx->extra_bytes);
@@ -512,6 +575,8 @@ SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
     return ctx_destroy(ctx);
 }
 
+static CUresult primary_release(CUdevice dev, bool reset);
+
 SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     const struct sim_node *n;
@@ -527,11 +592,14 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
             g_primary[dev] = (struct CUctx_st){
                 .magic = SIM_CTX_MAGIC, .device = dev, .primary = true, .flags = g_primary_flags[dev]};
     }
+    bool fresh = rc == CUDA_SUCCESS && g_primary_refs[dev] == 0;
     if (rc == CUDA_SUCCESS) {
         g_primary_refs[dev]++;
         *pctx = &g_primary[dev];
     }
     pthread_mutex_unlock(&g_ctx_mu);
+    if (fresh && (rc = sim_libraries_context_created(&g_primary[dev])) != CUDA_SUCCESS)
+        primary_release(dev, false);
     return rc;
 }
 

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "sim_timeline.h"
+#include "vc_image.h"
 #include "vc_map.h"
 
 static uint64_t g_graph_mem[GPUSIM_MAX_GPUS]; /* bytes of live graph allocation nodes, per GPU (under the records lock) */
@@ -25,9 +26,18 @@ void sim_exec_atfork_child(void)
 
 /* ---- modules and launches ----------------------------------------------------------------- */
 
+/* A module in one context: its code page and its module-scope variables (from the image's PTX). */
+struct sim_var {
+    char name[128];
+    uint64_t addr, size;
+};
 struct sim_module {
     int device;
+    uint64_t bytes;    /* device memory it takes: code page + variables' pages (vc_image_footprint) */
+    unsigned nvars;
+    struct sim_var vars[];
 };
+
 struct sim_function {
     CUmodule module;    /* NULL for a CUkernel */
     uint64_t named_ns;  /* duration from the name ("..._<N>ns|us|ms"), 0 = the cost model */
@@ -100,35 +110,122 @@ static uint64_t kernel_ns(const struct sim_function *f, unsigned gpu, uint64_t b
     return ns < 1000.0 ? 1000u : ns > 1e12 ? (uint64_t)1e12 : (uint64_t)ns;
 }
 
-static CUresult module_new(CUmodule *module)
+static bool var_of(const struct vc_map_entry *e, void *module)
+{
+    return e->aux == (uint64_t)(uintptr_t)module;
+}
+
+/* The variables of an image, as parsed (names and sizes; addresses are given per loaded module). */
+struct var_list {
+    unsigned n, cap;
+    struct sim_var *v;
+    bool failed;
+};
+
+static void collect_var(const char *name, size_t len, uint64_t bytes, void *arg)
+{
+    struct var_list *l = arg;
+    if (l->n == l->cap) {
+        unsigned cap = l->cap ? l->cap * 2 : 8;
+        struct sim_var *v = realloc(l->v, cap * sizeof(*v));
+        if (v == NULL) {
+            l->failed = true;
+            return;
+        }
+        l->v = v, l->cap = cap;
+    }
+    struct sim_var *e = &l->v[l->n++];
+    size_t n = len < sizeof(e->name) - 1 ? len : sizeof(e->name) - 1;
+    memcpy(e->name, name, n);
+    e->name[n] = '\0';
+    e->size = bytes;
+    e->addr = 0;
+}
+
+/* Parses image: its footprint and variables (l->v malloc'ed, the caller frees it). */
+static CUresult image_vars(const void *image, uint64_t *bytes, struct var_list *l)
+{
+    uint64_t data;
+    *l = (struct var_list){0, 0, NULL, false};
+    vc_image_parse(image, &data, collect_var, l);
+    if (l->failed) {
+        free(l->v);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *bytes = vc_image_footprint(image);
+    return CUDA_SUCCESS;
+}
+
+/*
+ * Loads a module into ctx (on dev): charges its footprint, gives each variable an address (a record
+ * copies and sets accept) and records it as the context's (freed with it).  library: the CUlibrary
+ * it belongs to (cuLibraryGetModule), or 0.
+ */
+static CUresult module_load(CUmodule *module, CUcontext ctx, int dev, uint64_t bytes, const struct sim_var *vars,
+                            unsigned nvars, uint64_t library)
+{
+    struct sim_module *m = calloc(1, sizeof(*m) + nvars * sizeof(m->vars[0]));
+    if (m == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m->device = dev;
+    m->bytes = bytes;
+    m->nvars = nvars;
+    /* Its code and data take device memory the allocation APIs never see (what NVML shows per process). */
+    CUresult rc = sim_mem_charge((unsigned)dev, bytes);
+    if (rc != CUDA_SUCCESS) {
+        free(m);
+        return rc;
+    }
+    for (unsigned i = 0; i < nvars; i++) {
+        m->vars[i] = vars[i];
+        m->vars[i].addr = vars[i].size > 0 ? sim_va_alloc((unsigned)dev, vars[i].size, 256) : 0;
+    }
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)m, .kind = REC_MODULE, .gpu = (unsigned)dev, .size = bytes,
+                             .aux = library, .ctx = (uint64_t)(uintptr_t)ctx};
+    sim_rec_lock();
+    int put = vc_map_put(sim_recs(), &e);
+    for (unsigned i = 0; i < nvars && put == 0; i++) {
+        if (m->vars[i].addr == 0)
+            continue;
+        struct vc_map_entry v = {.key = m->vars[i].addr, .kind = REC_MODVAR, .gpu = (unsigned)dev,
+                                 .size = m->vars[i].size, .aux = (uint64_t)(uintptr_t)m,
+                                 .ctx = (uint64_t)(uintptr_t)ctx};
+        put = vc_map_put(sim_recs(), &v);
+    }
+    if (put != 0) {
+        vc_map_remove_if(sim_recs(), REC_MODVAR, var_of, NULL, m);
+        vc_map_find(sim_recs(), (uint64_t)(uintptr_t)m, REC_MODULE, NULL, true);
+    }
+    sim_rec_unlock();
+    if (put != 0) {
+        sim_mem_uncharge((unsigned)dev, bytes);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *module = (CUmodule)m;
+    return CUDA_SUCCESS;
+}
+
+static CUresult module_new(CUmodule *module, const void *image)
 {
     int dev;
     CUresult rc = sim_cu_current_device(&dev);
     if (rc != CUDA_SUCCESS)
         return rc;
-    struct sim_module *m = malloc(sizeof(*m));
-    if (m == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    m->device = dev;
-    /* Its code and data take device memory the allocation APIs never see (what NVML shows per process). */
-    rc = sim_mem_charge((unsigned)dev, SIM_MODULE_BYTES);
-    if (rc == CUDA_SUCCESS && sim_put((uint64_t)(uintptr_t)m, REC_MODULE, (unsigned)dev, SIM_MODULE_BYTES, 0) != 0) {
-        sim_mem_uncharge((unsigned)dev, SIM_MODULE_BYTES);
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    if (rc != CUDA_SUCCESS) {
-        free(m);
+    uint64_t bytes;
+    struct var_list l;
+    if ((rc = image_vars(image, &bytes, &l)) != CUDA_SUCCESS)
         return rc;
-    }
-    *module = (CUmodule)m;
-    return CUDA_SUCCESS;
+    rc = module_load(module, sim_cu_current(), dev, bytes, l.v, l.n, 0);
+    free(l.v);
+    return rc;
 }
 
 SIM_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
     if (module == NULL || image == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    return module_new(module);
+    return module_new(module, image);
 }
 
 SIM_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
@@ -145,12 +242,14 @@ SIM_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin
 
 SIM_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
 {
-    struct stat sb;
     if (module == NULL || fname == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (stat(fname, &sb) != 0)
+    char *image = vc_image_read_file(fname);
+    if (image == NULL)
         return CUDA_ERROR_FILE_NOT_FOUND;
-    return module_new(module);
+    CUresult rc = module_new(module, image);
+    free(image);
+    return rc;
 }
 
 static bool function_of(const struct vc_map_entry *e, void *module)
@@ -174,9 +273,37 @@ SIM_EXPORT CUresult cuModuleUnload(CUmodule hmod)
     sim_mem_uncharge(e.gpu, e.size);
     sim_rec_lock();
     vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, hmod);
+    vc_map_remove_if(sim_recs(), REC_MODVAR, var_of, NULL, hmod);
     sim_rec_unlock();
     free(hmod);
     return CUDA_SUCCESS;
+}
+
+/* A variable of a loaded module: its address and size. */
+static CUresult module_global(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (name == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)hmod, REC_MODULE, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    const struct sim_module *m = (const struct sim_module *)(void *)hmod;
+    for (unsigned i = 0; i < m->nvars; i++) {
+        if (strcmp(m->vars[i].name, name) == 0) {
+            if (dptr != NULL)
+                *dptr = (CUdeviceptr)m->vars[i].addr;
+            if (bytes != NULL)
+                *bytes = (size_t)m->vars[i].size;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+SIM_EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name)
+{
+    return module_global(dptr, bytes, hmod, name);
 }
 
 SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
@@ -202,26 +329,149 @@ SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const 
 
 /* ---- libraries and context-less kernels (CUDA 12.0) ----------------------------------- */
 
+/*
+ * A library is loaded into a context as a module of that context (freed with it).  When, follows the
+ * module loading mode (CUDA_MODULE_LOADING, read once): EAGER loads it into every live context at
+ * cuLibraryLoad* and into contexts created later; LAZY (the default since CUDA 12.2) into a context
+ * when something there needs it: cuLibraryGetModule, cuLibraryGetGlobal / cuLibraryGetManaged,
+ * cuKernelGetFunction, or a launch of one of its kernels.
+ */
+struct sim_library {
+    uint64_t bytes; /* footprint of one load (vc_image_footprint) */
+    unsigned nvars;
+    struct sim_var vars[];
+};
+
+static bool eager_loading(void)
+{
+    static _Atomic int mode = -1;
+    int m = atomic_load_explicit(&mode, memory_order_relaxed);
+    if (m < 0) {
+        const char *s = getenv("CUDA_MODULE_LOADING");
+        m = s != NULL && strcmp(s, "EAGER") == 0;
+        atomic_store_explicit(&mode, m, memory_order_relaxed);
+    }
+    return m == 1;
+}
+
+struct lib_in_ctx {
+    uint64_t library, ctx;
+};
+
+static bool module_of_library_in(const struct vc_map_entry *e, void *arg)
+{
+    const struct lib_in_ctx *k = arg;
+    return e->aux == k->library && e->ctx == k->ctx;
+}
+
+/* The library's module in ctx, loaded now if it is not yet (on ctx's device). */
+static CUresult library_in(CUlibrary library, CUcontext ctx, CUmodule *out)
+{
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct vc_map_entry e;
+    if (!sim_find((uint64_t)(uintptr_t)library, REC_LIBRARY, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct lib_in_ctx k = {(uint64_t)(uintptr_t)library, (uint64_t)(uintptr_t)ctx};
+    sim_rec_lock();
+    bool hit = vc_map_find_if(sim_recs(), REC_MODULE, module_of_library_in, &k, &e);
+    sim_rec_unlock();
+    if (hit) {
+        *out = (CUmodule)(uintptr_t)e.key;
+        return CUDA_SUCCESS;
+    }
+    const struct sim_library *l = (const struct sim_library *)(void *)library;
+    return module_load(out, ctx, ctx->device, l->bytes, l->vars, l->nvars, (uint64_t)(uintptr_t)library);
+}
+
+struct eager_load {
+    CUlibrary library;
+    CUresult rc;
+};
+
+static void load_into(CUcontext ctx, void *arg)
+{
+    struct eager_load *el = arg;
+    CUmodule m;
+    if (el->rc == CUDA_SUCCESS)
+        el->rc = library_in(el->library, ctx, &m);
+}
+
+struct lib_keys {
+    uint64_t keys[256];
+    unsigned n;
+};
+
+static void collect_library(struct vc_map_entry *e, void *arg)
+{
+    struct lib_keys *l = arg;
+    if (l->n < sizeof(l->keys) / sizeof(l->keys[0]))
+        l->keys[l->n++] = e->key;
+}
+
+/* A context came alive (EAGER: every library goes into it); an error if one does not fit. */
+CUresult sim_libraries_context_created(CUcontext ctx)
+{
+    if (!eager_loading())
+        return CUDA_SUCCESS;
+    struct lib_keys libs = {.n = 0};
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_LIBRARY, collect_library, &libs);
+    sim_rec_unlock();
+    for (unsigned i = 0; i < libs.n; i++) {
+        CUmodule m;
+        CUresult rc = library_in((CUlibrary)(uintptr_t)libs.keys[i], ctx, &m);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult library_load(CUlibrary *library, const void *code)
+{
+    uint64_t bytes;
+    struct var_list vl;
+    CUresult rc = image_vars(code, &bytes, &vl);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct sim_library *lib = calloc(1, sizeof(*lib) + vl.n * sizeof(lib->vars[0]));
+    if (lib == NULL) {
+        free(vl.v);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    lib->bytes = bytes;
+    lib->nvars = vl.n;
+    if (vl.n > 0)
+        memcpy(lib->vars, vl.v, vl.n * sizeof(vl.v[0]));
+    free(vl.v);
+    if (sim_put((uint64_t)(uintptr_t)lib, REC_LIBRARY, NO_GPU, 0, 0) != 0) {
+        free(lib);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (eager_loading()) {
+        struct eager_load el = {(CUlibrary)lib, CUDA_SUCCESS};
+        sim_ctx_each(load_into, &el);
+        if (el.rc != CUDA_SUCCESS) {
+            cuLibraryUnload((CUlibrary)lib);
+            return el.rc;
+        }
+    }
+    *library = (CUlibrary)lib;
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
                                       void **jitOptionsValues, unsigned int numJitOptions,
                                       CUlibraryOption *libraryOptions, void **libraryOptionValues,
                                       unsigned int numLibraryOptions)
 {
-    (void)jitOptions, (void)jitOptionsValues, (void)libraryOptions, (void)libraryOptionValues;
+    (void)jitOptionsValues, (void)libraryOptionValues;
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (library == NULL || code == NULL || (numJitOptions > 0 && jitOptions == NULL) ||
         (numLibraryOptions > 0 && libraryOptions == NULL))
         return CUDA_ERROR_INVALID_VALUE;
-    void *lib = calloc(1, 16);
-    if (lib == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    if (sim_put((uint64_t)(uintptr_t)lib, REC_LIBRARY, NO_GPU, 0, 0) != 0) {
-        free(lib);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *library = (CUlibrary)lib;
-    return CUDA_SUCCESS;
+    return library_load(library, code);
 }
 
 SIM_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
@@ -229,18 +479,32 @@ SIM_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNa
                                           CUlibraryOption *libraryOptions, void **libraryOptionValues,
                                           unsigned int numLibraryOptions)
 {
-    struct stat sb;
-    if (fileName == NULL)
+    (void)jitOptionsValues, (void)libraryOptionValues;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (library == NULL || fileName == NULL || (numJitOptions > 0 && jitOptions == NULL) ||
+        (numLibraryOptions > 0 && libraryOptions == NULL))
         return CUDA_ERROR_INVALID_VALUE;
-    if (stat(fileName, &sb) != 0)
+    char *image = vc_image_read_file(fileName);
+    if (image == NULL)
         return CUDA_ERROR_FILE_NOT_FOUND;
-    return cuLibraryLoadData(library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
-                             libraryOptionValues, numLibraryOptions);
+    CUresult rc = library_load(library, image);
+    free(image);
+    return rc;
 }
 
 static bool kernel_of(const struct vc_map_entry *e, void *library)
 {
     return e->aux == (uint64_t)(uintptr_t)library;
+}
+
+static void module_unloaded(const struct vc_map_entry *e, void *arg)
+{
+    (void)arg;
+    sim_mem_uncharge(e->gpu, e->size);
+    vc_map_remove_if(sim_recs(), REC_MODVAR, var_of, NULL, (void *)(uintptr_t)e->key);
+    vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, (void *)(uintptr_t)e->key);
+    free((void *)(uintptr_t)e->key);
 }
 
 SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
@@ -252,6 +516,7 @@ SIM_EXPORT CUresult cuLibraryUnload(CUlibrary library)
     sim_rec_lock();
     vc_map_remove_if(sim_recs(), REC_KERNEL, kernel_of, free_record_object, library);
     vc_map_remove_if(sim_recs(), REC_FUNCTION, function_of, free_record_object, library);
+    vc_map_remove_if(sim_recs(), REC_MODULE, function_of, module_unloaded, library); /* its module in every context */
     sim_rec_unlock();
     free(library);
     return CUDA_SUCCESS;
@@ -283,11 +548,32 @@ SIM_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library)
 {
     if (pMod == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (sim_cu_node() == NULL)
-        return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_find((uint64_t)(uintptr_t)library, REC_LIBRARY, NULL, false))
-        return CUDA_ERROR_INVALID_HANDLE;
-    return module_new(pMod);
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return library_in(library, sim_cu_current(), pMod);
+}
+
+/* A variable of the library, in the current context (loading the library there if needed). */
+static CUresult library_global(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name)
+{
+    CUmodule m;
+    int dev;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc == CUDA_SUCCESS)
+        rc = library_in(library, sim_cu_current(), &m);
+    return rc == CUDA_SUCCESS ? module_global(dptr, bytes, m, name) : rc;
+}
+
+SIM_EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name)
+{
+    return library_global(dptr, bytes, library, name);
+}
+
+SIM_EXPORT CUresult cuLibraryGetManaged(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name)
+{
+    return library_global(dptr, bytes, library, name);
 }
 
 /* The kernel's function in the current context (a function record owned by the library). */
@@ -303,6 +589,9 @@ SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel)
     if (!sim_find((uint64_t)(uintptr_t)kernel, REC_KERNEL, &e, false))
         return CUDA_ERROR_INVALID_HANDLE;
     const struct sim_kernel *k = (const struct sim_kernel *)(void *)kernel;
+    CUmodule m;
+    if ((rc = library_in(k->library, sim_cu_current(), &m)) != CUDA_SUCCESS)
+        return rc;
     struct sim_function *f = malloc(sizeof(*f));
     if (f == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -364,6 +653,14 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
         return rc;
     if (!callable(f))
         return CUDA_ERROR_INVALID_HANDLE;
+    struct vc_map_entry ke;
+    if (sim_find((uint64_t)(uintptr_t)f, REC_KERNEL, &ke, false)) { /* a CUkernel: its library into this context */
+        CUcontext ctx;
+        CUmodule m;
+        if ((rc = cuStreamGetCtx(stream, &ctx)) != CUDA_SUCCESS ||
+            (rc = library_in((CUlibrary)(uintptr_t)ke.aux, ctx, &m)) != CUDA_SUCCESS)
+            return rc;
+    }
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || (uint64_t)bx * by * bz > 1024)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz, (uint64_t)bx * by * bz);

@@ -258,7 +258,8 @@ static void freed_with_context(const struct vc_map_entry *e, void *arg)
 /* cuda.h: destroying a context (or resetting a primary one) frees every allocation made in it. */
 void sim_ctx_gone(CUcontext ctx)
 {
-    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_STREAM, REC_MODULE};
+    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_STREAM, REC_MODULE,
+                                              REC_MODVAR};
     sim_rec_lock();
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         vc_map_remove_if(&g_recs, kinds[i], of_context, freed_with_context, ctx);

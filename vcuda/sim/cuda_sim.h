@@ -27,7 +27,6 @@
 #define SIM_MIB (1024ull * 1024ull)
 #define SIM_VMM_GRANULARITY (2ull * SIM_MIB)
 #define SIM_ALLOC_ALIGN 512ull  /* cuMemAlloc alignment and pitch alignment */
-#define SIM_MODULE_BYTES (2ull * SIM_MIB) /* a loaded module's code, constants and globals: one 2 MiB page */
 
 #define SIM_LIMITS CU_LIMIT_MAX
 #define SIM_DEFAULT_STACK 1024u         /* CU_LIMIT_STACK_SIZE: bytes per thread */
@@ -81,6 +80,11 @@ void sim_mem_info(unsigned gpu, uint64_t *free_bytes, uint64_t *total_bytes);
 /* A fresh fake device address range of size bytes on gpu (never reused in this process). */
 uint64_t sim_va_alloc(unsigned gpu, uint64_t size, uint64_t align);
 
+/* Calls fn for every live context of this process (created ones and active primary ones). */
+void sim_ctx_each(void (*fn)(CUcontext ctx, void *arg), void *arg);
+/* A context came alive: libraries loaded eagerly (CUDA_MODULE_LOADING=EAGER) go into it. */
+CUresult sim_libraries_context_created(CUcontext ctx);
+
 /* Context memory (the GPU's context size): charged for each context while it lives. */
 CUresult sim_ctx_memory_acquire(int device);
 void sim_ctx_memory_release(int device);
@@ -108,6 +112,7 @@ enum sim_rec_kind {
     REC_GALLOC,    /* key = address of a graph memory allocation, aux = its struct sim_galloc */
     REC_IPC,       /* key = address of an opened IPC memory handle, size, aux = open count */
     REC_HOSTREG,   /* key = host address registered with cuMemHostRegister, size */
+    REC_MODVAR,    /* key = address of a loaded module's variable, size, aux = the module */
 };
 
 #define NO_GPU UINT32_MAX

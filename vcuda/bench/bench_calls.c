@@ -10,7 +10,10 @@
  *     batches' 1st and 99th percentiles);
  *   alloc_free_ns: median per cuMemAlloc_v2 + cuMemFree_v2 pair (1 MiB), after
  *     allocating <hold> bytes first (0: none; near a container's cap the
- *     interceptor reconciles with NVML at every reservation).
+ *     interceptor reconciles with NVML at every reservation);
+ *   module_ns: median per cuModuleLoadData + cuModuleUnload pair of a small PTX module
+ *     (calls / 100 pairs in batches of 10; the interceptor reserves its footprint and
+ *     reconciles with NVML right after the load).
  * usage: bench_calls <calls> [hold bytes]   (calls per measurement, a multiple of 1000)
  */
 #include <cuda.h>
@@ -73,6 +76,8 @@ int main(int argc, char **argv)
     CUresult (*set_current)(CUcontext) = (CUresult(*)(CUcontext))need(h, "cuCtxSetCurrent");
     CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))need(h, "cuMemAlloc_v2");
     CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))need(h, "cuMemFree_v2");
+    CUresult (*load)(CUmodule *, const void *) = (CUresult(*)(CUmodule *, const void *))need(h, "cuModuleLoadData");
+    CUresult (*unload)(CUmodule) = (CUresult(*)(CUmodule))need(h, "cuModuleUnload");
 
     uint64_t t2 = now_ns();
     CUresult rc = init(0);
@@ -115,11 +120,29 @@ int main(int argc, char **argv)
     }
     double alloc_p1, alloc_p99;
     double alloc_free = median(per, batches, &alloc_p1, &alloc_p99);
+    static const char ptx[] = ".version 7.0\n.target sm_75\n.address_size 64\n"
+                              ".visible .global .align 4 .u32 counter;\n"
+                              ".visible .entry work_1us(.param .u64 p) { ret; }\n";
+    size_t mod_batches = batches / 10 ? batches / 10 : 1;
+    for (size_t b = 0; b < mod_batches; b++) {
+        uint64_t s = now_ns();
+        for (int i = 0; i < 10; i++) {
+            CUmodule m;
+            if (load(&m, ptx) != CUDA_SUCCESS || unload(m) != CUDA_SUCCESS) {
+                fprintf(stderr, "bench_calls: cuModuleLoadData/cuModuleUnload failed\n");
+                return 2;
+            }
+        }
+        per[b] = (double)(now_ns() - s) / 10;
+    }
+    double mod_p1, mod_p99;
+    double module = median(per, mod_batches, &mod_p1, &mod_p99);
     printf("{\"dlopen_ns\": %llu, \"first_cuinit_ns\": %llu, \"context_ns\": %llu, \"passthrough_ns\": %.2f, "
            "\"passthrough_p1_ns\": %.2f, \"passthrough_p99_ns\": %.2f, \"alloc_free_ns\": %.1f, "
-           "\"alloc_free_p1_ns\": %.1f, \"alloc_free_p99_ns\": %.1f, \"calls\": %zu}\n",
+           "\"alloc_free_p1_ns\": %.1f, \"alloc_free_p99_ns\": %.1f, \"module_ns\": %.1f, \"module_p1_ns\": %.1f, "
+           "\"module_p99_ns\": %.1f, \"calls\": %zu}\n",
            (unsigned long long)(t1 - t0), (unsigned long long)(t3 - t2), (unsigned long long)(t5 - t4), passthrough,
-           pass_p1, pass_p99, alloc_free, alloc_p1, alloc_p99, batches * BATCH);
+           pass_p1, pass_p99, alloc_free, alloc_p1, alloc_p99, module, mod_p1, mod_p99, batches * BATCH);
     if (held != 0)
         release(held);
     free(per);

@@ -63,8 +63,7 @@ struct budget_header {
     uint8_t pad[128 - 64 - sizeof(pthread_mutex_t)];
     _Atomic uint64_t untracked;     /* offset 128: what NVML showed beyond the slots' sum at the last reconciliation */
     _Atomic uint64_t reconciled_ns; /* CLOCK_MONOTONIC of the last reconciliation */
-    _Atomic uint32_t dirty;         /* a process loaded a module since: reconcile at the next reservation */
-    uint32_t reserved2;
+    uint32_t reserved2[2];
     uint64_t reserved1[5];
     _Atomic uint64_t context_size[MAX_DEVICES]; /* offset 192: last measured context size per CUDA device, 0 unknown */
 };
@@ -348,13 +347,6 @@ static uint64_t effective_used(void)
     return sum_used() + atomic_load(&g_hdr->untracked);
 }
 
-void vc_budget_untracked_changed(void)
-{
-    pthread_once(&g_open_once, open_budget);
-    if (g_hdr != NULL)
-        atomic_store_explicit(&g_hdr->dirty, 1, memory_order_release);
-}
-
 static bool try_reserve(int slot, uint64_t bytes, uint64_t *used_out)
 {
     if (!budget_lock())
@@ -365,8 +357,7 @@ static bool try_reserve(int slot, uint64_t bytes, uint64_t *used_out)
         used = effective_used();
     bool near = used > limit - margin(limit) || bytes > limit - margin(limit) - used;
     uint64_t since = now - atomic_load(&g_hdr->reconciled_ns);
-    bool dirty = atomic_load_explicit(&g_hdr->dirty, memory_order_relaxed) && atomic_exchange(&g_hdr->dirty, 0);
-    if ((near && since > RECONCILE_NEAR_NS) || dirty || since > RECONCILE_PERIOD_NS) {
+    if ((near && since > RECONCILE_NEAR_NS) || since > RECONCILE_PERIOD_NS) {
         reconcile(now);
         used = effective_used();
     }
@@ -391,6 +382,54 @@ bool vc_budget_reserve(uint64_t bytes)
         vc_log(VC_LOG_INFO, "out of memory: %llu bytes asked, %llu of %llu in use by the container",
                (unsigned long long)bytes, (unsigned long long)used, (unsigned long long)vc_limit_bytes());
     return ok;
+}
+
+/*
+ * Lock held: `handover` bytes this process reserved before a call are dropped while NVML is asked what
+ * the GPU now holds for the container (they are part of it now); whether the container is within its
+ * limit.  When NVML cannot tell, the bytes stay charged (*kept, on the safe side).
+ */
+static bool settle_untracked(int slot, uint64_t handover, bool *kept)
+{
+    _Atomic uint64_t *used_p = &g_slots[slot].used;
+    uint64_t cur = atomic_load(used_p), drop = cur > handover ? handover : cur;
+    atomic_store(used_p, cur - drop);
+    uint64_t now = mono_ns();
+    *kept = !reconcile(now);
+    if (*kept)
+        atomic_fetch_add(used_p, drop);
+    uint64_t used = effective_used();
+    if (used > vc_limit_bytes() && reap() > 0) {
+        reconcile(now);
+        used = effective_used();
+    }
+    return used <= vc_limit_bytes();
+}
+
+bool vc_budget_settle_untracked(uint64_t handover, bool *kept)
+{
+    *kept = true;
+    int slot = my_slot();
+    if (slot < 0 || !budget_lock())
+        return true; /* cannot tell (logged): the reservation stays, the next one decides */
+    bool ok = settle_untracked(slot, handover, kept);
+    budget_unlock();
+    /* Pools may hold less than they are charged (they give memory back at synchronisations). */
+    if (!ok && vc_memory_refresh_pools() && budget_lock()) {
+        bool again;
+        ok = settle_untracked(slot, 0, &again);
+        budget_unlock();
+    }
+    return ok;
+}
+
+void vc_budget_reconcile_now(void)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr != NULL && budget_lock()) {
+        reconcile(mono_ns());
+        budget_unlock();
+    }
 }
 
 void vc_budget_charge(uint64_t bytes)

@@ -173,9 +173,6 @@ int vc_stream_device(CUstream s);
 /* Settles every memory pool's charge on what it reserves now; true if that returned bytes. */
 bool vc_memory_refresh_pools(void);
 
-/* Something the hooks do not charge may now hold device memory (a module was loaded): reconcile soon. */
-void vc_budget_untracked_changed(void);
-
 /* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
 void vc_core_streams_changed(void);
 
@@ -204,6 +201,17 @@ const char *vc_budget_name(void);
  * per-process memory when the reservation comes near the cap, README.md "Whole footprint").
  */
 bool vc_budget_reserve(uint64_t bytes);
+/*
+ * Memory the driver takes inside a call in amounts no hook can know exactly (a module or library loaded
+ * into a context, a context limit).  The caller reserves an estimate before the call (vc_budget_reserve),
+ * then, after it, hands `handover` bytes of it over to the reconciliation: they are dropped while NVML is
+ * asked what the GPU now holds for the container, under the budget lock (the rest stays charged with the
+ * handle).  Returns false when the container is now above its limit: the caller undoes the call, fails it
+ * with CUDA_ERROR_OUT_OF_MEMORY and calls vc_budget_reconcile_now.  *kept: NVML could not tell, so the
+ * handed-over bytes stay charged (to the process's end).
+ */
+bool vc_budget_settle_untracked(uint64_t handover, bool *kept);
+void vc_budget_reconcile_now(void);
 /* Charges bytes the driver already holds, whatever the limit (an undo that cannot be refused). */
 void vc_budget_charge(uint64_t bytes);
 /* Returns bytes reserved earlier by this process. */

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vc_image.h"
 #include "vc_map.h"
 
 /* ---- what each allocation reserved (process-local) ----------------------------- */
@@ -29,6 +30,8 @@ enum rec_kind {
     REC_GALLOC,  /* key = address of a graph allocation, size, aux = its graph (0: gone), aux2 = the exec holding
                     it (0: none), gpu = GA_* flags */
     REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
+    REC_MODULE,  /* key = CUmodule, size = its estimated footprint (freed with its context) */
+    REC_LIBRARY, /* key = CUlibrary, size = its variables (one copy) */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs and g_gallocs */
@@ -1089,44 +1092,128 @@ VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
     return graph_changed(rc, galloc_graph_gone, (uint64_t)(uintptr_t)hGraph, 0);
 }
 
-/* ---- modules: their code and data take device memory no allocation call shows ------------------- */
+/* ---- modules, libraries, context limits: memory the driver takes inside the call --------------------- */
 
-#define LOADED(call)                                                                                               \
+/*
+ * A module's code and module-scope variables, a library loaded into contexts, a bigger stack, heap or
+ * printf FIFO: the driver takes device memory for them inside the call, in amounts a hook can only
+ * estimate (vc_image_footprint: a code page and the variables PTX declares; the stack times every
+ * resident thread).  So the estimate is reserved before the call (nothing is loaded when it does not
+ * fit), and right after it the container's footprint is reconciled with NVML (what the GPU now holds for
+ * its processes); when that is above the limit (the real size was larger than the estimate) the call is
+ * undone and fails with CUDA_ERROR_OUT_OF_MEMORY, as the driver does on a full GPU.  A module stays
+ * charged its estimate until it is unloaded or its context destroyed (what NVML shows beyond it is
+ * counted by the reconciliation); a library its variables (they are loaded into every context that uses
+ * it, lazily: README.md "Residual error"); a context limit nothing beyond what NVML shows.
+ */
+static CUresult checked_load(uint64_t estimate, uint64_t stays, CUresult rc, uint64_t handle, enum rec_kind kind,
+                             CUresult (*undo)(uint64_t))
+{
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(estimate);
+        return rc;
+    }
+    bool kept;
+    bool fits = vc_budget_settle_untracked(estimate - stays, &kept);
+    remember(handle, kind, kept ? estimate : stays, kind == REC_MODULE);
+    if (fits)
+        return rc;
+    struct vc_map_entry e;
+    bool had = take(handle, kind, &e);
+    settle(undo(handle), had, &e);
+    vc_log(VC_LOG_INFO, "a %s took the container above its limit: unloaded, refused",
+           kind == REC_MODULE ? "module" : "library");
+    vc_budget_reconcile_now();
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static CUresult unload_module(uint64_t m)
+{
+    return REAL_CU(cuModuleUnload)((CUmodule)(uintptr_t)m);
+}
+
+static CUresult unload_library(uint64_t l)
+{
+    return REAL_CU(cuLibraryUnload)((CUlibrary)(uintptr_t)l);
+}
+
+/* The footprint of a module file (read for its variables; a file that cannot be read: one code page). */
+static uint64_t file_footprint(const char *path)
+{
+    char *image = path != NULL ? vc_image_read_file(path) : NULL;
+    uint64_t bytes = vc_image_footprint(image);
+    free(image);
+    return bytes;
+}
+
+#define MODULE_LOAD(estimate, call)                                                                                \
     do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited()) || module == NULL)                                                            \
+            return (call);                                                                                         \
+        uint64_t est_ = (estimate);                                                                                \
+        if (!vc_budget_reserve(est_))                                                                              \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         CUresult rc_ = (call);                                                                                     \
-        if (VC_UNLIKELY(vc_limited()) && rc_ == CUDA_SUCCESS)                                                      \
-            vc_budget_untracked_changed(); /* the next reservation asks NVML what the GPU holds */                 \
-        return rc_;                                                                                                \
+        return checked_load(est_, est_, rc_, rc_ == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*module : 0, REC_MODULE,   \
+                            unload_module);                                                                        \
     } while (0)
 
 VC_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
 {
-    LOADED(REAL_CU(cuModuleLoad)(module, fname));
+    MODULE_LOAD(file_footprint(fname), REAL_CU(cuModuleLoad)(module, fname));
 }
 
 VC_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
 {
-    LOADED(REAL_CU(cuModuleLoadData)(module, image));
+    MODULE_LOAD(vc_image_footprint(image), REAL_CU(cuModuleLoadData)(module, image));
 }
 
 VC_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
                                       CUjit_option *options, void **optionValues)
 {
-    LOADED(REAL_CU(cuModuleLoadDataEx)(module, image, numOptions, options, optionValues));
+    MODULE_LOAD(vc_image_footprint(image), REAL_CU(cuModuleLoadDataEx)(module, image, numOptions, options, optionValues));
 }
 
 VC_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
 {
-    LOADED(REAL_CU(cuModuleLoadFatBinary)(module, fatCubin));
+    MODULE_LOAD(vc_image_footprint(fatCubin), REAL_CU(cuModuleLoadFatBinary)(module, fatCubin));
 }
+
+VC_EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuModuleUnload)(hmod);
+    struct vc_map_entry e;
+    bool had = take((uint64_t)(uintptr_t)hmod, REC_MODULE, &e);
+    return settle(REAL_CU(cuModuleUnload)(hmod), had, &e);
+}
+
+/*
+ * A library goes into a context eagerly (CUDA_MODULE_LOADING=EAGER: every live context now, every new
+ * one at its creation) or lazily, when something there first needs it.  Reserved: one load; charged
+ * while it lives: its variables (one copy), since a lazy load may come at a launch no hook checks.
+ */
+#define LIBRARY_LOAD(footprint, call)                                                                              \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited()) || library == NULL)                                                           \
+            return (call);                                                                                         \
+        uint64_t est_ = (footprint);                                                                               \
+        uint64_t data_ = est_ > VC_IMAGE_PAGE ? est_ - VC_IMAGE_PAGE : 0;                                          \
+        if (!vc_budget_reserve(est_))                                                                              \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        CUresult rc_ = (call);                                                                                     \
+        return checked_load(est_, data_, rc_, rc_ == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*library : 0,             \
+                            REC_LIBRARY, unload_library);                                                          \
+    } while (0)
 
 VC_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
                                      void **jitOptionsValues, unsigned int numJitOptions,
                                      CUlibraryOption *libraryOptions, void **libraryOptionValues,
                                      unsigned int numLibraryOptions)
 {
-    LOADED(REAL_CU(cuLibraryLoadData)(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
-                                      libraryOptionValues, numLibraryOptions));
+    LIBRARY_LOAD(vc_image_footprint(code),
+                 REAL_CU(cuLibraryLoadData)(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                                            libraryOptionValues, numLibraryOptions));
 }
 
 VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
@@ -1134,14 +1221,66 @@ VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNam
                                          CUlibraryOption *libraryOptions, void **libraryOptionValues,
                                          unsigned int numLibraryOptions)
 {
-    LOADED(REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
-                                          libraryOptions, libraryOptionValues, numLibraryOptions));
+    LIBRARY_LOAD(file_footprint(fileName),
+                 REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                                                libraryOptions, libraryOptionValues, numLibraryOptions));
 }
 
-/* A bigger stack, malloc heap or printf FIFO takes device memory of the context (reserved by the driver). */
+VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)
+{
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuLibraryUnload)(library);
+    struct vc_map_entry e;
+    bool had = take((uint64_t)(uintptr_t)library, REC_LIBRARY, &e);
+    CUresult rc = settle(REAL_CU(cuLibraryUnload)(library), had, &e);
+    if (rc == CUDA_SUCCESS)
+        vc_budget_reconcile_now(); /* its code and variables left every context */
+    return rc;
+}
+
+/* Bytes a limit's new value takes beyond its old one (the stack: per resident thread of the device). */
+static uint64_t limit_growth(CUlimit limit, size_t old, size_t value)
+{
+    uint64_t grow = value - old;
+    CUdevice dev;
+    int sms = 0, threads = 0;
+    switch (limit) {
+    case CU_LIMIT_STACK_SIZE:
+        if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS ||
+            REAL_CU(cuDeviceGetAttribute)(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) != CUDA_SUCCESS ||
+            REAL_CU(cuDeviceGetAttribute)(&threads, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, dev) !=
+                CUDA_SUCCESS)
+            return grow;
+        return mul_sat(grow, (uint64_t)sms * (uint64_t)threads);
+    case CU_LIMIT_MALLOC_HEAP_SIZE:
+    case CU_LIMIT_PRINTF_FIFO_SIZE: return grow;
+    default: return 0; /* what others take (if anything) the reconciliation right after the call sees */
+    }
+}
+
+/* A bigger stack, malloc heap or printf FIFO takes device memory of the context (freed with it). */
 VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
-    LOADED(REAL_CU(cuCtxSetLimit)(limit, value));
+    size_t old = 0;
+    if (VC_LIKELY(!vc_limited()) || REAL_CU(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS || value <= old)
+        return REAL_CU(cuCtxSetLimit)(limit, value); /* nothing grows: nothing to check */
+    uint64_t est = limit_growth(limit, old, value);
+    if (!vc_budget_reserve(est))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = REAL_CU(cuCtxSetLimit)(limit, value);
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(est);
+        return rc;
+    }
+    bool kept;
+    if (vc_budget_settle_untracked(est, &kept))
+        return rc;
+    if (kept)
+        vc_budget_release(est);
+    REAL_CU(cuCtxSetLimit)(limit, old);
+    vc_log(VC_LOG_INFO, "a context limit took the container above its limit: restored, refused");
+    vc_budget_reconcile_now();
+    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 /* ---- what a destroyed context takes with it ----------------------------------------------------- */
@@ -1159,7 +1298,7 @@ static void release_entry(const struct vc_map_entry *e, void *arg)
 
 void vc_memory_context_gone(CUcontext ctx)
 {
-    static const enum rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP};
+    static const enum rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_MODULE};
     pthread_mutex_lock(&g_mu);
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         vc_map_remove_if(&g_recs, kinds[i], of_context, release_entry, ctx);

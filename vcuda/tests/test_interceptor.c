@@ -210,6 +210,67 @@ static void test_nvml(void *nvml)
     CHECK(p_cuMemFree_v2(d) == CUDA_SUCCESS);
 }
 
+/*
+ * Modules, libraries, context limits: the PTX parser (the interceptor's estimate and the simulated driver's
+ * load) over awkward text, loads refused at the cap, everything given back on unload.
+ */
+static void test_modules(void *cuda)
+{
+    CUresult (*load)(CUmodule *, const void *) = need(cuda, "cuModuleLoadData");
+    CUresult (*unload)(CUmodule) = need(cuda, "cuModuleUnload");
+    CUresult (*global)(CUdeviceptr *, size_t *, CUmodule, const char *) = need(cuda, "cuModuleGetGlobal_v2");
+    CUresult (*lib_load)(CUlibrary *, const void *, CUjit_option *, void **, unsigned, CUlibraryOption *, void **,
+                         unsigned) = need(cuda, "cuLibraryLoadData");
+    CUresult (*lib_unload)(CUlibrary) = need(cuda, "cuLibraryUnload");
+    CUresult (*set_limit)(CUlimit, size_t) = need(cuda, "cuCtxSetLimit");
+    static const char ptx[] =
+        "  /* header */ .version 7.0\n.target sm_75 // x\n.address_size 64\n"
+        ".file 1 \"a \\\" b.cu\"\n"
+        ".visible .global .align 8 .b8 big[33554432];\n"
+        ".const .align 4 .v4 .f32 vec[2] = {{1.0, 2.0, 3.0, 4.0}, {5.0, 6.0, 7.0, 8.0}}, one = {1,2,3,4};\n"
+        ".global .u64 tbl[2][3];\n"
+        ".extern .global .b8 ext[1048576];\n"
+        ".visible .entry k(.param .u64 p) { .reg .b32 r<4>; { .reg .b32 inner; } ret; }\n"
+        ".global .b8 tail[7";                                      /* cut short */
+    CUmodule m;
+    CUdeviceptr ptr;
+    size_t size;
+    size_t before = used_now();
+    CHECK(load(&m, ptx) == CUDA_SUCCESS);
+    CHECK(used_now() == before + 2 * MIB + 34 * MIB); /* code page + 32 MiB and a few bytes, in pages */
+    CHECK(global(&ptr, &size, m, "big") == CUDA_SUCCESS && size == 32 * MIB);
+    CHECK(global(&ptr, &size, m, "vec") == CUDA_SUCCESS && size == 32);
+    CHECK(global(&ptr, &size, m, "one") == CUDA_SUCCESS && size == 16);
+    CHECK(global(&ptr, &size, m, "tbl") == CUDA_SUCCESS && size == 48);
+    CHECK(global(&ptr, &size, m, "ext") == CUDA_ERROR_NOT_FOUND);
+    CHECK(unload(m) == CUDA_SUCCESS);
+    CHECK(used_now() == before);
+    static const char *const odd[] = {"", ".", "/*", "// .version", ".version", ".version 7.0 .global .b8 x[",
+                                      "\x7f" "ELF", ".version 7.0 .global .b8 x[99999999999999999999999];"};
+    for (size_t i = 0; i < sizeof(odd) / sizeof(odd[0]); i++) {
+        CUresult rc = load(&m, odd[i]);
+        if (rc == CUDA_SUCCESS)
+            CHECK(unload(m) == CUDA_SUCCESS);
+    }
+    CHECK(used_now() == before);
+    CUmodule mods[512];
+    int n = 0;
+    CUresult rc;
+    while (n < 512 && (rc = load(&mods[n], ptx)) == CUDA_SUCCESS)
+        n++;
+    CHECK(rc == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(used_now() <= LIMIT && used_now() + 36 * MIB > LIMIT);
+    while (n > 0)
+        CHECK(unload(mods[--n]) == CUDA_SUCCESS);
+    CUlibrary lib;
+    CHECK(lib_load(&lib, ptx, NULL, NULL, 0, NULL, NULL, 0) == CUDA_SUCCESS);
+    CHECK(used_now() == before + 34 * MIB); /* its variables are charged at once, its code when loaded */
+    CHECK(lib_unload(lib) == CUDA_SUCCESS);
+    CHECK(used_now() == before);
+    CHECK(set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, 2 * LIMIT) == CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(used_now() == before);
+}
+
 static int run(const char *dir);
 
 int main(int argc, char **argv)
@@ -304,6 +365,7 @@ static int run(const char *dir)
     test_vmm();
     test_fork();
     test_nvml(nvml);
+    test_modules(cuda);
     test_names(cuda, "libcuda.so.1");
     test_names(nvml, "libnvidia-ml.so.1");
 

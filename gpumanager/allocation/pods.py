@@ -146,7 +146,8 @@ def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
     if raw is None:
         return None
     parts = [p.strip() for p in raw.split(",")]
-    if not parts or not all(p.isdigit() for p in parts):
+    # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and other scripts' digits.
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
         raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={raw!r} is not a list of GPU indices")
     return [int(p) for p in parts]
 

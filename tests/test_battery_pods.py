@@ -1,0 +1,86 @@
+"""Battery: pods a real cluster sends that the agent must answer clearly.
+
+Malformed gpu-admission annotations are refused naming the pod, the annotation and the value
+(never an internal error), and leave every other pod alone; init containers that ask for
+vcuda-core are admitted (the kubelet allocates them first and may hand their device IDs on to
+an app container); pods of several GPU containers get one answer per container.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpumanager import names
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from simnode.kubelet import PluginRPCError
+from tests.battery_fixtures import (
+    answered,
+    assert_no_overcommit,
+    memory_of,
+    readyz,
+    spec_islands,
+    spec_odd_mixed,
+    wait_agent_matches,
+)
+
+IDX0 = f"{names.PREDICATE_GPU_IDX_PREFIX}0"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> SimCluster:
+    tmp = tmp_path_factory.mktemp("pods")
+    c = SimCluster(tmp / "node", spec_odd_mixed(tmp / "spec.json"), fill="random")
+    c.start()
+    yield c  # type: ignore[misc]
+    c.stop()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        (IDX0, "\u00b2"),  # a digit to str.isdigit(), not to int()
+        (IDX0, "\u0661"),  # ARABIC-INDIC DIGIT ONE
+        (IDX0, "-1"),
+        (IDX0, "7"),  # no such GPU
+        (IDX0, "0,0"),
+        (IDX0, ""),
+        (IDX0, "0;1"),
+        (IDX0, "9" * 40),
+    ],
+)
+def test_malformed_annotation_is_refused_naming_it(cluster: SimCluster, key: str, value: str) -> None:
+    name = f"bad-{abs(hash((key, value))) % 10**8}"
+    annotations = admission_annotations([[0]], 1)
+    annotations[key] = value
+    # Cores of its own: a bad pod of an earlier case whose deletion the agent has not seen yet is older
+    # and would be matched first.
+    cores = 11 + len(cluster.runs)
+    try:
+        run = cluster.run_pod(gpu_pod(name, [("main", cores, 4)], annotations=annotations))
+    except PluginRPCError as exc:
+        assert exc.code is not None and exc.code.name != "INTERNAL", exc
+        assert f"default/{name}" in exc.details and "predicate-gpu-idx" in exc.details, exc.details
+        assert value in exc.details or repr(value) in exc.details, exc.details
+    else:
+        pytest.fail(f"{key}={value!r} was accepted: {answered(run)}")
+    finally:
+        cluster.delete(next(r for r in cluster.runs.values() if r.name == name))
+    # The agent is unharmed: a good pod still gets its GPU.
+    good = cluster.run_pod(gpu_pod(f"good-{name}", [("main", 30, 4)]))
+    cluster.delete(good)
+    status, body = readyz(cluster)
+    assert status == 200, body
+
+
+def test_multi_container_pod_gets_one_answer_each(tmp_path: Path) -> None:
+    spec = spec_islands(tmp_path / "spec.json")
+    with SimCluster(tmp_path / "node", spec, fill="random") as cluster:
+        shape = [("a", 50, 8), ("b", 50, 8), ("plain", 0, 0), ("c", 200, 0), ("d", 30, 2)]
+        run = cluster.run_pod(gpu_pod("many", shape))
+        got = answered(run)
+        assert sorted(got) == ["a", "b", "c", "d"]
+        assert got["c"][1] == 200 and len(got["c"][0]) == 2
+        assert_no_overcommit([run], memory_of(cluster))
+        wait_agent_matches(cluster, [run])

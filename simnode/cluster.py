@@ -308,18 +308,20 @@ class SimCluster:
         return created
 
     def admit(self, manifest: Mapping[str, Any], *, create: bool = True) -> PodRun:
-        """Admission as the kubelet does it: Allocate both resources for each GPU container, in order."""
+        """Admission as the kubelet does it: Allocate both resources for each GPU container, in order, init
+        containers first (whose devices later containers of the pod may reuse)."""
         pod = self.create(manifest) if create else dict(manifest)
         run = self.runs[str(pod["metadata"]["uid"])]
-        for c in pod["spec"]["containers"]:
+        inits = [(c, True) for c in pod["spec"].get("initContainers") or []]
+        for c, init in [*inits, *((c, False) for c in pod["spec"]["containers"])]:
             limits = (c.get("resources") or {}).get("limits") or {}
             cores = int(quantity_value(limits.get(names.VCORE_RESOURCE, 0)))
             blocks = int(quantity_value(limits.get(names.VMEMORY_RESOURCE, 0)))
             kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
             if cores:
-                run.core[c["name"]] = self.kubelet.allocate(names.VCORE_RESOURCE, cores, **kw)
+                run.core[c["name"]] = self.kubelet.allocate(names.VCORE_RESOURCE, cores, init_container=init, **kw)
             if blocks:
-                run.memory[c["name"]] = self.kubelet.allocate(names.VMEMORY_RESOURCE, blocks, **kw)
+                run.memory[c["name"]] = self.kubelet.allocate(names.VMEMORY_RESOURCE, blocks, init_container=init, **kw)
         return run
 
     def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:

@@ -24,7 +24,7 @@ the kubelet's device manager closely:
   devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
 * An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
 
-Not modelled: init-container device reuse, the 5-minute endpoint grace period, node status,
+Not modelled: the 5-minute endpoint grace period, node status,
 the Topology Manager (a NUMA hint is passed to :meth:`KubeletSimulator.allocate` directly).
 
 Run as a process for demos::
@@ -368,6 +368,7 @@ class KubeletSimulator:
         self._registration_errors: list[tuple[float, str, str]] = []
         self._allocations: dict[tuple[str, str, str], AllocationRecord] = {}
         self._pending: dict[str, set[str]] = {}
+        self._reusable: dict[tuple[str, str], set[str]] = {}  # (pod UID, resource) -> init containers' devices
         self._pods: dict[str, _PodInfo] = {}
         self._pre_start_calls: list[tuple[str, str, str, tuple[str, ...]]] = []
         self._checkpoint_writes = 0
@@ -931,8 +932,14 @@ class KubeletSimulator:
         pod_name: str | None = None,
         namespace: str | None = None,
         fill: FillOrder | None = None,
+        init_container: bool = False,
     ) -> AllocationRecord:
         """Admit ``count`` devices of ``resource`` for one container, the kubelet's way.
+
+        As the kubelet does, devices of the pod's init containers are reused: an init container's
+        devices become reusable within the pod (init containers run one after the other, before the
+        app containers), and a later container takes reusable devices first (an app container's
+        devices stop being reusable). ``init_container`` says which kind this container is.
 
         Reuses the container's recorded devices (no Allocate call) when it already has them;
         otherwise picks from healthy - allocated (NUMA split by ``numa_hint``, then
@@ -970,15 +977,16 @@ class KubeletSimulator:
             ep = self._endpoints.get(resource)
             if ep is None:
                 raise AllocationError(f"unknown Device Plugin {resource}")
+            reusable = self._reusable.get((pod_uid, resource), set())
+            picked: list[str] = self._order(reusable & healthy, order)[:count]
             available = healthy - self._in_use_locked(resource)
-            if len(available) < count:
+            if len(available) + len(picked) < count:
                 raise AllocationError(
                     f"requested number of devices unavailable for {resource}. "
                     f"Requested: {count}, Available: {len(available)}"
                 )
             aligned, unaligned, no_affinity = self._filter_by_affinity_locked(resource, available, numa_hint)
             pending = self._pending.setdefault(resource, set())
-            picked: list[str] = []
 
         def take_locked(candidates: Iterable[str]) -> bool:
             """allocateRemainingFrom: True once nothing more is needed."""
@@ -995,7 +1003,9 @@ class KubeletSimulator:
         preferred: tuple[str, ...] | None = None
         preferred_seconds: float | None = None
         try:
-            if count < len(aligned):
+            if len(picked) >= count:
+                done = True
+            elif count < len(aligned):
                 with self._lock:
                     offer = self._order(aligned | set(picked), order)
                 preferred, preferred_seconds = self._call_preferred(ep, offer, list(picked), count)
@@ -1070,6 +1080,11 @@ class KubeletSimulator:
                 namespace=info.namespace,
             )
             self._allocations[key] = record
+            reusable = self._reusable.setdefault((pod_uid, resource), set())
+            if init_container:
+                reusable.update(device_ids)
+            else:
+                reusable.difference_update(device_ids)
             self._write_checkpoint_locked()
             self._cond.notify_all()
         logger.info("allocated %s x%d to %s/%s: %s", resource, count, pod_uid, container_name, ", ".join(device_ids))
@@ -1115,6 +1130,8 @@ class KubeletSimulator:
             self._freed = (freed + [d for d in self._freed if d not in fresh])[:4096]
             for k in keys:
                 del self._allocations[k]
+            for reuse_key in [rk for rk in self._reusable if rk[0] == pod_uid]:
+                del self._reusable[reuse_key]
             known = self._pods.pop(pod_uid, None) is not None
             if keys:
                 self._write_checkpoint_locked()

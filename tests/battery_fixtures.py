@@ -137,16 +137,25 @@ def answered(run: PodRun) -> dict[str, tuple[tuple[int, ...], int, int]]:
 
 
 def held(runs: Iterable[PodRun], memory_of: Mapping[int, int]) -> dict[int, tuple[int, int]]:
-    """minor -> (cores, memory bytes) the given containers hold (a whole GPU: 100 and all of it)."""
+    """minor -> (cores, memory bytes) the given containers hold (a whole GPU: 100 and all of it).
+
+    Init containers run one at a time before the others: a pod holds on a GPU the most of any one
+    init container and of its other containers together.
+    """
     out = {m: (0, 0) for m in memory_of}
     for run in runs:
-        for minors, cores, memory in answered(run).values():
+        inits = {c.get("name") for c in run.manifest["spec"].get("initContainers") or []}
+        per_init: dict[str, dict[int, tuple[int, int]]] = {}
+        rest: dict[int, tuple[int, int]] = {}
+        for name, (minors, cores, memory) in answered(run).items():
+            target = per_init.setdefault(name, {}) if name in inits else rest
             for m in minors:
-                c, b = out[m]
-                if cores >= names.HUNDRED_CORES:
-                    out[m] = (c + names.HUNDRED_CORES, b + memory_of[m])
-                else:
-                    out[m] = (c + cores, b + memory)
+                c, b = target.get(m, (0, 0))
+                whole = cores >= names.HUNDRED_CORES
+                target[m] = (c + (names.HUNDRED_CORES if whole else cores), b + (memory_of[m] if whole else memory))
+        for m in memory_of:
+            c, b = max([rest.get(m, (0, 0)), *(d.get(m, (0, 0)) for d in per_init.values())])
+            out[m] = (out[m][0] + c, out[m][1] + b)
     return out
 
 

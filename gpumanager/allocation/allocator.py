@@ -383,7 +383,7 @@ class Allocator:
     def _gpu_containers(self, uid: str, pod: Pod) -> list[GPURequest]:
         cached = self._parsed.get(uid)
         if cached is None:
-            cached = podinfo.gpu_containers(pod)
+            cached = podinfo.allocation_order(pod)
             if len(self._parsed) > 4096:
                 self._parsed.clear()
             self._parsed[uid] = cached
@@ -1050,7 +1050,7 @@ def _request_of(pod: Pod | None, container: str) -> GPURequest | None:
     if pod is None:
         return None
     try:
-        return next((r for r in podinfo.gpu_requests(pod) if r.name == container), None)
+        return podinfo.request_named(pod, container)
     except PodSpecError:
         return None
 

@@ -107,6 +107,35 @@ def gpu_containers(pod: Pod) -> list[GPURequest]:
     return [r for r in gpu_requests(pod) if r.gpu_required]
 
 
+def init_gpu_requests(pod: Pod) -> list[GPURequest]:
+    """The vcuda requests of ``spec.initContainers``; their index is negative (-1 for the first): no
+    ``predicate-gpu-idx`` names them, gpu-admission indexes ``spec.containers`` only."""
+    inits = list((pod.get("spec") or {}).get("initContainers") or [])
+    return [
+        GPURequest(
+            name=str(c.get("name", "")),
+            index=-1 - i,
+            cores=_quantity(pod, c, names.VCORE_RESOURCE),
+            memory_blocks=_quantity(pod, c, names.VMEMORY_RESOURCE),
+        )
+        for i, c in enumerate(inits)
+    ]
+
+
+def allocation_order(pod: Pod) -> list[GPURequest]:
+    """Containers that need a GPU in the order the kubelet allocates them: init containers, then the rest.
+
+    The kubelet allocates devices to an init container too, and may hand the same device IDs on to
+    an app container once the init container has run.
+    """
+    return [r for r in init_gpu_requests(pod) if r.gpu_required] + gpu_containers(pod)
+
+
+def request_named(pod: Pod, container: str) -> GPURequest | None:
+    """The request of the container (or init container) of that name."""
+    return next((r for r in gpu_requests(pod) + init_gpu_requests(pod) if r.name == container), None)
+
+
 def is_gpu_pod(pod: Pod) -> bool:
     """Whether any container of the pod needs a GPU (unreadable requests count as not)."""
     try:

@@ -472,6 +472,20 @@ void vc_budget_set_host_pid(int pid)
         atomic_store(&g_slots[slot].host_pid, pid);
 }
 
+unsigned vc_budget_host_pids(int *out, unsigned max)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL)
+        return 0;
+    unsigned n = 0, high = atomic_load(&g_hdr->high);
+    for (unsigned i = 0; i < high && n < max; i++) {
+        int32_t host = atomic_load_explicit(&g_slots[i].host_pid, memory_order_relaxed);
+        if (host > 0 && atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) != 0)
+            out[n++] = host;
+    }
+    return n;
+}
+
 uint64_t vc_budget_context_estimate(int dev)
 {
     pthread_once(&g_open_once, open_budget);

@@ -47,7 +47,7 @@
 #define SOFT_RISE 0.02              /* soft limit: rate rises at most this much per tick */
 #define OTHERS_IDLE 0.01            /* neighbours below 1 %: the GPU counts as ours */
 #define PIDS_CHECK_NS 100000000ull  /* pids.config is re-read (when changed) at most every 100 ms */
-#define MAX_PIDS 1024
+#define MAX_PIDS 4096
 #define MAX_SAMPLES 256
 
 /* upstream (interceptors.md 1.7) */
@@ -127,6 +127,15 @@ static int cmp_int(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/*
+ * The container's processes: pids.config (the agent's list, re-read when it changes), this process (its
+ * PID and host PID, whether or not the agent listed it yet), and every process of the container with a
+ * slot in its budget whose host PID is known (vc_budget.c): a process the agent has not listed yet (it
+ * refreshes about once a second, never while it is down) counts from its first context on.
+ */
+static int g_file_pids[MAX_PIDS];
+static unsigned g_nfile_pids;
+
 static void refresh_pids(uint64_t now)
 {
     if (g_pids_owner == getpid() && now - g_pids_checked < PIDS_CHECK_NS)
@@ -135,30 +144,27 @@ static void refresh_pids(uint64_t now)
     struct stat sb;
     const char *path = vc_pids_path();
     if (path[0] == '\0' || stat(path, &sb) != 0) {
-        g_pids[0] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
-        g_npids = 1;
-        if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
-            g_pids[g_npids++] = vc_host_pid();
-        qsort(g_pids, g_npids, sizeof(int), cmp_int);
-        g_pids_owner = getpid();
+        g_nfile_pids = 0;
         g_pids_mtime = (struct timespec){0, 0};
-        return;
+    } else if (g_pids_owner != getpid() || sb.st_mtim.tv_sec != g_pids_mtime.tv_sec ||
+               sb.st_mtim.tv_nsec != g_pids_mtime.tv_nsec) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            ssize_t got = read(fd, g_file_pids, sizeof(g_file_pids));
+            close(fd);
+            g_nfile_pids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
+            g_pids_mtime = sb.st_mtim;
+        }
     }
-    if (g_pids_owner == getpid() && sb.st_mtim.tv_sec == g_pids_mtime.tv_sec &&
-        sb.st_mtim.tv_nsec == g_pids_mtime.tv_nsec)
-        return;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return;
-    ssize_t got = read(fd, g_pids, sizeof(g_pids) - 2 * sizeof(int));
-    close(fd);
-    g_npids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
-    /* This process counts, whether or not the agent listed it yet: its PID, and its host PID (vc_nvml.c). */
-    g_pids[g_npids++] = (int)getpid();
+    unsigned n = 0;
+    g_pids[n++] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
     if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
-        g_pids[g_npids++] = vc_host_pid();
+        g_pids[n++] = vc_host_pid();
+    for (unsigned i = 0; i < g_nfile_pids && n < MAX_PIDS; i++)
+        g_pids[n++] = g_file_pids[i];
+    n += vc_budget_host_pids(g_pids + n, MAX_PIDS - n);
+    g_npids = n;
     qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
-    g_pids_mtime = sb.st_mtim;
     g_pids_owner = getpid();
 }
 

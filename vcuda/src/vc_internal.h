@@ -220,6 +220,8 @@ void vc_budget_release(uint64_t bytes);
 uint64_t vc_budget_used(void);
 /* Records this process's host PID in its slot (the container's processes are found in NVML by it). */
 void vc_budget_set_host_pid(int pid);
+/* The host PIDs of the container's processes that hold a slot (where known); up to max into out. */
+unsigned vc_budget_host_pids(int *out, unsigned max);
 /* The context size last measured on CUDA device dev in this container, else vc_context_reserve(). */
 uint64_t vc_budget_context_estimate(int dev);
 void vc_budget_learn_context(int dev, uint64_t bytes);

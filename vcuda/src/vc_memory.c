@@ -40,6 +40,20 @@ static unsigned g_gallocs; /* REC_GALLOC records: graph launches and frees look 
 
 enum { GA_OUTSTANDING = 1, GA_FREED_IN_GRAPH = 2 };
 
+/*
+ * What a pool reserves is read, and the pool changed, under its stripe lock: an allocation's "spare"
+ * (reserved - used) and its settlement must not interleave with another thread's allocation from the same
+ * pool (both would count on one spare chunk and the pool would grow past the cap), nor a settlement use a
+ * value read before another thread grew the pool.
+ */
+#define POOL_STRIPES 16
+static pthread_mutex_t g_pool_mu[POOL_STRIPES];
+
+static pthread_mutex_t *pool_mu(CUmemoryPool pool)
+{
+    return &g_pool_mu[((uintptr_t)pool >> 4) % POOL_STRIPES];
+}
+
 static bool galloc_free(uint64_t dptr, CUstream capturing_stream, bool ptsz);
 
 static void atfork_prepare(void)
@@ -58,11 +72,15 @@ static void atfork_child(void)
     vc_map_reset(&g_recs);
     g_gallocs = 0;
     pthread_mutex_init(&g_mu, NULL);
+    for (int i = 0; i < POOL_STRIPES; i++)
+        pthread_mutex_init(&g_pool_mu[i], NULL);
     vc_budget_atfork_child();
 }
 
 __attribute__((constructor)) static void vc_memory_init(void)
 {
+    for (int i = 0; i < POOL_STRIPES; i++)
+        pthread_mutex_init(&g_pool_mu[i], NULL);
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
@@ -352,8 +370,13 @@ bool vc_memory_refresh_pools(void)
             pools[n++] = g_pools[i].pool;
     pthread_mutex_unlock(&g_mu);
     uint64_t released = 0;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        /* A pool busy in another call (or in this thread's, which asked for the refresh) settles there. */
+        if (pthread_mutex_trylock(pool_mu(pools[i])) != 0)
+            continue;
         released += pool_settle(pools[i], pool_reserved_now(pools[i]), 0, 0);
+        pthread_mutex_unlock(pool_mu(pools[i]));
+    }
     return released > 0;
 }
 
@@ -384,17 +407,23 @@ static CUmemoryPool stream_pool(CUstream s)
         CUmemoryPool pool_ = (named_pool) != NULL ? (named_pool) : stream_pool(stream);                            \
         if (pool_ == NULL)                                                                                         \
             RESERVED(bytesize, (call), *dptr, REC_DEV, false);                                                     \
-        uint64_t spare_ = pool_attr(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) -                                 \
-                          pool_attr(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);                                      \
+        pthread_mutex_lock(pool_mu(pool_));                                                                        \
+        uint64_t have_ = pool_attr(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),                                   \
+                 busy_ = pool_attr(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);                                       \
+        uint64_t spare_ = have_ > busy_ ? have_ - busy_ : 0;                                                       \
         uint64_t ahead_ = bytesize > spare_ ? bytesize - spare_ : 0;                                               \
-        if (!vc_budget_reserve(ahead_))                                                                            \
+        if (!vc_budget_reserve(ahead_)) {                                                                          \
+            pthread_mutex_unlock(pool_mu(pool_));                                                                  \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        }                                                                                                          \
         CUresult rc_ = (call);                                                                                     \
         if (rc_ != CUDA_SUCCESS) {                                                                                 \
             vc_budget_release(ahead_);                                                                             \
+            pthread_mutex_unlock(pool_mu(pool_));                                                                  \
             return rc_;                                                                                            \
         }                                                                                                          \
         pool_settle(pool_, pool_reserved_now(pool_), ahead_, (int64_t)bytesize);                                  \
+        pthread_mutex_unlock(pool_mu(pool_));                                                                      \
         struct vc_map_entry e_ = {.key = *dptr, .kind = REC_DEV, .size = 0, .aux = bytesize,                       \
                                   .aux2 = (uint64_t)(uintptr_t)pool_};                                             \
         put_back(&e_);                                                                                             \
@@ -435,7 +464,9 @@ static void freed(const struct vc_map_entry *e)
 {
     if (e->aux2 != 0) {
         CUmemoryPool pool = (CUmemoryPool)(uintptr_t)e->aux2;
+        pthread_mutex_lock(pool_mu(pool));
         pool_settle(pool, pool_reserved_now(pool), 0, -(int64_t)e->aux);
+        pthread_mutex_unlock(pool_mu(pool));
     }
 }
 
@@ -468,17 +499,25 @@ VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 /* Trimming, a new release threshold, destruction: what the pool holds changes. */
 VC_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuMemPoolTrimTo)(pool, minBytesToKeep);
+    pthread_mutex_lock(pool_mu(pool));
     CUresult rc = REAL_CU(cuMemPoolTrimTo)(pool, minBytesToKeep);
-    if (VC_UNLIKELY(vc_limited()) && rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS)
         pool_settle(pool, pool_reserved_now(pool), 0, 0);
+    pthread_mutex_unlock(pool_mu(pool));
     return rc;
 }
 
 VC_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuMemPoolSetAttribute)(pool, attr, value);
+    pthread_mutex_lock(pool_mu(pool));
     CUresult rc = REAL_CU(cuMemPoolSetAttribute)(pool, attr, value);
-    if (VC_UNLIKELY(vc_limited()) && rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS)
         pool_settle(pool, pool_reserved_now(pool), 0, 0);
+    pthread_mutex_unlock(pool_mu(pool));
     return rc;
 }
 

@@ -1,0 +1,131 @@
+"""A tenant of a 1 GiB / 30 % container trying to get more than its share, on paths beyond plain allocation.
+
+Each attack runs tenant programs through NVIDIA's cuda-bindings (or ctypes, where threads must really
+run driver calls at once) against the interceptor in front of the simulated driver.  The judge is the
+simulated GPU: the most device memory it held at once (all processes), and the GPU time the container's
+processes got.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from simnode.gpusim_state import GpuSimState, repo_root
+from tests.vcuda_fixtures import BUILD, VCUDA, Container, container, last_json, vcuda_built
+
+__all__ = ["container", "vcuda_built"]  # fixtures
+
+MakeContainer = Callable[..., Container]
+
+PEAK = r"""
+from simnode.gpusim_state import GpuSimState
+def peak():
+    with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+        return st.snapshot(1).gpus[0].used_peak
+"""
+
+
+def run(c: Container, code: str, timeout: float = 120, **env: str | None) -> dict[str, object]:
+    done = c.python(PEAK + code, env=c.env(**env) if env else None, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    return out
+
+
+# ---- compute: the container's processes together -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def launch_loop(vcuda_built: Path) -> Path:
+    del vcuda_built
+    done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return BUILD / "bench" / "launch_loop"
+
+
+def share_of(c: Container, pids: set[int], settle: float, measure: float) -> float:
+    """The container's share of GPU 0's time over `measure` seconds, after `settle`."""
+    time.sleep(settle)
+    with GpuSimState(c.state_path) as st:
+        a = st.timeline(0)
+        time.sleep(measure)
+        b = st.timeline(0)
+    assert a is not None and b is not None
+    return (b.busy_of(pids) - a.busy_of(pids)) / (b.now_ns - a.now_ns)
+
+
+def test_processes_the_agent_has_not_listed_yet_share_one_limit(container: MakeContainer, launch_loop: Path) -> None:
+    """Two processes start before the agent wrote them into pids.config (or while it is down): together they
+    still get the container's 30 %, not 30 % each."""
+    c = container(1024, cores=30)
+    procs = [
+        subprocess.Popen([str(launch_loop), "kernel", "spin_1ms", "8"], env=c.env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=repo_root())
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        share = share_of(c, {p.pid for p in procs}, settle=3.0, measure=3.0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=30)
+    assert share <= 0.33, f"two unlisted processes of a 30 % container got {share:.1%} of the GPU"
+    assert share >= 0.2
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+
+CTYPES = r"""
+import ctypes, threading
+cu = ctypes.CDLL("libcuda.so.1")
+u64 = ctypes.c_uint64
+def c_ok(rc):
+    assert rc == 0, rc
+"""
+
+
+def test_threads_racing_a_memory_pool_at_the_cap(container: MakeContainer) -> None:
+    """Stream-ordered allocations from one pool in eight threads at once, right at the cap: two threads must
+    not both count on the same spare chunk of the pool while it grows."""
+    c = container(1024)
+    out = run(
+        c,
+        CTYPES
+        + r"""
+import time
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+streams = [ok(d.cuStreamCreate(0)) for _ in range(8)]
+stop = time.monotonic() + 3
+counts = []
+def worker(i):
+    s = ctypes.c_void_p(int(streams[i]))
+    c_ok(cu.cuCtxSetCurrent(ctypes.c_void_p(int(ctx))))
+    held, n = [], 0
+    while time.monotonic() < stop:
+        p = u64()
+        if cu.cuMemAllocAsync(ctypes.byref(p), ctypes.c_size_t(48 << 20), s) == 0:
+            held.append(p.value)
+            n += 1
+        if len(held) > 2:
+            c_ok(cu.cuMemFreeAsync(u64(held.pop(0)), s))
+    for p in held:
+        c_ok(cu.cuMemFreeAsync(u64(p), s))
+    counts.append(n)
+ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(json.dumps({"peak": peak(), "allocations": sum(counts)}))
+""",
+    )
+    assert out["allocations"] > 0
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"

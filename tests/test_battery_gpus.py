@@ -1,0 +1,86 @@
+"""Battery: GPUs that are lost when the agent starts, and lost and back (XID 79) under pods.
+
+A lost GPU costs only itself: the agent serves the others, lists the lost one's devices as
+Unhealthy (IDs kept), places no new pod on it, keeps the allocations it holds, and offers it
+again once it answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpumanager import names
+from simnode.cluster import SimCluster, gpu_pod
+from simnode.gpusim_state import GpuSimState
+from tests.battery_fixtures import (
+    answered,
+    assert_no_overcommit,
+    memory_of,
+    readyz,
+    spec_islands,
+    spec_odd_mixed,
+    wait_agent_matches,
+)
+
+FAST_HEALTH = ("--health-quiet-period=1s", "--health-probe-period=200ms")
+
+
+def _unhealthy_cores(cluster: SimCluster) -> int:
+    return sum(1 for d in cluster.kubelet.devices(names.VCORE_RESOURCE).values() if not d.healthy)
+
+
+def test_gpu_lost_at_start_costs_only_itself(tmp_path: Path) -> None:
+    spec = spec_odd_mixed(tmp_path / "spec.json")  # minors 2, 0, 1 at NVML indices 0, 1, 2
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=FAST_HEALTH)
+    with cluster:  # started with every GPU; restarted below with one lost
+        assert cluster.agent is not None
+        cluster.agent.stop()
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(1)  # NVML index 1: minor 0
+        cluster.start_agent()
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, lambda d: len(d) == 300, timeout=30)
+        cluster.kubelet.wait_for_devices(
+            names.VCORE_RESOURCE, lambda d: sum(1 for x in d.values() if not x.healthy) == 100, timeout=30
+        )
+        runs = [cluster.run_pod(gpu_pod(f"whole-{i}", [("main", 100, 0)])) for i in range(2)]
+        for run in runs:
+            assert 0 not in answered(run)["main"][0], answered(run)
+        status, body = readyz(cluster)
+        assert status == 200, body  # the healthy GPUs are served
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(1, False)
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 300, timeout=60)
+        back = cluster.run_pod(gpu_pod("on-the-returned-gpu", [("main", 100, 0)]))
+        assert answered(back)["main"][0] == (0,)
+        assert_no_overcommit([*runs, back], memory_of(cluster))
+        wait_agent_matches(cluster, [*runs, back])
+
+
+def test_xid_79_under_pods_then_back(tmp_path: Path) -> None:
+    spec = spec_islands(tmp_path / "spec.json")  # minors 10..16
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=FAST_HEALTH)
+    with cluster:
+        assert cluster.agent is not None
+        live = [cluster.run_pod(gpu_pod(f"share-{i}", [("main", 40, 8)])) for i in range(4)]
+        victim_minor = answered(live[0])["main"][0][0]
+        index = victim_minor - 10
+        with GpuSimState(cluster.agent.state) as state:
+            state.queue_xid(index, 79)
+            state.set_lost(index)
+        cluster.kubelet.wait_for_devices(
+            names.VCORE_RESOURCE, lambda d: sum(1 for x in d.values() if not x.healthy) >= 100, timeout=30
+        )
+        # New pods go elsewhere; what the lost GPU holds stays held (its containers still exist).
+        for i in range(5):
+            run = cluster.run_pod(gpu_pod(f"during-{i}", [("main", 40, 8)]))
+            assert victim_minor not in answered(run)["main"][0]
+            live.append(run)
+        wait_agent_matches(cluster, live)
+        cluster.delete(live.pop(0))  # a pod on the lost GPU ends meanwhile
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(index, False)
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=60)
+        live.append(cluster.run_pod(gpu_pod("after", [("main", 100, 0)])))
+        assert_no_overcommit(live, memory_of(cluster))
+        wait_agent_matches(cluster, live)
+        assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None

@@ -126,7 +126,7 @@ def test_damaged_checkpoint_loses_and_leaks_nothing(tmp_path: Path, damage: str)
         for i in range(8):
             try:
                 live.append(cluster.run_pod(gpu_pod(f"new-{i}", [("main", 40, 8)])))
-            except Exception:  # noqa: BLE001 - full: refused
+            except Exception:  # full: refused
                 run = next(r for r in cluster.runs.values() if r.name == f"new-{i}")
                 cluster.kubelet.remove_pod(run.uid)
                 cluster.api.delete_pod(run.namespace, run.name)

@@ -31,7 +31,7 @@ def _try(cluster: SimCluster, name: str, shape: list[tuple[str, int, int]], live
         cluster.kubelet.remove_pod(run.uid)
         try:
             cluster.api.delete_pod(run.namespace, run.name)
-        except Exception:  # noqa: BLE001 - the API server may be the fault under test
+        except Exception:  # the API server may be the fault under test
             pass
         return exc.details if isinstance(exc, PluginRPCError) else ""  # else: the kubelet had too few IDs
 
@@ -105,7 +105,7 @@ def test_api_server_faults_under_churn(cluster: SimCluster, fault: str) -> None:
             victim = live.pop(rng.randrange(len(live)))
             try:
                 cluster.delete(victim)
-            except Exception:  # noqa: BLE001 - API server down: the pod ends later
+            except Exception:  # API server down: the pod ends later
                 cluster.kubelet.remove_pod(victim.uid)
                 time.sleep(3.5)
                 cluster.api.delete_pod(victim.namespace, victim.name)
@@ -113,7 +113,7 @@ def test_api_server_faults_under_churn(cluster: SimCluster, fault: str) -> None:
             shape = [("main", rng.choice((20, 50, 100)), rng.randint(1, 8))]
             try:
                 reason = _try(cluster, f"p{step}", shape, live)
-            except Exception:  # noqa: BLE001 - the pod could not even be created: the API server is down
+            except Exception:  # the pod could not even be created: the API server is down
                 time.sleep(0.5)
                 continue
             if reason:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState, repo_root
-from tests.vcuda_fixtures import BUILD, VCUDA, Container, container, last_json, vcuda_built
+from tests.vcuda_fixtures import BUILD, MIB, VCUDA, Container, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
 
@@ -129,3 +129,51 @@ print(json.dumps({"peak": peak(), "allocations": sum(counts)}))
     )
     assert out["allocations"] > 0
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
+def test_graph_memory_the_device_keeps_for_later_graphs_counts(container: MakeContainer) -> None:
+    """The device's graph memory pool keeps what graph allocations gave back until cuDeviceGraphMemTrim: a graph
+    of 600 MiB, run and destroyed, leaves 600 MiB on the GPU that later graphs reuse and nothing else may take."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+s = ok(d.cuStreamCreate(0))
+def graph_of(size):
+    graph = ok(d.cuGraphCreate(0))
+    p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = size
+    r = d.cuGraphAddMemAllocNode(graph, None, 0, p)
+    if r[0] != R.CUDA_SUCCESS:
+        ok(d.cuGraphDestroy(graph))
+        return r[0].name
+    ok(d.cuGraphAddMemFreeNode(graph, [r[1]], 1, p.dptr))
+    x = ok(d.cuGraphInstantiate(graph, 0))
+    ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+    ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(graph))
+    return "CUDA_SUCCESS"
+def try_alloc(size):
+    r = d.cuMemAlloc(size)
+    if r[0] == R.CUDA_SUCCESS:
+        ok(d.cuMemFree(r[1]))
+    return r[0].name
+out = {"first": graph_of(600 << 20), "kept": phys_used()}
+out["beside_kept"] = try_alloc(200 << 20)  # 250 + 600 kept + 200 > 1024
+out["again"] = [graph_of(600 << 20) for _ in range(3)]  # later graphs reuse the kept memory
+out["small"] = try_alloc(150 << 20)
+ok(d.cuDeviceGraphMemTrim(dev))
+out["trimmed"] = [phys_used(), try_alloc(700 << 20)]
+out["peak"] = peak()
+print(json.dumps(out))
+""",
+    )
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["first"] == "CUDA_SUCCESS" and out["kept"] == ctx + 600 * MIB
+    assert out["beside_kept"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["again"] == ["CUDA_SUCCESS"] * 3
+    assert out["small"] == "CUDA_SUCCESS"
+    assert out["trimmed"] == [ctx, "CUDA_SUCCESS"]
+    assert out["peak"] <= cap, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"

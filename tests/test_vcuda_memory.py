@@ -119,7 +119,8 @@ def alloc():
         ok(d.cuGraphDestroy(graph))
         return r[0], None
     return r[0], (graph, ok(d.cuGraphInstantiate(graph, 0)))
-def free(h): ok(d.cuGraphExecDestroy(h[1])); ok(d.cuGraphDestroy(h[0]))
+def free(h):  # the device's graph pool keeps the memory for later graphs until trimmed
+    ok(d.cuGraphExecDestroy(h[1])); ok(d.cuGraphDestroy(h[0])); ok(d.cuDeviceGraphMemTrim(dev))
 """,
     "legacy cuMemAlloc (CUDA 2.0 ABI)": r"""
 lib = ctypes.CDLL("libcuda.so.1")
@@ -546,6 +547,8 @@ ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
 ok(d.cuGraphExecDestroy(x))
 out["launched_not_freed"] = try_alloc(768 << 20)
 ok(d.cuMemFreeAsync(dptr, s)); ok(d.cuStreamSynchronize(s))
+out["freed_kept"] = try_alloc(768 << 20)  # back in the device's graph pool, which keeps it
+ok(d.cuDeviceGraphMemTrim(dev))
 out["freed"] = try_alloc(768 << 20)
 # Freed in its own graph: each launch gives it back; the exec holds it until destroyed.
 graph = ok(d.cuGraphCreate(0))
@@ -555,6 +558,8 @@ x = ok(d.cuGraphInstantiate(graph, 0))
 ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
 out["exec_alive"] = try_alloc(768 << 20)
 ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(graph))
+out["pool_kept"] = try_alloc(768 << 20)
+ok(d.cuDeviceGraphMemTrim(dev))
 out["all_gone"] = [try_alloc(768 << 20), list(ok(d.cuMemGetInfo()))]
 out.update(peak=peak(), phys=phys_used())
 print(json.dumps(out))
@@ -566,8 +571,10 @@ print(json.dumps(out))
     oom = "CUDA_ERROR_OUT_OF_MEMORY"
     assert out["graph_destroyed"] == oom, "the exec still holds the graph's memory"
     assert out["launched_not_freed"] == oom, "the launch left the allocation live"
+    assert out["freed_kept"] == oom, "the graph pool keeps freed memory until trimmed"
     assert out["freed"] == "CUDA_SUCCESS"
     assert out["exec_alive"] == oom
+    assert out["pool_kept"] == oom
     assert out["all_gone"] == ["CUDA_SUCCESS", [c.limit_bytes - c.context_bytes, c.limit_bytes]]
     assert out["peak"] <= c.limit_bytes and out["phys"] == c.context_bytes
 
@@ -593,7 +600,9 @@ out["instantiated"] = try_alloc(768 << 20)
 ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
 out["launched"] = try_alloc(768 << 20)
 ok(d.cuGraphExecDestroy(x))
-out["exec_gone"] = try_alloc(768 << 20)
+out["exec_gone"] = try_alloc(768 << 20)  # the device's graph pool keeps it
+ok(d.cuDeviceGraphMemTrim(dev))
+out["trimmed"] = try_alloc(768 << 20)
 out.update(peak=peak(), phys=phys_used(), info=list(ok(d.cuMemGetInfo())))
 print(json.dumps(out))
 """
@@ -602,8 +611,8 @@ print(json.dumps(out))
     out = last_json(done.stdout)
     assert isinstance(out, dict)
     oom = "CUDA_ERROR_OUT_OF_MEMORY"
-    assert [out["captured"], out["instantiated"], out["launched"]] == [oom, oom, oom]
-    assert out["exec_gone"] == "CUDA_SUCCESS"
+    assert [out["captured"], out["instantiated"], out["launched"], out["exec_gone"]] == [oom] * 4
+    assert out["trimmed"] == "CUDA_SUCCESS"
     module = 2 * MIB  # the loaded module's memory: no hook sees it, NVML does (reconciled)
     assert out["peak"] <= c.limit_bytes and out["phys"] == c.context_bytes + module
     assert out["info"] == [c.limit_bytes - c.context_bytes - module, c.limit_bytes]

@@ -401,7 +401,16 @@ t1 = time.monotonic()
 ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
 out["graph_ran"] = time.monotonic() - t1
 ok(d.cuGraphExecDestroy(x)); ok(d.cuGraphDestroy(g))
-out["phys_end"] = phys_used() - base
+A = d.CUgraphMem_attribute
+pool = lambda: [int(ok(d.cuDeviceGetGraphMemAttribute(dev, a))) for a in (
+    A.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+    A.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)]
+out["phys_kept"] = [phys_used() - base, pool()]  # the device's graph pool keeps it for later graphs
+ok(d.cuDeviceGraphMemTrim(dev))
+out["phys_end"] = [phys_used() - base, pool()]
+out["reset_high"] = [d.cuDeviceSetGraphMemAttribute(dev, A.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH, d.cuuint64_t(0))[0].name,
+                     d.cuDeviceSetGraphMemAttribute(dev, A.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, d.cuuint64_t(0))[0].name,
+                     pool()]
 # A synchronisation inside a capture invalidates it.
 ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
 out["sync_in_capture"] = [d.cuStreamSynchronize(s)[0].name, ok(d.cuStreamIsCapturing(s)).name,
@@ -418,7 +427,9 @@ print(json.dumps(out))
     assert out["same_graph"] is True and out["after"] == "CU_STREAM_CAPTURE_STATUS_NONE"
     assert out["phys_instantiated"] == 64 * MIB  # the exec holds the graph's memory
     assert out["nothing_ran"] < 0.02 and out["graph_ran"] >= 0.039, out  # two 20 ms kernels
-    assert out["phys_end"] == 0
+    assert out["phys_kept"] == [64 * MIB, [0, 64 * MIB, 64 * MIB, 64 * MIB]]
+    assert out["phys_end"] == [0, [0, 0, 64 * MIB, 64 * MIB]]  # trimmed
+    assert out["reset_high"] == ["CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE", [0, 0, 0, 64 * MIB]]
     assert out["sync_in_capture"] == ["CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CU_STREAM_CAPTURE_STATUS_INVALIDATED",
                                       "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]  # fmt: skip
 

@@ -17,11 +17,20 @@
 #include "vc_image.h"
 #include "vc_map.h"
 
-static uint64_t g_graph_mem[GPUSIM_MAX_GPUS]; /* bytes of live graph allocation nodes, per GPU (under the records lock) */
+/*
+ * The device's graph memory pool, per GPU (under the records lock): `used` = the graph allocations live
+ * now; `reserved` = the physical memory the pool holds for them, charged to the process.  As with the
+ * real driver, memory a graph allocation gave back stays reserved (cached for the next graphs) until
+ * cuDeviceGraphMemTrim; the high-water marks stay until reset with cuDeviceSetGraphMemAttribute.
+ */
+struct graph_pool {
+    uint64_t used, reserved, used_high, reserved_high;
+};
+static struct graph_pool g_graph_pool[GPUSIM_MAX_GPUS];
 
 void sim_exec_atfork_child(void)
 {
-    memset(g_graph_mem, 0, sizeof(g_graph_mem));
+    memset(g_graph_pool, 0, sizeof(g_graph_pool));
 }
 
 /* ---- modules and launches ----------------------------------------------------------------- */
@@ -937,8 +946,7 @@ static void galloc_uncharge(struct sim_galloc *a)
 {
     if (a->charged) {
         a->charged = false;
-        g_graph_mem[a->gpu] -= a->bytes;
-        sim_mem_uncharge(a->gpu, a->bytes);
+        g_graph_pool[a->gpu].used -= a->bytes; /* its memory stays reserved in the pool */
     }
 }
 
@@ -1166,13 +1174,20 @@ static void galloc_instantiate(struct vc_map_entry *e, void *arg)
         return;
     }
     if (!a->charged) {
-        CUresult rc = sim_mem_charge(a->gpu, a->bytes);
-        if (rc != CUDA_SUCCESS) {
-            in->rc = rc;
-            return;
+        struct graph_pool *p = &g_graph_pool[a->gpu];
+        uint64_t used = p->used + a->bytes;
+        if (used > p->reserved) { /* what the pool's reserved memory cannot give */
+            CUresult rc = sim_mem_charge(a->gpu, used - p->reserved);
+            if (rc != CUDA_SUCCESS) {
+                in->rc = rc;
+                return;
+            }
+            p->reserved = used;
         }
+        p->used = used;
+        p->used_high = used > p->used_high ? used : p->used_high;
+        p->reserved_high = p->reserved > p->reserved_high ? p->reserved : p->reserved_high;
         a->charged = true;
-        g_graph_mem[a->gpu] += a->bytes;
     }
     a->exec = in->exec;
 }
@@ -1310,31 +1325,53 @@ SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice device, CUgraphMem_att
         return rc;
     if (value == NULL)
         return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    const struct graph_pool *p = &g_graph_pool[device];
     switch (attr) {
-    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT:
-    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH:
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT:
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH:
-        sim_rec_lock();
-        *(cuuint64_t *)value = g_graph_mem[device];
-        sim_rec_unlock();
-        return CUDA_SUCCESS;
-    default: return CUDA_ERROR_INVALID_VALUE;
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = p->used; break;
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = p->used_high; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = p->reserved; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = p->reserved_high; break;
+    default: rc = CUDA_ERROR_INVALID_VALUE;
     }
+    sim_rec_unlock();
+    return rc;
 }
 
+/* cuda.h: only the high-water marks can be set, and only to 0 (they restart from the current values). */
 SIM_EXPORT CUresult cuDeviceSetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, void *value)
 {
     const struct sim_node *n;
-    (void)attr;
     CUresult rc = sim_cu_device(device, &n);
     if (rc != CUDA_SUCCESS)
         return rc;
-    return value == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (value == NULL || *(const cuuint64_t *)value != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_rec_lock();
+    struct graph_pool *p = &g_graph_pool[device];
+    if (attr == CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)
+        p->used_high = p->used;
+    else if (attr == CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)
+        p->reserved_high = p->reserved;
+    else
+        rc = CUDA_ERROR_INVALID_VALUE;
+    sim_rec_unlock();
+    return rc;
 }
 
+/* The pool's reserved memory no graph allocation uses goes back to the device. */
 SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
 {
     const struct sim_node *n;
-    return sim_cu_device(device, &n);
+    CUresult rc = sim_cu_device(device, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    sim_rec_lock();
+    struct graph_pool *p = &g_graph_pool[device];
+    uint64_t unused = p->reserved - p->used;
+    p->reserved = p->used;
+    sim_rec_unlock();
+    if (unused > 0)
+        sim_mem_uncharge((unsigned)device, unused);
+    return CUDA_SUCCESS;
 }

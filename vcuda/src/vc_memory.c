@@ -55,6 +55,16 @@ static pthread_mutex_t *pool_mu(CUmemoryPool pool)
 }
 
 static bool galloc_free(uint64_t dptr, CUstream capturing_stream, bool ptsz);
+static uint64_t graph_pool_settle(void);
+static bool galloc_reserve(uint64_t bytes, uint64_t *took);
+static void galloc_unreserve(uint64_t bytes, uint64_t took);
+
+/* The graph pools' charge beyond their live allocations (graph_pool_settle, below). */
+static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_graph_kept;    /* under g_mu */
+static uint64_t g_galloc_bytes;  /* under g_mu: bytes of the REC_GALLOC records */
+static uint64_t g_graph_pending; /* under g_mu: bytes of graph allocations gone since the last settlement */
+static _Atomic bool g_graph_seen; /* this process made a graph allocation: its pool may hold memory */
 
 static void atfork_prepare(void)
 {
@@ -71,7 +81,10 @@ static void atfork_child(void)
     /* The child owns none of its parent's allocations, and reserves in a slot of its own. */
     vc_map_reset(&g_recs);
     g_gallocs = 0;
+    g_graph_kept = g_graph_pending = g_galloc_bytes = 0;
+    atomic_store(&g_graph_seen, false);
     pthread_mutex_init(&g_mu, NULL);
+    pthread_mutex_init(&g_graph_mu, NULL);
     for (int i = 0; i < POOL_STRIPES; i++)
         pthread_mutex_init(&g_pool_mu[i], NULL);
     vc_budget_atfork_child();
@@ -276,11 +289,14 @@ static CUgraph capture_graph(CUstream s, bool ptsz)
 
 static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
 {
+    atomic_store_explicit(&g_graph_seen, true, memory_order_relaxed);
     struct vc_map_entry e = {.key = dptr, .kind = REC_GALLOC, .size = bytes, .aux = (uint64_t)(uintptr_t)graph};
     pthread_mutex_lock(&g_mu);
     int rc = vc_map_put(&g_recs, &e);
-    if (rc == 0)
+    if (rc == 0) {
         g_gallocs++;
+        g_galloc_bytes += bytes;
+    }
     pthread_mutex_unlock(&g_mu);
     if (rc != 0)
         vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
@@ -377,6 +393,10 @@ bool vc_memory_refresh_pools(void)
         released += pool_settle(pools[i], pool_reserved_now(pools[i]), 0, 0);
         pthread_mutex_unlock(pool_mu(pools[i]));
     }
+    if (atomic_load_explicit(&g_graph_seen, memory_order_relaxed) && pthread_mutex_trylock(&g_graph_mu) == 0) {
+        released += graph_pool_settle();
+        pthread_mutex_unlock(&g_graph_mu);
+    }
     return released > 0;
 }
 
@@ -395,13 +415,18 @@ static CUmemoryPool stream_pool(CUstream s)
     do {                                                                                                           \
         CUgraph graph_ = capture_graph((stream), (ptsz));                                                          \
         if (graph_ != NULL) {                                                                                      \
-            if (!vc_budget_reserve(bytesize))                                                                      \
+            uint64_t took_;                                                                                        \
+            pthread_mutex_lock(&g_graph_mu);                                                                       \
+            if (!galloc_reserve(bytesize, &took_)) {                                                               \
+                pthread_mutex_unlock(&g_graph_mu);                                                                 \
                 return CUDA_ERROR_OUT_OF_MEMORY;                                                                   \
+            }                                                                                                      \
             CUresult rc_ = (call);                                                                                 \
             if (rc_ != CUDA_SUCCESS)                                                                               \
-                vc_budget_release(bytesize);                                                                       \
+                galloc_unreserve(bytesize, took_);                                                                 \
             else                                                                                                   \
                 remember_galloc(*dptr, bytesize, graph_);                                                          \
+            pthread_mutex_unlock(&g_graph_mu);                                                                     \
             return rc_;                                                                                            \
         }                                                                                                          \
         CUmemoryPool pool_ = (named_pool) != NULL ? (named_pool) : stream_pool(stream);                            \
@@ -871,15 +896,74 @@ VC_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
  * these holds it: its graph (or node), an exec, a launch.  REC_GALLOC keeps that per address.
  */
 
+/*
+ * The device's graph memory pool keeps what graph allocations gave back (cached for later graphs) until
+ * cuDeviceGraphMemTrim: the GPU holds CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT for the process.  So an
+ * allocation nothing holds any more is not credited at once: its bytes become `pending`, and
+ * graph_pool_settle (called after every such change, under g_graph_mu with the driver call that made it)
+ * charges the pools what they reserve beyond the graph allocations charged (`kept`), netting the two in
+ * one step: the charge is max(graph allocations, pools' reservation), never below what the GPU holds
+ * now or will hold once they are all backed (they take the pools' kept memory first, as a new allocation
+ * node takes `kept` first).  Summed over the devices.
+ */
+
 /* Returns the bytes when nothing holds the allocation any more (g_mu held; e is in the map). */
 static void galloc_settle(struct vc_map_entry *e)
 {
     if (e->aux == 0 && e->aux2 == 0 && !(e->gpu & GA_OUTSTANDING)) {
-        uint64_t size = e->size;
+        g_graph_pending += e->size;
+        g_galloc_bytes -= e->size;
         vc_map_find(&g_recs, e->key, REC_GALLOC, NULL, true);
         g_gallocs--;
-        vc_budget_release(size);
     }
+}
+
+/* g_graph_mu held: settles the graph pools' charge on what they reserve now; returns the bytes given back. */
+static uint64_t graph_pool_settle(void)
+{
+    if (!atomic_load_explicit(&g_graph_seen, memory_order_relaxed))
+        return 0;
+    int count = 0;
+    uint64_t reserved = 0;
+    if (REAL_CU(cuDeviceGetCount)(&count) == CUDA_SUCCESS) {
+        for (int dev = 0; dev < count; dev++) {
+            cuuint64_t v = 0;
+            if (REAL_CU(cuDeviceGetGraphMemAttribute)(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
+                reserved += v;
+        }
+    }
+    pthread_mutex_lock(&g_mu);
+    uint64_t target = reserved > g_galloc_bytes ? reserved - g_galloc_bytes : 0;
+    uint64_t before = g_graph_kept + g_graph_pending, released = before > target ? before - target : 0;
+    if (target > before)
+        vc_budget_charge(target - before); /* the pool holds it already */
+    else
+        vc_budget_release(released);
+    g_graph_kept = target;
+    g_graph_pending = 0;
+    pthread_mutex_unlock(&g_mu);
+    return released;
+}
+
+/* g_graph_mu held: reserves a new graph allocation; what the graph pools keep serves first (*took). */
+static bool galloc_reserve(uint64_t bytes, uint64_t *took)
+{
+    pthread_mutex_lock(&g_mu);
+    *took = bytes < g_graph_kept ? bytes : g_graph_kept;
+    g_graph_kept -= *took;
+    pthread_mutex_unlock(&g_mu);
+    if (vc_budget_reserve(bytes - *took))
+        return true;
+    galloc_unreserve(0, *took);
+    return false;
+}
+
+static void galloc_unreserve(uint64_t bytes, uint64_t took)
+{
+    pthread_mutex_lock(&g_mu);
+    g_graph_kept += took;
+    pthread_mutex_unlock(&g_mu);
+    vc_budget_release(bytes - took);
 }
 
 /* cuMemFree(Async) of an address that is no plain allocation: a graph allocation freed in a capture or after a launch. */
@@ -888,19 +972,27 @@ static bool galloc_free(uint64_t dptr, CUstream capturing_stream, bool ptsz)
     if (__atomic_load_n(&g_gallocs, __ATOMIC_RELAXED) == 0)
         return false;
     CUgraph capture = capturing_stream != NULL ? capture_graph(capturing_stream, ptsz) : NULL;
+    if (capture == NULL)
+        pthread_mutex_lock(&g_graph_mu);
     pthread_mutex_lock(&g_mu);
     struct vc_map_entry *e = vc_map_lookup(&g_recs, dptr, REC_GALLOC);
-    if (e != NULL) {
+    bool hit = e != NULL;
+    if (hit) {
         if (capture != NULL) {
             if (e->aux == (uint64_t)(uintptr_t)capture)
                 e->gpu |= GA_FREED_IN_GRAPH; /* a free node of its own graph: each launch gives it back */
         } else {
             e->gpu &= ~(uint32_t)GA_OUTSTANDING;
-            galloc_settle(e);
+            galloc_settle(e); /* back to its graph pool */
         }
     }
     pthread_mutex_unlock(&g_mu);
-    return e != NULL;
+    if (capture == NULL) {
+        if (hit)
+            graph_pool_settle();
+        pthread_mutex_unlock(&g_graph_mu);
+    }
+    return hit;
 }
 
 static void remember_gnode(CUgraphNode node, CUgraph graph, uint64_t dptr)
@@ -916,16 +1008,20 @@ static void remember_gnode(CUgraphNode node, CUgraph graph, uint64_t dptr)
 /* Reserve-then-create an allocation node; *dptr is the address the driver fixed for it. */
 #define ALLOC_NODE(bytes, call, dptr)                                                                              \
     do {                                                                                                           \
-        uint64_t bytes_ = (bytes);                                                                                 \
-        if (!vc_budget_reserve(bytes_))                                                                            \
+        uint64_t bytes_ = (bytes), took_;                                                                          \
+        pthread_mutex_lock(&g_graph_mu);                                                                           \
+        if (!galloc_reserve(bytes_, &took_)) {                                                                     \
+            pthread_mutex_unlock(&g_graph_mu);                                                                     \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
-        CUresult rc_ = (call);                                                                                     \
-        if (rc_ != CUDA_SUCCESS) {                                                                                 \
-            vc_budget_release(bytes_);                                                                             \
-            return rc_;                                                                                            \
         }                                                                                                          \
-        remember_galloc((dptr), bytes_, hGraph);                                                                   \
-        remember_gnode(*phGraphNode, hGraph, (dptr));                                                              \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ != CUDA_SUCCESS)                                                                                   \
+            galloc_unreserve(bytes_, took_);                                                                       \
+        else                                                                                                       \
+            remember_galloc((dptr), bytes_, hGraph);                                                               \
+        pthread_mutex_unlock(&g_graph_mu);                                                                         \
+        if (rc_ == CUDA_SUCCESS)                                                                                   \
+            remember_gnode(*phGraphNode, hGraph, (dptr));                                                          \
         return rc_;                                                                                                \
     } while (0)
 
@@ -1046,12 +1142,25 @@ void vc_memory_graph_launched(CUgraphExec exec)
     graph_changed(CUDA_SUCCESS, galloc_launched, (uint64_t)(uintptr_t)exec, 0);
 }
 
+/* A driver call that changes what the graph pools hold, its bookkeeping and the settlement, under g_graph_mu. */
+#define GRAPH_POOL_CHANGE(call, bookkeeping)                                                                       \
+    do {                                                                                                           \
+        pthread_mutex_lock(&g_graph_mu);                                                                           \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ == CUDA_SUCCESS) {                                                                                 \
+            bookkeeping;                                                                                           \
+            graph_pool_settle();                                                                                   \
+        }                                                                                                          \
+        pthread_mutex_unlock(&g_graph_mu);                                                                         \
+        return rc_;                                                                                                \
+    } while (0)
+
 #define INSTANTIATED(call, exec, graph)                                                                            \
     do {                                                                                                           \
-        CUresult rc_ = (call);                                                                                     \
-        if (VC_LIKELY(!vc_limited()) || rc_ != CUDA_SUCCESS || (exec) == NULL)                                     \
-            return rc_;                                                                                            \
-        return graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph), (uint64_t)(uintptr_t) * (exec)); \
+        if (VC_LIKELY(!vc_limited()) || (exec) == NULL)                                                            \
+            return (call);                                                                                         \
+        GRAPH_POOL_CHANGE(call, graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph),              \
+                                              (uint64_t)(uintptr_t) * (exec)));                                    \
     } while (0)
 
 VC_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
@@ -1088,10 +1197,18 @@ VC_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
 
 VC_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
-    CUresult rc = REAL_CU(cuGraphExecDestroy)(hGraphExec);
     if (VC_LIKELY(!vc_limited()))
-        return rc;
-    return graph_changed(rc, galloc_exec_gone, (uint64_t)(uintptr_t)hGraphExec, 0);
+        return REAL_CU(cuGraphExecDestroy)(hGraphExec);
+    GRAPH_POOL_CHANGE(REAL_CU(cuGraphExecDestroy)(hGraphExec),
+                      graph_changed(rc_, galloc_exec_gone, (uint64_t)(uintptr_t)hGraphExec, 0));
+}
+
+/* The graph pools give back what no graph allocation uses. */
+VC_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuDeviceGraphMemTrim)(device);
+    GRAPH_POOL_CHANGE(REAL_CU(cuDeviceGraphMemTrim)(device), (void)0);
 }
 
 VC_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
@@ -1099,6 +1216,7 @@ VC_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuGraphDestroyNode)(hNode);
     struct vc_map_entry n;
+    pthread_mutex_lock(&g_graph_mu);
     bool had = take((uint64_t)(uintptr_t)hNode, REC_GNODE, &n);
     CUresult rc = REAL_CU(cuGraphDestroyNode)(hNode);
     if (had && rc != CUDA_SUCCESS) {
@@ -1111,7 +1229,9 @@ VC_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
             galloc_settle(e);
         }
         pthread_mutex_unlock(&g_mu);
+        graph_pool_settle();
     }
+    pthread_mutex_unlock(&g_graph_mu);
     return rc;
 }
 
@@ -1122,13 +1242,14 @@ static bool in_graph(const struct vc_map_entry *e, void *graph)
 
 VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 {
-    CUresult rc = REAL_CU(cuGraphDestroy)(hGraph);
-    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
-        return rc;
-    pthread_mutex_lock(&g_mu);
-    vc_map_remove_if(&g_recs, REC_GNODE, in_graph, NULL, hGraph);
-    pthread_mutex_unlock(&g_mu);
-    return graph_changed(rc, galloc_graph_gone, (uint64_t)(uintptr_t)hGraph, 0);
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuGraphDestroy)(hGraph);
+    GRAPH_POOL_CHANGE(REAL_CU(cuGraphDestroy)(hGraph), {
+        pthread_mutex_lock(&g_mu);
+        vc_map_remove_if(&g_recs, REC_GNODE, in_graph, NULL, hGraph);
+        pthread_mutex_unlock(&g_mu);
+        graph_changed(rc_, galloc_graph_gone, (uint64_t)(uintptr_t)hGraph, 0);
+    });
 }
 
 /* ---- modules, libraries, context limits: memory the driver takes inside the call --------------------- */

@@ -537,10 +537,23 @@ SIM_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_
     return array_create((void **)pHandle, array_bytes(d->Width, d->Height, 0, d->Format, d->NumChannels), REC_ARRAY);
 }
 
+/*
+ * Sparse and deferred-mapping arrays have no memory of their own (it is mapped into them from cuMemCreate
+ * allocations with cuMemMapArrayAsync): not modelled, the simulated GPUs report no support for them
+ * (CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED, _DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED are 0) and
+ * refuse them, as a GPU without the feature does.
+ */
+static bool unsupported_flags(unsigned flags)
+{
+    return (flags & (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING)) != 0;
+}
+
 SIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     if (d == NULL)
         return CUDA_ERROR_INVALID_VALUE;
+    if (unsupported_flags(d->Flags))
+        return CUDA_ERROR_NOT_SUPPORTED;
     return array_create((void **)pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
                         REC_ARRAY);
 }
@@ -549,6 +562,8 @@ SIM_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIP
 {
     if (d == NULL)
         return CUDA_ERROR_INVALID_VALUE;
+    if (unsupported_flags(d->Flags))
+        return CUDA_ERROR_NOT_SUPPORTED;
     return array_create((void **)pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
                         REC_ARRAY);
 }
@@ -558,6 +573,8 @@ SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA
 {
     if (d == NULL || numMipmapLevels == 0 || numMipmapLevels > 32)
         return CUDA_ERROR_INVALID_VALUE;
+    if (unsupported_flags(d->Flags))
+        return CUDA_ERROR_NOT_SUPPORTED;
     uint64_t bytes = 0;
     for (unsigned l = 0; l < numMipmapLevels; l++) {
         size_t w = d->Width >> l, h = d->Height >> l, dd = d->Depth >> l;

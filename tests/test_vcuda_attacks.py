@@ -177,3 +177,62 @@ print(json.dumps(out))
     assert out["small"] == "CUDA_SUCCESS"
     assert out["trimmed"] == [ctx, "CUDA_SUCCESS"]
     assert out["peak"] <= cap, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
+def test_many_memory_pools_are_each_charged_what_they_reserve(container: MakeContainer) -> None:
+    """A pool reserves whole chunks (2 MiB on the simulated driver) for a 1-byte allocation: 250 pools hold
+    500 MiB that a tracker with room for a fixed number of pools would not see (while the container looks
+    far from its cap, an allocation is not reconciled with NVML first)."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+props = d.CUmemPoolProps()
+props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+props.location.id = 0
+s = ok(d.cuStreamCreate(0))
+pools = [ok(d.cuMemPoolCreate(props)) for _ in range(250)]
+ptrs = [ok(d.cuMemAllocFromPoolAsync(1, pool, s)) for pool in pools]
+held = phys_used()
+r = d.cuMemAlloc(380 << 20)
+free_b, total = ok(d.cuMemGetInfo())
+for p in ptrs:
+    ok(d.cuMemFreeAsync(p, s))
+ok(d.cuStreamSynchronize(s))
+for pool in pools:
+    ok(d.cuMemPoolDestroy(pool))
+print(json.dumps({"held": held, "alloc": r[0].name, "seen": total - free_b, "peak": peak(),
+                  "after": list(ok(d.cuMemGetInfo()))}))
+""",
+    )
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["held"] == ctx + 500 * MIB
+    assert out["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["seen"] == out["held"]
+    assert out["peak"] <= cap, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+    assert out["after"] == [cap - ctx, cap]
+
+
+def test_sparse_and_deferred_mapping_arrays_take_no_memory_beside_the_cap(container: MakeContainer) -> None:
+    """Sparse and deferred-mapping arrays get their memory from cuMemCreate (charged there); the GPU must not
+    back them beside it.  The simulated GPUs do not support them, and refuse them as such a GPU does."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+desc = d.CUDA_ARRAY3D_DESCRIPTOR()
+desc.Width, desc.Height, desc.Depth, desc.NumChannels = 8192, 8192, 4, 4
+desc.Format = d.CUarray_format.CU_AD_FORMAT_FLOAT
+A = d.CUdevice_attribute
+res = {"supported": [ok(d.cuDeviceGetAttribute(a, dev)) for a in (
+    A.CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED, A.CU_DEVICE_ATTRIBUTE_DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED)]}
+for name, flag in (("sparse", d.CUDA_ARRAY3D_SPARSE), ("deferred", d.CUDA_ARRAY3D_DEFERRED_MAPPING)):
+    desc.Flags = flag
+    res[name] = [d.cuArray3DCreate(desc)[0].name, d.cuMipmappedArrayCreate(desc, 4)[0].name]
+print(json.dumps({**res, "peak": peak()}))
+""",
+    )
+    assert out["supported"] == [0, 0]
+    assert out["sparse"] == out["deferred"] == ["CUDA_ERROR_NOT_SUPPORTED"] * 2
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"

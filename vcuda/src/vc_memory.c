@@ -32,6 +32,8 @@ enum rec_kind {
     REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
     REC_MODULE,  /* key = CUmodule, size = its estimated footprint (freed with its context) */
     REC_LIBRARY, /* key = CUlibrary, size = its variables (one copy) */
+    REC_POOL,    /* key = CUmemoryPool, size = what the budget holds for it, aux = its live allocations' bytes,
+                    gpu = 1 once destroyed (then it settles on aux) */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs and g_gallocs */
@@ -311,36 +313,23 @@ static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
  * memory view answers; an allocation reserves beforehand only what the pool's free reserved memory
  * cannot give.  A pool allocation's record (REC_DEV) carries no bytes, its pool in aux2.
  */
-#define MAX_POOLS 64
-
-struct pool_charge {
-    CUmemoryPool pool; /* NULL: free entry */
-    uint64_t charged;  /* what the budget holds for it */
-    uint64_t live;     /* bytes of its allocations not freed yet */
-    bool destroyed;    /* cuMemPoolDestroy: settles on live (it can no longer be asked) */
-};
-
-static struct pool_charge g_pools[MAX_POOLS]; /* under g_mu */
-
 static uint64_t pool_attr(CUmemoryPool pool, CUmemPool_attribute attr)
 {
     cuuint64_t v = 0;
     return REAL_CU(cuMemPoolGetAttribute)(pool, attr, &v) == CUDA_SUCCESS ? (uint64_t)v : 0;
 }
 
-/* g_mu held; NULL when the table is full. */
-static struct pool_charge *pool_entry(CUmemoryPool pool)
+/* g_mu held: pool's record (made on first use; valid until the map changes); NULL when out of host memory. */
+static struct vc_map_entry *pool_entry(CUmemoryPool pool)
 {
-    struct pool_charge *free_e = NULL;
-    for (int i = 0; i < MAX_POOLS; i++) {
-        if (g_pools[i].pool == pool)
-            return &g_pools[i];
-        if (g_pools[i].pool == NULL && free_e == NULL)
-            free_e = &g_pools[i];
+    uint64_t key = (uint64_t)(uintptr_t)pool;
+    struct vc_map_entry *e = vc_map_lookup(&g_recs, key, REC_POOL);
+    if (e == NULL) {
+        struct vc_map_entry fresh = {.key = key, .kind = REC_POOL};
+        if (vc_map_put(&g_recs, &fresh) == 0)
+            e = vc_map_lookup(&g_recs, key, REC_POOL);
     }
-    if (free_e != NULL)
-        *free_e = (struct pool_charge){pool, 0, 0, false};
-    return free_e;
+    return e;
 }
 
 /*
@@ -351,22 +340,23 @@ static uint64_t pool_settle(CUmemoryPool pool, uint64_t reserved, uint64_t reser
 {
     uint64_t released = 0;
     pthread_mutex_lock(&g_mu);
-    struct pool_charge *p = pool_entry(pool);
-    if (p == NULL) { /* more pools than the table: what was reserved stays charged */
+    struct vc_map_entry *p = pool_entry(pool);
+    if (p == NULL) { /* out of host memory: what was reserved stays charged */
         pthread_mutex_unlock(&g_mu);
+        vc_log(VC_LOG_ERROR, "out of host memory: a memory pool's charge is no longer followed");
         return 0;
     }
-    p->live += (uint64_t)live_delta;
-    uint64_t target = p->destroyed ? p->live : reserved;
-    uint64_t before = p->charged + reserved_ahead;
+    p->aux += (uint64_t)live_delta;
+    uint64_t target = p->gpu ? p->aux : reserved;
+    uint64_t before = p->size + reserved_ahead;
     if (target > before)
         vc_budget_charge(target - before); /* the pool grew past what was reserved: it holds it already */
     else
         released = before - target;
     vc_budget_release(released);
-    p->charged = target;
-    if (p->destroyed && p->live == 0)
-        *p = (struct pool_charge){NULL, 0, 0, false};
+    p->size = target;
+    if (p->gpu && p->aux == 0)
+        vc_map_find(&g_recs, p->key, REC_POOL, NULL, true);
     pthread_mutex_unlock(&g_mu);
     return released;
 }
@@ -376,23 +366,43 @@ static uint64_t pool_reserved_now(CUmemoryPool pool)
     return pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
 }
 
+struct pool_list {
+    CUmemoryPool *pools;
+    size_t n, cap;
+};
+
+static void collect_pool(struct vc_map_entry *e, void *arg)
+{
+    struct pool_list *l = arg;
+    if (e->gpu)
+        return; /* destroyed: it can no longer be asked */
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        CUmemoryPool *p = realloc(l->pools, cap * sizeof(*p));
+        if (p == NULL)
+            return; /* out of host memory: the others are settled at their next change */
+        l->pools = p, l->cap = cap;
+    }
+    l->pools[l->n++] = (CUmemoryPool)(uintptr_t)e->key;
+}
+
 bool vc_memory_refresh_pools(void)
 {
-    CUmemoryPool pools[MAX_POOLS];
-    int n = 0;
+    struct pool_list l = {NULL, 0, 0};
     pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < MAX_POOLS; i++)
-        if (g_pools[i].pool != NULL && !g_pools[i].destroyed)
-            pools[n++] = g_pools[i].pool;
+    vc_map_each(&g_recs, REC_POOL, collect_pool, &l);
     pthread_mutex_unlock(&g_mu);
+    CUmemoryPool *pools = l.pools;
+    size_t n = l.n;
     uint64_t released = 0;
-    for (int i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++) {
         /* A pool busy in another call (or in this thread's, which asked for the refresh) settles there. */
         if (pthread_mutex_trylock(pool_mu(pools[i])) != 0)
             continue;
         released += pool_settle(pools[i], pool_reserved_now(pools[i]), 0, 0);
         pthread_mutex_unlock(pool_mu(pools[i]));
     }
+    free(pools);
     if (atomic_load_explicit(&g_graph_seen, memory_order_relaxed) && pthread_mutex_trylock(&g_graph_mu) == 0) {
         released += graph_pool_settle();
         pthread_mutex_unlock(&g_graph_mu);
@@ -552,9 +562,9 @@ VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
         return rc;
     pthread_mutex_lock(&g_mu);
-    struct pool_charge *p = pool_entry(pool);
+    struct vc_map_entry *p = pool_entry(pool);
     if (p != NULL)
-        p->destroyed = true; /* its outstanding allocations keep their memory until freed */
+        p->gpu = 1; /* destroyed: its outstanding allocations keep their memory until freed */
     pthread_mutex_unlock(&g_mu);
     pool_settle(pool, 0, 0, 0);
     return rc;

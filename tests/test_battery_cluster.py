@@ -9,6 +9,7 @@ allocations equal to the live containers' and /readyz 200.
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -147,4 +148,25 @@ def test_kubelet_restarts_while_allocates_are_in_flight(cluster: SimCluster) -> 
     cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=30)
     for i in range(3):
         live.append(cluster.run_pod(gpu_pod(f"after-{i}", [("main", 25, 2)])))
+    _finish(cluster, live)
+
+
+def test_pods_end_while_the_agent_is_down_and_it_starts_without_an_api_server(cluster: SimCluster) -> None:
+    assert cluster.agent is not None
+    live = [cluster.run_pod(gpu_pod(f"p{i}", [("main", 50, 8)])) for i in range(6)]
+    cluster.agent.signal(signal.SIGKILL)
+    cluster.agent.wait()
+    for run in live[:3]:
+        cluster.delete(run)
+    del live[:3]
+    cluster.api.set_down(True, "refuse")
+    try:
+        cluster.start_agent()
+        status, body = readyz(cluster)
+        assert status == 503 and "pod_cache" in body["missing"], body
+        # What the agent cannot see it keeps: the ended pods' GPUs are not handed out yet.
+        cluster.kubelet.pre_start(names.VCORE_RESOURCE, pod_uid=live[0].uid, container_name="main")
+    finally:
+        cluster.api.set_down(False)
+    live.append(cluster.run_pod(gpu_pod("after", [("main", 100, 0)])))
     _finish(cluster, live)

@@ -7,11 +7,13 @@ again once it answers.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from gpumanager import names
-from simnode.cluster import SimCluster, gpu_pod
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
+from simnode.kubelet import PluginRPCError
 from tests.battery_fixtures import (
     answered,
     assert_no_overcommit,
@@ -84,3 +86,35 @@ def test_xid_79_under_pods_then_back(tmp_path: Path) -> None:
         assert_no_overcommit(live, memory_of(cluster))
         wait_agent_matches(cluster, live)
         assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None
+
+
+def test_gpu_lost_while_the_agent_was_down_keeps_its_pods(tmp_path: Path) -> None:
+    """Pods hold a GPU; the agent dies; the GPU is lost; the agent starts; the GPU comes back."""
+    spec = spec_odd_mixed(tmp_path / "spec.json")  # minors 2, 0, 1 at NVML indices 0, 1, 2
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=FAST_HEALTH)
+    with cluster:
+        assert cluster.agent is not None
+        live = [
+            cluster.run_pod(gpu_pod(f"held-{i}", [("main", 40, 4)], annotations=admission_annotations([[0]], i + 1)))
+            for i in range(2)
+        ]
+        live.append(cluster.run_pod(gpu_pod("whole", [("main", 100, 0)], annotations=admission_annotations([[2]], 9))))
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(1)  # minor 0
+            state.set_lost(0)  # minor 2
+        cluster.start_agent()
+        wait_agent_matches(cluster, live)
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(1, False)
+            state.set_lost(0, False)
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 300, timeout=60)
+        wait_agent_matches(cluster, live)
+        for i in range(4):
+            try:
+                live.append(cluster.run_pod(gpu_pod(f"new-{i}", [("main", 40, 4)])))
+            except PluginRPCError:
+                cluster.delete(next(r for r in cluster.runs.values() if r.name == f"new-{i}"))
+            assert_no_overcommit(live, memory_of(cluster), f"new-{i}")
+        wait_agent_matches(cluster, live)

@@ -247,6 +247,8 @@ class Agent:
             driver = nvml.driver_info()
             self.gpus, self.lost = nvml.discover(known)
             self.topology = nvml.topology(self.gpus, self.lost, saved_topology)
+        except nvml.NVMLLibraryError as exc:
+            raise StartupError(f"--nvml-lib={self.config.nvml_lib}: {exc}", 2) from exc
         except (nvml.NVMLUnavailableError, nvml.NVMLError) as exc:
             raise StartupError(str(exc), 3) from exc
         if not self.lost:

@@ -6,6 +6,7 @@ value; everything else points into the test's own directory.
 
 from __future__ import annotations
 
+import ctypes.util
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,29 @@ def test_malformed_kubeconfig_is_reported_not_a_traceback(tmp_path: Path) -> Non
     assert rc is None, f"exited {rc}:\n{out[-3000:]}"
     assert "Traceback" not in out, out
     assert str(bad) in out, out
+
+
+@pytest.mark.parametrize(
+    ("flag", "content"),
+    [
+        ("--nvml-lib", "not a library"),
+        ("--nvml-lib", None),
+    ],
+)
+def test_bad_file_exits_2_naming_flag_and_path(tmp_path: Path, flag: str, content: str | None) -> None:
+    path = tmp_path / "given"
+    if content is not None:
+        path.write_text(content)
+    rc, out = _run(tmp_path, f"{flag}={path}", timeout=10)
+    assert rc == EXIT_CONFIG, f"{flag}={path}: exit {rc}\n{out[-3000:]}"
+    assert "Traceback" not in out, out
+    assert f"{flag}={path}" in out, out
+
+
+def test_nvml_lib_that_is_not_nvml_exits_2(tmp_path: Path) -> None:
+    """A real shared library without NVML's entry points is refused (pynvml would load another one)."""
+    libc = ctypes.util.find_library("c")
+    assert libc
+    rc, out = _run(tmp_path, f"--nvml-lib={libc}", timeout=10)
+    assert rc == EXIT_CONFIG, f"exit {rc}\n{out[-3000:]}"
+    assert f"--nvml-lib={libc}" in out and "nvmlInit" in out, out

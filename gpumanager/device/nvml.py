@@ -21,6 +21,10 @@ class NVMLUnavailableError(RuntimeError):
     """NVML could not be loaded or initialised; the message says why."""
 
 
+class NVMLLibraryError(NVMLUnavailableError):
+    """The NVML library named by the operator cannot be loaded or is not NVML."""
+
+
 @dataclass(frozen=True)
 class DriverInfo:
     """Versions reported by the driver."""
@@ -44,9 +48,13 @@ def init(library_path: str = "") -> None:
     with _init_lock:
         if library_path and _preloaded is None:
             try:
-                _preloaded = ctypes.CDLL(library_path, mode=ctypes.RTLD_GLOBAL)
+                lib = ctypes.CDLL(library_path, mode=ctypes.RTLD_GLOBAL)
             except OSError as exc:
-                raise NVMLUnavailableError(f"cannot load NVML library {library_path!r}: {exc}") from exc
+                raise NVMLLibraryError(f"cannot load NVML library {library_path!r}: {exc}") from exc
+            if not hasattr(lib, "nvmlInit_v2"):
+                # pynvml would quietly open whatever libnvidia-ml.so.1 the linker finds instead.
+                raise NVMLLibraryError(f"{library_path!r} is not an NVML library (it has no nvmlInit_v2)")
+            _preloaded = lib
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:

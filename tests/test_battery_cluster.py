@@ -144,8 +144,9 @@ def test_kubelet_restarts_while_allocates_are_in_flight(cluster: SimCluster) -> 
             cluster.kubelet.restart()
     for t in threads:
         t.join(120)
-    cluster.kubelet.wait_for_registration(names.VCORE_RESOURCE, timeout=30, with_devices=True)
-    cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=30)
+    for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+        cluster.kubelet.wait_for_registration(resource, timeout=30, with_devices=True)
+        cluster.kubelet.wait_for_devices(resource, lambda d: bool(d) and all(x.healthy for x in d.values()), timeout=30)
     for i in range(3):
         live.append(cluster.run_pod(gpu_pod(f"after-{i}", [("main", 25, 2)])))
     _finish(cluster, live)

@@ -236,3 +236,41 @@ print(json.dumps({**res, "peak": peak()}))
     assert out["supported"] == [0, 0]
     assert out["sparse"] == out["deferred"] == ["CUDA_ERROR_NOT_SUPPORTED"] * 2
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
+def test_a_handle_released_while_another_thread_maps_it_stays_charged(container: MakeContainer) -> None:
+    """cuMemRelease in one thread while cuMemMap of the same handle is under way in another: once mapped, the
+    memory lives on (cuda.h: freed with its last mapping), so it must stay charged."""
+    c = container(1024)
+    out = run(
+        c,
+        CTYPES
+        + r"""
+import time
+prop = d.CUmemAllocationProp()
+prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+prop.location.id = 0
+size = 512 << 20
+h = ok(d.cuMemCreate(size, prop, 0))
+va = ok(d.cuMemAddressReserve(size, 0, 0, 0))
+res = {}
+def mapper():  # the simulated cuMemMap returns 300 ms after it mapped (GPUSIM_MAP_RETURN_DELAY_US)
+    c_ok(cu.cuCtxSetCurrent(ctypes.c_void_p(int(ctx))))
+    res["map"] = cu.cuMemMap(u64(int(va)), ctypes.c_size_t(size), ctypes.c_size_t(0), u64(int(h)), u64(0))
+t = threading.Thread(target=mapper)
+t.start()
+time.sleep(0.1)
+res["release"] = cu.cuMemRelease(u64(int(h)))
+t.join()
+res["mapped"] = phys_used()
+r = d.cuMemAlloc(400 << 20)  # 250 MiB of context + 512 mapped + 400 > 1024
+res.update(alloc=r[0].name, peak=peak())
+print(json.dumps(res))
+""",
+        GPUSIM_MAP_RETURN_DELAY_US="300000",
+    )
+    assert out["map"] == 0 and out["release"] == 0
+    assert out["mapped"] == c.context_bytes + 512 * MIB
+    assert out["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"

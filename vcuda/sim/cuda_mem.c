@@ -12,6 +12,7 @@
  */
 #include "cuda_sim.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sim_timeline.h"
@@ -810,6 +812,26 @@ SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 }
 
 /* A mapping: REC_MAP, key = start address, size, aux = the allocation (handle). */
+/*
+ * GPUSIM_MAP_RETURN_DELAY_US (tests): a cuMemMap that mapped returns only this many microseconds later, so
+ * that what a caller does after the call can be raced from another thread reproducibly.
+ */
+static void map_return_delay(void)
+{
+    static _Atomic long delay_us = -1;
+    long us = atomic_load_explicit(&delay_us, memory_order_relaxed);
+    if (us < 0) {
+        const char *v = getenv("GPUSIM_MAP_RETURN_DELAY_US");
+        us = v != NULL ? strtol(v, NULL, 10) : 0;
+        atomic_store_explicit(&delay_us, us > 0 ? us : 0, memory_order_relaxed);
+    }
+    if (us > 0) {
+        struct timespec ts = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+}
+
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                              unsigned long long flags)
 {
@@ -830,6 +852,8 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     else
         m->maps++;
     sim_rec_unlock();
+    if (rc == CUDA_SUCCESS)
+        map_return_delay();
     return rc;
 }
 

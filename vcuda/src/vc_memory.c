@@ -662,17 +662,34 @@ VC_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *han
     return rc;
 }
 
+/*
+ * The mapping is counted before the driver is called: a cuMemRelease of the handle in another thread
+ * while the driver maps it must not return the bytes the mapping is about to keep alive.
+ */
 VC_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                             unsigned long long flags)
 {
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuMemMap)(ptr, size, offset, handle, flags);
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vmm_entry(handle);
+    bool ours = e != NULL;
+    if (ours)
+        e->aux++;
+    pthread_mutex_unlock(&g_mu);
     CUresult rc = REAL_CU(cuMemMap)(ptr, size, offset, handle, flags);
-    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
+    if (!ours)
         return rc;
     pthread_mutex_lock(&g_mu);
-    if (vmm_entry(handle) != NULL) {
-        struct vc_map_entry m = {.key = ptr, .kind = REC_MAP, .size = size, .aux = handle};
-        if (vc_map_put(&g_recs, &m) == 0)
-            vmm_entry(handle)->aux++; /* looked up again: the put may have moved the entries */
+    struct vc_map_entry m = {.key = ptr, .kind = REC_MAP, .size = size, .aux = handle};
+    if (rc != CUDA_SUCCESS || vc_map_put(&g_recs, &m) != 0) {
+        e = vmm_entry(handle); /* looked up again: the map may have changed meanwhile */
+        if (rc == CUDA_SUCCESS)
+            vc_log(VC_LOG_ERROR, "out of host memory: a mapping's allocation stays charged until this process exits");
+        else if (e != NULL && e->aux > 0) {
+            e->aux--;
+            vmm_settle(e);
+        }
     }
     pthread_mutex_unlock(&g_mu);
     return rc;

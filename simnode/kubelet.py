@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -64,8 +65,11 @@ from simnode.kubelet_checkpoint import (
     write_checkpoint_v2_boot_id,
 )
 from simnode.kubelet_podresources import (
+    DEFAULT_BURST,
+    DEFAULT_QPS,
     ContainerSnapshot,
     DeviceSnapshot,
+    PodResourcesCall,
     PodResourcesServer,
     PodSnapshot,
 )
@@ -167,8 +171,10 @@ def is_extended_resource_name(name: str) -> bool:
     return 0 < len(short) <= 63 and bool(_QUALIFIED_NAME_PART.match(short))
 
 
-def _natural_key(s: str) -> list[Any]:
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t]
+@functools.lru_cache(maxsize=1 << 16)
+def _natural_key(s: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key of Go's natural order of device IDs (cached: the kubelet sorts the same IDs all the time)."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", s) if t)
 
 
 def _go_join(directory: Path, endpoint: str) -> Path:
@@ -283,6 +289,15 @@ class _PodInfo:
     namespace: str
 
 
+@dataclass(frozen=True)
+class _CheckpointData:
+    """The checkpoint's content at one moment; ``sequence`` orders the moments."""
+
+    sequence: int
+    entries: list[CheckpointEntry]
+    registered: dict[str, list[str]]
+
+
 class _Endpoint:
     """The simulator's connection to one registered plugin."""
 
@@ -337,12 +352,16 @@ class KubeletSimulator:
         rng: random.Random | None = None,
         write_checkpoint: bool = True,
         reuse_freed: bool = True,
+        pod_resources_qps: float = DEFAULT_QPS,
+        pod_resources_burst: int = DEFAULT_BURST,
     ) -> None:
         """Configure (nothing starts until :meth:`start`).
 
         ``dial_timeout``: the blocking dial inside Register (kubelet: 10 s).
         ``rpc_timeout``: deadline for GetDevicePluginOptions, GetPreferredAllocation and Allocate
         (kubelet: none, i.e. ``None``). ``fill``/``seed``/``rng``: default fill order of picking.
+        ``pod_resources_qps``/``pod_resources_burst``: PodResources' rate limit (kubelet: 100 and 10;
+        qps 0: none).
         """
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = Path(pod_resources_socket) if pod_resources_socket else None
@@ -353,6 +372,8 @@ class KubeletSimulator:
         self._rng = rng if rng is not None else random.Random(seed)
         self._write_enabled = write_checkpoint
         self.reuse_freed = reuse_freed
+        self._pr_limit = (pod_resources_qps, pod_resources_burst)
+        self._pr_calls: list[PodResourcesCall] = []  # across kubelet restarts
         self._freed: list[str] = []  # IDs freed by remove_pod, most recent first
 
         self._lock = threading.Lock()
@@ -372,6 +393,9 @@ class KubeletSimulator:
         self._pods: dict[str, _PodInfo] = {}
         self._pre_start_calls: list[tuple[str, str, str, tuple[str, ...]]] = []
         self._checkpoint_writes = 0
+        self._checkpoint_taken = 0  # sequence of the newest content taken under the lock
+        self._checkpoint_written = 0  # sequence of the content on disk
+        self._checkpoint_file_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -487,7 +511,8 @@ class KubeletSimulator:
         server.start()
         pr_server = None
         if self.pod_resources_socket is not None:
-            pr_server = PodResourcesServer(self.pod_resources_socket, self)
+            qps, burst = self._pr_limit
+            pr_server = PodResourcesServer(self.pod_resources_socket, self, qps=qps, burst=burst, calls=self._pr_calls)
             pr_server.start()
         with self._lock:
             self._server = server
@@ -655,7 +680,9 @@ class KubeletSimulator:
             self._history.setdefault(ep.resource, []).append(
                 DeviceUpdate(now, "list_and_watch", dict(devices), rec.index)
             )
-            self._write_checkpoint_locked()
+            checkpoint = self._checkpoint_locked()
+        self._write_checkpoint(checkpoint)
+        with self._cond:
             self._cond.notify_all()
         healthy = sum(1 for d in devices.values() if d.healthy)
         old_healthy = sum(1 for d in before.values() if d.healthy)
@@ -833,6 +860,11 @@ class KubeletSimulator:
         """``(resource, pod_uid, container_name, device_ids)`` of every PreStartContainer sent."""
         with self._lock:
             return list(self._pre_start_calls)
+
+    @property
+    def pod_resources_calls(self) -> list[PodResourcesCall]:
+        """Every PodResources call received since the simulator was made, in order."""
+        return list(self._pr_calls)
 
     @property
     def checkpoint_writes(self) -> int:
@@ -1085,7 +1117,9 @@ class KubeletSimulator:
                 reusable.update(device_ids)
             else:
                 reusable.difference_update(device_ids)
-            self._write_checkpoint_locked()
+            checkpoint = self._checkpoint_locked()
+        self._write_checkpoint(checkpoint)
+        with self._cond:
             self._cond.notify_all()
         logger.info("allocated %s x%d to %s/%s: %s", resource, count, pod_uid, container_name, ", ".join(device_ids))
         return record
@@ -1133,8 +1167,9 @@ class KubeletSimulator:
             for reuse_key in [rk for rk in self._reusable if rk[0] == pod_uid]:
                 del self._reusable[reuse_key]
             known = self._pods.pop(pod_uid, None) is not None
-            if keys:
-                self._write_checkpoint_locked()
+            checkpoint = self._checkpoint_locked() if keys else None
+        self._write_checkpoint(checkpoint)
+        with self._cond:
             self._cond.notify_all()
         return bool(keys) or known
 
@@ -1157,23 +1192,39 @@ class KubeletSimulator:
             for a in self._allocations.values()
         ]
 
-    def _write_checkpoint_locked(self) -> None:
+    def _checkpoint_locked(self) -> _CheckpointData | None:
+        """The checkpoint's content now (lock held), for :meth:`_write_checkpoint` once the lock is
+        released: as in the kubelet, whose mutex covers taking the data but not writing the file."""
         if not self._write_enabled:
-            return
+            return None
         registered = {
             res: sorted((i for i, d in devs.items() if d.healthy), key=_natural_key)
             for res, devs in self._devices.items()
         }
-        try:
-            write_checkpoint_v2(self.checkpoint_path, self._checkpoint_entries_locked(), registered)
+        self._checkpoint_taken += 1
+        return _CheckpointData(self._checkpoint_taken, self._checkpoint_entries_locked(), registered)
+
+    def _write_checkpoint(self, data: _CheckpointData | None) -> None:
+        """Write ``data`` unless a newer state is on disk already (writers race outside the lock)."""
+        if data is None:
+            return
+        with self._checkpoint_file_lock:
+            if data.sequence <= self._checkpoint_written:
+                return
+            try:
+                write_checkpoint_v2(self.checkpoint_path, data.entries, data.registered)
+            except OSError as err:
+                logger.warning("cannot write %s: %s", self.checkpoint_path, err)
+                return
+            self._checkpoint_written = data.sequence
+        with self._lock:
             self._checkpoint_writes += 1
-        except OSError as err:
-            logger.warning("cannot write %s: %s", self.checkpoint_path, err)
 
     def write_checkpoint(self) -> Path:
         """Write the V2 checkpoint now (it is also written on every update and allocation)."""
         with self._lock:
-            self._write_checkpoint_locked()
+            data = self._checkpoint_locked()
+        self._write_checkpoint(data)
         return self.checkpoint_path
 
     # ---------------------------------------------------------------- PodResources source

@@ -9,14 +9,20 @@ simulator), over a real gRPC unix socket, with the message shapes the kubelet pr
 * ``GetAllocatableResources``: one entry per (healthy device, NUMA node), no topology for
   devices without one.
 
-Not modelled: the kubelet's rate limiter, CPU/memory-manager fields, dynamic resources, and pods
-that hold no devices (the simulator only knows pods through their allocations).
+* the kubelet's rate limit on every call: a token bucket of ``qps`` tokens a second holding at
+  most ``burst`` (kubelet: 100 and 10); a call without a token fails at once with
+  ``ResourceExhausted: rejected by rate limit``. Every call is recorded (:attr:`PodResourcesServer.calls`).
+
+Not modelled: CPU/memory-manager fields, dynamic resources, and pods that hold no devices (the
+simulator only knows pods through their allocations).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -33,9 +39,16 @@ pr_grpc: Any = _pr_grpc
 
 logger = logging.getLogger(__name__)
 
+#: The kubelet's PodResources rate limit (``podresources.DefaultQPS``, ``DefaultBurstTokens``).
+DEFAULT_QPS = 100.0
+DEFAULT_BURST = 10
+
 __all__ = [
+    "DEFAULT_BURST",
+    "DEFAULT_QPS",
     "ContainerSnapshot",
     "DeviceSnapshot",
+    "PodResourcesCall",
     "PodResourcesServer",
     "PodResourcesSource",
     "PodSnapshot",
@@ -67,6 +80,39 @@ class PodSnapshot:
     name: str
     namespace: str
     containers: tuple[ContainerSnapshot, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class PodResourcesCall:
+    """One call the server received: method name, when (monotonic), and whether the rate limit let it in."""
+
+    method: str
+    at: float
+    admitted: bool
+
+
+class TokenBucket:
+    """``golang.org/x/time/rate.Limiter.Allow``: ``qps`` tokens a second, at most ``burst`` saved; 0 qps: no limit."""
+
+    def __init__(self, qps: float, burst: int) -> None:
+        self._qps = qps
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        """Take a token if there is one."""
+        if self._qps <= 0:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
+            self._last = now
+            if self._tokens < 1.0:
+                return False
+            self._tokens -= 1.0
+            return True
 
 
 class PodResourcesSource(Protocol):
@@ -105,14 +151,24 @@ def _pod_message(pod: PodSnapshot) -> Any:
 class _Servicer:
     """Duck-typed ``PodResourcesListerServicer``."""
 
-    def __init__(self, source: PodResourcesSource) -> None:
+    def __init__(self, source: PodResourcesSource, limiter: TokenBucket, calls: list[PodResourcesCall]) -> None:
         self._source = source
+        self._limiter = limiter
+        self._calls = calls
+
+    def _admit(self, method: str, context: grpc.ServicerContext) -> None:
+        admitted = self._limiter.allow()
+        self._calls.append(PodResourcesCall(method, time.monotonic(), admitted))
+        if not admitted:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
 
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._admit("List", context)
         pods = self._source.pod_resources_snapshot()
         return pr.ListPodResourcesResponse(pod_resources=[_pod_message(p) for p in pods])
 
     def GetAllocatableResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._admit("GetAllocatableResources", context)
         out = []
         for d in self._source.allocatable_snapshot():
             real = [n for n in d.numa_nodes if n >= 0]
@@ -130,6 +186,7 @@ class _Servicer:
         return pr.AllocatableResourcesResponse(devices=out)
 
     def Get(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._admit("Get", context)
         for pod in self._source.pod_resources_snapshot(request.pod_namespace, request.pod_name):
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return pr.GetPodResourcesResponse(pod_resources=_pod_message(pod))
@@ -142,9 +199,20 @@ class _Servicer:
 class PodResourcesServer:
     """Serves ``v1.PodResourcesLister`` on a unix socket until :meth:`stop`."""
 
-    def __init__(self, socket_path: Path, source: PodResourcesSource) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        source: PodResourcesSource,
+        *,
+        qps: float = DEFAULT_QPS,
+        burst: int = DEFAULT_BURST,
+        calls: list[PodResourcesCall] | None = None,
+    ) -> None:
         self.socket_path = Path(socket_path)
         self._source = source
+        self._limiter = TokenBucket(qps, burst)
+        #: Every call received, in order (appending to a list is atomic under the GIL).
+        self.calls: list[PodResourcesCall] = calls if calls is not None else []
         self._server: grpc.Server | None = None
 
     def start(self) -> None:
@@ -156,8 +224,9 @@ class PodResourcesServer:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podresources"))
-        pr_grpc.add_PodResourcesListerServicer_to_server(_Servicer(self._source), server)
+        # The kubelet serves each call on a goroutine of its own: no small pool to queue behind.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="podresources"))
+        pr_grpc.add_PodResourcesListerServicer_to_server(_Servicer(self._source, self._limiter, self.calls), server)
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server

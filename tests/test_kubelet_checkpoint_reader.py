@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,22 @@ def test_corrupt_files_name_the_problem(tmp_path: Path, content: str, message: s
     path.write_text(content)
     with pytest.raises(kc.KubeletCheckpointError, match=message):
         kc.read(path)
+
+
+def test_each_version_of_the_file_is_parsed_once_however_many_read_it(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    cached = kc.CheckpointFile(path)
+    assert cached.entries() == [] and cached.parses == 0  # no file yet: nothing to parse
+    write_checkpoint_v2(path, ENTRIES[:1], {})
+    with ThreadPoolExecutor(8) as pool:
+        seen = list(pool.map(lambda _: cached.entries(), range(32)))
+    assert all(entries == seen[0] for entries in seen) and len(seen[0]) == 1
+    assert cached.parses == 1
+    write_checkpoint_v2(path, ENTRIES, {})  # the kubelet replaces the file: a new version
+    assert len(cached.entries()) == 2 and cached.parses == 2
+    assert len(cached.entries()) == 2 and cached.parses == 2
+    path.write_text("{not json")
+    with pytest.raises(kc.KubeletCheckpointError, match="not JSON"):
+        cached.entries()
+    path.unlink()
+    assert cached.entries() == []

@@ -768,3 +768,24 @@ def test_runs_as_process(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
             proc.wait()
     assert proc.returncode == 0, out
     assert "registered device plugin example.com/gpu" in out
+
+
+def test_pod_resources_rate_limit(plugin_dir: Path) -> None:
+    """The kubelet's token bucket: ``burst`` calls at once, the rest refused at once with ResourceExhausted."""
+    pr_sock = plugin_dir / "pod-resources" / "kubelet.sock"
+    # 0.001 calls a second: no token comes back during the test.
+    with KubeletSimulator(
+        plugin_dir, pod_resources_socket=pr_sock, pod_resources_qps=0.001, pod_resources_burst=3
+    ) as s:
+        with grpc.insecure_channel(f"unix://{pr_sock}") as ch:
+            stub = prpb_grpc.PodResourcesListerStub(ch)
+            codes = []
+            for _ in range(5):
+                try:
+                    stub.List(prpb.ListPodResourcesRequest(), timeout=5)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+                    assert exc.details() == "rejected by rate limit"
+        assert codes == [grpc.StatusCode.OK] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+        assert [(c.method, c.admitted) for c in s.pod_resources_calls] == [("List", True)] * 3 + [("List", False)] * 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -76,3 +78,50 @@ def test_devices_split_by_numa_are_one_owner(served: tuple[PodResourcesClient, _
 def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(PodResourcesUnavailableError, match="does not exist"):
         PodResourcesClient(tmp_path / "absent.sock").list_all()
+
+
+def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path: Path) -> None:
+    """Fifty PreStartContainer calls at once must not cost fifty Lists (the kubelet allows 10 at once)."""
+    release = threading.Event()
+
+    class Slow(_Lister):
+        def List(self, request: object, context: grpc.ServicerContext) -> pb.ListPodResourcesResponse:
+            release.wait(30)
+            return super().List(request, context)  # which counts it
+
+        def Get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
+            self.calls.append("Get")
+            release.wait(30)
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such pod")
+
+    lister = Slow(with_get=True)
+    server = grpc.server(futures.ThreadPoolExecutor(64))
+    pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    sock = tmp_path / "kubelet.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    client = PodResourcesClient(sock)
+    try:
+        answers: list[tuple[str, str, str] | None] = []
+        threads = [
+            threading.Thread(target=lambda: answers.append(client.owner_of("r", ["a", "b", "c"], hint=("ml", "wrong"))))
+            for _ in range(20)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        # Every lookup is in: one asks Get for its hint (it was alone), the others wait for one List.
+        while client.waiting_for_list < 19:
+            assert time.monotonic() < deadline, lister.calls
+            time.sleep(0.001)
+        release.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        client.close()
+        server.stop(0)
+    assert answers == [("ml", "train", "main")] * 20
+    # One Get (the first lookup, alone) and at most three Lists: the first, the one everyone who
+    # arrived while it ran shares, and one for the Get's caller after its hint proved wrong.
+    assert lister.calls.count("Get") == 1
+    assert lister.calls.count("List") <= 3, lister.calls

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,11 +96,55 @@ def read(path: Path) -> list[KubeletEntry]:
         return []
     except OSError as exc:
         raise KubeletCheckpointError(f"{path}: cannot read: {exc}") from exc
+    return _decode(raw, path)
+
+
+def _decode(raw: bytes, path: Path) -> list[KubeletEntry]:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KubeletCheckpointError(f"{path}: not JSON: {exc}") from exc
     return parse(data, str(path))
+
+
+class CheckpointFile:
+    """The kubelet's checkpoint at one path, parsed once per version of the file.
+
+    The kubelet replaces the file whole (a new inode) at every change; concurrent readers of one
+    version share one parse instead of each decoding every pod's entry again.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._version: tuple[int, int, int, int] | None = None
+        self._entries: list[KubeletEntry] = []
+        #: Times the file was read and parsed (for tests).
+        self.parses = 0
+
+    def entries(self) -> list[KubeletEntry]:
+        """The entries now (a missing file has none); KubeletCheckpointError when it cannot be used."""
+        with self._lock:
+            try:
+                f = self.path.open("rb")
+            except FileNotFoundError:
+                self._version, self._entries = None, []
+                return []
+            except OSError as exc:
+                raise KubeletCheckpointError(f"{self.path}: cannot read: {exc}") from exc
+            with f:
+                try:
+                    st = os.fstat(f.fileno())
+                    version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                    if version == self._version:
+                        return self._entries
+                    raw = f.read()
+                except OSError as exc:
+                    raise KubeletCheckpointError(f"{self.path}: cannot read: {exc}") from exc
+            self.parses += 1
+            self._entries = _decode(raw, self.path)
+            self._version = version
+            return self._entries
 
 
 def owner_of(entries: Iterable[KubeletEntry], resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:

@@ -26,7 +26,7 @@ class OwnerResolver:
         find_pod: FindPod,
     ) -> None:
         self._pr = pod_resources
-        self._checkpoint = kubelet_checkpoint_path
+        self._checkpoint = kubelet_checkpoint.CheckpointFile(kubelet_checkpoint_path)
         self._find_pod = find_pod
         self.last_source = ""
 
@@ -51,7 +51,7 @@ class OwnerResolver:
                         return (str((pod.get("metadata") or {}).get("uid", "")), container)
                     log.warning("PodResources names pod %s/%s, which the pod cache does not know", namespace, name)
         try:
-            entries = kubelet_checkpoint.read(self._checkpoint)
+            entries = self._checkpoint.entries()
         except kubelet_checkpoint.KubeletCheckpointError as exc:
             log.warning("cannot use the kubelet checkpoint: %s", exc)
             return None

@@ -13,6 +13,7 @@ import grpc
 
 from gpumanager.api import podresources_v1_pb2 as pb
 from gpumanager.api import podresources_v1_pb2_grpc as pb_grpc
+from gpumanager.kube.shared_call import SharedCall
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ class PodResourcesClient:
     """Asks the kubelet (``/var/lib/kubelet/pod-resources/kubelet.sock``) over one long-lived channel.
 
     The channel reconnects by itself when the kubelet restarts (the socket path stays).
+
+    The kubelet allows 100 calls a second in bursts of 10 and refuses the rest
+    (``ResourceExhausted``), and a List costs it (and us) every pod of the node. So
+    concurrent owner lookups share one List (:class:`~gpumanager.kube.shared_call.SharedCall`),
+    and a lookup asks ``Get`` for the pod we believe holds the IDs only when it is the only
+    one in progress.
     """
 
     def __init__(self, socket_path: Path, *, timeout: float = 5.0) -> None:
@@ -58,6 +65,8 @@ class PodResourcesClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._get_supported = True
+        self._shared_list = SharedCall(self.list_all)
+        self._lookups = 0  # owner lookups in progress
 
     def _stub(self) -> Any:
         if not self.socket_path.exists():
@@ -66,6 +75,11 @@ class PodResourcesClient:
             if self._channel is None:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
             return pb_grpc.PodResourcesListerStub(self._channel)
+
+    @property
+    def waiting_for_list(self) -> int:
+        """Owner lookups waiting for a List now (one of them making it)."""
+        return self._shared_list.waiting
 
     def close(self) -> None:
         """Close the channel."""
@@ -109,7 +123,9 @@ class PodResourcesClient:
     ) -> tuple[str, str, str] | None:
         """(namespace, pod name, container) holding exactly ``device_ids`` of ``resource``.
 
-        ``hint`` (namespace, pod name) is asked first with ``Get``; the full ``List`` is the fallback.
+        ``hint`` (namespace, pod name) is asked first with ``Get`` when no other lookup is in
+        progress; otherwise, or when the hinted pod does not hold them, the answer comes from a
+        ``List`` shared with the other lookups (one that started after this call).
         """
         wanted = frozenset(device_ids)
 
@@ -119,8 +135,15 @@ class PodResourcesClient:
                     return (entry.namespace, entry.pod, entry.container)
             return None
 
-        if hint is not None:
-            found = match(self.get(*hint) or [])
-            if found is not None:
-                return found
-        return match(self.list_all())
+        with self._lock:
+            alone = self._lookups == 0
+            self._lookups += 1
+        try:
+            if hint is not None and alone:
+                found = match(self.get(*hint) or [])
+                if found is not None:
+                    return found
+            return match(self._shared_list())
+        finally:
+            with self._lock:
+                self._lookups -= 1

@@ -60,10 +60,16 @@ def socket_identity(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+#: Calls served at once. The kubelet's ListAndWatch holds one for good, and each pod's worker calls
+#: PreStartContainer when its containers start: fifty pods starting together are fifty calls, each
+#: waiting a moment for PodResources and the disk. A pool of 8 made them queue behind each other.
+MAX_WORKERS = 32
+
+
 class PluginServer:
     """Owns the socket file and the gRPC server of one resource."""
 
-    def __init__(self, servicer: ResourceServicer, socket_path: Path, *, max_workers: int = 8) -> None:
+    def __init__(self, servicer: ResourceServicer, socket_path: Path, *, max_workers: int = MAX_WORKERS) -> None:
         self.servicer = servicer
         self.socket_path = socket_path
         self._max_workers = max_workers

@@ -253,10 +253,10 @@ def test_a_claim_record_that_cannot_be_written_refuses_the_change(
     if write_fails == "unprepare":
         a.prepare_claim(one)
 
-    def full(self: object, record: bytes) -> None:
+    def full(self: object, offset: int, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(journal._Segment, "append", full)
+    monkeypatch.setattr(journal._Segment, "write_at", full)
     with pytest.raises(AllocationError, match=r"claim ml/one \(u1\): cannot write checkpoint .*ENOSPC") as err:
         if write_fails == "prepare":
             a.prepare_claim(one)

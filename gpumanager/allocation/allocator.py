@@ -10,7 +10,11 @@ the container and the reason, and leaves the state as it was.
 
 The lock is held only over the state: a request for a pod the cache has not
 seen asks the API server with the lock released, so a hanging API server
-never holds up calls for pods the agent knows.
+never holds up calls for pods the agent knows; and a change's journal record
+is staged under the lock but made durable after it is released (group
+commit, :mod:`gpumanager.allocation.journal`), so concurrent calls share a
+disk flush instead of queueing behind each other's. No answer leaves before
+its record is durable; a record that cannot be written undoes its change.
 
 Device IDs come back: the kubelet frees a deleted pod's IDs at once and may
 hand the same set to a new container of the same size. The same IDs are a
@@ -20,10 +24,11 @@ started; otherwise the old allocation is freed and the request matched anew.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,9 +116,13 @@ class Allocator:
         self._store = journal.CheckpointStore(checkpoint_path)
         self._compactor: threading.Thread | None = None
         self._closing = threading.Event()
-        #: Checkpoint writes done and failed (for metrics).
-        self.checkpoint_writes = 0
+        #: Checkpoint writes failed (for metrics; :attr:`checkpoint_writes` counts those done).
         self.checkpoint_write_failures = 0
+        self._snapshot_writes = 0
+        # Journal tickets staged under the lock, made durable when the outermost change releases it.
+        self._unsettled: list[int] = []
+        # The journal ticket of each allocation whose Allocate may not have been answered yet.
+        self._unsynced: dict[tuple[str, str], int] = {}
         self._allocs: dict[tuple[str, str], ContainerAllocation] = {}
         self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
         self._responses: dict[tuple[str, str], ContainerResponse] = {}
@@ -223,26 +232,33 @@ class Allocator:
         ordered = tuple(sorted(device_ids, key=ids.number))
         changed = False
         try:
-            with self._lock:
+            repeat: ContainerResponse | None = None
+            with self._changing():
                 known = self._by_ids.get(wanted)
                 if known is not None:
                     if self._is_repeat(known):
                         repeat = self._response(known)
-                        if repeat is not None:
-                            log.info("repeated Allocate for pod %s container %s: same answer", *known)
-                            return repeat
+                        ticket = self._unsynced.get(known, 0)
                     else:
                         self._take_back(known)
                         changed = True
-                changed |= self._recycle_locked()
-                candidate = self._match_cached(cores, ordered)
-                if candidate is not None:
-                    alloc, response = self._allocate_locked(candidate, ordered)
-                    changed = True
+                if repeat is None:
+                    changed |= self._recycle_locked()
+                    candidate = self._match_cached(cores, ordered)
+                    if candidate is not None:
+                        alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                        changed = True
+            if repeat is not None and known is not None:
+                log.info("repeated Allocate for pod %s container %s: same answer", *known)
+                try:
+                    self._sync(ticket)  # the first answer's record, which may still be on its way
+                except OSError as exc:
+                    raise self._unwritten(known, ordered, exc) from exc
+                return repeat
             if candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
                 fresh = self._refresh(cores, ordered)
-                with self._lock:
+                with self._changing():
                     found = self._match(fresh, cores)
                     if found is None:
                         raise AllocationError(
@@ -254,8 +270,10 @@ class Allocator:
                             "not_found",
                         )
                     candidate = found
-                    alloc, response = self._allocate_locked(candidate, ordered)
+                    alloc, response, ticket = self._allocate_locked(candidate, ordered)
                     changed = True
+            self._sync_or_undo(alloc, ticket)
+            crash_point("allocate-after-checkpoint")
         finally:
             if changed:
                 self._notify()
@@ -271,12 +289,39 @@ class Allocator:
 
     def _allocate_locked(
         self, candidate: Candidate, device_ids: tuple[str, ...]
-    ) -> tuple[ContainerAllocation, ContainerResponse]:
+    ) -> tuple[ContainerAllocation, ContainerResponse, int]:
+        """Decide and stage; returns the allocation, its answer and the journal ticket to sync before answering."""
         alloc = self._decide(candidate, device_ids)
-        self._commit(alloc)
+        ticket = self._commit(alloc)
         response = self._response(alloc.key)
         assert response is not None
-        return alloc, response
+        return alloc, response, ticket
+
+    def _sync_or_undo(self, alloc: ContainerAllocation, ticket: int) -> None:
+        """Wait (lock released) until ``alloc``'s record is durable; when it cannot be written, undo the
+        allocation and refuse."""
+        try:
+            self._sync(ticket)
+        except OSError as exc:
+            with self._changing():
+                if self._allocs.get(alloc.key) is alloc:
+                    self._remove(alloc.key)
+                    self._free(alloc)
+                    self._forget(ticket)
+            raise self._unwritten(alloc.key, alloc.device_ids, exc) from exc
+
+    def _forget(self, ticket: int) -> None:
+        """A change whose record failed is undone (under the lock): a snapshot taken since it was staged
+        may hold it, so the state is written again without it (best effort)."""
+        if self._store.switched_since(ticket):
+            self._save_or_report(None)
+
+    def _unwritten(self, key: tuple[str, str], device_ids: Sequence[str], exc: OSError) -> AllocationError:
+        return AllocationError(
+            f"pod {key[0]} container {key[1]} ({ids.describe(device_ids)}): cannot write checkpoint "
+            f"{self._checkpoint_path}: {_oserror(exc)}; no new allocation until it can be written",
+            "unavailable",
+        )
 
     def _is_repeat(self, key: tuple[str, str]) -> bool:
         """Whether an Allocate naming the IDs held by ``key`` repeats that container's own Allocate."""
@@ -502,26 +547,26 @@ class Allocator:
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
         self._responses.pop(key, None)
+        self._unsynced.pop(key, None)
         if alloc is not None and alloc.device_ids:
             self._by_ids.pop(frozenset(alloc.device_ids), None)
         return alloc
 
-    def _commit(self, alloc: ContainerAllocation) -> None:
-        """Occupy, record and checkpoint; on a checkpoint failure undo both and refuse."""
+    def _commit(self, alloc: ContainerAllocation) -> int:
+        """Occupy, record and stage the journal record; returns its ticket. When it cannot even be
+        staged, undo both and refuse."""
         self._occupy(alloc)
         self._insert(alloc)
         crash_point("allocate-before-checkpoint")
         try:
-            self._write([_put(alloc)])
+            ticket = self._stage([_put(alloc)])
         except OSError as exc:
             self._remove(alloc.key)
             self._free(alloc)
-            raise AllocationError(
-                f"pod {alloc.pod_uid} container {alloc.container} ({ids.describe(alloc.device_ids)}): "
-                f"{self._checkpoint_error}; no new allocation until it can be written",
-                "unavailable",
-            ) from exc
-        crash_point("allocate-after-checkpoint")
+            raise self._unwritten(alloc.key, alloc.device_ids, exc) from exc
+        if ticket:
+            self._unsynced[alloc.key] = ticket
+        return ticket
 
     def _document(self) -> dict[str, Any]:
         document = records.to_json(self._allocs.values())
@@ -529,28 +574,68 @@ class Allocator:
             document["Claims"] = claim_records.to_json(self._claims.values())
         return document
 
+    @property
+    def checkpoint_writes(self) -> int:
+        """Checkpoint writes done: journal records made durable and whole snapshots (for metrics)."""
+        return self._snapshot_writes + self._store.durable_records
+
     def _save(self) -> None:
         """Write the whole state as the snapshot now (under the lock)."""
-        self._write(None)
+        self._sync(self._stage(None))
 
-    def _write(self, changes: list[dict[str, Any]] | None) -> None:
-        """Make changes durable before the answer: one journal record; the whole snapshot for ``None``
-        or a large batch. Raises OSError (and remembers why, for /readyz) when it cannot."""
+    def _stage(self, changes: list[dict[str, Any]] | None) -> int:
+        """Under the lock: stage changes as one journal record and return its ticket, to :meth:`_sync`
+        (lock released) before answering; or write the whole snapshot now (ticket 0) for ``None``, a
+        large batch, or after a failed write. Raises OSError (and remembers why, for /readyz)."""
         if self._checkpoint_error:
-            changes = None  # the snapshot could not be written lately: it must be, before anything else
+            changes = None  # a write failed lately: the whole state must be written before anything else
         try:
             if changes is None or len(changes) > _BATCH_SNAPSHOT:
                 seq = self._store.switch()
                 self._store.write_snapshot(self._document(), seq)
                 self._store.mark_clean()
-            elif changes:
-                self._store.record(changes[0] if len(changes) == 1 else {"batch": changes})
+                self._snapshot_writes += 1
+                self._checkpoint_error = ""
+                return 0
+            if not changes:
+                return 0
+            return self._store.stage(changes[0] if len(changes) == 1 else {"batch": changes})
         except OSError as exc:
-            self.checkpoint_write_failures += 1
-            self._checkpoint_error = f"cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}"
+            self._write_failed(exc)
             raise
-        self.checkpoint_writes += 1
-        self._checkpoint_error = ""
+
+    def _sync(self, ticket: int) -> None:
+        """Return once the record of ``ticket`` is durable; OSError (remembered) when it could not be written."""
+        if not ticket:
+            return
+        try:
+            self._store.sync(ticket)
+        except OSError as exc:
+            with self._lock:
+                self._write_failed(exc)
+            raise
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.checkpoint_write_failures += 1
+        self._checkpoint_error = f"cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}"
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """The lock, for a change of state; once it is released, the journal records staged under it
+        (:meth:`_save_or_report`) are made durable, a failure reported."""
+        tickets: list[int] = []
+        try:
+            with self._lock:
+                try:
+                    yield
+                finally:
+                    tickets, self._unsettled = self._unsettled, []
+        finally:
+            for ticket in tickets:
+                try:
+                    self._sync(ticket)
+                except OSError as exc:
+                    log.error("cannot write checkpoint %s: %s", self._checkpoint_path, exc)
 
     # -- the snapshot, kept current in the background ----------------------------------------------
 
@@ -622,7 +707,7 @@ class Allocator:
         wanted = frozenset(device_ids)
         changed = False
         try:
-            with self._lock:
+            with self._changing():
                 key = self._by_ids.get(wanted)
                 if owner is not None:
                     if key is None and owner in self._allocs:
@@ -726,7 +811,7 @@ class Allocator:
 
     def release_pod(self, pod_uid: str) -> list[ContainerAllocation]:
         """Free every allocation of a pod; returns what was freed."""
-        with self._lock:
+        with self._changing():
             freed = self._release_locked(pod_uid)
         if freed:
             self._notify()
@@ -751,7 +836,7 @@ class Allocator:
 
     def recycle(self) -> list[str]:
         """Free pods that are gone or finished (only with a complete view of the node's pods)."""
-        with self._lock:
+        with self._changing():
             before = {k[0] for k in self._allocs}
             changed = self._recycle_locked()
             gone = sorted(before - {k[0] for k in self._allocs})
@@ -825,7 +910,7 @@ class Allocator:
     ) -> tuple[list[ContainerAllocation], list[ContainerAllocation]]:
         taken: list[ContainerAllocation] = []
         refused: list[ContainerAllocation] = []
-        with self._lock:
+        with self._changing():
             for alloc in allocs:
                 try:
                     safenames.pod_uid(alloc.pod_uid)
@@ -866,15 +951,19 @@ class Allocator:
         return self._checkpoint_error
 
     def _save_or_report(self, changes: list[dict[str, Any]] | None = None) -> None:
-        """Write the checkpoint; on failure keep serving from memory and remember why (for /readyz)."""
+        """Stage the changes (made durable when the :meth:`_changing` block ends; the whole snapshot is
+        written now for ``None``); on failure keep serving from memory and remember why (for /readyz)."""
         try:
-            self._write(changes)
+            ticket = self._stage(changes)
         except OSError as exc:
             log.error("cannot write checkpoint %s: %s", self._checkpoint_path, exc)
+            return
+        if ticket:
+            self._unsettled.append(ticket)
 
     def probe_checkpoint(self) -> str:
         """Write the checkpoint now (it may have become writable again); returns the error or ''."""
-        with self._lock:
+        with self._changing():
             self._save_or_report()
             return self._checkpoint_error
 
@@ -938,13 +1027,25 @@ class Allocator:
             self._claims[claim.uid] = claim
             crash_point("prepare-before-checkpoint")
             try:
-                self._write([_claim_put(claim)])
+                ticket = self._stage([_claim_put(claim)])
             except OSError as exc:
                 self._drop_claim(claim.uid)
                 raise AllocationError(
                     f"{who}: {self._checkpoint_error}; no claim is prepared until it can be written", "unavailable"
                 ) from exc
-            crash_point("prepare-after-checkpoint")
+        try:
+            self._sync(ticket)
+        except OSError as exc:
+            with self._changing():
+                if self._claims.get(claim.uid) is claim:
+                    self._drop_claim(claim.uid)
+                    self._forget(ticket)
+            raise AllocationError(
+                f"{who}: cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}; no claim is prepared "
+                "until it can be written",
+                "unavailable",
+            ) from exc
+        crash_point("prepare-after-checkpoint")
         self._notify()
         log.info(
             "prepared %s: %s",
@@ -978,11 +1079,18 @@ class Allocator:
             if claim is None:
                 return None
             try:
-                self._write([_claim_del(uid)])
+                ticket = self._stage([_claim_del(uid)])
             except OSError as exc:
                 # Freed in memory all the same: the kubelet retries an Unprepare that failed, and the
                 # next write (a whole snapshot after a failure) records it.
                 raise AllocationError(f"claim {claim.key} ({uid}): {self._checkpoint_error}", "unavailable") from exc
+        try:
+            self._sync(ticket)
+        except OSError as exc:
+            raise AllocationError(
+                f"claim {claim.key} ({uid}): cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}",
+                "unavailable",
+            ) from exc
         self._notify()
         log.info("unprepared claim %s (%s)", claim.key, uid)
         return claim
@@ -990,7 +1098,7 @@ class Allocator:
     def adopt_claims(self, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
         """Take over prepared claims (from the checkpoint, or rebuilt); returns how many."""
         taken: list[ClaimAllocation] = []
-        with self._lock:
+        with self._changing():
             for claim in claims:
                 unknown = [m for m in claim.minors if m not in self._by_minor]
                 if unknown:

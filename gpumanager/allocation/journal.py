@@ -5,7 +5,18 @@ fsyncing the whole ``gpumanager_internal_checkpoint`` for each one costs several
 milliseconds (file data, a rename, the directory); so a change is one small
 record written into a journal segment that was filled with zeros and synced
 beforehand (``O_DSYNC``, an overwrite of blocks already allocated: no file
-size or block map to update, typically a fraction of a millisecond). The
+size or block map to update; what is left is the disk's cache flush, from a
+fraction of a millisecond on a local NVMe drive to several on a virtual disk).
+
+Group commit: a change is staged under the allocator's lock (its place in the
+segment is reserved, in order) and made durable after the lock is released
+(:meth:`CheckpointStore.sync`): the first caller writes every change staged so
+far in one write and one flush, and the callers who staged meanwhile wait for
+it or for the next. So concurrent calls neither wait for each other's flush
+under the lock nor pay one flush each. A failed write fails every change
+staged up to then and every one staged after it, until a snapshot of the whole
+state has been written (a change behind a hole in the segment would never be
+read back). The
 snapshot, upstream's exact shape, is rewritten in the background a moment after
 changes stop, when a segment fills up, and at stop; so an upgrade or downgrade
 in place reads a snapshot at most a second or so old, and this agent reads the
@@ -125,14 +136,14 @@ class _Segment:
         fsync_dir(path.parent)
         return cls(path, os.open(path, os.O_RDWR | os.O_DSYNC), seq)
 
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Write records already placed at ``offset`` (durable on return: O_DSYNC)."""
+        written = os.pwrite(self.fd, data, offset)
+        if written != len(data):
+            raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
+
     def room(self, size: int) -> bool:
         return self.offset + size <= SEGMENT_BYTES
-
-    def append(self, record: bytes) -> None:
-        written = os.pwrite(self.fd, record, self.offset)
-        if written != len(record):
-            raise OSError(f"short write to {self.path} ({written} of {len(record)} bytes)")
-        self.offset += len(record)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -142,6 +153,18 @@ class _Segment:
         self.close()
         with contextlib.suppress(OSError):
             self.path.unlink()
+
+
+def _write_batch(batch: list[tuple[_Segment, int, bytes]]) -> None:
+    """Write staged records: one write per run of adjacent records in one segment (normally one)."""
+    start = 0
+    while start < len(batch):
+        segment, offset, _ = batch[start]
+        end = start + 1
+        while end < len(batch) and batch[end][0] is segment:
+            end += 1
+        segment.write_at(offset, b"".join(data for _, _, data in batch[start:end]))
+        start = end
 
 
 def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int]:
@@ -196,8 +219,9 @@ def _read_segment(path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
 class CheckpointStore:
     """The snapshot and its journal.
 
-    :meth:`record`, :meth:`switch` and :meth:`load` are called under the allocator's lock;
-    :meth:`write_snapshot` and :meth:`make_spare` may run outside it (the compactor).
+    :meth:`stage`, :meth:`record`, :meth:`switch` and :meth:`load` are called under the allocator's
+    lock; :meth:`sync`, :meth:`write_snapshot` and :meth:`make_spare` may run outside it (the
+    compactor, a caller waiting for its change).
     """
 
     def __init__(self, path: Path, *, idle_compact: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -212,6 +236,17 @@ class CheckpointStore:
         self._snapshot_seq = -1
         self.dirty_since: float | None = None  # first change not yet in the snapshot
         self.records = 0
+        # Group commit. Tickets number the staged changes; every ticket <= _done was written or failed.
+        self._io = threading.Condition()
+        self._pending: list[tuple[_Segment, int, bytes]] = []  # (segment, offset, record), in ticket order
+        self._staged = 0
+        self._done = 0
+        self._flushing = False
+        self._broken: OSError | None = None  # a write failed: every change fails until a snapshot is written
+        self._failed: list[tuple[int, int, OSError]] = []  # (first, last ticket, why), the latest few
+        self._switched_at = 0  # the last ticket staged before the newest segment switch
+        #: Changes written and flushed (for metrics).
+        self.durable_records = 0
 
     def _segment_path(self, seq: int) -> Path:
         return self.path.with_name(f"{self.path.name}.journal-{seq}")
@@ -257,24 +292,95 @@ class CheckpointStore:
         return loaded
 
     def record(self, change: Mapping[str, Any]) -> None:
-        """Make one change durable (raises OSError when it cannot be written)."""
+        """Make one change durable now (raises OSError when it cannot be written)."""
+        self.sync(self.stage(change))
+
+    def stage(self, change: Mapping[str, Any]) -> int:
+        """Queue one change (under the allocator's lock, so changes keep their order); returns the
+        ticket to :meth:`sync` before answering. Raises OSError when changes cannot be written now."""
         data = _record(change)
-        if self._segment is None or not self._segment.room(len(data)):
-            self.switch()
-        assert self._segment is not None
-        if not self._segment.room(len(data)):
-            raise OSError(f"a change of {len(data)} bytes does not fit a journal segment")
-        self._segment.append(data)
-        self.records += 1
-        if self.dirty_since is None:
-            self.dirty_since = self._clock()
+        with self._io:
+            if self._broken is not None:
+                raise OSError(self._broken.errno, f"{self._broken} (journal not written since)")
+            if self._segment is None or not self._segment.room(len(data)):
+                self._switch_locked()
+            segment = self._segment
+            assert segment is not None
+            if not segment.room(len(data)):
+                raise OSError(f"a change of {len(data)} bytes does not fit a journal segment")
+            self._pending.append((segment, segment.offset, data))
+            segment.offset += len(data)
+            self._staged += 1
+            self.records += 1
+            if self.dirty_since is None:
+                self.dirty_since = self._clock()
+            return self._staged
+
+    def sync(self, ticket: int) -> None:
+        """Return once the change of ``ticket`` is durable (outside the allocator's lock); OSError when it
+        could not be written. Writes every change staged so far unless another caller is doing so."""
+        with self._io:
+            while self._done < ticket:
+                if self._flushing:
+                    self._io.wait()
+                    continue
+                self._flush_locked(release=True)
+            failed = next((why for first, last, why in self._failed if first <= ticket <= last), None)
+        if failed is not None:
+            raise OSError(failed.errno, str(failed))
+
+    def durable(self, ticket: int) -> bool:
+        """Whether ``ticket`` has been written (successfully or not): :meth:`sync` would not wait."""
+        with self._io:
+            return self._done >= ticket
+
+    def _flush_locked(self, *, release: bool) -> None:
+        """Write every staged change (the io lock held; released while writing when ``release``)."""
+        batch, upto = self._pending, self._staged
+        self._pending = []
+        if not batch:
+            self._done = upto
+            return
+        error = self._broken
+        self._flushing = True
+        if release:
+            self._io.release()
+        try:
+            if error is None:
+                _write_batch(batch)
+        except OSError as exc:
+            error = exc
+        finally:
+            if release:
+                self._io.acquire()
+            self._flushing = False
+        if error is None:
+            self.durable_records += len(batch)
+        else:
+            self._broken = error
+            self._failed = [*self._failed[-15:], (self._done + 1, upto, error)]
+        self._done = upto
+        self._io.notify_all()
 
     def switch(self) -> int:
         """Start a new journal segment (the spare one when it is ready); returns its sequence number.
 
-        Every change recorded before this call is in older segments, which a snapshot of the state
-        at this moment makes unnecessary (:meth:`write_snapshot`).
+        Every change staged before this call is written first, into older segments, which a snapshot
+        of the state at this moment makes unnecessary (:meth:`write_snapshot`).
         """
+        with self._io:
+            return self._switch_locked()
+
+    def switched_since(self, ticket: int) -> bool:
+        """Whether the segment was switched (and so a snapshot may have been taken) after ``ticket`` was staged."""
+        with self._io:
+            return self._switched_at >= ticket
+
+    def _switch_locked(self) -> int:
+        while self._flushing:
+            self._io.wait()
+        self._flush_locked(release=False)
+        self._switched_at = self._staged
         spare, self._spare = self._spare, None
         if self._segment is not None:
             self._segment.close()
@@ -316,6 +422,8 @@ class CheckpointStore:
                 return
             checkpoint.write_json(self.path, document)
             self._snapshot_seq = seq
+            with self._io:
+                self._broken = None  # the whole state is on disk: the journal starts afresh
             for old_seq, path in self._segments():
                 if old_seq < seq:
                     with contextlib.suppress(OSError):
@@ -330,7 +438,12 @@ class CheckpointStore:
         return self.dirty_since is not None and self._clock() - self.dirty_since >= self._idle
 
     def close(self) -> None:
-        """Close the open segments (the spare one is removed)."""
+        """Write what is staged, close the open segments (the spare one is removed)."""
+        with self._io:
+            while self._flushing:
+                self._io.wait()
+            with contextlib.suppress(OSError):
+                self._flush_locked(release=False)
         if self._segment is not None:
             self._segment.close()
             self._segment = None

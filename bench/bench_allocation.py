@@ -6,24 +6,31 @@ sees them, median and p99:
   Allocate (vcuda-core) while the node fills up to --pods running pods   (target p50 < 1 ms, p99 < 3 ms)
   PreStartContainer (vcuda-core) for the same pods
   --burst concurrent Allocate and PreStart (each from its own thread)    (target p99 < 50 ms)
-  GET /metrics with those pods running, and the agent's RSS
+  GET /metrics with those pods running                                  (target p99 < 20 ms)
+  the agent's RSS with every pod running                                (target < 80 MiB)
+  GetPreferredAllocation, and what one O_DSYNC journal write costs on this disk
 
-Every Allocate answer is durable before it leaves the agent (the checkpoint journal).
+Every Allocate answer is durable before it leaves the agent (the checkpoint journal), so one flush
+of the disk is the floor of an Allocate. With ``--before REF`` the agent of git revision REF runs the
+same steps too (the order alternates between node specs); each block carries the load average.
 
-    python bench/bench_allocation.py [--pods 200] [--burst 50] [--scrapes 30] [--spec ...]
+    python bench/bench_allocation.py [--pods 200] [--burst 50] [--scrapes 30] [--spec ...] [--before REF]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from figures import Variant, dsync_write_seconds, figure, load, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR
@@ -31,22 +38,6 @@ from simnode.cluster import PodRun, SimCluster, gpu_pod
 
 CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
-
-
-def line(name: str, seconds: list[float], target: str, ok: bool) -> str:
-    """One line: n, median, p99, max in ms, and the verdict."""
-    ms = [s * 1000 for s in seconds]
-    return (
-        f"{name:44s} n={len(ms):4d} median={statistics.median(ms):7.2f} ms p99={percentile(ms, 99):7.2f} ms "
-        f"max={max(ms):7.2f} ms (target {target}: {'ok' if ok else 'OVER TARGET'})"
-    )
 
 
 def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], list[float]]:
@@ -77,48 +68,104 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
     return allocate, prestart
 
 
-def run(spec: Path, workdir: Path, args: argparse.Namespace) -> None:
-    cluster = SimCluster(workdir, spec, agent_flags=["--allocation-check-period=30"], api_process=True)
+def rss_kib(pid: int, field: str) -> int:
+    """VmRSS or VmHWM of a process, KiB."""
+    for text in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if text.startswith(field + ":"):
+            return int(text.split()[1])
+    raise RuntimeError(f"{field} missing")
+
+
+@dataclass
+class Figures:
+    """One agent's figures on one node."""
+
+    load: str = ""
+    allocate: list[float] = field(default_factory=list)
+    preferred: list[float] = field(default_factory=list)
+    prestart: list[float] = field(default_factory=list)
+    burst_allocate: list[float] = field(default_factory=list)
+    burst_prestart: list[float] = field(default_factory=list)
+    scrape: list[float] = field(default_factory=list)
+    scrape_kib: int = 0
+    dsync: list[float] = field(default_factory=list)
+    rss_kib: int = 0
+    hwm_kib: int = 0
+    pods: int = 0
+
+
+def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Variant) -> Figures:
+    got = Figures(load=load())
+    cluster = SimCluster(
+        workdir, spec, agent_flags=["--allocation-check-period=30"], agent_env=variant.env, api_process=True
+    )
     cluster.start()
-    allocate: list[float] = []
-    prestart: list[float] = []
-    scrape: list[float] = []
     try:
+        got.dsync = dsync_write_seconds(cluster.checkpoint_dir)
         manifests = [gpu_pod(f"bench-{i:03d}", [("main", 3, 2)]) for i in range(args.pods)]
         for m in manifests:
             cluster.create(m)
         time.sleep(1.0)  # let the agent's pod cache see them, as it would before the kubelet admits them
         for run_ in list(cluster.runs.values()):
             run_ = cluster.admit(run_.manifest, create=False)
-            allocate.append(run_.core["main"].timings.allocate_seconds or 0.0)
+            got.allocate.append(run_.core["main"].timings.allocate_seconds or 0.0)
+            got.preferred.append(run_.core["main"].timings.preferred_seconds or 0.0)
             started = time.perf_counter()
             cluster.kubelet.pre_start(CORE, pod_uid=run_.uid, container_name="main")
-            prestart.append(time.perf_counter() - started)
+            got.prestart.append(time.perf_counter() - started)
             cluster.start_containers(run_)
-        burst_allocate, burst_prestart = burst(cluster, args.burst, args.pods)
+        got.burst_allocate, got.burst_prestart = burst(cluster, args.burst, args.pods)
+        got.pods = len(cluster.runs)
         assert cluster.agent is not None
         url = f"http://127.0.0.1:{cluster.agent.query_port}/metrics"
-        size = 0
         for _ in range(args.scrapes):
             started = time.perf_counter()
             with urllib.request.urlopen(url, timeout=10) as resp:
-                size = len(resp.read())
-            scrape.append(time.perf_counter() - started)
-        rss = cluster.agent.peak_rss_kib()
+                got.scrape_kib = len(resp.read()) // 1024
+            got.scrape.append(time.perf_counter() - started)
+        time.sleep(2.0)  # steady: the burst's garbage collected, the loops at rest
+        got.rss_kib = rss_kib(cluster.agent.pid, "VmRSS")
+        got.hwm_kib = rss_kib(cluster.agent.pid, "VmHWM")
     finally:
         cluster.stop()
-    ms = [a * 1000 for a in allocate]
-    print(f"node: {spec.name}, {args.pods} shared pods (3 vcuda-core, 512 MiB each), then a burst of {args.burst}")
-    print(line("Allocate (vcuda-core), node filling up", allocate, "p50 < 1 ms, p99 < 3 ms",
-               statistics.median(ms) < 1 and percentile(ms, 99) < 3))  # fmt: skip
-    print(line("PreStartContainer (vcuda-core)", prestart, "p99 < 20 ms", percentile(prestart, 99) < 0.02))
-    both = burst_allocate + burst_prestart
-    print(line(f"{args.burst} concurrent Allocate", burst_allocate, "p99 < 50 ms", percentile(both, 99) < 0.05))
-    print(
-        line(f"{args.burst} concurrent PreStartContainer", burst_prestart, "p99 < 50 ms", percentile(both, 99) < 0.05)
+    return got
+
+
+def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
+    print(f"== node {spec.name}: {args.pods} shared pods (3 vcuda-core, 512 MiB each), then a burst of {args.burst}")
+    got: dict[str, Figures] = {}
+    for variant in agents:
+        with tempfile.TemporaryDirectory(prefix="bench-allocation-") as tmp:
+            got[variant.label] = measure(spec, Path(tmp), args, variant)
+    width = max(len(v.label) for v in agents)
+
+    def each(title: str, pick: Callable[[Figures], str]) -> None:
+        print(title)
+        for v in agents:
+            print(f"    {v.label:{width}s} {pick(got[v.label])}")
+
+    each("measured under", lambda f: f.load)
+    each("one O_DSYNC journal write on this disk (what durability costs)", lambda f: figure("", f.dsync))
+    each(
+        f"Allocate (vcuda-core), node filling up to {args.pods} pods (p50 < 1 ms, p99 < 3 ms)",
+        lambda f: figure("", f.allocate, target_ms=3),
     )
-    print(line(f"GET /metrics ({size // 1024} KiB)", scrape, "p99 < 50 ms", percentile(scrape, 99) < 0.05))
-    print(f"{'agent peak RSS (VmHWM)':44s} {rss / 1024:.1f} MiB")
+    each("GetPreferredAllocation (vcuda-core), same pods", lambda f: figure("", f.preferred))
+    each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
+    each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
+    each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
+    each(
+        f"GET /metrics with {args.pods + args.burst} containers",
+        lambda f: figure("", f.scrape, target_ms=20) + f" ({f.scrape_kib} KiB)",
+    )
+    each(
+        f"agent RSS with {args.pods + args.burst} running pods (target < 80 MiB)",
+        lambda f: (
+            f"VmRSS {f.rss_kib / 1024:.1f} MiB ({'ok' if f.rss_kib < 80 * 1024 else 'OVER TARGET'}), "
+            f"peak VmHWM {f.hwm_kib / 1024:.1f} MiB"
+        ),
+    )
+    print(f"   done; {load()}", flush=True)
 
 
 def main() -> int:
@@ -127,12 +174,15 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--scrapes", type=int, default=30)
+    parser.add_argument(
+        "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
-    for spec in specs:
-        with tempfile.TemporaryDirectory(prefix="bench-allocation-") as tmp:
-            run(spec, Path(tmp), args)
+    with variants(args.before) as agents:
+        for i, spec in enumerate(specs):
+            run(spec, args, agents if i % 2 == 0 else agents[::-1])
     return 0
 
 

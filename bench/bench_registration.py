@@ -10,7 +10,10 @@ For each node spec (8 x H100 and 16 x H200 by default) it prints, median and p99
   (f) idle CPU over a quiet interval, percent of one core                     (target < 0.3 %)
 
     python bench/bench_registration.py [--starts 10] [--restarts 20] [--xids 20] [--idle 20]
-                                       [--spec deploy/sim/h200-x16.json ...]
+                                       [--spec deploy/sim/h200-x16.json ...] [--before REF]
+
+With ``--before REF`` the agent of git revision REF is measured too, side by side: the starts
+alternate between the two, then each runs the rest in turn. Each block carries the load average.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from figures import Variant, figure, load, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR, AgentProcess
@@ -31,26 +37,6 @@ from simnode.kubelet import KubeletSimulator
 
 RESOURCES = (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
-
-
-def summary(name: str, values_s: list[float], target_ms: float, stat: str) -> str:
-    """One line: n, median, p99, max in ms, and the verdict against the target."""
-    if not values_s:
-        return f"{name:58s} no samples"
-    ms = [v * 1000 for v in values_s]
-    med, p99 = statistics.median(ms), percentile(ms, 99)
-    verdict = "ok" if (p99 if stat == "p99" else med) < target_ms else "OVER TARGET"
-    return (
-        f"{name:58s} n={len(ms):3d} median={med:8.2f} ms p99={p99:8.2f} ms max={max(ms):8.2f} ms "
-        f"(target {stat} < {target_ms:g} ms: {verdict})"
-    )
 
 
 def rss_kib(pid: int) -> int:
@@ -67,50 +53,65 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def measure_starts(spec: Path, workdir: Path, starts: int) -> list[float]:
-    """Process spawn -> the kubelet has a full ListAndWatch of both resources."""
+def measure_starts(spec: Path, workdir: Path, starts: int, agents: list[Variant]) -> dict[str, list[float]]:
+    """Process spawn -> the kubelet has a full ListAndWatch of both resources; the agents take turns."""
     kubelet = KubeletSimulator(workdir / "device-plugins", fill="sorted")
     kubelet.start()
-    out = []
+    out: dict[str, list[float]] = {v.label: [] for v in agents}
     try:
         for i in range(starts):
-            before = {r: kubelet.registration_count(r) for r in RESOURCES}
-            agent = AgentProcess(workdir, spec, extra_args=[f"--checkpoint-path={workdir / f'cp{i}'}"])
-            spawned = time.monotonic()
-            agent.start()
-            done = 0.0
-            for r in RESOURCES:
-                rec = kubelet.wait_for_registration(r, after=before[r], timeout=60, with_devices=True)
-                assert rec.first_list_and_watch_at is not None
-                done = max(done, rec.first_list_and_watch_at)
-            out.append(done - spawned)
-            agent.stop()
+            for j, variant in enumerate(agents if i % 2 == 0 else agents[::-1]):
+                before = {r: kubelet.registration_count(r) for r in RESOURCES}
+                agent = AgentProcess(
+                    workdir, spec, extra_args=[f"--checkpoint-path={workdir / f'cp{i}-{j}'}"], env=variant.env
+                )
+                spawned = time.monotonic()
+                agent.start()
+                done = 0.0
+                for r in RESOURCES:
+                    rec = kubelet.wait_for_registration(r, after=before[r], timeout=60, with_devices=True)
+                    assert rec.first_list_and_watch_at is not None
+                    done = max(done, rec.first_list_and_watch_at)
+                out[variant.label].append(done - spawned)
+                agent.stop()
     finally:
         kubelet.stop()
     return out
 
 
-def run(spec: Path, args: argparse.Namespace, workdir: Path) -> None:
-    starts = measure_starts(spec, workdir / "starts", args.starts)
+@dataclass
+class Running:
+    """What one agent showed while running: per-registration, restart and XID latencies, RSS, idle CPU."""
+
+    devices: dict[str, int] = field(default_factory=dict)
+    first_list: list[float] = field(default_factory=list)
+    reregister: list[float] = field(default_factory=list)
+    xid: list[float] = field(default_factory=list)
+    rss_kib: int = 0
+    idle_pct: float = 0.0
+    exit_code: int | None = None
+    load: str = ""
+
+
+def measure_running(spec: Path, args: argparse.Namespace, workdir: Path, variant: Variant) -> Running:
+    """One agent: idle RSS and CPU, then kubelet restarts, then XIDs."""
+    got = Running(load=load())
     kubelet = KubeletSimulator(workdir / "device-plugins", fill="sorted")
     kubelet.start()
     agent = AgentProcess(
-        workdir, spec, extra_args=["--health-quiet-period=300ms", "--health-probe-period=100ms"]
+        workdir, spec, extra_args=["--health-quiet-period=300ms", "--health-probe-period=100ms"], env=variant.env
     ).start()
-    first_list: list[float] = []
-    reregister: list[float] = []
-    xid: list[float] = []
     try:
         for resource in RESOURCES:
             kubelet.wait_for_registration(resource, timeout=60, with_devices=True)
-        devices = {r: len(kubelet.devices(r)) for r in RESOURCES}
+        got.devices = {r: len(kubelet.devices(r)) for r in RESOURCES}
         agent.wait_for_log("watching XID events", timeout=30)
         agent.wait_for_log("devices in ", timeout=30)  # the start is complete (API side too)
         time.sleep(2.0)  # let start-up work settle before the idle measurements
-        rss = rss_kib(agent.pid)
+        got.rss_kib = rss_kib(agent.pid)
         cpu0, t0 = cpu_seconds(agent.pid), time.monotonic()
         time.sleep(args.idle)
-        idle_pct = 100.0 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - t0)
+        got.idle_pct = 100.0 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - t0)
         for _ in range(args.restarts):
             before = {r: kubelet.registration_count(r) for r in RESOURCES}
             created = kubelet.restart()
@@ -118,9 +119,9 @@ def run(spec: Path, args: argparse.Namespace, workdir: Path) -> None:
             for resource in RESOURCES:
                 record = kubelet.wait_for_registration(resource, after=before[resource], timeout=30, with_devices=True)
                 done = max(done, record.registered_at)
-            reregister.append(done - created)
+            got.reregister.append(done - created)
             time.sleep(0.2)
-        total = devices[names.VCORE_RESOURCE]
+        total = got.devices[names.VCORE_RESOURCE]
         with GpuSimState(agent.state) as state:
             for i in range(args.xids):
                 gpu = i % (total // 100)
@@ -130,24 +131,55 @@ def run(spec: Path, args: argparse.Namespace, workdir: Path) -> None:
                 state.queue_xid(gpu, 79)
                 kubelet.wait_for_devices(names.VCORE_RESOURCE, total - 100, timeout=30)
                 seen = [u for u in kubelet.updates(names.VCORE_RESOURCE)[updates:] if u.kind == "list_and_watch"]
-                xid.append(seen[0].at - injected if seen else float("nan"))
+                got.xid.append(seen[0].at - injected if seen else float("nan"))
         for record in kubelet.registrations:
             if record.first_list_and_watch_at is not None:
-                first_list.append(record.first_list_and_watch_at - record.registered_at)
+                got.first_list.append(record.first_list_and_watch_at - record.registered_at)
     finally:
-        code = agent.stop()
+        got.exit_code = agent.stop()
         kubelet.stop()
-    print(f"node spec: {spec.name}; devices advertised: {devices}; agent exit code {code}")
-    print(summary("(a) process start -> both registered, full ListAndWatch", starts, 200, "median"))
-    print(summary("(b) Register -> first full ListAndWatch", first_list, 100, "median"))
-    print(summary("(c) kubelet restart -> both re-registered", reregister, 20, "p99"))
-    print(summary("(d) XID -> Unhealthy in ListAndWatch", xid, 5, "median"))
-    verdict = "ok" if rss < 64 * 1024 else "OVER TARGET"
-    print(f"{'(e) steady RSS, no pods (VmRSS)':58s} {rss / 1024:.1f} MiB (target < 64 MiB: {verdict})")
-    print(
-        f"{'(f) idle CPU':58s} {idle_pct:.3f} % of a core over {args.idle:g} s "
-        f"(target < 0.3 %: {'ok' if idle_pct < 0.3 else 'OVER TARGET'})"
+    return got
+
+
+def run(spec: Path, args: argparse.Namespace, workdir: Path, agents: list[Variant]) -> None:
+    print(f"== node spec {spec.name}; {load()}", flush=True)
+    starts = measure_starts(spec, workdir / "starts", args.starts, agents)
+    print(f"   starts measured; {load()}", flush=True)
+    running = {}
+    for i, variant in enumerate(agents):
+        running[variant.label] = measure_running(spec, args, workdir / f"run{i}", variant)
+    width = max(len(v.label) for v in agents)
+
+    def each(title: str, pick: Callable[[Variant], str]) -> None:
+        print(title)
+        for v in agents:
+            print(f"    {v.label:{width}s} {pick(v)}")
+
+    first = running[agents[-1].label]
+    print(f"devices advertised: {first.devices}")
+    each(
+        "(a) process start -> both registered, full ListAndWatch",
+        lambda v: figure("", starts[v.label], target_ms=200, stat="median"),
     )
+    each(
+        "(b) Register -> first full ListAndWatch",
+        lambda v: figure("", running[v.label].first_list, target_ms=100, stat="median"),
+    )
+    each("(c) kubelet restart -> both re-registered", lambda v: figure("", running[v.label].reregister, target_ms=20))
+    each("(d) XID -> Unhealthy in ListAndWatch", lambda v: figure("", running[v.label].xid, target_ms=5, stat="median"))
+
+    def rss(v: Variant) -> str:
+        mib = running[v.label].rss_kib / 1024
+        return f"{mib:.1f} MiB (target < 64 MiB: {'ok' if mib < 64 else 'OVER TARGET'}; {running[v.label].load})"
+
+    def idle(v: Variant) -> str:
+        pct = running[v.label].idle_pct
+        return f"{pct:.3f} % of a core over {args.idle:g} s (target < 0.3 %: {'ok' if pct < 0.3 else 'OVER TARGET'})"
+
+    each("(e) steady RSS, no pods (VmRSS)", rss)
+    each("(f) idle CPU", idle)
+    each("agent exit code", lambda v: str(running[v.label].exit_code))
+    print(f"   done; {load()}", flush=True)
 
 
 def main() -> int:
@@ -159,12 +191,16 @@ def main() -> int:
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--xids", type=int, default=20)
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of idle CPU measurement")
+    parser.add_argument(
+        "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
-    for spec in specs:
-        with tempfile.TemporaryDirectory(prefix="bench-registration-") as tmp:
-            run(spec, args, Path(tmp))
+    with variants(args.before) as agents:
+        for spec in specs:
+            with tempfile.TemporaryDirectory(prefix="bench-registration-") as tmp:
+                run(spec, args, Path(tmp), agents)
     return 0
 
 

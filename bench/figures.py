@@ -1,0 +1,100 @@
+"""Shared by the agent benchmarks: percentiles, one line per figure, the machine's load, and the agent of
+another revision to measure side by side (``--before REF``).
+
+The machine may be shared: every figure is printed with the load average when it was taken, and a
+``--before`` run interleaves the two agents so that load falls on both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def load() -> str:
+    """The load average (1, 5, 15 minutes) and the number of CPUs."""
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def figure(name: str, seconds: list[float], *, target_ms: float | None = None, stat: str = "p99") -> str:
+    """One line: n, median, p99 and max in ms, and the verdict against ``target_ms`` (on ``stat``)."""
+    head = f"{name:52s} " if name else ""
+    if not seconds:
+        return head + "no samples"
+    ms = [s * 1000 for s in seconds]
+    med, p99 = statistics.median(ms), percentile(ms, 99)
+    text = f"{head}n={len(ms):4d} median={med:8.2f} ms p99={p99:8.2f} ms max={max(ms):8.2f} ms"
+    if target_ms is not None:
+        value = p99 if stat == "p99" else med
+        text += f" (target {stat} < {target_ms:g} ms: {'ok' if value < target_ms else 'OVER TARGET'})"
+    return text
+
+
+def dsync_write_seconds(directory: Path, count: int = 200, size: int = 512) -> list[float]:
+    """Latency of one small ``O_DSYNC`` overwrite in ``directory`` (what one durable journal record costs)."""
+    import time
+
+    path = directory / ".dsync-probe"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"\0" * (count * size))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDWR | os.O_DSYNC)
+    out = []
+    try:
+        for i in range(count):
+            started = time.perf_counter()
+            os.pwrite(fd, b"x" * size, i * size)
+            out.append(time.perf_counter() - started)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return out
+
+
+@dataclass
+class Variant:
+    """One agent to measure: this checkout's, or another revision's gpumanager package (``--before``)."""
+
+    label: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def variants(before: str | None) -> Iterator[list[Variant]]:
+    """``[this checkout]``, or ``[REF, this checkout]`` with REF's ``gpumanager/`` unpacked into a temporary
+    directory that the agent process imports first (PYTHONPATH); the simulators are this checkout's."""
+    if before is None:
+        yield [Variant("this checkout")]
+        return
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", before], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="bench-before-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", commit, "gpumanager"], check=True, capture_output=True
+        ).stdout
+        tar_path = Path(tmp) / "before.tar"
+        tar_path.write_bytes(archive)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(tmp, filter="data")
+        yield [Variant(f"before ({before} = {commit})", {"PYTHONPATH": tmp}), Variant("after (this checkout)")]

@@ -398,7 +398,7 @@ class Allocator:
         for pod in pods:
             if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
                 continue
-            if podinfo.is_terminated(pod):
+            if podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
                 continue
             uid = podinfo.uid(pod)
             try:

@@ -199,13 +199,22 @@ def should_delete(pod: Pod) -> bool:
 
 
 def is_terminated(pod: Pod) -> bool:
-    """The pod will not run (again): Succeeded/Failed, or being deleted with no running container."""
+    """The pod will not run (again): Succeeded/Failed, or being deleted with no running container.
+
+    A pod being deleted whose status names no container yet is not known to have stopped: the
+    kubelet's status update lags the start of the containers, which may run until it arrives.
+    """
     if phase(pod) in ("Succeeded", "Failed"):
         return True
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        return all("running" not in ((cs or {}).get("state") or {}) for cs in statuses)
+        return bool(statuses) and all("running" not in ((cs or {}).get("state") or {}) for cs in statuses)
     return False
+
+
+def is_deleting(pod: Pod) -> bool:
+    """The pod has a deletionTimestamp: the kubelet starts none of its containers any more."""
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def container_env(container: Mapping[str, Any], name: str) -> str | None:

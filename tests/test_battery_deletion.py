@@ -1,0 +1,36 @@
+"""Battery: pods deleted as a real API server deletes them, while the kubelet's status lags.
+
+A real API server deletes a pod bound to a node gracefully: it only gets a
+``deletionTimestamp`` until the kubelet has stopped its containers and removed it. The kubelet's
+status update naming the containers lags their start, so a pod deleted right after its
+containers started shows no container status at all while they still run. Its GPUs must stay
+held until its containers are known to have stopped (or the pod is gone); otherwise the next pod
+lands on a GPU that is still busy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes.client import CoreV1Api
+
+from simnode.apiserver import ApiServerSimulator
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from tests.battery_fixtures import assert_no_overcommit, memory_of, spec_a100_pcie_x2, wait_agent_matches
+
+
+def test_pod_deleted_before_its_status_arrives_keeps_its_gpu(tmp_path: Path) -> None:
+    cluster = SimCluster(tmp_path / "node", spec_a100_pcie_x2(tmp_path / "spec.json"), status_lag=30.0)
+    cluster.api = ApiServerSimulator(graceful_delete=True)
+    with cluster:
+        first = cluster.run_pod(gpu_pod("first", [("main", 60, 40)], annotations=admission_annotations([[0]], 1)))
+        # DELETE through the API, as a user does: graceful, its containers still run.
+        CoreV1Api(cluster.api.client()).delete_namespaced_pod(first.name, first.namespace)
+        assert cluster.pod(first).get("metadata", {}).get("deletionTimestamp")
+        second = cluster.run_pod(gpu_pod("second", [("main", 60, 40)]))
+        assert_no_overcommit([first, second], memory_of(cluster))
+        wait_agent_matches(cluster, [first, second])
+        # The kubelet stops the containers and removes the pod: then, and only then, its GPU is free.
+        cluster.kubelet.remove_pod(first.uid)
+        cluster.api.finish_deletion(first.namespace, first.name)
+        wait_agent_matches(cluster, [second])

@@ -65,6 +65,7 @@ class FakePods:
         self.is_synced = True
         self.refresh_error: Exception | None = None
         self.hidden: list[Pod] = []  # known to the API server but not yet to the cache
+        self.gone_at_server: set[str] = set()  # UIDs deleted at the API server, still in the cache
         self.refreshes = 0
 
     def synced(self) -> bool:
@@ -82,7 +83,7 @@ class FakePods:
             raise self.refresh_error
         self.items.extend(self.hidden)
         self.hidden = []
-        return list(self.items)
+        return [p for p in self.items if p["metadata"]["uid"] not in self.gone_at_server]
 
 
 def v100x4() -> tuple[list[GPUInfo], NodeTopology]:

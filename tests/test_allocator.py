@@ -166,6 +166,50 @@ def test_predicated_gpu_that_cannot_hold_the_request(tmp_path: Path) -> None:
         alloc.allocate(core_ids(0, 50))
 
 
+def test_a_gpu_held_by_a_pod_only_the_cache_still_lists_is_freed_by_a_fresh_list(tmp_path: Path) -> None:
+    # The scheduler (or its extender) saw the old pod end and placed a new share on its GPU; this
+    # node's pod watch has not delivered the deletion yet. The agent asks the API server before refusing.
+    old = make_pod("old", [("c", 60, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    new = make_pod(
+        "new",
+        [("c", 60, 4)],
+        annotations={"tencent.com/predicate-gpu-idx-0": "2", "tencent.com/predicate-time": "9"},
+        created="2026-11-21T11:00:00Z",
+    )
+    pods = FakePods([old])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(2, 60))
+    pods.items.append(new)
+    pods.gone_at_server.add(uid_of("old"))
+    resp = alloc.allocate(core_ids(3, 60))
+    assert resp.annotations["tencent.com/vcuda-device"] == "/dev/nvidia2"
+    assert pods.refreshes == 1
+    assert alloc.get(uid_of("old"), "c") is None
+    assert [(a.pod_uid, a.minors) for a in alloc.allocations()] == [(uid_of("new"), (2,))]
+    # The release is durable like any other: a restart does not bring the old pod back.
+    alloc.close()
+    again = make_allocator(tmp_path, FakePods([new]))
+    again.load()
+    assert [a.pod_uid for a in again.allocations()] == [uid_of("new")]
+
+
+def test_a_gpu_whose_holder_is_alive_is_still_refused_after_the_fresh_list(tmp_path: Path) -> None:
+    old = make_pod("old", [("c", 60, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    new = make_pod("new", [("c", 60, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    pods = FakePods([old])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(2, 60))
+    pods.items.append(new)
+    with pytest.raises(AllocationError, match=r"pod default/new .*predicated GPU 2 cannot hold 60 cores") as err:
+        alloc.allocate(core_ids(3, 60))
+    assert err.value.kind == "exhausted" and pods.refreshes == 1
+    pods.refresh_error = TimeoutError("the API server did not answer a pod list within 3 s")
+    with pytest.raises(AllocationError, match=r"predicated GPU 2 cannot hold 60 cores.*did not answer") as err:
+        alloc.allocate(core_ids(3, 60))
+    assert err.value.kind == "exhausted"
+    assert [a.pod_uid for a in alloc.allocations()] == [uid_of("old")]
+
+
 def test_cache_miss_asks_the_api_server_and_outage_is_clear(tmp_path: Path) -> None:
     pods = FakePods()
     pods.hidden = [make_pod("new", [("c", 100, 0)])]

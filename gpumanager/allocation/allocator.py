@@ -231,6 +231,8 @@ class Allocator:
         wanted = frozenset(device_ids)
         ordered = tuple(sorted(device_ids, key=ids.number))
         changed = False
+        full: AllocationError | None = None  # no room for the cache's candidate
+        holders: set[str] = set()  # pods holding GPUs when that was found
         try:
             repeat: ContainerResponse | None = None
             with self._changing():
@@ -246,8 +248,16 @@ class Allocator:
                     changed |= self._recycle_locked()
                     candidate = self._match_cached(cores, ordered)
                     if candidate is not None:
-                        alloc, response, ticket = self._allocate_locked(candidate, ordered)
-                        changed = True
+                        try:
+                            alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                            changed = True
+                        except AllocationError as exc:
+                            if exc.kind != "exhausted":
+                                raise
+                            # Perhaps only because this node's pod watch has not yet delivered the end of a
+                            # pod the scheduler already counts as gone: ask the API server (lock released).
+                            full, holders = exc, {k[0] for k in self._allocs}
+                            candidate = None
             if repeat is not None and known is not None:
                 log.info("repeated Allocate for pod %s container %s: same answer", *known)
                 try:
@@ -255,7 +265,17 @@ class Allocator:
                 except OSError as exc:
                     raise self._unwritten(known, ordered, exc) from exc
                 return repeat
-            if candidate is None:
+            if candidate is None and full is not None:
+                fresh = self._refresh_for_room(full)
+                with self._changing():
+                    changed |= self._release_gone_locked(fresh, holders)
+                    found = self._match(fresh, cores)
+                    if found is None:  # allocated by a concurrent call meanwhile, or no longer pending
+                        raise full
+                    candidate = found
+                    alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                    changed = True
+            elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
                 fresh = self._refresh(cores, ordered)
                 with self._changing():
@@ -371,6 +391,26 @@ class Allocator:
                 f"tencent.com/vcuda-core, and the API server cannot be asked: {exc}",
                 "unavailable",
             ) from exc
+
+    def _refresh_for_room(self, full: AllocationError) -> list[Pod]:
+        """The node's pods listed now, for a request ``full`` refused; that refusal if none can be had."""
+        try:
+            return self._pods.refresh()
+        except Exception as exc:
+            raise AllocationError(
+                f"{full} (the API server could not be asked which pods still hold it: {exc})", full.kind
+            ) from exc
+
+    def _release_gone_locked(self, fresh: Sequence[Pod], holders: set[str]) -> bool:
+        """Free the pods of ``holders`` that the fresh list ``fresh`` shows gone or finished."""
+        alive = {podinfo.uid(p) for p in fresh if not podinfo.is_terminated(p)}
+        changed = False
+        for pod_uid in sorted(holders - alive):
+            freed = self._release_locked(pod_uid)
+            if freed:
+                log.info("pod %s ended before this node's pod watch told: its GPUs go to the request waiting", pod_uid)
+                changed = True
+        return changed
 
     def _explain_no_match(self, pods: Sequence[Pod], cores: int) -> str:
         """Why a pod that asks for ``cores`` was not taken, for the error message."""

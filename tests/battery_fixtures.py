@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager import names
+from simnode.agent_process import SPEC_DIR
 from simnode.cluster import PodRun, SimCluster
 
 MIB = 1 << 20
@@ -115,11 +116,22 @@ def spec_a100_pcie_x2(path: Path) -> Path:
     return write_spec(path, gpus, lambda i, j: "PHB")
 
 
+def _shipped(name: str) -> Any:
+    def copy(path: Path) -> Path:
+        path.write_text((SPEC_DIR / f"{name}.json").read_text())
+        return path
+
+    return copy
+
+
 SPECS = {
     "one-a100": spec_one_gpu,
     "odd-mixed": spec_odd_mixed,
     "islands-x7": spec_islands,
     "a100-pcie-x2": spec_a100_pcie_x2,
+    # Shipped in deploy/sim: minors in reverse PCI order with one smaller GPU; PCI domains other than 0.
+    "a800-small-one-x8": _shipped("a800-small-one-x8"),
+    "l40s-domains-x4": _shipped("l40s-domains-x4"),
 }
 
 

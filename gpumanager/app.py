@@ -54,7 +54,7 @@ from gpumanager.kube.owners import OwnerResolver
 from gpumanager.kube.podresources import PodResourcesClient
 from gpumanager.kube.podsource import PodSourceProxy
 from gpumanager.recovery import Recovery
-from gpumanager.topology import TopologyTree, build_tree, render_graph
+from gpumanager.topology import TopologyTree, build_tree, empty_tree, render_graph
 from gpumanager.vmanager.manager import VirtualManager
 from gpumanager.vmanager.refresh import PidsRefresher
 from gpumanager.volume.keeper import MirrorKeeper
@@ -275,7 +275,7 @@ class Agent:
                 g.numa_node,
                 " (LOST)" if g.index in self.lost else "",
             )
-        self.tree = build_tree(self.gpus, self.topology)
+        self.tree = build_tree(self.gpus, self.topology) if self.gpus else empty_tree()
         for index in self.lost:
             self.tree.set_healthy(index, False)
         self.layout = DeviceLayout(self.gpus)

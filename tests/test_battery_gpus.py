@@ -10,10 +10,12 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
+
 from gpumanager import names
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
-from simnode.kubelet import PluginRPCError
+from simnode.kubelet import KubeletSimError, PluginRPCError
 from tests.battery_fixtures import (
     answered,
     assert_no_overcommit,
@@ -22,6 +24,7 @@ from tests.battery_fixtures import (
     spec_islands,
     spec_odd_mixed,
     wait_agent_matches,
+    write_spec,
 )
 
 FAST_HEALTH = ("--health-quiet-period=1s", "--health-probe-period=200ms")
@@ -118,3 +121,16 @@ def test_gpu_lost_while_the_agent_was_down_keeps_its_pods(tmp_path: Path) -> Non
                 cluster.delete(next(r for r in cluster.runs.values() if r.name == f"new-{i}"))
             assert_no_overcommit(live, memory_of(cluster), f"new-{i}")
         wait_agent_matches(cluster, live)
+
+
+def test_node_whose_driver_sees_no_gpu_serves_nothing_and_never_crashes(tmp_path: Path) -> None:
+    """Every GPU fell off the bus before boot: the driver loads and reports none."""
+    spec = write_spec(tmp_path / "none.json", [], lambda i, j: "SYS")
+    cluster = SimCluster(tmp_path / "node", spec)
+    with cluster:
+        assert cluster.agent is not None and cluster.agent.proc is not None
+        assert cluster.kubelet.devices(names.VCORE_RESOURCE) == {}
+        with pytest.raises(KubeletSimError):
+            cluster.admit(gpu_pod("nowhere", [("main", 100, 0)]))
+        assert cluster.agent.proc.poll() is None
+        assert "Traceback" not in cluster.agent.log_text()

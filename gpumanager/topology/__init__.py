@@ -13,7 +13,7 @@ from gpumanager.topology.evaluators import MEMORY_BLOCK, choose, fragment, link,
 from gpumanager.topology.graph import render_graph, render_shape
 from gpumanager.topology.levels import GROUP_LEVELS, Level, level_name
 from gpumanager.topology.nodes import HUNDRED_CORES, GPUNode, GroupNode, TreeNode
-from gpumanager.topology.tree import TopologyTree, build_tree
+from gpumanager.topology.tree import TopologyTree, build_tree, empty_tree
 
 __all__ = [
     "GROUP_LEVELS",
@@ -26,6 +26,7 @@ __all__ = [
     "TreeNode",
     "build_tree",
     "choose",
+    "empty_tree",
     "fragment",
     "level_name",
     "link",

@@ -205,6 +205,11 @@ def _check_amounts(index: int, cores: int, memory: int) -> None:
 # -- building ----------------------------------------------------------------------------------
 
 
+def empty_tree() -> TopologyTree:
+    """The tree of a node whose driver sees no GPU (all fallen off the bus before boot): nothing to place."""
+    return TopologyTree(GroupNode(level=Level.UNKNOWN, leaves=(), children=[], is_root=True), ())
+
+
 def build_tree(gpus: Sequence[GPUInfo], topology: NodeTopology) -> TopologyTree:
     """Arrange ``gpus`` into a :class:`TopologyTree` by the rule in this module's docstring.
 

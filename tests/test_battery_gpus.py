@@ -7,6 +7,7 @@ again once it answers.
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -134,3 +135,35 @@ def test_node_whose_driver_sees_no_gpu_serves_nothing_and_never_crashes(tmp_path
             cluster.admit(gpu_pod("nowhere", [("main", 100, 0)]))
         assert cluster.agent.proc.poll() is None
         assert "Traceback" not in cluster.agent.log_text()
+
+
+def test_gpu_gone_from_the_bus_across_a_restart(tmp_path: Path) -> None:
+    """The driver no longer enumerates one GPU at all: the later ones move up an NVML index."""
+    spec = spec_odd_mixed(tmp_path / "spec.json")  # minors 2, 0, 1 at NVML indices 0, 1, 2
+    cluster = SimCluster(tmp_path / "node", spec, fill="random")
+    with cluster:
+        assert cluster.agent is not None
+        annotated = [[2], [0], [1], [1]]
+        live = [
+            cluster.run_pod(gpu_pod(f"p{i}", [("main", 30, 4)], annotations=admission_annotations([g], i + 1)))
+            for i, g in enumerate(annotated)
+        ]
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        doc = json.loads(spec.read_text())
+        del doc["gpus"][1]  # minor 0 is gone
+        doc["topology"] = [[0, 50], [50, 0]]
+        cluster.spec = tmp_path / "two.json"
+        cluster.spec.write_text(json.dumps(doc))
+        gone = next(r for r in live if r.name == "p1")
+        cluster.delete(gone)  # its containers died with the GPU
+        live.remove(gone)
+        cluster.start_agent()
+        for i in range(6):
+            try:
+                live.append(cluster.run_pod(gpu_pod(f"new-{i}", [("main", 30, 4)])))
+            except (PluginRPCError, KubeletSimError):
+                cluster.delete(next(r for r in cluster.runs.values() if r.name == f"new-{i}"))
+            assert_no_overcommit(live, memory_of(cluster), f"new-{i}")
+        wait_agent_matches(cluster, live)
+        assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None

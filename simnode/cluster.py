@@ -312,7 +312,9 @@ class SimCluster:
         containers first (whose devices later containers of the pod may reuse)."""
         pod = self.create(manifest) if create else dict(manifest)
         run = self.runs[str(pod["metadata"]["uid"])]
-        inits = [(c, True) for c in pod["spec"].get("initContainers") or []]
+        # A sidecar (an init container with restartPolicy Always) runs beside the others: its devices
+        # are not reusable, as for an app container.
+        inits = [(c, c.get("restartPolicy") != "Always") for c in pod["spec"].get("initContainers") or []]
         for c, init in [*inits, *((c, False) for c in pod["spec"]["containers"])]:
             limits = (c.get("resources") or {}).get("limits") or {}
             cores = int(quantity_value(limits.get(names.VCORE_RESOURCE, 0)))

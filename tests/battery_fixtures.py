@@ -156,7 +156,11 @@ def held(runs: Iterable[PodRun], memory_of: Mapping[int, int]) -> dict[int, tupl
     """
     out = {m: (0, 0) for m in memory_of}
     for run in runs:
-        inits = {c.get("name") for c in run.manifest["spec"].get("initContainers") or []}
+        inits = {
+            c.get("name")
+            for c in run.manifest["spec"].get("initContainers") or []
+            if c.get("restartPolicy") != "Always"  # a sidecar runs beside the others
+        }
         per_init: dict[str, dict[int, tuple[int, int]]] = {}
         rest: dict[int, tuple[int, int]] = {}
         for name, (minors, cores, memory) in answered(run).items():

@@ -74,33 +74,41 @@ def test_malformed_annotation_is_refused_naming_it(cluster: SimCluster, key: str
     assert status == 200, body
 
 
-def _with_init(name: str, init: tuple[int, int], app: list[tuple[str, int, int]]) -> dict[str, object]:
+def _with_init(
+    name: str, init: tuple[int, int], app: list[tuple[str, int, int]], *, sidecar: bool = False
+) -> dict[str, object]:
     manifest = gpu_pod(name, app)
     limits = {names.VCORE_RESOURCE: str(init[0])}
     if init[1]:
         limits[names.VMEMORY_RESOURCE] = str(init[1])
-    manifest["spec"]["initContainers"] = [
-        {"name": "warmup", "image": "cuda", "resources": {"limits": limits, "requests": dict(limits)}}
-    ]
+    container: dict[str, object] = {
+        "name": "warmup",
+        "image": "cuda",
+        "resources": {"limits": limits, "requests": dict(limits)},
+    }
+    if sidecar:
+        container["restartPolicy"] = "Always"
+    manifest["spec"]["initContainers"] = [container]
     return manifest
 
 
 @pytest.mark.parametrize(
-    ("init", "app"),
+    ("init", "app", "sidecar"),
     [
-        ((100, 0), [("app", 100, 0)]),  # the app container reuses the init container's device IDs
-        ((100, 0), [("app", 50, 8)]),  # ... half of them
-        ((30, 4), [("app", 30, 4), ("side", 30, 4)]),
-        ((200, 0), [("plain", 0, 0)]),  # only the init container asks for GPUs
+        ((100, 0), [("app", 100, 0)], False),  # the app container reuses the init container's device IDs
+        ((100, 0), [("app", 50, 8)], False),  # ... half of them
+        ((30, 4), [("app", 30, 4), ("side", 30, 4)], False),
+        ((200, 0), [("plain", 0, 0)], False),  # only the init container asks for GPUs
+        ((50, 8), [("app", 50, 8)], True),  # a sidecar runs beside the app container: nothing reused
     ],
 )
 def test_pod_with_a_gpu_init_container_runs_and_leaves_nothing(
-    tmp_path: Path, init: tuple[int, int], app: list[tuple[str, int, int]]
+    tmp_path: Path, init: tuple[int, int], app: list[tuple[str, int, int]], sidecar: bool
 ) -> None:
     """The kubelet allocates init containers first and hands their device IDs on to later containers."""
     spec = spec_islands(tmp_path / "spec.json")
     with SimCluster(tmp_path / "node", spec, fill="random") as cluster:
-        run = cluster.run_pod(_with_init("with-init", init, app))
+        run = cluster.run_pod(_with_init("with-init", init, app, sidecar=sidecar))
         got = answered(run)
         assert "warmup" in got and got["warmup"][1] == init[0], got
         other = cluster.run_pod(gpu_pod("other", [("main", 100, 0)]))

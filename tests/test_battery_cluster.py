@@ -9,6 +9,7 @@ allocations equal to the live containers' and /readyz 200.
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import threading
 import time
@@ -170,4 +171,23 @@ def test_pods_end_while_the_agent_is_down_and_it_starts_without_an_api_server(cl
     finally:
         cluster.api.set_down(False)
     live.append(cluster.run_pod(gpu_pod("after", [("main", 100, 0)])))
+    _finish(cluster, live)
+
+
+def test_device_plugin_directory_removed_and_recreated(cluster: SimCluster) -> None:
+    """The kubelet is reinstalled: its whole device-plugin directory goes, then comes back."""
+    assert cluster.agent is not None
+    live = [cluster.run_pod(gpu_pod("before", [("main", 50, 8)]))]
+    before = cluster.kubelet.registration_count(names.VCORE_RESOURCE)
+    cluster.kubelet.stop()
+    for _ in range(3):  # the agent may put its sockets back meanwhile
+        shutil.rmtree(cluster.kubelet.plugin_dir, ignore_errors=True)
+    time.sleep(2)
+    cluster.kubelet.start()
+    for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+        cluster.kubelet.wait_for_registration(
+            resource, after=before if resource == names.VCORE_RESOURCE else None, timeout=60, with_devices=True
+        )
+    cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=30)
+    live.append(cluster.run_pod(gpu_pod("after", [("main", 50, 8)])))
     _finish(cluster, live)

@@ -8,6 +8,7 @@ allocations equal to the live containers' and /readyz 200.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import signal
@@ -191,3 +192,29 @@ def test_device_plugin_directory_removed_and_recreated(cluster: SimCluster) -> N
     cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=30)
     live.append(cluster.run_pod(gpu_pod("after", [("main", 50, 8)])))
     _finish(cluster, live)
+
+
+@pytest.mark.parametrize("state", ["hang", "refuse", "503"])
+def test_sigterm_while_the_api_server_is_down_stops_cleanly(cluster: SimCluster, state: str) -> None:
+    assert cluster.agent is not None
+    cluster.run_pod(gpu_pod("running", [("main", 50, 8)]))
+    cluster.api.set_down(True, state)  # type: ignore[arg-type]
+    try:
+        cluster.api.close_watches(abrupt=True)
+        pod = cluster.api.create_pod(gpu_pod("unseen", [("main", 70, 4)]))
+        cluster.runs[pod["metadata"]["uid"]] = PodRun(pod)
+        run = cluster.runs[pod["metadata"]["uid"]]
+
+        def admit() -> None:  # an Allocate waiting on the API server when the signal comes
+            with contextlib.suppress(KubeletSimError):
+                cluster.admit(run.manifest, create=False)
+
+        stuck = threading.Thread(target=admit, daemon=True)
+        stuck.start()
+        time.sleep(0.5)
+        cluster.agent.signal(signal.SIGTERM)
+        assert cluster.agent.wait(timeout=10) == 0  # the kubelet waits 30 s, then kills
+    finally:
+        cluster.api.set_down(False)
+    leftover = [p.name for p in cluster.kubelet.plugin_dir.glob("v*.sock")]
+    assert leftover == [], leftover

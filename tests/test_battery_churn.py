@@ -64,9 +64,9 @@ def test_churn_with_sigkills_never_overcommits_nor_leaks(tmp_path: Path, spec_na
         mem = memory_of(cluster)
         smallest = min(mem.values()) // names.MEMORY_BLOCK_BYTES
         live: list[PodRun] = []
-        for step in range(60):
+        for step in range(40):
             killer = None
-            if step % 12 == 11:  # SIGKILL somewhere in this step's Allocate, PreStart or in between
+            if step % 10 == 9:  # SIGKILL somewhere in this step's Allocate, PreStart or in between
                 assert cluster.agent is not None
                 killer = threading.Timer(rng.uniform(0.0, 0.08), cluster.agent.signal, args=(signal.SIGKILL,))
                 killer.start()

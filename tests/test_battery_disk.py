@@ -81,7 +81,7 @@ def _settle(cluster: SimCluster, live: list[PodRun]) -> None:
 
 def test_checkpoint_disk_full_then_room_again(tmp_path: Path) -> None:
     spec = spec_odd_mixed(tmp_path / "spec.json")
-    cluster = SimCluster(tmp_path / "node", spec, fill="random")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=["--allocation-check-period=1"])
     with _tmpfs(cluster.checkpoint_dir, "8m"), cluster:
         live = [cluster.run_pod(gpu_pod(f"before-{i}", [("main", 30, 4)])) for i in range(3)]
         _settle(cluster, live)
@@ -117,7 +117,7 @@ def test_checkpoint_disk_full_then_room_again(tmp_path: Path) -> None:
 def test_checkpoint_dir_read_only_across_a_crash(tmp_path: Path) -> None:
     """The agent dies, its checkpoint's file system comes back read-only (a remount needs no writer open)."""
     spec = spec_odd_mixed(tmp_path / "spec.json")
-    cluster = SimCluster(tmp_path / "node", spec, fill="random")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=["--allocation-check-period=1"])
     with _tmpfs(cluster.checkpoint_dir, "8m"), cluster:
         live = [cluster.run_pod(gpu_pod(f"before-{i}", [("main", 50, 4)])) for i in range(2)]
         _settle(cluster, live)

@@ -8,6 +8,8 @@ processes got.
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -274,3 +276,43 @@ print(json.dumps(res))
     assert out["mapped"] == c.context_bytes + 512 * MIB
     assert out["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY"
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
+def test_every_version_and_flag_of_cu_get_proc_address_hands_out_the_hooks(container: MakeContainer) -> None:
+    """Every hooked function asked for through cuGetProcAddress and _v2, under every CUDA version a program may
+    name and every flag value (legacy and per-thread default stream), comes back as a hook, never the driver's."""
+    hooked = sorted(
+        {m for src in (VCUDA / "src").glob("*.c") for m in re.findall(r"VC_EXPORT CUresult (cu\w+)\(", src.read_text())}
+    )
+    c = container(1024)
+    out = run(
+        c,
+        CTYPES
+        + r"""
+import re
+names = NAMES
+hooks = {ctypes.cast(getattr(cu, n), ctypes.c_void_p).value for n in names}
+bases = sorted({re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", n) for n in names} | {re.sub(r"_v\d+$", "", n) for n in names})
+v2, v1 = cu.cuGetProcAddress_v2, cu.cuGetProcAddress
+v2.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, u64, ctypes.POINTER(ctypes.c_int)]
+v1.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, u64]
+answers, escapes = 0, []
+for base in bases:
+    for version in (2000, 3020, 4000, 10000, 11020, 11030, 11070, 12000, 12020, 12040, 12050, 12080, 13000, 99999):
+        for flags in (0, 1, 2, 3):
+            for which in ("v1", "v2"):
+                p, status = ctypes.c_void_p(), ctypes.c_int()
+                rc = (v2(base.encode(), ctypes.byref(p), version, flags, ctypes.byref(status)) if which == "v2"
+                      else v1(base.encode(), ctypes.byref(p), version, flags))
+                if rc == 0 and p.value:
+                    answers += 1
+                    if p.value not in hooks:
+                        escapes.append([base, version, flags, which])
+p = ctypes.c_void_p()
+c_ok(v1(b"cuDriverGetVersion", ctypes.byref(p), 12000, 0))  # not hooked: the driver's own, which the check tells apart
+print(json.dumps({"bases": len(bases), "answers": answers, "escapes": escapes, "unhooked_told": p.value not in hooks}))
+""".replace("NAMES", json.dumps(hooked)),
+    )
+    assert out["unhooked_told"] is True
+    assert out["escapes"] == []
+    assert out["bases"] >= 60 and out["answers"] > 4000

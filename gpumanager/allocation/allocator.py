@@ -434,7 +434,12 @@ class Allocator:
         return ""
 
     def _match(self, pods: Sequence[Pod], cores: int) -> Candidate | None:
-        pending = []
+        """The first container, in upstream's order of pods, that waits for ``cores`` (lock held).
+
+        Pods come first when another of their containers is allocated already, then by predicate
+        time, creation time and name; only pods with a container of that size are ordered at all.
+        """
+        best: tuple[tuple[int, int, str, str], Pod, GPURequest] | None = None
         for pod in pods:
             if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
                 continue
@@ -447,23 +452,19 @@ class Allocator:
                 log.warning("skipping pod: %s", exc)
                 continue
             todo = [r for r in wanted if (uid, r.name) not in self._allocs and (uid, r.name) not in self._retired]
-            if not todo:
+            request = next((r for r in todo if r.cores == cores), None)
+            if request is None:
                 continue
-            unfinished = len(todo) < len(wanted)
             meta = pod.get("metadata") or {}
             order = (
-                0 if unfinished else 1,
+                0 if len(todo) < len(wanted) else 1,
                 podinfo.predicate_time(pod),
                 str(meta.get("creationTimestamp", "")),
                 podinfo.pod_key(pod),
             )
-            pending.append((order, pod, todo))
-        pending.sort(key=lambda item: item[0])
-        for _, pod, todo in pending:
-            for request in todo:
-                if request.cores == cores:
-                    return Candidate(pod, request)
-        return None
+            if best is None or order < best[0]:
+                best = (order, pod, request)
+        return Candidate(best[1], best[2]) if best is not None else None
 
     def _gpu_containers(self, uid: str, pod: Pod) -> list[GPURequest]:
         cached = self._parsed.get(uid)

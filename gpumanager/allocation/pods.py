@@ -9,13 +9,12 @@ Init containers are not considered, as upstream: gpu-admission indexes
 from __future__ import annotations
 
 import calendar
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
-
-from kubernetes.utils import parse_quantity
 
 from gpumanager import names
 
@@ -52,6 +51,10 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     raw = limits.get(resource)
     if raw is None:
         return 0
+    # Loaded here, not with the module: importing the Kubernetes client takes about half a second,
+    # and the device plugin registers with the kubelet before it needs any pod.
+    from kubernetes.utils import parse_quantity
+
     try:
         # A quantity, as the API server answers it in canonical form: 1000 reads back as "1k".
         value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
@@ -150,7 +153,9 @@ def is_assigned(pod: Pod) -> bool:
     return value is not None and value != "false"
 
 
+@functools.lru_cache(maxsize=4096)
 def _rfc3339_ns(text: str) -> int:
+    """A creation timestamp in ns (0 when unreadable); cached: Allocate orders every pending pod by it."""
     try:
         return calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) * 1_000_000_000
     except (TypeError, ValueError):

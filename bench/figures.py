@@ -11,6 +11,7 @@ import contextlib
 import os
 import statistics
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -97,4 +98,16 @@ def variants(before: str | None) -> Iterator[list[Variant]]:
         tar_path.write_bytes(archive)
         with tarfile.open(tar_path) as tar:
             tar.extractall(tmp, filter="data")
-        yield [Variant(f"before ({before} = {commit})", {"PYTHONPATH": tmp}), Variant("after (this checkout)")]
+        # PYTHONSAFEPATH: ``python -m`` must not put the working directory (this checkout) first.
+        env = {"PYTHONPATH": tmp, "PYTHONSAFEPATH": "1"}
+        where = subprocess.run(
+            [sys.executable, "-c", "import gpumanager.app; print(gpumanager.app.__file__)"],
+            env={**os.environ, **env},
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        if not where.startswith(tmp):
+            raise RuntimeError(f"the agent of {before} would not be the one imported: {where}")
+        yield [Variant(f"before ({before} = {commit})", env), Variant("after (this checkout)")]

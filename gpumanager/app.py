@@ -1,15 +1,17 @@
 """Wiring and lifecycle of the agent: start order, supervision, shutdown.
 
-Start order, fastest path to the kubelet first:
+Start order, fastest path to the kubelet first (only what registration needs is imported
+before it):
 
-1. NVML: inventory (a lost GPU is kept, Unhealthy) and the topology tree.
-2. Allocation state from our checkpoint and the kubelet's checkpoint (local files only).
-3. The device-plugin servers listen and register with the kubelet; ListAndWatch is served.
-4. In the background: the driver mirror, display and HTTP, then the API-server side (the
-   Kubernetes client is loaded only now), recovery from PodResources, the periodic loops.
-   Allocate waits (bounded) for this; registration and ListAndWatch never do.
+1. NVML: inventory (a lost GPU is kept, Unhealthy); health watching.
+2. The device-plugin servers listen and register with the kubelet; ListAndWatch is served.
+3. In the background, once registered: the topology tree and the allocation state from our
+   checkpoint and the kubelet's (local files only); the kubelet's calls wait (bounded) for it.
+4. Then the driver mirror, display and HTTP, then the API-server side (the Kubernetes client
+   is loaded only now), recovery from PodResources, the periodic loops. Allocate waits
+   (bounded) for this; registration and ListAndWatch never do.
 
-With --mode=dra, DRA mode replaces step 3 (gpumanager.dra: the ResourceSlice, the
+With --mode=dra, DRA mode replaces step 2 (gpumanager.dra: the ResourceSlice, the
 kubelet's DRA sockets, claims in the same allocation state); it needs the API server, so
 it starts in the background once that is connected.
 
@@ -34,10 +36,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from gpumanager import __version__, names
-from gpumanager.allocation.allocator import Allocator, AllocatorSettings
-from gpumanager.allocation.pods import Pod
-from gpumanager.allocation.records import ContainerAllocation
-from gpumanager.allocation.response import ResponseSettings
 from gpumanager.api import deviceplugin_v1beta1_pb2 as dp_pb
 from gpumanager.config import Config, ConfigError, parse_node_labels
 from gpumanager.device import inventory, nvml
@@ -45,24 +43,21 @@ from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devicelists import DeviceLists
 from gpumanager.deviceplugin.devices import DeviceLayout
-from gpumanager.deviceplugin.handlers import Handlers
+from gpumanager.deviceplugin.late import LateHandlers
 from gpumanager.deviceplugin.manager import PluginManager
-from gpumanager.deviceplugin.preferred import Preference
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
-from gpumanager.kube.owners import OwnerResolver
-from gpumanager.kube.podresources import PodResourcesClient
 from gpumanager.kube.podsource import PodSourceProxy
-from gpumanager.recovery import Recovery
-from gpumanager.topology import TopologyTree, build_tree, empty_tree, render_graph
-from gpumanager.vmanager.manager import VirtualManager
-from gpumanager.vmanager.refresh import PidsRefresher
-from gpumanager.volume.keeper import MirrorKeeper
 
 if TYPE_CHECKING:
+    # Loaded after registration (in the background start): not on the kubelet's path.
     from prometheus_client import CollectorRegistry
 
+    from gpumanager.allocation.allocator import Allocator
     from gpumanager.allocation.check import AllocationCheck
+    from gpumanager.allocation.pods import Pod
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.allocation.response import ResponseSettings
     from gpumanager.dra.mode import DRAMode, DRASettings
     from gpumanager.dra.publisher import SlicePublisher
     from gpumanager.kube.connection import ApiConnection
@@ -71,6 +66,11 @@ if TYPE_CHECKING:
     from gpumanager.metrics.endpoints import Probes
     from gpumanager.metrics.http import QueryServer
     from gpumanager.metrics.usage import UsageSampler
+    from gpumanager.recovery import Recovery
+    from gpumanager.topology import TopologyTree
+    from gpumanager.vmanager.manager import VirtualManager
+    from gpumanager.vmanager.refresh import PidsRefresher
+    from gpumanager.volume.keeper import MirrorKeeper
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,10 @@ class Agent:
         self.device_lists: DeviceLists | None = None
         self.pods = PodSourceProxy()
         self.allocator: Allocator | None = None
+        self.recovery: Recovery | None = None
+        # The kubelet's calls until the allocation state is loaded (after registration).
+        self.handlers = LateHandlers(ALLOCATE_WAIT_SECONDS)
+        self._health_lock = threading.Lock()  # orders the allocator's health updates
         self.vmanager: VirtualManager | None = None
         self.mirror: MirrorKeeper | None = None
         self.refresher: PidsRefresher | None = None
@@ -221,8 +225,8 @@ class Agent:
             check_directory("--checkpoint-path", cfg.checkpoint_path)
         except ConfigError as exc:
             raise StartupError(str(exc), 2) from exc
+        self._extra_devices = extra_devices
         self._start_nvml()
-        self._start_allocation(extra_devices)
         self._start_health()
         if cfg.mode != "dra":
             self._start_plugins()
@@ -251,8 +255,6 @@ class Agent:
             raise StartupError(f"--nvml-lib={self.config.nvml_lib}: {exc}", 2) from exc
         except (nvml.NVMLUnavailableError, nvml.NVMLError) as exc:
             raise StartupError(str(exc), 3) from exc
-        if not self.lost:
-            inventory.save(inventory_path, self.gpus, self.topology)
         self.driver_version = driver.driver_version
         if not self.gpus:
             log.warning("NVML reports no GPU on this node; advertising no devices")
@@ -275,16 +277,25 @@ class Agent:
                 g.numa_node,
                 " (LOST)" if g.index in self.lost else "",
             )
+        self.layout = DeviceLayout(self.gpus)
+
+    def _start_allocation(self) -> None:
+        """Topology tree, allocation state (local files only), the kubelet calls' handlers."""
+        from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+        from gpumanager.recovery import Recovery
+        from gpumanager.topology import build_tree, empty_tree, render_graph
+        from gpumanager.vmanager.manager import VirtualManager
+        from gpumanager.volume.keeper import MirrorKeeper
+
+        cfg = self.config
+        assert self.layout is not None
+        if not self.lost:
+            inventory.save(Path(cfg.checkpoint_path) / inventory.FILE, self.gpus, self.topology)
         self.tree = build_tree(self.gpus, self.topology) if self.gpus else empty_tree()
         for index in self.lost:
             self.tree.set_healthy(index, False)
-        self.layout = DeviceLayout(self.gpus)
         for line in render_graph(self.tree).splitlines():
             log.info("topology %s", line)
-
-    def _start_allocation(self, extra_devices: tuple[str, ...]) -> None:
-        cfg = self.config
-        assert self.tree is not None and self.layout is not None
         self.mirror = MirrorKeeper(
             volume_config=cfg.volume_config,
             driver_root=cfg.driver_root,
@@ -294,8 +305,7 @@ class Agent:
             gpu_client=cfg.gpu_client_path,
             proc_root=cfg.proc_root,
         )
-        self._extra_devices = extra_devices
-        self.allocator = Allocator(
+        allocator = Allocator(
             gpus=self.gpus,
             tree=self.tree,
             pods=self.pods,
@@ -303,26 +313,35 @@ class Agent:
             checkpoint_path=Path(cfg.checkpoint_path) / names.OWN_CHECKPOINT,
             share_problem=lambda: self.mirror.share_problem if self.mirror else "",
         )
-        self.recovery = Recovery(
-            self.allocator,
+        # From here on health changes reach the allocator; those before are in the snapshot.
+        with self._health_lock:
+            self.allocator = allocator
+            for index, state in (self.health.snapshot() if self.health else {}).items():
+                allocator.set_healthy(index, state.healthy)
+        recovery = self.recovery = Recovery(
+            allocator,
             kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
             layout=self.layout,
             gpus=self.gpus,
         )
-        self.recovery.from_disk()
-        problem = self.allocator.probe_checkpoint()
+        recovery.from_disk()
+        problem = allocator.probe_checkpoint()
         if problem:
             self._component_failed("checkpoint", f"{problem}; serving existing allocations, refusing new ones")
-        self.allocator.start_compactor()
+        allocator.start_compactor()
         self.vmanager = VirtualManager(
             vm_path=Path(cfg.virtual_manager_path),
             cgroup_root=Path(cfg.cgroup_root),
-            allocation=self.allocator.get,
+            allocation=allocator.get,
             pod=self.pods.get,
             driver_version=self.driver_version,
         )
+        if self.plugins is not None:
+            self._attach_handlers(allocator)
 
     def _response_settings(self) -> ResponseSettings:
+        from gpumanager.allocation.response import ResponseSettings
+
         assert self.mirror is not None
         return ResponseSettings(
             vdriver_nvidia=self.mirror.nvidia,
@@ -332,8 +351,6 @@ class Agent:
         )
 
     def _start_health(self) -> None:
-        assert self.allocator is not None
-        allocator = self.allocator
         self.health = HealthMonitor(
             self.gpus,
             ignored_xids=self.config.ignored_xids,
@@ -343,9 +360,14 @@ class Agent:
         )
         # The kubelet hears first: prepared lists, then the allocator (whose lock an Allocate may hold).
         self.health.add_listener(self._on_health)
-        self.health.add_listener(lambda index, state: allocator.set_healthy(index, state.healthy))
+        self.health.add_listener(self._allocator_health)
         self.health.add_listener(lambda _index, _state: self.api.gpu_health_changed() if self.api else None)
         self.health.start()
+
+    def _allocator_health(self, index: int, state: HealthState) -> None:
+        with self._health_lock:
+            if self.allocator is not None:
+                self.allocator.set_healthy(index, state.healthy)
 
     def _on_health(self, index: int, state: HealthState) -> None:
         if self.device_lists is not None and self.device_lists.set_healthy(index, state.healthy):
@@ -354,36 +376,21 @@ class Agent:
 
     def _start_plugins(self) -> None:
         cfg = self.config
-        assert self.allocator is not None and self.layout is not None and self.health is not None
-        allocator, layout = self.allocator, self.layout
-        lists = self.device_lists = DeviceLists(layout, self.gpus, unhealthy=self.lost)
+        assert self.layout is not None and self.health is not None
+        lists = self.device_lists = DeviceLists(self.layout, self.gpus, unhealthy=self.lost)
         options = dp_pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
-        preference = Preference(allocator.clone_tree, layout)
-        owners = OwnerResolver(
-            pod_resources=PodResourcesClient(Path(cfg.pod_resources_socket)),
-            kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
-            find_pod=self.pods.lookup,
-        )
-        handlers = Handlers(
-            allocator=allocator,
-            layout=layout,
-            owner=owners.owner,
-            prepared=self._prepared,
-            observe=self._observe_call,
-            ready=self._wait_ready,
-        )
-
+        late = self.handlers
         dp_dir = Path(cfg.device_plugin_path)
         servers = []
         for resource, sock, allocate, pre_start in (
-            (names.VCORE_RESOURCE, names.VCORE_SOCKET, handlers.allocate_core, handlers.pre_start_core),
-            (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, handlers.allocate_memory, handlers.pre_start_memory),
+            (names.VCORE_RESOURCE, names.VCORE_SOCKET, late.allocate_core, late.pre_start_core),
+            (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, late.allocate_memory, late.pre_start_memory),
         ):
             servicer = ResourceServicer(
                 resource,
                 devices=functools.partial(lists.encoded, resource),
                 options=options,
-                preference=functools.partial(preference.choose, resource),
+                preference=functools.partial(late.prefer, resource),
                 allocate=allocate,
                 pre_start=pre_start,
             )
@@ -396,11 +403,34 @@ class Agent:
             watch_period=cfg.kubelet_watch_period,
         )
         try:
+            # The servers listen when this returns; registration runs in the manager's thread.
             self.plugins.start()
         except (OSError, RuntimeError) as exc:
             raise StartupError(f"cannot serve the device plugin in --device-plugin-path={dp_dir}: {exc}", 2) from exc
-        for server in servers:
-            self._wait_serving(server.socket_path)
+
+    def _attach_handlers(self, allocator: Allocator) -> None:
+        """The kubelet's Allocate, PreStartContainer and GetPreferredAllocation, now that the state is loaded."""
+        from gpumanager.deviceplugin.handlers import Handlers
+        from gpumanager.deviceplugin.preferred import Preference
+        from gpumanager.kube.owners import OwnerResolver
+        from gpumanager.kube.podresources import PodResourcesClient
+
+        cfg = self.config
+        assert self.layout is not None
+        owners = OwnerResolver(
+            pod_resources=PodResourcesClient(Path(cfg.pod_resources_socket)),
+            kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
+            find_pod=self.pods.lookup,
+        )
+        handlers = Handlers(
+            allocator=allocator,
+            layout=self.layout,
+            owner=owners.owner,
+            prepared=self._prepared,
+            observe=self._observe_call,
+            ready=self._wait_ready,
+        )
+        self.handlers.attach(handlers, Preference(allocator.clone_tree, self.layout).choose)
 
     def _wait_serving(self, path: Path) -> None:
         with grpc.insecure_channel(f"unix://{path}") as channel:
@@ -417,6 +447,14 @@ class Agent:
         # Registration first: loading the Kubernetes client would compete with it for the interpreter.
         if self.plugins is not None:
             self.plugins.registered_event.wait(REGISTRATION_FIRST_SECONDS)
+        try:
+            self._start_allocation()
+        except Exception as exc:
+            log.exception("cannot load the allocation state")
+            self._component_failed("allocation", f"cannot load the allocation state: {exc}")
+            self.handlers.fail(f"the allocation state could not be loaded: {exc}")
+            self.ready.set()
+            return
         try:
             self._start_mirror()
             self._start_query()
@@ -508,8 +546,9 @@ class Agent:
         """The API-server side; the Kubernetes client is loaded only now."""
         from gpumanager.allocation.check import AllocationCheck
         from gpumanager.kube.connection import ApiConnection
+        from gpumanager.kube.podresources import PodResourcesClient
 
-        assert self.allocator is not None and self.vmanager is not None
+        assert self.allocator is not None and self.vmanager is not None and self.recovery is not None
         allocator, vmanager = self.allocator, self.vmanager
         api = ApiConnection(kubeconfig=self.config.kubeconfig, node_name=self.node_name)
         self.api = api
@@ -640,6 +679,8 @@ class Agent:
         assert self.allocator is not None and self.vmanager is not None
         if self.check is not None:
             self.check.start()
+        from gpumanager.vmanager.refresh import PidsRefresher
+
         self.refresher = PidsRefresher(self.vmanager, self.allocator.allocations)
         self.refresher.start()
         if self.dra is not None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gpumanager import names
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
+from gpumanager.deviceplugin.devicelists import DeviceLists
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from simnode.agent_process import SPEC_DIR
+from simnode.gpusim_state import load_spec
 
 MIB = 1 << 20
 
@@ -69,3 +73,31 @@ def test_devices_carry_health_and_numa() -> None:
     assert [n.ID for n in by_gpu["tencent.com/vcuda-core-150"].topology.nodes] == [1]
     assert not by_gpu["tencent.com/vcuda-core-250"].HasField("topology")
     assert sum(d.health == "Unhealthy" for d in devices) == 100
+
+
+@pytest.mark.parametrize("spec", ["t4-x1", "v100-pcie-x4", "h100-nvlink-x8", "h200-x16"])
+def test_prepared_lists_are_protobufs_own_encoding(spec: str) -> None:
+    node = load_spec(SPEC_DIR / f"{spec}.json")
+    gpus = [
+        gpu(i, g.memory_mib, numa=g.numa_node if i % 2 else None)  # with and without a NUMA node
+        for i, g in enumerate(node.gpus)
+    ]
+    layout = DeviceLayout(gpus)
+    lost = [len(gpus) - 1]
+    lists = DeviceLists(layout, gpus, unhealthy=lost)
+
+    def expected(unhealthy: set[int]) -> dict[str, bytes]:
+        health = {g.index: g.index not in unhealthy for g in gpus}
+        return {
+            r: pb.ListAndWatchResponse(devices=layout.devices(r, health)).SerializeToString()
+            for r in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
+        }
+
+    def encoded() -> dict[str, bytes]:
+        return {r: lists.encoded(r) for r in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)}
+
+    assert encoded() == expected(set(lost))
+    assert lists.set_healthy(lost[0], True)
+    assert encoded() == expected(set())
+    assert lists.set_healthy(0, False) and not lists.set_healthy(0, False)
+    assert encoded() == expected({0})

@@ -10,6 +10,7 @@ health and NUMA node can be reported per device.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,12 +44,16 @@ class DeviceLayout:
             self._memory.append(_Range(g.index, mem_start, blocks))
             mem_start += blocks
         self._mem_starts = [r.start for r in self._memory]
-        # ID -> GPU for both resources: GetPreferredAllocation maps thousands of IDs per call.
-        self._owner: dict[str, int] = {}
+
+    @functools.cached_property
+    def _owner(self) -> dict[str, int]:
+        """ID -> GPU for both resources: GetPreferredAllocation maps thousands of IDs per call. Built at
+        the first lookup, not on the way to registering with the kubelet."""
+        owner: dict[str, int] = {}
         for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
             for g in self._gpus:
-                for device_id in self.ids_of_gpu(resource, g.index):
-                    self._owner[device_id] = g.index
+                owner.update(dict.fromkeys(self.ids_of_gpu(resource, g.index), g.index))
+        return owner
 
     @staticmethod
     def prefix(resource: str) -> str:
@@ -61,6 +66,11 @@ class DeviceLayout:
 
     def _ranges(self, resource: str) -> list[_Range]:
         return self._core if resource == names.VCORE_RESOURCE else self._memory
+
+    def id_range(self, resource: str, gpu: int) -> tuple[str, int, int]:
+        """(prefix, first number, count): GPU ``gpu``'s IDs of ``resource`` are prefix+first .. prefix+first+count-1."""
+        r = self._ranges(resource)[gpu]
+        return self.prefix(resource), r.start, r.count
 
     def ids_of_gpu(self, resource: str, gpu: int) -> list[str]:
         """Every device ID of ``resource`` that belongs to GPU ``gpu``."""

@@ -28,30 +28,43 @@ class Endpoint:
 
 
 def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> None:
-    """Send one RegisterRequest per endpoint to the kubelet, in order, over one connection.
+    """Send one RegisterRequest per endpoint to the kubelet, all at once over one connection.
 
-    Raises RegistrationError with the reason on the first failure.
+    The kubelet handles each Register on its own (it dials the endpoint back and opens
+    ListAndWatch inside the call), so sending them together makes both resources ready in the
+    time of one. Raises RegistrationError with the reason of the first failure, in endpoint order.
     """
     if not kubelet_socket.exists():
         raise RegistrationError(f"kubelet socket {kubelet_socket} does not exist")
     channel = grpc.insecure_channel(f"unix://{kubelet_socket}")
     try:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError as exc:
-            raise RegistrationError(f"cannot connect to the kubelet at {kubelet_socket} within {timeout:g} s") from exc
         stub = pb_grpc.RegistrationStub(channel)
-        for ep in endpoints:
-            request = pb.RegisterRequest(
-                version=names.DEVICE_PLUGIN_API_VERSION,
-                endpoint=ep.endpoint,
-                resource_name=ep.resource,
-                options=ep.options,
-            )
-            try:
+        calls = [
+            (
+                ep,
                 # The kubelet dials us back inside Register (up to 10 s); allow for that.
-                stub.Register(request, timeout=timeout + 10.0)
+                stub.Register.future(
+                    pb.RegisterRequest(
+                        version=names.DEVICE_PLUGIN_API_VERSION,
+                        endpoint=ep.endpoint,
+                        resource_name=ep.resource,
+                        options=ep.options,
+                    ),
+                    timeout=timeout + 10.0,
+                ),
+            )
+            for ep in endpoints
+        ]
+        for ep, call in calls:
+            try:
+                call.result()
             except grpc.RpcError as exc:
+                for _ep, other in calls:
+                    other.cancel()
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise RegistrationError(
+                        f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: {exc.details()}"
+                    ) from exc
                 raise RegistrationError(
                     f"kubelet refused registration of {ep.resource} ({ep.endpoint}): {exc.code().name}: {exc.details()}"
                 ) from exc

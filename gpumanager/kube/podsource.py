@@ -8,9 +8,10 @@ passes every call to the cache.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from gpumanager.allocation.pods import Pod
+if TYPE_CHECKING:
+    from gpumanager.allocation.pods import Pod
 
 
 class _Cache(Protocol):

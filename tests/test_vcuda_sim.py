@@ -580,6 +580,37 @@ print(json.dumps([loaded, with_ctx, mine() - base]))
     assert last_json(eager.stdout) == [footprint, ctx + 2 * footprint, ctx]
 
 
+def test_freed_device_addresses_come_back(vcuda_built: Path, tmp_path: Path) -> None:
+    """As with the real driver, an allocation takes the range a free of its size just gave back; a program that
+    allocates and frees in a loop never runs out of addresses (70,000 x 256 MiB is more than the 16 TiB a GPU's
+    fresh addresses span)."""
+    del vcuda_built
+    done = run_python(
+        r"""
+a = ok(d.cuMemAlloc(256 << 20)); ok(d.cuMemFree(a))
+b = ok(d.cuMemAlloc(256 << 20)); other = ok(d.cuMemAlloc(256 << 20))
+ok(d.cuMemFree(b)); ok(d.cuMemFree(other))
+s = ok(d.cuStreamCreate(0))
+c = ok(d.cuMemAllocAsync(64 << 20, s)); ok(d.cuMemFreeAsync(c, s)); ok(d.cuStreamSynchronize(s))
+c2 = ok(d.cuMemAllocAsync(64 << 20, s)); ok(d.cuMemFreeAsync(c2, s))
+last, n = None, 0
+for _ in range(70000):
+    r = d.cuMemAlloc(256 << 20)
+    if r[0] != R.CUDA_SUCCESS:
+        last = r[0].name
+        break
+    ok(d.cuMemFree(r[1]))
+    n += 1
+print(json.dumps({"reused": int(a) == int(b), "distinct": int(other) != int(b), "pool": int(c) == int(c2),
+                  "loops": n, "last": last}))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == {"reused": True, "distinct": True, "pool": True, "loops": 70000, "last": None}
+
+
 def test_proc_driver_nvidia_version_is_served(vcuda_built: Path, tmp_path: Path) -> None:
     """The simulated driver writes its /proc/driver/nvidia/version where GPUSIM_PROC_VERSION says; preloading
     libgpusim-proc.so makes a process read it at the real path."""

@@ -157,6 +157,54 @@ void sim_mem_info(unsigned gpu, uint64_t *free_bytes, uint64_t *total_bytes)
 #define VA_LEGACY_RANGE (GPUSIM_MAX_GPUS + 1) /* 32-bit addresses of the CUDA 2.0 ABI */
 static _Atomic uint64_t g_va_next[VA_RANGES];
 
+/*
+ * Freed device addresses come back, as with the real driver, whose allocator hands a freed range to the
+ * next allocation of that size at once (a program that allocates and frees in a loop sees one address):
+ * the most recently freed ranges are kept per process, and an allocation of the same rounded size in the
+ * same range takes the newest of them.
+ */
+#define VA_REUSE 4096
+struct va_freed {
+    uint64_t va, step;
+    unsigned range;
+};
+static struct va_freed g_va_freed[VA_REUSE];
+static unsigned g_va_nfreed;
+static pthread_mutex_t g_va_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t va_step(uint64_t size)
+{
+    return (size + SIM_ALLOC_ALIGN - 1) / SIM_ALLOC_ALIGN * SIM_ALLOC_ALIGN;
+}
+
+/* A device allocation's range was freed: the next allocation of its size may take it. */
+static void va_freed(unsigned range, uint64_t va, uint64_t size)
+{
+    pthread_mutex_lock(&g_va_mu);
+    if (g_va_nfreed == VA_REUSE) { /* the oldest goes */
+        memmove(g_va_freed, g_va_freed + 1, (VA_REUSE - 1) * sizeof(g_va_freed[0]));
+        g_va_nfreed--;
+    }
+    g_va_freed[g_va_nfreed++] = (struct va_freed){va, va_step(size), range};
+    pthread_mutex_unlock(&g_va_mu);
+}
+
+static uint64_t va_reused(unsigned range, uint64_t size, uint64_t align)
+{
+    uint64_t step = va_step(size), va = 0;
+    pthread_mutex_lock(&g_va_mu);
+    for (unsigned i = g_va_nfreed; i-- > 0;) {
+        const struct va_freed *f = &g_va_freed[i];
+        if (f->range == range && f->step == step && f->va % align == 0) {
+            va = f->va;
+            g_va_freed[i] = g_va_freed[--g_va_nfreed];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_va_mu);
+    return va;
+}
+
 uint64_t sim_va_alloc(unsigned range, uint64_t size, uint64_t align)
 {
     uint64_t base = range == VA_LEGACY_RANGE ? 0x10000000ull : (uint64_t)(range + 1) << 44;
@@ -197,6 +245,8 @@ static void atfork_child(void)
     sim_exec_atfork_child();
     pools_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
+    pthread_mutex_init(&g_va_mu, NULL);
+    g_va_nfreed = 0; /* its addresses are fresh ones (it holds none of its parent's allocations) */
 }
 
 __attribute__((constructor)) static void mem_init(void)
@@ -274,7 +324,9 @@ static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, un
     CUresult rc = sim_mem_charge(gpu, bytes);
     if (rc != CUDA_SUCCESS)
         return rc;
-    uint64_t va = sim_va_alloc(range, bytes, SIM_ALLOC_ALIGN);
+    uint64_t va = va_reused(range, bytes, SIM_ALLOC_ALIGN);
+    if (va == 0)
+        va = sim_va_alloc(range, bytes, SIM_ALLOC_ALIGN);
     struct vc_map_entry e = {.key = va, .kind = kind, .gpu = gpu, .size = bytes,
                              .ctx = (uint64_t)(uintptr_t)sim_cu_current()}; /* the context it belongs to */
     sim_rec_lock();
@@ -301,6 +353,7 @@ static CUresult device_free(uint64_t va, enum sim_rec_kind kind)
         sim_pool_free_record(&e); /* a pool's: back to the pool */
     else
         sim_mem_uncharge(e.gpu, e.size);
+    va_freed(kind == REC_LEGACY ? VA_LEGACY_RANGE : e.gpu, va, e.size);
     return CUDA_SUCCESS;
 }
 
@@ -1258,7 +1311,9 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, CUmemoryPool pool)
         grow = (bytes - (p->reserved - p->used) + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
         rc = sim_mem_charge(p->gpu, grow);
     }
-    uint64_t va = rc == CUDA_SUCCESS ? sim_va_alloc(p->gpu, bytes, SIM_ALLOC_ALIGN) : 0;
+    uint64_t va = rc == CUDA_SUCCESS ? va_reused(p->gpu, bytes, SIM_ALLOC_ALIGN) : 0;
+    if (rc == CUDA_SUCCESS && va == 0)
+        va = sim_va_alloc(p->gpu, bytes, SIM_ALLOC_ALIGN);
     struct vc_map_entry e = {.key = va, .kind = REC_DEV, .gpu = rc == CUDA_SUCCESS ? p->gpu : 0, .size = bytes,
                              .aux = (uint64_t)(uintptr_t)p, .ctx = (uint64_t)(uintptr_t)sim_cu_current()};
     if (rc == CUDA_SUCCESS && (va == 0 || vc_map_put(sim_recs(), &e) != 0)) {

@@ -316,3 +316,38 @@ print(json.dumps({"bases": len(bases), "answers": answers, "escapes": escapes, "
     assert out["unhooked_told"] is True
     assert out["escapes"] == []
     assert out["bases"] >= 60 and out["answers"] > 4000
+
+
+def test_a_free_while_nvml_is_read_is_not_taken_for_memory_no_hook_sees(container: MakeContainer) -> None:
+    """A reconciliation reads NVML under the budget lock; a free in another thread returns its bytes without it.
+    A free landing between the NVML read and the slots' sum must not come back as phantom memory: the container
+    would see 512 MiB less than it has until the next reconciliation."""
+    c = container(1024)
+    out = run(
+        c,
+        CTYPES
+        + r"""
+import time
+cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+def used():
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    c_ok(cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)))
+    return t.value - f.value
+h = u64()
+c_ok(cu.cuMemAlloc_v2(ctypes.byref(h), ctypes.c_size_t(512 << 20)))
+time.sleep(0.15)  # the next memory view reconciles (at most every 100 ms)
+res = {}
+def view():  # NVML's process list returns 50 ms after it was read (GPUSIM_PROCS_RETURN_DELAY_US)
+    c_ok(cu.cuCtxSetCurrent(ctypes.c_void_p(int(ctx))))
+    res["during"] = used()
+t = threading.Thread(target=view)
+t.start()
+time.sleep(0.02)
+c_ok(cu.cuMemFree_v2(h))
+t.join()
+res["after"] = used()  # within 100 ms of that reconciliation: its result stands
+print(json.dumps(res))
+""",
+        GPUSIM_PROCS_RETURN_DELAY_US="50000",
+    )
+    assert out["after"] == c.context_bytes, f"{(out['after'] - c.context_bytes) >> 20} MiB of phantom memory"

@@ -1,7 +1,11 @@
 /* Run-time device state from the state file: running processes and utilisation. */
 #include "nvml_sim.h"
 
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "sim_timeline.h"
 
@@ -11,6 +15,26 @@
 #define MAX_TL_PROCS 64u
 
 /* ---- compute running processes ------------------------------------------ */
+
+/*
+ * GPUSIM_PROCS_RETURN_DELAY_US (tests): the process lists return only this many microseconds after they
+ * were read, so that what happens meanwhile in another thread of the caller can be raced reproducibly.
+ */
+static void return_delay(void)
+{
+    static _Atomic long delay_us = -1;
+    long us = atomic_load_explicit(&delay_us, memory_order_relaxed);
+    if (us < 0) {
+        const char *v = getenv("GPUSIM_PROCS_RETURN_DELAY_US");
+        us = v != NULL ? strtol(v, NULL, 10) : 0;
+        atomic_store_explicit(&delay_us, us > 0 ? us : 0, memory_order_relaxed);
+    }
+    if (us > 0) {
+        struct timespec ts = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
+}
 
 /* One entry point for all versions: v1 fills nvmlProcessInfo_v1_t, v2/v3 fill nvmlProcessInfo_v2_t. */
 static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void *infos, bool v1)
@@ -61,6 +85,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void
     *count = n;
     sim_state_unlock(ctx->state);
     sim_leave();
+    return_delay();
     return rc;
 }
 

@@ -329,11 +329,18 @@ static bool reconcile(uint64_t now)
     static int pids[MAX_CONTAINER_PIDS]; /* under the budget lock */
     unsigned n = container_pids(pids, MAX_CONTAINER_PIDS);
     bool ok;
+    /*
+     * Releases are not under the lock: a free the GPU made before NVML was read may return its bytes before
+     * the slots are summed, which would show them as memory no hook sees.  The larger of the sums before and
+     * after the NVML read counts every allocation the read may have seen.
+     */
+    uint64_t tracked_before = sum_used();
     uint64_t gpu = vc_nvml_used_by(pids, n, &ok);
     atomic_store(&g_hdr->reconciled_ns, now);
     if (!ok)
         return false;
-    uint64_t tracked = sum_used();
+    uint64_t tracked_after = sum_used();
+    uint64_t tracked = tracked_before > tracked_after ? tracked_before : tracked_after;
     uint64_t untracked = gpu > tracked ? gpu - tracked : 0;
     uint64_t before = atomic_exchange(&g_hdr->untracked, untracked);
     if (untracked != before)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,55 @@ def test_churn_with_sigkills_never_overcommits_nor_leaks(tmp_path: Path, spec_na
         wait_agent_matches(cluster, live)
         status, body = readyz(cluster)
         assert status == 200, body
+
+
+@pytest.mark.parametrize("spec_name", ["odd-mixed", "islands-x7"])
+def test_prestart_retried_after_the_agent_died_between_allocate_and_prestart(tmp_path: Path, spec_name: str) -> None:
+    """The kubelet retries a failed container start, PreStart included, once the agent is back."""
+    spec = SPECS[spec_name](tmp_path / f"{spec_name}.json")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random")
+    with cluster:
+        assert cluster.agent is not None
+        runs = [cluster.admit(gpu_pod(f"p{i}", shape)) for i, shape in enumerate(_SHAPES)]
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        with pytest.raises(KubeletSimError):
+            cluster.start_containers(runs[0])
+        cluster.start_agent()
+        for run in runs:
+            cluster.start_containers(run)
+        assert_no_overcommit(runs, memory_of(cluster))
+        wait_agent_matches(cluster, runs)
+        for run in runs:
+            for name in run.core:
+                config = cluster.vm_path / run.uid / name / "vcuda.config"
+                assert config.is_file(), config
+
+
+_SHAPES = [
+    [("main", 30, 4)],
+    [("main", 100, 0)],
+    [("a", 20, 2), ("b", 20, 2)],
+]
+
+
+def test_killed_again_and_again_while_starting(tmp_path: Path) -> None:
+    """A crash loop with no pause: SIGKILL at random moments of the start (registration, recovery, journal)."""
+    spec = SPECS["islands-x7"](tmp_path / "spec.json")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random")
+    rng = random.Random("crash-loop")
+    with cluster:
+        assert cluster.agent is not None
+        live = [cluster.run_pod(gpu_pod(f"p{i}", shape)) for i, shape in enumerate(_SHAPES)]
+        for _ in range(8):
+            cluster.agent.signal(signal.SIGKILL)
+            cluster.agent.wait()
+            cluster.start_agent(wait=False)
+            time.sleep(rng.uniform(0.0, 1.5))
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        cluster.delete(live.pop())  # ends while the agent is down
+        cluster.start_agent()
+        live.append(cluster.run_pod(gpu_pod("after", [("main", 200, 0)])))
+        assert_no_overcommit(live, memory_of(cluster))
+        wait_agent_matches(cluster, live)

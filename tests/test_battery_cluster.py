@@ -218,3 +218,28 @@ def test_sigterm_while_the_api_server_is_down_stops_cleanly(cluster: SimCluster,
         cluster.api.set_down(False)
     leftover = [p.name for p in cluster.kubelet.plugin_dir.glob("v*.sock")]
     assert leftover == [], leftover
+
+
+def test_watches_ended_at_once_are_retried_with_backoff(cluster: SimCluster) -> None:
+    """An API server (or a proxy in front of it) that ends every watch at once: no hot loop of watches."""
+    stop = threading.Event()
+
+    def end_watches() -> None:
+        while not stop.is_set():
+            cluster.api.close_watches()
+            time.sleep(0.005)
+
+    closer = threading.Thread(target=end_watches, daemon=True)
+    closer.start()
+    try:
+        cluster.api.clear_requests()
+        time.sleep(3.0)
+        watches = [r for r in cluster.api.requests if "watch" in str(r.query)]
+    finally:
+        stop.set()
+        closer.join()
+    # client-go takes a watch that ends within a second with no event for an error and backs off
+    # (0.8 s, doubling): a handful of watches in 3 s, not hundreds.
+    assert len(watches) <= 10, len(watches)
+    live = [cluster.run_pod(gpu_pod("after", [("main", 50, 8)]))]
+    _finish(cluster, live)

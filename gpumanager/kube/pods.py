@@ -33,6 +33,12 @@ PodListener = Callable[[str, Pod], None]
 
 #: A watch that lived this long counts as a success: the next failure backs off from the start.
 _HEALTHY_WATCH_SECONDS = 30.0
+#: A watch that ends sooner with no event is an error (client-go's "very short watch"): retried after a backoff.
+_SHORT_WATCH_SECONDS = 1.0
+
+
+class ShortWatchError(Exception):
+    """The API server ended a watch at once with no event."""
 
 
 class WatchExpiredError(Exception):
@@ -222,17 +228,24 @@ class PodCache:
         if self._stop.is_set():
             response.shutdown()
         started = time.monotonic()
+        events = 0
         try:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
                 self._apply(json.loads(line))
+                events += 1
                 self.backoff.reset()
         finally:
             self._response = None
             response.release_conn()
-        if time.monotonic() - started >= _HEALTHY_WATCH_SECONDS:
+        lasted = time.monotonic() - started
+        if lasted >= _HEALTHY_WATCH_SECONDS:
             self.backoff.reset()
+        elif lasted < _SHORT_WATCH_SECONDS and not events and not self._stop.is_set():
+            # As client-go's reflector: an API server (or a proxy) ending every watch at once must not
+            # be watched again in a hot loop.
+            raise ShortWatchError(f"very short watch: ended within {_SHORT_WATCH_SECONDS:g} s with no event")
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("type")

@@ -139,3 +139,23 @@ def test_checkpoint_dir_read_only_across_a_crash(tmp_path: Path) -> None:
         live.append(cluster.run_pod(gpu_pod("writable-again", [("main", 50, 4)])))
         _settle(cluster, live)
         assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None
+
+
+def test_pod_directories_disk_full(tmp_path: Path) -> None:
+    """--virtual-manager-path fills up: PreStart is refused naming the container and why, then works again."""
+    spec = spec_odd_mixed(tmp_path / "spec.json")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=["--allocation-check-period=1"])
+    with _tmpfs(cluster.vm_path, "1m"), cluster:
+        live = [cluster.run_pod(gpu_pod("before", [("main", 30, 4)]))]
+        filler = _fill(cluster.vm_path)
+        run = cluster.admit(gpu_pod("full", [("main", 30, 4)]))
+        with pytest.raises(PluginRPCError) as info:
+            cluster.start_containers(run)
+        details = info.value.details
+        assert info.value.code is not None and info.value.code.name not in ("INTERNAL", "UNKNOWN"), info.value
+        assert run.uid in details and "main" in details and "ENOSPC" in details, details
+        filler.unlink()
+        cluster.start_containers(run)  # the kubelet retries the start
+        live.append(run)
+        _settle(cluster, live)
+        assert cluster.agent is not None and cluster.agent.proc is not None and cluster.agent.proc.poll() is None

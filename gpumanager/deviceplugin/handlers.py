@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -142,7 +143,15 @@ class Handlers:
             except AllocationError as exc:
                 raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
             crash_point("prestart-before-files")
-            self._prepared(alloc)
+            try:
+                self._prepared(alloc)
+            except OSError as exc:
+                # The kubelet retries the start; the message says whose files could not be written and why.
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} "
+                    f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}",
+                ) from exc
             crash_point("prestart-after-files")
             ok = True
             return pb.PreStartContainerResponse()
@@ -153,3 +162,11 @@ class Handlers:
         """vcuda-memory PreStartContainer: nothing to do beyond validation."""
         self._validate(names.VMEMORY_RESOURCE, list(request.devices_ids))
         return pb.PreStartContainerResponse()
+
+
+def _oserror(exc: OSError) -> str:
+    """``/path: [Errno 28] No space left on device (ENOSPC)``: the file, the errno by number and by name."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else str(exc)
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{text} ({name})" if name else f"{where}{text}"

@@ -30,8 +30,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check gpumanager simnode tests bench scripts
 	$(VENV)/bin/mypy
 
+# The tests run in PYTEST_WORKERS processes (pytest-xdist): most of them wait on simulated
+# processes and sockets rather than compute, so three share two cores well. 0 runs them in one.
+PYTEST_WORKERS ?= 3
 test: build lint deploy-check prometheus
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS)
 
 # Debian's prometheus package (prometheus and promtool) for the alert, dashboard and metrics tests.
 prometheus:
@@ -53,7 +56,7 @@ test-min-deps: build
 	$(MIN_VENV)/bin/python -m pip install --quiet -c $(MIN_VENV)/constraints.txt -e '.[dev]'
 	$(MIN_VENV)/bin/python -c 'import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()["purelib"], "simnode-dev.pth").write_text("$(CURDIR)\n")'
 	$(MIN_VENV)/bin/python scripts/min_constraints.py --verify
-	$(MIN_VENV)/bin/pytest -p no:cacheprovider $(E2E_TESTS)
+	$(MIN_VENV)/bin/pytest -p no:cacheprovider -n $(PYTEST_WORKERS) $(E2E_TESTS)
 
 BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn
 bench: build

@@ -53,7 +53,7 @@ def test_the_product_defaults_are_what_the_guard_watches() -> None:
 
 def test_harness_agents_get_own_dirs(tmp_path: Path) -> None:
     spec = SPEC_DIR / "t4-x1.json"
-    cluster = SimCluster(tmp_path / "cluster", "t4-x1")
+    cluster = SimCluster(tmp_path / "c", "t4-x1")  # short: socket paths have 107 bytes
     dra = DRACluster(tmp_path / "dra")
     node = SimNode("node-a", spec, tmp_path / "multi", tmp_path / "kubeconfig", client.ApiClient())
     try:

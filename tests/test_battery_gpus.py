@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -165,5 +166,33 @@ def test_gpu_gone_from_the_bus_across_a_restart(tmp_path: Path) -> None:
             except (PluginRPCError, KubeletSimError):
                 cluster.delete(next(r for r in cluster.runs.values() if r.name == f"new-{i}"))
             assert_no_overcommit(live, memory_of(cluster), f"new-{i}")
+        wait_agent_matches(cluster, live)
+        assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None
+
+
+def test_xid_storm_marks_only_what_it_should_and_everything_comes_back(tmp_path: Path) -> None:
+    """Hundreds of XID events at once on every GPU: application XIDs change nothing, others take the GPU
+    out of service until the quiet period passes; odd values never stop the health loop."""
+    spec = spec_islands(tmp_path / "spec.json")
+    cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=FAST_HEALTH)
+    with cluster:
+        assert cluster.agent is not None
+        live = [cluster.run_pod(gpu_pod("before", [("main", 30, 4)]))]
+        with GpuSimState(cluster.agent.state) as state:
+            for _ in range(40):
+                for gpu in range(7):
+                    state.queue_xid(gpu, 13 if gpu % 2 else 31)  # application errors: ignored by default
+        time.sleep(1.0)
+        assert _unhealthy_cores(cluster) == 0
+        with GpuSimState(cluster.agent.state) as state:
+            for xid in (48, 2**32 + 48, 0, 2**63):
+                state.queue_xid(2, xid)
+            state.queue_xid(5, 79)
+        cluster.kubelet.wait_for_devices(
+            names.VCORE_RESOURCE, lambda d: sum(1 for x in d.values() if not x.healthy) >= 200, timeout=30
+        )
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 700, timeout=60)
+        cluster.delete(live.pop())
+        live.append(cluster.run_pod(gpu_pod("every-gpu", [("main", 700, 0)])))  # all seven are back
         wait_agent_matches(cluster, live)
         assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None

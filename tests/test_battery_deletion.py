@@ -10,10 +10,12 @@ lands on a GPU that is still busy.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from kubernetes.client import CoreV1Api
 
+from gpumanager import names
 from simnode.apiserver import ApiServerSimulator
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from tests.battery_fixtures import assert_no_overcommit, memory_of, spec_a100_pcie_x2, wait_agent_matches
@@ -34,3 +36,26 @@ def test_pod_deleted_before_its_status_arrives_keeps_its_gpu(tmp_path: Path) -> 
         cluster.kubelet.remove_pod(first.uid)
         cluster.api.finish_deletion(first.namespace, first.name)
         wait_agent_matches(cluster, [second])
+
+
+def test_annotations_for_a_pod_never_land_on_its_namesake(tmp_path: Path) -> None:
+    """A StatefulSet pod is deleted and created again under the same name while the agent's annotation
+    patch for the old one is still being retried: the new pod must not get the old one's GPUs."""
+    cluster = SimCluster(tmp_path / "node", spec_a100_pcie_x2(tmp_path / "spec.json"))
+    with cluster:
+        cluster.api.fail_next("PATCH", r"/pods/web-0$", 500, count=3)  # the patch is retried with backoff
+        old = cluster.run_pod(gpu_pod("web-0", [("main", 30, 4)], annotations=admission_annotations([[1]], 1)))
+        cluster.delete(old)
+        new = cluster.create(gpu_pod("web-0", [("main", 30, 4)]))
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:  # until the agent's fourth try has been answered
+            if len([r for r in cluster.api.requests if r.method == "PATCH" and r.path.endswith("/web-0")]) > 3:
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        annotations = cluster.pod(cluster.runs[new["metadata"]["uid"]])["metadata"].get("annotations") or {}
+        assert annotations.get(names.GPU_ASSIGNED) != "true", annotations
+        run = cluster.runs[new["metadata"]["uid"]]
+        cluster.admit(run.manifest, create=False)
+        cluster.start_containers(run)
+        wait_agent_matches(cluster, [run])

@@ -97,7 +97,7 @@ class AnnotationPatcher:
             if item is None:
                 return
             uid, pending = item
-            if self._apply(pending):
+            if self._apply(uid, pending):
                 for event in pending.done:
                     event.set()
                 continue
@@ -121,13 +121,25 @@ class AnnotationPatcher:
                     pending.done.extend(newer.done)
                 self._queue[uid] = pending
 
-    def _apply(self, p: _Pending) -> bool:
-        body = {"metadata": {"annotations": p.annotations}}
+    def _apply(self, uid: str, p: _Pending) -> bool:
+        # The UID makes the patch apply to this pod only, never to a namesake created since (a
+        # StatefulSet's pod created again): the API server refuses a patch that would change it.
+        body = {"metadata": {"uid": uid, "annotations": p.annotations} if uid else {"annotations": p.annotations}}
         try:
             self._rest.patch_pod(p.namespace, p.name, body, content_type=STRATEGIC_MERGE_PATCH, timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 404:
                 log.info("pod %s/%s is gone; annotations not needed", p.namespace, p.name)
+                return True
+            if uid and exc.status in (409, 422):
+                log.info(
+                    "pod %s/%s is no longer pod %s (%s %s); annotations not needed",
+                    p.namespace,
+                    p.name,
+                    uid,
+                    exc.status,
+                    exc.reason,
+                )
                 return True
             log.warning("annotating pod %s/%s: %s %s (will retry)", p.namespace, p.name, exc.status, exc.reason)
             return False

@@ -22,6 +22,7 @@ from tests.battery_fixtures import (
     readyz,
     spec_islands,
     spec_odd_mixed,
+    spec_one_gpu,
     wait_agent_matches,
 )
 
@@ -128,3 +129,26 @@ def test_multi_container_pod_gets_one_answer_each(tmp_path: Path) -> None:
         assert got["c"][1] == 200 and len(got["c"][0]) == 2
         assert_no_overcommit([run], memory_of(cluster))
         wait_agent_matches(cluster, [run])
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_device_ids_handed_on_before_the_agent_sees_the_deletion(tmp_path: Path, started: bool) -> None:
+    """The kubelet frees a pod's device IDs and gives the very same set to the next pod before the pod's
+    deletion reaches the agent (its containers had started, or its admission failed after Allocate)."""
+    spec = spec_one_gpu(tmp_path / "spec.json")  # one GPU: the kubelet has no other IDs to give
+    with SimCluster(tmp_path / "node", spec, fill="sorted") as cluster:
+        first = cluster.admit(gpu_pod("first", [("main", 100, 0)]))
+        if started:
+            cluster.start_containers(first)
+        cluster.kubelet.remove_pod(first.uid)  # the API server still has it, Pending or Running
+        second = cluster.admit(gpu_pod("second", [("main", 100, 0)]))
+        assert second.core["main"].device_ids == first.core["main"].device_ids  # the very same IDs
+        cluster.start_containers(second)
+        mounts = {m.container_path: m.host_path for m in second.core["main"].response.mounts}
+        envs = dict(second.core["main"].response.envs)
+        config = Path(mounts["/etc/vcuda"]) / Path(envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
+        assert config.is_file(), config  # the file its answer points at is there
+        assert config.read_bytes()[:48].rstrip(b"\0").decode() == second.uid
+        cluster.api.delete_pod(first.namespace, first.name)
+        assert_no_overcommit([second], memory_of(cluster))
+        wait_agent_matches(cluster, [second])

@@ -17,8 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from kubernetes.client import CoreV1Api
 
 from gpumanager import names
+from gpumanager.kube.reflector import Reflector
+from simnode.apiserver import ApiServerSimulator
 from simnode.cluster import PodRun, SimCluster, gpu_pod
 from simnode.kubelet import KubeletSimError, PluginRPCError
 from tests.battery_fixtures import assert_no_overcommit, memory_of, readyz, spec_islands, wait_agent_matches
@@ -243,3 +246,29 @@ def test_watches_ended_at_once_are_retried_with_backoff(cluster: SimCluster) -> 
     assert len(watches) <= 10, len(watches)
     live = [cluster.run_pod(gpu_pod("after", [("main", 50, 8)]))]
     _finish(cluster, live)
+
+
+def test_extender_reflector_backs_off_from_watches_ended_at_once() -> None:
+    """The scheduler extender's list+watch: the same API server ending every watch at once."""
+    with ApiServerSimulator() as api:
+        core = CoreV1Api(api.client())
+        reflector = Reflector("pods", core.list_pod_for_all_namespaces, watch_timeout=60)
+        reflector.start()
+        stop = threading.Event()
+
+        def end_watches() -> None:
+            while not stop.is_set():
+                api.close_watches()
+                time.sleep(0.005)
+
+        closer = threading.Thread(target=end_watches, daemon=True)
+        try:
+            assert reflector.wait_synced(10)
+            closer.start()
+            api.clear_requests()
+            time.sleep(3.0)
+            watches = [r for r in api.requests if "watch" in str(r.query)]
+        finally:
+            stop.set()
+            reflector.stop()
+        assert len(watches) <= 10, len(watches)

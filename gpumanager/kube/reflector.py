@@ -13,6 +13,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ ListCall = Callable[..., Any]
 
 _BACKOFF_START = 0.5
 _BACKOFF_MAX = 10.0
+_SHORT_WATCH_SECONDS = 1.0
 
 
 class WatchExpiredError(Exception):
@@ -178,14 +180,20 @@ class Reflector:
             kwargs["field_selector"] = self._selector
         response = self._call(**kwargs)
         self._response = response
+        started, events = time.monotonic(), 0
         try:
             for line in _lines(response):
                 if self._stop.is_set():
                     return
                 self._apply(json.loads(line))
+                events += 1
         finally:
             self._response = None
             response.release_conn()
+        if not events and not self._stop.is_set() and time.monotonic() - started < _SHORT_WATCH_SECONDS:
+            # As client-go: a watch ended at once with no event is an error, retried after the backoff
+            # (an API server or a proxy ending every watch must not be watched again in a hot loop).
+            raise RuntimeError(f"very short watch: ended within {_SHORT_WATCH_SECONDS:g} s with no event")
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("type")

@@ -134,8 +134,8 @@ class HealthMonitor:
                 return
             new = HealthState(False, reason, now)
             self._state[index] = new
+        self._notify(index, new)  # the kubelet first: the log line can wait
         log.warning("GPU %d (%s) is unhealthy: %s", index, self._gpus[index].uuid, reason)
-        self._notify(index, new)
 
     def _mark_ok(self, index: int) -> None:
         now = self._clock()

@@ -367,7 +367,25 @@ class Agent:
     def _allocator_health(self, index: int, state: HealthState) -> None:
         with self._health_lock:
             if self.allocator is not None:
+                if state.healthy and index in self.lost:
+                    self._describe_returned(index)
                 self.allocator.set_healthy(index, state.healthy)
+
+    def _describe_returned(self, index: int) -> None:
+        """A GPU lost at start answers: until now it was described from the saved inventory or like its
+        peers; from now on as it is (its minor, UUID and memory may differ from the guess)."""
+        try:
+            info = nvml.describe(index)
+        except nvml.NVMLError as exc:
+            log.warning("GPU %d answers again but cannot be described: %s", index, exc)
+            return
+        self.lost = [i for i in self.lost if i != index]
+        if info == self.gpus[index]:
+            return
+        log.warning("GPU %d is back: %s (it was counted as %s while lost)", index, info, self.gpus[index])
+        self.gpus[index] = info
+        assert self.allocator is not None
+        self.allocator.replace_gpu(info)
 
     def _on_health(self, index: int, state: HealthState) -> None:
         if self.device_lists is not None and self.device_lists.set_healthy(index, state.healthy):

@@ -19,6 +19,7 @@ from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
 from simnode.kubelet import KubeletSimError, PluginRPCError
 from tests.battery_fixtures import (
+    SPECS,
     answered,
     assert_no_overcommit,
     memory_of,
@@ -196,3 +197,44 @@ def test_xid_storm_marks_only_what_it_should_and_everything_comes_back(tmp_path:
         live.append(cluster.run_pod(gpu_pod("every-gpu", [("main", 700, 0)])))  # all seven are back
         wait_agent_matches(cluster, live)
         assert cluster.agent.proc is not None and cluster.agent.proc.poll() is None
+
+
+def test_gpu_lost_on_a_fresh_node_then_back_is_used_as_it_really_is(tmp_path: Path) -> None:
+    """A new node (no saved inventory) whose 40 GB GPU among 80 GB ones is lost from the first start,
+    then answers again: it must be used with its own minor and memory, not the stand-in's guesses."""
+    spec = SPECS["a800-small-one-x8"](tmp_path / "spec.json")  # NVML index 3: minor 4, 40 GB
+    cluster = SimCluster(tmp_path / "node", spec, agent_flags=FAST_HEALTH)
+    cluster.start(agent=False)
+    try:
+        with GpuSimState(cluster.workdir / "gpusim.state") as state:
+            state.set_lost(3)
+        cluster.start_agent()
+        cluster.kubelet.wait_for_devices(
+            names.VCORE_RESOURCE, lambda d: sum(1 for x in d.values() if not x.healthy) == 100, timeout=30
+        )
+        with GpuSimState(cluster.workdir / "gpusim.state") as state:
+            state.set_lost(3, False)
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 800, timeout=60)
+        mem = memory_of(cluster)
+        live = []
+        # Fill the returned GPU through gpu-admission's annotation: 4 x 12 GB fit 40 GB only 3 times.
+        for i in range(4):
+            try:
+                live.append(
+                    cluster.run_pod(
+                        gpu_pod(f"on-4-{i}", [("main", 20, 48)], annotations=admission_annotations([[4]], i + 1))
+                    )
+                )
+            except PluginRPCError as exc:
+                assert "GPU 4" in exc.details, exc.details
+                cluster.delete(next(r for r in cluster.runs.values() if r.name == f"on-4-{i}"))
+        assert len(live) == 3, [answered(r) for r in live]
+        for run in live:
+            minors, _, _ = answered(run)["main"]
+            assert set(minors) <= set(mem), minors
+            envs = dict(run.core["main"].response.envs)
+            assert "GPU-lost" not in envs["NVIDIA_VISIBLE_DEVICES"], envs
+        assert_no_overcommit(live, mem)
+        wait_agent_matches(cluster, live)
+    finally:
+        cluster.stop()

@@ -204,6 +204,14 @@ class Allocator:
         with self._lock:
             return self._tree.clone()
 
+    def replace_gpu(self, info: GPUInfo) -> None:
+        """Use GPU ``info.index`` as NVML describes it now (its minor, UUID and memory were a guess)."""
+        with self._lock:
+            self._gpus = [info if g.index == info.index else g for g in self._gpus]
+            self._by_minor = {g.minor: g for g in self._gpus}
+            self._tree.replace_info(info)
+            self._responses.clear()
+
     def set_healthy(self, index: int, healthy: bool) -> None:
         """Take a GPU out of the evaluators' reach (or bring it back); its accounting stays."""
         with self._lock:

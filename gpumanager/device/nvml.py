@@ -132,6 +132,11 @@ def _describe(index: int, handle: object) -> GPUInfo:
     )
 
 
+def describe(index: int) -> GPUInfo:
+    """One GPU as NVML describes it now (raises NVMLError, e.g. while it is lost)."""
+    return _describe(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+
+
 def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GPUInfo:
     """A lost GPU as last seen (saved inventory), else shaped like its healthy peers."""
     saved = known.get(index)

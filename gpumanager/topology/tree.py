@@ -174,6 +174,15 @@ class TopologyTree:
         if leaf.allocatable_cores == HUNDRED_CORES:
             leaf.in_pool = True
 
+    def replace_info(self, info: GPUInfo) -> None:
+        """What NVML says of GPU ``info.index`` now replaces what the tree was built with (a GPU lost at
+        start was described by a guess); what is allocated on it stays allocated."""
+        leaf = self.leaf(info.index)
+        used = leaf.total_memory - leaf.allocatable_memory
+        leaf.info = info
+        leaf.allocatable_memory = max(0, info.memory_total - used)
+        self._by_minor = {g.minor: g for g in self.leaves}
+
     def set_healthy(self, index: int, healthy: bool) -> None:
         """Mark GPU ``index`` healthy or not.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager.allocation import journal
-from gpumanager.allocation.allocator import AllocationError
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.journal import CheckpointStore, read_document
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
@@ -146,6 +146,7 @@ class GatedWrites:
         self.gate = threading.Event()
         self.writes: list[int] = []
         self.error: OSError | None = None
+        self.done: list[object] = []  # what the held calls produced (answers, refusals)
         real = journal._Segment.write_at
 
         def write_at(segment: journal._Segment, offset: int, data: bytes) -> None:
@@ -156,6 +157,20 @@ class GatedWrites:
             real(segment, offset, data)
 
         monkeypatch.setattr(journal._Segment, "write_at", write_at)
+
+    def hold(self, alloc: Allocator, calls: int, call: Callable[[int], None]) -> list[object]:
+        """``calls`` concurrent ``call(i)`` (allocations), the first flush held at the gate until every
+        call has decided and staged its record (the state shows them all) and the lock was free for
+        them; returns what ``call`` had appended to ``done`` by then, then opens the gate."""
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(calls)]
+        for t in threads:
+            t.start()
+        until(lambda: bool(self.writes) and len(alloc.allocations()) == calls, "allocations queued behind the disk")
+        before = list(self.done)
+        self.gate.set()
+        for t in threads:
+            t.join(30)
+        return before
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
@@ -180,28 +195,26 @@ def test_staged_changes_are_written_together_by_the_first_to_sync(tmp_path: Path
     assert sorted(mapping) == [f"p{i}" for i in range(10)]
 
 
+def gated_allocator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pods: int
+) -> tuple[FakePods, Allocator, GatedWrites]:
+    """An allocator whose checkpoint exists, ``pods`` pending pods of one 10-core share each, and its
+    journal writes held at a gate."""
+    pending = FakePods([make_pod(f"p{i}", [("c", 10, 1)]) for i in range(pods)])
+    alloc = make_allocator(tmp_path, pending)
+    alloc.probe_checkpoint()
+    return pending, alloc, GatedWrites(monkeypatch)
+
+
 def test_concurrent_allocations_share_a_flush_and_none_is_answered_before_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods = FakePods([make_pod(f"p{i}", [("c", 10, 1)]) for i in range(8)])
-    alloc = make_allocator(tmp_path, pods)
-    alloc.probe_checkpoint()
-    gated = GatedWrites(monkeypatch)
-    answered: list[object] = []
-    threads = [
-        threading.Thread(target=lambda i=i: answered.append(alloc.allocate(core_ids(0, 10, start=10 * i))))
-        for i in range(8)
-    ]
-    for t in threads:
-        t.start()
+    pods, alloc, gated = gated_allocator(tmp_path, monkeypatch, 8)
     # The first flush is held at the disk; the lock is free meanwhile, so every other call decides and
     # stages its record (the state already shows it) -- but nobody has an answer yet.
-    until(lambda: bool(gated.writes) and len(alloc.allocations()) == 8, "allocations queued behind the disk")
-    assert answered == []
-    gated.gate.set()
-    for t in threads:
-        t.join(30)
-    assert len(answered) == 8
+    before_flush = gated.hold(alloc, 8, lambda i: gated.done.append(alloc.allocate(core_ids(0, 10, start=10 * i))))
+    assert before_flush == []
+    assert len(gated.done) == 8
     # Two flushes for eight changes: the first caller's, then one for everyone who staged meanwhile.
     assert len(gated.writes) == 2 and sum(gated.writes) == 8, gated.writes
     again = make_allocator(tmp_path, pods)
@@ -211,26 +224,17 @@ def test_concurrent_allocations_share_a_flush_and_none_is_answered_before_it(
 def test_a_failed_flush_refuses_every_allocation_in_it_and_leaves_no_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods = FakePods([make_pod(f"p{i}", [("c", 10, 1)]) for i in range(3)])
-    alloc = make_allocator(tmp_path, pods)
-    alloc.probe_checkpoint()
-    gated = GatedWrites(monkeypatch)
+    pods, alloc, gated = gated_allocator(tmp_path, monkeypatch, 3)
     gated.error = OSError(errno.ENOSPC, "No space left on device")
-    refused: list[AllocationError] = []
 
     def one(i: int) -> None:
         try:
             alloc.allocate(core_ids(0, 10, start=10 * i))
         except AllocationError as exc:
-            refused.append(exc)
+            gated.done.append(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    until(lambda: bool(gated.writes) and len(alloc.allocations()) == 3, "allocations queued behind the disk")
-    gated.gate.set()
-    for t in threads:
-        t.join(30)
+    gated.hold(alloc, 3, one)
+    refused = [e for e in gated.done if isinstance(e, AllocationError)]
     assert len(refused) == 3
     assert all(e.kind == "unavailable" and "No space left on device" in str(e) for e in refused), refused
     assert alloc.allocations() == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -52,18 +53,26 @@ class _Lister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
         return pb.GetPodResourcesResponse(pod_resources=self.pod)
 
 
-@pytest.fixture(params=[True, False], ids=["with-get", "list-only"])
-def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[PodResourcesClient, _Lister]]:
-    lister = _Lister(request.param)
-    server = grpc.server(futures.ThreadPoolExecutor(2))
+@contextlib.contextmanager
+def serving(lister: _Lister, sock: Path, workers: int = 2) -> Iterator[PodResourcesClient]:
+    """``lister`` served on ``sock`` and a client of it."""
+    server = grpc.server(futures.ThreadPoolExecutor(workers))
     pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    sock = tmp_path / "kubelet.sock"
     server.add_insecure_port(f"unix://{sock}")
     server.start()
     client = PodResourcesClient(sock)
-    yield client, lister
-    client.close()
-    server.stop(0)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop(0)
+
+
+@pytest.fixture(params=[True, False], ids=["with-get", "list-only"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[PodResourcesClient, _Lister]]:
+    lister = _Lister(request.param)
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        yield client, lister
 
 
 def test_devices_split_by_numa_are_one_owner(served: tuple[PodResourcesClient, _Lister]) -> None:
@@ -95,13 +104,7 @@ def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path
             context.abort(grpc.StatusCode.NOT_FOUND, "no such pod")
 
     lister = Slow(with_get=True)
-    server = grpc.server(futures.ThreadPoolExecutor(64))
-    pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-    sock = tmp_path / "kubelet.sock"
-    server.add_insecure_port(f"unix://{sock}")
-    server.start()
-    client = PodResourcesClient(sock)
-    try:
+    with serving(lister, tmp_path / "kubelet.sock", workers=64) as client:
         answers: list[tuple[str, str, str] | None] = []
         threads = [
             threading.Thread(target=lambda: answers.append(client.owner_of("r", ["a", "b", "c"], hint=("ml", "wrong"))))
@@ -117,9 +120,6 @@ def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path
         release.set()
         for t in threads:
             t.join(30)
-    finally:
-        client.close()
-        server.stop(0)
     assert answers == [("ml", "train", "main")] * 20
     # One Get (the first lookup, alone) and at most three Lists: the first, the one everyone who
     # arrived while it ran shares, and one for the Get's caller after its hint proved wrong.

@@ -300,7 +300,10 @@ class Allocator:
                     candidate = found
                     alloc, response, ticket = self._allocate_locked(candidate, ordered)
                     changed = True
-            self._sync_or_undo(alloc, ticket)
+            try:
+                self._sync_or_undo(ticket, lambda: self._undo_allocation(alloc))
+            except OSError as exc:
+                raise self._unwritten(alloc.key, alloc.device_ids, exc) from exc
             crash_point("allocate-after-checkpoint")
         finally:
             if changed:
@@ -325,24 +328,25 @@ class Allocator:
         assert response is not None
         return alloc, response, ticket
 
-    def _sync_or_undo(self, alloc: ContainerAllocation, ticket: int) -> None:
-        """Wait (lock released) until ``alloc``'s record is durable; when it cannot be written, undo the
-        allocation and refuse."""
+    def _sync_or_undo(self, ticket: int, undo: Callable[[], bool]) -> None:
+        """Wait (lock released) until the record of ``ticket`` is durable. When it cannot be written,
+        ``undo`` the change under the lock (False: the state has moved on, nothing to undo) and raise
+        the OSError. A snapshot taken since the record was staged may hold the change: the state is
+        then written again without it (best effort)."""
         try:
             self._sync(ticket)
-        except OSError as exc:
+        except OSError:
             with self._changing():
-                if self._allocs.get(alloc.key) is alloc:
-                    self._remove(alloc.key)
-                    self._free(alloc)
-                    self._forget(ticket)
-            raise self._unwritten(alloc.key, alloc.device_ids, exc) from exc
+                if undo() and self._store.switched_since(ticket):
+                    self._save_or_report(None)
+            raise
 
-    def _forget(self, ticket: int) -> None:
-        """A change whose record failed is undone (under the lock): a snapshot taken since it was staged
-        may hold it, so the state is written again without it (best effort)."""
-        if self._store.switched_since(ticket):
-            self._save_or_report(None)
+    def _undo_allocation(self, alloc: ContainerAllocation) -> bool:
+        if self._allocs.get(alloc.key) is not alloc:
+            return False
+        self._remove(alloc.key)
+        self._free(alloc)
+        return True
 
     def _unwritten(self, key: tuple[str, str], device_ids: Sequence[str], exc: OSError) -> AllocationError:
         return AllocationError(
@@ -1083,12 +1087,10 @@ class Allocator:
                     f"{who}: {self._checkpoint_error}; no claim is prepared until it can be written", "unavailable"
                 ) from exc
         try:
-            self._sync(ticket)
+            self._sync_or_undo(
+                ticket, lambda: self._claims.get(claim.uid) is claim and self._drop_claim(claim.uid) is not None
+            )
         except OSError as exc:
-            with self._changing():
-                if self._claims.get(claim.uid) is claim:
-                    self._drop_claim(claim.uid)
-                    self._forget(ticket)
             raise AllocationError(
                 f"{who}: cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}; no claim is prepared "
                 "until it can be written",

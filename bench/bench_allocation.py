@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Variant, dsync_write_seconds, figure, load, variants
+from figures import Variant, dsync_write_seconds, figure, histogram, histogram_quantile, load, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR
@@ -68,6 +68,15 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
     return allocate, prestart
 
 
+CALL_SECONDS = "gpu_manager_kubelet_call_duration_seconds"
+
+
+def scrape(url: str) -> str:
+    """The agent's /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return str(resp.read().decode())
+
+
 def rss_kib(pid: int, field: str) -> int:
     """VmRSS or VmHWM of a process, KiB."""
     for text in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -89,6 +98,8 @@ class Figures:
     scrape: list[float] = field(default_factory=list)
     scrape_kib: int = 0
     dsync: list[float] = field(default_factory=list)
+    # The agent's own time in Allocate / PreStartContainer (its histogram): (p50, p99) seconds.
+    inside: dict[str, tuple[float, float]] = field(default_factory=dict)
     rss_kib: int = 0
     hwm_kib: int = 0
     pods: int = 0
@@ -102,6 +113,9 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
     cluster.start()
     try:
         got.dsync = dsync_write_seconds(cluster.checkpoint_dir)
+        assert cluster.agent is not None
+        url = f"http://127.0.0.1:{cluster.agent.query_port}/metrics"
+        scrapes = [scrape(url)]
         manifests = [gpu_pod(f"bench-{i:03d}", [("main", 3, 2)]) for i in range(args.pods)]
         for m in manifests:
             cluster.create(m)
@@ -114,10 +128,15 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
             cluster.kubelet.pre_start(CORE, pod_uid=run_.uid, container_name="main")
             got.prestart.append(time.perf_counter() - started)
             cluster.start_containers(run_)
+        scrapes.append(scrape(url))
         got.burst_allocate, got.burst_prestart = burst(cluster, args.burst, args.pods)
+        scrapes.append(scrape(url))
+        for phase, (before, after) in (("fill", scrapes[0:2]), ("burst", scrapes[1:3])):
+            for call in ("Allocate", "PreStartContainer"):
+                labels = {"resource": CORE, "call": call}
+                b, a = histogram(before, CALL_SECONDS, labels), histogram(after, CALL_SECONDS, labels)
+                got.inside[f"{phase} {call}"] = (histogram_quantile(0.5, b, a), histogram_quantile(0.99, b, a))
         got.pods = len(cluster.runs)
-        assert cluster.agent is not None
-        url = f"http://127.0.0.1:{cluster.agent.query_port}/metrics"
         for _ in range(args.scrapes):
             started = time.perf_counter()
             with urllib.request.urlopen(url, timeout=10) as resp:
@@ -154,6 +173,13 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
     each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
     each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
+
+    def inside(key: str) -> Callable[[Figures], str]:
+        return lambda f: f"p50 ~{f.inside[key][0] * 1000:.2f} ms, p99 ~{f.inside[key][1] * 1000:.2f} ms"
+
+    print("the agent's own time in the call (from its latency histogram, interpolated within buckets):")
+    for key in ("fill Allocate", "fill PreStartContainer", "burst Allocate", "burst PreStartContainer"):
+        each(f"  {key}", inside(key))
     each(
         f"GET /metrics with {args.pods + args.burst} containers",
         lambda f: figure("", f.scrape, target_ms=20) + f" ({f.scrape_kib} KiB)",

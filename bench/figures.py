@@ -72,6 +72,38 @@ def dsync_write_seconds(directory: Path, count: int = 200, size: int = 512) -> l
     return out
 
 
+def histogram(text: str, family: str, labels: dict[str, str]) -> list[tuple[float, float]]:
+    """The cumulative buckets (upper bound, count) of one series of a Prometheus histogram in ``text``."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(family + "_bucket{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        pairs = dict(p.split("=", 1) for p in head[head.index("{") + 1 : head.rindex("}")].split(","))
+        pairs = {k: v.strip('"') for k, v in pairs.items()}
+        if all(pairs.get(k) == v for k, v in labels.items()):
+            out.append((float(pairs["le"]), float(value)))
+    return sorted(out)
+
+
+def histogram_quantile(q: float, before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float:
+    """Seconds below which a fraction ``q`` of the observations between two scrapes fell, interpolated
+    within the bucket as Prometheus's histogram_quantile does (an estimate, as fine as the buckets)."""
+    was = dict(before)
+    buckets = [(le, count - was.get(le, 0.0)) for le, count in after]
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(count - below, 1e-9)
+        lower, below = le, count
+    return lower
+
+
 @dataclass
 class Variant:
     """One agent to measure: this checkout's, or another revision's gpumanager package (``--before``)."""

@@ -47,6 +47,7 @@ from gpumanager.deviceplugin.late import LateHandlers
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.server import PluginServer
 from gpumanager.deviceplugin.servicer import ResourceServicer
+from gpumanager.faults import stall_point
 from gpumanager.kube.podsource import PodSourceProxy
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ log = logging.getLogger(__name__)
 ALLOCATE_WAIT_SECONDS = 5.0
 #: How long the background start waits for the first registration with the kubelet.
 REGISTRATION_FIRST_SECONDS = 1.0
+#: How long a stop waits for a step of the background start in progress (a component being started).
+STOP_WAITS_FOR_START_SECONDS = 1.0
 # Flags kept only so existing manifests work.
 _COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout", "cgroup_driver")
 
@@ -205,6 +208,9 @@ class Agent:
         self.ready = threading.Event()  # the background start is done: Allocate may proceed
         self._nvml_started = False
         self._stopping = threading.Event()
+        # Held while a component is being started in the background and while the agent stops: a
+        # component is either started before the stop looks (and stopped by it) or never started.
+        self._lifecycle = threading.Lock()
         self.started_at = 0.0
 
     # -- start ----------------------------------------------------------------------------------
@@ -466,7 +472,8 @@ class Agent:
         if self.plugins is not None:
             self.plugins.registered_event.wait(REGISTRATION_FIRST_SECONDS)
         try:
-            self._start_allocation()
+            if not self._unless_stopping(self._start_allocation):
+                return
         except Exception as exc:
             log.exception("cannot load the allocation state")
             self._component_failed("allocation", f"cannot load the allocation state: {exc}")
@@ -474,18 +481,17 @@ class Agent:
             self.ready.set()
             return
         try:
-            self._start_mirror()
-            self._start_query()
-            self._start_kube()
-            if self.config.mode == "dra" and not self._stopping.is_set():
+            self._unless_stopping(self._start_mirror)
+            self._unless_stopping(self._start_query)
+            self._start_kube()  # waits on the API server: not under the lock (the stop interrupts it)
+            if self.config.mode == "dra":
                 self._start_dra()
         except Exception:
             log.exception("background start failed; the device plugin goes on serving")
         finally:
             self.ready.set()
-        if self._stopping.is_set():
+        if not self._unless_stopping(self._start_loops):
             return
-        self._start_loops()
         self._label_node()
         log.info(
             "serving %d GPUs: %s=%d, %s=%d devices in %s (started in %.0f ms)",
@@ -497,6 +503,15 @@ class Agent:
             self.config.device_plugin_path,
             (time.monotonic() - self.started_at) * 1000,
         )
+
+    def _unless_stopping(self, start: Callable[[], None]) -> bool:
+        """Run one step of the background start unless the agent is stopping (False then). The stop
+        waits for a step in progress, so whatever the step starts is seen, and stopped, by it."""
+        with self._lifecycle:
+            if self._stopping.is_set():
+                return False
+            start()
+            return True
 
     def _start_mirror(self) -> None:
         assert self.mirror is not None and self.allocator is not None
@@ -569,7 +584,10 @@ class Agent:
         assert self.allocator is not None and self.vmanager is not None and self.recovery is not None
         allocator, vmanager = self.allocator, self.vmanager
         api = ApiConnection(kubeconfig=self.config.kubeconfig, node_name=self.node_name)
-        self.api = api
+        with self._lifecycle:
+            if self._stopping.is_set():
+                return
+            self.api = api
         device_plugin = self.config.mode != "dra"
         # DRA mode: allocations left from device-plugin mode are only freed when their pods end
         # (claims are freed by NodeUnprepareResources; no directory is removed by this check).
@@ -620,7 +638,7 @@ class Agent:
         """Publish the ResourceSlice as early as possible: it needs only the GPUs and their health."""
         from gpumanager.dra.mode import make_publisher
 
-        self._slices = make_publisher(
+        publisher = make_publisher(
             api_client,
             settings=self._dra_settings(),
             node=self.node_name,
@@ -629,20 +647,44 @@ class Agent:
             health=self.health,
             report=self._report,
         )
-        threading.Thread(target=self._slices.start, name="slice-first-sync", daemon=True).start()
+        with self._lifecycle:
+            if self._stopping.is_set():
+                return
+            self._slices = publisher
+        threading.Thread(target=publisher.start, name="slice-first-sync", daemon=True).start()
 
     def _start_dra(self) -> None:
         """DRA mode: claims prepared into the same allocation state, limit files and driver mirror."""
+        # Loaded before the lifecycle lock is taken (a stop waits on the lock, not on imports).
+        import gpumanager.dra.mode
+        import gpumanager.metrics.claims  # noqa: F401
+
+        cfg = self.config
+        if self.api is None or self.api.api is None:
+            self._component_failed("dra", "DRA mode needs the API server; not serving claims")
+            return
+        stall_point("start-dra")
+        if not self._unless_stopping(self._start_dra_mode):
+            return
+        assert self.dra is not None
+        self._wait_serving(self.dra.sockets.service_socket)
+        log.info(
+            "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
+            len(self.gpus),
+            cfg.dra_driver_name,
+            f"{self.node_name}-{cfg.dra_driver_name}",
+            self.dra.sockets.service_socket,
+        )
+
+    def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi
         from gpumanager.dra.mode import DRAMode
         from gpumanager.metrics.claims import ClaimCollector
 
         cfg = self.config
-        assert self.allocator is not None and self.health is not None and self.mirror is not None
-        if self.api is None or self.api.api is None:
-            self._component_failed("dra", "DRA mode needs the API server; not serving claims")
-            return
         calls = self.calls
+        assert self.allocator is not None and self.health is not None and self.mirror is not None
+        assert self.api is not None and self.api.api is not None
         self.dra = DRAMode(
             settings=self._dra_settings(),
             publisher=self._slices,
@@ -673,14 +715,6 @@ class Agent:
         if self.registry is not None:
             self.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus))
         self.dra.start()
-        self._wait_serving(self.dra.sockets.service_socket)
-        log.info(
-            "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
-            len(self.gpus),
-            cfg.dra_driver_name,
-            f"{self.node_name}-{cfg.dra_driver_name}",
-            self.dra.sockets.service_socket,
-        )
 
     def _report(self, name: str, message: str | None) -> None:
         """A component's error (logged once), or its recovery (None)."""
@@ -821,10 +855,22 @@ class Agent:
     def stop(self) -> None:
         """Stop every component, our sockets first; nothing is waited for long (well under 2 s in all)."""
         self._stopping.set()
+        # A step of the background start in progress finishes first (its components are then
+        # stopped here); one that hangs is not waited for beyond the bound.
+        locked = self._lifecycle.acquire(timeout=STOP_WAITS_FOR_START_SECONDS)
+        try:
+            self._stop_components()
+        finally:
+            if locked:
+                self._lifecycle.release()
+
+    def _stop_components(self) -> None:
         if self.plugins is not None:
             self.plugins.stop()
         if self.dra is not None:
             self.dra.stop()
+        elif self._slices is not None:
+            self._slices.stop()
         if self.display is not None:
             self.display.stop()
         if self.http is not None:
@@ -838,6 +884,7 @@ class Agent:
             self.api.stop()
         if self.allocator is not None:
             self.allocator.close()
+        stall_point("stop")
         if self.health is not None:
             self.health.stop(timeout=0.6)
         if self._nvml_started:

@@ -242,11 +242,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             agent.recheck()
     _stop_within(agent, STOP_DEADLINE)
     log.info("stopped")
+    exit_watchdog(EXIT_DEADLINE)
     return EXIT_OK
 
 
 #: Seconds a stop may take; the kubelet waits 30 s but a rolling update should not.
 STOP_DEADLINE = 1.5
+
+
+#: Seconds the interpreter may take to exit after a stop (it joins the threads that are not daemons).
+EXIT_DEADLINE = 2.0
+
+
+def exit_watchdog(deadline: float) -> None:
+    """Leave the process ``deadline`` seconds from now if the interpreter's own exit has not ended it:
+    a thread that is not a daemon (a gRPC handler still inside a stream, say) would otherwise keep a
+    stopped agent alive until the kubelet kills it. The threads that held it are logged."""
+
+    def run() -> None:
+        time.sleep(deadline)
+        held = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        log.warning("threads still running %.1f s after the stop: %s; exiting now", deadline, ", ".join(held))
+        logging.shutdown()
+        os._exit(EXIT_OK)
+
+    threading.Thread(target=run, name="exit-watchdog", daemon=True).start()
 
 
 def _stop_within(agent: Agent, deadline: float) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,3 +33,45 @@ def test_sigterm_while_dra_start_waits_on_the_api_server(tmp_path: Path, mode: s
         assert took < 5, f"the agent took {took:.1f} s to leave after SIGTERM:\n{agent.log_text()[-3000:]}"
         assert code == 0
         assert list(c.registry_dir.glob("*.sock")) == []
+
+
+def test_sigterm_while_dra_mode_is_being_started_serves_nothing_after_and_exits(tmp_path: Path) -> None:
+    """A stop that lands between the check "not stopping" and the start of the DRA sockets, and takes
+    a while (as stopping the health monitor may): the sockets must not come up during or after the
+    stop, and nothing (a gRPC handler the kubelet holds open) may keep the process from exiting."""
+    with DRACluster(tmp_path / "c", "t4-x1") as c:
+        assert c.agent is not None
+        c.agent.stop()
+        agent = c.start_agent(wait=False, env={"GPU_MANAGER_STALL_AT": "start-dra:0.5,stop:1"})
+        agent.wait_for_log("stalling 0.5 s at start-dra", timeout=60)
+        agent.signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code = agent.wait(timeout=20)
+        took = time.monotonic() - sent
+        log_text = agent.log_text()
+        after_stop = log_text[log_text.index("received SIGTERM") :]
+        assert took < 5, f"the agent took {took:.1f} s to leave after SIGTERM:\n{log_text[-3000:]}"
+        assert code == 0
+        assert "serving DRA" not in after_stop, after_stop
+        assert "still running" not in after_stop, after_stop
+        assert list(c.registry_dir.glob("*.sock")) == []
+        assert not any(p.name == "dra.sock" for p in c.sockets_dir.rglob("*.sock"))
+
+
+def test_a_thread_left_running_after_the_stop_does_not_keep_the_process(tmp_path: Path) -> None:
+    """The last guard of "SIGTERM stops it": a non-daemon thread that never ends (as a gRPC handler
+    blocked in a stream would be) holds the interpreter's exit; the watchdog ends the process and
+    names the thread."""
+    script = (
+        "import logging, sys, threading, time\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.INFO)\n"
+        "from gpumanager.cli import exit_watchdog\n"
+        "threading.Thread(target=time.sleep, args=(60,), name='stuck-handler').start()\n"
+        "exit_watchdog(0.5)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert took < 10, took
+    assert "threads still running 0.5 s after the stop: stuck-handler; exiting now" in done.stderr

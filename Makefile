@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 
 build: $(VENV)/.installed
 	$(MAKE) -C vcuda PYTHON=$(abspath $(PY))
+	# Byte-compiled as a wheel install is: the agent's start does not compile its modules each time.
+	$(PY) -m compileall -q gpumanager simnode >/dev/null
 
 demo: build
 	$(PY) -m simnode.demo

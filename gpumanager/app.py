@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 ALLOCATE_WAIT_SECONDS = 5.0
 #: How long the background start waits for the first registration with the kubelet.
 REGISTRATION_FIRST_SECONDS = 1.0
+#: How long DRA mode's start waits for its first ResourceSlice write before it goes on.
+SLICE_FIRST_SECONDS = 1.0
 #: How long a stop waits for a step of the background start in progress (a component being started).
 STOP_WAITS_FOR_START_SECONDS = 1.0
 # Flags kept only so existing manifests work.
@@ -294,6 +296,7 @@ class Agent:
         from gpumanager.volume.keeper import MirrorKeeper
 
         cfg = self.config
+        stall_point("start-allocation")
         assert self.layout is not None
         if not self.lost:
             inventory.save(Path(cfg.checkpoint_path) / inventory.FILE, self.gpus, self.topology)
@@ -471,6 +474,12 @@ class Agent:
         # Registration first: loading the Kubernetes client would compete with it for the interpreter.
         if self.plugins is not None:
             self.plugins.registered_event.wait(REGISTRATION_FIRST_SECONDS)
+        if self.config.mode == "dra":
+            try:
+                self._start_dra_slices()
+            except Exception as exc:
+                log.exception("cannot start publishing the ResourceSlice")
+                self._component_failed("resourceslice", f"cannot start publishing the ResourceSlice: {exc}")
         try:
             if not self._unless_stopping(self._start_allocation):
                 return
@@ -576,18 +585,16 @@ class Agent:
             self._component_failed("http", f"cannot listen on {cfg.query_addr}:{cfg.query_port}: {exc}")
 
     def _start_kube(self) -> None:
-        """The API-server side; the Kubernetes client is loaded only now."""
+        """The API-server side: pod cache, allocation check, recovery (the client is built here, or was
+        already in DRA mode)."""
         from gpumanager.allocation.check import AllocationCheck
-        from gpumanager.kube.connection import ApiConnection
         from gpumanager.kube.podresources import PodResourcesClient
 
         assert self.allocator is not None and self.vmanager is not None and self.recovery is not None
         allocator, vmanager = self.allocator, self.vmanager
-        api = ApiConnection(kubeconfig=self.config.kubeconfig, node_name=self.node_name)
-        with self._lifecycle:
-            if self._stopping.is_set():
-                return
-            self.api = api
+        api = self.api or self._start_api_client()
+        if api is None:
+            return
         device_plugin = self.config.mode != "dra"
         # DRA mode: allocations left from device-plugin mode are only freed when their pods end
         # (claims are freed by NodeUnprepareResources; no directory is removed by this check).
@@ -601,7 +608,7 @@ class Agent:
             wait_synced=self.pods.wait_synced,
         )
         dra = self.config.mode == "dra"
-        cache = api.connect(self.check.on_pod_event, on_client=self._start_dra_slices if dra else None)
+        cache = api.connect(self.check.on_pod_event)
         if cache is None:
             self._component_failed("api-server", f"{api.error}; serving without it (Allocate will refuse)")
             self.pods.fail(api.error)
@@ -634,9 +641,29 @@ class Agent:
             health_report_period=cfg.health_probe_period,
         )
 
-    def _start_dra_slices(self, api_client: Any) -> None:
-        """Publish the ResourceSlice as early as possible: it needs only the GPUs and their health."""
+    def _start_api_client(self) -> ApiConnection | None:
+        """The API connection and its client (the Kubernetes package is loaded here, the slowest part of
+        the start); None when the agent is stopping. A client that cannot be built leaves
+        ``api.error`` set for the pod cache's start to report."""
+        from gpumanager.kube.connection import ApiConnection
+
+        api = ApiConnection(kubeconfig=self.config.kubeconfig, node_name=self.node_name)
+        with self._lifecycle:
+            if self._stopping.is_set():
+                return None
+            self.api = api
+        api.client()
+        return api
+
+    def _start_dra_slices(self) -> None:
+        """DRA mode publishes its ResourceSlice first, before the allocation state, the endpoints and the
+        pod cache load: the slice needs only the GPUs and their health, and the scheduler waits on it."""
         from gpumanager.dra.mode import make_publisher
+
+        api = self._start_api_client()
+        api_client = api.client() if api is not None else None
+        if api_client is None:
+            return
 
         publisher = make_publisher(
             api_client,
@@ -652,6 +679,9 @@ class Agent:
                 return
             self._slices = publisher
         threading.Thread(target=publisher.start, name="slice-first-sync", daemon=True).start()
+        # The first write goes out before the rest of the start competes with it for the interpreter;
+        # an API server that does not answer is not waited for long (the publisher keeps retrying).
+        publisher.published.wait(SLICE_FIRST_SECONDS)
 
     def _start_dra(self) -> None:
         """DRA mode: claims prepared into the same allocation state, limit files and driver mirror."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simnode.dra_cluster import DRACluster
+from simnode.dra_cluster import NODE, DRACluster
 
 
 @pytest.mark.parametrize("mode", ["hang", "refuse", "503"])
@@ -75,3 +75,19 @@ def test_a_thread_left_running_after_the_stop_does_not_keep_the_process(tmp_path
     assert done.returncode == 0, done.stderr
     assert took < 10, took
     assert "threads still running 0.5 s after the stop: stuck-handler; exiting now" in done.stderr
+
+
+def test_dra_mode_publishes_its_slice_before_loading_the_allocation_state(tmp_path: Path) -> None:
+    """The ResourceSlice needs only the GPUs and their health; the scheduler waits on it, so it does not
+    wait for the allocation state, the endpoints or the pod cache (here the allocation step stalls)."""
+    with DRACluster(tmp_path / "c", "t4-x1") as c:
+        assert c.agent is not None
+        c.agent.stop()
+        c.resource.delete_collection_resource_slice(field_selector=f"spec.nodeName={NODE}")
+        assert c.slice() is None
+        agent = c.start_agent(wait=False, env={"GPU_MANAGER_STALL_AT": "start-allocation:15"})
+        c.wait_slice(lambda s: s is not None, timeout=12)
+        text = agent.log_text()
+        this_start = text[text.rindex("starting on node") :]
+        assert "topology ROOT" not in this_start, "the slice waited for the allocation state"
+        assert "stalling 15 s at start-allocation" in this_start

@@ -39,19 +39,21 @@ class ApiConnection:
         self.error = ""
         self._stop = threading.Event()
 
-    def connect(self, listener: PodListener, on_client: Callable[[Any], None] | None = None) -> PodCache | None:
-        """Build the client and start the pod cache and the patcher; None (with :attr:`error`) when impossible.
+    def client(self) -> Any:
+        """The API client, built on first use (the Kubernetes package is loaded then); None, with
+        :attr:`error`, when it cannot be built."""
+        if self.api is None and not self.error:
+            try:
+                self.api = kube_client.api_client(self._kubeconfig)
+            except kube_client.KubeUnavailableError as exc:
+                self.error = str(exc)
+        return self.api
 
-        ``on_client`` runs as soon as the client exists, before the pod cache starts.
-        """
-        try:
-            api = kube_client.api_client(self._kubeconfig)
-        except kube_client.KubeUnavailableError as exc:
-            self.error = str(exc)
+    def connect(self, listener: PodListener) -> PodCache | None:
+        """Start the pod cache and the patcher on :meth:`client`; None (with :attr:`error`) when impossible."""
+        api = self.client()
+        if api is None:
             return None
-        self.api = api
-        if on_client is not None:
-            on_client(api)
         cache = PodCache(api, self._node)
         cache.add_listener(listener)
         cache.start()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Variant, dsync_write_seconds, figure, histogram, histogram_quantile, load, variants
+from figures import Variant, dsync_write_seconds, figure, histogram, histogram_quantile, load, spec_arg, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR
@@ -196,7 +196,7 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", type=Path, action="append", default=None, help="node spec (repeatable)")
+    parser.add_argument("--spec", type=spec_arg, action="append", default=None, help="node spec (repeatable)")
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--scrapes", type=int, default=30)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Variant, figure, load, variants
+from figures import Variant, figure, load, spec_arg, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR, AgentProcess
@@ -216,7 +216,11 @@ def run(spec: Path, args: argparse.Namespace, workdir: Path, agents: list[Varian
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--spec", type=Path, action="append", default=None, help="node spec (repeatable; default H100 x8 and H200 x16)"
+        "--spec",
+        type=spec_arg,
+        action="append",
+        default=None,
+        help="node spec file or name (repeatable; default h100-nvlink-x8, h200-x16)",
     )
     parser.add_argument("--starts", type=int, default=10)
     parser.add_argument("--restarts", type=int, default=20)

@@ -111,6 +111,19 @@ def compile_bytecode(package: Path) -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL)
 
 
+def spec_arg(text: str) -> Path:
+    """``--spec``: a node spec file, or the name of one in ``deploy/sim`` (``h200-x16``); an absolute
+    path (the agent runs in another directory)."""
+    import argparse
+
+    spec_dir = REPO / "deploy" / "sim"
+    for candidate in (Path(text), spec_dir / text, spec_dir / f"{text}.json"):
+        if candidate.is_file():
+            return candidate.resolve()
+    known = ", ".join(sorted(p.stem for p in spec_dir.glob("*.json")))
+    raise argparse.ArgumentTypeError(f"no node spec {text!r}: neither a file nor one of {known}")
+
+
 @dataclass
 class Variant:
     """One agent to measure: this checkout's, or another revision's gpumanager package (``--before``)."""

@@ -22,55 +22,44 @@ seconds in every state: sockets first, then every loop told to stop, none waited
 
 from __future__ import annotations
 
-import errno
 import functools
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import grpc
+from typing import TYPE_CHECKING
 
 from gpumanager import __version__, names
-from gpumanager.api import deviceplugin_v1beta1_pb2 as dp_pb
 from gpumanager.config import Config, ConfigError, parse_node_labels
-from gpumanager.device import inventory, nvml
-from gpumanager.device.health import HealthMonitor, HealthState
+from gpumanager.device import discovery, inventory, nvml
+from gpumanager.device.health import HealthMonitor
+from gpumanager.device.propagation import HealthPropagation
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devicelists import DeviceLists
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.late import LateHandlers
 from gpumanager.deviceplugin.manager import PluginManager
-from gpumanager.deviceplugin.server import PluginServer
+from gpumanager.deviceplugin.resources import vcuda_plugins
 from gpumanager.deviceplugin.servicer import ResourceServicer
 from gpumanager.faults import stall_point
+from gpumanager.flagchecks import check_directory, load_extra_devices, log_compat_flags
 from gpumanager.kube.podsource import PodSourceProxy
 
 if TYPE_CHECKING:
     # Loaded after registration (in the background start): not on the kubelet's path.
-    from prometheus_client import CollectorRegistry
-
     from gpumanager.allocation.allocator import Allocator
     from gpumanager.allocation.check import AllocationCheck
     from gpumanager.allocation.pods import Pod
     from gpumanager.allocation.records import ContainerAllocation
     from gpumanager.allocation.response import ResponseSettings
-    from gpumanager.dra.mode import DRAMode, DRASettings
+    from gpumanager.dra.mode import DRAMode
     from gpumanager.dra.publisher import SlicePublisher
     from gpumanager.kube.connection import ApiConnection
-    from gpumanager.metrics.calls import CallMetrics
-    from gpumanager.metrics.display import DisplayServer
-    from gpumanager.metrics.endpoints import Probes
-    from gpumanager.metrics.http import QueryServer
-    from gpumanager.metrics.usage import UsageSampler
+    from gpumanager.metrics.query import QueryEndpoints
     from gpumanager.recovery import Recovery
-    from gpumanager.topology import TopologyTree
     from gpumanager.vmanager.manager import VirtualManager
-    from gpumanager.vmanager.refresh import PidsRefresher
+    from gpumanager.vmanager.refresh import ClaimPidsRefresher, PidsRefresher
     from gpumanager.volume.keeper import MirrorKeeper
 
 log = logging.getLogger(__name__)
@@ -83,8 +72,6 @@ REGISTRATION_FIRST_SECONDS = 1.0
 SLICE_FIRST_SECONDS = 1.0
 #: How long a stop waits for a step of the background start in progress (a component being started).
 STOP_WAITS_FOR_START_SECONDS = 1.0
-# Flags kept only so existing manifests work.
-_COMPAT_ONLY = ("container_runtime_endpoint", "runtime_request_timeout", "cgroup_driver")
 
 
 class StartupError(RuntimeError):
@@ -95,80 +82,8 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
-def load_extra_devices(path: str) -> tuple[str, ...]:
-    """Device paths of ``extra-config.json``'s ``default`` entry; ConfigError names the file and problem."""
-    if not path:
-        return ()
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--extra-config={path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"--extra-config={path}: must be a JSON object")
-    default = data.get("default") or {}
-    devices = default.get("devices") or [] if isinstance(default, dict) else None
-    if not isinstance(devices, list) or not all(isinstance(d, str) and d.startswith("/") for d in devices):
-        raise ConfigError(f"--extra-config={path}: default.devices must be a list of absolute paths")
-    return tuple(devices)
-
-
-def check_directory(flag: str, value: str) -> None:
-    """Create ``value`` if missing; ConfigError (exit 2) when it cannot be a directory we may write.
-
-    For ``--checkpoint-path`` the state of the disk is not an error of the flag: a path that is
-    a file, a read-only or full disk, an I/O error are reported on /readyz with the path and
-    errno while the agent serves what it can (new allocations are refused with the reason).
-    """
-    path = Path(value)
-    tolerated = (errno.ENOTDIR, errno.EEXIST, errno.EROFS, errno.ENOSPC, errno.EIO, errno.EDQUOT)
-    try:
-        path.mkdir(mode=0o755, parents=True, exist_ok=True)
-    except OSError as exc:
-        if flag == "--checkpoint-path" and exc.errno in tolerated:
-            return
-        if isinstance(exc, FileExistsError):
-            raise ConfigError(f"{flag}={value}: exists and is not a directory") from None
-        raise ConfigError(f"{flag}={value}: cannot create the directory: {exc.strerror} ({exc.errno})") from None
-    if not path.is_dir():
-        if flag == "--checkpoint-path":
-            return
-        raise ConfigError(f"{flag}={value}: exists and is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK) and not _read_only_fs(path):
-        raise ConfigError(f"{flag}={value}: the directory is not writable")
-
-
-def _read_only_fs(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
 def _ignore(*_args: object) -> None:
     """A callback that does nothing (a part not used in this mode)."""
-
-
-class DraPidsLoop:
-    """pids.config of prepared claims, refreshed every second (as the device-plugin side's)."""
-
-    def __init__(self, refresh: Callable[[], object]) -> None:
-        self._refresh = refresh
-        self._stop = threading.Event()
-
-    def start(self) -> None:
-        """Run in the background."""
-        threading.Thread(target=self._run, name="dra-pids-refresh", daemon=True).start()
-
-    def stop(self) -> None:
-        """End the loop."""
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                self._refresh()
-            except Exception:
-                log.exception("pids.config refresh of claims failed; trying again")
 
 
 class Agent:
@@ -178,12 +93,12 @@ class Agent:
         self.config = config
         self.node_name = config.resolved_node_name()
         self.gpus: list[GPUInfo] = []
-        self.lost: list[int] = []
+        self.lost: list[int] = []  # at start (the health propagation follows those that come back)
         self.driver_version = ""
         self.topology = NodeTopology(levels=())
-        self.tree: TopologyTree | None = None
         self.layout: DeviceLayout | None = None
         self.health: HealthMonitor | None = None
+        self.propagation: HealthPropagation | None = None
         self.plugins: PluginManager | None = None
         self.servicers: list[ResourceServicer] = []
         self.device_lists: DeviceLists | None = None
@@ -192,18 +107,13 @@ class Agent:
         self.recovery: Recovery | None = None
         # The kubelet's calls until the allocation state is loaded (after registration).
         self.handlers = LateHandlers(ALLOCATE_WAIT_SECONDS)
-        self._health_lock = threading.Lock()  # orders the allocator's health updates
         self.vmanager: VirtualManager | None = None
         self.mirror: MirrorKeeper | None = None
         self.refresher: PidsRefresher | None = None
+        self.claim_refresher: ClaimPidsRefresher | None = None
         self.api: ApiConnection | None = None
         self.check: AllocationCheck | None = None
-        self.display: DisplayServer | None = None
-        self.http: QueryServer | None = None
-        self.sampler: UsageSampler | None = None
-        self.calls: CallMetrics | None = None
-        self.probes: Probes | None = None
-        self.registry: CollectorRegistry | None = None
+        self.query: QueryEndpoints | None = None
         self.dra: DRAMode | None = None
         self._slices: SlicePublisher | None = None
         self.component_errors: dict[str, str] = {}
@@ -225,7 +135,7 @@ class Agent:
         cfg = self.config
         self.started_at = time.monotonic()
         log.info("gpu-manager %s starting on node %s", __version__, self.node_name)
-        self._log_flag_notes()
+        log_compat_flags(cfg)
         try:
             extra_devices = load_extra_devices(cfg.extra_config)
             self._labels = parse_node_labels(cfg.node_labels)
@@ -240,51 +150,17 @@ class Agent:
             self._start_plugins()
         threading.Thread(target=self._start_background, name="start", daemon=True).start()
 
-    def _log_flag_notes(self) -> None:
-        defaults = Config()
-        compat = [f for f in _COMPAT_ONLY if getattr(self.config, f) != getattr(defaults, f)]
-        if compat:
-            log.info(
-                "%s: kept for compatibility; no container runtime connection is needed and both cgroup "
-                "drivers are recognised",
-                ", ".join("--" + f.replace("_", "-") for f in compat),
-            )
-
     def _start_nvml(self) -> None:
-        inventory_path = Path(self.config.checkpoint_path) / inventory.FILE
-        known, saved_topology = inventory.load(inventory_path)
         try:
             nvml.init(self.config.nvml_lib)
             self._nvml_started = True
-            driver = nvml.driver_info()
-            self.gpus, self.lost = nvml.discover(known)
-            self.topology = nvml.topology(self.gpus, self.lost, saved_topology)
+            node = discovery.discover(Path(self.config.checkpoint_path))
         except nvml.NVMLLibraryError as exc:
             raise StartupError(f"--nvml-lib={self.config.nvml_lib}: {exc}", 2) from exc
         except (nvml.NVMLUnavailableError, nvml.NVMLError) as exc:
             raise StartupError(str(exc), 3) from exc
-        self.driver_version = driver.driver_version
-        if not self.gpus:
-            log.warning("NVML reports no GPU on this node; advertising no devices")
-        log.info(
-            "driver %s (CUDA %d.%d), %d GPUs",
-            driver.driver_version,
-            driver.cuda_driver_version // 1000,
-            driver.cuda_driver_version % 1000 // 10,
-            len(self.gpus),
-        )
-        for g in self.gpus:
-            log.info(
-                "GPU %d: %s %s minor=%d memory=%d MiB bus=%s numa=%s%s",
-                g.index,
-                g.name,
-                g.uuid,
-                g.minor,
-                g.memory_total >> 20,
-                g.pci_bus_id,
-                g.numa_node,
-                " (LOST)" if g.index in self.lost else "",
-            )
+        self.gpus, self.lost, self.topology = node.gpus, node.lost, node.topology
+        self.driver_version = node.driver.driver_version
         self.layout = DeviceLayout(self.gpus)
 
     def _start_allocation(self) -> None:
@@ -300,10 +176,11 @@ class Agent:
         assert self.layout is not None
         if not self.lost:
             inventory.save(Path(cfg.checkpoint_path) / inventory.FILE, self.gpus, self.topology)
-        self.tree = build_tree(self.gpus, self.topology) if self.gpus else empty_tree()
+        # The allocator owns the tree from here on (its lock guards it).
+        tree = build_tree(self.gpus, self.topology) if self.gpus else empty_tree()
         for index in self.lost:
-            self.tree.set_healthy(index, False)
-        for line in render_graph(self.tree).splitlines():
+            tree.set_healthy(index, False)
+        for line in render_graph(tree).splitlines():
             log.info("topology %s", line)
         self.mirror = MirrorKeeper(
             volume_config=cfg.volume_config,
@@ -316,17 +193,15 @@ class Agent:
         )
         allocator = Allocator(
             gpus=self.gpus,
-            tree=self.tree,
+            tree=tree,
             pods=self.pods,
             settings=AllocatorSettings(share_mode=cfg.share_mode, response=self._response_settings()),
             checkpoint_path=Path(cfg.checkpoint_path) / names.OWN_CHECKPOINT,
             share_problem=lambda: self.mirror.share_problem if self.mirror else "",
         )
-        # From here on health changes reach the allocator; those before are in the snapshot.
-        with self._health_lock:
-            self.allocator = allocator
-            for index, state in (self.health.snapshot() if self.health else {}).items():
-                allocator.set_healthy(index, state.healthy)
+        self.allocator = allocator
+        if self.propagation is not None:
+            self.propagation.attach_allocator(allocator)
         recovery = self.recovery = Recovery(
             allocator,
             kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
@@ -368,67 +243,22 @@ class Agent:
             lost=self.lost,
         )
         # The kubelet hears first: prepared lists, then the allocator (whose lock an Allocate may hold).
-        self.health.add_listener(self._on_health)
-        self.health.add_listener(self._allocator_health)
+        self.propagation = HealthPropagation(self.health, self.gpus, self.lost)
+        self.propagation.listen()
         self.health.add_listener(lambda _index, _state: self.api.gpu_health_changed() if self.api else None)
         self.health.start()
 
-    def _allocator_health(self, index: int, state: HealthState) -> None:
-        with self._health_lock:
-            if self.allocator is not None:
-                if state.healthy and index in self.lost:
-                    self._describe_returned(index)
-                self.allocator.set_healthy(index, state.healthy)
-
-    def _describe_returned(self, index: int) -> None:
-        """A GPU lost at start answers: until now it was described from the saved inventory or like its
-        peers; from now on as it is (its minor, UUID and memory may differ from the guess)."""
-        try:
-            info = nvml.describe(index)
-        except nvml.NVMLError as exc:
-            log.warning("GPU %d answers again but cannot be described: %s", index, exc)
-            return
-        self.lost = [i for i in self.lost if i != index]
-        if info == self.gpus[index]:
-            return
-        log.warning("GPU %d is back: %s (it was counted as %s while lost)", index, info, self.gpus[index])
-        self.gpus[index] = info
-        assert self.allocator is not None
-        self.allocator.replace_gpu(info)
-
-    def _on_health(self, index: int, state: HealthState) -> None:
-        if self.device_lists is not None and self.device_lists.set_healthy(index, state.healthy):
-            for servicer in self.servicers:
-                servicer.notify()
-
     def _start_plugins(self) -> None:
         cfg = self.config
-        assert self.layout is not None and self.health is not None
+        assert self.layout is not None and self.propagation is not None
         lists = self.device_lists = DeviceLists(self.layout, self.gpus, unhealthy=self.lost)
-        options = dp_pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
-        late = self.handlers
+        # Health changes reach the lists from now on (the servicers are woken once they exist).
+        self.propagation.attach_device_lists(lists, self.servicers)
         dp_dir = Path(cfg.device_plugin_path)
-        servers = []
-        for resource, sock, allocate, pre_start in (
-            (names.VCORE_RESOURCE, names.VCORE_SOCKET, late.allocate_core, late.pre_start_core),
-            (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, late.allocate_memory, late.pre_start_memory),
-        ):
-            servicer = ResourceServicer(
-                resource,
-                devices=functools.partial(lists.encoded, resource),
-                options=options,
-                preference=functools.partial(late.prefer, resource),
-                allocate=allocate,
-                pre_start=pre_start,
-            )
-            self.servicers.append(servicer)
-            servers.append(PluginServer(servicer, dp_dir / sock))
-        self.plugins = PluginManager(
-            servers,
-            cfg.kubelet_socket,
-            options_for=lambda _s: options,
-            watch_period=cfg.kubelet_watch_period,
+        self.plugins, servicers = vcuda_plugins(
+            lists, self.handlers, dp_dir, cfg.kubelet_socket, watch_period=cfg.kubelet_watch_period
         )
+        self.servicers.extend(servicers)
         try:
             # The servers listen when this returns; registration runs in the manager's thread.
             self.plugins.start()
@@ -458,15 +288,6 @@ class Agent:
             ready=self._wait_ready,
         )
         self.handlers.attach(handlers, Preference(allocator.clone_tree, self.layout).choose)
-
-    def _wait_serving(self, path: Path) -> None:
-        with grpc.insecure_channel(f"unix://{path}") as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=self.config.wait_timeout)
-            except grpc.FutureTimeoutError as exc:
-                raise StartupError(
-                    f"device-plugin server {path} not ready within --wait-timeout={self.config.wait_timeout:g}s", 1
-                ) from exc
 
     # -- the background part of the start --------------------------------------------------------
 
@@ -531,58 +352,11 @@ class Agent:
 
     def _start_query(self) -> None:
         """Display gRPC and HTTP (/metrics, /healthz, /readyz); prometheus_client is loaded here."""
-        from prometheus_client import CollectorRegistry
+        from gpumanager.metrics.query import QueryEndpoints
 
-        from gpumanager.api import display_pb2
-        from gpumanager.metrics.calls import CallMetrics
-        from gpumanager.metrics.display import DisplayServer, DisplayServicer
-        from gpumanager.metrics.endpoints import DisplayData, Probes
-        from gpumanager.metrics.http import QueryServer
-        from gpumanager.metrics.page import MetricsPage
-        from gpumanager.metrics.usage import UsageSampler
-
-        cfg = self.config
         assert self.allocator is not None
-        allocator = self.allocator
-        self.sampler = UsageSampler(
-            gpus=self.gpus,
-            allocations=self._usage_allocations,
-            pod=self.pods.get,
-            cgroup_root=Path(cfg.cgroup_root),
-            sample_period=float(cfg.sample_period),
-        )
-        sampler = self.sampler
-        data = DisplayData(self.gpus, allocator.graph, sampler.sample)
-        self.probes = Probes(alive=self._liveness(), ready=self._readiness(), details=self._details)
-        servicer = DisplayServicer(graph=data.graph_text, usages=data.usages, version=__version__)
-        display = DisplayServer(servicer, Path(cfg.display_socket))
-        try:
-            display.start()
-            self.display = display
-        except (OSError, RuntimeError) as exc:
-            self._component_failed("display", f"cannot serve --display-socket={cfg.display_socket}: {exc}")
-        registry = CollectorRegistry()
-        self.registry = registry
-        self.calls = CallMetrics(registry)
-        page = MetricsPage(agent=self, registry=registry, sample=sampler.sample, legacy_metrics=cfg.legacy_metrics)
-        routes: dict[str, Callable[[], Any]] = {
-            "/graph": lambda: display_pb2.GraphResponse(graph=data.graph_text()),
-            "/usage": data.usages,
-            "/version": lambda: display_pb2.VersionResponse(version=__version__),
-        }
-        try:
-            http = QueryServer(
-                cfg.query_addr,
-                cfg.query_port,
-                routes=routes,
-                metrics=page.render,
-                health=self.probes.healthz,
-                ready=self.probes.readyz,
-            )
-            http.start()
-            self.http = http
-        except OSError as exc:
-            self._component_failed("http", f"cannot listen on {cfg.query_addr}:{cfg.query_port}: {exc}")
+        self.query = QueryEndpoints(self, self.allocator, self._component_failed)
+        self.query.start()
 
     def _start_kube(self) -> None:
         """The API-server side: pod cache, allocation check, recovery (the client is built here, or was
@@ -627,20 +401,6 @@ class Agent:
         self.recovery.from_pod_resources(PodResourcesClient(Path(self.config.pod_resources_socket)), self.pods.lookup)
         vmanager.resume(sorted({a.answered[0] for a in allocator.allocations()}))
 
-    def _dra_settings(self) -> DRASettings:
-        from gpumanager.dra.mode import DRASettings
-
-        cfg = self.config
-        return DRASettings(
-            driver=cfg.dra_driver_name,
-            plugin_registry_path=cfg.plugin_registry_path,
-            plugin_path=str(cfg.dra_socket_dir),
-            cdi_root=cfg.cdi_root,
-            sysfs_root=cfg.sysfs_root,
-            watch_period=cfg.kubelet_watch_period,
-            health_report_period=cfg.health_probe_period,
-        )
-
     def _start_api_client(self) -> ApiConnection | None:
         """The API connection and its client (the Kubernetes package is loaded here, the slowest part of
         the start); None when the agent is stopping. A client that cannot be built leaves
@@ -658,7 +418,7 @@ class Agent:
     def _start_dra_slices(self) -> None:
         """DRA mode publishes its ResourceSlice first, before the allocation state, the endpoints and the
         pod cache load: the slice needs only the GPUs and their health, and the scheduler waits on it."""
-        from gpumanager.dra.mode import make_publisher
+        from gpumanager.dra.mode import DRASettings, make_publisher
 
         api = self._start_api_client()
         api_client = api.client() if api is not None else None
@@ -667,7 +427,7 @@ class Agent:
 
         publisher = make_publisher(
             api_client,
-            settings=self._dra_settings(),
+            settings=DRASettings.from_config(self.config),
             node=self.node_name,
             gpus=self.gpus,
             topology=self.topology,
@@ -697,7 +457,9 @@ class Agent:
         if not self._unless_stopping(self._start_dra_mode):
             return
         assert self.dra is not None
-        self._wait_serving(self.dra.sockets.service_socket)
+        if not self.dra.sockets.answers(cfg.wait_timeout):
+            path = self.dra.sockets.service_socket
+            raise StartupError(f"device-plugin server {path} not ready within --wait-timeout={cfg.wait_timeout:g}s", 1)
         log.info(
             "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
             len(self.gpus),
@@ -708,15 +470,14 @@ class Agent:
 
     def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi
-        from gpumanager.dra.mode import DRAMode
+        from gpumanager.dra.mode import DRAMode, DRASettings
         from gpumanager.metrics.claims import ClaimCollector
 
         cfg = self.config
-        calls = self.calls
         assert self.allocator is not None and self.health is not None and self.mirror is not None
         assert self.api is not None and self.api.api is not None
         self.dra = DRAMode(
-            settings=self._dra_settings(),
+            settings=DRASettings.from_config(self.config),
             publisher=self._slices,
             node=self.node_name,
             gpus=self.gpus,
@@ -737,13 +498,11 @@ class Agent:
             vm_path=Path(cfg.virtual_manager_path),
             cgroup_root=Path(cfg.cgroup_root),
             driver_version=self.driver_version,
-            observe=lambda call, seconds, ok: (
-                calls.observe(cfg.dra_driver_name, call, seconds, ok) if calls is not None else None
-            ),
+            observe=functools.partial(self._observe_call, cfg.dra_driver_name),
             report=self._report,
         )
-        if self.registry is not None:
-            self.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus))
+        if self.query is not None:
+            self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:
@@ -753,21 +512,17 @@ class Agent:
         elif self.component_errors.get(name) != message:
             self._component_failed(name, message)
 
-    def _usage_allocations(self) -> list[ContainerAllocation]:
-        mine = self.allocator.allocations() if self.allocator is not None else []
-        return mine + self.dra.container_allocations() if self.dra is not None else mine
-
     def _start_loops(self) -> None:
         assert self.allocator is not None and self.vmanager is not None
         if self.check is not None:
             self.check.start()
-        from gpumanager.vmanager.refresh import PidsRefresher
+        from gpumanager.vmanager.refresh import ClaimPidsRefresher, PidsRefresher
 
         self.refresher = PidsRefresher(self.vmanager, self.allocator.allocations)
         self.refresher.start()
         if self.dra is not None:
-            self._dra_refresher = DraPidsLoop(self.dra.refresh_pids)
-            self._dra_refresher.start()
+            self.claim_refresher = ClaimPidsRefresher(self.dra.refresh_pids)
+            self.claim_refresher.start()
 
     def _label_node(self) -> None:
         if self.api is None or not self._labels:
@@ -801,76 +556,8 @@ class Agent:
         self.api.annotate(pod, self.allocator.allocations_of(pod_uid))
 
     def _observe_call(self, resource: str, call: str, seconds: float, ok: bool) -> None:
-        if self.calls is not None:
-            self.calls.observe(resource, call, seconds, ok)
-
-    # -- what the metrics collector and the probes read ------------------------------------------
-
-    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
-        """(index, allocatable cores, allocatable bytes, total bytes, available) per GPU."""
-        return self.allocator.tree_snapshot() if self.allocator is not None else []
-
-    def _liveness(self) -> dict[str, Callable[[], bool]]:
-        loops: dict[str, Callable[[], bool]] = {}
-        if self.plugins is not None:
-            loops["kubelet-watch"] = self.plugins.alive
-        loops["dra-sockets"] = lambda: self.dra is None or self.dra.sockets.alive()
-        if self.health is not None:
-            loops["gpu-health"] = self.health.alive
-        loops["api-server-loops"] = lambda: self.api is None or self.api.alive()
-        loops["allocation-check"] = lambda: self.check is None or not self.ready.is_set() or self.check.alive()
-        return loops
-
-    def _readiness(self) -> dict[str, Callable[[], str]]:
-        cfg_mode = self.config.mode
-
-        def registered() -> str:
-            if self.config.mode == "dra":
-                if self.dra is None:
-                    return "DRA mode is not serving yet"
-                ok, detail = self.dra.ready()
-                return "" if ok else f"DRA mode not ready: {detail}"
-            if self.plugins is None or not self.plugins.status.registered:
-                reason = self.plugins.status.last_error if self.plugins else ""
-                return "not registered with the kubelet" + (f": {reason}" if reason else "")
-            return ""
-
-        def pods_synced() -> str:
-            if self.pods.synced():
-                return ""
-            return self.pods.reason or "the pod cache has not completed a list yet"
-
-        def checkpoint() -> str:
-            return self.allocator.checkpoint_error if self.allocator is not None else "not started"
-
-        return {
-            "nvml": lambda: self.health.nvml_problem() if self.health is not None else "not started",
-            "registered": registered,
-            "pod_cache": pods_synced,
-            # Device-plugin shares mount the mirror's share-mode tree (DRA mode reports its own readiness).
-            "interceptor": lambda: self.mirror.share_problem if self.mirror and cfg_mode != "dra" else "",
-            "checkpoint": checkpoint,
-        }
-
-    def _details(self) -> dict[str, object]:
-        unhealthy = [i for i, s in (self.health.snapshot() if self.health else {}).items() if not s.healthy]
-        detail: dict[str, object] = {
-            "registered": self.plugins is not None and self.plugins.status.registered,
-            "gpus": len(self.gpus),
-            "unhealthy_gpus": unhealthy,
-            "pods_synced": self.pods.synced(),
-            "allocations": len(self.allocator.allocations()) if self.allocator else 0,
-            "errors": dict(self.component_errors),
-        }
-        if self.dra is not None:
-            detail.update(self.dra.healthz())
-        return detail
-
-    def healthz(self) -> tuple[bool, dict[str, object]]:
-        """Liveness (see :class:`~gpumanager.metrics.endpoints.Probes`)."""
-        if self.probes is None:
-            return self.plugins is not None and self.plugins.alive(), self._details()
-        return self.probes.healthz()
+        if self.query is not None:
+            self.query.calls.observe(resource, call, seconds, ok)
 
     # -- signals and stop ---------------------------------------------------------------------------
 
@@ -901,11 +588,9 @@ class Agent:
             self.dra.stop()
         elif self._slices is not None:
             self._slices.stop()
-        if self.display is not None:
-            self.display.stop()
-        if self.http is not None:
-            self.http.stop()
-        for loop in (self.check, self.refresher, self.mirror, getattr(self, "_dra_refresher", None)):
+        if self.query is not None:
+            self.query.stop()
+        for loop in (self.check, self.refresher, self.mirror, self.claim_refresher):
             if loop is not None:
                 loop.stop()
         if self.vmanager is not None:

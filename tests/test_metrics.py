@@ -19,7 +19,6 @@ from gpumanager.metrics.calls import CallMetrics
 from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
-from gpumanager.topology import TopologyTree
 from gpumanager.vmanager import cgroups
 
 MIB = 1 << 20
@@ -252,11 +251,7 @@ class FakeAgent:
         self.layout: DeviceLayout | None = DeviceLayout(GPUS)
         self.health = None
         self.plugins = None
-        self.tree: TopologyTree | None = None
         self.allocator = None
-
-    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
-        return []
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.claims import ClaimAllocation
@@ -38,6 +38,9 @@ from gpumanager.dra.servicers import (
 from gpumanager.vmanager import cgroups
 from gpumanager.vmanager import claims as claim_files
 
+if TYPE_CHECKING:
+    from gpumanager.config import Config
+
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +56,19 @@ class DRASettings:
     watch_period: float = 0.1
     #: How often the kubelet's health stream gets every device's health again (the GPU probe period).
     health_report_period: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> DRASettings:
+        """The settings the agent's flags give."""
+        return cls(
+            driver=cfg.dra_driver_name,
+            plugin_registry_path=cfg.plugin_registry_path,
+            plugin_path=str(cfg.dra_socket_dir),
+            cdi_root=cfg.cdi_root,
+            sysfs_root=cfg.sysfs_root,
+            watch_period=cfg.kubelet_watch_period,
+            health_report_period=cfg.health_probe_period,
+        )
 
 
 def _rfc3339(unix: float) -> str:

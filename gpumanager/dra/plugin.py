@@ -147,6 +147,15 @@ class DRAPluginSockets:
         """Whether the watch loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    def answers(self, timeout: float) -> bool:
+        """Whether dra.sock accepts a gRPC connection within ``timeout`` seconds."""
+        with grpc.insecure_channel(f"unix://{self.service_socket}") as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                return False
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self._period):
             try:

@@ -21,7 +21,6 @@ from gpumanager.device.health import HealthMonitor
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
-from gpumanager.topology import TopologyTree
 
 GPU_LABELS = ["gpu", "uuid"]
 
@@ -33,11 +32,7 @@ class AgentView(Protocol):
     layout: DeviceLayout | None
     health: HealthMonitor | None
     plugins: PluginManager | None
-    tree: TopologyTree | None
     allocator: Allocator | None
-
-    def tree_snapshot(self) -> list[tuple[int, int, int, int, int]]:
-        """(index, allocatable cores, allocatable bytes, total bytes, 1 if available for whole GPUs) per GPU."""
 
 
 def _gauge(name: str, help_text: str, labels: Sequence[str] = GPU_LABELS) -> GaugeMetricFamily:
@@ -92,8 +87,8 @@ class AgentCollector(Collector):
             used.add_metric(key, float(memory.used))
             util.add_metric(key, float(rates.gpu) / 100)
         by_index = {g.index: g for g in agent.gpus}
-        if agent.tree is not None:
-            for index, free_cores, free_mem, total_mem, _ in agent.tree_snapshot():
+        if agent.allocator is not None:
+            for index, free_cores, free_mem, total_mem, _ in agent.allocator.tree_snapshot():
                 gpu = by_index.get(index)
                 if gpu is None:
                     continue

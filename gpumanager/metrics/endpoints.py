@@ -10,8 +10,10 @@ body names everything that is missing.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from gpumanager.api import display_pb2
 from gpumanager.device import nvml
@@ -19,6 +21,17 @@ from gpumanager.device.types import GPUInfo
 from gpumanager.device.usage import gpu_usage
 from gpumanager.metrics.containers import usage_response
 from gpumanager.metrics.usage import ContainerUsage
+
+if TYPE_CHECKING:
+    from gpumanager.allocation.allocator import Allocator
+    from gpumanager.allocation.check import AllocationCheck
+    from gpumanager.config import Config
+    from gpumanager.device.health import HealthMonitor
+    from gpumanager.deviceplugin.manager import PluginManager
+    from gpumanager.dra.mode import DRAMode
+    from gpumanager.kube.connection import ApiConnection
+    from gpumanager.kube.podsource import PodSourceProxy
+    from gpumanager.volume.keeper import MirrorKeeper
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,91 @@ def _safe_bool(check: Callable[[], bool]) -> bool:
     except Exception:
         log.exception("liveness check failed")
         return False
+
+
+class ProbedAgent(Protocol):
+    """What the probes read from the agent (each time they are asked: components come up later)."""
+
+    config: Config
+    gpus: list[GPUInfo]
+    health: HealthMonitor | None
+    plugins: PluginManager | None
+    dra: DRAMode | None
+    api: ApiConnection | None
+    check: AllocationCheck | None
+    allocator: Allocator | None
+    mirror: MirrorKeeper | None
+    pods: PodSourceProxy
+    ready: threading.Event
+    component_errors: dict[str, str]
+
+
+def agent_probes(agent: ProbedAgent) -> Probes:
+    """/healthz and /readyz of the agent: its loops, what Allocate needs, and a summary of its state."""
+    return Probes(alive=_liveness(agent), ready=_readiness(agent), details=lambda: _details(agent))
+
+
+def _liveness(agent: ProbedAgent) -> dict[str, Callable[[], bool]]:
+    """The loops /healthz checks (the kubelet watch and GPU health only where they were started)."""
+    loops: dict[str, Callable[[], bool]] = {}
+    if agent.plugins is not None:
+        loops["kubelet-watch"] = agent.plugins.alive
+    loops["dra-sockets"] = lambda: agent.dra is None or agent.dra.sockets.alive()
+    if agent.health is not None:
+        loops["gpu-health"] = agent.health.alive
+    loops["api-server-loops"] = lambda: agent.api is None or agent.api.alive()
+    loops["allocation-check"] = lambda: agent.check is None or not agent.ready.is_set() or agent.check.alive()
+    return loops
+
+
+def _readiness(agent: ProbedAgent) -> dict[str, Check]:
+    """What /readyz checks: what Allocate (or DRA mode) needs now."""
+    cfg_mode = agent.config.mode
+
+    def registered() -> str:
+        if agent.config.mode == "dra":
+            if agent.dra is None:
+                return "DRA mode is not serving yet"
+            ok, detail = agent.dra.ready()
+            return "" if ok else f"DRA mode not ready: {detail}"
+        if agent.plugins is None or not agent.plugins.status.registered:
+            reason = agent.plugins.status.last_error if agent.plugins else ""
+            return "not registered with the kubelet" + (f": {reason}" if reason else "")
+        return ""
+
+    def pods_synced() -> str:
+        if agent.pods.synced():
+            return ""
+        return agent.pods.reason or "the pod cache has not completed a list yet"
+
+    def checkpoint() -> str:
+        return agent.allocator.checkpoint_error if agent.allocator is not None else "not started"
+
+    return {
+        "nvml": lambda: agent.health.nvml_problem() if agent.health is not None else "not started",
+        "registered": registered,
+        "pod_cache": pods_synced,
+        # Device-plugin shares mount the mirror's share-mode tree (DRA mode reports its own readiness).
+        "interceptor": lambda: agent.mirror.share_problem if agent.mirror and cfg_mode != "dra" else "",
+        "checkpoint": checkpoint,
+    }
+
+
+def _details(agent: ProbedAgent) -> dict[str, object]:
+    """The summary both probes' bodies carry: registration, GPUs, pods, allocations, component errors."""
+    health = agent.health
+    unhealthy = [i for i, s in (health.snapshot() if health else {}).items() if not s.healthy]
+    detail: dict[str, object] = {
+        "registered": agent.plugins is not None and agent.plugins.status.registered,
+        "gpus": len(agent.gpus),
+        "unhealthy_gpus": unhealthy,
+        "pods_synced": agent.pods.synced(),
+        "allocations": len(agent.allocator.allocations()) if agent.allocator else 0,
+        "errors": dict(agent.component_errors),
+    }
+    if agent.dra is not None:
+        detail.update(agent.dra.healthz())
+    return detail
 
 
 class DisplayData:

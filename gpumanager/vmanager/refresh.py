@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from gpumanager.allocation.records import ContainerAllocation
@@ -15,25 +16,20 @@ log = logging.getLogger(__name__)
 PERIOD_SECONDS = 1.0
 
 
-class PidsRefresher:
-    """A loop that rewrites pids.config files whose processes changed."""
+class _RefreshLoop(ABC):
+    """A thread that calls :meth:`_refresh` every ``period`` seconds until stopped; a failure is logged."""
 
-    def __init__(
-        self,
-        vmanager: VirtualManager,
-        allocations: Callable[[], Sequence[ContainerAllocation]],
-        *,
-        period: float = PERIOD_SECONDS,
-    ) -> None:
-        self._vmanager = vmanager
-        self._allocations = allocations
+    thread_name = "pids-refresh"
+    what = "pids.config refresh"
+
+    def __init__(self, *, period: float = PERIOD_SECONDS) -> None:
         self._period = period
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Run in the background."""
-        self._thread = threading.Thread(target=self._run, name="pids-refresh", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -44,12 +40,47 @@ class PidsRefresher:
         """Whether the loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    @abstractmethod
+    def _refresh(self) -> None:
+        """Bring the files up to date once."""
+
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            allocations = self._allocations()
-            if not any(a.shared for a in allocations):
-                continue
             try:
-                self._vmanager.refresh_pids(allocations)
+                self._refresh()
             except Exception:
-                log.exception("pids.config refresh failed; trying again")
+                log.exception("%s failed; trying again", self.what)
+
+
+class PidsRefresher(_RefreshLoop):
+    """A loop that rewrites pids.config files whose processes changed (device-plugin allocations)."""
+
+    def __init__(
+        self,
+        vmanager: VirtualManager,
+        allocations: Callable[[], Sequence[ContainerAllocation]],
+        *,
+        period: float = PERIOD_SECONDS,
+    ) -> None:
+        super().__init__(period=period)
+        self._vmanager = vmanager
+        self._allocations = allocations
+
+    def _refresh(self) -> None:
+        allocations = self._allocations()
+        if any(a.shared for a in allocations):
+            self._vmanager.refresh_pids(allocations)
+
+
+class ClaimPidsRefresher(_RefreshLoop):
+    """pids.config of prepared claims (DRA mode), refreshed like the device-plugin side's."""
+
+    thread_name = "dra-pids-refresh"
+    what = "pids.config refresh of claims"
+
+    def __init__(self, refresh: Callable[[], object], *, period: float = PERIOD_SECONDS) -> None:
+        super().__init__(period=period)
+        self._refresh_claims = refresh
+
+    def _refresh(self) -> None:
+        self._refresh_claims()

@@ -18,6 +18,9 @@ def test_sigterm_while_dra_start_waits_on_the_api_server(tmp_path: Path, mode: s
     with DRACluster(tmp_path / "c", "t4-x1") as c:
         assert c.agent is not None
         c.agent.stop()
+        # The next agent appends to the same log: without the first one's lines, "starting on node" is
+        # this start's (its signal handlers are set by then).
+        c.agent.log_path.unlink()
         c.api.set_down(True, mode)
         try:
             agent = c.start_agent(wait=False)
@@ -87,7 +90,7 @@ def test_dra_mode_publishes_its_slice_before_loading_the_allocation_state(tmp_pa
         assert c.slice() is None
         agent = c.start_agent(wait=False, env={"GPU_MANAGER_STALL_AT": "start-allocation:15"})
         c.wait_slice(lambda s: s is not None, timeout=12)
-        text = agent.log_text()
+        # The slice is seen as soon as it is written, maybe before the agent has gone on to the stall.
+        text = agent.wait_for_log("stalling 15 s at start-allocation", timeout=10)
         this_start = text[text.rindex("starting on node") :]
         assert "topology ROOT" not in this_start, "the slice waited for the allocation state"
-        assert "stalling 15 s at start-allocation" in this_start

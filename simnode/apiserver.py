@@ -26,9 +26,12 @@ carrying a 410 ``Expired`` Status; a watch without resourceVersion (or ``"0"``) 
 ``ADDED`` event per existing object; selectors apply to watches, and an object that stops (starts)
 matching arrives as ``DELETED`` (``ADDED``); ``Status`` objects for errors with the real codes,
 reasons and messages; pod defaulting and validation
-(:mod:`~simnode.apiserver_objects`); optional graceful pod deletion
-(``graceful_delete=True``: a scheduled, non-terminal pod only gets ``deletionTimestamp`` until
-:meth:`ApiServerSimulator.finish_deletion`, as the kubelet would do) and finalizers.
+(:mod:`~simnode.apiserver_objects`); graceful pod deletion: a DELETE of a scheduled, non-terminal pod
+only sets ``deletionTimestamp`` and ``deletionGracePeriodSeconds`` (the grace given, else the pod's
+``terminationGracePeriodSeconds``), and the pod stays until a DELETE with grace 0 (what the kubelet
+sends once it has stopped the containers; :meth:`ApiServerSimulator.finish_deletion`); an unscheduled
+or terminal pod, or a DELETE with grace 0, goes at once (``graceful_delete=False`` deletes every pod at
+once, as no real server does); finalizers.
 
 Differences a client may notice:
 
@@ -59,6 +62,7 @@ import argparse
 import copy
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -75,7 +79,7 @@ from simnode.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
 from simnode.apiserver_http import HttpContext, SimHTTPServer, version_info
 from simnode.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
 from simnode.apiserver_ops import Operations
-from simnode.apiserver_store import Store
+from simnode.apiserver_store import Change, Store
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +104,8 @@ class ApiServerSimulator:
     ``history``: changes kept for watch resumption (older resourceVersions answer 410).
     ``token``: when set, requests must carry ``Authorization: Bearer <token>`` (401 otherwise;
     none at all is the anonymous user, who may read only ``/version`` and the health paths).
-    ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); by
-    default a DELETE removes the pod at once. ``bookmark_interval``: seconds between BOOKMARK
+    ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); False
+    removes every pod at once. ``bookmark_interval``: seconds between BOOKMARK
     events on watches that allow them (60 s, about what a real server does: an idle watch is
     silent that long). ``version``: the ``gitVersion`` of ``/version``.
     """
@@ -113,7 +117,7 @@ class ApiServerSimulator:
         token: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        graceful_delete: bool = False,
+        graceful_delete: bool = True,
         bookmark_interval: float = 60.0,
         version: str = "v1.31.4",
     ) -> None:
@@ -284,18 +288,50 @@ class ApiServerSimulator:
         """Remove a pod at once (DELETED), ignoring grace and finalizers; None when absent."""
         return self._store.remove_now(PODS, (namespace, name))
 
-    def finish_deletion(self, namespace: str, name: str) -> JSON | None:
-        """Complete a graceful deletion as the kubelet does (a DELETE with grace 0).
-
-        The pod goes away unless finalizers hold it; returns the last state, None when absent.
-        """
+    def request_deletion(self, namespace: str, name: str, grace_seconds: int | None = None) -> JSON | None:
+        """Delete a pod as a client's DELETE does: a scheduled, running pod only gets its
+        ``deletionTimestamp`` (see the module docstring). Returns the pod's state, None when absent."""
+        body: JSON = {} if grace_seconds is None else {"gracePeriodSeconds": grace_seconds}
         try:
-            obj, _deleted = self._store.delete(PODS, (namespace, name), grace_seconds=0)
+            return self._ops.delete(PODS, (namespace, name), body, {})
         except ApiError as err:
             if err.code == 404:
                 return None
             raise
+
+    def finish_deletion(self, namespace: str, name: str, uid: str | None = None) -> JSON | None:
+        """Complete a graceful deletion as the kubelet does (a DELETE with grace 0 and, given ``uid``,
+        that UID as precondition).
+
+        The pod goes away unless finalizers hold it; returns the last state, None when absent (or,
+        given ``uid``, when the pod of that name is another one).
+        """
+        try:
+            obj, _deleted = self._store.delete(
+                PODS, (namespace, name), grace_seconds=0, preconditions={"uid": uid} if uid else None
+            )
+        except ApiError as err:
+            if err.code in (404, 409):
+                return None
+            raise
         return obj
+
+    def pod_events(self) -> queue.Queue[tuple[str, JSON]]:
+        """A queue of every later pod change, ``(ADDED|MODIFIED|DELETED, pod)``, fed in process: for
+        stand-ins of other cluster components (the kubelet) whose own watch must not count among the
+        watches and requests the tests look at. End it with :meth:`close_pod_events`."""
+        events: queue.Queue[tuple[str, JSON]] = queue.Queue()
+
+        def listener(change: Change) -> None:
+            if change.kind is PODS:
+                events.put((change.type, change.obj))
+
+        self._store.add_listener(id(events), listener)
+        return events
+
+    def close_pod_events(self, events: queue.Queue[tuple[str, JSON]]) -> None:
+        """Stop feeding a queue from :meth:`pod_events`."""
+        self._store.remove_listener(id(events))
 
     def pods(self, namespace: str | None = None) -> list[JSON]:
         """Copies of every pod (of one namespace), ordered by namespace and name."""
@@ -456,7 +492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token", default=None, help="require this bearer token")
     parser.add_argument("--node", action="append", default=[], help="register a node (repeatable)")
     parser.add_argument("--history", type=int, default=1000, help="changes kept for watch resumption")
-    parser.add_argument("--graceful-delete", action="store_true", help="pods get deletionTimestamp first")
+    parser.add_argument(
+        "--graceful-delete",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a scheduled pod gets deletionTimestamp first and stays until its kubelet deletes it with grace 0",
+    )
     parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)

@@ -131,7 +131,7 @@ class WatchPlan:
 class Operations:
     """The verbs on pods and nodes, over one :class:`Store`."""
 
-    def __init__(self, store: Store, *, graceful_delete: bool = False) -> None:
+    def __init__(self, store: Store, *, graceful_delete: bool = True) -> None:
         self.store = store
         self.graceful_delete = graceful_delete
 

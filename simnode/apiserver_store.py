@@ -143,6 +143,7 @@ class Store:
         self._history_limit = history
         self._compacted = 0
         self._watchers: list[Watcher] = []
+        self._listeners: dict[int, Callable[[Change], None]] = {}
 
     # ------------------------------------------------------------------ reading
 
@@ -238,6 +239,8 @@ class Store:
             self._compacted = max(self._compacted, dropped.rv)
         for watcher in self._watchers:
             watcher.offer(change)
+        for listener in self._listeners.values():
+            listener(change)
 
     def _stamp(self, kind: ResourceKind, obj: JSON, rv: int) -> None:
         obj["kind"] = kind.kind
@@ -448,6 +451,16 @@ class Store:
         for watcher in watchers:
             watcher.close(abrupt)
         return len(watchers)
+
+    def add_listener(self, key: int, listener: Callable[[Change], None]) -> None:
+        """Call ``listener(change)`` for every later change, under the lock (it must only queue it)."""
+        with self.lock:
+            self._listeners[key] = listener
+
+    def remove_listener(self, key: int) -> None:
+        """Forget a listener."""
+        with self.lock:
+            self._listeners.pop(key, None)
 
     def watcher_count(self) -> int:
         """Open watches."""

@@ -7,7 +7,9 @@ resources), then gives each container a cgroup with a PID, so the agent finds
 its processes, and marks the pod Running with the container IDs. As on a real
 node, that status update reaches the API server a while after the containers
 started (``status_lag``, :data:`STATUS_LAG_SECONDS` by default; 0 publishes it
-at once).
+at once). A pod being deleted is finished as the kubelet does
+(:mod:`simnode.kubelet_deletion`): its containers stop at once, its device IDs are
+free, and its last status and the DELETE with grace 0 follow ``status_lag`` later.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import queue
 import shutil
 import subprocess
 import sys
@@ -30,12 +33,14 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from gpumanager import names
+from gpumanager.kube.reflector import Reflector
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
 from simnode.apiserver_quantity import value as quantity_value
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import AllocationRecord, KubeletSimulator
+from simnode.kubelet_deletion import PodTerminator
 from simnode.simhost import install_sim_driver, volume_conf
 
 log = logging.getLogger(__name__)
@@ -116,6 +121,7 @@ class RemoteApiServer:
         self._kubeconfig = workdir / "apiserver.kubeconfig"
         self._proc: subprocess.Popen[bytes] | None = None
         self._core: Any = None
+        self._feeds: dict[int, Reflector] = {}
 
     def start(self) -> None:
         """Start the process and wait for its kubeconfig."""
@@ -177,8 +183,42 @@ class RemoteApiServer:
         )
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        """DELETE the pod."""
-        self._core.delete_namespaced_pod(name, namespace, _preload_content=False)
+        """DELETE the pod at once (grace 0)."""
+        self._core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
+
+    def request_deletion(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """DELETE the pod as a user does (graceful when it runs on a node); None when absent."""
+        try:
+            resp = self._core.delete_namespaced_pod(name, namespace, _preload_content=False)
+        except k8s_client.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(json.loads(resp.data))
+
+    def finish_deletion(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """DELETE with grace 0 (and ``uid`` as precondition), as the kubelet ends a graceful deletion."""
+        body = {"gracePeriodSeconds": 0, **({"preconditions": {"uid": uid}} if uid else {})}
+        try:
+            self._core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+        except k8s_client.exceptions.ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def pod_events(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
+        """Every pod change from now on, through a list and watch of the API server."""
+        events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        feed = Reflector("sim-kubelet-pods", self._core.list_pod_for_all_namespaces)
+        feed.add_listener(lambda kind, pod, _prev: events.put((kind, pod)))
+        self._feeds[id(events)] = feed
+        feed.start()
+        return events
+
+    def close_pod_events(self, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+        """Stop the watch behind a queue from :meth:`pod_events`."""
+        feed = self._feeds.pop(id(events), None)
+        if feed is not None:
+            feed.stop()
 
 
 class SimCluster:
@@ -221,6 +261,9 @@ class SimCluster:
         self._mirror = driver_mirror
         self.agent: AgentProcess | None = None
         self.runs: dict[str, PodRun] = {}
+        self.terminator = PodTerminator(
+            self.api, NODE, stop_pod=self._stop_pod, known_statuses=self._known_statuses, lag=status_lag
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -230,6 +273,7 @@ class SimCluster:
         self.api.start()
         self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
         self.api.write_kubeconfig(self.kubeconfig)
+        self.terminator.start()
         if self._mirror:
             install_sim_driver(self.workdir / "host")
             volume_conf(self.workdir / "vdriver", self.workdir / "volume.conf")
@@ -289,6 +333,7 @@ class SimCluster:
             timer.cancel()
         if self.agent is not None:
             self.agent.stop()
+        self.terminator.stop()
         self.kubelet.stop()
         self.api.stop()
         shutil.rmtree(self.vm_path, ignore_errors=True)
@@ -368,10 +413,11 @@ class SimCluster:
         timer.start()
 
     def _publish_late(self, run: PodRun) -> None:
-        """The lagging status update; skipped when the pod is gone or was replaced by another of its name."""
+        """The lagging status update; skipped when the pod is gone, was replaced by another of its name, or
+        its containers were stopped meanwhile (its last status says so)."""
         try:
             current = self.api.get_pod(run.namespace, run.name)
-            if current is None or current["metadata"].get("uid") != run.uid:
+            if current is None or current["metadata"].get("uid") != run.uid or self.terminator.stopped(run.uid):
                 return
             self.publish_status(run)
         except Exception as exc:  # the pod went away meanwhile
@@ -402,10 +448,30 @@ class SimCluster:
         self.start_containers(run)
         return run
 
-    def delete(self, run: PodRun) -> None:
-        """The pod ends: deleted from the API server and forgotten by the kubelet."""
-        self.api.delete_pod(run.namespace, run.name)
-        self.kubelet.remove_pod(run.uid)
+    def delete(self, run: PodRun, *, wait: bool = False) -> None:
+        """The pod is deleted through the API as a user does: a pod on the node only gets its
+        ``deletionTimestamp``; the kubelet stops its containers at once (their device IDs are free) and
+        its last status and the final DELETE follow ``status_lag`` later. ``wait``: until the pod is
+        gone from the API server (what ``kubectl delete`` waits for)."""
+        pod = self.api.request_deletion(run.namespace, run.name)
+        if pod is not None:
+            self.terminator.handle("MODIFIED" if pod["metadata"].get("deletionTimestamp") else "DELETED", pod)
+        if not wait:
+            return
+        deadline = time.monotonic() + self.status_lag + 30
+        while (self.api.get_pod(run.namespace, run.name) or {}).get("metadata", {}).get("uid") == run.uid:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pod {run.namespace}/{run.name} is still there after its deletion")
+            time.sleep(0.05)
+
+    def _stop_pod(self, uid: str) -> None:
+        """The kubelet stops the pod's containers (their cgroups go) and frees its device IDs."""
+        shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{uid}", ignore_errors=True)
+        self.kubelet.remove_pod(uid)
+
+    def _known_statuses(self, uid: str) -> list[dict[str, Any]]:
+        run = self.runs.get(uid)
+        return list(run.statuses) if run is not None else []
 
     def pod(self, run: PodRun) -> dict[str, Any]:
         """The pod as the API server has it now."""

@@ -256,32 +256,30 @@ def test_node_labels_with_gpu_model(tmp_path: Path, sim_built: Path) -> None:
         assert labels["nvidia-device-enable"] == "enable"
 
 
+def _prestart_failed(cluster: SimCluster, name: str, owned: bool) -> None:
+    pod = gpu_pod(name, [("c", 100, 0)])
+    if owned:
+        pod["metadata"]["ownerReferences"] = [
+            {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs", "uid": "rs-uid", "controller": True}
+        ]
+    run = cluster.admit(pod)  # PreStart failed: the kubelet says so in the container's waiting state
+    waiting = {"reason": "CreateContainerConfigError", "message": "PreStartContainer check failed"}
+    status = {
+        "name": "c",
+        "ready": False,
+        "restartCount": 0,
+        "image": "cuda",
+        "imageID": "",
+        "state": {"waiting": waiting},
+    }
+    cluster.api.set_pod_phase(run.namespace, run.name, "Pending", containerStatuses=[status])
+
+
 def test_pods_that_failed_to_start_are_freed_and_deleted_when_owned(cluster: SimCluster) -> None:
-    owned = gpu_pod("owned", [("c", 100, 0)])
-    owned["metadata"]["ownerReferences"] = [
-        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs", "uid": "rs-uid", "controller": True}
-    ]
-    naked = gpu_pod("naked", [("c", 100, 0)])
-    runs = [cluster.admit(owned), cluster.admit(naked)]
-    for run in runs:  # PreStart failed: the kubelet says so in the container's waiting state
-        cluster.api.set_pod_phase(
-            run.namespace,
-            run.name,
-            "Pending",
-            containerStatuses=[
-                {
-                    "name": "c",
-                    "ready": False,
-                    "restartCount": 0,
-                    "image": "cuda",
-                    "imageID": "",
-                    "state": {
-                        "waiting": {"reason": "CreateContainerConfigError", "message": "PreStartContainer check failed"}
-                    },
-                }
-            ],
-        )
+    _prestart_failed(cluster, "owned", owned=True)
+    _prestart_failed(cluster, "naked", owned=False)
     deadline = time.monotonic() + 15
+    # The agent deletes the owned pod; the API server keeps it until the kubelet has finished it.
     while checkpoint_or_empty(cluster) or cluster.api.get_pod("default", "owned") is not None:
         assert time.monotonic() < deadline, (checkpoint_or_empty(cluster), cluster.api.get_pod("default", "owned"))
         time.sleep(0.1)

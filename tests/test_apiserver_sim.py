@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -356,8 +358,14 @@ def test_delete_pod(sim: ApiServerSimulator, v1: client.CoreV1Api) -> None:
             "p0", "default", body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid="other"))
         )
     assert precondition.value.status == 409
+    # p0 is on a node: it stays, marked, until its kubelet deletes it with grace 0
     deleted = v1.delete_namespaced_pod("p0", "default", grace_period_seconds=30)
     assert deleted.metadata.uid == created["metadata"]["uid"]
+    assert deleted.metadata.deletion_timestamp is not None and deleted.metadata.deletion_grace_period_seconds == 30
+    longer = v1.delete_namespaced_pod("p0", "default", grace_period_seconds=60)  # may only shorten it
+    assert longer.metadata.deletion_grace_period_seconds == 30
+    assert sim.get_pod("default", "p0") is not None
+    v1.delete_namespaced_pod("p0", "default", grace_period_seconds=0)
     assert sim.get_pod("default", "p0") is None
     with pytest.raises(ApiException) as again:
         v1.delete_namespaced_pod("p0", "default")
@@ -365,7 +373,7 @@ def test_delete_pod(sim: ApiServerSimulator, v1: client.CoreV1Api) -> None:
 
 
 def test_graceful_delete_and_finalizers() -> None:
-    with ApiServerSimulator(graceful_delete=True) as sim:
+    with ApiServerSimulator() as sim:  # graceful deletion is the default, as on a real server
         v1 = client.CoreV1Api(sim.client())
         sim.create_pod(pod_manifest("p0"))
         sim.create_pod(pod_manifest("unscheduled", node=None))
@@ -387,6 +395,55 @@ def test_graceful_delete_and_finalizers() -> None:
         )
         assert sim.get_pod("default", "fin") is None
         collector.stop()
+
+
+def test_graceful_delete_off_removes_every_pod_at_once() -> None:
+    with ApiServerSimulator(graceful_delete=False) as sim:
+        sim.create_pod(pod_manifest("p0"))
+        sim.set_pod_phase("default", "p0", "Running")
+        client.CoreV1Api(sim.client()).delete_namespaced_pod("p0", "default")
+        assert sim.get_pod("default", "p0") is None
+
+
+def test_in_process_deletion_helpers_and_pod_events() -> None:
+    with ApiServerSimulator() as sim:
+        events = sim.pod_events()
+        first = sim.create_pod(pod_manifest("p0"))
+        marked = sim.request_deletion("default", "p0")
+        assert marked is not None and marked["metadata"]["deletionGracePeriodSeconds"] == 30
+        assert sim.finish_deletion("default", "p0", uid="another-uid") is None  # not that pod
+        assert sim.get_pod("default", "p0") is not None
+        assert sim.finish_deletion("default", "p0", uid=first["metadata"]["uid"]) is not None
+        assert sim.get_pod("default", "p0") is None and sim.request_deletion("default", "p0") is None
+        sim.close_pod_events(events)
+        sim.create_pod(pod_manifest("after"))
+        seen = []
+        while not events.empty():
+            kind, pod = events.get_nowait()
+            seen.append((kind, pod["metadata"]["name"], bool(pod["metadata"].get("deletionTimestamp"))))
+        assert seen == [("ADDED", "p0", False), ("MODIFIED", "p0", True), ("DELETED", "p0", True)]
+        assert sim.watch_count() == 0  # not a watch
+
+
+@pytest.mark.parametrize("flags", [[], ["--graceful-delete"], ["--no-graceful-delete"]])
+def test_process_deletes_gracefully_unless_told_not_to(tmp_path: Path, flags: list[str]) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    cmd = [sys.executable, "-m", "simnode.apiserver", f"--kubeconfig={kubeconfig}", "--node=n1", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not kubeconfig.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the API-server process did not start"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        v1 = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+        v1.create_namespaced_pod("default", pod_manifest("p0", node="n1"))
+        v1.delete_namespaced_pod("p0", "default")
+        left = [p.metadata.name for p in v1.list_namespaced_pod("default").items]
+        assert left == ([] if "--no-graceful-delete" in flags else ["p0"])
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_binding_sets_the_node_once(sim: ApiServerSimulator, v1: client.CoreV1Api) -> None:
@@ -424,16 +481,18 @@ def test_watch_streams_added_modified_deleted(sim: ApiServerSimulator, v1: clien
     sim.create_pod(pod_manifest("elsewhere", node="node-2"))  # filtered out
     v1.patch_namespaced_pod("p1", "ns-x", {"metadata": {"annotations": {"k": "v"}}})
     sim.set_pod_phase("ns-x", "p1", "Running", podIP="10.0.0.7")
-    v1.delete_namespaced_pod("p1", "ns-x")
-    events = collector.take(4)
-    assert [e["type"] for e in events] == ["ADDED", "MODIFIED", "MODIFIED", "DELETED"]
+    v1.delete_namespaced_pod("p1", "ns-x")  # graceful: marked first
+    sim.finish_deletion("ns-x", "p1")  # the kubelet's DELETE with grace 0
+    events = collector.take(5)
+    assert [e["type"] for e in events] == ["ADDED", "MODIFIED", "MODIFIED", "MODIFIED", "DELETED"]
     assert all(isinstance(e["object"], client.V1Pod) for e in events)
     assert all(e["object"].metadata.name == "p1" for e in events)
     assert events[1]["object"].metadata.annotations == {"k": "v"}
     assert events[2]["object"].status.pod_ip == "10.0.0.7"
+    assert events[3]["object"].metadata.deletion_timestamp is not None
     rvs = [int(e["object"].metadata.resource_version) for e in events]
-    assert rvs == sorted(rvs) and len(set(rvs)) == 4
-    assert events[3]["raw_object"]["kind"] == "Pod"
+    assert rvs == sorted(rvs) and len(set(rvs)) == 5
+    assert events[4]["raw_object"]["kind"] == "Pod"
     collector.stop()
 
 

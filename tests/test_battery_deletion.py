@@ -16,25 +16,27 @@ from pathlib import Path
 from kubernetes.client import CoreV1Api
 
 from gpumanager import names
-from simnode.apiserver import ApiServerSimulator
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from tests.battery_fixtures import assert_no_overcommit, memory_of, spec_a100_pcie_x2, wait_agent_matches
 
 
 def test_pod_deleted_before_its_status_arrives_keeps_its_gpu(tmp_path: Path) -> None:
     cluster = SimCluster(tmp_path / "node", spec_a100_pcie_x2(tmp_path / "spec.json"), status_lag=30.0)
-    cluster.api = ApiServerSimulator(graceful_delete=True)
     with cluster:
         first = cluster.run_pod(gpu_pod("first", [("main", 60, 40)], annotations=admission_annotations([[0]], 1)))
-        # DELETE through the API, as a user does: graceful, its containers still run.
+        # DELETE through the API, as a user does: graceful; the kubelet stops the containers and frees
+        # their device IDs, but its status update saying so is 30 s away.
         CoreV1Api(cluster.api.client()).delete_namespaced_pod(first.name, first.namespace)
         assert cluster.pod(first).get("metadata", {}).get("deletionTimestamp")
+        deadline = time.monotonic() + 10
+        while cluster.kubelet.allocations(first.uid):  # the kubelet frees the device IDs
+            assert time.monotonic() < deadline, "the kubelet did not stop the deleted pod"
+            time.sleep(0.05)
         second = cluster.run_pod(gpu_pod("second", [("main", 60, 40)]))
         assert_no_overcommit([first, second], memory_of(cluster))
         wait_agent_matches(cluster, [first, second])
-        # The kubelet stops the containers and removes the pod: then, and only then, its GPU is free.
-        cluster.kubelet.remove_pod(first.uid)
-        cluster.api.finish_deletion(first.namespace, first.name)
+        # The kubelet's last status and DELETE arrive: then, and only then, the agent frees the GPU.
+        cluster.api.finish_deletion(first.namespace, first.name, first.uid)
         wait_agent_matches(cluster, [second])
 
 
@@ -45,7 +47,7 @@ def test_annotations_for_a_pod_never_land_on_its_namesake(tmp_path: Path) -> Non
     with cluster:
         cluster.api.fail_next("PATCH", r"/pods/web-0$", 500, count=3)  # the patch is retried with backoff
         old = cluster.run_pod(gpu_pod("web-0", [("main", 30, 4)], annotations=admission_annotations([[1]], 1)))
-        cluster.delete(old)
+        cluster.delete(old, wait=True)  # the StatefulSet makes the new pod once the old one is gone
         new = cluster.create(gpu_pod("web-0", [("main", 30, 4)]))
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline:  # until the agent's fourth try has been answered

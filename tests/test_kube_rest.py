@@ -66,7 +66,8 @@ def test_errors_are_the_clients_api_exceptions(api: ApiServerSimulator, rest: Ku
         rest.delete_pod("default", "p", {"preconditions": {"uid": "not-its-uid"}}, timeout=5)
     assert conflict.value.status == 409
     rest.delete_pod("default", "p", {"preconditions": {"uid": created["metadata"]["uid"]}}, timeout=5)
-    assert api.get_pod("default", "p") is None
+    deleting = api.get_pod("default", "p")  # on a node: kept until its kubelet is done with it
+    assert deleting is not None and deleting["metadata"]["deletionTimestamp"]
 
 
 AGENT_SIDE = r"""
@@ -103,4 +104,5 @@ def test_the_agents_api_side_loads_no_typed_api_class(api: ApiServerSimulator, t
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
     patched = api.get_node("node-1")
     assert patched is not None and patched["metadata"]["labels"]["l"] == "v"
-    assert api.get_pod("default", "p") is None
+    deleting = api.get_pod("default", "p")  # on a node: kept until its kubelet is done with it
+    assert deleting is not None and deleting["metadata"]["deletionTimestamp"]

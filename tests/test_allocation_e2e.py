@@ -286,6 +286,24 @@ def test_pods_that_failed_to_start_are_freed_and_deleted_when_owned(cluster: Sim
     assert cluster.api.get_pod("default", "naked") is not None, "a pod no controller owns is not deleted"
 
 
+def test_a_failed_pod_already_being_deleted_is_deleted_once(tmp_path: Path, sim_built: Path) -> None:
+    """The API server keeps a pod the agent deleted until its kubelet is done with it (here 6 s): the
+    periodic check (every second) does not send the DELETE again meanwhile."""
+    with SimCluster(tmp_path, "v100-pcie-x4", agent_flags=["--allocation-check-period=1"], status_lag=6.0) as c:
+        _prestart_failed(c, "owned", owned=True)
+        deadline = time.monotonic() + 15
+        while not (c.api.get_pod("default", "owned") or {}).get("metadata", {}).get("deletionTimestamp"):
+            assert time.monotonic() < deadline, "the agent did not delete the pod"
+            time.sleep(0.1)
+        while c.api.get_pod("default", "owned") is not None:  # the kubelet finishes it
+            assert time.monotonic() < deadline + 10, "the pod's deletion was never finished"
+            time.sleep(0.1)
+        # (the kubelet's own DELETE is not among the requests: the simulated one acts in process)
+        deletes = [r for r in c.api.requests if r.method == "DELETE" and r.path.endswith("/pods/owned")]
+        assert len(deletes) == 1, [(r.status, r.body) for r in deletes]
+        assert c.agent is not None and c.agent.log_text().count("deleted pod default/owned") == 1
+
+
 def test_extra_config_devices_and_printusages(tmp_path: Path, sim_built: Path) -> None:
     extra = tmp_path / "extra-config.json"
     extra.write_text(json.dumps({"default": {"devices": ["/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]}}))

@@ -102,7 +102,8 @@ class AllocationCheck:
             if not podinfo.is_gpu_pod(pod):
                 continue
             self._allocator.release_pod(podinfo.uid(pod))
-            self._delete_failed(pod)
+            if not podinfo.is_deleting(pod):  # else its deletion is under way: the kubelet finishes it
+                self._delete_failed(pod)
 
     def _run(self) -> None:
         # First check as soon as the pod cache is complete: pods that ended while we were down are freed now.

@@ -17,7 +17,13 @@ from kubernetes.client import CoreV1Api
 
 from gpumanager import names
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
-from tests.battery_fixtures import assert_no_overcommit, memory_of, spec_a100_pcie_x2, wait_agent_matches
+from tests.battery_fixtures import (
+    assert_no_overcommit,
+    memory_of,
+    spec_a100_pcie_x2,
+    spec_one_gpu,
+    wait_agent_matches,
+)
 
 
 def test_pod_deleted_before_its_status_arrives_keeps_its_gpu(tmp_path: Path) -> None:
@@ -61,3 +67,17 @@ def test_annotations_for_a_pod_never_land_on_its_namesake(tmp_path: Path) -> Non
         cluster.admit(run.manifest, create=False)
         cluster.start_containers(run)
         wait_agent_matches(cluster, [run])
+
+
+def test_ids_of_a_deleted_pod_in_a_larger_request_free_its_gpu(tmp_path: Path) -> None:
+    """The kubelet stops a deleted pod's containers and hands some of their device IDs to a pod asking
+    for more (here: every ID of the one GPU) before the pod's status says they stopped: the IDs show
+    the kubelet no longer counts them as held, so the agent frees the old pod's share for the new pod."""
+    cluster = SimCluster(tmp_path / "node", spec_one_gpu(tmp_path / "spec.json"), status_lag=30.0)
+    with cluster:
+        first = cluster.run_pod(gpu_pod("first", [("main", 30, 4)]))
+        cluster.delete(first)  # its containers stop now; its status says so 30 s later
+        whole = cluster.run_pod(gpu_pod("whole", [("main", 100, 0)]))
+        assert set(first.core["main"].device_ids) <= set(whole.core["main"].device_ids)
+        assert_no_overcommit([whole], memory_of(cluster))
+        wait_agent_matches(cluster, [whole])

@@ -257,7 +257,13 @@ class Allocator:
                     candidate = self._match_cached(cores, ordered)
                     if candidate is not None:
                         try:
-                            alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                            try:
+                                alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                            except AllocationError as exc:
+                                if exc.kind != "exhausted" or not self._take_back_handed_on(wanted, candidate):
+                                    raise
+                                changed = True
+                                alloc, response, ticket = self._allocate_locked(candidate, ordered)
                             changed = True
                         except AllocationError as exc:
                             if exc.kind != "exhausted":
@@ -367,6 +373,24 @@ class Allocator:
         if podinfo.is_terminated(pod):
             return False
         return key[1] not in podinfo.started_containers(pod)
+
+    def _take_back_handed_on(self, wanted: frozenset[str], candidate: Candidate) -> bool:
+        """Take back the containers of other pods that held some of ``wanted`` (under the lock).
+
+        The kubelet never hands out an ID a container of an active pod holds: seeing one again in a
+        request for another pod means it stopped counting that pod (its containers stopped), even if the
+        pod's status does not say so yet. A container of the candidate's own pod (an init container whose
+        devices the kubelet reuses) keeps its IDs. True when one was taken back.
+        """
+        pod_uid = podinfo.uid(candidate.pod)
+        handed_on = [
+            key
+            for key, alloc in self._allocs.items()
+            if key[0] != pod_uid and alloc.device_ids and not wanted.isdisjoint(alloc.device_ids)
+        ]
+        for key in handed_on:
+            self._take_back(key)
+        return bool(handed_on)
 
     def _take_back(self, key: tuple[str, str]) -> None:
         """The kubelet gave ``key``'s device IDs to a new container: ``key`` no longer holds them."""

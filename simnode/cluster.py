@@ -15,9 +15,7 @@ free, and its last status and the DELETE with grace 0 follow ``status_lag`` late
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import queue
 import shutil
 import subprocess
 import sys
@@ -33,9 +31,9 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
 from gpumanager import names
-from gpumanager.kube.reflector import Reflector
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
 from simnode.apiserver_quantity import value as quantity_value
 from simnode.gpusim_state import repo_root
@@ -109,7 +107,7 @@ def admission_annotations(gpus: Sequence[Sequence[int]], predicate_time: int) ->
     return out
 
 
-class RemoteApiServer:
+class RemoteApiServer(HttpPodApi):
     """The API-server simulator in its own process, driven over HTTP with the real client.
 
     For benchmarks: a real API server is another machine, so its work must not compete
@@ -120,8 +118,7 @@ class RemoteApiServer:
         self._workdir = workdir
         self._kubeconfig = workdir / "apiserver.kubeconfig"
         self._proc: subprocess.Popen[bytes] | None = None
-        self._core: Any = None
-        self._feeds: dict[int, Reflector] = {}
+        super().__init__(None)
 
     def start(self) -> None:
         """Start the process and wait for its kubeconfig."""
@@ -143,7 +140,7 @@ class RemoteApiServer:
             time.sleep(0.05)
         time.sleep(0.1)
         api = k8s_config.new_client_from_config(config_file=str(self._kubeconfig))  # type: ignore[no-untyped-call]
-        self._core = k8s_client.CoreV1Api(api)
+        self.core = k8s_client.CoreV1Api(api)
 
     def stop(self) -> None:
         """Stop the process."""
@@ -158,67 +155,6 @@ class RemoteApiServer:
         """Copy the kubeconfig to ``path``."""
         shutil.copyfile(self._kubeconfig, path)
         return path
-
-    def create_pod(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """POST the pod."""
-        ns = str(manifest["metadata"].get("namespace", "default"))
-        resp = self._core.create_namespaced_pod(ns, dict(manifest), _preload_content=False)
-        return dict(json.loads(resp.data))
-
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """GET the pod."""
-        try:
-            resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False)
-        except k8s_client.exceptions.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(json.loads(resp.data))
-
-    def set_pod_phase(self, namespace: str, name: str, phase: str, **status: Any) -> None:
-        """Merge-patch the pod's status."""
-        body = {"status": {"phase": phase, **status}}
-        self._core.patch_namespaced_pod_status(
-            name, namespace, body, _content_type="application/merge-patch+json", _preload_content=False
-        )
-
-    def delete_pod(self, namespace: str, name: str) -> None:
-        """DELETE the pod at once (grace 0)."""
-        self._core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
-
-    def request_deletion(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """DELETE the pod as a user does (graceful when it runs on a node); None when absent."""
-        try:
-            resp = self._core.delete_namespaced_pod(name, namespace, _preload_content=False)
-        except k8s_client.exceptions.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(json.loads(resp.data))
-
-    def finish_deletion(self, namespace: str, name: str, uid: str | None = None) -> None:
-        """DELETE with grace 0 (and ``uid`` as precondition), as the kubelet ends a graceful deletion."""
-        body = {"gracePeriodSeconds": 0, **({"preconditions": {"uid": uid}} if uid else {})}
-        try:
-            self._core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
-        except k8s_client.exceptions.ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-
-    def pod_events(self) -> queue.Queue[tuple[str, dict[str, Any]]]:
-        """Every pod change from now on, through a list and watch of the API server."""
-        events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        feed = Reflector("sim-kubelet-pods", self._core.list_pod_for_all_namespaces)
-        feed.add_listener(lambda kind, pod, _prev: events.put((kind, pod)))
-        self._feeds[id(events)] = feed
-        feed.start()
-        return events
-
-    def close_pod_events(self, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
-        """Stop the watch behind a queue from :meth:`pod_events`."""
-        feed = self._feeds.pop(id(events), None)
-        if feed is not None:
-            feed.stop()
 
 
 class SimCluster:

@@ -4,7 +4,12 @@ controller and the scheduler stand-in, driven one reconcile pass at a time.
 ``settle()`` runs passes (controller, scheduler, kubelet) until nothing changes: claims are
 created from templates, allocated and written back, pods bound, claims prepared through the
 agent's ``dra.sock``, containers started from the CDI edits; pods that ended are stopped and
-their claims unprepared and released.
+their claims unprepared and released. As on a real node, a started pod's status update
+(``Running`` with the container IDs) reaches the API server ``status_lag`` seconds after its
+containers started (:data:`~simnode.cluster.STATUS_LAG_SECONDS` by default; 0 writes it at once),
+and a pod being deleted has its containers stopped and its claims unprepared at once, its last
+status and the DELETE with grace 0 following ``status_lag`` later (:mod:`simnode.kubelet_deletion`);
+``settle()`` waits for those writes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,11 +29,12 @@ from kubernetes import config as k8s_config
 
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
-from simnode.cluster import RemoteApiServer
+from simnode.cluster import STATUS_LAG_SECONDS, RemoteApiServer
 from simnode.dra_controller import ClaimController
 from simnode.dra_kubelet import DRAKubeletSimulator, PrepareFailed
 from simnode.dra_scheduler import DRAScheduler
 from simnode.gpusim_state import sim_env
+from simnode.kubelet_deletion import PodTerminator
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,7 @@ class DRACluster:
         agent_flags: Sequence[str] = (),
         health_quiet_period: str = "5m",
         api_process: bool = False,
+        status_lag: float = STATUS_LAG_SECONDS,
     ) -> None:
         self.workdir = workdir
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
@@ -129,6 +137,12 @@ class DRACluster:
         self.prepare_errors: dict[str, dict[str, str]] = {}
         self.commands: dict[str, dict[str, Sequence[str]]] = {}
         self.base_env: dict[str, str] = {}
+        self.status_lag = status_lag
+        self._statuses: dict[str, list[JSON]] = {}  # pod UID -> container statuses once started
+        self._status_timers: dict[str, threading.Timer] = {}  # pod UID -> its Running status on its way
+        self.terminator = PodTerminator(
+            self.api, NODE, stop_pod=self._stop_pod, known_statuses=self._known_statuses, lag=status_lag
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -182,6 +196,9 @@ class DRACluster:
 
     def stop(self) -> None:
         """Stop everything."""
+        for timer in self._status_timers.values():
+            timer.cancel()
+        self.terminator.stop()
         if self.kubelet is not None:
             self.kubelet.kill_all()
             self.kubelet.stop()
@@ -262,15 +279,67 @@ class DRACluster:
 
     # -- reconcile ------------------------------------------------------------------------------
 
-    def settle(self, passes: int = 10) -> None:
-        """Run controller, scheduler and kubelet passes until nothing changes."""
+    def settle(self, passes: int = 10, *, wait_writes: bool = True) -> None:
+        """Run controller, scheduler and kubelet passes until nothing changes, waiting for the kubelet's
+        lagging status writes (``wait_writes=False``: return while they are still on their way)."""
         assert self.controller is not None and self.scheduler is not None
         for _ in range(passes):
             changed = self.controller.sync()
             changed += len(self.scheduler.schedule_once())
             changed += self._kubelet_pass()
+            if not changed and wait_writes:
+                changed = self._wait_status_writes()
             if not changed:
                 return
+
+    def _wait_status_writes(self) -> int:
+        """Wait for the kubelet's lagging status writes and final DELETEs; how many there were."""
+        timers = [t for t in self._status_timers.values() if t.is_alive()]
+        for timer in timers:
+            timer.join(self.status_lag + 10)
+        pending = self.terminator.pending()
+        self.terminator.wait_idle(self.status_lag + 10)
+        return len(timers) + pending
+
+    def _stop_pod(self, uid: str) -> None:
+        """Stop the containers and unprepare the claims; a Running status not written yet never will be."""
+        assert self.kubelet is not None
+        timer = self._status_timers.pop(uid, None)
+        if timer is not None:
+            timer.cancel()
+        self.kubelet.stop_pod(uid)
+
+    def _known_statuses(self, uid: str) -> list[JSON]:
+        return self._statuses.get(uid, [])
+
+    def _publish_running(self, pod: JSON, statuses: list[JSON]) -> None:
+        """The status update naming the started containers, ``status_lag`` from now, unless they were
+        stopped meanwhile."""
+        md = pod["metadata"]
+        status = {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}
+
+        def write() -> None:
+            if self.terminator.stopped(md["uid"]):
+                return
+            try:
+                self.core.patch_namespaced_pod_status(
+                    md["name"],
+                    md.get("namespace", "default"),
+                    {"metadata": {"uid": md["uid"]}, "status": status},
+                    _content_type="application/merge-patch+json",
+                )
+            except k8s.exceptions.ApiException as exc:
+                if exc.status not in (404, 409, 422):  # gone, or another pod of that name
+                    raise
+
+        if self.status_lag <= 0:
+            write()
+            return
+        timer = threading.Timer(self.status_lag, write)
+        timer.daemon = True
+        self._status_timers = {u: t for u, t in self._status_timers.items() if t.is_alive()}
+        self._status_timers[md["uid"]] = timer
+        timer.start()
 
     def _kubelet_pass(self) -> int:
         assert self.kubelet is not None
@@ -288,6 +357,11 @@ class DRACluster:
                     changed += 1
         for pod in pods:
             uid = pod["metadata"]["uid"]
+            if pod["metadata"].get("deletionTimestamp"):  # stopped now, finished status_lag later
+                if not self.terminator.stopped(uid):
+                    self.terminator.handle("MODIFIED", pod)
+                    changed += 1
+                continue
             if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
             if any(k[0] == uid for k in self.kubelet.containers):
@@ -319,12 +393,8 @@ class DRACluster:
                         "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
                     }
                 )
-            self.core.patch_namespaced_pod_status(
-                pod["metadata"]["name"],
-                pod["metadata"].get("namespace", "default"),
-                {"status": {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}},
-                _content_type="application/merge-patch+json",
-            )
+            self._statuses[uid] = statuses
+            self._publish_running(pod, statuses)
             changed += 1
         # Pods deleted from the API server: stop what is left of them.
         known = {p["metadata"]["uid"] for p in pods}

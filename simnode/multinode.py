@@ -10,11 +10,14 @@ a *node loop* doing what the kubelet does with the API server:
 * admission of each pod bound to the node, one at a time in arrival order: the resource check
   against allocatable (``OutOf<resource>``), then Allocate for every resource of every container
   (the agent's refusal makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as
-  the kubelet does), then PreStartContainer, then ``Running`` with container IDs, a cgroup and
-  a PID per container;
-* a pod being deleted (graceful deletion is on): its containers stop at once and are reported
-  terminated with a terminal phase, its devices are given back, and the pod is deleted for good;
-  a pod deleted or ended otherwise gives its devices back too.
+  the kubelet does), then PreStartContainer, then a cgroup and a PID per container; the status
+  update (``Running`` with the container IDs) reaches the API server ``status_lag`` seconds
+  after the containers started (:data:`~simnode.cluster.STATUS_LAG_SECONDS` by default, as the
+  single-node harness; 0 publishes it at once);
+* a pod being deleted (a real API server deletes gracefully): its containers stop at once and its
+  devices are given back; its last status (containers terminated, a terminal phase) and the
+  DELETE with grace 0 follow ``status_lag`` later (:mod:`simnode.kubelet_deletion`); a pod deleted
+  or ended otherwise gives its devices back too.
 
 The scheduling is done by :class:`~simnode.scheduler.SchedulerStandIn` configured with
 ``deploy/scheduler/default-scheduler.yaml``; with ``extender=True`` the real
@@ -45,10 +48,13 @@ from gpumanager.kube.gpu_inventory import ANNOTATION, decode
 from gpumanager.kube.reflector import Reflector
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
+from simnode.cluster import STATUS_LAG_SECONDS
 from simnode.extender_process import ExtenderProcess
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import KubeletSimError, KubeletSimulator
+from simnode.kubelet_deletion import PodTerminator
 from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity
 from simnode.simhost import install_sim_driver, volume_conf
 
@@ -102,6 +108,7 @@ class _Admitted:
     uid: str
     key: str
     cgroups: list[Path] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
 
 
 class SimNode:
@@ -117,6 +124,7 @@ class SimNode:
         *,
         agent_flags: Sequence[str] = (),
         node_status_period: float = 10.0,
+        status_lag: float = STATUS_LAG_SECONDS,
     ) -> None:
         self.name = name
         self.spec = spec
@@ -159,12 +167,19 @@ class SimNode:
         self.pods.add_listener(self._on_pod)
         self._work: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue()
         self._admitted: dict[str, _Admitted] = {}
+        self._ended: dict[str, list[dict[str, Any]]] = {}  # container statuses of pods stopped
+        self._rejected: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.refusals: list[Refusal] = []
         self.running = 0
         self._last_status: dict[str, Any] = {}
+        self.status_lag = status_lag
+        self._status_timers: list[threading.Timer] = []
+        self.terminator = PodTerminator(
+            HttpPodApi(self._core), name, stop_pod=self._forget, known_statuses=self._known_statuses, lag=status_lag
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -188,6 +203,11 @@ class SimNode:
         self._work.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        with self._lock:
+            timers, self._status_timers = self._status_timers, []
+        for timer in timers:
+            timer.cancel()
+        self.terminator.stop()
         self.pods.stop()
         self.agent.stop()
         self.kubelet.stop()
@@ -236,47 +256,56 @@ class SimNode:
             uid = str(pod["metadata"]["uid"])
             phase = (pod.get("status") or {}).get("phase")
             try:
-                if kind != "DELETED" and pod["metadata"].get("deletionTimestamp"):
-                    self._terminate(pod)
-                elif kind == "DELETED" or phase in ("Succeeded", "Failed"):
+                if kind == "DELETED" or pod["metadata"].get("deletionTimestamp"):
+                    self.terminator.handle(kind, pod)
+                elif phase in ("Succeeded", "Failed"):
                     self._forget(uid)
-                elif uid not in self._admitted and phase == "Pending":
+                elif uid not in self._admitted and uid not in self._rejected and phase == "Pending":
                     self._admit(pod)
             except Exception:
                 log.exception("node %s: handling pod %s failed", self.name, uid)
 
-    def _terminate(self, pod: dict[str, Any]) -> None:
-        """A graceful deletion: stop the containers (they exit at once), report them terminated with
-        a terminal phase (as the kubelet does since 1.27), give the devices back, then delete the pod
-        for good (grace 0), as the kubelet's status manager does."""
-        md = pod["metadata"]
-        uid, name, namespace = str(md["uid"]), str(md["name"]), str(md.get("namespace", "default"))
+    def _known_statuses(self, uid: str) -> list[dict[str, Any]]:
         with self._lock:
-            admitted = uid in self._admitted
-        if admitted:
-            now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            statuses = []
-            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                state = {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now, "finishedAt": now}}
-                statuses.append({**cs, "ready": False, "state": state})
-            body = {"status": {"phase": "Succeeded", "containerStatuses": statuses}}
+            admitted = self._admitted.get(uid)
+            return list(admitted.statuses if admitted is not None else self._ended.get(uid, []))
+
+    def _publish(self, md: Mapping[str, Any], status: dict[str, Any], *, running: bool = False) -> None:
+        """The kubelet's status update, written ``status_lag`` seconds from now to that very pod;
+        ``running``: the containers' start, skipped when they were stopped meanwhile."""
+        uid, name, namespace = str(md["uid"]), str(md["name"]), str(md.get("namespace", "default"))
+        body = {"metadata": {"uid": uid}, "status": status}
+
+        def write() -> None:
+            if running:
+                with self._lock:
+                    if uid not in self._admitted:
+                        return
             try:
                 self._core.patch_namespaced_pod_status(
                     name, namespace, body, _content_type="application/merge-patch+json", _preload_content=False
                 )
             except client.exceptions.ApiException as exc:
-                if exc.status != 404:
-                    raise
-        self._forget(uid)
-        try:
-            self._core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _preload_content=False)
-        except client.exceptions.ApiException as exc:
-            if exc.status != 404:
-                raise
+                if exc.status not in (404, 409, 422):  # gone, or another pod of that name
+                    log.warning("node %s: status of pod %s/%s not written: %s", self.name, namespace, name, exc)
+                return
+            if running:
+                self.running += 1
+
+        if self.status_lag <= 0:
+            write()
+            return
+        timer = threading.Timer(self.status_lag, write)
+        timer.daemon = True
+        with self._lock:
+            self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
+        timer.start()
 
     def _forget(self, uid: str) -> None:
         with self._lock:
             admitted = self._admitted.pop(uid, None)
+            if admitted is not None and admitted.statuses:
+                self._ended[uid] = admitted.statuses
         self.kubelet.remove_pod(uid)
         if admitted is not None:
             for path in admitted.cgroups:
@@ -287,11 +316,10 @@ class SimNode:
         key = f"{md.get('namespace', 'default')}/{md['name']}"
         log.info("node %s rejects pod %s: %s: %s", self.name, key, reason, message)
         self.refusals.append(Refusal(key, reason, message))
+        with self._lock:
+            self._rejected.add(str(md["uid"]))
         self.kubelet.remove_pod(str(md["uid"]))
-        body = {"status": {"phase": "Failed", "reason": reason, "message": message}}
-        self._core.patch_namespaced_pod_status(
-            md["name"], md.get("namespace", "default"), body, _content_type="application/merge-patch+json"
-        )
+        self._publish(md, {"phase": "Failed", "reason": reason, "message": message})
 
     def _used(self, exclude: str) -> dict[str, Decimal]:
         used: dict[str, Decimal] = {}
@@ -338,7 +366,7 @@ class SimNode:
             return
         with self._lock:
             admitted = self._admitted[uid] = _Admitted(uid, f"{namespace}/{name}")
-        statuses = []
+        statuses = admitted.statuses
         for c in containers:
             limits = (c.get("resources") or {}).get("limits") or {}
             for resource in GPU_RESOURCES:
@@ -364,14 +392,7 @@ class SimNode:
                     "state": {"running": {"startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}},
                 }
             )
-        body = {"status": {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}}
-        try:
-            self._core.patch_namespaced_pod_status(name, namespace, body, _content_type="application/merge-patch+json")
-        except client.exceptions.ApiException as exc:
-            if exc.status != 404:
-                raise
-            return
-        self.running += 1
+        self._publish(md, {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}, running=True)
 
     def _prestart_failed(self, pod: dict[str, Any], container: str, message: str) -> None:
         md = pod["metadata"]
@@ -385,10 +406,7 @@ class SimNode:
             "imageID": "",
             "state": {"waiting": {"reason": "CreateContainerError", "message": message}},
         }
-        body = {"status": {"containerStatuses": [status]}}
-        self._core.patch_namespaced_pod_status(
-            md["name"], md.get("namespace", "default"), body, _content_type="application/merge-patch+json"
-        )
+        self._publish(md, {"containerStatuses": [status]})
 
 
 class MultiNodeCluster:
@@ -408,13 +426,15 @@ class MultiNodeCluster:
         unschedulable_timeout: float = 300.0,
         seed: int | None = 0,
         bookmark_interval: float = 60.0,
+        status_lag: float = STATUS_LAG_SECONDS,
     ) -> None:
         self.workdir = workdir
-        self.api = ApiServerSimulator(bookmark_interval=bookmark_interval, graceful_delete=True)
+        self.api = ApiServerSimulator(bookmark_interval=bookmark_interval)
         self.kubeconfig = workdir / "kubeconfig"
         self._node_specs = [(n, Path(s) if "/" in str(s) else SPEC_DIR / f"{s}.json") for n, s in nodes]
         self._agent_flags = list(agent_flags)
         self._status_period = node_status_period
+        self._status_lag = status_lag
         self.with_extender = extender
         self.extender: ExtenderProcess | None = None
         self._extender_flags = list(extender_flags)
@@ -442,6 +462,7 @@ class MultiNodeCluster:
                 api,
                 agent_flags=self._agent_flags,
                 node_status_period=self._status_period,
+                status_lag=self._status_lag,
             )
         with ThreadPoolExecutor(max_workers=len(self.nodes) or 1) as pool:
             for started in [pool.submit(node.start) for node in self.nodes.values()]:

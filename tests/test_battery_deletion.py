@@ -81,3 +81,30 @@ def test_ids_of_a_deleted_pod_in_a_larger_request_free_its_gpu(tmp_path: Path) -
         assert set(first.core["main"].device_ids) <= set(whole.core["main"].device_ids)
         assert_no_overcommit([whole], memory_of(cluster))
         wait_agent_matches(cluster, [whole])
+
+
+def test_the_kubelet_finishes_a_deleted_pod_after_its_status_lag(tmp_path: Path) -> None:
+    """What the node does with a graceful deletion: the containers stop at once (cgroups gone, device IDs
+    free), then the last status (terminated, Succeeded) and the DELETE with grace 0 follow the lag."""
+    cluster = SimCluster(tmp_path / "node", spec_a100_pcie_x2(tmp_path / "spec.json"), status_lag=1.0)
+    with cluster:
+        run = cluster.run_pod(gpu_pod("p", [("main", 30, 4)]))
+        cluster.wait_status(run)
+        events = cluster.api.pod_events()
+        cluster.delete(run)
+        assert not cluster.kubelet.allocations(run.uid)
+        assert not (cluster.cgroup_root / "kubepods" / f"pod{run.uid}").exists()
+        assert cluster.pod(run)["metadata"]["deletionTimestamp"]  # still there meanwhile
+        seen = []
+        while not seen or seen[-1][0] != "DELETED":
+            kind, pod = events.get(timeout=15)
+            if pod["metadata"]["uid"] == run.uid:
+                states = [next(iter(cs["state"])) for cs in pod["status"].get("containerStatuses") or []]
+                seen.append((kind, pod["status"]["phase"], states))
+        cluster.api.close_pod_events(events)
+        assert seen == [
+            ("MODIFIED", "Running", ["running"]),  # the deletionTimestamp
+            ("MODIFIED", "Succeeded", ["terminated"]),
+            ("DELETED", "Succeeded", ["terminated"]),
+        ]
+        wait_agent_matches(cluster, [])

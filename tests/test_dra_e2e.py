@@ -151,6 +151,32 @@ print(json.dumps({"error": err.name, "allocated": total, "free": free, "total": 
 )
 
 
+def test_status_lags_the_start_and_a_deleted_pod_is_finished_by_the_node(t4: DRACluster) -> None:
+    t4.status_lag = 30.0  # the containers' status update is far away
+    t4.add_template(claim_template("c40", cores=40, memory="2Gi"))
+    events = t4.api.pod_events()
+    pod = t4.create_pod(claim_pod("p", "c40"))
+    uid = pod["metadata"]["uid"]
+    t4.settle(wait_writes=False)
+    assert t4.kubelet is not None and (uid, "main") in t4.kubelet.containers  # started
+    assert t4.pod("p")["status"]["phase"] == "Pending" and not t4.pod("p")["status"].get("containerStatuses")
+    claim = t4.claim_of("p")["metadata"]["uid"]
+    assert claim in t4.kubelet.claims
+    t4.core.delete_namespaced_pod("p", "default")  # graceful: the node stops it, then deletes it
+    t4.settle()
+    assert not any(k[0] == uid for k in t4.kubelet.containers) and claim not in t4.kubelet.claims
+    t4.api.close_pod_events(events)
+    phases = []
+    while not events.empty():
+        kind, seen = events.get_nowait()
+        if seen["metadata"]["uid"] == uid:
+            states = [next(iter(cs["state"])) for cs in seen["status"].get("containerStatuses") or []]
+            phases.append((kind, seen["status"]["phase"], states))
+    # Never Running: the containers had stopped before their status update was due.
+    assert ("MODIFIED", "Succeeded", ["terminated"]) in phases and phases[-1][0] == "DELETED", phases
+    assert all(phase != "Running" for _, phase, _ in phases), phases
+
+
 @pytest.fixture
 def t4_mirror(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
     """A T4 node in DRA mode whose driver mirror holds the interceptor."""
@@ -202,18 +228,20 @@ def test_sm_limit_of_a_30_core_claim_holds(t4_mirror: DRACluster) -> None:
     c = t4_mirror
     c.add_template(claim_template("c30", cores=30, memory="2Gi"))
     pod = c.create_pod(
-        claim_pod("spin", "c30"), commands={"main": [str(loop), "kernel", "spin_1ms", "6.0", "64", "256", "0"]}
+        claim_pod("spin", "c30"), commands={"main": [str(loop), "kernel", "spin_1ms", "9.0", "64", "256", "0"]}
     )
     c.settle()
     assert c.kubelet is not None and c.agent is not None
     run = c.kubelet.containers[(pod["metadata"]["uid"], "main")]
     assert run.proc is not None
     claim_dir = c.vm_path / c.claim_of("spin")["metadata"]["uid"]
-    # The agent writes the container's processes (from its cgroup) into the claim's pids.config.
+    # The agent writes the container's processes (from its cgroup) into the claim's pids.config, once the
+    # pod's status names the container (it may write the file empty before).
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (claim_dir / "pids.config").exists():
+    pids = claim_dir / "pids.config"
+    while time.monotonic() < deadline and not (pids.exists() and files.read_pids(pids)):
         time.sleep(0.1)
-    assert files.read_pids(claim_dir / "pids.config") == [run.proc.pid]
+    assert files.read_pids(pids) == [run.proc.pid]
     time.sleep(2.0)
     with GpuSimState(c.agent.state) as st:
         before = st.timeline(0)

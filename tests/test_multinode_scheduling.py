@@ -240,3 +240,20 @@ def test_a_deleted_pods_gpu_goes_to_the_next_pod(cluster: MultiNodeCluster) -> N
     assert refused(cluster, [first, second]) == []
     t4 = cluster.nodes["t4"].kubelet
     assert [r.pod_uid for r in t4.allocations()] == [second["metadata"]["uid"]]
+
+
+def test_the_node_reports_a_start_late_and_finishes_a_deleted_pod(cluster: MultiNodeCluster) -> None:
+    t4 = cluster.nodes["t4"]
+    t4.status_lag = 30.0  # the status update naming the started containers is far away
+    try:
+        pod = cluster.create(pinned("t4", [[0]], [(50, 4)], "late"))
+        uid = pod["metadata"]["uid"]
+        wait_for(lambda: (t4.cgroup_root / "kubepods" / f"pod{uid}").exists(), what="containers started")
+        assert cluster.pod("late")["status"]["phase"] == "Pending"
+    finally:
+        t4.status_lag = cluster.nodes["v100"].status_lag
+    cluster.delete("late")  # the containers stop now; the last status and the final DELETE follow the lag
+    wait_for(lambda: not t4.kubelet.allocations(uid), what="the devices given back")
+    assert cluster.pod("late")["metadata"]["deletionTimestamp"]
+    wait_for(lambda: cluster.api.get_pod("default", "late") is None, what="the pod gone")
+    assert not (t4.cgroup_root / "kubepods" / f"pod{uid}").exists()

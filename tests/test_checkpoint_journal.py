@@ -100,9 +100,7 @@ def test_an_agent_that_died_before_compaction_recovers_from_the_journal(tmp_path
 
 
 def test_segments_fill_up_and_roll_over(tmp_path: Path, monkeypatch: object) -> None:
-    import pytest
 
-    assert isinstance(monkeypatch, pytest.MonkeyPatch)
     monkeypatch.setattr(journal, "SEGMENT_BYTES", 4096)
     path = tmp_path / "cp"
     store = CheckpointStore(path)
@@ -243,3 +241,32 @@ def test_a_failed_flush_refuses_every_allocation_in_it_and_leaves_no_trace(
     gated.error = None
     alloc.allocate(core_ids(1, 10))
     assert [a.pod_uid for a in make_allocator(tmp_path, pods).load().allocations] == [uid_of("p0")]
+
+
+def test_a_reader_during_a_compaction_gets_every_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compaction between reading the snapshot and reading a segment (the snapshot replaced, the
+    segment removed) must not make a reader fail or miss the changes folded into the new snapshot."""
+    from gpumanager.allocation import journal
+
+    path = tmp_path / "gpumanager_internal_checkpoint"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.record(put("b", "c", 40))
+    expected = {"PodGPUMapping": {"a": {"c": put("a", "c", 30)["entry"]}, "b": {"c": put("b", "c", 40)["entry"]}}}
+    real = journal._read_segment
+    compacted = []
+
+    def compact_first(segment: Path, last: bool) -> tuple[list[dict[str, object]], str]:
+        if not compacted:  # the agent compacts right now: new snapshot, then the segment goes
+            compacted.append(segment)
+            store.write_snapshot(expected, store.switch())
+            for p in tmp_path.glob(path.name + ".journal-*"):
+                if p != store._segment.path:  # type: ignore[union-attr]
+                    p.unlink()
+        return real(segment, last)
+
+    monkeypatch.setattr(journal, "_read_segment", compact_first)
+    assert journal.read_document(path) == expected
+    assert compacted
+    store.close()

@@ -452,6 +452,32 @@ class CheckpointStore:
             self._spare = None
 
 
+#: How many times a reader starts again when the running agent compacts the journal under it.
+READ_ATTEMPTS = 20
+
+
+def _files_version(path: Path) -> tuple[tuple[int, int, int] | None, tuple[str, ...]]:
+    """The snapshot's identity (inode, size, mtime) and the segment names: what a compaction changes."""
+    try:
+        st = path.stat()
+        snapshot: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except FileNotFoundError:
+        snapshot = None
+    return snapshot, tuple(sorted(str(p) for _, p in CheckpointStore(path)._segments()))
+
+
 def read_document(path: Path) -> dict[str, Any] | None:
-    """The current checkpoint document at ``path``: the snapshot with its journal applied (for tools)."""
-    return CheckpointStore(path).load(quarantine=False).document
+    """The current checkpoint document at ``path``: the snapshot with its journal applied (for tools).
+
+    The agent may be running: a compaction that replaces the snapshot and removes segments while they
+    are read would give a document missing changes, or a segment gone half-way; the read starts again
+    until the files stayed the same throughout. Raises OSError when they never do."""
+    for _ in range(READ_ATTEMPTS):
+        before = _files_version(path)
+        try:
+            document = CheckpointStore(path).load(quarantine=False).document
+        except FileNotFoundError:
+            continue
+        if _files_version(path) == before:
+            return document
+    raise OSError(f"{path}: the checkpoint kept changing while it was read ({READ_ATTEMPTS} attempts)")

@@ -6,7 +6,10 @@ p99; (b) agent process start -> its ResourceSlice in the API server; (c) on 16 x
 prepared claims: the agent's RSS and the p99 of one more Prepare. Targets: (a) p99 < 20 ms,
 (b) < 1 s, (c) reported.
 
-    python bench/bench_dra.py [--prepares 200] [--starts 5]
+    python bench/bench_dra.py [--prepares 200] [--starts 5] [--before REF] [--only a|b|c ...]
+
+With ``--before REF`` the start (b) of the agent of git revision REF is measured too, the starts
+of the two alternating.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from figures import Variant, load, variants
 
 from simnode.dra_cluster import DRIVER, NODE, DRACluster
 from simnode.gpusim_state import ensure_sim_built
@@ -87,30 +92,49 @@ def bench_prepare(workdir: Path, n: int) -> None:
         print(summary("(a) NodePrepareResources, one claim", times, 20.0, "p99"), flush=True)
 
 
-def bench_start(workdir: Path, starts: int) -> None:
+def bench_start(workdir: Path, starts: int, agents: list[Variant]) -> None:
     with DRACluster(workdir, "h200-x16", api_process=True) as c:
         assert c.agent is not None
-        times = []
-        inside = []
-        for _ in range(starts):
-            c.agent.stop()
-            c.resource.delete_collection_resource_slice(field_selector=f"spec.nodeName={NODE}")
-            start = time.monotonic()
-            published_before = c.agent.log_text().count("published ResourceSlice") if c.agent else 0
-            c.start_agent(wait=False)
-            while c.slice() is None:
-                if time.monotonic() - start > 30:
-                    raise RuntimeError("no ResourceSlice within 30 s")
-                time.sleep(0.005)
-            times.append(time.monotonic() - start)
-            deadline = time.monotonic() + 10
-            while c.agent.log_text().count("published ResourceSlice") <= published_before:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the agent did not log its published ResourceSlice")
-                time.sleep(0.01)
-            inside.append(_log_span(c.agent.log_text(), "starting on node", "published ResourceSlice"))
-        print(summary("(b) process exec -> ResourceSlice in the API server", times, None, "median"), flush=True)
-        print(summary("(b) agent start (first log line) -> slice published", inside, 1000.0, "median"), flush=True)
+        times: dict[str, list[float]] = {v.label: [] for v in agents}
+        inside: dict[str, list[float]] = {v.label: [] for v in agents}
+        for i in range(starts):
+            # Alternated, so that load falls on each agent alike.
+            for variant in agents if i % 2 == 0 else agents[::-1]:
+                c.agent.stop()
+                c.resource.delete_collection_resource_slice(field_selector=f"spec.nodeName={NODE}")
+                start = time.monotonic()
+                published_before = c.agent.log_text().count("published ResourceSlice") if c.agent else 0
+                c.start_agent(wait=False, env=variant.env)
+                while c.slice() is None:
+                    if time.monotonic() - start > 30:
+                        raise RuntimeError("no ResourceSlice within 30 s")
+                    time.sleep(0.005)
+                times[variant.label].append(time.monotonic() - start)
+                deadline = time.monotonic() + 10
+                while c.agent.log_text().count("published ResourceSlice") <= published_before:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the agent did not log its published ResourceSlice")
+                    time.sleep(0.01)
+                inside[variant.label].append(
+                    _log_span(c.agent.log_text(), "starting on node", "published ResourceSlice")
+                )
+        for variant in agents:
+            print(
+                summary(
+                    f"(b) exec -> ResourceSlice in the API server, {variant.label}",
+                    times[variant.label],
+                    1000.0,
+                    "median",
+                ),
+                flush=True,
+            )
+            print(
+                summary(
+                    f"(b) first log line -> slice published, {variant.label}", inside[variant.label], None, "median"
+                ),
+                flush=True,
+            )
+        print(f"    {load()}", flush=True)
 
 
 def _log_span(text: str, first: str, last: str) -> float:
@@ -163,13 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prepares", type=int, default=200)
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--claims", type=int, default=200)
+    parser.add_argument(
+        "--before", metavar="REF", help="also measure (b) with the agent of git revision REF, alternating starts"
+    )
+    parser.add_argument("--only", choices=["a", "b", "c"], action="append", help="run only these parts")
     args = parser.parse_args(argv)
+    parts = set(args.only or ["a", "b", "c"])
     logging.basicConfig(level=logging.ERROR)
     ensure_sim_built()
     with tempfile.TemporaryDirectory(prefix="bench-dra-") as tmp:
-        bench_prepare(Path(tmp) / "a", args.prepares)
-        bench_start(Path(tmp) / "b", args.starts)
-        bench_many(Path(tmp) / "c", args.claims)
+        if "a" in parts:
+            bench_prepare(Path(tmp) / "a", args.prepares)
+        if "b" in parts:
+            with variants(args.before) as agents:
+                bench_start(Path(tmp) / "b", args.starts, agents)
+        if "c" in parts:
+            bench_many(Path(tmp) / "c", args.claims)
     return 0
 
 

@@ -51,13 +51,14 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     raw = limits.get(resource)
     if raw is None:
         return 0
-    # Loaded here, not with the module: importing the Kubernetes client takes about half a second,
-    # and the device plugin registers with the kubelet before it needs any pod.
-    from kubernetes.utils import parse_quantity
+    # Loaded here, not with the module: the device plugin registers with the kubelet before it
+    # needs any pod. Only the quantity module, not the whole client (see kube.lazy_package).
+    from gpumanager.kube import lazy_package
 
+    parse_quantity = lazy_package.import_module("kubernetes.utils.quantity").parse_quantity
     try:
         # A quantity, as the API server answers it in canonical form: 1000 reads back as "1k".
-        value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
+        value = Decimal(parse_quantity(raw))
     except (ValueError, TypeError, ArithmeticError):
         value = Decimal(-1)
     if not value.is_finite() or value != value.to_integral_value() or value < 0:

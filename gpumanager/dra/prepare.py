@@ -17,7 +17,6 @@ flight is not prepared by that GET's answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -30,6 +29,7 @@ from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi, sharing
+from gpumanager.dra import constants as c
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
@@ -62,21 +62,22 @@ class Outcome:
 
 def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
     """A ClaimReader over the kubernetes client (GET .../resourceclaims/{name})."""
-    from kubernetes import client as k8s
-    from kubernetes.client.exceptions import ApiException
+    from gpumanager.kube.rest import ApiException, KubeRest, segment
 
-    api: Any = k8s.ResourceV1Api(api_client)
+    rest = KubeRest(api_client)
 
     def read(namespace: str, name: str) -> JSON:
+        path = f"/apis/{c.RESOURCE_API}/namespaces/{segment(namespace)}/resourceclaims/{segment(name)}"
         try:
-            resp = api.read_namespaced_resource_claim(name, namespace, _request_timeout=timeout, _preload_content=False)
+            out: JSON = rest.get_object(path, timeout=timeout)
         except ApiException as exc:
             if exc.status == 404:
                 raise ClaimNotFound(f"claim {namespace}/{name} not found") from None
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc.status} {exc.reason}") from None
-        except Exception as exc:  # connection errors, timeouts
+        except Exception as exc:  # connection errors, timeouts, a body that is not JSON
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc}") from None
-        out: JSON = json.loads(resp.data)
+        if not isinstance(out, dict):
+            raise ClaimError(f"claim {namespace}/{name}: cannot read it: the answer is not an object")
         return out
 
     return read

@@ -23,18 +23,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
-
 from gpumanager.dra import constants as c
 from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.kube.pods import _lines
+from gpumanager.kube.rest import ApiException, KubeRest, segment
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
 #: Seconds any one API call may take (a hanging API server must not stop the loop).
 REQUEST_TIMEOUT = 10.0
+#: The ResourceSlice collection.
+SLICES = f"/apis/{c.RESOURCE_API}/resourceslices"
 _BACKOFF_START = 0.2
 _BACKOFF_MAX = 10.0
 
@@ -79,7 +79,7 @@ class SlicePublisher:
         on_error: Callable[[str], None] = lambda _m: None,
         on_ok: Callable[[], None] = lambda: None,
     ) -> None:
-        self._api: Any = k8s.ResourceV1Api(api_client)
+        self._rest = KubeRest(api_client)
         self.node = node
         self.driver = driver
         self.name = c.slice_name(node, driver)
@@ -151,10 +151,8 @@ class SlicePublisher:
         """One pass; returns whether it wrote. Raises ApiException and connection errors."""
         with self._lock:
             self.syncs += 1
-            listed = self._api.list_resource_slice(
-                field_selector=self._selector, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-            )
-            items = _json(listed).get("items") or []
+            listed = self._rest.list_objects(SLICES, field_selector=self._selector, timeout=REQUEST_TIMEOUT)
+            items = (listed or {}).get("items") or []
             ours: JSON | None = None
             stale: list[str] = []
             newest_other = 0  # the newest generation of another slice of this node and driver
@@ -178,7 +176,7 @@ class SlicePublisher:
             for name in stale:
                 log.info("deleting stale ResourceSlice %s of node %s", name, self.node)
                 try:
-                    self._api.delete_resource_slice(name, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
+                    self._rest.delete_object(f"{SLICES}/{segment(name)}", timeout=REQUEST_TIMEOUT)
                 except ApiException as exc:
                     if exc.status != 404:
                         raise
@@ -200,13 +198,11 @@ class SlicePublisher:
             "spec": self._content(self._generation),
         }
         if ours is None:
-            resp = self._api.create_resource_slice(body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False)
+            stored = self._rest.create_object(SLICES, body, timeout=REQUEST_TIMEOUT)
             log.info("published ResourceSlice %s (generation %d)", self.name, self._generation)
         else:
             body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
-            resp = self._api.replace_resource_slice(
-                self.name, body, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-            )
+            stored = self._rest.replace_object(f"{SLICES}/{segment(self.name)}", body, timeout=REQUEST_TIMEOUT)
             log.info(
                 "%s ResourceSlice %s (generation %d)",
                 "re-versioned" if force else "updated",
@@ -215,7 +211,7 @@ class SlicePublisher:
             )
         self.writes += 1
         self.published.set()
-        return _json(resp)
+        return stored if isinstance(stored, dict) else {}
 
     def _sync_loop(self) -> None:
         backoff = _BACKOFF_START
@@ -239,21 +235,15 @@ class SlicePublisher:
         backoff = _BACKOFF_START
         while not self._stop.is_set():
             try:
-                listed = _json(
-                    self._api.list_resource_slice(
-                        field_selector=self._selector, _request_timeout=REQUEST_TIMEOUT, _preload_content=False
-                    )
-                )
+                listed = self._rest.list_objects(SLICES, field_selector=self._selector, timeout=REQUEST_TIMEOUT) or {}
                 rv = str((listed.get("metadata") or {}).get("resourceVersion") or "")
                 self._wake.set()
-                response = self._api.list_resource_slice(
+                response = self._rest.watch_objects(
+                    SLICES,
                     field_selector=self._selector,
-                    watch=True,
                     resource_version=rv,
-                    allow_watch_bookmarks=True,
                     timeout_seconds=300,
-                    _preload_content=False,
-                    _request_timeout=(REQUEST_TIMEOUT, 330),
+                    timeout=(REQUEST_TIMEOUT, 330),
                 )
                 try:
                     for line in _lines(response):
@@ -276,9 +266,3 @@ class SlicePublisher:
                 log.debug("ResourceSlice watch ended: %s; watching again in %.1f s", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
-
-
-def _json(resp: Any) -> JSON:
-    data = resp.data if hasattr(resp, "data") else resp
-    out: JSON = json.loads(data)
-    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from kubernetes.utils import parse_quantity
+from gpumanager.kube import lazy_package
 
 _QUANTITY = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
 _BINARY = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
@@ -21,7 +21,7 @@ def parse(text: object) -> Decimal:
     if raw is None or not _QUANTITY.match(raw):
         raise QuantityError(f"{text!r} is not a quantity")
     try:
-        return Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
+        return Decimal(lazy_package.import_module("kubernetes.utils.quantity").parse_quantity(raw))
     except ValueError as exc:
         raise QuantityError(f"{text!r} is not a quantity: {exc}") from None
 

@@ -106,20 +106,17 @@ def problem(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: 
 
 def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str], JSON | None]:
     """GET a pod (None when it is not there or cannot be read)."""
-    import json
+    from gpumanager.kube.rest import KubeRest
 
-    from kubernetes import client as k8s
-
-    api: Any = k8s.CoreV1Api(api_client)
+    rest = KubeRest(api_client)
 
     def read(namespace: str, name: str) -> JSON | None:
         try:
-            resp = api.read_namespaced_pod(name, namespace, _request_timeout=timeout, _preload_content=False)
+            out = rest.read_pod(namespace, name, timeout=timeout)
         except Exception as exc:  # 404, connection errors, timeouts: the check is skipped for this pod
             log.warning("pod %s/%s: cannot read it: %s", namespace, name, getattr(exc, "status", exc))
             return None
-        out: JSON = json.loads(resp.data)
-        return out
+        return out if isinstance(out, dict) else None
 
     return read
 

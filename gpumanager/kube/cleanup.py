@@ -10,10 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from gpumanager.kube.rest import KubeRest
+from gpumanager.kube.rest import ApiClient, ApiException, KubeRest
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +21,7 @@ def controller_owned(pod: Mapping[str, Any]) -> bool:
     return bool(refs) and all(str(r.get("kind", "")) != "Pod" for r in refs)
 
 
-def delete_pod(api: client.ApiClient, pod: Mapping[str, Any]) -> bool:
+def delete_pod(api: ApiClient, pod: Mapping[str, Any]) -> bool:
     """Delete the pod (only that exact UID); True when it is gone."""
     meta = pod.get("metadata") or {}
     name, namespace, uid = str(meta.get("name")), str(meta.get("namespace")), str(meta.get("uid"))

@@ -14,12 +14,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
-from gpumanager.kube.rest import MERGE_PATCH, KubeRest
+from gpumanager.kube.rest import MERGE_PATCH, ApiClient, ApiException, KubeRest
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,7 @@ class InventoryPublisher:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: ApiClient,
         node: str,
         gpus: Sequence[GPUInfo],
         topology: NodeTopology,

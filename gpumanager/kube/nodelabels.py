@@ -11,10 +11,7 @@ import logging
 import threading
 import time
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from gpumanager.kube.rest import MERGE_PATCH, KubeRest
+from gpumanager.kube.rest import MERGE_PATCH, ApiClient, ApiException, KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -36,7 +33,7 @@ def resolve(labels: dict[str, str], gpu_name: str) -> dict[str, str]:
 
 
 def apply(
-    api: client.ApiClient,
+    api: ApiClient,
     node: str,
     labels: dict[str, str],
     *,

@@ -15,10 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
-
-from gpumanager.kube.rest import STRATEGIC_MERGE_PATCH, KubeRest
+from gpumanager.kube.rest import STRATEGIC_MERGE_PATCH, ApiClient, ApiException, KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -38,7 +35,7 @@ class _Pending:
 class AnnotationPatcher:
     """Applies annotation patches in the background. Thread-safe."""
 
-    def __init__(self, api: client.ApiClient, *, max_attempts: int = 10, request_timeout: float = 10.0) -> None:
+    def __init__(self, api: ApiClient, *, max_attempts: int = 10, request_timeout: float = 10.0) -> None:
         self._rest = KubeRest(api)
         self._max = max_attempts
         self._timeout = request_timeout

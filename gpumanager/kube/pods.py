@@ -21,9 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from kubernetes import client
-
-from gpumanager.kube.rest import KubeRest
+from gpumanager.kube.rest import ApiClient, KubeRest
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -62,7 +60,7 @@ class PodCache:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: ApiClient,
         node_name: str,
         *,
         request_timeout: float = 10.0,

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from kubernetes.client import ApiClient
-from kubernetes.client.exceptions import ApiException
+from gpumanager.kube import lazy_package
+
+if TYPE_CHECKING:
+    from kubernetes.client.exceptions import ApiException as ApiException
+else:
+    ApiException = lazy_package.import_module("kubernetes.client.exceptions").ApiException
+
+#: The Kubernetes client's ``ApiClient`` (the package is untyped).
+ApiClient = Any
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -33,7 +40,7 @@ def _query_value(value: object) -> str:
 class KubeRest:
     """The few API-server requests the agent makes, on one ``ApiClient``. Thread-safe as the client is."""
 
-    def __init__(self, api: ApiClient) -> None:
+    def __init__(self, api: Any) -> None:
         # Typed loosely: the two generations of ApiClient differ in call_api's signature.
         self._client: Any = api
         # kubernetes >= 37 builds a request with param_serialize and sends it with call_api;
@@ -93,14 +100,20 @@ class KubeRest:
         data = response.data
         return json.loads(data) if data else None
 
-    # -- the calls the agent makes -------------------------------------------------------------------
+    # -- any resource --------------------------------------------------------------------------------
 
-    def list_pods(self, *, field_selector: str, timeout: Timeout) -> Any:
-        """``GET /api/v1/pods``: the PodList as JSON."""
-        return self.json("GET", "/api/v1/pods", query=[("fieldSelector", field_selector)], timeout=timeout)
+    def get_object(self, path: str, *, timeout: Timeout) -> Any:
+        """``GET`` one object: its JSON."""
+        return self.json("GET", path, timeout=timeout)
 
-    def watch_pods(self, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout) -> Any:
-        """``GET /api/v1/pods?watch=true``: the streaming response (one JSON event per line)."""
+    def list_objects(self, path: str, *, field_selector: str, timeout: Timeout) -> Any:
+        """``GET`` a collection: the list as JSON."""
+        return self.json("GET", path, query=[("fieldSelector", field_selector)], timeout=timeout)
+
+    def watch_objects(
+        self, path: str, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout
+    ) -> Any:
+        """``GET`` a collection with ``watch=true``: the streaming response (one JSON event per line)."""
         query: list[tuple[str, object]] = [
             ("fieldSelector", field_selector),
             ("watch", True),
@@ -109,7 +122,39 @@ class KubeRest:
         ]
         if resource_version:
             query.append(("resourceVersion", resource_version))
-        return self.request("GET", "/api/v1/pods", query=query, timeout=timeout)
+        return self.request("GET", path, query=query, timeout=timeout)
+
+    def create_object(self, path: str, body: Mapping[str, Any], *, timeout: Timeout) -> Any:
+        """``POST`` an object to its collection: the stored object as JSON."""
+        return self.json("POST", path, body=body, content_type="application/json", timeout=timeout)
+
+    def replace_object(self, path: str, body: Mapping[str, Any], *, timeout: Timeout) -> Any:
+        """``PUT`` an object (its ``resourceVersion`` guards the write): the stored object as JSON."""
+        return self.json("PUT", path, body=body, content_type="application/json", timeout=timeout)
+
+    def delete_object(self, path: str, *, timeout: Timeout) -> None:
+        """``DELETE`` an object."""
+        _finish(self.request("DELETE", path, timeout=timeout))
+
+    # -- pods and nodes ------------------------------------------------------------------------------
+
+    def list_pods(self, *, field_selector: str, timeout: Timeout) -> Any:
+        """``GET /api/v1/pods``: the PodList as JSON."""
+        return self.list_objects("/api/v1/pods", field_selector=field_selector, timeout=timeout)
+
+    def watch_pods(self, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout) -> Any:
+        """``GET /api/v1/pods?watch=true``: the streaming response (one JSON event per line)."""
+        return self.watch_objects(
+            "/api/v1/pods",
+            field_selector=field_selector,
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            timeout=timeout,
+        )
+
+    def read_pod(self, namespace: str, name: str, *, timeout: Timeout) -> Any:
+        """``GET`` one pod: its JSON."""
+        return self.get_object(pod_path(namespace, name), timeout=timeout)
 
     def patch_pod(
         self, namespace: str, name: str, body: Mapping[str, Any], *, content_type: str, timeout: Timeout
@@ -117,7 +162,7 @@ class KubeRest:
         """``PATCH`` one pod."""
         response = self.request(
             "PATCH",
-            f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}",
+            pod_path(namespace, name),
             body=body,
             content_type=content_type,
             timeout=timeout,
@@ -128,7 +173,7 @@ class KubeRest:
         """``DELETE`` one pod (``body`` is the DeleteOptions)."""
         response = self.request(
             "DELETE",
-            f"/api/v1/namespaces/{_segment(namespace)}/pods/{_segment(name)}",
+            pod_path(namespace, name),
             body=body,
             content_type="application/json",
             timeout=timeout,
@@ -138,7 +183,7 @@ class KubeRest:
     def patch_node(self, name: str, body: Mapping[str, Any], *, content_type: str, timeout: Timeout) -> None:
         """``PATCH`` one node."""
         response = self.request(
-            "PATCH", f"/api/v1/nodes/{_segment(name)}", body=body, content_type=content_type, timeout=timeout
+            "PATCH", f"/api/v1/nodes/{segment(name)}", body=body, content_type=content_type, timeout=timeout
         )
         _finish(response)
 
@@ -149,6 +194,11 @@ def _finish(response: Any) -> None:
     response.release_conn()
 
 
-def _segment(value: str) -> str:
+def pod_path(namespace: str, name: str) -> str:
+    """The path of one pod."""
+    return f"/api/v1/namespaces/{segment(namespace)}/pods/{segment(name)}"
+
+
+def segment(value: str) -> str:
     """A name as one URL path segment, quoted as the typed API classes quote it."""
     return quote(value, safe="")

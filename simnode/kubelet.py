@@ -395,6 +395,11 @@ class KubeletSimulator:
         self._checkpoint_writes = 0
         self._checkpoint_taken = 0  # sequence of the newest content taken under the lock
         self._checkpoint_written = 0  # sequence of the content on disk
+        # Sequence of the newest content whose write is over (written, superseded or failed), and
+        # of the content taken with the newest device list: wait_for_devices answers only once the
+        # devices' checkpoint is on disk, so a test that saw them can read it.
+        self._checkpoint_done = 0
+        self._devices_checkpoint = 0
         self._checkpoint_file_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -681,6 +686,8 @@ class KubeletSimulator:
                 DeviceUpdate(now, "list_and_watch", dict(devices), rec.index)
             )
             checkpoint = self._checkpoint_locked()
+            if checkpoint is not None:
+                self._devices_checkpoint = checkpoint.sequence
         self._write_checkpoint(checkpoint)
         with self._cond:
             self._cond.notify_all()
@@ -839,7 +846,7 @@ class KubeletSimulator:
         with self._cond:
             while True:
                 devs = dict(self._devices.get(resource, {}))
-                if predicate(devs):
+                if predicate(devs) and self._checkpoint_done >= self._devices_checkpoint:
                     return devs
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -1208,17 +1215,18 @@ class KubeletSimulator:
         """Write ``data`` unless a newer state is on disk already (writers race outside the lock)."""
         if data is None:
             return
+        wrote = False
         with self._checkpoint_file_lock:
-            if data.sequence <= self._checkpoint_written:
-                return
-            try:
-                write_checkpoint_v2(self.checkpoint_path, data.entries, data.registered)
-            except OSError as err:
-                logger.warning("cannot write %s: %s", self.checkpoint_path, err)
-                return
-            self._checkpoint_written = data.sequence
+            if data.sequence > self._checkpoint_written:
+                try:
+                    write_checkpoint_v2(self.checkpoint_path, data.entries, data.registered)
+                    self._checkpoint_written = data.sequence
+                    wrote = True
+                except OSError as err:
+                    logger.warning("cannot write %s: %s", self.checkpoint_path, err)
         with self._lock:
-            self._checkpoint_writes += 1
+            self._checkpoint_writes += wrote
+            self._checkpoint_done = max(self._checkpoint_done, data.sequence)
 
     def write_checkpoint(self) -> Path:
         """Write the V2 checkpoint now (it is also written on every update and allocation)."""

@@ -114,3 +114,20 @@ def test_a_name_the_package_does_not_have_is_an_attribute_error(tmp_path: Path) 
     )
     assert "no_such_name" in str(result["outcome"])
     assert result["has_version"] is True
+
+
+def test_a_package_that_provides_names_lazily_itself_still_does(tmp_path: Path) -> None:
+    # kubernetes.client defines a module __getattr__ for its API classes: the first name asked
+    # of the deferred package must reach it.
+    result = _run(
+        tmp_path,
+        """
+        import json
+        from gpumanager.kube import lazy_package
+        lazy_package.import_module("kubernetes.client.exceptions")
+        deferred = lazy_package.is_deferred("kubernetes.client")
+        from kubernetes.client import CoreV1Api
+        print(json.dumps({"deferred": deferred, "name": CoreV1Api.__name__}))
+        """,
+    )
+    assert result == {"deferred": True, "name": "CoreV1Api"}

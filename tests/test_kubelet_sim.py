@@ -344,6 +344,30 @@ def test_list_and_watch_updates_and_health(sim: KubeletSimulator, plugins: list[
     assert sim.wait_for_registration(RES).list_and_watch_messages == 3
 
 
+def test_devices_seen_means_their_checkpoint_is_written(
+    sim: KubeletSimulator, plugins: list[FakePlugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kubelet writes its checkpoint after taking a device list; a slow disk must not let a
+    # test that saw the devices read a checkpoint that is not there yet (or an older one).
+    import simnode.kubelet as kubelet_module
+
+    real = kubelet_module.write_checkpoint_v2
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.15)
+        with sim._cond:  # another event (another resource's update) wakes the waiters meanwhile
+            sim._cond.notify_all()
+        time.sleep(0.15)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kubelet_module, "write_checkpoint_v2", slow)
+    p = start_plugin(sim, plugins)
+    assert read_checkpoint(sim)["Data"]["RegisteredDevices"][RES] == sorted(TOPOLOGY)
+    p.updates.put(make_devices(unhealthy={"gpu-1"}))
+    sim.wait_for_devices(RES, 5, timeout=5)
+    assert "gpu-1" not in read_checkpoint(sim)["Data"]["RegisteredDevices"][RES]
+
+
 def test_stream_end_marks_unhealthy(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
     p = start_plugin(sim, plugins)
     p.updates.put(None)  # plugin ends the stream

@@ -66,10 +66,12 @@ def _defer_package(name: str) -> None:
                 log.debug("running the deferred __init__ of %s for %r", name, attribute)
                 vars(module).pop("__getattr__", None)
                 loader.exec_module(module)
-        try:
+        if attribute in vars(module):
             return vars(module)[attribute]
-        except KeyError:
-            raise AttributeError(f"module {name!r} has no attribute {attribute!r}") from None
+        own = vars(module).get("__getattr__")  # a package may provide names lazily itself
+        if own is not None and own is not complete:
+            return own(attribute)
+        raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
 
     vars(module)[_DEFERRED] = True
     vars(module)["__getattr__"] = complete

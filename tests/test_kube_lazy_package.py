@@ -126,8 +126,8 @@ def test_a_package_that_provides_names_lazily_itself_still_does(tmp_path: Path) 
         from gpumanager.kube import lazy_package
         lazy_package.import_module("kubernetes.client.exceptions")
         deferred = lazy_package.is_deferred("kubernetes.client")
-        from kubernetes.client import CoreV1Api
-        print(json.dumps({"deferred": deferred, "name": CoreV1Api.__name__}))
+        import kubernetes.client
+        print(json.dumps({"deferred": deferred, "name": kubernetes.client.CoreV1Api.__name__}))
         """,
     )
     assert result == {"deferred": True, "name": "CoreV1Api"}

@@ -213,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
 
+    from gpumanager.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the gRPC and API threads start
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
 
     stop = threading.Event()

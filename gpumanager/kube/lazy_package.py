@@ -10,10 +10,11 @@ the rest costs about 0.25 s of CPU at start and 10 MiB that it never gives back.
 :func:`import_module` imports a submodule with each of its parent packages that is not loaded yet
 standing in as a bare package: its ``__path__`` and spec are the real ones, so submodules load from
 the real files, but its ``__init__`` is not run. The first time anything asks such a package for
-a name it does not have (``kubernetes.__version__``, ``from kubernetes import config`` of a
-package that defines it in ``__init__``, ``from kubernetes.utils import parse_quantity``), its real
-``__init__`` runs in place and the name is looked up again, so code that imports the package the
-ordinary way later still gets the whole package.
+a name it does not have (``kubernetes.__version__``, ``from kubernetes import watch``,
+``from kubernetes.utils import parse_quantity``), its real ``__init__`` runs in place and the name
+is looked up again, so code that imports the package the ordinary way later still gets the whole
+package, with the names its ``__init__`` binds. Another thread that asks while the ``__init__`` runs
+waits for it; an ``__init__`` that fails runs again when the next name is asked.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def import_module(name: str) -> types.ModuleType:
 def is_deferred(package: str) -> bool:
     """Whether ``package`` stands in loaded without its ``__init__`` having run yet."""
     module = sys.modules.get(package)
-    return module is not None and _DEFERRED in vars(module)
+    return module is not None and vars(module).get(_DEFERRED) is True
 
 
 def _defer_package(name: str) -> None:
@@ -59,13 +60,22 @@ def _defer_package(name: str) -> None:
     loader = spec.loader
 
     def complete(attribute: str) -> Any:
-        if not attribute.startswith("__") and importlib.util.find_spec(f"{name}.{attribute}") is not None:
-            return importlib.import_module(f"{name}.{attribute}")  # a submodule: no need for __init__
-        with _LOCK:
-            if vars(module).pop(_DEFERRED, None) is not None:
+        # Every name, a submodule's too: the __init__ may bind a submodule's name to something else
+        # (kubernetes.utils binds create_from_yaml to the function of that name).
+        with _LOCK:  # another thread asking while the __init__ runs waits for it to finish
+            if vars(module).get(_DEFERRED):
                 log.debug("running the deferred __init__ of %s for %r", name, attribute)
-                vars(module).pop("__getattr__", None)
-                loader.exec_module(module)
+                vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
+                try:
+                    loader.exec_module(module)
+                except BaseException:
+                    # As a failed import is not cached: the next name asked runs the __init__ again.
+                    vars(module)[_DEFERRED] = True
+                    vars(module)["__getattr__"] = complete
+                    raise
+                del vars(module)[_DEFERRED]
+                if vars(module).get("__getattr__") is complete:
+                    del vars(module)["__getattr__"]
         if attribute in vars(module):
             return vars(module)[attribute]
         own = vars(module).get("__getattr__")  # a package may provide names lazily itself

@@ -1,0 +1,139 @@
+"""A deferred package must look, to code that imports it the ordinary way, like the package itself.
+
+Each test builds a small package of its own under ``tmp_path`` (so that what runs its ``__init__``
+and when can be controlled), plus one check on the Kubernetes package in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumanager.kube import lazy_package
+
+
+@pytest.fixture
+def packages(tmp_path: Path) -> Iterator[Path]:
+    """A directory on ``sys.path`` for the test's packages; what they loaded is forgotten afterwards."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in set(sys.modules) - before:
+            if name.split(".")[0].startswith("lz_"):
+                del sys.modules[name]
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_a_name_the_init_binds_over_a_submodule_of_that_name_is_the_inits(packages: Path) -> None:
+    # As kubernetes.utils does with create_from_yaml: the package's __init__ re-exports a function
+    # under the name of the module that defines it.
+    write(
+        packages,
+        {
+            "lz_rebind/__init__.py": "from .maker import maker\n",
+            "lz_rebind/maker.py": "def maker():\n    return 'made'\n",
+            "lz_rebind/light.py": "X = 1\n",
+        },
+    )
+    lazy_package.import_module("lz_rebind.light")
+    assert lazy_package.is_deferred("lz_rebind")
+
+    from lz_rebind import maker  # type: ignore[import-not-found]
+
+    assert callable(maker), f"from lz_rebind import maker gave {maker!r}"
+    assert maker() == "made"
+
+
+def test_kubernetes_utils_create_from_yaml_is_the_function_after_the_agent_parsed_a_quantity() -> None:
+    code = (
+        "from gpumanager.dra.quantity import parse\n"
+        "parse('1Gi')\n"
+        "from kubernetes.utils import create_from_yaml\n"
+        "print(callable(create_from_yaml), create_from_yaml)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("True "), done.stdout
+
+
+def test_a_name_asked_while_another_thread_runs_the_deferred_init_waits_for_it(packages: Path) -> None:
+    write(
+        packages,
+        {
+            "lz_gate.py": "import threading\nstarted = threading.Event()\nrelease = threading.Event()\n",
+            "lz_slow/__init__.py": """
+                import lz_gate
+                lz_gate.started.set()
+                lz_gate.release.wait(30)
+                VALUE = 42
+            """,
+            "lz_slow/light.py": "X = 1\n",
+        },
+    )
+    import lz_gate  # type: ignore[import-not-found]
+
+    lazy_package.import_module("lz_slow.light")
+    package = sys.modules["lz_slow"]
+    got: dict[str, object] = {}
+
+    def first() -> None:
+        got["first"] = package.VALUE
+
+    def second() -> None:
+        try:
+            from lz_slow import VALUE  # type: ignore[import-not-found]
+
+            got["second"] = VALUE
+        except Exception as exc:  # what the test reports
+            got["second"] = exc
+
+    runner = threading.Thread(target=first)
+    runner.start()
+    try:
+        assert lz_gate.started.wait(30)
+        asker = threading.Thread(target=second)
+        asker.start()
+        asker.join(0.5)  # it must still be waiting for the __init__ that is running
+    finally:
+        lz_gate.release.set()
+        runner.join(30)
+    asker.join(30)
+    assert got == {"first": 42, "second": 42}
+
+
+def test_a_deferred_init_that_failed_runs_again_when_next_asked(packages: Path) -> None:
+    write(
+        packages,
+        {
+            "lz_flaky/__init__.py": """
+                import os
+                if os.path.exists(os.path.join(os.path.dirname(__file__), "broken")):
+                    raise RuntimeError("lz_flaky cannot start: broken")
+                VALUE = 7
+            """,
+            "lz_flaky/light.py": "X = 1\n",
+            "lz_flaky/broken": "",
+        },
+    )
+    lazy_package.import_module("lz_flaky.light")
+    package = sys.modules["lz_flaky"]
+    with pytest.raises(RuntimeError, match="broken"):
+        package.VALUE  # noqa: B018
+    with pytest.raises(RuntimeError, match="broken"):  # the same cause, not a bare AttributeError
+        package.VALUE  # noqa: B018
+    (packages / "lz_flaky" / "broken").unlink()
+    assert package.VALUE == 7

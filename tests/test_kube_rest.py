@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,71 @@ def test_the_agents_api_side_loads_no_typed_api_class(api: ApiServerSimulator, t
     assert patched is not None and patched["metadata"]["labels"]["l"] == "v"
     deleting = api.get_pod("default", "p")  # on a node: kept until its kubelet is done with it
     assert deleting is not None and deleting["metadata"]["deletionTimestamp"]
+
+
+class _Answering:
+    """An HTTP server that answers every request with one status, content type and body."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        answer = (status, body, content_type)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                code, data, ctype = answer
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _Answering:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def kubeconfig(self, directory: Path) -> str:
+        path = directory / "kubeconfig"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+        return str(path)
+
+
+def test_an_answer_that_is_not_json_is_named_with_the_request_and_the_body(tmp_path: Path) -> None:
+    from gpumanager.dra.claims import ClaimError
+    from gpumanager.dra.prepare import api_reader
+    from gpumanager.dra.publisher import SlicePublisher
+    from gpumanager.kube.client import api_client
+
+    with _Answering(200, b"<html>proxy login</html>", "text/html") as server:
+        api = api_client(server.kubeconfig(tmp_path))
+        with pytest.raises(ClaimError) as claim:
+            api_reader(api, timeout=5)("ns", "claim-a")
+        publisher = SlicePublisher(api, node="n1", driver="gpu.example.com", content=lambda gen: {})
+        assert publisher._sync_logged() is False
+    for text in (str(claim.value), publisher.last_error):
+        assert "not JSON" in text and "<html>proxy login</html>" in text, text
+    assert str(claim.value).startswith("claim ns/claim-a: ") and "/resourceclaims/claim-a" in str(claim.value)
+    assert publisher.last_error.startswith("cannot publish ResourceSlice n1-gpu.example.com: GET /apis/"), (
+        publisher.last_error
+    )

@@ -129,8 +129,9 @@ class SlicePublisher:
         try:
             self.sync()
         except (ApiException, OSError, ValueError) as exc:
+            status = getattr(exc, "status", None)
             text = getattr(exc, "reason", None) or str(exc)
-            message = f"cannot publish ResourceSlice {self.name}: {getattr(exc, 'status', '')} {text}".strip()
+            message = f"cannot publish ResourceSlice {self.name}: {f'{status} ' if status else ''}{text}"
             if message != self.last_error:
                 log.warning("%s (retrying)", message)
             self.last_error = message

@@ -95,10 +95,15 @@ class KubeRest:
         return response.response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
-        """``request`` and the body decoded as JSON (None when empty)."""
+        """``request`` and the body decoded as JSON (None when empty); ``ValueError`` naming the
+        request and the start of the body when it is not JSON."""
         response = self.request(method, path, **kwargs)
         data = response.data
-        return json.loads(data) if data else None
+        try:
+            return json.loads(data) if data else None
+        except ValueError as exc:  # a proxy's HTML page, a truncated answer
+            text = data[:200].decode("utf-8", "replace")
+            raise ValueError(f"{method} {path}: the answer is not JSON ({exc}): {text!r}") from None
 
     # -- any resource --------------------------------------------------------------------------------
 

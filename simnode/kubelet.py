@@ -829,7 +829,8 @@ class KubeletSimulator:
         predicate_or_count: Callable[[dict[str, DeviceState]], bool] | int,
         timeout: float = 10.0,
     ) -> dict[str, DeviceState]:
-        """Wait until the resource's devices satisfy a predicate and return them.
+        """Wait until the resource's devices satisfy a predicate, now or in any update after this
+        call (a state they passed through counts), and return that state.
 
         An ``int`` means "exactly that many healthy devices". Raises ``TimeoutError``.
         """
@@ -844,10 +845,20 @@ class KubeletSimulator:
             predicate = predicate_or_count
         deadline = time.monotonic() + timeout
         with self._cond:
+            # A state the devices passed through while this waited counts too (a GPU marked
+            # unhealthy and recovered before this woke up); once one matched, the answer waits
+            # only for the checkpoint written with it.
+            seen = len(self._history.get(resource, []))
+            matched: dict[str, DeviceState] | None = None
             while True:
                 devs = dict(self._devices.get(resource, {}))
-                if predicate(devs) and self._checkpoint_done >= self._devices_checkpoint:
-                    return devs
+                if matched is None:
+                    history = self._history.get(resource, [])
+                    passed = [dict(u.devices) for u in history[seen:]]
+                    seen = len(history)
+                    matched = next((d for d in [*passed, devs] if predicate(d)), None)
+                if matched is not None and self._checkpoint_done >= self._devices_checkpoint:
+                    return matched
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     healthy = sum(1 for d in devs.values() if d.healthy)

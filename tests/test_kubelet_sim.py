@@ -368,6 +368,32 @@ def test_devices_seen_means_their_checkpoint_is_written(
     assert "gpu-1" not in read_checkpoint(sim)["Data"]["RegisteredDevices"][RES]
 
 
+def test_a_state_the_devices_passed_through_is_seen(
+    sim: KubeletSimulator, plugins: list[FakePlugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A GPU marked unhealthy and recovered at once (while the checkpoint of the first update was
+    # still being written): a waiter for the unhealthy state must not miss it.
+    import simnode.kubelet as kubelet_module
+
+    real = kubelet_module.write_checkpoint_v2
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.1)
+        return real(*args, **kwargs)
+
+    p = start_plugin(sim, plugins)
+    monkeypatch.setattr(kubelet_module, "write_checkpoint_v2", slow)
+    got: list[dict[str, Any]] = []
+    waiter = threading.Thread(target=lambda: got.append(sim.wait_for_devices(RES, 5, timeout=5)))
+    waiter.start()
+    time.sleep(0.05)
+    p.updates.put(make_devices(unhealthy={"gpu-1"}))
+    p.updates.put(make_devices())
+    waiter.join(10)
+    assert got and not got[0]["gpu-1"].healthy
+    assert sim.wait_for_devices(RES, 6, timeout=5)["gpu-1"].healthy
+
+
 def test_stream_end_marks_unhealthy(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
     p = start_plugin(sim, plugins)
     p.updates.put(None)  # plugin ends the stream

@@ -176,3 +176,48 @@ def test_an_answer_that_is_not_json_is_named_with_the_request_and_the_body(tmp_p
     assert publisher.last_error.startswith("cannot publish ResourceSlice n1-gpu.example.com: GET /apis/"), (
         publisher.last_error
     )
+
+
+def test_a_hanging_api_server_is_asked_once_per_call(tmp_path: Path) -> None:
+    # urllib3 retried read timeouts three times by default, over new connections: a call to a
+    # server that accepts and never answers took four times its timeout.
+    import socket
+
+    from gpumanager.kube.client import api_client
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(conn)  # never answered
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: c, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
+    )
+    rest = KubeRest(api_client(str(config)))
+    try:
+        with pytest.raises(Exception, match=r"[Tt]imed out|timeout"):
+            rest.get_object("/apis/resource.k8s.io/v1/resourceslices/x", timeout=0.3)
+        assert len(accepted) == 1
+    finally:
+        done.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        listener.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from urllib3.util.retry import Retry
+
 from gpumanager.kube import lazy_package
 
 log = logging.getLogger(__name__)
@@ -26,12 +28,23 @@ def api_client(kubeconfig: str = "") -> Any:
     # (whose __init__ loads the YAML object creator) stays deferred too.
     lazy_package.import_module("kubernetes.utils.quantity")
     try:
+        cfg = lazy_package.import_module("kubernetes.client.configuration").Configuration()
         if kubeconfig:
             loader = lazy_package.import_module("kubernetes.config.kube_config")
-            return loader.new_client_from_config(config_file=kubeconfig)
-        incluster = lazy_package.import_module("kubernetes.config.incluster_config")
-        cfg = lazy_package.import_module("kubernetes.client.configuration").Configuration()
-        incluster.load_incluster_config(client_configuration=cfg)
+            loader.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
+        else:
+            incluster = lazy_package.import_module("kubernetes.config.incluster_config")
+            incluster.load_incluster_config(client_configuration=cfg)
+        cfg.retries = retries()
         return lazy_package.import_module("kubernetes.client.api_client").ApiClient(cfg)
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
+
+
+def retries() -> Retry:
+    """What the client's HTTP pool retries by itself: a redirect and a 429/503 with Retry-After
+    (three in all, as urllib3's default), but no connection or read error. With urllib3's default,
+    a read timeout was retried three times over new connections, so a call to a hanging API server
+    took four times its timeout (a 10 s ResourceSlice write, 40 s); every caller retries with a
+    backoff of its own."""
+    return Retry(total=3, connect=0, read=0)

@@ -344,23 +344,32 @@ def test_list_and_watch_updates_and_health(sim: KubeletSimulator, plugins: list[
     assert sim.wait_for_registration(RES).list_and_watch_messages == 3
 
 
-def test_devices_seen_means_their_checkpoint_is_written(
-    sim: KubeletSimulator, plugins: list[FakePlugin], monkeypatch: pytest.MonkeyPatch
+def _slow_checkpoint_writes(
+    sim: KubeletSimulator, monkeypatch: pytest.MonkeyPatch, seconds: float, *, wake_waiters: bool = False
 ) -> None:
-    # The kubelet writes its checkpoint after taking a device list; a slow disk must not let a
-    # test that saw the devices read a checkpoint that is not there yet (or an older one).
+    """Each checkpoint write of the simulator takes ``seconds``; with ``wake_waiters``, halfway
+    through it another event (another resource's update) wakes everyone waiting on the simulator."""
     import simnode.kubelet as kubelet_module
 
     real = kubelet_module.write_checkpoint_v2
 
     def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.15)
-        with sim._cond:  # another event (another resource's update) wakes the waiters meanwhile
-            sim._cond.notify_all()
-        time.sleep(0.15)
+        time.sleep(seconds / 2)
+        if wake_waiters:
+            with sim._cond:
+                sim._cond.notify_all()
+        time.sleep(seconds / 2)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(kubelet_module, "write_checkpoint_v2", slow)
+
+
+def test_devices_seen_means_their_checkpoint_is_written(
+    sim: KubeletSimulator, plugins: list[FakePlugin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kubelet writes its checkpoint after taking a device list; a slow disk must not let a
+    # test that saw the devices read a checkpoint that is not there yet (or an older one).
+    _slow_checkpoint_writes(sim, monkeypatch, 0.3, wake_waiters=True)
     p = start_plugin(sim, plugins)
     assert read_checkpoint(sim)["Data"]["RegisteredDevices"][RES] == sorted(TOPOLOGY)
     p.updates.put(make_devices(unhealthy={"gpu-1"}))
@@ -373,16 +382,8 @@ def test_a_state_the_devices_passed_through_is_seen(
 ) -> None:
     # A GPU marked unhealthy and recovered at once (while the checkpoint of the first update was
     # still being written): a waiter for the unhealthy state must not miss it.
-    import simnode.kubelet as kubelet_module
-
-    real = kubelet_module.write_checkpoint_v2
-
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.1)
-        return real(*args, **kwargs)
-
     p = start_plugin(sim, plugins)
-    monkeypatch.setattr(kubelet_module, "write_checkpoint_v2", slow)
+    _slow_checkpoint_writes(sim, monkeypatch, 0.1)
     got: list[dict[str, Any]] = []
     waiter = threading.Thread(target=lambda: got.append(sim.wait_for_devices(RES, 5, timeout=5)))
     waiter.start()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client as k8s_client
@@ -33,13 +33,7 @@ class HttpPodApi:
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """GET the pod."""
-        try:
-            resp = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
-        except k8s_client.exceptions.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(json.loads(resp.data))
+        return _unless_absent(lambda: self.core.read_namespaced_pod(name, namespace, _preload_content=False))
 
     def set_pod_phase(self, namespace: str, name: str, phase: str, **status: Any) -> None:
         """Merge-patch the pod's status."""
@@ -54,13 +48,7 @@ class HttpPodApi:
 
     def request_deletion(self, namespace: str, name: str) -> dict[str, Any] | None:
         """DELETE the pod as a user does (graceful when it runs on a node); None when absent."""
-        try:
-            resp = self.core.delete_namespaced_pod(name, namespace, _preload_content=False)
-        except k8s_client.exceptions.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(json.loads(resp.data))
+        return _unless_absent(lambda: self.core.delete_namespaced_pod(name, namespace, _preload_content=False))
 
     def finish_deletion(self, namespace: str, name: str, uid: str | None = None) -> None:
         """DELETE with grace 0 (and ``uid`` as precondition), as the kubelet ends a graceful deletion."""
@@ -85,3 +73,14 @@ class HttpPodApi:
         feed = self._feeds.pop(id(events), None)
         if feed is not None:
             feed.stop()
+
+
+def _unless_absent(call: Callable[[], Any]) -> dict[str, Any] | None:
+    """The JSON answer of ``call`` (made with _preload_content=False); None when it answers 404."""
+    try:
+        resp = call()
+    except k8s_client.exceptions.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return dict(json.loads(resp.data))

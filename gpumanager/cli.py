@@ -22,7 +22,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +164,8 @@ def setup_logging(args: argparse.Namespace) -> None:
     """
     handlers: list[logging.Handler] = []
     if args.log_dir:
+        from logging.handlers import RotatingFileHandler  # only here: its imports slow every start
+
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         handlers.append(
             RotatingFileHandler(
@@ -213,9 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("invalid configuration: %s", exc)
         return EXIT_CONFIG
 
+    from gpumanager import lazy_package
     from gpumanager.memory import limit_malloc_arenas
 
     limit_malloc_arenas()  # before the gRPC and API threads start
+    lazy_package.defer(*DEFERRED_AT_START)
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
 
     stop = threading.Event()
@@ -247,6 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("stopped")
     exit_watchdog(EXIT_DEADLINE)
     return EXIT_OK
+
+
+#: Packages whose ``__init__`` runs only when first used (gpumanager.lazy_package): ``import grpc``
+#: ends with ``grpc.aio``, which loads asyncio and ssl, about 50 ms of every start. Registration with
+#: the kubelet needs neither; the per-pod vcuda.sock servers (started later) load them.
+DEFERRED_AT_START = ("asyncio", "grpc.aio")
 
 
 #: Seconds a stop may take; the kubelet waits 30 s but a rolling update should not.

@@ -66,7 +66,8 @@ def test_code_that_imports_the_package_later_gets_all_of_it(tmp_path: Path) -> N
         tmp_path,
         """
         import json
-        from gpumanager.kube import client, lazy_package, rest
+        from gpumanager import lazy_package
+        from gpumanager.kube import client, rest
         client.api_client(KUBECONFIG_PATH)
         deferred = lazy_package.is_deferred("kubernetes")
         import kubernetes
@@ -101,7 +102,7 @@ def test_a_name_the_package_does_not_have_is_an_attribute_error(tmp_path: Path) 
         tmp_path,
         """
         import json
-        from gpumanager.kube import lazy_package
+        from gpumanager import lazy_package
         lazy_package.import_module("kubernetes.client.exceptions")
         import kubernetes
         try:
@@ -123,7 +124,7 @@ def test_a_package_that_provides_names_lazily_itself_still_does(tmp_path: Path) 
         tmp_path,
         """
         import json
-        from gpumanager.kube import lazy_package
+        from gpumanager import lazy_package
         lazy_package.import_module("kubernetes.client.exceptions")
         deferred = lazy_package.is_deferred("kubernetes.client")
         import kubernetes.client

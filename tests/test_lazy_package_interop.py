@@ -6,6 +6,7 @@ and when can be controlled), plus one check on the Kubernetes package in a fresh
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.kube import lazy_package
+from gpumanager import lazy_package
 
 
 @pytest.fixture
@@ -137,3 +138,80 @@ def test_a_deferred_init_that_failed_runs_again_when_next_asked(packages: Path) 
         package.VALUE  # noqa: B018
     (packages / "lz_flaky" / "broken").unlink()
     assert package.VALUE == 7
+
+
+def test_a_deferred_subpackage_is_bound_by_its_parent_and_runs_its_init_when_first_used(packages: Path) -> None:
+    # As grpc does with grpc.aio: the parent's __init__ ends with ``from parent import sub``, and
+    # only the subpackage's __init__ loads the expensive module.
+    write(
+        packages,
+        {
+            "lz_host/__init__.py": "VALUE = 1\nfrom lz_host import sub\n",
+            "lz_host/sub/__init__.py": "import lz_heavy\nHEAVY = lz_heavy.LOADED\n",
+            "lz_heavy/__init__.py": "LOADED = 'heavy'\n",
+        },
+    )
+    lazy_package.defer("lz_heavy", "lz_host.sub")
+    assert "lz_host" not in sys.modules, "deferring a subpackage imported its parent"
+
+    import lz_host  # type: ignore[import-not-found]
+
+    assert lz_host.VALUE == 1
+    assert lazy_package.is_deferred("lz_host.sub"), "the parent's import ran the subpackage's __init__"
+    assert lazy_package.is_deferred("lz_heavy")
+    assert lz_host.sub.HEAVY == "heavy"
+    assert not lazy_package.is_deferred("lz_host.sub")
+    assert not lazy_package.is_deferred("lz_heavy")
+    assert sys.modules["lz_heavy"].LOADED == "heavy"
+
+
+def test_deferring_what_is_not_an_installed_package_leaves_it_alone(packages: Path) -> None:
+    write(packages, {"lz_plain.py": "import sys\nsys.modules[__name__].RAN = True\n"})
+    lazy_package.defer("lz_plain", "lz_missing", "lz_missing.sub")
+    assert "lz_plain" not in sys.modules, "a plain module was imported by defer"
+    assert "lz_missing" not in sys.modules and "lz_missing.sub" not in sys.modules
+    import lz_plain  # type: ignore[import-not-found]
+
+    assert lz_plain.RAN
+
+
+def test_the_agent_registers_before_asyncio_is_loaded_and_its_grpc_aio_servers_work(tmp_path: Path) -> None:
+    # What the agent defers at start: its gRPC servers and its registration with the kubelet
+    # must neither need them nor run their __init__; the per-pod vcuda.sock servers (grpc.aio on
+    # an asyncio loop) still work once they run.
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        from gpumanager import cli, lazy_package
+        lazy_package.defer(*cli.DEFERRED_AT_START)
+        import grpc
+        from concurrent import futures
+        from gpumanager.deviceplugin import registration, server
+        srv = grpc.server(futures.ThreadPoolExecutor(1))
+        srv.add_insecure_port("unix:{tmp_path}/plain.sock")
+        srv.start()
+        grpc.channel_ready_future(grpc.insecure_channel("unix:{tmp_path}/plain.sock")).result(timeout=10)
+        before = {{name: lazy_package.is_deferred(name) for name in cli.DEFERRED_AT_START}}
+        loaded_before = "ssl" in sys.modules
+
+        import asyncio
+        async def serve_and_call():
+            aio_server = grpc.aio.server()
+            aio_server.add_insecure_port("unix:{tmp_path}/aio.sock")
+            await aio_server.start()
+            async with grpc.aio.insecure_channel("unix:{tmp_path}/aio.sock") as channel:
+                await asyncio.wait_for(channel.channel_ready(), 10)
+            await aio_server.stop(None)
+            return True
+        served = asyncio.run(serve_and_call())
+        after = {{name: lazy_package.is_deferred(name) for name in cli.DEFERRED_AT_START}}
+        print(json.dumps({{"before": before, "ssl_before": loaded_before, "served": served, "after": after}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["before"] == {"asyncio": True, "grpc.aio": True}
+    assert result["ssl_before"] is False
+    assert result["served"] is True
+    assert result["after"] == {"asyncio": False, "grpc.aio": False}

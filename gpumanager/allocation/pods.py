@@ -52,8 +52,8 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     if raw is None:
         return 0
     # Loaded here, not with the module: the device plugin registers with the kubelet before it
-    # needs any pod. Only the quantity module, not the whole client (see kube.lazy_package).
-    from gpumanager.kube import lazy_package
+    # needs any pod. Only the quantity module, not the whole client (see gpumanager.lazy_package).
+    from gpumanager import lazy_package
 
     parse_quantity = lazy_package.import_module("kubernetes.utils.quantity").parse_quantity
     try:

@@ -1,7 +1,7 @@
 """Building a client for the Kubernetes API server.
 
 Only the client's request path and the one configuration loader in use are loaded (see
-:mod:`gpumanager.kube.lazy_package`): the agent never needs the rest of the package.
+:mod:`gpumanager.lazy_package`): the agent never needs the rest of the package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from urllib3.util.retry import Retry
 
-from gpumanager.kube import lazy_package
+from gpumanager import lazy_package
 
 log = logging.getLogger(__name__)
 

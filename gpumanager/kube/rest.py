@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from gpumanager.kube import lazy_package
+from gpumanager import lazy_package
 
 if TYPE_CHECKING:
     from kubernetes.client.exceptions import ApiException as ApiException

@@ -1,0 +1,126 @@
+"""Importing parts of a package without running its ``__init__`` first, and packages deferred whole.
+
+Two packages cost the agent's start far more than the part of them it uses:
+
+- ``import kubernetes.client.rest`` runs ``kubernetes/__init__.py`` before anything else, and that
+  imports the whole client library: the kubeconfig loader (YAML, OAuth), the dynamic client (and
+  ``jsonschema`` where ``kubernetes-validate`` is installed), the websocket streams, watch, leader
+  election, informers and utilities. The agent uses the request path (``ApiClient``, its
+  ``Configuration``, ``rest`` and ``exceptions``), one configuration loader and ``parse_quantity``;
+  the rest costs about 0.25 s of CPU at start and 10 MiB that it never gives back.
+- ``import grpc`` ends by importing ``grpc.aio``, whose class annotations load ``asyncio`` (with
+  ``ssl``): about 50 ms before the first registration with the kubelet, which uses neither. Only
+  the per-pod ``vcuda.sock`` servers, started later in the background, use them.
+
+:func:`import_module` imports a submodule with each of its parent packages that is not loaded yet
+standing in as a bare package; :func:`defer` makes such stand-ins of whole packages. A stand-in's
+``__path__`` and spec are the real ones, so submodules load from the real files, but its
+``__init__`` is not run. The first time anything asks such a package for a name it does not have
+(``kubernetes.__version__``, ``from kubernetes import watch``, ``asyncio.get_running_loop``), its
+real ``__init__`` runs in place and the name is looked up again, so code that imports the package
+the ordinary way later still gets the whole package, with the names its ``__init__`` binds. Another
+thread that asks while the ``__init__`` runs waits for it; an ``__init__`` that fails runs again
+when the next name is asked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+import types
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_LOCK = threading.RLock()
+_DEFERRED = "__gpumanager_deferred_init__"
+
+
+def import_module(name: str) -> types.ModuleType:
+    """Import ``name`` (a dotted module name) without running the ``__init__`` of any parent package
+    that is not imported yet; those run when first asked for a name they define."""
+    with _LOCK:
+        parts = name.split(".")
+        for end in range(1, len(parts)):
+            _defer_package(".".join(parts[:end]))
+        return importlib.import_module(name)
+
+
+def defer(*packages: str) -> None:
+    """Let each of ``packages`` (dotted names) be imported without running its ``__init__``: it runs
+    when the package is first asked for a name. A package already imported stays as it is, and so
+    does a name that is not an installed package; the parent of a dotted name is not imported (nor
+    deferred) by this."""
+    with _LOCK:
+        for name in packages:
+            if name not in sys.modules and _is_package(_find_spec(name)):
+                _defer_package(name)
+
+
+def is_deferred(package: str) -> bool:
+    """Whether ``package`` stands in loaded without its ``__init__`` having run yet."""
+    module = sys.modules.get(package)
+    return module is not None and vars(module).get(_DEFERRED) is True
+
+
+def _defer_package(name: str) -> None:
+    if name in sys.modules:
+        return
+    spec = _find_spec(name)
+    if spec is None or spec.loader is None or not _is_package(spec):
+        importlib.import_module(name)  # not a package: nothing to defer, import it as it is
+        return
+    module = importlib.util.module_from_spec(spec)
+    loader = spec.loader
+
+    def complete(attribute: str) -> Any:
+        # Every name, a submodule's too: the __init__ may bind a submodule's name to something else
+        # (kubernetes.utils binds create_from_yaml to the function of that name).
+        with _LOCK:  # another thread asking while the __init__ runs waits for it to finish
+            if vars(module).get(_DEFERRED):
+                log.debug("running the deferred __init__ of %s for %r", name, attribute)
+                vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
+                try:
+                    loader.exec_module(module)
+                except BaseException:
+                    # As a failed import is not cached: the next name asked runs the __init__ again.
+                    vars(module)[_DEFERRED] = True
+                    vars(module)["__getattr__"] = complete
+                    raise
+                del vars(module)[_DEFERRED]
+                if vars(module).get("__getattr__") is complete:
+                    del vars(module)["__getattr__"]
+        if attribute in vars(module):
+            return vars(module)[attribute]
+        own = vars(module).get("__getattr__")  # a package may provide names lazily itself
+        if own is not None and own is not complete:
+            return own(attribute)
+        raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
+
+    vars(module)[_DEFERRED] = True
+    vars(module)["__getattr__"] = complete
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+    # else the parent binds it when it imports it (``from grpc import aio`` finds it in sys.modules)
+
+
+def _is_package(spec: importlib.machinery.ModuleSpec | None) -> bool:
+    return spec is not None and spec.submodule_search_locations is not None and spec.loader is not None
+
+
+def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of ``name``, found without importing its parent packages (the import system's own
+    lookup would run their ``__init__``)."""
+    parent, _, _ = name.rpartition(".")
+    if not parent or parent in sys.modules:
+        return importlib.util.find_spec(name)
+    parent_spec = _find_spec(parent)
+    if parent_spec is None or parent_spec.submodule_search_locations is None:
+        return None
+    return importlib.machinery.PathFinder.find_spec(name, list(parent_spec.submodule_search_locations))

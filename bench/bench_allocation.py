@@ -30,7 +30,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Variant, dsync_write_seconds, figure, histogram, histogram_quantile, load, spec_arg, variants
+from figures import (
+    Variant,
+    dsync_write_seconds,
+    figure,
+    histogram,
+    histogram_quantile,
+    load,
+    prompt_threads,
+    spec_arg,
+    variants,
+)
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR
@@ -204,6 +214,7 @@ def main() -> int:
         "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
     )
     args = parser.parse_args()
+    prompt_threads()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
     with variants(args.before) as agents:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from figures import Variant, load, variants
+from figures import Variant, load, prompt_threads, variants
 
 from simnode.dra_cluster import DRIVER, NODE, DRACluster
 from simnode.gpusim_state import ensure_sim_built
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=["a", "b", "c"], action="append", help="run only these parts")
     args = parser.parse_args(argv)
+    prompt_threads()
     parts = set(args.only or ["a", "b", "c"])
     logging.basicConfig(level=logging.ERROR)
     ensure_sim_built()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager import lazy_package
+from gpumanager.cli import DEFERRED_AT_START
 
 
 @pytest.fixture
@@ -165,14 +166,39 @@ def test_a_deferred_subpackage_is_bound_by_its_parent_and_runs_its_init_when_fir
     assert sys.modules["lz_heavy"].LOADED == "heavy"
 
 
-def test_deferring_what_is_not_an_installed_package_leaves_it_alone(packages: Path) -> None:
-    write(packages, {"lz_plain.py": "import sys\nsys.modules[__name__].RAN = True\n"})
-    lazy_package.defer("lz_plain", "lz_missing", "lz_missing.sub")
-    assert "lz_plain" not in sys.modules, "a plain module was imported by defer"
-    assert "lz_missing" not in sys.modules and "lz_missing.sub" not in sys.modules
-    import lz_plain  # type: ignore[import-not-found]
+def test_a_deferred_module_runs_when_first_asked_for_a_name(packages: Path) -> None:
+    # As protobuf's python_message: imported by name by modules that never use it.
+    write(
+        packages,
+        {
+            "lz_lib/__init__.py": "",
+            "lz_lib/user.py": "from lz_lib import costly\n",
+            "lz_lib/costly.py": "import lz_count\nlz_count.RUNS += 1\nVALUE = 'costly'\n",
+            "lz_count.py": "RUNS = 0\n",
+        },
+    )
+    lazy_package.defer("lz_lib.costly")
+    import lz_count  # type: ignore[import-not-found]
+    import lz_lib.user  # type: ignore[import-not-found]
 
-    assert lz_plain.RAN
+    assert lz_count.RUNS == 0, "importing a deferred module by name ran it"
+    assert lazy_package.is_deferred("lz_lib.costly")
+    from lz_lib.costly import VALUE  # type: ignore[import-not-found]
+
+    assert VALUE == "costly"
+    assert lz_lib.user.costly.VALUE == "costly"
+    assert lz_count.RUNS == 1
+    assert not lazy_package.is_deferred("lz_lib.costly")
+
+
+def test_deferring_what_is_not_installed_or_already_loaded_leaves_it_alone(packages: Path) -> None:
+    write(packages, {"lz_loaded.py": "RAN = True\n"})
+    import lz_loaded  # type: ignore[import-not-found]
+
+    lazy_package.defer("lz_loaded", "lz_missing", "lz_missing.sub")
+    assert sys.modules["lz_loaded"] is lz_loaded and lz_loaded.RAN
+    assert not lazy_package.is_deferred("lz_loaded")
+    assert "lz_missing" not in sys.modules and "lz_missing.sub" not in sys.modules
 
 
 def test_the_agent_registers_before_asyncio_is_loaded_and_its_grpc_aio_servers_work(tmp_path: Path) -> None:
@@ -186,7 +212,10 @@ def test_the_agent_registers_before_asyncio_is_loaded_and_its_grpc_aio_servers_w
         lazy_package.defer(*cli.DEFERRED_AT_START)
         import grpc
         from concurrent import futures
+        from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
         from gpumanager.deviceplugin import registration, server
+        sent = pb.ListAndWatchResponse(devices=[pb.Device(ID="GPU-0", health="Healthy")])
+        assert pb.ListAndWatchResponse.FromString(sent.SerializeToString()) == sent
         srv = grpc.server(futures.ThreadPoolExecutor(1))
         srv.add_insecure_port("unix:{tmp_path}/plain.sock")
         srv.start()
@@ -211,7 +240,7 @@ def test_the_agent_registers_before_asyncio_is_loaded_and_its_grpc_aio_servers_w
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["before"] == {"asyncio": True, "grpc.aio": True}
+    assert result["before"] == dict.fromkeys(DEFERRED_AT_START, True)
     assert result["ssl_before"] is False
     assert result["served"] is True
-    assert result["after"] == {"asyncio": False, "grpc.aio": False}
+    assert result["after"]["asyncio"] is False and result["after"]["grpc.aio"] is False

@@ -29,14 +29,16 @@ when the next name is asked.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
 import sys
 import threading
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def _defer_package(name: str) -> None:
     _stand_in(name, spec, spec.loader)
 
 
-def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: importlib.abc.Loader) -> None:
+def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -> None:
     """Put a module of ``spec`` whose code has not run into sys.modules; it runs when first asked for a name."""
     module = importlib.util.module_from_spec(spec)
 

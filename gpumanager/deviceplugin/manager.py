@@ -68,21 +68,32 @@ class PluginManager:
         """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
         for s in self._servers:
             s.start()
-        self._watch = DirectoryWatch(self._kubelet_socket.parent)
         self._thread = threading.Thread(target=self._run, name="kubelet-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Remove our sockets and stop the servers and the loop (a registration in flight is not waited for)."""
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.wake()
+        with self._lock:
+            self._stop.set()
+            watch = self._watch
+        if watch is not None:
+            watch.wake()
         for s in self._servers:
             s.close()
         if self._thread is not None:
             self._thread.join(timeout=0.5)
-        if self._watch is not None:
-            self._watch.close()
+        if watch is not None:
+            watch.close()
+
+    def _open_watch(self) -> None:
+        directory = self._kubelet_socket.parent
+        with self._lock:
+            if self._stop.is_set():
+                return
+            try:
+                self._watch = DirectoryWatch(directory)
+            except OSError as exc:
+                log.warning("cannot watch %s (%s); checking it every %g s only", directory, exc, self._period)
 
     def alive(self) -> bool:
         """Whether the watch loop is running."""
@@ -117,6 +128,7 @@ class PluginManager:
 
     def _run(self) -> None:
         need_register = True
+        watch_opened = False
         next_try = 0.0
         backoff = Backoff()
         kubelet_id = socket_identity(self._kubelet_socket)
@@ -168,6 +180,13 @@ class PluginManager:
                 self._stop.wait(1.0)
             if self._stop.is_set():
                 return
+            if not watch_opened:
+                watch_opened = True
+                # Only after the first registration: opening it costs the start 10 ms (inotify_simple
+                # finds the C library with ldconfig). A change meanwhile is not missed: this pass
+                # runs again at once and compares the sockets with those it saw.
+                self._open_watch()
+                continue
             timeout = self._period
             if need_register:
                 timeout = min(timeout, max(0.0, next_try - time.monotonic()))

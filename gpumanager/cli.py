@@ -220,20 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit_malloc_arenas()  # before the gRPC and API threads start
     lazy_package.defer(*DEFERRED_AT_START)
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
+    from gpumanager.signals import SignalPipe
 
-    stop = threading.Event()
-    recheck = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if signum == signal.SIGHUP:
-            recheck.set()
-            return
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
-
+    signals = SignalPipe().install()  # a stop signal during the start is acted on once it is done
     agent = Agent(config)
     try:
         agent.start()
@@ -241,11 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         _stop_within(agent, STOP_DEADLINE)
         return exc.exit_code
-    while not stop.wait(0.5):
-        if recheck.is_set():
-            recheck.clear()
-            log.info("received SIGHUP")
-            agent.recheck()
+    while (received := signals.next()) == signal.SIGHUP:  # the main thread sleeps until a signal comes
+        log.info("received SIGHUP")
+        agent.recheck()
+    log.info("received %s; stopping", received.name)
     _stop_within(agent, STOP_DEADLINE)
     log.info("stopped")
     exit_watchdog(EXIT_DEADLINE)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import selectors
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,15 +54,45 @@ class QueryServer:
 
     def start(self) -> None:
         """Serve in a background thread."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="http", daemon=True)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="http", daemon=True)
         self._thread.start()
         log.info(
             "HTTP on %s:%d (/graph /usage /version /metric /metrics /healthz /readyz)", *self._httpd.server_address[:2]
         )
 
+    def _serve(self) -> None:
+        """Accept connections until :meth:`stop`; the thread sleeps until a client or the stop comes
+        (``serve_forever`` would wake twice a second to look for a stop)."""
+        httpd = self._httpd
+        with selectors.DefaultSelector() as selector:
+            selector.register(httpd.fileno(), selectors.EVENT_READ, "client")
+            selector.register(self._wake_r, selectors.EVENT_READ, "stop")
+            while True:
+                ready = {key.data for key, _ in selector.select()}
+                if "stop" in ready:
+                    return
+                try:
+                    request, address = httpd.get_request()
+                except OSError:
+                    continue  # the client went away before it was accepted
+                if httpd.verify_request(request, address):
+                    try:
+                        httpd.process_request(request, address)  # a thread per connection
+                    except Exception:
+                        httpd.handle_error(request, address)
+                        httpd.shutdown_request(request)
+                else:
+                    httpd.shutdown_request(request)
+
     def stop(self) -> None:
         """Stop serving and close the socket."""
-        self._httpd.shutdown()
+        if self._thread is not None:
+            os.write(self._wake_w, b"x")
+            self._thread.join(timeout=1.0)
+            self._thread = None
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self._httpd.server_close()
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

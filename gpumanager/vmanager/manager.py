@@ -100,10 +100,15 @@ class VirtualManager:
         self._sockets: PodSockets | None = None  # started with the first pod socket
         self._last_pids: dict[Path, list[int]] = {}
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
+        self._prepare_listeners: list[Callable[[], None]] = []
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
         return self.vm_path / pod_uid
+
+    def add_prepare_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each container is prepared (its files written)."""
+        self._prepare_listeners.append(listener)
 
     # -- PreStartContainer ------------------------------------------------------------------------
 
@@ -116,6 +121,8 @@ class VirtualManager:
         path = safenames.child(directory, safenames.container_name(answered_container), names.VCUDA_CONFIG_FILE)
         files.write_config(path, self.config_for(alloc))
         self._serve(answered_pod)
+        for listener in self._prepare_listeners:
+            listener()
         return path
 
     def config_for(self, alloc: ContainerAllocation) -> files.VcudaConfig:

@@ -17,7 +17,10 @@ PERIOD_SECONDS = 1.0
 
 
 class _RefreshLoop(ABC):
-    """A thread that calls :meth:`_refresh` every ``period`` seconds until stopped; a failure is logged."""
+    """A thread that calls :meth:`_refresh` every ``period`` seconds until stopped; a failure is logged.
+
+    While :meth:`_refresh` finds nothing to keep current the thread sleeps until :meth:`wake`.
+    """
 
     thread_name = "pids-refresh"
     what = "pids.config refresh"
@@ -25,6 +28,7 @@ class _RefreshLoop(ABC):
     def __init__(self, *, period: float = PERIOD_SECONDS) -> None:
         self._period = period
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -35,25 +39,41 @@ class _RefreshLoop(ABC):
     def stop(self) -> None:
         """End the loop."""
         self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something to keep current may have come: refresh now, then every period while it lasts."""
+        self._wake.set()
 
     def alive(self) -> bool:
         """Whether the loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
     @abstractmethod
-    def _refresh(self) -> None:
-        """Bring the files up to date once."""
+    def _refresh(self) -> bool:
+        """Bring the files up to date once; whether there is anything to keep current."""
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        busy = True
+        while True:
+            # A wake that comes during a refresh is kept for the next wait: none is lost.
+            self._wake.wait(self._period if busy else None)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                self._refresh()
+                busy = self._refresh()
             except Exception:
                 log.exception("%s failed; trying again", self.what)
+                busy = True
 
 
 class PidsRefresher(_RefreshLoop):
-    """A loop that rewrites pids.config files whose processes changed (device-plugin allocations)."""
+    """A loop that rewrites pids.config files whose processes changed (device-plugin allocations).
+
+    It runs every period while some container shares a GPU; without one it sleeps until the next
+    container is prepared (PreStartContainer).
+    """
 
     def __init__(
         self,
@@ -65,11 +85,14 @@ class PidsRefresher(_RefreshLoop):
         super().__init__(period=period)
         self._vmanager = vmanager
         self._allocations = allocations
+        vmanager.add_prepare_listener(self.wake)
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> bool:
         allocations = self._allocations()
-        if any(a.shared for a in allocations):
-            self._vmanager.refresh_pids(allocations)
+        if not any(a.shared for a in allocations):
+            return False
+        self._vmanager.refresh_pids(allocations)
+        return True
 
 
 class ClaimPidsRefresher(_RefreshLoop):
@@ -82,5 +105,6 @@ class ClaimPidsRefresher(_RefreshLoop):
         super().__init__(period=period)
         self._refresh_claims = refresh
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> bool:
         self._refresh_claims()
+        return True

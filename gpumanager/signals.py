@@ -1,0 +1,58 @@
+"""The signals the agent obeys, received without a polling loop.
+
+The main thread sleeps in a read of a pipe that the interpreter writes each signal's number into
+(``signal.set_wakeup_fd``): it wakes when a signal comes and at no other time. A signal that comes
+before the agent has started waits in the pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+#: The signals that stop the agent; SIGHUP asks for a re-check.
+STOP = (signal.SIGTERM, signal.SIGINT)
+RECHECK = signal.SIGHUP
+
+
+def _received(_signum: int, _frame: FrameType | None) -> None:
+    """The Python-level handler: the number is in the pipe already; this one only keeps the
+    default action (ending the process) from happening."""
+
+
+class SignalPipe:
+    """Receives ``signals`` (default: the stop signals and SIGHUP) in the main thread, in order."""
+
+    def __init__(self, signals: Iterable[signal.Signals] = (*STOP, RECHECK)) -> None:
+        self._signals = tuple(signals)
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # required by set_wakeup_fd: a full pipe drops, never blocks
+        self._previous: dict[signal.Signals, Any] = {}
+        self._previous_fd = -1
+        self._pending: list[int] = []
+
+    def install(self) -> SignalPipe:
+        """Take over the signals (call from the main thread)."""
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        for signum in self._signals:
+            self._previous[signum] = signal.signal(signum, _received)
+        return self
+
+    def next(self) -> signal.Signals:
+        """The next signal received; sleeps until one comes."""
+        while not self._pending:
+            data = os.read(self._read, 64)
+            self._pending.extend(b for b in data if b in self._signals)
+        return signal.Signals(self._pending.pop(0))
+
+    def close(self) -> None:
+        """Give the signals back to their earlier handlers."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read)
+        os.close(self._write)

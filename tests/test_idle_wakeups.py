@@ -1,0 +1,188 @@
+"""The agent's threads sleep while there is nothing to do, and still notice what they must.
+
+A thread blocked without a timeout makes no voluntary context switch; a loop that polls makes
+one per period. Each test counts the switches of one thread over an idle second and a half
+(the kernel's own count, ``/proc/self/task/<tid>/status``: load on the machine does not add to
+it), then shows that the event the thread waits for is still seen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from gpumanager import names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.metrics.http import QueryServer
+from gpumanager.signals import SignalPipe
+from gpumanager.vmanager import files
+from gpumanager.vmanager.manager import VirtualManager
+from gpumanager.vmanager.refresh import PidsRefresher
+from simnode.kubelet import KubeletSimulator
+from tests.agent_fixtures import StartAgent
+
+#: Long enough for a loop with a half-second period to wake three times.
+IDLE_SECONDS = 1.5
+#: What a thread that sleeps may still show (a wake-up in flight when counting starts).
+ASLEEP = 1
+
+
+def voluntary_switches(thread: threading.Thread | int, pid: int | str = "self") -> int:
+    """Voluntary context switches of ``thread`` (or the thread of that ID in process ``pid``) so far."""
+    tid = thread if isinstance(thread, int) else thread.native_id
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    for line in status.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise RuntimeError("voluntary_ctxt_switches missing")
+
+
+def idle_switches(thread: threading.Thread, seconds: float = IDLE_SECONDS) -> int:
+    """Voluntary context switches of ``thread`` while left alone for ``seconds``."""
+    time.sleep(0.2)  # what started it settles
+    before = voluntary_switches(thread)
+    time.sleep(seconds)
+    return voluntary_switches(thread) - before
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 15.0) -> None:
+    """Wait for ``predicate`` to hold."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.02)
+
+
+def named_thread(name: str) -> threading.Thread:
+    """The running thread called ``name``."""
+    found = [t for t in threading.enumerate() if t.name == name]
+    assert len(found) == 1, [t.name for t in threading.enumerate()]
+    return found[0]
+
+
+def _query_server() -> QueryServer:
+    return QueryServer(
+        "127.0.0.1",
+        0,
+        routes={},
+        metrics=lambda: b"up 1\n",
+        health=lambda: (True, {}),
+    )
+
+
+def test_http_server_sleeps_until_a_request_comes() -> None:
+    server = _query_server()
+    server.start()
+    try:
+        assert idle_switches(named_thread("http")) <= ASLEEP
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            assert resp.read() == b"up 1\n"
+    finally:
+        server.stop()
+
+
+def test_http_server_stops_while_asleep() -> None:
+    server = _query_server()
+    server.start()
+    thread = named_thread("http")
+    time.sleep(0.2)
+    server.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_main_thread_sleeps_until_a_signal_comes() -> None:
+    main = threading.main_thread()
+    pipe = SignalPipe().install()
+    counted: list[int] = []
+
+    def later() -> None:
+        counted.append(idle_switches(main))
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        helper = threading.Thread(target=later)
+        helper.start()
+        got = [pipe.next(), pipe.next()]
+        helper.join()
+    finally:
+        pipe.close()
+    assert sorted(got) == [signal.SIGHUP, signal.SIGTERM]  # two signals at once come in either order
+    assert counted[0] <= ASLEEP
+
+
+def test_a_signal_before_the_wait_is_kept() -> None:
+    pipe = SignalPipe().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert pipe.next() == signal.SIGINT
+    finally:
+        pipe.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_agent_main_thread_sleeps_and_obeys_sighup_then_sigterm(
+    kubelet: KubeletSimulator, start_agent: StartAgent
+) -> None:
+    agent = start_agent("t4-x1")
+    kubelet.wait_for_registration(names.VCORE_RESOURCE, timeout=20, with_devices=True)
+    agent.wait_for_log("devices in ")
+    time.sleep(0.2)
+    before = voluntary_switches(agent.pid, agent.pid)  # the main thread's ID is the process's
+    time.sleep(IDLE_SECONDS)
+    assert voluntary_switches(agent.pid, agent.pid) - before <= ASLEEP
+    agent.signal(signal.SIGHUP)
+    agent.wait_for_log("re-checking allocations")
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(10) == 0
+    assert "received SIGTERM; stopping" in agent.log_text()
+
+
+POD = "0b7f7e39-3f7c-4cd8-a7a7-5e0d0c1e9f01"
+CID = "c0ffee" * 10 + "beef"
+
+
+def test_pids_refresh_sleeps_until_a_shared_container_is_prepared(tmp_path: Path) -> None:
+    vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))  # short: <vm>/<uid>/vcuda.sock < 108 bytes
+    pod = {
+        "metadata": {"uid": POD, "name": "p", "namespace": "default"},
+        "spec": {"containers": [{"name": "main"}]},
+        "status": {
+            "qosClass": "Guaranteed",
+            "containerStatuses": [{"name": "main", "containerID": f"containerd://{CID}"}],
+        },
+    }
+    procs = tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / CID / "cgroup.procs"
+    procs.parent.mkdir(parents=True)
+    procs.write_text("4242\n")
+    alloc = ContainerAllocation(POD, "main", (0,), 30, 4 << 28)
+    allocations: list[ContainerAllocation] = []
+    vm = VirtualManager(
+        vm_path=vm_path,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda uid, name: alloc,
+        pod=lambda uid: pod if uid == POD else None,
+        driver_version="550.54.15",
+    )
+    refresher = PidsRefresher(vm, lambda: list(allocations), period=0.1)
+    refresher.start()
+    pids = vm_path / POD / "main" / names.PIDS_CONFIG_FILE
+    try:
+        assert idle_switches(named_thread("pids-refresh")) <= ASLEEP  # no shared container: nothing to do
+        allocations.append(alloc)
+        vm.prepare(alloc)
+        wait_until(lambda: pids.exists() and files.read_pids(pids) == [4242], "pids.config after PreStartContainer")
+        procs.write_text("4242\n4343\n")  # from now on kept current every period
+        wait_until(lambda: files.read_pids(pids) == [4242, 4343], "pids.config follows the container's processes")
+    finally:
+        refresher.stop()
+        vm.stop()
+        shutil.rmtree(vm_path, ignore_errors=True)

@@ -18,8 +18,13 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
+from google.protobuf import empty_pb2
+
 from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import display_pb2, display_pb2_grpc
+from gpumanager.metrics.display import DisplayServer, DisplayServicer
 from gpumanager.metrics.http import QueryServer
 from gpumanager.signals import SignalPipe
 from gpumanager.vmanager import files
@@ -186,3 +191,27 @@ def test_pids_refresh_sleeps_until_a_shared_container_is_prepared(tmp_path: Path
         refresher.stop()
         vm.stop()
         shutil.rmtree(vm_path, ignore_errors=True)
+
+
+def test_display_server_sleeps_until_a_call_comes() -> None:
+    socket_path = Path(tempfile.mkdtemp(prefix="gm-display-")) / "gpu-manager.sock"
+    servicer = DisplayServicer(graph=lambda: "ROOT:1", usages=display_pb2.UsageResponse, version="v")
+    server = DisplayServer(servicer, socket_path)
+    existing = set(threading.enumerate())
+    server.start()
+    try:
+        started = [t for t in threading.enumerate() if t not in existing]
+        assert started
+        time.sleep(0.2)
+        before = {t: voluntary_switches(t) for t in started}
+        time.sleep(IDLE_SECONDS)
+        woke = {t.name: voluntary_switches(t) - n for t, n in before.items()}
+        assert sum(woke.values()) <= ASLEEP, woke
+        with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+            stub = display_pb2_grpc.GPUDisplayStub(channel)
+            assert stub.PrintGraph(empty_pb2.Empty(), timeout=5).graph == "ROOT:1"
+            assert stub.Version(empty_pb2.Empty(), timeout=5).version == "v"
+    finally:
+        server.stop()
+    assert not socket_path.exists()
+    shutil.rmtree(socket_path.parent, ignore_errors=True)

@@ -1,8 +1,16 @@
-"""The ``display.GPUDisplay`` gRPC service (PrintGraph, PrintUsages, Version)."""
+"""The ``display.GPUDisplay`` gRPC service (PrintGraph, PrintUsages, Version).
+
+Served by grpc.aio on a loop of its own: grpc's threaded server wakes five times a second to
+look for signals, each server on its own; the asyncio server sleeps until a call comes. The
+calls themselves run in a small pool of threads (they read the allocator and NVML).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -46,7 +54,10 @@ class DisplayServer:
     def __init__(self, servicer: DisplayServicer, socket_path: Path) -> None:
         self._servicer = servicer
         self.socket_path = socket_path
-        self._server: grpc.Server | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
 
     def start(self) -> None:
         """Replace a stale socket and serve."""
@@ -55,12 +66,27 @@ class DisplayServer:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="display"))
-        pb_grpc.add_GPUDisplayServicer_to_server(self._servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        self._server = server
+        pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="display")
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="display-loop", daemon=True)
+        thread.start()
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(self._serve(pool), loop).result(timeout=10)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=1)
+            pool.shutdown(wait=False)
+            raise
+        self._loop, self._thread, self._pool = loop, thread, pool
         log.info("display service on %s", self.socket_path)
+
+    async def _serve(self, pool: futures.ThreadPoolExecutor) -> grpc.aio.Server:
+        server = grpc.aio.server(migration_thread_pool=pool)
+        pb_grpc.add_GPUDisplayServicer_to_server(self._servicer, server)
+        if server.add_insecure_port(f"unix://{self.socket_path}") == 0:
+            raise OSError(f"cannot listen on {self.socket_path}")
+        await server.start()
+        return server
 
     def stop(self) -> None:
         """Stop serving and remove the socket."""
@@ -68,6 +94,15 @@ class DisplayServer:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
-        if self._server is not None:
-            self._server.stop(grace=0.2).wait(0.3)
-            self._server = None
+        loop, server = self._loop, self._server
+        if loop is not None and server is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(server.stop(0.2), loop).result(timeout=0.5)
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=0.5)
+            if not loop.is_running():
+                loop.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self._server = self._loop = self._thread = self._pool = None

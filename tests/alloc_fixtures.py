@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,15 +68,36 @@ class FakePods:
         self.hidden: list[Pod] = []  # known to the API server but not yet to the cache
         self.gone_at_server: set[str] = set()  # UIDs deleted at the API server, still in the cache
         self.refreshes = 0
+        self.lists = 0  # calls of pods(): a look at every pod
+        # changes(): the generation, each pod's content when last compared, and the generation it last changed.
+        self.generation = 0
+        self._seen: dict[str, str] = {}
+        self._changed_at: dict[str, int] = {}
+        self.lost_track = False  # the next changes() answers None (as the cache does after a relist)
 
     def synced(self) -> bool:
         return self.is_synced
 
     def pods(self) -> list[Pod]:
+        self.lists += 1
         return list(self.items)
 
     def get(self, uid: str) -> Pod | None:
         return next((p for p in self.items + self.hidden if p["metadata"]["uid"] == uid), None)
+
+    def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+        """As the pod cache: the pods whose content differs from the last call count as changed (tests
+        change ``items`` and the pods in it in place)."""
+        now = {str(p["metadata"]["uid"]): json.dumps(p, sort_keys=True) for p in self.items}
+        for uid in sorted(set(now) | set(self._seen)):
+            if now.get(uid) != self._seen.get(uid):
+                self.generation += 1
+                self._changed_at[uid] = self.generation
+        self._seen = now
+        if since < 0 or self.lost_track:
+            self.lost_track = False
+            return self.generation, None
+        return self.generation, frozenset(uid for uid, gen in self._changed_at.items() if gen > since)
 
     def refresh(self) -> list[Pod]:
         self.refreshes += 1

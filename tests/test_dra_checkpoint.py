@@ -40,6 +40,9 @@ class NoPods:
     def get(self, uid: str) -> None:
         return None
 
+    def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+        return 0, frozenset()
+
     def refresh(self) -> list[Any]:
         return []
 

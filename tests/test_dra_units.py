@@ -213,6 +213,9 @@ def test_claim_records_survive_the_checkpoint_and_bad_entries_are_skipped(tmp_pa
         def get(self, uid: str) -> None:
             return None
 
+        def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+            return 0, frozenset()
+
         def refresh(self) -> list[Any]:
             return []
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import urllib3
 
+from gpumanager.kube import pods as podcache
 from gpumanager.kube.pods import PodCache
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
@@ -74,6 +75,58 @@ def test_too_old_resource_version_relists(api: ApiServerSimulator, cache: PodCac
     api.set_down(False)
     eventually(lambda: names(cache) == {"survivor"}, timeout=20)
     assert cache.lists > lists
+
+
+def uid_named(cache: PodCache, name: str) -> str:
+    return next(p["metadata"]["uid"] for p in cache.pods() if p["metadata"]["name"] == name)
+
+
+def test_changes_name_the_pods_changed_since_a_generation(api: ApiServerSimulator, cache: PodCache) -> None:
+    start, everything = cache.changes(-1)
+    assert everything is None, "a reader's first look must be at every pod"
+    api.create_pod(pod_manifest("a"))
+    api.create_pod(pod_manifest("b"))
+    eventually(lambda: names(cache) == {"a", "b"})
+    a, b = uid_named(cache, "a"), uid_named(cache, "b")
+    created, changed = cache.changes(start)
+    assert changed == {a, b} and created > start
+    assert cache.changes(created) == (created, frozenset())
+    api.update_pod("default", "a", lambda p: p["metadata"].setdefault("labels", {}).update({"k": "v"}))
+    eventually(lambda: cache.changes(created)[1] == {a})
+    updated, _ = cache.changes(created)
+    api.delete_pod("default", "b")
+    eventually(lambda: cache.changes(updated)[1] == {b})
+    assert cache.changes(created)[1] == {a, b}, "every change after the reader's generation, not only the last"
+
+
+def test_a_relist_tells_readers_to_look_at_every_pod(api: ApiServerSimulator, cache: PodCache) -> None:
+    api.create_pod(pod_manifest("before"))
+    eventually(lambda: names(cache) == {"before"})
+    seen, _ = cache.changes(-1)
+    api.wait_for_watches(1)
+    lists = cache.lists
+    api.set_down(True)
+    api.close_watches()
+    api.delete_pod("default", "before")  # its DELETED event is compacted away: only the relist shows it
+    for i in range(60):
+        api.create_pod(pod_manifest(f"p{i}", node="node-2"))
+    api.compact()
+    api.set_down(False)
+    eventually(lambda: cache.lists > lists and names(cache) == set(), timeout=20)
+    assert cache.changes(seen)[1] is None
+
+
+def test_a_reader_further_behind_than_the_changes_kept_looks_at_every_pod(
+    api: ApiServerSimulator, cache: PodCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(podcache, "CHANGES_KEPT", 2)
+    start, _ = cache.changes(-1)
+    for name in ("a", "b", "c"):
+        api.create_pod(pod_manifest(name))
+    eventually(lambda: names(cache) == {"a", "b", "c"})
+    now, changed = cache.changes(start)
+    assert changed is None, "the change of pod a is no longer known: the reader must not miss it"
+    assert cache.changes(now - 2)[1] == {uid_named(cache, "b"), uid_named(cache, "c")}
 
 
 def test_outage_then_recovery(api: ApiServerSimulator) -> None:

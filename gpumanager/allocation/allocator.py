@@ -20,6 +20,13 @@ Device IDs come back: the kubelet frees a deleted pod's IDs at once and may
 hand the same set to a new container of the same size. The same IDs are a
 repeat of an earlier Allocate only while their holder is alive and has not
 started; otherwise the old allocation is freed and the request matched anew.
+
+Allocate looks only at what changed: the allocator keeps an index of the pods
+that may still wait for GPUs (pending, not assigned, not being deleted) and
+of the pods holding GPUs whose end it has not yet checked, both brought up to
+date from the pods the cache says changed since the last call
+(:meth:`PodSource.changes`). A new list in the cache, or a source that cannot
+tell, rebuilds both from every pod; the periodic recycle checks every holder.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import contextlib
 import errno
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -68,6 +75,11 @@ class PodSource(Protocol):
     def get(self, uid: str) -> Pod | None:
         """A pod by UID."""
 
+    def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+        """(the generation now, UIDs of the pods changed after generation ``since``); None for the UIDs
+        when the source cannot tell (any pod may have changed). Pods read afterwards are at least as
+        new as the generation returned."""
+
     def refresh(self) -> list[Pod]:
         """Pods of this node freshly listed from the API server, within a short deadline (raises when it
         cannot; the message says the API server did not answer)."""
@@ -79,6 +91,17 @@ class AllocatorSettings:
 
     share_mode: bool
     response: ResponseSettings
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A pod that may still have a container waiting for GPUs: pending, not assigned, not being deleted."""
+
+    uid: str
+    pod: Pod
+    requests: tuple[GPURequest, ...]  # the containers that need GPUs, in allocation order
+    keys: tuple[tuple[str, str], ...]  # (pod UID, container) of each request
+    order: tuple[int, int, str, str]  # (1, predicate time, creation time, namespace/name): upstream's order
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,16 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
+        # The containers of each pod holding an allocation.
+        self._by_pod: dict[str, set[str]] = {}
+        # The pod source's generation this allocator's view of the pods is up to date with.
+        self._pod_generation = -1
+        # Pods that may have a container waiting for GPUs, by UID (see Waiting).
+        self._waiting: dict[str, Waiting] = {}
+        # Pods holding GPUs whose end has not been checked since they changed (or took their first GPU).
+        self._unverified: set[str] = set()
+        # Every holder must be checked: the pod source could not say which pods changed.
+        self._verify_all = True
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
@@ -254,7 +287,7 @@ class Allocator:
                         changed = True
                 if repeat is None:
                     changed |= self._recycle_locked()
-                    candidate = self._match_cached(cores, ordered)
+                    candidate = self._match_cached(cores)
                     if candidate is not None:
                         try:
                             try:
@@ -270,7 +303,7 @@ class Allocator:
                                 raise
                             # Perhaps only because this node's pod watch has not yet delivered the end of a
                             # pod the scheduler already counts as gone: ask the API server (lock released).
-                            full, holders = exc, {k[0] for k in self._allocs}
+                            full, holders = exc, set(self._by_pod)
                             candidate = None
             if repeat is not None and known is not None:
                 log.info("repeated Allocate for pod %s container %s: same answer", *known)
@@ -412,11 +445,30 @@ class Allocator:
             list(alloc.minors),
         )
 
-    def _match_cached(self, cores: int, device_ids: Sequence[str]) -> Candidate | None:
-        try:
-            return self._match(self._pods.pods(), cores)
-        except PodSpecError as exc:
-            raise AllocationError(f"Allocate for {ids.describe(device_ids)}: {exc}") from exc
+    def _match_cached(self, cores: int) -> Candidate | None:
+        """The candidate among the pods the cache knows (its changes taken in first; lock held)."""
+        self._take_pod_changes()
+        return self._best(self._waiting.values(), cores)
+
+    def _take_pod_changes(self) -> None:
+        """Bring the index of waiting pods, and the list of holders to check, up to date with the pod
+        source (lock held): only the pods it says changed, or every pod when it cannot say."""
+        generation, changed = self._pods.changes(self._pod_generation)
+        if changed is None:
+            waiting = (self._waiting_entry(pod) for pod in self._pods.pods())
+            self._waiting = {w.uid: w for w in waiting if w is not None}
+            self._verify_all = True
+        else:
+            for uid in changed:
+                pod = self._pods.get(uid)
+                entry = self._waiting_entry(pod) if pod is not None else None
+                if entry is None:
+                    self._waiting.pop(uid, None)
+                else:
+                    self._waiting[uid] = entry
+                if uid in self._by_pod:
+                    self._unverified.add(uid)
+        self._pod_generation = generation
 
     def _refresh(self, cores: int, device_ids: Sequence[str]) -> list[Pod]:
         try:
@@ -470,37 +522,52 @@ class Allocator:
         return ""
 
     def _match(self, pods: Sequence[Pod], cores: int) -> Candidate | None:
-        """The first container, in upstream's order of pods, that waits for ``cores`` (lock held).
+        """The first container of ``pods`` (a fresh list), in upstream's order, that waits for ``cores``."""
+        waiting = (self._waiting_entry(pod) for pod in pods)
+        return self._best([w for w in waiting if w is not None], cores)
+
+    def _waiting_entry(self, pod: Pod) -> Waiting | None:
+        """The pod as a Waiting one; None when no container of it can be waiting for an Allocate."""
+        if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
+            return None
+        if podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
+            return None
+        uid = podinfo.uid(pod)
+        try:
+            wanted = self._gpu_containers(uid, pod)
+        except PodSpecError as exc:
+            log.warning("skipping pod: %s", exc)
+            return None
+        if not wanted:
+            return None
+        meta = pod.get("metadata") or {}
+        order = (1, podinfo.predicate_time(pod), str(meta.get("creationTimestamp", "")), podinfo.pod_key(pod))
+        return Waiting(uid, pod, tuple(wanted), tuple((uid, r.name) for r in wanted), order)
+
+    def _best(self, waiting: Iterable[Waiting], cores: int) -> Candidate | None:
+        """The first container that waits for ``cores`` (lock held).
 
         Pods come first when another of their containers is allocated already, then by predicate
         time, creation time and name; only pods with a container of that size are ordered at all.
         """
-        best: tuple[tuple[int, int, str, str], Pod, GPURequest] | None = None
-        for pod in pods:
-            if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
-                continue
-            if podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
-                continue
-            uid = podinfo.uid(pod)
-            try:
-                wanted = self._gpu_containers(uid, pod)
-            except PodSpecError as exc:
-                log.warning("skipping pod: %s", exc)
-                continue
-            todo = [r for r in wanted if (uid, r.name) not in self._allocs and (uid, r.name) not in self._retired]
-            request = next((r for r in todo if r.cores == cores), None)
-            if request is None:
-                continue
-            meta = pod.get("metadata") or {}
-            order = (
-                0 if len(todo) < len(wanted) else 1,
-                podinfo.predicate_time(pod),
-                str(meta.get("creationTimestamp", "")),
-                podinfo.pod_key(pod),
-            )
+        best: tuple[tuple[int, int, str, str], Waiting, GPURequest] | None = None
+        allocs, retired = self._allocs, self._retired
+        for entry in waiting:
+            if len(entry.requests) == 1:  # the common case, without the lists below
+                request, key = entry.requests[0], entry.keys[0]
+                if request.cores != cores or key in allocs or key in retired:
+                    continue
+                order = entry.order
+            else:
+                done = [key in allocs or key in retired for key in entry.keys]
+                found = next((r for r, d in zip(entry.requests, done, strict=True) if not d and r.cores == cores), None)
+                if found is None:
+                    continue
+                request = found
+                order = (0, *entry.order[1:]) if any(done) else entry.order
             if best is None or order < best[0]:
-                best = (order, pod, request)
-        return Candidate(best[1], best[2]) if best is not None else None
+                best = (order, entry, request)
+        return Candidate(best[1].pod, best[2]) if best is not None else None
 
     def _gpu_containers(self, uid: str, pod: Pod) -> list[GPURequest]:
         cached = self._parsed.get(uid)
@@ -618,6 +685,11 @@ class Allocator:
 
     def _insert(self, alloc: ContainerAllocation) -> None:
         self._allocs[alloc.key] = alloc
+        containers = self._by_pod.get(alloc.pod_uid)
+        if containers is None:
+            containers = self._by_pod[alloc.pod_uid] = set()
+            self._unverified.add(alloc.pod_uid)  # a new holder: has its pod ended already?
+        containers.add(alloc.container)
         if alloc.device_ids:
             self._by_ids[frozenset(alloc.device_ids)] = alloc.key
 
@@ -625,6 +697,11 @@ class Allocator:
         alloc = self._allocs.pop(key, None)
         self._responses.pop(key, None)
         self._unsynced.pop(key, None)
+        containers = self._by_pod.get(key[0])
+        if containers is not None:
+            containers.discard(key[1])
+            if not containers:
+                del self._by_pod[key[0]]
         if alloc is not None and alloc.device_ids:
             self._by_ids.pop(frozenset(alloc.device_ids), None)
         return alloc
@@ -896,8 +973,8 @@ class Allocator:
 
     def _release_locked(self, pod_uid: str) -> list[ContainerAllocation]:
         freed = []
-        for key in [k for k in self._allocs if k[0] == pod_uid]:
-            alloc = self._remove(key)
+        for container in sorted(self._by_pod.get(pod_uid, ())):
+            alloc = self._remove((pod_uid, container))
             if alloc is not None:
                 self._free(alloc)
                 freed.append(alloc)
@@ -914,21 +991,34 @@ class Allocator:
     def recycle(self) -> list[str]:
         """Free pods that are gone or finished (only with a complete view of the node's pods)."""
         with self._changing():
-            before = {k[0] for k in self._allocs}
-            changed = self._recycle_locked()
-            gone = sorted(before - {k[0] for k in self._allocs})
+            before = set(self._by_pod)
+            changed = self._recycle_locked(every=True)
+            gone = sorted(before - set(self._by_pod))
         if changed:
             self._notify()
         return gone
 
-    def _recycle_locked(self) -> bool:
+    def _recycle_locked(self, *, every: bool = False) -> bool:
+        """Free the holders whose pods are gone or finished: those changed since the last look, or
+        ``every`` one (only with a complete view of the node's pods)."""
+        self._take_pod_changes()
         if not self._pods.synced():
-            return False
-        active = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
+            return False  # the holders to check stay listed until the view is complete
+        if every or self._verify_all:
+            active = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
+            ended = set(self._by_pod) - active
+            self._verify_all = False
+        else:
+            ended = {uid for uid in self._unverified if uid in self._by_pod and not self._alive(uid)}
+        self._unverified.clear()
         changed = False
-        for pod_uid in sorted({k[0] for k in self._allocs} - active):
+        for pod_uid in sorted(ended):
             changed |= bool(self._release_locked(pod_uid))
         return changed
+
+    def _alive(self, pod_uid: str) -> bool:
+        pod = self._pods.get(pod_uid)
+        return pod is not None and not podinfo.is_terminated(pod)
 
     def load(self) -> records.Parsed:
         """Load our checkpoint and occupy the tree; returns what was taken and what must be rebuilt.

@@ -10,6 +10,11 @@ wait the agent's jittered backoff (:mod:`gpumanager.retry`, 0.8 s doubling to
 inside a kubelet call) has a short total deadline: one list at a time runs in
 the background and callers wait for it at most ``refresh_deadline`` seconds,
 so a hanging API server costs a caller that long and never more.
+
+Every change the cache takes in counts one generation; :meth:`PodCache.changes`
+names the pods changed since a generation a reader saw, so a reader keeping its
+own view (the allocator's index of pods waiting for GPUs) need not walk every pod
+of the node each time.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +35,8 @@ log = logging.getLogger(__name__)
 Pod = Mapping[str, Any]
 PodListener = Callable[[str, Pod], None]
 
+#: Changes remembered for :meth:`PodCache.changes`; a reader further behind is told to look at every pod.
+CHANGES_KEPT = 4096
 #: A watch that lived this long counts as a success: the next failure backs off from the start.
 _HEALTHY_WATCH_SECONDS = 30.0
 #: A watch that ends sooner with no event is an error (client-go's "very short watch"): retried after a backoff.
@@ -75,6 +83,11 @@ class PodCache:
         self._lock = threading.Lock()
         self._pods: dict[str, Pod] = {}
         self._rv = ""
+        self._generation = 0
+        # UID -> generation of the pod's latest change, oldest first (at most CHANGES_KEPT).
+        self._changed: OrderedDict[str, int] = OrderedDict()
+        # A reader at a generation below this cannot be told what changed (a relist, the oldest changes dropped).
+        self._floor = 0
         self._synced = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,6 +117,30 @@ class PodCache:
         """A cached pod by UID."""
         with self._lock:
             return self._pods.get(uid)
+
+    def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+        """(the generation now, the UIDs of pods added, changed or deleted after generation ``since``).
+
+        The set is None when the cache cannot tell (a reader's first call with ``since`` -1, a list
+        since, or more changes than it remembers): any pod may have changed. A pod read after this
+        call is at least as new as the generation returned.
+        """
+        with self._lock:
+            if since < self._floor:
+                return self._generation, None
+            changed = []
+            for uid, generation in reversed(self._changed.items()):
+                if generation <= since:
+                    break
+                changed.append(uid)
+            return self._generation, frozenset(changed)
+
+    def _changed_locked(self, uid: str) -> None:
+        self._generation += 1
+        self._changed.pop(uid, None)
+        self._changed[uid] = self._generation
+        if len(self._changed) > CHANGES_KEPT:
+            _, self._floor = self._changed.popitem(last=False)
 
     def find(self, namespace: str, name: str) -> Pod | None:
         """A cached pod by namespace and name."""
@@ -207,6 +244,9 @@ class PodCache:
             old = self._pods
             self._pods = fresh
             self._rv = rv
+            self._generation += 1
+            self._floor = self._generation
+            self._changed.clear()
         for uid, pod in fresh.items():
             self._emit("MODIFIED" if uid in old else "ADDED", pod)
         for uid, pod in old.items():
@@ -265,6 +305,7 @@ class PodCache:
                 self._pods[uid] = obj
             else:
                 return
+            self._changed_locked(uid)
             self._rv = rv or self._rv
         self._emit(str(kind), obj)
 

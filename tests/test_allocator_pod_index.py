@@ -1,0 +1,232 @@
+"""Allocate reads only the pods the cache says changed: its index of waiting pods and of holders to check
+must follow every change (a pod starting or ceasing to wait, a holder ending, a change landing while a call
+runs, a cache that lists again, a view not yet complete, a restart) as a look at every pod would."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.allocator import AllocationError
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+RUNNING = {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}]}
+
+
+def whole(name: str, minute: int = 0) -> dict[str, Any]:
+    """A pod asking for one whole GPU (the test node has four)."""
+    return make_pod(name, [("c", 100, 0)], created=f"2026-11-21T10:{minute:02d}:00Z")
+
+
+def new_ids() -> list[str]:
+    """100 device IDs no holder has (the allocator does not tie IDs to GPUs)."""
+    return core_ids(4, 100)
+
+
+def full_node(pods: FakePods) -> list[dict[str, Any]]:
+    """Pods a..d, one whole GPU each (the node's four once allocated), added to ``pods``."""
+    holders = [whole(n, i) for i, n in enumerate("abcd")]
+    pods.items.extend(holders)
+    return holders
+
+
+def test_allocate_looks_at_every_pod_only_when_the_source_cannot_say_what_changed(tmp_path: Path) -> None:
+    pods = FakePods([whole("a", 0), whole("b", 1), whole("c", 2)])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    lists = pods.lists
+    alloc.allocate(core_ids(1, 100))
+    assert pods.lists == lists, "with the changes known, Allocate must not walk every pod"
+    pods.lost_track = True  # as the cache after a relist
+    alloc.allocate(core_ids(2, 100))
+    assert pods.lists > lists
+    assert [a.pod_uid for a in alloc.allocations()] == sorted(uid_of(n) for n in "abc")
+
+
+def test_a_pod_created_between_calls_is_matched(tmp_path: Path) -> None:
+    pods = FakePods([whole("a", 0)])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    pods.items.append(make_pod("late", [("c", 30, 2)]))
+    alloc.allocate(core_ids(1, 30))
+    assert alloc.get(uid_of("late"), "c") is not None
+    assert pods.refreshes == 0, "found in the cache's changes, not by asking the API server"
+
+
+@pytest.mark.parametrize(
+    "stop_waiting",
+    [
+        lambda p: p["metadata"]["annotations"].update({names.GPU_ASSIGNED: "true"}),
+        lambda p: p["metadata"].update({"deletionTimestamp": "2026-11-21T11:00:00Z"}),
+        lambda p: p["status"].update({"phase": "Failed"}),
+        lambda p: p["status"].update({"reason": "UnexpectedAdmissionError"}),
+    ],
+    ids=["assigned", "deleting", "failed", "admission-failed"],
+)
+def test_a_pod_that_stops_waiting_between_calls_is_not_matched(
+    tmp_path: Path, stop_waiting: Callable[[dict[str, Any]], None]
+) -> None:
+    early, later = make_pod("early", [("c", 30, 2)]), make_pod("later", [("c", 30, 2)], created="2026-11-21T11:00:00Z")
+    pods = FakePods([whole("a", 0), early, later])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))  # the index now has "early" first among the pods waiting for 30 cores
+    stop_waiting(early)
+    alloc.allocate(core_ids(1, 30))
+    assert alloc.get(uid_of("early"), "c") is None
+    assert alloc.get(uid_of("later"), "c") is not None
+
+
+def test_a_pod_that_starts_waiting_after_an_update_is_matched(tmp_path: Path) -> None:
+    odd = make_pod("odd", [("c", 30, 2)], phase="Unknown")
+    pods = FakePods([whole("a", 0), odd])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    pods.refresh_error = TimeoutError("the API server did not answer")
+    with pytest.raises(AllocationError, match=r"cannot be asked"):
+        alloc.allocate(core_ids(1, 30))
+    odd["status"]["phase"] = "Pending"
+    alloc.allocate(core_ids(1, 30))
+    assert alloc.get(uid_of("odd"), "c") is not None
+
+
+def test_a_pod_whose_first_container_is_allocated_comes_first(tmp_path: Path) -> None:
+    older = make_pod("older", [("c", 50, 2)])
+    multi = make_pod("multi", [("c0", 60, 2), ("c1", 50, 2)], created="2026-11-21T11:00:00Z")
+    alloc = make_allocator(tmp_path, FakePods([older, multi]))
+    alloc.allocate(core_ids(0, 60))
+    assert alloc.get(uid_of("multi"), "c0") is not None
+    alloc.allocate(core_ids(1, 50))
+    assert alloc.get(uid_of("multi"), "c1") is not None, "a pod already partly allocated goes before an older one"
+    alloc.allocate(core_ids(2, 50))
+    assert alloc.get(uid_of("older"), "c") is not None
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        lambda pods, p: p["status"].update({"phase": "Succeeded"}),
+        lambda pods, p: pods.items.remove(p),
+        lambda pods, p: (
+            p["metadata"].update({"deletionTimestamp": "2026-11-21T11:00:00Z"}),
+            p["status"].update({"containerStatuses": [{"name": "c", "state": {"terminated": {}}}]}),
+        ),
+    ],
+    ids=["succeeded", "deleted", "deleting-and-stopped"],
+)
+def test_a_holder_that_ends_between_calls_is_freed_by_the_next_allocate(
+    tmp_path: Path, end: Callable[[FakePods, dict[str, Any]], None]
+) -> None:
+    pods = FakePods()
+    holders = full_node(pods)
+    alloc = make_allocator(tmp_path, pods)
+    for gpu in range(4):
+        alloc.allocate(core_ids(gpu, 100))
+    for p in holders:
+        p["status"] = dict(RUNNING)
+    pods.items.append(whole("e", 9))
+    pods.refresh_error = TimeoutError("the API server did not answer")
+    with pytest.raises(AllocationError):
+        alloc.allocate(new_ids())  # every GPU is held: each holder changed, was checked and is alive
+    assert len(alloc.allocations()) == 4
+    end(pods, holders[2])
+    alloc.allocate(new_ids())
+    assert alloc.get(uid_of("c"), "c") is None, "the ended holder's GPU is freed"
+    assert alloc.get(uid_of("e"), "c").minors == (2,)  # type: ignore[union-attr]
+    assert sorted(a.pod_uid for a in alloc.allocations()) == sorted(uid_of(n) for n in "abde")
+
+
+class RacingPods(FakePods):
+    """A pod source whose pods change right after a call read its changes, as a watch event may."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.race: list[Callable[[], object]] = []
+
+    def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
+        answer = super().changes(since)
+        while self.race:
+            self.race.pop()()
+        return answer
+
+
+def test_a_holder_ending_while_an_allocate_reads_the_changes_is_freed_by_the_next_one(tmp_path: Path) -> None:
+    pods = RacingPods()
+    holders = full_node(pods)
+    alloc = make_allocator(tmp_path, pods)
+    for gpu in range(4):
+        alloc.allocate(core_ids(gpu, 100))
+    for p in holders:
+        p["status"] = dict(RUNNING)
+    pods.items.append(whole("e", 9))
+    pods.refresh_error = TimeoutError("the API server did not answer")
+    with pytest.raises(AllocationError):
+        alloc.allocate(new_ids())  # every holder checked: alive
+    pods.race.append(lambda: holders[1]["status"].update({"phase": "Failed"}))
+    with contextlib.suppress(AllocationError):
+        alloc.allocate(new_ids())  # b ends just after this call read the changes
+    if alloc.get(uid_of("e"), "c") is None:
+        alloc.allocate(new_ids())  # the kubelet's retry: b's end must not have been lost
+    assert alloc.get(uid_of("e"), "c").minors == (1,)  # type: ignore[union-attr]
+    assert alloc.get(uid_of("b"), "c") is None
+
+
+def test_a_holder_gone_while_the_view_is_incomplete_is_freed_once_it_is_complete(tmp_path: Path) -> None:
+    pods = FakePods([whole("a", 0), whole("b", 1), whole("c", 2)])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    pods.is_synced = False
+    pods.items = [p for p in pods.items if p["metadata"]["name"] != "a"]
+    alloc.allocate(core_ids(1, 100))
+    assert alloc.get(uid_of("a"), "c") is not None, "without a complete view nothing is freed"
+    pods.is_synced = True
+    alloc.allocate(core_ids(2, 100))
+    assert alloc.get(uid_of("a"), "c") is None
+    assert sorted(a.pod_uid for a in alloc.allocations()) == sorted(uid_of(n) for n in "bc")
+
+
+def test_restart_replays_the_journal_exactly_and_frees_holders_that_ended_meanwhile(tmp_path: Path) -> None:
+    a, b, c = make_pod("a", [("c", 60, 4)]), make_pod("b", [("c", 30, 4)]), make_pod("c", [("c", 50, 4)])
+    first = make_allocator(tmp_path, FakePods([a, b]))
+    first.allocate(core_ids(0, 60))
+    first.allocate(core_ids(1, 30))
+    held = {(x.pod_uid, x.container, x.minors, x.cores, x.memory) for x in first.allocations()}
+    # The agent stops without a snapshot (a crash); meanwhile a ends and b is deleted.
+    a["status"]["phase"] = "Succeeded"
+    pods = FakePods([a, c])
+    second = make_allocator(tmp_path, pods)
+    loaded = second.load()
+    assert {(x.pod_uid, x.container, x.minors, x.cores, x.memory) for x in loaded.allocations} == held
+    second.allocate(core_ids(2, 50))
+    assert [x.pod_uid for x in second.allocations()] == [uid_of("c")]
+    third = make_allocator(tmp_path, FakePods([a, c]))
+    assert [(x.pod_uid, x.minors) for x in third.load().allocations] == [
+        (uid_of("c"), second.get(uid_of("c"), "c").minors)  # type: ignore[union-attr]
+    ]
+
+
+def test_an_adopted_holder_whose_pod_is_gone_is_freed_by_the_next_allocate(tmp_path: Path) -> None:
+    pods = FakePods([whole("a", 0), whole("b", 1)])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))  # the view of the pods is complete and indexed
+    gone = replace(alloc.allocations()[0], pod_uid=uid_of("gone"), device_ids=tuple(core_ids(3, 100)), minors=(3,))
+    assert alloc.adopt([gone], source="the kubelet's checkpoint") == 1
+    alloc.allocate(core_ids(1, 100))
+    assert alloc.get(uid_of("gone"), "c") is None, "no change of its pod will come: it is checked when taken"
+    assert sorted(a.pod_uid for a in alloc.allocations()) == sorted(uid_of(n) for n in "ab")
+
+
+def test_a_holder_gone_across_a_relist_is_freed(tmp_path: Path) -> None:
+    pods = FakePods([whole("a", 0), whole("b", 1), whole("c", 2)])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    alloc.allocate(core_ids(1, 100))  # a is checked (alive) here
+    pods.items = [p for p in pods.items if p["metadata"]["name"] != "a"]
+    pods.lost_track = True  # the cache listed again: it cannot say which pods changed
+    alloc.allocate(core_ids(2, 100))
+    assert sorted(a.pod_uid for a in alloc.allocations()) == sorted(uid_of(n) for n in "bc")

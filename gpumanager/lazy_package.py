@@ -23,7 +23,9 @@ standing in as a bare package; :func:`defer` makes such stand-ins of whole packa
 real ``__init__`` runs in place and the name is looked up again, so code that imports the package
 the ordinary way later still gets the whole package, with the names its ``__init__`` binds. Another
 thread that asks while the ``__init__`` runs waits for it; an ``__init__`` that fails runs again
-when the next name is asked.
+when the next name is asked. A submodule imported before its package was used (``from
+asyncio.base_events import BaseEventLoop``) loads as it does while an ``__init__`` runs: its
+``from . import sibling`` loads the sibling and leaves the package's ``__init__`` for later.
 """
 
 from __future__ import annotations
@@ -89,8 +91,15 @@ def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -
     module = importlib.util.module_from_spec(spec)
 
     def complete(attribute: str) -> Any:
-        # Every name, a submodule's too: the __init__ may bind a submodule's name to something else
-        # (kubernetes.utils binds create_from_yaml to the function of that name).
+        if _importing_submodule_of(name) and _is_submodule(module, attribute):
+            # ``from . import sibling`` in a submodule imported before the package was used (or
+            # while another thread runs its __init__, which may be waiting for this very import):
+            # the import system loads the sibling, as it does while an __init__ runs. Running the
+            # __init__ here would run it in the middle of that submodule (which the __init__ needs
+            # whole), or wait for it while holding that submodule's import lock.
+            raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
+        # Every other name, a submodule's too: the __init__ may bind a submodule's name to something
+        # else (kubernetes.utils binds create_from_yaml to the function of that name).
         with _LOCK:  # another thread asking while the __init__ runs waits for it to finish
             if vars(module).get(_DEFERRED):
                 log.debug("running the deferred __init__ of %s for %r", name, attribute)
@@ -119,6 +128,24 @@ def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -
     if parent in sys.modules:
         setattr(sys.modules[parent], child, module)
     # else the parent binds it when it imports it (``from grpc import aio`` finds it in sys.modules)
+
+
+def _importing_submodule_of(package: str) -> bool:
+    """Whether this thread is running the code of a submodule of ``package`` (importing it)."""
+    prefix = package + "."
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and str(frame.f_globals.get("__name__", "")).startswith(prefix):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_submodule(module: types.ModuleType, attribute: str) -> bool:
+    path = vars(module).get("__path__")
+    if path is None:
+        return False
+    return importlib.machinery.PathFinder.find_spec(f"{module.__name__}.{attribute}", list(path)) is not None
 
 
 def _is_package(spec: importlib.machinery.ModuleSpec) -> bool:

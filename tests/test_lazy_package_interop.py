@@ -7,6 +7,7 @@ and when can be controlled), plus one check on the Kubernetes package in a fresh
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -244,3 +245,95 @@ def test_the_agent_registers_before_asyncio_is_loaded_and_its_grpc_aio_servers_w
     assert result["ssl_before"] is False
     assert result["served"] is True
     assert result["after"]["asyncio"] is False and result["after"]["grpc.aio"] is False
+
+
+def test_a_submodule_imported_before_its_deferred_package_was_used_loads(packages: Path) -> None:
+    # As ``from asyncio.base_events import BaseEventLoop`` with asyncio deferred: the submodule asks
+    # the package for its siblings (``from . import consts``) before it defines anything, and the
+    # package's __init__ needs the submodule whole (``from .base import *``, ``base.__all__``).
+    write(
+        packages,
+        {
+            "lz_sib/__init__.py": "from .base import *\nfrom .other import *\n__all__ = base.__all__ + other.__all__\n",
+            "lz_sib/base.py": "from . import consts\n__all__ = ['Base']\nclass Base:\n    X = consts.X\n",
+            "lz_sib/consts.py": "X = 1\n",
+            "lz_sib/other.py": "__all__ = ['Other']\nclass Other:\n    pass\n",
+        },
+    )
+    lazy_package.defer("lz_sib")
+    from lz_sib.base import Base  # type: ignore[import-not-found]
+
+    assert Base.X == 1
+    package = sys.modules["lz_sib"]
+    assert package.__all__ == ["Base", "Other"]
+    assert package.Base is Base, "the submodule ran twice"
+    assert not lazy_package.is_deferred("lz_sib")
+
+
+def test_a_thread_importing_a_submodule_while_another_runs_the_deferred_init_does_not_deadlock(tmp_path: Path) -> None:
+    # Thread A runs the package's __init__, which imports ``sub``; thread B is inside ``sub``'s own
+    # import (holding the import system's lock on it) and asks the package for a sibling. Neither
+    # may wait for the other for ever (a fresh interpreter: a deadlock would hold the import locks).
+    write(
+        tmp_path,
+        {
+            "lz_gate.py": "import threading\nrunning = threading.Event()\ninside = threading.Event()\n",
+            "lz_dl/__init__.py": """
+                import lz_gate
+                lz_gate.running.set()
+                lz_gate.inside.wait(10)
+                from .sub import SUB
+                VALUE = SUB + 1
+            """,
+            "lz_dl/sub.py": """
+                import lz_gate
+                lz_gate.running.wait(10)
+                lz_gate.inside.set()
+                from . import helper
+                SUB = helper.H
+            """,
+            "lz_dl/helper.py": "H = 2\n",
+        },
+    )
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        from gpumanager import lazy_package
+        lazy_package.defer("lz_dl")
+        package = sys.modules["lz_dl"]
+        got = {}
+        def use():
+            got["value"] = package.VALUE
+        def import_sub():
+            import lz_dl.sub
+            got["sub"] = lz_dl.sub.SUB
+        threads = [threading.Thread(target=use, daemon=True), threading.Thread(target=import_sub, daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        print(sorted(got.items()))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('sub', 2), ('value', 3)]", (done.stdout, done.stderr)
+
+
+def test_asyncio_and_grpc_aio_submodules_imported_first_load_when_the_agent_deferred_them() -> None:
+    code = textwrap.dedent(
+        """
+        from gpumanager import cli, lazy_package
+        lazy_package.defer(*cli.DEFERRED_AT_START)
+        from asyncio.base_events import BaseEventLoop
+        import grpc.aio._channel
+        import asyncio, grpc
+        assert asyncio.BaseEventLoop is BaseEventLoop
+        assert grpc.aio.insecure_channel is grpc.aio._channel.insecure_channel
+        print(asyncio.run(asyncio.sleep(0, "ran")))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran"

@@ -19,7 +19,9 @@ PERIOD_SECONDS = 1.0
 class _RefreshLoop(ABC):
     """A thread that calls :meth:`_refresh` every ``period`` seconds until stopped; a failure is logged.
 
-    While :meth:`_refresh` finds nothing to keep current the thread sleeps until :meth:`wake`.
+    While :meth:`_refresh` finds nothing to keep current the thread sleeps until :meth:`wake`; while it
+    does, a wake changes nothing (the next period's refresh comes anyway): a burst of PreStartContainer
+    calls must not become a refresh of every container after each one.
     """
 
     thread_name = "pids-refresh"
@@ -56,8 +58,11 @@ class _RefreshLoop(ABC):
     def _run(self) -> None:
         busy = True
         while True:
-            # A wake that comes during a refresh is kept for the next wait: none is lost.
-            self._wake.wait(self._period if busy else None)
+            if busy:
+                self._stop.wait(self._period)
+            else:
+                # A wake that came during the last refresh is still set: none is lost.
+                self._wake.wait()
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -25,7 +25,9 @@ the ordinary way later still gets the whole package, with the names its ``__init
 thread that asks while the ``__init__`` runs waits for it; an ``__init__`` that fails runs again
 when the next name is asked. A submodule imported before its package was used (``from
 asyncio.base_events import BaseEventLoop``) loads as it does while an ``__init__`` runs: its
-``from . import sibling`` loads the sibling and leaves the package's ``__init__`` for later.
+``from . import sibling`` loads the sibling and leaves the package's ``__init__`` for later. A
+dotted name deferred before its parents were loaded is deferred when the import system loads it
+(a finder on ``sys.meta_path``), so that its parents are loaded first and it is bound on them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import logging
 import sys
 import threading
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from importlib.abc import Loader
@@ -62,12 +65,22 @@ def defer(*names: str) -> None:
     """Let each of ``names`` (dotted names of modules or packages) be imported without running its
     code (a package's ``__init__``): it runs when the module is first asked for a name. A module
     already imported stays as it is, and so does a name that is not installed; the parent of a
-    dotted name is not imported (nor deferred) by this."""
+    dotted name is not imported (nor deferred) by this: a name whose parent is not loaded yet is
+    deferred when the import system loads it, after its parents, which it is bound on as usual."""
     with _LOCK:
         for name in names:
             spec = _find_spec(name)
-            if name not in sys.modules and spec is not None and spec.loader is not None:
+            if name in sys.modules or spec is None or spec.loader is None:
+                continue
+            parent = name.rpartition(".")[0]
+            if not parent or parent in sys.modules:
                 _stand_in(name, spec, spec.loader)
+            else:
+                # In sys.modules without its parents, ``import a.b.c`` would find it there and
+                # import only ``a``: ``a.b`` would be missing, and ``c`` would not be ``a.b.c``.
+                _PENDING.add(name)
+                if _FINDER not in sys.meta_path:
+                    sys.meta_path.insert(0, _FINDER)
 
 
 def is_deferred(package: str) -> bool:
@@ -89,6 +102,17 @@ def _defer_package(name: str) -> None:
 def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -> None:
     """Put a module of ``spec`` whose code has not run into sys.modules; it runs when first asked for a name."""
     module = importlib.util.module_from_spec(spec)
+    _hold(module, loader)
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+    # else the parent binds it when it imports it (``from grpc import aio`` finds it in sys.modules)
+
+
+def _hold(module: types.ModuleType, loader: Loader) -> None:
+    """Leave ``module`` (created, its code not run) to run ``loader``'s code when first asked for a name."""
+    name = module.__name__
 
     def complete(attribute: str) -> Any:
         if _importing_submodule_of(name) and _is_submodule(module, attribute):
@@ -123,11 +147,51 @@ def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -
 
     vars(module)[_DEFERRED] = True
     vars(module)["__getattr__"] = complete
-    sys.modules[name] = module
-    parent, _, child = name.rpartition(".")
-    if parent in sys.modules:
-        setattr(sys.modules[parent], child, module)
-    # else the parent binds it when it imports it (``from grpc import aio`` finds it in sys.modules)
+
+
+class _DeferringFinder:
+    """On sys.meta_path: the modules :func:`defer` named before their parents were loaded are
+    loaded by the import system (parents first, bound on them) without their code running."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _PENDING:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _DeferringLoader):
+                    spec.loader = cast("Loader", _DeferringLoader(spec.loader))
+                return spec
+        return None
+
+
+class _DeferringLoader:
+    """Creates the module as its own loader does and leaves its code to :func:`_hold`."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        _PENDING.discard(module.__name__)
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        module.__loader__ = self.loader
+        _hold(module, self.loader)
+
+    def __getattr__(self, attribute: str) -> Any:  # get_source, get_resource_reader, is_package...
+        return getattr(self.loader, attribute)
+
+
+_PENDING: set[str] = set()
+_FINDER = _DeferringFinder()
 
 
 def _importing_submodule_of(package: str) -> bool:

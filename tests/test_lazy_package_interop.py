@@ -337,3 +337,42 @@ def test_asyncio_and_grpc_aio_submodules_imported_first_load_when_the_agent_defe
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ran"
+
+
+def test_a_deferred_module_whose_parents_were_not_loaded_is_reached_through_them(packages: Path) -> None:
+    # ``import a.b.c`` finds a.b.c in sys.modules and then imports only ``a``: a module deferred
+    # before its parents were imported must still be their attribute, as an imported one is.
+    write(
+        packages,
+        {
+            "lz_outer/__init__.py": "",
+            "lz_outer/inner/__init__.py": "",
+            "lz_outer/inner/costly.py": "VALUE = 'costly'\n",
+        },
+    )
+    lazy_package.defer("lz_outer.inner.costly")
+    import lz_outer.inner.costly as costly  # type: ignore[import-not-found]
+
+    assert lazy_package.is_deferred("lz_outer.inner.costly")
+    import lz_outer.inner.costly  # type: ignore[import-not-found]
+
+    assert lz_outer.inner.costly is costly
+    assert costly.VALUE == "costly"
+
+
+def test_protobufs_python_messages_are_reached_by_their_full_name_when_the_agent_deferred_them() -> None:
+    code = textwrap.dedent(
+        """
+        from gpumanager import cli, lazy_package
+        lazy_package.defer(*cli.DEFERRED_AT_START)
+        import google.protobuf.internal.python_message as first
+        import gpumanager.app
+        import google.protobuf.internal.python_message
+        assert google.protobuf.internal.python_message is first
+        assert lazy_package.is_deferred("google.protobuf.internal.python_message")
+        print(google.protobuf.internal.python_message.GeneratedProtocolMessageType.__name__)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "GeneratedProtocolMessageType"

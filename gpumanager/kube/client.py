@@ -7,6 +7,7 @@ Only the client's request path and the one configuration loader in use are loade
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from urllib3.util.retry import Retry
@@ -24,6 +25,9 @@ def api_client(kubeconfig: str = "") -> Any:
     """A client (the Kubernetes package's ``ApiClient``) from ``kubeconfig``, or the in-cluster
     configuration when it is empty."""
     where = kubeconfig or "in-cluster configuration"
+    if kubeconfig and not any(os.path.exists(p) for p in _kubeconfig_paths(kubeconfig)):
+        # What the loader would find out after loading YAML, OAuth and the typed client (16 MiB).
+        raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: no such file")
     # The client's rest module imports kubernetes.utils.retry; loaded first, the utils package
     # (whose __init__ loads the YAML object creator) stays deferred too.
     lazy_package.import_module("kubernetes.utils.quantity")
@@ -39,6 +43,12 @@ def api_client(kubeconfig: str = "") -> Any:
         return lazy_package.import_module("kubernetes.client.api_client").ApiClient(cfg)
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
+
+
+def _kubeconfig_paths(kubeconfig: str) -> list[str]:
+    """The files a kubeconfig setting names, as the client's loader reads them: a list separated as
+    in ``KUBECONFIG``, each with ``~`` expanded."""
+    return [os.path.expanduser(p) for p in kubeconfig.split(os.pathsep) if p]
 
 
 def retries() -> Retry:

@@ -1,0 +1,62 @@
+"""Building the API client: what a kubeconfig that cannot work costs and says."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpumanager.kube.client import KubeUnavailableError, api_client
+
+#: Loaded by the kubeconfig loader (YAML, OAuth, the client's typed package): about 16 MiB.
+LOADER_ONLY = ["yaml", "requests", "oauthlib", "pydantic", "kubernetes.config.kube_config"]
+
+MISSING = r"""
+import json, sys
+from gpumanager.kube.client import KubeUnavailableError, api_client
+try:
+    api_client(sys.argv[1])
+except KubeUnavailableError as exc:
+    error = str(exc)
+print(json.dumps({"error": error, "loaded": [m for m in sys.argv[2:] if m in sys.modules]}))
+"""
+
+
+def test_a_missing_kubeconfig_is_named_without_loading_the_loader(tmp_path: Path) -> None:
+    missing = tmp_path / "no-kubeconfig"
+    done = subprocess.run(
+        [sys.executable, "-c", MISSING, str(missing), *LOADER_ONLY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["error"] == f"cannot configure the Kubernetes client from {missing}: no such file"
+    assert result["loaded"] == []
+
+
+def test_kubeconfig_paths_are_looked_up_as_the_loader_does(tmp_path: Path) -> None:
+    # A list of files (as KUBECONFIG): any one that exists is loaded; one that is not a file is named.
+    with pytest.raises(KubeUnavailableError, match="no such file"):
+        api_client(f"{tmp_path / 'a'}:{tmp_path / 'b'}")
+    with pytest.raises(KubeUnavailableError, match=f"from {tmp_path}: .*Is a directory"):
+        api_client(str(tmp_path))  # a directory: the loader says what is wrong with it
+    config = tmp_path / "b"
+    config.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    assert api_client(f"{tmp_path / 'a'}:{config}").configuration.host == "http://127.0.0.1:1"

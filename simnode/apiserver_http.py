@@ -382,7 +382,8 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
                 raise forbidden_anonymous(method.lower(), None, None, path)
             watch = route.watch_path or query.get("watch") in ("1", "true", "True")
             raise forbidden_anonymous(_verb(method, route, watch), route.kind.resource, route.namespace, path)
-        if header != f"Bearer {token}":
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or presented != token:  # the scheme in any case, as a real server
             raise ApiError(401)
 
     def _route(

@@ -131,6 +131,21 @@ def test_bearer_token_is_checked(tmp_path: Path) -> None:
         assert 'User "system:anonymous" cannot list resource "pods"' in status_of(forbidden.value)["message"]
 
 
+def test_the_bearer_scheme_is_case_insensitive_as_on_a_real_server() -> None:
+    # The client's in-cluster loader sends "bearer <token>"; the API server's token authenticator
+    # compares the scheme without regard to case.
+    with ApiServerSimulator(token="s3cret") as sim:
+        for scheme in ("bearer", "BEARER"):
+            cfg = client.Configuration()
+            cfg.host = sim.url
+            cfg.api_key = {"BearerToken": f"{scheme} s3cret"}
+            assert client.CoreV1Api(client.ApiClient(cfg)).list_namespaced_pod("default").items == []
+        cfg.api_key = {"BearerToken": "Basic s3cret"}
+        with pytest.raises(ApiException) as bad:
+            client.CoreV1Api(client.ApiClient(cfg)).list_namespaced_pod("default")
+        assert bad.value.status == 401
+
+
 # --------------------------------------------------------------------------------------------
 # list, get, create
 

@@ -54,7 +54,7 @@ prometheus:
 MIN_VENV := .venv-min
 E2E_TESTS ?= tests/test_agent_kubelet.py tests/test_allocation_e2e.py tests/test_metrics_e2e.py tests/test_dra_e2e.py \
   tests/test_extender_verbs.py tests/test_multinode_scheduling.py tests/test_kube_lazy_package.py tests/test_kube_rest.py \
-  tests/test_lazy_package_interop.py
+  tests/test_lazy_package_interop.py tests/test_kube_client.py
 test-min-deps: build
 	rm -rf $(MIN_VENV)
 	$(PYTHON) -m venv $(MIN_VENV)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpumanager.kube.client import KubeUnavailableError, api_client
+from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_objects import pod_manifest
 
 #: Loaded by the kubeconfig loader (YAML, OAuth, the client's typed package): about 16 MiB.
 LOADER_ONLY = ["yaml", "requests", "oauthlib", "pydantic", "kubernetes.config.kube_config"]
@@ -60,3 +63,45 @@ def test_kubeconfig_paths_are_looked_up_as_the_loader_does(tmp_path: Path) -> No
         )
     )
     assert api_client(f"{tmp_path / 'a'}:{config}").configuration.host == "http://127.0.0.1:1"
+
+
+IN_CLUSTER = r"""
+import json, sys
+from gpumanager import lazy_package
+incluster = lazy_package.import_module("kubernetes.config.incluster_config")
+incluster.SERVICE_TOKEN_FILENAME, incluster.SERVICE_CERT_FILENAME = sys.argv[1], sys.argv[2]
+load = incluster.InClusterConfigLoader._load_config
+def load_http(self):  # the service address is https; the simulator speaks http
+    load(self)
+    self.host = sys.argv[3]
+incluster.InClusterConfigLoader._load_config = load_http
+from gpumanager.kube.client import kube_client
+from gpumanager.kube.rest import KubeRest
+api = kube_client("")
+pods = KubeRest(api).list_pods(field_selector="spec.nodeName=node-1", timeout=5)
+loaded = [m for m in ("pydantic",) if m in sys.modules]
+print(json.dumps({"pods": [p["metadata"]["name"] for p in pods["items"]], "loaded": loaded}))
+"""
+
+
+def test_the_in_cluster_client_asks_with_its_token_and_loads_no_pydantic(tmp_path: Path) -> None:
+    # kubernetes >= 37's ApiClient module loads pydantic and builds a model: about 9 MiB that the
+    # agent, which sends plain JSON through the client's HTTP layer, never uses.
+    token, cert = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("in-cluster-token")
+    cert.write_text("not used over http")
+    with ApiServerSimulator(token="in-cluster-token") as api:
+        api.add_node("node-1")
+        api.create_pod(pod_manifest("p", node="node-1"))
+        host, port = api.url.removeprefix("http://").split(":")
+        env = {**os.environ, "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
+        done = subprocess.run(
+            [sys.executable, "-c", IN_CLUSTER, str(token), str(cert), api.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"pods": ["p"], "loaded": []}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from urllib3.util.retry import Retry
@@ -21,9 +22,25 @@ class KubeUnavailableError(RuntimeError):
     """No usable API server configuration."""
 
 
+@dataclass(frozen=True)
+class KubeClient:
+    """The parts of the Kubernetes client the agent's requests go through (:mod:`gpumanager.kube.rest`):
+    its ``Configuration`` (host, token) and its ``RESTClientObject`` (TLS, proxy, pool, retries).
+    ``ApiClient``, which holds the same two, loads pydantic (about 9 MiB) for nothing the agent uses."""
+
+    configuration: Any
+    rest_client: Any
+
+
 def api_client(kubeconfig: str = "") -> Any:
-    """A client (the Kubernetes package's ``ApiClient``) from ``kubeconfig``, or the in-cluster
-    configuration when it is empty."""
+    """The Kubernetes package's ``ApiClient`` (for its typed API classes) from ``kubeconfig``, or the
+    in-cluster configuration when it is empty."""
+    cfg = kube_client(kubeconfig).configuration
+    return lazy_package.import_module("kubernetes.client.api_client").ApiClient(cfg)
+
+
+def kube_client(kubeconfig: str = "") -> KubeClient:
+    """The agent's client from ``kubeconfig``, or the in-cluster configuration when it is empty."""
     where = kubeconfig or "in-cluster configuration"
     if kubeconfig and not any(os.path.exists(p) for p in _kubeconfig_paths(kubeconfig)):
         # What the loader would find out after loading YAML, OAuth and the typed client (16 MiB).
@@ -40,7 +57,7 @@ def api_client(kubeconfig: str = "") -> Any:
             incluster = lazy_package.import_module("kubernetes.config.incluster_config")
             incluster.load_incluster_config(client_configuration=cfg)
         cfg.retries = retries()
-        return lazy_package.import_module("kubernetes.client.api_client").ApiClient(cfg)
+        return KubeClient(cfg, lazy_package.import_module("kubernetes.client.rest").RESTClientObject(cfg))
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
 

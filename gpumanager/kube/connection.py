@@ -44,7 +44,7 @@ class ApiConnection:
         :attr:`error`, when it cannot be built."""
         if self.api is None and not self.error:
             try:
-                self.api = kube_client.api_client(self._kubeconfig)
+                self.api = kube_client.kube_client(self._kubeconfig)
             except kube_client.KubeUnavailableError as exc:
                 self.error = str(exc)
         return self.api

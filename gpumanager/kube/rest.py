@@ -1,32 +1,37 @@
-"""The agent's calls to the API server, made through the Kubernetes client's ``ApiClient``.
+"""The agent's calls to the API server, made through the Kubernetes client's HTTP layer.
 
 The client's typed API classes (``CoreV1Api`` and the like) are not used: since kubernetes 37
 each of their methods is wrapped in a pydantic validator and their modules import every model
 they name, so loading ``CoreV1Api`` alone takes about 0.8 s of CPU and 21 MiB, more than the
-rest of the agent. The agent makes a handful of calls with plain JSON in and out; they go through
-``ApiClient``'s own request path (its configuration, authentication, TLS and proxy settings, its
-HTTP pool) and fail with the client's own ``ApiException`` as the typed methods do.
+rest of the agent. Nor is ``ApiClient``: its module loads pydantic for a response model the agent
+never builds (about 9 MiB). The agent makes a handful of calls with plain JSON in and out; they go
+through the client's ``Configuration`` (host, bearer token and its refresh) and its
+``RESTClientObject`` (TLS, proxy, the connection pool, retries) and fail with the client's own
+``ApiException`` as the typed methods do.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-from gpumanager import lazy_package
+from gpumanager import __version__, lazy_package
 
 if TYPE_CHECKING:
     from kubernetes.client.exceptions import ApiException as ApiException
 else:
     ApiException = lazy_package.import_module("kubernetes.client.exceptions").ApiException
 
-#: The Kubernetes client's ``ApiClient`` (the package is untyped).
+#: The Kubernetes client's ``ApiClient``, or anything with its ``configuration`` and ``rest_client``
+#: (:class:`gpumanager.kube.client.KubeClient`); the package is untyped.
 ApiClient = Any
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+USER_AGENT = f"gpu-manager/{__version__}"
 
 Timeout = float | tuple[float, float] | None
 
@@ -40,12 +45,12 @@ def _query_value(value: object) -> str:
 class KubeRest:
     """The few API-server requests the agent makes, on one ``ApiClient``. Thread-safe as the client is."""
 
-    def __init__(self, api: Any) -> None:
-        # Typed loosely: the two generations of ApiClient differ in call_api's signature.
-        self._client: Any = api
-        # kubernetes >= 37 builds a request with param_serialize and sends it with call_api;
-        # older releases take everything in one call_api.
-        self._serialize = getattr(self._client, "param_serialize", None)
+    def __init__(self, api: ApiClient) -> None:
+        self._config: Any = api.configuration
+        self._rest: Any = api.rest_client
+        # kubernetes < 37 streams a response only when asked and raises ApiException on an error
+        # status itself; 37 always streams and leaves the status to its caller.
+        self._legacy = "_preload_content" in inspect.signature(self._rest.request).parameters
 
     def request(
         self,
@@ -62,32 +67,25 @@ class KubeRest:
         A status outside 2xx raises the client's ``ApiException`` (its subclass for the status),
         with the response body.
         """
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         if content_type is not None:
             headers["Content-Type"] = content_type
-        params = [(key, _query_value(value)) for key, value in query]
-        if self._serialize is None:
-            return self._client.call_api(
-                path,
-                method,
-                query_params=params,
-                header_params=headers,
-                body=body,
-                auth_settings=["BearerToken"],
-                response_types_map={},
-                _return_http_data_only=True,
-                _preload_content=False,
-                _request_timeout=timeout,
+        # The bearer token, as ApiClient sends it (the loader's hook refreshes it when asked here).
+        for auth in self._config.auth_settings().values():
+            if auth["in"] == "header" and auth["value"]:
+                headers[auth["key"]] = auth["value"]
+        if "authorization" not in headers and "authorization" in self._config.api_key:
+            # kubernetes 36's in-cluster loader files the token under a name its own auth_settings()
+            # does not read (37 reads both): without this its requests would go out anonymous.
+            headers["authorization"] = self._config.get_api_key_with_prefix("authorization")
+        url = self._config.host + path
+        if query:
+            url += "?" + urlencode([(key, _query_value(value)) for key, value in query], quote_via=quote)
+        if self._legacy:
+            return self._rest.request(
+                method, url, headers=headers, body=body, _preload_content=False, _request_timeout=timeout
             )
-        prepared = self._serialize(
-            method=method,
-            resource_path=path,
-            query_params=params,
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self._client.call_api(*prepared, _request_timeout=timeout)
+        response = self._rest.request(method, url, headers=headers, body=body, _request_timeout=timeout)
         if not 200 <= response.status <= 299:
             response.read()
             text = response.data.decode("utf-8", "replace") if response.data else None

@@ -64,6 +64,10 @@ class AllocationCheck:
         """Whether the loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    def started(self) -> bool:
+        """Whether the loop was started (it may have ended since)."""
+        return self._thread is not None
+
     def wake(self) -> None:
         """Check now instead of at the end of the period."""
         self._wake.set()

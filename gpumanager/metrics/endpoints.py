@@ -103,7 +103,8 @@ def _liveness(agent: ProbedAgent) -> dict[str, Callable[[], bool]]:
     if agent.health is not None:
         loops["gpu-health"] = agent.health.alive
     loops["api-server-loops"] = lambda: agent.api is None or agent.api.alive()
-    loops["allocation-check"] = lambda: agent.check is None or not agent.ready.is_set() or agent.check.alive()
+    # Not judged before it starts (the agent is ready for Allocate a moment before its loops start).
+    loops["allocation-check"] = lambda: agent.check is None or not agent.check.started() or agent.check.alive()
     return loops
 
 

@@ -80,7 +80,7 @@ def defer(*names: str) -> None:
                 # import only ``a``: ``a.b`` would be missing, and ``c`` would not be ``a.b.c``.
                 _PENDING.add(name)
                 if _FINDER not in sys.meta_path:
-                    sys.meta_path.insert(0, _FINDER)
+                    sys.meta_path.insert(0, _FINDER)  # for the import system's load of it
 
 
 def is_deferred(package: str) -> bool:
@@ -147,6 +147,8 @@ def _hold(module: types.ModuleType, loader: Loader) -> None:
 
     vars(module)[_DEFERRED] = True
     vars(module)["__getattr__"] = complete
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)  # for importlib.reload of the module
 
 
 class _DeferringFinder:
@@ -156,8 +158,8 @@ class _DeferringFinder:
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _PENDING:
-            return None
+        if fullname not in _PENDING and not (target is not None and _DEFERRED in vars(target)):
+            return None  # neither deferred nor importlib.reload of a module held by _hold
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
@@ -184,7 +186,16 @@ class _DeferringLoader:
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         module.__loader__ = self.loader
-        _hold(module, self.loader)
+        if _DEFERRED not in vars(module):
+            _hold(module, self.loader)
+            return
+        # importlib.reload: its code runs now, as a reload does, and not again when first asked.
+        with _LOCK:
+            complete = vars(module).get("__getattr__")
+            self.loader.exec_module(module)
+            vars(module).pop(_DEFERRED, None)
+            if vars(module).get("__getattr__") is complete:
+                del vars(module)["__getattr__"]
 
     def __getattr__(self, attribute: str) -> Any:  # get_source, get_resource_reader, is_package...
         return getattr(self.loader, attribute)

@@ -6,6 +6,7 @@ and when can be controlled), plus one check on the Kubernetes package in a fresh
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -376,3 +377,23 @@ def test_protobufs_python_messages_are_reached_by_their_full_name_when_the_agent
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "GeneratedProtocolMessageType"
+
+
+def test_a_deferred_module_reloaded_before_its_first_use_has_run_once(packages: Path) -> None:
+    write(
+        packages,
+        {
+            "lz_reloaded.py": "import lz_runs\nlz_runs.RUNS += 1\nclass Thing:\n    pass\n",
+            "lz_runs.py": "RUNS = 0\n",
+        },
+    )
+    lazy_package.defer("lz_reloaded")
+    import lz_reloaded  # type: ignore[import-not-found]
+    import lz_runs  # type: ignore[import-not-found]
+
+    importlib.reload(lz_reloaded)
+    thing = lz_reloaded.Thing
+    assert not hasattr(lz_reloaded, "missing")
+    assert lz_reloaded.Thing is thing, "the module's code ran again after its reload"
+    assert lz_runs.RUNS == 1
+    assert not lazy_package.is_deferred("lz_reloaded")

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LOCK = threading.RLock()
+_LOCK = threading.RLock()  # import_module's and defer's bookkeeping
+_LOCKS: dict[str, threading.RLock] = {}  # module name -> the lock its deferred code runs under
 _DEFERRED = "__gpumanager_deferred_init__"
 
 
@@ -113,6 +114,10 @@ def _stand_in(name: str, spec: importlib.machinery.ModuleSpec, loader: Loader) -
 def _hold(module: types.ModuleType, loader: Loader) -> None:
     """Leave ``module`` (created, its code not run) to run ``loader``'s code when first asked for a name."""
     name = module.__name__
+    # A lock of its own: a thread that asks another deferred module for a name while importing a
+    # submodule (grpc.aio._call's class body reads asyncio.AbstractEventLoop) must not wait for
+    # this one's __init__, which may be waiting for that submodule.
+    lock = _LOCKS.setdefault(name, threading.RLock())
 
     def complete(attribute: str) -> Any:
         if _importing_submodule_of(name) and _is_submodule(module, attribute):
@@ -124,7 +129,7 @@ def _hold(module: types.ModuleType, loader: Loader) -> None:
             raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
         # Every other name, a submodule's too: the __init__ may bind a submodule's name to something
         # else (kubernetes.utils binds create_from_yaml to the function of that name).
-        with _LOCK:  # another thread asking while the __init__ runs waits for it to finish
+        with lock:  # another thread asking while the __init__ runs waits for it to finish
             if vars(module).get(_DEFERRED):
                 log.debug("running the deferred __init__ of %s for %r", name, attribute)
                 vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
@@ -190,7 +195,7 @@ class _DeferringLoader:
             _hold(module, self.loader)
             return
         # importlib.reload: its code runs now, as a reload does, and not again when first asked.
-        with _LOCK:
+        with _LOCKS.setdefault(module.__name__, threading.RLock()):
             complete = vars(module).get("__getattr__")
             self.loader.exec_module(module)
             vars(module).pop(_DEFERRED, None)

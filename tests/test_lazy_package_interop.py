@@ -397,3 +397,53 @@ def test_a_deferred_module_reloaded_before_its_first_use_has_run_once(packages: 
     assert lz_reloaded.Thing is thing, "the module's code ran again after its reload"
     assert lz_runs.RUNS == 1
     assert not lazy_package.is_deferred("lz_reloaded")
+
+
+def test_a_thread_using_another_deferred_module_inside_a_submodule_import_does_not_deadlock(tmp_path: Path) -> None:
+    # As grpc.aio._call's class body reading asyncio.AbstractEventLoop while grpc.aio's __init__,
+    # on another thread, waits for grpc.aio._call: completing one deferred module must not wait
+    # for another one's __init__.
+    write(
+        tmp_path,
+        {
+            "lz_gate.py": "import threading\nrunning = threading.Event()\ninside = threading.Event()\n",
+            "lz_other.py": "NAME = 'other'\n",
+            "lz_pkg/__init__.py": """
+                import lz_gate
+                lz_gate.running.set()
+                lz_gate.inside.wait(10)
+                from .sub import SUB
+                VALUE = SUB + '!'
+            """,
+            "lz_pkg/sub.py": """
+                import lz_gate, lz_other
+                lz_gate.running.wait(10)
+                lz_gate.inside.set()
+                SUB = lz_other.NAME
+            """,
+        },
+    )
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        from gpumanager import lazy_package
+        lazy_package.defer("lz_pkg", "lz_other")
+        package = sys.modules["lz_pkg"]
+        got = {}
+        def use():
+            got["value"] = package.VALUE
+        def import_sub():
+            import lz_pkg.sub
+            got["sub"] = lz_pkg.sub.SUB
+        threads = [threading.Thread(target=use, daemon=True), threading.Thread(target=import_sub, daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        print(sorted(got.items()))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('sub', 'other'), ('value', 'other!')]", (done.stdout, done.stderr)

@@ -129,20 +129,7 @@ def _hold(module: types.ModuleType, loader: Loader) -> None:
             raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
         # Every other name, a submodule's too: the __init__ may bind a submodule's name to something
         # else (kubernetes.utils binds create_from_yaml to the function of that name).
-        with lock:  # another thread asking while the __init__ runs waits for it to finish
-            if vars(module).get(_DEFERRED):
-                log.debug("running the deferred __init__ of %s for %r", name, attribute)
-                vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
-                try:
-                    loader.exec_module(module)
-                except BaseException:
-                    # As a failed import is not cached: the next name asked runs the __init__ again.
-                    vars(module)[_DEFERRED] = True
-                    vars(module)["__getattr__"] = complete
-                    raise
-                del vars(module)[_DEFERRED]
-                if vars(module).get("__getattr__") is complete:
-                    del vars(module)["__getattr__"]
+        run(attribute)
         if attribute in vars(module):
             return vars(module)[attribute]
         own = vars(module).get("__getattr__")  # a package may provide names lazily itself
@@ -150,8 +137,31 @@ def _hold(module: types.ModuleType, loader: Loader) -> None:
             return own(attribute)
         raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
 
-    vars(module)[_DEFERRED] = True
-    vars(module)["__getattr__"] = complete
+    def listing() -> list[str]:
+        run("__dir__")
+        own = vars(module).get("__dir__")
+        if own is not None and own is not listing:
+            return list(own())
+        return sorted(vars(module))
+
+    def run(attribute: str) -> None:
+        with lock:  # another thread asking while the __init__ runs waits for it to finish
+            if not vars(module).get(_DEFERRED):
+                return
+            log.debug("running the deferred __init__ of %s for %r", name, attribute)
+            vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
+            try:
+                loader.exec_module(module)
+            except BaseException:
+                # As a failed import is not cached: the next name asked runs the __init__ again.
+                vars(module).update({_DEFERRED: True, "__getattr__": complete, "__dir__": listing})
+                raise
+            del vars(module)[_DEFERRED]
+            for hook, ours in (("__getattr__", complete), ("__dir__", listing)):
+                if vars(module).get(hook) is ours:
+                    del vars(module)[hook]
+
+    vars(module).update({_DEFERRED: True, "__getattr__": complete, "__dir__": listing})
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)  # for importlib.reload of the module
 
@@ -196,11 +206,12 @@ class _DeferringLoader:
             return
         # importlib.reload: its code runs now, as a reload does, and not again when first asked.
         with _LOCKS.setdefault(module.__name__, threading.RLock()):
-            complete = vars(module).get("__getattr__")
+            hooks = {hook: vars(module).get(hook) for hook in ("__getattr__", "__dir__")}
             self.loader.exec_module(module)
             vars(module).pop(_DEFERRED, None)
-            if vars(module).get("__getattr__") is complete:
-                del vars(module)["__getattr__"]
+            for hook, ours in hooks.items():
+                if ours is not None and vars(module).get(hook) is ours:
+                    del vars(module)[hook]
 
     def __getattr__(self, attribute: str) -> Any:  # get_source, get_resource_reader, is_package...
         return getattr(self.loader, attribute)

@@ -447,3 +447,15 @@ def test_a_thread_using_another_deferred_module_inside_a_submodule_import_does_n
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[('sub', 'other'), ('value', 'other!')]", (done.stdout, done.stderr)
+
+
+def test_dir_of_a_deferred_module_lists_the_names_its_code_defines(packages: Path) -> None:
+    # dir() (inspect.getmembers, mock.create_autospec, completion) asks for every name at once.
+    write(packages, {"lz_listed/__init__.py": "VALUE = 1\n\ndef helper():\n    return 2\n"})
+    lazy_package.defer("lz_listed")
+    import lz_listed  # type: ignore[import-not-found]
+
+    names = dir(lz_listed)
+    assert {"VALUE", "helper"} <= set(names), names
+    assert not lazy_package.is_deferred("lz_listed")
+    assert "__getattr__" not in names and "__dir__" not in names

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpumanager import names
-from gpumanager.allocation.allocator import AllocationError
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
 RUNNING = {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}]}
@@ -230,3 +230,35 @@ def test_a_holder_gone_across_a_relist_is_freed(tmp_path: Path) -> None:
     pods.lost_track = True  # the cache listed again: it cannot say which pods changed
     alloc.allocate(core_ids(2, 100))
     assert sorted(a.pod_uid for a in alloc.allocations()) == sorted(uid_of(n) for n in "bc")
+
+
+def per_pod_agrees(alloc: Allocator, uids: list[str]) -> None:
+    """allocations_of (from the per-pod index) says what the whole list says, for every pod."""
+    everything = alloc.allocations()
+    for uid in uids:
+        assert alloc.allocations_of(uid) == [a for a in everything if a.pod_uid == uid], uid
+
+
+def test_the_allocations_of_a_pod_follow_allocate_swap_take_back_and_release(tmp_path: Path) -> None:
+    multi = make_pod("multi", [("c1", 50, 2), ("c0", 60, 2)])
+    a = make_pod("a", [("c", 30, 2)], created="2026-11-21T10:00:01Z")
+    b = make_pod("b", [("c", 30, 2)], created="2026-11-21T10:00:02Z")
+    pods = FakePods([multi, a, b])
+    alloc = make_allocator(tmp_path, pods)
+    uids = [uid_of(n) for n in ("multi", "a", "b")]
+    alloc.allocate(core_ids(0, 60))
+    alloc.allocate(core_ids(1, 50))
+    alloc.allocate(core_ids(2, 30))  # matched to a (older)
+    per_pod_agrees(alloc, uids)
+    assert [x.container for x in alloc.allocations_of(uid_of("multi"))] == ["c0", "c1"]
+    alloc.pre_start(core_ids(2, 30), (uid_of("b"), "c"))  # the kubelet gave them to b: swapped
+    per_pod_agrees(alloc, uids)
+    assert alloc.allocations_of(uid_of("a")) == []
+    alloc.pre_start(core_ids(1, 50), (uid_of("multi"), "c1"))
+    pods.items.append(make_pod("late", [("c", 50, 2)]))
+    alloc.allocate(core_ids(1, 50))  # c1 started: its IDs come back for another pod
+    per_pod_agrees(alloc, [*uids, uid_of("late")])
+    assert [x.container for x in alloc.allocations_of(uid_of("multi"))] == ["c0"]
+    alloc.release_pod(uid_of("multi"))
+    per_pod_agrees(alloc, [*uids, uid_of("late")])
+    assert alloc.allocations_of(uid_of("multi")) == []

@@ -185,7 +185,7 @@ class Allocator:
     def allocations_of(self, pod_uid: str) -> list[ContainerAllocation]:
         """A copy of one pod's allocations."""
         with self._lock:
-            return [replace(a) for k, a in sorted(self._allocs.items()) if k[0] == pod_uid]
+            return [replace(self._allocs[(pod_uid, c)]) for c in sorted(self._by_pod.get(pod_uid, ()))]
 
     def get(self, pod_uid: str, container: str) -> ContainerAllocation | None:
         """One container's allocation."""

@@ -80,3 +80,28 @@ def test_same_state_same_answer() -> None:
     pref, layout = v100x4()
     ids = all_ids(layout, CORE, range(4))
     assert pref.choose(CORE, ids, [], 100) == pref.choose(CORE, list(reversed(ids)), [], 100)
+
+
+def test_ids_are_taken_lowest_number_first_however_offered() -> None:
+    pref, layout = v100x4()
+    ids = layout.ids_of_gpu(CORE, 0)  # numbers 0..99: "...-10" sorts before "...-9" as text
+    shuffled = ids[::7] + [i for i in ids if i not in ids[::7]][::-1]
+    assert pref.choose(CORE, shuffled, [], 20) == ids[:20]
+    mem = layout.ids_of_gpu(MEM, 2)
+    assert pref.choose(MEM, mem[::-1], [], 3) == mem[:3]
+
+
+def test_ids_of_the_other_resource_are_skipped() -> None:
+    pref, layout = v100x4()
+    offered = all_ids(layout, MEM, range(4)) + all_ids(layout, CORE, [1])
+    chosen = pref.choose(CORE, offered, [], 100)
+    assert chosen == layout.ids_of_gpu(CORE, 1)
+
+
+def test_positions_agree_with_gpu_of() -> None:
+    _, layout = v100x4()
+    for resource in (CORE, MEM):
+        positions = layout.positions(resource)
+        assert len(positions) == layout.count(resource)
+        for device_id, (gpu, number) in positions.items():
+            assert layout.gpu_of(resource, device_id) == gpu and device_id.endswith(f"-{number}")

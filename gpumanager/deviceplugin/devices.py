@@ -55,6 +55,22 @@ class DeviceLayout:
                 owner.update(dict.fromkeys(self.ids_of_gpu(resource, g.index), g.index))
         return owner
 
+    @functools.cached_property
+    def _positions(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per resource, ID -> (GPU, ID number); built at the first GetPreferredAllocation."""
+        return {
+            resource: {
+                f"{self.prefix(resource)}{n}": (r.gpu, n)
+                for r in self._ranges(resource)
+                for n in range(r.start, r.start + r.count)
+            }
+            for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
+        }
+
+    def positions(self, resource: str) -> Mapping[str, tuple[int, int]]:
+        """Every device ID of ``resource`` -> (its GPU, its number): what an ID means, in one lookup."""
+        return self._positions[resource]
+
     @staticmethod
     def prefix(resource: str) -> str:
         """The ID prefix of a resource."""

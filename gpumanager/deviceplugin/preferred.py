@@ -35,17 +35,20 @@ class Preference:
         self._layout = layout
 
     def _by_gpu(self, resource: str, ids: Sequence[str]) -> dict[int, list[str]]:
-        grouped: dict[int, list[str]] = {}
+        """The IDs per GPU, lowest number first (the kubelet offers up to thousands per call)."""
+        positions = self._layout.positions(resource)
+        grouped: dict[int, list[tuple[int, str]]] = {}
         for device_id in ids:
-            try:
-                gpu = self._layout.gpu_of(resource, device_id)
-            except UnknownDeviceError as exc:
-                log.warning("GetPreferredAllocation: ignoring %s", exc)
-                continue
-            grouped.setdefault(gpu, []).append(device_id)
-        for group in grouped.values():
-            group.sort(key=_id_number)
-        return grouped
+            position = positions.get(device_id)
+            if position is None:  # not as this node spells its IDs
+                try:
+                    position = (self._layout.gpu_of(resource, device_id), _id_number(device_id))
+                except UnknownDeviceError as exc:
+                    log.warning("GetPreferredAllocation: ignoring %s", exc)
+                    continue
+            gpu, number = position
+            grouped.setdefault(gpu, []).append((number, device_id))
+        return {gpu: [device_id for _, device_id in sorted(group)] for gpu, group in grouped.items()}
 
     def choose(self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Up to ``size`` IDs from ``available``, starting with ``must_include``."""

@@ -125,3 +125,44 @@ def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path
     # arrived while it ran shares, and one for the Get's caller after its hint proved wrong.
     assert lister.calls.count("Get") == 1
     assert lister.calls.count("List") <= 3, lister.calls
+
+
+def test_each_lookup_reads_a_list_made_after_it_asked(tmp_path: Path) -> None:
+    """The index of a List answer serves the lookups that share that answer, never a later lookup."""
+    lister = _Lister(with_get=False)
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        assert client.owner_of("r", ["a", "b", "c"]) == ("ml", "train", "main")
+        assert client.owner_of("other", ["x"]) == ("ml", "train", "main")
+        lister.pod.name = "train-2"  # the kubelet gave the same devices to a new pod
+        assert client.owner_of("r", ["c", "b", "a"]) == ("ml", "train-2", "main")
+        assert client.owner_of("r", ["a", "b"]) is None, "exactly the IDs, not a subset"
+    assert lister.calls.count("List") == 4
+
+
+def test_many_holders_in_one_list(tmp_path: Path) -> None:
+    lister = _Lister(with_get=False)
+    pods = [
+        pb.PodResources(
+            name=f"p{i}",
+            namespace="ns",
+            containers=[
+                pb.ContainerResources(
+                    name=c,
+                    devices=[
+                        pb.ContainerDevices(resource_name="r", device_ids=[f"{i}{c}0"]),
+                        pb.ContainerDevices(resource_name="r", device_ids=[f"{i}{c}1"]),
+                        pb.ContainerDevices(resource_name="other", device_ids=[f"{i}{c}x"]),
+                    ],
+                )
+                for c in ("a", "b")
+            ],
+        )
+        for i in range(50)
+    ]
+    lister.List = lambda request, context: pb.ListPodResourcesResponse(pod_resources=pods)  # type: ignore[method-assign]
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        for i in (0, 17, 49):
+            for c in ("a", "b"):
+                assert client.owner_of("r", [f"{i}{c}1", f"{i}{c}0"]) == ("ns", f"p{i}", c)
+                assert client.owner_of("other", [f"{i}{c}x"]) == ("ns", f"p{i}", c)
+                assert client.owner_of("r", [f"{i}{c}x"]) is None, "another resource's IDs"

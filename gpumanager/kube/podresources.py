@@ -47,6 +47,36 @@ def _flatten(pods: Iterable[pb.PodResources]) -> list[ContainerDevices]:
     ]
 
 
+class _Holders:
+    """Who holds which device IDs in one List answer, indexed per resource when first asked: the
+    lookups sharing the answer (fifty PreStartContainer calls at once) index it once, not each."""
+
+    def __init__(self, pods: Iterable[pb.PodResources]) -> None:
+        self._pods = pods
+        self._lock = threading.Lock()
+        self._by_resource: dict[str, dict[frozenset[str], tuple[str, str, str]]] = {}
+
+    def holder(self, resource: str, device_ids: frozenset[str]) -> tuple[str, str, str] | None:
+        """(namespace, pod name, container) holding exactly ``device_ids`` of ``resource``."""
+        with self._lock:
+            index = self._by_resource.get(resource)
+            if index is None:
+                index = self._by_resource[resource] = self._index(resource)
+        return index.get(device_ids)
+
+    def _index(self, resource: str) -> dict[frozenset[str], tuple[str, str, str]]:
+        merged: dict[tuple[str, str, str], list[str]] = {}  # a container's NUMA-split lists, joined
+        for pod in self._pods:
+            for container in pod.containers:
+                for dev in container.devices:
+                    if dev.resource_name == resource:
+                        merged.setdefault((pod.namespace, pod.name, container.name), []).extend(dev.device_ids)
+        index: dict[frozenset[str], tuple[str, str, str]] = {}
+        for holder, ids in merged.items():
+            index.setdefault(frozenset(ids), holder)
+        return index
+
+
 class PodResourcesClient:
     """Asks the kubelet (``/var/lib/kubelet/pod-resources/kubelet.sock``) over one long-lived channel.
 
@@ -65,7 +95,7 @@ class PodResourcesClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._get_supported = True
-        self._shared_list = SharedCall(self.list_all)
+        self._shared_list = SharedCall(lambda: _Holders(self._list().pod_resources))
         self._lookups = 0  # owner lookups in progress
 
     def _stub(self) -> Any:
@@ -90,13 +120,16 @@ class PodResourcesClient:
 
     def list_all(self) -> list[ContainerDevices]:
         """Every container's devices, as the kubelet sees them now."""
+        return _flatten(self._list().pod_resources)
+
+    def _list(self) -> pb.ListPodResourcesResponse:
         try:
-            reply = self._stub().List(pb.ListPodResourcesRequest(), timeout=self._timeout)
+            reply: pb.ListPodResourcesResponse = self._stub().List(pb.ListPodResourcesRequest(), timeout=self._timeout)
         except grpc.RpcError as exc:
             raise PodResourcesUnavailableError(
                 f"PodResources List on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
             ) from exc
-        return _flatten(reply.pod_resources)
+        return reply
 
     def get(self, namespace: str, name: str) -> list[ContainerDevices] | None:
         """One pod's devices (PodResources ``Get``); None when the kubelet does not offer Get or has no such pod."""
@@ -125,7 +158,7 @@ class PodResourcesClient:
 
         ``hint`` (namespace, pod name) is asked first with ``Get`` when no other lookup is in
         progress; otherwise, or when the hinted pod does not hold them, the answer comes from a
-        ``List`` shared with the other lookups (one that started after this call).
+        ``List`` shared with the other lookups (one that started after this call), indexed once.
         """
         wanted = frozenset(device_ids)
 
@@ -143,7 +176,7 @@ class PodResourcesClient:
                 found = match(self.get(*hint) or [])
                 if found is not None:
                     return found
-            return match(self._shared_list())
+            return self._shared_list().holder(resource, wanted)
         finally:
             with self._lock:
                 self._lookups -= 1

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from gpumanager.dra.mode import DRAMode
     from gpumanager.dra.publisher import SlicePublisher
     from gpumanager.kube.connection import ApiConnection
+    from gpumanager.memory import QuietTrim
     from gpumanager.metrics.query import QueryEndpoints
     from gpumanager.recovery import Recovery
     from gpumanager.vmanager.manager import VirtualManager
@@ -111,6 +112,7 @@ class Agent:
         self.mirror: MirrorKeeper | None = None
         self.refresher: PidsRefresher | None = None
         self.claim_refresher: ClaimPidsRefresher | None = None
+        self.trimmer: QuietTrim | None = None
         self.api: ApiConnection | None = None
         self.check: AllocationCheck | None = None
         self.query: QueryEndpoints | None = None
@@ -523,6 +525,13 @@ class Agent:
         if self.dra is not None:
             self.claim_refresher = ClaimPidsRefresher(self.dra.refresh_pids)
             self.claim_refresher.start()
+        from gpumanager.memory import QuietTrim
+
+        # What the start and each burst of allocation changes freed goes back once it is quiet.
+        self.trimmer = QuietTrim()
+        self.trimmer.start()
+        self.allocator.add_listener(self.trimmer.poke)
+        self.trimmer.poke()
 
     def _label_node(self) -> None:
         if self.api is None or not self._labels:
@@ -590,7 +599,7 @@ class Agent:
             self._slices.stop()
         if self.query is not None:
             self.query.stop()
-        for loop in (self.check, self.refresher, self.mirror, self.claim_refresher):
+        for loop in (self.check, self.refresher, self.mirror, self.claim_refresher, self.trimmer):
             if loop is not None:
                 loop.stop()
         if self.vmanager is not None:

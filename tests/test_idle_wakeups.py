@@ -15,7 +15,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -32,44 +31,7 @@ from gpumanager.vmanager.manager import VirtualManager
 from gpumanager.vmanager.refresh import PidsRefresher
 from simnode.kubelet import KubeletSimulator
 from tests.agent_fixtures import StartAgent
-
-#: Long enough for a loop with a half-second period to wake three times.
-IDLE_SECONDS = 1.5
-#: What a thread that sleeps may still show (a wake-up in flight when counting starts).
-ASLEEP = 1
-
-
-def voluntary_switches(thread: threading.Thread | int, pid: int | str = "self") -> int:
-    """Voluntary context switches of ``thread`` (or the thread of that ID in process ``pid``) so far."""
-    tid = thread if isinstance(thread, int) else thread.native_id
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-    for line in status.splitlines():
-        if line.startswith("voluntary_ctxt_switches:"):
-            return int(line.split()[1])
-    raise RuntimeError("voluntary_ctxt_switches missing")
-
-
-def idle_switches(thread: threading.Thread, seconds: float = IDLE_SECONDS) -> int:
-    """Voluntary context switches of ``thread`` while left alone for ``seconds``."""
-    time.sleep(0.2)  # what started it settles
-    before = voluntary_switches(thread)
-    time.sleep(seconds)
-    return voluntary_switches(thread) - before
-
-
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = 15.0) -> None:
-    """Wait for ``predicate`` to hold."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
-        time.sleep(0.02)
-
-
-def named_thread(name: str) -> threading.Thread:
-    """The running thread called ``name``."""
-    found = [t for t in threading.enumerate() if t.name == name]
-    assert len(found) == 1, [t.name for t in threading.enumerate()]
-    return found[0]
+from tests.wakeups import ASLEEP, IDLE_SECONDS, idle_switches, named_thread, voluntary_switches, wait_until
 
 
 def _query_server() -> QueryServer:

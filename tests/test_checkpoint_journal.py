@@ -15,6 +15,7 @@ from gpumanager.allocation import journal
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.journal import CheckpointStore, read_document
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+from tests.wakeups import ASLEEP, idle_switches, named_thread, wait_until
 
 
 def put(pod: str, container: str, cores: int) -> dict[str, object]:
@@ -270,3 +271,18 @@ def test_a_reader_during_a_compaction_gets_every_change(tmp_path: Path, monkeypa
     assert journal.read_document(path) == expected
     assert compacted
     store.close()
+
+
+def test_the_compactor_sleeps_while_the_snapshot_is_current_and_wakes_at_a_change(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 50, 4)])])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.probe_checkpoint()
+    alloc.start_compactor(period=0.05)
+    path = tmp_path / "checkpoint" / "gpumanager_internal_checkpoint"
+    try:
+        wait_until(lambda: alloc._store.dirty_since is None, "the snapshot is current")
+        assert idle_switches(named_thread("checkpoint")) <= ASLEEP
+        alloc.allocate(core_ids(0, 50))  # the change wakes it: the snapshot follows a moment later
+        wait_until(lambda: uid_of("a") in json.loads(path.read_text())["PodGPUMapping"], "the snapshot")
+    finally:
+        alloc.close()

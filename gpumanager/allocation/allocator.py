@@ -150,6 +150,7 @@ class Allocator:
         self._by_ids: dict[frozenset[str], tuple[str, str]] = {}
         self._responses: dict[tuple[str, str], ContainerResponse] = {}
         self._listeners: list[ChangeListener] = []
+        self._compact_wake = threading.Event()  # a change: the compactor looks again
         self._checkpoint_error = ""
         # Containers whose device IDs the kubelet handed to another container: never matched again.
         self._retired: set[tuple[str, str]] = set()
@@ -793,12 +794,20 @@ class Allocator:
 
     # -- the snapshot, kept current in the background ----------------------------------------------
 
-    def start_compactor(self, period: float = 0.25) -> None:
-        """Bring the snapshot up to date a moment after changes stop, off the Allocate path."""
-        self._compactor = threading.Thread(target=self._compact_loop, args=(period,), name="checkpoint", daemon=True)
+    def start_compactor(self, period: float = 0.25, *, idle_check: float = 30.0) -> None:
+        """Bring the snapshot up to date a moment after changes stop, off the Allocate path.
+
+        It looks every ``period`` while the journal holds changes the snapshot does not; once the
+        snapshot is current it sleeps until the state changes (every change tells its listeners),
+        looking every ``idle_check`` seconds in case a change said nothing.
+        """
+        self.add_listener(self._compact_wake.set)
+        self._compactor = threading.Thread(
+            target=self._compact_loop, args=(period, idle_check), name="checkpoint", daemon=True
+        )
         self._compactor.start()
 
-    def _compact_loop(self, period: float) -> None:
+    def _compact_loop(self, period: float, idle_check: float) -> None:
         while not self._closing.wait(period):
             try:
                 self.compact(only_if_due=True)
@@ -813,6 +822,11 @@ class Allocator:
                 )
             except Exception:
                 log.exception("checkpoint compaction failed; trying again")
+            with self._lock:
+                current = self._store.dirty_since is None and not self._checkpoint_error
+            if current:
+                self._compact_wake.wait(idle_check)
+            self._compact_wake.clear()
 
     def compact(self, *, only_if_due: bool = False) -> None:
         """Write the snapshot of the state now (the journal's older segments go), and a spare segment."""
@@ -831,6 +845,7 @@ class Allocator:
     def close(self) -> None:
         """Stop the compactor; leave the snapshot current for whoever reads it next (an upgrade too)."""
         self._closing.set()
+        self._compact_wake.set()
         try:
             with self._lock:
                 self._save()

@@ -207,7 +207,13 @@ class _DeferringLoader:
         # importlib.reload: its code runs now, as a reload does, and not again when first asked.
         with _LOCKS.setdefault(module.__name__, threading.RLock()):
             hooks = {hook: vars(module).get(hook) for hook in ("__getattr__", "__dir__")}
-            self.loader.exec_module(module)
+            deferred = vars(module)[_DEFERRED]
+            vars(module)[_DEFERRED] = False  # running: a name its code asks of itself is not there yet
+            try:
+                self.loader.exec_module(module)
+            except BaseException:
+                vars(module)[_DEFERRED] = deferred
+                raise
             vars(module).pop(_DEFERRED, None)
             for hook, ours in hooks.items():
                 if ours is not None and vars(module).get(hook) is ours:

@@ -459,3 +459,22 @@ def test_dir_of_a_deferred_module_lists_the_names_its_code_defines(packages: Pat
     assert {"VALUE", "helper"} <= set(names), names
     assert not lazy_package.is_deferred("lz_listed")
     assert "__getattr__" not in names and "__dir__" not in names
+
+
+def test_a_deferred_package_reloaded_before_its_first_use_runs_its_init_once(packages: Path) -> None:
+    # Its __init__ asks the package for a submodule (``from . import part``) while the reload runs it.
+    write(
+        packages,
+        {
+            "lz_reinit/__init__.py": "import lz_inits\nlz_inits.RUNS += 1\nfrom . import part\n",
+            "lz_reinit/part.py": "X = 1\n",
+            "lz_inits.py": "RUNS = 0\n",
+        },
+    )
+    lazy_package.defer("lz_reinit")
+    import lz_inits  # type: ignore[import-not-found]
+    import lz_reinit  # type: ignore[import-not-found]
+
+    importlib.reload(lz_reinit)
+    assert lz_reinit.part.X == 1
+    assert lz_inits.RUNS == 1

@@ -525,8 +525,9 @@ class Agent:
         if self.dra is not None:
             self.claim_refresher = ClaimPidsRefresher(self.dra.refresh_pids)
             self.claim_refresher.start()
-        from gpumanager.memory import QuietTrim
+        from gpumanager.memory import QuietTrim, settle_after_start
 
+        settle_after_start()  # what lives now lives for good: full collections skip it from now on
         # What the start and each burst of allocation changes freed goes back once it is quiet.
         self.trimmer = QuietTrim()
         self.trimmer.start()

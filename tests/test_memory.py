@@ -139,3 +139,34 @@ def test_quiet_trim_sleeps_until_poked_and_trims_once_after_the_last_poke() -> N
         assert len(trims) == 1
     finally:
         quiet.stop()
+
+
+def test_settling_after_the_start_takes_what_lives_out_of_the_collectors_walk() -> None:
+    program = textwrap.dedent(
+        """
+        import gc, json, time
+        import gpumanager.app, gpumanager.metrics.query  # what an agent has loaded once started
+        from gpumanager.memory import settle_after_start
+
+        class Node:
+            pass
+
+        def cycle():
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+            return a
+
+        cycle()  # garbage the start left
+        settle_after_start()
+        frozen = gc.get_freeze_count()
+        cycle()  # garbage made later is still collected
+        found = gc.collect()
+        print(json.dumps({"frozen": frozen, "found": found, "tracked": len(gc.get_objects())}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["frozen"] > 10_000  # modules, classes, functions: never garbage
+    assert result["found"] >= 2
+    assert result["tracked"] < 1_000  # what a full collection walks now

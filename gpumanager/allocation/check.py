@@ -52,8 +52,9 @@ class AllocationCheck:
 
     def start(self) -> None:
         """Run the loop in the background."""
-        self._thread = threading.Thread(target=self._run, name="allocation-check", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="allocation-check", daemon=True)
+        thread.start()
+        self._thread = thread  # started() only once it runs: /healthz may look at any moment
 
     def stop(self) -> None:
         """End the loop (not waited for: it only ever waits on its own events)."""

@@ -152,9 +152,13 @@ def _hold(module: types.ModuleType, loader: Loader) -> None:
             vars(module)[_DEFERRED] = False  # running: a name the __init__ asks of itself is not there yet
             try:
                 loader.exec_module(module)
-            except BaseException:
+            except BaseException as exc:
                 # As a failed import is not cached: the next name asked runs the __init__ again.
                 vars(module).update({_DEFERRED: True, "__getattr__": complete, "__dir__": listing})
+                if isinstance(exc, AttributeError):
+                    # Out of __getattr__ that would read "no such name" (hasattr() False, ``from
+                    # ... import`` "cannot import name"): say that the module failed, and why.
+                    raise ImportError(f"{name}: its deferred code failed: {exc}", name=name) from exc
                 raise
             del vars(module)[_DEFERRED]
             for hook, ours in (("__getattr__", complete), ("__dir__", listing)):

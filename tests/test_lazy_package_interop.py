@@ -478,3 +478,17 @@ def test_a_deferred_package_reloaded_before_its_first_use_runs_its_init_once(pac
     importlib.reload(lz_reinit)
     assert lz_reinit.part.X == 1
     assert lz_inits.RUNS == 1
+
+
+def test_a_deferred_init_that_fails_with_an_attribute_error_says_why(packages: Path) -> None:
+    # From a module's __getattr__ an AttributeError means "no such name": hasattr() would say False
+    # and ``from package import NAME`` "cannot import name", both hiding the failure.
+    write(packages, {"lz_broken/__init__.py": "import os\nVALUE = os.no_such_name\n"})
+    lazy_package.defer("lz_broken")
+    import lz_broken  # type: ignore[import-not-found]
+
+    with pytest.raises(ImportError, match="no_such_name"):
+        hasattr(lz_broken, "VALUE")
+    with pytest.raises(ImportError, match="no_such_name"):
+        from lz_broken import VALUE  # type: ignore[import-not-found]  # noqa: F401
+    assert lazy_package.is_deferred("lz_broken")

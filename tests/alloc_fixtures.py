@@ -74,6 +74,9 @@ class FakePods:
         self._seen: dict[str, str] = {}
         self._changed_at: dict[str, int] = {}
         self.lost_track = False  # the next changes() answers None (as the cache does after a relist)
+        #: refresh() also puts the hidden pods in the cache; False: as PodCache.refresh, the cache is left
+        #: to its watch (call show_hidden() for the watch's delivery).
+        self.refresh_fills_cache = True
 
     def synced(self) -> bool:
         return self.is_synced
@@ -83,7 +86,8 @@ class FakePods:
         return list(self.items)
 
     def get(self, uid: str) -> Pod | None:
-        return next((p for p in self.items + self.hidden if p["metadata"]["uid"] == uid), None)
+        known = self.items + self.hidden if self.refresh_fills_cache else self.items
+        return next((p for p in known if p["metadata"]["uid"] == uid), None)
 
     def changes(self, since: int) -> tuple[int, frozenset[str] | None]:
         """As the pod cache: the pods whose content differs from the last call count as changed (tests
@@ -103,9 +107,15 @@ class FakePods:
         self.refreshes += 1
         if self.refresh_error is not None:
             raise self.refresh_error
+        if not self.refresh_fills_cache:
+            return [p for p in self.items + self.hidden if p["metadata"]["uid"] not in self.gone_at_server]
+        self.show_hidden()
+        return [p for p in self.items if p["metadata"]["uid"] not in self.gone_at_server]
+
+    def show_hidden(self) -> None:
+        """The cache's watch delivers the pods only the API server knew."""
         self.items.extend(self.hidden)
         self.hidden = []
-        return [p for p in self.items if p["metadata"]["uid"] not in self.gone_at_server]
 
 
 def v100x4() -> tuple[list[GPUInfo], NodeTopology]:

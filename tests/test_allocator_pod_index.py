@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpumanager import names
+from gpumanager.allocation import allocator as allocator_module
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
@@ -262,3 +263,40 @@ def test_the_allocations_of_a_pod_follow_allocate_swap_take_back_and_release(tmp
     alloc.release_pod(uid_of("multi"))
     per_pod_agrees(alloc, [*uids, uid_of("late")])
     assert alloc.allocations_of(uid_of("multi")) == []
+
+
+def test_a_pod_allocated_from_a_fresh_list_is_not_freed_before_the_cache_shows_it(tmp_path: Path) -> None:
+    # The kubelet admitted a pod this node's pod watch has not delivered yet: Allocate found it by asking
+    # the API server. The next Allocate must not take the cache's silence for the pod's end.
+    pods = FakePods([make_pod("a", [("c", 30, 2)])])
+    pods.refresh_fills_cache = False
+    pods.hidden = [whole("early", 1)]
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    assert pods.refreshes == 1 and alloc.get(uid_of("early"), "c") is not None
+    alloc.allocate(core_ids(1, 30))  # for a, found in the cache
+    assert alloc.get(uid_of("early"), "c") is not None, "freed while it runs: its GPU would be given twice"
+    assert alloc.recycle() == []
+    pods.lost_track = True  # nor does a relist that does not list it yet
+    pods.items.append(make_pod("b", [("c", 30, 2)]))
+    alloc.allocate(core_ids(2, 30))
+    assert alloc.get(uid_of("early"), "c") is not None
+    pods.show_hidden()
+    assert alloc.recycle() == []  # the cache shows it now: from here on its end frees it
+    pods.items = [p for p in pods.items if p["metadata"]["name"] != "early"]
+    pods.items.append(make_pod("c", [("c", 30, 2)]))
+    alloc.allocate(core_ids(3, 30))
+    assert alloc.get(uid_of("early"), "c") is None
+
+
+def test_a_pod_allocated_from_a_fresh_list_the_cache_never_shows_is_freed_after_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pods = FakePods([make_pod("a", [("c", 30, 2)])])
+    pods.refresh_fills_cache = False
+    pods.hidden = [whole("early", 1)]
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    assert alloc.recycle() == []
+    monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)  # long past: deleted unseen
+    assert alloc.recycle() == [uid_of("early")]

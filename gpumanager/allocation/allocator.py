@@ -27,6 +27,8 @@ of the pods holding GPUs whose end it has not yet checked, both brought up to
 date from the pods the cache says changed since the last call
 (:meth:`PodSource.changes`). A new list in the cache, or a source that cannot
 tell, rebuilds both from every pod; the periodic recycle checks every holder.
+A pod found by asking the API server (the cache had not seen it yet) counts
+as alive while the cache has not shown it, for :data:`FRESH_LIST_GRACE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,6 +56,11 @@ from gpumanager.faults import crash_point
 from gpumanager.topology import TopologyTree, choose, render_graph
 
 log = logging.getLogger(__name__)
+
+
+#: How long a pod allocated from a fresh list (the pod cache had not seen it) counts as alive while the cache
+#: has still not shown it: the cache's silence about it is its watch lagging, not the pod's end.
+FRESH_LIST_GRACE_SECONDS = 60.0
 
 
 class AllocationError(Exception):
@@ -166,6 +174,8 @@ class Allocator:
         self._unverified: set[str] = set()
         # Every holder must be checked: the pod source could not say which pods changed.
         self._verify_all = True
+        # Holders found in a fresh list that the pod source has not shown yet, and since when.
+        self._fresh_only: dict[str, float] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
@@ -322,6 +332,7 @@ class Allocator:
                         raise full
                     candidate = found
                     alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                    self._note_fresh(alloc.pod_uid)
                     changed = True
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
@@ -339,6 +350,7 @@ class Allocator:
                         )
                     candidate = found
                     alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                    self._note_fresh(alloc.pod_uid)
                     changed = True
             try:
                 self._sync_or_undo(ticket, lambda: self._undo_allocation(alloc))
@@ -456,13 +468,18 @@ class Allocator:
         source (lock held): only the pods it says changed, or every pod when it cannot say."""
         generation, changed = self._pods.changes(self._pod_generation)
         if changed is None:
-            waiting = (self._waiting_entry(pod) for pod in self._pods.pods())
+            pods = self._pods.pods()
+            waiting = (self._waiting_entry(pod) for pod in pods)
             self._waiting = {w.uid: w for w in waiting if w is not None}
             self._verify_all = True
+            if self._fresh_only:
+                for listed in pods:
+                    self._fresh_only.pop(podinfo.uid(listed), None)
         else:
             for uid in changed:
-                pod = self._pods.get(uid)
-                entry = self._waiting_entry(pod) if pod is not None else None
+                self._fresh_only.pop(uid, None)  # the cache shows it (or its end) now
+                found = self._pods.get(uid)
+                entry = self._waiting_entry(found) if found is not None else None
                 if entry is None:
                     self._waiting.pop(uid, None)
                 else:
@@ -994,6 +1011,7 @@ class Allocator:
                 self._free(alloc)
                 freed.append(alloc)
         if freed:
+            self._fresh_only.pop(pod_uid, None)
             self._save_or_report([_del(a.key) for a in freed])
             log.info(
                 "released pod %s (%s): %s",
@@ -1021,7 +1039,7 @@ class Allocator:
             return False  # the holders to check stay listed until the view is complete
         if every or self._verify_all:
             active = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
-            ended = set(self._by_pod) - active
+            ended = {uid for uid in set(self._by_pod) - active if not self._fresh(uid)}
             self._verify_all = False
         else:
             ended = {uid for uid in self._unverified if uid in self._by_pod and not self._alive(uid)}
@@ -1033,7 +1051,29 @@ class Allocator:
 
     def _alive(self, pod_uid: str) -> bool:
         pod = self._pods.get(pod_uid)
-        return pod is not None and not podinfo.is_terminated(pod)
+        if pod is None:
+            return self._fresh(pod_uid)
+        return not podinfo.is_terminated(pod)
+
+    def _note_fresh(self, pod_uid: str) -> None:
+        """A pod was allocated from a fresh list: until the cache shows it, its absence there is no end."""
+        if self._pods.get(pod_uid) is None:
+            self._fresh_only[pod_uid] = time.monotonic()
+
+    def _fresh(self, pod_uid: str) -> bool:
+        """Whether a holder the cache does not list was found in a fresh list lately (forgotten once not)."""
+        since = self._fresh_only.get(pod_uid)
+        if since is None:
+            return False
+        if time.monotonic() - since < FRESH_LIST_GRACE_SECONDS:
+            return True
+        del self._fresh_only[pod_uid]
+        log.warning(
+            "pod %s, allocated from the API server's list, never appeared in the pod cache in %g s: taken as gone",
+            pod_uid,
+            FRESH_LIST_GRACE_SECONDS,
+        )
+        return False
 
     def load(self) -> records.Parsed:
         """Load our checkpoint and occupy the tree; returns what was taken and what must be rebuilt.

@@ -37,6 +37,22 @@ def full_node(pods: FakePods) -> list[dict[str, Any]]:
     return holders
 
 
+def every_gpu_held_and_e_waiting(tmp_path: Path, pods: FakePods) -> tuple[list[dict[str, Any]], Allocator]:
+    """a..d hold the node's four GPUs and run; e waits for one. An Allocate for e has failed (every
+    holder changed, was checked and is alive), and the API server does not answer a fresh list."""
+    holders = full_node(pods)
+    alloc = make_allocator(tmp_path, pods)
+    for gpu in range(4):
+        alloc.allocate(core_ids(gpu, 100))
+    for p in holders:
+        p["status"] = dict(RUNNING)
+    pods.items.append(whole("e", 9))
+    pods.refresh_error = TimeoutError("the API server did not answer")
+    with pytest.raises(AllocationError):
+        alloc.allocate(new_ids())
+    return holders, alloc
+
+
 def test_allocate_looks_at_every_pod_only_when_the_source_cannot_say_what_changed(tmp_path: Path) -> None:
     pods = FakePods([whole("a", 0), whole("b", 1), whole("c", 2)])
     alloc = make_allocator(tmp_path, pods)
@@ -124,16 +140,7 @@ def test_a_holder_that_ends_between_calls_is_freed_by_the_next_allocate(
     tmp_path: Path, end: Callable[[FakePods, dict[str, Any]], None]
 ) -> None:
     pods = FakePods()
-    holders = full_node(pods)
-    alloc = make_allocator(tmp_path, pods)
-    for gpu in range(4):
-        alloc.allocate(core_ids(gpu, 100))
-    for p in holders:
-        p["status"] = dict(RUNNING)
-    pods.items.append(whole("e", 9))
-    pods.refresh_error = TimeoutError("the API server did not answer")
-    with pytest.raises(AllocationError):
-        alloc.allocate(new_ids())  # every GPU is held: each holder changed, was checked and is alive
+    holders, alloc = every_gpu_held_and_e_waiting(tmp_path, pods)
     assert len(alloc.allocations()) == 4
     end(pods, holders[2])
     alloc.allocate(new_ids())
@@ -158,16 +165,7 @@ class RacingPods(FakePods):
 
 def test_a_holder_ending_while_an_allocate_reads_the_changes_is_freed_by_the_next_one(tmp_path: Path) -> None:
     pods = RacingPods()
-    holders = full_node(pods)
-    alloc = make_allocator(tmp_path, pods)
-    for gpu in range(4):
-        alloc.allocate(core_ids(gpu, 100))
-    for p in holders:
-        p["status"] = dict(RUNNING)
-    pods.items.append(whole("e", 9))
-    pods.refresh_error = TimeoutError("the API server did not answer")
-    with pytest.raises(AllocationError):
-        alloc.allocate(new_ids())  # every holder checked: alive
+    holders, alloc = every_gpu_held_and_e_waiting(tmp_path, pods)
     pods.race.append(lambda: holders[1]["status"].update({"phase": "Failed"}))
     with contextlib.suppress(AllocationError):
         alloc.allocate(new_ids())  # b ends just after this call read the changes

@@ -296,29 +296,7 @@ def test_a_thread_importing_a_submodule_while_another_runs_the_deferred_init_doe
             "lz_dl/helper.py": "H = 2\n",
         },
     )
-    code = textwrap.dedent(
-        """
-        import sys, threading
-        from gpumanager import lazy_package
-        lazy_package.defer("lz_dl")
-        package = sys.modules["lz_dl"]
-        got = {}
-        def use():
-            got["value"] = package.VALUE
-        def import_sub():
-            import lz_dl.sub
-            got["sub"] = lz_dl.sub.SUB
-        threads = [threading.Thread(target=use, daemon=True), threading.Thread(target=import_sub, daemon=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        print(sorted(got.items()))
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 0, done.stderr
+    done = _use_and_import_sub_at_once(tmp_path, "lz_dl", "lz_dl")
     assert done.stdout.strip() == "[('sub', 2), ('value', 3)]", (done.stdout, done.stderr)
 
 
@@ -423,29 +401,7 @@ def test_a_thread_using_another_deferred_module_inside_a_submodule_import_does_n
             """,
         },
     )
-    code = textwrap.dedent(
-        """
-        import sys, threading
-        from gpumanager import lazy_package
-        lazy_package.defer("lz_pkg", "lz_other")
-        package = sys.modules["lz_pkg"]
-        got = {}
-        def use():
-            got["value"] = package.VALUE
-        def import_sub():
-            import lz_pkg.sub
-            got["sub"] = lz_pkg.sub.SUB
-        threads = [threading.Thread(target=use, daemon=True), threading.Thread(target=import_sub, daemon=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        print(sorted(got.items()))
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 0, done.stderr
+    done = _use_and_import_sub_at_once(tmp_path, "lz_pkg", "lz_pkg", "lz_other")
     assert done.stdout.strip() == "[('sub', 'other'), ('value', 'other!')]", (done.stdout, done.stderr)
 
 
@@ -492,3 +448,33 @@ def test_a_deferred_init_that_fails_with_an_attribute_error_says_why(packages: P
     with pytest.raises(ImportError, match="no_such_name"):
         from lz_broken import VALUE  # type: ignore[import-not-found]  # noqa: F401
     assert lazy_package.is_deferred("lz_broken")
+
+
+def _use_and_import_sub_at_once(root: Path, package: str, *deferred: str) -> subprocess.CompletedProcess[str]:
+    """In a fresh interpreter (a deadlock would hold the import locks), with ``deferred`` deferred:
+    one thread reads ``package.VALUE`` while another imports ``package.sub`` and reads its ``SUB``.
+    Prints the sorted (name, value) pairs both got; the process has exited 0."""
+    code = textwrap.dedent(
+        f"""
+        import sys, threading
+        from gpumanager import lazy_package
+        lazy_package.defer(*{deferred!r})
+        package = sys.modules[{package!r}]
+        got = {{}}
+        def use():
+            got["value"] = package.VALUE
+        def import_sub():
+            import {package}.sub
+            got["sub"] = {package}.sub.SUB
+        threads = [threading.Thread(target=use, daemon=True), threading.Thread(target=import_sub, daemon=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        print(sorted(got.items()))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    return done

@@ -1,6 +1,7 @@
 # Entry points for a fresh machine: `make demo` runs the agent on a simulated GPU node,
 # `make test` runs the checks and the tests. Both set up .venv and build vcuda/ first.
-PYTHON ?= python3
+# The interpreter the venvs are made with (scripts/pick-python says which and why).
+PYTHON ?= $(shell scripts/pick-python)
 VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)

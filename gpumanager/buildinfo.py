@@ -9,7 +9,6 @@ file is absent and the commit is asked of git once.
 from __future__ import annotations
 
 import functools
-import subprocess
 from pathlib import Path
 
 from gpumanager import __version__
@@ -28,6 +27,8 @@ def commit() -> str:
     if recorded:
         return recorded
     if (_PACKAGE.parent / ".git").exists():
+        import subprocess  # only in a development checkout, and not at every start
+
         try:
             out = subprocess.run(
                 ["git", "-C", str(_PACKAGE.parent), "rev-parse", "HEAD"],

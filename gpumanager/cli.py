@@ -243,8 +243,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: Modules whose code runs only when first used (gpumanager.lazy_package): ``import grpc`` ends with
 #: ``grpc.aio``, which loads asyncio and ssl, about 50 ms of every start; registration with the
 #: kubelet needs neither, the per-pod vcuda.sock servers (started later) load them. protobuf's
-#: pure-Python messages (17 ms) are not used at all where its upb backend is.
-DEFERRED_AT_START = ("asyncio", "grpc.aio", "google.protobuf.internal.python_message")
+#: pure-Python messages (17 ms) are not used at all where its upb backend is. ``subprocess`` and
+#: ``tempfile`` (ctypes.util, through pynvml) and ``calendar`` (protobuf's well-known types) are
+#: first used after registration: 3-5 ms.
+DEFERRED_AT_START = (
+    "asyncio",
+    "grpc.aio",
+    "google.protobuf.internal.python_message",
+    "subprocess",
+    "tempfile",
+    "calendar",
+)
 
 
 #: Seconds a stop may take; the kubelet waits 30 s but a rolling update should not.

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from figures import (
     Variant,
+    add_before_arguments,
     dsync_write_seconds,
     figure,
     histogram,
@@ -118,7 +119,12 @@ class Figures:
 def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Variant) -> Figures:
     got = Figures(load=load())
     cluster = SimCluster(
-        workdir, spec, agent_flags=["--allocation-check-period=30"], agent_env=variant.env, api_process=True
+        workdir,
+        spec,
+        agent_flags=["--allocation-check-period=30"],
+        agent_env=variant.env,
+        agent_python=variant.python,
+        api_process=True,
     )
     cluster.start()
     try:
@@ -210,14 +216,12 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--scrapes", type=int, default=30)
-    parser.add_argument(
-        "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
-    )
+    add_before_arguments(parser)
     args = parser.parse_args()
     prompt_threads()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
-    with variants(args.before) as agents:
+    with variants(args.before, args.before_python) as agents:
         for i, spec in enumerate(specs):
             run(spec, args, agents if i % 2 == 0 else agents[::-1])
     return 0

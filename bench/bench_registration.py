@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from figures import Variant, figure, load, prompt_threads, spec_arg, variants
+from figures import Variant, add_before_arguments, figure, load, prompt_threads, spec_arg, variants
 
 from gpumanager import names
 from simnode.agent_process import SPEC_DIR, AgentProcess
@@ -63,7 +63,11 @@ def measure_starts(spec: Path, workdir: Path, starts: int, agents: list[Variant]
             for j, variant in enumerate(agents if i % 2 == 0 else agents[::-1]):
                 before = {r: kubelet.registration_count(r) for r in RESOURCES}
                 agent = AgentProcess(
-                    workdir, spec, extra_args=[f"--checkpoint-path={workdir / f'cp{i}-{j}'}"], env=variant.env
+                    workdir,
+                    spec,
+                    extra_args=[f"--checkpoint-path={workdir / f'cp{i}-{j}'}"],
+                    env=variant.env,
+                    python=variant.python,
                 )
                 spawned = time.monotonic()
                 agent.start()
@@ -98,7 +102,7 @@ def start_agent(
     kubelet: KubeletSimulator, spec: Path, workdir: Path, variant: Variant, flags: list[str]
 ) -> tuple[AgentProcess, dict[str, int]]:
     """An agent, once registered and done starting (the API side too); the devices it advertises."""
-    agent = AgentProcess(workdir, spec, extra_args=flags, env=variant.env).start()
+    agent = AgentProcess(workdir, spec, extra_args=flags, env=variant.env, python=variant.python).start()
     for resource in RESOURCES:
         kubelet.wait_for_registration(resource, timeout=60, with_devices=True)
     agent.wait_for_log("watching XID events", timeout=30)
@@ -234,14 +238,12 @@ def main() -> int:
     parser.add_argument("--restarts", type=int, default=20)
     parser.add_argument("--xids", type=int, default=20)
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of idle CPU measurement")
-    parser.add_argument(
-        "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
-    )
+    add_before_arguments(parser)
     args = parser.parse_args()
     prompt_threads()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
-    with variants(args.before) as agents:
+    with variants(args.before, args.before_python) as agents:
         for spec in specs:
             with tempfile.TemporaryDirectory(prefix="bench-registration-") as tmp:
                 run(spec, args, Path(tmp), agents)

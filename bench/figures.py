@@ -1,5 +1,6 @@
 """Shared by the agent benchmarks: percentiles, one line per figure, the machine's load, and the agent of
-another revision to measure side by side (``--before REF``).
+another revision, or on another interpreter, to measure side by side (``--before REF``,
+``--before-python PATH``).
 
 The machine may be shared: every figure is printed with the load average when it was taken, and a
 ``--before`` run interleaves the two agents so that load falls on both alike.
@@ -7,12 +8,12 @@ The machine may be shared: every figure is printed with the load average when it
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,18 +121,16 @@ def histogram_quantile(q: float, before: list[tuple[float, float]], after: list[
     return lower
 
 
-def compile_bytecode(package: Path) -> None:
+def compile_bytecode(package: Path, python: str = sys.executable) -> None:
     """Byte-compile a package as ``pip install`` does for the image: an agent started from a source tree
     whose ``.pyc`` files were never written (PYTHONDONTWRITEBYTECODE, a fresh clone) compiles every
     module at each start, about 100 ms that a deployed agent does not spend."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([python, "-m", "compileall", "-q", str(package)], check=True, stdout=subprocess.DEVNULL)
 
 
 def spec_arg(text: str) -> Path:
     """``--spec``: a node spec file, or the name of one in ``deploy/sim`` (``h200-x16``); an absolute
     path (the agent runs in another directory)."""
-    import argparse
-
     spec_dir = REPO / "deploy" / "sim"
     for candidate in (Path(text), spec_dir / text, spec_dir / f"{text}.json"):
         if candidate.is_file():
@@ -142,42 +141,69 @@ def spec_arg(text: str) -> Path:
 
 @dataclass
 class Variant:
-    """One agent to measure: this checkout's, or another revision's gpumanager package (``--before``)."""
+    """One agent to measure: this checkout's, or another revision's gpumanager package (``--before``), run
+    by this interpreter or another one (``--before-python``)."""
 
     label: str
     env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
 
 
 @contextlib.contextmanager
-def variants(before: str | None) -> Iterator[list[Variant]]:
-    """``[this checkout]``, or ``[REF, this checkout]`` with REF's ``gpumanager/`` unpacked into a temporary
-    directory that the agent process imports first (PYTHONPATH); the simulators are this checkout's."""
+def variants(before: str | None, before_python: str | None = None) -> Iterator[list[Variant]]:
+    """``[this checkout]``, or ``[before, this checkout]``: "before" is REF's ``gpumanager/`` unpacked into a
+    temporary directory that the agent process imports first (PYTHONPATH), or this checkout's, run by
+    ``before_python`` (an interpreter with the agent's dependencies, e.g. another venv's) or by this one.
+    The simulators are this checkout's, in this interpreter."""
     compile_bytecode(REPO / "gpumanager")
-    if before is None:
+    if before is None and before_python is None:
         yield [Variant("this checkout")]
         return
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", before], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    python = before_python or sys.executable
     with tempfile.TemporaryDirectory(prefix="bench-before-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", commit, "gpumanager"], check=True, capture_output=True
-        ).stdout
-        tar_path = Path(tmp) / "before.tar"
-        tar_path.write_bytes(archive)
-        with tarfile.open(tar_path) as tar:
-            tar.extractall(tmp, filter="data")
-        compile_bytecode(Path(tmp) / "gpumanager")
+        if before is None:
+            root, what = REPO, "this checkout"
+        else:
+            commit = subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--short", before], check=True, capture_output=True, text=True
+            ).stdout.strip()
+            archive = subprocess.run(
+                ["git", "-C", str(REPO), "archive", "--format=tar", commit, "gpumanager"],
+                check=True,
+                capture_output=True,
+            ).stdout
+            # tar(1): tarfile's extraction filters are missing from Python before 3.11.4.
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            root, what = Path(tmp), f"{before} = {commit}"
+        compile_bytecode(root / "gpumanager", python)
         # PYTHONSAFEPATH: ``python -m`` must not put the working directory (this checkout) first.
-        env = {"PYTHONPATH": tmp, "PYTHONSAFEPATH": "1"}
-        where = subprocess.run(
-            [sys.executable, "-c", "import gpumanager.app; print(gpumanager.app.__file__)"],
+        env = {"PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
+        where, version = subprocess.run(
+            [python, "-c", "import sys, gpumanager.app; print(gpumanager.app.__file__); print(sys.version.split()[0])"],
             env={**os.environ, **env},
             cwd=REPO,
             check=True,
             capture_output=True,
             text=True,
-        ).stdout.strip()
-        if not where.startswith(tmp):
-            raise RuntimeError(f"the agent of {before} would not be the one imported: {where}")
-        yield [Variant(f"before ({before} = {commit})", env), Variant("after (this checkout)")]
+        ).stdout.split()
+        if not where.startswith(str(root)):
+            raise RuntimeError(f"the agent of {what} would not be the one imported by {python}: {where}")
+        after = "after (this checkout)"
+        if before_python is not None:
+            what += f"; python {version} {python}"
+            after = f"after (this checkout; python {sys.version.split()[0]} {sys.executable})"
+        yield [Variant(f"before ({what})", env, python), Variant(after)]
+
+
+def add_before_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--before REF`` and ``--before-python PATH`` of a benchmark's command line."""
+    parser.add_argument(
+        "--before", metavar="REF", default=None, help="also measure the agent of git revision REF, side by side"
+    )
+    parser.add_argument(
+        "--before-python",
+        metavar="PATH",
+        default=None,
+        help="run the 'before' agent (REF's, or this checkout's without --before) with this interpreter, "
+        "which must have the agent's dependencies (another venv's python); the simulators stay in this one",
+    )

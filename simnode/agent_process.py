@@ -44,8 +44,10 @@ class AgentProcess:
         extra_args: Sequence[str] = (),
         query_port: int | None = None,
         env: dict[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
         self.workdir = workdir
+        self.python = python or sys.executable
         self.spec = spec
         self.state = state or workdir / "gpusim.state"
         self.plugin_dir = workdir / "device-plugins"
@@ -63,7 +65,7 @@ class AgentProcess:
         (never the host's /etc/gpu-manager, /var/lib/kubelet or /var/run); ``extra_args`` come last and
         override."""
         return [
-            sys.executable,
+            self.python,
             "-m",
             "gpumanager.cli",
             f"--device-plugin-path={self.plugin_dir}",

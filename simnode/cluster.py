@@ -167,6 +167,7 @@ class SimCluster:
         *,
         agent_flags: Sequence[str] = (),
         agent_env: Mapping[str, str] | None = None,
+        agent_python: str | None = None,
         pod_resources: bool = True,
         fill: str = "sorted",
         api_process: bool = False,
@@ -193,6 +194,7 @@ class SimCluster:
         )
         self._agent_flags = list(agent_flags)
         self._agent_env = dict(agent_env or {})
+        self._agent_python = agent_python  # the interpreter that runs the agent (None: this one)
         # As on a real node: the share-mode answer mounts a driver mirror holding the interceptor.
         self._mirror = driver_mirror
         self.agent: AgentProcess | None = None
@@ -248,7 +250,7 @@ class SimCluster:
         # The log file is shared by every agent started here: count what earlier ones wrote.
         started = self.agent.log_text().count(STARTED_MARK) if self.agent is not None else 0
         agent = self.agent = AgentProcess(
-            self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged
+            self.workdir, self.spec, state=state, extra_args=self.agent_args(), env=merged, python=self._agent_python
         )
         launched = time.monotonic()
         agent.start()

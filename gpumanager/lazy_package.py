@@ -70,7 +70,7 @@ def defer(*names: str) -> None:
     deferred when the import system loads it, after its parents, which it is bound on as usual."""
     with _LOCK:
         for name in names:
-            spec = _find_spec(name)
+            spec = find_spec(name)
             if name in sys.modules or spec is None or spec.loader is None:
                 continue
             parent = name.rpartition(".")[0]
@@ -93,7 +93,7 @@ def is_deferred(package: str) -> bool:
 def _defer_package(name: str) -> None:
     if name in sys.modules:
         return
-    spec = _find_spec(name)
+    spec = find_spec(name)
     if spec is None or spec.loader is None or not _is_package(spec):
         importlib.import_module(name)  # not a package: nothing to defer, import it as it is
         return
@@ -253,13 +253,13 @@ def _is_package(spec: importlib.machinery.ModuleSpec) -> bool:
     return spec.submodule_search_locations is not None
 
 
-def _find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
-    """The spec of ``name``, found without importing its parent packages (the import system's own
+def find_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of ``name`` (None: not installed), found without importing its parent packages (the import system's own
     lookup would run their ``__init__``)."""
     parent, _, _ = name.rpartition(".")
     if not parent or parent in sys.modules:
         return importlib.util.find_spec(name)
-    parent_spec = _find_spec(parent)
+    parent_spec = find_spec(parent)
     if parent_spec is None or parent_spec.submodule_search_locations is None:
         return None
     return importlib.machinery.PathFinder.find_spec(name, list(parent_spec.submodule_search_locations))

@@ -13,9 +13,25 @@ from typing import Any
 
 from urllib3.util.retry import Retry
 
-from gpumanager import lazy_package
+from gpumanager import lazy_imports, lazy_package
 
 log = logging.getLogger(__name__)
+
+
+KUBECONFIG_LOADER = "kubernetes.config.kube_config"
+
+#: What the kubeconfig loader imports for users that authenticate with an OIDC provider (its token
+#: refresh: OAuth2 over ``requests``, and the typed ``ApiClient``, which loads pydantic) or Google
+#: credentials: about 16 MiB that a kubeconfig with a token, a client certificate or an exec plugin
+#: never needs. The loader's module gets stand-ins that load them when such a user is used
+#: (:func:`gpumanager.lazy_imports.defer_imports`).
+KUBECONFIG_AUTH_IMPORTS = (
+    "oauthlib.oauth2",
+    "requests_oauthlib",
+    "kubernetes.client:ApiClient",
+    "google.auth",
+    "google.auth.transport.requests",
+)
 
 
 class KubeUnavailableError(RuntimeError):
@@ -51,7 +67,8 @@ def kube_client(kubeconfig: str = "") -> KubeClient:
     try:
         cfg = lazy_package.import_module("kubernetes.client.configuration").Configuration()
         if kubeconfig:
-            loader = lazy_package.import_module("kubernetes.config.kube_config")
+            lazy_imports.defer_imports(KUBECONFIG_LOADER, *KUBECONFIG_AUTH_IMPORTS)
+            loader = lazy_package.import_module(KUBECONFIG_LOADER)
             loader.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
         else:
             incluster = lazy_package.import_module("kubernetes.config.incluster_config")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from simnode.cluster import SimCluster, gpu_pod
+
 #: What only the OIDC and Google providers of the loader use.
 AUTH_ONLY = ["requests", "requests_oauthlib", "oauthlib", "pydantic", "kubernetes.client.api_client"]
 
@@ -173,3 +175,15 @@ def test_a_refresh_that_fails_otherwise_names_the_kubeconfig(tmp_path: Path, iss
     issuer.answer = (400, {"error": "invalid_grant", "error_description": "refresh token revoked"})
     got = _load(_kubeconfig(tmp_path / "kubeconfig", _oidc(issuer, _jwt(exp=1))))
     assert "kubeconfig" in str(got.get("error")) and "revoked" in str(got.get("error")), got
+
+
+def test_the_agent_started_with_a_kubeconfig_maps_none_of_the_auth_providers_libraries(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    # pydantic's core and requests' charset detector are compiled libraries: mapped only if loaded.
+    with SimCluster(tmp_path, "h100-nvlink-x8") as cluster:
+        assert cluster.agent is not None
+        cluster.admit(gpu_pod("p", [("main", 10, 1)]))
+        maps = Path(f"/proc/{cluster.agent.pid}/maps").read_text()
+        assert f"--kubeconfig={cluster.kubeconfig}" in cluster.agent.args  # a file, with a token user
+    assert [lib for lib in ("pydantic_core", "charset_normalizer") if lib in maps] == []

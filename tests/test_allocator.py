@@ -453,3 +453,18 @@ def test_upstream_checkpoint_without_ids_is_matched_at_prestart(tmp_path: Path) 
     assert got.minors == (1,) and len(got.device_ids) == 50
     alloc.compact()
     assert "DeviceIDs" in json.loads(path.read_text())["PodGPUMapping"][uid_of("a")]["c"]
+
+
+def test_generation_moves_with_every_change_and_only_then(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("main", 50, 8)])])
+    alloc = make_allocator(tmp_path, pods)
+    seen = [alloc.generation]
+    alloc.allocations(), alloc.tree_snapshot(), alloc.get(uid_of("a"), "main")
+    assert alloc.generation == seen[-1]  # reading changes nothing
+    alloc.allocate(core_ids(0, 50))
+    seen.append(alloc.generation)
+    alloc.pre_start(core_ids(0, 50), (uid_of("a"), "main"))  # the allocation is marked started
+    seen.append(alloc.generation)
+    alloc.release_pod(uid_of("a"))
+    seen.append(alloc.generation)
+    assert len(set(seen)) == 4, seen

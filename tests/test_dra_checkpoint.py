@@ -273,3 +273,12 @@ def test_a_claim_record_that_cannot_be_written_refuses_the_change(
     a.prepare_claim(share("u2", "two"))
     assert not a.checkpoint_error
     assert sorted((read_document(a.checkpoint_path) or {}).get("Claims", {})) == ["u2"]
+
+
+def test_generation_moves_when_a_claim_is_prepared_or_unprepared(tmp_path: Path) -> None:
+    a = allocator(tmp_path)
+    before = a.generation
+    a.prepare_claim(share("u1", "one"))
+    prepared = a.generation
+    a.unprepare_claim("u1")
+    assert len({before, prepared, a.generation}) == 3

@@ -181,6 +181,8 @@ class Allocator:
         #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
         #: prepared claims may be missing from the state, to be rebuilt from other records.
         self.claims_in_doubt = False
+        # Counts changes of the allocations, the claims and the GPUs' descriptions (see generation).
+        self._generation = 0
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -188,10 +190,19 @@ class Allocator:
         """Called (outside the lock) after every change of the allocation state."""
         self._listeners.append(listener)
 
+    @property
+    def generation(self) -> int:
+        """A number that changes with every change of the allocations, the prepared claims or a GPU's
+        description: a reader that saw the same number before has nothing new to read. Read it before the
+        state it goes with (a change in between makes the next reading differ, never the same)."""
+        return self._generation
+
     def allocations(self) -> list[ContainerAllocation]:
         """A copy of every allocation, ordered by pod and container."""
         with self._lock:
-            return [replace(a) for _, a in sorted(self._allocs.items())]
+            held = [a for _, a in sorted(self._allocs.items())]
+        # Stored allocations are replaced, never changed in place: copying them needs no lock.
+        return [replace(a) for a in held]
 
     def allocations_of(self, pod_uid: str) -> list[ContainerAllocation]:
         """A copy of one pod's allocations."""
@@ -253,6 +264,7 @@ class Allocator:
         with self._lock:
             self._gpus = [info if g.index == info.index else g for g in self._gpus]
             self._by_minor = {g.minor: g for g in self._gpus}
+            self._generation += 1
             self._tree.replace_info(info)
             self._responses.clear()
 
@@ -703,6 +715,7 @@ class Allocator:
 
     def _insert(self, alloc: ContainerAllocation) -> None:
         self._allocs[alloc.key] = alloc
+        self._generation += 1
         containers = self._by_pod.get(alloc.pod_uid)
         if containers is None:
             containers = self._by_pod[alloc.pod_uid] = set()
@@ -713,6 +726,7 @@ class Allocator:
 
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
+        self._generation += 1
         self._responses.pop(key, None)
         self._unsynced.pop(key, None)
         containers = self._by_pod.get(key[0])
@@ -1247,6 +1261,7 @@ class Allocator:
                 leaf = self._tree.leaf_by_minor(dev.minor)
                 self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
             self._claims[claim.uid] = claim
+            self._generation += 1
             crash_point("prepare-before-checkpoint")
             try:
                 ticket = self._stage([_claim_put(claim)])
@@ -1281,6 +1296,7 @@ class Allocator:
         claim = self._claims.pop(uid, None)
         if claim is None:
             return None
+        self._generation += 1
         for dev in claim.devices:
             try:
                 leaf = self._tree.leaf_by_minor(dev.minor)
@@ -1330,6 +1346,7 @@ class Allocator:
                     leaf = self._tree.leaf_by_minor(dev.minor)
                     self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
                 self._claims[claim.uid] = claim
+                self._generation += 1
                 taken.append(claim)
             if taken and save:
                 self._save_or_report([_claim_put(c) for c in taken])

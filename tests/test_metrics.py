@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +23,7 @@ from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
 from gpumanager.vmanager import cgroups
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, v100x4
 
 MIB = 1 << 20
 H100 = 81559 * MIB
@@ -171,7 +175,12 @@ def node(monkeypatch: pytest.MonkeyPatch) -> FakeNode:
     return FakeNode(monkeypatch)
 
 
-def sampler_for(node: FakeNode, allocs: list[ContainerAllocation], pods: dict[str, dict[str, Any]]) -> UsageSampler:
+def sampler_for(
+    node: FakeNode,
+    allocs: list[ContainerAllocation],
+    pods: dict[str, dict[str, Any]],
+    version: Callable[[], Hashable] | None = None,
+) -> UsageSampler:
     return UsageSampler(
         gpus=GPUS,
         allocations=lambda: list(allocs),
@@ -179,6 +188,7 @@ def sampler_for(node: FakeNode, allocs: list[ContainerAllocation], pods: dict[st
         cgroup_root=Path("/nonexistent"),
         sample_period=1.0,
         clock=lambda: node.now,
+        version=version,
     )
 
 
@@ -240,6 +250,132 @@ def test_a_restarted_container_is_read_again(node: FakeNode) -> None:
     assert by_key(sampler.sample())[("a", "main")][0].pids == (10,)
     pods["a"] = pod("a", "default", "a", ["main"], {"main": "cid-2"})
     assert by_key(sampler.sample())[("a", "main")][0].pids == (11,)
+
+
+# -- what a sample keeps between scrapes ----------------------------------------------------------
+
+
+def two_containers(node: FakeNode) -> tuple[list[ContainerAllocation], dict[str, dict[str, Any]]]:
+    pods = {"a": pod("a", "default", "a", ["main"], {"main": "cid-a"}), "b": pod("b", "ns", "b", ["w"], {"w": "cid-b"})}
+    allocs = [alloc("a", "main", (0,), 30, 4 * names.MEMORY_BLOCK_BYTES), alloc("b", "w", (1,), 20, 0)]
+    node.cgroup_pids = {"cid-a": [10], "cid-b": [20]}
+    node.procs = {0: {10: MIB}, 1: {20: MIB}}
+    return allocs, pods
+
+
+def test_usage_is_read_on_every_sample_while_the_containers_are_looked_up_once(node: FakeNode) -> None:
+    allocs, pods = two_containers(node)
+    lookups: list[str] = []
+
+    def lookup(uid: str) -> dict[str, Any] | None:
+        lookups.append(uid)
+        return pods.get(uid)
+
+    sampler = UsageSampler(
+        gpus=GPUS,
+        allocations=lambda: list(allocs),
+        pod=lookup,
+        cgroup_root=Path("/nonexistent"),
+        sample_period=1.0,
+        clock=lambda: node.now,
+        version=lambda: 7,  # the allocation state and the pod cache stay as they are
+    )
+    assert by_key(sampler.sample())[("a", "main")][0].used_bytes == MIB
+    node.procs[0][10] = 3 * MIB  # what NVML says moves on all the same
+    node.samples = {0: {10: [40.0]}}
+    (a0,) = by_key(sampler.sample())[("a", "main")]
+    assert (a0.used_bytes, a0.sm_ratio) == (3 * MIB, pytest.approx(0.4))
+    node.procs[0] = {}
+    assert by_key(sampler.sample())[("a", "main")][0].used_bytes == 0
+    assert sampler.plans == 1 and sorted(lookups) == ["a", "b"]
+
+
+def test_an_unchanged_container_is_handed_out_as_the_same_object(node: FakeNode) -> None:
+    allocs, pods = two_containers(node)
+    version = [1]
+    sampler = sampler_for(node, allocs, pods, version=lambda: version[0])
+    first = {u.allocation.key: u for u in sampler.sample()}
+    node.procs[0][10] = 2 * MIB
+    second = {u.allocation.key: u for u in sampler.sample()}
+    assert second[("b", "w")] is first[("b", "w")]
+    assert second[("a", "main")] is not first[("a", "main")]
+    assert second[("a", "main")].devices[0].used_bytes == 2 * MIB
+
+    # The allocation state moves on (a container more): the others stay the same objects.
+    pods["c"] = pod("c", "ns", "c", ["x"], {"x": "cid-c"})
+    allocs.append(alloc("c", "x", (2,), 10, 0))
+    version[0] += 1
+    third = {u.allocation.key: u for u in sampler.sample()}
+    assert third[("a", "main")] is second[("a", "main")] and third[("b", "w")] is second[("b", "w")]
+    assert ("c", "x") in third and sampler.plans == 2
+
+    # A pod that changed (a new object in the cache) is a new usage, even with the same figures.
+    pods["b"] = pod("b", "ns", "b", ["w"], {"w": "cid-b"})
+    version[0] += 1
+    assert {u.allocation.key: u for u in sampler.sample()}[("b", "w")] is not third[("b", "w")]
+
+
+def test_kept_container_lines_are_what_a_fresh_renderer_writes(node: FakeNode) -> None:
+    allocs, pods = two_containers(node)
+    version = [1]
+    sampler = sampler_for(node, allocs, pods, version=lambda: version[0])
+    renderer = ContainerFamilies()
+    renderer.render(sampler.sample())
+    node.procs[0][10] = 2 * MIB  # a's usage changes
+    pods["b"] = pod("b-renamed", "ns", "b", ["w"], {"w": "cid-b"})  # b's labels change
+    version[0] += 1
+    usages = sampler.sample()
+    text = renderer.render(usages)
+    assert text == ContainerFamilies().render(usages)
+    got = families(text)["gpu_manager_container_gpu_memory_used_bytes"]
+    assert got[key(namespace="default", pod="a", container="main", gpu="0", uuid=GPUS[0].uuid)] == 2 * MIB
+    assert key(namespace="ns", pod="b-renamed", container="w", gpu="1", uuid=GPUS[1].uuid) in got
+    assert renderer.render(sampler.sample()) == text  # nothing changed: the same text
+
+
+def test_a_scrape_waiting_on_nvml_holds_no_allocator_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pods = FakePods([make_pod(name, [("main", cores, 4)]) for name, cores in (("a", 50), ("b", 30), ("c", 20))])
+    allocator = make_allocator(tmp_path, pods)
+    allocator.allocate(core_ids(0, 50))
+    hanging = {"memory": threading.Event(), "processes": threading.Event()}
+    entered = {name: threading.Event() for name in hanging}
+
+    def hang(name: str, answer: Any) -> Callable[..., Any]:
+        def call(*_: Any) -> Any:
+            entered[name].set()
+            hanging[name].wait(10)
+            return answer
+
+        return call
+
+    # NVML calls that hang, as they can while a GPU falls off the bus.
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", hang("memory", SimpleNamespace(used=0, total=0)))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", lambda handle: SimpleNamespace(gpu=0, memory=0))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", hang("processes", []))
+    agent = SimpleNamespace(gpus=v100x4()[0], layout=None, health=None, plugins=None, allocator=allocator)
+    sampler = UsageSampler(
+        gpus=agent.gpus,
+        allocations=allocator.allocations,
+        pod=pods.get,
+        cgroup_root=tmp_path / "cgroup",
+        sample_period=1.0,
+        version=lambda: allocator.generation,
+    )
+    page = MetricsPage(agent=agent, registry=CollectorRegistry(), sample=sampler.sample, legacy_metrics=False)
+    scrape = threading.Thread(target=page.render, daemon=True)
+    scrape.start()
+    # The per-container usage, then the GPU families: an Allocate meanwhile is answered.
+    for name, device_ids in (("processes", core_ids(1, 30)), ("memory", core_ids(2, 20))):
+        assert entered[name].wait(10)
+        allocate = threading.Thread(target=allocator.allocate, args=(device_ids,), daemon=True)
+        allocate.start()
+        allocate.join(5)
+        assert not allocate.is_alive(), f"Allocate waited for a scrape blocked in NVML ({name})"
+        hanging[name].set()
+    scrape.join(10)
+    assert not scrape.is_alive()
+    assert len(allocator.allocations()) == 3
 
 
 # -- the whole page -------------------------------------------------------------------------------

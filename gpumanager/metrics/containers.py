@@ -10,7 +10,7 @@ container holds, present from allocation to release):
 - ``gpu_manager_container_gpu_memory_used_bytes``: memory its processes use there;
 - ``gpu_manager_container_gpu_utilization_ratio``: their SM utilisation (0-1).
 
-Label sets are rendered once per container and GPU and reused across scrapes.
+A container's lines are rendered again only when its usage, allocation or pod changed.
 """
 
 from __future__ import annotations
@@ -52,38 +52,64 @@ def limits(usage: ContainerUsage, device: DeviceUsage) -> tuple[int, float]:
     return device.gpu.memory_total, 1.0
 
 
+_Labels = tuple[tuple[tuple[str, ...], str], ...]  # per GPU of a container: (label values, rendered label set)
+
+
 class ContainerFamilies:
-    """Renders the per-container families in the text format, reusing label sets between scrapes."""
+    """Renders the per-container families in the text format.
+
+    A container's lines are kept while the sampler hands out the same ContainerUsage for it (nothing
+    about it changed), and its label sets while it keeps its GPUs, so a scrape formats only what changed.
+    """
 
     def __init__(self) -> None:
-        self._labels: dict[tuple[str, ...], str] = {}
+        self._entries: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
 
     def render(self, usages: Sequence[ContainerUsage]) -> str:
         """The four families for ``usages`` (header lines even when there is no container)."""
-        known = self._labels
-        current: dict[tuple[str, ...], str] = {}
-        columns: tuple[list[str], list[str], list[str], list[str]] = ([], [], [], [])
+        known = self._entries
+        current: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
+        columns: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
         for u in usages:
-            meta = u.pod.get("metadata") or {}
-            namespace = str(meta.get("namespace", "")) or u.allocation.namespace
-            pod_name = str(meta.get("name", "")) or u.allocation.pod_name
-            for d in u.devices:
-                key = (namespace, pod_name, u.container, str(d.gpu.index), d.gpu.uuid)
-                label_text = known.get(key)
-                if label_text is None:
-                    label_text = textformat.labels(LABELS, key)
-                current[key] = label_text
-                memory_limit, core_limit = limits(u, d)
-                columns[0].append(f"{label_text} {float(memory_limit)!r}\n")
-                columns[1].append(f"{label_text} {core_limit!r}\n")
-                columns[2].append(f"{label_text} {float(d.used_bytes)!r}\n")
-                columns[3].append(f"{label_text} {d.sm_ratio!r}\n")
-        self._labels = current
+            key = u.allocation.key
+            entry = known.get(key)
+            if entry is None or entry[0] is not u:
+                label_sets = _label_sets(u, entry[2] if entry is not None else ())
+                entry = (u, _lines(u, label_sets), label_sets)
+            current[key] = entry
+            for column, text in zip(columns, entry[1], strict=True):
+                column.append(text)
+        self._entries = current
         parts: list[str] = []
-        for (name, _), head, lines in zip(FAMILIES, _HEADERS, columns, strict=True):
+        for head, lines in zip(_HEADERS, columns, strict=True):
             parts.append(head)
-            parts.extend(name + line for line in lines)
+            parts.extend(lines)
         return "".join(parts)
+
+
+def _label_sets(u: ContainerUsage, before: _Labels) -> _Labels:
+    """The label set of each of the container's GPUs (rendered again only when its values changed)."""
+    meta = u.pod.get("metadata") or {}
+    namespace = str(meta.get("namespace", "")) or u.allocation.namespace
+    pod_name = str(meta.get("name", "")) or u.allocation.pod_name
+    known = dict(before)
+    out = []
+    for d in u.devices:
+        values = (namespace, pod_name, u.container, str(d.gpu.index), d.gpu.uuid)
+        text = known.get(values)
+        out.append((values, text if text is not None else textformat.labels(LABELS, values)))
+    return tuple(out)
+
+
+def _lines(u: ContainerUsage, label_sets: _Labels) -> tuple[str, ...]:
+    """The container's lines in each family, one per GPU it holds."""
+    out: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
+    for d, (_, label_text) in zip(u.devices, label_sets, strict=True):
+        memory_limit, core_limit = limits(u, d)
+        values = (float(memory_limit), core_limit, float(d.used_bytes), d.sm_ratio)
+        for lines, (name, _), value in zip(out, FAMILIES, values, strict=True):
+            lines.append(f"{name}{label_text} {value!r}\n")
+    return tuple("".join(lines) for lines in out)
 
 
 def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:

@@ -48,6 +48,7 @@ class QueryEndpoints:
             pod=agent.pods.get,
             cgroup_root=Path(cfg.cgroup_root),
             sample_period=float(cfg.sample_period),
+            version=self._state_version,
         )
         self._data = DisplayData(agent.gpus, allocator.graph, self.sampler.sample)
         self.probes = agent_probes(agent)
@@ -93,6 +94,18 @@ class QueryEndpoints:
         agent = self._agent
         mine = agent.allocator.allocations() if agent.allocator is not None else []
         return mine + agent.dra.container_allocations() if agent.dra is not None else mine
+
+    def _state_version(self) -> tuple[int, int, int, bool]:
+        """Changes whenever :meth:`_allocations` or a pod lookup could answer differently: the allocator's
+        generation (allocations, claims), the pod cache's (changes(-1) only reads it) and which parts exist."""
+        agent = self._agent
+        allocator = agent.allocator
+        return (
+            id(allocator),
+            allocator.generation if allocator is not None else -1,
+            agent.pods.changes(-1)[0],
+            agent.dra is not None,
+        )
 
     def stop(self) -> None:
         """Stop both servers."""

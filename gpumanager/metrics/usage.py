@@ -13,14 +13,19 @@ expensive part, so the answer is kept: the cgroups are read again only when NVML
 shows a PID that the last reading did not place (a new process), or when that
 reading is older than ``rescan_period`` (which bounds how long a PID reused by
 another container could be misattributed).
+
+NVML is asked on every sample (memory and utilisation are never older than the
+scrape). What the allocation state and the pod cache say (which containers, their
+pods, GPUs and container IDs) is looked up again only when their generations moved.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pynvml
@@ -50,18 +55,41 @@ class DeviceUsage:
     pids: tuple[int, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContainerUsage:
-    """A container's allocation, its pod, and what it uses on each of its GPUs."""
+    """A container's allocation, its pod, and what it uses on each of its GPUs.
+
+    The sampler hands out the same object again while none of the three changed: readers
+    must not change it, and may keep what they derive from it while it is the one they get.
+    """
 
     pod: Pod
     allocation: ContainerAllocation
-    devices: list[DeviceUsage] = field(default_factory=list)
+    devices: Sequence[DeviceUsage] = ()
 
     @property
     def container(self) -> str:
         """The container's name."""
         return self.allocation.container
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An allocated container whose pod is known, and the GPUs it holds."""
+
+    pod: Pod
+    allocation: ContainerAllocation
+    gpus: tuple[GPUInfo, ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a sample reads from the allocation state and the pod cache, kept while both are unchanged."""
+
+    version: Hashable
+    held: tuple[_Held, ...]
+    indexes: tuple[int, ...]  # the GPUs to ask NVML about: those of some container
+    containers: dict[Key, tuple[str, str | None]]  # (container ID, QoS class) of each running container
 
 
 @dataclass
@@ -92,7 +120,14 @@ def _sample_gpu(index: int, since_us: int) -> _GPUSample:
 
 
 class UsageSampler:
-    """Builds ContainerUsage for every allocated container of every known pod."""
+    """Builds ContainerUsage for every allocated container of every known pod.
+
+    ``version`` returns a value that changes whenever ``allocations`` or ``pod`` could answer
+    differently (the allocator's and the pod cache's generations): while it stays the same, the
+    containers, their pods and their GPUs are not looked up again, and a container whose usage
+    did not change is handed out as the same ContainerUsage object. Without it every sample
+    looks everything up. NVML is asked on every sample.
+    """
 
     def __init__(
         self,
@@ -104,10 +139,12 @@ class UsageSampler:
         sample_period: float,
         rescan_period: float = RESCAN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        version: Callable[[], Hashable] | None = None,
     ) -> None:
-        self._gpus = {g.minor: g for g in gpus}
+        self._gpus = gpus  # the agent's list: a GPU that comes back may be described anew
         self._allocations = allocations
         self._pod = pod
+        self._version = version
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._period = sample_period
         self._rescan_period = rescan_period
@@ -115,32 +152,33 @@ class UsageSampler:
         self._owner: dict[int, Key] = {}  # pid -> container, from the last cgroup reading
         self._placed: set[int] = set()  # every PID the last reading saw (in a container or not)
         self._containers: dict[Key, tuple[str, str | None]] = {}  # containers of the last reading
-        self._parsed: dict[str, tuple[Pod, dict[str, str], str | None]] = {}  # pod UID -> (pod, IDs, QoS)
         self._scanned_at: float | None = None
+        self._plan: _Plan | None = None
+        self._last: dict[Key, ContainerUsage] = {}  # the last sample's usages
+        self._zero: dict[int, DeviceUsage] = {}  # by GPU index: no process of the container there
+        self._lock = threading.Lock()  # one sample at a time (the HTTP server serves each scrape in a thread)
         #: How many times the containers' cgroups were read (for tests and benchmarks).
         self.scans = 0
+        #: How many times the containers were looked up in the allocation state and the pod cache.
+        self.plans = 0
 
     def sample(self) -> list[ContainerUsage]:
         """One pass over all containers (NVML is asked once per GPU)."""
+        with self._lock:
+            return self._sample()
+
+    def _sample(self) -> list[ContainerUsage]:
         since_us = int((time.time() - self._period) * 1_000_000)
-        usages: list[ContainerUsage] = []
-        for alloc in self._allocations():
-            pod = self._pod(alloc.pod_uid)
-            if pod is not None:
-                usages.append(ContainerUsage(pod, alloc))
+        plan = self._current_plan()
         per_gpu: dict[int, _GPUSample] = {}
-        for u in usages:
-            for minor in u.allocation.minors:
-                gpu = self._gpus.get(minor)
-                if gpu is None or gpu.index in per_gpu:
-                    continue
-                try:
-                    per_gpu[gpu.index] = _sample_gpu(gpu.index, since_us)
-                except pynvml.NVMLError as exc:
-                    log.debug("GPU %d usage unavailable: %s", gpu.index, exc)
-                    per_gpu[gpu.index] = _EMPTY
+        for index in plan.indexes:
+            try:
+                per_gpu[index] = _sample_gpu(index, since_us)
+            except pynvml.NVMLError as exc:
+                log.debug("GPU %d usage unavailable: %s", index, exc)
+                per_gpu[index] = _EMPTY
         gpu_pids = {pid for s in per_gpu.values() for pid in s.procs}
-        self._place(gpu_pids, usages)
+        self._place(gpu_pids, plan.containers)
         # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
         mine: dict[tuple[int, Key], list[int]] = {}
         for index, s in per_gpu.items():
@@ -148,42 +186,79 @@ class UsageSampler:
                 owner = self._owner.get(pid)
                 if owner is not None:
                     mine.setdefault((index, owner), []).append(pid)
-        for u in usages:
-            key = u.allocation.key
-            for minor in u.allocation.minors:
-                gpu = self._gpus.get(minor)
-                if gpu is None:
-                    continue
-                s = per_gpu.get(gpu.index, _EMPTY)
-                pids = sorted(mine.get((gpu.index, key), ()))
-                u.devices.append(
-                    DeviceUsage(
-                        gpu=gpu,
-                        used_bytes=sum(s.procs[p] for p in pids),
-                        sm_ratio=min(1.0, sum(s.sm_sum[p] / s.sm_count[p] for p in pids if p in s.sm_count) / 100),
-                        sm_samples_sum=sum(s.sm_sum.get(p, 0.0) for p in pids),
-                        pids=tuple(pids),
-                    )
-                )
+        last = self._last
+        usages: list[ContainerUsage] = []
+        for held in plan.held:
+            key = held.allocation.key
+            devices = tuple(
+                self._device(gpu, per_gpu.get(gpu.index, _EMPTY), mine.get((gpu.index, key))) for gpu in held.gpus
+            )
+            before = last.get(key)
+            if (
+                before is not None
+                and before.allocation is held.allocation
+                and before.pod is held.pod
+                and before.devices == devices
+            ):
+                usages.append(before)
+            else:
+                usages.append(ContainerUsage(held.pod, held.allocation, devices))
+        self._last = {u.allocation.key: u for u in usages}
         return usages
 
-    def _place(self, gpu_pids: set[int], usages: Sequence[ContainerUsage]) -> None:
-        """Read the containers' cgroups again when a GPU PID or a container is new, or the reading is old."""
+    def _device(self, gpu: GPUInfo, s: _GPUSample, pids: list[int] | None) -> DeviceUsage:
+        if not pids:
+            zero = self._zero.get(gpu.index)
+            if zero is None or zero.gpu is not gpu:
+                zero = self._zero[gpu.index] = DeviceUsage(gpu, 0, 0.0, 0.0, ())
+            return zero
+        pids.sort()
+        return DeviceUsage(
+            gpu=gpu,
+            used_bytes=sum(s.procs[p] for p in pids),
+            sm_ratio=min(1.0, sum(s.sm_sum[p] / s.sm_count[p] for p in pids if p in s.sm_count) / 100),
+            sm_samples_sum=sum(s.sm_sum.get(p, 0.0) for p in pids),
+            pids=tuple(pids),
+        )
+
+    def _current_plan(self) -> _Plan:
+        """The containers to sample: the last ones while the version is the same, else looked up again."""
+        version = self._version() if self._version is not None else None
+        plan = self._plan
+        if plan is not None and version is not None and plan.version == version:
+            return plan
+        # The version is read before what it stands for: a change meanwhile shows in the next one.
+        by_minor = {g.minor: g for g in self._gpus}
+        before = {h.allocation.key: h for h in plan.held} if plan is not None else {}
+        held: list[_Held] = []
         containers: dict[Key, tuple[str, str | None]] = {}
-        parsed: dict[str, tuple[Pod, dict[str, str], str | None]] = {}
-        for u in usages:
-            uid = u.allocation.pod_uid
-            entry = parsed.get(uid) or self._parsed.get(uid)
-            if entry is None or entry[0] is not u.pod:  # the pod cache holds a new object after every change
-                entry = (u.pod, podinfo.container_ids(u.pod), (u.pod.get("status") or {}).get("qosClass"))
-            parsed[uid] = entry
-            cid = entry[1].get(u.container)
+        ids: dict[str, tuple[dict[str, str], str | None]] = {}  # pod UID -> (container IDs, QoS class)
+        for alloc in self._allocations():
+            pod = self._pod(alloc.pod_uid)
+            if pod is None:
+                continue
+            gpus = tuple(by_minor[m] for m in alloc.minors if m in by_minor)
+            old = before.get(alloc.key)
+            if old is not None and old.pod is pod and old.allocation == alloc and old.gpus == gpus:
+                held.append(old)  # the same objects: what readers derived from them stays valid
+            else:
+                held.append(_Held(pod, alloc, gpus))
+            entry = ids.get(alloc.pod_uid)
+            if entry is None:
+                entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), (pod.get("status") or {}).get("qosClass"))
+            cid = entry[0].get(alloc.container)
             if cid:
-                containers[u.allocation.key] = (cid, entry[2])
-        self._parsed = parsed
+                containers[alloc.key] = (cid, entry[1])
+        indexes = tuple(sorted({g.index for h in held for g in h.gpus}))
+        self._plan = plan = _Plan(version, tuple(held), indexes, containers)
+        self.plans += 1
+        return plan
+
+    def _place(self, gpu_pids: set[int], containers: dict[Key, tuple[str, str | None]]) -> None:
+        """Read the containers' cgroups again when a GPU PID or a container is new, or the reading is old."""
         now = self._clock()
         fresh = self._scanned_at is not None and now - self._scanned_at < self._rescan_period
-        if fresh and gpu_pids <= self._placed and containers == self._containers:
+        if fresh and gpu_pids <= self._placed and (containers is self._containers or containers == self._containers):
             return
         owner: dict[int, Key] = {}
         for key, (cid, qos) in containers.items():

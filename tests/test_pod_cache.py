@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -155,3 +156,32 @@ def test_stop_returns_while_the_watch_is_quiet() -> None:
         stopped = threading.Event()
         threading.Thread(target=lambda: (c.stop(), stopped.set()), daemon=True).start()
         assert stopped.wait(30), "PodCache.stop() hangs while its watch is idle"
+
+
+def test_cached_pods_drop_managed_fields_and_share_their_strings() -> None:
+    def api_pod(name: str) -> dict[str, object]:
+        pod = pod_manifest(name)
+        pod["metadata"]["uid"] = f"uid-{name}"
+        pod["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}]
+        pod["metadata"]["annotations"] = {"note": "x" * 300}
+        return json.loads(json.dumps(pod))  # decoded apart, as two watch events are
+
+    a, b = podcache.compact(api_pod("a")), podcache.compact(api_pod("b"))
+    expected = api_pod("a")
+    del expected["metadata"]["managedFields"]  # type: ignore[attr-defined]
+    assert a == expected
+    image_a, image_b = (p["spec"]["containers"][0]["image"] for p in (a, b))
+    assert image_a == image_b and image_a is image_b
+    key_a = next(k for k in a["spec"]["containers"][0] if k == "image")
+    key_b = next(k for k in b["spec"]["containers"][0] if k == "image")
+    assert key_a is key_b
+    assert a["metadata"]["annotations"]["note"] == "x" * 300
+
+
+def test_the_cache_keeps_compacted_pods(api: ApiServerSimulator, cache: PodCache) -> None:
+    api.create_pod(pod_manifest("one"))
+    api.create_pod(pod_manifest("two"))
+    eventually(lambda: names(cache) == {"one", "two"})
+    one, two = sorted(cache.pods(), key=lambda p: p["metadata"]["name"])
+    assert one["metadata"]["namespace"] is two["metadata"]["namespace"]
+    assert one["spec"]["containers"][0]["image"] is two["spec"]["containers"][0]["image"]

@@ -1,7 +1,11 @@
 """A cache of this node's pods: list, then watch from the list's resourceVersion.
 
 Pods are kept as the plain JSON objects the API server sends (no model
-conversion). The watch resumes from the last resourceVersion it saw; a "too old
+conversion), less ``metadata.managedFields`` (the server's field-ownership record, often the
+largest part of a pod, which the agent never reads), and with their keys and short strings
+interned: each pod decoded from its own watch event would otherwise hold its own copy of every
+key and of the values pods share (image, namespace, node, resource names), about half of what a
+cached pod costs. The watch resumes from the last resourceVersion it saw; a "too old
 resource version" answer (410) starts over with a fresh list. Failures and 410s
 wait the agent's jittered backoff (:mod:`gpumanager.retry`, 0.8 s doubling to
 30 s) and each change of state is logged once.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +39,9 @@ log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
 PodListener = Callable[[str, Pod], None]
+
+#: Strings up to this long are interned in cached pods (longer ones are seldom shared).
+_INTERNED_CHARS = 128
 
 #: Changes remembered for :meth:`PodCache.changes`; a reader further behind is told to look at every pod.
 CHANGES_KEPT = 4096
@@ -49,6 +57,26 @@ class ShortWatchError(Exception):
 
 class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
+
+
+def compact(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """``pod`` as the cache keeps it: without ``metadata.managedFields``, its keys and short strings
+    interned (shared with every other pod that has them). Equal to ``pod`` otherwise."""
+    kept: dict[str, Any] = _interned(pod if isinstance(pod, dict) else dict(pod))
+    meta = kept.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+    return kept
+
+
+def _interned(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {sys.intern(k) if type(k) is str else k: _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    if type(value) is str and len(value) <= _INTERNED_CHARS:
+        return sys.intern(value)
+    return value
 
 
 def _lines(response: Any) -> Iterator[bytes]:
@@ -233,7 +261,7 @@ class PodCache:
 
     def _list(self) -> tuple[list[Pod], str]:
         data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout) or {}
-        items: list[Pod] = [dict(p) for p in data.get("items") or []]
+        items: list[Pod] = [compact(p) for p in data.get("items") or []]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def _relist(self) -> None:
@@ -302,6 +330,7 @@ class PodCache:
             if kind == "DELETED":
                 self._pods.pop(uid, None)
             elif kind in ("ADDED", "MODIFIED"):
+                obj = compact(obj)
                 self._pods[uid] = obj
             else:
                 return

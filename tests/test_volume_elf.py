@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,29 @@ def test_volume_without_components_is_not_registered(tmp_path: Path) -> None:
     assert [v.name for v in load_volume_config(path).volumes] == ["n"]
     with pytest.raises(VolumeError, match="cannot read volume config"):
         load_volume_config(tmp_path / "missing.conf")
+
+
+ELF_IMPORTS = r"""
+import json, sys
+from pathlib import Path
+from gpumanager.volume.elffacts import read_elf_facts
+facts = read_elf_facts(Path(sys.argv[1]))
+unused = ["elftools.dwarf.dwarfinfo", "elftools.ehabi.ehabiinfo", "pdb"]
+before = [m for m in unused if m in sys.modules]
+from elftools.elf.elffile import ELFFile
+with open(sys.argv[1], "rb") as stream:
+    dwarf = ELFFile(stream).get_dwarf_info()  # a part the mirror never reads still works
+print(json.dumps({"soname": facts.soname, "before": before, "dwarf": type(dwarf).__name__,
+                  "after": [m for m in unused if m in sys.modules]}))
+"""
+
+
+def test_reading_elf_facts_loads_no_dwarf_reader_nor_debugger(driver_store: DriverStore) -> None:
+    library = built(driver_store, f"{LIB64}/libcuda.so.{V1}")
+    done = subprocess.run(
+        [sys.executable, "-c", ELF_IMPORTS, str(library)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got == {"soname": "libcuda.so.1", "before": [], "dwarf": "DWARFInfo", "after": got["after"]}
+    assert "elftools.dwarf.dwarfinfo" in got["after"]

@@ -8,11 +8,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.dynamic import DynamicSection, DynamicSegment
-from elftools.elf.elffile import ELFFile
-
+from gpumanager import lazy_imports
 from gpumanager.volume.errors import NotElfError
+
+#: What pyelftools loads at import for what the mirror never reads: DWARF debug information and ARM
+#: unwind tables (``ELFFile``'s module imports their readers) and the interactive debugger of its
+#: parsing library (``pdb``): about 1.2 MiB for good. Each loads if it is ever used.
+PYELFTOOLS_UNUSED = {
+    "elftools.elf.elffile": ("elftools.dwarf.dwarfinfo", "elftools.dwarf.dwarf_util", "elftools.ehabi.ehabiinfo"),
+    "elftools.construct.debug": ("pdb",),
+}
+for _importer, _targets in PYELFTOOLS_UNUSED.items():
+    lazy_imports.defer_imports(_importer, *_targets)
+
+from elftools.common.exceptions import ELFError  # noqa: E402 - after the deferral above
+from elftools.elf.dynamic import DynamicSection, DynamicSegment  # noqa: E402
+from elftools.elf.elffile import ELFFile  # noqa: E402
 
 log = logging.getLogger(__name__)
 

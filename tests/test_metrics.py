@@ -252,6 +252,73 @@ def test_a_restarted_container_is_read_again(node: FakeNode) -> None:
     assert by_key(sampler.sample())[("a", "main")][0].pids == (11,)
 
 
+def four_containers(node: FakeNode) -> tuple[list[ContainerAllocation], dict[str, dict[str, Any]]]:
+    """a on GPU 0, b and c on GPU 1, d on GPU 2; one process each, on its GPU."""
+    names_gpus = {"a": 0, "b": 1, "c": 1, "d": 2}
+    pods = {n: pod(n, "default", n, ["main"], {"main": f"cid-{n}"}) for n in names_gpus}
+    allocs = [alloc(n, "main", (g,), 30, 4 * names.MEMORY_BLOCK_BYTES) for n, g in names_gpus.items()]
+    node.cgroup_pids = {f"cid-{n}": [100 + i] for i, n in enumerate(names_gpus)}
+    node.procs = {0: {100: MIB}, 1: {101: MIB, 102: MIB}, 2: {103: MIB}}
+    return allocs, pods
+
+
+def test_a_new_process_is_looked_for_only_in_the_containers_holding_its_gpu(node: FakeNode) -> None:
+    allocs, pods = four_containers(node)
+    sampler = sampler_for(node, allocs, pods)
+    sampler.sample()
+    assert node.cgroup_reads == 4
+    node.cgroup_pids["cid-c"].append(202)
+    node.procs[1][202] = 2 * MIB  # c starts a second process on GPU 1
+    assert by_key(sampler.sample())[("c", "main")][0].pids == (102, 202)
+    assert node.cgroup_reads == 4 + 2  # b and c, the containers of GPU 1
+
+
+def test_a_reused_pid_is_placed_in_its_new_container_at_once(node: FakeNode) -> None:
+    allocs, pods = four_containers(node)
+    sampler = sampler_for(node, allocs, pods)
+    assert by_key(sampler.sample())[("b", "main")][0].pids == (101,)
+    del node.procs[1][101]  # b's process ends ...
+    node.cgroup_pids["cid-b"] = []
+    sampler.sample()
+    node.cgroup_pids["cid-c"].append(101)  # ... and c's new process gets its PID, well within the rescan period
+    node.procs[1][101] = 5 * MIB
+    got = by_key(sampler.sample())
+    assert got[("b", "main")][0].pids == () and got[("c", "main")][0].pids == (101, 102)
+
+
+def test_only_containers_with_a_gpu_process_are_read_again_after_the_rescan_period(node: FakeNode) -> None:
+    allocs, pods = four_containers(node)
+    node.procs[2] = {}  # d runs no GPU process
+    sampler = sampler_for(node, allocs, pods)
+    sampler.sample()
+    reads = node.cgroup_reads
+    node.now += usage.RESCAN_SECONDS
+    sampler.sample()
+    assert node.cgroup_reads == reads + 3  # a, b and c confirm their processes; d's PIDs do not matter
+    node.procs[2] = {103: MIB}  # until one of them shows up on a GPU: then it is confirmed
+    assert by_key(sampler.sample())[("d", "main")][0].pids == (103,)
+    assert node.cgroup_reads == reads + 4
+
+
+def test_readings_taken_together_fall_due_over_several_scrapes_within_the_rescan_period(node: FakeNode) -> None:
+    pods = {f"p{i}": pod(f"p{i}", "default", f"p{i}", ["main"], {"main": f"cid-{i}"}) for i in range(40)}
+    allocs = [alloc(f"p{i}", "main", (i % 4,), 10, 0) for i in range(40)]
+    node.cgroup_pids = {f"cid-{i}": [1000 + i] for i in range(40)}
+    node.procs = {g: {1000 + i: MIB for i in range(40) if i % 4 == g} for g in range(4)}
+    sampler = sampler_for(node, allocs, pods)
+    sampler.sample()
+    assert node.cgroup_reads == 40
+    per_scrape = []
+    for _ in range(8):  # a scrape every eighth of the rescan period
+        node.now += usage.RESCAN_SECONDS / 8
+        reads = node.cgroup_reads
+        sampler.sample()
+        per_scrape.append(node.cgroup_reads - reads)
+    assert per_scrape[:3] == [0, 0, 0]  # each reading is trusted for at least half the period
+    assert sum(per_scrape[:8]) >= 40  # and none for longer than the period
+    assert max(per_scrape) < 20, per_scrape  # not all in one scrape
+
+
 # -- what a sample keeps between scrapes ----------------------------------------------------------
 
 

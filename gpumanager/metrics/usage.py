@@ -8,11 +8,9 @@ is gpu-manager's figure (every sample's ``smUtil`` added up) for its legacy metr
 and ``/usage``.
 
 Which container a GPU process belongs to is read from the containers' cgroups
-(``cgroup.procs``). Reading every container's cgroup on every scrape is the
-expensive part, so the answer is kept: the cgroups are read again only when NVML
-shows a PID that the last reading did not place (a new process), or when that
-reading is older than ``rescan_period`` (which bounds how long a PID reused by
-another container could be misattributed).
+(``cgroup.procs``), as little as possible (:mod:`gpumanager.metrics.attribution`):
+a new container, a PID new on a GPU, and placements older than ``rescan_period``
+(which bounds how long a PID reused by another container could be misattributed).
 
 NVML is asked on every sample (memory and utilisation are never older than the
 scrape). What the allocation state and the pod cache say (which containers, their
@@ -34,14 +32,13 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.device.types import GPUInfo
+from gpumanager.metrics.attribution import Key, ProcessOwners
 from gpumanager.vmanager import cgroups
 
 log = logging.getLogger(__name__)
 
 #: Longest time a container's PIDs are trusted without reading its cgroup again.
 RESCAN_SECONDS = 60.0
-
-Key = tuple[str, str]  # (pod UID, container)
 
 
 @dataclass(frozen=True)
@@ -90,6 +87,7 @@ class _Plan:
     held: tuple[_Held, ...]
     indexes: tuple[int, ...]  # the GPUs to ask NVML about: those of some container
     containers: dict[Key, tuple[str, str | None]]  # (container ID, QoS class) of each running container
+    holders: dict[int, list[Key]]  # GPU index -> the containers holding it
 
 
 @dataclass
@@ -145,22 +143,24 @@ class UsageSampler:
         self._allocations = allocations
         self._pod = pod
         self._version = version
-        self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._period = sample_period
-        self._rescan_period = rescan_period
-        self._clock = clock
-        self._owner: dict[int, Key] = {}  # pid -> container, from the last cgroup reading
-        self._placed: set[int] = set()  # every PID the last reading saw (in a container or not)
-        self._containers: dict[Key, tuple[str, str | None]] = {}  # containers of the last reading
-        self._scanned_at: float | None = None
+        self._owners = ProcessOwners(cgroups.CgroupLocator(cgroup_root), rescan_period=rescan_period, clock=clock)
         self._plan: _Plan | None = None
         self._last: dict[Key, ContainerUsage] = {}  # the last sample's usages
         self._zero: dict[int, DeviceUsage] = {}  # by GPU index: no process of the container there
         self._lock = threading.Lock()  # one sample at a time (the HTTP server serves each scrape in a thread)
-        #: How many times the containers' cgroups were read (for tests and benchmarks).
-        self.scans = 0
         #: How many times the containers were looked up in the allocation state and the pod cache.
         self.plans = 0
+
+    @property
+    def scans(self) -> int:
+        """Samples that read some container's cgroup (for tests and benchmarks)."""
+        return self._owners.scans
+
+    @property
+    def cgroup_reads(self) -> int:
+        """Containers' cgroups read in all (for tests and benchmarks)."""
+        return self._owners.reads
 
     def sample(self) -> list[ContainerUsage]:
         """One pass over all containers (NVML is asked once per GPU)."""
@@ -177,13 +177,13 @@ class UsageSampler:
             except pynvml.NVMLError as exc:
                 log.debug("GPU %d usage unavailable: %s", index, exc)
                 per_gpu[index] = _EMPTY
-        gpu_pids = {pid for s in per_gpu.values() for pid in s.procs}
-        self._place(gpu_pids, plan.containers)
+        self._owners.update(plan.containers, plan.holders, {index: s.procs for index, s in per_gpu.items()})
         # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
         mine: dict[tuple[int, Key], list[int]] = {}
+        owner_of = self._owners.owner
         for index, s in per_gpu.items():
             for pid in s.procs:
-                owner = self._owner.get(pid)
+                owner = owner_of(pid)
                 if owner is not None:
                     mine.setdefault((index, owner), []).append(pid)
         last = self._last
@@ -249,23 +249,11 @@ class UsageSampler:
             cid = entry[0].get(alloc.container)
             if cid:
                 containers[alloc.key] = (cid, entry[1])
-        indexes = tuple(sorted({g.index for h in held for g in h.gpus}))
-        self._plan = plan = _Plan(version, tuple(held), indexes, containers)
+        holders: dict[int, list[Key]] = {}
+        for h in held:
+            for g in h.gpus:
+                holders.setdefault(g.index, []).append(h.allocation.key)
+        indexes = tuple(sorted(holders))
+        self._plan = plan = _Plan(version, tuple(held), indexes, containers, holders)
         self.plans += 1
         return plan
-
-    def _place(self, gpu_pids: set[int], containers: dict[Key, tuple[str, str | None]]) -> None:
-        """Read the containers' cgroups again when a GPU PID or a container is new, or the reading is old."""
-        now = self._clock()
-        fresh = self._scanned_at is not None and now - self._scanned_at < self._rescan_period
-        if fresh and gpu_pids <= self._placed and (containers is self._containers or containers == self._containers):
-            return
-        owner: dict[int, Key] = {}
-        for key, (cid, qos) in containers.items():
-            for pid in self._cgroups.pids(key[0], cid, qos):
-                owner[pid] = key
-        self._owner = owner
-        self._placed = set(owner) | gpu_pids
-        self._containers = containers
-        self._scanned_at = now
-        self.scans += 1

@@ -421,3 +421,35 @@ def test_clone_is_independent() -> None:
     assert copy.available_indices() == [1, 2, 3, 4, 5]
     assert isinstance(copy.leaf(0), GPUNode)
     assert copy.leaf(0).parent is not tree.leaf(0).parent
+
+
+def test_clone_keeps_shape_and_state() -> None:
+    tree = upstream_six()
+    tree.occupy(0, 30, GIB)
+    tree.occupy(3, 100, 0)
+    tree.set_healthy(5, False)
+    tree.update_usage(1, [7, 8], 2 * GIB)
+    copy = tree.clone()
+    assert render_shape(copy) == render_shape(tree)
+    assert [g.indices for g in copy.groups()] == [g.indices for g in tree.groups()]
+    assert [g.level for g in copy.groups()] == [g.level for g in tree.groups()]
+    for old, new in zip(tree.leaves, copy.leaves, strict=True):
+        assert new is not old and new.info is old.info
+        assert (new.allocatable_cores, new.allocatable_memory, new.pids, new.used_memory, new.healthy) == (
+            old.allocatable_cores,
+            old.allocatable_memory,
+            old.pids,
+            old.used_memory,
+            old.healthy,
+        )
+        assert new.in_pool == old.in_pool
+        assert copy.leaf(new.index) is new and copy.leaf_by_minor(new.minor) is new
+    # Every link stays inside the copy: parents, children and each group's leaves.
+    nodes = [copy.root, *copy.groups(), *copy.leaves]
+    ids = {id(n) for n in nodes}
+    for group in [copy.root, *copy.groups()]:
+        assert all(id(c) in ids and c.parent is group for c in group.children)
+        assert all(id(leaf) in ids for leaf in group.leaves)
+    assert copy.available_indices() == tree.available_indices() == [1, 2, 4]
+    copy.free(3, 100, 0)
+    assert copy.available_indices() == [1, 2, 3, 4] and tree.available_indices() == [1, 2, 4]

@@ -39,9 +39,9 @@ not thread-safe; its owner serialises access.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.topology.levels import GROUP_LEVELS, Level
@@ -107,8 +107,24 @@ class TopologyTree:
         return self.root.available_indices
 
     def clone(self) -> TopologyTree:
-        """Return an independent deep copy (for what-if evaluation)."""
-        return copy.deepcopy(self)
+        """Return an independent copy (for what-if evaluation): the same groups and GPUs with the same
+        state, sharing only the immutable :class:`GPUInfo` of each GPU. Built node by node, not with
+        :func:`copy.deepcopy` (ten times slower, and taken under the allocator's lock)."""
+        copies: dict[int, GPUNode] = {}
+
+        def copy_group(group: GroupNode, parent: GroupNode | None) -> GroupNode:
+            new = GroupNode(level=group.level, leaves=(), parent=parent, is_root=group.is_root)
+            for child in group.children:
+                if isinstance(child, GPUNode):
+                    leaf = replace(child, parent=new)
+                    copies[leaf.index] = leaf
+                    new.children.append(leaf)
+                else:
+                    new.children.append(copy_group(child, new))
+            new.leaves = tuple(copies[leaf.index] for leaf in group.leaves)
+            return new
+
+        return TopologyTree(copy_group(self.root, None), copies.values())
 
     # -- state changes -------------------------------------------------------------------------
 

@@ -94,6 +94,7 @@ class PodResourcesClient:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
+        self._stub_of_channel: Any = None  # made once per channel (three method objects each time otherwise)
         self._get_supported = True
         self._shared_list = SharedCall(lambda: _Holders(self._list().pod_resources))
         self._lookups = 0  # owner lookups in progress
@@ -104,7 +105,8 @@ class PodResourcesClient:
         with self._lock:
             if self._channel is None:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
-            return pb_grpc.PodResourcesListerStub(self._channel)
+                self._stub_of_channel = pb_grpc.PodResourcesListerStub(self._channel)
+            return self._stub_of_channel
 
     @property
     def waiting_for_list(self) -> int:
@@ -117,6 +119,7 @@ class PodResourcesClient:
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None
+                self._stub_of_channel = None
 
     def list_all(self) -> list[ContainerDevices]:
         """Every container's devices, as the kubelet sees them now."""

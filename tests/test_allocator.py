@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpumanager.allocation.allocator import AllocationError
-from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod, uid_of
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.response import Mount, ResponseSettings, build_response
+from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod, uid_of, v100x4
 
 GIB = 1 << 30
 
@@ -38,6 +40,22 @@ def test_share_response_has_upstreams_exact_shape(tmp_path: Path) -> None:
         "tencent.com/vcuda-memory": str(8 * 256 * MIB),
         "tencent.com/vcuda-device": "/dev/nvidia0",
     }
+
+
+def test_response_paths_are_normalised_as_paths() -> None:
+    gpus, _ = v100x4()
+    alloc = ContainerAllocation(uid_of("a"), "main", (2,), 30, GIB, answered_as=(uid_of("b"), "side"))
+    for vm in ("/etc/gpu-manager//vm/", "/etc/gpu-manager/vm", "/etc/gpu-manager/./vm"):
+        settings = ResponseSettings("/vd/nvidia", "/vd/origin", vm)
+        resp = build_response(alloc, gpus, settings)
+        assert resp.mounts == (
+            Mount("/usr/local/nvidia", "/vd/nvidia", True),
+            Mount("/etc/vcuda", f"/etc/gpu-manager/vm/{uid_of('b')}", True),
+        )
+        assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/main/vcuda.config"
+        assert [d.host_path for d in resp.devices] == ["/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    root = build_response(alloc, gpus, ResponseSettings("/vd/nvidia", "/vd/origin", "/"))
+    assert root.mounts[1].host_path == f"/{uid_of('b')}"
 
 
 def test_whole_gpus_mount_the_untouched_driver_and_compat32(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import cached_property
+from pathlib import PurePosixPath
 
 from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
@@ -48,6 +49,34 @@ class ResponseSettings:
     virtual_manager_path: str
     extra_devices: tuple[str, ...] = ()
 
+    @cached_property
+    def _parts(self) -> _Parts:
+        """What every answer shares, made once per settings (an Allocate is answered while the kubelet waits)."""
+        common = tuple(DeviceNode(p, p) for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", *self.extra_devices))
+        return _Parts(
+            common_devices=common,
+            shared_driver=Mount(names.DRIVER_MOUNTPOINT, self.vdriver_nvidia, True),
+            whole_driver=Mount(names.DRIVER_MOUNTPOINT, self.vdriver_origin, True),
+            vm_dir=str(PurePosixPath(self.virtual_manager_path)),
+        )
+
+
+@dataclass(frozen=True)
+class _Parts:
+    common_devices: tuple[DeviceNode, ...]
+    shared_driver: Mount
+    whole_driver: Mount
+    vm_dir: str  # the virtual manager directory, normalised as a path
+
+
+def _child(directory: str, name: str) -> str:
+    """``directory/name`` for an absolute, normalised directory and a name without slashes."""
+    return directory + name if directory.endswith("/") else f"{directory}/{name}"
+
+
+_LIB64 = f"{names.DRIVER_MOUNTPOINT}/lib64"
+_LIB = f"{names.DRIVER_MOUNTPOINT}/lib"
+
 
 def build_response(
     allocation: ContainerAllocation,
@@ -56,24 +85,26 @@ def build_response(
     *,
     compat32: bool = False,
 ) -> ContainerResponse:
-    """gpu-manager's response (§3.4), plus ``VCUDA_CONFIG_PATH`` naming the container's vcuda.config."""
+    """gpu-manager's response (§3.4), plus ``VCUDA_CONFIG_PATH`` naming the container's vcuda.config.
+
+    Pod UIDs and container names are safe names (no slash, never empty), so paths are joined as text.
+    """
+    parts = settings._parts
     by_minor = {g.minor: g for g in gpus}
     chosen = [by_minor[m] for m in allocation.minors]
     envs = {
-        "LD_LIBRARY_PATH": f"{names.DRIVER_MOUNTPOINT}/lib" if compat32 else f"{names.DRIVER_MOUNTPOINT}/lib64",
+        "LD_LIBRARY_PATH": _LIB if compat32 else _LIB64,
         "NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in chosen),
-        names.VCUDA_CONFIG_ENV: str(Path(names.VCUDA_MOUNTPOINT) / allocation.container / names.VCUDA_CONFIG_FILE),
+        names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{allocation.container}/{names.VCUDA_CONFIG_FILE}",
     }
-    devices = [DeviceNode(g.device_path, g.device_path) for g in chosen]
-    devices += [DeviceNode(p, p) for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", *settings.extra_devices)]
-    driver = settings.vdriver_nvidia if allocation.shared else settings.vdriver_origin
+    devices = tuple(DeviceNode(g.device_path, g.device_path) for g in chosen) + parts.common_devices
     mounts = (
-        Mount(names.DRIVER_MOUNTPOINT, driver, True),
-        Mount(names.VCUDA_MOUNTPOINT, str(Path(settings.virtual_manager_path) / allocation.answered[0]), True),
+        parts.shared_driver if allocation.shared else parts.whole_driver,
+        Mount(names.VCUDA_MOUNTPOINT, _child(parts.vm_dir, allocation.answered[0]), True),
     )
     annotations = {
         names.VCORE_RESOURCE: str(allocation.cores),
         names.VMEMORY_RESOURCE: str(allocation.memory),
         names.VDEVICE_ANNOTATION: ",".join(allocation.devices),
     }
-    return ContainerResponse(envs=envs, mounts=mounts, devices=tuple(devices), annotations=annotations)
+    return ContainerResponse(envs=envs, mounts=mounts, devices=devices, annotations=annotations)

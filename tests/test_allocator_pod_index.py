@@ -5,6 +5,7 @@ runs, a cache that lists again, a view not yet complete, a restart) as a look at
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -298,3 +299,106 @@ def test_a_pod_allocated_from_a_fresh_list_the_cache_never_shows_is_freed_after_
     assert alloc.recycle() == []
     monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)  # long past: deleted unseen
     assert alloc.recycle() == [uid_of("early")]
+
+
+def test_the_queues_of_waiting_pods_choose_as_a_look_at_every_waiting_pod_would(tmp_path: Path) -> None:
+    """Allocate takes its candidate from per-size heaps of the waiting pods; through adds, updates, ends,
+    allocations, swaps, take-backs and undone allocations, the heaps' choice stays the full scan's."""
+    rng = random.Random(7)
+    pods = FakePods()
+    alloc = make_allocator(tmp_path, pods)
+    fail_next_write = [False]
+    real_sync = alloc._store.sync
+
+    def sync(ticket: int) -> None:
+        if fail_next_write[0]:
+            fail_next_write[0] = False
+            raise OSError(5, "Input/output error")
+        real_sync(ticket)
+
+    alloc._store.sync = sync  # type: ignore[method-assign]
+    sizes = (10, 20, 30)
+    next_id = iter(range(10**6))
+    made = 0
+
+    def fresh_ids(count: int) -> list[str]:
+        return [f"{names.VCORE_RESOURCE}-{next(next_id)}" for _ in range(count)]
+
+    def add() -> None:
+        nonlocal made
+        made += 1
+        containers = [("c", rng.choice(sizes), 1)]
+        if rng.random() < 0.2:
+            containers.append(("d", rng.choice(sizes), 1))
+        annotations = {"tencent.com/predicate-time": str(rng.randrange(5))} if rng.random() < 0.5 else {}
+        created = f"2026-11-21T10:00:{rng.randrange(60):02d}Z"
+        pods.items.append(make_pod(f"p{made}", containers, annotations=annotations, created=created))
+
+    def allocate() -> None:
+        with contextlib.suppress(AllocationError):
+            alloc.allocate(fresh_ids(rng.choice(sizes)))
+
+    def allocate_failing_write() -> None:
+        fail_next_write[0] = True
+        with contextlib.suppress(AllocationError):
+            alloc.allocate(fresh_ids(rng.choice(sizes)))
+        fail_next_write[0] = False
+
+    def update() -> None:
+        if pods.items:
+            p = rng.choice(pods.items)
+            change = rng.randrange(3)
+            if change == 0:
+                p["metadata"]["annotations"][names.GPU_ASSIGNED] = "true"
+            elif change == 1:
+                p["status"] = dict(RUNNING)
+            else:
+                p["metadata"]["labels"] = {"touched": str(rng.random())}
+
+    def end() -> None:
+        if pods.items:
+            p = rng.choice(pods.items)
+            if rng.random() < 0.5:
+                pods.items.remove(p)
+            else:
+                p["status"]["phase"] = "Succeeded"
+
+    def swap() -> None:
+        held = alloc.allocations()
+        if held:
+            mine = rng.choice(held)
+            others = [
+                (uid, w.requests[0].name)
+                for uid, w in alloc._waiting.items()
+                if len(w.requests) == 1 and w.requests[0].cores == mine.cores
+            ]
+            if others:
+                with contextlib.suppress(AllocationError):
+                    alloc.pre_start(list(mine.device_ids), rng.choice(others))
+
+    def take_back() -> None:
+        held = [a for a in alloc.allocations() if a.device_ids]
+        if held:
+            mine = rng.choice(held)
+            with contextlib.suppress(AllocationError):
+                alloc.pre_start(list(mine.device_ids), mine.key)  # started: its IDs may come back
+            with contextlib.suppress(AllocationError):
+                alloc.allocate(list(mine.device_ids))
+
+    steps = [add, add, add, allocate, allocate, allocate_failing_write, update, end, swap, take_back]
+    for _ in range(600):
+        rng.choice(steps)()
+        if rng.random() < 0.1:
+            alloc.recycle()
+        with alloc._lock:
+            alloc._take_pod_changes()
+            for cores in sizes:
+                full = alloc._best(list(alloc._waiting.values()), cores)
+                queued = alloc._match_cached(cores)
+                assert (full and (uid_of_pod(full.pod), full.request.name)) == (
+                    queued and (uid_of_pod(queued.pod), queued.request.name)
+                )
+
+
+def uid_of_pod(pod: Any) -> str:
+    return str(pod["metadata"]["uid"])

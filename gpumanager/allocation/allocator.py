@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
 import logging
 import threading
 import time
@@ -170,6 +171,14 @@ class Allocator:
         self._pod_generation = -1
         # Pods that may have a container waiting for GPUs, by UID (see Waiting).
         self._waiting: dict[str, Waiting] = {}
+        # The same pods in upstream's order, so that Allocate need not look at each: those with one GPU
+        # container in a heap per cores asked, (order, push number, entry); the others (few) by UID.
+        # A heap entry is dropped when it reaches the top no longer waiting (replaced, gone, its container
+        # allocated or retired); a container whose allocation goes is pushed again (_remove).
+        self._queues: dict[int, list[tuple[tuple[int, int, str, str], int, Waiting]]] = {}
+        self._multi: dict[str, Waiting] = {}
+        self._queued = 0  # entries in every heap, stale ones too
+        self._pushes = 0
         # Pods holding GPUs whose end has not been checked since they changed (or took their first GPU).
         self._unverified: set[str] = set()
         # Every holder must be checked: the pod source could not say which pods changed.
@@ -460,6 +469,7 @@ class Allocator:
         # It will not ask again: the kubelet allocates a container once (it reuses IDs across restarts).
         if len(self._retired) > 4096:
             self._retired.clear()
+            self._reindex()  # the containers dropped from the heaps as retired may wait again
         self._retired.add(key)
         log.info(
             "%s of pod %s container %s come back in a new Allocate: that container has started or ended, so "
@@ -471,9 +481,57 @@ class Allocator:
         )
 
     def _match_cached(self, cores: int) -> Candidate | None:
-        """The candidate among the pods the cache knows (its changes taken in first; lock held)."""
-        self._take_pod_changes()
-        return self._best(self._waiting.values(), cores)
+        """The candidate among the pods the cache knows, as :meth:`_best` over every waiting pod would
+        choose it, from the heap of that size (lock held; the cache's changes taken in just before, by
+        :meth:`_recycle_locked`)."""
+        queue = self._queues.get(cores)
+        allocs, retired, waiting = self._allocs, self._retired, self._waiting
+        top: Waiting | None = None
+        while queue:
+            entry = queue[0][2]
+            if waiting.get(entry.uid) is entry and entry.keys[0] not in allocs and entry.keys[0] not in retired:
+                top = entry
+                break
+            heapq.heappop(queue)
+            self._queued -= 1
+        best = self._best_of(self._multi.values(), cores) if self._multi else None
+        if top is not None and (best is None or top.order < best[0]):
+            return Candidate(top.pod, top.requests[0])
+        return Candidate(best[1].pod, best[2]) if best is not None else None
+
+    def _set_waiting(self, uid: str, entry: Waiting | None) -> None:
+        """Record whether a pod waits, in the index and its heaps (lock held)."""
+        if entry is None:
+            self._waiting.pop(uid, None)
+            self._multi.pop(uid, None)
+            return
+        self._waiting[uid] = entry
+        if len(entry.requests) == 1:
+            self._multi.pop(uid, None)
+            self._push(entry)
+        else:
+            self._multi[uid] = entry
+
+    def _push(self, entry: Waiting) -> None:
+        if self._queued > 2 * len(self._waiting) + 64:
+            self._reindex()  # mostly stale entries: start afresh (this one included)
+            return
+        self._pushes += 1
+        self._queued += 1
+        heapq.heappush(self._queues.setdefault(entry.requests[0].cores, []), (entry.order, self._pushes, entry))
+
+    def _reindex(self) -> None:
+        """Build the heaps and the list of pods with several GPU containers from the index anew."""
+        self._queues, self._multi = {}, {}
+        for entry in self._waiting.values():
+            if len(entry.requests) == 1:
+                self._pushes += 1
+                self._queues.setdefault(entry.requests[0].cores, []).append((entry.order, self._pushes, entry))
+            else:
+                self._multi[entry.uid] = entry
+        for queue in self._queues.values():
+            heapq.heapify(queue)
+        self._queued = sum(len(q) for q in self._queues.values())
 
     def _take_pod_changes(self) -> None:
         """Bring the index of waiting pods, and the list of holders to check, up to date with the pod
@@ -483,6 +541,7 @@ class Allocator:
             pods = self._pods.pods()
             waiting = (self._waiting_entry(pod) for pod in pods)
             self._waiting = {w.uid: w for w in waiting if w is not None}
+            self._reindex()
             self._verify_all = True
             if self._fresh_only:
                 for listed in pods:
@@ -491,11 +550,7 @@ class Allocator:
             for uid in changed:
                 self._fresh_only.pop(uid, None)  # the cache shows it (or its end) now
                 found = self._pods.get(uid)
-                entry = self._waiting_entry(found) if found is not None else None
-                if entry is None:
-                    self._waiting.pop(uid, None)
-                else:
-                    self._waiting[uid] = entry
+                self._set_waiting(uid, self._waiting_entry(found) if found is not None else None)
                 if uid in self._by_pod:
                     self._unverified.add(uid)
         self._pod_generation = generation
@@ -580,6 +635,13 @@ class Allocator:
         Pods come first when another of their containers is allocated already, then by predicate
         time, creation time and name; only pods with a container of that size are ordered at all.
         """
+        best = self._best_of(waiting, cores)
+        return Candidate(best[1].pod, best[2]) if best is not None else None
+
+    def _best_of(
+        self, waiting: Iterable[Waiting], cores: int
+    ) -> tuple[tuple[int, int, str, str], Waiting, GPURequest] | None:
+        """(order, pod, container) of :meth:`_best`."""
         best: tuple[tuple[int, int, str, str], Waiting, GPURequest] | None = None
         allocs, retired = self._allocs, self._retired
         for entry in waiting:
@@ -597,7 +659,7 @@ class Allocator:
                 order = (0, *entry.order[1:]) if any(done) else entry.order
             if best is None or order < best[0]:
                 best = (order, entry, request)
-        return Candidate(best[1].pod, best[2]) if best is not None else None
+        return best
 
     def _gpu_containers(self, uid: str, pod: Pod) -> list[GPURequest]:
         cached = self._parsed.get(uid)
@@ -727,6 +789,9 @@ class Allocator:
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
         self._generation += 1
+        waiting = self._waiting.get(key[0]) if alloc is not None else None
+        if waiting is not None and len(waiting.requests) == 1 and waiting.keys[0] == key:
+            self._push(waiting)  # it may wait again (an allocation undone): back in its heap
         self._responses.pop(key, None)
         self._unsynced.pop(key, None)
         containers = self._by_pod.get(key[0])

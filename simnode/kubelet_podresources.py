@@ -155,6 +155,10 @@ class _Servicer:
         self._source = source
         self._limiter = limiter
         self._calls = calls
+        # The last List answer and the snapshot it was made from (a source answers the same list while
+        # nothing changed).
+        self._list_made: tuple[list[PodSnapshot], Any] | None = None
+        self._messages: dict[int, tuple[PodSnapshot, Any]] = {}  # id(snapshot) -> (snapshot, message)
 
     def _admit(self, method: str, context: grpc.ServicerContext) -> None:
         admitted = self._limiter.allow()
@@ -165,7 +169,23 @@ class _Servicer:
     def List(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._admit("List", context)
         pods = self._source.pod_resources_snapshot()
-        return pr.ListPodResourcesResponse(pod_resources=[_pod_message(p) for p in pods])
+        made = self._list_made
+        if made is not None and made[0] is pods:
+            return made[1]  # the source's pods have not changed since: the same answer
+        answer = pr.ListPodResourcesResponse(pod_resources=[self._message(p) for p in pods])
+        self._list_made = (pods, answer)
+        messages = self._messages
+        if len(messages) > 2 * len(pods) + 64:
+            self._messages = {id(p): messages[id(p)] for p in pods if id(p) in messages}
+        return answer
+
+    def _message(self, pod: PodSnapshot) -> Any:
+        """The pod's message, made once for each snapshot object (a source keeps the snapshot of a pod
+        that did not change)."""
+        known = self._messages.get(id(pod))
+        if known is None or known[0] is not pod:
+            known = self._messages[id(pod)] = (pod, _pod_message(pod))
+        return known[1]
 
     def GetAllocatableResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._admit("GetAllocatableResources", context)

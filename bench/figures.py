@@ -65,8 +65,10 @@ def figure(name: str, seconds: list[float], *, target_ms: float | None = None, s
     return text
 
 
-def dsync_write_seconds(directory: Path, count: int = 200, size: int = 512) -> list[float]:
-    """Latency of one small ``O_DSYNC`` overwrite in ``directory`` (what one durable journal record costs)."""
+def dsync_write_seconds(directory: Path, count: int = 200, size: int = 512, pause: float = 0.0) -> list[float]:
+    """Latency of one small ``O_DSYNC`` overwrite in ``directory`` (what one durable journal record costs),
+    ``pause`` seconds after the previous one: a disk (a virtual one above all) that has been idle for a
+    few milliseconds, as between two Allocate calls, can take several times longer than back to back."""
     import time
 
     path = directory / ".dsync-probe"
@@ -83,6 +85,8 @@ def dsync_write_seconds(directory: Path, count: int = 200, size: int = 512) -> l
             started = time.perf_counter()
             os.pwrite(fd, b"x" * size, i * size)
             out.append(time.perf_counter() - started)
+            if pause:
+                time.sleep(pause)
     finally:
         os.close(fd)
         path.unlink()

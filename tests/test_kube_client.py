@@ -14,7 +14,7 @@ from gpumanager.kube.client import KubeUnavailableError, api_client
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
 
-#: Loaded by the kubeconfig loader (YAML, OAuth, the client's typed package): about 16 MiB.
+#: Loaded by the kubeconfig loader (YAML) and by its auth providers when used (OAuth, the typed client).
 LOADER_ONLY = ["yaml", "requests", "oauthlib", "pydantic", "kubernetes.config.kube_config"]
 
 MISSING = r"""
@@ -105,3 +105,27 @@ def test_the_in_cluster_client_asks_with_its_token_and_loads_no_pydantic(tmp_pat
         )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {"pods": ["p"], "loaded": []}
+
+
+HTTP2_METADATA = r"""
+import json, sys
+from gpumanager.kube.client import kube_client
+from gpumanager.kube.rest import KubeRest
+pods = KubeRest(kube_client(sys.argv[1])).list_pods(field_selector="spec.nodeName=node-1", timeout=5)
+unused = ["importlib.metadata", "zipfile", "csv"]
+before = [m for m in unused if m in sys.modules]
+import urllib3, urllib3.http2
+version = urllib3.http2.version("urllib3")  # what urllib3's HTTP/2 check calls, loaded at first use
+print(json.dumps({"pods": len(pods["items"]), "before": before, "version": version == urllib3.__version__}))
+"""
+
+
+def test_the_client_loads_no_package_metadata_reader_until_http2_asks(tmp_path: Path) -> None:
+    with ApiServerSimulator() as api:
+        api.add_node("node-1")
+        config = api.write_kubeconfig(tmp_path / "kubeconfig")
+        done = subprocess.run(
+            [sys.executable, "-c", HTTP2_METADATA, str(config)], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"pods": 0, "before": [], "version": True}

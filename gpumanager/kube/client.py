@@ -11,9 +11,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from urllib3.util.retry import Retry
-
 from gpumanager import lazy_imports, lazy_package
+
+#: urllib3 imports ``importlib.metadata`` (with ``zipfile`` and ``csv``: about 0.6 MiB for good) only
+#: to check the version of an HTTP/2 package when asked to use it; the agent speaks HTTP/1.1.
+URLLIB3_UNUSED = {"urllib3.http2": ("importlib.metadata",)}
+for _importer, _targets in URLLIB3_UNUSED.items():
+    lazy_imports.defer_imports(_importer, *_targets)
+
+from urllib3.util.retry import Retry  # noqa: E402 - after the deferral above
 
 log = logging.getLogger(__name__)
 

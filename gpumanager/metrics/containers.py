@@ -15,6 +15,7 @@ A container's lines are rendered again only when its usage, allocation or pod ch
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from gpumanager import names
@@ -64,9 +65,13 @@ class ContainerFamilies:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
+        self._last: tuple[Sequence[ContainerUsage], str] = ((), "")
 
     def render(self, usages: Sequence[ContainerUsage]) -> str:
         """The four families for ``usages`` (header lines even when there is no container)."""
+        last_usages, last_text = self._last
+        if last_text and len(last_usages) == len(usages) and all(map(operator.is_, last_usages, usages)):
+            return last_text  # the same objects: nothing changed
         known = self._entries
         current: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
         columns: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
@@ -84,7 +89,9 @@ class ContainerFamilies:
         for head, lines in zip(_HEADERS, columns, strict=True):
             parts.append(head)
             parts.extend(lines)
-        return "".join(parts)
+        text = "".join(parts)
+        self._last = (tuple(usages), text)
+        return text
 
 
 def _label_sets(u: ContainerUsage, before: _Labels) -> _Labels:

@@ -77,6 +77,12 @@ class _Held:
     pod: Pod
     allocation: ContainerAllocation
     gpus: tuple[GPUInfo, ...]
+    idle: tuple[DeviceUsage, ...]  # its usage while no process of it is on a GPU
+
+    @property
+    def key(self) -> Key:
+        """(pod UID, container)."""
+        return self.allocation.key
 
 
 @dataclass(frozen=True)
@@ -180,38 +186,49 @@ class UsageSampler:
         self._owners.update(plan.containers, plan.holders, {index: s.procs for index, s in per_gpu.items()})
         # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
         mine: dict[tuple[int, Key], list[int]] = {}
+        busy: set[Key] = set()  # containers with a process on a GPU
         owner_of = self._owners.owner
         for index, s in per_gpu.items():
             for pid in s.procs:
                 owner = owner_of(pid)
                 if owner is not None:
                     mine.setdefault((index, owner), []).append(pid)
+                    busy.add(owner)
         last = self._last
         usages: list[ContainerUsage] = []
+        new = False
         for held in plan.held:
-            key = held.allocation.key
-            devices = tuple(
-                self._device(gpu, per_gpu.get(gpu.index, _EMPTY), mine.get((gpu.index, key))) for gpu in held.gpus
-            )
+            key = held.key
+            if key in busy:
+                devices = tuple(
+                    self._device(gpu, per_gpu.get(gpu.index, _EMPTY), mine.get((gpu.index, key))) for gpu in held.gpus
+                )
+            else:
+                devices = held.idle
             before = last.get(key)
             if (
                 before is not None
                 and before.allocation is held.allocation
                 and before.pod is held.pod
-                and before.devices == devices
+                and (before.devices is devices or before.devices == devices)
             ):
                 usages.append(before)
             else:
                 usages.append(ContainerUsage(held.pod, held.allocation, devices))
-        self._last = {u.allocation.key: u for u in usages}
+                new = True
+        if new or len(last) != len(usages):
+            self._last = {u.allocation.key: u for u in usages}
         return usages
+
+    def _idle(self, gpu: GPUInfo) -> DeviceUsage:
+        zero = self._zero.get(gpu.index)
+        if zero is None or zero.gpu is not gpu:
+            zero = self._zero[gpu.index] = DeviceUsage(gpu, 0, 0.0, 0.0, ())
+        return zero
 
     def _device(self, gpu: GPUInfo, s: _GPUSample, pids: list[int] | None) -> DeviceUsage:
         if not pids:
-            zero = self._zero.get(gpu.index)
-            if zero is None or zero.gpu is not gpu:
-                zero = self._zero[gpu.index] = DeviceUsage(gpu, 0, 0.0, 0.0, ())
-            return zero
+            return self._idle(gpu)
         pids.sort()
         return DeviceUsage(
             gpu=gpu,
@@ -242,7 +259,7 @@ class UsageSampler:
             if old is not None and old.pod is pod and old.allocation == alloc and old.gpus == gpus:
                 held.append(old)  # the same objects: what readers derived from them stays valid
             else:
-                held.append(_Held(pod, alloc, gpus))
+                held.append(_Held(pod, alloc, gpus, tuple(self._idle(g) for g in gpus)))
             entry = ids.get(alloc.pod_uid)
             if entry is None:
                 entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), (pod.get("status") or {}).get("qosClass"))

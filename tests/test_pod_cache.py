@@ -185,3 +185,16 @@ def test_the_cache_keeps_compacted_pods(api: ApiServerSimulator, cache: PodCache
     one, two = sorted(cache.pods(), key=lambda p: p["metadata"]["name"])
     assert one["metadata"]["namespace"] is two["metadata"]["namespace"]
     assert one["spec"]["containers"][0]["image"] is two["spec"]["containers"][0]["image"]
+
+
+def test_a_list_keeps_compacted_pods_too(api: ApiServerSimulator) -> None:
+    api.create_pod(pod_manifest("one"))
+    api.create_pod(pod_manifest("two"))
+    listed = PodCache(api.client(retries=False), "node-1", request_timeout=2.0, watch_timeout=30)
+    listed.start()
+    try:
+        assert listed.wait_synced(10) and listed.lists == 1
+        one, two = sorted(listed.pods(), key=lambda p: p["metadata"]["name"])
+        assert one["spec"]["containers"][0]["image"] is two["spec"]["containers"][0]["image"]
+    finally:
+        listed.stop()

@@ -261,13 +261,13 @@ class PodCache:
 
     def _list(self) -> tuple[list[Pod], str]:
         data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout) or {}
-        items: list[Pod] = [compact(p) for p in data.get("items") or []]
+        items: list[Pod] = [dict(p) for p in data.get("items") or []]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def _relist(self) -> None:
         items, rv = self._list()
         self.lists += 1
-        fresh = {str((p.get("metadata") or {}).get("uid", "")): p for p in items}
+        fresh: dict[str, Pod] = {str((p.get("metadata") or {}).get("uid", "")): compact(p) for p in items}
         with self._lock:
             old = self._pods
             self._pods = fresh

@@ -11,7 +11,9 @@ from typing import Any
 import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from gpumanager import buildinfo, names
 from gpumanager.allocation.records import ContainerAllocation
@@ -518,6 +520,27 @@ def test_family_text_is_what_generate_latest_writes() -> None:
 
     assert stable(second) == stable(generate_latest(registry).decode())
     assert first != second
+
+
+def test_family_text_writes_a_kept_line_again_only_when_its_value_changed() -> None:
+    values = [1.0, 1.0, 2.5, 0.0, -0.0, -0.0, float("nan"), 1e21, 7.0]
+
+    class Gauge(Collector):
+        value = 0.0
+
+        def collect(self) -> Iterator[Metric]:
+            family = GaugeMetricFamily("some_ratio", "A value", labels=["gpu"])
+            family.add_metric(["0"], self.value)
+            family.add_metric(["1"], 1.0)
+            yield family
+
+    registry = CollectorRegistry()
+    gauge = Gauge()
+    registry.register(gauge)
+    renderer = textformat.FamilyText()
+    for value in values:
+        gauge.value = value
+        assert renderer.render(registry.collect()) == generate_latest(registry).decode(), value
 
 
 # -- DRA claims ---------------------------------------------------------------------------------------

@@ -79,30 +79,50 @@ _KINDS = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "
 class FamilyText:
     """The text of a registry's families, as ``prometheus_client.generate_latest`` writes it.
 
-    Each series' name and label set is rendered once and kept while the series exists, so a
-    scrape formats only values. The page carries no ``_created`` series (they are disabled).
+    Each series' name and label set is rendered once and kept while the series exists, and its
+    line while its value stays the same, so a scrape formats only values that changed. The page
+    carries no ``_created`` series (they are disabled).
     """
 
     def __init__(self) -> None:
-        self._prefixes: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        self._lines: dict[_SeriesKey, tuple[str, float, object, str]] = {}  # prefix, value, timestamp, line
+        self._headers: dict[tuple[str, str, str], str] = {}
 
     def render(self, families: Iterable[Metric]) -> str:
         """Every family: ``# HELP``, ``# TYPE`` and one line per sample."""
-        known = self._prefixes
-        current: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        known = self._lines
+        current: dict[_SeriesKey, tuple[str, float, object, str]] = {}
         out: list[str] = []
         for metric in families:
-            name = metric.name + ("_total" if metric.type == "counter" else "_info" if metric.type == "info" else "")
-            out.append(header(name, metric.documentation, _KINDS.get(metric.type, metric.type)))
+            head_key = (metric.name, metric.type, metric.documentation)
+            head = self._headers.get(head_key)
+            if head is None:
+                suffix = "_total" if metric.type == "counter" else "_info" if metric.type == "info" else ""
+                kind = _KINDS.get(metric.type, metric.type)
+                head = self._headers[head_key] = header(metric.name + suffix, metric.documentation, kind)
+            out.append(head)
             for s in metric.samples:
                 key = (s.name, tuple(s.labels.items()))
-                prefix = known.get(key)
-                if prefix is None:
-                    items = sorted(s.labels.items())
-                    prefix = s.name + labels([k for k, _ in items], [v for _, v in items])
-                current[key] = prefix
-                stamp = "" if s.timestamp is None else f" {int(float(s.timestamp) * 1000):d}"
-                value = floatToGoString(s.value)  # type: ignore[no-untyped-call]
-                out.append(f"{prefix} {value}{stamp}\n")
-        self._prefixes = current
+                entry = known.get(key)
+                value = float(s.value)
+                if entry is None or not _same(entry[1], value) or entry[2] != s.timestamp:
+                    if entry is None:
+                        items = sorted(s.labels.items())
+                        prefix = s.name + labels([k for k, _ in items], [v for _, v in items])
+                    else:
+                        prefix = entry[0]
+                    stamp = "" if s.timestamp is None else f" {int(float(s.timestamp) * 1000):d}"
+                    text = floatToGoString(value)  # type: ignore[no-untyped-call]
+                    entry = (prefix, value, s.timestamp, f"{prefix} {text}{stamp}\n")
+                current[key] = entry
+                out.append(entry[3])
+        self._lines = current
         return "".join(out)
+
+
+_SeriesKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _same(a: float, b: float) -> bool:
+    """Whether two values are written alike (0.0 and -0.0 are not; NaN never equals, so is written again)."""
+    return a == b and (a != 0 or math.copysign(1.0, a) == math.copysign(1.0, b))

@@ -78,11 +78,7 @@ class _Held:
     allocation: ContainerAllocation
     gpus: tuple[GPUInfo, ...]
     idle: tuple[DeviceUsage, ...]  # its usage while no process of it is on a GPU
-
-    @property
-    def key(self) -> Key:
-        """(pod UID, container)."""
-        return self.allocation.key
+    key: Key  # (pod UID, container)
 
 
 @dataclass(frozen=True)
@@ -259,7 +255,7 @@ class UsageSampler:
             if old is not None and old.pod is pod and old.allocation == alloc and old.gpus == gpus:
                 held.append(old)  # the same objects: what readers derived from them stays valid
             else:
-                held.append(_Held(pod, alloc, gpus, tuple(self._idle(g) for g in gpus)))
+                held.append(_Held(pod, alloc, gpus, tuple(self._idle(g) for g in gpus), alloc.key))
             entry = ids.get(alloc.pod_uid)
             if entry is None:
                 entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), (pod.get("status") or {}).get("qosClass"))

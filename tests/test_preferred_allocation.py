@@ -105,3 +105,18 @@ def test_positions_agree_with_gpu_of() -> None:
         assert len(positions) == layout.count(resource)
         for device_id, (gpu, number) in positions.items():
             assert layout.gpu_of(resource, device_id) == gpu and device_id.endswith(f"-{number}")
+
+
+def test_ids_spelt_otherwise_are_ordered_by_number_with_the_others() -> None:
+    pref, layout = v100x4()
+    ids = layout.ids_of_gpu(CORE, 0)[:12]
+    padded = [f"{CORE}-00{n}" for n in (3, 5)]  # the node's GPU 0, numbers 3 and 5, spelt with zeros
+    offered = [i for i in ids if not i.endswith(("-3", "-5"))][::-1] + padded
+    assert pref.choose(CORE, offered, [], 6) == [ids[0], ids[1], ids[2], padded[0], ids[4], padded[1]]
+
+
+def test_a_request_no_gpu_holds_takes_the_lowest_ids_of_each_gpu_it_spans() -> None:
+    pref, layout = v100x4()
+    one, two = layout.ids_of_gpu(MEM, 1)[1:4], layout.ids_of_gpu(MEM, 2)  # 3 and 4 blocks free
+    offered = [two[2], one[1], two[0], one[2], two[3], one[0], two[1]]
+    assert pref.choose(MEM, offered, [], 6) == [*two, *one[:2]]

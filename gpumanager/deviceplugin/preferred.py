@@ -12,6 +12,7 @@ anything we cannot place is left for the kubelet to fill.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable, Sequence
 
@@ -34,10 +35,13 @@ class Preference:
         self._scratch_tree = scratch_tree  # a copy of the allocator's tree, taken under its lock
         self._layout = layout
 
-    def _by_gpu(self, resource: str, ids: Sequence[str]) -> dict[int, list[str]]:
-        """The IDs per GPU, lowest number first (the kubelet offers up to thousands per call)."""
+    def _by_gpu(self, resource: str, ids: Sequence[str]) -> tuple[dict[int, list[str]], dict[str, int]]:
+        """The IDs per GPU in the order offered, and the number of each ID not spelt as this node spells its
+        own. The kubelet offers up to thousands of IDs a call: only the GPUs taken from are sorted
+        (:meth:`_lowest`)."""
         positions = self._layout.positions(resource)
-        grouped: dict[int, list[tuple[int, str]]] = {}
+        grouped: dict[int, list[str]] = {}
+        odd: dict[str, int] = {}
         for device_id in ids:
             position = positions.get(device_id)
             if position is None:  # not as this node spells its IDs
@@ -46,27 +50,40 @@ class Preference:
                 except UnknownDeviceError as exc:
                     log.warning("GetPreferredAllocation: ignoring %s", exc)
                     continue
-            gpu, number = position
-            grouped.setdefault(gpu, []).append((number, device_id))
-        return {gpu: [device_id for _, device_id in sorted(group)] for gpu, group in grouped.items()}
+                odd[device_id] = position[1]
+            group = grouped.get(position[0])
+            if group is None:
+                group = grouped[position[0]] = []
+            group.append(device_id)
+        return grouped, odd
+
+    def _lowest(self, resource: str, ids: list[str], count: int, odd: dict[str, int]) -> list[str]:
+        """The ``count`` IDs of lowest number (then name) among ``ids``, lowest first."""
+        positions = self._layout.positions(resource)
+
+        def key(device_id: str) -> tuple[int, str]:
+            position = positions.get(device_id)
+            return (position[1] if position is not None else odd[device_id], device_id)
+
+        return heapq.nsmallest(count, ids, key=key)
 
     def choose(self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Up to ``size`` IDs from ``available``, starting with ``must_include``."""
+        """Up to ``size`` IDs from ``available``, starting with ``must_include``; from each GPU chosen, its
+        IDs of lowest number first."""
         chosen = list(dict.fromkeys(must_include))[:size]
         if len(chosen) >= size:
             return chosen
         taken = set(chosen)
-        free = self._by_gpu(resource, [d for d in available if d not in taken])
+        free, odd = self._by_gpu(resource, [d for d in available if d not in taken] if taken else available)
         need = size - len(chosen)
         if resource == names.VCORE_RESOURCE:
-            gpus = self._core_gpus(free, need, self._by_gpu(resource, chosen))
+            gpus = self._core_gpus(free, need, self._by_gpu(resource, chosen)[0])
         else:
             gpus = self._memory_gpus(free, need)
         for gpu in gpus:
-            for device_id in free.get(gpu, []):
-                if len(chosen) >= size:
-                    break
-                chosen.append(device_id)
+            if len(chosen) >= size:
+                break
+            chosen.extend(self._lowest(resource, free.get(gpu, []), size - len(chosen), odd))
         return chosen
 
     def _core_gpus(self, free: dict[int, list[str]], need: int, already: dict[int, list[str]]) -> list[int]:

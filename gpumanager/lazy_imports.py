@@ -215,18 +215,12 @@ class _ImporterFinder:
             return None
         busy.add(fullname)
         try:
-            for finder in sys.meta_path:
-                find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
-                    continue
-                spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None:
-                        spec.loader = cast("importlib.abc.Loader", _ImporterLoader(spec.loader, fullname))
-                    return spec
-            return None
+            spec = lazy_package.find_spec_elsewhere(self, fullname, path, target)
         finally:
             busy.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = cast("importlib.abc.Loader", _ImporterLoader(spec.loader, fullname))
+        return spec
 
 
 class _ImporterLoader:

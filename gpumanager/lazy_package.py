@@ -179,16 +179,25 @@ class _DeferringFinder:
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _PENDING and not (target is not None and _DEFERRED in vars(target)):
             return None  # neither deferred nor importlib.reload of a module held by _hold
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and not isinstance(spec.loader, _DeferringLoader):
-                    spec.loader = cast("Loader", _DeferringLoader(spec.loader))
-                return spec
-        return None
+        spec = find_spec_elsewhere(self, fullname, path, target)
+        if spec is not None and spec.loader is not None and not isinstance(spec.loader, _DeferringLoader):
+            spec.loader = cast("Loader", _DeferringLoader(spec.loader))
+        return spec
+
+
+def find_spec_elsewhere(
+    finder: object, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+) -> importlib.machinery.ModuleSpec | None:
+    """The spec that the finders on ``sys.meta_path`` other than ``finder`` give ``fullname``: what
+    a finder that only wraps their loaders answers with."""
+    for other in sys.meta_path:
+        find = getattr(other, "find_spec", None)
+        if other is finder or find is None:
+            continue
+        spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 class _DeferringLoader:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import pytest
 from gpumanager.kube.client import KubeUnavailableError, api_client
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
+from tests.fresh_python import run_json
 
 #: Loaded by the kubeconfig loader (YAML) and by its auth providers when used (OAuth, the typed client).
 LOADER_ONLY = ["yaml", "requests", "oauthlib", "pydantic", "kubernetes.config.kube_config"]
@@ -30,15 +28,7 @@ print(json.dumps({"error": error, "loaded": [m for m in sys.argv[2:] if m in sys
 
 def test_a_missing_kubeconfig_is_named_without_loading_the_loader(tmp_path: Path) -> None:
     missing = tmp_path / "no-kubeconfig"
-    done = subprocess.run(
-        [sys.executable, "-c", MISSING, str(missing), *LOADER_ONLY],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = run_json(MISSING, str(missing), *LOADER_ONLY)
     assert result["error"] == f"cannot configure the Kubernetes client from {missing}: no such file"
     assert result["loaded"] == []
 
@@ -94,17 +84,9 @@ def test_the_in_cluster_client_asks_with_its_token_and_loads_no_pydantic(tmp_pat
         api.add_node("node-1")
         api.create_pod(pod_manifest("p", node="node-1"))
         host, port = api.url.removeprefix("http://").split(":")
-        env = {**os.environ, "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
-        done = subprocess.run(
-            [sys.executable, "-c", IN_CLUSTER, str(token), str(cert), api.url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-            check=False,
-        )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"pods": ["p"], "loaded": []}
+        env = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
+        result = run_json(IN_CLUSTER, str(token), str(cert), api.url, env=env)
+    assert result == {"pods": ["p"], "loaded": []}
 
 
 HTTP2_METADATA = r"""
@@ -124,8 +106,5 @@ def test_the_client_loads_no_package_metadata_reader_until_http2_asks(tmp_path: 
     with ApiServerSimulator() as api:
         api.add_node("node-1")
         config = api.write_kubeconfig(tmp_path / "kubeconfig")
-        done = subprocess.run(
-            [sys.executable, "-c", HTTP2_METADATA, str(config)], capture_output=True, text=True, timeout=60, check=False
-        )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"pods": 0, "before": [], "version": True}
+        result = run_json(HTTP2_METADATA, str(config))
+    assert result == {"pods": 0, "before": [], "version": True}

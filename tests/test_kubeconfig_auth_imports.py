@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from simnode.cluster import SimCluster, gpu_pod
+from tests.fresh_python import run_json
 
 #: What only the OIDC and Google providers of the loader use.
 AUTH_ONLY = ["requests", "requests_oauthlib", "oauthlib", "pydantic", "kubernetes.client.api_client"]
@@ -110,17 +108,8 @@ def issuer() -> Iterator[Issuer]:
 
 
 def _load(config: Path) -> dict[str, object]:
-    env = {**os.environ, "OAUTHLIB_INSECURE_TRANSPORT": "1"}  # the test issuer speaks http
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(config), json.dumps(AUTH_ONLY)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    env = {"OAUTHLIB_INSECURE_TRANSPORT": "1"}  # the test issuer speaks http
+    result: dict[str, object] = run_json(SCRIPT, str(config), json.dumps(AUTH_ONLY), env=env)
     return result
 
 

@@ -6,34 +6,20 @@ Each test builds small modules of its own under ``tmp_path``, so what loads and 
 from __future__ import annotations
 
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpumanager import lazy_imports, lazy_package
+from tests.package_fixtures import importable, write
 
 
 @pytest.fixture
 def packages(tmp_path: Path) -> Iterator[Path]:
     """A directory on ``sys.path`` for the test's modules; what they loaded is forgotten afterwards."""
-    before = set(sys.modules)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        for name in set(sys.modules) - before:
-            if name.split(".")[0].startswith("li_"):
-                del sys.modules[name]
-
-
-def write(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+    with importable(tmp_path, "li_") as root:
+        yield root
 
 
 HEAVY = {

@@ -20,27 +20,14 @@ import pytest
 
 from gpumanager import lazy_package
 from gpumanager.cli import DEFERRED_AT_START
+from tests.package_fixtures import importable, write
 
 
 @pytest.fixture
 def packages(tmp_path: Path) -> Iterator[Path]:
     """A directory on ``sys.path`` for the test's packages; what they loaded is forgotten afterwards."""
-    before = set(sys.modules)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        yield tmp_path
-    finally:
-        sys.path.remove(str(tmp_path))
-        for name in set(sys.modules) - before:
-            if name.split(".")[0].startswith("lz_"):
-                del sys.modules[name]
-
-
-def write(root: Path, files: dict[str, str]) -> None:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+    with importable(tmp_path, "lz_") as root:
+        yield root
 
 
 def test_a_name_the_init_binds_over_a_submodule_of_that_name_is_the_inits(packages: Path) -> None:

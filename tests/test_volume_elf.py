@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from gpumanager.volume.blacklist import blacklist_reason
 from gpumanager.volume.elffacts import AbiTag, read_elf_facts
 from gpumanager.volume.mirror import devname
 from gpumanager.volume.version import DriverVersion, version_from_libcuda
+from tests.fresh_python import run_json
 from tests.volume_fixtures import DEFAULT_VOLUME_CONF, LIB32, LIB64, MESA, V1, DriverStore, build_shared, driver_store
 
 __all__ = ["driver_store"]
@@ -161,10 +160,6 @@ print(json.dumps({"soname": facts.soname, "before": before, "dwarf": type(dwarf)
 
 def test_reading_elf_facts_loads_no_dwarf_reader_nor_debugger(driver_store: DriverStore) -> None:
     library = built(driver_store, f"{LIB64}/libcuda.so.{V1}")
-    done = subprocess.run(
-        [sys.executable, "-c", ELF_IMPORTS, str(library)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
+    got = run_json(ELF_IMPORTS, str(library))
     assert got == {"soname": "libcuda.so.1", "before": [], "dwarf": "DWARFInfo", "after": got["after"]}
     assert "elftools.dwarf.dwarfinfo" in got["after"]

@@ -402,3 +402,40 @@ def test_the_queues_of_waiting_pods_choose_as_a_look_at_every_waiting_pod_would(
 
 def uid_of_pod(pod: Any) -> str:
     return str(pod["metadata"]["uid"])
+
+
+def a_b_c_whole_and_d_a_share_running(tmp_path: Path, pods: FakePods) -> Allocator:
+    """a..c hold three of the node's four GPUs, d 30 cores of the fourth; all run."""
+    holders = [whole(n, i) for i, n in enumerate("abc")]
+    holders.append(make_pod("d", [("c", 30, 2)], created="2026-11-21T10:03:00Z"))
+    pods.items.extend(holders)
+    alloc = make_allocator(tmp_path, pods)
+    for gpu in range(3):
+        alloc.allocate(core_ids(gpu, 100))
+    alloc.allocate(core_ids(3, 30))
+    for p in holders:
+        p["status"] = dict(RUNNING)
+    return alloc
+
+
+def test_ids_handed_on_to_a_pod_found_by_asking_the_api_server_free_their_holder(tmp_path: Path) -> None:
+    # The kubelet stopped d's containers and gave d's device IDs, with more, to e, a pod this node's pod
+    # watch has not delivered yet (and whose status still says d runs): Allocate finds e by asking the API
+    # server, and the IDs it carries say d no longer holds its share, as they do for a pod the cache shows.
+    pods = FakePods()
+    alloc = a_b_c_whole_and_d_a_share_running(tmp_path, pods)
+    pods.refresh_fills_cache = False
+    pods.hidden = [whole("e", 9)]
+    alloc.allocate(core_ids(3, 100))
+    assert pods.refreshes == 1
+    assert alloc.get(uid_of("d"), "c") is None
+    assert alloc.get(uid_of("e"), "c") is not None
+
+
+def test_ids_handed_on_to_a_pod_the_cache_shows_free_their_holder(tmp_path: Path) -> None:
+    pods = FakePods()
+    alloc = a_b_c_whole_and_d_a_share_running(tmp_path, pods)
+    pods.items.append(whole("e", 9))
+    alloc.allocate(core_ids(3, 100))
+    assert alloc.get(uid_of("d"), "c") is None
+    assert alloc.get(uid_of("e"), "c") is not None

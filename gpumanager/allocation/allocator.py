@@ -326,15 +326,10 @@ class Allocator:
                     candidate = self._match_cached(cores)
                     if candidate is not None:
                         try:
-                            try:
-                                alloc, response, ticket = self._allocate_locked(candidate, ordered)
-                            except AllocationError as exc:
-                                if exc.kind != "exhausted" or not self._take_back_handed_on(wanted, candidate):
-                                    raise
-                                changed = True
-                                alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                            alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
                             changed = True
                         except AllocationError as exc:
+                            changed = True  # an allocation may have been taken back
                             if exc.kind != "exhausted":
                                 raise
                             # Perhaps only because this node's pod watch has not yet delivered the end of a
@@ -356,9 +351,9 @@ class Allocator:
                     if found is None:  # allocated by a concurrent call meanwhile, or no longer pending
                         raise full
                     candidate = found
-                    alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                    changed = True  # an allocation may be taken back even if this one fails
+                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
                     self._note_fresh(alloc.pod_uid)
-                    changed = True
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
                 fresh = self._refresh(cores, ordered)
@@ -374,9 +369,9 @@ class Allocator:
                             "not_found",
                         )
                     candidate = found
-                    alloc, response, ticket = self._allocate_locked(candidate, ordered)
+                    changed = True  # an allocation may be taken back even if this one fails
+                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
                     self._note_fresh(alloc.pod_uid)
-                    changed = True
             try:
                 self._sync_or_undo(ticket, lambda: self._undo_allocation(alloc))
             except OSError as exc:
@@ -404,6 +399,19 @@ class Allocator:
         response = self._response(alloc.key)
         assert response is not None
         return alloc, response, ticket
+
+    def _allocate_taking_back(
+        self, candidate: Candidate, device_ids: tuple[str, ...], wanted: frozenset[str]
+    ) -> tuple[ContainerAllocation, ContainerResponse, int]:
+        """:meth:`_allocate_locked`; where no GPU has room, the containers of other pods that held some of
+        ``wanted`` are taken back first (:meth:`_take_back_handed_on`) and it is tried once more. The
+        same whether the candidate came from the pod cache or from a fresh list of the API server."""
+        try:
+            return self._allocate_locked(candidate, device_ids)
+        except AllocationError as exc:
+            if exc.kind != "exhausted" or not self._take_back_handed_on(wanted, candidate):
+                raise
+        return self._allocate_locked(candidate, device_ids)
 
     def _sync_or_undo(self, ticket: int, undo: Callable[[], bool]) -> None:
         """Wait (lock released) until the record of ``ticket`` is durable. When it cannot be written,

@@ -12,6 +12,7 @@ from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.kube import kubelet_checkpoint as kc
 from simnode.kubelet_checkpoint import (
     CheckpointEntry,
+    CheckpointV2Writer,
     write_checkpoint_v1,
     write_checkpoint_v2,
     write_checkpoint_v2_boot_id,
@@ -24,6 +25,21 @@ ENTRIES = [
     ),
     CheckpointEntry("uid-a", "main", "tencent.com/vcuda-memory", {-1: ["tencent.com/vcuda-memory-268435456-0"]}),
 ]
+
+
+def test_the_simulators_writer_writes_exactly_what_the_plain_v2_writer_does(tmp_path: Path) -> None:
+    fast, plain = tmp_path / "fast", tmp_path / "plain"
+    writer = CheckpointV2Writer()
+    registered: dict[str, list[str]] = {"tencent.com/vcuda-memory": ["m-1"], "tencent.com/vcuda-core": ["c-5", "c-6"]}
+    unicode = CheckpointEntry("uid-\u00e9", 'c"1', "tencent.com/vcuda-core", {1: ["x"], -1: ["y"], 10: ["z"]}, b"\x00")
+    states = [[], ENTRIES, [*ENTRIES, unicode], [unicode], []]
+    for entries in states:
+        for moved_on in (False, True):
+            if moved_on:  # another device list: the registered devices' JSON is made again
+                registered = {**registered, "tencent.com/vcuda-core": ["c-5"]}
+            writer.write(fast, entries, registered)
+            write_checkpoint_v2(plain, entries, registered)
+            assert fast.read_bytes() == plain.read_bytes()
 
 
 @pytest.mark.parametrize("writer", ["v1", "v2", "boot"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -743,7 +744,11 @@ def test_wait_for_registration_times_out(sim: KubeletSimulator) -> None:
 # ------------------------------------------------------------------------------------------ PodResources
 
 
-def test_pod_resources_api(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
+@contextlib.contextmanager
+def pod_resources_kubelet(
+    plugin_dir: Path, plugins: list[FakePlugin]
+) -> Iterator[tuple[KubeletSimulator, FakePlugin, Path]]:
+    """A kubelet serving PodResources, the fake plugin of six devices registered with it, its socket."""
     pr_sock = plugin_dir / "pod-resources" / "kubelet.sock"
     with KubeletSimulator(plugin_dir, pod_resources_socket=pr_sock, fill="sorted") as s:
         p = FakePlugin()
@@ -751,6 +756,11 @@ def test_pod_resources_api(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
         p.serve(plugin_dir, "fake.sock")
         register(s, "fake.sock")
         s.wait_for_devices(RES, 6, timeout=5)
+        yield s, p, pr_sock
+
+
+def test_pod_resources_api(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
+    with pod_resources_kubelet(plugin_dir, plugins) as (s, p, pr_sock):
         s.allocate(RES, 2, pod_uid="uid-1", container_name="main", pod_name="train", namespace="ml")
         s.allocate(RES, 1, pod_uid="uid-1", container_name="side", numa_hint={1})
         s.allocate(RES, 3, pod_uid="uid-2", container_name="c", pod_name="infer")
@@ -822,34 +832,30 @@ def test_runs_as_process(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
 
 
 def test_pod_resources_list_follows_every_allocation_and_removal(plugin_dir: Path, plugins: list[FakePlugin]) -> None:
-    pr_sock = plugin_dir / "pod-resources" / "kubelet.sock"
-    with KubeletSimulator(plugin_dir, pod_resources_socket=pr_sock, fill="sorted") as s:
-        p = FakePlugin()
-        plugins.append(p)
-        p.serve(plugin_dir, "fake.sock")
-        register(s, "fake.sock")
-        s.wait_for_devices(RES, 6, timeout=5)
-        with grpc.insecure_channel(f"unix://{pr_sock}") as ch:
-            stub = prpb_grpc.PodResourcesListerStub(ch)
+    with (
+        pod_resources_kubelet(plugin_dir, plugins) as (s, _p, pr_sock),
+        grpc.insecure_channel(f"unix://{pr_sock}") as ch,
+    ):
+        stub = prpb_grpc.PodResourcesListerStub(ch)
 
-            def listed() -> dict[str, list[str]]:
-                answer = stub.List(prpb.ListPodResourcesRequest(), timeout=5)
-                return {
-                    x.name: sorted(i for c in x.containers for d in c.devices for i in d.device_ids)
-                    for x in answer.pod_resources
-                }
+        def listed() -> dict[str, list[str]]:
+            answer = stub.List(prpb.ListPodResourcesRequest(), timeout=5)
+            return {
+                x.name: sorted(i for c in x.containers for d in c.devices for i in d.device_ids)
+                for x in answer.pod_resources
+            }
 
-            assert listed() == {}
-            s.allocate(RES, 2, pod_uid="uid-1", container_name="main", pod_name="a")
-            assert listed() == listed() == {"a": ["gpu-0", "gpu-1"]}
-            s.allocate(RES, 1, pod_uid="uid-2", container_name="main", pod_name="b")
-            assert listed() == {"a": ["gpu-0", "gpu-1"], "b": ["gpu-2"]}
-            s.allocate(RES, 1, pod_uid="uid-1", container_name="side")
-            assert listed() == {"a": ["gpu-0", "gpu-1", "gpu-3"], "b": ["gpu-2"]}
-            s.remove_pod("uid-1")
-            assert listed() == {"b": ["gpu-2"]}
-            s.allocate(RES, 1, pod_uid="uid-2", container_name="side", pod_name="b2")  # the pod's name as sent now
-            assert listed() == {"b2": ["gpu-0", "gpu-2"]}
+        assert listed() == {}
+        s.allocate(RES, 2, pod_uid="uid-1", container_name="main", pod_name="a")
+        assert listed() == listed() == {"a": ["gpu-0", "gpu-1"]}
+        s.allocate(RES, 1, pod_uid="uid-2", container_name="main", pod_name="b")
+        assert listed() == {"a": ["gpu-0", "gpu-1"], "b": ["gpu-2"]}
+        s.allocate(RES, 1, pod_uid="uid-1", container_name="side")
+        assert listed() == {"a": ["gpu-0", "gpu-1", "gpu-3"], "b": ["gpu-2"]}
+        s.remove_pod("uid-1")
+        assert listed() == {"b": ["gpu-2"]}
+        s.allocate(RES, 1, pod_uid="uid-2", container_name="side", pod_name="b2")  # the pod's name as sent now
+        assert listed() == {"b2": ["gpu-0", "gpu-2"]}
 
 
 def test_pod_resources_rate_limit(plugin_dir: Path) -> None:

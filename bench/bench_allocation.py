@@ -13,9 +13,12 @@ sees them, median and p99:
 
 Every Allocate answer is durable before it leaves the agent (the checkpoint journal), so one flush
 of the disk is the floor of an Allocate. With ``--before REF`` the agent of git revision REF runs the
-same steps too (the order alternates between node specs); each block carries the load average.
+same steps too (the order alternates between node specs); each block carries the load average. With
+``--before-python PATH`` that agent (or this checkout's, without ``--before``) runs on another interpreter
+(one with the agent's dependencies, e.g. another venv's python).
 
     python bench/bench_allocation.py [--pods 200] [--burst 50] [--scrapes 30] [--spec ...] [--before REF]
+                                     [--before-python PATH]
 """
 
 from __future__ import annotations

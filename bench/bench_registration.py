@@ -14,6 +14,8 @@ For each node spec (8 x H100 and 16 x H200 by default) it prints, median and p99
 
 With ``--before REF`` the agent of git revision REF is measured too, side by side: the starts
 alternate between the two, then each runs the rest in turn. Each block carries the load average.
+With ``--before-python PATH`` that agent (or this checkout's, without ``--before``) runs on another
+interpreter (one with the agent's dependencies, e.g. another venv's python).
 """
 
 from __future__ import annotations

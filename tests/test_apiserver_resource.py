@@ -186,9 +186,11 @@ def test_templates_and_classes_and_watch(api: Any) -> None:
     assert got.spec.spec.devices.requests[0].exactly.count == 1
     events: list[tuple[str, str]] = []
     w = k8s_watch.Watch()
+    # From the list's version: the create and delete below may come before the watch is open.
+    since = api.list_resource_slice().metadata.resource_version
 
     def watch() -> None:
-        for ev in w.stream(api.list_resource_slice, timeout_seconds=5):
+        for ev in w.stream(api.list_resource_slice, resource_version=since, timeout_seconds=5):
             events.append((ev["type"], ev["object"].metadata.name))
             if ev["type"] == "DELETED":
                 w.stop()

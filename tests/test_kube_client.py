@@ -103,6 +103,8 @@ print(json.dumps({"pods": len(pods["items"]), "before": before, "version": versi
 
 
 def test_the_client_loads_no_package_metadata_reader_until_http2_asks(tmp_path: Path) -> None:
+    # urllib3 before 2.3 (the declared minimum is 1.26) has no HTTP/2 module, nor its version check.
+    pytest.importorskip("urllib3.http2", reason="this urllib3 has no HTTP/2 module")
     with ApiServerSimulator() as api:
         api.add_node("node-1")
         config = api.write_kubeconfig(tmp_path / "kubeconfig")

@@ -49,3 +49,39 @@ def test_layouts(tmp_path: Path, rel: str, qos: str | None) -> None:
 def test_missing_cgroup_gives_no_pids(tmp_path: Path) -> None:
     make(tmp_path, f"kubepods/pod{UID}/other", [1000])
     assert cgroups.container_pids(tmp_path, UID, CID) == []
+
+
+def test_the_locator_follows_children_that_come_and_go(tmp_path: Path) -> None:
+    """A container's cgroup read alone while it has no child, and with its children once it has."""
+    rel = f"kubepods/pod{UID}/{CID}"
+    make(tmp_path, rel, [42, 7])
+    locator = cgroups.CgroupLocator(tmp_path)
+    assert locator.pids(UID, CID) == [7, 42]
+    child = tmp_path / rel / "sub"
+    child.mkdir()
+    (child / "cgroup.procs").write_text("99\n")
+    assert locator.pids(UID, CID) == [7, 42, 99]
+    (child / "cgroup.procs").unlink()
+    child.rmdir()
+    assert locator.pids(UID, CID) == [7, 42]
+
+
+def test_a_directory_whose_links_are_not_counted_is_walked(tmp_path: Path) -> None:
+    """Some file systems give every directory one link: the tree is walked, not the top alone."""
+    make(tmp_path, "c", [5], child_pids=[6])
+    assert cgroups._pids_of(str(tmp_path / "c"), 1) == [5, 6]
+    assert cgroups._pids_of(str(tmp_path / "c"), 3) == [5, 6]
+
+
+def test_the_locator_finds_a_cgroup_that_moved(tmp_path: Path) -> None:
+    """The remembered directory is gone (the runtime moved the container): it is looked up again."""
+    make(tmp_path, f"kubepods/burstable/pod{UID}/{CID}", [3])
+    locator = cgroups.CgroupLocator(tmp_path)
+    assert locator.pids(UID, CID) == [3]
+    (tmp_path / f"kubepods/burstable/pod{UID}/{CID}/cgroup.procs").unlink()
+    (tmp_path / f"kubepods/burstable/pod{UID}/{CID}").rmdir()
+    make(tmp_path, f"kubepods/besteffort/pod{UID}/{CID}", [4, 8])
+    assert locator.pids(UID, CID) == [4, 8]
+    (tmp_path / f"kubepods/besteffort/pod{UID}/{CID}/cgroup.procs").unlink()
+    (tmp_path / f"kubepods/besteffort/pod{UID}/{CID}").rmdir()
+    assert locator.pids(UID, CID) == []

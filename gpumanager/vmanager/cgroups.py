@@ -68,18 +68,37 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
     return None
 
 
-def pids_under(directory: Path) -> list[int]:
+def pids_under(directory: Path | str) -> list[int]:
     """Every PID in ``cgroup.procs`` of a cgroup and its descendants, sorted."""
     found: set[int] = set()
     for dirpath, _, filenames in os.walk(directory):
         if "cgroup.procs" in filenames:
-            try:
-                text = (Path(dirpath) / "cgroup.procs").read_text()
-            except OSError as exc:
-                log.debug("cannot read %s/cgroup.procs: %s", dirpath, exc)
-                continue
-            found.update(int(line) for line in text.split() if line.isdigit())
+            found.update(_read_procs(os.path.join(dirpath, "cgroup.procs")))
     return sorted(found)
+
+
+def _read_procs(path: str) -> list[int]:
+    """The PIDs of one ``cgroup.procs`` (empty when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        log.debug("cannot read %s: %s", path, exc)
+        return []
+    return [int(word) for word in data.split() if word.isdigit()]
+
+
+def _pids_of(directory: str, links: int) -> list[int]:
+    """PIDs of a cgroup directory and its descendants, given the directory's link count.
+
+    cgroupfs (kernfs), like ext4 and tmpfs, counts a directory's links as 2 plus its
+    subdirectories: at 2 the cgroup has no child and its ``cgroup.procs`` is read alone,
+    without listing the dozens of control files beside it. Any other count (a child, or a
+    file system that does not count) walks the tree.
+    """
+    if links == 2:
+        return sorted(set(_read_procs(directory + "/cgroup.procs")))
+    return pids_under(directory)
 
 
 def container_pids(cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
@@ -92,33 +111,57 @@ def container_pids(cgroup_root: Path, pod_uid: str, container_id: str, qos: str 
 
 
 class CgroupLocator:
-    """Finds containers' PIDs, remembering each container's cgroup directory while it exists."""
+    """Finds containers' PIDs, remembering each container's cgroup directory while it exists.
+
+    A container whose directory is known costs one ``stat`` and one read of its ``cgroup.procs``
+    (see :func:`_pids_of`): the pids.config refresh and the metrics' process placement ask for
+    every shared container each second.
+    """
 
     def __init__(self, cgroup_root: Path, *, limit: int = 4096) -> None:
         self.root = cgroup_root
         self._limit = limit
-        self._dirs: dict[tuple[str, str], Path] = {}
+        self._dirs: dict[tuple[str, str], str] = {}
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
         """The container's cgroup directory (below its pod's), or None when there is none."""
         key = (pod_uid, container_id)
         directory = self._dirs.get(key)
-        if directory is None or not directory.is_dir():
-            directory = find_container_cgroup(self.root, pod_uid, container_id, qos)
-            if directory is None:
-                self._dirs.pop(key, None)
-                return None
-            if len(self._dirs) >= self._limit:
-                self._dirs.clear()
-            self._dirs[key] = directory
-        return directory
+        if directory is not None and os.path.isdir(directory):
+            return Path(directory)
+        return self._find_again(key, qos)
+
+    def _find_again(self, key: tuple[str, str], qos: str | None) -> Path | None:
+        found = find_container_cgroup(self.root, key[0], key[1], qos)
+        if found is None:
+            self._dirs.pop(key, None)
+            return None
+        if len(self._dirs) >= self._limit:
+            self._dirs.clear()
+        self._dirs[key] = str(found)
+        return found
 
     def pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
         """Host PIDs of a container (empty when its cgroup is not found)."""
-        directory = self.find(pod_uid, container_id, qos)
-        return [] if directory is None else pids_under(directory)
+        key = (pod_uid, container_id)
+        directory = self._dirs.get(key)
+        if directory is not None:
+            try:
+                links = os.stat(directory).st_nlink
+            except OSError:
+                directory = None
+        if directory is None:
+            found = self._find_again(key, qos)
+            if found is None:
+                return []
+            directory = str(found)
+            try:
+                links = os.stat(directory).st_nlink
+            except OSError:
+                return []
+        return _pids_of(directory, links)
 
     def forget_pod(self, pod_uid: str) -> None:
         """Drop what is remembered of a pod's containers."""
-        for key in [k for k in self._dirs if k[0] == pod_uid]:
-            del self._dirs[key]
+        for key in [k for k in list(self._dirs) if k[0] == pod_uid]:  # list(): other threads add meanwhile
+            self._dirs.pop(key, None)

@@ -99,6 +99,10 @@ class VirtualManager:
         self._lock = threading.Lock()
         self._sockets: PodSockets | None = None  # started with the first pod socket
         self._last_pids: dict[Path, list[int]] = {}
+        # (pod UID, container ID) -> the PIDs last written to all of its pids.config files.
+        self._current: dict[tuple[str, str], list[int]] = {}
+        # (pod UID, container) -> (the pod object its ID was read from, the ID).
+        self._ids_of: dict[tuple[str, str], tuple[Pod, str]] = {}
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
 
@@ -300,7 +304,12 @@ class VirtualManager:
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         directory = safenames.child(self.pod_dir(socket_pod), target.subdir)
-        files.write_pids(directory / names.PIDS_CONFIG_FILE, pids)
+        path = directory / names.PIDS_CONFIG_FILE
+        files.write_pids(path, pids)
+        # The refresh compares against what each file holds: this one now holds ``pids``, and the
+        # container's files no longer all hold the same list.
+        self._last_pids[path] = pids
+        self._current.pop((socket_pod, target.container_id), None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             files.write_config(config, self.config_for(target.alloc))
@@ -319,32 +328,67 @@ class VirtualManager:
         """Rewrite ``pids.config`` of every shared container whose processes changed; returns how many.
 
         Written next to the container's vcuda.config (``<pod dir>/<container>/``) and in the
-        directories the upstream library registered (``<pod dir>/<container id>/``).
+        directories the upstream library registered (``<pod dir>/<container id>/``). A container
+        whose PIDs are those last written everywhere costs a read of its cgroup and nothing more.
         """
         written = 0
+        seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
+        seen_ids: set[tuple[str, str]] = set()  # (pod UID, container ID)
         for alloc in allocations:
             if not alloc.shared:
                 continue
             pod = self._pod(alloc.pod_uid)
             if pod is None:
                 continue
-            cid = podinfo.container_ids(pod).get(alloc.container)
+            seen_containers.add(alloc.key)
+            cid = self._container_id(alloc, pod)
             if not cid:
                 continue
             pids = self._cgroups.pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
-            answered_pod, answered_container = alloc.answered
-            targets = [self.pod_dir(answered_pod) / answered_container]
-            registered = self.pod_dir(alloc.pod_uid) / cid
-            if registered.is_dir():
-                targets.append(registered)
-            for directory in targets:
-                path = directory / names.PIDS_CONFIG_FILE
-                if self._last_pids.get(path) == pids or not directory.is_dir():
-                    continue
-                files.write_pids(path, pids)
-                self._last_pids[path] = pids
-                written += 1
+            key = (alloc.pod_uid, cid)
+            seen_ids.add(key)
+            if self._current.get(key) == pids:
+                continue
+            done, count = self._write_pids_of(alloc, cid, pids)
+            written += count
+            if done:
+                self._current[key] = pids
+        # What is remembered of containers that are gone (or no longer shared) goes with them.
+        # (A registration may drop an entry meanwhile, from the sockets' thread: list() copies at once.)
+        for memo, seen in ((self._current, seen_ids), (self._ids_of, seen_containers)):
+            for gone in [k for k in list(memo) if k not in seen]:
+                memo.pop(gone, None)
         return written
+
+    def _container_id(self, alloc: ContainerAllocation, pod: Pod) -> str:
+        """The container's runtime ID from its pod's status (read again only when the pod changed)."""
+        key = alloc.key
+        known = self._ids_of.get(key)
+        if known is not None and known[0] is pod:
+            return known[1]
+        cid = podinfo.container_ids(pod).get(alloc.container, "")
+        self._ids_of[key] = (pod, cid)
+        return cid
+
+    def _write_pids_of(self, alloc: ContainerAllocation, cid: str, pids: list[int]) -> tuple[bool, int]:
+        """Write ``pids`` wherever the container's files are; (whether every place exists, files written)."""
+        answered_pod, answered_container = alloc.answered
+        targets = [self.pod_dir(answered_pod) / answered_container]
+        registered = self.pod_dir(alloc.pod_uid) / cid
+        if registered.is_dir():
+            targets.append(registered)
+        complete, written = True, 0
+        for directory in targets:
+            path = directory / names.PIDS_CONFIG_FILE
+            if self._last_pids.get(path) == pids:
+                continue
+            if not directory.is_dir():
+                complete = False
+                continue
+            files.write_pids(path, pids)
+            self._last_pids[path] = pids
+            written += 1
+        return complete, written
 
     # -- cleanup ----------------------------------------------------------------------------------
 
@@ -359,8 +403,12 @@ class VirtualManager:
                 self._stop_server(entry.name)
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
-                for path in [p for p in self._last_pids if entry in p.parents]:
-                    del self._last_pids[path]
+                for path in [p for p in list(self._last_pids) if entry in p.parents]:
+                    self._last_pids.pop(path, None)
+                for key in [k for k in list(self._current) if k[0] == entry.name]:
+                    self._current.pop(key, None)
+                for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
+                    self._ids_of.pop(ids_key, None)
                 self._cgroups.forget_pod(entry.name)
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))

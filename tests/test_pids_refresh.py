@@ -1,0 +1,119 @@
+"""pids.config kept current: written when a shared container's processes change, and only then."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import vcuda_pb2
+from gpumanager.vmanager import files
+from gpumanager.vmanager.manager import VirtualManager
+
+POD = "5a1e7c2d-3b4f-4a6e-9d8c-0f1e2d3c4b5a"
+CID = "c0ffee0000000000000000000000000000000000000000000000000000000001"
+NEW_CID = "c0ffee0000000000000000000000000000000000000000000000000000000002"
+
+
+def pod_object(cid: str) -> dict[str, object]:
+    return {
+        "metadata": {"uid": POD, "name": "p", "namespace": "default"},
+        "spec": {"containers": [{"name": "main"}]},
+        "status": {
+            "qosClass": "Guaranteed",
+            "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}"}],
+        },
+    }
+
+
+@dataclass
+class Node:
+    vm: VirtualManager
+    vm_path: Path
+    cgroup: Path
+    pods: dict[str, dict[str, object]]
+    alloc: ContainerAllocation
+
+    def procs(self, pids: list[int], cid: str = CID) -> None:
+        directory = self.cgroup / "kubepods" / f"pod{POD}" / cid
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+
+    def refresh(self) -> int:
+        return self.vm.refresh_pids([self.alloc])
+
+    def pids(self, subdir: str) -> list[int]:
+        return files.read_pids(self.vm_path / POD / subdir / names.PIDS_CONFIG_FILE)
+
+    def register(self) -> None:
+        self.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=CID))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))  # short: <vm>/<uid>/vcuda.sock < 108 bytes
+    pods: dict[str, dict[str, object]] = {POD: pod_object(CID)}
+    alloc = ContainerAllocation(POD, "main", (0,), 30, 4 << 28)
+    vm = VirtualManager(
+        vm_path=vm_path,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda uid, name: alloc if (uid, name) == (POD, "main") else None,
+        pod=pods.get,  # type: ignore[arg-type]
+        driver_version="550.54.15",
+    )
+    n = Node(vm, vm_path, tmp_path / "cgroup", pods, alloc)
+    n.procs([17])
+    vm.prepare(alloc)
+    try:
+        yield n
+    finally:
+        vm.stop()
+        shutil.rmtree(vm_path, ignore_errors=True)
+
+
+def test_written_when_the_processes_change_and_only_then(node: Node) -> None:
+    assert node.refresh() == 1
+    assert node.pids("main") == [17]
+    assert node.refresh() == 0
+    node.procs([17, 4242])
+    assert node.refresh() == 1
+    assert node.pids("main") == [17, 4242]
+    assert node.refresh() == 0
+
+
+def test_a_pid_that_registered_and_exited_leaves_the_registered_file(node: Node) -> None:
+    """The upstream library's registration writes the file itself; a refresh after the process exits
+    must still bring that file back to the cgroup's PIDs."""
+    node.register()
+    node.refresh()
+    node.procs([17, 4242])
+    node.register()  # a new process registers: <pod>/<container id>/pids.config lists it
+    assert node.pids(CID) == [17, 4242]
+    node.procs([17])  # ... and exits before the next refresh
+    node.refresh()
+    assert node.pids(CID) == [17]
+    assert node.pids("main") == [17]
+
+
+def test_a_restarted_container_is_followed_to_its_new_cgroup(node: Node) -> None:
+    node.refresh()
+    node.procs([900, 901], cid=NEW_CID)
+    node.pods[POD] = pod_object(NEW_CID)  # the pod cache holds a new object for the new status
+    node.refresh()
+    assert node.pids("main") == [900, 901]
+
+
+def test_a_directory_made_after_a_refresh_gets_the_file(node: Node) -> None:
+    """The container's directory went away (an operator cleaned up): the file is written once it is back."""
+    shutil.rmtree(node.vm_path / POD / "main")
+    node.refresh()
+    assert not (node.vm_path / POD / "main").exists()
+    (node.vm_path / POD / "main").mkdir()
+    node.refresh()
+    assert node.pids("main") == [17]

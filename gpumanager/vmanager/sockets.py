@@ -35,6 +35,7 @@ import socket
 import stat
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -58,6 +59,19 @@ _ABSTRACT_PEER = "unix-abstract:"
 #: Handles one call on the relay's loop: (pod UID of the socket, request, seconds left before the
 #: caller's deadline or None). It must not block the loop (waits are awaited; file work in a thread).
 Handler = Callable[[str, pb.VDeviceRequest, float | None], Awaitable[None]]
+
+
+@dataclass(eq=False)
+class _Listener:
+    """A pod's listening socket: bound and listening from :meth:`PodSockets.serve` on, accepted from
+    once the loop has taken it up (``server``). ``closed``: the pod is no longer served."""
+
+    sock: socket.socket
+    path: Path
+    ident: tuple[int, int]  # (st_dev, st_ino) of the socket file we made
+    server: asyncio.Server | None = None
+    taken_up: bool = False
+    closed: bool = False
 
 
 class CallRefused(Exception):
@@ -99,7 +113,7 @@ class PodSockets:
         self._name = f"gpu-manager-vcuda.{os.getpid()}.{secrets.token_hex(6)}"
         self._lock = threading.Lock()
         self._peers: dict[str, str] = {}  # bound name of a relayed connection -> pod UID
-        self._listeners: dict[str, tuple[asyncio.Server, Path, tuple[int, int]]] = {}
+        self._listeners: dict[str, _Listener] = {}
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
         self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
         self._server: grpc.aio.Server | None = None
@@ -145,11 +159,29 @@ class PodSockets:
     # -- pod sockets ------------------------------------------------------------------------------
 
     def serve(self, pod_uid: str, path: Path) -> None:
-        """Listen on ``path`` for ``pod_uid`` (a stale file there is replaced). OSError when impossible."""
+        """Listen on ``path`` for ``pod_uid`` (a stale file there is replaced). OSError when impossible.
+
+        The socket is bound and listening when this returns, so a client may connect at once (the
+        kernel queues the connection); the loop takes it up and accepts as soon as it runs, without
+        the caller (PreStartContainer) waiting for it.
+        """
         if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
             raise OSError(f"{path} is longer than {MAX_SOCKET_PATH} bytes, too long for a unix socket")
         loop = self._running_loop()
-        asyncio.run_coroutine_threadsafe(self._listen(pod_uid, path), loop).result(timeout=10)
+        listener = _bind_listening(path)
+        with self._lock:
+            old = self._listeners.get(pod_uid)
+            self._listeners[pod_uid] = listener
+        try:
+            if old is not None:
+                asyncio.run_coroutine_threadsafe(self._retire(pod_uid, old), loop)
+            asyncio.run_coroutine_threadsafe(self._take_up(pod_uid, listener), loop)
+        except RuntimeError as exc:  # the loop is closing: nothing will accept
+            with self._lock:
+                if self._listeners.get(pod_uid) is listener:
+                    del self._listeners[pod_uid]
+            listener.sock.close()
+            raise OSError(f"cannot serve {path}: the vcuda.sock server is stopping") from exc
 
     def unserve(self, pod_uid: str) -> None:
         """Stop listening for ``pod_uid`` and remove its socket file (if it is still ours)."""
@@ -182,41 +214,41 @@ class PodSockets:
             raise RuntimeError("the vcuda.sock server is not started")
         return self._loop
 
-    async def _listen(self, pod_uid: str, path: Path) -> None:
-        await self._close(pod_uid)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    async def _take_up(self, pod_uid: str, listener: _Listener) -> None:
+        """Accept on a listening socket that :meth:`serve` made (unless the pod was let go meanwhile)."""
+        if listener.closed:
+            return
+        listener.taken_up = True
         try:
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)  # left by an earlier agent: nobody listens on it any more
-            sock.bind(str(path))
-            os.chmod(path, 0o777)  # the library in the container may run as any user
-            sock.listen(64)
-            sock.setblocking(False)
-            st = os.stat(path)
             server = await asyncio.start_unix_server(
-                lambda r, w: self._relay(pod_uid, r, w), sock=sock, limit=_RELAY_CHUNK
+                lambda r, w: self._relay(pod_uid, r, w), sock=listener.sock, limit=_RELAY_CHUNK
             )
-        except BaseException:
-            sock.close()
-            raise
-        with self._lock:
-            self._listeners[pod_uid] = (server, path, (st.st_dev, st.st_ino))
+        except Exception as exc:
+            log.error("vcuda.sock of pod %s: cannot accept on %s: %s", pod_uid, listener.path, exc)
+            with self._lock:
+                if self._listeners.get(pod_uid) is listener:
+                    del self._listeners[pod_uid]
+            _unlink_ours(listener)
+            listener.sock.close()
+            return
+        listener.server = server
+        if listener.closed:  # let go while the server started
+            server.close()
+
+    async def _retire(self, pod_uid: str, listener: _Listener) -> None:
+        """An earlier socket of a pod served again: it stops and its connections end."""
+        for task in list(self._relays.pop(pod_uid, ())):
+            task.cancel()
+        _close_listener(listener)
 
     async def _close(self, pod_uid: str) -> None:
         with self._lock:
-            entry = self._listeners.pop(pod_uid, None)
+            listener = self._listeners.pop(pod_uid, None)
         # The pod's connections end with its socket: nothing is relayed for a pod no longer served.
         for task in list(self._relays.pop(pod_uid, ())):
             task.cancel()
-        if entry is None:
-            return
-        server, path, ident = entry
-        server.close()
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) == ident:
-                os.unlink(path)
+        if listener is not None:
+            _close_listener(listener)
 
     async def _shutdown(self) -> None:
         for uid in self.serving():
@@ -289,6 +321,42 @@ class PodSockets:
                 self._peers[name] = pod_uid
             return name, sock
         raise OSError(errno.EADDRINUSE, "no free abstract name for a relayed connection")
+
+
+def _bind_listening(path: Path) -> _Listener:
+    """A unix socket listening on ``path`` (a stale socket file there is removed first)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # left by an earlier agent: nobody listens on it any more
+        sock.bind(str(path))
+        os.chmod(path, 0o777)  # the library in the container may run as any user
+        sock.listen(64)
+        sock.setblocking(False)
+        st = os.stat(path)
+    except BaseException:
+        sock.close()
+        raise
+    return _Listener(sock, path, (st.st_dev, st.st_ino))
+
+
+def _close_listener(listener: _Listener) -> None:
+    """Stop listening (on the loop) and remove the socket file if it is still the one we made."""
+    listener.closed = True
+    if listener.server is not None:
+        listener.server.close()
+    elif not listener.taken_up:
+        listener.sock.close()
+    # else: the loop is starting its server on it; _take_up closes that server when it is up.
+    _unlink_ours(listener)
+
+
+def _unlink_ours(listener: _Listener) -> None:
+    with contextlib.suppress(OSError):
+        st = os.lstat(listener.path)
+        if (st.st_dev, st.st_ino) == listener.ident:
+            os.unlink(listener.path)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

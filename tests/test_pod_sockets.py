@@ -1,0 +1,126 @@
+"""The vcuda.sock listeners: PreStartContainer does not wait for the relay's loop, and a pod let go
+before the loop took its socket up leaves nothing listening."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.api import vcuda_pb2_grpc as pb_grpc
+from gpumanager.vmanager.sockets import PodSockets
+
+POD = "7d3c1b2a-0f9e-4d8c-b7a6-5e4d3c2b1a09"
+
+
+class Sockets:
+    def __init__(self, sockets: PodSockets, directory: Path) -> None:
+        self.sockets = sockets
+        self.directory = directory
+        self.calls: list[tuple[str, str]] = []
+
+    @property
+    def path(self) -> Path:
+        return self.directory / "vcuda.sock"
+
+    def block_loop(self) -> threading.Event:
+        """Keep the relay's loop busy (as a slow handler would) until the returned event is set."""
+        release = threading.Event()
+        busy = threading.Event()
+
+        def hold() -> None:
+            busy.set()
+            release.wait(30)
+
+        loop = self.sockets._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(hold)
+        assert busy.wait(10)
+        return release
+
+
+@pytest.fixture
+def pod_sockets() -> Iterator[Sockets]:
+    directory = Path(tempfile.mkdtemp(prefix="gm-ps-"))  # short: a unix socket path < 108 bytes
+    holder: list[Sockets] = []
+
+    async def handler(pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
+        holder[0].calls.append((pod, req.container_id))
+
+    sockets = PodSockets(handler)
+    sockets.start()
+    holder.append(Sockets(sockets, directory))
+    try:
+        yield holder[0]
+    finally:
+        sockets.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def register(path: Path) -> grpc.StatusCode:
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        try:
+            pb_grpc.VCUDAServiceStub(channel).RegisterVDevice(
+                pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20
+            )
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def test_serving_does_not_wait_for_a_busy_loop(pod_sockets: Sockets) -> None:
+    release = pod_sockets.block_loop()
+    try:
+        done = threading.Event()
+
+        def serve() -> None:
+            pod_sockets.sockets.serve(POD, pod_sockets.path)
+            done.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+        assert done.wait(10), "serve() waited for the relay's loop"
+        assert pod_sockets.sockets.is_serving(POD)
+        # Listening already: the kernel takes the connection while the loop is still busy.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(pod_sockets.path))
+    finally:
+        release.set()
+    assert register(pod_sockets.path) == grpc.StatusCode.OK
+    assert pod_sockets.calls == [(POD, "c1")]
+
+
+def test_a_pod_let_go_before_the_loop_took_its_socket_up(pod_sockets: Sockets) -> None:
+    release = pod_sockets.block_loop()
+    try:
+        pod_sockets.sockets.serve(POD, pod_sockets.path)
+    finally:
+        release.set()
+    pod_sockets.sockets.unserve(POD)
+    assert not pod_sockets.sockets.is_serving(POD)
+    assert not pod_sockets.path.exists()
+    # Served again, it answers.
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    assert register(pod_sockets.path) == grpc.StatusCode.OK
+
+
+def test_serving_a_pod_again_replaces_its_socket(pod_sockets: Sockets) -> None:
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    assert register(pod_sockets.path) == grpc.StatusCode.OK
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    assert register(pod_sockets.path) == grpc.StatusCode.OK
+    assert pod_sockets.sockets.serving() == [POD]
+    pod_sockets.sockets.unserve(POD)
+    assert not pod_sockets.path.exists()
+
+
+def test_a_stopped_relay_refuses_to_serve(pod_sockets: Sockets) -> None:
+    pod_sockets.sockets.stop()
+    with pytest.raises((OSError, RuntimeError)):
+        pod_sockets.sockets.serve(POD, pod_sockets.path)

@@ -14,7 +14,13 @@ import pytest
 
 from gpumanager.api import podresources_v1_pb2 as pb
 from gpumanager.api import podresources_v1_pb2_grpc as pb_grpc
-from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavailableError
+from gpumanager.kube.podresources import (
+    GET_RESERVE,
+    KUBELET_BURST,
+    CallBudget,
+    PodResourcesClient,
+    PodResourcesUnavailableError,
+)
 
 
 class _Lister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
@@ -54,13 +60,15 @@ class _Lister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
 
 
 @contextlib.contextmanager
-def serving(lister: _Lister, sock: Path, workers: int = 2) -> Iterator[PodResourcesClient]:
+def serving(
+    lister: _Lister, sock: Path, workers: int = 2, budget: CallBudget | None = None
+) -> Iterator[PodResourcesClient]:
     """``lister`` served on ``sock`` and a client of it."""
     server = grpc.server(futures.ThreadPoolExecutor(workers))
     pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
     server.add_insecure_port(f"unix://{sock}")
     server.start()
-    client = PodResourcesClient(sock)
+    client = PodResourcesClient(sock, budget=budget)
     try:
         yield client
     finally:
@@ -89,8 +97,9 @@ def test_missing_socket_is_unavailable(tmp_path: Path) -> None:
         PodResourcesClient(tmp_path / "absent.sock").list_all()
 
 
-def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path: Path) -> None:
-    """Fifty PreStartContainer calls at once must not cost fifty Lists (the kubelet allows 10 at once)."""
+def test_concurrent_lookups_ask_get_while_the_kubelets_tokens_last_then_share_a_list(tmp_path: Path) -> None:
+    """Fifty PreStartContainer calls at once must not cost fifty calls (the kubelet allows 10 at once):
+    Gets while our reckoning of its tokens leaves a reserve, then one List for all the others."""
     release = threading.Event()
 
     class Slow(_Lister):
@@ -104,7 +113,9 @@ def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path
             context.abort(grpc.StatusCode.NOT_FOUND, "no such pod")
 
     lister = Slow(with_get=True)
-    with serving(lister, tmp_path / "kubelet.sock", workers=64) as client:
+    frozen = CallBudget(clock=lambda: 0.0)  # no token comes back during the test
+    gets = KUBELET_BURST - GET_RESERVE
+    with serving(lister, tmp_path / "kubelet.sock", workers=64, budget=frozen) as client:
         answers: list[tuple[str, str, str] | None] = []
         threads = [
             threading.Thread(target=lambda: answers.append(client.owner_of("r", ["a", "b", "c"], hint=("ml", "wrong"))))
@@ -113,18 +124,42 @@ def test_concurrent_lookups_ask_the_kubelet_once_or_twice_not_once_each(tmp_path
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        # Every lookup is in: one asks Get for its hint (it was alone), the others wait for one List.
-        while client.waiting_for_list < 19:
-            assert time.monotonic() < deadline, lister.calls
+        # Every lookup is in: the first (alone) and those that found a token ask Get for their hint,
+        # the others wait for one List.
+        while client.waiting_for_list < 20 - gets or lister.calls.count("Get") < gets:
+            assert time.monotonic() < deadline, (client.waiting_for_list, lister.calls)
             time.sleep(0.001)
         release.set()
         for t in threads:
             t.join(30)
     assert answers == [("ml", "train", "main")] * 20
-    # One Get (the first lookup, alone) and at most three Lists: the first, the one everyone who
-    # arrived while it ran shares, and one for the Get's caller after its hint proved wrong.
-    assert lister.calls.count("Get") == 1
+    assert lister.calls.count("Get") == gets
+    # At most three Lists: the first, the one everyone who arrived while it ran shares, and one for
+    # the Get callers after their hints proved wrong.
     assert lister.calls.count("List") <= 3, lister.calls
+
+
+def test_a_get_refused_for_the_rate_limit_is_answered_by_a_list(tmp_path: Path) -> None:
+    class Limited(_Lister):
+        def Get(self, request: pb.GetPodResourcesRequest, context: grpc.ServicerContext) -> pb.GetPodResourcesResponse:
+            self.calls.append("Get")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rejected by rate limit")
+
+    lister = Limited(with_get=True)
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        assert client.owner_of("r", ["a", "b", "c"], hint=("ml", "train")) == ("ml", "train", "main")
+    assert lister.calls == ["Get", "List"]
+
+
+def test_the_budget_refills_at_the_kubelets_rate() -> None:
+    now = [0.0]
+    budget = CallBudget(qps=100, burst=10, clock=lambda: now[0])
+    assert [budget.take(keep=3) for _ in range(8)] == [True] * 7 + [False]
+    assert [budget.take() for _ in range(4)] == [True] * 3 + [False]
+    now[0] += 0.025  # two and a half tokens
+    assert [budget.take() for _ in range(3)] == [True, True, False]
+    now[0] += 10.0  # never more than the burst
+    assert sum(budget.take() for _ in range(20)) == 10
 
 
 def test_each_lookup_reads_a_list_made_after_it_asked(tmp_path: Path) -> None:

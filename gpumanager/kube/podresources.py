@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,50 @@ from gpumanager.kube.shared_call import SharedCall
 log = logging.getLogger(__name__)
 
 
+#: The kubelet's rate limit on PodResources calls (its DefaultQPS and DefaultBurstTokens): a token
+#: bucket refilled at 100 a second that holds at most 10; a call without a token is refused.
+KUBELET_QPS = 100.0
+KUBELET_BURST = 10
+#: Tokens a lookup leaves, when others are in progress, for the List they share and for the
+#: kubelet's other clients (monitoring agents list pods too).
+GET_RESERVE = 3
+
+
 class PodResourcesUnavailableError(RuntimeError):
     """The PodResources socket is missing or does not answer."""
+
+
+class PodResourcesBusyError(PodResourcesUnavailableError):
+    """The kubelet refused a call for its rate limit (ResourceExhausted)."""
+
+
+class CallBudget:
+    """Our reckoning of the kubelet's token bucket for the calls this client makes.
+
+    The kubelet's bucket also pays for other clients' calls, so this is an upper bound: a call it
+    allows may still be refused, and is then answered another way.
+    """
+
+    def __init__(
+        self, qps: float = KUBELET_QPS, burst: int = KUBELET_BURST, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._qps = qps
+        self._burst = float(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def take(self, *, keep: int = 0) -> bool:
+        """Take a token if one is left beyond ``keep``; whether one was taken."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._qps)
+            self._at = now
+            if self._tokens - 1 < keep:
+                return False
+            self._tokens -= 1
+            return True
 
 
 @dataclass(frozen=True)
@@ -83,13 +126,14 @@ class PodResourcesClient:
     The channel reconnects by itself when the kubelet restarts (the socket path stays).
 
     The kubelet allows 100 calls a second in bursts of 10 and refuses the rest
-    (``ResourceExhausted``), and a List costs it (and us) every pod of the node. So
-    concurrent owner lookups share one List (:class:`~gpumanager.kube.shared_call.SharedCall`),
-    and a lookup asks ``Get`` for the pod we believe holds the IDs only when it is the only
-    one in progress.
+    (``ResourceExhausted``), and a List costs it (and us) every pod of the node. So a lookup
+    asks ``Get`` for the pod we believe holds the IDs when it is the only one in progress, or
+    while our reckoning of the kubelet's tokens (:class:`CallBudget`) leaves
+    :data:`GET_RESERVE` of them; the other concurrent lookups share one List
+    (:class:`~gpumanager.kube.shared_call.SharedCall`), as does a Get the kubelet refuses.
     """
 
-    def __init__(self, socket_path: Path, *, timeout: float = 5.0) -> None:
+    def __init__(self, socket_path: Path, *, timeout: float = 5.0, budget: CallBudget | None = None) -> None:
         self.socket_path = socket_path
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -98,6 +142,7 @@ class PodResourcesClient:
         self._get_supported = True
         self._shared_list = SharedCall(lambda: _Holders(self._list().pod_resources))
         self._lookups = 0  # owner lookups in progress
+        self._budget = budget or CallBudget()
 
     def _stub(self) -> Any:
         if not self.socket_path.exists():
@@ -126,6 +171,7 @@ class PodResourcesClient:
         return _flatten(self._list().pod_resources)
 
     def _list(self) -> pb.ListPodResourcesResponse:
+        self._budget.take()  # asked even without a token: the last way to know
         try:
             reply: pb.ListPodResourcesResponse = self._stub().List(pb.ListPodResourcesRequest(), timeout=self._timeout)
         except grpc.RpcError as exc:
@@ -136,6 +182,11 @@ class PodResourcesClient:
 
     def get(self, namespace: str, name: str) -> list[ContainerDevices] | None:
         """One pod's devices (PodResources ``Get``); None when the kubelet does not offer Get or has no such pod."""
+        self._budget.take()
+        return self._get(namespace, name)
+
+    def _get(self, namespace: str, name: str) -> list[ContainerDevices] | None:
+        """:meth:`get` with its token already reckoned."""
         if not self._get_supported:
             return None
         try:
@@ -149,6 +200,8 @@ class PodResourcesClient:
                 return None
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN):
                 return None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise PodResourcesBusyError(f"PodResources Get on {self.socket_path}: {exc.details()}") from exc
             raise PodResourcesUnavailableError(
                 f"PodResources Get on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
             ) from exc
@@ -175,10 +228,15 @@ class PodResourcesClient:
             alone = self._lookups == 0
             self._lookups += 1
         try:
-            if hint is not None and alone:
-                found = match(self.get(*hint) or [])
-                if found is not None:
-                    return found
+            # Alone, a lookup asks Get even when our reckoning says no token is left (as it always did).
+            if hint is not None and (self._budget.take(keep=0 if alone else GET_RESERVE) or alone):
+                try:
+                    found = match(self._get(*hint) or [])
+                except PodResourcesBusyError as exc:
+                    log.debug("%s; sharing a List instead", exc)
+                else:
+                    if found is not None:
+                        return found
             return self._shared_list().holder(resource, wanted)
         finally:
             with self._lock:

@@ -117,3 +117,21 @@ def test_a_directory_made_after_a_refresh_gets_the_file(node: Node) -> None:
     (node.vm_path / POD / "main").mkdir()
     node.refresh()
     assert node.pids("main") == [17]
+
+
+def test_a_collected_directory_is_forgotten_and_written_again_when_it_returns(node: Node) -> None:
+    node.refresh()
+    assert node.vm.gc(set(), only={POD}) == [POD]
+    assert not (node.vm_path / POD).exists()
+    node.vm.prepare(node.alloc)  # the pod's container started again (the directory is made anew)
+    node.refresh()
+    assert node.pids("main") == [17]
+
+
+def test_collecting_only_some_directories_leaves_the_others_for_the_full_pass(node: Node) -> None:
+    for uid in ("gone-a", "gone-b"):
+        (node.vm_path / uid / "main").mkdir(parents=True)
+    assert node.vm.gc({POD}, only={"gone-a", POD, "never-made"}) == ["gone-a"]
+    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, "gone-b"])
+    assert node.vm.gc({POD}) == ["gone-b"]
+    assert [p.name for p in node.vm_path.iterdir()] == [POD]

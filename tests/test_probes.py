@@ -19,7 +19,7 @@ def _check() -> AllocationCheck:
         period=60.0,
         annotate=lambda uid: None,
         delete_failed=lambda pod: None,
-        collect_dirs=lambda active: [],
+        collect_dirs=lambda active, only=None: [],
         wait_synced=lambda timeout: True,
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.allocator import Allocator, PodSource
@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 Annotate = Callable[[str], None]
 DeletePod = Callable[[Pod], None]
-CollectDirs = Callable[[Iterable[str]], object]
+#: Removes the pod directories not in ``active`` (the first argument); with ``only``, looks at
+#: those directories alone.
+CollectDirs = Callable[..., object]
 
 
 class AllocationCheck:
@@ -77,8 +79,13 @@ class AllocationCheck:
         """Pod watch listener: a pod that is deleted or has ended gives its GPUs back at once."""
         if not (kind == "DELETED" or podinfo.is_terminated(pod)):
             return
-        if self._allocator.release_pod(podinfo.uid(pod)) and self._pods.synced():
-            self._collect_dirs(self.active_pod_dirs())
+        uid = podinfo.uid(pod)
+        freed = self._allocator.release_pod(uid)
+        if freed and self._pods.synced():
+            # Only the directories this pod's allocations used can have become unused: the others
+            # wait for the periodic check (listing every pod's directory on each deletion cost
+            # milliseconds a pod when many ended at once).
+            self._collect_dirs(self.active_pod_dirs(), only={uid} | {a.answered[0] for a in freed})
 
     def active_pod_dirs(self) -> set[str]:
         """Pod directories to keep: those of allocations, and of every pod that may still run."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import shutil
 import threading
@@ -392,27 +393,39 @@ class VirtualManager:
 
     # -- cleanup ----------------------------------------------------------------------------------
 
-    def gc(self, active: Iterable[str]) -> list[str]:
-        """Remove directories (and stop sockets) of pods not in ``active``; returns their UIDs."""
+    def gc(self, active: Iterable[str], only: Iterable[str] | None = None) -> list[str]:
+        """Remove directories (and stop sockets) of pods not in ``active``; returns their UIDs.
+
+        ``only``: look at these pods' directories alone instead of every directory.
+        """
         keep = set(active)
         removed: list[str] = []
-        if not self.vm_path.is_dir():
-            return removed
-        for entry in sorted(self.vm_path.iterdir()):
-            if entry.is_dir() and entry.name not in keep:
-                self._stop_server(entry.name)
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-                for path in [p for p in list(self._last_pids) if entry in p.parents]:
-                    self._last_pids.pop(path, None)
-                for key in [k for k in list(self._current) if k[0] == entry.name]:
-                    self._current.pop(key, None)
-                for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
-                    self._ids_of.pop(ids_key, None)
-                self._cgroups.forget_pod(entry.name)
+        if only is None:
+            if not self.vm_path.is_dir():
+                return removed
+            entries = sorted(e for e in self.vm_path.iterdir() if e.name not in keep and e.is_dir())
+        else:
+            entries = [self.vm_path / uid for uid in sorted(set(only) - keep) if uid]
+            entries = [e for e in entries if e.is_dir()]
+        for entry in entries:
+            self._stop_server(entry.name)
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+            self._forget(entry)
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))
         return removed
+
+    def _forget(self, entry: Path) -> None:
+        """Drop what is remembered of a removed pod directory (lists copied: other threads add meanwhile)."""
+        prefix = str(entry) + os.sep
+        for path in [p for p in list(self._last_pids) if str(p).startswith(prefix)]:
+            self._last_pids.pop(path, None)
+        for key in [k for k in list(self._current) if k[0] == entry.name]:
+            self._current.pop(key, None)
+        for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
+            self._ids_of.pop(ids_key, None)
+        self._cgroups.forget_pod(entry.name)
 
     def _stop_server(self, pod_uid: str) -> None:
         if self._sockets is not None:

@@ -279,9 +279,14 @@ class PodSockets:
             name, upstream = self._bind_relay_end(pod_uid)
             await asyncio.get_running_loop().sock_connect(upstream, "\0" + self._name)
             up_reader, up_writer = await asyncio.open_unix_connection(sock=upstream, limit=_RELAY_CHUNK)
-            await asyncio.wait_for(
-                asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer)), CONNECTION_LIFETIME_SECONDS
-            )
+            pumps = asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+            try:
+                await asyncio.wait_for(pumps, CONNECTION_LIFETIME_SECONDS)
+            finally:
+                # Cancelled (the pod let go, the agent stopping): its outcome is read, so asyncio
+                # does not report an exception nobody retrieved.
+                if pumps.done() and not pumps.cancelled():
+                    pumps.exception()
         except TimeoutError:
             log.warning("vcuda.sock of pod %s: connection open for %g s; closed", pod_uid, CONNECTION_LIFETIME_SECONDS)
         except OSError as exc:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devices import DeviceLayout
@@ -120,3 +124,24 @@ def test_a_request_no_gpu_holds_takes_the_lowest_ids_of_each_gpu_it_spans() -> N
     one, two = layout.ids_of_gpu(MEM, 1)[1:4], layout.ids_of_gpu(MEM, 2)  # 3 and 4 blocks free
     offered = [two[2], one[1], two[0], one[2], two[3], one[0], two[1]]
     assert pref.choose(MEM, offered, [], 6) == [*two, *one[:2]]
+
+
+def test_a_share_goes_to_the_tightest_fit_when_the_allocators_tree_holds_the_other_shares(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The scratch tree is a copy of the allocator's, whose GPUs already carry their shares: the IDs
+    the kubelet offers must not be subtracted a second time (that emptied every shared GPU)."""
+    gpus = [GPUInfo(i, f"GPU-{i}", "Tesla V100", i, 1024 * MIB, f"00000000:{i + 16:02x}:00.0", 0) for i in range(4)]
+    levels = tuple(tuple(0 if a == b else 10 if a // 2 == b // 2 else 30 for b in range(4)) for a in range(4))
+    tree = build_tree(gpus, NodeTopology(levels=levels))
+    tree.occupy(1, 50, 512 * MIB)  # running shares on GPU 1: its other 50 core IDs are free
+    tree.occupy(2, 90, 512 * MIB)  # and on GPU 2: 10 free, too few for 30
+    layout = DeviceLayout(gpus)
+    pref = Preference(tree.clone, layout)
+    ids = all_ids(layout, CORE, range(4))
+    available = ids[:100] + ids[150:200] + ids[290:]
+    with caplog.at_level(logging.WARNING):
+        chosen = pref.choose(CORE, available, [], 30)
+    assert gpus_of(layout, CORE, chosen) == {1}
+    assert len(chosen) == 30
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -91,14 +91,14 @@ class Preference:
         head = sorted(already)
         scratch = self._scratch_tree()
         whole = need % names.HUNDRED_CORES == 0
+        # The scratch tree carries the allocator's shares already; each GPU keeps no more room than the
+        # kubelet offers IDs for (a whole GPU: all of it or none).
         for leaf in scratch.leaves:
-            count = len(free.get(leaf.index, []))
-            if whole and count < names.HUNDRED_CORES:
-                scratch.occupy(leaf.index, names.HUNDRED_CORES, 0)
-            elif not whole:
-                taken = names.HUNDRED_CORES - min(count, leaf.allocatable_cores)
-                if taken:
-                    scratch.occupy(leaf.index, taken, 0)
+            room = min(len(free.get(leaf.index, [])), leaf.allocatable_cores)
+            if whole and room < names.HUNDRED_CORES:
+                room = 0
+            if room < leaf.allocatable_cores:
+                scratch.occupy(leaf.index, leaf.allocatable_cores - room, 0)
         try:
             picked = choose(scratch, need, 0) if whole or need < names.HUNDRED_CORES else []
         except ValueError as exc:

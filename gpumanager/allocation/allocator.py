@@ -207,26 +207,26 @@ class Allocator:
         return self._generation
 
     def allocations(self) -> list[ContainerAllocation]:
-        """A copy of every allocation, ordered by pod and container.
+        """Every allocation, ordered by pod and container.
 
-        Only the references are taken under the lock: stored allocations are replaced, never changed in
-        place, so copying and sorting them needs none (with 250 it held up every Allocate).
+        Records are frozen and replaced to change, so they are handed out as they are: only the
+        references are taken under the lock, and sorted outside it (with 250 it held up every
+        Allocate; copying each record cost the pids.config refresh and each pod deletion 2-3 ms).
         """
         with self._lock:
             held = list(self._allocs.values())
         held.sort(key=lambda a: a.key)
-        return [replace(a) for a in held]
+        return held
 
     def allocations_of(self, pod_uid: str) -> list[ContainerAllocation]:
-        """A copy of one pod's allocations."""
+        """One pod's allocations."""
         with self._lock:
-            return [replace(self._allocs[(pod_uid, c)]) for c in sorted(self._by_pod.get(pod_uid, ()))]
+            return [self._allocs[(pod_uid, c)] for c in sorted(self._by_pod.get(pod_uid, ()))]
 
     def get(self, pod_uid: str, container: str) -> ContainerAllocation | None:
         """One container's allocation."""
         with self._lock:
-            a = self._allocs.get((pod_uid, container))
-            return replace(a) if a is not None else None
+            return self._allocs.get((pod_uid, container))
 
     def holder_of(self, device_ids: Sequence[str]) -> tuple[str, str] | None:
         """(namespace, pod name) of the allocation recorded for exactly these device IDs."""
@@ -1020,7 +1020,7 @@ class Allocator:
                     self._insert(alloc)
                     self._save_or_report([_put(alloc)])
                     changed = True
-                return replace(alloc)
+                return alloc
         finally:
             if changed:
                 self._notify()

@@ -28,9 +28,13 @@ class RecordError(ValueError):
     """A checkpoint entry that cannot be used; the message names the pod, container and value."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContainerAllocation:
-    """The GPUs one container holds and what it asked for."""
+    """The GPUs one container holds and what it asked for.
+
+    Frozen: the allocator replaces a record to change it, so a record it hands out stays as it was
+    (``extra`` too is never changed once the record is made).
+    """
 
     pod_uid: str
     container: str

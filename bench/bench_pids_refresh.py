@@ -1,0 +1,159 @@
+"""pids.config refresh benchmark: what keeping every shared container's PIDs current costs each second.
+
+The agent reads each shared container's ``cgroup.procs`` once a second and rewrites its pids.config
+only when the PIDs changed. This builds the cgroup tree of ``--containers`` running containers the
+way a node has it (cgroupfs: each container's directory holds the controller's 30-odd control files
+beside ``cgroup.procs``), or uses a real cgroup mount (``--cgroupfs /sys/fs/cgroup/memory``: the
+kernel makes the files), and times, median and p99:
+
+  a sweep in which nothing changed (the common second)
+  a sweep in which one container in ten gained a process (its pids.config rewritten)
+
+With ``--before REF`` the same sweeps run on the code of revision REF too, on the same tree, side by
+side (each variant in its own process).
+
+    python bench/bench_pids_refresh.py [--containers 250] [--sweeps 40] [--cgroupfs DIR] [--before REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from figures import figure, load, variants
+
+#: The files a cgroup v1 memory controller directory holds besides cgroup.procs (as a kernel makes them).
+V1_MEMORY_FILES = (
+    "cgroup.clone_children cgroup.event_control memory.failcnt memory.force_empty memory.kmem.failcnt "
+    "memory.kmem.limit_in_bytes memory.kmem.max_usage_in_bytes memory.kmem.slabinfo memory.kmem.tcp.failcnt "
+    "memory.kmem.tcp.limit_in_bytes memory.kmem.tcp.max_usage_in_bytes memory.kmem.tcp.usage_in_bytes "
+    "memory.kmem.usage_in_bytes memory.limit_in_bytes memory.max_usage_in_bytes memory.memsw.failcnt "
+    "memory.memsw.limit_in_bytes memory.memsw.max_usage_in_bytes memory.memsw.usage_in_bytes "
+    "memory.move_charge_at_immigrate memory.numa_stat memory.oom_control memory.pressure_level "
+    "memory.soft_limit_in_bytes memory.stat memory.swappiness memory.usage_in_bytes memory.use_hierarchy "
+    "notify_on_release tasks"
+).split()
+
+# Run in the variant's own process: its gpumanager package comes first on the path.
+_SWEEPS = r"""
+import json, sys, time
+from pathlib import Path
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.vmanager.manager import VirtualManager
+
+spec = json.loads(sys.argv[1])
+pods = {
+    uid: {
+        "metadata": {"uid": uid, "name": f"p{i}", "namespace": "default"},
+        "status": {"qosClass": "Guaranteed", "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}"}]},
+    }
+    for i, (uid, cid) in enumerate(spec["containers"])
+}
+allocs = [ContainerAllocation(uid, "main", (0,), 10, 1 << 28, started=True) for uid, _ in spec["containers"]]
+vm_path = Path(spec["vm"])
+for uid in pods:
+    (vm_path / uid / "main").mkdir(parents=True, exist_ok=True)
+vm = VirtualManager(vm_path=vm_path, cgroup_root=Path(spec["root"]), allocation=lambda u, c: None, pod=pods.get,
+                    driver_version="550.54.15")
+vm.refresh_pids(allocs)  # the first sweep writes every file
+quiet, changing = [], []
+procs = [Path(p) for p in spec["procs"]]
+for sweep in range(spec["sweeps"]):
+    started = time.perf_counter()
+    vm.refresh_pids(allocs)
+    quiet.append(time.perf_counter() - started)
+    for n, path in enumerate(procs):
+        if n % 10 == sweep % 10:
+            path.write_text(f"{100000 + sweep}\n" if spec["writable"] else "")
+    started = time.perf_counter()
+    vm.refresh_pids(allocs)
+    changing.append(time.perf_counter() - started)
+print(json.dumps({"quiet": quiet, "changing": changing}))
+"""
+
+
+def build_tree(root: Path, count: int, *, cgroupfs: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """``count`` containers' cgroup directories under ``root``: (pod UID, container ID) and their cgroup.procs."""
+    containers, procs = [], []
+    for i in range(count):
+        uid, cid = str(uuid.uuid4()), f"{i:064x}"
+        directory = root / "kubepods" / f"pod{uid}" / cid
+        directory.mkdir(parents=True)
+        if not cgroupfs:
+            for name in V1_MEMORY_FILES:
+                (directory / name).write_bytes(b"")
+            (directory / "cgroup.procs").write_text(f"{10000 + i}\n")
+        containers.append((uid, cid))
+        procs.append(str(directory / "cgroup.procs"))
+    return containers, procs
+
+
+def remove_tree(root: Path, *, cgroupfs: bool) -> None:
+    if not cgroupfs:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    # cgroup directories go with rmdir, deepest first (their control files cannot be removed).
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda entry: -len(Path(entry[0]).parts)):
+        os.rmdir(dirpath)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--containers", type=int, default=250)
+    parser.add_argument("--sweeps", type=int, default=40)
+    parser.add_argument("--cgroupfs", type=Path, help="build the tree on this cgroup mount instead of plain files")
+    parser.add_argument("--before", metavar="REF", help="also measure the code of git revision REF, side by side")
+    args = parser.parse_args()
+    cgroupfs = args.cgroupfs is not None
+    with tempfile.TemporaryDirectory(prefix="bench-pids-") as tmp:
+        root = (args.cgroupfs / f"bench-pids-{os.getpid()}") if cgroupfs else Path(tmp) / "cgroup"
+        try:
+            containers, procs = build_tree(root, args.containers, cgroupfs=cgroupfs)
+        except OSError as exc:
+            print(f"cannot build the cgroup tree under {root}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            where = f"cgroupfs at {args.cgroupfs}" if cgroupfs else "plain directories holding the v1 control files"
+            print(f"== {args.containers} shared containers, {where}; {load()}")
+            with variants(args.before) as agents:
+                results = {}
+                for i, variant in enumerate(agents):
+                    spec = {
+                        "containers": containers,
+                        "procs": procs,
+                        "root": str(root),
+                        "vm": str(Path(tmp) / f"vm-{i}"),
+                        "sweeps": args.sweeps,
+                        # cgroupfs refuses arbitrary PIDs in cgroup.procs: there, only the reads are timed.
+                        "writable": not cgroupfs,
+                    }
+                    out = subprocess.run(
+                        [variant.python, "-c", _SWEEPS, json.dumps(spec)],
+                        env={**os.environ, **variant.env},
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    ).stdout
+                    results[variant.label] = json.loads(out)
+                for key, title in (
+                    ("quiet", "a sweep, nothing changed"),
+                    ("changing", "a sweep, one container in ten gained a process"),
+                ):
+                    print(title)
+                    for label, got in results.items():
+                        print(f"    {label:22s} {figure('', got[key])}")
+        finally:
+            remove_tree(root, cgroupfs=cgroupfs)
+    print(f"   done; {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,39 +29,7 @@ from pathlib import Path
 
 from figures import figure, load, variants
 
-#: The files a cgroup v1 memory controller directory holds besides cgroup.procs (as a kernel makes them).
-V1_MEMORY_FILES = [
-    "cgroup.clone_children",
-    "cgroup.event_control",
-    "memory.failcnt",
-    "memory.force_empty",
-    "memory.kmem.failcnt",
-    "memory.kmem.limit_in_bytes",
-    "memory.kmem.max_usage_in_bytes",
-    "memory.kmem.slabinfo",
-    "memory.kmem.tcp.failcnt",
-    "memory.kmem.tcp.limit_in_bytes",
-    "memory.kmem.tcp.max_usage_in_bytes",
-    "memory.kmem.tcp.usage_in_bytes",
-    "memory.kmem.usage_in_bytes",
-    "memory.limit_in_bytes",
-    "memory.max_usage_in_bytes",
-    "memory.memsw.failcnt",
-    "memory.memsw.limit_in_bytes",
-    "memory.memsw.max_usage_in_bytes",
-    "memory.memsw.usage_in_bytes",
-    "memory.move_charge_at_immigrate",
-    "memory.numa_stat",
-    "memory.oom_control",
-    "memory.pressure_level",
-    "memory.soft_limit_in_bytes",
-    "memory.stat",
-    "memory.swappiness",
-    "memory.usage_in_bytes",
-    "memory.use_hierarchy",
-    "notify_on_release",
-    "tasks",
-]
+from simnode.cgroup_files import V1_MEMORY_FILES, make_cgroup
 
 # Run in the variant's own process: its gpumanager package comes first on the path.
 _SWEEPS = r"""
@@ -107,11 +75,10 @@ def build_tree(root: Path, count: int, *, cgroupfs: bool) -> tuple[list[tuple[st
     for i in range(count):
         uid, cid = str(uuid.uuid4()), f"{i:064x}"
         directory = root / "kubepods" / f"pod{uid}" / cid
-        directory.mkdir(parents=True)
-        if not cgroupfs:
-            for name in V1_MEMORY_FILES:
-                (directory / name).write_bytes(b"")
-            (directory / "cgroup.procs").write_text(f"{10000 + i}\n")
+        if cgroupfs:
+            directory.mkdir(parents=True)
+        else:
+            make_cgroup(directory, [10000 + i], V1_MEMORY_FILES)
         containers.append((uid, cid))
         procs.append(str(directory / "cgroup.procs"))
     return containers, procs

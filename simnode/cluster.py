@@ -36,6 +36,7 @@ from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
 from simnode.apiserver_quantity import value as quantity_value
+from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import AllocationRecord, KubeletSimulator
 from simnode.kubelet_deletion import PodTerminator
@@ -325,9 +326,7 @@ class SimCluster:
             cid = f"{run.uid[:8]}{c['name']}".replace("-", "")
             pid = next(_pid_counter)
             run.pids[c["name"]] = pid
-            d = self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "cgroup.procs").write_text(f"{pid}\n")
+            make_cgroup(self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid, [pid])
             statuses.append(
                 {
                     "name": c["name"],

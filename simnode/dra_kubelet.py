@@ -54,6 +54,7 @@ from gpumanager.api import (
 )
 from gpumanager.api import pluginregistration_v1_pb2 as reg_pb
 from gpumanager.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from simnode.cgroup_files import make_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -525,9 +526,7 @@ class DRAKubeletSimulator:
                 )
                 if cgroup_root is not None:
                     cid = f"{uid[:8]}{container['name']}".replace("-", "")
-                    d = cgroup_root / "kubepods" / f"pod{uid}" / cid
-                    d.mkdir(parents=True, exist_ok=True)
-                    (d / "cgroup.procs").write_text(f"{run.proc.pid}\n")
+                    make_cgroup(cgroup_root / "kubepods" / f"pod{uid}" / cid, [run.proc.pid])
             with self._lock:
                 self.containers[(uid, container["name"])] = run
             started[container["name"]] = run

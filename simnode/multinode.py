@@ -50,6 +50,7 @@ from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
+from simnode.cgroup_files import make_cgroup
 from simnode.cluster import STATUS_LAG_SECONDS
 from simnode.extender_process import ExtenderProcess
 from simnode.gpusim_state import repo_root
@@ -378,8 +379,7 @@ class SimNode:
                         return
             cid = f"{uid.replace('-', '')[:16]}{c['name']}"
             directory = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / "cgroup.procs").write_text(f"{next(_pids)}\n")
+            make_cgroup(directory, [next(_pids)])
             admitted.cgroups.append(directory)
             statuses.append(
                 {

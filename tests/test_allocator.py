@@ -486,3 +486,33 @@ def test_generation_moves_with_every_change_and_only_then(tmp_path: Path) -> Non
     alloc.release_pod(uid_of("a"))
     seen.append(alloc.generation)
     assert len(set(seen)) == 4, seen
+
+
+def test_ids_of_a_pod_deleted_before_it_started_go_to_the_next_pod_while_the_cache_still_shows_it(
+    tmp_path: Path,
+) -> None:
+    """The kubelet failed pod a's admission after our Allocate answered (a restart in between), freed its
+    IDs and gave them to b. The pod watch has not delivered a's deletion: the cache still shows a waiting.
+    That is not a's Allocate repeated: the API server, asked, no longer has a."""
+    pods = FakePods(
+        [make_pod("a", [("main", 25, 2)]), make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(2, 25))
+    assert alloc.get(uid_of("a"), "main") is not None
+    pods.gone_at_server.add(uid_of("a"))
+    again = alloc.allocate(core_ids(2, 25))
+    assert alloc.get(uid_of("a"), "main") is None
+    assert alloc.get(uid_of("b"), "main") is not None
+    assert again != first
+
+
+def test_a_repeated_allocate_stays_a_repeat_while_the_api_server_cannot_be_asked(tmp_path: Path) -> None:
+    pods = FakePods(
+        [make_pod("a", [("main", 25, 2)]), make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(2, 25))
+    pods.refresh_error = ConnectionError("refused")
+    assert alloc.allocate(core_ids(2, 25)) == first
+    assert [a.pod_uid for a in alloc.allocations()] == [uid_of("a")]

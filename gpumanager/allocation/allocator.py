@@ -312,10 +312,19 @@ class Allocator:
         holders: set[str] = set()  # pods holding GPUs when that was found
         try:
             repeat: ContainerResponse | None = None
+            # IDs an unstarted container holds, its pod alive in the cache: the kubelet repeating that
+            # container's Allocate, or giving the IDs on after failing its pod's admission (a kubelet
+            # restart between our answer and its record) before the pod watch tells of the deletion.
+            # Only the API server can tell (asked with the lock released; unreachable: a repeat).
+            with self._lock:
+                suspect = self._by_ids.get(wanted)
+                if suspect is not None and not self._is_repeat(suspect):
+                    suspect = None
+            handed_on = suspect is not None and self._gone_at_server(suspect)
             with self._changing():
                 known = self._by_ids.get(wanted)
                 if known is not None:
-                    if self._is_repeat(known):
+                    if self._is_repeat(known) and not (handed_on and known == suspect):
                         repeat = self._response(known)
                         ticket = self._unsynced.get(known, 0)
                     else:
@@ -576,6 +585,27 @@ class Allocator:
                 f"tencent.com/vcuda-core, and the API server cannot be asked: {exc}",
                 "unavailable",
             ) from exc
+
+    def _gone_at_server(self, key: tuple[str, str]) -> bool:
+        """Whether the API server, listed now, no longer has ``key``'s pod running or waiting (False when it
+        cannot be asked)."""
+        try:
+            fresh = self._pods.refresh()
+        except Exception as exc:
+            log.warning(
+                "cannot ask the API server whether pod %s still exists (%s): its container's Allocate is taken "
+                "as repeated",
+                key[0],
+                exc,
+            )
+            return False
+        alive = any(podinfo.uid(p) == key[0] and not podinfo.is_terminated(p) for p in fresh)
+        if not alive:
+            log.info(
+                "pod %s is gone at the API server: the IDs of its container %s, not started, went to another",
+                *key,
+            )
+        return not alive
 
     def _refresh_for_room(self, full: AllocationError) -> list[Pod]:
         """The node's pods listed now, for a request ``full`` refused; that refusal if none can be had."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumanager.selftest.checks import credit
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
 from simnode.simhost import install_sim_driver
 from tests.vcuda_fixtures import BUILD, vcuda_built
@@ -111,3 +112,22 @@ def test_a_driver_root_without_the_driver_is_named(vcuda_built: Path, tmp_path: 
     )
     assert done.returncode == 2
     assert f"--driver-root {empty}" in done.stderr and "ld.so.cache" in done.stderr
+
+
+def test_a_late_poll_of_nvml_counts_all_the_time_it_covers() -> None:
+    """A loaded machine let 1.5 s pass between two polls: NVML's sample (70 % since the last one) covers
+    all of it, not a second of it (which read a 70 % share as 47 %)."""
+    busy: dict[int, float] = {}
+    start = 1_000_000
+    assert credit(busy, [(42, start + 250_000, 70)], start) == start + 250_000
+    newest = credit(busy, [(42, start + 1_750_000, 70)], start + 250_000)
+    assert newest == start + 1_750_000
+    assert busy[42] / (newest - start) == pytest.approx(70.0)
+
+
+def test_several_samples_of_one_process_in_one_answer_are_chained_not_overlapped() -> None:
+    busy: dict[int, float] = {}
+    newest = credit(busy, [(7, 300, 20), (9, 200, 100), (7, 200, 60), (7, 100, 99)], 100)
+    assert newest == 300
+    # pid 7: 100..200 at 60 %, 200..300 at 20 % (the sample at the start itself covers nothing)
+    assert busy == {7: 60 * 100 + 20 * 100, 9: 100 * 100}

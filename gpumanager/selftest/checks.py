@@ -296,14 +296,26 @@ class UtilSampler:
             samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._since)
         except self._nvml.NVMLError:
             return  # NOT_FOUND: nothing ran since
-        newest = self._since
-        for smp in samples:
-            if smp.timeStamp <= self._since:
-                continue
-            span = min(smp.timeStamp - self._since, 1_000_000)
-            self._busy[smp.pid] = self._busy.get(smp.pid, 0.0) + min(smp.smUtil, 100) * span
-            newest = max(newest, smp.timeStamp)
-        self._since = newest
+        self._since = credit(self._busy, [(s.pid, s.timeStamp, s.smUtil) for s in samples], self._since)
+
+
+def credit(busy: dict[int, float], samples: Sequence[tuple[int, int, int]], since: int) -> int:
+    """Add NVML's process samples, (pid, timestamp in us, SM percent), taken after ``since``, to ``busy``
+    (pid -> percent x microseconds); returns the newest timestamp.
+
+    Each sample covers the time from the process's previous sample in this answer (or ``since``) to its
+    own: a poll that came late (a loaded machine) still counts the whole time it covers.
+    """
+    newest = since
+    last: dict[int, int] = {}
+    for pid, stamp, util in sorted(samples, key=lambda smp: smp[1]):
+        start = last.get(pid, since)
+        if stamp <= start:
+            continue
+        busy[pid] = busy.get(pid, 0.0) + min(util, 100) * (stamp - start)
+        last[pid] = stamp
+        newest = max(newest, stamp)
+    return newest
 
 
 def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> list[tuple[float, float]]:

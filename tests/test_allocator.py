@@ -516,3 +516,17 @@ def test_a_repeated_allocate_stays_a_repeat_while_the_api_server_cannot_be_asked
     pods.refresh_error = ConnectionError("refused")
     assert alloc.allocate(core_ids(2, 25)) == first
     assert [a.pod_uid for a in alloc.allocations()] == [uid_of("a")]
+
+
+def test_the_other_containers_of_a_pod_gone_at_the_api_server_are_not_matched_either(tmp_path: Path) -> None:
+    """Pod a, gone at the API server but waiting in the cache, has a second container of the same size:
+    the IDs given on go to b, not to a's other container."""
+    a = make_pod("a", [("c1", 25, 2), ("c2", 25, 2)])
+    pods = FakePods([a, make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(2, 25))
+    assert alloc.get(uid_of("a"), "c1") is not None
+    pods.gone_at_server.add(uid_of("a"))
+    alloc.allocate(core_ids(2, 25))
+    assert alloc.get(uid_of("b"), "main") is not None
+    assert [x.pod_uid for x in alloc.allocations()] == [uid_of("b")]

@@ -122,5 +122,29 @@ def test_serving_a_pod_again_replaces_its_socket(pod_sockets: Sockets) -> None:
 
 def test_a_stopped_relay_refuses_to_serve(pod_sockets: Sockets) -> None:
     pod_sockets.sockets.stop()
-    with pytest.raises((OSError, RuntimeError)):
+    with pytest.raises(OSError, match="not running"):
         pod_sockets.sockets.serve(POD, pod_sockets.path)
+
+
+def test_two_calls_serving_one_pod_at_once_leave_its_socket_served(pod_sockets: Sockets) -> None:
+    """Start-up's resume and a PreStartContainer may serve one pod together: neither may remove the
+    socket file of the other and leave the pod served with no file."""
+
+    def serve(barrier: threading.Barrier, errors: list[BaseException]) -> None:
+        barrier.wait()
+        try:
+            pod_sockets.sockets.serve(POD, pod_sockets.path)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    for _ in range(20):
+        barrier = threading.Barrier(2)
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=serve, args=(barrier, errors)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert errors == []
+        assert pod_sockets.path.is_socket()
+        assert register(pod_sockets.path) == grpc.StatusCode.OK

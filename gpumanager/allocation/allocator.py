@@ -329,6 +329,11 @@ class Allocator:
                         ticket = self._unsynced.get(known, 0)
                     else:
                         self._take_back(known)
+                        if handed_on and known == suspect:
+                            # Its pod is gone at the API server: none of its containers holds GPUs or
+                            # waits for an Allocate any more, whatever the cache still shows.
+                            self._release_locked(known[0])
+                            self._set_waiting(known[0], None)
                         changed = True
                 if repeat is None:
                     changed |= self._recycle_locked()

@@ -104,6 +104,8 @@ class VirtualManager:
         self._current: dict[tuple[str, str], list[int]] = {}
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
         self._ids_of: dict[tuple[str, str], tuple[Pod, str]] = {}
+        self._registrations = 0  # RegisterVDevice calls that wrote a pids.config
+        self._pids_lock = threading.Lock()  # a registration's write against the refresh's memo
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
 
@@ -306,11 +308,14 @@ class VirtualManager:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         directory = safenames.child(self.pod_dir(socket_pod), target.subdir)
         path = directory / names.PIDS_CONFIG_FILE
-        files.write_pids(path, pids)
-        # The refresh compares against what each file holds: this one now holds ``pids``, and the
-        # container's files no longer all hold the same list.
-        self._last_pids[path] = pids
-        self._current.pop((socket_pod, target.container_id), None)
+        with self._pids_lock:
+            files.write_pids(path, pids)
+            # The refresh compares against what each file holds: this one now holds ``pids``, the
+            # container's files no longer all hold the same list, and a refresh in progress must not
+            # remember what it wrote (this may have overwritten it).
+            self._last_pids[path] = pids
+            self._registrations += 1
+            self._current.pop((socket_pod, target.container_id), None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             files.write_config(config, self.config_for(target.alloc))
@@ -345,6 +350,7 @@ class VirtualManager:
             cid = self._container_id(alloc, pod)
             if not cid:
                 continue
+            registrations = self._registrations
             pids = self._cgroups.pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
             key = (alloc.pod_uid, cid)
             seen_ids.add(key)
@@ -352,8 +358,10 @@ class VirtualManager:
                 continue
             done, count = self._write_pids_of(alloc, cid, pids)
             written += count
-            if done:
-                self._current[key] = pids
+            # A registration meanwhile may have written older PIDs over ours: look again next time.
+            with self._pids_lock:
+                if done and registrations == self._registrations:
+                    self._current[key] = pids
         # What is remembered of containers that are gone (or no longer shared) goes with them.
         # (A registration may drop an entry meanwhile, from the sockets' thread: list() copies at once.)
         for memo, seen in ((self._current, seen_ids), (self._ids_of, seen_containers)):
@@ -386,8 +394,9 @@ class VirtualManager:
             if not directory.is_dir():
                 complete = False
                 continue
-            files.write_pids(path, pids)
-            self._last_pids[path] = pids
+            with self._pids_lock:  # a registration writes the same file: what is recorded is what it holds
+                files.write_pids(path, pids)
+                self._last_pids[path] = pids
             written += 1
         return complete, written
 

@@ -117,6 +117,8 @@ class PodSockets:
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
         self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
         self._server: grpc.aio.Server | None = None
+        self._serving = threading.Lock()  # serve() one at a time, and against stop()
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -134,6 +136,7 @@ class PodSockets:
             thread.join(timeout=5)
             raise
         self._loop, self._thread = loop, thread
+        self._stopping = False
 
     async def _start_server(self) -> grpc.aio.Server:
         server = grpc.aio.server(options=[("grpc.max_concurrent_streams", CALLS_PER_CONNECTION)])
@@ -145,6 +148,8 @@ class PodSockets:
 
     def stop(self) -> None:
         """Stop listening on every pod socket (the files are removed) and stop the server."""
+        with self._serving:  # a serve() in progress ends first; later ones refuse
+            self._stopping = True
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(Exception):
@@ -167,21 +172,19 @@ class PodSockets:
         """
         if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
             raise OSError(f"{path} is longer than {MAX_SOCKET_PATH} bytes, too long for a unix socket")
-        loop = self._running_loop()
-        listener = _bind_listening(path)
-        with self._lock:
-            old = self._listeners.get(pod_uid)
-            self._listeners[pod_uid] = listener
-        try:
+        # One at a time: two calls for one pod (start-up's resume and a PreStartContainer) must not
+        # each remove the other's socket file; none after stop() began.
+        with self._serving:
+            loop = self._loop
+            if loop is None or self._stopping:
+                raise OSError(f"cannot serve {path}: the vcuda.sock server is not running")
+            listener = _bind_listening(path)
+            with self._lock:
+                old = self._listeners.get(pod_uid)
+                self._listeners[pod_uid] = listener
             if old is not None:
                 asyncio.run_coroutine_threadsafe(self._retire(pod_uid, old), loop)
             asyncio.run_coroutine_threadsafe(self._take_up(pod_uid, listener), loop)
-        except RuntimeError as exc:  # the loop is closing: nothing will accept
-            with self._lock:
-                if self._listeners.get(pod_uid) is listener:
-                    del self._listeners[pod_uid]
-            listener.sock.close()
-            raise OSError(f"cannot serve {path}: the vcuda.sock server is stopping") from exc
 
     def unserve(self, pod_uid: str) -> None:
         """Stop listening for ``pod_uid`` and remove its socket file (if it is still ours)."""
@@ -347,14 +350,18 @@ def _bind_listening(path: Path) -> _Listener:
 
 
 def _close_listener(listener: _Listener) -> None:
-    """Stop listening (on the loop) and remove the socket file if it is still the one we made."""
+    """Remove the socket file if it is still the one we made, then stop listening (on the loop).
+
+    In that order: while our socket is open its inode stays taken, so a newer socket file at the same
+    path (a pod served again) cannot have been given the same inode number and be removed in its place.
+    """
     listener.closed = True
+    _unlink_ours(listener)
     if listener.server is not None:
         listener.server.close()
     elif not listener.taken_up:
         listener.sock.close()
     # else: the loop is starting its server on it; _take_up closes that server when it is up.
-    _unlink_ours(listener)
 
 
 def _unlink_ours(listener: _Listener) -> None:

@@ -530,3 +530,27 @@ def test_the_other_containers_of_a_pod_gone_at_the_api_server_are_not_matched_ei
     alloc.allocate(core_ids(2, 25))
     assert alloc.get(uid_of("b"), "main") is not None
     assert [x.pod_uid for x in alloc.allocations()] == [uid_of("b")]
+
+
+def test_a_match_among_identical_waiting_pods_names_no_holder_until_the_container_starts(tmp_path: Path) -> None:
+    """PreStartContainer asks the kubelet for the pod we expect first: when Allocate had to pick among
+    pods waiting with the same request, that expectation is a guess, and it is not offered."""
+    pods = FakePods(
+        [
+            make_pod("a", [("main", 25, 2)]),
+            make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z"),
+            make_pod("solo", [("main", 40, 2)], created="2026-11-21T10:00:02Z"),
+        ]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    guessed = core_ids(2, 25)
+    alloc.allocate(guessed)
+    assert alloc.holder_of(guessed) is None
+    sure = core_ids(3, 40)
+    alloc.allocate(sure)
+    assert alloc.holder_of(sure) == ("default", "solo")
+    alloc.pre_start(guessed, (uid_of("a"), "main"))
+    assert alloc.holder_of(guessed) == ("default", "a")
+    last = core_ids(2, 25, start=25)
+    alloc.allocate(last)  # b waits alone now
+    assert alloc.holder_of(last) == ("default", "b")

@@ -163,6 +163,9 @@ class Allocator:
         self._checkpoint_error = ""
         # Containers whose device IDs the kubelet handed to another container: never matched again.
         self._retired: set[tuple[str, str]] = set()
+        # Allocations matched while other pods waited with the same request, until PreStartContainer.
+        self._guessed: set[tuple[str, str]] = set()
+        self._guess = False  # the last cache match was such a guess (lock held)
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
         # The containers of each pod holding an allocation.
@@ -229,10 +232,11 @@ class Allocator:
             return self._allocs.get((pod_uid, container))
 
     def holder_of(self, device_ids: Sequence[str]) -> tuple[str, str] | None:
-        """(namespace, pod name) of the allocation recorded for exactly these device IDs."""
+        """(namespace, pod name) of the allocation recorded for exactly these device IDs; None also when
+        that allocation was a guess among pods waiting with the same request (nothing to ask first)."""
         with self._lock:
             key = self._by_ids.get(frozenset(device_ids))
-            alloc = self._allocs.get(key) if key is not None else None
+            alloc = self._allocs.get(key) if key is not None and key not in self._guessed else None
             return (alloc.namespace, alloc.pod_name) if alloc is not None and alloc.pod_name else None
 
     def response_of(self, pod_uid: str, container: str) -> ContainerResponse | None:
@@ -342,6 +346,8 @@ class Allocator:
                         try:
                             alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
                             changed = True
+                            if self._guess:
+                                self._guessed.add(alloc.key)
                         except AllocationError as exc:
                             changed = True  # an allocation may have been taken back
                             if exc.kind != "exhausted":
@@ -521,6 +527,15 @@ class Allocator:
             heapq.heappop(queue)
             self._queued -= 1
         best = self._best_of(self._multi.values(), cores) if self._multi else None
+        # A guess when another pod waits with the same request: the kubelet, not the order, tells which
+        # pod's container starts with these IDs (PreStartContainer asks it without naming a pod first).
+        self._guess = (top is not None and best is not None) or (
+            queue is not None
+            and any(
+                e is not top and waiting.get(e.uid) is e and e.keys[0] not in allocs and e.keys[0] not in retired
+                for _, _, e in queue
+            )
+        )
         if top is not None and (best is None or top.order < best[0]):
             return Candidate(top.pod, top.requests[0])
         return Candidate(best[1].pod, best[2]) if best is not None else None
@@ -835,6 +850,7 @@ class Allocator:
 
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
+        self._guessed.discard(key)
         self._generation += 1
         waiting = self._waiting.get(key[0]) if alloc is not None else None
         if waiting is not None and len(waiting.requests) == 1 and waiting.keys[0] == key:

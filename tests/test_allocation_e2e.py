@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -334,3 +335,49 @@ def test_bad_extra_config_stops_the_agent_with_the_file_named(tmp_path: Path, si
     agent = AgentProcess(tmp_path, spec_dir() / "t4-x1.json", extra_args=[f"--extra-config={extra}"]).start()
     assert agent.wait(30) == 2
     assert f"--extra-config={extra}" in agent.log_text()
+
+
+def test_identical_pods_starting_together_share_one_podresources_list(cluster: SimCluster) -> None:
+    """Allocate cannot tell identical waiting pods apart, so PreStartContainer asks the kubelet who
+    holds each container's IDs. Started together, they read one List: every container's IDs were
+    allocated before it began, so each takes its holder from it instead of asking for a List of its own."""
+    pods = [gpu_pod(f"same-{i}", [("c", 25, 2)]) for i in range(8)]
+    for p in pods:
+        cluster.create(p)
+    time.sleep(1.0)  # the agent's pod cache sees them before the kubelet admits them
+    runs = list(cluster.runs.values())
+    admitted = _together(lambda run: cluster.admit(run.manifest, create=False), runs)
+    assert all(r is not None for r in admitted)
+    before = len(cluster.kubelet.pod_resources_calls)
+    _together(lambda run: cluster.kubelet.pre_start(CORE, pod_uid=run.uid, container_name="c"), runs)
+    calls = [c.method for c in cluster.kubelet.pod_resources_calls[before:]]
+    assert calls.count("List") == 1, calls
+    # And each container ended up with the IDs the kubelet gave it.
+    mapping = checkpoint(cluster)
+    for run in runs:
+        kubelet_ids = [sorted(a.device_ids) for a in cluster.kubelet.allocations(run.uid) if a.resource == CORE]
+        assert kubelet_ids == [sorted(mapping[run.uid]["c"]["DeviceIDs"])], run.name  # type: ignore[arg-type]
+
+
+def _together(fn: Callable[[Any], object], items: Sequence[Any]) -> list[object]:
+    """``fn`` over ``items``, each in its own thread, all released at once; raises the first error."""
+    go = threading.Event()
+    results: list[object] = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        go.wait()
+        try:
+            results[i] = fn(items[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -554,3 +555,38 @@ def test_a_match_among_identical_waiting_pods_names_no_holder_until_the_containe
     last = core_ids(2, 25, start=25)
     alloc.allocate(last)  # b waits alone now
     assert alloc.holder_of(last) == ("default", "b")
+
+
+def test_the_owner_hint_carries_when_the_ids_allocate_reached_us_through_a_swap_but_not_a_restart(
+    tmp_path: Path,
+) -> None:
+    """PreStartContainer may read the holder of some IDs from a PodResources List made after their
+    Allocate reached us: the moment belongs to the IDs, whichever pod they turn out to be."""
+    pods = FakePods(
+        [make_pod("a", [("main", 25, 2)]), make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    first, second = core_ids(2, 25), core_ids(2, 25, start=25)
+    before = time.monotonic()
+    alloc.allocate(first)
+    between = time.monotonic()
+    alloc.allocate(second)
+    after = time.monotonic()
+    hint_first, hint_second = alloc.owner_hint(first), alloc.owner_hint(second)
+    assert hint_first.pod is None, "a guess among identical pods is not offered"
+    assert hint_first.since is not None and before <= hint_first.since <= between
+    assert hint_second.since is not None and between <= hint_second.since <= after
+    # The kubelet says b holds the first IDs: the two allocations swap pods, the IDs keep their moments.
+    alloc.pre_start(first, (uid_of("b"), "main"))
+    assert alloc.get(uid_of("b"), "main") is not None
+    assert alloc.owner_hint(first).since == hint_first.since
+    assert alloc.owner_hint(second).since == hint_second.since
+    assert alloc.owner_hint(core_ids(2, 25, start=50)).since is None, "IDs nobody holds"
+    # After a restart nothing is known of when the IDs were asked for.
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert restarted.get(uid_of("b"), "main") is not None
+    assert restarted.owner_hint(first).since is None
+    # Released: forgotten.
+    alloc.release_pod(uid_of("a"))
+    assert alloc.owner_hint(second).since is None

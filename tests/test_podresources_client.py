@@ -14,6 +14,7 @@ import pytest
 
 from gpumanager.api import podresources_v1_pb2 as pb
 from gpumanager.api import podresources_v1_pb2_grpc as pb_grpc
+from gpumanager.kube.owners import OwnerResolver
 from gpumanager.kube.podresources import (
     GET_RESERVE,
     KUBELET_BURST,
@@ -202,3 +203,63 @@ def test_many_holders_in_one_list(tmp_path: Path) -> None:
                 assert client.owner_of("r", [f"{i}{c}1", f"{i}{c}0"]) == ("ns", f"p{i}", c)
                 assert client.owner_of("other", [f"{i}{c}x"]) == ("ns", f"p{i}", c)
                 assert client.owner_of("r", [f"{i}{c}x"]) is None, "another resource's IDs"
+
+
+def test_a_lookup_with_since_uses_a_list_made_after_the_allocate_when_it_shows_a_trusted_holder(
+    tmp_path: Path,
+) -> None:
+    """The kubelet gives a container only IDs no other app container holds, so a List made after their
+    Allocate reached us that shows them held names the holder: it serves later PreStarts too."""
+    lister = _Lister(with_get=False)
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        allocated = time.monotonic()
+        assert client.owner_of("r", ["a", "b", "c"]) == ("ml", "train", "main")
+        assert lister.calls == ["List"]
+        assert client.owner_of("r", ["c", "b", "a"], since=allocated) == ("ml", "train", "main")
+        assert lister.calls == ["List"], "a List made since the Allocate was asked again"
+        # A holder the caller does not trust (an init container, whose IDs the kubelet hands on):
+        # a new List is asked for.
+        trusted: list[tuple[str, str, str]] = []
+        assert client.owner_of("r", ["a", "b", "c"], since=allocated, trust=lambda h: bool(trusted.append(h))) == (
+            "ml",
+            "train",
+            "main",
+        )
+        assert trusted == [("ml", "train", "main")] and lister.calls == ["List"] * 2
+        # IDs allocated after the newest List started: that List cannot show their holder.
+        lister.pod.name = "train-2"
+        allocated = time.monotonic()
+        assert client.owner_of("r", ["a", "b", "c"], since=allocated) == ("ml", "train-2", "main")
+        assert lister.calls == ["List"] * 3
+        # A List made since that does not show the IDs held: a new one, made after this lookup asked.
+        assert client.owner_of("r", ["a", "b"], since=allocated) is None
+        assert lister.calls == ["List"] * 4
+
+
+def test_the_owner_resolver_trusts_an_early_list_only_for_an_app_container_of_a_pod_it_knows(tmp_path: Path) -> None:
+    """The kubelet hands an init container's IDs on to its pod's next containers, so an init container
+    shown holding them in a List made before this container's record names the wrong container."""
+    lister = _Lister(with_get=False)
+    spec: dict[str, object] = {"containers": [{"name": "main"}]}
+    known = {"uid": "u-1"}
+
+    def find_pod(namespace: str, name: str) -> dict[str, object] | None:
+        if (namespace, name) != ("ml", "train") or not known:
+            return None
+        return {"metadata": {"uid": known["uid"], "name": name, "namespace": namespace}, "spec": spec}
+
+    with serving(lister, tmp_path / "kubelet.sock") as client:
+        owners = OwnerResolver(
+            pod_resources=client, kubelet_checkpoint_path=tmp_path / "absent-checkpoint", find_pod=find_pod
+        )
+        allocated = time.monotonic()
+        assert owners.owner("r", ["a", "b", "c"], None, allocated) == ("u-1", "main")
+        assert owners.owner("r", ["a", "b", "c"], None, allocated) == ("u-1", "main")
+        assert lister.calls == ["List"], "an app container's holding, listed since the Allocate, is trusted"
+        spec["initContainers"], spec["containers"] = [{"name": "main"}], [{"name": "app"}]
+        assert owners.owner("r", ["a", "b", "c"], None, allocated) == ("u-1", "main")
+        assert lister.calls == ["List"] * 2, "an init container's holding was trusted"
+        spec["initContainers"], spec["containers"] = [], [{"name": "main"}]
+        known.clear()  # the pod cache does not know the pod (yet)
+        assert owners.owner("r", ["a", "b", "c"], None, allocated) is None
+        assert lister.calls == ["List"] * 3

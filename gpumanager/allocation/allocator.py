@@ -124,6 +124,18 @@ class Candidate:
 ChangeListener = Callable[[], None]
 
 
+@dataclass(frozen=True)
+class OwnerHint:
+    """What the allocator tells PreStartContainer's look-up of who holds some device IDs."""
+
+    #: (namespace, pod name) to ask the kubelet about first; None when unknown or when the allocation
+    #: was a guess among pods waiting with the same request.
+    pod: tuple[str, str] | None
+    #: When the kubelet's Allocate of these IDs reached us (``time.monotonic()``); None when the
+    #: allocation is not of this run (restored from the checkpoint) or unknown.
+    since: float | None
+
+
 class Allocator:
     """Owns allocation state; all public methods are thread-safe."""
 
@@ -165,6 +177,9 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
         self._guessed: set[tuple[str, str]] = set()
+        # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
+        # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).
+        self._asked_at: dict[frozenset[str], float] = {}
         self._guess = False  # the last cache match was such a guess (lock held)
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
@@ -234,10 +249,17 @@ class Allocator:
     def holder_of(self, device_ids: Sequence[str]) -> tuple[str, str] | None:
         """(namespace, pod name) of the allocation recorded for exactly these device IDs; None also when
         that allocation was a guess among pods waiting with the same request (nothing to ask first)."""
+        return self.owner_hint(device_ids).pod
+
+    def owner_hint(self, device_ids: Sequence[str]) -> OwnerHint:
+        """What PreStartContainer's look-up of the kubelet's holder of ``device_ids`` can start from."""
         with self._lock:
             key = self._by_ids.get(frozenset(device_ids))
-            alloc = self._allocs.get(key) if key is not None and key not in self._guessed else None
-            return (alloc.namespace, alloc.pod_name) if alloc is not None and alloc.pod_name else None
+            if key is None:
+                return OwnerHint(None, None)
+            alloc = self._allocs.get(key) if key not in self._guessed else None
+            pod = (alloc.namespace, alloc.pod_name) if alloc is not None and alloc.pod_name else None
+            return OwnerHint(pod, self._asked_at.get(frozenset(device_ids)))
 
     def response_of(self, pod_uid: str, container: str) -> ContainerResponse | None:
         """The Allocate answer a container was given (rebuilt after a restart)."""
@@ -301,6 +323,7 @@ class Allocator:
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
         """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""
+        received = time.monotonic()
         cores = len(device_ids)
         if cores == 0:
             raise AllocationError("Allocate for tencent.com/vcuda-core carried no device IDs")
@@ -344,7 +367,7 @@ class Allocator:
                     candidate = self._match_cached(cores)
                     if candidate is not None:
                         try:
-                            alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
+                            alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
                             changed = True
                             if self._guess:
                                 self._guessed.add(alloc.key)
@@ -372,7 +395,7 @@ class Allocator:
                         raise full
                     candidate = found
                     changed = True  # an allocation may be taken back even if this one fails
-                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
+                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
                     self._note_fresh(alloc.pod_uid)
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
@@ -390,7 +413,7 @@ class Allocator:
                         )
                     candidate = found
                     changed = True  # an allocation may be taken back even if this one fails
-                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted)
+                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
                     self._note_fresh(alloc.pod_uid)
             try:
                 self._sync_or_undo(ticket, lambda: self._undo_allocation(alloc))
@@ -421,17 +444,19 @@ class Allocator:
         return alloc, response, ticket
 
     def _allocate_taking_back(
-        self, candidate: Candidate, device_ids: tuple[str, ...], wanted: frozenset[str]
+        self, candidate: Candidate, device_ids: tuple[str, ...], wanted: frozenset[str], received: float
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
         """:meth:`_allocate_locked`; where no GPU has room, the containers of other pods that held some of
         ``wanted`` are taken back first (:meth:`_take_back_handed_on`) and it is tried once more. The
         same whether the candidate came from the pod cache or from a fresh list of the API server."""
         try:
-            return self._allocate_locked(candidate, device_ids)
+            made = self._allocate_locked(candidate, device_ids)
         except AllocationError as exc:
             if exc.kind != "exhausted" or not self._take_back_handed_on(wanted, candidate):
                 raise
-        return self._allocate_locked(candidate, device_ids)
+            made = self._allocate_locked(candidate, device_ids)
+        self._asked_at[wanted] = received
+        return made
 
     def _sync_or_undo(self, ticket: int, undo: Callable[[], bool]) -> None:
         """Wait (lock released) until the record of ``ticket`` is durable. When it cannot be written,
@@ -830,6 +855,7 @@ class Allocator:
             self._tree.occupy(leaf.index, alloc.cores, alloc.memory)
 
     def _free(self, alloc: ContainerAllocation) -> None:
+        self._asked_at.pop(frozenset(alloc.device_ids), None)  # the IDs' Allocate is over with
         for minor in alloc.minors:
             try:
                 leaf = self._tree.leaf_by_minor(minor)

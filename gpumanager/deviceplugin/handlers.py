@@ -29,7 +29,8 @@ _CODES = {
     "mismatch": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None], tuple[str, str] | None]
+#: (resource, device IDs, (namespace, pod) to ask first, when their Allocate reached us) -> (pod UID, container).
+OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None, float | None], tuple[str, str] | None]
 #: Blocks (bounded) until Allocate can be served; returns '' or why it cannot be yet.
 ReadyFn = Callable[[], str]
 PreparedFn = Callable[[ContainerAllocation], None]
@@ -137,7 +138,8 @@ class Handlers:
         try:
             ids = list(request.devices_ids)
             self._validate(names.VCORE_RESOURCE, ids)
-            owner = self._owner(names.VCORE_RESOURCE, ids, self._allocator.holder_of(ids))
+            hint = self._allocator.owner_hint(ids)
+            owner = self._owner(names.VCORE_RESOURCE, ids, hint.pod, hint.since)
             try:
                 alloc = self._allocator.pre_start(ids, owner)
             except AllocationError as exc:

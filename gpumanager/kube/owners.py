@@ -31,15 +31,21 @@ class OwnerResolver:
         self.last_source = ""
 
     def owner(
-        self, resource: str, device_ids: Sequence[str], hint: tuple[str, str] | None = None
+        self,
+        resource: str,
+        device_ids: Sequence[str],
+        hint: tuple[str, str] | None = None,
+        since: float | None = None,
     ) -> tuple[str, str] | None:
         """(pod UID, container) that the kubelet says holds exactly ``device_ids``; None when nobody says.
 
-        ``hint`` is the (namespace, pod name) we believe holds them: asked first.
+        ``hint`` is the (namespace, pod name) we believe holds them: asked first. ``since``: when the
+        kubelet's Allocate of these IDs reached us (``time.monotonic()``), if in this run: a PodResources
+        List made since then may answer (:meth:`PodResourcesClient.owner_of`).
         """
         if self._pr is not None:
             try:
-                found = self._pr.owner_of(resource, device_ids, hint)
+                found = self._pr.owner_of(resource, device_ids, hint, since=since, trust=self._not_init)
             except PodResourcesUnavailableError as exc:
                 log.debug("%s; trying the kubelet checkpoint", exc)
             else:
@@ -59,3 +65,13 @@ class OwnerResolver:
         if found_cp is not None:
             self.last_source = "kubelet checkpoint"
         return found_cp
+
+    def _not_init(self, holder: tuple[str, str, str]) -> bool:
+        """Whether ``holder`` (namespace, pod, container) is one of its pod's app containers, as the pod
+        cache knows it: the kubelet hands an init container's IDs on to the next containers of its pod."""
+        namespace, name, container = holder
+        pod = self._find_pod(namespace, name)
+        if pod is None:
+            return False
+        spec = pod.get("spec") or {}
+        return any(c.get("name") == container for c in spec.get("containers") or [] if isinstance(c, dict))

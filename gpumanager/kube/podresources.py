@@ -208,13 +208,25 @@ class PodResourcesClient:
         return _flatten([reply.pod_resources])
 
     def owner_of(
-        self, resource: str, device_ids: Sequence[str], hint: tuple[str, str] | None = None
+        self,
+        resource: str,
+        device_ids: Sequence[str],
+        hint: tuple[str, str] | None = None,
+        *,
+        since: float | None = None,
+        trust: Callable[[tuple[str, str, str]], bool] | None = None,
     ) -> tuple[str, str, str] | None:
         """(namespace, pod name, container) holding exactly ``device_ids`` of ``resource``.
 
         ``hint`` (namespace, pod name) is asked first with ``Get`` when no other lookup is in
         progress; otherwise, or when the hinted pod does not hold them, the answer comes from a
         ``List`` shared with the other lookups (one that started after this call), indexed once.
+
+        ``since``: the ``time.monotonic()`` moment the kubelet's Allocate of these IDs reached us. The
+        kubelet gives a container only IDs that no other container of a running pod holds (bar its
+        pod's init containers, whose IDs it hands on), so a List that started after that moment and
+        shows a holder ``trust`` accepts (the caller rules out init containers) names the right one:
+        such a List, running or just answered, is used before a new one is asked for.
         """
         wanted = frozenset(device_ids)
 
@@ -237,7 +249,14 @@ class PodResourcesClient:
                 else:
                     if found is not None:
                         return found
-            return self._shared_list().holder(resource, wanted)
+            if since is None:
+                return self._shared_list().holder(resource, wanted)
+
+            def holds(holders: _Holders) -> bool:
+                found = holders.holder(resource, wanted)
+                return found is not None and (trust is None or trust(found))
+
+            return self._shared_list(since=since, accept=holds).holder(resource, wanted)
         finally:
             with self._lock:
                 self._lookups -= 1

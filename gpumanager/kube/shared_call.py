@@ -6,11 +6,17 @@ made and the others wait for it. A caller uses only an answer to a call that
 started after it asked, so it never sees data older than its own question: a
 caller that arrives while a call is running waits for that one to end and then
 for the next, which it shares with everyone else who arrived meanwhile.
+
+A caller that knows its data appeared after some moment (``since``) may also
+take the answer of a call that started at or after it, the newest finished one
+or the one running, when that answer holds what it looks for (``accept``);
+otherwise it waits for a call that started after it asked, as above.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -28,17 +34,39 @@ class SharedCall(Generic[T]):
         self._running = False
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._value_since = 0.0  # when the call whose answer is kept started (time.monotonic())
+        self._running_since = 0.0  # when the running call started
         #: Callers waiting for an answer now (for tests and metrics).
         self.waiting = 0
         #: Calls made so far.
         self.calls = 0
 
-    def __call__(self) -> T:
-        """The answer of a call that started after this one was made."""
+    def __call__(self, *, since: float | None = None, accept: Callable[[T], bool] | None = None) -> T:
+        """The answer of a call that started after this one was made.
+
+        With ``since`` (a ``time.monotonic()`` moment) and ``accept``: first the answer of the running
+        call, if it started at or after ``since`` (waiting for it), or else of the newest finished call
+        that did; taken when ``accept`` (called without the lock) says it holds what the caller looks
+        for. An answer that started before ``since``, failed, or is not accepted is passed over.
+        """
         with self._cond:
-            need = self._started + 1  # the first call that starts from now on
+            entry = self._started
+            need = entry + 1  # the first call that starts from now on
             self.waiting += 1
             try:
+                if since is not None and accept is not None:
+                    if self._running and self._running_since >= since:
+                        while self._finished < entry:  # the running call is number ``entry``
+                            self._cond.wait()
+                    if self._finished and self._error is None and self._value_since >= since:
+                        value = self._value
+                        self._cond.release()
+                        try:
+                            taken = accept(value)  # type: ignore[arg-type]
+                        finally:
+                            self._cond.acquire()
+                        if taken:
+                            return value  # type: ignore[return-value]
                 while self._finished < need:
                     if not self._running:
                         return self._lead()
@@ -53,6 +81,7 @@ class SharedCall(Generic[T]):
         self._started += 1
         self.calls += 1
         mine = self._started
+        began = self._running_since = time.monotonic()
         value: T | None = None
         error: BaseException | None = None
         self._cond.release()
@@ -62,7 +91,7 @@ class SharedCall(Generic[T]):
             error = exc
         finally:
             self._cond.acquire()
-        self._value, self._error = value, error
+        self._value, self._error, self._value_since = value, error, began
         self._finished = mine
         self._running = False
         self._cond.notify_all()

@@ -85,13 +85,24 @@ class AllocationCheck:
             # Only the directories this pod's allocations used can have become unused: the others
             # wait for the periodic check (listing every pod's directory on each deletion cost
             # milliseconds a pod when many ended at once).
-            self._collect_dirs(self.active_pod_dirs(), only={uid} | {a.answered[0] for a in freed})
+            only = {uid} | {a.answered[0] for a in freed}
+            self._collect_dirs(self.active_pod_dirs(among=only), only=only)
 
-    def active_pod_dirs(self) -> set[str]:
-        """Pod directories to keep: those of allocations, and of every pod that may still run."""
+    def active_pod_dirs(self, among: set[str] | None = None) -> set[str]:
+        """Pod directories to keep: those of allocations, and of every pod that may still run.
+
+        ``among``: only these pods are asked about (each looked up in the pod cache, instead of a pass
+        over every pod it holds).
+        """
         allocs = self._allocator.allocations()
-        alive = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
-        return {a.pod_uid for a in allocs} | {a.answered[0] for a in allocs} | alive
+        held = {a.pod_uid for a in allocs} | {a.answered[0] for a in allocs}
+        if among is not None:
+            return (held & among) | {u for u in among if self._may_run(self._pods.get(u))}
+        return held | {podinfo.uid(p) for p in self._pods.pods() if self._may_run(p)}
+
+    @staticmethod
+    def _may_run(pod: Pod | None) -> bool:
+        return pod is not None and not podinfo.is_terminated(pod)
 
     def check(self) -> None:
         """One check: free what is gone or failed, remove stale directories, re-annotate running pods."""

@@ -458,6 +458,11 @@ class ApiServerSimulator:
         ``count`` limits how many requests are held."""
         self._faults.delay(method, path_regex, seconds, count)
 
+    def hold_watches(self, held: bool) -> None:
+        """Keep every watch's events back (``True``) or send them on, in order (``False``): a watch
+        lagging behind the writes, as a loaded API server's watch cache does, while reads are current."""
+        self._faults.watches_held = held
+
     def clear_faults(self) -> None:
         """Forget every :meth:`fail_next` and :meth:`delay` rule."""
         self._faults.clear()

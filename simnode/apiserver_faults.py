@@ -61,6 +61,8 @@ class Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.down: DownMode | None = None
+        self.watches_held = False
+        """Watch streams keep their events back while set (a watch lagging behind the writes)."""
         self._fail: list[_FailRule] = []
         self._delay: list[_DelayRule] = []
 
@@ -88,6 +90,13 @@ class Faults:
         """Hold a request while the server hangs (``down == "hang"``); True when it should be answered."""
         while self.down == "hang":
             if stopping.wait(0.05):
+                return False
+        return True
+
+    def hold_watch_event(self, stopping: threading.Event) -> bool:
+        """Hold a watch event while :attr:`watches_held`; True when it should be sent."""
+        while self.watches_held:
+            if stopping.wait(0.01):
                 return False
         return True
 

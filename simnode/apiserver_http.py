@@ -537,6 +537,8 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
                 etype, obj = item
                 if etype == "BOOKMARK" and not plan.bookmarks:
                     continue
+                if not ctx.faults.hold_watch_event(ctx.stopping):
+                    break
                 self._event(etype, obj)
             self._chunk(b"")
         except (BrokenPipeError, ConnectionResetError, OSError):

@@ -90,9 +90,9 @@ class World:
         """Base URL of the verbs."""
         return f"http://127.0.0.1:{self.extender.server.port}/scheduler"
 
-    def start_extender(self, policy: str | None = None) -> Extender:
-        """Start an extender (port 0) and wait until it is ready."""
-        settings = ExtenderSettings(host="127.0.0.1", port=0, policy=policy or self.policy)  # type: ignore[arg-type]
+    def start_extender(self, policy: str | None = None, **more: Any) -> Extender:
+        """Start an extender (port 0; ``more``: other :class:`ExtenderSettings`) and wait until it is ready."""
+        settings = ExtenderSettings(host="127.0.0.1", port=0, policy=policy or self.policy, **more)  # type: ignore[arg-type]
         ext = Extender(self.api.client(), settings)
         ext.start()
         self.extenders.append(ext)
@@ -118,12 +118,12 @@ class World:
         """Create a pod (through the simulator's store)."""
         return self.api.create_pod(manifest)
 
-    def post(self, verb: str, body: object) -> Any:
-        """POST a verb; returns the decoded answer (HTTP errors raise)."""
+    def post(self, verb: str, body: object, *, timeout: float = 30.0) -> Any:
+        """POST a verb; returns the decoded answer (HTTP errors and ``timeout`` raise)."""
         req = urllib.request.Request(
             f"{self.url}/{verb}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
 
     def filter(self, pod: Mapping[str, Any], nodes: Sequence[str] | None = None) -> dict[str, Any]:
@@ -144,8 +144,8 @@ class World:
         answer = self.post("prioritize", {"Pod": pod, "Nodes": {"items": items}, "NodeNames": None})
         return {h["Host"]: h["Score"] for h in answer}
 
-    def bind(self, pod: Mapping[str, Any], node: str) -> str:
-        """bind; returns the Error string ("" on success)."""
+    def bind(self, pod: Mapping[str, Any], node: str, *, timeout: float = 30.0) -> str:
+        """bind; returns the Error string ("" on success); ``timeout``: the scheduler's ``httpTimeout``."""
         md = pod["metadata"]
         args = {
             "PodName": md["name"],
@@ -153,7 +153,7 @@ class World:
             "PodUID": md["uid"],
             "Node": node,
         }
-        answer: dict[str, str] = self.post("bind", args)
+        answer: dict[str, str] = self.post("bind", args, timeout=timeout)
         return answer["Error"]
 
     def annotations(self, pod: Mapping[str, Any]) -> dict[str, str]:

@@ -39,6 +39,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["--tls-cert-file=/nonexistent", "--tls-private-key-file=/nonexistent"], "--tls-cert-file=/nonexistent"),
         (["--kubeconfig=/nonexistent/kubeconfig"], "--kubeconfig=/nonexistent/kubeconfig: no such file"),
         (["--assume-ttl=0"], "--assume-ttl"),
+        (["--assume-ttl=nan"], "--assume-ttl=nan"),
+        (["--bind-timeout=0"], "--bind-timeout=0"),
+        (["--bind-timeout=nan"], "--bind-timeout=nan"),
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )

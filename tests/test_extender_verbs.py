@@ -301,3 +301,63 @@ def test_bad_requests_are_named(world: World) -> None:
     bad["spec"]["containers"][0]["resources"]["limits"][names.VCORE_RESOURCE] = "1.5"
     answer = world.filter(bad)
     assert "not a whole number" in answer["Error"] and "default/bad" in answer["Error"]
+
+
+def test_repeated_bind_while_the_watch_lags_keeps_the_gpus_held(world: World) -> None:
+    world.add_node("n", inventory([80]))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    wait_for(lambda: world.extender.pods.get(pod["metadata"]["uid"]) is not None, what="the pod in the watch cache")
+    world.api.hold_watches(True)  # the watch shows neither the annotations nor the binding yet
+    try:
+        assert world.bind(pod, "n") == ""
+        # The scheduler's answer was lost (its timeout): it binds the pod again from its stale cache.
+        assert world.bind(pod, "n") == ""
+        assert world.extender.state.is_assumed(pod["metadata"]["uid"])
+        other = world.create(gpu_pod("other", [(60, 4)]))
+        error = world.bind(other, "n")
+        assert "no longer fits" in error, error
+    finally:
+        world.api.hold_watches(False)
+    world.wait_seen(1)
+    assert world.extender.state.over_committed() == {}
+
+
+#: The kube-scheduler's default ``httpTimeout`` for extenders.
+SCHEDULER_TIMEOUT = 5.0
+
+
+def test_bind_answers_within_its_deadline_when_the_api_server_hangs(world: World) -> None:
+    world.add_node("n", inventory([80]))
+    world.start_extender(bind_timeout=2.0)
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    wait_for(lambda: world.extender.pods.get(pod["metadata"]["uid"]) is not None, what="the pod in the watch cache")
+    world.api.set_down(True, "hang")
+    try:
+        error = world.bind(pod, "n", timeout=SCHEDULER_TIMEOUT)
+    finally:
+        world.api.set_down(False)
+    assert "cannot annotate pod default/p" in error and "did not answer within 2 s" in error, error
+    assert not world.extender.state.is_assumed(pod["metadata"]["uid"])
+
+
+def test_a_binding_the_api_server_may_still_make_keeps_its_gpus(world: World) -> None:
+    world.add_node("n", inventory([80]))
+    world.start_extender(bind_timeout=2.0)
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    other = world.create(gpu_pod("other", [(60, 4)]))
+    wait_for(lambda: world.extender.pods.get(other["metadata"]["uid"]) is not None, what="the pods in the watch cache")
+    world.api.hold_watches(True)
+    world.api.delay(r"/pods/p/binding$", 4.0, method="POST", count=1)  # made, but answered too late
+    try:
+        error = world.bind(pod, "n", timeout=SCHEDULER_TIMEOUT)
+        assert "cannot bind pod default/p to node n" in error and "may still be made" in error, error
+        assert "no longer fits" in world.bind(other, "n", timeout=SCHEDULER_TIMEOUT)
+        wait_for(lambda: (world.api.get_pod("default", "p") or {})["spec"].get("nodeName") == "n", what="the binding")
+    finally:
+        world.api.hold_watches(False)
+    # The pod kept the annotations it is bound with, and the next bind of it is a repeat.
+    assert world.annotations(pod)[PREFIX + "0"] == "0"
+    assert world.bind(pod, "n") == ""
+    world.wait_seen(1)
+    assert world.extender.state.over_committed() == {}

@@ -1,17 +1,23 @@
 """bind: choose the GPUs again, write gpu-admission's annotations, then bind the pod to the node.
 
 1. Take the pod from the watch cache (else GET it; a recreated pod, a different UID, is refused).
-   A pod already bound to this node is done (a repeated bind is idempotent); to another, refused.
+   A pod already bound to this node, or bound by an earlier bind the watch does not show yet, is
+   done (a repeated bind is idempotent); bound to another node, refused.
 2. Under the cluster state's lock, choose GPUs on the node with the pod's own old charges left
    out, and *assume* them (the next filter and bind see them taken).
 3. Merge-patch the annotations with ``metadata.resourceVersion`` set (a precondition):
    ``predicate-gpu-idx-<i>`` per GPU container, ``predicate-node``, ``predicate-time`` (ns),
-   ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: drop the
-   assumption, GET again and start over from 2 (at most ``max_conflicts`` times).
-4. POST the pod's Binding (with the pod's UID as precondition). If it fails and the pod is not
-   bound to the node after all, drop the assumption and remove the annotations again.
+   ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: put back
+   what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
+4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
+   the pod is not bound to the node after all, drop the assumption and remove the annotations
+   again. If it does not answer, the Binding may still be made: the GPUs stay assumed (until the
+   watch shows the pod, or ``assume_ttl``) and the annotations stay, so whatever the API server
+   does, the pod's GPUs are never handed out twice.
 
-No lock is held during API calls except the pod's own (concurrent binds of one pod queue up).
+A bind answers within ``timeout`` seconds in all (every API call, and the wait for another bind
+of the same pod, get what is left of it), so that the scheduler, whose ``httpTimeout`` is 5 s by
+default, hears why instead of timing out. No lock is held during API calls except the pod's own.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import json
 import logging
 import threading
 import time
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import MaxRetryError
+from urllib3.exceptions import TimeoutError as Urllib3TimeoutError
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
@@ -49,7 +57,38 @@ class BindError(Exception):
         self.outcome = outcome
 
 
-def _api_text(exc: Exception) -> str:
+class _OutOfTimeError(Exception):
+    """The bind's time is spent before an API call could be made."""
+
+
+class _Deadline:
+    """What is left of a bind's time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left (<= 0 when spent)."""
+        return self._end - time.monotonic()
+
+    def call_timeout(self) -> float:
+        """The timeout of the next API call; raises :class:`_OutOfTimeError` when nothing is left."""
+        left = self.left()
+        if left <= 0.01:
+            raise _OutOfTimeError()
+        return left
+
+
+def _timed_out(exc: BaseException) -> bool:
+    if isinstance(exc, MaxRetryError):
+        return isinstance(exc.reason, Urllib3TimeoutError)
+    return isinstance(exc, (Urllib3TimeoutError, TimeoutError, _OutOfTimeError))
+
+
+def _api_text(exc: Exception, deadline: _Deadline | None = None) -> str:
+    if deadline is not None and _timed_out(exc):
+        return f"the API server did not answer within {deadline.seconds:g} s"
     if isinstance(exc, ApiException):
         try:
             message = json.loads(exc.body or "{}").get("message", "")
@@ -57,6 +96,33 @@ def _api_text(exc: Exception) -> str:
             message = ""
         return f"{exc.status} {exc.reason}" + (f": {message}" if message else "")
     return f"{type(exc).__name__}: {exc}"
+
+
+class _PodLocks:
+    """One lock per pod being bound (binds of different pods never wait for each other)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def hold(self, key: str, timeout: float) -> Iterator[bool]:
+        """Yields whether the pod's lock was taken within ``timeout`` seconds."""
+        with self._mutex:
+            lock, users = self._locks.get(key, (threading.Lock(), 0))
+            self._locks[key] = (lock, users + 1)
+        taken = lock.acquire(timeout=max(timeout, 0.0))
+        try:
+            yield taken
+        finally:
+            if taken:
+                lock.release()
+            with self._mutex:
+                lock, users = self._locks[key]
+                if users <= 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
 
 
 class Binder:
@@ -69,7 +135,7 @@ class Binder:
         policy: Policy,
         *,
         max_conflicts: int = 5,
-        request_timeout: float = 10.0,
+        timeout: float = 4.0,
         on_conflict: Callable[[], None] | None = None,
         cached: Callable[[str], JSON | None] | None = None,
     ) -> None:
@@ -77,53 +143,75 @@ class Binder:
         self._state = state
         self._policy = policy
         self._max_conflicts = max_conflicts
-        self._timeout = request_timeout
-        self._stripes = [threading.Lock() for _ in range(64)]
+        self._timeout = timeout
+        self._locks = _PodLocks()
         self._on_conflict = on_conflict or (lambda: None)
         self._cached = cached or (lambda _uid: None)
 
     def bind(self, args: BindingArgs) -> str:
         """Bind the pod; returns the outcome (``bound``, ``already_bound``); raises :class:`BindError`."""
-        key = args.pod_uid or f"{args.pod_namespace}/{args.pod_name}"
-        with self._stripes[zlib.crc32(key.encode()) % len(self._stripes)]:
-            return self._bind(args)
+        deadline = _Deadline(self._timeout)
+        # By name, not UID: a call without PodUID and one with it are binds of the same pod.
+        with self._locks.hold(f"{args.pod_namespace}/{args.pod_name}", deadline.left()) as taken:
+            if not taken:
+                raise BindError(
+                    f"pod {args.pod_namespace}/{args.pod_name}: another bind of it did not finish within "
+                    f"{self._timeout:g} s"
+                )
+            return _Bind(self, args, deadline).run()
+
+
+class _Bind:
+    """One bind call."""
+
+    def __init__(self, binder: Binder, args: BindingArgs, deadline: _Deadline) -> None:
+        self._core = binder._core
+        self._state = binder._state
+        self._policy = binder._policy
+        self._max_conflicts = binder._max_conflicts
+        self._on_conflict = binder._on_conflict
+        self._cached = binder._cached
+        self.args = args
+        self.deadline = deadline
+        self.who = f"pod {args.pod_namespace}/{args.pod_name}"
 
     # -- API calls --------------------------------------------------------------------------------
 
-    def _get(self, args: BindingArgs) -> JSON:
+    def _get(self) -> JSON:
+        args = self.args
         try:
             response: Any = self._core.read_namespaced_pod(
-                args.pod_name, args.pod_namespace, _preload_content=False, _request_timeout=self._timeout
+                args.pod_name,
+                args.pod_namespace,
+                _preload_content=False,
+                _request_timeout=self.deadline.call_timeout(),
             )
         except ApiException as exc:
             if exc.status == 404:
-                raise BindError(f"pod {args.pod_namespace}/{args.pod_name} not found", "refused") from exc
-            raise BindError(f"cannot read pod {args.pod_namespace}/{args.pod_name}: {_api_text(exc)}") from exc
+                raise BindError(f"{self.who} not found", "refused") from exc
+            raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
         except Exception as exc:
-            raise BindError(f"cannot read pod {args.pod_namespace}/{args.pod_name}: {_api_text(exc)}") from exc
+            raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
         pod: JSON = json.loads(response.data)
         if args.pod_uid and podinfo.uid(pod) != args.pod_uid:
-            raise BindError(
-                f"pod {args.pod_namespace}/{args.pod_name} has UID {podinfo.uid(pod)}, not {args.pod_uid} "
-                "(it was recreated)",
-                "refused",
-            )
+            raise BindError(f"{self.who} has UID {podinfo.uid(pod)}, not {args.pod_uid} (it was recreated)", "refused")
         return pod
 
-    def _patch(self, args: BindingArgs, rv: str, annotations: Mapping[str, str | None]) -> JSON:
+    def _patch(self, rv: str, annotations: Mapping[str, str | None]) -> JSON:
         body = {"metadata": {"resourceVersion": rv, "annotations": dict(annotations)}}
         response: Any = self._core.patch_namespaced_pod(
-            args.pod_name,
-            args.pod_namespace,
+            self.args.pod_name,
+            self.args.pod_namespace,
             body,
             _content_type=MERGE_PATCH,
             _preload_content=False,
-            _request_timeout=self._timeout,
+            _request_timeout=self.deadline.call_timeout(),
         )
         patched: JSON = json.loads(response.data)
         return patched
 
-    def _post_binding(self, args: BindingArgs, uid: str) -> None:
+    def _post_binding(self, uid: str) -> None:
+        args = self.args
         body: Any = {
             "apiVersion": "v1",
             "kind": "Binding",
@@ -131,37 +219,51 @@ class Binder:
             "target": {"apiVersion": "v1", "kind": "Node", "name": args.node},
         }
         self._core.create_namespaced_pod_binding(
-            args.pod_name, args.pod_namespace, body, _preload_content=False, _request_timeout=self._timeout
+            args.pod_name,
+            args.pod_namespace,
+            body,
+            _preload_content=False,
+            _request_timeout=self.deadline.call_timeout(),
         )
 
     # -- the verb ---------------------------------------------------------------------------------
 
-    def _bound_already(self, args: BindingArgs, pod: JSON) -> bool:
+    def _bound_already(self, pod: JSON) -> bool:
         bound = str((pod.get("spec") or {}).get("nodeName") or "")
         if not bound:
             return False
-        if bound == args.node:
-            log.info("pod %s/%s is already bound to %s", args.pod_namespace, args.pod_name, bound)
+        if bound == self.args.node:
+            log.info("%s is already bound to %s", self.who, bound)
             return True
-        raise BindError(f"pod {args.pod_namespace}/{args.pod_name} is already bound to node {bound}", "refused")
+        raise BindError(f"{self.who} is already bound to node {bound}", "refused")
 
-    def _choose(self, args: BindingArgs, pod: JSON, requests: list[GPURequest]) -> dict[str, str | None]:
+    def _bound_by_us(self, uid: str) -> bool:
+        """Whether an earlier bind bound the pod (the watch may not show it yet; neither may the cached pod)."""
+        node = self._state.bound_to(uid)
+        if node is None:
+            return False
+        if node == self.args.node:
+            log.info("%s was bound to %s already", self.who, node)
+            return True
+        raise BindError(f"{self.who} is already bound to node {node}", "refused")
+
+    def _choose(self, pod: JSON, requests: list[GPURequest]) -> dict[str, str | None]:
         """Choose GPUs under the state lock and assume them; returns the annotation patch."""
         uid = podinfo.uid(pod)
-        who = f"pod {args.pod_namespace}/{args.pod_name}"
+        node = self.args.node
         state = self._state
         with state.lock:
             state.expire()
-            gpus = state.node(args.node)
+            gpus = state.node(node)
             if gpus is None:
-                raise BindError(f"{who}: node {args.node} has no GPUs the extender knows of", "refused")
+                raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid):
                 placement = place(gpus, requests, self._policy)
             if not placement.ok:
-                raise BindError(f"{who} no longer fits on node {args.node}: {placement.failed}", "refused")
+                raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())
             charges = tuple(c for choice in placement.choices for c in choice.charges())
-            state.assume(uid, PodCharges(args.node, charges, 0, now))
+            state.assume(uid, PodCharges(node, charges, 0, now))
         patch: dict[str, str | None] = {
             f"{names.PREDICATE_GPU_IDX_PREFIX}{choice.request.index}": ",".join(map(str, choice.minors))
             for choice in placement.choices
@@ -169,81 +271,100 @@ class Binder:
         for key in podinfo.pod_annotations(pod):
             if key.startswith(names.PREDICATE_GPU_IDX_PREFIX) and key not in patch:
                 patch[key] = None
-        patch[names.PREDICATE_NODE] = args.node
+        patch[names.PREDICATE_NODE] = node
         patch[names.PREDICATE_TIME] = now
         patch[names.GPU_ASSIGNED] = "false"
         return patch
 
-    def _start(self, args: BindingArgs) -> JSON:
+    def _start(self) -> JSON:
         """The pod from the watch cache when it has it (a stale copy fails the patch's precondition
         and is read again), else from the API server."""
+        args = self.args
         pod = self._cached(args.pod_uid)
         meta = (pod or {}).get("metadata") or {}
         if pod is not None and meta.get("name") == args.pod_name and meta.get("namespace") == args.pod_namespace:
             return pod
-        return self._get(args)
+        return self._get()
 
-    def _bind(self, args: BindingArgs) -> str:
-        who = f"pod {args.pod_namespace}/{args.pod_name}"
-        pod = self._start(args)
-        uid = podinfo.uid(pod)
-        if self._bound_already(args, pod):
+    def run(self) -> str:
+        """Bind; returns the outcome (``bound``, ``already_bound``); raises :class:`BindError`."""
+        pod = self._start()
+        if self._bound_already(pod) or self._bound_by_us(podinfo.uid(pod)):
             return "already_bound"
         try:
             requests = podinfo.gpu_containers(pod)
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
         if not requests:
-            self._binding(args, uid, None, {})
+            self._binding(podinfo.uid(pod), None, {})
             return "bound"
         conflicts = 0
         while True:
-            patch = self._choose(args, pod, requests)
+            uid = podinfo.uid(pod)
+            previous = self._state.assumption(uid)
+            patch = self._choose(pod, requests)
             try:
-                patched = self._patch(args, str((pod.get("metadata") or {}).get("resourceVersion", "")), patch)
+                patched = self._patch(str((pod.get("metadata") or {}).get("resourceVersion", "")), patch)
                 break
             except Exception as exc:
-                self._state.forget(uid)
+                # Not answered in time, the patch may still be made: then the watch shows the pod
+                # chosen for the node, and the pod holds the GPUs there until it is bound elsewhere.
+                self._state.restore(uid, previous)
                 if isinstance(exc, ApiException) and exc.status == 409 and conflicts < self._max_conflicts:
                     conflicts += 1
                     self._on_conflict()
-                    log.info("%s changed while binding (conflict %d); reading it again", who, conflicts)
-                    pod = self._get(args)
-                    if self._bound_already(args, pod):
+                    log.info("%s changed while binding (conflict %d); reading it again", self.who, conflicts)
+                    pod = self._get()
+                    if self._bound_already(pod):
+                        mine = self._state.assumption(uid)
+                        if mine is not None and mine.charges.node == self.args.node:
+                            self._state.assumed_bound(uid)  # an earlier bind that could not tell made it
                         return "already_bound"
                     continue
-                raise BindError(f"cannot annotate {who}: {_api_text(exc)}") from exc
-        self._binding(args, uid, patched, patch)
+                raise BindError(f"cannot annotate {self.who}: {_api_text(exc, self.deadline)}") from exc
+        self._binding(uid, patched, patch)
         log.info(
             "bound %s to %s: %s",
-            who,
-            args.node,
+            self.who,
+            self.args.node,
             ", ".join(f"{k.rsplit('/', 1)[-1]}={v}" for k, v in patch.items() if v is not None),
         )
         return "bound"
 
-    def _binding(self, args: BindingArgs, uid: str, patched: JSON | None, patch: Mapping[str, str | None]) -> None:
-        who = f"pod {args.pod_namespace}/{args.pod_name}"
+    def _binding(self, uid: str, patched: JSON | None, patch: Mapping[str, str | None]) -> None:
+        node = self.args.node
         try:
-            self._post_binding(args, uid)
+            self._post_binding(uid)
         except Exception as exc:
             # The Binding may have been made even though the answer was lost: look before undoing.
             try:
-                current = self._get(args)
+                current: JSON | None = self._get()
             except BindError:
                 current = None
-            if current is not None and (current.get("spec") or {}).get("nodeName") == args.node:
+            if current is not None and (current.get("spec") or {}).get("nodeName") == node:
                 self._state.assumed_bound(uid)
                 return
+            refused = isinstance(exc, ApiException) and exc.status != 409
+            if current is None and not refused:
+                # No answer either way: the API server may still make the Binding. Keep the GPUs
+                # held and the annotations in place, so the pod never holds GPUs nobody counts.
+                self._state.assumed_bound(uid, bound=False)
+                raise BindError(
+                    f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; the binding may "
+                    f"still be made: its GPUs stay held until the pod shows where it is (at most "
+                    f"{self._state.assume_ttl:g} s)"
+                ) from exc
             self._state.forget(uid)
             if patched is not None:
-                self._undo(args, patched, patch)
-            raise BindError(f"cannot bind {who} to node {args.node}: {_api_text(exc)}; its GPUs are released") from exc
+                self._undo(patched, patch)
+            raise BindError(
+                f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; its GPUs are released"
+            ) from exc
         self._state.assumed_bound(uid)
 
-    def _undo(self, args: BindingArgs, patched: JSON, patch: Mapping[str, str | None]) -> None:
-        """Remove the annotations this bind wrote, unless the pod moved on since."""
-        who = f"pod {args.pod_namespace}/{args.pod_name}"
+    def _undo(self, patched: JSON, patch: Mapping[str, str | None]) -> None:
+        """Remove the annotations this bind wrote, unless the pod moved on since (best effort, in the
+        time left)."""
         ours = {k: None for k, v in patch.items() if v is not None}
         when = patch.get(names.PREDICATE_TIME)
         pod: JSON | None = patched
@@ -253,21 +374,16 @@ class Binder:
             if (pod.get("spec") or {}).get("nodeName"):
                 return
             try:
-                self._patch(args, str((pod.get("metadata") or {}).get("resourceVersion", "")), ours)
+                self._patch(str((pod.get("metadata") or {}).get("resourceVersion", "")), ours)
                 return
             except ApiException as exc:
                 if exc.status != 409:
-                    log.warning(
-                        "cannot remove annotations from pod %s/%s: %s",
-                        args.pod_namespace,
-                        args.pod_name,
-                        _api_text(exc),
-                    )
+                    log.warning("cannot remove annotations from %s: %s", self.who, _api_text(exc, self.deadline))
                     return
             except Exception as exc:
-                log.warning("cannot remove annotations from %s: %s", who, _api_text(exc))
+                log.warning("cannot remove annotations from %s: %s", self.who, _api_text(exc, self.deadline))
                 return
             try:
-                pod = self._get(args)
+                pod = self._get()
             except BindError:
                 return

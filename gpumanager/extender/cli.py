@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds a bound pod's GPUs are held before the watch must have shown it (default %(default)s)",
     )
+    p.add_argument(
+        "--bind-timeout",
+        type=float,
+        default=4.0,
+        help="seconds a bind may take in all, API calls included; keep it below the scheduler's httpTimeout "
+        "(default %(default)s)",
+    )
     p.add_argument("--v", type=int, default=0, help="log verbosity (>= 4 logs debug messages)")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
@@ -73,8 +80,10 @@ def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | Non
         _fail("--listen", args.listen, str(exc))
     if args.url_prefix and not args.url_prefix.startswith("/"):
         _fail("--url-prefix", args.url_prefix, "must start with /")
-    if args.assume_ttl <= 0:
+    if not args.assume_ttl > 0:  # NaN too: an assumption would never end
         _fail("--assume-ttl", str(args.assume_ttl), "must be positive")
+    if not 0 < args.bind_timeout <= 600:
+        _fail("--bind-timeout", str(args.bind_timeout), "must be more than 0 and at most 600 seconds")
     if args.kubeconfig and not Path(args.kubeconfig).is_file():
         _fail("--kubeconfig", args.kubeconfig, "no such file")
     cert, key = args.tls_cert_file, args.tls_private_key_file
@@ -122,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         url_prefix=args.url_prefix,
         tls=tls,
         assume_ttl=args.assume_ttl,
+        bind_timeout=args.bind_timeout,
     )
     try:
         extender = Extender(api, settings)

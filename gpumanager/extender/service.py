@@ -43,6 +43,8 @@ class ExtenderSettings:
     url_prefix: str = "/scheduler"
     tls: tuple[str, str] | None = None
     assume_ttl: float = 300.0
+    bind_timeout: float = 4.0
+    """Seconds a bind may take in all (below the scheduler's ``httpTimeout``, 5 s by default)."""
     watch_timeout: int = 300
 
 
@@ -55,7 +57,12 @@ class Extender:
         self.decider = Decider(self.state, settings.policy)
         self.metrics = ExtenderMetrics(self._sizes)
         self.binder = Binder(
-            api, self.state, settings.policy, on_conflict=self.metrics.conflicts.inc, cached=self._cached_pod
+            api,
+            self.state,
+            settings.policy,
+            timeout=settings.bind_timeout,
+            on_conflict=self.metrics.conflicts.inc,
+            cached=self._cached_pod,
         )
         core = client.CoreV1Api(api)
         self.nodes = Reflector("nodes", core.list_node, watch_timeout=settings.watch_timeout)

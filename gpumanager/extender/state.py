@@ -35,6 +35,8 @@ class Assumption:
 
     charges: PodCharges
     expires: float = NEVER
+    bound: bool = False
+    """Bind made the pod's Binding (False while binding, or when it cannot tell)."""
 
 
 class ClusterState:
@@ -146,18 +148,46 @@ class ClusterState:
                 del self._assumed[uid]
             self._reapply(uid)
 
+    def assumption(self, uid: str) -> Assumption | None:
+        """A copy of the pod's assumption (None without one)."""
+        with self.lock:
+            found = self._assumed.get(uid)
+            return None if found is None else Assumption(found.charges, found.expires, found.bound)
+
+    def bound_to(self, uid: str) -> str | None:
+        """The node bind bound the pod to, while its assumption lasts (None when no bind has made one)."""
+        with self.lock:
+            found = self._assumed.get(uid)
+            return found.charges.node if found is not None and found.bound else None
+
+    def restore(self, uid: str, previous: Assumption | None) -> None:
+        """Put back the assumption the pod had before a bind that failed (drop it when it had none, or
+        when the watch has shown the pod with it meanwhile)."""
+        with self.lock:
+            watched = self._watched.get(uid)
+            if previous is None or (watched is not None and watched.predicate_time == previous.charges.predicate_time):
+                self._assumed.pop(uid, None)
+            else:
+                self._assumed[uid] = Assumption(previous.charges, previous.expires, previous.bound)
+            self._reapply(uid)
+
     def assume(self, uid: str, charges: PodCharges) -> None:
         """Hold ``charges`` for the pod from now on (bind chose them)."""
         with self.lock:
             self._assumed[uid] = Assumption(charges)
             self._reapply(uid)
 
-    def assumed_bound(self, uid: str) -> None:
-        """Bind finished: the assumption now ends at the latest ``assume_ttl`` seconds from now."""
+    def assumed_bound(self, uid: str, *, bound: bool = True) -> None:
+        """Bind finished: the assumption now ends at the latest ``assume_ttl`` seconds from now.
+
+        ``bound=False``: bind could not tell whether the API server made the Binding (it did not
+        answer in time); the GPUs stay held all the same, but a later bind of the pod is no repeat.
+        """
         with self.lock:
             assumption = self._assumed.get(uid)
             if assumption is not None:
                 assumption.expires = time.monotonic() + self.assume_ttl
+                assumption.bound = bound
 
     def forget(self, uid: str) -> None:
         """Drop the pod's assumption (bind failed)."""

@@ -351,3 +351,38 @@ print(json.dumps(res))
         GPUSIM_PROCS_RETURN_DELAY_US="50000",
     )
     assert out["after"] == c.context_bytes, f"{(out['after'] - c.context_bytes) >> 20} MiB of phantom memory"
+
+
+def test_a_process_whose_main_thread_exited_keeps_its_charge(container: MakeContainer) -> None:
+    """The main thread allocates and calls pthread_exit; another thread goes on.  /proc shows the thread-group
+    leader as a zombie while the process lives on with its memory: its budget slot must not be reaped (which
+    would return its bytes to the container, and make everything it allocates afterwards invisible)."""
+    c = container(1024)
+    out = run(
+        c,
+        CTYPES
+        + r"""
+import time
+cu.cuMemGetInfo_v2.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+held = u64()
+c_ok(cu.cuMemAlloc_v2(ctypes.byref(held), ctypes.c_size_t(600 << 20)))
+def worker():
+    time.sleep(0.3)  # the main thread is gone by now
+    c_ok(cu.cuCtxSetCurrent(ctypes.c_void_p(int(ctx))))
+    state = open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[0]
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    c_ok(cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)))  # a usage query reaps the slots of gone processes
+    p = u64()
+    rc = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(600 << 20))
+    print(json.dumps({"leader": state, "seen": t.value - f.value, "alloc": rc, "held": phys_used(), "peak": peak()}),
+          flush=True)
+    os._exit(0)
+threading.Thread(target=worker).start()
+ctypes.CDLL(None).pthread_exit(None)
+""",
+    )
+    assert out["leader"] == "Z"
+    assert out["seen"] == c.context_bytes + 600 * MIB
+    assert out["alloc"] == 2, "a 600 MiB allocation beside 250 + 600 MiB held in a 1024 MiB container"  # OOM
+    assert out["held"] == c.context_bytes + 600 * MIB
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"

@@ -46,6 +46,27 @@ uint64_t vc_proc_start_time(int pid)
     return read_stat(pid, &start) ? start : 0;
 }
 
+/*
+ * The number of threads of a process (/proc/<pid>/status "Threads:"), 0 when unreadable.  A process whose
+ * main thread called pthread_exit while others go on shows its leader as a zombie in /proc/<pid>/stat, but
+ * lives on (with its GPU memory) as long as any thread does: then it has more than one thread.
+ */
+static long thread_count(int pid)
+{
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/status", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    const char *p = strstr(buf, "\nThreads:");
+    return p != NULL ? strtol(p + 9, NULL, 10) : 0;
+}
+
 bool vc_proc_alive(int pid, uint64_t start)
 {
     if (pid <= 0)
@@ -54,7 +75,7 @@ bool vc_proc_alive(int pid, uint64_t start)
     char state = read_stat(pid, &now_start);
     if (state == 0) /* no /proc entry: gone, or /proc not mounted; ask the kernel */
         return kill(pid, 0) == 0 || errno == EPERM;
-    if (state == 'Z' || state == 'X' || state == 'x')
-        return false;
+    if (state == 'X' || state == 'x' || (state == 'Z' && thread_count(pid) <= 1))
+        return false; /* a zombie whose every thread is gone (a zombie leader of live threads still runs) */
     return start == 0 || now_start == start;
 }

@@ -14,8 +14,9 @@ uint64_t vc_proc_start_time(int pid);
 
 /*
  * Whether the process (pid, start) still runs: false when the PID is gone, is
- * a zombie, or now belongs to a process with another start time (start 0:
- * not checked).
+ * a zombie (not one whose main thread alone exited: its other threads still
+ * run it), or now belongs to a process with another start time (start 0: not
+ * checked).
  */
 bool vc_proc_alive(int pid, uint64_t start);
 

@@ -118,7 +118,7 @@ class Node:
         self.count += 1
         env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(lib), "GPUSIM_SPEC": str(self.spec),
                "GPUSIM_STATE": str(self.state), "VCUDA_CORE_ALGORITHM": algorithm,
-               "VCUDA_BUDGET_DIR": str(self.root / "shm")}  # fmt: skip
+               "VCUDA_BUDGET_DIR": str(self.root / f"shm-c{self.count}")}  # fmt: skip
         cfg = self.root / f"c{self.count}" / "vcuda.config"
         cfg.parent.mkdir()
         if config is not None:

@@ -70,7 +70,7 @@ class Node:
             (cfg.parent / "pids.config").write_bytes(struct.pack(f"<{len(pids)}i", *pids))
         env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(self.mirror), "GPUSIM_SPEC": str(self.spec),
                "GPUSIM_STATE": str(self.state), "VCUDA_CONFIG_PATH": str(cfg), "VCUDA_CONFIG_ROOT": str(cfg.parent),
-               "VCUDA_BUDGET_DIR": str(self.root / "shm"), "PYTHONPATH": str(repo_root())}  # fmt: skip
+               "VCUDA_BUDGET_DIR": str(self.root / f"shm-{name}"), "PYTHONPATH": str(repo_root())}  # fmt: skip
         env.update(extra)
         return env
 

@@ -66,12 +66,18 @@ struct budget_header {
     uint32_t reserved2[2];
     uint64_t reserved1[5];
     _Atomic uint64_t context_size[MAX_DEVICES]; /* offset 192: last measured context size per CUDA device, 0 unknown */
+    uint64_t reserved3[40];
+    struct {
+        _Atomic uint64_t debt_until_ns; /* CLOCK_MONOTONIC ns until which the container pays off GPU time it overused */
+        _Atomic uint64_t seen_us;       /* NVML sample time up to which that is measured */
+    } core[MAX_DEVICES];                /* offset 1024: the SM limit's ledger per CUDA device (vc_core.c) */
 };
 
 _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
 _Static_assert(offsetof(struct budget_header, mu) == 64, "header layout");
 _Static_assert(offsetof(struct budget_header, untracked) == 128, "header layout");
 _Static_assert(offsetof(struct budget_header, context_size) == 192, "header layout");
+_Static_assert(offsetof(struct budget_header, core) == 1024, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
 #define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
@@ -512,4 +518,30 @@ void vc_budget_note_context(int64_t delta)
     int slot = atomic_load(&g_slot);
     if (slot >= 0)
         atomic_fetch_add(&g_slots[slot].context, (uint64_t)delta);
+}
+
+static void atomic_max(_Atomic uint64_t *p, uint64_t v)
+{
+    uint64_t cur = atomic_load_explicit(p, memory_order_relaxed);
+    while (cur < v && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+void vc_budget_core_publish(int dev, uint64_t debt_until_ns, uint64_t seen_us)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
+        return;
+    atomic_max(&g_hdr->core[dev].debt_until_ns, debt_until_ns);
+    atomic_max(&g_hdr->core[dev].seen_us, seen_us);
+}
+
+void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us)
+{
+    pthread_once(&g_open_once, open_budget);
+    *debt_until_ns = *seen_us = 0;
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
+        return;
+    *debt_until_ns = atomic_load_explicit(&g_hdr->core[dev].debt_until_ns, memory_order_relaxed);
+    *seen_us = atomic_load_explicit(&g_hdr->core[dev].seen_us, memory_order_relaxed);
 }

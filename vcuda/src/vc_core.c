@@ -49,6 +49,7 @@
 #define PIDS_CHECK_NS 100000000ull  /* pids.config is re-read (when changed) at most every 100 ms */
 #define MAX_PIDS 4096
 #define MAX_SAMPLES 256
+#define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
 /* upstream (interceptors.md 1.7) */
 #define UP_TICK_NS 120000000ull
@@ -374,6 +375,10 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     d->last_measure = now;
     d->credit -= own;
     d->measured += own;
+    /* The container's ledger: processes started later begin with this debt (init_device). */
+    double debt = -d->credit;
+    uint64_t until = debt > 0 && d->rate > 0 ? now + (uint64_t)(debt / d->rate) : now;
+    vc_budget_core_publish(d->index, until, d->last_seen_us);
     if (now >= d->next_log) {
         d->next_log = now + 1000000000u;
         vc_log(VC_LOG_DEBUG, "device %d: rate %.3f credit %.0f us cost %.1f us in flight %.0f measured %.3f s",
@@ -536,6 +541,24 @@ static void *watcher(void *arg)
     return NULL;
 }
 
+/*
+ * A new process (or a forked child) starts where the container's ledger stands: with the debt of GPU time
+ * its processes used beyond the share, and measuring from the NVML sample time that debt covers (at most
+ * LEDGER_LOOKBACK_US back), so what a process that is gone used after its last measurement counts too.
+ * Otherwise every new process would get its first launch free and the debt of those before it would be
+ * forgotten: a tenant could start one process per long kernel and take the whole GPU.
+ */
+static void inherit_ledger(struct dev *d, int index)
+{
+    uint64_t until, seen;
+    vc_budget_core_ledger(index, &until, &seen);
+    uint64_t now = d->last_refill;
+    if (until > now)
+        d->credit = -d->rate * (double)(until - now);
+    if (seen > 0 && seen < d->last_seen_us)
+        d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
+}
+
 static void init_device(struct dev *d, int index)
 {
     pthread_mutex_lock(&g_init_mu);
@@ -549,6 +572,8 @@ static void init_device(struct dev *d, int index)
     d->cost = INITIAL_COST_NS;
     d->last_refill = d->last_measure = mono_ns();
     d->last_seen_us = real_us();
+    if (!cfg->upstream)
+        inherit_ledger(d, index);
     bool found = vc_nvml_device(index, &d->nvml);
     int sm = 0, thr = 0;
     REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);

@@ -227,6 +227,14 @@ uint64_t vc_budget_context_estimate(int dev);
 void vc_budget_learn_context(int dev, uint64_t bytes);
 /* Bytes this process charged for contexts (its slot's context field). */
 void vc_budget_note_context(int64_t delta);
+/*
+ * The SM limit's ledger of the container, per CUDA device, shared by its processes: until when (CLOCK_MONOTONIC
+ * ns) the container pays off GPU time it used beyond its share, as measured up to NVML sample time seen_us.
+ * Each process publishes its view (both kept at their maximum); a new process starts from it, so GPU time
+ * used by processes that are gone is not forgotten.
+ */
+void vc_budget_core_publish(int dev, uint64_t debt_until_ns, uint64_t seen_us);
+void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us);
 /* In a forked child: it owns no slot and no reservation of its parent. */
 void vc_budget_atfork_child(void);
 

@@ -361,3 +361,20 @@ def test_a_binding_the_api_server_may_still_make_keeps_its_gpus(world: World) ->
     assert world.bind(pod, "n") == ""
     world.wait_seen(1)
     assert world.extender.state.over_committed() == {}
+
+
+def test_a_share_without_memory_is_refused_everywhere(world: World) -> None:
+    world.add_node("n", inventory([80]))
+    world.add_node("m", None)
+    world.start_extender()
+    # The agent refuses such a container at Allocate ("a share needs vcuda-memory"): no node can run it.
+    pod = world.create(gpu_pod("p", [(0, 0), (50, 0)]))
+    answer = world.filter(pod)
+    assert answer["Nodes"]["items"] == [] and answer["FailedNodes"] == {}, answer
+    assert set(answer["FailedAndUnresolvableNodes"]) == {"n", "m"}
+    reason = answer["FailedAndUnresolvableNodes"]["n"]
+    assert "container 'c1'" in reason and "50 tencent.com/vcuda-core" in reason and "vcuda-memory" in reason, reason
+    names_only = world.post("filter", {"Pod": pod, "NodeNames": ["n"]})
+    assert names_only["NodeNames"] == [] and "vcuda-memory" in names_only["FailedAndUnresolvableNodes"]["n"]
+    assert "vcuda-memory" in world.bind(pod, "n")
+    assert world.api.get_pod("default", "p")["spec"].get("nodeName") is None  # type: ignore[index]

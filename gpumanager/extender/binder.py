@@ -40,7 +40,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import BindingArgs
 from gpumanager.extender.charges import PodCharges
-from gpumanager.extender.placement import Policy, place
+from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -293,8 +293,11 @@ class _Bind:
             return "already_bound"
         try:
             requests = podinfo.gpu_containers(pod)
+            never = never_served(podinfo.gpu_requests(pod))
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
+        if never:
+            raise BindError(f"{self.who}: {never}", "refused")
         if not requests:
             self._binding(podinfo.uid(pod), None, {})
             return "bound"

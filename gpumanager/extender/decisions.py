@@ -16,7 +16,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.nodes import NodeGPUs
-from gpumanager.extender.placement import Policy, fits, place
+from gpumanager.extender.placement import Policy, fits, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,13 @@ class Decider:
         outcomes: Counter[str] = Counter()
         try:
             requests = requests_of(args.pod)
+            never = never_served(podinfo.gpu_requests(args.pod))
         except PodSpecError as exc:
             return error_filter_result(str(exc)), Counter(error=1)
         node_names = args.names
+        if never:
+            outcomes["unresolvable"] += len(node_names)
+            return filter_result(args, [], {}, dict.fromkeys(node_names, never)), outcomes
         if not requests:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes

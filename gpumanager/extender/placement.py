@@ -113,6 +113,21 @@ def _invalid(node: NodeGPUs, request: GPURequest) -> str:
     return ""
 
 
+def never_served(requests: Sequence[GPURequest]) -> str:
+    """Why no node can run these containers (all of a pod's, GPU or not), "" when one may.
+
+    A share without ``vcuda-memory`` is no GPU container to gpu-admission, yet the agent refuses
+    its Allocate: the pod would be placed only to fail with ``UnexpectedAdmissionError``.
+    """
+    for r in requests:
+        if 0 < r.cores < HUNDRED_CORES and r.memory_blocks <= 0:
+            return (
+                f"container {r.name!r}: a share ({r.cores} tencent.com/vcuda-core) needs tencent.com/vcuda-memory "
+                "> 0 as well; the node agent refuses it without"
+            )
+    return ""
+
+
 def _topology_score(tree: TopologyTree, indices: Sequence[int]) -> int:
     if len(indices) < 2:
         return MAX_SCORE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import defaultdict
 
@@ -378,3 +379,29 @@ def test_a_share_without_memory_is_refused_everywhere(world: World) -> None:
     assert names_only["NodeNames"] == [] and "vcuda-memory" in names_only["FailedAndUnresolvableNodes"]["n"]
     assert "vcuda-memory" in world.bind(pod, "n")
     assert world.api.get_pod("default", "p")["spec"].get("nodeName") is None  # type: ignore[index]
+
+
+def _raw_request(port: int, head: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``head`` on a new connection; everything the server sends until it closes (or ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        got = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+
+
+def test_malformed_http_is_answered_and_a_stalled_client_is_dropped(world: World) -> None:
+    world.add_node("n", inventory([80]))
+    ext = world.start_extender(idle_timeout=1.0)
+    port = ext.server.port
+    answer = _raw_request(port, b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Length: lots\r\n\r\n{}")
+    assert answer.startswith(b"HTTP/1.1 400") and b"Content-Length" in answer, answer
+    answer = _raw_request(port, b"POST /scheduler/nonsense HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    # A client that promises a body and never sends it (or vanished) does not hold a thread for ever.
+    stalled = b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+    assert _raw_request(port, stalled) == b""
+    assert world.passed(world.create(gpu_pod("p", [(50, 4)]))) == ["n"]

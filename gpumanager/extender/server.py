@@ -66,7 +66,9 @@ class ExtenderServer:
         *,
         url_prefix: str = "/scheduler",
         tls: tuple[str, str] | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
+        self._idle_timeout = idle_timeout
         self._routes = routes
         self._metrics = metrics
         self._prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
@@ -117,6 +119,9 @@ class ExtenderServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Every read and write of the connection: a client silent that long (one that vanished, or
+            # that promised a body it never sends) is dropped instead of holding its thread for ever.
+            timeout = outer._idle_timeout
             # Headers and body go out in two writes; with Nagle's algorithm the body would wait for
             # the client's delayed ACK (40 ms on Linux). Go's clients and servers disable it too.
             disable_nagle_algorithm = True
@@ -164,34 +169,47 @@ class ExtenderServer:
                 path = self.path.split("?", 1)[0].rstrip("/")
                 verb = outer._verb_of(path)
                 handler = outer._routes.verbs.get(verb) if verb else None
-                if handler is None or verb is None:
-                    self._read_body()
-                    self._json(404, {"Error": f"no such verb {path!r} (prefix {outer._prefix or '/'})"})
-                    outer._metrics.requests.labels("unknown", "404").inc()
-                    return
                 code = 500
                 try:
-                    answer, code = handler(self._read_body())
+                    body = self._read_body()
+                    if handler is None or verb is None:
+                        code = 404
+                        self._json(code, {"Error": f"no such verb {path!r} (prefix {outer._prefix or '/'})"})
+                        return
+                    answer, code = handler(body)
                     self._send(code, encode(answer))
                 except BadRequestError as exc:
                     code = 400
                     self._json(code, {"Error": str(exc)})
-                except (BrokenPipeError, ConnectionResetError):
+                except OSError:  # the client went away, or stalled past the timeout: nobody to answer
+                    code = 0
                     self.close_connection = True
                 except Exception as exc:
                     log.exception("%s failed", verb)
                     code = 500
                     self._json(code, {"Error": f"{verb}: internal error: {exc}"})
                 finally:
-                    outer._metrics.requests.labels(verb, str(code)).inc()
-                    outer._metrics.latency.labels(verb).observe(time.perf_counter() - started)
+                    known = handler is not None and verb is not None
+                    outer._metrics.requests.labels(verb if known else "unknown", str(code)).inc()
+                    if known:
+                        outer._metrics.latency.labels(verb).observe(time.perf_counter() - started)
 
             def _read_body(self) -> bytes:
-                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.headers.get("Content-Length")
+                try:
+                    length = int(raw or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self.close_connection = True  # where this body ends is unknown
+                    raise BadRequestError(f"Content-Length {raw!r} is not a byte count")
                 if length > MAX_BODY:
                     self.close_connection = True
                     raise BadRequestError(f"the body is {length} bytes, more than {MAX_BODY}")
-                return self.rfile.read(length) if length > 0 else b""
+                body = self.rfile.read(length) if length > 0 else b""
+                if len(body) < length:
+                    raise ConnectionResetError(f"the client sent {len(body)} of {length} bytes")
+                return body
 
         return Handler
 

@@ -45,6 +45,8 @@ class ExtenderSettings:
     assume_ttl: float = 300.0
     bind_timeout: float = 4.0
     """Seconds a bind may take in all (below the scheduler's ``httpTimeout``, 5 s by default)."""
+    idle_timeout: float = 120.0
+    """Seconds a connection may stay silent (longer than Go's 90 s idle keep-alive, so the scheduler closes first)."""
     watch_timeout: int = 300
 
 
@@ -81,7 +83,13 @@ class Extender:
             version={"version": __version__, "component": "gpu-manager-extender", "policy": settings.policy},
         )
         self.server = ExtenderServer(
-            settings.host, settings.port, routes, self.metrics, url_prefix=settings.url_prefix, tls=settings.tls
+            settings.host,
+            settings.port,
+            routes,
+            self.metrics,
+            url_prefix=settings.url_prefix,
+            tls=settings.tls,
+            idle_timeout=settings.idle_timeout,
         )
 
     def _cached_pod(self, uid: str) -> dict[str, Any] | None:

@@ -107,7 +107,10 @@ class ApiServerSimulator:
     ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); False
     removes every pod at once. ``bookmark_interval``: seconds between BOOKMARK
     events on watches that allow them (60 s, about what a real server does: an idle watch is
-    silent that long). ``version``: the ``gitVersion`` of ``/version``.
+    silent that long). ``version``: the ``gitVersion`` of ``/version``. ``disabled_features``: feature
+    gates that are off (as on Kubernetes 1.35, where ``DRADeviceTaints`` is alpha): the fields they
+    guard are dropped from what is written, as the real server does (see
+    :func:`simnode.apiserver_resource.drop_disabled_slice_fields`).
     """
 
     def __init__(
@@ -120,13 +123,16 @@ class ApiServerSimulator:
         graceful_delete: bool = True,
         bookmark_interval: float = 60.0,
         version: str = "v1.31.4",
+        disabled_features: Sequence[str] = (),
     ) -> None:
         self._host = host
         self._port = port
         self._store = Store(history)
         self._faults = Faults()
         self._requests = RequestLog()
-        self._ops = Operations(self._store, graceful_delete=graceful_delete)
+        self._ops = Operations(
+            self._store, graceful_delete=graceful_delete, disabled_features=frozenset(disabled_features)
+        )
         self._ctx = HttpContext(
             store=self._store,
             ops=self._ops,

@@ -621,6 +621,8 @@ class ResourceKind:
     short_names: Sequence[str] = ()
     group_version: str = "v1"
     """``v1`` for the core group, ``<group>/<version>`` otherwise (the objects' ``apiVersion``)."""
+    drop_disabled: Callable[[JSON | None, JSON, frozenset[str]], None] | None = None
+    """``(old or None, new, disabled feature gates)``: drops from ``new`` the fields of disabled gates."""
 
     @property
     def list_kind(self) -> str:

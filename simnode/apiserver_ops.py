@@ -131,9 +131,16 @@ class WatchPlan:
 class Operations:
     """The verbs on pods and nodes, over one :class:`Store`."""
 
-    def __init__(self, store: Store, *, graceful_delete: bool = True) -> None:
+    def __init__(
+        self, store: Store, *, graceful_delete: bool = True, disabled_features: frozenset[str] = frozenset()
+    ) -> None:
         self.store = store
         self.graceful_delete = graceful_delete
+        self.disabled_features = disabled_features
+
+    def _drop_disabled(self, kind: ResourceKind, old: JSON | None, new: JSON) -> None:
+        if kind.drop_disabled is not None and self.disabled_features:
+            kind.drop_disabled(old, new, self.disabled_features)
 
     # ------------------------------------------------------------------ reading
 
@@ -268,6 +275,7 @@ class Operations:
         for system in ("deletionTimestamp", "deletionGracePeriodSeconds", "managedFields"):
             md.pop(system, None)
         kind.prepare_create(obj, from_api=from_api)
+        self._drop_disabled(kind, None, obj)
         kind.validate(obj)
         return self.store.create(kind, obj, dry_run=_dry_run(query))
 
@@ -281,6 +289,7 @@ class Operations:
 
         def mutate(current: JSON) -> JSON:
             prepare(current, new)
+            self._drop_disabled(kind, current, new)
             return new
 
         return self.store.update(kind, key, mutate, dry_run=_dry_run(query))
@@ -326,6 +335,7 @@ class Operations:
             if not kind.namespaced:
                 meta(patched).pop("namespace", None)
             prepare(current, patched)
+            self._drop_disabled(kind, current, patched)
             return patched
 
         return self.store.update(kind, key, mutate, dry_run=_dry_run(query))

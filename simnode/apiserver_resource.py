@@ -15,6 +15,9 @@ Kept from the real server (what a DRA driver or scheduler can trip over):
   removed, not changed; ``reservedFor`` holds at most 256 entries;
 * defaulting of ``exactly.allocationMode`` (``ExactCount``) and ``count`` (1).
 
+Feature gates named off (``ApiServerSimulator(disabled_features=...)``) drop the ResourceSlice
+fields they guard, as the real server does (:func:`drop_disabled_slice_fields`).
+
 Not modelled: ``metadata.generation``, CEL validation of selectors at admission (they are
 evaluated by the scheduler stand-in), ``firstAvailable`` sub-requests, admin access, device taint
 rules, binding conditions.
@@ -293,6 +296,30 @@ def validate_resource_slice(obj: JSON) -> None:
     _raise("ResourceSlice", obj, causes)
 
 
+def drop_disabled_slice_fields(old: JSON | None, new: JSON, disabled: frozenset[str]) -> None:
+    """What the real server does with a ResourceSlice's fields of a feature gate that is off: it drops
+    them without an error, unless the stored slice already uses them. ``DRADeviceTaints``: device
+    ``taints``; ``DRAConsumableCapacity``: ``allowMultipleAllocations`` and capacity ``requestPolicy``."""
+
+    def devices(obj: JSON | None) -> list[JSON]:
+        return [d for d in ((obj or {}).get("spec") or {}).get("devices") or [] if isinstance(d, dict)]
+
+    old_devices = devices(old)
+    if "DRADeviceTaints" in disabled and not any(d.get("taints") for d in old_devices):
+        for dev in devices(new):
+            dev.pop("taints", None)
+    if "DRAConsumableCapacity" in disabled and not any(
+        d.get("allowMultipleAllocations") is not None
+        or any(isinstance(c, dict) and c.get("requestPolicy") for c in (d.get("capacity") or {}).values())
+        for d in old_devices
+    ):
+        for dev in devices(new):
+            dev.pop("allowMultipleAllocations", None)
+            for cap in (dev.get("capacity") or {}).values():
+                if isinstance(cap, dict):
+                    cap.pop("requestPolicy", None)
+
+
 def _prepare_slice_update(old: JSON, new: JSON) -> None:
     _restore_system_meta(old, new, "ResourceSlice")
     validate_resource_slice(new)
@@ -465,6 +492,7 @@ RESOURCE_SLICES = ResourceKind(
     prepare_update=_prepare_slice_update,
     prepare_status_update=_no_status,
     group_version=GROUP_VERSION,
+    drop_disabled=drop_disabled_slice_fields,
 )
 RESOURCE_CLAIMS = ResourceKind(
     resource="resourceclaims",

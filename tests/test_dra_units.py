@@ -275,3 +275,50 @@ def test_slice_comparison_is_by_quantity_value_not_text() -> None:
     assert _comparable(desired) == _comparable(live)
     live["devices"][0]["capacity"]["memory"]["value"] = "79Gi"
     assert _comparable(desired) != _comparable(live)
+
+
+@pytest.mark.parametrize(
+    ("gate", "dropped"),
+    [("DRADeviceTaints", "taints"), ("DRAConsumableCapacity", "allowMultipleAllocations")],
+)
+def test_publisher_settles_when_the_server_drops_fields_of_a_gate_that_is_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, gate: str, dropped: str
+) -> None:
+    # Kubernetes 1.35 with only DRAConsumableCapacity on (as documented) has DRADeviceTaints off:
+    # the server keeps the slice but drops the taint of an unhealthy GPU. Each write then comes
+    # back as a watch event whose content differs from ours: the publisher must not answer with
+    # another write (and another generation) forever, and must say what the server dropped.
+    def content(generation: int) -> dict[str, Any]:
+        return devices.slice_spec(
+            node="node-a",
+            driver="vcuda.tencent.com",
+            gpus=GPUS,
+            topology=TOPOLOGY,
+            taints={1: devices.Taint("XID 79", "2026-11-23T00:00:00Z")},
+            generation=generation,
+            sysfs_root=tmp_path,
+        )
+
+    with ApiServerSimulator(disabled_features=[gate]) as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+        with caplog.at_level("WARNING", logger="gpumanager.dra.publisher"):
+            pub.start()
+            try:
+                assert sim.wait_for_watches(1, timeout=10)
+                time.sleep(2.0)
+                [stored] = slices(sim)
+                assert dropped not in json.dumps(stored["spec"]), "the simulator drops the field"
+                assert pub.writes == 1, f"the slice was written {pub.writes} times"
+                assert stored["spec"]["pool"]["generation"] == 1
+            finally:
+                pub.stop()
+        warnings = [r.getMessage() for r in caplog.records if "did not keep" in r.getMessage()]
+        assert len(warnings) == 1 and dropped in warnings[0] and "node-a-vcuda.tencent.com" in warnings[0], warnings
+        # Content that changes (the GPU recovers) is still written.
+        pub2 = SlicePublisher(
+            sim.client(),
+            node="node-a",
+            driver="vcuda.tencent.com",
+            content=lambda g: {**content(g), "devices": content(g)["devices"][:2]},
+        )
+        assert pub2.sync() is True

@@ -48,7 +48,7 @@ from gpumanager import names, safenames
 from gpumanager.allocation import checkpoint, ids, journal, records
 from gpumanager.allocation import claims as claim_records
 from gpumanager.allocation import pods as podinfo
-from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
 from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
@@ -1392,6 +1392,8 @@ class Allocator:
                     ) from None
                 if not leaf.healthy and dev.minor not in allow_unhealthy:
                     raise AllocationError(f"{who}: device {dev.device} is unhealthy", "unavailable")
+                if not dev.consumes:
+                    continue
                 cores, memory, whole = wanted.get(dev.minor, (0, 0, False))
                 wanted[dev.minor] = (cores + dev.cores, memory + dev.memory, whole or dev.whole)
             for minor, (cores, memory, whole) in sorted(wanted.items()):
@@ -1410,9 +1412,7 @@ class Allocator:
                         f"device has left (cores={free_cores} memory={free_memory})",
                         "exhausted",
                     )
-            for dev in claim.devices:
-                leaf = self._tree.leaf_by_minor(dev.minor)
-                self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+            self._occupy_claim(claim)
             self._claims[claim.uid] = claim
             self._generation += 1
             crash_point("prepare-before-checkpoint")
@@ -1438,10 +1438,7 @@ class Allocator:
         log.info(
             "prepared %s: %s",
             who,
-            ", ".join(
-                f"{d.device} ({'whole' if d.whole else f'{d.cores} cores, {d.memory >> 20} MiB'})"
-                for d in claim.devices
-            ),
+            ", ".join(f"{d.device} ({_claim_device_text(d)})" for d in claim.devices),
         )
         return True
 
@@ -1451,12 +1448,21 @@ class Allocator:
             return None
         self._generation += 1
         for dev in claim.devices:
+            if not dev.consumes:
+                continue
             try:
                 leaf = self._tree.leaf_by_minor(dev.minor)
             except (KeyError, ValueError):
                 continue
             self._tree.free(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
         return claim
+
+    def _occupy_claim(self, claim: ClaimAllocation) -> None:
+        """Take what the claim's results consume of their GPUs (admin access takes nothing)."""
+        for dev in claim.devices:
+            if dev.consumes:
+                leaf = self._tree.leaf_by_minor(dev.minor)
+                self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
 
     def unprepare_claim(self, uid: str) -> ClaimAllocation | None:
         """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare).
@@ -1495,9 +1501,7 @@ class Allocator:
                     continue
                 if claim.uid in self._claims:
                     continue
-                for dev in claim.devices:
-                    leaf = self._tree.leaf_by_minor(dev.minor)
-                    self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+                self._occupy_claim(claim)
                 self._claims[claim.uid] = claim
                 self._generation += 1
                 taken.append(claim)
@@ -1515,6 +1519,12 @@ class Allocator:
         for minor, total in sorted(per_gpu.items()):
             if total > names.HUNDRED_CORES:
                 log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)
+
+
+def _claim_device_text(dev: ClaimDevice) -> str:
+    if dev.admin:
+        return "admin access"
+    return "whole" if dev.whole else f"{dev.cores} cores, {dev.memory >> 20} MiB"
 
 
 #: A batch larger than this is written as a whole snapshot rather than one journal record.

@@ -12,6 +12,10 @@ under ``Claims`` (a key upstream gpu-manager ignores)::
                                 "Devices": [{"Request": "gpu", "Pool": "node-a", "Device": "gpu-0",
                                              "Minor": 0, "ShareID": "…", "Cores": 30,
                                              "Memory": 4294967296, "Whole": false}]}}}
+
+A result of an admin-access request (``"Admin": true``, written only then) gives its container
+the whole GPU but consumes nothing of it: the kube-scheduler does not count such results, so
+neither does the allocation state.
 """
 
 from __future__ import annotations
@@ -58,10 +62,16 @@ class ClaimDevice:
     cores: int
     memory: int  # bytes
     whole: bool  # no consumed capacity, or all of it: no limits are enforced
+    admin: bool = False  # admin access: the whole GPU, consuming none of it
+
+    @property
+    def consumes(self) -> bool:
+        """Whether the result takes capacity of its GPU (every result but admin access)."""
+        return not self.admin
 
     def to_json(self) -> dict[str, Any]:
         """The checkpoint entry."""
-        return {
+        out: dict[str, Any] = {
             "Request": self.request,
             "Pool": self.pool,
             "Device": self.device,
@@ -71,6 +81,9 @@ class ClaimDevice:
             "Memory": self.memory,
             "Whole": self.whole,
         }
+        if self.admin:
+            out["Admin"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
                         cores=_field(dev, "Cores", int, at),
                         memory=_field(dev, "Memory", int, at),
                         whole=_field(dev, "Whole", bool, at),
+                        admin="Admin" in dev and _field(dev, "Admin", bool, at),
                     )
                 )
             found.append(

@@ -4,8 +4,10 @@ The kubelet names a claim by namespace, name and UID; the claim itself (GET from
 the API server) carries ``status.allocation.devices.results``. Each result of our
 driver and our pool names a device (``gpu-<index>``), an optional ``shareID`` and
 ``consumedCapacity`` (``cores``, ``memory``). A result without consumed capacity,
-or consuming all of both, is a whole GPU (no limits). Every refusal names the
-claim, the device and the value.
+or consuming all of both, is a whole GPU (no limits). A result with ``adminAccess``
+is the whole GPU too, but consumes nothing of it (the scheduler places it beside the
+claims already there and does not count it), whatever its ``consumedCapacity`` says.
+Every refusal names the claim, the device and the value.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def _device(result: Mapping[str, Any], gpu: GPUInfo, at: str) -> ClaimDevice:
     consumed = result.get("consumedCapacity")
     total_memory = published_memory(gpu)
     share_id = str(result.get("shareID") or "")
+    if result.get("adminAccess") is True:
+        return _whole(result, gpu, share_id, admin=True)
     if consumed in (None, {}):
         return _whole(result, gpu, share_id)
     if not isinstance(consumed, Mapping):
@@ -149,7 +153,7 @@ def _device(result: Mapping[str, Any], gpu: GPUInfo, at: str) -> ClaimDevice:
     )
 
 
-def _whole(result: Mapping[str, Any], gpu: GPUInfo, share_id: str) -> ClaimDevice:
+def _whole(result: Mapping[str, Any], gpu: GPUInfo, share_id: str, *, admin: bool = False) -> ClaimDevice:
     return ClaimDevice(
         request=str(result.get("request") or ""),
         pool=str(result.get("pool") or ""),
@@ -159,6 +163,7 @@ def _whole(result: Mapping[str, Any], gpu: GPUInfo, share_id: str) -> ClaimDevic
         cores=HUNDRED_CORES,
         memory=gpu.memory_total,
         whole=True,
+        admin=admin,
     )
 
 

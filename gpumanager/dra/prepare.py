@@ -114,8 +114,13 @@ class ClaimPreparer:
         self._unprepared_while_read: set[str] = set()
 
     def _answer(self, claim: ClaimAllocation) -> list[PreparedDevice]:
+        # The kubelet gives a container the devices whose request names hold the request the
+        # container names, a top-level one: a firstAvailable result ("gpus/share") is answered as
+        # its request ("gpus"), as the Go helper does, or the container would get no GPU.
         return [
-            PreparedDevice(d.request, d.pool, d.device, cdi.device_id(self._cdi, claim.uid, d), d.share_id)
+            PreparedDevice(
+                d.request.partition("/")[0], d.pool, d.device, cdi.device_id(self._cdi, claim.uid, d), d.share_id
+            )
             for d in claim.devices
         ]
 

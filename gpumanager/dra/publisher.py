@@ -6,7 +6,12 @@ A sync lists the slices of this node and driver (field selectors
 the name), deletes any other (stale ones, from an earlier version or another
 node name), and creates or replaces ours when its content differs: quantities
 are compared by value, never as strings (the server answers ``81920Mi`` as
-``80Gi``). Every change of content bumps the pool's generation.
+``80Gi``). Every change of content bumps the pool's generation. A server whose
+feature gate is off drops the fields it guards (``taints`` without
+``DRADeviceTaints``, ``allowMultipleAllocations`` and ``requestPolicy`` without
+``DRAConsumableCapacity``): what it stored for our content is remembered and counts
+as published, with one warning naming what was dropped, instead of a write (and a
+new generation) on every watch event of our own write.
 
 A sync runs at start, whenever the content changes (a GPU's health), whenever a
 watch on those slices shows someone else's change (the kubelet deletes its
@@ -57,6 +62,21 @@ def _comparable(spec: JSON) -> Any:
     return out
 
 
+def _dropped(want: Any, have: Any, path: str = "spec") -> list[str]:
+    """Paths of ``want`` that ``have`` lacks or holds otherwise (at most a few)."""
+    if isinstance(want, dict) and isinstance(have, dict):
+        out: list[str] = []
+        for key, value in want.items():
+            if key not in have:
+                out.append(f"{path}.{key}")
+            else:
+                out.extend(_dropped(value, have[key], f"{path}.{key}"))
+        return out[:8]
+    if isinstance(want, list) and isinstance(have, list) and len(want) == len(have):
+        return [p for i, (a, b) in enumerate(zip(want, have, strict=True)) for p in _dropped(a, b, f"{path}[{i}]")][:8]
+    return [] if want == have else [path]
+
+
 def _to_value(holder: JSON, key: str) -> None:
     if key in holder:
         try:
@@ -89,6 +109,9 @@ class SlicePublisher:
         self._on_ok = on_ok
         self._selector = f"spec.nodeName={node},spec.driver={driver}"
         self._generation = 0
+        # (our content, what the server stored of it), both comparable, when the server did not
+        # keep all of it (a feature gate off): that stored slice counts as ours.
+        self._kept: tuple[Any, Any] | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -183,9 +206,11 @@ class SlicePublisher:
                         raise
                 wrote = True
             desired = self._content(self._generation)
-            if ours is not None and _comparable(ours.get("spec") or {}) == _comparable(desired):
-                self.published.set()
-                return wrote
+            if ours is not None:
+                want, have = _comparable(desired), _comparable(ours.get("spec") or {})
+                if have == want or self._kept == (want, have):
+                    self.published.set()
+                    return wrote
             self._write(ours)
             return True
 
@@ -212,7 +237,27 @@ class SlicePublisher:
             )
         self.writes += 1
         self.published.set()
-        return stored if isinstance(stored, dict) else {}
+        stored = stored if isinstance(stored, dict) else {}
+        self._note_kept(body["spec"], stored.get("spec") or {})
+        return stored
+
+    def _note_kept(self, written: JSON, stored: JSON) -> None:
+        """Remember what the server kept of a write that it did not keep whole; warn once per such content."""
+        want, have = _comparable(written), _comparable(stored)
+        if want == have:
+            self._kept = None
+            return
+        if self._kept is not None and self._kept[0] == want:
+            self._kept = (want, have)
+            return
+        self._kept = (want, have)
+        log.warning(
+            "the API server did not keep %s of ResourceSlice %s (a feature gate that is off: DRADeviceTaints "
+            "for taints, DRAConsumableCapacity for allowMultipleAllocations and requestPolicy); published as "
+            "it was kept",
+            ", ".join(_dropped(want, have)) or "all",
+            self.name,
+        )
 
     def _sync_loop(self) -> None:
         backoff = _BACKOFF_START

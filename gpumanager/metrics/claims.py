@@ -66,7 +66,7 @@ class ClaimCollector(Collector):
             per_gpu: dict[int, tuple[int, int, bool]] = {}
             for d in claim.devices:
                 gpu = self._by_minor.get(d.minor)
-                if gpu is None:
+                if gpu is None or not d.consumes:
                     continue
                 taken_cores, taken_memory, whole = per_gpu.get(gpu.index, (0, 0, False))
                 per_gpu[gpu.index] = (

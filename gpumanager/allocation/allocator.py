@@ -119,6 +119,9 @@ class Candidate:
 
     pod: Pod
     request: GPURequest
+    #: Another pod waited with the same request: the kubelet, not the order, tells which pod's
+    #: container starts with the IDs (PreStartContainer asks it without naming a pod first).
+    guess: bool = False
 
 
 ChangeListener = Callable[[], None]
@@ -180,7 +183,6 @@ class Allocator:
         # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
         # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).
         self._asked_at: dict[frozenset[str], float] = {}
-        self._guess = False  # the last cache match was such a guess (lock held)
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
         # The containers of each pod holding an allocation.
@@ -369,7 +371,7 @@ class Allocator:
                         try:
                             alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
                             changed = True
-                            if self._guess:
+                            if candidate.guess:
                                 self._guessed.add(alloc.key)
                         except AllocationError as exc:
                             changed = True  # an allocation may have been taken back
@@ -552,9 +554,7 @@ class Allocator:
             heapq.heappop(queue)
             self._queued -= 1
         best = self._best_of(self._multi.values(), cores) if self._multi else None
-        # A guess when another pod waits with the same request: the kubelet, not the order, tells which
-        # pod's container starts with these IDs (PreStartContainer asks it without naming a pod first).
-        self._guess = (top is not None and best is not None) or (
+        guess = (top is not None and best is not None) or (
             queue is not None
             and any(
                 e is not top and waiting.get(e.uid) is e and e.keys[0] not in allocs and e.keys[0] not in retired
@@ -562,8 +562,8 @@ class Allocator:
             )
         )
         if top is not None and (best is None or top.order < best[0]):
-            return Candidate(top.pod, top.requests[0])
-        return Candidate(best[1].pod, best[2]) if best is not None else None
+            return Candidate(top.pod, top.requests[0], guess)
+        return Candidate(best[1].pod, best[2], guess) if best is not None else None
 
     def _set_waiting(self, uid: str, entry: Waiting | None) -> None:
         """Record whether a pod waits, in the index and its heaps (lock held)."""

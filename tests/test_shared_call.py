@@ -17,6 +17,19 @@ def _until(condition: object, what: str) -> None:
         time.sleep(0.001)
 
 
+def _failing_once_then(value: int) -> SharedCall[int]:
+    """A shared call whose first call raises, and whose next answers ``value``."""
+    outcomes: list[Exception | int] = [RuntimeError("kubelet away"), value]
+
+    def call() -> int:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    return SharedCall(call)
+
+
 def test_callers_that_arrive_during_a_call_share_the_next_one() -> None:
     release = threading.Event()
     rounds: list[int] = []
@@ -46,15 +59,7 @@ def test_callers_that_arrive_during_a_call_share_the_next_one() -> None:
 
 
 def test_an_exception_reaches_every_caller_of_that_call_and_the_next_caller_tries_again() -> None:
-    outcomes = iter([RuntimeError("kubelet away"), 7])
-
-    def call() -> int:
-        outcome = next(outcomes)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    shared: SharedCall[int] = SharedCall(call)
+    shared = _failing_once_then(7)
     with pytest.raises(RuntimeError, match="kubelet away"):
         shared()
     assert shared() == 7
@@ -109,15 +114,7 @@ def test_a_caller_with_since_waits_for_the_running_call_that_started_after_it_an
 
 
 def test_a_caller_with_since_passes_over_a_failed_answer() -> None:
-    outcomes = iter([RuntimeError("kubelet away"), 7])
-
-    def call() -> int:
-        outcome = next(outcomes)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    shared: SharedCall[int] = SharedCall(call)
+    shared = _failing_once_then(7)
     since = time.monotonic()
     with pytest.raises(RuntimeError):
         shared()

@@ -191,6 +191,40 @@ print(json.dumps({"peak": peak(), "allocations": sum(counts)}))
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
 
 
+def test_a_fragmented_pool_grows_for_an_allocation_its_free_memory_cannot_hold(container: MakeContainer) -> None:
+    """A pool whose free memory lies in 1 MiB holes between live allocations must grow by the whole size for a
+    200 MiB allocation (an allocation is one contiguous range): counting on the free memory it keeps would let
+    the GPU hold 250 + 600 + 200 MiB for a 1024 MiB container."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+s = ok(d.cuStreamCreate(0))
+def attr(a):
+    return int(ok(d.cuMemPoolGetAttribute(pool, a)))
+small = [ok(d.cuMemAllocAsync(1 << 20, s)) for _ in range(600)]
+for p in small[1::2]:
+    ok(d.cuMemFreeAsync(p, s))
+ok(d.cuStreamSynchronize(s))
+res = {"pool": [attr(A.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), attr(A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)]}
+r = d.cuMemAllocAsync(200 << 20, s)
+res["big"] = r[0].name
+holes = [d.cuMemAllocAsync(1 << 20, s) for _ in range(100)]  # these fit in the holes: no growth
+res["holes"] = sorted({h[0].name for h in holes})
+res.update(held=phys_used(), peak=peak())
+print(json.dumps(res))
+""",
+    )
+    assert out["pool"] == [600 * MIB, 300 * MIB]
+    assert out["big"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["holes"] == ["CUDA_SUCCESS"]
+    assert out["held"] == c.context_bytes + 600 * MIB
+    assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
 def test_graph_memory_the_device_keeps_for_later_graphs_counts(container: MakeContainer) -> None:
     """The device's graph memory pool keeps what graph allocations gave back until cuDeviceGraphMemTrim: a graph
     of 600 MiB, run and destroyed, leaves 600 MiB on the GPU that later graphs reuse and nothing else may take."""

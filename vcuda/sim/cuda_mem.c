@@ -1040,8 +1040,25 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
  * The pool gives reserved memory back when a stream, event or context is synchronised and it holds
  * more than its CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0), and on cuMemPoolTrimTo.  The GPU (and
  * NVML) sees the reserved bytes.  Pool allocations are REC_DEV records with aux = the pool.
+ *
+ * As with the real allocator, an allocation is one contiguous range: the reserved memory is a set of
+ * segments (each grown for an allocation that found no room, in whole chunks), and an allocation takes
+ * the first gap large enough in one of them.  Memory freed in holes between live allocations serves
+ * allocations that fit in a hole, never a larger one (the pool grows for that): a fragmented pool may
+ * reserve far more than it has in use.  Released are free chunks at a segment's end (a free segment:
+ * all of it).
  */
 #define POOL_CHUNK SIM_VMM_GRANULARITY
+
+struct pool_block {
+    uint64_t off, size; /* within its segment, sorted by off */
+};
+
+struct pool_seg {
+    uint64_t base, size; /* VA and reserved bytes */
+    struct pool_block *blk;
+    unsigned n, cap;
+};
 
 struct sim_pool {
     unsigned gpu;
@@ -1049,6 +1066,8 @@ struct sim_pool {
     int reuse[3];              /* CU_MEMPOOL_ATTR_REUSE_* */
     uint64_t threshold;        /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
     uint64_t reserved, used, reserved_high, used_high;
+    struct pool_seg *seg;
+    unsigned nseg, capseg;
 };
 
 static struct sim_pool g_default_pool[GPUSIM_MAX_GPUS];
@@ -1058,7 +1077,7 @@ static unsigned g_npools;
 
 static void pools_atfork_child(void)
 {
-    /* The child holds none of its parent's pool memory. */
+    /* The child holds none of its parent's pool memory (the parent's segment lists are left as they are). */
     for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
         g_default_pool[i] = (struct sim_pool){.gpu = i, .reuse = {1, 1, 1}};
     g_npools = 0;
@@ -1090,19 +1109,37 @@ static bool pool_gpu(CUmemoryPool pool, unsigned *gpu)
     return p != NULL && !p->destroyed;
 }
 
-/* Gives back free reserved memory, keeping at least `keep` reserved bytes (records lock held). */
+/* The end of a segment's last live allocation (0: none). */
+static uint64_t seg_end(const struct pool_seg *g)
+{
+    return g->n > 0 ? g->blk[g->n - 1].off + g->blk[g->n - 1].size : 0;
+}
+
+/*
+ * Gives back free reserved memory, keeping at least `keep` reserved bytes (records lock held): whole free
+ * chunks at the end of segments, a free segment with its address range.
+ */
 static void pool_release(struct sim_pool *p, uint64_t keep)
 {
-    uint64_t floor = p->used > keep ? p->used : keep;
-    if (p->reserved <= floor)
-        return;
-    uint64_t give = (p->reserved - floor) / POOL_CHUNK * POOL_CHUNK;
-    if (p->destroyed || p->used == 0)
-        give = p->reserved - floor; /* nothing left to fragment: all of it */
-    if (give == 0)
-        return;
-    p->reserved -= give;
-    sim_mem_uncharge(p->gpu, give);
+    for (unsigned i = p->nseg; i-- > 0 && p->reserved > keep;) {
+        struct pool_seg *g = &p->seg[i];
+        uint64_t end = (seg_end(g) + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
+        uint64_t give = g->size > end ? g->size - end : 0;
+        if (give > p->reserved - keep)
+            give = (p->reserved - keep) / POOL_CHUNK * POOL_CHUNK;
+        if (g->n == 0 && (p->destroyed || give == g->size || p->reserved - keep >= g->size))
+            give = g->size;
+        if (give == 0)
+            continue;
+        p->reserved -= give;
+        sim_mem_uncharge(p->gpu, give);
+        g->size -= give;
+        if (g->size == 0) {
+            va_freed(p->gpu, g->base, g->size + give);
+            free(g->blk);
+            p->seg[i] = p->seg[--p->nseg];
+        }
+    }
 }
 
 static void pool_forget(struct sim_pool *p)
@@ -1115,16 +1152,37 @@ static void pool_forget(struct sim_pool *p)
     }
 }
 
-/* An allocation goes back to its pool (records lock held). */
-static void pool_free(struct sim_pool *p, uint64_t bytes)
+static void pool_destroy_now(struct sim_pool *p)
+{
+    pool_release(p, 0);
+    for (unsigned i = 0; i < p->nseg; i++)
+        free(p->seg[i].blk);
+    free(p->seg);
+    pool_forget(p);
+    free(p);
+}
+
+/* An allocation (at va, of bytes) goes back to its pool (records lock held). */
+static void pool_free(struct sim_pool *p, uint64_t va, uint64_t bytes)
 {
     p->used -= bytes < p->used ? bytes : p->used;
+    for (unsigned i = 0; i < p->nseg; i++) {
+        struct pool_seg *g = &p->seg[i];
+        if (va < g->base || va - g->base >= g->size)
+            continue;
+        for (unsigned j = 0; j < g->n; j++) {
+            if (g->blk[j].off == va - g->base) {
+                memmove(&g->blk[j], &g->blk[j + 1], (g->n - j - 1) * sizeof(g->blk[0]));
+                g->n--;
+                break;
+            }
+        }
+        break;
+    }
     if (p->destroyed) {
         pool_release(p, 0);
-        if (p->used == 0) {
-            pool_forget(p);
-            free(p);
-        }
+        if (p->used == 0)
+            pool_destroy_now(p);
     }
 }
 
@@ -1224,10 +1282,8 @@ SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
                 g_current_pool[i] = NULL;
         p->destroyed = true;
         pool_release(p, 0);
-        if (p->used == 0) {
-            pool_forget(p);
-            free(p);
-        }
+        if (p->used == 0)
+            pool_destroy_now(p);
     }
     sim_rec_unlock();
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
@@ -1300,29 +1356,86 @@ SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute
     return rc;
 }
 
-/* An allocation of bytes from pool p on the GPU: from its free reserved memory, else new chunks. */
+/* The first gap of `need` bytes in segment g (its offset), or UINT64_MAX; *at: the block index it goes before. */
+static uint64_t seg_gap(const struct pool_seg *g, uint64_t need, unsigned *at)
+{
+    uint64_t prev = 0;
+    for (unsigned j = 0; j < g->n; j++) {
+        if (g->blk[j].off - prev >= need) {
+            *at = j;
+            return prev;
+        }
+        prev = g->blk[j].off + g->blk[j].size;
+    }
+    *at = g->n;
+    return g->size - prev >= need ? prev : UINT64_MAX;
+}
+
+static bool seg_insert(struct pool_seg *g, unsigned at, uint64_t off, uint64_t size)
+{
+    if (g->n == g->cap) {
+        unsigned cap = g->cap ? g->cap * 2 : 8;
+        struct pool_block *b = realloc(g->blk, cap * sizeof(*b));
+        if (b == NULL)
+            return false;
+        g->blk = b, g->cap = cap;
+    }
+    memmove(&g->blk[at + 1], &g->blk[at], (g->n - at) * sizeof(g->blk[0]));
+    g->blk[at] = (struct pool_block){off, size};
+    g->n++;
+    return true;
+}
+
+/* An allocation of bytes from pool p on the GPU: the first gap that holds it, else a new segment. */
 static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, CUmemoryPool pool)
 {
     sim_rec_lock();
     struct sim_pool *p = pool_of(pool);
     CUresult rc = p == NULL || p->destroyed ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
-    uint64_t grow = 0;
-    if (rc == CUDA_SUCCESS && p->reserved - p->used < bytes) {
-        grow = (bytes - (p->reserved - p->used) + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
-        rc = sim_mem_charge(p->gpu, grow);
+    uint64_t need = va_step(bytes), grow = 0, va = 0;
+    struct pool_seg *g = NULL;
+    unsigned at = 0;
+    uint64_t off = UINT64_MAX;
+    for (unsigned i = 0; rc == CUDA_SUCCESS && i < p->nseg && off == UINT64_MAX; i++) {
+        g = &p->seg[i];
+        off = seg_gap(g, need, &at);
     }
-    uint64_t va = rc == CUDA_SUCCESS ? va_reused(p->gpu, bytes, SIM_ALLOC_ALIGN) : 0;
-    if (rc == CUDA_SUCCESS && va == 0)
-        va = sim_va_alloc(p->gpu, bytes, SIM_ALLOC_ALIGN);
-    struct vc_map_entry e = {.key = va, .kind = REC_DEV, .gpu = rc == CUDA_SUCCESS ? p->gpu : 0, .size = bytes,
-                             .aux = (uint64_t)(uintptr_t)p, .ctx = (uint64_t)(uintptr_t)sim_cu_current()};
-    if (rc == CUDA_SUCCESS && (va == 0 || vc_map_put(sim_recs(), &e) != 0)) {
-        if (grow > 0)
-            sim_mem_uncharge(p->gpu, grow);
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc == CUDA_SUCCESS && off == UINT64_MAX) { /* no room: a new segment */
+        grow = (need + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
+        if (p->nseg == p->capseg) {
+            unsigned cap = p->capseg ? p->capseg * 2 : 4;
+            struct pool_seg *n = realloc(p->seg, cap * sizeof(*n));
+            if (n == NULL)
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+            else
+                p->seg = n, p->capseg = cap;
+        }
+        uint64_t base = 0;
+        if (rc == CUDA_SUCCESS) {
+            base = va_reused(p->gpu, grow, POOL_CHUNK);
+            if (base == 0)
+                base = sim_va_alloc(p->gpu, grow, POOL_CHUNK);
+            rc = base == 0 ? CUDA_ERROR_OUT_OF_MEMORY : sim_mem_charge(p->gpu, grow);
+        }
+        if (rc == CUDA_SUCCESS) {
+            g = &p->seg[p->nseg++];
+            *g = (struct pool_seg){.base = base, .size = grow};
+            off = 0, at = 0;
+            p->reserved += grow;
+        }
     }
     if (rc == CUDA_SUCCESS) {
-        p->reserved += grow;
+        va = g->base + off;
+        struct vc_map_entry e = {.key = va, .kind = REC_DEV, .gpu = p->gpu, .size = bytes,
+                                 .aux = (uint64_t)(uintptr_t)p, .ctx = (uint64_t)(uintptr_t)sim_cu_current()};
+        if (!seg_insert(g, at, off, need) || vc_map_put(sim_recs(), &e) != 0) {
+            if (g->n > at && g->blk[at].off == off && g->blk[at].size == need) /* inserted: take it out */
+                memmove(&g->blk[at], &g->blk[at + 1], (--g->n - at) * sizeof(g->blk[0]));
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            pool_release(p, p->reserved - grow); /* the segment grown for it, if any */
+        }
+    }
+    if (rc == CUDA_SUCCESS) {
         p->used += bytes;
         if (p->reserved > p->reserved_high)
             p->reserved_high = p->reserved;
@@ -1338,7 +1451,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, CUmemoryPool pool)
 void sim_pool_free_record(const struct vc_map_entry *e)
 {
     sim_rec_lock();
-    pool_free((struct sim_pool *)(uintptr_t)e->aux, e->size);
+    pool_free((struct sim_pool *)(uintptr_t)e->aux, e->key, e->size);
     sim_rec_unlock();
 }
 

@@ -418,6 +418,60 @@ static CUmemoryPool stream_pool(CUstream s)
 }
 
 /*
+ * Before an allocation of bytes from pool (its lock held): the whole size is reserved, however much free
+ * memory the pool keeps, since that memory may lie in holes between live allocations too small for it (an
+ * allocation is one contiguous range: the pool then grows by the whole size).  What the pool does not grow
+ * by is returned right after the call (pool_settle).  When that does not fit, the pool first gives back
+ * what it keeps free (*had: what it reserves then).
+ */
+static bool pool_reserve_ahead(CUmemoryPool pool, uint64_t bytes, uint64_t *had)
+{
+    if (vc_budget_reserve(bytes))
+        return true;
+    if (REAL_CU(cuMemPoolTrimTo)(pool, 0) != CUDA_SUCCESS)
+        return false;
+    *had = pool_reserved_now(pool);
+    pool_settle(pool, *had, 0, 0);
+    return vc_budget_reserve(bytes);
+}
+
+/*
+ * After an allocation from pool (its lock held): the pool may have grown by more than was reserved ahead
+ * (*ahead), since an allocation is one contiguous range and the pool's free memory may lie in holes between
+ * live allocations (or the pool grows in whole chunks).  The excess is reserved too (*ahead grows by it);
+ * false when it does not fit.
+ */
+static bool pool_grown_fits(CUmemoryPool pool, uint64_t had, uint64_t *ahead)
+{
+    uint64_t now = pool_reserved_now(pool);
+    uint64_t grown = now > had ? now - had : 0;
+    if (grown <= *ahead)
+        return true;
+    if (!vc_budget_reserve(grown - *ahead))
+        return false;
+    *ahead = grown;
+    return true;
+}
+
+/*
+ * Undoes an allocation whose growth of the pool does not fit: frees it, waits for the free on its stream,
+ * trims the pool back to what it held before (so the GPU stops holding the growth), and settles the pool.
+ */
+static void pool_undo(CUmemoryPool pool, CUdeviceptr dptr, CUstream s, bool ptsz, uint64_t had, uint64_t ahead)
+{
+    if (ptsz) {
+        REAL_CU(cuMemFreeAsync_ptsz)(dptr, s);
+        REAL_CU(cuStreamSynchronize_ptsz)(s);
+    } else {
+        REAL_CU(cuMemFreeAsync)(dptr, s);
+        REAL_CU(cuStreamSynchronize)(s);
+    }
+    REAL_CU(cuMemPoolTrimTo)(pool, had);
+    pool_settle(pool, pool_reserved_now(pool), ahead, 0);
+    vc_log(VC_LOG_INFO, "a pool allocation grew its pool beyond the container's limit: freed, refused");
+}
+
+/*
  * Stream-ordered allocation from pool (NULL: the stream's device's).  Into a capture it becomes a
  * memory node of the capturing graph: its memory is then the graph's and the exec's (below).
  */
@@ -443,11 +497,8 @@ static CUmemoryPool stream_pool(CUstream s)
         if (pool_ == NULL)                                                                                         \
             RESERVED(bytesize, (call), *dptr, REC_DEV, false);                                                     \
         pthread_mutex_lock(pool_mu(pool_));                                                                        \
-        uint64_t have_ = pool_attr(pool_, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),                                   \
-                 busy_ = pool_attr(pool_, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);                                       \
-        uint64_t spare_ = have_ > busy_ ? have_ - busy_ : 0;                                                       \
-        uint64_t ahead_ = bytesize > spare_ ? bytesize - spare_ : 0;                                               \
-        if (!vc_budget_reserve(ahead_)) {                                                                          \
+        uint64_t have_ = pool_reserved_now(pool_), ahead_ = bytesize;                                              \
+        if (!pool_reserve_ahead(pool_, bytesize, &have_)) {                                                        \
             pthread_mutex_unlock(pool_mu(pool_));                                                                  \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         }                                                                                                          \
@@ -456,6 +507,11 @@ static CUmemoryPool stream_pool(CUstream s)
             vc_budget_release(ahead_);                                                                             \
             pthread_mutex_unlock(pool_mu(pool_));                                                                  \
             return rc_;                                                                                            \
+        }                                                                                                          \
+        if (!pool_grown_fits(pool_, have_, &ahead_)) {                                                             \
+            pool_undo(pool_, *dptr, (stream), (ptsz), have_, ahead_);                                              \
+            pthread_mutex_unlock(pool_mu(pool_));                                                                  \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         }                                                                                                          \
         pool_settle(pool_, pool_reserved_now(pool_), ahead_, (int64_t)bytesize);                                  \
         pthread_mutex_unlock(pool_mu(pool_));                                                                      \

@@ -590,3 +590,14 @@ def test_the_owner_hint_carries_when_the_ids_allocate_reached_us_through_a_swap_
     # Released: forgotten.
     alloc.release_pod(uid_of("a"))
     assert alloc.owner_hint(second).since is None
+
+
+def test_gpus_predicated_for_another_node_are_not_used(tmp_path: Path) -> None:
+    stale = {
+        "tencent.com/predicate-gpu-idx-0": "9",
+        "tencent.com/predicate-node": "node-7",
+        "tencent.com/gpu-assigned": "false",
+    }
+    pods = FakePods([make_pod("a", [("main", 30, 4)], annotations=stale)])  # bound to node-1
+    alloc = make_allocator(tmp_path, pods)
+    assert alloc.allocate(core_ids(0, 30)).annotations["tencent.com/vcuda-device"] == "/dev/nvidia0"

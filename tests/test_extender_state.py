@@ -115,3 +115,16 @@ def test_nodes_rebuilt_on_change_keep_their_pods() -> None:
     assert state.node("n") is None
     state.node_event("ADDED", node())
     assert free(state)[1][0] == 70
+
+
+def test_gpus_chosen_for_another_node_are_not_counted_where_the_pod_is_bound() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", node())
+    # Chosen for "m" by a bind whose Binding failed; then bound to "n" by someone else: the agent on
+    # "n" chooses by itself, so the indices say nothing about "n" until it writes its own.
+    moved = gpu_pod("moved", [(40, 4)], node="n", annotations=held("m", [[1]]) | {names.GPU_ASSIGNED: "false"})
+    state.pod_event("ADDED", moved)
+    assert state.unplaced() == 1 and free(state) == [(100, 80), (100, 80)]
+    moved["metadata"]["annotations"].update({names.GPU_ASSIGNED: "true", f"{names.PREDICATE_GPU_IDX_PREFIX}0": "0"})
+    state.pod_event("MODIFIED", moved)
+    assert state.unplaced() == 0 and free(state)[0][0] == 60

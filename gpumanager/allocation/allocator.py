@@ -786,6 +786,15 @@ class Allocator:
             predicated = podinfo.predicated_gpus(pod, req.index)
         except PodSpecError as exc:
             raise AllocationError(f"{who}: {exc}") from exc
+        if predicated is not None and not podinfo.predicated_here(pod):
+            log.warning(
+                "%s: predicate-gpu-idx-%d=%s was chosen for node %s, not this one: choosing by itself",
+                who,
+                req.index,
+                ",".join(map(str, predicated)),
+                podinfo.pod_annotations(pod).get(names.PREDICATE_NODE),
+            )
+            predicated = None
         if predicated is not None:
             minors = self._check_predicated(who, predicated, cores, memory)
         else:

@@ -187,6 +187,18 @@ def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
     return [int(p) for p in parts]
 
 
+def predicated_here(pod: Pod) -> bool:
+    """Whether the pod's ``predicate-gpu-idx-*`` name GPUs of the node it is bound to.
+
+    Not when ``tencent.com/predicate-node`` names another node (chosen there by a bind whose Binding
+    failed, then bound here by something else), unless the agent has assigned the pod since
+    (``gpu-assigned=true``: it wrote the indices it used and leaves ``predicate-node`` as it was).
+    """
+    chosen = pod_annotations(pod).get(names.PREDICATE_NODE)
+    bound = (pod.get("spec") or {}).get("nodeName")
+    return not chosen or not bound or chosen == bound or is_assigned(pod)
+
+
 def phase(pod: Pod) -> str:
     """``status.phase``."""
     return str((pod.get("status") or {}).get("phase", ""))

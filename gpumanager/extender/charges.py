@@ -4,7 +4,8 @@ A pod counts on ``spec.nodeName``, else on ``tencent.com/predicate-node`` (chose
 bound), unless it has ended (Succeeded/Failed). Each GPU container ``i`` holds what
 ``tencent.com/predicate-gpu-idx-<i>`` names: its cores and memory on that GPU for a share, every
 named GPU whole otherwise. A bound GPU container without the annotation holds no known GPU yet
-(the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced.
+(the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced,
+as is one whose annotations were chosen for another node than the one it is bound to.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         return None
     charges: list[Charge] = []
     unplaced = 0
+    here = podinfo.predicated_here(pod)
     for request in requests:
+        if not here:  # chosen for another node: the agent here chooses by itself
+            unplaced += 1
+            continue
         try:
             minors = podinfo.predicated_gpus(pod, request.index)
         except PodSpecError as exc:

@@ -1,10 +1,13 @@
 """Allocation results the kube-scheduler writes that a simple share or whole GPU does not show:
-a result of a ``firstAvailable`` sub-request (``<request>/<subrequest>``), and a result of an
-admin-access request (the scheduler does not count it as consuming the device)."""
+a result of a ``firstAvailable`` sub-request (``<request>/<subrequest>``), a result of an
+admin-access request (the scheduler does not count it as consuming the device), and results whose
+tolerations tolerate one cause of the unhealthy taint and not another."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import grpc
@@ -13,6 +16,8 @@ from gpumanager.api import dra_v1_pb2 as v1
 from gpumanager.api import dra_v1_pb2_grpc as v1_grpc
 from gpumanager.api import dra_v1beta1_pb2 as v1beta1
 from gpumanager.api import dra_v1beta1_pb2_grpc as v1beta1_grpc
+from simnode.dra_cluster import DRIVER
+from simnode.gpusim_state import sim_env
 from tests.dra_claim_fixtures import DRAClient, dra_node, result
 
 __all__ = ["dra_node"]
@@ -104,3 +109,48 @@ def test_admin_access_survives_an_agent_restart(dra_node: DRAClient) -> None:
         assert not again.prepare(again.ref(admin))[admin["metadata"]["uid"]].error, "and it is still prepared"
     finally:
         again.close()
+
+
+def test_a_toleration_of_one_cause_does_not_tolerate_another(dra_node: DRAClient) -> None:
+    # Tolerations as everywhere in Kubernetes: "Equal" (the default operator) tolerates the taint
+    # of that key only with that value. A pod that tolerates a GPU tainted xid-48 (allocated while
+    # it was) must not be started on it once it is tainted xid-79 (fallen off the bus).
+    node = dra_node
+    assert node.cluster.agent is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "simnode.gpusim", "xid", "--gpu", "0", "--xid", "79"],
+        env=sim_env(node.cluster.spec, node.cluster.agent.state),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert node.cluster.wait_slice(lambda s: s is not None and bool(s["spec"]["devices"][0].get("taints")))
+    key = f"{DRIVER}/unhealthy"
+
+    def tolerating(name: str, *tolerations: JSON) -> JSON:
+        out = result(cores="10", memory="1Gi", share=f"s-{name}")
+        out["tolerations"] = list(tolerations)
+        return node.claim(name, [out])
+
+    cases = {
+        "other-cause": (tolerating("other-cause", {"key": key, "value": "xid-48", "effect": "NoSchedule"}), False),
+        "other-cause-equal": (
+            tolerating("other-cause-equal", {"key": key, "operator": "Equal", "value": "xid-48"}),
+            False,
+        ),
+        "no-execute-only": (
+            tolerating("no-execute-only", {"key": key, "operator": "Exists", "effect": "NoExecute"}),
+            False,
+        ),
+        "this-cause": (tolerating("this-cause", {"key": key, "value": "xid-79", "effect": "NoSchedule"}), True),
+        "any-cause": (tolerating("any-cause", {"key": key, "operator": "Exists"}), True),
+        "everything": (tolerating("everything", {"operator": "Exists"}), True),
+    }
+    answers = node.prepare(*(node.ref(c) for c, _ in cases.values()))
+    for name, (claim, ok) in cases.items():
+        error = answers[claim["metadata"]["uid"]].error
+        if ok:
+            assert not error, (name, error)
+        else:
+            assert "gpu-0 is unhealthy" in error, (name, error)

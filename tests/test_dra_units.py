@@ -322,3 +322,42 @@ def test_publisher_settles_when_the_server_drops_fields_of_a_gate_that_is_off(
             content=lambda g: {**content(g), "devices": content(g)["devices"][:2]},
         )
         assert pub2.sync() is True
+
+
+def _owners(sim: ApiServerSimulator) -> list[Any]:
+    [ours] = slices(sim)
+    return list(ours["metadata"].get("ownerReferences") or [])
+
+
+def test_the_slice_is_owned_by_its_node_so_it_goes_with_the_node(sim: ApiServerSimulator, tmp_path: Path) -> None:
+    # The garbage collector deletes a ResourceSlice with the Node that owns it: without the owner a
+    # node removed from the cluster (scaled down, renamed) left its slice for ever.
+    def content(generation: int) -> dict[str, Any]:
+        return devices.slice_spec(
+            node="node-a",
+            driver="vcuda.tencent.com",
+            gpus=GPUS[:1],
+            topology=NodeTopology(levels=((0,),)),
+            taints={},
+            generation=generation,
+            sysfs_root=tmp_path,
+        )
+
+    pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+    # No Node object (yet): published all the same, without an owner, and not rewritten for it.
+    assert pub.sync() is True and _owners(sim) == []
+    assert pub.sync() is False
+    # The node registers: the slice gets it as owner (one write), then settles.
+    node = sim.add_node("node-a")
+    assert pub.sync() is True
+    assert _owners(sim) == [
+        {"apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": node["metadata"]["uid"], "controller": True}
+    ]
+    assert pub.sync() is False
+    # A slice published by an earlier version, with no owner, gets one.
+    api = k8s.ResourceV1Api(sim.client())
+    [ours] = slices(sim)
+    del ours["metadata"]["ownerReferences"]
+    api.replace_resource_slice(ours["metadata"]["name"], ours)
+    assert _owners(sim) == []
+    assert pub.sync() is True and [o["uid"] for o in _owners(sim)] == [node["metadata"]["uid"]]

@@ -47,17 +47,23 @@ class ClaimRef:
         return f"{self.namespace}/{self.name}"
 
 
-def tolerated(result: Mapping[str, Any], driver: str) -> bool:
-    """Whether a result tolerates the driver's unhealthy taint."""
+def tolerated(result: Mapping[str, Any], driver: str, value: str | None = None) -> bool:
+    """Whether a result tolerates the driver's unhealthy taint (whose value, the cause, is ``value``).
+
+    As everywhere in Kubernetes: an empty effect matches every effect; ``Exists`` with no key
+    tolerates every taint, with the key every value of it; ``Equal`` (the default operator)
+    tolerates the key only with the same value. ``value`` None: any value of the key.
+    """
     key = c.taint_key(driver)
     for tol in result.get("tolerations") or []:
         if not isinstance(tol, Mapping):
             continue
         if tol.get("effect") not in (None, "", c.TAINT_EFFECT):
             continue
-        if tol.get("operator") == "Exists" and tol.get("key") in (None, "", key):
+        operator = tol.get("operator") or "Equal"
+        if operator == "Exists" and tol.get("key") in (None, "", key):
             return True
-        if tol.get("key") == key:
+        if operator == "Equal" and tol.get("key") == key and (value is None or (tol.get("value") or "") == value):
             return True
     return False
 
@@ -69,8 +75,10 @@ def parse_claim(
     driver: str,
     pool: str,
     gpus: Sequence[GPUInfo],
+    taints: Mapping[int, str] | None = None,
 ) -> tuple[ClaimAllocation, frozenset[int]]:
-    """The claim's results on this node, and the minors whose results tolerate the unhealthy taint.
+    """The claim's results on this node, and the minors whose results tolerate the unhealthy taint
+    (``taints``: the taint's value, its cause, on each tainted GPU by minor; None: any value).
 
     Raises ClaimError for a claim whose UID differs, that is not allocated, that holds no device
     of ``driver``, or whose results name another pool, a device this node does not have, a bad
@@ -103,7 +111,7 @@ def parse_claim(
         if gpu is None:
             raise ClaimError(f"{at}: this node has no such device (it has {', '.join(sorted(by_name)) or 'none'})")
         devices.append(_device(r, gpu, at))
-        if tolerated(r, driver):
+        if tolerated(r, driver, None if taints is None else taints.get(gpu.minor)):
             tolerant.add(gpu.minor)
     shares = [d for d in devices if not d.whole]
     if shares and len(devices) > 1:

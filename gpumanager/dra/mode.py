@@ -186,6 +186,7 @@ class DRAMode:
                 read_claim=reader,
                 prepared=self._prepared_by_name,
             ),
+            taints=self._taint_values,
         )
         self.publisher = publisher
         if publisher is None and api_client is not None:
@@ -260,6 +261,11 @@ class DRAMode:
                 )
             )
         return out
+
+    def _taint_values(self) -> dict[int, str]:
+        """The unhealthy taint's value on each tainted GPU, by minor (as the slice publishes it)."""
+        minors = {g.index: g.minor for g in self._gpus}
+        return {minors[i]: devices.taint_value(t.reason) for i, t in taints(self._health).items() if i in minors}
 
     def claims(self) -> list[ClaimAllocation]:
         """Prepared claims."""

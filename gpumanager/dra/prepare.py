@@ -98,8 +98,12 @@ class ClaimPreparer:
         vm_path: Path,
         driver_version: str,
         sharing_check: sharing.SharingCheck | None = None,
+        taints: Callable[[], Mapping[int, str]] | None = None,
     ) -> None:
         self._read = read_claim
+        # The unhealthy taint's value (its cause) on each tainted GPU, by minor: a result tolerates
+        # the taint only if it tolerates that value.
+        self._taints = taints
         self._sharing = sharing_check
         self._allocator = allocator
         self._gpus = list(gpus)
@@ -195,7 +199,14 @@ class ClaimPreparer:
         if known is not None:  # a concurrent Prepare of the same claim recorded it first
             self._write_files(known)
             return self._answer(known)
-        claim, tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
+        claim, tolerant = parse_claim(
+            data,
+            ref,
+            driver=self.driver,
+            pool=self.pool,
+            gpus=self._gpus,
+            taints=self._taints() if self._taints is not None else None,
+        )
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
         crash_point("prepare-after-checkpoint")
         t2 = time.perf_counter()

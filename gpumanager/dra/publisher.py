@@ -13,6 +13,11 @@ feature gate is off drops the fields it guards (``taints`` without
 as published, with one warning naming what was dropped, instead of a write (and a
 new generation) on every watch event of our own write.
 
+The slice names the node's Node object as its owner (``ownerReferences``, read
+when the slice is written), so the garbage collector deletes it with the node; a
+node not found yet (or not readable) leaves the slice without an owner until a
+later sync finds it.
+
 A sync runs at start, whenever the content changes (a GPU's health), whenever a
 watch on those slices shows someone else's change (the kubelet deletes its
 node's slices when it starts), and every ``resync_period`` seconds. Failures
@@ -77,6 +82,12 @@ def _dropped(want: Any, have: Any, path: str = "spec") -> list[str]:
     return [] if want == have else [path]
 
 
+def _owned(item: JSON, node: str) -> bool:
+    """Whether a slice names the Node ``node`` as its owner."""
+    refs = (item.get("metadata") or {}).get("ownerReferences") or []
+    return any(isinstance(r, dict) and r.get("kind") == "Node" and r.get("name") == node for r in refs)
+
+
 def _to_value(holder: JSON, key: str) -> None:
     if key in holder:
         try:
@@ -112,6 +123,7 @@ class SlicePublisher:
         # (our content, what the server stored of it), both comparable, when the server did not
         # keep all of it (a feature gate off): that stored slice counts as ours.
         self._kept: tuple[Any, Any] | None = None
+        self._owner_problem = ""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -208,11 +220,35 @@ class SlicePublisher:
             desired = self._content(self._generation)
             if ours is not None:
                 want, have = _comparable(desired), _comparable(ours.get("spec") or {})
-                if have == want or self._kept == (want, have):
+                if (have == want or self._kept == (want, have)) and (_owned(ours, self.node) or not self._owner()):
                     self.published.set()
                     return wrote
             self._write(ours)
             return True
+
+    def _owner(self) -> list[JSON]:
+        """``ownerReferences`` naming the node's Node object (read now), or none when it cannot be read."""
+        try:
+            node = self._rest.get_object(f"/api/v1/nodes/{segment(self.node)}", timeout=REQUEST_TIMEOUT)
+            uid = str(((node or {}).get("metadata") or {}).get("uid") or "")
+        except Exception as exc:  # 404 (not registered yet), 403, a hanging server: publish without
+            uid = ""
+            problem = f"{getattr(exc, 'status', '') or ''} {getattr(exc, 'reason', None) or exc}".strip()
+        else:
+            problem = "" if uid else "it has no UID"
+        if problem:
+            if problem != self._owner_problem:
+                log.warning(
+                    "ResourceSlice %s is published without its Node as owner (the garbage collector will not "
+                    "delete it with the node): cannot read node %s: %s",
+                    self.name,
+                    self.node,
+                    problem,
+                )
+            self._owner_problem = problem
+            return []
+        self._owner_problem = ""
+        return [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True}]
 
     def _write(self, ours: JSON | None, *, force: bool = False) -> JSON:
         """Create or replace our slice with the content of the next generation; returns it as stored."""
@@ -223,6 +259,9 @@ class SlicePublisher:
             "metadata": {"name": self.name},
             "spec": self._content(self._generation),
         }
+        owner = self._owner()
+        if owner:
+            body["metadata"]["ownerReferences"] = owner
         if ours is None:
             stored = self._rest.create_object(SLICES, body, timeout=REQUEST_TIMEOUT)
             log.info("published ResourceSlice %s (generation %d)", self.name, self._generation)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,91 @@ def test_a_kubelet_restart_before_the_directory_is_watched_is_seen_without_waiti
         again = kubelet.wait_for_registration(RESOURCE, after=1, timeout=10, with_devices=True)
         assert len(restarts) == 1
         assert first.registered_at < restarts[0] < again.registered_at
+    finally:
+        plugins.stop()
+        kubelet.stop()
+
+
+class _GatedWatch:
+    """A directory watch whose waits end only when the test opens the gate: the loop makes one pass per
+    opening, and ``passes`` counts the waits it entered."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Semaphore(0)
+        self.passes = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, directory: Path) -> _GatedWatch:
+        return self
+
+    def wait(self, timeout: float) -> bool:
+        with self._lock:
+            self.passes += 1
+        return self.gate.acquire(timeout=600)
+
+    def wake(self) -> None:
+        self.gate.release()
+
+    def close(self) -> None:
+        pass
+
+    def one_pass(self) -> None:
+        """Let the loop make one pass and wait until it waits again."""
+        entered = self.passes
+        self.gate.release()
+        deadline = time.monotonic() + 30
+        while self.passes == entered:
+            assert time.monotonic() < deadline, "the loop never came back to its wait"
+            time.sleep(0.005)
+
+
+def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet restarts: our socket is gone, and its new kubelet.sock appears while we serve ours again,
+    after we looked for it. The registration that follows reaches the new kubelet; the next pass must not
+    take the socket it registered with for a new kubelet and register again (the kubelet then drops the
+    endpoint it just dialled, and the PreStartContainer calls on it fail)."""
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    watch = _GatedWatch()
+    monkeypatch.setattr(manager_module, "DirectoryWatch", watch)
+    hide = threading.Event()  # the next look at kubelet.sock finds nothing: it is being created
+    real_identity = manager_module.socket_identity
+
+    def identity(path: Path) -> tuple[int, int] | None:
+        if path == kubelet.socket_path and hide.is_set():
+            hide.clear()
+            return None
+        return real_identity(path)
+
+    monkeypatch.setattr(manager_module, "socket_identity", identity)
+    real_restart = PluginServer.restart
+
+    def restart(server: PluginServer) -> None:
+        real_restart(server)
+        hide.set()
+
+    monkeypatch.setattr(PluginServer, "restart", restart)
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    plugins = PluginManager(
+        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
+        kubelet.socket_path,
+        options_for=lambda _server: pb.DevicePluginOptions(),
+        watch_period=600.0,
+    )
+    plugins.start()
+    try:
+        kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
+        watch.one_pass()  # the pass that opened the watch ends in its first wait
+        kubelet.restart()
+        watch.one_pass()  # serves again, looks for kubelet.sock (not there yet), registers
+        kubelet.wait_for_registration(RESOURCE, after=1, timeout=10, with_devices=True)
+        watch.one_pass()  # kubelet.sock is the one registered with: nothing to do
+        watch.one_pass()
+        assert kubelet.registration_count(RESOURCE) == 2, (
+            "registered again with the kubelet it had just registered with"
+        )
     finally:
         plugins.stop()
         kubelet.stop()

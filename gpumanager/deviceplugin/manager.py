@@ -150,6 +150,10 @@ class PluginManager:
                     kubelet_id = current
                 now = time.monotonic()
                 if need_register and now >= next_try:
+                    # The kubelet.sock dialled: it may have appeared since it was looked for above (a
+                    # kubelet starting while we served again). The next pass then knows it as the one
+                    # registered with, not as a kubelet to register with once more.
+                    dialled = socket_identity(self._kubelet_socket)
                     try:
                         self._register_all()
                     except RegistrationError as exc:
@@ -160,6 +164,8 @@ class PluginManager:
                     else:
                         need_register = False
                         backoff.reset()
+                        if dialled is not None:
+                            kubelet_id = dialled
                         if self.status.last_error:
                             log.info("registered with the kubelet after: %s", self.status.last_error)
                         else:

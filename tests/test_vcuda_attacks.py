@@ -147,14 +147,20 @@ CTYPES = r"""
 import ctypes, threading
 cu = ctypes.CDLL("libcuda.so.1")
 u64 = ctypes.c_uint64
-def c_ok(rc):
-    assert rc == 0, rc
+def c_ok(rc, what=""):
+    assert rc == 0, f"{what}: {R(rc).name} ({rc})" if what else f"{R(rc).name} ({rc})"
+def thread_died(args):  # a worker thread that fails fails the program, never silently
+    threading.__excepthook__(args)
+    sys.stderr.flush()
+    os._exit(1)
+threading.excepthook = thread_died
 """
 
 
 def test_threads_racing_a_memory_pool_at_the_cap(container: MakeContainer) -> None:
     """Stream-ordered allocations from one pool in eight threads at once, right at the cap: two threads must
-    not both count on the same spare chunk of the pool while it grows."""
+    not both count on the same spare chunk of the pool while it grows, and every allocation that succeeded must
+    be freeable (a worker whose free is refused fails the program, naming the return code)."""
     c = container(1024)
     out = run(
         c,
@@ -177,9 +183,10 @@ def worker(i):
             held.append(p.value)
             n += 1
         if len(held) > 2:
-            c_ok(cu.cuMemFreeAsync(u64(held.pop(0)), s))
+            p = held.pop(0)
+            c_ok(cu.cuMemFreeAsync(u64(p), s), f"cuMemFreeAsync of {p:#x}, which cuMemAllocAsync returned")
     for p in held:
-        c_ok(cu.cuMemFreeAsync(u64(p), s))
+        c_ok(cu.cuMemFreeAsync(u64(p), s), f"cuMemFreeAsync of {p:#x}, which cuMemAllocAsync returned")
     counts.append(n)
 ts = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
 [t.start() for t in ts]

@@ -611,6 +611,78 @@ print(json.dumps({"reused": int(a) == int(b), "distinct": int(other) != int(b), 
     assert last_json(done.stdout) == {"reused": True, "distinct": True, "pool": True, "loops": 70000, "last": None}
 
 
+def test_a_pool_allocation_never_shares_its_range_and_is_always_freeable(vcuda_built: Path, tmp_path: Path) -> None:
+    """A freed pool allocation's range stays the pool's (it serves the pool's next allocations that fit there):
+    a segment the pool grows later, or a cuMemAlloc, must never take that range while the pool still holds it.
+    Checked on a fixed case (free the first of two 48 MiB allocations, allocate two more) and on a seeded walk of
+    allocations, frees, trims and synchronisations: live ranges never overlap, and every free succeeds."""
+    del vcuda_built
+    done = run_python(
+        r"""
+import random
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+s = ok(d.cuStreamCreate(0))
+M = 1 << 20
+live = {}  # address -> (size, "pool" | "plain")
+bad = []
+def took(p, size, kind):
+    p = int(p)
+    for q, (qs, qk) in live.items():
+        if p < q + qs and q < p + size:
+            bad.append(f"{kind} {p:#x}+{size >> 20} MiB overlaps {qk} {q:#x}+{qs >> 20} MiB")
+    live[p] = (size, kind)
+def free(p):
+    size, kind = live.pop(p)
+    r = d.cuMemFreeAsync(p, s) if kind == "pool" else d.cuMemFree(p)
+    if r[0] != R.CUDA_SUCCESS:
+        bad.append(f"free of {kind} {p:#x}+{size >> 20} MiB: {r[0].name}")
+a = ok(d.cuMemAllocAsync(48 * M, s)); took(a, 48 * M, "pool")
+b = ok(d.cuMemAllocAsync(48 * M, s)); took(b, 48 * M, "pool")
+free(int(a))
+for _ in range(2):
+    took(ok(d.cuMemAllocAsync(48 * M, s)), 48 * M, "pool")
+took(ok(d.cuMemAlloc(48 * M)), 48 * M, "plain")
+fixed = list(bad)
+for p in list(live):
+    free(p)
+ok(d.cuStreamSynchronize(s))
+rng = random.Random(7)
+for step in range(3000):
+    x = rng.random()
+    if x < 0.45 or not live:
+        size = rng.choice([1, 3, 16, 48, 48, 48, 100]) * M
+        if rng.random() < 0.85:
+            r = d.cuMemAllocAsync(size, s)
+            kind = "pool"
+        else:
+            r = d.cuMemAlloc(size)
+            kind = "plain"
+        if r[0] == R.CUDA_SUCCESS:
+            took(r[1], size, kind)
+    elif x < 0.9:
+        free(rng.choice(list(live)))
+    elif x < 0.95:
+        ok(d.cuMemPoolTrimTo(pool, rng.choice([0, 64 * M, 256 * M])))
+    else:
+        ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(rng.choice([0, 1 << 62]))))
+        ok(d.cuStreamSynchronize(s))
+    if len(live) > 12:
+        free(rng.choice(list(live)))
+used = int(ok(d.cuMemPoolGetAttribute(pool, A.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)))
+pool_live = sum(size for size, kind in live.values() if kind == "pool")
+for p in list(live):
+    free(p)
+print(json.dumps({"fixed": fixed, "walk": bad[len(fixed):][:10], "used": used == pool_live}))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == {"fixed": [], "walk": [], "used": True}
+
+
 def test_proc_driver_nvidia_version_is_served(vcuda_built: Path, tmp_path: Path) -> None:
     """The simulated driver writes its /proc/driver/nvidia/version where GPUSIM_PROC_VERSION says; preloading
     libgpusim-proc.so makes a process read it at the real path."""

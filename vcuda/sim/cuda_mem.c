@@ -161,7 +161,8 @@ static _Atomic uint64_t g_va_next[VA_RANGES];
  * Freed device addresses come back, as with the real driver, whose allocator hands a freed range to the
  * next allocation of that size at once (a program that allocates and frees in a loop sees one address):
  * the most recently freed ranges are kept per process, and an allocation of the same rounded size in the
- * same range takes the newest of them.
+ * same range takes the newest of them.  A freed pool allocation's range stays its pool's (the pool's next
+ * allocations that fit take it); it comes back here with the segment the pool releases.
  */
 #define VA_REUSE 4096
 struct va_freed {
@@ -349,10 +350,12 @@ static CUresult device_free(uint64_t va, enum sim_rec_kind kind)
         return CUDA_SUCCESS;
     if (!sim_find(va, kind, &e, true))
         return kind == REC_DEV && sim_graph_free(va) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    if (e.aux != 0)
-        sim_pool_free_record(&e); /* a pool's: back to the pool */
-    else
-        sim_mem_uncharge(e.gpu, e.size);
+    if (e.aux != 0) {
+        /* A pool's: back to the pool, whose segment keeps the range (it comes back with the segment). */
+        sim_pool_free_record(&e);
+        return CUDA_SUCCESS;
+    }
+    sim_mem_uncharge(e.gpu, e.size);
     va_freed(kind == REC_LEGACY ? VA_LEGACY_RANGE : e.gpu, va, e.size);
     return CUDA_SUCCESS;
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
@@ -145,3 +146,23 @@ def test_a_share_goes_to_the_tightest_fit_when_the_allocators_tree_holds_the_oth
     assert gpus_of(layout, CORE, chosen) == {1}
     assert len(chosen) == 30
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+@pytest.mark.parametrize("resource", [CORE, MEM])
+def test_counting_against_each_gpus_own_ids_chooses_as_looking_up_each_id_does(resource: str) -> None:
+    """The kubelet offers thousands of IDs a call: they are counted per GPU against each GPU's set of IDs.
+    That must choose what looking each ID up by itself (the way for IDs not spelt as ours) chooses."""
+    pref, layout = v100x4()
+    every = all_ids(layout, resource, range(4))
+    rng = random.Random(7)
+    for _ in range(300):
+        available = [i for i in every if rng.random() < rng.choice((0.2, 0.6, 0.95))]
+        rng.shuffle(available)
+        must = rng.sample(available, rng.choice((0, 0, 1, 2))) if available else []
+        size = rng.choice((1, 2, 3, 5, 50, 100, 150, 200)) if resource == CORE else rng.choice((1, 2, 3, 4, 7))
+        fast = pref.choose(resource, available, must, size)
+        chosen = list(dict.fromkeys(must))[:size]
+        rest = [i for i in available if i not in set(chosen)]
+        each = pref._choose_each(resource, chosen, rest, size - len(chosen)) if len(chosen) < size else chosen
+        assert fast == each, (available, must, size)
+        assert len(set(fast)) == len(fast)

@@ -59,6 +59,22 @@ class DeviceLayout:
             for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
         }
 
+    @functools.cached_property
+    def _ids_by_gpu(self) -> dict[str, dict[int, tuple[tuple[str, ...], frozenset[str]]]]:
+        """Per resource and GPU index: its IDs in number order, and the same as a set; the strings are
+        those of :attr:`_positions` (their hashes are kept: looking one up costs no hashing)."""
+        out: dict[str, dict[int, tuple[tuple[str, ...], frozenset[str]]]] = {}
+        for resource, positions in self._positions.items():
+            per_gpu: dict[int, list[str]] = {}
+            for device_id, (gpu, _number) in positions.items():  # built in number order
+                per_gpu.setdefault(gpu, []).append(device_id)
+            out[resource] = {gpu: (tuple(ids), frozenset(ids)) for gpu, ids in sorted(per_gpu.items())}
+        return out
+
+    def ids_by_gpu(self, resource: str) -> Mapping[int, tuple[tuple[str, ...], frozenset[str]]]:
+        """Every GPU's IDs of ``resource`` by GPU index: in number order, and the same as a set."""
+        return self._ids_by_gpu[resource]
+
     def positions(self, resource: str) -> Mapping[str, tuple[int, int]]:
         """Every device ID of ``resource`` -> (its GPU, its number): what an ID means, in one lookup."""
         return self._positions[resource]

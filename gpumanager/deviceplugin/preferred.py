@@ -74,19 +74,48 @@ class Preference:
         if len(chosen) >= size:
             return chosen
         taken = set(chosen)
-        free, odd = self._by_gpu(resource, [d for d in available if d not in taken] if taken else available)
         need = size - len(chosen)
-        if resource == names.VCORE_RESOURCE:
-            gpus = self._core_gpus(free, need, self._by_gpu(resource, chosen)[0])
-        else:
-            gpus = self._memory_gpus(free, need)
-        for gpu in gpus:
+        offered = set(available)
+        offered -= taken
+        counts = self._counts(resource, offered)
+        if counts is None:  # some IDs not spelt as this node spells its own: one at a time
+            return self._choose_each(resource, chosen, [d for d in available if d in offered], need)
+        for gpu in self._gpus(resource, counts, need, chosen):
             if len(chosen) >= size:
                 break
-            chosen.extend(self._lowest(resource, free.get(gpu, []), size - len(chosen), odd))
+            for device_id in self._layout.ids_by_gpu(resource)[gpu][0]:
+                if device_id in offered:
+                    chosen.append(device_id)
+                    if len(chosen) >= size:
+                        break
         return chosen
 
-    def _core_gpus(self, free: dict[int, list[str]], need: int, already: dict[int, list[str]]) -> list[int]:
+    def _counts(self, resource: str, offered: set[str]) -> dict[int, int] | None:
+        """Offered IDs per GPU, counted against each GPU's own set of IDs (the kubelet offers thousands
+        of IDs a call: each is hashed once, to make ``offered``); None when some offered ID is not one
+        this node spells."""
+        counts: dict[int, int] = {}
+        for gpu, (_ordered, ids) in self._layout.ids_by_gpu(resource).items():
+            counts[gpu] = len(ids & offered) if len(ids) <= len(offered) else len(offered & ids)
+        return counts if sum(counts.values()) == len(offered) else None
+
+    def _gpus(self, resource: str, counts: dict[int, int], need: int, chosen: list[str]) -> list[int]:
+        if resource == names.VCORE_RESOURCE:
+            return self._core_gpus(counts, need, self._by_gpu(resource, chosen)[0])
+        return self._memory_gpus(counts, need)
+
+    def _choose_each(self, resource: str, chosen: list[str], offered: list[str], need: int) -> list[str]:
+        """:meth:`choose` with each offered ID looked up by itself (some are not spelt as ours)."""
+        free, odd = self._by_gpu(resource, offered)
+        for gpu in self._gpus(resource, {g: len(ids) for g, ids in free.items()}, need, chosen):
+            if need <= 0:
+                break
+            picked = self._lowest(resource, free.get(gpu, []), need, odd)
+            chosen.extend(picked)
+            need -= len(picked)
+        return chosen
+
+    def _core_gpus(self, free: dict[int, int], need: int, already: dict[int, list[str]]) -> list[int]:
         # GPUs that already hold must-include IDs are filled first.
         head = sorted(already)
         scratch = self._scratch_tree()
@@ -94,7 +123,7 @@ class Preference:
         # The scratch tree carries the allocator's shares already; each GPU keeps no more room than the
         # kubelet offers IDs for (a whole GPU: all of it or none).
         for leaf in scratch.leaves:
-            room = min(len(free.get(leaf.index, [])), leaf.allocatable_cores)
+            room = min(free.get(leaf.index, 0), leaf.allocatable_cores)
             if whole and room < names.HUNDRED_CORES:
                 room = 0
             if room < leaf.allocatable_cores:
@@ -107,9 +136,9 @@ class Preference:
         return head + [g for g in picked if g not in head]
 
     @staticmethod
-    def _memory_gpus(free: dict[int, list[str]], need: int) -> list[int]:
-        fitting = sorted((len(ids), gpu) for gpu, ids in free.items() if len(ids) >= need)
+    def _memory_gpus(free: dict[int, int], need: int) -> list[int]:
+        fitting = sorted((count, gpu) for gpu, count in free.items() if count >= need)
         if fitting:
             return [fitting[0][1]]
         # Nothing fits on one GPU: take from the fullest-free GPUs first.
-        return [gpu for _, gpu in sorted(((-len(ids), gpu) for gpu, ids in free.items()))]
+        return [gpu for count, gpu in sorted((-count, gpu) for gpu, count in free.items()) if count]

@@ -119,7 +119,7 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     ) -> pb.PreferredAllocationResponse:
         responses = []
         for creq in request.container_requests:
-            available = list(creq.available_deviceIDs)
+            available = creq.available_deviceIDs  # thousands of IDs: read where they are used, not copied first
             must = list(creq.must_include_deviceIDs)
             size = int(creq.allocation_size)
             chosen: list[str] = []

@@ -52,7 +52,9 @@ def test_registers_both_resources_with_every_device(
         assert record.endpoint == endpoint
         assert record.version == "v1beta1"
         assert record.options.pre_start_required
-        assert record.options.get_preferred_allocation_available
+        # vcuda-core's IDs say which GPU a container gets; vcuda-memory's only count blocks, and a
+        # call would offer every free block of the node.
+        assert record.options.get_preferred_allocation_available is (resource == CORE)
         assert record.request_options.pre_start_required
 
 

@@ -4,8 +4,9 @@ The kubelet offers the free IDs of a resource and asks for ``size`` of them.
 For vcuda-core a multiple of 100 means whole GPUs: the link/fragment
 evaluators run on a copy of the topology tree in which every GPU without all
 of its 100 core IDs free is taken; a smaller size is a share and goes to the
-GPU the share evaluator picks (tightest fit). For vcuda-memory the IDs come
-from the GPU with the fewest free blocks that still fits the request. IDs are
+GPU the share evaluator picks (tightest fit). For vcuda-memory (which does not
+advertise the call; answered if asked) the IDs come from the GPU with the fewest
+free blocks that still fits the request. IDs are
 taken lowest first, so the answer is deterministic. The answer is advisory:
 anything we cannot place is left for the kubelet to fill.
 """

@@ -28,12 +28,17 @@ def vcuda_plugins(
     watch_period: float,
 ) -> tuple[PluginManager, list[ResourceServicer]]:
     """The plugin manager of both resources (not started) and their servicers, in that order."""
-    options = pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+    # The kubelet asks GetPreferredAllocation for vcuda-core only: those IDs say which GPU a container
+    # gets. vcuda-memory IDs only count memory (the size comes from the pod spec, the GPU from the
+    # vcuda-core IDs), and a call offers every free block of the node: 8,500 IDs on 16 x H200, built by
+    # the kubelet and read by us for each container. The call is still answered if made.
+    core_options = pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
+    memory_options = pb.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=False)
     servicers: list[ResourceServicer] = []
     servers = []
-    for resource, sock, allocate, pre_start in (
-        (names.VCORE_RESOURCE, names.VCORE_SOCKET, late.allocate_core, late.pre_start_core),
-        (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, late.allocate_memory, late.pre_start_memory),
+    for resource, sock, allocate, pre_start, options in (
+        (names.VCORE_RESOURCE, names.VCORE_SOCKET, late.allocate_core, late.pre_start_core, core_options),
+        (names.VMEMORY_RESOURCE, names.VMEMORY_SOCKET, late.allocate_memory, late.pre_start_memory, memory_options),
     ):
         servicer = ResourceServicer(
             resource,
@@ -45,5 +50,7 @@ def vcuda_plugins(
         )
         servicers.append(servicer)
         servers.append(PluginServer(servicer, plugin_dir / sock))
-    manager = PluginManager(servers, kubelet_socket, options_for=lambda _s: options, watch_period=watch_period)
+    manager = PluginManager(
+        servers, kubelet_socket, options_for=lambda server: server.servicer.options, watch_period=watch_period
+    )
     return manager, servicers

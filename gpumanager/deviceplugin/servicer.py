@@ -80,6 +80,11 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     def _changed(self, generation: int, sent: int, context: grpc.ServicerContext) -> Callable[[], bool]:
         return lambda: self._generation != generation or self._version != sent or not context.is_active()
 
+    @property
+    def options(self) -> pb.DevicePluginOptions:
+        """The options this resource registers with and answers GetDevicePluginOptions with."""
+        return self._options
+
     # -- RPCs ---------------------------------------------------------------------------------------
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.DevicePluginOptions:

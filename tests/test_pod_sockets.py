@@ -15,6 +15,7 @@ import pytest
 
 from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.api import vcuda_pb2_grpc as pb_grpc
+from gpumanager.vmanager import sockets as sockets_module
 from gpumanager.vmanager.sockets import PodSockets
 
 POD = "7d3c1b2a-0f9e-4d8c-b7a6-5e4d3c2b1a09"
@@ -148,3 +149,70 @@ def test_two_calls_serving_one_pod_at_once_leave_its_socket_served(pod_sockets: 
         assert errors == []
         assert pod_sockets.path.is_socket()
         assert register(pod_sockets.path) == grpc.StatusCode.OK
+
+
+def test_serving_one_pod_does_not_wait_for_another_pods_socket(
+    pod_sockets: Sockets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fifty PreStartContainer calls serve fifty pods at once: a slow bind of one pod's socket (the file
+    system busy with the kubelet's and our own flushes) must not hold up the others; two calls for one
+    pod still take turns."""
+    slow_dir = pod_sockets.directory / "slow"
+    slow_dir.mkdir()
+    entered, release = threading.Event(), threading.Event()
+    real_bind = sockets_module._bind_listening
+
+    def bind(path: Path) -> object:
+        if path.parent == slow_dir:
+            entered.set()
+            release.wait(30)
+        return real_bind(path)
+
+    monkeypatch.setattr(sockets_module, "_bind_listening", bind)
+    slow = threading.Thread(target=pod_sockets.sockets.serve, args=("slow-pod", slow_dir / "vcuda.sock"))
+    slow.start()
+    try:
+        assert entered.wait(10)
+        other = threading.Thread(target=pod_sockets.sockets.serve, args=(POD, pod_sockets.path))
+        other.start()
+        other.join(5)
+        assert not other.is_alive(), "serving a pod waited for another pod's socket"
+        assert register(pod_sockets.path) == grpc.StatusCode.OK
+        # The same pod again waits for the serve in progress.
+        again = threading.Thread(target=pod_sockets.sockets.serve, args=("slow-pod", slow_dir / "vcuda.sock"))
+        again.start()
+        again.join(0.3)
+        assert again.is_alive(), "two serves of one pod ran at once"
+    finally:
+        release.set()
+        slow.join(10)
+    again.join(10)
+    assert (slow_dir / "vcuda.sock").is_socket()
+
+
+def test_stop_waits_for_serves_in_progress_and_later_ones_refuse(
+    pod_sockets: Sockets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    real_bind = sockets_module._bind_listening
+
+    def bind(path: Path) -> object:
+        entered.set()
+        release.wait(30)
+        return real_bind(path)
+
+    monkeypatch.setattr(sockets_module, "_bind_listening", bind)
+    serving = threading.Thread(target=pod_sockets.sockets.serve, args=(POD, pod_sockets.path))
+    serving.start()
+    assert entered.wait(10)
+    stopping = threading.Thread(target=pod_sockets.sockets.stop)
+    stopping.start()
+    stopping.join(0.3)
+    assert stopping.is_alive(), "stop() did not wait for the serve in progress"
+    release.set()
+    serving.join(10)
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert not pod_sockets.path.exists(), "the socket of a serve that ended during stop() was left behind"
+    with pytest.raises(OSError, match="not running"):
+        pod_sockets.sockets.serve("another", pod_sockets.directory / "other.sock")

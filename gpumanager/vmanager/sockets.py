@@ -34,6 +34,7 @@ import secrets
 import socket
 import stat
 import threading
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: The longest unix socket path (sun_path holds 108 bytes with the NUL).
 MAX_SOCKET_PATH = 107
+#: serve() calls of pods in one stripe take turns (two calls for one pod always do).
+POD_LOCK_STRIPES = 64
 #: Connections relayed at once for one pod; more are closed at once (a container cannot take them all).
 MAX_CONNECTIONS_PER_POD = 16
 #: Calls at once on one connection (the clients make one call per connection).
@@ -117,7 +120,11 @@ class PodSockets:
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
         self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
         self._server: grpc.aio.Server | None = None
-        self._serving = threading.Lock()  # serve() one at a time, and against stop()
+        # serve() for one pod at a time (a lock per stripe of pods: fifty pods served at once do not
+        # wait for each other's bind); stop() waits for the serves in progress and refuses later ones.
+        self._pod_locks = [threading.Lock() for _ in range(POD_LOCK_STRIPES)]
+        self._serves = 0
+        self._serves_done = threading.Condition(self._lock)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -148,8 +155,10 @@ class PodSockets:
 
     def stop(self) -> None:
         """Stop listening on every pod socket (the files are removed) and stop the server."""
-        with self._serving:  # a serve() in progress ends first; later ones refuse
+        with self._lock:  # the serves in progress end first; later ones refuse
             self._stopping = True
+            while self._serves:
+                self._serves_done.wait()
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(Exception):
@@ -172,19 +181,27 @@ class PodSockets:
         """
         if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
             raise OSError(f"{path} is longer than {MAX_SOCKET_PATH} bytes, too long for a unix socket")
-        # One at a time: two calls for one pod (start-up's resume and a PreStartContainer) must not
-        # each remove the other's socket file; none after stop() began.
-        with self._serving:
+        with self._lock:  # none after stop() began
             loop = self._loop
             if loop is None or self._stopping:
                 raise OSError(f"cannot serve {path}: the vcuda.sock server is not running")
-            listener = _bind_listening(path)
+            self._serves += 1
+        try:
+            # One at a time per pod: two calls for one pod (start-up's resume and a PreStartContainer)
+            # must not each remove the other's socket file.
+            with self._pod_locks[zlib.crc32(pod_uid.encode()) % POD_LOCK_STRIPES]:
+                listener = _bind_listening(path)
+                with self._lock:
+                    old = self._listeners.get(pod_uid)
+                    self._listeners[pod_uid] = listener
+                if old is not None:
+                    asyncio.run_coroutine_threadsafe(self._retire(pod_uid, old), loop)
+                asyncio.run_coroutine_threadsafe(self._take_up(pod_uid, listener), loop)
+        finally:
             with self._lock:
-                old = self._listeners.get(pod_uid)
-                self._listeners[pod_uid] = listener
-            if old is not None:
-                asyncio.run_coroutine_threadsafe(self._retire(pod_uid, old), loop)
-            asyncio.run_coroutine_threadsafe(self._take_up(pod_uid, listener), loop)
+                self._serves -= 1
+                if not self._serves:
+                    self._serves_done.notify_all()
 
     def unserve(self, pod_uid: str) -> None:
         """Stop listening for ``pod_uid`` and remove its socket file (if it is still ours)."""

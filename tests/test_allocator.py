@@ -601,3 +601,20 @@ def test_gpus_predicated_for_another_node_are_not_used(tmp_path: Path) -> None:
     pods = FakePods([make_pod("a", [("main", 30, 4)], annotations=stale)])  # bound to node-1
     alloc = make_allocator(tmp_path, pods)
     assert alloc.allocate(core_ids(0, 30)).annotations["tencent.com/vcuda-device"] == "/dev/nvidia0"
+
+
+def test_an_allocate_taken_as_a_repeat_moves_the_moment_of_its_ids_on(tmp_path: Path) -> None:
+    """A second Allocate of the same IDs taken as a repeat (the API server cannot say whether the first
+    pod is gone) may in truth be the kubelet giving them to another pod after failing the first one's
+    admission. A PodResources List made between the two Allocates may show the first pod holding them:
+    PreStartContainer must not read the holder from it, so the IDs' moment is the newest Allocate's."""
+    pods = FakePods(
+        [make_pod("a", [("main", 25, 2)]), make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(2, 25))
+    pods.refresh_error = ConnectionError("refused")
+    between = time.monotonic()
+    alloc.allocate(core_ids(2, 25))
+    since = alloc.owner_hint(core_ids(2, 25)).since
+    assert since is not None and since >= between

@@ -356,6 +356,9 @@ class Allocator:
                     if self._is_repeat(known) and not (handed_on and known == suspect):
                         repeat = self._response(known)
                         ticket = self._unsynced.get(known, 0)
+                        # Perhaps the IDs handed on after a failed admission: a List made before this
+                        # Allocate may show the container that held them first.
+                        self._asked_at[wanted] = received
                     else:
                         self._take_back(known)
                         if handed_on and known == suspect:

@@ -3,6 +3,7 @@ before the loop took its socket up leaves nothing listening."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import tempfile
@@ -216,3 +217,34 @@ def test_stop_waits_for_serves_in_progress_and_later_ones_refuse(
     assert not pod_sockets.path.exists(), "the socket of a serve that ended during stop() was left behind"
     with pytest.raises(OSError, match="not running"):
         pod_sockets.sockets.serve("another", pod_sockets.directory / "other.sock")
+
+
+def test_a_pod_let_go_while_the_relay_stops_returns_quietly(
+    pod_sockets: Sockets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod deletion's unserve() racing stop(): stop() cancels what runs on the loop, the pod's close
+    included; unserve() returns (stop closes every socket anyway) instead of raising CancelledError."""
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    closing = threading.Event()
+
+    async def close_never_ends(pod_uid: str) -> None:
+        closing.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(pod_sockets.sockets, "_close", close_never_ends)
+    errors: list[BaseException] = []
+
+    def let_go() -> None:
+        try:
+            pod_sockets.sockets.unserve(POD)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    letting_go = threading.Thread(target=let_go)
+    letting_go.start()
+    assert closing.wait(10)
+    monkeypatch.undo()  # stop() closes the pod's socket for real
+    pod_sockets.sockets.stop()
+    letting_go.join(10)
+    assert not letting_go.is_alive()
+    assert errors == []

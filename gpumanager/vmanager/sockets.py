@@ -26,6 +26,7 @@ sockets. When a pod's socket is no longer served, its relayed connections end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import logging
@@ -208,7 +209,12 @@ class PodSockets:
         loop = self._loop
         if loop is None:
             return
-        asyncio.run_coroutine_threadsafe(self._close(pod_uid), loop).result(timeout=10)
+        try:
+            asyncio.run_coroutine_threadsafe(self._close(pod_uid), loop).result(timeout=10)
+        except concurrent.futures.CancelledError:
+            if not self._stopping:
+                raise
+            # stop() cancelled it on the loop; it closes every pod's socket itself.
 
     def serving(self) -> list[str]:
         """UIDs of the pods whose socket is listened on."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -52,16 +52,7 @@ def test_publisher_removes_stale_slices_never_rewrites_an_equal_one_and_bumps_ge
     api = k8s.ResourceV1Api(sim.client())
     taints: dict[int, devices.Taint] = {}
 
-    def content(generation: int) -> dict[str, Any]:
-        return devices.slice_spec(
-            node="node-a",
-            driver="vcuda.tencent.com",
-            gpus=GPUS,
-            topology=TOPOLOGY,
-            taints=taints,
-            generation=generation,
-            sysfs_root=tmp_path,
-        )
+    content = _slice_content(tmp_path, gpus=GPUS, topology=TOPOLOGY, taints=taints)
 
     stale = {"metadata": {"name": "node-a-old"}, "spec": content(7)}
     other_node = {"metadata": {"name": "node-b-vcuda.tencent.com"}, "spec": {**content(1), "nodeName": "node-b"}}
@@ -86,18 +77,33 @@ def test_publisher_removes_stale_slices_never_rewrites_an_equal_one_and_bumps_ge
     assert groups == [0, 0, 2, 2]
 
 
-def test_publisher_puts_back_a_deleted_slice(sim: ApiServerSimulator, tmp_path: Path) -> None:
+def _slice_content(
+    sysfs_root: Path,
+    *,
+    gpus: list[Any] | None = None,
+    topology: NodeTopology | None = None,
+    taints: dict[int, devices.Taint] | None = None,
+) -> Callable[[int], dict[str, Any]]:
+    """node-a's slice content by pool generation (by default one healthy GPU); ``taints`` is read at
+    each call (a test may change it)."""
+    held = {} if taints is None else taints
+
     def content(generation: int) -> dict[str, Any]:
         return devices.slice_spec(
             node="node-a",
             driver="vcuda.tencent.com",
-            gpus=GPUS[:1],
-            topology=NodeTopology(levels=((0,),)),
-            taints={},
+            gpus=GPUS[:1] if gpus is None else gpus,
+            topology=topology or NodeTopology(levels=((0,),)),
+            taints=held,
             generation=generation,
-            sysfs_root=tmp_path,
+            sysfs_root=sysfs_root,
         )
 
+    return content
+
+
+def test_publisher_puts_back_a_deleted_slice(sim: ApiServerSimulator, tmp_path: Path) -> None:
+    content = _slice_content(tmp_path)
     pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
     pub.start()
     try:
@@ -288,16 +294,9 @@ def test_publisher_settles_when_the_server_drops_fields_of_a_gate_that_is_off(
     # the server keeps the slice but drops the taint of an unhealthy GPU. Each write then comes
     # back as a watch event whose content differs from ours: the publisher must not answer with
     # another write (and another generation) forever, and must say what the server dropped.
-    def content(generation: int) -> dict[str, Any]:
-        return devices.slice_spec(
-            node="node-a",
-            driver="vcuda.tencent.com",
-            gpus=GPUS,
-            topology=TOPOLOGY,
-            taints={1: devices.Taint("XID 79", "2026-11-23T00:00:00Z")},
-            generation=generation,
-            sysfs_root=tmp_path,
-        )
+    content = _slice_content(
+        tmp_path, gpus=GPUS, topology=TOPOLOGY, taints={1: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
+    )
 
     with ApiServerSimulator(disabled_features=[gate]) as sim:
         pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
@@ -332,17 +331,7 @@ def _owners(sim: ApiServerSimulator) -> list[Any]:
 def test_the_slice_is_owned_by_its_node_so_it_goes_with_the_node(sim: ApiServerSimulator, tmp_path: Path) -> None:
     # The garbage collector deletes a ResourceSlice with the Node that owns it: without the owner a
     # node removed from the cluster (scaled down, renamed) left its slice for ever.
-    def content(generation: int) -> dict[str, Any]:
-        return devices.slice_spec(
-            node="node-a",
-            driver="vcuda.tencent.com",
-            gpus=GPUS[:1],
-            topology=NodeTopology(levels=((0,),)),
-            taints={},
-            generation=generation,
-            sysfs_root=tmp_path,
-        )
-
+    content = _slice_content(tmp_path)
     pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
     # No Node object (yet): published all the same, without an owner, and not rewritten for it.
     assert pub.sync() is True and _owners(sim) == []

@@ -19,6 +19,19 @@ RESOURCE = "example.com/r"
 DEVICES = pb.ListAndWatchResponse(devices=[pb.Device(ID="r-0", health="Healthy")]).SerializeToString()
 
 
+def _started_manager(tmp_path: Path, kubelet: KubeletSimulator) -> PluginManager:
+    """One resource's plugin, serving in ``tmp_path``/device-plugins, its safety-net poll out of the way."""
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    plugins = PluginManager(
+        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
+        kubelet.socket_path,
+        options_for=lambda _server: pb.DevicePluginOptions(),
+        watch_period=600.0,
+    )
+    plugins.start()
+    return plugins
+
+
 def test_a_kubelet_restart_before_the_directory_is_watched_is_seen_without_waiting_for_the_poll(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -34,14 +47,7 @@ def test_a_kubelet_restart_before_the_directory_is_watched_is_seen_without_waiti
         return real_watch(directory)
 
     monkeypatch.setattr(manager_module, "DirectoryWatch", restart_then_watch)
-    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
-    plugins = PluginManager(
-        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
-        kubelet.socket_path,
-        options_for=lambda _server: pb.DevicePluginOptions(),
-        watch_period=600.0,
-    )
-    plugins.start()
+    plugins = _started_manager(tmp_path, kubelet)
     try:
         # The first and the second registration (the latest could already be the second).
         first = kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
@@ -114,14 +120,7 @@ def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_o
         hide.set()
 
     monkeypatch.setattr(PluginServer, "restart", restart)
-    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
-    plugins = PluginManager(
-        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
-        kubelet.socket_path,
-        options_for=lambda _server: pb.DevicePluginOptions(),
-        watch_period=600.0,
-    )
-    plugins.start()
+    plugins = _started_manager(tmp_path, kubelet)
     try:
         kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
         watch.one_pass()  # the pass that opened the watch ends in its first wait

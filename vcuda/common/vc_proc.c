@@ -9,19 +9,28 @@
 #include <string.h>
 #include <unistd.h>
 
+/* Reads the start of /proc/<pid>/<name> into buf (NUL-terminated); false when unreadable or empty. */
+static bool read_proc(int pid, const char *name, char *buf, size_t size)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/%s", pid, name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    ssize_t n = read(fd, buf, size - 1);
+    close(fd);
+    if (n <= 0)
+        return false;
+    buf[n] = '\0';
+    return true;
+}
+
 /* Reads /proc/<pid>/stat; returns the state letter and the start time, or 0 when unreadable. */
 static char read_stat(int pid, uint64_t *start)
 {
-    char path[64], buf[1024];
-    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    char buf[1024];
+    if (!read_proc(pid, "stat", buf, sizeof(buf)))
         return 0;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return 0;
-    buf[n] = '\0';
     /* "pid (comm) S ppid ...": comm may hold spaces and parentheses, so start after the last ')'. */
     char *p = strrchr(buf, ')');
     if (p == NULL || p[1] != ' ')
@@ -53,16 +62,9 @@ uint64_t vc_proc_start_time(int pid)
  */
 static long thread_count(int pid)
 {
-    char path[64], buf[4096];
-    snprintf(path, sizeof(path), "/proc/%d/status", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    char buf[4096];
+    if (!read_proc(pid, "status", buf, sizeof(buf)))
         return 0;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0)
-        return 0;
-    buf[n] = '\0';
     const char *p = strstr(buf, "\nThreads:");
     return p != NULL ? strtol(p + 9, NULL, 10) : 0;
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -618,3 +619,31 @@ def test_an_allocate_taken_as_a_repeat_moves_the_moment_of_its_ids_on(tmp_path: 
     alloc.allocate(core_ids(2, 25))
     since = alloc.owner_hint(core_ids(2, 25)).since
     assert since is not None and since >= between
+
+
+def test_a_swap_after_a_guess_is_told_at_info_and_one_after_a_sure_match_at_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fifty identical pods admitted together make about fifty swaps at PreStartContainer, all expected:
+    they are no warning. A swap of a match that was not a guess is."""
+    pods = FakePods(
+        [make_pod("a", [("main", 25, 2)]), make_pod("b", [("main", 25, 2)], created="2026-11-21T10:00:01Z")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    guessed = core_ids(2, 25)
+    alloc.allocate(guessed)
+    caplog.set_level(logging.INFO, logger="gpumanager.allocation.allocator")
+    alloc.pre_start(guessed, (uid_of("b"), "main"))
+    swaps = [r for r in caplog.records if "swapping the two" in r.getMessage()]
+    assert [r.levelno for r in swaps] == [logging.INFO]
+    # c waits alone when its Allocate comes: a sure match, which the kubelet then says is d's.
+    alloc.release_pod(uid_of("a"))
+    alloc.release_pod(uid_of("b"))
+    pods.items[:] = [make_pod("c", [("main", 40, 2)], created="2026-11-21T10:00:02Z")]
+    sure = core_ids(3, 40)
+    alloc.allocate(sure)
+    pods.items.append(make_pod("d", [("main", 40, 2)], created="2026-11-21T10:00:03Z"))
+    caplog.clear()
+    alloc.pre_start(sure, (uid_of("d"), "main"))
+    swaps = [r for r in caplog.records if "swapping the two" in r.getMessage()]
+    assert [r.levelno for r in swaps] == [logging.WARNING]

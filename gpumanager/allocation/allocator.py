@@ -1133,7 +1133,10 @@ class Allocator:
                 "differ",
                 "mismatch",
             )
-        log.warning(
+        # Expected after a guess among identical waiting pods (Allocate does not name the pod): said at
+        # INFO; a swap of a match that was not a guess is worth an operator's look.
+        log.log(
+            logging.INFO if key in self._guessed else logging.WARNING,
             "pod %s container %s starts with the devices matched to pod %s container %s; swapping the two",
             owner[0],
             owner[1],

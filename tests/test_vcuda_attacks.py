@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState, repo_root
-from tests.vcuda_fixtures import BUILD, MIB, VCUDA, Container, container, last_json, vcuda_built
+from tests.vcuda_fixtures import BUILD, KEEPING_POOL, MIB, VCUDA, Container, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
 
@@ -167,9 +167,9 @@ def test_threads_racing_a_memory_pool_at_the_cap(container: MakeContainer) -> No
         CTYPES
         + r"""
 import time
-A = d.CUmemPool_attribute
-pool = ok(d.cuDeviceGetDefaultMemPool(dev))
-ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+"""
+        + KEEPING_POOL
+        + r"""
 streams = [ok(d.cuStreamCreate(0)) for _ in range(8)]
 stop = time.monotonic() + 3
 counts = []
@@ -205,10 +205,8 @@ def test_a_fragmented_pool_grows_for_an_allocation_its_free_memory_cannot_hold(c
     c = container(1024)
     out = run(
         c,
-        r"""
-A = d.CUmemPool_attribute
-pool = ok(d.cuDeviceGetDefaultMemPool(dev))
-ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+        KEEPING_POOL
+        + r"""
 s = ok(d.cuStreamCreate(0))
 def attr(a):
     return int(ok(d.cuMemPoolGetAttribute(pool, a)))

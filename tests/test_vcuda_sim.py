@@ -7,7 +7,16 @@ import signal
 from pathlib import Path
 
 from simnode.gpusim_state import GpuSimState, load_spec, spec_dir
-from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, MIB, last_json, run_python, sim_only_env, vcuda_built
+from tests.vcuda_fixtures import (
+    BUILD,
+    DRIVER_VERSION,
+    KEEPING_POOL,
+    MIB,
+    last_json,
+    run_python,
+    sim_only_env,
+    vcuda_built,
+)
 
 __all__ = ["vcuda_built"]  # fixtures
 
@@ -620,9 +629,9 @@ def test_a_pool_allocation_never_shares_its_range_and_is_always_freeable(vcuda_b
     done = run_python(
         r"""
 import random
-A = d.CUmemPool_attribute
-pool = ok(d.cuDeviceGetDefaultMemPool(dev))
-ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+"""
+        + KEEPING_POOL
+        + r"""
 s = ok(d.cuStreamCreate(0))
 M = 1 << 20
 live = {}  # address -> (size, "pool" | "plain")

@@ -150,6 +150,15 @@ def vcuda_built() -> Path:
     return BUILD / "libcuda-control.so"
 
 
+#: Program text (after the prelude): ``pool``, the device's default memory pool, set to keep what is freed
+#: into it (release threshold 2^62), and ``A``, the pool attributes.
+KEEPING_POOL = r"""
+A = d.CUmemPool_attribute
+pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+"""
+
+
 def make_mirror(mirror: Path, interceptor: Path) -> None:
     """gpu-manager's share-mode driver tree: the interceptor as libcuda.so.1 / libnvidia-ml.so.1."""
     mirror.mkdir(parents=True, exist_ok=True)

@@ -122,6 +122,31 @@ def test_serving_a_pod_again_replaces_its_socket(pod_sockets: Sockets) -> None:
     assert not pod_sockets.path.exists()
 
 
+def test_a_connection_open_when_its_pod_is_served_again_goes_on(pod_sockets: Sockets) -> None:
+    # A client that keeps its channel (grpc shares one connection per address, even across channels)
+    # makes its next call on the connection the earlier socket accepted.
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    with grpc.insecure_channel(f"unix://{pod_sockets.path}") as channel:
+        stub = pb_grpc.VCUDAServiceStub(channel)
+        stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20)
+        pod_sockets.sockets.serve(POD, pod_sockets.path)
+        stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c2"), timeout=20)
+    assert pod_sockets.calls == [(POD, "c1"), (POD, "c2")]
+    assert register(pod_sockets.path) == grpc.StatusCode.OK  # and the new socket answers
+
+
+def test_a_pods_connections_end_when_it_is_let_go(pod_sockets: Sockets) -> None:
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    with grpc.insecure_channel(f"unix://{pod_sockets.path}") as channel:
+        stub = pb_grpc.VCUDAServiceStub(channel)
+        stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20)
+        pod_sockets.sockets.unserve(POD)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c2"), timeout=20)
+    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED)
+    assert pod_sockets.calls == [(POD, "c1")]
+
+
 def test_a_stopped_relay_refuses_to_serve(pod_sockets: Sockets) -> None:
     pod_sockets.sockets.stop()
     with pytest.raises(OSError, match="not running"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.selftest.checks import credit
+from gpumanager.selftest.checks import Span, credit, share
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
 from simnode.simhost import install_sim_driver
 from tests.vcuda_fixtures import BUILD, vcuda_built
@@ -117,17 +117,34 @@ def test_a_driver_root_without_the_driver_is_named(vcuda_built: Path, tmp_path: 
 def test_a_late_poll_of_nvml_counts_all_the_time_it_covers() -> None:
     """A loaded machine let 1.5 s pass between two polls: NVML's sample (70 % since the last one) covers
     all of it, not a second of it (which read a 70 % share as 47 %)."""
-    busy: dict[int, float] = {}
+    spans: list[Span] = []
     start = 1_000_000
-    assert credit(busy, [(42, start + 250_000, 70)], start) == start + 250_000
-    newest = credit(busy, [(42, start + 1_750_000, 70)], start + 250_000)
+    assert credit(spans, [(42, start + 250_000, 70)], start) == start + 250_000
+    newest = credit(spans, [(42, start + 1_750_000, 70)], start + 250_000)
     assert newest == start + 1_750_000
-    assert busy[42] / (newest - start) == pytest.approx(70.0)
+    assert share(spans, 42, (start, newest), (start, newest)) == pytest.approx(70.0)
 
 
 def test_several_samples_of_one_process_in_one_answer_are_chained_not_overlapped() -> None:
-    busy: dict[int, float] = {}
-    newest = credit(busy, [(7, 300, 20), (9, 200, 100), (7, 200, 60), (7, 100, 99)], 100)
+    spans: list[Span] = []
+    newest = credit(spans, [(7, 300, 20), (9, 200, 100), (7, 200, 60), (7, 100, 99)], 100)
     assert newest == 300
     # pid 7: 100..200 at 60 %, 200..300 at 20 % (the sample at the start itself covers nothing)
-    assert busy == {7: 60 * 100 + 20 * 100, 9: 100 * 100}
+    assert sorted(spans, key=lambda sp: (sp.pid, sp.start_us)) == [
+        Span(7, 100, 200, 60), Span(7, 200, 300, 20), Span(9, 100, 200, 100)]  # fmt: skip
+    assert share(spans, 7, (100, 300), (100, newest)) == pytest.approx(40.0)
+    assert share(spans, 9, (100, 300), (100, newest)) == pytest.approx(50.0)  # idle after its last sample
+
+
+def test_the_share_is_read_over_the_programs_own_window_not_the_samplers() -> None:
+    """The parent came late to stop sampling (a loaded machine): NVML was read for 2 s, the program ran
+    at 70 % for the 1.2 s it measured and then ended. Spread over the sampler's 2 s that read 48 %."""
+    spans: list[Span] = []
+    t = 5_000_000
+    since = t
+    for k in range(1, 7):  # the program runs from t to t + 1.4 s; polls every 0.25 s
+        since = credit(spans, [(42, t + k * 233_333, 70)], since)
+    newest = credit(spans, [(99, t + 2_000_000, 5)], since)  # another process, after the program ended
+    assert share(spans, 42, (t + 200_000, t + 1_400_000), (t, newest)) == pytest.approx(70.0, abs=0.01)
+    # Nothing sampled inside the window: no share rather than 0 %.
+    assert share(spans, 42, (t + 2_100_000, t + 2_500_000), (t, newest)) is None

@@ -256,6 +256,16 @@ def four_processes(s: Setup) -> list[Row]:
 # ---- SM share -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Span:
+    """A stretch of time NVML says a process kept the GPU's SMs ``util`` percent busy (CLOCK_REALTIME us)."""
+
+    pid: int
+    start_us: int
+    end_us: int
+    util: int
+
+
 class UtilSampler:
     """Samples NVML's per-process SM utilisation of one GPU while programs run (the real NVML)."""
 
@@ -265,7 +275,7 @@ class UtilSampler:
         self._nvml = pynvml
         pynvml.nvmlInit()
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-        self._busy: dict[int, float] = {}  # pid -> percent x microseconds
+        self._spans: list[Span] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._since = 0
@@ -273,19 +283,22 @@ class UtilSampler:
 
     def start(self) -> None:
         self._since = self._start_us = int(time.time() * 1e6)
-        self._busy.clear()
+        self._spans = []
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="selftest-nvml", daemon=True)
         self._thread.start()
 
-    def stop(self) -> tuple[dict[int, float], float]:
-        """Percent of the window each PID's kernels ran, and the window (s)."""
+    def stop(self) -> None:
+        """Stop sampling (after one last poll); :meth:`share` then reads what was sampled."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         self._poll()
-        window_us = max(1.0, self._since - self._start_us)
-        return {pid: busy / window_us for pid, busy in self._busy.items()}, window_us / 1e6
+
+    def share(self, pid: int, window: tuple[int, int]) -> float | None:
+        """Percent of ``window`` (CLOCK_REALTIME us) that ``pid``'s kernels ran, over the part of it the
+        samples cover; None when they cover none of it."""
+        return share(self._spans, pid, window, (self._start_us, self._since))
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
@@ -296,12 +309,12 @@ class UtilSampler:
             samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._since)
         except self._nvml.NVMLError:
             return  # NOT_FOUND: nothing ran since
-        self._since = credit(self._busy, [(s.pid, s.timeStamp, s.smUtil) for s in samples], self._since)
+        self._since = credit(self._spans, [(s.pid, s.timeStamp, s.smUtil) for s in samples], self._since)
 
 
-def credit(busy: dict[int, float], samples: Sequence[tuple[int, int, int]], since: int) -> int:
-    """Add NVML's process samples, (pid, timestamp in us, SM percent), taken after ``since``, to ``busy``
-    (pid -> percent x microseconds); returns the newest timestamp.
+def credit(spans: list[Span], samples: Sequence[tuple[int, int, int]], since: int) -> int:
+    """Add NVML's process samples, (pid, timestamp in us, SM percent), taken after ``since``, to ``spans``;
+    returns the newest timestamp (the samples cover the time up to it, for every process).
 
     Each sample covers the time from the process's previous sample in this answer (or ``since``) to its
     own: a poll that came late (a loaded machine) still counts the whole time it covers.
@@ -312,32 +325,54 @@ def credit(busy: dict[int, float], samples: Sequence[tuple[int, int, int]], sinc
         start = last.get(pid, since)
         if stamp <= start:
             continue
-        busy[pid] = busy.get(pid, 0.0) + min(util, 100) * (stamp - start)
+        spans.append(Span(pid, start, stamp, min(util, 100)))
         last[pid] = stamp
         newest = max(newest, stamp)
     return newest
 
 
-def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> list[tuple[float, float]]:
-    """Runs one launch loop per environment together; (launches/s, NVML percent) of each."""
+def share(spans: Sequence[Span], pid: int, window: tuple[int, int], covered: tuple[int, int]) -> float | None:
+    """``pid``'s mean SM percent over the part of ``window`` that the samples cover (``covered``: from the
+    first poll's start to the newest sample; a process absent from a sample was idle then). None when
+    that part is empty.
+
+    Only the program's own window counts: a sampler that ran on after the program ended (its parent
+    came late on a loaded machine) would otherwise count the idle time after it as the program's.
+    """
+    lo, hi = max(window[0], covered[0]), min(window[1], covered[1])
+    if hi <= lo:
+        return None
+    busy = sum(sp.util * (min(sp.end_us, hi) - max(sp.start_us, lo)) for sp in spans
+               if sp.pid == pid and sp.end_us > lo and sp.start_us < hi)  # fmt: skip
+    return busy / (hi - lo)
+
+
+def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> list[tuple[float, float | None]]:
+    """Runs one launch loop per environment together; (launches/s, NVML percent or None) of each, both
+    over the window each program measured its launches in."""
     args = json.dumps({"uuid": s.uuid, "ptx": programs.PTX, "settle": s.settle, "seconds": s.measure})
     procs = [subprocess.Popen([sys.executable, "-c", programs.SPIN, args], env=dict(env), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for env in envs]  # fmt: skip
-    for p in procs:
-        assert p.stdout is not None
-        first = p.stdout.readline()
-        if first.strip() != "running":
-            p.kill()
-            raise ChildError(_last_json(first, p.wait(), p.stderr.read() if p.stderr else "").get("error", "failed"))
-    time.sleep(s.settle)
     sampler.start()
-    time.sleep(max(0.1, s.measure - 0.2))  # NVML's window ends before the programs do
-    util, _window = sampler.stop()
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
-        results.append(_last_json(out, p.returncode, err))
-    return [(float(r["rate"]), util.get(int(r["pid"]), 0.0)) for r in results]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            first = p.stdout.readline()
+            if first.strip() != "running":
+                p.kill()
+                answer = _last_json(first, p.wait(), p.stderr.read() if p.stderr else "")
+                raise ChildError(answer.get("error", "failed"))
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
+            results.append(_last_json(out, p.returncode, err))
+    finally:
+        sampler.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(float(r["rate"]), sampler.share(int(r["pid"]), (int(r["from_us"]), int(r["to_us"])))) for r in results]
 
 
 def sm_shares(s: Setup, limits: Sequence[int]) -> list[Row]:
@@ -349,12 +384,14 @@ def sm_shares(s: Setup, limits: Sequence[int]) -> list[Row]:
         return [Row("SM share", "unlimited run", f"error: {err}", False)]
     if base <= 0:
         return [Row("SM share", "unlimited run", "no kernel completed", False)]
-    rows = [Row("SM share", "no limit", f"{base:.0f} kernels/s, NVML {base_util:.1f} %", True)]
+    nvml = "no NVML sample in the window" if base_util is None else f"NVML {base_util:.1f} %"
+    rows = [Row("SM share", "no limit", f"{base:.0f} kernels/s, {nvml}", True)]
 
-    def judge(name: str, limit: int, rate: float, util: float) -> Row:
-        share = 100.0 * rate / base
-        good = abs(share - limit) <= s.tolerance and abs(util - limit) <= s.tolerance
-        text = f"throughput {share:.1f} %, NVML {util:.1f} % (limit {limit} %)"
+    def judge(name: str, limit: int, rate: float, util: float | None) -> Row:
+        achieved = 100.0 * rate / base
+        good = abs(achieved - limit) <= s.tolerance and util is not None and abs(util - limit) <= s.tolerance
+        nvml = "NVML gave no sample in the window" if util is None else f"NVML {util:.1f} %"
+        text = f"throughput {achieved:.1f} %, {nvml} (limit {limit} %)"
         return Row("SM share", name, text if good else f"OFF: {text}", good)
 
     for limit in limits:

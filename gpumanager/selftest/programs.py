@@ -169,7 +169,8 @@ hold()
 """
 )
 
-# A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle.
+# A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle
+# and the wall-clock window (us) they were counted in.
 SPIN = (
     PRELUDE
     + r"""
@@ -182,7 +183,7 @@ params = ((cycles,), (ctypes.c_uint64,))
 print("running", flush=True)
 start = time.monotonic()
 settle, end = start + ARGS["settle"], start + ARGS["settle"] + ARGS["seconds"]
-counted, t0 = 0, None
+counted, t0, from_us = 0, None, 0
 while True:
     now = time.monotonic()
     if now >= end:
@@ -190,11 +191,12 @@ while True:
     ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, params, 0))
     if now >= settle:
         if t0 is None:
-            t0 = now
+            t0, from_us = now, int(time.time() * 1e6)
         counted += 1
 elapsed = time.monotonic() - (t0 or end)
+to_us = int(time.time() * 1e6)  # the window NVML's samples are read over (CLOCK_REALTIME, as theirs)
 ok(d.cuStreamSynchronize(stream))
-report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid())
+report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid(), from_us=from_us or to_us, to_us=to_us)
 """
 )
 

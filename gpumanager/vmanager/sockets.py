@@ -196,7 +196,7 @@ class PodSockets:
                     old = self._listeners.get(pod_uid)
                     self._listeners[pod_uid] = listener
                 if old is not None:
-                    asyncio.run_coroutine_threadsafe(self._retire(pod_uid, old), loop)
+                    asyncio.run_coroutine_threadsafe(self._retire(old), loop)
                 asyncio.run_coroutine_threadsafe(self._take_up(pod_uid, listener), loop)
         finally:
             with self._lock:
@@ -261,10 +261,10 @@ class PodSockets:
         if listener.closed:  # let go while the server started
             server.close()
 
-    async def _retire(self, pod_uid: str, listener: _Listener) -> None:
-        """An earlier socket of a pod served again: it stops and its connections end."""
-        for task in list(self._relays.pop(pod_uid, ())):
-            task.cancel()
+    async def _retire(self, listener: _Listener) -> None:
+        """An earlier socket of a pod served again stops listening. The connections it accepted go on:
+        they are the same pod's, and a client keeping its channel (gRPC reuses one connection per
+        address) would otherwise see its next call fail."""
         _close_listener(listener)
 
     async def _close(self, pod_uid: str) -> None:

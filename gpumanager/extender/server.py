@@ -148,7 +148,7 @@ class ExtenderServer:
                 self.wfile.write(body)
 
             def _json(self, code: int, answer: object) -> None:
-                self._send(code, json.dumps(answer, separators=(",", ":")).encode())
+                self._send(code, _json_bytes(answer))
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -169,30 +169,34 @@ class ExtenderServer:
                 path = self.path.split("?", 1)[0].rstrip("/")
                 verb = outer._verb_of(path)
                 handler = outer._routes.verbs.get(verb) if verb else None
-                code = 500
+                code, payload = 500, b""
                 try:
                     body = self._read_body()
                     if handler is None or verb is None:
                         code = 404
-                        self._json(code, {"Error": f"no such verb {path!r} (prefix {outer._prefix or '/'})"})
-                        return
-                    answer, code = handler(body)
-                    self._send(code, encode(answer))
+                        payload = _json_bytes({"Error": f"no such verb {path!r} (prefix {outer._prefix or '/'})"})
+                    else:
+                        answer, code = handler(body)
+                        payload = encode(answer)
                 except BadRequestError as exc:
-                    code = 400
-                    self._json(code, {"Error": str(exc)})
+                    code, payload = 400, _json_bytes({"Error": str(exc)})
                 except OSError:  # the client went away, or stalled past the timeout: nobody to answer
                     code = 0
                     self.close_connection = True
                 except Exception as exc:
                     log.exception("%s failed", verb)
-                    code = 500
-                    self._json(code, {"Error": f"{verb}: internal error: {exc}"})
-                finally:
-                    known = handler is not None and verb is not None
-                    outer._metrics.requests.labels(verb if known else "unknown", str(code)).inc()
-                    if known:
-                        outer._metrics.latency.labels(verb).observe(time.perf_counter() - started)
+                    code, payload = 500, _json_bytes({"Error": f"{verb}: internal error: {exc}"})
+                # Counted before the answer leaves: a client that scrapes /metrics after its answer
+                # finds its request there.
+                known = handler is not None and verb is not None
+                outer._metrics.requests.labels(verb if known else "unknown", str(code)).inc()
+                if known:
+                    outer._metrics.latency.labels(verb).observe(time.perf_counter() - started)
+                if code:
+                    try:
+                        self._send(code, payload)
+                    except OSError:
+                        self.close_connection = True
 
             def _read_body(self) -> bytes:
                 raw = self.headers.get("Content-Length")
@@ -232,3 +236,7 @@ def parse_listen(text: str) -> tuple[str, int]:
         except socket.gaierror as exc:
             raise ValueError(f"host {host!r} does not resolve: {exc}") from None
     return host or "0.0.0.0", port
+
+
+def _json_bytes(answer: object) -> bytes:
+    return json.dumps(answer, separators=(",", ":")).encode()

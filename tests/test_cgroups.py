@@ -85,3 +85,48 @@ def test_the_locator_finds_a_cgroup_that_moved(tmp_path: Path) -> None:
     (tmp_path / f"kubepods/besteffort/pod{UID}/{CID}/cgroup.procs").unlink()
     (tmp_path / f"kubepods/besteffort/pod{UID}/{CID}").rmdir()
     assert locator.pids(UID, CID) == []
+
+
+def test_a_missing_cgroup_is_searched_for_in_the_whole_tree_at_most_every_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A terminating pod's containers are asked for each second until their allocation ends: a node with
+    hundreds of pods must not walk its whole cgroup tree for each of them each time."""
+    for i in range(3):
+        make(tmp_path, f"kubepods/pod{i:08d}-0000-0000-0000-000000000000/c{i}", [100 + i])
+    searches: list[str] = []
+    real_search = cgroups._search
+
+    def counted(root: Path, pod_uid: str, container_id: str, max_depth: int = 8) -> Path | None:
+        searches.append(container_id)
+        return real_search(root, pod_uid, container_id, max_depth)
+
+    monkeypatch.setattr(cgroups, "_search", counted)
+    now = [1000.0]
+    locator = cgroups.CgroupLocator(tmp_path, search_backoff=30.0, clock=lambda: now[0])
+    for _ in range(5):
+        assert locator.pids(UID, CID, "Guaranteed") == []
+    assert searches == [CID]
+    now[0] += 30.0
+    assert locator.pids(UID, CID, "Guaranteed") == []
+    assert searches == [CID, CID]
+    # A registration (its container certainly runs) searches at once.
+    assert locator.pids(UID, CID, "Guaranteed", search=True) == []
+    assert locator.find(UID, CID, "Guaranteed", search=True) is None
+    assert searches == [CID] * 4
+    # Made under a standard name meanwhile: found at once, without a search.
+    make(tmp_path, f"kubepods/pod{UID}/{CID}", [5])
+    assert locator.pids(UID, CID, "Guaranteed") == [5]
+    assert searches == [CID] * 4
+
+
+def test_an_unusual_layout_is_found_by_the_search_after_the_backoff(tmp_path: Path) -> None:
+    now = [0.0]
+    locator = cgroups.CgroupLocator(tmp_path, search_backoff=30.0, clock=lambda: now[0])
+    assert locator.pids(UID, CID) == []
+    make(tmp_path, f"system.slice/containerd.service/kubepods-pod{U_}.slice:cri-containerd:{CID}", [9])
+    assert locator.pids(UID, CID) == []  # within the backoff: the standard names only
+    now[0] += 30.0
+    assert locator.pids(UID, CID) == [9]
+    locator.forget_pod(UID)  # forgetting a pod forgets its misses too
+    assert locator.pids(UID, CID) == [9]

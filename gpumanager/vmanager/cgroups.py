@@ -11,13 +11,20 @@ under the unified hierarchy (v2) or a v1 controller (memory, pids, cpu,cpuacct,
 systemd). When none exists (an unusual layout), the tree is searched for a
 directory named after the container ID below one named after the pod. Every
 ``cgroup.procs`` below the container's directory is read.
+
+A container whose cgroup is gone (its pod terminating) or not made yet is asked
+for each second until its allocation ends; :class:`CgroupLocator` searches the
+whole tree for it at most every :data:`SEARCH_BACKOFF_SECONDS` (a node with
+hundreds of pods has thousands of cgroup directories), looking only at the
+standard names in between.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -25,6 +32,8 @@ log = logging.getLogger(__name__)
 _QOS = ("", "burstable", "besteffort")
 _PREFIXES = ("cri-containerd", "crio", "docker", "containerd")
 _V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "systemd")
+#: After a search of the whole tree found no cgroup for a container, the next one waits this long.
+SEARCH_BACKOFF_SECONDS = 30.0
 
 
 def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[str]:
@@ -45,14 +54,17 @@ def _roots(cgroup_root: Path) -> list[Path]:
     return roots
 
 
-def find_container_cgroup(cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
-    """The container's cgroup directory, or None."""
+def find_container_cgroup(
+    cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = True
+) -> Path | None:
+    """The container's cgroup directory, or None. ``search=False``: by the standard names only, without
+    searching the tree."""
     for root in _roots(cgroup_root):
         for rel in _candidates(pod_uid, container_id, qos):
             path = root / rel
             if path.is_dir():
                 return path
-    return _search(cgroup_root, pod_uid, container_id)
+    return _search(cgroup_root, pod_uid, container_id) if search else None
 
 
 def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int = 8) -> Path | None:
@@ -115,33 +127,53 @@ class CgroupLocator:
 
     A container whose directory is known costs one ``stat`` and one read of its ``cgroup.procs``
     (see :func:`_pids_of`): the pids.config refresh and the metrics' process placement ask for
-    every shared container each second.
+    every shared container each second. One whose directory is not found costs a look at the
+    standard names, and a search of the whole tree at most every ``search_backoff`` seconds
+    (``search=True`` searches at once: a registration, whose container certainly runs).
     """
 
-    def __init__(self, cgroup_root: Path, *, limit: int = 4096) -> None:
+    def __init__(
+        self,
+        cgroup_root: Path,
+        *,
+        limit: int = 4096,
+        search_backoff: float = SEARCH_BACKOFF_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.root = cgroup_root
         self._limit = limit
+        self._backoff = search_backoff
+        self._clock = clock
         self._dirs: dict[tuple[str, str], str] = {}
+        self._searched: dict[tuple[str, str], float] = {}  # container -> when a whole-tree search missed it
 
-    def find(self, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
+    def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
         """The container's cgroup directory (below its pod's), or None when there is none."""
         key = (pod_uid, container_id)
         directory = self._dirs.get(key)
         if directory is not None and os.path.isdir(directory):
             return Path(directory)
-        return self._find_again(key, qos)
+        return self._find_again(key, qos, search)
 
-    def _find_again(self, key: tuple[str, str], qos: str | None) -> Path | None:
-        found = find_container_cgroup(self.root, key[0], key[1], qos)
+    def _find_again(self, key: tuple[str, str], qos: str | None, search: bool) -> Path | None:
+        now = self._clock()
+        missed = self._searched.get(key)
+        whole = search or missed is None or now - missed >= self._backoff
+        found = find_container_cgroup(self.root, key[0], key[1], qos, search=whole)
         if found is None:
             self._dirs.pop(key, None)
+            if whole:
+                if len(self._searched) >= self._limit:
+                    self._searched.clear()
+                self._searched[key] = now
             return None
+        self._searched.pop(key, None)
         if len(self._dirs) >= self._limit:
             self._dirs.clear()
         self._dirs[key] = str(found)
         return found
 
-    def pids(self, pod_uid: str, container_id: str, qos: str | None = None) -> list[int]:
+    def pids(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> list[int]:
         """Host PIDs of a container (empty when its cgroup is not found)."""
         key = (pod_uid, container_id)
         directory = self._dirs.get(key)
@@ -151,7 +183,7 @@ class CgroupLocator:
             except OSError:
                 directory = None
         if directory is None:
-            found = self._find_again(key, qos)
+            found = self._find_again(key, qos, search)
             if found is None:
                 return []
             directory = str(found)
@@ -163,5 +195,6 @@ class CgroupLocator:
 
     def forget_pod(self, pod_uid: str) -> None:
         """Drop what is remembered of a pod's containers."""
-        for key in [k for k in list(self._dirs) if k[0] == pod_uid]:  # list(): other threads add meanwhile
-            self._dirs.pop(key, None)
+        for memo in (self._dirs, self._searched):
+            for key in [k for k in list(memo) if k[0] == pod_uid]:  # list(): other threads add meanwhile
+                memo.pop(key, None)

@@ -288,7 +288,7 @@ class VirtualManager:
         whose cgroup is gone (the container was restarted and has a new ID).
         """
         qos = (pod.get("status") or {}).get("qosClass")
-        if self._cgroups.find(pod_uid, container_id, qos) is None:
+        if self._cgroups.find(pod_uid, container_id, qos, search=True) is None:
             return None
         ids = podinfo.container_ids(pod)
         candidates = []
@@ -297,13 +297,13 @@ class VirtualManager:
             if self._allocation(pod_uid, name) is None:
                 continue
             known = ids.get(name)
-            if not known or self._cgroups.find(pod_uid, known, qos) is None:
+            if not known or self._cgroups.find(pod_uid, known, qos, search=True) is None:
                 candidates.append(name)
         return candidates[0] if len(candidates) == 1 else None
 
     def _write_registration(self, socket_pod: str, target: _Target) -> Path:
         qos = (target.pod.get("status") or {}).get("qosClass")
-        pids = self._cgroups.pids(socket_pod, target.container_id, qos)
+        pids = self._cgroups.pids(socket_pod, target.container_id, qos, search=True)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         directory = safenames.child(self.pod_dir(socket_pod), target.subdir)

@@ -8,11 +8,14 @@ kernel makes the files), and times, median and p99:
 
   a sweep in which nothing changed (the common second)
   a sweep in which one container in ten gained a process (its pids.config rewritten)
+  a sweep in which nothing changed while ``--terminating`` more pods end: their containers' cgroups are
+  gone, their allocations not yet (they are asked for each second until the pods are deleted)
 
 With ``--before REF`` the same sweeps run on the code of revision REF too, on the same tree, side by
 side (each variant in its own process).
 
-    python bench/bench_pids_refresh.py [--containers 250] [--sweeps 40] [--cgroupfs DIR] [--before REF]
+    python bench/bench_pids_refresh.py [--containers 250] [--terminating 50] [--sweeps 40] [--cgroupfs DIR]
+                                       [--before REF]
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ pods = {
         "metadata": {"uid": uid, "name": f"p{i}", "namespace": "default"},
         "status": {"qosClass": "Guaranteed", "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}"}]},
     }
-    for i, (uid, cid) in enumerate(spec["containers"])
+    for i, (uid, cid) in enumerate(spec["containers"] + spec["gone"])
 }
 allocs = [ContainerAllocation(uid, "main", (0,), 10, 1 << 28, started=True) for uid, _ in spec["containers"]]
+ending = allocs + [ContainerAllocation(uid, "main", (0,), 10, 1 << 28, started=True) for uid, _ in spec["gone"]]
 vm_path = Path(spec["vm"])
 for uid in pods:
     (vm_path / uid / "main").mkdir(parents=True, exist_ok=True)
@@ -65,7 +69,12 @@ for sweep in range(spec["sweeps"]):
     started = time.perf_counter()
     vm.refresh_pids(allocs)
     changing.append(time.perf_counter() - started)
-print(json.dumps({"quiet": quiet, "changing": changing}))
+terminating = []
+for sweep in range(spec["sweeps"]):
+    started = time.perf_counter()
+    vm.refresh_pids(ending)
+    terminating.append(time.perf_counter() - started)
+print(json.dumps({"quiet": quiet, "changing": changing, "terminating": terminating}))
 """
 
 
@@ -96,6 +105,7 @@ def remove_tree(root: Path, *, cgroupfs: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--containers", type=int, default=250)
+    parser.add_argument("--terminating", type=int, default=50, help="pods ending: cgroups gone, allocations not yet")
     parser.add_argument("--sweeps", type=int, default=40)
     parser.add_argument("--cgroupfs", type=Path, help="build the tree on this cgroup mount instead of plain files")
     parser.add_argument("--before", metavar="REF", help="also measure the code of git revision REF, side by side")
@@ -116,6 +126,7 @@ def main() -> int:
                 for i, variant in enumerate(agents):
                     spec = {
                         "containers": containers,
+                        "gone": [(str(uuid.uuid4()), f"{n:064x}") for n in range(args.terminating)],
                         "procs": procs,
                         "root": str(root),
                         "vm": str(Path(tmp) / f"vm-{i}"),
@@ -134,6 +145,7 @@ def main() -> int:
                 for key, title in (
                     ("quiet", "a sweep, nothing changed"),
                     ("changing", "a sweep, one container in ten gained a process"),
+                    ("terminating", f"a sweep, nothing changed, {args.terminating} more pods ending (cgroups gone)"),
                 ):
                     print(title)
                     for label, got in results.items():

@@ -198,3 +198,38 @@ def test_a_list_keeps_compacted_pods_too(api: ApiServerSimulator) -> None:
         assert one["spec"]["containers"][0]["image"] is two["spec"]["containers"][0]["image"]
     finally:
         listed.stop()
+
+
+def test_find_by_name_follows_every_change(api: ApiServerSimulator) -> None:
+    cache = PodCache(api.client(retries=False), "node-1")  # fed events directly
+
+    def event(kind: str, uid: str, name: str, namespace: str = "default") -> dict[str, object]:
+        return {"type": kind, "object": {"metadata": {"uid": uid, "name": name, "namespace": namespace}}}
+
+    def found(namespace: str, name: str) -> str | None:
+        pod = cache.find(namespace, name)
+        return None if pod is None else str(pod["metadata"]["uid"])
+
+    cache._apply(event("ADDED", "u1", "web-0"))
+    cache._apply(event("ADDED", "u2", "web-0", "other"))
+    assert (found("default", "web-0"), found("other", "web-0"), found("default", "web-1")) == ("u1", "u2", None)
+    # A StatefulSet's pod replaced: the old one (terminating) and the new one share the name for a while.
+    cache._apply(event("ADDED", "u3", "web-0"))
+    cache._apply(event("MODIFIED", "u1", "web-0"))
+    assert found("default", "web-0") == "u1"
+    cache._apply(event("DELETED", "u1", "web-0"))
+    assert found("default", "web-0") == "u3"
+    cache._apply(event("DELETED", "u3", "web-0"))
+    cache._apply(event("DELETED", "u3", "web-0"))  # told twice: nothing more to forget
+    assert found("default", "web-0") is None
+    cache._apply(event("MODIFIED", "u4", "web-1"))  # first seen as a change
+    assert found("default", "web-1") == "u4"
+
+
+def test_find_by_name_after_a_relist(api: ApiServerSimulator, cache: PodCache) -> None:
+    api.create_pod(pod_manifest("before"))
+    eventually(lambda: cache.find("default", "before") is not None)
+    cache._relist()
+    assert cache.find("default", "before") is not None
+    api.delete_pod("default", "before")
+    eventually(lambda: cache.find("default", "before") is None)

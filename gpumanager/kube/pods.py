@@ -59,6 +59,11 @@ class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
 
 
+def _name_of(pod: Mapping[str, Any]) -> tuple[str, str]:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
 def compact(pod: Mapping[str, Any]) -> dict[str, Any]:
     """``pod`` as the cache keeps it: without ``metadata.managedFields``, its keys and short strings
     interned (shared with every other pod that has them). Equal to ``pod`` otherwise."""
@@ -110,6 +115,9 @@ class PodCache:
         self._watch_timeout = watch_timeout
         self._lock = threading.Lock()
         self._pods: dict[str, Pod] = {}
+        # (namespace, name) -> UIDs of the cached pods of that name, in the order of self._pods (two
+        # while a StatefulSet's pod is replaced): find() is asked on each PreStartContainer.
+        self._by_name: dict[tuple[str, str], list[str]] = {}
         self._rv = ""
         self._generation = 0
         # UID -> generation of the pod's latest change, oldest first (at most CHANGES_KEPT).
@@ -171,13 +179,10 @@ class PodCache:
             _, self._floor = self._changed.popitem(last=False)
 
     def find(self, namespace: str, name: str) -> Pod | None:
-        """A cached pod by namespace and name."""
+        """A cached pod by namespace and name (the one cached first, if two have the name)."""
         with self._lock:
-            for pod in self._pods.values():
-                meta = pod.get("metadata") or {}
-                if meta.get("namespace") == namespace and meta.get("name") == name:
-                    return pod
-        return None
+            uids = self._by_name.get((namespace, name))
+            return self._pods[uids[0]] if uids else None
 
     def refresh(self) -> list[Pod]:
         """The node's pods listed from the API server now; the cache is not changed.
@@ -268,9 +273,13 @@ class PodCache:
         items, rv = self._list()
         self.lists += 1
         fresh: dict[str, Pod] = {str((p.get("metadata") or {}).get("uid", "")): compact(p) for p in items}
+        by_name: dict[tuple[str, str], list[str]] = {}
+        for uid, pod in fresh.items():
+            by_name.setdefault(_name_of(pod), []).append(uid)
         with self._lock:
             old = self._pods
             self._pods = fresh
+            self._by_name = by_name
             self._rv = rv
             self._generation += 1
             self._floor = self._generation
@@ -328,15 +337,31 @@ class PodCache:
         uid = str((obj.get("metadata") or {}).get("uid", ""))
         with self._lock:
             if kind == "DELETED":
-                self._pods.pop(uid, None)
+                gone = self._pods.pop(uid, None)
+                if gone is not None:
+                    self._unindex_locked(uid, gone)
             elif kind in ("ADDED", "MODIFIED"):
                 obj = compact(obj)
+                before = self._pods.get(uid)
                 self._pods[uid] = obj
+                if before is None:
+                    self._by_name.setdefault(_name_of(obj), []).append(uid)
+                elif _name_of(before) != _name_of(obj):  # names do not change; a server that says so is believed
+                    self._unindex_locked(uid, before)
+                    self._by_name.setdefault(_name_of(obj), []).append(uid)
             else:
                 return
             self._changed_locked(uid)
             self._rv = rv or self._rv
         self._emit(str(kind), obj)
+
+    def _unindex_locked(self, uid: str, pod: Pod) -> None:
+        key = _name_of(pod)
+        uids = self._by_name.get(key)
+        if uids is not None and uid in uids:
+            uids.remove(uid)
+            if not uids:
+                del self._by_name[key]
 
     def _emit(self, kind: str, pod: Pod) -> None:
         for listener in self._listeners:

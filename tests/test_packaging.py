@@ -7,11 +7,13 @@ outside the checkout, where `gpu-manager --help` and `--version` must work.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import runpy
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,13 +30,18 @@ NAME = f"gpumanager-{gpumanager.__version__}"
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("dist")
-    done = subprocess.run(
-        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={k: v for k, v in os.environ.items() if k != "GPU_MANAGER_COMMIT"},
-    )
+    # The sdist is made in the checkout (its build/ and egg-info directories): pytest-xdist may run this
+    # module's tests in two workers, each with this fixture, and two builds there at once break each other.
+    lock_path = Path(tempfile.gettempdir()) / f"gpu-manager-build-{os.getuid()}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run(
+            [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={k: v for k, v in os.environ.items() if k != "GPU_MANAGER_COMMIT"},
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     yield out
 

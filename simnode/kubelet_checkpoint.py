@@ -214,30 +214,50 @@ class CheckpointV2Writer:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[int, tuple[CheckpointEntry, str, str]] = {}  # id(entry) -> (entry, as written, sorted)
-        self._registered: tuple[Mapping[str, Iterable[str]] | None, str] = (None, "")
+        # id(entry) -> (entry, as written, sorted), each row's JSON encoded once
+        self._rows: dict[int, tuple[CheckpointEntry, bytes, bytes]] = {}
+        self._registered: tuple[Mapping[str, Iterable[str]] | None, bytes] = (None, b"")
 
     def text(self, entries: Sequence[CheckpointEntry], registered_devices: Mapping[str, Iterable[str]]) -> str:
         """The checkpoint's text (``null_when_empty``, no BootID, the simulated checksum)."""
+        return self.data(entries, registered_devices).decode()
+
+    def data(self, entries: Sequence[CheckpointEntry], registered_devices: Mapping[str, Iterable[str]]) -> bytes:
+        """:meth:`text`, encoded: the bytes written. The checksum is taken over the canonical dump piece
+        by piece, never joined (with 10,000 device IDs that dump is a few hundred kilobytes)."""
         if self._registered[0] is not registered_devices:
-            self._registered = (registered_devices, json.dumps(_registered(registered_devices), separators=(",", ":")))
+            dump = json.dumps(_registered(registered_devices), separators=(",", ":")).encode()
+            self._registered = (registered_devices, dump)
         registered = self._registered[1]
         rows = [self._row(e) for e in entries]
         if len(self._rows) > 2 * len(entries) + 64:
             keep = {id(e) for e in entries}
             self._rows = {k: v for k, v in self._rows.items() if k in keep}
-        plain = "[" + ",".join(r[1] for r in rows) + "]" if rows else "null"
-        canonical = "[" + ",".join(r[2] for r in rows) + "]" if rows else "null"
         # Data's two keys are in sorted order either way; the checksum is over the canonical dump.
-        checksum = zlib.crc32(f'{{"PodDeviceEntries":{canonical},"RegisteredDevices":{registered}}}'.encode())
-        return f'{{"Data":{{"PodDeviceEntries":{plain},"RegisteredDevices":{registered}}},"Checksum":{checksum}}}'
+        crc = zlib.crc32(b'{"PodDeviceEntries":')
+        if rows:
+            crc = zlib.crc32(b"[", crc)
+            for i, row in enumerate(rows):
+                crc = zlib.crc32(row[2], zlib.crc32(b",", crc) if i else crc)
+            crc = zlib.crc32(b"]", crc)
+        else:
+            crc = zlib.crc32(b"null", crc)
+        crc = zlib.crc32(b"}", zlib.crc32(registered, zlib.crc32(b',"RegisteredDevices":', crc)))
+        plain = b"[" + b",".join(r[1] for r in rows) + b"]" if rows else b"null"
+        return b"".join(
+            (b'{"Data":{"PodDeviceEntries":', plain, b',"RegisteredDevices":', registered, b'},"Checksum":%d}' % crc)
+        )
 
-    def _row(self, entry: CheckpointEntry) -> tuple[CheckpointEntry, str, str]:
+    def _row(self, entry: CheckpointEntry) -> tuple[CheckpointEntry, bytes, bytes]:
         known = self._rows.get(id(entry))
         if known is None or known[0] is not entry:
             (row,) = checkpoint_data([entry], {})["PodDeviceEntries"]
             compact = (",", ":")
-            known = (entry, json.dumps(row, separators=compact), json.dumps(row, sort_keys=True, separators=compact))
+            known = (
+                entry,
+                json.dumps(row, separators=compact).encode(),
+                json.dumps(row, sort_keys=True, separators=compact).encode(),
+            )
             self._rows[id(entry)] = known
         return known
 
@@ -246,7 +266,7 @@ class CheckpointV2Writer:
     ) -> Path:
         """Atomically write the checkpoint; ``path`` is the file or its directory. Returns the file path."""
         target = _target(path)
-        atomic_write_text(target, self.text(entries, registered_devices))
+        atomic_write(target, self.data(entries, registered_devices), durable=True)
         return target
 
 

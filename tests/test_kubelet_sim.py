@@ -533,6 +533,20 @@ def test_numa_fill_order_unaligned_before_no_affinity(sim: KubeletSimulator, plu
     assert rec2.device_ids == ("gpu-5",)
 
 
+def test_devices_registered_later_take_their_natural_place_in_the_fill(
+    sim: KubeletSimulator, plugins: list[FakePlugin]
+) -> None:
+    p = start_plugin(sim, plugins)
+    first = sim.allocate(RES, 1, pod_uid="pod-1", container_name="main")
+    assert first.device_ids == ("gpu-0",)
+    # gpu-10 and gpu-1a are new: "gpu-10" sorts before "gpu-2" as text, after "gpu-5" naturally
+    p.updates.put(make_devices(topology={**TOPOLOGY, "gpu-10": [], "gpu-1a": []}))
+    sim.wait_for_devices(RES, lambda devs: len(devs) == len(TOPOLOGY) + 2, timeout=5)
+    rest = sim.allocate(RES, 7, pod_uid="pod-2", container_name="main")
+    assert rest.device_ids == ("gpu-1", "gpu-1a", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-10")
+    assert p.allocate_requests[-1] == list(rest.device_ids)
+
+
 def test_allocate_unavailable(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
     start_plugin(sim, plugins)
     with pytest.raises(AllocationError) as exc:

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from gpumanager.memory import QuietTrim
     from gpumanager.metrics.query import QueryEndpoints
     from gpumanager.recovery import Recovery
+    from gpumanager.vmanager.ahead import AheadOfStart
     from gpumanager.vmanager.manager import VirtualManager
     from gpumanager.vmanager.refresh import ClaimPidsRefresher, PidsRefresher
     from gpumanager.volume.keeper import MirrorKeeper
@@ -115,6 +116,7 @@ class Agent:
         self.trimmer: QuietTrim | None = None
         self.api: ApiConnection | None = None
         self.check: AllocationCheck | None = None
+        self.ahead: AheadOfStart | None = None  # pods' directories and sockets before their start
         self.query: QueryEndpoints | None = None
         self.dra: DRAMode | None = None
         self._slices: SlicePublisher | None = None
@@ -384,7 +386,23 @@ class Agent:
             wait_synced=self.pods.wait_synced,
         )
         dra = self.config.mode == "dra"
-        cache = api.connect(self.check.on_pod_event)
+        listener = self.check.on_pod_event
+        if device_plugin:
+            from gpumanager.vmanager.ahead import AheadOfStart
+
+            ahead = AheadOfStart(vmanager.prepare_ahead)
+            with self._lifecycle:
+                if self._stopping.is_set():
+                    return
+                self.ahead = ahead
+            ahead.start()
+            check = self.check
+
+            def listener(kind: str, pod: Pod) -> None:
+                check.on_pod_event(kind, pod)
+                ahead.on_pod_event(kind, pod)
+
+        cache = api.connect(listener)
         if cache is None:
             self._component_failed("api-server", f"{api.error}; serving without it (Allocate will refuse)")
             self.pods.fail(api.error)
@@ -600,7 +618,7 @@ class Agent:
             self._slices.stop()
         if self.query is not None:
             self.query.stop()
-        for loop in (self.check, self.refresher, self.mirror, self.claim_refresher, self.trimmer):
+        for loop in (self.ahead, self.check, self.refresher, self.mirror, self.claim_refresher, self.trimmer):
             if loop is not None:
                 loop.stop()
         if self.vmanager is not None:

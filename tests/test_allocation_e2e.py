@@ -381,3 +381,35 @@ def _together(fn: Callable[[Any], object], items: Sequence[Any]) -> list[object]
     if errors:
         raise errors[0]
     return results
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_pods_directory_and_socket_are_ready_before_the_kubelet_starts_it(cluster: SimCluster) -> None:
+    """The watch shows the pod first: its directories, the spare of each vcuda.config and its vcuda.sock are
+    made then, and PreStartContainer fills the spare. A pod deleted before it ever started leaves nothing."""
+    created = cluster.create(gpu_pod("early", [("main", 30, 8)]))
+    uid = str(created["metadata"]["uid"])
+    directory = cluster.vm_path / uid
+    config = directory / "main" / names.VCUDA_CONFIG_FILE
+    wait_until(lambda: (directory / names.VCUDA_SOCKET).exists() and files.spare_path(config).exists())
+    spare_inode = files.spare_path(config).stat().st_ino
+    run = cluster.admit(created, create=False)
+    assert files.spare_path(config).stat().st_ino == spare_inode, "Allocate leaves it"
+    cluster.kubelet.pre_start(CORE, pod_uid=uid, container_name="main")
+    assert config.stat().st_ino == spare_inode and not files.spare_path(config).exists()
+    assert files.unpack(config.read_bytes()).utilization == 30
+    with grpc.insecure_channel(f"unix://{directory / names.VCUDA_SOCKET}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=5)
+    cluster.delete(run, wait=True)
+
+    never = cluster.create(gpu_pod("never", [("main", 30, 8)]))
+    never_dir = cluster.vm_path / str(never["metadata"]["uid"])
+    wait_until(lambda: (never_dir / names.VCUDA_SOCKET).exists())
+    cluster.delete(cluster.runs[str(never["metadata"]["uid"])], wait=True)
+    wait_until(lambda: not never_dir.exists() and not directory.exists())

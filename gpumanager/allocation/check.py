@@ -81,10 +81,11 @@ class AllocationCheck:
             return
         uid = podinfo.uid(pod)
         freed = self._allocator.release_pod(uid)
-        if freed and self._pods.synced():
-            # Only the directories this pod's allocations used can have become unused: the others
-            # wait for the periodic check (listing every pod's directory on each deletion cost
-            # milliseconds a pod when many ended at once).
+        if self._pods.synced():
+            # Only the directories this pod's allocations used can have become unused, and its own
+            # (made ahead of its start even when it never got a GPU): the others wait for the periodic
+            # check (listing every pod's directory on each deletion cost milliseconds a pod when many
+            # ended at once).
             only = {uid} | {a.answered[0] for a in freed}
             self._collect_dirs(self.active_pod_dirs(among=only), only=only)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -94,10 +95,50 @@ def driver_version_fields(version: str) -> tuple[int, int]:
     return major, minor
 
 
+def spare_path(path: Path) -> Path:
+    """``.<name>.spare`` beside ``path``: an empty file made ahead, filled and renamed over ``path``."""
+    return path.with_name(f".{path.name}.spare")
+
+
+def make_spare(path: Path) -> None:
+    """Make the empty spare of ``path`` (unless there is one), so that writing ``path`` later creates
+    no file: on some filesystems a new inode costs far more than the write (see
+    :mod:`gpumanager.vmanager.ahead`)."""
+    fd = os.open(spare_path(path), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+
+
+def _write_through_spare(path: Path, data: bytes) -> bool:
+    """Fill ``path``'s spare and rename it over ``path``; False when there is no usable spare."""
+    try:
+        fd = os.open(spare_path(path), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # truncated once checked
+    except (FileNotFoundError, OSError):
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False  # not a file only we made: it is left alone, and the temp file way is taken
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    try:
+        os.rename(spare_path(path), path)
+    except FileNotFoundError:
+        return False  # a concurrent writer of the same file took it first
+    return True
+
+
 def write_config(path: Path, config: VcudaConfig) -> None:
-    """Write (or replace) a vcuda.config."""
+    """Write (or replace) a vcuda.config, atomically: through its spare when one was made ahead,
+    else through a temp file."""
     # Not fsynced: after a power loss the containers are gone too, and PreStart writes it again.
-    atomic_write(path, pack(config))
+    data = pack(config)
+    if not _write_through_spare(path, data):
+        atomic_write(path, data)
 
 
 def write_pids(path: Path, pids: Iterable[int]) -> list[int]:

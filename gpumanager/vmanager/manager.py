@@ -132,6 +132,18 @@ class VirtualManager:
             listener()
         return path
 
+    def prepare_ahead(self, pod_uid: str, containers: Iterable[str]) -> None:
+        """Make a pod's directory and its containers' and serve its vcuda.sock, before the kubelet
+        starts it (see :mod:`gpumanager.vmanager.ahead`). ValueError for an unsafe name, OSError when a
+        directory cannot be made."""
+        directory = safenames.child(self.vm_path, safenames.pod_uid(pod_uid))
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for name in containers:
+            container = safenames.child(directory, safenames.container_name(name))
+            container.mkdir(mode=0o755, exist_ok=True)
+            files.make_spare(container / names.VCUDA_CONFIG_FILE)
+        self._serve(pod_uid)
+
     def config_for(self, alloc: ContainerAllocation) -> files.VcudaConfig:
         """gpu-manager's values for a container's vcuda.config."""
         pod = self._pod(alloc.pod_uid)

@@ -1,0 +1,174 @@
+"""A pending GPU pod's directories, spare vcuda.config and vcuda.sock are made when the watch shows it,
+before the kubelet starts it; PreStartContainer then creates no file, and nothing made ahead outlives
+the pod."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.check import AllocationCheck
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.vmanager import files
+from gpumanager.vmanager.ahead import AheadOfStart
+from gpumanager.vmanager.manager import VirtualManager
+from tests.alloc_fixtures import FakePods, make_allocator, make_pod, uid_of
+
+
+@pytest.fixture
+def vm(tmp_path: Path) -> Iterator[VirtualManager]:
+    vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))  # short: <vm>/<uid>/vcuda.sock < 108 bytes
+    manager = VirtualManager(
+        vm_path=vm_path,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda uid, name: None,
+        pod=lambda uid: None,
+        driver_version="550.54.15",
+    )
+    try:
+        yield manager
+    finally:
+        manager.stop()
+        shutil.rmtree(vm_path, ignore_errors=True)
+
+
+def with_init(pod: dict[str, Any], name: str, cores: int, blocks: int) -> dict[str, Any]:
+    limits = {names.VCORE_RESOURCE: str(cores), names.VMEMORY_RESOURCE: str(blocks)}
+    pod["spec"]["initContainers"] = [{"name": name, "resources": {"limits": limits, "requests": limits}}]
+    return pod
+
+
+def drained(ahead: AheadOfStart, count: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ahead.prepared < count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert ahead.prepared == count
+
+
+def test_a_pending_gpu_pod_is_prepared_before_its_start(vm: VirtualManager) -> None:
+    pod = with_init(make_pod("a", [("main", 30, 4), ("sidecar", 0, 0), ("whole", 100, 0)]), "setup", 10, 1)
+    ahead = AheadOfStart(vm.prepare_ahead)
+    ahead.start()
+    try:
+        ahead.on_pod_event("ADDED", pod)
+        ahead.on_pod_event("MODIFIED", pod)  # queued once
+        drained(ahead, 1)
+    finally:
+        ahead.stop()
+    directory = vm.pod_dir(uid_of("a"))
+    assert sorted(p.name for p in directory.iterdir()) == ["main", "setup", names.VCUDA_SOCKET, "whole"]
+    for container in ("main", "setup", "whole"):
+        assert files.spare_path(directory / container / names.VCUDA_CONFIG_FILE).stat().st_size == 0
+    assert vm.serving() == [uid_of("a")]
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(str(directory / names.VCUDA_SOCKET))  # listening already
+
+
+def test_prestart_fills_the_spare_and_creates_no_file(vm: VirtualManager) -> None:
+    uid = uid_of("a")
+    vm.prepare_ahead(uid, ["main"])
+    config = vm.pod_dir(uid) / "main" / names.VCUDA_CONFIG_FILE
+    spare_inode = files.spare_path(config).stat().st_ino
+    vm.prepare(ContainerAllocation(uid, "main", (0,), 30, 4 << 28))
+    assert config.stat().st_ino == spare_inode, "the spare became the vcuda.config"
+    assert not files.spare_path(config).exists()
+    assert oct(config.stat().st_mode & 0o777) == oct(0o644)
+    assert files.unpack(config.read_bytes()).utilization == 30
+    # Written again (a restarted container): no spare now, the temp-file way, the same content.
+    vm.prepare(ContainerAllocation(uid, "main", (0,), 30, 4 << 28))
+    assert config.stat().st_ino != spare_inode
+    assert files.unpack(config.read_bytes()).utilization == 30
+    assert sorted(p.name for p in config.parent.iterdir()) == [names.VCUDA_CONFIG_FILE]
+
+
+def test_a_spare_that_is_not_a_plain_file_of_ours_is_never_written_through(tmp_path: Path) -> None:
+    config = tmp_path / "main" / names.VCUDA_CONFIG_FILE
+    config.parent.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    files.spare_path(config).symlink_to(victim)
+    values = files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=30)
+    files.write_config(config, values)
+    assert victim.read_bytes() == b"keep"
+    assert files.unpack(config.read_bytes()).utilization == 30
+    files.spare_path(config).unlink()
+    os.link(victim, files.spare_path(config))  # a second name of another file
+    files.write_config(config, values)
+    assert victim.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize(
+    ("kind", "pod"),
+    [
+        ("ADDED", make_pod("running", [("main", 30, 4)], phase="Running")),
+        ("ADDED", make_pod("no-gpu", [("main", 0, 0)])),
+        ("ADDED", make_pod("done", [("main", 30, 4)], phase="Succeeded")),
+        ("DELETED", make_pod("deleted", [("main", 30, 4)])),
+        ("ADDED", {"metadata": {"name": "no-uid"}, "spec": {"containers": []}}),
+    ],
+    ids=["running", "no-gpu", "ended", "deleted", "no-uid"],
+)
+def test_only_pending_gpu_pods_are_prepared(vm: VirtualManager, kind: str, pod: dict[str, Any]) -> None:
+    made: list[str] = []
+    ahead = AheadOfStart(lambda uid, containers: made.append(uid))
+    ahead.on_pod_event(kind, pod)
+    ahead.start()
+    ahead.stop()
+    assert made == []
+
+
+def test_a_pod_deleted_before_its_turn_is_not_prepared() -> None:
+    made: list[str] = []
+    ahead = AheadOfStart(lambda uid, containers: made.append(uid))
+    pod = make_pod("a", [("main", 30, 4)])
+    ahead.on_pod_event("ADDED", pod)
+    ahead.on_pod_event("DELETED", pod)
+    ahead.on_pod_event("ADDED", make_pod("b", [("main", 30, 4)]))
+    ahead.start()
+    ahead.stop()
+    assert made == [uid_of("b")]
+
+
+def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
+    vm: VirtualManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    pod = make_pod("a", [("../escape", 30, 4)])
+    ahead = AheadOfStart(vm.prepare_ahead)
+    ahead.start()
+    with caplog.at_level(logging.WARNING, logger="gpumanager.vmanager.ahead"):
+        ahead.on_pod_event("ADDED", pod)
+        ahead.stop(timeout=5.0)
+    assert f"cannot prepare the directory of pod {uid_of('a')} ahead of its start" in caplog.text
+    assert "'../escape'" in caplog.text
+    assert "Traceback" not in caplog.text
+    assert not (vm.vm_path / "escape").exists()
+
+
+def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(tmp_path: Path) -> None:
+    """Made ahead, the directory of a pod the kubelet never admitted goes with the pod, not at the
+    next periodic check."""
+    a = make_pod("a", [("main", 25, 2)])
+    pods = FakePods([a])
+    collected: list[tuple[set[str], set[str] | None]] = []
+    check = AllocationCheck(
+        make_allocator(tmp_path, pods),
+        pods,
+        period=60.0,
+        annotate=lambda uid: None,
+        delete_failed=lambda pod: None,
+        collect_dirs=lambda active, only=None: collected.append((set(active), only)),
+        wait_synced=lambda timeout: True,
+    )
+    pods.items.remove(a)
+    check.on_pod_event("DELETED", a)
+    assert collected == [(set(), {uid_of("a")})]

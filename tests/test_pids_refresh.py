@@ -135,3 +135,20 @@ def test_collecting_only_some_directories_leaves_the_others_for_the_full_pass(no
     assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, "gone-b"])
     assert node.vm.gc({POD}) == ["gone-b"]
     assert [p.name for p in node.vm_path.iterdir()] == [POD]
+
+
+def test_a_crash_looping_container_leaves_nothing_remembered_per_restart(node: Node) -> None:
+    """Each restart gets a new container ID, whose registration writes <pod>/<container id>/pids.config;
+    what is remembered of an ID goes when its container does, not when the pod is deleted."""
+    node.register()
+    node.refresh()
+    remembered = len(node.vm._last_pids)
+    for restart in range(3, 40):
+        cid = f"c0ffee{restart:058d}"
+        node.procs([1000 + restart], cid=cid)
+        node.pods[POD] = pod_object(cid)
+        node.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=cid))
+        node.refresh()
+        assert node.pids(cid) == [1000 + restart]
+    assert node.pids("main") == [1039]
+    assert len(node.vm._last_pids) == remembered

@@ -102,6 +102,7 @@ class VirtualManager:
         self._last_pids: dict[Path, list[int]] = {}
         # (pod UID, container ID) -> the PIDs last written to all of its pids.config files.
         self._current: dict[tuple[str, str], list[int]] = {}
+        self._swept_ids: set[tuple[str, str]] = set()  # (pod UID, container ID) of the last refresh
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
         self._ids_of: dict[tuple[str, str], tuple[Pod, str]] = {}
         self._registrations = 0  # RegisterVDevice calls that wrote a pids.config
@@ -379,6 +380,11 @@ class VirtualManager:
         for memo, seen in ((self._current, seen_ids), (self._ids_of, seen_containers)):
             for gone in [k for k in list(memo) if k not in seen]:
                 memo.pop(gone, None)
+        # So does the file a container ID registered, once that container is gone (a container that
+        # crash-loops gets a new ID each time: its pod would otherwise add an entry per restart).
+        for pod_uid, cid in self._swept_ids - seen_ids:
+            self._last_pids.pop(self.pod_dir(pod_uid) / cid / names.PIDS_CONFIG_FILE, None)
+        self._swept_ids = seen_ids
         return written
 
     def _container_id(self, alloc: ContainerAllocation, pod: Pod) -> str:

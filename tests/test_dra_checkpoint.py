@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +152,8 @@ class Node:
     def __init__(self, tmp_path: Path, api: dict[str, dict[str, Any]]) -> None:
         self.api = api
         self.reads: list[str] = []
+        self.gate: threading.Event | None = None  # set: each read waits for it (a slow API server)
+        self.reading = threading.Event()
         self.allocator = allocator(tmp_path)
         self.cdi = cdi.CDISettings(tmp_path / "cdi", DRIVER, "/vdriver/nvidia", "/vdriver/origin", str(tmp_path / "vm"))
         self.vm = tmp_path / "vm"
@@ -166,6 +170,9 @@ class Node:
 
     def read(self, namespace: str, name: str) -> dict[str, Any]:
         self.reads.append(name)
+        self.reading.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
         if name not in self.api:
             raise ClaimNotFound(f"claim {namespace}/{name} not found")
         return self.api[name]
@@ -282,3 +289,42 @@ def test_generation_moves_when_a_claim_is_prepared_or_unprepared(tmp_path: Path)
     prepared = a.generation
     a.unprepare_claim("u1")
     assert len({before, prepared, a.generation}) == 3
+
+
+@pytest.mark.parametrize("kubelet", ["unprepares", "prepares"])
+def test_the_kubelets_word_during_the_check_after_a_restart_is_kept(tmp_path: Path, kubelet: str) -> None:
+    """The check against the API server runs while the kubelet is served: a claim the kubelet
+    unprepares meanwhile is not recorded again from what the API server said before, and one it
+    prepares meanwhile is left as the kubelet's Prepare recorded it."""
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.prepare("u2", "two")
+    node.allocator.compact()
+    shutil.rmtree(tmp_path / "cp")  # every record lost: both claims have files, neither a record
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    after.preparer.restore_local()
+    gate = after.gate = threading.Event()
+    removed: list[list[str]] = []
+    check = threading.Thread(target=lambda: removed.append(after.preparer.reconcile(verify_recovered=True)))
+    check.start()
+    assert after.reading.wait(10)
+    after.gate = None  # the kubelet's own reads are answered at once; the check's first one waits
+    if kubelet == "unprepares":
+        assert after.preparer.unprepare([ClaimRef("ml", "one", "u1"), ClaimRef("ml", "two", "u2")]) == {
+            "u1": "",
+            "u2": "",
+        }
+    else:
+        after.prepare("u1", "one")
+        after.prepare("u2", "two")
+    gate.set()
+    check.join(10)
+    assert removed == [[]]
+    held = [c.uid for c in after.allocator.claims()]
+    if kubelet == "unprepares":
+        assert held == [] and not after.files("u1") and not after.files("u2")
+    else:
+        assert held == ["u1", "u2"] and after.files("u1") and after.files("u2")

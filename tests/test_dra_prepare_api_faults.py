@@ -8,10 +8,12 @@ answer names the claim and the status, and nothing is left behind by a claim tha
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from concurrent import futures
 from pathlib import Path
 
+from gpumanager.allocation.journal import read_document
 from tests.dra_claim_fixtures import DRAClient, dra_node, result
 
 __all__ = ["dra_node"]
@@ -81,3 +83,39 @@ def test_a_claim_unprepared_while_its_get_is_in_flight_is_not_prepared_after(dra
     # Nothing of its capacity is held: a whole-GPU claim fits.
     whole = dra_node.claim("whole", [result()])
     assert dra_node.prepare(dra_node.ref(whole))[whole["metadata"]["uid"]].error == ""
+
+
+def test_a_restart_that_must_ask_the_api_server_serves_the_kubelet_without_waiting(dra_node: DRAClient) -> None:
+    """The checkpoint is lost while a claim's CDI spec stays: the restarted agent rebuilds that claim
+    from the API server. Its GET hangs; the kubelet is served meanwhile, and the claim comes back when
+    the API server answers."""
+    c = dra_node.cluster
+    lost = dra_node.claim("lost", [result(cores="10", memory="1Gi", share="s-lost")])
+    ref_lost = dra_node.ref(lost)
+    first = dra_node.prepare(ref_lost)[ref_lost[2]]
+    assert first.error == ""
+    assert c.agent is not None and c.agent.stop() == 0
+    shutil.rmtree(c.checkpoint_dir)  # the record is gone; the spec and vcuda.config stay
+    c.api.delay(r"/resourceclaims/lost$", HANG_SECONDS, method="GET", count=1)
+    c.api.clear_requests()
+    dra_node.close()
+    c.start_agent()  # registered, and the slice published
+    client = DRAClient(c)
+    try:
+        answered = [r for r in c.api.requests if r.method == "GET" and r.path.endswith("/resourceclaims/lost")]
+        assert answered == [], "the agent registered with the kubelet only after the hanging GET"
+        fresh = dra_node.claim("fresh", [result(cores="10", memory="1Gi", share="s-fresh")])
+        ref_fresh = dra_node.ref(fresh)
+        assert client.prepare(ref_fresh)[ref_fresh[2]].error == ""
+        # Once the API server answers, the lost claim is recorded again: prepared, it answers as before.
+        deadline = time.monotonic() + HANG_SECONDS + 30
+        while not (c.checkpoint_dir / "gpumanager_internal_checkpoint").exists() or ref_lost[2] not in (
+            (read_document(c.checkpoint_dir / "gpumanager_internal_checkpoint") or {}).get("Claims") or {}
+        ):
+            assert time.monotonic() < deadline, "the lost claim was never rebuilt"
+            time.sleep(0.1)
+        again = client.prepare(ref_lost)[ref_lost[2]]
+        assert (again.error, again.cdi_ids, again.share_ids) == ("", first.cdi_ids, first.share_ids)
+        assert dra_node.spec_path(ref_lost[2]).exists()
+    finally:
+        client.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ class DRAMode:
                 api_client, settings=settings, node=node, gpus=gpus, topology=topology, health=health, report=report
             )
         self.feed = HealthFeed(self.pool, self.health_states, settings.health_report_period)
+        self._reconciler: threading.Thread | None = None  # the background check of restored claims
         reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
         v1 = DRAPluginV1(self.preparer, observe)
         v1beta1 = DRAPluginV1beta1(self.preparer, observe)
@@ -215,10 +217,13 @@ class DRAMode:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Restore claim files, publish the slice, serve the sockets."""
-        stale = self.preparer.restore_files(verify_recovered=self._allocator.claims_in_doubt)
-        if stale:
-            log.info("removed the files of %d claims that are not prepared", len(stale))
+        """Restore claim files, publish the slice, serve the sockets; then, in the background, check the
+        claims the checkpoint could not vouch for against the API server (which may hang: the
+        kubelet is served meanwhile)."""
+        self.preparer.restore_local()
+        self._reconciler = threading.Thread(
+            target=self._reconcile, args=(self._allocator.claims_in_doubt,), name="dra-reconcile", daemon=True
+        )
         if self.publisher is not None:
             self.publisher.start()
         else:
@@ -226,6 +231,23 @@ class DRAMode:
         self.sockets.start()
         if self._health is not None:
             self._health.add_listener(self.on_health_change)
+        self._reconciler.start()
+
+    def _reconcile(self, verify_recovered: bool) -> None:
+        try:
+            stale = self.preparer.reconcile(verify_recovered=verify_recovered)
+        except Exception:
+            log.exception("checking the restored claims against the API server failed")
+            return
+        if stale:
+            log.info("removed the files of %d claims that are not prepared", len(stale))
+
+    def reconciled(self, timeout: float | None = None) -> bool:
+        """Wait for the background check of the restored claims; whether it is done."""
+        if self._reconciler is None:
+            return True
+        self._reconciler.join(timeout)
+        return not self._reconciler.is_alive()
 
     def stop(self) -> None:
         """Stop serving (prepared claims and their files stay: containers still use them)."""

@@ -116,6 +116,8 @@ class ClaimPreparer:
         self._lock = threading.Lock()
         self._reading: dict[str, int] = {}  # claim UID -> Prepares waiting for its GET
         self._unprepared_while_read: set[str] = set()
+        # Claim UIDs the kubelet prepared or unprepared since the start: reconcile() leaves them be.
+        self._touched: set[str] = set()
 
     def _answer(self, claim: ClaimAllocation) -> list[PreparedDevice]:
         # The kubelet gives a container the devices whose request names hold the request the
@@ -152,6 +154,7 @@ class ClaimPreparer:
     def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
         _check_ref_uid(ref)
         with self._lock:
+            self._touched.add(ref.uid)
             known = self._allocator.claim(ref.uid)
             if known is not None:
                 self._write_files(known)
@@ -241,6 +244,7 @@ class ClaimPreparer:
                     out[ref.uid] = f"claim {ref}: {problem}; nothing was removed"
                     log.error("NodeUnprepareResources: %s", out[ref.uid])
                     continue
+                self._touched.add(ref.uid)
                 if ref.uid in self._reading:
                     self._unprepared_while_read.add(ref.uid)
                 try:
@@ -255,9 +259,29 @@ class ClaimPreparer:
         return out
 
     def restore_files(self, *, verify_recovered: bool = False) -> list[str]:
-        """After a restart: rewrite missing files of every recovered claim; a claim whose spec is on
-        disk but whose record was lost or could not be trusted is rebuilt from the API server, and
-        its files removed only when the API server no longer has it. Returns the UIDs removed.
+        """:meth:`restore_local`, then :meth:`reconcile`: the whole restoration in one call."""
+        self.restore_local()
+        return self.reconcile(verify_recovered=verify_recovered)
+
+    def restore_local(self) -> None:
+        """After a restart, before the kubelet is served: remove what a spec write cut short left, and
+        rewrite the missing files of every recovered claim. Nothing here asks the API server."""
+        with self._lock:
+            for leftover in cdi.unfinished_writes(self._cdi):
+                log.info("removing %s, left by a write that did not finish", leftover)
+                leftover.unlink(missing_ok=True)
+            for claim in self._allocator.claims():
+                try:
+                    self._write_files(claim)
+                except OSError as exc:
+                    log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
+
+    def reconcile(self, *, verify_recovered: bool = False) -> list[str]:
+        """After a restart, while the kubelet is served (the API server may be slow or hang): a claim
+        whose spec is on disk but whose record was lost or could not be trusted is rebuilt from the
+        API server, and its files removed only when the API server no longer has it. Returns the
+        UIDs removed. A claim the kubelet prepared or unprepared since the start is left as the kubelet
+        had it (its word is newer).
 
         ``verify_recovered`` (the checkpoint had damage, so a release may have been lost with it):
         a recovered claim the API server no longer has, or reserves for no pod, is freed and its
@@ -265,22 +289,18 @@ class ClaimPreparer:
         """
         with self._lock:
             known = {c.uid: c for c in self._allocator.claims()}
-            for leftover in cdi.unfinished_writes(self._cdi):
-                log.info("removing %s, left by a write that did not finish", leftover)
-                leftover.unlink(missing_ok=True)
         removed = [uid for uid in (list(known) if verify_recovered else []) if self._free_if_gone(known[uid])]
-        for uid in removed:
-            del known[uid]
         with self._lock:
             unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known and uid not in removed]
+        rebuilt: list[ClaimAllocation] = []
         for uid in unknown:
-            outcome, rebuilt = self._rebuild(uid)
+            outcome, claim = self._rebuild(uid)
             if outcome == "removed":
                 removed.append(uid)
-            elif rebuilt is not None:
-                known[uid] = rebuilt
+            elif claim is not None:
+                rebuilt.append(claim)
         with self._lock:
-            for claim in known.values():
+            for claim in rebuilt:
                 try:
                     self._write_files(claim)
                 except OSError as exc:
@@ -305,8 +325,10 @@ class ClaimPreparer:
             reason = "it is reserved for no pod"
         else:
             reason = "the API server no longer has it"
-        log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
         with self._lock:
+            if claim.uid in self._touched:  # the kubelet prepared or unprepared it meanwhile
+                return False
+            log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
             try:
                 self._allocator.unprepare_claim(claim.uid)
             except AllocationError as exc:  # freed all the same; the next checkpoint write records it
@@ -331,13 +353,19 @@ class ClaimPreparer:
             log.warning("claim %s (%s) has files but no record, and cannot be rebuilt now: %s", ref, uid, exc)
             return "kept", None
         if data is None or (data.get("metadata") or {}).get("uid") != uid:  # deleted, or recreated: gone
-            log.info("removing the CDI spec and directory of claim %s (%s): the API server no longer has it", ref, uid)
             with self._lock:
+                if uid in self._touched:  # the kubelet prepared or unprepared it meanwhile
+                    return "kept", None
+                log.info(
+                    "removing the CDI spec and directory of claim %s (%s): the API server no longer has it", ref, uid
+                )
                 self._remove_files(uid)
             return "removed", None
         try:
             claim, _tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
             with self._lock:
+                if uid in self._touched:
+                    return "kept", None
                 self._allocator.prepare_claim(claim, allow_unhealthy=frozenset(claim.minors))
         except (ClaimError, AllocationError) as exc:
             log.error("claim %s (%s) has files but no record, and cannot be recorded again: %s", ref, uid, exc)

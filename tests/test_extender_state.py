@@ -128,3 +128,28 @@ def test_gpus_chosen_for_another_node_are_not_counted_where_the_pod_is_bound() -
     moved["metadata"]["annotations"].update({names.GPU_ASSIGNED: "true", f"{names.PREDICATE_GPU_IDX_PREFIX}0": "0"})
     state.pod_event("MODIFIED", moved)
     assert state.unplaced() == 0 and free(state)[0][0] == 60
+
+
+def test_a_pod_chosen_for_a_node_but_never_bound_stops_holding_its_gpus() -> None:
+    """Bind wrote the annotations, then the Binding failed and the pod stayed Pending: its GPUs are
+    held for it no longer than the assume TTL, even when the watch shows it again; bound, or chosen
+    again, it counts at once."""
+    state = ClusterState(assume_ttl=0.05)
+    state.node_event("ADDED", node())
+    stuck = gpu_pod("stuck", [(100, 0)], annotations=held("n", [[0]]))
+    state.pod_event("ADDED", stuck)
+    assert free(state)[0] == (0, 0)
+    assert state.expire() == 0 and free(state)[0] == (0, 0), "within the TTL the choice holds"
+    time.sleep(0.1)
+    state.expire()
+    assert free(state)[0] == (100, 80) and state.pod_count() == 0
+    state.pod_event("MODIFIED", stuck)  # a status update: the same stale choice
+    assert free(state)[0] == (100, 80)
+    again = {**stuck, "metadata": {**stuck["metadata"], "annotations": {**held("n", [[1]]), names.PREDICATE_TIME: "2"}}}
+    state.pod_event("MODIFIED", again)  # chosen again: a new predicate time
+    assert free(state) == [(100, 80), (0, 0)]
+    bound = {**again, "spec": {**again["spec"], "nodeName": "n"}}
+    time.sleep(0.1)
+    state.pod_event("MODIFIED", bound)  # the Binding landed: bound pods hold their GPUs for good
+    state.expire()
+    assert free(state) == [(100, 80), (0, 0)]

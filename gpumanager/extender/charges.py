@@ -1,7 +1,8 @@
 """What a pod holds: its node and, per GPU container, the GPUs named by gpu-admission's annotations.
 
 A pod counts on ``spec.nodeName``, else on ``tencent.com/predicate-node`` (chosen, not yet
-bound), unless it has ended (Succeeded/Failed). Each GPU container ``i`` holds what
+bound; see :class:`~gpumanager.extender.state.ClusterState` for how long), unless it has ended
+(Succeeded/Failed). Each GPU container ``i`` holds what
 ``tencent.com/predicate-gpu-idx-<i>`` names: its cores and memory on that GPU for a share, every
 named GPU whole otherwise. A bound GPU container without the annotation holds no known GPU yet
 (the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced,
@@ -11,7 +12,7 @@ as is one whose annotations were chosen for another node than the one it is boun
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
@@ -32,6 +33,8 @@ class PodCharges:
     unplaced: int = 0
     """GPU containers without a ``predicate-gpu-idx`` annotation."""
     predicate_time: str = ""
+    bound: bool = field(default=True, compare=False)
+    """The pod is bound to :attr:`node` (else it was only chosen for it, by ``predicate-node``)."""
 
 
 def pod_node(pod: Pod) -> str:
@@ -75,4 +78,5 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         memory = request.memory_bytes if request.shared else 0
         charges.extend(Charge(m, request.cores, memory) for m in dict.fromkeys(minors))
     when = str(podinfo.pod_annotations(pod).get(names.PREDICATE_TIME, ""))
-    return PodCharges(pod_node(pod), tuple(charges), unplaced, when)
+    bound = bool((pod.get("spec") or {}).get("nodeName"))
+    return PodCharges(pod_node(pod), tuple(charges), unplaced, when, bound)

@@ -7,6 +7,11 @@ pod's annotations yet), else what the watch shows; only effective charges are he
 nodes. An assumption ends when the watch shows the pod carrying the same predicate time, when
 the pod is deleted, when bind drops it, or ``assume_ttl`` seconds after bind finished.
 
+A pod the watch shows chosen for a node (its annotations written) but not bound holds its GPUs
+there for ``assume_ttl`` seconds from when this state first saw it so, then no longer: its bind
+failed after the annotations were written, and a pod left Pending must not keep a node's GPUs
+from every other pod. A later choice (another predicate time) or its binding counts again.
+
 Every method takes :attr:`ClusterState.lock`; callers that read the nodes hold it too.
 """
 
@@ -51,6 +56,8 @@ class ClusterState:
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
         self._by_node: dict[str, set[str]] = {}
+        # Pods shown chosen for a node but not bound: UID -> (predicate time, when first seen so).
+        self._unbound: dict[str, tuple[str, float]] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -135,6 +142,14 @@ class ClusterState:
         uid = podinfo.uid(pod)
         with self.lock:
             charges = None if kind == "DELETED" else pod_charges(pod)
+            if charges is not None and not charges.bound:
+                seen = self._unbound.get(uid)
+                if seen is None or seen[0] != charges.predicate_time:
+                    self._unbound[uid] = (charges.predicate_time, time.monotonic())
+                elif time.monotonic() - seen[1] > self.assume_ttl:
+                    charges = None  # chosen long ago and never bound: it holds nothing
+            else:
+                self._unbound.pop(uid, None)
             if charges is None:
                 self._watched.pop(uid, None)
             else:
@@ -196,13 +211,28 @@ class ClusterState:
                 self._reapply(uid)
 
     def expire(self) -> int:
-        """Drop assumptions past their time; returns how many."""
+        """Drop assumptions past their time, and the charges of pods chosen for a node but not bound
+        for longer than ``assume_ttl``; returns how many assumptions were dropped."""
         now = time.monotonic()
         with self.lock:
             gone = [uid for uid, a in self._assumed.items() if a.expires <= now]
             for uid in gone:
                 log.warning("assumption for pod %s expired before the watch showed it", uid)
                 del self._assumed[uid]
+                self._reapply(uid)
+            for uid, (when, seen) in list(self._unbound.items()):
+                watched = self._watched.get(uid)
+                if watched is None or watched.bound or now - seen <= self.assume_ttl:
+                    continue
+                log.warning(
+                    "pod %s was chosen for node %s (predicate time %s) but not bound within %g s: "
+                    "its GPUs there are no longer held for it",
+                    uid,
+                    watched.node,
+                    when or "none",
+                    self.assume_ttl,
+                )
+                del self._watched[uid]
                 self._reapply(uid)
             return len(gone)
 

@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--assume-ttl",
         type=float,
         default=300.0,
-        help="seconds a bound pod's GPUs are held before the watch must have shown it (default %(default)s)",
+        help=(
+            "seconds a bound pod's GPUs are held before the watch must have shown it, and a pod chosen "
+            "for a node but not bound holds them there (default %(default)s)"
+        ),
     )
     p.add_argument(
         "--bind-timeout",

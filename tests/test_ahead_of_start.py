@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 
 from gpumanager import names
-from gpumanager.allocation.check import AllocationCheck
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.vmanager import files
 from gpumanager.vmanager.ahead import AheadOfStart
 from gpumanager.vmanager.manager import VirtualManager
-from tests.alloc_fixtures import FakePods, make_allocator, make_pod, uid_of
+from tests.alloc_fixtures import make_pod, uid_of
 
 
 @pytest.fixture
@@ -152,23 +151,3 @@ def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
     assert "'../escape'" in caplog.text
     assert "Traceback" not in caplog.text
     assert not (vm.vm_path / "escape").exists()
-
-
-def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(tmp_path: Path) -> None:
-    """Made ahead, the directory of a pod the kubelet never admitted goes with the pod, not at the
-    next periodic check."""
-    a = make_pod("a", [("main", 25, 2)])
-    pods = FakePods([a])
-    collected: list[tuple[set[str], set[str] | None]] = []
-    check = AllocationCheck(
-        make_allocator(tmp_path, pods),
-        pods,
-        period=60.0,
-        annotate=lambda uid: None,
-        delete_failed=lambda pod: None,
-        collect_dirs=lambda active, only=None: collected.append((set(active), only)),
-        wait_synced=lambda timeout: True,
-    )
-    pods.items.remove(a)
-    check.on_pod_event("DELETED", a)
-    assert collected == [(set(), {uid_of("a")})]

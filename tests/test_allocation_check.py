@@ -4,8 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.check import AllocationCheck
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+
+def collecting_check(
+    allocator: Allocator, pods: FakePods, collected: list[tuple[set[str], set[str] | None]]
+) -> AllocationCheck:
+    """A check whose directory collections are recorded in ``collected`` as (active, only)."""
+    return AllocationCheck(
+        allocator,
+        pods,
+        period=60.0,
+        annotate=lambda uid: None,
+        delete_failed=lambda pod: None,
+        collect_dirs=lambda active, only=None: collected.append((set(active), only)),
+        wait_synced=lambda timeout: True,
+    )
 
 
 def test_a_deleted_pod_collects_its_own_directories_without_a_pass_over_every_pod(tmp_path: Any) -> None:
@@ -22,15 +38,7 @@ def test_a_deleted_pod_collects_its_own_directories_without_a_pass_over_every_po
     allocator.allocate(second)
     allocator.pre_start(first, (uid_of("b"), "main"))  # the kubelet gave b the IDs answered to a
     collected: list[tuple[set[str], set[str] | None]] = []
-    check = AllocationCheck(
-        allocator,
-        pods,
-        period=60.0,
-        annotate=lambda uid: None,
-        delete_failed=lambda pod: None,
-        collect_dirs=lambda active, only=None: collected.append((set(active), only)),
-        wait_synced=lambda timeout: True,
-    )
+    check = collecting_check(allocator, pods, collected)
     pods.items.remove(b)
     lists = pods.lists
     check.on_pod_event("DELETED", b)
@@ -47,3 +55,15 @@ def test_a_deleted_pod_collects_its_own_directories_without_a_pass_over_every_po
     # The periodic check still looks at every pod.
     assert check.active_pod_dirs() == {uid_of("idle")} | {x.pod_uid for x in allocator.allocations()}
     assert pods.lists == lists + 1
+
+
+def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(tmp_path: Any) -> None:
+    """Made ahead of its start (gpumanager.vmanager.ahead), the directory of a pod the kubelet never
+    admitted goes with the pod, not at the next periodic check."""
+    a = make_pod("a", [("main", 25, 2)])
+    pods = FakePods([a])
+    collected: list[tuple[set[str], set[str] | None]] = []
+    check = collecting_check(make_allocator(tmp_path, pods), pods, collected)
+    pods.items.remove(a)
+    check.on_pod_event("DELETED", a)
+    assert collected == [(set(), {uid_of("a")})]

@@ -104,6 +104,10 @@ def test_a_spare_that_is_not_a_plain_file_of_ours_is_never_written_through(tmp_p
     os.link(victim, files.spare_path(config))  # a second name of another file
     files.write_config(config, values)
     assert victim.read_bytes() == b"keep"
+    files.spare_path(config).unlink()
+    os.mkfifo(files.spare_path(config))  # no reader: opening it to write must not wait for one
+    files.write_config(config, values)
+    assert files.unpack(config.read_bytes()).utilization == 30
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,9 @@ def make_spare(path: Path) -> None:
 def _write_through_spare(path: Path, data: bytes) -> bool:
     """Fill ``path``'s spare and rename it over ``path``; False when there is no usable spare."""
     try:
-        fd = os.open(spare_path(path), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # truncated once checked
-    except (FileNotFoundError, OSError):
+        # Truncated once checked; O_NONBLOCK: a FIFO there fails at once instead of waiting for a reader.
+        fd = os.open(spare_path(path), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
     try:
         st = os.fstat(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import defaultdict
+from typing import Any
 
 from gpumanager import names
 from gpumanager.kube.gpu_inventory import ANNOTATION
@@ -405,3 +406,44 @@ def test_malformed_http_is_answered_and_a_stalled_client_is_dropped(world: World
     stalled = b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
     assert _raw_request(port, stalled) == b""
     assert world.passed(world.create(gpu_pod("p", [(50, 4)]))) == ["n"]
+
+
+def with_init(pod: dict[str, Any], cores: int, blocks: int, name: str = "setup") -> dict[str, Any]:
+    """``pod`` with one init container asking (vcuda-core, vcuda-memory blocks)."""
+    limits = {names.VCORE_RESOURCE: str(cores)}
+    if blocks:
+        limits[names.VMEMORY_RESOURCE] = str(blocks)
+    pod["spec"]["initContainers"] = [
+        {"name": name, "image": "cuda", "resources": {"limits": limits, "requests": limits}}
+    ]
+    return pod
+
+
+def test_a_gpu_init_container_must_fit_the_node_by_itself(world: World) -> None:
+    """The agent gives an init container its own GPUs before the others start: a node where it cannot
+    fit (its pod would fail with UnexpectedAdmissionError) is refused with the init container named,
+    in filter and in bind; a node where each part fits by itself passes."""
+    world.add_node("frag", inventory([80, 80]))
+    world.add_node("roomy", inventory([80, 80]))
+    for i in range(2):  # 60 cores on each GPU of "frag": a 10-core share fits, a 50-core one does not
+        world.create(gpu_pod(f"busy-{i}", [(60, 8)], node="frag", annotations=held("frag", [[i]])))
+    world.start_extender()
+    world.wait_seen(2)
+    pod = world.create(with_init(gpu_pod("p", [(10, 4)]), 50, 8))
+    answer = world.filter(pod)
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["roomy"]
+    reason = answer["FailedNodes"]["frag"]
+    assert "init container 'setup' needs 50 cores" in reason, reason
+    error = world.bind(pod, "frag")
+    assert "no longer fits on node frag" in error and "init container 'setup'" in error
+    assert world.bind(pod, "roomy") == ""
+    # The init container ends before the app container starts: 70 and 40 cores pass a one-GPU node.
+    world.add_node("solo", inventory([80]))
+    fits_apart = world.create(with_init(gpu_pod("apart", [(40, 4)]), 70, 8))
+    assert world.passed(fits_apart, ["solo"]) == ["solo"]
+    # An init container alone (no app GPU container) is judged too, and a share without memory is named.
+    only_init = world.create(with_init(gpu_pod("only-init", [(0, 0)]), 50, 8))
+    assert world.passed(only_init, ["frag"]) == []
+    no_memory = world.create(with_init(gpu_pod("no-memory", [(10, 4)]), 30, 0))
+    answer = world.filter(no_memory)
+    assert "init container 'setup': a share" in answer["FailedAndUnresolvableNodes"]["roomy"]

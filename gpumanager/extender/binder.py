@@ -40,7 +40,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import BindingArgs
 from gpumanager.extender.charges import PodCharges
-from gpumanager.extender.placement import Policy, never_served, place
+from gpumanager.extender.placement import Policy, inits_fit, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,22 @@ class _Bind:
             return True
         raise BindError(f"{self.who} is already bound to node {node}", "refused")
 
-    def _choose(self, pod: JSON, requests: list[GPURequest]) -> dict[str, str | None]:
+    def _check_inits(self, uid: str, inits: list[GPURequest]) -> None:
+        """BindError unless each GPU init container fits the node by itself now."""
+        if not inits:
+            return
+        node = self.args.node
+        with self._state.lock:
+            self._state.expire()
+            gpus = self._state.node(node)
+            if gpus is None:
+                raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
+            with self._state.without(uid):
+                problem = inits_fit(gpus, inits, self._policy)
+        if problem:
+            raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
+
+    def _choose(self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest]) -> dict[str, str | None]:
         """Choose GPUs under the state lock and assume them; returns the annotation patch."""
         uid = podinfo.uid(pod)
         node = self.args.node
@@ -259,6 +274,10 @@ class _Bind:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid):
                 placement = place(gpus, requests, self._policy)
+                if placement.ok:
+                    problem = inits_fit(gpus, inits, self._policy)
+                    if problem:
+                        raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())
@@ -293,19 +312,21 @@ class _Bind:
             return "already_bound"
         try:
             requests = podinfo.gpu_containers(pod)
-            never = never_served(podinfo.gpu_requests(pod))
+            inits = [r for r in podinfo.init_gpu_requests(pod) if r.gpu_required]
+            never = never_served([*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)])
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
         if never:
             raise BindError(f"{self.who}: {never}", "refused")
         if not requests:
+            self._check_inits(podinfo.uid(pod), inits)
             self._binding(podinfo.uid(pod), None, {})
             return "bound"
         conflicts = 0
         while True:
             uid = podinfo.uid(pod)
             previous = self._state.assumption(uid)
-            patch = self._choose(pod, requests)
+            patch = self._choose(pod, requests, inits)
             try:
                 patched = self._patch(str((pod.get("metadata") or {}).get("resourceVersion", "")), patch)
                 break

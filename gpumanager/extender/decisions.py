@@ -16,7 +16,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.nodes import NodeGPUs
-from gpumanager.extender.placement import Policy, fits, never_served, place
+from gpumanager.extender.placement import Policy, fits, inits_fit, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 def requests_of(pod: JSON) -> list[GPURequest]:
     """The pod's GPU containers (raises PodSpecError on unreadable quantities)."""
     return podinfo.gpu_containers(pod)
+
+
+def init_requests_of(pod: JSON) -> list[GPURequest]:
+    """The pod's GPU init containers (raises PodSpecError on unreadable quantities)."""
+    return [r for r in podinfo.init_gpu_requests(pod) if r.gpu_required]
+
+
+def all_requests_of(pod: JSON) -> list[GPURequest]:
+    """Every container's vcuda requests, init containers first, GPU or not (for :func:`never_served`)."""
+    return [*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)]
 
 
 class Decider:
@@ -43,16 +53,22 @@ class Decider:
                 gpus = self.state.add_node(obj)
         return gpus
 
-    def judge(self, gpus: NodeGPUs | None, requests: list[GPURequest]) -> tuple[str, str]:
-        """``("pass"|"fail"|"unresolvable", reason)`` for one node."""
+    def judge(
+        self, gpus: NodeGPUs | None, requests: list[GPURequest], inits: list[GPURequest] | None = None
+    ) -> tuple[str, str]:
+        """``("pass"|"fail"|"unresolvable", reason)`` for one node (``inits``: the GPU init containers,
+        each of which must fit by itself)."""
         if gpus is None:
             return "unresolvable", f"node has no {names.VCORE_RESOURCE}"
-        problem = fits(gpus, requests, self.policy)
+        inits = inits or []
+        problem = (fits(gpus, requests, self.policy) if requests else "") or inits_fit(gpus, inits, self.policy)
         if not problem:
             return "pass", ""
         if gpus.note:
             problem += f"; {gpus.note}"
-        never = fits(gpus, requests, self.policy, empty=True)
+        never = (fits(gpus, requests, self.policy, empty=True) if requests else "") or inits_fit(
+            gpus, inits, self.policy, empty=True
+        )
         return ("unresolvable" if never else "fail"), problem
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
@@ -60,14 +76,15 @@ class Decider:
         outcomes: Counter[str] = Counter()
         try:
             requests = requests_of(args.pod)
-            never = never_served(podinfo.gpu_requests(args.pod))
+            inits = init_requests_of(args.pod)
+            never = never_served(all_requests_of(args.pod))
         except PodSpecError as exc:
             return error_filter_result(str(exc)), Counter(error=1)
         node_names = args.names
         if never:
             outcomes["unresolvable"] += len(node_names)
             return filter_result(args, [], {}, dict.fromkeys(node_names, never)), outcomes
-        if not requests:
+        if not requests and not inits:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes
         passed: list[str] = []
@@ -78,7 +95,7 @@ class Decider:
             self.state.expire()
             with self.state.without(uid):
                 for name in node_names:
-                    verdict, reason = self.judge(self._node(name, args), requests)
+                    verdict, reason = self.judge(self._node(name, args), requests, inits)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)

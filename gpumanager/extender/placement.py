@@ -89,8 +89,12 @@ def _best_gpu_text(tree: TopologyTree) -> str:
     )
 
 
+def _who(request: GPURequest) -> str:
+    return f"{'init container' if request.index < 0 else 'container'} {request.name!r}"
+
+
 def _why_not(tree: TopologyTree, request: GPURequest) -> str:
-    who = f"container {request.name!r}"
+    who = _who(request)
     unhealthy = [leaf.minor for leaf in tree.leaves if not leaf.healthy]
     if request.shared:
         need = f"{request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU"
@@ -105,7 +109,7 @@ def _why_not(tree: TopologyTree, request: GPURequest) -> str:
 
 
 def _invalid(node: NodeGPUs, request: GPURequest) -> str:
-    who = f"container {request.name!r}"
+    who = _who(request)
     if request.cores > HUNDRED_CORES and request.cores % HUNDRED_CORES:
         return f"{who}: {request.cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100"
     if request.shared and not node.share_mode:
@@ -122,7 +126,7 @@ def never_served(requests: Sequence[GPURequest]) -> str:
     for r in requests:
         if 0 < r.cores < HUNDRED_CORES and r.memory_blocks <= 0:
             return (
-                f"container {r.name!r}: a share ({r.cores} tencent.com/vcuda-core) needs tencent.com/vcuda-memory "
+                f"{_who(r)}: a share ({r.cores} tencent.com/vcuda-core) needs tencent.com/vcuda-memory "
                 "> 0 as well; the node agent refuses it without"
             )
     return ""
@@ -187,6 +191,20 @@ def fits(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empt
         return problem
     tree = node.empty if empty else node.tree
     return "" if _could_fit(tree, request) else _why_not(tree, request)
+
+
+def inits_fit(node: NodeGPUs, inits: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> str:
+    """ "" when each GPU init container fits the node by itself, else why not.
+
+    Init containers run one at a time, before the others start; the agent chooses their GPUs at
+    Allocate (gpu-admission's annotations name ``spec.containers`` only), and their GPUs are free
+    again once they end. So each must fit beside the other pods' charges, not beside its own pod's.
+    """
+    for request in inits:
+        problem = fits(node, [request], policy, empty=empty)
+        if problem:
+            return problem
+    return ""
 
 
 def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> Placement:

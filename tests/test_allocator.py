@@ -647,3 +647,30 @@ def test_a_swap_after_a_guess_is_told_at_info_and_one_after_a_sure_match_at_warn
     alloc.pre_start(sure, (uid_of("d"), "main"))
     swaps = [r for r in caplog.records if "swapping the two" in r.getMessage()]
     assert [r.levelno for r in swaps] == [logging.WARNING]
+
+
+def test_an_init_container_leaves_the_gpus_predicated_for_its_pods_other_containers(tmp_path: Path) -> None:
+    """The kubelet allocates the init container first and it keeps its GPU while the app container
+    allocates: put on the GPU predicated for the app container, it would make that one's Allocate fail."""
+    busy = [
+        make_pod(f"busy{g}", [("c", 100, 0)], annotations={"tencent.com/predicate-gpu-idx-0": str(g)}) for g in (0, 1)
+    ]
+    pods = FakePods(busy)
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    alloc.allocate(core_ids(1, 100))
+    for predicated in (2, 3):  # whichever of the two free GPUs the app container was given
+        pod = make_pod(
+            f"p{predicated}",
+            [("app", 100, 0)],
+            annotations={"tencent.com/predicate-gpu-idx-0": str(predicated), "tencent.com/predicate-time": "9"},
+        )
+        limits = {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}
+        pod["spec"]["initContainers"] = [{"name": "setup", "resources": {"limits": limits, "requests": limits}}]
+        pods.items.append(pod)
+        alloc.allocate(core_ids(predicated, 50, start=50))  # the kubelet's IDs say nothing of the GPU
+        alloc.allocate(core_ids(predicated, 100))
+        got = {a.container: a.minors for a in alloc.allocations_of(uid_of(f"p{predicated}"))}
+        assert got == {"setup": (5 - predicated,), "app": (predicated,)}
+        pods.items.remove(pod)
+        alloc.release_pod(uid_of(f"p{predicated}"))

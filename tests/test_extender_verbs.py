@@ -420,9 +420,9 @@ def with_init(pod: dict[str, Any], cores: int, blocks: int, name: str = "setup")
 
 
 def test_a_gpu_init_container_must_fit_the_node_by_itself(world: World) -> None:
-    """The agent gives an init container its own GPUs before the others start: a node where it cannot
-    fit (its pod would fail with UnexpectedAdmissionError) is refused with the init container named,
-    in filter and in bind; a node where each part fits by itself passes."""
+    """The agent gives an init container its own GPUs when the kubelet admits the pod, beside the
+    others': a node where it cannot fit (its pod would fail with UnexpectedAdmissionError) is refused
+    with the init container named, in filter and in bind."""
     world.add_node("frag", inventory([80, 80]))
     world.add_node("roomy", inventory([80, 80]))
     for i in range(2):  # 60 cores on each GPU of "frag": a 10-core share fits, a 50-core one does not
@@ -437,10 +437,16 @@ def test_a_gpu_init_container_must_fit_the_node_by_itself(world: World) -> None:
     error = world.bind(pod, "frag")
     assert "no longer fits on node frag" in error and "init container 'setup'" in error
     assert world.bind(pod, "roomy") == ""
-    # The init container ends before the app container starts: 70 and 40 cores pass a one-GPU node.
-    world.add_node("solo", inventory([80]))
-    fits_apart = world.create(with_init(gpu_pod("apart", [(40, 4)]), 70, 8))
-    assert world.passed(fits_apart, ["solo"]) == ["solo"]
+    # The kubelet allocates the init container before the others, and the agent keeps its share while
+    # they allocate: both must fit at once. A GPU left free for a whole-GPU container is not the init
+    # container's to take.
+    world.add_node("one-free", inventory([80, 80]))
+    world.create(gpu_pod("whole", [(100, 0)], node="one-free", annotations=held("one-free", [[0]])))
+    world.wait_seen(3)
+    both = world.create(with_init(gpu_pod("both", [(100, 0)]), 50, 8))
+    answer = world.filter(both, ["one-free"])
+    assert "init container 'setup' needs 50 cores" in answer["FailedNodes"]["one-free"]
+    assert world.passed(both, ["roomy"]) == ["roomy"]
     # An init container alone (no app GPU container) is judged too, and a share without memory is named.
     only_init = world.create(with_init(gpu_pod("only-init", [(0, 0)]), 50, 8))
     assert world.passed(only_init, ["frag"]) == []

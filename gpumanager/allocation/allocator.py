@@ -801,10 +801,18 @@ class Allocator:
         if predicated is not None:
             minors = self._check_predicated(who, predicated, cores, memory)
         else:
-            indices = choose(self._tree, cores, memory)
+            tree = self._tree_without_predicated(pod, req)
+            indices = choose(tree, cores, memory)
+            if not indices and tree is not self._tree:
+                log.warning(
+                    "%s: no GPU is left beside those predicated for the pod's other containers; choosing among all",
+                    who,
+                )
+                tree = self._tree
+                indices = choose(tree, cores, memory)
             if not indices:
                 raise AllocationError(f"{who}: {self._why_none(cores, memory)}", "exhausted")
-            minors = tuple(self._tree.leaf(i).minor for i in indices)
+            minors = tuple(tree.leaf(i).minor for i in indices)
         meta = pod.get("metadata") or {}
         return ContainerAllocation(
             pod_uid=podinfo.uid(pod),
@@ -817,6 +825,38 @@ class Allocator:
             pod_name=str(meta.get("name", "")),
             container_index=req.index,
         )
+
+    def _tree_without_predicated(self, pod: Pod, req: GPURequest) -> TopologyTree:
+        """The tree an init container (no predicate annotation names it) chooses from (lock held): the
+        GPUs predicated for its pod's containers keep what those will take. The kubelet allocates init
+        containers first and they keep their GPUs while the others allocate, so an init container on a
+        GPU predicated for another container would make that one's Allocate fail."""
+        if req.index >= 0 or not podinfo.predicated_here(pod):
+            return self._tree
+        held: list[tuple[GPURequest, list[int]]] = []
+        for other in podinfo.gpu_containers(pod):
+            try:
+                minors = podinfo.predicated_gpus(pod, other.index)
+            except PodSpecError:
+                continue
+            if minors:
+                held.append((other, minors))
+        if not held:
+            return self._tree
+        scratch = self._tree.clone()
+        for other, minors in held:
+            for minor in minors:
+                try:
+                    leaf = scratch.leaf_by_minor(minor)
+                except ValueError:
+                    continue
+                if other.cores >= names.HUNDRED_CORES:
+                    scratch.occupy(leaf.index, names.HUNDRED_CORES, leaf.allocatable_memory)
+                else:
+                    cores = min(other.cores, leaf.allocatable_cores)
+                    memory = min(other.memory_bytes, leaf.allocatable_memory)
+                    scratch.occupy(leaf.index, cores, memory)
+        return scratch
 
     def _check_predicated(self, who: str, minors: list[int], cores: int, memory: int) -> tuple[int, ...]:
         need = 1 if cores <= names.HUNDRED_CORES else cores // names.HUNDRED_CORES

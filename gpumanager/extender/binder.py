@@ -40,7 +40,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import BindingArgs
 from gpumanager.extender.charges import PodCharges
-from gpumanager.extender.placement import Policy, inits_fit, never_served, place
+from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class _Bind:
         raise BindError(f"{self.who} is already bound to node {node}", "refused")
 
     def _check_inits(self, uid: str, inits: list[GPURequest]) -> None:
-        """BindError unless each GPU init container fits the node by itself now."""
+        """BindError unless the GPU init containers (of a pod with no other GPU container) fit now."""
         if not inits:
             return
         node = self.args.node
@@ -258,7 +258,7 @@ class _Bind:
             if gpus is None:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with self._state.without(uid):
-                problem = inits_fit(gpus, inits, self._policy)
+                problem = place(gpus, [], self._policy, inits=inits).failed
         if problem:
             raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
 
@@ -273,11 +273,7 @@ class _Bind:
             if gpus is None:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid):
-                placement = place(gpus, requests, self._policy)
-                if placement.ok:
-                    problem = inits_fit(gpus, inits, self._policy)
-                    if problem:
-                        raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
+                placement = place(gpus, requests, self._policy, inits=inits)
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())

@@ -16,7 +16,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.nodes import NodeGPUs
-from gpumanager.extender.placement import Policy, fits, inits_fit, never_served, place
+from gpumanager.extender.placement import Policy, fits, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,16 @@ class Decider:
         self, gpus: NodeGPUs | None, requests: list[GPURequest], inits: list[GPURequest] | None = None
     ) -> tuple[str, str]:
         """``("pass"|"fail"|"unresolvable", reason)`` for one node (``inits``: the GPU init containers,
-        each of which must fit by itself)."""
+        each of which must fit beside the others' choice)."""
         if gpus is None:
             return "unresolvable", f"node has no {names.VCORE_RESOURCE}"
         inits = inits or []
-        problem = (fits(gpus, requests, self.policy) if requests else "") or inits_fit(gpus, inits, self.policy)
+        problem = fits(gpus, requests, self.policy, inits=inits)
         if not problem:
             return "pass", ""
         if gpus.note:
             problem += f"; {gpus.note}"
-        never = (fits(gpus, requests, self.policy, empty=True) if requests else "") or inits_fit(
-            gpus, inits, self.policy, empty=True
-        )
+        never = fits(gpus, requests, self.policy, empty=True, inits=inits)
         return ("unresolvable" if never else "fail"), problem
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:

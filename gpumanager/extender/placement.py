@@ -178,13 +178,20 @@ def _could_fit(tree: TopologyTree, request: GPURequest) -> bool:
     return tree.root.available_count >= request.cores // HUNDRED_CORES
 
 
-def fits(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> str:
+def fits(
+    node: NodeGPUs,
+    requests: Sequence[GPURequest],
+    policy: Policy,
+    *,
+    empty: bool = False,
+    inits: Sequence[GPURequest] = (),
+) -> str:
     """ "" when the pod's GPU containers fit the node (with nothing held when ``empty``), else why not.
 
     The same answer as :func:`place`, faster for the usual pod of one GPU container.
     """
-    if len(requests) != 1:
-        return place(node, requests, policy, empty=empty).failed
+    if len(requests) != 1 or inits:
+        return place(node, requests, policy, empty=empty, inits=inits).failed
     request = requests[0]
     problem = _invalid(node, request)
     if problem:
@@ -193,29 +200,27 @@ def fits(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empt
     return "" if _could_fit(tree, request) else _why_not(tree, request)
 
 
-def inits_fit(node: NodeGPUs, inits: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> str:
-    """ "" when each GPU init container fits the node by itself, else why not.
-
-    Init containers run one at a time, before the others start; the agent chooses their GPUs at
-    Allocate (gpu-admission's annotations name ``spec.containers`` only), and their GPUs are free
-    again once they end. So each must fit beside the other pods' charges, not beside its own pod's.
-    """
-    for request in inits:
-        problem = fits(node, [request], policy, empty=empty)
-        if problem:
-            return problem
-    return ""
-
-
-def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, empty: bool = False) -> Placement:
+def place(
+    node: NodeGPUs,
+    requests: Sequence[GPURequest],
+    policy: Policy,
+    *,
+    empty: bool = False,
+    inits: Sequence[GPURequest] = (),
+) -> Placement:
     """Choose GPUs for ``requests`` (the pod's GPU containers) on ``node``; the node is left as it was.
 
     ``empty=True`` asks the same of the node with nothing held (is it possible at all?).
     The score (0-10) is the mean over containers of the policy score, and for containers of
     several GPUs the topology score (counted three times: NVLink matters more than packing).
+
+    ``inits``: the pod's GPU init containers. The kubelet allocates every container of a pod when
+    it admits it, init containers first, and the agent keeps an init container's GPUs while the
+    others allocate; the agent chooses init containers' GPUs itself (gpu-admission's annotations
+    name ``spec.containers`` only). So each must fit beside the choice made for the others.
     """
     tree = node.empty if empty else node.tree
-    if len(requests) == 1 and not empty:  # the usual pod: nothing to hold between containers
+    if len(requests) == 1 and not empty and not inits:  # the usual pod: nothing to hold between containers
         request = requests[0]
         problem = _invalid(node, request)
         if problem:
@@ -250,6 +255,10 @@ def place(node: NodeGPUs, requests: Sequence[GPURequest], policy: Policy, *, emp
                 weights += weight
                 node.charge(choice.charges())
                 held.extend(choice.charges())
+            for request in inits:
+                problem = _invalid(node, request) or ("" if _could_fit(tree, request) else _why_not(tree, request))
+                if problem:
+                    return Placement(tuple(choices), problem)
         finally:
             for i in scratch:
                 tree.free(i, HUNDRED_CORES, 0)

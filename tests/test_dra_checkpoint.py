@@ -154,6 +154,7 @@ class Node:
         self.reads: list[str] = []
         self.gate: threading.Event | None = None  # set: each read waits for it (a slow API server)
         self.reading = threading.Event()
+        self.gate_names: set[str] | None = None  # the reads the gate holds (None: all)
         self.allocator = allocator(tmp_path)
         self.cdi = cdi.CDISettings(tmp_path / "cdi", DRIVER, "/vdriver/nvidia", "/vdriver/origin", str(tmp_path / "vm"))
         self.vm = tmp_path / "vm"
@@ -170,9 +171,10 @@ class Node:
 
     def read(self, namespace: str, name: str) -> dict[str, Any]:
         self.reads.append(name)
-        self.reading.set()
-        if self.gate is not None:
-            assert self.gate.wait(10)
+        if self.gate_names is None or name in self.gate_names:
+            self.reading.set()
+            if self.gate is not None:
+                assert self.gate.wait(10)
         if name not in self.api:
             raise ClaimNotFound(f"claim {namespace}/{name} not found")
         return self.api[name]
@@ -328,3 +330,32 @@ def test_the_kubelets_word_during_the_check_after_a_restart_is_kept(tmp_path: Pa
         assert held == [] and not after.files("u1") and not after.files("u2")
     else:
         assert held == ["u1", "u2"] and after.files("u1") and after.files("u2")
+
+
+def test_a_claim_unprepared_after_it_was_rebuilt_does_not_get_its_files_back(tmp_path: Path) -> None:
+    """The check rebuilds u1, then waits on the API server for u2; the kubelet unprepares u1 meanwhile.
+    u1's files stay removed: written again with no record behind them, the next restart would
+    record it again and hold its GPU for a claim the kubelet has let go."""
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.prepare("u2", "two")
+    node.allocator.compact()
+    shutil.rmtree(tmp_path / "cp")
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    after.preparer.restore_local()
+    gate = after.gate = threading.Event()
+    after.gate_names = {"two"}
+    removed: list[list[str]] = []
+    check = threading.Thread(target=lambda: removed.append(after.preparer.reconcile()))
+    check.start()
+    assert after.reading.wait(10)
+    assert [c.uid for c in after.allocator.claims()] == ["u1"], "u1 was rebuilt first"
+    assert after.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    gate.set()
+    check.join(10)
+    assert removed == [[]]
+    assert [c.uid for c in after.allocator.claims()] == ["u2"]
+    assert not after.files("u1") and after.files("u2")

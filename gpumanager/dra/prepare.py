@@ -301,6 +301,8 @@ class ClaimPreparer:
                 rebuilt.append(claim)
         with self._lock:
             for claim in rebuilt:
+                if self._allocator.claim(claim.uid) != claim:
+                    continue  # the kubelet unprepared it (or prepared it anew) meanwhile: its word stands
                 try:
                     self._write_files(claim)
                 except OSError as exc:

@@ -390,7 +390,7 @@ class Agent:
         if device_plugin:
             from gpumanager.vmanager.ahead import AheadOfStart
 
-            ahead = AheadOfStart(vmanager.prepare_ahead)
+            ahead = AheadOfStart(vmanager.prepare_ahead, gone=self.check.collect_pod)
             with self._lifecycle:
                 if self._stopping.is_set():
                     return

@@ -4,11 +4,14 @@ the pod."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,23 +94,58 @@ def test_prestart_fills_the_spare_and_creates_no_file(vm: VirtualManager) -> Non
 
 
 def test_a_spare_that_is_not_a_plain_file_of_ours_is_never_written_through(tmp_path: Path) -> None:
+    """A symlink, a second name of another file or a FIFO in the spare's place: the file behind it is
+    left as it was (only that name goes), and the config is written the temp-file way, at once."""
     config = tmp_path / "main" / names.VCUDA_CONFIG_FILE
     config.parent.mkdir()
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    files.spare_path(config).symlink_to(victim)
+    values = files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=30)
+    for plant in (
+        lambda spare: spare.symlink_to(victim),
+        lambda spare: os.link(victim, spare),
+        lambda spare: os.mkfifo(spare),  # no reader: opening it to write must not wait for one
+    ):
+        plant(files.spare_path(config))
+        files.write_config(config, values)
+        assert victim.read_bytes() == b"keep"
+        assert files.unpack(config.read_bytes()).utilization == 30
+        assert sorted(p.name for p in config.parent.iterdir()) == [names.VCUDA_CONFIG_FILE]
+    os.mkfifo(files.spare_path(config))
+    files.make_spare(config)  # something is there already: left as it is, and no wait on the FIFO
+    assert stat.S_ISFIFO(files.spare_path(config).lstat().st_mode)
+
+
+def test_two_writers_never_share_a_spare(tmp_path: Path) -> None:
+    """Whoever takes the spare first fills it; the other writes the temp-file way. A reader sees a whole
+    vcuda.config at every moment (the second writer never truncates the first one's file in place)."""
+    config = tmp_path / "main" / names.VCUDA_CONFIG_FILE
+    config.parent.mkdir()
     values = files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=30)
     files.write_config(config, values)
-    assert victim.read_bytes() == b"keep"
-    assert files.unpack(config.read_bytes()).utilization == 30
-    files.spare_path(config).unlink()
-    os.link(victim, files.spare_path(config))  # a second name of another file
-    files.write_config(config, values)
-    assert victim.read_bytes() == b"keep"
-    files.spare_path(config).unlink()
-    os.mkfifo(files.spare_path(config))  # no reader: opening it to write must not wait for one
-    files.write_config(config, values)
-    assert files.unpack(config.read_bytes()).utilization == 30
+    stop = threading.Event()
+    sizes: set[int] = set()
+
+    def read() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                sizes.add(len(config.read_bytes()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(300):
+            files.make_spare(config)
+            writers = [threading.Thread(target=files.write_config, args=(config, values)) for _ in range(2)]
+            for w in writers:
+                w.start()
+            for w in writers:
+                w.join()
+    finally:
+        stop.set()
+        reader.join()
+    assert sizes == {files.CONFIG_SIZE}
+    assert sorted(p.name for p in config.parent.iterdir()) == [names.VCUDA_CONFIG_FILE]
 
 
 @pytest.mark.parametrize(
@@ -142,6 +180,31 @@ def test_a_pod_deleted_before_its_turn_is_not_prepared() -> None:
     assert made == [uid_of("b")]
 
 
+def test_a_pod_deleted_while_it_is_prepared_has_its_directory_removed_again() -> None:
+    started, go = threading.Event(), threading.Event()
+    made: list[str] = []
+    removed: list[str] = []
+
+    def prepare(uid: str, containers: Any) -> None:
+        started.set()
+        assert go.wait(5)
+        made.append(uid)
+
+    ahead = AheadOfStart(prepare, gone=removed.append)
+    ahead.start()
+    pod = make_pod("a", [("main", 30, 4)])
+    ahead.on_pod_event("ADDED", pod)
+    assert started.wait(5)
+    ahead.on_pod_event("DELETED", pod)  # the allocation check found no directory to remove yet
+    go.set()
+    ahead.on_pod_event("ADDED", make_pod("b", [("main", 30, 4)]))
+    deadline = time.monotonic() + 5
+    while len(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    ahead.stop()
+    assert made == [uid_of("a"), uid_of("b")] and removed == [uid_of("a")]
+
+
 def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
     vm: VirtualManager, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -151,7 +214,7 @@ def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
     with caplog.at_level(logging.WARNING, logger="gpumanager.vmanager.ahead"):
         ahead.on_pod_event("ADDED", pod)
         ahead.stop(timeout=5.0)
-    assert f"cannot prepare the directory of pod {uid_of('a')} ahead of its start" in caplog.text
+    assert f"cannot prepare the directory of pod default/a ({uid_of('a')}) ahead of its start" in caplog.text
     assert "'../escape'" in caplog.text
     assert "Traceback" not in caplog.text
     assert not (vm.vm_path / "escape").exists()

@@ -67,3 +67,13 @@ def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(tm
     pods.items.remove(a)
     check.on_pod_event("DELETED", a)
     assert collected == [(set(), {uid_of("a")})]
+
+
+def test_a_pod_that_never_asked_for_a_gpu_costs_no_look_at_the_directories(tmp_path: Any) -> None:
+    plain = make_pod("plain", [("main", 0, 0)])
+    pods = FakePods([plain])
+    collected: list[tuple[set[str], set[str] | None]] = []
+    check = collecting_check(make_allocator(tmp_path, pods), pods, collected)
+    pods.items.remove(plain)
+    check.on_pod_event("DELETED", plain)
+    assert collected == []

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.allocator import Allocator, PodSource
-from gpumanager.allocation.pods import Pod
+from gpumanager.allocation.pods import Pod, PodSpecError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ class AllocationCheck:
             return
         uid = podinfo.uid(pod)
         freed = self._allocator.release_pod(uid)
+        if not freed and not _asks_for_gpus(pod):
+            return  # no directory was ever made for it
         if self._pods.synced():
             # Only the directories this pod's allocations used can have become unused, and its own
             # (made ahead of its start even when it never got a GPU): the others wait for the periodic
@@ -88,6 +90,12 @@ class AllocationCheck:
             # ended at once).
             only = {uid} | {a.answered[0] for a in freed}
             self._collect_dirs(self.active_pod_dirs(among=only), only=only)
+
+    def collect_pod(self, uid: str) -> None:
+        """Remove the directory of pod ``uid`` unless it may still run or an allocation uses it (a pod
+        whose directory was made ahead of its start, and that went meanwhile)."""
+        if self._pods.synced():
+            self._collect_dirs(self.active_pod_dirs(among={uid}), only={uid})
 
     def active_pod_dirs(self, among: set[str] | None = None) -> set[str]:
         """Pod directories to keep: those of allocations, and of every pod that may still run.
@@ -141,3 +149,13 @@ class AllocationCheck:
             first = True
             self._wake.wait(self._period)
             self._wake.clear()
+
+
+def _asks_for_gpus(pod: Pod) -> bool:
+    """Whether some container of the pod, an init container too, asks for vcuda-core."""
+    if podinfo.is_gpu_pod(pod):
+        return True
+    try:
+        return any(r.gpu_required for r in podinfo.init_gpu_requests(pod))
+    except PodSpecError:
+        return False

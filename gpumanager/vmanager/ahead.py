@@ -38,9 +38,12 @@ def _gpu_container_names(pod: Pod) -> list[str]:
 class AheadOfStart:
     """Pod watch listener and one worker thread that prepare pending GPU pods ahead of the kubelet."""
 
-    def __init__(self, prepare: PrepareAhead) -> None:
+    def __init__(self, prepare: PrepareAhead, *, gone: Callable[[str], None] | None = None) -> None:
+        """``prepare(uid, containers)`` makes a pod's directories and socket; ``gone(uid)`` removes them
+        again when the pod went while they were being made."""
         self._prepare = prepare
-        self._queue: queue.SimpleQueue[tuple[str, tuple[str, ...]] | None] = queue.SimpleQueue()
+        self._gone = gone
+        self._queue: queue.SimpleQueue[tuple[str, str, tuple[str, ...]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._seen: set[str] = set()  # queued or prepared
         self._thread: threading.Thread | None = None
@@ -71,7 +74,7 @@ class AheadOfStart:
             if len(self._seen) >= REMEMBERED_PODS:
                 self._seen.clear()
             self._seen.add(uid)
-        self._queue.put((uid, tuple(names)))
+        self._queue.put((uid, podinfo.pod_key(pod), tuple(names)))
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -89,7 +92,7 @@ class AheadOfStart:
             item = self._queue.get()
             if item is None:
                 return
-            uid, containers = item
+            uid, key, containers = item
             with self._lock:
                 if uid not in self._seen:  # deleted meanwhile
                     continue
@@ -98,6 +101,13 @@ class AheadOfStart:
                 self.prepared += 1
             except (OSError, ValueError) as exc:
                 # PreStartContainer tries again, and reports what still fails to the kubelet.
-                log.warning("cannot prepare the directory of pod %s ahead of its start: %s", uid, exc)
+                log.warning("cannot prepare the directory of pod %s (%s) ahead of its start: %s", key, uid, exc)
             except Exception:
-                log.exception("preparing pod %s ahead of its start failed", uid)
+                log.exception("preparing pod %s (%s) ahead of its start failed", key, uid)
+            with self._lock:
+                went = uid not in self._seen
+            if went and self._gone is not None:  # deleted while its directory was being made
+                try:
+                    self._gone(uid)
+                except Exception:
+                    log.exception("removing the directory of pod %s (%s), deleted meanwhile, failed", key, uid)

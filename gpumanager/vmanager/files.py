@@ -16,10 +16,13 @@ aligned(8), little-endian x86-64, 8240 bytes)::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import itertools
 import os
 import stat
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from pathlib import Path
 from gpumanager.fileio import atomic_write
 
 CONFIG_SIZE = 8240
+_takes = itertools.count()  # spares taken in this process (each gets a name of its own)
 _LAYOUT = struct.Struct("<48si4044s4096s16sQiiiii4x")
 assert _LAYOUT.size == CONFIG_SIZE
 
@@ -101,36 +105,59 @@ def spare_path(path: Path) -> Path:
 
 
 def make_spare(path: Path) -> None:
-    """Make the empty spare of ``path`` (unless there is one), so that writing ``path`` later creates
-    no file: on some filesystems a new inode costs far more than the write (see
+    """Make the empty spare of ``path`` (unless something is there already), so that writing ``path``
+    later creates no file: on some filesystems a new inode costs far more than the write (see
     :mod:`gpumanager.vmanager.ahead`)."""
-    fd = os.open(spare_path(path), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(spare_path(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return
     os.close(fd)
 
 
 def _write_through_spare(path: Path, data: bytes) -> bool:
-    """Fill ``path``'s spare and rename it over ``path``; False when there is no usable spare."""
+    """Take ``path``'s spare, fill it and rename it over ``path``; False when there is no usable spare.
+
+    The spare is first renamed to a name of this call's own, so two writers never share it (one
+    would otherwise truncate the file the other had just put in place).
+    """
+    mine = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_takes)}")
     try:
-        # Truncated once checked; O_NONBLOCK: a FIFO there fails at once instead of waiting for a reader.
-        fd = os.open(spare_path(path), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        os.rename(spare_path(path), mine)
     except OSError:
+        return False
+    try:
+        # O_NONBLOCK: a FIFO fails at once instead of waiting for a reader.
+        fd = os.open(mine, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        _discard(mine)
         return False
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            return False  # not a file only we made: it is left alone, and the temp file way is taken
+            _discard(mine)  # not a file only we made: our name of it goes, the file itself is left
+            return False
         os.fchmod(fd, 0o644)
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+    except BaseException:
+        _discard(mine)
+        raise
     finally:
         os.close(fd)
     try:
-        os.rename(spare_path(path), path)
-    except FileNotFoundError:
-        return False  # a concurrent writer of the same file took it first
+        os.rename(mine, path)
+    except BaseException:
+        _discard(mine)
+        raise
     return True
+
+
+def _discard(name: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name)
 
 
 def write_config(path: Path, config: VcudaConfig) -> None:

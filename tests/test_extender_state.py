@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
+
+import pytest
 
 from gpumanager import names
 from gpumanager.extender.charges import PodCharges, pod_charges
@@ -130,7 +133,7 @@ def test_gpus_chosen_for_another_node_are_not_counted_where_the_pod_is_bound() -
     assert state.unplaced() == 0 and free(state)[0][0] == 60
 
 
-def test_a_pod_chosen_for_a_node_but_never_bound_stops_holding_its_gpus() -> None:
+def test_a_pod_chosen_for_a_node_but_never_bound_stops_holding_its_gpus(caplog: pytest.LogCaptureFixture) -> None:
     """Bind wrote the annotations, then the Binding failed and the pod stayed Pending: its GPUs are
     held for it no longer than the assume TTL, even when the watch shows it again; bound, or chosen
     again, it counts at once."""
@@ -141,7 +144,9 @@ def test_a_pod_chosen_for_a_node_but_never_bound_stops_holding_its_gpus() -> Non
     assert free(state)[0] == (0, 0)
     assert state.expire() == 0 and free(state)[0] == (0, 0), "within the TTL the choice holds"
     time.sleep(0.1)
-    state.expire()
+    with caplog.at_level(logging.WARNING, logger="gpumanager.extender.state"):
+        state.expire()
+    assert "pod default/stuck (uid-stuck) was chosen for node n" in caplog.text
     assert free(state)[0] == (100, 80) and state.pod_count() == 0
     state.pod_event("MODIFIED", stuck)  # a status update: the same stale choice
     assert free(state)[0] == (100, 80)

@@ -152,3 +152,16 @@ def test_a_crash_looping_container_leaves_nothing_remembered_per_restart(node: N
         assert node.pids(cid) == [1000 + restart]
     assert node.pids("main") == [1039]
     assert len(node.vm._last_pids) == remembered
+
+
+def test_a_container_that_restarts_before_any_refresh_sees_it_leaves_nothing_remembered(node: Node) -> None:
+    """Each new ID registers and dies before the pod's status or a refresh names it."""
+    node.register()
+    remembered = len(node.vm._last_pids)
+    for restart in range(3, 40):
+        cid = f"c0ffee{restart:058d}"
+        node.procs([2000 + restart], cid=cid)
+        node.pods[POD] = pod_object(cid)
+        node.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=cid))
+        assert node.pids(cid) == [2000 + restart]
+    assert len(node.vm._last_pids) == remembered

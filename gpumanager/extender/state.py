@@ -56,8 +56,8 @@ class ClusterState:
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
         self._by_node: dict[str, set[str]] = {}
-        # Pods shown chosen for a node but not bound: UID -> (predicate time, when first seen so).
-        self._unbound: dict[str, tuple[str, float]] = {}
+        # Pods shown chosen for a node but not bound: UID -> (predicate time, when first seen so, namespace/name).
+        self._unbound: dict[str, tuple[str, float, str]] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class ClusterState:
             if charges is not None and not charges.bound:
                 seen = self._unbound.get(uid)
                 if seen is None or seen[0] != charges.predicate_time:
-                    self._unbound[uid] = (charges.predicate_time, time.monotonic())
+                    self._unbound[uid] = (charges.predicate_time, time.monotonic(), podinfo.pod_key(pod))
                 elif time.monotonic() - seen[1] > self.assume_ttl:
                     charges = None  # chosen long ago and never bound: it holds nothing
             else:
@@ -220,13 +220,14 @@ class ClusterState:
                 log.warning("assumption for pod %s expired before the watch showed it", uid)
                 del self._assumed[uid]
                 self._reapply(uid)
-            for uid, (when, seen) in list(self._unbound.items()):
+            for uid, (when, seen, key) in list(self._unbound.items()):
                 watched = self._watched.get(uid)
                 if watched is None or watched.bound or now - seen <= self.assume_ttl:
                     continue
                 log.warning(
-                    "pod %s was chosen for node %s (predicate time %s) but not bound within %g s: "
+                    "pod %s (%s) was chosen for node %s (predicate time %s) but not bound within %g s: "
                     "its GPUs there are no longer held for it",
+                    key,
                     uid,
                     watched.node,
                     when or "none",

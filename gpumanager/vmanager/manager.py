@@ -103,6 +103,8 @@ class VirtualManager:
         # (pod UID, container ID) -> the PIDs last written to all of its pids.config files.
         self._current: dict[tuple[str, str], list[int]] = {}
         self._swept_ids: set[tuple[str, str]] = set()  # (pod UID, container ID) of the last refresh
+        # (pod UID, container) -> the pids.config its last registration wrote (by container ID).
+        self._registered: dict[tuple[str, str], Path] = {}
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
         self._ids_of: dict[tuple[str, str], tuple[Pod, str]] = {}
         self._registrations = 0  # RegisterVDevice calls that wrote a pids.config
@@ -327,6 +329,12 @@ class VirtualManager:
             # container's files no longer all hold the same list, and a refresh in progress must not
             # remember what it wrote (this may have overwritten it).
             self._last_pids[path] = pids
+            # A restarted container registers under its new ID: what is remembered of the old one goes
+            # (a crash-looping container added one entry per restart, even when no refresh saw it).
+            before = self._registered.get((socket_pod, target.name))
+            if before is not None and before != path:
+                self._last_pids.pop(before, None)
+            self._registered[(socket_pod, target.name)] = path
             self._registrations += 1
             self._current.pop((socket_pod, target.container_id), None)
         config = directory / names.VCUDA_CONFIG_FILE
@@ -452,6 +460,8 @@ class VirtualManager:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
             self._ids_of.pop(ids_key, None)
+        for registered_key in [k for k in list(self._registered) if k[0] == entry.name]:
+            self._registered.pop(registered_key, None)
         self._cgroups.forget_pod(entry.name)
 
     def _stop_server(self, pod_uid: str) -> None:

@@ -163,9 +163,11 @@ def test_only_pending_gpu_pods_are_prepared(vm: VirtualManager, kind: str, pod: 
     made: list[str] = []
     ahead = AheadOfStart(lambda uid, containers: made.append(uid))
     ahead.on_pod_event(kind, pod)
+    ahead.on_pod_event("ADDED", make_pod("last", [("main", 30, 4)]))  # taken after the one above
     ahead.start()
+    drained(ahead, 1)
     ahead.stop()
-    assert made == []
+    assert made == [uid_of("last")]
 
 
 def test_a_pod_deleted_before_its_turn_is_not_prepared() -> None:
@@ -176,6 +178,7 @@ def test_a_pod_deleted_before_its_turn_is_not_prepared() -> None:
     ahead.on_pod_event("DELETED", pod)
     ahead.on_pod_event("ADDED", make_pod("b", [("main", 30, 4)]))
     ahead.start()
+    drained(ahead, 1)
     ahead.stop()
     assert made == [uid_of("b")]
 
@@ -205,6 +208,25 @@ def test_a_pod_deleted_while_it_is_prepared_has_its_directory_removed_again() ->
     assert made == [uid_of("a"), uid_of("b")] and removed == [uid_of("a")]
 
 
+def test_stop_leaves_the_queued_pods_to_prestart() -> None:
+    started, go = threading.Event(), threading.Event()
+    made: list[str] = []
+
+    def prepare(uid: str, containers: Any) -> None:
+        started.set()
+        assert go.wait(5)
+        made.append(uid)
+
+    ahead = AheadOfStart(prepare)
+    ahead.start()
+    for i in range(20):
+        ahead.on_pod_event("ADDED", make_pod(f"p{i}", [("main", 30, 4)]))
+    assert started.wait(5)
+    go.set()
+    ahead.stop(timeout=5.0)
+    assert made == [uid_of("p0")], "the pod in hand is finished, the queued ones are not"
+
+
 def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
     vm: VirtualManager, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -213,6 +235,9 @@ def test_an_unsafe_name_is_reported_and_nothing_is_made_outside(
     ahead.start()
     with caplog.at_level(logging.WARNING, logger="gpumanager.vmanager.ahead"):
         ahead.on_pod_event("ADDED", pod)
+        deadline = time.monotonic() + 5
+        while "cannot prepare" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.005)
         ahead.stop(timeout=5.0)
     assert f"cannot prepare the directory of pod default/a ({uid_of('a')}) ahead of its start" in caplog.text
     assert "'../escape'" in caplog.text

@@ -47,6 +47,7 @@ class AheadOfStart:
         self._lock = threading.Lock()
         self._seen: set[str] = set()  # queued or prepared
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.prepared = 0  # pods prepared so far (for tests and logs)
 
     def on_pod_event(self, kind: str, pod: Pod) -> None:
@@ -83,6 +84,7 @@ class AheadOfStart:
 
     def stop(self, timeout: float = 1.0) -> None:
         """Stop the worker after the pod in hand (queued ones are left to PreStartContainer)."""
+        self._stopping.set()
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -90,7 +92,7 @@ class AheadOfStart:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._stopping.is_set():
                 return
             uid, key, containers = item
             with self._lock:

@@ -293,21 +293,28 @@ def test_generation_moves_when_a_claim_is_prepared_or_unprepared(tmp_path: Path)
     assert len({before, prepared, a.generation}) == 3
 
 
-@pytest.mark.parametrize("kubelet", ["unprepares", "prepares"])
-def test_the_kubelets_word_during_the_check_after_a_restart_is_kept(tmp_path: Path, kubelet: str) -> None:
-    """The check against the API server runs while the kubelet is served: a claim the kubelet
-    unprepares meanwhile is not recorded again from what the API server said before, and one it
-    prepares meanwhile is left as the kubelet's Prepare recorded it."""
+def restarted_without_records(tmp_path: Path) -> Node:
+    """Claims u1 ("one") and u2 ("two") prepared, then every record lost (both keep their files): the
+    restarted node, its local restoration done, its check against the API server not begun."""
     api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
     node = Node(tmp_path, api)
     node.allocator.probe_checkpoint()
     node.prepare("u1", "one")
     node.prepare("u2", "two")
     node.allocator.compact()
-    shutil.rmtree(tmp_path / "cp")  # every record lost: both claims have files, neither a record
+    shutil.rmtree(tmp_path / "cp")
     after = Node(tmp_path, api)
     after.allocator.load()
     after.preparer.restore_local()
+    return after
+
+
+@pytest.mark.parametrize("kubelet", ["unprepares", "prepares"])
+def test_the_kubelets_word_during_the_check_after_a_restart_is_kept(tmp_path: Path, kubelet: str) -> None:
+    """The check against the API server runs while the kubelet is served: a claim the kubelet
+    unprepares meanwhile is not recorded again from what the API server said before, and one it
+    prepares meanwhile is left as the kubelet's Prepare recorded it."""
+    after = restarted_without_records(tmp_path)
     gate = after.gate = threading.Event()
     removed: list[list[str]] = []
     check = threading.Thread(target=lambda: removed.append(after.preparer.reconcile(verify_recovered=True)))
@@ -336,16 +343,7 @@ def test_a_claim_unprepared_after_it_was_rebuilt_does_not_get_its_files_back(tmp
     """The check rebuilds u1, then waits on the API server for u2; the kubelet unprepares u1 meanwhile.
     u1's files stay removed: written again with no record behind them, the next restart would
     record it again and hold its GPU for a claim the kubelet has let go."""
-    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
-    node = Node(tmp_path, api)
-    node.allocator.probe_checkpoint()
-    node.prepare("u1", "one")
-    node.prepare("u2", "two")
-    node.allocator.compact()
-    shutil.rmtree(tmp_path / "cp")
-    after = Node(tmp_path, api)
-    after.allocator.load()
-    after.preparer.restore_local()
+    after = restarted_without_records(tmp_path)
     gate = after.gate = threading.Event()
     after.gate_names = {"two"}
     removed: list[list[str]] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.check import AllocationCheck
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
@@ -57,23 +59,17 @@ def test_a_deleted_pod_collects_its_own_directories_without_a_pass_over_every_po
     assert pods.lists == lists + 1
 
 
-def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(tmp_path: Any) -> None:
+@pytest.mark.parametrize(("cores", "collects"), [(25, True), (0, False)], ids=["gpu-pod", "no-gpu"])
+def test_a_pod_deleted_without_ever_getting_a_gpu_has_its_directory_collected(
+    tmp_path: Any, cores: int, collects: bool
+) -> None:
     """Made ahead of its start (gpumanager.vmanager.ahead), the directory of a pod the kubelet never
-    admitted goes with the pod, not at the next periodic check."""
-    a = make_pod("a", [("main", 25, 2)])
+    admitted goes with the pod, not at the next periodic check; a pod that never asked for a GPU
+    costs no look at the directories."""
+    a = make_pod("a", [("main", cores, 2 if cores else 0)])
     pods = FakePods([a])
     collected: list[tuple[set[str], set[str] | None]] = []
     check = collecting_check(make_allocator(tmp_path, pods), pods, collected)
     pods.items.remove(a)
     check.on_pod_event("DELETED", a)
-    assert collected == [(set(), {uid_of("a")})]
-
-
-def test_a_pod_that_never_asked_for_a_gpu_costs_no_look_at_the_directories(tmp_path: Any) -> None:
-    plain = make_pod("plain", [("main", 0, 0)])
-    pods = FakePods([plain])
-    collected: list[tuple[set[str], set[str] | None]] = []
-    check = collecting_check(make_allocator(tmp_path, pods), pods, collected)
-    pods.items.remove(plain)
-    check.on_pod_event("DELETED", plain)
-    assert collected == []
+    assert collected == ([(set(), {uid_of("a")})] if collects else [])

@@ -8,9 +8,8 @@ Init containers are not considered, as upstream: gpu-admission indexes
 
 from __future__ import annotations
 
-import calendar
+import datetime
 import functools
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -156,11 +155,24 @@ def is_assigned(pod: Pod) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _rfc3339_ns(text: str) -> int:
-    """A creation timestamp in ns (0 when unreadable); cached: Allocate orders every pending pod by it."""
-    try:
-        return calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) * 1_000_000_000
-    except (TypeError, ValueError):
+    """A creation timestamp, ``YYYY-MM-DDTHH:MM:SSZ`` as the API server writes it, in ns (0 when
+    unreadable); cached: Allocate orders every pending pod by it.
+
+    Read field by field: ``time.strptime`` loads and compiles its locale's patterns on first use,
+    about 2 ms that the first Allocate after a start paid."""
+    if len(text) != 20 or text[4] != "-" or text[7] != "-" or text[10] != "T" or text[13] != ":" or text[16] != ":":
         return 0
+    if text[19] != "Z":
+        return 0
+    fields = (text[0:4], text[5:7], text[8:10], text[11:13], text[14:16], text[17:19])
+    if not all(f.isascii() and f.isdigit() for f in fields):
+        return 0
+    year, month, day, hour, minute, second = (int(f) for f in fields)
+    try:
+        stamp = datetime.datetime(year, month, day, hour, minute, second, tzinfo=datetime.UTC)
+    except ValueError:  # no such day or time
+        return 0
+    return int(stamp.timestamp()) * 1_000_000_000
 
 
 def predicate_time(pod: Pod) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import runpy
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import gpumanager
 from gpumanager import buildinfo, cli, flagspec
 from gpumanager.config import Config, ConfigError, parse_node_labels
+from gpumanager.logwriter import BackgroundHandler
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> Config:
@@ -208,8 +210,9 @@ def test_no_log_file_without_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     try:
         cli.setup_logging(cli.build_parser().parse_args([]))
-        handlers = logging.getLogger().handlers
-        assert [type(h) for h in handlers] == [logging.StreamHandler]
+        (handler,) = logging.getLogger().handlers
+        assert isinstance(handler, BackgroundHandler)
+        assert [type(h) for h in handler.targets] == [logging.StreamHandler]
     finally:
         _reset_logging()
 
@@ -225,6 +228,8 @@ def _reset_logging() -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
         h.close()
+    logging._srcfile = os.path.normcase(logging.addLevelName.__code__.co_filename)
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True
 
 
 def test_dra_flags() -> None:

@@ -1,0 +1,107 @@
+"""Log records written by a thread of their own: the caller never waits for the write."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from gpumanager.logwriter import BackgroundHandler
+
+
+class Blocking(logging.Handler):
+    """A target whose writes wait until ``gate`` is set (a log file waiting for its file system)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.written: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.gate.wait(30)
+        self.written.append(self.format(record))
+
+
+@pytest.fixture
+def logger() -> Iterator[logging.Logger]:
+    one = logging.getLogger(f"gpumanager.test.logwriter.{threading.get_ident()}")
+    one.propagate = False
+    one.setLevel(logging.DEBUG)
+    yield one
+    for h in list(one.handlers):
+        one.removeHandler(h)
+        h.close()
+
+
+def test_a_stalled_write_does_not_hold_the_caller(logger: logging.Logger) -> None:
+    target = Blocking()
+    handler = BackgroundHandler([target])
+    logger.addHandler(handler)
+    caller = threading.Thread(target=lambda: [logger.info("allocated pod %s", f"p{i}") for i in range(3)])
+    caller.start()
+    caller.join(10)
+    try:
+        assert not caller.is_alive(), "the caller waited for the log write"
+        assert target.written == []
+    finally:
+        target.gate.set()
+    handler.flush()
+    assert target.written == ["allocated pod p0", "allocated pod p1", "allocated pod p2"]
+
+
+def test_records_keep_their_order_and_their_arguments_as_they_were(logger: logging.Logger) -> None:
+    out = io.StringIO()
+    stream = logging.StreamHandler(out)
+    stream.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler := BackgroundHandler([stream]))
+    gpus = [0]
+    for i in range(500):
+        logger.info("line %d GPUs %s", i, gpus)
+        gpus.append(i + 1)  # changed after the call: the line shows the list as it was
+    handler.flush()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 500
+    assert lines[0] == f"INFO {logger.name}: line 0 GPUs [0]"
+    assert lines[499] == f"INFO {logger.name}: line 499 GPUs {list(range(500))}"
+    assert [int(line.split()[3]) for line in lines] == list(range(500))
+
+
+def test_a_traceback_is_written_with_its_record(logger: logging.Logger) -> None:
+    out = io.StringIO()
+    stream = logging.StreamHandler(out)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler := BackgroundHandler([stream]))
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logger.exception("failed")
+    handler.flush()
+    text = out.getvalue()
+    assert text.startswith("failed\nTraceback (most recent call last):")
+    assert "RuntimeError: boom" in text
+
+
+def test_a_target_level_is_kept(logger: logging.Logger) -> None:
+    out = io.StringIO()
+    stream = logging.StreamHandler(out)
+    stream.setLevel(logging.WARNING)
+    logger.addHandler(handler := BackgroundHandler([stream]))
+    logger.info("quiet")
+    logger.warning("loud")
+    handler.flush()
+    assert out.getvalue() == "loud\n"
+
+
+def test_close_writes_what_is_queued_and_later_records_directly(logger: logging.Logger) -> None:
+    target = Blocking()
+    handler = BackgroundHandler([target])
+    logger.addHandler(handler)
+    logger.info("queued")
+    threading.Timer(0.2, target.gate.set).start()
+    handler.close()  # waits for the writer to reach the end of the queue
+    assert target.written == ["queued"]
+    logger.info("after")
+    assert target.written == ["queued", "after"]

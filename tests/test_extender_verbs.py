@@ -442,7 +442,7 @@ def test_a_gpu_init_container_must_fit_the_node_by_itself(world: World) -> None:
     # container's to take.
     world.add_node("one-free", inventory([80, 80]))
     world.create(gpu_pod("whole", [(100, 0)], node="one-free", annotations=held("one-free", [[0]])))
-    world.wait_seen(3)
+    world.wait_seen(4)  # busy-0, busy-1, p (bound to roomy) and whole
     both = world.create(with_init(gpu_pod("both", [(100, 0)]), 50, 8))
     answer = world.filter(both, ["one-free"])
     assert "init container 'setup' needs 50 cores" in answer["FailedNodes"]["one-free"]

@@ -11,8 +11,8 @@ SHOWN = 6
 
 def number(device_id: str) -> int:
     """The trailing number of a fake device ID (-1 when there is none)."""
-    tail = device_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
+    tail = device_id[device_id.rfind("-") + 1 :]
+    return int(tail) if tail.isascii() and tail.isdigit() else -1
 
 
 def duplicates(device_ids: Iterable[str]) -> list[str]:

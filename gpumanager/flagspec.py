@@ -85,7 +85,7 @@ def parse_duration(text: str) -> float:
     value = text.strip()
     seconds: float | None = None
     for suffix, scale in _DURATION_UNITS:
-        if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit():
+        if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit() and value.isascii():
             seconds = float(value[: -len(suffix)]) * scale
             break
     else:

@@ -40,6 +40,8 @@ def test_a_node_s_own_ids_are_accepted() -> None:
         ([f"{MEM}0", f"{CORE}1"], f"device ID '{CORE}1' is not a {names.VMEMORY_RESOURCE} device of this node"),
         ([f"{MEM}1", f"{MEM}8"], f"device ID '{MEM}8' is past the last {names.VMEMORY_RESOURCE} device"),
         ([f"{MEM}1", f"{MEM}x"], f"device ID '{MEM}x' is not a {names.VMEMORY_RESOURCE} device"),
+        # A digit of another script: int() refuses it, and the message that names it must not fail.
+        ([f"{MEM}1", f"{MEM}\u00b2"], f"device ID '{MEM}\u00b2' is not a {names.VMEMORY_RESOURCE} device"),
     ],
 )
 def test_a_wrong_id_is_refused_by_name(ids: list[str], message: str) -> None:

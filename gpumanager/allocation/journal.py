@@ -258,7 +258,7 @@ class CheckpointStore:
         found = []
         for p in self.path.parent.glob(prefix + "*"):
             tail = p.name[len(prefix) :]
-            if tail.isdigit():
+            if tail.isascii() and tail.isdigit():
                 found.append((int(tail), p))
         return sorted(found)
 

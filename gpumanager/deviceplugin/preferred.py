@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def _id_number(device_id: str) -> int:
     tail = device_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return int(tail) if tail.isascii() and tail.isdigit() else 0
 
 
 class Preference:

@@ -94,8 +94,8 @@ def driver_version_fields(version: str) -> tuple[int, int]:
     integer (so ``550.54.15`` gives (550, 0), as upstream; the library ignores it).
     """
     head, _, rest = version.partition(".")
-    major = int(head) if head.isdigit() else 0
-    minor = int(rest) if rest.isdigit() else 0
+    major = int(head) if head.isascii() and head.isdigit() else 0
+    minor = int(rest) if rest.isascii() and rest.isdigit() else 0
     return major, minor
 
 

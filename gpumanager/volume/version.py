@@ -34,5 +34,5 @@ def version_from_libcuda(basename: str) -> DriverVersion | None:
     if len(parts) < 2:  # "libcuda.so.1" is the soname, not a version
         return None
     major = int(parts[0])
-    minor = int(parts[1]) if parts[1].isdigit() else 0
+    minor = int(parts[1]) if parts[1].isascii() and parts[1].isdigit() else 0
     return DriverVersion(full, major, minor)

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from gpumanager import names
+from gpumanager.allocation.ids import in_order, number
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.handlers import Handlers
@@ -51,3 +52,9 @@ def test_a_wrong_id_is_refused_by_name(ids: list[str], message: str) -> None:
     assert message in str(refused.value)
     with pytest.raises(RequestError, match="device ID"):
         handlers().pre_start_memory(pb.PreStartContainerRequest(devices_ids=ids))
+
+
+def test_ids_of_one_resource_are_put_in_the_order_of_their_numbers() -> None:
+    shuffled = [f"{CORE}{n}" for n in (105, 7, 99, 1000, 10, 0, 100, 9)]
+    assert list(in_order(shuffled)) == sorted(shuffled, key=number)
+    assert in_order([]) == ()

@@ -335,7 +335,7 @@ class Allocator:
                 f"Allocate for {ids.describe(device_ids)}: device ID {doubled[0]} appears more than once"
             )
         wanted = frozenset(device_ids)
-        ordered = tuple(sorted(device_ids, key=ids.number))
+        ordered = ids.in_order(device_ids)
         changed = False
         full: AllocationError | None = None  # no room for the cache's candidate
         holders: set[str] = set()  # pods holding GPUs when that was found
@@ -1143,7 +1143,7 @@ class Allocator:
                     self._remove(key)
                     alloc = replace(
                         alloc,
-                        device_ids=alloc.device_ids or tuple(sorted(wanted, key=ids.number)),
+                        device_ids=alloc.device_ids or ids.in_order(wanted),
                         started=True,
                     )
                     self._insert(alloc)

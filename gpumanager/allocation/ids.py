@@ -15,6 +15,18 @@ def number(device_id: str) -> int:
     return int(tail) if tail.isascii() and tail.isdigit() else -1
 
 
+def in_order(device_ids: Iterable[str]) -> tuple[str, ...]:
+    """Device IDs of one resource in the order of their numbers.
+
+    They share one prefix, so a shorter ID has the smaller number and IDs of one length order as
+    their numbers do: two sorts done in C, where a key of :func:`number` costs a call per ID (a whole
+    GPU is 100 of them on every Allocate). IDs of mixed prefixes come out by length, then as text.
+    """
+    ordered = sorted(device_ids)
+    ordered.sort(key=len)
+    return tuple(ordered)
+
+
 def duplicates(device_ids: Iterable[str]) -> list[str]:
     """IDs that appear more than once, in first-seen order."""
     counts = Counter(device_ids)

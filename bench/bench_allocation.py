@@ -3,6 +3,7 @@
 For each node spec (8 x H100 and 16 x H200 by default) it prints, as the kubelet simulator
 sees them, median and p99:
 
+  Allocate (vcuda-core) of whole-GPU pods on the empty node (--whole-rounds times over its GPUs)
   Allocate (vcuda-core) while the node fills up to --pods running pods   (target p50 < 1 ms, p99 < 3 ms)
   PreStartContainer (vcuda-core) for the same pods
   --burst concurrent Allocate and PreStart (each from its own thread)    (target p99 < 50 ms)
@@ -83,6 +84,26 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
     return allocate, prestart
 
 
+def whole_gpus(cluster: SimCluster, rounds: int) -> list[float]:
+    """Allocate (vcuda-core) of pods that each take one whole GPU, on the node before it fills: every GPU
+    taken in turn, then the pods deleted, ``rounds`` times."""
+    gpus = len(cluster.kubelet.devices(CORE)) // 100
+    taken: list[float] = []
+    for r in range(rounds):
+        runs = [cluster.create(gpu_pod(f"whole-{r}-{i}", [("main", 100, 0)])) for i in range(gpus)]
+        time.sleep(1.0)  # the agent's pod cache sees them
+        started = []
+        for manifest in runs:
+            run_ = cluster.admit(manifest, create=False)
+            taken.append(run_.core["main"].timings.allocate_seconds or 0.0)
+            cluster.kubelet.pre_start(CORE, pod_uid=run_.uid, container_name="main")
+            cluster.start_containers(run_)
+            started.append(run_)
+        for run_ in started:
+            cluster.delete(run_, wait=True)
+    return taken
+
+
 CALL_SECONDS = "gpu_manager_kubelet_call_duration_seconds"
 
 
@@ -106,6 +127,7 @@ class Figures:
 
     load: str = ""
     allocate: list[float] = field(default_factory=list)
+    whole: list[float] = field(default_factory=list)
     allocate_memory: list[float] = field(default_factory=list)
     preferred: list[float] = field(default_factory=list)
     prestart: list[float] = field(default_factory=list)
@@ -138,6 +160,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         got.dsync_idle = dsync_write_seconds(cluster.checkpoint_dir, count=100, pause=0.005)
         assert cluster.agent is not None
         url = f"http://127.0.0.1:{cluster.agent.query_port}/metrics"
+        got.whole = whole_gpus(cluster, args.whole_rounds)
         scrapes = [scrape(url)]
         manifests = [gpu_pod(f"bench-{i:03d}", [("main", 3, 2)]) for i in range(args.pods)]
         for m in manifests:
@@ -198,6 +221,10 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
         lambda f: figure("", f.allocate, target_ms=3),
     )
     each(
+        f"Allocate (vcuda-core), one whole GPU each, on the empty node ({args.whole_rounds} rounds over its GPUs)",
+        lambda f: figure("", f.whole),
+    )
+    each(
         "Allocate (vcuda-memory), same pods: validation only, no state, nothing written (a call's floor)",
         lambda f: figure("", f.allocate_memory),
     )
@@ -232,6 +259,7 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--burst", type=int, default=50)
     parser.add_argument("--scrapes", type=int, default=30)
+    parser.add_argument("--whole-rounds", type=int, default=4, help="rounds of whole-GPU pods before the fill")
     add_before_arguments(parser)
     args = parser.parse_args()
     prompt_threads()

@@ -163,11 +163,10 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         got.whole = whole_gpus(cluster, args.whole_rounds)
         scrapes = [scrape(url)]
         manifests = [gpu_pod(f"bench-{i:03d}", [("main", 3, 2)]) for i in range(args.pods)]
-        for m in manifests:
-            cluster.create(m)
+        created = [cluster.create(m) for m in manifests]
         time.sleep(1.0)  # let the agent's pod cache see them, as it would before the kubelet admits them
-        for run_ in list(cluster.runs.values()):
-            run_ = cluster.admit(run_.manifest, create=False)
+        for manifest in created:
+            run_ = cluster.admit(manifest, create=False)
             got.allocate.append(run_.core["main"].timings.allocate_seconds or 0.0)
             got.allocate_memory.append(run_.memory["main"].timings.allocate_seconds or 0.0)
             got.preferred.append(run_.core["main"].timings.preferred_seconds or 0.0)
@@ -183,7 +182,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
                 labels = {"resource": CORE, "call": call}
                 b, a = histogram(before, CALL_SECONDS, labels), histogram(after, CALL_SECONDS, labels)
                 got.inside[f"{phase} {call}"] = (histogram_quantile(0.5, b, a), histogram_quantile(0.99, b, a))
-        got.pods = len(cluster.runs)
+        got.pods = len(created) + args.burst
         for _ in range(args.scrapes):
             started = time.perf_counter()
             with urllib.request.urlopen(url, timeout=10) as resp:

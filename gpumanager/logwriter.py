@@ -7,6 +7,10 @@ renders only the message in the caller (its arguments are read at that moment, a
 direct handler) and hands the record to a writer thread, which formats and writes it through
 the handlers it was given, in order.
 
+A log output that stops taking lines (a stalled stderr pipe) holds only the writer thread: at most
+:data:`MAX_QUEUED` lines wait for it, later ones are counted and dropped, and once the output
+takes lines again a warning says how many were dropped.
+
 Nothing is lost at an orderly exit: ``logging.shutdown()`` (run at the interpreter's exit and
 before every ``os._exit`` of the agent) flushes and closes this handler, which writes every
 queued record first. A process killed with SIGKILL loses the records of its last moment that
@@ -22,6 +26,8 @@ from collections.abc import Sequence
 
 log = logging.getLogger(__name__)
 
+#: Lines that may wait for a stalled output before new ones are dropped (and counted).
+MAX_QUEUED = 10_000
 #: How long flush() and close() wait for the writer to catch up (a stalled stderr must not hold an exit).
 DRAIN_SECONDS = 2.0
 
@@ -34,6 +40,19 @@ class _Marker:
         self.last = last
 
 
+def _dropped_record(after: logging.LogRecord, count: int) -> logging.LogRecord:
+    """The warning written before ``after``: how many lines were dropped while the output was stalled."""
+    return logging.LogRecord(
+        __name__,
+        logging.WARNING,
+        __file__,
+        0,
+        f"{count} log lines dropped: the log output took no lines while {MAX_QUEUED} waited",
+        None,
+        None,
+    )
+
+
 class BackgroundHandler(logging.Handler):
     """Queues records for a writer thread that passes them to ``targets`` (with their own formatters)."""
 
@@ -42,6 +61,7 @@ class BackgroundHandler(logging.Handler):
         self.targets = tuple(targets)
         self._queue: queue.SimpleQueue[logging.LogRecord | _Marker] = queue.SimpleQueue()
         self._closed = False
+        self._dropped = 0  # lines dropped since the writer last caught up (under the handler's lock)
         self._writer = threading.Thread(target=self._write_loop, name="log-writer", daemon=True)
         self._writer.start()
 
@@ -61,6 +81,12 @@ class BackgroundHandler(logging.Handler):
         except Exception:
             self.handleError(record)
             return
+        if self._queue.qsize() >= MAX_QUEUED:
+            self._dropped += 1
+            return
+        if self._dropped:
+            dropped, self._dropped = self._dropped, 0
+            self._queue.put(_dropped_record(record, dropped))
         self._queue.put(record)
 
     def _write_loop(self) -> None:

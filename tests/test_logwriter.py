@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from gpumanager import logwriter
 from gpumanager.logwriter import BackgroundHandler
 
 
@@ -105,3 +106,24 @@ def test_close_writes_what_is_queued_and_later_records_directly(logger: logging.
     assert target.written == ["queued"]
     logger.info("after")
     assert target.written == ["queued", "after"]
+
+
+def test_a_stalled_output_holds_a_bounded_number_of_lines_and_says_how_many_it_dropped(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logwriter, "MAX_QUEUED", 5)
+    target = Blocking()
+    logger.addHandler(handler := BackgroundHandler([target]))
+    for i in range(20):
+        logger.info("line %d", i)
+    target.gate.set()
+    handler.flush()
+    logger.info("after")
+    handler.flush()
+    # The writer may have taken the first line off the queue before it blocked: 5 or 6 were kept.
+    kept = [line for line in target.written if line.startswith("line")]
+    assert kept == [f"line {i}" for i in range(len(kept))] and len(kept) in (5, 6)
+    assert target.written[len(kept) :] == [
+        f"{20 - len(kept)} log lines dropped: the log output took no lines while 5 waited",
+        "after",
+    ]

@@ -214,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"device plugin API {names.DEVICE_PLUGIN_API_VERSION})"
         )
         return EXIT_OK
+    from gpumanager.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread starts (the log writer is the first)
     try:
         setup_logging(args)
     except OSError as exc:
@@ -226,9 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from gpumanager import lazy_package
-    from gpumanager.memory import limit_malloc_arenas
 
-    limit_malloc_arenas()  # before the gRPC and API threads start
     lazy_package.defer(*DEFERRED_AT_START)
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
     from gpumanager.signals import SignalPipe

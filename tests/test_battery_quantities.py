@@ -65,3 +65,21 @@ def test_pod_asking_ten_whole_gpus_is_allocated(tmp_path: Path) -> None:
         run = cluster.run_pod(gpu_pod("ten", [("main", 1000, 0)]))
         minors, cores, _ = answered(run)["main"]
         assert sorted(minors) == list(range(10)) and cores == 1000
+
+
+def test_plain_and_odd_spellings_read_as_the_api_server_means_them() -> None:
+    from kubernetes.utils.quantity import parse_quantity
+
+    for text in ("0", "3", "007", "100", "1000", "1k", "2Ki", "1e3", "+5"):
+        pod = gpu_pod("p", [("main", 100, 0)])
+        pod["spec"]["containers"][0]["resources"]["limits"] = {names.VCORE_RESOURCE: text}
+        (request,) = podinfo.gpu_requests(pod) or [None]
+        assert request is not None and request.cores == int(parse_quantity(text)), text
+    pod = gpu_pod("odd", [("main", 100, 0)])
+    pod["spec"]["containers"][0]["resources"]["limits"] = {names.VCORE_RESOURCE: "\u00b3"}  # a superscript three
+    try:
+        podinfo.gpu_requests(pod)
+    except podinfo.PodSpecError as exc:
+        assert "default/odd" in str(exc)
+    else:
+        raise AssertionError("a superscript digit was read as a quantity")

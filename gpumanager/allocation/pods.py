@@ -50,6 +50,8 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     raw = limits.get(resource)
     if raw is None:
         return 0
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        return int(raw)  # the common spelling, as parse_quantity would read it
     # Loaded here, not with the module: the device plugin registers with the kubelet before it
     # needs any pod. Only the quantity module, not the whole client (see gpumanager.lazy_package).
     from gpumanager import lazy_package

@@ -12,6 +12,7 @@ allocations and the driver mirror at once.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumanager import __version__, buildinfo, flagspec, names
+from gpumanager import __version__, buildinfo, flagspec, logwriter, names
 from gpumanager.config import Config, ConfigError
 from gpumanager.flagspec import FlagField
 from gpumanager.logwriter import BackgroundHandler
@@ -186,15 +187,18 @@ def setup_logging(args: argparse.Namespace) -> None:
     )
     for handler in handlers:
         handler.setFormatter(formatter)
-    # Neither format names the source line, thread or process of a record: not looked up for each
-    # (the logging HOWTO's "Optimization"). Records are formatted and written by a thread of their own.
-    logging._srcfile = None
+    # Neither format names the thread or process of a record: not looked up for each (the logging
+    # HOWTO's "Optimization"). Records are formatted and written by a thread of their own
+    # (gpumanager.logwriter); uncaught exceptions are logged in order with them, and a fatal signal
+    # (a crash in a native library) writes every thread's Python stack to stderr.
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
     logging.basicConfig(
         level=logging.DEBUG if args.v >= 4 else logging.INFO, handlers=[BackgroundHandler(handlers)], force=True
     )
+    logwriter.install()
+    faulthandler.enable()
     # grpc and the kubernetes client are noisy at debug level.
     for noisy in ("urllib3", "kubernetes"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -272,6 +276,10 @@ DEFERRED_AT_START = (
 STOP_DEADLINE = 1.5
 
 
+#: Seconds the log lines still queued may take to be written when the agent leaves with os._exit.
+LOG_FINISH_SECONDS = 0.5
+
+
 #: Seconds the interpreter may take to exit after a stop (it joins the threads that are not daemons).
 EXIT_DEADLINE = 2.0
 
@@ -285,7 +293,7 @@ def exit_watchdog(deadline: float) -> None:
         time.sleep(deadline)
         held = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
         log.warning("threads still running %.1f s after the stop: %s; exiting now", deadline, ", ".join(held))
-        logging.shutdown()
+        logwriter.finish(LOG_FINISH_SECONDS)
         os._exit(EXIT_OK)
 
     threading.Thread(target=run, name="exit-watchdog", daemon=True).start()
@@ -304,7 +312,7 @@ def _stop_within(agent: Agent, deadline: float) -> None:
     threading.Thread(target=run, name="stop", daemon=True).start()
     if not done.wait(deadline):
         log.warning("stopping took longer than %.1f s; exiting now", deadline)
-        logging.shutdown()
+        logwriter.finish(LOG_FINISH_SECONDS)
         os._exit(EXIT_OK)
 
 

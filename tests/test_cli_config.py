@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import runpy
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -185,6 +187,42 @@ def test_log_format_json_writes_one_object_per_line(tmp_path: Path) -> None:
     assert second["level"] == "error" and "RuntimeError: boom" in second["exc"]
 
 
+def test_a_stack_asked_for_is_written(tmp_path: Path) -> None:
+    args = cli.build_parser().parse_args([f"--log-dir={tmp_path}", "--logtostderr=false"])
+    try:
+        cli.setup_logging(args)
+        logging.getLogger("gpumanager.test").warning("here", stack_info=True)
+    finally:
+        _reset_logging()
+    text = (tmp_path / "gpu-manager.log").read_text()
+    assert "WARNING gpumanager.test: here\nStack (most recent call last):" in text
+    assert "test_a_stack_asked_for_is_written" in text
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_an_uncaught_exception_is_logged_after_the_lines_before_it(where: str) -> None:
+    code = (
+        "import logging, sys, threading\n"
+        "from gpumanager import cli\n"
+        "cli.setup_logging(cli.build_parser({}).parse_args([]))\n"
+        "for i in range(300):\n"
+        "    logging.getLogger('gpumanager.test').info('step %d', i)\n"
+        "def fail():\n"
+        "    raise RuntimeError('boom')\n"
+        + ("fail()\n" if where == "main" else "t = threading.Thread(target=fail, name='worker'); t.start(); t.join()\n")
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == (1 if where == "main" else 0), done.stderr
+    lines = done.stderr.splitlines()
+    steps = [i for i, line in enumerate(lines) if "INFO gpumanager.test: step " in line]
+    assert len(steps) == 300
+    (failed,) = [i for i, line in enumerate(lines) if "CRITICAL gpumanager.logwriter: uncaught exception" in line]
+    assert failed > steps[-1]
+    assert "RuntimeError: boom" in done.stderr.split("uncaught exception", 1)[1]
+    if where == "thread":
+        assert lines[failed].endswith("uncaught exception in thread worker")
+
+
 def test_log_format_rejects_unknown(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.build_parser().parse_args(["--log-format=xml"])
@@ -228,8 +266,9 @@ def _reset_logging() -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
         h.close()
-    logging._srcfile = os.path.normcase(logging.addLevelName.__code__.co_filename)
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True
+    sys.excepthook = sys.__excepthook__
+    threading.excepthook = threading.__excepthook__
 
 
 def test_dra_flags() -> None:

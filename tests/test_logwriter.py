@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -108,22 +109,86 @@ def test_close_writes_what_is_queued_and_later_records_directly(logger: logging.
     assert target.written == ["queued", "after"]
 
 
+def test_a_slow_output_loses_no_line(logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More lines than may wait, to an output that is slow but takes them: callers wait for room."""
+    monkeypatch.setattr(logwriter, "MAX_QUEUED", 5)
+
+    class Slow(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.written: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            time.sleep(0.002)
+            self.written.append(record.getMessage())
+
+    target = Slow()
+    logger.addHandler(handler := BackgroundHandler([target]))
+    for i in range(60):
+        logger.info("line %d", i)
+    handler.flush()
+    assert target.written == [f"line {i}" for i in range(60)]
+
+
 def test_a_stalled_output_holds_a_bounded_number_of_lines_and_says_how_many_it_dropped(
     logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(logwriter, "MAX_QUEUED", 5)
+    monkeypatch.setattr(logwriter, "STALL_SECONDS", 0.05)
     target = Blocking()
     logger.addHandler(handler := BackgroundHandler([target]))
-    for i in range(20):
+    for i in range(20):  # the sixth or seventh waits for room until the output counts as stalled
         logger.info("line %d", i)
     target.gate.set()
     handler.flush()
     logger.info("after")
     handler.flush()
-    # The writer may have taken the first line off the queue before it blocked: 5 or 6 were kept.
     kept = [line for line in target.written if line.startswith("line")]
     assert kept == [f"line {i}" for i in range(len(kept))] and len(kept) in (5, 6)
     assert target.written[len(kept) :] == [
-        f"{20 - len(kept)} log lines dropped: the log output took no lines while 5 waited",
+        f"{20 - len(kept)} log lines dropped: the log output took no line for 0.05 s while 5 waited",
         "after",
     ]
+
+
+def test_lines_dropped_at_the_end_are_reported_at_close(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(logwriter, "MAX_QUEUED", 2)
+    monkeypatch.setattr(logwriter, "STALL_SECONDS", 0.05)
+    target = Blocking()
+    handler = BackgroundHandler([target])
+    logger.addHandler(handler)
+    for i in range(10):
+        logger.info("line %d", i)
+    target.gate.set()
+    handler.close()
+    assert target.written[-1].endswith("log lines dropped: the log output took no line for 0.05 s while 2 waited")
+    kept = len(target.written) - 1
+    assert target.written[-1].startswith(f"{10 - kept} log lines dropped")
+
+
+def test_a_warning_is_written_before_its_caller_goes_on(logger: logging.Logger) -> None:
+    out = io.StringIO()
+    logger.addHandler(BackgroundHandler([logging.StreamHandler(out)]))
+    for i in range(100):
+        logger.info("step %d", i)
+    logger.warning("about to call the driver")
+    # No flush: a crash in a native call right after the warning must find it written.
+    assert out.getvalue().splitlines()[-1] == "about to call the driver"
+    assert len(out.getvalue().splitlines()) == 101
+
+
+def test_finish_returns_within_its_bound_when_the_output_takes_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = Blocking()
+    handler = BackgroundHandler([target])
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    logging.getLogger("gpumanager.test.finish").info("stuck")
+    done = threading.Thread(target=logwriter.finish, args=(0.2,))
+    done.start()
+    done.join(10)
+    try:
+        assert not done.is_alive(), "finish() waited for an output that takes no line"
+    finally:
+        target.gate.set()

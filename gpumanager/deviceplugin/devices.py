@@ -114,7 +114,7 @@ class DeviceLayout:
             if known is not None:
                 return known[0]
         number_text = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
-        if not (number_text.isascii() and number_text.isdigit()):  # int() refuses other scripts' digits
+        if not (number_text.isascii() and number_text.isdigit()):  # isdigit() takes ², which int() refuses
             raise UnknownDeviceError(f"device ID {device_id!r} is not a {resource} device of this node")
         number = int(number_text)
         if resource == names.VCORE_RESOURCE:

@@ -130,15 +130,25 @@ def test_a_slow_output_loses_no_line(logger: logging.Logger, monkeypatch: pytest
     assert target.written == [f"line {i}" for i in range(60)]
 
 
+def stalled_output(
+    logger: logging.Logger, monkeypatch: pytest.MonkeyPatch, *, max_queued: int, lines: int
+) -> tuple[Blocking, BackgroundHandler]:
+    """``lines`` lines logged to an output that takes none (stalled after 0.05 s), ``max_queued`` of them waiting."""
+    monkeypatch.setattr(logwriter, "MAX_QUEUED", max_queued)
+    monkeypatch.setattr(logwriter, "STALL_SECONDS", 0.05)
+    target = Blocking()
+    handler = BackgroundHandler([target])
+    logger.addHandler(handler)
+    for i in range(lines):
+        logger.info("line %d", i)
+    return target, handler
+
+
 def test_a_stalled_output_holds_a_bounded_number_of_lines_and_says_how_many_it_dropped(
     logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(logwriter, "MAX_QUEUED", 5)
-    monkeypatch.setattr(logwriter, "STALL_SECONDS", 0.05)
-    target = Blocking()
-    logger.addHandler(handler := BackgroundHandler([target]))
-    for i in range(20):  # the sixth or seventh waits for room until the output counts as stalled
-        logger.info("line %d", i)
+    # The sixth line waits for room until the output counts as stalled; the rest are dropped at once.
+    target, handler = stalled_output(logger, monkeypatch, max_queued=5, lines=20)
     target.gate.set()
     handler.flush()
     logger.info("after")
@@ -154,13 +164,7 @@ def test_a_stalled_output_holds_a_bounded_number_of_lines_and_says_how_many_it_d
 def test_lines_dropped_at_the_end_are_reported_at_close(
     logger: logging.Logger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(logwriter, "MAX_QUEUED", 2)
-    monkeypatch.setattr(logwriter, "STALL_SECONDS", 0.05)
-    target = Blocking()
-    handler = BackgroundHandler([target])
-    logger.addHandler(handler)
-    for i in range(10):
-        logger.info("line %d", i)
+    target, handler = stalled_output(logger, monkeypatch, max_queued=2, lines=10)
     target.gate.set()
     handler.close()
     assert target.written[-1].endswith("log lines dropped: the log output took no line for 0.05 s while 2 waited")

@@ -26,10 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumanager import __version__, buildinfo, flagspec, logwriter, names
+from gpumanager import __version__, buildinfo, flagspec, names
 from gpumanager.config import Config, ConfigError
 from gpumanager.flagspec import FlagField
-from gpumanager.logwriter import BackgroundHandler
 
 if TYPE_CHECKING:
     from gpumanager.app import Agent
@@ -149,10 +148,8 @@ class JSONFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.formatException(record.exc_info)
-        if record.exc_text:  # rendered by the caller's thread when written in the background
-            entry["exc"] = record.exc_text
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
 
 
@@ -188,16 +185,12 @@ def setup_logging(args: argparse.Namespace) -> None:
     for handler in handlers:
         handler.setFormatter(formatter)
     # Neither format names the thread or process of a record: not looked up for each (the logging
-    # HOWTO's "Optimization"). Records are formatted and written by a thread of their own
-    # (gpumanager.logwriter); uncaught exceptions are logged in order with them, and a fatal signal
-    # (a crash in a native library) writes every thread's Python stack to stderr.
+    # HOWTO's "Optimization"). A fatal signal (a crash in a native library such as NVML) writes
+    # every thread's Python stack to stderr.
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    logging.basicConfig(
-        level=logging.DEBUG if args.v >= 4 else logging.INFO, handlers=[BackgroundHandler(handlers)], force=True
-    )
-    logwriter.install()
+    logging.basicConfig(level=logging.DEBUG if args.v >= 4 else logging.INFO, handlers=handlers, force=True)
     faulthandler.enable()
     # grpc and the kubernetes client are noisy at debug level.
     for noisy in ("urllib3", "kubernetes"):
@@ -218,9 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"device plugin API {names.DEVICE_PLUGIN_API_VERSION})"
         )
         return EXIT_OK
-    from gpumanager.memory import limit_malloc_arenas
-
-    limit_malloc_arenas()  # before any thread starts (the log writer is the first)
     try:
         setup_logging(args)
     except OSError as exc:
@@ -233,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
 
     from gpumanager import lazy_package
+    from gpumanager.memory import limit_malloc_arenas
 
+    limit_malloc_arenas()  # before the gRPC and API threads start
     lazy_package.defer(*DEFERRED_AT_START)
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
     from gpumanager.signals import SignalPipe
@@ -276,10 +268,6 @@ DEFERRED_AT_START = (
 STOP_DEADLINE = 1.5
 
 
-#: Seconds the log lines still queued may take to be written when the agent leaves with os._exit.
-LOG_FINISH_SECONDS = 0.5
-
-
 #: Seconds the interpreter may take to exit after a stop (it joins the threads that are not daemons).
 EXIT_DEADLINE = 2.0
 
@@ -293,7 +281,7 @@ def exit_watchdog(deadline: float) -> None:
         time.sleep(deadline)
         held = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
         log.warning("threads still running %.1f s after the stop: %s; exiting now", deadline, ", ".join(held))
-        logwriter.finish(LOG_FINISH_SECONDS)
+        logging.shutdown()
         os._exit(EXIT_OK)
 
     threading.Thread(target=run, name="exit-watchdog", daemon=True).start()
@@ -312,7 +300,7 @@ def _stop_within(agent: Agent, deadline: float) -> None:
     threading.Thread(target=run, name="stop", daemon=True).start()
     if not done.wait(deadline):
         log.warning("stopping took longer than %.1f s; exiting now", deadline)
-        logwriter.finish(LOG_FINISH_SECONDS)
+        logging.shutdown()
         os._exit(EXIT_OK)
 
 

@@ -8,7 +8,6 @@ import re
 import runpy
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import pytest
 import gpumanager
 from gpumanager import buildinfo, cli, flagspec
 from gpumanager.config import Config, ConfigError, parse_node_labels
-from gpumanager.logwriter import BackgroundHandler
 
 
 def parse(*argv: str, env: dict[str, str] | None = None) -> Config:
@@ -199,28 +197,21 @@ def test_a_stack_asked_for_is_written(tmp_path: Path) -> None:
     assert "test_a_stack_asked_for_is_written" in text
 
 
-@pytest.mark.parametrize("where", ["main", "thread"])
-def test_an_uncaught_exception_is_logged_after_the_lines_before_it(where: str) -> None:
+def test_a_crash_in_native_code_writes_the_python_stacks() -> None:
+    # A fault in NVML or gRPC's C code ends the process at once: what each thread was doing is the
+    # operator's only clue.
     code = (
-        "import logging, sys, threading\n"
+        "import ctypes\n"
         "from gpumanager import cli\n"
         "cli.setup_logging(cli.build_parser({}).parse_args([]))\n"
-        "for i in range(300):\n"
-        "    logging.getLogger('gpumanager.test').info('step %d', i)\n"
-        "def fail():\n"
-        "    raise RuntimeError('boom')\n"
-        + ("fail()\n" if where == "main" else "t = threading.Thread(target=fail, name='worker'); t.start(); t.join()\n")
+        "def probe_gpu():\n"
+        "    ctypes.string_at(0)\n"
+        "probe_gpu()\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == (1 if where == "main" else 0), done.stderr
-    lines = done.stderr.splitlines()
-    steps = [i for i, line in enumerate(lines) if "INFO gpumanager.test: step " in line]
-    assert len(steps) == 300
-    (failed,) = [i for i, line in enumerate(lines) if "CRITICAL gpumanager.logwriter: uncaught exception" in line]
-    assert failed > steps[-1]
-    assert "RuntimeError: boom" in done.stderr.split("uncaught exception", 1)[1]
-    if where == "thread":
-        assert lines[failed].endswith("uncaught exception in thread worker")
+    assert done.returncode < 0, done.stderr
+    assert "Fatal Python error: Segmentation fault" in done.stderr
+    assert "in probe_gpu" in done.stderr
 
 
 def test_log_format_rejects_unknown(capsys: pytest.CaptureFixture[str]) -> None:
@@ -248,9 +239,8 @@ def test_no_log_file_without_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     try:
         cli.setup_logging(cli.build_parser().parse_args([]))
-        (handler,) = logging.getLogger().handlers
-        assert isinstance(handler, BackgroundHandler)
-        assert [type(h) for h in handler.targets] == [logging.StreamHandler]
+        handlers = logging.getLogger().handlers
+        assert [type(h) for h in handlers] == [logging.StreamHandler]
     finally:
         _reset_logging()
 
@@ -267,8 +257,6 @@ def _reset_logging() -> None:
         root.removeHandler(h)
         h.close()
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True
-    sys.excepthook = sys.__excepthook__
-    threading.excepthook = threading.__excepthook__
 
 
 def test_dra_flags() -> None:

@@ -159,6 +159,15 @@ def test_durations_are_shown_as_typed(seconds: float, text: str) -> None:
     assert flagspec.parse_duration(text) == pytest.approx(seconds)
 
 
+@pytest.mark.parametrize("text", ["\u00b2s", "5\u00b2ms", "x", "nan", "1e999s"])
+def test_a_duration_that_is_not_one_is_refused_by_name(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A superscript digit passes str.isdigit(), and float() then raised its own message.
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser({}).parse_args([f"--wait-timeout={text}"])
+    assert exc.value.code == 2
+    assert f"argument --wait-timeout: {text!r} is not a duration" in capsys.readouterr().err
+
+
 def test_readme_flags_table_is_current() -> None:
     script = runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "flags_table.py"))
     readme = script["README"].read_text()

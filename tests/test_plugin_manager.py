@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,23 +93,25 @@ class _GatedWatch:
             time.sleep(0.005)
 
 
+@pytest.mark.parametrize("looks", [1, None], ids=["the-first-look", "every-look-until-the-dial"])
 def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looks: int | None
 ) -> None:
     """The kubelet restarts: our socket is gone, and its new kubelet.sock appears while we serve ours again,
-    after we looked for it. The registration that follows reaches the new kubelet; the next pass must not
-    take the socket it registered with for a new kubelet and register again (the kubelet then drops the
-    endpoint it just dialled, and the PreStartContainer calls on it fail)."""
+    after we looked for it (the first look misses it, or every look until the registration dials it). The
+    registration that follows reaches the new kubelet; the next pass must not take the socket it registered
+    with for a new kubelet and register again (the kubelet then drops the endpoint it just dialled, and the
+    PreStartContainer calls on it fail)."""
     kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
     kubelet.start()
     watch = _GatedWatch()
     monkeypatch.setattr(manager_module, "DirectoryWatch", watch)
-    hide = threading.Event()  # the next look at kubelet.sock finds nothing: it is being created
+    hidden = [0]  # the next looks at kubelet.sock find nothing: it is being created
     real_identity = manager_module.socket_identity
 
     def identity(path: Path) -> tuple[int, int] | None:
-        if path == kubelet.socket_path and hide.is_set():
-            hide.clear()
+        if path == kubelet.socket_path and hidden[0] > 0:
+            hidden[0] -= 1
             return None
         return real_identity(path)
 
@@ -117,7 +120,15 @@ def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_o
 
     def restart(server: PluginServer) -> None:
         real_restart(server)
-        hide.set()
+        hidden[0] = looks if looks is not None else 1_000_000
+
+    real_register = manager_module.register
+
+    def register(*args: Any, **kwargs: Any) -> Any:
+        hidden[0] = 0  # there by the time it is dialled
+        return real_register(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "register", register)
 
     monkeypatch.setattr(PluginServer, "restart", restart)
     plugins = _started_manager(tmp_path, kubelet)

@@ -107,13 +107,14 @@ class PluginManager:
                 s.restart()
         self.status.server_restarts += 1
 
-    def _register_all(self) -> None:
+    def _register_all(self) -> tuple[int, int]:
+        """Register every resource; return the identity of the ``kubelet.sock`` that answered."""
         # A stopped server's listener removes its socket path as it goes, possibly after a new
         # server took the path: check just before the kubelet dials us back.
         if not all(s.socket_intact() for s in self._servers):
             self._restart_servers()
         endpoints = [Endpoint(s.socket_path.name, s.servicer.resource, self._options_for(s)) for s in self._servers]
-        register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
+        return register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
 
     def _set_error(self, message: str) -> None:
         if message != self.status.last_error:
@@ -150,12 +151,13 @@ class PluginManager:
                     kubelet_id = current
                 now = time.monotonic()
                 if need_register and now >= next_try:
-                    # The kubelet.sock dialled: it may have appeared since it was looked for above (a
-                    # kubelet starting while we served again). The next pass then knows it as the one
-                    # registered with, not as a kubelet to register with once more.
-                    dialled = socket_identity(self._kubelet_socket)
                     try:
-                        self._register_all()
+                        # The kubelet.sock that answered: it may have appeared since it was looked for
+                        # above, even after the last look before the dial (a kubelet starting while we
+                        # served again). The next pass then knows it as the one registered with, not as
+                        # a kubelet to register with once more, which would drop the endpoint the
+                        # kubelet has just dialled, and the calls on it.
+                        dialled = self._register_all()
                     except RegistrationError as exc:
                         self.status.registered = False
                         self.registered_event.clear()
@@ -164,8 +166,7 @@ class PluginManager:
                     else:
                         need_register = False
                         backoff.reset()
-                        if dialled is not None:
-                            kubelet_id = dialled
+                        kubelet_id = dialled
                         if self.status.last_error:
                             log.info("registered with the kubelet after: %s", self.status.last_error)
                         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,16 +28,32 @@ class Endpoint:
     options: pb.DevicePluginOptions
 
 
-def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> None:
+def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> tuple[int, int]:
     """Send one RegisterRequest per endpoint to the kubelet, all at once over one connection.
 
     The kubelet handles each Register on its own (it dials the endpoint back and opens
     ListAndWatch inside the call), so sending them together makes both resources ready in the
-    time of one. Raises RegistrationError with the reason of the first failure, in endpoint order.
+    time of one. Returns the (device, inode) of the ``kubelet.sock`` registered with: the socket
+    file is held open and dialled through that handle, so a kubelet that re-creates it meanwhile
+    is told apart from the one that answered. Raises RegistrationError with the reason of the
+    first failure, in endpoint order.
     """
-    if not kubelet_socket.exists():
-        raise RegistrationError(f"kubelet socket {kubelet_socket} does not exist")
-    channel = grpc.insecure_channel(f"unix://{kubelet_socket}")
+    try:
+        handle = os.open(kubelet_socket, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RegistrationError(f"kubelet socket {kubelet_socket} does not exist") from None
+    except OSError as exc:
+        raise RegistrationError(f"cannot open kubelet socket {kubelet_socket}: {exc.strerror}") from None
+    try:
+        st = os.fstat(handle)
+        _register_through(f"/proc/self/fd/{handle}", kubelet_socket, endpoints, timeout)
+    finally:
+        os.close(handle)
+    return (st.st_dev, st.st_ino)
+
+
+def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpoint], timeout: float) -> None:
+    channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.default_authority", "localhost")])
     try:
         stub = pb_grpc.RegistrationStub(channel)
         calls = [

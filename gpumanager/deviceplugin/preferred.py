@@ -18,15 +18,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 from gpumanager import names
+from gpumanager.allocation import ids as device_ids
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
 from gpumanager.topology import TopologyTree, choose
 
 log = logging.getLogger(__name__)
-
-
-def _id_number(device_id: str) -> int:
-    tail = device_id.rsplit("-", 1)[-1]
-    return int(tail) if tail.isascii() and tail.isdigit() else 0
 
 
 class Preference:
@@ -47,7 +43,7 @@ class Preference:
             position = positions.get(device_id)
             if position is None:  # not as this node spells its IDs
                 try:
-                    position = (self._layout.gpu_of(resource, device_id), _id_number(device_id))
+                    position = (self._layout.gpu_of(resource, device_id), device_ids.number(device_id))
                 except UnknownDeviceError as exc:
                     log.warning("GetPreferredAllocation: ignoring %s", exc)
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: fl
     The kubelet handles each Register on its own (it dials the endpoint back and opens
     ListAndWatch inside the call), so sending them together makes both resources ready in the
     time of one. Returns the (device, inode) of the ``kubelet.sock`` registered with: the socket
-    file is held open and dialled through that handle, so a kubelet that re-creates it meanwhile
-    is told apart from the one that answered. Raises RegistrationError with the reason of the
-    first failure, in endpoint order.
+    file is held open and dialled through that handle (``/proc/self/fd/<n>``, on a connection of
+    this call's own), so a kubelet that re-creates it meanwhile is told apart from the one that
+    answered. Without procfs the path itself is dialled. Raises RegistrationError with the reason
+    of the first failure, in endpoint order.
     """
     try:
         handle = os.open(kubelet_socket, os.O_PATH | os.O_CLOEXEC)
@@ -44,16 +46,27 @@ def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: fl
         raise RegistrationError(f"kubelet socket {kubelet_socket} does not exist") from None
     except OSError as exc:
         raise RegistrationError(f"cannot open kubelet socket {kubelet_socket}: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL byte in the path
+        raise RegistrationError(f"kubelet socket {kubelet_socket!r}: {exc}") from None
     try:
         st = os.fstat(handle)
-        _register_through(f"/proc/self/fd/{handle}", kubelet_socket, endpoints, timeout)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RegistrationError(f"kubelet socket {kubelet_socket} is not a socket")
+        through = f"/proc/self/fd/{handle}"
+        dial = through if os.path.exists(through) else str(kubelet_socket)
+        _register_through(dial, kubelet_socket, endpoints, timeout)
     finally:
         os.close(handle)
     return (st.st_dev, st.st_ino)
 
 
 def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpoint], timeout: float) -> None:
-    channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.default_authority", "localhost")])
+    # A connection of this call's own: with grpc's shared pool, a channel to the same target (the same
+    # fd number, as a registration before this one used) may still be connected to the kubelet.sock
+    # that was there then.
+    channel = grpc.insecure_channel(
+        f"unix://{path}", options=[("grpc.default_authority", "localhost"), ("grpc.use_local_subchannel_pool", 1)]
+    )
     try:
         stub = pb_grpc.RegistrationStub(channel)
         calls = [
@@ -78,12 +91,15 @@ def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpo
             except grpc.RpcError as exc:
                 for _ep, other in calls:
                     other.cancel()
+                # Spelt with the socket's own path: the handle's number changes from one try to the next.
+                details = str(exc.details() or "").replace(path, str(kubelet_socket))
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise RegistrationError(
-                        f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: {exc.details()}"
+                        f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: {details}"
                     ) from exc
                 raise RegistrationError(
-                    f"kubelet refused registration of {ep.resource} ({ep.endpoint}): {exc.code().name}: {exc.details()}"
+                    f"kubelet at {kubelet_socket} refused registration of {ep.resource} ({ep.endpoint}): "
+                    f"{exc.code().name}: {details}"
                 ) from exc
     finally:
         # Closing a channel can take a few hundred milliseconds; nothing waits for it.

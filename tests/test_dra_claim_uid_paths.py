@@ -7,6 +7,8 @@ stray ``<driver>-.json`` in the CDI directory did the same at start.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -115,3 +117,21 @@ def test_no_path_is_built_from_a_bad_uid(tmp_path: Path, bad: str) -> None:
         cdi.spec_path(settings, bad)
     with pytest.raises(ValueError, match="UID"):
         claim_files.claim_dir(tmp_path, bad)
+
+
+def test_the_gpus_a_claim_names_with_its_companions_are_checkpointed() -> None:
+    claim = claim_records.ClaimAllocation(
+        uid="5c1f0e4a-1111-2222-3333-444455556666",
+        namespace="default",
+        name="c",
+        devices=(claim_records.ClaimDevice("gpu", "n", "gpu-0", 0, "", 100, 1 << 30, True),),
+        visible=(2, 3),
+    )
+    doc = {"Claims": claim_records.to_json([claim])}
+    assert claim_records.from_json(json.loads(json.dumps(doc))) == ([claim], [])
+    alone = dataclasses.replace(claim, visible=())
+    assert "Visible" not in alone.to_json(), "a claim alone is written as before"
+    for bad in ("2", [2, "3"], [-1], [True], None):
+        entry = dict(claim.to_json(), Visible=bad)
+        found, problems = claim_records.from_json({"Claims": {claim.uid: entry}})
+        assert found == [] and len(problems) == 1 and "Visible" in problems[0], (bad, problems)

@@ -27,6 +27,8 @@ def node(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
         c.add_template(claim_template("share", cores=30, memory="4Gi"))
         c.add_template(claim_template("share2", cores=50, memory="8Gi"))
         c.add_template(claim_template("whole"))
+        c.add_template(claim_template("whole2"))
+        c.add_template(claim_template("pair", count=2))
         yield c
 
 
@@ -86,3 +88,53 @@ def test_claims_used_by_different_containers_of_a_pod_are_fine(node: DRACluster)
     assert node.prepare_errors.get(uid) is None
     config = _effective_config(node, uid, "a")
     assert config is not None and (config.enable, config.utilization, config.gpu_memory) == (1, 30, 4 << 30)
+
+
+def _uuids(c: DRACluster) -> dict[str, str]:
+    """/dev/nvidia<minor> -> the GPU's UUID, as the ResourceSlice says."""
+    published = c.slice()
+    assert published is not None
+    return {
+        f"/dev/nvidia{d['name'].rsplit('-', 1)[-1]}": d["attributes"]["uuid"]["string"]
+        for d in published["spec"]["devices"]
+    }
+
+
+@pytest.mark.parametrize(
+    "order",
+    [("whole", "whole2"), ("whole2", "whole"), ("whole", "pair"), ("pair", "whole")],
+    ids=["whole-then-whole", "whole2-then-whole", "whole-then-pair", "pair-then-whole"],
+)
+def test_a_container_with_several_whole_gpu_claims_is_told_every_gpu(node: DRACluster, order: list[str]) -> None:
+    """Each claim's spec names GPUs in NVIDIA_VISIBLE_DEVICES and the runtime keeps the last spec's: every
+    spec of a container's claims names the GPUs of all of them."""
+    created = node.create_pod(_pod("many", order, {"main": order}))
+    node.settle()
+    uid = created["metadata"]["uid"]
+    assert node.prepare_errors.get(uid) is None
+    assert node.kubelet is not None
+    run = node.kubelet.containers[(uid, "main")]
+    gpus = sorted(p for p in run.device_nodes if p[len("/dev/nvidia") :].isdigit())
+    assert len(gpus) == (3 if "pair" in order else 2)
+    uuids = _uuids(node)
+    assert sorted(run.env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(uuids[p] for p in gpus)
+    if order == ("whole", "whole2"):  # kept across an agent restart, which writes every spec again
+        specs = {p: p.read_text() for p in node.cdi_root.glob("*.json")}
+        assert node.agent is not None
+        assert node.agent.stop() == 0
+        for path in specs:
+            path.unlink()
+        node.start_agent()
+        assert {p: p.read_text() for p in node.cdi_root.glob("*.json")} == specs
+
+
+def test_containers_with_one_claim_each_are_told_their_own_gpus(node: DRACluster) -> None:
+    created = node.create_pod(_pod("apart", ["whole", "whole2"], {"a": ["whole"], "b": ["whole2"]}))
+    node.settle()
+    uid = created["metadata"]["uid"]
+    assert node.kubelet is not None
+    uuids = _uuids(node)
+    for name in ("a", "b"):
+        run = node.kubelet.containers[(uid, name)]
+        gpus = [p for p in run.device_nodes if p[len("/dev/nvidia") :].isdigit()]
+        assert run.env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids[p] for p in gpus)

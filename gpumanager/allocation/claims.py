@@ -94,6 +94,10 @@ class ClaimAllocation:
     namespace: str
     name: str
     devices: tuple[ClaimDevice, ...]
+    #: GPUs (minors) of the driver's other claims that a container using this one also uses (whole
+    #: GPUs, as a container with a share uses no other claim): its CDI spec names them in
+    #: ``NVIDIA_VISIBLE_DEVICES`` too, since the runtime keeps only the last spec's variable.
+    visible: tuple[int, ...] = ()
 
     @property
     def minors(self) -> tuple[int, ...]:
@@ -112,7 +116,14 @@ class ClaimAllocation:
 
     def to_json(self) -> dict[str, Any]:
         """The checkpoint entry."""
-        return {"Namespace": self.namespace, "Name": self.name, "Devices": [d.to_json() for d in self.devices]}
+        out: dict[str, Any] = {
+            "Namespace": self.namespace,
+            "Name": self.name,
+            "Devices": [d.to_json() for d in self.devices],
+        }
+        if self.visible:
+            out["Visible"] = list(self.visible)
+        return out
 
 
 def _field(entry: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
@@ -122,6 +133,16 @@ def _field(entry: Mapping[str, Any], name: str, kind: type, where: str) -> Any:
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise RecordError(f"{where}: {name} {value!r} is negative")
     return value
+
+
+def _minors(entry: Mapping[str, Any], name: str, where: str) -> tuple[int, ...]:
+    """An optional list of GPU minors (absent: none)."""
+    if name not in entry:
+        return ()
+    value = entry[name]
+    if not isinstance(value, list) or any(type(m) is not int or m < 0 for m in value):
+        raise RecordError(f"{where}: {name} {value!r} is not a list of GPU minors")
+    return tuple(value)
 
 
 def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
@@ -168,6 +189,7 @@ def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
                     namespace=_field(entry, "Namespace", str, where),
                     name=_field(entry, "Name", str, where),
                     devices=tuple(parsed),
+                    visible=_minors(entry, "Visible", where),
                 )
             )
         except RecordError as exc:

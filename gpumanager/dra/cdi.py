@@ -5,7 +5,8 @@ one CDI device per allocation result named from the claim UID, request, device a
 share ID. What is common to the claim sits in the spec's own ``containerEdits``
 (the runtime applies them once when any of its devices is used): the env of the
 device plugin's Allocate answer (one merged ``NVIDIA_VISIBLE_DEVICES``, since env
-edits of several devices are merged last-wins), the driver mirror read-only at
+edits of several devices are merged last-wins; where a container also uses other claims
+of the driver, the GPUs of all of them, in minor order, the same in each of their specs), the driver mirror read-only at
 ``/usr/local/nvidia``, the claim's directory read-only at ``/etc/vcuda``, the
 control device nodes and ``extra-config.json``'s; each device adds its
 ``/dev/nvidia<minor>`` (a CDI device without edits would invalidate the file).
@@ -76,8 +77,11 @@ def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPU
     """The CDI spec of a claim."""
     by_minor = {g.minor: g for g in gpus}
     chosen = [by_minor[m] for m in dict.fromkeys(claim.minors)]
+    # With other claims in its containers: the same value in the spec of each, whichever the runtime applies last.
+    together = sorted({*claim.minors, *claim.visible})
+    named = [by_minor[m] for m in together if m in by_minor] if claim.visible else chosen
     env = [
-        f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in chosen)}",
+        f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in named)}",
         f"LD_LIBRARY_PATH={names.DRIVER_MOUNTPOINT}/lib64",
         f"{names.VCUDA_CONFIG_ENV}={names.VCUDA_MOUNTPOINT}/{names.VCUDA_CONFIG_FILE}",
     ]

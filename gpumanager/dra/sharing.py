@@ -6,7 +6,9 @@ runtime in the order the container lists them, the last mount and env winning: w
 another claim (a whole GPU, or a second share), the container would run with the other claim's
 ``/etc/vcuda`` and the share's GPU would no longer be held to the share. So a claim is refused
 when a container of a pod it is reserved for also uses another claim of the driver and either of
-them holds a share; containers that each use one claim are fine.
+them holds a share; containers that each use one claim are fine. A container may use several
+claims of whole GPUs: each of their CDI specs then names the GPUs of all of them (the runtime keeps
+the last spec's ``NVIDIA_VISIBLE_DEVICES``), the *companions* :func:`review` finds.
 """
 
 from __future__ import annotations
@@ -75,9 +77,21 @@ def _ours(check: SharingCheck, namespace: str, name: str) -> ClaimAllocation | N
     return parsed
 
 
-def problem(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: ClaimAllocation) -> str | None:
-    """Why ``claim`` (read as ``data``) must not be prepared, naming the container and claims; or None."""
+@dataclass(frozen=True)
+class Review:
+    """What the containers that use a claim say about it."""
+
+    problem: str | None
+    """Why the claim must not be prepared, naming the container and claims; None when it may be."""
+    companions: tuple[int, ...] = ()
+    """GPUs (minors) of the driver's other claims used by a container beside this one, in minor order."""
+
+
+def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: ClaimAllocation) -> Review:
+    """Look at every container of the pods ``claim`` (read as ``data``) is reserved for that uses it."""
     namespace = ref.namespace
+    others: dict[str, ClaimAllocation | None] = {}  # each other claim read once
+    companions: set[int] = set()
     for pod in _pods(check, namespace, data):
         local = claim_names(pod)
         meta = pod.get("metadata") or {}
@@ -91,17 +105,21 @@ def problem(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: 
             for other in used:
                 if other == ref.name:
                     continue
-                theirs = _ours(check, namespace, other)
-                if theirs is None or not (claim.shared or theirs.shared):
+                if other not in others:
+                    others[other] = _ours(check, namespace, other)
+                theirs = others[other]
+                if theirs is None:
                     continue
-                share = ref.name if claim.shared else other
-                return (
-                    f"claim {ref} ({ref.uid}): container {container.get('name')} of pod "
-                    f"{meta.get('namespace')}/{meta.get('name')} uses it and claim {namespace}/{other} of driver "
-                    f"{check.driver}, and {namespace}/{share} is a share of a GPU: a container with a share can use "
-                    "no other claim of this driver (its limits are one vcuda.config)"
-                )
-    return None
+                if claim.shared or theirs.shared:
+                    share = ref.name if claim.shared else other
+                    return Review(
+                        f"claim {ref} ({ref.uid}): container {container.get('name')} of pod "
+                        f"{meta.get('namespace')}/{meta.get('name')} uses it and claim {namespace}/{other} of driver "
+                        f"{check.driver}, and {namespace}/{share} is a share of a GPU: a container with a share can "
+                        "use no other claim of this driver (its limits are one vcuda.config)"
+                    )
+                companions.update(theirs.minors)
+    return Review(None, tuple(sorted(companions)))
 
 
 def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str], JSON | None]:

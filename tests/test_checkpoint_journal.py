@@ -255,19 +255,19 @@ def test_a_reader_during_a_compaction_gets_every_change(tmp_path: Path, monkeypa
     store.record(put("a", "c", 30))
     store.record(put("b", "c", 40))
     expected = {"PodGPUMapping": {"a": {"c": put("a", "c", 30)["entry"]}, "b": {"c": put("b", "c", 40)["entry"]}}}
-    real = journal._read_segment
+    real = journal._segment_bytes
     compacted = []
 
-    def compact_first(segment: Path, last: bool) -> tuple[list[dict[str, object]], str]:
+    def compact_first(segment: Path) -> bytes:
         if not compacted:  # the agent compacts right now: new snapshot, then the segment goes
             compacted.append(segment)
             store.write_snapshot(expected, store.switch())
             for p in tmp_path.glob(path.name + ".journal-*"):
                 if p != store._segment.path:  # type: ignore[union-attr]
                     p.unlink()
-        return real(segment, last)
+        return real(segment)
 
-    monkeypatch.setattr(journal, "_read_segment", compact_first)
+    monkeypatch.setattr(journal, "_segment_bytes", compact_first)
     assert journal.read_document(path) == expected
     assert compacted
     store.close()

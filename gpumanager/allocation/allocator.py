@@ -37,6 +37,8 @@ import contextlib
 import errno
 import heapq
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1315,9 +1317,13 @@ class Allocator:
             parsed = records.from_json(data)
             claims, claim_problems = claim_records.from_json(data)
         except (checkpoint.CheckpointError, records.RecordError) as exc:
-            checkpoint.quarantine(self._checkpoint_path)
-            self.claims_in_doubt = True
+            self._set_aside_checkpoint(str(exc))
             raise AllocationError(str(exc), "unavailable") from exc
+        except Exception as exc:  # a shape no check foresaw: the same as unreadable, never a failed start
+            why = f"checkpoint {self._checkpoint_path} cannot be loaded: {type(exc).__name__}: {exc}"
+            log.exception("%s", why)
+            self._set_aside_checkpoint(why)
+            raise AllocationError(why, "unavailable") from exc
         parsed.problems.extend(loaded.problems)
         parsed.journal_damaged = bool(loaded.problems)
         self.claims_in_doubt = bool(loaded.problems or claim_problems)
@@ -1331,6 +1337,14 @@ class Allocator:
             f"pod {a.pod_uid} container {a.container}: GPU(s) {list(a.minors)} not on this node" for a in refused
         )
         return parsed
+
+    def _set_aside_checkpoint(self, why: str) -> None:
+        """Move the snapshot and its journal aside: the caller rebuilds from the kubelet's records, and a
+        later start must not replay this journal over the state written from then on."""
+        checkpoint.quarantine(self._checkpoint_path)
+        with self._lock:
+            self._store.set_aside_segments(f"its snapshot is unusable ({why})")
+        self.claims_in_doubt = True
 
     def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:
         """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many.
@@ -1404,6 +1418,23 @@ class Allocator:
             return
         if ticket:
             self._unsettled.append(ticket)
+
+    def checkpoint_looks_writable(self) -> bool:
+        """A look that writes nothing: the snapshot is a regular file (or absent) in a directory that can
+        be written, on a filesystem not mounted read-only. :meth:`probe_checkpoint` then tells why not."""
+        directory = self._checkpoint_path.parent
+        try:
+            if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+                return False
+            if os.statvfs(directory).f_flag & os.ST_RDONLY:
+                return False
+            try:
+                mode = os.lstat(self._checkpoint_path).st_mode
+            except FileNotFoundError:
+                return True
+            return stat.S_ISREG(mode)
+        except OSError:
+            return False
 
     def probe_checkpoint(self) -> str:
         """Write the checkpoint now (it may have become writable again); returns the error or ''."""

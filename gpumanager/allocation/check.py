@@ -117,7 +117,11 @@ class AllocationCheck:
         """One check: free what is gone or failed, remove stale directories, re-annotate running pods."""
         gone = self._allocator.recycle()
         self._clean_failed_pods()
-        self._allocator.probe_checkpoint()
+        if self._allocator.checkpoint_error or not self._allocator.checkpoint_looks_writable():
+            # Written again when it failed (it may be writable again) or looks unwritable (the write
+            # says why, and new allocations are refused until it works). A healthy one is only looked
+            # at: writing the whole state and a new segment (1 MiB, flushed) every period wore the disk.
+            self._allocator.probe_checkpoint()
         if self._pods.synced():
             self._collect_dirs(self.active_pod_dirs())
         for uid in sorted({a.pod_uid for a in self._allocator.allocations()}):

@@ -40,6 +40,8 @@ def read_json(path: Path) -> Any | None:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {path} nests its JSON too deeply to read") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path} holds a JSON {type(data).__name__}, not an object")
     return data

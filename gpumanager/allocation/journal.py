@@ -36,6 +36,7 @@ and reported, and the caller reconciles with the kubelet's records.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -82,7 +83,8 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
     claim's (``Claims``, DRA mode) by ``claim-put``/``claim-del``.
     """
     if "batch" in change:
-        for one in change.get("batch") or []:
+        batch = change.get("batch")
+        for one in batch if isinstance(batch, list) else []:
             if isinstance(one, Mapping):
                 apply(document, one)
         return
@@ -99,10 +101,15 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
             if not claims:
                 document.pop("Claims", None)
         return
-    mapping = document.setdefault("PodGPUMapping", {})
+    mapping = document.get("PodGPUMapping")
+    if not isinstance(mapping, dict):  # null in the snapshot (a list or else is refused before replay)
+        mapping = document["PodGPUMapping"] = {}
     pod, container = str(change.get("pod", "")), str(change.get("container", ""))
     if change.get("op") == "put":
-        mapping.setdefault(pod, {})[container] = change.get("entry")
+        per = mapping.get(pod)
+        if not isinstance(per, dict):  # the journal's entry is newer than a malformed one
+            per = mapping[pod] = {}
+        per[container] = change.get("entry")
     elif change.get("op") == "del":
         per = mapping.get(pod)
         if isinstance(per, dict):
@@ -119,6 +126,8 @@ class _Segment:
         self.fd = fd
         self.seq = seq
         self.offset = 0
+        #: A write into it failed: what was staged after the hole would never be read back.
+        self.hole = False
 
     @classmethod
     def create(cls, path: Path, seq: int) -> _Segment:
@@ -126,13 +135,18 @@ class _Segment:
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            zeros = b"\0" * (1 << 20)
-            for _ in range(SEGMENT_BYTES // len(zeros)):
-                os.write(fd, zeros)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                zeros = b"\0" * (1 << 20)
+                for _ in range(SEGMENT_BYTES // len(zeros)):
+                    os.write(fd, zeros)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a full disk keeps none of its partial segments
+            raise
         fsync_dir(path.parent)
         return cls(path, os.open(path, os.O_RDWR | os.O_DSYNC), seq)
 
@@ -186,12 +200,16 @@ def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int]:
 
 
 def _cut_short(data: bytes, pos: int) -> bool:
-    """Whether the record at ``pos`` is a write that never completed: it runs into unwritten zeros.
+    """Whether the record at ``pos`` is a write that never completed: the end of what was written.
 
-    Records hold no NUL byte (JSON escapes it), so zeros mark space never written to.
+    Records hold no NUL byte (JSON escapes it), so zeros mark space never written to. A record cut
+    short runs into those zeros, holds no record end (a newline) before them, and nothing but zeros
+    follows: zeros with records after them, or a length that reaches past records, are damage.
     """
     written = data.find(b"\0", pos)
     written = len(data) if written < 0 else written
+    if b"\n" in data[pos:written] or data[written:].strip(b"\0"):
+        return False
     try:
         length = int(data[pos : pos + 8], 16)
     except ValueError:
@@ -199,9 +217,13 @@ def _cut_short(data: bytes, pos: int) -> bool:
     return pos + _HEADER + length + 1 > written
 
 
-def _read_segment(path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
+def _segment_bytes(path: Path) -> bytes:
+    """A segment's content."""
+    return path.read_bytes()
+
+
+def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
     """The changes of one segment, and a problem ('' when it is whole or only cut short at its end)."""
-    data = path.read_bytes()
     changes: list[dict[str, Any]] = []
     pos = 0
     while pos < len(data) and data[pos] != 0:
@@ -213,6 +235,8 @@ def _read_segment(path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
             return changes, f"journal {path}: damaged record at offset {pos}"
         changes.append(change)
         pos = after
+    if data[pos:].strip(b"\0"):
+        return changes, f"journal {path}: zeros at offset {pos} with records after them"
     return changes, ""
 
 
@@ -264,32 +288,62 @@ class CheckpointStore:
 
     def load(self, *, quarantine: bool = True) -> Loaded:
         """The snapshot with every journal change applied (raises checkpoint.CheckpointError when the
-        snapshot itself is unusable; it is left for the caller to move aside). A damaged segment is
-        moved aside when ``quarantine``."""
-        snapshot = checkpoint.read_json(self.path)
+        snapshot itself is unusable; it is left for the caller to move aside, with
+        :meth:`set_aside_segments`). A damaged segment is moved aside when ``quarantine``."""
         segments = self._segments()
-        for seq, _ in segments:
+        for seq, _ in segments:  # known before the snapshot is read: new segments never reuse a number
             self._seq = max(self._seq, seq)
+        if quarantine:
+            self._remove_partial_segments()
+        snapshot = checkpoint.read_json(self.path)
         if snapshot is None and not segments:
             return Loaded(None)
         document: dict[str, Any] = dict(snapshot) if snapshot is not None else {"PodGPUMapping": {}}
         loaded = Loaded(document)
         if not isinstance(document.get("PodGPUMapping") or {}, dict):
             return loaded  # the caller reports the shape
-        for i, (_, path) in enumerate(segments):
-            changes, problem = _read_segment(path, last=i == len(segments) - 1)
-            for change in changes:
-                apply(document, change)
-            loaded.replayed += len(changes)
+        contents: list[tuple[Path, bytes | None, str]] = []
+        for _, path in segments:
+            try:
+                contents.append((path, _segment_bytes(path), ""))
+            except FileNotFoundError:
+                raise  # removed by the running agent's compaction under a reader: it starts again
+            except OSError as exc:
+                contents.append((path, None, f"journal {path}: cannot read it: {exc}"))
+        # The last segment written to: a spare made ahead of need (all zeros) may follow it.
+        last = max((i for i, (_, data, _) in enumerate(contents) if data and data.strip(b"\0")), default=-1)
+        for i, (path, data, problem) in enumerate(contents):
+            if data is not None:
+                changes, problem = _read_segment(data, path, last=i == last)
+                for change in changes:
+                    apply(document, change)
+                loaded.replayed += len(changes)
             if problem:
                 loaded.problems.append(problem)
-                if not quarantine:
-                    continue
-                aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-                with contextlib.suppress(OSError):
-                    os.replace(path, aside)
-                log.error("%s; moved aside as %s (the kubelet's records fill what it lost)", problem, aside)
+                if quarantine:
+                    self._set_aside(path, problem)
         return loaded
+
+    def _set_aside(self, path: Path, problem: str) -> None:
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        try:
+            os.replace(path, aside)
+        except OSError as exc:
+            log.error("%s; could not move it aside (%s); the kubelet's records fill what it lost", problem, exc)
+        else:
+            log.error("%s; moved aside as %s (the kubelet's records fill what it lost)", problem, aside)
+
+    def set_aside_segments(self, why: str) -> None:
+        """Move every live segment aside (the snapshot they apply to was unusable and is set aside)."""
+        for _, path in self._segments():
+            self._set_aside(path, f"journal {path}: {why}")
+
+    def _remove_partial_segments(self) -> None:
+        """Remove segments whose preparation never finished (``<name>.journal-<seq>.tmp``)."""
+        for path in self.path.parent.glob(self.path.name + ".journal-*.tmp"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                log.info("removed %s, a journal segment whose preparation never finished", path)
 
     def record(self, change: Mapping[str, Any]) -> None:
         """Make one change durable now (raises OSError when it cannot be written)."""
@@ -301,8 +355,9 @@ class CheckpointStore:
         data = _record(change)
         with self._io:
             if self._broken is not None:
-                raise OSError(self._broken.errno, f"{self._broken} (journal not written since)")
-            if self._segment is None or not self._segment.room(len(data)):
+                why = self._broken.strerror or str(self._broken)
+                raise OSError(self._broken.errno, f"{why} (journal not written since)")
+            if self._segment is None or self._segment.hole or not self._segment.room(len(data)):
                 self._switch_locked()
             segment = self._segment
             assert segment is not None
@@ -327,7 +382,7 @@ class CheckpointStore:
                 self._flush_locked(release=True)
             failed = next((why for first, last, why in self._failed if first <= ticket <= last), None)
         if failed is not None:
-            raise OSError(failed.errno, str(failed))
+            raise OSError(failed.errno, failed.strerror or str(failed))
 
     def durable(self, ticket: int) -> bool:
         """Whether ``ticket`` has been written (successfully or not): :meth:`sync` would not wait."""
@@ -345,11 +400,16 @@ class CheckpointStore:
         self._flushing = True
         if release:
             self._io.release()
+        if error is None and any(segment.hole for segment, _, _ in batch):
+            # Staged behind a write that failed (before the failure was known): never read back.
+            error = OSError(errno.EIO, "staged behind a journal write that failed")
         try:
             if error is None:
                 _write_batch(batch)
         except OSError as exc:
             error = exc
+            for segment, _, _ in batch:
+                segment.hole = True
         finally:
             if release:
                 self._io.acquire()
@@ -424,10 +484,16 @@ class CheckpointStore:
             self._snapshot_seq = seq
             with self._io:
                 self._broken = None  # the whole state is on disk: the journal starts afresh
-            for old_seq, path in self._segments():
-                if old_seq < seq:
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+            for old_seq, path in self._segments():  # oldest first: what stays is a run the newest end of
+                if old_seq >= seq:
+                    break
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    log.warning("cannot remove journal segment %s (%s); it is read again at the next start", path, exc)
+                    break
 
     def mark_clean(self) -> None:
         """Everything recorded so far is in the snapshot being written."""

@@ -11,14 +11,14 @@ from collections.abc import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpumanager.metrics import legacy, textformat
 from gpumanager.metrics.collector import AgentCollector, AgentView
 from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.usage import ContainerUsage
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: The format the page is written in, whatever the installed client's latest is (0.26 says 1.0.0).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class MetricsPage:

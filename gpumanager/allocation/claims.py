@@ -27,9 +27,10 @@ from typing import Any
 
 from gpumanager.allocation.records import RecordError
 
-#: What a claim UID may be: it names the claim's directory and CDI spec, so a plain name (letters,
-#: digits, ``-`` and ``_`` inside, at most 128 characters; the API server's UUIDs are such names).
-_CLAIM_UID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,126}[A-Za-z0-9])?")
+#: What a claim UID may be: it names the claim's directory and CDI spec, and goes into the 48-byte
+#: name field of its vcuda.config; so a plain name (letters, digits, ``-`` and ``_`` inside, at most
+#: 47 characters; the API server's UUIDs are 36).
+_CLAIM_UID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_-]{0,45}[A-Za-z0-9])?", re.ASCII)
 
 
 def uid_problem(uid: object) -> str | None:
@@ -37,7 +38,7 @@ def uid_problem(uid: object) -> str | None:
     if not isinstance(uid, str) or _CLAIM_UID.fullmatch(uid) is None:
         return (
             f"UID {uid!r} is not a claim UID (letters, digits, '-' and '_', starting and ending with a letter "
-            "or digit, at most 128 characters)"
+            "or digit, at most 47 characters)"
         )
     return None
 

@@ -20,6 +20,7 @@ from typing import Any
 from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import constants as c
+from gpumanager.dra.cdi import device_name as cdi_device_name
 from gpumanager.dra.devices import published_memory
 from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.topology.nodes import HUNDRED_CORES
@@ -55,7 +56,8 @@ def tolerated(result: Mapping[str, Any], driver: str, value: str | None = None) 
     tolerates the key only with the same value. ``value`` None: any value of the key.
     """
     key = c.taint_key(driver)
-    for tol in result.get("tolerations") or []:
+    tolerations = result.get("tolerations") or []
+    for tol in tolerations if isinstance(tolerations, list) else []:
         if not isinstance(tol, Mapping):
             continue
         if tol.get("effect") not in (None, "", c.TAINT_EFFECT):
@@ -66,6 +68,15 @@ def tolerated(result: Mapping[str, Any], driver: str, value: str | None = None) 
         if operator == "Equal" and tol.get("key") == key and (value is None or (tol.get("value") or "") == value):
             return True
     return False
+
+
+def _object(value: Any, who: str, what: str) -> Mapping[str, Any]:
+    """``value`` when it is an object (absent: empty); ClaimError naming the claim and the field otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ClaimError(f"{who}: {what} {str(value)[:80]!r} is not an object")
+    return value
 
 
 def parse_claim(
@@ -85,14 +96,17 @@ def parse_claim(
     quantity, more capacity than the device has, or more than one share (the limits of a claim
     are one vcuda.config).
     """
-    meta = claim.get("metadata") or {}
     who = f"claim {ref}"
+    meta = _object(claim, who, "the claim")
+    meta = _object(meta.get("metadata"), who, "metadata")
     if meta.get("uid") != ref.uid:
         raise ClaimError(f"{who}: its UID is {meta.get('uid')!r}, the kubelet asked for {ref.uid!r}")
-    allocation = (claim.get("status") or {}).get("allocation")
+    allocation = _object(claim.get("status"), who, "status").get("allocation")
     if not isinstance(allocation, Mapping):
         raise ClaimError(f"{who} ({ref.uid}) is not allocated (no status.allocation)")
-    results = (allocation.get("devices") or {}).get("results") or []
+    results = _object(allocation.get("devices"), who, "status.allocation.devices").get("results") or []
+    if not isinstance(results, list):
+        raise ClaimError(f"{who} ({ref.uid}): status.allocation.devices.results {results!r} is not a list")
     mine = [r for r in results if isinstance(r, Mapping) and r.get("driver") == driver]
     if not mine:
         others = ", ".join(
@@ -113,6 +127,16 @@ def parse_claim(
         devices.append(_device(r, gpu, at))
         if tolerated(r, driver, None if taints is None else taints.get(gpu.minor)):
             tolerant.add(gpu.minor)
+    seen: dict[str, ClaimDevice] = {}
+    for d in devices:  # each result is a CDI device of its own name: the runtime refuses a spec that repeats one
+        name = cdi_device_name(ref.uid, d)
+        first = seen.setdefault(name, d)
+        if first is not d:
+            raise ClaimError(
+                f"{who} ({ref.uid}): results {first.request!r}/{first.device!r} and {d.request!r}/{d.device!r}"
+                f"{f' (share {d.share_id!r})' if d.share_id else ''} are one CDI device {name!r}: a claim "
+                "holds a device once per request"
+            )
     shares = [d for d in devices if not d.whole]
     if shares and len(devices) > 1:
         raise ClaimError(

@@ -149,6 +149,10 @@ class ClaimPreparer:
                 message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
                 log.error("NodePrepareResources: %s", message)
                 out[ref.uid] = Outcome(error=message)
+            except Exception as exc:  # a claim no check foresaw: its own error, the others go on
+                message = f"claim {ref} ({ref.uid}): cannot be prepared: {type(exc).__name__}: {exc}"
+                log.exception("NodePrepareResources: %s", message)
+                out[ref.uid] = Outcome(error=message)
         return out
 
     def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
@@ -157,6 +161,7 @@ class ClaimPreparer:
             self._touched.add(ref.uid)
             known = self._allocator.claim(ref.uid)
             if known is not None:
+                _same_claim(known, ref)
                 self._write_files(known)
                 log.info("claim %s (%s) is already prepared: same answer", ref, ref.uid)
                 return self._answer(known)
@@ -221,7 +226,7 @@ class ClaimPreparer:
         t2 = time.perf_counter()
         try:
             self._write_files(claim)
-        except OSError:
+        except Exception:  # recorded but not usable: undone, so the kubelet's retry starts afresh
             self._allocator.unprepare_claim(claim.uid)
             self._remove_files(claim.uid)
             raise
@@ -248,6 +253,11 @@ class ClaimPreparer:
                 problem = uid_problem(ref.uid)
                 if problem is not None:
                     out[ref.uid] = f"claim {ref}: {problem}; nothing was removed"
+                    log.error("NodeUnprepareResources: %s", out[ref.uid])
+                    continue
+                known = self._allocator.claim(ref.uid)
+                if known is not None and ref.name and (known.namespace, known.name) != (ref.namespace, ref.name):
+                    out[ref.uid] = f"claim {ref} ({ref.uid}): that UID is claim {known.key}; nothing was removed"
                     log.error("NodeUnprepareResources: %s", out[ref.uid])
                     continue
                 self._touched.add(ref.uid)
@@ -279,7 +289,7 @@ class ClaimPreparer:
             for claim in self._allocator.claims():
                 try:
                     self._write_files(claim)
-                except OSError as exc:
+                except Exception as exc:  # one claim's files: the others and the start go on
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
 
     def reconcile(self, *, verify_recovered: bool = False) -> list[str]:
@@ -295,12 +305,21 @@ class ClaimPreparer:
         """
         with self._lock:
             known = {c.uid: c for c in self._allocator.claims()}
-        removed = [uid for uid in (list(known) if verify_recovered else []) if self._free_if_gone(known[uid])]
+        removed = [uid for uid in (list(known) if verify_recovered else []) if self._checked(known[uid])]
         with self._lock:
             unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known and uid not in removed]
         rebuilt: list[ClaimAllocation] = []
         for uid in unknown:
-            outcome, claim = self._rebuild(uid)
+            try:
+                outcome, claim = self._rebuild(uid)
+            except Exception as exc:  # one odd claim must not stop the others' rebuild
+                log.error(
+                    "claim %s: cannot rebuild it from the API server (%s: %s); left as it is",
+                    uid,
+                    type(exc).__name__,
+                    exc,
+                )
+                continue
             if outcome == "removed":
                 removed.append(uid)
             elif claim is not None:
@@ -315,6 +334,14 @@ class ClaimPreparer:
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
         return removed
 
+    def _checked(self, claim: ClaimAllocation) -> bool:
+        """:meth:`_free_if_gone`, kept on an error no check foresaw (the next claims are checked all the same)."""
+        try:
+            return self._free_if_gone(claim)
+        except Exception as exc:
+            log.error("claim %s (%s): cannot check it (%s: %s); kept", claim.key, claim.uid, type(exc).__name__, exc)
+            return False
+
     def _free_if_gone(self, claim: ClaimAllocation) -> bool:
         """Whether a recovered claim was released in a change the damaged checkpoint lost: the API server
         no longer has it (or has another claim of that name), or reserves it for no pod. Then it is
@@ -327,8 +354,10 @@ class ClaimPreparer:
         except ClaimError as exc:
             log.warning("claim %s (%s): cannot check it against the API server (%s); kept", ref, claim.uid, exc)
             return False
-        if data is not None and (data.get("metadata") or {}).get("uid") == claim.uid:
-            if (data.get("status") or {}).get("reservedFor"):
+        meta = data.get("metadata") if isinstance(data, dict) else None
+        if isinstance(meta, dict) and meta.get("uid") == claim.uid:
+            status = data.get("status") if isinstance(data, dict) else None
+            if isinstance(status, dict) and status.get("reservedFor"):
                 return False
             reason = "it is reserved for no pod"
         else:
@@ -384,6 +413,12 @@ class ClaimPreparer:
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""
         return {c.uid: c for c in self._allocator.claims()}
+
+
+def _same_claim(known: ClaimAllocation, ref: ClaimRef) -> None:
+    """ClaimError when the kubelet names a prepared claim's UID with another namespace or name."""
+    if (known.namespace, known.name) != (ref.namespace, ref.name):
+        raise ClaimError(f"claim {ref} ({ref.uid}): that UID is claim {known.key}, prepared on this node; not answered")
 
 
 def _check_ref_uid(ref: ClaimRef) -> None:

@@ -198,6 +198,7 @@ def test_claim_results_become_shares_and_whole_gpus() -> None:
         ([result(consumedCapacity={"memory": "lots"})], "'lots'"),
         ([result(consumedCapacity={"shares": "1"})], "shares"),
         ([result(pool="node-b")], "pool 'node-b'"),
+        ([result(shareID="a", consumedCapacity={"cores": "\u0663\u0660"})], "'\u0663\u0660'"),  # Arabic-Indic 30
     ],
 )
 def test_bad_results_are_named(results: list[dict[str, Any]], text: str) -> None:

@@ -221,3 +221,60 @@ def test_a_hanging_api_server_is_asked_once_per_call(tmp_path: Path) -> None:
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: Path) -> None:
+    """Each read of the answer comes within the timeout, the whole never does: the claim gets its error."""
+    import socket
+
+    from gpumanager.dra.claims import ClaimError
+    from gpumanager.dra.prepare import api_reader
+    from gpumanager.kube.client import api_client
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            api_reader(api_client(str(kubeconfig)), timeout=1.0)("ns", "claim-a")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(20)
+    stop.set()
+    listener.close()
+    assert outcome, "the read still waits on an answer that never ends"
+    assert isinstance(outcome[0], ClaimError) and "claim ns/claim-a" in str(outcome[0]), outcome

@@ -61,15 +61,39 @@ class Outcome:
 
 
 def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
-    """A ClaimReader over the kubernetes client (GET .../resourceclaims/{name})."""
+    """A ClaimReader over the kubernetes client (GET .../resourceclaims/{name}).
+
+    ``timeout`` bounds the whole answer, not each read of it: a server (or a proxy) that trickles
+    its answer a byte at a time held a Prepare for as long as it liked. The GET runs in a thread of
+    its own; past the deadline the claim gets its error, and the thread ends with the connection.
+    """
     from gpumanager.kube.rest import ApiException, KubeRest, segment
 
     rest = KubeRest(api_client)
 
+    def get(path: str) -> Any:
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def fetch() -> None:
+            try:
+                box["out"] = rest.get_object(path, timeout=timeout)
+            except BaseException as exc:  # handed to the caller below
+                box["exc"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=fetch, name="read-claim", daemon=True).start()
+        if not done.wait(timeout):
+            raise TimeoutError(f"no whole answer within {timeout:g} s")
+        if "exc" in box:
+            raise box["exc"]
+        return box["out"]
+
     def read(namespace: str, name: str) -> JSON:
         path = f"/apis/{c.RESOURCE_API}/namespaces/{segment(namespace)}/resourceclaims/{segment(name)}"
         try:
-            out: JSON = rest.get_object(path, timeout=timeout)
+            out: JSON = get(path)
         except ApiException as exc:
             if exc.status == 404:
                 raise ClaimNotFound(f"claim {namespace}/{name} not found") from None

@@ -5,7 +5,7 @@ scrape computes every family the agent exports: per-container usage and limits, 
 allocation and health, call latencies, process metrics. Prints the scrape latency as the
 client sees it (median, p99; target p99 < 20 ms), the body size and its number of samples.
 
-    python bench/bench_metrics.py [--containers 250] [--scrapes 200]
+    python bench/bench_metrics.py [--containers 250] [--scrapes 200] [--legacy-metrics]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def run(workdir: Path, containers: int, scrapes: int) -> int:
-    cluster = SimCluster(workdir, "h200-x16", api_process=True)
+def run(workdir: Path, containers: int, scrapes: int, legacy: bool = False) -> int:
+    cluster = SimCluster(workdir, "h200-x16", api_process=True, agent_flags=["--legacy-metrics"] if legacy else [])
     cluster.start()
     timings: list[float] = []
     try:
@@ -70,7 +70,10 @@ def run(workdir: Path, containers: int, scrapes: int) -> int:
     samples = sum(1 for ln in body.decode().splitlines() if ln and not ln.startswith("#"))
     ms = [t * 1000 for t in timings]
     p99 = percentile(ms, 99)
-    print(f"node: 16 x H200, {containers} running GPU containers with a process each ({len(usage)} pods in /usage)")
+    print(
+        f"node: 16 x H200, {containers} running GPU containers with a process each ({len(usage)} pods in /usage)"
+        + (", --legacy-metrics (upstream's container_* families too)" if legacy else "")
+    )
     print(
         f"GET /metrics ({len(body) // 1024} KiB, {samples} samples) n={len(ms)} "
         f"median={statistics.median(ms):.2f} ms p99={p99:.2f} ms max={max(ms):.2f} ms "
@@ -83,10 +86,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--containers", type=int, default=250)
     parser.add_argument("--scrapes", type=int, default=200)
+    parser.add_argument("--legacy-metrics", action="store_true", help="the agent also exports upstream's families")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="bench-metrics-") as tmp:
-        return run(Path(tmp), args.containers, args.scrapes)
+        return run(Path(tmp), args.containers, args.scrapes, args.legacy_metrics)
 
 
 if __name__ == "__main__":

@@ -591,3 +591,27 @@ def test_claim_families_label_gpus_by_index_and_uuid_as_every_family() -> None:
     (users,) = families["gpu_manager_claim_containers"].samples
     assert users.labels == {"namespace": "ml", "claim": "share", "claim_uid": "uid-share", "pod": "trainer"}
     assert users.value == 2
+
+
+def test_legacy_families_are_written_again_only_for_a_sample_that_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's families were rebuilt, sorted and formatted on every scrape (p99 21 ms with 250
+    containers); the sampler keeps a container's usage object while nothing of it changes."""
+    same = sample_usages()
+    current = [same]
+    page = MetricsPage(agent=FakeAgent(), registry=CollectorRegistry(), sample=lambda: current[0], legacy_metrics=True)
+    renders = []
+    real = legacy.render
+
+    def counted(usages: Any) -> str:
+        renders.append(len(usages))
+        return real(usages)
+
+    monkeypatch.setattr(legacy, "render", counted)
+    for _ in range(3):
+        assert page.render().endswith(LEGACY.encode())
+    assert len(renders) == 1
+    current[0] = sample_usages()  # new objects: a new sample
+    page.render()
+    current[0] = []
+    assert b"\ncontainer_" not in page.render()
+    assert len(renders) == 3

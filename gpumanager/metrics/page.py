@@ -7,6 +7,7 @@ and histograms start at the agent's start, which ``process_start_time_seconds`` 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import prometheus_client
@@ -41,6 +42,9 @@ class MetricsPage:
         self._legacy = legacy_metrics
         self._containers = ContainerFamilies()
         self._families = textformat.FamilyText()
+        # Upstream's families of the last sample: written again only for a sample that differs (the
+        # sampler keeps a container's usage object while nothing of it changes).
+        self._legacy_last: tuple[tuple[ContainerUsage, ...], bytes] = ((), b"")
 
     def render(self) -> bytes:
         """The page body."""
@@ -48,5 +52,9 @@ class MetricsPage:
         text = self._families.render(self._registry.collect()) + self._containers.render(usages)
         body = text.encode()
         if self._legacy:
-            body += legacy.render(usages).encode()
+            last, page = self._legacy_last
+            if not page or len(last) != len(usages) or not all(map(operator.is_, last, usages)):
+                page = legacy.render(usages).encode()
+                self._legacy_last = (tuple(usages), page)
+            body += page
         return body

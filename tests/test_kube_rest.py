@@ -278,3 +278,26 @@ def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path
     listener.close()
     assert outcome, "the read still waits on an answer that never ends"
     assert isinstance(outcome[0], ClaimError) and "claim ns/claim-a" in str(outcome[0]), outcome
+
+
+@pytest.mark.parametrize("wait_as_told", [True, False])
+def test_a_throttled_request_waits_only_where_the_caller_has_no_deadline(
+    tmp_path: Path, api: ApiServerSimulator, wait_as_told: bool
+) -> None:
+    """The agent's own calls wait a 429's Retry-After (urllib3 retries it); the extender's bind, which
+    must answer the scheduler within its deadline, gets the 429 at once and retries on its own terms."""
+    from gpumanager.kube.client import api_client
+
+    api.create_pod(pod_manifest("a"))
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    client = KubeRest(api_client(str(kubeconfig), wait_as_told=wait_as_told))
+    api.fail_next("GET", r"/pods/a$", status=429, count=1, retry_after=1, message="too many requests")
+    api.clear_requests()
+    if wait_as_told:
+        assert client.read_pod("default", "a", timeout=10)["metadata"]["name"] == "a"
+    else:
+        with pytest.raises(ApiException) as throttled:
+            client.read_pod("default", "a", timeout=10)
+        assert throttled.value.status == 429
+    gets = [r for r in api.requests if r.method == "GET" and r.path.endswith("/pods/a")]
+    assert len(gets) == (2 if wait_as_told else 1)

@@ -312,12 +312,18 @@ class _Bind:
             never = never_served([*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)])
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
+        except (AttributeError, TypeError, KeyError, RecursionError) as exc:
+            raise BindError(
+                f"{self.who}: its spec has an unexpected shape ({type(exc).__name__}: {exc})", "refused"
+            ) from exc
         if never:
             raise BindError(f"{self.who}: {never}", "refused")
         if not requests:
             self._check_inits(podinfo.uid(pod), inits)
             self._binding(podinfo.uid(pod), None, {})
             return "bound"
+        if self._check_earlier_binding(pod):
+            return "already_bound"
         conflicts = 0
         while True:
             uid = podinfo.uid(pod)
@@ -351,6 +357,22 @@ class _Bind:
         )
         return "bound"
 
+    def _check_earlier_binding(self, pod: JSON) -> bool:
+        """Refuse to bind a pod elsewhere while a Binding of it to another node got no answer: the API
+        server may still make it, and the GPUs held there would be let go while the pod lands there.
+        True when the pod turns out bound to this bind's node already."""
+        earlier = self._state.unanswered_binding(podinfo.uid(pod))
+        if earlier is None or earlier == self.args.node:
+            return False
+        current = self._get()  # from the API server: has the earlier Binding been made meanwhile?
+        if self._bound_already(current):  # raises when it is bound to another node
+            return True
+        raise BindError(
+            f"{self.who}: an earlier Binding to node {earlier} got no answer and may still be made; "
+            f"its GPUs stay held there until the pod shows where it is (at most {self._state.assume_ttl:g} s)",
+            "refused",
+        )
+
     def _binding(self, uid: str, patched: JSON | None, patch: Mapping[str, str | None]) -> None:
         node = self.args.node
         try:
@@ -368,7 +390,7 @@ class _Bind:
             if current is None and not refused:
                 # No answer either way: the API server may still make the Binding. Keep the GPUs
                 # held and the annotations in place, so the pod never holds GPUs nobody counts.
-                self._state.assumed_bound(uid, bound=False)
+                self._state.assumed_bound(uid, bound=False, node=node)
                 raise BindError(
                     f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; the binding may "
                     f"still be made: its GPUs stay held until the pod shows where it is (at most "

@@ -61,6 +61,7 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         return None
     charges: list[Charge] = []
     unplaced = 0
+    bound = bool((pod.get("spec") or {}).get("nodeName"))
     here = podinfo.predicated_here(pod)
     for request in requests:
         if not here:  # chosen for another node: the agent here chooses by itself
@@ -75,8 +76,21 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         if minors is None:
             unplaced += 1
             continue
+        need = request.cores // names.HUNDRED_CORES if request.cores >= names.HUNDRED_CORES else 1
+        if len(set(minors)) != need:
+            log.warning(
+                "pod %s container %s: %s%d names GPU(s) %s but %d cores need %d distinct GPU(s); not counted",
+                podinfo.pod_key(pod),
+                request.name,
+                names.PREDICATE_GPU_IDX_PREFIX,
+                request.index,
+                ",".join(map(str, minors)),
+                request.cores,
+                need,
+            )
+            unplaced += 1
+            continue
         memory = request.memory_bytes if request.shared else 0
         charges.extend(Charge(m, request.cores, memory) for m in dict.fromkeys(minors))
     when = str(podinfo.pod_annotations(pod).get(names.PREDICATE_TIME, ""))
-    bound = bool((pod.get("spec") or {}).get("nodeName"))
     return PodCharges(pod_node(pod), tuple(charges), unplaced, when, bound)

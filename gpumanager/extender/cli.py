@@ -123,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpumanager.kube.client import KubeUnavailableError, api_client
 
     try:
-        api = api_client(args.kubeconfig)
+        # A bind answers the scheduler within --bind-timeout: a throttled request fails and bind's own
+        # retries, bounded by that deadline, take over (three Retry-After waits took 18 s of a 4 s bind).
+        api = api_client(args.kubeconfig, wait_as_told=False)
     except KubeUnavailableError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_START

@@ -37,6 +37,18 @@ def all_requests_of(pod: JSON) -> list[GPURequest]:
     return [*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)]
 
 
+#: What a pod or node object of the wrong shape raises when it is read as the API server writes them.
+_SHAPE_ERRORS = (AttributeError, TypeError, KeyError, RecursionError)
+
+
+def _pod_key(pod: object) -> str:
+    """``namespace/name`` of a pod, whatever its shape."""
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    if not isinstance(meta, dict):
+        return "(unnamed)"
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
 class Decider:
     """Answers filter and prioritize from a :class:`ClusterState`."""
 
@@ -70,7 +82,16 @@ class Decider:
         return ("unresolvable" if never else "fail"), problem
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
-        """``ExtenderFilterResult`` for the candidates, and the count of each outcome."""
+        """``ExtenderFilterResult`` for the candidates, and the count of each outcome. A pod or node
+        object of an unexpected shape gets an error naming the pod, not a failed call."""
+        try:
+            return self._filter(args)
+        except _SHAPE_ERRORS as exc:
+            why = f"pod {_pod_key(args.pod)}: the pod or a node has an unexpected shape ({type(exc).__name__}: {exc})"
+            log.warning("filter: %s", why)
+            return error_filter_result(why), Counter(error=1)
+
+    def _filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
         outcomes: Counter[str] = Counter()
         try:
             requests = requests_of(args.pod)
@@ -111,7 +132,20 @@ class Decider:
         return filter_result(args, passed, failed, unresolvable), outcomes
 
     def prioritize(self, args: ExtenderArgs) -> list[JSON]:
-        """``HostPriorityList``: 0-10 per candidate (0 where the pod does not fit now)."""
+        """``HostPriorityList``: 0-10 per candidate (0 where the pod does not fit now, or where the pod or
+        node has an unexpected shape)."""
+        try:
+            return self._prioritize(args)
+        except _SHAPE_ERRORS as exc:
+            log.warning(
+                "prioritize: pod %s: unexpected shape (%s: %s); every node scores 0",
+                _pod_key(args.pod),
+                type(exc).__name__,
+                exc,
+            )
+            return [{"Host": name, "Score": 0} for name in args.names]
+
+    def _prioritize(self, args: ExtenderArgs) -> list[JSON]:
         try:
             requests = requests_of(args.pod)
         except PodSpecError:

@@ -199,6 +199,12 @@ class ExtenderServer:
                         self.close_connection = True
 
             def _read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding"):
+                    self.close_connection = True  # the chunks would be read as the next request
+                    raise BadRequestError(
+                        f"Transfer-Encoding {self.headers.get('Transfer-Encoding')!r} is not supported: send the "
+                        "body with a Content-Length (as the kube-scheduler does)"
+                    )
                 raw = self.headers.get("Content-Length")
                 try:
                     length = int(raw or 0)

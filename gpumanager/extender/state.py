@@ -58,6 +58,8 @@ class ClusterState:
         self._by_node: dict[str, set[str]] = {}
         # Pods shown chosen for a node but not bound: UID -> (predicate time, when first seen so, namespace/name).
         self._unbound: dict[str, tuple[str, float, str]] = {}
+        # Bindings bind sent without an answer: UID -> (node, until when the API server may still make it).
+        self._unanswered: dict[str, tuple[str, float]] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -117,8 +119,15 @@ class ClusterState:
         with self.lock:
             if self._fingerprints.get(name) == mark:
                 return self._nodes.get(name)
+            try:
+                gpus = node_gpus(node)
+            except (AttributeError, TypeError, ValueError, RecursionError) as exc:
+                # Not remembered as seen: the node's next event is looked at again.
+                log.warning(
+                    "node %s: its object has an unexpected shape (%s: %s); not used", name, type(exc).__name__, exc
+                )
+                return self._nodes.get(name)
             self._fingerprints[name] = mark
-            gpus = node_gpus(node)
             if gpus is None:
                 self._nodes.pop(name, None)
                 return None
@@ -141,6 +150,8 @@ class ClusterState:
         """A pod was added, changed or deleted (as the watch shows it)."""
         uid = podinfo.uid(pod)
         with self.lock:
+            if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
+                self._unanswered.pop(uid, None)  # bound (or gone): no Binding is pending any more
             charges = None if kind == "DELETED" else pod_charges(pod)
             if charges is not None and not charges.bound:
                 seen = self._unbound.get(uid)
@@ -192,17 +203,33 @@ class ClusterState:
             self._assumed[uid] = Assumption(charges)
             self._reapply(uid)
 
-    def assumed_bound(self, uid: str, *, bound: bool = True) -> None:
+    def assumed_bound(self, uid: str, *, bound: bool = True, node: str = "") -> None:
         """Bind finished: the assumption now ends at the latest ``assume_ttl`` seconds from now.
 
         ``bound=False``: bind could not tell whether the API server made the Binding (it did not
         answer in time); the GPUs stay held all the same, but a later bind of the pod is no repeat.
         """
         with self.lock:
+            until = time.monotonic() + self.assume_ttl
             assumption = self._assumed.get(uid)
             if assumption is not None:
-                assumption.expires = time.monotonic() + self.assume_ttl
+                assumption.expires = until
                 assumption.bound = bound
+                node = node or assumption.charges.node
+            if not bound and node:  # remembered even when the watch has ended the assumption already
+                self._unanswered[uid] = (node, until)
+
+    def unanswered_binding(self, uid: str) -> str | None:
+        """The node of a Binding of the pod that got no answer and may still be made (within
+        ``assume_ttl``, until the watch shows the pod bound or gone); None without one."""
+        with self.lock:
+            found = self._unanswered.get(uid)
+            if found is None:
+                return None
+            if time.monotonic() > found[1]:
+                del self._unanswered[uid]
+                return None
+            return found[0]
 
     def forget(self, uid: str) -> None:
         """Drop the pod's assumption (bind failed)."""

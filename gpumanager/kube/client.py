@@ -54,10 +54,14 @@ class KubeClient:
     rest_client: Any
 
 
-def api_client(kubeconfig: str = "") -> Any:
+def api_client(kubeconfig: str = "", *, wait_as_told: bool = True) -> Any:
     """The Kubernetes package's ``ApiClient`` (for its typed API classes) from ``kubeconfig``, or the
-    in-cluster configuration when it is empty."""
+    in-cluster configuration when it is empty. ``wait_as_told=False``: a 429 or 503 is answered to the
+    caller at once instead of waiting its ``Retry-After`` (up to three times): for callers with a
+    deadline of their own (the extender's bind)."""
     cfg = kube_client(kubeconfig).configuration
+    if not wait_as_told:
+        cfg.retries = Retry(total=3, connect=0, read=0, respect_retry_after_header=False)
     return lazy_package.import_module("kubernetes.client.api_client").ApiClient(cfg)
 
 

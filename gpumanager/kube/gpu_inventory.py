@@ -180,6 +180,8 @@ def decode(text: str) -> Inventory:
         data = json.loads(text)
     except (TypeError, json.JSONDecodeError) as exc:
         raise InventoryError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise InventoryError("JSON nested too deeply to read") from None
     if not isinstance(data, dict):
         raise InventoryError(f"not a JSON object: {text[:80]!r}")
     if data.get("version") != VERSION:

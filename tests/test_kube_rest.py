@@ -142,20 +142,25 @@ class _Answering:
         self.server.server_close()
 
     def kubeconfig(self, directory: Path) -> str:
-        path = directory / "kubeconfig"
-        path.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
-                    "users": [{"name": "u", "user": {"token": "t"}}],
-                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                    "current-context": "x",
-                }
-            )
+        return _kubeconfig(directory, self.server.server_port)
+
+
+def _kubeconfig(directory: Path, port: int) -> str:
+    """A kubeconfig for a plain-HTTP server on 127.0.0.1:``port``, with a token."""
+    path = directory / "kubeconfig"
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
         )
-        return str(path)
+    )
+    return str(path)
 
 
 def test_an_answer_that_is_not_json_is_named_with_the_request_and_the_body(tmp_path: Path) -> None:
@@ -249,24 +254,12 @@ def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path
                     return
 
     threading.Thread(target=trickle, daemon=True).start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                "current-context": "x",
-            }
-        )
-    )
+    kubeconfig = _kubeconfig(tmp_path, port)
     outcome: list[BaseException | None] = []
 
     def read() -> None:
         try:
-            api_reader(api_client(str(kubeconfig)), timeout=1.0)("ns", "claim-a")
+            api_reader(api_client(kubeconfig), timeout=1.0)("ns", "claim-a")
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)

@@ -130,3 +130,13 @@ def test_an_unusual_layout_is_found_by_the_search_after_the_backoff(tmp_path: Pa
     assert locator.pids(UID, CID) == [9]
     locator.forget_pod(UID)  # forgetting a pod forgets its misses too
     assert locator.pids(UID, CID) == [9]
+
+
+@pytest.mark.parametrize("asked", ["pod", "kubepods", "9c2a", "4f9c2", "slice"])
+def test_a_piece_of_a_name_is_no_container(tmp_path: Path, asked: str) -> None:
+    """The search takes a directory for the container's only when it is the ID whole (after the
+    runtime's prefix): ``pod`` found the pod's own cgroup, a piece of an ID another container's."""
+    make(tmp_path, f"kubepods/pod{UID}/{CID}", [10])
+    make(tmp_path, f"kubepods.slice/kubepods-pod{U_}.slice/cri-containerd-{CID}.scope", [11])
+    assert cgroups.find_container_cgroup(tmp_path, UID, asked) is None
+    assert cgroups.find_container_cgroup(tmp_path, UID, CID) is not None

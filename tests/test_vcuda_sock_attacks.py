@@ -167,3 +167,40 @@ def test_connections_to_a_pods_socket_end_with_the_pod(cluster: SimCluster) -> N
         assert ended, "a connection to the socket of a pod that ended is still relayed"
     finally:
         conn.close()
+
+
+def test_a_short_prefix_of_an_id_cannot_write_into_another_containers_directory(cluster: SimCluster) -> None:
+    """A container may name itself by a prefix of its ID, and its files go into a directory of that
+    name; a prefix that is another container's name ("b") wrote the PIDs of one container into the
+    other's pids.config."""
+    from simnode import cluster as sim
+
+    run = cluster.admit(gpu_pod("two", [("main", 30, 4), ("b", 30, 4)]))
+    for name in run.core:
+        for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+            cluster.kubelet.pre_start(resource, pod_uid=run.uid, container_name=name)
+    ids = {"main": "b" + "1" * 63, "b": "c" + "2" * 63}
+    statuses = []
+    for name, cid in ids.items():
+        pid = next(sim._pid_counter)
+        run.pids[name] = pid
+        sim.make_cgroup(cluster.cgroup_root / "kubepods" / f"pod{run.uid}" / cid, [pid])
+        statuses.append(
+            {"name": name, "containerID": f"containerd://{cid}", "ready": True, "restartCount": 0,
+             "image": "cuda", "imageID": "", "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}}}
+        )  # fmt: skip
+    run.statuses = statuses
+    cluster.publish_status(run)
+    cluster.wait_status(run)
+    with grpc.insecure_channel(f"unix://{_socket(cluster, run)}") as channel:
+        for short in ("b", "b111", "b11111111111"[:11]):
+            assert _register(channel, run.uid, short, 3.0) != grpc.StatusCode.OK, short
+        assert _register(channel, run.uid, ids["main"][:12], 10.0) == grpc.StatusCode.OK  # a short ID
+        assert _register(channel, run.uid, ids["main"], 10.0) == grpc.StatusCode.OK
+    from gpumanager.vmanager.files import read_pids
+
+    written = cluster.vm_path / run.uid / "b" / "pids.config"  # container b's own (by its name)
+    assert run.pids["main"] not in (read_pids(written) if written.exists() else []), "main's PIDs in b's file"
+    assert sorted(p.name for p in (cluster.vm_path / run.uid).iterdir() if p.is_dir()) == sorted(
+        ["b", "main", ids["main"][:12], ids["main"]]
+    ), "a directory for a prefix that names no container"

@@ -75,9 +75,17 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
         if len(here.parts) - base_depth >= max_depth:
             dirnames[:] = []
             continue
-        if container_id in here.name and any(m in str(here) for m in pod_marks):
+        if _names_container(here.name, container_id) and any(m in str(here) for m in pod_marks):
             return here
     return None
+
+
+def _names_container(name: str, container_id: str) -> bool:
+    """Whether a cgroup directory is the container's: its ID whole, alone or after the runtime's prefix
+    (``cri-containerd-<id>.scope``, ``docker-<id>.scope``, ``crio-<id>``), not a part of a longer name
+    (``pod``, ``slice`` or a piece of another container's ID would match a substring)."""
+    base = name.removesuffix(".scope")
+    return base == container_id or base.endswith(("-" + container_id, "_" + container_id, ":" + container_id))
 
 
 def pids_under(directory: Path | str) -> list[int]:

@@ -55,6 +55,8 @@ _CGROUP_POLL_SECONDS = 1.0
 _DEADLINE_MARGIN_SECONDS = 0.5
 # A container ID as the runtimes write it (hex, 64 characters for containerd and docker); it becomes a directory.
 _CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+#: The shortest prefix of a container ID taken for it (docker's short IDs).
+_SHORT_ID = 12
 
 
 class RegistrationRefused(CallRefused):
@@ -268,7 +270,13 @@ class VirtualManager:
             if not container_id:
                 raise _NotYet(f"container {name} of {where} has no container ID yet")
             return _Target(pod, name, container_id, name, alloc)
-        matches = [n for n, cid in ids.items() if cid == req.container_id or cid.startswith(req.container_id)]
+        # A prefix names a container only when it is at least a short ID (12 characters, as docker prints
+        # them) and no container of the pod is called so: its files go into a directory of that name, and
+        # a name-based registration's directory is the container's name.
+        prefix_ok = len(req.container_id) >= _SHORT_ID and req.container_id not in ids
+        matches = [
+            n for n, cid in ids.items() if cid == req.container_id or (prefix_ok and cid.startswith(req.container_id))
+        ]
         if len(matches) == 1:
             name = matches[0]
             return _Target(pod, name, ids[name], req.container_id, self._allocated(socket_pod, name, where))

@@ -24,6 +24,10 @@ import msgspec
 JSON = dict[str, Any]
 
 
+#: What a pod or node object of the wrong shape raises when it is read as the API server writes them.
+SHAPE_ERRORS = (AttributeError, TypeError, KeyError, RecursionError)
+
+
 class BadRequestError(ValueError):
     """The request body is not what the verb takes; the message names the field."""
 

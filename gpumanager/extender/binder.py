@@ -38,7 +38,7 @@ from urllib3.exceptions import TimeoutError as Urllib3TimeoutError
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
-from gpumanager.extender.api import BindingArgs
+from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
 from gpumanager.extender.charges import PodCharges
 from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import ClusterState
@@ -312,7 +312,7 @@ class _Bind:
             never = never_served([*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)])
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
-        except (AttributeError, TypeError, KeyError, RecursionError) as exc:
+        except SHAPE_ERRORS as exc:
             raise BindError(
                 f"{self.who}: its spec has an unexpected shape ({type(exc).__name__}: {exc})", "refused"
             ) from exc

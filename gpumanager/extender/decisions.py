@@ -14,7 +14,7 @@ from collections import Counter
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
-from gpumanager.extender.api import JSON, ExtenderArgs, error_filter_result, filter_result
+from gpumanager.extender.api import JSON, SHAPE_ERRORS, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.nodes import NodeGPUs
 from gpumanager.extender.placement import Policy, fits, never_served, place
 from gpumanager.extender.state import ClusterState
@@ -35,10 +35,6 @@ def init_requests_of(pod: JSON) -> list[GPURequest]:
 def all_requests_of(pod: JSON) -> list[GPURequest]:
     """Every container's vcuda requests, init containers first, GPU or not (for :func:`never_served`)."""
     return [*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)]
-
-
-#: What a pod or node object of the wrong shape raises when it is read as the API server writes them.
-_SHAPE_ERRORS = (AttributeError, TypeError, KeyError, RecursionError)
 
 
 def _pod_key(pod: object) -> str:
@@ -86,7 +82,7 @@ class Decider:
         object of an unexpected shape gets an error naming the pod, not a failed call."""
         try:
             return self._filter(args)
-        except _SHAPE_ERRORS as exc:
+        except SHAPE_ERRORS as exc:
             why = f"pod {_pod_key(args.pod)}: the pod or a node has an unexpected shape ({type(exc).__name__}: {exc})"
             log.warning("filter: %s", why)
             return error_filter_result(why), Counter(error=1)
@@ -136,7 +132,7 @@ class Decider:
         node has an unexpected shape)."""
         try:
             return self._prioritize(args)
-        except _SHAPE_ERRORS as exc:
+        except SHAPE_ERRORS as exc:
             log.warning(
                 "prioritize: pod %s: unexpected shape (%s: %s); every node scores 0",
                 _pod_key(args.pod),

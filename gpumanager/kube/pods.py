@@ -96,6 +96,16 @@ def _lines(response: Any) -> Iterator[bytes]:
         yield buffer
 
 
+class _Flight:
+    """One list of :meth:`PodCache.refresh` on its way: when it was sent, and its answer."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.done = threading.Event()
+        self.items: list[Pod] | None = None
+        self.error: BaseException | None = None
+
+
 class PodCache:
     """List+watch of the pods whose ``spec.nodeName`` is this node. Thread-safe."""
 
@@ -132,8 +142,7 @@ class PodCache:
         self._last_error = ""
         self._refresh_deadline = refresh_deadline
         self._refresh_lock = threading.Lock()
-        self._refresh_done: threading.Event | None = None
-        self._refresh_result: tuple[list[Pod] | None, BaseException | None] = (None, None)
+        self._refresh_flight: _Flight | None = None
         self.backoff = Backoff()
         self.lists = 0
         self.watch_restarts = 0
@@ -187,33 +196,39 @@ class PodCache:
     def refresh(self) -> list[Pod]:
         """The node's pods listed from the API server now; the cache is not changed.
 
-        Waits at most ``refresh_deadline`` seconds in all (one list at a time is in flight; later
-        callers share it) and raises TimeoutError saying the API server did not answer, or the
-        list's own error.
+        The list answered was sent after this call began: a caller that finds a list already on its
+        way waits for it and then for the next (a list sent before it may lack pods the caller has just
+        seen, and callers free the GPUs of pods a list lacks). One list at a time is in flight; callers
+        arriving meanwhile share the next. Waits at most ``refresh_deadline`` seconds in all and raises
+        TimeoutError saying the API server did not answer, or the list's own error.
         """
-        with self._refresh_lock:
-            done = self._refresh_done
-            if done is None:
-                done = self._refresh_done = threading.Event()
-                threading.Thread(target=self._refresh_once, args=(done,), name="pod-refresh", daemon=True).start()
-        if not done.wait(self._refresh_deadline):
-            raise TimeoutError(f"the API server did not answer a pod list within {self._refresh_deadline:g} s")
-        items, error = self._refresh_result
-        if error is not None:
-            raise error
-        assert items is not None
-        return items
+        arrived = time.monotonic()
+        deadline = arrived + self._refresh_deadline
+        while True:
+            with self._refresh_lock:
+                flight = self._refresh_flight
+                if flight is None:
+                    flight = self._refresh_flight = _Flight(time.monotonic())
+                    threading.Thread(
+                        target=self._refresh_once, args=(flight,), name="pod-refresh", daemon=True
+                    ).start()
+            if not flight.done.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the API server did not answer a pod list within {self._refresh_deadline:g} s")
+            if flight.sent >= arrived:
+                break
+        if flight.error is not None:
+            raise flight.error
+        assert flight.items is not None
+        return flight.items
 
-    def _refresh_once(self, done: threading.Event) -> None:
+    def _refresh_once(self, flight: _Flight) -> None:
         try:
-            items, _ = self._list()
-            result: tuple[list[Pod] | None, BaseException | None] = (items, None)
+            flight.items, _ = self._list()
         except Exception as exc:
-            result = (None, exc)
+            flight.error = exc
         with self._refresh_lock:
-            self._refresh_result = result
-            self._refresh_done = None
-        done.set()
+            self._refresh_flight = None
+        flight.done.set()
 
     def lookup(self, namespace: str, name: str) -> Pod | None:
         """A pod by namespace and name: from the cache, else from a fresh list (bounded as :meth:`refresh`)."""

@@ -209,9 +209,7 @@ class PodCache:
                 flight = self._refresh_flight
                 if flight is None:
                     flight = self._refresh_flight = _Flight(time.monotonic())
-                    threading.Thread(
-                        target=self._refresh_once, args=(flight,), name="pod-refresh", daemon=True
-                    ).start()
+                    threading.Thread(target=self._refresh_once, args=(flight,), name="pod-refresh", daemon=True).start()
             if not flight.done.wait(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"the API server did not answer a pod list within {self._refresh_deadline:g} s")
             if flight.sent >= arrived:

@@ -694,3 +694,39 @@ def test_an_init_container_leaves_the_gpus_predicated_for_its_pods_other_contain
         assert got == {"setup": (5 - predicated,), "app": (predicated,)}
         pods.items.remove(pod)
         alloc.release_pod(uid_of(f"p{predicated}"))
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda p: p["status"].update(containerStatuses=[None]),
+        lambda p: p["status"].update(containerStatuses=[{"name": "c0", "state": "odd"}]),
+        lambda p: p["spec"]["containers"].append(None),
+        lambda p: p["spec"].update(initContainers=[None, 7]),
+        lambda p: p["spec"]["containers"][0].update(resources=["limits"]),
+        lambda p: p.update(status="Pending"),
+        lambda p: p["metadata"].update(annotations=None),
+    ],
+    ids=[
+        "null-status",
+        "odd-state",
+        "null-container",
+        "odd-init-containers",
+        "odd-resources",
+        "odd-status",
+        "null-annotations",
+    ],
+)
+def test_an_odd_pod_object_fails_no_other_pods_allocate(tmp_path: Path, spoil: object) -> None:
+    held = make_pod("held", [("c0", 30, 4)])
+    pods = FakePods([held])
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(0, 30))
+    odd = make_pod("odd", [("c0", 50, 4)])
+    spoil(odd)  # type: ignore[operator]
+    spoil(held)  # type: ignore[operator]
+    pods.items.append(odd)
+    assert alloc.allocate(core_ids(0, 30)) == first, "the kubelet's repeat of held's Allocate"
+    pods.items.append(make_pod("fine", [("c0", 20, 4)]))
+    assert alloc.allocate(core_ids(1, 20)).envs["VCUDA_CONFIG_PATH"].endswith("/c0/vcuda.config")
+    assert alloc.get(uid_of("fine"), "c0") is not None

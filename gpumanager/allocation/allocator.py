@@ -704,7 +704,17 @@ class Allocator:
         return self._best([w for w in waiting if w is not None], cores)
 
     def _waiting_entry(self, pod: Pod) -> Waiting | None:
-        """The pod as a Waiting one; None when no container of it can be waiting for an Allocate."""
+        """The pod as a Waiting one; None when no container of it can be waiting for an Allocate (or
+        its object cannot be read: one odd pod must not fail the Allocate of every other)."""
+        try:
+            return self._read_waiting(pod)
+        except Exception as exc:
+            log.warning(
+                "skipping pod %s: its object cannot be read (%s: %s)", podinfo.pod_key(pod), type(exc).__name__, exc
+            )
+            return None
+
+    def _read_waiting(self, pod: Pod) -> Waiting | None:
         if podinfo.phase(pod) != "Pending" or podinfo.is_assigned(pod) or podinfo.should_delete(pod):
             return None
         if podinfo.is_terminated(pod) or podinfo.is_deleting(pod):

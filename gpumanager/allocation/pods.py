@@ -26,27 +26,41 @@ class PodSpecError(ValueError):
 
 def pod_key(pod: Pod) -> str:
     """``namespace/name`` for messages."""
-    meta = pod.get("metadata") or {}
+    meta = _mapping(pod.get("metadata"))
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
 def uid(pod: Pod) -> str:
     """The pod's UID."""
-    return str((pod.get("metadata") or {}).get("uid", ""))
+    return str(_mapping(pod.get("metadata")).get("uid", ""))
 
 
 def pod_annotations(pod: Pod) -> Mapping[str, str]:
     """The pod's annotations (never None)."""
-    return (pod.get("metadata") or {}).get("annotations") or {}
+    return _mapping(_mapping(pod.get("metadata")).get("annotations"))
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is an object, else an empty one (a field of the wrong shape reads as absent)."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _objects(value: Any) -> list[Mapping[str, Any]]:
+    """The objects of a list field; a null or other odd item is skipped, a field that is no list reads as empty."""
+    return [item for item in value if isinstance(item, Mapping)] if isinstance(value, list) else []
+
+
+def _statuses(pod: Pod, field: str = "containerStatuses") -> list[Mapping[str, Any]]:
+    return _objects(_mapping(pod.get("status")).get(field))
 
 
 def containers(pod: Pod) -> list[Mapping[str, Any]]:
     """``spec.containers`` in order."""
-    return list((pod.get("spec") or {}).get("containers") or [])
+    return _objects(_mapping(pod.get("spec")).get("containers"))
 
 
 def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
-    limits = (container.get("resources") or {}).get("limits") or {}
+    limits = _mapping(_mapping(container.get("resources")).get("limits"))
     raw = limits.get(resource)
     if raw is None:
         return 0
@@ -115,7 +129,7 @@ def gpu_containers(pod: Pod) -> list[GPURequest]:
 def init_gpu_requests(pod: Pod) -> list[GPURequest]:
     """The vcuda requests of ``spec.initContainers``; their index is negative (-1 for the first): no
     ``predicate-gpu-idx`` names them, gpu-admission indexes ``spec.containers`` only."""
-    inits = list((pod.get("spec") or {}).get("initContainers") or [])
+    inits = _objects(_mapping(pod.get("spec")).get("initContainers"))
     return [
         GPURequest(
             name=str(c.get("name", "")),
@@ -185,7 +199,7 @@ def predicate_time(pod: Pod) -> int:
             return int(raw)
         except ValueError:
             pass
-    return _rfc3339_ns(str((pod.get("metadata") or {}).get("creationTimestamp", "")))
+    return _rfc3339_ns(str(_mapping(pod.get("metadata")).get("creationTimestamp", "")))
 
 
 def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
@@ -209,22 +223,28 @@ def predicated_here(pod: Pod) -> bool:
     (``gpu-assigned=true``: it wrote the indices it used and leaves ``predicate-node`` as it was).
     """
     chosen = pod_annotations(pod).get(names.PREDICATE_NODE)
-    bound = (pod.get("spec") or {}).get("nodeName")
+    bound = _mapping(pod.get("spec")).get("nodeName")
     return not chosen or not bound or chosen == bound or is_assigned(pod)
+
+
+def qos_class(pod: Pod) -> str | None:
+    """``status.qosClass`` (None when absent or not a string): where the kubelet puts the pod's cgroup."""
+    value = _mapping(pod.get("status")).get("qosClass")
+    return value if isinstance(value, str) else None
 
 
 def phase(pod: Pod) -> str:
     """``status.phase``."""
-    return str((pod.get("status") or {}).get("phase", ""))
+    return str(_mapping(pod.get("status")).get("phase", ""))
 
 
 def should_delete(pod: Pod) -> bool:
     """gpu-manager's ShouldDelete: PreStart failed for a container, or admission failed."""
-    status = pod.get("status") or {}
+    status = _mapping(pod.get("status"))
     if status.get("reason") == "UnexpectedAdmissionError":
         return True
-    for cs in status.get("containerStatuses") or []:
-        waiting = ((cs or {}).get("state") or {}).get("waiting") or {}
+    for cs in _statuses(pod):
+        waiting = _mapping(_mapping(cs.get("state")).get("waiting"))
         if names.PRESTART_FAILED in str(waiting.get("message", "")):
             return True
     return False
@@ -238,20 +258,20 @@ def is_terminated(pod: Pod) -> bool:
     """
     if phase(pod) in ("Succeeded", "Failed"):
         return True
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        return bool(statuses) and all("running" not in ((cs or {}).get("state") or {}) for cs in statuses)
+    if _mapping(pod.get("metadata")).get("deletionTimestamp"):
+        statuses = _statuses(pod)
+        return bool(statuses) and all("running" not in _mapping(cs.get("state")) for cs in statuses)
     return False
 
 
 def is_deleting(pod: Pod) -> bool:
     """The pod has a deletionTimestamp: the kubelet starts none of its containers any more."""
-    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+    return bool(_mapping(pod.get("metadata")).get("deletionTimestamp"))
 
 
 def container_env(container: Mapping[str, Any], name: str) -> str | None:
     """The literal value of an env var of a container spec."""
-    for env in container.get("env") or []:
+    for env in _objects(container.get("env")):
         if env.get("name") == name:
             value = env.get("value")
             return None if value is None else str(value)
@@ -261,9 +281,8 @@ def container_env(container: Mapping[str, Any], name: str) -> str | None:
 def container_ids(pod: Pod) -> dict[str, str]:
     """Container name -> runtime container ID (``containerd://<id>`` prefix removed) from the pod status."""
     found = {}
-    status = pod.get("status") or {}
-    for cs in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []):
-        cid = str((cs or {}).get("containerID") or "")
+    for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses"):
+        cid = str(cs.get("containerID") or "")
         if cid:
             found[str(cs.get("name", ""))] = cid.split("://", 1)[-1]
     return found
@@ -272,8 +291,8 @@ def container_ids(pod: Pod) -> dict[str, str]:
 def started_containers(pod: Pod) -> set[str]:
     """Names of containers the runtime has started: a container ID, or a running or terminated state."""
     found = set()
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        state = (cs or {}).get("state") or {}
+    for cs in _statuses(pod):
+        state = _mapping(cs.get("state"))
         if cs.get("containerID") or "running" in state or "terminated" in state:
             found.add(str(cs.get("name", "")))
     return found

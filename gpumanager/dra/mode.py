@@ -315,7 +315,7 @@ class DRAMode:
 
                 cid = podinfo.container_ids(pod).get(container)
                 if cid:
-                    pids.update(self._cgroups.pids(podinfo.uid(pod), cid, (pod.get("status") or {}).get("qosClass")))
+                    pids.update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
             ordered = sorted(pids)
             if self._last_pids.get(claim.uid) == ordered:
                 continue

@@ -258,7 +258,7 @@ class UsageSampler:
                 held.append(_Held(pod, alloc, gpus, tuple(self._idle(g) for g in gpus), alloc.key))
             entry = ids.get(alloc.pod_uid)
             if entry is None:
-                entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), (pod.get("status") or {}).get("qosClass"))
+                entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), podinfo.qos_class(pod))
             cid = entry[0].get(alloc.container)
             if cid:
                 containers[alloc.key] = (cid, entry[1])

@@ -310,7 +310,7 @@ class VirtualManager:
         Candidates: containers with an allocation whose status names no container ID, or one
         whose cgroup is gone (the container was restarted and has a new ID).
         """
-        qos = (pod.get("status") or {}).get("qosClass")
+        qos = podinfo.qos_class(pod)
         if self._cgroups.find(pod_uid, container_id, qos, search=True) is None:
             return None
         ids = podinfo.container_ids(pod)
@@ -325,7 +325,7 @@ class VirtualManager:
         return candidates[0] if len(candidates) == 1 else None
 
     def _write_registration(self, socket_pod: str, target: _Target) -> Path:
-        qos = (target.pod.get("status") or {}).get("qosClass")
+        qos = podinfo.qos_class(target.pod)
         pids = self._cgroups.pids(socket_pod, target.container_id, qos, search=True)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
@@ -380,7 +380,7 @@ class VirtualManager:
             if not cid:
                 continue
             registrations = self._registrations
-            pids = self._cgroups.pids(alloc.pod_uid, cid, (pod.get("status") or {}).get("qosClass"))
+            pids = self._cgroups.pids(alloc.pod_uid, cid, podinfo.qos_class(pod))
             key = (alloc.pod_uid, cid)
             seen_ids.add(key)
             if self._current.get(key) == pids:

@@ -730,3 +730,67 @@ def test_an_odd_pod_object_fails_no_other_pods_allocate(tmp_path: Path, spoil: o
     pods.items.append(make_pod("fine", [("c0", 20, 4)]))
     assert alloc.allocate(core_ids(1, 20)).envs["VCUDA_CONFIG_PATH"].endswith("/c0/vcuda.config")
     assert alloc.get(uid_of("fine"), "c0") is not None
+
+
+def _running(pod: dict[str, object], container: str) -> None:
+    pod["status"] = {
+        "phase": "Running",
+        "containerStatuses": [{"name": container, "containerID": "containerd://0f1e", "state": {"running": {}}}],
+    }
+
+
+def test_the_ids_of_a_running_container_again_with_no_other_container_waiting_get_its_own_answer(
+    tmp_path: Path,
+) -> None:
+    # A kubelet that lost its device records asks again for a running container, with the same IDs:
+    # nothing else waits for them, so the container keeps its share and gets the same answer.
+    run = make_pod("run", [("c", 50, 8)])
+    pods = FakePods([run])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    first = alloc.allocate(ids)
+    alloc.pre_start(ids, (uid_of("run"), "c"))
+    _running(run, "c")
+    assert alloc.allocate(ids) == first
+    assert alloc.get(uid_of("run"), "c") is not None
+    assert alloc.tree_snapshot()[0][1] == 50, "GPU 0 must still count the running container's 50 cores"
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert restarted.get(uid_of("run"), "c") is not None, "the share was journaled away"
+
+
+def test_a_refused_allocate_of_a_running_containers_ids_changes_nothing(tmp_path: Path) -> None:
+    run = make_pod("run", [("c", 50, 8)])
+    pods = FakePods([run])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.pre_start(ids, (uid_of("run"), "c"))
+    _running(run, "c")
+    pods.refresh_error = TimeoutError("the API server did not answer a pod list within 3 s")
+    with pytest.raises(AllocationError) as refused:
+        alloc.allocate(ids)
+    assert refused.value.kind == "unavailable"
+    assert alloc.get(uid_of("run"), "c") is not None
+    assert alloc.tree_snapshot()[0][1] == 50
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert restarted.get(uid_of("run"), "c") is not None
+
+
+def test_the_ids_of_a_running_container_go_to_the_container_waiting_for_them(tmp_path: Path) -> None:
+    # The container ended (its status not yet told) and the kubelet gave its IDs to a new pod.
+    run = make_pod("run", [("c", 50, 8)])
+    pods = FakePods([run])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.pre_start(ids, (uid_of("run"), "c"))
+    _running(run, "c")
+    pods.items.append(make_pod("next", [("c", 50, 8)]))
+    alloc.allocate(ids)
+    assert alloc.get(uid_of("run"), "c") is None
+    assert alloc.get(uid_of("next"), "c") is not None
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert restarted.get(uid_of("run"), "c") is None and restarted.get(uid_of("next"), "c") is not None

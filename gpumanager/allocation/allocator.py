@@ -130,6 +130,16 @@ ChangeListener = Callable[[], None]
 
 
 @dataclass(frozen=True)
+class _Detached:
+    """An allocation taken out of the state while its IDs are matched anew, and what goes back with it."""
+
+    alloc: ContainerAllocation
+    ticket: int  # its journal record's ticket, if not yet durable
+    guessed: bool
+    asked: float | None  # when its IDs' Allocate reached us
+
+
+@dataclass(frozen=True)
 class OwnerHint:
     """What the allocator tells PreStartContainer's look-up of who holds some device IDs."""
 
@@ -339,6 +349,7 @@ class Allocator:
         wanted = frozenset(device_ids)
         ordered = ids.in_order(device_ids)
         changed = False
+        held: _Detached | None = None  # the container that held ``wanted``, until another gets them
         full: AllocationError | None = None  # no room for the cache's candidate
         holders: set[str] = set()  # pods holding GPUs when that was found
         try:
@@ -361,14 +372,17 @@ class Allocator:
                         # Perhaps the IDs handed on after a failed admission: a List made before this
                         # Allocate may show the container that held them first.
                         self._asked_at[wanted] = received
-                    else:
+                    elif handed_on and known == suspect:
+                        # Its pod is gone at the API server: none of its containers holds GPUs or
+                        # waits for an Allocate any more, whatever the cache still shows.
                         self._take_back(known)
-                        if handed_on and known == suspect:
-                            # Its pod is gone at the API server: none of its containers holds GPUs or
-                            # waits for an Allocate any more, whatever the cache still shows.
-                            self._release_locked(known[0])
-                            self._set_waiting(known[0], None)
+                        self._release_locked(known[0])
+                        self._set_waiting(known[0], None)
                         changed = True
+                    else:
+                        # Given on by the kubelet (its container started or ended), or asked again for
+                        # that container: taken back only once another container gets them.
+                        held = self._detach(known)
                 if repeat is None:
                     changed |= self._recycle_locked()
                     candidate = self._match_cached(cores)
@@ -380,12 +394,17 @@ class Allocator:
                                 self._guessed.add(alloc.key)
                         except AllocationError as exc:
                             changed = True  # an allocation may have been taken back
+                            self._reattach(held)
                             if exc.kind != "exhausted":
                                 raise
                             # Perhaps only because this node's pod watch has not yet delivered the end of a
                             # pod the scheduler already counts as gone: ask the API server (lock released).
                             full, holders = exc, set(self._by_pod)
                             candidate = None
+                        else:
+                            self._retire(held, alloc.key)
+                    else:
+                        self._reattach(held)
             if repeat is not None and known is not None:
                 log.info("repeated Allocate for pod %s container %s: same answer", *known)
                 try:
@@ -402,14 +421,23 @@ class Allocator:
                         raise full
                     candidate = found
                     changed = True  # an allocation may be taken back even if this one fails
-                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
+                    alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
                     self._note_fresh(alloc.pod_uid)
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
                 fresh = self._refresh(cores, ordered)
                 with self._changing():
                     found = self._match(fresh, cores)
-                    if found is None:
+                    if found is None and held is not None and self._holds_alive(held, fresh):
+                        # No container waits for the IDs and their holder runs: the kubelet asks for it again.
+                        log.info(
+                            "Allocate for %s, held by running pod %s container %s, whom no other container "
+                            "waits for: that container's answer again",
+                            ids.describe(ordered),
+                            *held.alloc.key,
+                        )
+                        repeat, ticket, known = self._response(held.alloc.key), held.ticket, held.alloc.key
+                    elif found is None:
                         raise AllocationError(
                             f"candidate pod not found for {ids.describe(ordered)} ({cores} tencent.com/vcuda-core): "
                             + (
@@ -418,10 +446,17 @@ class Allocator:
                             ),
                             "not_found",
                         )
-                    candidate = found
-                    changed = True  # an allocation may be taken back even if this one fails
-                    alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
-                    self._note_fresh(alloc.pod_uid)
+                    else:
+                        candidate = found
+                        changed = True  # an allocation may be taken back even if this one fails
+                        alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
+                        self._note_fresh(alloc.pod_uid)
+            if repeat is not None and known is not None:
+                try:
+                    self._sync(ticket)
+                except OSError as exc:
+                    raise self._unwritten(known, ordered, exc) from exc
+                return repeat
             try:
                 self._sync_or_undo(ticket, lambda: self._undo_allocation(alloc))
             except OSError as exc:
@@ -430,6 +465,7 @@ class Allocator:
         finally:
             if changed:
                 self._notify()
+        assert candidate is not None
         log.info(
             "allocated %s container %s: GPUs %s, %d cores, %d MiB",
             podinfo.pod_key(candidate.pod),
@@ -530,11 +566,15 @@ class Allocator:
             return
         self._free(alloc)
         self._save_or_report([_del(key)])
-        # It will not ask again: the kubelet allocates a container once (it reuses IDs across restarts).
+        self._note_retired(alloc)
+
+    def _note_retired(self, alloc: ContainerAllocation) -> None:
+        """``alloc``'s container will not ask again: the kubelet allocates a container once (it reuses
+        IDs across restarts)."""
         if len(self._retired) > 4096:
             self._retired.clear()
             self._reindex()  # the containers dropped from the heaps as retired may wait again
-        self._retired.add(key)
+        self._retired.add(alloc.key)
         log.info(
             "%s of pod %s container %s come back in a new Allocate: that container has started or ended, so "
             "the kubelet freed them; releasing its GPUs %s and matching the request anew",
@@ -543,6 +583,79 @@ class Allocator:
             alloc.container,
             list(alloc.minors),
         )
+
+    def _detach(self, key: tuple[str, str]) -> _Detached | None:
+        """Take ``key``'s allocation out of the state for now (lock held; nothing journaled): its IDs
+        came in a new Allocate, and it loses them only once another container gets them
+        (:meth:`_retire`); otherwise :meth:`_reattach` puts it back as it was."""
+        ticket = self._unsynced.get(key, 0)
+        guessed = key in self._guessed
+        alloc = self._remove(key)
+        if alloc is None:
+            return None
+        asked = self._asked_at.get(frozenset(alloc.device_ids))
+        self._free(alloc)
+        self._retired.add(key)  # not matched to itself meanwhile
+        return _Detached(alloc, ticket, guessed, asked)
+
+    def _reattach(self, held: _Detached | None) -> None:
+        """Put back what :meth:`_detach` took out (lock held), unless the state has moved on."""
+        if held is None:
+            return
+        alloc = held.alloc
+        self._retired.discard(alloc.key)
+        if alloc.key in self._allocs or (alloc.device_ids and frozenset(alloc.device_ids) in self._by_ids):
+            return
+        self._occupy(alloc)
+        self._insert(alloc)
+        if held.ticket:
+            self._unsynced[alloc.key] = held.ticket
+        if held.guessed:
+            self._guessed.add(alloc.key)
+        if held.asked is not None:
+            self._asked_at[frozenset(alloc.device_ids)] = held.asked
+
+    def _retire(self, held: _Detached | None, successor: tuple[str, str]) -> None:
+        """Another container (``successor``) got the IDs of what :meth:`_detach` took out: the take-back
+        is made durable and logged (lock held)."""
+        if held is None:
+            return
+        key = held.alloc.key
+        self._retired.discard(key)
+        if key == successor:
+            return  # the same container, allocated anew: its new record replaces the old one
+        self._save_or_report([_del(key)])
+        self._note_retired(held.alloc)
+
+    def _allocate_instead(
+        self,
+        held: _Detached | None,
+        candidate: Candidate,
+        device_ids: tuple[str, ...],
+        wanted: frozenset[str],
+        received: float,
+    ) -> tuple[ContainerAllocation, ContainerResponse, int]:
+        """:meth:`_allocate_taking_back` after a look at the API server (lock held again): the holder
+        of ``wanted`` is taken out again for the attempt (if the state is still as it was), and put
+        back if it fails."""
+        if held is not None:
+            if self._allocs.get(held.alloc.key) is held.alloc:
+                self._detach(held.alloc.key)
+            else:
+                held = None  # released or changed meanwhile
+        try:
+            made = self._allocate_taking_back(candidate, device_ids, wanted, received)
+        except AllocationError:
+            self._reattach(held)
+            raise
+        self._retire(held, made[0].key)
+        return made
+
+    def _holds_alive(self, held: _Detached, fresh: Sequence[Pod]) -> bool:
+        """Whether ``held`` is still in the state and its pod runs in the fresh list (lock held)."""
+        if self._allocs.get(held.alloc.key) is not held.alloc:
+            return False
+        return any(podinfo.uid(p) == held.alloc.pod_uid and not podinfo.is_terminated(p) for p in fresh)
 
     def _match_cached(self, cores: int) -> Candidate | None:
         """The candidate among the pods the cache knows, as :meth:`_best` over every waiting pod would

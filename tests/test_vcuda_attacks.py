@@ -104,11 +104,13 @@ ok(cu.cuCtxSynchronize())
 """
 
 
-def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContainer) -> None:
+@pytest.mark.parametrize("limit_mib", [4096, 0], ids=["memory-limit", "no-memory-limit"])
+def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContainer, limit_mib: int) -> None:
     """A tenant starts process after process, each launching one 400 ms kernel and exiting once it ran: a new
     process must start with the debt of GPU time the container's processes before it used beyond the share (and
-    count what they used after their last measurement), not with a free first launch."""
-    c = container(4096, cores=30)
+    count what they used after their last measurement), not with a free first launch.  The ledger lives in the
+    container's budget file whether or not the container has a memory limit (gpu_memory = 0)."""
+    c = container(limit_mib, cores=30)
     env = c.env()
     procs: list[subprocess.Popen[bytes]] = []
     started = 0

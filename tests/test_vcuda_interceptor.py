@@ -247,3 +247,29 @@ def test_make_test_runs_the_c_tests_under_sanitizers(vcuda_built: object) -> Non
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "test_interceptor: all passed" in done.stdout
+
+
+def test_an_sm_limit_without_a_memory_limit_shares_the_container_budget(container: MakeContainer) -> None:
+    """gpu_memory = 0 with an SM share: the SM limit's ledger and the process's slot live in the container's
+    budget file, as with a memory limit (not in a private mapping of each process)."""
+    c = container(0, cores=30)
+    done = c.python(
+        r"""
+import struct
+mod = ok(d.cuModuleLoadData(b"x"))
+f = ok(d.cuModuleGetFunction(mod, b"spin_1ms"))
+for _ in range(3):
+    ok(d.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0))
+ok(d.cuCtxSynchronize())
+budgets = sorted(os.listdir(os.environ["VCUDA_BUDGET_DIR"]))
+raw = open(os.path.join(os.environ["VCUDA_BUDGET_DIR"], budgets[0]), "rb").read() if budgets else b""
+pids = [struct.unpack_from("<i", raw, 4096 + 64 * i)[0] for i in range(1024)] if raw else []
+print(json.dumps({"budgets": budgets, "mine": os.getpid() in pids}))
+""",
+        env=c.env(LOGGER_LEVEL="4"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert out == {"budgets": ["0b6e6e0c-1f4a-4c1e-9c53-6d1b2c3d4e5f_main.budget"], "mine": True}, done.stderr
+    assert "per process only" not in done.stderr and "ERROR" not in done.stderr, done.stderr
+    assert "memory limit" not in done.stderr.replace("no memory limit", ""), done.stderr

@@ -171,8 +171,12 @@ static void open_budget(void)
     snprintf(path, sizeof(path), "%s/%s", dir, vc_budget_name());
     void *map = map_file(path);
     if (map == NULL) {
-        /* Still enforce the limit, for this process alone. */
-        vc_log(VC_LOG_ERROR, "the memory limit is enforced per process only (no shared budget file)");
+        /* Still enforce the limits, for this process alone. */
+        if (vc_limited())
+            vc_log(VC_LOG_ERROR, "the memory limit is enforced per process only (no shared budget file)");
+        if (vc_core_limited())
+            vc_log(VC_LOG_ERROR, "the SM limit is enforced per process only: a new process does not inherit the "
+                   "container's debt of GPU time (no shared budget file)");
         map = mmap(NULL, BUDGET_FILE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (map == MAP_FAILED)
             return; /* every reservation fails */
@@ -492,11 +496,24 @@ unsigned vc_budget_host_pids(int *out, unsigned max)
         return 0;
     unsigned n = 0, high = atomic_load(&g_hdr->high);
     for (unsigned i = 0; i < high && n < max; i++) {
+        int32_t pid = atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed);
         int32_t host = atomic_load_explicit(&g_slots[i].host_pid, memory_order_relaxed);
-        if (host > 0 && atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) != 0)
-            out[n++] = host;
+        if (pid != 0)
+            out[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace (as container_pids) */
     }
     return n;
+}
+
+void vc_budget_join(void)
+{
+    if (atomic_load_explicit(&g_slot, memory_order_acquire) >= 0)
+        return;
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || !budget_lock())
+        return;
+    reap(); /* without a memory limit nothing else frees the slots of processes that are gone */
+    budget_unlock();
+    my_slot();
 }
 
 uint64_t vc_budget_context_estimate(int dev)

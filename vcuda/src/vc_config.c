@@ -277,11 +277,7 @@ __attribute__((constructor)) static void vc_config_init(void)
         vc_log(VC_LOG_INFO, "%s: enable = 0: pass-through, no limits", used);
         return;
     }
-    core_config(&cfg, used);
-    if (cfg.gpu_memory == 0) {
-        vc_log(VC_LOG_INFO, "%s: gpu_memory = 0: no memory limit", used);
-        return;
-    }
+    /* The budget file holds the memory budget and the SM limit's ledger: named whenever either limit is on. */
     char pod[sizeof(cfg.pod_uid)], name[128];
     sanitize(pod, sizeof(pod), cfg.pod_uid);
     sanitize(name, sizeof(name), cfg.container_name);
@@ -289,6 +285,11 @@ __attribute__((constructor)) static void vc_config_init(void)
         snprintf(g_budget_name, sizeof(g_budget_name), "container.budget");
     else
         snprintf(g_budget_name, sizeof(g_budget_name), "%s_%s.budget", pod, name);
+    core_config(&cfg, used);
+    if (cfg.gpu_memory == 0) {
+        vc_log(VC_LOG_INFO, "%s: gpu_memory = 0: no memory limit", used);
+        return;
+    }
     g_limit = cfg.gpu_memory;
     vc_log(VC_LOG_INFO, "%s: memory limit %llu bytes (pod %s, container %s)", used, (unsigned long long)g_limit,
            cfg.pod_uid, cfg.container_name);

@@ -572,8 +572,10 @@ static void init_device(struct dev *d, int index)
     d->cost = INITIAL_COST_NS;
     d->last_refill = d->last_measure = mono_ns();
     d->last_seen_us = real_us();
-    if (!cfg->upstream)
+    if (!cfg->upstream) {
+        vc_budget_join();
         inherit_ledger(d, index);
+    }
     bool found = vc_nvml_device(index, &d->nvml);
     int sm = 0, thr = 0;
     REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);

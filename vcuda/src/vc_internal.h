@@ -222,6 +222,11 @@ uint64_t vc_budget_used(void);
 void vc_budget_set_host_pid(int pid);
 /* The host PIDs of the container's processes that hold a slot (where known); up to max into out. */
 unsigned vc_budget_host_pids(int *out, unsigned max);
+/*
+ * SM limit: this process takes a slot in the container's budget (its processes find each other there,
+ * README.md "Which processes are the container"), whether or not a memory limit is on.
+ */
+void vc_budget_join(void);
 /* The context size last measured on CUDA device dev in this container, else vc_context_reserve(). */
 uint64_t vc_budget_context_estimate(int dev);
 void vc_budget_learn_context(int dev, uint64_t bytes);

@@ -297,7 +297,29 @@ def test_a_pod_allocated_from_a_fresh_list_the_cache_never_shows_is_freed_after_
     alloc = make_allocator(tmp_path, pods)
     alloc.allocate(core_ids(0, 100))
     assert alloc.recycle() == []
-    monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)  # long past: deleted unseen
+    monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)  # long past
+    pods.hidden = []  # deleted at the API server before the cache ever showed it
+    assert alloc.recycle() == [uid_of("early")]
+
+
+def test_a_pod_the_cache_never_shows_is_kept_while_the_api_server_lists_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A watch open but silent (or failing) for longer than the grace: the cache's silence is no end
+    # while a list of the API server still shows the pod.
+    pods = FakePods([make_pod("a", [("c", 30, 2)])])
+    pods.refresh_fills_cache = False
+    pods.hidden = [whole("early", 1)]
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)
+    assert alloc.recycle() == [], "freed while the API server lists it running"
+    assert alloc.get(uid_of("early"), "c") is not None
+    assert pods.refreshes == 2, "the API server must be asked once the grace has passed"
+    pods.refresh_error = TimeoutError("the API server did not answer a pod list within 3 s")
+    assert alloc.recycle() == [], "nor freed when the API server cannot be asked"
+    pods.refresh_error = None
+    pods.gone_at_server.add(uid_of("early"))
     assert alloc.recycle() == [uid_of("early")]
 
 

@@ -28,7 +28,8 @@ date from the pods the cache says changed since the last call
 (:meth:`PodSource.changes`). A new list in the cache, or a source that cannot
 tell, rebuilds both from every pod; the periodic recycle checks every holder.
 A pod found by asking the API server (the cache had not seen it yet) counts
-as alive while the cache has not shown it, for :data:`FRESH_LIST_GRACE_SECONDS`.
+as alive while the cache has not shown it; after :data:`FRESH_LIST_GRACE_SECONDS`
+the periodic recycle asks the API server again, and frees it only if it is gone there.
 """
 
 from __future__ import annotations
@@ -1369,14 +1370,63 @@ class Allocator:
         return freed
 
     def recycle(self) -> list[str]:
-        """Free pods that are gone or finished (only with a complete view of the node's pods)."""
+        """Free pods that are gone or finished (only with a complete view of the node's pods). A
+        holder found by asking the API server that the cache has still not shown after
+        :data:`FRESH_LIST_GRACE_SECONDS` is freed only once a list of the API server lacks it."""
         with self._changing():
             before = set(self._by_pod)
             changed = self._recycle_locked(every=True)
+            overdue = self._overdue()
+        if overdue:
+            changed |= self._release_unlisted(overdue)
+        with self._lock:
             gone = sorted(before - set(self._by_pod))
         if changed:
             self._notify()
         return gone
+
+    def _overdue(self) -> list[str]:
+        """Holders the cache has not shown within the grace since a fresh list found them (lock held)."""
+        now = time.monotonic()
+        return sorted(
+            uid
+            for uid, since in self._fresh_only.items()
+            if now - since >= FRESH_LIST_GRACE_SECONDS and uid in self._by_pod
+        )
+
+    def _release_unlisted(self, overdue: list[str]) -> bool:
+        """Ask the API server about the ``overdue`` holders (lock released): free those it no longer
+        runs; the others wait another grace for the cache."""
+        try:
+            fresh = self._pods.refresh()
+        except Exception as exc:
+            log.warning(
+                "pods %s, allocated from the API server's list, are still not in the pod cache, and the API server "
+                "cannot be asked whether they run (%s): kept",
+                ", ".join(overdue),
+                exc,
+            )
+            return False
+        alive = {podinfo.uid(p) for p in fresh if not podinfo.is_terminated(p)}
+        changed = False
+        with self._changing():
+            now = time.monotonic()
+            for uid in overdue:
+                if uid not in self._fresh_only:
+                    continue  # the cache shows it now, or it was released meanwhile
+                if uid in alive:
+                    log.warning(
+                        "pod %s, allocated from the API server's list, is still not in the pod cache after %g s "
+                        "(its watch may be stalled); the API server lists it, so it keeps its GPUs",
+                        uid,
+                        FRESH_LIST_GRACE_SECONDS,
+                    )
+                    self._fresh_only[uid] = now
+                    continue
+                log.info("pod %s, allocated from the API server's list, is gone there before the cache showed it", uid)
+                del self._fresh_only[uid]
+                changed |= bool(self._release_locked(uid))
+        return changed
 
     def _recycle_locked(self, *, every: bool = False) -> bool:
         """Free the holders whose pods are gone or finished: those changed since the last look, or
@@ -1408,19 +1458,9 @@ class Allocator:
             self._fresh_only[pod_uid] = time.monotonic()
 
     def _fresh(self, pod_uid: str) -> bool:
-        """Whether a holder the cache does not list was found in a fresh list lately (forgotten once not)."""
-        since = self._fresh_only.get(pod_uid)
-        if since is None:
-            return False
-        if time.monotonic() - since < FRESH_LIST_GRACE_SECONDS:
-            return True
-        del self._fresh_only[pod_uid]
-        log.warning(
-            "pod %s, allocated from the API server's list, never appeared in the pod cache in %g s: taken as gone",
-            pod_uid,
-            FRESH_LIST_GRACE_SECONDS,
-        )
-        return False
+        """Whether a holder the cache does not list was found in a fresh list: alive until the cache
+        shows it or, past the grace, a list of the API server lacks it (:meth:`recycle`)."""
+        return pod_uid in self._fresh_only
 
     def load(self) -> records.Parsed:
         """Load our checkpoint and occupy the tree; returns what was taken and what must be rebuilt.

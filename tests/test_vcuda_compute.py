@@ -14,13 +14,16 @@ import json
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from simnode import gpusim_state as sim_state
 from simnode.gpusim_state import GpuSimState, repo_root
 from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, VCUDA, last_json, make_mirror, run_python, vcuda_built
 
@@ -296,3 +299,49 @@ def test_upstream_baseline_is_selectable(node: Node) -> None:
     got = shares(node, procs, 1.5, 1.0)
     assert got["up-graph"] >= 90, got  # upstream never gated graph launches
     assert got["up-kernel"] < 90, got  # ... but it does gate cuLaunchKernel
+
+
+# ---- what NVML reports of other processes ---------------------------------------------------------
+
+
+@contextmanager
+def neighbours(state: Path, gpu: int, count: int, period: float) -> Iterator[None]:
+    """`count` processes outside the container (PIDs 700000..) that NVML reports a fresh 1 % utilisation sample
+    for every `period` seconds, as NVML does each sampling period: entries of the simulator's process table, all
+    rewritten at once under its lock (timestamped with the wall clock, so newer than the timeline's checkpoints)."""
+    pids = range(700000, 700000 + count)
+    stop = threading.Event()
+
+    def refresh() -> None:
+        with GpuSimState(state) as st:
+            while not stop.is_set():
+                with st._locked() as m:
+                    now, k = sim_state._now_us(), 0
+                    for off, (pid, _gpu, _used, flags, *_rest) in st._proc_slots(m):
+                        if k < count and (not flags & sim_state.PROC_IN_USE or pid in pids):
+                            sim_state._PROC.pack_into(m, off, pids[k], gpu, 1 << 20, sim_state.PROC_IN_USE, 1, 0, 0,
+                                                      now, 0)  # fmt: skip
+                            k += 1
+                    st._touch(m)
+                stop.wait(period)
+
+    t = threading.Thread(target=refresh, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=30)
+        with GpuSimState(state) as st:
+            for pid in pids:
+                st.remove_process(pid)
+
+
+def test_more_processes_than_the_first_sample_buffer_holds(node: Node) -> None:
+    """300 other processes on the GPU, each with a sample: nvmlDeviceGetProcessUtilization answers
+    NVML_ERROR_INSUFFICIENT_SIZE for a 256-entry buffer.  The buffer grows to what NVML asks for, and the
+    container's GPU time is still charged (it was not: every launch passed)."""
+    p = node.loop("a", 2, 4.5, core_config(30))
+    with neighbours(node.state, 2, 300, period=0.05):
+        got = shares(node, {"30": (2, p)}, 2.0, 1.5)
+    assert 15 <= got["30"] <= 42, got

@@ -48,7 +48,9 @@
 #define OTHERS_IDLE 0.01            /* neighbours below 1 %: the GPU counts as ours */
 #define PIDS_CHECK_NS 100000000ull  /* pids.config is re-read (when changed) at most every 100 ms */
 #define MAX_PIDS 4096
-#define MAX_SAMPLES 256
+#define MAX_SAMPLES 256             /* utilisation samples: the first buffer, grown to what NVML asks for */
+#define SAMPLES_LIMIT 65536u        /* ... up to this many */
+#define SAMPLE_TRIES 4              /* queries per measurement while NVML answers INSUFFICIENT_SIZE */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
 /* upstream (interceptors.md 1.7) */
@@ -73,6 +75,11 @@ struct dev {
     uint64_t last_refill, last_measure, last_seen_us;
     double measured;      /* own GPU time measured, total (debug log) */
     uint64_t next_log;
+    /* NVML's samples (under mu): grown when NVML needs more room */
+    nvmlProcessUtilizationSample_t *samples;
+    nvmlProcessUtilizationInfo_v1_t *info;
+    unsigned samples_cap;
+    bool blind, blind_logged; /* NVML cannot tell the GPU time used: paced on the time launches are outstanding */
     /* markers */
     CUcontext marker_ctx;
     CUevent ev[MARKERS];
@@ -177,6 +184,62 @@ static bool in_container(unsigned pid)
 
 /* ---- measurement: NVML per-process utilisation ------------------------------------------ */
 
+/* Room for want samples in d's buffers (d->mu held); false when there cannot be. */
+static bool grow_samples(struct dev *d, unsigned want)
+{
+    if (want <= d->samples_cap)
+        return true;
+    if (want > SAMPLES_LIMIT)
+        return false;
+    unsigned cap = want + want / 4 + 16;
+    if (cap > SAMPLES_LIMIT)
+        cap = SAMPLES_LIMIT;
+    nvmlProcessUtilizationSample_t *b = realloc(d->samples, cap * sizeof(*b));
+    if (b == NULL)
+        return false;
+    d->samples = b;
+    nvmlProcessUtilizationInfo_v1_t *info = realloc(d->info, cap * sizeof(*info));
+    if (info == NULL)
+        return false;
+    d->info = info;
+    d->samples_cap = cap;
+    return true;
+}
+
+/*
+ * NVML's per-process utilisation samples newer than since, into d->samples (*count of them).  A buffer
+ * too small for every process on the GPU (NVML_ERROR_INSUFFICIENT_SIZE) is grown to the count NVML
+ * reports (doubled if it reports none) and the query repeated.
+ */
+static nvmlReturn_t query_samples(struct dev *d, uint64_t since, unsigned *count)
+{
+    nvmlReturn_t rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    unsigned want = d->samples_cap > 0 ? d->samples_cap : MAX_SAMPLES;
+    *count = 0;
+    for (int tries = 0; tries < SAMPLE_TRIES && rc == NVML_ERROR_INSUFFICIENT_SIZE; tries++) {
+        if (!grow_samples(d, want))
+            return NVML_ERROR_INSUFFICIENT_SIZE;
+        unsigned n = d->samples_cap;
+        rc = REAL_NVML(nvmlDeviceGetProcessUtilization)(d->nvml, d->samples, &n, since);
+        if (rc == NVML_ERROR_NOT_SUPPORTED) {
+            /* Newer drivers (580 / Blackwell) only answer the v1 "info" call. */
+            nvmlProcessesUtilizationInfo_t q = {
+                .version = nvmlProcessesUtilizationInfo_v1, .processSamplesCount = d->samples_cap,
+                .lastSeenTimeStamp = since, .procUtilArray = d->info};
+            rc = REAL_NVML(nvmlDeviceGetProcessesUtilizationInfo)(d->nvml, &q);
+            n = q.processSamplesCount;
+            for (unsigned i = 0; rc == NVML_SUCCESS && i < n && i < d->samples_cap; i++)
+                d->samples[i] = (nvmlProcessUtilizationSample_t){
+                    .pid = d->info[i].pid, .timeStamp = d->info[i].timeStamp, .smUtil = d->info[i].smUtil};
+        }
+        if (rc == NVML_ERROR_INSUFFICIENT_SIZE)
+            want = n > d->samples_cap ? n : (d->samples_cap > SAMPLES_LIMIT / 2 ? SAMPLES_LIMIT + 1 : 2 * d->samples_cap);
+        else if (rc == NVML_SUCCESS)
+            *count = n < d->samples_cap ? n : d->samples_cap;
+    }
+    return rc;
+}
+
 /*
  * GPU time (ns) the container (*own) and everyone else (*other) used on d since
  * the previous call: each sample's smUtil times the span it covers (from the
@@ -184,31 +247,26 @@ static bool in_container(unsigned pid)
  */
 static bool measure(struct dev *d, uint64_t now, double *own, double *other, double *span_ns)
 {
-    static _Thread_local nvmlProcessUtilizationSample_t buf[MAX_SAMPLES];
     *own = *other = *span_ns = 0;
     uint64_t since = d->last_seen_us;
-    unsigned n = MAX_SAMPLES;
-    nvmlReturn_t rc = REAL_NVML(nvmlDeviceGetProcessUtilization)(d->nvml, buf, &n, since);
-    if (rc == NVML_ERROR_NOT_SUPPORTED) {
-        /* Newer drivers (580 / Blackwell) only answer the v1 "info" call. */
-        static _Thread_local nvmlProcessUtilizationInfo_v1_t info[MAX_SAMPLES];
-        nvmlProcessesUtilizationInfo_t q = {
-            .version = nvmlProcessesUtilizationInfo_v1, .processSamplesCount = MAX_SAMPLES,
-            .lastSeenTimeStamp = since, .procUtilArray = info};
-        rc = REAL_NVML(nvmlDeviceGetProcessesUtilizationInfo)(d->nvml, &q);
-        n = q.processSamplesCount;
-        for (unsigned i = 0; rc == NVML_SUCCESS && i < n && i < MAX_SAMPLES; i++)
-            buf[i] = (nvmlProcessUtilizationSample_t){
-                .pid = info[i].pid, .timeStamp = info[i].timeStamp, .smUtil = info[i].smUtil};
-    }
+    unsigned n = 0;
+    nvmlReturn_t rc = query_samples(d, since, &n);
     if (rc == NVML_ERROR_NOT_FOUND)
         return true; /* nothing ran since `since` */
-    if (rc != NVML_SUCCESS)
+    if (rc != NVML_SUCCESS) {
+        if (!d->blind_logged) {
+            d->blind_logged = true;
+            vc_log(VC_LOG_ERROR, "device %d: NVML's per-process utilisation fails (%d%s): until it answers, launches "
+                   "are charged all the time they are outstanding", d->index, (int)rc,
+                   rc == NVML_ERROR_INSUFFICIENT_SIZE ? ", more processes than the sample buffer's limit" : "");
+        }
         return false;
+    }
+    nvmlProcessUtilizationSample_t *buf = d->samples;
     pthread_mutex_lock(&g_pids_mu);
     refresh_pids(now);
     uint64_t newest = since;
-    for (unsigned i = 0; i < n && i < MAX_SAMPLES; i++) {
+    for (unsigned i = 0; i < n; i++) {
         if (buf[i].timeStamp <= since)
             continue;
         uint64_t span = buf[i].timeStamp - since;
@@ -370,8 +428,23 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     if (now - d->last_measure < min_ns)
         return;
     double own, other, span;
-    if (!measure(d, now, &own, &other, &span))
+    if (!measure(d, now, &own, &other, &span)) {
+        /*
+         * Fail closed: every wall ns in which this process had a launch outstanding is charged (more than the
+         * GPU time it can have used), so launches are paced at the rate without credit for unmeasured time.
+         */
+        bool busy = in_flight(d) > 0 || d->completed != d->completed_seen;
+        d->credit -= busy ? (double)(now - d->last_measure) : 0.0;
+        d->completed_seen = d->completed;
+        d->last_measure = now;
+        d->last_seen_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
+        d->blind = true;
         return;
+    }
+    if (d->blind) {
+        d->blind = false;
+        vc_log(VC_LOG_INFO, "device %d: NVML's per-process utilisation answers again", d->index);
+    }
     d->last_measure = now;
     d->credit -= own;
     d->measured += own;
@@ -608,6 +681,8 @@ static void atfork_child(void)
 {
     /* The child has no watcher and none of the parent's events; it starts afresh. */
     for (int i = 0; i < MAX_DEVICES; i++) {
+        free(g_dev[i].samples);
+        free(g_dev[i].info);
         memset(&g_dev[i], 0, sizeof(g_dev[i]));
         pthread_mutex_init(&g_dev[i].mu, NULL);
     }

@@ -345,3 +345,13 @@ def test_more_processes_than_the_first_sample_buffer_holds(node: Node) -> None:
     with neighbours(node.state, 2, 300, period=0.05):
         got = shares(node, {"30": (2, p)}, 2.0, 1.5)
     assert 15 <= got["30"] <= 42, got
+
+
+def test_a_neighbours_newer_sample_times_do_not_shorten_the_containers_spans(node: Node) -> None:
+    """A process outside the container whose samples are stamped later than the container's (here: every 5 ms, by the
+    wall clock, while the timeline's samples carry their 10 ms checkpoint): each PID's sample spans from that PID's
+    previous sample, not from the newest of anyone's (which credited the container part of its GPU time back)."""
+    p = node.loop("a", 4, 4.5, core_config(30))
+    with neighbours(node.state, 4, 1, period=0.005):
+        got = shares(node, {"30": (4, p)}, 2.0, 1.5)
+    assert 15 <= got["30"] <= 40, got

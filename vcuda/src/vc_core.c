@@ -51,6 +51,10 @@
 #define MAX_SAMPLES 256             /* utilisation samples: the first buffer, grown to what NVML asks for */
 #define SAMPLES_LIMIT 65536u        /* ... up to this many */
 #define SAMPLE_TRIES 4              /* queries per measurement while NVML answers INSUFFICIENT_SIZE */
+#define PID_TABLE 4096u             /* per device: the newest sample time of each PID (a power of 2) */
+#define PID_TABLE_FILL 3072u        /* ... emptied of stale PIDs, else wholly, beyond this many */
+#define OWN_PIDS 64                 /* per device: the container's PIDs with recent samples (the next query's start) */
+#define SAMPLE_WINDOW_US 1000000ull /* a sample spans at most 1 s; the next query starts at most 1 s back */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
 /* upstream (interceptors.md 1.7) */
@@ -59,6 +63,11 @@
 #define UP_FACTOR 32
 #define UP_CHANGE_LIMIT_INTERVAL 30
 #define UP_USAGE_THRESHOLD 5
+
+struct pid_seen {
+    unsigned pid; /* 0: free */
+    uint64_t us;  /* its newest sample time counted */
+};
 
 struct dev {
     pthread_mutex_t mu;
@@ -80,6 +89,10 @@ struct dev {
     nvmlProcessUtilizationInfo_v1_t *info;
     unsigned samples_cap;
     bool blind, blind_logged; /* NVML cannot tell the GPU time used: paced on the time launches are outstanding */
+    struct pid_seen *seen;    /* PID_TABLE entries (open addressing), allocated at the first measurement */
+    unsigned nseen;
+    uint64_t newest_us;       /* the newest sample time of any process seen */
+    struct pid_seen own[OWN_PIDS]; /* the container's PIDs' newest sample times */
     /* markers */
     CUcontext marker_ctx;
     CUevent ev[MARKERS];
@@ -241,9 +254,75 @@ static nvmlReturn_t query_samples(struct dev *d, uint64_t since, unsigned *count
 }
 
 /*
+ * The newest sample time counted of pid on d (d->mu held): an entry of the table, inserted at 0;
+ * NULL when the table cannot have one.  Beyond PID_TABLE_FILL entries the table drops the PIDs
+ * without a sample after stale_us, and if that is not enough, all of them.
+ */
+static uint64_t *pid_seen(struct dev *d, unsigned pid, uint64_t stale_us)
+{
+    if (pid == 0)
+        return NULL;
+    if (d->seen == NULL && (d->seen = calloc(PID_TABLE, sizeof(*d->seen))) == NULL)
+        return NULL;
+    unsigned h = (pid * 2654435761u) & (PID_TABLE - 1);
+    for (unsigned k = 0; k < PID_TABLE; k++, h = (h + 1) & (PID_TABLE - 1)) {
+        if (d->seen[h].pid == pid)
+            return &d->seen[h].us;
+        if (d->seen[h].pid == 0)
+            break;
+    }
+    if (d->nseen >= PID_TABLE_FILL) {
+        static struct pid_seen keep[PID_TABLE_FILL]; /* under d->mu: one device at a time is enough */
+        static pthread_mutex_t keep_mu = PTHREAD_MUTEX_INITIALIZER;
+        pthread_mutex_lock(&keep_mu);
+        unsigned n = 0;
+        for (unsigned i = 0; i < PID_TABLE; i++)
+            if (d->seen[i].pid != 0 && d->seen[i].us > stale_us && n < PID_TABLE_FILL / 2)
+                keep[n++] = d->seen[i];
+        memset(d->seen, 0, PID_TABLE * sizeof(*d->seen));
+        d->nseen = 0;
+        for (unsigned i = 0; i < n; i++)
+            *pid_seen(d, keep[i].pid, 0) = keep[i].us;
+        pthread_mutex_unlock(&keep_mu);
+        h = (pid * 2654435761u) & (PID_TABLE - 1);
+        while (d->seen[h].pid != 0)
+            h = (h + 1) & (PID_TABLE - 1);
+    }
+    d->seen[h] = (struct pid_seen){pid, 0};
+    d->nseen++;
+    return &d->seen[h].us;
+}
+
+/* A sample of the container's pid at us (d->mu held): kept among the OWN_PIDS, replacing the oldest. */
+static void note_own(struct dev *d, unsigned pid, uint64_t us)
+{
+    unsigned victim = 0;
+    for (unsigned i = 0; i < OWN_PIDS; i++) {
+        if (d->own[i].pid == pid) {
+            if (us > d->own[i].us)
+                d->own[i].us = us;
+            return;
+        }
+        if (d->own[i].us < d->own[victim].us || (d->own[i].pid == 0 && d->own[victim].pid != 0))
+            victim = i;
+    }
+    d->own[victim] = (struct pid_seen){pid, us};
+}
+
+static int cmp_sample_time(const void *a, const void *b)
+{
+    unsigned long long x = ((const nvmlProcessUtilizationSample_t *)a)->timeStamp;
+    unsigned long long y = ((const nvmlProcessUtilizationSample_t *)b)->timeStamp;
+    return (x > y) - (x < y);
+}
+
+/*
  * GPU time (ns) the container (*own) and everyone else (*other) used on d since
- * the previous call: each sample's smUtil times the span it covers (from the
- * previous sample time, at most 1 s).  false when NVML cannot tell.
+ * the previous call: each sample's smUtil times the span it covers, from the
+ * previous sample time of the same PID (or the query's start, whichever is
+ * later; at most 1 s), so a PID's span never depends on another PID's sample
+ * times.  NVML is asked for the samples after the oldest of the container's
+ * newest ones (else after the newest of any).  false when NVML cannot tell.
  */
 static bool measure(struct dev *d, uint64_t now, double *own, double *other, double *span_ns)
 {
@@ -263,26 +342,50 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
         return false;
     }
     nvmlProcessUtilizationSample_t *buf = d->samples;
+    qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
     pthread_mutex_lock(&g_pids_mu);
     refresh_pids(now);
-    uint64_t newest = since;
+    uint64_t newest = since, stale = since > SAMPLE_WINDOW_US ? since - SAMPLE_WINDOW_US : 0;
     for (unsigned i = 0; i < n; i++) {
-        if (buf[i].timeStamp <= since)
+        uint64_t ts = buf[i].timeStamp;
+        if (ts <= since)
             continue;
-        uint64_t span = buf[i].timeStamp - since;
-        if (span > 1000000u)
-            span = 1000000u;
+        uint64_t *last = pid_seen(d, buf[i].pid, stale);
+        uint64_t from = last != NULL && *last > since ? *last : since;
+        if (ts <= from)
+            continue; /* counted already */
+        uint64_t span = ts - from;
+        if (span > SAMPLE_WINDOW_US)
+            span = SAMPLE_WINDOW_US;
+        if (last != NULL)
+            *last = ts;
         double ns = (double)(buf[i].smUtil > 100 ? 100 : buf[i].smUtil) * (double)span * 10.0;
-        if (in_container(buf[i].pid))
+        if (in_container(buf[i].pid)) {
             *own += ns;
-        else
+            note_own(d, buf[i].pid, ts);
+        } else {
             *other += ns;
-        if (buf[i].timeStamp > newest)
-            newest = buf[i].timeStamp;
+        }
+        if (ts > newest)
+            newest = ts;
     }
     pthread_mutex_unlock(&g_pids_mu);
-    *span_ns = (double)(newest - since) * 1000.0;
-    d->last_seen_us = newest;
+    if (newest > d->newest_us) {
+        *span_ns = (double)(newest - (d->newest_us > since ? d->newest_us : since)) * 1000.0;
+        d->newest_us = newest;
+    }
+    /*
+     * The next query starts at the oldest newest sample time of the container's PIDs that had one within the
+     * last second (a sample of theirs stamped before another process's newest one is still asked for), else at
+     * the newest of any; at most SAMPLE_WINDOW_US back.
+     */
+    uint64_t next = newest;
+    for (unsigned i = 0; i < OWN_PIDS; i++)
+        if (d->own[i].pid != 0 && d->own[i].us + SAMPLE_WINDOW_US > newest && d->own[i].us < next)
+            next = d->own[i].us;
+    if (newest > SAMPLE_WINDOW_US && next < newest - SAMPLE_WINDOW_US)
+        next = newest - SAMPLE_WINDOW_US;
+    d->last_seen_us = next > since ? next : since;
     return true;
 }
 
@@ -437,7 +540,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->credit -= busy ? (double)(now - d->last_measure) : 0.0;
         d->completed_seen = d->completed;
         d->last_measure = now;
-        d->last_seen_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
+        d->last_seen_us = d->newest_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
         d->blind = true;
         return;
     }
@@ -649,6 +752,7 @@ static void init_device(struct dev *d, int index)
         vc_budget_join();
         inherit_ledger(d, index);
     }
+    d->newest_us = d->last_seen_us;
     bool found = vc_nvml_device(index, &d->nvml);
     int sm = 0, thr = 0;
     REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);
@@ -683,6 +787,7 @@ static void atfork_child(void)
     for (int i = 0; i < MAX_DEVICES; i++) {
         free(g_dev[i].samples);
         free(g_dev[i].info);
+        free(g_dev[i].seen);
         memset(&g_dev[i], 0, sizeof(g_dev[i]));
         pthread_mutex_init(&g_dev[i].mu, NULL);
     }

@@ -355,3 +355,19 @@ def test_a_neighbours_newer_sample_times_do_not_shorten_the_containers_spans(nod
     with neighbours(node.state, 4, 1, period=0.005):
         got = shares(node, {"30": (4, p)}, 2.0, 1.5)
     assert 15 <= got["30"] <= 40, got
+
+
+def test_a_soft_limit_never_goes_above_its_annotation(node: Node) -> None:
+    """hard_limit = 0 (the agent writes it for any tencent.com/vcuda-core-limit annotation): alone on the GPU the
+    container climbs to the annotation, never beyond; an annotation at or below the share (or 0) leaves the share
+    (it made the ceiling 100 %)."""
+    procs = {
+        "ceiling-50": (5, node.loop("a", 5, 4.5, core_config(30, hard=False, ceiling=50))),
+        "ceiling-30": (6, node.loop("b", 6, 4.5, core_config(30, hard=False, ceiling=30))),
+        "ceiling-20": (7, node.loop("c", 7, 4.5, core_config(30, hard=False, ceiling=20))),
+        "ceiling-0": (12, node.loop("d", 12, 4.5, core_config(30, hard=False, ceiling=0))),
+    }
+    got = shares(node, procs, 2.0, 1.5)
+    assert 40 <= got["ceiling-50"] <= 58, got
+    for name in ("ceiling-30", "ceiling-20", "ceiling-0"):
+        assert 20 <= got[name] <= 38, (name, got)

@@ -248,8 +248,18 @@ static void core_config(const struct vc_resource_data *cfg, const char *used)
     g_core.share = share;
     g_core.soft = cfg->hard_limit == 0;
     g_core.ceiling = share;
-    if (g_core.soft)
-        g_core.ceiling = cfg->limit > share && cfg->limit <= 100 ? cfg->limit : 100;
+    if (g_core.soft) {
+        /*
+         * Upstream never lets usage exceed the annotation (`limit`, what the agent writes for
+         * tencent.com/vcuda-core-limit, at most 100); an annotation at or below the share (or 0) leaves the
+         * share: the pod is never capped below what it was given.
+         */
+        int limit = cfg->limit > 100 ? 100 : cfg->limit;
+        g_core.ceiling = limit > share ? limit : share;
+        if (limit <= share)
+            vc_log(VC_LOG_INFO, "%s: soft SM limit whose ceiling (limit = %d) is not above utilization = %d: "
+                   "it holds at %d%%", used, cfg->limit, share, share);
+    }
     vc_log(VC_LOG_INFO, "%s: SM limit %d%% (%s, ceiling %d%%), algorithm %s", used, share, g_core.soft ? "soft" : "hard",
            g_core.ceiling, g_core.upstream ? "upstream" : "budget");
     atomic_store(&vc_core_on, true);

@@ -792,3 +792,36 @@ print(json.dumps(out))
     assert out["views"] == [ctx + 200 * MIB] * 3  # cuMemGetInfo and NVML inside show what the GPU holds
     assert out["full"] <= cap and out["full"] + 16 * MIB > cap
     assert out["peak"] <= cap
+
+
+def test_a_device_nvml_cannot_tell_about_keeps_the_reconciled_memory(container: MakeContainer) -> None:
+    """Memory no hook sees on GPU 1 is reconciled into the budget; when GPU 1's process list then fails (a lost GPU),
+    the reconciliation cannot tell the container's footprint and keeps it, instead of lowering it to the sum of the
+    other GPUs."""
+    c = container(1024, spec="v100-pcie-x4")
+    done = c.python(
+        r"""
+import time
+from simnode.gpusim_state import GpuSimState
+def used():
+    time.sleep(0.15)  # memory views reconcile at most every 100 ms
+    free_b, total = ok(d.cuMemGetInfo())
+    return total - free_b
+with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+    before = used()
+    st.set_process(1, os.getpid(), 300 << 20)  # e.g. a library's workspace: NVML shows it, no hook charged it
+    seen = used()
+    st.set_lost(1)
+    try:
+        lost = used()
+    finally:
+        st.set_lost(1, False)
+        st.remove_process(os.getpid(), 1)
+print(json.dumps({"before": before, "seen": seen, "lost": lost}))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["seen"] == out["before"] + 300 * MIB, out
+    assert out["lost"] == out["seen"], out

@@ -85,10 +85,13 @@ uint64_t vc_nvml_used_by(const int *pids, unsigned npids, bool *ok)
     static _Thread_local struct vc_proc_mem procs[VC_MAX_PROCS];
     uint64_t sum = 0;
     for (unsigned d = 0; d < count; d++) {
+        /* A device NVML cannot tell about makes the sum unknown (not smaller): the caller keeps what it had. */
         nvmlDevice_t dev;
         if (REAL_NVML(nvmlDeviceGetHandleByIndex_v2)(d, &dev) != NVML_SUCCESS)
-            continue;
+            return 0;
         int n = vc_nvml_processes(dev, procs, VC_MAX_PROCS);
+        if (n < 0)
+            return 0;
         for (int i = 0; i < n; i++)
             for (unsigned j = 0; j < npids; j++)
                 if (procs[i].pid == pids[j]) {

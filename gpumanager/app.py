@@ -573,8 +573,9 @@ class Agent:
 
     def _prepared(self, alloc: ContainerAllocation) -> None:
         """After PreStartContainer's check: limit files, then the pod's annotations (not awaited)."""
-        assert self.vmanager is not None
-        self.vmanager.prepare(alloc)
+        assert self.vmanager is not None and self.allocator is not None
+        for each in self.allocator.holding_same_ids(alloc):  # the kubelet does not say which of them starts
+            self.vmanager.prepare(each)
         self._annotate(alloc.pod_uid)
 
     def _annotate(self, pod_uid: str) -> None:

@@ -794,3 +794,99 @@ def test_the_ids_of_a_running_container_go_to_the_container_waiting_for_them(tmp
     restarted = make_allocator(tmp_path, pods)
     restarted.load()
     assert restarted.get(uid_of("run"), "c") is None and restarted.get(uid_of("next"), "c") is not None
+
+
+def _init_container(pod: dict[str, object], *inits: tuple[str, int, int]) -> None:
+    spec = pod["spec"]
+    assert isinstance(spec, dict)
+    spec["initContainers"] = [
+        {
+            "name": name,
+            "image": "cuda",
+            "resources": {
+                "limits": {"tencent.com/vcuda-core": str(cores), "tencent.com/vcuda-memory": str(blocks)},
+            },
+        }
+        for name, cores, blocks in inits
+    ]
+
+
+def test_init_container_ids_handed_on_to_the_next_container_get_that_containers_own_answer(tmp_path: Path) -> None:
+    # The kubelet allocates init containers first and gives the same IDs to the next container of the
+    # pod asking for as many (devicesToReuse), before any of them starts: each gets its own answer.
+    pod = make_pod("p", [("app", 50, 40)])
+    _init_container(pod, ("setup", 50, 4), ("warm", 50, 8))
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    answers = [alloc.allocate(ids) for _ in range(3)]
+    paths = [a.envs["VCUDA_CONFIG_PATH"] for a in answers]
+    assert paths == ["/etc/vcuda/setup/vcuda.config", "/etc/vcuda/warm/vcuda.config", "/etc/vcuda/app/vcuda.config"]
+    uid = uid_of("p")
+    memory = {c: alloc.get(uid, c).memory for c in ("setup", "warm", "app")}  # type: ignore[union-attr]
+    assert memory["setup"] < memory["warm"] < memory["app"]
+    assert alloc.allocate(ids) == answers[2], "the kubelet's repeat of the last Allocate"
+    assert len(alloc.allocations()) == 3
+    # PreStartContainer names no container: whichever of them the kubelet's records name, or none,
+    # the start finds a record of these IDs, and every container holding them has its own.
+    for owner in [(uid, "app"), (uid, "setup"), None]:
+        started = alloc.pre_start(ids, owner)
+        assert started.pod_uid == uid
+        assert sorted(a.container for a in alloc.holding_same_ids(started)) == ["app", "setup", "warm"]
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert sorted(a.container for a in restarted.allocations()) == ["app", "setup", "warm"]
+    assert restarted.allocate(ids).envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/app/vcuda.config"
+
+
+def test_an_init_containers_ids_again_with_no_later_container_waiting_repeat_its_answer(tmp_path: Path) -> None:
+    pod = make_pod("p", [("app", 30, 4)])
+    _init_container(pod, ("setup", 50, 4))
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(0, 50))
+    assert alloc.allocate(core_ids(0, 50)) == first
+    assert [a.container for a in alloc.allocations()] == ["setup"]
+
+
+def test_a_container_handed_its_init_containers_ids_shares_its_charge(tmp_path: Path) -> None:
+    # The two never run together: the pod holds the larger of each on the init container's GPU, as the
+    # kubelet counts their IDs once. The rest of the GPU stays free for other pods.
+    pod = make_pod("p", [("app", 60, 8)])
+    _init_container(pod, ("setup", 60, 4))
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    total = alloc.tree_snapshot()[0][3]
+    ids = core_ids(0, 60)
+    alloc.allocate(ids)
+    alloc.allocate(ids)
+    uid = uid_of("p")
+    setup, app = alloc.get(uid, "setup"), alloc.get(uid, "app")
+    assert setup is not None and app is not None and setup.minors == app.minors
+    gpu = setup.minors[0]
+    assert alloc.tree_snapshot()[gpu][1:3] == (40, total - app.memory), "counted twice"
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    assert restarted.tree_snapshot()[gpu][1:3] == (40, total - app.memory)
+    alloc.release_pod(uid)
+    assert alloc.tree_snapshot()[gpu][1:3] == (100, total)
+
+
+def test_a_container_the_scheduler_placed_keeps_a_charge_of_its_own_beside_its_init_container(
+    tmp_path: Path,
+) -> None:
+    # GPU 2 has room for the app container only: the init container goes elsewhere.
+    other = make_pod("other", [("c", 50, 4)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    pods = FakePods([other])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(3, 50))
+    pod = make_pod("p", [("app", 50, 8)], annotations={"tencent.com/predicate-gpu-idx-0": "2"})
+    _init_container(pod, ("setup", 50, 4))
+    pods.items.append(pod)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.allocate(ids)
+    setup, app = alloc.get(uid_of("p"), "setup"), alloc.get(uid_of("p"), "app")
+    assert setup is not None and app is not None
+    assert app.minors == (2,) and setup.minors != (2,)
+    assert sum(100 - free for _, free, *_ in alloc.tree_snapshot()) == 150, "each holds its own 50 cores"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager import names
+from gpumanager.vmanager import files
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.kubelet import PluginRPCError
 from tests.battery_fixtures import (
@@ -117,6 +118,28 @@ def test_pod_with_a_gpu_init_container_runs_and_leaves_nothing(
         wait_agent_matches(cluster, [run, other])
         cluster.delete(run)
         wait_agent_matches(cluster, [other])
+
+
+@pytest.mark.parametrize("memory", [(4, 40), (8, 8)])
+def test_a_container_handed_its_init_containers_ids_runs_under_its_own_limits(
+    tmp_path: Path, memory: tuple[int, int]
+) -> None:
+    """Init container and app container ask for as many cores: the kubelet gives the app container the
+    init container's very IDs. Each gets its own answer, and each finds its own vcuda.config."""
+    spec = spec_islands(tmp_path / "spec.json")
+    with SimCluster(tmp_path / "node", spec, fill="random") as cluster:
+        run = cluster.admit(_with_init("reuse", (50, memory[0]), [("app", 50, memory[1])]))
+        assert set(run.core["app"].device_ids) == set(run.core["warmup"].device_ids)  # the very same IDs
+        cluster.start_containers(run)
+        for name, blocks in (("warmup", memory[0]), ("app", memory[1])):
+            response = run.core[name].response
+            mounts = {m.container_path: m.host_path for m in response.mounts}
+            config_path = Path(response.envs["VCUDA_CONFIG_PATH"])
+            assert config_path == Path("/etc/vcuda") / name / "vcuda.config"
+            config = files.unpack((Path(mounts["/etc/vcuda"]) / config_path.relative_to("/etc/vcuda")).read_bytes())
+            assert (config.container_name, config.gpu_memory) == (name, blocks * names.MEMORY_BLOCK_BYTES)
+        cluster.delete(run)
+        wait_agent_matches(cluster, [])
 
 
 def test_multi_container_pod_gets_one_answer_each(tmp_path: Path) -> None:

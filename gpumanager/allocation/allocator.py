@@ -353,6 +353,7 @@ class Allocator:
         held: _Detached | None = None  # the container that held ``wanted``, until another gets them
         full: AllocationError | None = None  # no room for the cache's candidate
         holders: set[str] = set()  # pods holding GPUs when that was found
+        candidate: Candidate | None = None
         try:
             repeat: ContainerResponse | None = None
             # IDs an unstarted container holds, its pod alive in the cache: the kubelet repeating that
@@ -360,13 +361,38 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
+                self._take_pod_changes()
                 suspect = self._by_ids.get(wanted)
-                if suspect is not None and not self._is_repeat(suspect):
+                if suspect is not None and (
+                    not self._is_repeat(suspect) or self._handed_within_pod(suspect, cores) is not None
+                ):
                     suspect = None
             handed_on = suspect is not None and self._gone_at_server(suspect)
             with self._changing():
                 known = self._by_ids.get(wanted)
-                if known is not None:
+                within = self._handed_within_pod(known, cores) if known is not None else None
+                if within is not None and known is not None:
+                    try:
+                        alloc, response, ticket = self._allocate_locked(
+                            within, ordered, self._riding(within, ordered, self._allocs[known])
+                        )
+                        self._asked_at[wanted] = received
+                        candidate = within
+                        changed = True
+                    except AllocationError as exc:
+                        if exc.kind != "exhausted":
+                            raise
+                        log.warning(
+                            "pod %s container %s is handed the IDs of its init container %s but cannot have a "
+                            "share of its own beside it (%s): it is given the init container's answer, and "
+                            "runs under its limits",
+                            podinfo.pod_key(within.pod),
+                            within.request.name,
+                            known[1],
+                            exc,
+                        )
+                        repeat, ticket = self._response(known), self._unsynced.get(known, 0)
+                elif known is not None:
                     if self._is_repeat(known) and not (handed_on and known == suspect):
                         repeat = self._response(known)
                         ticket = self._unsynced.get(known, 0)
@@ -384,7 +410,7 @@ class Allocator:
                         # Given on by the kubelet (its container started or ended), or asked again for
                         # that container: taken back only once another container gets them.
                         held = self._detach(known)
-                if repeat is None:
+                if repeat is None and within is None:
                     changed |= self._recycle_locked()
                     candidate = self._match_cached(cores)
                     if candidate is not None:
@@ -478,10 +504,11 @@ class Allocator:
         return response
 
     def _allocate_locked(
-        self, candidate: Candidate, device_ids: tuple[str, ...]
+        self, candidate: Candidate, device_ids: tuple[str, ...], decided: ContainerAllocation | None = None
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
-        """Decide and stage; returns the allocation, its answer and the journal ticket to sync before answering."""
-        alloc = self._decide(candidate, device_ids)
+        """Decide (unless ``decided``) and stage; returns the allocation, its answer and the journal
+        ticket to sync before answering."""
+        alloc = decided if decided is not None else self._decide(candidate, device_ids)
         ticket = self._commit(alloc)
         response = self._response(alloc.key)
         assert response is not None
@@ -541,6 +568,23 @@ class Allocator:
         if podinfo.is_terminated(pod):
             return False
         return key[1] not in podinfo.started_containers(pod)
+
+    def _handed_within_pod(self, key: tuple[str, str], cores: int) -> Candidate | None:
+        """The container of ``key``'s pod the kubelet handed ``key``'s IDs on to (lock held): the next
+        container in allocation order, waiting for as many cores, when ``key`` is an init container.
+        The kubelet allocates every container of a pod before it starts any, and gives an init
+        container's IDs to the next container asking for as many (devicesToReuse)."""
+        entry = self._waiting.get(key[0])
+        if entry is None or key not in entry.keys:
+            return None
+        at = entry.keys.index(key)
+        if entry.requests[at].index >= 0:
+            return None  # not an init container
+        for request, later in zip(entry.requests[at + 1 :], entry.keys[at + 1 :], strict=True):
+            if later in self._allocs or later in self._retired:
+                continue
+            return Candidate(entry.pod, request) if request.cores == cores else None
+        return None
 
     def _take_back_handed_on(self, wanted: frozenset[str], candidate: Candidate) -> bool:
         """Take back the containers of other pods that held some of ``wanted`` (under the lock).
@@ -888,29 +932,8 @@ class Allocator:
 
     def _decide(self, candidate: Candidate, device_ids: tuple[str, ...]) -> ContainerAllocation:
         pod, req = candidate.pod, candidate.request
-        who = _Subject(pod, req.name, device_ids)
-        try:
-            safenames.pod_uid(podinfo.uid(pod))
-            safenames.container_name(req.name)
-        except safenames.UnsafeNameError as exc:
-            raise AllocationError(f"{who}: {exc}; refused, it would become a path on this node") from None
+        who = self._checked(candidate, device_ids)
         cores, memory = req.cores, req.memory_bytes
-        if cores > names.HUNDRED_CORES and cores % names.HUNDRED_CORES:
-            raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100")
-        if cores < names.HUNDRED_CORES:
-            if not self._settings.share_mode:
-                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but --share-mode is off")
-            if memory <= 0:
-                raise AllocationError(f"{who}: a share ({cores} cores) needs tencent.com/vcuda-memory > 0")
-            problem = self._share_problem()
-            if problem:
-                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but {problem}", "unavailable")
-        largest = max((g.memory_total for g in self._gpus), default=0)
-        if cores < names.HUNDRED_CORES and memory > largest:
-            raise AllocationError(
-                f"{who}: request memory {memory} bytes is larger than any GPU of this node ({largest} bytes)",
-                "exhausted",
-            )
         try:
             predicated = podinfo.predicated_gpus(pod, req.index)
         except PodSpecError as exc:
@@ -939,18 +962,83 @@ class Allocator:
             if not indices:
                 raise AllocationError(f"{who}: {self._why_none(cores, memory)}", "exhausted")
             minors = tuple(tree.leaf(i).minor for i in indices)
+        return self._allocation(candidate, device_ids, minors)
+
+    def _allocation(
+        self, candidate: Candidate, device_ids: tuple[str, ...], minors: tuple[int, ...]
+    ) -> ContainerAllocation:
+        pod, req = candidate.pod, candidate.request
         meta = pod.get("metadata") or {}
         return ContainerAllocation(
             pod_uid=podinfo.uid(pod),
             container=req.name,
             minors=minors,
-            cores=cores,
-            memory=memory,
+            cores=req.cores,
+            memory=req.memory_bytes,
             device_ids=device_ids,
             namespace=str(meta.get("namespace", "")),
             pod_name=str(meta.get("name", "")),
             container_index=req.index,
         )
+
+    def _riding(
+        self, candidate: Candidate, device_ids: tuple[str, ...], init: ContainerAllocation
+    ) -> ContainerAllocation | None:
+        """The allocation of ``candidate``, handed the IDs of its pod's init container ``init``, on
+        the init container's GPUs and sharing its charge (lock held), or None where it cannot.
+
+        Init containers run one at a time before the others, so the two never use the GPU together:
+        the pod holds the larger of the two there, as the kubelet counts their IDs once. Not where
+        the scheduler named GPUs for the container (``predicate-gpu-idx``): it goes there, and shares
+        the charge only if the init container is there too."""
+        pod, req = candidate.pod, candidate.request
+        try:
+            if podinfo.predicated_here(pod) and podinfo.predicated_gpus(pod, req.index) is not None:
+                return None
+        except PodSpecError:
+            return None
+        if req.cores != init.cores or not init.minors:
+            return None
+        who = self._checked(candidate, device_ids)
+        shared = self._charge_of_group(init, include=True)
+        extra = max(0, req.memory_bytes - shared[1])
+        for minor in init.minors:
+            try:
+                leaf = self._tree.leaf_by_minor(minor)
+            except (KeyError, ValueError):
+                return None
+            if not leaf.healthy or (req.cores < names.HUNDRED_CORES and leaf.allocatable_memory < extra):
+                return None
+        log.info("%s takes its init container %s's place on GPUs %s", who, init.container, list(init.minors))
+        return self._allocation(candidate, device_ids, init.minors)
+
+    def _checked(self, candidate: Candidate, device_ids: tuple[str, ...]) -> _Subject:
+        """The checks of a request that do not depend on where it goes; its subject for messages."""
+        pod, req = candidate.pod, candidate.request
+        who = _Subject(pod, req.name, device_ids)
+        try:
+            safenames.pod_uid(podinfo.uid(pod))
+            safenames.container_name(req.name)
+        except safenames.UnsafeNameError as exc:
+            raise AllocationError(f"{who}: {exc}; refused, it would become a path on this node") from None
+        cores, memory = req.cores, req.memory_bytes
+        if cores > names.HUNDRED_CORES and cores % names.HUNDRED_CORES:
+            raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100")
+        if cores < names.HUNDRED_CORES:
+            if not self._settings.share_mode:
+                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but --share-mode is off")
+            if memory <= 0:
+                raise AllocationError(f"{who}: a share ({cores} cores) needs tencent.com/vcuda-memory > 0")
+            problem = self._share_problem()
+            if problem:
+                raise AllocationError(f"{who}: {cores} tencent.com/vcuda-core is a share, but {problem}", "unavailable")
+        largest = max((g.memory_total for g in self._gpus), default=0)
+        if cores < names.HUNDRED_CORES and memory > largest:
+            raise AllocationError(
+                f"{who}: request memory {memory} bytes is larger than any GPU of this node ({largest} bytes)",
+                "exhausted",
+            )
+        return who
 
     def _tree_without_predicated(self, pod: Pod, req: GPURequest) -> TopologyTree:
         """The tree an init container (no predicate annotation names it) chooses from (lock held): the
@@ -1027,19 +1115,44 @@ class Allocator:
 
     # -- state changes ----------------------------------------------------------------------------
 
+    def _charge_of_group(self, alloc: ContainerAllocation, *, include: bool) -> tuple[int, int]:
+        """(cores, memory) the containers of ``alloc``'s pod holding its IDs on its GPUs take together
+        (an init container and the container it handed its IDs to: the larger of each), with or
+        without ``alloc`` itself; (0, 0) for none."""
+        cores, memory = (alloc.cores, alloc.memory) if include else (0, 0)
+        if not alloc.device_ids:
+            return cores, memory
+        wanted = frozenset(alloc.device_ids)
+        for container in self._by_pod.get(alloc.pod_uid, ()):
+            if container == alloc.container:
+                continue
+            other = self._allocs[(alloc.pod_uid, container)]
+            if other.minors == alloc.minors and frozenset(other.device_ids) == wanted:
+                cores, memory = max(cores, other.cores), max(memory, other.memory)
+        return cores, memory
+
     def _occupy(self, alloc: ContainerAllocation) -> None:
+        before = self._charge_of_group(alloc, include=False)
+        after = (max(before[0], alloc.cores), max(before[1], alloc.memory))
         for minor in alloc.minors:
             leaf = self._tree.leaf_by_minor(minor)
-            self._tree.occupy(leaf.index, alloc.cores, alloc.memory)
+            if before != (0, 0):
+                self._tree.free(leaf.index, *before)
+            self._tree.occupy(leaf.index, *after)
 
     def _free(self, alloc: ContainerAllocation) -> None:
-        self._asked_at.pop(frozenset(alloc.device_ids), None)  # the IDs' Allocate is over with
+        after = self._charge_of_group(alloc, include=False)
+        before = (max(after[0], alloc.cores), max(after[1], alloc.memory))
+        if after == (0, 0):
+            self._asked_at.pop(frozenset(alloc.device_ids), None)  # the IDs' Allocate is over with
         for minor in alloc.minors:
             try:
                 leaf = self._tree.leaf_by_minor(minor)
             except (KeyError, ValueError):
                 continue
-            self._tree.free(leaf.index, alloc.cores, alloc.memory)
+            self._tree.free(leaf.index, *before)
+            if after != (0, 0):
+                self._tree.occupy(leaf.index, *after)
 
     def _insert(self, alloc: ContainerAllocation) -> None:
         self._allocs[alloc.key] = alloc
@@ -1050,7 +1163,12 @@ class Allocator:
             self._unverified.add(alloc.pod_uid)  # a new holder: has its pod ended already?
         containers.add(alloc.container)
         if alloc.device_ids:
-            self._by_ids[frozenset(alloc.device_ids)] = alloc.key
+            wanted = frozenset(alloc.device_ids)
+            other = self._by_ids.get(wanted)
+            # Containers of one pod may hold the same IDs (an init container's, handed on to the next
+            # container): the IDs name the one the kubelet allocated last.
+            if other is None or other[0] != alloc.pod_uid or self._rank(alloc.key) >= self._rank(other):
+                self._by_ids[wanted] = alloc.key
 
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
@@ -1067,8 +1185,41 @@ class Allocator:
             if not containers:
                 del self._by_pod[key[0]]
         if alloc is not None and alloc.device_ids:
-            self._by_ids.pop(frozenset(alloc.device_ids), None)
+            wanted = frozenset(alloc.device_ids)
+            if self._by_ids.get(wanted) == key:
+                del self._by_ids[wanted]
+                same = [
+                    (key[0], c) for c in containers or () if frozenset(self._allocs[(key[0], c)].device_ids) == wanted
+                ]
+                if same:
+                    self._by_ids[wanted] = max(same, key=self._rank)
         return alloc
+
+    def _rank(self, key: tuple[str, str]) -> int:
+        """Where the kubelet allocates ``key`` among its pod's GPU containers (-1 when unknown)."""
+        pod = self._pods.get(key[0])
+        if pod is None:
+            return -1
+        try:
+            order = self._gpu_containers(key[0], pod)
+        except Exception:
+            return -1
+        return next((i for i, r in enumerate(order) if r.name == key[1]), -1)
+
+    def holding_same_ids(self, alloc: ContainerAllocation) -> list[ContainerAllocation]:
+        """The containers of ``alloc``'s pod holding the same device IDs as it (itself among them): an
+        init container's IDs the kubelet handed on to the next container. PreStartContainer names no
+        container, so each of them gets its files when one of them starts."""
+        with self._lock:
+            if not alloc.device_ids:
+                return [alloc]
+            wanted = frozenset(alloc.device_ids)
+            found = [
+                self._allocs[(alloc.pod_uid, c)]
+                for c in sorted(self._by_pod.get(alloc.pod_uid, ()))
+                if frozenset(self._allocs[(alloc.pod_uid, c)].device_ids) == wanted
+            ]
+            return found or [alloc]
 
     def _commit(self, alloc: ContainerAllocation) -> int:
         """Occupy, record and stage the journal record; returns its ticket. When it cannot even be
@@ -1243,6 +1394,8 @@ class Allocator:
                 if owner is not None:
                     if key is None and owner in self._allocs:
                         key = owner  # recorded without IDs (e.g. by an older gpu-manager)
+                    elif owner in self._allocs and frozenset(self._allocs[owner].device_ids) == wanted:
+                        key = owner  # containers of one pod holding the same IDs: the kubelet's pick
                     elif key is not None and key != owner:
                         self._reassign(key, owner)
                         key, changed = owner, True

@@ -54,9 +54,21 @@ def _statuses(pod: Pod, field: str = "containerStatuses") -> list[Mapping[str, A
     return _objects(_mapping(pod.get("status")).get(field))
 
 
+def _spec_list(pod: Pod, field: str) -> list[Mapping[str, Any]]:
+    """``spec.<field>`` (containers or initContainers) in order; PodSpecError naming the pod when it is
+    not a list of objects: a container's place in it is its index in ``predicate-gpu-idx-<i>``, so
+    none is skipped."""
+    value = _mapping(pod.get("spec")).get(field)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+        raise PodSpecError(f"pod {pod_key(pod)}: spec.{field} is not a list of containers: {str(value)[:80]!r}")
+    return value
+
+
 def containers(pod: Pod) -> list[Mapping[str, Any]]:
-    """``spec.containers`` in order."""
-    return _objects(_mapping(pod.get("spec")).get("containers"))
+    """``spec.containers`` in order (PodSpecError when it is not a list of objects)."""
+    return _spec_list(pod, "containers")
 
 
 def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
@@ -129,7 +141,7 @@ def gpu_containers(pod: Pod) -> list[GPURequest]:
 def init_gpu_requests(pod: Pod) -> list[GPURequest]:
     """The vcuda requests of ``spec.initContainers``; their index is negative (-1 for the first): no
     ``predicate-gpu-idx`` names them, gpu-admission indexes ``spec.containers`` only."""
-    inits = _objects(_mapping(pod.get("spec")).get("initContainers"))
+    inits = _spec_list(pod, "initContainers")
     return [
         GPURequest(
             name=str(c.get("name", "")),

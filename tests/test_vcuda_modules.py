@@ -172,3 +172,64 @@ print(json.dumps({"held": held, "rc": r[0].name, "after": after, "one": phys_use
     assert out["after"] == out["held"]  # undone
     assert out["one"] == 3 * ctx + 3 * 10 * MIB
     assert out["seen"] == out["one"]
+
+
+def test_a_lazily_loaded_library_is_charged_in_every_context_it_may_go_into(container: MakeContainer) -> None:
+    """CUDA_MODULE_LOADING=LAZY: a library's module goes into each context where something first needs it
+    (cuLibraryGetGlobal, a launch of one of its kernels, ...), its variables once per context, and no memory
+    hook sees that.  So they are charged once per live context: at the load (refused when that passes the
+    cap) and at every context creation (refused likewise); a destroyed context or the unload gives them back."""
+    c = container(1536)
+    out = run(
+        c,
+        r"""
+ctxs = [ctx] + [ok(d.cuCtxCreate(0, dev)) for _ in range(2)]  # three contexts, 750 MiB
+def in_every(lib, contexts):
+    for x in contexts:
+        ok(d.cuCtxSetCurrent(x))
+        ok(d.cuLibraryGetGlobal(lib, b"table"))
+    ok(d.cuCtxSetCurrent(ctx))
+out = {}
+big = d.cuLibraryLoadData(ptx(globals_=[("table", 300 << 20)]), [], [], 0, [], [], 0)
+out["big"] = big[0].name  # 3 x 302 MiB beside 750 MiB of contexts: above 1536 MiB
+if big[0] == R.CUDA_SUCCESS:
+    in_every(big[1], ctxs)
+    ok(d.cuLibraryUnload(big[1]))
+lib = ok(d.cuLibraryLoadData(ptx(entries=["work_1us"], globals_=[("table", 150 << 20)]), [], [], 0, [], [], 0))
+in_every(lib, ctxs[:2])
+s = ok(d.cuStreamCreate(0))  # the third context gets it at a launch
+ok(d.cuCtxSetCurrent(ctxs[2]))
+s2 = ok(d.cuStreamCreate(0))
+kernel = ok(d.cuLibraryGetKernel(lib, b"work_1us"))
+ok(d.cuLaunchKernel(d.CUfunction(int(kernel)), 1, 1, 1, 1, 1, 1, 0, s2, 0, 0))
+ok(d.cuStreamSynchronize(s2))
+ok(d.cuStreamDestroy(s2))
+ok(d.cuCtxSetCurrent(ctx))
+out["held"] = phys_used()
+fourth = d.cuCtxCreate(0, dev)  # 250 MiB would fit, with the library's 150 MiB it does not
+out["fourth"] = fourth[0].name
+if fourth[0] == R.CUDA_SUCCESS:
+    in_every(lib, [fourth[1]])
+    ok(d.cuCtxDestroy(fourth[1]))
+ok(d.cuCtxSetCurrent(ctx))
+ok(d.cuCtxDestroy(ctxs.pop()))  # gives back its 250 MiB and the library's 150 MiB there
+ok(d.cuCtxSetCurrent(ctx))
+again = ok(d.cuCtxCreate(0, dev))
+in_every(lib, [again])
+out["again"] = phys_used()
+ok(d.cuLibraryUnload(lib))
+out["unloaded"] = phys_used()
+out["seen"] = used()
+out["peak"] = peak()
+print(json.dumps(out))
+""",
+        CUDA_MODULE_LOADING="LAZY",
+    )
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["big"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["held"] == 3 * ctx + 3 * 152 * MIB  # in every context: code page and variables
+    assert out["fourth"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["again"] == out["held"]  # a destroyed context's share came back
+    assert out["unloaded"] == 3 * ctx
+    assert out["seen"] == out["unloaded"]
+    assert out["peak"] <= cap, f"the GPU held {out['peak'] >> 20} MiB for a {cap >> 20} MiB container"

@@ -124,14 +124,18 @@ static bool measure_after(int dev, const struct before *b, uint64_t *bytes)
     return true;
 }
 
-/* Settles the reservation `est` on the measured size; false when the context does not fit after all. */
-static bool settle_context(int dev, uint64_t est, uint64_t *charged)
+/*
+ * Settles the reservation `est` on the measured size, less `eager` (libraries the driver loaded into it, charged
+ * apart); false when the context does not fit after all.
+ */
+static bool settle_context(int dev, uint64_t est, uint64_t eager, uint64_t *charged)
 {
     uint64_t real;
     if (!measure_after(dev, &tl_before, &real)) {
         *charged = est;
         return true;
     }
+    real = real > eager ? real - eager : 0;
     vc_budget_learn_context(dev, real);
     if (real > est && !vc_budget_reserve(real - est)) {
         vc_log(VC_LOG_INFO, "a context of device %d takes %llu bytes, more than the container has left", dev,
@@ -162,26 +166,36 @@ static void remember_ctx(CUcontext ctx, uint64_t bytes)
 
 /* ---- creating contexts ---------------------------------------------------------------------------- */
 
-/* Reserve the estimate, create with call, settle on the measured size (destroy with undo if it does not fit). */
+/*
+ * Reserve the estimate and the live libraries' variables (README.md "Accounting rules"), create with call, settle
+ * on the measured size (destroy with undo if it does not fit).
+ */
 #define CREATED(dev, call, pctx, undo)                                                                             \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()))                                                                              \
             return (call);                                                                                         \
+        uint64_t libs_, eager_ = vc_memory_context_begin(&libs_);                                                  \
         uint64_t est_ = vc_budget_context_estimate(dev);                                                           \
-        if (!vc_budget_reserve(est_))                                                                              \
+        if (!vc_budget_reserve(est_ + libs_)) {                                                                    \
+            vc_memory_context_end(NULL);                                                                           \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        }                                                                                                          \
         measure_before((dev), &tl_before);                                                                         \
         CUresult rc_ = (call);                                                                                     \
         if (rc_ != CUDA_SUCCESS) {                                                                                 \
-            vc_budget_release(est_);                                                                               \
+            vc_budget_release(est_ + libs_);                                                                       \
+            vc_memory_context_end(NULL);                                                                           \
             return rc_;                                                                                            \
         }                                                                                                          \
         uint64_t bytes_;                                                                                           \
-        if (!settle_context((dev), est_, &bytes_)) {                                                               \
+        if (!settle_context((dev), est_, eager_, &bytes_)) {                                                       \
+            vc_budget_release(libs_);                                                                              \
             undo;                                                                                                  \
+            vc_memory_context_end(NULL);                                                                           \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         }                                                                                                          \
         remember_ctx(*(pctx), bytes_);                                                                             \
+        vc_memory_context_end(*(pctx));                                                                            \
         return rc_;                                                                                                \
     } while (0)
 
@@ -229,21 +243,26 @@ VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (primary_active(dev)) {
         rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
     } else {
+        uint64_t libs, eager = vc_memory_context_begin(&libs);
         uint64_t est = vc_budget_context_estimate(dev), bytes = 0;
-        rc = vc_budget_reserve(est) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+        rc = vc_budget_reserve(est + libs) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+        CUcontext born = NULL;
         if (rc == CUDA_SUCCESS) {
             measure_before(dev, &tl_before);
             rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
             if (rc != CUDA_SUCCESS) {
-                vc_budget_release(est);
-            } else if (!settle_context(dev, est, &bytes)) {
+                vc_budget_release(est + libs);
+            } else if (!settle_context(dev, est, eager, &bytes)) {
+                vc_budget_release(libs);
                 REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev);
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
             } else {
                 g_primary_bytes[dev] = bytes;
                 vc_budget_note_context((int64_t)bytes);
+                born = *pctx;
             }
         }
+        vc_memory_context_end(born);
     }
     if (rc == CUDA_SUCCESS)
         atomic_store(&g_primary[dev], *pctx); /* the same handle for the device's whole life (cuda.h) */

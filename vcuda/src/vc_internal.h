@@ -164,6 +164,16 @@ static inline bool vc_core_limited(void)
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
 
+/*
+ * A context is being created (memory limit on): holds the libraries as they are until vc_memory_context_end.
+ * *vars: the live libraries' variables, which the new context is charged too (a library may go into it lazily,
+ * where no hook sees it).  Returns what the driver loads into it inside the call with CUDA_MODULE_LOADING=EAGER
+ * (the libraries' whole footprints: part of its measured size, not of the context's own), else 0.
+ */
+uint64_t vc_memory_context_begin(uint64_t *vars);
+/* ctx: the context now lives (its libraries' charge is given back when it goes); NULL: none was created. */
+void vc_memory_context_end(CUcontext ctx);
+
 /* After a launch of exec (memory limit on): its graph allocations without a free node stay live. */
 void vc_memory_graph_launched(CUgraphExec exec);
 

@@ -31,7 +31,9 @@ enum rec_kind {
                     it (0: none), gpu = GA_* flags */
     REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
     REC_MODULE,  /* key = CUmodule, size = its estimated footprint (freed with its context) */
-    REC_LIBRARY, /* key = CUlibrary, size = its variables (one copy) */
+    REC_LIBRARY, /* key = CUlibrary, size = what it is charged beyond its variables per context (0 unless NVML
+                    could not tell at its load), aux = its variables (one copy), aux2 = its whole footprint */
+    REC_CONTEXT, /* key = a live CUcontext: the libraries' variables are charged once more for it */
     REC_POOL,    /* key = CUmemoryPool, size = what the budget holds for it, aux = its live allocations' bytes,
                     gpu = 1 once destroyed (then it settles on aux) */
 };
@@ -68,6 +70,12 @@ static uint64_t g_galloc_bytes;  /* under g_mu: bytes of the REC_GALLOC records 
 static uint64_t g_graph_pending; /* under g_mu: bytes of graph allocations gone since the last settlement */
 static _Atomic bool g_graph_seen; /* this process made a graph allocation: its pool may hold memory */
 
+/* Libraries' variables, charged once per live context (cuLibraryLoadData, below). */
+static pthread_mutex_t g_lib_mu = PTHREAD_MUTEX_INITIALIZER; /* held across library loads, unloads, context births */
+static uint64_t g_lib_vars;  /* under g_lib_mu: the live libraries' variables, one copy of each */
+static uint64_t g_lib_image; /* under g_lib_mu: their whole footprints (code pages too) */
+static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT records) */
+
 static void atfork_prepare(void)
 {
     pthread_mutex_lock(&g_mu);
@@ -85,7 +93,9 @@ static void atfork_child(void)
     g_gallocs = 0;
     g_graph_kept = g_graph_pending = g_galloc_bytes = 0;
     atomic_store(&g_graph_seen, false);
+    g_lib_vars = g_lib_image = g_lib_ctxs = 0;
     pthread_mutex_init(&g_mu, NULL);
+    pthread_mutex_init(&g_lib_mu, NULL);
     pthread_mutex_init(&g_graph_mu, NULL);
     for (int i = 0; i < POOL_STRIPES; i++)
         pthread_mutex_init(&g_pool_mu[i], NULL);
@@ -1346,8 +1356,8 @@ VC_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
  * its processes); when that is above the limit (the real size was larger than the estimate) the call is
  * undone and fails with CUDA_ERROR_OUT_OF_MEMORY, as the driver does on a full GPU.  A module stays
  * charged its estimate until it is unloaded or its context destroyed (what NVML shows beyond it is
- * counted by the reconciliation); a library its variables (they are loaded into every context that uses
- * it, lazily: README.md "Residual error"); a context limit nothing beyond what NVML shows.
+ * counted by the reconciliation); a library its variables once per live context (below); a context limit
+ * nothing beyond what NVML shows.
  */
 static CUresult checked_load(uint64_t estimate, uint64_t stays, CUresult rc, uint64_t handle, enum rec_kind kind,
                              CUresult (*undo)(uint64_t))
@@ -1364,8 +1374,7 @@ static CUresult checked_load(uint64_t estimate, uint64_t stays, CUresult rc, uin
     struct vc_map_entry e;
     bool had = take(handle, kind, &e);
     settle(undo(handle), had, &e);
-    vc_log(VC_LOG_INFO, "a %s took the container above its limit: unloaded, refused",
-           kind == REC_MODULE ? "module" : "library");
+    vc_log(VC_LOG_INFO, "a module took the container above its limit: unloaded, refused");
     vc_budget_reconcile_now();
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
@@ -1373,11 +1382,6 @@ static CUresult checked_load(uint64_t estimate, uint64_t stays, CUresult rc, uin
 static CUresult unload_module(uint64_t m)
 {
     return REAL_CU(cuModuleUnload)((CUmodule)(uintptr_t)m);
-}
-
-static CUresult unload_library(uint64_t l)
-{
-    return REAL_CU(cuLibraryUnload)((CUlibrary)(uintptr_t)l);
 }
 
 /* The footprint of a module file (read for its variables; a file that cannot be read: one code page). */
@@ -1433,20 +1437,59 @@ VC_EXPORT CUresult cuModuleUnload(CUmodule hmod)
 
 /*
  * A library goes into a context eagerly (CUDA_MODULE_LOADING=EAGER: every live context now, every new
- * one at its creation) or lazily, when something there first needs it.  Reserved: one load; charged
- * while it lives: its variables (one copy), since a lazy load may come at a launch no hook checks.
+ * one at its creation) or lazily, when something there first needs it: cuLibraryGetGlobal / GetManaged /
+ * GetModule, cuKernelGetFunction, or the first launch of one of its kernels there, which no memory hook
+ * sees.  So its variables are charged once per live context, whether or not it went there yet: at its load
+ * times the live contexts (reserved before the call: one whole load per context, as an eager load takes),
+ * and at every context creation the live libraries' once more (vc_memory_context_begin, refused there when
+ * that does not fit); a destroyed context or the unload gives them back.  Their code pages are left to the
+ * reconciliation (README.md "Residual error").  g_lib_mu is held across the driver call, so a load and a
+ * context creation never miss each other.
  */
+static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUlibrary lib)
+{
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(reserved);
+        return rc;
+    }
+    uint64_t vars = est > VC_IMAGE_PAGE ? est - VC_IMAGE_PAGE : 0, stays = mul_sat(vars, g_lib_ctxs);
+    bool kept;
+    bool fits = vc_budget_settle_untracked(reserved - stays, &kept);
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)lib, .kind = REC_LIBRARY, .size = kept ? reserved - stays : 0,
+                             .aux = vars, .aux2 = est};
+    if (!fits && REAL_CU(cuLibraryUnload)(lib) == CUDA_SUCCESS) {
+        vc_budget_release(stays + e.size);
+        vc_log(VC_LOG_INFO, "a library took the container above its limit: unloaded, refused");
+        vc_budget_reconcile_now();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_lock(&g_mu);
+    int put = vc_map_put(&g_recs, &e);
+    pthread_mutex_unlock(&g_mu);
+    if (put != 0) { /* charged on, but never again for a new context */
+        vc_log(VC_LOG_ERROR, "out of host memory: a library's %llu bytes stay charged until this process exits",
+               (unsigned long long)(stays + e.size));
+    } else {
+        g_lib_vars += vars;
+        g_lib_image += est;
+    }
+    return fits ? rc : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 #define LIBRARY_LOAD(footprint, call)                                                                              \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()) || library == NULL)                                                           \
             return (call);                                                                                         \
         uint64_t est_ = (footprint);                                                                               \
-        uint64_t data_ = est_ > VC_IMAGE_PAGE ? est_ - VC_IMAGE_PAGE : 0;                                          \
-        if (!vc_budget_reserve(est_))                                                                              \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
-        CUresult rc_ = (call);                                                                                     \
-        return checked_load(est_, data_, rc_, rc_ == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*library : 0,             \
-                            REC_LIBRARY, unload_library);                                                          \
+        pthread_mutex_lock(&g_lib_mu);                                                                             \
+        uint64_t reserved_ = mul_sat(est_, g_lib_ctxs > 0 ? g_lib_ctxs : 1);                                       \
+        CUresult rc_ = CUDA_ERROR_OUT_OF_MEMORY;                                                                   \
+        if (vc_budget_reserve(reserved_)) {                                                                        \
+            rc_ = (call);                                                                                          \
+            rc_ = library_loaded(est_, reserved_, rc_, rc_ == CUDA_SUCCESS ? *library : NULL);                     \
+        }                                                                                                          \
+        pthread_mutex_unlock(&g_lib_mu);                                                                           \
+        return rc_;                                                                                                \
     } while (0)
 
 VC_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
@@ -1474,11 +1517,51 @@ VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuLibraryUnload)(library);
     struct vc_map_entry e;
+    pthread_mutex_lock(&g_lib_mu);
     bool had = take((uint64_t)(uintptr_t)library, REC_LIBRARY, &e);
-    CUresult rc = settle(REAL_CU(cuLibraryUnload)(library), had, &e);
+    CUresult rc = REAL_CU(cuLibraryUnload)(library);
+    if (had && rc != CUDA_SUCCESS) {
+        put_back(&e);
+    } else if (had) {
+        vc_budget_release(e.size + mul_sat(e.aux, g_lib_ctxs));
+        g_lib_vars -= e.aux;
+        g_lib_image -= e.aux2;
+    }
+    pthread_mutex_unlock(&g_lib_mu);
     if (rc == CUDA_SUCCESS)
         vc_budget_reconcile_now(); /* its code and variables left every context */
     return rc;
+}
+
+/* A context is being created: the libraries stay as they are until vc_memory_context_end. */
+uint64_t vc_memory_context_begin(uint64_t *vars)
+{
+    pthread_mutex_lock(&g_lib_mu);
+    *vars = g_lib_vars;
+    static _Atomic int eager = -1;
+    int m = atomic_load_explicit(&eager, memory_order_relaxed);
+    if (m < 0) {
+        const char *mode = getenv("CUDA_MODULE_LOADING");
+        m = mode != NULL && strcmp(mode, "EAGER") == 0;
+        atomic_store_explicit(&eager, m, memory_order_relaxed);
+    }
+    return m ? g_lib_image : 0;
+}
+
+void vc_memory_context_end(CUcontext ctx)
+{
+    if (ctx != NULL) {
+        struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)ctx, .kind = REC_CONTEXT};
+        pthread_mutex_lock(&g_mu);
+        int put = vc_map_put(&g_recs, &e);
+        pthread_mutex_unlock(&g_mu);
+        if (put == 0)
+            g_lib_ctxs++;
+        else /* never given back: on the safe side */
+            vc_log(VC_LOG_ERROR, "out of host memory: a context's %llu bytes of library variables stay charged",
+                   (unsigned long long)g_lib_vars);
+    }
+    pthread_mutex_unlock(&g_lib_mu);
 }
 
 /* Bytes a limit's new value takes beyond its old one (the stack: per resident thread of the device). */
@@ -1546,6 +1629,12 @@ void vc_memory_context_gone(CUcontext ctx)
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         vc_map_remove_if(&g_recs, kinds[i], of_context, release_entry, ctx);
     pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_lib_mu); /* the libraries' variables it was charged */
+    if (take((uint64_t)(uintptr_t)ctx, REC_CONTEXT, NULL)) {
+        g_lib_ctxs--;
+        vc_budget_release(g_lib_vars);
+    }
+    pthread_mutex_unlock(&g_lib_mu);
 }
 
 /* ---- what the container sees ----------------------------------------------------------------- */

@@ -6,6 +6,8 @@ import json
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from simnode.cluster import SimCluster, gpu_pod
 from tests.volume_fixtures import DEFAULT_VOLUME_CONF, V1, DriverStore, driver_store, install_driver
 
@@ -48,3 +50,24 @@ def test_broken_volume_config_is_reported_and_the_plugin_still_serves(tmp_path: 
         with urllib.request.urlopen(f"http://127.0.0.1:{c.agent.query_port}/healthz", timeout=5) as resp:
             health = json.loads(resp.read())
         assert "volume" in health["errors"] and str(bad) in health["errors"]["volume"]
+
+
+def test_an_unexpected_failure_of_the_mirror_build_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Raised out of the build, it ended the agent's background start: no /healthz, no pod cache.
+    from gpumanager.volume import keeper, manager
+
+    def broken(**_: object) -> None:
+        raise AssertionError("a damaged library the reader did not expect")
+
+    monkeypatch.setattr(manager, "build_vdriver", broken)
+    mirror = keeper.MirrorKeeper(
+        volume_config=str(tmp_path / "volume.conf"),
+        driver_root=str(tmp_path),
+        share_mode=True,
+        interceptor=str(tmp_path / "libcuda-control.so"),
+    )
+    assert mirror.build() is False
+    assert "AssertionError: a damaged library the reader did not expect" in mirror.error
+    assert "not built" in mirror.share_problem

@@ -49,6 +49,26 @@ def test_non_elf_and_damaged_files(tmp_path: Path, driver_store: DriverStore) ->
         read_elf_facts(tmp_path / "missing.so")
 
 
+def test_a_dynamic_section_linked_to_no_string_table_is_a_damaged_file(
+    tmp_path: Path, driver_store: DriverStore
+) -> None:
+    # The loader reads no section headers, so such a library loads; pyelftools asserts on it.
+    from elftools.elf.elffile import ELFFile
+
+    data = bytearray(built(driver_store, f"{LIB64}/libcuda.so.{V1}").read_bytes())
+    with (tmp_path / "src.so").open("wb") as out:
+        out.write(data)
+    with (tmp_path / "src.so").open("rb") as stream:
+        elf = ELFFile(stream)
+        index = next(i for i, s in enumerate(elf.iter_sections()) if s.name == ".dynamic")
+        link = elf["e_shoff"] + index * elf["e_shentsize"] + 40  # sh_link of an Elf64_Shdr
+    data[link : link + 4] = (0).to_bytes(4, "little")
+    odd = tmp_path / "libnvidia-odd.so.1"
+    odd.write_bytes(bytes(data))
+    with pytest.raises(NotElfError, match=str(odd)):
+        read_elf_facts(odd)
+
+
 def test_blacklist_rules(tmp_path: Path, driver_store: DriverStore) -> None:
     def reason(host_path: str, file: Path | None = None) -> str | None:
         return blacklist_reason(host_path, read_elf_facts(file or built(driver_store, host_path)))

@@ -21,7 +21,6 @@ PYELFTOOLS_UNUSED = {
 for _importer, _targets in PYELFTOOLS_UNUSED.items():
     lazy_imports.defer_imports(_importer, *_targets)
 
-from elftools.common.exceptions import ELFError  # noqa: E402 - after the deferral above
 from elftools.elf.dynamic import DynamicSection, DynamicSegment  # noqa: E402
 from elftools.elf.elffile import ELFFile  # noqa: E402
 
@@ -68,9 +67,11 @@ def read_elf_facts(path: Path) -> ElfFacts:
         raise
     except OSError as err:
         raise NotElfError(f"cannot read {path}: {err.strerror or err}") from err
-    except (ELFError, struct.error, ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
-        # pyelftools raises a variety of errors on damaged files; any of them means "not usable".
-        raise NotElfError(f"{path} is not a valid ELF object: {err}") from err
+    except Exception as err:
+        # pyelftools raises a variety of errors on damaged files (ELFError, struct.error, and asserts
+        # on a .dynamic section linked to no string table, which the loader never reads); any of
+        # them means "not usable".
+        raise NotElfError(f"{path} is not a valid ELF object: {type(err).__name__}: {err}") from err
 
 
 def _facts(path: Path, elf: ELFFile) -> ElfFacts:

@@ -80,6 +80,10 @@ class MirrorKeeper:
             self.error = str(exc)
             log.error("driver mirror not built: %s", exc)
             return False
+        except Exception as exc:  # a reader's surprise must not end the agent's start
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("driver mirror not built: %s", self.error)
+            return False
         for warning in result.warnings:
             log.warning("driver mirror: %s", warning)
         for tree in result.removed_trees:

@@ -890,3 +890,105 @@ def test_a_container_the_scheduler_placed_keeps_a_charge_of_its_own_beside_its_i
     assert setup is not None and app is not None
     assert app.minors == (2,) and setup.minors != (2,)
     assert sum(100 - free for _, free, *_ in alloc.tree_snapshot()) == 150, "each holds its own 50 cores"
+
+
+def _tree_as_rebuilt(alloc: object, tmp_path: Path, pods: FakePods) -> None:
+    """The live tree equals one rebuilt from the checkpoint: no charge drifted."""
+    import shutil
+
+    copy = tmp_path / f"rebuilt-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(tmp_path / "checkpoint", copy / "checkpoint")
+    rebuilt = make_allocator(copy, FakePods(list(pods.items)))
+    rebuilt.load()
+    assert alloc.tree_snapshot() == rebuilt.tree_snapshot()  # type: ignore[attr-defined]
+    assert sorted(a.key for a in alloc.allocations()) == sorted(a.key for a in rebuilt.allocations())  # type: ignore[attr-defined]
+
+
+def test_a_prestart_swap_moving_one_of_an_init_pair_keeps_the_charges(tmp_path: Path) -> None:
+    # Two identical pods with an init container each; the kubelet admits b, the order matches a.
+    a = make_pod("a", [("app", 50, 4)], created="2026-11-21T10:00:00Z")
+    b = make_pod("b", [("app", 50, 4)], created="2026-11-21T10:00:01Z")
+    _init_container(a, ("setup", 50, 4))
+    _init_container(b, ("setup", 50, 4))
+    pods = FakePods([a, b])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.allocate(ids)
+    _tree_as_rebuilt(alloc, tmp_path, pods)
+    alloc.pre_start(ids, (uid_of("b"), "setup"))
+    _tree_as_rebuilt(alloc, tmp_path, pods)
+    alloc.pre_start(ids, (uid_of("b"), "app"))
+    _tree_as_rebuilt(alloc, tmp_path, pods)
+    alloc.release_pod(uid_of("b"))
+    _tree_as_rebuilt(alloc, tmp_path, pods)
+
+
+def test_a_running_container_sharing_its_init_containers_ids_asked_for_again_keeps_them(tmp_path: Path) -> None:
+    pod = make_pod("p", [("app", 50, 16)])
+    _init_container(pod, ("setup", 50, 4))
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    app = alloc.allocate(ids)
+    alloc.pre_start(ids, (uid_of("p"), "setup"))
+    alloc.pre_start(ids, (uid_of("p"), "app"))
+    _running(pod, "app")
+    assert alloc.allocate(ids) == app
+    assert sorted(a.container for a in alloc.allocations()) == ["app", "setup"]
+    _tree_as_rebuilt(alloc, tmp_path, pods)
+
+
+def test_a_sidecars_ids_are_its_own(tmp_path: Path) -> None:
+    # An init container with restartPolicy Always runs beside the others: the kubelet hands its IDs
+    # on to nobody, so the same IDs again are its own Allocate repeated.
+    pod = make_pod("p", [("app", 50, 16)])
+    _init_container(pod, ("side", 50, 4))
+    pod["spec"]["initContainers"][0]["restartPolicy"] = "Always"
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(0, 50))
+    assert alloc.allocate(core_ids(0, 50)) == first
+    assert alloc.allocate(core_ids(1, 50)).envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/app/vcuda.config"
+
+
+def test_init_container_ids_handed_on_in_a_pod_known_only_from_a_fresh_list(tmp_path: Path) -> None:
+    pod = make_pod("p", [("app", 50, 16)])
+    _init_container(pod, ("setup", 50, 4))
+    pods = FakePods([])
+    pods.refresh_fills_cache = False
+    pods.hidden = [pod]
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    assert alloc.allocate(ids).envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/app/vcuda.config"
+    assert sorted(a.container for a in alloc.allocations()) == ["app", "setup"]
+    pods.show_hidden()
+    assert alloc.pre_start(ids, (uid_of("p"), "setup")).container == "setup"
+
+
+def test_a_repeated_allocate_of_a_pod_known_only_from_a_fresh_list_is_a_repeat(tmp_path: Path) -> None:
+    pod = make_pod("q", [("c0", 50, 4), ("c1", 50, 4)])
+    pods = FakePods([])
+    pods.refresh_fills_cache = False
+    pods.hidden = [pod]
+    alloc = make_allocator(tmp_path, pods)
+    first = alloc.allocate(core_ids(0, 50))
+    assert alloc.allocate(core_ids(0, 50)) == first
+    alloc.allocate(core_ids(1, 50))
+    assert sorted(a.container for a in alloc.allocations()) == ["c0", "c1"]
+
+
+def test_an_init_pair_on_a_whole_gpu_is_no_overcommit_at_load(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pod = make_pod("p", [("app", 100, 0)])
+    _init_container(pod, ("setup", 100, 0))
+    pods = FakePods([pod])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    alloc.allocate(core_ids(0, 100))
+    restarted = make_allocator(tmp_path, pods)
+    with caplog.at_level(logging.ERROR):
+        restarted.load()
+    assert "more than 100" not in caplog.text
+    assert len(restarted.allocations()) == 2

@@ -130,6 +130,14 @@ class Candidate:
 ChangeListener = Callable[[], None]
 
 
+@dataclass
+class _Fresh:
+    """A holder found in a fresh list of the API server that the pod cache has not shown yet."""
+
+    since: float  # when it was found, or last seen listed past the grace
+    pod: Pod
+
+
 @dataclass(frozen=True)
 class _Detached:
     """An allocation taken out of the state while its IDs are matched anew, and what goes back with it."""
@@ -217,7 +225,7 @@ class Allocator:
         # Every holder must be checked: the pod source could not say which pods changed.
         self._verify_all = True
         # Holders found in a fresh list that the pod source has not shown yet, and since when.
-        self._fresh_only: dict[str, float] = {}
+        self._fresh_only: dict[str, _Fresh] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
@@ -449,7 +457,7 @@ class Allocator:
                     candidate = found
                     changed = True  # an allocation may be taken back even if this one fails
                     alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
-                    self._note_fresh(alloc.pod_uid)
+                    self._note_fresh(candidate.pod)
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
                 fresh = self._refresh(cores, ordered)
@@ -477,7 +485,7 @@ class Allocator:
                         candidate = found
                         changed = True  # an allocation may be taken back even if this one fails
                         alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
-                        self._note_fresh(alloc.pod_uid)
+                        self._note_fresh(candidate.pod)
             if repeat is not None and known is not None:
                 try:
                     self._sync(ticket)
@@ -561,7 +569,7 @@ class Allocator:
         alloc = self._allocs[key]
         if alloc.started:
             return False
-        pod = self._pods.get(key[0])
+        pod = self._pod(key[0])
         if pod is None:
             # Gone from a complete view: the kubelet has freed its IDs. Without one we cannot tell.
             return not self._pods.synced()
@@ -575,11 +583,13 @@ class Allocator:
         The kubelet allocates every container of a pod before it starts any, and gives an init
         container's IDs to the next container asking for as many (devicesToReuse)."""
         entry = self._waiting.get(key[0])
+        if entry is None and key[0] in self._fresh_only:
+            entry = self._waiting_entry(self._fresh_only[key[0]].pod)
         if entry is None or key not in entry.keys:
             return None
         at = entry.keys.index(key)
-        if entry.requests[at].index >= 0:
-            return None  # not an init container
+        if entry.requests[at].index >= 0 or podinfo.is_sidecar(entry.pod, key[1]):
+            return None  # not an init container, or one that runs beside the others (its IDs stay its own)
         for request, later in zip(entry.requests[at + 1 :], entry.keys[at + 1 :], strict=True):
             if later in self._allocs or later in self._retired:
                 continue
@@ -649,7 +659,8 @@ class Allocator:
             return
         alloc = held.alloc
         self._retired.discard(alloc.key)
-        if alloc.key in self._allocs or (alloc.device_ids and frozenset(alloc.device_ids) in self._by_ids):
+        holder = self._by_ids.get(frozenset(alloc.device_ids)) if alloc.device_ids else None
+        if alloc.key in self._allocs or (holder is not None and holder[0] != alloc.pod_uid):
             return
         self._occupy(alloc)
         self._insert(alloc)
@@ -1154,6 +1165,11 @@ class Allocator:
             if after != (0, 0):
                 self._tree.occupy(leaf.index, *after)
 
+    def _place(self, alloc: ContainerAllocation) -> None:
+        """Occupy and record (lock held)."""
+        self._occupy(alloc)
+        self._insert(alloc)
+
     def _insert(self, alloc: ContainerAllocation) -> None:
         self._allocs[alloc.key] = alloc
         self._generation += 1
@@ -1462,12 +1478,20 @@ class Allocator:
             key[0],
             key[1],
         )
-        self._remove(key)
+        # Removed and put back with their charges: one may leave (or join) a pod's init container's share.
+        # When their IDs' Allocate reached us stays known: the IDs are held still.
+        asked = {
+            ids_: self._asked_at[ids_]
+            for a in (mine, theirs)
+            if a and (ids_ := frozenset(a.device_ids)) in self._asked_at
+        }
+        self._free(self._remove(key) or mine)
         if theirs is not None:
-            self._remove(owner)
+            self._free(self._remove(owner) or theirs)
+        self._asked_at.update(asked)
         meta = (pod or {}).get("metadata") or {}
         request = _request_of(pod, owner[1])
-        self._insert(
+        self._place(
             replace(
                 mine,
                 pod_uid=owner[0],
@@ -1479,7 +1503,7 @@ class Allocator:
             )
         )
         if theirs is not None:
-            self._insert(
+            self._place(
                 replace(
                     theirs,
                     pod_uid=key[0],
@@ -1543,8 +1567,8 @@ class Allocator:
         now = time.monotonic()
         return sorted(
             uid
-            for uid, since in self._fresh_only.items()
-            if now - since >= FRESH_LIST_GRACE_SECONDS and uid in self._by_pod
+            for uid, fresh in self._fresh_only.items()
+            if now - fresh.since >= FRESH_LIST_GRACE_SECONDS and uid in self._by_pod
         )
 
     def _release_unlisted(self, overdue: list[str]) -> bool:
@@ -1574,7 +1598,7 @@ class Allocator:
                         uid,
                         FRESH_LIST_GRACE_SECONDS,
                     )
-                    self._fresh_only[uid] = now
+                    self._fresh_only[uid].since = now
                     continue
                 log.info("pod %s, allocated from the API server's list, is gone there before the cache showed it", uid)
                 del self._fresh_only[uid]
@@ -1605,10 +1629,20 @@ class Allocator:
             return self._fresh(pod_uid)
         return not podinfo.is_terminated(pod)
 
-    def _note_fresh(self, pod_uid: str) -> None:
-        """A pod was allocated from a fresh list: until the cache shows it, its absence there is no end."""
-        if self._pods.get(pod_uid) is None:
-            self._fresh_only[pod_uid] = time.monotonic()
+    def _note_fresh(self, pod: Pod) -> None:
+        """A pod was allocated from a fresh list: until the cache shows it, its absence there is no end
+        (and the fresh list's copy of it says what it is)."""
+        uid = podinfo.uid(pod)
+        if self._pods.get(uid) is None:
+            self._fresh_only[uid] = _Fresh(time.monotonic(), pod)
+
+    def _pod(self, uid: str) -> Pod | None:
+        """The pod from the cache, else as a fresh list showed it while the cache has not (lock held)."""
+        pod = self._pods.get(uid)
+        if pod is None:
+            fresh = self._fresh_only.get(uid)
+            return fresh.pod if fresh is not None else None
+        return pod
 
     def _fresh(self, pod_uid: str) -> bool:
         """Whether a holder the cache does not list was found in a fresh list: alive until the cache
@@ -1915,9 +1949,14 @@ class Allocator:
 
     def _warn_overcommit(self, source: str) -> None:
         per_gpu: dict[int, int] = {}
+        groups: dict[tuple[str, frozenset[str], tuple[int, ...]], int] = {}
         for a in self._allocs.values():
-            for m in a.minors:
-                per_gpu[m] = per_gpu.get(m, 0) + min(a.cores, names.HUNDRED_CORES)
+            # The containers of a pod holding the same IDs on the same GPUs share one charge.
+            group = (a.pod_uid, frozenset(a.device_ids) or frozenset({a.container}), a.minors)
+            groups[group] = max(groups.get(group, 0), min(a.cores, names.HUNDRED_CORES))
+        for (_, _, minors), cores in groups.items():
+            for m in minors:
+                per_gpu[m] = per_gpu.get(m, 0) + cores
         for minor, total in sorted(per_gpu.items()):
             if total > names.HUNDRED_CORES:
                 log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)

@@ -209,7 +209,7 @@ def predicate_time(pod: Pod) -> int:
     if raw is not None:
         try:
             return int(raw)
-        except ValueError:
+        except (ValueError, TypeError):
             pass
     return _rfc3339_ns(str(_mapping(pod.get("metadata")).get("creationTimestamp", "")))
 
@@ -220,6 +220,8 @@ def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
     raw = pod_annotations(pod).get(key)
     if raw is None:
         return None
+    if not isinstance(raw, str):
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={raw!r} is not a list of GPU indices")
     parts = [p.strip() for p in raw.split(",")]
     # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and other scripts' digits.
     if not parts or not all(p.isascii() and p.isdigit() for p in parts):
@@ -281,6 +283,15 @@ def is_deleting(pod: Pod) -> bool:
     return bool(_mapping(pod.get("metadata")).get("deletionTimestamp"))
 
 
+def is_sidecar(pod: Pod, container: str) -> bool:
+    """Whether ``container`` is an init container that runs beside the others (``restartPolicy: Always``)."""
+    try:
+        inits = _spec_list(pod, "initContainers")
+    except PodSpecError:
+        return False
+    return any(c.get("name") == container and c.get("restartPolicy") == "Always" for c in inits)
+
+
 def container_env(container: Mapping[str, Any], name: str) -> str | None:
     """The literal value of an env var of a container spec."""
     for env in _objects(container.get("env")):
@@ -317,7 +328,7 @@ def core_limit(pod: Pod) -> int | None:
         return None
     try:
         value = int(raw)
-    except ValueError:
+    except (ValueError, TypeError):
         raise PodSpecError(
             f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is not an integer"
         ) from None

@@ -9,8 +9,11 @@ import pytest
 
 from gpumanager.volume import NotElfError, VolumeError, load_volume_config
 from gpumanager.volume.blacklist import blacklist_reason
-from gpumanager.volume.elffacts import AbiTag, read_elf_facts
-from gpumanager.volume.mirror import devname
+from gpumanager.volume.config import VolumeSpec
+from gpumanager.volume.discovery import SourceFile, identity_of
+from gpumanager.volume.elffacts import AbiTag, ElfFacts, read_elf_facts
+from gpumanager.volume.mirror import TreePlan, devname, plan_volume
+from gpumanager.volume.tree import build_tree
 from gpumanager.volume.version import DriverVersion, version_from_libcuda
 from tests.fresh_python import run_json
 from tests.volume_fixtures import DEFAULT_VOLUME_CONF, LIB32, LIB64, MESA, V1, DriverStore, build_shared, driver_store
@@ -100,6 +103,27 @@ def test_devname() -> None:
     assert devname("libcuda.so.1") == "libcuda.so"
     assert devname("libnvidia-glcore.so.550.54.15") == "libnvidia-glcore.so"
     assert devname("libGLESv1_CM.so.1") == "libGLESv1_CM.so"
+
+
+def test_an_empty_soname_makes_no_link_and_no_tree_name_leaves_the_tree(tmp_path: Path) -> None:
+    lib = tmp_path / "libnvidia-x.so.9"
+    lib.write_bytes(b"x")
+    source = SourceFile("lib64", "/usr/lib64/libnvidia-x.so.9", lib, identity_of(lib.stat()), "libnvidia-x.so.1")
+    volume = VolumeSpec("origin", tmp_path, "ro", (), ("libnvidia-x.so",))
+
+    def facts(soname: str) -> ElfFacts:
+        return ElfFacts(lib, 64, "EM_X86_64", soname, (), None, False)
+
+    plan = plan_volume(volume, [source], lambda _: facts(""), share_mode=False, interceptor=None)
+    assert list(plan.files) == ["lib64/libnvidia-x.so.9"] and plan.links == {}
+    assert plan.warnings == [f"volume origin: {source.host_path} has the soname '', not a file name; "
+                             "mirrored without soname links"]  # fmt: skip
+    # The tree writer refuses any name that is not <dir>/<file name>, whatever the plan says.
+    for links in ({"lib64/../../x": "libnvidia-x.so.9"}, {"lib64/": "libnvidia-x.so.9"}, {"lib64/x": "../../x"}):
+        bad = TreePlan("origin", dict(plan.files), links=links)
+        with pytest.raises(VolumeError, match="refusing"):
+            build_tree(tmp_path / "staging", bad, {}, allow_hardlinks=False)
+        assert not (tmp_path / "staging").exists() and not (tmp_path / "x").exists()
 
 
 def test_default_volume_conf_is_upstreams() -> None:

@@ -25,6 +25,7 @@ from tests.volume_fixtures import (
     V2,
     DriverStore,
     MappingChild,
+    build_shared,
     driver_store,
     install_driver,
     remove_driver,
@@ -315,6 +316,29 @@ def test_broken_links_stale_cache_and_missing_binary(node: Node) -> None:
     assert not list(out.glob("lib64/libnvidia-encode*")) and not list(out.glob("lib64/libvdpau*"))
     assert not list(out.glob("lib64/libnvidia-fbc*"))
     assert (out / f"lib64/libcuda.so.{V1}").is_file()  # the rest is mirrored
+
+
+@pytest.mark.parametrize("soname", ["../../../ESCAPED", "sub/libx.so.1", "..", ".", "1.2"])
+def test_a_soname_that_is_no_file_name_makes_no_link_outside_the_tree(node: Node, soname: str) -> None:
+    # The soname became a symlink's name: '../../../ESCAPED' left a link outside the tree (beside
+    # the volume paths), the others made the whole build fail, so no volume had a mirror.
+    lib = node.root / LIB64.lstrip("/") / f"libnvidia-fbc.so.{V1}"
+    lib.unlink()
+    build_shared(lib, soname, marker="odd soname")  # the cache still leads libnvidia-fbc.so.1 to it
+    result = node.run()
+    assert sorted(p.name for p in node.base.iterdir()) == [".trees", ".vdriver.lock", "nvidia", "origin"]
+    assert not [p for p in node.base.rglob("*ESCAPED*")]
+    for volume in ("nvidia", "origin"):
+        tree = node.base / volume
+        assert sorted(p.name for p in tree.iterdir()) == ["bin", "lib", "lib64"]
+        assert not [p for p in tree.glob("*/*") if p.is_dir() and not p.is_symlink()]
+        assert (tree / f"lib64/libnvidia-fbc.so.{V1}").read_bytes() == lib.read_bytes()  # the file is mirrored
+        assert (tree / "lib64/libcuda.so.1").is_file()  # and so is the rest
+        assert any(
+            f"volume {volume}: {LIB64}/libnvidia-fbc.so.{V1} has the soname {soname!r}" in w for w in result.warnings
+        )
+    if soname == "1.2":  # a file name, but nothing is left once its version is taken off: only that link
+        assert _is_link_to(node.base / "nvidia/lib64/1.2", f"libnvidia-fbc.so.{V1}")
 
 
 def test_missing_or_corrupt_cache_leaves_the_current_trees(node: Node) -> None:

@@ -5,7 +5,9 @@ Given a volume's source files this builds a :class:`TreePlan` (nothing is writte
 - each usable ELF file (not blacklisted) as ``<dir>/<basename>``; for a name taken twice the first
   (the loader's preference, cache order) wins;
 - relative symlinks ``<soname> -> <basename>`` and the dev name (the soname without its trailing
-  version, ``libcuda.so``) ``-> <basename>`` when the soname differs from the file name;
+  version, ``libcuda.so``) ``-> <basename>`` when the soname differs from the file name; a soname
+  or dev name that is not a plain file name (empty, ``.``, ``..``, holding ``/``) gets no link, with
+  a warning (the file is still mirrored);
 - volumes whose name contains ``nvidia``: ``libGLX_indirect.so.0`` and ``libGLX_indirect.so``
   pointing at ``libGLX_nvidia``;
 - share mode, volume ``nvidia``: ``libcuda-control.so`` (the interceptor) in the directory of its ELF
@@ -115,13 +117,20 @@ def plan_volume(
         soname = facts.soname
         if soname is None or source.dir == BIN_DIR:
             continue
-        _soname_links(plan, source.dir, source.basename, soname)
+        if not usable_name(soname):
+            _warn(
+                plan,
+                f"volume {volume.name}: {source.host_path} has the soname {soname!r}, not a file name; "
+                "mirrored without soname links",
+            )
+            continue
+        _soname_links(plan, source.dir, source.basename, soname, source.host_path)
         if not nvidia_named:
             continue
         if swap and soname.startswith(SWAPPED_SONAME_PREFIXES):
             swapped.append((source.dir, soname))
         if soname.startswith(GLX_NVIDIA_PREFIX):
-            _soname_links(plan, source.dir, source.basename, GLX_INDIRECT)
+            _soname_links(plan, source.dir, source.basename, GLX_INDIRECT, source.host_path)
     if swap:
         _install_interceptor(plan, swapped, interceptor)
     for rel in [rel for rel in plan.links if rel in plan.files or rel in plan.aliases]:
@@ -130,10 +139,22 @@ def plan_volume(
     return plan
 
 
-def _soname_links(plan: TreePlan, directory: str, basename: str, soname: str) -> None:
+def usable_name(name: str) -> bool:
+    """True when ``name`` can be a link's name in a tree directory: one path component, not ``.``/``..``."""
+    return name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _soname_links(plan: TreePlan, directory: str, basename: str, soname: str, host_path: str) -> None:
     if soname == basename:
         return
     for name in (soname, devname(soname)):
+        if not usable_name(name):
+            _warn(
+                plan,
+                f"volume {plan.volume}: {host_path} has the soname {soname!r}, whose name without its version "
+                f"({name!r}) is not a file name; no link made for it",
+            )
+            continue
         rel = f"{directory}/{name}"
         if name == basename or rel in plan.links:
             continue  # never a link over the file itself; the first file to claim a name keeps it
@@ -148,6 +169,8 @@ def _install_interceptor(plan: TreePlan, swapped: list[tuple[str, str]], interce
     plan.files[control] = FileEntry(interceptor.path, str(interceptor.path), interceptor.identity, copy_only=True)
     for directory, soname in swapped:
         for name in (soname, devname(soname)):
+            if not usable_name(name):
+                continue
             rel = f"{directory}/{name}"
             plan.links.pop(rel, None)
             if rel in plan.files:

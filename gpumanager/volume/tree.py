@@ -20,7 +20,7 @@ from typing import Any
 
 from gpumanager.volume.discovery import Identity
 from gpumanager.volume.errors import VolumeError
-from gpumanager.volume.mirror import DIRS, TreePlan
+from gpumanager.volume.mirror import DIRS, TreePlan, usable_name
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,13 @@ def build_tree(
     never modified) is hard-linked from there; otherwise it is hard-linked from its source when
     allowed and possible, else copied.
     """
+    for rel in (*plan.files, *plan.aliases, *plan.links):
+        _check_inside(rel, plan.volume)
+    for rel in plan.aliases.values():
+        _check_inside(rel, plan.volume)
+    for target in plan.links.values():  # a file of the same directory
+        if not usable_name(target):
+            raise VolumeError(f"volume {plan.volume}: refusing the symlink target {target!r}, it may leave the tree")
     staging.mkdir(mode=0o755)
     for directory in DIRS:
         (staging / directory).mkdir(mode=0o755)
@@ -128,6 +135,17 @@ def build_tree(
     for directory in (*DIRS, ""):
         fsync_dir(staging / directory)
     return entries
+
+
+def _inside(rel: str) -> bool:
+    directory, _, name = rel.partition("/")
+    return directory in DIRS and usable_name(name)
+
+
+def _check_inside(rel: str, volume: str) -> None:
+    """Every name written is ``<dir>/<name>``: one of the tree's directories and one plain file name."""
+    if not _inside(rel):
+        raise VolumeError(f"volume {volume}: refusing to write {rel!r}, it is not a file name inside the tree")
 
 
 def write_manifest(tree: Path, manifest: Manifest) -> None:

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 
 from simnode.cluster import SimCluster, gpu_pod
-from tests.volume_fixtures import DEFAULT_VOLUME_CONF, V1, DriverStore, driver_store, install_driver
+from tests.volume_fixtures import (
+    DEFAULT_VOLUME_CONF,
+    LIB32,
+    LIB64,
+    LIBX32,
+    V1,
+    DriverStore,
+    driver_store,
+    install_driver,
+    remove_libcuda,
+)
 
 __all__ = ["driver_store"]
 
@@ -71,3 +81,28 @@ def test_an_unexpected_failure_of_the_mirror_build_is_reported_not_raised(
     assert mirror.build() is False
     assert "AssertionError: a damaged library the reader did not expect" in mirror.error
     assert "not built" in mirror.share_problem
+
+
+def test_a_mirror_without_libcuda_is_built_but_refuses_shares(tmp_path: Path, driver_store: DriverStore) -> None:
+    # It counted as ready: shared containers then got no interceptor under libcuda.so.1.
+    from gpumanager.volume.keeper import MirrorKeeper
+
+    root = tmp_path / "host"
+    install_driver(driver_store, root, V1)
+    remove_libcuda(root, LIB64, LIB32, LIBX32)
+    (tmp_path / "proc").mkdir()
+    mirror = MirrorKeeper(
+        volume_config=str(volume_conf(tmp_path)),
+        driver_root=str(root),
+        share_mode=True,
+        interceptor=str(driver_store.interceptor(0)),
+        proc_root=str(tmp_path / "proc"),
+    )
+    assert mirror.build() is True and mirror.error == ""
+    tree = (tmp_path / "vdriver" / "nvidia").resolve()
+    assert mirror.share_problem == (
+        f"share mode has no interceptor: the share-mode tree {tree} has no libcuda.so.1 swapped for the "
+        f"interceptor: {root}/etc/ld.so.cache has no libcuda.so.* entry"
+    )
+    install_driver(driver_store, root, V1)  # the driver is back: shares are served again
+    assert mirror.build() is True and mirror.share_problem == ""

@@ -21,6 +21,7 @@ from tests.volume_fixtures import (
     DEFAULT_VOLUME_CONF,
     LIB32,
     LIB64,
+    LIBX32,
     V1,
     V2,
     DriverStore,
@@ -29,6 +30,7 @@ from tests.volume_fixtures import (
     driver_store,
     install_driver,
     remove_driver,
+    remove_libcuda,
     run_ldconfig,
     snapshot,
     write_cache,
@@ -339,6 +341,42 @@ def test_a_soname_that_is_no_file_name_makes_no_link_outside_the_tree(node: Node
         )
     if soname == "1.2":  # a file name, but nothing is left once its version is taken off: only that link
         assert _is_link_to(node.base / "nvidia/lib64/1.2", f"libnvidia-fbc.so.{V1}")
+
+
+def test_a_share_mode_tree_without_libcuda_is_a_share_problem(node: Node) -> None:
+    assert node.run().share_problem == "" and node.run(share=False, interceptor=None).share_problem == ""
+    remove_libcuda(node.root, LIB64)  # the 32-bit libcuda is left, but the interceptor is 64-bit
+    result = node.run()
+    tree, cache = result.volumes[0].tree, node.root / "etc/ld.so.cache"
+    assert not (tree / "lib64/libcuda.so.1").exists()
+    assert result.share_problem == (
+        f"share mode has no interceptor: the share-mode tree {tree} has no libcuda.so.1 swapped for the "
+        f"interceptor: {cache} has no libcuda.so.* for lib64/ (only for lib/, x32 (foreign here)), and the "
+        f"interceptor {node.store.interceptor(0)} is 64-bit"
+    )
+    assert node.run(share=False, interceptor=None).share_problem == ""  # exclusive containers need none
+    remove_libcuda(node.root, LIB32, LIBX32)
+    result = node.run()
+    assert result.share_problem.endswith(f"{result.volumes[0].tree} has no libcuda.so.1 swapped for the "
+                                         f"interceptor: {cache} has no libcuda.so.* entry")  # fmt: skip
+    assert not any("no libnvidia-ml.so.1 swapped" in w for w in result.warnings)  # that one still is
+    remove_driver(node.root, V1)  # libnvidia-ml missing too: only warned about, libcuda is the problem
+    result = node.run()
+    assert "no libcuda.so.1 swapped" in result.share_problem
+    assert any(f"{result.volumes[0].tree} has no libnvidia-ml.so.1 swapped" in w for w in result.warnings)
+
+
+def test_the_cache_is_found_through_an_absolute_symlink_inside_the_root(node: Node) -> None:
+    cache = node.root / "etc/ld.so.cache"
+    (node.root / "var/cache").mkdir(parents=True)
+    cache.rename(node.root / "var/cache/ld.so.cache")
+    cache.symlink_to("/var/cache/ld.so.cache")  # the host's path, not the agent's
+    result = node.run()
+    assert result.share_problem == "" and result.driver_version is not None and result.driver_version.full == V1
+    cache.unlink()
+    cache.symlink_to("/etc/ld.so.cache")  # read through the agent's own files it was the agent's cache
+    with pytest.raises(VolumeError, match=f"cannot read ld.so.cache {cache}: .*too many levels of symbolic links"):
+        node.run()
 
 
 def test_missing_or_corrupt_cache_leaves_the_current_trees(node: Node) -> None:

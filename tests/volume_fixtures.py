@@ -235,6 +235,14 @@ def remove_driver(root: Path, version: str) -> None:
         (root / lib.host_path.lstrip("/")).unlink(missing_ok=True)
 
 
+def remove_libcuda(root: Path, *dirs: str, version: str = V1) -> None:
+    """Uninstall ``libcuda`` (file and links) from the host directories ``dirs``, then run ldconfig."""
+    for directory in dirs:
+        for name in (f"libcuda.so.{version}", "libcuda.so.1", "libcuda.so"):
+            (root / directory.lstrip("/") / name).unlink(missing_ok=True)
+    run_ldconfig(root)
+
+
 def run_ldconfig(root: Path) -> None:
     """Rebuild ``root``'s ``/etc/ld.so.cache`` with the real ldconfig."""
     subprocess.run(

@@ -45,6 +45,7 @@ class MirrorKeeper:
         self.origin = str(DEFAULT_VDRIVER / "origin")
         self.error = ""
         self._built = False
+        self._mirror_problem = ""
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -58,7 +59,7 @@ class MirrorKeeper:
             return "share mode has no interceptor: --volume-config is not set, so no driver tree holds it"
         if not self._built:
             return f"share mode has no interceptor: the driver mirror is not built ({self.error or 'not yet'})"
-        return ""
+        return self._mirror_problem
 
     def build(self) -> bool:
         """Build (or check) the mirror now; False with :attr:`error` set when it fails."""
@@ -97,6 +98,7 @@ class MirrorKeeper:
         self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
         self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
         self.error = ""
+        self._mirror_problem = result.share_problem
         self._built = True
         return True
 

@@ -35,10 +35,10 @@ from gpumanager.volume.discovery import BIN_DIR, Discovery, Identity, SourceFile
 from gpumanager.volume.elffacts import ElfFacts, read_elf_facts
 from gpumanager.volume.errors import NotElfError, VolumeError
 from gpumanager.volume.inuse import ProcScan, scan_proc
-from gpumanager.volume.ldcache import host_lib_dirs, read_ldcache
-from gpumanager.volume.mirror import DIR_FOR_BITS, Interceptor, plan_volume
+from gpumanager.volume.ldcache import CacheArch, LdCache, host_lib_dirs, read_ldcache
+from gpumanager.volume.mirror import CONTROL_LIBRARY, DIR_FOR_BITS, Interceptor, plan_volume
 from gpumanager.volume.publish import current_target, publish, tidy_leftovers
-from gpumanager.volume.rootfs import DEFAULT_SEARCH_PATH, DriverRoot
+from gpumanager.volume.rootfs import DEFAULT_SEARCH_PATH, DriverRoot, ResolveError
 from gpumanager.volume.tree import Manifest, build_tree, manifest_path, read_manifest, verify_tree, write_manifest
 from gpumanager.volume.version import DriverVersion
 
@@ -86,6 +86,8 @@ class VdriverResult:
     removed_trees: tuple[Path, ...] = ()
     kept_trees: tuple[tuple[Path, str], ...] = ()
     warnings: tuple[str, ...] = ()
+    #: share mode only: why shared containers get no interceptor under ``libcuda.so.1`` ('' when they do)
+    share_problem: str = ""
 
     @property
     def changed(self) -> bool:
@@ -121,7 +123,7 @@ def build_vdriver(
         log.warning("volume config %s has no volumes: nothing to mirror", volume_config)
         return VdriverResult((), None, None, None)
     root = DriverRoot(driver_root)
-    cache = read_ldcache(root.agent_path(LD_SO_CACHE))
+    cache = read_ldcache(_cache_path(root))
     wants_interceptor = share_mode and any(v.name == NVIDIA_VOLUME for v in config.volumes)
     control = _interceptor(interceptor) if wants_interceptor else None
     provided: dict[str, SourceFile] = {}
@@ -145,8 +147,16 @@ def build_vdriver(
     version = driver_version(all_sources)
     if version is None:
         run.warn(f"no libcuda.so.<version> found through {cache.path}: driver version unknown")
-    nvidia = next((o.path for o in outcomes if o.name == NVIDIA_VOLUME), None)
+    nvidia_outcome = next((o for o in outcomes if o.name == NVIDIA_VOLUME), None)
+    nvidia = nvidia_outcome.path if nvidia_outcome else None
     origin = next((o.path for o in reversed(outcomes) if o.name != NVIDIA_VOLUME), None)
+    problem = ""
+    if share_mode:
+        nvidia_spec = next((v for v in config.volumes if v.name == NVIDIA_VOLUME), None)
+        if nvidia_outcome is None or nvidia_spec is None or control is None:
+            problem = f"volume config {volume_config} has no volume named {NVIDIA_VOLUME!r}, the share-mode tree"
+        else:
+            problem = _missing_interceptor(nvidia_outcome.tree, nvidia_spec, control, cache, lib_dirs, run)
     result = VdriverResult(
         volumes=tuple(outcomes),
         nvidia=nvidia,
@@ -155,13 +165,73 @@ def build_vdriver(
         removed_trees=tuple(run.removed),
         kept_trees=tuple(run.kept),
         warnings=tuple(client_warnings + discovery.warnings + run.warnings),
+        share_problem=problem,
     )
+    if problem:
+        log.error("driver mirror: %s", problem)
     log.info(
         "driver mirror: version %s, %s",
         version or "unknown",
         ", ".join(f"{o.name} -> {o.tree.name}{' (new)' if o.changed else ''}" for o in outcomes),
     )
     return result
+
+
+def _cache_path(root: DriverRoot) -> Path:
+    """Where the agent reads the host's ``/etc/ld.so.cache``: its symlinks are resolved inside the root."""
+    try:
+        return root.agent_path(root.resolve("/" + LD_SO_CACHE))
+    except ResolveError as err:
+        raise VolumeError(f"cannot read ld.so.cache {root.agent_path(LD_SO_CACHE)}: {err}") from err
+
+
+def _missing_interceptor(
+    tree: Path, volume: VolumeSpec, control: Interceptor, cache: LdCache, lib_dirs: dict[CacheArch, str], run: _Run
+) -> str:
+    """Why the share-mode ``tree`` holds no interceptor under ``libcuda.so.1`` ('' when it does).
+
+    A missing ``libnvidia-ml.so.1`` is only warned about: the container then has no NVML, but
+    nothing to escape its limits with either.
+    """
+    home = DIR_FOR_BITS[control.bits]
+    missing: list[str] = []
+    for soname in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        try:
+            swapped = os.stat(tree / home / soname).st_ino == os.stat(tree / home / CONTROL_LIBRARY).st_ino
+        except OSError:
+            swapped = False
+        if swapped:
+            continue
+        stem = soname.split(".so", 1)[0] + ".so"
+        found = [e for e in cache.entries if e.is_elf and e.key.startswith(stem)]
+        here = [e.value for e in found if lib_dirs.get(e.arch) == home]
+        if not soname.startswith(tuple(volume.libraries)):
+            why = f"the {volume.name} volume of the volume config lists no {stem}"
+        elif here:
+            why = f"{cache.path} names {', '.join(here)}, but none could be mirrored (see the warnings)"
+        elif found:
+            dirs = sorted(
+                {
+                    f"{lib_dirs[e.arch]}/" if e.arch in lib_dirs else f"{e.arch.name.lower()} (foreign here)"
+                    for e in found
+                }
+            )
+            why = (
+                f"{cache.path} has no {stem}.* for {home}/ (only for {', '.join(dirs)}), "
+                f"and the interceptor {control.path} is {control.bits}-bit"
+            )
+        else:
+            why = f"{cache.path} has no {stem}.* entry"
+        message = f"the share-mode tree {tree} has no {soname} swapped for the interceptor: {why}"
+        if soname == "libcuda.so.1":
+            missing.append(message)
+        else:
+            run.warn(message)
+    return f"share mode has no interceptor: {missing[0]}" if missing else ""
+
+
+def _foreign(arch: CacheArch) -> str:
+    return f"{arch.name.lower()} (foreign here)"
 
 
 def _interceptor(path: Path | None) -> Interceptor:

@@ -14,7 +14,7 @@ import pytest
 
 from gpumanager.volume import DriverVersion, VdriverResult, VolumeError, build_vdriver
 from gpumanager.volume.inuse import scan_proc
-from gpumanager.volume.ldcache import CacheArch
+from gpumanager.volume.ldcache import CacheArch, read_ldcache
 from gpumanager.volume.rootfs import DriverRoot, ResolveError
 from tests.gpu_client_fixtures import client_built
 from tests.volume_fixtures import (
@@ -377,6 +377,37 @@ def test_the_cache_is_found_through_an_absolute_symlink_inside_the_root(node: No
     cache.symlink_to("/etc/ld.so.cache")  # read through the agent's own files it was the agent's cache
     with pytest.raises(VolumeError, match=f"cannot read ld.so.cache {cache}: .*too many levels of symbolic links"):
         node.run()
+
+
+def test_a_stale_driver_beside_the_preferred_one_stays_out_of_the_share_mode_tree(node: Node) -> None:
+    # Both were in the nvidia tree, and the interceptor loads the newest libcuda.so.<version> beside it:
+    # the stale 560 one, not the 550 one the cache prefers, the agent reports and origin links to.
+    cache = node.root / "etc/ld.so.cache"
+    read = read_ldcache(cache).entries
+    entries = [(e.flags, e.key, e.value) for e in read]
+    stale = []
+    for name in ("libcuda", "libnvidia-ml"):
+        flags = next(e.flags for e in read if e.key == f"{name}.so.1" and e.arch is CacheArch.X86_64)
+        lib = node.root / f"usr/lib64/{name}.so.{V2}"
+        os.link(node.store.files[f"{V2}:{LIB64}/{name}.so.{V2}"], lib)
+        (lib.parent / f"{name}.so.1").symlink_to(lib.name)
+        entries.append((flags, f"{name}.so.1", f"/usr/lib64/{name}.so.1"))  # after the preferred one
+        stale.append(f"/usr/lib64/{name}.so.{V2}")
+    cache.write_bytes(write_cache(entries))
+    result = node.run()
+    assert result.driver_version is not None and result.driver_version.full == V1
+    lib64 = node.base / "nvidia/lib64"
+    for name in ("libcuda", "libnvidia-ml"):
+        assert (lib64 / f"{name}.so.{V1}").read_bytes() == node.built(f"{LIB64}/{name}.so.{V1}")
+        assert not list(lib64.glob(f"{name}.so.{V2}*"))
+        assert (lib64 / f"{name}.so.1").read_bytes() == node.store.interceptor(0).read_bytes()
+        assert _is_link_to(node.base / f"origin/lib64/{name}.so.1", f"{name}.so.{V1}")
+        assert any(
+            f"volume nvidia: /usr/lib64/{name}.so.{V2} left out: lib64/ holds {LIB64}/{name}.so.{V1}" in w
+            for w in result.warnings
+        )
+    assert not any(s in w for s in stale for w in result.warnings if w.startswith("volume origin"))
+    assert result.volumes[0].files == len([p for p in lib64.parent.rglob("*") if p.is_file() and not p.is_symlink()])
 
 
 def test_missing_or_corrupt_cache_leaves_the_current_trees(node: Node) -> None:

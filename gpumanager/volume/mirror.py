@@ -12,7 +12,9 @@ Given a volume's source files this builds a :class:`TreePlan` (nothing is writte
   pointing at ``libGLX_nvidia``;
 - share mode, volume ``nvidia``: ``libcuda-control.so`` (the interceptor) in the directory of its ELF
   class, and ``libcuda.so.1``, ``libcuda.so``, ``libnvidia-ml.so.1``, ``libnvidia-ml.so`` as hard
-  links to it; the real ``libcuda.so.<version>``/``libnvidia-ml.so.<version>`` stay beside them.
+  links to it; the real ``libcuda.so.<version>``/``libnvidia-ml.so.<version>`` stay beside them,
+  one of each per directory: the one the cache prefers (the interceptor loads the newest
+  ``libcuda.so.<version>`` beside it, so a stale driver's file left on the host is left out);
   In the directory of the other class those four names are left out (no interceptor for it there),
   so such processes fail to load the driver instead of escaping the limits.
 """
@@ -92,6 +94,7 @@ def plan_volume(
     swap = share_mode and volume.name == NVIDIA_VOLUME
     nvidia_named = NVIDIA_VOLUME in volume.name
     swapped: list[tuple[str, str]] = []
+    real: dict[tuple[str, str], SourceFile] = {}  # (directory, swapped prefix) -> the file kept
     for source in sources:
         if swap and source.basename == CONTROL_LIBRARY:
             log.info("%s: %s is replaced by the configured interceptor", volume.name, source.host_path)
@@ -124,6 +127,17 @@ def plan_volume(
                 "mirrored without soname links",
             )
             continue
+        family = next((p for p in SWAPPED_SONAME_PREFIXES if soname.startswith(p)), None) if swap else None
+        if family is not None:
+            kept = real.setdefault((source.dir, family), source)
+            if kept is not source:
+                del plan.files[rel]
+                _warn(
+                    plan,
+                    f"volume {volume.name}: {source.host_path} left out: {source.dir}/ holds {kept.host_path}, "
+                    f"the {soname} the cache prefers (the interceptor would load the newest {family}.<version>)",
+                )
+                continue
         _soname_links(plan, source.dir, source.basename, soname, source.host_path)
         if not nvidia_named:
             continue

@@ -26,6 +26,7 @@ from tests.volume_fixtures import (
     V2,
     DriverStore,
     MappingChild,
+    build_executable,
     build_shared,
     driver_store,
     install_driver,
@@ -269,7 +270,7 @@ def test_changed_interceptor_rebuilds_only_the_nvidia_tree(node: Node) -> None:
     lib64 = node.base / "nvidia/lib64"
     assert (lib64 / "libcuda.so.1").read_bytes() == node.store.interceptor(1).read_bytes()
     assert (lib64 / f"libcuda.so.{V1}").stat().st_ino == old_real
-    # rewriting the interceptor file in place is noticed too (its identity changes)
+    # rewriting the interceptor file in place is noticed too (its bytes change)
     own = node.root.parent / "libcuda-control.so"
     shutil.copyfile(node.store.interceptor(0), own)
     node.run(interceptor=own)
@@ -277,6 +278,31 @@ def test_changed_interceptor_rebuilds_only_the_nvidia_tree(node: Node) -> None:
     third = node.run(interceptor=own)
     assert third.volumes[0].changed
     assert (lib64 / "libcuda.so.1").read_bytes() == node.store.interceptor(1).read_bytes()
+
+
+def test_the_agents_own_files_count_by_content_not_by_where_they_lie(node: Node, tmp_path: Path) -> None:
+    # They lie in the agent image's overlayfs, whose device and inodes change at every start of its
+    # container: counted by identity, every start built another nvidia tree (the old one kept while
+    # containers mount it).
+    image = [tmp_path / "image-1", tmp_path / "image-2"]
+    client = build_executable(image[0] / "gpu-client", "own client")
+    own = image[0] / "libcuda-control.so"
+    shutil.copy2(node.store.interceptor(0), own)
+    first = node.run(interceptor=own, gpu_client=client)
+    assert (node.base / "nvidia/bin/gpu-client").read_bytes() == client.read_bytes()
+    before = snapshot(node.base)
+    image[1].mkdir()
+    for f in (own, client):
+        shutil.copy2(f, image[1] / f.name)  # the same bytes and mtime, another inode
+    again = node.run(interceptor=image[1] / own.name, gpu_client=image[1] / client.name)
+    assert not again.changed and not any(v.built for v in again.volumes)
+    assert [v.tree for v in again.volumes] == [v.tree for v in first.volumes]
+    assert snapshot(node.base) == before
+    (image[1] / own.name).unlink()
+    shutil.copyfile(node.store.interceptor(1), image[1] / own.name)  # other bytes: a new nvidia tree
+    other = node.run(interceptor=image[1] / own.name, gpu_client=image[1] / client.name)
+    assert [(v.name, v.built) for v in other.volumes] == [("nvidia", True), ("origin", False)]
+    assert (node.base / "nvidia/lib64/libcuda.so.1").read_bytes() == node.store.interceptor(1).read_bytes()
 
 
 def test_interceptor_errors(node: Node, tmp_path: Path) -> None:

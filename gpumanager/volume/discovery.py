@@ -41,6 +41,9 @@ class SourceFile:
     found_as: str
     #: never hard-linked into a tree (a file of the agent's own, not of the driver)
     copy_only: bool = False
+    #: a file of the agent's own: the sha256 of its bytes, which stands for it in the fingerprint
+    #: (its device and inode change at every start of the agent's container)
+    digest: str = ""
 
     @property
     def basename(self) -> str:

@@ -9,7 +9,9 @@ On-disk layout under each volume base (``/etc/gpu-manager/vdriver``)::
     .vdriver.lock
 
 The fingerprint covers the volume's configuration, the share mode, the identity (device, inode,
-size, mtime, mode) of every source file and of the interceptor. An unchanged driver gives the same
+size, mtime, mode) of every driver file, and the content (sha256) of the agent's own files, the
+interceptor and ``gpu-client``: they lie in the agent's image, whose device and inodes change at
+every start of its container. An unchanged driver gives the same
 fingerprint, and the run touches nothing; a changed one gives a new tree, written beside the old
 and published by an atomic symlink swap (see :mod:`gpumanager.volume.publish`). Old trees are
 removed once they are neither current, nor mapped by a process, nor mounted in a container.
@@ -51,6 +53,9 @@ LAYOUT_VERSION = "vdriver-tree-2"  # bump when the mirror rules change, so trees
 LD_SO_CACHE = "etc/ld.so.cache"
 #: The registration client of upstream's library; the agent brings its own (--gpu-client).
 GPU_CLIENT = "gpu-client"
+#: sha256 of the agent's own files by (path, identity): they are read once, not at every check
+_DIGESTS: dict[tuple[str, Identity], str] = {}
+_MAX_DIGESTS = 16
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,7 @@ def _interceptor(path: Path | None) -> Interceptor:
     if path is None:
         raise VolumeError("share mode needs the interceptor library (libcuda-control.so); none was given")
     try:
-        st = os.stat(path)
+        os.stat(path)  # a missing file is named as missing, not as an unusable library
     except OSError as err:
         raise VolumeError(f"interceptor library {path}: {err.strerror or err}") from err
     try:
@@ -247,7 +252,28 @@ def _interceptor(path: Path | None) -> Interceptor:
         raise VolumeError(f"interceptor library {path} is unusable: {err}") from err
     if facts.bits not in DIR_FOR_BITS:
         raise VolumeError(f"interceptor library {path} has an unknown ELF class ({facts.bits}-bit)")
-    return Interceptor(path, identity_of(st), facts.bits)
+    try:
+        identity, digest = _own_file(path)
+    except OSError as err:
+        raise VolumeError(f"interceptor library {path}: {err.strerror or err}") from err
+    return Interceptor(path, identity, facts.bits, digest)
+
+
+def _own_file(path: Path) -> tuple[Identity, str]:
+    """The identity and sha256 of one of the agent's own files, read through one descriptor.
+
+    The digest is remembered by path and identity, so an unchanged file is read once per agent.
+    """
+    with path.open("rb") as stream:
+        identity = identity_of(os.fstat(stream.fileno()))
+        key = (str(path), identity)
+        digest = _DIGESTS.get(key)
+        if digest is None:
+            digest = hashlib.file_digest(stream, "sha256").hexdigest()
+            if len(_DIGESTS) >= _MAX_DIGESTS:
+                _DIGESTS.clear()
+            _DIGESTS[key] = digest
+    return identity, digest
 
 
 def _own_binary(path: Path, name: str) -> SourceFile:
@@ -258,7 +284,11 @@ def _own_binary(path: Path, name: str) -> SourceFile:
         raise VolumeError(f"{name} {path}: {err.strerror or err}; looking for it in the driver root instead") from err
     if not stat.S_ISREG(st.st_mode):
         raise VolumeError(f"{name} {path} is not a regular file; looking for it in the driver root instead")
-    return SourceFile(BIN_DIR, str(path), path, identity_of(st), name, copy_only=True)
+    try:
+        identity, digest = _own_file(path)
+    except OSError as err:
+        raise VolumeError(f"{name} {path}: {err.strerror or err}; looking for it in the driver root instead") from err
+    return SourceFile(BIN_DIR, str(path), path, identity, name, copy_only=True, digest=digest)
 
 
 def _by_base(volumes: Sequence[VolumeSpec]) -> dict[Path, list[VolumeSpec]]:
@@ -333,8 +363,11 @@ class _Run:
             "binaries": volume.binaries,
             "libraries": volume.libraries,
             "share_mode": swap,
-            "interceptor": list(self.interceptor.identity) if swap and self.interceptor else None,
-            "sources": [[s.dir, s.host_path, list(s.identity)] for s in sources],
+            "interceptor": self.interceptor.digest if swap and self.interceptor else None,
+            # the agent's own files by name and content: where they lie changes with every start
+            "sources": [
+                [s.dir, s.found_as, s.digest] if s.digest else [s.dir, s.host_path, list(s.identity)] for s in sources
+            ],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

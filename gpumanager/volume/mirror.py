@@ -54,11 +54,12 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Interceptor:
-    """The interceptor library: its file, identity and ELF class."""
+    """The interceptor library: its file, identity, ELF class and the sha256 of its bytes."""
 
     path: Path
     identity: Identity
     bits: int
+    digest: str = ""
 
 
 @dataclass

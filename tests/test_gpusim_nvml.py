@@ -473,7 +473,7 @@ def test_event_wait_blocks_until_a_writer_wakes_it(sim_node: MakeNode) -> None:
 
 
 LOST_PROBE = r"""
-import json, pynvml as n
+import json, subprocess, sys, pynvml as n
 def call(f, *a):
     try:
         r = f(*a)
@@ -481,11 +481,17 @@ def call(f, *a):
     except n.NVMLError as e:
         return {"error": e.value}
 n.nvmlInit()
-h1 = n.nvmlDeviceGetHandleByIndex(1)
+try:
+    h1 = n.nvmlDeviceGetHandleByIndex(1)
+except n.NVMLError:  # lost already
+    h1 = None
 h0 = n.nvmlDeviceGetHandleByIndex(0)
+subprocess.run([sys.executable, "-m", "simnode.gpusim", *sys.argv[2:]], check=True)  # after the handles are taken
+h1 = h1 or n.nvmlDeviceGetHandleByIndex(1)
 print(json.dumps({
+    "handle": call(n.nvmlDeviceGetHandleByIndex, 1),
     "name": call(n.nvmlDeviceGetName, h1), "mem": call(n.nvmlDeviceGetMemoryInfo, h1),
-    "uuid_lookup": call(n.nvmlDeviceGetHandleByUUID, "%s"),
+    "uuid_lookup": call(n.nvmlDeviceGetHandleByUUID, sys.argv[1]),
     "other": call(n.nvmlDeviceGetName, h0), "count": call(n.nvmlDeviceGetCount),
 }))
 """
@@ -493,21 +499,23 @@ print(json.dumps({
 
 def test_lost_gpu_and_restore(sim_node: MakeNode) -> None:
     node = sim_node("v100-pcie-x4")
-    probe = LOST_PROBE % node.spec.gpus[1].uuid
+    uuid = node.spec.gpus[1].uuid
     waiter = start_waiter(node, 20000)
-    assert node.gpusim("lost", "--gpu", "1").returncode == 0
-    assert waiter_result(waiter) == {"error": pynvml.NVML_ERROR_GPU_IS_LOST}
     lost = {"error": pynvml.NVML_ERROR_GPU_IS_LOST}
-    assert run_json(node, probe) == {
+    # A lost GPU has no handle (nvidia-smi: "Unable to determine the device handle ... GPU is lost"),
+    # and a handle taken before the loss answers GPU_IS_LOST.
+    assert run_json(node, LOST_PROBE, uuid, "lost", "--gpu", "1") == {
+        "handle": lost,
         "name": lost,
         "mem": lost,
         "uuid_lookup": lost,
         "other": "Tesla V100-PCIE-32GB",
         "count": 4,
     }
-    assert node.gpusim("restore", "--gpu", "1").returncode == 0
-    out = run_json(node, probe)
-    assert out["name"] == "Tesla V100-PCIE-32GB" and out["mem"] == "ok" and out["uuid_lookup"] == "ok"
+    assert waiter_result(waiter) == {"error": pynvml.NVML_ERROR_GPU_IS_LOST}
+    out = run_json(node, LOST_PROBE, uuid, "restore", "--gpu", "1")
+    assert out["handle"] == "ok" and out["name"] == "Tesla V100-PCIE-32GB" and out["mem"] == "ok"
+    assert out["uuid_lookup"] == "ok"
     waiter = start_waiter(node, 100)
     assert waiter_result(waiter) == {"error": pynvml.NVML_ERROR_TIMEOUT}
 

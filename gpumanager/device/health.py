@@ -75,6 +75,8 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handles: dict[int, object] = {}
+        self._missing: set[int] = set()  # GPUs NVML gave no handle for (lost at start)
+        self._event_set: Any = None
         self._by_handle: dict[int, int] = {}
         self.xid_events = 0
         self.ignored_xid_events = 0
@@ -107,13 +109,10 @@ class HealthMonitor:
         return ""
 
     def start(self) -> None:
-        """Start the monitoring thread."""
+        """Start the monitoring thread. A GPU NVML gives no handle for (lost) is marked bad, and its
+        handle is asked for again at each probe."""
         for g in self._gpus:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
-            self._handles[g.index] = handle
-            key = _handle_key(handle)
-            if key is not None:
-                self._by_handle[key] = g.index
+            self._take_handle(g.index)
         self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
         self._thread.start()
 
@@ -200,8 +199,33 @@ class HealthMonitor:
         for i in targets:
             self._mark_bad(i, f"XID {xid}")
 
+    def _take_handle(self, index: int) -> bool:
+        """Look up GPU ``index``'s handle (False, and the GPU marked bad, when NVML gives none)."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as exc:
+            if index not in self._missing:
+                log.error("GPU %d: NVML gives no handle (%s); Unhealthy until it does", index, exc)
+            self._missing.add(index)
+            self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
+            return False
+        self._missing.discard(index)
+        self._handles[index] = handle
+        key = _handle_key(handle)
+        if key is not None:
+            self._by_handle[key] = index
+        return True
+
     def _probe(self) -> None:
-        for index, handle in self._handles.items():
+        for index in sorted(self._missing):
+            if self._take_handle(index) and self._event_set is not None:
+                try:
+                    pynvml.nvmlDeviceRegisterEvents(
+                        self._handles[index], pynvml.nvmlEventTypeXidCriticalError, self._event_set
+                    )
+                except pynvml.NVMLError as exc:
+                    log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
+        for index, handle in list(self._handles.items()):
             try:
                 pynvml.nvmlDeviceGetMemoryInfo(handle)
             except pynvml.NVMLError as exc:
@@ -211,7 +235,7 @@ class HealthMonitor:
             self._mark_ok(index)
 
     def _run(self) -> None:
-        event_set = self._register_events()
+        event_set = self._event_set = self._register_events()
         next_probe = 0.0
         try:
             while not self._stop.is_set():
@@ -223,6 +247,7 @@ class HealthMonitor:
                     self._stop.wait(1.0)
         finally:
             if event_set is not None:
+                self._event_set = None
                 try:
                     pynvml.nvmlEventSetFree(event_set)
                 except pynvml.NVMLError:

@@ -173,9 +173,9 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
     lost: list[int] = []
     pending: list[int] = []
     for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         try:
-            gpus.append(_describe(index, handle))
+            # A lost GPU may have no handle at all (GPU_IS_LOST here), or one whose queries fail.
+            gpus.append(_describe(index, pynvml.nvmlDeviceGetHandleByIndex(index)))
         except pynvml.NVMLError as exc:
             if not is_gpu_lost(exc):
                 raise
@@ -251,9 +251,20 @@ def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology 
     A lost GPU's pairs come from ``saved`` (the last inventory) when it has them,
     else count as SYSTEM with no NVLink.
     """
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus]
     n = len(gpus)
     gone = set(lost)
+    handles: list[object] = []
+    for g in gpus:
+        handle = None
+        if g.index not in gone:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+            except pynvml.NVMLError as exc:
+                if not is_gpu_lost(exc):
+                    raise
+                log.error("GPU %d was lost while the topology was read (%s): its pairs count as SYSTEM", g.index, exc)
+                gone.add(g.index)
+        handles.append(handle)
     usable_saved = saved is not None and len(saved.levels) == n
     levels = [[0] * n for _ in range(n)]
     for a in range(n):

@@ -30,7 +30,8 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
     return nvmlDeviceGetCount_v2(deviceCount);
 }
 
-/* By index works for a lost GPU too, as on real NVML: the loss shows on the first query. */
+/* A lost GPU has no handle, as on real NVML (nvidia-smi: "Unable to determine the device handle for
+ * GPU ...: GPU is lost"); nvml.h lists GPU_IS_LOST among this call's returns. */
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
     const struct sim_ctx *ctx;
@@ -39,6 +40,8 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDe
         return rc;
     if (device == NULL || index >= ctx->spec->gpu_count)
         rc = NVML_ERROR_INVALID_ARGUMENT;
+    else if (sim_gpu_lost(ctx, index))
+        rc = NVML_ERROR_GPU_IS_LOST;
     else
         *device = sim_handle(index);
     sim_leave();

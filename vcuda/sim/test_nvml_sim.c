@@ -208,9 +208,10 @@ static void test_events(void)
     CHECK_RC(p_nvmlEventSetWait_v2(a, &ev, 50), NVML_ERROR_GPU_IS_LOST);
     CHECK_RC(p_nvmlDeviceGetName(d3, name, sizeof(name)), NVML_ERROR_GPU_IS_LOST);
     CHECK_RC(p_nvmlDeviceGetName(d5, name, sizeof(name)), NVML_SUCCESS);
-    CHECK_RC(p_nvmlDeviceGetHandleByIndex_v2(3, &d3), NVML_SUCCESS);
+    CHECK_RC(p_nvmlDeviceGetHandleByIndex_v2(3, &d3), NVML_ERROR_GPU_IS_LOST);
     set_lost(3, 0);
     CHECK_RC(p_nvmlDeviceGetName(d3, name, sizeof(name)), NVML_SUCCESS);
+    CHECK_RC(p_nvmlDeviceGetHandleByIndex_v2(3, &d3), NVML_SUCCESS);
     CHECK_RC(p_nvmlEventSetWait_v2(a, &ev, 10), NVML_ERROR_TIMEOUT);
 
     CHECK_RC(p_nvmlEventSetFree(a), NVML_SUCCESS);

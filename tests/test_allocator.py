@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from gpumanager.allocation import ids as ids_module
-from gpumanager.allocation.allocator import AllocationError
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.records import ContainerAllocation
-from gpumanager.allocation.response import Mount, ResponseSettings, build_response
+from gpumanager.allocation.response import ContainerResponse, Mount, ResponseSettings, build_response
 from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod, uid_of, v100x4
 
 GIB = 1 << 30
@@ -739,11 +739,8 @@ def _running(pod: dict[str, object], container: str) -> None:
     }
 
 
-def test_the_ids_of_a_running_container_again_with_no_other_container_waiting_get_its_own_answer(
-    tmp_path: Path,
-) -> None:
-    # A kubelet that lost its device records asks again for a running container, with the same IDs:
-    # nothing else waits for them, so the container keeps its share and gets the same answer.
+def _one_running(tmp_path: Path) -> tuple[Allocator, FakePods, list[str], ContainerResponse]:
+    """A node with pod ``run`` (50 cores on GPU 0), allocated, started and running."""
     run = make_pod("run", [("c", 50, 8)])
     pods = FakePods([run])
     alloc = make_allocator(tmp_path, pods)
@@ -751,6 +748,15 @@ def test_the_ids_of_a_running_container_again_with_no_other_container_waiting_ge
     first = alloc.allocate(ids)
     alloc.pre_start(ids, (uid_of("run"), "c"))
     _running(run, "c")
+    return alloc, pods, ids, first
+
+
+def test_the_ids_of_a_running_container_again_with_no_other_container_waiting_get_its_own_answer(
+    tmp_path: Path,
+) -> None:
+    # A kubelet that lost its device records asks again for a running container, with the same IDs:
+    # nothing else waits for them, so the container keeps its share and gets the same answer.
+    alloc, pods, ids, first = _one_running(tmp_path)
     assert alloc.allocate(ids) == first
     assert alloc.get(uid_of("run"), "c") is not None
     assert alloc.tree_snapshot()[0][1] == 50, "GPU 0 must still count the running container's 50 cores"
@@ -760,13 +766,7 @@ def test_the_ids_of_a_running_container_again_with_no_other_container_waiting_ge
 
 
 def test_a_refused_allocate_of_a_running_containers_ids_changes_nothing(tmp_path: Path) -> None:
-    run = make_pod("run", [("c", 50, 8)])
-    pods = FakePods([run])
-    alloc = make_allocator(tmp_path, pods)
-    ids = core_ids(0, 50)
-    alloc.allocate(ids)
-    alloc.pre_start(ids, (uid_of("run"), "c"))
-    _running(run, "c")
+    alloc, pods, ids, _ = _one_running(tmp_path)
     pods.refresh_error = TimeoutError("the API server did not answer a pod list within 3 s")
     with pytest.raises(AllocationError) as refused:
         alloc.allocate(ids)
@@ -780,13 +780,7 @@ def test_a_refused_allocate_of_a_running_containers_ids_changes_nothing(tmp_path
 
 def test_the_ids_of_a_running_container_go_to_the_container_waiting_for_them(tmp_path: Path) -> None:
     # The container ended (its status not yet told) and the kubelet gave its IDs to a new pod.
-    run = make_pod("run", [("c", 50, 8)])
-    pods = FakePods([run])
-    alloc = make_allocator(tmp_path, pods)
-    ids = core_ids(0, 50)
-    alloc.allocate(ids)
-    alloc.pre_start(ids, (uid_of("run"), "c"))
-    _running(run, "c")
+    alloc, pods, ids, _ = _one_running(tmp_path)
     pods.items.append(make_pod("next", [("c", 50, 8)]))
     alloc.allocate(ids)
     assert alloc.get(uid_of("run"), "c") is None

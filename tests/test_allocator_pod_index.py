@@ -264,14 +264,20 @@ def test_the_allocations_of_a_pod_follow_allocate_swap_take_back_and_release(tmp
     assert alloc.allocations_of(uid_of("multi")) == []
 
 
-def test_a_pod_allocated_from_a_fresh_list_is_not_freed_before_the_cache_shows_it(tmp_path: Path) -> None:
-    # The kubelet admitted a pod this node's pod watch has not delivered yet: Allocate found it by asking
-    # the API server. The next Allocate must not take the cache's silence for the pod's end.
+def _early_from_a_fresh_list(tmp_path: Path) -> tuple[Allocator, FakePods]:
+    """Pod ``early`` (a whole GPU) allocated from a fresh list: the cache has not shown it."""
     pods = FakePods([make_pod("a", [("c", 30, 2)])])
     pods.refresh_fills_cache = False
     pods.hidden = [whole("early", 1)]
     alloc = make_allocator(tmp_path, pods)
     alloc.allocate(core_ids(0, 100))
+    return alloc, pods
+
+
+def test_a_pod_allocated_from_a_fresh_list_is_not_freed_before_the_cache_shows_it(tmp_path: Path) -> None:
+    # The kubelet admitted a pod this node's pod watch has not delivered yet: Allocate found it by asking
+    # the API server. The next Allocate must not take the cache's silence for the pod's end.
+    alloc, pods = _early_from_a_fresh_list(tmp_path)
     assert pods.refreshes == 1 and alloc.get(uid_of("early"), "c") is not None
     alloc.allocate(core_ids(1, 30))  # for a, found in the cache
     assert alloc.get(uid_of("early"), "c") is not None, "freed while it runs: its GPU would be given twice"
@@ -291,11 +297,7 @@ def test_a_pod_allocated_from_a_fresh_list_is_not_freed_before_the_cache_shows_i
 def test_a_pod_allocated_from_a_fresh_list_the_cache_never_shows_is_freed_after_a_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods = FakePods([make_pod("a", [("c", 30, 2)])])
-    pods.refresh_fills_cache = False
-    pods.hidden = [whole("early", 1)]
-    alloc = make_allocator(tmp_path, pods)
-    alloc.allocate(core_ids(0, 100))
+    alloc, pods = _early_from_a_fresh_list(tmp_path)
     assert alloc.recycle() == []
     monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)  # long past
     pods.hidden = []  # deleted at the API server before the cache ever showed it
@@ -307,11 +309,7 @@ def test_a_pod_the_cache_never_shows_is_kept_while_the_api_server_lists_it(
 ) -> None:
     # A watch open but silent (or failing) for longer than the grace: the cache's silence is no end
     # while a list of the API server still shows the pod.
-    pods = FakePods([make_pod("a", [("c", 30, 2)])])
-    pods.refresh_fills_cache = False
-    pods.hidden = [whole("early", 1)]
-    alloc = make_allocator(tmp_path, pods)
-    alloc.allocate(core_ids(0, 100))
+    alloc, pods = _early_from_a_fresh_list(tmp_path)
     monkeypatch.setattr(allocator_module, "FRESH_LIST_GRACE_SECONDS", 0.0)
     assert alloc.recycle() == [], "freed while the API server lists it running"
     assert alloc.get(uid_of("early"), "c") is not None

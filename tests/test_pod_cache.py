@@ -235,61 +235,56 @@ def test_find_by_name_after_a_relist(api: ApiServerSimulator, cache: PodCache) -
     eventually(lambda: cache.find("default", "before") is None)
 
 
+class _SlowFirstList:
+    """PodCache._list whose first answer waits for ``release``; ``taken`` counts each list's pods."""
+
+    def __init__(self, cache: PodCache) -> None:
+        self._real = cache._list
+        self.release = threading.Event()
+        self.taken: list[int] = []
+        cache._list = self  # type: ignore[method-assign]
+
+    def __call__(self) -> tuple[list[dict[str, object]], str]:
+        answer = self._real()
+        self.taken.append(len(answer[0]))
+        if len(self.taken) == 1:
+            self.release.wait(10)  # the first list's answer is slow to arrive
+        return answer
+
+
 def test_a_refresh_never_answers_with_a_list_taken_before_it_was_asked(api: ApiServerSimulator) -> None:
     # A list in flight when a caller arrives may predate pods the caller knows of: the allocator
     # frees the holders such a list lacks. The caller waits for it, then for a list of its own.
     c = PodCache(api.client(retries=False), "node-1", request_timeout=2.0, refresh_deadline=10.0)
-    real_list = c._list
-    release = threading.Event()
-    taken: list[int] = []
-
-    def slow_list() -> tuple[list[dict[str, object]], str]:
-        answer = real_list()
-        taken.append(len(answer[0]))
-        if len(taken) == 1:
-            release.wait(10)  # the first list's answer is slow to arrive
-        return answer
-
-    c._list = slow_list  # type: ignore[method-assign]
+    slow = _SlowFirstList(c)
     first: list[list[dict[str, object]]] = []
     t = threading.Thread(target=lambda: first.append(c.refresh()))
     t.start()
-    eventually(lambda: len(taken) == 1)
+    eventually(lambda: len(slow.taken) == 1)
     api.create_pod(pod_manifest("late"))
     second: list[list[dict[str, object]]] = []
     t2 = threading.Thread(target=lambda: second.append(c.refresh()))
     t2.start()
     time.sleep(0.2)
-    release.set()
+    slow.release.set()
     t.join(10)
     t2.join(10)
     assert [p["metadata"]["name"] for p in first[0]] == []
     assert [p["metadata"]["name"] for p in second[0]] == ["late"], "answered with a list taken before it was asked"
-    assert taken == [0, 1]
+    assert slow.taken == [0, 1]
 
 
 def test_callers_arriving_while_a_list_is_on_its_way_share_the_next_one(api: ApiServerSimulator) -> None:
     c = PodCache(api.client(retries=False), "node-1", request_timeout=2.0, refresh_deadline=10.0)
-    real_list = c._list
-    release = threading.Event()
-    taken: list[int] = []
-
-    def slow_list() -> tuple[list[dict[str, object]], str]:
-        answer = real_list()
-        taken.append(len(answer[0]))
-        if len(taken) == 1:
-            release.wait(10)
-        return answer
-
-    c._list = slow_list  # type: ignore[method-assign]
+    slow = _SlowFirstList(c)
     threads = [threading.Thread(target=c.refresh)]
     threads[0].start()
-    eventually(lambda: len(taken) == 1)
+    eventually(lambda: len(slow.taken) == 1)
     threads += [threading.Thread(target=c.refresh) for _ in range(5)]
     for t in threads[1:]:
         t.start()
     time.sleep(0.2)
-    release.set()
+    slow.release.set()
     for t in threads:
         t.join(10)
-    assert len(taken) == 2, f"{len(taken)} lists for 6 callers: the five late ones must share one"
+    assert len(slow.taken) == 2, f"{len(slow.taken)} lists for 6 callers: the five late ones must share one"

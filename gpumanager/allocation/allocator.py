@@ -369,8 +369,9 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
-                self._take_pod_changes()
                 suspect = self._by_ids.get(wanted)
+                if suspect is not None:
+                    self._take_pod_changes()  # whether a later container of its pod waits for them
                 if suspect is not None and (
                     not self._is_repeat(suspect) or self._handed_within_pod(suspect, cores) is not None
                 ):

@@ -31,7 +31,7 @@ def test_changes_are_replayed_over_a_stale_snapshot(tmp_path: Path) -> None:
     store.record({"batch": [put("b", "c", 40), put("a", "c", 50)]})
     store.record({"op": "del", "pod": "b", "container": "c"})
     store.close()
-    assert json.loads(path.read_text()) == {"PodGPUMapping": {}}, "the snapshot is written later"
+    assert json.loads(path.read_text())["PodGPUMapping"] == {}, "the snapshot is written later"
     loaded = CheckpointStore(path).load()
     assert loaded.problems == [] and loaded.replayed == 3
     assert loaded.document == {"PodGPUMapping": {"a": {"c": put("a", "c", 50)["entry"]}}}
@@ -286,3 +286,48 @@ def test_the_compactor_sleeps_while_the_snapshot_is_current_and_wakes_at_a_chang
         wait_until(lambda: uid_of("a") in json.loads(path.read_text())["PodGPUMapping"], "the snapshot")
     finally:
         alloc.close()
+
+
+def test_a_journal_older_than_a_snapshot_another_program_rewrote_is_not_replayed(tmp_path: Path) -> None:
+    # This agent died with changes in its journal; upstream's gpu-manager (a downgrade) read the
+    # snapshot, released pod a and rewrote the snapshot in its own shape; this agent is back.
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    assert json.loads(path.read_text())[journal.JOURNAL_KEY] >= 0
+    store.record(put("a", "c", 30))
+    store.record(put("b", "c", 40))
+    store.close()
+    path.write_text(json.dumps({"PodGPUMapping": {"b": {"c": put("b", "c", 40)["entry"]}}}))
+    loaded = CheckpointStore(path).load()
+    assert loaded.document == {"PodGPUMapping": {"b": {"c": put("b", "c", 40)["entry"]}}}, "pod a came back"
+    assert len(loaded.problems) == 1 and "rewritten by another program" in loaded.problems[0]
+    assert list(tmp_path.glob("cp.journal-*.corrupt-*")), "the journal is set aside for a look"
+
+
+def test_an_empty_journal_beside_a_snapshot_of_another_program_is_no_problem(tmp_path: Path) -> None:
+    # This agent stopped cleanly (its journal holds nothing the snapshot lacks); another program wrote since.
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    store.write_snapshot({"PodGPUMapping": {"a": {"c": put("a", "c", 30)["entry"]}}}, store.switch())
+    store.close()
+    path.write_text(json.dumps({"PodGPUMapping": {}}))
+    loaded = CheckpointStore(path).load()
+    assert loaded.problems == [] and loaded.document == {"PodGPUMapping": {}}
+
+
+def test_a_segment_the_snapshot_holds_already_is_not_replayed(tmp_path: Path) -> None:
+    path = tmp_path / "cp"
+    store = CheckpointStore(path)
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.record(put("a", "c", 30))
+    old = sorted(tmp_path.glob("cp.journal-*"))
+    kept = old[0].read_bytes()
+    store.record({"op": "del", "pod": "a", "container": "c"})
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    store.close()
+    old[0].write_bytes(kept)  # its removal failed: left behind, holding only the put
+    loaded = CheckpointStore(path).load()
+    assert loaded.document == {"PodGPUMapping": {}}, "a change the snapshot holds (and undid) came back"

@@ -136,12 +136,13 @@ def test_odd_checkpoints_are_set_aside_or_read_never_a_traceback(tmp_path: Path,
     pod = UID % 1
     snapshot: bytes = b'{"PodGPUMapping": {}}'
     records: list[Any] = []
+    # JournalSegment 0: a snapshot of this agent, which its journal continues.
     if case == "mapping-null":
-        snapshot, records = b'{"PodGPUMapping": null}', [put(pod, 50)]
+        snapshot, records = b'{"PodGPUMapping": null, "JournalSegment": 0}', [put(pod, 50)]
     elif case == "pod-entry-a-list":
-        snapshot, records = json.dumps({"PodGPUMapping": {pod: []}}).encode(), [put(pod, 50)]
+        snapshot, records = json.dumps({"PodGPUMapping": {pod: []}, "JournalSegment": 0}).encode(), [put(pod, 50)]
     elif case == "pod-entry-a-string":
-        snapshot, records = json.dumps({"PodGPUMapping": {pod: "x"}}).encode(), [put(pod, 50)]
+        snapshot, records = json.dumps({"PodGPUMapping": {pod: "x"}, "JournalSegment": 0}).encode(), [put(pod, 50)]
     elif case == "nested-too-deep":
         snapshot = b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
     elif case == "segment-a-directory":

@@ -53,6 +53,10 @@ from gpumanager.fileio import fsync_dir
 
 log = logging.getLogger(__name__)
 
+#: The snapshot's key naming the first journal segment that continues it (upstream's reader ignores
+#: it; upstream's writer drops it, so a snapshot without it was not written by this agent).
+JOURNAL_KEY = "JournalSegment"
+
 #: Size of one journal segment (about 2000 changes of a one-GPU container).
 SEGMENT_BYTES = 1 << 20
 _HEADER = 18  # "%08x %08x " before the JSON
@@ -299,6 +303,8 @@ class CheckpointStore:
         if snapshot is None and not segments:
             return Loaded(None)
         document: dict[str, Any] = dict(snapshot) if snapshot is not None else {"PodGPUMapping": {}}
+        first = document.pop(JOURNAL_KEY, None)
+        first = first if type(first) is int and first >= 0 else None
         loaded = Loaded(document)
         if not isinstance(document.get("PodGPUMapping") or {}, dict):
             return loaded  # the caller reports the shape
@@ -313,8 +319,20 @@ class CheckpointStore:
         # The last segment written to: a spare made ahead of need (all zeros) may follow it.
         last = max((i for i, (_, data, _) in enumerate(contents) if data and data.strip(b"\0")), default=-1)
         for i, (path, data, problem) in enumerate(contents):
+            if snapshot is not None and first is not None and segments[i][0] < first:
+                continue  # held by the snapshot already (left behind by a removal that failed)
             if data is not None:
                 changes, problem = _read_segment(data, path, last=i == last)
+                if changes and snapshot is not None and first is None:
+                    # A snapshot without our key was rewritten by another program after these changes
+                    # (upstream's gpu-manager after a downgrade, or an older version of this agent):
+                    # replayed over it, they would bring back what it has released since.
+                    problem = (
+                        f"journal {path} holds {len(changes)} changes made before {self.path} was rewritten by "
+                        "another program (upstream gpu-manager after a downgrade, or an older version of this "
+                        "agent); not replayed over it"
+                    )
+                    changes = []
                 for change in changes:
                     apply(document, change)
                 loaded.replayed += len(changes)
@@ -480,7 +498,7 @@ class CheckpointStore:
         with self._snap_lock:
             if seq <= self._snapshot_seq:
                 return
-            checkpoint.write_json(self.path, document)
+            checkpoint.write_json(self.path, {**document, JOURNAL_KEY: seq})
             self._snapshot_seq = seq
             with self._io:
                 self._broken = None  # the whole state is on disk: the journal starts afresh

@@ -986,3 +986,43 @@ def test_an_init_pair_on_a_whole_gpu_is_no_overcommit_at_load(tmp_path: Path, ca
         restarted.load()
     assert "more than 100" not in caplog.text
     assert len(restarted.allocations()) == 2
+
+
+def test_a_pod_recreated_under_the_same_name_keeps_its_own_record_at_prestart(tmp_path: Path) -> None:
+    # The kubelet names pods, not UIDs: the owner of the new pod's IDs comes back as the old pod's UID
+    # while the cache still shows the old pod. No swap into the old pod's running container.
+    old = make_pod("p", [("c0", 50, 4)], uid="aaaaaaaa-0000-4000-8000-000000000001")
+    new = make_pod("p", [("c0", 50, 4)], uid="bbbbbbbb-0000-4000-8000-000000000002")
+    pods = FakePods([old])
+    pods.refresh_fills_cache = False
+    alloc = make_allocator(tmp_path, pods)
+    first, second = core_ids(0, 50), core_ids(1, 50)
+    alloc.allocate(first)
+    alloc.pre_start(first, (old["metadata"]["uid"], "c0"))
+    _running(old, "c0")
+    pods.gone_at_server.add(old["metadata"]["uid"])
+    pods.hidden = [new]
+    alloc.allocate(second)
+    started = alloc.pre_start(second, (old["metadata"]["uid"], "c0"))
+    assert started.pod_uid == new["metadata"]["uid"]
+    held = {a.pod_uid: a.device_ids for a in alloc.allocations()}
+    assert held == {old["metadata"]["uid"]: tuple(first), new["metadata"]["uid"]: tuple(second)}
+
+
+def test_prestart_never_hands_a_started_containers_record_other_ids(tmp_path: Path) -> None:
+    pods = FakePods([make_pod("a", [("c", 50, 4)]), make_pod("b", [("c", 50, 4)], created="2026-11-21T11:00:00Z")])
+    alloc = make_allocator(tmp_path, pods)
+    mine, theirs = core_ids(0, 50), core_ids(1, 50)
+    alloc.allocate(mine)
+    alloc.pre_start(mine, (uid_of("a"), "c"))
+    alloc.allocate(theirs)
+    with pytest.raises(AllocationError) as swapped:
+        alloc.pre_start(theirs, (uid_of("a"), "c"))  # a kubelet record naming a's started container
+    assert swapped.value.kind == "mismatch" and "has started with" in str(swapped.value)
+    with pytest.raises(AllocationError) as unknown:
+        alloc.pre_start(core_ids(2, 50), (uid_of("a"), "c"))
+    assert unknown.value.kind == "not_found"
+    assert {a.pod_uid: a.device_ids for a in alloc.allocations()} == {
+        uid_of("a"): tuple(mine),
+        uid_of("b"): tuple(theirs),
+    }

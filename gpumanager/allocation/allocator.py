@@ -1408,8 +1408,12 @@ class Allocator:
         try:
             with self._changing():
                 key = self._by_ids.get(wanted)
+                if owner is not None and key is not None and key != owner and self._same_name(key, owner):
+                    # The kubelet names pods, not UIDs: a pod recreated under the same name, the cache
+                    # still showing the old one. Our record of these IDs is the pod that got them.
+                    owner = key
                 if owner is not None:
-                    if key is None and owner in self._allocs:
+                    if key is None and owner in self._allocs and not self._allocs[owner].device_ids:
                         key = owner  # recorded without IDs (e.g. by an older gpu-manager)
                     elif owner in self._allocs and frozenset(self._allocs[owner].device_ids) == wanted:
                         key = owner  # containers of one pod holding the same IDs: the kubelet's pick
@@ -1450,9 +1454,25 @@ class Allocator:
             if changed:
                 self._notify()
 
+    def _same_name(self, key: tuple[str, str], owner: tuple[str, str]) -> bool:
+        """Whether ``owner`` is the same container name of a pod of the same namespace and name as our
+        record ``key``, under another UID (lock held)."""
+        mine = self._allocs.get(key)
+        pod = self._pods.get(owner[0])
+        if mine is None or pod is None or key[1] != owner[1] or key[0] == owner[0]:
+            return False
+        return (mine.namespace, mine.pod_name) == podinfo.namespace_name(pod)
+
     def _reassign(self, key: tuple[str, str], owner: tuple[str, str]) -> None:
         mine = self._allocs[key]
         theirs = self._allocs.get(owner)
+        if theirs is not None and theirs.started and theirs.device_ids and theirs.device_ids != mine.device_ids:
+            raise AllocationError(
+                f"{names.PRESTART_FAILED}: the kubelet's records name pod {owner[0]} container {owner[1]} as holding "
+                f"{ids.describe(mine.device_ids)}, allocated to pod {key[0]} container {key[1]}, but that container "
+                f"has started with {ids.describe(theirs.device_ids)}",
+                "mismatch",
+            )
         pod = self._pods.get(owner[0])
         if theirs is None:
             request = _request_of(pod, owner[1])

@@ -30,6 +30,12 @@ def pod_key(pod: Pod) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
+def namespace_name(pod: Pod) -> tuple[str, str]:
+    """(namespace, name)."""
+    meta = _mapping(pod.get("metadata"))
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
 def uid(pod: Pod) -> str:
     """The pod's UID."""
     return str(_mapping(pod.get("metadata")).get("uid", ""))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
@@ -49,20 +49,47 @@ def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAl
         except Exception as exc:
             log.warning("kubelet checkpoint: pod %s container %s: unusable AllocResp: %s", e.pod_uid, e.container, exc)
             continue
+        where = f"kubelet checkpoint: pod {e.pod_uid} container {e.container}"
         if not minors or len(minors) != len(devices):
-            log.warning("kubelet checkpoint: pod %s container %s: no devices in AllocResp", e.pod_uid, e.container)
+            log.warning("%s: no devices in AllocResp", where)
+            continue
+        if len(set(minors)) != len(minors) or memory < 0:
+            log.warning(
+                "%s: AllocResp names GPUs %s and %d bytes: not an answer of ours; skipped", where, devices, memory
+            )
+            continue
+        if e.device_ids and cores != len(e.device_ids):
+            # One vcuda-core ID per core, whole GPUs included: the kubelet's count is the truth.
+            log.warning(
+                "%s: AllocResp says %d cores for %d device IDs; counting the IDs", where, cores, len(e.device_ids)
+            )
+            cores = len(e.device_ids)
+        if cores <= 0:
+            log.warning("%s: no cores in AllocResp; skipped", where)
             continue
         out.append(
             ContainerAllocation(
                 pod_uid=e.pod_uid,
                 container=e.container,
                 minors=minors,
-                cores=cores or len(e.device_ids),
+                cores=cores,
                 memory=memory,
                 device_ids=e.device_ids,
+                answered_as=_answered_as(resp, (e.pod_uid, e.container)),
             )
         )
     return out
+
+
+def _answered_as(resp: pb.ContainerAllocateResponse, key: tuple[str, str]) -> tuple[str, str]:
+    """The (pod, container) an answer was built for, from its ``/etc/vcuda`` mount and its
+    ``VCUDA_CONFIG_PATH``: another container's after a swap at PreStartContainer ("", "" when its own)."""
+    pod = next((PurePosixPath(m.host_path).name for m in resp.mounts if m.container_path == names.VCUDA_MOUNTPOINT), "")
+    config = PurePosixPath(resp.envs.get(names.VCUDA_CONFIG_ENV, ""))
+    container = config.parent.name if config.parent != PurePosixPath(names.VCUDA_MOUNTPOINT) else ""
+    if not pod or not container or (pod, container) == key:
+        return ("", "")
+    return (pod, container)
 
 
 def from_pod_resources(
@@ -84,7 +111,9 @@ def from_pod_resources(
             log.warning("PodResources: %s is not known to the API server; skipped", where)
             continue
         try:
-            request = next((r for r in podinfo.gpu_requests(pod) if r.name == e.container), None)
+            # App containers, and sidecars (init containers that run beside them and keep their IDs).
+            sidecars = [r for r in podinfo.init_gpu_requests(pod) if podinfo.is_sidecar(pod, r.name)]
+            request = next((r for r in podinfo.gpu_requests(pod) + sidecars if r.name == e.container), None)
             predicated = podinfo.predicated_gpus(pod, request.index) if request else None
         except PodSpecError as exc:
             log.warning("PodResources: %s: %s; skipped", where, exc)
@@ -142,6 +171,7 @@ class Recovery:
         self._gpus = list(gpus)
         self._untrusted: dict[tuple[str, str], tuple[int, ...]] = {}
         self._kubelet_answered = False
+        self._named: set[tuple[str, str]] = set()  # containers the kubelet's records say hold our IDs
         self.rebuilt = 0
 
     def from_disk(self) -> None:
@@ -166,6 +196,9 @@ class Recovery:
             entries = []
         else:
             self._kubelet_answered = True
+        self._named |= {
+            (e.pod_uid, e.container) for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids
+        }
         found = from_kubelet_checkpoint(entries)
         missing = [a for a in found if not allocator.holds(a.key)]
         taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint))
@@ -186,6 +219,10 @@ class Recovery:
         else:
             self._kubelet_answered = True
         wanted = [e for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids]
+        for e in wanted:
+            pod = find_pod(e.namespace, e.pod)
+            if pod is not None:
+                self._named.add((podinfo.uid(pod), e.container))
         found = from_pod_resources(wanted, find_pod=find_pod, layout=self._layout, gpus=self._gpus) if wanted else []
         missing = [a for a in found if not self._allocator.holds(a.key)]
         taken = self._allocator.adopt(missing, source="PodResources")
@@ -200,7 +237,7 @@ class Recovery:
         if not final or not self._untrusted:
             return
         for (pod_uid, container), minors in sorted(self._untrusted.items()):
-            if self._kubelet_answered:
+            if self._kubelet_answered and (pod_uid, container) not in self._named:
                 log.warning(
                     "checkpoint entry of pod %s container %s is not in the kubelet's records: the kubelet holds "
                     "no devices for it, so it holds no GPU",
@@ -210,8 +247,8 @@ class Recovery:
                 continue
             if not minors or not container:
                 log.error(
-                    "checkpoint entry of pod %s container %s cannot be rebuilt (no kubelet record could be read, "
-                    "no GPU named)",
+                    "checkpoint entry of pod %s container %s cannot be rebuilt (no usable kubelet record, no GPU "
+                    "named)",
                     pod_uid,
                     container or "(all)",
                 )
@@ -221,7 +258,7 @@ class Recovery:
             )
             if self._allocator.adopt([reserve], source="unreadable checkpoint entry"):
                 log.error(
-                    "checkpoint entry of pod %s container %s cannot be rebuilt (no kubelet record could be read): "
+                    "checkpoint entry of pod %s container %s cannot be rebuilt (no usable kubelet record): "
                     "GPU(s) %s stay reserved whole until the pod ends",
                     pod_uid,
                     container,

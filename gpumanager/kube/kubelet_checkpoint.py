@@ -104,6 +104,8 @@ def _decode(raw: bytes, path: Path) -> list[KubeletEntry]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise KubeletCheckpointError(f"{path}: not JSON: {exc}") from exc
+    except RecursionError:
+        raise KubeletCheckpointError(f"{path}: nests its JSON too deeply to read") from None
     return parse(data, str(path))
 
 

@@ -371,3 +371,59 @@ def test_a_soft_limit_never_goes_above_its_annotation(node: Node) -> None:
     assert 40 <= got["ceiling-50"] <= 58, got
     for name in ("ceiling-30", "ceiling-20", "ceiling-0"):
         assert 20 <= got[name] <= 38, (name, got)
+
+
+# ---- GPU time charged over the window NVML averaged it over ----------------------------------------
+
+PIN_BURST = r"""
+import ctypes, sys, time
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(rc):
+    assert rc == 0, rc
+ok(cu.cuInit(0))
+dev = ctypes.c_int()
+ok(cu.cuDeviceGet(ctypes.byref(dev), int(sys.argv[6])))
+ctx = ctypes.c_void_p()
+ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+ok(cu.cuCtxSetCurrent(ctx))
+mod, fn, buf, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
+ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
+ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin_1ms"))
+ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
+ok(cu.cuStreamCreate(ctypes.byref(stream), 1))
+args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
+mode, seconds, period, off, tail = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+def launch():
+    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, stream, args, None))
+end = time.time() + seconds
+while time.time() < end:
+    now = time.time()
+    start = now - now % period  # periods of the wall clock (NVML's sample times)
+    if mode == "pin":  # one 1 ms kernel as each period starts: this PID's newest sample stays up to a period old
+        launch()
+        ok(cu.cuStreamSynchronize(stream))
+        time.sleep(max(0.0, start + period + 0.002 - time.time()))
+    else:  # idle for `off` after each period starts, then as many kernels as the limiter lets through
+        time.sleep(max(0.0, start + off - now))
+        while time.time() < start + period + tail:
+            launch()
+        ok(cu.cuStreamSynchronize(stream))
+"""
+
+
+def test_a_late_burst_beside_a_rarely_sampled_process_keeps_the_share(node: Node) -> None:
+    """NVML's sample of a PID averages its use over the query's window (from lastSeenTimeStamp to the sample's
+    time).  A second process of the container runs one tiny kernel per period, so its newest sample (and the
+    oldest start the container's PIDs need) stays up to a period old, while the busy process idles at the start of
+    each period and bursts late: its sample averaged over the long window (mostly idle) was multiplied by the short
+    span since its own previous sample, and most of its GPU time went uncharged (40-54 % in a 30 % container).
+    Each PID is now charged over the window its average was taken over."""
+    cfg = core_config(30)
+    env = node.env("a", cfg)
+    seconds, period = 8.0, 0.95
+    pin = subprocess.Popen([sys.executable, "-c", PIN_BURST, "pin", f"{seconds}", f"{period}", "0", "0", "4"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    burst = subprocess.Popen([sys.executable, "-c", PIN_BURST, "burst", f"{seconds}", f"{period}", "0.45", "0.03", "4"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    got = shares(node, {"pin": (4, pin), "burst": (4, burst)}, 1.9, 5 * period)
+    assert got["pin"] + got["burst"] <= 38, got

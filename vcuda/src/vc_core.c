@@ -53,7 +53,8 @@
 #define SAMPLE_TRIES 4              /* queries per measurement while NVML answers INSUFFICIENT_SIZE */
 #define PID_TABLE 4096u             /* per device: the newest sample time of each PID (a power of 2) */
 #define PID_TABLE_FILL 3072u        /* ... emptied of stale PIDs, else wholly, beyond this many */
-#define OWN_PIDS 64                 /* per device: the container's PIDs with recent samples (the next query's start) */
+#define OWN_PIDS 64                 /* per device: the container's PIDs counted up to another time than the base */
+#define MAX_QUERIES 4               /* per measurement: one per distinct start, the oldest merged beyond this */
 #define SAMPLE_WINDOW_US 1000000ull /* a sample spans at most 1 s; the next query starts at most 1 s back */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
@@ -67,6 +68,13 @@
 struct pid_seen {
     unsigned pid; /* 0: free */
     uint64_t us;  /* its newest sample time counted */
+};
+
+struct own_pid {
+    unsigned pid;
+    uint64_t us; /* its GPU time is counted up to this sample time */
+    unsigned q;  /* the query of this measurement that asks for it (from us) */
+    bool hit;    /* charged in this measurement */
 };
 
 struct dev {
@@ -92,7 +100,9 @@ struct dev {
     struct pid_seen *seen;    /* PID_TABLE entries (open addressing), allocated at the first measurement */
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
-    struct pid_seen own[OWN_PIDS]; /* the container's PIDs' newest sample times */
+    uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
+    struct own_pid own[OWN_PIDS]; /* the container's PIDs counted up to another time */
+    unsigned nown;
     /* markers */
     CUcontext marker_ctx;
     CUevent ev[MARKERS];
@@ -293,22 +303,6 @@ static uint64_t *pid_seen(struct dev *d, unsigned pid, uint64_t stale_us)
     return &d->seen[h].us;
 }
 
-/* A sample of the container's pid at us (d->mu held): kept among the OWN_PIDS, replacing the oldest. */
-static void note_own(struct dev *d, unsigned pid, uint64_t us)
-{
-    unsigned victim = 0;
-    for (unsigned i = 0; i < OWN_PIDS; i++) {
-        if (d->own[i].pid == pid) {
-            if (us > d->own[i].us)
-                d->own[i].us = us;
-            return;
-        }
-        if (d->own[i].us < d->own[victim].us || (d->own[i].pid == 0 && d->own[victim].pid != 0))
-            victim = i;
-    }
-    d->own[victim] = (struct pid_seen){pid, us};
-}
-
 static int cmp_sample_time(const void *a, const void *b)
 {
     unsigned long long x = ((const nvmlProcessUtilizationSample_t *)a)->timeStamp;
@@ -316,76 +310,181 @@ static int cmp_sample_time(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The entry of the container's pid among d->own (d->mu held); NULL when it has none. */
+static struct own_pid *own_find(struct dev *d, unsigned pid)
+{
+    for (unsigned i = 0; i < d->nown; i++)
+        if (d->own[i].pid == pid)
+            return &d->own[i];
+    return NULL;
+}
+
 /*
- * GPU time (ns) the container (*own) and everyone else (*other) used on d since
- * the previous call: each sample's smUtil times the span it covers, from the
- * previous sample time of the same PID (or the query's start, whichever is
- * later; at most 1 s), so a PID's span never depends on another PID's sample
- * times.  NVML is asked for the samples after the oldest of the container's
- * newest ones (else after the newest of any).  false when NVML cannot tell.
+ * One query's samples (d->mu and g_pids_mu held): the container's PIDs of query q (start s) are charged
+ * smUtil x (ts - s), each over the window its average was taken over; base: the query of the PIDs without
+ * an entry (they start at the base), which also measures the neighbours.  Returns the newest sample time of
+ * the container's PIDs in the answer (0: none).
+ */
+static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, unsigned n, double *own,
+                              double *other, uint64_t *newest)
+{
+    nvmlProcessUtilizationSample_t *buf = d->samples;
+    qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
+    uint64_t t = 0, stale = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0;
+    for (unsigned i = 0; i < n; i++) {
+        uint64_t ts = buf[i].timeStamp, from;
+        if (ts <= s)
+            continue;
+        if (ts > *newest)
+            *newest = ts;
+        double util = (double)(buf[i].smUtil > 100 ? 100 : buf[i].smUtil);
+        if (!in_container(buf[i].pid)) {
+            if (!base)
+                continue; /* the neighbours: from the base query only */
+            uint64_t *last = pid_seen(d, buf[i].pid, stale);
+            from = last != NULL && *last > s ? *last : s;
+            if (ts <= from)
+                continue;
+            if (last != NULL)
+                *last = ts;
+            *other += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
+            continue;
+        }
+        if (ts > t)
+            t = ts;
+        struct own_pid *e = own_find(d, buf[i].pid);
+        if (e == NULL && base && d->nown < OWN_PIDS)
+            *(e = &d->own[d->nown++]) = (struct own_pid){.pid = buf[i].pid, .us = s, .q = q};
+        else if (e == NULL && !base)
+            continue; /* the base query has its window */
+        if (e != NULL && e->q != q)
+            continue; /* its window is another query's */
+        /* The first sample spans the query's window (for a PID merged into an older start, more than it had left) */
+        from = e != NULL && e->hit ? e->us : s;
+        if (ts <= from)
+            continue;
+        *own += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
+        if (e != NULL) {
+            e->us = ts;
+            e->hit = true;
+        }
+    }
+    /* The PIDs of this query without a sample were idle until the container's newest sample in the answer. */
+    for (unsigned i = 0; t > 0 && i < d->nown; i++)
+        if (d->own[i].q == q && !d->own[i].hit && d->own[i].us < t)
+            d->own[i].us = t;
+    return t;
+}
+
+/*
+ * GPU time (ns) the container (*own) and everyone else (*other) used on d since the previous call.  NVML's
+ * sample of a PID averages its use over the query's window, from lastSeenTimeStamp to the sample's time: so
+ * each of the container's PIDs is asked for from where it is counted up to, and charged smUtil x (its
+ * sample time - that start), never over a span its average was not taken over, and no time twice.  The
+ * container's PIDs counted up to the base (d->base_us, the newest sample time of theirs) have no entry;
+ * the others (sampled at another time, or idle through the base's samples) have one in d->own.  One query
+ * per distinct start, at most MAX_QUERIES (the oldest starts merged into the oldest: counted twice at worst,
+ * never missed).  false when NVML cannot tell.
  */
 static bool measure(struct dev *d, uint64_t now, double *own, double *other, double *span_ns)
 {
     *own = *other = *span_ns = 0;
-    uint64_t since = d->last_seen_us;
-    unsigned n = 0;
-    nvmlReturn_t rc = query_samples(d, since, &n);
-    if (rc == NVML_ERROR_NOT_FOUND)
-        return true; /* nothing ran since `since` */
-    if (rc != NVML_SUCCESS) {
-        if (!d->blind_logged) {
-            d->blind_logged = true;
-            vc_log(VC_LOG_ERROR, "device %d: NVML's per-process utilisation fails (%d%s): until it answers, launches "
-                   "are charged all the time they are outstanding", d->index, (int)rc,
-                   rc == NVML_ERROR_INSUFFICIENT_SIZE ? ", more processes than the sample buffer's limit" : "");
-        }
-        return false;
-    }
-    nvmlProcessUtilizationSample_t *buf = d->samples;
-    qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
-    pthread_mutex_lock(&g_pids_mu);
-    refresh_pids(now);
-    uint64_t newest = since, stale = since > SAMPLE_WINDOW_US ? since - SAMPLE_WINDOW_US : 0;
-    for (unsigned i = 0; i < n; i++) {
-        uint64_t ts = buf[i].timeStamp;
-        if (ts <= since)
+    uint64_t base = d->base_us, newest = d->newest_us;
+    if (newest > SAMPLE_WINDOW_US && base < newest - SAMPLE_WINDOW_US)
+        base = newest - SAMPLE_WINDOW_US; /* a window spans at most 1 s */
+    /* The queries: the distinct starts of the PIDs with an entry (the newest ones), then the base. */
+    uint64_t starts[OWN_PIDS + 1];
+    unsigned ns = 0;
+    for (unsigned i = 0; i < d->nown; i++) {
+        d->own[i].hit = false;
+        if (d->own[i].us == base)
             continue;
-        uint64_t *last = pid_seen(d, buf[i].pid, stale);
-        uint64_t from = last != NULL && *last > since ? *last : since;
-        if (ts <= from)
-            continue; /* counted already */
-        uint64_t span = ts - from;
-        if (span > SAMPLE_WINDOW_US)
-            span = SAMPLE_WINDOW_US;
-        if (last != NULL)
-            *last = ts;
-        double ns = (double)(buf[i].smUtil > 100 ? 100 : buf[i].smUtil) * (double)span * 10.0;
-        if (in_container(buf[i].pid)) {
-            *own += ns;
-            note_own(d, buf[i].pid, ts);
-        } else {
-            *other += ns;
-        }
-        if (ts > newest)
-            newest = ts;
+        bool dup = false;
+        for (unsigned k = 0; k < ns && !dup; k++)
+            dup = starts[k] == d->own[i].us;
+        if (!dup)
+            starts[ns++] = d->own[i].us;
     }
-    pthread_mutex_unlock(&g_pids_mu);
+    qsort(starts, ns, sizeof(*starts), cmp_u64);
+    if (ns > MAX_QUERIES - 1) { /* the oldest start, then the newest ones */
+        memmove(starts + 1, starts + ns - (MAX_QUERIES - 2), (MAX_QUERIES - 2) * sizeof(*starts));
+        ns = MAX_QUERIES - 1;
+    }
+    starts[ns++] = base;
+    for (unsigned i = 0; i < d->nown; i++) {
+        struct own_pid *e = &d->own[i];
+        e->q = e->us == base ? ns - 1 : 0;
+        for (unsigned k = 0; k + 1 < ns; k++)
+            if (starts[k] == e->us)
+                e->q = k;
+    }
+    uint64_t t_base = 0;
+    bool answered = false;
+    for (unsigned q = 0; q < ns; q++) {
+        unsigned n = 0;
+        nvmlReturn_t rc = query_samples(d, starts[q], &n);
+        if (rc == NVML_ERROR_NOT_FOUND) {
+            answered = true; /* nothing ran since this start */
+            continue;
+        }
+        if (rc != NVML_SUCCESS) {
+            if (!d->blind_logged) {
+                d->blind_logged = true;
+                vc_log(VC_LOG_ERROR, "device %d: NVML's per-process utilisation fails (%d%s): until it answers, "
+                       "launches are charged all the time they are outstanding", d->index, (int)rc,
+                       rc == NVML_ERROR_INSUFFICIENT_SIZE ? ", more processes than the sample buffer's limit" : "");
+            }
+            if (!answered)
+                return false;
+            /* The PIDs of the queries not answered keep their starts (the base too): asked for again next time. */
+            for (unsigned i = 0; i < d->nown; i++)
+                if (d->own[i].q >= q)
+                    d->own[i].hit = true;
+            t_base = 0;
+            ns = q;
+            break;
+        }
+        answered = true;
+        pthread_mutex_lock(&g_pids_mu);
+        refresh_pids(now);
+        uint64_t t = charge_answer(d, q, starts[q], q == ns - 1, n, own, other, &newest);
+        pthread_mutex_unlock(&g_pids_mu);
+        if (q == ns - 1)
+            t_base = t;
+    }
     if (newest > d->newest_us) {
-        *span_ns = (double)(newest - (d->newest_us > since ? d->newest_us : since)) * 1000.0;
+        *span_ns = (double)(newest - (d->newest_us > base ? d->newest_us : base)) * 1000.0;
         d->newest_us = newest;
     }
     /*
-     * The next query starts at the oldest newest sample time of the container's PIDs that had one within the
-     * last second (a sample of theirs stamped before another process's newest one is still asked for), else at
-     * the newest of any; at most SAMPLE_WINDOW_US back.
+     * The base moves to the container's newest sample time in its answer (its PIDs without a sample were
+     * idle until then).  An entry at the base is dropped (the base counts it), and so is one idle for a
+     * window (1 s) before the base.
      */
-    uint64_t next = newest;
-    for (unsigned i = 0; i < OWN_PIDS; i++)
-        if (d->own[i].pid != 0 && d->own[i].us + SAMPLE_WINDOW_US > newest && d->own[i].us < next)
-            next = d->own[i].us;
-    if (newest > SAMPLE_WINDOW_US && next < newest - SAMPLE_WINDOW_US)
-        next = newest - SAMPLE_WINDOW_US;
-    d->last_seen_us = next > since ? next : since;
+    if (t_base > base)
+        base = t_base;
+    d->base_us = base;
+    uint64_t oldest = base;
+    unsigned k = 0;
+    for (unsigned i = 0; i < d->nown; i++) {
+        struct own_pid e = d->own[i];
+        if (e.us == base || (!e.hit && e.us + SAMPLE_WINDOW_US < base))
+            continue;
+        if (e.us < oldest)
+            oldest = e.us;
+        d->own[k++] = e;
+    }
+    d->nown = k;
+    /* What the ledger says is measured up to: the oldest start (at most 1 s back). */
+    if (newest > SAMPLE_WINDOW_US && oldest < newest - SAMPLE_WINDOW_US)
+        oldest = newest - SAMPLE_WINDOW_US;
+    d->last_seen_us = oldest;
     return true;
 }
 
@@ -540,7 +639,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->credit -= busy ? (double)(now - d->last_measure) : 0.0;
         d->completed_seen = d->completed;
         d->last_measure = now;
-        d->last_seen_us = d->newest_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
+        d->last_seen_us = d->newest_us = d->base_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
+        d->nown = 0;
         d->blind = true;
         return;
     }
@@ -752,7 +852,7 @@ static void init_device(struct dev *d, int index)
         vc_budget_join();
         inherit_ledger(d, index);
     }
-    d->newest_us = d->last_seen_us;
+    d->newest_us = d->base_us = d->last_seen_us;
     bool found = vc_nvml_device(index, &d->nvml);
     int sm = 0, thr = 0;
     REAL_CU(cuDeviceGetAttribute)(&sm, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, index);

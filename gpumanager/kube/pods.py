@@ -143,6 +143,7 @@ class PodCache:
         self._refresh_deadline = refresh_deadline
         self._refresh_lock = threading.Lock()
         self._refresh_flight: _Flight | None = None
+        self._refresh_last: _Flight | None = None  # the last list answered
         self.backoff = Backoff()
         self.lists = 0
         self.watch_restarts = 0
@@ -207,7 +208,10 @@ class PodCache:
         while True:
             with self._refresh_lock:
                 flight = self._refresh_flight
-                if flight is None:
+                last = self._refresh_last
+                if last is not None and last.sent >= arrived:
+                    flight = last  # answered already, sent after this caller asked
+                elif flight is None:
                     flight = self._refresh_flight = _Flight(time.monotonic())
                     threading.Thread(target=self._refresh_once, args=(flight,), name="pod-refresh", daemon=True).start()
             if not flight.done.wait(max(0.0, deadline - time.monotonic())):
@@ -226,6 +230,7 @@ class PodCache:
             flight.error = exc
         with self._refresh_lock:
             self._refresh_flight = None
+            self._refresh_last = flight
         flight.done.set()
 
     def lookup(self, namespace: str, name: str) -> Pod | None:

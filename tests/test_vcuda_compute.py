@@ -427,3 +427,64 @@ def test_a_late_burst_beside_a_rarely_sampled_process_keeps_the_share(node: Node
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     got = shares(node, {"pin": (4, pin), "burst": (4, burst)}, 1.9, 5 * period)
     assert got["pin"] + got["burst"] <= 38, got
+
+
+# ---- NVML cannot tell the processes' utilisation --------------------------------------------------
+
+
+ONE_KERNEL = r"""
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(rc):
+    assert rc == 0, rc
+ok(cu.cuInit(0))
+dev = ctypes.c_int()
+ok(cu.cuDeviceGet(ctypes.byref(dev), int(sys.argv[2])))
+ctx = ctypes.c_void_p()
+ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+ok(cu.cuCtxSetCurrent(ctx))
+mod, fn, buf = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
+ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, sys.argv[1].encode()))
+ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
+args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
+ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, args, None))
+ok(cu.cuCtxSynchronize())
+"""
+
+
+def test_blind_processes_pay_for_each_other(node: Node) -> None:
+    """NVML cannot answer the per-process utilisation query (the simulated NVML answers NVML_ERROR_UNKNOWN every
+    time): the limit fails closed, charging the wall time launches are outstanding.  That time goes into the
+    container's ledger, so its processes pay for each other's (each paid only its own, and nothing reached the
+    ledger: a tenant starting process after process, each launching one 400 ms kernel, had every first launch free
+    and took the whole GPU)."""
+    gpu = 5
+    env = node.env("a", core_config(30), GPUSIM_PROCESS_UTIL_ERROR="999")
+    procs: list[subprocess.Popen[bytes]] = []
+    started = 0
+
+    def feed(until: float) -> None:
+        nonlocal started, procs
+        while time.monotonic() < until:
+            procs = [p for p in procs if p.poll() is None]
+            if len(procs) < 2:  # two at a time, staggered: one starts while the other's kernel runs
+                procs.append(subprocess.Popen([sys.executable, "-c", ONE_KERNEL, "spin_400ms", str(gpu)], env=env))
+                started += 1
+            time.sleep(0.02)
+
+    try:
+        feed(time.monotonic() + 2.0)
+        with GpuSimState(node.state) as st:
+            a = st.timeline(gpu)
+        feed(time.monotonic() + 6.0)
+        with GpuSimState(node.state) as st:
+            b = st.timeline(gpu)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert a is not None and b is not None
+    share = 100.0 * (b.busy_ns - a.busy_ns) / (b.now_ns - a.now_ns)
+    assert started >= 4
+    assert share <= 38, f"blind processes of one long kernel each got {share:.1f} % of the GPU in a 30 % container"

@@ -223,9 +223,28 @@ struct util_sample {
     unsigned sm, mem;
 };
 
+/*
+ * GPUSIM_PROCESS_UTIL_ERROR (tests): a non-zero nvmlReturn_t that the per-process utilisation queries answer
+ * every time, as a driver that cannot tell them does.
+ */
+static nvmlReturn_t process_util_error(void)
+{
+    static _Atomic long error = -1;
+    long e = atomic_load_explicit(&error, memory_order_relaxed);
+    if (e < 0) {
+        const char *v = getenv("GPUSIM_PROCESS_UTIL_ERROR");
+        e = v != NULL ? strtol(v, NULL, 10) : 0;
+        atomic_store_explicit(&error, e > 0 ? e : 0, memory_order_relaxed);
+    }
+    return (nvmlReturn_t)(e > 0 ? e : 0);
+}
+
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
                                     struct util_sample *out, unsigned max, unsigned *count)
 {
+    nvmlReturn_t fault = process_util_error();
+    if (fault != NVML_SUCCESS)
+        return fault;
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
     unsigned ntl = sim_tl_process_util(ctx->state, i, lastSeen, tl, MAX_TL_PROCS, &now_us);

@@ -553,6 +553,19 @@ void vc_budget_core_publish(int dev, uint64_t debt_until_ns, uint64_t seen_us)
     atomic_max(&g_hdr->core[dev].seen_us, seen_us);
 }
 
+uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
+        return 0;
+    _Atomic uint64_t *p = &g_hdr->core[dev].debt_until_ns;
+    uint64_t cur = atomic_load_explicit(p, memory_order_relaxed), next;
+    do {
+        next = (cur > now_ns ? cur : now_ns) + add_ns;
+    } while (!atomic_compare_exchange_weak_explicit(p, &cur, next, memory_order_relaxed, memory_order_relaxed));
+    return next;
+}
+
 void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us)
 {
     pthread_once(&g_open_once, open_budget);

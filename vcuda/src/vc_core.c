@@ -634,9 +634,18 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         /*
          * Fail closed: every wall ns in which this process had a launch outstanding is charged (more than the
          * GPU time it can have used), so launches are paced at the rate without credit for unmeasured time.
+         * The charge goes into the container's ledger, and each process's credit is at most minus its debt:
+         * the container's processes pay for each other's time (and a process started later inherits it).
          */
         bool busy = in_flight(d) > 0 || d->completed != d->completed_seen;
-        d->credit -= busy ? (double)(now - d->last_measure) : 0.0;
+        double charge = busy ? (double)(now - d->last_measure) : 0.0;
+        d->credit -= charge;
+        if (d->rate > 0 && !vc_core_config()->upstream) {
+            uint64_t until = vc_budget_core_charge(d->index, now, (uint64_t)(charge / d->rate));
+            double debt = until > now ? d->rate * (double)(until - now) : 0.0;
+            if (d->credit > -debt)
+                d->credit = -debt;
+        }
         d->completed_seen = d->completed;
         d->last_measure = now;
         d->last_seen_us = d->newest_us = d->base_us = real_us(); /* when NVML answers again, it is not asked for this time twice */

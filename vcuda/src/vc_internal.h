@@ -250,6 +250,9 @@ void vc_budget_note_context(int64_t delta);
  */
 void vc_budget_core_publish(int dev, uint64_t debt_until_ns, uint64_t seen_us);
 void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us);
+/* Adds add_ns to the container's debt on dev (from now_ns if it was paid off); returns the time it is paid off at
+ * (0: no shared budget). */
+uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns);
 /* In a forked child: it owns no slot and no reservation of its parent. */
 void vc_budget_atfork_child(void);
 

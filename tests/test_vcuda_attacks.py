@@ -19,7 +19,18 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState, repo_root
-from tests.vcuda_fixtures import BUILD, KEEPING_POOL, MIB, VCUDA, Container, container, last_json, vcuda_built
+from tests.vcuda_fixtures import (
+    BUILD,
+    KEEPING_POOL,
+    MIB,
+    ONE_KERNEL,
+    VCUDA,
+    Container,
+    FreshProcesses,
+    container,
+    last_json,
+    vcuda_built,
+)
 
 __all__ = ["container", "vcuda_built"]  # fixtures
 
@@ -83,25 +94,7 @@ def test_processes_the_agent_has_not_listed_yet_share_one_limit(container: MakeC
     assert share >= 0.2
 
 
-CHILD = r"""
-import ctypes, sys
-cu = ctypes.CDLL("libcuda.so.1")
-def ok(rc):
-    assert rc == 0, rc
-ok(cu.cuInit(0))
-dev = ctypes.c_int()
-ok(cu.cuDeviceGet(ctypes.byref(dev), 0))
-ctx = ctypes.c_void_p()
-ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-ok(cu.cuCtxSetCurrent(ctx))
-mod, fn, buf = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
-ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
-ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, sys.argv[1].encode()))
-ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
-args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
-ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, args, None))
-ok(cu.cuCtxSynchronize())
-"""
+CHILD = ONE_KERNEL
 
 
 @pytest.mark.parametrize("limit_mib", [4096, 0], ids=["memory-limit", "no-memory-limit"])
@@ -112,34 +105,21 @@ def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContai
     container's budget file whether or not the container has a memory limit (gpu_memory = 0)."""
     c = container(limit_mib, cores=30)
     env = c.env()
-    procs: list[subprocess.Popen[bytes]] = []
-    started = 0
-
-    def feed(until: float) -> None:
-        nonlocal started, procs
-        while time.monotonic() < until:
-            procs = [p for p in procs if p.poll() is None]
-            if len(procs) < 2:  # two at a time, staggered: one starts while the other's kernel runs
-                procs.append(subprocess.Popen([sys.executable, "-c", CHILD, "spin_400ms"], env=env, cwd=repo_root()))
-                started += 1
-            time.sleep(0.02)
-
+    fresh = FreshProcesses([sys.executable, "-c", CHILD, "spin_400ms"], env, cwd=repo_root())
     try:
-        feed(time.monotonic() + 3.0)  # settling: the first processes find no debt
+        fresh.feed(time.monotonic() + 3.0)  # settling: the first processes find no debt
         with GpuSimState(c.state_path) as st:
             a = st.timeline(0)
         t0 = time.monotonic_ns()
-        feed(time.monotonic() + 8.0)
+        fresh.feed(time.monotonic() + 8.0)
         with GpuSimState(c.state_path) as st:
             b = st.timeline(0)
         wall = time.monotonic_ns() - t0
     finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=30)
+        fresh.stop()
     assert a is not None and b is not None
     share = (b.busy_ns - a.busy_ns) / wall
-    assert started >= 6
+    assert fresh.started >= 6
     assert share <= 0.36, f"processes of one long kernel each got {share:.1%} of the GPU in a 30 % container"
 
 

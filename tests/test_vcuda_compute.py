@@ -25,7 +25,18 @@ import pytest
 
 from simnode import gpusim_state as sim_state
 from simnode.gpusim_state import GpuSimState, repo_root
-from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, VCUDA, last_json, make_mirror, run_python, vcuda_built
+from tests.vcuda_fixtures import (
+    BUILD,
+    DRIVER_VERSION,
+    ONE_KERNEL,
+    VCUDA,
+    FreshProcesses,
+    ctypes_kernel_program,
+    last_json,
+    make_mirror,
+    run_python,
+    vcuda_built,
+)
 
 __all__ = ["vcuda_built"]  # fixture
 
@@ -375,24 +386,14 @@ def test_a_soft_limit_never_goes_above_its_annotation(node: Node) -> None:
 
 # ---- GPU time charged over the window NVML averaged it over ----------------------------------------
 
-PIN_BURST = r"""
-import ctypes, sys, time
-cu = ctypes.CDLL("libcuda.so.1")
-def ok(rc):
-    assert rc == 0, rc
-ok(cu.cuInit(0))
-dev = ctypes.c_int()
-ok(cu.cuDeviceGet(ctypes.byref(dev), int(sys.argv[6])))
-ctx = ctypes.c_void_p()
-ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-ok(cu.cuCtxSetCurrent(ctx))
-mod, fn, buf, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_void_p()
-ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
-ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin_1ms"))
-ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
+PIN_BURST = ctypes_kernel_program(
+    "int(sys.argv[6])",
+    'b"spin_1ms"',
+    r"""import time
+stream = ctypes.c_void_p()
 ok(cu.cuStreamCreate(ctypes.byref(stream), 1))
-args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
-mode, seconds, period, off, tail = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+mode = sys.argv[1]
+seconds, period, off, tail = (float(a) for a in sys.argv[2:6])
 def launch():
     ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, stream, args, None))
 end = time.time() + seconds
@@ -408,7 +409,8 @@ while time.time() < end:
         while time.time() < start + period + tail:
             launch()
         ok(cu.cuStreamSynchronize(stream))
-"""
+""",
+)
 
 
 def test_a_late_burst_beside_a_rarely_sampled_process_keeps_the_share(node: Node) -> None:
@@ -432,27 +434,6 @@ def test_a_late_burst_beside_a_rarely_sampled_process_keeps_the_share(node: Node
 # ---- NVML cannot tell the processes' utilisation --------------------------------------------------
 
 
-ONE_KERNEL = r"""
-import ctypes, sys
-cu = ctypes.CDLL("libcuda.so.1")
-def ok(rc):
-    assert rc == 0, rc
-ok(cu.cuInit(0))
-dev = ctypes.c_int()
-ok(cu.cuDeviceGet(ctypes.byref(dev), int(sys.argv[2])))
-ctx = ctypes.c_void_p()
-ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
-ok(cu.cuCtxSetCurrent(ctx))
-mod, fn, buf = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
-ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
-ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, sys.argv[1].encode()))
-ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
-args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
-ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, args, None))
-ok(cu.cuCtxSynchronize())
-"""
-
-
 def test_blind_processes_pay_for_each_other(node: Node) -> None:
     """NVML cannot answer the per-process utilisation query (the simulated NVML answers NVML_ERROR_UNKNOWN every
     time): the limit fails closed, charging the wall time launches are outstanding.  That time goes into the
@@ -461,30 +442,17 @@ def test_blind_processes_pay_for_each_other(node: Node) -> None:
     and took the whole GPU)."""
     gpu = 5
     env = node.env("a", core_config(30), GPUSIM_PROCESS_UTIL_ERROR="999")
-    procs: list[subprocess.Popen[bytes]] = []
-    started = 0
-
-    def feed(until: float) -> None:
-        nonlocal started, procs
-        while time.monotonic() < until:
-            procs = [p for p in procs if p.poll() is None]
-            if len(procs) < 2:  # two at a time, staggered: one starts while the other's kernel runs
-                procs.append(subprocess.Popen([sys.executable, "-c", ONE_KERNEL, "spin_400ms", str(gpu)], env=env))
-                started += 1
-            time.sleep(0.02)
-
+    fresh = FreshProcesses([sys.executable, "-c", ONE_KERNEL, "spin_400ms", str(gpu)], env)
     try:
-        feed(time.monotonic() + 2.0)
+        fresh.feed(time.monotonic() + 2.0)
         with GpuSimState(node.state) as st:
             a = st.timeline(gpu)
-        feed(time.monotonic() + 6.0)
+        fresh.feed(time.monotonic() + 6.0)
         with GpuSimState(node.state) as st:
             b = st.timeline(gpu)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait(timeout=30)
+        fresh.stop()
     assert a is not None and b is not None
     share = 100.0 * (b.busy_ns - a.busy_ns) / (b.now_ns - a.now_ns)
-    assert started >= 4
+    assert fresh.started >= 4
     assert share <= 38, f"blind processes of one long kernel each got {share:.1f} % of the GPU in a 30 % container"

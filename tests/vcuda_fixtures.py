@@ -12,7 +12,8 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,65 @@ A = d.CUmemPool_attribute
 pool = ok(d.cuDeviceGetDefaultMemPool(dev))
 ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
 """
+
+
+def ctypes_kernel_program(device: str, function: str, body: str) -> str:
+    """A test program over libcuda.so.1 through ctypes: a primary context on GPU ``device``, the simulated
+    module's kernel ``function`` in ``fn`` with its ``args`` (a 1 MiB buffer), then ``body`` (Python
+    expressions are given as source, e.g. ``"int(sys.argv[2])"``)."""
+    return (
+        f"""
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(rc):
+    assert rc == 0, rc
+ok(cu.cuInit(0))
+dev = ctypes.c_int()
+ok(cu.cuDeviceGet(ctypes.byref(dev), {device}))
+ctx = ctypes.c_void_p()
+ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+ok(cu.cuCtxSetCurrent(ctx))
+mod, fn, buf = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+ok(cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin"))
+ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, {function}))
+ok(cu.cuMemAlloc_v2(ctypes.byref(buf), ctypes.c_size_t(1 << 20)))
+args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p))
+"""
+        + body
+    )
+
+
+#: One kernel (named by argv[1]) launched on GPU 0, then the process exits once it ran.
+ONE_KERNEL = ctypes_kernel_program(
+    "int(sys.argv[2]) if len(sys.argv) > 2 else 0",
+    "sys.argv[1].encode()",
+    """ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, None, args, None))
+ok(cu.cuCtxSynchronize())
+""",
+)
+
+
+class FreshProcesses:
+    """Process after process of ``argv``, two at a time and staggered (one starts while the other runs)."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None = None) -> None:
+        self._argv, self._env, self._cwd = list(argv), dict(env), cwd
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.started = 0
+
+    def feed(self, until: float) -> None:
+        """Keep two running until ``time.monotonic()`` reaches ``until``."""
+        while time.monotonic() < until:
+            self._procs = [p for p in self._procs if p.poll() is None]
+            if len(self._procs) < 2:
+                self._procs.append(subprocess.Popen(self._argv, env=self._env, cwd=self._cwd))
+                self.started += 1
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        for p in self._procs:
+            p.kill()
+            p.wait(timeout=30)
 
 
 def make_mirror(mirror: Path, interceptor: Path) -> None:

@@ -874,13 +874,8 @@ SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
  */
 static void map_return_delay(void)
 {
-    static _Atomic long delay_us = -1;
-    long us = atomic_load_explicit(&delay_us, memory_order_relaxed);
-    if (us < 0) {
-        const char *v = getenv("GPUSIM_MAP_RETURN_DELAY_US");
-        us = v != NULL ? strtol(v, NULL, 10) : 0;
-        atomic_store_explicit(&delay_us, us > 0 ? us : 0, memory_order_relaxed);
-    }
+    static long delay_us = -1;
+    long us = sim_env_knob("GPUSIM_MAP_RETURN_DELAY_US", &delay_us);
     if (us > 0) {
         struct timespec ts = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {

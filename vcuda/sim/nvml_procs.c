@@ -2,7 +2,6 @@
 #include "nvml_sim.h"
 
 #include <errno.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -22,13 +21,8 @@
  */
 static void return_delay(void)
 {
-    static _Atomic long delay_us = -1;
-    long us = atomic_load_explicit(&delay_us, memory_order_relaxed);
-    if (us < 0) {
-        const char *v = getenv("GPUSIM_PROCS_RETURN_DELAY_US");
-        us = v != NULL ? strtol(v, NULL, 10) : 0;
-        atomic_store_explicit(&delay_us, us > 0 ? us : 0, memory_order_relaxed);
-    }
+    static long delay_us = -1;
+    long us = sim_env_knob("GPUSIM_PROCS_RETURN_DELAY_US", &delay_us);
     if (us > 0) {
         struct timespec ts = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
@@ -229,14 +223,8 @@ struct util_sample {
  */
 static nvmlReturn_t process_util_error(void)
 {
-    static _Atomic long error = -1;
-    long e = atomic_load_explicit(&error, memory_order_relaxed);
-    if (e < 0) {
-        const char *v = getenv("GPUSIM_PROCESS_UTIL_ERROR");
-        e = v != NULL ? strtol(v, NULL, 10) : 0;
-        atomic_store_explicit(&error, e > 0 ? e : 0, memory_order_relaxed);
-    }
-    return (nvmlReturn_t)(e > 0 ? e : 0);
+    static long error = -1;
+    return (nvmlReturn_t)sim_env_knob("GPUSIM_PROCESS_UTIL_ERROR", &error);
 }
 
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,

@@ -346,3 +346,15 @@ unsigned sim_state_reap_dead(struct sim_state *st)
         sim_state_touch(st);
     return reaped;
 }
+
+long sim_env_knob(const char *name, long *cache)
+{
+    long value = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (value < 0) {
+        const char *text = getenv(name);
+        value = text != NULL ? strtol(text, NULL, 10) : 0;
+        value = value > 0 ? value : 0;
+        __atomic_store_n(cache, value, __ATOMIC_RELAXED);
+    }
+    return value;
+}

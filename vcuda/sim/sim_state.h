@@ -25,6 +25,12 @@ struct sim_state *sim_state_open(const char *path, char *err, size_t errlen);
 
 void sim_state_close(struct sim_state *st);
 
+/*
+ * A test knob: the positive value of environment variable `name`, read once into *cache (which
+ * starts at -1); 0 when unset, not a number, or not positive.
+ */
+long sim_env_knob(const char *name, long *cache);
+
 /* Returns 0, or -1 if the file lock could not be taken (I/O error). */
 int sim_state_lock(struct sim_state *st);
 void sim_state_unlock(struct sim_state *st);

@@ -1134,12 +1134,12 @@ class Allocator:
         cores, memory = (alloc.cores, alloc.memory) if include else (0, 0)
         if not alloc.device_ids:
             return cores, memory
-        wanted = frozenset(alloc.device_ids)
+        share = _share_key(alloc)
         for container in self._by_pod.get(alloc.pod_uid, ()):
             if container == alloc.container:
                 continue
             other = self._allocs[(alloc.pod_uid, container)]
-            if other.minors == alloc.minors and frozenset(other.device_ids) == wanted:
+            if _share_key(other) == share:
                 cores, memory = max(cores, other.cores), max(memory, other.memory)
         return cores, memory
 
@@ -1972,8 +1972,7 @@ class Allocator:
         per_gpu: dict[int, int] = {}
         groups: dict[tuple[str, frozenset[str], tuple[int, ...]], int] = {}
         for a in self._allocs.values():
-            # The containers of a pod holding the same IDs on the same GPUs share one charge.
-            group = (a.pod_uid, frozenset(a.device_ids) or frozenset({a.container}), a.minors)
+            group = _share_key(a)
             groups[group] = max(groups.get(group, 0), min(a.cores, names.HUNDRED_CORES))
         for (_, _, minors), cores in groups.items():
             for m in minors:
@@ -1981,6 +1980,12 @@ class Allocator:
         for minor, total in sorted(per_gpu.items()):
             if total > names.HUNDRED_CORES:
                 log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)
+
+
+def _share_key(alloc: ContainerAllocation) -> tuple[str, frozenset[str], tuple[int, ...]]:
+    """The containers of a pod holding the same device IDs on the same GPUs (an init container and the
+    one it handed its IDs to) share one charge: the larger of their cores and memory."""
+    return (alloc.pod_uid, frozenset(alloc.device_ids) or frozenset({alloc.container}), alloc.minors)
 
 
 def _claim_device_text(dev: ClaimDevice) -> str:

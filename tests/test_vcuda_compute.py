@@ -45,6 +45,8 @@ PATHS = ("kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi",
          "proc_ptsz", "launch", "grid", "grid_async")  # fmt: skip
 # A context-less CUkernel (or a graph of one) launched on a created stream while no context is current.
 NOCTX_PATHS = ("kernel_noctx", "ex_noctx", "graph_noctx")
+# In a green context (CUDA 12.4's SM partitions): its CUcontext current, on a stream of cuGreenCtxStreamCreate.
+GREEN_PATHS = ("kernel_green", "ex_green", "graph_green")
 
 
 def core_config(share: int, *, hard: bool = True, ceiling: int = 0, enable: int = 1) -> bytes:
@@ -253,6 +255,14 @@ def test_launches_without_a_current_context_are_gated(node: Node) -> None:
     procs = {path: (i, node.loop(path, i, 3.5, core_config(30), path=path)) for i, path in enumerate(NOCTX_PATHS)}
     got = shares(node, procs, 1.5, 1.5)
     for path in NOCTX_PATHS:
+        assert 15 <= got[path] <= 42, (path, got)
+
+
+def test_launches_in_green_contexts_are_gated(node: Node) -> None:
+    """A green context's streams run in its own context: the gate finds their device and holds the share."""
+    procs = {path: (i, node.loop(path, i, 3.5, core_config(30), path=path)) for i, path in enumerate(GREEN_PATHS)}
+    got = shares(node, procs, 1.5, 1.5)
+    for path in GREEN_PATHS:
         assert 15 <= got[path] <= 42, (path, got)
 
 

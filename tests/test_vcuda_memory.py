@@ -825,3 +825,106 @@ print(json.dumps({"before": before, "seen": seen, "lost": lost}))
     assert isinstance(out, dict)
     assert out["seen"] == out["before"] + 300 * MIB, out
     assert out["lost"] == out["seen"], out
+
+
+GREEN = r"""
+SM = d.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+DEFAULT_STREAM = d.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+def green_desc():
+    res = ok(d.cuDeviceGetDevResource(dev, SM))
+    return ok(d.cuDevResourceGenerateDesc([res], 1))
+"""
+
+
+def test_green_contexts_are_charged_like_contexts(container: MakeContainer) -> None:
+    """cuGreenCtxCreate costs a context's memory: a 1536 MiB container on an H100 (500 MiB contexts) holds its
+    primary context and two green ones, never more; cuGreenCtxDestroy gives each back."""
+    c = container(1536, spec="h100-nvlink-x8")
+    done = c.python(
+        GREEN
+        + r"""
+desc = green_desc()
+greens, rcs, peak = [], [], 0
+for _ in range(6):
+    rc, g = d.cuGreenCtxCreate(desc, dev, DEFAULT_STREAM)
+    rcs.append(rc.name)
+    peak = max(peak, phys_used())
+    if rc == R.CUDA_SUCCESS:
+        greens.append(g)
+out = {"rcs": rcs, "peak": peak, "held": [list(ok(d.cuMemGetInfo())), phys_used()]}
+for g in greens:
+    ok(d.cuGreenCtxDestroy(g))
+out["destroyed"] = [list(ok(d.cuMemGetInfo())), phys_used()]
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["rcs"] == ["CUDA_SUCCESS"] * 2 + ["CUDA_ERROR_OUT_OF_MEMORY"] * 4
+    assert out["peak"] <= cap
+    assert out["held"] == [[cap - 3 * ctx, cap], 3 * ctx]
+    assert out["destroyed"] == [[cap - ctx, cap], ctx]
+
+
+def test_a_green_context_brings_its_primary_context_and_shares_its_memory(container: MakeContainer) -> None:
+    """cuda.h: a green context retains the primary context (charged when that brings it alive) and releases it
+    when destroyed; what was allocated in the green context is the primary context's: charged until freed, or
+    until the primary context goes with the green context's reference."""
+    c = container(2048, spec="h100-nvlink-x8")
+    done = c.python(
+        GREEN
+        + r"""
+ok(d.cuCtxSetCurrent(None)); ok(d.cuDevicePrimaryCtxRelease(dev))  # no context at all
+out = {"none": [phys_used()]}
+g = ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM))
+out["green"] = [phys_used(), ok(d.cuDevicePrimaryCtxGetState(dev))[1]]
+gctx = ok(d.cuCtxFromGreenCtx(g))
+ok(d.cuCtxSetCurrent(gctx))
+out["alloc"] = d.cuMemAlloc(1100 << 20)[0].name  # 1000 MiB of contexts + 1100 > 2048
+p = ok(d.cuMemAlloc(512 << 20))
+out["allocated"] = [list(ok(d.cuMemGetInfo())), phys_used()]
+ok(d.cuGreenCtxDestroy(g))
+out["destroyed"] = [phys_used(), ok(d.cuDevicePrimaryCtxGetState(dev))[1]]
+ctx = ok(d.cuDevicePrimaryCtxRetain(dev)); ok(d.cuCtxSetCurrent(ctx))
+out["retained"] = [list(ok(d.cuMemGetInfo())), phys_used()]
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["none"] == [0]
+    assert out["green"] == [2 * ctx, 1]  # its own context and the primary one
+    assert out["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert out["allocated"] == [[cap - 2 * ctx - 512 * MIB, cap], 2 * ctx + 512 * MIB]
+    # The green context held the last reference: the primary context went, with what was allocated in the green one.
+    assert out["destroyed"] == [0, 0]
+    assert out["retained"] == [[cap - ctx, cap], ctx]
+
+
+def test_green_context_memory_outlives_it_with_the_primary_context(container: MakeContainer) -> None:
+    """Memory allocated in a green context stays charged while the primary context lives, until freed."""
+    c = container(2048, spec="h100-nvlink-x8")
+    done = c.python(
+        GREEN
+        + r"""
+g = ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM))
+ok(d.cuCtxSetCurrent(ok(d.cuCtxFromGreenCtx(g))))
+p = ok(d.cuMemAlloc(512 << 20))
+ok(d.cuGreenCtxDestroy(g))
+ok(d.cuCtxSetCurrent(ctx))
+out = {"kept": [list(ok(d.cuMemGetInfo())), phys_used()]}
+ok(d.cuMemFree(p))
+out["freed"] = [list(ok(d.cuMemGetInfo())), phys_used()]
+print(json.dumps(out))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["kept"] == [[cap - ctx - 512 * MIB, cap], ctx + 512 * MIB]
+    assert out["freed"] == [[cap - ctx, cap], ctx]

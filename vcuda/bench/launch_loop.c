@@ -16,7 +16,8 @@
  *   "grid_async": the legacy cuLaunch, cuLaunchGrid (blocks x 1 grid),
  *   cuLaunchGridAsync after cuFuncSetBlockShape; "*_noctx": a context-less
  *   CUkernel (cuLibraryLoadData, cuLibraryGetKernel), or a graph of one, launched
- *   on a created stream while no context is current)
+ *   on a created stream while no context is current; "*_green": in a green context (cuGreenCtxCreate
+ *   with all the device's SMs, its CUcontext current) on a stream of cuGreenCtxStreamCreate)
  *   kernel name: the simulated driver takes a name ending in _<N>ns, _<N>us
  *   or _<N>ms as the kernel's duration, e.g. spin_10us.
  */
@@ -105,6 +106,21 @@ int main(int argc, char **argv)
     CHECK(dev_get(&dev, device));
     CHECK(retain(&ctx, dev));
     CHECK(set_cur(ctx));
+    CUgreenCtx green = NULL;
+    if (strstr(path, "_green") != NULL) {
+        CUresult (*get_res)(CUdevice, CUdevResource *, CUdevResourceType) = need("cuDeviceGetDevResource");
+        CUresult (*gen_desc)(CUdevResourceDesc *, CUdevResource *, unsigned) = need("cuDevResourceGenerateDesc");
+        CUresult (*gcreate)(CUgreenCtx *, CUdevResourceDesc, CUdevice, unsigned) = need("cuGreenCtxCreate");
+        CUresult (*from_green)(CUcontext *, CUgreenCtx) = need("cuCtxFromGreenCtx");
+        CUdevResource res;
+        CUdevResourceDesc desc;
+        CUcontext gctx;
+        CHECK(get_res(dev, &res, CU_DEV_RESOURCE_TYPE_SM));
+        CHECK(gen_desc(&desc, &res, 1));
+        CHECK(gcreate(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM));
+        CHECK(from_green(&gctx, green));
+        CHECK(set_cur(gctx));
+    }
     bool noctx = strstr(path, "_noctx") != NULL;
     if (noctx) {
         CUresult (*lib_load)(CUlibrary *, const void *, CUjit_option *, void **, unsigned, CUlibraryOption *,
@@ -120,7 +136,12 @@ int main(int argc, char **argv)
         CHECK(get_fn(&fn, mod, kname));
     }
     CHECK(alloc(&buf, 1 << 20)); /* so that the process is listed among the GPU's compute processes */
-    CHECK(stream_create(&stream, CU_STREAM_NON_BLOCKING));
+    if (green != NULL) {
+        CUresult (*gstream)(CUstream *, CUgreenCtx, unsigned, int) = need("cuGreenCtxStreamCreate");
+        CHECK(gstream(&stream, green, CU_STREAM_NON_BLOCKING, 0));
+    } else {
+        CHECK(stream_create(&stream, CU_STREAM_NON_BLOCKING));
+    }
     void *args[] = {&buf};
 
     CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,

@@ -545,8 +545,8 @@ static CUresult ctx_destroy(CUcontext ctx)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_cu_ctx_valid(ctx) || ctx->primary)
-        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!sim_cu_ctx_valid(ctx) || ctx->primary || ctx->green != NULL)
+        return CUDA_ERROR_INVALID_CONTEXT; /* a green context's goes with cuGreenCtxDestroy */
     /* Remove it from this thread's stack (other threads' stacks are their business, as in CUDA). */
     for (int i = tl_depth - 1; i >= 0; i--) {
         if (tl_stack[i] == ctx) {
@@ -685,6 +685,271 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags)
 SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
 {
     return primary_set_flags(dev, flags);
+}
+
+/* ---- green contexts (CUDA 12.4): SM partitions, each with a context of its own ---------------------------- */
+
+/*
+ * A green context is created from a descriptor of SM resources (cuDeviceGetDevResource, cuDevSmResourceSplitByCount,
+ * cuDevResourceGenerateDesc).  As cuda.h says, it retains the device's primary context (released when it is
+ * destroyed), and, as any context, takes device memory of its own while it lives (context_bytes).  Its CUcontext
+ * (cuCtxFromGreenCtx) is a context like the others: streams (cuGreenCtxStreamCreate), modules, allocations and
+ * launches go there; it shares the primary context's memory, so what was allocated in it outlives it (freed with
+ * the primary context), while its modules and streams go with it.  Supported from driver CUDA 12.4 on GPUs of
+ * compute capability 6.0 and newer (cuda.h's partition rules); GPUSIM_GREEN_CONTEXTS=0 makes the GPUs refuse them
+ * with CUDA_ERROR_NOT_SUPPORTED, as a driver does on a GPU without SM partitioning.
+ */
+#define SIM_GREEN_MAGIC 0x4e455247u /* "GREN" */
+#define SIM_DESC_MAGIC 0x43534544u  /* "DESC" */
+#define SIM_RES_MAGIC 0x53455253u   /* "SRES": in a CUdevResource's internal padding, with the device */
+
+struct CUgreenCtx_st {
+    uint32_t magic;
+    int device;
+    unsigned sm_count;
+    struct CUctx_st ctx;
+};
+
+struct CUdevResourceDesc_st {
+    uint32_t magic;
+    int device;
+    unsigned sm_count;
+};
+
+static CUresult green_supported(CUdevice dev, const struct sim_node **node)
+{
+    CUresult rc = sim_cu_device(dev, node);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    int major, minor;
+    compute_capability(&(*node)->spec->gpus[dev], &major, &minor);
+    const char *knob = getenv("GPUSIM_GREEN_CONTEXTS");
+    if (knob != NULL && strcmp(knob, "0") == 0)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return sim_cu_driver_version() >= 12040 && major >= 6 ? CUDA_SUCCESS : CUDA_ERROR_NOT_SUPPORTED;
+}
+
+static void resource_sm(CUdevResource *r, int device, unsigned sms)
+{
+    memset(r, 0, sizeof(*r));
+    r->type = CU_DEV_RESOURCE_TYPE_SM;
+    r->sm.smCount = sms;
+    uint32_t tag[2] = {SIM_RES_MAGIC, (uint32_t)device};
+    memcpy(r->_internal_padding, tag, sizeof(tag));
+}
+
+static bool resource_device(const CUdevResource *r, int *device)
+{
+    uint32_t tag[2];
+    memcpy(tag, r->_internal_padding, sizeof(tag));
+    *device = (int)tag[1];
+    return r->type == CU_DEV_RESOURCE_TYPE_SM && tag[0] == SIM_RES_MAGIC;
+}
+
+SIM_EXPORT CUresult cuDeviceGetDevResource(CUdevice device, CUdevResource *resource, CUdevResourceType type)
+{
+    const struct sim_node *n;
+    CUresult rc = green_supported(device, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (resource == NULL || type != CU_DEV_RESOURCE_TYPE_SM)
+        return CUDA_ERROR_INVALID_VALUE;
+    resource_sm(resource, device, n->spec->gpus[device].sm_count);
+    return CUDA_SUCCESS;
+}
+
+/* cuda.h's minimum partition and granularity per architecture (without IGNORE_SM_COSCHEDULING). */
+static unsigned sm_granularity(int device, unsigned *min)
+{
+    int major, minor;
+    compute_capability(&sim_cu_node()->spec->gpus[device], &major, &minor);
+    *min = major >= 9 ? 8 : major == 8 ? 4 : major == 7 ? 2 : 1;
+    return major >= 9 ? 8 : major >= 7 ? 2 : 1;
+}
+
+SIM_EXPORT CUresult cuDevSmResourceSplitByCount(CUdevResource *result, unsigned int *nbGroups,
+                                                const CUdevResource *input, CUdevResource *remaining,
+                                                unsigned int useFlags, unsigned int minCount)
+{
+    int dev;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (nbGroups == NULL || input == NULL || !resource_device(input, &dev) ||
+        (unsigned)dev >= sim_cu_node()->spec->gpu_count || minCount > input->sm.smCount)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned min, step = sm_granularity(dev, &min);
+    if (useFlags & CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING)
+        min = step = 1;
+    unsigned per = minCount < min ? min : minCount;
+    per = (per + step - 1) / step * step;
+    unsigned groups = per > 0 ? input->sm.smCount / per : 0;
+    if (result != NULL && *nbGroups < groups)
+        groups = *nbGroups;
+    if (result != NULL)
+        for (unsigned i = 0; i < groups; i++)
+            resource_sm(&result[i], dev, per);
+    if (remaining != NULL)
+        resource_sm(remaining, dev, input->sm.smCount - groups * per);
+    *nbGroups = groups;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevResourceGenerateDesc(CUdevResourceDesc *phDesc, CUdevResource *resources,
+                                              unsigned int nbResources)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (phDesc == NULL || resources == NULL || nbResources == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev = -1;
+    unsigned sms = 0;
+    for (unsigned i = 0; i < nbResources; i++) {
+        int d;
+        if (!resource_device(&resources[i], &d) || (unsigned)d >= sim_cu_node()->spec->gpu_count)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (dev >= 0 && d != dev)
+            return CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION;
+        dev = d;
+        sms += resources[i].sm.smCount;
+    }
+    struct CUdevResourceDesc_st *desc = malloc(sizeof(*desc)); /* as the driver's: never freed */
+    if (desc == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *desc = (struct CUdevResourceDesc_st){SIM_DESC_MAGIC, dev, sms};
+    *phDesc = desc;
+    return CUDA_SUCCESS;
+}
+
+static bool green_valid(CUgreenCtx g)
+{
+    return g != NULL && g->magic == SIM_GREEN_MAGIC;
+}
+
+SIM_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags)
+{
+    const struct sim_node *n;
+    CUresult rc = green_supported(dev, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (phCtx == NULL || desc == NULL || desc->magic != SIM_DESC_MAGIC || !(flags & CU_GREEN_CTX_DEFAULT_STREAM) ||
+        (flags & ~(unsigned)CU_GREEN_CTX_DEFAULT_STREAM) || desc->device != dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUgreenCtx_st *g = calloc(1, sizeof(*g));
+    if (g == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUcontext primary;
+    if ((rc = cuDevicePrimaryCtxRetain(&primary, dev)) != CUDA_SUCCESS) {
+        free(g);
+        return rc;
+    }
+    if ((rc = sim_ctx_memory_acquire(dev)) != CUDA_SUCCESS) {
+        primary_release(dev, false);
+        free(g);
+        return rc;
+    }
+    g->magic = SIM_GREEN_MAGIC;
+    g->device = dev;
+    g->sm_count = desc->sm_count;
+    g->ctx = (struct CUctx_st){.magic = SIM_CTX_MAGIC, .device = dev, .primary = false, .flags = 0, .green = g};
+    pthread_mutex_lock(&g_ctx_mu);
+    bool room = g_ncreated < SIM_MAX_CREATED;
+    if (room)
+        g_created[g_ncreated++] = &g->ctx;
+    pthread_mutex_unlock(&g_ctx_mu);
+    if (room && (rc = sim_libraries_context_created(&g->ctx)) == CUDA_SUCCESS) {
+        *phCtx = g;
+        return CUDA_SUCCESS;
+    }
+    if (room) {
+        created_forget(&g->ctx);
+        sim_ctx_gone(&g->ctx);
+    }
+    sim_ctx_memory_release(dev);
+    primary_release(dev, false);
+    free(g);
+    return room ? rc : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIM_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!green_valid(hCtx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    CUcontext c = &hCtx->ctx;
+    for (int i = tl_depth - 1; i >= 0; i--) {
+        if (tl_stack[i] == c) {
+            memmove(&tl_stack[i], &tl_stack[i + 1], (size_t)(tl_depth - i - 1) * sizeof(tl_stack[0]));
+            tl_depth--;
+        }
+    }
+    int dev = hCtx->device;
+    created_forget(c);
+    sim_ctx_reparent(c, &g_primary[dev]); /* its allocations are the primary context's */
+    sim_ctx_gone(c);                      /* its modules and streams go with it */
+    if (c->extra_bytes > 0)
+        sim_mem_uncharge((unsigned)dev, c->extra_bytes);
+    c->magic = 0;
+    hCtx->magic = 0;
+    free(hCtx);
+    sim_ctx_memory_release(dev);
+    return primary_release(dev, false);
+}
+
+SIM_EXPORT CUresult cuCtxFromGreenCtx(CUcontext *pContext, CUgreenCtx hCtx)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (pContext == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!green_valid(hCtx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *pContext = &hCtx->ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGreenCtxGetDevResource(CUgreenCtx hCtx, CUdevResource *resource, CUdevResourceType type)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!green_valid(hCtx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (resource == NULL || type != CU_DEV_RESOURCE_TYPE_SM)
+        return CUDA_ERROR_INVALID_VALUE;
+    resource_sm(resource, hCtx->device, hCtx->sm_count);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetDevResource(CUcontext hCtx, CUdevResource *resource, CUdevResourceType type)
+{
+    const struct sim_node *n;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (hCtx == NULL)
+        hCtx = sim_cu_current();
+    if (!sim_cu_ctx_valid(hCtx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (hCtx->green != NULL)
+        return cuGreenCtxGetDevResource(hCtx->green, resource, type);
+    CUresult rc = green_supported(hCtx->device, &n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (resource == NULL || type != CU_DEV_RESOURCE_TYPE_SM)
+        return CUDA_ERROR_INVALID_VALUE;
+    resource_sm(resource, hCtx->device, n->spec->gpus[hCtx->device].sm_count);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority)
+{
+    (void)priority;
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!green_valid(greenCtx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!(flags & CU_STREAM_NON_BLOCKING) || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING))
+        return CUDA_ERROR_INVALID_VALUE; /* CU_STREAM_NON_BLOCKING must be specified */
+    return sim_stream_create_in(phStream, &greenCtx->ctx);
 }
 
 SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)

@@ -319,6 +319,36 @@ void sim_ctx_gone(CUcontext ctx)
     sim_rec_unlock();
 }
 
+static bool allocation_of(const struct vc_map_entry *e, void *ctx)
+{
+    return e->ctx == (uint64_t)(uintptr_t)ctx;
+}
+
+struct reparent {
+    CUcontext from, to;
+};
+
+static void move_entry(struct vc_map_entry *e, void *arg)
+{
+    const struct reparent *r = arg;
+    if (allocation_of(e, r->from))
+        e->ctx = (uint64_t)(uintptr_t)r->to;
+}
+
+/*
+ * A green context shares its primary context's memory: what was allocated while it was current outlives it and
+ * is freed with the primary context (its modules and streams go with it: sim_ctx_gone).
+ */
+void sim_ctx_reparent(CUcontext from, CUcontext to)
+{
+    static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP};
+    struct reparent r = {from, to};
+    sim_rec_lock();
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        vc_map_each(&g_recs, kinds[i], move_entry, &r);
+    sim_rec_unlock();
+}
+
 /* Charges gpu, takes an address in range, records it; on any failure nothing stays charged. */
 static CUresult device_alloc(CUdeviceptr *dptr, uint64_t bytes, unsigned gpu, unsigned range, enum sim_rec_kind kind)
 {

@@ -41,6 +41,7 @@ struct CUctx_st {
     size_t limits[SIM_LIMITS];  /* cuCtxSetLimit values (when limit_set) */
     bool limit_set[SIM_LIMITS];
     uint64_t extra_bytes;       /* device memory the limits take beyond the context's size */
+    CUgreenCtx green;           /* the green context this is the CUcontext of (cuCtxFromGreenCtx), else NULL */
 };
 #define SIM_CTX_MAGIC 0x43545853u
 
@@ -131,6 +132,8 @@ void sim_exec_atfork_child(void);
 
 /* A context is destroyed (or a primary context reset): the memory allocated in it is freed. */
 void sim_ctx_gone(CUcontext ctx);
+/* A green context is destroyed: the memory allocated in it is its primary context's from now on. */
+void sim_ctx_reparent(CUcontext from, CUcontext to);
 
 /* Stream, event or context synchronisation: memory pools above their release threshold give memory back. */
 void sim_pools_synchronized(void);
@@ -157,6 +160,8 @@ CUgraph sim_stream_capture(CUstream s);
 bool sim_special_stream(CUstream s);
 /* The device work on stream s goes to: its own, or the current context's for the special streams. */
 CUresult sim_stream_device(CUstream s, unsigned *gpu);
+/* A new stream of ctx (its device's work goes there). */
+CUresult sim_stream_create_in(CUstream *ph, CUcontext ctx);
 /* Remembers that the stream's last kernel is upto (created streams only). */
 void sim_stream_mark(CUstream s, uint64_t upto);
 

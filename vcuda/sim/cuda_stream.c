@@ -25,26 +25,38 @@ struct sim_stream {
 
 static uint64_t g_capture_ids; /* under the records lock */
 
+CUresult sim_stream_create_in(CUstream *ph, CUcontext ctx)
+{
+    if (ph == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct sim_stream *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    s->device = ctx->device;
+    s->ctx = ctx;
+    atomic_init(&s->upto, 0);
+    struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)s, .kind = REC_STREAM, .gpu = (unsigned)ctx->device,
+                             .ctx = (uint64_t)(uintptr_t)ctx}; /* freed with its context */
+    sim_rec_lock();
+    int put = vc_map_put(sim_recs(), &e);
+    sim_rec_unlock();
+    if (put != 0) {
+        free(s);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *ph = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
 static CUresult stream_create(CUstream *ph)
 {
     int dev;
     CUresult rc = sim_cu_current_device(&dev);
     if (rc != CUDA_SUCCESS)
         return rc;
-    if (ph == NULL)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct sim_stream *s = calloc(1, sizeof(*s));
-    if (s == NULL)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    s->device = dev;
-    s->ctx = sim_cu_current();
-    atomic_init(&s->upto, 0);
-    if (sim_put((uint64_t)(uintptr_t)s, REC_STREAM, (unsigned)dev, 0, 0) != 0) {
-        free(s);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    *ph = (CUstream)s;
-    return CUDA_SUCCESS;
+    return sim_stream_create_in(ph, sim_cu_current());
 }
 
 /* The context of stream s: its own, or the current one for the special streams. */
@@ -79,9 +91,27 @@ SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hStream, CUcontext *pctx)
 
 SIM_EXPORT CUresult cuStreamGetCtx_v2(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)
 {
+    CUcontext c = NULL;
+    CUresult rc = stream_ctx(hStream, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     if (pGreenCtx != NULL)
-        *pGreenCtx = NULL;
-    return stream_ctx(hStream, pCtx);
+        *pGreenCtx = c->green;
+    if (pCtx != NULL)
+        *pCtx = c;
+    return CUDA_SUCCESS;
+}
+
+/* The green context of the stream (its context's, the current one for the special streams), NULL if none. */
+SIM_EXPORT CUresult cuStreamGetGreenCtx(CUstream hStream, CUgreenCtx *phCtx)
+{
+    if (phCtx == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUcontext c = NULL;
+    CUresult rc = stream_ctx(hStream, &c);
+    if (rc == CUDA_SUCCESS)
+        *phCtx = c->green;
+    return rc;
 }
 
 SIM_EXPORT CUresult cuStreamGetCtx_v2_ptsz(CUstream hStream, CUcontext *pCtx, CUgreenCtx *pGreenCtx)

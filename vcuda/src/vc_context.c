@@ -22,8 +22,9 @@
 #define MAX_CONTEXTS 256
 
 struct charged_ctx {
-    CUcontext ctx; /* NULL = free entry */
+    CUcontext ctx; /* NULL = free entry; a green context's: its CUcontext (cuCtxFromGreenCtx) */
     uint64_t bytes;
+    int dev;
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_ctx and the primary state */
@@ -149,14 +150,14 @@ static bool settle_context(int dev, uint64_t est, uint64_t eager, uint64_t *char
     return true;
 }
 
-static void remember_ctx(CUcontext ctx, uint64_t bytes)
+static void remember_ctx(CUcontext ctx, uint64_t bytes, int dev)
 {
     pthread_mutex_lock(&g_mu);
     int i = 0;
     while (i < MAX_CONTEXTS && g_ctx[i].ctx != NULL)
         i++;
     if (i < MAX_CONTEXTS)
-        g_ctx[i] = (struct charged_ctx){ctx, bytes};
+        g_ctx[i] = (struct charged_ctx){ctx, bytes, dev};
     pthread_mutex_unlock(&g_mu);
     if (i == MAX_CONTEXTS)
         vc_log(VC_LOG_WARN, "more than %d contexts: this one's %llu bytes stay charged until the process exits",
@@ -194,7 +195,7 @@ static void remember_ctx(CUcontext ctx, uint64_t bytes)
             vc_memory_context_end(NULL);                                                                           \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
         }                                                                                                          \
-        remember_ctx(*(pctx), bytes_);                                                                             \
+        remember_ctx(*(pctx), bytes_, (dev));                                                                             \
         vc_memory_context_end(*(pctx));                                                                            \
         return rc_;                                                                                                \
     } while (0)
@@ -279,7 +280,7 @@ static void forget_ctx(CUcontext ctx)
     for (int i = 0; i < MAX_CONTEXTS; i++) {
         if (g_ctx[i].ctx == ctx) {
             bytes = g_ctx[i].bytes;
-            g_ctx[i] = (struct charged_ctx){NULL, 0};
+            g_ctx[i] = (struct charged_ctx){NULL, 0, 0};
             break;
         }
     }
@@ -367,4 +368,115 @@ VC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
 VC_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
     RELEASED(REAL_CU(cuDevicePrimaryCtxReset_v2)(dev), dev);
+}
+
+/* ---- green contexts (CUDA 12.4) ---------------------------------------------------------------------------- */
+
+/*
+ * A green context (an SM partition) is a context of its own: it takes device memory like any other, so it is
+ * reserved, measured and settled as cuCtxCreate's are (its CUcontext, from cuCtxFromGreenCtx, is the key; the
+ * live libraries' variables are reserved with it).  cuda.h: it retains the device's primary context, which
+ * therefore comes alive (and is charged) first, through cuDevicePrimaryCtxRetain above; the driver's reference
+ * goes with cuGreenCtxDestroy, and the primary context with it when that was the last one.  It shares the
+ * primary context's memory: what was allocated in it stays charged after it (freed with the primary context),
+ * while its modules and its copies of the libraries go with it.
+ */
+static CUresult green_create(CUgreenCtx *ph, CUdevResourceDesc desc, CUdevice dev, unsigned flags)
+{
+    uint64_t libs, eager = vc_memory_context_begin(&libs);
+    uint64_t est = vc_budget_context_estimate(dev);
+    if (!vc_budget_reserve(est + libs)) {
+        vc_memory_context_end(NULL);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    measure_before(dev, &tl_before);
+    CUresult rc = REAL_CU(cuGreenCtxCreate)(ph, desc, dev, flags);
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(est + libs);
+        vc_memory_context_end(NULL);
+        return rc;
+    }
+    uint64_t bytes;
+    if (!settle_context(dev, est, eager, &bytes)) {
+        vc_budget_release(libs);
+        REAL_CU(cuGreenCtxDestroy)(*ph);
+        vc_memory_context_end(NULL);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUcontext ctx = NULL;
+    if (REAL_CU(cuCtxFromGreenCtx)(&ctx, *ph) != CUDA_SUCCESS || ctx == NULL)
+        ctx = (CUcontext)(void *)*ph; /* charged under its own handle (cuGreenCtxDestroy finds it the same way) */
+    remember_ctx(ctx, bytes, dev);
+    vc_memory_context_end(ctx);
+    return rc;
+}
+
+VC_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags)
+{
+    if (VC_LIKELY(!vc_limited()) || dev < 0 || dev >= MAX_DEVICES || phCtx == NULL)
+        return REAL_CU(cuGreenCtxCreate)(phCtx, desc, dev, flags);
+    CUcontext primary;
+    CUresult rc = cuDevicePrimaryCtxRetain(&primary, dev); /* charged here if this brings it alive */
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = green_create(phCtx, desc, dev, flags);
+    cuDevicePrimaryCtxRelease_v2(dev); /* ours; the green context holds the driver's (failed: the last one goes) */
+    return rc;
+}
+
+/* The device a context (not current) belongs to; -1 if the driver cannot tell. */
+static int device_of(CUcontext ctx)
+{
+    CUdevice dev = -1;
+    if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
+        return -1;
+    if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS)
+        dev = -1;
+    CUcontext popped;
+    REAL_CU(cuCtxPopCurrent_v2)(&popped);
+    return dev;
+}
+
+static int charged_device(CUcontext ctx)
+{
+    int dev = -1;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < MAX_CONTEXTS && dev < 0; i++)
+        if (g_ctx[i].ctx == ctx)
+            dev = g_ctx[i].dev;
+    pthread_mutex_unlock(&g_mu);
+    return dev;
+}
+
+VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
+{
+    if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || hCtx == NULL)
+        return REAL_CU(cuGreenCtxDestroy)(hCtx);
+    CUcontext ctx = NULL;
+    if (REAL_CU(cuCtxFromGreenCtx)(&ctx, hCtx) != CUDA_SUCCESS || ctx == NULL)
+        ctx = NULL;
+    CUcontext key = ctx != NULL ? ctx : (CUcontext)(void *)hCtx;
+    int dev = charged_device(key);
+    if (dev < 0 && ctx != NULL)
+        dev = device_of(ctx);
+    bool known = dev >= 0 && dev < MAX_DEVICES;
+    if (known)
+        pthread_mutex_lock(&g_primary_mu[dev]);
+    CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
+    if (rc == CUDA_SUCCESS) {
+        if (VC_UNLIKELY(vc_core_limited()))
+            vc_core_streams_changed(); /* its streams are detached */
+        if (VC_UNLIKELY(vc_limited())) {
+            if (ctx != NULL) {
+                vc_memory_context_moved(ctx, known ? primary_of(dev) : NULL); /* the primary context's memory */
+                vc_memory_context_gone(ctx);                                  /* its modules, its libraries */
+            }
+            forget_ctx(key);
+        }
+        if (known && !primary_active(dev))
+            primary_gone(rc, dev); /* its reference was the last */
+    }
+    if (known)
+        pthread_mutex_unlock(&g_primary_mu[dev]);
+    return rc;
 }

@@ -163,6 +163,8 @@ static inline bool vc_core_limited(void)
 
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
+/* A green context is gone: the memory allocated in it (it shares its primary context's) is primary's from now on. */
+void vc_memory_context_moved(CUcontext from, CUcontext to);
 
 /*
  * A context is being created (memory limit on): holds the libraries as they are until vc_memory_context_end.

@@ -1637,6 +1637,27 @@ void vc_memory_context_gone(CUcontext ctx)
     pthread_mutex_unlock(&g_lib_mu);
 }
 
+struct moved {
+    CUcontext from, to;
+};
+
+static void move_entry(struct vc_map_entry *e, void *arg)
+{
+    const struct moved *m = arg;
+    if (of_context(e, m->from))
+        e->ctx = (uint64_t)(uintptr_t)m->to;
+}
+
+void vc_memory_context_moved(CUcontext from, CUcontext to)
+{
+    static const enum rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP};
+    struct moved m = {from, to};
+    pthread_mutex_lock(&g_mu);
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        vc_map_each(&g_recs, kinds[i], move_entry, &m);
+    pthread_mutex_unlock(&g_mu);
+}
+
 /* ---- what the container sees ----------------------------------------------------------------- */
 
 /* total = min(limit, physical), free = max(0, min(total - used, physically free)). */

@@ -23,27 +23,78 @@ class CheckpointError(RuntimeError):
     """A checkpoint file exists but cannot be used; the message names the file and the problem."""
 
 
+class Conflicting(tuple[Any, ...]):
+    """The values of a key given more than once, differently, in one JSON object of a checkpoint.
+
+    Neither is known to be the right one: the value is no list, object, string or number, so every
+    check of its field refuses it (naming the key and the values), and the entry holding it is rebuilt
+    from other records. It is written back, should it ever be, as the list of the values.
+    """
+
+    key: str
+
+    def __new__(cls, key: str, values: list[Any]) -> Conflicting:
+        self = super().__new__(cls, values)
+        self.key = key
+        return self
+
+    def __repr__(self) -> str:
+        shown = ", ".join(repr(v) for v in self)
+        return f"<{self.key!r} given {len(self)} different values: {shown}>"
+
+
+def _merge(key: str, old: Any, new: Any, repeated: list[str]) -> Any:
+    """One value for a key given twice: objects are merged key by key, equal values kept, others conflict."""
+    repeated.append(key)
+    if isinstance(old, dict) and isinstance(new, dict):
+        merged = dict(old)
+        for k, v in new.items():
+            merged[k] = _merge(k, merged[k], v, repeated) if k in merged else v
+        return merged
+    if isinstance(old, Conflicting):
+        return old if new in old else Conflicting(key, [*old, new])
+    return old if old == new else Conflicting(key, [old, new])
+
+
+def _object(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]:
+    """A JSON object whose repeated keys are merged (:func:`_merge`) instead of the last one silently winning."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        obj[key] = _merge(key, obj[key], value, repeated) if key in obj else value
+    return obj
+
+
 def write_json(path: Path, data: Any) -> None:
     """Atomically and durably replace ``path`` with ``data`` as JSON (directory created 0755 if missing)."""
     atomic_write(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), durable=True)
 
 
 def read_json(path: Path) -> Any | None:
-    """The JSON content of ``path``; None when it does not exist; CheckpointError when unreadable."""
+    """The JSON object in ``path``; None when it does not exist; CheckpointError when unreadable or not an
+    object. A key given more than once in one object is logged; its values are merged (:class:`Conflicting`)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    repeated: list[str] = []
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, object_pairs_hook=lambda pairs: _object(pairs, repeated))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path} is not valid JSON: {exc}") from exc
     except RecursionError:
         raise CheckpointError(f"checkpoint {path} nests its JSON too deeply to read") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"checkpoint {path} holds a JSON {type(data).__name__}, not an object")
+    if repeated:
+        shown = ", ".join(repr(k) for k in dict.fromkeys(repeated))
+        log.warning(
+            "checkpoint %s gives key(s) %s more than once in one object: objects merged, equal values kept, an "
+            "entry with different values for one field is rebuilt from other records",
+            path,
+            shown[:500],
+        )
     return data
 
 

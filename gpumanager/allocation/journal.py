@@ -30,7 +30,9 @@ order (a change is a put or a delete of one container's or one claim's entry,
 so replaying one the snapshot already holds changes nothing). A record whose
 checksum does not match at the end of the last segment is a write cut short by
 a crash and is ignored; anywhere else it is damage: the segment is moved aside
-and reported, and the caller reconciles with the kubelet's records.
+and reported, and the caller reconciles with the kubelet's records. A whole record holding no change
+this agent writes (:func:`change_problem`) is skipped and reported the same way; the records after it
+are replayed.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ JOURNAL_KEY = "JournalSegment"
 #: Size of one journal segment (about 2000 changes of a one-GPU container).
 SEGMENT_BYTES = 1 << 20
 _HEADER = 18  # "%08x %08x " before the JSON
+#: The largest segment number a snapshot may name (a larger one is no number this agent wrote).
+_SEQ_MAX = (1 << 63) - 1
 
 
 class JournalError(RuntimeError):
@@ -185,22 +189,72 @@ def _write_batch(batch: list[tuple[_Segment, int, bytes]]) -> None:
         start = end
 
 
-def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int]:
-    """The change at ``pos`` and the offset after it; (None, -1) when the record there is damaged."""
+#: What each operation needs besides ``op``: the keys naming what it changes (strings), and an entry.
+_OPS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "put": (("pod", "container"), True),
+    "del": (("pod", "container"), False),
+    "claim-put": (("uid",), True),
+    "claim-del": (("uid",), False),
+}
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def change_problem(change: Mapping[str, Any], *, in_batch: bool = False) -> str:
+    """Why ``change`` is not one this agent writes ('' when it is): an unknown ``op``, a name that is not a
+    string, a put without an entry, a batch that is not a flat list of changes. The entry itself is checked
+    where the document is read (:func:`gpumanager.allocation.records.from_json`)."""
+    if "batch" in change:
+        batch = change["batch"]
+        if in_batch:
+            return "a batch inside a batch"
+        if not isinstance(batch, list):
+            return f"batch {_shown(batch)} is not a list of changes"
+        for one in batch:
+            why = change_problem(one, in_batch=True) if isinstance(one, dict) else f"{_shown(one)} is not a change"
+            if why:
+                return f"in its batch: {why}"
+        return ""
+    op = change.get("op")
+    if not isinstance(op, str) or op not in _OPS:
+        return f"op {_shown(op)} is not put, del, claim-put or claim-del"
+    keys, entry = _OPS[op]
+    for key in keys:
+        if not isinstance(change.get(key), str):
+            return f"{op}: {key} {_shown(change.get(key))} is not a string"
+    if entry and "entry" not in change:
+        return f"{op} without an entry"
+    return ""
+
+
+def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int, str]:
+    """The change at ``pos``, the offset after it, and why it cannot be used ('' when it can).
+
+    (None, -1, '') when the record there is damaged (its frame or checksum); (None, offset after it, why)
+    when it is whole but holds no change this agent writes (JSON nested too deeply, an unknown op).
+    """
     header = data[pos : pos + _HEADER]
     try:
         length, crc = int(header[0:8], 16), int(header[9:17], 16)
     except ValueError:
-        return None, -1
+        return None, -1, ""
     end = pos + _HEADER + length
     body = data[pos + _HEADER : end]
     if len(body) != length or zlib.crc32(body) != crc or data[end : end + 1] != b"\n":
-        return None, -1
+        return None, -1, ""
     try:
         change = json.loads(body)
     except ValueError:
-        return None, -1
-    return (change, end + 1) if isinstance(change, dict) else (None, -1)
+        return None, end + 1, "not JSON"
+    except RecursionError:
+        return None, end + 1, "JSON nested too deeply to read"
+    if not isinstance(change, dict):
+        return None, end + 1, f"a JSON {type(change).__name__}, not an object"
+    why = change_problem(change)
+    return (None, end + 1, why) if why else (change, end + 1, "")
 
 
 def _cut_short(data: bytes, pos: int) -> bool:
@@ -229,19 +283,30 @@ def _segment_bytes(path: Path) -> bytes:
 def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
     """The changes of one segment, and a problem ('' when it is whole or only cut short at its end)."""
     changes: list[dict[str, Any]] = []
+    skipped: list[str] = []  # whole records holding no change this agent writes: skipped, the rest replayed
     pos = 0
     while pos < len(data) and data[pos] != 0:
-        change, after = _parse(data, pos)
-        if change is None:
+        change, after, why = _parse(data, pos)
+        if after < 0:
             if last and _cut_short(data, pos):
                 log.info("journal %s: last record cut short at offset %d (a crash while writing); ignored", path, pos)
-                return changes, ""
-            return changes, f"journal {path}: damaged record at offset {pos}"
-        changes.append(change)
+                return changes, _skipped(path, skipped)
+            return changes, _skipped(path, [*skipped, f"damaged record at offset {pos}"])
+        if change is None:
+            skipped.append(f"record at offset {pos} skipped: {why}")
+        else:
+            changes.append(change)
         pos = after
     if data[pos:].strip(b"\0"):
-        return changes, f"journal {path}: zeros at offset {pos} with records after them"
-    return changes, ""
+        return changes, _skipped(path, [*skipped, f"zeros at offset {pos} with records after them"])
+    return changes, _skipped(path, skipped)
+
+
+def _skipped(path: Path, problems: list[str]) -> str:
+    """One problem line for a segment ('' when it has none; the first few problems when it has many)."""
+    if len(problems) > 5:
+        problems = [*problems[:4], f"{len(problems) - 4} more problems"]
+    return f"journal {path}: {'; '.join(problems)}" if problems else ""
 
 
 class CheckpointStore:
@@ -303,8 +368,15 @@ class CheckpointStore:
         if snapshot is None and not segments:
             return Loaded(None)
         document: dict[str, Any] = dict(snapshot) if snapshot is not None else {"PodGPUMapping": {}}
-        first = document.pop(JOURNAL_KEY, None)
-        first = first if type(first) is int and first >= 0 else None
+        raw = document.pop(JOURNAL_KEY, None)
+        first = raw if type(raw) is int and 0 <= raw <= _SEQ_MAX else None
+        odd_key = ""
+        if raw is not None and first is None:
+            odd_key = f"{self.path} names {JOURNAL_KEY} {_shown(raw)}, not a segment number"
+            log.warning("%s: no segment is known to continue it", odd_key)
+        if first is not None:
+            # New segments continue this snapshot: never numbered below it, or the next start skips them.
+            self._seq = max(self._seq, first - 1)
         loaded = Loaded(document)
         if not isinstance(document.get("PodGPUMapping") or {}, dict):
             return loaded  # the caller reports the shape
@@ -323,7 +395,10 @@ class CheckpointStore:
                 continue  # held by the snapshot already (left behind by a removal that failed)
             if data is not None:
                 changes, problem = _read_segment(data, path, last=i == last)
-                if changes and snapshot is not None and first is None:
+                if changes and snapshot is not None and odd_key:
+                    problem = f"journal {path} holds {len(changes)} changes, but {odd_key}; not replayed over it"
+                    changes = []
+                elif changes and snapshot is not None and first is None:
                     # A snapshot without our key was rewritten by another program after these changes
                     # (upstream's gpu-manager after a downgrade, or an older version of this agent):
                     # replayed over it, they would bring back what it has released since.

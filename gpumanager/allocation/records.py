@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumanager import safenames
+from gpumanager import names, safenames
 
 _DEVICE_RE = re.compile(r"^/dev/nvidia(\d{1,9})$")  # no minor has more digits: int() of 5000 raises
 
@@ -90,23 +90,80 @@ class ContainerAllocation:
         return entry
 
 
+#: Upstream's Cores and Memory are Go int64s, and vcuda.config holds the memory limit as a uint64.
+_INT64_MAX = (1 << 63) - 1
+#: A container's position in its pod spec (a Kubernetes list index: an int32).
+_INDEX_MAX = (1 << 31) - 1
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short for a log line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _minor(device: object, where: str) -> int:
-    m = _DEVICE_RE.match(str(device))
+    m = _DEVICE_RE.match(device) if isinstance(device, str) else None
     if m is None:
-        raise RecordError(f"{where}: device {device!r} is not /dev/nvidia<N>")
+        raise RecordError(f"{where}: device {_shown(device)} is not /dev/nvidia<N>")
     return int(m.group(1))
 
 
-def _int(value: object, where: str, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise RecordError(f"{where}: {what} {value!r} is not a non-negative integer")
+def _int(value: object, where: str, what: str, *, low: int = 0, high: int = _INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RecordError(f"{where}: {what} {_shown(value)} is not an integer from {low} to {high}")
     return value
 
 
-def _answered(raw: Any) -> tuple[str, str]:
-    if isinstance(raw, list) and len(raw) == 2:
-        return (str(raw[0]), str(raw[1]))
-    return ("", "")
+def _minors(entry: Mapping[str, Any], where: str) -> tuple[int, ...]:
+    devices = entry.get("Devices")
+    if not isinstance(devices, list) or not devices:
+        raise RecordError(f"{where}: Devices {_shown(devices)} is not a list of devices")
+    minors = tuple(_minor(d, where) for d in devices)
+    if len(set(minors)) != len(minors):
+        raise RecordError(f"{where}: Devices {_shown(devices)} names a GPU more than once")
+    return minors
+
+
+def _cores(entry: Mapping[str, Any], where: str, gpus: int) -> int:
+    """Cores as an Allocate answers them: 1-99 of one GPU, or 100 per GPU for whole GPUs."""
+    if "Cores" not in entry:
+        raise RecordError(f"{where}: Cores is missing")
+    cores = _int(entry["Cores"], where, "Cores", low=1)
+    if gpus == 1 and cores < names.HUNDRED_CORES:
+        return cores
+    if cores != names.HUNDRED_CORES * gpus:
+        raise RecordError(
+            f"{where}: Cores {cores} for {gpus} GPU(s): neither a share of one GPU nor {names.HUNDRED_CORES} per GPU"
+        )
+    return cores
+
+
+def _strings(entry: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    value = entry.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise RecordError(f"{where}: {key} {_shown(value)} is not a list of strings")
+    return tuple(value)
+
+
+def _string(entry: Mapping[str, Any], key: str, where: str) -> str:
+    value = entry.get(key, "")
+    if not isinstance(value, str):
+        raise RecordError(f"{where}: {key} {_shown(value)} is not a string")
+    return value
+
+
+def _answered(entry: Mapping[str, Any], where: str) -> tuple[str, str]:
+    """``AnsweredAs``: the (pod UID, container) whose directory the answer mounts; both become paths."""
+    if "AnsweredAs" not in entry:
+        return ("", "")
+    raw = entry["AnsweredAs"]
+    if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(v, str) for v in raw):
+        raise RecordError(f"{where}: AnsweredAs {_shown(raw)} is not a [pod UID, container] pair")
+    try:
+        return (safenames.pod_uid(raw[0]), safenames.container_name(raw[1]))
+    except safenames.UnsafeNameError as exc:
+        raise RecordError(f"{where}: AnsweredAs: {exc}") from None
 
 
 @dataclass
@@ -124,6 +181,8 @@ class Parsed:
 
 
 def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
+    """One container's entry, every field checked: upstream's (``Devices``, ``Cores``, ``Memory``) must be
+    there; ours may be missing (upstream's file), never of another type. Keys neither knows are ignored."""
     where = f"pod {pod_uid} container {container}"
     try:
         safenames.pod_uid(pod_uid)
@@ -131,23 +190,25 @@ def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
     except safenames.UnsafeNameError as exc:
         raise RecordError(f"{where}: {exc}") from None
     if not isinstance(entry, Mapping):
-        raise RecordError(f"{where}: entry is not an object")
-    devices = entry.get("Devices") or []
-    if not isinstance(devices, list) or not devices:
-        raise RecordError(f"{where}: Devices {devices!r} is not a list of devices")
-    ids = entry.get("DeviceIDs") or []
+        raise RecordError(f"{where}: entry {_shown(entry)} is not an object")
+    minors = _minors(entry, where)
+    if "Memory" not in entry:
+        raise RecordError(f"{where}: Memory is missing")
+    started = entry.get("Started", False)
+    if not isinstance(started, bool):
+        raise RecordError(f"{where}: Started {_shown(started)} is not true or false")
     return ContainerAllocation(
         pod_uid=pod_uid,
         container=container,
-        minors=tuple(_minor(d, where) for d in devices),
-        cores=_int(entry.get("Cores", 0), where, "Cores"),
-        memory=_int(entry.get("Memory", 0), where, "Memory"),
-        device_ids=tuple(str(i) for i in ids) if isinstance(ids, list) else (),
-        namespace=str(entry.get("Namespace", "")),
-        pod_name=str(entry.get("Pod", "")),
-        container_index=int(entry.get("Index", -1)) if isinstance(entry.get("Index"), int) else -1,
-        answered_as=_answered(entry.get("AnsweredAs")),
-        started=entry.get("Started") is True,
+        minors=minors,
+        cores=_cores(entry, where, len(minors)),
+        memory=_int(entry["Memory"], where, "Memory"),
+        device_ids=_strings(entry, "DeviceIDs", where),
+        namespace=_string(entry, "Namespace", where),
+        pod_name=_string(entry, "Pod", where),
+        container_index=_int(entry["Index"], where, "Index", high=_INDEX_MAX) if "Index" in entry else -1,
+        answered_as=_answered(entry, where),
+        started=started,
     )
 
 
@@ -155,8 +216,8 @@ def _salvage(entry: Any) -> tuple[int, ...]:
     devices = entry.get("Devices") if isinstance(entry, Mapping) else None
     if not isinstance(devices, list):
         return ()
-    found = [m for d in devices if (m := _DEVICE_RE.match(str(d)))]
-    return tuple(int(m.group(1)) for m in found) if len(found) == len(devices) else ()
+    found = [m for d in devices if isinstance(d, str) and (m := _DEVICE_RE.match(d))]
+    return tuple(dict.fromkeys(int(m.group(1)) for m in found)) if len(found) == len(devices) else ()
 
 
 def from_json(data: Any) -> Parsed:
@@ -174,7 +235,7 @@ def from_json(data: Any) -> Parsed:
     parsed = Parsed()
     for pod_uid, per_container in mapping.items():
         if not isinstance(per_container, Mapping):
-            parsed.problems.append(f"pod {pod_uid}: entry is not an object")
+            parsed.problems.append(f"pod {pod_uid}: entry {_shown(per_container)} is not an object")
             parsed.untrusted.append((str(pod_uid), ""))
             continue
         for container, entry in per_container.items():

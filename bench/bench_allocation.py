@@ -7,6 +7,7 @@ sees them, median and p99:
   Allocate (vcuda-core) while the node fills up to --pods running pods   (target p50 < 1 ms, p99 < 3 ms)
   PreStartContainer (vcuda-core) for the same pods
   --burst concurrent Allocate and PreStart (each from its own thread)    (target p99 < 50 ms)
+  --burst concurrent vcuda-memory Allocate (validation only): what gRPC and this client cost a burst
   GET /metrics with those pods running                                  (target p99 < 20 ms)
   the agent's RSS with every pod running                                (target < 80 MiB)
   GetPreferredAllocation, and what one O_DSYNC journal write costs on this disk (back to back, and 5 ms
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 from figures import (
     Variant,
     add_before_arguments,
@@ -49,6 +51,8 @@ from figures import (
 )
 
 from gpumanager import names
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from simnode.agent_process import SPEC_DIR
 from simnode.cluster import PodRun, SimCluster, gpu_pod
 
@@ -82,6 +86,36 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
     for t in threads:
         t.join(120)
     return allocate, prestart
+
+
+def burst_floor(cluster: SimCluster, count: int) -> list[float]:
+    """``count`` vcuda-memory Allocate calls at once, each from its own thread, on the kubelet's kind of
+    channel: validation only, no state, nothing written. What gRPC and this client cost a burst by
+    themselves, the floor the concurrent Allocate figures stand on."""
+    endpoint = next(r.endpoint for r in reversed(cluster.kubelet.registrations) if r.resource == MEM)
+    one_id = sorted(cluster.kubelet.healthy_ids(MEM))[0]
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[one_id])])
+    took: list[float] = []
+    lock = threading.Lock()
+    with grpc.insecure_channel(f"unix://{cluster.kubelet.socket_path.parent / endpoint}") as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        stub.Allocate(request, timeout=10)  # connected before the burst, as the kubelet's channel is
+        go = threading.Event()
+
+        def one() -> None:
+            go.wait()
+            started = time.perf_counter()
+            stub.Allocate(request, timeout=30)
+            with lock:
+                took.append(time.perf_counter() - started)
+
+        threads = [threading.Thread(target=one) for _ in range(count)]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(60)
+    return took
 
 
 def whole_gpus(cluster: SimCluster, rounds: int) -> list[float]:
@@ -133,6 +167,7 @@ class Figures:
     prestart: list[float] = field(default_factory=list)
     burst_allocate: list[float] = field(default_factory=list)
     burst_prestart: list[float] = field(default_factory=list)
+    burst_floor: list[float] = field(default_factory=list)
     scrape: list[float] = field(default_factory=list)
     scrape_kib: int = 0
     dsync: list[float] = field(default_factory=list)
@@ -176,6 +211,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
             cluster.start_containers(run_)
         scrapes.append(scrape(url))
         got.burst_allocate, got.burst_prestart = burst(cluster, args.burst, args.pods)
+        got.burst_floor = burst_floor(cluster, args.burst)
         scrapes.append(scrape(url))
         for phase, (before, after) in (("fill", scrapes[0:2]), ("burst", scrapes[1:3])):
             for call in ("Allocate", "PreStartContainer"):
@@ -231,6 +267,10 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
     each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
     each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
+    each(
+        f"{args.burst} concurrent Allocate (vcuda-memory) from this client: validation only (a burst's floor)",
+        lambda f: figure("", f.burst_floor),
+    )
 
     def inside(key: str) -> Callable[[Figures], str]:
         return lambda f: f"p50 ~{f.inside[key][0] * 1000:.2f} ms, p99 ~{f.inside[key][1] * 1000:.2f} ms"

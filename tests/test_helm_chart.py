@@ -114,6 +114,11 @@ def test_operator_model_round_trip_catches_unknown_fields() -> None:
     assert not _kept(doc, parsed)
 
 
+def test_service_monitor_keeps_the_agents_namespace_pod_and_container_labels() -> None:
+    (endpoint,) = by_kind(documents(VALUE_SETS["everything on"]), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True  # else the operator's target labels rename them exported_*
+
+
 def test_deploy_daemonset_yaml_is_the_default_rendering() -> None:
     assert (ROOT / "deploy" / "daemonset.yaml").read_text() == RENDER["daemonset_yaml"](), (
         "deploy/daemonset.yaml differs from the chart: run python scripts/render_manifests.py"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,7 @@ RULE_TESTS = ROOT / "deploy" / "prometheus" / "gpu-manager.rules.test.yaml"
 DASHBOARD = ROOT / "deploy" / "helm" / "gpu-manager" / "files" / "dashboard.json"
 MIB = 1 << 20
 JOB = "gpu-manager"
+RENDER = runpy.run_path(str(ROOT / "scripts" / "render_manifests.py"))
 
 
 def _tool(name: str) -> str:
@@ -98,15 +100,44 @@ def test_promtool_check_metrics_on_the_claim_families() -> None:
 # -- a real Prometheus ------------------------------------------------------------------------------
 
 
+def operator_scrape_config(targets: list[str]) -> dict[str, Any]:
+    """The scrape job the Prometheus Operator makes of the chart's ServiceMonitor for ``targets``.
+
+    The operator's relabelings put the labels of the agent's own pod on every target (``namespace``,
+    ``pod``, ``container``, ``service``, ``endpoint``; ``job`` from ``jobLabel``; the chart's ``node``),
+    and its ``honor_labels`` is the endpoint's ``honorLabels`` (false unless set): what decides whether
+    the agent's ``namespace``/``pod``/``container`` labels survive or become ``exported_*``.
+    """
+    docs = RENDER["documents"]({"serviceMonitor": {"enabled": True}})
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    agent_pod = {
+        "job": JOB,
+        "namespace": monitor["metadata"]["namespace"],
+        "service": "gpu-manager-metric",
+        "pod": "gpu-manager-7xk2p",
+        "container": "gpu-manager",
+        "endpoint": endpoint["port"],
+        "node": "sim-node",
+    }
+    return {
+        "job_name": f"serviceMonitor/{monitor['metadata']['namespace']}/{monitor['metadata']['name']}/0",
+        "honor_labels": bool(endpoint.get("honorLabels", False)),
+        "metrics_path": endpoint["path"],
+        "static_configs": [{"targets": targets, "labels": agent_pod}],
+    }
+
+
 class Prometheus:
-    """A Prometheus server on 127.0.0.1 scraping ``targets`` every second, with the agent's rules."""
+    """A Prometheus server on 127.0.0.1 scraping ``targets`` every second as the chart's ServiceMonitor
+    has the Prometheus Operator scrape them, with the agent's rules."""
 
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
             "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [operator_scrape_config(targets)],
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (workdir / "prometheus.log").open("wb")
@@ -317,3 +348,18 @@ def test_every_dashboard_variable_has_values(scraped_node: dict[str, Any]) -> No
     assert seen["job"] == {JOB}
     assert seen["instance"] == {scraped_node["node_a"], scraped_node["node_b"]}
     assert seen["namespace"] == {"ml"} and seen["pod"] == {"train", "infer"}
+
+
+def test_the_agents_namespace_pod_and_container_labels_survive_the_operators_target_labels(
+    scraped_node: dict[str, Any],
+) -> None:
+    prom: Prometheus = scraped_node["prometheus"]
+    a = scraped_node["node_a"]
+    found = prom.query(f'gpu_manager_container_gpu_memory_limit_bytes{{instance="{a}"}}')
+    assert {(s["metric"]["namespace"], s["metric"]["pod"], s["metric"]["container"]) for s in found} == {
+        ("ml", "train", "main"),
+        ("ml", "infer", "main"),
+    }
+    assert not [s for s in found if any(k.startswith("exported_") for k in s["metric"])], found
+    per_pod = prom.query(f'sum by (namespace, pod) (gpu_manager_container_gpu_memory_limit_bytes{{instance="{a}"}})')
+    assert {(s["metric"]["namespace"], s["metric"]["pod"]) for s in per_pod} == {("ml", "train"), ("ml", "infer")}

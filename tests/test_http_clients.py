@@ -26,7 +26,7 @@ def _server(**kw: Any) -> QueryServer:
     server = QueryServer(
         kw.pop("addr", "127.0.0.1"),
         0,
-        routes={"/version": lambda: display.Version(version="1")},
+        routes={"/version": lambda: display.VersionResponse(version="1")},
         metrics=kw.pop("metrics", metrics),
         health=lambda: (True, {}),
     )
@@ -80,18 +80,87 @@ def test_half_requests_let_their_threads_go(monkeypatch: pytest.MonkeyPatch) -> 
         s.stop()
 
 
+def test_a_client_trickling_its_headers_is_cut_off_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http, "HEADER_DEADLINE", 0.5)
+    s = _server()
+    try:
+        with socket.create_connection(("127.0.0.1", s.port)) as c:
+            c.settimeout(5)
+            c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            started = time.monotonic()
+            answer = b""
+            try:
+                while time.monotonic() - started < 5:
+                    c.sendall(b"X")  # a header line that never ends, one byte at a time: never idle
+                    time.sleep(0.05)
+            except OSError:
+                pass  # the server closed the connection
+            try:
+                while chunk := c.recv(65536):
+                    answer += chunk
+            except OSError:
+                pass
+            assert time.monotonic() - started < 2, "the trickling client kept its connection"
+            assert answer == b"" or answer.startswith(b"HTTP/1.0 408"), answer
+        assert _handler_threads() == 0
+    finally:
+        s.stop()
+
+
+def test_probes_are_answered_while_slow_clients_hold_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 3)
+    release = threading.Event()
+
+    def slow_page() -> bytes:
+        release.wait(10)
+        return b"# a page\n"
+
+    s = _server(metrics=slow_page)
+    busy: list[socket.socket] = []
+    try:
+        for _ in range(3):  # three scrapes in progress: every slot
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            busy.append(c)
+        _wait(lambda: _handler_threads() == 3, "the scrapes are served")
+        for _ in range(40):  # and clients that never finish their headers
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            busy.append(c)
+        for path in (b"/healthz", b"/readyz", b"/healthz/"):
+            assert _ask(s.port, b"GET " + path + b" HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 200"), path
+        assert _ask(s.port, b"GET /metrics HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 503")
+    finally:
+        release.set()
+        for c in busy:
+            c.close()
+        s.stop()
+
+
 def test_connections_over_the_limit_are_answered_busy_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http, "MAX_CONNECTIONS", 3)
-    s = _server()
-    idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3)]
+    release = threading.Event()
+
+    def slow_page() -> bytes:
+        release.wait(10)
+        return b"# a page\n"
+
+    s = _server(metrics=slow_page)
+    scrapes = []
     try:
-        _wait(lambda: _handler_threads() == 3, "the idle connections are served")
-        assert _ask(s.port, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 503")
-        for c in idle:
-            c.close()
+        for _ in range(3):
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            scrapes.append(c)
+        _wait(lambda: _handler_threads() == 3, "the scrapes are served")
+        assert _ask(s.port, b"GET /version HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 503")
+        release.set()
         _wait(lambda: _handler_threads() == 0, "the slots come back")
-        assert _ask(s.port, b"GET /healthz HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 200")
+        assert _ask(s.port, b"GET /version HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 200")
     finally:
+        release.set()
+        for c in scrapes:
+            c.close()
         s.stop()
 
 
@@ -137,6 +206,10 @@ def test_head_and_other_methods(server: QueryServer) -> None:
     assert head.startswith(b"HTTP/1.0 200") and head.endswith(b"\r\n\r\n"), head
     post = _ask(server.port, b"POST /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
     assert post.startswith(b"HTTP/1.0 405") and b"Allow: GET, HEAD" in post
+    for method in (b"TRACE", b"CONNECT", b"FOO", b"PROPFIND"):  # methods http.server knows nothing of
+        answer = _ask(server.port, method + b" /metrics HTTP/1.0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 405") and b"Allow: GET, HEAD" in answer, (method, answer[:80])
+        assert answer.endswith(b'{"error":"only GET and HEAD"}'), answer
 
 
 def test_an_unreadable_request_line_gets_a_status_line(server: QueryServer) -> None:

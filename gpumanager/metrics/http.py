@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -25,16 +27,62 @@ log = logging.getLogger(__name__)
 
 HealthFn = Callable[[], tuple[bool, dict[str, object]]]
 
-#: Connections served at once (a thread each); more are answered 503 at once and closed.
+#: Requests served at once (a thread each) other than the probes; one more is answered 503 and closed.
 MAX_CONNECTIONS = 64
-#: Seconds a connection may wait for the client between two reads or writes: a client that sends half
-#: a request, or stops reading, lets its thread go.
+#: Threads kept for ``/healthz`` and ``/readyz`` alone, so that the probes are answered however many
+#: other requests are in progress (a probe finding them taken too uses one of the others).
+PROBE_SLOTS = 4
+#: Seconds a client has to send its request line and headers, in all. Until then the connection
+#: holds no thread (the accepting thread reads what arrives), so slow clients cannot take the slots.
+HEADER_DEADLINE = 10.0
+#: Connections still sending their headers at once; one more closes the one that has taken longest.
+MAX_PENDING = 128
+#: Most bytes of a request line and headers (a longer request line is answered 414, headers 431).
+MAX_HEAD = 128 * 1024
+#: Seconds a connection with a thread may wait for the client between two reads or writes.
 CLIENT_TIMEOUT = 10.0
 #: accept() errors that say the process or the system is out of something: wait before trying again.
 _OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n" + (
-    b'{"error":"too many connections; retry"}\n'
-)
+_PROBES = ("/healthz", "/readyz")
+
+
+def _canned(status: str, error: str) -> bytes:
+    body = json.dumps({"error": error}).encode() + b"\n"
+    head = f"HTTP/1.0 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"Connection: close\r\n\r\n" + body
+
+
+_BUSY = _canned("503 Service Unavailable", "too many connections; retry")
+_SLOW = _canned("408 Request Timeout", "request headers not received in time")
+_TOO_BIG = _canned("431 Request Header Fields Too Large", "request headers too large")
+
+
+@dataclass
+class _Pending:
+    """A connection whose request line and headers have not all arrived."""
+
+    sock: socket.socket
+    address: Any
+    deadline: float
+    head: bytearray = field(default_factory=bytearray)
+
+
+def _head_state(head: bytes | bytearray) -> str:
+    """``done`` when the request line and headers are all there (or the handler can answer what it has:
+    an HTTP/0.9 or unreadable request line, one too long), ``big`` when headers passed MAX_HEAD, else ``more``."""
+    end = head.find(b"\n")
+    if end < 0:
+        return "done" if len(head) > 65536 else "more"  # the handler answers 414
+    if len(head[:end].split()) < 3 or head.find(b"\n\r\n", end) >= 0 or head.find(b"\n\n", end) >= 0:
+        return "done"
+    return "big" if len(head) > MAX_HEAD else "more"
+
+
+def _path(head: bytes) -> str:
+    words = head[: head.find(b"\n")].split()
+    target = words[1].decode("latin-1") if len(words) > 1 else ""
+    return target.split("?", 1)[0].rstrip("/") or "/"
+
 
 _SILENT = (ConnectionError, TimeoutError)
 
@@ -45,11 +93,16 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = socket.SOMAXCONN
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], slots: int) -> None:
+    def __init__(
+        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], slots: int, probe_slots: int
+    ) -> None:
         if address[0]:  # an IPv6 address (or a name that resolves to one first) listens on IPv6
             found = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             self.address_family = found[0][0]
         self.slots = threading.BoundedSemaphore(slots)
+        self.probe_slots = threading.BoundedSemaphore(probe_slots)
+        #: The request line and headers read for a connection before its thread starts (taken by its handler).
+        self.heads: dict[socket.socket, bytes] = {}
         super().__init__(address, handler)
 
     def server_bind(self) -> None:
@@ -57,11 +110,26 @@ class _Server(ThreadingHTTPServer):
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # "::" serves IPv4 too
         super().server_bind()
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def serve(self, request: socket.socket, client_address: Any, head: bytes, slot: threading.BoundedSemaphore) -> None:
+        """Serve a connection whose request line and headers are ``head`` in a thread of its own, holding ``slot``."""
+        self.heads[request] = head
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address, slot))
+        thread.daemon = True
+        try:
+            thread.start()
+        except BaseException:
+            self.heads.pop(request, None)
+            slot.release()
+            raise
+
+    def process_request_thread(  # type: ignore[override]
+        self, request: Any, client_address: Any, slot: threading.BoundedSemaphore
+    ) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.heads.pop(request, None)
+            slot.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], _SILENT):
@@ -93,8 +161,9 @@ class QueryServer:
         self._health = health
         self._ready = ready or health
         handler = self._handler_class()
-        self._httpd = _Server((addr, port), handler, MAX_CONNECTIONS)
+        self._httpd = _Server((addr, port), handler, MAX_CONNECTIONS, PROBE_SLOTS)
         self._thread: threading.Thread | None = None
+        self._warned = 0.0
 
     @property
     def port(self) -> int:
@@ -111,47 +180,105 @@ class QueryServer:
         )
 
     def _serve(self) -> None:
-        """Accept connections until :meth:`stop`; the thread sleeps until a client or the stop comes
+        """Accept connections and read their request lines and headers until :meth:`stop`; a connection
+        gets a thread once its headers are all there. The thread sleeps until a client or the stop comes
         (``serve_forever`` would wake twice a second to look for a stop)."""
-        httpd = self._httpd
-        warned = 0.0
+        pending: dict[int, _Pending] = {}  # by file descriptor, oldest first (so by deadline)
         with selectors.DefaultSelector() as selector:
-            selector.register(httpd.fileno(), selectors.EVENT_READ, "client")
+            selector.register(self._httpd.fileno(), selectors.EVENT_READ, "client")
             selector.register(self._wake_r, selectors.EVENT_READ, "stop")
-            while True:
-                ready = {key.data for key, _ in selector.select()}
-                if "stop" in ready:
-                    return
-                try:
-                    request, address = httpd.get_request()
-                except OSError as exc:
-                    if exc.errno in _OUT_OF:
-                        # The listener stays readable: trying again at once would spin a core.
-                        if time.monotonic() - warned > 60:
-                            warned = time.monotonic()
-                            log.warning("http: cannot accept a connection (%s); waiting", exc)
-                        if select.select([self._wake_r], [], [], 0.1)[0]:
+            try:
+                while True:
+                    timeout = None
+                    if pending:
+                        timeout = max(0.0, next(iter(pending.values())).deadline - time.monotonic())
+                    for key, _ in selector.select(timeout):
+                        if key.data == "stop":
                             return
-                    continue  # or the client went away before it was accepted
-                if not httpd.slots.acquire(blocking=False):
-                    self._refuse(request)
-                    continue
-                if httpd.verify_request(request, address):
-                    try:
-                        httpd.process_request(request, address)  # a thread per connection
-                    except Exception:
-                        httpd.slots.release()
-                        httpd.handle_error(request, address)
-                        httpd.shutdown_request(request)
-                else:
-                    httpd.slots.release()
-                    httpd.shutdown_request(request)
+                        if key.data == "client":
+                            if not self._accept(selector, pending):
+                                return
+                        else:
+                            self._read(selector, pending, key.fd)
+                    now = time.monotonic()
+                    while pending and next(iter(pending.values())).deadline <= now:
+                        self._drop(selector, pending, next(iter(pending)), _SLOW)
+            finally:
+                for fd in list(pending):
+                    self._drop(selector, pending, fd, b"")
 
-    def _refuse(self, request: socket.socket) -> None:
-        """Answer 503 to a connection over the limit, without a thread, and close it."""
+    def _accept(self, selector: selectors.BaseSelector, pending: dict[int, _Pending]) -> bool:
+        """Take a new connection and wait for its headers; False when :meth:`stop` came meanwhile."""
+        httpd = self._httpd
+        try:
+            request, address = httpd.get_request()
+        except OSError as exc:
+            if exc.errno in _OUT_OF:
+                # The listener stays readable: trying again at once would spin a core.
+                if time.monotonic() - self._warned > 60:
+                    self._warned = time.monotonic()
+                    log.warning("http: cannot accept a connection (%s); waiting", exc)
+                if select.select([self._wake_r], [], [], 0.1)[0]:
+                    return False
+            return True  # or the client went away before it was accepted
+        if not httpd.verify_request(request, address):
+            httpd.shutdown_request(request)
+            return True
+        if len(pending) >= MAX_PENDING:  # the one that has taken longest makes room
+            self._drop(selector, pending, next(iter(pending)), _BUSY)
+        request.setblocking(False)
+        fd = request.fileno()
+        pending[fd] = _Pending(request, address, time.monotonic() + HEADER_DEADLINE)
+        selector.register(fd, selectors.EVENT_READ, "request")
+        return True
+
+    def _read(self, selector: selectors.BaseSelector, pending: dict[int, _Pending], fd: int) -> None:
+        """Read what a connection sent; once its headers are there, serve it in a thread, or answer busy."""
+        entry = pending[fd]
+        try:
+            chunk = entry.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the client went away
+            self._drop(selector, pending, fd, b"")
+            return
+        entry.head += chunk
+        state = _head_state(entry.head)
+        if state == "more":
+            return
+        if state == "big":
+            self._drop(selector, pending, fd, _TOO_BIG)
+            return
+        selector.unregister(fd)
+        del pending[fd]
+        head = bytes(entry.head)
+        httpd = self._httpd
+        slot = httpd.slots
+        if _path(head) in _PROBES and httpd.probe_slots.acquire(blocking=False):
+            slot = httpd.probe_slots
+        elif not slot.acquire(blocking=False):
+            self._answer_and_close(entry.sock, _BUSY)
+            return
+        try:
+            entry.sock.setblocking(True)
+            httpd.serve(entry.sock, entry.address, head, slot)
+        except Exception:
+            httpd.handle_error(entry.sock, entry.address)
+            httpd.shutdown_request(entry.sock)
+
+    def _drop(self, selector: selectors.BaseSelector, pending: dict[int, _Pending], fd: int, answer: bytes) -> None:
+        entry = pending.pop(fd)
+        selector.unregister(fd)
+        self._answer_and_close(entry.sock, answer)
+
+    def _answer_and_close(self, request: socket.socket, answer: bytes) -> None:
+        """Answer ``answer`` (as much as the socket takes at once) without a thread, and close."""
         try:
             request.setblocking(False)
-            request.send(_BUSY)
+            if answer:
+                request.send(answer)
         except OSError:
             pass
         self._httpd.shutdown_request(request)
@@ -174,6 +301,20 @@ class QueryServer:
             default_request_version = "HTTP/1.0"  # an unreadable request line still gets a status line
             server_version = "gpu-manager"
             sys_version = ""
+
+            def setup(self) -> None:
+                super().setup()
+                # The request line and headers were read before the thread started; nothing else is read.
+                self.rfile.close()
+                self.rfile = io.BytesIO(outer._httpd.heads.pop(self.request, b""))
+
+            def parse_request(self) -> bool:
+                if not super().parse_request():
+                    return False
+                if not hasattr(self, "do_" + self.command):  # http.server would answer 501, in HTML
+                    self._not_allowed()
+                    return False
+                return True
 
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)

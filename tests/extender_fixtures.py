@@ -65,6 +65,22 @@ def gpu_pod(
     )
 
 
+def with_inits(pod: dict[str, Any], inits: Sequence[tuple[str, int, int, bool]]) -> dict[str, Any]:
+    """``pod`` with init containers ``(name, vcuda-core, vcuda-memory blocks, sidecar)``; a sidecar has
+    ``restartPolicy: Always`` (it runs beside the app containers for the pod's whole life)."""
+    specs = []
+    for name, cores, blocks, sidecar in inits:
+        limits = {names.VCORE_RESOURCE: str(cores)}
+        if blocks:
+            limits[names.VMEMORY_RESOURCE] = str(blocks)
+        spec: dict[str, Any] = {"name": name, "image": "cuda", "resources": {"limits": limits, "requests": limits}}
+        if sidecar:
+            spec["restartPolicy"] = "Always"
+        specs.append(spec)
+    pod["spec"]["initContainers"] = specs
+    return pod
+
+
 def held(node: str, gpus: Sequence[Sequence[int]]) -> dict[str, str]:
     """Annotations of a pod that holds these GPUs (per container) on ``node``."""
     out = {f"{PREFIX}{i}": ",".join(map(str, g)) for i, g in enumerate(gpus)}

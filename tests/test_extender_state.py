@@ -77,7 +77,10 @@ def test_an_assumption_holds_until_the_watch_shows_the_pod() -> None:
     state.pod_event("MODIFIED", pod)  # an older version of the pod: no annotations yet
     assert free(state)[0][0] == 40 and state.is_assumed(uid)
     pod["metadata"]["annotations"] = {**held("n", [[0]]), names.PREDICATE_TIME: "777"}
-    state.pod_event("MODIFIED", pod)  # the watch shows what bind wrote
+    state.pod_event("MODIFIED", pod)  # the watch shows what bind wrote, not bound yet
+    assert state.is_assumed(uid) and free(state)[0][0] == 40
+    pod["spec"]["nodeName"] = "n"
+    state.pod_event("MODIFIED", pod)  # bound: its annotations carry the charge
     assert not state.is_assumed(uid) and free(state)[0][0] == 40
     state.pod_event("DELETED", pod)
     assert free(state)[0][0] == 100
@@ -158,3 +161,81 @@ def test_a_pod_chosen_for_a_node_but_never_bound_stops_holding_its_gpus(caplog: 
     state.pod_event("MODIFIED", bound)  # the Binding landed: bound pods hold their GPUs for good
     state.expire()
     assert free(state) == [(100, 80), (0, 0)]
+
+
+def _chosen(name: str, when: str, gpu: int = 0) -> dict[str, object]:
+    """A pending pod carrying bind's annotations (predicate time ``when``), not bound yet."""
+    return gpu_pod(name, [(60, 4)], annotations={**held("n", [[gpu]]), names.PREDICATE_TIME: when})
+
+
+def test_a_binding_slower_than_the_ttl_keeps_its_charge() -> None:
+    """Bind wrote the annotations and the watch shows them; the Binding takes longer than the TTL (a
+    slow API server). Before, the watch ended the assumption and the unbound pod's charge lapsed after
+    the TTL: a second 60-core share was let onto the same GPU before the first pod was bound there."""
+    state = ClusterState(assume_ttl=0.05)
+    state.node_event("ADDED", node())
+    pod = _chosen("p", "777")
+    uid = "uid-p"
+    state.assume(uid, PodCharges("n", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),), 0, "777"))
+    state.pod_event("MODIFIED", pod)  # the patch is seen; the Binding is still on its way
+    time.sleep(0.1)
+    assert state.expire() == 0 and state.is_assumed(uid) and free(state)[0][0] == 40
+    state.assumed_bound(uid)  # the Binding was made; the watch lags behind it
+    time.sleep(0.1)
+    assert state.expire() == 0 and state.is_assumed(uid) and free(state)[0][0] == 40
+    pod["spec"]["nodeName"] = "n"  # type: ignore[index]
+    state.pod_event("MODIFIED", pod)
+    assert not state.is_assumed(uid) and free(state)[0][0] == 40
+    time.sleep(0.1)
+    state.expire()
+    assert free(state)[0][0] == 40, "a bound pod holds its GPUs for good"
+
+
+def test_an_unanswered_binding_is_held_for_the_ttl_then_dropped_with_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = ClusterState(assume_ttl=0.05)
+    state.node_event("ADDED", node())
+    state.assume("uid-p", PodCharges("n", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),), 0, "777"))
+    state.pod_event("MODIFIED", _chosen("p", "777"))
+    state.assumed_bound("uid-p", bound=False)
+    assert state.expire() == 0 and free(state)[0][0] == 40
+    time.sleep(0.1)
+    with caplog.at_level(logging.WARNING, logger="gpumanager.extender.state"):
+        assert state.expire() == 1
+    assert "its Binding got no answer" in caplog.text and "no longer held" in caplog.text
+    assert free(state)[0][0] == 100
+
+
+def test_a_pod_whose_bind_failed_holds_nothing_even_with_annotations_left(caplog: pytest.LogCaptureFixture) -> None:
+    """The Binding was refused and the annotations could not be removed: the scheduler was told and
+    places the pod anew, so that choice holds nothing (before, it held the GPU for the TTL)."""
+    state = ClusterState(assume_ttl=60)
+    state.node_event("ADDED", node())
+    state.assume("uid-p", PodCharges("n", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),), 0, "777"))
+    with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
+        state.forget("uid-p")
+    assert "bind to node n failed" in caplog.text
+    pod = _chosen("p", "777")
+    state.pod_event("MODIFIED", pod)
+    assert free(state)[0][0] == 100 and state.pod_count() == 0
+    again = _chosen("p", "778", gpu=1)  # chosen anew (by gpu-admission, or a bind whose Binding is slow)
+    state.pod_event("MODIFIED", again)
+    assert free(state) == [(100, 80), (40, 79)]
+
+
+def test_an_assumption_ends_when_the_pod_is_bound_elsewhere_or_deleted(caplog: pytest.LogCaptureFixture) -> None:
+    state = ClusterState(assume_ttl=60)
+    state.node_event("ADDED", node())
+    state.assume("uid-p", PodCharges("n", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),), 0, "777"))
+    state.assumed_bound("uid-p")
+    elsewhere = gpu_pod("p", [(60, 4)], node="m")
+    with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
+        state.pod_event("MODIFIED", elsewhere)
+        assert not state.is_assumed("uid-p") and free(state)[0][0] == 100
+        state.assume("uid-q", PodCharges("n", (Charge(1, 100, 0),), 0, "9"))
+        state.pod_event("DELETED", gpu_pod("q", [(100, 0)]))
+    assert (
+        "is bound to node m, not n" in caplog.text and "it was deleted before the watch showed it bound" in caplog.text
+    )
+    assert free(state) == [(100, 80), (100, 80)]

@@ -6,14 +6,17 @@
 2. Under the cluster state's lock, choose GPUs on the node with the pod's own old charges left
    out, and *assume* them (the next filter and bind see them taken).
 3. Merge-patch the annotations with ``metadata.resourceVersion`` set (a precondition):
-   ``predicate-gpu-idx-<i>`` per GPU container, ``predicate-node``, ``predicate-time`` (ns),
+   ``predicate-gpu-idx-<i>`` per GPU container, ``predicate-gpu-idx--<k>`` per GPU init container
+   (``-1`` for the first of ``spec.initContainers``: the index under which the agent asks for it),
+   when the pod has a GPU container or sidecar, ``predicate-node``, ``predicate-time`` (ns),
    ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: put back
    what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
 4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
    the pod is not bound to the node after all, drop the assumption and remove the annotations
    again. If it does not answer, the Binding may still be made: the GPUs stay assumed (until the
-   watch shows the pod, or ``assume_ttl``) and the annotations stay, so whatever the API server
-   does, the pod's GPUs are never handed out twice.
+   watch shows the pod bound or gone, or ``assume_ttl``) and the annotations stay, so whatever the
+   API server does, the pod's GPUs are never handed out twice. A Binding made keeps the GPUs
+   assumed until the watch shows the pod bound, deleted or ended, however late that is.
 
 A bind answers within ``timeout`` seconds in all (every API call, and the wait for another bind
 of the same pod, get what is left of it), so that the scheduler, whose ``httpTimeout`` is 5 s by
@@ -39,7 +42,7 @@ from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
-from gpumanager.extender.charges import PodCharges
+from gpumanager.extender.charges import PodCharges, init_containers
 from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import ClusterState
 
@@ -262,8 +265,11 @@ class _Bind:
         if problem:
             raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
 
-    def _choose(self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest]) -> dict[str, str | None]:
-        """Choose GPUs under the state lock and assume them; returns the annotation patch."""
+    def _choose(
+        self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest], sidecars: list[GPURequest]
+    ) -> dict[str, str | None]:
+        """Choose GPUs under the state lock and assume what the sidecars and containers hold; returns
+        the annotation patch (naming the init containers' GPUs too)."""
         uid = podinfo.uid(pod)
         node = self.args.node
         state = self._state
@@ -273,7 +279,7 @@ class _Bind:
             if gpus is None:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid):
-                placement = place(gpus, requests, self._policy, inits=inits)
+                placement = place(gpus, requests, self._policy, inits=inits, sidecars=sidecars)
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())
@@ -281,7 +287,7 @@ class _Bind:
             state.assume(uid, PodCharges(node, charges, 0, now))
         patch: dict[str, str | None] = {
             f"{names.PREDICATE_GPU_IDX_PREFIX}{choice.request.index}": ",".join(map(str, choice.minors))
-            for choice in placement.choices
+            for choice in (*placement.choices, *placement.inits)
         }
         for key in podinfo.pod_annotations(pod):
             if key.startswith(names.PREDICATE_GPU_IDX_PREFIX) and key not in patch:
@@ -308,7 +314,7 @@ class _Bind:
             return "already_bound"
         try:
             requests = podinfo.gpu_containers(pod)
-            inits = [r for r in podinfo.init_gpu_requests(pod) if r.gpu_required]
+            inits, sidecars = init_containers(pod)
             never = never_served([*podinfo.init_gpu_requests(pod), *podinfo.gpu_requests(pod)])
         except PodSpecError as exc:
             raise BindError(str(exc), "refused") from exc
@@ -318,7 +324,7 @@ class _Bind:
             ) from exc
         if never:
             raise BindError(f"{self.who}: {never}", "refused")
-        if not requests:
+        if not requests and not sidecars:
             self._check_inits(podinfo.uid(pod), inits)
             self._binding(podinfo.uid(pod), None, {})
             return "bound"
@@ -328,7 +334,7 @@ class _Bind:
         while True:
             uid = podinfo.uid(pod)
             previous = self._state.assumption(uid)
-            patch = self._choose(pod, requests, inits)
+            patch = self._choose(pod, requests, inits, sidecars)
             try:
                 patched = self._patch(str((pod.get("metadata") or {}).get("resourceVersion", "")), patch)
                 break
@@ -347,6 +353,9 @@ class _Bind:
                             self._state.assumed_bound(uid)  # an earlier bind that could not tell made it
                         return "already_bound"
                     continue
+                # The scheduler hears of the failure and places the pod anew: should the patch be made
+                # after all, that choice holds nothing while the pod is not bound.
+                self._state.given_up(uid, str(patch[names.PREDICATE_TIME]))
                 raise BindError(f"cannot annotate {self.who}: {_api_text(exc, self.deadline)}") from exc
         self._binding(uid, patched, patch)
         log.info(

@@ -4,7 +4,11 @@ A pod counts on ``spec.nodeName``, else on ``tencent.com/predicate-node`` (chose
 bound; see :class:`~gpumanager.extender.state.ClusterState` for how long), unless it has ended
 (Succeeded/Failed). Each GPU container ``i`` holds what
 ``tencent.com/predicate-gpu-idx-<i>`` names: its cores and memory on that GPU for a share, every
-named GPU whole otherwise. A bound GPU container without the annotation holds no known GPU yet
+named GPU whole otherwise. A GPU sidecar (an init container with ``restartPolicy: Always``, which
+runs beside the others for the pod's whole life) holds the same way what its annotation names;
+the agent asks for an init container's under its negative index, ``predicate-gpu-idx--1`` for the
+first init container. An ordinary init container holds nothing here: it runs alone, before the
+others, and has ended by the time they run. A bound GPU container without the annotation holds no known GPU yet
 (the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced,
 as is one whose annotations were chosen for another node than the one it is bound to.
 """
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
-from gpumanager.allocation.pods import Pod, PodSpecError
+from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
 from gpumanager.extender.nodes import Charge
 
 log = logging.getLogger(__name__)
@@ -48,12 +52,48 @@ def counts(pod: Pod) -> bool:
     return bool(pod_node(pod)) and podinfo.phase(pod) not in TERMINAL
 
 
+def init_containers(pod: Pod) -> tuple[list[GPURequest], list[GPURequest]]:
+    """The pod's GPU init containers: (ordinary ones, sidecars), each in spec order (PodSpecError on
+    unreadable quantities or a ``spec.initContainers`` that is not a list of containers).
+
+    A sidecar (``restartPolicy: Always``, Kubernetes 1.28+) starts before the app containers and runs
+    beside them; the kubelet never hands its devices on to a later container.
+    """
+    requests = podinfo.init_gpu_requests(pod)
+    if not requests:
+        return [], []
+    specs = (pod.get("spec") or {}).get("initContainers") or []
+    ordinary: list[GPURequest] = []
+    sidecars: list[GPURequest] = []
+    for request in requests:
+        if not request.gpu_required:
+            continue
+        spec = specs[-1 - request.index]
+        (sidecars if spec.get("restartPolicy") == "Always" else ordinary).append(request)
+    return ordinary, sidecars
+
+
+def held_containers(pod: Pod) -> list[GPURequest]:
+    """The GPU containers that hold GPUs while the pod runs: its sidecars, then ``spec.containers``
+    (the order in which the kubelet allocates them)."""
+    return init_containers(pod)[1] + podinfo.gpu_containers(pod)
+
+
+def is_gpu_pod(pod: Pod) -> bool:
+    """Whether any container of the pod, init containers included, needs a GPU (unreadable requests
+    count as not)."""
+    try:
+        return bool(podinfo.allocation_order(pod))
+    except PodSpecError:
+        return False
+
+
 def pod_charges(pod: Pod) -> PodCharges | None:
     """The pod's charges, or None when it holds nothing (ended, nowhere, no GPU container)."""
     if not counts(pod):
         return None
     try:
-        requests = podinfo.gpu_containers(pod)
+        requests = held_containers(pod)
     except PodSpecError as exc:
         log.warning("%s; the pod is not counted", exc)
         return None

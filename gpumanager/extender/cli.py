@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help=(
-            "seconds a bound pod's GPUs are held before the watch must have shown it, and a pod chosen "
-            "for a node but not bound holds them there (default %(default)s)"
+            "safety net: seconds a Binding that got no answer (or a bound pod the watch shows nothing of) "
+            "keeps its GPUs held, and a pod chosen for a node but not bound, with no bind of this extender "
+            "behind it, holds them there (default %(default)s)"
         ),
     )
     p.add_argument(

@@ -15,6 +15,7 @@ from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, SHAPE_ERRORS, ExtenderArgs, error_filter_result, filter_result
+from gpumanager.extender.charges import init_containers
 from gpumanager.extender.nodes import NodeGPUs
 from gpumanager.extender.placement import Policy, fits, never_served, place
 from gpumanager.extender.state import ClusterState
@@ -28,8 +29,13 @@ def requests_of(pod: JSON) -> list[GPURequest]:
 
 
 def init_requests_of(pod: JSON) -> list[GPURequest]:
-    """The pod's GPU init containers (raises PodSpecError on unreadable quantities)."""
-    return [r for r in podinfo.init_gpu_requests(pod) if r.gpu_required]
+    """The pod's ordinary GPU init containers (raises PodSpecError on unreadable quantities)."""
+    return init_containers(pod)[0]
+
+
+def sidecar_requests_of(pod: JSON) -> list[GPURequest]:
+    """The pod's GPU sidecars, init containers with ``restartPolicy: Always`` (raises PodSpecError)."""
+    return init_containers(pod)[1]
 
 
 def all_requests_of(pod: JSON) -> list[GPURequest]:
@@ -62,19 +68,25 @@ class Decider:
         return gpus
 
     def judge(
-        self, gpus: NodeGPUs | None, requests: list[GPURequest], inits: list[GPURequest] | None = None
+        self,
+        gpus: NodeGPUs | None,
+        requests: list[GPURequest],
+        inits: list[GPURequest] | None = None,
+        sidecars: list[GPURequest] | None = None,
     ) -> tuple[str, str]:
-        """``("pass"|"fail"|"unresolvable", reason)`` for one node (``inits``: the GPU init containers,
-        each of which must fit beside the others' choice)."""
+        """``("pass"|"fail"|"unresolvable", reason)`` for one node (``inits``: the ordinary GPU init
+        containers, each of which must fit beside the others' choice; ``sidecars``: the GPU init
+        containers that run beside the others, placed with them)."""
         if gpus is None:
             return "unresolvable", f"node has no {names.VCORE_RESOURCE}"
         inits = inits or []
-        problem = fits(gpus, requests, self.policy, inits=inits)
+        sidecars = sidecars or []
+        problem = fits(gpus, requests, self.policy, inits=inits, sidecars=sidecars)
         if not problem:
             return "pass", ""
         if gpus.note:
             problem += f"; {gpus.note}"
-        never = fits(gpus, requests, self.policy, empty=True, inits=inits)
+        never = fits(gpus, requests, self.policy, empty=True, inits=inits, sidecars=sidecars)
         return ("unresolvable" if never else "fail"), problem
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
@@ -91,7 +103,7 @@ class Decider:
         outcomes: Counter[str] = Counter()
         try:
             requests = requests_of(args.pod)
-            inits = init_requests_of(args.pod)
+            inits, sidecars = init_containers(args.pod)
             never = never_served(all_requests_of(args.pod))
         except PodSpecError as exc:
             return error_filter_result(str(exc)), Counter(error=1)
@@ -99,7 +111,7 @@ class Decider:
         if never:
             outcomes["unresolvable"] += len(node_names)
             return filter_result(args, [], {}, dict.fromkeys(node_names, never)), outcomes
-        if not requests and not inits:
+        if not requests and not inits and not sidecars:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes
         passed: list[str] = []
@@ -110,7 +122,7 @@ class Decider:
             self.state.expire()
             with self.state.without(uid):
                 for name in node_names:
-                    verdict, reason = self.judge(self._node(name, args), requests, inits)
+                    verdict, reason = self.judge(self._node(name, args), requests, inits, sidecars)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)
@@ -144,10 +156,11 @@ class Decider:
     def _prioritize(self, args: ExtenderArgs) -> list[JSON]:
         try:
             requests = requests_of(args.pod)
+            sidecars = sidecar_requests_of(args.pod)
         except PodSpecError:
-            requests = []
+            requests, sidecars = [], []
         node_names = args.names
-        if not requests:
+        if not requests and not sidecars:
             return [{"Host": name, "Score": 0} for name in node_names]
         scores: list[JSON] = []
         uid = podinfo.uid(args.pod)
@@ -156,7 +169,7 @@ class Decider:
             with self.state.without(uid):
                 for name in node_names:
                     gpus = self._node(name, args)
-                    placement = place(gpus, requests, self.policy) if gpus is not None else None
+                    placement = place(gpus, requests, self.policy, sidecars=sidecars) if gpus is not None else None
                     score = placement.score if placement is not None and placement.ok else 0
                     scores.append({"Host": name, "Score": score})
         return scores

@@ -3,9 +3,10 @@
 Whole GPUs are chosen by the agent's own evaluators (:func:`gpumanager.topology.choose`:
 ``link`` for several GPUs, ``fragment`` for one), so the extender picks what the agent would.
 A share goes, under ``binpack``, to the fullest GPU that holds it (the agent's ``share``
-evaluator) and, under ``spread``, to the emptiest. Containers are placed in ``spec.containers``
-order, each seeing what the previous ones took. Nothing here changes the node: choices are
-made inside :meth:`NodeGPUs.trial`.
+evaluator) and, under ``spread``, to the emptiest. Containers are placed in the order the kubelet
+allocates them (GPU sidecars, then ``spec.containers``), each seeing what the previous ones took;
+then each ordinary init container, beside all of them. Nothing here changes the node: choices
+are made inside :meth:`NodeGPUs.trial`.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ class Placement:
     """A pod's GPUs on one node, or why there are none (``failed`` names the container)."""
 
     choices: tuple[ContainerChoice, ...]
+    """The containers that hold their GPUs while the pod runs (sidecars, then ``spec.containers``)."""
     failed: str = ""
     score: int = 0
+    inits: tuple[ContainerChoice, ...] = ()
+    """The ordinary init containers: where each runs, before the others (no lasting charge)."""
 
     @property
     def ok(self) -> bool:
@@ -89,12 +93,13 @@ def _best_gpu_text(tree: TopologyTree) -> str:
     )
 
 
-def _who(request: GPURequest) -> str:
-    return f"{'init container' if request.index < 0 else 'container'} {request.name!r}"
+def _who(request: GPURequest, sidecar: bool = False) -> str:
+    kind = "sidecar" if sidecar else "init container" if request.index < 0 else "container"
+    return f"{kind} {request.name!r}"
 
 
-def _why_not(tree: TopologyTree, request: GPURequest) -> str:
-    who = _who(request)
+def _why_not(tree: TopologyTree, request: GPURequest, sidecar: bool = False) -> str:
+    who = _who(request, sidecar)
     unhealthy = [leaf.minor for leaf in tree.leaves if not leaf.healthy]
     if request.shared:
         need = f"{request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU"
@@ -108,8 +113,8 @@ def _why_not(tree: TopologyTree, request: GPURequest) -> str:
     return text
 
 
-def _invalid(node: NodeGPUs, request: GPURequest) -> str:
-    who = _who(request)
+def _invalid(node: NodeGPUs, request: GPURequest, sidecar: bool = False) -> str:
+    who = _who(request, sidecar)
     if request.cores > HUNDRED_CORES and request.cores % HUNDRED_CORES:
         return f"{who}: {request.cores} tencent.com/vcuda-core is more than 100 and not a multiple of 100"
     if request.shared and not node.share_mode:
@@ -185,13 +190,14 @@ def fits(
     *,
     empty: bool = False,
     inits: Sequence[GPURequest] = (),
+    sidecars: Sequence[GPURequest] = (),
 ) -> str:
     """ "" when the pod's GPU containers fit the node (with nothing held when ``empty``), else why not.
 
     The same answer as :func:`place`, faster for the usual pod of one GPU container.
     """
-    if len(requests) != 1 or inits:
-        return place(node, requests, policy, empty=empty, inits=inits).failed
+    if len(requests) != 1 or inits or sidecars:
+        return place(node, requests, policy, empty=empty, inits=inits, sidecars=sidecars).failed
     request = requests[0]
     problem = _invalid(node, request)
     if problem:
@@ -207,20 +213,28 @@ def place(
     *,
     empty: bool = False,
     inits: Sequence[GPURequest] = (),
+    sidecars: Sequence[GPURequest] = (),
 ) -> Placement:
-    """Choose GPUs for ``requests`` (the pod's GPU containers) on ``node``; the node is left as it was.
+    """Choose GPUs for the pod's GPU containers on ``node``; the node is left as it was.
+
+    ``requests``: the GPU containers of ``spec.containers``; ``sidecars``: the GPU init containers
+    with ``restartPolicy: Always``, which run beside them for the pod's whole life and so hold their
+    GPUs as they do; ``inits``: the ordinary GPU init containers.
 
     ``empty=True`` asks the same of the node with nothing held (is it possible at all?).
-    The score (0-10) is the mean over containers of the policy score, and for containers of
-    several GPUs the topology score (counted three times: NVLink matters more than packing).
+    The score (0-10) is the mean over the sidecars and containers of the policy score, and for
+    containers of several GPUs the topology score (counted three times: NVLink matters more than
+    packing).
 
-    ``inits``: the pod's GPU init containers. The kubelet allocates every container of a pod when
-    it admits it, init containers first, and the agent keeps an init container's GPUs while the
-    others allocate; the agent chooses init containers' GPUs itself (gpu-admission's annotations
-    name ``spec.containers`` only). So each must fit beside the choice made for the others.
+    The kubelet allocates every container of a pod when it admits it, init containers first, and
+    the agent keeps an init container's GPUs while the others allocate. An ordinary init container
+    runs alone before the others (one at a time), and the kubelet may hand its devices on to a later
+    container, so it holds nothing once the pod runs; but each must fit beside what the sidecars
+    and containers hold: it gets the GPUs it fits on beside all of them (:attr:`Placement.inits`),
+    named for the agent like the others' so both place it alike.
     """
     tree = node.empty if empty else node.tree
-    if len(requests) == 1 and not empty and not inits:  # the usual pod: nothing to hold between containers
+    if len(requests) == 1 and not empty and not inits and not sidecars:  # the usual pod
         request = requests[0]
         problem = _invalid(node, request)
         if problem:
@@ -232,17 +246,19 @@ def place(
         choice = ContainerChoice(request, tuple(tree.leaf(i).minor for i in indices))
         return Placement((choice,), "", max(0, min(MAX_SCORE, round(weighted / weight))))
     choices: list[ContainerChoice] = []
+    init_choices: list[ContainerChoice] = []
     weighted = weights = 0
-    scratch: list[int] = []  # GPUs of the empty tree taken by this call
+    scratch: list[int] = []  # GPUs of the empty tree (nothing held there) taken by this call
+    held_by_pod = [(r, True) for r in sidecars] + [(r, False) for r in requests]
     with node.trial() as held:
         try:
-            for request in requests:
-                problem = _invalid(node, request)
+            for request, sidecar in held_by_pod:
+                problem = _invalid(node, request, sidecar)
                 if problem:
                     return Placement(tuple(choices), problem)
                 indices = pick(tree, request, policy)
                 if not indices:
-                    return Placement(tuple(choices), _why_not(tree, request))
+                    return Placement(tuple(choices), _why_not(tree, request, sidecar))
                 choice = ContainerChoice(request, tuple(tree.leaf(i).minor for i in indices))
                 choices.append(choice)
                 if empty:
@@ -255,12 +271,16 @@ def place(
                 weights += weight
                 node.charge(choice.charges())
                 held.extend(choice.charges())
-            for request in inits:
-                problem = _invalid(node, request) or ("" if _could_fit(tree, request) else _why_not(tree, request))
+            for request in inits:  # each alone beside the others: none is charged
+                problem = _invalid(node, request)
                 if problem:
                     return Placement(tuple(choices), problem)
+                indices = pick(tree, request, policy)
+                if not indices:
+                    return Placement(tuple(choices), _why_not(tree, request))
+                init_choices.append(ContainerChoice(request, tuple(tree.leaf(i).minor for i in indices)))
         finally:
             for i in scratch:
                 tree.free(i, HUNDRED_CORES, 0)
     score = round(weighted / weights) if weights else MAX_SCORE
-    return Placement(tuple(choices), "", max(0, min(MAX_SCORE, score)))
+    return Placement(tuple(choices), "", max(0, min(MAX_SCORE, score)), tuple(init_choices))

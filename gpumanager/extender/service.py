@@ -14,6 +14,7 @@ from gpumanager import __version__
 from gpumanager.allocation import pods as podinfo
 from gpumanager.extender.api import JSON, error_filter_result, parse_args, parse_binding
 from gpumanager.extender.binder import Binder, BindError
+from gpumanager.extender.charges import is_gpu_pod
 from gpumanager.extender.decisions import Decider
 from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.placement import Policy
@@ -28,9 +29,10 @@ POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 
 
 def _gpu_pod(pod: dict[str, Any]) -> bool:
-    """Pods worth keeping: not ended, with a GPU container (those on or chosen for a node hold GPUs;
-    the pending ones are kept so bind starts from the cached pod instead of reading it)."""
-    return podinfo.phase(pod) not in ("Succeeded", "Failed") and podinfo.is_gpu_pod(pod)
+    """Pods worth keeping: not ended, with a GPU container, init containers included (those on or
+    chosen for a node hold GPUs; the pending ones are kept so bind starts from the cached pod instead
+    of reading it, and so that the watch tells when a pod bind assumed is bound or gone)."""
+    return podinfo.phase(pod) not in ("Succeeded", "Failed") and is_gpu_pod(pod)
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,21 @@
 Fed by the node and pod watches (:meth:`ClusterState.node_event`, :meth:`ClusterState.pod_event`)
 and by bind (:meth:`ClusterState.assume`, :meth:`ClusterState.forget`). A pod's *effective*
 charges are its assumption when it has one (bind chose GPUs and the watch has not shown the
-pod's annotations yet), else what the watch shows; only effective charges are held on the
-nodes. An assumption ends when the watch shows the pod carrying the same predicate time, when
-the pod is deleted, when bind drops it, or ``assume_ttl`` seconds after bind finished.
+pod bound yet), else what the watch shows; only effective charges are held on the nodes.
 
-A pod the watch shows chosen for a node (its annotations written) but not bound holds its GPUs
-there for ``assume_ttl`` seconds from when this state first saw it so, then no longer: its bind
-failed after the annotations were written, and a pod left Pending must not keep a node's GPUs
-from every other pod. A later choice (another predicate time) or its binding counts again.
+An assumption lasts until the pod is seen bound (its annotations and ``spec.nodeName`` carry the
+charge from then on), deleted or ended, or until the scheduler gave up on it (bind failed: the
+Binding was refused, or the annotations could not be written), however long the binding takes
+(a slow API server, a watch that lags). ``assume_ttl`` is a safety net only where nothing else
+can tell: a Binding that got no answer (the API server may or may not make it), or a pod bound
+by bind of which the watch has shown nothing at all since. Every drop is logged with its reason.
+
+A pod the watch shows chosen for a node (its annotations written) but not bound, with no
+assumption, holds its GPUs there for ``assume_ttl`` seconds from when this state first saw it
+so, then no longer (gpu-admission chose it, or the extender restarted between its patch and its
+Binding: nothing tells whether the scheduler still means to bind it), and not at all when bind
+failed with those annotations (the scheduler was told, and places the pod anew). A later choice
+(another predicate time) or its binding counts again.
 
 Every method takes :attr:`ClusterState.lock`; callers that read the nodes hold it too.
 """
@@ -40,8 +47,11 @@ class Assumption:
 
     charges: PodCharges
     expires: float = NEVER
+    """When the safety net drops it (NEVER while bind runs); see :meth:`ClusterState.expire`."""
     bound: bool = False
     """Bind made the pod's Binding (False while binding, or when it cannot tell)."""
+    seen: bool = False
+    """The watch has shown the pod since the assumption was made (so it will show its binding)."""
 
 
 class ClusterState:
@@ -60,6 +70,8 @@ class ClusterState:
         self._unbound: dict[str, tuple[str, float, str]] = {}
         # Bindings bind sent without an answer: UID -> (node, until when the API server may still make it).
         self._unanswered: dict[str, tuple[str, float]] = {}
+        # Pods whose bind failed after choosing: UID -> that choice's predicate time (holds nothing).
+        self._given_up: dict[str, str] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -150,35 +162,65 @@ class ClusterState:
         """A pod was added, changed or deleted (as the watch shows it)."""
         uid = podinfo.uid(pod)
         with self.lock:
-            if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
+            bound_to = str((pod.get("spec") or {}).get("nodeName") or "")
+            if kind == "DELETED" or bound_to:
                 self._unanswered.pop(uid, None)  # bound (or gone): no Binding is pending any more
+                self._given_up.pop(uid, None)
             charges = None if kind == "DELETED" else pod_charges(pod)
+            assumption = self._assumed.get(uid)
             if charges is not None and not charges.bound:
                 seen = self._unbound.get(uid)
                 if seen is None or seen[0] != charges.predicate_time:
                     self._unbound[uid] = (charges.predicate_time, time.monotonic(), podinfo.pod_key(pod))
-                elif time.monotonic() - seen[1] > self.assume_ttl:
+                elif assumption is None and time.monotonic() - seen[1] > self.assume_ttl:
                     charges = None  # chosen long ago and never bound: it holds nothing
+                if charges is not None and self._given_up.get(uid) == charges.predicate_time:
+                    charges = None  # bind failed with this choice: the scheduler places the pod anew
             else:
                 self._unbound.pop(uid, None)
             if charges is None:
                 self._watched.pop(uid, None)
             else:
                 self._watched[uid] = charges
-            assumption = self._assumed.get(uid)
-            if assumption is not None and (
-                kind == "DELETED"
-                or (charges is not None and charges.predicate_time == assumption.charges.predicate_time)
-                or podinfo.phase(pod) in ("Succeeded", "Failed")
-            ):
-                del self._assumed[uid]
+            if assumption is not None:
+                why = ""
+                if kind == "DELETED":
+                    why = "it was deleted"
+                elif podinfo.phase(pod) in ("Succeeded", "Failed"):
+                    why = f"it has ended ({podinfo.phase(pod)})"
+                elif bound_to:
+                    why = "bound"
+                else:
+                    assumption.seen = True
+                if why == "bound" and bound_to == assumption.charges.node:
+                    log.debug(
+                        "pod %s (%s) is bound to %s: its annotations hold its GPUs", podinfo.pod_key(pod), uid, bound_to
+                    )
+                elif why == "bound":
+                    log.warning(
+                        "pod %s (%s) is bound to node %s, not %s where bind chose its GPUs: no longer held there",
+                        podinfo.pod_key(pod),
+                        uid,
+                        bound_to,
+                        assumption.charges.node,
+                    )
+                elif why:
+                    log.info(
+                        "pod %s (%s): %s before the watch showed it bound; its GPUs on node %s are no longer held",
+                        podinfo.pod_key(pod),
+                        uid,
+                        why,
+                        assumption.charges.node,
+                    )
+                if why:
+                    del self._assumed[uid]
             self._reapply(uid)
 
     def assumption(self, uid: str) -> Assumption | None:
         """A copy of the pod's assumption (None without one)."""
         with self.lock:
             found = self._assumed.get(uid)
-            return None if found is None else Assumption(found.charges, found.expires, found.bound)
+            return None if found is None else Assumption(found.charges, found.expires, found.bound, found.seen)
 
     def bound_to(self, uid: str) -> str | None:
         """The node bind bound the pod to, while its assumption lasts (None when no bind has made one)."""
@@ -191,10 +233,12 @@ class ClusterState:
         when the watch has shown the pod with it meanwhile)."""
         with self.lock:
             watched = self._watched.get(uid)
-            if previous is None or (watched is not None and watched.predicate_time == previous.charges.predicate_time):
+            if previous is None or (
+                watched is not None and watched.bound and watched.predicate_time == previous.charges.predicate_time
+            ):
                 self._assumed.pop(uid, None)
             else:
-                self._assumed[uid] = Assumption(previous.charges, previous.expires, previous.bound)
+                self._assumed[uid] = Assumption(previous.charges, previous.expires, previous.bound, previous.seen)
             self._reapply(uid)
 
     def assume(self, uid: str, charges: PodCharges) -> None:
@@ -204,10 +248,12 @@ class ClusterState:
             self._reapply(uid)
 
     def assumed_bound(self, uid: str, *, bound: bool = True, node: str = "") -> None:
-        """Bind finished: the assumption now ends at the latest ``assume_ttl`` seconds from now.
+        """Bind finished: the assumption lasts until the watch shows the pod bound, deleted or ended.
 
         ``bound=False``: bind could not tell whether the API server made the Binding (it did not
-        answer in time); the GPUs stay held all the same, but a later bind of the pod is no repeat.
+        answer in time); the GPUs stay held all the same, but a later bind of the pod is no repeat,
+        and the assumption ends ``assume_ttl`` seconds from now unless the watch showed the pod bound
+        before. With ``bound=True`` the TTL only applies while the watch shows nothing of the pod.
         """
         with self.lock:
             until = time.monotonic() + self.assume_ttl
@@ -232,24 +278,58 @@ class ClusterState:
             return found[0]
 
     def forget(self, uid: str) -> None:
-        """Drop the pod's assumption (bind failed)."""
+        """Drop the pod's assumption: bind failed, the scheduler was told and places the pod anew.
+
+        Annotations of that choice left on the pod (they could not be removed) hold nothing either."""
         with self.lock:
-            if self._assumed.pop(uid, None) is not None:
-                self._reapply(uid)
+            found = self._assumed.pop(uid, None)
+            if found is None:
+                return
+            log.info(
+                "pod %s: bind to node %s failed; its GPUs there (predicate time %s) are no longer held",
+                uid,
+                found.charges.node,
+                found.charges.predicate_time,
+            )
+            self.given_up(uid, found.charges.predicate_time)
+            self._reapply(uid)
+
+    def given_up(self, uid: str, predicate_time: str) -> None:
+        """Bind failed after writing (or trying to write) the choice of ``predicate_time``: while the
+        pod is not bound, annotations carrying it hold nothing (the scheduler places the pod anew)."""
+        with self.lock:
+            self._given_up[uid] = predicate_time
+            watched = self._watched.get(uid)
+            if watched is not None and not watched.bound and watched.predicate_time == predicate_time:
+                del self._watched[uid]
+            self._reapply(uid)
 
     def expire(self) -> int:
-        """Drop assumptions past their time, and the charges of pods chosen for a node but not bound
-        for longer than ``assume_ttl``; returns how many assumptions were dropped."""
+        """The safety net, where nothing else can tell: drop assumptions whose Binding got no answer
+        ``assume_ttl`` seconds ago, or bound ones of which the watch has shown nothing for as long,
+        and the charges of pods chosen for a node (with no assumption) but not bound for longer than
+        ``assume_ttl``; returns how many assumptions were dropped."""
         now = time.monotonic()
         with self.lock:
-            gone = [uid for uid, a in self._assumed.items() if a.expires <= now]
+            gone = [uid for uid, a in self._assumed.items() if a.expires <= now and not (a.bound and a.seen)]
             for uid in gone:
-                log.warning("assumption for pod %s expired before the watch showed it", uid)
-                del self._assumed[uid]
+                found = self._assumed.pop(uid)
+                if found.bound:
+                    why = "bind made its Binding, but the watch has shown nothing of the pod since"
+                else:
+                    why = "its Binding got no answer, and the watch has not shown the pod bound since"
+                log.warning(
+                    "pod %s: %s (%g s): its GPUs on node %s (predicate time %s) are no longer held for it",
+                    uid,
+                    why,
+                    self.assume_ttl,
+                    found.charges.node,
+                    found.charges.predicate_time,
+                )
                 self._reapply(uid)
             for uid, (when, seen, key) in list(self._unbound.items()):
                 watched = self._watched.get(uid)
-                if watched is None or watched.bound or now - seen <= self.assume_ttl:
+                if watched is None or watched.bound or uid in self._assumed or now - seen <= self.assume_ttl:
                     continue
                 log.warning(
                     "pod %s (%s) was chosen for node %s (predicate time %s) but not bound within %g s: "

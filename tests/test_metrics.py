@@ -21,7 +21,7 @@ from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.metrics import legacy, textformat, usage
 from gpumanager.metrics.calls import CallMetrics
-from gpumanager.metrics.containers import ContainerFamilies
+from gpumanager.metrics.containers import ContainerFamilies, usage_response
 from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
 from gpumanager.vmanager import cgroups
@@ -158,10 +158,13 @@ class FakeNode:
         self.cgroup_pids: dict[str, list[int]] = {}
         self.cgroup_reads = 0
         self.now = 1000.0
+        self.lost: set[int] = set()  # GPUs NVML answers GPU_IS_LOST for
         monkeypatch.setattr(usage, "_sample_gpu", self._sample_gpu)
         monkeypatch.setattr(cgroups.CgroupLocator, "pids", self._pids)
 
     def _sample_gpu(self, index: int, since_us: int) -> Any:
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         sm = self.samples.get(index, {})
         return usage._GPUSample(
             dict(self.procs.get(index, {})), {p: sum(v) for p, v in sm.items()}, {p: len(v) for p, v in sm.items()}
@@ -400,6 +403,55 @@ def test_kept_container_lines_are_what_a_fresh_renderer_writes(node: FakeNode) -
     assert got[key(namespace="default", pod="a", container="main", gpu="0", uuid=GPUS[0].uuid)] == 2 * MIB
     assert key(namespace="ns", pod="b-renamed", container="w", gpu="1", uuid=GPUS[1].uuid) in got
     assert renderer.render(sampler.sample()) == text  # nothing changed: the same text
+
+
+def test_usage_on_a_lost_gpu_is_absent_not_zero(node: FakeNode) -> None:
+    """A GPU NVML cannot read has no usage series (as gpu_manager_gpu_memory_used_bytes); the limits stay."""
+    pods = {
+        "a": pod("a", "default", "a", ["main"], {"main": "cid-a"}),
+        "b": pod("b", "ns", "b", ["w"], {"w": "cid-b"}),
+        "c": pod("c", "ns", "c", ["idle"], {"idle": "cid-c"}),
+    }
+    allocs = [
+        alloc("a", "main", (0,), 30, 4 * names.MEMORY_BLOCK_BYTES),
+        alloc("b", "w", (0, 1), 200, 0),
+        alloc("c", "idle", (1,), 10, names.MEMORY_BLOCK_BYTES),
+    ]
+    node.cgroup_pids = {"cid-a": [10], "cid-b": [20, 21], "cid-c": []}
+    node.procs = {0: {10: 100 * MIB, 20: 7 * MIB}, 1: {21: 3 * MIB}}
+    node.samples = {0: {20: [50.0]}, 1: {21: [60.0]}}
+    version = [1]
+    sampler = sampler_for(node, allocs, pods, version=lambda: version[0])
+    renderer = ContainerFamilies()
+    renderer.render(sampler.sample())
+    node.lost = {1}
+    usages = sampler.sample()
+    text = renderer.render(usages)
+    assert text == ContainerFamilies().render(usages)
+    got = families(text)
+    a0 = key(namespace="default", pod="a", container="main", gpu="0", uuid=GPUS[0].uuid)
+    b0 = key(namespace="ns", pod="b", container="w", gpu="0", uuid=GPUS[0].uuid)
+    b1 = key(namespace="ns", pod="b", container="w", gpu="1", uuid=GPUS[1].uuid)
+    c1 = key(namespace="ns", pod="c", container="idle", gpu="1", uuid=GPUS[1].uuid)
+    assert got["gpu_manager_container_gpu_memory_used_bytes"] == {a0: 100.0 * MIB, b0: 7.0 * MIB}
+    assert got["gpu_manager_container_gpu_utilization_ratio"] == {a0: 0.0, b0: 0.5}
+    assert set(got["gpu_manager_container_gpu_memory_limit_bytes"]) == {a0, b0, b1, c1}
+    assert set(got["gpu_manager_container_gpu_core_limit_ratio"]) == {a0, b0, b1, c1}
+
+    lines = set(legacy.render(usages).splitlines())
+    b = 'container_name="w",{},namespace="ns",node="sim-node",pod_name="b"'
+    assert "container_gpu_memory_total{" + b.format('gpu_memory="gpu0"') + "} 7" in lines
+    assert not [line for line in lines if 'gpu_memory="gpu1"' in line or 'gpu="gpu1"' in line]
+    assert not [line for line in lines if 'pod_name="b"' in line and '"total"' in line and "request" not in line]
+    assert any(line.startswith("container_request_gpu_memory{") and 'pod_name="c"' in line for line in lines)
+
+    answer = usage_response(usages)  # /usage: no figures for the lost GPU
+    assert [d.card_idx for d in answer.usage["b"].stat["w"].dev] == ["0"]
+
+    node.lost = set()  # back: measured again
+    got = families(renderer.render(sampler.sample()))
+    assert got["gpu_manager_container_gpu_memory_used_bytes"][b1] == 3.0 * MIB
+    assert got["gpu_manager_container_gpu_memory_used_bytes"][c1] == 0.0
 
 
 def test_a_scrape_waiting_on_nvml_holds_no_allocator_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

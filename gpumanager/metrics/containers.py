@@ -1,7 +1,8 @@
 """Per-container metrics and the ``/usage`` (PrintUsages) answer, from one usage sample.
 
 Families (labels ``namespace, pod, container, gpu, uuid``; one series per GPU the
-container holds, present from allocation to release):
+container holds, present from allocation to release; the two usage families leave
+out a GPU NVML cannot read, as ``gpu_manager_gpu_memory_used_bytes`` does):
 
 - ``gpu_manager_container_gpu_memory_limit_bytes``: memory the container may use on
   the GPU (``vcuda-memory`` x 256 MiB for a share, the GPU's memory for a whole GPU);
@@ -114,7 +115,7 @@ def _lines(u: ContainerUsage, label_sets: _Labels) -> tuple[str, ...]:
     for d, (_, label_text) in zip(u.devices, label_sets, strict=True):
         memory_limit, core_limit = limits(u, d)
         values = (float(memory_limit), core_limit, float(d.used_bytes), d.sm_ratio)
-        for lines, (name, _), value in zip(out, FAMILIES, values, strict=True):
+        for lines, (name, _), value in zip(out, FAMILIES[: 4 if d.measured else 2], values, strict=False):
             lines.append(f"{name}{label_text} {value!r}\n")
     return tuple("".join(lines) for lines in out)
 
@@ -134,6 +135,8 @@ def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
         stat.user = podinfo.container_env(first, "SUBMITTER") or ""
         devices = stat.stat[u.container]
         for d in u.devices:
+            if not d.measured:
+                continue  # a lost GPU: its usage is unknown
             devices.dev.append(
                 pb.DeviceInfo(
                     id=d.gpu.pci_bus_id,

@@ -11,8 +11,9 @@ For clusters upgrading in place whose dashboards and alerts read them. As upstre
 
 All carry ``pod_name, namespace, node, container_name``. The request families cover every
 container of a pod that holds GPUs (0 for the others), the usage families the containers
-with GPUs. The text is what upstream's Go client library wrote: families sorted by name,
-label pairs by label name, series by label values, numbers as Go formats them. These
+with GPUs (without a GPU NVML cannot read, and then without the container's ``total``).
+The text is what upstream's Go client library wrote: families sorted by name, label pairs
+by label name, series by label values, numbers as Go formats them. These
 families do not follow Prometheus naming rules (a gauge ending in ``_total``, a ``total``
 series that a ``sum`` counts twice, MiB), which is why they are off by default.
 """
@@ -67,10 +68,14 @@ def render(usages: Sequence[ContainerUsage]) -> str:
             if usage is None or not usage.devices:
                 continue
             for d in usage.devices:
+                if not d.measured:
+                    continue  # a lost GPU: its usage is unknown, not 0
                 series["container_gpu_utilization"].append(({**base, "gpu": f"gpu{d.gpu.index}"}, d.sm_samples_sum))
                 series["container_gpu_memory_total"].append(
                     ({**base, "gpu_memory": f"gpu{d.gpu.index}"}, float(d.used_bytes >> 20))
                 )
+            if not all(d.measured for d in usage.devices):
+                continue  # no total that leaves a GPU out
             util_total = sum(d.sm_samples_sum for d in usage.devices)
             mem_total = sum(float(d.used_bytes >> 20) for d in usage.devices)
             series["container_gpu_utilization"].append(({**base, "gpu": "total"}, util_total))

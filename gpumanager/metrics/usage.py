@@ -50,6 +50,8 @@ class DeviceUsage:
     sm_ratio: float  # 0-1: mean SM utilisation of each process over the window, summed
     sm_samples_sum: float  # gpu-manager's figure: smUtil percent of every sample, summed
     pids: tuple[int, ...]
+    #: False while NVML cannot read the GPU (lost): its usage is unknown, not 0, and is left out.
+    measured: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class _GPUSample:
 
 
 _EMPTY = _GPUSample({}, {}, {})
+_UNREAD = _GPUSample({}, {}, {})  # a GPU NVML could not be asked about (lost)
 
 
 def _sample_gpu(index: int, since_us: int) -> _GPUSample:
@@ -150,6 +153,7 @@ class UsageSampler:
         self._plan: _Plan | None = None
         self._last: dict[Key, ContainerUsage] = {}  # the last sample's usages
         self._zero: dict[int, DeviceUsage] = {}  # by GPU index: no process of the container there
+        self._unknown: dict[int, DeviceUsage] = {}  # by GPU index: NVML cannot read the GPU
         self._lock = threading.Lock()  # one sample at a time (the HTTP server serves each scrape in a thread)
         #: How many times the containers were looked up in the allocation state and the pod cache.
         self.plans = 0
@@ -178,7 +182,8 @@ class UsageSampler:
                 per_gpu[index] = _sample_gpu(index, since_us)
             except pynvml.NVMLError as exc:
                 log.debug("GPU %d usage unavailable: %s", index, exc)
-                per_gpu[index] = _EMPTY
+                per_gpu[index] = _UNREAD
+        unread = {index for index, s in per_gpu.items() if s is _UNREAD}
         self._owners.update(plan.containers, plan.holders, {index: s.procs for index, s in per_gpu.items()})
         # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
         mine: dict[tuple[int, Key], list[int]] = {}
@@ -195,9 +200,12 @@ class UsageSampler:
         new = False
         for held in plan.held:
             key = held.key
-            if key in busy:
+            if key in busy or (unread and any(gpu.index in unread for gpu in held.gpus)):
                 devices = tuple(
-                    self._device(gpu, per_gpu.get(gpu.index, _EMPTY), mine.get((gpu.index, key))) for gpu in held.gpus
+                    self._unmeasured(gpu)
+                    if gpu.index in unread
+                    else self._device(gpu, per_gpu.get(gpu.index, _EMPTY), mine.get((gpu.index, key)))
+                    for gpu in held.gpus
                 )
             else:
                 devices = held.idle
@@ -221,6 +229,12 @@ class UsageSampler:
         if zero is None or zero.gpu is not gpu:
             zero = self._zero[gpu.index] = DeviceUsage(gpu, 0, 0.0, 0.0, ())
         return zero
+
+    def _unmeasured(self, gpu: GPUInfo) -> DeviceUsage:
+        unknown = self._unknown.get(gpu.index)
+        if unknown is None or unknown.gpu is not gpu:
+            unknown = self._unknown[gpu.index] = DeviceUsage(gpu, 0, 0.0, 0.0, (), measured=False)
+        return unknown
 
     def _device(self, gpu: GPUInfo, s: _GPUSample, pids: list[int] | None) -> DeviceUsage:
         if not pids:

@@ -454,6 +454,55 @@ def test_usage_on_a_lost_gpu_is_absent_not_zero(node: FakeNode) -> None:
     assert got["gpu_manager_container_gpu_memory_used_bytes"][c1] == 0.0
 
 
+def init_pod(init_state: str | None, *, sidecar: bool = False) -> dict[str, Any]:
+    """Pod ``p``: init container ``setup`` (in state ``init_state``), app containers ``app`` and ``other``."""
+    p = pod("p", "default", "p", ["app", "other"], {"app": "cid-app", "other": "cid-other"})
+    p["spec"]["initContainers"] = [{"name": "setup", **({"restartPolicy": "Always"} if sidecar else {})}]
+    if init_state is not None:
+        p["status"]["initContainerStatuses"] = [
+            {"name": "setup", "containerID": "containerd://cid-setup", "state": {init_state: {}}}
+        ]
+    return p
+
+
+@pytest.mark.parametrize(
+    ("init_state", "sidecar", "reported"),
+    [
+        (None, False, {"app", "other"}),  # allocated, nothing started: the share is app's
+        ("waiting", False, {"app", "other"}),
+        ("running", False, {"setup", "other"}),  # the init container uses the share now
+        ("terminated", False, {"app", "other"}),  # and has handed it on
+        ("running", True, {"setup", "app", "other"}),  # a sidecar's IDs are its own
+    ],
+)
+def test_a_share_handed_on_within_a_pod_is_reported_once(
+    node: FakeNode, init_state: str | None, sidecar: bool, reported: set[str]
+) -> None:
+    """An init container and the container the kubelet handed its IDs on to hold one share: one of them
+    has series (sum by pod counts the share once), the one that runs or will."""
+    pods = {"p": init_pod(init_state, sidecar=sidecar)}
+    ids = ("core-1",) if not sidecar else ("core-2",)
+    allocs = [
+        ContainerAllocation("p", "setup", (1,), 30, 4 * names.MEMORY_BLOCK_BYTES, device_ids=("core-1",)),
+        ContainerAllocation("p", "app", (1,), 30, 4 * names.MEMORY_BLOCK_BYTES, device_ids=ids),
+        ContainerAllocation("p", "other", (2,), 20, 2 * names.MEMORY_BLOCK_BYTES, device_ids=("core-3",)),
+    ]
+    got = families(ContainerFamilies().render(sampler_for(node, allocs, pods).sample()))
+    limits = got["gpu_manager_container_gpu_memory_limit_bytes"]
+    assert {dict(labels)["container"] for labels in limits} == reported
+
+
+def test_a_terminated_init_container_of_its_own_share_is_left_out(node: FakeNode) -> None:
+    pods = {"p": init_pod("terminated")}
+    allocs = [
+        ContainerAllocation("p", "setup", (1,), 30, 4 * names.MEMORY_BLOCK_BYTES, device_ids=("core-1",)),
+        ContainerAllocation("p", "app", (2,), 20, 4 * names.MEMORY_BLOCK_BYTES, device_ids=("core-2",)),
+    ]
+    usages = sampler_for(node, allocs, pods).sample()
+    assert [u.container for u in usages] == ["app"]
+    assert list(usage_response(usages).usage["p"].spec) == ["app"]
+
+
 def test_a_scrape_waiting_on_nvml_holds_no_allocator_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pods = FakePods([make_pod(name, [("main", cores, 4)]) for name, cores in (("a", 50), ("b", 30), ("c", 20))])
     allocator = make_allocator(tmp_path, pods)

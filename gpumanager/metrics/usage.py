@@ -260,10 +260,12 @@ class UsageSampler:
         held: list[_Held] = []
         containers: dict[Key, tuple[str, str | None]] = {}
         ids: dict[str, tuple[dict[str, str], str | None]] = {}  # pod UID -> (container IDs, QoS class)
+        found: list[tuple[ContainerAllocation, Pod]] = []
         for alloc in self._allocations():
             pod = self._pod(alloc.pod_uid)
-            if pod is None:
-                continue
+            if pod is not None:
+                found.append((alloc, pod))
+        for alloc, pod in _reported(found):
             gpus = tuple(by_minor[m] for m in alloc.minors if m in by_minor)
             old = before.get(alloc.key)
             if old is not None and old.pod is pod and old.allocation == alloc and old.gpus == gpus:
@@ -284,3 +286,61 @@ class UsageSampler:
         self._plan = plan = _Plan(version, tuple(held), indexes, containers, holders)
         self.plans += 1
         return plan
+
+
+def _init_states(pod: Pod) -> dict[str, str]:
+    """Init container name -> its state (``waiting``, ``running``, ``terminated``) in the pod status;
+    sidecars (``restartPolicy: Always``, they run beside the others) are left out."""
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or [] if isinstance(spec, dict) else []
+    states = {str(c.get("name", "")): "" for c in inits if isinstance(c, dict) and c.get("restartPolicy") != "Always"}
+    statuses = (pod.get("status") or {}).get("initContainerStatuses") or []
+    for status in statuses if isinstance(statuses, list) else []:
+        if not isinstance(status, dict) or status.get("name") not in states:
+            continue
+        state = status.get("state") or {}
+        states[str(status["name"])] = next(iter(state), "") if isinstance(state, dict) else ""
+    return states
+
+
+def _reported(found: list[tuple[ContainerAllocation, Pod]]) -> list[tuple[ContainerAllocation, Pod]]:
+    """The allocations that have series: each share of a GPU once.
+
+    The kubelet hands an init container's device IDs on to a later container of its pod asking for as
+    many (the allocator's ``holding_same_ids``): both hold one share. Of the containers holding the
+    same IDs on the same GPUs, the init container is reported while it runs, else the last of them in
+    the order the kubelet allocates them (init containers, then the others). An init container that
+    has terminated (not a sidecar) is left out whatever it held: it uses nothing any more.
+    """
+    states: dict[str, dict[str, str]] = {}
+    groups: dict[tuple[str, frozenset[str], tuple[int, ...]], list[tuple[ContainerAllocation, Pod]]] = {}
+    left_out: set[tuple[str, str]] = set()
+    for alloc, pod in found:
+        inits = states.get(alloc.pod_uid)
+        if inits is None:
+            inits = states[alloc.pod_uid] = _init_states(pod)
+        if inits.get(alloc.container) == "terminated":
+            left_out.add(alloc.key)
+        elif alloc.device_ids:
+            groups.setdefault((alloc.pod_uid, frozenset(alloc.device_ids), alloc.minors), []).append((alloc, pod))
+    for holders in groups.values():
+        if len(holders) == 1:
+            continue
+        inits = states[holders[0][0].pod_uid]
+        running = [h for h in holders if inits.get(h[0].container) == "running"]
+        if running:
+            kept = running[0]
+        else:
+            order = _allocation_order(holders[0][1])
+            kept = max(holders, key=lambda h: order.get(h[0].container, len(order)))
+        left_out.update(h[0].key for h in holders if h is not kept)
+    return [f for f in found if f[0].key not in left_out] if left_out else found
+
+
+def _allocation_order(pod: Pod) -> dict[str, int]:
+    """Container name -> its place in the order the kubelet allocates them: init containers, then the others."""
+    spec = pod.get("spec") or {}
+    if not isinstance(spec, dict):
+        return {}
+    listed = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return {str(c.get("name", "")): i for i, c in enumerate(listed) if isinstance(c, dict)}

@@ -503,6 +503,32 @@ def test_a_terminated_init_container_of_its_own_share_is_left_out(node: FakeNode
     assert list(usage_response(usages).usage["p"].spec) == ["app"]
 
 
+def test_a_container_using_two_claims_has_both_in_the_legacy_families_and_usage() -> None:
+    """DRA: one container, two claims (a whole GPU and a share of another): one allocation each."""
+    p = pod("two", "default", "uid-two", ["main"])
+    whole = ContainerUsage(p, alloc("uid-two", "main", (0,), 100, 0), [DeviceUsage(GPUS[0], 3 * MIB, 0.1, 10.0, (7,))])
+    share = ContainerUsage(
+        p,
+        alloc("uid-two", "main", (1,), 30, 4 * names.MEMORY_BLOCK_BYTES),
+        [DeviceUsage(GPUS[1], 5 * MIB, 0.2, 20.0, (8,))],
+    )
+    lines = set(legacy.render([whole, share]).splitlines())
+    labels = 'container_name="main",{}namespace="default",node="sim-node",pod_name="two"{}'
+    h100_mib = H100 >> 20
+    for line in (
+        "container_gpu_memory_total{" + labels.format('gpu_memory="gpu0",', "") + "} 3",
+        "container_gpu_memory_total{" + labels.format('gpu_memory="gpu1",', "") + "} 5",
+        "container_gpu_memory_total{" + labels.format('gpu_memory="total",', "") + "} 8",
+        "container_gpu_utilization{" + labels.format('gpu="total",', "") + "} 30",
+        "container_request_gpu_utilization{" + labels.format("", ',req_of_gpu="total"') + "} 1.3",
+        "container_request_gpu_memory{" + labels.format("", ',req_of_gpu_memory="total"') + f"}} {h100_mib + 1024}",
+    ):
+        assert line in lines, (line, sorted(lines))
+    stat = usage_response([whole, share]).usage["uid-two"]
+    assert [d.card_idx for d in stat.stat["main"].dev] == ["0", "1"]
+    assert (stat.spec["main"].gpu, stat.spec["main"].mem) == (pytest.approx(1.3), 1024.0)
+
+
 def test_a_scrape_waiting_on_nvml_holds_no_allocator_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pods = FakePods([make_pod(name, [("main", cores, 4)]) for name, cores in (("a", 50), ("b", 30), ("c", 20))])
     allocator = make_allocator(tmp_path, pods)

@@ -123,6 +123,7 @@ def _lines(u: ContainerUsage, label_sets: _Labels) -> tuple[str, ...]:
 def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
     """PrintUsages: per pod UID, per container device usage and request (gpu-manager's units: MiB, percent)."""
     out = pb.UsageResponse()
+    listed: dict[tuple[str, str], set[int]] = {}  # (pod UID, container) -> GPUs in its dev list
     for u in usages:
         if not u.devices:
             continue
@@ -134,9 +135,11 @@ def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
         first = next(iter(podinfo.containers(pod)), {})
         stat.user = podinfo.container_env(first, "SUBMITTER") or ""
         devices = stat.stat[u.container]
+        seen = listed.setdefault(u.allocation.key, set())
         for d in u.devices:
-            if not d.measured:
-                continue  # a lost GPU: its usage is unknown
+            if not d.measured or d.gpu.index in seen:
+                continue  # a lost GPU (its usage is unknown), or one listed for another claim of the container
+            seen.add(d.gpu.index)
             devices.dev.append(
                 pb.DeviceInfo(
                     id=d.gpu.pci_bus_id,
@@ -147,6 +150,7 @@ def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:
                     device_mem=float(d.gpu.memory_total >> 20),
                 )
             )
-        stat.spec[u.container].gpu = u.allocation.cores / names.HUNDRED_CORES
-        stat.spec[u.container].mem = float(u.allocation.memory >> 20)
+        # A container using several DRA claims has an allocation for each: its request is their sum.
+        stat.spec[u.container].gpu += u.allocation.cores / names.HUNDRED_CORES
+        stat.spec[u.container].mem += float(u.allocation.memory >> 20)
     return out

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.metrics import textformat
-from gpumanager.metrics.usage import ContainerUsage
+from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 
 _HELP = {
     "container_gpu_memory_total": "gpu memory usage in MiB",
@@ -42,15 +42,34 @@ _EXTRA_LABEL = {
 BASE = ("pod_name", "namespace", "node", "container_name")
 
 
+def _request_mib(u: ContainerUsage) -> int:
+    """``vcuda-memory`` x 256 MiB; for a whole GPU without a memory request the memory of its GPUs."""
+    mib = (u.allocation.memory >> 28) * (names.MEMORY_BLOCK_BYTES >> 20)
+    return mib or sum(d.gpu.memory_total >> 20 for d in u.devices)
+
+
+def merged_devices(held: Sequence[ContainerUsage]) -> list[DeviceUsage]:
+    """The GPUs of a container's allocations, each once (what its processes use there is the container's,
+    the same in each allocation on that GPU)."""
+    seen: set[int] = set()
+    out: list[DeviceUsage] = []
+    for u in held:
+        for d in u.devices:
+            if d.gpu.index not in seen:
+                seen.add(d.gpu.index)
+                out.append(d)
+    return out
+
+
 def render(usages: Sequence[ContainerUsage]) -> str:
     """The four families for ``usages``; a family without series is left out, as upstream's registry did."""
     series: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in _HELP}
-    by_pod: dict[str, dict[str, ContainerUsage]] = {}
+    # A container using several DRA claims has an allocation for each: its figures are their sums.
+    by_pod: dict[str, dict[str, list[ContainerUsage]]] = {}
     for u in usages:
-        by_pod.setdefault(podinfo.uid(u.pod), {})[u.container] = u
+        by_pod.setdefault(podinfo.uid(u.pod), {}).setdefault(u.container, []).append(u)
     for by_container in by_pod.values():
-        pod = next(iter(by_container.values())).pod
-        usage: ContainerUsage | None
+        pod = next(iter(by_container.values()))[0].pod
         meta = pod.get("metadata") or {}
         node = str((pod.get("spec") or {}).get("nodeName", ""))
         for c in podinfo.containers(pod):
@@ -58,26 +77,25 @@ def render(usages: Sequence[ContainerUsage]) -> str:
             base = dict(
                 zip(BASE, (str(meta.get("name", "")), str(meta.get("namespace", "")), node, cname), strict=True)
             )
-            usage = by_container.get(cname)
-            cores = usage.allocation.cores if usage else 0
-            mem_mib = (usage.allocation.memory >> 28) * (names.MEMORY_BLOCK_BYTES >> 20) if usage else 0
-            if usage is not None and mem_mib == 0:
-                mem_mib = sum(d.gpu.memory_total >> 20 for d in usage.devices)
+            held = by_container.get(cname, [])
+            cores = sum(u.allocation.cores for u in held)
+            mem_mib = sum(_request_mib(u) for u in held)
             series["container_request_gpu_utilization"].append(({**base, "req_of_gpu": "total"}, cores / 100))
             series["container_request_gpu_memory"].append(({**base, "req_of_gpu_memory": "total"}, float(mem_mib)))
-            if usage is None or not usage.devices:
+            devices = merged_devices(held)
+            if not devices:
                 continue
-            for d in usage.devices:
+            for d in devices:
                 if not d.measured:
                     continue  # a lost GPU: its usage is unknown, not 0
                 series["container_gpu_utilization"].append(({**base, "gpu": f"gpu{d.gpu.index}"}, d.sm_samples_sum))
                 series["container_gpu_memory_total"].append(
                     ({**base, "gpu_memory": f"gpu{d.gpu.index}"}, float(d.used_bytes >> 20))
                 )
-            if not all(d.measured for d in usage.devices):
+            if not all(d.measured for d in devices):
                 continue  # no total that leaves a GPU out
-            util_total = sum(d.sm_samples_sum for d in usage.devices)
-            mem_total = sum(float(d.used_bytes >> 20) for d in usage.devices)
+            util_total = sum(d.sm_samples_sum for d in devices)
+            mem_total = sum(float(d.used_bytes >> 20) for d in devices)
             series["container_gpu_utilization"].append(({**base, "gpu": "total"}, util_total))
             series["container_gpu_memory_total"].append(({**base, "gpu_memory": "total"}, mem_total))
     parts: list[str] = []

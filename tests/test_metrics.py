@@ -742,3 +742,12 @@ def test_legacy_families_are_written_again_only_for_a_sample_that_differs(monkey
     current[0] = []
     assert b"\ncontainer_" not in page.render()
     assert len(renders) == 3
+
+
+def test_version_is_the_short_commit_else_the_package_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumanager.metrics import query
+
+    monkeypatch.setattr(buildinfo, "commit", lambda: "0123456789abcdef0123456789abcdef01234567")
+    assert query.display_version() == "0123456"
+    monkeypatch.setattr(buildinfo, "commit", lambda: buildinfo.UNKNOWN)
+    assert query.display_version() == buildinfo.version()

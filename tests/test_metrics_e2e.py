@@ -8,10 +8,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from google.protobuf import empty_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpumanager import names
+from gpumanager import buildinfo, names
+from gpumanager.api import display_pb2_grpc
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.gpusim_state import load_spec, spec_dir
 from tests.agent_fixtures import gpusim
@@ -117,6 +120,17 @@ def test_metrics_for_shared_and_whole_containers(cluster: SimCluster) -> None:
     assert dev["card_idx"] == str(gpu) and dev["pids"] == [pids["main"]] and dev["mem"] == 1500.0
     assert dev["gpu"] == 37.0
     assert metered["spec"]["main"] == {"gpu": 0.5, "mem": 2048.0}
+
+
+def test_version_is_the_short_commit_as_upstream_answers_it(cluster: SimCluster) -> None:
+    (build,) = [labels for name, labels in samples(scrape(cluster)) if name == "gpu_manager_build_info"]
+    commit = dict(build)["commit"]
+    assert commit != buildinfo.UNKNOWN  # a checkout: git knows it
+    version = json.loads(scrape(cluster, "/version"))["version"]
+    assert version == commit[:7]
+    assert cluster.agent is not None
+    with grpc.insecure_channel(f"unix://{cluster.agent.display_socket}") as ch:
+        assert display_pb2_grpc.GPUDisplayStub(ch).Version(empty_pb2.Empty(), timeout=5).version == version
 
 
 def test_legacy_metrics_as_upstream_wrote_them(tmp_path: Path, sim_built: Path) -> None:

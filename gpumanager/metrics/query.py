@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from gpumanager import __version__
+from gpumanager import buildinfo
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import display_pb2
@@ -24,6 +24,13 @@ from gpumanager.metrics.endpoints import DisplayData, ProbedAgent, agent_probes
 from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import UsageSampler
+
+
+def display_version() -> str:
+    """What Version and ``/version`` answer: the short git commit, as gpu-manager's (built with
+    ``-X …/pkg/version.gitCommit=<short sha>``); the package version when the build recorded no commit."""
+    commit = buildinfo.commit()
+    return commit[:7] if commit != buildinfo.UNKNOWN else buildinfo.version()
 
 
 class QueriedAgent(ProbedAgent, AgentView, Protocol):
@@ -60,7 +67,8 @@ class QueryEndpoints:
     def start(self) -> None:
         """Listen on the display socket, then on the HTTP port; a failure of either is reported."""
         cfg, data, sampler = self._agent.config, self._data, self.sampler
-        servicer = DisplayServicer(graph=data.graph_text, usages=data.usages, version=__version__)
+        version = display_version()
+        servicer = DisplayServicer(graph=data.graph_text, usages=data.usages, version=version)
         display = DisplayServer(servicer, Path(cfg.display_socket))
         try:
             display.start()
@@ -73,7 +81,7 @@ class QueryEndpoints:
         routes: dict[str, Callable[[], Any]] = {
             "/graph": lambda: display_pb2.GraphResponse(graph=data.graph_text()),
             "/usage": data.usages,
-            "/version": lambda: display_pb2.VersionResponse(version=__version__),
+            "/version": lambda: display_pb2.VersionResponse(version=version),
         }
         try:
             http = QueryServer(

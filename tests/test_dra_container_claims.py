@@ -106,8 +106,8 @@ def _uuids(c: DRACluster) -> dict[str, str]:
     ids=["whole-then-whole", "whole2-then-whole", "whole-then-pair", "pair-then-whole"],
 )
 def test_a_container_with_several_whole_gpu_claims_is_told_every_gpu(node: DRACluster, order: list[str]) -> None:
-    """Each claim's spec names GPUs in NVIDIA_VISIBLE_DEVICES and the runtime keeps the last spec's: every
-    spec of a container's claims names the GPUs of all of them."""
+    """The runtime keeps the last spec's env: no spec names GPUs (NVIDIA_VISIBLE_DEVICES=void in each), and
+    the container gets the device nodes of every claim it uses."""
     created = node.create_pod(_pod("many", order, {"main": order}))
     node.settle()
     uid = created["metadata"]["uid"]
@@ -116,8 +116,7 @@ def test_a_container_with_several_whole_gpu_claims_is_told_every_gpu(node: DRACl
     run = node.kubelet.containers[(uid, "main")]
     gpus = sorted(p for p in run.device_nodes if p[len("/dev/nvidia") :].isdigit())
     assert len(gpus) == (3 if "pair" in order else 2)
-    uuids = _uuids(node)
-    assert sorted(run.env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(uuids[p] for p in gpus)
+    assert run.env["NVIDIA_VISIBLE_DEVICES"] == "void"
     if order == ("whole", "whole2"):  # kept across an agent restart, which writes every spec again
         specs = {p: p.read_text() for p in node.cdi_root.glob("*.json")}
         assert node.agent is not None
@@ -133,8 +132,52 @@ def test_containers_with_one_claim_each_are_told_their_own_gpus(node: DRACluster
     node.settle()
     uid = created["metadata"]["uid"]
     assert node.kubelet is not None
-    uuids = _uuids(node)
+    seen = []
     for name in ("a", "b"):
         run = node.kubelet.containers[(uid, name)]
         gpus = [p for p in run.device_nodes if p[len("/dev/nvidia") :].isdigit()]
-        assert run.env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids[p] for p in gpus)
+        assert len(gpus) == 1 and run.env["NVIDIA_VISIBLE_DEVICES"] == "void"
+        seen += gpus
+    assert len(set(seen)) == 2
+
+
+def test_no_claim_spec_names_the_gpus_of_another_claim(node: DRACluster) -> None:
+    """c1 uses two whole-GPU claims, c2 only one of them: CDI applies a spec's own edits to every
+    container using any of its devices, so a GPU of the other claim named there reached c2 (and, with
+    nvidia-container-runtime as the default runtime, the GPU itself). No spec names a GPU: each device
+    brings its own node, and NVIDIA_VISIBLE_DEVICES is "void" in every spec, as NVIDIA's specs have it."""
+    created = node.create_pod(_pod("leak", ["whole", "whole2"], {"c1": ["whole", "whole2"], "c2": ["whole"]}))
+    node.settle()
+    uid = created["metadata"]["uid"]
+    assert node.prepare_errors.get(uid) is None
+    assert node.kubelet is not None
+    uuids = _uuids(node)
+    c1 = node.kubelet.containers[(uid, "c1")]
+    c2 = node.kubelet.containers[(uid, "c2")]
+    gpus1 = sorted(p for p in c1.device_nodes if p[len("/dev/nvidia") :].isdigit())
+    gpus2 = sorted(p for p in c2.device_nodes if p[len("/dev/nvidia") :].isdigit())
+    assert len(gpus1) == 2 and len(gpus2) == 1 and set(gpus2) < set(gpus1)
+    other = uuids[next(p for p in gpus1 if p not in gpus2)]
+    assert all(other not in v for v in c2.env.values()), c2.env
+    assert c1.env["NVIDIA_VISIBLE_DEVICES"] == c2.env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    for path in node.cdi_root.glob("*.json"):
+        assert not any(u in path.read_text() for u in uuids.values()), path.read_text()
+    config = _effective_config(node, uid, "c1")
+    assert config is not None and config.enable == 0, "whole GPUs: no limit"
+
+
+def test_a_container_sees_every_gpu_whatever_pod_prepared_its_claims_first(node: DRACluster) -> None:
+    """A claim prepared for another pod first is never rewritten; with a GPU list in each claim's env,
+    last-wins left a later container with the GPUs of one claim only. The env names no GPU now."""
+    first = node.create_pod(_pod("first", ["whole"], {"m": ["whole"]}))
+    node.settle()
+    assert node.prepare_errors.get(first["metadata"]["uid"]) is None
+    [path] = node.cdi_root.glob("*.json")
+    before = path.read_text()
+    created = node.create_pod(_pod("second", ["whole2"], {"m": ["whole2"]}))
+    node.settle()
+    assert node.kubelet is not None
+    for pod in (first, created):
+        run = node.kubelet.containers[(pod["metadata"]["uid"], "m")]
+        assert run.env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert path.read_text() == before

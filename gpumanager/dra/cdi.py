@@ -2,14 +2,17 @@
 
 One spec per claim, ``<cdi-root>/<driver>-<claim uid>.json``, kind ``<driver>/gpu``,
 one CDI device per allocation result named from the claim UID, request, device and
-share ID. What is common to the claim sits in the spec's own ``containerEdits``
-(the runtime applies them once when any of its devices is used): the env of the
-device plugin's Allocate answer (one merged ``NVIDIA_VISIBLE_DEVICES``, since env
-edits of several devices are merged last-wins; where a container also uses other claims
-of the driver, the GPUs of all of them, in minor order, the same in each of their specs), the driver mirror read-only at
-``/usr/local/nvidia``, the claim's directory read-only at ``/etc/vcuda``, the
-control device nodes and ``extra-config.json``'s; each device adds its
-``/dev/nvidia<minor>`` (a CDI device without edits would invalidate the file).
+share ID. What belongs to one device sits in that device's edits: its
+``/dev/nvidia<minor>`` (so a container gets the GPUs of the claims it uses, and no other;
+a CDI device without edits would invalidate the file). What is common to the claim sits
+in the spec's own ``containerEdits``, which the runtime applies to every container that
+uses any device of the spec: ``NVIDIA_VISIBLE_DEVICES=void`` (as NVIDIA's own CDI specs
+have it: the GPUs come from the device nodes, and an nvidia-container-runtime in the way,
+or an image's ``NVIDIA_VISIBLE_DEVICES=all``, adds none; the same value in every spec, so
+the runtime's last-wins merge of env across a container's claims changes nothing), the
+interceptor's env, the driver mirror read-only at ``/usr/local/nvidia``, the claim's
+directory read-only at ``/etc/vcuda``, the control device nodes and
+``extra-config.json``'s. No spec names a GPU of another claim.
 Written atomically (temp file, rename).
 """
 
@@ -32,6 +35,8 @@ from gpumanager.fileio import atomic_write
 JSON = dict[str, Any]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 _MOUNT_OPTIONS = ["ro", "nosuid", "nodev", "bind"]
+VISIBLE_DEVICES = "void"
+"""``NVIDIA_VISIBLE_DEVICES`` of every spec: the device nodes of the CDI devices are the GPUs."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,11 @@ def claim_dir(settings: CDISettings, claim_uid: str) -> Path:
 def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPUInfo]) -> JSON:
     """The CDI spec of a claim."""
     by_minor = {g.minor: g for g in gpus}
-    chosen = [by_minor[m] for m in dict.fromkeys(claim.minors)]
-    # With other claims in its containers: the same value in the spec of each, whichever the runtime applies last.
-    together = sorted({*claim.minors, *claim.visible})
-    named = [by_minor[m] for m in together if m in by_minor] if claim.visible else chosen
+    # Never a GPU list: spec-level edits reach every container using any device of the spec (a
+    # container using only this claim would be told another claim's GPUs), and env is merged
+    # last-wins across a container's claims. A record's ``visible`` (older agents) is not used.
     env = [
-        f"NVIDIA_VISIBLE_DEVICES={','.join(g.uuid for g in named)}",
+        f"NVIDIA_VISIBLE_DEVICES={VISIBLE_DEVICES}",
         f"LD_LIBRARY_PATH={names.DRIVER_MOUNTPOINT}/lib64",
         f"{names.VCUDA_CONFIG_ENV}={names.VCUDA_MOUNTPOINT}/{names.VCUDA_CONFIG_FILE}",
     ]

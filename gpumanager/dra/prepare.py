@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +196,10 @@ class ClaimPreparer:
             t0 = time.perf_counter()
             # Outside the lock: a GET that hangs holds this claim only, never the other calls.
             data = self._read(ref.namespace, ref.name)
-            companions = self._check_sharing(ref, data)
+            self._check_sharing(ref, data)
             t1 = time.perf_counter()
             with self._lock:
-                return self._record(ref, data, t0, t1, companions)
+                return self._record(ref, data, t0, t1)
         finally:
             with self._lock:
                 left = self._reading[ref.uid] - 1
@@ -209,23 +209,19 @@ class ClaimPreparer:
                     del self._reading[ref.uid]
                     self._unprepared_while_read.discard(ref.uid)
 
-    def _check_sharing(self, ref: ClaimRef, data: JSON) -> tuple[int, ...]:
-        """The GPUs of the driver's other claims that the containers using this one use too; ClaimError
-        when a container would use this claim beside another of ours and one is a share."""
+    def _check_sharing(self, ref: ClaimRef, data: JSON) -> None:
+        """ClaimError when a container would use this claim beside another of ours and one is a share."""
         if self._sharing is None:
-            return ()
+            return
         try:
             claim, _ = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
         except ClaimError:
-            return ()  # refused with its own reason when it is recorded
+            return  # refused with its own reason when it is recorded
         found = sharing.review(self._sharing, ref, data, claim)
         if found.problem is not None:
             raise ClaimError(found.problem)
-        return found.companions
 
-    def _record(
-        self, ref: ClaimRef, data: JSON, t0: float, t1: float, companions: tuple[int, ...] = ()
-    ) -> list[PreparedDevice]:
+    def _record(self, ref: ClaimRef, data: JSON, t0: float, t1: float) -> list[PreparedDevice]:
         """Second half of a Prepare, under the lock: check, record, write the files, answer."""
         if ref.uid in self._unprepared_while_read:
             raise ClaimError(
@@ -243,8 +239,6 @@ class ClaimPreparer:
             gpus=self._gpus,
             taints=self._taints() if self._taints is not None else None,
         )
-        if companions:
-            claim = replace(claim, visible=companions)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
         crash_point("prepare-after-checkpoint")
         t2 = time.perf_counter()

@@ -7,8 +7,8 @@ another claim (a whole GPU, or a second share), the container would run with the
 ``/etc/vcuda`` and the share's GPU would no longer be held to the share. So a claim is refused
 when a container of a pod it is reserved for also uses another claim of the driver and either of
 them holds a share; containers that each use one claim are fine. A container may use several
-claims of whole GPUs: each of their CDI specs then names the GPUs of all of them (the runtime keeps
-the last spec's ``NVIDIA_VISIBLE_DEVICES``), the *companions* :func:`review` finds.
+claims of whole GPUs: each claim's CDI devices bring their own device nodes, and no spec names a
+GPU (``NVIDIA_VISIBLE_DEVICES=void`` in each), so nothing of one claim depends on another.
 """
 
 from __future__ import annotations
@@ -83,15 +83,12 @@ class Review:
 
     problem: str | None
     """Why the claim must not be prepared, naming the container and claims; None when it may be."""
-    companions: tuple[int, ...] = ()
-    """GPUs (minors) of the driver's other claims used by a container beside this one, in minor order."""
 
 
 def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: ClaimAllocation) -> Review:
     """Look at every container of the pods ``claim`` (read as ``data``) is reserved for that uses it."""
     namespace = ref.namespace
     others: dict[str, ClaimAllocation | None] = {}  # each other claim read once
-    companions: set[int] = set()
     for pod in _pods(check, namespace, data):
         local = claim_names(pod)
         meta = pod.get("metadata") or {}
@@ -118,8 +115,7 @@ def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: C
                         f"{check.driver}, and {namespace}/{share} is a share of a GPU: a container with a share can "
                         "use no other claim of this driver (its limits are one vcuda.config)"
                     )
-                companions.update(theirs.minors)
-    return Review(None, tuple(sorted(companions)))
+    return Review(None)
 
 
 def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str], JSON | None]:

@@ -217,7 +217,10 @@ class ClaimPreparer:
             claim, _ = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
         except ClaimError:
             return  # refused with its own reason when it is recorded
-        found = sharing.review(self._sharing, ref, data, claim)
+        try:
+            found = sharing.review(self._sharing, ref, data, claim)
+        except ClaimError as exc:  # a pod or claim that cannot be read: no pass unseen, the kubelet retries
+            raise ClaimError(f"claim {ref} ({ref.uid}): not prepared: {exc}") from None
         if found.problem is not None:
             raise ClaimError(found.problem)
 

@@ -21,7 +21,7 @@ from typing import Any
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
-from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.dra.consumers import claim_names
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,15 @@ class SharingCheck:
     pool: str
     gpus: Sequence[GPUInfo]
     pod_by_uid: Callable[[str], Pod | None]
-    read_pod: Callable[[str, str], JSON | None]
+    read_pod: Callable[[str, str], JSON | None]  # None: gone (404); ClaimError: cannot be read
     read_claim: Callable[[str, str], JSON]
     prepared: Callable[[str, str], ClaimAllocation | None]  # (namespace, name) -> our prepared claim
 
 
 def _pods(check: SharingCheck, namespace: str, claim: Mapping[str, Any]) -> Iterator[Pod]:
+    """The pods the claim is reserved for. A pod that is gone (the API server answers 404, or has
+    another pod of that name now) is skipped; one that cannot be read raises ClaimError (from
+    ``read_pod``), since the check would otherwise pass unseen."""
     for entry in (claim.get("status") or {}).get("reservedFor") or []:
         if not isinstance(entry, Mapping) or entry.get("resource") != "pods":
             continue
@@ -54,20 +57,22 @@ def _pods(check: SharingCheck, namespace: str, claim: Mapping[str, Any]) -> Iter
                 pod = None  # another pod of that name now
         if pod is None:
             meta = claim.get("metadata") or {}
-            log.warning(
-                "claim %s/%s: pod %s (%s) it is reserved for is not found", namespace, meta.get("name"), name, uid
-            )
+            log.warning("claim %s/%s: pod %s (%s) it is reserved for is gone", namespace, meta.get("name"), name, uid)
             continue
         yield pod
 
 
 def _ours(check: SharingCheck, namespace: str, name: str) -> ClaimAllocation | None:
-    """The claim as this driver holds it, or None when it holds no device of the driver here."""
+    """The claim as this driver holds it, or None when it holds no device of the driver here (or the
+    API server no longer has it); ClaimError when it cannot be read."""
     known = check.prepared(namespace, name)
     if known is not None:
         return known
     try:
         data = check.read_claim(namespace, name)
+    except ClaimNotFound:
+        return None
+    try:
         uid = str((data.get("metadata") or {}).get("uid") or "")
         parsed, _ = parse_claim(
             data, ClaimRef(namespace, name, uid), driver=check.driver, pool=check.pool, gpus=check.gpus
@@ -119,18 +124,30 @@ def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: C
 
 
 def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str], JSON | None]:
-    """GET a pod (None when it is not there or cannot be read)."""
-    from gpumanager.kube.rest import KubeRest
+    """GET a pod: None when the API server answers 404; ClaimError (naming the pod and the error)
+    when it cannot be read otherwise (another status, a connection error, a timeout, not an object),
+    so the kubelet retries the Prepare rather than the check passing unseen."""
+    from gpumanager.kube.rest import ApiException, KubeRest
 
     rest = KubeRest(api_client)
 
     def read(namespace: str, name: str) -> JSON | None:
         try:
             out = rest.read_pod(namespace, name, timeout=timeout)
-        except Exception as exc:  # 404, connection errors, timeouts: the check is skipped for this pod
-            log.warning("pod %s/%s: cannot read it: %s", namespace, name, getattr(exc, "status", exc))
-            return None
-        return out if isinstance(out, dict) else None
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise ClaimError(
+                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: "
+                f"{exc.status} {exc.reason}"
+            ) from None
+        except Exception as exc:  # connection errors, timeouts, a body that is not JSON
+            raise ClaimError(
+                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: {exc}"
+            ) from None
+        if not isinstance(out, dict):
+            raise ClaimError(f"pod {namespace}/{name}: cannot read it: the answer is not an object")
+        return out
 
     return read
 

@@ -87,8 +87,9 @@ def test_a_claim_unprepared_while_its_get_is_in_flight_is_not_prepared_after(dra
 
 def test_a_restart_that_must_ask_the_api_server_serves_the_kubelet_without_waiting(dra_node: DRAClient) -> None:
     """The checkpoint is lost while a claim's CDI spec stays: the restarted agent rebuilds that claim
-    from the API server. Its GET hangs; the kubelet is served meanwhile, and the claim comes back when
-    the API server answers."""
+    from the API server. Its GET hangs; the kubelet is served meanwhile (a new claim on the GPU the lost
+    one may hold is refused at once, for the kubelet to retry), and the claim comes back when the API
+    server answers."""
     c = dra_node.cluster
     lost = dra_node.claim("lost", [result(cores="10", memory="1Gi", share="s-lost")])
     ref_lost = dra_node.ref(lost)
@@ -106,7 +107,11 @@ def test_a_restart_that_must_ask_the_api_server_serves_the_kubelet_without_waiti
         assert answered == [], "the agent registered with the kubelet only after the hanging GET"
         fresh = dra_node.claim("fresh", [result(cores="10", memory="1Gi", share="s-fresh")])
         ref_fresh = dra_node.ref(fresh)
-        assert client.prepare(ref_fresh)[ref_fresh[2]].error == ""
+        t0 = time.monotonic()
+        waiting = client.prepare(ref_fresh)[ref_fresh[2]].error
+        assert time.monotonic() - t0 < HANG_SECONDS / 2, "the Prepare waited for the hanging GET"
+        # Answered at once, but refused: gpu-0 may be held by the lost claim until it is rebuilt.
+        assert ref_lost[2] in waiting and "GPU 0" in waiting, waiting
         # Once the API server answers, the lost claim is recorded again: prepared, it answers as before.
         deadline = time.monotonic() + HANG_SECONDS + 30
         while not (c.checkpoint_dir / "gpumanager_internal_checkpoint").exists() or ref_lost[2] not in (
@@ -116,6 +121,7 @@ def test_a_restart_that_must_ask_the_api_server_serves_the_kubelet_without_waiti
             time.sleep(0.1)
         again = client.prepare(ref_lost)[ref_lost[2]]
         assert (again.error, again.cdi_ids, again.share_ids) == ("", first.cdi_ids, first.share_ids)
+        assert client.prepare(ref_fresh)[ref_fresh[2]].error == "", "the kubelet's retry prepares it"
         assert dra_node.spec_path(ref_lost[2]).exists()
     finally:
         client.close()

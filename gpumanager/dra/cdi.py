@@ -142,6 +142,23 @@ def spec_current(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[G
         return False
 
 
+def spec_gpus(settings: CDISettings, claim_uid: str, gpus: Sequence[GPUInfo]) -> frozenset[int]:
+    """The GPUs (minors) whose device nodes the claim's spec on disk gives; all of ``gpus`` when the
+    spec cannot be read (a claim that may hold any of them)."""
+    paths = {g.device_path: g.minor for g in gpus}
+    try:
+        spec = json.loads(spec_path(settings, claim_uid).read_text())
+        found = {
+            paths[node["path"]]
+            for dev in spec["devices"]
+            for node in dev["containerEdits"].get("deviceNodes") or []
+            if node.get("path") in paths
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return frozenset(paths.values())
+    return frozenset(found)
+
+
 def remove_spec(settings: CDISettings, claim_uid: str) -> bool:
     """Remove the claim's spec; returns whether there was one."""
     with contextlib.suppress(FileNotFoundError):

@@ -36,6 +36,7 @@ from gpumanager.dra.servicers import (
     HealthServicer,
     RegistrationServicer,
 )
+from gpumanager.retry import Backoff
 from gpumanager.vmanager import cgroups
 from gpumanager.vmanager import claims as claim_files
 
@@ -196,6 +197,7 @@ class DRAMode:
             )
         self.feed = HealthFeed(self.pool, self.health_states, settings.health_report_period)
         self._reconciler: threading.Thread | None = None  # the background check of restored claims
+        self._stopping = threading.Event()
         reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
         v1 = DRAPluginV1(self.preparer, observe)
         v1beta1 = DRAPluginV1beta1(self.preparer, observe)
@@ -234,13 +236,26 @@ class DRAMode:
         self._reconciler.start()
 
     def _reconcile(self, verify_recovered: bool) -> None:
+        """Check the restored claims; then, with backoff, try again the claims whose rebuild could not
+        ask the API server, until each is rebuilt or removed (or the mode stops)."""
         try:
             stale = self.preparer.reconcile(verify_recovered=verify_recovered)
         except Exception:
             log.exception("checking the restored claims against the API server failed")
-            return
+            stale = []
         if stale:
             log.info("removed the files of %d claims that are not prepared", len(stale))
+        delay = Backoff()
+        while self.preparer.unreadable():
+            if delay.wait(self._stopping):
+                return
+            try:
+                left = self.preparer.retry_unreadable()
+            except Exception:
+                log.exception("rebuilding the claims the API server could not be asked about failed")
+                continue
+            if left:
+                log.info("%d claims with files but no record still wait for the API server", left)
 
     def reconciled(self, timeout: float | None = None) -> bool:
         """Wait for the background check of the restored claims; whether it is done."""
@@ -251,6 +266,7 @@ class DRAMode:
 
     def stop(self) -> None:
         """Stop serving (prepared claims and their files stay: containers still use them)."""
+        self._stopping.set()
         self.feed.close()
         if self.publisher is not None:
             self.publisher.stop()

@@ -142,6 +142,11 @@ class ClaimPreparer:
         self._unprepared_while_read: set[str] = set()
         # Claim UIDs the kubelet prepared or unprepared since the start: reconcile() leaves them be.
         self._touched: set[str] = set()
+        # Claims with a CDI spec but no record whose rebuild could not ask the API server, by UID: the
+        # GPUs (minors) their spec names. Retried (retry_unreadable) until rebuilt or removed;
+        # meanwhile no new claim is prepared on those GPUs (they may be taken).
+        self._unreadable: dict[str, frozenset[int]] = {}
+        self._had_files: set[str] = set()  # UIDs of every claim restore_local() found so: not new claims
 
     def _answer(self, claim: ClaimAllocation) -> list[PreparedDevice]:
         # The kubelet gives a container the devices whose request names hold the request the
@@ -183,6 +188,7 @@ class ClaimPreparer:
         _check_ref_uid(ref)
         with self._lock:
             self._touched.add(ref.uid)
+            self._unreadable.pop(ref.uid, None)  # the kubelet's word is newer: its Prepare records it
             known = self._allocator.claim(ref.uid)
             if known is not None:
                 _same_claim(known, ref)
@@ -242,6 +248,7 @@ class ClaimPreparer:
             gpus=self._gpus,
             taints=self._taints() if self._taints is not None else None,
         )
+        self._check_unreadable(claim)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
         crash_point("prepare-after-checkpoint")
         t2 = time.perf_counter()
@@ -260,6 +267,28 @@ class ClaimPreparer:
             (t3 - t2) * 1000,
         )
         return self._answer(claim)
+
+    def _check_unreadable(self, claim: ClaimAllocation) -> None:
+        """ClaimError when a GPU of ``claim`` is named by the spec of a claim whose record was lost and
+        which could not be rebuilt yet: it may hold that GPU, so preparing could over-commit it. A claim
+        that had files itself (prepared before the restart beside the other) is not new: not refused."""
+        if claim.uid in self._had_files:
+            return
+        held = {uid: minors & set(claim.minors) for uid, minors in self._unreadable.items() if uid != claim.uid}
+        held = {uid: minors for uid, minors in held.items() if minors}
+        if not held:
+            return
+        gpus = sorted({m for minors in held.values() for m in minors})
+        raise ClaimError(
+            f"claim {claim.key} ({claim.uid}): GPU {', '.join(map(str, gpus))} may be held by claim "
+            f"{', '.join(sorted(held))}, whose record was lost and which the API server could not be asked "
+            "about yet; not prepared until that claim is rebuilt (retried in the background), try again"
+        )
+
+    def unreadable(self) -> Mapping[str, frozenset[int]]:
+        """Claims with files but no record whose rebuild waits for the API server: UID -> GPUs (minors)."""
+        with self._lock:
+            return dict(self._unreadable)
 
     def _remove_files(self, uid: str) -> None:
         """Remove the claim's spec and directory (``uid`` is checked: no path leaves their roots)."""
@@ -282,6 +311,7 @@ class ClaimPreparer:
                     log.error("NodeUnprepareResources: %s", out[ref.uid])
                     continue
                 self._touched.add(ref.uid)
+                self._unreadable.pop(ref.uid, None)
                 if ref.uid in self._reading:
                     self._unprepared_while_read.add(ref.uid)
                 try:
@@ -312,13 +342,21 @@ class ClaimPreparer:
                     self._write_files(claim)
                 except Exception as exc:  # one claim's files: the others and the start go on
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
+            # Specs with no record wait for reconcile(): until it has rebuilt or removed them, their GPUs
+            # take no new claim (they may be held).
+            known = {claim.uid for claim in self._allocator.claims()}
+            for uid in cdi.specs_on_disk(self._cdi):
+                if uid not in known:
+                    self._unreadable[uid] = cdi.spec_gpus(self._cdi, uid, self._gpus)
+                    self._had_files.add(uid)
 
     def reconcile(self, *, verify_recovered: bool = False) -> list[str]:
         """After a restart, while the kubelet is served (the API server may be slow or hang): a claim
         whose spec is on disk but whose record was lost or could not be trusted is rebuilt from the
         API server, and its files removed only when the API server no longer has it. Returns the
         UIDs removed. A claim the kubelet prepared or unprepared since the start is left as the kubelet
-        had it (its word is newer).
+        had it (its word is newer). A claim the API server cannot be asked about now stays in
+        :meth:`unreadable` (no new claim on its GPUs) for :meth:`retry_unreadable`.
 
         ``verify_recovered`` (the checkpoint had damage, so a release may have been lost with it):
         a recovered claim the API server no longer has, or reserves for no pod, is freed and its
@@ -329,8 +367,25 @@ class ClaimPreparer:
         removed = [uid for uid in (list(known) if verify_recovered else []) if self._checked(known[uid])]
         with self._lock:
             unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known and uid not in removed]
+        removed += self._rebuild_all(unknown)
+        return removed
+
+    def retry_unreadable(self) -> int:
+        """Try again to rebuild the claims whose rebuild could not ask the API server; returns how
+        many still wait."""
+        with self._lock:
+            uids = list(self._unreadable)
+        if uids:
+            self._rebuild_all(uids)
+        with self._lock:
+            return len(self._unreadable)
+
+    def _rebuild_all(self, uids: Sequence[str]) -> list[str]:
+        """:meth:`_rebuild` each claim, then write the rebuilt ones' files; returns the UIDs removed.
+        A claim the API server could not be asked about is kept in ``_unreadable`` (its spec's GPUs)."""
+        removed: list[str] = []
         rebuilt: list[ClaimAllocation] = []
-        for uid in unknown:
+        for uid in uids:
             try:
                 outcome, claim = self._rebuild(uid)
             except Exception as exc:  # one odd claim must not stop the others' rebuild
@@ -340,7 +395,12 @@ class ClaimPreparer:
                     type(exc).__name__,
                     exc,
                 )
-                continue
+                outcome, claim = "kept", None
+            with self._lock:
+                if outcome == "unreadable" and uid not in self._touched:
+                    self._unreadable[uid] = cdi.spec_gpus(self._cdi, uid, self._gpus)
+                else:
+                    self._unreadable.pop(uid, None)
             if outcome == "removed":
                 removed.append(uid)
             elif claim is not None:
@@ -396,7 +456,8 @@ class ClaimPreparer:
 
     def _rebuild(self, uid: str) -> tuple[str, ClaimAllocation | None]:
         """A claim with files but no record: ("rebuilt", claim) from the API server, ("removed", None)
-        when the API server no longer has it, ("kept", None) when that cannot be told."""
+        when the API server no longer has it, ("unreadable", None) when the API server cannot be asked
+        now (tried again later), ("kept", None) when it cannot be told otherwise."""
         key = claim_files.recorded_key(self._vm, uid)
         if key is None:
             log.warning("claim %s has a CDI spec but no record and no readable vcuda.config: files left", uid)
@@ -408,8 +469,14 @@ class ClaimPreparer:
         except ClaimNotFound:
             data = None
         except ClaimError as exc:
-            log.warning("claim %s (%s) has files but no record, and cannot be rebuilt now: %s", ref, uid, exc)
-            return "kept", None
+            log.warning(
+                "claim %s (%s) has files but no record, and cannot be rebuilt now (tried again later; "
+                "meanwhile its GPUs take no new claim): %s",
+                ref,
+                uid,
+                exc,
+            )
+            return "unreadable", None
         if data is None or (data.get("metadata") or {}).get("uid") != uid:  # deleted, or recreated: gone
             with self._lock:
                 if uid in self._touched:  # the kubelet prepared or unprepared it meanwhile

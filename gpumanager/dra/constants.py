@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 DEFAULT_DRIVER_NAME = "vcuda.tencent.com"
 DEFAULT_PLUGIN_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DEFAULT_PLUGINS_DIR = "/var/lib/kubelet/plugins"
@@ -42,6 +44,10 @@ CDI_CLASS = "gpu"
 CDI_VERSION = "0.5.0"
 
 
+MAX_NAME = 253
+"""The longest object name (a DNS subdomain)."""
+
+
 def device_name(index: int) -> str:
     """The device of GPU ``index`` in the ResourceSlice: ``gpu-<index>``."""
     return f"gpu-{index}"
@@ -53,5 +59,14 @@ def taint_key(driver: str) -> str:
 
 
 def slice_name(node: str, driver: str) -> str:
-    """Name of the node's ResourceSlice: ``<node>-<driver>``."""
-    return f"{node}-{driver}"
+    """Name of the node's ResourceSlice: ``<node>-<driver>``; when that is over the 253 characters of an
+    object name (a node name may have 253 itself), the node name cut short, then the first 10 hex
+    digits of its SHA-256 (so long names that differ only past the cut stay apart), then the driver."""
+    name = f"{node}-{driver}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+    keep = max(MAX_NAME - len(driver) - len(digest) - 2, 0)
+    # A DNS subdomain: no '-' or '.' next to the '-' that follows.
+    head = node[:keep].rstrip("-.")
+    return f"{head}-{digest}-{driver}" if head else f"{digest}-{driver}"

@@ -317,9 +317,14 @@ class Agent:
         try:
             self._unless_stopping(self._start_mirror)
             self._unless_stopping(self._start_query)
-            self._start_kube()  # waits on the API server: not under the lock (the stop interrupts it)
-            if self.config.mode == "dra":
-                self._start_dra()
+            try:
+                if self.config.mode == "dra":
+                    # The kubelet's sockets first: the pod cache's wait below is Allocate's, not theirs.
+                    if self.api is None:
+                        self._start_api_client()
+                    self._start_dra()
+            finally:
+                self._start_kube()  # waits on the API server: not under the lock (the stop interrupts it)
         except Exception:
             log.exception("background start failed; the device plugin goes on serving")
         finally:

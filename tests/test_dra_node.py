@@ -310,8 +310,15 @@ def test_a_refused_registration_is_reported_on_readyz(v100: DRACluster) -> None:
 
     assert v100.agent is not None
     url = f"http://127.0.0.1:{v100.agent.query_port}/readyz"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        assert json.loads(resp.read())["registered"] is True
+    deadline = time.monotonic() + 30
+    while True:  # the kubelet registers the driver before the pod cache's first sync (part of ready)
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                assert json.loads(resp.read())["registered"] is True
+            break
+        except urllib.error.HTTPError:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.1)
     with grpc.insecure_channel(f"unix://{v100.registry_dir / (DRIVER + '-reg.sock')}") as ch:
         reg_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
             reg_pb.RegistrationStatus(plugin_registered=False, error="driver name is already registered"), timeout=5

@@ -481,6 +481,8 @@ class Agent:
         stall_point("start-dra")
         if not self._unless_stopping(self._start_dra_mode):
             return
+        from gpumanager.dra.constants import slice_name
+
         assert self.dra is not None
         if not self.dra.sockets.answers(cfg.wait_timeout):
             path = self.dra.sockets.service_socket
@@ -489,7 +491,7 @@ class Agent:
             "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
             len(self.gpus),
             cfg.dra_driver_name,
-            f"{self.node_name}-{cfg.dra_driver_name}",
+            slice_name(self.node_name, cfg.dra_driver_name),
             self.dra.sockets.service_socket,
         )
 

@@ -27,7 +27,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,7 +260,7 @@ class VirtualManager:
         ids = podinfo.container_ids(pod)
         where = f"pod {podinfo.pod_key(pod)}"
         if req.container_name:
-            name = _container_name(req.container_name, [c.get("name", "") for c in podinfo.containers(pod)])
+            name = _container_name(req.container_name, _container_names(pod))
             if name is None:
                 raise RegistrationRefused(
                     f"container {req.container_name!r} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
@@ -307,17 +307,19 @@ class VirtualManager:
     def _recognise_by_cgroup(self, pod_uid: str, pod: Pod, container_id: str) -> str | None:
         """The container a cgroup below the pod's belongs to, when only one GPU container can be it.
 
-        Candidates: containers with an allocation whose status names no container ID, or one
-        whose cgroup is gone (the container was restarted and has a new ID).
+        Candidates: containers and init containers with an allocation whose status names no
+        container ID, or one whose cgroup is gone (the container was restarted and has a new ID),
+        except an init container that has completed (it does not run again). With more than one
+        candidate nothing is guessed: the caller waits for the pod's status.
         """
         qos = podinfo.qos_class(pod)
         if self._cgroups.find(pod_uid, container_id, qos, search=True) is None:
             return None
         ids = podinfo.container_ids(pod)
+        completed = _completed_inits(pod)
         candidates = []
-        for c in podinfo.containers(pod):
-            name = str(c.get("name", ""))
-            if self._allocation(pod_uid, name) is None:
+        for name in _container_names(pod):
+            if name in completed or self._allocation(pod_uid, name) is None:
                 continue
             known = ids.get(name)
             if not known or self._cgroups.find(pod_uid, known, qos, search=True) is None:
@@ -492,6 +494,28 @@ class VirtualManager:
             sockets, self._sockets = self._sockets, None
         if sockets is not None:
             sockets.stop()
+
+
+def _container_names(pod: Pod) -> list[str]:
+    """Names of the pod's init containers and containers (an init container may have a GPU too)."""
+    inits = [r.name for r in podinfo.init_gpu_requests(pod)]
+    return inits + [str(c.get("name", "")) for c in podinfo.containers(pod)]
+
+
+def _completed_inits(pod: Pod) -> set[str]:
+    """Init containers (not sidecars) whose status says they ended with success: they do not run again."""
+    status = pod.get("status")
+    entries = status.get("initContainerStatuses") if isinstance(status, Mapping) else None
+    done = set()
+    for cs in entries if isinstance(entries, list) else []:
+        if not isinstance(cs, Mapping):
+            continue
+        state = cs.get("state")
+        terminated = state.get("terminated") if isinstance(state, Mapping) else None
+        name = str(cs.get("name", ""))
+        if isinstance(terminated, Mapping) and terminated.get("exitCode") == 0 and not podinfo.is_sidecar(pod, name):
+            done.add(name)
+    return done
 
 
 def _container_name(requested: str, known: list[str]) -> str | None:

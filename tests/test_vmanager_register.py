@@ -1,0 +1,140 @@
+"""RegisterVDevice against the virtual manager itself (no agent, no gpu-client): which container a
+request is taken for, whose directory gets the files, and what a refusal costs."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.vmanager import files
+from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
+
+GIB = 1 << 30
+
+
+@dataclass
+class Node:
+    vm: Path
+    cgroups: Path
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allocs: dict[tuple[str, str], ContainerAllocation] = field(default_factory=dict)
+    manager: VirtualManager | None = None
+
+    @property
+    def v(self) -> VirtualManager:
+        assert self.manager is not None
+        return self.manager
+
+    def cgroup(self, pod_uid: str, leaf: str, pid: int | None = None) -> Path:
+        """A cgroupfs container cgroup ``kubepods/pod<uid>/<leaf>`` holding ``pid`` (ours by default)."""
+        d = self.cgroups / "kubepods" / f"pod{pod_uid}" / leaf
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(f"{os.getpid() if pid is None else pid}\n")
+        return d
+
+    def register(self, socket_pod: str, *, time_left: float = 1.0, **fields: str) -> Path:
+        return self.v.register(socket_pod, pb.VDeviceRequest(**fields), time_left=time_left)
+
+
+def pod_object(
+    uid: str, containers: list[str], inits: list[str] | None = None, ids: dict[str, str] | None = None
+) -> dict[str, Any]:
+    inits, ids = inits or [], ids or {}
+    status: dict[str, Any] = {"phase": "Pending", "qosClass": "Guaranteed"}
+    status["containerStatuses"] = [{"name": n, "containerID": f"containerd://{ids[n]}"} for n in containers if n in ids]
+    status["initContainerStatuses"] = [{"name": n, "containerID": f"containerd://{ids[n]}"} for n in inits if n in ids]
+    return {
+        "metadata": {"uid": uid, "name": f"p-{uid[:4]}", "namespace": "default"},
+        "spec": {"initContainers": [{"name": n} for n in inits], "containers": [{"name": n} for n in containers]},
+        "status": status,
+    }
+
+
+def alloc(uid: str, name: str, cores: int, memory: int, answered: tuple[str, str] = ("", "")) -> ContainerAllocation:
+    return ContainerAllocation(
+        pod_uid=uid, container=name, minors=(0,), cores=cores, memory=memory, answered_as=answered
+    )
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path / "vm", tmp_path / "cg")
+    n.cgroups.mkdir()
+    n.manager = VirtualManager(
+        vm_path=n.vm,
+        cgroup_root=n.cgroups,
+        allocation=lambda u, c: n.allocs.get((u, c)),
+        pod=n.pods.get,
+        driver_version="550.54.15",
+    )
+    yield n
+    n.v.stop()
+
+
+# -- init containers ------------------------------------------------------------------------------
+
+
+def _init_pod(node: Node, ids: dict[str, str] | None = None) -> str:
+    uid = str(uuid.uuid4())
+    node.pods[uid] = pod_object(uid, ["main"], ["init"], ids)
+    node.allocs[(uid, "init")] = alloc(uid, "init", 20, GIB)
+    node.allocs[(uid, "main")] = alloc(uid, "main", 80, 12 * GIB)
+    for a in node.allocs.values():
+        node.v.prepare(a)
+    return uid
+
+
+def test_an_init_container_is_not_taken_for_the_main_container_before_the_status(node: Node) -> None:
+    uid = _init_pod(node)
+    init_cid = "1" * 64
+    node.cgroup(uid, init_cid)
+    with pytest.raises(RegistrationRefused):
+        node.register(uid, pod_uid=uid, container_id=init_cid, time_left=1.2)
+    assert not (node.vm / uid / init_cid / names.VCUDA_CONFIG_FILE).exists()
+
+
+def test_an_init_container_is_recognised_when_it_is_the_only_candidate(node: Node) -> None:
+    main_cid, init_cid = "2" * 64, "1" * 64
+    uid = _init_pod(node, {"main": main_cid})
+    node.cgroup(uid, main_cid)
+    node.cgroup(uid, init_cid)
+    directory = node.register(uid, pod_uid=uid, container_id=init_cid)
+    config = files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes())
+    assert (config.container_name, config.gpu_memory, config.utilization) == ("init", GIB, 20)
+
+
+def test_an_init_container_registers_by_its_name(node: Node) -> None:
+    init_cid = "1" * 64
+    uid = _init_pod(node, {"init": init_cid})
+    node.cgroup(uid, init_cid)
+    directory = node.register(uid, pod_uid=uid, container_name="init")
+    assert directory == node.vm / uid / "init"
+    assert files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes()).gpu_memory == GIB
+    assert (directory / names.PIDS_CONFIG_FILE).exists()
+
+
+def test_an_unknown_container_name_is_still_refused(node: Node) -> None:
+    uid = _init_pod(node)
+    with pytest.raises(RegistrationRefused) as refused:
+        node.register(uid, pod_uid=uid, container_name="nobody")
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_completed_init_container_leaves_the_main_container_recognised(node: Node) -> None:
+    init_cid, main_cid = "1" * 64, "2" * 64
+    uid = _init_pod(node, {"init": init_cid})
+    node.pods[uid]["status"]["initContainerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    node.cgroup(uid, main_cid)  # the init container's cgroup is gone
+    directory = node.register(uid, pod_uid=uid, container_id=main_cid)
+    config = files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes())
+    assert (config.container_name, config.gpu_memory) == ("main", 12 * GIB)

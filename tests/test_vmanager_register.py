@@ -138,3 +138,47 @@ def test_a_completed_init_container_leaves_the_main_container_recognised(node: N
     directory = node.register(uid, pod_uid=uid, container_id=main_cid)
     config = files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes())
     assert (config.container_name, config.gpu_memory) == ("main", 12 * GIB)
+
+
+# -- a PreStartContainer swap: pod B's container runs with pod A's directory ----------------------
+
+POD_A, POD_B = "aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002"
+CID_A, CID_B = "a" * 64, "b" * 64
+
+
+@pytest.fixture
+def swapped(node: Node) -> Node:
+    for uid, cid, other in ((POD_A, CID_A, POD_B), (POD_B, CID_B, POD_A)):
+        node.pods[uid] = pod_object(uid, ["main"], ids={"main": cid})
+        node.allocs[(uid, "main")] = alloc(uid, "main", 50, GIB, answered=(other, "main"))
+        node.cgroup(uid, cid)
+    for a in node.allocs.values():
+        node.v.prepare(a)
+    return node
+
+
+def test_a_swapped_container_registers_on_the_socket_of_the_directory_it_was_given(swapped: Node) -> None:
+    directory = swapped.register(POD_A, pod_uid=POD_B, container_id=CID_B)
+    assert directory == swapped.vm / POD_A / CID_B
+    assert files.read_pids(directory / names.PIDS_CONFIG_FILE) == [os.getpid()]
+    assert not (swapped.vm / POD_B / CID_B).exists()
+
+
+def test_the_refresh_writes_a_swapped_registration_where_it_was_made(swapped: Node) -> None:
+    swapped.register(POD_A, pod_uid=POD_B, container_id=CID_B)
+    (swapped.cgroups / "kubepods" / f"pod{POD_B}" / CID_B / "cgroup.procs").write_text("4242\n")
+    swapped.v.refresh_pids(list(swapped.allocs.values()))
+    assert files.read_pids(swapped.vm / POD_A / CID_B / names.PIDS_CONFIG_FILE) == [4242]
+    assert files.read_pids(swapped.vm / POD_A / "main" / names.PIDS_CONFIG_FILE) == [4242]
+    assert not (swapped.vm / POD_B / CID_B).exists()
+
+
+def test_a_pod_whose_answer_is_not_this_sockets_directory_is_refused(swapped: Node) -> None:
+    other = "cccccccc-0000-4000-8000-000000000003"
+    swapped.pods[other] = pod_object(other, ["main"], ids={"main": "c" * 64})
+    swapped.allocs[(other, "main")] = alloc(other, "main", 50, GIB)
+    swapped.cgroup(other, "c" * 64)
+    with pytest.raises(RegistrationRefused) as refused:
+        swapped.register(POD_A, pod_uid=other, container_id="c" * 64)
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert not (swapped.vm / POD_A / ("c" * 64)).exists()

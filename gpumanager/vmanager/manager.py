@@ -13,9 +13,13 @@ container ID, reaches us. Such a container is recognised by its cgroup below
 the pod's when that leaves one candidate; otherwise the call waits (bounded by
 the caller's deadline and :data:`REGISTER_WAIT_SECONDS`) for the pod's status.
 
-A pod's socket acts for that pod only: a request naming another pod's UID, or a
-container that is not in the pod or has no allocation, is refused and logged,
-and nothing is written. Directories of pods that are gone are removed.
+A pod's socket acts for that pod, and for a container of another pod whose
+PreStartContainer was answered with this pod's directory (two identical pods'
+answers swapped: that container mounts this directory and its socket). The
+files go into the socket's pod directory, the one the container mounts. A
+request naming any other pod's UID, or a container that is not in the pod or
+has no allocation, is refused and logged, and nothing is written. Directories
+of pods that are gone are removed.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class _NotYet(RegistrationRefused):
 
 @dataclass(frozen=True)
 class _Target:
+    pod_uid: str
     pod: Pod
     name: str
     container_id: str
@@ -104,7 +109,8 @@ class VirtualManager:
         self._last_pids: dict[Path, list[int]] = {}
         # (pod UID, container ID) -> the PIDs last written to all of its pids.config files.
         self._current: dict[tuple[str, str], list[int]] = {}
-        self._swept_ids: set[tuple[str, str]] = set()  # (pod UID, container ID) of the last refresh
+        # (pod UID, container ID) of the last refresh -> the pids.config a registration of it writes.
+        self._swept_ids: dict[tuple[str, str], Path] = {}
         # (pod UID, container) -> the pids.config its last registration wrote (by container ID).
         self._registered: dict[tuple[str, str], Path] = {}
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
@@ -197,7 +203,7 @@ class VirtualManager:
 
     def _wait_budget(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> float:
         """Refuse what no wait can mend; else how long the call may wait for the pod's status."""
-        if req.pod_uid and req.pod_uid != socket_pod:
+        if req.pod_uid and req.pod_uid != socket_pod and not self._answered_here(socket_pod, req.pod_uid):
             raise RegistrationRefused(
                 f"pod UID {req.pod_uid!r} is not the pod this socket serves", grpc.StatusCode.PERMISSION_DENIED
             )
@@ -207,6 +213,21 @@ class VirtualManager:
         if time_left is not None:
             wait = max(0.0, min(wait, time_left - _DEADLINE_MARGIN_SECONDS))
         return wait
+
+    def _answered_here(self, socket_pod: str, pod_uid: str) -> bool:
+        """Whether a container of pod ``pod_uid`` was answered with ``socket_pod``'s directory."""
+        pod = self._pod(pod_uid)
+        if pod is None:
+            return False
+        try:
+            candidates = _container_names(pod)
+        except PodSpecError:
+            return False
+        for name in candidates:
+            alloc = self._allocation(pod_uid, name)
+            if alloc is not None and alloc.answered[0] == socket_pod:
+                return True
+        return False
 
     def register(self, socket_pod: str, req: pb.VDeviceRequest, *, time_left: float | None = None) -> Path:
         """Handle RegisterVDevice on pod ``socket_pod``'s socket; returns the directory written.
@@ -253,10 +274,12 @@ class VirtualManager:
         return await asyncio.to_thread(self._write_registration, socket_pod, target)
 
     def _identify(self, socket_pod: str, req: pb.VDeviceRequest, *, use_cgroups: bool) -> _Target:
-        """Which container of the pod the request is for; _NotYet while the pod's status may still tell."""
-        pod = self._pod(socket_pod)
+        """Which container of the request's pod the request is for; _NotYet while the pod's status may
+        still tell. The request's pod is the socket's or one answered with the socket's directory."""
+        pod_uid = req.pod_uid or socket_pod
+        pod = self._pod(pod_uid)
         if pod is None:
-            raise _NotYet(f"pod {socket_pod} is not known on this node", grpc.StatusCode.NOT_FOUND)
+            raise _NotYet(f"pod {pod_uid} is not known on this node", grpc.StatusCode.NOT_FOUND)
         ids = podinfo.container_ids(pod)
         where = f"pod {podinfo.pod_key(pod)}"
         if req.container_name:
@@ -265,11 +288,11 @@ class VirtualManager:
                 raise RegistrationRefused(
                     f"container {req.container_name!r} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
                 )
-            alloc = self._allocated(socket_pod, name, where)
+            alloc = self._allocated(socket_pod, pod_uid, name, where)
             container_id = ids.get(name, "")
             if not container_id:
                 raise _NotYet(f"container {name} of {where} has no container ID yet")
-            return _Target(pod, name, container_id, name, alloc)
+            return _Target(pod_uid, pod, name, container_id, name, alloc)
         # A prefix names a container only when it is at least a short ID (12 characters, as docker prints
         # them) and no container of the pod is called so: its files go into a directory of that name, and
         # a name-based registration's directory is the container's name.
@@ -279,13 +302,14 @@ class VirtualManager:
         ]
         if len(matches) == 1:
             name = matches[0]
-            return _Target(pod, name, ids[name], req.container_id, self._allocated(socket_pod, name, where))
+            alloc = self._allocated(socket_pod, pod_uid, name, where)
+            return _Target(pod_uid, pod, name, ids[name], req.container_id, alloc)
         if _CONTAINER_ID.fullmatch(req.container_id) is None:
             raise RegistrationRefused(
                 f"container ID {req.container_id!r} is not a container ID", grpc.StatusCode.INVALID_ARGUMENT
             )
         if use_cgroups:
-            name = self._recognise_by_cgroup(socket_pod, pod, req.container_id)
+            name = self._recognise_by_cgroup(pod_uid, pod, req.container_id)
             if name is not None:
                 log.info(
                     "%s: container ID %s is %s (its cgroup; the status does not name it yet)",
@@ -293,15 +317,21 @@ class VirtualManager:
                     req.container_id,
                     name,
                 )
-                return _Target(pod, name, req.container_id, req.container_id, self._allocated(socket_pod, name, where))
+                alloc = self._allocated(socket_pod, pod_uid, name, where)
+                return _Target(pod_uid, pod, name, req.container_id, req.container_id, alloc)
         raise _NotYet(
             f"container ID {req.container_id!r} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
         )
 
-    def _allocated(self, pod_uid: str, name: str, where: str) -> ContainerAllocation:
+    def _allocated(self, socket_pod: str, pod_uid: str, name: str, where: str) -> ContainerAllocation:
         alloc = self._allocation(pod_uid, name)
         if alloc is None:
             raise RegistrationRefused(f"container {name} of {where} has no GPU allocation")
+        if pod_uid != socket_pod and alloc.answered[0] != socket_pod:
+            raise RegistrationRefused(
+                f"container {name} of {where} was not answered with the directory of pod {socket_pod}",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
         return alloc
 
     def _recognise_by_cgroup(self, pod_uid: str, pod: Pod, container_id: str) -> str | None:
@@ -328,7 +358,7 @@ class VirtualManager:
 
     def _write_registration(self, socket_pod: str, target: _Target) -> Path:
         qos = podinfo.qos_class(target.pod)
-        pids = self._cgroups.pids(socket_pod, target.container_id, qos, search=True)
+        pids = self._cgroups.pids(target.pod_uid, target.container_id, qos, search=True)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         directory = safenames.child(self.pod_dir(socket_pod), target.subdir)
@@ -341,12 +371,12 @@ class VirtualManager:
             self._last_pids[path] = pids
             # A restarted container registers under its new ID: what is remembered of the old one goes
             # (a crash-looping container added one entry per restart, even when no refresh saw it).
-            before = self._registered.get((socket_pod, target.name))
+            before = self._registered.get((target.pod_uid, target.name))
             if before is not None and before != path:
                 self._last_pids.pop(before, None)
-            self._registered[(socket_pod, target.name)] = path
+            self._registered[(target.pod_uid, target.name)] = path
             self._registrations += 1
-            self._current.pop((socket_pod, target.container_id), None)
+            self._current.pop((target.pod_uid, target.container_id), None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             files.write_config(config, self.config_for(target.alloc))
@@ -370,7 +400,7 @@ class VirtualManager:
         """
         written = 0
         seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
-        seen_ids: set[tuple[str, str]] = set()  # (pod UID, container ID)
+        seen_ids: dict[tuple[str, str], Path] = {}  # (pod UID, container ID) -> its registered pids.config
         for alloc in allocations:
             if not alloc.shared:
                 continue
@@ -384,7 +414,7 @@ class VirtualManager:
             registrations = self._registrations
             pids = self._cgroups.pids(alloc.pod_uid, cid, podinfo.qos_class(pod))
             key = (alloc.pod_uid, cid)
-            seen_ids.add(key)
+            seen_ids[key] = self._registered_dir(alloc, cid) / names.PIDS_CONFIG_FILE
             if self._current.get(key) == pids:
                 continue
             done, count = self._write_pids_of(alloc, cid, pids)
@@ -400,8 +430,9 @@ class VirtualManager:
                 memo.pop(gone, None)
         # So does the file a container ID registered, once that container is gone (a container that
         # crash-loops gets a new ID each time: its pod would otherwise add an entry per restart).
-        for pod_uid, cid in self._swept_ids - seen_ids:
-            self._last_pids.pop(self.pod_dir(pod_uid) / cid / names.PIDS_CONFIG_FILE, None)
+        for key, path in self._swept_ids.items():
+            if key not in seen_ids:
+                self._last_pids.pop(path, None)
         self._swept_ids = seen_ids
         return written
 
@@ -415,11 +446,15 @@ class VirtualManager:
         self._ids_of[key] = (pod, cid)
         return cid
 
+    def _registered_dir(self, alloc: ContainerAllocation, cid: str) -> Path:
+        """Where a registration of the container by its ID writes: below the directory it mounts."""
+        return self.pod_dir(alloc.answered[0]) / cid
+
     def _write_pids_of(self, alloc: ContainerAllocation, cid: str, pids: list[int]) -> tuple[bool, int]:
         """Write ``pids`` wherever the container's files are; (whether every place exists, files written)."""
         answered_pod, answered_container = alloc.answered
         targets = [self.pod_dir(answered_pod) / answered_container]
-        registered = self.pod_dir(alloc.pod_uid) / cid
+        registered = self._registered_dir(alloc, cid)
         if registered.is_dir():
             targets.append(registered)
         complete, written = True, 0
@@ -470,8 +505,9 @@ class VirtualManager:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
             self._ids_of.pop(ids_key, None)
-        for registered_key in [k for k in list(self._registered) if k[0] == entry.name]:
-            self._registered.pop(registered_key, None)
+        for registered_key, path in list(self._registered.items()):
+            if registered_key[0] == entry.name or str(path).startswith(prefix):
+                self._registered.pop(registered_key, None)
         self._cgroups.forget_pod(entry.name)
 
     def _stop_server(self, pod_uid: str) -> None:

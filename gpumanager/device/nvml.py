@@ -165,8 +165,9 @@ def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GP
 def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
     """Every GPU NVML reports, in NVML index order, and the indices of those that are lost.
 
-    A lost GPU (``NVML_ERROR_GPU_IS_LOST``) does not stop discovery: it is described from
-    ``known`` (the saved inventory) or like its peers, so that its device IDs are kept.
+    A GPU that NVML cannot describe (lost, or any other error of that GPU) does not stop
+    discovery: it is counted as lost, described from ``known`` (the saved inventory) or like its
+    peers, so that its device IDs are kept. Errors of NVML itself (the GPU count) are raised.
     """
     known = known or {}
     gpus: list[GPUInfo] = []
@@ -177,9 +178,14 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
             # A lost GPU may have no handle at all (GPU_IS_LOST here), or one whose queries fail.
             gpus.append(_describe(index, pynvml.nvmlDeviceGetHandleByIndex(index)))
         except pynvml.NVMLError as exc:
-            if not is_gpu_lost(exc):
-                raise
-            log.error("GPU %d is lost (%s); serving the other GPUs and listing its devices as Unhealthy", index, exc)
+            # Any error of one GPU (lost, Unknown Error, a timeout, no permission) is that GPU's: the
+            # others are served; only the driver's own failures (init, the count) fail the start.
+            log.error(
+                "GPU %d cannot be read at start (%s: %s); serving the other GPUs and listing its devices as Unhealthy",
+                index,
+                "lost" if is_gpu_lost(exc) else f"NVML error {exc.value}",
+                exc,
+            )
             lost.append(index)
             pending.append(index)
             gpus.append(GPUInfo(index=index, uuid="", name="", minor=-1, memory_total=0, pci_bus_id=""))
@@ -242,6 +248,15 @@ def _p2p_nvlink(a: object, b: object) -> bool:
 _SYSTEM_LEVEL = 50
 
 
+def _common_ancestor(handles: Sequence[object], a: int, b: int) -> int:
+    """NVML's level between GPUs ``a`` and ``b``; SYSTEM when NVML cannot tell (logged)."""
+    try:
+        return int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
+    except pynvml.NVMLError as exc:
+        log.error("GPUs %d and %d: NVML gives no topology level (%s); the pair counts as SYSTEM", a, b, exc)
+        return _SYSTEM_LEVEL
+
+
 def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology | None = None) -> NodeTopology:
     """Common-ancestor levels between every pair of GPUs, and their NVLink connections.
 
@@ -260,9 +275,9 @@ def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology 
             try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
             except pynvml.NVMLError as exc:
-                if not is_gpu_lost(exc):
-                    raise
-                log.error("GPU %d was lost while the topology was read (%s): its pairs count as SYSTEM", g.index, exc)
+                log.error(
+                    "GPU %d gave no handle while the topology was read (%s): its pairs count as SYSTEM", g.index, exc
+                )
                 gone.add(g.index)
         handles.append(handle)
     usable_saved = saved is not None and len(saved.levels) == n
@@ -272,7 +287,7 @@ def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology 
             if a in gone or b in gone:
                 level = saved.levels[a][b] if saved is not None and usable_saved else _SYSTEM_LEVEL
             else:
-                level = int(pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[a], handles[b]))
+                level = _common_ancestor(handles, a, b)
             levels[a][b] = levels[b][a] = level
     by_bus = {g.pci_bus_id: g.index for g in gpus if g.index not in gone}
     per_gpu = [

@@ -3,7 +3,10 @@ request is taken for, whose directory gets the files, and what a refusal costs."
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ import pytest
 from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.api import vcuda_pb2_grpc as pb_grpc
 from gpumanager.vmanager import files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 
@@ -68,7 +72,9 @@ def alloc(uid: str, name: str, cores: int, memory: int, answered: tuple[str, str
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path / "vm", tmp_path / "cg")
+    # A short directory: a pod's vcuda.sock path must fit a unix address (pytest's do not always).
+    short = Path(tempfile.mkdtemp(prefix="vmr", dir="/tmp"))
+    n = Node(short / "vm", tmp_path / "cg")
     n.cgroups.mkdir()
     n.manager = VirtualManager(
         vm_path=n.vm,
@@ -79,6 +85,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
     )
     yield n
     n.v.stop()
+    shutil.rmtree(short, ignore_errors=True)
 
 
 # -- init containers ------------------------------------------------------------------------------
@@ -182,3 +189,39 @@ def test_a_pod_whose_answer_is_not_this_sockets_directory_is_refused(swapped: No
         swapped.register(POD_A, pod_uid=other, container_id="c" * 64)
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert not (swapped.vm / POD_A / ("c" * 64)).exists()
+
+
+# -- what a refusal costs: the agent's log stays small --------------------------------------------
+
+
+def _call(sock: Path, req: pb.VDeviceRequest) -> grpc.StatusCode:
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        try:
+            pb_grpc.VCUDAServiceStub(channel).RegisterVDevice(req, timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def test_an_overlong_field_is_refused_before_anything_else(node: Node) -> None:
+    uid = _init_pod(node)
+    with pytest.raises(RegistrationRefused) as refused:
+        node.register(uid, pod_uid=uid, container_name="x" * 300)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "container_name" in str(refused.value) and len(str(refused.value)) < 200
+
+
+def test_refusals_do_not_flood_the_log(node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    uid = _init_pod(node)
+    sock = node.vm / uid / names.VCUDA_SOCKET
+    caplog.set_level(logging.INFO, logger="gpumanager.vmanager")
+    # A message over the server's limit never reaches the handler.
+    assert _call(sock, pb.VDeviceRequest(pod_uid=uid, container_name="y" * (1 << 20))) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    for i in range(40):
+        code = _call(sock, pb.VDeviceRequest(pod_uid=uid, container_name=f"{i:03d}" + "z" * 250))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) <= 10
+    assert sum(len(r.getMessage()) for r in caplog.records) < 5000

@@ -61,6 +61,13 @@ _DEADLINE_MARGIN_SECONDS = 0.5
 _CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 #: The shortest prefix of a container ID taken for it (docker's short IDs).
 _SHORT_ID = 12
+#: The longest field of a request accepted (a pod UID is 36 bytes, a container ID 64, a name 63).
+MAX_FIELD_BYTES = 256
+#: Refusals logged per pod socket in each :data:`REFUSAL_LOG_WINDOW_SECONDS`; the rest are counted.
+REFUSAL_LOGS_PER_WINDOW = 5
+REFUSAL_LOG_WINDOW_SECONDS = 60.0
+#: Characters of a request's value shown in a log line or a refusal.
+_SHOWN = 64
 
 
 class RegistrationRefused(CallRefused):
@@ -84,8 +91,52 @@ class _Target:
     alloc: ContainerAllocation
 
 
+def _short(value: str) -> str:
+    """``repr(value)``, cut short (a request's value is the caller's: it may be long)."""
+    if len(value) <= _SHOWN:
+        return repr(value)
+    return f"{value[:_SHOWN]!r}... ({len(value.encode())} bytes)"
+
+
 def _describe(req: pb.VDeviceRequest) -> str:
-    return f"RegisterVDevice(pod_uid={req.pod_uid!r}, container_name={req.container_name!r}, id={req.container_id!r})"
+    return (
+        f"RegisterVDevice(pod_uid={_short(req.pod_uid)}, container_name={_short(req.container_name)}, "
+        f"id={_short(req.container_id)})"
+    )
+
+
+class _RefusalLog:
+    """At most ``per_window`` refusals logged per pod socket in each window; those left out are counted
+    and the count logged with the next one (a container calling in a loop must not fill the log)."""
+
+    def __init__(self, per_window: int, window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._per_window = per_window
+        self._window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pods: dict[str, list[float]] = {}  # pod UID -> [window start, logged, left out]
+
+    def admit(self, pod_uid: str) -> int | None:
+        """None: leave this refusal out of the log; else how many were left out before it."""
+        now = self._clock()
+        with self._lock:
+            entry = self._pods.get(pod_uid)
+            if entry is None or now - entry[0] >= self._window:
+                if entry is None and len(self._pods) >= 4096:
+                    self._pods.clear()
+                left_out = int(entry[2]) if entry is not None else 0
+                self._pods[pod_uid] = [now, 1, 0]
+                return left_out
+            if entry[1] < self._per_window:
+                entry[1] += 1
+                left_out, entry[2] = int(entry[2]), 0
+                return left_out
+            entry[2] += 1
+            return None
+
+    def forget(self, pod_uid: str) -> None:
+        with self._lock:
+            self._pods.pop(pod_uid, None)
 
 
 class VirtualManager:
@@ -119,6 +170,7 @@ class VirtualManager:
         self._pids_lock = threading.Lock()  # a registration's write against the refresh's memo
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
+        self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -196,16 +248,30 @@ class VirtualManager:
         try:
             await self.register_async(socket_pod, req, time_left=time_left)
         except RegistrationRefused as exc:
-            log.warning("vcuda.sock of pod %s refused %s: %s", socket_pod, _describe(req), exc)
+            left_out = self._refusals.admit(socket_pod)
+            if left_out is not None:
+                more = f" ({left_out} more refusals not logged)" if left_out else ""
+                log.warning("vcuda.sock of pod %s refused %s: %s%s", socket_pod, _describe(req), exc, more)
             raise
 
     # -- RegisterVDevice --------------------------------------------------------------------------
 
     def _wait_budget(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> float:
         """Refuse what no wait can mend; else how long the call may wait for the pod's status."""
+        for name, value in (
+            ("pod_uid", req.pod_uid),
+            ("container_name", req.container_name),
+            ("container_id", req.container_id),
+            ("bus_id", req.bus_id),
+        ):
+            if len(value.encode()) > MAX_FIELD_BYTES:
+                raise RegistrationRefused(
+                    f"{name} is {len(value.encode())} bytes, longer than {MAX_FIELD_BYTES}",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
         if req.pod_uid and req.pod_uid != socket_pod and not self._answered_here(socket_pod, req.pod_uid):
             raise RegistrationRefused(
-                f"pod UID {req.pod_uid!r} is not the pod this socket serves", grpc.StatusCode.PERMISSION_DENIED
+                f"pod UID {_short(req.pod_uid)} is not the pod this socket serves", grpc.StatusCode.PERMISSION_DENIED
             )
         if not req.container_name and not req.container_id:
             raise RegistrationRefused("request names no container", grpc.StatusCode.INVALID_ARGUMENT)
@@ -286,7 +352,7 @@ class VirtualManager:
             name = _container_name(req.container_name, _container_names(pod))
             if name is None:
                 raise RegistrationRefused(
-                    f"container {req.container_name!r} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
+                    f"container {_short(req.container_name)} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
                 )
             alloc = self._allocated(socket_pod, pod_uid, name, where)
             container_id = ids.get(name, "")
@@ -306,7 +372,7 @@ class VirtualManager:
             return _Target(pod_uid, pod, name, ids[name], req.container_id, alloc)
         if _CONTAINER_ID.fullmatch(req.container_id) is None:
             raise RegistrationRefused(
-                f"container ID {req.container_id!r} is not a container ID", grpc.StatusCode.INVALID_ARGUMENT
+                f"container ID {_short(req.container_id)} is not a container ID", grpc.StatusCode.INVALID_ARGUMENT
             )
         if use_cgroups:
             name = self._recognise_by_cgroup(pod_uid, pod, req.container_id)
@@ -320,7 +386,7 @@ class VirtualManager:
                 alloc = self._allocated(socket_pod, pod_uid, name, where)
                 return _Target(pod_uid, pod, name, req.container_id, req.container_id, alloc)
         raise _NotYet(
-            f"container ID {req.container_id!r} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
+            f"container ID {_short(req.container_id)} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
         )
 
     def _allocated(self, socket_pod: str, pod_uid: str, name: str, where: str) -> ContainerAllocation:
@@ -509,6 +575,7 @@ class VirtualManager:
             if registered_key[0] == entry.name or str(path).startswith(prefix):
                 self._registered.pop(registered_key, None)
         self._cgroups.forget_pod(entry.name)
+        self._refusals.forget(entry.name)
 
     def _stop_server(self, pod_uid: str) -> None:
         if self._sockets is not None:

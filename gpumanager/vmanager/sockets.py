@@ -57,6 +57,9 @@ MAX_CONNECTIONS_PER_POD = 16
 CALLS_PER_CONNECTION = 1
 #: The longest a relayed connection lives (a registration is one short call).
 CONNECTION_LIFETIME_SECONDS = 300.0
+#: The largest request the server reads (a RegisterVDevice request is a few hundred bytes; a larger
+#: one is refused by gRPC, RESOURCE_EXHAUSTED, before it is decoded or logged).
+MAX_REQUEST_BYTES = 16 * 1024
 _RELAY_CHUNK = 64 * 1024
 _ABSTRACT_PEER = "unix-abstract:"
 
@@ -147,7 +150,12 @@ class PodSockets:
         self._stopping = False
 
     async def _start_server(self) -> grpc.aio.Server:
-        server = grpc.aio.server(options=[("grpc.max_concurrent_streams", CALLS_PER_CONNECTION)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_concurrent_streams", CALLS_PER_CONNECTION),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ]
+        )
         pb_grpc.add_VCUDAServiceServicer_to_server(_Servicer(self), server)
         if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
             raise OSError(f"cannot listen on the abstract unix socket {self._name}")

@@ -140,3 +140,21 @@ def test_a_piece_of_a_name_is_no_container(tmp_path: Path, asked: str) -> None:
     make(tmp_path, f"kubepods.slice/kubepods-pod{U_}.slice/cri-containerd-{CID}.scope", [11])
     assert cgroups.find_container_cgroup(tmp_path, UID, asked) is None
     assert cgroups.find_container_cgroup(tmp_path, UID, CID) is not None
+
+
+@pytest.mark.parametrize(
+    "rel", [f"kubepods/burstable/pod{UID}/crio-{CID}", f"kubepods/burstable/pod{UID}/crio-{CID}.scope"]
+)
+def test_crio_with_cgroupfs_is_found_by_name_and_its_conmon_is_not_the_container(tmp_path: Path, rel: str) -> None:
+    """CRI-O under the cgroupfs driver: ``pod<uid>/crio-<id>``, beside ``crio-conmon-<id>`` (its
+    monitor's cgroup, which is no part of the container)."""
+    make(tmp_path, f"kubepods/burstable/pod{UID}/crio-conmon-{CID}", [777])
+    make(tmp_path, rel, [4242, 4243])
+    assert cgroups.find_container_cgroup(tmp_path, UID, CID, "Burstable", search=False) == tmp_path / rel
+    assert cgroups.container_pids(tmp_path, UID, CID, "Burstable") == [4242, 4243]
+
+
+@pytest.mark.parametrize("name", [f"crio-conmon-{CID}", f"crio-conmon-{CID}.scope", f"foo-{CID}", f"x_{CID}"])
+def test_only_a_runtimes_own_prefix_names_the_container(tmp_path: Path, name: str) -> None:
+    make(tmp_path, f"somewhere/pod{UID}/{name}", [777])
+    assert cgroups.find_container_cgroup(tmp_path, UID, CID) is None

@@ -3,13 +3,15 @@
 The container's cgroup directory is looked up by the names the kubelet and the
 runtimes use:
 
-- cgroupfs: ``kubepods[/burstable|/besteffort]/pod<uid>/<container id>``
+- cgroupfs: ``kubepods[/burstable|/besteffort]/pod<uid>/<container id>`` (containerd, docker), or
+  ``.../pod<uid>/<prefix>-<id>[.scope]`` (CRI-O: ``crio-<id>``, beside its monitor's ``crio-conmon-<id>``)
 - systemd:  ``kubepods.slice[/kubepods-<qos>.slice]/kubepods[-<qos>]-pod<uid, - as _>.slice/<prefix>-<id>.scope``
   with prefix ``docker``, ``cri-containerd`` (containerd) or ``crio`` (CRI-O)
 
 under the unified hierarchy (v2) or a v1 controller (memory, pids, cpu,cpuacct,
 systemd). When none exists (an unusual layout), the tree is searched for a
-directory named after the container ID below one named after the pod. Every
+directory named after the container ID (alone, after a runtime's prefix, or
+containerd's ``<pod slice>:<prefix>:<id>``) below one named after the pod. Every
 ``cgroup.procs`` below the container's directory is read.
 
 A container whose cgroup is gone (its pod terminating) or not made yet is asked
@@ -42,6 +44,9 @@ def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[st
     for q in classes:
         base = "kubepods" + (f"/{q}" if q else "")
         yield f"{base}/pod{pod_uid}/{container_id}"
+        for prefix in _PREFIXES:
+            yield f"{base}/pod{pod_uid}/{prefix}-{container_id}"
+            yield f"{base}/pod{pod_uid}/{prefix}-{container_id}.scope"
         slice_dir = "kubepods.slice" + (f"/kubepods-{q}.slice" if q else "")
         pod_slice = f"kubepods{'-' + q if q else ''}-pod{under}.slice"
         for prefix in _PREFIXES:
@@ -81,11 +86,15 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
 
 
 def _names_container(name: str, container_id: str) -> bool:
-    """Whether a cgroup directory is the container's: its ID whole, alone or after the runtime's prefix
-    (``cri-containerd-<id>.scope``, ``docker-<id>.scope``, ``crio-<id>``), not a part of a longer name
-    (``pod``, ``slice`` or a piece of another container's ID would match a substring)."""
+    """Whether a cgroup directory is the container's: its ID whole, alone or after a runtime's own
+    prefix (``cri-containerd-<id>.scope``, ``docker-<id>.scope``, ``crio-<id>``, containerd's
+    ``<pod slice>:cri-containerd:<id>``), not a part of a longer name (``pod``, ``slice`` or a piece of
+    another container's ID would match a substring), nor another prefix: CRI-O's ``crio-conmon-<id>``
+    holds the container's monitor, not the container."""
     base = name.removesuffix(".scope")
-    return base == container_id or base.endswith(("-" + container_id, "_" + container_id, ":" + container_id))
+    if base == container_id:
+        return True
+    return any(base == f"{p}-{container_id}" or base.endswith(f":{p}:{container_id}") for p in _PREFIXES)
 
 
 def pids_under(directory: Path | str) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import fcntl
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from gpumanager.flagspec import FlagField
 
 if TYPE_CHECKING:
     from gpumanager.app import Agent
+    from gpumanager.signals import SignalPipe
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpumanager.signals import SignalPipe
 
     signals = SignalPipe().install()  # a stop signal during the start is acted on once it is done
+    _lock_fd, stopped = hold_node_lock(Path(config.checkpoint_path), signals)
+    if stopped is not None:
+        log.info("received %s while waiting for the node's lock; exiting", stopped.name)
+        return EXIT_OK
     agent = Agent(config)
     try:
         agent.start()
@@ -262,6 +268,75 @@ DEFERRED_AT_START = (
     "tempfile",
     "calendar",
 )
+
+
+#: The file in --checkpoint-path whose lock (flock) one agent per node holds for its whole life.
+LOCK_FILE = "gpu-manager.lock"
+#: How often an agent waiting for that lock tries again.
+LOCK_RETRY_SECONDS = 0.5
+
+
+def hold_node_lock(directory: Path, signals: SignalPipe) -> tuple[int | None, signal.Signals | None]:
+    """Take the node's single-instance lock, waiting while another agent holds it.
+
+    Two agents on one node (a rolling update with surge) would each remove the other's sockets
+    and register over them, and both write the checkpoint. The second one waits here, before it
+    loads anything or serves. Returns the lock file's descriptor (kept open for the process's
+    life; None when no lock can be had, which is logged and not fatal) and the stop signal that
+    ended the wait (None when the lock was taken).
+    """
+    from gpumanager.signals import STOP
+
+    path = directory / LOCK_FILE
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only disk: flock works on it too
+        except OSError:
+            log.warning("cannot open %s (%s); starting without the single-instance lock", path, exc.strerror)
+            return None, None
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # a filesystem without locks
+            log.warning("cannot lock %s (%s); starting without the single-instance lock", path, exc.strerror)
+            os.close(fd)
+            return None, None
+        if not waiting:
+            waiting = True
+            log.warning(
+                "another gpu-manager (%s) holds the node (lock %s); waiting for it to exit before loading the "
+                "checkpoint or serving the device plugin",
+                _lock_holder(fd),
+                path,
+            )
+        received = signals.poll(LOCK_RETRY_SECONDS)
+        if received is not None and received in STOP:
+            os.close(fd)
+            return None, received
+    if waiting:
+        log.info("the other gpu-manager has gone; took the node's lock %s", path)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass  # read-only: the holder is just not named
+    return fd, None
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock, as its file says."""
+    try:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid} in its PID namespace" if pid.isdigit() else "pid unknown"
 
 
 #: Seconds a stop may take; the kubelet waits 30 s but a rolling update should not.

@@ -8,6 +8,7 @@ before the agent has started waits in the pipe.
 from __future__ import annotations
 
 import os
+import select
 import signal
 from collections.abc import Iterable
 from types import FrameType
@@ -44,9 +45,18 @@ class SignalPipe:
     def next(self) -> signal.Signals:
         """The next signal received; sleeps until one comes."""
         while not self._pending:
-            data = os.read(self._read, 64)
-            self._pending.extend(b for b in data if b in self._signals)
+            self._read_some()
         return signal.Signals(self._pending.pop(0))
+
+    def poll(self, timeout: float) -> signal.Signals | None:
+        """The next signal received within ``timeout`` seconds, else None."""
+        if not self._pending and select.select([self._read], [], [], max(0.0, timeout))[0]:
+            self._read_some()
+        return signal.Signals(self._pending.pop(0)) if self._pending else None
+
+    def _read_some(self) -> None:
+        data = os.read(self._read, 64)
+        self._pending.extend(b for b in data if b in self._signals)
 
     def close(self) -> None:
         """Give the signals back to their earlier handlers."""

@@ -310,3 +310,29 @@ def test_http_and_display_endpoints(kubelet: KubeletSimulator, start_agent: Star
         stub = display_pb2_grpc.GPUDisplayStub(ch)
         assert stub.PrintGraph(empty_pb2.Empty(), timeout=5).graph == graph
         assert stub.Version(empty_pb2.Empty(), timeout=5).version == json.loads(get("/version")[1])["version"]
+
+
+def test_a_second_agent_on_the_node_waits_for_the_first(
+    tmp_path: Path, kubelet: KubeletSimulator, start_agent: StartAgent
+) -> None:
+    """Two agents with one checkpoint directory (a rolling update with surge): the second waits for the
+    first's lock without touching the sockets, stops at once on SIGTERM while it waits, and takes over when
+    the first has gone."""
+    shared = f"--checkpoint-path={tmp_path / 'shared-checkpoint'}"
+    plugins = f"--device-plugin-path={kubelet.plugin_dir}"
+    first = start_agent("t4-x1", shared, plugins, workdir=tmp_path / "a")
+    registered(kubelet)
+    count = kubelet.registration_count()
+    core = kubelet.registration_count(CORE)
+    second = start_agent("t4-x1", shared, plugins, workdir=tmp_path / "b")
+    second.wait_for_log("holds the node", timeout=20)
+    time.sleep(1.0)
+    assert kubelet.registration_count() == count
+    assert "holds the node" not in first.log_text()
+    second.signal(signal.SIGTERM)
+    assert second.wait(5) == 0
+    third = start_agent("t4-x1", shared, plugins, workdir=tmp_path / "c")
+    third.wait_for_log("holds the node", timeout=20)
+    assert first.stop() == 0
+    kubelet.wait_for_registration(CORE, after=core, timeout=20)
+    assert "another gpu-manager" not in first.log_text()

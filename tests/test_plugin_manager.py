@@ -146,3 +146,33 @@ def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_o
     finally:
         plugins.stop()
         kubelet.stop()
+
+
+def test_a_live_socket_of_another_plugin_at_our_path_is_not_taken_back(tmp_path: Path) -> None:
+    """A second plugin (another agent on the node) serves at our socket path: we leave it there and do not
+    register over it; once its socket is gone we serve and register again."""
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    ours = PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")
+    plugins = PluginManager(
+        [ours], kubelet.socket_path, options_for=lambda _server: pb.DevicePluginOptions(), watch_period=0.1
+    )
+    other_servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    other = PluginServer(other_servicer, ours.socket_path)
+    plugins.start()
+    try:
+        kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
+        count = kubelet.registration_count(RESOURCE)
+        other.start()  # removes our socket and serves in its place
+        time.sleep(1.5)
+        assert other.socket_intact(), "took the other plugin's socket"
+        assert kubelet.registration_count(RESOURCE) == count
+        assert not plugins.status.registered
+        other.close()
+        kubelet.wait_for_registration(RESOURCE, after=count, timeout=10)
+        assert ours.socket_intact()
+    finally:
+        other.close()
+        plugins.stop()
+        kubelet.stop()

@@ -22,10 +22,15 @@ from pathlib import Path
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.dirwatch import DirectoryWatch
 from gpumanager.deviceplugin.registration import Endpoint, RegistrationError, register
-from gpumanager.deviceplugin.server import PluginServer, socket_identity
+from gpumanager.deviceplugin.server import PluginServer, socket_identity, socket_served
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
+
+
+#: How long a removed socket is watched for another process that listens at its path before we serve
+#: there again (such a process removes the file a moment before it listens).
+TAKEOVER_GRACE_SECONDS = 0.2
 
 
 @dataclass
@@ -63,6 +68,7 @@ class PluginManager:
         self.status = RegistrationStatus()
         self.registered_event = threading.Event()
         self._watch: DirectoryWatch | None = None
+        self._yielded = False  # another process serves at one of our socket paths
 
     def start(self) -> None:
         """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
@@ -116,6 +122,21 @@ class PluginManager:
         endpoints = [Endpoint(s.socket_path.name, s.servicer.resource, self._options_for(s)) for s in self._servers]
         return register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
 
+    def _yield_to_other(self, taken: Sequence[PluginServer]) -> None:
+        """Another process serves at our socket path (a second agent on the node): the kubelet talks to it
+        now. Taking the path back would start a fight in which each removes the other's socket and
+        registers again; we wait until that socket is gone instead."""
+        message = (
+            f"another process serves {', '.join(str(s.socket_path) for s in taken)} (a second gpu-manager on "
+            "this node?); not taking it back while it is served"
+        )
+        if not self._yielded:
+            log.warning("%s", message)
+        self._yielded = True
+        self.status.registered = False
+        self.status.last_error = message
+        self.registered_event.clear()
+
     def _set_error(self, message: str) -> None:
         if message != self.status.last_error:
             log.warning("not registered with the kubelet: %s (retrying)", message)
@@ -135,8 +156,21 @@ class PluginManager:
         kubelet_id = socket_identity(self._kubelet_socket)
         while not self._stop.is_set():
             try:
-                if not all(s.socket_intact() for s in self._servers):
-                    log.info("our device-plugin socket was removed (kubelet restart?); serving again")
+                broken = [s for s in self._servers if not s.socket_intact()]
+                taken = [s for s in broken if socket_served(s.socket_path)]
+                if broken and not taken:
+                    # Another plugin taking the path removes ours a moment before it listens there.
+                    self._stop.wait(TAKEOVER_GRACE_SECONDS)
+                    taken = [s for s in broken if socket_served(s.socket_path)]
+                if taken:
+                    self._yield_to_other(taken)
+                    need_register = True
+                elif broken:
+                    if self._yielded:
+                        log.info("the other device plugin's socket is gone; serving ours again")
+                        self._yielded = False
+                    else:
+                        log.info("our device-plugin socket was removed (kubelet restart?); serving again")
                     self._restart_servers()
                     need_register, next_try = True, 0.0
                 current = socket_identity(self._kubelet_socket)
@@ -150,7 +184,7 @@ class PluginManager:
                         self.registered_event.clear()
                     kubelet_id = current
                 now = time.monotonic()
-                if need_register and now >= next_try:
+                if need_register and not self._yielded and now >= next_try:
                     try:
                         # The kubelet.sock that answered: it may have appeared since it was looked for
                         # above, even after the last look before the dial (a kubelet starting while we
@@ -195,6 +229,6 @@ class PluginManager:
                 self._open_watch()
                 continue
             timeout = self._period
-            if need_register:
+            if need_register and not self._yielded:
                 timeout = min(timeout, max(0.0, next_try - time.monotonic()))
             self._wait(timeout)

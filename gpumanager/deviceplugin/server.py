@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,19 @@ def socket_identity(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return (st.st_dev, st.st_ino)
+
+
+def socket_served(path: Path, timeout: float = 0.2) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path`` (a live socket, not a stale file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(str(path))
+        except (BlockingIOError, TimeoutError):
+            return True  # listening, its backlog full
+        except OSError:
+            return False
+    return True
 
 
 #: Calls served at once. The kubelet's ListAndWatch holds one for good, and each pod's worker calls

@@ -140,3 +140,21 @@ def test_changes_before_the_allocator_exists_reach_it_when_attached() -> None:
 
     propagation.attach_allocator(Recorder(events, "allocator"))
     assert events == [("allocator", (0, False)), ("allocator", (1, True))]
+
+
+def test_changes_before_the_device_lists_exist_reach_them_when_attached() -> None:
+    """A GPU that turns unhealthy while the agent starts (before the lists exist) is listed Unhealthy,
+    and one lost at start that answers again by then is listed Healthy."""
+    gpus = [gpu(0, 0), gpu(1, 1), gpu(2, 2)]
+    monitor = Monitor({0: HealthState(True), 1: HealthState(True), 2: HealthState(False)})
+    propagation = HealthPropagation(monitor, gpus, [2], describe=lambda i: gpus[i])
+    propagation.listen()
+    monitor.change(1, False)
+    monitor.change(2, True)
+    lists = DeviceLists(DeviceLayout(gpus), gpus, unhealthy=[2])
+    events: list[tuple[str, object]] = []
+    propagation.attach_device_lists(lists, [Recorder(events, "core")])
+    assert unhealthy_ids(lists) == list(DeviceLayout(gpus).ids_of_gpu(names.VCORE_RESOURCE, 1))
+    assert events == [("core", "notify")]
+    monitor.change(1, True)
+    assert unhealthy_ids(lists) == []

@@ -57,7 +57,7 @@ class HealthPropagation:
     ``gpus`` is the agent's list, updated in place when a lost GPU comes back described
     differently; ``lost`` are the GPUs lost at start. The device lists and the allocator are
     attached when they exist (the allocator after registration); until then their part of a
-    change is skipped, and the allocator is brought up to date from the monitor when attached.
+    change is skipped, and each is brought up to date from the monitor when attached.
     """
 
     def __init__(
@@ -76,6 +76,7 @@ class HealthPropagation:
         self._servicers: Sequence[Notified] = ()
         self._allocator: HealthAware | None = None
         self._lock = threading.Lock()  # orders the allocator's health updates (and its attachment)
+        self._lists_lock = threading.Lock()  # the same for the device lists (never waits for the allocator)
 
     def listen(self) -> None:
         """Hear the monitor's changes: the kubelet's lists first, then the allocator."""
@@ -83,9 +84,20 @@ class HealthPropagation:
         self._monitor.add_listener(self._to_allocator)
 
     def attach_device_lists(self, lists: DeviceLists, servicers: Sequence[Notified]) -> None:
-        """From now on changes reach ``lists``; ``servicers`` (read at each change) are woken when it changed."""
-        self._servicers = servicers
-        self._lists = lists
+        """From now on changes reach ``lists``; ``servicers`` (read at each change) are woken when it changed.
+
+        Changes the monitor saw before (it watches from the start, the lists come later) are applied
+        now from its snapshot, so a GPU that turned unhealthy meanwhile is not listed Healthy.
+        """
+        with self._lists_lock:
+            self._servicers = servicers
+            self._lists = lists
+            changed = False
+            for index, state in self._monitor.snapshot().items():
+                changed = lists.set_healthy(index, state.healthy) or changed
+            if changed:
+                for servicer in servicers:
+                    servicer.notify()
 
     def attach_allocator(self, allocator: HealthAware) -> None:
         """From now on changes reach ``allocator``; those before are applied now from the monitor's snapshot."""
@@ -96,9 +108,10 @@ class HealthPropagation:
 
     def _to_device_lists(self, index: int, state: HealthState) -> None:
         """The kubelet's lists; each ListAndWatch stream is woken when they changed."""
-        if self._lists is not None and self._lists.set_healthy(index, state.healthy):
-            for servicer in self._servicers:
-                servicer.notify()
+        with self._lists_lock:
+            if self._lists is not None and self._lists.set_healthy(index, state.healthy):
+                for servicer in self._servicers:
+                    servicer.notify()
 
     def _to_allocator(self, index: int, state: HealthState) -> None:
         """The allocator, once attached; a lost GPU that answers again is described first."""

@@ -20,7 +20,7 @@ from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.api import vcuda_pb2_grpc as pb_grpc
-from gpumanager.vmanager import files
+from gpumanager.vmanager import cgroups, files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 
 GIB = 1 << 30
@@ -225,3 +225,35 @@ def test_refusals_do_not_flood_the_log(node: Node, caplog: pytest.LogCaptureFixt
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert 1 <= len(refusals) <= 10
     assert sum(len(r.getMessage()) for r in caplog.records) < 5000
+
+
+# -- container IDs the pod's status does not name: looked for below the pod's cgroup only ----------
+
+
+def test_unknown_container_ids_do_not_walk_the_whole_cgroup_tree(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    uid = _init_pod(node, {"main": "2" * 64, "init": "1" * 64})
+    node.cgroup(uid, "2" * 64)
+    for i in range(200):  # the rest of the node
+        (node.cgroups / "kubepods" / f"pod{i:08d}-0000-4000-8000-000000000000" / f"{i:064x}").mkdir(parents=True)
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def counted(top: Any, *args: Any, **kwargs: Any) -> Any:
+        walked.append(str(top))
+        return real_walk(top, *args, **kwargs)
+
+    monkeypatch.setattr(cgroups.os, "walk", counted)
+    for bogus in ("e" * 64, "f" * 64, "d" * 64):
+        with pytest.raises(RegistrationRefused):
+            node.register(uid, pod_uid=uid, container_id=bogus, time_left=2.7)
+    assert str(node.cgroups) not in walked and str(node.cgroups / "kubepods") not in walked
+    assert len(walked) <= 8  # the pod's own directory, at most once a second
+
+
+def test_an_unknown_id_in_an_unusual_place_below_the_pod_is_still_recognised(node: Node) -> None:
+    uid = _init_pod(node, {"init": "1" * 64})
+    node.pods[uid]["status"]["initContainerStatuses"][0]["state"] = {"terminated": {"exitCode": 0}}
+    main_cid = "2" * 64
+    node.cgroup(uid, f"nested/{main_cid}")
+    directory = node.register(uid, pod_uid=uid, container_id=main_cid)
+    assert files.read_pids(directory / names.PIDS_CONFIG_FILE) == [os.getpid()]

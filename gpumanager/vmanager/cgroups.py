@@ -18,7 +18,10 @@ A container whose cgroup is gone (its pod terminating) or not made yet is asked
 for each second until its allocation ends; :class:`CgroupLocator` searches the
 whole tree for it at most every :data:`SEARCH_BACKOFF_SECONDS` (a node with
 hundreds of pods has thousands of cgroup directories), looking only at the
-standard names in between.
+standard names in between. A container ID that no pod status names (a caller's
+claim, :meth:`CgroupLocator.find_claimed`) is looked for only below the pod's own
+cgroup directory, listed at most every :data:`POD_LISTING_SECONDS` per pod, however
+many IDs are asked for.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ _PREFIXES = ("cri-containerd", "crio", "docker", "containerd")
 _V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "systemd")
 #: After a search of the whole tree found no cgroup for a container, the next one waits this long.
 SEARCH_BACKOFF_SECONDS = 30.0
+#: How long a listing of a pod's cgroup directory answers for every ID asked of that pod.
+POD_LISTING_SECONDS = 1.0
+#: How deep below the pod's cgroup directory a container's is looked for.
+_POD_LISTING_DEPTH = 3
 
 
 def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[str]:
@@ -51,6 +58,37 @@ def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[st
         pod_slice = f"kubepods{'-' + q if q else ''}-pod{under}.slice"
         for prefix in _PREFIXES:
             yield f"{slice_dir}/{pod_slice}/{prefix}-{container_id}.scope"
+
+
+def _pod_candidates(pod_uid: str, qos: str | None) -> Iterator[str]:
+    """The pod's own cgroup directory under the cgroupfs and systemd drivers."""
+    classes = _QOS if qos is None else (("" if qos.lower() == "guaranteed" else qos.lower()),)
+    under = pod_uid.replace("-", "_")
+    for q in classes:
+        yield "kubepods" + (f"/{q}" if q else "") + f"/pod{pod_uid}"
+        slice_dir = "kubepods.slice" + (f"/kubepods-{q}.slice" if q else "")
+        yield f"{slice_dir}/kubepods{'-' + q if q else ''}-pod{under}.slice"
+
+
+def pod_cgroups(cgroup_root: Path, pod_uid: str, qos: str | None = None) -> list[Path]:
+    """The pod's cgroup directories that exist (one per hierarchy: v2, or each v1 controller)."""
+    return [
+        root / rel for root in _roots(cgroup_root) for rel in _pod_candidates(pod_uid, qos) if (root / rel).is_dir()
+    ]
+
+
+def _list_below(directories: list[Path], max_depth: int = _POD_LISTING_DEPTH) -> list[Path]:
+    """Every directory below these, to ``max_depth`` levels."""
+    found: list[Path] = []
+    for top in directories:
+        base_depth = len(top.parts)
+        for dirpath, dirnames, _ in os.walk(top):
+            here = Path(dirpath)
+            if here != top:
+                found.append(here)
+            if len(here.parts) - base_depth >= max_depth:
+                dirnames[:] = []
+    return found
 
 
 def _roots(cgroup_root: Path) -> list[Path]:
@@ -146,7 +184,8 @@ class CgroupLocator:
     (see :func:`_pids_of`): the pids.config refresh and the metrics' process placement ask for
     every shared container each second. One whose directory is not found costs a look at the
     standard names, and a search of the whole tree at most every ``search_backoff`` seconds
-    (``search=True`` searches at once: a registration, whose container certainly runs).
+    (``search=True`` searches at once). A container ID a caller claims is looked for by
+    :meth:`find_claimed`, below its pod's cgroup.
     """
 
     def __init__(
@@ -163,6 +202,9 @@ class CgroupLocator:
         self._clock = clock
         self._dirs: dict[tuple[str, str], str] = {}
         self._searched: dict[tuple[str, str], float] = {}  # container -> when a whole-tree search missed it
+        # pod UID -> (when, the directories below its cgroup then); for IDs no status names.
+        self._listings: dict[str, tuple[float, list[Path]]] = {}
+        self._pod_searched: dict[str, float] = {}  # pod UID -> its last whole-tree search for a claimed ID
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
         """The container's cgroup directory (below its pod's), or None when there is none."""
@@ -190,6 +232,49 @@ class CgroupLocator:
         self._dirs[key] = str(found)
         return found
 
+    def find_claimed(self, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
+        """The cgroup of a container ID that no pod status names (a caller's claim, maybe bogus).
+
+        By the standard names, else among the directories below the pod's own cgroup, listed at
+        most every :data:`POD_LISTING_SECONDS` for all IDs of the pod. A pod without a cgroup
+        directory of a standard name (an unusual layout) has the whole tree searched, at most every
+        ``search_backoff`` seconds for all its IDs.
+        """
+        key = (pod_uid, container_id)
+        directory = self._dirs.get(key)
+        if directory is not None and os.path.isdir(directory):
+            return Path(directory)
+        found = find_container_cgroup(self.root, pod_uid, container_id, qos, search=False)
+        if found is None:
+            now = self._clock()
+            listing = self._listings.get(pod_uid)
+            if listing is None or now - listing[0] >= POD_LISTING_SECONDS:
+                pods = pod_cgroups(self.root, pod_uid, qos)
+                if pods:
+                    self._limit_memo(self._listings)
+                    listing = (now, _list_below(pods))
+                    self._listings[pod_uid] = listing
+            if listing is not None:
+                found = next((d for d in listing[1] if _names_container(d.name, container_id)), None)
+                if found is not None and not found.is_dir():
+                    found = None
+            else:
+                last = self._pod_searched.get(pod_uid)
+                if last is None or now - last >= self._backoff:
+                    self._limit_memo(self._pod_searched)
+                    self._pod_searched[pod_uid] = now
+                    found = _search(self.root, pod_uid, container_id)
+        if found is not None:
+            self._limit_memo(self._dirs)
+            self._dirs[key] = str(found)
+        return found
+
+    def _limit_memo(
+        self, memo: dict[str, tuple[float, list[Path]]] | dict[str, float] | dict[tuple[str, str], str]
+    ) -> None:
+        if len(memo) >= self._limit:
+            memo.clear()
+
     def pids(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> list[int]:
         """Host PIDs of a container (empty when its cgroup is not found)."""
         key = (pod_uid, container_id)
@@ -215,3 +300,5 @@ class CgroupLocator:
         for memo in (self._dirs, self._searched):
             for key in [k for k in list(memo) if k[0] == pod_uid]:  # list(): other threads add meanwhile
                 memo.pop(key, None)
+        self._listings.pop(pod_uid, None)
+        self._pod_searched.pop(pod_uid, None)

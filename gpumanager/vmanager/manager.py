@@ -407,9 +407,12 @@ class VirtualManager:
         container ID, or one whose cgroup is gone (the container was restarted and has a new ID),
         except an init container that has completed (it does not run again). With more than one
         candidate nothing is guessed: the caller waits for the pod's status.
+
+        The ID is the caller's claim: it is looked for below the pod's own cgroup only (a bogus ID
+        must not cost a walk of the node's whole tree each second).
         """
         qos = podinfo.qos_class(pod)
-        if self._cgroups.find(pod_uid, container_id, qos, search=True) is None:
+        if self._cgroups.find_claimed(pod_uid, container_id, qos) is None:
             return None
         ids = podinfo.container_ids(pod)
         completed = _completed_inits(pod)
@@ -418,13 +421,16 @@ class VirtualManager:
             if name in completed or self._allocation(pod_uid, name) is None:
                 continue
             known = ids.get(name)
-            if not known or self._cgroups.find(pod_uid, known, qos, search=True) is None:
+            if not known or self._cgroups.find(pod_uid, known, qos) is None:
                 candidates.append(name)
         return candidates[0] if len(candidates) == 1 else None
 
     def _write_registration(self, socket_pod: str, target: _Target) -> Path:
         qos = podinfo.qos_class(target.pod)
-        pids = self._cgroups.pids(target.pod_uid, target.container_id, qos, search=True)
+        # Looked for as a claimed ID is (below the pod's cgroup): a caller repeating a registration by
+        # name of a container that has ended must not walk the whole tree each time.
+        self._cgroups.find_claimed(target.pod_uid, target.container_id, qos)
+        pids = self._cgroups.pids(target.pod_uid, target.container_id, qos)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         directory = safenames.child(self.pod_dir(socket_pod), target.subdir)

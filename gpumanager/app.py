@@ -245,6 +245,7 @@ class Agent:
             quiet_period=self.config.health_quiet_period,
             probe_period=self.config.health_probe_period,
             lost=self.lost,
+            report=self._report,
         )
         # The kubelet hears first: prepared lists, then the allocator (whose lock an Allocate may hold).
         self.propagation = HealthPropagation(self.health, self.gpus, self.lost)

@@ -35,6 +35,19 @@ class HealthState:
 
 HealthListener = Callable[[int, HealthState], None]
 
+#: A component's problem ("" cleared by None), as the agent reports them on /healthz and /readyz.
+ProblemReport = Callable[[str, str | None], None]
+
+#: The name the XID watch's problems are reported under.
+XID_EVENTS = "xid-events"
+#: Consecutive failed event waits (not timeouts) after which the event set is freed and made again.
+EVENT_WAIT_FAILURES_BEFORE_RESET = 10
+#: Seconds before the first attempt to make the event set again; doubled at each failure, up to the last.
+EVENT_SET_RETRY_FIRST = 1.0
+EVENT_SET_RETRY_MAX = 60.0
+#: Seconds between two log lines of one repeated condition (an ignored XID of one GPU, failing waits).
+LOG_PERIOD = 60.0
+
 
 def _handle_key(handle: Any) -> int | None:
     """The address behind an NVML device handle, to recognise the device of an event."""
@@ -56,6 +69,7 @@ class HealthMonitor:
         probe_period: float = 1.0,
         lost: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        report: ProblemReport | None = None,
     ) -> None:
         self._gpus = list(gpus)
         self._ignored = frozenset(ignored_xids)
@@ -76,7 +90,15 @@ class HealthMonitor:
         self._thread: threading.Thread | None = None
         self._handles: dict[int, object] = {}
         self._missing: set[int] = set()  # GPUs NVML gave no handle for (lost at start)
-        self._event_set: Any = None
+        self._event_set: Any = None  # made once some GPU has a handle, again after it failed
+        self._event_retry_at = 0.0
+        self._event_backoff = 0.0
+        self._event_attempts = 0
+        self._wait_failures = 0
+        self._wait_logged_at = -1e18
+        self._event_problem = ""
+        self._report = report
+        self._ignored_seen: dict[tuple[int | None, int], tuple[float, int]] = {}  # last line, count since
         self._by_handle: dict[int, int] = {}
         self.xid_events = 0
         self.ignored_xid_events = 0
@@ -163,10 +185,14 @@ class HealthMonitor:
     # -- the loop --------------------------------------------------------------------------------
 
     def _register_events(self) -> Any:
+        """A new event set with every GPU that has a handle registered, or None (logged, at the first
+        attempt only: later ones are retries)."""
+        level = logging.WARNING if self._event_attempts == 0 else logging.DEBUG
+        self._event_attempts += 1
         try:
             event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
-            log.warning("XID events unavailable (nvmlEventSetCreate: %s); only probing GPUs", exc)
+            log.log(level, "XID events unavailable (nvmlEventSetCreate: %s); only probing GPUs", exc)
             return None
         registered = 0
         for index, handle in self._handles.items():
@@ -174,17 +200,76 @@ class HealthMonitor:
                 pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
                 registered += 1
             except pynvml.NVMLError as exc:
-                log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
-        log.info(
+                log.log(level, "GPU %d: XID events not available (%s); only probing it", index, exc)
+        log.log(
+            logging.INFO if level == logging.WARNING or registered else logging.DEBUG,
             "watching XID events on %d of %d GPUs (ignored XIDs: %s)",
             registered,
             len(self._handles),
             ",".join(map(str, sorted(self._ignored))) or "none",
         )
         if registered == 0:
-            pynvml.nvmlEventSetFree(event_set)
+            self._free(event_set)
             return None
         return event_set
+
+    @staticmethod
+    def _free(event_set: Any) -> None:
+        try:
+            pynvml.nvmlEventSetFree(event_set)
+        except pynvml.NVMLError as exc:
+            log.debug("nvmlEventSetFree: %s", exc)
+
+    def _ensure_events(self) -> None:
+        """Make the event set when there is none and some GPU has a handle: at the start, when the first
+        GPU answers on a node whose GPUs were all lost at start, and again (with backoff) after the
+        set failed or could not be made."""
+        if self._event_set is not None or not self._handles or self._clock() < self._event_retry_at:
+            return
+        self._event_set = self._register_events()
+        if self._event_set is None:
+            self._retry_events_later()
+
+    def _retry_events_later(self) -> float:
+        self._event_backoff = min(EVENT_SET_RETRY_MAX, max(EVENT_SET_RETRY_FIRST, self._event_backoff * 2))
+        self._event_retry_at = self._clock() + self._event_backoff
+        return self._event_backoff
+
+    def _wait_failed(self, exc: pynvml.NVMLError) -> None:
+        """An event wait failed (not a timeout, not a lost GPU): after a few in a row the set is freed and
+        made again with backoff; the problem is logged at most once a minute and reported."""
+        self._wait_failures += 1
+        if self._wait_failures < EVENT_WAIT_FAILURES_BEFORE_RESET:
+            return
+        self._wait_failures = 0
+        event_set, self._event_set = self._event_set, None
+        if event_set is not None:
+            self._free(event_set)
+        delay = self._retry_events_later()
+        problem = f"XID events are not watched: nvmlEventSetWait keeps failing ({exc}); GPUs are only probed"
+        now = self._clock()
+        if now - self._wait_logged_at >= LOG_PERIOD:
+            self._wait_logged_at = now
+            log.warning("%s; making the event set again in %.0f s", problem, delay)
+        if problem != self._event_problem:
+            self._event_problem = problem
+            if self._report is not None:
+                self._report(XID_EVENTS, problem)
+
+    def _wait_ok(self) -> None:
+        """An event wait answered (an event or a timeout): the event set works."""
+        self._wait_failures = 0
+        if self._event_problem:
+            self._event_problem = ""
+            self._event_backoff = 0.0
+            self._wait_logged_at = -1e18
+            log.info("XID events are watched again")
+            if self._report is not None:
+                self._report(XID_EVENTS, None)
+
+    def event_problem(self) -> str:
+        """Why XID events are not watched after they were ('' while they are, or never were)."""
+        return self._event_problem
 
     def _handle_event(self, data: pynvml.c_nvmlEventData_t) -> None:
         xid = int(data.eventData)
@@ -193,11 +278,34 @@ class HealthMonitor:
         self.xid_events += 1
         if xid in self._ignored:
             self.ignored_xid_events += 1
-            log.info("GPU %s: XID %d ignored (application error, not a GPU fault)", index, xid)
+            self._log_ignored(index, xid)
             return
         targets = [index] if index is not None else list(self._handles)
         for i in targets:
             self._mark_bad(i, f"XID {xid}")
+
+    def _log_ignored(self, index: int | None, xid: int) -> None:
+        """One line for the first ignored XID of a GPU and kind, then at most one a minute with a count."""
+        now = self._clock()
+        last, count = self._ignored_seen.get((index, xid), (-1e18, 0))
+        if now - last < LOG_PERIOD:
+            self._ignored_seen[(index, xid)] = (last, count + 1)
+            return
+        self._ignored_seen[(index, xid)] = (now, 0)
+        if count:
+            log.info("GPU %s: XID %d ignored %d more times in the last %.0f s", index, xid, count + 1, now - last)
+        else:
+            log.info("GPU %s: XID %d ignored (application error, not a GPU fault)", index, xid)
+
+    def _flush_ignored(self) -> None:
+        """The counts of ignored XIDs whose minute has passed, one line each."""
+        now = self._clock()
+        for key, (last, count) in list(self._ignored_seen.items()):
+            if count and now - last >= LOG_PERIOD:
+                self._ignored_seen[key] = (now, 0)
+                log.info("GPU %s: XID %d ignored %d more times in the last %.0f s", key[0], key[1], count, now - last)
+            elif not count and now - last >= LOG_PERIOD:
+                del self._ignored_seen[key]
 
     def _take_handle(self, index: int) -> bool:
         """Look up GPU ``index``'s handle (False, and the GPU marked bad, when NVML gives none)."""
@@ -235,30 +343,29 @@ class HealthMonitor:
             self._mark_ok(index)
 
     def _run(self) -> None:
-        event_set = self._event_set = self._register_events()
         next_probe = 0.0
         try:
             while not self._stop.is_set():
                 try:
-                    next_probe = self._step(event_set, next_probe)
+                    self._ensure_events()
+                    next_probe = self._step(next_probe)
                 except Exception:
                     # Keep watching: one bad NVML answer must not end health checking.
                     log.exception("GPU health check failed; retrying in 1 s")
                     self._stop.wait(1.0)
         finally:
+            event_set, self._event_set = self._event_set, None
             if event_set is not None:
-                self._event_set = None
-                try:
-                    pynvml.nvmlEventSetFree(event_set)
-                except pynvml.NVMLError:
-                    pass
+                self._free(event_set)
 
-    def _step(self, event_set: object | None, next_probe: float) -> float:
+    def _step(self, next_probe: float) -> float:
         now = self._clock()
         if now >= next_probe:
             self._probe()
+            self._flush_ignored()
             next_probe = now + self._probe_period
         wait_ms = max(1, int(min(self._probe_period, 0.5) * 1000))
+        event_set = self._event_set
         if event_set is None:
             self._stop.wait(wait_ms / 1000)
             return next_probe
@@ -266,12 +373,14 @@ class HealthMonitor:
             data = pynvml.nvmlEventSetWait_v2(event_set, wait_ms)
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_TIMEOUT:
+                self._wait_ok()
                 return next_probe
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                 next_probe = 0.0
             else:
-                log.warning("nvmlEventSetWait: %s", exc)
+                self._wait_failed(exc)
             self._stop.wait(0.05)
             return next_probe
+        self._wait_ok()
         self._handle_event(data)
         return next_probe

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from gpumanager.deviceplugin import manager as manager_module
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.server import PluginServer
@@ -176,3 +180,57 @@ def test_a_live_socket_of_another_plugin_at_our_path_is_not_taken_back(tmp_path:
         other.close()
         plugins.stop()
         kubelet.stop()
+
+
+class _SlowRefusingKubelet(pb_grpc.RegistrationServicer):
+    """A kubelet whose Register answers late (a busy node) and, when ``refuse``, with an error."""
+
+    def __init__(self, delay: float, refuse: bool) -> None:
+        self.delay, self.refuse = delay, refuse
+        self.calls: list[tuple[float, float, float | None]] = []  # start, end, the caller's deadline left
+        self._lock = threading.Lock()
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        start = time.monotonic()
+        left = context.time_remaining()
+        time.sleep(self.delay)
+        with self._lock:
+            self.calls.append((start, time.monotonic(), left))
+        if self.refuse:
+            context.abort(grpc.StatusCode.INTERNAL, "busy")
+        return pb.Empty()
+
+
+def _fake_kubelet(tmp_path: Path, servicer: _SlowRefusingKubelet) -> tuple[grpc.Server, Path]:
+    socket_path = tmp_path / "device-plugins" / "kubelet.sock"
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RegistrationServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{socket_path}")
+    server.start()
+    return server, socket_path
+
+
+def test_registration_waits_for_a_slow_kubelet_and_backs_off_after_a_failure(tmp_path: Path) -> None:
+    """A Register the kubelet answers late is given a generous deadline, and after a failed one the next try
+    waits the backoff counted from the end of the attempt, not from its start."""
+    kubelet = _SlowRefusingKubelet(delay=1.2, refuse=True)
+    server, socket_path = _fake_kubelet(tmp_path, kubelet)
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    plugins = PluginManager(
+        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
+        socket_path,
+        options_for=lambda _server: pb.DevicePluginOptions(),
+        watch_period=600.0,
+    )
+    plugins.start()
+    try:
+        time.sleep(4.5)
+    finally:
+        plugins.stop()
+        server.stop(None)
+    calls = sorted(kubelet.calls)
+    assert len(calls) >= 2, calls
+    for (_start, end, _left), (start, _end, _left2) in itertools.pairwise(calls):
+        assert start - end >= 0.7, f"retried {start - end:.2f} s after the failure"
+    assert all(left is None or left >= 55 for _s, _e, left in calls), calls

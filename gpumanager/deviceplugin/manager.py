@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.dirwatch import DirectoryWatch
-from gpumanager.deviceplugin.registration import Endpoint, RegistrationError, register
+from gpumanager.deviceplugin.registration import REGISTER_DEADLINE, Endpoint, RegistrationError, register
 from gpumanager.deviceplugin.server import PluginServer, socket_identity, socket_served
 from gpumanager.retry import Backoff
 
@@ -55,7 +55,7 @@ class PluginManager:
         *,
         options_for: Callable[[PluginServer], pb.DevicePluginOptions],
         watch_period: float = 5.0,
-        register_timeout: float = 5.0,
+        register_timeout: float = REGISTER_DEADLINE,
     ) -> None:
         self._servers = list(servers)
         self._kubelet_socket = kubelet_socket
@@ -196,7 +196,9 @@ class PluginManager:
                         self.status.registered = False
                         self.registered_event.clear()
                         self._set_error(str(exc))
-                        next_try = now + backoff.next_delay()
+                        # From the end of the attempt: a kubelet that took long to refuse is not asked
+                        # again at once.
+                        next_try = time.monotonic() + backoff.next_delay()
                     else:
                         need_register = False
                         backoff.reset()

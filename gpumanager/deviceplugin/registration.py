@@ -29,7 +29,15 @@ class Endpoint:
     options: pb.DevicePluginOptions
 
 
-def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = 5.0) -> tuple[int, int]:
+#: How long a Register may take. The kubelet sets no deadline of its own and dials the plugin back
+#: inside the call (up to 10 s each), so a busy kubelet answers late; a call cancelled early is a
+#: registration that the kubelet may have made and we count as failed.
+REGISTER_DEADLINE = 60.0
+
+
+def register(
+    kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = REGISTER_DEADLINE
+) -> tuple[int, int]:
     """Send one RegisterRequest per endpoint to the kubelet, all at once over one connection.
 
     The kubelet handles each Register on its own (it dials the endpoint back and opens
@@ -37,8 +45,8 @@ def register(kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: fl
     time of one. Returns the (device, inode) of the ``kubelet.sock`` registered with: the socket
     file is held open and dialled through that handle (``/proc/self/fd/<n>``, on a connection of
     this call's own), so a kubelet that re-creates it meanwhile is told apart from the one that
-    answered. Without procfs the path itself is dialled. Raises RegistrationError with the reason
-    of the first failure, in endpoint order.
+    answered. Without procfs the path itself is dialled. ``timeout`` is each call's deadline. Raises
+    RegistrationError with the reason of the first failure, in endpoint order.
     """
     try:
         handle = os.open(kubelet_socket, os.O_PATH | os.O_CLOEXEC)
@@ -72,7 +80,6 @@ def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpo
         calls = [
             (
                 ep,
-                # The kubelet dials us back inside Register (up to 10 s); allow for that.
                 stub.Register.future(
                     pb.RegisterRequest(
                         version=names.DEVICE_PLUGIN_API_VERSION,
@@ -80,7 +87,7 @@ def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpo
                         resource_name=ep.resource,
                         options=ep.options,
                     ),
-                    timeout=timeout + 10.0,
+                    timeout=timeout,
                 ),
             )
             for ep in endpoints

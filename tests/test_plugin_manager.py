@@ -234,3 +234,33 @@ def test_registration_waits_for_a_slow_kubelet_and_backs_off_after_a_failure(tmp
     for (_start, end, _left), (start, _end, _left2) in itertools.pairwise(calls):
         assert start - end >= 0.7, f"retried {start - end:.2f} s after the failure"
     assert all(left is None or left >= 55 for _s, _e, left in calls), calls
+
+
+def test_a_stop_while_the_loop_serves_again_leaves_no_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet wipes our socket and the agent stops while the loop is serving again: nothing serves and
+    no socket is left after the stop."""
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    server = PluginServer(servicer, directory / "r.sock")
+    real_restart = PluginServer.restart
+    entered = threading.Event()
+
+    def slow_restart(self: PluginServer) -> None:
+        entered.set()
+        time.sleep(0.3)  # a busy node: the old server's cancel takes this long
+        real_restart(self)
+
+    monkeypatch.setattr(PluginServer, "restart", slow_restart)
+    plugins = PluginManager(
+        [server], directory / "kubelet.sock", options_for=lambda _server: pb.DevicePluginOptions(), watch_period=0.2
+    )
+    plugins.start()
+    time.sleep(0.3)
+    (directory / "r.sock").unlink()
+    assert entered.wait(5)
+    plugins.stop()
+    time.sleep(0.6)
+    assert sorted(p.name for p in directory.iterdir()) == []
+    with pytest.raises(RuntimeError):
+        server.start()

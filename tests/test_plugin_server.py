@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
@@ -49,3 +50,16 @@ def test_pods_starting_together_are_not_queued_behind_each_other(tmp_path: Path)
         assert len(answers) == calls
     finally:
         server.close()
+
+
+def test_a_missing_directory_is_made_as_the_kubelet_makes_it(tmp_path: Path) -> None:
+    servicer = ResourceServicer("example.com/r", devices=lambda: b"", options=pb.DevicePluginOptions())
+    server = PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")
+    server.start()
+    try:
+        assert (tmp_path / "device-plugins").stat().st_mode & 0o777 == 0o750
+    finally:
+        server.close()
+    assert not server.socket_path.exists()
+    with pytest.raises(RuntimeError, match="closed"):
+        server.start()

@@ -108,10 +108,15 @@ class PluginManager:
     # -- the loop -----------------------------------------------------------------------------------
 
     def _restart_servers(self) -> None:
-        for s in self._servers:
-            if not s.socket_intact():
-                s.restart()
-        self.status.server_restarts += 1
+        # Under the lock: a stop meanwhile waits for it, then closes what it served (never the reverse,
+        # which would leave a server and its socket behind the stopped agent).
+        with self._lock:
+            if self._stop.is_set():
+                return
+            for s in self._servers:
+                if not s.socket_intact():
+                    s.restart()
+            self.status.server_restarts += 1
 
     def _register_all(self) -> tuple[int, int]:
         """Register every resource; return the identity of the ``kubelet.sock`` that answered."""

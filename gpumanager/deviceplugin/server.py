@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,19 @@ class PluginServer:
         self._server: grpc.Server | None = None
         self._executor: futures.ThreadPoolExecutor | None = None
         self.identity: tuple[int, int] | None = None
+        self._closed = False
+        self._lock = threading.RLock()  # start, restart and close one at a time
 
     def start(self) -> None:
-        """Remove a stale socket, listen, serve."""
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        """Remove a stale socket, listen, serve. Raises RuntimeError after :meth:`close`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self.servicer.resource} server on {self.socket_path} is closed")
+            self._start()
+
+    def _start(self) -> None:
+        # The kubelet makes its device-plugin directory with mode 0750; one we make again is the same.
+        self.socket_path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
@@ -131,19 +141,24 @@ class PluginServer:
         The old server is cancelled without grace first: its listener removes the socket path when
         it closes, which must not be the new server's.
         """
-        self.servicer.stop()
-        old, self._server = self._server, None
-        self.identity = None
-        if old is not None:
-            old.stop(grace=None).wait(1.0)
-        self.start()
+        with self._lock:
+            if self._closed:
+                return
+            self.servicer.stop()
+            old, self._server = self._server, None
+            self.identity = None
+            if old is not None:
+                old.stop(grace=None).wait(1.0)
+            self._start()
 
     def close(self) -> None:
         """Stop for good: also release the worker threads (grpc does not own the pool it was given)."""
-        self.stop(remove_socket=True, wait=0.3)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        with self._lock:
+            self._closed = True
+            self.stop(remove_socket=True, wait=0.3)
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
 
     def socket_intact(self) -> bool:
         """Whether our socket file is still the one we created."""

@@ -81,6 +81,16 @@ def test_unknown_ids_are_skipped_not_fatal() -> None:
     assert gpus_of(layout, CORE, chosen) == {3}
 
 
+def test_unknown_ids_are_logged_in_one_line_per_call(caplog: pytest.LogCaptureFixture) -> None:
+    pref, layout = v100x4()
+    bogus = [f"bogus-{i}" for i in range(500)]
+    with caplog.at_level(logging.WARNING, logger="gpumanager.deviceplugin.preferred"):
+        pref.choose(CORE, [*bogus, *all_ids(layout, CORE, [3])], [], 100)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines[:3]
+    assert "500" in lines[0] and "bogus-0" in lines[0] and "bogus-499" not in lines[0]
+
+
 def test_same_state_same_answer() -> None:
     pref, layout = v100x4()
     ids = all_ids(layout, CORE, range(4))

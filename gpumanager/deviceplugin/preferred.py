@@ -24,6 +24,9 @@ from gpumanager.topology import TopologyTree, choose
 
 log = logging.getLogger(__name__)
 
+#: How many of the unknown IDs offered in one call its log line names.
+UNKNOWN_IDS_NAMED = 3
+
 
 class Preference:
     """Computes preferred device IDs from the topology tree and the device layout."""
@@ -39,19 +42,28 @@ class Preference:
         positions = self._layout.positions(resource)
         grouped: dict[int, list[str]] = {}
         odd: dict[str, int] = {}
+        unknown: list[UnknownDeviceError] = []
         for device_id in ids:
             position = positions.get(device_id)
             if position is None:  # not as this node spells its IDs
                 try:
                     position = (self._layout.gpu_of(resource, device_id), device_ids.number(device_id))
                 except UnknownDeviceError as exc:
-                    log.warning("GetPreferredAllocation: ignoring %s", exc)
+                    unknown.append(exc)
                     continue
                 odd[device_id] = position[1]
             group = grouped.get(position[0])
             if group is None:
                 group = grouped[position[0]] = []
             group.append(device_id)
+        if unknown:
+            # One line a call: the kubelet may offer thousands of IDs this node does not have.
+            log.warning(
+                "GetPreferredAllocation: ignoring %d offered %s IDs this node does not have, e.g. %s",
+                len(unknown),
+                resource,
+                "; ".join(str(exc) for exc in unknown[:UNKNOWN_IDS_NAMED]),
+            )
         return grouped, odd
 
     def _lowest(self, resource: str, ids: list[str], count: int, odd: dict[str, int]) -> list[str]:

@@ -157,3 +157,55 @@ def test_a_crash_looping_container_leaves_nothing_remembered_per_restart(node: N
     if refreshed:
         assert node.pids("main") == [1039]
     assert len(node.vm._last_pids) == remembered
+
+
+def _gone(node: Node, cid: str) -> None:
+    shutil.rmtree(node.cgroup / "kubepods" / f"pod{POD}" / cid)
+
+
+def test_a_restarted_containers_old_id_directory_is_removed(node: Node) -> None:
+    """A crash-looping container registers a new <pod>/<container id>/ at each start: the old one goes
+    once its ID has left the pod's status and its cgroup is gone."""
+    node.register()
+    _gone(node, CID)
+    for restart in range(3, 13):
+        cid = f"c0ffee{restart:058d}"
+        node.procs([1000 + restart], cid=cid)
+        node.pods[POD] = pod_object(cid)
+        node.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=cid))
+        node.refresh()
+        _gone(node, cid)
+    node.refresh()
+    left = sorted(p.name for p in (node.vm_path / POD).iterdir() if p.is_dir())
+    assert left == sorted(["main", "c0ffee" + f"{12:058d}"])  # the status still names the last one
+    assert not (node.vm_path / POD / CID).exists()
+
+
+def test_an_id_directory_stays_while_the_status_names_it_or_its_cgroup_lives(node: Node) -> None:
+    node.register()
+    # Registered before the status names it (recognised by its cgroup): kept while its cgroup lives.
+    node.procs([900], cid=NEW_CID)
+    node.pods[POD] = pod_object(NEW_CID)
+    node.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=NEW_CID))
+    node.pods[POD] = pod_object(CID)
+    node.refresh()
+    assert (node.vm_path / POD / NEW_CID).is_dir()
+    # Named by the status, its cgroup gone (the container ended; the status not updated yet): kept.
+    _gone(node, CID)
+    node.refresh()
+    assert (node.vm_path / POD / CID).is_dir()
+    # Neither: removed.
+    _gone(node, NEW_CID)
+    node.refresh()
+    assert not (node.vm_path / POD / NEW_CID).exists()
+    assert (node.vm_path / POD / CID).is_dir() and (node.vm_path / POD / "main").is_dir()
+
+
+def test_old_id_directories_found_at_a_restart_of_the_agent_are_removed_too(node: Node) -> None:
+    stale = node.vm_path / POD / ("ab" * 32)
+    stale.mkdir()
+    (stale / names.PIDS_CONFIG_FILE).write_bytes(b"")
+    node.vm.resume([POD])
+    node.refresh()
+    assert not stale.exists()
+    assert (node.vm_path / POD / "main").is_dir()

@@ -166,6 +166,8 @@ class VirtualManager:
         self._registered: dict[tuple[str, str], Path] = {}
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
         self._ids_of: dict[tuple[str, str], tuple[Pod, str]] = {}
+        # <pod dir>/<container id> made by a registration -> (the registering pod's UID, the full ID).
+        self._id_dirs: dict[Path, tuple[str, str]] = {}
         self._registrations = 0  # RegisterVDevice calls that wrote a pids.config
         self._pids_lock = threading.Lock()  # a registration's write against the refresh's memo
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
@@ -447,6 +449,8 @@ class VirtualManager:
             if before is not None and before != path:
                 self._last_pids.pop(before, None)
             self._registered[(target.pod_uid, target.name)] = path
+            if target.subdir != target.name:  # by its ID (or a prefix): removed once the container is gone
+                self._id_dirs[directory] = (target.pod_uid, target.container_id)
             self._registrations += 1
             self._current.pop((target.pod_uid, target.container_id), None)
         config = directory / names.VCUDA_CONFIG_FILE
@@ -473,6 +477,10 @@ class VirtualManager:
         written = 0
         seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
         seen_ids: dict[tuple[str, str], Path] = {}  # (pod UID, container ID) -> its registered pids.config
+        answered_by: dict[str, set[str]] = {}  # pod directory -> pods whose containers were answered with it
+        allocations = list(allocations)
+        for alloc in allocations:
+            answered_by.setdefault(alloc.answered[0], set()).add(alloc.pod_uid)
         for alloc in allocations:
             if not alloc.shared:
                 continue
@@ -506,7 +514,44 @@ class VirtualManager:
             if key not in seen_ids:
                 self._last_pids.pop(path, None)
         self._swept_ids = seen_ids
+        self._remove_ended_ids(answered_by)
         return written
+
+    def _remove_ended_ids(self, answered_by: dict[str, set[str]]) -> None:
+        """Remove the ``<pod dir>/<container id>/`` of registrations whose container has ended: its ID
+        is in no status of the pods that use the directory and its cgroup is gone (a crash-looping
+        container registers a new ID at each start; the pod's directory would collect them)."""
+        for directory, (pod_uid, cid) in list(self._id_dirs.items()):
+            dir_pod = directory.parent.name
+            if self._id_in_use({pod_uid, dir_pod} | answered_by.get(dir_pod, set()), directory.name, cid):
+                continue
+            with self._pids_lock:
+                if self._id_dirs.get(directory) != (pod_uid, cid):
+                    continue  # registered again meanwhile
+                del self._id_dirs[directory]
+                path = directory / names.PIDS_CONFIG_FILE
+                self._last_pids.pop(path, None)
+                for key in [k for k, v in list(self._registered.items()) if v == path]:
+                    self._registered.pop(key, None)
+            shutil.rmtree(directory, ignore_errors=True)
+            log.info("removed %s: its container has ended", directory)
+
+    def _id_in_use(self, pod_uids: Iterable[str], name: str, cid: str) -> bool:
+        """Whether a status of these pods names the ID (``name`` may be a prefix of it) or its cgroup
+        lives; True also when none of the pods is known (nothing can be told)."""
+        known = False
+        for uid in pod_uids:
+            pod = self._pod(uid)
+            if pod is None:
+                continue
+            known = True
+            for current in podinfo.container_ids(pod).values():
+                if current in (name, cid) or (len(name) >= _SHORT_ID and current.startswith(name)):
+                    return True
+            qos = podinfo.qos_class(pod)
+            if self._cgroups.find_claimed(uid, cid, qos) is not None:
+                return True
+        return not known
 
     def _container_id(self, alloc: ContainerAllocation, pod: Pod) -> str:
         """The container's runtime ID from its pod's status (read again only when the pod changed)."""
@@ -577,6 +622,8 @@ class VirtualManager:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
             self._ids_of.pop(ids_key, None)
+        for id_dir in [d for d in list(self._id_dirs) if d.parent == entry]:
+            self._id_dirs.pop(id_dir, None)
         for registered_key, path in list(self._registered.items()):
             if registered_key[0] == entry.name or str(path).startswith(prefix):
                 self._registered.pop(registered_key, None)
@@ -594,8 +641,23 @@ class VirtualManager:
     def resume(self, pod_uids: Iterable[str]) -> None:
         """Serve again the sockets of pods that have a directory (after an agent restart)."""
         for uid in pod_uids:
-            if self.pod_dir(uid).is_dir():
+            directory = self.pod_dir(uid)
+            if directory.is_dir():
                 self._serve(uid)
+                self._adopt_id_dirs(directory)
+
+    def _adopt_id_dirs(self, directory: Path) -> None:
+        """Take the registrations' directories a previous run left in a pod's directory into account
+        (see :meth:`_remove_ended_ids`): those named by a whole container ID, longer than any
+        container's name (63 characters)."""
+        try:
+            entries = [e for e in directory.iterdir() if len(e.name) > 63 and _CONTAINER_ID.fullmatch(e.name)]
+        except OSError:
+            return
+        with self._pids_lock:
+            for entry in entries:
+                if entry.is_dir():
+                    self._id_dirs.setdefault(entry, (directory.name, entry.name))
 
     def stop(self) -> None:
         """Stop serving every socket (directories stay: the containers still use them)."""

@@ -148,14 +148,20 @@ class Agent:
         except ConfigError as exc:
             raise StartupError(str(exc), 2) from exc
         self._extra_devices = extra_devices
-        self._start_nvml()
-        self._start_health()
+        # A stop may come while a step runs (the start runs beside the signal handling): none is
+        # started after it, and one in progress is stopped by it.
+        steps = [self._start_nvml, self._start_health]
         if cfg.mode != "dra":
-            self._start_plugins()
-        threading.Thread(target=self._start_background, name="start", daemon=True).start()
+            steps.append(self._start_plugins)
+        for step in steps:
+            if not self._unless_stopping(step):
+                log.info("stopping: the start goes no further")
+                return
+        threading.Thread(target=self._start_background, name="start-background", daemon=True).start()
 
     def _start_nvml(self) -> None:
         try:
+            stall_point("start-nvml")
             nvml.init(self.config.nvml_lib)
             self._nvml_started = True
             node = discovery.discover(Path(self.config.checkpoint_path))

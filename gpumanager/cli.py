@@ -32,7 +32,7 @@ from gpumanager.config import Config, ConfigError
 from gpumanager.flagspec import FlagField
 
 if TYPE_CHECKING:
-    from gpumanager.app import Agent
+    from gpumanager.app import Agent, StartupError
     from gpumanager.signals import SignalPipe
 
 log = logging.getLogger(__name__)
@@ -232,21 +232,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpumanager.app import Agent, StartupError  # imported late: keeps --help and --version fast
     from gpumanager.signals import SignalPipe
 
-    signals = SignalPipe().install()  # a stop signal during the start is acted on once it is done
+    signals = SignalPipe().install()  # from here on a stop signal is acted on at once, during the start too
     _lock_fd, stopped = hold_node_lock(Path(config.checkpoint_path), signals)
     if stopped is not None:
         log.info("received %s while waiting for the node's lock; exiting", stopped.name)
         return EXIT_OK
     agent = Agent(config)
-    try:
-        agent.start()
-    except StartupError as exc:
-        log.error("cannot start: %s", exc)
+    received = _start_unless_stopped(agent, signals)
+    if isinstance(received, StartupError):
+        log.error("cannot start: %s", received)
         _stop_within(agent, STOP_DEADLINE)
-        return exc.exit_code
-    while (received := signals.next()) == signal.SIGHUP:  # the main thread sleeps until a signal comes
-        log.info("received SIGHUP")
-        agent.recheck()
+        return received.exit_code
+    if received is None:  # started (else a stop signal came during the start)
+        while (received := signals.next()) == signal.SIGHUP:  # the main thread sleeps until a signal comes
+            log.info("received SIGHUP")
+            agent.recheck()
     log.info("received %s; stopping", received.name)
     _stop_within(agent, STOP_DEADLINE)
     log.info("stopped")
@@ -268,6 +268,45 @@ DEFERRED_AT_START = (
     "tempfile",
     "calendar",
 )
+
+
+def _start_unless_stopped(agent: Agent, signals: SignalPipe) -> StartupError | signal.Signals | None:
+    """Start the agent in a thread while the main thread listens for signals: a stop signal during the
+    start (NVML hanging on a GPU that fell off the bus, say) is acted on at once, and the agent's start
+    serves nothing once it is stopping. Returns the StartupError that ended the start, the stop signal
+    that came first, or None when the agent started (a SIGHUP meanwhile is acted on then)."""
+    from gpumanager.app import StartupError
+    from gpumanager.signals import STOP
+
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            agent.start()
+        except BaseException as exc:  # handed to the main thread
+            failure.append(exc)
+        finally:
+            done.set()
+            signals.wake()
+
+    threading.Thread(target=run, name="start", daemon=True).start()
+    recheck = False
+    while not done.is_set():
+        received = signals.wait()
+        if received is None:
+            continue
+        if received in STOP:
+            return received
+        recheck = True
+    if failure:
+        if isinstance(failure[0], StartupError):
+            return failure[0]
+        raise failure[0]
+    if recheck:
+        log.info("received SIGHUP while starting")
+        agent.recheck()
+    return None
 
 
 #: The file in --checkpoint-path whose lock (flock) one agent per node holds for its whole life.

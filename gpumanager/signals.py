@@ -1,8 +1,8 @@
 """The signals the agent obeys, received without a polling loop.
 
 The main thread sleeps in a read of a pipe that the interpreter writes each signal's number into
-(``signal.set_wakeup_fd``): it wakes when a signal comes and at no other time. A signal that comes
-before the agent has started waits in the pipe.
+(``signal.set_wakeup_fd``): it wakes when a signal comes, and when another thread asks it to
+(:meth:`SignalPipe.wake`: the agent's start, which runs beside it, has ended).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any
 #: The signals that stop the agent; SIGHUP asks for a re-check.
 STOP = (signal.SIGTERM, signal.SIGINT)
 RECHECK = signal.SIGHUP
+#: The byte :meth:`SignalPipe.wake` writes: no signal has number 0.
+_WAKE = 0
 
 
 def _received(_signum: int, _frame: FrameType | None) -> None:
@@ -34,6 +36,7 @@ class SignalPipe:
         self._previous: dict[signal.Signals, Any] = {}
         self._previous_fd = -1
         self._pending: list[int] = []
+        self._woken = False
 
     def install(self) -> SignalPipe:
         """Take over the signals (call from the main thread)."""
@@ -48,6 +51,22 @@ class SignalPipe:
             self._read_some()
         return signal.Signals(self._pending.pop(0))
 
+    def wait(self) -> signal.Signals | None:
+        """The next signal received, or None once :meth:`wake` was called (signals first); sleeps until then."""
+        while not self._pending and not self._woken:
+            self._read_some()
+        if self._pending:
+            return signal.Signals(self._pending.pop(0))
+        self._woken = False
+        return None
+
+    def wake(self) -> None:
+        """End a :meth:`wait` in progress or the next one (from any thread)."""
+        try:
+            os.write(self._write, bytes([_WAKE]))
+        except BlockingIOError:
+            pass  # the pipe is full: the main thread wakes anyway
+
     def poll(self, timeout: float) -> signal.Signals | None:
         """The next signal received within ``timeout`` seconds, else None."""
         if not self._pending and select.select([self._read], [], [], max(0.0, timeout))[0]:
@@ -57,6 +76,7 @@ class SignalPipe:
     def _read_some(self) -> None:
         data = os.read(self._read, 64)
         self._pending.extend(b for b in data if b in self._signals)
+        self._woken = self._woken or _WAKE in data
 
     def close(self) -> None:
         """Give the signals back to their earlier handlers."""

@@ -94,3 +94,28 @@ def test_dra_mode_publishes_its_slice_before_loading_the_allocation_state(tmp_pa
         text = agent.wait_for_log("stalling 15 s at start-allocation", timeout=10)
         this_start = text[text.rindex("starting on node") :]
         assert "topology ROOT" not in this_start, "the slice waited for the allocation state"
+
+
+def test_sigterm_while_nvml_starts_exits_at_once_and_registers_nothing(tmp_path: Path) -> None:
+    """NVML's start hangs (a GPU falling off the bus): a SIGTERM meanwhile ends the agent at once, and the
+    start that resumes afterwards serves and registers nothing."""
+    from simnode.agent_process import AgentProcess
+    from simnode.kubelet import KubeletSimulator
+    from tests.agent_fixtures import spec_path
+
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    try:
+        agent = AgentProcess(tmp_path, spec_path("t4-x1"), env={"GPU_MANAGER_STALL_AT": "start-nvml:3"}).start()
+        agent.wait_for_log("start-nvml", timeout=30)
+        agent.signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code = agent.wait(timeout=20)
+        took = time.monotonic() - sent
+        assert took < 2.5, f"the agent took {took:.1f} s to leave after SIGTERM:\n{agent.log_text()[-3000:]}"
+        assert code == 0
+        time.sleep(3.5)  # past the stall: nothing may come of the start
+        assert kubelet.registration_count() == 0
+        assert sorted(p.name for p in (tmp_path / "device-plugins").glob("v*.sock")) == []
+    finally:
+        kubelet.stop()

@@ -11,6 +11,7 @@ figures.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -466,3 +467,143 @@ def test_blind_processes_pay_for_each_other(node: Node) -> None:
     share = 100.0 * (b.busy_ns - a.busy_ns) / (b.now_ns - a.now_ns)
     assert fresh.started >= 4
     assert share <= 38, f"blind processes of one long kernel each got {share:.1f} % of the GPU in a 30 % container"
+
+
+
+# ---- each process sampled at its own moment ---------------------------------------------------------------------
+
+#: One 1 ms kernel every argv[2] seconds for argv[1] seconds on GPU argv[3]: a steady, known load (1 ms / 20 ms = 5 %).
+PACED = ctypes_kernel_program(
+    "int(sys.argv[3])",
+    'b"spin_1ms"',
+    r"""import time
+stream = ctypes.c_void_p()
+ok(cu.cuStreamCreate(ctypes.byref(stream), 1))
+seconds, period = float(sys.argv[1]), float(sys.argv[2])
+end = next_at = time.time()
+end += seconds
+while time.time() < end:
+    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, stream, args, None))
+    ok(cu.cuStreamSynchronize(stream))
+    next_at += period
+    time.sleep(max(0.0, next_at - time.time()))
+""",
+)
+
+
+def test_nvml_stamps_each_process_sample_with_its_own_time(node: Node) -> None:
+    """As the real driver, the simulated NVML samples each process at its own moment of the sampling period: the
+    processes of one answer carry different timestamps (GPUSIM_PROCESS_SAMPLE_SPREAD_US=0: all the same)."""
+    sim = {"LD_LIBRARY_PATH": str(BUILD / "sim")}
+    program = r"""
+import pynvml, time
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(13)
+time.sleep(0.5)
+got = pynvml.nvmlDeviceGetProcessUtilization(h, 0)
+print(json.dumps({str(p.pid): [p.timeStamp, p.smUtil] for p in got}))
+"""
+    for spread, distinct in ((None, True), ("0", False)):
+        extra = dict(sim, GPUSIM_PROCESS_SAMPLE_SPREAD_US=spread) if spread is not None else sim
+        loops = [subprocess.Popen([sys.executable, "-c", PACED, "1.5", "0.004", "13"], env=node.env("s", None, **extra))
+                 for _ in range(4)]  # fmt: skip
+        try:
+            time.sleep(0.3)
+            env = node.env("s", None, **extra)
+            done = run_python(program, env)
+        finally:
+            for p in loops:
+                p.wait(timeout=60)
+        assert done.returncode == 0, done.stderr
+        got = last_json(done.stdout)
+        assert isinstance(got, dict)
+        mine = {pid: v for pid, v in got.items() if int(pid) in {p.pid for p in loops}}
+        assert len(mine) == 4 and all(util > 0 for _ts, util in mine.values()), got
+        stamps = {ts for ts, _util in mine.values()}
+        assert (len(stamps) > 1) == distinct, got
+        assert max(stamps) - min(stamps) < 10000, got  # within one 10 ms sampling period
+
+
+def interceptor_mirror(root: Path, defines: str) -> Path:
+    """A driver mirror whose interceptor is built with the test-only ``defines`` (under vcuda/build/)."""
+    name = "t" + "".join(c if c.isalnum() else "_" for c in defines)
+    done = subprocess.run(["make", "-C", str(VCUDA), f"BUILD=build/{name}", f"CFLAGS=-O2 -g {defines}", "interceptor",
+                           f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    mirror = root / name
+    make_mirror(mirror, VCUDA / "build" / name / "libcuda-control.so")
+    return mirror
+
+
+def measured_vs_used(node: Node, mirror: Path, processes: int, gpu: int) -> tuple[list[float], float]:
+    """``processes`` paced processes of one container (5 % each, under its 99 % cap: never held back), the first
+    logging the limiter's state: the container's GPU time it measured per second (percent), and the container's
+    share of the GPU read from the timeline meanwhile."""
+    node.env("a", core_config(99))  # written once, before any process reads it
+    procs = [subprocess.Popen([sys.executable, "-c", PACED, "5.0", "0.02", str(gpu)], stderr=subprocess.PIPE, text=True,
+                              env=node.env("a", None, LD_LIBRARY_PATH=str(mirror), LOGGER_LEVEL="5" if i == 0 else "3"))
+             for i in range(processes)]  # fmt: skip
+    time.sleep(2.0)
+    with GpuSimState(node.state) as st:
+        a = st.timeline(gpu)
+        time.sleep(2.0)
+        b = st.timeline(gpu)
+    errs = []
+    for p in procs:
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        errs.append(err)
+    assert a is not None and b is not None
+    used = 100.0 * (b.busy_ns - a.busy_ns) / (b.now_ns - a.now_ns)
+    total = [float(x) for x in re.findall(r"measured ([0-9.]+) s", errs[0])]
+    return [100.0 * (y - x) for x, y in zip(total[1:], total[2:])], used  # the debug line comes once a second
+
+
+def test_every_process_of_a_container_sampled_at_its_own_time_is_charged(node: Node) -> None:
+    """Each process of the container has its own sample time, so every one but the newest-sampled needs an entry
+    in the limiter's per-device table of PIDs counted up to their own time.  A process without one was charged up
+    to its sample time while the next query started at the container's newest: the time between was lost at every
+    measurement (the table held 64; in a build holding 1, 7 processes using 35 % of the GPU were measured at 22-25 %,
+    so a 30 % container would get about 45 %).  The table grows as needed (here from 1)."""
+    measured, used = measured_vs_used(node, interceptor_mirror(node.root, "-DVC_OWN_PIDS=1"), 7, 13)
+    assert 30 <= used <= 36, used
+    assert len(measured) >= 2 and min(measured) >= 0.9 * used, (measured, used)
+
+
+def test_a_pid_table_that_cannot_grow_counts_twice_rather_than_never(node: Node) -> None:
+    """Where the table cannot grow (here: a build whose table stops at 1 entry; in production, memory that cannot
+    be had), the next query starts at the oldest sample time of the processes left without an entry: their time is
+    asked for again, and some is counted twice, none missed."""
+    measured, used = measured_vs_used(node, interceptor_mirror(node.root, "-DVC_OWN_PIDS=1 -DVC_OWN_PIDS_LIMIT=1"), 7, 14)
+    assert 30 <= used <= 36, used
+    assert len(measured) >= 2 and min(measured) >= 0.95 * used, (measured, used)
+
+
+def test_a_pid_list_longer_than_4096_still_counts_every_process(node: Node) -> None:
+    """pids.config lists every process of the container (the agent writes them all): with more than 4096 (e.g.
+    many idle workers), the limiter kept the first 4096 and counted the container's GPU processes beyond them as
+    neighbours, free: two busy processes of a 30 % container took 30 % each.  The list is read whole."""
+    node.env("a", core_config(30))
+    procs = {f"p{i}": (6, node.loop("a", 6, 4.0, None)) for i in range(2)}
+    busy = [p.pid for _gpu, p in procs.values()]
+    idle = [pid for pid in range(2, 5000) if pid not in busy][:4600]
+    node.env("a", None, pids=idle + busy)  # the busy ones after the 4096th entry
+    got = shares(node, procs, 2.0, 1.5)
+    assert sum(got.values()) <= 38, got
+
+
+def test_processes_without_a_budget_slot_are_not_free(node: Node) -> None:
+    """Every process of the container takes a slot of its budget file, whose host PID makes it the container's for
+    the others before the agent lists it.  Processes that found every slot taken (1024; here a build with 2)
+    counted each other as neighbours, free, until the agent listed them (never while the agent is down): with the
+    slots held by two processes on another GPU, two busy processes of a 30 % container took 30 % each.  While such
+    a process runs, the container's processes count every process on the GPU as the container's."""
+    mirror = interceptor_mirror(node.root, "-DVC_BUDGET_SLOTS=2")
+    node.env("a", core_config(30))
+    holders = [node.loop("a", 6, 4.5, None, LD_LIBRARY_PATH=str(mirror)) for _ in range(2)]
+    time.sleep(0.5)
+    procs = {f"p{i}": (7, node.loop("a", 7, 4.0, None, LD_LIBRARY_PATH=str(mirror))) for i in range(2)}
+    got = shares(node, procs, 2.0, 1.5)
+    for p in holders:
+        p.communicate(timeout=60)
+    assert sum(got.values()) <= 38, got

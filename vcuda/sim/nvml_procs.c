@@ -206,8 +206,8 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t device, nvmlSamplingTy
 
 /*
  * Per-process utilisation of GPU i: the processes whose simulated kernels ran
- * in (max(lastSeen, now - 1 s), now] (smUtil = their share of that window,
- * timestamp = now), then the entries `gpusim proc` wrote with a non-zero
+ * in (max(lastSeen, now - 1 s), their newest sample moment] (smUtil = their
+ * share of that window, timestamp = that moment: each its own), then the entries `gpusim proc` wrote with a non-zero
  * utilisation updated after lastSeen (a pid the timeline reported is not
  * repeated).  Returns how many samples exist; fills at most max.
  */
@@ -227,6 +227,29 @@ static nvmlReturn_t process_util_error(void)
     return (nvmlReturn_t)sim_env_knob("GPUSIM_PROCESS_UTIL_ERROR", &error);
 }
 
+/*
+ * GPUSIM_PROCESS_SAMPLE_SPREAD_US: the driver samples each process at its own moment of the 10 ms sampling
+ * period, up to this many us before the period's end (default 8000; at most the period, 10000; 0: every process
+ * at the period's end, one timestamp for all).  So processes of one answer carry different timestamps, as with
+ * the real NVML.  (A process sampled 9.5 ms or more before the period's end makes the SM limiter's pacing
+ * oscillate: bursts over 1-2 s, a few percent over the share on average; 10000 reproduces it.)
+ */
+#define DEFAULT_SPREAD_US 8000L
+
+static uint64_t sample_spread_us(void)
+{
+    static long spread = -1;
+    long v = __atomic_load_n(&spread, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *text = getenv("GPUSIM_PROCESS_SAMPLE_SPREAD_US");
+        char *end = NULL;
+        long parsed = text != NULL && text[0] != '\0' ? strtol(text, &end, 10) : -1;
+        v = parsed >= 0 && end != NULL && *end == '\0' ? parsed : DEFAULT_SPREAD_US;
+        __atomic_store_n(&spread, v, __ATOMIC_RELAXED);
+    }
+    return (uint64_t)v;
+}
+
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
                                     struct util_sample *out, unsigned max, unsigned *count)
 {
@@ -235,13 +258,13 @@ static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsig
         return fault;
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
-    unsigned ntl = sim_tl_process_util(ctx->state, i, lastSeen, tl, MAX_TL_PROCS, &now_us);
+    unsigned ntl = sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), tl, MAX_TL_PROCS, &now_us);
     if (ntl > MAX_TL_PROCS)
         ntl = MAX_TL_PROCS;
     unsigned n = 0;
     for (unsigned k = 0; k < ntl; k++, n++)
         if (n < max)
-            out[n] = (struct util_sample){.pid = tl[k].pid, .ts = now_us, .sm = tl[k].sm_percent, .mem = 0};
+            out[n] = (struct util_sample){.pid = tl[k].pid, .ts = tl[k].ts_us, .sm = tl[k].sm_percent, .mem = 0};
     if (sim_state_lock(ctx->state) != 0)
         return NVML_ERROR_UNKNOWN;
     unsigned cap = sim_state_proc_capacity(ctx->state);

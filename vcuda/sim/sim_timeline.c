@@ -514,49 +514,63 @@ unsigned sim_tl_samples(struct sim_state *st, unsigned gpu, uint64_t since_us, u
     return count;
 }
 
-unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, struct sim_tl_proc_util *out,
-                             unsigned max, uint64_t *now_us)
+/* A PID's sampling moment in each checkpoint period: this many us before the checkpoint (a hash, < spread_us). */
+static uint64_t sample_offset_us(uint32_t pid, uint64_t spread_us)
+{
+    if (spread_us == 0)
+        return 0;
+    uint64_t h = (uint64_t)pid * 0x9E3779B97F4A7C15ull;
+    return (h >> 32) % (spread_us < GPUSIM_TL_CKPT_NS / 1000u ? spread_us : GPUSIM_TL_CKPT_NS / 1000u);
+}
+
+unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t spread_us,
+                             struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us)
 {
     struct gpusim_tl_gpu *g = lock_gpu(st, gpu);
     if (g == NULL)
         return 0;
     uint64_t now = sim_mono_ns();
     advance(g, now);
-    /*
-     * Whole checkpoint intervals ending after since (and within the last
-     * second), as NVML's per-process samples are: a caller that passes the
-     * previous answer's timestamp gets the next intervals, none twice.
-     */
-    uint64_t since = mono_of(g, since_us);
-    uint64_t horizon = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0;
-    if (since < horizon)
-        since = horizon;
     uint64_t n = g->ck_count;
-    uint64_t oldest = n > GPUSIM_TL_CKPTS ? n - GPUSIM_TL_CKPTS : 0;
     if (n < 2) {
         unlock_gpu(g);
         return 0;
     }
-    uint64_t last = n - 1, first = last; /* interval k spans checkpoints k-1 .. k */
-    if (g->ck_t[last % GPUSIM_TL_CKPTS] <= since) {
-        unlock_gpu(g);
-        return 0;
-    }
-    while (first > oldest + 1 && g->ck_t[(first - 1) % GPUSIM_TL_CKPTS] > since)
-        first--;
-    uint64_t i0 = (first - 1) % GPUSIM_TL_CKPTS, i1 = last % GPUSIM_TL_CKPTS;
-    uint64_t span = g->ck_t[i1] - g->ck_t[i0];
-    *now_us = real_us_of(g, g->ck_t[i1]);
+    /*
+     * Each process's newest sample moment is in the last checkpoint period (the checkpoint minus its offset),
+     * and its sample averages its GPU time since since_us (at most the last second, at most the checkpoints
+     * kept): a caller that passes a sample's timestamp back gets the time after it, none twice.  Its busy time
+     * at a moment between checkpoints is interpolated (the same answer every time it is asked).
+     */
+    uint64_t oldest = n > GPUSIM_TL_CKPTS ? n - GPUSIM_TL_CKPTS : 0;
+    uint64_t last = g->ck_t[(n - 1) % GPUSIM_TL_CKPTS];
+    uint64_t from = mono_of(g, since_us);
+    uint64_t horizon = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0;
+    if (from < horizon)
+        from = horizon;
+    if (from < g->ck_t[oldest % GPUSIM_TL_CKPTS])
+        from = g->ck_t[oldest % GPUSIM_TL_CKPTS];
     unsigned count = 0;
+    *now_us = 0;
     for (unsigned i = 0; i < GPUSIM_TL_SLOTS; i++) {
         const struct gpusim_tl_slot *s = &g->slots[i];
-        if (!(s->flags & GPUSIM_TL_IN_USE) || s->ck_busy[i1] < s->ck_busy[i0])
+        if (!(s->flags & GPUSIM_TL_IN_USE))
             continue;
-        uint64_t busy = s->ck_busy[i1] - s->ck_busy[i0];
-        if (busy == 0)
+        uint64_t off_ns = sample_offset_us(s->pid, spread_us) * 1000u;
+        if (last < off_ns)
             continue;
-        if (count < max)
-            out[count] = (struct sim_tl_proc_util){.pid = s->pid, .sm_percent = percent(busy, span), .busy_ns = busy};
+        uint64_t at = last - off_ns, ts = real_us_of(g, at);
+        if (ts <= since_us || at <= from)
+            continue;
+        uint64_t b0 = busy_at(g, s->ck_busy, s->busy_ns, from), b1 = busy_at(g, s->ck_busy, s->busy_ns, at);
+        if (b1 <= b0)
+            continue;
+        if (count < max) {
+            out[count] = (struct sim_tl_proc_util){
+                .pid = s->pid, .sm_percent = percent(b1 - b0, at - from), .busy_ns = b1 - b0, .ts_us = ts};
+            if (ts > *now_us)
+                *now_us = ts;
+        }
         count++;
     }
     unlock_gpu(g);

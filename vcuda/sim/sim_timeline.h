@@ -66,18 +66,23 @@ unsigned sim_tl_samples(struct sim_state *st, unsigned gpu, uint64_t since_us, u
 
 struct sim_tl_proc_util {
     uint32_t pid;
-    unsigned sm_percent; /* rounded percent of the window */
-    uint64_t busy_ns;    /* GPU time in the window */
+    unsigned sm_percent; /* rounded percent of its window */
+    uint64_t busy_ns;    /* GPU time in its window */
+    uint64_t ts_us;      /* its sample time (CLOCK_REALTIME us) */
 };
 
 /*
- * Per-process utilisation over the 10 ms checkpoint intervals that ended after
- * since_us (and within the last second): the processes with GPU time in them,
- * at most max.  *now_us = the last interval's end (CLOCK_REALTIME us, the
- * samples' timestamp).  Returns how many processes had time (may exceed max:
+ * Per-process utilisation samples, as NVML's driver takes them: each process
+ * is sampled once per 10 ms checkpoint period, at its own moment in it (its
+ * checkpoint time minus an offset in [0, spread_us), fixed per PID: a hash;
+ * spread_us 0: every process at the checkpoint).  A process's sample is its
+ * newest sample moment, if it is newer than since_us; it averages the process's
+ * GPU time over (since_us, that moment] (within the last second).  Writes at
+ * most max processes with GPU time in their window; *now_us = the newest
+ * sample time written.  Returns how many processes had time (may exceed max:
  * only max are written).
  */
-unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, struct sim_tl_proc_util *out,
-                             unsigned max, uint64_t *now_us);
+unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t spread_us,
+                             struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us);
 
 #endif

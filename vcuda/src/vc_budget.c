@@ -37,7 +37,10 @@
 #define BUDGET_MAGIC "VCUDABGT"
 #define BUDGET_VERSION 1u
 #define BUDGET_HEADER 4096u
-#define BUDGET_SLOTS 1024u
+#ifndef VC_BUDGET_SLOTS
+#define VC_BUDGET_SLOTS 1024u /* tests build with fewer, to reach a full table with a few processes */
+#endif
+#define BUDGET_SLOTS VC_BUDGET_SLOTS
 
 struct budget_slot {
     _Atomic int32_t pid;     /* 0 = free; the PID as the process sees it (liveness is checked with it) */
@@ -66,7 +69,9 @@ struct budget_header {
     uint32_t reserved2[2];
     uint64_t reserved1[5];
     _Atomic uint64_t context_size[MAX_DEVICES]; /* offset 192: last measured context size per CUDA device, 0 unknown */
-    uint64_t reserved3[40];
+    _Atomic uint64_t unseen_until_ns; /* offset 704: CLOCK_MONOTONIC ns until which a process without a slot may
+                                         run unseen by the others (vc_budget_unseen) */
+    uint64_t reserved3[39];
     struct {
         _Atomic uint64_t debt_until_ns; /* CLOCK_MONOTONIC ns until which the container pays off GPU time it overused */
         _Atomic uint64_t seen_us;       /* NVML sample time up to which that is measured */
@@ -77,6 +82,7 @@ _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
 _Static_assert(offsetof(struct budget_header, mu) == 64, "header layout");
 _Static_assert(offsetof(struct budget_header, untracked) == 128, "header layout");
 _Static_assert(offsetof(struct budget_header, context_size) == 192, "header layout");
+_Static_assert(offsetof(struct budget_header, unseen_until_ns) == 704, "header layout");
 _Static_assert(offsetof(struct budget_header, core) == 1024, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
@@ -86,10 +92,12 @@ static pthread_once_t g_open_once = PTHREAD_ONCE_INIT;
 static struct budget_header *g_hdr; /* written once inside g_open_once */
 static struct budget_slot *g_slots; /* likewise */
 static _Atomic int g_slot = -1;      /* this process's slot; reset in a forked child */
+static _Atomic uint64_t g_slot_tried_ns; /* vc_budget_unseen: when a slot was last looked for (0: never) */
 
 void vc_budget_atfork_child(void)
 {
     atomic_store(&g_slot, -1);
+    atomic_store(&g_slot_tried_ns, 0);
 }
 
 static bool init_mutex(pthread_mutex_t *mu)
@@ -276,7 +284,10 @@ static int my_slot(void)
                 atomic_store(&g_hdr->high, (unsigned)slot + 1);
             atomic_store_explicit(&g_slot, slot, memory_order_release);
         } else {
-            vc_log(VC_LOG_ERROR, "all %u budget slots are taken by live processes", BUDGET_SLOTS);
+            static _Atomic bool logged;
+            if (!atomic_exchange(&logged, true))
+                vc_log(VC_LOG_ERROR, "all %u budget slots are taken by live processes: allocations are refused, "
+                       "and the container's SM limit counts every process on its GPUs as its own", BUDGET_SLOTS);
         }
     }
     budget_unlock();
@@ -502,6 +513,33 @@ unsigned vc_budget_host_pids(int *out, unsigned max)
             out[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace (as container_pids) */
     }
     return n;
+}
+
+/*
+ * Whether a process of the container may be running unseen by the others: one that found every slot taken has no
+ * host PID in the budget, so the others know it only once the agent lists it in pids.config (about a second
+ * later; never while the agent is down).  Such a process (the caller without a slot) keeps a lease of
+ * UNSEEN_LEASE_NS in the header, renewed at each call; while it runs, every process of the container counts every
+ * process on its GPUs as the container's (the SM limit fails closed: neighbours' time is charged too).
+ */
+#define UNSEEN_LEASE_NS 2000000000ull
+
+bool vc_budget_unseen(uint64_t now_ns)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL)
+        return false;
+    uint64_t tried = atomic_load_explicit(&g_slot_tried_ns, memory_order_relaxed);
+    bool retry = tried == 0 || now_ns - tried >= 1000000000ull; /* a slot is looked for at most every second */
+    if (retry && !atomic_compare_exchange_strong(&g_slot_tried_ns, &tried, now_ns))
+        retry = false;
+    if (atomic_load_explicit(&g_slot, memory_order_acquire) < 0 && (!retry || my_slot() < 0)) {
+        uint64_t until = now_ns + UNSEEN_LEASE_NS, was = atomic_load(&g_hdr->unseen_until_ns);
+        while (was < until && !atomic_compare_exchange_weak(&g_hdr->unseen_until_ns, &was, until)) {
+        }
+        return true;
+    }
+    return atomic_load_explicit(&g_hdr->unseen_until_ns, memory_order_relaxed) > now_ns;
 }
 
 void vc_budget_join(void)

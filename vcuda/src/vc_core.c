@@ -47,13 +47,27 @@
 #define SOFT_RISE 0.02              /* soft limit: rate rises at most this much per tick */
 #define OTHERS_IDLE 0.01            /* neighbours below 1 %: the GPU counts as ours */
 #define PIDS_CHECK_NS 100000000ull  /* pids.config is re-read (when changed) at most every 100 ms */
-#define MAX_PIDS 4096
+#define FIRST_PIDS 4096            /* the container's PID list: first room, grown to what pids.config holds */
 #define MAX_SAMPLES 256             /* utilisation samples: the first buffer, grown to what NVML asks for */
 #define SAMPLES_LIMIT 65536u        /* ... up to this many */
 #define SAMPLE_TRIES 4              /* queries per measurement while NVML answers INSUFFICIENT_SIZE */
 #define PID_TABLE 4096u             /* per device: the newest sample time of each PID (a power of 2) */
 #define PID_TABLE_FILL 3072u        /* ... emptied of stale PIDs, else wholly, beyond this many */
-#define OWN_PIDS 64                 /* per device: the container's PIDs counted up to another time than the base */
+/*
+ * Per device: the container's PIDs counted up to another sample time than the base.  NVML samples each process
+ * at its own moment, so every busy process of the container but the newest-sampled needs an entry: the table
+ * starts at VC_OWN_PIDS entries and doubles as needed, up to VC_OWN_PIDS_LIMIT (= SAMPLES_LIMIT: no answer holds
+ * more).  Where it cannot grow, nothing is missed: the base stays at the oldest sample time of the PIDs without
+ * an entry (their time after it is asked for again; others' may be counted twice).  Tests build with a small
+ * VC_OWN_PIDS (and VC_OWN_PIDS_LIMIT) to reach the growth (and the fail-closed path) with a few processes: the
+ * code is the same at 64, only 65+ busy processes of one container on one GPU reach it.
+ */
+#ifndef VC_OWN_PIDS
+#define VC_OWN_PIDS 64
+#endif
+#ifndef VC_OWN_PIDS_LIMIT
+#define VC_OWN_PIDS_LIMIT SAMPLES_LIMIT
+#endif
 #define MAX_QUERIES 4               /* per measurement: one per distinct start, the oldest merged beyond this */
 #define SAMPLE_WINDOW_US 1000000ull /* a sample spans at most 1 s; the next query starts at most 1 s back */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
@@ -101,8 +115,9 @@ struct dev {
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
-    struct own_pid own[OWN_PIDS]; /* the container's PIDs counted up to another time */
-    unsigned nown;
+    struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
+    uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
+    unsigned nown, own_cap;
     /* markers */
     CUcontext marker_ctx;
     CUevent ev[MARKERS];
@@ -121,10 +136,15 @@ static struct dev g_dev[MAX_DEVICES];
 static pthread_mutex_t g_init_mu = PTHREAD_MUTEX_INITIALIZER;
 static bool g_watcher;
 
-/* The container's host PIDs (pids.config, else this process), under g_pids_mu. */
+/*
+ * The container's host PIDs (pids.config, else this process), under g_pids_mu, sorted.  g_pids_all: the list
+ * could not be had whole (no memory for it): every process on the GPU counts as the container's.
+ */
 static pthread_mutex_t g_pids_mu = PTHREAD_MUTEX_INITIALIZER;
-static int g_pids[MAX_PIDS];
-static unsigned g_npids;
+static int *g_pids;
+static unsigned g_npids, g_pids_cap;
+static bool g_pids_all;
+static bool g_unseen; /* a process of the container without a budget slot may run unseen (vc_budget_unseen) */
 static uint64_t g_pids_checked;
 static struct timespec g_pids_mtime;
 static pid_t g_pids_owner;
@@ -164,11 +184,55 @@ static int cmp_int(const void *a, const void *b)
  * slot in its budget whose host PID is known (vc_budget.c): a process the agent has not listed yet (it
  * refreshes about once a second, never while it is down) counts from its first context on.
  */
-static int g_file_pids[MAX_PIDS];
-static unsigned g_nfile_pids;
+static int *g_file_pids;
+static unsigned g_nfile_pids, g_file_cap;
+static bool g_file_short; /* the last pids.config read did not fit (no memory): g_pids_all */
+
+/* Room for want ints in *buf (capacity *cap); false when there cannot be. */
+static bool pids_room(int **buf, unsigned *cap, size_t want)
+{
+    if (want <= *cap)
+        return true;
+    if (want > UINT_MAX / 2)
+        return false;
+    size_t n = want < FIRST_PIDS ? FIRST_PIDS : want + want / 4;
+    int *b = realloc(*buf, n * sizeof(int));
+    if (b == NULL)
+        return false;
+    *buf = b;
+    *cap = (unsigned)n;
+    return true;
+}
+
+/* The whole of pids.config (fd, st_size bytes when stat'ed) into g_file_pids; false when it does not fit. */
+static bool read_file_pids(int fd, off_t size)
+{
+    size_t want = size > 0 ? (size_t)size / sizeof(int) + 1 : 1;
+    for (;;) {
+        if (!pids_room(&g_file_pids, &g_file_cap, want))
+            return false;
+        size_t got = 0, room = (size_t)g_file_cap * sizeof(int);
+        for (;;) {
+            ssize_t r = pread(fd, (char *)g_file_pids + got, room - got, (off_t)got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+            if (got == room)
+                break;
+        }
+        if (got < room) {
+            g_nfile_pids = (unsigned)(got / sizeof(int));
+            return true;
+        }
+        want = (size_t)g_file_cap * 2; /* it grew since the stat */
+    }
+}
 
 static void refresh_pids(uint64_t now)
 {
+    g_unseen = vc_budget_unseen(now);
     if (g_pids_owner == getpid() && now - g_pids_checked < PIDS_CHECK_NS)
         return;
     g_pids_checked = now;
@@ -181,28 +245,51 @@ static void refresh_pids(uint64_t now)
                sb.st_mtim.tv_nsec != g_pids_mtime.tv_nsec) {
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         if (fd >= 0) {
-            ssize_t got = read(fd, g_file_pids, sizeof(g_file_pids));
+            g_file_short = !read_file_pids(fd, sb.st_size);
             close(fd);
-            g_nfile_pids = got > 0 ? (unsigned)((size_t)got / sizeof(int)) : 0;
             g_pids_mtime = sb.st_mtim;
         }
     }
+    /*
+     * Every PID of the list, however many (a PID left out would count as a neighbour's: its GPU time free for
+     * the container).  Where the list cannot be had whole, every process on the GPU counts as the container's.
+     */
+    bool all = g_file_short;
     unsigned n = 0;
-    g_pids[n++] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
-    if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
-        g_pids[n++] = vc_host_pid();
-    for (unsigned i = 0; i < g_nfile_pids && n < MAX_PIDS; i++)
-        g_pids[n++] = g_file_pids[i];
-    n += vc_budget_host_pids(g_pids + n, MAX_PIDS - n);
+    size_t want = (size_t)g_nfile_pids + 2 + VC_MAX_PROCS;
+    for (;;) {
+        if (!pids_room(&g_pids, &g_pids_cap, want)) {
+            all = true;
+            n = 0;
+            break;
+        }
+        n = 0;
+        g_pids[n++] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
+        if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
+            g_pids[n++] = vc_host_pid();
+        if (!all)
+            for (unsigned i = 0; i < g_nfile_pids; i++)
+                g_pids[n++] = g_file_pids[i];
+        unsigned room = g_pids_cap - n, got = vc_budget_host_pids(g_pids + n, room);
+        n += got;
+        if (got < room)
+            break;
+        want = (size_t)g_pids_cap * 2; /* perhaps more slots than room */
+    }
+    if (all && !g_pids_all)
+        vc_log(VC_LOG_ERROR, "no memory for the container's %u PIDs: every process on the GPU counts as the "
+               "container's for its SM limit", g_nfile_pids);
+    g_pids_all = all;
     g_npids = n;
-    qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
+    if (n > 0)
+        qsort(g_pids, g_npids, sizeof(int), cmp_int); /* the agent sorts; we do not rely on it */
     g_pids_owner = getpid();
 }
 
 static bool in_container(unsigned pid)
 {
     int key = (int)pid;
-    return bsearch(&key, g_pids, g_npids, sizeof(int), cmp_int) != NULL;
+    return g_pids_all || g_unseen || (g_npids > 0 && bsearch(&key, g_pids, g_npids, sizeof(int), cmp_int) != NULL);
 }
 
 /* ---- measurement: NVML per-process utilisation ------------------------------------------ */
@@ -316,23 +403,70 @@ static int cmp_u64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Index of the first entry of d->own whose PID is not below pid (d->mu held). */
+static unsigned own_lower(const struct dev *d, unsigned pid)
+{
+    unsigned lo = 0, hi = d->nown;
+    while (lo < hi) {
+        unsigned mid = lo + (hi - lo) / 2;
+        if (d->own[mid].pid < pid)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* The entry of the container's pid among d->own (d->mu held); NULL when it has none. */
 static struct own_pid *own_find(struct dev *d, unsigned pid)
 {
-    for (unsigned i = 0; i < d->nown; i++)
-        if (d->own[i].pid == pid)
-            return &d->own[i];
-    return NULL;
+    unsigned i = own_lower(d, pid);
+    return i < d->nown && d->own[i].pid == pid ? &d->own[i] : NULL;
+}
+
+/* Room for one more entry in d->own (and its start): doubled up to VC_OWN_PIDS_LIMIT; false when it cannot be. */
+static bool own_room(struct dev *d)
+{
+    if (d->nown < d->own_cap)
+        return true;
+    unsigned cap = d->own_cap == 0 ? VC_OWN_PIDS : d->own_cap * 2;
+    if (cap > VC_OWN_PIDS_LIMIT)
+        cap = VC_OWN_PIDS_LIMIT;
+    if (cap <= d->own_cap)
+        return false;
+    struct own_pid *own = realloc(d->own, cap * sizeof(*own));
+    if (own == NULL)
+        return false;
+    d->own = own;
+    uint64_t *starts = realloc(d->starts, ((size_t)cap + 1) * sizeof(*starts));
+    if (starts == NULL)
+        return false;
+    d->starts = starts;
+    d->own_cap = cap;
+    return true;
+}
+
+/* A new entry for pid (d->mu held), kept in PID order; NULL when the table has no room. */
+static struct own_pid *own_insert(struct dev *d, unsigned pid, uint64_t us, unsigned q)
+{
+    if (!own_room(d))
+        return NULL;
+    unsigned i = own_lower(d, pid);
+    memmove(&d->own[i + 1], &d->own[i], (d->nown - i) * sizeof(*d->own));
+    d->nown++;
+    d->own[i] = (struct own_pid){.pid = pid, .us = us, .q = q};
+    return &d->own[i];
 }
 
 /*
  * One query's samples (d->mu and g_pids_mu held): the container's PIDs of query q (start s) are charged
  * smUtil x (ts - s), each over the window its average was taken over; base: the query of the PIDs without
  * an entry (they start at the base), which also measures the neighbours.  Returns the newest sample time of
- * the container's PIDs in the answer (0: none).
+ * the container's PIDs in the answer (0: none); *unowned: the oldest sample time of a PID of the container that
+ * could have no entry (the base must not pass it).
  */
 static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, unsigned n, double *own,
-                              double *other, uint64_t *newest)
+                              double *other, uint64_t *newest, uint64_t *unowned)
 {
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
@@ -347,8 +481,13 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
         if (!in_container(buf[i].pid)) {
             if (!base)
                 continue; /* the neighbours: from the base query only */
+            /*
+             * From its previous sample: one newer than the base is not counted twice, and one older (NVML samples
+             * each process at its own moment, so a neighbour's may be older than the container's newest) leaves
+             * no stretch uncounted (its average over the query's window stands for it).
+             */
             uint64_t *last = pid_seen(d, buf[i].pid, stale);
-            from = last != NULL && *last > s ? *last : s;
+            from = last != NULL && *last > stale ? *last : s;
             if (ts <= from)
                 continue;
             if (last != NULL)
@@ -359,10 +498,10 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
         if (ts > t)
             t = ts;
         struct own_pid *e = own_find(d, buf[i].pid);
-        if (e == NULL && base && d->nown < OWN_PIDS)
-            *(e = &d->own[d->nown++]) = (struct own_pid){.pid = buf[i].pid, .us = s, .q = q};
-        else if (e == NULL && !base)
+        if (e == NULL && !base)
             continue; /* the base query has its window */
+        if (e == NULL && (e = own_insert(d, buf[i].pid, s, q)) == NULL && ts < *unowned)
+            *unowned = ts; /* no room: counted up to ts, and the base stays there */
         if (e != NULL && e->q != q)
             continue; /* its window is another query's */
         /* The first sample spans the query's window (for a PID merged into an older start, more than it had left) */
@@ -399,36 +538,39 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
     if (newest > SAMPLE_WINDOW_US && base < newest - SAMPLE_WINDOW_US)
         base = newest - SAMPLE_WINDOW_US; /* a window spans at most 1 s */
     /* The queries: the distinct starts of the PIDs with an entry (the newest ones), then the base. */
-    uint64_t starts[OWN_PIDS + 1];
+    uint64_t base_only[1];
+    uint64_t *starts = d->starts != NULL ? d->starts : base_only; /* room for d->nown + 1 */
     unsigned ns = 0;
     for (unsigned i = 0; i < d->nown; i++) {
         d->own[i].hit = false;
-        if (d->own[i].us == base)
-            continue;
-        bool dup = false;
-        for (unsigned k = 0; k < ns && !dup; k++)
-            dup = starts[k] == d->own[i].us;
-        if (!dup)
+        if (d->own[i].us != base)
             starts[ns++] = d->own[i].us;
     }
     qsort(starts, ns, sizeof(*starts), cmp_u64);
+    unsigned distinct = 0;
+    for (unsigned i = 0; i < ns; i++)
+        if (distinct == 0 || starts[distinct - 1] != starts[i])
+            starts[distinct++] = starts[i];
+    ns = distinct;
     if (ns > MAX_QUERIES - 1) { /* the oldest start, then the newest ones */
         memmove(starts + 1, starts + ns - (MAX_QUERIES - 2), (MAX_QUERIES - 2) * sizeof(*starts));
         ns = MAX_QUERIES - 1;
     }
     starts[ns++] = base;
+    uint64_t start[MAX_QUERIES]; /* d->starts moves when an entry is added */
+    memcpy(start, starts, ns * sizeof(*start));
     for (unsigned i = 0; i < d->nown; i++) {
         struct own_pid *e = &d->own[i];
         e->q = e->us == base ? ns - 1 : 0;
         for (unsigned k = 0; k + 1 < ns; k++)
-            if (starts[k] == e->us)
+            if (start[k] == e->us)
                 e->q = k;
     }
-    uint64_t t_base = 0;
+    uint64_t t_base = 0, unowned = UINT64_MAX;
     bool answered = false;
     for (unsigned q = 0; q < ns; q++) {
         unsigned n = 0;
-        nvmlReturn_t rc = query_samples(d, starts[q], &n);
+        nvmlReturn_t rc = query_samples(d, start[q], &n);
         if (rc == NVML_ERROR_NOT_FOUND) {
             answered = true; /* nothing ran since this start */
             continue;
@@ -447,13 +589,14 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
                 if (d->own[i].q >= q)
                     d->own[i].hit = true;
             t_base = 0;
+            unowned = UINT64_MAX;
             ns = q;
             break;
         }
         answered = true;
         pthread_mutex_lock(&g_pids_mu);
         refresh_pids(now);
-        uint64_t t = charge_answer(d, q, starts[q], q == ns - 1, n, own, other, &newest);
+        uint64_t t = charge_answer(d, q, start[q], q == ns - 1, n, own, other, &newest, &unowned);
         pthread_mutex_unlock(&g_pids_mu);
         if (q == ns - 1)
             t_base = t;
@@ -469,6 +612,8 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
      */
     if (t_base > base)
         base = t_base;
+    if (unowned < base)
+        base = unowned; /* a PID without an entry is asked for from its sample time: counted twice at worst */
     d->base_us = base;
     uint64_t oldest = base;
     unsigned k = 0;
@@ -897,6 +1042,8 @@ static void atfork_child(void)
         free(g_dev[i].samples);
         free(g_dev[i].info);
         free(g_dev[i].seen);
+        free(g_dev[i].own);
+        free(g_dev[i].starts);
         memset(&g_dev[i], 0, sizeof(g_dev[i]));
         pthread_mutex_init(&g_dev[i].mu, NULL);
     }

@@ -257,5 +257,7 @@ void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us);
 uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns);
 /* In a forked child: it owns no slot and no reservation of its parent. */
 void vc_budget_atfork_child(void);
+/* Whether a process of the container may run unseen by the others (it found no budget slot); now_ns: CLOCK_MONOTONIC. */
+bool vc_budget_unseen(uint64_t now_ns);
 
 #endif

@@ -10,6 +10,7 @@ figures.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
@@ -469,7 +470,6 @@ def test_blind_processes_pay_for_each_other(node: Node) -> None:
     assert share <= 38, f"blind processes of one long kernel each got {share:.1f} % of the GPU in a 30 % container"
 
 
-
 # ---- each process sampled at its own moment ---------------------------------------------------------------------
 
 #: One 1 ms kernel every argv[2] seconds for argv[1] seconds on GPU argv[3]: a steady, known load (1 ms / 20 ms = 5 %).
@@ -527,8 +527,10 @@ print(json.dumps({str(p.pid): [p.timeStamp, p.smUtil] for p in got}))
 def interceptor_mirror(root: Path, defines: str) -> Path:
     """A driver mirror whose interceptor is built with the test-only ``defines`` (under vcuda/build/)."""
     name = "t" + "".join(c if c.isalnum() else "_" for c in defines)
-    done = subprocess.run(["make", "-C", str(VCUDA), f"BUILD=build/{name}", f"CFLAGS=-O2 -g {defines}", "interceptor",
-                           f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    command = ["make", "-C", str(VCUDA), f"BUILD=build/{name}", f"CFLAGS=-O2 -g {defines}", "interceptor"]
+    done = subprocess.run(
+        [*command, f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=600, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     mirror = root / name
     make_mirror(mirror, VCUDA / "build" / name / "libcuda-control.so")
@@ -556,7 +558,7 @@ def measured_vs_used(node: Node, mirror: Path, processes: int, gpu: int) -> tupl
     assert a is not None and b is not None
     used = 100.0 * (b.busy_ns - a.busy_ns) / (b.now_ns - a.now_ns)
     total = [float(x) for x in re.findall(r"measured ([0-9.]+) s", errs[0])]
-    return [100.0 * (y - x) for x, y in zip(total[1:], total[2:])], used  # the debug line comes once a second
+    return [100.0 * (y - x) for x, y in itertools.pairwise(total[1:])], used  # the debug line comes once a second
 
 
 def test_every_process_of_a_container_sampled_at_its_own_time_is_charged(node: Node) -> None:
@@ -574,7 +576,9 @@ def test_a_pid_table_that_cannot_grow_counts_twice_rather_than_never(node: Node)
     """Where the table cannot grow (here: a build whose table stops at 1 entry; in production, memory that cannot
     be had), the next query starts at the oldest sample time of the processes left without an entry: their time is
     asked for again, and some is counted twice, none missed."""
-    measured, used = measured_vs_used(node, interceptor_mirror(node.root, "-DVC_OWN_PIDS=1 -DVC_OWN_PIDS_LIMIT=1"), 7, 14)
+    measured, used = measured_vs_used(
+        node, interceptor_mirror(node.root, "-DVC_OWN_PIDS=1 -DVC_OWN_PIDS_LIMIT=1"), 7, 14
+    )
     assert 30 <= used <= 36, used
     assert len(measured) >= 2 and min(measured) >= 0.95 * used, (measured, used)
 

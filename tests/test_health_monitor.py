@@ -6,6 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.gpusim_fixtures import SimNode, gpusim_lib, sim_node
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
@@ -111,6 +113,74 @@ def test_a_failing_event_wait_is_reported_and_the_event_set_made_again(sim_node:
     assert problems and all(name == "xid-events" for name, _p in out["reports"])
     assert "nvmlEventSetWait" in problems[0]
     assert out["recovered"] and out["xid_seen"], out
+
+
+REGISTER_FAILS_AT_REMAKE = (
+    PRELUDE
+    + r"""
+import gpumanager.device.health as health
+health.EVENT_SET_RETRY_FIRST = 0.2
+mode = sys.argv[2]
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+reports = []
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.3, probe_period=0.1,
+                    report=lambda name, problem: reports.append([name, problem]))
+orig_wait, orig_register = pynvml.nvmlEventSetWait_v2, pynvml.nvmlDeviceRegisterEvents
+failing = {"wait": False, "register": False}
+def wait(es, ms):
+    if failing["wait"]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+    return orig_wait(es, ms)
+def register(handle, types, es):
+    if failing["register"] and pynvml.nvmlDeviceGetIndex(handle) == 1:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+    return orig_register(handle, types, es)
+pynvml.nvmlEventSetWait_v2 = wait
+pynvml.nvmlDeviceRegisterEvents = register
+mon.start()
+time.sleep(0.3)
+failing["wait"] = True
+wait_for(lambda: mon._event_set is None)
+# GPU 1 cannot be registered when the set is made again: NVML fails for it, or it is lost meanwhile.
+if mode == "lost":
+    st.set_lost(1, True)
+else:
+    failing["register"] = True
+failing["wait"] = False
+wait_for(lambda: mon._event_set is not None)
+time.sleep(0.5)
+problem = mon.event_problem()
+if mode == "lost":
+    st.set_lost(1, False)
+else:
+    failing["register"] = False
+cleared = wait_for(lambda: not mon.event_problem())
+wait_for(lambda: mon.state(1).healthy)
+time.sleep(0.3)
+st.queue_xid(1, 79)
+seen = wait_for(lambda: not mon.state(1).healthy, timeout=3.0)
+mon.stop()
+warnings = [l for l in buf.getvalue().splitlines() if l.startswith("WARNING") and "GPU 1" in l and "XID events" in l]
+print(json.dumps({"problem": problem, "cleared": cleared, "xid_seen": seen, "reason": mon.state(1).reason,
+                  "reports": reports, "warnings": warnings}))
+"""
+)
+
+
+@pytest.mark.parametrize("mode", ["register-fails", "lost"])
+def test_a_gpu_not_registered_when_the_event_set_is_made_again_is_registered_later(
+    mode: str, sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(REGISTER_FAILS_AT_REMAKE, str(tmp_path), mode)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "GPU 1" in out["problem"], out
+    assert ["xid-events", out["problem"]] in out["reports"], out
+    assert out["reports"][-1] == ["xid-events", None], out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert out["cleared"] and out["xid_seen"] and out["reason"] == "XID 79", out
 
 
 XID_STORM = (

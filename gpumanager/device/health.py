@@ -96,6 +96,11 @@ class HealthMonitor:
         self._event_attempts = 0
         self._wait_failures = 0
         self._wait_logged_at = -1e18
+        self._registered: set[int] = set()  # GPUs whose XIDs the current event set watches
+        self._unsupported: set[int] = set()  # GPUs whose NVML has no XID events (only probed)
+        self._register_logged_at = -1e18
+        self._wait_problem = ""  # the event waits keep failing
+        self._register_problem = ""  # some GPUs could not be registered in the event set
         self._event_problem = ""
         self._report = report
         self._ignored_seen: dict[tuple[int | None, int], tuple[float, int]] = {}  # last line, count since
@@ -186,7 +191,8 @@ class HealthMonitor:
 
     def _register_events(self) -> Any:
         """A new event set with every GPU that has a handle registered, or None (logged, at the first
-        attempt only: later ones are retries)."""
+        attempt only: later ones are retries). GPUs that could not be registered are reported and
+        registered again at each probe."""
         level = logging.WARNING if self._event_attempts == 0 else logging.DEBUG
         self._event_attempts += 1
         try:
@@ -194,13 +200,9 @@ class HealthMonitor:
         except pynvml.NVMLError as exc:
             log.log(level, "XID events unavailable (nvmlEventSetCreate: %s); only probing GPUs", exc)
             return None
-        registered = 0
-        for index, handle in self._handles.items():
-            try:
-                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
-                registered += 1
-            except pynvml.NVMLError as exc:
-                log.log(level, "GPU %d: XID events not available (%s); only probing it", index, exc)
+        self._registered = set()
+        failed = self._register_unregistered(event_set)
+        registered = len(self._registered)
         log.log(
             logging.INFO if level == logging.WARNING or registered else logging.DEBUG,
             "watching XID events on %d of %d GPUs (ignored XIDs: %s)",
@@ -211,7 +213,51 @@ class HealthMonitor:
         if registered == 0:
             self._free(event_set)
             return None
+        self._set_register_problem(failed)
         return event_set
+
+    def _register_unregistered(self, event_set: Any) -> dict[int, str]:
+        """Register in ``event_set`` every GPU with a handle not yet in it; why each failure failed (a
+        GPU whose NVML does not support XID events is logged once and left out)."""
+        failed: dict[int, str] = {}
+        for index, handle in sorted(self._handles.items()):
+            if index in self._registered or index in self._unsupported:
+                continue
+            try:
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+            except pynvml.NVMLError as exc:
+                if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    self._unsupported.add(index)
+                    log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
+                else:
+                    failed[index] = str(exc)
+                continue
+            self._registered.add(index)
+        return failed
+
+    def _set_register_problem(self, failed: dict[int, str]) -> None:
+        """GPUs left out of the event set (logged at most once a minute, reported until all are in)."""
+        if failed:
+            gpus = ", ".join(f"{index} ({why})" for index, why in sorted(failed.items()))
+            problem = f"XID events are not watched on GPU {gpus}: nvmlDeviceRegisterEvents failed; only probing"
+            now = self._clock()
+            if now - self._register_logged_at >= LOG_PERIOD:
+                self._register_logged_at = now
+                log.warning("%s; registering again at each probe", problem)
+        else:
+            problem = ""
+            if self._register_problem:
+                self._register_logged_at = -1e18
+                log.info("XID events are watched on every GPU again")
+        self._register_problem = problem
+        self._publish_event_problem()
+
+    def _publish_event_problem(self) -> None:
+        problem = "; ".join(p for p in (self._wait_problem, self._register_problem) if p)
+        if problem != self._event_problem:
+            self._event_problem = problem
+            if self._report is not None:
+                self._report(XID_EVENTS, problem or None)
 
     @staticmethod
     def _free(event_set: Any) -> None:
@@ -245,30 +291,30 @@ class HealthMonitor:
         event_set, self._event_set = self._event_set, None
         if event_set is not None:
             self._free(event_set)
+        self._registered = set()
+        self._register_problem = ""  # the set is gone: the GPUs left out of it are made up again with it
         delay = self._retry_events_later()
         problem = f"XID events are not watched: nvmlEventSetWait keeps failing ({exc}); GPUs are only probed"
         now = self._clock()
         if now - self._wait_logged_at >= LOG_PERIOD:
             self._wait_logged_at = now
             log.warning("%s; making the event set again in %.0f s", problem, delay)
-        if problem != self._event_problem:
-            self._event_problem = problem
-            if self._report is not None:
-                self._report(XID_EVENTS, problem)
+        self._wait_problem = problem
+        self._publish_event_problem()
 
     def _wait_ok(self) -> None:
         """An event wait answered (an event or a timeout): the event set works."""
         self._wait_failures = 0
-        if self._event_problem:
-            self._event_problem = ""
+        if self._wait_problem:
+            self._wait_problem = ""
             self._event_backoff = 0.0
             self._wait_logged_at = -1e18
             log.info("XID events are watched again")
-            if self._report is not None:
-                self._report(XID_EVENTS, None)
+            self._publish_event_problem()
 
     def event_problem(self) -> str:
-        """Why XID events are not watched after they were ('' while they are, or never were)."""
+        """Why XID events are not watched on some or all GPUs after the event set was made ('' while they
+        are, or while it never was)."""
         return self._event_problem
 
     def _handle_event(self, data: pynvml.c_nvmlEventData_t) -> None:
@@ -326,13 +372,10 @@ class HealthMonitor:
 
     def _probe(self) -> None:
         for index in sorted(self._missing):
-            if self._take_handle(index) and self._event_set is not None:
-                try:
-                    pynvml.nvmlDeviceRegisterEvents(
-                        self._handles[index], pynvml.nvmlEventTypeXidCriticalError, self._event_set
-                    )
-                except pynvml.NVMLError as exc:
-                    log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
+            self._take_handle(index)
+        if self._event_set is not None and self._registered | self._unsupported != set(self._handles):
+            # GPUs back from lost, and those whose registration failed when the set was made
+            self._set_register_problem(self._register_unregistered(self._event_set))
         for index, handle in list(self._handles.items()):
             try:
                 pynvml.nvmlDeviceGetMemoryInfo(handle)

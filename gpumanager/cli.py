@@ -12,6 +12,7 @@ allocations and the driver mirror at once.
 from __future__ import annotations
 
 import argparse
+import errno
 import faulthandler
 import fcntl
 import json
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import textwrap
 import threading
@@ -327,15 +329,32 @@ def hold_node_lock(directory: Path, signals: SignalPipe) -> tuple[int | None, si
     from gpumanager.signals import STOP
 
     path = directory / LOCK_FILE
+    # Not through a symbolic link (the PID written below would truncate its target), not blocking on a FIFO.
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
     except OSError as exc:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # a read-only disk: flock works on it too
-        except OSError:
-            log.warning("cannot open %s (%s); starting without the single-instance lock", path, exc.strerror)
+            fd = os.open(path, os.O_RDONLY | flags)  # a read-only disk, or a directory: flock works on it too
+        except OSError as again:
+            if again.errno == errno.ELOOP:
+                log.error(
+                    "%s is a symbolic link, which is not followed; remove it. Starting without the "
+                    "single-instance lock",
+                    path,
+                )
+            else:
+                log.warning("cannot open %s (%s); starting without the single-instance lock", path, exc.strerror)
             return None, None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        mode = 0
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        log.warning("%s is not a regular file; starting without the single-instance lock", path)
+        os.close(fd)
+        return None, None
     waiting = False
     while True:
         try:
@@ -361,11 +380,12 @@ def hold_node_lock(directory: Path, signals: SignalPipe) -> tuple[int | None, si
             return None, received
     if waiting:
         log.info("the other gpu-manager has gone; took the node's lock %s", path)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError:
-        pass  # read-only: the holder is just not named
+    if stat.S_ISREG(mode):  # a directory locks the node as well, without naming the holder
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # read-only: the holder is just not named
     return fd, None
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
+import os
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,6 +20,8 @@ from gpumanager import names
 from gpumanager.api import deviceplugin_v1beta1_pb2 as dp_pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from gpumanager.api import display_pb2_grpc
+from gpumanager.cli import LOCK_FILE, hold_node_lock
+from gpumanager.signals import SignalPipe
 from simnode.kubelet import KubeletSimulator, PluginRPCError
 from tests.agent_fixtures import StartAgent, gpusim, spec_path
 
@@ -336,3 +342,47 @@ def test_a_second_agent_on_the_node_waits_for_the_first(
     assert first.stop() == 0
     kubelet.wait_for_registration(CORE, after=core, timeout=20)
     assert "another gpu-manager" not in first.log_text()
+
+
+@pytest.fixture
+def signal_pipe() -> Iterator[SignalPipe]:
+    pipe = SignalPipe()  # not installed: the lock below is never waited for
+    yield pipe
+    pipe.close()
+
+
+def test_a_symlink_at_the_lock_path_is_not_followed(
+    tmp_path: Path, signal_pipe: SignalPipe, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A symbolic link planted at gpu-manager.lock: its target is neither truncated nor written, and the
+    agent says so and starts without the lock, as for any lock file it cannot use."""
+    victim = tmp_path / "victim"
+    victim.write_text("important data\n")
+    (tmp_path / LOCK_FILE).symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="gpumanager.cli"):
+        fd, stopped = hold_node_lock(tmp_path, signal_pipe)
+    assert (fd, stopped) == (None, None)
+    assert victim.read_text() == "important data\n"
+    assert str(tmp_path / LOCK_FILE) in caplog.text and "symbolic link" in caplog.text
+
+
+def test_the_lock_file_names_its_holder_and_a_directory_there_still_locks(
+    tmp_path: Path, signal_pipe: SignalPipe
+) -> None:
+    fd, stopped = hold_node_lock(tmp_path, signal_pipe)
+    assert fd is not None and stopped is None
+    try:
+        assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    finally:
+        os.close(fd)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / LOCK_FILE).mkdir()
+    fd, stopped = hold_node_lock(tmp_path / "d", signal_pipe)
+    assert fd is not None and stopped is None
+    other = os.open(tmp_path / "d" / LOCK_FILE, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(other)
+        os.close(fd)

@@ -257,3 +257,98 @@ def test_an_unknown_id_in_an_unusual_place_below_the_pod_is_still_recognised(nod
     node.cgroup(uid, f"nested/{main_cid}")
     directory = node.register(uid, pod_uid=uid, container_id=main_cid)
     assert files.read_pids(directory / names.PIDS_CONFIG_FILE) == [os.getpid()]
+
+
+# -- a swap and registration by name: the files written are those of the directory the caller mounts --
+
+POD_P = "cccccccc-0000-4000-8000-000000000003"
+PID_A, PID_B = 1111, 2222
+
+
+def _pids(node: Node, pod_uid: str, subdir: str) -> list[int]:
+    return files.read_pids(node.vm / pod_uid / subdir / names.PIDS_CONFIG_FILE)
+
+
+def _refresh_twice(node: Node) -> None:
+    for _ in range(2):
+        node.v.refresh_pids(list(node.allocs.values()))
+
+
+@pytest.fixture
+def swapped_in_pod(node: Node) -> Node:
+    """Containers a (10 cores) and b (90) of one pod, answered with each other's directory."""
+    node.pods[POD_P] = pod_object(POD_P, ["a", "b"], ids={"a": CID_A, "b": CID_B})
+    node.allocs[(POD_P, "a")] = alloc(POD_P, "a", 10, GIB, answered=(POD_P, "b"))
+    node.allocs[(POD_P, "b")] = alloc(POD_P, "b", 90, GIB, answered=(POD_P, "a"))
+    node.cgroup(POD_P, CID_A, PID_A)
+    node.cgroup(POD_P, CID_B, PID_B)
+    for a in node.allocs.values():
+        node.v.prepare(a)
+    node.v.refresh_pids(list(node.allocs.values()))
+    return node
+
+
+def test_a_registration_by_name_in_a_pod_swap_writes_the_directory_the_container_mounts(
+    swapped_in_pod: Node,
+) -> None:
+    node = swapped_in_pod
+    directory = node.register(POD_P, pod_uid=POD_P, container_name="a")
+    assert directory == node.vm / POD_P / "b"
+    assert files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes()).utilization == 10
+    assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
+    _refresh_twice(node)
+    assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
+    assert node.register(POD_P, container_name="b") == node.vm / POD_P / "a"
+    _refresh_twice(node)
+    assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
+
+
+@pytest.fixture
+def swapped_pids(swapped: Node) -> Node:
+    """``swapped`` with each container's own PID: A.main mounts B's directory, B.main A's."""
+    swapped.cgroup(POD_A, CID_A, PID_A)
+    swapped.cgroup(POD_B, CID_B, PID_B)
+    swapped.v.refresh_pids(list(swapped.allocs.values()))
+    return swapped
+
+
+@pytest.mark.parametrize("pod_uid", [POD_A, POD_B, ""])
+def test_a_registration_by_name_on_the_socket_of_a_swapped_directory_is_its_mounting_container(
+    swapped_pids: Node, pod_uid: str
+) -> None:
+    node = swapped_pids
+    assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])
+    # Only A.main mounts B's directory: a call on B's socket is A.main's, whichever pod it names.
+    directory = node.register(POD_B, pod_uid=pod_uid, container_name="main")
+    assert directory == node.vm / POD_B / "main"
+    assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])
+    _refresh_twice(node)
+    assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])
+
+
+def test_a_swapped_container_is_refused_on_its_own_pods_socket_by_id(swapped_pids: Node) -> None:
+    with pytest.raises(RegistrationRefused) as refused:
+        swapped_pids.register(POD_B, pod_uid=POD_B, container_id=CID_B)
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "directory of pod" in str(refused.value)
+    assert not (swapped_pids.vm / POD_B / CID_B).exists()
+    assert _pids(swapped_pids, POD_B, "main") == [PID_A]
+
+
+def test_a_name_two_swapped_containers_could_be_is_refused(node: Node) -> None:
+    pod_x, pod_y = "dddddddd-0000-4000-8000-000000000004", "eeeeeeee-0000-4000-8000-000000000005"
+    node.pods[POD_P] = pod_object(POD_P, ["main"], ids={"main": CID_A})
+    node.allocs[(POD_P, "main")] = alloc(POD_P, "main", 50, GIB, answered=(pod_x, "main"))
+    for uid, cid in ((pod_x, "d" * 64), (pod_y, "e" * 64)):
+        node.pods[uid] = pod_object(uid, ["main"], ids={"main": cid})
+        node.allocs[(uid, "main")] = alloc(uid, "main", 50, GIB, answered=(POD_P, "main"))
+        node.cgroup(uid, cid)
+    for a in node.allocs.values():
+        node.v.prepare(a)
+    node.v.refresh_pids(list(node.allocs.values()))
+    before = _pids(node, POD_P, "main")
+    with pytest.raises(RegistrationRefused) as refused:
+        node.register(POD_P, container_name="main")
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "more than one" in str(refused.value)
+    assert _pids(node, POD_P, "main") == before

@@ -87,8 +87,9 @@ class _Target:
     pod: Pod
     name: str
     container_id: str
-    subdir: str
+    subdir: str  # below the directory the container mounts: its answer's container, or the ID it gave
     alloc: ContainerAllocation
+    by_id: bool = False  # registered by its ID (or a prefix): the directory goes once the container does
 
 
 def _short(value: str) -> str:
@@ -169,6 +170,10 @@ class VirtualManager:
         # <pod dir>/<container id> made by a registration -> (the registering pod's UID, the full ID).
         self._id_dirs: dict[Path, tuple[str, str]] = {}
         self._registrations = 0  # RegisterVDevice calls that wrote a pids.config
+        # Of the last refresh: pod directory -> pods whose containers were answered with it, and
+        # pids.config -> the (pod UID, container ID) whose PIDs the refresh writes there.
+        self._answered_by: dict[str, set[str]] = {}
+        self._writers: dict[Path, set[tuple[str, str]]] = {}
         self._pids_lock = threading.Lock()  # a registration's write against the refresh's memo
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
@@ -343,7 +348,8 @@ class VirtualManager:
 
     def _identify(self, socket_pod: str, req: pb.VDeviceRequest, *, use_cgroups: bool) -> _Target:
         """Which container of the request's pod the request is for; _NotYet while the pod's status may
-        still tell. The request's pod is the socket's or one answered with the socket's directory."""
+        still tell. The request's pod is the socket's or one answered with the socket's directory, and
+        the container must have been answered with the socket's directory (it mounts that one alone)."""
         pod_uid = req.pod_uid or socket_pod
         pod = self._pod(pod_uid)
         if pod is None:
@@ -356,11 +362,16 @@ class VirtualManager:
                 raise RegistrationRefused(
                     f"container {_short(req.container_name)} is not in {where}", grpc.StatusCode.PERMISSION_DENIED
                 )
+            alloc = self._allocation(pod_uid, name)
+            if alloc is not None and alloc.answered[0] != socket_pod and pod_uid == socket_pod:
+                # Swapped away: the name is that of this pod's directory, which a container of another
+                # pod (or another container of this one) was answered with; only it reaches this socket.
+                return self._by_answer(socket_pod, pod, name, alloc, where)
             alloc = self._allocated(socket_pod, pod_uid, name, where)
             container_id = ids.get(name, "")
             if not container_id:
                 raise _NotYet(f"container {name} of {where} has no container ID yet")
-            return _Target(pod_uid, pod, name, container_id, name, alloc)
+            return _Target(pod_uid, pod, name, container_id, alloc.answered[1], alloc)
         # A prefix names a container only when it is at least a short ID (12 characters, as docker prints
         # them) and no container of the pod is called so: its files go into a directory of that name, and
         # a name-based registration's directory is the container's name.
@@ -371,7 +382,7 @@ class VirtualManager:
         if len(matches) == 1:
             name = matches[0]
             alloc = self._allocated(socket_pod, pod_uid, name, where)
-            return _Target(pod_uid, pod, name, ids[name], req.container_id, alloc)
+            return _Target(pod_uid, pod, name, ids[name], req.container_id, alloc, by_id=True)
         if _CONTAINER_ID.fullmatch(req.container_id) is None:
             raise RegistrationRefused(
                 f"container ID {_short(req.container_id)} is not a container ID", grpc.StatusCode.INVALID_ARGUMENT
@@ -386,7 +397,7 @@ class VirtualManager:
                     name,
                 )
                 alloc = self._allocated(socket_pod, pod_uid, name, where)
-                return _Target(pod_uid, pod, name, req.container_id, req.container_id, alloc)
+                return _Target(pod_uid, pod, name, req.container_id, req.container_id, alloc, by_id=True)
         raise _NotYet(
             f"container ID {_short(req.container_id)} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
         )
@@ -395,12 +406,56 @@ class VirtualManager:
         alloc = self._allocation(pod_uid, name)
         if alloc is None:
             raise RegistrationRefused(f"container {name} of {where} has no GPU allocation")
-        if pod_uid != socket_pod and alloc.answered[0] != socket_pod:
+        if alloc.answered[0] != socket_pod:
             raise RegistrationRefused(
-                f"container {name} of {where} was not answered with the directory of pod {socket_pod}",
+                f"container {name} of {where} was answered with the directory of pod {alloc.answered[0]}, "
+                f"not that of pod {socket_pod}: it registers on that pod's vcuda.sock",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
         return alloc
+
+    def _by_answer(
+        self, socket_pod: str, socket_pod_obj: Pod, name: str, own: ContainerAllocation, where: str
+    ) -> _Target:
+        """The container answered with ``<socket pod dir>/<name>``, for a registration by ``name`` on the
+        socket pod's socket whose own container ``name`` was answered with another pod's directory."""
+        wanted = (socket_pod, name)
+        # Swap partners are found from this pod's answers; the last refresh tells of the others.
+        pods = {socket_pod, own.answered[0]} | self._answered_by.get(socket_pod, set())
+        for other in _container_names(socket_pod_obj):
+            answered = self._allocation(socket_pod, other)
+            if answered is not None:
+                pods.add(answered.answered[0])
+        found: list[tuple[str, Pod, str, ContainerAllocation]] = []
+        for uid in sorted(pods):
+            pod = self._pod(uid)
+            if pod is None:
+                continue
+            try:
+                containers = _container_names(pod)
+            except PodSpecError:
+                continue
+            for container in containers:
+                alloc = self._allocation(uid, container)
+                if alloc is not None and alloc.answered == wanted:
+                    found.append((uid, pod, container, alloc))
+        if not found:
+            raise RegistrationRefused(
+                f"container {name} of {where} was answered with the directory of pod {own.answered[0]} and no "
+                f"container with its directory {name} here",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
+        if len(found) > 1:
+            whose = ", ".join(f"{podinfo.pod_key(p)}/{c}" for _, p, c, _ in found)
+            raise RegistrationRefused(
+                f"container {name} of {where} was answered with the directory of pod {own.answered[0]}, and more "
+                f"than one container with its directory {name} here ({whose}): register by container ID"
+            )
+        uid, pod, container, alloc = found[0]
+        container_id = podinfo.container_ids(pod).get(container, "")
+        if not container_id:
+            raise _NotYet(f"container {container} of pod {podinfo.pod_key(pod)} has no container ID yet")
+        return _Target(uid, pod, container, container_id, name, alloc)
 
     def _recognise_by_cgroup(self, pod_uid: str, pod: Pod, container_id: str) -> str | None:
         """The container a cgroup below the pod's belongs to, when only one GPU container can be it.
@@ -435,7 +490,9 @@ class VirtualManager:
         pids = self._cgroups.pids(target.pod_uid, target.container_id, qos)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
-        directory = safenames.child(self.pod_dir(socket_pod), target.subdir)
+        # The directory the container mounts (its answer's pod: the socket's), then its answer's
+        # container or the ID it gave.
+        directory = safenames.child(self.pod_dir(target.alloc.answered[0]), target.subdir)
         path = directory / names.PIDS_CONFIG_FILE
         with self._pids_lock:
             files.write_pids(path, pids)
@@ -449,10 +506,14 @@ class VirtualManager:
             if before is not None and before != path:
                 self._last_pids.pop(before, None)
             self._registered[(target.pod_uid, target.name)] = path
-            if target.subdir != target.name:  # by its ID (or a prefix): removed once the container is gone
+            if target.by_id:  # by its ID (or a prefix): removed once the container is gone
                 self._id_dirs[directory] = (target.pod_uid, target.container_id)
             self._registrations += 1
+            # The next refresh rewrites what the refresh writes to this file (from its container's
+            # PIDs, should they differ), and the registering container's other files.
             self._current.pop((target.pod_uid, target.container_id), None)
+            for writer in self._writers.get(path, ()):
+                self._current.pop(writer, None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             files.write_config(config, self.config_for(target.alloc))
@@ -478,9 +539,11 @@ class VirtualManager:
         seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
         seen_ids: dict[tuple[str, str], Path] = {}  # (pod UID, container ID) -> its registered pids.config
         answered_by: dict[str, set[str]] = {}  # pod directory -> pods whose containers were answered with it
+        writers: dict[Path, set[tuple[str, str]]] = {}  # pids.config -> the containers written there
         allocations = list(allocations)
         for alloc in allocations:
             answered_by.setdefault(alloc.answered[0], set()).add(alloc.pod_uid)
+        self._answered_by = answered_by
         for alloc in allocations:
             if not alloc.shared:
                 continue
@@ -495,6 +558,8 @@ class VirtualManager:
             pids = self._cgroups.pids(alloc.pod_uid, cid, podinfo.qos_class(pod))
             key = (alloc.pod_uid, cid)
             seen_ids[key] = self._registered_dir(alloc, cid) / names.PIDS_CONFIG_FILE
+            for path in (self._answered_dir(alloc) / names.PIDS_CONFIG_FILE, seen_ids[key]):
+                writers.setdefault(path, set()).add(key)
             if self._current.get(key) == pids:
                 continue
             done, count = self._write_pids_of(alloc, cid, pids)
@@ -514,6 +579,7 @@ class VirtualManager:
             if key not in seen_ids:
                 self._last_pids.pop(path, None)
         self._swept_ids = seen_ids
+        self._writers = writers
         self._remove_ended_ids(answered_by)
         return written
 
@@ -563,14 +629,19 @@ class VirtualManager:
         self._ids_of[key] = (pod, cid)
         return cid
 
+    def _answered_dir(self, alloc: ContainerAllocation) -> Path:
+        """``<pod dir>/<container>`` of the container's answer: the files it reads, and a registration by
+        its name writes."""
+        answered_pod, answered_container = alloc.answered
+        return self.pod_dir(answered_pod) / answered_container
+
     def _registered_dir(self, alloc: ContainerAllocation, cid: str) -> Path:
         """Where a registration of the container by its ID writes: below the directory it mounts."""
         return self.pod_dir(alloc.answered[0]) / cid
 
     def _write_pids_of(self, alloc: ContainerAllocation, cid: str, pids: list[int]) -> tuple[bool, int]:
         """Write ``pids`` wherever the container's files are; (whether every place exists, files written)."""
-        answered_pod, answered_container = alloc.answered
-        targets = [self.pod_dir(answered_pod) / answered_container]
+        targets = [self._answered_dir(alloc)]
         registered = self._registered_dir(alloc, cid)
         if registered.is_dir():
             targets.append(registered)

@@ -611,3 +611,23 @@ def test_processes_without_a_budget_slot_are_not_free(node: Node) -> None:
     for p in holders:
         p.communicate(timeout=60)
     assert sum(got.values()) <= 38, got
+
+
+def test_a_soft_limit_holds_its_share_while_a_process_runs_without_a_budget_slot(node: Node) -> None:
+    """While a process of the container holds no budget slot, every process on its GPUs counts as the container's
+    (above). A soft limit must not read that as neighbours gone idle and rise to its ceiling: it holds at its share
+    while then it cannot tell them (two slotless processes of a 30 %-soft, 100 %-ceiling container took the GPU
+    from a busy neighbour)."""
+    mirror = interceptor_mirror(node.root, "-DVC_BUDGET_SLOTS=2")
+    node.env("soft", core_config(30, hard=False, ceiling=100))
+    holders = [node.loop("soft", 6, 5.0, None, LD_LIBRARY_PATH=str(mirror)) for _ in range(2)]
+    time.sleep(0.5)
+    procs = {
+        "soft0": (7, node.loop("soft", 7, 4.5, None, LD_LIBRARY_PATH=str(mirror))),
+        "soft1": (7, node.loop("soft", 7, 4.5, None, LD_LIBRARY_PATH=str(mirror))),
+        "neighbour": (7, node.loop("neighbour", 7, 4.5, None)),
+    }
+    got = shares(node, procs, 2.0, 1.5)
+    for p in holders:
+        p.communicate(timeout=60)
+    assert got["soft0"] + got["soft1"] <= 42 and got["neighbour"] >= 50, got

@@ -286,6 +286,18 @@ static void refresh_pids(uint64_t now)
     g_pids_owner = getpid();
 }
 
+/*
+ * Whether every process on the GPU counts as the container's now (g_pids_all, g_unseen: fail closed). Taken
+ * with d->mu held, as measure() takes g_pids_mu.
+ */
+static bool counted_all_as_own(void)
+{
+    pthread_mutex_lock(&g_pids_mu);
+    bool all = g_pids_all || g_unseen;
+    pthread_mutex_unlock(&g_pids_mu);
+    return all;
+}
+
 static bool in_container(unsigned pid)
 {
     int key = (int)pid;
@@ -822,8 +834,15 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->cost = d->acc_busy / d->acc_done;
     else if (span > 0 && done > 0)
         d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
-    if (vc_core_config()->soft)
-        adapt_rate(d, other, span);
+    if (vc_core_config()->soft) {
+        if (counted_all_as_own()) {
+            /* The neighbours' time is in `own` now: they cannot be told idle, so the soft limit holds at its share. */
+            d->others = 1.0;
+            adapt_rate(d, 0.0, 0.0);
+        } else {
+            adapt_rate(d, other, span);
+        }
+    }
 }
 
 /* Waits until the launch fits; returns its number (1, 2, ...). */

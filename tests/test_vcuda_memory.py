@@ -928,3 +928,30 @@ print(json.dumps(out))
     cap, ctx = c.limit_bytes, c.context_bytes
     assert out["kept"] == [[cap - ctx - 512 * MIB, cap], ctx + 512 * MIB]
     assert out["freed"] == [[cap - ctx, cap], ctx]
+
+
+def test_a_green_context_destroyed_after_its_primary_was_released_gives_its_memory_back(
+    container: MakeContainer,
+) -> None:
+    """A green context retains the primary context; released from under it (cuDevicePrimaryCtxRelease once too
+    often), the primary goes, and destroying the green contexts then frees them all the same: their charge goes
+    with them instead of staying for the process's life (500 MiB of the cap each)."""
+    c = container(1536, spec="h100-nvlink-x8")
+    done = c.python(
+        GREEN
+        + r"""
+greens = [ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM)) for _ in range(2)]
+for _ in range(3):
+    d.cuDevicePrimaryCtxRelease(dev)
+rcs = [d.cuGreenCtxDestroy(g)[0].name for g in greens]
+ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
+ok(d.cuCtxSetCurrent(ctx))
+print(json.dumps({"rcs": rcs, "after": [list(ok(d.cuMemGetInfo())), phys_used()]}))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    cap, ctx = c.limit_bytes, c.context_bytes
+    assert out["rcs"] == ["CUDA_SUCCESS"] * 2, out
+    assert out["after"] == [[cap - ctx, cap], ctx], out

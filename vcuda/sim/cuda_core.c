@@ -893,7 +893,10 @@ SIM_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     hCtx->magic = 0;
     free(hCtx);
     sim_ctx_memory_release(dev);
-    return primary_release(dev, false);
+    /* Its reference to the primary context; already gone when the primary was released from under it (one
+     * cuDevicePrimaryCtxRelease too many, or a reset): the green context is destroyed all the same. */
+    (void)primary_release(dev, false);
+    return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuCtxFromGreenCtx(CUcontext *pContext, CUgreenCtx hCtx)

@@ -107,7 +107,8 @@ def test_a_client_trickling_its_headers_is_cut_off_at_the_deadline(monkeypatch: 
         s.stop()
 
 
-def test_probes_are_answered_while_slow_clients_hold_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+def _slow_scrapes(monkeypatch: pytest.MonkeyPatch) -> tuple[QueryServer, threading.Event]:
+    """A server of 3 slots whose /metrics answers only once the returned event is set."""
     monkeypatch.setattr(http, "MAX_CONNECTIONS", 3)
     release = threading.Event()
 
@@ -115,7 +116,11 @@ def test_probes_are_answered_while_slow_clients_hold_every_slot(monkeypatch: pyt
         release.wait(10)
         return b"# a page\n"
 
-    s = _server(metrics=slow_page)
+    return _server(metrics=slow_page), release
+
+
+def test_probes_are_answered_while_slow_clients_hold_every_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    s, release = _slow_scrapes(monkeypatch)
     busy: list[socket.socket] = []
     try:
         for _ in range(3):  # three scrapes in progress: every slot
@@ -138,14 +143,7 @@ def test_probes_are_answered_while_slow_clients_hold_every_slot(monkeypatch: pyt
 
 
 def test_connections_over_the_limit_are_answered_busy_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http, "MAX_CONNECTIONS", 3)
-    release = threading.Event()
-
-    def slow_page() -> bytes:
-        release.wait(10)
-        return b"# a page\n"
-
-    s = _server(metrics=slow_page)
+    s, release = _slow_scrapes(monkeypatch)
     scrapes = []
     try:
         for _ in range(3):

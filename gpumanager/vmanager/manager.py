@@ -162,7 +162,8 @@ class VirtualManager:
         # (pod UID, container ID) -> the PIDs last written to all of its pids.config files.
         self._current: dict[tuple[str, str], list[int]] = {}
         # (pod UID, container ID) of the last refresh -> the pids.config a registration of it writes.
-        self._swept_ids: dict[tuple[str, str], Path] = {}
+        # (pod UID, container ID) -> (pod directory, directory name) of its registered pids.config
+        self._swept_ids: dict[tuple[str, str], tuple[str, str]] = {}
         # (pod UID, container) -> the pids.config its last registration wrote (by container ID).
         self._registered: dict[tuple[str, str], Path] = {}
         # (pod UID, container) -> (the pod object its ID was read from, the ID).
@@ -173,7 +174,7 @@ class VirtualManager:
         # Of the last refresh: pod directory -> pods whose containers were answered with it, and
         # pids.config -> the (pod UID, container ID) whose PIDs the refresh writes there.
         self._answered_by: dict[str, set[str]] = {}
-        self._writers: dict[Path, set[tuple[str, str]]] = {}
+        self._writers: dict[tuple[str, str], set[tuple[str, str]]] = {}
         self._pids_lock = threading.Lock()  # a registration's write against the refresh's memo
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
@@ -512,7 +513,7 @@ class VirtualManager:
             # The next refresh rewrites what the refresh writes to this file (from its container's
             # PIDs, should they differ), and the registering container's other files.
             self._current.pop((target.pod_uid, target.container_id), None)
-            for writer in self._writers.get(path, ()):
+            for writer in self._writers.get((target.alloc.answered[0], target.subdir), ()):
                 self._current.pop(writer, None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
@@ -537,9 +538,12 @@ class VirtualManager:
         """
         written = 0
         seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
-        seen_ids: dict[tuple[str, str], Path] = {}  # (pod UID, container ID) -> its registered pids.config
+        # (pod UID, container ID) -> (pod directory, directory name) of its registered pids.config, and
+        # (pod directory, directory name) of a pids.config -> the containers written there: names, not
+        # paths (a path costs microseconds to build, each second for every shared container).
+        seen_ids: dict[tuple[str, str], tuple[str, str]] = {}
         answered_by: dict[str, set[str]] = {}  # pod directory -> pods whose containers were answered with it
-        writers: dict[Path, set[tuple[str, str]]] = {}  # pids.config -> the containers written there
+        writers: dict[tuple[str, str], set[tuple[str, str]]] = {}
         allocations = list(allocations)
         for alloc in allocations:
             answered_by.setdefault(alloc.answered[0], set()).add(alloc.pod_uid)
@@ -557,9 +561,10 @@ class VirtualManager:
             registrations = self._registrations
             pids = self._cgroups.pids(alloc.pod_uid, cid, podinfo.qos_class(pod))
             key = (alloc.pod_uid, cid)
-            seen_ids[key] = self._registered_dir(alloc, cid) / names.PIDS_CONFIG_FILE
-            for path in (self._answered_dir(alloc) / names.PIDS_CONFIG_FILE, seen_ids[key]):
-                writers.setdefault(path, set()).add(key)
+            answered_pod, answered_container = alloc.answered
+            seen_ids[key] = (answered_pod, cid)
+            for place in ((answered_pod, answered_container), (answered_pod, cid)):
+                writers.setdefault(place, set()).add(key)
             if self._current.get(key) == pids:
                 continue
             done, count = self._write_pids_of(alloc, cid, pids)
@@ -575,9 +580,9 @@ class VirtualManager:
                 memo.pop(gone, None)
         # So does the file a container ID registered, once that container is gone (a container that
         # crash-loops gets a new ID each time: its pod would otherwise add an entry per restart).
-        for key, path in self._swept_ids.items():
+        for key, (dir_pod, dir_name) in self._swept_ids.items():
             if key not in seen_ids:
-                self._last_pids.pop(path, None)
+                self._last_pids.pop(self.pod_dir(dir_pod) / dir_name / names.PIDS_CONFIG_FILE, None)
         self._swept_ids = seen_ids
         self._writers = writers
         self._remove_ended_ids(answered_by)

@@ -425,7 +425,7 @@ VC_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
 }
 
 /* The device a context (not current) belongs to; -1 if the driver cannot tell. */
-static int device_of(CUcontext ctx)
+int vc_ctx_device(CUcontext ctx)
 {
     CUdevice dev = -1;
     if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
@@ -458,7 +458,7 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     CUcontext key = ctx != NULL ? ctx : (CUcontext)(void *)hCtx;
     int dev = charged_device(key);
     if (dev < 0 && ctx != NULL)
-        dev = device_of(ctx);
+        dev = vc_ctx_device(ctx);
     bool known = dev >= 0 && dev < MAX_DEVICES;
     if (known)
         pthread_mutex_lock(&g_primary_mu[dev]);

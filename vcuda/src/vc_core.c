@@ -1115,13 +1115,7 @@ static int ctx_device(CUcontext ctx, CUcontext current)
     CUdevice dev = -1;
     if (ctx == current)
         return REAL_CU(cuCtxGetDevice)(&dev) == CUDA_SUCCESS ? dev : -1;
-    if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
-        return -1;
-    if (REAL_CU(cuCtxGetDevice)(&dev) != CUDA_SUCCESS)
-        dev = -1;
-    CUcontext popped;
-    REAL_CU(cuCtxPopCurrent_v2)(&popped);
-    return dev;
+    return vc_ctx_device(ctx);
 }
 
 static int launch_device(CUstream s, CUcontext *ctx_out)

@@ -181,6 +181,8 @@ void vc_memory_graph_launched(CUgraphExec exec);
 
 /* The CUDA device work on stream s goes to (its context's; the current one for the special streams; 0 if unknown). */
 int vc_stream_device(CUstream s);
+/* The device a context that is not current belongs to (pushed and popped); -1 if the driver cannot tell. */
+int vc_ctx_device(CUcontext ctx);
 
 /* Settles every memory pool's charge on what it reserves now; true if that returned bytes. */
 bool vc_memory_refresh_pools(void);

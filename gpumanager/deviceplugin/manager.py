@@ -28,11 +28,6 @@ from gpumanager.retry import Backoff
 log = logging.getLogger(__name__)
 
 
-#: How long a removed socket is watched for another process that listens at its path before we serve
-#: there again (such a process removes the file a moment before it listens).
-TAKEOVER_GRACE_SECONDS = 0.2
-
-
 @dataclass
 class RegistrationStatus:
     """What the manager has achieved so far; read by /healthz and metrics."""
@@ -162,11 +157,11 @@ class PluginManager:
         while not self._stop.is_set():
             try:
                 broken = [s for s in self._servers if not s.socket_intact()]
+                # Served by someone else: another plugin at our path. Not waited for when the path is
+                # empty: a kubelet restart empties it, and serving again at once is what the kubelet waits
+                # on. Another plugin that listens there a moment later sees ours served and yields (and a
+                # second agent of this node waits for the node lock before it serves at all).
                 taken = [s for s in broken if socket_served(s.socket_path)]
-                if broken and not taken:
-                    # Another plugin taking the path removes ours a moment before it listens there.
-                    self._stop.wait(TAKEOVER_GRACE_SECONDS)
-                    taken = [s for s in broken if socket_served(s.socket_path)]
                 if taken:
                     self._yield_to_other(taken)
                     need_register = True

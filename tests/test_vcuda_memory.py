@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -836,13 +837,22 @@ def green_desc():
 """
 
 
+def green_run(c: Container, body: str) -> dict[str, Any]:
+    """Run ``body`` (with the green-context helpers above) in a process of container ``c``; its last JSON line."""
+    done = c.python(GREEN + body)
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    return out
+
+
 def test_green_contexts_are_charged_like_contexts(container: MakeContainer) -> None:
     """cuGreenCtxCreate costs a context's memory: a 1536 MiB container on an H100 (500 MiB contexts) holds its
     primary context and two green ones, never more; cuGreenCtxDestroy gives each back."""
     c = container(1536, spec="h100-nvlink-x8")
-    done = c.python(
-        GREEN
-        + r"""
+    out = green_run(
+        c,
+        r"""
 desc = green_desc()
 greens, rcs, peak = [], [], 0
 for _ in range(6):
@@ -856,11 +866,8 @@ for g in greens:
     ok(d.cuGreenCtxDestroy(g))
 out["destroyed"] = [list(ok(d.cuMemGetInfo())), phys_used()]
 print(json.dumps(out))
-"""
+""",
     )
-    assert done.returncode == 0, done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict)
     cap, ctx = c.limit_bytes, c.context_bytes
     assert out["rcs"] == ["CUDA_SUCCESS"] * 2 + ["CUDA_ERROR_OUT_OF_MEMORY"] * 4
     assert out["peak"] <= cap
@@ -873,9 +880,9 @@ def test_a_green_context_brings_its_primary_context_and_shares_its_memory(contai
     when destroyed; what was allocated in the green context is the primary context's: charged until freed, or
     until the primary context goes with the green context's reference."""
     c = container(2048, spec="h100-nvlink-x8")
-    done = c.python(
-        GREEN
-        + r"""
+    out = green_run(
+        c,
+        r"""
 ok(d.cuCtxSetCurrent(None)); ok(d.cuDevicePrimaryCtxRelease(dev))  # no context at all
 out = {"none": [phys_used()]}
 g = ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM))
@@ -890,11 +897,8 @@ out["destroyed"] = [phys_used(), ok(d.cuDevicePrimaryCtxGetState(dev))[1]]
 ctx = ok(d.cuDevicePrimaryCtxRetain(dev)); ok(d.cuCtxSetCurrent(ctx))
 out["retained"] = [list(ok(d.cuMemGetInfo())), phys_used()]
 print(json.dumps(out))
-"""
+""",
     )
-    assert done.returncode == 0, done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict)
     cap, ctx = c.limit_bytes, c.context_bytes
     assert out["none"] == [0]
     assert out["green"] == [2 * ctx, 1]  # its own context and the primary one
@@ -908,9 +912,9 @@ print(json.dumps(out))
 def test_green_context_memory_outlives_it_with_the_primary_context(container: MakeContainer) -> None:
     """Memory allocated in a green context stays charged while the primary context lives, until freed."""
     c = container(2048, spec="h100-nvlink-x8")
-    done = c.python(
-        GREEN
-        + r"""
+    out = green_run(
+        c,
+        r"""
 g = ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM))
 ok(d.cuCtxSetCurrent(ok(d.cuCtxFromGreenCtx(g))))
 p = ok(d.cuMemAlloc(512 << 20))
@@ -920,11 +924,8 @@ out = {"kept": [list(ok(d.cuMemGetInfo())), phys_used()]}
 ok(d.cuMemFree(p))
 out["freed"] = [list(ok(d.cuMemGetInfo())), phys_used()]
 print(json.dumps(out))
-"""
+""",
     )
-    assert done.returncode == 0, done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict)
     cap, ctx = c.limit_bytes, c.context_bytes
     assert out["kept"] == [[cap - ctx - 512 * MIB, cap], ctx + 512 * MIB]
     assert out["freed"] == [[cap - ctx, cap], ctx]
@@ -937,9 +938,9 @@ def test_a_green_context_destroyed_after_its_primary_was_released_gives_its_memo
     often), the primary goes, and destroying the green contexts then frees them all the same: their charge goes
     with them instead of staying for the process's life (500 MiB of the cap each)."""
     c = container(1536, spec="h100-nvlink-x8")
-    done = c.python(
-        GREEN
-        + r"""
+    out = green_run(
+        c,
+        r"""
 greens = [ok(d.cuGreenCtxCreate(green_desc(), dev, DEFAULT_STREAM)) for _ in range(2)]
 for _ in range(3):
     d.cuDevicePrimaryCtxRelease(dev)
@@ -947,11 +948,8 @@ rcs = [d.cuGreenCtxDestroy(g)[0].name for g in greens]
 ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
 ok(d.cuCtxSetCurrent(ctx))
 print(json.dumps({"rcs": rcs, "after": [list(ok(d.cuMemGetInfo())), phys_used()]}))
-"""
+""",
     )
-    assert done.returncode == 0, done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict)
     cap, ctx = c.limit_bytes, c.context_bytes
     assert out["rcs"] == ["CUDA_SUCCESS"] * 2, out
     assert out["after"] == [[cap - ctx, cap], ctx], out

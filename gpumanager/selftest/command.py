@@ -97,9 +97,16 @@ def _gpu(index: int) -> tuple[str, int]:
     return uuid.decode() if isinstance(uuid, bytes) else uuid, int(total)
 
 
+def _has_cuda_bindings() -> bool:
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ImportError:  # no package of the ``cuda`` namespace at all
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     """The self-test; returns the exit code."""
-    if importlib.util.find_spec("cuda.bindings") is None:
+    if not _has_cuda_bindings():
         raise SelftestError(
             "the self-test runs its CUDA programs with NVIDIA's cuda-bindings, which is not installed: "
             "pip install 'gpu-manager[selftest]' (the gpu-manager image has it)"

@@ -85,8 +85,17 @@ class Discovery:
                 self._add(found, seen, BIN_DIR, host_path, name)
         if volume.libraries:
             prefixes = tuple(volume.libraries)
+            # ldconfig lists the glibc-hwcaps builds of a soname before the plain one; the loader
+            # takes them only on a CPU of their level, but the mirror flattens directories, so the
+            # plain build (which runs on every CPU) is used where there is one.
+            baseline = {(e.key, e.flags) for e in self.cache.entries if not e.glibc_hwcaps}
             for entry in self.cache.entries:
                 if not entry.is_elf or not entry.key.startswith(prefixes):
+                    continue
+                if entry.glibc_hwcaps and (entry.key, entry.flags) in baseline:
+                    log.debug(
+                        "%s: %s for %s left out, the plain build is used", self.cache.path, entry.value, entry.key
+                    )
                     continue
                 directory = self.lib_dirs.get(entry.arch)
                 if directory is None:

@@ -44,6 +44,9 @@ NEW_ENTRY = struct.Struct("<iIIIQ")
 FLAG_TYPE_MASK = 0x00FF
 FLAG_ELF = 0x0001
 FLAG_ARCH_MASK = 0xFF00
+#: hwcap bit of an entry found in a ``glibc-hwcaps/<level>`` subdirectory (glibc 2.33+): the loader
+#: only uses it on a CPU of that level (x86-64-v2/v3/v4, power9, z15, ...).
+HWCAP_GLIBC_HWCAPS = 1 << 62
 
 # Byte-order values of the new header's flags byte.
 _ENDIAN_UNSET, _ENDIAN_INVALID, _ENDIAN_LITTLE, _ENDIAN_BIG = 0, 1, 2, 3
@@ -128,6 +131,11 @@ class CacheEntry:
     def is_elf(self) -> bool:
         """True for ELF entries (bit 0 of the type byte), the only ones the mirror uses."""
         return bool(self.flags & FLAG_TYPE_MASK & FLAG_ELF)
+
+    @property
+    def glibc_hwcaps(self) -> bool:
+        """True for a build in a ``glibc-hwcaps`` subdirectory, which needs a CPU of its level."""
+        return bool(self.hwcap & HWCAP_GLIBC_HWCAPS)
 
     @property
     def arch(self) -> CacheArch:

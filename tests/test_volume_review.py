@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -154,3 +155,45 @@ def test_glibc_hwcaps_only_library_is_still_mirrored(host: Host, tmp_path: Path)
     result = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
     assert result.origin is not None
     assert (result.origin / "lib64" / "libnvidia-ml.so.550.54.15").is_file()
+
+
+@pytest.fixture
+def strict_umask() -> Iterator[None]:
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_trees_are_readable_by_container_users_under_a_strict_umask(
+    host: Host, tmp_path: Path, strict_umask: None
+) -> None:
+    # An agent started with umask 077 (a hardened unit or shell) must still give containers that run
+    # as another user than root a driver they can open.
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1")
+    host.write_cache()
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("origin", [], ["libcuda.so"])])
+    result = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert result.origin is not None
+    tree = result.origin.resolve()
+    assert stat.S_IMODE(os.stat(tree).st_mode) == 0o755
+    for rel, st in tree_files(tree):
+        if stat.S_ISDIR(st.st_mode):
+            assert stat.S_IMODE(st.st_mode) == 0o755, rel
+
+
+def test_a_tree_built_under_a_strict_umask_is_rebuilt_readable(host: Host, tmp_path: Path) -> None:
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1")
+    host.write_cache()
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("origin", [], ["libcuda.so"])])
+    first = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert first.origin is not None
+    tree = first.origin.resolve()
+    for directory in (tree, tree / "lib64"):  # as left by an earlier version under umask 077
+        directory.chmod(0o700)
+    again = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert again.origin is not None
+    for rel, st in [(".", os.stat(again.origin.resolve())), *tree_files(again.origin.resolve())]:
+        if stat.S_ISDIR(st.st_mode):
+            assert stat.S_IMODE(st.st_mode) == 0o755, rel

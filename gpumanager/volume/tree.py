@@ -25,6 +25,7 @@ from gpumanager.volume.mirror import DIRS, TreePlan, usable_name
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = 1
+DIR_MODE = 0o755
 _CHUNK = 1 << 20
 _NO_RANGE_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM)
 
@@ -79,6 +80,13 @@ def read_manifest(tree: Path) -> Manifest | None:
 
 def verify_tree(tree: Path, manifest: Manifest) -> str | None:
     """Check that ``tree`` still holds what its manifest lists; returns what is wrong, or None."""
+    for directory in ("", *DIRS):
+        try:
+            mode = stat.S_IMODE(os.stat(tree / directory).st_mode)
+        except OSError:
+            return f"{directory or 'the tree'} is missing"
+        if mode != DIR_MODE:
+            return f"{directory or 'the tree'} has mode {mode:04o}, not {DIR_MODE:04o}"
     for rel, entry in manifest.entries.items():
         try:
             st = os.lstat(tree / rel)
@@ -113,9 +121,10 @@ def build_tree(
     for target in plan.links.values():  # a file of the same directory
         if not usable_name(target):
             raise VolumeError(f"volume {plan.volume}: refusing the symlink target {target!r}, it may leave the tree")
-    staging.mkdir(mode=0o755)
-    for directory in DIRS:
-        (staging / directory).mkdir(mode=0o755)
+    for directory in ("", *DIRS):
+        (staging / directory).mkdir()
+        # containers running as any user read the tree, whatever the agent's umask
+        os.chmod(staging / directory, DIR_MODE)
     entries: dict[str, dict[str, Any]] = {}
     for rel, item in sorted(plan.files.items()):
         dst = staging / rel

@@ -197,3 +197,35 @@ def test_a_tree_built_under_a_strict_umask_is_rebuilt_readable(host: Host, tmp_p
     for rel, st in [(".", os.stat(again.origin.resolve())), *tree_files(again.origin.resolve())]:
         if stat.S_ISDIR(st.st_mode):
             assert stat.S_IMODE(st.st_mode) == 0o755, rel
+
+
+def test_binaries_are_mirrored_under_the_name_volume_conf_gives(host: Host, tmp_path: Path) -> None:
+    # Containers run /usr/local/nvidia/bin/<name>; upstream's library runs .../bin/gpu-client.
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1")
+    host.file("/usr/lib/nvidia/550/nvidia-smi.real", make_elf(None, payload=b"smi"))
+    host.link("/usr/bin/nvidia-smi", "../lib/nvidia/550/nvidia-smi.real")
+    host.write_cache()
+    client = tmp_path / "agent" / "gpu-client-1.2"
+    client.parent.mkdir()
+    client.write_bytes(make_elf(None, payload=b"client"))
+    client.chmod(0o755)
+    config = write_config(
+        tmp_path / "volume.conf", tmp_path / "vdriver", [("nvidia", ["nvidia-smi", "gpu-client"], ["libcuda.so"])]
+    )
+    result = build_vdriver(
+        volume_config=config, driver_root=host.root, share_mode=False, interceptor=None, gpu_client=client
+    )
+    assert result.nvidia is not None
+    assert sorted(os.listdir(result.nvidia / "bin")) == ["gpu-client", "nvidia-smi"]
+    assert (result.nvidia / "bin" / "gpu-client").read_bytes().endswith(b"client")
+
+
+def test_two_binary_names_of_one_file_are_both_mirrored(host: Host, tmp_path: Path) -> None:
+    host.file("/usr/bin/nvidia-cuda-mps-control", make_elf(None, payload=b"mps"))
+    host.link("/usr/bin/nvidia-cuda-mps-server", "nvidia-cuda-mps-control")
+    host.write_cache()
+    names = ["nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("origin", names, [])])
+    result = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert result.origin is not None
+    assert sorted(os.listdir(result.origin / "bin")) == names

@@ -50,6 +50,12 @@ class SourceFile:
         """The file's own name (that of the resolved file, not of the link that led to it)."""
         return self.host_path.rsplit("/", 1)[-1]
 
+    @property
+    def name(self) -> str:
+        """The name in the tree: a binary's name as volume.conf gives it (the name containers run,
+        whatever file a host link leads to), a library's own file name."""
+        return self.found_as if self.dir == BIN_DIR else self.basename
+
 
 class Discovery:
     """Looks files up in one driver root; results and warnings are memoised across volumes."""
@@ -75,14 +81,14 @@ class Discovery:
         """The files of ``volume``: binaries first, then libraries in cache order, each resolved file once."""
         found: list[SourceFile] = []
         seen: set[str] = set()
-        for name in volume.binaries:
+        # Binaries by name: two names of one file (a link to a multi-call binary) are both run.
+        for name in dict.fromkeys(volume.binaries):
             if name in self.provided:
                 found.append(self.provided[name])
-                seen.add(self.provided[name].host_path)
                 continue
             host_path = self._binary(name)
             if host_path is not None:
-                self._add(found, seen, BIN_DIR, host_path, name)
+                self._add(found, set(), BIN_DIR, host_path, name)
         if volume.libraries:
             prefixes = tuple(volume.libraries)
             # ldconfig lists the glibc-hwcaps builds of a soname before the plain one; the loader

@@ -421,7 +421,7 @@ class _Run:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        versions = [s for s in sources if f"{s.dir}/{s.basename}" in plan.files]
+        versions = [s for s in sources if f"{s.dir}/{s.name}" in plan.files]
         version = driver_version(versions)
         manifest = Manifest(tree.name, volume.name, fingerprint, version.full if version else None, entries)
         write_manifest(tree, manifest)

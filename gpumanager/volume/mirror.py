@@ -2,8 +2,8 @@
 
 Given a volume's source files this builds a :class:`TreePlan` (nothing is written here):
 
-- each usable ELF file (not blacklisted) as ``<dir>/<basename>``; for a name taken twice the first
-  (the loader's preference, cache order) wins;
+- each usable ELF file (not blacklisted) as ``<dir>/<basename>``, a binary under its volume.conf
+  name; for a name taken twice the first (the loader's preference, cache order) wins;
 - relative symlinks ``<soname> -> <basename>`` and the dev name (the soname without its trailing
   version, ``libcuda.so``) ``-> <basename>`` when the soname differs from the file name; a soname
   or dev name that is not a plain file name (empty, ``.``, ``..``, holding ``/``) gets no link, with
@@ -109,7 +109,7 @@ def plan_volume(
         if reason is not None:
             log.info("volume %s: %s not mirrored: %s", volume.name, source.host_path, reason)
             continue
-        rel = f"{source.dir}/{source.basename}"
+        rel = f"{source.dir}/{source.name}"
         if rel in plan.files:
             _warn(
                 plan,

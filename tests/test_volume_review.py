@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumanager.volume.errors import VolumeError
 from gpumanager.volume.manager import build_vdriver
 
 X86_64 = 0x0303  # libc6, x86-64
@@ -229,3 +230,31 @@ def test_two_binary_names_of_one_file_are_both_mirrored(host: Host, tmp_path: Pa
     result = build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
     assert result.origin is not None
     assert sorted(os.listdir(result.origin / "bin")) == names
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("name", "nvidia\0", "name"),
+        ("base", "/etc/gpu-manager\0/vdriver", "base"),
+        ("binaries", ["nvidia-smi\0"], "binaries"),
+        ("libraries", ["libcuda.so\0"], "libraries"),
+        ("binaries", [".."], "binaries"),
+    ],
+)
+def test_volume_conf_values_that_are_no_file_names_are_named(
+    host: Host, tmp_path: Path, field: str, value: object, named: str
+) -> None:
+    host.write_cache()
+    volume: dict[str, object] = {"name": "nvidia", "base": str(tmp_path / "vdriver"), "components": {}}
+    components: dict[str, object] = {"binaries": [], "libraries": ["libcuda.so"]}
+    if field in components:
+        components[field] = value
+    else:
+        volume[field] = value
+    volume["components"] = components
+    config = tmp_path / "volume.conf"
+    config.write_text(json.dumps({"volume": [volume]}))
+    with pytest.raises(VolumeError, match=named) as caught:
+        build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert str(config) in str(caught.value)

@@ -68,10 +68,17 @@ def parse_volume_config(raw: Any, path: Path) -> VolumeConfig:
         if not isinstance(item, dict):
             raise VolumeError(f"{where}: expected an object, got {item!r}")
         name = item.get("name")
-        if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or name != name.strip():
+        if (
+            not isinstance(name, str)
+            or not name
+            or "/" in name
+            or "\0" in name
+            or name.startswith(".")
+            or name != name.strip()
+        ):
             raise VolumeError(f"{where}: name {name!r} must be a non-empty directory name not starting with '.'")
         base = item.get("base")
-        if not isinstance(base, str) or not base.startswith("/"):
+        if not isinstance(base, str) or not base.startswith("/") or "\0" in base:
             raise VolumeError(f"{where} ({name}): base {base!r} must be an absolute path")
         mode = item.get("mode", "ro")
         if not isinstance(mode, str):
@@ -102,6 +109,12 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise VolumeError(f"{where}: expected a list of names, got {value!r}")
     for entry in value:
-        if not isinstance(entry, str) or not entry or "/" in entry or entry != entry.strip():
+        if (
+            not isinstance(entry, str)
+            or entry in ("", ".", "..")
+            or "/" in entry
+            or "\0" in entry
+            or entry != entry.strip()
+        ):
             raise VolumeError(f"{where}: {entry!r} is not a file name")
     return tuple(value)

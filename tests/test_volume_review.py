@@ -258,3 +258,51 @@ def test_volume_conf_values_that_are_no_file_names_are_named(
     with pytest.raises(VolumeError, match=named) as caught:
         build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
     assert str(config) in str(caught.value)
+
+
+def test_a_library_rewritten_while_it_is_copied_is_not_published(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A driver installed over the old files (cp over a file in place) while the mirror copies it:
+    # the copy holds half of each, and must not become the tree containers mount.
+    import gpumanager.volume.tree as tree_module
+
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1", tag=b"x" * 8192)
+    host.write_cache()
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("origin", [], ["libcuda.so"])])
+    source = host.root / "usr/lib64/libcuda.so.550.54.15"
+    real_copy = tree_module._copy_data
+
+    def rewritten_meanwhile(src: int, dst: int, size: int) -> None:
+        with source.open("r+b") as stream:
+            stream.truncate(100)
+        real_copy(src, dst, size)
+
+    monkeypatch.setattr(tree_module, "_copy_data", rewritten_meanwhile)
+    with pytest.raises(VolumeError, match=r"libcuda\.so\.550\.54\.15 changed"):
+        build_vdriver(
+            volume_config=config, driver_root=host.root, share_mode=False, interceptor=None, allow_hardlinks=False
+        )
+    assert not (tmp_path / "vdriver" / "origin").exists()
+
+
+def test_a_library_replaced_after_it_was_found_is_not_linked_under_the_old_identity(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpumanager.volume.tree as tree_module
+
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1")
+    host.write_cache()
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("origin", [], ["libcuda.so"])])
+    source = host.root / "usr/lib64/libcuda.so.550.54.15"
+    real_build = tree_module.build_tree
+
+    def replaced_meanwhile(*args: object, **kwargs: object) -> object:
+        source.unlink()
+        source.write_bytes(make_elf("libcuda.so.1", payload=b"another build of the same name"))
+        return real_build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("gpumanager.volume.manager.build_tree", replaced_meanwhile)
+    with pytest.raises(VolumeError, match=r"libcuda\.so\.550\.54\.15 changed"):
+        build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
+    assert not (tmp_path / "vdriver" / "origin").exists()

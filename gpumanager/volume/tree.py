@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpumanager.volume.discovery import Identity
+from gpumanager.volume.discovery import Identity, identity_of
 from gpumanager.volume.errors import VolumeError
 from gpumanager.volume.mirror import DIRS, TreePlan, usable_name
 
@@ -128,7 +128,7 @@ def build_tree(
     entries: dict[str, dict[str, Any]] = {}
     for rel, item in sorted(plan.files.items()):
         dst = staging / rel
-        _clone(item.source, dst, reusable.get(item.identity), allow_hardlinks and not item.copy_only)
+        _clone(item.source, dst, reusable.get(item.identity), allow_hardlinks and not item.copy_only, item.identity)
         entries[rel] = {
             "type": "file",
             "size": item.identity[2],
@@ -180,29 +180,52 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _clone(source: Path, dst: Path, reuse: Path | None, link_source: bool) -> None:
-    for origin in (reuse, source if link_source else None):
-        if origin is None:
-            continue
+def _clone(source: Path, dst: Path, reuse: Path | None, link_source: bool, expected: Identity) -> None:
+    if reuse is not None:
         try:
-            os.link(origin, dst)
+            os.link(reuse, dst)  # a file of another tree, made from the same source
             return
         except OSError as err:
-            log.debug("hard link %s -> %s failed (%s); trying the next way", origin, dst, err.strerror)
-    copy_file(source, dst)
+            log.debug("hard link %s -> %s failed (%s); trying the next way", reuse, dst, err.strerror)
+    if link_source:
+        try:
+            os.link(source, dst)
+        except OSError as err:
+            log.debug("hard link %s -> %s failed (%s); copying", source, dst, err.strerror)
+        else:
+            if identity_of(os.lstat(dst)) != expected:
+                os.unlink(dst)
+                raise _changed(source)
+            return
+    copy_file(source, dst, expected)
 
 
-def copy_file(source: Path, dst: Path) -> None:
-    """Copy ``source`` to the new file ``dst`` (which must not exist), keeping holes, mode and mtime."""
+def _changed(source: Path) -> VolumeError:
+    return VolumeError(
+        f"{source} changed while the driver mirror read it (a driver being installed?); "
+        "the tree is not published, the mirror is built again at its next check"
+    )
+
+
+def copy_file(source: Path, dst: Path, expected: Identity | None = None) -> None:
+    """Copy ``source`` to the new file ``dst`` (which must not exist), keeping holes, mode and mtime.
+
+    VolumeError when the file is not the one of identity ``expected`` (when given), or changes
+    while it is copied: the copy would hold parts of two files.
+    """
     try:
         src_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
         raise VolumeError(f"cannot read {source}: {err.strerror or err}") from err
     try:
         st = os.fstat(src_fd)
+        if expected is not None and identity_of(st) != expected:
+            raise _changed(source)
         dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             _copy_data(src_fd, dst_fd, st.st_size)
+            if identity_of(os.fstat(src_fd)) != identity_of(st):
+                raise _changed(source)
             os.ftruncate(dst_fd, st.st_size)
             os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))
             os.fsync(dst_fd)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from gpumanager.selftest import command
+from gpumanager.selftest import checks, command, programs
 
 
 def test_no_cuda_package_at_all_is_a_clear_exit_2(
@@ -20,3 +23,90 @@ def test_no_cuda_package_at_all_is_a_clear_exit_2(
     err = capsys.readouterr().err
     assert "cuda-bindings" in err
     assert "Traceback" not in err
+
+
+HANG = "import time\ntime.sleep(60)\n"
+
+
+def _setup(tmp_path: Path) -> checks.Setup:
+    return checks.Setup(uuid="GPU-00000000-0000-0000-0000-000000000000", gpu_index=0, gpu_total=1 << 34,
+                        work=tmp_path, mirror=tmp_path / "mirror", direct=tmp_path / "direct", cap=1 << 30,
+                        settle=0.1, measure=0.1, tolerance=3.0, calls=10)  # fmt: skip
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s value or exception, or a test failure when it has not returned after ``seconds``."""
+    box: list[object] = []
+
+    def target() -> None:
+        try:
+            box.append(call())
+        except BaseException as err:  # handed to the test
+            box.append(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return box[0]
+
+
+def test_a_child_that_never_answers_is_an_error_after_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checks, "CHILD_TIMEOUT", 1.0)
+    result = _within(20, lambda: checks.run_held(HANG, {}, dict(os.environ), "GPU-x"))
+    assert isinstance(result, checks.ChildError)
+    assert "no answer within" in str(result)
+
+
+def test_memory_rows_say_error_when_the_program_hangs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(checks, "CHILD_TIMEOUT", 1.0)
+    monkeypatch.setattr(checks, "ALLOCATION_PATHS", ("cuMemAlloc",))
+    monkeypatch.setattr(programs, "ALLOCATE", HANG)
+    rows = _within(20, lambda: checks.allocation_paths(_setup(tmp_path)))
+    assert isinstance(rows, list)
+    assert [(r.name, r.ok) for r in rows] == [("cuMemAlloc", False)]
+    assert "no answer within" in rows[0].result
+
+
+def test_four_processes_that_hang_are_an_error_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(checks, "CHILD_TIMEOUT", 1.0)
+    monkeypatch.setattr(programs, "HOLD", HANG)
+    rows = _within(30, lambda: checks.four_processes(_setup(tmp_path)))
+    assert isinstance(rows, list)
+    assert len(rows) == 1 and not rows[0].ok
+    assert "no answer within" in rows[0].result
+
+
+class _NoSampler:
+    def __init__(self, gpu_index: int) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def share(self, pid: int, window: tuple[int, int]) -> float | None:
+        return None
+
+
+def test_a_launch_loop_that_hangs_is_an_error_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(checks, "CHILD_TIMEOUT", 1.0)
+    monkeypatch.setattr(checks, "UtilSampler", _NoSampler)
+    # Starts its loop, then never finishes it (a launch or the final synchronize that does not return).
+    monkeypatch.setattr(programs, "SPIN", "print('running', flush=True)\n" + HANG)
+    rows = _within(30, lambda: checks.sm_shares(_setup(tmp_path), [30]))
+    assert isinstance(rows, list), rows
+    assert len(rows) == 1 and not rows[0].ok
+    assert "no answer within" in rows[0].result
+
+
+def test_a_launch_loop_that_never_starts_is_an_error_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(checks, "CHILD_TIMEOUT", 1.0)
+    monkeypatch.setattr(checks, "UtilSampler", _NoSampler)
+    monkeypatch.setattr(programs, "SPIN", HANG)
+    rows = _within(30, lambda: checks.sm_shares(_setup(tmp_path), [30]))
+    assert isinstance(rows, list), rows
+    assert len(rows) == 1 and not rows[0].ok
+    assert "no answer within" in rows[0].result

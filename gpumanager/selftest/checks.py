@@ -109,6 +109,23 @@ def run_child(source: str, args: dict[str, Any], env: Mapping[str, str]) -> dict
     return _last_json(done.stdout, done.returncode, done.stderr)
 
 
+def read_line(proc: subprocess.Popen[str], timeout: float = 0.0) -> str:
+    """The child's next output line ("" at its end); a child that says nothing for ``timeout`` seconds
+    (default ``CHILD_TIMEOUT``) is killed and a ChildError raised: a hung driver call never hangs the test."""
+    limit = timeout or CHILD_TIMEOUT
+    stdout = proc.stdout
+    assert stdout is not None
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stdout.readline()), name="selftest-read", daemon=True)
+    reader.start()
+    reader.join(limit)
+    if reader.is_alive() or not box:
+        proc.kill()
+        reader.join(5.0)
+        raise ChildError(f"no answer within {limit:.0f} s")
+    return box[0]
+
+
 def nvml_held(uuid: str, pids: set[int]) -> int | None:
     """Device memory the real NVML accounts to these processes on the GPU (None: none of them is listed)."""
     import pynvml
@@ -123,8 +140,7 @@ def run_held(source: str, args: dict[str, Any], env: Mapping[str, str], uuid: st
     proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(args)], env=dict(env), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = read_line(proc)
         held = nvml_held(uuid, {proc.pid}) if line.startswith("{") else None
     finally:
         try:
@@ -207,8 +223,7 @@ def four_processes(s: Setup) -> list[Row]:
     total_held: int | None = None
     try:
         for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline().strip() != "ready":
+            if read_line(p).strip() != "ready":
                 raise ChildError("a process did not start")
         for p in procs:  # every context first (all four take memory), then the allocations
             assert p.stdin is not None
@@ -216,8 +231,7 @@ def four_processes(s: Setup) -> list[Row]:
             p.stdin.flush()
         started = []
         for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline()
+            line = read_line(p)
             if line.strip() == "context":
                 started.append(p)
             else:
@@ -227,14 +241,15 @@ def four_processes(s: Setup) -> list[Row]:
             p.stdin.write("allocate\n")
             p.stdin.flush()
         for p in started:
-            assert p.stdout is not None
-            results.append(_last_json(p.stdout.readline(), p.poll(), ""))
+            results.append(_last_json(read_line(p), p.poll(), ""))
         running = {int(r["pid"]) for r in results if r.get("context") == "CUDA_SUCCESS"}
         total_held = nvml_held(s.uuid, running) if running else 0
     except (ChildError, OSError) as err:
         error = str(err)
     finally:
         for p in procs:
+            if error:
+                p.kill()  # in an unknown state: one of them already failed to answer
             try:
                 p.communicate(input="\n", timeout=CHILD_TIMEOUT)
             except (subprocess.TimeoutExpired, ValueError):
@@ -356,15 +371,17 @@ def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> 
     sampler.start()
     try:
         for p in procs:
-            assert p.stdout is not None
-            first = p.stdout.readline()
+            first = read_line(p)
             if first.strip() != "running":
                 p.kill()
                 answer = _last_json(first, p.wait(), p.stderr.read() if p.stderr else "")
                 raise ChildError(answer.get("error", "failed"))
         results = []
         for p in procs:
-            out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
+            try:
+                out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
+            except subprocess.TimeoutExpired as exc:
+                raise ChildError(f"no answer within {s.settle + s.measure + CHILD_TIMEOUT:.0f} s") from exc
             results.append(_last_json(out, p.returncode, err))
     finally:
         sampler.stop()

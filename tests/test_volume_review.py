@@ -306,3 +306,17 @@ def test_a_library_replaced_after_it_was_found_is_not_linked_under_the_old_ident
     with pytest.raises(VolumeError, match=r"libcuda\.so\.550\.54\.15 changed"):
         build_vdriver(volume_config=config, driver_root=host.root, share_mode=False, interceptor=None)
     assert not (tmp_path / "vdriver" / "origin").exists()
+
+
+def test_an_interceptor_built_for_another_machine_is_refused(host: Host, tmp_path: Path) -> None:
+    host.library("/usr/lib64", "libcuda.so.550.54.15", "libcuda.so.1")
+    host.write_cache()
+    config = write_config(tmp_path / "volume.conf", tmp_path / "vdriver", [("nvidia", [], ["libcuda.so"])])
+    arm = bytearray(make_elf("libcuda-control.so"))
+    arm[18:20] = struct.pack("<H", 183)  # e_machine: EM_AARCH64
+    interceptor = tmp_path / "libcuda-control.so"
+    interceptor.write_bytes(bytes(arm))
+    with pytest.raises(VolumeError, match=rf"interceptor library {tmp_path}/libcuda-control.so .*EM_AARCH64"):
+        build_vdriver(
+            volume_config=config, driver_root=host.root, share_mode=True, interceptor=interceptor, machine="x86_64"
+        )

@@ -130,7 +130,7 @@ def build_vdriver(
     root = DriverRoot(driver_root)
     cache = read_ldcache(_cache_path(root))
     wants_interceptor = share_mode and any(v.name == NVIDIA_VOLUME for v in config.volumes)
-    control = _interceptor(interceptor) if wants_interceptor else None
+    control = _interceptor(interceptor, lib_dirs) if wants_interceptor else None
     provided: dict[str, SourceFile] = {}
     client_warnings: list[str] = []
     if gpu_client is not None and any(GPU_CLIENT in v.binaries for v in config.volumes):
@@ -239,7 +239,16 @@ def _foreign(arch: CacheArch) -> str:
     return f"{arch.name.lower()} (foreign here)"
 
 
-def _interceptor(path: Path | None) -> Interceptor:
+#: The ELF machine (pyelftools' name) of the objects of each cache ABI the mirror uses.
+_ELF_MACHINE = {
+    CacheArch.X86_64: "EM_X86_64",
+    CacheArch.I386: "EM_386",
+    CacheArch.AARCH64: "EM_AARCH64",
+    CacheArch.PPC64: "EM_PPC64",
+}
+
+
+def _interceptor(path: Path | None, lib_dirs: dict[CacheArch, str]) -> Interceptor:
     if path is None:
         raise VolumeError("share mode needs the interceptor library (libcuda-control.so); none was given")
     try:
@@ -252,6 +261,12 @@ def _interceptor(path: Path | None) -> Interceptor:
         raise VolumeError(f"interceptor library {path} is unusable: {err}") from err
     if facts.bits not in DIR_FOR_BITS:
         raise VolumeError(f"interceptor library {path} has an unknown ELF class ({facts.bits}-bit)")
+    machines = {_ELF_MACHINE[arch] for arch in lib_dirs if arch in _ELF_MACHINE}
+    if machines and facts.machine not in machines:
+        raise VolumeError(
+            f"interceptor library {path} is built for {facts.machine}, this host loads "
+            f"{', '.join(sorted(machines))} libraries"
+        )
     try:
         identity, digest = _own_file(path)
     except OSError as err:

@@ -7,7 +7,9 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
+import pynvml
 import pytest
 
 from gpumanager.selftest import checks, command, programs
@@ -110,3 +112,23 @@ def test_a_launch_loop_that_never_starts_is_an_error_row(monkeypatch: pytest.Mon
     assert isinstance(rows, list), rows
     assert len(rows) == 1 and not rows[0].ok
     assert "no answer within" in rows[0].result
+
+
+def _processes(monkeypatch: pytest.MonkeyPatch, answer: Callable[[object], list[SimpleNamespace]]) -> None:
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: "handle")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", answer)
+
+
+def test_nvml_without_per_process_memory_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVML lists the process but cannot say its memory (NVML_VALUE_NOT_AVAILABLE: pynvml gives None).
+    _processes(monkeypatch, lambda handle: [SimpleNamespace(pid=4242, usedGpuMemory=None)])
+    assert checks.nvml_held("GPU-x", {4242}) is None
+
+
+def test_nvml_that_fails_is_an_error_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(handle: object) -> list[SimpleNamespace]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    _processes(monkeypatch, fail)
+    with pytest.raises(checks.ChildError, match="NVML"):
+        checks.nvml_held("GPU-x", {4242})

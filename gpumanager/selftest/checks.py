@@ -127,12 +127,19 @@ def read_line(proc: subprocess.Popen[str], timeout: float = 0.0) -> str:
 
 
 def nvml_held(uuid: str, pids: set[int]) -> int | None:
-    """Device memory the real NVML accounts to these processes on the GPU (None: none of them is listed)."""
+    """Device memory the real NVML accounts to these processes on the GPU (None: none of them is listed, or
+    NVML cannot say how much one of them holds; ChildError: NVML failed)."""
     import pynvml
 
-    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-    found = [p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
-    return sum(found) if found else None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        listed = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except pynvml.NVMLError as err:
+        raise ChildError(f"NVML cannot list the processes of {uuid}: {err}") from err
+    found = [p.usedGpuMemory for p in listed if p.pid in pids]
+    if not found or any(used is None for used in found):
+        return None  # not available (a container without the host's PIDs, MIG): counting it 0 would pass anything
+    return sum(int(used) for used in found)
 
 
 def run_held(source: str, args: dict[str, Any], env: Mapping[str, str], uuid: str) -> tuple[dict[str, Any], int | None]:
@@ -181,7 +188,7 @@ def allocation_paths(s: Setup) -> list[Row]:
             rows.append(Row("memory", path, f"error: {err}", False))
             continue
         if held is None:
-            rows.append(Row("memory", path, "NVML does not list the process: cannot tell", False))
+            rows.append(Row("memory", path, "NVML does not tell the process's memory: cannot tell", False))
             continue
         stopped = r["rc"] == "CUDA_ERROR_OUT_OF_MEMORY"
         if held > s.cap:
@@ -258,7 +265,8 @@ def four_processes(s: Setup) -> list[Row]:
     if error:
         return [Row("footprint", "4 processes of one container", f"error: {error}", False)]
     if total_held is None:
-        return [Row("footprint", "4 processes of one container", "NVML does not list them: cannot tell", False)]
+        return [Row("footprint", "4 processes of one container", "NVML does not tell their memory: cannot tell",
+                    False)]  # fmt: skip
     total = total_held
     refused = sum(r.get("context") != "CUDA_SUCCESS" for r in results)
     detail = f"{mib(total)} held together on a {mib(s.cap)} cap" + (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -13,6 +14,10 @@ import pynvml
 import pytest
 
 from gpumanager.selftest import checks, command, programs
+from simnode.gpusim_state import GpuSimState, repo_root
+from simnode.simhost import install_sim_driver
+
+MIB = 1 << 20
 
 
 def test_no_cuda_package_at_all_is_a_clear_exit_2(
@@ -132,3 +137,33 @@ def test_nvml_that_fails_is_an_error_not_a_traceback(monkeypatch: pytest.MonkeyP
     _processes(monkeypatch, fail)
     with pytest.raises(checks.ChildError, match="NVML"):
         checks.nvml_held("GPU-x", {4242})
+
+
+def _sim_selftest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    install_sim_driver(tmp_path / "host")
+    env = dict(os.environ, GPUSIM_SPEC=str(repo_root() / "deploy" / "sim" / "t4-x1.json"),
+               GPUSIM_STATE=str(tmp_path / "node.state"))  # fmt: skip
+    library = repo_root() / "vcuda" / "build" / "libcuda-control.so"
+    return subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "selftest", "--driver-root", str(tmp_path / "host"),
+         "--vcuda-library", str(library), *args],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_a_cap_larger_than_the_gpu_is_refused_not_passed(tmp_path: Path) -> None:
+    # The T4 has 15360 MiB: the driver, not the cap, would stop every allocation, and all would "pass".
+    done = _sim_selftest(tmp_path, "--only", "memory", "--memory-mib", "20000")
+    assert done.returncode == command.EXIT_USAGE, done.stdout
+    assert "--memory-mib 20000" in done.stderr and "MiB free" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_busy_gpu_shrinks_the_default_cap_below_what_is_free(tmp_path: Path) -> None:
+    install_sim_driver(tmp_path / "host")
+    with GpuSimState(tmp_path / "node.state") as state:
+        state.set_process(0, os.getpid(), 13000 * MIB)  # 2360 MiB left of 15360
+    done = _sim_selftest(tmp_path, "--only", "memory")
+    assert done.returncode == command.EXIT_OK, done.stdout + done.stderr
+    cap = int(done.stdout.split("test container cap ")[1].split(" MiB")[0])
+    assert cap * 9 // 8 <= 2360

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--driver-root", default=d.driver_root, help="root of the host's driver files (%(default)s)")
     p.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to test (default 0)")
     p.add_argument("--memory-mib", type=_positive_int, default=0,
-                   help="the test container's memory cap (default: a quarter of the GPU, at most 4096)")  # fmt: skip
+                   help="the test container's memory cap (default: a quarter of the GPU, at most 4096 and at most "
+                        "8/9 of what is free on it)")  # fmt: skip
     p.add_argument("--limits", type=_limits, default=(10, 30, 50, 70, 90), help="SM limits to measure, in %%")
     p.add_argument("--settle", type=_positive_float, default=2.0, help="seconds before a share is measured")
     p.add_argument("--measure", type=_positive_float, default=4.0, help="seconds a share is measured over")
@@ -85,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gpu(index: int) -> tuple[str, int]:
+def _gpu(index: int) -> tuple[str, int, int]:
+    """The GPU's UUID, its memory and the memory free on it now."""
     import pynvml
 
     count = pynvml.nvmlDeviceGetCount()
@@ -93,8 +95,39 @@ def _gpu(index: int) -> tuple[str, int]:
         raise SelftestError(f"--gpu {index}: this node has {count} GPU(s) (0..{count - 1})")
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     uuid = pynvml.nvmlDeviceGetUUID(handle)
-    total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-    return uuid.decode() if isinstance(uuid, bytes) else uuid, int(total)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return uuid.decode() if isinstance(uuid, bytes) else uuid, int(memory.total), int(memory.free)
+
+
+MEMORY_SECTIONS = {"memory", "views", "footprint"}
+DEFAULT_CAP_MIB, SMALLEST_DEFAULT_CAP_MIB = 4096, 512
+
+
+def _cap(args: argparse.Namespace, total: int, free: int) -> int:
+    """The test container's memory cap.  The memory checks need the cap and an eighth more free on the GPU:
+    an interceptor that lets allocations past the cap must be seen holding more than the cap, not stopped
+    by a full GPU at or below it (which would pass as held)."""
+    room = free * 8 // 9 // checks.MIB * checks.MIB
+    memory_checks = bool(MEMORY_SECTIONS.intersection(args.only))
+    if args.memory_mib:
+        cap = int(args.memory_mib) * checks.MIB
+        if memory_checks and cap > room:
+            raise SelftestError(
+                f"--memory-mib {args.memory_mib}: GPU {args.gpu} has {checks.mib(free)} free of {checks.mib(total)}; "
+                f"the memory checks need the cap and an eighth more free (at most --memory-mib {room // checks.MIB}"
+                " now), or the full GPU, not the cap, stops the allocations"
+            )
+        return cap
+    cap = min(DEFAULT_CAP_MIB * checks.MIB, total // 4 // checks.MIB * checks.MIB)
+    if not memory_checks:
+        return cap
+    if room < SMALLEST_DEFAULT_CAP_MIB * checks.MIB:
+        raise SelftestError(
+            f"--gpu {args.gpu}: {checks.mib(free)} free of {checks.mib(total)}, too little for the memory checks "
+            f"(a cap of at least {SMALLEST_DEFAULT_CAP_MIB} MiB and an eighth more free); run them on an idle GPU, "
+            "or leave them out with --only share,cost"
+        )
+    return min(cap, room)
 
 
 def _has_cuda_bindings() -> bool:
@@ -121,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         nvml.init(str(driver.libnvml))
     except nvml.NVMLUnavailableError as err:
         raise SelftestError(f"--driver-root {args.driver_root}: {err}") from err
-    uuid, total = _gpu(args.gpu)
-    cap = args.memory_mib * checks.MIB if args.memory_mib else min(4096 * checks.MIB, total // 4)
+    uuid, total, free = _gpu(args.gpu)
+    cap = _cap(args, total, free)
     started = time.monotonic()
     print(f"gpu-manager selftest: GPU {args.gpu} ({uuid}, {checks.mib(total)}), interceptor {interceptor}")
     print(f"  driver {driver.libcuda}, {driver.libnvml}; test container cap {checks.mib(cap)}", flush=True)

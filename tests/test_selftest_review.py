@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -13,9 +14,9 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from gpumanager.selftest import checks, command, programs
+from gpumanager.selftest import checks, command, mirror, programs
 from simnode.gpusim_state import GpuSimState, repo_root
-from simnode.simhost import install_sim_driver
+from simnode.simhost import _ldconfig, install_sim_driver
 
 MIB = 1 << 20
 
@@ -167,3 +168,22 @@ def test_a_busy_gpu_shrinks_the_default_cap_below_what_is_free(tmp_path: Path) -
     assert done.returncode == command.EXIT_OK, done.stdout + done.stderr
     cap = int(done.stdout.split("test container cap ")[1].split(" MiB")[0])
     assert cap * 9 // 8 <= 2360
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a library with a soname")
+def test_the_driver_helpers_libcuda_opens_by_soname_are_in_both_directories(tmp_path: Path) -> None:
+    # In the agent's pod the image's ld.so.cache knows nothing of the host's driver: libcuda's PTX JIT
+    # (libnvidia-ptxjitcompiler.so.1, dlopened by soname) is found only beside it on LD_LIBRARY_PATH.
+    root = tmp_path / "host"
+    libdir = install_sim_driver(root)
+    name = "libnvidia-ptxjitcompiler.so"
+    source = tmp_path / "jit.c"
+    source.write_text("int ptx_jit(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-Wl,-soname,{name}.1", "-o", str(libdir / f"{name}.550.54.15"),
+                    str(source)], check=True)  # fmt: skip
+    subprocess.run([_ldconfig(), "-r", str(root), "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"], check=True)
+    driver = mirror.find_driver(root)
+    (tmp_path / "work").mkdir()
+    direct, mirrored = mirror.lay_out(tmp_path / "work", driver, repo_root() / "vcuda" / "build" / "libcuda-control.so")
+    for directory in (direct, mirrored):
+        assert (directory / f"{name}.1").resolve() == (libdir / f"{name}.550.54.15").resolve()

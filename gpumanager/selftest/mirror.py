@@ -5,6 +5,9 @@ The real ``libcuda.so.1`` and ``libnvidia-ml.so.1`` are found as the agent finds
 ``direct`` (the real libraries under their sonames: programs without the interceptor) and
 ``mirror`` (gpu-manager's layout: the interceptor as ``libcuda.so.1``, ``libcuda.so``,
 ``libnvidia-ml.so.1``, ``libnvidia-ml.so``; the real files beside it under their full names).
+Both also hold the driver's helpers that libcuda opens by soname (the PTX JIT compiler): in the
+agent's pod the image's own ld.so.cache does not know the host's driver, so they must be on
+``LD_LIBRARY_PATH`` or ``cuModuleLoadData`` fails with ``CUDA_ERROR_JIT_COMPILER_NOT_FOUND``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from gpumanager.volume.rootfs import DriverRoot, ResolveError
 log = logging.getLogger(__name__)
 
 SONAMES = ("libcuda.so.1", "libnvidia-ml.so.1")
+# Libraries the real libcuda dlopens by soname (PTX JIT, fatbinaries, and their compiler back end).
+HELPER_PREFIXES = (
+    "libnvidia-ptxjitcompiler.so.",
+    "libnvidia-fatbinaryloader.so.",
+    "libnvidia-gpucomp.so.",
+    "libnvidia-nvvm.so.",
+)
 
 
 class SelftestError(Exception):
@@ -32,6 +42,7 @@ class Driver:
 
     libcuda: Path
     libnvml: Path
+    helpers: tuple[tuple[str, Path], ...] = ()  # (soname, file) of HELPER_PREFIXES found
 
 
 def find_driver(driver_root: Path) -> Driver:
@@ -44,7 +55,8 @@ def find_driver(driver_root: Path) -> Driver:
     root = DriverRoot(driver_root)
     found: dict[str, Path] = {}
     for entry in cache.entries:
-        if entry.key in SONAMES and entry.key not in found and entry.is_elf and entry.bits == 64:
+        wanted = entry.key in SONAMES or entry.key.startswith(HELPER_PREFIXES)
+        if wanted and entry.key not in found and entry.is_elf and entry.bits == 64:
             try:
                 found[entry.key] = root.agent_path(root.resolve(entry.value))
             except ResolveError as err:
@@ -55,7 +67,8 @@ def find_driver(driver_root: Path) -> Driver:
             f"--driver-root {driver_root}: {cache_path} lists no usable {', '.join(missing)} (is the NVIDIA driver "
             "installed there?)"
         )
-    return Driver(found["libcuda.so.1"], found["libnvidia-ml.so.1"])
+    helpers = tuple(sorted((name, path) for name, path in found.items() if name not in SONAMES))
+    return Driver(found["libcuda.so.1"], found["libnvidia-ml.so.1"], helpers)
 
 
 def lay_out(base: Path, driver: Driver, interceptor: Path) -> tuple[Path, Path]:
@@ -70,4 +83,7 @@ def lay_out(base: Path, driver: Driver, interceptor: Path) -> tuple[Path, Path]:
         (mirror / real.name).symlink_to(real)
         for name in (soname, soname.removesuffix(".1")):
             (mirror / name).symlink_to(interceptor)
+    for soname, real in driver.helpers:
+        (direct / soname).symlink_to(real)
+        (mirror / soname).symlink_to(real)
     return direct, mirror

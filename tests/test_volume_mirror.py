@@ -306,15 +306,51 @@ def test_the_agents_own_files_count_by_content_not_by_where_they_lie(node: Node,
 
 
 def test_interceptor_errors(node: Node, tmp_path: Path) -> None:
-    with pytest.raises(VolumeError, match="needs the interceptor"):
-        node.run(interceptor=None)
-    with pytest.raises(VolumeError, match=f"interceptor library {tmp_path}/nope.so"):
-        node.run(interceptor=tmp_path / "nope.so")
+    # They ended the whole build: no origin either, so whole GPUs got a mount source that did not exist.
     text = tmp_path / "libcuda-control.so"
     text.write_text("not a library")
-    with pytest.raises(VolumeError, match="is not an ELF file"):
-        node.run(interceptor=text)
-    assert not (node.base / "nvidia").exists()
+    nvidia, origin = node.base / "nvidia", node.base / "origin"
+    for lib, why in (
+        (None, "no interceptor library (libcuda-control.so) was given"),
+        (tmp_path / "nope.so", f"interceptor library {tmp_path}/nope.so: No such file or directory"),
+        (text, f"interceptor library {text} is unusable: {text} is not an ELF file"),
+    ):
+        result = node.run(interceptor=lib)
+        assert result.share_problem == (
+            f"share mode has no interceptor: {why}; the share-mode tree {nvidia} is not built"
+        ), lib
+        assert not nvidia.exists() and not nvidia.is_symlink() and result.nvidia is None  # none without it
+        assert [v.name for v in result.volumes] == ["origin"] and result.origin == origin
+        assert origin.is_symlink() and (origin / "lib64" / "libcuda.so.1").is_file()
+        assert result.driver_version is not None and result.driver_version.full == V1
+
+
+def test_an_interceptor_gone_later_leaves_the_share_mode_tree_as_it_was(node: Node, tmp_path: Path) -> None:
+    nvidia = node.base / "nvidia"
+    node.run()
+    published = os.readlink(nvidia)
+    result = node.run(interceptor=tmp_path / "gone.so")
+    assert result.share_problem == (
+        f"share mode has no interceptor: interceptor library {tmp_path}/gone.so: No such file or directory; "
+        f"the share-mode tree {nvidia} is left as it was"
+    )
+    assert os.readlink(nvidia) == published and (nvidia / "lib64" / "libcuda.so.1").is_file()  # nor removed
+    assert result.nvidia == nvidia and result.origin == node.base / "origin" and not result.changed
+    again = node.run(interceptor=1)  # an interceptor again: shares are served with it
+    assert again.share_problem == "" and os.readlink(nvidia) != published
+    assert (nvidia / "lib64/libcuda.so.1").read_bytes() == node.store.interceptor(1).read_bytes()
+
+
+def test_an_interceptor_for_another_machine_still_builds_origin(node: Node, tmp_path: Path) -> None:
+    arm = bytearray(node.store.interceptor(0).read_bytes())
+    arm[18:20] = (183).to_bytes(2, "little")  # e_machine: EM_AARCH64
+    lib = tmp_path / "libcuda-control.so"
+    lib.write_bytes(bytes(arm))
+    result = node.run(interceptor=lib, machine="x86_64")
+    assert result.share_problem.startswith(
+        f"share mode has no interceptor: interceptor library {lib} is built for EM_AARCH64, this host loads "
+    )
+    assert not (node.base / "nvidia").exists() and (node.base / "origin/lib64/libcuda.so.1").is_file()
 
 
 def test_32_bit_interceptor_serves_the_lib_directory(node: Node) -> None:

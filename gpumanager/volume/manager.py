@@ -116,9 +116,11 @@ def build_vdriver(
     """Mirror the driver of ``driver_root`` into the volumes of ``volume_config``.
 
     ``base_dir_override`` replaces every volume's ``base``. ``interceptor`` (``libcuda-control.so``)
-    is required in share mode when a volume is named ``nvidia``. ``machine`` (default: this host)
-    selects the cache entries used; ``search_path`` is where binaries are looked for in the root;
-    ``allow_hardlinks=False`` copies every file. ``gpu_client``: the agent's own ``gpu-client``,
+    is swapped in for ``libcuda.so.1`` in the share-mode volume (named ``nvidia``); when it is
+    missing or unusable, that volume is left as it was (none is published without it), the others
+    are built, and :attr:`VdriverResult.share_problem` names the file and why. ``machine``
+    (default: this host) selects the cache entries used; ``search_path`` is where binaries are
+    looked for in the root; ``allow_hardlinks=False`` copies every file. ``gpu_client``: the agent's own ``gpu-client``,
     used for that binary wherever volume.conf lists it (when missing, a warning, and the driver
     root's PATH is searched as for any binary). Raises VolumeError naming the file or value at fault.
     """
@@ -129,8 +131,19 @@ def build_vdriver(
         return VdriverResult((), None, None, None)
     root = DriverRoot(driver_root)
     cache = read_ldcache(_cache_path(root))
-    wants_interceptor = share_mode and any(v.name == NVIDIA_VOLUME for v in config.volumes)
-    control = _interceptor(interceptor, lib_dirs) if wants_interceptor else None
+    nvidia_spec = next((v for v in config.volumes if v.name == NVIDIA_VOLUME), None)
+    control: Interceptor | None = None
+    control_problem = ""
+    if share_mode and nvidia_spec is not None:
+        try:
+            control = _interceptor(interceptor, lib_dirs)
+        except VolumeError as err:
+            # Whole GPUs need no interceptor: the other volumes are still built. The share-mode
+            # tree is left as it was (none is published without the interceptor), and shares are
+            # refused through share_problem.
+            control_problem = str(err)
+    skipped = nvidia_spec if control_problem else None
+    built_volumes = [v for v in config.volumes if v is not skipped]
     provided: dict[str, SourceFile] = {}
     client_warnings: list[str] = []
     if gpu_client is not None and any(GPU_CLIENT in v.binaries for v in config.volumes):
@@ -143,7 +156,7 @@ def build_vdriver(
     sources = {v: discovery.sources(v) for v in config.volumes}
     run = _Run(share_mode, control, allow_hardlinks, proc_root, machine or "")
     outcomes: list[VolumeOutcome] = []
-    for base, volumes in _by_base(config.volumes).items():
+    for base, volumes in _by_base(built_volumes).items():
         try:
             outcomes.extend(run.sync_base(base, volumes, sources))
         except OSError as err:
@@ -154,11 +167,15 @@ def build_vdriver(
         run.warn(f"no libcuda.so.<version> found through {cache.path}: driver version unknown")
     nvidia_outcome = next((o for o in outcomes if o.name == NVIDIA_VOLUME), None)
     nvidia = nvidia_outcome.path if nvidia_outcome else None
+    if skipped is not None and skipped.path.exists():
+        nvidia = skipped.path  # an earlier tree, left as it was
     origin = next((o.path for o in reversed(outcomes) if o.name != NVIDIA_VOLUME), None)
     problem = ""
     if share_mode:
-        nvidia_spec = next((v for v in config.volumes if v.name == NVIDIA_VOLUME), None)
-        if nvidia_outcome is None or nvidia_spec is None or control is None:
+        if skipped is not None:
+            kept = "is left as it was" if nvidia else "is not built"
+            problem = f"share mode has no interceptor: {control_problem}; the share-mode tree {skipped.path} {kept}"
+        elif nvidia_outcome is None or nvidia_spec is None or control is None:
             problem = f"volume config {volume_config} has no volume named {NVIDIA_VOLUME!r}, the share-mode tree"
         else:
             problem = _missing_interceptor(nvidia_outcome.tree, nvidia_spec, control, cache, lib_dirs, run)
@@ -250,7 +267,7 @@ _ELF_MACHINE = {
 
 def _interceptor(path: Path | None, lib_dirs: dict[CacheArch, str]) -> Interceptor:
     if path is None:
-        raise VolumeError("share mode needs the interceptor library (libcuda-control.so); none was given")
+        raise VolumeError("no interceptor library (libcuda-control.so) was given")
     try:
         os.stat(path)  # a missing file is named as missing, not as an unusable library
     except OSError as err:

@@ -187,3 +187,30 @@ def test_the_driver_helpers_libcuda_opens_by_soname_are_in_both_directories(tmp_
     direct, mirrored = mirror.lay_out(tmp_path / "work", driver, repo_root() / "vcuda" / "build" / "libcuda-control.so")
     for directory in (direct, mirrored):
         assert (directory / f"{name}.1").resolve() == (libdir / f"{name}.550.54.15").resolve()
+
+
+def _sim_env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, LD_LIBRARY_PATH=str(repo_root() / "vcuda" / "build" / "sim"),
+                GPUSIM_SPEC=str(repo_root() / "deploy" / "sim" / "t4-x1.json"),
+                GPUSIM_STATE=str(tmp_path / "node.state"))  # fmt: skip
+
+
+ABSENT = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+def test_a_gpu_cuda_does_not_show_is_named_in_the_error(tmp_path: Path) -> None:
+    # CUDA does not show the GPU NVML chose (CUDA_VISIBLE_DEVICES, a GPU in MIG mode): say so, by UUID.
+    with pytest.raises(checks.ChildError, match=ABSENT):
+        checks.run_held(programs.VIEWS, {"uuid": ABSENT, "alloc": MIB}, _sim_env(tmp_path), ABSENT)
+
+
+def test_the_cost_program_does_not_measure_another_gpu(tmp_path: Path) -> None:
+    with pytest.raises(checks.ChildError, match=ABSENT):
+        checks.run_child(programs.COST, {"uuid": ABSENT, "ptx": programs.PTX, "calls": 10}, _sim_env(tmp_path))
+
+
+def test_the_operators_visible_devices_do_not_hide_the_gpu(tmp_path: Path) -> None:
+    setup = _setup(tmp_path)
+    setup.base_env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "1"}
+    assert "CUDA_VISIBLE_DEVICES" not in setup.plain()
+    assert "CUDA_VISIBLE_DEVICES" not in setup.container(memory=MIB)

@@ -90,7 +90,9 @@ class Setup:
         return self._env(self.direct)
 
     def _env(self, libdir: Path) -> dict[str, str]:
-        env = {k: v for k, v in self.base_env.items() if not k.startswith("VCUDA_") and k != "LD_PRELOAD"}
+        # The programs find the GPU by UUID: a CUDA_VISIBLE_DEVICES of the caller's would only hide it.
+        dropped = ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+        env = {k: v for k, v in self.base_env.items() if not k.startswith("VCUDA_") and k not in dropped}
         env["LD_LIBRARY_PATH"] = str(libdir)
         return env
 

@@ -52,7 +52,11 @@ def uuid_of(dev):
     h = bytes(ok(d.cuDeviceGetUuid(dev)).bytes).hex()
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 ok(d.cuInit(0))
-dev = next(g for g in (ok(d.cuDeviceGet(i)) for i in range(ok(d.cuDeviceGetCount()))) if uuid_of(g) == ARGS["uuid"])
+dev = next((g for g in (ok(d.cuDeviceGet(i)) for i in range(ok(d.cuDeviceGetCount()))) if uuid_of(g) == ARGS["uuid"]),
+           None)
+if dev is None:
+    report(error=f"CUDA shows no device {ARGS['uuid']} (a GPU in MIG mode, or hidden by CUDA_VISIBLE_DEVICES)")
+    sys.exit(3)
 rc, ctx = d.cuDevicePrimaryCtxRetain(dev)
 if rc != R.CUDA_SUCCESS:
     report(context=rc.name)
@@ -219,6 +223,10 @@ for i in range(count.value):
     h = bytes(uuid).hex()
     if f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}" == ARGS["uuid"]:
         break
+else:
+    print(json.dumps({"error": f"CUDA shows no device {ARGS['uuid']} (a GPU in MIG mode, or hidden by "
+                               "CUDA_VISIBLE_DEVICES)"}))
+    sys.exit(3)
 check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
 check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 mod, fn = ctypes.c_void_p(), ctypes.c_void_p()

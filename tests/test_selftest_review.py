@@ -214,3 +214,13 @@ def test_the_operators_visible_devices_do_not_hide_the_gpu(tmp_path: Path) -> No
     setup.base_env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "1"}
     assert "CUDA_VISIBLE_DEVICES" not in setup.plain()
     assert "CUDA_VISIBLE_DEVICES" not in setup.container(memory=MIB)
+
+
+def test_a_lost_gpu_is_named_not_a_traceback(tmp_path: Path) -> None:
+    install_sim_driver(tmp_path / "host")
+    with GpuSimState(tmp_path / "node.state") as state:
+        state.set_lost(0)
+    done = _sim_selftest(tmp_path, "--only", "memory")
+    assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
+    assert "--gpu 0" in done.stderr and "lost" in done.stderr.lower()
+    assert "Traceback" not in done.stderr

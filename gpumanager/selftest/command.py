@@ -154,7 +154,12 @@ def run(args: argparse.Namespace) -> int:
         nvml.init(str(driver.libnvml))
     except nvml.NVMLUnavailableError as err:
         raise SelftestError(f"--driver-root {args.driver_root}: {err}") from err
-    uuid, total, free = _gpu(args.gpu)
+    import pynvml
+
+    try:
+        uuid, total, free = _gpu(args.gpu)
+    except pynvml.NVMLError as err:
+        raise SelftestError(f"--gpu {args.gpu}: NVML cannot read this GPU: {err}") from err
     cap = _cap(args, total, free)
     started = time.monotonic()
     print(f"gpu-manager selftest: GPU {args.gpu} ({uuid}, {checks.mib(total)}), interceptor {interceptor}")

@@ -224,3 +224,22 @@ def test_a_lost_gpu_is_named_not_a_traceback(tmp_path: Path) -> None:
     assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
     assert "--gpu 0" in done.stderr and "lost" in done.stderr.lower()
     assert "Traceback" not in done.stderr
+
+
+def test_no_writable_temporary_directory_is_named_not_a_traceback(tmp_path: Path) -> None:
+    install_sim_driver(tmp_path / "host")
+    library = repo_root() / "vcuda" / "build" / "libcuda-control.so"
+    code = (
+        "import sys, tempfile\n"
+        "tempfile.tempdir = '/proc'\n"  # a directory nobody can create anything in
+        "from gpumanager.selftest import main\n"
+        f"sys.exit(main(['--driver-root', {str(tmp_path / 'host')!r}, '--vcuda-library', {str(library)!r},"
+        " '--only', 'cost']))\n"
+    )
+    env = _sim_env(tmp_path)
+    del env["LD_LIBRARY_PATH"]
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
+    assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
+    assert "/proc" in done.stderr and "TMPDIR" in done.stderr
+    assert "Traceback" not in done.stderr

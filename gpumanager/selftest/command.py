@@ -164,9 +164,20 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print(f"gpu-manager selftest: GPU {args.gpu} ({uuid}, {checks.mib(total)}), interceptor {interceptor}")
     print(f"  driver {driver.libcuda}, {driver.libnvml}; test container cap {checks.mib(cap)}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="gpu-manager-selftest-") as tmp:
+    try:
+        holder = tempfile.TemporaryDirectory(prefix="gpu-manager-selftest-")
+    except OSError as err:
+        raise SelftestError(
+            f"no writable temporary directory for the test's driver directories ({tempfile.tempdir or '$TMPDIR, /tmp'}"
+            f": {err}); set TMPDIR to a writable directory"
+        ) from err
+    with holder as tmp:
         work = Path(tmp)
-        direct, mirror = lay_out(work, driver, interceptor.resolve())
+        try:
+            direct, mirror = lay_out(work, driver, interceptor.resolve())
+        except OSError as err:
+            raise SelftestError(f"{work}: cannot lay out the test's driver directories: {err}; set TMPDIR to a "
+                                "writable directory") from err  # fmt: skip
         setup = checks.Setup(uuid=uuid, gpu_index=args.gpu, gpu_total=total, work=work, mirror=mirror, direct=direct,
                              cap=cap, settle=args.settle, measure=args.measure, tolerance=args.tolerance,
                              calls=args.calls)  # fmt: skip
@@ -180,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for name, check in plan:
             if name in args.only:
-                rows.extend(check(setup))
+                try:
+                    rows.extend(check(setup))
+                except OSError as err:  # the work directory (disk full) or a child that could not start
+                    rows.append(checks.Row(name, name, f"error: {err}", False))
     print_table(rows)
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} checks passed in {time.monotonic() - started:.0f} s"

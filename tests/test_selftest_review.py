@@ -243,3 +243,12 @@ def test_no_writable_temporary_directory_is_named_not_a_traceback(tmp_path: Path
     assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
     assert "/proc" in done.stderr and "TMPDIR" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_interrupted_selftest_says_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "run", interrupted)
+    assert command.main([]) == command.EXIT_FAILED
+    assert "interrupted" in capsys.readouterr().err

@@ -223,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-manager selftest: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        print("\ngpu-manager selftest: interrupted; the checks did not finish (exit 1)", file=sys.stderr)
         return EXIT_FAILED
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumanager import __version__, names
+from gpumanager import __version__, deferred, names
 from gpumanager.config import Config, ConfigError, parse_node_labels
 from gpumanager.device import discovery, inventory, nvml
 from gpumanager.device.health import HealthMonitor
@@ -590,7 +590,7 @@ class Agent:
         assert self.vmanager is not None and self.allocator is not None
         for each in self.allocator.holding_same_ids(alloc):  # the kubelet does not say which of them starts
             self.vmanager.prepare(each)
-        self._annotate(alloc.pod_uid)
+        deferred.later(self._annotate, alloc.pod_uid)  # the patcher's thread wakes once the call is answered
 
     def _annotate(self, pod_uid: str) -> None:
         if self.api is None or self.allocator is None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpumanager import names, safenames
+from gpumanager import deferred, names, safenames
 from gpumanager.allocation import checkpoint, ids, journal, records
 from gpumanager.allocation import claims as claim_records
 from gpumanager.allocation import pods as podinfo
@@ -502,7 +502,8 @@ class Allocator:
             if changed:
                 self._notify()
         assert candidate is not None
-        log.info(
+        deferred.later(  # once answered: the kubelet does not wait for the log
+            log.info,
             "allocated %s container %s: GPUs %s, %d cores, %d MiB",
             podinfo.pod_key(candidate.pod),
             alloc.container,
@@ -1388,6 +1389,10 @@ class Allocator:
                 self._store.close()
 
     def _notify(self) -> None:
+        """Tell the listeners the state changed (once the kubelet's call is answered: they wake threads)."""
+        deferred.later(self._tell_listeners)
+
+    def _tell_listeners(self) -> None:
         for listener in self._listeners:
             try:
                 listener()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from gpumanager import names
+from gpumanager import deferred, names
 from gpumanager.allocation import ids as device_ids
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.records import ContainerAllocation
@@ -93,8 +93,8 @@ class Handlers:
                 ) from exc
 
     def _timed(self, resource: str, call: str, started: float, ok: bool) -> None:
-        if self._observe is not None:
-            self._observe(resource, call, time.perf_counter() - started, ok)
+        if self._observe is not None:  # recorded once the call is answered
+            deferred.later(self._observe, resource, call, time.perf_counter() - started, ok)
 
     def allocate_core(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
         """vcuda-core Allocate: one answer per container request (the kubelet sends one)."""

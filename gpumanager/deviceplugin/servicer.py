@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import grpc
 
+from gpumanager import deferred
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 
@@ -157,6 +158,8 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         return self._call(self._pre_start, request, context, "PreStartContainer")
 
     def _call(self, fn: Callable[[_Req], _Resp], request: _Req, context: grpc.ServicerContext, name: str) -> _Resp:
+        # What the answer does not wait for (log lines, metrics, wake-ups) runs once it has been sent.
+        outer = deferred.begin()
         try:
             return fn(request)
         except RequestError as exc:
@@ -165,4 +168,6 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         except Exception as exc:
             log.exception("%s %s failed", self.resource, name)
             context.abort(grpc.StatusCode.INTERNAL, f"{self.resource} {name} failed: {exc}")
+        finally:
+            deferred.end(outer, context)
         raise AssertionError("unreachable")  # context.abort always raises

@@ -252,3 +252,15 @@ def test_an_interrupted_selftest_says_so(monkeypatch: pytest.MonkeyPatch, capsys
     monkeypatch.setattr(command, "run", interrupted)
     assert command.main([]) == command.EXIT_FAILED
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_gpu_lost_before_the_share_section_is_its_error_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The GPU was read at the start; by the share section NVML no longer finds it.
+    def lost(index: int) -> object:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lost)
+    rows = checks.sm_shares(_setup(tmp_path), [30])
+    assert [(r.section, r.ok) for r in rows] == [("SM share", False)]
+    assert "NVML" in rows[0].result and "lost" in rows[0].result.lower()

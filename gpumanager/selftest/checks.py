@@ -295,11 +295,15 @@ class UtilSampler:
     """Samples NVML's per-process SM utilisation of one GPU while programs run (the real NVML)."""
 
     def __init__(self, gpu_index: int) -> None:
+        """ChildError when NVML cannot read the GPU."""
         import pynvml
 
         self._nvml = pynvml
-        pynvml.nvmlInit()
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        try:
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        except pynvml.NVMLError as err:  # the GPU lost (or NVML gone) since the self-test started
+            raise ChildError(f"NVML cannot read GPU {gpu_index}: {err}") from err
         self._spans: list[Span] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

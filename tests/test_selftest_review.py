@@ -264,3 +264,52 @@ def test_a_gpu_lost_before_the_share_section_is_its_error_row(monkeypatch: pytes
     rows = checks.sm_shares(_setup(tmp_path), [30])
     assert [(r.section, r.ok) for r in rows] == [("SM share", False)]
     assert "NVML" in rows[0].result and "lost" in rows[0].result.lower()
+
+
+def _patched_interceptor(tmp_path: Path, offset: int, value: bytes) -> Path:
+    """A copy of the interceptor with bytes of its ELF header changed."""
+    data = bytearray((repo_root() / "vcuda" / "build" / "libcuda-control.so").read_bytes())
+    data[offset : offset + len(value)] = value
+    path = tmp_path / "libcuda-control.so"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _selftest_with(tmp_path: Path, library: Path) -> subprocess.CompletedProcess[str]:
+    install_sim_driver(tmp_path / "host")
+    env = dict(os.environ, GPUSIM_SPEC=str(repo_root() / "deploy" / "sim" / "t4-x1.json"),
+               GPUSIM_STATE=str(tmp_path / "node.state"))  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "selftest", "--driver-root", str(tmp_path / "host"),
+         "--vcuda-library", str(library), "--only", "memory"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def _refused(done: subprocess.CompletedProcess[str], library: Path, what: str) -> None:
+    assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
+    assert str(library) in done.stderr and what in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "ESCAPED" not in done.stdout
+
+
+def test_a_file_that_is_not_a_library_is_named_not_run_without(tmp_path: Path) -> None:
+    library = tmp_path / "libcuda-control.so"
+    library.write_text("<html>404 Not Found</html>\n")
+    _refused(_selftest_with(tmp_path, library), library, "not an ELF")
+
+
+def test_an_interceptor_for_another_machine_is_named_not_run_without(tmp_path: Path) -> None:
+    library = _patched_interceptor(tmp_path, 18, (183).to_bytes(2, "little"))  # e_machine: EM_AARCH64
+    _refused(_selftest_with(tmp_path, library), library, "EM_AARCH64")
+
+
+def test_a_32_bit_interceptor_is_named_not_run_without(tmp_path: Path) -> None:
+    library = _patched_interceptor(tmp_path, 4, b"\x01")  # EI_CLASS: ELFCLASS32
+    _refused(_selftest_with(tmp_path, library), library, "32-bit")
+
+
+def test_a_library_without_the_interceptors_entry_points_is_named(tmp_path: Path) -> None:
+    library = repo_root() / "vcuda" / "build" / "sim" / "libnvidia-ml.so.1"  # a library, but no cu* at all
+    done = _selftest_with(tmp_path, library)
+    _refused(done, library, "cuMemAlloc_v2")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpumanager.config import Config
 from gpumanager.selftest import checks
-from gpumanager.selftest.mirror import SelftestError, find_driver, lay_out
+from gpumanager.selftest.mirror import SelftestError, check_interceptor, find_driver, lay_out
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     interceptor = Path(args.vcuda_library)
     if not interceptor.is_file():
         raise SelftestError(f"--vcuda-library {interceptor}: no such file")
+    check_interceptor(interceptor)
     driver = find_driver(Path(args.driver_root))
     from gpumanager.device import nvml
 

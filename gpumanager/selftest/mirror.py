@@ -13,10 +13,12 @@ agent's pod the image's own ld.so.cache does not know the host's driver, so they
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumanager.volume.errors import VolumeError
+from gpumanager.volume.elffacts import ELF_MAGIC, ElfFacts, read_elf_facts
+from gpumanager.volume.errors import NotElfError, VolumeError
 from gpumanager.volume.ldcache import read_ldcache
 from gpumanager.volume.rootfs import DriverRoot, ResolveError
 
@@ -32,8 +34,97 @@ HELPER_PREFIXES = (
 )
 
 
+#: Entry points the interceptor hooks and the self-test's programs call through it (cu* names only: the
+#: driver's own libcuda, put in the interceptor's place, must still run and show every path escaping).
+INTERCEPTOR_EXPORTS = (
+    "cuInit",
+    "cuGetProcAddress",
+    "cuDevicePrimaryCtxRetain",
+    "cuMemAlloc_v2",
+    "cuMemAlloc",
+    "cuMemAllocPitch_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuArray3DCreate_v2",
+    "cuMipmappedArrayCreate",
+    "cuGraphAddMemAllocNode",
+    "cuMemGetInfo_v2",
+    "cuDeviceTotalMem_v2",
+    "cuLaunchKernel",
+)
+ELF_CLASSES = {1: 32, 2: 64}
+
+
 class SelftestError(Exception):
     """Something the self-test needs is missing or unusable; the message names it."""
+
+
+def check_interceptor(path: Path) -> None:
+    """SelftestError naming ``path`` unless it is a library the dynamic linker loads into this host's
+    processes (the class and machine of this Python) and exports :data:`INTERCEPTOR_EXPORTS`.  The linker
+    skips a library of another class or machine silently and takes the next ``libcuda.so.1`` on the search
+    path: the programs would then run without the interceptor and every row say ESCAPED."""
+    try:
+        with path.open("rb") as stream:
+            ident = stream.read(16)
+    except OSError as err:
+        raise SelftestError(f"--vcuda-library {path}: cannot read it: {err.strerror or err}") from err
+    if ident[:4] != ELF_MAGIC:
+        raise SelftestError(f"--vcuda-library {path}: not an ELF file (not the interceptor libcuda-control.so)")
+    host = _host_elf()
+    bits = ELF_CLASSES.get(ident[4], 0)
+    if host is not None and bits != host.bits:
+        raise SelftestError(
+            f"--vcuda-library {path}: a {bits or 'unknown'}-bit ELF file; this host's processes are {host.bits}-bit "
+            "(the dynamic linker would skip it and the programs run without the interceptor)"
+        )
+    try:
+        facts = read_elf_facts(path)
+        exported = _exported_functions(path)
+    except Exception as err:  # NotElfError, OSError, and pyelftools' many errors on a damaged file
+        raise SelftestError(f"--vcuda-library {path}: not a readable ELF object: {err}") from err
+    if host is not None and facts.machine != host.machine:
+        raise SelftestError(
+            f"--vcuda-library {path}: built for {facts.machine}; this host is {host.machine} (the dynamic linker "
+            "would skip it and the programs run without the interceptor)"
+        )
+    missing = [name for name in INTERCEPTOR_EXPORTS if name not in exported]
+    if missing:
+        raise SelftestError(
+            f"--vcuda-library {path}: exports none of the CUDA entry points the interceptor must export (cuInit, "
+            "cuMemAlloc_v2, cuLaunchKernel, ...): not the interceptor libcuda-control.so"
+            if len(missing) == len(INTERCEPTOR_EXPORTS)
+            else f"--vcuda-library {path}: does not export {', '.join(missing)}, which the interceptor must export"
+        )
+
+
+def _host_elf() -> ElfFacts | None:
+    """This Python's own ELF facts (what the children are); None when they cannot be read."""
+    try:
+        return read_elf_facts(Path(sys.executable).resolve())
+    except (NotElfError, OSError) as err:
+        log.warning("cannot read %s to compare the interceptor's ELF class and machine: %s", sys.executable, err)
+        return None
+
+
+def _exported_functions(path: Path) -> set[str]:
+    """The functions ``path`` defines in its dynamic symbol table."""
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
+
+    names: set[str] = set()
+    with path.open("rb") as stream:
+        elf = ELFFile(stream)
+        table = elf.get_section_by_name(".dynsym")
+        if not isinstance(table, SymbolTableSection):
+            return names
+        for sym in table.iter_symbols():
+            if sym["st_shndx"] != "SHN_UNDEF" and sym["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK"):
+                names.add(sym.name)
+    return names
 
 
 @dataclass(frozen=True)

@@ -313,3 +313,49 @@ def test_a_library_without_the_interceptors_entry_points_is_named(tmp_path: Path
     library = repo_root() / "vcuda" / "build" / "sim" / "libnvidia-ml.so.1"  # a library, but no cu* at all
     done = _selftest_with(tmp_path, library)
     _refused(done, library, "cuMemAlloc_v2")
+
+
+def _selftest_with_nvml(tmp_path: Path, patch: str) -> subprocess.CompletedProcess[str]:
+    """The self-test on the simulated node, in a process whose pynvml answers as ``patch`` makes it."""
+    install_sim_driver(tmp_path / "host")
+    library = repo_root() / "vcuda" / "build" / "libcuda-control.so"
+    code = (
+        "import sys, pynvml\n"
+        f"{patch}\n"
+        "from gpumanager.selftest import main\n"
+        f"sys.exit(main(['--driver-root', {str(tmp_path / 'host')!r}, '--vcuda-library', {str(library)!r},"
+        " '--only', 'footprint']))\n"
+    )
+    env = _sim_env(tmp_path)
+    del env["LD_LIBRARY_PATH"]
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "name"),
+    [
+        (pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS, "EXCLUSIVE_PROCESS"),
+        (pynvml.NVML_COMPUTEMODE_PROHIBITED, "PROHIBITED"),
+    ],
+)
+def test_a_gpu_in_an_exclusive_compute_mode_is_refused(tmp_path: Path, mode: int, name: str) -> None:
+    # Four processes of one container cannot all have a context: refused contexts read as "no room", and pass.
+    done = _selftest_with_nvml(tmp_path, f"pynvml.nvmlDeviceGetComputeMode = lambda handle: {mode}")
+    assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
+    assert "--gpu 0" in done.stderr and name in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "4 processes" not in done.stdout
+
+
+def test_a_gpu_in_mig_mode_is_refused(tmp_path: Path) -> None:
+    done = _selftest_with_nvml(tmp_path, "pynvml.nvmlDeviceGetMigMode = lambda handle: [1, 1]")
+    assert done.returncode == command.EXIT_USAGE, done.stdout + done.stderr
+    assert "--gpu 0" in done.stderr and "MIG" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "4 processes" not in done.stdout
+
+
+def test_a_gpu_whose_mig_mode_is_only_pending_is_tested(tmp_path: Path) -> None:
+    # MIG enabled but not active before a reset: the GPU still runs as one device.
+    done = _selftest_with_nvml(tmp_path, "pynvml.nvmlDeviceGetMigMode = lambda handle: [0, 1]")
+    assert done.returncode == command.EXIT_OK, done.stdout + done.stderr
+    assert "4 processes of one container" in done.stdout

@@ -99,6 +99,42 @@ def _gpu(index: int) -> tuple[str, int, int]:
     return uuid.decode() if isinstance(uuid, bytes) else uuid, int(memory.total), int(memory.free)
 
 
+#: Compute modes in which the checks cannot run: several processes of one container (the footprint check, the
+#: 30/70 pair) need a context each, and a refused context reads as "no room" (NVML_COMPUTEMODE_*).
+UNTESTABLE_COMPUTE_MODES = {1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
+
+
+def _check_modes(index: int) -> None:
+    """SelftestError when the GPU is in a mode the checks cannot run in: an exclusive (or prohibited) compute
+    mode, or MIG (CUDA shows its instances, not the GPU). NOT_SUPPORTED or FUNCTION_NOT_FOUND (a GPU
+    without MIG, a driver that does not say) is neither."""
+    import pynvml
+
+    unanswered = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound)
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    try:
+        mode = int(pynvml.nvmlDeviceGetComputeMode(handle))
+    except unanswered:
+        mode = 0
+    if mode in UNTESTABLE_COMPUTE_MODES:
+        raise SelftestError(
+            f"--gpu {index}: the GPU is in compute mode {UNTESTABLE_COMPUTE_MODES[mode]}; the checks run several "
+            "processes with a context each on it, which this mode refuses (the footprint check would read the "
+            "refusals as 'no room' and pass). Test it in DEFAULT mode (nvidia-smi -i "
+            f"{index} -c DEFAULT), or test another GPU with --gpu"
+        )
+    try:
+        current = int(pynvml.nvmlDeviceGetMigMode(handle)[0])
+    except unanswered:
+        current = 0
+    if current == pynvml.NVML_DEVICE_MIG_ENABLE:
+        raise SelftestError(
+            f"--gpu {index}: the GPU is in MIG mode; CUDA shows its MIG instances, not the GPU, and the self-test "
+            "cannot run on them. Test a GPU with MIG disabled (--gpu), or disable it (nvidia-smi -i "
+            f"{index} -mig 0)"
+        )
+
+
 MEMORY_SECTIONS = {"memory", "views", "footprint"}
 DEFAULT_CAP_MIB, SMALLEST_DEFAULT_CAP_MIB = 4096, 512
 
@@ -159,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         uuid, total, free = _gpu(args.gpu)
+        _check_modes(args.gpu)
     except pynvml.NVMLError as err:
         raise SelftestError(f"--gpu {args.gpu}: NVML cannot read this GPU: {err}") from err
     cap = _cap(args, total, free)

@@ -359,3 +359,30 @@ def test_a_gpu_whose_mig_mode_is_only_pending_is_tested(tmp_path: Path) -> None:
     done = _selftest_with_nvml(tmp_path, "pynvml.nvmlDeviceGetMigMode = lambda handle: [0, 1]")
     assert done.returncode == command.EXIT_OK, done.stdout + done.stderr
     assert "4 processes of one container" in done.stdout
+
+
+def test_memory_views_without_nvmls_count_cannot_tell(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # NVML does not list the process: what it holds is known only from the interceptor's own answers, so
+    # comparing those answers with it checks the interceptor against itself.
+    setup = _setup(tmp_path)
+    monkeypatch.setattr(setup, "container", lambda **kw: {})
+    cap, used = setup.cap, 256 * MIB
+    views = {"free": cap - used, "total": cap, "device_total": cap, "nvml_total": cap, "nvml_used": used}
+    monkeypatch.setattr(checks, "run_held", lambda *args: (views, None))
+    rows = {r.name: r for r in checks.memory_views(setup)}
+    for name in ("cuMemGetInfo", "nvmlDeviceGetMemoryInfo"):
+        assert not rows[name].ok and "cannot tell" in rows[name].result, rows[name]
+    assert rows["cuDeviceTotalMem"].ok
+
+
+def test_memory_views_without_nvmls_count_still_fail_a_wrong_total(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    setup = _setup(tmp_path)
+    monkeypatch.setattr(setup, "container", lambda **kw: {})
+    gpu = setup.gpu_total
+    views = {"free": gpu // 2, "total": gpu, "device_total": gpu, "nvml_total": gpu, "nvml_used": gpu // 2}
+    monkeypatch.setattr(checks, "run_held", lambda *args: (views, None))
+    rows = checks.memory_views(setup)
+    assert not any(r.ok for r in rows)
+    assert all("total" in r.result or "MiB" in r.result for r in rows)

@@ -386,3 +386,33 @@ def test_memory_views_without_nvmls_count_still_fail_a_wrong_total(
     rows = checks.memory_views(setup)
     assert not any(r.ok for r in rows)
     assert all("total" in r.result or "MiB" in r.result for r in rows)
+
+
+def test_cost_rows_are_shown_but_not_counted_as_checks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A cost has no pass condition: it cannot fail, so counting it would only pad "N of N checks passed".
+    setup = _setup(tmp_path)
+    monkeypatch.setattr(setup, "container", lambda **kw: {})
+    monkeypatch.setattr(setup, "plain", lambda: {})
+    cost = {"passthrough": 20.0, "alloc_free": 900.0, "launch": 3000.0}
+    monkeypatch.setattr(checks, "run_child", lambda *args: cost)
+    rows = [checks.Row("views", "cuDeviceTotalMem", "1024 MiB", True), *checks.call_costs(setup)]
+    command.print_table(rows)
+    table = capsys.readouterr().out
+    cost_lines = [line for line in table.splitlines() if "ns without" in line]
+    assert len(cost_lines) == 3 and all(" info " in line and " ok " not in line for line in cost_lines), table
+    assert command.summary(rows, 1.0).startswith("1 of 1 checks passed")
+
+
+def test_cost_programs_that_fail_are_a_failed_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    setup = _setup(tmp_path)
+    monkeypatch.setattr(setup, "container", lambda **kw: {})
+    monkeypatch.setattr(setup, "plain", lambda: {})
+
+    def fail(*args: object) -> dict[str, float]:
+        raise checks.ChildError("cuInit: 999")
+
+    monkeypatch.setattr(checks, "run_child", fail)
+    rows = checks.call_costs(setup)
+    assert command.summary(rows, 1.0).startswith("0 of 1 checks passed")

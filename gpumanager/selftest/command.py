@@ -234,21 +234,29 @@ def run(args: argparse.Namespace) -> int:
                 except OSError as err:  # the work directory (disk full) or a child that could not start
                     rows.append(checks.Row(name, name, f"error: {err}", False))
     print_table(rows)
-    failed = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} checks passed in {time.monotonic() - started:.0f} s"
-          + (f"; FAILED: {', '.join(r.name for r in failed)}" if failed else ""))  # fmt: skip
-    return EXIT_FAILED if failed else EXIT_OK
+    print(f"\n{summary(rows, time.monotonic() - started)}")
+    return EXIT_FAILED if any(not r.ok for r in rows) else EXIT_OK
+
+
+def summary(rows: Sequence[checks.Row], seconds: float) -> str:
+    """The last line: checks passed of checks run (informational rows are not checks), and the failed ones."""
+    counted = [r for r in rows if not r.informational or not r.ok]
+    failed = [r for r in counted if not r.ok]
+    return f"{len(counted) - len(failed)} of {len(counted)} checks passed in {seconds:.0f} s" + (
+        f"; FAILED: {', '.join(r.name for r in failed)}" if failed else ""
+    )
 
 
 def print_table(rows: Sequence[checks.Row]) -> None:
-    """The one table: section, check, result, verdict."""
+    """The one table: section, check, verdict (``info``: a measurement, not a check), result."""
     width = max((len(r.name) for r in rows), default=10)
     section = ""
     for r in rows:
         if r.section != section:
             section = r.section
             print(f"\n{section}")
-        print(f"  {r.name:<{width}}  {'ok  ' if r.ok else 'FAIL'}  {r.result}")
+        verdict = "FAIL" if not r.ok else "info" if r.informational else "ok  "
+        print(f"  {r.name:<{width}}  {verdict}  {r.result}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -416,3 +416,11 @@ def test_cost_programs_that_fail_are_a_failed_check(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(checks, "run_child", fail)
     rows = checks.call_costs(setup)
     assert command.summary(rows, 1.0).startswith("0 of 1 checks passed")
+
+
+def test_a_node_without_gpus_says_so_without_a_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
+    with pytest.raises(mirror.SelftestError) as raised:
+        command._gpu(0)
+    assert "--gpu 0" in str(raised.value) and "no GPU" in str(raised.value)
+    assert "-1" not in str(raised.value)

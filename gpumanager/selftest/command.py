@@ -91,6 +91,8 @@ def _gpu(index: int) -> tuple[str, int, int]:
     import pynvml
 
     count = pynvml.nvmlDeviceGetCount()
+    if count == 0:
+        raise SelftestError(f"--gpu {index}: NVML shows no GPU on this node")
     if not 0 <= index < count:
         raise SelftestError(f"--gpu {index}: this node has {count} GPU(s) (0..{count - 1})")
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)

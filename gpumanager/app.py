@@ -430,7 +430,14 @@ class Agent:
                 )
             if not cache.wait_synced(ALLOCATE_WAIT_SECONDS):
                 log.warning("the pod cache is not synced yet; Allocate will ask the API server directly")
-        self.recovery.from_pod_resources(PodResourcesClient(Path(self.config.pod_resources_socket)), self.pods.lookup)
+        pod_resources = PodResourcesClient(Path(self.config.pod_resources_socket))
+        if not self.recovery.from_pod_resources(pod_resources, self.pods.lookup):
+            threading.Thread(
+                target=self.recovery.retry_pod_resources,
+                args=(pod_resources, self.pods.lookup, self._stopping),
+                name="pod-resources-recovery",
+                daemon=True,
+            ).start()
         vmanager.resume(sorted({a.answered[0] for a in allocator.allocations()}))
 
     def _start_api_client(self) -> ApiConnection | None:

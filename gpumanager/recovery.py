@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
@@ -28,6 +29,7 @@ from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
 from gpumanager.kube import kubelet_checkpoint
 from gpumanager.kube.kubelet_checkpoint import KubeletEntry
 from gpumanager.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesUnavailableError
+from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -209,15 +211,47 @@ class Recovery:
                 "rebuilt %d container allocations from the kubelet (its checkpoint names %d)", self.rebuilt, len(found)
             )
 
-    def from_pod_resources(self, client: PodResourcesClient, find_pod: Callable[[str, str], Pod | None]) -> None:
-        """The kubelet's current assignments, for containers still missing (needs pod names resolved)."""
+    def from_pod_resources(self, client: PodResourcesClient, find_pod: Callable[[str, str], Pod | None]) -> bool:
+        """The kubelet's current assignments, for containers still missing (needs pod names resolved);
+        whether the kubelet answered (False: ask it again, :meth:`retry_pod_resources`)."""
         try:
             entries = client.list_all()
         except PodResourcesUnavailableError as exc:
-            log.info("PodResources not available for recovery: %s", exc)
-            entries = []
-        else:
+            log.warning(
+                "the kubelet's PodResources did not answer for recovery (%s); asking again in the background", exc
+            )
+            self._take_pod_resources([], find_pod)
+            return False
+        self._kubelet_answered = True
+        self._take_pod_resources(entries, find_pod)
+        return True
+
+    def retry_pod_resources(
+        self,
+        client: PodResourcesClient,
+        find_pod: Callable[[str, str], Pod | None],
+        stop: threading.Event,
+        backoff: Backoff | None = None,
+    ) -> bool:
+        """Ask the kubelet's PodResources again, with backoff, until it answers or ``stop`` is set; what it
+        names that we hold nothing for is then taken over (a kubelet restarting as the agent started
+        must not leave a running container's GPUs free to be handed out). Whether it answered."""
+        backoff = backoff or Backoff()
+        while not backoff.wait(stop):
+            try:
+                entries = client.list_all()
+            except PodResourcesUnavailableError as exc:
+                log.debug("PodResources still unavailable for recovery (attempt %d): %s", backoff.failures, exc)
+                continue
             self._kubelet_answered = True
+            log.info("the kubelet's PodResources answered after %d attempts", backoff.failures)
+            self._take_pod_resources(entries, find_pod)
+            return True
+        return False
+
+    def _take_pod_resources(
+        self, entries: Sequence[ContainerDevices], find_pod: Callable[[str, str], Pod | None]
+    ) -> None:
         wanted = [e for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids]
         for e in wanted:
             pod = find_pod(e.namespace, e.pod)

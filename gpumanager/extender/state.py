@@ -62,6 +62,9 @@ class ClusterState:
         self.assume_ttl = assume_ttl
         self._nodes: dict[str, NodeGPUs] = {}
         self._fingerprints: dict[str, tuple[str, str, str]] = {}
+        # Node name -> UID of the node object last seen by that name (a node recreated under the same
+        # name has another UID: the old one's deletion must not remove it).
+        self._node_uids: dict[str, str] = {}
         self._watched: dict[str, PodCharges] = {}
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
@@ -118,6 +121,12 @@ class ClusterState:
         name = node_name(node)
         with self.lock:
             if kind == "DELETED":
+                uid, current = _node_uid(node), self._node_uids.get(name, "")
+                if uid and current and uid != current:
+                    # A relist delivers the node recreated under this name before the old one's end.
+                    log.info("node %s: the deleted object (UID %s) was replaced by UID %s; kept", name, uid, current)
+                    return
+                self._node_uids.pop(name, None)
                 self._fingerprints.pop(name, None)
                 if self._nodes.pop(name, None) is not None:
                     log.info("node %s removed", name)
@@ -129,6 +138,9 @@ class ClusterState:
         name = node_name(node)
         mark = fingerprint(node)
         with self.lock:
+            uid = _node_uid(node)
+            if uid:
+                self._node_uids[name] = uid
             if self._fingerprints.get(name) == mark:
                 return self._nodes.get(name)
             try:
@@ -381,3 +393,10 @@ class ClusterState:
                 node.charge(wanted.charges)
             self._by_node.setdefault(wanted.node, set()).add(uid)
             self._applied[uid] = wanted
+
+
+def _node_uid(node: Node) -> str:
+    """``metadata.uid`` of a node object ("" when absent or of another shape)."""
+    meta = node.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, dict) else None
+    return uid if isinstance(uid, str) else ""

@@ -1,0 +1,47 @@
+"""The extender against what the API server and the kube-scheduler may send it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpumanager import names
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.extender.state import ClusterState
+from gpumanager.kube.gpu_inventory import ANNOTATION, encode
+
+GIB = 1 << 30
+
+
+def _inventory(count: int) -> str:
+    gpus = [GPUInfo(i, f"GPU-{i:08x}", "A800", i, 80 * GIB, f"0000:{i:02x}:00.0", 0) for i in range(count)]
+    levels = tuple(tuple(0 if a == b else 20 for b in range(count)) for a in range(count))
+    return encode(gpus, NodeTopology(levels=levels, nvlink=()), {}, share_mode=True)
+
+
+def _node(name: str, uid: str, count: int) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "uid": uid, "annotations": {ANNOTATION: _inventory(count)}},
+        "status": {"capacity": {names.VCORE_RESOURCE: str(100 * count), names.VMEMORY_RESOURCE: str(320 * count)}},
+    }
+
+
+def test_node_recreated_under_its_name_survives_the_old_ones_deletion_after_a_relist() -> None:
+    # After a watch gap, a relist reports the node recreated under the same name (new UID) first,
+    # then the deletion of the object it replaced.
+    state = ClusterState()
+    state.node_event("ADDED", _node("n1", "uid-old", 2))
+    state.node_event("ADDED", _node("n1", "uid-new", 4))
+    state.node_event("DELETED", _node("n1", "uid-old", 2))
+    gpus = state.node("n1")
+    assert gpus is not None, "the recreated node n1 was dropped by the old object's deletion"
+    assert gpus.gpu_count == 4
+
+
+def test_node_recreated_with_the_same_gpus_survives_the_old_ones_deletion() -> None:
+    state = ClusterState()
+    state.node_event("ADDED", _node("n1", "uid-old", 2))
+    state.node_event("ADDED", _node("n1", "uid-new", 2))
+    state.node_event("DELETED", _node("n1", "uid-old", 2))
+    assert state.node_names() == ["n1"]
+    state.node_event("DELETED", _node("n1", "uid-new", 2))
+    assert state.node_names() == []

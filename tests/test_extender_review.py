@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.extender.api import BadRequestError, parse_args, parse_binding
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
 
@@ -45,3 +48,13 @@ def test_node_recreated_with_the_same_gpus_survives_the_old_ones_deletion() -> N
     assert state.node_names() == ["n1"]
     state.node_event("DELETED", _node("n1", "uid-new", 2))
     assert state.node_names() == []
+
+
+def test_deeply_nested_request_body_is_refused_by_name() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"Pod":{"metadata":{"name":"a"},"x":' + deep + b'},"NodeNames":["n1"]}'
+    with pytest.raises(BadRequestError, match=r"ExtenderArgs: .*nested too deeply"):
+        parse_args(body)
+    binding = b'{"PodName":"a","PodNamespace":"default","PodUID":"u","Node":"n1","X":' + deep + b"}"
+    with pytest.raises(BadRequestError, match="ExtenderBindingArgs"):
+        parse_binding(binding)

@@ -76,6 +76,8 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
         raise BadRequestError(f"{what}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequestError(f"{what}: the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequestError(f"{what}: the body's JSON is nested too deeply to read") from None
 
 
 @dataclass(frozen=True)

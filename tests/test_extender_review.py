@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import socket
 from typing import Any
 
 import pytest
@@ -9,6 +11,8 @@ import pytest
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.extender.api import BadRequestError, parse_args, parse_binding
+from gpumanager.extender.metrics import ExtenderMetrics
+from gpumanager.extender.server import ExtenderServer, Routes, parse_listen
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
 
@@ -58,3 +62,24 @@ def test_deeply_nested_request_body_is_refused_by_name() -> None:
     binding = b'{"PodName":"a","PodNamespace":"default","PodUID":"u","Node":"n1","X":' + deep + b"}"
     with pytest.raises(BadRequestError, match="ExtenderBindingArgs"):
         parse_binding(binding)
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="this host has no dual-stack IPv6")
+@pytest.mark.parametrize("listen", [":0", "0.0.0.0:0"])
+def test_wildcard_listen_answers_over_ipv6_and_ipv4(listen: str) -> None:
+    # An IPv6 cluster reaches the extender's pod (the scheduler, the kubelet's probes) over IPv6.
+    host, port = parse_listen(listen)
+    routes = Routes(verbs={}, ready=lambda: (True, {}), version={"version": "test"})
+    server = ExtenderServer(host, port, routes, ExtenderMetrics(dict), idle_timeout=5)
+    server.start()
+    try:
+        for address in ("::1", "127.0.0.1"):
+            conn = http.client.HTTPConnection(address, server.port, timeout=5)
+            try:
+                conn.request("GET", "/healthz")
+                response = conn.getresponse()
+                assert (response.status, response.read()) == (200, b"ok"), address
+            finally:
+                conn.close()
+    finally:
+        server.stop()

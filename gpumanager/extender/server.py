@@ -54,6 +54,14 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _ServerDual(_Server6):
+    """Every address of both families, as Go's ``:port`` listens (one IPv6 socket that also takes IPv4)."""
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
 class ExtenderServer:
     """Serves :class:`Routes` on ``host:port`` in background threads."""
 
@@ -72,7 +80,11 @@ class ExtenderServer:
         self._routes = routes
         self._metrics = metrics
         self._prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
-        server_class = _Server6 if ":" in host else _Server
+        server_class: type[_Server] = _Server6 if ":" in host else _Server
+        if host in ("", "0.0.0.0") and socket.has_dualstack_ipv6():
+            # The wildcard: on an IPv6 (or dual-stack) cluster the scheduler and the kubelet's probes
+            # reach the pod over IPv6, which a socket bound to 0.0.0.0 never answers.
+            server_class, host = _ServerDual, "::"
         self._httpd = server_class((host, port), self._handler_class())
         self.tls = tls is not None
         if tls is not None:

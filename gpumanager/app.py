@@ -74,6 +74,8 @@ REGISTRATION_FIRST_SECONDS = 1.0
 SLICE_FIRST_SECONDS = 1.0
 #: How long a stop waits for a step of the background start in progress (a component being started).
 STOP_WAITS_FOR_START_SECONDS = 1.0
+#: How long a stop waits for the work the last kubelet calls left for after their answers.
+DEFERRED_DRAIN_SECONDS = 0.5
 
 
 class StartupError(RuntimeError):
@@ -634,6 +636,8 @@ class Agent:
     def _stop_components(self) -> None:
         if self.plugins is not None:
             self.plugins.stop()
+        # What the last calls left for after their answers (log lines, annotations to queue).
+        deferred.drain(DEFERRED_DRAIN_SECONDS)
         if self.dra is not None:
             self.dra.stop()
         elif self._slices is not None:

@@ -3,17 +3,21 @@
 The kubelet waits for every Allocate and PreStartContainer. What the answer does
 not depend on (the "allocated ..." log line, a latency observation, waking the
 checkpoint compactor or the annotation patcher) is handed to :func:`later`
-inside a call and runs once the answer has been sent, in gRPC's own thread for
-the call's completion. Woken threads then no longer compete for the
-interpreter with the answer on its way out.
+inside a call and runs once the answer has been sent: gRPC's completion callback
+hands it to one worker thread (``after-answer``), in order. Woken threads then no
+longer compete for the interpreter with the answer on its way out, and work that
+blocks (a full log pipe, a lock held across a slow disk) holds up neither gRPC's
+polling thread, which starts every call of its server, nor the next answer.
 
 Outside a call (tests, the DRA driver, start-up) :func:`later` runs the work at
-once. Work that raises is logged and the rest still runs.
+once. Work that raises is logged and the rest still runs. :func:`drain` waits for
+the work handed over so far (at stop, so the last log lines are written).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -22,6 +26,9 @@ log = logging.getLogger(__name__)
 
 Work = tuple[Callable[..., object], tuple[Any, ...]]
 _local = threading.local()
+_queue: queue.SimpleQueue[list[Work] | threading.Event] = queue.SimpleQueue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
 
 
 class _Context(Protocol):
@@ -57,11 +64,42 @@ def end(outer: list[Work] | None, context: _Context | None) -> None:
         return
     if context is not None:
         try:
-            if context.add_callback(lambda: run(pending)):
+            # Only True means the callback will be called; anything else (the call has ended, or a
+            # context that is not gRPC's): the work runs now rather than never.
+            if context.add_callback(lambda: _hand_over(pending)) is True:
                 return
-        except Exception:  # a context that cannot take callbacks: run now rather than never
+        except Exception:
             log.debug("call context refused a callback; deferred work runs now", exc_info=True)
     run(pending)
+
+
+def drain(timeout: float) -> bool:
+    """Wait (at most ``timeout`` seconds) until the work handed over so far has run; whether it has."""
+    if _worker is None or not _worker.is_alive():
+        return True
+    done = threading.Event()
+    _queue.put(done)
+    return done.wait(timeout)
+
+
+def _hand_over(pending: list[Work]) -> None:
+    """gRPC's completion callback: never blocks, never runs the work itself."""
+    global _worker
+    if _worker is None or not _worker.is_alive():
+        with _worker_lock:
+            if _worker is None or not _worker.is_alive():
+                _worker = threading.Thread(target=_work, name="after-answer", daemon=True)
+                _worker.start()
+    _queue.put(pending)
+
+
+def _work() -> None:
+    while True:
+        item = _queue.get()
+        if isinstance(item, threading.Event):
+            item.set()
+        else:
+            run(item)
 
 
 def run(pending: list[Work]) -> None:

@@ -32,8 +32,10 @@ class _Context:
         return True
 
     def end(self) -> None:
+        """The call ends: its callbacks hand the work over; returns once it has run."""
         for callback in self.callbacks:
             callback()
+        assert deferred.drain(5)
 
 
 def test_outside_a_call_work_runs_at_once() -> None:
@@ -156,3 +158,43 @@ def test_an_allocation_is_logged_and_told_to_listeners_once_answered(
     assert not told and "allocated" not in caplog.text
     context.end()
     assert told and "allocated default/a container main" in caplog.text
+
+
+def test_deferred_work_that_blocks_holds_up_no_other_call(tmp_path: Path) -> None:
+    """Work left for after an answer may wait (a full log pipe, a lock held across a slow disk): the
+    server's other calls are answered meanwhile (gRPC's polling thread, which starts every call, only
+    hands the work over)."""
+    release = threading.Event()
+    first = threading.Event()
+
+    def allocate(request: pb.AllocateRequest) -> pb.AllocateResponse:
+        if not first.is_set():
+            first.set()
+            deferred.later(release.wait, 10)
+        return pb.AllocateResponse(container_responses=[pb.ContainerAllocateResponse()])
+
+    server = _served(tmp_path, allocate)
+    try:
+        with grpc.insecure_channel(f"unix://{tmp_path / 'r.sock'}") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["a"])])
+            stub.Allocate(request, timeout=5)
+            for _ in range(3):  # each would wait for the blocked work if it ran on the polling thread
+                stub.Allocate(request, timeout=3)
+            stub.GetDevicePluginOptions(pb.Empty(), timeout=3)
+    finally:
+        release.set()
+        server.stop()
+    assert deferred.drain(5)
+
+
+def test_a_context_that_does_not_say_true_gets_its_work_run_at_once() -> None:
+    class _Odd:
+        def add_callback(self, callback: Callable[[], None]) -> object:
+            return "yes"  # truthy, but no promise to call back
+
+    ran: list[int] = []
+    outer = deferred.begin()
+    deferred.later(ran.append, 1)
+    deferred.end(outer, _Odd())  # type: ignore[arg-type]
+    assert ran == [1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import time
 from typing import Any
 
 import pytest
@@ -83,3 +84,20 @@ def test_wildcard_listen_answers_over_ipv6_and_ipv4(listen: str) -> None:
                 conn.close()
     finally:
         server.stop()
+
+
+def test_bind_failures_of_deleted_pods_are_not_remembered_for_ever(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pod deleted between filter and bind: the watch shows its end, then bind's patch answers 404.
+    state = ClusterState(assume_ttl=10)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    for k in range(100):
+        pod = {"metadata": {"name": f"p{k}", "namespace": "default", "uid": f"u{k}"}, "spec": {}}
+        state.pod_event("ADDED", pod)
+        state.pod_event("DELETED", pod)
+        state.given_up(f"u{k}", "123")
+        state.assumed_bound(f"u{k}", bound=False, node="n1")
+    clock[0] += 11
+    state.expire()
+    assert state._given_up == {}
+    assert state._unanswered == {}

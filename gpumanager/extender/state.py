@@ -75,6 +75,9 @@ class ClusterState:
         self._unanswered: dict[str, tuple[str, float]] = {}
         # Pods whose bind failed after choosing: UID -> that choice's predicate time (holds nothing).
         self._given_up: dict[str, str] = {}
+        # When each entry of _given_up was made (a pod deleted before its bind failed leaves one that
+        # no pod event will clear).
+        self._given_up_at: dict[str, float] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class ClusterState:
             if kind == "DELETED" or bound_to:
                 self._unanswered.pop(uid, None)  # bound (or gone): no Binding is pending any more
                 self._given_up.pop(uid, None)
+                self._given_up_at.pop(uid, None)
             charges = None if kind == "DELETED" else pod_charges(pod)
             assumption = self._assumed.get(uid)
             if charges is not None and not charges.bound:
@@ -311,6 +315,7 @@ class ClusterState:
         pod is not bound, annotations carrying it hold nothing (the scheduler places the pod anew)."""
         with self.lock:
             self._given_up[uid] = predicate_time
+            self._given_up_at[uid] = time.monotonic()
             watched = self._watched.get(uid)
             if watched is not None and not watched.bound and watched.predicate_time == predicate_time:
                 del self._watched[uid]
@@ -354,6 +359,16 @@ class ClusterState:
                 )
                 del self._watched[uid]
                 self._reapply(uid)
+            # Entries of pods that may be gone: an unanswered Binding past its time, a failed choice the
+            # watch has not shown chosen for longer than assume_ttl (the pod was deleted before bind
+            # failed, or its annotations were removed): no pod event would ever clear them.
+            for uid in [u for u, (_node, until) in self._unanswered.items() if now > until]:
+                del self._unanswered[uid]
+            for uid, at in list(self._given_up_at.items()):
+                shown = self._unbound.get(uid)
+                if now - at > self.assume_ttl and (shown is None or shown[0] != self._given_up.get(uid)):
+                    del self._given_up_at[uid]
+                    self._given_up.pop(uid, None)
             return len(gone)
 
     @contextmanager

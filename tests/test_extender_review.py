@@ -16,6 +16,9 @@ from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.server import ExtenderServer, Routes, parse_listen
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
+from tests.extender_fixtures import World, gpu_pod, inventory, wait_for, world
+
+__all__ = ["world"]
 
 GIB = 1 << 30
 
@@ -101,3 +104,39 @@ def test_bind_failures_of_deleted_pods_are_not_remembered_for_ever(monkeypatch: 
     state.expire()
     assert state._given_up == {}
     assert state._unanswered == {}
+
+
+def _one_gpu_world(world: World, **settings: Any) -> None:
+    world.add_node("n1", inventory([80]), gpus=1)
+    world.start_extender(**settings)
+
+
+def test_a_made_binding_keeps_its_gpus_while_the_pod_watch_lags_past_the_ttl(world: World) -> None:
+    _one_gpu_world(world, assume_ttl=1)
+    world.api.hold_watches(True)
+    a = world.create(gpu_pod("a", [(60, 8)]))
+    assert world.bind(a, "n1") == ""
+    time.sleep(1.3)
+    world.extender.state.expire()
+    b = world.create(gpu_pod("b", [(60, 8)]))
+    assert world.passed(b, ["n1"]) == [], "pod a's GPUs were handed out again while the watch lagged"
+    world.api.hold_watches(False)
+    wait_for(lambda: world.extender.state.assumed_count() == 0, what="the watch showing pod a bound")
+    assert world.passed(b, ["n1"]) == []
+
+
+def test_a_relist_without_a_bound_pod_releases_its_gpus(world: World) -> None:
+    _one_gpu_world(world, assume_ttl=600)
+    world.api.hold_watches(True)
+    a = world.create(gpu_pod("a", [(60, 8)]))  # never shown by the watch
+    assert world.bind(a, "n1") == ""
+    world.api.set_down(True, "refuse")
+    world.api.hold_watches(False)
+    world.api.delete_pod("default", "a")
+    world.api.compact()
+    lists = world.extender.pods.lists
+    world.api.set_down(False)
+    wait_for(lambda: world.extender.pods.lists > lists, what="a relist of the pods")
+    wait_for(lambda: world.extender.state.assumed_count() == 0, what="pod a released")
+    b = world.create(gpu_pod("b", [(60, 8)]))
+    assert world.passed(b, ["n1"]) == ["n1"]

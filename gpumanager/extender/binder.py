@@ -16,7 +16,7 @@
    again. If it does not answer, the Binding may still be made: the GPUs stay assumed (until the
    watch shows the pod bound or gone, or ``assume_ttl``) and the annotations stay, so whatever the
    API server does, the pod's GPUs are never handed out twice. A Binding made keeps the GPUs
-   assumed until the watch shows the pod bound, deleted or ended, however late that is.
+   assumed until the watch (or a relist) shows the pod bound, deleted or ended, however late that is.
 
 A bind answers within ``timeout`` seconds in all (every API call, and the wait for another bind
 of the same pod, get what is left of it), so that the scheduler, whose ``httpTimeout`` is 5 s by

@@ -20,7 +20,7 @@ from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.placement import Policy
 from gpumanager.extender.server import ExtenderServer, Routes
 from gpumanager.extender.state import ClusterState
-from gpumanager.kube.reflector import Reflector
+from gpumanager.extender.watches import Watch
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,16 @@ class Extender:
             cached=self._cached_pod,
         )
         core = client.CoreV1Api(api)
-        self.nodes = Reflector("nodes", core.list_node, watch_timeout=settings.watch_timeout)
-        self.pods = Reflector(
+        self.nodes = Watch("nodes", core.list_node, watch_timeout=settings.watch_timeout)
+        # A relist that no longer shows a pod bind bound (deleted or ended during a watch gap, and
+        # never shown by the watch) releases it: no event of it will come.
+        self.pods = Watch(
             "pods",
             core.list_pod_for_all_namespaces,
             field_selector=POD_SELECTOR,
             keep=_gpu_pod,
             watch_timeout=settings.watch_timeout,
+            on_relist=lambda since, uids: self.state.relisted(uids, since),
         )
         self.nodes.add_listener(lambda kind, obj, _prev: self.state.node_event(kind, obj))
         self.pods.add_listener(lambda kind, obj, _prev: self.state.pod_event(kind, obj))

@@ -8,9 +8,11 @@ pod bound yet), else what the watch shows; only effective charges are held on th
 An assumption lasts until the pod is seen bound (its annotations and ``spec.nodeName`` carry the
 charge from then on), deleted or ended, or until the scheduler gave up on it (bind failed: the
 Binding was refused, or the annotations could not be written), however long the binding takes
-(a slow API server, a watch that lags). ``assume_ttl`` is a safety net only where nothing else
-can tell: a Binding that got no answer (the API server may or may not make it), or a pod bound
-by bind of which the watch has shown nothing at all since. Every drop is logged with its reason.
+(a slow API server, a watch that lags). A pod bind bound (the API server answered its Binding
+with success) keeps its assumption until the pod watch, or a relist of the pods, shows it bound,
+ended or gone; it never expires by time. ``assume_ttl`` is a safety net only where nothing else
+can tell: a Binding that got no answer (the API server may or may not make it). Every drop is
+logged with its reason.
 
 A pod the watch shows chosen for a node (its annotations written) but not bound, with no
 assumption, holds its GPUs there for ``assume_ttl`` seconds from when this state first saw it
@@ -27,9 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
@@ -52,6 +54,8 @@ class Assumption:
     """Bind made the pod's Binding (False while binding, or when it cannot tell)."""
     seen: bool = False
     """The watch has shown the pod since the assumption was made (so it will show its binding)."""
+    made: float = 0.0
+    """When bind made it (``time.monotonic()``): a list started later shows the pod unless it is gone."""
 
 
 class ClusterState:
@@ -236,7 +240,7 @@ class ClusterState:
         """A copy of the pod's assumption (None without one)."""
         with self.lock:
             found = self._assumed.get(uid)
-            return None if found is None else Assumption(found.charges, found.expires, found.bound, found.seen)
+            return None if found is None else replace(found)
 
     def bound_to(self, uid: str) -> str | None:
         """The node bind bound the pod to, while its assumption lasts (None when no bind has made one)."""
@@ -254,28 +258,29 @@ class ClusterState:
             ):
                 self._assumed.pop(uid, None)
             else:
-                self._assumed[uid] = Assumption(previous.charges, previous.expires, previous.bound, previous.seen)
+                self._assumed[uid] = replace(previous)
             self._reapply(uid)
 
     def assume(self, uid: str, charges: PodCharges) -> None:
         """Hold ``charges`` for the pod from now on (bind chose them)."""
         with self.lock:
-            self._assumed[uid] = Assumption(charges)
+            self._assumed[uid] = Assumption(charges, made=time.monotonic())
             self._reapply(uid)
 
     def assumed_bound(self, uid: str, *, bound: bool = True, node: str = "") -> None:
-        """Bind finished: the assumption lasts until the watch shows the pod bound, deleted or ended.
+        """Bind finished: the assumption lasts until the watch (or a relist) shows the pod bound,
+        deleted or ended, however late that is.
 
         ``bound=False``: bind could not tell whether the API server made the Binding (it did not
         answer in time); the GPUs stay held all the same, but a later bind of the pod is no repeat,
         and the assumption ends ``assume_ttl`` seconds from now unless the watch showed the pod bound
-        before. With ``bound=True`` the TTL only applies while the watch shows nothing of the pod.
+        before.
         """
         with self.lock:
             until = time.monotonic() + self.assume_ttl
             assumption = self._assumed.get(uid)
             if assumption is not None:
-                assumption.expires = until
+                assumption.expires = NEVER if bound else until
                 assumption.bound = bound
                 node = node or assumption.charges.node
             if not bound and node:  # remembered even when the watch has ended the assumption already
@@ -321,24 +326,40 @@ class ClusterState:
                 del self._watched[uid]
             self._reapply(uid)
 
-    def expire(self) -> int:
-        """The safety net, where nothing else can tell: drop assumptions whose Binding got no answer
-        ``assume_ttl`` seconds ago, or bound ones of which the watch has shown nothing for as long,
-        and the charges of pods chosen for a node (with no assumption) but not bound for longer than
-        ``assume_ttl``; returns how many assumptions were dropped."""
-        now = time.monotonic()
+    def relisted(self, listed: Collection[str], since: float) -> int:
+        """The pods were listed anew (after a watch gap), the list asked for at ``since``
+        (``time.monotonic()``), ``listed`` the UIDs it shows: drop the assumptions, made before,
+        of pods it no longer shows (deleted or ended while the watch was away: no event of theirs
+        will come); returns how many were dropped."""
         with self.lock:
-            gone = [uid for uid, a in self._assumed.items() if a.expires <= now and not (a.bound and a.seen)]
+            gone = [uid for uid, a in self._assumed.items() if a.made < since and uid not in listed]
             for uid in gone:
                 found = self._assumed.pop(uid)
-                if found.bound:
-                    why = "bind made its Binding, but the watch has shown nothing of the pod since"
-                else:
-                    why = "its Binding got no answer, and the watch has not shown the pod bound since"
-                log.warning(
-                    "pod %s: %s (%g s): its GPUs on node %s (predicate time %s) are no longer held for it",
+                self._unanswered.pop(uid, None)
+                log.info(
+                    "pod %s: the pods' list no longer shows it (deleted or ended while the watch was away); "
+                    "its GPUs on node %s (predicate time %s) are no longer held",
                     uid,
-                    why,
+                    found.charges.node,
+                    found.charges.predicate_time,
+                )
+                self._reapply(uid)
+            return len(gone)
+
+    def expire(self) -> int:
+        """The safety net, where nothing else can tell: drop assumptions whose Binding got no answer
+        ``assume_ttl`` seconds ago (never those bind bound), and the charges of pods chosen for a node
+        (with no assumption) but not bound for longer than ``assume_ttl``; returns how many
+        assumptions were dropped."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [uid for uid, a in self._assumed.items() if a.expires <= now and not a.bound]
+            for uid in gone:
+                found = self._assumed.pop(uid)
+                log.warning(
+                    "pod %s: its Binding got no answer, and the watch has not shown the pod bound since "
+                    "(%g s): its GPUs on node %s (predicate time %s) are no longer held for it",
+                    uid,
                     self.assume_ttl,
                     found.charges.node,
                     found.charges.predicate_time,

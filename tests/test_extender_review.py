@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import time
+import types
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.server import ExtenderServer, Routes, parse_listen
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
-from tests.extender_fixtures import World, gpu_pod, inventory, wait_for, world
+from tests.extender_fixtures import World, gpu_pod, http_error, inventory, wait_for, world
 
 __all__ = ["world"]
 
@@ -140,3 +142,41 @@ def test_a_relist_without_a_bound_pod_releases_its_gpus(world: World) -> None:
     wait_for(lambda: world.extender.state.assumed_count() == 0, what="pod a released")
     b = world.create(gpu_pod("b", [(60, 8)]))
     assert world.passed(b, ["n1"]) == ["n1"]
+
+
+def _html_reads(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = b"<html><body>" + b"Sign in to continue. " * 400 + b"</body></html>"
+    monkeypatch.setattr(
+        world.extender.binder._core,
+        "read_namespaced_pod",
+        lambda *_a, **_k: types.SimpleNamespace(status=200, data=page),
+    )
+
+
+def test_a_pod_read_answered_with_html_is_a_clear_bind_error(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    _one_gpu_world(world)
+    world.api.hold_watches(True)  # the pod is not in the watch cache: bind reads it
+    a = world.create(gpu_pod("a", [(60, 8)]))
+    _html_reads(world, monkeypatch)
+    status, answer = http_error(
+        world, "bind", json.dumps({"PodName": "a", "PodNamespace": "default", "PodUID": "uid-a", "Node": "n1"}).encode()
+    )
+    assert status == 200
+    assert "default/a" in answer["Error"] and "<html><body>Sign in" in answer["Error"]
+    assert len(answer["Error"]) < 600
+    assert world.extender.state.assumption(a["metadata"]["uid"]) is None
+
+
+def test_an_unreadable_pod_after_a_failed_binding_leaves_no_endless_assumption(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _one_gpu_world(world)
+    a = world.create(gpu_pod("a", [(60, 8)]))
+    wait_for(lambda: world.extender.pods.get("uid-a") is not None, what="the watch showing pod a")
+    world.api.hold_watches(True)
+    _html_reads(world, monkeypatch)
+    world.api.fail_next("POST", r"/binding$", 409, message="the object has been modified")
+    error = world.bind(a, "n1")
+    assert "default/a" in error and "<html>" in error
+    found = world.extender.state.assumption("uid-a")
+    assert found is None or found.expires < float("inf"), "the failed bind's GPUs are held for ever"

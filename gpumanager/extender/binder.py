@@ -89,7 +89,35 @@ def _timed_out(exc: BaseException) -> bool:
     return isinstance(exc, (Urllib3TimeoutError, TimeoutError, _OutOfTimeError))
 
 
+class _BadAnswerError(Exception):
+    """The API server (or a proxy before it) answered with something other than a JSON object."""
+
+
+#: How much of an unexpected answer an error shows.
+_SHOWN = 200
+
+
+def _json_object(response: Any) -> JSON:
+    """The JSON object of an API answer; :class:`_BadAnswerError` naming what came back (cut short) otherwise."""
+    data = getattr(response, "data", b"")
+    try:
+        found = json.loads(data)
+    except (ValueError, TypeError, RecursionError):
+        found = None
+    if isinstance(found, dict):
+        return found
+    text = data.decode("utf-8", "replace") if isinstance(data, (bytes, bytearray)) else str(data)
+    shown = repr(text[:_SHOWN]) + (f" (cut short, {len(text)} characters in all)" if len(text) > _SHOWN else "")
+    status = getattr(response, "status", None)
+    raise _BadAnswerError(
+        f"the API server answered{f' {status}' if status is not None else ''} with something that is not a "
+        f"JSON object: {shown}"
+    )
+
+
 def _api_text(exc: Exception, deadline: _Deadline | None = None) -> str:
+    if isinstance(exc, _BadAnswerError):
+        return str(exc)
     if deadline is not None and _timed_out(exc):
         return f"the API server did not answer within {deadline.seconds:g} s"
     if isinstance(exc, ApiException):
@@ -195,7 +223,10 @@ class _Bind:
             raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
         except Exception as exc:
             raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
-        pod: JSON = json.loads(response.data)
+        try:
+            pod = _json_object(response)
+        except _BadAnswerError as exc:
+            raise BindError(f"cannot read {self.who}: {exc}") from exc
         if args.pod_uid and podinfo.uid(pod) != args.pod_uid:
             raise BindError(f"{self.who} has UID {podinfo.uid(pod)}, not {args.pod_uid} (it was recreated)", "refused")
         return pod
@@ -210,8 +241,7 @@ class _Bind:
             _preload_content=False,
             _request_timeout=self.deadline.call_timeout(),
         )
-        patched: JSON = json.loads(response.data)
-        return patched
+        return _json_object(response)
 
     def _post_binding(self, uid: str) -> None:
         args = self.args
@@ -387,31 +417,50 @@ class _Bind:
         try:
             self._post_binding(uid)
         except Exception as exc:
-            # The Binding may have been made even though the answer was lost: look before undoing.
             try:
-                current: JSON | None = self._get()
+                self._binding_failed(uid, exc, patched, patch)
             except BindError:
-                current = None
-            if current is not None and (current.get("spec") or {}).get("nodeName") == node:
-                self._state.assumed_bound(uid)
-                return
-            refused = isinstance(exc, ApiException) and exc.status != 409
-            if current is None and not refused:
-                # No answer either way: the API server may still make the Binding. Keep the GPUs
-                # held and the annotations in place, so the pod never holds GPUs nobody counts.
+                raise
+            except Exception as unexpected:
+                # Never leave the assumption without an end: held as for a Binding that got no answer.
                 self._state.assumed_bound(uid, bound=False, node=node)
                 raise BindError(
-                    f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; the binding may "
-                    f"still be made: its GPUs stay held until the pod shows where it is (at most "
-                    f"{self._state.assume_ttl:g} s)"
-                ) from exc
-            self._state.forget(uid)
-            if patched is not None:
-                self._undo(patched, patch)
-            raise BindError(
-                f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; its GPUs are released"
-            ) from exc
+                    f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}, then "
+                    f"{type(unexpected).__name__}: {unexpected}; the binding may still be made: its GPUs stay "
+                    f"held until the pod shows where it is (at most {self._state.assume_ttl:g} s)"
+                ) from unexpected
+            return
         self._state.assumed_bound(uid)
+
+    def _binding_failed(self, uid: str, exc: Exception, patched: JSON | None, patch: Mapping[str, str | None]) -> None:
+        """The Binding failed (``exc``): returns when the pod turns out bound to the node after all,
+        else releases or keeps (for ``assume_ttl``) the assumption and raises :class:`BindError`."""
+        node = self.args.node
+        # The Binding may have been made even though the answer was lost: look before undoing.
+        unread = ""
+        try:
+            current: JSON | None = self._get()
+        except BindError as err:
+            current, unread = None, f" (reading the pod back failed too: {err})"
+        if current is not None and (current.get("spec") or {}).get("nodeName") == node:
+            self._state.assumed_bound(uid)
+            return
+        refused = isinstance(exc, ApiException) and exc.status != 409
+        if current is None and not refused:
+            # No answer either way: the API server may still make the Binding. Keep the GPUs
+            # held and the annotations in place, so the pod never holds GPUs nobody counts.
+            self._state.assumed_bound(uid, bound=False, node=node)
+            raise BindError(
+                f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}{unread}; the binding may "
+                f"still be made: its GPUs stay held until the pod shows where it is (at most "
+                f"{self._state.assume_ttl:g} s)"
+            ) from exc
+        self._state.forget(uid)
+        if patched is not None:
+            self._undo(patched, patch)
+        raise BindError(
+            f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; its GPUs are released"
+        ) from exc
 
     def _undo(self, patched: JSON, patch: Mapping[str, str | None]) -> None:
         """Remove the annotations this bind wrote, unless the pod moved on since (best effort, in the

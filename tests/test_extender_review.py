@@ -10,6 +10,7 @@ import types
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
@@ -180,3 +181,35 @@ def test_an_unreadable_pod_after_a_failed_binding_leaves_no_endless_assumption(
     assert "default/a" in error and "<html>" in error
     found = world.extender.state.assumption("uid-a")
     assert found is None or found.expires < float("inf"), "the failed bind's GPUs are held for ever"
+
+
+def test_a_binding_refused_for_a_recreated_pod_releases_its_gpus_at_once(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _one_gpu_world(world, assume_ttl=600)
+    a = world.create(gpu_pod("a", [(60, 8)]))
+    wait_for(lambda: world.extender.pods.get("uid-a") is not None, what="the watch showing pod a")
+
+    def recreated_meanwhile(name: str, namespace: str, body: Any, **_kw: Any) -> None:
+        world.api.delete_pod(namespace, name)
+        again = gpu_pod(name, [(10, 1)])
+        again["metadata"]["uid"] = "uid-a2"
+        world.api.create_pod(again)
+        exc = ApiException(status=409, reason="Conflict")
+        exc.body = json.dumps(
+            {
+                "kind": "Status",
+                "code": 409,
+                "message": f'Operation cannot be fulfilled on pods/binding "{name}": Precondition failed: '
+                f"UID in precondition: {body['metadata']['uid']}, UID in object meta: uid-a2",
+            }
+        )
+        raise exc
+
+    world.api.hold_watches(True)
+    monkeypatch.setattr(world.extender.binder._core, "create_namespaced_pod_binding", recreated_meanwhile)
+    error = world.bind(a, "n1")
+    assert "recreated" in error and "released" in error and "may still be made" not in error, error
+    assert world.extender.state.assumption("uid-a") is None
+    b = world.create(gpu_pod("b", [(60, 8)]))
+    assert world.passed(b, ["n1"]) == ["n1"]

@@ -13,8 +13,10 @@
    what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
 4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
    the pod is not bound to the node after all, drop the assumption and remove the annotations
-   again. If it does not answer, the Binding may still be made: the GPUs stay assumed (until the
-   watch shows the pod bound or gone, or ``assume_ttl``) and the annotations stay, so whatever the
+   again. If the pod is gone (deleted, or recreated under its name: another UID, or the API
+   server refused the Binding's UID precondition), drop the assumption at once. If it does not
+   answer, the Binding may still be made: the GPUs stay assumed (until the watch shows the pod
+   bound or gone, or ``assume_ttl``) and the annotations stay, so whatever the
    API server does, the pod's GPUs are never handed out twice. A Binding made keeps the GPUs
    assumed until the watch (or a relist) shows the pod bound, deleted or ended, however late that is.
 
@@ -129,6 +131,11 @@ def _api_text(exc: Exception, deadline: _Deadline | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _uid_precondition_failed(exc: Exception) -> bool:
+    """Whether the API server refused a request because the object's UID is no longer the one asked for."""
+    return isinstance(exc, ApiException) and exc.status == 409 and "Precondition failed: UID" in _api_text(exc)
+
+
 class _PodLocks:
     """One lock per pod being bound (binds of different pods never wait for each other)."""
 
@@ -210,6 +217,16 @@ class _Bind:
 
     def _get(self) -> JSON:
         args = self.args
+        pod = self._read()
+        if pod is None:
+            raise BindError(f"{self.who} not found", "refused")
+        if args.pod_uid and podinfo.uid(pod) != args.pod_uid:
+            raise BindError(f"{self.who} has UID {podinfo.uid(pod)}, not {args.pod_uid} (it was recreated)", "refused")
+        return pod
+
+    def _read(self) -> JSON | None:
+        """The pod by name from the API server, whatever its UID; None when there is none."""
+        args = self.args
         try:
             response: Any = self._core.read_namespaced_pod(
                 args.pod_name,
@@ -219,17 +236,14 @@ class _Bind:
             )
         except ApiException as exc:
             if exc.status == 404:
-                raise BindError(f"{self.who} not found", "refused") from exc
+                return None
             raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
         except Exception as exc:
             raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
         try:
-            pod = _json_object(response)
+            return _json_object(response)
         except _BadAnswerError as exc:
             raise BindError(f"cannot read {self.who}: {exc}") from exc
-        if args.pod_uid and podinfo.uid(pod) != args.pod_uid:
-            raise BindError(f"{self.who} has UID {podinfo.uid(pod)}, not {args.pod_uid} (it was recreated)", "refused")
-        return pod
 
     def _patch(self, rv: str, annotations: Mapping[str, str | None]) -> JSON:
         body = {"metadata": {"resourceVersion": rv, "annotations": dict(annotations)}}
@@ -439,9 +453,20 @@ class _Bind:
         # The Binding may have been made even though the answer was lost: look before undoing.
         unread = ""
         try:
-            current: JSON | None = self._get()
+            current: JSON | None = self._read()
+            gone = current is None or podinfo.uid(current) != uid
         except BindError as err:
             current, unread = None, f" (reading the pod back failed too: {err})"
+            gone = False
+        if gone or _uid_precondition_failed(exc):
+            # Deleted (and maybe recreated under its name): no Binding of this pod will ever be made.
+            self._state.forget(uid)
+            now = "" if current is None else f" and recreated under its name (UID now {podinfo.uid(current)})"
+            raise BindError(
+                f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; the pod (UID {uid}) "
+                f"was deleted{now}: its GPUs on node {node} are released",
+                "refused",
+            ) from exc
         if current is not None and (current.get("spec") or {}).get("nodeName") == node:
             self._state.assumed_bound(uid)
             return

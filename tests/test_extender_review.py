@@ -213,3 +213,24 @@ def test_a_binding_refused_for_a_recreated_pod_releases_its_gpus_at_once(
     assert world.extender.state.assumption("uid-a") is None
     b = world.create(gpu_pod("b", [(60, 8)]))
     assert world.passed(b, ["n1"]) == ["n1"]
+
+
+def _readyz(world: World) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", world.extender.server.port, timeout=5)
+    try:
+        conn.request("GET", "/readyz")
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_readyz_reports_a_failing_pod_watch_and_recovers(world: World) -> None:
+    _one_gpu_world(world, assume_ttl=1)
+    assert _readyz(world)[0] == 200
+    world.api.set_down(True, "503")
+    wait_for(lambda: _readyz(world)[0] == 503, timeout=15, what="/readyz answering 503")
+    detail = _readyz(world)[1]
+    assert detail["ready"] is False and "503" in str(detail["pods_watch_error"]), detail
+    world.api.set_down(False)
+    wait_for(lambda: _readyz(world)[0] == 200, timeout=15, what="/readyz answering 200 again")

@@ -2,10 +2,11 @@
 
 ``POST <prefix>/filter`` (also ``<prefix>/predicates``, gpu-admission's name, so scheduler
 configurations written for it keep working), ``POST <prefix>/prioritize``, ``POST
-<prefix>/bind``; ``GET /healthz``, ``/readyz`` (503 until the watches have listed), ``/version``
-(also ``<prefix>/version``), ``/metrics``. HTTP/1.1 with keep-alive, as the scheduler's Go client
-reuses connections. Bodies are JSON; a body that is not the verb's argument answers 400 with
-``{"Error": ...}`` naming what is wrong.
+<prefix>/bind``; ``GET /healthz``, ``/readyz`` (503 until the watches have listed, and while one
+has failed for longer than 30 s or ``--assume-ttl``), ``/version`` (also ``<prefix>/version``),
+``/metrics``. HTTP/1.1 with keep-alive, as the scheduler's Go client reuses connections. Bodies
+are JSON; a body that is not the verb's argument answers 400 with ``{"Error": ...}`` naming what
+is wrong.
 """
 
 from __future__ import annotations

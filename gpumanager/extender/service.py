@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: The kube-scheduler's own pod informer ignores ended pods the same way.
 POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
+#: Seconds a watch may fail (after its first list) before /readyz says not ready, at most.
+WATCH_GRACE = 30.0
 
 
 def _gpu_pod(pod: dict[str, Any]) -> bool:
@@ -132,9 +134,22 @@ class Extender:
         return self.nodes.synced() and self.pods.synced()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
-        """/readyz: the caches are synced."""
+        """/readyz: the caches are synced, and neither watch has been failing for longer than
+        :attr:`watch_grace` seconds (the state would go stale unseen)."""
         ok = self.synced()
-        return ok, {"nodes_synced": self.nodes.synced(), "pods_synced": self.pods.synced()}
+        detail: dict[str, object] = {"nodes_synced": self.nodes.synced(), "pods_synced": self.pods.synced()}
+        for watch in (self.nodes, self.pods):
+            failing = watch.failing()
+            if failing is not None and failing[0] > self.watch_grace:
+                ok = False
+                detail[f"{watch.name}_watch_failing_s"] = round(failing[0], 1)
+                detail[f"{watch.name}_watch_error"] = failing[1]
+        return ok, detail
+
+    @property
+    def watch_grace(self) -> float:
+        """Seconds a watch may fail before /readyz says not ready: 30, or ``assume_ttl`` when shorter."""
+        return min(WATCH_GRACE, self.settings.assume_ttl)
 
     def _sizes(self) -> dict[str, float]:
         return {

@@ -19,7 +19,7 @@ from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.server import ExtenderServer, Routes, parse_listen
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
-from tests.extender_fixtures import World, gpu_pod, http_error, inventory, wait_for, world
+from tests.extender_fixtures import World, gpu_pod, held, http_error, inventory, wait_for, world
 
 __all__ = ["world"]
 
@@ -234,3 +234,20 @@ def test_readyz_reports_a_failing_pod_watch_and_recovers(world: World) -> None:
     assert detail["ready"] is False and "503" in str(detail["pods_watch_error"]), detail
     world.api.set_down(False)
     wait_for(lambda: _readyz(world)[0] == 200, timeout=15, what="/readyz answering 200 again")
+
+
+def test_charges_on_gpus_a_node_does_not_have_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # The node's inventory cannot be read: judged from its capacity as GPUs 0 and 1, while the
+    # pod holds GPU 3 (the node's minors are not contiguous).
+    state = ClusterState()
+    node = _node("n1", "uid-n1", 2)
+    node["metadata"]["annotations"][ANNOTATION] = "not an inventory"
+    state.node_event("ADDED", node)
+    pod = gpu_pod("a", [(50, 8)], node="n1", annotations={**held("n1", [[3]])}, phase="Running")
+    with caplog.at_level("WARNING", logger="gpumanager.extender"):
+        state.pod_event("ADDED", pod)
+        pod["metadata"]["resourceVersion"] = "2"
+        state.pod_event("MODIFIED", pod)
+    found = [r.getMessage() for r in caplog.records if "GPU 3" in r.getMessage()]
+    assert len(found) == 1, found
+    assert "default/a" in found[0] and "n1" in found[0]

@@ -94,6 +94,8 @@ class NodeGPUs:
     note: str = ""
     """Why the node is judged by its capacity (empty when the annotation was used)."""
     held: dict[int, _Held] = field(default_factory=dict)
+    missing: set[int] = field(default_factory=set)
+    """Minors of GPUs the node does not have that a pod was charged on (each logged once)."""
 
     def __post_init__(self) -> None:
         self.held = {leaf.minor: _Held() for leaf in self.tree.leaves}
@@ -103,12 +105,24 @@ class NodeGPUs:
         """Number of GPUs."""
         return len(self.tree)
 
-    def charge(self, charges: Iterable[Charge], sign: int = 1) -> None:
-        """Add (``sign=1``) or remove (``sign=-1``) charges; unknown GPUs are skipped."""
+    def charge(self, charges: Iterable[Charge], sign: int = 1, *, pod: str = "") -> None:
+        """Add (``sign=1``) or remove (``sign=-1``) charges of ``pod`` (named in logs); charges on GPUs
+        the node does not have are skipped, and logged once per GPU."""
         touched = set()
         for c in charges:
             held = self.held.get(c.minor)
             if held is None:
+                if sign > 0 and c.minor not in self.missing:
+                    self.missing.add(c.minor)
+                    log.warning(
+                        "node %s: pod %s holds GPU %d, which the node does not have (GPUs %s%s); that charge is "
+                        "not counted (logged once per node and GPU)",
+                        self.name,
+                        pod or "(unknown)",
+                        c.minor,
+                        ",".join(map(str, sorted(self.held))) or "none",
+                        f"; {self.note}" if self.note else "",
+                    )
                 continue
             if c.whole:
                 held.whole += sign

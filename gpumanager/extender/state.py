@@ -73,6 +73,8 @@ class ClusterState:
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
         self._by_node: dict[str, set[str]] = {}
+        # Pod UID -> namespace/name (for logs), of pods the watch shows.
+        self._keys: dict[str, str] = {}
         # Pods shown chosen for a node but not bound: UID -> (predicate time, when first seen so, namespace/name).
         self._unbound: dict[str, tuple[str, float, str]] = {}
         # Bindings bind sent without an answer: UID -> (node, until when the API server may still make it).
@@ -163,7 +165,7 @@ class ClusterState:
                 self._nodes.pop(name, None)
                 return None
             for uid in self._by_node.get(name, ()):
-                gpus.charge(self._applied[uid].charges)
+                gpus.charge(self._applied[uid].charges, pod=self._key(uid))
             self._nodes[name] = gpus
             unhealthy = [leaf.minor for leaf in gpus.tree.leaves if not leaf.healthy]
             log.info(
@@ -234,7 +236,16 @@ class ClusterState:
                     )
                 if why:
                     del self._assumed[uid]
+            if kind == "DELETED":
+                self._keys.pop(uid, None)
+            else:
+                self._keys[uid] = podinfo.pod_key(pod)
             self._reapply(uid)
+
+    def _key(self, uid: str) -> str:
+        """The pod's namespace/name when the watch showed it, else its UID."""
+        key = self._keys.get(uid)
+        return f"{key} ({uid})" if key else uid
 
     def assumption(self, uid: str) -> Assumption | None:
         """A copy of the pod's assumption (None without one)."""
@@ -405,7 +416,7 @@ class ClusterState:
             try:
                 yield
             finally:
-                node.charge(mine.charges)
+                node.charge(mine.charges, pod=self._key(uid))
 
     def _reapply(self, uid: str) -> None:
         assumption = self._assumed.get(uid)
@@ -426,7 +437,7 @@ class ClusterState:
         if wanted is not None:
             node = self._nodes.get(wanted.node)
             if node is not None:
-                node.charge(wanted.charges)
+                node.charge(wanted.charges, pod=self._key(uid))
             self._by_node.setdefault(wanted.node, set()).add(uid)
             self._applied[uid] = wanted
 

@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help=(
-            "safety net: seconds a Binding that got no answer (or a bound pod the watch shows nothing of) "
-            "keeps its GPUs held, and a pod chosen for a node but not bound, with no bind of this extender "
-            "behind it, holds them there (default %(default)s)"
+            "safety net: seconds a Binding that got no answer keeps its GPUs held (one the API server "
+            "answered keeps them until the pod watch shows the pod bound, ended or gone), and a pod "
+            "chosen for a node but not bound, with no bind of this extender behind it, holds them there "
+            "(default %(default)s)"
         ),
     )
     p.add_argument(

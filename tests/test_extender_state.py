@@ -91,11 +91,13 @@ def test_assumptions_expire_and_bind_failures_forget() -> None:
     state.node_event("ADDED", node())
     state.assume("u1", PodCharges("n", (Charge(0, 100, 0),), 0, "1"))
     state.assume("u2", PodCharges("n", (Charge(1, 100, 0),), 0, "2"))
-    state.assumed_bound("u1")  # bound: the TTL starts now
+    state.assume("u3", PodCharges("n", (Charge(1, 100, 0),), 0, "3"))
+    state.assumed_bound("u1", bound=False)  # the Binding got no answer: the TTL starts now
     state.forget("u2")  # bind failed
-    assert free(state) == [(0, 0), (100, 80)]
+    state.assumed_bound("u3")  # bound: held until the watch shows the pod, however late
+    assert free(state) == [(0, 0), (0, 0)]
     time.sleep(0.1)
-    assert state.expire() == 1 and free(state) == [(100, 80), (100, 80)]
+    assert state.expire() == 1 and free(state) == [(100, 80), (0, 0)]
 
 
 def test_a_pod_is_judged_without_its_own_charges() -> None:

@@ -19,7 +19,7 @@ from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.server import ExtenderServer, Routes, parse_listen
 from gpumanager.extender.state import ClusterState
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
-from tests.extender_fixtures import World, gpu_pod, held, http_error, inventory, wait_for, world
+from tests.extender_fixtures import PREFIX, World, gpu_pod, held, http_error, inventory, wait_for, with_inits, world
 
 __all__ = ["world"]
 
@@ -251,3 +251,34 @@ def test_charges_on_gpus_a_node_does_not_have_are_logged_once(caplog: pytest.Log
     found = [r.getMessage() for r in caplog.records if "GPU 3" in r.getMessage()]
     assert len(found) == 1, found
     assert "default/a" in found[0] and "n1" in found[0]
+
+
+def test_a_pod_whose_only_gpu_containers_are_init_containers_is_placed(world: World) -> None:
+    """Ordinary init containers asking for GPUs, app containers asking none: filter refuses a node
+    where they cannot run, and bind names their GPUs as for any GPU init container (the agent places
+    them there); they hold nothing once the pod runs."""
+    world.add_node("roomy", inventory([80, 80]), gpus=2)
+    world.add_node("full", inventory([80]), gpus=1)
+    world.create(gpu_pod("whole", [(100, 0)], node="full", annotations=held("full", [[0]])))
+    world.start_extender()
+    world.wait_seen(1)
+    pod = world.create(with_inits(gpu_pod("only-init", [(0, 0)]), [("setup", 50, 8, False), ("warm", 100, 0, False)]))
+    answer = world.filter(pod)
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["roomy"], answer
+    assert "init container 'setup'" in answer["FailedNodes"]["full"], answer
+    scores = world.scores(pod)
+    assert scores["roomy"] >= scores["full"], scores
+    error = world.bind(pod, "full")
+    assert "no longer fits on node full" in error and "init container 'setup'" in error, error
+    assert f"{PREFIX}-1" not in world.annotations(pod)
+    assert world.bind(pod, "roomy") == ""
+    annotations = world.annotations(pod)
+    assert annotations.get(f"{PREFIX}-1") in ("0", "1"), annotations
+    assert annotations.get(f"{PREFIX}-2") in ("0", "1"), annotations
+    assert annotations[names.PREDICATE_NODE] == "roomy"
+    assert annotations[names.GPU_ASSIGNED] == "false" and annotations[names.PREDICATE_TIME], annotations
+    assert not any(k == f"{PREFIX}0" for k in annotations), annotations
+    # No lasting charge: both GPUs of roomy are still free for a pod of two whole GPUs.
+    wait_for(lambda: world.extender.state.assumed_count() == 0, what="the watch showing the pod bound")
+    assert world.passed(world.create(gpu_pod("two", [(200, 0)])), ["roomy"]) == ["roomy"]
+    assert world.extender.state.over_committed() == {}

@@ -8,7 +8,8 @@
 3. Merge-patch the annotations with ``metadata.resourceVersion`` set (a precondition):
    ``predicate-gpu-idx-<i>`` per GPU container, ``predicate-gpu-idx--<k>`` per GPU init container
    (``-1`` for the first of ``spec.initContainers``: the index under which the agent asks for it),
-   when the pod has a GPU container or sidecar, ``predicate-node``, ``predicate-time`` (ns),
+   when the pod has any GPU container (an ordinary init container alone counts: the agent places it
+   where it is named), ``predicate-node``, ``predicate-time`` (ns),
    ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: put back
    what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
 4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
@@ -294,21 +295,6 @@ class _Bind:
             return True
         raise BindError(f"{self.who} is already bound to node {node}", "refused")
 
-    def _check_inits(self, uid: str, inits: list[GPURequest]) -> None:
-        """BindError unless the GPU init containers (of a pod with no other GPU container) fit now."""
-        if not inits:
-            return
-        node = self.args.node
-        with self._state.lock:
-            self._state.expire()
-            gpus = self._state.node(node)
-            if gpus is None:
-                raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
-            with self._state.without(uid):
-                problem = place(gpus, [], self._policy, inits=inits).failed
-        if problem:
-            raise BindError(f"{self.who} no longer fits on node {node}: {problem}", "refused")
-
     def _choose(
         self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest], sidecars: list[GPURequest]
     ) -> dict[str, str | None]:
@@ -368,8 +354,7 @@ class _Bind:
             ) from exc
         if never:
             raise BindError(f"{self.who}: {never}", "refused")
-        if not requests and not sidecars:
-            self._check_inits(podinfo.uid(pod), inits)
+        if not requests and not sidecars and not inits:
             self._binding(podinfo.uid(pod), None, {})
             return "bound"
         if self._check_earlier_binding(pod):

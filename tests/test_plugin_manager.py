@@ -264,3 +264,33 @@ def test_a_stop_while_the_loop_serves_again_leaves_no_socket(tmp_path: Path, mon
     assert sorted(p.name for p in directory.iterdir()) == []
     with pytest.raises(RuntimeError):
         server.start()
+
+
+def test_a_plugin_that_listens_a_moment_after_removing_our_socket_is_left_there(tmp_path: Path) -> None:
+    """Another plugin removes our socket and listens at the path a moment later (50 ms here: the time it
+    takes a process to set up its server). The kubelet did not restart (its socket is the one we
+    registered with), so we do not serve and register again in between."""
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
+    ours = PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")
+    plugins = PluginManager(
+        [ours], kubelet.socket_path, options_for=lambda _server: pb.DevicePluginOptions(), watch_period=0.1
+    )
+    other = PluginServer(
+        ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions()), ours.socket_path
+    )
+    plugins.start()
+    try:
+        kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
+        count = kubelet.registration_count(RESOURCE)
+        ours.socket_path.unlink()
+        time.sleep(0.05)
+        other.start()
+        time.sleep(1.0)
+        assert other.socket_intact(), "took the other plugin's socket"
+        assert kubelet.registration_count(RESOURCE) == count, "served and registered in the gap"
+    finally:
+        other.close()
+        plugins.stop()
+        kubelet.stop()

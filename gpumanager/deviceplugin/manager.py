@@ -27,6 +27,10 @@ from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
+#: How long our removed socket is watched for another process that listens at its path, when the
+#: kubelet's own socket has not changed (no kubelet restart), before we serve there again.
+TAKEOVER_GRACE_SECONDS = 0.2
+
 
 @dataclass
 class RegistrationStatus:
@@ -148,6 +152,20 @@ class PluginManager:
         else:
             self._stop.wait(timeout)
 
+    def _await_takeover(self, broken: list[PluginServer], kubelet_id: tuple[int, int] | None) -> None:
+        """Wait up to :data:`TAKEOVER_GRACE_SECONDS` for another process to listen at a removed socket's
+        path; returns at once when the kubelet's socket is not the one we registered with (a restart)."""
+        deadline = time.monotonic() + TAKEOVER_GRACE_SECONDS
+        while not self._stop.is_set():
+            if kubelet_id is None or socket_identity(self._kubelet_socket) != kubelet_id:
+                return
+            if any(socket_served(s.socket_path) for s in broken):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wait(min(left, 0.02))
+
     def _run(self) -> None:
         need_register = True
         watch_opened = False
@@ -157,10 +175,13 @@ class PluginManager:
         while not self._stop.is_set():
             try:
                 broken = [s for s in self._servers if not s.socket_intact()]
-                # Served by someone else: another plugin at our path. Not waited for when the path is
-                # empty: a kubelet restart empties it, and serving again at once is what the kubelet waits
-                # on. Another plugin that listens there a moment later sees ours served and yields (and a
-                # second agent of this node waits for the node lock before it serves at all).
+                # Served by someone else: another plugin at our path. A kubelet restart empties the
+                # directory, kubelet.sock included, and the kubelet waits on us to serve again: at once.
+                # Our socket removed while the kubelet's stays the one we registered with is no kubelet
+                # restart but another plugin about to listen at the path (it removes the file a moment
+                # before): watched for that moment, unless the kubelet's socket changes meanwhile.
+                if broken and not any(socket_served(s.socket_path) for s in broken):
+                    self._await_takeover(broken, kubelet_id)
                 taken = [s for s in broken if socket_served(s.socket_path)]
                 if taken:
                     self._yield_to_other(taken)

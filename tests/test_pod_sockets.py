@@ -273,3 +273,48 @@ def test_a_pod_let_go_while_the_relay_stops_returns_quietly(
     letting_go.join(10)
     assert not letting_go.is_alive()
     assert errors == []
+
+
+def _hold_connections(path: Path, count: int) -> list[socket.socket]:
+    held = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(path))
+        held.append(s)
+    return held
+
+
+def _relayed(pod_sockets: Sockets, count: int) -> None:
+    for _ in range(500):
+        with pod_sockets.sockets._lock:
+            if pod_sockets.sockets._active.get(POD, 0) >= count:
+                return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{count} connections were not relayed")
+
+
+def test_a_call_over_the_pods_connection_limit_waits_a_moment_for_a_slot(pod_sockets: Sockets) -> None:
+    """A client calling again at once on new connections may find its earlier ones not yet torn down on a
+    busy node: the call over the limit is served once one of them ends, not refused."""
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    held = _hold_connections(pod_sockets.path, sockets_module.MAX_CONNECTIONS_PER_POD)
+    try:
+        _relayed(pod_sockets, sockets_module.MAX_CONNECTIONS_PER_POD)
+        threading.Timer(0.1, held.pop().close).start()
+        assert register(pod_sockets.path) == grpc.StatusCode.OK
+    finally:
+        for s in held:
+            s.close()
+    assert pod_sockets.calls == [(POD, "c1")]
+
+
+def test_a_call_still_over_the_limit_after_the_wait_is_refused(pod_sockets: Sockets) -> None:
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    held = _hold_connections(pod_sockets.path, sockets_module.MAX_CONNECTIONS_PER_POD)
+    try:
+        _relayed(pod_sockets, sockets_module.MAX_CONNECTIONS_PER_POD)
+        assert register(pod_sockets.path) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for s in held:
+            s.close()
+    assert pod_sockets.calls == []

@@ -18,7 +18,8 @@ other connection is refused.
 
 A call waits without holding a thread (a registration may wait for the pod's
 status), and a pod holds at most :data:`MAX_CONNECTIONS_PER_POD` connections
-with one call each, so no pod can keep another pod's calls waiting. A pod costs
+with one call each (one more waits :data:`SLOT_WAIT_SECONDS` for one of them to
+end, then is closed), so no pod can keep another pod's calls waiting. A pod costs
 one listening socket and a dictionary entry; a call in progress costs two
 sockets. When a pod's socket is no longer served, its relayed connections end.
 """
@@ -53,6 +54,8 @@ MAX_SOCKET_PATH = 107
 POD_LOCK_STRIPES = 64
 #: Connections relayed at once for one pod; more are closed at once (a container cannot take them all).
 MAX_CONNECTIONS_PER_POD = 16
+#: How long a connection over that limit waits for one of the pod's others to end before it is closed.
+SLOT_WAIT_SECONDS = 0.5
 #: Calls at once on one connection (the clients make one call per connection).
 CALLS_PER_CONNECTION = 1
 #: The longest a relayed connection lives (a registration is one short call).
@@ -295,10 +298,17 @@ class PodSockets:
         await asyncio.gather(*relays, return_exceptions=True)
 
     async def _relay(self, pod_uid: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with self._lock:
-            busy = self._active.get(pod_uid, 0)
-            if busy < MAX_CONNECTIONS_PER_POD:
-                self._active[pod_uid] = busy + 1
+        # At the limit, a slot is waited for a moment: a client calling again at once, each call on a new
+        # connection, may find its earlier connections not yet torn down (on a busy node).
+        deadline = asyncio.get_running_loop().time() + SLOT_WAIT_SECONDS
+        while True:
+            with self._lock:
+                busy = self._active.get(pod_uid, 0)
+                if busy < MAX_CONNECTIONS_PER_POD:
+                    self._active[pod_uid] = busy + 1
+            if busy < MAX_CONNECTIONS_PER_POD or asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.01)
         if busy >= MAX_CONNECTIONS_PER_POD:
             log.warning("vcuda.sock of pod %s: %d connections open already; closing another", pod_uid, busy)
             writer.close()

@@ -152,9 +152,9 @@ def test_a_kubelet_socket_that_appears_while_we_serve_again_is_registered_with_o
         kubelet.stop()
 
 
-def test_a_live_socket_of_another_plugin_at_our_path_is_not_taken_back(tmp_path: Path) -> None:
-    """A second plugin (another agent on the node) serves at our socket path: we leave it there and do not
-    register over it; once its socket is gone we serve and register again."""
+def _ours_and_another(tmp_path: Path) -> tuple[KubeletSimulator, PluginServer, PluginManager, PluginServer]:
+    """A started kubelet, our server and its started manager, and another plugin's server for our path
+    (not started)."""
     kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
     kubelet.start()
     servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
@@ -162,9 +162,17 @@ def test_a_live_socket_of_another_plugin_at_our_path_is_not_taken_back(tmp_path:
     plugins = PluginManager(
         [ours], kubelet.socket_path, options_for=lambda _server: pb.DevicePluginOptions(), watch_period=0.1
     )
-    other_servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
-    other = PluginServer(other_servicer, ours.socket_path)
+    other = PluginServer(
+        ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions()), ours.socket_path
+    )
     plugins.start()
+    return kubelet, ours, plugins, other
+
+
+def test_a_live_socket_of_another_plugin_at_our_path_is_not_taken_back(tmp_path: Path) -> None:
+    """A second plugin (another agent on the node) serves at our socket path: we leave it there and do not
+    register over it; once its socket is gone we serve and register again."""
+    kubelet, ours, plugins, other = _ours_and_another(tmp_path)
     try:
         kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
         count = kubelet.registration_count(RESOURCE)
@@ -270,17 +278,7 @@ def test_a_plugin_that_listens_a_moment_after_removing_our_socket_is_left_there(
     """Another plugin removes our socket and listens at the path a moment later (50 ms here: the time it
     takes a process to set up its server). The kubelet did not restart (its socket is the one we
     registered with), so we do not serve and register again in between."""
-    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
-    kubelet.start()
-    servicer = ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions())
-    ours = PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")
-    plugins = PluginManager(
-        [ours], kubelet.socket_path, options_for=lambda _server: pb.DevicePluginOptions(), watch_period=0.1
-    )
-    other = PluginServer(
-        ResourceServicer(RESOURCE, devices=lambda: DEVICES, options=pb.DevicePluginOptions()), ours.socket_path
-    )
-    plugins.start()
+    kubelet, ours, plugins, other = _ours_and_another(tmp_path)
     try:
         kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
         count = kubelet.registration_count(RESOURCE)

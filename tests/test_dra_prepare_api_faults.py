@@ -125,3 +125,28 @@ def test_a_restart_that_must_ask_the_api_server_serves_the_kubelet_without_waiti
         assert dra_node.spec_path(ref_lost[2]).exists()
     finally:
         client.close()
+
+
+def test_a_claim_prepared_again_after_its_unprepare_is_prepared_while_the_first_get_still_hangs(
+    dra_node: DRAClient,
+) -> None:
+    """Prepare (its GET hangs), Unprepare, Prepare again: the second Prepare started after the
+    Unprepare, so it is answered as any Prepare is; only the first, older than the Unprepare, is not."""
+    claim = dra_node.claim("again", [result(cores="10", memory="1Gi", share="s-again")])
+    ref = dra_node.ref(claim)
+    dra_node.cluster.api.delay(r"/resourceclaims/again$", HANG_SECONDS, method="GET", count=1)
+    with futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(dra_node.prepare, ref)
+        _wait_until_sent(dra_node, first)
+        assert dra_node.unprepare(ref) == {ref[2]: ""}
+        second = dra_node.prepare(ref)[ref[2]]
+        assert second.error == "", second.error
+        assert not first.done(), "the first GET was answered before the second Prepare"
+        older = first.result(timeout=60)[ref[2]]
+    # The older Prepare may be refused or answered with the same devices; the claim stays prepared.
+    if older.error == "":
+        assert older == second
+    assert dra_node.spec_path(ref[2]).exists()
+    assert (dra_node.cluster.vm_path / ref[2]).exists()
+    assert dra_node.unprepare(ref) == {ref[2]: ""}
+    assert not dra_node.spec_path(ref[2]).exists()

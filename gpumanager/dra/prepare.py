@@ -139,7 +139,10 @@ class ClaimPreparer:
         # Guards the claims and their files; never held while the API server is asked.
         self._lock = threading.Lock()
         self._reading: dict[str, int] = {}  # claim UID -> Prepares waiting for its GET
-        self._unprepared_while_read: set[str] = set()
+        # Claim UID -> the number (of self._unprepares) of its last Unprepare while a Prepare of it
+        # waited for its GET: that Prepare, begun before, is refused; one begun after is not.
+        self._unprepares = 0
+        self._unprepared_while_read: dict[str, int] = {}
         # Claim UIDs the kubelet prepared or unprepared since the start: reconcile() leaves them be.
         self._touched: set[str] = set()
         # Claims with a CDI spec but no record whose rebuild could not ask the API server, by UID: the
@@ -196,6 +199,7 @@ class ClaimPreparer:
                 log.info("claim %s (%s) is already prepared: same answer", ref, ref.uid)
                 return self._answer(known)
             self._reading[ref.uid] = self._reading.get(ref.uid, 0) + 1
+            begun = self._unprepares
         try:
             if not ref.name or not ref.namespace:
                 raise ClaimError(f"claim {ref!s} ({ref.uid!r}): namespace, name and UID are all required")
@@ -205,7 +209,7 @@ class ClaimPreparer:
             self._check_sharing(ref, data)
             t1 = time.perf_counter()
             with self._lock:
-                return self._record(ref, data, t0, t1)
+                return self._record(ref, data, t0, t1, begun)
         finally:
             with self._lock:
                 left = self._reading[ref.uid] - 1
@@ -213,7 +217,7 @@ class ClaimPreparer:
                     self._reading[ref.uid] = left
                 else:
                     del self._reading[ref.uid]
-                    self._unprepared_while_read.discard(ref.uid)
+                    self._unprepared_while_read.pop(ref.uid, None)
 
     def _check_sharing(self, ref: ClaimRef, data: JSON) -> None:
         """ClaimError when a container would use this claim beside another of ours and one is a share."""
@@ -230,9 +234,10 @@ class ClaimPreparer:
         if found.problem is not None:
             raise ClaimError(found.problem)
 
-    def _record(self, ref: ClaimRef, data: JSON, t0: float, t1: float) -> list[PreparedDevice]:
-        """Second half of a Prepare, under the lock: check, record, write the files, answer."""
-        if ref.uid in self._unprepared_while_read:
+    def _record(self, ref: ClaimRef, data: JSON, t0: float, t1: float, begun: int) -> list[PreparedDevice]:
+        """Second half of a Prepare, under the lock: check, record, write the files, answer. ``begun``:
+        the count of Unprepares when this Prepare began (one of this claim since then refuses it)."""
+        if self._unprepared_while_read.get(ref.uid, -1) >= begun:
             raise ClaimError(
                 f"claim {ref} ({ref.uid}) was unprepared while the API server was asked for it; not prepared"
             )
@@ -313,7 +318,8 @@ class ClaimPreparer:
                 self._touched.add(ref.uid)
                 self._unreadable.pop(ref.uid, None)
                 if ref.uid in self._reading:
-                    self._unprepared_while_read.add(ref.uid)
+                    self._unprepared_while_read[ref.uid] = self._unprepares
+                    self._unprepares += 1
                 try:
                     freed = self._allocator.unprepare_claim(ref.uid)
                     self._remove_files(ref.uid)

@@ -228,6 +228,9 @@ class Allocator:
         self._fresh_only: dict[str, _Fresh] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
+        # GPUs that recovered records charge beyond their capacity: the tree's counts are floored and
+        # capped there, so each release on them recomputes the GPU's charge from what it still holds.
+        self._overcommitted: set[int] = set()
         #: The checkpoint read at start had damage (a journal segment, a claim entry, the whole file):
         #: prepared claims may be missing from the state, to be rebuilt from other records.
         self.claims_in_doubt = False
@@ -1154,6 +1157,9 @@ class Allocator:
             self._tree.occupy(leaf.index, *after)
 
     def _free(self, alloc: ContainerAllocation) -> None:
+        if self._overcommitted.intersection(alloc.minors):
+            self._recharge(alloc.minors)
+            return
         after = self._charge_of_group(alloc, include=False)
         before = (max(after[0], alloc.cores), max(after[1], alloc.memory))
         if after == (0, 0):
@@ -1909,6 +1915,9 @@ class Allocator:
         if claim is None:
             return None
         self._generation += 1
+        if self._overcommitted.intersection(d.minor for d in claim.devices):
+            self._recharge(tuple(d.minor for d in claim.devices))
+            return claim
         for dev in claim.devices:
             if not dev.consumes:
                 continue
@@ -1973,18 +1982,70 @@ class Allocator:
             self._notify()
         return len(taken)
 
-    def _warn_overcommit(self, source: str) -> None:
-        per_gpu: dict[int, int] = {}
-        groups: dict[tuple[str, frozenset[str], tuple[int, ...]], int] = {}
+    def _charges(self, minors: Iterable[int]) -> dict[int, list[tuple[int, int]]]:
+        """(cores, memory) of each charge held on these GPUs: one per group of containers sharing IDs
+        (:func:`_share_key`), one per consuming device of a prepared claim."""
+        wanted = set(minors)
+        groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int]] = {}
         for a in self._allocs.values():
-            group = _share_key(a)
-            groups[group] = max(groups.get(group, 0), min(a.cores, names.HUNDRED_CORES))
-        for (_, _, minors), cores in groups.items():
-            for m in minors:
-                per_gpu[m] = per_gpu.get(m, 0) + cores
-        for minor, total in sorted(per_gpu.items()):
-            if total > names.HUNDRED_CORES:
-                log.error("%s: GPU %d carries %d cores of allocations (more than 100)", source, minor, total)
+            if wanted.intersection(a.minors):
+                group = _share_key(a)
+                cores, memory = groups.get(group, (0, 0))
+                groups[group] = (max(cores, a.cores), max(memory, a.memory))
+        out: dict[int, list[tuple[int, int]]] = {m: [] for m in wanted}
+        for (_, _, held), charge in groups.items():
+            for m in held:
+                if m in out:
+                    out[m].append(charge)
+        for claim in self._claims.values():
+            for dev in claim.devices:
+                if dev.consumes and dev.minor in out:
+                    out[dev.minor].append((names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory))
+        return out
+
+    def _recharge(self, minors: Iterable[int]) -> None:
+        """Set these GPUs' accounting from what they hold now (lock held); a GPU no longer charged beyond
+        its capacity goes back to the usual incremental accounting."""
+        for minor, charges in self._charges(minors).items():
+            try:
+                leaf = self._tree.leaf_by_minor(minor)
+            except (KeyError, ValueError):
+                self._overcommitted.discard(minor)
+                continue
+            self._tree.free(leaf.index, names.HUNDRED_CORES, 0)
+            for cores, memory in charges:
+                self._tree.occupy(leaf.index, cores, memory)
+            if not _beyond(charges, leaf.total_memory):
+                self._overcommitted.discard(minor)
+
+    def _warn_overcommit(self, source: str) -> None:
+        """Log each GPU the held records charge beyond its capacity, and keep it for :meth:`_recharge`."""
+        minors = {m for a in self._allocs.values() for m in a.minors}
+        minors |= {d.minor for c in self._claims.values() for d in c.devices if d.consumes}
+        for minor, charges in sorted(self._charges(minors).items()):
+            gpu = self._by_minor.get(minor)
+            if gpu is None or not _beyond(charges, gpu.memory_total):
+                continue
+            self._overcommitted.add(minor)
+            cores = sum(min(c, names.HUNDRED_CORES) for c, _ in charges)
+            memory = sum(mem for c, mem in charges if c < names.HUNDRED_CORES)
+            log.error(
+                "%s: GPU %d is charged beyond its capacity: %d records hold %d cores and %d bytes of shares%s",
+                source,
+                minor,
+                len(charges),
+                cores,
+                memory,
+                " beside a whole-GPU record" if any(c >= names.HUNDRED_CORES for c, _ in charges) else "",
+            )
+
+
+def _beyond(charges: Sequence[tuple[int, int]], total_memory: int) -> bool:
+    """Whether these charges of one GPU exceed it: a whole GPU beside anything else, more than 100 cores,
+    or more memory than it has."""
+    if any(c >= names.HUNDRED_CORES for c, _ in charges):
+        return len(charges) > 1
+    return sum(c for c, _ in charges) > names.HUNDRED_CORES or sum(m for _, m in charges) > total_memory
 
 
 def _share_key(alloc: ContainerAllocation) -> tuple[str, frozenset[str], tuple[int, ...]]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gpumanager.allocation import journal
+from gpumanager.allocation.journal import CheckpointStore
 from tests.alloc_fixtures import FakePods, make_allocator, make_pod, uid_of
 
 GIB = 1 << 30
@@ -82,3 +84,79 @@ def test_memory_over_capacity_then_one_released(tmp_path: Path) -> None:
         assert _free_memory(alloc, 2) == 12 * GIB
     finally:
         alloc.close()
+
+
+# -- the journal across several restarts ------------------------------------------------------------
+
+
+def _put(pod: str, container: str, minors: list[int], cores: int) -> dict[str, Any]:
+    return {"op": "put", "pod": pod, "container": container, "entry": _entry(minors, cores)}
+
+
+def _segment_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if ".journal-" in p.name)
+
+
+def test_a_write_cut_short_is_no_damage_at_the_start_after_next(tmp_path: Path) -> None:
+    """A crash cut a record short at the end of the journal; the next run wrote into a new segment and
+    crashed too (before the snapshot caught up). The cut-short record is still a write never answered:
+    no damage is reported, nothing is moved aside, and every answered change is there."""
+    path = _ckpt(tmp_path)
+    first = CheckpointStore(path)
+    first.load()
+    first.switch()
+    first.record(_put("pod-a", "c0", [0], 50))
+    seg = path.with_name(path.name + ".journal-1")
+    cut = journal._record(_put("pod-x", "c0", [1], 50))[:30]  # the crash: a record half written
+    with seg.open("r+b") as f:
+        f.seek(first._segment.offset if first._segment else 0)
+        f.write(cut)
+    first.close()
+
+    second = CheckpointStore(path)
+    loaded = second.load()
+    assert loaded.problems == []
+    second.switch()
+    second.record(_put("pod-b", "c0", [2], 50))
+    second.close()
+
+    third = CheckpointStore(path)
+    loaded = third.load()
+    assert loaded.problems == []
+    assert loaded.document is not None
+    assert sorted(loaded.document["PodGPUMapping"]) == ["pod-a", "pod-b"]
+    assert not [n for n in _segment_files(path) if "corrupt" in n]
+    third.close()
+
+
+def test_a_segment_named_beyond_the_largest_number_does_not_hide_later_changes(tmp_path: Path) -> None:
+    """A stray ``journal-<huge>`` file (a number no snapshot may name) must not make the next segments and
+    snapshot carry a number the next start refuses: changes written after it are read back."""
+    path = _ckpt(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.with_name(path.name + f".journal-{(1 << 63) - 1}").write_bytes(b"\0" * 64)
+    pods = FakePods([make_pod("a", phase="Running")])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.load()
+    alloc.adopt(
+        [journal_alloc(uid_of("a"), "c0", (0,), 50)],
+        source="test",
+    )
+    alloc.compact()
+    alloc.adopt([journal_alloc(uid_of("b"), "c0", (1,), 50)], source="test")
+    # a crash here: no snapshot at stop
+    alloc._store.close()
+
+    again = make_allocator(tmp_path, FakePods([make_pod("a", phase="Running"), make_pod("b", phase="Running")]))
+    try:
+        parsed = again.load()
+        assert parsed.problems == []
+        assert sorted(a.pod_uid for a in parsed.allocations) == sorted([uid_of("a"), uid_of("b")])
+    finally:
+        again.close()
+
+
+def journal_alloc(pod: str, container: str, minors: tuple[int, ...], cores: int) -> Any:
+    from gpumanager.allocation.records import ContainerAllocation
+
+    return ContainerAllocation(pod_uid=pod, container=container, minors=minors, cores=cores, memory=GIB)

@@ -62,8 +62,10 @@ JOURNAL_KEY = "JournalSegment"
 #: Size of one journal segment (about 2000 changes of a one-GPU container).
 SEGMENT_BYTES = 1 << 20
 _HEADER = 18  # "%08x %08x " before the JSON
-#: The largest segment number a snapshot may name (a larger one is no number this agent wrote).
-_SEQ_MAX = (1 << 63) - 1
+#: The largest segment number a snapshot or a segment's name may carry (a larger one is no number this agent
+#: wrote): below 2^63 by room for 2^32 more segments, so that no stray file can make this agent number its
+#: next segments beyond what the next start accepts.
+_SEQ_MAX = (1 << 63) - 1 - (1 << 32)
 
 
 class JournalError(RuntimeError):
@@ -280,8 +282,9 @@ def _segment_bytes(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str]:
-    """The changes of one segment, and a problem ('' when it is whole or only cut short at its end)."""
+def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str, int]:
+    """The changes of one segment, a problem ('' when it is whole or only cut short at its end), and the
+    offset of a last record cut short (-1 when there is none)."""
     changes: list[dict[str, Any]] = []
     skipped: list[str] = []  # whole records holding no change this agent writes: skipped, the rest replayed
     pos = 0
@@ -290,16 +293,38 @@ def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, A
         if after < 0:
             if last and _cut_short(data, pos):
                 log.info("journal %s: last record cut short at offset %d (a crash while writing); ignored", path, pos)
-                return changes, _skipped(path, skipped)
-            return changes, _skipped(path, [*skipped, f"damaged record at offset {pos}"])
+                return changes, _skipped(path, skipped), pos
+            return changes, _skipped(path, [*skipped, f"damaged record at offset {pos}"]), -1
         if change is None:
             skipped.append(f"record at offset {pos} skipped: {why}")
         else:
             changes.append(change)
         pos = after
     if data[pos:].strip(b"\0"):
-        return changes, _skipped(path, [*skipped, f"zeros at offset {pos} with records after them"])
-    return changes, _skipped(path, skipped)
+        return changes, _skipped(path, [*skipped, f"zeros at offset {pos} with records after them"]), -1
+    return changes, _skipped(path, skipped), -1
+
+
+def _erase_cut_short(path: Path, data: bytes, pos: int) -> None:
+    """Zero a record cut short at ``pos`` (never answered), so that the segment reads as whole once later
+    segments follow it; a failure is logged (the next start then reports the segment as damaged)."""
+    end = data.find(b"\0", pos)
+    end = len(data) if end < 0 else end
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            if os.pwrite(fd, b"\0" * (end - pos), pos) != end - pos:
+                raise OSError(errno.EIO, "short write")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning(
+            "journal %s: cannot clear the record cut short at offset %d (%s); the next start reports it as damage",
+            path,
+            pos,
+            exc,
+        )
 
 
 def _skipped(path: Path, problems: list[str]) -> str:
@@ -347,6 +372,10 @@ class CheckpointStore:
     def _segments(self) -> list[tuple[int, Path]]:
         """The live segments, ``<name>.journal-<seq>`` (not a damaged one moved aside as ``.corrupt-<time>``,
         nor a ``.tmp`` being prepared)."""
+        return [(seq, p) for seq, p in self._numbered() if seq <= _SEQ_MAX]
+
+    def _numbered(self) -> list[tuple[int, Path]]:
+        """Every ``<name>.journal-<digits>`` file, by number (those beyond :data:`_SEQ_MAX` too)."""
         prefix = self.path.name + ".journal-"
         found = []
         for p in self.path.parent.glob(prefix + "*"):
@@ -360,6 +389,13 @@ class CheckpointStore:
         snapshot itself is unusable; it is left for the caller to move aside, with
         :meth:`set_aside_segments`). A damaged segment is moved aside when ``quarantine``."""
         segments = self._segments()
+        beyond = [p for seq, p in self._numbered() if seq > _SEQ_MAX]
+        for path in beyond:  # no number this agent writes; counted, it would number new segments past any
+            problem = f"journal {path}: its number is beyond {_SEQ_MAX}, not a segment this agent wrote; not read"
+            if quarantine:
+                self._set_aside(path, problem)
+            else:
+                log.warning("%s", problem)
         for seq, _ in segments:  # known before the snapshot is read: new segments never reuse a number
             self._seq = max(self._seq, seq)
         if quarantine:
@@ -394,7 +430,9 @@ class CheckpointStore:
             if snapshot is not None and first is not None and segments[i][0] < first:
                 continue  # held by the snapshot already (left behind by a removal that failed)
             if data is not None:
-                changes, problem = _read_segment(data, path, last=i == last)
+                changes, problem, cut = _read_segment(data, path, last=i == last)
+                if cut >= 0 and quarantine:
+                    _erase_cut_short(path, data, cut)
                 if changes and snapshot is not None and odd_key:
                     problem = f"journal {path} holds {len(changes)} changes, but {odd_key}; not replayed over it"
                     changes = []

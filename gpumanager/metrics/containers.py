@@ -11,6 +11,9 @@ out a GPU NVML cannot read, as ``gpu_manager_gpu_memory_used_bytes`` does):
 - ``gpu_manager_container_gpu_memory_used_bytes``: memory its processes use there;
 - ``gpu_manager_container_gpu_utilization_ratio``: their SM utilisation (0-1).
 
+A container using several DRA claims has an allocation for each; it has one series per GPU all
+the same, with the limits of its claims on that GPU added up (at most the whole GPU).
+
 A container's lines are rendered again only when its usage, allocation or pod changed.
 """
 
@@ -65,7 +68,7 @@ class ContainerFamilies:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
+        self._entries: dict[tuple[str, str], tuple[tuple[ContainerUsage, ...], tuple[str, ...], _Labels]] = {}
         self._last: tuple[Sequence[ContainerUsage], str] = ((), "")
 
     def render(self, usages: Sequence[ContainerUsage]) -> str:
@@ -73,15 +76,19 @@ class ContainerFamilies:
         last_usages, last_text = self._last
         if last_text and len(last_usages) == len(usages) and all(map(operator.is_, last_usages, usages)):
             return last_text  # the same objects: nothing changed
-        known = self._entries
-        current: dict[tuple[str, str], tuple[ContainerUsage, tuple[str, ...], _Labels]] = {}
-        columns: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
+        # A container using several DRA claims has an allocation for each: one set of series for all.
+        grouped: dict[tuple[str, str], list[ContainerUsage]] = {}
         for u in usages:
-            key = u.allocation.key
+            grouped.setdefault(u.allocation.key, []).append(u)
+        known = self._entries
+        current: dict[tuple[str, str], tuple[tuple[ContainerUsage, ...], tuple[str, ...], _Labels]] = {}
+        columns: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
+        for key, held in grouped.items():
             entry = known.get(key)
-            if entry is None or entry[0] is not u:
-                label_sets = _label_sets(u, entry[2] if entry is not None else ())
-                entry = (u, _lines(u, label_sets), label_sets)
+            if entry is None or len(entry[0]) != len(held) or not all(map(operator.is_, entry[0], held)):
+                devices = _merged(held)
+                label_sets = _label_sets(held[0], devices, entry[2] if entry is not None else ())
+                entry = (tuple(held), _lines(devices, label_sets), label_sets)
             current[key] = entry
             for column, text in zip(columns, entry[1], strict=True):
                 column.append(text)
@@ -95,25 +102,44 @@ class ContainerFamilies:
         return text
 
 
-def _label_sets(u: ContainerUsage, before: _Labels) -> _Labels:
+#: One GPU of a container: what its processes use there, its memory limit (bytes) and core share (0-1).
+_Device = tuple[DeviceUsage, int, float]
+
+
+def _merged(held: Sequence[ContainerUsage]) -> list[_Device]:
+    """Each GPU of a container's allocations once: the limits of all of them on it added up (at most the
+    whole GPU), the usage of its processes there as measured (the same in each allocation)."""
+    out: dict[int, _Device] = {}
+    for u in held:
+        for d in u.devices:
+            memory, cores = limits(u, d)
+            before = out.get(d.gpu.index)
+            if before is not None:
+                memory = min(before[1] + memory, d.gpu.memory_total)
+                cores = min(before[2] + cores, 1.0)
+                d = before[0]
+            out[d.gpu.index] = (d, memory, cores)
+    return list(out.values())
+
+
+def _label_sets(u: ContainerUsage, devices: Sequence[_Device], before: _Labels) -> _Labels:
     """The label set of each of the container's GPUs (rendered again only when its values changed)."""
     meta = u.pod.get("metadata") or {}
     namespace = str(meta.get("namespace", "")) or u.allocation.namespace
     pod_name = str(meta.get("name", "")) or u.allocation.pod_name
     known = dict(before)
     out = []
-    for d in u.devices:
+    for d, _, _ in devices:
         values = (namespace, pod_name, u.container, str(d.gpu.index), d.gpu.uuid)
         text = known.get(values)
         out.append((values, text if text is not None else textformat.labels(LABELS, values)))
     return tuple(out)
 
 
-def _lines(u: ContainerUsage, label_sets: _Labels) -> tuple[str, ...]:
+def _lines(devices: Sequence[_Device], label_sets: _Labels) -> tuple[str, ...]:
     """The container's lines in each family, one per GPU it holds."""
     out: tuple[list[str], ...] = tuple([] for _ in FAMILIES)
-    for d, (_, label_text) in zip(u.devices, label_sets, strict=True):
-        memory_limit, core_limit = limits(u, d)
+    for (d, memory_limit, core_limit), (_, label_text) in zip(devices, label_sets, strict=True):
         values = (float(memory_limit), core_limit, float(d.used_bytes), d.sm_ratio)
         for lines, (name, _), value in zip(out, FAMILIES[: 4 if d.measured else 2], values, strict=False):
             lines.append(f"{name}{label_text} {value!r}\n")

@@ -1,0 +1,110 @@
+"""The metrics page, /usage, /graph and the HTTP server under odd and hostile conditions: several
+allocations of one container, an NVML that stops answering, odd request targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device.types import GPUInfo
+from gpumanager.metrics.page import MetricsPage
+from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
+
+GIB = 1 << 30
+GPU0 = GPUInfo(0, "GPU-0000", "NVIDIA H100", 0, 80 * GIB, "00000000:01:00.0")
+GPU1 = GPUInfo(1, "GPU-1111", "NVIDIA H100", 1, 80 * GIB, "00000000:02:00.0")
+
+
+class _Agent:
+    """What the collector reads, with nothing started but the GPUs."""
+
+    def __init__(self, gpus: list[GPUInfo]) -> None:
+        self.gpus = gpus
+        self.layout = None
+        self.health = None
+        self.plugins = None
+        self.allocator = None
+
+
+def _pod(uid: str, name: str, namespace: str = "ns", containers: tuple[str, ...] = ("c",)) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": uid, "name": name, "namespace": namespace},
+        "spec": {"nodeName": "node-1", "containers": [{"name": c} for c in containers]},
+        "status": {"phase": "Running"},
+    }
+
+
+def _series(page: str) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    return [
+        (s.name, tuple(sorted(s.labels.items())))
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+    ]
+
+
+def _samples(page: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+# -- one container, several allocations on one GPU ------------------------------------------------
+
+
+def _two_claims_one_gpu() -> list[ContainerUsage]:
+    """A container using two DRA claims that both share GPU 0 (an allocation per claim)."""
+    pod = _pod("uid-1", "p")
+    used = DeviceUsage(GPU0, 3 * (1 << 20), 0.25, 25.0, (101,))
+    a = ContainerAllocation("uid-1", "c", (0,), 30, 1 * GIB, namespace="ns", pod_name="p", extra={"claim": "a"})
+    b = ContainerAllocation("uid-1", "c", (0,), 20, 2 * GIB, namespace="ns", pod_name="p", extra={"claim": "b"})
+    return [ContainerUsage(pod, a, (used,)), ContainerUsage(pod, b, (used,))]
+
+
+def test_container_with_two_allocations_on_one_gpu_has_one_series_per_family() -> None:
+    usages = _two_claims_one_gpu()
+    page = MetricsPage(agent=_Agent([]), registry=CollectorRegistry(), sample=lambda: usages, legacy_metrics=False)
+    text = page.render().decode()
+    series = _series(text)
+    duplicates = {s for s in series if series.count(s) > 1}
+    assert not duplicates, duplicates
+    key = (("container", "c"), ("gpu", "0"), ("namespace", "ns"), ("pod", "p"), ("uuid", "GPU-0000"))
+    # Its limits on the GPU are those of both claims; what its processes use is counted once.
+    assert _samples(text, "gpu_manager_container_gpu_memory_limit_bytes") == {key: 3.0 * GIB}
+    assert _samples(text, "gpu_manager_container_gpu_core_limit_ratio") == {key: 0.5}
+    assert _samples(text, "gpu_manager_container_gpu_memory_used_bytes") == {key: 3.0 * (1 << 20)}
+    assert _samples(text, "gpu_manager_container_gpu_utilization_ratio") == {key: 0.25}
+    # A second scrape of the same sample (kept lines) says the same.
+    again = page.render().decode()
+    for name in ("gpu_manager_container_gpu_memory_limit_bytes", "gpu_manager_container_gpu_memory_used_bytes"):
+        assert _samples(again, name) == _samples(text, name)
+
+
+def test_container_with_a_whole_gpu_and_a_share_of_it_is_capped_at_the_gpu() -> None:
+    pod = _pod("uid-1", "p")
+    used = DeviceUsage(GPU0, 0, 0.0, 0.0, ())
+    whole = ContainerAllocation("uid-1", "c", (0,), 100, 0, extra={"claim": "a"})
+    share = ContainerAllocation("uid-1", "c", (0,), 40, 4 * GIB, extra={"claim": "b"})
+    usages = [ContainerUsage(pod, whole, (used,)), ContainerUsage(pod, share, (used,))]
+    page = MetricsPage(agent=_Agent([]), registry=CollectorRegistry(), sample=lambda: usages, legacy_metrics=False)
+    text = page.render().decode()
+    assert list(_samples(text, "gpu_manager_container_gpu_memory_limit_bytes").values()) == [80.0 * GIB]
+    assert list(_samples(text, "gpu_manager_container_gpu_core_limit_ratio").values()) == [1.0]
+
+
+def test_container_with_allocations_on_different_gpus_has_a_series_for_each() -> None:
+    pod = _pod("uid-1", "p")
+    a = ContainerAllocation("uid-1", "c", (0,), 30, 1 * GIB, extra={"claim": "a"})
+    b = ContainerAllocation("uid-1", "c", (1,), 20, 2 * GIB, extra={"claim": "b"})
+    usages = [
+        ContainerUsage(pod, a, (DeviceUsage(GPU0, 0, 0.0, 0.0, ()),)),
+        ContainerUsage(pod, b, (DeviceUsage(GPU1, 0, 0.0, 0.0, ()),)),
+    ]
+    page = MetricsPage(agent=_Agent([]), registry=CollectorRegistry(), sample=lambda: usages, legacy_metrics=False)
+    limits = _samples(page.render().decode(), "gpu_manager_container_gpu_memory_limit_bytes")
+    assert sorted((dict(k)["gpu"], v) for k, v in limits.items()) == [("0", 1.0 * GIB), ("1", 2.0 * GIB)]

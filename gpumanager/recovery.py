@@ -197,7 +197,12 @@ class Recovery:
             log.warning("cannot use %s: %s", self._kubelet_checkpoint, exc)
             entries = []
         else:
-            self._kubelet_answered = True
+            # A missing file (a fresh node, a kubelet directory wiped) says nothing of what runs: an entry of
+            # ours it lacks is not known to hold nothing until PodResources answers.
+            if self._kubelet_checkpoint.exists():
+                self._kubelet_answered = True
+            else:
+                log.info("%s does not exist; PodResources alone tells what the kubelet holds", self._kubelet_checkpoint)
         self._named |= {
             (e.pod_uid, e.container) for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids
         }

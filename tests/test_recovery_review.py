@@ -160,3 +160,42 @@ def journal_alloc(pod: str, container: str, minors: tuple[int, ...], cores: int)
     from gpumanager.allocation.records import ContainerAllocation
 
     return ContainerAllocation(pod_uid=pod, container=container, minors=minors, cores=cores, memory=GIB)
+
+
+# -- recovery from the kubelet's records ------------------------------------------------------------
+
+
+class _DeadPodResources:
+    """A PodResources client whose kubelet does not answer (restarting as the agent starts)."""
+
+    def list_all(self) -> list[Any]:
+        from gpumanager.kube.podresources import PodResourcesUnavailableError
+
+        raise PodResourcesUnavailableError("connection refused")
+
+
+def _recovery(tmp_path: Path, alloc: Any, kubelet_checkpoint: Path) -> Any:
+    from gpumanager.deviceplugin.devices import DeviceLayout
+    from gpumanager.recovery import Recovery
+    from tests.alloc_fixtures import v100x4
+
+    gpus, _ = v100x4()
+    return Recovery(alloc, kubelet_checkpoint_path=kubelet_checkpoint, layout=DeviceLayout(gpus), gpus=gpus)
+
+
+def test_untrusted_entry_stays_reserved_when_no_kubelet_record_exists(tmp_path: Path) -> None:
+    """Our entry of a running pod has a bad field; the kubelet's checkpoint file is not there (nothing was
+    read from it) and PodResources does not answer: the GPU its Devices name stays reserved, never free to
+    be handed out while the container may still run on it."""
+    a = uid_of("a")
+    _write_snapshot(tmp_path, {a: {"c0": {"Devices": ["/dev/nvidia3"], "Cores": "fifty", "Memory": GIB}}})
+    pods = FakePods([make_pod("a", phase="Running")])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        rec = _recovery(tmp_path, alloc, tmp_path / "device-plugins" / "kubelet_internal_checkpoint")
+        rec.from_disk()
+        rec.from_pod_resources(_DeadPodResources(), lambda ns, name: None)
+        assert alloc.holds((a, "c0"))
+        assert _free_cores(alloc, 3) == 0
+    finally:
+        alloc.close()

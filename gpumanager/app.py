@@ -300,7 +300,7 @@ class Agent:
             observe=self._observe_call,
             ready=self._wait_ready,
         )
-        self.handlers.attach(handlers, Preference(allocator.clone_tree, self.layout).choose)
+        self.handlers.attach(handlers, Preference(allocator.clone_tree, self.layout, preview=allocator.preview).choose)
 
     # -- the background part of the start --------------------------------------------------------
 

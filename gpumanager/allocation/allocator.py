@@ -347,6 +347,24 @@ class Allocator:
 
     # -- Allocate ---------------------------------------------------------------------------------
 
+    def preview(self, cores: int) -> list[int] | None:
+        """The GPU indices the next Allocate of ``cores`` vcuda-core would place on, changing nothing:
+        the container the cache says waits first for that many, placed as Allocate places it (its
+        ``predicate-gpu-idx``, else the evaluators with its memory). None when no known container
+        waits for that many or its Allocate would be refused."""
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores <= 0:
+            return None
+        with self._lock:
+            self._take_pod_changes()
+            candidate = self._match_cached(cores)
+            if candidate is None:
+                return None
+            try:
+                decided = self._decide(candidate, ())
+                return [self._tree.leaf_by_minor(m).index for m in decided.minors]
+            except (AllocationError, ValueError):
+                return None
+
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
         """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""
         received = time.monotonic()

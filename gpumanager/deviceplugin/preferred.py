@@ -1,7 +1,10 @@
 """GetPreferredAllocation: steer the kubelet's pick of fake IDs towards the GPUs the allocator would choose.
 
 The kubelet offers the free IDs of a resource and asks for ``size`` of them.
-For vcuda-core a multiple of 100 means whole GPUs: the link/fragment
+For vcuda-core the GPU(s) the allocator's next Allocate of that size would place
+on come first (the container it would match, with its memory and its
+``predicate-gpu-idx``), when the kubelet offers enough of their IDs. Otherwise
+a multiple of 100 means whole GPUs: the link/fragment
 evaluators run on a copy of the topology tree in which every GPU without all
 of its 100 core IDs free is taken; a smaller size is a share and goes to the
 GPU the share evaluator picks (tightest fit). For vcuda-memory (which does not
@@ -31,9 +34,17 @@ UNKNOWN_IDS_NAMED = 3
 class Preference:
     """Computes preferred device IDs from the topology tree and the device layout."""
 
-    def __init__(self, scratch_tree: Callable[[], TopologyTree], layout: DeviceLayout) -> None:
+    def __init__(
+        self,
+        scratch_tree: Callable[[], TopologyTree],
+        layout: DeviceLayout,
+        *,
+        preview: Callable[[int], list[int] | None] | None = None,
+    ) -> None:
         self._scratch_tree = scratch_tree  # a copy of the allocator's tree, taken under its lock
         self._layout = layout
+        # The GPUs the next Allocate of a size would place on (Allocator.preview), or None.
+        self._preview = preview
 
     def _by_gpu(self, resource: str, ids: Sequence[str]) -> tuple[dict[int, list[str]], dict[str, int]]:
         """The IDs per GPU in the order offered, and the number of each ID not spelt as this node spells its
@@ -110,8 +121,29 @@ class Preference:
 
     def _gpus(self, resource: str, counts: dict[int, int], need: int, chosen: list[str]) -> list[int]:
         if resource == names.VCORE_RESOURCE:
+            if not chosen:
+                planned = self._planned(counts, need)
+                if planned:
+                    return planned
             return self._core_gpus(counts, need, self._by_gpu(resource, chosen)[0])
         return self._memory_gpus(counts, need)
+
+    def _planned(self, free: dict[int, int], need: int) -> list[int]:
+        """The GPUs Allocate would place ``need`` cores on, if the kubelet offers enough IDs of each
+        (all 100 of a whole GPU, ``need`` of a share's); else []."""
+        if self._preview is None:
+            return []
+        try:
+            planned = self._preview(need)
+        except Exception:
+            log.exception("GetPreferredAllocation: the allocator's preview of %d cores failed", need)
+            return []
+        if not planned:
+            return []
+        per_gpu = names.HUNDRED_CORES if need >= names.HUNDRED_CORES else need
+        if len(planned) * per_gpu != need or any(free.get(g, 0) < per_gpu for g in planned):
+            return []
+        return list(planned)
 
     def _choose_each(self, resource: str, chosen: list[str], offered: list[str], need: int) -> list[str]:
         """:meth:`choose` with each offered ID looked up by itself (some are not spelt as ours)."""

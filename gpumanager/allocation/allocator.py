@@ -339,11 +339,17 @@ class Allocator:
             self._tree.set_healthy(index, healthy)
 
     def graph(self, usages: Mapping[int, tuple[Sequence[int], int]]) -> str:
-        """The tree in PrintGraph form, after recording each GPU's (pids, used memory)."""
+        """The tree in PrintGraph form, with each GPU's (pids, used memory) as given.
+
+        The usage goes into a copy of the tree, never into the one placements are decided on: the
+        evaluators' process-count key would otherwise follow whatever an earlier request of the graph
+        happened to see (a process long gone), and the same allocations would place differently
+        depending on when someone last looked."""
         with self._lock:
-            for index, (pids, used) in usages.items():
-                self._tree.update_usage(index, list(pids), used)
-            return render_graph(self._tree)
+            shown = self._tree.clone()
+        for index, (pids, used) in usages.items():
+            shown.update_usage(index, list(pids), used)
+        return render_graph(shown)
 
     # -- Allocate ---------------------------------------------------------------------------------
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gpumanager.allocation import journal
 from gpumanager.allocation.journal import CheckpointStore
@@ -197,5 +200,49 @@ def test_untrusted_entry_stays_reserved_when_no_kubelet_record_exists(tmp_path: 
         rec.from_pod_resources(_DeadPodResources(), lambda ns, name: None)
         assert alloc.holds((a, "c0"))
         assert _free_cores(alloc, 3) == 0
+    finally:
+        alloc.close()
+
+
+# -- numbers too long to read --------------------------------------------------------------------
+
+
+def test_a_number_too_long_to_read_distrusts_its_entry_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One entry's Memory is a 5000-digit number (beyond what Python converts): that entry is rebuilt from
+    the kubelet's records, named with its field; the other entries are kept, and no traceback is logged."""
+    a, b = uid_of("a"), uid_of("b")
+    path = _ckpt(tmp_path)
+    path.parent.mkdir(parents=True)
+    doc = {"PodGPUMapping": {a: {"c0": _entry([0], 50)}, b: {"c0": _entry([1], 50, memory=-12345)}}}
+    path.write_text(json.dumps(doc).replace("-12345", "9" * 5000))
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", phase="Running"), make_pod("b", phase="Running")]))
+    try:
+        with caplog.at_level(logging.INFO):
+            parsed = alloc.load()
+        assert [x.pod_uid for x in parsed.allocations] == [a]
+        assert parsed.untrusted == [(b, "c0")]
+        assert any(f"pod {b} container c0" in p and "Memory" in p for p in parsed.problems)
+        assert not [r for r in caplog.records if r.exc_info]
+        assert path.exists()  # not moved aside: only one entry is in doubt
+    finally:
+        alloc.close()
+
+
+def test_kubelet_checkpoint_with_a_number_too_long_to_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The kubelet's checkpoint holds a 5000-digit number: recovery says the file cannot be used, naming it,
+    and goes on (our own checkpoint is still recovered), with no exception and no traceback."""
+    a = uid_of("a")
+    _write_snapshot(tmp_path, {a: {"c0": _entry([0], 50)}})
+    kc = tmp_path / "device-plugins" / "kubelet_internal_checkpoint"
+    kc.parent.mkdir()
+    kc.write_text(json.dumps({"Data": {"PodDeviceEntries": [], "RegisteredDevices": {}}, "Checksum": "N"}))
+    kc.write_text(kc.read_text().replace('"N"', "9" * 5000))
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", phase="Running")]))
+    try:
+        with caplog.at_level(logging.INFO):
+            _recovery(tmp_path, alloc, kc).from_disk()
+        assert alloc.holds((a, "c0"))
+        assert any(str(kc) in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+        assert not [r for r in caplog.records if r.exc_info]
     finally:
         alloc.close()

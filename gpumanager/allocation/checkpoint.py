@@ -43,6 +43,33 @@ class Conflicting(tuple[Any, ...]):
         return f"<{self.key!r} given {len(self)} different values: {shown}>"
 
 
+class LongNumber:
+    """A JSON integer with more digits than Python converts to an int (4300): no field accepts it, so the
+    entry holding it is rebuilt from other records instead of the whole file being unreadable."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LongNumber) and other.digits == self.digits
+
+    def __hash__(self) -> int:
+        return hash(self.digits)
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.digits.lstrip('-'))} digits, {self.digits[:12]}...>"
+
+
+def parse_int(text: str) -> int | LongNumber:
+    """A JSON integer: an int, or a :class:`LongNumber` when it has too many digits to convert."""
+    try:
+        return int(text)
+    except ValueError:
+        return LongNumber(text)
+
+
 def _merge(key: str, old: Any, new: Any, repeated: list[str]) -> Any:
     """One value for a key given twice: objects are merged key by key, equal values kept, others conflict."""
     repeated.append(key)
@@ -80,7 +107,7 @@ def read_json(path: Path) -> Any | None:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     repeated: list[str] = []
     try:
-        data = json.loads(raw, object_pairs_hook=lambda pairs: _object(pairs, repeated))
+        data = json.loads(raw, object_pairs_hook=lambda pairs: _object(pairs, repeated), parse_int=parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path} is not valid JSON: {exc}") from exc
     except RecursionError:

@@ -248,7 +248,7 @@ def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int, str]:
     if len(body) != length or zlib.crc32(body) != crc or data[end : end + 1] != b"\n":
         return None, -1, ""
     try:
-        change = json.loads(body)
+        change = json.loads(body, parse_int=checkpoint.parse_int)
     except ValueError:
         return None, end + 1, "not JSON"
     except RecursionError:

@@ -106,6 +106,8 @@ def _decode(raw: bytes, path: Path) -> list[KubeletEntry]:
         raise KubeletCheckpointError(f"{path}: not JSON: {exc}") from exc
     except RecursionError:
         raise KubeletCheckpointError(f"{path}: nests its JSON too deeply to read") from None
+    except ValueError as exc:  # a number too long to convert
+        raise KubeletCheckpointError(f"{path}: cannot read its JSON: {exc}") from exc
     return parse(data, str(path))
 
 

@@ -511,6 +511,14 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             interval = ctx.bookmark_interval
             next_bookmark = time.monotonic() + interval
             while True:
+                if ctx.faults.down == "hang":
+                    # A hung server's open watches go silent too: no event, no bookmark, no end.
+                    if ctx.stopping.wait(_POLL):
+                        break
+                    if self._client_gone():
+                        self.close_connection = True
+                        return
+                    continue
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     break

@@ -236,6 +236,21 @@ def test_readyz_reports_a_failing_pod_watch_and_recovers(world: World) -> None:
     wait_for(lambda: _readyz(world)[0] == 200, timeout=15, what="/readyz answering 200 again")
 
 
+def test_readyz_reports_a_hung_api_server_whose_open_watches_went_silent(world: World) -> None:
+    """A hung API server answers nothing, not even its open watches' bookmarks or their end: a watch
+    silent past its own timeout is broken, and /readyz says so; it recovers when the server does."""
+    _one_gpu_world(world, assume_ttl=1, watch_timeout=2)
+    assert _readyz(world)[0] == 200
+    world.api.set_down(True, "hang")
+    try:
+        wait_for(lambda: _readyz(world)[0] == 503, timeout=30, what="/readyz answering 503")
+        detail = _readyz(world)[1]
+        assert "timed out" in str(detail.get("pods_watch_error", "")).lower(), detail
+    finally:
+        world.api.set_down(False)
+    wait_for(lambda: _readyz(world)[0] == 200, timeout=30, what="/readyz answering 200 again")
+
+
 def test_charges_on_gpus_a_node_does_not_have_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     # The node's inventory cannot be read: judged from its capacity as GPUs 0 and 1, while the
     # pod holds GPU 3 (the node's minors are not contiguous).

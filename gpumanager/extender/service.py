@@ -51,7 +51,9 @@ class ExtenderSettings:
     """Seconds a bind may take in all (below the scheduler's ``httpTimeout``, 5 s by default)."""
     idle_timeout: float = 120.0
     """Seconds a connection may stay silent (longer than Go's 90 s idle keep-alive, so the scheduler closes first)."""
-    watch_timeout: int = 300
+    watch_timeout: int = 60
+    """Seconds each watch asks the API server to keep it open: one silent past it (and a few seconds
+    more, :func:`~gpumanager.kube.reflector.watch_read_timeout`) is taken for a hung API server."""
 
 
 class Extender:

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from gpumanager.kube.reflector import watch_read_timeout
 from gpumanager.kube.rest import ApiClient, KubeRest
 from gpumanager.retry import Backoff
 
@@ -315,7 +316,7 @@ class PodCache:
             field_selector=self._selector,
             resource_version=self._rv,
             timeout_seconds=self._watch_timeout,
-            timeout=(self._timeout, self._watch_timeout + 30),
+            timeout=(self._timeout, watch_read_timeout(self._watch_timeout)),
         )
         self._response = response
         if self._stop.is_set():

@@ -29,6 +29,16 @@ _BACKOFF_MAX = 10.0
 _SHORT_WATCH_SECONDS = 1.0
 
 
+def watch_read_timeout(watch_timeout: float) -> float:
+    """Seconds a watch asked to end after ``watch_timeout`` may stay silent before it counts as broken.
+
+    The API server ends a watch at its ``timeoutSeconds`` (with a bookmark just before, when asked
+    for them); one that sends nothing for longer hangs (an API server or a path to it that stopped
+    answering without closing the connection) and is dropped, to be watched again.
+    """
+    return watch_timeout + max(5.0, watch_timeout / 10)
+
+
 class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
 
@@ -174,7 +184,7 @@ class Reflector:
             "allow_watch_bookmarks": True,
             "timeout_seconds": self._watch_timeout,
             "_preload_content": False,
-            "_request_timeout": (self._timeout, self._watch_timeout + 30),
+            "_request_timeout": (self._timeout, watch_read_timeout(self._watch_timeout)),
         }
         if self._selector:
             kwargs["field_selector"] = self._selector

@@ -3,19 +3,27 @@ allocations of one container, an NVML that stops answering, odd request targets.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import pynvml
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.device.types import GPUInfo
+from gpumanager.metrics.collector import AgentCollector
 from gpumanager.metrics.page import MetricsPage
-from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
+from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
 
 GIB = 1 << 30
 GPU0 = GPUInfo(0, "GPU-0000", "NVIDIA H100", 0, 80 * GIB, "00000000:01:00.0")
 GPU1 = GPUInfo(1, "GPU-1111", "NVIDIA H100", 1, 80 * GIB, "00000000:02:00.0")
+#: Long enough for any loaded machine to finish what takes microseconds; a hang never finishes.
+PATIENCE = 60.0
 
 
 class _Agent:
@@ -108,3 +116,104 @@ def test_container_with_allocations_on_different_gpus_has_a_series_for_each() ->
     page = MetricsPage(agent=_Agent([]), registry=CollectorRegistry(), sample=lambda: usages, legacy_metrics=False)
     limits = _samples(page.render().decode(), "gpu_manager_container_gpu_memory_limit_bytes")
     assert sorted((dict(k)["gpu"], v) for k, v in limits.items()) == [("0", 1.0 * GIB), ("1", 2.0 * GIB)]
+
+
+# -- an NVML that stops answering --------------------------------------------------------------------
+
+
+@pytest.fixture
+def hung_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """hang(name): the pynvml function ``name`` blocks until the test ends (then fails as a lost GPU)."""
+    release = threading.Event()
+    try:
+        import gpumanager.metrics.bounded as bounded
+    except ImportError:  # nothing bounds the NVML calls of a scrape: the test finds the hang
+        pass
+    else:
+        monkeypatch.setattr(bounded, "DEADLINE", 0.2)
+
+    def hang(name: str) -> None:
+        def blocked(*args: object, **kwargs: object) -> Any:
+            release.wait()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+        monkeypatch.setattr(pynvml, name, blocked)
+
+    yield hang
+    release.set()
+
+
+def _finishes(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """(whether fn returned in PATIENCE seconds, its result)."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(PATIENCE)
+    return (not thread.is_alive() and bool(box)), (box[0] if box else None)
+
+
+def _sampler(tmp_path: Path) -> UsageSampler:
+    pod = _pod("uid-1", "p")
+    alloc = ContainerAllocation("uid-1", "c", (0,), 30, 1 * GIB, namespace="ns", pod_name="p")
+    return UsageSampler(
+        gpus=[GPU0],
+        allocations=lambda: [alloc],
+        pod=lambda uid: pod if uid == "uid-1" else None,
+        cgroup_root=tmp_path,
+        sample_period=1.0,
+    )
+
+
+def test_usage_sample_answers_while_nvml_hangs(tmp_path: Path, hung_nvml: Callable[[str], None]) -> None:
+    hung_nvml("nvmlDeviceGetHandleByIndex")
+    sampler = _sampler(tmp_path)
+    for _ in range(2):  # the first waits for NVML a while, the next knows it hangs
+        done, usages = _finishes(sampler.sample)
+        assert done, "a usage sample waits for NVML forever"
+        (usage,) = usages
+        # Its usage is unknown (left out, as for a lost GPU); its allocation is still there.
+        assert [d.measured for d in usage.devices] == [False]
+
+
+def test_metrics_page_answers_while_nvml_hangs(tmp_path: Path, hung_nvml: Callable[[str], None]) -> None:
+    hung_nvml("nvmlDeviceGetHandleByIndex")
+    sampler = _sampler(tmp_path)
+    page = MetricsPage(agent=_Agent([GPU0]), registry=CollectorRegistry(), sample=sampler.sample, legacy_metrics=True)
+    done, body = _finishes(page.render)
+    assert done, "a scrape waits for NVML forever"
+    text = body.decode()
+    assert _samples(text, "gpu_manager_gpu_memory_bytes") == {(("gpu", "0"), ("uuid", "GPU-0000")): 80.0 * GIB}
+    assert not _samples(text, "gpu_manager_gpu_memory_used_bytes")
+    assert len(_samples(text, "gpu_manager_container_gpu_memory_limit_bytes")) == 1
+    assert not _samples(text, "gpu_manager_container_gpu_memory_used_bytes")
+    done, _ = _finishes(page.render)
+    assert done
+
+
+def test_agent_collector_answers_while_nvml_hangs(
+    monkeypatch: pytest.MonkeyPatch, hung_nvml: Callable[[str], None]
+) -> None:
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: object())
+    hung_nvml("nvmlDeviceGetMemoryInfo")
+    collector = AgentCollector(_Agent([GPU0, GPU1]))
+    done, families = _finishes(lambda: list(collector.collect()))
+    assert done, "the agent's families wait for NVML forever"
+    by_name = {f.name: f for f in families}
+    assert len(by_name["gpu_manager_gpu_info"].samples) == 2
+    assert not by_name["gpu_manager_gpu_memory_used_bytes"].samples
+
+
+def test_graph_answers_while_nvml_hangs(hung_nvml: Callable[[str], None]) -> None:
+    from gpumanager.metrics.endpoints import DisplayData
+
+    hung_nvml("nvmlDeviceGetHandleByIndex")
+    seen: list[dict[int, Any]] = []
+
+    def graph(usages: Any) -> str:
+        seen.append(dict(usages))
+        return "ROOT:1\n"
+
+    data = DisplayData([GPU0], graph, lambda: [])
+    done, text = _finishes(data.graph_text)
+    assert done, "/graph waits for NVML forever"
+    assert text == "ROOT:1\n" and seen == [{}]

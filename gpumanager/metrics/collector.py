@@ -21,6 +21,7 @@ from gpumanager.device.health import HealthMonitor
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
+from gpumanager.metrics.bounded import NVML, NVMLReads
 
 GPU_LABELS = ["gpu", "uuid"]
 
@@ -35,6 +36,20 @@ class AgentView(Protocol):
     allocator: Allocator | None
 
 
+def _read_usage(gpus: Sequence[GPUInfo]) -> dict[int, tuple[int, float]]:
+    """GPU index -> (memory used in bytes, utilisation percent) of each GPU NVML can read."""
+    out: dict[int, tuple[int, float]] = {}
+    for g in gpus:
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        except pynvml.NVMLError:
+            continue
+        out[g.index] = (int(memory.used), float(rates.gpu))
+    return out
+
+
 def _gauge(name: str, help_text: str, labels: Sequence[str] = GPU_LABELS) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, labels=list(labels))
 
@@ -42,8 +57,9 @@ def _gauge(name: str, help_text: str, labels: Sequence[str] = GPU_LABELS) -> Gau
 class AgentCollector(Collector):
     """Builds the agent's metrics at scrape time from the live objects (no copies to keep in sync)."""
 
-    def __init__(self, agent: AgentView) -> None:
+    def __init__(self, agent: AgentView, nvml: NVMLReads = NVML) -> None:
         self._agent = agent
+        self._nvml = nvml
 
     def describe(self) -> Sequence[Metric]:
         return []
@@ -72,20 +88,20 @@ class AgentCollector(Collector):
         allocated_cores = _gauge(
             "gpu_manager_gpu_core_allocated_ratio", "Share of the GPU's compute allocated to containers (0-1)"
         )
-        for g in agent.gpus:
+        gpus = list(agent.gpus)
+        # While NVML does not answer, no GPU has usage figures (as a lost GPU has none).
+        readings = (self._nvml.run(lambda: _read_usage(gpus)) or {}) if gpus else {}
+        for g in gpus:
             key = [str(g.index), g.uuid]
             info.add_metric([*key, g.name, g.pci_bus_id], 1.0)
             state = health.get(g.index)
             healthy.add_metric(key, 1.0 if state is None or state.healthy else 0.0)
             capacity.add_metric(key, float(g.memory_total))
-            try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            except pynvml.NVMLError:
+            reading = readings.get(g.index)
+            if reading is None:
                 continue  # a lost GPU has no usage; gpu_manager_gpu_healthy says why
-            used.add_metric(key, float(memory.used))
-            util.add_metric(key, float(rates.gpu) / 100)
+            used.add_metric(key, float(reading[0]))
+            util.add_metric(key, reading[1] / 100)
         by_index = {g.index: g for g in agent.gpus}
         if agent.allocator is not None:
             for index, free_cores, free_mem, total_mem, _ in agent.allocator.tree_snapshot():

@@ -19,6 +19,7 @@ from gpumanager.api import display_pb2
 from gpumanager.device import nvml
 from gpumanager.device.types import GPUInfo
 from gpumanager.device.usage import gpu_usage
+from gpumanager.metrics.bounded import NVML, NVMLReads
 from gpumanager.metrics.containers import usage_response
 from gpumanager.metrics.usage import ContainerUsage
 
@@ -166,22 +167,30 @@ class DisplayData:
         gpus: Sequence[GPUInfo],
         graph: Callable[[Mapping[int, tuple[Sequence[int], int]]], str],
         sample: Callable[[], list[ContainerUsage]],
+        nvml: NVMLReads = NVML,
     ) -> None:
         self._gpus = list(gpus)
+        self._nvml = nvml
         self._graph = graph
         self._sample = sample
 
     def graph_text(self) -> str:
         """The tree in gpu-manager's PrintGraph format, processes and memory refreshed from NVML."""
-        usages: dict[int, tuple[Sequence[int], int]] = {}
-        for g in self._gpus:
-            try:
-                usage = gpu_usage(g.index)
-            except nvml.NVMLError as exc:
-                log.debug("GPU %d usage unavailable: %s", g.index, exc)
-                continue
-            usages[g.index] = (usage.pids, usage.used_memory)
-        return self._graph(usages)
+        gpus = list(self._gpus)
+
+        def read() -> dict[int, tuple[Sequence[int], int]]:
+            usages: dict[int, tuple[Sequence[int], int]] = {}
+            for g in gpus:
+                try:
+                    usage = gpu_usage(g.index)
+                except nvml.NVMLError as exc:
+                    log.debug("GPU %d usage unavailable: %s", g.index, exc)
+                    continue
+                usages[g.index] = (usage.pids, usage.used_memory)
+            return usages
+
+        # While NVML does not answer, the tree is shown without processes (as for lost GPUs).
+        return self._graph((self._nvml.run(read) or {}) if gpus else {})
 
     def usages(self) -> display_pb2.UsageResponse:
         """PrintUsages / GET /usage."""

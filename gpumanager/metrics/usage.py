@@ -13,8 +13,10 @@ a new container, a PID new on a GPU, and placements older than ``rescan_period``
 (which bounds how long a PID reused by another container could be misattributed).
 
 NVML is asked on every sample (memory and utilisation are never older than the
-scrape). What the allocation state and the pod cache say (which containers, their
-pods, GPUs and container IDs) is looked up again only when their generations moved.
+scrape), for at most :data:`gpumanager.metrics.bounded.DEADLINE` seconds: while it does
+not answer, the containers' usage is unknown (left out, as on a lost GPU). What the
+allocation state and the pod cache say (which containers, their pods, GPUs and container
+IDs) is looked up again only when their generations moved.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpumanager.allocation.pods import Pod
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.device.types import GPUInfo
 from gpumanager.metrics.attribution import Key, ProcessOwners
+from gpumanager.metrics.bounded import NVML, NVMLReads
 from gpumanager.vmanager import cgroups
 
 log = logging.getLogger(__name__)
@@ -143,8 +146,10 @@ class UsageSampler:
         rescan_period: float = RESCAN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         version: Callable[[], Hashable] | None = None,
+        nvml: NVMLReads = NVML,
     ) -> None:
-        self._gpus = gpus  # the agent's list: a GPU that comes back may be described anew
+        self._gpus = gpus
+        self._nvml = nvml  # the agent's list: a GPU that comes back may be described anew
         self._allocations = allocations
         self._pod = pod
         self._version = version
@@ -176,13 +181,7 @@ class UsageSampler:
     def _sample(self) -> list[ContainerUsage]:
         since_us = int((time.time() - self._period) * 1_000_000)
         plan = self._current_plan()
-        per_gpu: dict[int, _GPUSample] = {}
-        for index in plan.indexes:
-            try:
-                per_gpu[index] = _sample_gpu(index, since_us)
-            except pynvml.NVMLError as exc:
-                log.debug("GPU %d usage unavailable: %s", index, exc)
-                per_gpu[index] = _UNREAD
+        per_gpu = self._read_gpus(plan.indexes, since_us) if plan.indexes else {}
         unread = {index for index, s in per_gpu.items() if s is _UNREAD}
         self._owners.update(plan.containers, plan.holders, {index: s.procs for index, s in per_gpu.items()})
         # (GPU index, container) -> its PIDs on that GPU, in one pass over NVML's processes.
@@ -223,6 +222,21 @@ class UsageSampler:
         if new or len(last) != len(usages):
             self._last = {u.allocation.key: u for u in usages}
         return usages
+
+    def _read_gpus(self, indexes: Sequence[int], since_us: int) -> dict[int, _GPUSample]:
+        """NVML's processes on each GPU; a GPU it cannot read (or all, while NVML does not answer) unread."""
+
+        def read() -> dict[int, _GPUSample]:
+            out: dict[int, _GPUSample] = {}
+            for index in indexes:
+                try:
+                    out[index] = _sample_gpu(index, since_us)
+                except pynvml.NVMLError as exc:
+                    log.debug("GPU %d usage unavailable: %s", index, exc)
+                    out[index] = _UNREAD
+            return out
+
+        return self._nvml.run(read) or dict.fromkeys(indexes, _UNREAD)
 
     def _idle(self, gpu: GPUInfo) -> DeviceUsage:
         zero = self._zero.get(gpu.index)

@@ -3,6 +3,7 @@ allocations of one container, an NVML that stops answering, odd request targets.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,8 +15,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import display_pb2
 from gpumanager.device.types import GPUInfo
 from gpumanager.metrics.collector import AgentCollector
+from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.page import MetricsPage
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage, UsageSampler
 
@@ -217,3 +220,45 @@ def test_graph_answers_while_nvml_hangs(hung_nvml: Callable[[str], None]) -> Non
     done, text = _finishes(data.graph_text)
     assert done, "/graph waits for NVML forever"
     assert text == "ROOT:1\n" and seen == [{}]
+
+
+# -- the HTTP server -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[QueryServer]:
+    srv = QueryServer(
+        "127.0.0.1",
+        0,
+        routes={"/version": lambda: display_pb2.VersionResponse(version="abc1234")},
+        metrics=lambda: b"# HELP up_x x\n# TYPE up_x gauge\nup_x 1\n",
+        health=lambda: (True, {}),
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=PATIENCE) as conn:
+        conn.sendall(request)
+        out = b""
+        while chunk := conn.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize(
+    ("target", "status"),
+    [
+        (b"http://127.0.0.1/metrics", b" 200 "),
+        (b"http://localhost:5678/metric?x=1", b" 200 "),
+        (b"HTTP://gpu-manager.kube-system/version", b" 200 "),
+        (b"http://localhost:5678", b" 404 "),
+        (b"http://localhost:5678/nothing", b" 404 "),
+    ],
+)
+def test_absolute_form_request_target_is_served(server: QueryServer, target: bytes, status: bytes) -> None:
+    """RFC 9112 3.2.2: a server must accept a request target in absolute form (proxies send it)."""
+    answer = _raw(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status in answer.split(b"\r\n", 1)[0] + b" ", answer[:200]

@@ -78,10 +78,19 @@ def _head_state(head: bytes | bytearray) -> str:
     return "big" if len(head) > MAX_HEAD else "more"
 
 
+def request_path(target: str) -> str:
+    """The path a request target names, without its query and trailing slashes: ``/metrics`` for
+    ``/metrics/?x=1`` and for the absolute form ``http://node:5678/metrics`` (which servers must accept)."""
+    path = target.split("?", 1)[0]
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        path = rest[rest.find("/") :] if "/" in rest else "/"
+    return path.rstrip("/") or "/"
+
+
 def _path(head: bytes) -> str:
     words = head[: head.find(b"\n")].split()
-    target = words[1].decode("latin-1") if len(words) > 1 else ""
-    return target.split("?", 1)[0].rstrip("/") or "/"
+    return request_path(words[1].decode("latin-1") if len(words) > 1 else "")
 
 
 _SILENT = (ConnectionError, TimeoutError)
@@ -332,7 +341,7 @@ class QueryServer:
 
             def _answer(self, head: bool) -> None:
                 self._answered = False
-                path = self.path.split("?", 1)[0].rstrip("/") or "/"
+                path = request_path(self.path)
                 try:
                     if path in outer._routes:
                         self._send(200, message_json(outer._routes[path]()), "application/json", head=head)

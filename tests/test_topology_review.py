@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpumanager.topology import TopologyTree, choose, render_shape
+from gpumanager.topology.levels import Level
+from gpumanager.topology.synthetic import levels_from_groups, tree_from_levels
 from tests.alloc_fixtures import MIB, FakePods, core_ids, make_allocator, make_pod, uid_of
 
 
@@ -36,3 +39,28 @@ def test_showing_the_graph_does_not_change_where_whole_gpus_go(tmp_path: Path) -
         return placed.minors
 
     assert place(show_graph=True) == place(show_graph=False) == (0, 1)
+
+
+def _bridged_tree() -> TopologyTree:
+    # PCIe: switches {0,1}, {2,3}, {4,5}; {0-3} under one host bridge; all six on one CPU.
+    # An NVLink bridge joins GPUs 1 and 2, across the two switches.
+    levels = levels_from_groups(
+        6, {Level.SINGLE: [[0, 1], [2, 3], [4, 5]], Level.HOSTBRIDGE: [[0, 1, 2, 3]]}, default=Level.CPU
+    )
+    return tree_from_levels(levels, [(1, 2)])
+
+
+def test_an_nvlink_bridge_across_switches_does_not_make_a_pcie_switch_group() -> None:
+    tree = _bridged_tree()
+    # GPUs 0 and 3 are a host bridge apart: no group may call them one switch apart.
+    assert render_shape(tree) == "ROOT[CPU[PHB[0,NVL[1,2],3],PIX[4,5]]]"
+
+
+def test_two_gpus_go_to_a_real_switch_pair_once_the_nvlink_pair_is_taken() -> None:
+    tree = _bridged_tree()
+    first = choose(tree, 200, 0)
+    assert first == [1, 2]  # the NVLink pair first
+    for index in first:
+        tree.occupy(index, 200, 0)
+    # Left: 0 and 3 (a host bridge apart) and 4, 5 (one PCIe switch): the switch pair is the closer.
+    assert choose(tree, 200, 0) == [4, 5]

@@ -16,9 +16,14 @@ split.
 
 For each level L of ``NVLINK, SINGLE, MULTIPLE, HOSTBRIDGE, CPU, SYSTEM``
 (tightest first) the groups at L are the connected components with at least
-two GPUs of the graph whose edges are the pairs with ``d(i, j) <= L``. A
-component whose members are exactly those of a group already made at a tighter
-level is not repeated (the tightest one is kept). Components at a looser level
+two GPUs of the graph whose edges are the pairs with ``d(i, j) <= L``. At a
+PCIe level (``SINGLE`` and looser) a component is kept only when the PCIe
+pairs alone (``level(i, j) <= L``) connect it: GPUs held together at L only
+through an NVLink bridge (two switch pairs with one GPU of each bridged) are
+not all within L of each other over PCIe, so they are no group at L and are
+grouped at the level that connects them over PCIe. A component whose members
+are exactly those of a group already made at a tighter level is not repeated
+(the tightest one is kept). Components at a looser level
 are unions of components at tighter levels, so the groups nest and form a
 proper tree; each group's children are the largest tighter groups (or lone
 GPUs) it contains, and every group has at least two children. The root sits
@@ -247,16 +252,19 @@ def build_tree(gpus: Sequence[GPUInfo], topology: NodeTopology) -> TopologyTree:
         raise ValueError("cannot build a topology tree without GPUs")
     leaves = [GPUNode(info) for info in sorted(gpus, key=lambda g: g.index)]
     _check_gpus(leaves)
-    distance = _effective_distances(leaves, topology)
+    distance, pcie = _effective_distances(leaves, topology)
 
     # top[i]: the largest node built so far that contains GPU i.
     top: dict[int, TreeNode] = {leaf.index: leaf for leaf in leaves}
     by_index = {leaf.index: leaf for leaf in leaves}
     for level in GROUP_LEVELS:
+        over_pcie = {tuple(c) for c in _components(list(by_index), pcie, level)} if level > Level.NVLINK else None
         for members in _components(list(by_index), distance, level):
             current = top[members[0]]
             if current.indices == tuple(members):
                 continue  # same membership as a tighter group: keep the tightest
+            if over_pcie is not None and tuple(members) not in over_pcie:
+                continue  # held together at this PCIe level only through NVLink: not a group of it
             children = _distinct_by_first_index(top[i] for i in members)
             group = GroupNode(level=level, leaves=tuple(by_index[i] for i in members), children=children)
             for child in children:
@@ -287,8 +295,11 @@ def _check_gpus(leaves: Sequence[GPUNode]) -> None:
         seen_minor.add(leaf.minor)
 
 
-def _effective_distances(leaves: Sequence[GPUNode], topology: NodeTopology) -> dict[tuple[int, int], int]:
-    """``d(i, j)`` for every pair ``i < j`` of GPU indices."""
+def _effective_distances(
+    leaves: Sequence[GPUNode], topology: NodeTopology
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """``d(i, j)`` for every pair ``i < j`` of GPU indices, and the PCIe level of each pair (the
+    same without NVLink)."""
     indices = [leaf.index for leaf in leaves]
     board = {leaf.index: leaf.info.multi_gpu_board for leaf in leaves}
     levels = topology.levels
@@ -313,6 +324,7 @@ def _effective_distances(leaves: Sequence[GPUNode], topology: NodeTopology) -> d
             linked.add((min(a, b), max(a, b)))
 
     distance: dict[tuple[int, int], int] = {}
+    pcie: dict[tuple[int, int], int] = {}
     for pos, i in enumerate(indices):
         for j in indices[pos + 1 :]:
             level = levels[i][j]
@@ -336,10 +348,11 @@ def _effective_distances(leaves: Sequence[GPUNode], topology: NodeTopology) -> d
                         level,
                     )
                 level = Level.SINGLE
+            pcie[(i, j)] = level
             if (i, j) in linked and level < Level.SYSTEM:
                 level = Level.NVLINK
             distance[(i, j)] = level
-    return distance
+    return distance, pcie
 
 
 def _components(indices: list[int], distance: dict[tuple[int, int], int], level: int) -> list[list[int]]:

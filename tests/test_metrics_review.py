@@ -3,6 +3,7 @@ allocations of one container, an NVML that stops answering, odd request targets.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -262,3 +263,25 @@ def test_absolute_form_request_target_is_served(server: QueryServer, target: byt
     """RFC 9112 3.2.2: a server must accept a request target in absolute form (proxies send it)."""
     answer = _raw(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status in answer.split(b"\r\n", 1)[0] + b" ", answer[:200]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status_line"),
+    [
+        (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03 <b>x</b>\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
+        (b"GET /metrics HTTP/2.0\r\n\r\n", b"HTTP/1.0 505 HTTP Version Not Supported"),
+        (b"GET /metrics HTTP/x.y\r\n\r\n", b"HTTP/1.0 400 Bad Request"),
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", b"HTTP/1.0 414 Request-URI Too Long"),
+    ],
+)
+def test_unreadable_requests_are_answered_in_json(
+    server: QueryServer, request_bytes: bytes, status_line: bytes
+) -> None:
+    """Like every other answer; the status line carries the standard reason, not the request's bytes."""
+    answer = _raw(server.port, request_bytes)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == status_line
+    assert b"Content-Type: application/json" in lines
+    assert b"Connection: close" in lines
+    assert "error" in json.loads(body)

@@ -325,6 +325,21 @@ class QueryServer:
                     return False
                 return True
 
+            def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+                """A request http.server cannot serve (unreadable, too long, another HTTP version): answered
+                in JSON as every other request, under the standard reason (not the request's bytes)."""
+                self.close_connection = True
+                reason = self.responses.get(code, ("Error", ""))[0]
+                self.log_error("code %d, message %s", code, message or reason)
+                body = json.dumps({"error": message or reason}).encode()
+                self.send_response(code, reason)
+                self.send_header("Connection", "close")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)
 

@@ -246,3 +246,87 @@ def test_kubelet_checkpoint_with_a_number_too_long_to_read(tmp_path: Path, caplo
         assert not [r for r in caplog.records if r.exc_info]
     finally:
         alloc.close()
+
+
+# -- files of the wrong kind or size -------------------------------------------------------------
+
+
+def _load_in_thread(target: Any) -> tuple[Any, list[Any]]:
+    import threading
+
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except Exception as exc:  # reported to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _unblock(fifo: Path) -> None:
+    """Let a reader blocked opening ``fifo`` go (a writer opens and closes it)."""
+    import os
+
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    os.close(fd)
+
+
+def test_a_fifo_in_place_of_a_journal_segment_is_reported_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named like a journal segment: the start must not block reading it; it is reported naming the
+    file, and the snapshot's entries are recovered."""
+    import os
+
+    a = uid_of("a")
+    path = _write_snapshot(tmp_path, {a: {"c0": _entry([0], 50)}}, JournalSegment=1)
+    fifo = path.with_name(path.name + ".journal-1")
+    os.mkfifo(fifo)
+    store = CheckpointStore(path)
+    thread, out = _load_in_thread(store.load)
+    thread.join(30)
+    blocked = thread.is_alive()
+    _unblock(fifo)
+    thread.join(60)
+    assert not blocked, "loading blocked on the FIFO"
+    loaded = out[0]
+    assert isinstance(loaded, journal.Loaded), loaded
+    assert loaded.document is not None and a in loaded.document["PodGPUMapping"]
+    assert any(str(fifo) in p and "regular file" in p for p in loaded.problems)
+
+
+def test_a_fifo_in_place_of_the_snapshot_is_reported_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO in place of the snapshot: the start reports it as unusable instead of blocking."""
+    import os
+
+    from gpumanager.allocation import checkpoint
+
+    path = _ckpt(tmp_path)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    thread, out = _load_in_thread(lambda: checkpoint.read_json(path))
+    thread.join(30)
+    blocked = thread.is_alive()
+    _unblock(path)
+    thread.join(60)
+    assert not blocked, "reading blocked on the FIFO"
+    assert isinstance(out[0], checkpoint.CheckpointError)
+    assert str(path) in str(out[0]) and "regular file" in str(out[0])
+
+
+def test_a_segment_far_larger_than_any_written_is_reported_not_read_whole(tmp_path: Path) -> None:
+    """A segment file far larger than the segments this agent writes (a sparse file, a stray copy): it is
+    reported with its size and moved aside instead of being read whole into memory."""
+    path = _write_snapshot(tmp_path, {}, JournalSegment=1)
+    seg = path.with_name(path.name + ".journal-1")
+    with seg.open("wb") as f:
+        f.write(journal._record(_put("pod-a", "c0", [0], 50)))
+        f.truncate(journal.SEGMENT_BYTES * 64 + 1)
+    loaded = CheckpointStore(path).load()
+    assert any(str(seg) in p and str(journal.SEGMENT_BYTES * 64 + 1) in p for p in loaded.problems)
+    assert not seg.exists()

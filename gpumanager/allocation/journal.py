@@ -277,9 +277,14 @@ def _cut_short(data: bytes, pos: int) -> bool:
     return pos + _HEADER + length + 1 > written
 
 
+#: The largest segment read: far beyond the segments this agent writes (a newer version's may be larger),
+#: short of what could take the agent's memory.
+SEGMENT_LIMIT = 64 * SEGMENT_BYTES
+
+
 def _segment_bytes(path: Path) -> bytes:
-    """A segment's content."""
-    return path.read_bytes()
+    """A segment's content (OSError naming it when it is no regular file or larger than :data:`SEGMENT_LIMIT`)."""
+    return checkpoint.read_regular(path, SEGMENT_LIMIT)
 
 
 def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str, int]:

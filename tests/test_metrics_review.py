@@ -285,3 +285,27 @@ def test_unreadable_requests_are_answered_in_json(
     assert b"Content-Type: application/json" in lines
     assert b"Connection: close" in lines
     assert "error" in json.loads(body)
+
+
+def test_a_host_name_listens_on_its_ipv4_address_where_it_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--query-addr=localhost`` (the default) on a host whose resolver lists ::1 first, as most do:
+    gpu-manager (Go's net.Listen) listened on 127.0.0.1, where local scrapers and curl look."""
+    real = socket.getaddrinfo
+
+    def ipv6_first(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "localhost":
+            return real(host, port, *args, **kwargs)
+        stream, tcp = socket.SOCK_STREAM, socket.IPPROTO_TCP
+        return [
+            (socket.AF_INET6, stream, tcp, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, stream, tcp, "", ("127.0.0.1", port)),
+        ]
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    srv = QueryServer("localhost", 0, routes={}, metrics=lambda: b"", health=lambda: (True, {}))
+    srv.start()
+    try:
+        answer = _raw(srv.port, b"GET /healthz HTTP/1.0\r\n\r\n")
+    finally:
+        srv.stop()
+    assert answer.startswith(b"HTTP/1.0 200 ")

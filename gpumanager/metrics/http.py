@@ -105,9 +105,13 @@ class _Server(ThreadingHTTPServer):
     def __init__(
         self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], slots: int, probe_slots: int
     ) -> None:
-        if address[0]:  # an IPv6 address (or a name that resolves to one first) listens on IPv6
+        if address[0]:
+            # An IPv6 address, or a name with no IPv4 address, listens on IPv6. A name with both listens on
+            # its IPv4 address, as gpu-manager did (Go's net.Listen): resolvers list ::1 first for the
+            # default "localhost", and local scrapers look on 127.0.0.1.
             found = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-            self.address_family = found[0][0]
+            families = [entry[0] for entry in found]
+            self.address_family = socket.AF_INET if socket.AF_INET in families else families[0]
         self.slots = threading.BoundedSemaphore(slots)
         self.probe_slots = threading.BoundedSemaphore(probe_slots)
         #: The request line and headers read for a connection before its thread starts (taken by its handler).

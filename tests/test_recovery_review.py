@@ -330,3 +330,42 @@ def test_a_segment_far_larger_than_any_written_is_reported_not_read_whole(tmp_pa
     loaded = CheckpointStore(path).load()
     assert any(str(seg) in p and str(journal.SEGMENT_BYTES * 64 + 1) in p for p in loaded.problems)
     assert not seg.exists()
+
+
+# -- what a damaged segment held stays recovered --------------------------------------------------------
+
+
+def _crash(alloc: Any) -> None:
+    """The process ends without its stop: no snapshot written at stop (only the open files closed)."""
+    alloc._closing.set()
+    alloc._store.close()
+
+
+def test_a_release_read_from_a_damaged_segment_survives_the_next_crash(tmp_path: Path) -> None:
+    """The journal's segment holds a release of pod b, then a record of no known kind (a newer version's),
+    then pod c's allocation. The start replays both changes and moves the segment aside; a crash before
+    the snapshot catches up must not bring pod b's allocation back (nor lose pod c's)."""
+    a, b, c = uid_of("a"), uid_of("b"), uid_of("c")
+    path = _write_snapshot(tmp_path, {a: {"c0": _entry([0], 50)}, b: {"c0": _entry([1], 50)}}, JournalSegment=1)
+    seg = path.with_name(path.name + ".journal-1")
+    records = [
+        journal._record({"op": "del", "pod": b, "container": "c0"}),
+        journal._record({"op": "put-v9", "pod": c, "container": "c0"}),
+        journal._record(_put(c, "c0", [2], 50)),
+    ]
+    body = b"".join(records)
+    seg.write_bytes(body + b"\0" * (journal.SEGMENT_BYTES - len(body)))
+    pods = FakePods([make_pod(n, phase="Running") for n in ("a", "b", "c")])
+
+    first = make_allocator(tmp_path, pods)
+    parsed = first.load()
+    assert sorted(x.pod_uid for x in parsed.allocations) == sorted([a, c])
+    assert parsed.problems  # the unknown record is reported
+    _crash(first)
+
+    second = make_allocator(tmp_path, pods)
+    try:
+        parsed = second.load()
+        assert sorted(x.pod_uid for x in parsed.allocations) == sorted([a, c])
+    finally:
+        second.close()

@@ -1736,6 +1736,11 @@ class Allocator:
         # Claims first, without recording them again: they are on disk as loaded.
         self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
         taken, refused = self._adopt(parsed.allocations, source=str(self._checkpoint_path))
+        if loaded.problems:
+            # Segments moved aside held changes (a release too) that are now only in memory: the whole
+            # state is written at once, or a crash before the next snapshot would undo them.
+            with self._changing():
+                self._save_or_report()
         parsed.allocations = taken
         parsed.untrusted.extend(a.key for a in refused)
         parsed.problems.extend(claim_problems)

@@ -29,6 +29,7 @@ from tests.vcuda_fixtures import (
     FreshProcesses,
     container,
     last_json,
+    sim_only_env,
     vcuda_built,
 )
 
@@ -468,3 +469,38 @@ ctypes.CDLL(None).pthread_exit(None)
     assert out["alloc"] == 2, "a 600 MiB allocation beside 250 + 600 MiB held in a 1024 MiB container"  # OOM
     assert out["held"] == c.context_bytes + 600 * MIB
     assert out["peak"] <= c.limit_bytes, f"the GPU held {out['peak'] >> 20} MiB for a 1024 MiB container"
+
+
+# ---- memory: the container's processes that bypass the interceptor ----------------------------------
+
+
+HOLDER = r"""
+p = ok(d.cuMemAlloc(300 << 20))
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("others", [0, 3000])
+def test_memory_of_a_process_that_bypasses_the_interceptor_counts_behind_thousands_of_listed_pids(
+    container: MakeContainer, others: int
+) -> None:
+    """A process of the container that loads the driver without the interceptor is found through the
+    agent's pids.config and its memory counted; a tenant forking thousands of idle processes first
+    (listed before it) must not push it out of what the interceptor reads."""
+    c = container(1024)
+    holder = c.popen(HOLDER, env=sim_only_env("t4-x1", c.state_path))  # the driver, no interceptor
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held", holder.stderr
+        pids = [*range(700000, 700000 + others), holder.pid]
+        (c.config_path.parent / "pids.config").write_bytes(b"".join(p.to_bytes(4, "little") for p in pids))
+        out = run(
+            c,
+            r"""
+r = d.cuMemAlloc(300 << 20)
+print(json.dumps({"alloc": r[0].name, "peak": peak()}))
+""",
+        )
+    finally:
+        holder.communicate(input="\n", timeout=30)
+    assert out["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY", f"{out}: the bypassing process's 550 MiB went uncounted"

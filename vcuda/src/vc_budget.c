@@ -306,7 +306,6 @@ static int my_slot(void)
  */
 #define RECONCILE_PERIOD_NS 1000000000ull
 #define RECONCILE_NEAR_NS 2000000ull /* near the cap: at most every 2 ms (NVML's process list costs tens of us) */
-#define MAX_CONTAINER_PIDS 2048
 
 static uint64_t mono_ns(void)
 {
@@ -321,34 +320,98 @@ static uint64_t margin(uint64_t limit)
     return limit / 4;
 }
 
-static unsigned container_pids(int *pids, unsigned max)
+/*
+ * The container's host PIDs, sorted, under the budget lock: its live slots' and every one pids.config lists,
+ * however many (a tenant forking thousands of idle processes must not push one that bypasses the hooks out of
+ * the list, its memory then counted nowhere).
+ */
+static int *g_rpids;
+static size_t g_rpids_cap;
+
+static bool rpids_room(size_t want)
 {
-    unsigned n = 0, high = atomic_load(&g_hdr->high);
-    for (unsigned i = 0; i < high && n < max; i++) {
+    if (want <= g_rpids_cap)
+        return true;
+    if (want > (size_t)INT_MAX)
+        return false;
+    size_t n = want < 4096 ? 4096 : want + want / 4;
+    int *b = realloc(g_rpids, n * sizeof(int));
+    if (b == NULL)
+        return false;
+    g_rpids = b;
+    g_rpids_cap = n;
+    return true;
+}
+
+static int cmp_pid(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+/* The whole of pids.config (fd) into g_rpids from index `from`; the number of PIDs read, or -1 (no memory). */
+static long read_listed(int fd, size_t from)
+{
+    struct stat sb;
+    size_t want = from + (fstat(fd, &sb) == 0 && sb.st_size > 0 ? (size_t)sb.st_size / sizeof(int) : 0) + 1;
+    for (;;) {
+        if (!rpids_room(want))
+            return -1;
+        size_t got = 0, room = (g_rpids_cap - from) * sizeof(int);
+        for (;;) {
+            ssize_t r = pread(fd, (char *)(g_rpids + from) + got, room - got, (off_t)got);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0)
+                break;
+            got += (size_t)r;
+            if (got == room)
+                break;
+        }
+        if (got < room)
+            return (long)(got / sizeof(int));
+        want = g_rpids_cap * 2; /* it grew since the stat */
+    }
+}
+
+/* Lock held: the container's host PIDs into g_rpids, sorted; their number, or -1 when there is no memory. */
+static long container_pids(void)
+{
+    unsigned high = atomic_load(&g_hdr->high);
+    if (!rpids_room((size_t)high + 1))
+        return -1;
+    size_t n = 0;
+    for (unsigned i = 0; i < high; i++) {
         int32_t pid = atomic_load(&g_slots[i].pid);
         if (pid == 0)
             continue;
         int32_t host = atomic_load(&g_slots[i].host_pid);
-        pids[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace */
+        g_rpids[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace */
     }
     const char *path = vc_pids_path();
-    if (path[0] != '\0' && n < max) {
+    if (path[0] != '\0') {
         int fd = open(path, O_RDONLY | O_CLOEXEC);
         if (fd >= 0) {
-            ssize_t got = read(fd, pids + n, (max - n) * sizeof(int));
+            long listed = read_listed(fd, n);
             close(fd);
-            if (got > 0)
-                n += (unsigned)((size_t)got / sizeof(int));
+            if (listed < 0)
+                return -1;
+            n += (size_t)listed;
         }
     }
-    return n;
+    if (n > 1)
+        qsort(g_rpids, n, sizeof(int), cmp_pid);
+    return (long)n;
 }
 
 /* Lock held; returns whether NVML could tell. */
 static bool reconcile(uint64_t now)
 {
-    static int pids[MAX_CONTAINER_PIDS]; /* under the budget lock */
-    unsigned n = container_pids(pids, MAX_CONTAINER_PIDS);
+    long n = container_pids();
+    if (n < 0) {
+        vc_log(VC_LOG_ERROR, "no memory for the container's PID list: the memory no hook sees is not reconciled");
+        return false;
+    }
     bool ok;
     /*
      * Releases are not under the lock: a free the GPU made before NVML was read may return its bytes before
@@ -356,7 +419,7 @@ static bool reconcile(uint64_t now)
      * after the NVML read counts every allocation the read may have seen.
      */
     uint64_t tracked_before = sum_used();
-    uint64_t gpu = vc_nvml_used_by(pids, n, &ok);
+    uint64_t gpu = vc_nvml_used_by(g_rpids, (unsigned)n, &ok);
     atomic_store(&g_hdr->reconciled_ns, now);
     if (!ok)
         return false;

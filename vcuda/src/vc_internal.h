@@ -91,7 +91,7 @@ bool vc_nvml_ready(void);
 bool vc_nvml_device(int cuda_dev, nvmlDevice_t *out);
 /* The processes NVML lists on dev with their memory; -1 on error. */
 int vc_nvml_processes(nvmlDevice_t dev, struct vc_proc_mem *out, int max);
-/* Device memory NVML accounts to the given host PIDs, all GPUs together; *ok false when NVML cannot tell. */
+/* Device memory NVML accounts to the given host PIDs (sorted), all GPUs together; *ok false when NVML cannot tell. */
 uint64_t vc_nvml_used_by(const int *pids, unsigned npids, bool *ok);
 /* This process's PID in NVML's lists (its host PID), 0 until a context creation revealed it. */
 int vc_host_pid(void);

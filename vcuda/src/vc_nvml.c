@@ -10,6 +10,7 @@
 
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -76,6 +77,12 @@ int vc_nvml_processes(nvmlDevice_t dev, struct vc_proc_mem *out, int max)
     return k;
 }
 
+static int cmp_pid(const void *a, const void *b)
+{
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
 uint64_t vc_nvml_used_by(const int *pids, unsigned npids, bool *ok)
 {
     *ok = false;
@@ -93,11 +100,8 @@ uint64_t vc_nvml_used_by(const int *pids, unsigned npids, bool *ok)
         if (n < 0)
             return 0;
         for (int i = 0; i < n; i++)
-            for (unsigned j = 0; j < npids; j++)
-                if (procs[i].pid == pids[j]) {
-                    sum += procs[i].used;
-                    break;
-                }
+            if (npids > 0 && bsearch(&procs[i].pid, pids, npids, sizeof(int), cmp_pid) != NULL)
+                sum += procs[i].used;
     }
     *ok = true;
     return sum;

@@ -64,3 +64,31 @@ def test_two_gpus_go_to_a_real_switch_pair_once_the_nvlink_pair_is_taken() -> No
         tree.occupy(index, 200, 0)
     # Left: 0 and 3 (a host bridge apart) and 4, 5 (one PCIe switch): the switch pair is the closer.
     assert choose(tree, 200, 0) == [4, 5]
+
+
+def _chain_tree() -> TopologyTree:
+    # PCIe as in _bridged_tree; NVLink joins 0-1 and 1-2 but not 0-2 (a chain, not all-to-all).
+    levels = levels_from_groups(
+        6, {Level.SINGLE: [[0, 1], [2, 3], [4, 5]], Level.HOSTBRIDGE: [[0, 1, 2, 3]]}, default=Level.CPU
+    )
+    return tree_from_levels(levels, [(0, 1), (1, 2)])
+
+
+def test_an_nvlink_group_holds_only_gpus_linked_to_each_other() -> None:
+    tree = _chain_tree()
+    assert render_shape(tree) == "ROOT[CPU[PHB[NVL[0,1],PIX[2,3]],PIX[4,5]]]"
+
+
+def test_two_gpus_are_not_given_as_nvlink_peers_when_they_are_not() -> None:
+    tree = _chain_tree()
+    assert choose(tree, 200, 0) == [0, 1]  # linked
+    tree.occupy(1, 50, 0)  # GPU 1 shared: 0 and 2 are left of the chain, with no link between them
+    assert choose(tree, 200, 0) == [2, 3]  # one switch, rather than 0 and 2 a host bridge apart
+
+
+def test_an_nvlink_ring_is_grouped_in_linked_pairs() -> None:
+    levels = levels_from_groups(4, {Level.SINGLE: [[0, 1, 2, 3]]})
+    tree = tree_from_levels(levels, [(0, 1), (1, 2), (2, 3), (0, 3)])
+    assert render_shape(tree) == "ROOT[PIX[NVL[0,1],NVL[2,3]]]"
+    tree.occupy(0, 100, 0)
+    assert choose(tree, 200, 0) == [2, 3]

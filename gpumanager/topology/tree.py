@@ -9,10 +9,13 @@ below :attr:`Level.SINGLE` between two different GPUs is raised to ``SINGLE``:
 this is upstream's fix for multi-GPU boards, which report 0 (INTERNAL); a
 warning is logged when neither GPU says it sits on a multi-GPU board.
 
-The *effective distance* ``d(i, j)`` is :attr:`Level.NVLINK` when *i* and *j*
-share at least one active NVLink **and** ``level(i, j) < SYSTEM``; otherwise it
-is ``level(i, j)``. NVLink across CPU sockets therefore does not hide the NUMA
-split.
+Two GPUs are *NVLink peers* when they share at least one active NVLink **and**
+``level(i, j) < SYSTEM`` (NVLink across CPU sockets does not hide the NUMA
+split). The NVLink groups are sets of GPUs that are all peers of each other:
+each connected set of peers that is all-to-all, and a set that is not (a chain
+0-1-2, a ring) split lowest index first into sets that are. The *effective
+distance* ``d(i, j)`` is :attr:`Level.NVLINK` when *i* and *j* are in one NVLink
+group; otherwise it is ``level(i, j)``.
 
 For each level L of ``NVLINK, SINGLE, MULTIPLE, HOSTBRIDGE, CPU, SYSTEM``
 (tightest first) the groups at L are the connected components with at least
@@ -349,10 +352,44 @@ def _effective_distances(
                     )
                 level = Level.SINGLE
             pcie[(i, j)] = level
-            if (i, j) in linked and level < Level.SYSTEM:
-                level = Level.NVLINK
-            distance[(i, j)] = level
+    nvlink_pairs = {pair for pair in linked if pcie[pair] < Level.SYSTEM}
+    for clique in _linked_cliques(indices, nvlink_pairs):
+        for pos, i in enumerate(clique):
+            for j in clique[pos + 1 :]:
+                distance[(i, j)] = Level.NVLINK
+    for pair, level in pcie.items():
+        distance.setdefault(pair, level)
     return distance, pcie
+
+
+def _linked_cliques(indices: Sequence[int], linked: set[tuple[int, int]]) -> list[list[int]]:
+    """The NVLink groups: sets of GPUs each linked to every other. NVLink that is not all-to-all (a
+    chain 0-1-2, a ring) is split, lowest index first, into sets that are: GPU i with every later GPU
+    linked to all of the set so far."""
+    neighbours: dict[int, set[int]] = {i: set() for i in indices}
+    for a, b in linked:
+        neighbours[a].add(b)
+        neighbours[b].add(a)
+    cliques: list[list[int]] = []
+    for component in _components(list(indices), {pair: Level.NVLINK for pair in linked}, Level.NVLINK):
+        left = list(component)
+        split = False
+        while left:
+            clique = [left[0]]
+            for j in left[1:]:
+                if all(j in neighbours[k] for k in clique):
+                    clique.append(j)
+            left = [i for i in left if i not in clique]
+            split = split or bool(left)
+            if len(clique) >= 2:
+                cliques.append(clique)
+        if split:
+            log.info(
+                "NVLink among GPUs %s is not all-to-all; NVLink groups: %s",
+                component,
+                [c for c in cliques if c[0] in component],
+            )
+    return cliques
 
 
 def _components(indices: list[int], distance: dict[tuple[int, int], int], level: int) -> list[list[int]]:

@@ -369,3 +369,26 @@ def test_a_release_read_from_a_damaged_segment_survives_the_next_crash(tmp_path:
         assert sorted(x.pod_uid for x in parsed.allocations) == sorted([a, c])
     finally:
         second.close()
+
+
+def test_changes_after_an_upgrade_from_upstream_survive_a_crash_before_the_first_snapshot(tmp_path: Path) -> None:
+    """Upgrade in place: the snapshot is upstream's (no journal key). This agent releases pod b and takes
+    pod c, each journaled, then crashes before its compactor wrote a snapshot. The next start must replay
+    those changes, not discard them as made before another program rewrote the snapshot."""
+    a, b, c = uid_of("a"), uid_of("b"), uid_of("c")
+    _write_snapshot(tmp_path, {a: {"c0": _entry([0], 50)}, b: {"c0": _entry([1], 50)}})
+    pods = FakePods([make_pod(n, phase="Running") for n in ("a", "b", "c")])
+
+    first = make_allocator(tmp_path, pods)
+    first.load()
+    first.release_pod(b)
+    first.adopt([journal_alloc(c, "c0", (2,), 50)], source="test")
+    _crash(first)
+
+    second = make_allocator(tmp_path, pods)
+    try:
+        parsed = second.load()
+        assert parsed.problems == []
+        assert sorted(x.pod_uid for x in parsed.allocations) == sorted([a, c])
+    finally:
+        second.close()

@@ -1736,9 +1736,10 @@ class Allocator:
         # Claims first, without recording them again: they are on disk as loaded.
         self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
         taken, refused = self._adopt(parsed.allocations, source=str(self._checkpoint_path))
-        if loaded.problems:
-            # Segments moved aside held changes (a release too) that are now only in memory: the whole
-            # state is written at once, or a crash before the next snapshot would undo them.
+        if loaded.problems or loaded.unnamed:
+            # Segments moved aside held changes (a release too) that are now only in memory; a snapshot
+            # naming no segment (upstream's, after an upgrade) would have the next start discard every
+            # change journaled over it. The whole state is written at once, before any change.
             with self._changing():
                 self._save_or_report()
         parsed.allocations = taken

@@ -79,6 +79,9 @@ class Loaded:
     document: dict[str, Any] | None  # the snapshot with the journal applied; None when neither exists
     replayed: int = 0
     problems: list[str] = field(default_factory=list)  # damaged segments (moved aside)
+    #: The snapshot names no journal segment (upstream's, or an odd value): changes journaled from now on
+    #: are not replayed over it until a snapshot of ours replaces it.
+    unnamed: bool = False
 
 
 def _record(change: Mapping[str, Any]) -> bytes:
@@ -418,7 +421,7 @@ class CheckpointStore:
         if first is not None:
             # New segments continue this snapshot: never numbered below it, or the next start skips them.
             self._seq = max(self._seq, first - 1)
-        loaded = Loaded(document)
+        loaded = Loaded(document, unnamed=snapshot is not None and first is None)
         if not isinstance(document.get("PodGPUMapping") or {}, dict):
             return loaded  # the caller reports the shape
         contents: list[tuple[Path, bytes | None, str]] = []

@@ -109,6 +109,23 @@ def test_container_with_a_whole_gpu_and_a_share_of_it_is_capped_at_the_gpu() -> 
     assert list(_samples(text, "gpu_manager_container_gpu_core_limit_ratio").values()) == [1.0]
 
 
+def test_container_with_a_whole_gpu_claim_and_an_admin_access_claim_on_it_has_one_series() -> None:
+    """An adminAccess claim gets a whole GPU beside the claims already on it (it consumes nothing)."""
+    pod = _pod("uid-1", "p")
+    used = DeviceUsage(GPU0, 5 * (1 << 20), 0.5, 50.0, (101,))
+    whole = ContainerAllocation("uid-1", "c", (0,), 100, 0, extra={"claim": "gpu"})
+    admin = ContainerAllocation("uid-1", "c", (0,), 100, 0, extra={"claim": "monitor"})
+    usages = [ContainerUsage(pod, whole, (used,)), ContainerUsage(pod, admin, (used,))]
+    page = MetricsPage(agent=_Agent([]), registry=CollectorRegistry(), sample=lambda: usages, legacy_metrics=False)
+    text = page.render().decode()
+    series = _series(text)
+    assert len(series) == len(set(series)), "a series is written twice"
+    key = (("container", "c"), ("gpu", "0"), ("namespace", "ns"), ("pod", "p"), ("uuid", "GPU-0000"))
+    assert _samples(text, "gpu_manager_container_gpu_memory_limit_bytes") == {key: 80.0 * GIB}
+    assert _samples(text, "gpu_manager_container_gpu_core_limit_ratio") == {key: 1.0}
+    assert _samples(text, "gpu_manager_container_gpu_memory_used_bytes") == {key: 5.0 * (1 << 20)}
+
+
 def test_container_with_allocations_on_different_gpus_has_a_series_for_each() -> None:
     pod = _pod("uid-1", "p")
     a = ContainerAllocation("uid-1", "c", (0,), 30, 1 * GIB, extra={"claim": "a"})

@@ -392,3 +392,21 @@ def test_changes_after_an_upgrade_from_upstream_survive_a_crash_before_the_first
         assert sorted(x.pod_uid for x in parsed.allocations) == sorted([a, c])
     finally:
         second.close()
+
+
+def test_share_put_back_over_a_full_gpu_is_recounted_at_release(tmp_path: Path) -> None:
+    """Records adopted one at a time (the kubelet's, after ours) that together exceed a GPU: the GPU's charge
+    is recounted from what it holds at each release, whichever order they came in."""
+    a, b = uid_of("a"), uid_of("b")
+    _write_snapshot(tmp_path, {a: {"c0": _entry([0], 70)}})
+    pods = FakePods([make_pod("a", phase="Running"), make_pod("b", phase="Running")])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        alloc.load()
+        alloc.adopt([journal_alloc(b, "c0", (0,), 70)], source="kubelet checkpoint")
+        alloc.release_pod(b)
+        assert _free_cores(alloc, 0) == 30
+        alloc.release_pod(a)
+        assert _free_cores(alloc, 0) == 100
+    finally:
+        alloc.close()

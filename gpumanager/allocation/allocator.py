@@ -57,7 +57,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
 from gpumanager.device.types import GPUInfo
 from gpumanager.faults import crash_point
-from gpumanager.topology import TopologyTree, choose, render_graph
+from gpumanager.topology import GPUNode, TopologyTree, choose, render_graph
 
 log = logging.getLogger(__name__)
 
@@ -1178,7 +1178,18 @@ class Allocator:
             leaf = self._tree.leaf_by_minor(minor)
             if before != (0, 0):
                 self._tree.free(leaf.index, *before)
+            self._note_beyond(leaf, *after)
             self._tree.occupy(leaf.index, *after)
+
+    def _note_beyond(self, leaf: GPUNode, cores: int, memory: int) -> None:
+        """Remember a GPU about to be charged beyond what it has left (records recovered, put back): its
+        counts floor at zero, so releases on it recompute its charge (:meth:`_recharge`)."""
+        if cores >= names.HUNDRED_CORES:
+            beyond = leaf.allocatable_cores < names.HUNDRED_CORES
+        else:
+            beyond = cores > leaf.allocatable_cores or memory > leaf.allocatable_memory
+        if beyond:
+            self._overcommitted.add(leaf.minor)
 
     def _free(self, alloc: ContainerAllocation) -> None:
         if self._overcommitted.intersection(alloc.minors):
@@ -1963,6 +1974,7 @@ class Allocator:
         for dev in claim.devices:
             if dev.consumes:
                 leaf = self._tree.leaf_by_minor(dev.minor)
+                self._note_beyond(leaf, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
                 self._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
 
     def unprepare_claim(self, uid: str) -> ClaimAllocation | None:

@@ -410,3 +410,16 @@ def test_share_put_back_over_a_full_gpu_is_recounted_at_release(tmp_path: Path) 
         assert _free_cores(alloc, 0) == 100
     finally:
         alloc.close()
+
+
+def test_temp_files_of_a_snapshot_write_cut_short_are_removed_at_start(tmp_path: Path) -> None:
+    """A crash while the snapshot was being written leaves its temp file (``.<name>.<random>``) beside it;
+    each such crash would leave one more for good. The start removes them, and only them."""
+    path = _write_snapshot(tmp_path, {}, JournalSegment=1)
+    left = path.with_name(f".{path.name}.k2j4x9_q")
+    left.write_bytes(b'{"PodGPUMapping": {"half')
+    other = path.with_name(".gpumanager_node_inventory.abcd")
+    other.write_bytes(b"{}")
+    CheckpointStore(path).load()
+    assert not left.exists()
+    assert other.exists()

@@ -478,11 +478,17 @@ class CheckpointStore:
             self._set_aside(path, f"journal {path}: {why}")
 
     def _remove_partial_segments(self) -> None:
-        """Remove segments whose preparation never finished (``<name>.journal-<seq>.tmp``)."""
+        """Remove segments whose preparation never finished (``<name>.journal-<seq>.tmp``), and temp files
+        of snapshot writes a crash cut short (``.<name>.<random>``, never renamed into place)."""
         for path in self.path.parent.glob(self.path.name + ".journal-*.tmp"):
             with contextlib.suppress(OSError):
                 path.unlink()
                 log.info("removed %s, a journal segment whose preparation never finished", path)
+        for path in self.path.parent.glob(f".{self.path.name}.*"):
+            with contextlib.suppress(OSError):
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+                    log.info("removed %s, a snapshot whose writing never finished", path)
 
     def record(self, change: Mapping[str, Any]) -> None:
         """Make one change durable now (raises OSError when it cannot be written)."""

@@ -174,6 +174,9 @@ class Recovery:
         self._untrusted: dict[tuple[str, str], tuple[int, ...]] = {}
         self._kubelet_answered = False
         self._named: set[tuple[str, str]] = set()  # containers the kubelet's records say hold our IDs
+        #: PodResources listed containers holding our IDs whose pod could not be named (the API server did
+        #: not answer): any entry of ours may be one of them.
+        self._unnamed_holders = False
         self.rebuilt = 0
 
     def from_disk(self) -> None:
@@ -262,6 +265,8 @@ class Recovery:
             pod = find_pod(e.namespace, e.pod)
             if pod is not None:
                 self._named.add((podinfo.uid(pod), e.container))
+            else:
+                self._unnamed_holders = True
         found = from_pod_resources(wanted, find_pod=find_pod, layout=self._layout, gpus=self._gpus) if wanted else []
         missing = [a for a in found if not self._allocator.holds(a.key)]
         taken = self._allocator.adopt(missing, source="PodResources")
@@ -276,7 +281,7 @@ class Recovery:
         if not final or not self._untrusted:
             return
         for (pod_uid, container), minors in sorted(self._untrusted.items()):
-            if self._kubelet_answered and (pod_uid, container) not in self._named:
+            if self._kubelet_answered and not self._unnamed_holders and (pod_uid, container) not in self._named:
                 log.warning(
                     "checkpoint entry of pod %s container %s is not in the kubelet's records: the kubelet holds "
                     "no devices for it, so it holds no GPU",

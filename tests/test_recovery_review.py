@@ -423,3 +423,37 @@ def test_temp_files_of_a_snapshot_write_cut_short_are_removed_at_start(tmp_path:
     CheckpointStore(path).load()
     assert not left.exists()
     assert other.exists()
+
+
+class _PodResources:
+    """A PodResources client whose kubelet answers with ``entries``."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self.entries = entries
+
+    def list_all(self) -> list[Any]:
+        return list(self.entries)
+
+
+def test_untrusted_entry_stays_reserved_when_podresources_names_a_pod_the_api_server_cannot(tmp_path: Path) -> None:
+    """Our entry of pod a has a bad field and the kubelet's checkpoint cannot be read. PodResources lists a
+    container of pod a holding vcuda-core IDs, but the API server cannot be asked (no pod can be named):
+    that is no proof that the entry holds nothing, so its GPU stays reserved."""
+    from gpumanager.kube.podresources import ContainerDevices
+    from tests.alloc_fixtures import core_ids
+
+    a = uid_of("a")
+    _write_snapshot(tmp_path, {a: {"c0": {"Devices": ["/dev/nvidia3"], "Cores": "fifty", "Memory": GIB}}})
+    kc = tmp_path / "device-plugins" / "kubelet_internal_checkpoint"
+    kc.parent.mkdir()
+    kc.write_text("{not json")
+    alloc = make_allocator(tmp_path, FakePods([make_pod("a", phase="Running")]))
+    try:
+        rec = _recovery(tmp_path, alloc, kc)
+        rec.from_disk()
+        listed = ContainerDevices("default", "a", "c0", "tencent.com/vcuda-core", tuple(core_ids(3, 50)))
+        rec.from_pod_resources(_PodResources([listed]), lambda ns, name: None)
+        assert alloc.holds((a, "c0"))
+        assert _free_cores(alloc, 3) == 0
+    finally:
+        alloc.close()

@@ -221,7 +221,8 @@ class Recovery:
 
     def from_pod_resources(self, client: PodResourcesClient, find_pod: Callable[[str, str], Pod | None]) -> bool:
         """The kubelet's current assignments, for containers still missing (needs pod names resolved);
-        whether the kubelet answered (False: ask it again, :meth:`retry_pod_resources`)."""
+        whether that settled it: the kubelet answered and every pod it names holding our IDs could be named
+        by the API server (False: ask it again, :meth:`retry_pod_resources`)."""
         try:
             entries = client.list_all()
         except PodResourcesUnavailableError as exc:
@@ -231,8 +232,14 @@ class Recovery:
             self._take_pod_resources([], find_pod)
             return False
         self._kubelet_answered = True
-        self._take_pod_resources(entries, find_pod)
-        return True
+        unnamed = self._take_pod_resources(entries, find_pod)
+        if unnamed:
+            log.warning(
+                "PodResources lists %d containers holding vcuda-core IDs whose pods the API server cannot name "
+                "yet; asking again in the background",
+                unnamed,
+            )
+        return not unnamed
 
     def retry_pod_resources(
         self,
@@ -241,9 +248,10 @@ class Recovery:
         stop: threading.Event,
         backoff: Backoff | None = None,
     ) -> bool:
-        """Ask the kubelet's PodResources again, with backoff, until it answers or ``stop`` is set; what it
-        names that we hold nothing for is then taken over (a kubelet restarting as the agent started
-        must not leave a running container's GPUs free to be handed out). Whether it answered."""
+        """Ask the kubelet's PodResources again, with backoff, until it answers and every pod it names holding
+        our IDs can be named, or ``stop`` is set; what it names that we hold nothing for is then taken over
+        (a kubelet restarting as the agent started, or an API server not answering then, must not leave a
+        running container's GPUs free to be handed out). Whether it settled."""
         backoff = backoff or Backoff()
         while not backoff.wait(stop):
             try:
@@ -252,28 +260,45 @@ class Recovery:
                 log.debug("PodResources still unavailable for recovery (attempt %d): %s", backoff.failures, exc)
                 continue
             self._kubelet_answered = True
-            log.info("the kubelet's PodResources answered after %d attempts", backoff.failures)
-            self._take_pod_resources(entries, find_pod)
+            unnamed = self._take_pod_resources(entries, find_pod)
+            if unnamed:
+                log.debug("PodResources: %d pods still not named (attempt %d)", unnamed, backoff.failures)
+                continue
+            log.info("the kubelet's PodResources answered for recovery after %d attempts", backoff.failures)
             return True
         return False
 
     def _take_pod_resources(
         self, entries: Sequence[ContainerDevices], find_pod: Callable[[str, str], Pod | None]
-    ) -> None:
+    ) -> int:
+        """Take what ``entries`` name that we hold nothing for; returns how many of the containers holding
+        our IDs belong to pods that could not be named."""
         wanted = [e for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids]
+        unnamed = 0
+        pods: dict[tuple[str, str], Pod | None] = {}  # each pod looked up once (a miss asks the API server)
         for e in wanted:
-            pod = find_pod(e.namespace, e.pod)
+            if (e.namespace, e.pod) not in pods:
+                pods[(e.namespace, e.pod)] = find_pod(e.namespace, e.pod)
+            pod = pods[(e.namespace, e.pod)]
             if pod is not None:
                 self._named.add((podinfo.uid(pod), e.container))
             else:
                 self._unnamed_holders = True
-        found = from_pod_resources(wanted, find_pod=find_pod, layout=self._layout, gpus=self._gpus) if wanted else []
+                unnamed += 1
+        found = (
+            from_pod_resources(
+                wanted, find_pod=lambda ns, name: pods.get((ns, name)), layout=self._layout, gpus=self._gpus
+            )
+            if wanted
+            else []
+        )
         missing = [a for a in found if not self._allocator.holds(a.key)]
         taken = self._allocator.adopt(missing, source="PodResources")
         self.rebuilt += taken
         if taken:
             log.info("rebuilt %d container allocations from PodResources", taken)
         self._settle_untrusted(final=True)
+        return unnamed
 
     def _settle_untrusted(self, *, final: bool = False) -> None:
         for key in [k for k in self._untrusted if self._allocator.holds(k)]:

@@ -457,3 +457,40 @@ def test_untrusted_entry_stays_reserved_when_podresources_names_a_pod_the_api_se
         assert _free_cores(alloc, 3) == 0
     finally:
         alloc.close()
+
+
+def test_containers_podresources_lists_are_taken_once_the_api_server_can_name_their_pods(tmp_path: Path) -> None:
+    """Our checkpoint is gone and the kubelet's cannot be read; PodResources lists pod a's container holding
+    IDs of GPU 3, but the API server does not answer at start. Recovery is not settled then: it asks again,
+    and once the pod can be named its container's GPU is taken (never left free under a running container)."""
+    import threading
+
+    from gpumanager.kube.podresources import ContainerDevices
+    from gpumanager.retry import Backoff
+    from tests.alloc_fixtures import core_ids
+
+    a = uid_of("a")
+    pod = make_pod("a", (("c0", 50, 4),), phase="Running")
+    kc = tmp_path / "device-plugins" / "kubelet_internal_checkpoint"
+    kc.parent.mkdir()
+    kc.write_text("{not json")
+    alloc = make_allocator(tmp_path, FakePods([pod]))
+    try:
+        rec = _recovery(tmp_path, alloc, kc)
+        rec.from_disk()
+        client = _PodResources(
+            [ContainerDevices("default", "a", "c0", "tencent.com/vcuda-core", tuple(core_ids(3, 50)))]
+        )
+        assert rec.from_pod_resources(client, lambda ns, name: None) is False
+        assert not alloc.holds((a, "c0"))
+        found = rec.retry_pod_resources(
+            client,
+            lambda ns, name: pod if (ns, name) == ("default", "a") else None,
+            threading.Event(),
+            Backoff(0.001, 0.01),
+        )
+        assert found
+        assert alloc.holds((a, "c0"))
+        assert _free_cores(alloc, 3) == 50
+    finally:
+        alloc.close()

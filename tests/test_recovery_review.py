@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpumanager.allocation import journal
+from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.journal import CheckpointStore
 from tests.alloc_fixtures import FakePods, make_allocator, make_pod, uid_of
 
@@ -31,11 +32,11 @@ def _write_snapshot(tmp_path: Path, mapping: dict[str, Any], **extra: Any) -> Pa
     return path
 
 
-def _free_cores(alloc: Any, index: int) -> int:
+def _free_cores(alloc: Allocator, index: int) -> int:
     return next(row[1] for row in alloc.tree_snapshot() if row[0] == index)
 
 
-def _free_memory(alloc: Any, index: int) -> int:
+def _free_memory(alloc: Allocator, index: int) -> int:
     return next(row[2] for row in alloc.tree_snapshot() if row[0] == index)
 
 
@@ -494,3 +495,50 @@ def test_containers_podresources_lists_are_taken_once_the_api_server_can_name_th
         assert _free_cores(alloc, 3) == 50
     finally:
         alloc.close()
+
+
+# -- the GPU inventory kept beside the checkpoint ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100000,
+        '{"gpus": [{"index": 0, "uuid": "GPU-0", "name": "T4", "minor": 0, "memory_total": "16 GiB",'
+        ' "pci_bus_id": "0000:01:00.0"}], "levels": [[0]]}',
+        '{"gpus": [{"index": 0, "uuid": "GPU-0", "name": "T4", "minor": -3, "memory_total": 1,'
+        ' "pci_bus_id": "0000:01:00.0"}], "levels": [[0]]}',
+        '{"gpus": [{"index": true, "uuid": "GPU-0", "name": "T4", "minor": 0, "memory_total": 1,'
+        ' "pci_bus_id": "0000:01:00.0", "numa_node": "x"}], "levels": [[0]]}',
+    ],
+    ids=["nested", "memory-string", "minor-negative", "index-bool"],
+)
+def test_a_damaged_gpu_inventory_is_ignored_with_its_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: str
+) -> None:
+    """A GPU inventory that is not what this agent writes is ignored with a warning naming it: never an
+    exception out of the start, never a GPU described with values of the wrong type."""
+    from gpumanager.device import inventory
+
+    path = tmp_path / inventory.FILE
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        gpus, topology = inventory.load(path)
+    assert gpus == {} and topology is None
+    assert any(str(path) in r.getMessage() for r in caplog.records)
+
+
+def test_a_fifo_in_place_of_the_gpu_inventory_is_not_waited_on(tmp_path: Path) -> None:
+    import os
+
+    from gpumanager.device import inventory
+
+    path = tmp_path / inventory.FILE
+    os.mkfifo(path)
+    thread, out = _load_in_thread(lambda: inventory.load(path))
+    thread.join(30)
+    blocked = thread.is_alive()
+    _unblock(path)
+    thread.join(30)
+    assert not blocked, "reading blocked on the FIFO"
+    assert out == [({}, None)]

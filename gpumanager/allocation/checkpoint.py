@@ -7,16 +7,14 @@ look at it, and the caller rebuilds its state from other records.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from gpumanager.fileio import atomic_write
+from gpumanager.fileio import atomic_write, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -96,32 +94,6 @@ def _object(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]
 #: The largest snapshot read (200 pods take about 60 KiB): a larger file is no checkpoint of one node, and
 #: reading and parsing it whole could take the agent's memory.
 SNAPSHOT_LIMIT = 256 << 20
-
-_KINDS = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
-
-
-def read_regular(path: Path, limit: int) -> bytes:
-    """The content of the regular file at ``path`` (a link to one is followed). OSError naming the file when
-    it is anything else (a FIFO is never waited on, a device never read) or larger than ``limit`` bytes;
-    FileNotFoundError when it does not exist."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "no regular file")
-            raise OSError(errno.EINVAL, f"not a regular file ({kind})", str(path))
-        if st.st_size > limit:
-            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than the {limit} read", str(path))
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(errno.EFBIG, f"more than the {limit} bytes read", str(path))
-    return data
 
 
 def write_json(path: Path, data: Any) -> None:

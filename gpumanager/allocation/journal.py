@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager.allocation import checkpoint
-from gpumanager.fileio import fsync_dir
+from gpumanager.fileio import fsync_dir, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ SEGMENT_LIMIT = 64 * SEGMENT_BYTES
 
 def _segment_bytes(path: Path) -> bytes:
     """A segment's content (OSError naming it when it is no regular file or larger than :data:`SEGMENT_LIMIT`)."""
-    return checkpoint.read_regular(path, SEGMENT_LIMIT)
+    return read_regular(path, SEGMENT_LIMIT)
 
 
 def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str, int]:

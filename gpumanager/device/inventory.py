@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gpumanager.device.types import GPUInfo, NodeTopology
-from gpumanager.fileio import atomic_write
+from gpumanager.fileio import atomic_write, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +36,55 @@ def save(path: Path, gpus: Sequence[GPUInfo], topology: NodeTopology) -> None:
         log.warning("cannot write the GPU inventory %s: %s", path, exc)
 
 
+#: The largest inventory read (a node's few GPUs take a few KiB).
+_LIMIT = 1 << 20
+
+#: What each field of a saved GPU must be (as :func:`save` writes it).
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "index": (int,),
+    "uuid": (str,),
+    "name": (str,),
+    "minor": (int,),
+    "memory_total": (int,),
+    "pci_bus_id": (str,),
+    "numa_node": (int, type(None)),
+    "multi_gpu_board": (bool,),
+}
+
+
+def _gpu(raw: object) -> GPUInfo:
+    """One saved GPU, every field of the type :func:`save` writes (ValueError naming the one that is not)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"GPU entry {raw!r:.80} is not an object")
+    for key, value in raw.items():
+        kinds = _FIELDS.get(key)
+        if kinds is None:
+            raise ValueError(f"GPU entry has an unknown field {key!r:.40}")
+        if bool in kinds:
+            ok = isinstance(value, bool)
+        else:  # a JSON true is no number here
+            ok = isinstance(value, kinds) and not isinstance(value, bool)
+            ok = ok and not (isinstance(value, int) and value < 0)
+        if not ok:
+            raise ValueError(f"GPU entry field {key} is {value!r:.80}")
+    return GPUInfo(**raw)
+
+
 def load(path: Path) -> tuple[dict[int, GPUInfo], NodeTopology | None]:
-    """The saved GPUs by index and topology; empty when missing or unreadable."""
+    """The saved GPUs by index and topology; empty when missing or unreadable (logged, naming the file)."""
     try:
-        data = json.loads(path.read_text())
-        gpus = {int(g["index"]): GPUInfo(**g) for g in data["gpus"]}
+        data = json.loads(read_regular(path, _LIMIT))
+        gpus = {g.index: g for g in map(_gpu, data["gpus"])}
         topology = NodeTopology(
             levels=tuple(tuple(int(v) for v in row) for row in data["levels"]),
             nvlink=tuple((int(a), int(b), int(c)) for a, b, c in data.get("nvlink", [])),
         )
     except FileNotFoundError:
         return {}, None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring the GPU inventory %s: %s", path, exc)
+        return {}, None
+    except RecursionError:
+        log.warning("ignoring the GPU inventory %s: its JSON nests too deeply to read", path)
         return {}, None
     return gpus, topology

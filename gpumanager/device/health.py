@@ -72,6 +72,7 @@ class HealthMonitor:
         report: ProblemReport | None = None,
     ) -> None:
         self._gpus = list(gpus)
+        self._uuids = {g.index: g.uuid for g in self._gpus}
         self._ignored = frozenset(ignored_xids)
         self._quiet = quiet_period
         self._probe_period = probe_period
@@ -105,6 +106,8 @@ class HealthMonitor:
         self._report = report
         self._ignored_seen: dict[tuple[int | None, int], tuple[float, int]] = {}  # last line, count since
         self._by_handle: dict[int, int] = {}
+        self._wait_said_lost = False  # the event wait answered GPU_IS_LOST and no timeout came since
+        self._unknown_logged_at = -1e18
         self.xid_events = 0
         self.ignored_xid_events = 0
 
@@ -121,6 +124,12 @@ class HealthMonitor:
         """Health of every GPU."""
         with self._lock:
             return dict(self._state)
+
+    def gpu_name(self, index: int | None) -> str:
+        """'GPU <index> (<UUID>)' for log lines; 'a GPU NVML cannot name' for an event of no known GPU."""
+        if index is None:
+            return "a GPU NVML cannot name"
+        return f"GPU {index} ({self._uuids.get(index, 'UUID unknown')})"
 
     def alive(self) -> bool:
         """Whether the monitoring thread runs."""
@@ -161,7 +170,7 @@ class HealthMonitor:
             new = HealthState(False, reason, now)
             self._state[index] = new
         self._notify(index, new)  # the kubelet first: the log line can wait
-        log.warning("GPU %d (%s) is unhealthy: %s", index, self._gpus[index].uuid, reason)
+        log.warning("%s is unhealthy: %s", self.gpu_name(index), reason)
 
     def _mark_ok(self, index: int) -> None:
         now = self._clock()
@@ -172,9 +181,8 @@ class HealthMonitor:
             new = HealthState(True, "", now)
             self._state[index] = new
         log.info(
-            "GPU %d (%s) is healthy again after %.0f s without errors (was: %s)",
-            index,
-            self._gpus[index].uuid,
+            "%s is healthy again after %.0f s without errors (was: %s)",
+            self.gpu_name(index),
             self._quiet,
             old.reason,
         )
@@ -228,7 +236,7 @@ class HealthMonitor:
             except pynvml.NVMLError as exc:
                 if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
                     self._unsupported.add(index)
-                    log.warning("GPU %d: XID events not available (%s); only probing it", index, exc)
+                    log.warning("%s: XID events not available (%s); only probing it", self.gpu_name(index), exc)
                 else:
                     failed[index] = str(exc)
                 continue
@@ -238,8 +246,8 @@ class HealthMonitor:
     def _set_register_problem(self, failed: dict[int, str]) -> None:
         """GPUs left out of the event set (logged at most once a minute, reported until all are in)."""
         if failed:
-            gpus = ", ".join(f"{index} ({why})" for index, why in sorted(failed.items()))
-            problem = f"XID events are not watched on GPU {gpus}: nvmlDeviceRegisterEvents failed; only probing"
+            gpus = ", ".join(f"{self.gpu_name(index)}: {why}" for index, why in sorted(failed.items()))
+            problem = f"XID events are not watched on {gpus} (nvmlDeviceRegisterEvents failed); only probing"
             now = self._clock()
             if now - self._register_logged_at >= LOG_PERIOD:
                 self._register_logged_at = now
@@ -319,16 +327,49 @@ class HealthMonitor:
 
     def _handle_event(self, data: pynvml.c_nvmlEventData_t) -> None:
         xid = int(data.eventData)
-        key = _handle_key(data.device)
-        index = self._by_handle.get(key) if key is not None else None
+        index = self._event_gpu(data.device)
         self.xid_events += 1
         if xid in self._ignored:
             self.ignored_xid_events += 1
             self._log_ignored(index, xid)
             return
-        targets = [index] if index is not None else list(self._handles)
-        for i in targets:
-            self._mark_bad(i, f"XID {xid}")
+        if index is not None:
+            self._mark_bad(index, f"XID {xid}")
+            return
+        # A critical error of a GPU that cannot be named is not dropped: every GPU is suspect.
+        now = self._clock()
+        if now - self._unknown_logged_at >= LOG_PERIOD:
+            self._unknown_logged_at = now
+            log.error(
+                "XID %d from an unknown GPU (NVML names no GPU of this node for the event's device); "
+                "taking every GPU out of service",
+                xid,
+            )
+        for i in list(self._handles):
+            self._mark_bad(i, f"XID {xid} (unknown GPU)")
+
+    def _event_gpu(self, device: Any) -> int | None:
+        """The index of the GPU an event's device handle is: the handle as looked up, else the GPU NVML
+        names for it (by UUID, then by index); None when NVML names none of this node's GPUs."""
+        key = _handle_key(device)
+        if key is not None and key in self._by_handle:
+            return self._by_handle[key]
+        index: int | None = None
+        try:
+            uuid = pynvml.nvmlDeviceGetUUID(device)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            index = next((i for i, u in self._uuids.items() if u == uuid), None)
+        except pynvml.NVMLError as exc:
+            log.debug("nvmlDeviceGetUUID of an event's device: %s", exc)
+        if index is None:
+            try:
+                found = int(pynvml.nvmlDeviceGetIndex(device))
+                index = found if found in self._uuids else None
+            except pynvml.NVMLError as exc:
+                log.debug("nvmlDeviceGetIndex of an event's device: %s", exc)
+        if index is not None and key is not None:
+            self._by_handle[key] = index
+        return index
 
     def _log_ignored(self, index: int | None, xid: int) -> None:
         """One line for the first ignored XID of a GPU and kind, then at most one a minute with a count."""
@@ -338,10 +379,11 @@ class HealthMonitor:
             self._ignored_seen[(index, xid)] = (last, count + 1)
             return
         self._ignored_seen[(index, xid)] = (now, 0)
+        name = self.gpu_name(index)
         if count:
-            log.info("GPU %s: XID %d ignored %d more times in the last %.0f s", index, xid, count + 1, now - last)
+            log.info("%s: XID %d ignored %d more times in the last %.0f s", name, xid, count + 1, now - last)
         else:
-            log.info("GPU %s: XID %d ignored (application error, not a GPU fault)", index, xid)
+            log.info("%s: XID %d ignored (application error, not a GPU fault)", name, xid)
 
     def _flush_ignored(self) -> None:
         """The counts of ignored XIDs whose minute has passed, one line each."""
@@ -349,7 +391,13 @@ class HealthMonitor:
         for key, (last, count) in list(self._ignored_seen.items()):
             if count and now - last >= LOG_PERIOD:
                 self._ignored_seen[key] = (now, 0)
-                log.info("GPU %s: XID %d ignored %d more times in the last %.0f s", key[0], key[1], count, now - last)
+                log.info(
+                    "%s: XID %d ignored %d more times in the last %.0f s",
+                    self.gpu_name(key[0]),
+                    key[1],
+                    count,
+                    now - last,
+                )
             elif not count and now - last >= LOG_PERIOD:
                 del self._ignored_seen[key]
 
@@ -359,7 +407,7 @@ class HealthMonitor:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         except pynvml.NVMLError as exc:
             if index not in self._missing:
-                log.error("GPU %d: NVML gives no handle (%s); Unhealthy until it does", index, exc)
+                log.error("%s: NVML gives no handle (%s); Unhealthy until it does", self.gpu_name(index), exc)
             self._missing.add(index)
             self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
             return False
@@ -416,12 +464,18 @@ class HealthMonitor:
             data = pynvml.nvmlEventSetWait_v2(event_set, wait_ms)
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_TIMEOUT:
+                self._wait_said_lost = False
                 self._wait_ok()
                 return next_probe
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                next_probe = 0.0
-            else:
-                self._wait_failed(exc)
+                # Some registered GPU is lost, and the wait says so at once for as long as it stays lost:
+                # one probe now finds it; later losses are found by the periodic probe.
+                if not self._wait_said_lost:
+                    self._wait_said_lost = True
+                    next_probe = 0.0
+                self._stop.wait(wait_ms / 1000)
+                return next_probe
+            self._wait_failed(exc)
             self._stop.wait(0.05)
             return next_probe
         self._wait_ok()

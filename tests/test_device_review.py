@@ -1,0 +1,382 @@
+"""GPU health under hostile NVML answers: lost GPUs in the event wait, events from devices the agent
+cannot match by handle, XID storms, log lines that name the GPU, and the device lists' health."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+import pynvml
+import pytest
+
+from gpumanager import names
+from gpumanager.device import health as health_mod
+from gpumanager.device.health import HealthMonitor, HealthState
+from gpumanager.device.types import GPUInfo
+
+GIB = 1 << 30
+
+
+def _gpus(count: int) -> list[GPUInfo]:
+    return [
+        GPUInfo(
+            index=i,
+            uuid=f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd",
+            name="Tesla T4",
+            minor=i,
+            memory_total=16 * GIB,
+            pci_bus_id=f"00000000:{0x18 + i:02x}:00.0",
+            numa_node=0,
+        )
+        for i in range(count)
+    ]
+
+
+def _pointer(address: int) -> Any:
+    return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlDevice_t)
+
+
+class FakeNVML:
+    """NVML as the health monitor sees it, with every answer under the test's control."""
+
+    def __init__(self, gpus: list[GPUInfo]) -> None:
+        self.gpus = gpus
+        self.handles = [_pointer(0x10000 + 0x100 * g.index) for g in gpus]
+        self.lost: set[int] = set()
+        self.no_handle: dict[int, int] = {}  # GPU -> NVML error code of nvmlDeviceGetHandleByIndex
+        self.register_error: dict[int, int] = {}
+        self.queue: deque[tuple[str, Any, int]] = deque()  # ("event", handle, xid) / ("error", None, code)
+        self.empty_wait_error = pynvml.NVML_ERROR_TIMEOUT
+        self.memory_calls: dict[int, int] = {g.index: 0 for g in gpus}
+        self.wait_calls = 0
+        self.block_on_timeout = 0.0
+        self.lock = threading.Lock()
+
+    def index_of(self, handle: Any) -> int:
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+        for i, h in enumerate(self.handles):
+            if ctypes.cast(h, ctypes.c_void_p).value == address:
+                return i
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        m = monkeypatch
+        m.setattr(pynvml, "nvmlDeviceGetHandleByIndex", self.get_handle)
+        m.setattr(pynvml, "nvmlEventSetCreate", lambda: object())
+        m.setattr(pynvml, "nvmlEventSetFree", lambda s: None)
+        m.setattr(pynvml, "nvmlDeviceRegisterEvents", self.register)
+        m.setattr(pynvml, "nvmlEventSetWait_v2", self.wait)
+        m.setattr(pynvml, "nvmlDeviceGetMemoryInfo", self.memory)
+        m.setattr(pynvml, "nvmlDeviceGetUUID", self.uuid)
+        m.setattr(pynvml, "nvmlDeviceGetIndex", self.index)
+
+    def get_handle(self, index: int) -> Any:
+        if index in self.no_handle:
+            raise pynvml.NVMLError(self.no_handle[index])
+        return self.handles[index]
+
+    def register(self, handle: Any, mask: int, event_set: Any) -> None:
+        index = self.index_of(handle)
+        if index in self.register_error:
+            raise pynvml.NVMLError(self.register_error[index])
+
+    def wait(self, event_set: Any, timeout_ms: int) -> Any:
+        with self.lock:
+            self.wait_calls += 1
+            item = self.queue.popleft() if self.queue else None
+        if item is None:
+            if self.block_on_timeout:
+                threading.Event().wait(self.block_on_timeout)
+            raise pynvml.NVMLError(self.empty_wait_error)
+        kind, handle, value = item
+        if kind == "error":
+            raise pynvml.NVMLError(value)
+        data = pynvml.c_nvmlEventData_t()
+        data.device = handle
+        data.eventType = pynvml.nvmlEventTypeXidCriticalError
+        data.eventData = value
+        data.gpuInstanceId = 0xFFFFFFFF
+        data.computeInstanceId = 0xFFFFFFFF
+        return data
+
+    def memory(self, handle: Any) -> Any:
+        index = self.index_of(handle)
+        with self.lock:
+            self.memory_calls[index] += 1
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return object()
+
+    def uuid(self, handle: Any) -> str:
+        index = self.index_of(handle)
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self.gpus[index].uuid
+
+    def index(self, handle: Any) -> int:
+        index = self.index_of(handle)
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return index
+
+    def xid(self, gpu: int, xid: int) -> None:
+        with self.lock:
+            self.queue.append(("event", self.handles[gpu], xid))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def nvml(monkeypatch: pytest.MonkeyPatch) -> FakeNVML:
+    fake = FakeNVML(_gpus(4))
+    fake.install(monkeypatch)
+    return fake
+
+
+def _monitor(nvml: FakeNVML, clock: Clock, **kwargs: Any) -> HealthMonitor:
+    kwargs.setdefault("ignored_xids", names.DEFAULT_IGNORED_XIDS)
+    kwargs.setdefault("quiet_period", 300.0)
+    kwargs.setdefault("probe_period", 0.2)
+    return HealthMonitor(nvml.gpus, clock=clock, **kwargs)
+
+
+def _prepare(monitor: HealthMonitor) -> None:
+    """What start() does before its thread runs: every GPU's handle, then the event set."""
+    for g in monitor._gpus:
+        monitor._take_handle(g.index)
+    monitor._ensure_events()
+
+
+def _steps(monitor: HealthMonitor, count: int) -> None:
+    next_probe = 0.0
+    for _ in range(count):
+        next_probe = monitor._step(next_probe)
+
+
+# -- a lost GPU in the event wait ----------------------------------------------------------------
+
+
+def test_lost_gpu_answered_by_the_event_wait_is_probed_once_not_at_every_wait(nvml: FakeNVML) -> None:
+    """While a registered GPU is lost, NVML's event wait answers GPU_IS_LOST at once, every time. The GPU
+    is found by one probe right away; the others are then probed every --health-probe-period, not at
+    every wait (which made NVML queries of every GPU about twenty times a second for as long as the GPU
+    stayed lost)."""
+    clock = Clock()  # the clock does not move: no probe period ever passes
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    nvml.lost.add(2)
+    nvml.empty_wait_error = pynvml.NVML_ERROR_GPU_IS_LOST
+    _steps(monitor, 6)
+    assert not monitor.state(2).healthy
+    assert monitor.state(2).reason == "lost"
+    # the first step's probe, and one at once when the wait first answered GPU_IS_LOST
+    assert nvml.memory_calls[0] <= 2, nvml.memory_calls
+    assert monitor.state(0).healthy
+
+
+def test_second_gpu_lost_while_the_first_is_still_lost_is_found_by_the_periodic_probe(nvml: FakeNVML) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock, probe_period=1.0)
+    _prepare(monitor)
+    nvml.lost.add(1)
+    nvml.empty_wait_error = pynvml.NVML_ERROR_GPU_IS_LOST
+    next_probe = 0.0
+    for _ in range(2):
+        next_probe = monitor._step(next_probe)
+    assert not monitor.state(1).healthy
+    nvml.lost.add(3)
+    clock.now += 1.5
+    monitor._step(next_probe)
+    assert not monitor.state(3).healthy
+
+
+# -- events the monitor cannot match to a handle ------------------------------------------------
+
+
+def test_event_from_a_handle_not_seen_before_takes_out_only_its_gpu(nvml: FakeNVML) -> None:
+    """An event's device handle that is not the pointer the monitor holds (another handle of the same
+    GPU) is identified through NVML (UUID, index): only that GPU goes, not the whole node."""
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    other = _pointer(0x90000)
+    original = nvml.index_of
+
+    def index_of(handle: Any) -> int:
+        if ctypes.cast(handle, ctypes.c_void_p).value == 0x90000:
+            return 1
+        return original(handle)
+
+    nvml.index_of = index_of  # type: ignore[method-assign]
+    nvml.queue.append(("event", other, 79))
+    _steps(monitor, 1)
+    states = monitor.snapshot()
+    assert not states[1].healthy
+    assert states[1].reason == "XID 79"
+    assert [i for i, s in states.items() if not s.healthy] == [1]
+
+
+def test_event_from_a_device_nvml_cannot_name_takes_out_every_gpu_and_says_why(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A critical XID whose device cannot be identified at all is not dropped: every GPU goes (as NVIDIA's
+    plugin does), and the log says the XID and that its GPU is unknown."""
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    nvml.queue.append(("event", _pointer(0x90000), 79))
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        _steps(monitor, 1)
+    assert all(not s.healthy for s in monitor.snapshot().values())
+    assert any("79" in r.getMessage() and "unknown" in r.getMessage().lower() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+# -- log lines name the GPU by index and UUID -----------------------------------------------------
+
+
+def test_gpu_without_a_handle_is_logged_with_its_uuid_and_the_error(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    nvml.no_handle[3] = pynvml.NVML_ERROR_UNKNOWN
+    monitor = _monitor(nvml, clock)
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        _prepare(monitor)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("GPU 3" in line and nvml.gpus[3].uuid in line and "Unknown Error" in line for line in lines), lines
+
+
+def test_ignored_xid_log_names_the_gpu_uuid(nvml: FakeNVML, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    nvml.xid(2, 13)
+    with caplog.at_level(logging.INFO, logger=health_mod.__name__):
+        _steps(monitor, 1)
+    lines = [r.getMessage() for r in caplog.records if "XID 13" in r.getMessage()]
+    assert lines and all("GPU 2" in line and nvml.gpus[2].uuid in line for line in lines), lines
+    assert monitor.state(2).healthy
+
+
+def test_failed_event_registration_is_logged_with_the_gpu_uuid(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    nvml.register_error[1] = pynvml.NVML_ERROR_UNKNOWN
+    nvml.register_error[2] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    monitor = _monitor(nvml, clock)
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        _prepare(monitor)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(nvml.gpus[1].uuid in line and "Unknown Error" in line for line in lines), lines
+    assert any(nvml.gpus[2].uuid in line and "Not Supported" in line for line in lines), lines
+    # registration failed on two GPUs only: the others' XIDs are watched and acted on
+    nvml.xid(3, 79)
+    _steps(monitor, 1)
+    assert not monitor.state(3).healthy
+    assert monitor.state(0).healthy
+
+
+# -- XID policy and storms ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xid", [13, 31, 43, 45, 68, 109])
+def test_application_xids_never_take_a_gpu_out(nvml: FakeNVML, xid: int) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    for _ in range(50):
+        nvml.xid(0, xid)
+    _steps(monitor, 51)
+    assert all(s.healthy for s in monitor.snapshot().values())
+    assert monitor.ignored_xid_events == 50
+
+
+@pytest.mark.parametrize("xid", [48, 63, 74, 79, 92, 94, 95, 119])
+def test_critical_xids_take_only_their_gpu_out(nvml: FakeNVML, xid: int) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    nvml.xid(2, xid)
+    _steps(monitor, 1)
+    assert [i for i, s in monitor.snapshot().items() if not s.healthy] == [2]
+    assert monitor.state(2).reason == f"XID {xid}"
+
+
+def test_xid_storm_logs_a_bounded_number_of_lines_and_notifies_once(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    changes: list[tuple[int, HealthState]] = []
+    monitor.add_listener(lambda i, s: changes.append((i, s)))
+    _prepare(monitor)
+    for n in range(3000):
+        nvml.xid(0, 13)
+        nvml.xid(1, 79)
+        nvml.xid(2, 31 if n % 2 else 43)
+    with caplog.at_level(logging.DEBUG, logger=health_mod.__name__):
+        _steps(monitor, 9001)
+    assert len(caplog.records) < 20, [r.getMessage() for r in caplog.records][:30]
+    assert [i for i, s in changes] == [1]
+    assert monitor.xid_events == 9000
+
+
+def test_gpu_comes_back_after_the_quiet_period_and_not_before(nvml: FakeNVML) -> None:
+    clock = Clock()
+    monitor = _monitor(nvml, clock, quiet_period=300.0, probe_period=1.0)
+    changes: list[tuple[int, bool]] = []
+    monitor.add_listener(lambda i, s: changes.append((i, s.healthy)))
+    _prepare(monitor)
+    nvml.xid(1, 79)
+    next_probe = monitor._step(0.0)
+    clock.now += 200
+    nvml.xid(1, 48)  # a second error restarts the quiet period
+    next_probe = monitor._step(next_probe)
+    clock.now += 150
+    next_probe = monitor._step(next_probe)
+    assert not monitor.state(1).healthy
+    clock.now += 151
+    monitor._step(next_probe)
+    assert monitor.state(1).healthy
+    assert changes == [(1, False), (1, True)]
+
+
+# -- the thread ------------------------------------------------------------------------------------
+
+
+def _health_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gpu-health"]
+
+
+def test_stop_during_an_xid_storm_ends_the_thread(nvml: FakeNVML) -> None:
+    before = len(_health_threads())
+
+    class Endless(deque[tuple[str, Any, int]]):
+        def __bool__(self) -> bool:
+            return True
+
+        def popleft(self) -> tuple[str, Any, int]:
+            return ("event", nvml.handles[0], 79)
+
+    nvml.queue = Endless()
+    monitor = _monitor(nvml, Clock())
+    monitor.start()
+    for _ in range(1000):
+        if monitor.xid_events > 100:
+            break
+        threading.Event().wait(0.01)
+    monitor.stop(timeout=30)
+    assert not monitor.alive()
+    assert len(_health_threads()) == before

@@ -2,12 +2,14 @@
 
 A pod refers to claims in ``spec.resourceClaims[]`` (``resourceClaimName``, or a
 template whose generated claim is named in ``status.resourceClaimStatuses[]``); a
-container uses the ones listed in ``resources.claims[].name``.
+container uses the ones listed in ``resources.claims[].name``. Init containers (sidecars with
+``restartPolicy: Always`` among them) use claims the same way as the app containers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.claims import ClaimAllocation
@@ -27,13 +29,23 @@ def claim_names(pod: Pod) -> dict[str, str]:
     return out
 
 
+def all_containers(pod: Pod) -> list[dict[str, Any]]:
+    """The pod's init containers, then its app containers (those that are objects)."""
+    spec = pod.get("spec") or {}
+    out: list[dict[str, Any]] = []
+    for key in ("initContainers", "containers"):
+        items = spec.get(key) if isinstance(spec, dict) else None
+        out.extend(c for c in items or [] if isinstance(c, dict))
+    return out
+
+
 def containers_using(pod: Pod, claim_name: str) -> list[str]:
     """Names of the pod's containers that use the ResourceClaim ``claim_name``."""
     local = {k for k, v in claim_names(pod).items() if v == claim_name}
     if not local:
         return []
     out = []
-    for c in (pod.get("spec") or {}).get("containers") or []:
+    for c in all_containers(pod):
         refs = ((c.get("resources") or {}).get("claims")) or []
         if any(isinstance(r, dict) and r.get("name") in local for r in refs):
             out.append(str(c.get("name", "")))

@@ -1,0 +1,196 @@
+"""DRA mode against the contract of the real components: what the API server accepts in a
+ResourceSlice, how the publisher copes with other writers, and which containers use a claim."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.dra import consumers, devices
+from gpumanager.dra.publisher import SlicePublisher
+from gpumanager.kube.rest import ApiException
+from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_errors import ApiError
+from simnode.apiserver_resource import validate_resource_slice
+from simnode.dra_cluster import DRIVER, NODE
+from tests.dra_claim_fixtures import DRAClient, dra_node, result
+
+__all__ = ["dra_node"]
+
+JSON = dict[str, Any]
+
+GiB = 1 << 30
+
+
+def _gpu(index: int, memory: int = 16 * GiB, **kw: Any) -> GPUInfo:
+    fields: JSON = {
+        "index": index,
+        "uuid": f"GPU-{index:08d}-0000-0000-0000-000000000000",
+        "name": "Tesla T4",
+        "minor": index,
+        "memory_total": memory,
+        "pci_bus_id": f"00000000:{index + 1:02x}:00.0",
+    }
+    fields.update(kw)
+    return GPUInfo(**fields)
+
+
+def _spec(gpus: list[GPUInfo], generation: int = 1, tmp: Path | None = None) -> JSON:
+    return devices.slice_spec(
+        node=NODE,
+        driver=DRIVER,
+        gpus=gpus,
+        topology=NodeTopology(levels=()),
+        taints={},
+        generation=generation,
+        sysfs_root=tmp or Path("/nonexistent"),
+    )
+
+
+def _as_stored(spec: JSON, name: str = "x") -> JSON:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name}, "spec": spec}
+
+
+# -- what the API server accepts -------------------------------------------------------------------
+
+
+def test_slice_of_a_gpu_lost_at_first_start_is_accepted(tmp_path: Path) -> None:
+    """A GPU lost at start and never seen whole (a one-GPU node) is described with 0 bytes of
+    memory: its device must still pass the API server's capacity rules, or the node's whole slice
+    (its other GPUs too) is refused."""
+    spec = _spec([_gpu(0, memory=0), _gpu(1)], tmp=tmp_path)
+    try:
+        validate_resource_slice(_as_stored(json.loads(json.dumps(spec))))
+    except ApiError as exc:
+        pytest.fail(f"the API server would refuse the slice: {exc}")
+    small = _spec([_gpu(0, memory=100 << 20)], tmp=tmp_path)
+    try:
+        validate_resource_slice(_as_stored(json.loads(json.dumps(small))))
+    except ApiError as exc:
+        pytest.fail(f"the API server would refuse the slice: {exc}")
+
+
+# -- the publisher and other writers ---------------------------------------------------------------
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerSimulator]:
+    server = ApiServerSimulator()
+    server.start()
+    server.add_node(NODE)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _slices(api: ApiServerSimulator) -> dict[str, JSON]:
+    client = api.client()
+    from kubernetes import client as k8s
+
+    data = json.loads(k8s.ResourceV1Api(client).list_resource_slice(_preload_content=False).data)
+    return {s["metadata"]["name"]: s for s in data["items"]}
+
+
+def _create_slice(api: ApiServerSimulator, name: str, spec: JSON) -> None:
+    from kubernetes import client as k8s
+
+    k8s.ResourceV1Api(api.client()).create_resource_slice(_as_stored(spec, name), _preload_content=False)
+
+
+def test_stale_slice_that_cannot_be_deleted_does_not_keep_ours_unpublished(api: ApiServerSimulator) -> None:
+    """A slice of this node and driver under another name (an earlier version's) that the server
+    refuses to delete must not keep the node's own slice from being published: ours goes above it."""
+    gpus = [_gpu(0)]
+    stale = _spec(gpus, generation=4)
+    _create_slice(api, "old-name-of-the-slice", stale)
+    api.fail_next("DELETE", r"/resourceslices/old-name-of-the-slice$", status=403, count=1000)
+    pub = SlicePublisher(api.client(), node=NODE, driver=DRIVER, content=lambda g: _spec(gpus, g))
+    for _ in range(2):
+        try:
+            pub.sync()
+        except ApiException:
+            pass
+    found = _slices(api)
+    assert pub.name in found, f"our slice was never published: {sorted(found)}"
+    assert found[pub.name]["spec"]["pool"]["generation"] > 4
+
+
+# -- which containers use a claim --------------------------------------------------------------------
+
+
+def _pod_with_sidecar() -> JSON:
+    return {
+        "metadata": {"name": "p", "namespace": "default", "uid": "u-1"},
+        "spec": {
+            "resourceClaims": [{"name": "a", "resourceClaimName": "claim-a"}],
+            "initContainers": [
+                {"name": "side", "restartPolicy": "Always", "resources": {"claims": [{"name": "a"}]}},
+                {"name": "setup", "resources": {"claims": [{"name": "a"}]}},
+            ],
+            "containers": [{"name": "main"}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_init_and_sidecar_containers_count_as_users_of_a_claim() -> None:
+    """An init container (a sidecar too) that names a claim uses it: its processes belong in
+    pids.config, and /usage and the container metrics show it."""
+    assert consumers.containers_using(_pod_with_sidecar(), "claim-a") == ["side", "setup"]
+
+
+def _claim_with_pod(node: DRAClient, name: str, results: list[JSON], pod: JSON) -> JSON:
+    api = node.cluster.resource
+    body: JSON = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+    }
+    created: JSON = json.loads(api.create_namespaced_resource_claim("default", body, _preload_content=False).data)
+    created["status"] = {
+        "allocation": {"devices": {"results": results}},
+        "reservedFor": [{"resource": "pods", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}],
+    }
+    out: JSON = json.loads(
+        api.replace_namespaced_resource_claim_status(name, "default", created, _preload_content=False).data
+    )
+    return out
+
+
+def test_sidecar_with_a_share_and_another_claim_is_refused(dra_node: DRAClient) -> None:
+    """The rule "a container with a share uses no other claim of the driver" holds for init and
+    sidecar containers too: the runtime merges their claims' CDI edits the same way."""
+    manifest: JSON = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "side-pod", "namespace": "default"},
+        "spec": {
+            "resourceClaims": [
+                {"name": "share", "resourceClaimName": "share-claim"},
+                {"name": "other", "resourceClaimName": "other-claim"},
+            ],
+            "initContainers": [
+                {
+                    "name": "side",
+                    "image": "cuda:12",
+                    "restartPolicy": "Always",
+                    "resources": {"claims": [{"name": "share"}, {"name": "other"}]},
+                }
+            ],
+            "containers": [{"name": "main", "image": "cuda:12"}],
+        },
+    }
+    pod = dra_node.cluster.create_pod(manifest)
+    share = _claim_with_pod(dra_node, "share-claim", [result(cores="30", memory="1Gi", share="s-1")], pod)
+    other = _claim_with_pod(dra_node, "other-claim", [result(cores="20", memory="1Gi", share="s-2")], pod)
+    answers = dra_node.prepare(DRAClient.ref(share), DRAClient.ref(other))
+    for claim in (share, other):
+        error = answers[claim["metadata"]["uid"]].error
+        assert "side" in error and "share" in error, answers

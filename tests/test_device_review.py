@@ -4,8 +4,11 @@ cannot match by handle, XID storms, log lines that name the GPU, and the device 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import json
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -380,3 +383,119 @@ def test_stop_during_an_xid_storm_ends_the_thread(nvml: FakeNVML) -> None:
     monitor.stop(timeout=30)
     assert not monitor.alive()
     assert len(_health_threads()) == before
+
+
+# -- the simulated node: what the kubelet hears ----------------------------------------------------
+
+CORE = names.VCORE_RESOURCE
+MEM = names.VMEMORY_RESOURCE
+V100_BLOCKS = 32768 // 256
+
+
+def _unhealthy(devices: dict[str, Any]) -> set[str]:
+    return {i for i, d in devices.items() if not d.healthy}
+
+
+def _core_ids(gpu: int) -> set[str]:
+    return {f"tencent.com/vcuda-core-{n}" for n in range(gpu * 100, gpu * 100 + 100)}
+
+
+def _mem_ids(gpu: int) -> set[str]:
+    first = gpu * V100_BLOCKS
+    return {f"tencent.com/vcuda-memory-268435456-{n}" for n in range(first, first + V100_BLOCKS)}
+
+
+def _list_messages(kubelet: Any, resource: str) -> list[Any]:
+    return [u for u in kubelet.updates(resource) if u.kind == "list_and_watch"]
+
+
+def test_xid_reaches_both_resources_once_with_exactly_that_gpus_devices(kubelet: Any, start_agent: Any) -> None:
+    from tests.agent_fixtures import gpusim
+
+    agent = start_agent("v100-pcie-x4", "--health-quiet-period=2s", "--health-probe-period=200ms")
+    kubelet.wait_for_registration(CORE, timeout=60)
+    kubelet.wait_for_registration(MEM, timeout=60)
+    kubelet.wait_for_devices(CORE, 400, timeout=60)
+    kubelet.wait_for_devices(MEM, 4 * V100_BLOCKS, timeout=60)
+    gpusim(agent, "xid", "--gpu", "2", "--xid", "13")  # an application error: nothing changes
+    gpusim(agent, "xid", "--gpu", "2", "--xid", "79")
+    core = kubelet.wait_for_devices(CORE, lambda d: bool(_unhealthy(d)), timeout=60)
+    mem = kubelet.wait_for_devices(MEM, lambda d: bool(_unhealthy(d)), timeout=60)
+    assert _unhealthy(core) == _core_ids(2)
+    assert _unhealthy(mem) == _mem_ids(2)
+    kubelet.wait_for_devices(CORE, 400, timeout=60)
+    kubelet.wait_for_devices(MEM, 4 * V100_BLOCKS, timeout=60)
+    agent.wait_for_log("is healthy again", timeout=60)
+    for resource in (CORE, MEM):
+        states = [frozenset(_unhealthy(dict(u.devices))) for u in _list_messages(kubelet, resource)]
+        # the first list, GPU 2 out, GPU 2 back: no message repeats the list before it
+        assert all(a != b for a, b in itertools.pairwise(states)), (resource, len(states))
+        assert states[-1] == frozenset()
+    log = agent.log_text()
+    assert "XID 13 ignored" in log
+    assert log.count("is unhealthy: XID 79") == 1
+
+
+def test_lost_gpu_is_out_on_both_resources_and_back_after_restore(kubelet: Any, start_agent: Any) -> None:
+    from tests.agent_fixtures import gpusim
+
+    agent = start_agent("v100-pcie-x4", "--health-quiet-period=1s", "--health-probe-period=200ms")
+    kubelet.wait_for_devices(CORE, 400, timeout=60)
+    kubelet.wait_for_devices(MEM, 4 * V100_BLOCKS, timeout=60)
+    gpusim(agent, "lost", "--gpu", "1")
+    core = kubelet.wait_for_devices(CORE, lambda d: bool(_unhealthy(d)), timeout=60)
+    mem = kubelet.wait_for_devices(MEM, lambda d: bool(_unhealthy(d)), timeout=60)
+    assert _unhealthy(core) == _core_ids(1)
+    assert _unhealthy(mem) == _mem_ids(1)
+    # an XID on another GPU while GPU 1 is lost is still acted on
+    gpusim(agent, "xid", "--gpu", "3", "--xid", "48")
+    core = kubelet.wait_for_devices(CORE, lambda d: _core_ids(3) <= _unhealthy(d), timeout=60)
+    assert _unhealthy(core) == _core_ids(1) | _core_ids(3)
+    gpusim(agent, "restore", "--gpu", "1")
+    kubelet.wait_for_devices(CORE, 400, timeout=60)
+    kubelet.wait_for_devices(MEM, 4 * V100_BLOCKS, timeout=60)
+    log = agent.log_text()
+    assert log.count("is unhealthy: lost") == 1, log
+
+
+def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
+    kubelet: Any, tmp_path: Any, sim_built: Any
+) -> None:
+    """A GPU that fell off the bus so hard that NVML no longer counts it (3 GPUs where the last start saw 4)
+    moves the NVML indexes of the GPUs after it. The device IDs name GPUs by their place: vcuda-core-200
+    must stay the GPU it was (the old third GPU, NVML's index 1 now), the missing one's IDs stay listed
+    Unhealthy, and an XID of the old third GPU takes out its own IDs, not another GPU's."""
+    from simnode.agent_process import AgentProcess
+    from tests.agent_fixtures import gpusim, spec_path
+
+    full = json.loads(spec_path("v100-pcie-x4").read_text())
+    first = AgentProcess(tmp_path, spec_path("v100-pcie-x4")).start()
+    try:
+        kubelet.wait_for_devices(CORE, 400, timeout=60)
+        first.wait_for_log("GPU 3: Tesla", timeout=60)
+    finally:
+        first.stop()
+    short = dict(full)
+    short["gpus"] = [g for i, g in enumerate(full["gpus"]) if i != 1]
+    short["topology"] = [[v for j, v in enumerate(row) if j != 1] for i, row in enumerate(full["topology"]) if i != 1]
+    short_spec = tmp_path / "v100-missing-one.json"
+    short_spec.write_text(json.dumps(short))
+    since = time.monotonic()
+    agent = AgentProcess(tmp_path, short_spec, state=tmp_path / "short.state").start()
+    try:
+        kubelet.wait_for_registration(CORE, since=since, timeout=60, with_devices=True)
+        kubelet.wait_for_registration(MEM, since=since, timeout=60, with_devices=True)
+        core = kubelet.wait_for_devices(CORE, 300, timeout=60)
+        mem = kubelet.wait_for_devices(MEM, 3 * V100_BLOCKS, timeout=60)
+        assert set(core) == set().union(*(_core_ids(g) for g in range(4)))
+        assert _unhealthy(core) == _core_ids(1)
+        assert _unhealthy(mem) == _mem_ids(1)
+        log = agent.log_text()
+        assert full["gpus"][1]["uuid"] in log  # the missing GPU is named
+        assert f"GPU 2: Tesla V100-PCIE-32GB {full['gpus'][2]['uuid']}" in log
+        # NVML's GPU 1 is the old third GPU: its XID takes out vcuda-core-200..299
+        gpusim(agent, "xid", "--gpu", "1", "--xid", "79")
+        core = kubelet.wait_for_devices(CORE, lambda d: _core_ids(2) <= _unhealthy(d), timeout=60)
+        assert _unhealthy(core) == _core_ids(1) | _core_ids(2)
+    finally:
+        agent.stop()

@@ -56,6 +56,7 @@ class FakeNVML:
         self.memory_calls: dict[int, int] = {g.index: 0 for g in gpus}
         self.wait_calls = 0
         self.block_on_timeout = 0.0
+        self.mig: dict[int, int] = {}  # GPU -> current MIG mode; GPUs not here answer NOT_SUPPORTED
         self.lock = threading.Lock()
 
     def index_of(self, handle: Any) -> int:
@@ -75,6 +76,15 @@ class FakeNVML:
         m.setattr(pynvml, "nvmlDeviceGetMemoryInfo", self.memory)
         m.setattr(pynvml, "nvmlDeviceGetUUID", self.uuid)
         m.setattr(pynvml, "nvmlDeviceGetIndex", self.index)
+        m.setattr(pynvml, "nvmlDeviceGetMigMode", self.mig_mode)
+
+    def mig_mode(self, handle: Any) -> list[int]:
+        index = self.index_of(handle)
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if index not in self.mig:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [self.mig[index], self.mig[index]]
 
     def get_handle(self, index: int) -> Any:
         if index in self.no_handle:
@@ -354,6 +364,31 @@ def test_gpu_comes_back_after_the_quiet_period_and_not_before(nvml: FakeNVML) ->
     monitor._step(next_probe)
     assert monitor.state(1).healthy
     assert changes == [(1, False), (1, True)]
+
+
+def test_gpu_in_mig_mode_is_out_of_service_until_mig_is_disabled(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU in MIG mode runs CUDA only in its MIG instances: a share of the whole GPU cannot be used or
+    enforced there. It is served Unhealthy (the log names it and says why) and comes back once MIG mode
+    is off for the quiet period."""
+    clock = Clock()
+    nvml.mig = {1: pynvml.NVML_DEVICE_MIG_DISABLE, 2: pynvml.NVML_DEVICE_MIG_ENABLE}
+    monitor = _monitor(nvml, clock, quiet_period=60.0, probe_period=1.0)
+    _prepare(monitor)
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        next_probe = monitor._step(0.0)
+    assert [i for i, s in monitor.snapshot().items() if not s.healthy] == [2]
+    assert "MIG" in monitor.state(2).reason
+    assert any("GPU 2" in r.getMessage() and "MIG" in r.getMessage() for r in caplog.records)
+    assert monitor.nvml_problem() == ""
+    nvml.mig[2] = pynvml.NVML_DEVICE_MIG_DISABLE
+    clock.now += 30
+    next_probe = monitor._step(next_probe)
+    assert not monitor.state(2).healthy
+    clock.now += 31
+    monitor._step(next_probe)
+    assert monitor.state(2).healthy
 
 
 # -- the thread ------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ EVENT_WAIT_FAILURES_BEFORE_RESET = 10
 #: Seconds before the first attempt to make the event set again; doubled at each failure, up to the last.
 EVENT_SET_RETRY_FIRST = 1.0
 EVENT_SET_RETRY_MAX = 60.0
+#: The reason of a GPU in MIG mode (its shares would land on a GPU that runs CUDA only in MIG instances).
+MIG_ENABLED = "MIG mode"
 #: Seconds between two log lines of one repeated condition (an ignored XID of one GPU, failing waits).
 LOG_PERIOD = 60.0
 
@@ -100,6 +102,7 @@ class HealthMonitor:
         self._wait_logged_at = -1e18
         self._registered: set[int] = set()  # GPUs whose XIDs the current event set watches
         self._unsupported: set[int] = set()  # GPUs whose NVML has no XID events (only probed)
+        self._no_mig: set[int] = set()  # GPUs whose NVML has no MIG mode (not asked again)
         self._register_logged_at = -1e18
         self._wait_problem = ""  # the event waits keep failing
         self._register_problem = ""  # some GPUs could not be registered in the event set
@@ -432,7 +435,32 @@ class HealthMonitor:
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
                 continue
             self._last_answer = self._clock()
+            if self._mig_enabled(index, handle):
+                # CUDA runs only in the MIG instances of such a GPU: a share of the whole GPU cannot be used.
+                if self.state(index).healthy:
+                    log.warning(
+                        "%s is in MIG mode: CUDA runs only in its MIG instances, so its shares cannot be used; "
+                        "Unhealthy until MIG is disabled (nvidia-smi -i %s -mig 0)",
+                        self.gpu_name(index),
+                        self._uuids.get(index, index),
+                    )
+                self._mark_bad(index, MIG_ENABLED)
+                continue
             self._mark_ok(index)
+
+    def _mig_enabled(self, index: int, handle: object) -> bool:
+        """Whether GPU ``index`` is in MIG mode now (a GPU without MIG is not asked again)."""
+        if index in self._no_mig:
+            return False
+        try:
+            current = pynvml.nvmlDeviceGetMigMode(handle)[0]
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._no_mig.add(index)
+            else:
+                log.debug("%s: nvmlDeviceGetMigMode: %s", self.gpu_name(index), exc)
+            return False
+        return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
 
     def _run(self) -> None:
         next_probe = 0.0

@@ -3,7 +3,8 @@
 One device per GPU, named ``gpu-<index>``, shareable (``allowMultipleAllocations``):
 ``cores`` is 100 (policy: default 100, 1..100 in steps of 1) and ``memory`` the GPU's
 memory floored to 256 MiB (policy: default all of it, from 256 MiB in steps of 256 MiB;
-the API server refuses a default off the step grid). Attributes: ``uuid``,
+the API server refuses a default off the step grid; a GPU with less than one step, as one lost
+at start and never seen whole, publishes its memory without a policy). Attributes: ``uuid``,
 ``productName``, ``index``, ``minor``, ``nvlinkGroup`` (GPUs joined by NVLink, directly
 or through others, share the lowest index of their group; a GPU without NVLink has none),
 and the standard ``resource.kubernetes.io/pcieRoot`` and ``resource.kubernetes.io/numaNode``
@@ -83,6 +84,20 @@ def taint_value(reason: str) -> str:
     return value[:63].rstrip("-._") or "unhealthy"
 
 
+def _memory_capacity(amount: int) -> JSON:
+    """The ``memory`` capacity of a GPU with ``amount`` bytes published. Less than one step (a GPU
+    lost at start and never seen whole is known with 0 bytes) gets no request policy: a range from
+    one step up to less than that is one the API server refuses, and with it the node's whole slice."""
+    memory = format_bytes(amount)
+    if amount < c.MEMORY_STEP:
+        return {"value": memory}
+    step = format_bytes(c.MEMORY_STEP)
+    return {
+        "value": memory,
+        "requestPolicy": {"default": memory, "validRange": {"min": step, "max": memory, "step": step}},
+    }
+
+
 def device(
     gpu: GPUInfo,
     *,
@@ -104,7 +119,6 @@ def device(
         attributes[c.ATTR_PCIE_ROOT] = {"string": pcie}
     if gpu.numa_node is not None and gpu.numa_node >= 0:
         attributes[c.ATTR_NUMA_NODE] = {"int": gpu.numa_node}
-    memory = format_bytes(published_memory(gpu))
     out: JSON = {
         "name": c.device_name(gpu.index),
         "allowMultipleAllocations": True,
@@ -114,17 +128,7 @@ def device(
                 "value": "100",
                 "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}},
             },
-            c.MEMORY: {
-                "value": memory,
-                "requestPolicy": {
-                    "default": memory,
-                    "validRange": {
-                        "min": format_bytes(c.MEMORY_STEP),
-                        "max": memory,
-                        "step": format_bytes(c.MEMORY_STEP),
-                    },
-                },
-            },
+            c.MEMORY: _memory_capacity(published_memory(gpu)),
         },
     }
     if taint is not None:

@@ -117,3 +117,60 @@ def test_each_version_of_the_file_is_parsed_once_however_many_read_it(tmp_path: 
         cached.entries()
     path.unlink()
     assert cached.entries() == []
+
+
+def _fifo_read_ends(path: Path, read: object) -> str:
+    """What reading a FIFO in place of the checkpoint gives: the error's text (never a wait for a writer)."""
+    import os
+    import threading
+
+    os.mkfifo(path)
+    outcome: list[str] = []
+
+    def attempt() -> None:
+        try:
+            read()  # type: ignore[operator]
+            outcome.append("read")
+        except kc.KubeletCheckpointError as exc:
+            outcome.append(str(exc))
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the reader so the test ends
+        with open(os.open(path, os.O_WRONLY | os.O_NONBLOCK), "wb"):
+            pass
+        t.join(5)
+        return "blocked"
+    return outcome[0]
+
+
+def test_a_fifo_in_place_of_the_checkpoint_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    message = _fifo_read_ends(path, lambda: kc.read(path))
+    assert str(path) in message and "FIFO" in message, message
+
+
+def test_a_fifo_in_place_of_the_watched_checkpoint_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    message = _fifo_read_ends(path, kc.CheckpointFile(path).entries)
+    assert str(path) in message and "FIFO" in message, message
+
+
+def test_a_malformed_entry_of_another_resource_leaves_ours_readable(tmp_path: Path) -> None:
+    path = tmp_path / "kubelet_internal_checkpoint"
+    write_checkpoint_v2(path, ENTRIES, {"tencent.com/vcuda-core": ["tencent.com/vcuda-core-5"]})
+    doc = json.loads(path.read_text())
+    odd = {"PodUID": "x", "ContainerName": "c", "ResourceName": "example.com/fpga", "DeviceIDs": 7, "AllocResp": "%"}
+    doc["Data"]["PodDeviceEntries"].insert(0, odd)
+    path.write_text(json.dumps(doc))
+    got = kc.read(path)
+    assert [(e.pod_uid, e.resource) for e in got] == [
+        ("uid-a", "tencent.com/vcuda-core"),
+        ("uid-a", "tencent.com/vcuda-memory"),
+    ]
+    # One of ours malformed still makes the file unusable: it cannot tell what that container holds.
+    doc["Data"]["PodDeviceEntries"][0]["ResourceName"] = "tencent.com/vcuda-core"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(kc.KubeletCheckpointError, match=r"PodDeviceEntries\[0\]"):
+        kc.read(path)

@@ -5,6 +5,9 @@ Shapes, detected by structure (never by trial and error):
 - 1.10-1.19: the same with ``"DeviceIDs": [ids]``
 - oldest: no ``Data`` wrapper: ``{"PodDeviceEntries": [...], "RegisteredDevices": {...}}``
 ``PodDeviceEntries`` may be null; unknown keys (e.g. ``BootID``) are ignored and the checksum is not checked.
+An entry of another resource that cannot be read is skipped (it tells nothing about ours); one of ours
+makes the file unusable. Anything but a regular file, or one over :data:`MAX_BYTES`, is refused without
+waiting (a FIFO in its place never blocks the reader).
 """
 
 from __future__ import annotations
@@ -12,12 +15,23 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import os
+import stat
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from gpumanager import names
+from gpumanager.fileio import read_regular
+
+log = logging.getLogger(__name__)
+
+#: The largest checkpoint read (the kubelet's for thousands of pods is a few MiB).
+MAX_BYTES = 256 << 20
+_OURS = frozenset({names.VCORE_RESOURCE, names.VMEMORY_RESOURCE})
 
 
 class KubeletCheckpointError(ValueError):
@@ -71,27 +85,35 @@ def parse(data: Any, source: str = "kubelet_internal_checkpoint") -> list[Kubele
         where = f"{source}: PodDeviceEntries[{n}]"
         if not isinstance(entry, Mapping):
             raise KubeletCheckpointError(f"{where} is not an object")
-        raw_resp = entry.get("AllocResp") or ""
+        resource = str(entry.get("ResourceName", ""))
         try:
-            alloc_resp = base64.b64decode(raw_resp, validate=True) if raw_resp else b""
-        except (binascii.Error, TypeError) as exc:
-            raise KubeletCheckpointError(f"{where}: AllocResp is not base64: {exc}") from exc
-        out.append(
-            KubeletEntry(
-                pod_uid=str(entry.get("PodUID", "")),
-                container=str(entry.get("ContainerName", "")),
-                resource=str(entry.get("ResourceName", "")),
-                device_ids=_device_ids(entry.get("DeviceIDs"), where),
-                alloc_resp=alloc_resp,
-            )
-        )
+            out.append(_entry(entry, resource, where))
+        except KubeletCheckpointError as exc:
+            if not resource or resource in _OURS:  # ours, or whose it is cannot be told
+                raise
+            log.debug("%s (skipped: not a resource of ours)", exc)
     return out
+
+
+def _entry(entry: Mapping[str, Any], resource: str, where: str) -> KubeletEntry:
+    raw_resp = entry.get("AllocResp") or ""
+    try:
+        alloc_resp = base64.b64decode(raw_resp, validate=True) if raw_resp else b""
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise KubeletCheckpointError(f"{where}: AllocResp is not base64: {exc}") from exc
+    return KubeletEntry(
+        pod_uid=str(entry.get("PodUID", "")),
+        container=str(entry.get("ContainerName", "")),
+        resource=resource,
+        device_ids=_device_ids(entry.get("DeviceIDs"), where),
+        alloc_resp=alloc_resp,
+    )
 
 
 def read(path: Path) -> list[KubeletEntry]:
     """Entries of the checkpoint at ``path``; a missing file has none (a fresh node has no file yet)."""
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, MAX_BYTES)
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -109,6 +131,12 @@ def _decode(raw: bytes, path: Path) -> list[KubeletEntry]:
     except ValueError as exc:  # a number too long to convert
         raise KubeletCheckpointError(f"{path}: cannot read its JSON: {exc}") from exc
     return parse(data, str(path))
+
+
+def _kind(mode: int) -> str:
+    return {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}.get(
+        stat.S_IFMT(mode), "a device or other special file"
+    )
 
 
 class CheckpointFile:
@@ -130,19 +158,23 @@ class CheckpointFile:
         """The entries now (a missing file has none); KubeletCheckpointError when it cannot be used."""
         with self._lock:
             try:
-                f = self.path.open("rb")
+                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 self._version, self._entries = None, []
                 return []
             except OSError as exc:
                 raise KubeletCheckpointError(f"{self.path}: cannot read: {exc}") from exc
-            with f:
+            with open(fd, "rb") as f:
                 try:
-                    st = os.fstat(f.fileno())
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise OSError(f"not a regular file ({_kind(st.st_mode)})")
+                    if st.st_size > MAX_BYTES:
+                        raise OSError(f"{st.st_size} bytes, more than the {MAX_BYTES} read")
                     version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
                     if version == self._version:
                         return self._entries
-                    raw = f.read()
+                    raw = f.read(MAX_BYTES + 1)
                 except OSError as exc:
                     raise KubeletCheckpointError(f"{self.path}: cannot read: {exc}") from exc
             self.parses += 1

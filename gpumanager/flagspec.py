@@ -110,10 +110,10 @@ def format_duration(seconds: float) -> str:
 def parse_xids(text: str) -> tuple[int, ...]:
     """A comma-separated list of XID numbers, sorted and without repeats."""
     items = [t.strip() for t in text.split(",") if t.strip()]
-    try:
-        return tuple(sorted({int(t) for t in items}))
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of XID numbers") from None
+    for item in items:
+        if not (item.isascii() and item.isdigit()):
+            raise ValueError(f"{item!r} is not an XID number (in {text!r}: a comma-separated list of XID numbers)")
+    return tuple(sorted({int(t) for t in items}))
 
 
 def _declare(default: Any, spec: FlagSpec) -> Any:

@@ -534,3 +534,29 @@ def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
         assert _unhealthy(core) == _core_ids(1) | _core_ids(2)
     finally:
         agent.stop()
+
+
+# -- --ignored-xids -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "named"), [("13,abc", "'abc'"), ("79;13", "'79;13'"), ("13, 0x4f", "'0x4f'"), ("48,,1.5", "'1.5'")]
+)
+def test_malformed_ignored_xids_are_refused_naming_the_bad_item(
+    value: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpumanager.cli import build_parser, normalize_argv
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser({}).parse_args(normalize_argv([f"--ignored-xids={value}"]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ignored-xids" in err and named in err, err
+
+
+@pytest.mark.parametrize(("value", "xids"), [("", ()), (" 79 , 13,13 ", (13, 79)), ("109", (109,))])
+def test_ignored_xids_accepts_lists_and_empty(value: str, xids: tuple[int, ...]) -> None:
+    from gpumanager.cli import build_parser, config_from_args, normalize_argv
+
+    args = build_parser({}).parse_args(normalize_argv([f"--ignored-xids={value}"]))
+    assert config_from_args(args, {}).ignored_xids == xids

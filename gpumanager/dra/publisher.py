@@ -201,30 +201,39 @@ class SlicePublisher:
                 else:
                     newest_other = max(newest_other, gen)
                     stale.append(str(meta.get("name")))
+            ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
             wrote = False
-            if stale:
+            desired = self._content(self._generation)
+            current = False
+            if ours is not None:
+                want, have = _comparable(desired), _comparable(ours.get("spec") or {})
+                current = (have == want or self._kept == (want, have)) and (
+                    _owned(ours, self.node) or not self._owner()
+                )
+            if not current:
+                self._write(ours)
+                wrote = True
+            elif stale and ours_gen <= newest_other:
                 # Consumers take only the newest generation of a pool: ours goes above the stale
                 # slices' first, so they count for nothing even if deleting them fails.
-                ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
-                if ours is not None and ours_gen <= newest_other:
-                    ours = self._write(ours, force=True)
-                    wrote = True
+                self._write(ours, force=True)
+                wrote = True
+            # Ours is published (above every stale one) before any stale one is deleted: a stale
+            # slice the server will not delete must not keep the node's GPUs unpublished.
+            failed: ApiException | None = None
             for name in stale:
                 log.info("deleting stale ResourceSlice %s of node %s", name, self.node)
                 try:
                     self._rest.delete_object(f"{SLICES}/{segment(name)}", timeout=REQUEST_TIMEOUT)
                 except ApiException as exc:
-                    if exc.status != 404:
-                        raise
+                    if exc.status != 404 and failed is None:
+                        failed = exc
+                    continue
                 wrote = True
-            desired = self._content(self._generation)
-            if ours is not None:
-                want, have = _comparable(desired), _comparable(ours.get("spec") or {})
-                if (have == want or self._kept == (want, have)) and (_owned(ours, self.node) or not self._owner()):
-                    self.published.set()
-                    return wrote
-            self._write(ours)
-            return True
+            self.published.set()
+            if failed is not None:
+                raise failed
+            return wrote
 
     def _owner(self) -> list[JSON]:
         """``ownerReferences`` naming the node's Node object (read now), or none when it cannot be read."""

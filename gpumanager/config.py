@@ -207,6 +207,11 @@ class Config:
                 f"--dra-driver-name={self.dra_driver_name!r}: must be a DNS subdomain of at most 63 characters "
                 "(lower-case letters, digits, '-' and '.')"
             )
+        if self.mode == "dra" and not self.dra_driver_name[:1].isalpha():
+            raise ConfigError(
+                f"--dra-driver-name={self.dra_driver_name!r}: must start with a letter (it is the vendor of the "
+                "CDI devices, <driver>/gpu=<device>, and CDI refuses a vendor that starts otherwise)"
+            )
         # sun_path is 108 bytes including the terminating NUL.
         for flag, path in (
             ("--device-plugin-path", str(Path(self.device_plugin_path) / names.VMEMORY_SOCKET)),

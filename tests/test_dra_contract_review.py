@@ -194,3 +194,18 @@ def test_sidecar_with_a_share_and_another_claim_is_refused(dra_node: DRAClient) 
     for claim in (share, other):
         error = answers[claim["metadata"]["uid"]].error
         assert "side" in error and "share" in error, answers
+
+
+# -- names the kubelet and the container runtime parse ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["0gpu.example.com", "9.example.com"])
+def test_driver_name_that_is_no_cdi_vendor_is_refused_at_start(name: str) -> None:
+    """The driver name is the CDI vendor of every spec (``<driver>/gpu=<device>``): CDI wants a
+    vendor that starts with a letter, and a runtime refuses every device of a spec whose kind does
+    not parse. A DNS subdomain may start with a digit, so the flag is checked at start."""
+    from gpumanager.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="--dra-driver-name"):
+        Config(mode="dra", dra_driver_name=name).validate()
+    Config(mode="dra", dra_driver_name="gpu0.example.com").validate()

@@ -172,6 +172,7 @@ def _prepare(monitor: HealthMonitor) -> None:
 def _steps(monitor: HealthMonitor, count: int) -> None:
     next_probe = 0.0
     for _ in range(count):
+        monitor._ensure_events()  # as the thread does before each step
         next_probe = monitor._step(next_probe)
 
 
@@ -560,3 +561,32 @@ def test_ignored_xids_accepts_lists_and_empty(value: str, xids: tuple[int, ...])
 
     args = build_parser({}).parse_args(normalize_argv([f"--ignored-xids={value}"]))
     assert config_from_args(args, {}).ignored_xids == xids
+
+
+def test_event_registration_failing_on_every_gpu_is_reported_like_failing_on_some(nvml: FakeNVML) -> None:
+    """XID events watched on no GPU at all (registration fails with an error on each) is reported on
+    /healthz and /readyz as when it fails on some GPUs; it clears once a retry registers them."""
+    clock = Clock()
+    reports: list[tuple[str, str | None]] = []
+    nvml.register_error = dict.fromkeys(range(4), pynvml.NVML_ERROR_UNKNOWN)
+    monitor = _monitor(nvml, clock, report=lambda name, problem: reports.append((name, problem)))
+    _prepare(monitor)
+    assert "GPU 0" in monitor.event_problem() and "GPU 3" in monitor.event_problem()
+    assert reports and reports[-1][0] == health_mod.XID_EVENTS and reports[-1][1]
+    nvml.register_error = {}
+    clock.now += health_mod.EVENT_SET_RETRY_MAX + 1
+    _steps(monitor, 1)
+    assert monitor.event_problem() == ""
+    assert reports[-1] == (health_mod.XID_EVENTS, None)
+    nvml.xid(1, 79)
+    _steps(monitor, 1)
+    assert not monitor.state(1).healthy
+
+
+def test_gpus_without_xid_events_are_not_a_problem(nvml: FakeNVML) -> None:
+    clock = Clock()
+    nvml.register_error = dict.fromkeys(range(4), pynvml.NVML_ERROR_NOT_SUPPORTED)
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    _steps(monitor, 3)
+    assert monitor.event_problem() == ""

@@ -224,6 +224,8 @@ class HealthMonitor:
         )
         if registered == 0:
             self._free(event_set)
+            if failed:  # errors, not GPUs without XID events: reported as when some GPUs fail
+                self._set_register_problem(failed, retry="making the event set again with backoff")
             return None
         self._set_register_problem(failed)
         return event_set
@@ -247,7 +249,7 @@ class HealthMonitor:
             self._registered.add(index)
         return failed
 
-    def _set_register_problem(self, failed: dict[int, str]) -> None:
+    def _set_register_problem(self, failed: dict[int, str], retry: str = "registering again at each probe") -> None:
         """GPUs left out of the event set (logged at most once a minute, reported until all are in)."""
         if failed:
             gpus = ", ".join(f"{self.gpu_name(index)}: {why}" for index, why in sorted(failed.items()))
@@ -255,7 +257,7 @@ class HealthMonitor:
             now = self._clock()
             if now - self._register_logged_at >= LOG_PERIOD:
                 self._register_logged_at = now
-                log.warning("%s; registering again at each probe", problem)
+                log.warning("%s; %s", problem, retry)
         else:
             problem = ""
             if self._register_problem:

@@ -590,3 +590,27 @@ def test_gpus_without_xid_events_are_not_a_problem(nvml: FakeNVML) -> None:
     _prepare(monitor)
     _steps(monitor, 3)
     assert monitor.event_problem() == ""
+
+
+def test_event_set_that_cannot_be_made_is_reported_until_it_can(
+    nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    reports: list[tuple[str, str | None]] = []
+    failing = [True]
+
+    def create() -> object:
+        if failing[0]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return object()
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", create)
+    monitor = _monitor(nvml, clock, report=lambda name, problem: reports.append((name, problem)))
+    _prepare(monitor)
+    assert "Unknown Error" in monitor.event_problem()
+    assert reports and reports[-1][1]
+    failing[0] = False
+    clock.now += health_mod.EVENT_SET_RETRY_MAX + 1
+    _steps(monitor, 1)
+    assert monitor.event_problem() == ""
+    assert reports[-1] == (health_mod.XID_EVENTS, None)

@@ -106,6 +106,7 @@ class HealthMonitor:
         self._register_logged_at = -1e18
         self._wait_problem = ""  # the event waits keep failing
         self._register_problem = ""  # some GPUs could not be registered in the event set
+        self._create_problem = ""  # the event set cannot be made
         self._event_problem = ""
         self._report = report
         self._ignored_seen: dict[tuple[int | None, int], tuple[float, int]] = {}  # last line, count since
@@ -211,7 +212,15 @@ class HealthMonitor:
             event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
             log.log(level, "XID events unavailable (nvmlEventSetCreate: %s); only probing GPUs", exc)
+            if exc.value not in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._create_problem = (
+                    f"XID events are not watched: nvmlEventSetCreate failed ({exc}); GPUs are only probed"
+                )
+                self._publish_event_problem()
             return None
+        if self._create_problem:
+            self._create_problem = ""
+            self._publish_event_problem()
         self._registered = set()
         failed = self._register_unregistered(event_set)
         registered = len(self._registered)
@@ -267,7 +276,7 @@ class HealthMonitor:
         self._publish_event_problem()
 
     def _publish_event_problem(self) -> None:
-        problem = "; ".join(p for p in (self._wait_problem, self._register_problem) if p)
+        problem = "; ".join(p for p in (self._create_problem, self._wait_problem, self._register_problem) if p)
         if problem != self._event_problem:
             self._event_problem = problem
             if self._report is not None:
@@ -327,8 +336,9 @@ class HealthMonitor:
             self._publish_event_problem()
 
     def event_problem(self) -> str:
-        """Why XID events are not watched on some or all GPUs after the event set was made ('' while they
-        are, or while it never was)."""
+        """Why XID events are not watched on some or all GPUs: the event set cannot be made, its waits keep
+        failing, or GPUs could not be registered in it ('' while they are watched, and where NVML has no
+        XID events)."""
         return self._event_problem
 
     def _handle_event(self, data: pynvml.c_nvmlEventData_t) -> None:

@@ -331,3 +331,45 @@ def test_a_segment_the_snapshot_holds_already_is_not_replayed(tmp_path: Path) ->
     old[0].write_bytes(kept)  # its removal failed: left behind, holding only the put
     loaded = CheckpointStore(path).load()
     assert loaded.document == {"PodGPUMapping": {}}, "a change the snapshot holds (and undid) came back"
+
+
+def test_a_snapshot_the_compactor_cannot_write_is_said_once_and_written_as_soon_as_it_can_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk: the compactor's snapshot fails. Said once (not at every try), new allocations are
+    refused naming why, and once the disk has room the compactor itself writes the whole state: the
+    refusal ends without waiting for a kubelet call or the periodic check."""
+    pods = FakePods([make_pod("a", [("c", 50, 4)]), make_pod("b", [("c", 50, 4)])])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.probe_checkpoint()
+    full = threading.Event()
+    full.set()
+    real_write, real_create = journal.CheckpointStore.write_snapshot, journal._Segment.create
+
+    def write_snapshot(self: CheckpointStore, document: object, seq: int) -> None:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, document, seq)  # type: ignore[arg-type]
+
+    def create(path: Path, seq: int) -> object:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(path, seq)
+
+    monkeypatch.setattr(journal.CheckpointStore, "write_snapshot", write_snapshot)
+    monkeypatch.setattr(journal._Segment, "create", staticmethod(create))
+    alloc.allocate(core_ids(0, 50))  # journaled; the compactor's snapshot then fails
+    alloc.start_compactor(period=0.02)
+    try:
+        wait_until(lambda: alloc.checkpoint_error != "", "the compactor's failure")
+        time.sleep(1.0)  # fifty periods of a full disk
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "checkpoint" in r.getMessage()]
+        assert 1 <= len(errors) <= 2, [r.getMessage() for r in errors]
+        assert "No space left" in errors[0].getMessage() and "refused" in errors[0].getMessage()
+        with pytest.raises(AllocationError, match="No space left"):
+            alloc.allocate(core_ids(1, 50))
+        full.clear()
+        wait_until(lambda: alloc.checkpoint_error == "", "the compactor writing the checkpoint again", timeout=30)
+        alloc.allocate(core_ids(1, 50))
+    finally:
+        alloc.close()

@@ -1378,22 +1378,41 @@ class Allocator:
         self._compactor.start()
 
     def _compact_loop(self, period: float, idle_check: float) -> None:
-        while not self._closing.wait(period):
+        retry, reported, reported_at = 0.0, "", 0.0
+        while not self._closing.wait(retry or period):
             try:
-                self.compact(only_if_due=True)
+                if self._checkpoint_error:
+                    # A write failed (here or in a call): new allocations wait for the whole state to be
+                    # written; written from here as soon as it can be, not at the next call or check.
+                    with self._changing():
+                        self._stage(None)
+                else:
+                    self.compact(only_if_due=True)
             except OSError as exc:
                 with self._lock:
-                    self.checkpoint_write_failures += 1
-                    self._checkpoint_error = f"cannot write checkpoint {self._checkpoint_path}: {_oserror(exc)}"
-                log.error(
-                    "cannot bring checkpoint %s up to date: %s (the journal keeps every change)",
-                    self._checkpoint_path,
-                    exc,
-                )
+                    if not self._checkpoint_error:  # from compact(); _stage() counts its own failures
+                        self._write_failed(exc)
+                    problem = self._checkpoint_error
+                # Tried again less and less often (a full disk stays full a while); said once a minute.
+                retry = min(_COMPACT_RETRY_MAX, max(period, retry * 2))
+                now = time.monotonic()
+                if problem != reported or now - reported_at >= 60.0:
+                    reported, reported_at = problem, now
+                    log.error(
+                        "%s: the changes so far stay in the journal, but new allocations are refused until "
+                        "the whole checkpoint can be written (tried again every %g s at most)",
+                        problem,
+                        _COMPACT_RETRY_MAX,
+                    )
+                continue
             except Exception:
                 log.exception("checkpoint compaction failed; trying again")
+            retry = 0.0
             with self._lock:
                 current = self._store.dirty_since is None and not self._checkpoint_error
+            if reported and not self._checkpoint_error:
+                log.info("checkpoint %s written again: allocations are taken again", self._checkpoint_path)
+                reported = ""
             if current:
                 self._compact_wake.wait(idle_check)
             self._compact_wake.clear()
@@ -2104,6 +2123,8 @@ def _claim_device_text(dev: ClaimDevice) -> str:
 
 #: A batch larger than this is written as a whole snapshot rather than one journal record.
 _BATCH_SNAPSHOT = 64
+#: The longest wait of the compactor between two tries to write a checkpoint that failed.
+_COMPACT_RETRY_MAX = 5.0
 
 
 def _document(allocs: Sequence[ContainerAllocation], claims: Sequence[ClaimAllocation]) -> dict[str, Any]:

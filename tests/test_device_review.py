@@ -494,13 +494,14 @@ def test_lost_gpu_is_out_on_both_resources_and_back_after_restore(kubelet: Any, 
     assert log.count("is unhealthy: lost") == 1, log
 
 
+@pytest.mark.parametrize("missing", [1, 3])
 def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
-    kubelet: Any, tmp_path: Any, sim_built: Any
+    kubelet: Any, tmp_path: Any, sim_built: Any, missing: int
 ) -> None:
     """A GPU that fell off the bus so hard that NVML no longer counts it (3 GPUs where the last start saw 4)
     moves the NVML indexes of the GPUs after it. The device IDs name GPUs by their place: vcuda-core-200
-    must stay the GPU it was (the old third GPU, NVML's index 1 now), the missing one's IDs stay listed
-    Unhealthy, and an XID of the old third GPU takes out its own IDs, not another GPU's."""
+    must stay the GPU it was (the old third GPU, NVML's index 1 when the second is missing), the missing
+    one's IDs stay listed Unhealthy, and an XID of NVML's GPU 1 takes out that GPU's own IDs."""
     from simnode.agent_process import AgentProcess
     from tests.agent_fixtures import gpusim, spec_path
 
@@ -512,8 +513,10 @@ def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
     finally:
         first.stop()
     short = dict(full)
-    short["gpus"] = [g for i, g in enumerate(full["gpus"]) if i != 1]
-    short["topology"] = [[v for j, v in enumerate(row) if j != 1] for i, row in enumerate(full["topology"]) if i != 1]
+    short["gpus"] = [g for i, g in enumerate(full["gpus"]) if i != missing]
+    short["topology"] = [
+        [v for j, v in enumerate(row) if j != missing] for i, row in enumerate(full["topology"]) if i != missing
+    ]
     short_spec = tmp_path / "v100-missing-one.json"
     short_spec.write_text(json.dumps(short))
     since = time.monotonic()
@@ -524,15 +527,18 @@ def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
         core = kubelet.wait_for_devices(CORE, 300, timeout=60)
         mem = kubelet.wait_for_devices(MEM, 3 * V100_BLOCKS, timeout=60)
         assert set(core) == set().union(*(_core_ids(g) for g in range(4)))
-        assert _unhealthy(core) == _core_ids(1)
-        assert _unhealthy(mem) == _mem_ids(1)
+        assert _unhealthy(core) == _core_ids(missing)
+        assert _unhealthy(mem) == _mem_ids(missing)
         log = agent.log_text()
-        assert full["gpus"][1]["uuid"] in log  # the missing GPU is named
-        assert f"GPU 2: Tesla V100-PCIE-32GB {full['gpus'][2]['uuid']}" in log
-        # NVML's GPU 1 is the old third GPU: its XID takes out vcuda-core-200..299
+        assert full["gpus"][missing]["uuid"] in log  # the missing GPU is named
+        for index in range(4):
+            if index != missing:
+                assert f"GPU {index}: Tesla V100-PCIE-32GB {full['gpus'][index]['uuid']}" in log
+        # NVML's GPU 1: the old second GPU, or the old third when the second is missing
+        old = 1 if missing > 1 else 2
         gpusim(agent, "xid", "--gpu", "1", "--xid", "79")
-        core = kubelet.wait_for_devices(CORE, lambda d: _core_ids(2) <= _unhealthy(d), timeout=60)
-        assert _unhealthy(core) == _core_ids(1) | _core_ids(2)
+        core = kubelet.wait_for_devices(CORE, lambda d: _core_ids(old) <= _unhealthy(d), timeout=60)
+        assert _unhealthy(core) == _core_ids(missing) | _core_ids(old)
     finally:
         agent.stop()
 

@@ -209,3 +209,47 @@ def test_driver_name_that_is_no_cdi_vendor_is_refused_at_start(name: str) -> Non
     with pytest.raises(ConfigError, match="--dra-driver-name"):
         Config(mode="dra", dra_driver_name=name).validate()
     Config(mode="dra", dra_driver_name="gpu0.example.com").validate()
+
+
+# -- the kubelet's health stream ----------------------------------------------------------------------
+
+
+def test_registration_advertises_the_health_service(dra_node: DRAClient) -> None:
+    """A kubelet that speaks dra-health v1 opens the health stream only for a driver whose
+    registration lists the health service among its supported versions (it picks
+    ``v1.DRAResourceHealth`` over ``v1alpha1.DRAResourceHealth``); one without it never hears of
+    an unhealthy GPU. The DRA plugin services stay listed, newest first."""
+    import grpc
+
+    from gpumanager.api import pluginregistration_v1_pb2 as reg_pb
+    from gpumanager.api import pluginregistration_v1_pb2_grpc as reg_grpc
+
+    sock = dra_node.cluster.registry_dir / f"{DRIVER}-reg.sock"
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        info = reg_grpc.RegistrationStub(channel).GetInfo(reg_pb.InfoRequest(), timeout=30)
+    versions = list(info.supported_versions)
+    assert "v1.DRAResourceHealth" in versions, versions
+    assert "v1alpha1.DRAResourceHealth" in versions, versions
+    plugin = [v for v in versions if v.endswith(".DRAPlugin")]
+    assert plugin == ["v1.DRAPlugin", "v1beta1.DRAPlugin"], versions
+
+
+def test_health_stream_is_served_under_the_alpha_name_too(dra_node: DRAClient) -> None:
+    """Kubelets with the alpha health API (1.34, 1.35) call ``v1alpha1.DRAResourceHealth``; its
+    messages are the v1 ones field for field, so the same stream is served under that name."""
+    import grpc
+
+    from gpumanager.api import drahealth_v1_pb2 as health_pb
+
+    sock = dra_node.cluster.plugin_dir / "dra.sock"
+    with grpc.insecure_channel(f"unix://{sock}") as channel:
+        call = channel.unary_stream(
+            "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+            request_serializer=health_pb.NodeWatchResourcesRequest.SerializeToString,
+            response_deserializer=health_pb.NodeWatchResourcesResponse.FromString,
+        )(health_pb.NodeWatchResourcesRequest(), timeout=30)
+        first = next(iter(call))
+        call.cancel()
+    assert [(d.device.pool_name, d.device.device_name, d.health) for d in first.devices] == [
+        (NODE, "gpu-0", health_pb.HEALTHY)
+    ]

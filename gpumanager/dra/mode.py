@@ -20,7 +20,7 @@ from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.allocation.records import ContainerAllocation
-from gpumanager.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, drahealth_v1_pb2_grpc, pluginregistration_v1_pb2_grpc
+from gpumanager.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_v1_pb2_grpc
 from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.dra import cdi, consumers, devices, sharing
@@ -35,6 +35,7 @@ from gpumanager.dra.servicers import (
     HealthFeed,
     HealthServicer,
     RegistrationServicer,
+    add_health_servicer,
 )
 from gpumanager.retry import Backoff
 from gpumanager.vmanager import cgroups
@@ -211,7 +212,7 @@ class DRAMode:
             register_services=[
                 lambda s: dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, s),
                 lambda s: dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, s),
-                lambda s: drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(health_servicer, s),
+                lambda s: add_health_servicer(health_servicer, s),
             ],
             watch_period=settings.watch_period,
         )

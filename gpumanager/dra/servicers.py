@@ -194,6 +194,19 @@ class HealthFeed:
             return self._version, self._closed
 
 
+def add_health_servicer(servicer: HealthServicer, server: grpc.Server) -> None:
+    """Serve the health stream as ``v1.DRAResourceHealth`` and, for kubelets of the alpha API, as
+    ``v1alpha1.DRAResourceHealth`` (the same messages)."""
+    health_grpc.add_DRAResourceHealthServicer_to_server(servicer, server)
+    for name in c.HEALTH_SERVICES[1:]:  # the first, v1, is the generated servicer's
+        handler = grpc.unary_stream_rpc_method_handler(
+            servicer.NodeWatchResources,
+            request_deserializer=health_pb.NodeWatchResourcesRequest.FromString,
+            response_serializer=health_pb.NodeWatchResourcesResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"NodeWatchResources": handler}),))
+
+
 class HealthServicer(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
     """``v1.DRAResourceHealth``: the full device list at once and after every health change."""
 

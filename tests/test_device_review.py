@@ -392,6 +392,31 @@ def test_gpu_in_mig_mode_is_out_of_service_until_mig_is_disabled(
     assert monitor.state(2).healthy
 
 
+def test_gpu_lost_at_start_that_comes_back_is_named_by_its_real_uuid(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU lost at start and never seen whole is counted under a made-up UUID; once it answers, the log
+    lines about it name the UUID NVML gives."""
+    import dataclasses
+
+    clock = Clock()
+    counted = list(nvml.gpus)
+    counted[2] = dataclasses.replace(counted[2], uuid="GPU-lost-2")
+    nvml.lost.add(2)
+    monitor = HealthMonitor(counted, ignored_xids=(), quiet_period=10.0, probe_period=1.0, lost=[2], clock=clock)
+    _prepare(monitor)
+    next_probe = monitor._step(0.0)
+    nvml.lost.clear()
+    clock.now += 11
+    next_probe = monitor._step(next_probe)
+    assert monitor.state(2).healthy
+    nvml.xid(2, 79)
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        monitor._step(next_probe)
+    lines = [r.getMessage() for r in caplog.records if "XID 79" in r.getMessage()]
+    assert lines and nvml.gpus[2].uuid in lines[0], lines
+
+
 # -- the thread ------------------------------------------------------------------------------------
 
 

@@ -88,6 +88,7 @@ class HealthMonitor:
             for g in self._gpus
         }
         self._last_bad: dict[int, float] = {i: now for i in gone}
+        self._unnamed = set(gone)  # lost at start: described from the saved inventory or a guess until it answers
         self._last_answer = now
         self._listeners: list[HealthListener] = []
         self._stop = threading.Event()
@@ -447,6 +448,8 @@ class HealthMonitor:
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
                 continue
             self._last_answer = self._clock()
+            if index in self._unnamed:
+                self._learn_uuid(index, handle)
             if self._mig_enabled(index, handle):
                 # CUDA runs only in the MIG instances of such a GPU: a share of the whole GPU cannot be used.
                 if self.state(index).healthy:
@@ -459,6 +462,16 @@ class HealthMonitor:
                 self._mark_bad(index, MIG_ENABLED)
                 continue
             self._mark_ok(index)
+
+    def _learn_uuid(self, index: int, handle: object) -> None:
+        """A GPU lost at start answers: from now on its log lines name the UUID NVML gives."""
+        try:
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+        except pynvml.NVMLError as exc:
+            log.debug("%s: nvmlDeviceGetUUID: %s", self.gpu_name(index), exc)
+            return
+        self._unnamed.discard(index)
+        self._uuids[index] = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
 
     def _mig_enabled(self, index: int, handle: object) -> bool:
         """Whether GPU ``index`` is in MIG mode now (a GPU without MIG is not asked again)."""

@@ -417,6 +417,24 @@ def test_gpu_lost_at_start_that_comes_back_is_named_by_its_real_uuid(
     assert lines and nvml.gpus[2].uuid in lines[0], lines
 
 
+def test_a_new_cause_on_an_unhealthy_gpu_is_logged_once(nvml: FakeNVML, caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU already out for one error that meets another (XID 48, then XID 79: fallen off the bus) says so
+    once per cause; a storm of the same cause adds nothing."""
+    clock = Clock()
+    monitor = _monitor(nvml, clock)
+    _prepare(monitor)
+    nvml.xid(1, 48)
+    for _ in range(200):
+        nvml.xid(1, 79)
+    nvml.xid(1, 48)
+    with caplog.at_level(logging.INFO, logger=health_mod.__name__):
+        _steps(monitor, 202)
+    lines = [r.getMessage() for r in caplog.records if "GPU 1" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "XID 48" in lines[0] and "XID 79" in lines[1] and nvml.gpus[1].uuid in lines[1], lines
+    assert monitor.state(1).reason == "XID 48"
+
+
 # -- the thread ------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,8 @@ EVENT_SET_RETRY_FIRST = 1.0
 EVENT_SET_RETRY_MAX = 60.0
 #: The reason of a GPU in MIG mode (its shares would land on a GPU that runs CUDA only in MIG instances).
 MIG_ENABLED = "MIG mode"
+#: Causes of one unhealthy GPU that are logged (a first, then each other one once, up to this many).
+CAUSES_LOGGED = 8
 #: Seconds between two log lines of one repeated condition (an ignored XID of one GPU, failing waits).
 LOG_PERIOD = 60.0
 
@@ -88,6 +90,8 @@ class HealthMonitor:
             for g in self._gpus
         }
         self._last_bad: dict[int, float] = {i: now for i in gone}
+        # Of each unhealthy GPU, the causes logged (a GPU lost at start is found lost again: nothing new).
+        self._causes: dict[int, set[str]] = {i: {"lost at start", "lost"} for i in gone}
         self._unnamed = set(gone)  # lost at start: described from the saved inventory or a guess until it answers
         self._last_answer = now
         self._listeners: list[HealthListener] = []
@@ -172,9 +176,17 @@ class HealthMonitor:
             self._last_bad[index] = now
             old = self._state[index]
             if not old.healthy:
-                return
-            new = HealthState(False, reason, now)
-            self._state[index] = new
+                causes = self._causes.setdefault(index, {old.reason})
+                if reason in causes or len(causes) >= CAUSES_LOGGED:
+                    return
+                causes.add(reason)
+            else:
+                new = HealthState(False, reason, now)
+                self._state[index] = new
+                self._causes[index] = {reason}
+        if not old.healthy:
+            log.warning("%s: %s as well (out of service since: %s)", self.gpu_name(index), reason, old.reason)
+            return
         self._notify(index, new)  # the kubelet first: the log line can wait
         log.warning("%s is unhealthy: %s", self.gpu_name(index), reason)
 

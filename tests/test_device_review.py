@@ -663,3 +663,25 @@ def test_event_set_that_cannot_be_made_is_reported_until_it_can(
     _steps(monitor, 1)
     assert monitor.event_problem() == ""
     assert reports[-1] == (health_mod.XID_EVENTS, None)
+
+
+def test_xid_storm_on_the_simulated_node_neither_floods_the_log_nor_hides_another_gpus_error(
+    kubelet: Any, start_agent: Any
+) -> None:
+    from simnode.gpusim_state import GpuSimState
+
+    agent = start_agent("v100-pcie-x4", "--health-probe-period=200ms")
+    kubelet.wait_for_devices(CORE, 400, timeout=60)
+    before = len(agent.log_text().splitlines())
+    with GpuSimState(agent.state) as state:
+        for n in range(5000):
+            state.queue_xid(0, 13 if n % 2 else 43)  # applications failing over and over
+            if n % 500 == 0:
+                state.queue_xid(1, 31)
+    with GpuSimState(agent.state) as state:
+        state.queue_xid(2, 79)
+    core = kubelet.wait_for_devices(CORE, lambda d: bool(_unhealthy(d)), timeout=60)
+    assert _unhealthy(core) == _core_ids(2)
+    lines = agent.log_text().splitlines()[before:]
+    xid_lines = [line for line in lines if "XID" in line]
+    assert 1 <= len(xid_lines) <= 10, xid_lines[:20]

@@ -253,3 +253,56 @@ def test_health_stream_is_served_under_the_alpha_name_too(dra_node: DRAClient) -
     assert [(d.device.pool_name, d.device.device_name, d.health) for d in first.devices] == [
         (NODE, "gpu-0", health_pb.HEALTHY)
     ]
+
+
+# -- claims a container uses through an extended resource (KEP-5004) ---------------------------------
+
+
+def _ext_status(claim: str, container: str = "main") -> JSON:
+    return {
+        "resourceClaimName": claim,
+        "requestMappings": [
+            {"containerName": container, "resourceName": f"{DRIVER}/gpu", "requestName": "container-0-request-0"}
+        ],
+    }
+
+
+def test_claim_of_an_extended_resource_counts_as_used_by_its_container() -> None:
+    """Where a DeviceClass of the driver names an extended resource, the scheduler makes the pod's
+    claim itself and records it in ``status.extendedResourceClaimStatus``: the containers named in
+    its request mappings use it, without listing it in ``resources.claims``."""
+    pod: JSON = {
+        "metadata": {"name": "p", "namespace": "default", "uid": "u-1"},
+        "spec": {"containers": [{"name": "main"}, {"name": "other"}]},
+        "status": {"phase": "Running", "extendedResourceClaimStatus": _ext_status("p-extended-resources-x")},
+    }
+    assert consumers.containers_using(pod, "p-extended-resources-x") == ["main"]
+    assert consumers.containers_using(pod, "unrelated") == []
+
+
+def test_share_and_an_extended_resource_claim_in_one_container_are_refused(dra_node: DRAClient) -> None:
+    """A container with a share claim and a whole GPU of the driver through an extended resource
+    gets both claims' CDI edits: the share would go unenforced, so the share claim is refused."""
+    manifest: JSON = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "ext-pod", "namespace": "default"},
+        "spec": {
+            "resourceClaims": [{"name": "share", "resourceClaimName": "share-claim"}],
+            "containers": [{"name": "main", "image": "cuda:12", "resources": {"claims": [{"name": "share"}]}}],
+        },
+    }
+    pod = dra_node.cluster.create_pod(manifest)
+    dra_node.cluster.core.patch_namespaced_pod_status(
+        "ext-pod",
+        "default",
+        {"status": {"extendedResourceClaimStatus": _ext_status("ext-claim")}},
+        _content_type="application/merge-patch+json",
+    )
+    stored = dra_node.cluster.pod("ext-pod")
+    assert stored["status"].get("extendedResourceClaimStatus"), "the API server did not keep the status"
+    share = _claim_with_pod(dra_node, "share-claim", [result(cores="30", memory="1Gi", share="s-1")], pod)
+    whole = _claim_with_pod(dra_node, "ext-claim", [result(request="container-0-request-0")], pod)
+    answers = dra_node.prepare(DRAClient.ref(share), DRAClient.ref(whole))
+    error = answers[share["metadata"]["uid"]].error
+    assert "main" in error and "ext-claim" in error, answers

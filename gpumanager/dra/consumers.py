@@ -2,7 +2,8 @@
 
 A pod refers to claims in ``spec.resourceClaims[]`` (``resourceClaimName``, or a
 template whose generated claim is named in ``status.resourceClaimStatuses[]``); a
-container uses the ones listed in ``resources.claims[].name``. Init containers (sidecars with
+container uses the ones listed in ``resources.claims[].name``, and the one the scheduler made for
+its extended resources (``status.extendedResourceClaimStatus``). Init containers (sidecars with
 ``restartPolicy: Always`` among them) use claims the same way as the app containers.
 """
 
@@ -39,17 +40,29 @@ def all_containers(pod: Pod) -> list[dict[str, Any]]:
     return out
 
 
-def containers_using(pod: Pod, claim_name: str) -> list[str]:
-    """Names of the pod's containers that use the ResourceClaim ``claim_name``."""
-    local = {k for k, v in claim_names(pod).items() if v == claim_name}
-    if not local:
-        return []
-    out = []
+def container_claims(pod: Pod) -> dict[str, list[str]]:
+    """Container name -> the ResourceClaims it uses: those its ``resources.claims`` name (in that
+    order), then the claim the scheduler made for the extended resources it asks for
+    (``status.extendedResourceClaimStatus``, where a DeviceClass names an extended resource)."""
+    local = claim_names(pod)
+    out: dict[str, list[str]] = {}
     for c in all_containers(pod):
         refs = ((c.get("resources") or {}).get("claims")) or []
-        if any(isinstance(r, dict) and r.get("name") in local for r in refs):
-            out.append(str(c.get("name", "")))
+        names = (local[str(r["name"])] for r in refs if isinstance(r, dict) and str(r.get("name")) in local)
+        out[str(c.get("name", ""))] = list(dict.fromkeys(names))
+    ext = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+    if isinstance(ext, dict) and ext.get("resourceClaimName"):
+        claim = str(ext["resourceClaimName"])
+        for mapping in ext.get("requestMappings") or []:
+            used = out.get(str(mapping.get("containerName"))) if isinstance(mapping, dict) else None
+            if used is not None and claim not in used:
+                used.append(claim)
     return out
+
+
+def containers_using(pod: Pod, claim_name: str) -> list[str]:
+    """Names of the pod's containers that use the ResourceClaim ``claim_name``."""
+    return [name for name, claims in container_claims(pod).items() if claim_name in claims]
 
 
 def consumers(claim: ClaimAllocation, pods: Iterable[Pod]) -> list[tuple[Pod, str]]:

@@ -1,15 +1,16 @@
 """Whether a claim may be prepared given the containers that use it: one share per container.
 
 A container's limits are one vcuda.config, mounted at ``/etc/vcuda`` by the CDI spec of its
-claim. A container (an init or sidecar container too) that lists several claims of the driver
-gets every spec's edits, merged by the runtime in the order the container lists them, the last
-mount and env winning: with a share and another claim (a whole GPU, or a second share), the
-container would run with the other claim's ``/etc/vcuda`` and the share's GPU would no longer
-be held to the share. So a claim is refused when a container of a pod it is reserved for also
-uses another claim of the driver and either of them holds a share; containers that each use one
-claim are fine. A container may use several claims of whole GPUs: each claim's CDI devices bring
-their own device nodes, and no spec names a GPU (``NVIDIA_VISIBLE_DEVICES=void`` in each), so
-nothing of one claim depends on another.
+claim. A container (an init or sidecar container too) that uses several claims of the driver
+(listed in its ``resources.claims``, or one made for its extended resources) gets every spec's
+edits, merged by the runtime in the order the container lists them, the last mount and env
+winning: with a share and another claim (a whole GPU, or a second share), the container would run
+with the other claim's ``/etc/vcuda`` and the share's GPU would no longer be held to the share. So
+a claim is refused when a container of a pod it is reserved for also uses another claim of the
+driver and either of them holds a share; containers that each use one claim are fine. A container
+may use several claims of whole GPUs: each claim's CDI devices bring their own device nodes, and
+no spec names a GPU (``NVIDIA_VISIBLE_DEVICES=void`` in each), so nothing of one claim depends on
+another.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
-from gpumanager.dra.consumers import all_containers, claim_names
+from gpumanager.dra.consumers import container_claims
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +97,8 @@ def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: C
     namespace = ref.namespace
     others: dict[str, ClaimAllocation | None] = {}  # each other claim read once
     for pod in _pods(check, namespace, data):
-        local = claim_names(pod)
         meta = pod.get("metadata") or {}
-        for container in all_containers(pod):
-            refs = ((container.get("resources") or {}).get("claims")) or []
-            used = list(
-                dict.fromkeys(local[r["name"]] for r in refs if isinstance(r, Mapping) and r.get("name") in local)
-            )
+        for container, used in container_claims(pod).items():
             if ref.name not in used or len(used) < 2:
                 continue
             for other in used:
@@ -116,7 +112,7 @@ def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: C
                 if claim.shared or theirs.shared:
                     share = ref.name if claim.shared else other
                     return Review(
-                        f"claim {ref} ({ref.uid}): container {container.get('name')} of pod "
+                        f"claim {ref} ({ref.uid}): container {container} of pod "
                         f"{meta.get('namespace')}/{meta.get('name')} uses it and claim {namespace}/{other} of driver "
                         f"{check.driver}, and {namespace}/{share} is a share of a GPU: a container with a share can "
                         "use no other claim of this driver (its limits are one vcuda.config)"

@@ -57,6 +57,8 @@ class FakeNVML:
         self.wait_calls = 0
         self.block_on_timeout = 0.0
         self.mig: dict[int, int] = {}  # GPU -> current MIG mode; GPUs not here answer NOT_SUPPORTED
+        self.remapped: dict[int, tuple[int, int, int, int]] = {}  # GPU -> (corr, unc, pending, failure)
+        self.pages_pending: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def index_of(self, handle: Any) -> int:
@@ -77,6 +79,20 @@ class FakeNVML:
         m.setattr(pynvml, "nvmlDeviceGetUUID", self.uuid)
         m.setattr(pynvml, "nvmlDeviceGetIndex", self.index)
         m.setattr(pynvml, "nvmlDeviceGetMigMode", self.mig_mode)
+        m.setattr(pynvml, "nvmlDeviceGetRemappedRows", self.remapped_rows)
+        m.setattr(pynvml, "nvmlDeviceGetRetiredPagesPendingStatus", self.retired_pending)
+
+    def remapped_rows(self, handle: Any) -> tuple[int, int, int, int]:
+        index = self.index_of(handle)
+        if index not in self.remapped:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.remapped[index]
+
+    def retired_pending(self, handle: Any) -> int:
+        index = self.index_of(handle)
+        if index not in self.pages_pending:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.pages_pending[index]
 
     def mig_mode(self, handle: Any) -> list[int]:
         index = self.index_of(handle)
@@ -433,6 +449,41 @@ def test_a_new_cause_on_an_unhealthy_gpu_is_logged_once(nvml: FakeNVML, caplog: 
     assert len(lines) == 2, lines
     assert "XID 48" in lines[0] and "XID 79" in lines[1] and nvml.gpus[1].uuid in lines[1], lines
     assert monitor.state(1).reason == "XID 48"
+
+
+@pytest.mark.parametrize("pending", ["rows", "pages", "failure"])
+def test_gpu_waiting_for_a_reset_is_not_offered_again_after_the_quiet_period(
+    nvml: FakeNVML, caplog: pytest.LogCaptureFixture, pending: str
+) -> None:
+    """An uncorrectable ECC error (XID 48, 94, 95) leaves rows to remap or pages to retire at the next GPU
+    reset; until then the memory is bad although the GPU answers and sends no more XIDs. The GPU stays out
+    of service past the quiet period (the log says why, once) and is back once NVML shows no reset pending."""
+    clock = Clock()
+    if pending == "rows":
+        nvml.remapped[1] = (0, 1, 1, 0)
+    elif pending == "failure":
+        nvml.remapped[1] = (0, 1, 0, 1)
+    else:
+        nvml.pages_pending[1] = pynvml.NVML_FEATURE_ENABLED
+    monitor = _monitor(nvml, clock, quiet_period=60.0, probe_period=1.0)
+    _prepare(monitor)
+    nvml.xid(1, 48)
+    next_probe = monitor._step(0.0)
+    assert not monitor.state(1).healthy
+    with caplog.at_level(logging.WARNING, logger=health_mod.__name__):
+        for _ in range(5):
+            clock.now += 61
+            next_probe = monitor._step(next_probe)
+    assert not monitor.state(1).healthy
+    lines = [r.getMessage() for r in caplog.records if "GPU 1" in r.getMessage() and "XID" not in r.getMessage()]
+    assert len(lines) == 1 and nvml.gpus[1].uuid in lines[0], lines
+    assert ("service" if pending == "failure" else "reset") in lines[0], lines
+    nvml.remapped.pop(1, None)
+    nvml.pages_pending[1] = pynvml.NVML_FEATURE_DISABLED
+    clock.now += 1.5
+    monitor._step(next_probe)
+    assert monitor.state(1).healthy
+    assert monitor.state(0).healthy
 
 
 # -- the thread ------------------------------------------------------------------------------------

@@ -473,7 +473,48 @@ class HealthMonitor:
                     )
                 self._mark_bad(index, MIG_ENABLED)
                 continue
+            if self._due_back(index):
+                waiting = self._reset_pending(handle)
+                if waiting:
+                    self._keep_out(index, waiting)
+                    continue
             self._mark_ok(index)
+
+    def _due_back(self, index: int) -> bool:
+        """Whether GPU ``index`` is out of service and its quiet period has passed."""
+        with self._lock:
+            out = not self._state[index].healthy
+            return out and self._clock() - self._last_bad.get(index, -1e18) >= self._quiet
+
+    @staticmethod
+    def _reset_pending(handle: object) -> str:
+        """Why the GPU's memory is not to be used before a GPU reset ('' when NVML shows nothing pending, or
+        cannot tell): rows to remap or pages to retire after an uncorrectable ECC error, a failed remapping."""
+        try:
+            _corrected, _uncorrected, pending, failed = pynvml.nvmlDeviceGetRemappedRows(handle)
+        except pynvml.NVMLError:
+            pass  # GPUs before Ampere have no row remapping
+        else:
+            if failed:
+                return "row remapping failed: the GPU needs service"
+            if pending:
+                return "memory rows wait to be remapped at the next GPU reset"
+        try:
+            if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == pynvml.NVML_FEATURE_ENABLED:
+                return "retired memory pages wait for the next GPU reset"
+        except pynvml.NVMLError:
+            pass  # not supported (Ampere and later remap rows instead)
+        return ""
+
+    def _keep_out(self, index: int, why: str) -> None:
+        """A GPU whose quiet period passed stays out of service (said once per cause); the quiet period is
+        not restarted, so it is back at the first probe after the reset."""
+        with self._lock:
+            causes = self._causes.setdefault(index, {self._state[index].reason})
+            if why in causes or len(causes) >= CAUSES_LOGGED:
+                return
+            causes.add(why)
+        log.warning("%s stays out of service: %s", self.gpu_name(index), why)
 
     def _learn_uuid(self, index: int, handle: object) -> None:
         """A GPU lost at start answers: from now on its log lines name the UUID NVML gives."""

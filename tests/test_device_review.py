@@ -481,8 +481,11 @@ def test_gpu_waiting_for_a_reset_is_not_offered_again_after_the_quiet_period(
     nvml.remapped.pop(1, None)
     nvml.pages_pending[1] = pynvml.NVML_FEATURE_DISABLED
     clock.now += 1.5
-    monitor._step(next_probe)
+    with caplog.at_level(logging.INFO, logger=health_mod.__name__):
+        monitor._step(next_probe)
     assert monitor.state(1).healthy
+    back = [r.getMessage() for r in caplog.records if "healthy again" in r.getMessage()]
+    assert back and "after 306 s" in back[0], back  # the time it really was out without errors
     assert monitor.state(0).healthy
 
 
@@ -604,6 +607,12 @@ def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
     try:
         kubelet.wait_for_devices(CORE, 400, timeout=60)
         first.wait_for_log("GPU 3: Tesla", timeout=60)
+        saved = tmp_path / "checkpoint" / "gpumanager_node_inventory"
+        for _ in range(600):  # written beside the checkpoint once the allocation state is up
+            if saved.exists():
+                break
+            time.sleep(0.1)
+        assert saved.exists()
     finally:
         first.stop()
     short = dict(full)

@@ -198,13 +198,11 @@ class HealthMonitor:
                 return
             new = HealthState(True, "", now)
             self._state[index] = new
+            quiet_for = now - self._last_bad.get(index, old.since)
+        self._notify(index, new)  # the kubelet first: the log line can wait
         log.info(
-            "%s is healthy again after %.0f s without errors (was: %s)",
-            self.gpu_name(index),
-            self._quiet,
-            old.reason,
+            "%s is healthy again after %.0f s without errors (was: %s)", self.gpu_name(index), quiet_for, old.reason
         )
-        self._notify(index, new)
 
     def _notify(self, index: int, state: HealthState) -> None:
         for listener in self._listeners:

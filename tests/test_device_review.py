@@ -633,7 +633,8 @@ def test_gpu_missing_from_nvml_after_a_restart_keeps_every_gpus_device_ids(
         assert _unhealthy(core) == _core_ids(missing)
         assert _unhealthy(mem) == _mem_ids(missing)
         log = agent.log_text()
-        assert full["gpus"][missing]["uuid"] in log  # the missing GPU is named
+        assert full["gpus"][missing]["uuid"] in log  # the missing GPU is named, and how to forget it
+        assert str(tmp_path / "checkpoint" / "gpumanager_node_inventory") in log
         for index in range(4):
             if index != missing:
                 assert f"GPU {index}: Tesla V100-PCIE-32GB {full['gpus'][index]['uuid']}" in log

@@ -176,12 +176,17 @@ def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GP
     )
 
 
-def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
+def discover(
+    known: dict[int, GPUInfo] | None = None, inventory_name: str = "gpumanager_node_inventory"
+) -> tuple[list[GPUInfo], list[int]]:
     """Every GPU NVML reports, in NVML index order, and the indices of those that are lost.
 
     A GPU that NVML cannot describe (lost, or any other error of that GPU) does not stop
     discovery: it is counted as lost, described from ``known`` (the saved inventory) or like its
-    peers, so that its device IDs are kept. Errors of NVML itself (the GPU count) are raised.
+    peers, so that its device IDs are kept. When NVML counts fewer GPUs than ``known`` and each it counts
+    is one of them in the same order, every GPU keeps its saved index (NVML's are used for its handle)
+    and the missing ones are lost; the log names ``inventory_name``, to remove for a GPU taken out for
+    good. Errors of NVML itself (the GPU count) are raised.
     """
     known = known or {}
     _nvml_indexes.clear()
@@ -205,7 +210,7 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
             pending.append(index)
             gpus.append(GPUInfo(index=index, uuid="", name="", minor=-1, memory_total=0, pci_bus_id=""))
     healthy = [g for g in gpus if g.index not in lost]
-    placed = _place_in_inventory(gpus, lost, known)
+    placed = _place_in_inventory(gpus, lost, known, inventory_name)
     if placed is not None:
         return placed
     if known and (len(known) != len(gpus) or any(known.get(g.index, g).uuid != g.uuid for g in healthy)):
@@ -217,7 +222,7 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
 
 
 def _place_in_inventory(
-    gpus: list[GPUInfo], lost: list[int], known: dict[int, GPUInfo]
+    gpus: list[GPUInfo], lost: list[int], known: dict[int, GPUInfo], inventory_name: str
 ) -> tuple[list[GPUInfo], list[int]] | None:
     """When NVML counts fewer GPUs than the saved inventory and every GPU it counts is one of it, in the
     same order: every GPU in its saved place, the missing ones described as saved and lost (their NVML
@@ -242,10 +247,12 @@ def _place_in_inventory(
             out.append(dataclasses.replace(found, index=index))
     log.error(
         "NVML counts %d GPUs, %d at the last start: %s no longer counted (fallen off the bus?); the other GPUs "
-        "keep their places and device IDs, the missing ones' are listed Unhealthy until the driver counts them again",
+        "keep their places and device IDs, the missing ones' are listed Unhealthy until the driver counts them again "
+        "(a GPU taken out of the node for good: remove the saved inventory %s and restart)",
         len(gpus),
         len(known),
         ", ".join(f"GPU {i} ({known[i].uuid})" for i in missing) + (" is" if len(missing) == 1 else " are"),
+        inventory_name,
     )
     return out, missing
 

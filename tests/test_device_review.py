@@ -489,6 +489,32 @@ def test_gpu_waiting_for_a_reset_is_not_offered_again_after_the_quiet_period(
     assert monitor.state(0).healthy
 
 
+def test_gpu_in_mig_mode_is_unhealthy_when_start_returns(nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device lists are made right after the monitor starts: a GPU that cannot be used (MIG mode, or
+    failing NVML queries) is known to be out by then, not at the thread's first probe."""
+    release = threading.Event()
+
+    def create() -> object:
+        release.wait(30)
+        return object()
+
+    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", create)
+    nvml.mig = {2: pynvml.NVML_DEVICE_MIG_ENABLE}
+    nvml.no_handle = {}
+    nvml.lost.add(3)  # a handle, but its queries fail
+    monitor = _monitor(nvml, Clock())
+    monitor.start()
+    try:
+        states = monitor.snapshot()
+        assert not states[2].healthy and states[2].reason == health_mod.MIG_ENABLED
+        assert not states[3].healthy and states[3].reason == "lost"
+        assert states[0].healthy and states[1].healthy
+    finally:
+        release.set()
+        monitor.stop(timeout=30)
+    assert not monitor.alive()
+
+
 # -- the thread ------------------------------------------------------------------------------------
 
 

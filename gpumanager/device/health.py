@@ -155,10 +155,16 @@ class HealthMonitor:
         return ""
 
     def start(self) -> None:
-        """Start the monitoring thread. A GPU NVML gives no handle for (lost) is marked bad, and its
-        handle is asked for again at each probe."""
+        """Probe every GPU once, then start the monitoring thread. A GPU NVML gives no handle for (lost) is
+        marked bad, and its handle is asked for again at each probe."""
         for g in self._gpus:
             self._take_handle(g.index)
+        # One probe before the kubelet's lists are made, so a GPU that cannot be used (failing queries, MIG
+        # mode) is not offered for the moment before the thread's first probe.
+        try:
+            self._probe()
+        except Exception:
+            log.exception("the first GPU health probe failed; the health thread probes again")
         self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
         self._thread.start()
 

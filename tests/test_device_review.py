@@ -515,6 +515,40 @@ def test_gpu_in_mig_mode_is_unhealthy_when_start_returns(nvml: FakeNVML, monkeyp
     assert not monitor.alive()
 
 
+def test_nvml_answering_that_every_gpu_is_lost_still_answers(nvml: FakeNVML) -> None:
+    """/readyz's nvml check says whether NVML answers: a node whose GPUs are all lost has an NVML that
+    answers (GPU_IS_LOST), and its agent serves (refusing allocations), so a rollout is not stopped there.
+    An NVML that answers nothing else (an error of its own) is still a problem."""
+    clock = Clock()
+    nvml.lost.update(range(4))
+    monitor = _monitor(nvml, clock, probe_period=1.0)
+    _prepare(monitor)
+    next_probe = 0.0
+    for _ in range(30):
+        next_probe = monitor._step(next_probe)
+        clock.now += 1.0
+    assert all(not s.healthy for s in monitor.snapshot().values())
+    assert monitor.nvml_problem() == ""
+    nvml.lost.clear()
+    nvml.no_handle = {}
+    original = nvml.memory
+
+    def broken(handle: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+
+    nvml.memory = broken  # type: ignore[method-assign]
+    pynvml_memory = pynvml.nvmlDeviceGetMemoryInfo
+    try:
+        pynvml.nvmlDeviceGetMemoryInfo = broken
+        for _ in range(30):
+            next_probe = monitor._step(next_probe)
+            clock.now += 1.0
+        assert "has not answered" in monitor.nvml_problem()
+    finally:
+        pynvml.nvmlDeviceGetMemoryInfo = pynvml_memory
+        nvml.memory = original  # type: ignore[method-assign]
+
+
 # -- the thread ------------------------------------------------------------------------------------
 
 

@@ -146,7 +146,8 @@ class HealthMonitor:
         return self._thread is not None and self._thread.is_alive()
 
     def nvml_problem(self, stale_after: float = 10.0) -> str:
-        """'' while NVML answers (some GPU answered a probe lately, or the node has none), else why not."""
+        """'' while NVML answers (some GPU answered a probe lately, 'GPU is lost' included, or the node has
+        none), else why not."""
         if not self._gpus:
             return ""
         silent = self._clock() - self._last_answer
@@ -442,6 +443,8 @@ class HealthMonitor:
             if index not in self._missing:
                 log.error("%s: NVML gives no handle (%s); Unhealthy until it does", self.gpu_name(index), exc)
             self._missing.add(index)
+            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                self._last_answer = self._clock()
             self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
             return False
         self._missing.discard(index)
@@ -461,6 +464,8 @@ class HealthMonitor:
             try:
                 pynvml.nvmlDeviceGetMemoryInfo(handle)
             except pynvml.NVMLError as exc:
+                if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                    self._last_answer = self._clock()  # NVML answers: the GPU is gone, not the driver
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
                 continue
             self._last_answer = self._clock()

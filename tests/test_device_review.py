@@ -111,6 +111,8 @@ class FakeNVML:
         index = self.index_of(handle)
         if index in self.register_error:
             raise pynvml.NVMLError(self.register_error[index])
+        if index in self.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
 
     def wait(self, event_set: Any, timeout_ms: int) -> Any:
         with self.lock:

@@ -72,6 +72,10 @@ class PrepareFailed(RuntimeError):
         self.errors = dict(errors)
 
 
+#: The health service a driver lists in GetInfo's supported versions for the kubelet to open its stream.
+HEALTH_SERVICE = "v1.DRAResourceHealth"
+
+
 @dataclass
 class PluginRecord:
     """A registered DRA driver."""
@@ -286,6 +290,10 @@ class DRAKubeletSimulator:
             record.channel = grpc.insecure_channel(f"unix://{info.endpoint}")
             self._plugins[info.name] = record
         log.info("kubelet: registered DRA driver %s (%s at %s)", info.name, version, info.endpoint)
+        if HEALTH_SERVICE not in info.supported_versions:
+            # As the kubelet: a driver's health stream is opened only when its registration lists the service.
+            log.info("kubelet: DRA driver %s does not list %s: no health stream", info.name, HEALTH_SERVICE)
+            return
         thread = threading.Thread(target=self._read_health, args=(record,), name="dra-health", daemon=True)
         thread.start()
         self._health_threads.append(thread)

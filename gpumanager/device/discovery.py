@@ -31,7 +31,7 @@ def discover(checkpoint_dir: Path) -> NodeGPUs:
     describes a lost one. Raises NVMLError when NVML cannot answer."""
     known, saved_topology = inventory.load(checkpoint_dir / inventory.FILE)
     driver = nvml.driver_info()
-    gpus, lost = nvml.discover(known, str(checkpoint_dir / inventory.FILE))
+    gpus, lost = nvml.discover(known)
     node = NodeGPUs(driver, gpus, lost, nvml.topology(gpus, lost, saved_topology))
     _log(node)
     return node

@@ -19,7 +19,6 @@ from typing import Any
 
 import pynvml
 
-from gpumanager.device.nvml import handle as nvml_handle
 from gpumanager.device.types import GPUInfo
 
 log = logging.getLogger(__name__)
@@ -438,7 +437,7 @@ class HealthMonitor:
     def _take_handle(self, index: int) -> bool:
         """Look up GPU ``index``'s handle (False, and the GPU marked bad, when NVML gives none)."""
         try:
-            handle = nvml_handle(index)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         except pynvml.NVMLError as exc:
             if index not in self._missing:
                 log.error("%s: NVML gives no handle (%s); Unhealthy until it does", self.gpu_name(index), exc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -36,19 +35,6 @@ class DriverInfo:
 
 _init_lock = threading.Lock()
 _preloaded: ctypes.CDLL | None = None
-#: The agent's GPU index -> NVML's index, where they differ: a GPU of the saved inventory that NVML no
-#: longer counts (None) moves NVML's indexes of the GPUs after it, while each keeps its place (and its
-#: device IDs) in the agent. Set by discover(); absent indexes are NVML's own.
-_nvml_indexes: dict[int, int | None] = {}
-
-
-def handle(index: int) -> object:
-    """NVML's handle of the agent's GPU ``index`` (raises NVMLError; GPU_IS_LOST for a GPU NVML no
-    longer counts)."""
-    nvml_index = _nvml_indexes.get(index, index)
-    if nvml_index is None:
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
-    return pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
 
 
 def init(library_path: str = "") -> None:
@@ -148,7 +134,7 @@ def _describe(index: int, handle: object) -> GPUInfo:
 
 def describe(index: int) -> GPUInfo:
     """One GPU as NVML describes it now (raises NVMLError, e.g. while it is lost)."""
-    return _describe(index, handle(index))
+    return _describe(index, pynvml.nvmlDeviceGetHandleByIndex(index))
 
 
 def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GPUInfo:
@@ -176,20 +162,32 @@ def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GP
     )
 
 
-def discover(
-    known: dict[int, GPUInfo] | None = None, inventory_name: str = "gpumanager_node_inventory"
-) -> tuple[list[GPUInfo], list[int]]:
+def _log_changed(known: dict[int, GPUInfo], gpus: list[GPUInfo], healthy: list[GPUInfo]) -> None:
+    """Why the saved inventory is not used: GPUs NVML no longer counts (named, with what moved), or other GPUs."""
+    counted = {g.uuid for g in healthy}
+    missing = [g for _, g in sorted(known.items()) if g.uuid not in counted]
+    if len(gpus) < len(known) and len(missing) == len(known) - len(gpus) and len(healthy) == len(gpus):
+        log.error(
+            "NVML counts %d GPUs, %d at the last start: %s no longer counted (fallen off the bus?); the GPUs after "
+            "it have moved up an NVML index, and their device IDs with them; not using the saved inventory",
+            len(gpus),
+            len(known),
+            ", ".join(f"GPU {g.index} ({g.uuid})" for g in missing) + (" is" if len(missing) == 1 else " are"),
+        )
+        return
+    log.warning(
+        "the saved GPU inventory is of other GPUs (%d saved, %d counted now); not using it", len(known), len(gpus)
+    )
+
+
+def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
     """Every GPU NVML reports, in NVML index order, and the indices of those that are lost.
 
     A GPU that NVML cannot describe (lost, or any other error of that GPU) does not stop
     discovery: it is counted as lost, described from ``known`` (the saved inventory) or like its
-    peers, so that its device IDs are kept. When NVML counts fewer GPUs than ``known`` and each it counts
-    is one of them in the same order, every GPU keeps its saved index (NVML's are used for its handle)
-    and the missing ones are lost; the log names ``inventory_name``, to remove for a GPU taken out for
-    good. Errors of NVML itself (the GPU count) are raised.
+    peers, so that its device IDs are kept. Errors of NVML itself (the GPU count) are raised.
     """
     known = known or {}
-    _nvml_indexes.clear()
     gpus: list[GPUInfo] = []
     lost: list[int] = []
     pending: list[int] = []
@@ -210,51 +208,12 @@ def discover(
             pending.append(index)
             gpus.append(GPUInfo(index=index, uuid="", name="", minor=-1, memory_total=0, pci_bus_id=""))
     healthy = [g for g in gpus if g.index not in lost]
-    placed = _place_in_inventory(gpus, lost, known, inventory_name)
-    if placed is not None:
-        return placed
     if known and (len(known) != len(gpus) or any(known.get(g.index, g).uuid != g.uuid for g in healthy)):
-        log.warning("the saved GPU inventory is of other GPUs; not using it")
+        _log_changed(known, gpus, healthy)
         known = {}
     for index in pending:
         gpus[index] = _stand_in(index, known, healthy)
     return gpus, lost
-
-
-def _place_in_inventory(
-    gpus: list[GPUInfo], lost: list[int], known: dict[int, GPUInfo], inventory_name: str
-) -> tuple[list[GPUInfo], list[int]] | None:
-    """When NVML counts fewer GPUs than the saved inventory and every GPU it counts is one of it, in the
-    same order: every GPU in its saved place, the missing ones described as saved and lost (their NVML
-    indexes recorded for :func:`handle`). None when that is not the case."""
-    if lost or not gpus or len(gpus) >= len(known) or sorted(known) != list(range(len(known))):
-        return None
-    place = {g.uuid: i for i, g in known.items()}
-    places = [place[g.uuid] for g in gpus if g.uuid in place]
-    if len(places) != len(gpus) or places != sorted(set(places)):
-        return None
-    by_place = {p: g for p, g in zip(places, gpus, strict=True)}
-    out: list[GPUInfo] = []
-    missing: list[int] = []
-    for index in range(len(known)):
-        found = by_place.get(index)
-        if found is None:
-            missing.append(index)
-            _nvml_indexes[index] = None
-            out.append(known[index])
-        else:
-            _nvml_indexes[index] = found.index
-            out.append(dataclasses.replace(found, index=index))
-    log.error(
-        "NVML counts %d GPUs, %d at the last start: %s no longer counted (fallen off the bus?); the other GPUs "
-        "keep their places and device IDs, the missing ones' are listed Unhealthy until the driver counts them again "
-        "(a GPU taken out of the node for good: remove the saved inventory %s and restart)",
-        len(gpus),
-        len(known),
-        ", ".join(f"GPU {i} ({known[i].uuid})" for i in missing) + (" is" if len(missing) == 1 else " are"),
-        inventory_name,
-    )
-    return out, missing
 
 
 @dataclass
@@ -329,19 +288,16 @@ def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology 
     gone = set(lost)
     handles: list[object] = []
     for g in gpus:
-        gpu_handle = None
+        handle = None
         if g.index not in gone:
             try:
-                gpu_handle = handle(g.index)
+                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
             except pynvml.NVMLError as exc:
                 log.error(
-                    "GPU %d (%s) gave no handle while the topology was read (%s): its pairs count as SYSTEM",
-                    g.index,
-                    g.uuid,
-                    exc,
+                    "GPU %d gave no handle while the topology was read (%s): its pairs count as SYSTEM", g.index, exc
                 )
                 gone.add(g.index)
-        handles.append(gpu_handle)
+        handles.append(handle)
     usable_saved = saved is not None and len(saved.levels) == n
     levels = [[0] * n for _ in range(n)]
     for a in range(n):

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import pynvml
 
-from gpumanager.device.nvml import handle as nvml_handle
-
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +23,7 @@ def gpu_usage(index: int) -> GPUUsage:
 
     Raises pynvml.NVMLError when the GPU cannot be queried (lost, or NVML gone).
     """
-    handle = nvml_handle(index)
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     pids = tuple(sorted(int(p.pid) for p in procs))
     # usedGpuMemory is None when the driver cannot tell (e.g. without permission).

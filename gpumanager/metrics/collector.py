@@ -18,7 +18,6 @@ from prometheus_client.registry import Collector
 from gpumanager import buildinfo, names
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.device.health import HealthMonitor
-from gpumanager.device.nvml import handle as nvml_handle
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.manager import PluginManager
@@ -42,7 +41,7 @@ def _read_usage(gpus: Sequence[GPUInfo]) -> dict[int, tuple[int, float]]:
     out: dict[int, tuple[int, float]] = {}
     for g in gpus:
         try:
-            handle = nvml_handle(g.index)
+            handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
         except pynvml.NVMLError:

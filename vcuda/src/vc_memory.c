@@ -357,7 +357,8 @@ static uint64_t pool_settle(CUmemoryPool pool, uint64_t reserved, uint64_t reser
         return 0;
     }
     p->aux += (uint64_t)live_delta;
-    uint64_t target = p->gpu ? p->aux : reserved;
+    /* A destroyed pool keeps what it reserved at its destruction until its last allocation is freed. */
+    uint64_t target = p->gpu ? (p->aux > 0 ? p->size : 0) : reserved;
     uint64_t before = p->size + reserved_ahead;
     if (target > before)
         vc_budget_charge(target - before); /* the pool grew past what was reserved: it holds it already */
@@ -622,17 +623,42 @@ VC_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute 
     return rc;
 }
 
+/*
+ * cuda.h: with allocations outstanding, a destroyed pool's resources go once they are all freed.  Until then it
+ * holds whole segments, the free memory between its live allocations too (a hole before a live allocation
+ * cannot be given back), so it stays charged what it reserves once trimmed, not only its live bytes.
+ */
 VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
-    CUresult rc = REAL_CU(cuMemPoolDestroy)(pool);
-    if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
-        return rc;
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuMemPoolDestroy)(pool);
+    pthread_mutex_lock(pool_mu(pool));
     pthread_mutex_lock(&g_mu);
-    struct vc_map_entry *p = pool_entry(pool);
-    if (p != NULL)
-        p->gpu = 1; /* destroyed: its outstanding allocations keep their memory until freed */
+    struct vc_map_entry *p = vc_map_lookup(&g_recs, (uint64_t)(uintptr_t)pool, REC_POOL);
+    bool outstanding = p != NULL && !p->gpu && p->aux > 0;
     pthread_mutex_unlock(&g_mu);
-    pool_settle(pool, 0, 0, 0);
+    uint64_t keeps = 0;
+    if (outstanding) { /* what the destruction cannot give back */
+        REAL_CU(cuMemPoolTrimTo)(pool, 0);
+        keeps = pool_reserved_now(pool);
+    }
+    CUresult rc = REAL_CU(cuMemPoolDestroy)(pool);
+    if (rc == CUDA_SUCCESS) {
+        pool_settle(pool, keeps, 0, 0);
+        pthread_mutex_lock(&g_mu);
+        p = vc_map_lookup(&g_recs, (uint64_t)(uintptr_t)pool, REC_POOL);
+        if (p != NULL) {
+            p->gpu = 1; /* destroyed: it can no longer be asked */
+            if (p->aux == 0) {
+                vc_budget_release(p->size);
+                vc_map_find(&g_recs, p->key, REC_POOL, NULL, true);
+            }
+        }
+        pthread_mutex_unlock(&g_mu);
+    } else if (outstanding) {
+        pool_settle(pool, pool_reserved_now(pool), 0, 0); /* not destroyed: trimmed all the same */
+    }
+    pthread_mutex_unlock(pool_mu(pool));
     return rc;
 }
 

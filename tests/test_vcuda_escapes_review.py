@@ -1,0 +1,73 @@
+"""A hostile tenant of a 1 GiB container against the interceptor: each test holds, or tries to hold, more
+device memory than the cap (the simulated GPU's own accounting is the judge), or to break the shared budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tests.vcuda_fixtures import Container, container, last_json, vcuda_built
+
+__all__ = ["container", "vcuda_built"]  # fixtures
+
+MakeContainer = Callable[..., Container]
+
+HELPERS = r"""
+from simnode.gpusim_state import GpuSimState
+def peak():
+    with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+        return st.snapshot(1).gpus[0].used_peak
+MIB = 1 << 20
+A = d.CUmemPool_attribute
+def new_pool():
+    props = d.CUmemPoolProps()
+    props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    props.location.id = 0
+    pool = ok(d.cuMemPoolCreate(props))
+    ok(d.cuMemPoolSetAttribute(pool, A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(1 << 62)))
+    return pool
+"""
+
+
+def run(c: Container, code: str, **env: str | None) -> dict[str, object]:
+    done = c.python(HELPERS + code, env=c.env(**env) if env else None)
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    return out
+
+
+def test_destroyed_pool_stays_charged_for_what_it_still_holds(container: MakeContainer) -> None:
+    """A destroyed pool with an allocation outstanding keeps its whole segment (a freed hole before the live
+    allocation cannot be given back) until that allocation is freed: it must stay charged for all of it, not
+    only for the outstanding bytes, or the container allocates that hole a second time."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+stream = ok(d.cuStreamCreate(0))
+outstanding = []
+for _ in range(2):
+    pool = new_pool()
+    x = ok(d.cuMemAllocFromPoolAsync(250 * MIB, pool, stream))
+    ok(d.cuMemFreeAsync(x, stream))
+    y = ok(d.cuMemAllocFromPoolAsync(248 * MIB, pool, stream))  # the hole, at the segment's start
+    outstanding.append(ok(d.cuMemAllocFromPoolAsync(2 * MIB, pool, stream)))  # live, at its end
+    ok(d.cuMemFreeAsync(y, stream))
+    ok(d.cuStreamSynchronize(stream))
+    ok(d.cuMemPoolDestroy(pool))
+first = d.cuMemAlloc(500 * MIB)
+held = peak()
+if first[0] == R.CUDA_SUCCESS:
+    ok(d.cuMemFree(first[1]))
+for w in outstanding:
+    ok(d.cuMemFreeAsync(w, stream))
+ok(d.cuStreamSynchronize(stream))
+after = d.cuMemAlloc(500 * MIB)  # the pools' memory came back with their last allocations
+print(json.dumps({"peak": held, "first": first[0].name, "after": after[0].name}))
+""",
+    )
+    assert out["peak"] <= c.limit_bytes, out
+    assert out["first"] == "CUDA_ERROR_OUT_OF_MEMORY", out
+    assert out["after"] == "CUDA_SUCCESS", out

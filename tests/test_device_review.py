@@ -551,6 +551,30 @@ def test_nvml_answering_that_every_gpu_is_lost_still_answers(nvml: FakeNVML) -> 
         nvml.memory = original  # type: ignore[method-assign]
 
 
+def test_gpu_lost_at_start_is_not_offered_until_nvml_names_it(nvml: FakeNVML, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU lost at start is described by a guess (or the saved inventory) until it answers; offering it
+    before NVML gives its UUID would hand containers a made-up NVIDIA_VISIBLE_DEVICES."""
+    clock = Clock()
+    nvml.lost.add(2)
+    monitor = _monitor(nvml, clock, lost=[2], quiet_period=5.0, probe_period=1.0)
+    _prepare(monitor)
+    next_probe = monitor._step(0.0)
+    nvml.lost.clear()
+
+    def no_uuid(handle: Any) -> str:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", no_uuid)
+    for _ in range(10):
+        clock.now += 1.0
+        next_probe = monitor._step(next_probe)
+    assert not monitor.state(2).healthy
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", nvml.uuid)
+    clock.now += 1.0
+    monitor._step(next_probe)
+    assert monitor.state(2).healthy
+
+
 # -- the thread ------------------------------------------------------------------------------------
 
 

@@ -470,6 +470,8 @@ class HealthMonitor:
             self._last_answer = self._clock()
             if index in self._unnamed:
                 self._learn_uuid(index, handle)
+                if index in self._unnamed:
+                    continue  # not offered while it is known only by a guess (its UUID goes to containers)
             if self._mig_enabled(index, handle):
                 # CUDA runs only in the MIG instances of such a GPU: a share of the whole GPU cannot be used.
                 if self.state(index).healthy:
@@ -525,11 +527,12 @@ class HealthMonitor:
         log.warning("%s stays out of service: %s", self.gpu_name(index), why)
 
     def _learn_uuid(self, index: int, handle: object) -> None:
-        """A GPU lost at start answers: from now on its log lines name the UUID NVML gives."""
+        """A GPU lost at start answers: from now on its log lines name the UUID NVML gives (until NVML gives
+        one it stays out of service, said once)."""
         try:
             uuid = pynvml.nvmlDeviceGetUUID(handle)
         except pynvml.NVMLError as exc:
-            log.debug("%s: nvmlDeviceGetUUID: %s", self.gpu_name(index), exc)
+            self._keep_out(index, f"NVML gives no UUID for it ({exc})")
             return
         self._unnamed.discard(index)
         self._uuids[index] = uuid.decode() if isinstance(uuid, bytes) else str(uuid)

@@ -825,3 +825,43 @@ def test_xid_storm_on_the_simulated_node_neither_floods_the_log_nor_hides_anothe
     lines = agent.log_text().splitlines()[before:]
     xid_lines = [line for line in lines if "XID" in line]
     assert 1 <= len(xid_lines) <= 10, xid_lines[:20]
+
+
+def test_returned_gpu_that_cannot_be_described_is_logged_with_its_uuid_and_the_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gpumanager.device import propagation as propagation_mod
+    from gpumanager.device.propagation import HealthPropagation
+
+    gpus = _gpus(2)
+    listeners: list[Any] = []
+
+    class Monitor:
+        def add_listener(self, listener: Any) -> None:
+            listeners.append(listener)
+
+        def snapshot(self) -> dict[int, HealthState]:
+            return {g.index: HealthState(g.index != 1, "lost at start" if g.index == 1 else "") for g in gpus}
+
+    class Allocator:
+        def __init__(self) -> None:
+            self.healthy: dict[int, bool] = {}
+
+        def set_healthy(self, index: int, healthy: bool) -> None:
+            self.healthy[index] = healthy
+
+        def replace_gpu(self, info: GPUInfo) -> None:
+            raise AssertionError("not described")
+
+    def describe(index: int) -> GPUInfo:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    prop = HealthPropagation(Monitor(), gpus, [1], describe=describe)
+    prop.listen()
+    allocator = Allocator()
+    prop.attach_allocator(allocator)
+    with caplog.at_level(logging.WARNING, logger=propagation_mod.__name__):
+        for listener in listeners:
+            listener(1, HealthState(True, "", 0.0))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("GPU 1" in line and gpus[1].uuid in line and "Unknown Error" in line for line in lines), lines

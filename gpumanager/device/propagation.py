@@ -127,7 +127,12 @@ class HealthPropagation:
         try:
             info = self._describe(index)
         except nvml.NVMLError as exc:
-            log.warning("GPU %d answers again but cannot be described: %s", index, exc)
+            log.warning(
+                "GPU %d (%s) answers again but cannot be described (%s); it is served as counted at start",
+                index,
+                self._gpus[index].uuid,
+                exc,
+            )
             return
         self._lost = [i for i in self._lost if i != index]
         if info == self._gpus[index]:

@@ -379,7 +379,7 @@ class HealthMonitor:
                 xid,
             )
         for i in list(self._handles):
-            self._mark_bad(i, f"XID {xid} (unknown GPU)")
+            self._mark_bad(i, f"XID {xid}")  # the same cause (and DRA taint value) as a named GPU's
 
     def _event_gpu(self, device: Any) -> int | None:
         """The index of the GPU an event's device handle is: the handle as looked up, else the GPU NVML

@@ -71,3 +71,43 @@ print(json.dumps({"peak": held, "first": first[0].name, "after": after[0].name})
     assert out["peak"] <= c.limit_bytes, out
     assert out["first"] == "CUDA_ERROR_OUT_OF_MEMORY", out
     assert out["after"] == "CUDA_SUCCESS", out
+
+
+def test_launches_on_a_stream_whose_capture_was_invalidated_are_gated(container: MakeContainer) -> None:
+    """A capture invalidated by a synchronising call records nothing any more: launches on that stream run
+    on the GPU.  They must be gated like any other launch (only an active capture merely records)."""
+    c = container(1024, cores=30)
+    out = run(
+        c,
+        r"""
+import time
+cu = ctypes.CDLL("libcuda.so.1")
+mod, fn, s = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+assert cu.cuModuleLoadData(ctypes.byref(mod), b"fatbin") == 0
+assert cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin_5ms") == 0
+assert cu.cuStreamCreate(ctypes.byref(s), 0) == 0
+assert cu.cuStreamBeginCapture_v2(s, 2) == 0  # relaxed
+assert cu.cuStreamQuery(s) != 0  # not allowed while capturing: the capture is invalidated
+status = ctypes.c_int()
+assert cu.cuStreamIsCapturing(s, ctypes.byref(status)) == 0
+def launch():
+    rc = cu.cuLaunchKernel(fn, 1, 1, 1, 128, 1, 1, 0, s, None, None)
+    assert rc == 0, rc
+def timeline():
+    with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+        return st.timeline(0)
+end = time.monotonic() + 0.5
+while time.monotonic() < end:
+    launch()
+t0 = timeline()
+end = time.monotonic() + 1.5
+while time.monotonic() < end:
+    launch()
+t1 = timeline()
+pid = os.getpid()
+share = 100.0 * (t1.busy_of({pid}) - t0.busy_of({pid})) / (t1.now_ns - t0.now_ns)
+print(json.dumps({"status": status.value, "share": share}))
+""",
+    )
+    assert out["status"] == 2, out  # CU_STREAM_CAPTURE_STATUS_INVALIDATED
+    assert out["share"] < 50, out

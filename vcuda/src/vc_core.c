@@ -1173,8 +1173,10 @@ static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstr
         return g; /* upstream leaves this path unlimited: the baseline keeps that */
     CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
     CUresult rc = ptsz ? REAL_CU(cuStreamIsCapturing_ptsz)(s, &cap) : REAL_CU(cuStreamIsCapturing)(s, &cap);
-    if (rc == CUDA_SUCCESS && cap != CU_STREAM_CAPTURE_STATUS_NONE)
-        return g; /* recorded into a graph, not run: the graph's launch is gated */
+    /* Recorded into a graph, not run: the graph's launch is gated.  Only an active capture records: once it is
+     * invalidated (a synchronising call while capturing) a launch is no longer the graph's and may run. */
+    if (rc == CUDA_SUCCESS && cap == CU_STREAM_CAPTURE_STATUS_ACTIVE)
+        return g;
     int dev = launch_device(s, &g.ctx);
     struct dev *d = &g_dev[dev];
     if (VC_UNLIKELY(!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)))

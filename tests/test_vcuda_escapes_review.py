@@ -111,3 +111,38 @@ print(json.dumps({"status": status.value, "share": share}))
     )
     assert out["status"] == 2, out  # CU_STREAM_CAPTURE_STATUS_INVALIDATED
     assert out["share"] < 50, out
+
+
+def test_a_context_made_while_another_thread_frees_is_charged_its_size(container: MakeContainer) -> None:
+    """A context is measured as this process's NVML memory after its creation minus before: what another
+    thread frees meanwhile came off the measurement, so the context was charged nothing (and the container
+    learned a size of 0 for later ones) while the GPU held it.  The process lists are slowed down (a test knob
+    of the simulated NVML) so that the free falls between them."""
+    c = container(1024)
+    out = run(
+        c,
+        r"""
+import threading, time
+cu = ctypes.CDLL("libcuda.so.1")
+def alloc(n):
+    p = ctypes.c_uint64()
+    return cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(n)), p.value
+made = []
+def create():
+    c = ctypes.c_void_p()
+    made.append(cu.cuCtxCreate_v2(ctypes.byref(c), 0, 0))
+for _ in range(2):
+    rc, x = alloc(250 * MIB)
+    assert rc == 0, rc
+    t = threading.Thread(target=create)
+    t.start()
+    time.sleep(0.05)  # the thread is inside cuCtxCreate, between the two process lists
+    assert cu.cuMemFree_v2(ctypes.c_uint64(x)) == 0
+    t.join()
+rc, _ = alloc(500 * MIB)
+print(json.dumps({"made": made, "peak": peak()}))
+""",
+        GPUSIM_PROCS_RETURN_DELAY_US="100000",
+    )
+    assert out["made"] == [0, 0], out
+    assert out["peak"] <= c.limit_bytes, out

@@ -617,10 +617,15 @@ void vc_budget_join(void)
     my_slot();
 }
 
-uint64_t vc_budget_context_estimate(int dev)
+uint64_t vc_budget_context_learned(int dev)
 {
     pthread_once(&g_open_once, open_budget);
-    uint64_t learned = g_hdr != NULL && dev >= 0 && dev < MAX_DEVICES ? atomic_load(&g_hdr->context_size[dev]) : 0;
+    return g_hdr != NULL && dev >= 0 && dev < MAX_DEVICES ? atomic_load(&g_hdr->context_size[dev]) : 0;
+}
+
+uint64_t vc_budget_context_estimate(int dev)
+{
+    uint64_t learned = vc_budget_context_learned(dev);
     return learned > 0 ? learned : vc_context_reserve();
 }
 

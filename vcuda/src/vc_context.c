@@ -83,7 +83,7 @@ static uint64_t used_of(const struct vc_proc_mem *p, int n, int pid, bool *found
  * process in the lists first: its own PID (host PID namespace), the host PID found earlier, or the
  * one PID that appeared.  Returns false when NVML cannot tell (then the estimate stays charged).
  */
-static bool measure_after(int dev, const struct before *b, uint64_t *bytes)
+static bool measure_after(int dev, const struct before *b, uint64_t *bytes, bool *alone)
 {
     static _Thread_local struct vc_proc_mem after[VC_MAX_PROCS];
     nvmlDevice_t h;
@@ -122,6 +122,7 @@ static bool measure_after(int dev, const struct before *b, uint64_t *bytes)
     if (!found)
         return false;
     *bytes = now > then ? now - then : 0;
+    *alone = !was || then == 0;
     return true;
 }
 
@@ -132,12 +133,24 @@ static bool measure_after(int dev, const struct before *b, uint64_t *bytes)
 static bool settle_context(int dev, uint64_t est, uint64_t eager, uint64_t *charged)
 {
     uint64_t real;
-    if (!measure_after(dev, &tl_before, &real)) {
+    bool alone;
+    if (!measure_after(dev, &tl_before, &real, &alone)) {
         *charged = est;
         return true;
     }
     real = real > eager ? real - eager : 0;
-    vc_budget_learn_context(dev, real);
+    /*
+     * A process that held nothing on dev before cannot make the new context look smaller than it is.  One that
+     * did can: what another of its threads frees between the two lists (or a pool gives back at a
+     * synchronisation) comes off the measurement.  Such a context is charged at least the size last measured
+     * where nothing could interfere, and its own measurement teaches nothing.
+     */
+    if (alone) {
+        vc_budget_learn_context(dev, real);
+    } else {
+        uint64_t learned = vc_budget_context_learned(dev);
+        real = real < learned ? learned : real;
+    }
     if (real > est && !vc_budget_reserve(real - est)) {
         vc_log(VC_LOG_INFO, "a context of device %d takes %llu bytes, more than the container has left", dev,
                (unsigned long long)real);

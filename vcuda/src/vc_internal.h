@@ -243,6 +243,7 @@ unsigned vc_budget_host_pids(int *out, unsigned max);
 void vc_budget_join(void);
 /* The context size last measured on CUDA device dev in this container, else vc_context_reserve(). */
 uint64_t vc_budget_context_estimate(int dev);
+uint64_t vc_budget_context_learned(int dev); /* the size last measured on dev in this container; 0: none yet */
 void vc_budget_learn_context(int dev, uint64_t bytes);
 /* Bytes this process charged for contexts (its slot's context field). */
 void vc_budget_note_context(int64_t delta);

@@ -146,3 +146,41 @@ print(json.dumps({"made": made, "peak": peak()}))
     )
     assert out["made"] == [0, 0], out
     assert out["peak"] <= c.limit_bytes, out
+
+
+PTX = r"""
+def ptx(name):
+    body = [".version 7.0", ".target sm_75", ".address_size 64", "", f".visible .entry {name}()" + " { ret; }"]
+    return ("\n".join(body) + "\n").encode() + b"\0"
+"""
+
+
+def test_libraries_loaded_lazily_into_a_context_count_against_the_cap(container: MakeContainer) -> None:
+    """A library is loaded into a context when something there first asks for it (cuLibraryGetModule,
+    cuLibraryGetKernel and the rest): many libraries, loaded cheaply and then all asked for, put their code on
+    the GPU with no allocation hook seeing it."""
+    c = container(1024)
+    out = run(
+        c,
+        PTX
+        + r"""
+libs = []
+for i in range(500):
+    r = d.cuLibraryLoadData(ptx(f"k{i}"), None, None, 0, None, None, 0)
+    if r[0] != R.CUDA_SUCCESS:
+        break
+    libs.append(r[1])
+asked = []
+for lib in libs:
+    asked.append(d.cuLibraryGetModule(lib)[0].name)
+held = peak()
+for lib in libs:
+    ok(d.cuLibraryUnload(lib))
+after = d.cuMemAlloc(700 * MIB)[0].name  # their code went with them
+print(json.dumps({"loaded": len(libs), "peak": held, "refused": asked.count("CUDA_ERROR_OUT_OF_MEMORY"),
+                  "after": after}))
+""",
+    )
+    assert out["peak"] <= c.limit_bytes, out
+    assert out["refused"] > 0, out
+    assert out["after"] == "CUDA_SUCCESS", out

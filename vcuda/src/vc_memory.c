@@ -1472,6 +1472,19 @@ VC_EXPORT CUresult cuModuleUnload(CUmodule hmod)
  * reconciliation (README.md "Residual error").  g_lib_mu is held across the driver call, so a load and a
  * context creation never miss each other.
  */
+/* CUDA_MODULE_LOADING=EAGER: a library goes into every context when it is loaded (or the context made). */
+static bool eager_loading(void)
+{
+    static _Atomic int eager = -1;
+    int m = atomic_load_explicit(&eager, memory_order_relaxed);
+    if (m < 0) {
+        const char *mode = getenv("CUDA_MODULE_LOADING");
+        m = mode != NULL && strcmp(mode, "EAGER") == 0;
+        atomic_store_explicit(&eager, m, memory_order_relaxed);
+    }
+    return m != 0;
+}
+
 static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUlibrary lib)
 {
     if (rc != CUDA_SUCCESS) {
@@ -1559,19 +1572,86 @@ VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)
     return rc;
 }
 
+/*
+ * A library goes into a context (lazily) when something there first asks for it: its module, a kernel (whose
+ * first launch loads it), a variable.  No memory hook sees that load, and many libraries asked for one after the
+ * other would put their code on the GPU unseen.  So the first time anything is asked of a library, its code
+ * (its footprint beyond the variables) is charged once per live context, and from then on with every new context,
+ * as its variables are (REC_LIBRARY: gpu = 1 once asked; aux = what each context is charged).  A library never
+ * asked for (a framework registers hundreds) costs only its variables.
+ */
+static CUresult library_asked(CUlibrary lib)
+{
+    if (VC_LIKELY(!vc_limited()) || lib == NULL)
+        return CUDA_SUCCESS;
+    uint64_t key = (uint64_t)(uintptr_t)lib;
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
+    bool fresh = e != NULL && e->gpu == 0;
+    pthread_mutex_unlock(&g_mu);
+    if (!fresh || eager_loading()) /* asked before, unknown, or already in every context (EAGER) */
+        return CUDA_SUCCESS;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lib_mu); /* library unloads and context births wait */
+    pthread_mutex_lock(&g_mu);
+    e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
+    uint64_t code = e != NULL && e->gpu == 0 && e->aux2 > e->aux ? e->aux2 - e->aux : 0;
+    pthread_mutex_unlock(&g_mu);
+    uint64_t bytes = mul_sat(code, g_lib_ctxs);
+    if (code > 0 && !vc_budget_reserve(bytes)) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        pthread_mutex_lock(&g_mu);
+        e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
+        if (e != NULL && e->gpu == 0) {
+            e->gpu = 1;
+            e->aux += code;
+            g_lib_vars += code;
+        } else {
+            vc_budget_release(code > 0 ? bytes : 0);
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
+    pthread_mutex_unlock(&g_lib_mu);
+    return rc;
+}
+
+VC_EXPORT CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library)
+{
+    CUresult rc = library_asked(library);
+    return rc == CUDA_SUCCESS ? REAL_CU(cuLibraryGetModule)(pMod, library) : rc;
+}
+
+VC_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name)
+{
+    CUresult rc = library_asked(library);
+    return rc == CUDA_SUCCESS ? REAL_CU(cuLibraryGetKernel)(pKernel, library, name) : rc;
+}
+
+VC_EXPORT CUresult cuLibraryEnumerateKernels(CUkernel *kernels, unsigned int numKernels, CUlibrary lib)
+{
+    CUresult rc = library_asked(lib);
+    return rc == CUDA_SUCCESS ? REAL_CU(cuLibraryEnumerateKernels)(kernels, numKernels, lib) : rc;
+}
+
+VC_EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name)
+{
+    CUresult rc = library_asked(library);
+    return rc == CUDA_SUCCESS ? REAL_CU(cuLibraryGetGlobal)(dptr, bytes, library, name) : rc;
+}
+
+VC_EXPORT CUresult cuLibraryGetManaged(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name)
+{
+    CUresult rc = library_asked(library);
+    return rc == CUDA_SUCCESS ? REAL_CU(cuLibraryGetManaged)(dptr, bytes, library, name) : rc;
+}
+
 /* A context is being created: the libraries stay as they are until vc_memory_context_end. */
 uint64_t vc_memory_context_begin(uint64_t *vars)
 {
     pthread_mutex_lock(&g_lib_mu);
     *vars = g_lib_vars;
-    static _Atomic int eager = -1;
-    int m = atomic_load_explicit(&eager, memory_order_relaxed);
-    if (m < 0) {
-        const char *mode = getenv("CUDA_MODULE_LOADING");
-        m = mode != NULL && strcmp(mode, "EAGER") == 0;
-        atomic_store_explicit(&eager, m, memory_order_relaxed);
-    }
-    return m ? g_lib_image : 0;
+    return eager_loading() ? g_lib_image : 0;
 }
 
 void vc_memory_context_end(CUcontext ctx)

@@ -5,6 +5,7 @@ device memory than the cap (the simulated GPU's own accounting is the judge), or
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from tests.vcuda_fixtures import Container, container, last_json, vcuda_built
 
@@ -184,3 +185,58 @@ print(json.dumps({"loaded": len(libs), "peak": held, "refused": asked.count("CUD
     assert out["peak"] <= c.limit_bytes, out
     assert out["refused"] > 0, out
     assert out["after"] == "CUDA_SUCCESS", out
+
+
+def test_a_library_file_swapped_while_it_loads_is_charged_what_the_driver_loaded(
+    container: MakeContainer, tmp_path: Path
+) -> None:
+    """cuLibraryLoadFromFile: the file was read for the estimate, then read again by the driver.  A file swapped
+    in between (a symlink switched by another thread) was charged as a small library while the driver loaded a
+    large variable; the library's variables go into a context only when asked for, unseen."""
+    c = container(1024)
+    small, big, link = tmp_path / "small.ptx", tmp_path / "big.ptx", tmp_path / "lib.ptx"
+    head = ".version 7.0\n.target sm_75\n.address_size 64\n\n"
+    small.write_text(head + ".visible .entry k() { ret; }\n")
+    big.write_text(head + ".visible .global .align 8 .b8 big[419430400];\n.visible .entry k() { ret; }\n")
+    link.symlink_to(small)
+    out = run(
+        c,
+        f"""
+import threading
+SMALL, BIG, LINK = {str(small)!r}, {str(big)!r}, {str(link)!r}
+"""
+        + r"""
+cu = ctypes.CDLL("libcuda.so.1")
+stop = False
+def swap():
+    i = 0
+    while not stop:
+        i += 1
+        tmp = LINK + ".tmp"
+        os.symlink(BIG if i % 2 else SMALL, tmp)
+        os.replace(tmp, LINK)
+t = threading.Thread(target=swap)
+t.start()
+def used():
+    f, total = ctypes.c_size_t(), ctypes.c_size_t()
+    assert cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(total)) == 0
+    return total.value - f.value
+kept, attempts = [], 0
+while len(kept) < 3 and attempts < 5000:
+    attempts += 1
+    before = used()
+    lib = ctypes.c_void_p()
+    if cu.cuLibraryLoadFromFile(ctypes.byref(lib), LINK.encode(), None, None, 0, None, None, 0) != 0:
+        continue
+    charged = used() - before
+    dptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if charged < 100 * MIB and cu.cuLibraryGetGlobal(ctypes.byref(dptr), ctypes.byref(size), lib, b"big") == 0:
+        kept.append(lib)  # charged as the small file, loaded as the big one
+    else:
+        assert cu.cuLibraryUnload(lib) == 0
+stop = True
+t.join()
+print(json.dumps({"kept": len(kept), "attempts": attempts, "peak": peak()}))
+""",
+    )
+    assert out["peak"] <= c.limit_bytes, out

@@ -1431,9 +1431,19 @@ static uint64_t file_footprint(const char *path)
                             unload_module);                                                                        \
     } while (0)
 
+/*
+ * cuModuleLoad, cuLibraryLoadFromFile: the file is read once, and what the estimate was made from is what the
+ * driver loads (as data): a file replaced between two reads would be charged as one image and loaded as another.
+ * A file that cannot be read so (missing, not a regular file) goes to the driver by name, at the code page.
+ */
 VC_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
 {
-    MODULE_LOAD(file_footprint(fname), REAL_CU(cuModuleLoad)(module, fname));
+    char *image = VC_LIKELY(!vc_limited()) || module == NULL || fname == NULL ? NULL : vc_image_read_file(fname);
+    if (image == NULL)
+        MODULE_LOAD(file_footprint(NULL), REAL_CU(cuModuleLoad)(module, fname));
+    CUresult rc = cuModuleLoadData(module, image);
+    free(image);
+    return rc;
 }
 
 VC_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
@@ -1546,9 +1556,33 @@ VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNam
                                          CUlibraryOption *libraryOptions, void **libraryOptionValues,
                                          unsigned int numLibraryOptions)
 {
-    LIBRARY_LOAD(file_footprint(fileName),
-                 REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
-                                                libraryOptions, libraryOptionValues, numLibraryOptions));
+    char *image = VC_LIKELY(!vc_limited()) || library == NULL || fileName == NULL ||
+                          (numLibraryOptions > 0 && (libraryOptions == NULL || libraryOptionValues == NULL))
+                      ? NULL
+                      : vc_image_read_file(fileName);
+    if (image == NULL)
+        LIBRARY_LOAD(file_footprint(NULL),
+                     REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                                                    libraryOptions, libraryOptionValues, numLibraryOptions));
+    /* The driver keeps a copy of its own: the buffer is ours (CU_LIBRARY_BINARY_IS_PRESERVED is dropped). */
+    CUlibraryOption *opts = numLibraryOptions > 0 ? malloc(numLibraryOptions * sizeof(*opts)) : NULL;
+    void **vals = numLibraryOptions > 0 ? malloc(numLibraryOptions * sizeof(*vals)) : NULL;
+    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (numLibraryOptions == 0 || (opts != NULL && vals != NULL)) {
+        unsigned n = 0;
+        for (unsigned i = 0; i < numLibraryOptions; i++) {
+            if (libraryOptions[i] == CU_LIBRARY_BINARY_IS_PRESERVED)
+                continue;
+            opts[n] = libraryOptions[i];
+            vals[n++] = libraryOptionValues[i];
+        }
+        rc = cuLibraryLoadData(library, image, jitOptions, jitOptionsValues, numJitOptions, n > 0 ? opts : NULL,
+                               n > 0 ? vals : NULL, n);
+    }
+    free(opts);
+    free(vals);
+    free(image);
+    return rc;
 }
 
 VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)

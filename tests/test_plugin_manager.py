@@ -292,3 +292,40 @@ def test_a_plugin_that_listens_a_moment_after_removing_our_socket_is_left_there(
         other.close()
         plugins.stop()
         kubelet.stop()
+
+
+def test_a_kubelet_socket_made_again_under_the_same_inode_number_is_a_restart_not_a_takeover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kubelet restart removes our socket and makes kubelet.sock again; the file system may give the
+    new kubelet.sock the inode number of the old one, so (device, inode) looks unchanged. The new file is
+    still told from the old (its change time): served and registered again at once, not after the grace
+    that waits for another plugin (made far longer here than any registration takes)."""
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    monkeypatch.setattr(manager_module, "TAKEOVER_GRACE_SECONDS", 120.0)
+    real_identity = manager_module.socket_identity
+
+    def same_inode(path: Path) -> tuple[int, int] | None:
+        found = real_identity(path)
+        return (0, 1) if found is not None and path == kubelet.socket_path else found
+
+    monkeypatch.setattr(manager_module, "socket_identity", same_inode)
+    real_register = manager_module.register
+
+    def register(*args: Any, **kwargs: Any) -> Any:
+        return (0, 1) if real_register(*args, **kwargs) is not None else None  # the one it dialled
+
+    monkeypatch.setattr(manager_module, "register", register)
+    watch = _GatedWatch()
+    monkeypatch.setattr(manager_module, "DirectoryWatch", watch)
+    plugins = _started_manager(tmp_path, kubelet)
+    try:
+        kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
+        watch.one_pass()  # the pass that opened the watch ends in its first wait
+        kubelet.restart()  # done before the loop looks: our socket gone, kubelet.sock made again
+        watch.wake()
+        kubelet.wait_for_registration(RESOURCE, after=1, timeout=20, with_devices=True)
+    finally:
+        plugins.stop()
+        kubelet.stop()

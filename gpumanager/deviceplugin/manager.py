@@ -13,6 +13,7 @@ and each change of state is logged once.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,16 @@ from gpumanager.deviceplugin.server import PluginServer, socket_identity, socket
 from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
+
+
+def _changed_at(path: Path) -> int | None:
+    """The file's change time (ns), None when it does not exist: a file made again under the inode
+    number of one removed has a later one."""
+    try:
+        return os.stat(path).st_ctime_ns
+    except OSError:
+        return None
+
 
 #: How long our removed socket is watched for another process that listens at its path, when the
 #: kubelet's own socket has not changed (no kubelet restart), before we serve there again.
@@ -68,6 +79,7 @@ class PluginManager:
         self.registered_event = threading.Event()
         self._watch: DirectoryWatch | None = None
         self._yielded = False  # another process serves at one of our socket paths
+        self._kubelet_changed: int | None = None  # change time (ns) of the kubelet.sock registered with
 
     def start(self) -> None:
         """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
@@ -154,10 +166,13 @@ class PluginManager:
 
     def _await_takeover(self, broken: list[PluginServer], kubelet_id: tuple[int, int] | None) -> None:
         """Wait up to :data:`TAKEOVER_GRACE_SECONDS` for another process to listen at a removed socket's
-        path; returns at once when the kubelet's socket is not the one we registered with (a restart)."""
+        path; returns at once when the kubelet's socket is not the one we registered with (a restart):
+        another file, or one made again under the same inode number (its change time tells it apart)."""
         deadline = time.monotonic() + TAKEOVER_GRACE_SECONDS
         while not self._stop.is_set():
             if kubelet_id is None or socket_identity(self._kubelet_socket) != kubelet_id:
+                return
+            if _changed_at(self._kubelet_socket) != self._kubelet_changed:
                 return
             if any(socket_served(s.socket_path) for s in broken):
                 return
@@ -174,6 +189,7 @@ class PluginManager:
         next_try = 0.0
         backoff = Backoff()
         kubelet_id = socket_identity(self._kubelet_socket)
+        self._kubelet_changed = _changed_at(self._kubelet_socket)
         while not self._stop.is_set():
             try:
                 broken = [s for s in self._servers if not s.socket_intact()]
@@ -206,6 +222,7 @@ class PluginManager:
                         self.status.registered = False
                         self.registered_event.clear()
                     kubelet_id = current
+                    self._kubelet_changed = _changed_at(self._kubelet_socket)
                 now = time.monotonic()
                 if need_register and not self._yielded and now >= next_try:
                     try:
@@ -214,6 +231,9 @@ class PluginManager:
                         # served again). The next pass then knows it as the one registered with, not as
                         # a kubelet to register with once more, which would drop the endpoint the
                         # kubelet has just dialled, and the calls on it.
+                        # Its change time from before the dial: at worst older than the file dialled,
+                        # which only ends a takeover grace early.
+                        changed = _changed_at(self._kubelet_socket)
                         dialled = self._register_all()
                     except RegistrationError as exc:
                         self.status.registered = False
@@ -226,6 +246,7 @@ class PluginManager:
                         need_register = False
                         backoff.reset()
                         kubelet_id = dialled
+                        self._kubelet_changed = changed
                         if self.status.last_error:
                             log.info("registered with the kubelet after: %s", self.status.last_error)
                         else:

@@ -97,7 +97,9 @@ class Config:
     proc_root: str = text(
         "/proc", "where processes are inspected for driver files they map or mount (the host's: hostPID)", metavar="DIR"
     )
-    ignored_xids: tuple[int, ...] = xid_list(names.DEFAULT_IGNORED_XIDS, "XIDs that never make a GPU unhealthy")
+    ignored_xids: tuple[int, ...] = xid_list(
+        names.DEFAULT_IGNORED_XIDS, "XIDs (comma-separated decimal numbers) that never make a GPU unhealthy"
+    )
     health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
     health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
     kubelet_watch_period: float = duration(

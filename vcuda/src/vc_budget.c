@@ -357,17 +357,7 @@ static long read_listed(int fd, size_t from)
     for (;;) {
         if (!rpids_room(want))
             return -1;
-        size_t got = 0, room = (g_rpids_cap - from) * sizeof(int);
-        for (;;) {
-            ssize_t r = pread(fd, (char *)(g_rpids + from) + got, room - got, (off_t)got);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r <= 0)
-                break;
-            got += (size_t)r;
-            if (got == room)
-                break;
-        }
+        size_t room = (g_rpids_cap - from) * sizeof(int), got = vc_read_from_start(fd, g_rpids + from, room);
         if (got < room)
             return (long)(got / sizeof(int));
         want = g_rpids_cap * 2; /* it grew since the stat */

@@ -39,6 +39,20 @@ const char *vc_pids_path(void)
     return g_pids_path;
 }
 
+size_t vc_read_from_start(int fd, void *buf, size_t room)
+{
+    size_t got = 0;
+    while (got < room) {
+        ssize_t r = pread(fd, (char *)buf + got, room - got, (off_t)got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
+    }
+    return got;
+}
+
 uint64_t vc_limit_bytes(void)
 {
     return g_limit;

@@ -211,17 +211,7 @@ static bool read_file_pids(int fd, off_t size)
     for (;;) {
         if (!pids_room(&g_file_pids, &g_file_cap, want))
             return false;
-        size_t got = 0, room = (size_t)g_file_cap * sizeof(int);
-        for (;;) {
-            ssize_t r = pread(fd, (char *)g_file_pids + got, room - got, (off_t)got);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r <= 0)
-                break;
-            got += (size_t)r;
-            if (got == room)
-                break;
-        }
+        size_t room = (size_t)g_file_cap * sizeof(int), got = vc_read_from_start(fd, g_file_pids, room);
         if (got < room) {
             g_nfile_pids = (unsigned)(got / sizeof(int));
             return true;

@@ -199,6 +199,8 @@ struct vc_core_config {
 const struct vc_core_config *vc_core_config(void);
 /* pids.config next to the vcuda.config in use (host PIDs of the container, int32, sorted). */
 const char *vc_pids_path(void);
+/* Reads fd from offset 0 into buf until its end or `room` bytes; the bytes read (pids.config readers). */
+size_t vc_read_from_start(int fd, void *buf, size_t room);
 
 /* The container's limit in bytes (valid when vc_limited()). */
 uint64_t vc_limit_bytes(void);

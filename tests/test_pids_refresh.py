@@ -129,11 +129,12 @@ def test_a_collected_directory_is_forgotten_and_written_again_when_it_returns(no
 
 
 def test_collecting_only_some_directories_leaves_the_others_for_the_full_pass(node: Node) -> None:
-    for uid in ("gone-a", "gone-b"):
+    gone_a, gone_b, never_made = (f"00000000-0000-4000-8000-00000000000{i}" for i in "abc")
+    for uid in (gone_a, gone_b):
         (node.vm_path / uid / "main").mkdir(parents=True)
-    assert node.vm.gc({POD}, only={"gone-a", POD, "never-made"}) == ["gone-a"]
-    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, "gone-b"])
-    assert node.vm.gc({POD}) == ["gone-b"]
+    assert node.vm.gc({POD}, only={gone_a, POD, never_made}) == [gone_a]
+    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, gone_b])
+    assert node.vm.gc({POD}) == [gone_b]
     assert [p.name for p in node.vm_path.iterdir()] == [POD]
 
 

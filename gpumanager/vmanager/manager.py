@@ -669,6 +669,7 @@ class VirtualManager:
     def gc(self, active: Iterable[str], only: Iterable[str] | None = None) -> list[str]:
         """Remove directories (and stop sockets) of pods not in ``active``; returns their UIDs.
 
+        Only directories named by a pod UID are pods' directories; anything else is left alone.
         ``only``: look at these pods' directories alone instead of every directory.
         """
         keep = set(active)
@@ -676,9 +677,13 @@ class VirtualManager:
         if only is None:
             if not self.vm_path.is_dir():
                 return removed
-            entries = sorted(e for e in self.vm_path.iterdir() if e.name not in keep and e.is_dir())
+            # Pod directories alone (named by a pod UID): not what else lives there (``lost+found`` of a
+            # mounted volume, the agent's own directories when the path is their parent).
+            entries = sorted(
+                e for e in self.vm_path.iterdir() if e.name not in keep and _is_pod_uid(e.name) and e.is_dir()
+            )
         else:
-            entries = [self.vm_path / uid for uid in sorted(set(only) - keep) if uid]
+            entries = [self.vm_path / uid for uid in sorted(set(only) - keep) if _is_pod_uid(uid)]
             entries = [e for e in entries if e.is_dir()]
         for entry in entries:
             self._stop_server(entry.name)
@@ -741,6 +746,15 @@ class VirtualManager:
             sockets, self._sockets = self._sockets, None
         if sockets is not None:
             sockets.stop()
+
+
+def _is_pod_uid(name: str) -> bool:
+    """Whether a name under the virtual-manager path is a pod's directory (a pod UID)."""
+    try:
+        safenames.pod_uid(name)
+    except safenames.UnsafeNameError:
+        return False
+    return True
 
 
 def _container_names(pod: Pod) -> list[str]:

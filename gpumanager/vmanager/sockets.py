@@ -18,8 +18,11 @@ other connection is refused.
 
 A call waits without holding a thread (a registration may wait for the pod's
 status), and a pod holds at most :data:`MAX_CONNECTIONS_PER_POD` connections
-with one call each (one more waits :data:`SLOT_WAIT_SECONDS` for one of them to
-end, then is closed), so no pod can keep another pod's calls waiting. A pod costs
+with one call each (at most :data:`MAX_WAITING_PER_POD` more wait
+:data:`SLOT_WAIT_SECONDS` for one of them to end, then are closed; any further one
+is closed at once, and the closings are logged at most once a minute per pod), so
+no pod can keep another pod's calls waiting, nor hold the agent's descriptors or
+fill its log by connecting without pause. A pod costs
 one listening socket and a dictionary entry; a call in progress costs two
 sockets. When a pod's socket is no longer served, its relayed connections end.
 """
@@ -56,6 +59,10 @@ POD_LOCK_STRIPES = 64
 MAX_CONNECTIONS_PER_POD = 16
 #: How long a connection over that limit waits for one of the pod's others to end before it is closed.
 SLOT_WAIT_SECONDS = 0.5
+#: Connections of one pod waiting so at once; one more is closed as soon as it is accepted.
+MAX_WAITING_PER_POD = 16
+#: Connections closed over the limit are logged once per pod in each such window (with their count).
+CLOSED_LOG_WINDOW_SECONDS = 60.0
 #: Calls at once on one connection (the clients make one call per connection).
 CALLS_PER_CONNECTION = 1
 #: The longest a relayed connection lives (a registration is one short call).
@@ -125,6 +132,9 @@ class PodSockets:
         self._peers: dict[str, str] = {}  # bound name of a relayed connection -> pod UID
         self._listeners: dict[str, _Listener] = {}
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
+        self._waiting: dict[str, int] = {}  # pod UID -> connections waiting for one of its slots
+        # pod UID -> (when its last closing over the limit was logged, closings not logged since)
+        self._closed_log: dict[str, tuple[float, int]] = {}
         self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
         self._server: grpc.aio.Server | None = None
         # serve() for one pod at a time (a lock per stripe of pods: fifty pods served at once do not
@@ -281,6 +291,7 @@ class PodSockets:
     async def _close(self, pod_uid: str) -> None:
         with self._lock:
             listener = self._listeners.pop(pod_uid, None)
+            self._closed_log.pop(pod_uid, None)
         # The pod's connections end with its socket: nothing is relayed for a pod no longer served.
         for task in list(self._relays.pop(pod_uid, ())):
             task.cancel()
@@ -300,18 +311,31 @@ class PodSockets:
     async def _relay(self, pod_uid: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # At the limit, a slot is waited for a moment: a client calling again at once, each call on a new
         # connection, may find its earlier connections not yet torn down (on a busy node).
-        deadline = asyncio.get_running_loop().time() + SLOT_WAIT_SECONDS
-        while True:
-            with self._lock:
-                busy = self._active.get(pod_uid, 0)
-                if busy < MAX_CONNECTIONS_PER_POD:
-                    self._active[pod_uid] = busy + 1
-            if busy < MAX_CONNECTIONS_PER_POD or asyncio.get_running_loop().time() >= deadline:
-                break
-            await asyncio.sleep(0.01)
+        # A few wait so; any further one is closed at once (each waiting one holds a descriptor).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SLOT_WAIT_SECONDS
+        waiting = False
+        try:
+            while True:
+                with self._lock:
+                    busy = self._active.get(pod_uid, 0)
+                    if busy < MAX_CONNECTIONS_PER_POD:
+                        self._active[pod_uid] = busy + 1
+                    elif not waiting and self._waiting.get(pod_uid, 0) < MAX_WAITING_PER_POD:
+                        waiting = True
+                        self._waiting[pod_uid] = self._waiting.get(pod_uid, 0) + 1
+                if busy < MAX_CONNECTIONS_PER_POD or not waiting or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            if waiting:
+                with self._lock:
+                    self._waiting[pod_uid] -= 1
+                    if not self._waiting[pod_uid]:
+                        del self._waiting[pod_uid]
         if busy >= MAX_CONNECTIONS_PER_POD:
-            log.warning("vcuda.sock of pod %s: %d connections open already; closing another", pod_uid, busy)
             writer.close()
+            self._log_closed(pod_uid, busy, loop.time())
             return
         task = asyncio.current_task()
         assert task is not None
@@ -352,6 +376,19 @@ class PodSockets:
                     w.close()
             if up_writer is None and upstream is not None:
                 upstream.close()
+
+    def _log_closed(self, pod_uid: str, busy: int, now: float) -> None:
+        """Log a connection closed over the limit: the first of each window, with those left out before."""
+        with self._lock:
+            last, left_out = self._closed_log.get(pod_uid, (None, 0))
+            if last is not None and now - last < CLOSED_LOG_WINDOW_SECONDS:
+                self._closed_log[pod_uid] = (last, left_out + 1)
+                return
+            if len(self._closed_log) >= 4096:
+                self._closed_log.clear()
+            self._closed_log[pod_uid] = (now, 0)
+        more = f" ({left_out} more closed since the last report)" if left_out else ""
+        log.warning("vcuda.sock of pod %s: %d connections open already; closing another%s", pod_uid, busy, more)
 
     def _bind_relay_end(self, pod_uid: str) -> tuple[str, socket.socket]:
         """Our end of a relayed connection, bound to a fresh unguessable abstract name for ``pod_uid``."""

@@ -330,6 +330,20 @@ def _by_base(volumes: Sequence[VolumeSpec]) -> dict[Path, list[VolumeSpec]]:
     return groups
 
 
+def _make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with mode 0755 whatever the umask; existing ones are left as they are."""
+    missing: list[Path] = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:  # made meanwhile by someone else: theirs
+            continue
+        os.chmod(directory, 0o755)
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -373,10 +387,12 @@ class _Run:
     ) -> list[VolumeOutcome]:
         trees = base / TREES_DIR
         try:
-            for directory in (base, trees):
-                directory.mkdir(parents=True, exist_ok=True)
-                if (os.stat(directory).st_mode & 0o777) != 0o755:
-                    os.chmod(directory, 0o755)
+            # A base that exists is the operator's (it may be a shared directory such as /var/tmp):
+            # its mode is left alone, containers only ever see the trees.
+            _make_dirs(base)
+            trees.mkdir(exist_ok=True)
+            if stat.S_IMODE(os.stat(trees).st_mode) != 0o755:
+                os.chmod(trees, 0o755)
         except OSError as err:
             raise VolumeError(f"cannot create the volume base {base}: {err.strerror or err}") from err
         self._reusable = None

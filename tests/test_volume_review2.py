@@ -1,0 +1,58 @@
+"""Driver mirror on real-host corner cases: the volume base's mode, old-format caches listing
+glibc-hwcaps builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from gpumanager.volume import build_vdriver
+from tests.volume_fixtures import (
+    DEFAULT_VOLUME_CONF,
+    DriverStore,
+    driver_store,  # noqa: F401  (pytest fixture)
+    install_driver,
+)
+
+
+def _conf(path: Path, base: Path) -> Path:
+    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+    for volume in conf["volume"]:
+        volume["base"] = str(base)
+    path.write_text(json.dumps(conf))
+    return path
+
+
+def test_an_existing_base_keeps_its_mode(tmp_path: Path, driver_store: DriverStore) -> None:  # noqa: F811
+    """A volume base that already exists (a shared directory such as /var/tmp, mode 1777) is not
+    chmod-ed: containers mount the trees, never the base, and the host's directory stays as it was."""
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    build_vdriver(
+        volume_config=_conf(tmp_path / "volume.conf", base), driver_root=root, share_mode=False, interceptor=None
+    )
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o1777
+    # the directories the mirror creates are readable by every container user, whatever the umask
+    trees = base / ".trees"
+    assert stat.S_IMODE(os.stat(trees).st_mode) == 0o755
+    assert (base / "origin" / "lib64" / "libcuda.so.1").exists()
+
+
+def test_a_base_the_mirror_creates_is_0755_whatever_the_umask(tmp_path: Path, driver_store: DriverStore) -> None:  # noqa: F811
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    base = tmp_path / "new" / "vdriver"
+    old = os.umask(0o077)
+    try:
+        build_vdriver(
+            volume_config=_conf(tmp_path / "volume.conf", base), driver_root=root, share_mode=False, interceptor=None
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(base / ".trees").st_mode) == 0o755

@@ -46,6 +46,14 @@ class VolumeConfig:
         return replace(self, volumes=tuple(replace(v, base=base) for v in self.volumes))
 
 
+def mount_sources(config: VolumeConfig) -> tuple[Path | None, Path | None]:
+    """The stable paths containers mount, as upstream picks them: the share-mode one (the volume
+    named ``nvidia``) and the exclusive one (the last volume of any other name); None when not configured."""
+    nvidia = next((v.path for v in config.volumes if v.name == NVIDIA_VOLUME), None)
+    origin = next((v.path for v in reversed(config.volumes) if v.name != NVIDIA_VOLUME), None)
+    return nvidia, origin
+
+
 def load_volume_config(path: Path) -> VolumeConfig:
     """Read and validate ``path``; VolumeError names the file and the offending value."""
     try:

@@ -80,10 +80,12 @@ class MirrorKeeper:
         except VolumeError as exc:
             self.error = str(exc)
             log.error("driver mirror not built: %s", exc)
+            self._configured_paths()
             return False
         except Exception as exc:  # a reader's surprise must not end the agent's start
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("driver mirror not built: %s", self.error)
+            self._configured_paths()
             return False
         for warning in result.warnings:
             log.warning("driver mirror: %s", warning)
@@ -101,6 +103,20 @@ class MirrorKeeper:
         self._mirror_problem = result.share_problem
         self._built = True
         return True
+
+    def _configured_paths(self) -> None:
+        """After a failed build: report the mount paths volume.conf names (an earlier tree may lie
+        there, and the next build publishes there), not the default base, unless a build succeeded."""
+        if self._built:
+            return
+        from gpumanager.volume.config import load_volume_config, mount_sources
+
+        try:
+            nvidia, origin = mount_sources(load_volume_config(Path(self._config)))
+        except VolumeError:
+            return
+        self.nvidia = str(nvidia or DEFAULT_VDRIVER / "nvidia")
+        self.origin = str(origin or DEFAULT_VDRIVER / "origin")
 
     def start(self) -> None:
         """Recheck in the background every period (and on :meth:`wake`)."""

@@ -11,6 +11,11 @@ a hundred nodes) and filter must answer with the objects that pass. They are dec
 msgspec into raw JSON pieces: only each node's name is read, and the pieces that pass are sent
 back unchanged, so no Node object is ever fully decoded or encoded again (one is decoded only
 when the extender does not know that node yet).
+
+Keys are matched as Go's ``encoding/json`` matches them, whatever their case (the last one that
+matches wins): gpu-admission, built on the older ``pkg/scheduler/api/v1`` types, took their tags
+(``pod``, ``nodes``, ``nodenames``, ``podName``...) as well as the field names the kube-scheduler
+sends, and so do these readers.
 """
 
 from __future__ import annotations
@@ -44,24 +49,16 @@ class _NodeList(msgspec.Struct):
     items: list[msgspec.Raw] | None = None
 
 
-class _Args(msgspec.Struct):
-    Pod: dict[str, Any]
-    Nodes: _NodeList | None = None
-    NodeNames: list[str] | None = None
-
-
-class _Binding(msgspec.Struct):
-    PodName: str
-    PodNamespace: str
-    PodUID: str
-    Node: str
-
-
-_ARGS = msgspec.json.Decoder(_Args)
+_TOP = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_NODES = msgspec.json.Decoder(_NodeList | None)
+_NAMES = msgspec.json.Decoder(list[str] | None)
+_STRING = msgspec.json.Decoder(str | None)
 _HEAD = msgspec.json.Decoder(_NodeHead)
-_BINDING = msgspec.json.Decoder(_Binding)
 _OBJECT = msgspec.json.Decoder(dict[str, Any])
 _ENCODER = msgspec.json.Encoder()
+
+_ARGS_KEYS = ("Pod", "Nodes", "NodeNames")
+_BINDING_KEYS = ("PodName", "PodNamespace", "PodUID", "Node")
 
 
 def encode(answer: object) -> bytes:
@@ -78,6 +75,18 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes, what: str) -> Any:
         raise BadRequestError(f"{what}: the body is not JSON: {exc}") from None
     except RecursionError:
         raise BadRequestError(f"{what}: the body's JSON is nested too deeply to read") from None
+
+
+def _fields(body: bytes, what: str, keys: tuple[str, ...]) -> dict[str, msgspec.Raw]:
+    """The body's values of ``keys`` (raw), its keys matched whatever their case, the last match winning."""
+    top: dict[str, msgspec.Raw] = _decode(_TOP, body, what)
+    folded = {key.lower(): key for key in keys}
+    found: dict[str, msgspec.Raw] = {}
+    for key, raw in top.items():
+        name = folded.get(key.lower())
+        if name is not None:
+            found[name] = raw
+    return found
 
 
 @dataclass(frozen=True)
@@ -105,16 +114,23 @@ class ExtenderArgs:
 
 def parse_args(body: bytes) -> ExtenderArgs:
     """``ExtenderArgs`` from a request body."""
-    data: _Args = _decode(_ARGS, body, "ExtenderArgs")
-    if data.Nodes is None and data.NodeNames is None:
+    fields = _fields(body, "ExtenderArgs", _ARGS_KEYS)
+    if "Pod" not in fields:
+        raise BadRequestError("ExtenderArgs has no Pod")
+    pod: JSON = _decode(_OBJECT, fields["Pod"], "ExtenderArgs.Pod")
+    nodes: _NodeList | None = _decode(_NODES, fields["Nodes"], "ExtenderArgs.Nodes") if "Nodes" in fields else None
+    names: list[str] | None = (
+        _decode(_NAMES, fields["NodeNames"], "ExtenderArgs.NodeNames") if "NodeNames" in fields else None
+    )
+    if nodes is None and names is None:
         raise BadRequestError("ExtenderArgs has neither Nodes nor NodeNames")
-    if data.Nodes is not None:
+    if nodes is not None:
         raw: dict[str, msgspec.Raw] = {}
-        for i, item in enumerate(data.Nodes.items or []):
+        for i, item in enumerate(nodes.items or []):
             head: _NodeHead = _decode(_HEAD, item, f"ExtenderArgs.Nodes.items[{i}]")
             raw[head.metadata.name] = item
-        return ExtenderArgs(pod=data.Pod, node_names=None, raw_nodes=raw)
-    return ExtenderArgs(pod=data.Pod, node_names=list(data.NodeNames or []))
+        return ExtenderArgs(pod=pod, node_names=None, raw_nodes=raw)
+    return ExtenderArgs(pod=pod, node_names=list(names or []))
 
 
 def filter_result(
@@ -156,8 +172,14 @@ class BindingArgs:
 
 def parse_binding(body: bytes) -> BindingArgs:
     """``ExtenderBindingArgs`` from a request body."""
-    data: _Binding = _decode(_BINDING, body, "ExtenderBindingArgs")
+    fields = _fields(body, "ExtenderBindingArgs", _BINDING_KEYS)
+    values: dict[str, str] = {
+        key: _decode(_STRING, raw, f"ExtenderBindingArgs.{key}") or "" for key, raw in fields.items()
+    }
+    for key in _BINDING_KEYS:
+        if key not in fields:
+            raise BadRequestError(f"ExtenderBindingArgs: Object missing required field `{key}`")
     for key in ("PodName", "PodNamespace", "Node"):
-        if not getattr(data, key):
+        if not values[key]:
             raise BadRequestError(f"ExtenderBindingArgs.{key} is empty")
-    return BindingArgs(data.PodName, data.PodNamespace, data.PodUID, data.Node)
+    return BindingArgs(values["PodName"], values["PodNamespace"], values["PodUID"], values["Node"])

@@ -1,0 +1,71 @@
+"""The extender against inputs a kube-scheduler (or a tool written for gpu-admission) sends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpumanager.extender.api import BadRequestError, encode, filter_result, parse_args, parse_binding
+
+POD = {
+    "metadata": {"name": "p", "namespace": "d", "uid": "u1"},
+    "spec": {
+        "containers": [
+            {"name": "c", "resources": {"limits": {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}}}
+        ]
+    },
+}
+
+
+def _body(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+# Go's encoding/json matches keys case-insensitively: gpu-admission took the v1 types' tags
+# ("pod", "nodes", "nodenames") as well as the Go field names the kube-scheduler sends.
+
+
+def test_filter_args_with_the_v1_types_lowercase_keys_name_nodes() -> None:
+    args = parse_args(_body({"pod": POD, "nodes": None, "nodenames": ["a", "b"]}))
+    assert args.pod == POD
+    assert args.names == ["a", "b"]
+    assert filter_result(args, ["b"], {"a": "full"}, {})["NodeNames"] == ["b"]
+
+
+def test_filter_args_with_lowercase_nodes_answer_with_the_node_objects() -> None:
+    node = {"metadata": {"name": "a", "labels": {"x": "y"}}}
+    args = parse_args(_body({"pod": POD, "nodes": {"items": [node]}}))
+    assert args.node_names is None
+    assert args.names == ["a"]
+    result = json.loads(encode(filter_result(args, ["a"], {}, {})))
+    assert result["NodeNames"] is None
+    assert result["Nodes"]["items"] == [node]
+
+
+def test_filter_args_keys_in_any_case_last_one_wins_as_in_go() -> None:
+    args = parse_args(_body({"POD": POD, "NodeNames": ["a"], "nodeNames": ["b"]}))
+    assert args.pod == POD
+    assert args.names == ["b"]
+
+
+def test_filter_args_without_a_pod_are_refused_by_name() -> None:
+    with pytest.raises(BadRequestError, match="Pod"):
+        parse_args(_body({"nodenames": ["a"]}))
+    with pytest.raises(BadRequestError, match="Pod"):
+        parse_args(_body({"Pod": None, "NodeNames": ["a"]}))
+    with pytest.raises(BadRequestError, match=r"Pod.*object"):
+        parse_args(_body({"Pod": [1], "NodeNames": ["a"]}))
+    with pytest.raises(BadRequestError, match="NodeNames"):
+        parse_args(_body({"Pod": POD, "nodenames": [1]}))
+
+
+def test_binding_args_with_lowercase_keys() -> None:
+    args = parse_binding(_body({"podName": "p", "podNamespace": "d", "podUID": "u", "node": "n"}))
+    assert (args.pod_name, args.pod_namespace, args.pod_uid, args.node) == ("p", "d", "u", "n")
+    with pytest.raises(BadRequestError, match="PodName"):
+        parse_binding(_body({"PodNamespace": "d", "PodUID": "u", "Node": "n"}))
+    with pytest.raises(BadRequestError, match="PodUID"):
+        parse_binding(_body({"PodName": "p", "PodNamespace": "d", "Node": "n"}))
+    with pytest.raises(BadRequestError, match="Node"):
+        parse_binding(_body({"PodName": "p", "PodNamespace": "d", "PodUID": "u", "node": 5}))

@@ -144,7 +144,8 @@ class Discovery:
         return self._resolved[host_path]
 
     def _warn(self, message: str) -> None:
-        log.warning("%s", message)
+        # Reported by the caller from the run's warnings (the keeper: once, not at every recheck).
+        log.debug("%s", message)
         self.warnings.append(message)
 
 

@@ -46,6 +46,7 @@ class MirrorKeeper:
         self.error = ""
         self._built = False
         self._mirror_problem = ""
+        self._reported: set[str] = set()  # the warnings of the last build, already logged
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,8 +88,11 @@ class MirrorKeeper:
             log.exception("driver mirror not built: %s", self.error)
             self._configured_paths()
             return False
+        # A warning is logged when it appears, not again at every recheck of an unchanged host.
         for warning in result.warnings:
-            log.warning("driver mirror: %s", warning)
+            if warning not in self._reported:
+                log.warning("driver mirror: %s", warning)
+        self._reported = set(result.warnings)
         for tree in result.removed_trees:
             log.info("driver mirror: removed unused tree %s", tree)
         if result.changed:

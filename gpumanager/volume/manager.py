@@ -150,7 +150,7 @@ def build_vdriver(
         try:
             provided[GPU_CLIENT] = _own_binary(gpu_client, GPU_CLIENT)
         except VolumeError as err:
-            log.warning("%s", err)
+            log.debug("%s", err)
             client_warnings.append(str(err))
     discovery = Discovery(root, cache, lib_dirs, search_path, provided)
     sources = {v: discovery.sources(v) for v in config.volumes}
@@ -368,7 +368,7 @@ class _Run:
     _reusable: dict[Identity, Path] | None = None
 
     def warn(self, message: str) -> None:
-        log.warning("%s", message)
+        log.debug("%s", message)  # reported by the caller from VdriverResult.warnings
         self.warnings.append(message)
 
     def facts_of(self, source: SourceFile) -> ElfFacts:

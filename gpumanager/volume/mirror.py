@@ -207,5 +207,5 @@ def _install_interceptor(plan: TreePlan, swapped: list[tuple[str, str]], interce
 
 
 def _warn(plan: TreePlan, message: str) -> None:
-    log.warning("%s", message)
+    log.debug("%s", message)  # reported by the caller from the plan's warnings
     plan.warnings.append(message)

@@ -11,10 +11,15 @@ from pathlib import Path
 from gpumanager.volume import build_vdriver
 from tests.volume_fixtures import (
     DEFAULT_VOLUME_CONF,
+    LIB64,
+    V1,
     DriverStore,
     driver_store,  # noqa: F401  (pytest fixture)
     install_driver,
+    write_cache,
 )
+
+X86_64_LIBC6 = 0x0303
 
 
 def _conf(path: Path, base: Path) -> Path:
@@ -56,3 +61,38 @@ def test_a_base_the_mirror_creates_is_0755_whatever_the_umask(tmp_path: Path, dr
         os.umask(old)
     assert stat.S_IMODE(os.stat(base).st_mode) == 0o755
     assert stat.S_IMODE(os.stat(base / ".trees").st_mode) == 0o755
+
+
+def test_an_old_format_cache_listing_a_glibc_hwcaps_build_first_gets_the_plain_build(
+    tmp_path: Path,
+    driver_store: DriverStore,  # noqa: F811
+) -> None:
+    """An old-format cache (``ldconfig -c old``) has no hwcap field: glibc 2.33+ still lists the
+    builds of ``glibc-hwcaps/x86-64-v3/`` in it, before the plain one. The mirror flattens
+    directories, so it must take the plain build, which runs on every CPU, as it does with a
+    new-format cache."""
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    plain = root / LIB64.lstrip("/") / f"libcuda.so.{V1}"
+    hwcaps_dir = root / LIB64.lstrip("/") / "glibc-hwcaps" / "x86-64-v3"
+    hwcaps_dir.mkdir(parents=True)
+    (hwcaps_dir / f"libcuda.so.{V1}").write_bytes(plain.read_bytes() + b"built for x86-64-v3")
+    (root / "etc/ld.so.cache").write_bytes(
+        write_cache(
+            [
+                (X86_64_LIBC6, "libcuda.so.1", f"{LIB64}/glibc-hwcaps/x86-64-v3/libcuda.so.{V1}"),
+                (X86_64_LIBC6, "libcuda.so.1", f"{LIB64}/libcuda.so.1"),
+                (X86_64_LIBC6, "libnvidia-ml.so.1", f"{LIB64}/libnvidia-ml.so.1"),
+            ],
+            fmt="old",
+        )
+    )
+    result = build_vdriver(
+        volume_config=_conf(tmp_path / "volume.conf", tmp_path / "vdriver"),
+        driver_root=root,
+        share_mode=False,
+        interceptor=None,
+    )
+    origin = next(v for v in result.volumes if v.name == "origin").tree
+    assert (origin / "lib64" / f"libcuda.so.{V1}").read_bytes() == plain.read_bytes()
+    assert not any("already comes from" in w for w in result.warnings), result.warnings

@@ -47,6 +47,7 @@ FLAG_ARCH_MASK = 0xFF00
 #: hwcap bit of an entry found in a ``glibc-hwcaps/<level>`` subdirectory (glibc 2.33+): the loader
 #: only uses it on a CPU of that level (x86-64-v2/v3/v4, power9, z15, ...).
 HWCAP_GLIBC_HWCAPS = 1 << 62
+GLIBC_HWCAPS_DIR = "/glibc-hwcaps/"
 
 # Byte-order values of the new header's flags byte.
 _ENDIAN_UNSET, _ENDIAN_INVALID, _ENDIAN_LITTLE, _ENDIAN_BIG = 0, 1, 2, 3
@@ -134,8 +135,12 @@ class CacheEntry:
 
     @property
     def glibc_hwcaps(self) -> bool:
-        """True for a build in a ``glibc-hwcaps`` subdirectory, which needs a CPU of its level."""
-        return bool(self.hwcap & HWCAP_GLIBC_HWCAPS)
+        """True for a build in a ``glibc-hwcaps`` subdirectory, which needs a CPU of its level.
+
+        Old-format entries have no hwcap field, yet glibc 2.33+ lists those builds in them too:
+        their path (``<dir>/glibc-hwcaps/<level>/<file>``) tells.
+        """
+        return bool(self.hwcap & HWCAP_GLIBC_HWCAPS) or GLIBC_HWCAPS_DIR in self.value
 
     @property
     def arch(self) -> CacheArch:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from gpumanager.extender.api import BadRequestError, encode, filter_result, parse_args, parse_binding
+from gpumanager.extender.decisions import Decider
+from gpumanager.extender.state import ClusterState
 
 POD = {
     "metadata": {"name": "p", "namespace": "d", "uid": "u1"},
@@ -69,3 +72,52 @@ def test_binding_args_with_lowercase_keys() -> None:
         parse_binding(_body({"PodName": "p", "PodNamespace": "d", "Node": "n"}))
     with pytest.raises(BadRequestError, match="Node"):
         parse_binding(_body({"PodName": "p", "PodNamespace": "d", "PodUID": "u", "node": 5}))
+
+
+# -- a node the watch has shown deleted, sent again by a scheduler whose cache lags -----------------
+
+
+def _node(name: str, uid: str, gpus: int = 1) -> dict[str, object]:
+    return {
+        "metadata": {"name": name, "uid": uid},
+        "status": {"capacity": {"tencent.com/vcuda-core": str(100 * gpus), "tencent.com/vcuda-memory": str(64 * gpus)}},
+    }
+
+
+def _filter(decider: Decider, nodes: list[dict[str, object]]) -> dict[str, Any]:
+    args = parse_args(_body({"Pod": POD, "Nodes": {"items": nodes}, "NodeNames": None}))
+    result, _ = decider.filter(args)
+    answer: dict[str, Any] = json.loads(encode(result))
+    return answer
+
+
+def test_a_deleted_node_sent_by_a_lagging_scheduler_is_not_brought_back() -> None:
+    state = ClusterState()
+    decider = Decider(state, "binpack")
+    old = _node("a", "uid-old")
+    state.node_event("ADDED", old)
+    state.node_event("ADDED", _node("b", "uid-b"))
+    state.node_event("DELETED", old)
+    assert state.node_names() == ["b"]
+
+    answer = _filter(decider, [old, _node("b", "uid-b")])
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["b"]
+    reason = answer["FailedAndUnresolvableNodes"]["a"]
+    assert "deleted" in reason and "uid-old" in reason
+    # Not kept: the nodes the extender counts (gpu_extender_nodes) are the cluster's.
+    assert state.node_names() == ["b"]
+    # Prioritize scores it 0 without keeping it either.
+    args = parse_args(_body({"Pod": POD, "Nodes": {"items": [old]}}))
+    assert decider.prioritize(args) == [{"Host": "a", "Score": 0}]
+    assert state.node_names() == ["b"]
+
+
+def test_a_node_recreated_under_the_name_is_taken_from_the_scheduler_before_the_watch_shows_it() -> None:
+    state = ClusterState()
+    decider = Decider(state, "binpack")
+    old = _node("a", "uid-old")
+    state.node_event("ADDED", old)
+    state.node_event("DELETED", old)
+    answer = _filter(decider, [_node("a", "uid-new")])
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["a"]
+    assert state.node_names() == ["a"]

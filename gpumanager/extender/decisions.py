@@ -59,13 +59,21 @@ class Decider:
         self.policy = policy
 
     def _node(self, name: str, args: ExtenderArgs) -> NodeGPUs | None:
+        return self._known(name, args)[0]
+
+    def _known(self, name: str, args: ExtenderArgs) -> tuple[NodeGPUs | None, str]:
+        """The node's GPUs, or None with why ("" when it has none)."""
         gpus = self.state.node(name)
         if gpus is None and name in args.raw_nodes:
-            # The scheduler may know a node the watch has not shown yet.
+            # The scheduler may know a node the watch has not shown yet, or still one the watch has
+            # shown deleted (its cache lags): that one is not brought back.
             obj = args.node_object(name)
             if obj is not None:
+                if self.state.deleted_node(obj):
+                    uid = (obj.get("metadata") or {}).get("uid")
+                    return None, f"node {name} (UID {uid}) has been deleted"
                 gpus = self.state.add_node(obj)
-        return gpus
+        return gpus, ""
 
     def judge(
         self,
@@ -122,7 +130,8 @@ class Decider:
             self.state.expire()
             with self.state.without(uid):
                 for name in node_names:
-                    verdict, reason = self.judge(self._node(name, args), requests, inits, sidecars)
+                    gpus, gone = self._known(name, args)
+                    verdict, reason = ("unresolvable", gone) if gone else self.judge(gpus, requests, inits, sidecars)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)

@@ -41,6 +41,8 @@ from gpumanager.extender.nodes import Node, NodeGPUs, fingerprint, node_gpus, no
 log = logging.getLogger(__name__)
 
 NEVER = float("inf")
+#: How many deleted nodes' UIDs are remembered (see :meth:`ClusterState.deleted_node`).
+DELETED_NODES_KEPT = 4096
 
 
 @dataclass
@@ -69,6 +71,9 @@ class ClusterState:
         # Node name -> UID of the node object last seen by that name (a node recreated under the same
         # name has another UID: the old one's deletion must not remove it).
         self._node_uids: dict[str, str] = {}
+        # UIDs of nodes the watch showed deleted, oldest first (bounded): a scheduler whose cache lags
+        # may still send one, which must not be brought back (it would stay for ever: no event of it comes).
+        self._deleted_nodes: dict[str, str] = {}
         self._watched: dict[str, PodCharges] = {}
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
@@ -131,6 +136,10 @@ class ClusterState:
         with self.lock:
             if kind == "DELETED":
                 uid, current = _node_uid(node), self._node_uids.get(name, "")
+                if uid:
+                    self._deleted_nodes[uid] = name
+                    while len(self._deleted_nodes) > DELETED_NODES_KEPT:
+                        del self._deleted_nodes[next(iter(self._deleted_nodes))]
                 if uid and current and uid != current:
                     # A relist delivers the node recreated under this name before the old one's end.
                     log.info("node %s: the deleted object (UID %s) was replaced by UID %s; kept", name, uid, current)
@@ -142,12 +151,22 @@ class ClusterState:
                 return
             self.add_node(node)
 
+    def deleted_node(self, node: Node) -> bool:
+        """Whether the watch has shown this node object (by UID) deleted."""
+        uid = _node_uid(node)
+        with self.lock:
+            return bool(uid) and uid in self._deleted_nodes
+
     def add_node(self, node: Node) -> NodeGPUs | None:
-        """Build (or rebuild, when its GPUs changed) a node's GPUs and hold its pods' charges on them."""
+        """Build (or rebuild, when its GPUs changed) a node's GPUs and hold its pods' charges on them;
+        None for a node without GPUs, or one the watch has shown deleted (not added)."""
         name = node_name(node)
         mark = fingerprint(node)
         with self.lock:
             uid = _node_uid(node)
+            if uid and uid in self._deleted_nodes:
+                log.debug("node %s (UID %s) was deleted; not added again", name, uid)
+                return None
             if uid:
                 self._node_uids[name] = uid
             if self._fingerprints.get(name) == mark:

@@ -232,6 +232,10 @@ class Agent:
             pod=self.pods.get,
             driver_version=self.driver_version,
         )
+        # The pods that hold allocations (an agent restart) get their vcuda.sock back now, not once the
+        # API server answered: the upstream library kills a process whose registration finds no one
+        # listening, while a registration made now waits for the pod cache (bounded).
+        self.vmanager.resume(sorted({a.answered[0] for a in allocator.allocations()}))
         if self.plugins is not None:
             self._attach_handlers(allocator)
 
@@ -440,6 +444,7 @@ class Agent:
                 name="pod-resources-recovery",
                 daemon=True,
             ).start()
+        # Again: the kubelet's PodResources may have named allocations the checkpoints did not hold.
         vmanager.resume(sorted({a.answered[0] for a in allocator.allocations()}))
 
     def _start_api_client(self) -> ApiConnection | None:

@@ -96,3 +96,35 @@ def test_an_old_format_cache_listing_a_glibc_hwcaps_build_first_gets_the_plain_b
     origin = next(v for v in result.volumes if v.name == "origin").tree
     assert (origin / "lib64" / f"libcuda.so.{V1}").read_bytes() == plain.read_bytes()
     assert not any("already comes from" in w for w in result.warnings), result.warnings
+
+
+def test_the_agents_own_files_are_readable_by_every_container_user(
+    tmp_path: Path,
+    driver_store: DriverStore,  # noqa: F811
+) -> None:
+    """The interceptor and gpu-client are copied from the agent's image: one installed 0700 (a
+    custom image built under umask 077) would leave libcuda.so.1 unreadable to a container running
+    as a non-root user, whose CUDA then finds no driver. In the tree they are 0755."""
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    own = tmp_path / "image"
+    own.mkdir()
+    interceptor = own / "libcuda-control.so"
+    interceptor.write_bytes(driver_store.interceptor(0).read_bytes())
+    client = own / "gpu-client"
+    client.write_bytes(driver_store.files[f"{V1}:exe"].read_bytes())
+    for path in (interceptor, client):
+        os.chmod(path, 0o700)
+    result = build_vdriver(
+        volume_config=_conf(tmp_path / "volume.conf", tmp_path / "vdriver"),
+        driver_root=root,
+        share_mode=True,
+        interceptor=interceptor,
+        gpu_client=client,
+    )
+    assert result.share_problem == ""
+    tree = next(v for v in result.volumes if v.name == "nvidia").tree
+    for rel in ("lib64/libcuda-control.so", "lib64/libcuda.so.1", "lib64/libnvidia-ml.so.1", "bin/gpu-client"):
+        assert stat.S_IMODE(os.stat(tree / rel).st_mode) == 0o755, rel
+    # the agent's files themselves are left as they are
+    assert stat.S_IMODE(os.stat(interceptor).st_mode) == 0o700

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 TREES_DIR = ".trees"
 LOCK_FILE = ".vdriver.lock"
 STAGING_PREFIX = ".staging-"
-LAYOUT_VERSION = "vdriver-tree-2"  # bump when the mirror rules change, so trees are rebuilt
+LAYOUT_VERSION = "vdriver-tree-3"  # bump when the mirror rules change, so trees are rebuilt
 LD_SO_CACHE = "etc/ld.so.cache"
 #: The registration client of upstream's library; the agent brings its own (--gpu-client).
 GPU_CLIENT = "gpu-client"

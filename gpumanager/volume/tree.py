@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = 1
 DIR_MODE = 0o755
+OWN_FILE_MODE = 0o755
 _CHUNK = 1 << 20
 _NO_RANGE_COPY = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM)
 
@@ -129,6 +130,10 @@ def build_tree(
     for rel, item in sorted(plan.files.items()):
         dst = staging / rel
         _clone(item.source, dst, reusable.get(item.identity), allow_hardlinks and not item.copy_only, item.identity)
+        if item.copy_only:
+            # The agent's own files (interceptor, gpu-client) come from its image with whatever
+            # mode they were installed with; a container of any user must load or run them.
+            os.chmod(dst, OWN_FILE_MODE)
         entries[rel] = {
             "type": "file",
             "size": item.identity[2],

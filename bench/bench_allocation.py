@@ -7,6 +7,8 @@ sees them, median and p99:
   Allocate (vcuda-core) while the node fills up to --pods running pods   (target p50 < 1 ms, p99 < 3 ms)
   PreStartContainer (vcuda-core) for the same pods
   --burst concurrent Allocate and PreStart (each from its own thread)    (target p99 < 50 ms)
+  --burst concurrent Allocate calls whose requests were made before the burst: the calls alone, without
+          the simulated kubelet's own admission work (in Python, on the same two cores) inside the figure
   --burst concurrent vcuda-memory Allocate (validation only): what gRPC and this client cost a burst
   GET /metrics with those pods running                                  (target p99 < 20 ms)
   the agent's RSS with every pod running                                (target < 80 MiB)
@@ -60,12 +62,13 @@ CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
 
 
-def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], list[float]]:
-    """``count`` pods admitted and started at once, each from its own thread."""
+def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], list[float], list[PodRun]]:
+    """``count`` pods admitted and started at once, each from its own thread; their timings and runs."""
     runs = [cluster.create(gpu_pod(f"burst-{offset + i:03d}", [("main", 3, 2)])) for i in range(count)]
     time.sleep(1.0)  # the agent's pod cache sees them, as it would before the kubelet admits them
     allocate: list[float] = []
     prestart: list[float] = []
+    admitted: list[PodRun] = []
     lock = threading.Lock()
     go = threading.Event()
 
@@ -78,6 +81,7 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
         with lock:
             allocate.append(run.core["main"].timings.allocate_seconds or 0.0)
             prestart.append(took)
+            admitted.append(run)
 
     threads = [threading.Thread(target=one, args=(m,)) for m in runs]
     for t in threads:
@@ -85,7 +89,7 @@ def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], li
     go.set()
     for t in threads:
         t.join(120)
-    return allocate, prestart
+    return allocate, prestart, admitted
 
 
 def burst_floor(cluster: SimCluster, count: int) -> list[float]:
@@ -115,6 +119,47 @@ def burst_floor(cluster: SimCluster, count: int) -> list[float]:
         go.set()
         for t in threads:
             t.join(60)
+    return took
+
+
+def burst_calls(cluster: SimCluster, count: int, offset: int) -> list[float]:
+    """``count`` vcuda-core Allocate calls at once, each from its own thread on the kubelet's kind of channel,
+    for ``count`` waiting pods: the requests (three free device IDs each) are made before the burst, so the
+    figure holds the calls alone and none of the kubelet simulator's admission work (device picking,
+    GetPreferredAllocation, its checkpoint), which the real kubelet does in Go on its own cores. The
+    kubelet simulator records none of these allocations: run it last."""
+    runs = [cluster.create(gpu_pod(f"calls-{offset + i:03d}", [("main", 3, 2)])) for i in range(count)]
+    time.sleep(1.0)  # the agent's pod cache sees them, as it would before the kubelet admits them
+    free = sorted(cluster.kubelet.healthy_ids(CORE).difference(*(a.device_ids for a in cluster.kubelet.allocations())))
+    if len(free) < 3 * len(runs):
+        raise RuntimeError(f"{len(free)} free vcuda-core devices, {3 * len(runs)} needed")
+    requests = [
+        pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=free[3 * i : 3 * i + 3])])
+        for i in range(len(runs))
+    ]
+    endpoint = next(r.endpoint for r in reversed(cluster.kubelet.registrations) if r.resource == CORE)
+    took: list[float] = []
+    lock = threading.Lock()
+    with grpc.insecure_channel(f"unix://{cluster.kubelet.socket_path.parent / endpoint}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=10)  # connected before the burst
+        stub = pb_grpc.DevicePluginStub(channel)
+        go = threading.Event()
+
+        def one(request: pb.AllocateRequest) -> None:
+            go.wait()
+            started = time.perf_counter()
+            stub.Allocate(request, timeout=30)
+            with lock:
+                took.append(time.perf_counter() - started)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(60)
+    if len(took) != len(requests):
+        raise RuntimeError(f"{len(requests) - len(took)} of {len(requests)} Allocate calls failed")
     return took
 
 
@@ -168,6 +213,7 @@ class Figures:
     burst_allocate: list[float] = field(default_factory=list)
     burst_prestart: list[float] = field(default_factory=list)
     burst_floor: list[float] = field(default_factory=list)
+    burst_calls: list[float] = field(default_factory=list)
     scrape: list[float] = field(default_factory=list)
     scrape_kib: int = 0
     dsync: list[float] = field(default_factory=list)
@@ -210,7 +256,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
             got.prestart.append(time.perf_counter() - started)
             cluster.start_containers(run_)
         scrapes.append(scrape(url))
-        got.burst_allocate, got.burst_prestart = burst(cluster, args.burst, args.pods)
+        got.burst_allocate, got.burst_prestart, burst_runs = burst(cluster, args.burst, args.pods)
         got.burst_floor = burst_floor(cluster, args.burst)
         scrapes.append(scrape(url))
         for phase, (before, after) in (("fill", scrapes[0:2]), ("burst", scrapes[1:3])):
@@ -227,6 +273,9 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         time.sleep(2.0)  # steady: the burst's garbage collected, the loops at rest
         got.rss_kib = rss_kib(cluster.agent.pid, "VmRSS")
         got.hwm_kib = rss_kib(cluster.agent.pid, "VmHWM")
+        for run_ in burst_runs:  # their devices free again for the calls below (a full 8-GPU node has 50 left)
+            cluster.delete(run_, wait=True)
+        got.burst_calls = burst_calls(cluster, args.burst, args.pods + args.burst)
     finally:
         cluster.stop()
     return got
@@ -267,6 +316,10 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
     each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
     each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
+    each(
+        f"{args.burst} concurrent Allocate calls, requests made before the burst (no kubelet work inside)",
+        lambda f: figure("", f.burst_calls, target_ms=50),
+    )
     each(
         f"{args.burst} concurrent Allocate (vcuda-memory) from this client: validation only (a burst's floor)",
         lambda f: figure("", f.burst_floor),

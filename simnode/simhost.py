@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,15 +31,28 @@ def _ldconfig() -> str:
 
 
 def install_sim_driver(root: Path, version: str = SIM_DRIVER_VERSION) -> Path:
-    """Install the simulated driver under ``root`` (a host ``/``); returns its library directory."""
+    """Install the simulated driver under ``root`` (a host ``/``); returns its library directory.
+
+    As NVIDIA's installer does, an install over an earlier one removes the other versions' files
+    and replaces files and links (new inodes, never rewritten in place): a driver tree
+    hard-linked from the old files, and the containers mapping it, keep what they had.
+    """
     libdir = root / LIB_DIR
     libdir.mkdir(parents=True, exist_ok=True)
     built = repo_root() / "vcuda" / "build" / "sim"
     for name in ("libcuda", "libnvidia-ml"):
-        shutil.copy2(built / f"{name}.so.{version}", libdir / f"{name}.so.{version}")
-        link = libdir / f"{name}.so.1"
-        if not link.is_symlink():
-            link.symlink_to(f"{name}.so.{version}")
+        target = f"{name}.so.{version}"
+        tmp = libdir / f".{target}.installing"
+        tmp.unlink(missing_ok=True)
+        shutil.copy2(built / target, tmp)
+        os.replace(tmp, libdir / target)
+        link_tmp = libdir / f".{name}.so.1.installing"
+        link_tmp.unlink(missing_ok=True)
+        link_tmp.symlink_to(target)
+        os.replace(link_tmp, libdir / f"{name}.so.1")
+        for old in libdir.glob(f"{name}.so.*.*"):
+            if old.name != target and not old.is_symlink():
+                old.unlink()
     (root / "etc").mkdir(exist_ok=True)
     (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n")
     subprocess.run(

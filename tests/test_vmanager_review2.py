@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 from gpumanager.vmanager.manager import VirtualManager
@@ -39,3 +41,56 @@ def test_gc_removes_only_pod_directories(tmp_path: Path) -> None:
     assert removed == [POD]
     assert sorted(p.name for p in vm.iterdir()) == ["checkpoint", "lost+found", "vdriver"]
     assert (vm / "checkpoint" / "gpumanager_internal_checkpoint").read_text() == "{}"
+
+
+# -- a container ID as the upstream library reads it from a CRI-O cgroupfs path -------------------
+
+
+def test_crio_cgroupfs_registration_by_the_cgroup_directory_name(tmp_path: Path) -> None:
+    """Under CRI-O with the cgroupfs driver a container's cgroup is ``kubepods/pod<uid>/crio-<id>``: the
+    library takes the last path component whole and registers ``--cont-id crio-<id>``, then reads
+    ``/etc/vcuda/crio-<id>/``. That container is the one whose status says ``cri-o://<id>``; it is
+    registered whether or not the status names it yet (it was refused once it did)."""
+    import os
+
+    from gpumanager import names
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.api import vcuda_pb2 as pb
+    from gpumanager.vmanager import files
+
+    cid = "3f2a" * 16
+    leaf = f"crio-{cid}"
+    cgroup = tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / leaf
+    cgroup.mkdir(parents=True)
+    (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    (tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / f"crio-conmon-{cid}").mkdir()
+    pod = {
+        "metadata": {"uid": POD, "name": "crio-pod", "namespace": "default"},
+        "spec": {"containers": [{"name": "main"}]},
+        "status": {
+            "phase": "Running",
+            "qosClass": "Guaranteed",
+            "containerStatuses": [{"name": "main", "containerID": f"cri-o://{cid}", "state": {"running": {}}}],
+        },
+    }
+    allocation = ContainerAllocation(pod_uid=POD, container="main", minors=(0,), cores=20, memory=1 << 30)
+    vm = Path(tempfile.mkdtemp(prefix="vmr", dir="/tmp")) / "vm"
+    manager = VirtualManager(
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda u, c: allocation if (u, c) == (POD, "main") else None,
+        pod=lambda u: pod if u == POD else None,
+        driver_version="550.54.15",
+    )
+    try:
+        directory = manager.register(POD, pb.VDeviceRequest(pod_uid=POD, container_id=leaf), time_left=1.0)
+        assert directory == vm / POD / leaf
+        assert files.read_pids(directory / names.PIDS_CONFIG_FILE) == [os.getpid()]
+        assert files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes()).container_name == "main"
+        # A process started since (no CUDA call yet) is in the file the library reads after the next refresh.
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n{os.getppid()}\n")
+        manager.refresh_pids([allocation])
+        assert files.read_pids(directory / names.PIDS_CONFIG_FILE) == sorted([os.getpid(), os.getppid()])
+    finally:
+        manager.stop()
+        shutil.rmtree(vm.parent, ignore_errors=True)

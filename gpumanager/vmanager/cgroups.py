@@ -135,6 +135,16 @@ def _names_container(name: str, container_id: str) -> bool:
     return any(base == f"{p}-{container_id}" or base.endswith(f":{p}:{container_id}") for p in _PREFIXES)
 
 
+def without_runtime_prefix(name: str) -> str | None:
+    """The container ID in a cgroup directory name made of a runtime's prefix and the ID (CRI-O's
+    cgroupfs ``crio-<id>``, ``docker-<id>``): what the vcuda-controller library sends as the container ID
+    when it takes the last component of its cgroup path whole. None when there is no such prefix."""
+    for prefix in _PREFIXES:
+        if name.startswith(f"{prefix}-") and len(name) > len(prefix) + 1:
+            return name[len(prefix) + 1 :]
+    return None
+
+
 def pids_under(directory: Path | str) -> list[int]:
     """Every PID in ``cgroup.procs`` of a cgroup and its descendants, sorted."""
     found: set[int] = set()

@@ -380,6 +380,11 @@ class VirtualManager:
         matches = [
             n for n, cid in ids.items() if cid == req.container_id or (prefix_ok and cid.startswith(req.container_id))
         ]
+        if not matches:
+            # The last component of a cgroupfs path under CRI-O (``crio-<id>``), which the library sends
+            # whole: the container whose status names ``<id>``; its files go where it reads, ``crio-<id>/``.
+            bare = cgroups.without_runtime_prefix(req.container_id)
+            matches = [n for n, cid in ids.items() if bare is not None and cid == bare]
         if len(matches) == 1:
             name = matches[0]
             alloc = self._allocated(socket_pod, pod_uid, name, where)
@@ -650,6 +655,15 @@ class VirtualManager:
         registered = self._registered_dir(alloc, cid)
         if registered.is_dir():
             targets.append(registered)
+        # Where its last registration wrote, when that was by another name of its ID (``crio-<id>``).
+        last = self._registered.get(alloc.key)
+        if (
+            last is not None
+            and last.parent not in targets
+            and last.parent.parent == registered.parent
+            and last.parent.is_dir()
+        ):
+            targets.append(last.parent)
         complete, written = True, 0
         for directory in targets:
             path = directory / names.PIDS_CONFIG_FILE

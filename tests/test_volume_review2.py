@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
-from gpumanager.volume import build_vdriver
+import pytest
+
+from gpumanager.volume import VolumeError, build_vdriver
+from gpumanager.volume.ldcache import MAX_CACHE_BYTES, read_ldcache
 from tests.volume_fixtures import (
     DEFAULT_VOLUME_CONF,
     LIB64,
@@ -128,3 +132,37 @@ def test_the_agents_own_files_are_readable_by_every_container_user(
         assert stat.S_IMODE(os.stat(tree / rel).st_mode) == 0o755, rel
     # the agent's files themselves are left as they are
     assert stat.S_IMODE(os.stat(interceptor).st_mode) == 0o700
+
+
+def test_a_cache_that_is_no_regular_file_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """/etc/ld.so.cache as a FIFO (or a device): reading it would block the agent's start until
+    some writer came, or never end; it is refused, naming the file."""
+    fifo = tmp_path / "ld.so.cache"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def writer() -> None:  # lets a reader that opened the FIFO see its end instead of hanging
+        while not stop.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                stop.wait(0.01)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(VolumeError, match="not a regular file") as err:
+            read_ldcache(fifo)
+    finally:
+        stop.set()
+        thread.join()
+    assert str(fifo) in str(err.value)
+
+
+def test_a_cache_far_larger_than_any_real_one_is_refused_without_reading_it(tmp_path: Path) -> None:
+    cache = tmp_path / "ld.so.cache"
+    with cache.open("wb") as stream:
+        stream.truncate(MAX_CACHE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(VolumeError, match=f"{MAX_CACHE_BYTES + 1} bytes") as err:
+        read_ldcache(cache)
+    assert str(cache) in str(err.value)

@@ -24,6 +24,7 @@ import enum
 import logging
 import os
 import platform
+import stat
 import struct
 import sys
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ FLAG_ARCH_MASK = 0xFF00
 #: hwcap bit of an entry found in a ``glibc-hwcaps/<level>`` subdirectory (glibc 2.33+): the loader
 #: only uses it on a CPU of that level (x86-64-v2/v3/v4, power9, z15, ...).
 HWCAP_GLIBC_HWCAPS = 1 << 62
+#: A cache of half a million libraries takes about 64 MiB; a larger file is no cache to read whole.
+MAX_CACHE_BYTES = 64 << 20
 GLIBC_HWCAPS_DIR = "/glibc-hwcaps/"
 
 # Byte-order values of the new header's flags byte.
@@ -165,9 +168,27 @@ class LdCache:
 def read_ldcache(path: Path) -> LdCache:
     """Read and parse ``path``; VolumeError names the file and what is wrong with it."""
     try:
-        data = path.read_bytes()
+        # O_NONBLOCK: a FIFO in its place must not block the open until some writer comes.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise VolumeError(f"cannot read ld.so.cache {path}: {err.strerror or err}") from err
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise VolumeError(f"ld.so.cache {path} is not a regular file (mode {st.st_mode:o})")
+        size = st.st_size
+        if size <= MAX_CACHE_BYTES:
+            with os.fdopen(fd, "rb", closefd=False) as stream:
+                data = stream.read(MAX_CACHE_BYTES + 1)
+            size = max(size, len(data))  # it may grow while read
+        if size > MAX_CACHE_BYTES:
+            raise VolumeError(
+                f"ld.so.cache {path} is {size} bytes, more than any real cache ({MAX_CACHE_BYTES}); not read"
+            )
+    except OSError as err:
+        raise VolumeError(f"cannot read ld.so.cache {path}: {err.strerror or err}") from err
+    finally:
+        os.close(fd)
     return parse_ldcache(data, path)
 
 

@@ -166,3 +166,32 @@ def test_a_cache_far_larger_than_any_real_one_is_refused_without_reading_it(tmp_
     with pytest.raises(VolumeError, match=f"{MAX_CACHE_BYTES + 1} bytes") as err:
         read_ldcache(cache)
     assert str(cache) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("name", "nvidia\ud800"), ("base", "/etc/gpu-manager/vdriver\ud800"), ("binaries", "nvidia-smi\udfff")],
+)
+def test_a_volume_conf_value_no_file_name_can_hold_is_named(
+    tmp_path: Path,
+    driver_store: DriverStore,  # noqa: F811
+    field: str,
+    value: str,
+) -> None:
+    """JSON can carry a lone surrogate (``"\\ud800"``), which no path can: the error names the
+    file and the value, instead of a UnicodeEncodeError traceback from deep inside the mirror."""
+    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+    volume = conf["volume"][0]
+    volume["base"] = str(tmp_path / "vdriver")
+    if field == "binaries":
+        volume["components"]["binaries"].append(value)
+    else:
+        volume[field] = value
+    path = tmp_path / "volume.conf"
+    path.write_text(json.dumps(conf))  # ensure_ascii: written as the escape \ud800
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    with pytest.raises(VolumeError) as err:
+        build_vdriver(volume_config=path, driver_root=root, share_mode=False, interceptor=None)
+    assert str(path) in str(err.value)
+    assert repr(value) in str(err.value)

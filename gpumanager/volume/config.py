@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -83,10 +84,11 @@ def parse_volume_config(raw: Any, path: Path) -> VolumeConfig:
             or "\0" in name
             or name.startswith(".")
             or name != name.strip()
+            or not _path_text(name)
         ):
             raise VolumeError(f"{where}: name {name!r} must be a non-empty directory name not starting with '.'")
         base = item.get("base")
-        if not isinstance(base, str) or not base.startswith("/") or "\0" in base:
+        if not isinstance(base, str) or not base.startswith("/") or "\0" in base or not _path_text(base):
             raise VolumeError(f"{where} ({name}): base {base!r} must be an absolute path")
         mode = item.get("mode", "ro")
         if not isinstance(mode, str):
@@ -123,6 +125,16 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
             or "/" in entry
             or "\0" in entry
             or entry != entry.strip()
+            or not _path_text(entry)
         ):
             raise VolumeError(f"{where}: {entry!r} is not a file name")
     return tuple(value)
+
+
+def _path_text(text: str) -> bool:
+    """True when ``text`` can be part of a path: JSON may carry lone surrogates (``\\ud800``), which cannot."""
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        return False
+    return True

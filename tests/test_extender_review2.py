@@ -121,3 +121,17 @@ def test_a_node_recreated_under_the_name_is_taken_from_the_scheduler_before_the_
     answer = _filter(decider, [_node("a", "uid-new")])
     assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["a"]
     assert state.node_names() == ["a"]
+
+
+def test_a_node_the_watch_has_not_shown_is_not_said_to_have_no_gpus() -> None:
+    """With nodeCacheCapable: true only names come: a GPU node the node watch has not shown yet is
+    refused for that reason, not as a node without tencent.com/vcuda-core (which misleads the operator)."""
+    state = ClusterState()
+    decider = Decider(state, "binpack")
+    state.node_event("ADDED", {"metadata": {"name": "cpu", "uid": "u-cpu"}, "status": {"capacity": {}}})
+    args = parse_args(_body({"Pod": POD, "NodeNames": ["new", "cpu"]}))
+    result, _ = decider.filter(args)
+    reasons = result["FailedAndUnresolvableNodes"]
+    assert "not shown" in reasons["new"] and "new" in reasons["new"]
+    assert "vcuda-core" not in reasons["new"]
+    assert "no tencent.com/vcuda-core" in reasons["cpu"]

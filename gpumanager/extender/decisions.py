@@ -62,7 +62,7 @@ class Decider:
         return self._known(name, args)[0]
 
     def _known(self, name: str, args: ExtenderArgs) -> tuple[NodeGPUs | None, str]:
-        """The node's GPUs, or None with why ("" when it has none)."""
+        """The node's GPUs, or None with why ("" when the node has none)."""
         gpus = self.state.node(name)
         if gpus is None and name in args.raw_nodes:
             # The scheduler may know a node the watch has not shown yet, or still one the watch has
@@ -73,6 +73,11 @@ class Decider:
                     uid = (obj.get("metadata") or {}).get("uid")
                     return None, f"node {name} (UID {uid}) has been deleted"
                 gpus = self.state.add_node(obj)
+        if gpus is None and not self.state.seen_node(name):
+            return None, (
+                f"node {name} is not known to the extender: its node watch has not shown it (yet), "
+                f"or its object could not be read"
+            )
         return gpus, ""
 
     def judge(

@@ -151,6 +151,12 @@ class ClusterState:
                 return
             self.add_node(node)
 
+    def seen_node(self, name: str) -> bool:
+        """Whether a usable object of the node is known (with GPUs or without), as the watch or a
+        scheduler's request showed it."""
+        with self.lock:
+            return name in self._fingerprints
+
     def deleted_node(self, node: Node) -> bool:
         """Whether the watch has shown this node object (by UID) deleted."""
         uid = _node_uid(node)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpumanager import __version__, buildinfo, flagspec, names
 from gpumanager.config import Config, ConfigError
@@ -83,13 +83,22 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag or variable in one line (exit 2), as Go's flag package does, not after a
+    usage summary of every flag that buries it in the log."""
+
+    def error(self, message: str) -> NoReturn:
+        one_line = " ".join(message.split("\n"))
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
+
+
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The argument parser (flag names as gpu-manager's; ``_`` and ``-`` are interchangeable).
 
     Every flag also reads ``GPU_MANAGER_<FLAG>`` from ``environ`` (default: none);
     a flag on the command line wins over the variable.
     """
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="gpu-manager",
         formatter_class=_HelpFormatter,
         description="Share NVIDIA GPUs between Kubernetes containers (tencent.com/vcuda-core, vcuda-memory).",
@@ -124,12 +133,25 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """Make ``--share_mode=true`` mean ``--share-mode=true``, as gpu-manager's flag library does."""
+    """Make ``--share_mode=true`` mean ``--share-mode=true``, as gpu-manager's flag library does, and
+    ``-v=4``, ``-v 4``, ``-log_dir=DIR`` mean ``--v=4``, ``--v 4``, ``--log-dir=DIR``: klog's flags are
+    documented (and Go's flag package takes every flag) with one dash. A single-dash word that names
+    no flag is left to be refused; nothing after ``--`` is touched."""
+    known = {f.flag[2:] for f in flagspec.flag_fields(Config)} | {"version", "help"}
     out = []
-    for arg in argv:
+    rest = iter(argv)
+    for arg in rest:
+        if arg == "--":
+            out.append(arg)
+            out.extend(rest)
+            break
         if arg.startswith("--"):
             name, sep, value = arg[2:].partition("=")
             arg = "--" + name.replace("_", "-") + sep + value
+        elif arg.startswith("-") and len(arg) > 1:
+            name, sep, value = arg[1:].partition("=")
+            if name.replace("_", "-") in known:
+                arg = "--" + name.replace("_", "-") + sep + value
         out.append(arg)
     return out
 

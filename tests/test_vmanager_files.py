@@ -76,7 +76,7 @@ def test_overlong_names_are_refused() -> None:
 
 def test_pids_are_sorted_int32(tmp_path: Path) -> None:
     path = tmp_path / "c" / "pids.config"
-    assert files.write_pids(path, [300, 12, 7, 12]) == [7, 12, 300]
+    assert files.write_pids(path, [300, 12, 7, 12], make_dir=True) == [7, 12, 300]
     assert path.read_bytes() == struct.pack("<3i", 7, 12, 300)
     assert files.read_pids(path) == [7, 12, 300]
 

@@ -75,6 +75,7 @@ def test_crio_cgroupfs_registration_by_the_cgroup_directory_name(tmp_path: Path)
     }
     allocation = ContainerAllocation(pod_uid=POD, container="main", minors=(0,), cores=20, memory=1 << 30)
     vm = Path(tempfile.mkdtemp(prefix="vmr", dir="/tmp")) / "vm"
+    (vm / POD).mkdir(parents=True)  # made with its vcuda.sock, which the registration comes in on
     manager = VirtualManager(
         vm_path=vm,
         cgroup_root=tmp_path / "cgroup",
@@ -94,3 +95,23 @@ def test_crio_cgroupfs_registration_by_the_cgroup_directory_name(tmp_path: Path)
     finally:
         manager.stop()
         shutil.rmtree(vm.parent, ignore_errors=True)
+
+
+# -- a pids.config written as its directory goes --------------------------------------------------
+
+
+def test_pids_of_a_removed_claim_do_not_bring_its_directory_back(tmp_path: Path) -> None:
+    """The DRA pids refresh looks for the claim's directory, then writes; a NodeUnprepareResources in
+    between removes the directory. The write must not make it again: nothing removes a claim's
+    directory but the unprepare, so it would stay on the node for good."""
+    import pytest
+
+    from gpumanager.vmanager import claims
+
+    vm = tmp_path / "vm"
+    (vm / POD).mkdir(parents=True)
+    claims.write_pids(vm, POD, [7])
+    assert claims.remove(vm, POD)
+    with pytest.raises(FileNotFoundError):
+        claims.write_pids(vm, POD, [7, 8])
+    assert not (vm / POD).exists()

@@ -338,7 +338,10 @@ class DRAMode:
                 continue
             if not claim_files.claim_dir(self._vm, claim.uid).is_dir():
                 continue
-            claim_files.write_pids(self._vm, claim.uid, ordered)
+            try:
+                claim_files.write_pids(self._vm, claim.uid, ordered)
+            except FileNotFoundError:  # unprepared since it was looked at: its directory is not made again
+                continue
             self._last_pids[claim.uid] = ordered
             written += 1
         for uid in [u for u in self._last_pids if u not in live]:

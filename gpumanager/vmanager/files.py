@@ -169,18 +169,44 @@ def write_config(path: Path, config: VcudaConfig) -> None:
         atomic_write(path, data)
 
 
-def write_pids(path: Path, pids: Iterable[int]) -> list[int]:
-    """Write sorted int32 PIDs under an exclusive flock on the directory; returns what was written."""
+def write_pids(path: Path, pids: Iterable[int], *, make_dir: bool = False) -> list[int]:
+    """Write sorted int32 PIDs under an exclusive flock on the directory; returns what was written.
+
+    The file is replaced inside the directory as it was opened: a directory removed meanwhile (its pod
+    or claim gone) is not made again, the write fails (FileNotFoundError). ``make_dir``: make the
+    file's directory first when missing (not its parent, the pod's or claim's directory).
+    """
     ordered = sorted({int(p) for p in pids})
     data = struct.pack(f"<{len(ordered)}i", *ordered)
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    if make_dir:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path.parent, 0o755)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(dir_fd, fcntl.LOCK_EX)
-        atomic_write(path, data)
+        _replace_in(dir_fd, path.name, data)
     finally:
         os.close(dir_fd)
     return ordered
+
+
+def _replace_in(dir_fd: int, name: str, data: bytes) -> None:
+    """Put ``data`` in place of ``name`` in the directory ``dir_fd`` (temp file and rename, both in it)."""
+    tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.{next(_takes)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    try:
+        try:
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def read_pids(path: Path) -> list[int]:

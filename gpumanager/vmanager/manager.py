@@ -501,7 +501,16 @@ class VirtualManager:
         directory = safenames.child(self.pod_dir(target.alloc.answered[0]), target.subdir)
         path = directory / names.PIDS_CONFIG_FILE
         with self._pids_lock:
-            files.write_pids(path, pids)
+            try:
+                files.write_pids(path, pids, make_dir=True)
+            except FileNotFoundError:
+                # The pod's directory was removed (the pod is gone): it is not made again.
+                raise RegistrationRefused(
+                    f"the directory {directory.parent} of pod {target.alloc.answered[0]} is gone: not writing {path}",
+                    grpc.StatusCode.NOT_FOUND,
+                ) from None
+            except OSError as exc:
+                raise RegistrationRefused(f"cannot write {path}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
             # The refresh compares against what each file holds: this one now holds ``pids``, the
             # container's files no longer all hold the same list, and a refresh in progress must not
             # remember what it wrote (this may have overwritten it).
@@ -673,7 +682,11 @@ class VirtualManager:
                 complete = False
                 continue
             with self._pids_lock:  # a registration writes the same file: what is recorded is what it holds
-                files.write_pids(path, pids)
+                try:
+                    files.write_pids(path, pids)
+                except FileNotFoundError:  # removed since it was looked at (its pod gone): not made again
+                    complete = False
+                    continue
                 self._last_pids[path] = pids
             written += 1
         return complete, written

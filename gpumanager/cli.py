@@ -15,6 +15,7 @@ import argparse
 import errno
 import faulthandler
 import fcntl
+import fnmatch
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -176,7 +178,55 @@ class JSONFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+#: klog's severities as logging levels (--stderrthreshold).
+SEVERITY_LEVELS = {"INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
+#: The --v (or --vmodule level) from which debug messages are written.
+DEBUG_VERBOSITY = 4
+
+
+class KlogFilter(logging.Filter):
+    """klog's --vmodule (a module's own verbosity, by a glob on its file name) and --log-backtrace-at (a
+    message logged from that file and line carries the stack), applied on every handler."""
+
+    def __init__(self, v: int, vmodule: str, backtrace_at: str) -> None:
+        super().__init__()
+        self._v = v
+        self._vmodule = flagspec.vmodule_settings(vmodule)
+        file, _, line = backtrace_at.rpartition(":")
+        self._trace = (file, int(line)) if backtrace_at else None
+
+    def verbosity(self, record: logging.LogRecord) -> int:
+        """The --v that applies to the module that logged ``record``."""
+        for pattern, level in self._vmodule:
+            target = os.path.splitext(record.pathname)[0] if "/" in pattern else record.module
+            if fnmatch.fnmatchcase(target, pattern):
+                return level
+        return self._v
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.INFO and self._vmodule and self.verbosity(record) < DEBUG_VERBOSITY:
+            return False
+        if (
+            self._trace is not None
+            and record.stack_info is None
+            and record.lineno == self._trace[1]
+            and os.path.basename(record.pathname) == self._trace[0]
+        ):
+            record.stack_info = "Stack (most recent call last):\n" + "".join(_stack_of(record)).rstrip("\n")
+        return True
+
+
+def _stack_of(record: logging.LogRecord) -> list[str]:
+    """The stack of the call that logged ``record`` (without logging's own frames)."""
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_filename == record.pathname and frame.f_lineno == record.lineno):
+        frame = frame.f_back  # type: ignore[assignment]
+    return traceback.format_stack(frame)
 
 
 LOG_BACKUPS = 3
@@ -187,7 +237,9 @@ def setup_logging(args: argparse.Namespace) -> None:
 
     As klog: stderr by default; ``--log-dir`` adds ``gpu-manager.log`` there (rotated at
     ``--log-file-max-size`` MiB, 3 older files kept); ``--logtostderr=false`` with a
-    log directory writes the file only, unless ``--alsologtostderr``.
+    log directory writes the file, and to stderr only what is at or above
+    ``--stderrthreshold`` (ERROR), unless ``--alsologtostderr``. ``--vmodule`` and
+    ``--log-backtrace-at`` as klog's (:class:`KlogFilter`).
     """
     handlers: list[logging.Handler] = []
     if args.log_dir:
@@ -203,6 +255,11 @@ def setup_logging(args: argparse.Namespace) -> None:
         )
     if args.logtostderr or args.alsologtostderr or not handlers:
         handlers.append(logging.StreamHandler(sys.stderr))
+    else:  # klog: the file has everything, stderr what is at or above --stderrthreshold
+        to_stderr = logging.StreamHandler(sys.stderr)
+        to_stderr.setLevel(SEVERITY_LEVELS[args.stderrthreshold])
+        handlers.append(to_stderr)
+    klog = KlogFilter(args.v, args.vmodule, args.log_backtrace_at)
     formatter = (
         JSONFormatter()
         if args.log_format == "json"
@@ -210,13 +267,17 @@ def setup_logging(args: argparse.Namespace) -> None:
     )
     for handler in handlers:
         handler.setFormatter(formatter)
+        handler.addFilter(klog)
     # Neither format names the thread or process of a record: not looked up for each (the logging
     # HOWTO's "Optimization"). A fatal signal (a crash in a native library such as NVML) writes
     # every thread's Python stack to stderr.
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    logging.basicConfig(level=logging.DEBUG if args.v >= 4 else logging.INFO, handlers=handlers, force=True)
+    debug = args.v >= DEBUG_VERBOSITY or any(
+        level >= DEBUG_VERBOSITY for _, level in flagspec.vmodule_settings(args.vmodule)
+    )
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, handlers=handlers, force=True)
     faulthandler.enable()
     # grpc and the kubernetes client are noisy at debug level.
     for noisy in ("urllib3", "kubernetes"):

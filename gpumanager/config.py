@@ -8,7 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager import names
-from gpumanager.flagspec import choice, duration, number, switch, text, xid_list
+from gpumanager.flagspec import (
+    choice,
+    duration,
+    number,
+    parse_trace_location,
+    parse_vmodule,
+    parsed_text,
+    severity,
+    switch,
+    text,
+    xid_list,
+)
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -130,8 +141,29 @@ class Config:
     # Logging (klog's flag names).
     v: int = number(0, "log verbosity; 4 or more logs debug messages")
     log_format: str = choice("text", ("text", "json"), "log line format (json: one JSON object per line)")
-    logtostderr: bool = switch(True, "log to stderr; with false and --log-dir, log to the file only")
+    logtostderr: bool = switch(
+        True, "log to stderr; with false and --log-dir, log to the file (and --stderrthreshold and above to stderr)"
+    )
     alsologtostderr: bool = switch(False, "log to stderr as well when --logtostderr=false")
+    stderrthreshold: str = severity(
+        "ERROR",
+        "with --logtostderr=false, messages of this severity and above go to stderr as well "
+        "(INFO, WARNING, ERROR, FATAL or 0-3)",
+    )
+    vmodule: str = parsed_text(
+        "",
+        "pattern=N,... : --v for the modules whose file name (without .py) matches the glob pattern",
+        parse_vmodule,
+        shown="none",
+        metavar="PATTERN=N,...",
+    )
+    log_backtrace_at: str = parsed_text(
+        "",
+        "file.py:N: a message logged from that line also writes the stack",
+        parse_trace_location,
+        shown="none",
+        metavar="FILE:LINE",
+    )
     log_dir: str = text("", "also write gpu-manager.log in this directory (rotated)", shown="none", metavar="DIR")
     log_file_max_size: int = number(
         100, "MiB after which gpu-manager.log is rotated (3 older files are kept)", metavar="MIB"

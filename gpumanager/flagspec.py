@@ -1,7 +1,7 @@
 """How a Config field becomes a command-line flag and an environment variable.
 
-A field declared with one of the helpers below (``text``, ``choice``, ``number``,
-``switch``, ``duration``, ``xid_list``) is a flag: ``--<name with - for _>``, also read from
+A field declared with one of the helpers below (``text``, ``parsed_text``, ``choice``,
+``severity``, ``number``, ``switch``, ``duration``, ``xid_list``) is a flag: ``--<name with - for _>``, also read from
 ``GPU_MANAGER_<NAME IN UPPER CASE>`` (the flag wins over the variable). The
 helper carries the help text, the parser of a value and how the default is shown,
 so adding a flag is one field in :class:`gpumanager.config.Config`; ``--help``
@@ -116,6 +116,50 @@ def parse_xids(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(t) for t in items}))
 
 
+#: klog's severities, by name and by number (--stderrthreshold takes either).
+SEVERITIES = ("INFO", "WARNING", "ERROR", "FATAL")
+
+
+def parse_severity(text: str) -> str:
+    """A klog severity: INFO, WARNING, ERROR or FATAL (any case), or its number 0-3; returned by name."""
+    value = text.strip().upper()
+    if value in SEVERITIES:
+        return value
+    if value.isascii() and value.isdigit() and int(value) < len(SEVERITIES):
+        return SEVERITIES[int(value)]
+    raise ValueError(f"{text!r} is not a severity (INFO, WARNING, ERROR, FATAL or 0-3)")
+
+
+def vmodule_settings(text: str) -> tuple[tuple[str, int], ...]:
+    """klog's --vmodule: ``pattern=N,...`` (a glob on the module's file name without its extension, or
+    on its path when the pattern holds a ``/``), in the order given."""
+    settings = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        pattern, sep, level = item.rpartition("=")
+        if not sep or not pattern or not (level.isascii() and level.isdigit()):
+            raise ValueError(f"{item!r} is not pattern=N (in {text!r}: a comma-separated list of pattern=N)")
+        settings.append((pattern, int(level)))
+    return tuple(settings)
+
+
+def parse_vmodule(text: str) -> str:
+    """--vmodule, checked and kept as typed."""
+    vmodule_settings(text)
+    return text
+
+
+def parse_trace_location(text: str) -> str:
+    """klog's --log-backtrace-at: empty, or ``file:N`` with N a positive line number."""
+    if not text:
+        return text
+    file, sep, line = text.rpartition(":")
+    if not sep or not file or not (line.isascii() and line.isdigit()) or int(line) <= 0:
+        raise ValueError(f"{text!r} is not file:line (e.g. allocator.py:120)")
+    return text
+
+
 def _declare(default: Any, spec: FlagSpec) -> Any:
     return field(default=default, metadata={_META_KEY: spec})
 
@@ -143,6 +187,27 @@ def choice(default: str, options: tuple[str, ...], help: str) -> Any:
         return value
 
     return _declare(default, FlagSpec(help, parse, str, metavar="{" + ",".join(options) + "}", choices=options))
+
+
+def parsed_text(
+    default: str, help: str, parse: Callable[[str], str], *, shown: str | None = None, metavar: str = ""
+) -> Any:
+    """A string flag whose value ``parse`` checks (and may spell canonically)."""
+    return _declare(
+        default,
+        FlagSpec(
+            help,
+            parse,
+            lambda v: shown if shown is not None else str(v),
+            metavar=metavar,
+            literal_default=shown is None,
+        ),
+    )
+
+
+def severity(default: str, help: str) -> Any:
+    """A klog severity flag (``--stderrthreshold``): a name of :data:`SEVERITIES` in any case, or its number."""
+    return _declare(default, FlagSpec(help, parse_severity, str, metavar="SEVERITY", choices=SEVERITIES))
 
 
 def number(default: int, help: str, *, metavar: str = "N") -> Any:

@@ -38,9 +38,13 @@ def load_extra_devices(path: str) -> tuple[str, ...]:
     if not path:
         return ()
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--extra-config={path}: {exc}") from exc
+        data = json.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"--extra-config={path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8/16/32 text
+        raise ConfigError(f"--extra-config={path}: not a JSON document: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"--extra-config={path}: not a JSON document: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--extra-config={path}: must be a JSON object")
     default = data.get("default") or {}

@@ -10,6 +10,8 @@ sees them, median and p99:
   --burst concurrent Allocate calls whose requests were made before the burst: the calls alone, without
           the simulated kubelet's own admission work (in Python, on the same two cores) inside the figure
   --burst concurrent vcuda-memory Allocate (validation only): what gRPC and this client cost a burst
+  the same burst through the kubelet simulator for a plugin that does nothing (bench/floor_plugin.py, in its
+          own process): what the simulator, gRPC and this machine cost a burst, beside what ours costs
   GET /metrics with those pods running                                  (target p99 < 20 ms)
   the agent's RSS with every pod running                                (target < 80 MiB)
   GetPreferredAllocation, and what one O_DSYNC journal write costs on this disk (back to back, and 5 ms
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +63,8 @@ from simnode.cluster import PodRun, SimCluster, gpu_pod
 
 CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
+FLOOR_CORE = "example.com/floor-core"  # bench/floor_plugin.py's resources
+FLOOR_MEMORY = "example.com/floor-memory"
 
 
 def burst(cluster: SimCluster, count: int, offset: int) -> tuple[list[float], list[float], list[PodRun]]:
@@ -163,6 +168,57 @@ def burst_calls(cluster: SimCluster, count: int, offset: int) -> list[float]:
     return took
 
 
+def burst_through_floor_plugin(cluster: SimCluster, count: int) -> tuple[list[float], list[float]]:
+    """:func:`burst`'s calls (Allocate of 3 with GetPreferredAllocation, Allocate of 2 without, then
+    PreStartContainer; each pod from its own thread) through the kubelet simulator, for
+    ``bench/floor_plugin.py``'s resources: a plugin that answers at once, in its own process."""
+    plugin = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("floor_plugin.py")),
+            "--kubelet-socket",
+            str(cluster.kubelet.socket_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert plugin.stdout is not None
+        if plugin.stdout.readline().strip() != "registered":
+            raise RuntimeError(f"bench/floor_plugin.py did not register (exit status {plugin.poll()})")
+        for resource in (FLOOR_CORE, FLOOR_MEMORY):
+            cluster.kubelet.wait_for_registration(resource, timeout=30, with_devices=True)
+        allocate: list[float] = []
+        prestart: list[float] = []
+        lock = threading.Lock()
+        go = threading.Event()
+
+        def one(i: int) -> None:
+            go.wait()
+            uid = f"floor-{i:03d}"
+            core = cluster.kubelet.allocate(FLOOR_CORE, 3, pod_uid=uid, container_name="main")
+            cluster.kubelet.allocate(FLOOR_MEMORY, 2, pod_uid=uid, container_name="main")
+            started = time.perf_counter()
+            cluster.kubelet.pre_start(FLOOR_CORE, pod_uid=uid, container_name="main")
+            took = time.perf_counter() - started
+            with lock:
+                allocate.append(core.timings.allocate_seconds or 0.0)
+                prestart.append(took)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(120)
+        if len(prestart) != count:
+            raise RuntimeError(f"{count - len(prestart)} of {count} pods failed against bench/floor_plugin.py")
+        return allocate, prestart
+    finally:
+        plugin.terminate()
+        plugin.wait(30)
+
+
 def whole_gpus(cluster: SimCluster, rounds: int) -> list[float]:
     """Allocate (vcuda-core) of pods that each take one whole GPU, on the node before it fills: every GPU
     taken in turn, then the pods deleted, ``rounds`` times."""
@@ -214,6 +270,8 @@ class Figures:
     burst_prestart: list[float] = field(default_factory=list)
     burst_floor: list[float] = field(default_factory=list)
     burst_calls: list[float] = field(default_factory=list)
+    floor_allocate: list[float] = field(default_factory=list)
+    floor_prestart: list[float] = field(default_factory=list)
     scrape: list[float] = field(default_factory=list)
     scrape_kib: int = 0
     dsync: list[float] = field(default_factory=list)
@@ -276,6 +334,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         for run_ in burst_runs:  # their devices free again for the calls below (a full 8-GPU node has 50 left)
             cluster.delete(run_, wait=True)
         got.burst_calls = burst_calls(cluster, args.burst, args.pods + args.burst)
+        got.floor_allocate, got.floor_prestart = burst_through_floor_plugin(cluster, args.burst)
     finally:
         cluster.stop()
     return got
@@ -316,6 +375,14 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
     each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
     each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
+    each(
+        f"{args.burst} concurrent Allocate, the same burst for a plugin that does nothing (the simulator's floor)",
+        lambda f: figure("", f.floor_allocate),
+    )
+    each(
+        f"{args.burst} concurrent PreStartContainer, the same burst for a plugin that does nothing",
+        lambda f: figure("", f.floor_prestart),
+    )
     each(
         f"{args.burst} concurrent Allocate calls, requests made before the burst (no kubelet work inside)",
         lambda f: figure("", f.burst_calls, target_ms=50),

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
 
 from gpumanager.extender.api import BadRequestError, encode, filter_result, parse_args, parse_binding
+from gpumanager.extender.charges import PodCharges
 from gpumanager.extender.decisions import Decider
+from gpumanager.extender.nodes import Charge
 from gpumanager.extender.state import ClusterState
 
 POD = {
@@ -135,3 +138,49 @@ def test_a_node_the_watch_has_not_shown_is_not_said_to_have_no_gpus() -> None:
     assert "not shown" in reasons["new"] and "new" in reasons["new"]
     assert "vcuda-core" not in reasons["new"]
     assert "no tencent.com/vcuda-core" in reasons["cpu"]
+
+
+# -- each drop of a pod's GPUs is logged naming the pod, not only its UID ---------------------------
+
+
+def _pending(name: str, uid: str) -> dict[str, Any]:
+    pod: dict[str, Any] = json.loads(json.dumps(POD))
+    pod["metadata"].update(name=name, uid=uid)
+    pod["status"] = {"phase": "Pending"}
+    return pod
+
+
+def _assumed(state: ClusterState, name: str, uid: str, *, watched: bool = True) -> None:
+    """Bind's assumption for a pod the watch has shown (or not: bind read it from the API server)."""
+    state.node_event("ADDED", _node("a", "uid-a"))
+    if watched:
+        state.pod_event("ADDED", _pending(name, uid))
+        state.assume(uid, PodCharges("a", (Charge(0, 50, 4 << 28),), 0, "1"))
+    else:
+        state.assume(uid, PodCharges("a", (Charge(0, 50, 4 << 28),), 0, "1"), f"d/{name}")
+
+
+def test_a_failed_bind_releasing_gpus_names_the_pod(caplog: pytest.LogCaptureFixture) -> None:
+    state = ClusterState()
+    _assumed(state, "forgotten", "uid-1")
+    with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
+        state.forget("uid-1")
+    assert "d/forgotten" in caplog.text
+
+
+def test_a_relist_releasing_gpus_names_the_pod(caplog: pytest.LogCaptureFixture) -> None:
+    state = ClusterState()
+    _assumed(state, "relisted", "uid-2", watched=False)
+    state.assumed_bound("uid-2")
+    with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
+        assert state.relisted(set(), since=float("inf")) == 1
+    assert "d/relisted" in caplog.text
+
+
+def test_an_unanswered_binding_expiring_names_the_pod(caplog: pytest.LogCaptureFixture) -> None:
+    state = ClusterState(assume_ttl=1e-9)
+    _assumed(state, "unanswered", "uid-3")
+    state.assumed_bound("uid-3", bound=False)
+    with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
+        assert state.expire() == 1
+    assert "d/unanswered" in caplog.text

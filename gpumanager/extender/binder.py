@@ -314,7 +314,7 @@ class _Bind:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())
             charges = tuple(c for choice in placement.choices for c in choice.charges())
-            state.assume(uid, PodCharges(node, charges, 0, now))
+            state.assume(uid, PodCharges(node, charges, 0, now), podinfo.pod_key(pod))
         patch: dict[str, str | None] = {
             f"{names.PREDICATE_GPU_IDX_PREFIX}{choice.request.index}": ",".join(map(str, choice.minors))
             for choice in (*placement.choices, *placement.inits)

@@ -58,6 +58,8 @@ class Assumption:
     """The watch has shown the pod since the assumption was made (so it will show its binding)."""
     made: float = 0.0
     """When bind made it (``time.monotonic()``): a list started later shows the pod unless it is gone."""
+    pod: str = ""
+    """The pod's namespace/name (for logs; the watch may never have shown it)."""
 
 
 class ClusterState:
@@ -267,9 +269,9 @@ class ClusterState:
                 self._keys[uid] = podinfo.pod_key(pod)
             self._reapply(uid)
 
-    def _key(self, uid: str) -> str:
-        """The pod's namespace/name when the watch showed it, else its UID."""
-        key = self._keys.get(uid)
+    def _key(self, uid: str, assumption: Assumption | None = None) -> str:
+        """The pod's namespace/name (as the watch showed it, else as bind named it) and UID, else its UID."""
+        key = self._keys.get(uid) or (assumption.pod if assumption is not None else "")
         return f"{key} ({uid})" if key else uid
 
     def assumption(self, uid: str) -> Assumption | None:
@@ -297,10 +299,10 @@ class ClusterState:
                 self._assumed[uid] = replace(previous)
             self._reapply(uid)
 
-    def assume(self, uid: str, charges: PodCharges) -> None:
-        """Hold ``charges`` for the pod from now on (bind chose them)."""
+    def assume(self, uid: str, charges: PodCharges, pod: str = "") -> None:
+        """Hold ``charges`` for the pod (``pod``: its namespace/name, for logs) from now on (bind chose them)."""
         with self.lock:
-            self._assumed[uid] = Assumption(charges, made=time.monotonic())
+            self._assumed[uid] = Assumption(charges, made=time.monotonic(), pod=pod)
             self._reapply(uid)
 
     def assumed_bound(self, uid: str, *, bound: bool = True, node: str = "") -> None:
@@ -344,7 +346,7 @@ class ClusterState:
                 return
             log.info(
                 "pod %s: bind to node %s failed; its GPUs there (predicate time %s) are no longer held",
-                uid,
+                self._key(uid, found),
                 found.charges.node,
                 found.charges.predicate_time,
             )
@@ -375,7 +377,7 @@ class ClusterState:
                 log.info(
                     "pod %s: the pods' list no longer shows it (deleted or ended while the watch was away); "
                     "its GPUs on node %s (predicate time %s) are no longer held",
-                    uid,
+                    self._key(uid, found),
                     found.charges.node,
                     found.charges.predicate_time,
                 )
@@ -395,7 +397,7 @@ class ClusterState:
                 log.warning(
                     "pod %s: its Binding got no answer, and the watch has not shown the pod bound since "
                     "(%g s): its GPUs on node %s (predicate time %s) are no longer held for it",
-                    uid,
+                    self._key(uid, found),
                     self.assume_ttl,
                     found.charges.node,
                     found.charges.predicate_time,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from gpumanager.vmanager.manager import VirtualManager
@@ -115,3 +116,64 @@ def test_pids_of_a_removed_claim_do_not_bring_its_directory_back(tmp_path: Path)
     with pytest.raises(FileNotFoundError):
         claims.write_pids(vm, POD, [7, 8])
     assert not (vm / POD).exists()
+
+
+# -- a whole-GPU container that crash-loops ------------------------------------------------------
+
+
+def test_registrations_of_ended_whole_gpu_containers_are_removed(tmp_path: Path) -> None:
+    """The library registers every container it runs in, a whole GPU's too (``enable=0``), each start
+    under its new container ID. On a node with no shared container the pids refresh has nothing to
+    keep current, but the directories of the IDs that ended must still go: a crash-looping container
+    added one per restart until its pod was deleted."""
+    import os
+
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.api import vcuda_pb2 as pb
+    from gpumanager.vmanager.refresh import PidsRefresher
+
+    allocation = ContainerAllocation(pod_uid=POD, container="main", minors=(0,), cores=100, memory=16 << 30)
+    pod: dict[str, object] = {}
+
+    def started(cid: str) -> None:
+        cgroup = tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / cid
+        cgroup.mkdir(parents=True)
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        pod.update(
+            metadata={"uid": POD, "name": "whole", "namespace": "default"},
+            spec={"containers": [{"name": "main"}]},
+            status={
+                "phase": "Running",
+                "qosClass": "Guaranteed",
+                "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}", "state": {"running": {}}}],
+            },
+        )
+
+    vm = Path(tempfile.mkdtemp(prefix="vmr", dir="/tmp")) / "vm"
+    (vm / POD).mkdir(parents=True)
+    manager = VirtualManager(
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda u, c: allocation if (u, c) == (POD, "main") else None,
+        pod=lambda u: dict(pod) if u == POD and pod else None,
+        driver_version="550.54.15",
+    )
+    refresher = PidsRefresher(manager, lambda: [allocation], period=0.02)
+    refresher.start()
+    try:
+        first, second = "a1" * 32, "b2" * 32
+        started(first)
+        manager.register(POD, pb.VDeviceRequest(pod_uid=POD, container_id=first), time_left=1.0)
+        # The container ends and starts again under a new ID, which registers too.
+        shutil.rmtree(tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / first)
+        started(second)
+        manager.register(POD, pb.VDeviceRequest(pod_uid=POD, container_id=second), time_left=1.0)
+        deadline = time.monotonic() + 10
+        while (vm / POD / first).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not (vm / POD / first).exists(), sorted(p.name for p in (vm / POD).iterdir())
+        assert (vm / POD / second / "pids.config").exists()
+    finally:
+        refresher.stop()
+        manager.stop()
+        shutil.rmtree(vm.parent, ignore_errors=True)

@@ -185,8 +185,14 @@ class VirtualManager:
         return self.vm_path / pod_uid
 
     def add_prepare_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` after each container is prepared (its files written)."""
+        """Call ``listener()`` after each container is prepared (its files written), and after each
+        registration by a container ID (a directory that :meth:`refresh_pids` removes once the
+        container has ended)."""
         self._prepare_listeners.append(listener)
+
+    def has_registered_ids(self) -> bool:
+        """Whether directories of registrations by container ID are kept (see :meth:`refresh_pids`)."""
+        return bool(self._id_dirs)
 
     # -- PreStartContainer ------------------------------------------------------------------------
 
@@ -532,6 +538,9 @@ class VirtualManager:
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             files.write_config(config, self.config_for(target.alloc))
+        if target.by_id:
+            for listener in self._prepare_listeners:
+                listener()
         log.info(
             "registered pod %s container %s (%s): %d pids",
             podinfo.pod_key(target.pod),
@@ -545,6 +554,8 @@ class VirtualManager:
 
     def refresh_pids(self, allocations: Iterable[ContainerAllocation]) -> int:
         """Rewrite ``pids.config`` of every shared container whose processes changed; returns how many.
+        Directories of registrations by a container ID whose container has ended are removed (any
+        container's: the library registers whole-GPU containers too).
 
         Written next to the container's vcuda.config (``<pod dir>/<container>/``) and in the
         directories the upstream library registered (``<pod dir>/<container id>/``). A container

@@ -76,8 +76,8 @@ class _RefreshLoop(ABC):
 class PidsRefresher(_RefreshLoop):
     """A loop that rewrites pids.config files whose processes changed (device-plugin allocations).
 
-    It runs every period while some container shares a GPU; without one it sleeps until the next
-    container is prepared (PreStartContainer).
+    It runs every period while some container shares a GPU or a registration's directory is kept;
+    without either it sleeps until the next container is prepared (PreStartContainer) or registers.
     """
 
     def __init__(
@@ -94,10 +94,15 @@ class PidsRefresher(_RefreshLoop):
 
     def _refresh(self) -> bool:
         allocations = self._allocations()
-        if not any(a.shared for a in allocations):
+        if any(a.shared for a in allocations):
+            self._vmanager.refresh_pids(allocations)
+            return True
+        if not self._vmanager.has_registered_ids():
             return False
+        # Nothing to keep current, but registrations' directories (whole GPUs' too) go once their
+        # container has ended: a crash-looping container registers a new one at each start.
         self._vmanager.refresh_pids(allocations)
-        return True
+        return self._vmanager.has_registered_ids()
 
 
 class ClaimPidsRefresher(_RefreshLoop):

@@ -7,6 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from gpumanager.vmanager.manager import VirtualManager
 
 POD = "12345678-1234-1234-1234-123456789abc"
@@ -177,3 +179,52 @@ def test_registrations_of_ended_whole_gpu_containers_are_removed(tmp_path: Path)
         refresher.stop()
         manager.stop()
         shutil.rmtree(vm.parent, ignore_errors=True)
+
+
+# -- a registration whose files cannot be written -----------------------------------------------
+
+
+def test_a_registration_that_cannot_write_its_config_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while a registration writes vcuda.config: the call is refused with the file and the
+    reason (gRPC UNAVAILABLE), not answered UNKNOWN with a traceback in the agent's log."""
+    import errno
+    import os
+
+    import grpc
+
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.api import vcuda_pb2 as pb
+    from gpumanager.vmanager import files
+    from gpumanager.vmanager.manager import RegistrationRefused
+
+    cid = "c3" * 32
+    cgroup = tmp_path / "cgroup" / "kubepods" / f"pod{POD}" / cid
+    cgroup.mkdir(parents=True)
+    (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    pod = {
+        "metadata": {"uid": POD, "name": "full", "namespace": "default"},
+        "spec": {"containers": [{"name": "main"}]},
+        "status": {"phase": "Running", "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}"}]},
+    }
+    allocation = ContainerAllocation(pod_uid=POD, container="main", minors=(0,), cores=20, memory=1 << 30)
+    vm = tmp_path / "vm"
+    (vm / POD).mkdir(parents=True)
+    manager = VirtualManager(
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda u, c: allocation if (u, c) == (POD, "main") else None,
+        pod=lambda u: pod if u == POD else None,
+        driver_version="550.54.15",
+    )
+
+    def full(path: Path, _config: files.VcudaConfig) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(files, "write_config", full)
+    with pytest.raises(RegistrationRefused) as refused:
+        manager.register(POD, pb.VDeviceRequest(pod_uid=POD, container_id=cid), time_left=1.0)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert str(vm / POD / cid / "vcuda.config") in str(refused.value)
+    assert "No space left on device" in str(refused.value)

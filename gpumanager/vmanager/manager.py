@@ -516,7 +516,9 @@ class VirtualManager:
                     grpc.StatusCode.NOT_FOUND,
                 ) from None
             except OSError as exc:
-                raise RegistrationRefused(f"cannot write {path}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
+                raise RegistrationRefused(
+                    f"cannot write {path}: {exc.strerror or exc}", grpc.StatusCode.UNAVAILABLE
+                ) from None
             # The refresh compares against what each file holds: this one now holds ``pids``, the
             # container's files no longer all hold the same list, and a refresh in progress must not
             # remember what it wrote (this may have overwritten it).
@@ -537,7 +539,12 @@ class VirtualManager:
                 self._current.pop(writer, None)
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
-            files.write_config(config, self.config_for(target.alloc))
+            try:
+                files.write_config(config, self.config_for(target.alloc))
+            except OSError as exc:
+                raise RegistrationRefused(
+                    f"cannot write {config}: {exc.strerror or exc}", grpc.StatusCode.UNAVAILABLE
+                ) from None
         if target.by_id:
             for listener in self._prepare_listeners:
                 listener()

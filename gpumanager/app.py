@@ -43,7 +43,7 @@ from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.resources import vcuda_plugins
 from gpumanager.deviceplugin.servicer import ResourceServicer
 from gpumanager.faults import stall_point
-from gpumanager.flagchecks import check_directory, load_extra_devices, log_compat_flags
+from gpumanager.flagchecks import check_directory, load_extra_devices, log_compat_flags, nvml_library
 from gpumanager.kube.podsource import PodSourceProxy
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class Agent:
     def _start_nvml(self) -> None:
         try:
             stall_point("start-nvml")
-            nvml.init(self.config.nvml_lib)
+            nvml.init(nvml_library(self.config))
             self._nvml_started = True
             node = discovery.discover(Path(self.config.checkpoint_path))
         except nvml.NVMLLibraryError as exc:

@@ -85,3 +85,56 @@ def _read_only_fs(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         return False
+
+
+#: The NVML library's soname, as the host's ld.so.cache lists it.
+NVML_SONAME = "libnvidia-ml.so.1"
+
+
+def nvml_library(config: Config) -> str:
+    """The NVML library to load: ``--nvml-lib``, or, while that file is missing because it lies in the
+    driver mirror (``--volume-config``'s volumes) that the agent builds only after NVML has started (a
+    node it has never run on), the host's ``libnvidia-ml.so.1`` found as the mirror finds it: in
+    ``--driver-root``'s ld.so.cache. A missing file anywhere else is loaded as given (and refused)."""
+    path = config.nvml_lib
+    if not path or not config.volume_config or os.path.lexists(path):
+        return path
+    # Only on this path: the mirror's readers are not loaded at every start.
+    from gpumanager.volume.config import load_volume_config
+    from gpumanager.volume.errors import VolumeError
+    from gpumanager.volume.ldcache import host_lib_dirs, read_ldcache
+    from gpumanager.volume.rootfs import DriverRoot
+
+    try:
+        volumes = [v.path for v in load_volume_config(Path(config.volume_config)).volumes]
+    except VolumeError:
+        return path
+    if not any(Path(path).is_relative_to(v) for v in volumes):
+        return path
+    root = DriverRoot(Path(config.driver_root))
+    try:
+        cache = read_ldcache(root.agent_path(root.resolve("/etc/ld.so.cache")))
+        lib_dirs = host_lib_dirs()
+    except VolumeError as exc:
+        log.warning("--nvml-lib=%s does not exist yet and the host's NVML cannot be looked up: %s", path, exc)
+        return path
+    for entry in cache.entries:
+        if entry.key != NVML_SONAME or not entry.is_elf or entry.glibc_hwcaps or entry.bits != 64:
+            continue
+        if entry.arch not in lib_dirs:
+            continue
+        try:
+            found = root.agent_path(root.resolve(entry.value))
+        except VolumeError:
+            continue
+        if found.is_file():
+            log.warning(
+                "--nvml-lib=%s does not exist yet (the driver mirror is built after NVML starts); loading "
+                "the host's %s (%s in --driver-root=%s) this time",
+                path,
+                found,
+                entry.value,
+                config.driver_root,
+            )
+            return str(found)
+    return path

@@ -271,12 +271,39 @@ class Config:
         return self.hostname_override or self.node_name or socket.gethostname()
 
 
+#: The name part of a label key and a label value (Kubernetes' qualified name, at most 63 characters).
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+#: The label whose value is replaced by the GPU's model (what the flag gives there is never sent).
+_GPU_MODEL_LABEL = "gaia.tencent.com/gpu-model"
+
+
+def _label_key_problem(key: str) -> str:
+    """Why the API server would refuse ``key`` as a label key ('' when it would not)."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return "its prefix must be a DNS subdomain (lower-case letters, digits, '-' and '.') of at most 253 characters"
+    if len(name) > 63 or not _LABEL_NAME.match(name):
+        return (
+            "its name must be at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+        )
+    return ""
+
+
 def parse_node_labels(text: str) -> dict[str, str]:
-    """Parse ``k=v,k2=v2`` as gpu-manager's --node-labels; raise ConfigError on a malformed pair."""
+    """Parse ``k=v,k2=v2`` as gpu-manager's --node-labels; raise ConfigError on a malformed pair or a key
+    or value the API server would refuse as a label (said at start, not as a 422 once serving)."""
     labels: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--node-labels: {item!r} is not of the form key=value")
+        problem = _label_key_problem(key)
+        if problem:
+            raise ConfigError(f"--node-labels: {key!r} is not a label key: {problem}")
+        if key != _GPU_MODEL_LABEL and value and (len(value) > 63 or not _LABEL_NAME.match(value)):
+            raise ConfigError(
+                f"--node-labels: {value!r} (of {key}) is not a label value: at most 63 letters, digits, '-', '_' "
+                "or '.', starting and ending with a letter or digit"
+            )
         labels[key] = value
     return labels

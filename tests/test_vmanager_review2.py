@@ -228,3 +228,65 @@ def test_a_registration_that_cannot_write_its_config_is_refused_naming_the_file(
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     assert str(vm / POD / cid / "vcuda.config") in str(refused.value)
     assert "No space left on device" in str(refused.value)
+
+
+# -- a pids.config the refresh cannot write --------------------------------------------------------
+
+
+def test_a_pids_config_that_cannot_be_written_is_reported_once_and_blocks_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One container's pids.config failing to be written (a full disk, a read-only file system) must not
+    stop the refresh of the other containers, nor fill the log with a traceback each second."""
+    import errno
+    import logging
+    import os
+
+    from gpumanager import names
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.vmanager import files
+
+    ids = {"a": "a4" * 32, "b": "b5" * 32}
+    pods: dict[str, dict[str, object]] = {}
+    allocs = {}
+    uids = {"a": POD, "b": OTHER}
+    for name, uid in uids.items():
+        cgroup = tmp_path / "cgroup" / "kubepods" / f"pod{uid}" / ids[name]
+        cgroup.mkdir(parents=True)
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        pods[uid] = {
+            "metadata": {"uid": uid, "name": f"p-{name}", "namespace": "default"},
+            "spec": {"containers": [{"name": "main"}]},
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [{"name": "main", "containerID": f"containerd://{ids[name]}"}],
+            },
+        }
+        allocs[uid] = ContainerAllocation(pod_uid=uid, container="main", minors=(0,), cores=20, memory=1 << 30)
+    vm = tmp_path / "vm"
+    for uid in uids.values():
+        (vm / uid / "main").mkdir(parents=True)
+    manager = VirtualManager(
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda u, c: allocs.get(u) if c == "main" else None,
+        pod=pods.get,
+        driver_version="550.54.15",
+    )
+    real = files.write_pids
+    broken = vm / POD / "main" / names.PIDS_CONFIG_FILE
+
+    def write_pids(path: Path, pids: list[int], **kwargs: bool) -> list[int]:
+        if path == broken:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, pids, **kwargs)
+
+    monkeypatch.setattr(files, "write_pids", write_pids)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            manager.refresh_pids(list(allocs.values()))
+    assert files.read_pids(vm / OTHER / "main" / names.PIDS_CONFIG_FILE) == [os.getpid()]
+    reports = [r for r in caplog.records if str(broken) in r.getMessage()]
+    assert len(reports) == 1, [r.getMessage() for r in caplog.records]
+    assert "No space left on device" in reports[0].getMessage()
+    assert reports[0].exc_info is None

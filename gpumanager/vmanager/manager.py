@@ -179,6 +179,7 @@ class VirtualManager:
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
         self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
+        self._write_failures: dict[Path, str] = {}  # pids.config the refresh cannot write -> why (reported)
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -705,9 +706,30 @@ class VirtualManager:
                 except FileNotFoundError:  # removed since it was looked at (its pod gone): not made again
                     complete = False
                     continue
+                except OSError as exc:
+                    # Tried again each period; reported once until it works (not a traceback a second).
+                    complete = False
+                    self._report_write_failure(alloc, path, exc)
+                    continue
                 self._last_pids[path] = pids
+                self._write_failures.pop(path, None)
             written += 1
         return complete, written
+
+    def _report_write_failure(self, alloc: ContainerAllocation, path: Path, exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        if self._write_failures.get(path) == reason:
+            return
+        if len(self._write_failures) >= 4096:
+            self._write_failures.clear()
+        self._write_failures[path] = reason
+        log.warning(
+            "cannot write %s of pod %s container %s: %s (trying again each refresh)",
+            path,
+            alloc.pod_uid,
+            alloc.container,
+            reason,
+        )
 
     # -- cleanup ----------------------------------------------------------------------------------
 
@@ -744,6 +766,8 @@ class VirtualManager:
         prefix = str(entry) + os.sep
         for path in [p for p in list(self._last_pids) if str(p).startswith(prefix)]:
             self._last_pids.pop(path, None)
+        for path in [p for p in list(self._write_failures) if str(p).startswith(prefix)]:
+            self._write_failures.pop(path, None)
         for key in [k for k in list(self._current) if k[0] == entry.name]:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:

@@ -105,7 +105,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         formatter_class=_HelpFormatter,
         description="Share NVIDIA GPUs between Kubernetes containers (tencent.com/vcuda-core, vcuda-memory).",
         epilog="Every flag can also be set with the environment variable shown; the flag wins. "
-        "Durations: 500ms, 30s, 5m, 1h or seconds.",
+        "Durations: as Go writes them (500ms, 30s, 1m0s, 1h30m) or seconds.",
     )
     for field in flagspec.flag_fields(Config):
         extra: dict[str, Any] = {"nargs": "?", "const": True} if field.spec.bare_means_true else {}

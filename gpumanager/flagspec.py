@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,23 +79,28 @@ def parse_int(text: str) -> int:
 
 
 _DURATION_UNITS = (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
+#: Go's time.ParseDuration units (``µs`` in both of its spellings).
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_PART = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h)"
+_GO_DURATION = re.compile(rf"[-+]?(?:{_GO_PART})+")
+#: A plain number of seconds (not Python's own extras: ``1_000``, ``nan``, ``infinity``).
+_SECONDS = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_GO_PARTS = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
 
 
 def parse_duration(text: str) -> float:
-    """Seconds, or a Go duration such as 500ms, 5s, 1m, 1h (a finite number: not nan, inf or 1e999)."""
+    """A Go duration as time.ParseDuration reads it (500ms, 5s, 1m0s, 1h30m, 1.5h), or a number of
+    seconds; a finite number (not nan, inf or 1e999). A negative one is parsed (and refused by the flag)."""
     value = text.strip()
     seconds: float | None = None
-    for suffix, scale in _DURATION_UNITS:
-        if value.endswith(suffix) and value[: -len(suffix)].replace(".", "", 1).isdigit() and value.isascii():
-            seconds = float(value[: -len(suffix)]) * scale
-            break
-    else:
-        try:
-            seconds = float(value)
-        except ValueError:
-            pass
+    if _GO_DURATION.fullmatch(value):
+        seconds = sum(float(number) * _GO_UNITS[unit] for number, unit in _GO_PARTS.findall(value))
+        if value.startswith("-"):
+            seconds = -seconds
+    elif _SECONDS.fullmatch(value):
+        seconds = float(value)
     if seconds is None or not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m)")
+        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m, 1m30s)")
     return seconds
 
 

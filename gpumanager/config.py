@@ -267,8 +267,10 @@ class Config:
         return self
 
     def resolved_node_name(self) -> str:
-        """The node name: --hostname-override, else NODE_NAME (filled in by the CLI), else the host name."""
-        return self.hostname_override or self.node_name or socket.gethostname()
+        """The node name: --hostname-override, else NODE_NAME (filled in by the CLI), else the host name;
+        trimmed and in lower case, as the kubelet names its node from the same two."""
+        name = self.hostname_override.strip() or self.node_name.strip() or socket.gethostname().strip()
+        return name.lower()
 
 
 #: The name part of a label key and a label value (Kubernetes' qualified name, at most 63 characters).

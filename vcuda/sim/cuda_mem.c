@@ -734,7 +734,9 @@ SIM_EXPORT CUresult cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQU
  * handle; "the memory is freed when all outstanding mappings to it are unmapped", so it stays
  * charged while refs (the handle from cuMemCreate or cuMemImportFromShareableHandle, plus one per
  * cuMemRetainAllocationHandle) or maps (cuMemMap ranges) are non-zero.  An imported allocation is
- * the exporter's memory: never charged here.
+ * the exporter's memory: never charged here.  Imported into the process that exported it, the new
+ * handle refers to the same physical memory: the exporter's allocation lives (and stays charged) as
+ * long as that handle or one of its mappings does, whatever the exporter's own handle does.
  */
 struct sim_vmm {
     CUmemAllocationProp prop;
@@ -742,7 +744,9 @@ struct sim_vmm {
     unsigned gpu;     /* NO_GPU: host memory */
     unsigned refs;    /* handles not yet released (under the records lock) */
     unsigned maps;    /* mapped ranges (under the records lock) */
+    unsigned links;   /* allocations imported from it in this process that are still alive (records lock) */
     bool imported;
+    struct sim_vmm *origin; /* imported in the exporting process: the allocation it refers to, else NULL */
 };
 
 #define SHAREABLE_MAGIC 0x4853534d49535047ull /* "GPSIMSSH" */
@@ -754,6 +758,7 @@ struct sim_shareable {
     uint32_t gpu;
     uint64_t start;
     uint64_t size;
+    uint64_t handle; /* the exporter's handle (an import in the exporting process refers to it) */
     CUmemAllocationProp prop;
 };
 
@@ -834,12 +839,17 @@ static struct sim_vmm *vmm_of(uint64_t handle)
 /* Frees m when nothing refers to it any more (records lock held). */
 static void vmm_maybe_free(struct sim_vmm *m)
 {
-    if (m->refs > 0 || m->maps > 0)
+    if (m->refs > 0 || m->maps > 0 || m->links > 0)
         return;
     vc_map_find(sim_recs(), (uint64_t)(uintptr_t)m, REC_VMM, NULL, true);
     if (m->gpu != NO_GPU && !m->imported)
         sim_mem_uncharge(m->gpu, m->size);
+    struct sim_vmm *origin = m->origin;
     free(m);
+    if (origin != NULL && origin->links > 0) { /* the exporter's allocation may go now */
+        origin->links--;
+        vmm_maybe_free(origin);
+    }
 }
 
 SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -1020,7 +1030,8 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGen
         rc = CUDA_ERROR_INVALID_VALUE; /* cuMemCreate did not ask for this handle type */
     else
         sh = (struct sim_shareable){.magic = SHAREABLE_MAGIC, .pid = (uint32_t)getpid(), .gpu = m->gpu,
-                                    .start = vc_proc_start_time((int)getpid()), .size = m->size, .prop = m->prop};
+                                    .start = vc_proc_start_time((int)getpid()), .size = m->size, .handle = handle,
+                                    .prop = m->prop};
     sim_rec_unlock();
     if (rc != CUDA_SUCCESS)
         return rc;
@@ -1050,7 +1061,18 @@ SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
         return CUDA_ERROR_INVALID_VALUE;
     if (!vc_proc_alive((int)sh.pid, sh.start))
         return CUDA_ERROR_INVALID_VALUE; /* the exporter (and its memory) is gone */
-    return vmm_new(handle, &sh.prop, sh.size, sh.gpu, true);
+    CUresult rc = vmm_new(handle, &sh.prop, sh.size, sh.gpu, true);
+    if (rc != CUDA_SUCCESS || sh.pid != (uint32_t)getpid() || sh.start != vc_proc_start_time((int)getpid()))
+        return rc;
+    /* Imported where it was exported: the same physical memory, kept alive by this handle too. */
+    sim_rec_lock();
+    struct sim_vmm *orig = vmm_of(sh.handle), *m = (struct sim_vmm *)(uintptr_t)*handle;
+    if (orig != NULL && orig != m && !orig->imported && orig->size == sh.size && orig->gpu == sh.gpu) {
+        m->origin = orig;
+        orig->links++;
+    }
+    sim_rec_unlock();
+    return rc;
 }
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)

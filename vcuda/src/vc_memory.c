@@ -25,7 +25,8 @@ enum rec_kind {
     REC_LEGACY,  /* CUDA 2.0 ABI cuMemAlloc / cuMemAllocPitch: key = 32-bit address */
     REC_ARRAY,   /* key = CUarray */
     REC_MIPMAP,  /* key = CUmipmappedArray */
-    REC_VMM,     /* key = CUmemGenericAllocationHandle (device memory only), gpu = handle references, aux = mappings */
+    REC_VMM,     /* key = CUmemGenericAllocationHandle (device memory only), gpu = handle references, aux = mappings,
+                    aux2 = 1 once exported (cuMemExportToShareableHandle) */
     REC_GNODE,   /* key = CUgraphNode of a memory allocation node, aux = its graph, aux2 = its address */
     REC_GALLOC,  /* key = address of a graph allocation, size, aux = its graph (0: gone), aux2 = the exec holding
                     it (0: none), gpu = GA_* flags */
@@ -668,7 +669,12 @@ VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
  * cuda.h: cuMemRelease gives up the handle; the memory is freed when its last mapping is unmapped.
  * So a cuMemCreate'd allocation stays charged while it has a handle reference (cuMemCreate, and one
  * per cuMemRetainAllocationHandle) or a mapping.  Imported allocations (cuMemImportFromShareableHandle)
- * are the exporter's: never recorded, never charged, never credited.
+ * are the exporter's: never recorded, never charged, never credited.  An allocation that was exported may
+ * outlive the exporter's last handle and mapping: a handle imported from it (in this process or another)
+ * keeps the memory alive, and no hook can tell which allocation an import refers to.  So when the last
+ * reference this process knows of goes, its bytes are handed over to the reconciliation with NVML
+ * (vc_budget_settle_untracked, after the driver call): still held by the GPU for the container's
+ * processes, they stay charged (as memory no hook sees) until the GPU frees them.
  */
 VC_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                unsigned long long flags)
@@ -694,14 +700,35 @@ VC_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     return rc;
 }
 
-/* Returns the allocation's bytes when nothing refers to it any more (g_mu held; the entry is in the map). */
-static void vmm_settle(struct vc_map_entry *e)
+/*
+ * Returns the allocation's bytes when nothing refers to it any more (g_mu held; the entry is in the map).
+ * An exported allocation's bytes are not returned here: the caller hands the returned size over to the
+ * reconciliation once g_mu is released and the driver has dropped the reference (handover_exported).
+ */
+static uint64_t vmm_settle(struct vc_map_entry *e)
 {
     if (e->gpu == 0 && e->aux == 0) {
         uint64_t size = e->size;
+        bool exported = e->aux2 != 0;
         vc_map_find(&g_recs, e->key, REC_VMM, NULL, true);
-        vc_budget_release(size);
+        if (!exported) {
+            vc_budget_release(size);
+            return 0;
+        }
+        return size;
     }
+    return 0;
+}
+
+/* An exported allocation lost its last reference here: the GPU may still hold it for an imported handle. */
+static void handover_exported(uint64_t bytes)
+{
+    if (bytes == 0)
+        return;
+    bool kept;
+    vc_budget_settle_untracked(bytes, &kept);
+    vc_log(VC_LOG_DEBUG, "an exported allocation of %llu bytes lost its last reference here: %s",
+           (unsigned long long)bytes, kept ? "NVML cannot tell, it stays charged" : "reconciled with NVML");
 }
 
 static struct vc_map_entry *vmm_entry(uint64_t handle)
@@ -718,20 +745,24 @@ VC_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     struct vc_map_entry *e = vmm_entry(handle);
     bool had = e != NULL && e->gpu > 0;
     struct vc_map_entry saved;
+    uint64_t handover = 0;
     if (had) {
         saved = *e;
         e->gpu--;
-        vmm_settle(e);
+        handover = vmm_settle(e);
     }
     pthread_mutex_unlock(&g_mu);
     CUresult rc = REAL_CU(cuMemRelease)(handle);
+    if (rc == CUDA_SUCCESS)
+        handover_exported(handover);
     if (rc != CUDA_SUCCESS && had) {
         pthread_mutex_lock(&g_mu);
         e = vmm_entry(handle);
         if (e != NULL) {
             e->gpu++;
-        } else { /* it was the last reference: charge it again */
-            vc_budget_charge(saved.size); /* the driver still holds it: charged whatever the limit */
+        } else { /* it was the last reference: charge it again (an exported one's charge was kept) */
+            if (handover == 0)
+                vc_budget_charge(saved.size); /* the driver still holds it: charged whatever the limit */
             if (vc_map_put(&g_recs, &saved) != 0)
                 vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
                        (unsigned long long)saved.size);
@@ -774,21 +805,24 @@ VC_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGe
         return rc;
     pthread_mutex_lock(&g_mu);
     struct vc_map_entry m = {.key = ptr, .kind = REC_MAP, .size = size, .aux = handle};
+    uint64_t handover = 0;
     if (rc != CUDA_SUCCESS || vc_map_put(&g_recs, &m) != 0) {
         e = vmm_entry(handle); /* looked up again: the map may have changed meanwhile */
         if (rc == CUDA_SUCCESS)
             vc_log(VC_LOG_ERROR, "out of host memory: a mapping's allocation stays charged until this process exits");
         else if (e != NULL && e->aux > 0) {
             e->aux--;
-            vmm_settle(e);
+            handover = vmm_settle(e);
         }
     }
     pthread_mutex_unlock(&g_mu);
+    handover_exported(handover);
     return rc;
 }
 
 struct va_range {
     uint64_t lo, hi;
+    uint64_t handover; /* exported allocations whose last mapping here went (map_gone) */
 };
 
 static bool map_in_range(const struct vc_map_entry *e, void *arg)
@@ -799,11 +833,11 @@ static bool map_in_range(const struct vc_map_entry *e, void *arg)
 
 static void map_gone(const struct vc_map_entry *m, void *arg)
 {
-    (void)arg;
+    struct va_range *r = arg;
     struct vc_map_entry *e = vmm_entry(m->aux);
     if (e != NULL && e->aux > 0) {
         e->aux--;
-        vmm_settle(e);
+        r->handover += vmm_settle(e);
     }
 }
 
@@ -812,11 +846,27 @@ VC_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     CUresult rc = REAL_CU(cuMemUnmap)(ptr, size);
     if (VC_LIKELY(!vc_limited()) || rc != CUDA_SUCCESS)
         return rc;
-    struct va_range r = {ptr, ptr + size};
+    struct va_range r = {ptr, ptr + size, 0};
     pthread_mutex_lock(&g_mu);
     vc_map_remove_if(&g_recs, REC_MAP, map_in_range, map_gone, &r);
     pthread_mutex_unlock(&g_mu);
+    handover_exported(r.handover);
     return rc;
+}
+
+/* An exported allocation may be held by imported handles once this process lets it go (above). */
+VC_EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    if (VC_LIKELY(!vc_limited()))
+        return REAL_CU(cuMemExportToShareableHandle)(shareableHandle, handle, handleType, flags);
+    /* Marked before the driver call: a release racing the export in another thread must not credit it. */
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vmm_entry(handle);
+    if (e != NULL)
+        e->aux2 = 1;
+    pthread_mutex_unlock(&g_mu);
+    return REAL_CU(cuMemExportToShareableHandle)(shareableHandle, handle, handleType, flags);
 }
 
 /* ---- arrays ------------------------------------------------------------------------------- */

@@ -38,21 +38,6 @@ def selftest(tmp_path: Path, *flags: str, timeout: float = 400) -> subprocess.Co
     )
 
 
-def _sm_rows_off_only_by_nvml(out: str) -> bool:
-    """Whether every failed row is an SM share whose throughput met its limit while NVML's sampled
-    figure did not (the sampler's view of the simulated GPU on a loaded machine)."""
-
-    def throughput_met(line: str) -> bool:
-        if "OFF: throughput " not in line or "(limit " not in line:
-            return False
-        achieved = float(line.split("throughput ", 1)[1].split(" %", 1)[0])
-        limit = int(line.split("(limit ", 1)[1].split(" %", 1)[0])
-        return abs(achieved - limit) <= 12
-
-    failed = [ln for ln in out.splitlines() if " OFF: " in ln or " FAIL " in ln]
-    return bool(failed) and all(throughput_met(ln) for ln in failed)
-
-
 def test_every_check_passes_with_the_interceptor(vcuda_built: Path, tmp_path: Path) -> None:
     args = (
         f"--vcuda-library={vcuda_built}",
@@ -64,10 +49,6 @@ def test_every_check_passes_with_the_interceptor(vcuda_built: Path, tmp_path: Pa
         "--calls=20000",
     )
     done = selftest(tmp_path, *args)
-    if done.returncode != 0 and _sm_rows_off_only_by_nvml(done.stdout):
-        # Once more: NVML's sampled share of the simulated GPU has been seen off (91 % at a 30 % limit
-        # whose throughput was 30.1 %) under a loaded parallel suite. A second failure fails the test.
-        done = selftest(tmp_path / "again", *args)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     for path in ("cuMemAlloc", "cuMemAllocAsync", "cuMemCreate + cuMemMap", "cuArray3DCreate", "graph memory node",

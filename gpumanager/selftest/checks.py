@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,6 +290,12 @@ def four_processes(s: Setup) -> list[Row]:
 # ---- SM share -----------------------------------------------------------------------------------
 
 
+#: How long after the GPU time it covers NVML may still add a process's sample (at least its sampling period: 1/6 s
+#: on most GPUs, 10 ms on the simulated one).  A poll that finds no sample newer than the last one says every
+#: process was idle until this long before it; the launch loops stay until a poll this long after their windows.
+SAMPLE_LAG = 0.5
+
+
 @dataclass(frozen=True)
 class Span:
     """A stretch of time NVML says a process kept the GPU's SMs ``util`` percent busy (CLOCK_REALTIME us)."""
@@ -303,15 +309,19 @@ class Span:
 class UtilSampler:
     """Samples NVML's per-process SM utilisation of one GPU while programs run (the real NVML)."""
 
-    def __init__(self, gpu_index: int) -> None:
-        """ChildError when NVML cannot read the GPU."""
-        import pynvml
+    def __init__(self, gpu_index: int, *, nvml: Any = None, clock: Callable[[], float] = time.time) -> None:
+        """ChildError when NVML cannot read the GPU.  ``nvml`` (pynvml's functions) and ``clock`` (CLOCK_REALTIME
+        seconds) are for tests."""
+        if nvml is None:
+            import pynvml
 
-        self._nvml = pynvml
+            nvml = pynvml
+        self._nvml = nvml
+        self._clock = clock
         try:
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(gpu_index)
-        except pynvml.NVMLError as err:  # the GPU lost (or NVML gone) since the self-test started
+            nvml.nvmlInit()
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(gpu_index)
+        except nvml.NVMLError as err:  # the GPU lost (or NVML gone) since the self-test started
             raise ChildError(f"NVML cannot read GPU {gpu_index}: {err}") from err
         self._spans: list[Span] = []
         self._stop = threading.Event()
@@ -320,18 +330,24 @@ class UtilSampler:
         self._start_us = 0
 
     def start(self) -> None:
-        self._since = self._start_us = int(time.time() * 1e6)
-        self._spans = []
+        """Start sampling, in a thread polling every 0.25 s."""
+        self.begin()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="selftest-nvml", daemon=True)
         self._thread.start()
+
+    def begin(self) -> None:
+        """Start sampling without the thread: from now, only :meth:`poll` and :meth:`stop` poll."""
+        self._since = self._start_us = int(self._clock() * 1e6)
+        self._spans = []
+        self._thread = None
 
     def stop(self) -> None:
         """Stop sampling (after one last poll); :meth:`share` then reads what was sampled."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._poll()
+        self.poll(last=True)
 
     def share(self, pid: int, window: tuple[int, int]) -> float | None:
         """Percent of ``window`` (CLOCK_REALTIME us) that ``pid``'s kernels ran, over the part of it the
@@ -340,14 +356,31 @@ class UtilSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
-            self._poll()
+            self.poll()
 
-    def _poll(self) -> None:
+    def poll(self, *, last: bool = False) -> None:
+        """One read of NVML's samples since the last one (``last``: the last read).
+
+        NVML has a sample only of a process that ran since ``lastSeenTimeStamp``, NOT_FOUND when none did,
+        and it averages a sample over at most its own recent past (the simulated GPU: a second): so after
+        NOT_FOUND every process was idle until ``SAMPLE_LAG`` before the read, and the next read asks from
+        there.  (Asked from the sample before a long idle stretch, the sample after it was spread over the
+        whole stretch, part of which it does not describe.)  The last read is made ``SAMPLE_LAG`` or more
+        after the programs' windows: what it has no sample of was idle until then, and the time a program
+        was held idle at the end of its window (a limiter after a burst) counts; otherwise the samples ended
+        at the burst and the share was read over the burst alone.
+        """
+        asked = int(self._clock() * 1e6)
         try:
-            samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._since)
-        except self._nvml.NVMLError:
-            return  # NOT_FOUND: nothing ran since
-        self._since = credit(self._spans, [(s.pid, s.timeStamp, s.smUtil) for s in samples], self._since)
+            answer = self._nvml.nvmlDeviceGetProcessUtilization(self._handle, self._since)
+        except self._nvml.NVMLError as err:
+            if getattr(err, "value", None) != self._nvml.NVML_ERROR_NOT_FOUND:
+                return  # NVML cannot tell (the GPU lost): this time stays unsampled
+            answer = []
+        newest = credit(self._spans, [(s.pid, s.timeStamp, s.smUtil) for s in answer], self._since)
+        if not answer or last:
+            newest = max(newest, asked - int(SAMPLE_LAG * 1e6))
+        self._since = newest
 
 
 def credit(spans: list[Span], samples: Sequence[tuple[int, int, int]], since: int) -> int:
@@ -371,8 +404,8 @@ def credit(spans: list[Span], samples: Sequence[tuple[int, int, int]], since: in
 
 def share(spans: Sequence[Span], pid: int, window: tuple[int, int], covered: tuple[int, int]) -> float | None:
     """``pid``'s mean SM percent over the part of ``window`` that the samples cover (``covered``: from the
-    first poll's start to the newest sample; a process absent from a sample was idle then). None when
-    that part is empty.
+    first poll's start to the newest sample, or to where a poll that found none newer says every process
+    was idle; a process absent from a sample was idle then). None when that part is empty.
 
     Only the program's own window counts: a sampler that ran on after the program ended (its parent
     came late on a loaded machine) would otherwise count the idle time after it as the program's.
@@ -387,11 +420,17 @@ def share(spans: Sequence[Span], pid: int, window: tuple[int, int], covered: tup
 
 def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> list[tuple[float, float | None]]:
     """Runs one launch loop per environment together; (launches/s, NVML percent or None) of each, both
-    over the window each program measured its launches in."""
+    over the window each program measured its launches in.
+
+    The loops stay (idle) until NVML was last read, ``SAMPLE_LAG`` after the last window's end: NVML
+    has no sample of a process that has ended (its last stretch would be lost), and a sample of the end
+    of a window may come that long after it.
+    """
     args = json.dumps({"uuid": s.uuid, "ptx": programs.PTX, "settle": s.settle, "seconds": s.measure})
-    procs = [subprocess.Popen([sys.executable, "-c", programs.SPIN, args], env=dict(env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in envs]  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", programs.SPIN, args], env=dict(env), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for env in envs]  # fmt: skip
     sampler.start()
+    results = []
     try:
         for p in procs:
             first = read_line(p)
@@ -399,17 +438,24 @@ def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> 
                 p.kill()
                 answer = _last_json(first, p.wait(), p.stderr.read() if p.stderr else "")
                 raise ChildError(answer.get("error", "failed"))
-        results = []
         for p in procs:
-            try:
-                out, err = p.communicate(timeout=s.settle + s.measure + CHILD_TIMEOUT)
-            except subprocess.TimeoutExpired as exc:
-                raise ChildError(f"no answer within {s.settle + s.measure + CHILD_TIMEOUT:.0f} s") from exc
-            results.append(_last_json(out, p.returncode, err))
+            line = read_line(p, s.settle + s.measure + CHILD_TIMEOUT)
+            while line and not line.startswith("{"):
+                line = read_line(p, s.settle + s.measure + CHILD_TIMEOUT)
+            if not line:  # it ended without its report: _last_json raises, with the reason from its stderr
+                _last_json("", p.wait(), p.stderr.read() if p.stderr else "")
+            results.append(_last_json(line, None, ""))
+        lag = max(int(r["to_us"]) for r in results) / 1e6 + SAMPLE_LAG - time.time()
+        if lag > 0:
+            time.sleep(lag)
     finally:
         sampler.stop()
         for p in procs:
-            if p.poll() is None:
+            try:
+                if len(results) < len(procs):
+                    p.kill()  # one failed: the others' answers are not read
+                p.communicate(input="\n", timeout=CHILD_TIMEOUT)
+            except (subprocess.TimeoutExpired, ValueError, OSError):
                 p.kill()
                 p.wait()
     return [(float(r["rate"]), sampler.share(int(r["pid"]), (int(r["from_us"]), int(r["to_us"])))) for r in results]

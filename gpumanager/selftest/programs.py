@@ -174,7 +174,7 @@ hold()
 )
 
 # A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle
-# and the wall-clock window (us) they were counted in.
+# and the wall-clock window (us) they were counted in, then holds (idle) until told to go.
 SPIN = (
     PRELUDE
     + r"""
@@ -201,6 +201,7 @@ elapsed = time.monotonic() - (t0 or end)
 to_us = int(time.time() * 1e6)  # the window NVML's samples are read over (CLOCK_REALTIME, as theirs)
 ok(d.cuStreamSynchronize(stream))
 report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid(), from_us=from_us or to_us, to_us=to_us)
+hold()  # running (idle) until NVML has been read past the window: NVML tells nothing of a process that ended
 """
 )
 

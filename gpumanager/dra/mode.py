@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpumanager import names
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
@@ -40,6 +41,7 @@ from gpumanager.dra.servicers import (
 from gpumanager.retry import Backoff
 from gpumanager.vmanager import cgroups
 from gpumanager.vmanager import claims as claim_files
+from gpumanager.vmanager.unwritable import UnwritableFiles
 
 if TYPE_CHECKING:
     from gpumanager.config import Config
@@ -160,6 +162,7 @@ class DRAMode:
         self._report = report
         self._started_unix = time.time()
         self._last_pids: dict[str, list[int]] = {}
+        self._unwritable = UnwritableFiles()  # claims' pids.config the refresh cannot write (reported)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
             reader = api_reader(api_client)
@@ -318,34 +321,49 @@ class DRAMode:
         return consumers.container_allocations(self.claims(), self._pods())
 
     def refresh_pids(self) -> int:
-        """Rewrite pids.config of every shared claim whose containers' processes changed."""
+        """Rewrite pids.config of every shared claim whose containers' processes changed.
+
+        A file that cannot be written (a full disk, a read-only file system) is reported once and tried
+        again at the next refresh; the other claims' files are still brought up to date.
+        """
+        from gpumanager.allocation import pods as podinfo
+
         written = 0
         live: set[str] = set()
+        refreshed: set[Path] = set()
         pods = self._pods()
         for claim in self.claims():
             if not claim.shared:
                 continue
             live.add(claim.uid)
+            directory = claim_files.claim_dir(self._vm, claim.uid)
+            path = directory / names.PIDS_CONFIG_FILE
+            refreshed.add(path)
             pids: set[int] = set()
-            for pod, container in consumers.consumers(claim, pods):
-                from gpumanager.allocation import pods as podinfo
-
+            users = consumers.consumers(claim, pods)
+            for pod, container in users:
                 cid = podinfo.container_ids(pod).get(container)
                 if cid:
                     pids.update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
             ordered = sorted(pids)
             if self._last_pids.get(claim.uid) == ordered:
                 continue
-            if not claim_files.claim_dir(self._vm, claim.uid).is_dir():
+            if not directory.is_dir():
                 continue
             try:
                 claim_files.write_pids(self._vm, claim.uid, ordered)
             except FileNotFoundError:  # unprepared since it was looked at: its directory is not made again
                 continue
+            except OSError as exc:
+                used_by = ", ".join(f"pod {podinfo.uid(pod)} container {container}" for pod, container in users)
+                self._unwritable.failed(path, exc, f"claim {claim.key} ({claim.uid}; used by {used_by or 'none'})")
+                continue
+            self._unwritable.written(path)
             self._last_pids[claim.uid] = ordered
             written += 1
         for uid in [u for u in self._last_pids if u not in live]:
             del self._last_pids[uid]
+        self._unwritable.forget_all_but(refreshed)
         return written
 
     def healthz(self) -> dict[str, object]:

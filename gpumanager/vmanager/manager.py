@@ -44,6 +44,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import cgroups, files
 from gpumanager.vmanager.sockets import CallRefused, PodSockets
+from gpumanager.vmanager.unwritable import UnwritableFiles
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class VirtualManager:
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
         self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
-        self._write_failures: dict[Path, str] = {}  # pids.config the refresh cannot write -> why (reported)
+        self._unwritable = UnwritableFiles()  # pids.config files the refresh cannot write (reported)
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -709,27 +710,12 @@ class VirtualManager:
                 except OSError as exc:
                     # Tried again each period; reported once until it works (not a traceback a second).
                     complete = False
-                    self._report_write_failure(alloc, path, exc)
+                    self._unwritable.failed(path, exc, f"pod {alloc.pod_uid} container {alloc.container}")
                     continue
                 self._last_pids[path] = pids
-                self._write_failures.pop(path, None)
+                self._unwritable.written(path)
             written += 1
         return complete, written
-
-    def _report_write_failure(self, alloc: ContainerAllocation, path: Path, exc: OSError) -> None:
-        reason = exc.strerror or str(exc)
-        if self._write_failures.get(path) == reason:
-            return
-        if len(self._write_failures) >= 4096:
-            self._write_failures.clear()
-        self._write_failures[path] = reason
-        log.warning(
-            "cannot write %s of pod %s container %s: %s (trying again each refresh)",
-            path,
-            alloc.pod_uid,
-            alloc.container,
-            reason,
-        )
 
     # -- cleanup ----------------------------------------------------------------------------------
 
@@ -766,8 +752,7 @@ class VirtualManager:
         prefix = str(entry) + os.sep
         for path in [p for p in list(self._last_pids) if str(p).startswith(prefix)]:
             self._last_pids.pop(path, None)
-        for path in [p for p in list(self._write_failures) if str(p).startswith(prefix)]:
-            self._write_failures.pop(path, None)
+        self._unwritable.forget_under(entry)
         for key in [k for k in list(self._current) if k[0] == entry.name]:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:

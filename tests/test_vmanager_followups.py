@@ -1,0 +1,144 @@
+"""Defects around the virtual manager's files, flags and names: each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.pods import Pod
+
+CLAIM_A = "aaaaaaaa-1111-2222-3333-444444444444"
+CLAIM_B = "bbbbbbbb-1111-2222-3333-444444444444"
+
+
+# -- DRA: a claim's pids.config the refresh cannot write -------------------------------------------
+
+
+class _Claims:
+    """The part of the allocator the DRA mode's pids refresh reads."""
+
+    claims_in_doubt = False
+
+    def __init__(self, claims: list[Any]) -> None:
+        self._claims = claims
+
+    def claims(self) -> list[Any]:
+        return list(self._claims)
+
+
+def _dra_mode(tmp_path: Path, claims: list[Any], pods: list[Pod]) -> Any:
+    from gpumanager.allocation.allocator import Allocator
+    from gpumanager.device.types import NodeTopology
+    from gpumanager.dra import cdi
+    from gpumanager.dra.mode import DRAMode, DRASettings
+
+    vm = tmp_path / "vm"
+    return DRAMode(
+        settings=DRASettings(
+            driver="gpu.example.com",
+            plugin_registry_path=str(tmp_path / "registry"),
+            plugin_path=str(tmp_path / "plugin"),
+            cdi_root=str(tmp_path / "cdi"),
+        ),
+        node="node-1",
+        gpus=[],
+        topology=NodeTopology(levels=()),
+        health=None,
+        allocator=cast(Allocator, _Claims(claims)),
+        api_client=None,
+        pods=lambda: pods,
+        pod=lambda uid: next((p for p in pods if p["metadata"]["uid"] == uid), None),
+        cdi_settings=cdi.CDISettings(
+            root=tmp_path / "cdi",
+            driver="gpu.example.com",
+            vdriver_nvidia=str(tmp_path / "vdriver" / "nvidia"),
+            vdriver_origin=str(tmp_path / "vdriver" / "origin"),
+            virtual_manager_path=str(vm),
+        ),
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        driver_version="550.54.15",
+        observe=lambda _m, _s, _ok: None,
+        report=lambda _what, _message: None,
+    )
+
+
+def test_dra_claim_pids_config_that_cannot_be_written_is_reported_once_and_blocks_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DRA mode: one claim's pids.config failing to be written (a full disk, a read-only file system)
+    must not stop the refresh of the other claims, nor log a traceback at each period; it is reported
+    once (file, claim, reason) until a write works."""
+    from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+    from gpumanager.vmanager import files
+    from gpumanager.vmanager.refresh import ClaimPidsRefresher
+
+    claims: list[ClaimAllocation] = []
+    pods: list[Pod] = []
+    for n, uid in enumerate((CLAIM_A, CLAIM_B)):
+        name = f"claim-{n}"
+        device = ClaimDevice(
+            request="gpu",
+            pool="node-1",
+            device="gpu-0",
+            minor=0,
+            share_id=f"s-{n}",
+            cores=20,
+            memory=1 << 30,
+            whole=False,
+        )
+        claims.append(ClaimAllocation(uid=uid, namespace="default", name=name, devices=(device,)))
+        pod_uid = f"{n}2345678-1234-1234-1234-123456789abc"
+        cid = f"{n}c" * 32
+        cgroup = tmp_path / "cgroup" / "kubepods" / f"pod{pod_uid}" / cid
+        cgroup.mkdir(parents=True)
+        (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        pods.append(
+            {
+                "metadata": {"uid": pod_uid, "name": f"p-{n}", "namespace": "default"},
+                "spec": {
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+                    "containers": [{"name": "main", "resources": {"claims": [{"name": "gpu"}]}}],
+                },
+                "status": {
+                    "phase": "Running",
+                    "containerStatuses": [{"name": "main", "containerID": f"containerd://{cid}"}],
+                },
+            }
+        )
+        (tmp_path / "vm" / uid).mkdir(parents=True)
+    mode = _dra_mode(tmp_path, claims, pods)
+    real = files.write_pids
+    broken = tmp_path / "vm" / CLAIM_A / names.PIDS_CONFIG_FILE
+    failing = {"errno": errno.ENOSPC}
+
+    def write_pids(path: Path, pids: list[int], **kwargs: bool) -> list[int]:
+        if path == broken and failing["errno"]:
+            raise OSError(failing["errno"], os.strerror(failing["errno"]), str(path))
+        return real(path, pids, **kwargs)
+
+    monkeypatch.setattr(files, "write_pids", write_pids)
+    refresher = ClaimPidsRefresher(mode.refresh_pids)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            refresher._refresh()
+        assert files.read_pids(tmp_path / "vm" / CLAIM_B / names.PIDS_CONFIG_FILE) == [os.getpid()]
+        reports = [r for r in caplog.records if str(broken) in r.getMessage()]
+        assert len(reports) == 1, [r.getMessage() for r in caplog.records]
+        message = reports[0].getMessage()
+        assert "No space left on device" in message and "default/claim-0" in message
+        assert "main" in message
+        assert reports[0].exc_info is None
+        # Another reason is reported again; once a write works, the file is current.
+        failing["errno"] = errno.EROFS
+        refresher._refresh()
+        assert len([r for r in caplog.records if str(broken) in r.getMessage()]) == 2
+        failing["errno"] = 0
+        refresher._refresh()
+    assert files.read_pids(broken) == [os.getpid()]

@@ -57,6 +57,16 @@ def _argparse_type(field: FlagField) -> Callable[[str], Any]:
     return convert
 
 
+def _version_value(text: str) -> bool | str:
+    """--version's value as Kubernetes' version flag reads it: ``raw``, or a Go boolean."""
+    if text == "raw":
+        return text
+    try:
+        return flagspec.parse_bool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (true, false or raw)") from None
+
+
 def flag_help(field: FlagField) -> str:
     """The help line of one flag: meaning, default and environment variable."""
     return f"{field.spec.help} (default: {field.default_text()}; env {field.env})"
@@ -121,10 +131,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(
         "--version",
         nargs="?",
-        const="true",
-        default="false",
+        const=True,
+        default=False,
+        type=_version_value,
         metavar="BOOL",
-        help="print the version and the git commit it was built from, and exit",
+        help="print the version and the git commit it was built from, and exit (true, false or raw)",
     )
     if environ:
         try:
@@ -292,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return selftest(argv[1:])
     args = build_parser(os.environ).parse_args(normalize_argv(argv))
-    if args.version.lower() not in ("false", "0"):
+    if args.version:
         print(
             f"gpu-manager {__version__} (commit {buildinfo.commit()}, "
             f"device plugin API {names.DEVICE_PLUGIN_API_VERSION})"

@@ -73,3 +73,22 @@ def test_a_bad_environment_variable_is_one_line_exit_2(
     assert exc.value.code == cli.EXIT_CONFIG
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "GPU_MANAGER_SHARE_MODE='sometimes'" in lines[0], lines
+
+
+@pytest.mark.parametrize("value", ["f", "F", "FALSE", "False", "0", "false"])
+def test_version_false_in_any_of_gos_spellings_does_not_print_the_version(value: str) -> None:
+    args = cli.build_parser({}).parse_args(cli.normalize_argv([f"--version={value}"]))
+    assert args.version is False
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("T", True), ("1", True), ("raw", "raw")])
+def test_version_true_or_raw_prints_it(value: str, expected: object) -> None:
+    assert cli.build_parser({}).parse_args([f"--version={value}"]).version == expected
+    assert cli.build_parser({}).parse_args(["--version"]).version is True
+
+
+def test_a_version_value_that_is_no_boolean_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version=maybe"])
+    assert exc.value.code == cli.EXIT_CONFIG
+    assert "--version" in capsys.readouterr().err

@@ -184,3 +184,32 @@ def test_an_unanswered_binding_expiring_names_the_pod(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.INFO, logger="gpumanager.extender.state"):
         assert state.expire() == 1
     assert "d/unanswered" in caplog.text
+
+
+# -- a node whose capacity claims more GPUs than any node has --------------------------------------
+
+
+def test_a_node_capacity_claiming_thousands_of_gpus_is_not_built(caplog: pytest.LogCaptureFixture) -> None:
+    """Without the inventory annotation a node is judged as capacity/100 GPUs, whose flat topology
+    costs the square of their number, built under the state's lock: a node whose status claimed
+    vcuda-core=1M stalled every verb for minutes. It is refused, naming the node and the value."""
+    state = ClusterState()
+    decider = Decider(state, "binpack")
+    big = {
+        "metadata": {"name": "big", "uid": "u-big"},
+        "status": {"capacity": {"tencent.com/vcuda-core": "1M", "tencent.com/vcuda-memory": "64"}},
+    }
+    with caplog.at_level(logging.WARNING, logger="gpumanager.extender"):
+        state.node_event("ADDED", big)
+        state.node_event("MODIFIED", big)
+    assert state.node("big") is None
+    assert caplog.text.count("10000 GPUs") == 1  # warned once, not at each status update
+    args = parse_args(_body({"Pod": POD, "NodeNames": ["big"]}))
+    result, _ = decider.filter(args)
+    reason = result["FailedAndUnresolvableNodes"]["big"]
+    assert "1M" in reason and "10000 GPUs" in reason, reason
+    # Back to a believable capacity: used again.
+    state.node_event("MODIFIED", _node("big", "u-big", gpus=2))
+    assert state.node("big") is not None
+    result, _ = decider.filter(args)
+    assert result["NodeNames"] == ["big"]

@@ -73,6 +73,9 @@ class Decider:
                     uid = (obj.get("metadata") or {}).get("uid")
                     return None, f"node {name} (UID {uid}) has been deleted"
                 gpus = self.state.add_node(obj)
+        unusable = self.state.unusable(name) if gpus is None else ""
+        if unusable:
+            return None, f"node {name}: {unusable}"
         if gpus is None and not self.state.seen_node(name):
             return None, (
                 f"node {name} is not known to the extender: its node watch has not shown it (yet), "

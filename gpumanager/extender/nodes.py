@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 
 Node = Mapping[str, Any]
 
+#: The most GPUs a node judged from its capacity may have: its flat topology costs the square of
+#: their number (no node has this many; a capacity claiming more is a mistake, not a node).
+MAX_CAPACITY_GPUS = 256
+
+
+class UnusableNodeError(ValueError):
+    """The node's object cannot be judged; the message names the field and the value."""
+
 
 @dataclass(frozen=True)
 class Charge:
@@ -189,9 +197,15 @@ def _from_inventory(name: str, text: str) -> NodeGPUs:
 
 def _from_capacity(name: str, node: Node, why: str) -> NodeGPUs | None:
     capacity = _resources(node, "capacity")
-    count = _quantity(capacity.get(names.VCORE_RESOURCE, 0)) // HUNDRED_CORES
+    raw = capacity.get(names.VCORE_RESOURCE, 0)
+    count = _quantity(raw) // HUNDRED_CORES
     if count <= 0:
         return None
+    if count > MAX_CAPACITY_GPUS:
+        raise UnusableNodeError(
+            f"capacity {names.VCORE_RESOURCE}={raw} would be {count} GPUs ({why}), more than "
+            f"{MAX_CAPACITY_GPUS}: not believed; the agent's {ANNOTATION} annotation names the real GPUs"
+        )
     blocks = _quantity(capacity.get(names.VMEMORY_RESOURCE, 0)) // count
     gpus = [
         GPUInfo(
@@ -214,7 +228,8 @@ def _from_capacity(name: str, node: Node, why: str) -> NodeGPUs | None:
 
 
 def node_gpus(node: Node) -> NodeGPUs | None:
-    """The node's GPUs with nothing charged, or None when it has none."""
+    """The node's GPUs with nothing charged, or None when it has none (:class:`UnusableNodeError`
+    when its capacity claims more than :data:`MAX_CAPACITY_GPUS`)."""
     name = node_name(node)
     text = ((node.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
     if text is None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
 from gpumanager.extender.charges import PodCharges, pod_charges
-from gpumanager.extender.nodes import Node, NodeGPUs, fingerprint, node_gpus, node_name
+from gpumanager.extender.nodes import Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class ClusterState:
         # UIDs of nodes the watch showed deleted, oldest first (bounded): a scheduler whose cache lags
         # may still send one, which must not be brought back (it would stay for ever: no event of it comes).
         self._deleted_nodes: dict[str, str] = {}
+        # Node name -> why its object, as last seen, cannot be judged (see UnusableNodeError).
+        self._unusable: dict[str, str] = {}
         self._watched: dict[str, PodCharges] = {}
         self._assumed: dict[str, Assumption] = {}
         self._applied: dict[str, PodCharges] = {}
@@ -148,10 +150,16 @@ class ClusterState:
                     return
                 self._node_uids.pop(name, None)
                 self._fingerprints.pop(name, None)
+                self._unusable.pop(name, None)
                 if self._nodes.pop(name, None) is not None:
                     log.info("node %s removed", name)
                 return
             self.add_node(node)
+
+    def unusable(self, name: str) -> str:
+        """Why the node's object, as last seen, cannot be judged ("" when it can)."""
+        with self.lock:
+            return self._unusable.get(name, "")
 
     def seen_node(self, name: str) -> bool:
         """Whether a usable object of the node is known (with GPUs or without), as the watch or a
@@ -181,6 +189,13 @@ class ClusterState:
                 return self._nodes.get(name)
             try:
                 gpus = node_gpus(node)
+            except UnusableNodeError as exc:
+                # Remembered: judged again only when its GPUs' fields change (warned once per change).
+                log.warning("node %s: %s; not used", name, exc)
+                self._fingerprints[name] = mark
+                self._unusable[name] = str(exc)
+                self._nodes.pop(name, None)
+                return None
             except (AttributeError, TypeError, ValueError, RecursionError) as exc:
                 # Not remembered as seen: the node's next event is looked at again.
                 log.warning(
@@ -188,6 +203,7 @@ class ClusterState:
                 )
                 return self._nodes.get(name)
             self._fingerprints[name] = mark
+            self._unusable.pop(name, None)
             if gpus is None:
                 self._nodes.pop(name, None)
                 return None

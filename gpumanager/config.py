@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ from gpumanager.flagspec import (
     text,
     xid_list,
 )
+
+#: A pod UID (a UUID in its 36-character text form) names its directory under --virtual-manager-path.
+POD_UID_LENGTH = 36
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -264,6 +268,17 @@ class Config:
         ):
             if len(path.encode()) >= 108:
                 raise ConfigError(f"{flag}: socket path {path!r} is longer than the 107 bytes a unix socket allows")
+        if self.mode != "dra":  # DRA claims' directories hold no socket
+            # Each pod's <vm>/<pod uid>/vcuda.sock: one it cannot be served on, upstream's library (which
+            # cannot register) kills every process of the pod.
+            longest = str(Path(self.virtual_manager_path) / ("x" * POD_UID_LENGTH) / names.VCUDA_SOCKET)
+            if len(os.fsencode(longest)) >= 108:
+                shown = str(Path(self.virtual_manager_path) / "<pod uid>" / names.VCUDA_SOCKET)
+                raise ConfigError(
+                    f"--virtual-manager-path={self.virtual_manager_path}: each pod's socket {shown} needs "
+                    f"{len(os.fsencode(longest)) + 1} bytes with a {POD_UID_LENGTH}-character pod UID, more than "
+                    "the 108 (with the terminating NUL) a unix socket path holds"
+                )
         return self
 
     def resolved_node_name(self) -> str:

@@ -8,11 +8,14 @@ exactly as in production (its own process, real sockets, real signals), with
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +26,21 @@ from simnode.gpusim_state import sim_env, spec_dir
 log = logging.getLogger(__name__)
 
 SPEC_DIR = spec_dir()
+
+
+#: What the agent adds below --virtual-manager-path for a pod's socket: ``/<36-character pod uid>/vcuda.sock``.
+_VCUDA_SOCK_TAIL = 1 + 36 + 1 + len("vcuda.sock")
+
+
+def vm_path_for(workdir: Path) -> Path:
+    """``workdir/vm``, or, where that is too long for the pods' vcuda.sock (107 bytes; the agent refuses
+    such a --virtual-manager-path), a short directory in the temporary directory that is the same for
+    the same ``workdir`` (an agent started again there finds its pods' files)."""
+    vm = workdir / "vm"
+    if len(os.fsencode(str(vm))) + _VCUDA_SOCK_TAIL <= 107:
+        return vm
+    digest = hashlib.sha256(os.fsencode(str(workdir.absolute()))).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"gm-vm-{digest}"
 
 
 def free_port() -> int:
@@ -52,6 +70,7 @@ class AgentProcess:
         self.state = state or workdir / "gpusim.state"
         self.plugin_dir = workdir / "device-plugins"
         self.display_socket = workdir / "gpu-manager.sock"
+        self.vm_path = vm_path_for(workdir)
         self.log_path = workdir / "agent.log"
         self.query_port = query_port if query_port is not None else free_port()
         self.extra_args = list(extra_args)
@@ -62,8 +81,8 @@ class AgentProcess:
     @property
     def args(self) -> list[str]:
         """The command line: every directory and socket the agent writes or dials is under ``workdir``
-        (never the host's /etc/gpu-manager, /var/lib/kubelet or /var/run); ``extra_args`` come last and
-        override."""
+        (never the host's /etc/gpu-manager, /var/lib/kubelet or /var/run), --virtual-manager-path too
+        unless it is too long there (:func:`vm_path_for`); ``extra_args`` come last and override."""
         return [
             self.python,
             "-m",
@@ -74,7 +93,7 @@ class AgentProcess:
             f"--query-port={self.query_port}",
             f"--kubeconfig={self.workdir / 'no-kubeconfig'}",
             f"--checkpoint-path={self.workdir / 'checkpoint'}",
-            f"--virtual-manager-path={self.workdir / 'vm'}",
+            f"--virtual-manager-path={self.vm_path}",
             f"--pod-resources-socket={self.workdir / 'pod-resources' / 'kubelet.sock'}",
             f"--plugin-registry-path={self.workdir / 'reg'}",
             f"--dra-plugin-path={self.workdir / 'dra'}",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from simnode.agent_process import vm_path_for
 from simnode.gpusim_state import sim_env
 from tests.battery_fixtures import spec_one_gpu
 
@@ -31,7 +32,7 @@ def _run(tmp_path: Path, *flags: str, timeout: float = 30.0) -> tuple[int | None
         "--query-port=0",
         f"--kubeconfig={tmp_path / 'no-kubeconfig'}",
         f"--checkpoint-path={tmp_path / 'ck'}",
-        f"--virtual-manager-path={tmp_path / 'vm'}",
+        f"--virtual-manager-path={vm_path_for(tmp_path)}",
         f"--pod-resources-socket={tmp_path / 'pr.sock'}",
         f"--plugin-registry-path={tmp_path / 'reg'}",
         f"--dra-plugin-path={tmp_path / 'dra'}",

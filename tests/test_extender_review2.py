@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.request
 from typing import Any
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from gpumanager.extender.api import BadRequestError, encode, filter_result, parse_args, parse_binding
 from gpumanager.extender.charges import PodCharges
 from gpumanager.extender.decisions import Decider
+from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.nodes import Charge
+from gpumanager.extender.server import ExtenderServer, Routes
 from gpumanager.extender.state import ClusterState
 
 POD = {
@@ -213,3 +216,37 @@ def test_a_node_capacity_claiming_thousands_of_gpus_is_not_built(caplog: pytest.
     assert state.node("big") is not None
     result, _ = decider.filter(args)
     assert result["NodeNames"] == ["big"]
+
+
+# -- gpu-admission's own verb names ----------------------------------------------------------------
+
+
+def test_gpu_admissions_priorities_verb_is_prioritize() -> None:
+    """gpu-admission served POST <prefix>/priorities beside /predicates: a configuration with
+    prioritizeVerb: priorities got 404 (the scheduler then drops the extender's scores, logging an error
+    for every pod)."""
+    called: list[str] = []
+
+    def verb(name: str) -> Any:
+        def answer(body: bytes) -> tuple[Any, int]:
+            called.append(name)
+            return [{"Host": "a", "Score": 3}], 200
+
+        return answer
+
+    routes = Routes(
+        verbs={"filter": verb("filter"), "prioritize": verb("prioritize"), "bind": verb("bind")},
+        ready=lambda: (True, {}),
+        version={},
+    )
+    server = ExtenderServer("127.0.0.1", 0, routes, ExtenderMetrics(dict))
+    server.start()
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/scheduler/priorities", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert json.loads(response.read()) == [{"Host": "a", "Score": 3}]
+    finally:
+        server.stop()
+    assert called == ["prioritize"]

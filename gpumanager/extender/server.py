@@ -1,12 +1,12 @@
 """The extender's HTTP(S) server: the verbs under the URL prefix, health, version and metrics.
 
 ``POST <prefix>/filter`` (also ``<prefix>/predicates``, gpu-admission's name, so scheduler
-configurations written for it keep working), ``POST <prefix>/prioritize``, ``POST
-<prefix>/bind``; ``GET /healthz``, ``/readyz`` (503 until the watches have listed, and while one
-has failed for longer than 30 s or ``--assume-ttl``), ``/version`` (also ``<prefix>/version``),
-``/metrics``. HTTP/1.1 with keep-alive, as the scheduler's Go client reuses connections. Bodies
-are JSON; a body that is not the verb's argument answers 400 with ``{"Error": ...}`` naming what
-is wrong.
+configurations written for it keep working), ``POST <prefix>/prioritize`` (also
+``<prefix>/priorities``, gpu-admission's), ``POST <prefix>/bind``; ``GET /healthz``, ``/readyz``
+(503 until the watches have listed, and while one has failed for longer than 30 s or
+``--assume-ttl``), ``/version`` (also ``<prefix>/version``), ``/metrics``. HTTP/1.1 with
+keep-alive, as the scheduler's Go client reuses connections. Bodies are JSON; a body that is not
+the verb's argument answers 400 with ``{"Error": ...}`` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from gpumanager.extender.metrics import ExtenderMetrics
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 20
+#: gpu-admission's verb names (its routes), so scheduler configurations written for it keep working.
+_ALIASES = {"predicates": "filter", "priorities": "prioritize"}
 
 Verb = Callable[[bytes], tuple[Any, int]]
 """A verb: request body -> (answer, HTTP status); raises BadRequestError for a body it cannot take."""
@@ -125,7 +127,7 @@ class ExtenderServer:
         if self._prefix and not path.startswith(self._prefix + "/"):
             return None
         name = path[len(self._prefix) + 1 :]
-        return "filter" if name == "predicates" else name
+        return _ALIASES.get(name, name)
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         outer = self

@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_UUID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_CONTAINER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,254}$")
+# Matched whole (fullmatch): a pattern ending in ``$`` would also take a name followed by a newline.
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
 
 
 class UnsafeNameError(ValueError):
@@ -24,21 +25,21 @@ class UnsafeNameError(ValueError):
 
 def pod_uid(value: str) -> str:
     """``value`` when it is a UUID; UnsafeNameError otherwise."""
-    if not _UUID.match(value):
+    if not _UUID.fullmatch(value):
         raise UnsafeNameError(f"pod UID {value!r} is not a UUID")
     return value
 
 
 def container_name(value: str) -> str:
     """``value`` when it is a DNS label (what Kubernetes allows as a container name)."""
-    if not _DNS_LABEL.match(value):
+    if not _DNS_LABEL.fullmatch(value):
         raise UnsafeNameError(f"container name {value!r} is not a DNS label (RFC 1123: a-z, 0-9, '-', at most 63)")
     return value
 
 
 def container_id(value: str) -> str:
     """``value`` when it is a plain container-ID token (letters, digits, ``_.-``; no ``/``, not ``..``)."""
-    if not _CONTAINER_ID.match(value) or value in (".", ".."):
+    if not _CONTAINER_ID.fullmatch(value) or value in (".", ".."):
         raise UnsafeNameError(f"container ID {value!r} is not a plain token")
     return value
 

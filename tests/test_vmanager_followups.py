@@ -203,3 +203,45 @@ def test_dra_mode_serves_no_vcuda_sock_so_a_long_virtual_manager_path_is_accepte
     """DRA claims' directories hold only vcuda.config and pids.config (no socket is served there)."""
     value = _vm_path(LONGEST_VM_PATH + 20)
     assert _parse("--mode=dra", f"--virtual-manager-path={value}").virtual_manager_path == value
+
+
+# -- names with a trailing newline -----------------------------------------------------------------
+
+UID = "12345678-1234-1234-1234-123456789abc"
+
+
+@pytest.mark.parametrize(
+    ("check", "value"),
+    [
+        ("pod_uid", UID + "\n"),
+        ("container_name", "main\n"),
+        ("container_id", "a4" * 32 + "\n"),
+    ],
+)
+def test_a_name_with_a_trailing_newline_is_not_safe(check: str, value: str) -> None:
+    """``$`` also matches before a final newline: "main\\n" passed as a DNS label, and a UUID followed by
+    a newline as a pod UID, so a directory named with a newline could be made under the pod's."""
+    from gpumanager import safenames
+
+    with pytest.raises(safenames.UnsafeNameError):
+        getattr(safenames, check)(value)
+    assert getattr(safenames, check)(value[:-1]) == value[:-1]
+
+
+def test_a_pod_uid_with_a_trailing_newline_makes_no_directory(tmp_path: Path) -> None:
+    from gpumanager.vmanager.manager import VirtualManager
+
+    vm = tmp_path / "vm"
+    vm.mkdir()
+    manager = VirtualManager(
+        vm_path=vm,
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda _pod, _container: None,
+        pod=lambda _uid: None,
+        driver_version="550.54.15",
+    )
+    with pytest.raises(ValueError, match="not a UUID"):
+        manager.prepare_ahead(UID + "\n", ["main"])
+    with pytest.raises(ValueError, match="DNS label"):
+        manager.prepare_ahead(UID, ["main\n"])
+    assert [p.name for p in vm.rglob("*") if p.name != UID] == []

@@ -63,6 +63,8 @@ def load_volume_config(path: Path) -> VolumeConfig:
         raise VolumeError(f"cannot read volume config {path}: {err.strerror or err}") from err
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise VolumeError(f"volume config {path} is not valid JSON: {err}") from err
+    except RecursionError:
+        raise VolumeError(f"volume config {path} is not valid JSON: nested too deeply") from None
     return parse_volume_config(raw, path)
 
 

@@ -245,3 +245,70 @@ def test_a_pod_uid_with_a_trailing_newline_makes_no_directory(tmp_path: Path) ->
     with pytest.raises(ValueError, match="DNS label"):
         manager.prepare_ahead(UID, ["main\n"])
     assert [p.name for p in vm.rglob("*") if p.name != UID] == []
+
+
+# -- tencent.com/vcuda-core-limit read as Go's strconv.Atoi reads it -------------------------------
+
+
+def _limited_pod(value: str) -> Pod:
+    return {
+        "metadata": {
+            "uid": UID,
+            "name": "limited",
+            "namespace": "default",
+            "annotations": {"tencent.com/vcuda-core-limit": value},
+        },
+        "spec": {"containers": [{"name": "main"}]},
+    }
+
+
+@pytest.mark.parametrize(
+    "value",
+    [" 30", "30 ", "\t30\n", "3_0", "\uff13\uff10", "\u0663\u0660", "", "+", "-", "0x1e", "30.0", "9" * 20, "+-3"],
+)
+def test_a_core_limit_atoi_refuses_is_refused_naming_pod_annotation_and_value(
+    value: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """upstream reads the annotation with strconv.Atoi: no spaces, no '_', ASCII digits only, within
+    int64. Python's int() took " 30", "3_0" and other scripts' digits, so such a pod got a soft limit
+    that gpu-manager would not give it."""
+    from gpumanager.allocation import pods as podinfo
+    from gpumanager.allocation.pods import PodSpecError
+    from gpumanager.allocation.records import ContainerAllocation
+    from gpumanager.vmanager.manager import VirtualManager
+
+    pod = _limited_pod(value)
+    with pytest.raises(PodSpecError) as exc:
+        podinfo.core_limit(pod)
+    message = str(exc.value)
+    assert "default/limited" in message and "tencent.com/vcuda-core-limit" in message and repr(value) in message
+    manager = VirtualManager(
+        vm_path=tmp_path / "vm",
+        cgroup_root=tmp_path / "cgroup",
+        allocation=lambda _pod, _container: None,
+        pod=lambda uid: pod if uid == UID else None,
+        driver_version="550.54.15",
+    )
+    alloc = ContainerAllocation(pod_uid=UID, container="main", minors=(0,), cores=20, memory=1 << 30)
+    with caplog.at_level(logging.WARNING):
+        config = manager.config_for(alloc)
+    assert (config.limit, config.hard_limit) == (0, 1)
+    assert any(repr(value) in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("value", "limit"),
+    [("30", 30), ("+30", 30), ("007", 7), ("-0", 0), ("0", 0), ("150", 100), (str(2**63 - 1), 100)],
+)
+def test_a_core_limit_atoi_takes_is_read(value: str, limit: int) -> None:
+    from gpumanager.allocation import pods as podinfo
+
+    assert podinfo.core_limit(_limited_pod(value)) == limit
+
+
+def test_a_negative_core_limit_is_still_refused() -> None:
+    from gpumanager.allocation import pods as podinfo
+    from gpumanager.allocation.pods import PodSpecError
+
+    with pytest.raises(PodSpecError, match="negative"):
+        podinfo.core_limit(_limited_pod("-5"))

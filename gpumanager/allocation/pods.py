@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -329,17 +330,30 @@ def started_containers(pod: Pod) -> set[str]:
     return found
 
 
+#: What Go's strconv.Atoi takes: an optional sign, then ASCII decimal digits (no spaces, no '_').
+_GO_DECIMAL = re.compile(r"[+-]?[0-9]+")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def go_atoi(text: str) -> int | None:
+    """``text`` as Go's ``strconv.Atoi`` reads it (64-bit int); None where Atoi returns an error.
+
+    Python's int() also takes surrounding spaces, '_' between digits and other scripts' digits.
+    """
+    if not _GO_DECIMAL.fullmatch(text):
+        return None
+    value = int(text)
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
+
+
 def core_limit(pod: Pod) -> int | None:
     """The soft limit of ``tencent.com/vcuda-core-limit`` (capped at 100), None when absent."""
     raw = pod_annotations(pod).get(names.VCORE_LIMIT_ANNOTATION)
     if raw is None:
         return None
-    try:
-        value = int(raw)
-    except (ValueError, TypeError):
-        raise PodSpecError(
-            f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is not an integer"
-        ) from None
+    value = go_atoi(raw) if isinstance(raw, str) else None
+    if value is None:
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is not an integer")
     if value < 0:
         raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is negative")
     return min(value, names.HUNDRED_CORES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -250,3 +251,30 @@ def test_gpu_admissions_priorities_verb_is_prioritize() -> None:
     finally:
         server.stop()
     assert called == ["prioritize"]
+
+
+def test_a_request_refused_400_is_logged_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """The kube-scheduler drops the body of any answer but 200 ("failed filter with extender at URL
+    ..., code 400"): the reason must reach the extender's log, or nobody sees it."""
+
+    def filter_verb(body: bytes) -> tuple[Any, int]:
+        parse_args(body)
+        return {}, 200
+
+    routes = Routes(verbs={"filter": filter_verb}, ready=lambda: (True, {}), version={})
+    server = ExtenderServer("127.0.0.1", 0, routes, ExtenderMetrics(dict))
+    server.start()
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/scheduler/filter", data=b'{"Pod": {}}', method="POST"
+        )
+        with (
+            caplog.at_level(logging.WARNING, logger="gpumanager.extender.server"),
+            pytest.raises(urllib.error.HTTPError) as refused,
+        ):
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 400
+    finally:
+        server.stop()
+    assert "filter" in caplog.text and "neither Nodes nor NodeNames" in caplog.text, caplog.text
+    assert "127.0.0.1" in caplog.text

@@ -194,6 +194,9 @@ class ExtenderServer:
                         answer, code = handler(body)
                         payload = encode(answer)
                 except BadRequestError as exc:
+                    # The kube-scheduler reports only the status of an answer other than 200 ("failed
+                    # filter with extender at URL ..., code 400"): the reason is logged here.
+                    log.warning("%s from %s refused (400): %s", path, self.client_address[0], exc)
                     code, payload = 400, _json_bytes({"Error": str(exc)})
                 except OSError:  # the client went away, or stalled past the timeout: nobody to answer
                     code = 0

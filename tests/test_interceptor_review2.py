@@ -104,3 +104,23 @@ def test_a_handle_imported_into_its_own_process_keeps_its_memory_charged(
     assert out["rounds"] == (c.limit_bytes - c.context_bytes) // (256 * MIB), out
     assert out["refused"] == 2, out  # CUDA_ERROR_OUT_OF_MEMORY
     assert out["after"] == 0, f"the memory stayed charged after the imported handles were released: {out}"
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_memory_freed_in_stream_order_stays_charged_until_the_stream_gets_there(
+    container: MakeContainer, asan_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """cuMemAlloc_v2 256 MiB, cuMemFreeAsync of it on a stream still running a 3 s kernel: the GPU frees it only
+    when the stream reaches the free.  Eight rounds while the kernel ran put 2 GiB on the GPU of a 1 GiB
+    container while the interceptor credited every free at the call; the memory must stay charged until the
+    stream got there, and come back then."""
+    c = container(1024, cores=0)  # no SM limit: the memory cap alone
+    exe = build_program("review2_free_async", tmp_path, sanitize)
+    mirror = asan_mirror(c, asan_built) if sanitize else None
+    out = run_program(c, exe, ["8", "256", "700", "spin_3000ms"], mirror)
+    held = peak(c)
+    assert held <= c.limit_bytes, f"the GPU held {held >> 20} MiB for a 1024 MiB container ({out})"
+    # 250 MiB of context + 2 MiB of module + 3 x 256 MiB fit in 1024 MiB; the fourth is refused
+    assert out["rounds"] == 3, out
+    assert out["refused"] == 2, out  # CUDA_ERROR_OUT_OF_MEMORY
+    assert out["after"] == 0, f"the freed memory stayed charged after the stream reached the frees: {out}"

@@ -238,6 +238,7 @@ static void atfork_parent(void)
 }
 
 static void pools_atfork_child(void);
+static void deferred_atfork_child(void);
 
 static void atfork_child(void)
 {
@@ -245,6 +246,7 @@ static void atfork_child(void)
     vc_map_reset(&g_recs);
     sim_exec_atfork_child();
     pools_atfork_child();
+    deferred_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
     pthread_mutex_init(&g_va_mu, NULL);
     g_va_nfreed = 0; /* its addresses are fresh ones (it holds none of its parent's allocations) */
@@ -1236,9 +1238,12 @@ static void pool_free(struct sim_pool *p, uint64_t va, uint64_t bytes)
     }
 }
 
+static void deferred_frees_due(void);
+
 /* Stream, event or context synchronisation: pools above their release threshold give memory back. */
 void sim_pools_synchronized(void)
 {
+    deferred_frees_due();
     sim_rec_lock();
     for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
         if (g_default_pool[i].reserved > g_default_pool[i].threshold)
@@ -1552,6 +1557,109 @@ SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes
     return alloc_async(dptr, bytesize, pool, hStream);
 }
 
+/*
+ * cuMemFreeAsync of a plain allocation (cuMemAlloc, pitch, managed): stream-ordered, so the GPU frees it
+ * once the work queued before the free is done (this process's work on the stream's GPU: the simulated
+ * GPU runs a process's launches in order), not when the call returns.  The record goes at once (the
+ * address is no longer the caller's); the memory stays charged, and the range unused, until then.  A
+ * driver thread frees it when that work is done; a synchronisation that waited for it frees it itself.
+ */
+struct deferred_free {
+    struct deferred_free *next;
+    struct sim_state *state;
+    unsigned gpu;  /* the stream's GPU: whose work comes first */
+    uint64_t upto; /* that work: the process's timeline up to this sequence */
+    uint64_t va, size;
+    unsigned mem_gpu; /* the allocation's GPU */
+};
+
+static pthread_mutex_t g_df_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct deferred_free *g_df; /* pending, under g_df_mu */
+
+/* Takes f out of the pending list (false: someone else freed it already). */
+static bool deferred_claim(struct deferred_free *f)
+{
+    bool mine = false;
+    pthread_mutex_lock(&g_df_mu);
+    for (struct deferred_free **p = &g_df; *p != NULL; p = &(*p)->next)
+        if (*p == f) {
+            *p = f->next;
+            mine = true;
+            break;
+        }
+    pthread_mutex_unlock(&g_df_mu);
+    return mine;
+}
+
+static void deferred_atfork_child(void)
+{
+    g_df = NULL; /* the parent's frees (its memory) */
+    pthread_mutex_init(&g_df_mu, NULL);
+}
+
+static void deferred_do(struct deferred_free *f)
+{
+    sim_mem_uncharge(f->mem_gpu, f->size);
+    va_freed(f->mem_gpu, f->va, f->size);
+    free(f);
+}
+
+static void *deferred_free_thread(void *arg)
+{
+    struct deferred_free *f = arg;
+    sim_tl_wait(f->state, f->gpu, f->upto);
+    if (deferred_claim(f))
+        deferred_do(f);
+    return NULL;
+}
+
+/* A synchronisation: the frees whose preceding work is done happen now (not at the driver thread's leisure). */
+static void deferred_frees_due(void)
+{
+    for (;;) {
+        struct deferred_free *due = NULL;
+        pthread_mutex_lock(&g_df_mu);
+        for (struct deferred_free **p = &g_df; *p != NULL; p = &(*p)->next)
+            if (sim_tl_done((*p)->state, (*p)->gpu, (*p)->upto, NULL)) {
+                due = *p;
+                *p = due->next;
+                break;
+            }
+        pthread_mutex_unlock(&g_df_mu);
+        if (due == NULL)
+            return;
+        deferred_do(due);
+    }
+}
+
+static CUresult free_ordered(CUdeviceptr dptr, unsigned gpu)
+{
+    struct vc_map_entry e;
+    struct sim_state *st = sim_cu_node()->state;
+    uint64_t upto = sim_tl_tail(st, gpu);
+    if (!sim_find(dptr, REC_DEV, &e, false) || e.aux != 0 || sim_tl_done(st, gpu, upto, NULL))
+        return device_free(dptr, REC_DEV); /* a pool's or a graph's allocation, or nothing queued before it */
+    struct deferred_free *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!sim_find(dptr, REC_DEV, &e, true)) { /* freed meanwhile by another thread */
+        free(f);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *f = (struct deferred_free){.state = st, .gpu = gpu, .upto = upto, .va = dptr, .size = e.size, .mem_gpu = e.gpu};
+    pthread_mutex_lock(&g_df_mu);
+    f->next = g_df;
+    g_df = f;
+    pthread_mutex_unlock(&g_df_mu);
+    pthread_t t;
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    (void)pthread_create(&t, &a, deferred_free_thread, f); /* without a driver thread the next synchronisation frees it */
+    pthread_attr_destroy(&a);
+    return CUDA_SUCCESS;
+}
+
 static CUresult free_async(CUdeviceptr dptr, CUstream stream)
 {
     unsigned gpu;
@@ -1563,7 +1671,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream)
     CUgraph capture = sim_stream_capture(stream);
     if (capture != NULL) /* captured: a free node (of a graph allocation) */
         return sim_graph_free_node(NULL, capture, dptr);
-    return device_free(dptr, REC_DEV);
+    return free_ordered(dptr, gpu);
 }
 
 SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)

@@ -77,6 +77,8 @@ static uint64_t g_lib_vars;  /* under g_lib_mu: the live libraries' variables, o
 static uint64_t g_lib_image; /* under g_lib_mu: their whole footprints (code pages too) */
 static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT records) */
 
+static void ordered_frees_atfork_child(void);
+
 static void atfork_prepare(void)
 {
     pthread_mutex_lock(&g_mu);
@@ -95,6 +97,7 @@ static void atfork_child(void)
     g_graph_kept = g_graph_pending = g_galloc_bytes = 0;
     atomic_store(&g_graph_seen, false);
     g_lib_vars = g_lib_image = g_lib_ctxs = 0;
+    ordered_frees_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
     pthread_mutex_init(&g_lib_mu, NULL);
     pthread_mutex_init(&g_graph_mu, NULL);
@@ -398,8 +401,11 @@ static void collect_pool(struct vc_map_entry *e, void *arg)
     l->pools[l->n++] = (CUmemoryPool)(uintptr_t)e->key;
 }
 
+static uint64_t ordered_frees_done(void);
+
 bool vc_memory_refresh_pools(void)
 {
+    uint64_t credited = ordered_frees_done(); /* plain allocations the GPU freed in stream order since */
     struct pool_list l = {NULL, 0, 0};
     pthread_mutex_lock(&g_mu);
     vc_map_each(&g_recs, REC_POOL, collect_pool, &l);
@@ -419,7 +425,7 @@ bool vc_memory_refresh_pools(void)
         released += graph_pool_settle();
         pthread_mutex_unlock(&g_graph_mu);
     }
-    return released > 0;
+    return released > 0 || credited > 0;
 }
 
 /* The pool an allocation on stream s comes from when none is named: its device's current pool. */
@@ -573,30 +579,127 @@ static void freed(const struct vc_map_entry *e)
     }
 }
 
-#define FREE_HOOK(call, dptr, capture_stream, ptsz)                                                                \
-    do {                                                                                                           \
-        struct vc_map_entry e_;                                                                                    \
-        bool had_ = take((dptr), REC_DEV, &e_);                                                                    \
-        CUresult rc_ = settle((call), had_, &e_);                                                          \
-        if (rc_ == CUDA_SUCCESS && had_)                                                                           \
-            freed(&e_);                                                                                            \
-        else if (rc_ == CUDA_SUCCESS)                                                                              \
-            galloc_free((dptr), (capture_stream), (ptsz)); /* a graph allocation: in a capture, or launched */  \
-        return rc_;                                                                                                \
-    } while (0)
+/*
+ * A plain allocation (cuMemAlloc, pitch, managed) freed with cuMemFreeAsync: the GPU frees it when the stream
+ * reaches the free, after the work queued before it, not when the call returns.  So its bytes stay charged
+ * until an event recorded right after the free completes: polled before a reservation is refused and before
+ * a memory view answers (vc_memory_refresh_pools), and at each such free.  Where the stream cannot be
+ * followed (no event: another context's stream, out of host memory), NVML tells whether the GPU still holds
+ * the memory (the bytes are handed over to the reconciliation).
+ */
+#define ORDERED_FREES_MAX 4096
+
+struct ordered_free {
+    CUevent ev;
+    uint64_t bytes;
+};
+
+static pthread_mutex_t g_of_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct ordered_free *g_of; /* under g_of_mu */
+static size_t g_of_n, g_of_cap;
+static _Atomic size_t g_of_count; /* g_of_n, read without the lock */
+
+static void ordered_frees_atfork_child(void)
+{
+    /* The parent's events and bytes: its slot's, not the child's. */
+    g_of = NULL;
+    g_of_n = g_of_cap = 0;
+    atomic_store(&g_of_count, 0);
+    pthread_mutex_init(&g_of_mu, NULL);
+}
+
+/* Credits the frees whose stream got there; the bytes credited. */
+static uint64_t ordered_frees_done(void)
+{
+    if (atomic_load_explicit(&g_of_count, memory_order_relaxed) == 0)
+        return 0;
+    uint64_t credited = 0;
+    pthread_mutex_lock(&g_of_mu);
+    for (size_t i = 0; i < g_of_n;) {
+        /* NOT_READY: still queued; anything else (done, or its context is gone and took the memory): freed. */
+        if (REAL_CU(cuEventQuery)(g_of[i].ev) == CUDA_ERROR_NOT_READY) {
+            i++;
+            continue;
+        }
+        REAL_CU(cuEventDestroy_v2)(g_of[i].ev);
+        credited += g_of[i].bytes;
+        g_of[i] = g_of[--g_of_n];
+    }
+    atomic_store(&g_of_count, g_of_n);
+    pthread_mutex_unlock(&g_of_mu);
+    vc_budget_release(credited);
+    return credited;
+}
+
+static bool ordered_free_push(CUevent ev, uint64_t bytes)
+{
+    bool ok = true;
+    pthread_mutex_lock(&g_of_mu);
+    if (g_of_n == g_of_cap) {
+        size_t cap = g_of_cap ? g_of_cap * 2 : 16;
+        struct ordered_free *n = cap <= ORDERED_FREES_MAX ? realloc(g_of, cap * sizeof(*n)) : NULL;
+        if (n == NULL)
+            ok = false;
+        else
+            g_of = n, g_of_cap = cap;
+    }
+    if (ok) {
+        g_of[g_of_n++] = (struct ordered_free){ev, bytes};
+        atomic_store(&g_of_count, g_of_n);
+    }
+    pthread_mutex_unlock(&g_of_mu);
+    return ok;
+}
+
+static void ordered_free(CUstream s, bool ptsz, uint64_t bytes)
+{
+    ordered_frees_done(); /* the list holds only frees still queued */
+    CUevent ev = NULL;
+    if (REAL_CU(cuEventCreate)(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS) {
+        CUresult rc = ptsz ? REAL_CU(cuEventRecord_ptsz)(ev, s) : REAL_CU(cuEventRecord)(ev, s);
+        if (rc == CUDA_SUCCESS && ordered_free_push(ev, bytes))
+            return;
+        REAL_CU(cuEventDestroy_v2)(ev);
+    }
+    bool kept;
+    vc_budget_settle_untracked(bytes, &kept);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream s, bool ptsz)
+{
+    struct vc_map_entry e;
+    bool had = take(dptr, REC_DEV, &e);
+    CUresult rc = ptsz ? REAL_CU(cuMemFreeAsync_ptsz)(dptr, s) : REAL_CU(cuMemFreeAsync)(dptr, s);
+    if (rc != CUDA_SUCCESS) {
+        if (had)
+            put_back(&e);
+        return rc;
+    }
+    if (!had) {
+        galloc_free(dptr, s, ptsz); /* a graph allocation: in a capture, or launched */
+    } else if (e.aux2 != 0) {
+        vc_budget_release(e.size); /* a pool's allocation (no bytes of its own): its pool settles */
+        freed(&e);
+    } else if (capture_graph(s, ptsz) != NULL) {
+        vc_budget_release(e.size); /* captured (no event may be recorded into the caller's graph) */
+    } else {
+        ordered_free(s, ptsz, e.size);
+    }
+    return rc;
+}
 
 VC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync)(dptr, hStream);
-    FREE_HOOK(REAL_CU(cuMemFreeAsync)(dptr, hStream), dptr, hStream, false);
+    return free_async(dptr, hStream, false);
 }
 
 VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream);
-    FREE_HOOK(REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream), dptr, hStream, true);
+    return free_async(dptr, hStream, true);
 }
 
 /* Trimming, a new release threshold, destruction: what the pool holds changes. */

@@ -278,3 +278,14 @@ def test_a_request_refused_400_is_logged_with_its_reason(caplog: pytest.LogCaptu
         server.stop()
     assert "filter" in caplog.text and "neither Nodes nor NodeNames" in caplog.text, caplog.text
     assert "127.0.0.1" in caplog.text
+
+
+def test_a_deleted_node_sent_by_name_is_said_to_be_deleted() -> None:
+    state = ClusterState()
+    decider = Decider(state, "binpack")
+    old = _node("gone", "uid-gone")
+    state.node_event("ADDED", old)
+    state.node_event("DELETED", old)
+    result, _ = decider.filter(parse_args(_body({"Pod": POD, "NodeNames": ["gone"]})))
+    reason = result["FailedAndUnresolvableNodes"]["gone"]
+    assert "gone" in reason and "deleted" in reason, reason

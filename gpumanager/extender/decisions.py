@@ -76,6 +76,8 @@ class Decider:
         unusable = self.state.unusable(name) if gpus is None else ""
         if unusable:
             return None, f"node {name}: {unusable}"
+        if gpus is None and name not in args.raw_nodes and self.state.deleted_name(name):
+            return None, f"node {name} has been deleted"
         if gpus is None and not self.state.seen_node(name):
             return None, (
                 f"node {name} is not known to the extender: its node watch has not shown it (yet), "

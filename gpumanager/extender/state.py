@@ -167,6 +167,11 @@ class ClusterState:
         with self.lock:
             return name in self._fingerprints
 
+    def deleted_name(self, name: str) -> bool:
+        """Whether the watch has shown a node of this name deleted (and none of it since)."""
+        with self.lock:
+            return name not in self._fingerprints and name in self._deleted_nodes.values()
+
     def deleted_node(self, node: Node) -> bool:
         """Whether the watch has shown this node object (by UID) deleted."""
         uid = _node_uid(node)

@@ -34,13 +34,23 @@ _VCUDA_SOCK_TAIL = 1 + 36 + 1 + len("vcuda.sock")
 
 def vm_path_for(workdir: Path) -> Path:
     """``workdir/vm``, or, where that is too long for the pods' vcuda.sock (107 bytes; the agent refuses
-    such a --virtual-manager-path), a short directory in the temporary directory that is the same for
-    the same ``workdir`` (an agent started again there finds its pods' files)."""
+    such a --virtual-manager-path), a shorter directory that is the same for the same ``workdir`` (an
+    agent started again there finds its pods' files): in the nearest directory above ``workdir`` inside
+    the temporary directory where it fits (a test's run directory, removed with it), else in the
+    temporary directory itself."""
     vm = workdir / "vm"
-    if len(os.fsencode(str(vm))) + _VCUDA_SOCK_TAIL <= 107:
+    if _fits(vm):
         return vm
-    digest = hashlib.sha256(os.fsencode(str(workdir.absolute()))).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"gm-vm-{digest}"
+    tmp = Path(tempfile.gettempdir())
+    name = "gm-vm-" + hashlib.sha256(os.fsencode(str(workdir.absolute()))).hexdigest()[:16]
+    for base in workdir.absolute().parents:
+        if base.is_relative_to(tmp) and _fits(base / name):
+            return base / name
+    return tmp / name
+
+
+def _fits(vm: Path) -> bool:
+    return len(os.fsencode(str(vm))) + _VCUDA_SOCK_TAIL <= 107
 
 
 def free_port() -> int:

@@ -148,8 +148,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 def normalize_argv(argv: Sequence[str]) -> list[str]:
     """Make ``--share_mode=true`` mean ``--share-mode=true``, as gpu-manager's flag library does, and
     ``-v=4``, ``-v 4``, ``-log_dir=DIR`` mean ``--v=4``, ``--v 4``, ``--log-dir=DIR``: klog's flags are
-    documented (and Go's flag package takes every flag) with one dash. A single-dash word that names
-    no flag is left to be refused; nothing after ``--`` is touched."""
+    documented (and Go's flag package takes every flag) with one dash, and ``-v4`` means ``--v=4`` (pflag's
+    shorthand for klog's -v). A single-dash word that names no flag is left to be refused; nothing after
+    ``--`` is touched."""
     known = {f.flag[2:] for f in flagspec.flag_fields(Config)} | {"version", "help"}
     out = []
     rest = iter(argv)
@@ -165,6 +166,8 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             name, sep, value = arg[1:].partition("=")
             if name.replace("_", "-") in known:
                 arg = "--" + name.replace("_", "-") + sep + value
+            elif name[:1] == "v" and name[1:].isascii() and name[1:].isdigit() and not sep:
+                arg = "--v=" + name[1:]  # pflag's shorthand with its value attached: -v4
         out.append(arg)
     return out
 

@@ -92,3 +92,10 @@ def test_a_version_value_that_is_no_boolean_is_refused(capsys: pytest.CaptureFix
         cli.main(["--version=maybe"])
     assert exc.value.code == cli.EXIT_CONFIG
     assert "--version" in capsys.readouterr().err
+
+
+def test_klogs_v_shorthand_with_its_value_attached() -> None:
+    """pflag reads klog's one-letter -v as a shorthand: ``-v4`` is ``-v=4``."""
+    assert parse("-v4").v == 4
+    assert parse("-v10").v == 10
+    assert cli.normalize_argv(["-vx"]) == ["-vx"]

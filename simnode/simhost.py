@@ -12,12 +12,14 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from simnode.gpusim_state import repo_root
 
 SIM_DRIVER_VERSION = "550.54.15"  # vcuda/Makefile's SIM_DRIVER_VERSION
 LIB_DIR = "usr/lib/x86_64-linux-gnu"
+SIM_LIBRARIES = ("libcuda", "libnvidia-ml")
 
 
 def _ldconfig() -> str:
@@ -30,17 +32,31 @@ def _ldconfig() -> str:
     return found
 
 
-def install_sim_driver(root: Path, version: str = SIM_DRIVER_VERSION) -> Path:
+def install_sim_driver(
+    root: Path,
+    version: str = SIM_DRIVER_VERSION,
+    *,
+    libraries: Sequence[str] = SIM_LIBRARIES,
+    ldconfig: bool = True,
+) -> Path:
     """Install the simulated driver under ``root`` (a host ``/``); returns its library directory.
 
     As NVIDIA's installer does, an install over an earlier one removes the other versions' files
     and replaces files and links (new inodes, never rewritten in place): a driver tree
     hard-linked from the old files, and the containers mapping it, keep what they had.
+
+    ``libraries`` (some of :data:`SIM_LIBRARIES`) installs only those, and ``ldconfig=False``
+    leaves ``/etc/ld.so.cache`` as it was: the root is then as an installer or a package manager
+    leaves it midway (some libraries of the new version, the cache not yet rebuilt, or rebuilt
+    before the other libraries are written).
     """
+    unknown = sorted(set(libraries) - set(SIM_LIBRARIES))
+    if unknown:
+        raise ValueError(f"no simulated driver library {unknown} (known: {', '.join(SIM_LIBRARIES)})")
     libdir = root / LIB_DIR
     libdir.mkdir(parents=True, exist_ok=True)
     built = repo_root() / "vcuda" / "build" / "sim"
-    for name in ("libcuda", "libnvidia-ml"):
+    for name in libraries:
         target = f"{name}.so.{version}"
         tmp = libdir / f".{target}.installing"
         tmp.unlink(missing_ok=True)
@@ -55,6 +71,8 @@ def install_sim_driver(root: Path, version: str = SIM_DRIVER_VERSION) -> Path:
                 old.unlink()
     (root / "etc").mkdir(exist_ok=True)
     (root / "etc" / "ld.so.conf").write_text(f"/{LIB_DIR}\n")
+    if not ldconfig:
+        return libdir
     subprocess.run(
         [_ldconfig(), "-r", str(root), "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"],
         check=True,

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpumanager.volume.errors import VolumeError
+
+if TYPE_CHECKING:
+    from gpumanager.volume.manager import VdriverResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_VDRIVER = Path("/etc/gpu-manager/vdriver")
 #: How often the driver mirror is checked again (an unchanged driver costs a few ms and changes nothing).
 RECHECK_SECONDS = 300.0
+#: While a driver install seems to be going on (see gpumanager.volume.settle): how soon to look again,
+#: and how long the driver files must be left alone before a half-installed look is the host's state.
+INSTALL_RETRY_SECONDS = 10.0
+INSTALL_SETTLE_SECONDS = 60.0
 
 
 class MirrorKeeper:
@@ -33,6 +43,9 @@ class MirrorKeeper:
         gpu_client: Path | None = None,
         proc_root: str = "/proc",
         period: float = RECHECK_SECONDS,
+        retry: float = INSTALL_RETRY_SECONDS,
+        settle: float = INSTALL_SETTLE_SECONDS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._gpu_client = gpu_client
         self._proc_root = proc_root
@@ -41,6 +54,13 @@ class MirrorKeeper:
         self._share = share_mode
         self._interceptor = interceptor
         self._period = period
+        self._retry = retry
+        self._settle = settle
+        self._clock = clock
+        #: seconds until the next check: the period, or the retry while an install goes on
+        self.next_check = period
+        #: why the driver looks half-installed ('' when it does not); logged once per install
+        self.install_in_progress = ""
         self.nvidia = str(DEFAULT_VDRIVER / "nvidia")
         self.origin = str(DEFAULT_VDRIVER / "origin")
         self.error = ""
@@ -77,6 +97,8 @@ class MirrorKeeper:
                 interceptor=Path(self._interceptor) if self._share else None,
                 gpu_client=self._gpu_client,
                 proc_root=Path(self._proc_root),
+                now=self._clock(),
+                settle_seconds=self._settle,
             )
         except VolumeError as exc:
             self.error = str(exc)
@@ -88,6 +110,12 @@ class MirrorKeeper:
             log.exception("driver mirror not built: %s", self.error)
             self._configured_paths()
             return False
+        if result.install_in_progress:
+            return self._wait_for_install(result)
+        if self.install_in_progress:
+            log.info("driver mirror: the driver files have settled; mirroring them")
+        self.install_in_progress = ""
+        self.next_check = self._period
         # A warning is logged when it appears, not again at every recheck of an unchanged host.
         for warning in result.warnings:
             if warning not in self._reported:
@@ -101,6 +129,29 @@ class MirrorKeeper:
                 result.driver_version.full if result.driver_version else "(no libcuda found)",
                 ", ".join(f"{v.path} -> {v.tree.name}" + (" (new)" if v.built else "") for v in result.volumes),
             )
+        self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
+        self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
+        self.error = ""
+        self._mirror_problem = result.share_problem
+        self._built = True
+        return True
+
+    def _wait_for_install(self, result: VdriverResult) -> bool:
+        """The driver is being installed: keep what is published, look again soon, say so once."""
+        why = result.install_in_progress
+        if not self.install_in_progress:
+            log.warning("driver mirror: %s; the published trees are kept, checking again every %g s", why, self._retry)
+        else:
+            log.debug("driver mirror: still waiting: %s", why)
+        self.install_in_progress = why
+        self.next_check = self._retry
+        if self._built:
+            return True  # the trees of the last build stay in use, as they are
+        if not result.volumes:
+            self.error = f"driver install in progress: {why}"
+            self._configured_paths()
+            return False
+        # First build of this agent: the trees an earlier run published stay in use meanwhile.
         self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
         self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
         self.error = ""
@@ -143,7 +194,7 @@ class MirrorKeeper:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self._period)
+            self._wake.wait(self.next_check)
             self._wake.clear()
             if self._stop.is_set():
                 return

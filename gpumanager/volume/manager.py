@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from gpumanager.volume.ldcache import CacheArch, LdCache, host_lib_dirs, read_ld
 from gpumanager.volume.mirror import CONTROL_LIBRARY, DIR_FOR_BITS, Interceptor, plan_volume
 from gpumanager.volume.publish import current_target, publish, tidy_leftovers
 from gpumanager.volume.rootfs import DEFAULT_SEARCH_PATH, DriverRoot, ResolveError
+from gpumanager.volume.settle import check_install
 from gpumanager.volume.tree import Manifest, build_tree, manifest_path, read_manifest, verify_tree, write_manifest
 from gpumanager.volume.version import DriverVersion
 
@@ -93,6 +95,9 @@ class VdriverResult:
     warnings: tuple[str, ...] = ()
     #: share mode only: why shared containers get no interceptor under ``libcuda.so.1`` ('' when they do)
     share_problem: str = ""
+    #: why the driver root looks half-installed ('' when it does not): no tree was built or
+    #: published, ``volumes`` are the trees published before, and the root should be checked again soon
+    install_in_progress: str = ""
 
     @property
     def changed(self) -> bool:
@@ -112,6 +117,8 @@ def build_vdriver(
     search_path: Sequence[str] = DEFAULT_SEARCH_PATH,
     allow_hardlinks: bool = True,
     gpu_client: Path | None = None,
+    now: float | None = None,
+    settle_seconds: float = 0.0,
 ) -> VdriverResult:
     """Mirror the driver of ``driver_root`` into the volumes of ``volume_config``.
 
@@ -123,6 +130,11 @@ def build_vdriver(
     looked for in the root; ``allow_hardlinks=False`` copies every file. ``gpu_client``: the agent's own ``gpu-client``,
     used for that binary wherever volume.conf lists it (when missing, a warning, and the driver
     root's PATH is searched as for any binary). Raises VolumeError naming the file or value at fault.
+
+    ``settle_seconds`` > 0: when the root looks half-installed (see :mod:`gpumanager.volume.settle`)
+    and its driver files changed within that many seconds of ``now`` (default: the current time),
+    nothing is built or published: :attr:`VdriverResult.install_in_progress` says why, and the
+    result describes the trees published before.
     """
     config = load_volume_config(volume_config).with_base(base_dir_override)
     lib_dirs = host_lib_dirs(machine)
@@ -154,14 +166,26 @@ def build_vdriver(
             client_warnings.append(str(err))
     discovery = Discovery(root, cache, lib_dirs, search_path, provided)
     sources = {v: discovery.sources(v) for v in config.volumes}
-    run = _Run(share_mode, control, allow_hardlinks, proc_root, machine or "")
-    outcomes: list[VolumeOutcome] = []
-    for base, volumes in _by_base(built_volumes).items():
-        try:
-            outcomes.extend(run.sync_base(base, volumes, sources))
-        except OSError as err:
-            raise VolumeError(f"driver mirror under {base}: {err}") from err
     all_sources = [s for v in config.volumes for s in sources[v]]
+    run = _Run(share_mode, control, allow_hardlinks, proc_root, machine or "")
+    prefixes = sorted({p for v in config.volumes for p in v.libraries})
+    install = check_install(
+        root, cache, all_sources, prefixes, now=time.time() if now is None else now, settle=settle_seconds
+    )
+    outcomes: list[VolumeOutcome] = []
+    if install.in_progress:
+        # A tree built now could miss libraries or mix versions, and containers keep theirs for
+        # life: the published trees stay, the caller checks again soon.
+        outcomes = _published(built_volumes)
+        log.debug("driver mirror: %s; the published trees are kept", install.in_progress)
+    else:
+        if install.mixed:
+            run.warn(f"{install.mixed} (no change for {settle_seconds:g} s: mirrored as the host has them)")
+        for base, volumes in _by_base(built_volumes).items():
+            try:
+                outcomes.extend(run.sync_base(base, volumes, sources))
+            except OSError as err:
+                raise VolumeError(f"driver mirror under {base}: {err}") from err
     version = driver_version(all_sources)
     if version is None:
         run.warn(f"no libcuda.so.<version> found through {cache.path}: driver version unknown")
@@ -172,7 +196,10 @@ def build_vdriver(
     origin = next((o.path for o in reversed(outcomes) if o.name != NVIDIA_VOLUME), None)
     problem = ""
     if share_mode:
-        if skipped is not None:
+        if install.in_progress and nvidia_outcome is None and nvidia_spec is not None and skipped is None:
+            problem = f"share mode has no interceptor: the share-mode tree {nvidia_spec.path} is not built yet: "
+            problem += install.in_progress
+        elif skipped is not None:
             kept = "is left as it was" if nvidia else "is not built"
             problem = f"share mode has no interceptor: {control_problem}; the share-mode tree {skipped.path} {kept}"
         elif nvidia_outcome is None or nvidia_spec is None or control is None:
@@ -186,8 +213,10 @@ def build_vdriver(
         driver_version=version,
         removed_trees=tuple(run.removed),
         kept_trees=tuple(run.kept),
-        warnings=tuple(client_warnings + discovery.warnings + run.warnings),
+        # while an install goes on, the files it has not finished are not warned about
+        warnings=tuple(client_warnings if install.in_progress else client_warnings + discovery.warnings + run.warnings),
         share_problem=problem,
+        install_in_progress=install.in_progress,
     )
     if problem:
         log.error("driver mirror: %s", problem)
@@ -197,6 +226,20 @@ def build_vdriver(
         ", ".join(f"{o.name} -> {o.tree.name}{' (new)' if o.changed else ''}" for o in outcomes),
     )
     return result
+
+
+def _published(volumes: Sequence[VolumeSpec]) -> list[VolumeOutcome]:
+    """The trees the volumes' paths name now, left as they are (a volume without one is left out)."""
+    outcomes: list[VolumeOutcome] = []
+    for volume in volumes:
+        target = current_target(volume.path)
+        if not target or not target.startswith(TREES_DIR + "/"):
+            continue
+        tree = volume.path.parent / target
+        manifest = read_manifest(tree)
+        if manifest is not None:
+            outcomes.append(_outcome(volume, tree, manifest, changed=False, built=False, previous=None))
+    return outcomes
 
 
 def _cache_path(root: DriverRoot) -> Path:

@@ -1,0 +1,170 @@
+"""The driver mirror while a driver is being installed, and ld.so.cache entries glibc's loader reads
+differently from the whole file: flags bits and string offsets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import simnode.simhost as simhost
+from gpumanager.volume.keeper import MirrorKeeper
+from gpumanager.volume.manager import build_vdriver
+from tests.volume_fixtures import DEFAULT_VOLUME_CONF, build_shared
+
+V_OLD = "550.54.15"
+V_NEW = "560.35.03"
+SETTLE = 60.0
+RETRY = 7.0
+PERIOD = 300.0
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+
+class Host:
+    """A simulated host (simnode.simhost) with two driver versions built, and a keeper on a fake clock."""
+
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        repo = tmp / "repo"
+        monkeypatch.setattr(simhost, "repo_root", lambda: repo)
+        for version in (V_OLD, V_NEW):
+            for name in simhost.SIM_LIBRARIES:
+                out = repo / "vcuda" / "build" / "sim" / f"{name}.so.{version}"
+                soname = f"{name}.so.1"
+                build_shared(out, soname, marker=f"{name} {version}")
+        self.root = tmp / "host"
+        self.base = tmp / "vdriver"
+        conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+        for volume in conf["volume"]:
+            volume["base"] = str(self.base)
+        self.conf = tmp / "volume.conf"
+        self.conf.write_text(json.dumps(conf))
+        self.interceptor = build_shared(tmp / "libcuda-control.so", "libcuda-control.so", marker="interceptor")
+        self.proc = tmp / "proc"
+        self.proc.mkdir()
+        self.now = 0.0
+        self.keeper = MirrorKeeper(
+            volume_config=str(self.conf),
+            driver_root=str(self.root),
+            share_mode=True,
+            interceptor=str(self.interceptor),
+            proc_root=str(self.proc),
+            period=PERIOD,
+            retry=RETRY,
+            settle=SETTLE,
+            clock=lambda: self.now,
+        )
+
+    def last_change(self) -> float:
+        """The latest mtime or ctime of the driver's files, their directory and the cache (seconds):
+        a time after it counts as "now" right after the last change."""
+        libdir = self.root / simhost.LIB_DIR
+        paths = [libdir, self.root / "etc/ld.so.cache", *libdir.iterdir()]
+        return max(max(st.st_mtime_ns, st.st_ctime_ns) for st in map(os.stat, paths)) / 1e9
+
+    def published(self, volume: str = "nvidia") -> Path:
+        return (self.base / volume).resolve()
+
+    def versions_in(self, volume: str = "nvidia") -> set[str]:
+        return {p.name.split(".so.", 1)[1] for p in (self.published(volume) / "lib64").glob("lib*.so.*.*")}
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Host:
+    return Host(tmp_path, monkeypatch)
+
+
+@needs_gcc
+def test_a_half_installed_driver_is_not_published_and_is_checked_again_soon(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """New libnvidia-ml laid down, libcuda still the old one, ldconfig not yet run: the tree
+    published before stays, the keeper looks again after the short retry, and says so once."""
+    simhost.install_sim_driver(host.root, V_OLD)
+    host.now = host.last_change() + 1
+    assert host.keeper.build() and host.keeper.next_check == PERIOD
+    before = host.published()
+    assert host.versions_in() == {V_OLD}
+
+    simhost.install_sim_driver(host.root, V_NEW, libraries=["libnvidia-ml"], ldconfig=False)
+    host.now = host.last_change() + 1
+    caplog.clear()
+    assert host.keeper.build()
+    assert host.published() == before and host.published("origin").name.startswith("origin-")
+    assert host.versions_in() == {V_OLD} and host.versions_in("origin") == {V_OLD}
+    assert host.keeper.next_check == RETRY
+    assert host.keeper.share_problem == ""
+    assert host.keeper.nvidia == str(host.base / "nvidia")
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, warned
+    for part in (f"libcuda.so.{V_OLD}", f"libnvidia-ml.so.{V_NEW}", V_OLD, V_NEW, "half-installed"):
+        assert part in warned[0]
+
+    host.now += RETRY  # still within the settle time: still waiting, not said again
+    assert host.keeper.build() and host.published() == before and host.keeper.next_check == RETRY
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+    simhost.install_sim_driver(host.root, V_NEW)  # the install completes: ldconfig runs last
+    host.now = host.last_change() + 1
+    assert host.keeper.build()
+    assert host.published() != before and host.versions_in() == {V_NEW} and host.versions_in("origin") == {V_NEW}
+    assert host.keeper.next_check == PERIOD and host.keeper.install_in_progress == ""
+
+
+@needs_gcc
+def test_the_cache_rebuilt_before_every_library_is_written_is_waited_for(host: Host) -> None:
+    """A package manager that runs ldconfig between packages: libcuda is new and listed, the new
+    libnvidia-ml not written yet; then it is written after the cache."""
+    simhost.install_sim_driver(host.root, V_OLD)
+    host.now = host.last_change() + 1
+    assert host.keeper.build()
+    before = host.published()
+    simhost.install_sim_driver(host.root, V_NEW, libraries=["libcuda"])  # ldconfig runs
+    host.now = host.last_change() + 1
+    assert host.keeper.build() and host.published() == before and host.keeper.next_check == RETRY
+
+    # all files of one version now, but one was written after the cache (its mtime later than the cache's)
+    simhost.install_sim_driver(host.root, V_NEW, libraries=["libnvidia-ml"], ldconfig=False)
+    cache = host.root / "etc/ld.so.cache"
+    lib = host.root / simhost.LIB_DIR / f"libnvidia-ml.so.{V_NEW}"
+    os.utime(cache, ns=(cache.stat().st_atime_ns, lib.stat().st_mtime_ns - 5_000_000_000))
+    host.now = host.last_change() + 1
+    assert host.keeper.build() and host.published() == before
+    assert "changed after" in host.keeper.install_in_progress and str(lib.name) in host.keeper.install_in_progress
+
+
+@needs_gcc
+def test_a_half_installed_driver_left_alone_is_mirrored_with_a_warning(host: Host) -> None:
+    """No change for the settle time: it is the host's state (its processes see it too)."""
+    simhost.install_sim_driver(host.root, V_OLD)
+    simhost.install_sim_driver(host.root, V_NEW, libraries=["libnvidia-ml"], ldconfig=False)
+    host.now = host.last_change() + SETTLE + 1
+    assert host.keeper.build() and host.keeper.next_check == PERIOD
+    assert host.versions_in() == {V_OLD, V_NEW}
+    result = build_vdriver(
+        volume_config=host.conf,
+        driver_root=host.root,
+        share_mode=True,
+        interceptor=host.interceptor,
+        proc_root=host.proc,
+        now=host.now,
+        settle_seconds=SETTLE,
+    )
+    assert result.install_in_progress == ""
+    assert any("several driver versions" in w and f"libnvidia-ml.so.{V_NEW}" in w for w in result.warnings)
+
+
+@needs_gcc
+def test_a_first_build_during_an_install_publishes_nothing(host: Host) -> None:
+    simhost.install_sim_driver(host.root, V_OLD)
+    simhost.install_sim_driver(host.root, V_NEW, libraries=["libcuda"], ldconfig=False)
+    host.now = host.last_change() + 1
+    assert host.keeper.build() is False
+    assert "driver install in progress" in host.keeper.error
+    assert not (host.base / "nvidia").exists()
+    assert "not built" in host.keeper.share_problem
+    assert host.keeper.next_check == RETRY

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 import simnode.simhost as simhost
+from gpumanager.volume.errors import VolumeError
 from gpumanager.volume.keeper import MirrorKeeper
+from gpumanager.volume.ldcache import read_ldcache
 from gpumanager.volume.manager import build_vdriver
-from tests.volume_fixtures import DEFAULT_VOLUME_CONF, build_shared
+from tests.volume_fixtures import DEFAULT_VOLUME_CONF, build_shared, write_cache
 
 V_OLD = "550.54.15"
 V_NEW = "560.35.03"
@@ -168,3 +170,47 @@ def test_a_first_build_during_an_install_publishes_nothing(host: Host) -> None:
     assert not (host.base / "nvidia").exists()
     assert "not built" in host.keeper.share_problem
     assert host.keeper.next_check == RETRY
+
+
+# ---- ld.so.cache flags, as glibc's loader reads them -------------------------------------------
+
+
+def test_entries_the_loader_passes_by_are_not_mirrored(tmp_path: Path) -> None:
+    """glibc's _dl_cache_check_flags compares the whole flags word: FLAG_X8664_LIB64 with another
+    type than FLAG_ELF_LIBC6, or with a bit outside the type and ABI bytes, is never loaded."""
+    entries = [
+        (0x0303, "libcuda.so.1", "/usr/lib64/libcuda.so.1"),  # FLAG_X8664_LIB64 | FLAG_ELF_LIBC6
+        (0x0003, "libcuda.so.1", "/usr/lib/libcuda.so.1"),  # i386, FLAG_ELF_LIBC6
+        (0x0001, "libnvidia-ml.so.1", "/usr/lib/libnvidia-ml.so.1"),  # i386, FLAG_ELF
+        (0x10303, "libnvidia-ml.so.1", "/usr/lib64/odd/libnvidia-ml.so.1"),  # a bit above the ABI byte
+        (0x0307, "libnvcuvid.so.1", "/usr/lib64/odd/libnvcuvid.so.1"),  # type 7
+        (0x0301, "libnvidia-encode.so.1", "/usr/lib64/odd/libnvidia-encode.so.1"),  # x86-64 without LIBC6
+        (-1, "libnvidia-fbc.so.1", "/usr/lib64/odd/libnvidia-fbc.so.1"),  # FLAG_ANY
+    ]
+    for fmt in ("new", "old", "compat"):
+        path = tmp_path / f"cache.{fmt}"
+        path.write_bytes(write_cache(entries, fmt=fmt))
+        cache = read_ldcache(path)
+        assert [(e.flags, e.key, e.value) for e in cache.entries] == entries
+        assert [e.is_elf for e in cache.entries] == [True, True, True, False, False, False, False], fmt
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (0x02, None),  # little-endian
+        (0x06, None),  # little-endian, and a bit for future use: ignored by glibc
+        (0xFE, None),
+        (0x07, "foreign"),  # big-endian with a future bit: still big-endian
+        (0x05, "invalid byte order"),
+        (0x04, "name no byte order"),  # not 0 (unknown), but no byte order either: glibc refuses it
+    ],
+)
+def test_the_header_byte_order_is_read_from_its_two_bits(tmp_path: Path, flags: int, problem: str | None) -> None:
+    path = tmp_path / "ld.so.cache"
+    path.write_bytes(write_cache([(0x0303, "libcuda.so.1", "/usr/lib64/libcuda.so.1")], endian_flag=flags))
+    if problem is None:
+        assert [e.key for e in read_ldcache(path).entries] == ["libcuda.so.1"]
+    else:
+        with pytest.raises(VolumeError, match=problem):
+            read_ldcache(path)

@@ -13,9 +13,16 @@ little-endian host):
 - combined ("compat"): an old table, padded to 8 bytes, followed by a new-format cache. The new
   part is read (it is what glibc's loader reads).
 
-Entry flags: the low byte is the type (bit 0 set = ELF), the high byte the ABI/architecture
-(``0x0300`` x86-64, ``0x0000`` the default 32-bit ABI, i.e. i386 on x86 hosts, ``0x0800`` x32,
-``0x0500`` 64-bit PowerPC, ``0x0a00`` aarch64, ...).
+Entry flags: the low byte is the type (``1`` ELF, ``3`` ELF linked with glibc, ``2`` libc5, ``0``
+a.out), the next byte the ABI/architecture (``0x0300`` x86-64, ``0x0000`` the default 32-bit ABI,
+i.e. i386 on x86 hosts, ``0x0800`` x32, ``0x0500`` 64-bit PowerPC, ``0x0a00`` aarch64, ...). glibc's
+loader (``_dl_cache_check_flags`` of its ``dl-cache.h``) compares the whole flags word: an ABI's
+entries are used when it equals ``FLAG_ELF_LIBC6`` with that ABI's bits (``1`` or ``3`` for the
+default 32-bit ABI); an entry with any other bit set is passed by, and so is it here.
+
+The new header's flags byte holds the byte order in its two low bits (``2`` little-endian, ``3``
+big-endian, ``1`` invalid); ``0`` as a whole means unknown. Its other bits are for future use and
+ignored, as glibc's ``cache_file_new_matches_endian`` does.
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ NEW_ENTRY = struct.Struct("<iIIIQ")
 
 FLAG_TYPE_MASK = 0x00FF
 FLAG_ELF = 0x0001
+FLAG_ELF_LIBC6 = 0x0003
 FLAG_ARCH_MASK = 0xFF00
+#: The new header's byte-order bits (glibc's cache_file_new_flags_endian_big, used as a mask).
+ENDIAN_MASK = 0x03
 #: hwcap bit of an entry found in a ``glibc-hwcaps/<level>`` subdirectory (glibc 2.33+): the loader
 #: only uses it on a CPU of that level (x86-64-v2/v3/v4, power9, z15, ...).
 HWCAP_GLIBC_HWCAPS = 1 << 62
@@ -133,8 +143,18 @@ class CacheEntry:
 
     @property
     def is_elf(self) -> bool:
-        """True for ELF entries (bit 0 of the type byte), the only ones the mirror uses."""
-        return bool(self.flags & FLAG_TYPE_MASK & FLAG_ELF)
+        """True for the ELF entries glibc's loader uses, the only ones the mirror uses.
+
+        As its ``_dl_cache_check_flags``: the whole flags are ``FLAG_ELF_LIBC6`` with an ABI's
+        bits, or ``FLAG_ELF`` or ``FLAG_ELF_LIBC6`` alone (the default 32-bit ABI). Bits outside
+        the type and ABI bytes, or another type, and the loader never picks the entry.
+        """
+        if self.flags & ~(FLAG_ARCH_MASK | FLAG_TYPE_MASK):
+            return False
+        kind = self.flags & FLAG_TYPE_MASK
+        if self.flags & FLAG_ARCH_MASK:
+            return kind == FLAG_ELF_LIBC6
+        return kind in (FLAG_ELF, FLAG_ELF_LIBC6)
 
     @property
     def glibc_hwcaps(self) -> bool:
@@ -259,8 +279,12 @@ def _parse_new(data: bytes, base: int, path: Path) -> tuple[CacheEntry, ...]:
     return tuple(entries)
 
 
-def _check_byte_order(data: bytes, base: int, endian: int, table_end: int, path: Path) -> None:
+def _check_byte_order(data: bytes, base: int, flags: int, table_end: int, path: Path) -> None:
     native = _ENDIAN_LITTLE if sys.byteorder == "little" else _ENDIAN_BIG
+    endian = flags & ENDIAN_MASK
+    if flags and endian == _ENDIAN_UNSET:
+        # glibc's loader takes 0 as "unknown", but refuses other flags without a byte order
+        raise VolumeError(f"ld.so.cache {path} has header flags {flags:#04x}, which name no byte order")
     if endian in (_ENDIAN_LITTLE, _ENDIAN_BIG) and endian != native:
         order = "big" if endian == _ENDIAN_BIG else "little"
         raise VolumeError(

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,74 @@ def test_the_header_byte_order_is_read_from_its_two_bits(tmp_path: Path, flags: 
     else:
         with pytest.raises(VolumeError, match=problem):
             read_ldcache(path)
+
+
+# ---- ld.so.cache entries with a bad string offset -----------------------------------------------
+
+
+def _entry_at(data: bytes, fmt: str, index: int) -> int:
+    """The byte offset of entry ``index`` of the table glibc's loader reads in a cache of ``fmt``."""
+    if fmt == "old":
+        return 16 + 12 * index
+    (nlibs,) = struct.unpack_from("<I", data, 12)
+    base = 0 if fmt == "new" else (16 + 12 * nlibs + 7) & ~7
+    return base + 48 + 24 * index
+
+
+def _break_string(data: bytes, fmt: str, index: int, field: str) -> bytes:
+    """Point the key or value of entry ``index`` past the end of the file."""
+    out = bytearray(data)
+    struct.pack_into("<I", out, _entry_at(data, fmt, index) + (4 if field == "key" else 8), len(data) + 1000)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("fmt", ["new", "compat"])
+def test_an_entry_with_a_bad_string_offset_is_skipped_alone(tmp_path: Path, fmt: str) -> None:
+    """The new format gives its string table's size: an entry pointing outside the file is its own fault."""
+    entries = [(0x0303, f"libnvidia-{i}.so.1", f"/usr/lib64/libnvidia-{i}.so.1") for i in range(5)]
+    data = _break_string(_break_string(write_cache(entries, fmt=fmt), fmt, 1, "key"), fmt, 3, "value")
+    path = tmp_path / "ld.so.cache"
+    path.write_bytes(data)
+    cache = read_ldcache(path)
+    assert [e.key for e in cache.entries] == ["libnvidia-0.so.1", "libnvidia-2.so.1", "libnvidia-4.so.1"]
+    assert cache.skipped == 2
+    # a header that announces more entries than the file holds is still the whole cache's error
+    bad_header = bytearray(data)
+    count_at = _entry_at(data, fmt, 0) - 48 + 20
+    struct.pack_into("<I", bad_header, count_at, 10_000)
+    path.write_bytes(bytes(bad_header))
+    with pytest.raises(VolumeError, match="truncated or corrupt"):
+        read_ldcache(path)
+
+
+def test_the_old_format_cannot_tell_a_bad_offset_from_a_file_cut_short(tmp_path: Path) -> None:
+    """It gives no string table size: a string past the end of the file may be a truncation."""
+    entries = [(0x0303, f"libnvidia-{i}.so.1", f"/usr/lib64/libnvidia-{i}.so.1") for i in range(3)]
+    path = tmp_path / "ld.so.cache"
+    path.write_bytes(_break_string(write_cache(entries, fmt="old"), "old", 1, "key"))
+    with pytest.raises(VolumeError, match=r"entry 1 key .* no terminated string"):
+        read_ldcache(path)
+
+
+@needs_gcc
+def test_the_mirror_warns_once_about_skipped_entries_and_uses_the_rest(host: Host) -> None:
+    simhost.install_sim_driver(host.root, V_OLD)
+    cache_path = host.root / "etc/ld.so.cache"
+    cache = read_ldcache(cache_path)
+    index = next(i for i, e in enumerate(cache.entries) if e.key == "libnvidia-ml.so.1")
+    cache_path.write_bytes(_break_string(cache_path.read_bytes(), cache.format, index, "value"))
+    result = build_vdriver(
+        volume_config=host.conf,
+        driver_root=host.root,
+        share_mode=False,
+        interceptor=None,
+        proc_root=host.proc,
+    )
+    assert result.driver_version is not None and result.driver_version.full == V_OLD
+    origin = host.published("origin") / "lib64"
+    assert (origin / f"libcuda.so.{V_OLD}").exists() and not list(origin.glob("libnvidia-ml*"))
+    skipped = [w for w in result.warnings if "skipped, their string offsets" in w]
+    assert skipped == [
+        f"{cache_path}: 1 entry skipped, their string offsets leading outside the file (glibc's loader skips "
+        "them too); the rest of the cache is used"
+    ]

@@ -183,6 +183,9 @@ class LdCache:
     path: Path
     format: str
     entries: tuple[CacheEntry, ...]
+    #: entries left out because a string offset of theirs leads to no terminated string inside the
+    #: file (glibc's loader passes such entries by one by one, and the rest of the cache is used)
+    skipped: int = 0
 
 
 def read_ldcache(path: Path) -> LdCache:
@@ -217,7 +220,7 @@ def parse_ldcache(data: bytes, path: Path) -> LdCache:
     if data.startswith(OLD_MAGIC):
         return _parse_old_or_compat(data, path)
     if data.startswith(NEW_MAGIC):
-        return LdCache(path, "new", _parse_new(data, 0, path))
+        return LdCache(path, "new", *_parse_new(data, 0, path))
     if len(data) < len(NEW_MAGIC) and (NEW_MAGIC.startswith(data) or OLD_MAGIC.startswith(data)):
         raise VolumeError(f"ld.so.cache {path} is truncated: {len(data)} bytes, shorter than its magic")
     raise VolumeError(f"{path} is not an ld.so.cache file (magic {data[:17]!r})")
@@ -235,18 +238,23 @@ def _parse_old_or_compat(data: bytes, path: Path) -> LdCache:
         )
     new_at = (table_end + 7) & ~7
     if data[new_at : new_at + len(NEW_MAGIC)] == NEW_MAGIC:
-        return LdCache(path, "compat", _parse_new(data, new_at, path))
+        return LdCache(path, "compat", *_parse_new(data, new_at, path))
+    # The old format gives the string table's size nowhere: a string past the end of the file
+    # cannot be told from a file cut short, and fails the whole cache.
     entries: list[CacheEntry] = []
     for i, (flags, key, value) in enumerate(OLD_ENTRY.iter_unpack(data[OLD_HEADER.size : table_end])):
         entries.append(
             CacheEntry(
-                _string(data, table_end, key, path, i, "key"), _string(data, table_end, value, path, i, "value"), flags
+                _required(data, table_end, key, path, i, "key"),
+                _required(data, table_end, value, path, i, "value"),
+                flags,
             )
         )
     return LdCache(path, "old", tuple(entries))
 
 
-def _parse_new(data: bytes, base: int, path: Path) -> tuple[CacheEntry, ...]:
+def _parse_new(data: bytes, base: int, path: Path) -> tuple[tuple[CacheEntry, ...], int]:
+    """The entries of the new-format cache at ``base``, and how many were skipped for a bad string."""
     if len(data) < base + NEW_HEADER.size:
         raise VolumeError(
             f"ld.so.cache {path} is truncated: the new-format header at byte {base} needs {NEW_HEADER.size} bytes, "
@@ -267,16 +275,29 @@ def _parse_new(data: bytes, base: int, path: Path) -> tuple[CacheEntry, ...]:
             f"ld.so.cache {path} is truncated: its string table ends at byte {table_end + len_strings}, "
             f"the file has {len(data)} bytes"
         )
+    # The header's string table size says the file is whole: an entry whose string lies outside it
+    # is that entry's fault, and is skipped alone, as glibc's loader skips it.
     entries: list[CacheEntry] = []
+    skipped = 0
     for i, (flags, key, value, _osv, hwcap) in enumerate(
         NEW_ENTRY.iter_unpack(data[base + NEW_HEADER.size : table_end])
     ):
-        entries.append(
-            CacheEntry(
-                _string(data, base, key, path, i, "key"), _string(data, base, value, path, i, "value"), flags, hwcap
+        if not len_strings:  # no size given (no writer does that): as the old format
+            entries.append(
+                CacheEntry(
+                    _required(data, base, key, path, i, "key"),
+                    _required(data, base, value, path, i, "value"),
+                    flags,
+                    hwcap,
+                )
             )
-        )
-    return tuple(entries)
+            continue
+        key_s, value_s = _string(data, base, key), _string(data, base, value)
+        if key_s is None or value_s is None:
+            skipped += 1
+        else:
+            entries.append(CacheEntry(key_s, value_s, flags, hwcap))
+    return tuple(entries), skipped
 
 
 def _check_byte_order(data: bytes, base: int, flags: int, table_end: int, path: Path) -> None:
@@ -300,12 +321,21 @@ def _check_byte_order(data: bytes, base: int, flags: int, table_end: int, path: 
             raise VolumeError(f"ld.so.cache {path} is foreign: its counts only make sense in the other byte order")
 
 
-def _string(data: bytes, base: int, offset: int, path: Path, index: int, what: str) -> str:
+def _required(data: bytes, base: int, offset: int, path: Path, index: int, what: str) -> str:
+    """The string at ``base + offset``; VolumeError for the whole file when there is none."""
+    found = _string(data, base, offset)
+    if found is None:
+        raise VolumeError(
+            f"ld.so.cache {path} is truncated or corrupt: entry {index} {what} at byte {base + offset} "
+            f"has no terminated string inside the file ({len(data)} bytes)"
+        )
+    return found
+
+
+def _string(data: bytes, base: int, offset: int) -> str | None:
+    """The string at ``base + offset``; None when no terminated string starts there inside the file."""
     start = base + offset
     end = data.find(b"\0", start) if start < len(data) else -1
     if end < 0:
-        raise VolumeError(
-            f"ld.so.cache {path} is truncated or corrupt: entry {index} {what} at byte {start} "
-            f"has no terminated string inside the file ({len(data)} bytes)"
-        )
+        return None
     return os.fsdecode(data[start:end])

@@ -143,6 +143,12 @@ def build_vdriver(
         return VdriverResult((), None, None, None)
     root = DriverRoot(driver_root)
     cache = read_ldcache(_cache_path(root))
+    cache_warnings: list[str] = []
+    if cache.skipped:
+        cache_warnings.append(
+            f"{cache.path}: {cache.skipped} {'entry' if cache.skipped == 1 else 'entries'} skipped, their string "
+            "offsets leading outside the file (glibc's loader skips them too); the rest of the cache is used"
+        )
     nvidia_spec = next((v for v in config.volumes if v.name == NVIDIA_VOLUME), None)
     control: Interceptor | None = None
     control_problem = ""
@@ -214,7 +220,11 @@ def build_vdriver(
         removed_trees=tuple(run.removed),
         kept_trees=tuple(run.kept),
         # while an install goes on, the files it has not finished are not warned about
-        warnings=tuple(client_warnings if install.in_progress else client_warnings + discovery.warnings + run.warnings),
+        warnings=tuple(
+            cache_warnings + client_warnings
+            if install.in_progress
+            else cache_warnings + client_warnings + discovery.warnings + run.warnings
+        ),
         share_problem=problem,
         install_in_progress=install.in_progress,
     )

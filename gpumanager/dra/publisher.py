@@ -11,7 +11,11 @@ feature gate is off drops the fields it guards (``taints`` without
 ``DRADeviceTaints``, ``allowMultipleAllocations`` and ``requestPolicy`` without
 ``DRAConsumableCapacity``): what it stored for our content is remembered and counts
 as published, with one warning naming what was dropped, instead of a write (and a
-new generation) on every watch event of our own write.
+new generation) on every watch event of our own write. A server that drops device taints
+(``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
+(unhealthy) GPU would still take new claims, each refused at Prepare. Once a write shows taints
+dropped, tainted devices are left out of the slice instead (warned once per set of devices), and
+put back when their GPU is healthy again; until the agent restarts, taints are not sent again.
 
 The slice names the node's Node object as its owner (``ownerReferences``, read
 when the slice is written), so the garbage collector deletes it with the node; a
@@ -123,6 +127,11 @@ class SlicePublisher:
         # (our content, what the server stored of it), both comparable, when the server did not
         # keep all of it (a feature gate off): that stored slice counts as ours.
         self._kept: tuple[Any, Any] | None = None
+        # The server dropped the device taints of a write (DRADeviceTaints off): tainted devices
+        # are then left out of the slice, since its scheduler would place claims on them.
+        self.drops_taints = False
+        self._left_out: tuple[str, ...] = ()
+        self._rewrite = False  # the last write must be done again (the server dropped its taints)
         self._owner_problem = ""
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -203,7 +212,7 @@ class SlicePublisher:
                     stale.append(str(meta.get("name")))
             ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
             wrote = False
-            desired = self._content(self._generation)
+            desired = self._offered(self._content(self._generation))
             current = False
             if ours is not None:
                 want, have = _comparable(desired), _comparable(ours.get("spec") or {})
@@ -211,8 +220,10 @@ class SlicePublisher:
                     _owned(ours, self.node) or not self._owner()
                 )
             if not current:
-                self._write(ours)
+                stored = self._write(ours)
                 wrote = True
+                if self._rewrite:  # the server dropped the taints: again, without the tainted devices
+                    self._write(stored)
             elif stale and ours_gen <= newest_other:
                 # Consumers take only the newest generation of a pool: ours goes above the stale
                 # slices' first, so they count for nothing even if deleting them fails.
@@ -266,7 +277,7 @@ class SlicePublisher:
             "apiVersion": c.RESOURCE_API,
             "kind": "ResourceSlice",
             "metadata": {"name": self.name},
-            "spec": self._content(self._generation),
+            "spec": self._offered(self._content(self._generation)),
         }
         owner = self._owner()
         if owner:
@@ -286,8 +297,41 @@ class SlicePublisher:
         self.writes += 1
         self.published.set()
         stored = stored if isinstance(stored, dict) else {}
-        self._note_kept(body["spec"], stored.get("spec") or {})
+        self._rewrite = self._taints_dropped(body["spec"], stored.get("spec") or {})
+        if self._rewrite:
+            self.drops_taints = True
+        else:
+            self._note_kept(body["spec"], stored.get("spec") or {})
         return stored
+
+    def _offered(self, spec: JSON) -> JSON:
+        """``spec`` as published: without its tainted devices when the server drops taints."""
+        if not self.drops_taints:
+            return spec
+        kept = [d for d in spec.get("devices") or [] if not (isinstance(d, dict) and d.get("taints"))]
+        left_out = tuple(
+            str(d.get("name")) for d in spec.get("devices") or [] if isinstance(d, dict) and d.get("taints")
+        )
+        if left_out and left_out != self._left_out:
+            log.warning(
+                "the API server drops device taints (feature gate DRADeviceTaints off), and its scheduler "
+                "ignores them: unhealthy device(s) %s are left out of ResourceSlice %s until healthy again, "
+                "so that no new claim is placed on them",
+                ", ".join(left_out),
+                self.name,
+            )
+        elif not left_out and self._left_out:
+            log.info("device(s) %s are healthy again: back in ResourceSlice %s", ", ".join(self._left_out), self.name)
+        self._left_out = left_out
+        return {**spec, "devices": kept}
+
+    def _taints_dropped(self, written: JSON, stored: JSON) -> bool:
+        """Whether a write of ``written`` (with device taints) came back as ``stored`` without them."""
+        if self.drops_taints:
+            return False
+        tainted = {str(d.get("name")) for d in written.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
+        kept = {str(d.get("name")) for d in stored.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
+        return bool(tainted - kept)
 
     def _note_kept(self, written: JSON, stored: JSON) -> None:
         """Remember what the server kept of a write that it did not keep whole; warn once per such content."""

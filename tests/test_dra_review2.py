@@ -1,0 +1,115 @@
+"""DRA mode against what the real API server and kubelet do: device taints a server drops,
+API errors that name their cause, and claims the scheduler allocated against other nodes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.dra import devices
+from gpumanager.dra.publisher import SlicePublisher
+from simnode.apiserver import ApiServerSimulator
+from simnode.dra_scheduler import Allocator, Selectors
+
+DRIVER = "vcuda.tencent.com"
+GPUS = [
+    GPUInfo(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", i, 81559 << 20, f"00000000:{i + 7:02x}:00.0", 0) for i in range(2)
+]
+TOPOLOGY = NodeTopology(levels=((0, 40), (40, 0)))
+CLASS = {
+    "metadata": {"name": "vcuda"},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+}
+
+
+def _slices(sim: ApiServerSimulator) -> list[dict[str, Any]]:
+    api = k8s.ResourceV1Api(sim.client())
+    resp: Any = api.list_resource_slice(_preload_content=False)
+    items: list[dict[str, Any]] = json.loads(resp.data)["items"]
+    return items
+
+
+def _content(sysfs: Path, taints: dict[int, devices.Taint]) -> Any:
+    def content(generation: int) -> dict[str, Any]:
+        return devices.slice_spec(
+            node="node-a",
+            driver=DRIVER,
+            gpus=GPUS,
+            topology=TOPOLOGY,
+            taints=taints,
+            generation=generation,
+            sysfs_root=sysfs,
+        )
+
+    return content
+
+
+def _settle(pub: SlicePublisher) -> int:
+    """Sync until a pass writes nothing; the number of passes that wrote."""
+    for n in range(6):
+        if not pub.sync():
+            return n
+    raise AssertionError("the publisher never settles")
+
+
+def _placed(sim: ApiServerSimulator) -> list[str]:
+    """Where the scheduler (which sees only what the server stored) puts a claim for a 30-core share."""
+    claim = {
+        "metadata": {"name": "c", "namespace": "ml"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": "vcuda",
+                            "allocationMode": "ExactCount",
+                            "count": 1,
+                            "capacity": {"requests": {"cores": "30", "memory": "4Gi"}},
+                        },
+                    }
+                ]
+            }
+        },
+    }
+    alloc = Allocator(_slices(sim), {"vcuda": CLASS}, [], Selectors())
+    results = alloc.allocate(claim, "node-a") or []
+    return [str(r["device"]) for r in results]
+
+
+@pytest.mark.parametrize("disabled", [[], ["DRADeviceTaints"]])
+def test_an_unhealthy_gpu_takes_no_new_claim_whether_or_not_the_server_keeps_taints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, disabled: list[str]
+) -> None:
+    # Kubernetes 1.35 (DRADeviceTaints alpha, off) drops device taints from a ResourceSlice without
+    # an error, and its scheduler ignores them: a GPU published as tainted is then offered like any
+    # other, and every claim placed there is refused at Prepare (the pod never starts). Where the
+    # server drops taints, an unhealthy GPU must not be offered at all.
+    taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
+    with ApiServerSimulator(disabled_features=disabled) as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        with caplog.at_level(logging.WARNING, logger="gpumanager.dra.publisher"):
+            _settle(pub)
+        assert _placed(sim) == ["gpu-1"], "a claim went to the unhealthy GPU"
+        [stored] = _slices(sim)
+        names = [d["name"] for d in stored["spec"]["devices"]]
+        if disabled:
+            assert names == ["gpu-1"]
+            said = [r.getMessage() for r in caplog.records if "gpu-0" in r.getMessage()]
+            assert said and "node-a-vcuda.tencent.com" in said[0] and "DRADeviceTaints" in said[0], said
+        else:
+            assert names == ["gpu-0", "gpu-1"] and stored["spec"]["devices"][0]["taints"][0]["value"] == "xid-79"
+        assert _settle(pub) == 0, "settled: no more writes"
+        # The GPU comes back: it is offered again.
+        taints.clear()
+        assert _settle(pub) == 1
+        [stored] = _slices(sim)
+        assert [d["name"] for d in stored["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+        assert not any(d.get("taints") for d in stored["spec"]["devices"])
+        assert _placed(sim) == ["gpu-0"]

@@ -500,6 +500,30 @@ class Allocator:
                             *held.alloc.key,
                         )
                         repeat, ticket, known = self._response(held.alloc.key), held.ticket, held.alloc.key
+                    elif found is None and held is None and (lost := self._lost_answer(fresh, cores, wanted)):
+                        # The kubelet asks again for a container we answered: it never recorded that answer
+                        # (it restarted while the answer was on its way) and re-admits the pod with other IDs.
+                        log.warning(
+                            "Allocate for %s: no container waits for %d cores, but pod %s container %s, not "
+                            "started, holds %s the kubelet does not count (its record of our answer was lost): "
+                            "allocated anew, its first answer's GPUs %s freed",
+                            ids.describe(ordered),
+                            cores,
+                            podinfo.pod_key(lost.pod),
+                            lost.request.name,
+                            ids.describe(self._allocs[(podinfo.uid(lost.pod), lost.request.name)].device_ids),
+                            list(self._allocs[(podinfo.uid(lost.pod), lost.request.name)].minors),
+                        )
+                        candidate = lost
+                        changed = True
+                        first = self._detach((podinfo.uid(lost.pod), lost.request.name))
+                        try:
+                            alloc, response, ticket = self._allocate_taking_back(lost, ordered, wanted, received)
+                        except AllocationError:
+                            self._reattach(first)
+                            raise
+                        self._retire(first, alloc.key)
+                        self._note_fresh(lost.pod)
                     elif found is None:
                         raise AllocationError(
                             f"candidate pod not found for {ids.describe(ordered)} ({cores} tencent.com/vcuda-core): "
@@ -735,6 +759,40 @@ class Allocator:
             raise
         self._retire(held, made[0].key)
         return made
+
+    def _lost_answer(self, fresh: Sequence[Pod], cores: int, wanted: frozenset[str]) -> Candidate | None:
+        """The container whose Allocate the kubelet repeats with other IDs (lock held), when no container
+        waits: one of a pending pod in the fresh list, not started, holding an allocation of ``cores``
+        cores. The kubelet allocates a container once and keeps its IDs across its restarts; asking again
+        means it never recorded our first answer, whose IDs it may hand out again: ``wanted`` may share IDs
+        with that container's, never with another's. The first such container in upstream's order; None
+        when there is none."""
+        holders = {key for key, alloc in self._allocs.items() if not wanted.isdisjoint(alloc.device_ids)}
+        if len(holders) > 1:
+            return None  # IDs of several containers: not one answer the kubelet lost
+        best: tuple[tuple[int, str, str, int], Candidate] | None = None
+        for pod in fresh:
+            try:
+                uid = podinfo.uid(pod)
+                if uid not in self._by_pod or podinfo.phase(pod) != "Pending":
+                    continue
+                if podinfo.is_terminated(pod) or podinfo.is_deleting(pod) or podinfo.should_delete(pod):
+                    continue
+                started = podinfo.started_containers(pod)
+                requests = self._gpu_containers(uid, pod)
+                order = (podinfo.predicate_time(pod), str((pod.get("metadata") or {}).get("creationTimestamp", "")))
+            except Exception:  # an odd pod object: not this one
+                continue
+            for at, request in enumerate(requests):
+                alloc = self._allocs.get((uid, request.name))
+                if alloc is None or alloc.started or request.name in started or request.cores != cores:
+                    continue
+                if alloc.cores != cores or not alloc.device_ids or (holders and alloc.key not in holders):
+                    continue
+                rank = (*order, podinfo.pod_key(pod), at)
+                if best is None or rank < best[0]:
+                    best = (rank, Candidate(pod, request))
+        return best[1] if best is not None else None
 
     def _holds_alive(self, held: _Detached, fresh: Sequence[Pod]) -> bool:
         """Whether ``held`` is still in the state and its pod runs in the fresh list (lock held)."""

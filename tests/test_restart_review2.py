@@ -1,0 +1,51 @@
+"""Restarts nobody notices: the kubelet's, the agent's, a crash, at awkward moments."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation import journal
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from simnode.cluster import SimCluster, gpu_pod
+
+
+def _reregistered(c: SimCluster, since: float) -> None:
+    for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+        c.kubelet.wait_for_registration(resource, since=since, timeout=30, with_devices=True)
+
+
+def _mapping(c: SimCluster) -> dict[str, Any]:
+    document = journal.read_document(c.checkpoint_dir / names.OWN_CHECKPOINT) or {}
+    return dict(document.get("PodGPUMapping") or {})
+
+
+@pytest.mark.parametrize("lost_slice", [slice(-50, None), slice(25, 75)], ids=["disjoint", "overlapping"])
+def test_kubelet_restart_during_allocate_then_new_ids(tmp_path: Path, sim_built: Path, lost_slice: slice) -> None:
+    """The kubelet restarts while our Allocate answer is on its way: it never records it, re-admits the pod
+    and asks again, with other IDs. The container is allocated anew (its first, lost answer freed), not
+    refused as 'candidate pod not found' (which fails the pod's admission)."""
+    with SimCluster(tmp_path, "v100-pcie-x4") as c:
+        pod = c.create(gpu_pod("p1", [("main", 50, 4)]))
+        uid = pod["metadata"]["uid"]
+        healthy = sorted(c.kubelet.healthy_ids(names.VCORE_RESOURCE), key=lambda s: int(s.rsplit("-", 1)[1]))
+        lost = healthy[lost_slice]  # the kubelet then fills from the lowest: other IDs, or some of these
+        ep = c.kubelet._endpoints[names.VCORE_RESOURCE]
+        request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=lost)])
+        ep.stub.Allocate(request, timeout=10)  # answered; the kubelet dies before recording it
+        since = time.monotonic()
+        c.kubelet.restart()
+        _reregistered(c, since)
+        run = c.admit(pod, create=False)  # raised PluginRPCError: candidate pod not found
+        again = run.core["main"].device_ids
+        assert set(again) != set(lost)
+        assert run.core["main"].response.annotations[names.VCORE_RESOURCE] == "50"
+        c.start_containers(run)
+        entries = _mapping(c)
+        assert list(entries) == [uid]
+        assert sorted(entries[uid]) == ["main"]
+        assert sorted(entries[uid]["main"]["DeviceIDs"]) == sorted(again)

@@ -1,5 +1,8 @@
 """A cache of this node's pods: list, then watch from the list's resourceVersion.
 
+The list is asked for in pages (``limit``/``continue``, :mod:`gpumanager.kube.pager`), each with the
+request timeout, and replaces the cache only once every page is in.
+
 Pods are kept as the plain JSON objects the API server sends (no model
 conversion), less ``metadata.managedFields`` (the server's field-ownership record, often the
 largest part of a pod, which the agent never reads), and with their keys and short strings
@@ -32,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from gpumanager.kube.pager import LIST_PAGE_SIZE
 from gpumanager.kube.reflector import watch_read_timeout
 from gpumanager.kube.rest import ApiClient, KubeRest
 from gpumanager.retry import Backoff
@@ -118,12 +122,14 @@ class PodCache:
         request_timeout: float = 10.0,
         watch_timeout: int = 300,
         refresh_deadline: float = 3.0,
+        page_size: int = LIST_PAGE_SIZE,
     ) -> None:
         self._rest = KubeRest(api)
         self._node = node_name
         self._selector = f"spec.nodeName={node_name}"
         self._timeout = request_timeout
         self._watch_timeout = watch_timeout
+        self._page_size = page_size
         self._lock = threading.Lock()
         self._pods: dict[str, Pod] = {}
         # (namespace, name) -> UIDs of the cached pods of that name, in the order of self._pods (two
@@ -284,7 +290,7 @@ class PodCache:
     # -- the loop ---------------------------------------------------------------------------------
 
     def _list(self) -> tuple[list[Pod], str]:
-        data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout) or {}
+        data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout, page_size=self._page_size)
         items: list[Pod] = [dict(p) for p in data.get("items") or []]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 

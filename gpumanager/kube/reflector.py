@@ -1,6 +1,8 @@
 """List, then watch from the list's resourceVersion: a cache of one kind of object for any reader.
 
-Objects stay the plain JSON the API server sends. Listeners hear every change as
+The list is asked for in pages (:mod:`gpumanager.kube.pager`: ``limit`` and ``continue``, each page
+with its own timeout, started again when a continue token expired) and replaces what was known only
+once every page is in. Objects stay the plain JSON the API server sends. Listeners hear every change as
 ``(event_type, object, previous)``: ``ADDED``, ``MODIFIED`` or ``DELETED``; a relist (first
 start, or a watch answered "too old resource version", 410) is delivered as the difference to
 what was known. The watch resumes from the last resourceVersion seen (bookmarks included);
@@ -16,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class Reflector:
         keep: Callable[[Obj], bool] | None = None,
         request_timeout: float = 30.0,
         watch_timeout: int = 300,
+        page_size: int = LIST_PAGE_SIZE,
     ) -> None:
         self.name = name
         self._call = list_call
@@ -83,6 +88,7 @@ class Reflector:
         self._keep = keep or (lambda _obj: True)
         self._timeout = request_timeout
         self._watch_timeout = watch_timeout
+        self._page_size = page_size
         self._lock = threading.Lock()
         self._objects: dict[str, Obj] = {}
         self._rv = ""
@@ -148,19 +154,26 @@ class Reflector:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _list(self) -> tuple[list[Obj], str]:
+    def _page(self, limit: int | None, token: str) -> Any:
         kwargs: dict[str, Any] = {"_preload_content": False, "_request_timeout": self._timeout}
         if self._selector:
             kwargs["field_selector"] = self._selector
+        if limit is not None:
+            kwargs["limit"] = limit
+        if token:
+            kwargs["_continue"] = token
         response = self._call(**kwargs)
-        data = json.loads(response.data)
-        items = [dict(o) for o in data.get("items") or []]
-        return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
+        return json.loads(response.data)
+
+    def _list(self) -> tuple[list[Obj], str]:
+        """The objects ``keep`` keeps of every page, and the last page's resourceVersion."""
+        items, meta = list_pages(self._page, what=self.name, page_size=self._page_size, keep=self._keep)
+        return items, str(meta.get("resourceVersion", ""))
 
     def _relist(self) -> None:
         items, rv = self._list()
         self.lists += 1
-        fresh = {object_key(o): o for o in items if self._keep(o)}
+        fresh = {object_key(o): o for o in items}
         with self._lock:
             old = self._objects
             self._objects = fresh

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from gpumanager import __version__, lazy_package
+from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
 
 if TYPE_CHECKING:
     from kubernetes.client.exceptions import ApiException as ApiException
@@ -109,9 +110,22 @@ class KubeRest:
         """``GET`` one object: its JSON."""
         return self.json("GET", path, timeout=timeout)
 
-    def list_objects(self, path: str, *, field_selector: str, timeout: Timeout) -> Any:
-        """``GET`` a collection: the list as JSON."""
-        return self.json("GET", path, query=[("fieldSelector", field_selector)], timeout=timeout)
+    def list_objects(self, path: str, *, field_selector: str, timeout: Timeout, page_size: int | None = None) -> Any:
+        """``GET`` a collection in pages of ``page_size`` objects (default
+        LIST_PAGE_SIZE), each with ``timeout``: the list as JSON, the
+        items of every page and the metadata (``resourceVersion``) of the last one. A continue token
+        that expired starts the list again (:func:`~gpumanager.kube.pager.list_pages`)."""
+
+        def fetch(limit: int | None, token: str) -> Any:
+            query: list[tuple[str, object]] = [("fieldSelector", field_selector)]
+            if limit is not None:
+                query.append(("limit", limit))
+            if token:
+                query.append(("continue", token))
+            return self.json("GET", path, query=query, timeout=timeout)
+
+        items, meta = list_pages(fetch, what=f"list of {path}", page_size=page_size or LIST_PAGE_SIZE)
+        return {"metadata": meta, "items": items}
 
     def watch_objects(
         self, path: str, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout
@@ -141,9 +155,9 @@ class KubeRest:
 
     # -- pods and nodes ------------------------------------------------------------------------------
 
-    def list_pods(self, *, field_selector: str, timeout: Timeout) -> Any:
-        """``GET /api/v1/pods``: the PodList as JSON."""
-        return self.list_objects("/api/v1/pods", field_selector=field_selector, timeout=timeout)
+    def list_pods(self, *, field_selector: str, timeout: Timeout, page_size: int | None = None) -> Any:
+        """``GET /api/v1/pods`` in pages (:meth:`list_objects`): the PodList as JSON."""
+        return self.list_objects("/api/v1/pods", field_selector=field_selector, timeout=timeout, page_size=page_size)
 
     def watch_pods(self, *, field_selector: str, resource_version: str, timeout_seconds: int, timeout: Timeout) -> Any:
         """``GET /api/v1/pods?watch=true``: the streaming response (one JSON event per line)."""

@@ -113,3 +113,46 @@ def test_an_unhealthy_gpu_takes_no_new_claim_whether_or_not_the_server_keeps_tai
         assert [d["name"] for d in stored["spec"]["devices"]] == ["gpu-0", "gpu-1"]
         assert not any(d.get("taints") for d in stored["spec"]["devices"])
         assert _placed(sim) == ["gpu-0"]
+
+
+FORBIDDEN = (
+    'resourceslices.resource.k8s.io is forbidden: User "system:serviceaccount:kube-system:gpu-manager" '
+    'cannot create resource "resourceslices" in API group "resource.k8s.io" at the cluster scope'
+)
+
+
+def test_a_slice_the_server_refuses_is_reported_with_the_servers_reason(tmp_path: Path) -> None:
+    # The API server says why in the Status it answers (the RBAC rule missing, the field it refuses);
+    # "403 Forbidden" or "422 Unprocessable Entity" alone tells an operator nothing to fix.
+    with ApiServerSimulator() as sim:
+        content = _content(tmp_path, {})
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=content)
+        sim.fail_next("POST", "resourceslices", 403, 1, message=FORBIDDEN)
+        assert not pub._sync_logged()
+        assert "403" in pub.last_error and 'cannot create resource "resourceslices"' in pub.last_error, pub.last_error
+
+        def bad(generation: int) -> dict[str, Any]:
+            spec: dict[str, Any] = content(generation)
+            spec["devices"][1]["attributes"]["productName"] = {"string": "x" * 65}
+            return spec
+
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=bad)
+        assert not pub._sync_logged()
+        assert "422" in pub.last_error and "spec.devices[1].attributes[productName]" in pub.last_error, pub.last_error
+
+
+def test_a_claim_the_server_will_not_give_is_refused_with_the_servers_reason() -> None:
+    from gpumanager.dra.claims import ClaimError
+    from gpumanager.dra.prepare import api_reader
+
+    message = (
+        'resourceclaims.resource.k8s.io "train" is forbidden: User "system:serviceaccount:kube-system:gpu-manager" '
+        'cannot get resource "resourceclaims" in API group "resource.k8s.io" in the namespace "ml"'
+    )
+    with ApiServerSimulator() as sim:
+        read = api_reader(sim.client())
+        sim.fail_next("GET", "resourceclaims/train", 403, 1, message=message)
+        with pytest.raises(ClaimError) as caught:
+            read("ml", "train")
+        text = str(caught.value)
+        assert "ml/train" in text and 'cannot get resource "resourceclaims"' in text, text

@@ -30,6 +30,7 @@ from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi, sharing
 from gpumanager.dra import constants as c
+from gpumanager.dra.apierror import describe
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
@@ -97,7 +98,7 @@ def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
         except ApiException as exc:
             if exc.status == 404:
                 raise ClaimNotFound(f"claim {namespace}/{name} not found") from None
-            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc.status} {exc.reason}") from None
+            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {describe(exc)}") from None
         except Exception as exc:  # connection errors, timeouts, a body that is not JSON
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc}") from None
         if not isinstance(out, dict):

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumanager.dra import constants as c
+from gpumanager.dra.apierror import describe
 from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.kube.pods import _lines
 from gpumanager.kube.rest import ApiException, KubeRest, segment
@@ -173,9 +174,7 @@ class SlicePublisher:
         try:
             self.sync()
         except (ApiException, OSError, ValueError) as exc:
-            status = getattr(exc, "status", None)
-            text = getattr(exc, "reason", None) or str(exc)
-            message = f"cannot publish ResourceSlice {self.name}: {f'{status} ' if status else ''}{text}"
+            message = f"cannot publish ResourceSlice {self.name}: {describe(exc)}"
             if message != self.last_error:
                 log.warning("%s (retrying)", message)
             self.last_error = message
@@ -253,7 +252,7 @@ class SlicePublisher:
             uid = str(((node or {}).get("metadata") or {}).get("uid") or "")
         except Exception as exc:  # 404 (not registered yet), 403, a hanging server: publish without
             uid = ""
-            problem = f"{getattr(exc, 'status', '') or ''} {getattr(exc, 'reason', None) or exc}".strip()
+            problem = describe(exc)
         else:
             problem = "" if uid else "it has no UID"
         if problem:

@@ -23,6 +23,7 @@ from typing import Any
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
+from gpumanager.dra.apierror import describe
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.dra.consumers import container_claims
 
@@ -135,8 +136,7 @@ def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str]
             if exc.status == 404:
                 return None
             raise ClaimError(
-                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: "
-                f"{exc.status} {exc.reason}"
+                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: {describe(exc)}"
             ) from None
         except Exception as exc:  # connection errors, timeouts, a body that is not JSON
             raise ClaimError(

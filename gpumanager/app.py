@@ -345,6 +345,9 @@ class Agent:
         if not self._unless_stopping(self._start_loops):
             return
         self._label_node()
+        if self.config.mode == "dra":
+            log.info("DRA driver %s started in %.0f ms", self.config.dra_driver_name, self._since_start_ms())
+            return
         log.info(
             "serving %d GPUs: %s=%d, %s=%d devices in %s (started in %.0f ms)",
             len(self.gpus),
@@ -353,8 +356,11 @@ class Agent:
             names.VMEMORY_RESOURCE,
             self.layout.count(names.VMEMORY_RESOURCE) if self.layout else 0,
             self.config.device_plugin_path,
-            (time.monotonic() - self.started_at) * 1000,
+            self._since_start_ms(),
         )
+
+    def _since_start_ms(self) -> float:
+        return (time.monotonic() - self.started_at) * 1000
 
     def _unless_stopping(self, start: Callable[[], None]) -> bool:
         """Run one step of the background start unless the agent is stopping (False then). The stop
@@ -505,9 +511,8 @@ class Agent:
         from gpumanager.dra.constants import slice_name
 
         assert self.dra is not None
-        if not self.dra.sockets.answers(cfg.wait_timeout):
-            path = self.dra.sockets.service_socket
-            raise StartupError(f"device-plugin server {path} not ready within --wait-timeout={cfg.wait_timeout:g}s", 1)
+        # The kubelet registers the driver when it finds the registration socket: not waited for here. The
+        # sockets' watch says once when it has not within --wait-timeout (/readyz tells it meanwhile).
         log.info(
             "serving %d GPUs as DRA driver %s: ResourceSlice %s, %s (no device-plugin socket)",
             len(self.gpus),

@@ -25,7 +25,7 @@ from gpumanager.flagspec import (
 #: A pod UID (a UUID in its 36-character text form) names its directory under --virtual-manager-path.
 POD_UID_LENGTH = 36
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 
 
 class ConfigError(ValueError):
@@ -289,7 +289,7 @@ class Config:
 
 
 #: The name part of a label key and a label value (Kubernetes' qualified name, at most 63 characters).
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]\Z")
 #: The label whose value is replaced by the GPU's model (what the flag gives there is never sent).
 _GPU_MODEL_LABEL = "gaia.tencent.com/gpu-model"
 

@@ -33,7 +33,7 @@ from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
-_DEV = re.compile(r"^/dev/nvidia(\d+)$")
+_DEV = re.compile(r"^/dev/nvidia(\d+)\Z")
 
 
 def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAllocation]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpumanager import names, safenames
 
-_DEVICE_RE = re.compile(r"^/dev/nvidia(\d{1,9})$")  # no minor has more digits: int() of 5000 raises
+_DEVICE_RE = re.compile(r"^/dev/nvidia(\d{1,9})\Z")  # no minor has more digits: int() of 5000 raises
 
 
 class RecordError(ValueError):

@@ -61,6 +61,9 @@ class DRASettings:
     watch_period: float = 0.1
     #: How often the kubelet's health stream gets every device's health again (the GPU probe period).
     health_report_period: float = 1.0
+    #: How long the kubelet may take to register the driver once its sockets are served before that is
+    #: logged and reported (--wait-timeout); 0: never.
+    registration_wait: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> DRASettings:
@@ -73,6 +76,7 @@ class DRASettings:
             sysfs_root=cfg.sysfs_root,
             watch_period=cfg.kubelet_watch_period,
             health_report_period=cfg.health_probe_period,
+            registration_wait=cfg.wait_timeout,
         )
 
 
@@ -218,6 +222,8 @@ class DRAMode:
                 lambda s: add_health_servicer(health_servicer, s),
             ],
             watch_period=settings.watch_period,
+            registration_wait=settings.registration_wait,
+            on_overdue=self._registration_overdue,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -279,6 +285,29 @@ class DRAMode:
     def _on_registration(self, registered: bool, error: str) -> None:
         self.sockets.on_status(registered, error)
         self._report("dra-registration", None if registered else f"kubelet refused the DRA registration: {error}")
+
+    def not_registered(self, within: str = "") -> str:
+        """Why the kubelet has not registered the driver (what /readyz and the overdue line say); ``within``
+        follows the driver's name."""
+        sockets = self.sockets
+        driver = self.settings.driver
+        if sockets.state.last_error:
+            return f"the kubelet refused to register DRA driver {driver}{within}: {sockets.state.last_error}"
+        return (
+            f"not registered with the kubelet as DRA driver {driver}{within}: no registration through "
+            f"{sockets.registration_socket} has completed (the kubelet's plugin watcher finds that socket only in "
+            "its plugins_registry directory, /var/lib/kubelet/plugins_registry by default, which "
+            f"--plugin-registry-path must name); serving {sockets.service_socket} and waiting for the kubelet"
+        )
+
+    def _registration_overdue(self) -> None:
+        """The kubelet has not registered the driver within --wait-timeout of serving its sockets: said once
+        (a refusal was said when it came), reported until it registers the driver."""
+        if self.sockets.state.last_error:
+            return
+        self._report(
+            "dra-registration", self.not_registered(f" within --wait-timeout={self.settings.registration_wait:g}s")
+        )
 
     def on_health_change(self, index: int, state: HealthState) -> None:
         """A GPU's health changed: taint or untaint it, tell the kubelet's health stream."""
@@ -383,3 +412,13 @@ class DRAMode:
         detail = self.healthz()
         ok = bool(detail["registered"]) and not detail["registration_error"] and bool(detail["slice_published"])
         return ok, detail
+
+    def not_ready(self) -> str:
+        """What /readyz says is missing in DRA mode ('' when ready)."""
+        problems = []
+        state = self.sockets.state
+        if not state.registered or state.last_error:
+            problems.append(self.not_registered())
+        if not (self.publisher and self.publisher.published.is_set()):
+            problems.append("the ResourceSlice is not published yet")
+        return "; ".join(problems)

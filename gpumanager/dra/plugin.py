@@ -10,6 +10,11 @@ A watch loop checks every ``watch_period`` that both socket files are still ours
 (same device and inode): when either was removed or replaced (a kubelet restart
 that cleaned its directories, an operator), both are served again, in this process,
 and the kubelet's plugin watcher registers us again.
+
+The kubelet registers the driver (we cannot ask it to): when it has not done so
+``registration_wait`` seconds after the sockets were served, ``on_overdue`` is called
+once (the agent logs it and reports it until the kubelet registers the driver); the
+sockets stay served meanwhile, and the wait starts again whenever they are served again.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class DRAPluginSockets:
         register_services: Sequence[Register],
         watch_period: float = 0.1,
         max_workers: int = 16,
+        registration_wait: float = 0.0,
+        on_overdue: Callable[[], None] | None = None,
     ) -> None:
         self.registration_socket = registration_socket
         self.service_socket = service_socket
@@ -103,6 +110,10 @@ class DRAPluginSockets:
         self._thread: threading.Thread | None = None
         self.state = RegistrationState()
         self.registered_event = threading.Event()
+        self._registration_wait = registration_wait  # 0: never overdue
+        self._on_overdue = on_overdue
+        self._served_at = 0.0  # monotonic time the sockets were last served
+        self._overdue_told = False  # on_overdue was called since they were served
 
     # -- registration status (called by the Registration servicer) -----------------------------
 
@@ -132,6 +143,8 @@ class DRAPluginSockets:
     def _serve(self) -> None:
         self._service.start()
         self._registration.start()
+        self._served_at = time.monotonic()
+        self._overdue_told = False
         log.info("serving DRA on %s (registration %s)", self.service_socket, self.registration_socket)
 
     def stop(self) -> None:
@@ -147,27 +160,38 @@ class DRAPluginSockets:
         """Whether the watch loop runs."""
         return self._thread is not None and self._thread.is_alive()
 
-    def answers(self, timeout: float) -> bool:
-        """Whether dra.sock accepts a gRPC connection within ``timeout`` seconds."""
-        with grpc.insecure_channel(f"unix://{self.service_socket}") as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=timeout)
-            except grpc.FutureTimeoutError:
-                return False
-        return True
+    def overdue(self) -> bool:
+        """Whether the kubelet has not registered the driver ``registration_wait`` seconds after the sockets
+        were served (False while that wait runs, and when there is none)."""
+        return (
+            self._registration_wait > 0
+            and self._served_at > 0
+            and not self.registered_event.is_set()
+            and time.monotonic() - self._served_at >= self._registration_wait
+        )
+
+    def _next_look(self) -> float:
+        """Seconds to the next pass: the watch period, or less when the registration wait ends sooner."""
+        if self._overdue_told or self._registration_wait <= 0 or self.registered_event.is_set():
+            return self._period
+        left = self._served_at + self._registration_wait - time.monotonic()
+        return min(self._period, max(left, 0.0))
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        while not self._stop.wait(self._next_look()):
             try:
-                if self._service.intact() and self._registration.intact():
-                    continue
-                log.info("a DRA socket was removed (kubelet restart?); serving both again")
-                self.state.registered = False
-                self.registered_event.clear()
-                self._registration.stop()
-                self._service.stop()
-                self._serve()
-                self.state.server_restarts += 1
+                if not (self._service.intact() and self._registration.intact()):
+                    log.info("a DRA socket was removed (kubelet restart?); serving both again")
+                    self.state.registered = False
+                    self.registered_event.clear()
+                    self._registration.stop()
+                    self._service.stop()
+                    self._serve()
+                    self.state.server_restarts += 1
+                if not self._overdue_told and self.overdue():
+                    self._overdue_told = True
+                    if self._on_overdue is not None:
+                        self._on_overdue()
             except Exception:
                 log.exception("DRA socket watch failed; continuing")
                 self._stop.wait(1.0)

@@ -116,9 +116,8 @@ def _readiness(agent: ProbedAgent) -> dict[str, Check]:
     def registered() -> str:
         if agent.config.mode == "dra":
             if agent.dra is None:
-                return "DRA mode is not serving yet"
-            ok, detail = agent.dra.ready()
-            return "" if ok else f"DRA mode not ready: {detail}"
+                return agent.component_errors.get("dra", "DRA mode is not serving yet")
+            return agent.dra.not_ready()
         if agent.plugins is None or not agent.plugins.status.registered:
             reason = agent.plugins.status.last_error if agent.plugins else ""
             return "not registered with the kubelet" + (f": {reason}" if reason else "")

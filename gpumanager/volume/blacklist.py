@@ -9,7 +9,7 @@ from gpumanager.volume.elffacts import ElfFacts
 
 log = logging.getLogger(__name__)
 
-_LIB_NAME = re.compile(r"^.*/lib([\w-]+)\.so[\d.]*$", re.ASCII)
+_LIB_NAME = re.compile(r"^.*/lib([\w-]+)\.so[\d.]*\Z", re.ASCII)
 GL_NAMES = frozenset({"EGL", "GLESv1_CM", "GLESv2", "GL"})
 _NVIDIA_GL_DEPENDENCY = re.compile(r"libnvidia-e?glcore\.so|libGLdispatch\.so")
 TLS_NAME = "nvidia-tls"

@@ -40,7 +40,7 @@ SETTLE_SECONDS = 60.0
 #: How soon the keeper looks again while an install seems to be going on (instead of its period).
 RETRY_SECONDS = 10.0
 #: ``libnvidia-ml.so.550.54.15``: a driver library named with the driver version (``libGL.so.1.7.0`` is not).
-_DRIVER_VERSIONED = re.compile(r"\.so\.(\d{3,}(?:\.\d+)+)$")
+_DRIVER_VERSIONED = re.compile(r"\.so\.(\d{3,}(?:\.\d+)+)\Z")
 _NAMED = 6  # files named in a message, then a count
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_LIBCUDA = re.compile(r"^libcuda\.so\.(\d+(?:\.[0-9A-Za-z]+)*)$")
+_LIBCUDA = re.compile(r"^libcuda\.so\.(\d+(?:\.[0-9A-Za-z]+)*)\Z")
 
 
 @dataclass(frozen=True)

@@ -1049,14 +1049,14 @@ class Allocator:
             minors = self._check_predicated(who, predicated, cores, memory)
         else:
             tree = self._tree_without_predicated(pod, req)
-            indices = choose(tree, cores, memory)
+            indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
             if not indices and tree is not self._tree:
                 log.warning(
                     "%s: no GPU is left beside those predicated for the pod's other containers; choosing among all",
                     who,
                 )
                 tree = self._tree
-                indices = choose(tree, cores, memory)
+                indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
             if not indices:
                 raise AllocationError(f"{who}: {self._why_none(cores, memory)}", "exhausted")
             minors = tuple(tree.leaf(i).minor for i in indices)
@@ -1077,6 +1077,7 @@ class Allocator:
             namespace=str(meta.get("namespace", "")),
             pod_name=str(meta.get("name", "")),
             container_index=req.index,
+            init=_runs_first(pod, req),
         )
 
     def _riding(
@@ -1229,15 +1230,77 @@ class Allocator:
                 cores, memory = max(cores, other.cores), max(memory, other.memory)
         return cores, memory
 
+    def _pod_charges(
+        self, pod_uid: str, minor: int, *, extra: ContainerAllocation | None = None, lend: bool = False
+    ) -> list[tuple[int, int]]:
+        """The (cores, memory) charges a pod's allocations (and ``extra``, not yet in the state) put on
+        GPU ``minor``: one per group of its containers holding the same IDs (:func:`_share_key`, the
+        larger of each), the groups of init containers (:attr:`ContainerAllocation.init`) together as
+        one, beyond what the others hold there: init containers run one at a time and end before the
+        others start (the kubelet counts a pod as the larger of its init containers and the sum of the
+        others, and hands an init container's IDs on). ``lend``: without that init charge."""
+        groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int, bool]] = {}
+        members = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
+        if extra is not None:
+            members = [a for a in members if a.container != extra.container] + [extra]
+        for a in members:
+            if minor not in a.minors:
+                continue
+            share = _share_key(a)
+            held = groups.get(share)
+            groups[share] = (
+                (a.cores, a.memory, a.init)
+                if held is None
+                else (max(held[0], a.cores), max(held[1], a.memory), held[2] and a.init)
+            )
+        charges = [(cores, memory) for cores, memory, init in groups.values() if not init]
+        inits = [(cores, memory) for cores, memory, init in groups.values() if init]
+        if inits and not lend:
+            gpu = self._by_minor.get(minor)
+            total = gpu.memory_total if gpu is not None else 0
+
+            def on_gpu(cores: int, memory: int) -> tuple[int, int]:
+                return (names.HUNDRED_CORES, total) if cores >= names.HUNDRED_CORES else (cores, memory)
+
+            first = [on_gpu(*c) for c in inits]
+            rest = [on_gpu(*c) for c in charges]
+            beyond = (
+                max(0, max(c for c, _ in first) - sum(c for c, _ in rest)),
+                max(0, max(m for _, m in first) - sum(m for _, m in rest)),
+            )
+            if beyond != (0, 0):
+                charges.append(beyond)
+        return charges
+
+    def _lending_inits(self, tree: TopologyTree, pod_uid: str) -> TopologyTree:
+        """``tree``, or a copy of it without the charge of ``pod_uid``'s init containers beyond its other
+        containers (lock held): a later container of the pod may take their place, as they will have
+        ended when it starts (the kubelet hands their IDs on)."""
+        held = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
+        if not any(a.init for a in held):
+            return tree
+        scratch = tree.clone()
+        for minor in sorted({m for a in held for m in a.minors}):
+            try:
+                index = scratch.leaf_by_minor(minor).index
+            except (KeyError, ValueError):
+                continue
+            for charge in self._pod_charges(pod_uid, minor):
+                scratch.free(index, *charge)
+            for charge in self._pod_charges(pod_uid, minor, lend=True):
+                scratch.occupy(index, *charge)
+        return scratch
+
     def _occupy(self, alloc: ContainerAllocation) -> None:
-        before = self._charge_of_group(alloc, include=False)
-        after = (max(before[0], alloc.cores), max(before[1], alloc.memory))
         for minor in alloc.minors:
             leaf = self._tree.leaf_by_minor(minor)
-            if before != (0, 0):
-                self._tree.free(leaf.index, *before)
-            self._note_beyond(leaf, *after)
-            self._tree.occupy(leaf.index, *after)
+            before = self._pod_charges(alloc.pod_uid, minor)
+            after = self._pod_charges(alloc.pod_uid, minor, extra=alloc)
+            for charge in before:
+                self._tree.free(leaf.index, *charge)
+            for charge in after:
+                self._note_beyond(leaf, *charge)
+                self._tree.occupy(leaf.index, *charge)
 
     def _note_beyond(self, leaf: GPUNode, cores: int, memory: int) -> None:
         """Remember a GPU about to be charged beyond what it has left (records recovered, put back): its
@@ -1253,18 +1316,17 @@ class Allocator:
         if self._overcommitted.intersection(alloc.minors):
             self._recharge(alloc.minors)
             return
-        after = self._charge_of_group(alloc, include=False)
-        before = (max(after[0], alloc.cores), max(after[1], alloc.memory))
-        if after == (0, 0):
+        if self._charge_of_group(alloc, include=False) == (0, 0):
             self._asked_at.pop(frozenset(alloc.device_ids), None)  # the IDs' Allocate is over with
         for minor in alloc.minors:
             try:
                 leaf = self._tree.leaf_by_minor(minor)
             except (KeyError, ValueError):
                 continue
-            self._tree.free(leaf.index, *before)
-            if after != (0, 0):
-                self._tree.occupy(leaf.index, *after)
+            for charge in self._pod_charges(alloc.pod_uid, minor, extra=alloc):
+                self._tree.free(leaf.index, *charge)
+            for charge in self._pod_charges(alloc.pod_uid, minor):
+                self._tree.occupy(leaf.index, *charge)
 
     def _place(self, alloc: ContainerAllocation) -> None:
         """Occupy and record (lock held)."""
@@ -1644,6 +1706,7 @@ class Allocator:
                 pod_name=str(meta.get("name", "")),
                 container_index=request.index if request else -1,
                 answered_as=mine.answered,
+                init=pod is not None and request is not None and _runs_first(pod, request),
             )
         )
         if theirs is not None:
@@ -1656,6 +1719,7 @@ class Allocator:
                     pod_name=mine.pod_name,
                     container_index=mine.container_index,
                     answered_as=theirs.answered,
+                    init=mine.init,
                 )
             )
         changes = [_del(key), _del(owner)]
@@ -2105,17 +2169,11 @@ class Allocator:
         """(cores, memory) of each charge held on these GPUs: one per group of containers sharing IDs
         (:func:`_share_key`), one per consuming device of a prepared claim."""
         wanted = set(minors)
-        groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int]] = {}
-        for a in self._allocs.values():
-            if wanted.intersection(a.minors):
-                group = _share_key(a)
-                cores, memory = groups.get(group, (0, 0))
-                groups[group] = (max(cores, a.cores), max(memory, a.memory))
+        holders = sorted({a.pod_uid for a in self._allocs.values() if wanted.intersection(a.minors)})
         out: dict[int, list[tuple[int, int]]] = {m: [] for m in wanted}
-        for (_, _, held), charge in groups.items():
-            for m in held:
-                if m in out:
-                    out[m].append(charge)
+        for pod_uid in holders:
+            for m in wanted:
+                out[m].extend(self._pod_charges(pod_uid, m))
         for claim in self._claims.values():
             for dev in claim.devices:
                 if dev.consumes and dev.minor in out:
@@ -2165,6 +2223,11 @@ def _beyond(charges: Sequence[tuple[int, int]], total_memory: int) -> bool:
     if any(c >= names.HUNDRED_CORES for c, _ in charges):
         return len(charges) > 1
     return sum(c for c, _ in charges) > names.HUNDRED_CORES or sum(m for _, m in charges) > total_memory
+
+
+def _runs_first(pod: Pod, request: GPURequest) -> bool:
+    """Whether ``request`` is an init container that ends before its pod's other containers start."""
+    return request.index < 0 and not podinfo.is_sidecar(pod, request.name)
 
 
 def _share_key(alloc: ContainerAllocation) -> tuple[str, frozenset[str], tuple[int, ...]]:

@@ -8,8 +8,9 @@ allocation::
 
 We add fields upstream ignores: ``DeviceIDs`` (the kubelet's vcuda-core IDs, to
 recognise a repeated Allocate and map PreStartContainer), ``Namespace``,
-``Pod``, ``Index`` (the container's position in the pod spec), ``AnsweredAs`` and
-``Started`` (PreStartContainer was answered).
+``Pod``, ``Index`` (the container's position in the pod spec), ``AnsweredAs``,
+``Started`` (PreStartContainer was answered) and ``Init`` (an init container that
+ends before its pod's containers start).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class ContainerAllocation:
     answered_as: tuple[str, str] = ("", "")
     # PreStartContainer has been answered for it: the container has started at least once.
     started: bool = False
+    # An init container that runs to its end before its pod's other containers start (not a sidecar):
+    # its GPUs' charge is the larger of it and what those containers hold there together.
+    init: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -87,6 +91,8 @@ class ContainerAllocation:
             entry["AnsweredAs"] = list(self.answered)
         if self.started:
             entry["Started"] = True
+        if self.init:
+            entry["Init"] = True
         return entry
 
 
@@ -197,6 +203,9 @@ def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
     started = entry.get("Started", False)
     if not isinstance(started, bool):
         raise RecordError(f"{where}: Started {_shown(started)} is not true or false")
+    init = entry.get("Init", False)
+    if not isinstance(init, bool):
+        raise RecordError(f"{where}: Init {_shown(init)} is not true or false")
     return ContainerAllocation(
         pod_uid=pod_uid,
         container=container,
@@ -209,6 +218,7 @@ def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
         container_index=_int(entry["Index"], where, "Index", high=_INDEX_MAX) if "Index" in entry else -1,
         answered_as=_answered(entry, where),
         started=started,
+        init=init,
     )
 
 

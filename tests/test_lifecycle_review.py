@@ -1,0 +1,114 @@
+"""A pod's allocations over its life, as the kubelet drives them: init containers whose devices it
+reuses, requests it hands on, containers it restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager.allocation.allocator import AllocationError, Allocator, AllocatorSettings
+from gpumanager.allocation.response import ResponseSettings
+from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.topology import build_tree
+from tests.alloc_fixtures import MIB, FakePods, core_ids, make_pod, uid_of
+
+
+def _one_gpu(tmp_path: Path, pods: FakePods) -> Allocator:
+    gpus = [GPUInfo(0, "GPU-0000", "Tesla T4", 0, 16384 * MIB, "00000000:10:00.0", 0)]
+    return Allocator(
+        gpus=gpus,
+        tree=build_tree(gpus, NodeTopology(levels=((0,),))),
+        pods=pods,
+        settings=AllocatorSettings(
+            share_mode=True,
+            response=ResponseSettings(
+                vdriver_nvidia="/etc/gpu-manager/vdriver/nvidia",
+                vdriver_origin="/etc/gpu-manager/vdriver/origin",
+                virtual_manager_path="/etc/gpu-manager/vm",
+            ),
+        ),
+        checkpoint_path=tmp_path / "checkpoint" / "gpumanager_internal_checkpoint",
+    )
+
+
+def _with_init(name: str, inits: list[tuple[str, int, int]], apps: list[tuple[str, int, int]]) -> dict[str, Any]:
+    pod = make_pod(name, apps)
+    limits = [
+        {"tencent.com/vcuda-core": str(c), **({"tencent.com/vcuda-memory": str(b)} if b else {})} for _, c, b in inits
+    ]
+    pod["spec"]["initContainers"] = [
+        {"name": n, "image": "cuda", "resources": {"limits": lim, "requests": lim}}
+        for (n, _, _), lim in zip(inits, limits, strict=True)
+    ]
+    return pod
+
+
+def _free(allocator: Allocator) -> tuple[int, int]:
+    """(cores, MiB) left on GPU 0."""
+    _, cores, memory, _, _ = allocator.tree_snapshot()[0]
+    return cores, memory // MIB
+
+
+# -- init containers whose devices the kubelet reuses for containers of another size ------------------
+
+
+def test_init_share_then_whole_gpu_app_fits_on_the_one_gpu(tmp_path: Path) -> None:
+    """The kubelet counts a pod as max(init, sum of apps) and hands the init container's IDs on: a pod
+    with a 50-core init container and a whole-GPU app container fits a one-GPU node."""
+    pods = FakePods([_with_init("p", [("init", 50, 4)], [("app", 100, 0)])])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 100)
+    allocator.allocate(ids[:50])
+    answer = allocator.allocate(ids)  # the init container's 50 IDs reused, 50 more
+    assert answer.annotations["tencent.com/vcuda-device"] == "/dev/nvidia0"
+    assert allocator.get(uid_of("p"), "app") is not None
+    assert _free(allocator) == (0, 0)
+    allocator.release_pod(uid_of("p"))
+    assert _free(allocator) == (100, 16384)
+
+
+def test_whole_gpu_init_split_between_two_app_shares(tmp_path: Path) -> None:
+    pods = FakePods([_with_init("p", [("init", 100, 0)], [("a", 50, 4), ("b", 50, 4)])])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 100)
+    allocator.allocate(ids)
+    allocator.allocate(ids[:50])
+    allocator.allocate(ids[50:])
+    assert {a.container for a in allocator.allocations_of(uid_of("p"))} == {"init", "a", "b"}
+    assert _free(allocator) == (0, 0)
+    allocator.release_pod(uid_of("p"))
+    assert _free(allocator) == (100, 16384)
+
+
+def test_init_charge_is_the_larger_of_init_and_the_apps_together(tmp_path: Path) -> None:
+    """A 60-core init container, then two 40-core apps: the pod holds 80 cores (never 60 + 80 = 140,
+    never 60 alone), and another pod's 20-core share still fits beside it, a 30-core one does not."""
+    pods = FakePods([_with_init("p", [("init", 60, 8)], [("a", 40, 4), ("b", 40, 4)])])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 100)
+    allocator.allocate(ids[:60])
+    allocator.allocate(ids[:40])
+    allocator.allocate(ids[40:60] + ids[60:80])
+    assert _free(allocator) == (20, 16384 - 2048)
+    pods.items.append(make_pod("q", [("c", 30, 4)]))
+    with pytest.raises(AllocationError, match="no GPU has 30 cores"):
+        allocator.allocate(core_ids(1, 30))  # IDs no container of p holds
+    pods.items[-1] = make_pod("q2", [("c", 20, 4)])
+    allocator.allocate(ids[80:])
+    assert _free(allocator) == (0, 16384 - 3072)
+
+
+def test_init_charge_survives_a_restart(tmp_path: Path) -> None:
+    pods = FakePods([_with_init("p", [("init", 50, 4)], [("app", 100, 0)])])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 100)
+    allocator.allocate(ids[:50])
+    allocator.allocate(ids)
+    allocator.close()
+    again = _one_gpu(tmp_path, pods)
+    again.load()
+    assert _free(again) == (0, 0)
+    again.release_pod(uid_of("p"))
+    assert _free(again) == (100, 16384)

@@ -87,7 +87,14 @@ class Config:
         "cgroupfs", "accepted for compatibility: both cgroupfs and systemd layouts are found", metavar="DRIVER"
     )
     runtime_request_timeout: float = duration(5.0, "accepted for compatibility; no container runtime is called")
-    wait_timeout: float = duration(60.0, "longest wait for the agent's own gRPC servers at start")
+    wait_timeout: float = duration(
+        60.0,
+        "accepted for compatibility in device-plugin mode, where nothing waits on it (gpu-manager exited 1 when its"
+        " sockets did not answer in time; ours listen before the start ends, and a kubelet that is not there is"
+        " retried and reported at once); with --mode=dra, how long the kubelet may take to register the driver"
+        " once its sockets are served (at start, after a kubelet restart) before that is logged once and reported"
+        " on /healthz and /readyz; the agent never exits for it",
+    )
     # Beyond upstream.
     display_socket: str = text(names.DEFAULT_DISPLAY_SOCKET, "display gRPC socket", metavar="PATH")
     pod_resources_socket: str = text(

@@ -94,3 +94,19 @@ def test_a_dra_driver_the_kubelet_does_not_register_says_so_and_waits(no_kubelet
     assert status == 200, ready
     assert "dra-registration" not in ready["errors"]
     assert agent.log_text().count("not registered with the kubelet") == 1
+
+
+def _help(flag: str) -> str:
+    from gpumanager import flagspec
+    from gpumanager.config import Config
+
+    return next(f.spec.help for f in flagspec.flag_fields(Config) if f.flag == flag)
+
+
+def test_wait_timeout_help_says_what_the_flag_does_in_each_mode() -> None:
+    """Device-plugin mode waits for nothing (its sockets listen when the start returns, and the kubelet's
+    absence is retried and reported at once); DRA mode waits for the kubelet's registration."""
+    text = _help("--wait-timeout")
+    assert "own gRPC servers" not in text, text
+    assert "accepted for compatibility" in text and "device-plugin mode" in text, text
+    assert "--mode=dra" in text and "register" in text and "never exits" in text, text

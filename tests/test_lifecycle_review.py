@@ -112,3 +112,72 @@ def test_init_charge_survives_a_restart(tmp_path: Path) -> None:
     assert _free(again) == (0, 0)
     again.release_pod(uid_of("p"))
     assert _free(again) == (100, 16384)
+
+
+# -- a PreStartContainer that fails for a while ------------------------------------------------------
+
+
+def test_prestart_that_cannot_write_files_does_not_mark_the_pod_failed(tmp_path: Path) -> None:
+    """The kubelet retries a container whose PreStartContainer failed, and puts the error in the
+    container's waiting message. A failure to write the limit files (a full disk) is passing: the
+    allocation check must neither free the pod's GPUs (the retried start would then find no
+    allocation, for good) nor delete the pod, as it does for a failed check."""
+    import errno
+
+    from gpumanager.allocation.check import AllocationCheck
+    from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+    from gpumanager.deviceplugin.devices import DeviceLayout
+    from gpumanager.deviceplugin.handlers import Handlers
+    from gpumanager.deviceplugin.servicer import RequestError
+
+    pod = make_pod("p", [("c", 50, 4)])
+    pod["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs", "uid": "r", "controller": True}]
+    pods = FakePods([pod])
+    allocator = _one_gpu(tmp_path, pods)
+    gpus = [GPUInfo(0, "GPU-0000", "Tesla T4", 0, 16384 * MIB, "00000000:10:00.0", 0)]
+
+    def full_disk(_alloc: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/etc/gpu-manager/vm/x/vcuda.config")
+
+    handlers = Handlers(
+        allocator=allocator,
+        layout=DeviceLayout(gpus),
+        owner=lambda *_: (uid_of("p"), "c"),
+        prepared=full_disk,
+    )
+    ids = core_ids(0, 50)
+    allocator.allocate(ids)
+    with pytest.raises(RequestError) as failed:
+        handlers.pre_start_core(pb.PreStartContainerRequest(devices_ids=ids))
+    assert uid_of("p") in str(failed.value) and "No space left on device" in str(failed.value)
+    # As the kubelet reports it.
+    pod["status"]["containerStatuses"] = [
+        {
+            "name": "c",
+            "state": {
+                "waiting": {
+                    "reason": "CreateContainerConfigError",
+                    "message": f"device plugin PreStartContainer rpc failed with err: rpc error: code = "
+                    f"{failed.value.code.name} desc = {failed.value}",
+                }
+            },
+        }
+    ]
+    deleted: list[str] = []
+    check = AllocationCheck(
+        allocator,
+        pods,
+        period=30.0,
+        annotate=lambda _uid: None,
+        delete_failed=lambda p: deleted.append(p["metadata"]["name"]),
+        collect_dirs=lambda *_a, **_k: None,
+        wait_synced=lambda _t: True,
+    )
+    check.check()
+    assert deleted == []
+    assert allocator.get(uid_of("p"), "c") is not None
+    # The disk has room again: the retried start goes through.
+    handlers = Handlers(
+        allocator=allocator, layout=DeviceLayout(gpus), owner=lambda *_: (uid_of("p"), "c"), prepared=lambda _a: None
+    )
+    handlers.pre_start_core(pb.PreStartContainerRequest(devices_ids=ids))

@@ -154,10 +154,14 @@ class Handlers:
                 self._prepared(alloc)
             except OSError as exc:
                 # The kubelet retries the start; the message says whose files could not be written and why.
+                # Not upstream's "PreStartContainer check failed": the kubelet puts the message in the
+                # container's waiting state, where it marks the pod failed for good (its GPUs freed by
+                # the allocation check, the pod deleted when a controller owns it).
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} "
-                    f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}",
+                    f"PreStartContainer for pod {alloc.pod_uid} container {alloc.container} "
+                    f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}; "
+                    "the kubelet's next try of the start writes them again",
                 ) from exc
             crash_point("prestart-after-files")
             ok = True

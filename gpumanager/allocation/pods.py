@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from decimal import Decimal
 from typing import Any
 
 from gpumanager import names
+
+log = logging.getLogger(__name__)
 
 Pod = Mapping[str, Any]
 
@@ -213,14 +216,31 @@ def _rfc3339_ns(text: str) -> int:
 
 
 def predicate_time(pod: Pod) -> int:
-    """``tencent.com/predicate-time`` (ns), else the creation time in ns, as upstream orders candidates."""
+    """``tencent.com/predicate-time`` (ns), else the creation time in ns, as upstream orders candidates.
+
+    The annotation is read as upstream reads it (``strconv.ParseUint(s, 10, 64)``); a value that
+    does not read so (spaces, '_', a sign, other scripts' digits, past 2**64 - 1) is warned about
+    once, naming the pod, the annotation and the value, and the creation time is used.
+    """
     raw = pod_annotations(pod).get(names.PREDICATE_TIME)
     if raw is not None:
-        try:
-            return int(raw)
-        except (ValueError, TypeError):
-            pass
+        value = go_parse_uint(raw) if isinstance(raw, str) else None
+        if value is not None:
+            return value
+        _malformed_predicate_time(pod_key(pod), repr(raw))
     return _rfc3339_ns(str(_mapping(pod.get("metadata")).get("creationTimestamp", "")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _malformed_predicate_time(who: str, shown: str) -> None:
+    """Warn once per pod and value: candidates are ordered on every Allocate."""
+    log.warning(
+        "pod %s: annotation %s=%s is not a decimal number of nanoseconds (as gpu-admission writes it); "
+        "ordering the pod by its creation time",
+        who,
+        names.PREDICATE_TIME,
+        shown,
+    )
 
 
 def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
@@ -344,6 +364,19 @@ def go_atoi(text: str) -> int | None:
         return None
     value = int(text)
     return value if _INT64_MIN <= value <= _INT64_MAX else None
+
+
+#: What Go's strconv.ParseUint(s, 10, 64) takes: ASCII decimal digits only (no sign, no spaces, no '_').
+_GO_UNSIGNED = re.compile(r"[0-9]+")
+_UINT64_MAX = (1 << 64) - 1
+
+
+def go_parse_uint(text: str) -> int | None:
+    """``text`` as Go's ``strconv.ParseUint(text, 10, 64)`` reads it; None where it returns an error."""
+    if not _GO_UNSIGNED.fullmatch(text):
+        return None
+    value = int(text)
+    return value if value <= _UINT64_MAX else None
 
 
 def core_limit(pod: Pod) -> int | None:

@@ -181,3 +181,25 @@ def test_prestart_that_cannot_write_files_does_not_mark_the_pod_failed(tmp_path:
         allocator=allocator, layout=DeviceLayout(gpus), owner=lambda *_: (uid_of("p"), "c"), prepared=lambda _a: None
     )
     handlers.pre_start_core(pb.PreStartContainerRequest(devices_ids=ids))
+
+
+# -- a pod deleted before it started, its devices handed to an identical pod -------------------------
+
+
+def test_ids_of_a_pod_deleted_before_it_started_go_to_the_identical_pod_admitted_next(tmp_path: Path) -> None:
+    """Pod a was allocated, then deleted before the kubelet published any container status; the kubelet
+    stops counting it and gives its device IDs to the identical pod b. That Allocate is b's, not a
+    repeat of a's: b must hold the allocation, so that a's deletion does not free the GPU b starts on."""
+    a = make_pod("a", [("c", 50, 4)])
+    pods = FakePods([a])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 50)
+    allocator.allocate(ids)
+    a["metadata"]["deletionTimestamp"] = "2026-11-21T10:01:00Z"
+    pods.items.append(make_pod("b", [("c", 50, 4)], created="2026-11-21T10:01:00Z"))
+    allocator.allocate(ids)
+    assert allocator.get(uid_of("b"), "c") is not None
+    pods.items.remove(a)
+    allocator.release_pod(uid_of("a"))  # a's DELETED event
+    assert allocator.pre_start(ids, (uid_of("b"), "c")).pod_uid == uid_of("b")
+    assert _free(allocator) == (50, 16384 - 1024)

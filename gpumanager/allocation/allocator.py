@@ -626,7 +626,10 @@ class Allocator:
         if pod is None:
             # Gone from a complete view: the kubelet has freed its IDs. Without one we cannot tell.
             return not self._pods.synced()
-        if podinfo.is_terminated(pod):
+        if podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
+            # Being deleted: the kubelet starts none of its containers any more, and gives its IDs on
+            # once it stops counting it (before its status may name a container). A true repeat still
+            # gets its answer when no other container waits for the IDs (_holds_alive).
             return False
         return key[1] not in podinfo.started_containers(pod)
 

@@ -26,6 +26,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.faults import stall_point
 from gpumanager.kube import kubelet_checkpoint
 from gpumanager.kube.kubelet_checkpoint import KubeletEntry
 from gpumanager.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesUnavailableError
@@ -184,6 +185,7 @@ class Recovery:
         allocator = self._allocator
         path = allocator.checkpoint_path
         full_rebuild = False
+        stall_point("recovery")
         try:
             parsed = allocator.load()
         except AllocationError as exc:

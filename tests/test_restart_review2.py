@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,19 @@ def test_kubelet_restart_during_allocate_then_new_ids(tmp_path: Path, sim_built:
         assert list(entries) == [uid]
         assert sorted(entries[uid]) == ["main"]
         assert sorted(entries[uid]["main"]["DeviceIDs"]) == sorted(again)
+
+
+def test_stop_while_the_checkpoint_is_being_loaded_keeps_it(tmp_path: Path, sim_built: Path) -> None:
+    """SIGTERM while the start is still loading the checkpoint: the stop must not write the state it has
+    not loaded yet (empty) over the snapshot, nor remove the journal."""
+    with SimCluster(tmp_path, "v100-pcie-x4") as c:
+        run = c.run_pod(gpu_pod("p1", [("main", 50, 4)]))
+        assert list(_mapping(c)) == [run.uid]
+        agent = c.agent
+        assert agent is not None
+        assert agent.stop() == 0
+        again = c.start_agent(wait=False, env={"GPU_MANAGER_STALL_AT": "recovery:3"})
+        again.wait_for_log("stalling 3 s at recovery", timeout=30)
+        again.signal(signal.SIGTERM)
+        again.wait(timeout=20)
+        assert list(_mapping(c)) == [run.uid]

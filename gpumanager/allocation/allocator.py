@@ -236,6 +236,8 @@ class Allocator:
         self.claims_in_doubt = False
         # Counts changes of the allocations, the claims and the GPUs' descriptions (see generation).
         self._generation = 0
+        # The checkpoint on disk has been loaded into the state (:meth:`load`).
+        self._loaded = False
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -1562,6 +1564,11 @@ class Allocator:
         self._compact_wake.set()
         try:
             with self._lock:
+                if not self._loaded and self._store.exists():
+                    # Stopped while the start was still loading the checkpoint: the state in memory is not
+                    # the node's; written as the snapshot it would erase every allocation on disk.
+                    log.info("stopping before %s was loaded: left as it is", self._checkpoint_path)
+                    return
                 self._save()
         except OSError as exc:
             log.error(
@@ -1862,6 +1869,7 @@ class Allocator:
 
     def load(self) -> records.Parsed:
         """Load our checkpoint and occupy the tree; returns what was taken and what must be rebuilt.
+        (Until it has returned or raised AllocationError, :meth:`close` leaves the files on disk as they are.)
 
         A file that cannot be read or parsed as a whole is moved aside (when it can be) and
         AllocationError(kind="unavailable") is raised: the caller rebuilds everything from the
@@ -1869,6 +1877,15 @@ class Allocator:
         have, an unsafe name) is listed in ``untrusted`` for the caller to rebuild; a missing file
         recovers nothing.
         """
+        try:
+            parsed = self._load()
+        except AllocationError:
+            self._loaded = True  # set aside: the state rebuilt from the kubelet's records is the one to write
+            raise
+        self._loaded = True
+        return parsed
+
+    def _load(self) -> records.Parsed:
         try:
             with self._lock:
                 loaded = self._store.load()

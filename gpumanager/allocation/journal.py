@@ -392,6 +392,10 @@ class CheckpointStore:
                 found.append((int(tail), p))
         return sorted(found)
 
+    def exists(self) -> bool:
+        """Whether a snapshot or a journal segment is on disk."""
+        return self.path.exists() or bool(self._numbered())
+
     def load(self, *, quarantine: bool = True) -> Loaded:
         """The snapshot with every journal change applied (raises checkpoint.CheckpointError when the
         snapshot itself is unusable; it is left for the caller to move aside, with

@@ -8,7 +8,7 @@ Kept from the real server (what a DRA driver or scheduler can trip over):
 * a ResourceSlice whose capacity ``requestPolicy`` has a ``default`` or ``max`` off the ``step``
   grid, a ``requestPolicy`` on a device without ``allowMultipleAllocations``, more than 128
   devices (64 when a device has taints), more than 32 attributes and capacities per device, a
-  string attribute longer than 64 characters, a device taint whose value is not a label value or
+  string attribute longer than 64 bytes, a device taint whose value is not a label value or
   whose effect is unknown: 422 Invalid, naming the field;
 * field selectors on ResourceSlices: only ``metadata.name``, ``spec.nodeName``, ``spec.driver``;
 * a ResourceClaim's (and template's) spec is immutable; an allocation, once set, can only be
@@ -141,7 +141,7 @@ def _check_attribute(name: str, attr: Any, path: str, causes: list[Cause]) -> No
     if len(kinds) != 1:
         causes.append((path, "FieldValueInvalid", "Invalid value: exactly one value must be specified"))
         return
-    if kinds[0] == "string" and len(str(attr["string"])) > MAX_STRING_ATTRIBUTE:
+    if kinds[0] == "string" and len(str(attr["string"]).encode()) > MAX_STRING_ATTRIBUTE:  # bytes, as Go's len
         causes.append(
             (f"{path}.string", "FieldValueTooLong", f"Too long: may not be more than {MAX_STRING_ATTRIBUTE} bytes")
         )

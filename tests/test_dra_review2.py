@@ -156,3 +156,46 @@ def test_a_claim_the_server_will_not_give_is_refused_with_the_servers_reason() -
             read("ml", "train")
         text = str(caught.value)
         assert "ml/train" in text and 'cannot get resource "resourceclaims"' in text, text
+
+
+def test_a_product_name_is_cut_to_the_64_bytes_the_api_server_allows(tmp_path: Path) -> None:
+    # The API server limits a string attribute to 64 bytes (Go's len), not 64 characters: a name of
+    # 64 characters with one outside ASCII was cut to 64 characters, 65 bytes, and the server refused
+    # the node's whole slice, so none of its GPUs was published.
+    name = "NVIDIA H100 80GB HBM3 \u00e9dition " + "x" * 40
+    assert len(name) > 64
+    gpus = [GPUInfo(0, "GPU-0", name, 0, 81559 << 20, "00000000:07:00.0", 0)]
+
+    def content(generation: int) -> dict[str, Any]:
+        return devices.slice_spec(
+            node="node-a",
+            driver=DRIVER,
+            gpus=gpus,
+            topology=NodeTopology(levels=((0,),)),
+            taints={},
+            generation=generation,
+            sysfs_root=tmp_path,
+        )
+
+    product = content(1)["devices"][0]["attributes"]["productName"]["string"]
+    assert len(product.encode()) <= 64 and name.startswith(product), product
+    with ApiServerSimulator() as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=content)
+        assert pub._sync_logged(), pub.last_error
+        [stored] = _slices(sim)
+        assert stored["spec"]["devices"][0]["attributes"]["productName"]["string"] == product
+
+
+def test_the_simulated_api_server_counts_string_attributes_in_bytes() -> None:
+    from simnode.apiserver_errors import ApiError
+    from simnode.apiserver_resource import validate_resource_slice
+
+    spec = {
+        "driver": DRIVER,
+        "nodeName": "node-a",
+        "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+        "devices": [{"name": "gpu-0", "attributes": {"productName": {"string": "\u00e9" * 33}}}],
+    }
+    with pytest.raises(ApiError) as caught:
+        validate_resource_slice({"metadata": {"name": "s"}, "spec": spec})
+    assert "spec.devices[0].attributes[productName].string" in str(caught.value)

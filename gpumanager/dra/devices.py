@@ -38,6 +38,16 @@ class Taint:
     since: str
 
 
+#: The longest string attribute value the API server takes, in bytes (UTF-8).
+MAX_STRING_ATTRIBUTE = 64
+
+
+def _string(text: str) -> JSON:
+    """A string attribute cut to the API server's 64 bytes (on a character boundary): its limit is in
+    bytes, and one value over it fails the node's whole slice."""
+    return {"string": text.encode()[:MAX_STRING_ATTRIBUTE].decode("utf-8", "ignore")}
+
+
 def published_memory(gpu: GPUInfo) -> int:
     """The GPU's memory floored to the 256 MiB step (what the slice publishes), bytes."""
     return gpu.memory_total // c.MEMORY_STEP * c.MEMORY_STEP
@@ -108,15 +118,15 @@ def device(
 ) -> JSON:
     """The ResourceSlice device of one GPU (API field names)."""
     attributes: JSON = {
-        c.ATTR_UUID: {"string": gpu.uuid},
-        c.ATTR_PRODUCT: {"string": gpu.name[:64]},
+        c.ATTR_UUID: _string(gpu.uuid),
+        c.ATTR_PRODUCT: _string(gpu.name),
         c.ATTR_INDEX: {"int": gpu.index},
         c.ATTR_MINOR: {"int": gpu.minor},
     }
     if nvlink_group is not None:
         attributes[c.ATTR_NVLINK_GROUP] = {"int": nvlink_group}
     if pcie:
-        attributes[c.ATTR_PCIE_ROOT] = {"string": pcie}
+        attributes[c.ATTR_PCIE_ROOT] = _string(pcie)
     if gpu.numa_node is not None and gpu.numa_node >= 0:
         attributes[c.ATTR_NUMA_NODE] = {"int": gpu.numa_node}
     out: JSON = {

@@ -203,3 +203,90 @@ def test_ids_of_a_pod_deleted_before_it_started_go_to_the_identical_pod_admitted
     allocator.release_pod(uid_of("a"))  # a's DELETED event
     assert allocator.pre_start(ids, (uid_of("b"), "c")).pod_uid == uid_of("b")
     assert _free(allocator) == (50, 16384 - 1024)
+
+
+# -- static pods: the mirror pod is the kubelet's copy, deleted and made again ------------------------
+
+MIRROR = "kubernetes.io/config.mirror"
+
+
+def _mirror_pod(uid: str, config_hash: str) -> dict[str, Any]:
+    pod = make_pod("etcd-node-1", [("c", 50, 4)], namespace="kube-system", uid=uid, phase="Running")
+    pod["metadata"]["annotations"][MIRROR] = config_hash
+    pod["status"]["containerStatuses"] = [{"name": "c", "state": {"running": {}}, "containerID": "containerd://ab"}]
+    return pod
+
+
+def _check(allocator: Allocator, pods: FakePods) -> Any:
+    from gpumanager.allocation.check import AllocationCheck
+
+    return AllocationCheck(
+        allocator,
+        pods,
+        period=30.0,
+        annotate=lambda _uid: None,
+        delete_failed=lambda _p: None,
+        collect_dirs=lambda *_a, **_k: None,
+        wait_synced=lambda _t: True,
+    )
+
+
+def test_deleting_a_static_pods_mirror_pod_keeps_its_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kubectl delete`` of a static pod's mirror pod stops no container: the kubelet makes the mirror pod
+    again (a new UID, the same config hash). The static pod keeps its GPU meanwhile and after."""
+
+    old = _mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1")
+    old["status"] = {"phase": "Pending"}
+    pods = FakePods([old])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 50)
+    allocator.allocate(ids)
+    allocator.pre_start(ids, ("00000000-0000-4000-8000-000000000001", "c"))
+    old.update(_mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1"))
+    check = _check(allocator, pods)
+    now = [1000.0]
+    monkeypatch.setattr("gpumanager.allocation.allocator.time.monotonic", lambda: now[0])
+
+    pods.items.remove(old)
+    check.on_pod_event("DELETED", old)
+    check.check()  # before the kubelet made it again
+    assert _free(allocator) == (50, 16384 - 1024)
+
+    pods.items.append(_mirror_pod("00000000-0000-4000-8000-000000000002", "hash-1"))
+    now[0] += 3600
+    check.check()
+    assert _free(allocator) == (50, 16384 - 1024)
+    assert allocator.pre_start(ids, ("00000000-0000-4000-8000-000000000002", "c")).cores == 50
+
+    # The static pod is removed for good (its manifest gone): the kubelet stops it and deletes the mirror.
+    gone = pods.items.pop()
+    gone["status"]["containerStatuses"] = [{"name": "c", "state": {"terminated": {"exitCode": 0}}}]
+    gone["status"]["phase"] = "Succeeded"
+    check.on_pod_event("DELETED", gone)
+    check.check()
+    assert _free(allocator) == (100, 16384)
+
+
+def test_a_mirror_pod_not_made_again_frees_the_gpu_after_a_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumanager.allocation import allocator as allocator_module
+
+    pod = _mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1")
+    pod["status"] = {"phase": "Pending"}
+    pods = FakePods([pod])
+    allocator = _one_gpu(tmp_path, pods)
+    allocator.allocate(core_ids(0, 50))
+    pod.update(_mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1"))
+    check = _check(allocator, pods)
+    now = [1000.0]
+    monkeypatch.setattr("gpumanager.allocation.allocator.time.monotonic", lambda: now[0])
+    pods.items.remove(pod)
+    check.on_pod_event("DELETED", pod)
+    check.check()
+    assert _free(allocator) == (50, 16384 - 1024)
+    # A new mirror pod of another static pod (its manifest changed: another hash) does not keep it.
+    pods.items.append(_mirror_pod("00000000-0000-4000-8000-000000000003", "hash-2"))
+    now[0] += allocator_module.MIRROR_GRACE_SECONDS
+    check.check()
+    assert allocator.get("00000000-0000-4000-8000-000000000001", "c") is None

@@ -62,6 +62,13 @@ from gpumanager.topology import GPUNode, TopologyTree, choose, render_graph
 log = logging.getLogger(__name__)
 
 
+#: How long a static pod keeps its GPUs after its mirror pod was deleted, its containers still running, while
+#: no mirror pod of it shows again (the kubelet makes it again at its next sync of the pod).
+MIRROR_GRACE_SECONDS = 60.0
+
+#: The mirror pod's annotation that names its static pod (the config hash, the kubelet's UID of the pod).
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+
 #: How long a pod allocated from a fresh list (the pod cache had not seen it) counts as alive while the cache
 #: has still not shown it: the cache's silence about it is its watch lagging, not the pod's end.
 FRESH_LIST_GRACE_SECONDS = 60.0
@@ -226,6 +233,8 @@ class Allocator:
         self._verify_all = True
         # Holders found in a fresh list that the pod source has not shown yet, and since when.
         self._fresh_only: dict[str, _Fresh] = {}
+        # Holders that are static pods whose mirror pod is gone, and since when (see MIRROR_GRACE_SECONDS).
+        self._mirror_gone: dict[str, float] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         # GPUs that recovered records charge beyond their capacity: the tree's counts are floored and
@@ -930,8 +939,11 @@ class Allocator:
     def _release_gone_locked(self, fresh: Sequence[Pod], holders: set[str]) -> bool:
         """Free the pods of ``holders`` that the fresh list ``fresh`` shows gone or finished."""
         alive = {podinfo.uid(p) for p in fresh if not podinfo.is_terminated(p)}
+        listed = {podinfo.uid(p) for p in fresh}
         changed = False
         for pod_uid in sorted(holders - alive):
+            if pod_uid not in listed and self._kept_for_mirror(pod_uid, fresh):
+                continue
             freed = self._release_locked(pod_uid)
             if freed:
                 log.info("pod %s ended before this node's pod watch told: its GPUs go to the request waiting", pod_uid)
@@ -1083,6 +1095,7 @@ class Allocator:
             pod_name=str(meta.get("name", "")),
             container_index=req.index,
             init=_runs_first(pod, req),
+            mirror=_mirror_of(pod),
         )
 
     def _riding(
@@ -1717,6 +1730,7 @@ class Allocator:
                 container_index=request.index if request else -1,
                 answered_as=mine.answered,
                 init=pod is not None and request is not None and _runs_first(pod, request),
+                mirror=_mirror_of(pod) if pod is not None else "",
             )
         )
         if theirs is not None:
@@ -1730,6 +1744,7 @@ class Allocator:
                     container_index=mine.container_index,
                     answered_as=theirs.answered,
                     init=mine.init,
+                    mirror=mine.mirror,
                 )
             )
         changes = [_del(key), _del(owner)]
@@ -1753,6 +1768,7 @@ class Allocator:
             if alloc is not None:
                 self._free(alloc)
                 freed.append(alloc)
+        self._mirror_gone.pop(pod_uid, None)
         if freed:
             self._fresh_only.pop(pod_uid, None)
             self._save_or_report([_del(a.key) for a in freed])
@@ -1830,8 +1846,12 @@ class Allocator:
         if not self._pods.synced():
             return False  # the holders to check stay listed until the view is complete
         if every or self._verify_all:
-            active = {podinfo.uid(p) for p in self._pods.pods() if not podinfo.is_terminated(p)}
+            pods = self._pods.pods()
+            active = {podinfo.uid(p) for p in pods if not podinfo.is_terminated(p)}
             ended = {uid for uid in set(self._by_pod) - active if not self._fresh(uid)}
+            if ended:
+                listed = {podinfo.uid(p) for p in pods}
+                ended = {uid for uid in ended if uid in listed or not self._kept_for_mirror(uid, pods)}
             self._verify_all = False
         else:
             ended = {uid for uid in self._unverified if uid in self._by_pod and not self._alive(uid)}
@@ -1844,8 +1864,58 @@ class Allocator:
     def _alive(self, pod_uid: str) -> bool:
         pod = self._pods.get(pod_uid)
         if pod is None:
-            return self._fresh(pod_uid)
+            return self._fresh(pod_uid) or self._kept_for_mirror(pod_uid, None)
         return not podinfo.is_terminated(pod)
+
+    def keep_deleted_mirror(self, pod: Pod) -> bool:
+        """Whether the deletion of ``pod`` leaves its GPUs held: a mirror pod whose static pod may still run
+        (its status names a container not stopped, or none). The kubelet makes the mirror pod again; the
+        GPUs are freed when none shows within :data:`MIRROR_GRACE_SECONDS` or the static pod stops."""
+        uid = podinfo.uid(pod)
+        if not _mirror_of(pod) or podinfo.phase(pod) in ("Succeeded", "Failed"):
+            return False
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if statuses and all("running" not in ((s or {}).get("state") or {}) for s in statuses):
+            return False
+        with self._lock:
+            if uid not in self._by_pod:
+                return False
+            self._mirror_gone.setdefault(uid, time.monotonic())
+        log.info(
+            "mirror pod %s of a static pod was deleted while its containers run: its GPUs stay held for the pod "
+            "the kubelet makes again",
+            podinfo.pod_key(pod),
+        )
+        return True
+
+    def release_static_pod(self, pod: Pod) -> list[ContainerAllocation]:
+        """Free what ``pod``'s static pod holds under the UIDs of its earlier mirror pods (deleted while it
+        ran): ``pod``, a mirror pod, has ended. Returns what was freed."""
+        config_hash = _mirror_of(pod)
+        if not config_hash:
+            return []
+        uid = podinfo.uid(pod)
+        with self._changing():
+            holders = sorted({a.pod_uid for a in self._allocs.values() if a.mirror == config_hash and a.pod_uid != uid})
+            freed = [a for holder in holders for a in self._release_locked(holder)]
+        if freed:
+            self._notify()
+        return freed
+
+    def _kept_for_mirror(self, pod_uid: str, pods: Sequence[Pod] | None) -> bool:
+        """Whether a holder gone from the pod cache is a static pod that still runs (lock held): a mirror pod
+        of the same static pod (the same config hash) is listed, not ended, in ``pods`` (the cache's when
+        None); or it went less than :data:`MIRROR_GRACE_SECONDS` ago."""
+        hashes = {self._allocs[(pod_uid, c)].mirror for c in self._by_pod.get(pod_uid, ())} - {""}
+        if not hashes:
+            return False
+        listed = self._pods.pods() if pods is None else pods
+        if any(_mirror_of(p) in hashes and not podinfo.is_terminated(p) for p in listed):
+            self._mirror_gone.pop(pod_uid, None)
+            return True
+        now = time.monotonic()
+        since = self._mirror_gone.setdefault(pod_uid, now)
+        return now - since < MIRROR_GRACE_SECONDS
 
     def _note_fresh(self, pod: Pod) -> None:
         """A pod was allocated from a fresh list: until the cache shows it, its absence there is no end
@@ -2243,6 +2313,12 @@ def _beyond(charges: Sequence[tuple[int, int]], total_memory: int) -> bool:
     if any(c >= names.HUNDRED_CORES for c, _ in charges):
         return len(charges) > 1
     return sum(c for c, _ in charges) > names.HUNDRED_CORES or sum(m for _, m in charges) > total_memory
+
+
+def _mirror_of(pod: Pod) -> str:
+    """A mirror pod's static pod (its config hash); '' for any other pod."""
+    value = podinfo.pod_annotations(pod).get(MIRROR_ANNOTATION)
+    return value if isinstance(value, str) else ""
 
 
 def _runs_first(pod: Pod, request: GPURequest) -> bool:

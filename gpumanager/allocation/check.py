@@ -79,8 +79,10 @@ class AllocationCheck:
         """Pod watch listener: a pod that is deleted or has ended gives its GPUs back at once."""
         if not (kind == "DELETED" or podinfo.is_terminated(pod)):
             return
+        if kind == "DELETED" and self._allocator.keep_deleted_mirror(pod):
+            return  # a static pod's mirror pod: the static pod runs on
         uid = podinfo.uid(pod)
-        freed = self._allocator.release_pod(uid)
+        freed = self._allocator.release_pod(uid) + self._allocator.release_static_pod(pod)
         if not freed and not _asks_for_gpus(pod):
             return  # no directory was ever made for it
         if self._pods.synced():

@@ -54,6 +54,9 @@ class ContainerAllocation:
     # An init container that runs to its end before its pod's other containers start (not a sidecar):
     # its GPUs' charge is the larger of it and what those containers hold there together.
     init: bool = False
+    # A static pod's config hash (its mirror pod's ``kubernetes.io/config.mirror``): the kubelet's pod, which
+    # outlives the deletion of its mirror pod, the API object made again under a new UID.
+    mirror: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -93,6 +96,8 @@ class ContainerAllocation:
             entry["Started"] = True
         if self.init:
             entry["Init"] = True
+        if self.mirror:
+            entry["Mirror"] = self.mirror
         return entry
 
 
@@ -219,6 +224,7 @@ def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
         answered_as=_answered(entry, where),
         started=started,
         init=init,
+        mirror=_string(entry, "Mirror", where),
     )
 
 

@@ -290,3 +290,16 @@ def test_a_mirror_pod_not_made_again_frees_the_gpu_after_a_grace(
     now[0] += allocator_module.MIRROR_GRACE_SECONDS
     check.check()
     assert allocator.get("00000000-0000-4000-8000-000000000001", "c") is None
+
+
+def test_prestart_of_a_static_pod_named_by_the_kubelet_checkpoint(tmp_path: Path) -> None:
+    """Without PodResources the kubelet's checkpoint names the holder of the IDs by the kubelet's UID of
+    the pod, which for a static pod is its config hash, not the mirror pod's UID we allocated under."""
+    pod = _mirror_pod("00000000-0000-4000-8000-000000000001", "0123456789abcdef0123456789abcdef")
+    pod["status"] = {"phase": "Pending"}
+    pods = FakePods([pod])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 50)
+    allocator.allocate(ids)
+    alloc = allocator.pre_start(ids, ("0123456789abcdef0123456789abcdef", "c"))
+    assert alloc.key == ("00000000-0000-4000-8000-000000000001", "c") and alloc.started

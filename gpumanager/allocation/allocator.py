@@ -1620,6 +1620,15 @@ class Allocator:
                     # The kubelet names pods, not UIDs: a pod recreated under the same name, the cache
                     # still showing the old one. Our record of these IDs is the pod that got them.
                     owner = key
+                elif (
+                    owner is not None
+                    and key is not None
+                    and key[1] == owner[1]
+                    and self._allocs[key].mirror == owner[0]
+                ):
+                    # The kubelet's checkpoint names a static pod by its own UID (the config hash), which
+                    # its mirror pod, the one we allocated to, carries as kubernetes.io/config.mirror.
+                    owner = key
                 if owner is not None:
                     if key is None and owner in self._allocs and not self._allocs[owner].device_ids:
                         key = owner  # recorded without IDs (e.g. by an older gpu-manager)
@@ -1683,6 +1692,13 @@ class Allocator:
             )
         pod = self._pods.get(owner[0])
         if theirs is None:
+            if pod is None:
+                raise AllocationError(
+                    f"{names.PRESTART_FAILED}: {ids.describe(mine.device_ids)} allocated to pod {key[0]} container "
+                    f"{key[1]} are used by pod {owner[0]} container {owner[1]}, which this node's pod cache does not "
+                    "know",
+                    "mismatch",
+                )
             request = _request_of(pod, owner[1])
             if request is None or (request.cores, request.memory_bytes) != (mine.cores, mine.memory):
                 raise AllocationError(

@@ -147,6 +147,9 @@ class Agent:
             self._labels = parse_node_labels(cfg.node_labels)
             check_directory("--virtual-manager-path", cfg.virtual_manager_path)
             check_directory("--checkpoint-path", cfg.checkpoint_path)
+            if cfg.mode == "dra":  # the directories of its sockets (the device plugin's fails its start below)
+                check_directory("--plugin-registry-path", cfg.plugin_registry_path)
+                check_directory("--dra-plugin-path", str(cfg.dra_socket_dir))
         except ConfigError as exc:
             raise StartupError(str(exc), 2) from exc
         self._extra_devices = extra_devices
@@ -338,8 +341,11 @@ class Agent:
                     self._start_dra()
             finally:
                 self._start_kube()  # waits on the API server: not under the lock (the stop interrupts it)
-        except Exception:
-            log.exception("background start failed; the device plugin goes on serving")
+        except Exception as exc:  # a bug, not an operator's error (those are reported where they happen)
+            serving = "the DRA driver" if self.config.mode == "dra" else "the device plugin"
+            message = f"the start did not complete: {exc!r}; {serving} goes on serving what was started"
+            self.component_errors["start"] = message
+            log.exception("%s", message)
         finally:
             self.ready.set()
         if not self._unless_stopping(self._start_loops):
@@ -500,13 +506,23 @@ class Agent:
         # Loaded before the lifecycle lock is taken (a stop waits on the lock, not on imports).
         import gpumanager.dra.mode
         import gpumanager.metrics.claims  # noqa: F401
+        from gpumanager.dra.plugin import socket_paths
 
         cfg = self.config
         if self.api is None or self.api.api is None:
             self._component_failed("dra", "DRA mode needs the API server; not serving claims")
             return
         stall_point("start-dra")
-        if not self._unless_stopping(self._start_dra_mode):
+        try:
+            if not self._unless_stopping(self._start_dra_mode):
+                return
+        except (OSError, RuntimeError) as exc:  # a directory broken since start() checked it; a bind refused
+            reg_sock, dra_sock = socket_paths(cfg.plugin_registry_path, str(cfg.dra_socket_dir), cfg.dra_driver_name)
+            self._component_failed(
+                "dra",
+                f"cannot serve the DRA driver on {dra_sock} (--dra-plugin-path) and {reg_sock} "
+                f"(--plugin-registry-path): {exc}; not serving claims",
+            )
             return
         from gpumanager.dra.constants import slice_name
 

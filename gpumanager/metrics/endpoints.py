@@ -115,9 +115,10 @@ def _readiness(agent: ProbedAgent) -> dict[str, Check]:
 
     def registered() -> str:
         if agent.config.mode == "dra":
-            if agent.dra is None:
-                return agent.component_errors.get("dra", "DRA mode is not serving yet")
-            return agent.dra.not_ready()
+            problem = agent.component_errors.get("dra", "")  # DRA mode could not start (it says why)
+            if problem:
+                return problem
+            return agent.dra.not_ready() if agent.dra is not None else "DRA mode is not serving yet"
         if agent.plugins is None or not agent.plugins.status.registered:
             reason = agent.plugins.status.last_error if agent.plugins else ""
             return "not registered with the kubelet" + (f": {reason}" if reason else "")
@@ -138,6 +139,8 @@ def _readiness(agent: ProbedAgent) -> dict[str, Check]:
         # Device-plugin shares mount the mirror's share-mode tree (DRA mode reports its own readiness).
         "interceptor": lambda: agent.mirror.share_problem if agent.mirror and cfg_mode != "dra" else "",
         "checkpoint": checkpoint,
+        # The background start ended early (an unexpected error): what it did not start is missing.
+        "start": lambda: agent.component_errors.get("start", ""),
     }
 
 

@@ -66,6 +66,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -79,6 +80,7 @@ from simnode.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
 from simnode.apiserver_http import HttpContext, SimHTTPServer, version_info
 from simnode.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
 from simnode.apiserver_ops import Operations
+from simnode.apiserver_rbac import Attributes, ServiceAccount, make_rules
 from simnode.apiserver_store import Change, Store
 
 log = logging.getLogger(__name__)
@@ -214,9 +216,32 @@ class ApiServerSimulator:
 
     # ------------------------------------------------------------------ clients
 
-    def kubeconfig(self, namespace: str = "default") -> JSON:
-        """The kubeconfig document pointing at this server (token user when a token is set)."""
-        user: JSON = {"token": self._ctx.token} if self._ctx.token else {}
+    def add_service_account(
+        self, namespace: str, name: str, rules: Sequence[Mapping[str, Any]], *, token: str | None = None
+    ) -> str:
+        """Accept a bearer token (returned; made up unless given) as the service account
+        ``namespace/name``, whose requests are then allowed only as ``rules`` (a ClusterRole's
+        ``rules``) grant them, and answered 403 otherwise (:mod:`simnode.apiserver_rbac`). Write a
+        kubeconfig for it with :meth:`write_kubeconfig` ``(token=...)``."""
+        token = token or f"sa-{namespace}-{name}-{uuid.uuid4().hex}"
+        self._ctx.rbac.add(token, ServiceAccount(namespace, name, make_rules(rules)))
+        return token
+
+    def authorized(self) -> list[tuple[str, Attributes]]:
+        """``(user, attributes)`` of every request a service account's rules allowed so far."""
+        with self._ctx.rbac._lock:
+            return list(self._ctx.rbac.seen)
+
+    def forbidden(self) -> list[tuple[str, Attributes]]:
+        """``(user, attributes)`` of every request answered 403 by RBAC so far."""
+        with self._ctx.rbac._lock:
+            return list(self._ctx.rbac.refused)
+
+    def kubeconfig(self, namespace: str = "default", *, token: str | None = None) -> JSON:
+        """The kubeconfig document pointing at this server (token user when a token is set, or
+        the given ``token``: a service account's, see :meth:`add_service_account`)."""
+        token = token or self._ctx.token
+        user: JSON = {"token": token} if token else {}
         return {
             "apiVersion": "v1",
             "kind": "Config",
@@ -232,11 +257,11 @@ class ApiServerSimulator:
             "current-context": CONTEXT_NAME,
         }
 
-    def write_kubeconfig(self, path: str | Path, *, namespace: str = "default") -> Path:
+    def write_kubeconfig(self, path: str | Path, *, namespace: str = "default", token: str | None = None) -> Path:
         """Write :meth:`kubeconfig` to ``path`` (JSON, which is YAML) and return the path."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(self.kubeconfig(namespace), indent=2) + "\n")
+        target.write_text(json.dumps(self.kubeconfig(namespace, token=token), indent=2) + "\n")
         return target
 
     def client(self, *, retries: int | bool | None = None) -> Any:

@@ -25,6 +25,7 @@ from simnode.apiserver_errors import ApiError, forbidden_anonymous, method_not_a
 from simnode.apiserver_faults import Faults, RequestLog, RequestRecord
 from simnode.apiserver_objects import KINDS, PODS, ResourceKind
 from simnode.apiserver_ops import Operations, WatchPlan, parse_bool, wrap_error
+from simnode.apiserver_rbac import Attributes, Authorizer, ServiceAccount, name_from_field_selector
 from simnode.apiserver_resource import GROUP_KINDS, api_group_list, discovery_document
 from simnode.apiserver_store import Key, Store, WatchEnd
 
@@ -52,6 +53,7 @@ class HttpContext:
     bookmark_interval: float
     stopping: threading.Event = field(default_factory=threading.Event)
     server_address: str = ""
+    rbac: Authorizer = field(default_factory=Authorizer)
 
 
 def version_info(git_version: str) -> JSON:
@@ -210,6 +212,17 @@ def _verb(method: str, route: _Route, watch: bool) -> str:
     return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, method.lower())
 
 
+def _attributes(method: str, route: _Route, query: Mapping[str, str]) -> Attributes:
+    """The authorizer's view of a resource request (``RequestInfo``)."""
+    watch = route.watch_path or (method == "GET" and parse_bool(query, "watch"))
+    verb = _verb(method, route, watch)
+    name = route.name or ""
+    if verb in ("list", "watch") and not name:
+        name = name_from_field_selector(query.get("fieldSelector", ""))
+    group = route.kind.group_version.rpartition("/")[0]
+    return Attributes(verb, group, route.kind.resource, route.subresource or "", route.namespace or "", name)
+
+
 class ApiRequestHandler(BaseHTTPRequestHandler):
     """Answers one connection's requests."""
 
@@ -356,8 +369,8 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             self._send_error(injected)
             return
         try:
-            self._authenticate(method, path, query)
-            self._route(method, path, query, raw, body, content_type or "", record)
+            account = self._authenticate(method, path, query)
+            self._route(method, path, query, raw, body, content_type or "", record, account)
         except ApiError as err:
             record(err.code)
             self._send_error(err)
@@ -369,14 +382,21 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             record(internal.code)
             self._send_error(internal)
 
-    def _authenticate(self, method: str, path: str, query: Mapping[str, str]) -> None:
+    def _authenticate(self, method: str, path: str, query: Mapping[str, str]) -> ServiceAccount | None:
+        """The service account the request is made as (its rules apply), None for the simulator's
+        own user (anything goes); 401 or 403 as the real server answers a request it cannot trust."""
         token = self.ctx.token
-        if token is None:
-            return
         header = self.headers.get("Authorization")
+        if header is not None:
+            scheme, _, presented = header.partition(" ")
+            account = self.ctx.rbac.account(presented) if scheme.lower() == "bearer" else None
+            if account is not None:
+                return account
+        if token is None:
+            return None
         if header is None:
             if path in PUBLIC_PATHS:
-                return
+                return None
             route = _parse_api_path(path)
             if route is None:
                 raise forbidden_anonymous(method.lower(), None, None, path)
@@ -385,6 +405,7 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or presented != token:  # the scheme in any case, as a real server
             raise ApiError(401)
+        return None
 
     def _route(
         self,
@@ -395,6 +416,7 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
         body: Any,
         content_type: str,
         record: Any,
+        account: ServiceAccount | None = None,
     ) -> None:
         ctx = self.ctx
         if path in ("/healthz", "/livez", "/readyz") and method == "GET":
@@ -436,6 +458,8 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
         route = _parse_api_path(path)
         if route is None:
             raise server_not_found()
+        if account is not None:
+            ctx.rbac.authorize(account, _attributes(method, route, query))
         if method in ("POST", "PUT") and raw and body is None:
             raise ApiError(400, "the body of the request could not be decoded as JSON")
         status, answer = self._call(method, route, query, raw, body, content_type, record)

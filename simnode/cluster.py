@@ -175,13 +175,18 @@ class SimCluster:
         kubelet_checkpoint: bool = True,
         driver_mirror: bool = True,
         status_lag: float = STATUS_LAG_SECONDS,
+        agent_rules: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         self.workdir = workdir
+        # agent_rules: the agent talks to the API server as a service account that its ClusterRole's
+        # rules (these) bind, and is refused (403) what they do not grant; None: it may do anything.
+        self.agent_rules = agent_rules
         self.status_lag = status_lag
         self._status_timers: list[threading.Timer] = []
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
+        self.agent_kubeconfig = self.kubeconfig
         # Unix socket paths are limited to 107 bytes: keep <vm>/<pod uid>/vcuda.sock short.
         self.vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))
         self.checkpoint_dir = workdir / "checkpoint"
@@ -212,6 +217,9 @@ class SimCluster:
         self.api.start()
         self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
         self.api.write_kubeconfig(self.kubeconfig)
+        if self.agent_rules is not None:
+            token = self.api.add_service_account("kube-system", "gpu-manager", self.agent_rules)
+            self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
         self.terminator.start()
         if self._mirror:
             install_sim_driver(self.workdir / "host")
@@ -224,7 +232,7 @@ class SimCluster:
     def agent_args(self) -> list[str]:
         """The agent's flags (after the harness's own)."""
         return [
-            f"--kubeconfig={self.kubeconfig}",
+            f"--kubeconfig={self.agent_kubeconfig}",
             f"--hostname-override={NODE}",
             "--share-mode=true",
             f"--virtual-manager-path={self.vm_path}",

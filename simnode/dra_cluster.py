@@ -113,13 +113,18 @@ class DRACluster:
         health_quiet_period: str = "5m",
         api_process: bool = False,
         status_lag: float = STATUS_LAG_SECONDS,
+        agent_rules: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         self.workdir = workdir
+        # agent_rules: the agent talks to the API server as a service account that its ClusterRole's
+        # rules (these) bind, and is refused (403) what they do not grant; None: it may do anything.
+        self.agent_rules = agent_rules
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         # api_process: the API server in its own process (benchmarks: a real one is another machine,
         # its work must not compete with the stand-ins for this interpreter).
         self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
+        self.agent_kubeconfig = self.kubeconfig
         # Unix socket paths are limited to 107 bytes: keep the kubelet's directories short.
         self.sockets_dir = Path(tempfile.mkdtemp(prefix="gm-dra-"))
         self.registry_dir = self.sockets_dir / "plugins_registry"
@@ -152,6 +157,9 @@ class DRACluster:
         self.api.start()
         self.api.add_node(NODE)
         self.api.write_kubeconfig(self.kubeconfig)
+        if self.agent_rules is not None:
+            token = self.api.add_service_account("kube-system", "gpu-manager-dra", self.agent_rules)
+            self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
         self.client = k8s_config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
         self.resource.create_device_class(device_class())
         self.kubelet = DRAKubeletSimulator(
@@ -167,7 +175,7 @@ class DRACluster:
         """The agent's flags."""
         return [
             "--mode=dra",
-            f"--kubeconfig={self.kubeconfig}",
+            f"--kubeconfig={self.agent_kubeconfig}",
             f"--hostname-override={NODE}",
             f"--plugin-registry-path={self.registry_dir}",
             f"--dra-plugin-path={self.plugin_dir}",

@@ -1,4 +1,8 @@
-"""API server refusals as text that says why: the status and the message of the Status object."""
+"""API server refusals as text that says why: the status and the message of the Status object.
+
+A 403's message is the RBAC authorizer's: it names the service account, the verb, the resource and
+its API group, which is what an operator must add to the ClusterRole bound to the account.
+"""
 
 from __future__ import annotations
 
@@ -33,3 +37,12 @@ def describe(exc: Any) -> str:
     if len(message) > MAX_MESSAGE:
         message = message[: MAX_MESSAGE - 3] + "..."
     return f"{head}: {message}" if message and message != reason else head
+
+
+def failure(exc: BaseException) -> str:
+    """One line for any failed request: :func:`describe` for an API answer (an ``ApiException``),
+    ``<type>: <message>`` for anything else (a connection error, a timeout). ``str()`` of an
+    ``ApiException`` is several lines with every response header: never logged as it is."""
+    if getattr(exc, "status", None) is not None and hasattr(exc, "body"):
+        return describe(exc)
+    return f"{type(exc).__name__}: {exc}"

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.rest import ApiClient, ApiException, KubeRest
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def delete_pod(api: ApiClient, pod: Mapping[str, Any]) -> bool:
     except ApiException as exc:
         if exc.status in (404, 409):
             return True
-        log.warning("cannot delete pod %s/%s: %s %s", namespace, name, exc.status, exc.reason)
+        log.warning("cannot delete pod %s/%s: %s", namespace, name, failure(exc))
         return False
     except Exception as exc:
         log.warning("cannot delete pod %s/%s: %s", namespace, name, exc)

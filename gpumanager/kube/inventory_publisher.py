@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
-from gpumanager.kube.rest import MERGE_PATCH, ApiClient, ApiException, KubeRest
+from gpumanager.kube.rest import MERGE_PATCH, ApiClient, KubeRest
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,7 @@ class InventoryPublisher:
                 self._publish(value)
             except Exception as exc:  # any failure (API answer, connection, timeout): keep the thread alive
                 self.failures += 1
-                self._report(
-                    f"{exc.status} {exc.reason}" if isinstance(exc, ApiException) else f"{type(exc).__name__}: {exc}"
-                )
+                self._report(failure(exc))
                 self._wake.set()  # still to do
                 if self._stop.wait(retry):
                     return

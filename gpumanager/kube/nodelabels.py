@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.rest import MERGE_PATCH, ApiClient, ApiException, KubeRest
 from gpumanager.retry import Backoff
 
@@ -53,7 +54,7 @@ def apply(
             log.info("labelled node %s: %s", node, labels)
             return True
         except ApiException as exc:
-            problem = f"{exc.status} {exc.reason}"
+            problem = failure(exc)
             if exc.status in (401, 403, 404, 422):
                 log.error("cannot label node %s: %s", node, problem)
                 return False

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.rest import STRATEGIC_MERGE_PATCH, ApiClient, ApiException, KubeRest
 from gpumanager.retry import Backoff
 
@@ -138,7 +139,7 @@ class AnnotationPatcher:
                     exc.reason,
                 )
                 return True
-            log.warning("annotating pod %s/%s: %s %s (will retry)", p.namespace, p.name, exc.status, exc.reason)
+            log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, failure(exc))
             return False
         except Exception as exc:
             log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, exc)

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.pager import LIST_PAGE_SIZE
 from gpumanager.kube.reflector import watch_read_timeout
 from gpumanager.kube.rest import ApiClient, KubeRest
@@ -421,7 +422,7 @@ class PodCache:
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                self._report(f"{type(exc).__name__}: {exc}")
+                self._report(failure(exc))
                 # The watch resumes from the last resourceVersion; the server answers 410 if it
                 # no longer has that history, and then we list again.
                 if self.backoff.wait(self._stop):

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from gpumanager.kube.apierror import failure
 from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
 
 log = logging.getLogger(__name__)
@@ -279,6 +280,6 @@ class Reflector:
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                self._report(f"{type(exc).__name__}: {exc}")
+                self._report(failure(exc))
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)

@@ -303,3 +303,27 @@ def test_prestart_of_a_static_pod_named_by_the_kubelet_checkpoint(tmp_path: Path
     allocator.allocate(ids)
     alloc = allocator.pre_start(ids, ("0123456789abcdef0123456789abcdef", "c"))
     assert alloc.key == ("00000000-0000-4000-8000-000000000001", "c") and alloc.started
+
+
+# -- an admission the kubelet failed after our Allocate ------------------------------------------------
+
+
+def test_ids_repeated_then_their_pod_failed_admission_stay_with_the_pod_that_got_them(tmp_path: Path) -> None:
+    """Pod a's Allocate succeeded, then the kubelet failed a's admission (another resource refused:
+    UnexpectedAdmissionError) and gave the same IDs to the identical pod b before a's status said so,
+    so b got a's answer as a repeat. When a's failure shows, the IDs and the answer are b's: b keeps
+    the GPU (no other pod may be placed on it) and starts with those IDs."""
+    a = make_pod("a", [("c", 50, 4)])
+    b = make_pod("b", [("c", 50, 4)], created="2026-11-21T10:00:30Z")
+    pods = FakePods([a, b])
+    allocator = _one_gpu(tmp_path, pods)
+    ids = core_ids(0, 50)
+    first = allocator.allocate(ids)
+    assert allocator.allocate(ids) == first  # b's, while a still shows Pending everywhere
+    a["status"] = {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "Allocate failed"}
+    _check(allocator, pods).on_pod_event("MODIFIED", a)
+    assert _free(allocator) == (50, 16384 - 1024)
+    started = allocator.pre_start(ids, (uid_of("b"), "c"))
+    assert started.key == (uid_of("b"), "c")
+    assert started.answered == (uid_of("a"), "c")  # the directory its answer mounts
+    assert _free(allocator) == (50, 16384 - 1024)

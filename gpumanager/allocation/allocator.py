@@ -208,6 +208,9 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
         self._guessed: set[tuple[str, str]] = set()
+        # Unstarted allocations whose IDs came again in an Allocate answered as a repeat: perhaps the
+        # kubelet gave them to another pod after failing this one's admission (see _hand_over).
+        self._repeated: set[tuple[str, str]] = set()
         # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
         # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).
         self._asked_at: dict[frozenset[str], float] = {}
@@ -443,6 +446,7 @@ class Allocator:
                     if self._is_repeat(known) and not (handed_on and known == suspect):
                         repeat = self._response(known)
                         ticket = self._unsynced.get(known, 0)
+                        self._repeated.add(known)
                         # Perhaps the IDs handed on after a failed admission: a List made before this
                         # Allocate may show the container that held them first.
                         self._asked_at[wanted] = received
@@ -1370,6 +1374,7 @@ class Allocator:
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
         self._guessed.discard(key)
+        self._repeated.discard(key)
         self._generation += 1
         waiting = self._waiting.get(key[0]) if alloc is not None else None
         if waiting is not None and len(waiting.requests) == 1 and waiting.keys[0] == key:
@@ -1779,11 +1784,15 @@ class Allocator:
 
     def _release_locked(self, pod_uid: str) -> list[ContainerAllocation]:
         freed = []
+        repeated = []
         for container in sorted(self._by_pod.get(pod_uid, ())):
+            asked_again = (pod_uid, container) in self._repeated
             alloc = self._remove((pod_uid, container))
             if alloc is not None:
                 self._free(alloc)
                 freed.append(alloc)
+                if asked_again and not alloc.started:
+                    repeated.append(alloc)
         self._mirror_gone.pop(pod_uid, None)
         if freed:
             self._fresh_only.pop(pod_uid, None)
@@ -1794,7 +1803,42 @@ class Allocator:
                 freed[0].namespace + "/" + freed[0].pod_name if freed[0].pod_name else "?",
                 ", ".join(f"{a.container} on GPUs {list(a.minors)}" for a in freed),
             )
+        for alloc in repeated:
+            self._hand_over(alloc)
         return freed
+
+    def _hand_over(self, alloc: ContainerAllocation) -> None:
+        """``alloc``, just released, never started, and its IDs were asked for again: the kubelet gave them
+        (and so our answer) to another pod after failing this one's admission, before its status said so.
+        The container that waits first with the same request takes the allocation over, its answer
+        unchanged (lock held); PreStartContainer, which hears from the kubelet who starts, repairs a wrong
+        pick among identical pods as after any guess."""
+        if not alloc.device_ids or frozenset(alloc.device_ids) in self._by_ids:
+            return
+        self._retired.add(alloc.key)  # its pod has ended: never matched again
+        self._take_pod_changes()
+        candidate = self._match_cached(alloc.cores)
+        if candidate is None or podinfo.uid(candidate.pod) == alloc.pod_uid:
+            return
+        if candidate.request.memory_bytes != alloc.memory:
+            return
+        try:
+            taken = replace(self._allocation(candidate, alloc.device_ids, alloc.minors), answered_as=alloc.answered)
+            self._place(taken)
+        except (KeyError, ValueError) as exc:
+            log.warning("cannot hand pod %s container %s's GPUs on: %s", *alloc.key, exc)
+            return
+        self._guessed.add(taken.key)
+        self._save_or_report([_put(taken)])
+        log.info(
+            "pod %s container %s ended before it started, after the kubelet asked again for its %s: they and its "
+            "answer (GPUs %s) are taken to be pod %s container %s's, the first waiting with the same request",
+            *alloc.key,
+            ids.describe(alloc.device_ids),
+            list(alloc.minors),
+            podinfo.pod_key(candidate.pod),
+            candidate.request.name,
+        )
 
     def recycle(self) -> list[str]:
         """Free pods that are gone or finished (only with a complete view of the node's pods). A

@@ -86,7 +86,26 @@ def kube_client(kubeconfig: str = "") -> KubeClient:
         cfg.retries = retries()
         return KubeClient(cfg, lazy_package.import_module("kubernetes.client.rest").RESTClientObject(cfg))
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
-        raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {exc}") from exc
+        reason = _not_a_kubeconfig(kubeconfig) or str(exc)
+        raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {reason}") from exc
+
+
+def _not_a_kubeconfig(kubeconfig: str) -> str:
+    """Why a kubeconfig file the loader refused is none at all (its YAML is no mapping, where the loader's
+    own error reads "'str' object does not support item assignment"), naming the file; "" otherwise."""
+    yaml = lazy_package.import_module("yaml")
+    for path in _kubeconfig_paths(kubeconfig):
+        try:
+            with open(path, encoding="utf-8") as file:
+                doc = yaml.safe_load(file)
+        except (OSError, ValueError, yaml.YAMLError):
+            continue  # the loader's own error says more
+        if doc is not None and not isinstance(doc, dict):
+            return (
+                f"{path} is not a kubeconfig: its YAML is a {type(doc).__name__}, not a mapping "
+                "with clusters, contexts and users"
+            )
+    return ""
 
 
 def _kubeconfig_paths(kubeconfig: str) -> list[str]:

@@ -13,6 +13,7 @@ from gpumanager import names
 from gpumanager.allocation import journal
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from simnode.cluster import SimCluster, gpu_pod
+from simnode.kubelet import PluginRPCError
 
 
 def _reregistered(c: SimCluster, since: float) -> None:
@@ -66,3 +67,17 @@ def test_stop_while_the_checkpoint_is_being_loaded_keeps_it(tmp_path: Path, sim_
         again.signal(signal.SIGTERM)
         again.wait(timeout=20)
         assert list(_mapping(c)) == [run.uid]
+
+
+def test_a_pod_marked_assigned_does_not_take_an_unstarted_containers_place(tmp_path: Path, sim_built: Path) -> None:
+    """An Allocate no waiting container explains, while a pending pod already marked gpu-assigned=true asks
+    for that many cores: that pod may be the one asking, so the request is refused as before, and the
+    unstarted container holding an allocation of that size keeps it."""
+    with SimCluster(tmp_path, "v100-pcie-x4") as c:
+        p = c.admit(gpu_pod("p1", [("main", 50, 4)]))
+        before = _mapping(c)[p.uid]["main"]
+        odd = gpu_pod("q1", [("main", 50, 4)], annotations={names.GPU_ASSIGNED: "true"})
+        with pytest.raises(PluginRPCError, match="gpu-assigned=true"):
+            c.admit(odd)
+        assert _mapping(c)[p.uid]["main"] == before
+        c.start_containers(p)

@@ -515,7 +515,12 @@ class Allocator:
                             *held.alloc.key,
                         )
                         repeat, ticket, known = self._response(held.alloc.key), held.ticket, held.alloc.key
-                    elif found is None and held is None and (lost := self._lost_answer(fresh, cores, wanted)):
+                    elif (
+                        found is None
+                        and held is None
+                        and not self._explain_no_match(fresh, cores)  # no other pod that may be asking
+                        and (lost := self._lost_answer(fresh, cores, wanted))
+                    ):
                         # The kubelet asks again for a container we answered: it never recorded that answer
                         # (it restarted while the answer was on its way) and re-admits the pod with other IDs.
                         log.warning(

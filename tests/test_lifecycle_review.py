@@ -321,8 +321,10 @@ def test_ids_repeated_then_their_pod_failed_admission_stay_with_the_pod_that_got
     first = allocator.allocate(ids)
     assert allocator.allocate(ids) == first  # b's, while a still shows Pending everywhere
     a["status"] = {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "Allocate failed"}
-    _check(allocator, pods).on_pod_event("MODIFIED", a)
+    check = _check(allocator, pods)
+    check.on_pod_event("MODIFIED", a)
     assert _free(allocator) == (50, 16384 - 1024)
+    assert uid_of("a") in check.active_pod_dirs(among={uid_of("a")})  # b's answer mounts a's directory
     started = allocator.pre_start(ids, (uid_of("b"), "c"))
     assert started.key == (uid_of("b"), "c")
     assert started.answered == (uid_of("a"), "c")  # the directory its answer mounts

@@ -30,7 +30,7 @@ def test_extender_manifest_rbac_and_command() -> None:
     assert rules == {
         (("pods",), ("get", "list", "watch", "patch")),
         (("pods/binding",), ("create",)),
-        (("nodes",), ("get", "list", "watch")),
+        (("nodes",), ("list", "watch")),
     }
     deployment = by_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"

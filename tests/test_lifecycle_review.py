@@ -329,3 +329,21 @@ def test_ids_repeated_then_their_pod_failed_admission_stay_with_the_pod_that_got
     assert started.key == (uid_of("b"), "c")
     assert started.answered == (uid_of("a"), "c")  # the directory its answer mounts
     assert _free(allocator) == (50, 16384 - 1024)
+
+
+def test_init_container_place_is_taken_by_the_container_gpu_admission_predicated_there(tmp_path: Path) -> None:
+    """With gpu-admission the app container comes with predicate-gpu-idx naming the one GPU, which its
+    pod's init container holds a share of: that share is the pod's own, ended before the app starts."""
+    pod = _with_init("p", [("init", 50, 4)], [("app", 100, 0)])
+    pod["metadata"]["annotations"].update(
+        {
+            "tencent.com/predicate-gpu-idx-0": "0",
+            "tencent.com/predicate-time": "1",
+            "tencent.com/gpu-assigned": "false",
+        }
+    )
+    allocator = _one_gpu(tmp_path, FakePods([pod]))
+    ids = core_ids(0, 100)
+    allocator.allocate(ids[:50])
+    assert allocator.allocate(ids).annotations["tencent.com/vcuda-device"] == "/dev/nvidia0"
+    assert _free(allocator) == (0, 0)

@@ -1072,7 +1072,9 @@ class Allocator:
             )
             predicated = None
         if predicated is not None:
-            minors = self._check_predicated(who, predicated, cores, memory)
+            minors = self._check_predicated(
+                who, predicated, cores, memory, self._lending_inits(self._tree, podinfo.uid(pod))
+            )
         else:
             tree = self._tree_without_predicated(pod, req)
             indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
@@ -1198,7 +1200,11 @@ class Allocator:
                     scratch.occupy(leaf.index, cores, memory)
         return scratch
 
-    def _check_predicated(self, who: _Subject, minors: list[int], cores: int, memory: int) -> tuple[int, ...]:
+    def _check_predicated(
+        self, who: _Subject, minors: list[int], cores: int, memory: int, tree: TopologyTree
+    ) -> tuple[int, ...]:
+        """The predicated GPUs, when ``tree`` (the topology tree, or a copy where the pod's own init
+        containers make way) has room on each."""
         need = 1 if cores <= names.HUNDRED_CORES else cores // names.HUNDRED_CORES
         shown = ",".join(map(str, minors))
         if len(minors) != need or len(set(minors)) != len(minors):
@@ -1207,7 +1213,7 @@ class Allocator:
             )
         for minor in minors:
             try:
-                leaf = self._tree.leaf_by_minor(minor)
+                leaf = tree.leaf_by_minor(minor)
             except (KeyError, ValueError):
                 raise AllocationError(
                     f"{who}: predicate-gpu-idx names GPU {minor}, which this node does not have "

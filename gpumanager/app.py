@@ -571,7 +571,7 @@ class Agent:
             report=self._report,
         )
         if self.query is not None:
-            self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus))
+            self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus, self.dra.reserved))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:

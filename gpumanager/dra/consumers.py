@@ -5,11 +5,22 @@ template whose generated claim is named in ``status.resourceClaimStatuses[]``); 
 container uses the ones listed in ``resources.claims[].name``, and the one the scheduler made for
 its extended resources (``status.extendedResourceClaimStatus``). Init containers (sidecars with
 ``restartPolicy: Always`` among them) use claims the same way as the app containers.
+
+A pod names a claim by name only, and a claim deleted and made again under its name (while the old
+one is still prepared, its pod still terminating) is another claim, of another UID, used by other
+pods. The join is the claim object's ``status.reservedFor``: it lists the UIDs of the pods the claim
+is reserved for, and the kubelet runs a pod only once each claim of it is reserved for it. So a pod
+means the prepared claim of that name whose ``reservedFor`` was seen to hold the pod's UID
+(:class:`Reservations`, filled from every read of a claim); where no read has shown the pod yet
+(a pod that joined a claim after its Prepare, or after a restart of the agent) and only one claim of
+that name is prepared, it means that one; where several are, none, until a read tells.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from gpumanager.allocation import pods as podinfo
@@ -65,23 +76,132 @@ def containers_using(pod: Pod, claim_name: str) -> list[str]:
     return [name for name, claims in container_claims(pod).items() if claim_name in claims]
 
 
-def consumers(claim: ClaimAllocation, pods: Iterable[Pod]) -> list[tuple[Pod, str]]:
-    """(pod, container) pairs of running or pending pods in the claim's namespace that use it."""
+Reserved = Mapping[str, AbstractSet[str]]
+"""Claim UID -> the UIDs of the pods its ``status.reservedFor`` was seen to hold."""
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
+    """(claim UID, UIDs of the pods its ``status.reservedFor`` holds) of a claim as the API server has it."""
+    meta = claim.get("metadata")
+    uid = str(meta.get("uid") or "") if isinstance(meta, Mapping) else ""
+    status = claim.get("status")
+    entries = status.get("reservedFor") if isinstance(status, Mapping) else None
+    pods = frozenset(
+        str(e["uid"])
+        for e in (entries if isinstance(entries, list) else [])
+        if isinstance(e, Mapping) and e.get("resource") == "pods" and e.get("uid")
+    )
+    return uid, pods
+
+
+class Reservations:
+    """The pods each claim was seen reserved for, by claim UID (thread-safe; in memory only: after a
+    restart a read of the claim fills it again)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[str, frozenset[str]] = {}
+        self._unused: set[str] = set()  # UIDs not prepared at the last prune: dropped at the next
+        self.generation = 0  # changes whenever what a pod means may change
+
+    def saw(self, claim: Mapping[str, Any]) -> None:
+        """A read of ``claim``: the pods it is reserved for are added to those seen before."""
+        uid, pods = reserved_pods(claim)
+        if uid:
+            self.add(uid, pods)
+
+    def add(self, uid: str, pods: AbstractSet[str]) -> None:
+        """Pods known to be reserved in claim ``uid``."""
+        with self._lock:
+            known = self._pods.get(uid, frozenset())
+            if not pods <= known:
+                self._pods[uid] = known | pods
+                self.generation += 1
+            self._unused.discard(uid)
+
+    def snapshot(self) -> dict[str, frozenset[str]]:
+        """Claim UID -> pod UIDs."""
+        with self._lock:
+            return dict(self._pods)
+
+    def prune(self, prepared: AbstractSet[str]) -> None:
+        """Forget the claims not prepared now nor at the last prune (a claim read for a Prepare still in
+        progress is kept until the next one)."""
+        with self._lock:
+            for uid in [u for u in self._pods if u not in prepared]:
+                if uid in self._unused:
+                    del self._pods[uid]
+                    self._unused.discard(uid)
+                else:
+                    self._unused.add(uid)
+            self._unused &= set(self._pods)
+
+
+def owner(
+    pod_uid: str, namespace: str, name: str, claims: Iterable[ClaimAllocation], reserved: Reserved
+) -> ClaimAllocation | None:
+    """The prepared claim a pod means by claim ``name``: the one seen reserved for it; where none was, the
+    only one of that name (None where several are, or none)."""
+    group = [c for c in claims if c.namespace == namespace and c.name == name]
+    for c in group:
+        if pod_uid in reserved.get(c.uid, ()):
+            return c
+    return group[0] if len(group) == 1 else None
+
+
+def unowned(
+    claims: Sequence[ClaimAllocation], pods: Iterable[Pod], reserved: Reserved
+) -> dict[tuple[str, str], list[str]]:
+    """(namespace, claim name) of each name several prepared claims have -> UIDs of the running or pending
+    pods that use a claim of that name but that no read has shown reserved in one of them."""
+    names: dict[tuple[str, str], int] = {}
+    for c in claims:
+        names[(c.namespace, c.name)] = names.get((c.namespace, c.name), 0) + 1
+    out: dict[tuple[str, str], list[str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if podinfo.is_terminated(pod):
+            continue
+        namespace, uid = str(meta.get("namespace", "")), podinfo.uid(pod)
+        used = {n for ns in container_claims(pod).values() for n in ns}
+        for name in sorted(used):
+            if names.get((namespace, name), 0) > 1 and owner(uid, namespace, name, claims, reserved) is None:
+                out.setdefault((namespace, name), []).append(uid)
+    return out
+
+
+def consumers(
+    claim: ClaimAllocation,
+    pods: Iterable[Pod],
+    claims: Sequence[ClaimAllocation] = (),
+    reserved: Reserved | None = None,
+) -> list[tuple[Pod, str]]:
+    """(pod, container) pairs of running or pending pods in the claim's namespace that use it: that name
+    it, and mean this claim of that name (:func:`owner`; ``claims``: every prepared claim, ``reserved``:
+    :class:`Reservations`' snapshot)."""
+    everyone = [*claims, claim] if claim not in claims else list(claims)
+    known = reserved or {}
     out: list[tuple[Pod, str]] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         if meta.get("namespace") != claim.namespace or podinfo.is_terminated(pod):
             continue
-        out.extend((pod, name) for name in containers_using(pod, claim.name))
+        users = containers_using(pod, claim.name)
+        means = owner(podinfo.uid(pod), claim.namespace, claim.name, everyone, known) if users else None
+        if means is None or means.uid != claim.uid:
+            continue
+        out.extend((pod, name) for name in users)
     return out
 
 
-def container_allocations(claims: Sequence[ClaimAllocation], pods: Sequence[Pod]) -> list[ContainerAllocation]:
+def container_allocations(
+    claims: Sequence[ClaimAllocation], pods: Sequence[Pod], reserved: Reserved | None = None
+) -> list[ContainerAllocation]:
     """The claims as per-container allocations: what /usage and the container metrics show."""
     out = []
     for claim in claims:
         share = next((d for d in claim.devices if not d.whole), None)
-        for pod, container in consumers(claim, pods):
+        for pod, container in consumers(claim, pods, claims, reserved):
             meta = pod.get("metadata") or {}
             out.append(
                 ContainerAllocation(

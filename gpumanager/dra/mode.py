@@ -26,6 +26,7 @@ from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.dra import cdi, consumers, devices, sharing
 from gpumanager.dra import constants as c
+from gpumanager.dra.claims import ClaimError, ClaimNotFound
 from gpumanager.dra.plugin import DRAPluginSockets, socket_paths
 from gpumanager.dra.prepare import ClaimPreparer, api_reader
 from gpumanager.dra.publisher import SlicePublisher
@@ -167,16 +168,25 @@ class DRAMode:
         self._started_unix = time.time()
         self._last_pids: dict[str, list[int]] = {}
         self._unwritable = UnwritableFiles()  # claims' pids.config the refresh cannot write (reported)
+        # The pods each claim was seen reserved for: which prepared claim a pod's claim name means.
+        self.reservations = consumers.Reservations()
+        self._asked: set[tuple[str, str, frozenset[str]]] = set()  # (namespace, name, pods) read for that
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
-            reader = api_reader(api_client)
+            api_read = api_reader(api_client)
             read_pod = sharing.api_pod_reader(api_client)
+
+            def reader(namespace: str, name: str) -> dict[str, Any]:
+                data = api_read(namespace, name)
+                self.reservations.saw(data)
+                return data
+
         else:
 
             def reader(namespace: str, name: str) -> dict[str, Any]:
-                from gpumanager.dra.claims import ClaimError
-
                 raise ClaimError(f"claim {namespace}/{name}: no API server is configured (--kubeconfig)")
+
+        self._read_claim = reader
 
         self.preparer = ClaimPreparer(
             read_claim=reader,
@@ -194,7 +204,7 @@ class DRAMode:
                 pod_by_uid=pod,
                 read_pod=read_pod,
                 read_claim=reader,
-                prepared=self._prepared_by_name,
+                prepared=self._prepared_for,
             ),
             taints=self._taint_values,
         )
@@ -342,12 +352,73 @@ class DRAMode:
         """Prepared claims."""
         return self._allocator.claims()
 
-    def _prepared_by_name(self, namespace: str, name: str) -> ClaimAllocation | None:
-        return next((c for c in self._allocator.claims() if c.namespace == namespace and c.name == name), None)
+    def _prepared_for(self, namespace: str, name: str, pod_uid: str) -> ClaimAllocation | None:
+        """The prepared claim ``namespace/name`` seen reserved for pod ``pod_uid`` (None: none was)."""
+        reserved = self.reservations.snapshot()
+        return next(
+            (
+                c
+                for c in self._allocator.claims()
+                if c.namespace == namespace and c.name == name and pod_uid in reserved.get(c.uid, ())
+            ),
+            None,
+        )
+
+    def reserved(self) -> consumers.Reserved:
+        """Claim UID -> the pods it was seen reserved for (what :func:`consumers.consumers` joins by)."""
+        return self.reservations.snapshot()
 
     def container_allocations(self) -> list[ContainerAllocation]:
         """Containers using prepared claims, as allocations (for /usage and the container metrics)."""
-        return consumers.container_allocations(self.claims(), self._pods())
+        return consumers.container_allocations(self.claims(), self._pods(), self.reserved())
+
+    def _tell_apart(self, claims: Sequence[ClaimAllocation], pods: Sequence[Pod]) -> None:
+        """Where several prepared claims have one name (one deleted and made again while still prepared)
+        and a pod using that name was never seen reserved in one of them (it joined after the Prepare, or
+        the agent restarted), read the claim of that name the API server has now: the pods it is reserved
+        for are its own; with exactly one other claim of that name prepared, the rest are that one's."""
+        reserved = self.reservations.snapshot()
+        wanted = consumers.unowned(claims, pods, reserved)
+        keys = {(ns, name, frozenset(uids)) for (ns, name), uids in wanted.items()}
+        self._asked &= keys
+        for (namespace, name), uids in wanted.items():
+            key = (namespace, name, frozenset(uids))
+            if key in self._asked:
+                continue
+            try:
+                data: dict[str, Any] | None = self._read_claim(namespace, name)
+            except ClaimNotFound:
+                data = None
+            except ClaimError as exc:
+                log.debug("cannot tell which claim %s/%s pods %s use: %s", namespace, name, uids, exc)
+                continue
+            self._asked.add(key)
+            current = consumers.reserved_pods(data)[0] if data is not None else ""
+            group = [c for c in claims if (c.namespace, c.name) == (namespace, name)]
+            rest = [c for c in group if c.uid != current]
+            now = self.reservations.snapshot().get(current, frozenset())
+            left = {u for u in uids if u not in now}
+            if left and len(rest) == 1 and len(group) == len(rest) + 1:
+                self.reservations.add(rest[0].uid, left)
+                log.info(
+                    "claims %s/%s %s are prepared: pods %s use %s (the API server's claim of that name, %s, is "
+                    "reserved for other pods)",
+                    namespace,
+                    name,
+                    ", ".join(c.uid for c in group),
+                    ", ".join(sorted(left)),
+                    rest[0].uid,
+                    current,
+                )
+            elif left:
+                log.warning(
+                    "claims %s/%s %s are prepared; which of them pods %s use is not known: their containers' "
+                    "processes are in neither's pids.config",
+                    namespace,
+                    name,
+                    ", ".join(c.uid for c in group),
+                    ", ".join(sorted(left)),
+                )
 
     def refresh_pids(self) -> int:
         """Rewrite pids.config of every shared claim whose containers' processes changed.
@@ -361,7 +432,11 @@ class DRAMode:
         live: set[str] = set()
         refreshed: set[Path] = set()
         pods = self._pods()
-        for claim in self.claims():
+        claims = self.claims()
+        self.reservations.prune({c.uid for c in claims})
+        self._tell_apart(claims, pods)
+        reserved = self.reserved()
+        for claim in claims:
             if not claim.shared:
                 continue
             live.add(claim.uid)
@@ -369,7 +444,7 @@ class DRAMode:
             path = directory / names.PIDS_CONFIG_FILE
             refreshed.add(path)
             pids: set[int] = set()
-            users = consumers.consumers(claim, pods)
+            users = consumers.consumers(claim, pods, claims, reserved)
             for pod, container in users:
                 cid = podinfo.container_ids(pod).get(container)
                 if cid:

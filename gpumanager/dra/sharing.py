@@ -42,7 +42,9 @@ class SharingCheck:
     pod_by_uid: Callable[[str], Pod | None]
     read_pod: Callable[[str, str], JSON | None]  # None: gone (404); ClaimError: cannot be read
     read_claim: Callable[[str, str], JSON]
-    prepared: Callable[[str, str], ClaimAllocation | None]  # (namespace, name) -> our prepared claim
+    #: (namespace, name, pod UID) -> the prepared claim of that name seen reserved for that pod; None where
+    #: none was (the claim is then read from the API server: the one of that name there now).
+    prepared: Callable[[str, str, str], ClaimAllocation | None]
 
 
 def _pods(check: SharingCheck, namespace: str, claim: Mapping[str, Any]) -> Iterator[Pod]:
@@ -65,10 +67,12 @@ def _pods(check: SharingCheck, namespace: str, claim: Mapping[str, Any]) -> Iter
         yield pod
 
 
-def _ours(check: SharingCheck, namespace: str, name: str) -> ClaimAllocation | None:
-    """The claim as this driver holds it, or None when it holds no device of the driver here (or the
-    API server no longer has it); ClaimError when it cannot be read."""
-    known = check.prepared(namespace, name)
+def _ours(check: SharingCheck, namespace: str, name: str, pod_uid: str) -> ClaimAllocation | None:
+    """The claim ``name`` of pod ``pod_uid`` as this driver holds it, or None when it holds no device of
+    the driver here (or the API server no longer has it); ClaimError when it cannot be read. A prepared
+    claim of that name counts only if it was seen reserved for the pod: an older claim of that name,
+    deleted and made again while still prepared, is not the pod's."""
+    known = check.prepared(namespace, name, pod_uid)
     if known is not None:
         return known
     try:
@@ -96,18 +100,19 @@ class Review:
 def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: ClaimAllocation) -> Review:
     """Look at every container of the pods ``claim`` (read as ``data``) is reserved for that uses it."""
     namespace = ref.namespace
-    others: dict[str, ClaimAllocation | None] = {}  # each other claim read once
+    others: dict[tuple[str, str], ClaimAllocation | None] = {}  # each other claim of each pod read once
     for pod in _pods(check, namespace, data):
         meta = pod.get("metadata") or {}
+        pod_uid = str(meta.get("uid") or "")
         for container, used in container_claims(pod).items():
             if ref.name not in used or len(used) < 2:
                 continue
             for other in used:
                 if other == ref.name:
                     continue
-                if other not in others:
-                    others[other] = _ours(check, namespace, other)
-                theirs = others[other]
+                if (pod_uid, other) not in others:
+                    others[(pod_uid, other)] = _ours(check, namespace, other, pod_uid)
+                theirs = others[(pod_uid, other)]
                 if theirs is None:
                     continue
                 if claim.shared or theirs.shared:

@@ -14,7 +14,8 @@ GPU, ``namespace`` and ``pod`` for who uses it, plus ``claim`` and ``claim_uid``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -37,8 +38,11 @@ class ClaimCollector(Collector):
         claims: Callable[[], list[ClaimAllocation]],
         pods: Callable[[], list[Pod]],
         gpus: Sequence[GPUInfo],
+        reserved: Callable[[], Mapping[str, AbstractSet[str]]] | None = None,
     ) -> None:
         self._claims = claims
+        # Claim UID -> pods it was seen reserved for: which of several claims of one name a pod uses.
+        self._reserved = reserved
         self._pods = pods
         self._by_minor = {g.minor: g for g in gpus}
 
@@ -62,7 +66,9 @@ class ClaimCollector(Collector):
             labels=list(CLAIM_POD_LABELS),
         )
         pods = self._pods()
-        for claim in self._claims():
+        claims = self._claims()
+        reserved = self._reserved() if self._reserved is not None else {}
+        for claim in claims:
             per_gpu: dict[int, tuple[int, int, bool]] = {}
             for d in claim.devices:
                 gpu = self._by_minor.get(d.minor)
@@ -81,7 +87,7 @@ class ClaimCollector(Collector):
                 cores.add_metric(values, min(taken_cores, names.HUNDRED_CORES) / names.HUNDRED_CORES)
                 memory.add_metric(values, float(taken_memory))
             per_pod: dict[str, int] = {}
-            for pod, _container in consumers(claim, pods):
+            for pod, _container in consumers(claim, pods, claims, reserved):
                 name = str((pod.get("metadata") or {}).get("name", ""))
                 per_pod[name] = per_pod.get(name, 0) + 1
             for name, count in sorted(per_pod.items()):

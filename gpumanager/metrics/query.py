@@ -103,16 +103,17 @@ class QueryEndpoints:
         mine = agent.allocator.allocations() if agent.allocator is not None else []
         return mine + agent.dra.container_allocations() if agent.dra is not None else mine
 
-    def _state_version(self) -> tuple[int, int, int, bool]:
+    def _state_version(self) -> tuple[int, int, int, int]:
         """Changes whenever :meth:`_allocations` or a pod lookup could answer differently: the allocator's
-        generation (allocations, claims), the pod cache's (changes(-1) only reads it) and which parts exist."""
+        generation (allocations, claims), the pod cache's (changes(-1) only reads it), which parts exist
+        and what DRA mode knows of the pods each claim is reserved for (-1: no DRA mode)."""
         agent = self._agent
         allocator = agent.allocator
         return (
             id(allocator),
             allocator.generation if allocator is not None else -1,
             agent.pods.changes(-1)[0],
-            agent.dra is not None,
+            agent.dra.reservations.generation if agent.dra is not None else -1,
         )
 
     def stop(self) -> None:

@@ -220,3 +220,50 @@ def test_sharing_check_reads_the_recreated_claim_not_the_old_one(v100: DRAClient
     api.replace_namespaced_resource_claim_status("c", "default", stored, _preload_content=False)
     answer = v100.prepare(v100.ref(w))[w["metadata"]["uid"]]
     assert answer.error == ""
+
+
+# -- 2. admin access is monitoring access, not a share ------------------------------------------------
+
+
+@pytest.fixture
+def t4_legacy(tmp_path: Path, sim_built: Path) -> Iterator[DRAClient]:
+    """A one-GPU DRA node with upstream's container_* families on."""
+    client = start_dra_node(tmp_path / "node", "t4-x1", flags=["--legacy-metrics"])
+    client.cluster.status_lag = 0
+    try:
+        yield client
+    finally:
+        stop_dra_node(client)
+
+
+def test_admin_access_container_requests_nothing(t4_legacy: DRAClient) -> None:
+    node = t4_legacy
+    worker = make_pod(node, "worker", {"gpu": "share"})
+    run_pod(node, worker, 5001)
+    share = make_claim(node, "share", [result("gpu-0", cores="30", memory="1Gi", share="s-1")], [worker])
+    monitor = make_pod(node, "monitor", {"gpu": "admin"})
+    run_pod(node, monitor, 5002)
+    admin = {**result("gpu-0"), "adminAccess": True}
+    watch = make_claim(node, "admin", [admin], [monitor])
+    answers = node.prepare(node.ref(share), node.ref(watch))
+    assert [a.error for a in answers.values()] == ["", ""]
+
+    worker_uid, monitor_uid = worker["metadata"]["uid"], monitor["metadata"]["uid"]
+    wait_for("the worker in /usage", lambda: worker_uid in http_json(node, "/usage")["usage"])
+    usage = http_json(node, "/usage")["usage"]
+    assert usage[worker_uid]["spec"]["main"] == {"gpu": 0.3, "mem": 1024.0}
+    assert usage.get(monitor_uid, {}).get("spec", {}).get("main", {}).get("gpu", 0.0) == 0.0, (
+        "an admin-access container requests no share of the GPU"
+    )
+
+    text = metrics(node)
+    requests = [
+        ln for ln in text.splitlines() if ln.startswith("container_request_gpu_") and 'pod_name="monitor"' in ln
+    ]
+    assert all(ln.endswith(" 0") for ln in requests), requests
+    limits = [ln for ln in text.splitlines() if ln.startswith("gpu_manager_container_gpu_") and 'pod="monitor"' in ln]
+    assert limits == [], "left out of the per-container families, as the claim families leave it out"
+    # The claim families: the admin claim consumes nothing (no series), its container is listed as a user.
+    assert f'claim_uid="{watch["metadata"]["uid"]}"' not in "".join(
+        ln for ln in text.splitlines() if ln.startswith("gpu_manager_claim_gpu_core_ratio{")
+    )

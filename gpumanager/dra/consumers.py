@@ -197,18 +197,25 @@ def consumers(
 def container_allocations(
     claims: Sequence[ClaimAllocation], pods: Sequence[Pod], reserved: Reserved | None = None
 ) -> list[ContainerAllocation]:
-    """The claims as per-container allocations: what /usage and the container metrics show."""
+    """The claims as per-container allocations: what /usage and the container metrics show.
+
+    A result with admin access (monitoring access to a GPU, beside the claims that share it) is no
+    request: as the claim metrics do, it is left out, and a container whose claim holds nothing else
+    is not shown."""
     out = []
     for claim in claims:
-        share = next((d for d in claim.devices if not d.whole), None)
+        held = [d for d in claim.devices if d.consumes]
+        if not held:
+            continue
+        share = next((d for d in held if not d.whole), None)
         for pod, container in consumers(claim, pods, claims, reserved):
             meta = pod.get("metadata") or {}
             out.append(
                 ContainerAllocation(
                     pod_uid=podinfo.uid(pod),
                     container=container,
-                    minors=claim.minors,
-                    cores=share.cores if share else 100 * len(claim.devices),
+                    minors=tuple(d.minor for d in held),
+                    cores=share.cores if share else 100 * len(held),
                     memory=share.memory if share else 0,
                     namespace=str(meta.get("namespace", "")),
                     pod_name=str(meta.get("name", "")),

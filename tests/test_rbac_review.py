@@ -211,3 +211,16 @@ def test_agent_logs_each_refusal_naming_the_account_verb_and_resource(tmp_path: 
         _refusals_logged(log, needed, "system:serviceaccount:kube-system:gpu-manager")
         (inventory,) = {line.split(" WARNING ")[-1] for line in log.splitlines() if "cannot publish" in line}
         assert 'cannot patch resource "nodes"' in inventory, inventory
+
+
+def test_an_allocate_refused_for_a_forbidden_pod_list_says_so_in_one_line(tmp_path: Path, sim_built: Path) -> None:
+    from simnode.cluster import SimCluster, gpu_pod
+    from simnode.kubelet import KubeletSimError
+
+    with SimCluster(tmp_path, "v100-pcie-x4", agent_rules=[]) as c:
+        with pytest.raises(KubeletSimError) as info:
+            c.admit(gpu_pod("p", [("c", 50, 4)]))
+        message = str(info.value)
+        assert 'cannot list resource "pods"' in message, message
+        assert "system:serviceaccount:kube-system:gpu-manager" in message, message
+        assert "HTTP response headers" not in message and "\n" not in message, message

@@ -61,6 +61,12 @@ class ShortWatchError(Exception):
     """The API server ended a watch at once with no event."""
 
 
+class PodListError(RuntimeError):
+    """A list of the node's pods the API server refused: one line with its status and the message of its
+    Status (a 403's names the service account, the verb and the resource), the client's exception as
+    the cause. Its text reaches the kubelet in an Allocate refusal, which shows it in the pod's events."""
+
+
 class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
 
@@ -227,6 +233,10 @@ class PodCache:
             if flight.sent >= arrived:
                 break
         if flight.error is not None:
+            if getattr(flight.error, "status", None) is not None:  # the client's multi-line ApiException
+                raise PodListError(
+                    f"cannot list the pods of node {self._node}: {failure(flight.error)}"
+                ) from flight.error
             raise flight.error
         assert flight.items is not None
         return flight.items
@@ -249,7 +259,7 @@ class PodCache:
         try:
             fresh = self.refresh()
         except Exception as exc:
-            log.warning("cannot look up pod %s/%s: %s", namespace, name, exc)
+            log.warning("cannot look up pod %s/%s: %s", namespace, name, failure(exc))
             return None
         for p in fresh:
             meta = p.get("metadata") or {}

@@ -121,3 +121,52 @@ def test_dra_daemonset_mounts_what_the_dra_agent_opens() -> None:
             "--cdi-root": (cfg.cdi_root, True, False),
         },
     )
+
+
+def _ports_agree(docs: list[JSON], port: int) -> None:
+    """The container port named metrics, the probes, the Service and its scrape annotation are ``port``."""
+    ds = _daemonset(docs)
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == {"metrics": port}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] in ("metrics", port), probe
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (sp,) = service["spec"]["ports"]
+    assert sp["port"] == port and sp["targetPort"] in ("metrics", port)
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert service["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("port", [5678, 9400])
+def test_chart_ports_follow_the_query_port(port: int) -> None:
+    docs = RENDER["documents"]({"port": port})
+    (container,) = _daemonset(docs)["spec"]["template"]["spec"]["containers"]
+    assert _config(container).query_port == port
+    _ports_agree(docs, port)
+
+
+def test_dra_ports_follow_the_query_port() -> None:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "dra" / "daemonset.yaml").read_text()) if d]
+    (container,) = _daemonset(docs)["spec"]["template"]["spec"]["containers"]
+    _ports_agree(docs, _config(container).query_port)
+
+
+def test_extender_ports_follow_its_listen_flag() -> None:
+    from gpumanager.extender.cli import build_parser
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "extender.yaml").read_text()) if d]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    parsed = build_parser().parse_args(container["args"])
+    port = int(parsed.listen.rpartition(":")[2])
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": port}
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (sp,) = service["spec"]["ports"]
+    assert sp["port"] == port and sp["targetPort"] in ("http", port)
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    for name in ("gpu-scheduler.yaml", "default-scheduler.yaml"):
+        config = yaml.safe_load((DEPLOY / "scheduler" / name).read_text())
+        (ext,) = config["extenders"]
+        assert ext["urlPrefix"].endswith(f":{port}{parsed.url_prefix}"), (name, ext["urlPrefix"])

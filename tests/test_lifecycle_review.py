@@ -347,3 +347,12 @@ def test_init_container_place_is_taken_by_the_container_gpu_admission_predicated
     allocator.allocate(ids[:50])
     assert allocator.allocate(ids).annotations["tencent.com/vcuda-device"] == "/dev/nvidia0"
     assert _free(allocator) == (0, 0)
+
+
+def test_allocate_with_no_pod_on_the_node_says_what_may_be_wrong(tmp_path: Path) -> None:
+    """The kubelet admitted a pod, yet the API server lists none on the node the agent watches: the
+    agent's node name differs from the kubelet's, or the pod is a static pod without a mirror pod yet."""
+    allocator = _one_gpu(tmp_path, FakePods([]))
+    with pytest.raises(AllocationError, match=r"no pod at all.*--hostname-override.*static pod") as refused:
+        allocator.allocate(core_ids(0, 50))
+    assert refused.value.kind == "not_found"

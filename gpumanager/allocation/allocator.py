@@ -961,6 +961,13 @@ class Allocator:
 
     def _explain_no_match(self, pods: Sequence[Pod], cores: int) -> str:
         """Why a pod that asks for ``cores`` was not taken, for the error message."""
+        if not pods:
+            # The kubelet admitted a pod, which the API server does not show bound to this node.
+            return (
+                "the API server lists no pod at all bound to this node: the agent's node name "
+                "(--hostname-override) may not be the kubelet's, or the pod is a static pod whose mirror pod "
+                "the kubelet makes only after admitting it"
+            )
         for pod in pods:
             if podinfo.phase(pod) != "Pending":
                 continue

@@ -54,3 +54,26 @@ def test_dra_agent_lives_a_pods_life_under_the_manifests_rbac(tmp_path: Path, si
         assert not api.forbidden(), (api.forbidden(), log[-3000:])
         unused = granted(dra_rules()) - used(api)
         assert not unused, f"granted but never used: {unused}"
+
+
+def test_dra_agent_says_which_permission_it_lacks(tmp_path: Path, sim_built: Path) -> None:
+    from simnode.dra_cluster import DRACluster, claim_pod, claim_template
+
+    # the slices alone: claims, pods and the node are refused
+    rules = [r for r in dra_rules() if r["resources"] == ["resourceslices"]]
+    with DRACluster(tmp_path / "node", "t4-x1", agent_rules=rules) as c:
+        c.add_template(claim_template("c30", cores=30, memory="4Gi"))
+        c.create_pod(claim_pod("p30", "c30"))
+        c.settle()
+        assert c.pod("p30")["status"].get("phase") != "Running"
+        assert c.agent is not None
+        log = c.agent.log_text()
+        user = "system:serviceaccount:kube-system:gpu-manager-dra"
+        for what in (
+            'cannot get resource "nodes"',
+            'cannot list resource "pods"',
+            'cannot get resource "resourceclaims"',
+        ):
+            hits = [line for line in log.splitlines() if what in line]
+            assert hits and all(user in line for line in hits), (what, log[-4000:])
+        assert "Traceback" not in log and "HTTP response headers" not in log, log[-4000:]

@@ -356,3 +356,26 @@ def test_allocate_with_no_pod_on_the_node_says_what_may_be_wrong(tmp_path: Path)
     with pytest.raises(AllocationError, match=r"no pod at all.*--hostname-override.*static pod") as refused:
         allocator.allocate(core_ids(0, 50))
     assert refused.value.kind == "not_found"
+
+
+def test_a_static_pod_replaced_by_a_new_manifest_frees_the_old_ones_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed manifest makes another static pod of the same name (another config hash): the kubelet
+    stops the old one, whose mirror pod it deletes. Once the new mirror pod shows, the old GPUs go."""
+    pod = _mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1")
+    pod["status"] = {"phase": "Pending"}
+    pods = FakePods([pod])
+    allocator = _one_gpu(tmp_path, pods)
+    allocator.allocate(core_ids(0, 50))
+    pod.update(_mirror_pod("00000000-0000-4000-8000-000000000001", "hash-1"))
+    check = _check(allocator, pods)
+    monkeypatch.setattr("gpumanager.allocation.allocator.time.monotonic", lambda: 1000.0)
+    pods.items.remove(pod)
+    check.on_pod_event("DELETED", pod)
+    new = _mirror_pod("00000000-0000-4000-8000-000000000002", "hash-2")
+    new["status"] = {"phase": "Pending"}
+    pods.items.append(new)
+    check.check()
+    assert allocator.get("00000000-0000-4000-8000-000000000001", "c") is None
+    assert _free(allocator) == (100, 16384)

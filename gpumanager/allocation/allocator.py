@@ -1983,14 +1983,19 @@ class Allocator:
     def _kept_for_mirror(self, pod_uid: str, pods: Sequence[Pod] | None) -> bool:
         """Whether a holder gone from the pod cache is a static pod that still runs (lock held): a mirror pod
         of the same static pod (the same config hash) is listed, not ended, in ``pods`` (the cache's when
-        None); or it went less than :data:`MIRROR_GRACE_SECONDS` ago."""
-        hashes = {self._allocs[(pod_uid, c)].mirror for c in self._by_pod.get(pod_uid, ())} - {""}
+        None); or it went less than :data:`MIRROR_GRACE_SECONDS` ago, and no mirror pod of its name shows
+        another static pod (a changed manifest: the kubelet stops the old one)."""
+        held = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
+        hashes = {a.mirror for a in held} - {""}
         if not hashes:
             return False
         listed = self._pods.pods() if pods is None else pods
         if any(_mirror_of(p) in hashes and not podinfo.is_terminated(p) for p in listed):
             self._mirror_gone.pop(pod_uid, None)
             return True
+        names_held = {(a.namespace, a.pod_name) for a in held if a.pod_name}
+        if any(_mirror_of(p) and podinfo.namespace_name(p) in names_held for p in listed):
+            return False  # replaced by another static pod of that name
         now = time.monotonic()
         since = self._mirror_gone.setdefault(pod_uid, now)
         return now - since < MIRROR_GRACE_SECONDS

@@ -106,6 +106,8 @@ class ApiServerSimulator:
     ``history``: changes kept for watch resumption (older resourceVersions answer 410).
     ``token``: when set, requests must carry ``Authorization: Bearer <token>`` (401 otherwise;
     none at all is the anonymous user, who may read only ``/version`` and the health paths).
+    :meth:`add_service_account` adds users whose requests RBAC rules decide (403 otherwise, as the
+    real server answers; :mod:`simnode.apiserver_rbac`); the simulator's own user may do anything.
     ``graceful_delete``: pod deletion as on a real cluster (see the module docstring); False
     removes every pod at once. ``bookmark_interval``: seconds between BOOKMARK
     events on watches that allow them (60 s, about what a real server does: an idle watch is

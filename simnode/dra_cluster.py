@@ -119,6 +119,8 @@ class DRACluster:
         # agent_rules: the agent talks to the API server as a service account that its ClusterRole's
         # rules (these) bind, and is refused (403) what they do not grant; None: it may do anything.
         self.agent_rules = agent_rules
+        if agent_rules is not None and api_process:
+            raise ValueError("agent_rules need the in-process API server (api_process=False)")
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         # api_process: the API server in its own process (benchmarks: a real one is another machine,
         # its work must not compete with the stand-ins for this interpreter).

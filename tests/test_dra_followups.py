@@ -267,3 +267,78 @@ def test_admin_access_container_requests_nothing(t4_legacy: DRAClient) -> None:
     assert f'claim_uid="{watch["metadata"]["uid"]}"' not in "".join(
         ln for ln in text.splitlines() if ln.startswith("gpu_manager_claim_gpu_core_ratio{")
     )
+
+
+# -- 3. the node renamed: claims recorded under the old pool -------------------------------------------
+
+
+def test_claims_of_the_old_pool_are_named_once_at_start_and_stay_enforced(tmp_path: Path, sim_built: Path) -> None:
+    node = start_dra_node(tmp_path / "node", "t4-x1")
+    try:
+        cluster = node.cluster
+        worker = make_pod(node, "worker", {"gpu": "share"})
+        share = make_claim(node, "share", [result("gpu-0", cores="30", memory="1Gi", share="s-1")], [worker])
+        uid = share["metadata"]["uid"]
+        assert node.prepare(node.ref(share))[uid].error == ""
+        assert cluster.agent is not None
+        cluster.agent.stop()
+        before = len(cluster.agent.log_text())
+        # The node comes back under another name: the agent's pool is now "renamed".
+        cluster.api.add_node("renamed")
+        cluster._agent_flags.append("--hostname-override=renamed")
+        node.close()
+        agent = cluster.start_agent()
+        node.__init__(cluster)  # type: ignore[misc]  # a channel to the new socket
+        line = f"{uid}"
+        agent.wait_for_log("renamed", timeout=20)
+        wait_for("the start's line", lambda: line in agent.log_text()[before:] and "pool" in agent.log_text()[before:])
+        since = agent.log_text()[before:]
+        named = [ln for ln in since.splitlines() if uid in ln and "sim-node" in ln and "'renamed'" in ln]
+        assert len(named) == 1, since[-3000:]
+        assert "default/share" in named[0]
+
+        # Still prepared and enforced: its files are there, its 30 cores held, the kubelet's retry answered.
+        assert (cluster.vm_path / uid / "vcuda.config").exists()
+        assert (cluster.cdi_root / f"{DRIVER}-{uid}.json").exists()
+        assert node.prepare(node.ref(share))[uid].error == ""
+        big = make_claim(
+            node, "big", [result("gpu-0", cores="80", memory="1Gi", share="s-2", pool="renamed")], [worker]
+        )
+        assert "cores" in node.prepare(node.ref(big))[big["metadata"]["uid"]].error
+        assert http_json(node, "/healthz")["claims"] == 1
+        assert len([ln for ln in agent.log_text()[before:].splitlines() if uid in ln and "'renamed'" in ln]) == 1
+    finally:
+        stop_dra_node(node)
+
+
+def test_claim_of_the_old_pool_whose_record_was_lost_is_rebuilt_and_holds_its_gpu(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    """Renamed, and the checkpoint lost: the claim's files say this node prepared it, so its rebuild from
+    the API server takes its results' pool (the old name) and it holds its GPU again."""
+    node = start_dra_node(tmp_path / "node", "t4-x1")
+    try:
+        cluster = node.cluster
+        worker = make_pod(node, "worker", {"gpu": "share"})
+        share = make_claim(node, "share", [result("gpu-0", cores="30", memory="1Gi", share="s-1")], [worker])
+        uid = share["metadata"]["uid"]
+        assert node.prepare(node.ref(share))[uid].error == ""
+        assert cluster.agent is not None
+        cluster.agent.stop()
+        for path in cluster.checkpoint_dir.iterdir():
+            if path.is_file():
+                path.unlink()
+        cluster.api.add_node("renamed")
+        cluster._agent_flags.append("--hostname-override=renamed")
+        node.close()
+        cluster.start_agent()
+        node.__init__(cluster)  # type: ignore[misc]  # a channel to the new socket
+        wait_for("the rebuild", lambda: http_json(node, "/healthz")["claims"] == 1)
+        assert http_json(node, "/healthz")["claims"] == 1
+        assert (cluster.vm_path / uid / "vcuda.config").exists()
+        big = make_claim(
+            node, "big", [result("gpu-0", cores="80", memory="1Gi", share="s-2", pool="renamed")], [worker]
+        )
+        assert "cores" in node.prepare(node.ref(big))[big["metadata"]["uid"]].error
+    finally:
+        stop_dra_node(node)

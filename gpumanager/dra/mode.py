@@ -243,6 +243,7 @@ class DRAMode:
         claims the checkpoint could not vouch for against the API server (which may hang: the
         kubelet is served meanwhile)."""
         self.preparer.restore_local()
+        self._name_other_pools()
         self._reconciler = threading.Thread(
             target=self._reconcile, args=(self._allocator.claims_in_doubt,), name="dra-reconcile", daemon=True
         )
@@ -254,6 +255,28 @@ class DRAMode:
         if self._health is not None:
             self._health.add_listener(self.on_health_change)
         self._reconciler.start()
+
+    def _name_other_pools(self) -> None:
+        """Said once at the start: the prepared claims whose results name another pool than this node's
+        (the node's name when they were prepared: the node was renamed). Nothing about them changes:
+        they stay prepared, their GPUs held and their limits enforced, until the kubelet unprepares
+        them; new claims are prepared from this node's pool only."""
+        other = {
+            f"{claim.key} ({claim.uid}): pool {', '.join(repr(p) for p in pools)}": claim
+            for claim in self._allocator.claims()
+            if (pools := sorted({d.pool for d in claim.devices if d.pool != self.pool}))
+        }
+        if not other:
+            return
+        log.warning(
+            "%d prepared claims were recorded under another pool than this node's (%r), the node's name when "
+            "they were prepared (the node was renamed?): %s; they stay prepared, their GPUs held and their limits "
+            "enforced, until the kubelet unprepares them; new claims must name pool %r",
+            len(other),
+            self.pool,
+            "; ".join(sorted(other)),
+            self.pool,
+        )
 
     def _reconcile(self, verify_recovered: bool) -> None:
         """Check the restored claims; then, with backoff, try again the claims whose rebuild could not

@@ -493,8 +493,9 @@ class ClaimPreparer:
                 )
                 self._remove_files(uid)
             return "removed", None
+        pool = self._pool_of(data)
         try:
-            claim, _tolerant = parse_claim(data, ref, driver=self.driver, pool=self.pool, gpus=self._gpus)
+            claim, _tolerant = parse_claim(data, ref, driver=self.driver, pool=pool, gpus=self._gpus)
             with self._lock:
                 if uid in self._touched:
                     return "kept", None
@@ -503,7 +504,35 @@ class ClaimPreparer:
             log.error("claim %s (%s) has files but no record, and cannot be recorded again: %s", ref, uid, exc)
             return "kept", None
         log.warning("claim %s (%s): its record was lost or could not be trusted; rebuilt from the API server", ref, uid)
+        if pool != self.pool:
+            log.warning(
+                "claim %s (%s) was prepared under pool %r, not this node's (%r): the node was renamed? It stays "
+                "prepared, its GPUs held and its limits enforced, until the kubelet unprepares it",
+                ref,
+                uid,
+                pool,
+                self.pool,
+            )
         return "rebuilt", claim
+
+    def _pool_of(self, data: Mapping[str, Any]) -> str:
+        """The pool a claim with this node's files was prepared from: this node's, or, where every result of
+        the driver names one other pool, that one (the node's name then: the node was renamed since; the
+        files show this node prepared it)."""
+        status = data.get("status")
+        allocation = status.get("allocation") if isinstance(status, Mapping) else None
+        devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+        results = devices.get("results") if isinstance(devices, Mapping) else None
+        pools = {
+            r.get("pool")
+            for r in (results if isinstance(results, list) else [])
+            if isinstance(r, Mapping) and r.get("driver") == self.driver
+        }
+        if len(pools) == 1:
+            (pool,) = pools
+            if isinstance(pool, str) and pool:
+                return pool
+        return self.pool
 
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""

@@ -76,7 +76,7 @@ def _check(ds: JSON, cfg: Config, paths: dict[str, tuple[str, bool, bool]]) -> N
         _mount, host, ro = found
         if written and ro:
             problems.append(f"{what} {path}: mounted read-only")
-        if same and host != path:
+        if same and PurePosixPath(host) != PurePosixPath(path):
             problems.append(f"{what} {path}: the host's path is {host}, not the same")
     assert ds["spec"]["template"]["spec"].get("hostPID") is True, "pids.config and /proc need the host's PIDs"
     assert not problems, problems
@@ -170,3 +170,27 @@ def test_extender_ports_follow_its_listen_flag() -> None:
         config = yaml.safe_load((DEPLOY / "scheduler" / name).read_text())
         (ext,) = config["extenders"]
         assert ext["urlPrefix"].endswith(f":{port}{parsed.url_prefix}"), (name, ext["urlPrefix"])
+
+
+MOVED = {
+    "checkpoint-path": "/var/lib/gpu-manager/checkpoint",
+    "virtual_manager_path": "/var/lib/gpu-manager/vm",
+    "device-plugin-path": "/var/lib/k8s/kubelet/device-plugins/",
+    "pod-resources-socket": "/var/lib/k8s/kubelet/pod-resources/kubelet.sock",
+}
+
+
+def test_chart_mounts_the_directories_its_flags_move() -> None:
+    # `flags` takes any flag: one that moves a host directory must move its mount, else the agent
+    # writes its checkpoint into the container (lost on restart) or serves where the kubelet never looks
+    ds = _daemonset(RENDER["documents"]({"flags": MOVED}))
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    cfg = _config(container)
+    assert cfg.checkpoint_path == MOVED["checkpoint-path"]
+    _check(ds, cfg, {**_common(cfg), "--device-plugin-path": (cfg.device_plugin_path, True, True)})
+
+
+def test_chart_refuses_dra_mode() -> None:
+    # DRA mode needs other RBAC and mounts: deploy/dra/daemonset.yaml; the chart must not half-do it
+    with pytest.raises(Exception, match=r"deploy/dra/daemonset\.yaml"):
+        RENDER["documents"]({"flags": {"mode": "dra"}})

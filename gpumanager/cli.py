@@ -1,7 +1,7 @@
 """Command line: gpu-manager v1.1 flags (same names and meaning) plus our own, logging, signals, exit codes.
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT), 2 for invalid flags or
-configuration, 3 when NVML cannot be used (no driver, or a broken node spec
+configuration or a node lock that cannot be taken at all, 3 when NVML cannot be used (no driver, or a broken node spec
 on the simulated node).
 
 Signals: SIGTERM and SIGINT stop the agent within two seconds whatever it is
@@ -12,6 +12,7 @@ allocations and the driver mirror at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import faulthandler
 import fcntl
@@ -332,7 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpumanager.signals import SignalPipe
 
     signals = SignalPipe().install()  # from here on a stop signal is acted on at once, during the start too
-    _lock_fd, stopped = hold_node_lock(Path(config.checkpoint_path), signals)
+    try:
+        _lock_fd, stopped = hold_node_lock(Path(config.checkpoint_path), signals)
+    except NodeLockError as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
     if stopped is not None:
         log.info("received %s while waiting for the node's lock; exiting", stopped.name)
         return EXIT_OK
@@ -414,44 +419,128 @@ LOCK_FILE = "gpu-manager.lock"
 LOCK_RETRY_SECONDS = 0.5
 
 
+class NodeLockError(RuntimeError):
+    """The node's single-instance lock cannot be taken at all; the message names the path and the reason."""
+
+
 def hold_node_lock(directory: Path, signals: SignalPipe) -> tuple[int | None, signal.Signals | None]:
     """Take the node's single-instance lock, waiting while another agent holds it.
 
     Two agents on one node (a rolling update with surge) would each remove the other's sockets
     and register over them, and both write the checkpoint. The second one waits here, before it
-    loads anything or serves. Returns the lock file's descriptor (kept open for the process's
-    life; None when no lock can be had, which is logged and not fatal) and the stop signal that
-    ended the wait (None when the lock was taken).
+    loads anything or serves. The lock is the checkpoint directory itself (``--checkpoint-path``,
+    or that entry when it is no directory) and, when it can be used, :data:`LOCK_FILE` in it, which
+    names the holder and is what earlier versions lock. Returns the descriptor of the first (kept
+    open for the process's life; the second stays open too) and the stop signal that ended the
+    wait ((None, signal) then, nothing held). Raises NodeLockError when neither can be locked.
     """
     from gpumanager.signals import STOP
 
-    path = directory / LOCK_FILE
-    # Not through a symbolic link (the PID written below would truncate its target), not blocking on a FIFO.
-    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    fds: list[int] = []
     try:
+        base, why = _open_lock_base(directory)
+        if base is not None:
+            fds.append(base)
+        lock_file = _open_lock_file(directory)
+        if lock_file is not None:
+            fds.append(lock_file)
+        taken: list[int] = []
+        problems: list[str] = [why] if why else []
+        for fd in fds:
+            what = str(directory) if fd == base else str(directory / LOCK_FILE)
+            try:
+                received = _flock_waiting(fd, what, lock_file, signals)
+            except OSError as exc:  # a file system without locks
+                problems.append(f"cannot lock {what}: {exc.strerror or exc}")
+                continue
+            if received is not None and received in STOP:
+                for other in fds:
+                    os.close(other)
+                return None, received
+            taken.append(fd)
+        if not taken:
+            raise NodeLockError(
+                f"cannot take the node's single-instance lock in --checkpoint-path={directory}: "
+                + "; ".join(problems or ["no lock can be opened"])
+            )
+        for fd in fds:
+            if fd not in taken:
+                os.close(fd)
+        fds = []
+        if lock_file in taken:
+            assert lock_file is not None
+            try:
+                os.ftruncate(lock_file, 0)
+                os.pwrite(lock_file, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass  # read-only, or a directory at that path: the holder is just not named
+        return taken[0], None
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+#: Opened without following a symbolic link (the PID written would truncate its target), without
+#: blocking on a FIFO or becoming a terminal's owner.
+_LOCK_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _open_lock_base(directory: Path) -> tuple[int | None, str]:
+    """The checkpoint directory, opened to be locked (created if missing); or, when it is no directory,
+    that entry when it is a regular file. (None, why) when neither can be opened."""
+    with contextlib.suppress(OSError):
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
-    except OSError as exc:
-        try:
-            fd = os.open(path, os.O_RDONLY | flags)  # a read-only disk, or a directory: flock works on it too
-        except OSError as again:
-            if again.errno == errno.ELOOP:
-                log.error(
-                    "%s is a symbolic link, which is not followed; remove it. Starting without the "
-                    "single-instance lock",
-                    path,
-                )
-            else:
-                log.warning("cannot open %s (%s); starting without the single-instance lock", path, exc.strerror)
-            return None, None
     try:
-        mode = os.fstat(fd).st_mode
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), ""
+    except OSError as exc:
+        why = f"cannot open {directory}: {exc.strerror or exc}"
+        if exc.errno != errno.ENOTDIR:
+            return None, why
+    try:
+        fd = os.open(directory, os.O_RDONLY | _LOCK_FLAGS)
     except OSError:
-        mode = 0
-    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-        log.warning("%s is not a regular file; starting without the single-instance lock", path)
-        os.close(fd)
-        return None, None
+        return None, why
+    if _mode(fd, stat.S_ISREG):
+        return fd, ""
+    os.close(fd)
+    return None, f"{directory} is neither a directory nor a regular file"
+
+
+def _open_lock_file(directory: Path) -> int | None:
+    """:data:`LOCK_FILE` in ``directory``, created if missing, when it is a regular file or a directory;
+    None (logged when something unusable is there) otherwise."""
+    path = directory / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _LOCK_FLAGS, 0o644)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY | _LOCK_FLAGS)  # a read-only disk, or a directory: flock works on it too
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                log.error("%s is a symbolic link, which is not followed; remove it. Locking %s only", path, directory)
+            elif exc.errno != errno.ENOENT:
+                log.warning("cannot open %s (%s); locking %s only", path, exc.strerror, directory)
+            return None
+    if _mode(fd, stat.S_ISREG) or _mode(fd, stat.S_ISDIR):
+        return fd
+    log.warning("%s is not a regular file; locking %s only", path, directory)
+    os.close(fd)
+    return None
+
+
+def _mode(fd: int, test: Callable[[int], bool]) -> bool:
+    try:
+        return test(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _flock_waiting(fd: int, what: str, holder: int | None, signals: SignalPipe) -> signal.Signals | None:
+    """Lock ``fd``, waiting while another agent holds it; the stop signal that ended the wait, else None.
+    OSError when the file system cannot lock it."""
+    from gpumanager.signals import STOP
+
     waiting = False
     while True:
         try:
@@ -459,37 +548,26 @@ def hold_node_lock(directory: Path, signals: SignalPipe) -> tuple[int | None, si
             break
         except BlockingIOError:
             pass
-        except OSError as exc:  # a filesystem without locks
-            log.warning("cannot lock %s (%s); starting without the single-instance lock", path, exc.strerror)
-            os.close(fd)
-            return None, None
         if not waiting:
             waiting = True
             log.warning(
                 "another gpu-manager (%s) holds the node (lock %s); waiting for it to exit before loading the "
                 "checkpoint or serving the device plugin",
-                _lock_holder(fd),
-                path,
+                _lock_holder(holder),
+                what,
             )
         received = signals.poll(LOCK_RETRY_SECONDS)
         if received is not None and received in STOP:
-            os.close(fd)
-            return None, received
+            return received
     if waiting:
-        log.info("the other gpu-manager has gone; took the node's lock %s", path)
-    if stat.S_ISREG(mode):  # a directory locks the node as well, without naming the holder
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass  # read-only: the holder is just not named
-    return fd, None
+        log.info("the other gpu-manager has gone; took the node's lock %s", what)
+    return None
 
 
-def _lock_holder(fd: int) -> str:
+def _lock_holder(fd: int | None) -> str:
     """Who holds the lock, as its file says."""
     try:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() if fd is not None else ""
     except OSError:
         pid = ""
     return f"pid {pid} in its PID namespace" if pid.isdigit() else "pid unknown"

@@ -10,11 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gpumanager.allocation import checkpoint
+from gpumanager.allocation.journal import CheckpointStore
 from gpumanager.cli import LOCK_FILE, hold_node_lock
 from gpumanager.signals import SignalPipe
 
@@ -126,3 +129,39 @@ def test_the_agent_exits_2_when_it_cannot_lock_the_node(tmp_path: Path) -> None:
     assert done.returncode == cli.EXIT_CONFIG, done.stderr.decode()[-2000:]
     lines = [line for line in done.stderr.decode().splitlines() if "single-instance lock" in line]
     assert len(lines) == 1 and str(node) in lines[0], done.stderr.decode()[-2000:]
+
+
+# -- checkpoint files moved aside never overwrite each other ------------------------------------------
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every quarantine in one second (or after the clock stepped back to it)."""
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+
+
+def test_two_unusable_snapshots_in_one_second_are_both_kept(tmp_path: Path, frozen_clock: None) -> None:
+    path = tmp_path / "cp"
+    path.write_text("first bad snapshot")
+    first = checkpoint.quarantine(path)
+    path.write_text("second bad snapshot")
+    second = checkpoint.quarantine(path)
+    assert first is not None and second is not None and first != second
+    assert first.read_text() == "first bad snapshot" and second.read_text() == "second bad snapshot"
+    assert not path.exists()
+    kept = sorted(p.read_text() for p in tmp_path.glob("cp.corrupt-*"))
+    assert kept == ["first bad snapshot", "second bad snapshot"]
+
+
+def test_two_damaged_segments_set_aside_in_one_second_are_both_kept(tmp_path: Path, frozen_clock: None) -> None:
+    path = tmp_path / "cp"
+    segment = tmp_path / "cp.journal-1"
+    contents = []
+    for n in range(3):
+        data = b"zzzzzzzz 00000000 {damaged record %d}\n" % n
+        contents.append(data)
+        segment.write_bytes(data)
+        loaded = CheckpointStore(path).load()
+        assert loaded.problems and not segment.exists()
+    kept = sorted(p.read_bytes() for p in tmp_path.glob("cp.journal-1.corrupt-*"))
+    assert kept == sorted(contents)

@@ -7,6 +7,8 @@ look at it, and the caller rebuilds its state from other records.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -131,13 +133,13 @@ def read_json(path: Path) -> Any | None:
 
 
 def quarantine(path: Path) -> Path | None:
-    """Move a bad checkpoint aside as ``<name>.corrupt-<unix time>``; returns the new path.
+    """Move a bad checkpoint aside as ``<name>.corrupt-<unix time>`` (``-<n>`` added when that name is
+    taken: never over an earlier one); returns the new path.
 
     None when there was nothing to move or it cannot be moved (the reason is logged).
     """
-    target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
     try:
-        os.replace(path, target)
+        target = move_aside(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -145,3 +147,45 @@ def quarantine(path: Path) -> Path | None:
         return None
     log.warning("moved unusable checkpoint %s to %s", path, target)
     return target
+
+
+#: How many names ``<name>.corrupt-<time>-<n>`` are tried before giving up.
+_ASIDE_TRIES = 1000
+
+
+def move_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.corrupt-<unix time>``, or ``...-<n>`` with the first ``n`` free: an
+    earlier file set aside in the same second (or before the clock stepped back) is never replaced.
+    Returns the new path; OSError (FileNotFoundError when ``path`` is gone) when it cannot be moved."""
+    stem = f"{path.name}.corrupt-{int(time.time())}"
+    for n in range(_ASIDE_TRIES):
+        target = path.with_name(stem if n == 0 else f"{stem}-{n}")
+        if _rename_no_replace(path, target):
+            return target
+    raise OSError(errno.EEXIST, f"{_ASIDE_TRIES} names {stem}[-n] are taken already")
+
+
+def _rename_no_replace(path: Path, target: Path) -> bool:
+    """Rename ``path`` to ``target`` unless ``target`` exists (False then): a hard link, which fails
+    on an existing name, then the old name removed. Where hard links cannot be made (a directory, a
+    file system without them) a rename after a look, which is enough with one agent per node."""
+    try:
+        os.link(path, target, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV):
+            raise
+        if os.path.lexists(target):
+            return False
+        os.rename(path, target)
+        return True
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(target)  # not moved: leave it where it was, once
+        raise
+    return True

@@ -378,7 +378,7 @@ class CheckpointStore:
         return self.path.with_name(f"{self.path.name}.journal-{seq}")
 
     def _segments(self) -> list[tuple[int, Path]]:
-        """The live segments, ``<name>.journal-<seq>`` (not a damaged one moved aside as ``.corrupt-<time>``,
+        """The live segments, ``<name>.journal-<seq>`` (not a damaged one moved aside as ``.corrupt-<time>[-<n>]``,
         nor a ``.tmp`` being prepared)."""
         return [(seq, p) for seq, p in self._numbered() if seq <= _SEQ_MAX]
 
@@ -468,9 +468,8 @@ class CheckpointStore:
         return loaded
 
     def _set_aside(self, path: Path, problem: str) -> None:
-        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
         try:
-            os.replace(path, aside)
+            aside = checkpoint.move_aside(path)
         except OSError as exc:
             log.error("%s; could not move it aside (%s); the kubelet's records fill what it lost", problem, exc)
         else:

@@ -1,0 +1,43 @@
+"""The chart's host mounts follow every flag in `flags` that moves a host path the agent opens, and
+mount nothing wider or more writable than the agent needs."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tests.test_rbac_review import RENDER
+from tests.test_rbac_review_mounts import _check, _common, _config, _daemonset, _mounts
+
+JSON = dict[str, Any]
+HOST_ROOT = "/usr/local/host"
+
+
+def _render(flags: JSON, **values: Any) -> tuple[JSON, Any]:
+    ds = _daemonset(RENDER["documents"]({"flags": flags, **values}))
+    for version in ("1.30.0", "1.37.0"):
+        kubernetes_validate.validate(ds, version, strict=True)
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    return ds, _config(container)
+
+
+def _host_paths(ds: JSON) -> list[str]:
+    return [v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v]
+
+
+def _mount_of(ds: JSON, path: str) -> JSON:
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"].rstrip("/") == path]
+    return dict(mount)
+
+
+def test_a_moved_display_socket_is_served_on_the_host() -> None:
+    # outside /var/run the socket was made in the container, where no host client finds it
+    ds, cfg = _render({"display-socket": "/run/gpu-manager/gpu-manager.sock"})
+    assert cfg.display_socket == "/run/gpu-manager/gpu-manager.sock"
+    _check(ds, cfg, {**_common(cfg), "--display-socket": (cfg.display_socket, True, True)})
+    # and only its directory: no /var/run left mounted that nothing uses
+    assert "/var/run" not in _mounts(ds)

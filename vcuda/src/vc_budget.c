@@ -126,8 +126,16 @@ static void *map_file(const char *path)
         goto out;
     }
     bool fresh = sb.st_size == 0;
-    if (fresh && ftruncate(fd, (off_t)BUDGET_FILE_SIZE) != 0) {
-        vc_log(VC_LOG_ERROR, "%s: cannot size the budget file: %s", path, strerror(errno));
+    /*
+     * Its blocks are allocated now, not at the first store: a sparse file (ftruncate) on a full tmpfs maps
+     * fine, then the first store into the mapping raises SIGBUS.  On failure the file goes back to empty
+     * (valid for the next process to try again).
+     */
+    int err = fresh ? posix_fallocate(fd, 0, (off_t)BUDGET_FILE_SIZE) : 0;
+    if (err != 0) {
+        vc_log(VC_LOG_ERROR, "%s: cannot size the budget file: %s", path, strerror(err));
+        if (ftruncate(fd, 0) != 0)
+            vc_log(VC_LOG_ERROR, "%s: cannot empty the budget file again: %s", path, strerror(errno));
         goto out;
     }
     if (!fresh && sb.st_size != (off_t)BUDGET_FILE_SIZE) {

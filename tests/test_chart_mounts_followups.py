@@ -41,3 +41,12 @@ def test_a_moved_display_socket_is_served_on_the_host() -> None:
     _check(ds, cfg, {**_common(cfg), "--display-socket": (cfg.display_socket, True, True)})
     # and only its directory: no /var/run left mounted that nothing uses
     assert "/var/run" not in _mounts(ds)
+
+
+@pytest.mark.parametrize("values", [{}, {"logDir": "/var/log/other"}])
+def test_a_log_dir_set_in_flags_is_mounted(values: JSON) -> None:
+    # flags come last on the command line, so their --log-dir is the one the agent writes in
+    ds, cfg = _render({"log-dir": "/var/log/gpu-manager"}, **values)
+    assert cfg.log_dir == "/var/log/gpu-manager"
+    _check(ds, cfg, {**_common(cfg), "--log-dir": (cfg.log_dir, True, True)})
+    assert "/var/log/other" not in _host_paths(ds)

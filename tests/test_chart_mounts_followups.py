@@ -50,3 +50,23 @@ def test_a_log_dir_set_in_flags_is_mounted(values: JSON) -> None:
     assert cfg.log_dir == "/var/log/gpu-manager"
     _check(ds, cfg, {**_common(cfg), "--log-dir": (cfg.log_dir, True, True)})
     assert "/var/log/other" not in _host_paths(ds)
+
+
+def _no_mount_inside_the_host_root(ds: JSON) -> None:
+    # a path under the host's / (mounted at HOST_ROOT) is read there: no host path of that name exists
+    assert not [p for p in _host_paths(ds) if PurePosixPath(p).is_relative_to(HOST_ROOT)], _host_paths(ds)
+
+
+def test_a_moved_cgroup_root_is_the_hosts_read_only() -> None:
+    ds, cfg = _render({"cgroup-root": "/host/sys/fs/cgroup"})
+    assert cfg.cgroup_root == "/host/sys/fs/cgroup"
+    _check(ds, cfg, {**_common(cfg), "--cgroup-root": (cfg.cgroup_root, False, True)})
+    assert _mounts(ds)["/host/sys/fs/cgroup"] == ("/host/sys/fs/cgroup", True)
+    assert "/sys/fs/cgroup" not in _mounts(ds)  # nothing else reads it
+
+
+def test_a_cgroup_root_under_the_host_root_needs_no_mount_of_its_own() -> None:
+    ds, cfg = _render({"cgroup-root": f"{HOST_ROOT}/sys/fs/cgroup"})
+    _check(ds, cfg, _common(cfg))
+    _no_mount_inside_the_host_root(ds)
+    assert "/sys/fs/cgroup" not in _mounts(ds)

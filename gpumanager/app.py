@@ -86,6 +86,17 @@ class StartupError(RuntimeError):
         self.exit_code = exit_code
 
 
+def _pod_cgroup_gone(cgroup_root: Path, pod_uid: str) -> bool:
+    """Whether no cgroup of pod ``pod_uid`` is left under ``cgroup_root`` (the kubelet removes it once the
+    pod's containers have stopped)."""
+    from gpumanager.vmanager.cgroups import pod_cgroups
+
+    try:
+        return not pod_cgroups(cgroup_root, pod_uid)
+    except OSError:
+        return True
+
+
 def _ignore(*_args: object) -> None:
     """A callback that does nothing (a part not used in this mode)."""
 
@@ -414,6 +425,7 @@ class Agent:
             delete_failed=api.delete_failed if device_plugin else _ignore,
             collect_dirs=vmanager.gc if device_plugin else _ignore,
             wait_synced=self.pods.wait_synced,
+            stopped=functools.partial(_pod_cgroup_gone, Path(self.config.cgroup_root)),
         )
         dra = self.config.mode == "dra"
         listener = self.check.on_pod_event

@@ -207,6 +207,8 @@ class SimCluster:
         self._mirror = driver_mirror
         self.agent: AgentProcess | None = None
         self.runs: dict[str, PodRun] = {}
+        self._slow: set[str] = set()  # pods whose containers are slow to stop (slow_stop)
+        self._stalled: set[str] = set()  # of those, the ones the kubelet is stopping
         self.terminator = PodTerminator(
             self.api, NODE, stop_pod=self._stop_pod, known_statuses=self._known_statuses, lag=status_lag
         )
@@ -411,8 +413,24 @@ class SimCluster:
                 raise TimeoutError(f"pod {run.namespace}/{run.name} is still there after its deletion")
             time.sleep(0.05)
 
+    def slow_stop(self, run: PodRun) -> None:
+        """The pod's containers are slow to stop (a long preStop hook, a process ignoring SIGTERM): when the
+        kubelet stops them, they run on (their cgroups stay, the kubelet still lists their devices) until
+        :meth:`finish_stop`."""
+        self._slow.add(run.uid)
+
+    def finish_stop(self, run: PodRun) -> None:
+        """The slow containers of :meth:`slow_stop` are stopped now (if the kubelet was stopping them)."""
+        self._slow.discard(run.uid)
+        if run.uid in self._stalled:
+            self._stalled.discard(run.uid)
+            self._stop_pod(run.uid)
+
     def _stop_pod(self, uid: str) -> None:
         """The kubelet stops the pod's containers (their cgroups go) and frees its device IDs."""
+        if uid in self._slow:
+            self._stalled.add(uid)
+            return
         shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{uid}", ignore_errors=True)
         self.kubelet.remove_pod(uid)
 

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 #: no mirror pod of it shows again (the kubelet makes it again at its next sync of the pod).
 MIRROR_GRACE_SECONDS = 60.0
 
+#: How long past its terminationGracePeriodSeconds a pod removed from the API server at once (a forced
+#: deletion) keeps its GPUs while its containers may still run (the kubelet stops them after the removal).
+FORCED_STOP_MARGIN_SECONDS = 30.0
+
 #: The mirror pod's annotation that names its static pod (the config hash, the kubelet's UID of the pod).
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 
@@ -238,6 +242,9 @@ class Allocator:
         self._fresh_only: dict[str, _Fresh] = {}
         # Holders that are static pods whose mirror pod is gone, and since when (see MIRROR_GRACE_SECONDS).
         self._mirror_gone: dict[str, float] = {}
+        #: Pods removed from the API server while their containers may still run (a forced deletion):
+        #: UID -> the monotonic time after which their GPUs are freed whatever the kubelet shows.
+        self._stopping: dict[str, float] = {}
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         # GPUs that recovered records charge beyond their capacity: the tree's counts are floored and
@@ -1812,6 +1819,7 @@ class Allocator:
                 if asked_again and not alloc.started:
                     repeated.append(alloc)
         self._mirror_gone.pop(pod_uid, None)
+        self._stopping.pop(pod_uid, None)
         if freed:
             self._fresh_only.pop(pod_uid, None)
             self._save_or_report([_del(a.key) for a in freed])
@@ -1926,7 +1934,7 @@ class Allocator:
         if every or self._verify_all:
             pods = self._pods.pods()
             active = {podinfo.uid(p) for p in pods if not podinfo.is_terminated(p)}
-            ended = {uid for uid in set(self._by_pod) - active if not self._fresh(uid)}
+            ended = {uid for uid in set(self._by_pod) - active if not self._fresh(uid) and uid not in self._stopping}
             if ended:
                 listed = {podinfo.uid(p) for p in pods}
                 ended = {uid for uid in ended if uid in listed or not self._kept_for_mirror(uid, pods)}
@@ -1942,8 +1950,55 @@ class Allocator:
     def _alive(self, pod_uid: str) -> bool:
         pod = self._pods.get(pod_uid)
         if pod is None:
-            return self._fresh(pod_uid) or self._kept_for_mirror(pod_uid, None)
+            return pod_uid in self._stopping or self._fresh(pod_uid) or self._kept_for_mirror(pod_uid, None)
         return not podinfo.is_terminated(pod)
+
+    def hold_while_stopping(self, pod: Pod) -> bool:
+        """Keep the GPUs of ``pod``, removed from the API server while its containers may still run (a forced
+        deletion: the kubelet stops them only after the removal), until :meth:`release_stopped` finds them
+        stopped, or for at most its terminationGracePeriodSeconds plus :data:`FORCED_STOP_MARGIN_SECONDS`.
+        False when it holds nothing."""
+        uid = podinfo.uid(pod)
+        grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+        bound = (grace if isinstance(grace, int) and grace >= 0 else 30) + FORCED_STOP_MARGIN_SECONDS
+        with self._lock:
+            if uid not in self._by_pod:
+                return False
+            self._stopping.setdefault(uid, time.monotonic() + bound)
+        log.info(
+            "pod %s was removed while its containers may still run (a forced deletion): its GPUs stay held until "
+            "the kubelet has stopped them (at most %g s)",
+            podinfo.pod_key(pod),
+            bound,
+        )
+        return True
+
+    def stopping(self) -> list[str]:
+        """The pods whose GPUs :meth:`hold_while_stopping` keeps."""
+        with self._lock:
+            return sorted(self._stopping)
+
+    def release_stopped(self, stopped: Callable[[str], bool]) -> list[ContainerAllocation]:
+        """Free the pods held by :meth:`hold_while_stopping` whose containers ``stopped(uid)`` says are gone
+        (asked with the lock released), or whose bound has passed. Returns what was freed."""
+        with self._lock:
+            held = dict(self._stopping)
+        now = time.monotonic()
+        done = {uid for uid, until in held.items() if now >= until}
+        for uid in sorted(set(held) - done):
+            if stopped(uid):
+                done.add(uid)
+        for uid in sorted(done):
+            if now >= held[uid]:
+                log.warning("pod %s, removed while its containers ran, is still not seen stopped: freed", uid)
+        freed: list[ContainerAllocation] = []
+        with self._changing():
+            for uid in sorted(done):
+                if self._stopping.pop(uid, None) is not None:
+                    freed += self._release_locked(uid)
+        if freed:
+            self._notify()
+        return freed
 
     def keep_deleted_mirror(self, pod: Pod) -> bool:
         """Whether the deletion of ``pod`` leaves its GPUs held: a mirror pod whose static pod may still run

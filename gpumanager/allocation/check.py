@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 Annotate = Callable[[str], None]
 DeletePod = Callable[[Pod], None]
+#: Whether the kubelet shows pod ``uid``'s containers stopped (its cgroup is gone).
+Stopped = Callable[[str], bool]
+#: How often pods removed while their containers ran are looked at until their containers are stopped.
+STOPPING_POLL_SECONDS = 0.5
 #: Removes the pod directories not in ``active`` (the first argument); with ``only``, looks at
 #: those directories alone.
 CollectDirs = Callable[..., object]
@@ -40,6 +44,7 @@ class AllocationCheck:
         delete_failed: DeletePod,
         collect_dirs: CollectDirs,
         wait_synced: Callable[[float], bool],
+        stopped: Stopped | None = None,
     ) -> None:
         self._allocator = allocator
         self._pods = pods
@@ -48,6 +53,9 @@ class AllocationCheck:
         self._delete_failed = delete_failed
         self._collect_dirs = collect_dirs
         self._wait_synced = wait_synced
+        self._stopped = stopped
+        self._stopping_thread: threading.Thread | None = None
+        self._stopping_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,6 +90,8 @@ class AllocationCheck:
         if kind == "DELETED" and self._allocator.keep_deleted_mirror(pod):
             return  # a static pod's mirror pod: the static pod runs on
         uid = podinfo.uid(pod)
+        if kind == "DELETED" and self._held_while_stopping(pod, uid):
+            return
         freed = self._allocator.release_pod(uid) + self._allocator.release_static_pod(pod)
         if not freed and not _asks_for_gpus(pod):
             return  # no directory was ever made for it
@@ -92,6 +102,39 @@ class AllocationCheck:
             # ended at once).
             only = {uid} | {a.answered[0] for a in freed}
             self._collect_dirs(self.active_pod_dirs(among=only), only=only)
+
+    def _held_while_stopping(self, pod: Pod, uid: str) -> bool:
+        """A pod removed while its status names a container not stopped (or none: the status lags the start)
+        was deleted at once (grace 0), and the kubelet stops its containers only now: its GPUs stay held
+        until its cgroup is gone. The graceful path never gets here: the kubelet removes the pod only after
+        writing its containers' terminated statuses."""
+        stopped = self._stopped
+        if stopped is None or podinfo.is_terminated(pod) or stopped(uid):
+            return False
+        if not self._allocator.hold_while_stopping(pod):
+            return False
+        with self._stopping_lock:
+            if self._stopping_thread is None or not self._stopping_thread.is_alive():
+                thread = threading.Thread(target=self._watch_stopping, args=(stopped,), name="pod-stops", daemon=True)
+                thread.start()
+                self._stopping_thread = thread
+        return True
+
+    def _watch_stopping(self, stopped: Stopped) -> None:
+        """Free the held pods as their containers are seen stopped; ends when none is held."""
+        while not self._stop.is_set():
+            try:
+                freed = self._allocator.release_stopped(stopped)
+                if freed and self._pods.synced():
+                    only = {a.pod_uid for a in freed} | {a.answered[0] for a in freed}
+                    self._collect_dirs(self.active_pod_dirs(among=only), only=only)
+            except Exception:
+                log.exception("freeing the GPUs of pods removed while their containers ran failed; trying again")
+            with self._stopping_lock:
+                if not self._allocator.stopping():
+                    self._stopping_thread = None
+                    return
+            self._stop.wait(STOPPING_POLL_SECONDS)
 
     def collect_pod(self, uid: str) -> None:
         """Remove the directory of pod ``uid`` unless it may still run or an allocation uses it (a pod

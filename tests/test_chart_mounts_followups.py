@@ -70,3 +70,19 @@ def test_a_cgroup_root_under_the_host_root_needs_no_mount_of_its_own() -> None:
     _check(ds, cfg, _common(cfg))
     _no_mount_inside_the_host_root(ds)
     assert "/sys/fs/cgroup" not in _mounts(ds)
+
+
+def test_a_moved_driver_root_is_the_hosts_read_only_with_its_mounts() -> None:
+    # the GPU Operator's driver container mounts its root at /run/nvidia/driver on the host
+    ds, cfg = _render({"driver-root": "/run/nvidia/driver"})
+    assert cfg.driver_root == "/run/nvidia/driver"
+    _check(ds, cfg, _common(cfg))
+    assert _mounts(ds)["/run/nvidia/driver"] == ("/run/nvidia/driver", True)
+    assert _mount_of(ds, "/run/nvidia/driver").get("mountPropagation") == "HostToContainer"
+    assert HOST_ROOT not in _mounts(ds)  # nothing else is read through the host's /
+
+
+def test_a_driver_root_under_the_host_root_needs_no_mount_of_its_own() -> None:
+    ds, cfg = _render({"driver-root": f"{HOST_ROOT}/run/nvidia/driver"})
+    _check(ds, cfg, _common(cfg))
+    _no_mount_inside_the_host_root(ds)

@@ -42,6 +42,8 @@ class RegistrationState:
 
     registered: bool = False
     notifications: int = 0
+    #: Registrations the kubelet confirmed (gpu_manager_kubelet_registrations_total in DRA mode).
+    registrations: int = 0
     last_error: str = ""
     server_restarts: int = 0
     info_calls: int = 0
@@ -122,6 +124,7 @@ class DRAPluginSockets:
         self.state.notifications += 1
         self.state.registered = registered
         if registered:
+            self.state.registrations += 1
             self.state.last_error = ""
             self.state.history.append(time.monotonic())
             del self.state.history[:-100]

@@ -130,16 +130,25 @@ class AgentCollector(Collector):
         yield devices
 
     def _kubelet(self) -> Iterator[Metric]:
-        status = self._agent.plugins.status if self._agent.plugins is not None else None
+        agent = self._agent
+        registered, registrations = False, 0
+        if agent.plugins is not None:
+            registered, registrations = agent.plugins.status.registered, agent.plugins.status.registrations
+        else:
+            # DRA mode registers the DRA driver instead of the two resources.
+            dra = getattr(agent, "dra", None)
+            if dra is not None:
+                state = dra.sockets.state
+                registered, registrations = state.registered and not state.last_error, state.registrations
         yield GaugeMetricFamily(
             "gpu_manager_kubelet_registered",
-            "1 while both resources are registered with the kubelet",
-            value=1.0 if status is not None and status.registered else 0.0,
+            "1 while both resources (in DRA mode: the DRA driver) are registered with the kubelet",
+            value=1.0 if registered else 0.0,
         )
         yield CounterMetricFamily(
             "gpu_manager_kubelet_registrations",
-            "Successful registrations of both resources with the kubelet",
-            value=float(status.registrations if status is not None else 0),
+            "Successful registrations of both resources (in DRA mode: the DRA driver) with the kubelet",
+            value=float(registrations),
         )
 
     def _xids(self) -> Iterator[Metric]:

@@ -86,3 +86,21 @@ def test_a_driver_root_under_the_host_root_needs_no_mount_of_its_own() -> None:
     ds, cfg = _render({"driver-root": f"{HOST_ROOT}/run/nvidia/driver"})
     _check(ds, cfg, _common(cfg))
     _no_mount_inside_the_host_root(ds)
+
+
+def test_a_moved_proc_root_is_mounted_read_only() -> None:
+    ds, cfg = _render({"proc-root": "/host/proc"})
+    assert cfg.proc_root == "/host/proc"
+    _check(ds, cfg, {**_common(cfg), "--proc-root": (cfg.proc_root, False, True)})
+    assert _mounts(ds)["/host/proc"] == ("/host/proc", True)
+
+
+def test_the_default_proc_root_is_the_host_pid_namespaces_own() -> None:
+    ds, cfg = _render({})
+    assert cfg.proc_root == "/proc" and ds["spec"]["template"]["spec"]["hostPID"] is True
+    assert "/proc" not in _mounts(ds)
+    ds, cfg = _render({"proc-root": f"{HOST_ROOT}/proc"})
+    _no_mount_inside_the_host_root(ds)
+    # the host's / stays mounted while /proc is read through it, the driver being elsewhere
+    ds, cfg = _render({"proc-root": f"{HOST_ROOT}/proc", "driver-root": "/run/nvidia/driver"})
+    assert _mounts(ds)[HOST_ROOT] == ("/", True)

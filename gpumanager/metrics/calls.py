@@ -9,14 +9,19 @@ from gpumanager import names
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RESOURCES = (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
 CALLS = ("Allocate", "PreStartContainer")
+#: The DRA driver's calls (``resource`` is the driver's name in DRA mode).
+DRA_CALLS = ("NodePrepareResources", "NodeUnprepareResources")
 
 
 class CallMetrics:
     """``gpu_manager_kubelet_call_duration_seconds{resource,call}`` and
     ``gpu_manager_kubelet_call_errors_total{resource,call}``, with a series for every resource and call
-    from the start (an error counter that appears only at its first error hides that error from ``rate``)."""
+    from the start (an error counter that appears only at its first error hides that error from ``rate``).
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    In DRA mode (``mode="dra"``) the calls are the DRA driver's, under ``resource=<driver>``.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, mode: str = "", driver: str = "") -> None:
         self.duration = Histogram(
             "gpu_manager_kubelet_call_duration_seconds",
             "Time spent answering the kubelet",
@@ -30,8 +35,9 @@ class CallMetrics:
             ["resource", "call"],
             registry=registry,
         )
-        for resource in RESOURCES:
-            for call in CALLS:
+        dra = mode == "dra"
+        for resource in (driver,) if dra else RESOURCES:
+            for call in DRA_CALLS if dra else CALLS:
                 self.duration.labels(resource, call)
                 self.errors.labels(resource, call)
 

@@ -60,7 +60,7 @@ class QueryEndpoints:
         self._data = DisplayData(agent.gpus, allocator.graph, self.sampler.sample)
         self.probes = agent_probes(agent)
         self.registry = CollectorRegistry()
-        self.calls = CallMetrics(self.registry)
+        self.calls = CallMetrics(self.registry, mode=cfg.mode, driver=cfg.dra_driver_name)
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
 

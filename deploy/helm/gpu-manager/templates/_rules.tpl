@@ -41,7 +41,7 @@ groups:
             unhealthy (an XID critical error or a lost GPU) for {{ .Values.prometheusRule.gpuUnhealthyFor }};
             its devices are not offered to new pods.
       - alert: GPUManagerAllocationRefusals
-        expr: increase(gpu_manager_kubelet_call_errors_total{ {{- $job -}} ,call=~"Allocate|PreStartContainer"}[10m]) > 0
+        expr: increase(gpu_manager_kubelet_call_errors_total{ {{- $job -}} ,call=~"Allocate|PreStartContainer|NodePrepareResources"}[10m]) > 0
         for: 5m
         labels:
           severity: warning

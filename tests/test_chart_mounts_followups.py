@@ -104,3 +104,11 @@ def test_the_default_proc_root_is_the_host_pid_namespaces_own() -> None:
     # the host's / stays mounted while /proc is read through it, the driver being elsewhere
     ds, cfg = _render({"proc-root": f"{HOST_ROOT}/proc", "driver-root": "/run/nvidia/driver"})
     assert _mounts(ds)[HOST_ROOT] == ("/", True)
+
+
+@pytest.mark.parametrize("flags", [{}, {"pod-resources-socket": "/var/lib/k8s/kubelet/pod-resources/kubelet.sock"}])
+def test_the_pod_resources_directory_is_read_only(flags: JSON) -> None:
+    # the agent only connects to the kubelet's socket there; connect(2) needs no writable mount
+    ds, cfg = _render(flags)
+    found = _mounts(ds)[str(PurePosixPath(cfg.pod_resources_socket).parent)]
+    assert found == (str(PurePosixPath(cfg.pod_resources_socket).parent), True)

@@ -90,7 +90,8 @@ def _common(cfg: Config) -> dict[str, tuple[str, bool, bool]]:
         "--nvml-lib": (cfg.nvml_lib, False, False),
         "--cgroup-root": (cfg.cgroup_root, False, False),
         "--driver-root": (cfg.driver_root, False, False),
-        "--pod-resources-socket": (cfg.pod_resources_socket, True, False),
+        # connected to only: connect(2) to a socket on a read-only mount works
+        "--pod-resources-socket": (cfg.pod_resources_socket, False, False),
         "the kubelet's checkpoint": (str(Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT), False, False),
         "--display-socket": (cfg.display_socket, True, False),
         **({"--log-dir": (cfg.log_dir, True, False)} if cfg.log_dir else {}),

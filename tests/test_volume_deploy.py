@@ -40,7 +40,7 @@ def test_daemonset_as_upstream_plus_probes_and_gpu_taints() -> None:
     mounts = {m["mountPath"]: (volumes[m["name"]]["path"], m.get("readOnly", False)) for m in container["volumeMounts"]}
     assert mounts == {
         "/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
-        "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", False),
+        "/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),
         "/etc/gpu-manager/vdriver": ("/etc/gpu-manager/vdriver", False),
         "/etc/gpu-manager/vm": ("/etc/gpu-manager/vm", False),
         "/etc/gpu-manager/checkpoint": ("/etc/gpu-manager/checkpoint", False),

@@ -112,3 +112,17 @@ def test_the_pod_resources_directory_is_read_only(flags: JSON) -> None:
     ds, cfg = _render(flags)
     found = _mounts(ds)[str(PurePosixPath(cfg.pod_resources_socket).parent)]
     assert found == (str(PurePosixPath(cfg.pod_resources_socket).parent), True)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"display-socket": "/var/lib/kubelet/device-plugins/gpu-manager.sock"},
+        {"log-dir": "/etc/gpu-manager/checkpoint/"},
+        {"cgroup-root": "/var/run"},
+    ],
+)
+def test_two_mounts_at_one_path_are_refused_by_name(flags: JSON) -> None:
+    # the API server rejects a pod with two mounts at one path only at apply time, naming neither flag
+    with pytest.raises(Exception, match=r"flags: .* both need a mount at /"):
+        RENDER["documents"]({"flags": flags})

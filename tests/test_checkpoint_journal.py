@@ -351,10 +351,10 @@ def test_a_snapshot_the_compactor_cannot_write_is_said_once_and_written_as_soon_
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(self, document, seq)  # type: ignore[arg-type]
 
-    def create(path: Path, seq: int) -> object:
+    def create(path: Path, seq: int, size: int | None = None) -> object:
         if full.is_set():
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_create(path, seq)
+        return real_create(path, seq, size)
 
     monkeypatch.setattr(journal.CheckpointStore, "write_snapshot", write_snapshot)
     monkeypatch.setattr(journal._Segment, "create", staticmethod(create))

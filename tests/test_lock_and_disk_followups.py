@@ -4,6 +4,7 @@ other; a nearly full checkpoint disk still takes allocations durably."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.allocation import checkpoint
-from gpumanager.allocation.journal import CheckpointStore
+from gpumanager import names
+from gpumanager.allocation import checkpoint, journal
+from gpumanager.allocation.allocator import AllocationError
+from gpumanager.allocation.journal import CheckpointStore, read_document
 from gpumanager.cli import LOCK_FILE, hold_node_lock
 from gpumanager.signals import SignalPipe
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod
 
 
 @pytest.fixture
@@ -165,3 +169,113 @@ def test_two_damaged_segments_set_aside_in_one_second_are_both_kept(tmp_path: Pa
         assert loaded.problems and not segment.exists()
     kept = sorted(p.read_bytes() for p in tmp_path.glob("cp.journal-1.corrupt-*"))
     assert kept == sorted(contents)
+
+
+# -- a checkpoint disk with less room than one journal segment -----------------------------------------
+
+
+@contextlib.contextmanager
+def _small_disk(directory: Path, size: str) -> Iterator[Path]:
+    """``directory`` as a tmpfs of ``size`` (needs root for mount(2); skipped without)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def _leave_free(directory: Path, free: int) -> None:
+    """Fill the file system of ``directory`` until about ``free`` bytes are left."""
+    st = os.statvfs(directory)
+    take = st.f_bavail * st.f_frsize - free
+    with open(directory / "filler", "wb") as f:
+        f.write(b"\1" * take)
+
+
+def _allocate_many(tmp_path: Path, count: int) -> list[str]:
+    """Start an allocator on the checkpoint in ``tmp_path`` and allocate ``count`` containers; their keys."""
+    pods = FakePods([make_pod(f"p{i}", [("c", 1, 1)]) for i in range(count)])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        assert alloc.probe_checkpoint() == ""
+        for i in range(count):
+            alloc.allocate(core_ids(i % 4, 1, start=i // 4))
+        return sorted(str(a.key) for a in alloc.allocations())
+    finally:
+        alloc.close()
+
+
+def _recorded(tmp_path: Path) -> int:
+    document = read_document(tmp_path / "checkpoint" / names.OWN_CHECKPOINT)
+    assert document is not None
+    return sum(len(per) for per in document["PodGPUMapping"].values())
+
+
+def test_a_checkpoint_disk_with_less_room_than_a_journal_segment_still_takes_allocations(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real small file system with ~300 KiB free (no room for a 1 MiB segment, room for a snapshot):
+    allocations are taken and are on disk; why is said once."""
+    with _small_disk(tmp_path / "checkpoint", "3m") as disk:
+        _leave_free(disk, 300 << 10)
+        with caplog.at_level(logging.WARNING, logger="gpumanager.allocation"):
+            keys = _allocate_many(tmp_path, 120)
+        assert len(keys) == 120
+        assert _recorded(tmp_path) == 120
+        said = [r.getMessage() for r in caplog.records if "journal segment" in r.getMessage()]
+        assert 1 <= len(said) <= 2, said
+
+
+@pytest.mark.parametrize("room", [200 << 10, 8 << 10])
+def test_segments_shrink_and_then_snapshots_take_over_as_the_disk_fills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, room: int
+) -> None:
+    """A disk that has ``room`` bytes for journal segments (fault injection): a smaller segment, or none and
+    each change written as the whole snapshot before it is answered."""
+    made: list[int] = []
+    real_fill = journal._fill_zeros
+
+    def fill(fd: int, size: int) -> None:
+        if size > room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made.append(size)
+        real_fill(fd, size)
+
+    monkeypatch.setattr(journal, "_fill_zeros", fill)
+    monkeypatch.setattr(journal, "_free_bytes", lambda directory: room)
+    with caplog.at_level(logging.WARNING, logger="gpumanager.allocation"):
+        keys = _allocate_many(tmp_path, 40)
+    assert len(keys) == 40 and _recorded(tmp_path) == 40
+    assert all(size < journal.SEGMENT_BYTES for size in made)
+    said = [r.getMessage() for r in caplog.records if "journal segment" in r.getMessage()]
+    assert 1 <= len(said) <= 2, said
+
+
+def test_nothing_is_answered_when_not_even_the_snapshot_can_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No segment of any size and no snapshot can be written: the allocation is refused, naming why."""
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    pods = FakePods([make_pod("a", [("c", 1, 1)])])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        assert alloc.probe_checkpoint() == ""
+        monkeypatch.setattr(journal, "_fill_zeros", full)
+        monkeypatch.setattr(journal, "_free_bytes", lambda directory: 0)
+        monkeypatch.setattr(checkpoint, "write_json", full)
+        segment = alloc._store._segment
+        assert segment is not None
+        segment.offset = journal.SEGMENT_BYTES  # the active segment is full: a new one is needed
+        with pytest.raises(AllocationError, match="No space left"):
+            alloc.allocate(core_ids(0, 1))
+        assert alloc.allocations() == []
+    finally:
+        alloc.close()

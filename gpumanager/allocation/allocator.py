@@ -1483,16 +1483,19 @@ class Allocator:
         if self._checkpoint_error:
             changes = None  # a write failed lately: the whole state must be written before anything else
         try:
-            if changes is None or len(changes) > _BATCH_SNAPSHOT:
-                seq = self._store.switch()
-                self._store.write_snapshot(self._document(), seq)
-                self._store.mark_clean()
-                self._snapshot_writes += 1
-                self._checkpoint_error = ""
-                return 0
-            if not changes:
-                return 0
-            return self._store.stage(changes[0] if len(changes) == 1 else {"batch": changes})
+            if changes is not None and len(changes) <= _BATCH_SNAPSHOT:
+                if not changes:
+                    return 0
+                try:
+                    return self._store.stage(changes[0] if len(changes) == 1 else {"batch": changes})
+                except journal.NoSegment:
+                    pass  # a nearly full disk: the whole state is written instead, now
+            seq = self._store.switch()
+            self._store.write_snapshot(self._document(), seq)
+            self._store.mark_clean()
+            self._snapshot_writes += 1
+            self._checkpoint_error = ""
+            return 0
         except OSError as exc:
             self._write_failed(exc)
             raise

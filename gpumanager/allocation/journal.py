@@ -22,8 +22,15 @@ changes stop, when a segment fills up, and at stop; so an upgrade or downgrade
 in place reads a snapshot at most a second or so old, and this agent reads the
 journal too.
 
+A disk with no room for a whole segment gets smaller ones (down to
+:data:`MIN_SEGMENT_BYTES`, leaving half the free room to the snapshot); with no
+room for even that, each change is written as the whole snapshot before it is
+answered (:class:`NoSegment`), as upstream does; said once each, and once when
+whole segments fit again. Only when the snapshot cannot be written either is a
+change refused.
+
 Files, beside the snapshot ``<name>``: ``<name>.journal-<seq>`` segments of
-:data:`SEGMENT_BYTES`, for container allocations and prepared claims (DRA mode)
+:data:`SEGMENT_BYTES` (or smaller, above), for container allocations and prepared claims (DRA mode)
 alike. A record is ``<length:8 hex> <crc32:8 hex> <json>\\n``; zeros mark the
 free rest of a segment. On load the snapshot is read, then every segment in
 order (a change is a put or a delete of one container's or one claim's entry,
@@ -66,6 +73,32 @@ _HEADER = 18  # "%08x %08x " before the JSON
 #: wrote): below 2^63 by room for 2^32 more segments, so that no stray file can make this agent number its
 #: next segments beyond what the next start accepts.
 _SEQ_MAX = (1 << 63) - 1 - (1 << 32)
+
+
+#: The smallest segment made when the disk has no room for a whole one (some 50 one-GPU changes).
+MIN_SEGMENT_BYTES = 16 << 10
+#: The errors of a disk with no room left.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSegment(OSError):
+    """No journal segment can be made or holds the change (a nearly full disk): the caller writes the whole
+    state as the snapshot instead, durable before it answers."""
+
+
+def _fill_zeros(fd: int, size: int) -> None:
+    """Write ``size`` zero bytes at the start of a new segment and sync them."""
+    zeros = b"\0" * min(size, 1 << 20)
+    left = size
+    while left > 0:
+        left -= os.write(fd, zeros[:left])
+    os.fsync(fd)
+
+
+def _free_bytes(directory: Path) -> int:
+    """The bytes free for this process on the file system of ``directory``."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 class JournalError(RuntimeError):
@@ -134,25 +167,25 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
 class _Segment:
     """One preallocated journal file, written record by record with O_DSYNC."""
 
-    def __init__(self, path: Path, fd: int, seq: int) -> None:
+    def __init__(self, path: Path, fd: int, seq: int, size: int | None = None) -> None:
         self.path = path
         self.fd = fd
         self.seq = seq
+        self.size = SEGMENT_BYTES if size is None else size
         self.offset = 0
         #: A write into it failed: what was staged after the hole would never be read back.
         self.hole = False
 
     @classmethod
-    def create(cls, path: Path, seq: int) -> _Segment:
+    def create(cls, path: Path, seq: int, size: int | None = None) -> _Segment:
+        """A segment of ``size`` bytes (:data:`SEGMENT_BYTES` when None), zero-filled and synced."""
+        size = SEGMENT_BYTES if size is None else size
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
-                zeros = b"\0" * (1 << 20)
-                for _ in range(SEGMENT_BYTES // len(zeros)):
-                    os.write(fd, zeros)
-                os.fsync(fd)
+                _fill_zeros(fd, size)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -161,7 +194,7 @@ class _Segment:
                 tmp.unlink()  # a full disk keeps none of its partial segments
             raise
         fsync_dir(path.parent)
-        return cls(path, os.open(path, os.O_RDWR | os.O_DSYNC), seq)
+        return cls(path, os.open(path, os.O_RDWR | os.O_DSYNC), seq, size)
 
     def write_at(self, offset: int, data: bytes) -> None:
         """Write records already placed at ``offset`` (durable on return: O_DSYNC)."""
@@ -170,7 +203,7 @@ class _Segment:
             raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
 
     def room(self, size: int) -> bool:
-        return self.offset + size <= SEGMENT_BYTES
+        return self.offset + size <= self.size
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -373,6 +406,8 @@ class CheckpointStore:
         self._switched_at = 0  # the last ticket staged before the newest segment switch
         #: Changes written and flushed (for metrics).
         self.durable_records = 0
+        #: The disk had no room for a whole segment lately: what was said about it ('' when it had).
+        self._short_said: set[str] = set()
 
     def _segment_path(self, seq: int) -> Path:
         return self.path.with_name(f"{self.path.name}.journal-{seq}")
@@ -508,8 +543,11 @@ class CheckpointStore:
             if self._segment is None or self._segment.hole or not self._segment.room(len(data)):
                 self._switch_locked()
             segment = self._segment
-            assert segment is not None
+            if segment is None:
+                raise NoSegment(errno.ENOSPC, f"no room for a journal segment beside {self.path}")
             if not segment.room(len(data)):
+                if segment.size < SEGMENT_BYTES:
+                    raise NoSegment(errno.ENOSPC, f"a change of {len(data)} bytes does not fit a small segment")
                 raise OSError(f"a change of {len(data)} bytes does not fit a journal segment")
             self._pending.append((segment, segment.offset, data))
             segment.offset += len(data)
@@ -597,7 +635,10 @@ class CheckpointStore:
             if spare is not None:
                 spare.discard()
             self._seq += 1
-            spare = _Segment.create(self._segment_path(self._seq), self._seq)
+            spare = self._new_segment(self._seq)
+            if spare is None:  # a full disk: changes are written as whole snapshots until one can be made
+                self._active_seq = self._seq
+                return self._seq
         self._segment = spare
         self._active_seq = spare.seq
         return spare.seq
@@ -610,8 +651,71 @@ class CheckpointStore:
         return self._seq
 
     def make_spare(self, seq: int) -> _Segment | None:
-        """Create the reserved segment, zero-filled and synced (outside the lock)."""
-        return _Segment.create(self._segment_path(seq), seq) if seq else None
+        """Create the reserved segment, zero-filled and synced (outside the lock); None when there is no
+        room for one (the next switch tries again)."""
+        return self._new_segment(seq) if seq else None
+
+    def _new_segment(self, seq: int) -> _Segment | None:
+        """A new segment: a whole one, else (a nearly full disk) the largest that leaves half the free room
+        to the snapshot, down to :data:`MIN_SEGMENT_BYTES`; None when not even that can be made. Errors
+        other than a full disk are raised."""
+        path = self._segment_path(seq)
+        why: OSError = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if not self._short_said:
+            try:
+                return _Segment.create(path, seq)
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                why = exc
+        try:
+            free = _free_bytes(path.parent)
+        except OSError:
+            free = 0
+        size = SEGMENT_BYTES if self._short_said else SEGMENT_BYTES // 2  # a whole one just failed
+        while size > free // 2 and size >= MIN_SEGMENT_BYTES:
+            size //= 2
+        while size >= MIN_SEGMENT_BYTES:
+            try:
+                segment = _Segment.create(path, seq, None if size == SEGMENT_BYTES else size)
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                why, size = exc, size // 2
+                continue
+            self._short_of_room(size, why)
+            return segment
+        self._short_of_room(0, why)
+        return None
+
+    def _short_of_room(self, size: int, why: OSError) -> None:
+        """Say once what a full disk makes the journal do (and once when it has room again)."""
+        if size == SEGMENT_BYTES:
+            if self._short_said:
+                self._short_said = set()
+                log.info("checkpoint %s: room for whole journal segments again", self.path)
+            return
+        state = "small" if size else "none"
+        if state in self._short_said:
+            return
+        self._short_said.add(state)
+        reason = why.strerror or str(why)
+        if size:
+            log.warning(
+                "checkpoint %s: no room for a journal segment of %d KiB (%s); using segments of %d KiB",
+                self.path,
+                SEGMENT_BYTES >> 10,
+                reason,
+                size >> 10,
+            )
+        else:
+            log.warning(
+                "checkpoint %s: no room for a journal segment of even %d KiB (%s); every change is written as "
+                "the whole snapshot before it is answered, until the disk has room again",
+                self.path,
+                MIN_SEGMENT_BYTES >> 10,
+                reason,
+            )
 
     def set_spare(self, segment: _Segment | None) -> None:
         """Keep a prepared segment for the next :meth:`switch` (under the lock)."""

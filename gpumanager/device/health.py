@@ -119,6 +119,9 @@ class HealthMonitor:
         self._unknown_logged_at = -1e18
         self.xid_events = 0
         self.ignored_xid_events = 0
+        #: XID events not ignored: counted on its own, so a reader never sees it drop (the difference of
+        #: the two counts above, read one after the other, can while events arrive).
+        self.critical_xid_events = 0
 
     def add_listener(self, listener: HealthListener) -> None:
         """Call ``listener(gpu_index, state)`` on every health change (from the monitor's thread)."""
@@ -366,6 +369,7 @@ class HealthMonitor:
             self.ignored_xid_events += 1
             self._log_ignored(index, xid)
             return
+        self.critical_xid_events += 1
         if index is not None:
             self._mark_bad(index, f"XID {xid}")
             return

@@ -158,10 +158,9 @@ class AgentCollector(Collector):
             "XID critical-error events received; ignored=true for the XIDs of --ignored-xids",
             labels=["ignored"],
         )
-        total = health.xid_events if health is not None else 0
-        ignored = health.ignored_xid_events if health is not None else 0
-        xids.add_metric(["false"], float(total - ignored))
-        xids.add_metric(["true"], float(ignored))
+        # Each count read on its own (a difference of two counts read apart could drop while events arrive).
+        xids.add_metric(["false"], float(health.critical_xid_events if health is not None else 0))
+        xids.add_metric(["true"], float(health.ignored_xid_events if health is not None else 0))
         yield xids
 
     def _checkpoint(self) -> Iterator[Metric]:

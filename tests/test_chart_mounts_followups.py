@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from tests.test_rbac_review import RENDER

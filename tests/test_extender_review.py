@@ -272,7 +272,7 @@ def test_charges_on_gpus_a_node_does_not_have_are_logged_once(caplog: pytest.Log
 def test_a_pod_whose_only_gpu_containers_are_init_containers_is_placed(world: World) -> None:
     """Ordinary init containers asking for GPUs, app containers asking none: filter refuses a node
     where they cannot run, and bind names their GPUs as for any GPU init container (the agent places
-    them there); they hold nothing once the pod runs."""
+    them there); they stay charged while the pod runs, as the agent counts them."""
     world.add_node("roomy", inventory([80, 80]), gpus=2)
     world.add_node("full", inventory([80]), gpus=1)
     world.create(gpu_pod("whole", [(100, 0)], node="full", annotations=held("full", [[0]])))
@@ -294,7 +294,10 @@ def test_a_pod_whose_only_gpu_containers_are_init_containers_is_placed(world: Wo
     assert annotations[names.PREDICATE_NODE] == "roomy"
     assert annotations[names.GPU_ASSIGNED] == "false" and annotations[names.PREDICATE_TIME], annotations
     assert not any(k == f"{PREFIX}0" for k in annotations), annotations
-    # No lasting charge: both GPUs of roomy are still free for a pod of two whole GPUs.
+    # The agent keeps an init container's charge until the pod ends (as the kubelet counts its devices):
+    # the GPU of the whole-GPU init container stays held, so a pod of two whole GPUs does not fit roomy.
     wait_for(lambda: world.extender.state.assumed_count() == 0, what="the watch showing the pod bound")
-    assert world.passed(world.create(gpu_pod("two", [(200, 0)])), ["roomy"]) == ["roomy"]
+    gpus = world.extender.state.node("roomy")
+    assert gpus is not None and gpus.tree.leaf_by_minor(int(annotations[f"{PREFIX}-2"])).allocatable_cores == 0
+    assert world.passed(world.create(gpu_pod("two", [(200, 0)])), ["roomy"]) == []
     assert world.extender.state.over_committed() == {}

@@ -54,9 +54,10 @@ def test_a_sidecar_that_does_not_fit_beside_the_app_container_is_refused(world: 
     assert gpus is not None and gpus.tree.leaf(0).allocatable_cores == 60
 
 
-def test_ordinary_init_containers_are_named_but_not_charged(world: World) -> None:
+def test_ordinary_init_containers_are_named_and_charged_as_the_agent_counts_them(world: World) -> None:
     """An init container runs before the others and ends: it is named (so the agent places it where
-    it fits beside the sidecar and the app container) and holds nothing once the pod is bound."""
+    it fits beside the sidecar and the app container); the agent keeps its charge while the pod runs
+    (on each GPU, the larger of it and the pod's other containers there), and so does the extender."""
     world.add_node("n", inventory([80, 80]))
     world.start_extender()
     pod = world.create(with_inits(gpu_pod("p", [(50, 8)]), [("setup", 60, 8, False), ("proxy", 50, 8, True)]))
@@ -67,12 +68,12 @@ def test_ordinary_init_containers_are_named_but_not_charged(world: World) -> Non
     world.wait_seen(1)
     gpus = world.extender.state.node("n")
     assert gpus is not None
-    assert [leaf.allocatable_cores for leaf in gpus.tree.leaves] == [0, 100]
+    assert [leaf.allocatable_cores for leaf in gpus.tree.leaves] == [0, 40]
 
 
 def test_charges_read_a_sidecar_from_its_negative_index() -> None:
     """The second init container is ``predicate-gpu-idx--2``; a sidecar holds what it names, an
-    ordinary init container holds nothing."""
+    ordinary init container what it names beyond the pod's other containers on that GPU."""
     annotations = held("n", [[1]]) | {f"{PREFIX}-1": "0", f"{PREFIX}-2": "1"}
     pod = with_inits(
         gpu_pod("p", [(30, 4)], node="n", annotations=annotations),
@@ -80,13 +81,18 @@ def test_charges_read_a_sidecar_from_its_negative_index() -> None:
     )
     charges = pod_charges(pod)
     assert charges is not None and charges.unplaced == 0
-    assert sorted(charges.charges, key=lambda c: c.cores) == [Charge(1, 30, 4 * BLOCK), Charge(1, 40, 8 * BLOCK)]
+    assert sorted(charges.charges, key=lambda c: c.cores) == [
+        Charge(0, 20, 4 * BLOCK),
+        Charge(1, 30, 4 * BLOCK),
+        Charge(1, 40, 8 * BLOCK),
+    ]
     state = ClusterState()
     state.node_event("ADDED", node_object("n", annotations={"tencent.com/gpu-inventory": inventory([80, 80])}))
     state.pod_event("ADDED", pod)
     gpus = state.node("n")
-    assert gpus is not None and [leaf.allocatable_cores for leaf in gpus.tree.leaves] == [100, 30]
+    assert gpus is not None and [leaf.allocatable_cores for leaf in gpus.tree.leaves] == [80, 30]
     # A sidecar without an annotation (gpu-admission names spec.containers only) is unplaced.
     del pod["metadata"]["annotations"][f"{PREFIX}-2"]
     later = pod_charges(pod)
-    assert later is not None and later.unplaced == 1 and later.charges == (Charge(1, 30, 4 * BLOCK),)
+    assert later is not None and later.unplaced == 1
+    assert later.charges == (Charge(1, 30, 4 * BLOCK), Charge(0, 20, 4 * BLOCK))

@@ -45,7 +45,7 @@ from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
-from gpumanager.extender.charges import PodCharges, init_containers
+from gpumanager.extender.charges import PodCharges, count_inits, init_containers
 from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import ClusterState
 
@@ -298,7 +298,8 @@ class _Bind:
     def _choose(
         self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest], sidecars: list[GPURequest]
     ) -> dict[str, str | None]:
-        """Choose GPUs under the state lock and assume what the sidecars and containers hold; returns
+        """Choose GPUs under the state lock and assume what the pod holds (its ordinary init containers as
+        the agent counts them, :func:`~gpumanager.extender.charges.count_inits`); returns
         the annotation patch (naming the init containers' GPUs too)."""
         uid = podinfo.uid(pod)
         node = self.args.node
@@ -313,7 +314,12 @@ class _Bind:
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
             now = str(time.time_ns())
-            charges = tuple(c for choice in placement.choices for c in choice.charges())
+            charges = tuple(
+                count_inits(
+                    [c for choice in placement.choices for c in choice.charges()],
+                    [c for choice in placement.inits for c in choice.charges()],
+                )
+            )
             state.assume(uid, PodCharges(node, charges, 0, now), podinfo.pod_key(pod))
         patch: dict[str, str | None] = {
             f"{names.PREDICATE_GPU_IDX_PREFIX}{choice.request.index}": ",".join(map(str, choice.minors))

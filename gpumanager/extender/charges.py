@@ -7,9 +7,11 @@ bound; see :class:`~gpumanager.extender.state.ClusterState` for how long), unles
 named GPU whole otherwise. A GPU sidecar (an init container with ``restartPolicy: Always``, which
 runs beside the others for the pod's whole life) holds the same way what its annotation names;
 the agent asks for an init container's under its negative index, ``predicate-gpu-idx--1`` for the
-first init container. An ordinary init container holds nothing here: it runs alone, before the
-others, and has ended by the time they run. A bound GPU container without the annotation holds no known GPU yet
-(the agent chooses at Allocate and writes the annotation afterwards): it is counted as unplaced,
+first init container. An ordinary init container runs alone, before the others, yet the agent (as
+the kubelet) keeps its charge until the pod ends: on each GPU the pod holds the larger of its ordinary
+init containers (the largest of them) and the sum of its other containers there. A bound GPU
+container without the annotation holds no known GPU yet (the agent chooses at Allocate and writes
+the annotation afterwards): it is counted as unplaced,
 as is one whose annotations were chosen for another node than the one it is bound to.
 """
 
@@ -93,11 +95,12 @@ def pod_charges(pod: Pod) -> PodCharges | None:
     if not counts(pod):
         return None
     try:
-        requests = held_containers(pod)
+        ordinary, sidecars = init_containers(pod)
+        requests = sidecars + podinfo.gpu_containers(pod)
     except PodSpecError as exc:
         log.warning("%s; the pod is not counted", exc)
         return None
-    if not requests:
+    if not requests and not ordinary:
         return None
     charges: list[Charge] = []
     unplaced = 0
@@ -107,30 +110,60 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         if not here:  # chosen for another node: the agent here chooses by itself
             unplaced += 1
             continue
-        try:
-            minors = podinfo.predicated_gpus(pod, request.index)
-        except PodSpecError as exc:
-            log.warning("%s; container %s is not counted", exc, request.name)
+        placed = _placed_charges(pod, request)
+        if placed is None:
             unplaced += 1
             continue
-        if minors is None:
-            unplaced += 1
-            continue
-        need = request.cores // names.HUNDRED_CORES if request.cores >= names.HUNDRED_CORES else 1
-        if len(set(minors)) != need:
-            log.warning(
-                "pod %s container %s: %s%d names GPU(s) %s but %d cores need %d distinct GPU(s); not counted",
-                podinfo.pod_key(pod),
-                request.name,
-                names.PREDICATE_GPU_IDX_PREFIX,
-                request.index,
-                ",".join(map(str, minors)),
-                request.cores,
-                need,
-            )
-            unplaced += 1
-            continue
-        memory = request.memory_bytes if request.shared else 0
-        charges.extend(Charge(m, request.cores, memory) for m in dict.fromkeys(minors))
+        charges.extend(placed)
+    if here and ordinary:
+        charges = count_inits(charges, [c for r in ordinary for c in _placed_charges(pod, r) or ()])
     when = str(podinfo.pod_annotations(pod).get(names.PREDICATE_TIME, ""))
     return PodCharges(pod_node(pod), tuple(charges), unplaced, when, bound)
+
+
+def _placed_charges(pod: Pod, request: GPURequest) -> list[Charge] | None:
+    """What container ``request`` holds where its ``predicate-gpu-idx`` annotation says; None when the
+    annotation is missing or unusable (logged)."""
+    try:
+        minors = podinfo.predicated_gpus(pod, request.index)
+    except PodSpecError as exc:
+        log.warning("%s; container %s is not counted", exc, request.name)
+        return None
+    if minors is None:
+        return None
+    need = request.cores // names.HUNDRED_CORES if request.cores >= names.HUNDRED_CORES else 1
+    if len(set(minors)) != need:
+        log.warning(
+            "pod %s container %s: %s%d names GPU(s) %s but %d cores need %d distinct GPU(s); not counted",
+            podinfo.pod_key(pod),
+            request.name,
+            names.PREDICATE_GPU_IDX_PREFIX,
+            request.index,
+            ",".join(map(str, minors)),
+            request.cores,
+            need,
+        )
+        return None
+    memory = request.memory_bytes if request.shared else 0
+    return [Charge(m, request.cores, memory) for m in dict.fromkeys(minors)]
+
+
+def count_inits(charges: list[Charge], inits: list[Charge]) -> list[Charge]:
+    """``charges`` (the pod's containers that run together) with its ordinary init containers' ``inits``
+    counted as the agent counts them: on each GPU, the larger of the largest init container and the sum
+    of the others there (a whole GPU is larger than any share)."""
+    out = list(charges)
+    for minor in dict.fromkeys(c.minor for c in inits):
+        first = [c for c in inits if c.minor == minor]
+        rest = [c for c in charges if c.minor == minor]
+        if any(c.whole for c in rest):
+            continue  # the others hold the whole GPU already
+        if any(c.whole for c in first):
+            # The pod holds the whole GPU: its other shares there are within it.
+            out = [c for c in out if c.minor != minor] + [Charge(minor, names.HUNDRED_CORES, 0)]
+            continue
+        beyond_cores = max(c.cores for c in first) - sum(c.cores for c in rest)
+        beyond_memory = max(c.memory for c in first) - sum(c.memory for c in rest)
+        if beyond_cores > 0 or beyond_memory > 0:
+            out.append(Charge(minor, max(beyond_cores, 0), max(beyond_memory, 0)))
+    return out

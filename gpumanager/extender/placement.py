@@ -229,9 +229,10 @@ def place(
     The kubelet allocates every container of a pod when it admits it, init containers first, and
     the agent keeps an init container's GPUs while the others allocate. An ordinary init container
     runs alone before the others (one at a time), and the kubelet may hand its devices on to a later
-    container, so it holds nothing once the pod runs; but each must fit beside what the sidecars
-    and containers hold: it gets the GPUs it fits on beside all of them (:attr:`Placement.inits`),
-    named for the agent like the others' so both place it alike.
+    container; it is not charged while the others are placed, but each must fit beside what the
+    sidecars and containers hold: it gets the GPUs it fits on beside all of them
+    (:attr:`Placement.inits`), named for the agent like the others' so both place it alike. Once the
+    pod is bound, it is charged as the agent counts it (:mod:`gpumanager.extender.charges`).
     """
     tree = node.empty if empty else node.tree
     if len(requests) == 1 and not empty and not inits and not sidecars:  # the usual pod

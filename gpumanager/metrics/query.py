@@ -56,6 +56,7 @@ class QueryEndpoints:
             cgroup_root=Path(cfg.cgroup_root),
             sample_period=float(cfg.sample_period),
             version=self._state_version,
+            synced=agent.pods.synced,
         )
         self._data = DisplayData(agent.gpus, allocator.graph, self.sampler.sample)
         self.probes = agent_probes(agent)

@@ -147,12 +147,17 @@ class UsageSampler:
         clock: Callable[[], float] = time.monotonic,
         version: Callable[[], Hashable] | None = None,
         nvml: NVMLReads = NVML,
+        synced: Callable[[], bool] | None = None,
     ) -> None:
         self._gpus = gpus
         self._nvml = nvml  # the agent's list: a GPU that comes back may be described anew
         self._allocations = allocations
         self._pod = pod
         self._version = version
+        #: Whether the pod cache has a complete view; until it has, a container whose pod it lacks is
+        #: listed under the namespace and name its allocation recorded (its usage unknown).
+        self._synced = synced
+        self._standins: dict[str, Pod] = {}  # pod UID -> the stand-in pod made from its allocation
         self._period = sample_period
         self._owners = ProcessOwners(cgroups.CgroupLocator(cgroup_root), rescan_period=rescan_period, clock=clock)
         self._plan: _Plan | None = None
@@ -265,6 +270,9 @@ class UsageSampler:
     def _current_plan(self) -> _Plan:
         """The containers to sample: the last ones while the version is the same, else looked up again."""
         version = self._version() if self._version is not None else None
+        synced = self._synced() if self._synced is not None else True
+        if version is not None:
+            version = (version, synced)
         plan = self._plan
         if plan is not None and version is not None and plan.version == version:
             return plan
@@ -275,17 +283,26 @@ class UsageSampler:
         containers: dict[Key, tuple[str, str | None]] = {}
         ids: dict[str, tuple[dict[str, str], str | None]] = {}  # pod UID -> (container IDs, QoS class)
         found: list[tuple[ContainerAllocation, Pod]] = []
+        standins: dict[str, Pod] = {}
         for alloc in self._allocations():
             pod = self._pod(alloc.pod_uid)
+            if pod is None and not synced and alloc.namespace and alloc.pod_name:
+                # No complete pod list yet (an agent started while the API server cannot be reached):
+                # the container still runs and holds its GPUs. A stand-in keeps its series, with the
+                # names its allocation recorded; its usage is unknown (its container ID is in the pod).
+                pod = self._standins.get(alloc.pod_uid) or _standin(alloc)
+                standins[alloc.pod_uid] = pod
             if pod is not None:
                 found.append((alloc, pod))
+        self._standins = standins
         for alloc, pod in _reported(found):
             gpus = tuple(by_minor[m] for m in alloc.minors if m in by_minor)
             old = before.get(alloc.key)
             if old is not None and old.pod is pod and old.allocation == alloc and old.gpus == gpus:
                 held.append(old)  # the same objects: what readers derived from them stays valid
             else:
-                held.append(_Held(pod, alloc, gpus, tuple(self._idle(g) for g in gpus), alloc.key))
+                measure = self._unmeasured if alloc.pod_uid in standins else self._idle
+                held.append(_Held(pod, alloc, gpus, tuple(measure(g) for g in gpus), alloc.key))
             entry = ids.get(alloc.pod_uid)
             if entry is None:
                 entry = ids[alloc.pod_uid] = (podinfo.container_ids(pod), podinfo.qos_class(pod))
@@ -300,6 +317,11 @@ class UsageSampler:
         self._plan = plan = _Plan(version, tuple(held), indexes, containers, holders)
         self.plans += 1
         return plan
+
+
+def _standin(alloc: ContainerAllocation) -> Pod:
+    """A pod the cache does not have yet, as far as its allocation tells: UID, namespace and name."""
+    return {"metadata": {"uid": alloc.pod_uid, "namespace": alloc.namespace, "name": alloc.pod_name}}
 
 
 def _init_states(pod: Pod) -> dict[str, str]:

@@ -18,6 +18,21 @@ static pthread_rwlock_t g_life = PTHREAD_RWLOCK_INITIALIZER;
 static struct sim_ctx g_ctx;
 static unsigned g_refcount;
 
+/*
+ * A child forked while another thread was inside a call (read lock held) has a copy of g_life held by a thread
+ * it does not have: its nvmlInit would wait forever.  Readers change nothing, so the copy of g_ctx is whole;
+ * the child's lock starts fresh.
+ */
+static void life_atfork_child(void)
+{
+    pthread_rwlock_init(&g_life, NULL);
+}
+
+__attribute__((constructor)) static void life_init(void)
+{
+    pthread_atfork(NULL, NULL, life_atfork_child);
+}
+
 nvmlDevice_t sim_handle(unsigned index)
 {
     return (nvmlDevice_t)(uintptr_t)&g_handles[index];

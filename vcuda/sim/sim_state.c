@@ -8,6 +8,7 @@
 #include <linux/futex.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -163,8 +164,41 @@ static int validate_and_map(struct sim_state *st, char *err, size_t errlen)
     return 0;
 }
 
+/*
+ * The states open in this process: a child forked while another thread was inside sim_state_lock has a copy
+ * of st->mu held by a thread it does not have; its atfork handler makes every open state's mutex fresh (the
+ * real driver's internal locks do not deadlock a forked child that only asks NVML).
+ */
+#define SIM_OPEN_STATES 64
+static struct sim_state *_Atomic g_open_states[SIM_OPEN_STATES];
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+
+static void states_atfork_child(void)
+{
+    for (unsigned i = 0; i < SIM_OPEN_STATES; i++) {
+        struct sim_state *st = atomic_load(&g_open_states[i]);
+        if (st != NULL)
+            pthread_mutex_init(&st->mu, NULL);
+    }
+}
+
+static void register_atfork(void)
+{
+    pthread_atfork(NULL, NULL, states_atfork_child);
+}
+
+static void states_track(struct sim_state *st, struct sim_state *was)
+{
+    for (unsigned i = 0; i < SIM_OPEN_STATES; i++) {
+        struct sim_state *cur = was;
+        if (atomic_compare_exchange_strong(&g_open_states[i], &cur, st))
+            return;
+    }
+}
+
 struct sim_state *sim_state_open(const char *path, char *err, size_t errlen)
 {
+    pthread_once(&g_atfork_once, register_atfork);
     size_t plen = strlen(path);
     struct sim_state *st = calloc(1, sizeof(*st) + plen + 1);
     if (st == NULL) {
@@ -193,6 +227,7 @@ struct sim_state *sim_state_open(const char *path, char *err, size_t errlen)
     }
     st->pid = getpid();
     pthread_mutex_init(&st->mu, NULL);
+    states_track(st, NULL);
     return st;
 }
 
@@ -200,6 +235,7 @@ void sim_state_close(struct sim_state *st)
 {
     if (st == NULL)
         return;
+    states_track(NULL, st);
     munmap(st->map, st->size);
     close(st->fd);
     pthread_mutex_destroy(&st->mu);

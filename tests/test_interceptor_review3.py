@@ -68,3 +68,27 @@ def test_a_full_budget_directory_leaves_the_process_running_with_a_limit_of_its_
     done, out = run(c, ["unshare", "-Urm", "sh", "-c", script, str(c.budget_dir), str(exe), "1100"], mirror)
     assert done.returncode == 0 and out is not None, f"rc {done.returncode}: {done.stdout}{done.stderr}"
     assert out["alloc"] == 2, out  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_child_forked_without_a_shared_budget_neither_hangs_nor_inherits_its_parents_charges(
+    container: MakeContainer, asan_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """No shared budget file (its directory cannot be used): each process keeps its budget in private memory,
+    lock included.  A process holding 600 MiB of a 1024 MiB container, with 16 threads allocating and freeing
+    1 MiB, forks 40 children one by one (a data-loader's workers); each asks NVML for the GPU's memory.  A
+    child forked while a thread held the private budget lock inherited it locked, by a thread that does not
+    exist in the child: its NVML query waited forever.  The others were told of a frozen copy of their
+    parent's charges (its 600 MiB and context), which nothing in the child ever frees, as their own.  No
+    child may hang, and a child that allocated nothing uses nothing."""
+    c = container(1024)
+    exe = build_program("review3_budget", tmp_path, sanitize)
+    mirror = asan_mirror(c, asan_built) if sanitize else None
+    blocker = c.root / "not-a-directory"
+    blocker.write_text("")
+    done, out = run(c, [str(exe), "fork", "600", "16", "40"], mirror,
+                    {"VCUDA_BUDGET_DIR": str(blocker / "shm")})  # fmt: skip
+    assert done.returncode == 0 and out is not None, f"rc {done.returncode}: {done.stdout}{done.stderr}"
+    assert out["stuck"] == 0, f"a forked child waited forever on a lock: {out}"
+    assert out["ok"] == out["forks"] == 40, out
+    assert out["child_used_mib"] == 0, f"a child was charged its parent's memory: {out}"

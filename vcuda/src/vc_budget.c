@@ -93,12 +93,7 @@ static struct budget_header *g_hdr; /* written once inside g_open_once */
 static struct budget_slot *g_slots; /* likewise */
 static _Atomic int g_slot = -1;      /* this process's slot; reset in a forked child */
 static _Atomic uint64_t g_slot_tried_ns; /* vc_budget_unseen: when a slot was last looked for (0: never) */
-
-void vc_budget_atfork_child(void)
-{
-    atomic_store(&g_slot, -1);
-    atomic_store(&g_slot_tried_ns, 0);
-}
+static bool g_private; /* written once inside g_open_once: no shared file, the budget is this process's memory */
 
 static bool init_mutex(pthread_mutex_t *mu)
 {
@@ -107,6 +102,24 @@ static bool init_mutex(pthread_mutex_t *mu)
               pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST) == 0 && pthread_mutex_init(mu, &a) == 0;
     pthread_mutexattr_destroy(&a);
     return ok;
+}
+
+void vc_budget_atfork_child(void)
+{
+    atomic_store(&g_slot, -1);
+    atomic_store(&g_slot_tried_ns, 0);
+    if (g_private && g_hdr != NULL) {
+        /*
+         * A private budget was copied with the child: its lock perhaps held by a thread of the parent that does
+         * not exist here (nobody would ever release it), its slots the parent's charges (nothing here frees
+         * them).  The child's budget starts empty, as a process of its own (the SM ledger stays: GPU time used).
+         */
+        init_mutex(&g_hdr->mu);
+        memset(g_slots, 0, BUDGET_SLOTS * sizeof(struct budget_slot));
+        atomic_store(&g_hdr->high, 0);
+        atomic_store(&g_hdr->untracked, 0);
+        atomic_store(&g_hdr->reconciled_ns, 0);
+    }
 }
 
 static void *map_file(const char *path)
@@ -199,6 +212,7 @@ static void open_budget(void)
         struct budget_header *h = map;
         h->slot_count = BUDGET_SLOTS;
         init_mutex(&h->mu);
+        g_private = true;
     }
     g_hdr = map;
     g_slots = (struct budget_slot *)((char *)map + BUDGET_HEADER);

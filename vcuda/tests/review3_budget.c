@@ -3,11 +3,12 @@
  *
  * Usage: review3_budget alloc SIZE_MIB
  *   cuInit, a context, cuMemAlloc_v2(SIZE_MIB).  Prints {"alloc": <rc>}.
- * Usage: review3_budget fork PARENT_MIB CHILD_MIB THREADS FORKS
+ * Usage: review3_budget fork PARENT_MIB THREADS FORKS
  *   cuInit, a context, cuMemAlloc_v2(PARENT_MIB); THREADS threads then allocate and free 1 MiB in a loop
- *   while the main thread forks FORKS children, one at a time.  Each child creates a context of its own and
- *   allocates CHILD_MIB, then _exits with 0 (success), 10 + rc (refused) or is killed by SIGALRM after 30 s
- *   (stuck).  Prints {"forks": N, "ok": N, "refused": N, "stuck": N, "last_rc": rc}.
+ *   while the main thread forks FORKS children, one at a time.  Each child asks NVML (libnvidia-ml.so.1) for
+ *   GPU 0's memory, writes the used MiB it was told into a pipe and _exits with 0, 10 + its NVML error, or
+ *   is killed by SIGALRM after 30 s (stuck).  Prints {"forks": N, "ok": N, "failed": N, "stuck": N,
+ *   "child_used_mib": the most a child was told}.
  * Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
 #include <cuda.h>
@@ -92,10 +93,21 @@ int main(int argc, char **argv)
         printf("{\"alloc\": %d}\n", (int)rc);
         return 0;
     }
-    if (strcmp(argv[1], "fork") != 0 || argc != 6)
+    if (strcmp(argv[1], "fork") != 0 || argc != 5)
         return 2;
-    size_t parent = (size_t)strtoull(argv[2], NULL, 10) * MIB, child = (size_t)strtoull(argv[3], NULL, 10) * MIB;
-    int threads = atoi(argv[4]), forks = atoi(argv[5]);
+    size_t parent = (size_t)strtoull(argv[2], NULL, 10) * MIB;
+    int threads = atoi(argv[3]), forks = atoi(argv[4]);
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (nvml == NULL) {
+        fprintf(stderr, "%s\n", dlerror());
+        return 2;
+    }
+    struct mem { unsigned long long total, free, used; };
+    int (*nvml_init)(void) = (int (*)(void))dlsym(nvml, "nvmlInit_v2");
+    int (*nvml_handle)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    int (*nvml_mem)(void *, struct mem *) = (int (*)(void *, struct mem *))dlsym(nvml, "nvmlDeviceGetMemoryInfo");
+    if (nvml_init == NULL || nvml_handle == NULL || nvml_mem == NULL)
+        return 2;
     g_ctx = setup();
     CUdeviceptr held = 0;
     check(FN(cuMemAlloc_v2)(&held, parent), "the parent's allocation");
@@ -106,24 +118,37 @@ int main(int argc, char **argv)
         if (pthread_create(&tid[i], NULL, churn, NULL) != 0)
             return 4;
     usleep(20000);
-    int ok = 0, refused = 0, stuck = 0, last_rc = 0, n = 0;
+    int ok = 0, failed = 0, stuck = 0, n = 0;
+    long long child_used = 0;
     for (; n < forks; n++) {
+        int fds[2];
+        if (pipe(fds) != 0)
+            return 5;
         pid_t pid = fork();
         if (pid < 0)
             return 5;
         if (pid == 0) {
             alarm(30); /* a child waiting on a lock nobody in it will release: killed, counted as stuck */
-            CUdevice dev;
-            CUcontext ctx;
-            CUdeviceptr p;
-            if (FN(cuDeviceGet)(&dev, 0) != CUDA_SUCCESS || FN(cuCtxCreate_v2)(&ctx, 0, dev) != CUDA_SUCCESS)
+            void *dev = NULL;
+            struct mem m = {0, 0, 0};
+            int rc = nvml_init();
+            if (rc == 0)
+                rc = nvml_handle(0, &dev);
+            if (rc == 0)
+                rc = nvml_mem(dev, &m);
+            long long used = (long long)(m.used >> 20);
+            if (write(fds[1], &used, sizeof(used)) != (ssize_t)sizeof(used))
                 _exit(9);
-            CUresult rc = FN(cuMemAlloc_v2)(&p, child);
-            _exit(rc == CUDA_SUCCESS ? 0 : 10 + (int)rc);
+            _exit(rc == 0 ? 0 : 10 + (rc > 200 ? 200 : rc));
         }
+        close(fds[1]);
         int st = 0;
         if (waitpid(pid, &st, 0) != pid)
             return 6;
+        long long used = 0;
+        if (read(fds[0], &used, sizeof(used)) == (ssize_t)sizeof(used) && used > child_used)
+            child_used = used;
+        close(fds[0]);
         if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM) {
             stuck++;
             break; /* one is enough */
@@ -134,14 +159,14 @@ int main(int argc, char **argv)
         if (code == 0)
             ok++;
         else if (code >= 10)
-            refused++, last_rc = code - 10;
+            failed++;
         else
             return 8;
     }
     atomic_store(&g_stop, true);
     for (int i = 0; i < threads; i++)
         pthread_join(tid[i], NULL);
-    printf("{\"forks\": %d, \"ok\": %d, \"refused\": %d, \"stuck\": %d, \"last_rc\": %d}\n", n, ok, refused, stuck,
-           last_rc);
+    printf("{\"forks\": %d, \"ok\": %d, \"failed\": %d, \"stuck\": %d, \"child_used_mib\": %lld}\n", n, ok,
+           failed, stuck, child_used);
     return 0;
 }

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
-from gpumanager import names
+from gpumanager import names, safenames
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation import records
 from gpumanager.allocation.allocator import AllocationError, Allocator
@@ -79,6 +79,9 @@ def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAl
                 memory=memory,
                 device_ids=e.device_ids,
                 answered_as=_answered_as(resp, (e.pod_uid, e.container)),
+                # The kubelet keys a static pod by its own UID, the config hash its mirror pod carries as
+                # kubernetes.io/config.mirror: the pod outlives its mirror pods, as when allocated.
+                mirror=e.pod_uid if safenames.is_static_pod_uid(e.pod_uid) else "",
             )
         )
     return out

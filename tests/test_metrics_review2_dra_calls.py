@@ -80,3 +80,30 @@ def test_refused_dra_prepare_alerts(tmp_path: Path) -> None:
     assert result.returncode != 0, out
     got = out.split("got:", 1)[1]
     assert 'call="NodePrepareResources"' in got and 'alertname="GPUManagerAllocationRefusals"' in got, out
+
+
+def test_dra_agent_scrape_registered_and_prepare_series(tmp_path: Path, sim_built: Path) -> None:
+    """A real DRA-mode agent: registered with the kubelet (as a DRA driver) says 1, and its prepare
+    calls are counted under the driver's name; promtool accepts the page."""
+    import urllib.request
+
+    from simnode.dra_cluster import DRIVER, DRACluster, claim_pod, claim_template
+
+    with DRACluster(tmp_path / "node", "t4-x1") as cluster:
+        cluster.add_template(claim_template("c30", cores=30, memory="4Gi"))
+        cluster.create_pod(claim_pod("p30", "c30"))
+        cluster.settle()
+        assert cluster.agent is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.agent.query_port}/metrics", timeout=5) as resp:
+            page = resp.read().decode()
+    samples = _samples(page)
+    assert samples[("gpu_manager_kubelet_registered", ())] == 1.0
+    assert samples[("gpu_manager_kubelet_registrations_total", ())] >= 1.0
+    prepare = (("call", "NodePrepareResources"), ("resource", DRIVER))
+    assert samples[("gpu_manager_kubelet_call_duration_seconds_count", prepare)] >= 1.0
+    assert samples[("gpu_manager_kubelet_call_errors_total", prepare)] == 0.0
+    unprepare = (("call", "NodeUnprepareResources"), ("resource", DRIVER))
+    assert samples[("gpu_manager_kubelet_call_errors_total", unprepare)] == 0.0
+    if shutil.which("promtool") is not None:
+        done = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", "")

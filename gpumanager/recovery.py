@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from gpumanager import names, safenames
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation import records
-from gpumanager.allocation.allocator import AllocationError, Allocator
+from gpumanager.allocation.allocator import MIRROR_ANNOTATION, AllocationError, Allocator
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
@@ -146,9 +146,16 @@ def from_pod_resources(
                 namespace=e.namespace,
                 pod_name=e.pod,
                 container_index=request.index,
+                mirror=_config_mirror(pod),
             )
         )
     return out
+
+
+def _config_mirror(pod: Pod) -> str:
+    """A mirror pod's static pod (its config hash, the kubelet's UID of the static pod); '' for any other."""
+    value = podinfo.pod_annotations(pod).get(MIRROR_ANNOTATION)
+    return value if isinstance(value, str) else ""
 
 
 class Recovery:
@@ -297,7 +304,13 @@ class Recovery:
             if wanted
             else []
         )
-        missing = [a for a in found if not self._allocator.holds(a.key)]
+        # A static pod rebuilt from the kubelet's checkpoint is held under the kubelet's UID of it, which
+        # its mirror pod, the one PodResources' names give, carries as its config hash.
+        missing = [
+            a
+            for a in found
+            if not self._allocator.holds(a.key) and not (a.mirror and self._allocator.holds((a.mirror, a.container)))
+        ]
         taken = self._allocator.adopt(missing, source="PodResources")
         self.rebuilt += taken
         if taken:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from gpumanager import names, safenames
-from simnode.cluster import SimCluster, gpu_pod
-from simnode.kubelet import AllocationError as KubeletRefusal
-from tests.battery_fixtures import agent_allocated, memory_of, spec_one_gpu
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from simnode.kubelet import PluginRPCError
+from tests.battery_fixtures import agent_allocated, memory_of, spec_a100_pcie_x2
 
 MIRROR = "kubernetes.io/config.mirror"
 
@@ -33,11 +33,19 @@ def _wait_held(cluster: SimCluster, want: dict[int, tuple[int, int]]) -> None:
         time.sleep(0.1)
 
 
-def test_a_static_pod_rebuilt_from_the_kubelet_checkpoint_keeps_its_gpu(tmp_path: Path) -> None:
-    cluster = SimCluster(tmp_path / "node", spec_one_gpu(tmp_path / "spec.json"), pod_resources=False, status_lag=0.0)
+@pytest.mark.parametrize("pod_resources", [False, True])
+def test_a_static_pod_rebuilt_from_the_kubelet_checkpoint_keeps_its_gpu(tmp_path: Path, pod_resources: bool) -> None:
+    """With PodResources too, the static pod is held once (PodResources names its mirror pod)."""
+    cluster = SimCluster(
+        tmp_path / "node", spec_a100_pcie_x2(tmp_path / "spec.json"), pod_resources=pod_resources, status_lag=0.0
+    )
     with cluster:
         static_uid = hashlib.md5(b"kube-system/etcd manifest").hexdigest()
-        hashes = {MIRROR: static_uid, "kubernetes.io/config.hash": static_uid, "kubernetes.io/config.source": "file"}
+        hashes = admission_annotations([[0]], 1) | {
+            MIRROR: static_uid,
+            "kubernetes.io/config.hash": static_uid,
+            "kubernetes.io/config.source": "file",
+        }
         created = cluster.create(gpu_pod("etcd-node", [("main", 100, 0)], namespace="kube-system", annotations=hashes))
         run = cluster.runs[created["metadata"]["uid"]]
         cluster.kubelet.allocate(  # the kubelet admits its static pod, under its own UID
@@ -51,16 +59,16 @@ def test_a_static_pod_rebuilt_from_the_kubelet_checkpoint_keeps_its_gpu(tmp_path
         cluster.kubelet.pre_start(names.VCORE_RESOURCE, pod_uid=static_uid, container_name="main")
         running = [{"name": "main", "containerID": "containerd://e7cd", "state": {"running": {}}}]
         cluster.api.set_pod_phase(run.namespace, run.name, "Running", containerStatuses=running)
-        ((minor, total),) = memory_of(cluster).items()
-        _wait_held(cluster, {minor: (100, total)})
+        want = {m: (100, total) if m == 0 else (0, 0) for m, total in memory_of(cluster).items()}
+        _wait_held(cluster, want)
         assert cluster.agent is not None
         cluster.agent.stop()
         for path in cluster.checkpoint_dir.glob(names.OWN_CHECKPOINT + "*"):
             path.unlink()  # our checkpoint is lost: only the kubelet's names the static pod's GPU
         cluster.start_agent()
         # A pod asking for the whole GPU: the static pod still runs on it.
-        other = cluster.create(gpu_pod("other", [("main", 100, 0)]))
-        with pytest.raises(KubeletRefusal):
+        other = cluster.create(gpu_pod("other", [("main", 100, 0)], annotations=admission_annotations([[0]], 2)))
+        with pytest.raises(PluginRPCError, match="predicated GPU 0 is not entirely free"):
             cluster.kubelet.allocate(
                 names.VCORE_RESOURCE,
                 100,
@@ -69,4 +77,4 @@ def test_a_static_pod_rebuilt_from_the_kubelet_checkpoint_keeps_its_gpu(tmp_path
                 pod_name="other",
                 namespace="default",
             )
-        _wait_held(cluster, {minor: (100, total)})
+        _wait_held(cluster, want)

@@ -245,6 +245,9 @@ class Allocator:
         #: Pods removed from the API server while their containers may still run (a forced deletion):
         #: UID -> the monotonic time after which their GPUs are freed whatever the kubelet shows.
         self._stopping: dict[str, float] = {}
+        #: Records were taken over from elsewhere (the kubelet's checkpoint, PodResources) that may lack the
+        #: Init and Mirror markers only the pod objects tell: :meth:`_mark_from_pods` sets them.
+        self._unmarked = False
         # ResourceClaims prepared on this node (DRA mode), by claim UID.
         self._claims: dict[str, ClaimAllocation] = {}
         # GPUs that recovered records charge beyond their capacity: the tree's counts are floored and
@@ -1934,6 +1937,8 @@ class Allocator:
         self._take_pod_changes()
         if not self._pods.synced():
             return False  # the holders to check stay listed until the view is complete
+        if self._unmarked:
+            self._mark_from_pods()
         if every or self._verify_all:
             pods = self._pods.pods()
             active = {podinfo.uid(p) for p in pods if not podinfo.is_terminated(p)}
@@ -1949,6 +1954,55 @@ class Allocator:
         for pod_uid in sorted(ended):
             changed |= bool(self._release_locked(pod_uid))
         return changed
+
+    def _mark_from_pods(self) -> None:
+        """Give the records that carry neither marker their Init (an ordinary init container, whose charge
+        is not summed with the others') and Mirror (a static pod's, which outlives its mirror pods) from the
+        pod objects of the complete pod cache (lock held; no network I/O): records rebuilt from the kubelet's
+        checkpoint or PodResources, which say neither. A record keyed by a static pod's own UID (the
+        kubelet's) is matched to a mirror pod of it by its config hash."""
+        self._unmarked = False
+        pods = self._pods.pods()
+        by_uid = {podinfo.uid(p): p for p in pods}
+        by_hash: dict[str, Pod] = {}
+        for p in pods:
+            if _mirror_of(p) and not podinfo.is_terminated(p):
+                by_hash.setdefault(_mirror_of(p), p)
+        changed: list[ContainerAllocation] = []
+        for key, alloc in sorted(self._allocs.items()):
+            if alloc.init or alloc.mirror:
+                continue
+            pod = by_uid.get(alloc.pod_uid)
+            mirror = _mirror_of(pod) if pod is not None else ""
+            if pod is None:
+                pod = by_hash.get(alloc.pod_uid)
+                mirror = alloc.pod_uid if pod is not None else ""
+            if pod is None:
+                continue
+            try:
+                init = any(r.name == alloc.container and _runs_first(pod, r) for r in podinfo.init_gpu_requests(pod))
+            except PodSpecError:
+                init = False
+            if not init and not mirror:
+                continue
+            marked = replace(alloc, init=init, mirror=mirror)
+            self._allocs[key] = marked
+            changed.append(marked)
+        if not changed:
+            return
+        self._generation += 1
+        self._recharge({m for a in changed for m in a.minors})
+        self._save_or_report([_put(a) for a in changed])
+        for a in changed:
+            log.info(
+                "pod %s container %s, rebuilt from the kubelet's records, is %s",
+                *a.key,
+                " and ".join(
+                    w
+                    for w in ("an init container" if a.init else "", f"static pod {a.mirror}'s" if a.mirror else "")
+                    if w
+                ),
+            )
 
     def _alive(self, pod_uid: str) -> bool:
         pod = self._pods.get(pod_uid)
@@ -2179,6 +2233,7 @@ class Allocator:
                 self._occupy(alloc)
                 self._insert(alloc)
                 taken.append(alloc)
+                self._unmarked |= not (alloc.init or alloc.mirror)
             self._warn_overcommit(source)
             if taken:
                 self._save_or_report([_put(a) for a in taken])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from simnode.agent_process import vm_path_for
 from simnode.dra_cluster import DRACluster
 from tests.test_app_start_followups import no_kubelet_node, probe, wait_probe
 
@@ -65,7 +66,7 @@ def test_an_unexpected_error_of_the_background_start_is_reported_in_the_mode_s_w
     from gpumanager.metrics.endpoints import agent_probes
 
     args = cli.build_parser({}).parse_args(
-        [f"--mode={mode}", f"--checkpoint-path={tmp_path}", f"--virtual-manager-path={tmp_path}"]
+        [f"--mode={mode}", f"--checkpoint-path={tmp_path}", f"--virtual-manager-path={vm_path_for(tmp_path)}"]
     )
     agent = Agent(cli.config_from_args(args, {}))
 

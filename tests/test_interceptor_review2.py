@@ -8,7 +8,6 @@ in a simulated container.  The judge is the simulated GPU: the most device memor
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys

@@ -32,7 +32,7 @@ def run(c: Container, argv: list[str], mirror: Path | None, env_over: dict[str, 
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     try:
         out = last_json(done.stdout)
-    except Exception:  # noqa: BLE001 - no JSON: the caller reports the run
+    except Exception:
         out = None
     return done, out if isinstance(out, dict) else None
 

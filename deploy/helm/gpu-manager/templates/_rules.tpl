@@ -51,6 +51,18 @@ groups:
             {{`{{ $value | humanize }}`}} {{`{{ $labels.call }}`}} calls for {{`{{ $labels.resource }}`}} were
             refused in the last 10 minutes on {{`{{ $labels.instance }}`}}: those containers do not start.
             The agent's log names each pod and the reason.
+      - alert: GPUManagerUnprepareFailures
+        expr: increase(gpu_manager_kubelet_call_errors_total{ {{- $job -}} ,call="NodeUnprepareResources"}[10m]) > 0
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} fails to release DRA claims
+          description: >-
+            {{`{{ $value | humanize }}`}} NodeUnprepareResources calls for {{`{{ $labels.resource }}`}} failed
+            in the last 10 minutes on {{`{{ $labels.instance }}`}}: the kubelet retries them, the pods
+            using those claims stay Terminating and their claims are not released (their GPUs stay
+            allocated). The agent's log names each claim and the reason.
       - alert: GPUManagerContainerNearMemoryLimit
         expr: >-
           gpu_manager_container_gpu_memory_used_bytes{ {{- $job -}} }

@@ -1,0 +1,97 @@
+"""The alert rules (deploy/prometheus/gpu-manager.rules.yaml, rendered from the chart) under promtool."""
+
+from __future__ import annotations
+
+import runpy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RENDER = runpy.run_path(str(ROOT / "scripts" / "render_manifests.py"))
+RULES = ROOT / "deploy" / "prometheus" / "gpu-manager.rules.yaml"
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool is not installed (`make test` installs Debian's prometheus package)")
+    return path
+
+
+def _rules() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+
+
+def _promtool_test(tmp_path: Path, tests: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "rules.yaml").write_text(RULES.read_text())
+    spec = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return subprocess.run([_promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_rules_file_is_rendered_and_passes_promtool_check() -> None:
+    assert RULES.read_text() == RENDER["rules_yaml"](), "run python scripts/render_manifests.py"
+    done = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_failed_unprepare_calls_raise_their_own_alert(tmp_path: Path) -> None:
+    rule = _rules()["GPUManagerUnprepareFailures"]
+    assert "NodeUnprepareResources" in rule["expr"]
+    assert "Terminating" in rule["annotations"]["description"]
+    # Refused unprepare calls are not allocation refusals (containers that do not start).
+    assert "NodeUnprepareResources" not in _rules()["GPUManagerAllocationRefusals"]["expr"]
+    series = (
+        'gpu_manager_kubelet_call_errors_total{job="gpu-manager",instance="node-a:5678",'
+        'resource="gpu.example.com",call="%s"}'
+    )
+    done = _promtool_test(
+        tmp_path,
+        [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": series % "NodeUnprepareResources", "values": "0 0 1 2 3 4 5 6 7 8 9 10"},
+                    {"series": series % "NodePrepareResources", "values": "0 0 0 0 0 0 0 0 0 0 0 0"},
+                    {
+                        "series": series.replace("node-a", "node-b") % "NodeUnprepareResources",
+                        "values": "0 0 0 0 0 0 0 0 0 0 0 0",
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "3m", "alertname": "GPUManagerUnprepareFailures", "exp_alerts": []},
+                    {
+                        "eval_time": "8m",
+                        "alertname": "GPUManagerUnprepareFailures",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": "warning",
+                                    "job": "gpu-manager",
+                                    "instance": "node-a:5678",
+                                    "resource": "gpu.example.com",
+                                    "call": "NodeUnprepareResources",
+                                },
+                                "exp_annotations": {
+                                    "summary": "gpu-manager on node-a:5678 fails to release DRA claims",
+                                    "description": (
+                                        "7 NodeUnprepareResources calls for gpu.example.com failed in the last"
+                                        " 10 minutes on node-a:5678: the kubelet retries them, the pods using those"
+                                        " claims stay Terminating and their claims are not released (their GPUs"
+                                        " stay allocated). The agent's log names each claim and the reason."
+                                    ),
+                                },
+                            }
+                        ],
+                    },
+                    {"eval_time": "8m", "alertname": "GPUManagerAllocationRefusals", "exp_alerts": []},
+                ],
+            }
+        ],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -95,3 +95,62 @@ def test_failed_unprepare_calls_raise_their_own_alert(tmp_path: Path) -> None:
         ],
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _container(family: str, pod: str, gpu: str) -> str:
+    return (
+        f'gpu_manager_container_gpu_{family}{{job="gpu-manager",instance="node-a:5678",namespace="ml",'
+        f'pod="{pod}",container="main",gpu="{gpu}",uuid="GPU-{gpu}"}}'
+    )
+
+
+def test_near_memory_limit_is_for_shared_containers_only(tmp_path: Path) -> None:
+    """A whole GPU has no memory limit enforced (its "limit" is the GPU's memory, which frameworks
+    pre-allocate): only a share (vcuda-core below 100, core limit ratio below 1) is near a limit."""
+    gib = 1 << 30
+    done = _promtool_test(
+        tmp_path,
+        [
+            {
+                "interval": "1m",
+                "input_series": [
+                    # Shared: 30 % of GPU 0, 2 GiB, 1.9 GiB used.
+                    {"series": _container("memory_used_bytes", "train", "0"), "values": f"{int(1.9 * gib)}x10"},
+                    {"series": _container("memory_limit_bytes", "train", "0"), "values": f"{2 * gib}x10"},
+                    {"series": _container("core_limit_ratio", "train", "0"), "values": "0.3x10"},
+                    # Whole GPU 1 (16 GiB), 15.5 GiB pre-allocated by the framework.
+                    {"series": _container("memory_used_bytes", "whole", "1"), "values": f"{int(15.5 * gib)}x10"},
+                    {"series": _container("memory_limit_bytes", "whole", "1"), "values": f"{16 * gib}x10"},
+                    {"series": _container("core_limit_ratio", "whole", "1"), "values": "1x10"},
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "6m",
+                        "alertname": "GPUManagerContainerNearMemoryLimit",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": "warning",
+                                    "job": "gpu-manager",
+                                    "instance": "node-a:5678",
+                                    "namespace": "ml",
+                                    "pod": "train",
+                                    "container": "main",
+                                    "gpu": "0",
+                                    "uuid": "GPU-0",
+                                },
+                                "exp_annotations": {
+                                    "summary": "ml/train container main is near its GPU memory limit",
+                                    "description": (
+                                        "Container main of ml/train uses 95% of its GPU memory limit on GPU 0;"
+                                        " its next allocations will fail with out-of-memory."
+                                    ),
+                                },
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -67,6 +67,7 @@ groups:
         expr: >-
           gpu_manager_container_gpu_memory_used_bytes{ {{- $job -}} }
           / gpu_manager_container_gpu_memory_limit_bytes{ {{- $job -}} } > {{ .Values.prometheusRule.memoryNearLimitRatio }}
+          and gpu_manager_container_gpu_core_limit_ratio{ {{- $job -}} } < 1
         for: 5m
         labels:
           severity: warning

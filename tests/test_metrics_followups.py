@@ -154,3 +154,60 @@ def test_near_memory_limit_is_for_shared_containers_only(tmp_path: Path) -> None
         ],
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+_DESIRED = 'kube_daemonset_status_desired_number_scheduled{job="kube-state-metrics",namespace="kube-system",daemonset="gpu-manager-daemonset"}'
+_MISSING = "GPUManagerTargetsMissing"
+
+
+def _missing_case(name: str, series: dict[str, str], alerts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        "alert_rule_test": [{"eval_time": "20m", "alertname": _MISSING, "exp_alerts": alerts}],
+    }
+
+
+def _missing_alert(value: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "exp_labels": {"severity": "critical", **labels},
+        "exp_annotations": {
+            "summary": "gpu-manager agents have no scrape target",
+            "description": (
+                f"At least {value} gpu-manager agent(s) that the DaemonSet kube-system/gpu-manager-daemonset"
+                " should run have had no scrape target for 10 minutes (a pod deleted and not recreated, a lost"
+                " node, or no agent left at all): GPU pods on their nodes can be neither admitted nor started,"
+                " and GPUManagerDown does not fire for them."
+            ),
+        },
+    }
+
+
+def test_agents_that_disappear_entirely_raise_an_alert(tmp_path: Path) -> None:
+    up = 'up{job="gpu-manager",instance="%s:5678",node="%s"}'
+    a, b = up % ("10.0.0.1", "node-a"), up % ("10.0.0.2", "node-b")
+    done = _promtool_test(
+        tmp_path,
+        [
+            _missing_case("healthy, kube-state-metrics present", {_DESIRED: "2x25", a: "1x25", b: "1x25"}, []),
+            _missing_case("healthy, no kube-state-metrics", {a: "1x25", b: "1x25"}, []),
+            _missing_case("agent pod up == 0 (GPUManagerDown's case)", {_DESIRED: "2x25", a: "1x25", b: "0x25"}, []),
+            _missing_case(
+                "one target gone for good", {_DESIRED: "2x25", a: "1x25", b: "1x3 _x22"}, [_missing_alert("1", {})]
+            ),
+            _missing_case(
+                "every target gone, no kube-state-metrics",
+                {a: "1x3 _x22", b: "1x3 _x22"},
+                [_missing_alert("1", {"job": "gpu-manager"})],
+            ),
+            _missing_case(
+                "every target gone, kube-state-metrics counts two",
+                {_DESIRED: "2x25", a: "1x3 _x22", b: "1x3 _x22"},
+                [_missing_alert("2", {})],
+            ),
+            _missing_case("no GPU node (the DaemonSet wants no pod)", {_DESIRED: "0x25"}, []),
+            _missing_case("a target back within 10 minutes", {_DESIRED: "2x25", a: "1x25", b: "1x3 _x8 1x13"}, []),
+        ],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -18,6 +18,31 @@ groups:
           description: >-
             gpu-manager on {{`{{ $labels.instance }}`}} has not answered a scrape for 5 minutes:
             no GPU pod can be admitted or started on its node.
+      {{- $ds := printf "namespace=%q,daemonset=%q" .Release.Namespace (printf "%s-daemonset" (include "gpu-manager.fullname" .)) }}
+      # Targets gone entirely (pod deleted and not recreated, node lost): their up series vanish, so
+      # GPUManagerDown cannot fire. Compared with kube-state-metrics' desired count where it is scraped;
+      # every target gone fires without it, unless kube-state-metrics says the DaemonSet wants no pod.
+      - alert: GPUManagerTargetsMissing
+        expr: >-
+          (
+            max(kube_daemonset_status_desired_number_scheduled{ {{- $ds -}} })
+            - (count(up{ {{- $job -}} }) or vector(0))
+          ) > 0
+          or on ()
+          (
+            absent(up{ {{- $job -}} })
+            unless on () (max(kube_daemonset_status_desired_number_scheduled{ {{- $ds -}} }) == 0)
+          )
+        for: 10m
+        labels:
+          severity: critical
+        annotations:
+          summary: gpu-manager agents have no scrape target
+          description: >-
+            At least {{`{{ $value | humanize }}`}} gpu-manager agent(s) that the DaemonSet {{ .Release.Namespace }}/{{ include "gpu-manager.fullname" . }}-daemonset
+            should run have had no scrape target for 10 minutes (a pod deleted and not recreated, a lost
+            node, or no agent left at all): GPU pods on their nodes can be neither admitted nor started,
+            and GPUManagerDown does not fire for them.
       - alert: GPUManagerNotRegistered
         expr: gpu_manager_kubelet_registered{ {{- $job -}} } == 0
         for: 5m

@@ -146,7 +146,18 @@ static unsigned g_npids, g_pids_cap;
 static bool g_pids_all;
 static bool g_unseen; /* a process of the container without a budget slot may run unseen (vc_budget_unseen) */
 static uint64_t g_pids_checked;
-static struct timespec g_pids_mtime;
+/*
+ * Which pids.config was read last: the agent replaces it by rename (a new inode) as often as once a second,
+ * and a coarse file system (or two rewrites in one tick, or an mtime set back) can give the new one the old
+ * one's mtime.  Inode, size, mtime and ctime together tell a rewrite.
+ */
+struct pids_stamp {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtim, ctim;
+};
+static struct pids_stamp g_pids_stamp;
 static pid_t g_pids_owner;
 
 static uint64_t mono_ns(void)
@@ -220,6 +231,17 @@ static bool read_file_pids(int fd, off_t size)
     }
 }
 
+static bool same_time(struct timespec a, struct timespec b)
+{
+    return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec;
+}
+
+static bool same_stamp(const struct stat *sb, const struct pids_stamp *p)
+{
+    return sb->st_dev == p->dev && sb->st_ino == p->ino && sb->st_size == p->size && same_time(sb->st_mtim, p->mtim) &&
+           same_time(sb->st_ctim, p->ctim);
+}
+
 static void refresh_pids(uint64_t now)
 {
     g_unseen = vc_budget_unseen(now);
@@ -230,15 +252,18 @@ static void refresh_pids(uint64_t now)
     const char *path = vc_pids_path();
     if (path[0] == '\0' || stat(path, &sb) != 0) {
         g_nfile_pids = 0;
-        g_pids_mtime = (struct timespec){0, 0};
-    } else if (g_pids_owner != getpid() || sb.st_mtim.tv_sec != g_pids_mtime.tv_sec ||
-               sb.st_mtim.tv_nsec != g_pids_mtime.tv_nsec) {
+        g_pids_stamp = (struct pids_stamp){0};
+    } else if (g_pids_owner != getpid() || !same_stamp(&sb, &g_pids_stamp)) {
         int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            g_file_short = !read_file_pids(fd, sb.st_size);
-            close(fd);
-            g_pids_mtime = sb.st_mtim;
+        struct stat fb;
+        if (fd >= 0 && fstat(fd, &fb) == 0) {
+            g_file_short = !read_file_pids(fd, fb.st_size);
+            g_pids_stamp = (struct pids_stamp){fb.st_dev, fb.st_ino, fb.st_size, fb.st_mtim, fb.st_ctim};
+            vc_log(VC_LOG_DEBUG, "%s: %u PIDs of the container%s", path, g_nfile_pids,
+                   g_file_short ? " (not all: no memory)" : "");
         }
+        if (fd >= 0)
+            close(fd);
     }
     /*
      * Every PID of the list, however many (a PID left out would count as a neighbour's: its GPU time free for

@@ -1,0 +1,84 @@
+"""The container's PID list as the SM limiter sees it when the agent rewrites it, and processes forked while
+other threads use the interceptor.
+
+Each case is a C program (vcuda/tests/review4_*.c, built with the project's warnings, and once more under
+AddressSanitizer/UBSan against the sanitizer builds of the interceptor and the simulated driver) run in a
+simulated container.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
+from tests.vcuda_fixtures import Container, container, last_json, vcuda_built
+
+__all__ = ["asan_built", "container", "vcuda_built"]  # fixtures
+
+MakeContainer = Callable[..., Container]
+
+
+def write_pids_as_the_agent(path: Path, pids: list[int], mtime_ns: int) -> None:
+    """pids.config replaced by rename (a new inode), its mtime that of the one it replaces."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(struct.pack(f"<{len(pids)}i", *pids))
+    os.replace(tmp, path)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_pids_config_rewritten_within_one_mtime_tick_is_read_again(
+    container: MakeContainer, asan_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """The agent replaces pids.config by rename; on a file system with coarse timestamps (or two rewrites in
+    one tick) the new file has the old one's mtime.  The SM limiter re-read the list only when the mtime
+    changed: it kept counting the old PIDs as the container's.  Each rewrite must be read again: one that
+    grows the list, then one of the same size (only the inode and ctime differ)."""
+    c = container(1024, cores=50)
+    exe = build_program("review4_pids", tmp_path, sanitize)
+    env = c.env(LOGGER_LEVEL="5")
+    if sanitize:
+        env["LD_LIBRARY_PATH"] = str(asan_mirror(c, asan_built))
+        env["ASAN_OPTIONS"] = "detect_leaks=0"
+    pids = c.config_path.parent / "pids.config"
+    pids.write_bytes(struct.pack("<2i", 1, 2))
+    mtime = pids.stat().st_mtime_ns
+    proc = subprocess.Popen([str(exe)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or []], daemon=True)
+    reader.start()
+
+    def wait_for(text: str) -> bool:
+        """Whether the interceptor logs text (a hang guard of 20 s: not seen by then, never; it re-reads a
+        changed list within 100 ms)."""
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return False
+            log.append(line)
+            if text in line:
+                return True
+
+    try:
+        assert wait_for("pids.config: 2 PIDs"), "".join(log)
+        write_pids_as_the_agent(pids, [1, 2, 3], mtime)
+        assert wait_for("pids.config: 3 PIDs"), f"a rewrite with the same mtime was not read: {''.join(log)}"
+        write_pids_as_the_agent(pids, [4, 5, 6], mtime)
+        assert wait_for("pids.config: 3 PIDs"), f"a same-size rewrite with the same mtime was not read: {''.join(log)}"
+    finally:
+        out, err = proc.communicate("stop\n", timeout=60)
+    assert proc.returncode == 0, out + err + "".join(log)
+    assert isinstance(last_json(out), dict)

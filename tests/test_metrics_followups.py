@@ -156,7 +156,10 @@ def test_near_memory_limit_is_for_shared_containers_only(tmp_path: Path) -> None
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-_DESIRED = 'kube_daemonset_status_desired_number_scheduled{job="kube-state-metrics",namespace="kube-system",daemonset="gpu-manager-daemonset"}'
+_DESIRED = (
+    'kube_daemonset_status_desired_number_scheduled{job="kube-state-metrics",namespace="kube-system",'
+    'daemonset="gpu-manager-daemonset"}'
+)
 _MISSING = "GPUManagerTargetsMissing"
 
 

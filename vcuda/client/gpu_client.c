@@ -19,7 +19,6 @@
  * argument or after '='.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -163,8 +162,9 @@ static void sleep_ms(int64_t ms)
 }
 
 /*
- * Connect to the unix socket, retrying while it is missing or refuses (the
- * agent restarting) until the deadline. Returns a non-blocking fd or -1.
+ * Connect to the unix socket, retrying while it is missing, refuses or has a
+ * full accept queue (the agent restarting or busy) until the deadline.
+ * Returns a non-blocking fd or -1.
  */
 static int connect_unix(const char *path, int64_t deadline, char *err, size_t errlen)
 {
@@ -176,20 +176,18 @@ static int connect_unix(const char *path, int64_t deadline, char *err, size_t er
     memcpy(sa.sun_path, path, strlen(path) + 1);
     int64_t pause = 20;
     for (;;) {
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        /*
+         * Non-blocking from the start: a blocking connect() to a listener whose accept queue is
+         * full (the agent not accepting) waits with no bound; non-blocking it fails with EAGAIN,
+         * retried below until the deadline.
+         */
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (fd < 0) {
             snprintf(err, errlen, "socket: %s", strerror(errno));
             return -1;
         }
-        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
-            int flags = fcntl(fd, F_GETFL);
-            if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-                snprintf(err, errlen, "fcntl: %s", strerror(errno));
-                close(fd);
-                return -1;
-            }
+        if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
             return fd;
-        }
         int e = errno;
         close(fd);
         if (e != ENOENT && e != ECONNREFUSED && e != EAGAIN && e != EINTR) {

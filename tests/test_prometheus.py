@@ -100,11 +100,17 @@ def test_promtool_check_metrics_on_the_claim_families() -> None:
 # -- a real Prometheus ------------------------------------------------------------------------------
 
 
+def node_name(index: int) -> str:
+    """The ``node`` label of the ``index``-th target (each agent on a node of its own)."""
+    return f"sim-node-{index}"
+
+
 def operator_scrape_config(targets: list[str]) -> dict[str, Any]:
     """The scrape job the Prometheus Operator makes of the chart's ServiceMonitor for ``targets``.
 
     The operator's relabelings put the labels of the agent's own pod on every target (``namespace``,
-    ``pod``, ``container``, ``service``, ``endpoint``; ``job`` from ``jobLabel``; the chart's ``node``),
+    ``pod``, ``container``, ``service``, ``endpoint``; ``job`` from ``jobLabel``; the chart's ``node``,
+    ``sim-node-<i>`` for the i-th target),
     and its ``honor_labels`` is the endpoint's ``honorLabels`` (false unless set): what decides whether
     the agent's ``namespace``/``pod``/``container`` labels survive or become ``exported_*``.
     """
@@ -118,13 +124,14 @@ def operator_scrape_config(targets: list[str]) -> dict[str, Any]:
         "pod": "gpu-manager-7xk2p",
         "container": "gpu-manager",
         "endpoint": endpoint["port"],
-        "node": "sim-node",
     }
     return {
         "job_name": f"serviceMonitor/{monitor['metadata']['namespace']}/{monitor['metadata']['name']}/0",
         "honor_labels": bool(endpoint.get("honorLabels", False)),
         "metrics_path": endpoint["path"],
-        "static_configs": [{"targets": targets, "labels": agent_pod}],
+        "static_configs": [
+            {"targets": [target], "labels": {**agent_pod, "node": node_name(i)}} for i, target in enumerate(targets)
+        ],
     }
 
 
@@ -301,7 +308,7 @@ def test_every_alert_expression_finds_its_condition(scraped_node: dict[str, Any]
     }
 
 
-_VARIABLES = {"$job": JOB, "$instance": ".*", "$namespace": ".*", "$pod": ".*", "$__rate_interval": "30s"}
+_VARIABLES = {"$job": JOB, "$node": ".*", "$namespace": ".*", "$pod": ".*", "$__rate_interval": "30s"}
 
 
 def _substitute(expr: str) -> str:
@@ -330,10 +337,9 @@ def test_every_dashboard_query_returns_series_of_the_expected_shape(scraped_node
             missing = legend_labels - series["metric"].keys()
             assert not missing, f"{title}: series {series['metric']} lacks {missing} used in its legend"
             float(series["value"][1])  # a number (NaN included)
-    a = scraped_node["node_a"]
     by_title = {title: prom.query(_substitute(t["expr"])) for title, t in targets if t["refId"] == "A"}
-    whole = {s["metric"]["instance"]: float(s["value"][1]) for s in by_title["GPUs allocatable as whole GPUs"]}
-    assert whole == {a: 1.0, scraped_node["node_b"]: 1.0}  # 4 GPUs: one shared, one whole, one broken
+    whole = {s["metric"]["node"]: float(s["value"][1]) for s in by_title["GPUs allocatable as whole GPUs"]}
+    assert whole == {node_name(0): 1.0, node_name(1): 1.0}  # 4 GPUs: one shared, one whole, one broken
     pods = {(s["metric"]["namespace"], s["metric"]["pod"]) for s in by_title["GPU memory requested per pod"]}
     assert pods == {("ml", "train"), ("ml", "infer")}
 
@@ -351,7 +357,7 @@ def test_every_dashboard_variable_has_values(scraped_node: dict[str, Any]) -> No
         assert values, var["name"]
         seen[var["name"]] = set(values)
     assert seen["job"] == {JOB}
-    assert seen["instance"] == {scraped_node["node_a"], scraped_node["node_b"]}
+    assert seen["node"] == {node_name(0), node_name(1)}  # the agent that is down has no build info
     assert seen["namespace"] == {"ml"} and seen["pod"] == {"train", "infer"}
 
 

@@ -3,8 +3,11 @@ queue is full (the agent busy or hung), a path that is not a socket."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,64 @@ def test_full_accept_queue_ends_at_the_deadline(kind: str, client_built: Path, t
     assert res.rc == 1, res.stderr
     assert not SANITIZER.search(res.stderr), res.stderr
     assert str(sock) in res.stderr and "deadline" in res.stderr, res.stderr
+
+
+def _serve_once(sock: Path, answer: bytes) -> tuple[socket.socket, threading.Thread]:
+    """Accept connections on sock: the first gets answer after the client's request, then is
+    closed; later ones are accepted and left silent (an agent that stopped answering)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(16)
+    kept: list[socket.socket] = []
+
+    def serve() -> None:
+        first = True
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                break
+            kept.append(conn)
+            if first:
+                first = False
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                    conn.sendall(answer)
+                conn.close()
+        for c in kept:
+            c.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize("kind", BINARIES)
+def test_deadline_message_names_the_timeout_and_the_earlier_failure(
+    kind: str, client_built: Path, tmp_path: Path
+) -> None:
+    """A server that closes mid-frame, then a silent one: the call ends at --timeout, and stderr
+    names the timeout and why the first attempt failed (not only 'before the deadline')."""
+    sock = tmp_path / "vcuda.sock"
+    settings = b"\0\0\0\x04\0\0\0\0\0"
+    headers_cut = b"\0\0\x10\x01\x04\0\0\0\x01\x88"  # a HEADERS frame cut after 1 of its 16 bytes
+    listener, thread = _serve_once(sock, settings + headers_cut)
+    try:
+        try:
+            res = run_client(_binary(kind, client_built), *upstream_args(sock, POD, CID, "--timeout", "1.5"))
+        except subprocess.TimeoutExpired:
+            pytest.fail("gpu-client hung past its 1.5 s deadline")
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+    assert res.rc == 1, res.stderr
+    assert not SANITIZER.search(res.stderr), res.stderr
+    assert "1.5 s" in res.stderr, res.stderr
+    # the first connection's loss: seen as EOF, or as a failed send of the SETTINGS ACK
+    assert re.search(
+        r"earlier attempt: (the server closed the connection|cannot send to the server|cannot read from the server)",
+        res.stderr,
+    ), res.stderr
+

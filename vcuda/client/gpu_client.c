@@ -213,6 +213,21 @@ static const char *socket_path(const char *addr)
     return addr;
 }
 
+/*
+ * The failure line. When the deadline ended the call, it names the timeout, and the reason of the
+ * last attempt that was retried (the one at the deadline often only ran out of time).
+ */
+static void report_failure(const char *who, const char *err, const char *earlier, int64_t deadline,
+                           double timeout_s)
+{
+    if (gc_now_ms() < deadline) {
+        fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);
+        return;
+    }
+    fprintf(stderr, "gpu-client: %s failed within the %g s timeout (--timeout): %s%s%s\n", who, timeout_s, err,
+            earlier[0] ? "; an earlier attempt: " : "", earlier);
+}
+
 int main(int argc, char **argv)
 {
     struct options opts = {0};
@@ -232,6 +247,7 @@ int main(int argc, char **argv)
     int64_t timeout_ms = (int64_t)(opts.timeout_s * 1000.0);
     int64_t deadline = gc_now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
     char err[512] = "";
+    char earlier[512] = ""; /* why the last retried attempt failed */
     struct gc_reply reply;
     int rc = -1;
     /*
@@ -242,7 +258,7 @@ int main(int argc, char **argv)
     for (int64_t pause = 50;; pause = pause * 2 > 1000 ? 1000 : pause * 2) {
         int fd = connect_unix(socket_path(opts.addr), deadline, err, sizeof(err));
         if (fd < 0) {
-            fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);
+            report_failure(who, err, earlier, deadline, opts.timeout_s);
             gc_buf_free(&message);
             return EXIT_FAILED;
         }
@@ -259,11 +275,17 @@ int main(int argc, char **argv)
         int again = rc != 0 ? reply.lost : reply.grpc_status == GRPC_UNAVAILABLE;
         if (!again || gc_now_ms() + pause >= deadline)
             break;
+        /* Why this attempt failed: the next one may only run into the deadline. */
+        if (rc != 0)
+            snprintf(earlier, sizeof(earlier), "%s", err);
+        else
+            snprintf(earlier, sizeof(earlier), "the agent answered UNAVAILABLE: %.400s",
+                     reply.grpc_message[0] ? reply.grpc_message : "(no message)");
         sleep_ms(pause);
     }
     gc_buf_free(&message);
     if (rc != 0) {
-        fprintf(stderr, "gpu-client: %s failed: %s\n", who, err);
+        report_failure(who, err, earlier, deadline, opts.timeout_s);
         return EXIT_FAILED;
     }
     if (reply.grpc_status != 0) {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pynvml
@@ -75,7 +75,17 @@ def is_gpu_lost(exc: BaseException) -> bool:
 
 
 def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    """An NVML string; bytes that are not UTF-8 become U+FFFD (label values must be valid UTF-8)."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def _string(call: Callable[..., str | bytes], *args: object) -> str:
+    """The string an NVML call returns. pynvml decodes C strings strictly (UnicodeDecodeError on a
+    name that is not UTF-8): the undecodable bytes are then decoded with replacement instead."""
+    try:
+        return _text(call(*args))
+    except UnicodeDecodeError as exc:
+        return _text(bytes(exc.object))
 
 
 def normalize_bus_id(bus_id: str | bytes) -> str:
@@ -90,7 +100,7 @@ def normalize_bus_id(bus_id: str | bytes) -> str:
 def driver_info() -> DriverInfo:
     """The driver and CUDA driver versions."""
     return DriverInfo(
-        driver_version=_text(pynvml.nvmlSystemGetDriverVersion()),
+        driver_version=_string(pynvml.nvmlSystemGetDriverVersion),
         cuda_driver_version=int(pynvml.nvmlSystemGetCudaDriverVersion()),
     )
 
@@ -122,8 +132,8 @@ def _describe(index: int, handle: object) -> GPUInfo:
         multi_board = False
     return GPUInfo(
         index=index,
-        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        uuid=_string(pynvml.nvmlDeviceGetUUID, handle),
+        name=_string(pynvml.nvmlDeviceGetName, handle),
         minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
         memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
         pci_bus_id=normalize_bus_id(pynvml.nvmlDeviceGetPciInfo(handle).busId),

@@ -12,6 +12,7 @@ import os
 import queue
 import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
-from tests.vcuda_fixtures import Container, container, last_json, vcuda_built
+from tests.vcuda_fixtures import VCUDA, Container, container, last_json, make_mirror, vcuda_built
 
 __all__ = ["asan_built", "container", "vcuda_built"]  # fixtures
 
@@ -82,3 +83,47 @@ def test_a_pids_config_rewritten_within_one_mtime_tick_is_read_again(
         out, err = proc.communicate("stop\n", timeout=60)
     assert proc.returncode == 0, out + err + "".join(log)
     assert isinstance(last_json(out), dict)
+
+
+@pytest.fixture(scope="module")
+def hooks_built(vcuda_built: Path) -> Path:
+    """The interceptor (and its sanitizer build) with the test-only hooks (-DVC_TEST_HOOKS): under
+    vcuda/build/t_VC_TEST_HOOKS/."""
+    del vcuda_built
+    name = "t_VC_TEST_HOOKS"
+    command = ["make", "-C", str(VCUDA), f"BUILD=build/{name}", "CFLAGS=-O2 -g -DVC_TEST_HOOKS", "interceptor",
+               f"build/{name}/asan/libcuda-control.so", f"PYTHON={sys.executable}"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return VCUDA / "build" / name
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_handover_to_the_reconciliation_loses_no_concurrent_charge_or_credit(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """A raised context limit's bytes are handed over to the reconciliation with NVML: taken off the process's
+    slot.  The slot was read, and the difference written back, while other threads charged and credited it
+    without the lock: what they did in between was lost, and the process stayed charged for memory it had
+    freed (or was charged less than it held).  A test-only delay between the read and the write
+    (VCUDA_TEST_SETTLE_DELAY_US, in a build with -DVC_TEST_HOOKS) makes the window wide.  Once every
+    thread has freed what it allocated, the slot must be back where it was."""
+    c = container(1024)
+    del asan_built
+    if sanitize:
+        mirror = asan_mirror(c, hooks_built / "asan" / "libcuda-control.so")
+    else:
+        mirror = c.root / "hooks-lib64"
+        make_mirror(mirror, hooks_built / "libcuda-control.so")
+    exe = build_program("review4_settle", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_SETTLE_DELAY_US="20000")
+    if sanitize:
+        env["ASAN_OPTIONS"] = "detect_leaks=0"
+    budget = c.budget_dir / "0b6e6e0c-1f4a-4c1e-9c53-6d1b2c3d4e5f_main.budget"
+    done = subprocess.run([str(exe), str(budget), "4", "10"], env=env, capture_output=True, text=True, timeout=240,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict), done.stdout
+    assert out["rounds_ok"] == 10, f"{out}: {done.stderr}"
+    assert out["after"] == out["before"], f"the slot lost concurrent updates: {out}"

@@ -492,11 +492,26 @@ bool vc_budget_reserve(uint64_t bytes)
  * the GPU now holds for the container (they are part of it now); whether the container is within its
  * limit.  When NVML cannot tell, the bytes stay charged (*kept, on the safe side).
  */
+#ifdef VC_TEST_HOOKS
+/* Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_SETTLE_DELAY_US between reading the slot and updating it. */
+static void test_settle_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_SETTLE_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_settle_delay() ((void)0)
+#endif
+
 static bool settle_untracked(int slot, uint64_t handover, bool *kept)
 {
     _Atomic uint64_t *used_p = &g_slots[slot].used;
+    /* Other threads charge and credit the slot without the lock: what they do meanwhile is kept. */
     uint64_t cur = atomic_load(used_p), drop = cur > handover ? handover : cur;
-    atomic_store(used_p, cur - drop);
+    test_settle_delay();
+    while (!atomic_compare_exchange_weak(used_p, &cur, cur - drop))
+        drop = cur > handover ? handover : cur;
     uint64_t now = mono_ns();
     *kept = !reconcile(now);
     if (*kept)

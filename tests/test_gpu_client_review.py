@@ -1,5 +1,6 @@
 """gpu-client against unix-socket peers that a real agent may present: a listener whose accept
-queue is full (the agent busy or hung), a path that is not a socket."""
+queue is full (the agent busy or hung), one that closes mid-frame then falls silent, a path that is
+not a socket."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_client_fixtures import ASAN_CLIENT, client_built  # noqa: F401 (fixture)
+from tests.gpu_client_fixtures import ASAN_CLIENT, client_built
 from tests.test_gpu_client import CID, POD, SANITIZER, run_client, upstream_args
+
+__all__ = ["client_built"]
 
 BINARIES = ["static", "asan"]
 
@@ -113,3 +116,18 @@ def test_deadline_message_names_the_timeout_and_the_earlier_failure(
         res.stderr,
     ), res.stderr
 
+
+@pytest.mark.parametrize("kind", BINARIES)
+def test_a_path_that_is_not_a_socket_is_named_at_once(kind: str, client_built: Path, tmp_path: Path) -> None:
+    """A regular file where the socket should be never becomes one (the agent only replaces stale
+    sockets): say so, naming the path, instead of retrying 'Connection refused' to the deadline."""
+    path = tmp_path / "vcuda.sock"
+    path.write_text("")
+    try:
+        res = run_client(_binary(kind, client_built), *upstream_args(path, POD, CID, "--timeout", "10"))
+    except subprocess.TimeoutExpired:
+        pytest.fail("gpu-client kept retrying a regular file past 20 s")
+    assert res.rc == 1, res.stderr
+    assert not SANITIZER.search(res.stderr), res.stderr
+    assert f"{path} is not a socket" in res.stderr, res.stderr
+    assert "retried until the deadline" not in res.stderr, res.stderr

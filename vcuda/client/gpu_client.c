@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -190,6 +191,12 @@ static int connect_unix(const char *path, int64_t deadline, char *err, size_t er
             return fd;
         int e = errno;
         close(fd);
+        struct stat st;
+        if (e == ECONNREFUSED && stat(path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+            /* connect() refuses a file that is no socket; the agent replaces only stale sockets */
+            snprintf(err, errlen, "cannot connect: %.200s is not a socket", path);
+            return -1;
+        }
         if (e != ENOENT && e != ECONNREFUSED && e != EAGAIN && e != EINTR) {
             snprintf(err, errlen, "cannot connect: %s", strerror(e));
             return -1;

@@ -127,3 +127,32 @@ def test_a_handover_to_the_reconciliation_loses_no_concurrent_charge_or_credit(
     assert isinstance(out, dict), done.stdout
     assert out["rounds_ok"] == 10, f"{out}: {done.stderr}"
     assert out["after"] == out["before"], f"the slot lost concurrent updates: {out}"
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_children_forked_while_threads_create_contexts_launch_and_ask_nvml_neither_hang_nor_crash(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """A process whose threads create and destroy contexts (each creation looks up the device's NVML handle
+    under a lock), launch under the SM limit and ask NVML for the GPU's memory forks children one by one;
+    each asks NVML, creates a context and allocates.  A child forked while a thread held the NVML handle
+    lock inherited it held by a thread it does not have: its first context creation waited forever.  A
+    test-only delay with that lock held (VCUDA_TEST_NVML_DELAY_US, in a build with -DVC_TEST_HOOKS) makes
+    the window wide.  No child may hang or crash."""
+    c = container(1024, cores=50)
+    del asan_built
+    if sanitize:
+        mirror = asan_mirror(c, hooks_built / "asan" / "libcuda-control.so")
+    else:
+        mirror = c.root / "hooks-lib64"
+        make_mirror(mirror, hooks_built / "libcuda-control.so")
+    exe = build_program("review4_fork", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_NVML_DELAY_US="2000")
+    if sanitize:
+        env["ASAN_OPTIONS"] = "detect_leaks=0"
+    done = subprocess.run([str(exe), "2", "20"], env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict), done.stdout
+    assert out["stuck"] == 0 and out["crashed"] == 0, f"{out}: {done.stderr[-4000:]}"
+    assert out["ok"] + out["failed"] == out["forks"] == 20, f"{out}: {done.stderr[-4000:]}"

@@ -37,12 +37,25 @@ bool vc_nvml_ready(void)
     return g_ready;
 }
 
+#ifdef VC_TEST_HOOKS
+/* Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_NVML_DELAY_US with g_mu held. */
+static void test_nvml_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_NVML_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_nvml_delay() ((void)0)
+#endif
+
 bool vc_nvml_device(int cuda_dev, nvmlDevice_t *out)
 {
     if (cuda_dev < 0 || cuda_dev >= MAX_DEVICES || !vc_nvml_ready())
         return false;
     pthread_mutex_lock(&g_mu);
     nvmlDevice_t h = g_dev[cuda_dev];
+    test_nvml_delay();
     pthread_mutex_unlock(&g_mu);
     if (h == NULL) {
         CUuuid uuid;
@@ -124,4 +137,10 @@ void vc_set_host_pid(int pid)
 void vc_nvml_atfork_child(void)
 {
     atomic_store(&g_host_pid, 0); /* the child is another process */
+    /*
+     * Another thread of the parent may have held g_mu at the fork: the child, which does not have that thread,
+     * must not wait for it.  g_mu guards only single handle loads and stores (a leaf: nothing is taken or called
+     * with it held), so the handles copied are whole, and those of the same devices in the child.
+     */
+    pthread_mutex_init(&g_mu, NULL);
 }

@@ -1,14 +1,16 @@
 """gpu-client against unix-socket peers that a real agent may present: a listener whose accept
-queue is full (the agent busy or hung), one that closes mid-frame then falls silent, a path that is
-not a socket."""
+queue is full (the agent busy or hung), one that closes mid-frame then falls silent, one that stops
+reading after its complete answer, a path that is not a socket."""
 
 from __future__ import annotations
 
 import contextlib
 import re
 import socket
+import struct
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,62 @@ def test_a_path_that_is_not_a_socket_is_named_at_once(kind: str, client_built: P
     assert not SANITIZER.search(res.stderr), res.stderr
     assert f"{path} is not a socket" in res.stderr, res.stderr
     assert "retried until the deadline" not in res.stderr, res.stderr
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+@pytest.mark.parametrize("kind", BINARIES)
+def test_an_answer_is_read_although_acknowledging_the_servers_settings_fails(
+    kind: str, client_built: Path, tmp_path: Path
+) -> None:
+    """A server that answers OK and stops reading (going away: GOAWAY after the call, then
+    close): the SETTINGS and PING acknowledgements cannot be sent (EPIPE), but the complete answer
+    is already on the socket and must be taken, not retried into the deadline."""
+    sock = tmp_path / "vcuda.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(16)
+    # ":status: 200" (static index 8), content-type application/grpc (literal, name index 31)
+    headers = b"\x88" + b"\x0f\x10\x10application/grpc"
+    trailers = b"\x00\x0bgrpc-status\x010"
+    answer = (
+        _frame(0x4, 0, 0)  # SETTINGS
+        + _frame(0x6, 0, 0, b"12345678")  # PING
+        + _frame(0x1, 0x4, 1, headers)
+        + _frame(0x0, 0, 1, b"\0\0\0\0\0")  # the empty VDeviceResponse
+        + _frame(0x1, 0x5, 1, trailers)
+        + _frame(0x7, 0, 0, struct.pack(">II", 1, 0))  # GOAWAY NO_ERROR, last stream 1
+    )
+    answered: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                break
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                    conn.shutdown(socket.SHUT_RD)  # the client's writes now fail with EPIPE
+                    conn.sendall(answer)
+                    answered.append(1)
+                    time.sleep(0.5)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        try:
+            res = run_client(_binary(kind, client_built), *upstream_args(sock, POD, CID, "--timeout", "3"))
+        except subprocess.TimeoutExpired:
+            pytest.fail("gpu-client hung past its 3 s deadline")
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+    assert not SANITIZER.search(res.stderr), res.stderr
+    assert res.rc == 0, res.stderr
+    assert len(answered) == 1, f"the call was sent {len(answered)} times"

@@ -113,7 +113,8 @@ struct conn {
     int64_t deadline;
     char *err;
     size_t errlen;
-    int lost; /* the peer closed or reset the connection */
+    int lost;         /* the peer closed or reset the connection */
+    int write_failed; /* an acknowledgement could not be sent: send no more */
 };
 
 /* Wait for events on the socket; 0 when ready, -1 (err set) on timeout or failure. */
@@ -206,6 +207,23 @@ static int send_frame(struct conn *c, uint8_t type, uint8_t flags, uint32_t stre
         set_err(c->err, c->errlen, "out of memory");
     gc_buf_free(&b);
     return rc;
+}
+
+/*
+ * An acknowledgement (SETTINGS, PING) is best effort: a server going away may have stopped reading
+ * after writing its whole answer, which is still read; a connection really gone shows as EOF or
+ * a reset on the next read, a silent one as the deadline.
+ */
+static void send_ack(struct conn *c, uint8_t type, const void *payload, size_t len)
+{
+    if (c->write_failed)
+        return;
+    char ignored[160];
+    struct conn quiet = *c;
+    quiet.err = ignored;
+    quiet.errlen = sizeof(ignored);
+    if (send_frame(&quiet, type, FLAG_ACK, 0, payload, len) != 0)
+        c->write_failed = 1;
 }
 
 /* ---- the request ---------------------------------------------------------------------- */
@@ -435,13 +453,16 @@ static int on_frame(struct call_state *st, uint8_t type, uint8_t flags, uint32_t
                 return -1;
             }
         }
-        return send_frame(c, FRAME_SETTINGS, FLAG_ACK, 0, NULL, 0);
+        send_ack(c, FRAME_SETTINGS, NULL, 0);
+        return 0;
     case FRAME_PING:
         if (stream != 0 || len != 8) {
             set_err(c->err, c->errlen, "malformed PING frame");
             return -1;
         }
-        return (flags & FLAG_ACK) ? 0 : send_frame(c, FRAME_PING, FLAG_ACK, 0, p, len);
+        if (!(flags & FLAG_ACK))
+            send_ack(c, FRAME_PING, p, len);
+        return 0;
     case FRAME_GOAWAY: {
         if (stream != 0 || len < 8) {
             set_err(c->err, c->errlen, "malformed GOAWAY frame");

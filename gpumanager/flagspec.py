@@ -172,16 +172,7 @@ def _declare(default: Any, spec: FlagSpec) -> Any:
 
 def text(default: str, help: str, *, shown: str | None = None, metavar: str = "") -> Any:
     """A string flag; ``shown`` replaces the default in help (e.g. ``none`` for an empty path)."""
-    return _declare(
-        default,
-        FlagSpec(
-            help,
-            str,
-            lambda v: shown if shown is not None else str(v),
-            metavar=metavar,
-            literal_default=shown is None,
-        ),
-    )
+    return parsed_text(default, help, str, shown=shown, metavar=metavar)
 
 
 def choice(default: str, options: tuple[str, ...], help: str) -> Any:

@@ -129,6 +129,10 @@ class MirrorKeeper:
                 result.driver_version.full if result.driver_version else "(no libcuda found)",
                 ", ".join(f"{v.path} -> {v.tree.name}" + (" (new)" if v.built else "") for v in result.volumes),
             )
+        return self._use(result)
+
+    def _use(self, result: VdriverResult) -> bool:
+        """Answer Allocate with the trees ``result`` describes; True."""
         self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
         self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
         self.error = ""
@@ -152,12 +156,7 @@ class MirrorKeeper:
             self._configured_paths()
             return False
         # First build of this agent: the trees an earlier run published stay in use meanwhile.
-        self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
-        self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
-        self.error = ""
-        self._mirror_problem = result.share_problem
-        self._built = True
-        return True
+        return self._use(result)
 
     def _configured_paths(self) -> None:
         """After a failed build: report the mount paths volume.conf names (an earlier tree may lie

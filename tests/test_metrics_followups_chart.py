@@ -46,4 +46,3 @@ def test_service_monitor_job_is_the_rules_job_whatever_the_release_is_called() -
         exprs = [r["expr"] for g in _kind(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
         jobs = {m for e in exprs for m in re.findall(r'job="([^"]*)"', e)}
         assert jobs == {job}, (values, jobs)
-

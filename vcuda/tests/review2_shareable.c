@@ -10,7 +10,7 @@
  * {"rounds": N, "refused": "<rc of the refused cuMemCreate or 0>", "after": <rc of the last allocation>}.
  * Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
-#include <cuda.h>
+#include "review_driver.h"
 
 #include <dlfcn.h>
 #include <stdint.h>
@@ -18,30 +18,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#define MIB (1ull << 20)
 #define MAX_ROUNDS 64
-
-static void *g_lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(g_lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
-
-static void check(CUresult rc, const char *what)
-{
-    if (rc != CUDA_SUCCESS) {
-        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
-        exit(3);
-    }
-}
 
 int main(int argc, char **argv)
 {

@@ -11,7 +11,7 @@
  *   "child_used_mib": the most a child was told}.
  * Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
-#include <cuda.h>
+#include "review_driver.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -24,30 +24,6 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#define MIB (1ull << 20)
-
-static void *g_lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(g_lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
-
-static void check(CUresult rc, const char *what)
-{
-    if (rc != CUDA_SUCCESS) {
-        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
-        exit(3);
-    }
-}
 
 static CUcontext setup(void)
 {

@@ -7,35 +7,13 @@
  *   stdin.  Prints {"launches": N}.
  * Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
-#include <cuda.h>
+#include "review_driver.h"
 
 #include <dlfcn.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-
-static void *g_lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(g_lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
-
-static void check(CUresult rc, const char *what)
-{
-    if (rc != CUDA_SUCCESS) {
-        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
-        exit(3);
-    }
-}
 
 int main(void)
 {

@@ -9,7 +9,7 @@
  *   (bytes it is charged) before the threads started and after they stopped.
  * Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
-#include <cuda.h>
+#include "review_driver.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -21,30 +21,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#define MIB (1ull << 20)
 #define SLOTS_AT 4096 /* the budget file's header; then 64-byte slots: int32 pid, int32 host pid, u64 start, u64 used */
-
-static void *g_lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(g_lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
-
-static void check(CUresult rc, const char *what)
-{
-    if (rc != CUDA_SUCCESS) {
-        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
-        exit(3);
-    }
-}
 
 static _Atomic bool g_stop;
 static CUcontext g_ctx;

@@ -3,10 +3,12 @@ and a short temporary root for the tests' unix sockets."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,15 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+@pytest.fixture
+def clean_logging() -> Iterator[None]:
+    """The root logger as the test found it after a test that let the agent's CLI configure logging."""
+    yield
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(logging.WARNING)
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True

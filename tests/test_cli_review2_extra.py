@@ -3,32 +3,12 @@ errors of one line, and extra-config.json files that are not text."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpumanager import cli
-from gpumanager.config import Config, ConfigError
+from gpumanager.config import ConfigError
 from gpumanager.flagchecks import load_extra_devices
-
-
-def parse(*argv: str) -> Config:
-    args = cli.build_parser({}).parse_args(cli.normalize_argv(argv))
-    return cli.config_from_args(args, {})
-
-
-@pytest.fixture
-def clean_logging() -> Iterator[None]:
-    yield
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-        h.close()
-    root.setLevel(logging.WARNING)
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True
-
 
 # -- extra-config.json ------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,7 +12,8 @@ import pytest
 
 from gpumanager import cli, names
 from gpumanager.allocation.pods import Pod
-from gpumanager.config import Config, ConfigError
+from gpumanager.config import ConfigError
+from tests.test_cli_review2 import parse
 
 CLAIM_A = "aaaaaaaa-1111-2222-3333-444444444444"
 CLAIM_B = "bbbbbbbb-1111-2222-3333-444444444444"
@@ -149,22 +149,6 @@ def test_dra_claim_pids_config_that_cannot_be_written_is_reported_once_and_block
 # -- a --virtual-manager-path too long for the pods' vcuda.sock ------------------------------------
 
 
-def _parse(*argv: str) -> Config:
-    args = cli.build_parser({}).parse_args(cli.normalize_argv(argv))
-    return cli.config_from_args(args, {})
-
-
-@pytest.fixture
-def clean_logging() -> Iterator[None]:
-    yield
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-        h.close()
-    root.setLevel(logging.WARNING)
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = True
-
-
 def _vm_path(length: int) -> str:
     """An absolute directory path of ``length`` bytes."""
     return "/" + "v" * (length - 1)
@@ -182,7 +166,7 @@ def test_a_virtual_manager_path_too_long_for_vcuda_sock_is_refused_at_start(
     processes. Such a flag is refused at start (exit 2) naming the flag, its value and the length."""
     value = _vm_path(LONGEST_VM_PATH + 1)
     with pytest.raises(ConfigError) as exc:
-        _parse(f"--virtual-manager-path={value}")
+        parse(f"--virtual-manager-path={value}")
     message = str(exc.value)
     assert f"--virtual-manager-path={value}" in message and "\n" not in message
     assert "108" in message and "vcuda.sock" in message
@@ -194,15 +178,15 @@ def test_a_virtual_manager_path_too_long_for_vcuda_sock_is_refused_at_start(
 def test_the_longest_virtual_manager_path_for_vcuda_sock_is_accepted() -> None:
     value = _vm_path(LONGEST_VM_PATH)
     assert len(f"{value}/{'0' * 36}/vcuda.sock".encode()) == 107
-    assert _parse(f"--virtual-manager-path={value}").virtual_manager_path == value
+    assert parse(f"--virtual-manager-path={value}").virtual_manager_path == value
     # A trailing '/' adds nothing to the sockets' paths.
-    assert _parse(f"--virtual-manager-path={value}/").virtual_manager_path == value + "/"
+    assert parse(f"--virtual-manager-path={value}/").virtual_manager_path == value + "/"
 
 
 def test_dra_mode_serves_no_vcuda_sock_so_a_long_virtual_manager_path_is_accepted() -> None:
     """DRA claims' directories hold only vcuda.config and pids.config (no socket is served there)."""
     value = _vm_path(LONGEST_VM_PATH + 20)
-    assert _parse("--mode=dra", f"--virtual-manager-path={value}").virtual_manager_path == value
+    assert parse("--mode=dra", f"--virtual-manager-path={value}").virtual_manager_path == value
 
 
 # -- names with a trailing newline -----------------------------------------------------------------

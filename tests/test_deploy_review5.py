@@ -1,0 +1,76 @@
+"""What the shipped DaemonSets give the agent beyond what it uses: every host path mounted
+read-write is one the agent writes in (as its flags, as each manifest sets them, put it)."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from gpumanager.config import Config
+from tests.test_rbac_review import DEPLOY, RENDER
+from tests.test_rbac_review_mounts import MOVED, _config, _daemonset, _mounts
+
+JSON = dict[str, Any]
+#: The driver mirror's base, as the image's volume.conf names it.
+VDRIVER = "/etc/gpu-manager/vdriver"
+
+
+def _written_dirs(cfg: Config) -> dict[str, str]:
+    """directory the agent creates files or sockets in -> the flag that puts it there."""
+    dirs = {
+        cfg.virtual_manager_path: "--virtual-manager-path",
+        cfg.checkpoint_path: "--checkpoint-path",
+        VDRIVER: "the driver mirror (vdriver)",
+        str(PurePosixPath(cfg.display_socket).parent): "--display-socket",
+    }
+    if cfg.log_dir:
+        dirs[cfg.log_dir] = "--log-dir"
+    if cfg.mode == "dra":
+        dirs[cfg.plugin_registry_path] = "--plugin-registry-path"
+        dirs[str(cfg.dra_socket_dir)] = "--dra-plugin-path"
+        dirs[cfg.cdi_root] = "--cdi-root"
+    else:
+        dirs[cfg.device_plugin_path] = "--device-plugin-path"
+    return {str(PurePosixPath(d)): what for d, what in dirs.items()}
+
+
+def _writable_beyond_use(ds: JSON) -> list[str]:
+    """Read-write host mounts that are not a directory the agent writes in, nor one holding such a
+    directory directly with the socket whose inode must survive (/var/run, as upstream mounts it)."""
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    cfg = _config(container)
+    written = _written_dirs(cfg)
+    extra = []
+    for path, (host, ro) in _mounts(ds).items():
+        if not ro and str(PurePosixPath(path)) not in written:
+            extra.append(f"{path} (host {host}) is mounted read-write; the agent writes in {sorted(written)}")
+    return extra
+
+
+def _dra() -> JSON:
+    return _daemonset([d for d in yaml.safe_load_all((DEPLOY / "dra" / "daemonset.yaml").read_text()) if d])
+
+
+@pytest.mark.parametrize(
+    "values", [{}, {"logDir": "/var/log/gpu-manager"}, {"flags": MOVED}, {"paths": {"hostRoot": "/host"}}]
+)
+def test_chart_mounts_read_write_only_what_the_agent_writes(values: JSON) -> None:
+    assert _writable_beyond_use(_daemonset(RENDER["documents"](values))) == []
+
+
+def test_dra_mounts_read_write_only_what_the_agent_writes() -> None:
+    # the PodResources socket is only connected to; the kubelet's plugins directory holds other
+    # drivers' sockets (CSI, other DRA drivers): only this driver's own directory is written
+    assert _writable_beyond_use(_dra()) == []
+
+
+def test_dra_pod_resources_is_read_only() -> None:
+    (container,) = _dra()["spec"]["template"]["spec"]["containers"]
+    cfg = _config(container)
+    mounts = _mounts(_dra())
+    at = str(PurePosixPath(cfg.pod_resources_socket).parent)
+    assert at in mounts, f"{at} is not mounted"
+    assert mounts[at][1], f"{at} is mounted read-write"

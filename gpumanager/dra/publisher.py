@@ -15,7 +15,10 @@ new generation) on every watch event of our own write. A server that drops devic
 (``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
 (unhealthy) GPU would still take new claims, each refused at Prepare. Once a write shows taints
 dropped, tainted devices are left out of the slice instead (warned once per set of devices), and
-put back when their GPU is healthy again; until the agent restarts, taints are not sent again.
+put back when their GPU is healthy again. The server may be upgraded, or the gate turned on, while
+the agent runs: each later write whose content has a tainted device sends its taints again first,
+and keeps sending them from then on if the server stored them (otherwise the write is done again
+without the tainted devices, as before).
 
 The slice names the node's Node object as its owner (``ownerReferences``, read
 when the slice is written), so the garbage collector deletes it with the node; a
@@ -91,6 +94,11 @@ def _owned(item: JSON, node: str) -> bool:
     """Whether a slice names the Node ``node`` as its owner."""
     refs = (item.get("metadata") or {}).get("ownerReferences") or []
     return any(isinstance(r, dict) and r.get("kind") == "Node" and r.get("name") == node for r in refs)
+
+
+def _tainted(spec: JSON) -> set[str]:
+    """Names of the devices of a slice spec that have taints."""
+    return {str(d.get("name")) for d in spec.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
 
 
 def _to_value(holder: JSON, key: str) -> None:
@@ -219,7 +227,7 @@ class SlicePublisher:
                     _owned(ours, self.node) or not self._owner()
                 )
             if not current:
-                stored = self._write(ours)
+                stored = self._write(ours, probe=True)
                 wrote = True
                 if self._rewrite:  # the server dropped the taints: again, without the tainted devices
                     self._write(stored)
@@ -269,14 +277,19 @@ class SlicePublisher:
         self._owner_problem = ""
         return [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": uid, "controller": True}]
 
-    def _write(self, ours: JSON | None, *, force: bool = False) -> JSON:
-        """Create or replace our slice with the content of the next generation; returns it as stored."""
+    def _write(self, ours: JSON | None, *, force: bool = False, probe: bool = False) -> JSON:
+        """Create or replace our slice with the content of the next generation; returns it as stored.
+
+        ``probe``: where the server was seen to drop device taints and the content has a tainted
+        device, send the taints all the same, to see whether the server keeps them now."""
         self._generation += 1
+        content = self._content(self._generation)
+        probing = probe and self.drops_taints and _tainted(content)
         body: JSON = {
             "apiVersion": c.RESOURCE_API,
             "kind": "ResourceSlice",
             "metadata": {"name": self.name},
-            "spec": self._offered(self._content(self._generation)),
+            "spec": content if probing else self._offered(content),
         }
         owner = self._owner()
         if owner:
@@ -296,8 +309,18 @@ class SlicePublisher:
         self.writes += 1
         self.published.set()
         stored = stored if isinstance(stored, dict) else {}
-        self._rewrite = self._taints_dropped(body["spec"], stored.get("spec") or {})
-        if self._rewrite:
+        dropped = self._taints_dropped(body["spec"], stored.get("spec") or {})
+        if probing and not dropped:
+            log.info(
+                "the API server keeps device taints now (feature gate DRADeviceTaints on): unhealthy device(s) "
+                "%s are published tainted in ResourceSlice %s",
+                ", ".join(sorted(_tainted(content))),
+                self.name,
+            )
+            self.drops_taints = False
+            self._left_out = ()
+        self._rewrite = dropped
+        if dropped:
             self.drops_taints = True
         else:
             self._note_kept(body["spec"], stored.get("spec") or {})
@@ -326,11 +349,7 @@ class SlicePublisher:
 
     def _taints_dropped(self, written: JSON, stored: JSON) -> bool:
         """Whether a write of ``written`` (with device taints) came back as ``stored`` without them."""
-        if self.drops_taints:
-            return False
-        tainted = {str(d.get("name")) for d in written.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
-        kept = {str(d.get("name")) for d in stored.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
-        return bool(tainted - kept)
+        return bool(_tainted(written) - _tainted(stored))
 
     def _note_kept(self, written: JSON, stored: JSON) -> None:
         """Remember what the server kept of a write that it did not keep whole; warn once per such content."""

@@ -321,6 +321,25 @@ static bool in_container(unsigned pid)
 
 /* ---- measurement: NVML per-process utilisation ------------------------------------------ */
 
+#ifdef VC_TEST_HOOKS
+/*
+ * Tests only (built with -DVC_TEST_HOOKS): with VCUDA_TEST_GROW_DELAY_US set, every measurement grows the sample
+ * buffers (up to 4096 entries) and sleeps that long between a buffer's realloc and its new address being stored:
+ * a fork from another thread then finds the old (freed) address in the device's state.
+ */
+static unsigned test_grow_delay_us(void)
+{
+    const char *us = getenv("VCUDA_TEST_GROW_DELAY_US");
+    return us != NULL ? (unsigned)atoi(us) : 0;
+}
+#define test_grow_want(d, want) ((test_grow_delay_us() > 0 && (d)->samples_cap > 0 && (d)->samples_cap < 4096) \
+                                     ? (d)->samples_cap + 1 : (want))
+#define test_grow_delay() (test_grow_delay_us() > 0 ? (void)usleep(test_grow_delay_us()) : (void)0)
+#else
+#define test_grow_want(d, want) (want)
+#define test_grow_delay() ((void)0)
+#endif
+
 /* Room for want samples in d's buffers (d->mu held); false when there cannot be. */
 static bool grow_samples(struct dev *d, unsigned want)
 {
@@ -334,6 +353,7 @@ static bool grow_samples(struct dev *d, unsigned want)
     nvmlProcessUtilizationSample_t *b = realloc(d->samples, cap * sizeof(*b));
     if (b == NULL)
         return false;
+    test_grow_delay();
     d->samples = b;
     nvmlProcessUtilizationInfo_v1_t *info = realloc(d->info, cap * sizeof(*info));
     if (info == NULL)
@@ -351,7 +371,7 @@ static bool grow_samples(struct dev *d, unsigned want)
 static nvmlReturn_t query_samples(struct dev *d, uint64_t since, unsigned *count)
 {
     nvmlReturn_t rc = NVML_ERROR_INSUFFICIENT_SIZE;
-    unsigned want = d->samples_cap > 0 ? d->samples_cap : MAX_SAMPLES;
+    unsigned want = test_grow_want(d, d->samples_cap > 0 ? d->samples_cap : MAX_SAMPLES);
     *count = 0;
     for (int tries = 0; tries < SAMPLE_TRIES && rc == NVML_ERROR_INSUFFICIENT_SIZE; tries++) {
         if (!grow_samples(d, want))
@@ -1071,13 +1091,13 @@ static void init_device(struct dev *d, int index)
 
 static void atfork_child(void)
 {
-    /* The child has no watcher and none of the parent's events; it starts afresh. */
+    /*
+     * The child has no watcher and none of the parent's events; it starts afresh.  The buffers are dropped, never
+     * freed: another thread of the parent may have been growing one at the fork (realloc done, its new address not
+     * yet stored), and the address the child holds is then already free.  What they held stays allocated in the
+     * child (a few KiB per device the parent measured).
+     */
     for (int i = 0; i < MAX_DEVICES; i++) {
-        free(g_dev[i].samples);
-        free(g_dev[i].info);
-        free(g_dev[i].seen);
-        free(g_dev[i].own);
-        free(g_dev[i].starts);
         memset(&g_dev[i], 0, sizeof(g_dev[i]));
         pthread_mutex_init(&g_dev[i].mu, NULL);
     }
@@ -1085,6 +1105,9 @@ static void atfork_child(void)
     pthread_mutex_init(&g_pids_mu, NULL);
     g_watcher = false;
     g_pids_owner = 0;
+    g_pids = NULL, g_npids = g_pids_cap = 0; /* the same for the PID lists (grown under g_pids_mu) */
+    g_file_pids = NULL, g_nfile_pids = g_file_cap = 0;
+    g_pids_stamp = (struct pids_stamp){0};
 }
 
 __attribute__((constructor)) static void vc_core_init(void)

@@ -1,0 +1,63 @@
+"""The interceptor against races a tenant can provoke: forks while the SM limiter grows its buffers, module
+images rewritten while they are loaded, captures ended while a launch is gated, and broken configurations.
+
+The C programs are vcuda/tests/review4_fork.c and vcuda/tests/review5_*.c (built with the project's warnings,
+and once more under AddressSanitizer/UBSan against the sanitizer builds of the interceptor and the simulated
+driver), run in a simulated container.  Races are made deterministic with the test-only delays of a build with
+-DVC_TEST_HOOKS.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
+from tests.test_interceptor_review4 import hooks_built
+from tests.vcuda_fixtures import Container, container, last_json, make_mirror, vcuda_built
+
+__all__ = ["asan_built", "container", "hooks_built", "vcuda_built"]  # fixtures
+
+MakeContainer = Callable[..., Container]
+
+
+def hooks_mirror(c: Container, hooks: Path, sanitize: bool) -> Path:
+    """c's driver tree with the test-hook build of the interceptor (and the sanitizer builds when sanitize)."""
+    if sanitize:
+        return asan_mirror(c, hooks / "asan" / "libcuda-control.so")
+    mirror = c.root / "hooks-lib64"
+    make_mirror(mirror, hooks / "libcuda-control.so")
+    return mirror
+
+
+def run_c(exe: Path, args: list[str], env: dict[str, str], sanitize: bool) -> tuple[dict[str, int], str]:
+    """Runs a test program; its last JSON line (numbers) and its stderr."""
+    if sanitize:
+        env = {**env, "ASAN_OPTIONS": "detect_leaks=0"}
+    done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    out = last_json(done.stdout)
+    assert isinstance(out, dict) and all(isinstance(v, int) for v in out.values()), done.stdout
+    return {str(k): int(v) for k, v in out.items()}, done.stderr
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_children_forked_while_the_sm_limiter_grows_its_sample_buffers_do_not_free_them_again(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """The fork handler freed the SM limiter's sample buffers in the child.  A thread of the parent growing one
+    at the fork (realloc done, the new address not yet stored) left the child the old, already freed address:
+    the child freed it again.  A test-only delay between the realloc and the store, with the buffers grown at
+    every measurement (VCUDA_TEST_GROW_DELAY_US, in a build with -DVC_TEST_HOOKS), makes the window wide.  No
+    child may crash."""
+    c = container(1024, cores=30)
+    del asan_built
+    mirror = hooks_mirror(c, hooks_built, sanitize)
+    exe = build_program("review4_fork", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_GROW_DELAY_US="5000")
+    out, err = run_c(exe, ["2", "30"], env, sanitize)
+    assert out["crashed"] == 0 and out["stuck"] == 0, f"{out}: {err[-4000:]}"
+    assert out["ok"] + out["failed"] == out["forks"] == 30, f"{out}: {err[-4000:]}"

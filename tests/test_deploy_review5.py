@@ -11,7 +11,7 @@ import yaml
 
 from gpumanager.config import Config
 from tests.test_rbac_review import DEPLOY, RENDER
-from tests.test_rbac_review_mounts import MOVED, _config, _daemonset, _mounts
+from tests.test_rbac_review_mounts import MOVED, _config, _daemonset, _mounts, _ports_agree
 
 JSON = dict[str, Any]
 #: The driver mirror's base, as the image's volume.conf names it.
@@ -74,3 +74,29 @@ def test_dra_pod_resources_is_read_only() -> None:
     at = str(PurePosixPath(cfg.pod_resources_socket).parent)
     assert at in mounts, f"{at} is not mounted"
     assert mounts[at][1], f"{at} is mounted read-write"
+
+
+@pytest.mark.parametrize("flags", [{"query-port": 9400}, {"query_port": 9400}])
+def test_chart_ports_follow_a_query_port_set_in_flags(flags: JSON) -> None:
+    # flags come last on the command line: the agent listens there, so the probes, the container
+    # port and the Service must too, or the liveness probe restarts the agent over and over
+    docs = RENDER["documents"]({"flags": flags})
+    (container,) = _daemonset(docs)["spec"]["template"]["spec"]["containers"]
+    port = _config(container).query_port
+    assert port == 9400
+    _ports_agree(docs, port)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "10.0.0.5"])
+def test_chart_refuses_a_query_addr_the_probes_cannot_reach(addr: str) -> None:
+    # the kubelet probes and Prometheus scrapes the pod's IP: an agent on another address is never ready
+    with pytest.raises(Exception, match=rf"query-addr={addr}"):
+        RENDER["documents"]({"flags": {"query-addr": addr}})
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0"])
+def test_chart_takes_a_query_addr_of_every_address(addr: str) -> None:
+    (container,) = _daemonset(RENDER["documents"]({"flags": {"query-addr": addr}}))["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert _config(container).query_addr == addr

@@ -170,6 +170,8 @@ def _non_default(f: flagspec.FlagField) -> Any:
     special = {"--vmodule": "allocator=4", "--log-backtrace-at": "allocator.py:12"}  # klog's grammars
     # a directory of its own: the chart refuses two mounts at one path (/x is --pod-resources-socket's)
     special["--display-socket"] = "/x/display/gpu-manager.sock"
+    # every address only: the probes reach the pod's IP (the chart refuses another)
+    special["--query-addr"] = "0.0.0.0"
     if f.flag in special:
         return special[f.flag]
     if f.spec.choices:

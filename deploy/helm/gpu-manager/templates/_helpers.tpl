@@ -40,3 +40,9 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- . -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The agent's HTTP port: a --query-port in .Values.flags comes last on the command line and wins. */}}
+{{- define "gpu-manager.port" -}}
+{{- $f := .Values.flags | default dict -}}
+{{- include "gpu-manager.flagValue" (coalesce (index $f "query-port") (index $f "query_port") .Values.port) -}}
+{{- end -}}

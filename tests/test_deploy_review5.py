@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpumanager import cli
 from gpumanager.config import Config
 from tests.test_rbac_review import DEPLOY, RENDER
 from tests.test_rbac_review_mounts import MOVED, _config, _daemonset, _mounts, _ports_agree
@@ -94,9 +95,26 @@ def test_chart_refuses_a_query_addr_the_probes_cannot_reach(addr: str) -> None:
         RENDER["documents"]({"flags": {"query-addr": addr}})
 
 
-@pytest.mark.parametrize("addr", ["0.0.0.0"])
+@pytest.mark.parametrize("addr", ["0.0.0.0", "::"])
 def test_chart_takes_a_query_addr_of_every_address(addr: str) -> None:
     (container,) = _daemonset(RENDER["documents"]({"flags": {"query-addr": addr}}))["spec"]["template"]["spec"][
         "containers"
     ]
     assert _config(container).query_addr == addr
+
+
+@pytest.mark.parametrize(
+    ("values", "flag", "expected"),
+    [
+        ({"flags": {"query-addr": "::"}}, "query_addr", "::"),
+        ({"flags": {"hostname-override": "gpu-node-1 #a"}}, "hostname_override", "gpu-node-1 #a"),
+        ({"flags": {"log-dir": "/var/log/gpu: manager"}}, "log_dir", "/var/log/gpu: manager"),
+        ({"logDir": "/var/log/gpu #manager"}, "log_dir", "/var/log/gpu #manager"),
+    ],
+)
+def test_chart_args_are_the_values_whatever_yaml_makes_of_them(values: JSON, flag: str, expected: str) -> None:
+    # an unquoted "--x=::" is a YAML mapping, " #..." a comment: the agent got another value or none
+    (container,) = _daemonset(RENDER["documents"](values))["spec"]["template"]["spec"]["containers"]
+    assert all(isinstance(a, str) for a in container["args"]), container["args"]
+    parsed = cli.build_parser().parse_args(cli.normalize_argv(container["args"]))
+    assert getattr(parsed, flag) == expected

@@ -15,7 +15,9 @@ enhancement"):
   absent -> ``default``, else ``min + ceil((req - min) / step) * step`` (or the smallest of
   ``validValues`` not below it), refused above ``max``; a capacity without a policy is consumed
   whole when not requested;
-* ``count`` devices per request (distinct devices within a claim), ``allocationMode: All``;
+* ``count`` devices per request (distinct devices within a request; a device that allows multiple
+  allocations may serve several requests of one claim, each a share of its own ``shareID``, while
+  their sum fits), ``allocationMode: All``;
   ``constraints[].matchAttribute`` (every device of the listed requests has the same value of the
   attribute, and has it) and ``distinctAttribute``, by backtracking;
 * the result: ``status.allocation.devices.results[]`` (request, driver, pool, device, ``shareID``
@@ -194,7 +196,11 @@ class Allocator:
         for name, amount in consumed.items():
             per[name] = per.get(name, Decimal(0)) + value(amount)
 
-    def _consumption(self, c: Candidate, request: JSON) -> dict[str, Decimal] | None:
+    def _consumption(
+        self, c: Candidate, request: JSON, pending: Mapping[str, Decimal] | None = None
+    ) -> dict[str, Decimal] | None:
+        """What ``request`` consumes of ``c`` (``pending``: what other requests of the claim being
+        allocated take of it already), or None when it does not fit."""
         if c.key in self.exclusive:
             return None
         multi = bool(c.device.get("allowMultipleAllocations"))
@@ -206,7 +212,8 @@ class Allocator:
             amount = rounded(cap, wanted.get(name))
             if amount is None:
                 return None
-            if amount + self.used.get(c.key, {}).get(name, Decimal(0)) > value(cap.get("value", "0")):
+            taken = self.used.get(c.key, {}).get(name, Decimal(0)) + (pending or {}).get(name, Decimal(0))
+            if amount + taken > value(cap.get("value", "0")):
                 return None
             out[name] = amount
         if set(wanted) - set(c.device.get("capacity") or {}):
@@ -288,11 +295,19 @@ class Allocator:
         def search(i: int) -> bool:
             if i == len(slots):
                 return True
-            _name, request = slots[i]
+            name, request = slots[i]
             for c in self._matching(node, request):
-                if any(c.key == chosen.key for chosen, _ in choice):
+                # A device is chosen once per request; one that allows multiple allocations may be
+                # chosen again by another request of the claim, while its capacity lasts.
+                multi = bool(c.device.get("allowMultipleAllocations"))
+                same = [(slots[j][0], took) for j, (chosen, took) in enumerate(choice) if chosen.key == c.key]
+                if same and (not multi or any(n == name for n, _ in same)):
                     continue
-                consumed = self._consumption(c, request)
+                pending: dict[str, Decimal] = {}
+                for _n, took in same:
+                    for cap, amount in took.items():
+                        pending[cap] = pending.get(cap, Decimal(0)) + amount
+                consumed = self._consumption(c, request, pending)
                 if consumed is None:
                     continue
                 choice.append((c, consumed))

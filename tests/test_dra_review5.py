@@ -86,3 +86,136 @@ def test_taints_dropped_again_after_a_recheck_hide_the_devices_again(tmp_path: P
         taints.clear()
         _settle(pub)
         assert _published(sim) == {"gpu-0": False, "gpu-1": False}
+
+
+# -- several shares in one claim ------------------------------------------------------------------
+
+
+def _two_request_template(name: str, first: tuple[int, str], second: tuple[int, str]) -> dict[str, Any]:
+    """A template of two requests, ``a`` and ``b``, each a share (cores, memory)."""
+
+    def request(req: str, cores: int, memory: str) -> dict[str, Any]:
+        return {
+            "name": req,
+            "exactly": {
+                "deviceClassName": DRIVER,
+                "count": 1,
+                "capacity": {"requests": {"cores": str(cores), "memory": memory}},
+            },
+        }
+
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"spec": {"devices": {"requests": [request("a", *first), request("b", *second)]}}},
+    }
+
+
+def _pod_per_request(name: str, template: str) -> dict[str, Any]:
+    """A pod whose container ``one`` uses request ``a`` of its claim, ``two`` request ``b``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "containers": [
+                {"name": c, "image": "cuda:12", "resources": {"claims": [{"name": "gpu", "request": r}]}}
+                for c, r in (("one", "a"), ("two", "b"))
+            ],
+        },
+    }
+
+
+def test_two_requests_of_one_claim_sharing_one_gpu_are_prepared(tmp_path: Path, sim_built: Path) -> None:
+    # The scheduler may place two requests of one claim on the same GPU (allowMultipleAllocations:
+    # "multiple requests within a ResourceClaim"), each result a share with its own shareID.
+    from gpumanager.vmanager import files
+    from simnode.dra_cluster import DRACluster
+
+    with DRACluster(tmp_path / "node", "t4-x1") as node:
+        node.add_template(_two_request_template("pair", (30, "4Gi"), (20, "2Gi")))
+        node.create_pod(_pod_per_request("p", "pair"))
+        node.settle()
+        assert node.pod("p")["status"]["phase"] == "Running", node.prepare_errors
+        claim = node.claim_of("p")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["request"], r["device"]) for r in results] == [("a", "gpu-0"), ("b", "gpu-0")]
+        assert results[0]["shareID"] != results[1]["shareID"]
+        uid = claim["metadata"]["uid"]
+        config = files.unpack((node.vm_path / uid / "vcuda.config").read_bytes())
+        assert (config.utilization, config.gpu_memory, config.enable) == (50, 6 << 30, 1)
+        assert node.kubelet is not None
+        pod_uid = node.pod("p")["metadata"]["uid"]
+        for container in ("one", "two"):
+            run = node.kubelet.containers[(pod_uid, container)]
+            assert len(run.cdi_ids) == 1 and "/dev/nvidia0" in run.device_nodes, run
+            assert run.mounts["/etc/vcuda"] == str(node.vm_path / uid)
+        # The node's tree holds both shares; a third claim of 60 cores no longer fits.
+        node.add_template(_two_request_template("more", (30, "1Gi"), (30, "1Gi")))
+        node.create_pod(_pod_per_request("q", "more"))
+        node.settle()
+        assert not node.pod("q")["spec"].get("nodeName")
+
+
+def _slice(sysfs: Path) -> dict[str, Any]:
+    spec = _content(sysfs, {})(1)
+    return {"metadata": {"name": "node-a-vcuda.tencent.com"}, "spec": spec}
+
+
+CLASS = {
+    "metadata": {"name": DRIVER},
+    "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+}
+
+
+def _claim_of(template: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "c", "namespace": "default"}, "spec": template["spec"]["spec"]}
+
+
+def test_the_scheduler_stand_in_counts_a_claims_own_shares_on_a_gpu(tmp_path: Path) -> None:
+    from simnode.dra_scheduler import Allocator, Selectors
+
+    fits = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
+    both = fits.allocate(_claim_of(_two_request_template("t", (40, "4Gi"), (60, "4Gi"))), "node-a") or []
+    assert [(r["request"], r["device"]) for r in both] == [("a", "gpu-0"), ("b", "gpu-0")]
+    spill = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
+    apart = spill.allocate(_claim_of(_two_request_template("t", (60, "4Gi"), (60, "4Gi"))), "node-a") or []
+    assert [(r["request"], r["device"]) for r in apart] == [("a", "gpu-0"), ("b", "gpu-1")]
+    # One request for two devices takes two GPUs, never one twice.
+    from simnode.dra_cluster import claim_template
+
+    twice = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
+    two = twice.allocate(_claim_of(claim_template("t", count=2, cores=10, memory="1Gi")), "node-a") or []
+    assert sorted(r["device"] for r in two) == ["gpu-0", "gpu-1"]
+
+
+def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_devices() -> None:
+    # vcuda.config holds one GPU's limits: shares of two GPUs cannot both be enforced.
+    import pytest
+
+    from gpumanager.dra.claims import ClaimError, ClaimRef, parse_claim
+
+    def share(device: str, request: str, sid: str) -> dict[str, Any]:
+        return {
+            "request": request,
+            "driver": DRIVER,
+            "pool": "node-a",
+            "device": device,
+            "shareID": sid,
+            "consumedCapacity": {"cores": "60", "memory": "4Gi"},
+        }
+
+    data = {
+        "metadata": {"uid": "u1"},
+        "status": {"allocation": {"devices": {"results": [share("gpu-0", "a", "s1"), share("gpu-1", "b", "s2")]}}},
+    }
+    with pytest.raises(ClaimError) as err:
+        parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
+    text = str(err.value)
+    assert "ml/c" in text and "a/gpu-0" in text and "b/gpu-1" in text and "claims of their own" in text
+    data["status"]["allocation"]["devices"]["results"] = [share("gpu-1", "a", "s1"), share("gpu-1", "b", "s2")]
+    data["status"]["allocation"]["devices"]["results"][1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
+    claim, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
+    assert claim.share_limits == (90, 6 << 30)

@@ -111,6 +111,16 @@ class ClaimAllocation:
         return any(not d.whole for d in self.devices)
 
     @property
+    def share_limits(self) -> tuple[int, int] | None:
+        """(cores, memory bytes) the claim's shares consume together, None when it holds none. A claim
+        holds shares of one GPU only: several (requests the scheduler placed on the same GPU) are
+        limited by their sum, what the scheduler charged the GPU for them."""
+        shares = [d for d in self.devices if not d.whole]
+        if not shares:
+            return None
+        return sum(d.cores for d in shares), sum(d.memory for d in shares)
+
+    @property
     def key(self) -> str:
         """``<namespace>/<name>``."""
         return f"{self.namespace}/{self.name}"

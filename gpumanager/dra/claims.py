@@ -93,8 +93,10 @@ def parse_claim(
 
     Raises ClaimError for a claim whose UID differs, that is not allocated, that holds no device
     of ``driver``, or whose results name another pool, a device this node does not have, a bad
-    quantity, more capacity than the device has, or more than one share (the limits of a claim
-    are one vcuda.config).
+    quantity, more capacity than the device has, or a share beside a result on another device or a
+    whole one (the limits of a claim are one vcuda.config, for one GPU). Several shares of one
+    device (requests of the claim that the scheduler placed on the same GPU) are allowed: their
+    limits are their sum.
     """
     who = f"claim {ref}"
     meta = _object(claim, who, "the claim")
@@ -138,11 +140,12 @@ def parse_claim(
                 "holds a device once per request"
             )
     shares = [d for d in devices if not d.whole]
-    if shares and len(devices) > 1:
+    if shares and (len(shares) < len(devices) or len({d.minor for d in devices}) > 1):
+        listed = ", ".join(f"{d.request}/{d.device}{'' if d.whole else ' (a share)'}" for d in devices)
         raise ClaimError(
-            f"{who} ({ref.uid}): {len(devices)} devices ({', '.join(d.device for d in devices)}) and "
-            f"{len(shares)} of them a share: a claim with a share must hold one device (its limits are one "
-            "vcuda.config)"
+            f"{who} ({ref.uid}): {len(devices)} results ({listed}): a claim with a share must hold one device, "
+            "and only shares of it (its shares are limited together by one vcuda.config, which holds the limits "
+            "of one GPU); ask for shares of different GPUs, or a share beside a whole GPU, in claims of their own"
         )
     return ClaimAllocation(uid=ref.uid, namespace=ref.namespace, name=ref.name, devices=tuple(devices)), frozenset(
         tolerant

@@ -207,16 +207,16 @@ def container_allocations(
         held = [d for d in claim.devices if d.consumes]
         if not held:
             continue
-        share = next((d for d in held if not d.whole), None)
+        share = claim.share_limits
         for pod, container in consumers(claim, pods, claims, reserved):
             meta = pod.get("metadata") or {}
             out.append(
                 ContainerAllocation(
                     pod_uid=podinfo.uid(pod),
                     container=container,
-                    minors=tuple(d.minor for d in held),
-                    cores=share.cores if share else 100 * len(held),
-                    memory=share.memory if share else 0,
+                    minors=tuple(dict.fromkeys(d.minor for d in held)),
+                    cores=share[0] if share else 100 * len(held),
+                    memory=share[1] if share else 0,
                     namespace=str(meta.get("namespace", "")),
                     pod_name=str(meta.get("name", "")),
                     extra={"claim": claim.name, "claim_uid": claim.uid},

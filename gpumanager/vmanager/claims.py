@@ -2,7 +2,7 @@
 
 A claim's directory ``<vm>/<claim uid>`` is mounted read-only at ``/etc/vcuda`` in
 every container that uses the claim; it holds ``vcuda.config`` (``gpu_memory`` and
-``utilization`` = the consumed memory and cores of its share; ``enable=0`` for whole
+``utilization`` = the consumed memory and cores of its shares, summed; ``enable=0`` for whole
 GPUs) and, for a share, ``pids.config``: the host PIDs of every container using the
 claim, so they are held to the claim's limits together.
 """
@@ -29,7 +29,7 @@ def claim_dir(vm_path: Path, claim_uid: str) -> Path:
 def config_for(claim: ClaimAllocation, driver_version: str) -> files.VcudaConfig:
     """The claim's vcuda.config values."""
     major, minor = files.driver_version_fields(driver_version)
-    share = next((d for d in claim.devices if not d.whole), None)
+    share = claim.share_limits
     if share is None:
         return files.VcudaConfig(
             pod_uid=claim.uid,
@@ -43,8 +43,8 @@ def config_for(claim: ClaimAllocation, driver_version: str) -> files.VcudaConfig
     return files.VcudaConfig(
         pod_uid=claim.uid,
         container_name=claim.key,
-        gpu_memory=share.memory,
-        utilization=share.cores,
+        gpu_memory=share[1],
+        utilization=share[0],
         limit=0,
         hard_limit=1,
         driver_major=major,

@@ -207,15 +207,13 @@ def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_device
             "consumedCapacity": {"cores": "60", "memory": "4Gi"},
         }
 
-    data = {
-        "metadata": {"uid": "u1"},
-        "status": {"allocation": {"devices": {"results": [share("gpu-0", "a", "s1"), share("gpu-1", "b", "s2")]}}},
-    }
+    results = [share("gpu-0", "a", "s1"), share("gpu-1", "b", "s2")]
+    data: dict[str, Any] = {"metadata": {"uid": "u1"}, "status": {"allocation": {"devices": {"results": results}}}}
     with pytest.raises(ClaimError) as err:
         parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
     text = str(err.value)
     assert "ml/c" in text and "a/gpu-0" in text and "b/gpu-1" in text and "claims of their own" in text
-    data["status"]["allocation"]["devices"]["results"] = [share("gpu-1", "a", "s1"), share("gpu-1", "b", "s2")]
-    data["status"]["allocation"]["devices"]["results"][1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
+    results[:] = [share("gpu-1", "a", "s1"), share("gpu-1", "b", "s2")]
+    results[1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
     claim, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
     assert claim.share_limits == (90, 6 << 30)

@@ -118,3 +118,11 @@ def test_chart_args_are_the_values_whatever_yaml_makes_of_them(values: JSON, fla
     assert all(isinstance(a, str) for a in container["args"]), container["args"]
     parsed = cli.build_parser().parse_args(cli.normalize_argv(container["args"]))
     assert getattr(parsed, flag) == expected
+
+
+def test_dra_daemonset_tolerates_the_gpu_node_taints_the_chart_tolerates() -> None:
+    # GKE and the GPU Operator taint GPU nodes nvidia.com/gpu:NoSchedule: a DRA-mode node is one of
+    # them, and without the toleration the agent never lands there (no slice, no claim prepared)
+    chart = _daemonset(RENDER["documents"]({}))["spec"]["template"]["spec"]["tolerations"]
+    dra = _dra()["spec"]["template"]["spec"]["tolerations"]
+    assert [t for t in chart if t not in dra] == []

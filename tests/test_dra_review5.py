@@ -4,6 +4,7 @@ several shares, and the scheduler simulator allocating them."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,51 @@ def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_device
     results[1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
     claim, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
     assert claim.share_limits == (90, 6 << 30)
+
+
+def test_a_claim_of_two_shares_of_one_gpu_survives_a_kill_and_holds_their_sum(tmp_path: Path, sim_built: Path) -> None:
+    from tests.dra_claim_fixtures import result, start_dra_node, stop_dra_node
+
+    node = start_dra_node(tmp_path / "node")
+    try:
+        c = node.cluster
+        pair = node.claim(
+            "pair",
+            [
+                result(cores="30", memory="4Gi", share="s-1", request="a"),
+                result(cores="20", memory="2Gi", share="s-2", request="b"),
+            ],
+        )
+        ref = node.ref(pair)
+        assert c.agent is not None
+        c.agent.stop()
+        c.start_agent(env={"GPU_MANAGER_CRASH_AT": "prepare-after-checkpoint"})
+        import grpc
+        import pytest
+
+        with pytest.raises(grpc.RpcError):
+            node.prepare(ref, timeout=20)
+        assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
+        c.start_agent()
+        answer = node.prepare(ref)[ref[2]]
+        assert answer.error == "" and len(answer.cdi_ids) == 2 and sorted(answer.share_ids) == ["s-1", "s-2"]
+        # 50 cores are held: 51 more do not fit, 50 do.
+        big = node.claim("big", [result(cores="51", memory="1Gi", share="s-3")])
+        assert "cores=51" in node.prepare(node.ref(big))[big["metadata"]["uid"]].error
+        # The checkpoint lost: the claim is rebuilt from the API server, both shares held again.
+        c.agent.stop()
+        for f in c.checkpoint_dir.iterdir():
+            f.unlink()
+        c.start_agent()
+        for _ in range(100):
+            if "cores=51" in node.prepare(node.ref(big))[big["metadata"]["uid"]].error:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the rebuilt claim does not hold its shares")
+        fits = node.claim("fits", [result(cores="50", memory="1Gi", share="s-4")])
+        assert node.prepare(node.ref(fits))[fits["metadata"]["uid"]].error == ""
+        assert node.unprepare(ref) == {ref[2]: ""}
+        assert not node.spec_path(ref[2]).exists()
+    finally:
+        stop_dra_node(node)

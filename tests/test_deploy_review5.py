@@ -126,3 +126,24 @@ def test_dra_daemonset_tolerates_the_gpu_node_taints_the_chart_tolerates() -> No
     chart = _daemonset(RENDER["documents"]({}))["spec"]["template"]["spec"]["tolerations"]
     dra = _dra()["spec"]["template"]["spec"]["tolerations"]
     assert [t for t in chart if t not in dra] == []
+
+
+@pytest.mark.parametrize("surge", [1, "10%"])
+def test_chart_refuses_a_surge_rolling_update(surge: int | str) -> None:
+    # a surge pod waits for the old agent's node lock without serving: never ready, so the old pod is
+    # never replaced and the rollout hangs with the surge pod restarted by its liveness probe
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": surge}}
+    with pytest.raises(Exception, match=rf"updateStrategy.rollingUpdate.maxSurge={surge}"):
+        RENDER["documents"]({"updateStrategy": strategy})
+
+
+@pytest.mark.parametrize("surge", [0, "0%"])
+def test_chart_takes_no_surge(surge: int | str) -> None:
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 2, "maxSurge": surge}}
+    ds = _daemonset(RENDER["documents"]({"updateStrategy": strategy}))
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 2
+
+
+def test_chart_takes_on_delete_updates() -> None:
+    ds = _daemonset(RENDER["documents"]({"updateStrategy": {"type": "OnDelete", "rollingUpdate": None}}))
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}

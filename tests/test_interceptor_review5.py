@@ -61,3 +61,23 @@ def test_children_forked_while_the_sm_limiter_grows_its_sample_buffers_do_not_fr
     out, err = run_c(exe, ["2", "30"], env, sanitize)
     assert out["crashed"] == 0 and out["stuck"] == 0, f"{out}: {err[-4000:]}"
     assert out["ok"] + out["failed"] == out["forks"] == 30, f"{out}: {err[-4000:]}"
+
+
+@pytest.mark.parametrize("mode", ["module", "module_ex", "fatbinary", "library"])
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_module_image_rewritten_during_its_load_is_loaded_as_it_was_estimated(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool, mode: str
+) -> None:
+    """The interceptor estimated a PTX image's variables from the caller's buffer, then handed the driver the
+    same buffer: another thread rewriting it in between had a 256 MiB variable loaded for the estimate of a
+    16-byte one.  A test-only delay between the estimate and the load (VCUDA_TEST_LOAD_DELAY_US, in a build
+    with -DVC_TEST_HOOKS) lets the rewrite land there.  What the driver loads must be what was estimated:
+    `small`, never `big`."""
+    c = container(1024)
+    del asan_built
+    mirror = hooks_mirror(c, hooks_built, sanitize)
+    exe = build_program("review5_image", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_LOAD_DELAY_US="300000")
+    out, err = run_c(exe, [mode, "50"], env, sanitize)
+    assert out["load"] == 0, f"{out}: {err[-4000:]}"
+    assert out["small"] == 0 and out["big"] == 500, f"the driver loaded the rewritten image: {out}"

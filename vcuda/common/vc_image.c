@@ -269,6 +269,25 @@ uint64_t vc_image_footprint(const void *image)
     return add_sat(VC_IMAGE_PAGE, round_page(data));
 }
 
+bool vc_image_private(const void *image, char **copy)
+{
+    *copy = NULL;
+    if (image == NULL || !looks_like_ptx(image))
+        return true;
+    size_t len = strlen(image);
+    char *c = len < SIZE_MAX ? malloc(len + 1) : NULL;
+    if (c == NULL)
+        return false;
+    memcpy(c, image, len);
+    c[len] = '\0';
+    if (!looks_like_ptx(c)) {
+        free(c);
+        return false;
+    }
+    *copy = c;
+    return true;
+}
+
 char *vc_image_read_file(const char *path)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);

@@ -28,6 +28,14 @@ bool vc_image_parse(const void *image, uint64_t *data, vc_image_var_fn fn, void 
 /* Device memory a module of this image takes in a context: the code page plus its variables' pages. */
 uint64_t vc_image_footprint(const void *image);
 
+/*
+ * A private copy of image when it is PTX text (NUL-terminated, malloc'ed; *copy), else *copy = NULL (a binary image:
+ * charged one page whatever it holds).  What the copy holds is then both what is estimated and what the driver
+ * loads, however another thread rewrites the caller's buffer meanwhile.  Returns false when no copy can be had
+ * (no memory) or the copy is no PTX text (the buffer changed while it was copied): the load must be refused.
+ */
+bool vc_image_private(const void *image, char **copy);
+
 /* Reads a module file (cuModuleLoad, cuLibraryLoadFromFile) into a NUL-terminated buffer; NULL if it cannot. */
 char *vc_image_read_file(const char *path);
 

@@ -14,6 +14,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "vc_image.h"
 #include "vc_map.h"
@@ -1572,6 +1573,18 @@ static uint64_t file_footprint(const char *path)
     return bytes;
 }
 
+#ifdef VC_TEST_HOOKS
+/* Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_LOAD_DELAY_US between a module's estimate and its load. */
+static void test_load_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_LOAD_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_load_delay() ((void)0)
+#endif
+
 #define MODULE_LOAD(estimate, call)                                                                                \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()) || module == NULL)                                                            \
@@ -1579,6 +1592,7 @@ static uint64_t file_footprint(const char *path)
         uint64_t est_ = (estimate);                                                                                \
         if (!vc_budget_reserve(est_))                                                                              \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        test_load_delay();                                                                                         \
         CUresult rc_ = (call);                                                                                     \
         return checked_load(est_, est_, rc_, rc_ == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*module : 0, REC_MODULE,   \
                             unload_module);                                                                        \
@@ -1589,30 +1603,75 @@ static uint64_t file_footprint(const char *path)
  * driver loads (as data): a file replaced between two reads would be charged as one image and loaded as another.
  * A file that cannot be read so (missing, not a regular file) goes to the driver by name, at the code page.
  */
+static CUresult load_data(CUmodule *module, const void *image)
+{
+    MODULE_LOAD(vc_image_footprint(image), REAL_CU(cuModuleLoadData)(module, image));
+}
+
 VC_EXPORT CUresult cuModuleLoad(CUmodule *module, const char *fname)
 {
     char *image = VC_LIKELY(!vc_limited()) || module == NULL || fname == NULL ? NULL : vc_image_read_file(fname);
     if (image == NULL)
         MODULE_LOAD(file_footprint(NULL), REAL_CU(cuModuleLoad)(module, fname));
-    CUresult rc = cuModuleLoadData(module, image);
+    CUresult rc = load_data(module, image);
     free(image);
     return rc;
 }
 
-VC_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+/*
+ * An image in the caller's memory (cuModuleLoadData(Ex), cuModuleLoadFatBinary, cuLibraryLoadData): PTX text is
+ * copied once (vc_image_private) and the copy is both estimated and loaded, so a buffer rewritten by another thread
+ * between the estimate and the driver's read cannot be charged as one image and loaded as another.  A binary image
+ * is charged one page whatever it holds, and goes to the driver as it is.  Declares `image` anew in the caller.
+ */
+#define PRIVATE_IMAGE(image_in, limited)                                                                           \
+    char *copy_ = NULL;                                                                                            \
+    if ((limited) && !vc_image_private((image_in), &copy_)) {                                                      \
+        vc_log(VC_LOG_WARN, "a PTX image changed while it was being read (or no memory for its copy): refused"); \
+        return CUDA_ERROR_INVALID_IMAGE;                                                                           \
+    }                                                                                                              \
+    const void *image = copy_ != NULL ? copy_ : (image_in)
+
+VC_EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image_in)
 {
-    MODULE_LOAD(vc_image_footprint(image), REAL_CU(cuModuleLoadData)(module, image));
+    if (VC_LIKELY(!vc_limited()) || module == NULL)
+        return REAL_CU(cuModuleLoadData)(module, image_in);
+    PRIVATE_IMAGE(image_in, true);
+    CUresult rc = load_data(module, image);
+    free(copy_);
+    return rc;
 }
 
-VC_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
-                                      CUjit_option *options, void **optionValues)
+static CUresult load_data_ex(CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
+                             void **optionValues)
 {
     MODULE_LOAD(vc_image_footprint(image), REAL_CU(cuModuleLoadDataEx)(module, image, numOptions, options, optionValues));
 }
 
-VC_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
+VC_EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image_in, unsigned int numOptions,
+                                      CUjit_option *options, void **optionValues)
+{
+    if (VC_LIKELY(!vc_limited()) || module == NULL)
+        return REAL_CU(cuModuleLoadDataEx)(module, image_in, numOptions, options, optionValues);
+    PRIVATE_IMAGE(image_in, true);
+    CUresult rc = load_data_ex(module, image, numOptions, options, optionValues);
+    free(copy_);
+    return rc;
+}
+
+static CUresult load_fat_binary(CUmodule *module, const void *fatCubin)
 {
     MODULE_LOAD(vc_image_footprint(fatCubin), REAL_CU(cuModuleLoadFatBinary)(module, fatCubin));
+}
+
+VC_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin)
+{
+    if (VC_LIKELY(!vc_limited()) || module == NULL)
+        return REAL_CU(cuModuleLoadFatBinary)(module, fatCubin);
+    PRIVATE_IMAGE(fatCubin, true);
+    CUresult rc = load_fat_binary(module, image);
+    free(copy_);
+    return rc;
 }
 
 VC_EXPORT CUresult cuModuleUnload(CUmodule hmod)
@@ -1687,6 +1746,7 @@ static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUl
         uint64_t reserved_ = mul_sat(est_, g_lib_ctxs > 0 ? g_lib_ctxs : 1);                                       \
         CUresult rc_ = CUDA_ERROR_OUT_OF_MEMORY;                                                                   \
         if (vc_budget_reserve(reserved_)) {                                                                        \
+            test_load_delay();                                                                                     \
             rc_ = (call);                                                                                          \
             rc_ = library_loaded(est_, reserved_, rc_, rc_ == CUDA_SUCCESS ? *library : NULL);                     \
         }                                                                                                          \
@@ -1694,30 +1754,24 @@ static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUl
         return rc_;                                                                                                \
     } while (0)
 
-VC_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
-                                     void **jitOptionsValues, unsigned int numJitOptions,
-                                     CUlibraryOption *libraryOptions, void **libraryOptionValues,
-                                     unsigned int numLibraryOptions)
+static CUresult library_load_data(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                                  void **jitOptionsValues, unsigned int numJitOptions, CUlibraryOption *libraryOptions,
+                                  void **libraryOptionValues, unsigned int numLibraryOptions)
 {
     LIBRARY_LOAD(vc_image_footprint(code),
                  REAL_CU(cuLibraryLoadData)(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
                                             libraryOptionValues, numLibraryOptions));
 }
 
-VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
-                                         void **jitOptionsValues, unsigned int numJitOptions,
-                                         CUlibraryOption *libraryOptions, void **libraryOptionValues,
-                                         unsigned int numLibraryOptions)
+/*
+ * A library from an image that is ours (a copy, a file read): the driver keeps a copy of its own, so
+ * CU_LIBRARY_BINARY_IS_PRESERVED (the driver would go on reading the buffer, after it is freed) is dropped.
+ */
+static CUresult library_load_private(CUlibrary *library, const void *image, CUjit_option *jitOptions,
+                                     void **jitOptionsValues, unsigned int numJitOptions,
+                                     CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                     unsigned int numLibraryOptions)
 {
-    char *image = VC_LIKELY(!vc_limited()) || library == NULL || fileName == NULL ||
-                          (numLibraryOptions > 0 && (libraryOptions == NULL || libraryOptionValues == NULL))
-                      ? NULL
-                      : vc_image_read_file(fileName);
-    if (image == NULL)
-        LIBRARY_LOAD(file_footprint(NULL),
-                     REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
-                                                    libraryOptions, libraryOptionValues, numLibraryOptions));
-    /* The driver keeps a copy of its own: the buffer is ours (CU_LIBRARY_BINARY_IS_PRESERVED is dropped). */
     CUlibraryOption *opts = numLibraryOptions > 0 ? malloc(numLibraryOptions * sizeof(*opts)) : NULL;
     void **vals = numLibraryOptions > 0 ? malloc(numLibraryOptions * sizeof(*vals)) : NULL;
     CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -1729,11 +1783,52 @@ VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileNam
             opts[n] = libraryOptions[i];
             vals[n++] = libraryOptionValues[i];
         }
-        rc = cuLibraryLoadData(library, image, jitOptions, jitOptionsValues, numJitOptions, n > 0 ? opts : NULL,
+        rc = library_load_data(library, image, jitOptions, jitOptionsValues, numJitOptions, n > 0 ? opts : NULL,
                                n > 0 ? vals : NULL, n);
     }
     free(opts);
     free(vals);
+    return rc;
+}
+
+static bool library_options_ok(CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                               unsigned int numLibraryOptions)
+{
+    return numLibraryOptions == 0 || (libraryOptions != NULL && libraryOptionValues != NULL);
+}
+
+VC_EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                                     void **jitOptionsValues, unsigned int numJitOptions,
+                                     CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                     unsigned int numLibraryOptions)
+{
+    if (VC_LIKELY(!vc_limited()) || library == NULL)
+        return REAL_CU(cuLibraryLoadData)(library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                                          libraryOptionValues, numLibraryOptions);
+    PRIVATE_IMAGE(code, library_options_ok(libraryOptions, libraryOptionValues, numLibraryOptions));
+    CUresult rc = copy_ != NULL ? library_load_private(library, image, jitOptions, jitOptionsValues, numJitOptions,
+                                                       libraryOptions, libraryOptionValues, numLibraryOptions)
+                                : library_load_data(library, image, jitOptions, jitOptionsValues, numJitOptions,
+                                                    libraryOptions, libraryOptionValues, numLibraryOptions);
+    free(copy_);
+    return rc;
+}
+
+VC_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                                         void **jitOptionsValues, unsigned int numJitOptions,
+                                         CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                         unsigned int numLibraryOptions)
+{
+    char *image = VC_LIKELY(!vc_limited()) || library == NULL || fileName == NULL ||
+                          !library_options_ok(libraryOptions, libraryOptionValues, numLibraryOptions)
+                      ? NULL
+                      : vc_image_read_file(fileName);
+    if (image == NULL)
+        LIBRARY_LOAD(file_footprint(NULL),
+                     REAL_CU(cuLibraryLoadFromFile)(library, fileName, jitOptions, jitOptionsValues, numJitOptions,
+                                                    libraryOptions, libraryOptionValues, numLibraryOptions));
+    CUresult rc = library_load_private(library, image, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                                       libraryOptionValues, numLibraryOptions);
     free(image);
     return rc;
 }

@@ -27,6 +27,8 @@ DAEMONSET = ROOT / "deploy" / "daemonset.yaml"
 RULES = ROOT / "deploy" / "prometheus" / "gpu-manager.rules.yaml"
 RELEASE = "gpu-manager"
 NAMESPACE = "kube-system"
+#: deploy/dra/daemonset.yaml's DaemonSet, whose agents the plain scrape job also scrapes.
+DRA_DAEMONSET = "gpu-manager-dra"
 
 # The order objects are applied in: what the DaemonSet refers to first.
 _ORDER = ("serviceaccount", "rbac", "daemonset", "service", "servicemonitor", "prometheusrule", "dashboard-configmap")
@@ -80,7 +82,8 @@ def daemonset_yaml() -> str:
 
 def rules_yaml() -> str:
     """deploy/prometheus/gpu-manager.rules.yaml: the PrometheusRule's groups."""
-    rendered = render({"prometheusRule": {"enabled": True}})
+    # the plain scrape job (gpu-manager.scrape.yaml) scrapes the DRA DaemonSet's agents under the same job
+    rendered = render({"prometheusRule": {"enabled": True, "otherDaemonSets": [DRA_DAEMONSET]}})
     text = rendered["prometheusrule.yaml"]
     spec = text[text.index("\nspec:\n") + len("\nspec:\n") :]
     lines = [line[2:] if line.startswith("  ") else line for line in spec.splitlines()]

@@ -3,7 +3,9 @@ read-write is one the agent writes in (as its flags, as each manifest sets them,
 
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+import shutil
+import subprocess
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -147,3 +149,61 @@ def test_chart_takes_no_surge(surge: int | str) -> None:
 def test_chart_takes_on_delete_updates() -> None:
     ds = _daemonset(RENDER["documents"]({"updateStrategy": {"type": "OnDelete", "rollingUpdate": None}}))
     assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+
+
+# -- the plain alerts with the plain scrape job: it scrapes the DRA agents under job="gpu-manager" too --
+
+RULES = DEPLOY / "prometheus" / "gpu-manager.rules.yaml"
+
+
+def _targets_missing_expr() -> str:
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "GPUManagerTargetsMissing":
+                return str(rule["expr"])
+    raise AssertionError("no GPUManagerTargetsMissing in " + str(RULES))
+
+
+def _desired(daemonset: str, n: int) -> JSON:
+    labels = f'namespace="kube-system",daemonset="{daemonset}",job="kube-state-metrics"'
+    return {"series": f"kube_daemonset_status_desired_number_scheduled{{{labels}}}", "values": f"{n}x15"}
+
+
+def _up(*instances: str) -> list[JSON]:
+    return [{"series": f'up{{job="gpu-manager",instance="{i}:5678"}}', "values": "1x15"} for i in instances]
+
+
+@pytest.mark.parametrize(
+    ("series", "missing"),
+    [
+        # one DRA agent gone in a cluster that runs both modes: the others made up for it
+        ([_desired("gpu-manager-daemonset", 2), _desired("gpu-manager-dra", 2), *_up("a", "b", "c")], 1),
+        # DRA mode only (no device-plugin DaemonSet): one of two agents gone
+        ([_desired("gpu-manager-dra", 2), *_up("c")], 1),
+        ([_desired("gpu-manager-daemonset", 2), _desired("gpu-manager-dra", 2), *_up("a", "b", "c", "d")], 0),
+        ([_desired("gpu-manager-daemonset", 2), *_up("a")], 1),
+    ],
+)
+def test_plain_targets_missing_counts_the_dra_daemonset(tmp_path: Path, series: list[JSON], missing: int) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (`make test` installs Debian's prometheus package)")
+    samples = [{"labels": "{}", "value": missing}] if missing else []
+    test = {
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [{"expr": _targets_missing_expr(), "eval_time": "10m", "exp_samples": samples}],
+            }
+        ],
+    }
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(test))
+    done = subprocess.run([promtool, "test", "rules", "t.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_chart_refuses_an_other_daemonset_that_is_no_name() -> None:
+    with pytest.raises(Exception, match=r'prometheusRule\.otherDaemonSets: "gpu\.manager\|x"'):
+        RENDER["documents"]({"prometheusRule": {"enabled": True, "otherDaemonSets": ["gpu.manager|x"]}})

@@ -127,7 +127,9 @@ def test_deploy_daemonset_yaml_is_the_default_rendering() -> None:
 
 def test_rules_file_is_the_charts_prometheus_rule() -> None:
     assert RENDER["RULES"].read_text() == RENDER["rules_yaml"](), "run python scripts/render_manifests.py"
-    rule = by_kind(documents({"prometheusRule": {"enabled": True}}), "PrometheusRule")
+    # the plain scrape job also scrapes deploy/dra/daemonset.yaml's agents: their DaemonSet counts too
+    values = {"prometheusRule": {"enabled": True, "otherDaemonSets": [RENDER["DRA_DAEMONSET"]]}}
+    rule = by_kind(documents(values), "PrometheusRule")
     assert yaml.safe_load(RENDER["RULES"].read_text()) == rule["spec"]
 
 

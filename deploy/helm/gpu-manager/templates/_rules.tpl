@@ -18,20 +18,32 @@ groups:
           description: >-
             gpu-manager on {{`{{ $labels.instance }}`}} has not answered a scrape for 5 minutes:
             no GPU pod can be admitted or started on its node.
-      {{- $ds := printf "namespace=%q,daemonset=%q" .Release.Namespace (printf "%s-daemonset" (include "gpu-manager.fullname" .)) }}
+      {{- $daemonSets := prepend (.Values.prometheusRule.otherDaemonSets | default list) (printf "%s-daemonset" (include "gpu-manager.fullname" .)) }}
+      {{- range $daemonSets }}
+      {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" (toString .)) }}
+      {{- fail (printf "prometheusRule.otherDaemonSets: %q is not a DaemonSet name (lower-case letters, digits and '-')" (toString .)) }}
+      {{- end }}
+      {{- end }}
+      {{- $ds := printf "namespace=%q,daemonset=%q" .Release.Namespace (first $daemonSets) }}
+      {{- if gt (len $daemonSets) 1 }}
+      {{- $ds = printf "namespace=%q,daemonset=~%q" .Release.Namespace (join "|" $daemonSets) }}
+      {{- end }}
+      {{- $desired := printf "sum(max by (daemonset) (kube_daemonset_status_desired_number_scheduled{%s}))" $ds }}
+      {{- $named := list }}
+      {{- range $daemonSets }}{{ $named = append $named (printf "%s/%s" $.Release.Namespace .) }}{{ end }}
       # Targets gone entirely (pod deleted and not recreated, node lost): their up series vanish, so
       # GPUManagerDown cannot fire. Compared with kube-state-metrics' desired count where it is scraped;
       # every target gone fires without it, unless kube-state-metrics says the DaemonSet wants no pod.
       - alert: GPUManagerTargetsMissing
         expr: >-
           (
-            max(kube_daemonset_status_desired_number_scheduled{ {{- $ds -}} })
+            {{ $desired }}
             - (count(up{ {{- $job -}} }) or vector(0))
           ) > 0
           or on ()
           (
             absent(up{ {{- $job -}} })
-            unless on () (max(kube_daemonset_status_desired_number_scheduled{ {{- $ds -}} }) == 0)
+            unless on () ({{ $desired }} == 0)
           )
         for: 10m
         labels:
@@ -39,7 +51,7 @@ groups:
         annotations:
           summary: gpu-manager agents have no scrape target
           description: >-
-            At least {{`{{ $value | humanize }}`}} gpu-manager agent(s) that the DaemonSet {{ .Release.Namespace }}/{{ include "gpu-manager.fullname" . }}-daemonset
+            At least {{`{{ $value | humanize }}`}} gpu-manager agent(s) that {{ ternary "the DaemonSet" "the DaemonSets" (eq (len $daemonSets) 1) }} {{ join ", " $named }}
             should run have had no scrape target for 10 minutes (a pod deleted and not recreated, a lost
             node, or no agent left at all): GPU pods on their nodes can be neither admitted nor started,
             and GPUManagerDown does not fire for them.

@@ -266,3 +266,50 @@ def test_a_claim_of_two_shares_of_one_gpu_survives_a_kill_and_holds_their_sum(tm
         assert not node.spec_path(ref[2]).exists()
     finally:
         stop_dra_node(node)
+
+
+def _record_stored(pub: SlicePublisher) -> list[dict[str, Any]]:
+    """Every slice the server stored for the publisher's writes (dry runs are not stored)."""
+    stored: list[dict[str, Any]] = []
+    rest = pub._rest
+    plain = rest.json
+
+    def json_(method: str, path: str, **kwargs: Any) -> Any:
+        out = plain(method, path, **kwargs)
+        dry = any(k == "dryRun" for k, _ in kwargs.get("query") or ())
+        if method in ("POST", "PUT") and not dry and isinstance(out, dict):
+            stored.append(out)
+        return out
+
+    rest.json = json_  # type: ignore[method-assign]
+    return stored
+
+
+def test_an_unhealthy_gpu_is_never_stored_untainted_where_the_server_drops_taints(tmp_path: Path) -> None:
+    # Finding out by a real write that the server drops taints stores the unhealthy GPU untainted,
+    # offered to a scheduler that ignores taints anyway, until the next write: a claim placed then
+    # can never be prepared. Not at start, and not at any later re-check.
+    taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
+    with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        stored = _record_stored(pub)
+        _settle(pub)
+        taints[1] = devices.Taint("XID 48", "2026-11-23T00:01:00Z")
+        _settle(pub)
+        del taints[1]
+        _settle(pub)
+        offered = [{d["name"] for d in s["spec"]["devices"]} for s in stored]
+        assert offered and all("gpu-0" not in names for names in offered), offered
+
+
+def test_a_gpu_that_stays_unhealthy_is_tainted_once_the_server_keeps_taints(tmp_path: Path) -> None:
+    # The gate turned on while the GPU stays unhealthy (nothing else changes): the next resync
+    # finds out, and the GPU is published tainted rather than hidden.
+    taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
+    with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        _settle(pub)
+        assert _published(sim) == {"gpu-1": False}
+        sim._ops.disabled_features = frozenset()
+        _settle(pub)
+        assert _published(sim) == {"gpu-0": True, "gpu-1": False}

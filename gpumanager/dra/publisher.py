@@ -13,12 +13,16 @@ feature gate is off drops the fields it guards (``taints`` without
 as published, with one warning naming what was dropped, instead of a write (and a
 new generation) on every watch event of our own write. A server that drops device taints
 (``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
-(unhealthy) GPU would still take new claims, each refused at Prepare. Once a write shows taints
-dropped, tainted devices are left out of the slice instead (warned once per set of devices), and
-put back when their GPU is healthy again. The server may be upgraded, or the gate turned on, while
-the agent runs: each later write whose content has a tainted device sends its taints again first,
-and keeps sending them from then on if the server stored them (otherwise the write is done again
-without the tainted devices, as before).
+(unhealthy) GPU would still take new claims, each refused at Prepare. So before a write whose
+content has a tainted device, the write is tried as a dry run (``dryRun=All``: the server drops
+fields as it would, stores nothing): where the taints do not come back, tainted devices are left
+out of the slice instead (warned once per set of devices), and put back when their GPU is healthy
+again; no unhealthy GPU is ever stored untainted. While devices are left out so, every sync tries
+their taints again as a dry run, so a server upgraded, or its gate turned on, while the agent runs
+is noticed at the next sync (the devices are then published tainted). A write that comes back
+without the taints all the same (the server changed between the two) is done again without the
+tainted devices. Not seen: a gate turned off while the stored slice holds taints (the server keeps
+fields the stored object already uses), until that slice is written without taints once.
 
 The slice names the node's Node object as its owner (``ownerReferences``, read
 when the slice is written), so the garbage collector deletes it with the node; a
@@ -219,7 +223,10 @@ class SlicePublisher:
                     stale.append(str(meta.get("name")))
             ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
             wrote = False
-            desired = self._offered(self._content(self._generation))
+            content = self._content(self._generation)
+            if self.drops_taints and _tainted(content):
+                self._try_taints(ours, content)  # the server may keep them now
+            desired = self._offered(content)
             current = False
             if ours is not None:
                 want, have = _comparable(desired), _comparable(ours.get("spec") or {})
@@ -280,16 +287,17 @@ class SlicePublisher:
     def _write(self, ours: JSON | None, *, force: bool = False, probe: bool = False) -> JSON:
         """Create or replace our slice with the content of the next generation; returns it as stored.
 
-        ``probe``: where the server was seen to drop device taints and the content has a tainted
-        device, send the taints all the same, to see whether the server keeps them now."""
+        ``probe``: where the content has a tainted device and the server is not known to drop
+        taints, find out first with a dry run (no unhealthy GPU is stored untainted)."""
         self._generation += 1
         content = self._content(self._generation)
-        probing = probe and self.drops_taints and _tainted(content)
+        if probe and not self.drops_taints and _tainted(content):
+            self._try_taints(ours, content)
         body: JSON = {
             "apiVersion": c.RESOURCE_API,
             "kind": "ResourceSlice",
             "metadata": {"name": self.name},
-            "spec": content if probing else self._offered(content),
+            "spec": self._offered(content),
         }
         owner = self._owner()
         if owner:
@@ -309,22 +317,43 @@ class SlicePublisher:
         self.writes += 1
         self.published.set()
         stored = stored if isinstance(stored, dict) else {}
-        dropped = self._taints_dropped(body["spec"], stored.get("spec") or {})
-        if probing and not dropped:
-            log.info(
-                "the API server keeps device taints now (feature gate DRADeviceTaints on): unhealthy device(s) "
-                "%s are published tainted in ResourceSlice %s",
-                ", ".join(sorted(_tainted(content))),
-                self.name,
-            )
-            self.drops_taints = False
-            self._left_out = ()
-        self._rewrite = dropped
-        if dropped:
+        self._rewrite = self._taints_dropped(body["spec"], stored.get("spec") or {})
+        if self._rewrite:
             self.drops_taints = True
         else:
             self._note_kept(body["spec"], stored.get("spec") or {})
         return stored
+
+    def _try_taints(self, ours: JSON | None, spec: JSON) -> None:
+        """Write ``spec`` (which has tainted devices) as a dry run, and set :attr:`drops_taints` from
+        whether the server kept the taints. Raises what the write would."""
+        body: JSON = {"apiVersion": c.RESOURCE_API, "kind": "ResourceSlice", "metadata": {"name": self.name}}
+        body["spec"] = spec
+        dry = [("dryRun", "All")]
+        if ours is None:
+            answer = self._rest.json(
+                "POST", SLICES, query=dry, body=body, content_type="application/json", timeout=REQUEST_TIMEOUT
+            )
+        else:
+            body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
+            answer = self._rest.json(
+                "PUT",
+                f"{SLICES}/{segment(self.name)}",
+                query=dry,
+                body=body,
+                content_type="application/json",
+                timeout=REQUEST_TIMEOUT,
+            )
+        kept = isinstance(answer, dict) and not self._taints_dropped(spec, answer.get("spec") or {})
+        if kept and self.drops_taints:
+            log.info(
+                "the API server keeps device taints now (feature gate DRADeviceTaints on): device(s) %s are "
+                "published tainted in ResourceSlice %s",
+                ", ".join(sorted(_tainted(spec))),
+                self.name,
+            )
+            self._left_out = ()
+        self.drops_taints = not kept
 
     def _offered(self, spec: JSON) -> JSON:
         """``spec`` as published: without its tainted devices when the server drops taints."""

@@ -207,3 +207,19 @@ def test_plain_targets_missing_counts_the_dra_daemonset(tmp_path: Path, series: 
 def test_chart_refuses_an_other_daemonset_that_is_no_name() -> None:
     with pytest.raises(Exception, match=r'prometheusRule\.otherDaemonSets: "gpu\.manager\|x"'):
         RENDER["documents"]({"prometheusRule": {"enabled": True, "otherDaemonSets": ["gpu.manager|x"]}})
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"checkpoint-path": "/usr/local/host/var/lib/gpu-manager"}, "--checkpoint-path"),
+        ({"log-dir": "/usr/local/host/var/log/gpu-manager"}, "--log-dir"),
+        ({"display-socket": "/usr/local/host/run/gpu-manager.sock"}, "--display-socket"),
+        ({"device-plugin-path": "/usr/local/host/var/lib/kubelet/device-plugins"}, "--device-plugin-path"),
+    ],
+)
+def test_chart_refuses_a_host_directory_inside_the_host_root(flags: JSON, named: str) -> None:
+    # the host's / is mounted read-only at paths.hostRoot: a mount inside it needs its mount point made
+    # in that read-only view (the container does not start), and its host path is not the one meant
+    with pytest.raises(Exception, match=rf"{named}.*paths\.hostRoot"):
+        RENDER["documents"]({"flags": flags})

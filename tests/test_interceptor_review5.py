@@ -9,6 +9,7 @@ driver), run in a simulated container.  Races are made deterministic with the te
 
 from __future__ import annotations
 
+import struct
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
 from tests.test_interceptor_review4 import hooks_built
-from tests.vcuda_fixtures import Container, container, last_json, make_mirror, vcuda_built
+from tests.vcuda_fixtures import Container, config_bytes, container, last_json, make_mirror, vcuda_built
 
 __all__ = ["asan_built", "container", "hooks_built", "vcuda_built"]  # fixtures
 
@@ -81,3 +82,69 @@ def test_a_module_image_rewritten_during_its_load_is_loaded_as_it_was_estimated(
     out, err = run_c(exe, [mode, "50"], env, sanitize)
     assert out["load"] == 0, f"{out}: {err[-4000:]}"
     assert out["small"] == 0 and out["big"] == 500, f"the driver loaded the rewritten image: {out}"
+
+
+INIT_ONLY = r"""
+import ctypes, json
+lib = ctypes.CDLL("libcuda.so.1")
+rc = lib.cuInit(0)
+count = ctypes.c_int(-1)
+print(json.dumps({"init": rc, "count_rc": lib.cuDeviceGetCount(ctypes.byref(count))}))
+"""
+
+CUDA_ERROR_NOT_PERMITTED = 800
+
+# cuda-bindings finds cuInit through cuGetProcAddress.
+BINDINGS_INIT = r"""
+import json
+from cuda.bindings import driver as d
+rc = d.cuInit(0)[0]
+print(json.dumps({"init": int(rc), "count_rc": int(d.cuDeviceGetCount()[0])}))
+"""
+
+
+def field(content: bytes, offset: int, value: int, fmt: str = "<i") -> bytes:
+    """content with one field of the config replaced."""
+    buf = bytearray(content)
+    struct.pack_into(fmt, buf, offset, value)
+    return bytes(buf)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\0" * 100, "100 bytes, expected 8240"),
+        (config_bytes(1 << 30, enable=7), "enable = 7"),
+        (field(config_bytes(1 << 30), 8216, 250), "utilization = 250"),
+        (field(config_bytes(1 << 30), 8216, -30), "utilization = -30"),
+        (field(config_bytes(1 << 30), 8220, 7), "hard_limit = 7"),
+        (field(config_bytes(1 << 30), 8208, 1 << 63, "<Q"), "gpu_memory = 9223372036854775808"),
+    ],
+    ids=["size", "enable", "utilization-high", "utilization-negative", "hard-limit", "gpu-memory"],
+)
+@pytest.mark.parametrize("program", [INIT_ONLY, BINDINGS_INIT], ids=["dlsym", "cuGetProcAddress"])
+def test_a_broken_config_fails_closed_naming_the_file_and_the_field(
+    container: MakeContainer, content: bytes, message: str, program: str
+) -> None:
+    """A container that was given a share has a vcuda.config; one that cannot be used (a wrong size, a field
+    out of its range) made the process run without any limit (fail-open): an isolation escape for whoever can
+    corrupt it, and a share silently lost.  Upstream's library exits on a config it cannot read.  Every cuInit
+    must fail (CUDA_ERROR_NOT_PERMITTED) with a stderr line naming the file and what is wrong with it."""
+    c = container(1024, config=False)
+    c.config_path.write_bytes(content)
+    done = c.python(program, prelude=False)
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert out == {"init": CUDA_ERROR_NOT_PERMITTED, "count_rc": 3}, f"{out}: {done.stderr}"
+    assert f"{c.config_path}: {message}" in done.stderr, done.stderr
+    assert "CUDA is refused" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("program", [INIT_ONLY, BINDINGS_INIT], ids=["dlsym", "cuGetProcAddress"])
+def test_a_container_without_a_config_still_runs_without_limits(container: MakeContainer, program: str) -> None:
+    """No vcuda.config anywhere (a container that was not given a share): pass-through, as before."""
+    c = container(1024, config=False)
+    done = c.python(program, prelude=False)
+    assert done.returncode == 0, done.stderr
+    assert last_json(done.stdout) == {"init": 0, "count_rc": 0}, done.stderr
+    assert "refused" not in done.stderr

@@ -20,6 +20,7 @@
 _Atomic int vc_log_level = 3;
 _Atomic bool vc_limit_on;
 _Atomic bool vc_core_on;
+_Atomic bool vc_cuda_refused;
 
 /* Written only by the constructor, before any other thread can call into the library. */
 static uint64_t g_limit;
@@ -110,42 +111,85 @@ static bool parse_size(const char *s, uint64_t *out)
 
 enum load_result { CFG_MISSING, CFG_BAD, CFG_OK };
 
+/*
+ * The first config file found that exists but cannot be used, and why ("<path>: <what is wrong>"); set by the
+ * constructor.  When no usable config follows it in the lookup order, CUDA is refused (fail closed): a container
+ * given a share must never run without its limits.
+ */
+static char g_bad[PATH_MAX + 256];
+
+static enum load_result bad_config(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static enum load_result bad_config(const char *path, const char *fmt, ...)
+{
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    vc_log(VC_LOG_ERROR, "%s: %s; ignoring it", path, why);
+    if (g_bad[0] == '\0')
+        snprintf(g_bad, sizeof(g_bad), "%s: %s", path, why);
+    return CFG_BAD;
+}
+
+/* The fields a limit is made of, in their ranges (gpu-manager writes nothing else); false: cfg cannot be used. */
+static enum load_result check_fields(const char *path, const struct vc_resource_data *cfg)
+{
+    if (cfg->enable != 0 && cfg->enable != 1)
+        return bad_config(path, "enable = %d (expected 0 or 1)", cfg->enable);
+    if (cfg->enable == 0)
+        return CFG_OK; /* pass-through: the other fields are not used */
+    if (cfg->utilization < 0 || cfg->utilization > 100)
+        return bad_config(path, "utilization = %d (expected 0 to 100, the vcuda-core percent)", cfg->utilization);
+    if (cfg->hard_limit != 0 && cfg->hard_limit != 1)
+        return bad_config(path, "hard_limit = %d (expected 0 or 1)", cfg->hard_limit);
+    if (cfg->gpu_memory > (uint64_t)INT64_MAX)
+        return bad_config(path, "gpu_memory = %llu (a negative size as written; expected bytes)",
+                          (unsigned long long)cfg->gpu_memory);
+    return CFG_OK;
+}
+
 static enum load_result load_config(const char *path, struct vc_resource_data *cfg)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         if (errno == ENOENT || errno == ENOTDIR)
             return CFG_MISSING;
-        vc_log(VC_LOG_ERROR, "%s: cannot open the vcuda config: %s; ignoring it", path, strerror(errno));
-        return CFG_BAD;
+        return bad_config(path, "cannot open the vcuda config: %s", strerror(errno));
     }
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
-        vc_log(VC_LOG_ERROR, "%s: not a regular file; ignoring it", path);
-        return CFG_BAD;
+        return bad_config(path, "not a regular file");
     }
     if (sb.st_size != (off_t)sizeof(*cfg)) {
         close(fd);
-        vc_log(VC_LOG_ERROR,
-               "%s: %lld bytes, expected %zu (gpu-manager's resource_data_t); ignoring it "
-               "(an agent of another version, or a partly written file?)",
-               path, (long long)sb.st_size, sizeof(*cfg));
-        return CFG_BAD;
+        return bad_config(path,
+                          "%lld bytes, expected %zu (gpu-manager's resource_data_t: an agent of another version, or a "
+                          "partly written file?)",
+                          (long long)sb.st_size, sizeof(*cfg));
     }
     ssize_t n = read(fd, cfg, sizeof(*cfg));
     close(fd);
-    if (n != (ssize_t)sizeof(*cfg)) {
-        vc_log(VC_LOG_ERROR, "%s: short read (%zd of %zu bytes); ignoring it", path, n, sizeof(*cfg));
-        return CFG_BAD;
-    }
+    if (n != (ssize_t)sizeof(*cfg))
+        return bad_config(path, "short read (%zd of %zu bytes)", n, sizeof(*cfg));
     cfg->pod_uid[sizeof(cfg->pod_uid) - 1] = '\0';
     cfg->container_name[sizeof(cfg->container_name) - 1] = '\0';
-    if (cfg->enable != 0 && cfg->enable != 1) {
-        vc_log(VC_LOG_ERROR, "%s: enable = %d (expected 0 or 1); ignoring it", path, cfg->enable);
-        return CFG_BAD;
+    return check_fields(path, cfg);
+}
+
+/*
+ * cuInit: refused when the container's config exists but cannot be used (fail closed, README.md
+ * "Configuration"); every other driver call then answers CUDA_ERROR_NOT_INITIALIZED, as before any cuInit.
+ */
+VC_EXPORT CUresult cuInit(unsigned int Flags)
+{
+    if (VC_UNLIKELY(vc_refused())) {
+        vc_log(VC_LOG_ERROR, "%s: this container's GPU limits cannot be applied: CUDA is refused (cuInit fails with "
+               "CUDA_ERROR_NOT_PERMITTED); the agent must rewrite the file", g_bad);
+        return CUDA_ERROR_NOT_PERMITTED;
     }
-    return CFG_OK;
+    return REAL_CU(cuInit)(Flags);
 }
 
 /* Is the directory name d part of this process's cgroup paths (the container id of upstream's layout)? */
@@ -294,6 +338,12 @@ __attribute__((constructor)) static void vc_config_init(void)
     static struct vc_resource_data cfg; /* 8 KiB: not on a possibly small loader stack */
     char used[PATH_MAX] = "";
     if (find_config(&cfg, used, sizeof(used)) != CFG_OK) {
+        if (g_bad[0] != '\0') {
+            vc_log(VC_LOG_ERROR, "%s: no usable vcuda config, so this container's GPU limits cannot be applied: CUDA "
+                   "is refused (cuInit fails with CUDA_ERROR_NOT_PERMITTED)", g_bad);
+            atomic_store(&vc_cuda_refused, true);
+            return;
+        }
         vc_log(VC_LOG_INFO, "no vcuda config: pass-through, no limits");
         return;
     }

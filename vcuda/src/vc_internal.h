@@ -161,6 +161,16 @@ static inline bool vc_core_limited(void)
     return atomic_load_explicit(&vc_core_on, memory_order_relaxed);
 }
 
+/*
+ * Whether CUDA is refused: the container's vcuda.config exists but cannot be used (fail closed; cuInit fails).
+ * Set once by the constructor.
+ */
+extern _Atomic bool vc_cuda_refused;
+static inline bool vc_refused(void)
+{
+    return atomic_load_explicit(&vc_cuda_refused, memory_order_relaxed);
+}
+
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
 /* A green context is gone: the memory allocated in it (it shares its primary context's) is primary's from now on. */

@@ -2141,7 +2141,8 @@ VC_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
 VC_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
 {
     CUresult rc = REAL_CU(cuGetProcAddress)(symbol, pfn, cudaVersion, flags);
-    if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || rc != CUDA_SUCCESS || pfn == NULL || *pfn == NULL)
+    if (VC_LIKELY(!vc_limited() && !vc_core_limited() && !vc_refused()) || rc != CUDA_SUCCESS || pfn == NULL ||
+        *pfn == NULL)
         return rc;
     *pfn = vc_swap_proc(*pfn);
     return rc;
@@ -2151,7 +2152,8 @@ VC_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaV
                                        CUdriverProcAddressQueryResult *symbolStatus)
 {
     CUresult rc = REAL_CU(cuGetProcAddress_v2)(symbol, pfn, cudaVersion, flags, symbolStatus);
-    if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || rc != CUDA_SUCCESS || pfn == NULL || *pfn == NULL)
+    if (VC_LIKELY(!vc_limited() && !vc_core_limited() && !vc_refused()) || rc != CUDA_SUCCESS || pfn == NULL ||
+        *pfn == NULL)
         return rc;
     *pfn = vc_swap_proc(*pfn);
     return rc;

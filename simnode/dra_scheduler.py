@@ -15,9 +15,10 @@ enhancement"):
   absent -> ``default``, else ``min + ceil((req - min) / step) * step`` (or the smallest of
   ``validValues`` not below it), refused above ``max``; a capacity without a policy is consumed
   whole when not requested;
-* ``count`` devices per request (distinct devices within a request; a device that allows multiple
-  allocations may serve several requests of one claim, each a share of its own ``shareID``, while
-  their sum fits), ``allocationMode: All``;
+* ``count`` devices per request, ``allocationMode: All``; a device that allows multiple
+  allocations may be chosen again within one claim, for another request or for the next device
+  of the same request (as the real allocator does: only a ``distinctAttribute`` constraint
+  prevents it), each time a share of its own ``shareID``, while their sum fits;
   ``constraints[].matchAttribute`` (every device of the listed requests has the same value of the
   attribute, and has it) and ``distinctAttribute``, by backtracking;
 * the result: ``status.allocation.devices.results[]`` (request, driver, pool, device, ``shareID``
@@ -295,16 +296,16 @@ class Allocator:
         def search(i: int) -> bool:
             if i == len(slots):
                 return True
-            name, request = slots[i]
+            _name, request = slots[i]
             for c in self._matching(node, request):
-                # A device is chosen once per request; one that allows multiple allocations may be
-                # chosen again by another request of the claim, while its capacity lasts.
-                multi = bool(c.device.get("allowMultipleAllocations"))
-                same = [(slots[j][0], took) for j, (chosen, took) in enumerate(choice) if chosen.key == c.key]
-                if same and (not multi or any(n == name for n, _ in same)):
+                # A device that allows multiple allocations may be chosen again for any slot of the
+                # claim (another request, or the next device of the same request: only a
+                # distinctAttribute constraint prevents that), while its capacity lasts.
+                same = [took for chosen, took in choice if chosen.key == c.key]
+                if same and not c.device.get("allowMultipleAllocations"):
                     continue
                 pending: dict[str, Decimal] = {}
-                for _n, took in same:
+                for took in same:
                     for cap, amount in took.items():
                         pending[cap] = pending.get(cap, Decimal(0)) + amount
                 consumed = self._consumption(c, request, pending)

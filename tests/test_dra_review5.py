@@ -184,12 +184,18 @@ def test_the_scheduler_stand_in_counts_a_claims_own_shares_on_a_gpu(tmp_path: Pa
     spill = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
     apart = spill.allocate(_claim_of(_two_request_template("t", (60, "4Gi"), (60, "4Gi"))), "node-a") or []
     assert [(r["request"], r["device"]) for r in apart] == [("a", "gpu-0"), ("b", "gpu-1")]
-    # One request for two devices takes two GPUs, never one twice.
+    # One request for two devices may take one GPU twice (the real allocator marks a device that
+    # allows multiple allocations in use for no claim): a distinctAttribute constraint prevents it.
     from simnode.dra_cluster import claim_template
 
     twice = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
-    two = twice.allocate(_claim_of(claim_template("t", count=2, cores=10, memory="1Gi")), "node-a") or []
-    assert sorted(r["device"] for r in two) == ["gpu-0", "gpu-1"]
+    template = claim_template("t", count=2, cores=10, memory="1Gi")
+    two = twice.allocate(_claim_of(template), "node-a") or []
+    assert [r["device"] for r in two] == ["gpu-0", "gpu-0"] and two[0]["shareID"] != two[1]["shareID"]
+    template["spec"]["spec"]["devices"]["constraints"] = [{"requests": ["gpu"], "distinctAttribute": f"{DRIVER}/uuid"}]
+    apart_again = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [], Selectors())
+    distinct = apart_again.allocate(_claim_of(template), "node-a") or []
+    assert sorted(r["device"] for r in distinct) == ["gpu-0", "gpu-1"]
 
 
 def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_devices() -> None:
@@ -214,6 +220,7 @@ def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_device
         parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
     text = str(err.value)
     assert "ml/c" in text and "a/gpu-0" in text and "b/gpu-1" in text and "claims of their own" in text
+    assert f"matchAttribute: {DRIVER}/uuid" in text
     results[:] = [share("gpu-1", "a", "s1"), share("gpu-1", "b", "s2")]
     results[1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
     claim, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
@@ -313,3 +320,35 @@ def test_a_gpu_that_stays_unhealthy_is_tainted_once_the_server_keeps_taints(tmp_
         sim._ops.disabled_features = frozenset()
         _settle(pub)
         assert _published(sim) == {"gpu-0": True, "gpu-1": False}
+
+
+def test_a_uuid_match_keeps_a_claims_shares_on_one_gpu(tmp_path: Path) -> None:
+    # First fit puts the second share of a claim on the next GPU when the first has no room left
+    # (a claim the agent must refuse); matchAttribute on the GPU's uuid keeps them together.
+    from simnode.dra_cluster import claim_template
+    from simnode.dra_scheduler import Allocator, Selectors
+
+    taken = {
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {
+                            "request": "gpu",
+                            "driver": DRIVER,
+                            "pool": "node-a",
+                            "device": "gpu-0",
+                            "shareID": "s-0",
+                            "consumedCapacity": {"cores": "60", "memory": "1Gi"},
+                        }
+                    ]
+                }
+            }
+        }
+    }
+    template = claim_template("t", count=2, cores=30, memory="1Gi")
+    loose = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [taken], Selectors()).allocate(_claim_of(template), "node-a")
+    assert [r["device"] for r in loose or []] == ["gpu-0", "gpu-1"]
+    template = claim_template("t", count=2, cores=30, memory="1Gi", match_attribute=f"{DRIVER}/uuid")
+    tight = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [taken], Selectors()).allocate(_claim_of(template), "node-a")
+    assert [r["device"] for r in tight or []] == ["gpu-1", "gpu-1"]

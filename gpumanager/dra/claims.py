@@ -145,7 +145,8 @@ def parse_claim(
         raise ClaimError(
             f"{who} ({ref.uid}): {len(devices)} results ({listed}): a claim with a share must hold one device, "
             "and only shares of it (its shares are limited together by one vcuda.config, which holds the limits "
-            "of one GPU); ask for shares of different GPUs, or a share beside a whole GPU, in claims of their own"
+            "of one GPU); ask for shares of different GPUs, or a share beside a whole GPU, in claims of their own, "
+            f"or keep the claim's shares on one GPU with the constraint matchAttribute: {driver}/{c.ATTR_UUID}"
         )
     return ClaimAllocation(uid=ref.uid, namespace=ref.namespace, name=ref.name, devices=tuple(devices)), frozenset(
         tolerant

@@ -223,3 +223,10 @@ def test_chart_refuses_a_host_directory_inside_the_host_root(flags: JSON, named:
     # in that read-only view (the container does not start), and its host path is not the one meant
     with pytest.raises(Exception, match=rf"{named}.*paths\.hostRoot"):
         RENDER["documents"]({"flags": flags})
+
+
+def test_chart_refuses_one_flag_under_two_spellings() -> None:
+    # both reach the command line; the agent takes the later (query_port), the chart's mounts and
+    # ports followed the other: name both instead of choosing
+    with pytest.raises(Exception, match=r"flags: query-port and query_port are one flag"):
+        RENDER["documents"]({"flags": {"query-port": 9400, "query_port": 9500}})

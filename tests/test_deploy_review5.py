@@ -230,3 +230,10 @@ def test_chart_refuses_one_flag_under_two_spellings() -> None:
     # ports followed the other: name both instead of choosing
     with pytest.raises(Exception, match=r"flags: query-port and query_port are one flag"):
         RENDER["documents"]({"flags": {"query-port": 9400, "query_port": 9500}})
+
+
+@pytest.mark.parametrize("flags", [{"query-port": 0}, {"query_port": "0"}])
+def test_chart_refuses_a_query_port_of_any_port(flags: JSON) -> None:
+    # port 0: the agent listens on a port of the kernel's choosing, which no probe or Service knows
+    with pytest.raises(Exception, match=r"flags\.query.port=0"):
+        RENDER["documents"]({"flags": flags})

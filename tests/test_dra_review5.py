@@ -352,3 +352,31 @@ def test_a_uuid_match_keeps_a_claims_shares_on_one_gpu(tmp_path: Path) -> None:
     template = claim_template("t", count=2, cores=30, memory="1Gi", match_attribute=f"{DRIVER}/uuid")
     tight = Allocator([_slice(tmp_path)], {DRIVER: CLASS}, [taken], Selectors()).allocate(_claim_of(template), "node-a")
     assert [r["device"] for r in tight or []] == ["gpu-1", "gpu-1"]
+
+
+def test_count_two_shares_land_on_one_gpu_or_are_refused_naming_the_fix(tmp_path: Path, sim_built: Path) -> None:
+    # count: 2 of 30 cores: first fit puts both on gpu-0 (prepared, 60 cores together); once
+    # gpu-0 has room for one only, the second goes to gpu-1 and the claim is refused at Prepare
+    # with the way out; with matchAttribute on the uuid both go to gpu-1 and it runs.
+    from gpumanager.vmanager import files
+    from simnode.dra_cluster import DRACluster, claim_pod, claim_template
+
+    with DRACluster(tmp_path / "node", "v100-pcie-x4") as node:
+        node.add_template(claim_template("two", count=2, cores=30, memory="4Gi"))
+        node.create_pod(claim_pod("p", "two"))
+        node.settle()
+        assert node.pod("p")["status"]["phase"] == "Running", node.prepare_errors
+        claim = node.claim_of("p")
+        assert [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]] == ["gpu-0", "gpu-0"]
+        config = files.unpack((node.vm_path / claim["metadata"]["uid"] / "vcuda.config").read_bytes())
+        assert (config.utilization, config.gpu_memory) == (60, 8 << 30)
+        node.create_pod(claim_pod("q", "two"))
+        node.settle()
+        q = node.pod("q")
+        assert q["status"].get("phase") != "Running"
+        [error] = node.prepare_errors[q["metadata"]["uid"]].values()
+        assert "gpu-0" in error and "gpu-1" in error and "matchAttribute" in error, error
+        node.add_template(claim_template("tight", count=2, cores=30, memory="4Gi", match_attribute=f"{DRIVER}/uuid"))
+        node.create_pod(claim_pod("r", "tight"))
+        node.settle()
+        assert node.pod("r")["status"]["phase"] == "Running", node.prepare_errors

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         node_names = populate(api, args.nodes, args.pods)
         took = time.monotonic() - t0
         print(f"{args.nodes} nodes x {GPUS} GPUs, {len(api.pods())} running pods ({took:.1f} s to create)")
-        ext = ExtenderProcess(workdir, api.write_kubeconfig(workdir / "kubeconfig"))
+        ext = ExtenderProcess(workdir, api.write_component_kubeconfig(workdir / "kubeconfig", "extender"))
         t0 = time.monotonic()
         ext.start(timeout=120)
         took = time.monotonic() - t0

@@ -44,8 +44,7 @@ Differences a client may notice:
   back as ``1k``, ``1000m`` as ``1``);
 * only JSON (no protobuf/CBOR/YAML, no ``Table`` output, ``pretty`` ignored);
 * a watch from a resourceVersion newer than the current one waits for it silently;
-  bookmarks come every ``bookmark_interval`` seconds when ``allowWatchBookmarks`` is set; without
-  ``timeoutSeconds`` a watch stays open until closed (no random server-side timeout);
+  bookmarks come every ``bookmark_interval`` seconds when ``allowWatchBookmarks`` is set;
 * the direct helpers (:meth:`ApiServerSimulator.create_pod` ...) bypass validation of updates, keep
   a given ``metadata.uid`` and status on create, and :meth:`~ApiServerSimulator.update_pod`
   always writes (new resourceVersion and a MODIFIED event) even when nothing changed;
@@ -80,7 +79,7 @@ from simnode.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
 from simnode.apiserver_http import HttpContext, SimHTTPServer, version_info
 from simnode.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
 from simnode.apiserver_ops import Operations
-from simnode.apiserver_rbac import Attributes, ServiceAccount, make_rules
+from simnode.apiserver_rbac import Attributes, ServiceAccount, make_rules, shipped_account, shipped_rules
 from simnode.apiserver_store import Change, Store
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,9 @@ class ApiServerSimulator:
     silent that long). ``version``: the ``gitVersion`` of ``/version``. ``disabled_features``: feature
     gates that are off (as on Kubernetes 1.35, where ``DRADeviceTaints`` is alpha): the fields they
     guard are dropped from what is written, as the real server does (see
-    :func:`simnode.apiserver_resource.drop_disabled_slice_fields`).
+    :func:`simnode.apiserver_resource.drop_disabled_slice_fields`). ``min_request_timeout``: a watch
+    without ``timeoutSeconds`` ends (cleanly) after a random ``[1, 2)`` times this many seconds, as the
+    real server's ``--min-request-timeout`` (1800 s) ends it; 0 keeps it open until closed.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class ApiServerSimulator:
         bookmark_interval: float = 60.0,
         version: str = "v1.31.4",
         disabled_features: Sequence[str] = (),
+        min_request_timeout: float = 1800.0,
     ) -> None:
         self._host = host
         self._port = port
@@ -135,7 +137,10 @@ class ApiServerSimulator:
         self._faults = Faults()
         self._requests = RequestLog()
         self._ops = Operations(
-            self._store, graceful_delete=graceful_delete, disabled_features=frozenset(disabled_features)
+            self._store,
+            graceful_delete=graceful_delete,
+            disabled_features=frozenset(disabled_features),
+            min_request_timeout=min_request_timeout,
         )
         self._ctx = HttpContext(
             store=self._store,
@@ -266,14 +271,23 @@ class ApiServerSimulator:
         target.write_text(json.dumps(self.kubeconfig(namespace, token=token), indent=2) + "\n")
         return target
 
-    def client(self, *, retries: int | bool | None = None) -> Any:
-        """A ``kubernetes.client.ApiClient`` configured from :meth:`kubeconfig`.
+    def write_component_kubeconfig(self, path: str | Path, component: str) -> Path:
+        """Write a kubeconfig for ``component`` (``device-plugin``, ``dra``, ``extender``) as the service
+        account its shipped manifest binds, held to the rules that manifest grants it
+        (:func:`simnode.apiserver_rbac.shipped_rules`), and return the path."""
+        token = self.add_service_account("kube-system", shipped_account(component), shipped_rules(component))
+        return self.write_kubeconfig(path, token=token)
+
+    def client(self, *, retries: int | bool | None = None, token: str | None = None) -> Any:
+        """A ``kubernetes.client.ApiClient`` configured from :meth:`kubeconfig` (``token``: a service
+        account's, see :meth:`add_service_account`; the simulator's own user otherwise).
 
         ``retries`` is urllib3's (connection errors only; ``False``/``0`` for none); the
         client's default is 3.
         """
         cfg = kubernetes.client.Configuration()
-        kubernetes.config.load_kube_config_from_dict(config_dict=self.kubeconfig(), client_configuration=cfg)  # type: ignore[no-untyped-call]
+        config = self.kubeconfig(token=token)
+        kubernetes.config.load_kube_config_from_dict(config_dict=config, client_configuration=cfg)  # type: ignore[no-untyped-call]
         if retries is not None:
             cfg.retries = retries
         return kubernetes.client.ApiClient(cfg)
@@ -537,6 +551,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a scheduled pod gets deletionTimestamp first and stays until its kubelet deletes it with grace 0",
     )
     parser.add_argument("--bookmark-interval", type=float, default=60.0, help="seconds between watch bookmarks")
+    parser.add_argument(
+        "--min-request-timeout",
+        type=float,
+        default=1800.0,
+        help="a watch without timeoutSeconds ends after [1, 2) times this many seconds (0: never)",
+    )
+    parser.add_argument(
+        "--service-accounts",
+        type=Path,
+        default=None,
+        help="JSON file: a list of {namespace, name, token, rules}, users whose requests these RBAC rules decide",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every request")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -556,7 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         graceful_delete=args.graceful_delete,
         bookmark_interval=args.bookmark_interval,
+        min_request_timeout=args.min_request_timeout,
     )
+    if args.service_accounts is not None:
+        for account in json.loads(args.service_accounts.read_text()):
+            sim.add_service_account(account["namespace"], account["name"], account["rules"], token=account["token"])
     with sim:
         for name in args.node:
             sim.add_node(name)

@@ -12,6 +12,7 @@ import binascii
 import copy
 import json
 import logging
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -132,11 +133,19 @@ class Operations:
     """The verbs on pods and nodes, over one :class:`Store`."""
 
     def __init__(
-        self, store: Store, *, graceful_delete: bool = True, disabled_features: frozenset[str] = frozenset()
+        self,
+        store: Store,
+        *,
+        graceful_delete: bool = True,
+        disabled_features: frozenset[str] = frozenset(),
+        min_request_timeout: float = 1800.0,
     ) -> None:
         self.store = store
         self.graceful_delete = graceful_delete
         self.disabled_features = disabled_features
+        # A watch without timeoutSeconds ends after min_request_timeout * [1, 2) seconds, as the
+        # real server's --min-request-timeout (1800 s) ends it; 0: never.
+        self.min_request_timeout = min_request_timeout
 
     def _drop_disabled(self, kind: ResourceKind, old: JSON | None, new: JSON) -> None:
         if kind.drop_disabled is not None and self.disabled_features:
@@ -240,7 +249,10 @@ class Operations:
             if err.code != 410:
                 raise
             return WatchPlan(None, err, None, bookmarks)
-        return WatchPlan(watcher, None, float(timeout) if timeout and timeout > 0 else None, bookmarks)
+        if timeout and timeout > 0:
+            return WatchPlan(watcher, None, float(timeout), bookmarks)
+        ends = self.min_request_timeout * (1.0 + random.random()) if self.min_request_timeout > 0 else None
+        return WatchPlan(watcher, None, ends, bookmarks)
 
     def get(self, kind: ResourceKind, key: Key) -> JSON:
         """``GET`` one object."""

@@ -18,10 +18,14 @@ which rules were used.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from simnode.apiserver_errors import ApiError
 
@@ -189,3 +193,56 @@ def name_from_field_selector(selector: str) -> str:
 def make_rules(rules: Sequence[Mapping[str, Any]]) -> tuple[Rule, ...]:
     """Rules from a ClusterRole's ``rules`` list (nonResourceURLs rules are skipped)."""
     return tuple(Rule.from_json(r) for r in rules if not r.get("nonResourceURLs"))
+
+
+# -- the shipped manifests' rules ----------------------------------------------------------------------
+
+SHIPPED = "shipped"
+"""``agent_rules`` default of the cluster harnesses: the rules the shipped manifest of the component
+grants its service account (:func:`shipped_rules`). ``None`` there is explicit: unrestricted."""
+
+_DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+# component -> (manifest under deploy/, its service account in kube-system)
+SHIPPED_ACCOUNTS: dict[str, tuple[str, str]] = {
+    "device-plugin": ("daemonset.yaml", "gpu-manager"),
+    "dra": ("dra/daemonset.yaml", "gpu-manager-dra"),
+    "extender": ("extender.yaml", "gpu-manager-extender"),
+}
+
+
+@functools.cache
+def _shipped(component: str) -> tuple[str, tuple[JSON, ...]]:
+    try:
+        manifest, account = SHIPPED_ACCOUNTS[component]
+    except KeyError:
+        raise ValueError(f"no shipped manifest for the component {component!r}") from None
+    documents = list(yaml.safe_load_all((_DEPLOY / manifest).read_text()))
+    rules = rules_of(documents, "kube-system", account)
+    if not rules:
+        raise ValueError(f"deploy/{manifest} binds no rules to kube-system/{account}")
+    return account, tuple(rules)
+
+
+def shipped_rules(component: str) -> list[JSON]:
+    """What the shipped manifest of ``component`` (``device-plugin``: deploy/daemonset.yaml, the
+    chart's default rendering; ``dra``: deploy/dra/daemonset.yaml; ``extender``: deploy/extender.yaml)
+    grants its service account in ``kube-system``."""
+    return [dict(rule) for rule in _shipped(component)[1]]
+
+
+def shipped_account(component: str) -> str:
+    """The name of ``component``'s service account in ``kube-system`` (see :func:`shipped_rules`)."""
+    return _shipped(component)[0]
+
+
+def resolve_rules(
+    rules: Sequence[Mapping[str, Any]] | str | None, component: str
+) -> Sequence[Mapping[str, Any]] | None:
+    """A harness's ``agent_rules`` argument made concrete: :data:`SHIPPED` -> :func:`shipped_rules`,
+    ``None`` (unrestricted) and explicit rules as given."""
+    if rules is None or not isinstance(rules, str):
+        return rules
+    if rules != SHIPPED:
+        raise ValueError(f"agent_rules={rules!r}: expected {SHIPPED!r}, None or a list of rules")
+    return shipped_rules(component)

@@ -15,6 +15,7 @@ free, and its last status and the DELETE with grace 0 follow ``status_lag`` late
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
 from simnode.apiserver_quantity import value as quantity_value
+from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import AllocationRecord, KubeletSimulator
@@ -119,10 +122,23 @@ class RemoteApiServer(HttpPodApi):
         self._workdir = workdir
         self._kubeconfig = workdir / "apiserver.kubeconfig"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._accounts: list[dict[str, Any]] = []
         super().__init__(None)
+
+    def add_service_account(
+        self, namespace: str, name: str, rules: Sequence[Mapping[str, Any]], *, token: str | None = None
+    ) -> str:
+        """As :meth:`simnode.apiserver.ApiServerSimulator.add_service_account`, before :meth:`start`."""
+        if self._proc is not None:
+            raise RuntimeError("service accounts are added to the API-server process before it starts")
+        token = token or f"sa-{namespace}-{name}-{uuid.uuid4().hex}"
+        self._accounts.append({"namespace": namespace, "name": name, "token": token, "rules": list(rules)})
+        return token
 
     def start(self) -> None:
         """Start the process and wait for its kubeconfig."""
+        accounts = self._workdir / "apiserver.accounts.json"
+        accounts.write_text(json.dumps(self._accounts))
         self._proc = subprocess.Popen(
             [
                 sys.executable,
@@ -130,6 +146,7 @@ class RemoteApiServer(HttpPodApi):
                 "simnode.apiserver",
                 f"--kubeconfig={self._kubeconfig}",
                 f"--node={NODE}",
+                f"--service-accounts={accounts}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -152,9 +169,15 @@ class RemoteApiServer(HttpPodApi):
     def add_node(self, name: str, labels: Mapping[str, str] | None = None) -> None:
         """The node is registered when the process starts."""
 
-    def write_kubeconfig(self, path: Path) -> Path:
-        """Copy the kubeconfig to ``path``."""
-        shutil.copyfile(self._kubeconfig, path)
+    def write_kubeconfig(self, path: Path, *, token: str | None = None) -> Path:
+        """Copy the kubeconfig to ``path`` (with ``token``, a service account's, as its user)."""
+        if token is None:
+            shutil.copyfile(self._kubeconfig, path)
+            return path
+        config = json.loads(self._kubeconfig.read_text())
+        for user in config["users"]:
+            user["user"] = {"token": token}
+        path.write_text(json.dumps(config, indent=2) + "\n")
         return path
 
 
@@ -175,14 +198,14 @@ class SimCluster:
         kubelet_checkpoint: bool = True,
         driver_mirror: bool = True,
         status_lag: float = STATUS_LAG_SECONDS,
-        agent_rules: Sequence[Mapping[str, Any]] | None = None,
+        agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
     ) -> None:
         self.workdir = workdir
-        # agent_rules: the agent talks to the API server as a service account that its ClusterRole's
-        # rules (these) bind, and is refused (403) what they do not grant; None: it may do anything.
-        self.agent_rules = agent_rules
-        if agent_rules is not None and api_process:
-            raise ValueError("agent_rules need the in-process API server (api_process=False)")
+        # agent_rules: the agent talks to the API server as the service account kube-system/gpu-manager
+        # that these rules bind (by default what deploy/daemonset.yaml grants it, as on a real cluster)
+        # and is refused (403) what they do not grant; None (explicit): it may do anything. The
+        # harness's own calls (admin, kubelet, scheduler) are not restricted.
+        self.agent_rules = resolve_rules(agent_rules, "device-plugin")
         self.status_lag = status_lag
         self._status_timers: list[threading.Timer] = []
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
@@ -218,11 +241,13 @@ class SimCluster:
     def start(self, *, wait: bool = True, agent: bool = True) -> SimCluster:
         """Start the API server, the kubelet and (unless ``agent=False``) the agent; wait for registration."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        token = None
+        if self.agent_rules is not None:
+            token = self.api.add_service_account("kube-system", shipped_account("device-plugin"), self.agent_rules)
         self.api.start()
         self.api.add_node(NODE, labels={"nvidia-device-enable": "enable"})
         self.api.write_kubeconfig(self.kubeconfig)
-        if self.agent_rules is not None:
-            token = self.api.add_service_account("kube-system", "gpu-manager", self.agent_rules)
+        if token is not None:
             self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
         self.terminator.start()
         if self._mirror:

@@ -29,6 +29,7 @@ from kubernetes import config as k8s_config
 
 from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
+from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cluster import STATUS_LAG_SECONDS, RemoteApiServer
 from simnode.dra_controller import ClaimController
 from simnode.dra_kubelet import DRAKubeletSimulator, PrepareFailed
@@ -113,14 +114,14 @@ class DRACluster:
         health_quiet_period: str = "5m",
         api_process: bool = False,
         status_lag: float = STATUS_LAG_SECONDS,
-        agent_rules: Sequence[Mapping[str, Any]] | None = None,
+        agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
     ) -> None:
         self.workdir = workdir
-        # agent_rules: the agent talks to the API server as a service account that its ClusterRole's
-        # rules (these) bind, and is refused (403) what they do not grant; None: it may do anything.
-        self.agent_rules = agent_rules
-        if agent_rules is not None and api_process:
-            raise ValueError("agent_rules need the in-process API server (api_process=False)")
+        # agent_rules: the agent talks to the API server as the service account kube-system/gpu-manager-dra
+        # that these rules bind (by default what deploy/dra/daemonset.yaml grants it, as on a real
+        # cluster) and is refused (403) what they do not grant; None (explicit): it may do anything.
+        # The stand-ins' own calls (kubelet, scheduler, claim controller) are not restricted.
+        self.agent_rules = resolve_rules(agent_rules, "dra")
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         # api_process: the API server in its own process (benchmarks: a real one is another machine,
         # its work must not compete with the stand-ins for this interpreter).
@@ -155,15 +156,7 @@ class DRACluster:
 
     def start(self) -> DRACluster:
         """API server with the DeviceClass, the kubelet stand-in, the agent; waits for registration and the slice."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.api.start()
-        self.api.add_node(NODE)
-        self.api.write_kubeconfig(self.kubeconfig)
-        if self.agent_rules is not None:
-            token = self.api.add_service_account("kube-system", "gpu-manager-dra", self.agent_rules)
-            self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
-        self.client = k8s_config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
-        self.resource.create_device_class(device_class())
+        self.start_api()
         self.kubelet = DRAKubeletSimulator(
             registry_dir=self.registry_dir, api_client=self.client, node=NODE, cdi_dirs=[self.cdi_root]
         )
@@ -172,6 +165,21 @@ class DRACluster:
         self.scheduler = DRAScheduler(self.client, [NODE])
         self.start_agent()
         return self
+
+    def start_api(self) -> None:
+        """The API server with the node and the DeviceClass, the harness's client and the agent's
+        kubeconfig (its service account's, unless ``agent_rules`` is None)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        token = None
+        if self.agent_rules is not None:
+            token = self.api.add_service_account("kube-system", shipped_account("dra"), self.agent_rules)
+        self.api.start()
+        self.api.add_node(NODE)
+        self.api.write_kubeconfig(self.kubeconfig)
+        if token is not None:
+            self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
+        self.client = k8s_config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
+        self.resource.create_device_class(device_class())
 
     def agent_args(self) -> list[str]:
         """The agent's flags."""

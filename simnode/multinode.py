@@ -50,6 +50,7 @@ from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
+from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.cluster import STATUS_LAG_SECONDS
 from simnode.extender_process import ExtenderProcess
@@ -427,10 +428,20 @@ class MultiNodeCluster:
         seed: int | None = 0,
         bookmark_interval: float = 60.0,
         status_lag: float = STATUS_LAG_SECONDS,
+        agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
+        extender_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
     ) -> None:
         self.workdir = workdir
         self.api = ApiServerSimulator(bookmark_interval=bookmark_interval)
         self.kubeconfig = workdir / "kubeconfig"
+        # The agents and the extender talk to the API server as the service accounts their shipped
+        # manifests bind (deploy/daemonset.yaml, deploy/extender.yaml), refused (403) what those rules
+        # do not grant, as on a real cluster; None (explicit): unrestricted. The node loops and the
+        # scheduler stand-in (kubelet and scheduler) are not restricted.
+        self.agent_rules = resolve_rules(agent_rules, "device-plugin")
+        self.extender_rules = resolve_rules(extender_rules, "extender")
+        self.agent_kubeconfig = self.kubeconfig
+        self.extender_kubeconfig = self.kubeconfig
         self._node_specs = [(n, Path(s) if "/" in str(s) else SPEC_DIR / f"{s}.json") for n, s in nodes]
         self._agent_flags = list(agent_flags)
         self._status_period = node_status_period
@@ -451,6 +462,12 @@ class MultiNodeCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.api.start()
         self.api.write_kubeconfig(self.kubeconfig)
+        if self.agent_rules is not None:
+            token = self.api.add_service_account("kube-system", shipped_account("device-plugin"), self.agent_rules)
+            self.agent_kubeconfig = self.api.write_kubeconfig(self.workdir / "agent.kubeconfig", token=token)
+        if self.extender_rules is not None:
+            token = self.api.add_service_account("kube-system", shipped_account("extender"), self.extender_rules)
+            self.extender_kubeconfig = self.api.write_kubeconfig(self.workdir / "extender.kubeconfig", token=token)
         api = self.api.client()
         for name, spec in self._node_specs:
             self.api.add_node(name, labels={"nvidia-device-enable": "enable"})
@@ -458,7 +475,7 @@ class MultiNodeCluster:
                 name,
                 spec,
                 self.workdir / name,
-                self.kubeconfig,
+                self.agent_kubeconfig,
                 api,
                 agent_flags=self._agent_flags,
                 node_status_period=self._status_period,
@@ -475,7 +492,9 @@ class MultiNodeCluster:
     def start_extender(self) -> ExtenderProcess:
         """Start (or start again) the extender process on the same port."""
         port = self.extender.port if self.extender is not None else None
-        self.extender = ExtenderProcess(self.workdir, self.kubeconfig, extra_args=self._extender_flags, port=port)
+        self.extender = ExtenderProcess(
+            self.workdir, self.extender_kubeconfig, extra_args=self._extender_flags, port=port
+        )
         return self.extender.start()
 
     def start_scheduler(self) -> SchedulerStandIn:

@@ -18,6 +18,7 @@ from gpumanager.extender.service import Extender, ExtenderSettings
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_objects import pod_manifest
+from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 
 GIB = 1 << 30
 BLOCK = names.MEMORY_BLOCK_BYTES
@@ -95,6 +96,10 @@ class World:
     api: ApiServerSimulator
     extenders: list[Extender] = field(default_factory=list)
     policy: str = "binpack"
+    extender_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED
+    """What the extenders may do: by default what deploy/extender.yaml grants their service
+    account (refused 403 otherwise, as on a real cluster); None (explicit): anything."""
+    _token: str | None = None
 
     @property
     def extender(self) -> Extender:
@@ -109,7 +114,10 @@ class World:
     def start_extender(self, policy: str | None = None, **more: Any) -> Extender:
         """Start an extender (port 0; ``more``: other :class:`ExtenderSettings`) and wait until it is ready."""
         settings = ExtenderSettings(host="127.0.0.1", port=0, policy=policy or self.policy, **more)  # type: ignore[arg-type]
-        ext = Extender(self.api.client(), settings)
+        rules = resolve_rules(self.extender_rules, "extender")
+        if rules is not None and self._token is None:
+            self._token = self.api.add_service_account("kube-system", shipped_account("extender"), rules)
+        ext = Extender(self.api.client(token=self._token), settings)
         ext.start()
         self.extenders.append(ext)
         deadline = time.monotonic() + 10

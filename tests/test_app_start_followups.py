@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import config as k8s_config
 
-from simnode.dra_cluster import DRIVER, NODE, DRACluster, device_class
+from simnode.dra_cluster import DRIVER, NODE, DRACluster
 from simnode.dra_kubelet import DRAKubeletSimulator
 
 JSON = dict[str, Any]
@@ -53,12 +52,7 @@ def wait_probe(port: int, path: str, check: Any, timeout: float = 30.0) -> tuple
 def no_kubelet_node(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
     """A DRA node whose kubelet is not running yet (``cluster.kubelet.start()`` starts it)."""
     cluster = DRACluster(tmp_path / "node", "t4-x1", agent_flags=["--wait-timeout=1s"])
-    cluster.workdir.mkdir(parents=True)
-    cluster.api.start()
-    cluster.api.add_node(NODE)
-    cluster.api.write_kubeconfig(cluster.kubeconfig)
-    cluster.client = k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
-    cluster.resource.create_device_class(device_class())
+    cluster.start_api()
     cluster.kubelet = DRAKubeletSimulator(
         registry_dir=cluster.registry_dir, api_client=cluster.client, node=NODE, cdi_dirs=[cluster.cdi_root]
     )

@@ -69,7 +69,7 @@ def api(tmp_path: Path) -> Iterator[ApiServerSimulator]:
 
 
 def start(tmp_path: Path, api: ApiServerSimulator, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
-    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    kubeconfig = api.write_component_kubeconfig(tmp_path / "kubeconfig", "extender")
     port = free_port()
     log = open(tmp_path / "extender.log", "ab")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
@@ -186,7 +186,7 @@ def test_every_flag_is_documented() -> None:
 
 
 def test_ipv6_listen_address(tmp_path: Path, api: ApiServerSimulator) -> None:
-    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    kubeconfig = api.write_component_kubeconfig(tmp_path / "kubeconfig", "extender")
     port = free_port()
     proc = subprocess.Popen([*CMD, f"--kubeconfig={kubeconfig}", f"--listen=[::1]:{port}"])
     try:

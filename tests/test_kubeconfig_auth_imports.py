@@ -174,5 +174,5 @@ def test_the_agent_started_with_a_kubeconfig_maps_none_of_the_auth_providers_lib
         assert cluster.agent is not None
         cluster.admit(gpu_pod("p", [("main", 10, 1)]))
         maps = Path(f"/proc/{cluster.agent.pid}/maps").read_text()
-        assert f"--kubeconfig={cluster.kubeconfig}" in cluster.agent.args  # a file, with a token user
+        assert f"--kubeconfig={cluster.agent_kubeconfig}" in cluster.agent.args  # a file, with a token user
     assert [lib for lib in ("pydantic_core", "charset_normalizer") if lib in maps] == []

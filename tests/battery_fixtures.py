@@ -201,7 +201,9 @@ def http_get(cluster: SimCluster, path: str, timeout: float = 5.0) -> tuple[int,
 def agent_allocated(cluster: SimCluster) -> dict[int, tuple[int, int]]:
     """minor -> (cores, memory bytes) the agent says are allocated (``/metrics``)."""
     _, body = http_get(cluster, "/metrics")
-    minor_of = {str(g.index): g for g in gpus_of(cluster)}
+    # By UUID: the agent's GPU index is the place of its device IDs, which stays when NVML numbers the
+    # GPUs otherwise across a restart (a GPU gone, added or moved).
+    minor_of = {g.uuid: g for g in gpus_of(cluster)}
     cores: dict[int, int] = {}
     memory: dict[int, int] = {}
     for line in body.splitlines():
@@ -211,20 +213,21 @@ def agent_allocated(cluster: SimCluster) -> dict[int, tuple[int, int]]:
         ):
             if line.startswith(metric + "{"):
                 labels, value = line[len(metric) + 1 :].rsplit("} ", 1)
-                index = labels.split('gpu="', 1)[1].split('"', 1)[0]
-                out[minor_of[index].minor] = round(float(value) * (100 if out is cores else 1))
+                uuid = labels.split('uuid="', 1)[1].split('"', 1)[0]
+                if uuid in minor_of:  # not a GPU the driver no longer counts
+                    out[minor_of[uuid].minor] = round(float(value) * (100 if out is cores else 1))
     return {m: (cores.get(m, 0), memory.get(m, 0)) for m in memory}
 
 
 class _Gpu:
-    def __init__(self, index: int, minor: int, memory: int) -> None:
-        self.index, self.minor, self.memory = index, minor, memory
+    def __init__(self, index: int, minor: int, memory: int, uuid: str) -> None:
+        self.index, self.minor, self.memory, self.uuid = index, minor, memory, uuid
 
 
 def gpus_of(cluster: SimCluster) -> list[_Gpu]:
-    """The spec's GPUs (index, minor, memory bytes)."""
+    """The spec's GPUs (NVML index, minor, memory bytes, UUID)."""
     doc = json.loads(Path(cluster.spec).read_text())
-    return [_Gpu(i, g["minor"], g["memory_mib"] * MIB) for i, g in enumerate(doc["gpus"])]
+    return [_Gpu(i, g["minor"], g["memory_mib"] * MIB, g["uuid"]) for i, g in enumerate(doc["gpus"])]
 
 
 def memory_of(cluster: SimCluster) -> dict[int, int]:

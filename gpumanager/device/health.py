@@ -19,6 +19,7 @@ from typing import Any
 
 import pynvml
 
+from gpumanager.device import nvml
 from gpumanager.device.types import GPUInfo
 
 log = logging.getLogger(__name__)
@@ -441,7 +442,7 @@ class HealthMonitor:
     def _take_handle(self, index: int) -> bool:
         """Look up GPU ``index``'s handle (False, and the GPU marked bad, when NVML gives none)."""
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handle = nvml.handle(index)
         except pynvml.NVMLError as exc:
             if index not in self._missing:
                 log.error("%s: NVML gives no handle (%s); Unhealthy until it does", self.gpu_name(index), exc)

@@ -1,10 +1,11 @@
 """The node's last complete GPU inventory, kept beside the checkpoint.
 
-Device IDs are numbered from each GPU's index and memory size, so a GPU that is
-lost when the agent starts must still be counted with its old size: its IDs are
-kept (listed Unhealthy) and the other GPUs' IDs do not move. What NVML cannot
-tell about a lost GPU comes from this file, written after every start at which
-every GPU answered.
+Device IDs are numbered from each GPU's index (its place) and memory size, so a
+GPU that is lost when the agent starts must still be counted with its old size:
+its IDs are kept (listed Unhealthy) and the other GPUs' IDs do not move, also when
+NVML no longer counts it, counts a new GPU, or numbers the GPUs otherwise (each
+saved GPU keeps its place by UUID). What NVML cannot tell about a lost GPU comes
+from this file, written after every start at which every GPU answered.
 """
 
 from __future__ import annotations

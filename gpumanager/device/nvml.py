@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -144,7 +145,27 @@ def _describe(index: int, handle: object) -> GPUInfo:
 
 def describe(index: int) -> GPUInfo:
     """One GPU as NVML describes it now (raises NVMLError, e.g. while it is lost)."""
-    return _describe(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+    return dataclasses.replace(_describe(index, handle(index)), index=index)
+
+
+#: The agent's GPU index (the GPU's place: its device IDs) -> NVML's index of that GPU now; None for a
+#: GPU NVML no longer counts. Set by :func:`discover`; a place not in it is NVML's index itself.
+_nvml_index: dict[int, int | None] = {}
+
+
+def nvml_index(index: int) -> int | None:
+    """NVML's index of the agent's GPU ``index`` (they differ once NVML numbers the GPUs otherwise than
+    when the device IDs were laid out); None while NVML does not count that GPU."""
+    return _nvml_index.get(index, index)
+
+
+def handle(index: int) -> object:
+    """The NVML handle of the agent's GPU ``index``: by NVML's index of that GPU now. A GPU NVML no
+    longer counts raises NVMLError GPU_IS_LOST, as a GPU that is counted but lost does."""
+    now = nvml_index(index)
+    if now is None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    return pynvml.nvmlDeviceGetHandleByIndex(now)
 
 
 def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GPUInfo:
@@ -172,39 +193,82 @@ def _stand_in(index: int, known: dict[int, GPUInfo], found: list[GPUInfo]) -> GP
     )
 
 
-def _log_changed(known: dict[int, GPUInfo], gpus: list[GPUInfo], healthy: list[GPUInfo]) -> None:
-    """Why the saved inventory is not used: GPUs NVML no longer counts (named, with what moved), or other GPUs."""
-    counted = {g.uuid for g in healthy}
-    missing = [g for _, g in sorted(known.items()) if g.uuid not in counted]
-    if len(gpus) < len(known) and len(missing) == len(known) - len(gpus) and len(healthy) == len(gpus):
-        log.error(
-            "NVML counts %d GPUs, %d at the last start: %s no longer counted (fallen off the bus?); the GPUs after "
-            "it have moved up an NVML index, and their device IDs with them; not using the saved inventory",
-            len(gpus),
-            len(known),
-            ", ".join(f"GPU {g.index} ({g.uuid})" for g in missing) + (" is" if len(missing) == 1 else " are"),
-        )
-        return
-    log.warning(
-        "the saved GPU inventory is of other GPUs (%d saved, %d counted now); not using it", len(known), len(gpus)
-    )
+def _places(known: dict[int, GPUInfo], counted: list[GPUInfo | None]) -> dict[int, int | None] | None:
+    """Where each GPU NVML counts now (by NVML index) goes among the saved places (the agent's indexes,
+    which number the device IDs): place -> NVML index now (None: a saved GPU NVML no longer counts).
+    A GPU keeps its place by UUID; a new one takes the place of a saved GPU no longer counted at the
+    same PCI address (swapped in place), else a place after the saved ones; a GPU counted but lost
+    takes a saved place no other GPU took, in order. None when no GPU NVML describes is a saved one
+    (the inventory is of other GPUs)."""
+    if sorted(known) != list(range(len(known))):
+        return None
+    by_uuid = {g.uuid: g.index for g in known.values()}
+    described = {i: g for i, g in enumerate(counted) if g is not None}
+    if known and described and not any(g.uuid in by_uuid for g in described.values()):
+        return None
+    places: dict[int, int | None] = {}
+    for i, g in described.items():
+        if g.uuid in by_uuid:
+            places[by_uuid[g.uuid]] = i
+    new = [i for i in described if described[i].uuid not in by_uuid]
+    for i in list(new):
+        free = [p for p, g in sorted(known.items()) if p not in places and g.pci_bus_id == described[i].pci_bus_id]
+        if free:
+            places[free[0]] = i
+            new.remove(i)
+    free_known = [p for p in sorted(known) if p not in places]
+    lost_counted = [i for i, g in enumerate(counted) if g is None]
+    for i in lost_counted:
+        place = free_known.pop(0) if free_known else max([*known, *places], default=-1) + 1
+        places[place] = i
+    for i in new:
+        places[max([*known, *places], default=-1) + 1] = i
+    for p in free_known:
+        places[p] = None
+    return places
+
+
+def _log_moved(known: dict[int, GPUInfo], places: dict[int, int | None], counted: list[GPUInfo | None]) -> None:
+    """One line for each GPU not where it was: gone, new, or counted at another NVML index."""
+    for place, now in sorted(places.items()):
+        saved = known.get(place)
+        if now is None and saved is not None:
+            log.error(
+                "GPU %d (%s) is no longer counted by NVML (fallen off the bus?): its device IDs are kept and "
+                "listed Unhealthy (minor %d), the GPUs after it keep theirs though NVML numbers them one lower",
+                place,
+                saved.uuid,
+                saved.minor,
+            )
+        elif now is not None and saved is None:
+            g = counted[now]
+            log.warning(
+                "a GPU NVML did not count before (%s) takes device IDs after the others", g.uuid if g else "lost"
+            )
+        elif now is not None and saved is not None and now != place:
+            log.warning("GPU %d (%s) is counted by NVML at index %d now; its device IDs stay", place, saved.uuid, now)
+        elif now is not None and saved is not None and (g := counted[now]) is not None and g.uuid != saved.uuid:
+            log.warning(
+                "GPU %d at %s is another GPU (%s, was %s); it takes its IDs", place, g.pci_bus_id, g.uuid, saved.uuid
+            )
 
 
 def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
-    """Every GPU NVML reports, in NVML index order, and the indices of those that are lost.
+    """Every GPU, by the agent's index (the place of its device IDs), and the indices of those that are lost.
 
     A GPU that NVML cannot describe (lost, or any other error of that GPU) does not stop
     discovery: it is counted as lost, described from ``known`` (the saved inventory) or like its
-    peers, so that its device IDs are kept. Errors of NVML itself (the GPU count) are raised.
+    peers, so that its device IDs are kept. A GPU of ``known`` keeps its index when NVML numbers the
+    GPUs otherwise or no longer counts it (then it is lost, as last saved); :func:`handle` finds it at
+    NVML's index now. Errors of NVML itself (the GPU count) are raised.
     """
+    global _nvml_index
     known = known or {}
-    gpus: list[GPUInfo] = []
-    lost: list[int] = []
-    pending: list[int] = []
+    counted: list[GPUInfo | None] = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         try:
             # A lost GPU may have no handle at all (GPU_IS_LOST here), or one whose queries fail.
-            gpus.append(_describe(index, pynvml.nvmlDeviceGetHandleByIndex(index)))
+            counted.append(_describe(index, pynvml.nvmlDeviceGetHandleByIndex(index)))
         except pynvml.NVMLError as exc:
             # Any error of one GPU (lost, Unknown Error, a timeout, no permission) is that GPU's: the
             # others are served; only the driver's own failures (init, the count) fail the start.
@@ -214,15 +278,31 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
                 "lost" if is_gpu_lost(exc) else f"NVML error {exc.value}",
                 exc,
             )
-            lost.append(index)
-            pending.append(index)
-            gpus.append(GPUInfo(index=index, uuid="", name="", minor=-1, memory_total=0, pci_bus_id=""))
-    healthy = [g for g in gpus if g.index not in lost]
-    if known and (len(known) != len(gpus) or any(known.get(g.index, g).uuid != g.uuid for g in healthy)):
-        _log_changed(known, gpus, healthy)
+            counted.append(None)
+    places = _places(known, counted) if known else None
+    if places is None:
+        if known:
+            log.warning(
+                "the saved GPU inventory is of other GPUs (%d saved, %d counted now); not using it",
+                len(known),
+                len(counted),
+            )
         known = {}
-    for index in pending:
-        gpus[index] = _stand_in(index, known, healthy)
+        places = {i: i for i in range(len(counted))}
+    else:
+        _log_moved(known, places, counted)
+    gpus: list[GPUInfo] = []
+    lost: list[int] = []
+    healthy = [g for g in counted if g is not None]
+    for place in range(len(places)):
+        now = places[place]
+        g = counted[now] if now is not None else None
+        if g is None:
+            lost.append(place)
+            gpus.append(_stand_in(place, known, healthy))
+        else:
+            gpus.append(dataclasses.replace(g, index=place))
+    _nvml_index = {p: n for p, n in places.items() if n != p}
     return gpus, lost
 
 
@@ -298,16 +378,16 @@ def topology(gpus: list[GPUInfo], lost: Sequence[int] = (), saved: NodeTopology 
     gone = set(lost)
     handles: list[object] = []
     for g in gpus:
-        handle = None
+        found: object = None
         if g.index not in gone:
             try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+                found = handle(g.index)
             except pynvml.NVMLError as exc:
                 log.error(
                     "GPU %d gave no handle while the topology was read (%s): its pairs count as SYSTEM", g.index, exc
                 )
                 gone.add(g.index)
-        handles.append(handle)
+        handles.append(found)
     usable_saved = saved is not None and len(saved.levels) == n
     levels = [[0] * n for _ in range(n)]
     for a in range(n):

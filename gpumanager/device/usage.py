@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import pynvml
 
+from gpumanager.device import nvml
+
 log = logging.getLogger(__name__)
 
 
@@ -23,7 +25,7 @@ def gpu_usage(index: int) -> GPUUsage:
 
     Raises pynvml.NVMLError when the GPU cannot be queried (lost, or NVML gone).
     """
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    handle = nvml.handle(index)
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
     pids = tuple(sorted(int(p.pid) for p in procs))
     # usedGpuMemory is None when the driver cannot tell (e.g. without permission).

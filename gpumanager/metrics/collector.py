@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from gpumanager import buildinfo, names
 from gpumanager.allocation.allocator import Allocator
+from gpumanager.device import nvml
 from gpumanager.device.health import HealthMonitor
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout
@@ -41,7 +42,7 @@ def _read_usage(gpus: Sequence[GPUInfo]) -> dict[int, tuple[int, float]]:
     out: dict[int, tuple[int, float]] = {}
     for g in gpus:
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+            handle = nvml.handle(g.index)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
         except pynvml.NVMLError:

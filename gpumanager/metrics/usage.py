@@ -33,6 +33,7 @@ import pynvml
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
 from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device import nvml
 from gpumanager.device.types import GPUInfo
 from gpumanager.metrics.attribution import Key, ProcessOwners
 from gpumanager.metrics.bounded import NVML, NVMLReads
@@ -109,7 +110,7 @@ _UNREAD = _GPUSample({}, {}, {})  # a GPU NVML could not be asked about (lost)
 
 
 def _sample_gpu(index: int, since_us: int) -> _GPUSample:
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    handle = nvml.handle(index)
     procs = {int(p.pid): int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     sm_sum: dict[int, float] = {}
     sm_count: dict[int, int] = {}

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes import client as k8s
 
 from gpumanager.device.types import GPUInfo, NodeTopology
@@ -380,3 +381,22 @@ def test_count_two_shares_land_on_one_gpu_or_are_refused_naming_the_fix(tmp_path
         node.create_pod(claim_pod("r", "tight"))
         node.settle()
         assert node.pod("r")["status"]["phase"] == "Running", node.prepare_errors
+
+
+NO_DRY_RUN = 'admission webhook "slices.example.com" does not support dry run'  # a webhook with sideEffects: Unknown
+
+
+@pytest.mark.parametrize("disabled", [[], ["DRADeviceTaints"]])
+def test_a_server_that_refuses_dry_runs_still_gets_the_slice(tmp_path: Path, disabled: list[str]) -> None:
+    # A cluster with an admission webhook on ResourceSlices that does not declare sideEffects None
+    # refuses every dry run (400): the taint check must not keep the node's GPUs unpublished.
+    taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
+    with ApiServerSimulator(disabled_features=disabled) as sim:
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        sim.fail_next("POST", "resourceslices$", 400, 1, message=NO_DRY_RUN)
+        _settle(pub)
+        assert _published(sim) == ({"gpu-1": False} if disabled else {"gpu-0": True, "gpu-1": False})
+        sim.fail_next("PUT", "resourceslices/", 400, 1, message=NO_DRY_RUN)
+        taints[1] = devices.Taint("XID 48", "2026-11-23T00:01:00Z")
+        _settle(pub)
+        assert _published(sim) == ({} if disabled else {"gpu-0": True, "gpu-1": True})

@@ -146,6 +146,7 @@ class SlicePublisher:
         self._left_out: tuple[str, ...] = ()
         self._rewrite = False  # the last write must be done again (the server dropped its taints)
         self._owner_problem = ""
+        self._dry_run_problem = ""  # why the last dry run was refused (warned once per reason)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -326,24 +327,47 @@ class SlicePublisher:
 
     def _try_taints(self, ours: JSON | None, spec: JSON) -> None:
         """Write ``spec`` (which has tainted devices) as a dry run, and set :attr:`drops_taints` from
-        whether the server kept the taints. Raises what the write would."""
+        whether the server kept the taints. A server that refuses the dry run itself (an admission
+        webhook that does not declare ``sideEffects: None`` refuses every dry run with 400) leaves
+        :attr:`drops_taints` as it was: the write that follows tells. Raises what the write would
+        (connection errors, a conflict, throttling, a server error)."""
         body: JSON = {"apiVersion": c.RESOURCE_API, "kind": "ResourceSlice", "metadata": {"name": self.name}}
         body["spec"] = spec
         dry = [("dryRun", "All")]
-        if ours is None:
-            answer = self._rest.json(
-                "POST", SLICES, query=dry, body=body, content_type="application/json", timeout=REQUEST_TIMEOUT
-            )
-        else:
-            body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
-            answer = self._rest.json(
-                "PUT",
-                f"{SLICES}/{segment(self.name)}",
-                query=dry,
-                body=body,
-                content_type="application/json",
-                timeout=REQUEST_TIMEOUT,
-            )
+        try:
+            if ours is None:
+                answer = self._rest.json(
+                    "POST", SLICES, query=dry, body=body, content_type="application/json", timeout=REQUEST_TIMEOUT
+                )
+            else:
+                body["metadata"]["resourceVersion"] = (ours.get("metadata") or {}).get("resourceVersion")
+                answer = self._rest.json(
+                    "PUT",
+                    f"{SLICES}/{segment(self.name)}",
+                    query=dry,
+                    body=body,
+                    content_type="application/json",
+                    timeout=REQUEST_TIMEOUT,
+                )
+        except ApiException as exc:
+            status = int(exc.status or 0)
+            if not 400 <= status < 500 or status in (409, 429):
+                raise
+            problem = describe(exc)
+            if problem != self._dry_run_problem:
+                log.warning(
+                    "cannot try ResourceSlice %s as a dry run to see whether the API server keeps device taints "
+                    "(%s); %s",
+                    self.name,
+                    problem,
+                    "unhealthy devices stay left out of it"
+                    if self.drops_taints
+                    else "the write itself shows it (an unhealthy device may be offered untainted until the "
+                    "write that follows)",
+                )
+            self._dry_run_problem = problem
+            return
+        self._dry_run_problem = ""
         kept = isinstance(answer, dict) and not self._taints_dropped(spec, answer.get("spec") or {})
         if kept and self.drops_taints:
             log.info(

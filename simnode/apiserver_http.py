@@ -25,7 +25,13 @@ from simnode.apiserver_errors import ApiError, forbidden_anonymous, method_not_a
 from simnode.apiserver_faults import Faults, RequestLog, RequestRecord
 from simnode.apiserver_objects import KINDS, PODS, ResourceKind
 from simnode.apiserver_ops import Operations, WatchPlan, parse_bool, wrap_error
-from simnode.apiserver_rbac import Attributes, Authorizer, ServiceAccount, name_from_field_selector
+from simnode.apiserver_rbac import (
+    Attributes,
+    Authorizer,
+    ServiceAccount,
+    name_from_field_selector,
+    request_attributes,
+)
 from simnode.apiserver_resource import GROUP_KINDS, api_group_list, discovery_document
 from simnode.apiserver_store import Key, Store, WatchEnd
 
@@ -457,6 +463,11 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             return
         route = _parse_api_path(path)
         if route is None:
+            # The real server authorizes before it looks for the resource: a service account is
+            # refused (403) what it may not do, served here or not, and told 404 only after.
+            attrs = request_attributes(method, path, query) if account is not None else None
+            if account is not None and attrs is not None:
+                ctx.rbac.authorize(account, attrs)
             raise server_not_found()
         if account is not None:
             ctx.rbac.authorize(account, _attributes(method, route, query))

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import yaml
 
@@ -188,6 +189,51 @@ def name_from_field_selector(selector: str) -> str:
         if key.strip() == "metadata.name" and value.startswith("="):  # metadata.name==n
             return value[1:].strip()
     return ""
+
+
+_METHOD_VERBS: Mapping[str, str] = {
+    "POST": "create",
+    "GET": "get",
+    "HEAD": "get",
+    "PUT": "update",
+    "PATCH": "patch",
+    "DELETE": "delete",
+}
+
+
+def request_attributes(method: str, path: str, query: Mapping[str, str]) -> Attributes | None:
+    """The authorizer's attributes of any resource request, served or not, as the real server's
+    ``RequestInfoFactory`` reads them from the path alone (it authorizes before it looks for the
+    resource); None for a non-resource path (``/api``, ``/apis/<group>/<version>``, ``/version`` ...)."""
+    parts = [unquote(p) for p in path.strip("/").split("/") if p]
+    if len(parts) < 3 or parts[0] not in ("api", "apis"):
+        return None
+    prefix, parts = parts[0], parts[1:]
+    group = ""
+    if prefix == "apis":
+        if len(parts) < 3:
+            return None
+        group, parts = parts[0], parts[1:]
+    parts = parts[1:]  # the version
+    verb = _METHOD_VERBS.get(method.upper(), method.lower())
+    if parts[0] in ("watch", "proxy"):
+        if len(parts) < 2:
+            return None
+        verb, parts = parts[0], parts[1:]
+    namespace = ""
+    if parts[0] == "namespaces" and len(parts) > 1:
+        namespace = parts[1]
+        if len(parts) > 2 and parts[2] not in ("status", "finalize"):
+            parts = parts[2:]
+    resource = parts[0]
+    name = parts[1] if len(parts) >= 2 else ""
+    subresource = parts[2] if len(parts) >= 3 else ""
+    if not name and verb == "get":
+        verb = "watch" if query.get("watch") in ("1", "true", "True") else "list"
+        name = name_from_field_selector(query.get("fieldSelector", ""))
+    if not name and verb == "delete":
+        verb = "deletecollection"
+    return Attributes(verb, group, resource, subresource, namespace, name)
 
 
 def make_rules(rules: Sequence[Mapping[str, Any]]) -> tuple[Rule, ...]:

@@ -120,3 +120,46 @@ def test_the_api_server_in_its_own_process_holds_the_agent_to_the_charts_rules_t
         assert _core(c.kubeconfig).read_node(NODE).metadata.name == NODE
     finally:
         c.stop()
+
+
+def test_a_service_account_is_refused_a_resource_the_simulator_does_not_serve_before_it_is_told_404() -> None:
+    """The real server authorizes a request before it looks for its resource: a service account that
+    may not read secrets is answered 403 naming them, not 404; one that may is answered 404 here."""
+    from simnode.apiserver import ApiServerSimulator
+
+    with ApiServerSimulator() as sim:
+        user = "system:serviceaccount:kube-system:sa"
+        token = sim.add_service_account("kube-system", "sa", [])
+        core = kubernetes.client.CoreV1Api(sim.client(token=token))
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            core.list_namespaced_secret("kube-system")
+        assert info.value.status == 403
+        assert json.loads(info.value.body or "")["message"] == (
+            f'secrets is forbidden: User "{user}" cannot list resource "secrets" in API group "" '
+            'in the namespace "kube-system"'
+        )
+        events = kubernetes.client.EventsV1Api(core.api_client)
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            events.list_namespaced_event("default", watch=False)
+        assert info.value.status == 403
+        assert (
+            'cannot list resource "events" in API group "events.k8s.io"' in json.loads(info.value.body or "")["message"]
+        )
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            core.read_namespace("kube-system")
+        assert json.loads(info.value.body or "")["message"] == (
+            f'namespaces "kube-system" is forbidden: User "{user}" cannot get resource "namespaces" '
+            'in API group "" in the namespace "kube-system"'
+        )
+        reader = sim.add_service_account(
+            "kube-system", "reader", [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+        )
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            kubernetes.client.CoreV1Api(sim.client(token=reader)).read_namespaced_secret("s", "kube-system")
+        assert info.value.status == 404
+        refused = [(a.verb, a.group, a.combined, a.namespace, a.name) for _u, a in sim.forbidden()]
+        assert refused == [
+            ("list", "", "secrets", "kube-system", ""),
+            ("list", "events.k8s.io", "events", "default", ""),
+            ("get", "", "namespaces", "kube-system", "kube-system"),
+        ]

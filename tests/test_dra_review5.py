@@ -400,3 +400,32 @@ def test_a_server_that_refuses_dry_runs_still_gets_the_slice(tmp_path: Path, dis
         taints[1] = devices.Taint("XID 48", "2026-11-23T00:01:00Z")
         _settle(pub)
         assert _published(sim) == ({} if disabled else {"gpu-0": True, "gpu-1": True})
+
+
+def test_a_kill_inside_unprepare_leaves_the_gpu_free_once_the_kubelet_retries(tmp_path: Path, sim_built: Path) -> None:
+    # Killed after the release is recorded but before the files go: the spec left behind must not
+    # hold the GPU for good, and the kubelet's retry must succeed and remove the files.
+    import grpc
+
+    from tests.dra_claim_fixtures import result, start_dra_node, stop_dra_node
+
+    node = start_dra_node(tmp_path / "node")
+    try:
+        c = node.cluster
+        share = node.claim("share", [result(cores="60", memory="4Gi", share="s-1")])
+        ref = node.ref(share)
+        assert c.agent is not None
+        c.agent.stop()
+        c.start_agent(env={"GPU_MANAGER_CRASH_AT": "unprepare-after-checkpoint"})
+        assert node.prepare(ref)[ref[2]].error == ""
+        with pytest.raises(grpc.RpcError):
+            node.unprepare(ref, timeout=20)
+        assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
+        assert node.spec_path(ref[2]).exists(), "the kill came before the files were removed"
+        c.start_agent()
+        assert node.unprepare(ref) == {ref[2]: ""}
+        assert not node.spec_path(ref[2]).exists() and not (c.vm_path / ref[2]).exists()
+        other = node.claim("other", [result(cores="60", memory="4Gi", share="s-2")])
+        assert node.prepare(node.ref(other))[other["metadata"]["uid"]].error == ""
+    finally:
+        stop_dra_node(node)

@@ -323,6 +323,7 @@ class ClaimPreparer:
                     self._unprepares += 1
                 try:
                     freed = self._allocator.unprepare_claim(ref.uid)
+                    crash_point("unprepare-after-checkpoint")
                     self._remove_files(ref.uid)
                     if freed is None:
                         log.info("claim %s (%s) was not prepared: nothing to do", ref, ref.uid)

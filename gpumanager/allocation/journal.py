@@ -117,8 +117,12 @@ class Loaded:
     unnamed: bool = False
 
 
+#: One encoder for every record (``json.dumps`` with these options makes a new one per call).
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
 def _record(change: Mapping[str, Any]) -> bytes:
-    body = json.dumps(change, sort_keys=True, separators=(",", ":")).encode()
+    body = _ENCODER.encode(change).encode()
     return b"%08x %08x " % (len(body), zlib.crc32(body)) + body + b"\n"
 
 
@@ -217,6 +221,10 @@ class _Segment:
 
 def _write_batch(batch: list[tuple[_Segment, int, bytes]]) -> None:
     """Write staged records: one write per run of adjacent records in one segment (normally one)."""
+    if len(batch) == 1:  # the common case: one Allocate's record
+        segment, offset, data = batch[0]
+        segment.write_at(offset, data)
+        return
     start = 0
     while start < len(batch):
         segment, offset, _ = batch[start]
@@ -396,7 +404,10 @@ class CheckpointStore:
         self.dirty_since: float | None = None  # first change not yet in the snapshot
         self.records = 0
         # Group commit. Tickets number the staged changes; every ticket <= _done was written or failed.
-        self._io = threading.Condition()
+        #: The io condition's lock; taken directly on the Allocate path (the condition's own
+        #: ``with`` is a Python call on entry and on exit).
+        self._io_lock = threading.RLock()
+        self._io = threading.Condition(self._io_lock)
         self._pending: list[tuple[_Segment, int, bytes]] = []  # (segment, offset, record), in ticket order
         self._staged = 0
         self._done = 0
@@ -536,21 +547,23 @@ class CheckpointStore:
         """Queue one change (under the allocator's lock, so changes keep their order); returns the
         ticket to :meth:`sync` before answering. Raises OSError when changes cannot be written now."""
         data = _record(change)
-        with self._io:
+        with self._io_lock:
             if self._broken is not None:
                 why = self._broken.strerror or str(self._broken)
                 raise OSError(self._broken.errno, f"{why} (journal not written since)")
-            if self._segment is None or self._segment.hole or not self._segment.room(len(data)):
-                self._switch_locked()
+            size = len(data)
             segment = self._segment
+            if segment is None or segment.hole or segment.offset + size > segment.size:  # not segment.room()
+                self._switch_locked()
+                segment = self._segment
             if segment is None:
                 raise NoSegment(errno.ENOSPC, f"no room for a journal segment beside {self.path}")
-            if not segment.room(len(data)):
+            if segment.offset + size > segment.size:
                 if segment.size < SEGMENT_BYTES:
                     raise NoSegment(errno.ENOSPC, f"a change of {len(data)} bytes does not fit a small segment")
                 raise OSError(f"a change of {len(data)} bytes does not fit a journal segment")
             self._pending.append((segment, segment.offset, data))
-            segment.offset += len(data)
+            segment.offset += size
             self._staged += 1
             self.records += 1
             if self.dirty_since is None:
@@ -560,13 +573,17 @@ class CheckpointStore:
     def sync(self, ticket: int) -> None:
         """Return once the change of ``ticket`` is durable (outside the allocator's lock); OSError when it
         could not be written. Writes every change staged so far unless another caller is doing so."""
-        with self._io:
+        with self._io_lock:
             while self._done < ticket:
                 if self._flushing:
                     self._io.wait()
                     continue
                 self._flush_locked(release=True)
-            failed = next((why for first, last, why in self._failed if first <= ticket <= last), None)
+            failed = (
+                next((why for first, last, why in self._failed if first <= ticket <= last), None)
+                if self._failed
+                else None
+            )
         if failed is not None:
             raise OSError(failed.errno, failed.strerror or str(failed))
 
@@ -586,7 +603,7 @@ class CheckpointStore:
         self._flushing = True
         if release:
             self._io.release()
-        if error is None and any(segment.hole for segment, _, _ in batch):
+        if error is None and (batch[0][0].hole if len(batch) == 1 else any(s.hole for s, _, _ in batch)):
             # Staged behind a write that failed (before the failure was known): never read back.
             error = OSError(errno.EIO, "staged behind a journal write that failed")
         try:

@@ -107,20 +107,27 @@ def share(tree: TopologyTree, cores: int, memory_bytes: int) -> list[int]:
     if isinstance(cores, bool) or not isinstance(cores, int) or not 0 < cores < HUNDRED_CORES:
         raise ValueError(f"share: cores must be between 1 and {HUNDRED_CORES - 1}, got {cores!r}")
     _check_memory(memory_bytes, "share")
-    ordered = sorted(
-        tree.leaves,
-        key=lambda leaf: (
-            leaf.allocatable_cores,
-            _memory_blocks(leaf),
-            len(leaf.pids),
-            leaf.minor,
-            leaf.index,
-        ),
-    )
-    for leaf in ordered:
+    return _tightest(tree, cores, memory_bytes)
+
+
+def _tightest(tree: TopologyTree, cores: int, memory_bytes: int) -> list[int]:
+    """:func:`share` for a request already checked."""
+    # The first that fits in that order is the least key among those that fit (the index makes keys
+    # unique): one pass, no sort, no key function per GPU (this runs on every share's Allocate).
+    best: tuple[int, int, int, int, int] | None = None
+    for leaf in tree.leaves:
         if leaf.healthy and leaf.allocatable_cores >= cores and leaf.allocatable_memory >= memory_bytes:
-            return [leaf.index]
-    return []
+            info = leaf.info
+            key = (
+                leaf.allocatable_cores,
+                leaf.allocatable_memory // MEMORY_BLOCK,
+                len(leaf.pids),
+                info.minor,
+                info.index,
+            )
+            if best is None or key < best:
+                best = key
+    return [best[4]] if best is not None else []
 
 
 def _check_memory(memory_bytes: int, evaluator: str) -> None:
@@ -146,4 +153,4 @@ def choose(tree: TopologyTree, cores: int, memory_bytes: int) -> list[int]:
         return link(tree, cores)
     if cores == HUNDRED_CORES:
         return fragment(tree, cores)
-    return share(tree, cores, memory_bytes)
+    return _tightest(tree, cores, memory_bytes)  # checked above: cores 1-99 (ints), memory >= 0

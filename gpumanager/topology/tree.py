@@ -144,7 +144,8 @@ class TopologyTree:
         and memory are subtracted, floored at 0 (an over-commit is logged).
         """
         leaf = self.leaf(index)
-        _check_amounts(index, cores, memory)
+        if type(cores) is not int or type(memory) is not int or cores < 0 or memory < 0:
+            _check_amounts(index, cores, memory)  # plain non-negative ints pass without a call
         leaf.in_pool = False
         if cores >= HUNDRED_CORES:
             if leaf.allocatable_cores < HUNDRED_CORES:
@@ -177,7 +178,8 @@ class TopologyTree:
         cores are free (and it is healthy).
         """
         leaf = self.leaf(index)
-        _check_amounts(index, cores, memory)
+        if type(cores) is not int or type(memory) is not int or cores < 0 or memory < 0:
+            _check_amounts(index, cores, memory)
         if cores >= HUNDRED_CORES:
             leaf.allocatable_cores = HUNDRED_CORES
             leaf.allocatable_memory = leaf.total_memory

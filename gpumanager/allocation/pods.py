@@ -30,7 +30,9 @@ class PodSpecError(ValueError):
 
 def pod_key(pod: Pod) -> str:
     """``namespace/name`` for messages."""
-    meta = _mapping(pod.get("metadata"))
+    meta = pod.get("metadata")
+    if type(meta) is not dict:  # a plain dict (nearly always) without a call: these run on every Allocate
+        meta = _mapping(meta)
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
@@ -42,17 +44,28 @@ def namespace_name(pod: Pod) -> tuple[str, str]:
 
 def uid(pod: Pod) -> str:
     """The pod's UID."""
-    return str(_mapping(pod.get("metadata")).get("uid", ""))
+    meta = pod.get("metadata")
+    if type(meta) is not dict:
+        meta = _mapping(meta)
+    return str(meta.get("uid", ""))
 
 
 def pod_annotations(pod: Pod) -> Mapping[str, str]:
     """The pod's annotations (never None)."""
-    return _mapping(_mapping(pod.get("metadata")).get("annotations"))
+    meta = pod.get("metadata")
+    if type(meta) is not dict:
+        meta = _mapping(meta)
+    annotations = meta.get("annotations")
+    if type(annotations) is dict:
+        return annotations
+    return {} if annotations is None else _mapping(annotations)  # none: no call
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     """``value`` when it is an object, else an empty one (a field of the wrong shape reads as absent)."""
-    return value if type(value) is dict or isinstance(value, Mapping) else {}  # dict first: the ABC check is slow
+    if type(value) is dict:  # dict first, then absent: the ABC check is slow
+        return value
+    return {} if value is None or not isinstance(value, Mapping) else value
 
 
 def _objects(value: Any) -> list[Mapping[str, Any]]:
@@ -70,12 +83,19 @@ def _spec_list(pod: Pod, field: str) -> list[Mapping[str, Any]]:
     """``spec.<field>`` (containers or initContainers) in order; PodSpecError naming the pod when it is
     not a list of objects: a container's place in it is its index in ``predicate-gpu-idx-<i>``, so
     none is skipped."""
-    value = _mapping(pod.get("spec")).get(field)
+    spec = pod.get("spec")
+    if type(spec) is not dict:
+        spec = _mapping(spec)
+    value = spec.get(field)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(type(item) is dict or isinstance(item, Mapping) for item in value):
-        raise PodSpecError(f"pod {pod_key(pod)}: spec.{field} is not a list of containers: {str(value)[:80]!r}")
-    return value
+    if isinstance(value, list):
+        for item in value:  # a loop, not all() over a generator: a call less per container
+            if type(item) is not dict and not isinstance(item, Mapping):
+                break
+        else:
+            return value
+    raise PodSpecError(f"pod {pod_key(pod)}: spec.{field} is not a list of containers: {str(value)[:80]!r}")
 
 
 def containers(pod: Pod) -> list[Mapping[str, Any]]:
@@ -278,7 +298,10 @@ def qos_class(pod: Pod) -> str | None:
 
 def phase(pod: Pod) -> str:
     """``status.phase``."""
-    return str(_mapping(pod.get("status")).get("phase", ""))
+    status = pod.get("status")
+    if type(status) is not dict:
+        status = _mapping(status)
+    return str(status.get("phase", ""))
 
 
 def should_delete(pod: Pod) -> bool:
@@ -299,9 +322,15 @@ def is_terminated(pod: Pod) -> bool:
     A pod being deleted whose status names no container yet is not known to have stopped: the
     kubelet's status update lags the start of the containers, which may run until it arrives.
     """
-    if phase(pod) in ("Succeeded", "Failed"):
+    status = pod.get("status")
+    if type(status) is not dict:
+        status = _mapping(status)
+    if str(status.get("phase", "")) in ("Succeeded", "Failed"):  # phase(), without the call
         return True
-    if _mapping(pod.get("metadata")).get("deletionTimestamp"):
+    meta = pod.get("metadata")
+    if type(meta) is not dict:
+        meta = _mapping(meta)
+    if meta.get("deletionTimestamp"):
         statuses = _statuses(pod)
         return bool(statuses) and all("running" not in _mapping(cs.get("state")) for cs in statuses)
     return False
@@ -323,7 +352,10 @@ def is_sidecar(pod: Pod, container: str) -> bool:
 
 def container_env(container: Mapping[str, Any], name: str) -> str | None:
     """The literal value of an env var of a container spec."""
-    for env in _objects(container.get("env")):
+    listed = container.get("env")
+    if not listed:  # none (the common case): what _objects would read as no variables
+        return None
+    for env in _objects(listed):
         if env.get("name") == name:
             value = env.get("value")
             return None if value is None else str(value)

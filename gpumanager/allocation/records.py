@@ -67,7 +67,7 @@ class ContainerAllocation:
     @property
     def answered(self) -> tuple[str, str]:
         """(pod UID, container) of the answer the runtime got: its /etc/vcuda directory and config name."""
-        return self.answered_as if self.answered_as[0] else self.key
+        return self.answered_as if self.answered_as[0] else (self.pod_uid, self.container)
 
     @property
     def devices(self) -> list[str]:
@@ -90,8 +90,9 @@ class ContainerAllocation:
             entry["Pod"] = self.pod_name
         if self.container_index >= 0:
             entry["Index"] = self.container_index
-        if self.answered != self.key:
-            entry["AnsweredAs"] = list(self.answered)
+        answered = self.answered_as
+        if answered[0] and answered != (self.pod_uid, self.container):  # self.answered != self.key
+            entry["AnsweredAs"] = list(answered)
         if self.started:
             entry["Started"] = True
         if self.init:

@@ -92,12 +92,13 @@ def build_response(
     parts = settings._parts
     by_minor = {g.minor: g for g in gpus}
     chosen = [by_minor[m] for m in allocation.minors]
+    # List comprehensions, not generators: one call each rather than one per GPU and one more.
     envs = {
         "LD_LIBRARY_PATH": _LIB if compat32 else _LIB64,
-        "NVIDIA_VISIBLE_DEVICES": ",".join(g.uuid for g in chosen),
+        "NVIDIA_VISIBLE_DEVICES": ",".join([g.uuid for g in chosen]),
         names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{allocation.container}/{names.VCUDA_CONFIG_FILE}",
     }
-    devices = tuple(DeviceNode(g.device_path, g.device_path) for g in chosen) + parts.common_devices
+    devices = tuple([DeviceNode(path, path) for path in [g.device_path for g in chosen]]) + parts.common_devices
     mounts = (
         parts.shared_driver if allocation.shared else parts.whole_driver,
         Mount(names.VCUDA_MOUNTPOINT, _child(parts.vm_dir, allocation.answered[0]), True),

@@ -628,7 +628,7 @@ class Agent:
 
     def _wait_ready(self) -> str:
         """Allocate waits (bounded) for the background start; '' when it may proceed."""
-        if self.ready.wait(ALLOCATE_WAIT_SECONDS):
+        if self.ready.is_set() or self.ready.wait(ALLOCATE_WAIT_SECONDS):  # is_set: no lock once started
             return ""
         return f"the agent is still starting (API server, driver mirror) after {ALLOCATE_WAIT_SECONDS:g} s"
 

@@ -39,8 +39,7 @@ Observer = Callable[[str, str, float, bool], None]  # (resource, call, seconds, 
 
 def to_pb(resp: ContainerResponse) -> pb.ContainerAllocateResponse:
     """Our plain answer as the kubelet's message."""
-    return pb.ContainerAllocateResponse(
-        envs=resp.envs,
+    msg = pb.ContainerAllocateResponse(
         mounts=[
             pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only) for m in resp.mounts
         ],
@@ -48,8 +47,15 @@ def to_pb(resp: ContainerResponse) -> pb.ContainerAllocateResponse:
             pb.DeviceSpec(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
             for d in resp.devices
         ],
-        annotations=resp.annotations,
     )
+    # Item by item: a map given to the constructor goes through the MutableMapping ABC's update
+    # (several Python calls per map, on every Allocate).
+    envs, annotations = msg.envs, msg.annotations
+    for key, value in resp.envs.items():
+        envs[key] = value
+    for key, value in resp.annotations.items():
+        annotations[key] = value
+    return msg
 
 
 class Handlers:

@@ -429,3 +429,29 @@ def test_a_kill_inside_unprepare_leaves_the_gpu_free_once_the_kubelet_retries(tm
         assert node.prepare(node.ref(other))[other["metadata"]["uid"]].error == ""
     finally:
         stop_dra_node(node)
+
+
+def test_the_shipped_two_share_example_runs_with_the_sum_of_its_shares(tmp_path: Path, sim_built: Path) -> None:
+    import yaml
+
+    from gpumanager.vmanager import files
+    from simnode.dra_cluster import DRACluster
+    from simnode.gpusim_state import repo_root
+
+    docs = [d for d in yaml.safe_load_all((repo_root() / "deploy/dra/example.yaml").read_text()) if d]
+    template = next(d for d in docs if d["metadata"]["name"] == "gpu-two-shares")
+    pod = next(d for d in docs if d["metadata"]["name"] == "cuda-two-shares")
+    with DRACluster(tmp_path / "node", "v100-pcie-x4") as node:
+        # gpu-0 has room for the first share only: the uuid match moves both to gpu-1.
+        node.add_template(_two_request_template("filler", (40, "1Gi"), (20, "1Gi")))
+        node.create_pod(_pod_per_request("filler", "filler"))
+        node.settle()
+        node.add_template(template)
+        node.create_pod(pod)
+        node.settle()
+        assert node.pod("cuda-two-shares")["status"]["phase"] == "Running", node.prepare_errors
+        claim = node.claim_of("cuda-two-shares")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["request"], r["device"]) for r in results] == [("trainer", "gpu-1"), ("helper", "gpu-1")]
+        config = files.unpack((node.vm_path / claim["metadata"]["uid"] / "vcuda.config").read_bytes())
+        assert (config.utilization, config.gpu_memory) == (50, 6 << 30)

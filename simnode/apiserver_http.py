@@ -398,6 +398,9 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             account = self.ctx.rbac.account(presented) if scheme.lower() == "bearer" else None
             if account is not None:
                 return account
+            if token is None and scheme.lower() == "bearer":
+                # A token no authenticator accepts (made up, revoked) is refused, never the server's own user.
+                raise ApiError(401)
         if token is None:
             return None
         if header is None:

@@ -163,3 +163,18 @@ def test_a_service_account_is_refused_a_resource_the_simulator_does_not_serve_be
             ("list", "events.k8s.io", "events", "default", ""),
             ("get", "", "namespaces", "kube-system", "kube-system"),
         ]
+
+
+def test_a_bearer_token_the_server_does_not_know_is_answered_401() -> None:
+    """A real server answers 401 to a token no authenticator accepts (revoked, of a deleted service
+    account, made up); only a request without credentials is the simulator's own user."""
+    from simnode.apiserver import ApiServerSimulator
+
+    with ApiServerSimulator() as sim:
+        sim.add_node("n1")
+        core = kubernetes.client.CoreV1Api(sim.client(token="made-up"))
+        with pytest.raises(kubernetes.client.exceptions.ApiException) as info:
+            core.read_node("n1")
+        assert info.value.status == 401
+        assert json.loads(info.value.body or "")["reason"] == "Unauthorized"
+        assert kubernetes.client.CoreV1Api(sim.client()).read_node("n1").metadata.name == "n1"

@@ -178,7 +178,7 @@ def test_device_plugin_agent_lives_a_pods_life_under_the_charts_rbac(tmp_path: P
         assert c.agent is not None
         log = c.agent.log_text()
         assert not api.forbidden(), (api.forbidden(), log[-3000:])
-        assert "403" not in log, log[-3000:]
+        assert "is forbidden: User" not in log, log[-3000:]  # no refusal reported (a bare "403" may be a timestamp)
         unused = granted(chart_rules()) - used(api)
         assert not unused, f"granted but never used: {unused}"
 

@@ -177,4 +177,5 @@ def test_a_bearer_token_the_server_does_not_know_is_answered_401() -> None:
             core.read_node("n1")
         assert info.value.status == 401
         assert json.loads(info.value.body or "")["reason"] == "Unauthorized"
-        assert kubernetes.client.CoreV1Api(sim.client()).read_node("n1").metadata.name == "n1"
+        node: Any = kubernetes.client.CoreV1Api(sim.client()).read_node("n1")
+        assert node.metadata.name == "n1"

@@ -116,7 +116,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         formatter_class=_HelpFormatter,
         description="Share NVIDIA GPUs between Kubernetes containers (tencent.com/vcuda-core, vcuda-memory).",
         epilog="Every flag can also be set with the environment variable shown; the flag wins. "
-        "Durations: as Go writes them (500ms, 30s, 1m0s, 1h30m) or seconds.",
+        "Durations: as Go writes them (500ms, 30s, 1m0s, 1h30m) or seconds. "
+        "`gpu-manager selftest` (its own --help) proves memory and SM isolation on this node's GPU "
+        "with the installed interceptor.",
     )
     for field in flagspec.flag_fields(Config):
         extra: dict[str, Any] = {"nargs": "?", "const": True} if field.spec.bare_means_true else {}

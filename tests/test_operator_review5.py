@@ -1,0 +1,144 @@
+"""What an operator sees when the agent cannot do what it was told: one clear line naming the object
+and the value (and what to do), never a library's multi-line text or a gRPC core message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from gpumanager import cli
+from gpumanager.device import nvml
+from gpumanager.kube.client import KubeUnavailableError, kube_client
+from simnode.agent_process import AgentProcess
+from simnode.gpusim_state import sim_env
+from tests.agent_fixtures import spec_path
+
+NOBODY = 65534
+SERVING = "serving 8 GPUs"
+
+
+def test_help_names_the_selftest_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpu-manager --help` is where a newcomer looks for what the command can do: `selftest` is listed."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # as wrapped for the terminal
+    assert "gpu-manager selftest" in out
+
+
+def test_malformed_kubeconfig_is_one_line_naming_file_and_position(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nclusters: [\n")
+    with pytest.raises(KubeUnavailableError) as err:
+        kube_client(str(kubeconfig))
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert str(kubeconfig) in message and "not valid YAML" in message
+    assert "line 3" in message, message
+
+
+def test_nvml_library_not_found_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_found() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", not_found)
+    with pytest.raises(nvml.NVMLUnavailableError) as err:
+        nvml.init()
+    message = str(err.value)
+    assert "libnvidia-ml.so.1" in message and "--nvml-lib" in message, message
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user may enter and write (pytest's own is the owner's only)."""
+    path = Path(tempfile.mkdtemp(prefix="gmop-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_nobody(workdir: Path, *flags: str, wait_for: str = "", timeout: float = 20.0) -> tuple[int | None, str]:
+    """Run the agent on the simulated node as an unprivileged user; its exit code (None: it kept running
+    until ``wait_for`` was logged and was stopped) and everything it wrote."""
+    agent = AgentProcess(workdir, spec_path("h100-nvlink-x8"), extra_args=flags)
+    log = workdir / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            agent.args, env=sim_env(agent.spec, agent.state), stdout=out, stderr=subprocess.STDOUT, user=NOBODY
+        )
+        deadline = time.monotonic() + timeout
+        code: int | None = None
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None or (wait_for and wait_for in log.read_text(errors="replace")):
+                break
+            time.sleep(0.05)
+        if code is None:
+            proc.terminate()
+            proc.wait(timeout=20)
+    return code, log.read_text(errors="replace")
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="runs the agent as another user")
+
+
+@needs_root
+def test_device_plugin_dir_not_writable_names_dir_and_errno(shared_dir: Path, sim_built: Path) -> None:
+    plugins = shared_dir / "plugins"
+    plugins.mkdir(mode=0o755)  # root's: the agent's user may not make its sockets there
+    code, out = _as_nobody(shared_dir, f"--device-plugin-path={plugins}")
+    assert code == 2, out
+    assert "add_port.cc" not in out and "GRPC_VERBOSITY" not in out, out
+    line = next(x for x in out.splitlines() if "cannot start" in x)
+    assert f"--device-plugin-path={plugins}" in line and "Permission denied" in line, line
+
+
+@needs_root
+def test_display_socket_dir_not_writable_names_path_and_errno(shared_dir: Path, sim_built: Path) -> None:
+    run = shared_dir / "run"
+    run.mkdir(mode=0o755)
+    code, out = _as_nobody(shared_dir, f"--display-socket={run / 'gpu-manager.sock'}", wait_for=SERVING)
+    assert code is None, out
+    assert "add_port.cc" not in out and "GRPC_VERBOSITY" not in out, out
+    line = next(x for x in out.splitlines() if "--display-socket" in x)
+    assert str(run / "gpu-manager.sock") in line and "Permission denied" in line, line
+
+
+def test_missing_volume_config_is_logged_once(tmp_path: Path, sim_built: Path) -> None:
+    missing = tmp_path / "volume.conf"
+    agent = AgentProcess(tmp_path, spec_path("h100-nvlink-x8"), extra_args=[f"--volume-config={missing}"]).start()
+    try:
+        text = agent.wait_for_log(SERVING, timeout=30)
+    finally:
+        agent.stop()
+    lines = [x for x in text.splitlines() if "driver mirror not built" in x]
+    assert len(lines) == 1, lines
+    assert str(missing) in lines[0]
+
+
+def test_query_port_in_use_names_the_flag_and_what_is_lost(tmp_path: Path, sim_built: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        agent = AgentProcess(tmp_path, spec_path("h100-nvlink-x8"), query_port=port).start()
+        try:
+            text = agent.wait_for_log(SERVING, timeout=30)
+        finally:
+            agent.stop()
+    line = next(x for x in text.splitlines() if "cannot listen" in x)
+    assert f"--query-port={port}" in line and "/healthz" in line, line
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))

@@ -86,18 +86,24 @@ def kube_client(kubeconfig: str = "") -> KubeClient:
         cfg.retries = retries()
         return KubeClient(cfg, lazy_package.import_module("kubernetes.client.rest").RESTClientObject(cfg))
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
-        reason = _not_a_kubeconfig(kubeconfig) or str(exc)
+        reason = _not_a_kubeconfig(kubeconfig) or " ".join(str(exc).split())  # one log line
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {reason}") from exc
 
 
 def _not_a_kubeconfig(kubeconfig: str) -> str:
     """Why a kubeconfig file the loader refused is none at all (its YAML is no mapping, where the loader's
-    own error reads "'str' object does not support item assignment"), naming the file; "" otherwise."""
+    own error reads "'str' object does not support item assignment", or no YAML, which the parser says in
+    three lines), naming the file; "" otherwise."""
     yaml = lazy_package.import_module("yaml")
     for path in _kubeconfig_paths(kubeconfig):
         try:
             with open(path, encoding="utf-8") as file:
                 doc = yaml.safe_load(file)
+        except yaml.MarkedYAMLError as exc:  # its own text is three lines, the file's name among them
+            mark = exc.problem_mark
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = " ".join(str(exc.problem or exc.context or "a syntax error").split())
+            return f"{path} is not valid YAML: {problem}{where}"
         except (OSError, ValueError, yaml.YAMLError):
             continue  # the loader's own error says more
         if doc is not None and not isinstance(doc, dict):

@@ -148,3 +148,24 @@ def test_a_container_without_a_config_still_runs_without_limits(container: MakeC
     assert done.returncode == 0, done.stderr
     assert last_json(done.stdout) == {"init": 0, "count_rc": 0}, done.stderr
     assert "refused" not in done.stderr
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_launch_whose_capture_another_thread_ended_meanwhile_is_charged_to_the_sm_limit(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """The SM gate lets a launch on a capturing stream through unlimited: it is recorded into a graph, whose
+    launch is gated.  Another thread ending the capture between that check and the launch made the launch run
+    at once, never counted: a loop of such launches ran beside the limit.  A test-only delay after the check
+    (VCUDA_TEST_CAPTURE_DELAY_US, in a build with -DVC_TEST_HOOKS) lets the capture end there, and the build
+    reports at exit how many launches the gate counted (VCUDA_TEST_REPORT_LAUNCHES).  Each launch that ran must
+    have been counted."""
+    c = container(1024, cores=30)
+    del asan_built
+    mirror = hooks_mirror(c, hooks_built, sanitize)
+    exe = build_program("review5_capture", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_CAPTURE_DELAY_US="300000", VCUDA_TEST_REPORT_LAUNCHES="1")
+    out, err = run_c(exe, ["5", "20"], env, sanitize)
+    assert out["ok"] == out["rounds"] == 5, f"{out}: {err[-4000:]}"
+    counted = [int(line.split()[5]) for line in err.splitlines() if line.startswith("vcuda test: device 0 counted")]
+    assert counted == [out["ok"]], f"launches that ran outside the gate: {out}, counted {counted}: {err[-4000:]}"

@@ -1122,7 +1122,11 @@ __attribute__((constructor)) static void vc_core_init(void)
 struct gate {
     struct dev *d; /* NULL: not limited (bypass) */
     uint64_t count;
-    CUcontext ctx; /* the launch's context (NULL: unknown) */
+    CUcontext ctx;    /* the launch's context (NULL: unknown) */
+    bool captured;    /* let through as recorded into the stream's capture ... */
+    uint64_t capture; /* ... of this id (cuStreamGetCaptureInfo) */
+    uint64_t grids;   /* upstream's cost */
+    bool upstream_hooks;
 };
 
 /*
@@ -1202,44 +1206,113 @@ void vc_core_streams_changed(void)
     atomic_fetch_add_explicit(&g_stream_gen, 1, memory_order_acq_rel);
 }
 
-/* Before a launch on stream s; grids = upstream's cost. */
-static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstream_hooks)
+#ifdef VC_TEST_HOOKS
+/*
+ * Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_CAPTURE_DELAY_US between the capture check and the launch of a
+ * launch let through as captured; VCUDA_TEST_REPORT_LAUNCHES: at exit, stderr tells how many launches device 0 counted.
+ */
+static void test_capture_delay(void)
 {
-    struct gate g = {NULL, 0, NULL};
-    const bool upstream = vc_core_config()->upstream;
-    if (upstream && !upstream_hooks)
-        return g; /* upstream leaves this path unlimited: the baseline keeps that */
-    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult rc = ptsz ? REAL_CU(cuStreamIsCapturing_ptsz)(s, &cap) : REAL_CU(cuStreamIsCapturing)(s, &cap);
-    /* Recorded into a graph, not run: the graph's launch is gated.  Only an active capture records: once it is
-     * invalidated (a synchronising call while capturing) a launch is no longer the graph's and may run. */
-    if (rc == CUDA_SUCCESS && cap == CU_STREAM_CAPTURE_STATUS_ACTIVE)
-        return g;
-    int dev = launch_device(s, &g.ctx);
+    const char *us = getenv("VCUDA_TEST_CAPTURE_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+
+static void test_report_launches(void)
+{
+    fprintf(stderr, "vcuda test: device 0 counted %llu launches\n", (unsigned long long)g_dev[0].launched);
+}
+
+__attribute__((constructor)) static void test_hooks_init(void)
+{
+    if (getenv("VCUDA_TEST_REPORT_LAUNCHES") != NULL)
+        atexit(test_report_launches);
+}
+#else
+#define test_capture_delay() ((void)0)
+#endif
+
+/* The SM gate proper: waits until the launch may go and counts it (or after it went: charge_launch below). */
+static void gate_charge(struct gate *g, CUstream s)
+{
+    int dev = launch_device(s, &g->ctx);
     struct dev *d = &g_dev[dev];
     if (VC_UNLIKELY(!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)))
         init_device(d, dev);
     if (!__atomic_load_n(&d->usable, __ATOMIC_ACQUIRE))
-        return g;
-    if (upstream) {
-        up_gate(d, grids);
+        return;
+    if (vc_core_config()->upstream) {
+        up_gate(d, g->grids);
+        return;
+    }
+    g->count = budget_gate(d);
+    g->d = d;
+}
+
+static CUresult capture_info(CUstream s, bool ptsz, CUstreamCaptureStatus *cap, cuuint64_t *id)
+{
+    *cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    *id = 0;
+    return ptsz ? REAL_CU(cuStreamGetCaptureInfo_ptsz)(s, cap, id) : REAL_CU(cuStreamGetCaptureInfo)(s, cap, id);
+}
+
+/* Before a launch on stream s; grids = upstream's cost. */
+static struct gate gate_before(CUstream s, bool ptsz, uint64_t grids, bool upstream_hooks)
+{
+    struct gate g = {.grids = grids, .upstream_hooks = upstream_hooks};
+    const bool upstream = vc_core_config()->upstream;
+    if (upstream && !upstream_hooks)
+        return g; /* upstream leaves this path unlimited: the baseline keeps that */
+    CUstreamCaptureStatus cap;
+    cuuint64_t id;
+    CUresult rc = capture_info(s, ptsz, &cap, &id);
+    /* Recorded into a graph, not run: the graph's launch is gated.  Only an active capture records: once it is
+     * invalidated (a synchronising call while capturing) a launch is no longer the graph's and may run.  Another
+     * thread may end the capture before the launch reaches the driver: gate_after checks it is still the same. */
+    if (rc == CUDA_SUCCESS && cap == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+        g.captured = true;
+        g.capture = id;
+        test_capture_delay();
         return g;
     }
-    g.count = budget_gate(d);
-    g.d = d;
+    gate_charge(&g, s);
     return g;
 }
 
-static void gate_after(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
+static void add_completion(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
 {
-    if (g->d == NULL)
-        return;
     pthread_mutex_lock(&g->d->mu);
     if (rc == CUDA_SUCCESS)
         add_marker(g->d, s, ptsz, g->count, g->ctx);
     else if (g->d->completed < g->count)
         g->d->completed++; /* it never ran: one fewer in flight */
     pthread_mutex_unlock(&g->d->mu);
+}
+
+static void gate_after(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
+{
+    if (VC_UNLIKELY(g->captured)) {
+        /*
+         * Let through as recorded into a capture: if that capture is still the stream's (active, same id) the
+         * launch went into it.  Else it ended meanwhile (another thread's cuStreamEndCapture) and the launch may
+         * have run: it is charged now, after the fact (the thread waits as a gated launch would have before it),
+         * so ending a capture under a launch is never a way around the limit.
+         */
+        CUstreamCaptureStatus cap;
+        cuuint64_t id;
+        if (rc != CUDA_SUCCESS ||
+            (capture_info(s, ptsz, &cap, &id) == CUDA_SUCCESS && cap == CU_STREAM_CAPTURE_STATUS_ACTIVE &&
+             id == g->capture))
+            return;
+        struct gate late = {.grids = g->grids, .upstream_hooks = g->upstream_hooks};
+        gate_charge(&late, s);
+        if (late.d != NULL)
+            add_completion(&late, s, ptsz, rc);
+        return;
+    }
+    if (g->d == NULL)
+        return;
+    add_completion(g, s, ptsz, rc);
 }
 
 #define GRIDS(x, y, z) ((uint64_t)(x) * (uint64_t)(y) * (uint64_t)(z))

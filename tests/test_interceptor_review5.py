@@ -169,3 +169,24 @@ def test_a_launch_whose_capture_another_thread_ended_meanwhile_is_charged_to_the
     assert out["ok"] == out["rounds"] == 5, f"{out}: {err[-4000:]}"
     counted = [int(line.split()[5]) for line in err.splitlines() if line.startswith("vcuda test: device 0 counted")]
     assert counted == [out["ok"]], f"launches that ran outside the gate: {out}, counted {counted}: {err[-4000:]}"
+
+
+@pytest.mark.parametrize("mode", ["ex", "multi"])
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_a_launch_description_rewritten_during_the_launch_runs_where_the_gate_looked(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool, mode: str
+) -> None:
+    """cuLaunchKernelEx and cuLaunchCooperativeKernelMultiDevice take the launch's stream in the caller's memory:
+    the gate read it (a capturing stream: let through, recorded into a graph) and the driver read it again.
+    Another thread rewriting it in between (to a stream that is not capturing) had the kernel run at once,
+    ungated.  A test-only delay after the capture check (VCUDA_TEST_CAPTURE_DELAY_US, in a build with
+    -DVC_TEST_HOOKS) lets the rewrite land there.  The kernel must go where the gate looked: into the capture,
+    so the other stream stays idle."""
+    c = container(1024, cores=30)
+    del asan_built
+    mirror = hooks_mirror(c, hooks_built, sanitize)
+    exe = build_program("review5_launchex", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_CAPTURE_DELAY_US="200000")
+    out, err = run_c(exe, [mode, "20"], env, sanitize)
+    assert out["launch"] == 0, f"{out}: {err[-4000:]}"
+    assert out["s2_busy"] == 0, f"the kernel ran on the stream written after the gate's check: {out}"

@@ -1351,20 +1351,26 @@ VC_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsi
                                        sharedMemBytes, hStream, kernelParams, extra));
 }
 
+/*
+ * The launch description is the caller's memory: the gate and the driver get one private copy of it, so a stream
+ * rewritten by another thread after the gate's look cannot take the kernel elsewhere (e.g. out of a capture).
+ */
 VC_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
     if (VC_LIKELY(!vc_core_limited()) || config == NULL)
         return REAL_CU(cuLaunchKernelEx)(config, f, kernelParams, extra);
-    GATED(config->hStream, false, GRIDS(config->gridDimX, config->gridDimY, config->gridDimZ), false,
-          REAL_CU(cuLaunchKernelEx)(config, f, kernelParams, extra));
+    const CUlaunchConfig c = *config;
+    GATED(c.hStream, false, GRIDS(c.gridDimX, c.gridDimY, c.gridDimZ), false,
+          REAL_CU(cuLaunchKernelEx)(&c, f, kernelParams, extra));
 }
 
 VC_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
     if (VC_LIKELY(!vc_core_limited()) || config == NULL)
         return REAL_CU(cuLaunchKernelEx_ptsz)(config, f, kernelParams, extra);
-    GATED(config->hStream, true, GRIDS(config->gridDimX, config->gridDimY, config->gridDimZ), false,
-          REAL_CU(cuLaunchKernelEx_ptsz)(config, f, kernelParams, extra));
+    const CUlaunchConfig c = *config;
+    GATED(c.hStream, true, GRIDS(c.gridDimX, c.gridDimY, c.gridDimZ), false,
+          REAL_CU(cuLaunchKernelEx_ptsz)(&c, f, kernelParams, extra));
 }
 
 VC_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
@@ -1399,15 +1405,19 @@ VC_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
 {
     if (VC_LIKELY(!vc_core_limited()) || launchParamsList == NULL || vc_core_config()->upstream)
         return REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
+    if (numDevices > MAX_DEVICES)
+        return CUDA_ERROR_INVALID_VALUE; /* more launches than devices the gate knows: none may go ungated */
+    /* One private copy of the list for the gates and the driver (see cuLaunchKernelEx). */
+    CUDA_LAUNCH_PARAMS list[MAX_DEVICES];
     struct gate gates[MAX_DEVICES];
-    unsigned n = numDevices < MAX_DEVICES ? numDevices : MAX_DEVICES;
-    for (unsigned i = 0; i < n; i++) {
-        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
-        gates[i] = gate_before(p->hStream, false, GRIDS(p->gridDimX, p->gridDimY, p->gridDimZ), false);
-    }
-    CUresult rc = REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
+    unsigned n = numDevices;
+    memcpy(list, launchParamsList, n * sizeof(list[0]));
     for (unsigned i = 0; i < n; i++)
-        gate_after(&gates[i], launchParamsList[i].hStream, false, rc);
+        gates[i] = gate_before(list[i].hStream, false, GRIDS(list[i].gridDimX, list[i].gridDimY, list[i].gridDimZ),
+                               false);
+    CUresult rc = REAL_CU(cuLaunchCooperativeKernelMultiDevice)(list, numDevices, flags);
+    for (unsigned i = 0; i < n; i++)
+        gate_after(&gates[i], list[i].hStream, false, rc);
     return rc;
 }
 

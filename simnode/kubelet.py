@@ -377,6 +377,12 @@ class KubeletSimulator:
         self._pr_limit = (pod_resources_qps, pod_resources_burst)
         self._pr_calls: list[PodResourcesCall] = []  # across kubelet restarts
         self._freed: list[str] = []  # IDs freed by remove_pod, most recent first
+        #: Records of removed pods still written to the checkpoint file: the kubelet drops a removed pod's
+        #: entries from its memory only at the next Allocate of any device (UpdateAllocatedDevices), and
+        #: writes the file only at an allocation or a device-list update, so a deleted pod's entries stay
+        #: in kubelet_internal_checkpoint until the next pod with devices is admitted. False: gone at once.
+        self.keep_departed_in_checkpoint = True
+        self._departed: dict[tuple[str, str, str], AllocationRecord] = {}
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -1059,6 +1065,7 @@ class KubeletSimulator:
         started = time.monotonic()
         key = (pod_uid, container_name, resource)
         with self._lock:
+            self._departed.clear()  # UpdateAllocatedDevices: removed pods are forgotten before any admission
             existing = self._allocations.get(key)
             if existing is not None and len(existing.device_ids) != count:
                 raise AllocationError(
@@ -1236,12 +1243,14 @@ class KubeletSimulator:
             fresh = set(freed)
             self._freed = (freed + [d for d in self._freed if d not in fresh])[:4096]
             for k in keys:
+                if self.keep_departed_in_checkpoint:
+                    self._departed[k] = self._allocations[k]
                 del self._allocations[k]
             self._pod_resources_version += 1
             for reuse_key in [rk for rk in self._reusable if rk[0] == pod_uid]:
                 del self._reusable[reuse_key]
             known = self._pods.pop(pod_uid, None) is not None
-            checkpoint = self._checkpoint_locked() if keys else None
+            checkpoint = self._checkpoint_locked() if keys and not self.keep_departed_in_checkpoint else None
         self._write_checkpoint(checkpoint)
         with self._cond:
             self._cond.notify_all()
@@ -1259,7 +1268,8 @@ class KubeletSimulator:
         # microseconds on what took this simulator milliseconds per write with a few hundred pods.
         made = self._entries_made
         entries = []
-        for key, a in self._allocations.items():
+        departed = [(k, a) for k, a in self._departed.items() if k not in self._allocations]
+        for key, a in [*self._allocations.items(), *departed]:
             known = made.get(key)
             if known is None or known[0] is not a:
                 entry = CheckpointEntry(
@@ -1272,7 +1282,9 @@ class KubeletSimulator:
                 known = made[key] = (a, entry)
             entries.append(known[1])
         if len(made) > 2 * len(self._allocations) + 64:
-            self._entries_made = {k: v for k, v in made.items() if self._allocations.get(k) is v[0]}
+            self._entries_made = {
+                k: v for k, v in made.items() if (self._allocations.get(k) or self._departed.get(k)) is v[0]
+            }
         return entries
 
     def _checkpoint_locked(self) -> _CheckpointData | None:

@@ -609,9 +609,14 @@ def test_remove_pod_frees_devices(sim: KubeletSimulator, plugins: list[FakePlugi
     start_plugin(sim, plugins)
     sim.allocate(RES, 6, pod_uid="pod-1", container_name="main")
     assert sim.remove_pod("pod-1")
-    assert read_checkpoint(sim)["Data"]["PodDeviceEntries"] is None
+    # As the kubelet: the file keeps a removed pod's entries until the next admission writes it.
+    assert [e["PodUID"] for e in read_checkpoint(sim)["Data"]["PodDeviceEntries"]] == ["pod-1"]
     assert len(sim.allocate(RES, 6, pod_uid="pod-2", container_name="main").device_ids) == 6
+    assert [e["PodUID"] for e in read_checkpoint(sim)["Data"]["PodDeviceEntries"]] == ["pod-2"]
     assert not sim.remove_pod("nope")
+    sim.keep_departed_in_checkpoint = False  # the file rewritten at once
+    assert sim.remove_pod("pod-2")
+    assert read_checkpoint(sim)["Data"]["PodDeviceEntries"] is None
 
 
 # ------------------------------------------------------------------------------------------ checkpoint

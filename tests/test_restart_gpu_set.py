@@ -133,3 +133,34 @@ def test_gpu_replaced_at_the_same_place_takes_its_ids(tmp_path: Path) -> None:
             live.append(cluster.run_pod(gpu_pod(f"new-{i}", [("main", 100, 0)])))
         assert sorted(answered(r)["main"][0] for r in live) == [(0,), (1,), (2,)]
         assert_no_overcommit(live, memory_of(cluster))
+
+
+@pytest.mark.parametrize("agent_down", [False, True, "our checkpoint lost"])
+def test_pod_deleted_before_a_restart_does_not_keep_its_gpu(tmp_path: Path, agent_down: object) -> None:
+    """The kubelet drops a deleted pod's entries from kubelet_internal_checkpoint only at its next
+    admission of a pod with devices: at our start the file still names it. Deleted while we ran (our
+    checkpoint freed it) or while we were down, it must not hold its GPU after the start."""
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "one.json", [gpu(0)]))
+    with cluster:
+        assert cluster.agent is not None
+        gone = cluster.run_pod(gpu_pod("gone", [("main", 100, 0)]))
+        if agent_down:
+            cluster.agent.signal(signal.SIGKILL)
+            cluster.agent.wait()
+            cluster.delete(gone, wait=True)
+        else:
+            cluster.delete(gone, wait=True)
+            wait_agent_matches(cluster, [])
+            cluster.agent.signal(signal.SIGKILL)
+            cluster.agent.wait()
+        if agent_down == "our checkpoint lost":  # rebuilt from the kubelet's records
+            for f in (cluster.agent.workdir / "checkpoint").iterdir():
+                if f.name.startswith("gpumanager_internal_checkpoint"):
+                    f.write_text("{not json")
+        kept = [e.pod_uid for e in cluster.kubelet.checkpoint_entries()]
+        assert gone.uid in kept  # as the kubelet leaves it
+        cluster.start_agent()
+        # At once: an Allocate right after the start must not find the GPU taken by the deleted pod.
+        after = cluster.run_pod(gpu_pod("after", [("main", 100, 0)]))
+        assert answered(after)["main"][0] == (0,)
+        wait_agent_matches(cluster, [after])

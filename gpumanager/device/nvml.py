@@ -59,7 +59,21 @@ def init(library_path: str = "") -> None:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
-            raise NVMLUnavailableError(f"NVML initialisation failed: {exc}") from exc
+            raise NVMLUnavailableError(f"NVML initialisation failed: {exc}{_what_to_do(exc)}") from exc
+
+
+def _what_to_do(exc: pynvml.NVMLError) -> str:
+    """What an operator can do about an NVML start failure whose cause is known ("" otherwise)."""
+    if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        return (
+            " (the dynamic linker found no libnvidia-ml.so.1: install the NVIDIA driver on the node, or name"
+            " the library with --nvml-lib, e.g. under the host's root mounted in the container)"
+        )
+    if exc.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return " (the NVIDIA kernel module is not loaded on the node: nvidia-smi there says the same)"
+    if exc.value == pynvml.NVML_ERROR_NO_PERMISSION:
+        return " (the agent needs read and write access to /dev/nvidiactl and /dev/nvidia*: run it as root)"
+    return ""
 
 
 def shutdown() -> None:

@@ -152,6 +152,7 @@ class ApiServerSimulator:
             bookmark_interval=bookmark_interval,
         )
         self._lock = threading.Lock()
+        self._component_tokens: dict[str, str] = {}
         self._server: SimHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._started = False
@@ -277,6 +278,18 @@ class ApiServerSimulator:
         (:func:`simnode.apiserver_rbac.shipped_rules`), and return the path."""
         token = self.add_service_account("kube-system", shipped_account(component), shipped_rules(component))
         return self.write_kubeconfig(path, token=token)
+
+    def component_client(self, component: str, *, retries: int | bool | None = None) -> Any:
+        """A ``kubernetes.client.ApiClient`` for ``component`` (``device-plugin``, ``dra``, ``extender``)
+        as the service account its shipped manifest binds, held to the rules that manifest grants it
+        (one account per component and server)."""
+        with self._lock:
+            token = self._component_tokens.get(component)
+        if token is None:
+            token = self.add_service_account("kube-system", shipped_account(component), shipped_rules(component))
+            with self._lock:
+                token = self._component_tokens.setdefault(component, token)
+        return self.client(retries=retries, token=token)
 
     def client(self, *, retries: int | bool | None = None, token: str | None = None) -> Any:
         """A ``kubernetes.client.ApiClient`` configured from :meth:`kubeconfig` (``token``: a service

@@ -110,7 +110,7 @@ def test_stale_slice_that_cannot_be_deleted_does_not_keep_ours_unpublished(api: 
     stale = _spec(gpus, generation=4)
     _create_slice(api, "old-name-of-the-slice", stale)
     api.fail_next("DELETE", r"/resourceslices/old-name-of-the-slice$", status=403, count=1000)
-    pub = SlicePublisher(api.client(), node=NODE, driver=DRIVER, content=lambda g: _spec(gpus, g))
+    pub = SlicePublisher(api.component_client("dra"), node=NODE, driver=DRIVER, content=lambda g: _spec(gpus, g))
     for _ in range(2):
         try:
             pub.sync()

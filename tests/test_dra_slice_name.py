@@ -45,6 +45,6 @@ def test_a_node_with_a_long_name_publishes_its_slice() -> None:
             pool = {"name": node, "generation": gen, "resourceSliceCount": 1}
             return {"driver": DRIVER, "nodeName": node, "pool": pool, "devices": []}
 
-        pub = SlicePublisher(api.client(), node=node, driver=DRIVER, content=content)
+        pub = SlicePublisher(api.component_client("dra"), node=node, driver=DRIVER, content=content)
         pub.sync()
         assert len(pub.name) <= 253

@@ -58,7 +58,7 @@ def test_publisher_removes_stale_slices_never_rewrites_an_equal_one_and_bumps_ge
     other_node = {"metadata": {"name": "node-b-vcuda.tencent.com"}, "spec": {**content(1), "nodeName": "node-b"}}
     api.create_resource_slice(stale)
     api.create_resource_slice(other_node)
-    pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+    pub = SlicePublisher(sim.component_client("dra"), node="node-a", driver="vcuda.tencent.com", content=content)
     assert pub.sync() is True
     names = sorted(s["metadata"]["name"] for s in slices(sim))
     assert names == ["node-a-vcuda.tencent.com", "node-b-vcuda.tencent.com"], "only our node's stale slice goes"
@@ -104,7 +104,7 @@ def _slice_content(
 
 def test_publisher_puts_back_a_deleted_slice(sim: ApiServerSimulator, tmp_path: Path) -> None:
     content = _slice_content(tmp_path)
-    pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+    pub = SlicePublisher(sim.component_client("dra"), node="node-a", driver="vcuda.tencent.com", content=content)
     pub.start()
     try:
         assert sim.wait_for_watches(1, timeout=10)
@@ -300,7 +300,7 @@ def test_publisher_settles_when_the_server_drops_fields_of_a_gate_that_is_off(
     )
 
     with ApiServerSimulator(disabled_features=[gate]) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+        pub = SlicePublisher(sim.component_client("dra"), node="node-a", driver="vcuda.tencent.com", content=content)
         with caplog.at_level("WARNING", logger="gpumanager.dra.publisher"):
             pub.start()
             try:
@@ -321,7 +321,7 @@ def test_publisher_settles_when_the_server_drops_fields_of_a_gate_that_is_off(
         assert gate == "DRADeviceTaints" or dropped in warnings[0], warnings
         # Content that changes (the GPU recovers) is still written.
         pub2 = SlicePublisher(
-            sim.client(),
+            sim.component_client("dra"),
             node="node-a",
             driver="vcuda.tencent.com",
             content=lambda g: {**content(g), "devices": content(g)["devices"][:2]},
@@ -338,7 +338,7 @@ def test_the_slice_is_owned_by_its_node_so_it_goes_with_the_node(sim: ApiServerS
     # The garbage collector deletes a ResourceSlice with the Node that owns it: without the owner a
     # node removed from the cluster (scaled down, renamed) left its slice for ever.
     content = _slice_content(tmp_path)
-    pub = SlicePublisher(sim.client(), node="node-a", driver="vcuda.tencent.com", content=content)
+    pub = SlicePublisher(sim.component_client("dra"), node="node-a", driver="vcuda.tencent.com", content=content)
     # No Node object (yet): published all the same, without an owner, and not rewritten for it.
     assert pub.sync() is True and _owners(sim) == []
     assert pub.sync() is False

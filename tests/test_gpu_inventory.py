@@ -116,7 +116,9 @@ def node_inventory(api: ApiServerSimulator, node: str = "n1") -> dict[str, objec
 def test_publisher_coalesces_changes_and_survives_an_outage(api: ApiServerSimulator) -> None:
     gpus, topology = spec_gpus("v100-pcie-x4")
     health = {i: True for i in range(4)}
-    pub = InventoryPublisher(api.client(), "n1", gpus, topology, lambda: dict(health), share_mode=True)
+    pub = InventoryPublisher(
+        api.component_client("device-plugin"), "n1", gpus, topology, lambda: dict(health), share_mode=True
+    )
     pub.start()
     try:
         wait_for(lambda: node_inventory(api) is not None, what="first publication")
@@ -141,7 +143,7 @@ def test_publisher_coalesces_changes_and_survives_an_outage(api: ApiServerSimula
 
 def test_publisher_waits_for_its_node(api: ApiServerSimulator) -> None:
     gpus, topology = spec_gpus("t4-x1")
-    pub = InventoryPublisher(api.client(), "late", gpus, topology, dict, share_mode=True)
+    pub = InventoryPublisher(api.component_client("device-plugin"), "late", gpus, topology, dict, share_mode=True)
     pub.start()
     try:
         wait_for(lambda: pub.failures > 0, what="a 404")

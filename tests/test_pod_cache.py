@@ -150,7 +150,7 @@ def test_outage_then_recovery(api: ApiServerSimulator) -> None:
 def test_stop_returns_while_the_watch_is_quiet() -> None:
     # No event and no bookmark for an hour: stop() must not wait for the next byte of the stream.
     with ApiServerSimulator(bookmark_interval=3600) as sim:
-        c = PodCache(sim.client(), "node-1")
+        c = PodCache(sim.component_client("device-plugin"), "node-1")
         c.start()
         assert c.wait_synced(10) and sim.wait_for_watches(1)
         stopped = threading.Event()

@@ -31,7 +31,13 @@ only sets ``deletionTimestamp`` and ``deletionGracePeriodSeconds`` (the grace gi
 ``terminationGracePeriodSeconds``), and the pod stays until a DELETE with grace 0 (what the kubelet
 sends once it has stopped the containers; :meth:`ApiServerSimulator.finish_deletion`); an unscheduled
 or terminal pod, or a DELETE with grace 0, goes at once (``graceful_delete=False`` deletes every pod at
-once, as no real server does); finalizers.
+once, as no real server does); finalizers; authentication and RBAC: a bearer token of a service
+account (:meth:`ApiServerSimulator.add_service_account`) is held to its rules, decided before the
+resource is looked up (a refused request is 403 even for a resource not served here), a bearer token
+no one issued answers 401, and a request without credentials is the simulator's own user, who may do
+anything (the cluster harnesses run the agent and the extender as the service accounts of their
+shipped manifests: :func:`simnode.apiserver_rbac.shipped_rules`); a watch without ``timeoutSeconds``
+ends after ``[1, 2) x min_request_timeout`` (1800 s, the real server's ``--min-request-timeout``).
 
 Differences a client may notice:
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -62,6 +63,20 @@ def socket_identity(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+def check_bindable(path: Path) -> None:
+    """Bind a unix socket at ``path`` and remove it again: an OSError with the errno and the path where
+    the socket cannot be made (a directory the agent may not write, a read-only file system), which
+    gRPC's bind reports only as "Failed to bind to address", with its reason in a line of its own
+    written to stderr by the gRPC core."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(str(path))
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
 def socket_served(path: Path, timeout: float = 0.2) -> bool:
     """Whether a process accepts connections on the unix socket at ``path`` (a live socket, not a stale file)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -113,6 +128,7 @@ class PluginServer:
             self._executor = futures.ThreadPoolExecutor(
                 max_workers=self._max_workers, thread_name_prefix="dp-" + self.socket_path.stem
             )
+        check_bindable(self.socket_path)
         server = grpc.server(self._executor)
         handlers = method_handlers(self.servicer)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from gpumanager.deviceplugin.server import socket_identity
+from gpumanager.deviceplugin.server import check_bindable, socket_identity
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class _Socket:
             self.path.unlink()
         except FileNotFoundError:
             pass
+        check_bindable(self.path)
         server = grpc.server(self._executor)
         for register in self._register:
             register(server)

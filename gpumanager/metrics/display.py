@@ -20,6 +20,7 @@ from google.protobuf import empty_pb2
 
 from gpumanager.api import display_pb2 as pb
 from gpumanager.api import display_pb2_grpc as pb_grpc
+from gpumanager.deviceplugin.server import check_bindable
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class DisplayServer:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
+        check_bindable(self.socket_path)
         pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="display")
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="display-loop", daemon=True)

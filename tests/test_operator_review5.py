@@ -142,3 +142,27 @@ def test_query_port_in_use_names_the_flag_and_what_is_lost(tmp_path: Path, sim_b
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+def test_volume_config_error_is_logged_again_only_when_it_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The keeper checks again every few minutes: the same failure each time is one line, not one per check."""
+    from gpumanager.volume.keeper import MirrorKeeper
+
+    config = tmp_path / "volume.conf"
+    keeper = MirrorKeeper(
+        volume_config=str(config), driver_root=str(tmp_path), share_mode=False, interceptor="", period=3600
+    )
+    assert not keeper.build()  # at the start: the agent reports it (test_missing_volume_config_is_logged_once)
+    keeper.start()
+    try:
+        with caplog.at_level("ERROR", logger="gpumanager.volume.keeper"):
+            for _ in range(3):
+                assert not keeper.build()  # what the loop does at each check
+            config.write_text("garbage\n")
+            assert not keeper.build()
+    finally:
+        keeper.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and str(config) in errors[0], errors

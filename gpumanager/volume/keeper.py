@@ -83,7 +83,9 @@ class MirrorKeeper:
         return self._mirror_problem
 
     def build(self) -> bool:
-        """Build (or check) the mirror now; False with :attr:`error` set when it fails."""
+        """Build (or check) the mirror now; False with :attr:`error` set when it fails. A failure is
+        logged by the rechecks after :meth:`start` (once until it changes); the first build's caller
+        reports its own."""
         if not self._config:
             return False
         # Loaded here, after registration: ELF reading is the slowest import of the agent.
@@ -101,13 +103,13 @@ class MirrorKeeper:
                 settle_seconds=self._settle,
             )
         except VolumeError as exc:
-            self.error = str(exc)
-            log.error("driver mirror not built: %s", exc)
+            if self._new_error(str(exc)):
+                log.error("driver mirror not built: %s", exc)
             self._configured_paths()
             return False
         except Exception as exc:  # a reader's surprise must not end the agent's start
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.exception("driver mirror not built: %s", self.error)
+            if self._new_error(f"{type(exc).__name__}: {exc}"):
+                log.exception("driver mirror not built: %s", self.error)
             self._configured_paths()
             return False
         if result.install_in_progress:
@@ -130,6 +132,13 @@ class MirrorKeeper:
                 ", ".join(f"{v.path} -> {v.tree.name}" + (" (new)" if v.built else "") for v in result.volumes),
             )
         return self._use(result)
+
+    def _new_error(self, error: str) -> bool:
+        """Record a failed build's ``error``; whether to log it: not the first build's, which the agent
+        reports itself when :meth:`build` returns False, and not the same failure again at each recheck."""
+        repeated = error == self.error
+        self.error = error
+        return self._thread is not None and not repeated
 
     def _use(self, result: VdriverResult) -> bool:
         """Answer Allocate with the trees ``result`` describes; True."""

@@ -96,7 +96,12 @@ class QueryEndpoints:
             http.start()
             self.http = http
         except OSError as exc:
-            self._report("http", f"cannot listen on {cfg.query_addr}:{cfg.query_port}: {exc}")
+            self._report(
+                "http",
+                f"cannot listen on --query-addr={cfg.query_addr} --query-port={cfg.query_port}: "
+                f"{exc.strerror or exc}; /metrics, /healthz and /readyz are not served until the agent is "
+                "restarted with the port free (or another --query-port)",
+            )
 
     def _allocations(self) -> list[ContainerAllocation]:
         """Every container's allocation: the device plugin's, then DRA claims' containers."""

@@ -150,10 +150,12 @@ def test_two_requests_of_one_claim_sharing_one_gpu_are_prepared(tmp_path: Path, 
         assert (config.utilization, config.gpu_memory, config.enable) == (50, 6 << 30, 1)
         assert node.kubelet is not None
         pod_uid = node.pod("p")["metadata"]["uid"]
-        for container in ("one", "two"):
+        # Each container is held to the request it names, not to the claim's sum.
+        for container, limits in (("one", (30, 4 << 30)), ("two", (20, 2 << 30))):
             run = node.kubelet.containers[(pod_uid, container)]
             assert len(run.cdi_ids) == 1 and "/dev/nvidia0" in run.device_nodes, run
-            assert run.mounts["/etc/vcuda"] == str(node.vm_path / uid)
+            own = files.unpack((Path(run.mounts["/etc/vcuda"]) / "vcuda.config").read_bytes())
+            assert (own.utilization, own.gpu_memory, own.enable) == (*limits, 1), container
         # The node's tree holds both shares; a third claim of 60 cores no longer fits.
         node.add_template(_two_request_template("more", (30, "1Gi"), (30, "1Gi")))
         node.create_pod(_pod_per_request("q", "more"))
@@ -215,13 +217,17 @@ def test_shares_of_two_gpus_in_one_claim_are_refused_naming_the_claim_and_device
             "consumedCapacity": {"cores": "60", "memory": "4Gi"},
         }
 
-    results = [share("gpu-0", "a", "s1"), share("gpu-1", "b", "s2")]
+    results = [share("gpu-0", "a", "s1"), share("gpu-1", "a", "s2")]
     data: dict[str, Any] = {"metadata": {"uid": "u1"}, "status": {"allocation": {"devices": {"results": results}}}}
     with pytest.raises(ClaimError) as err:
         parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
     text = str(err.value)
-    assert "ml/c" in text and "a/gpu-0" in text and "b/gpu-1" in text and "claims of their own" in text
+    assert "ml/c" in text and "a/gpu-0" in text and "a/gpu-1" in text and "request 'a'" in text
     assert f"matchAttribute: {DRIVER}/uuid" in text
+    # Shares of two requests on two GPUs: each request is limited on its own.
+    results[:] = [share("gpu-0", "a", "s1"), share("gpu-1", "b", "s2")]
+    apart, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
+    assert apart.per_request and sorted(apart.share_requests) == ["a", "b"]
     results[:] = [share("gpu-1", "a", "s1"), share("gpu-1", "b", "s2")]
     results[1]["consumedCapacity"] = {"cores": "30", "memory": "2Gi"}
     claim, _ = parse_claim(data, ClaimRef("ml", "c", "u1"), driver=DRIVER, pool="node-a", gpus=GPUS)
@@ -431,7 +437,7 @@ def test_a_kill_inside_unprepare_leaves_the_gpu_free_once_the_kubelet_retries(tm
         stop_dra_node(node)
 
 
-def test_the_shipped_two_share_example_runs_with_the_sum_of_its_shares(tmp_path: Path, sim_built: Path) -> None:
+def test_the_shipped_two_share_example_runs_each_container_with_its_share(tmp_path: Path, sim_built: Path) -> None:
     import yaml
 
     from gpumanager.vmanager import files
@@ -453,5 +459,49 @@ def test_the_shipped_two_share_example_runs_with_the_sum_of_its_shares(tmp_path:
         claim = node.claim_of("cuda-two-shares")
         results = claim["status"]["allocation"]["devices"]["results"]
         assert [(r["request"], r["device"]) for r in results] == [("trainer", "gpu-1"), ("helper", "gpu-1")]
-        config = files.unpack((node.vm_path / claim["metadata"]["uid"] / "vcuda.config").read_bytes())
-        assert (config.utilization, config.gpu_memory) == (50, 6 << 30)
+        uid = claim["metadata"]["uid"]
+        for request, limits in (("trainer", (30, 4 << 30)), ("helper", (20, 2 << 30))):
+            config = files.unpack((node.vm_path / uid / f"request-{request}" / "vcuda.config").read_bytes())
+            assert (config.utilization, config.gpu_memory) == limits, request
+
+
+def test_requests_on_two_gpus_run_each_container_on_its_gpu_with_its_share(tmp_path: Path, sim_built: Path) -> None:
+    # First fit spills the second request to gpu-1: each container gets its request's GPU, its
+    # limits, and its own pids.config; a container that uses the whole claim is refused, naming it.
+    from gpumanager.vmanager import files
+    from simnode.dra_cluster import DRACluster
+
+    with DRACluster(tmp_path / "node", "v100-pcie-x4") as node:
+        node.add_template(_two_request_template("pair", (60, "4Gi"), (60, "2Gi")))
+        node.create_pod(_pod_per_request("p", "pair"), commands={"one": ["sleep", "60"], "two": ["sleep", "60"]})
+        node.settle()
+        assert node.pod("p")["status"]["phase"] == "Running", node.prepare_errors
+        claim = node.claim_of("p")
+        uid = claim["metadata"]["uid"]
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["request"], r["device"]) for r in results] == [("a", "gpu-0"), ("b", "gpu-1")]
+        assert node.kubelet is not None
+        pod_uid = node.pod("p")["metadata"]["uid"]
+        for container, gpu, request, limits in (("one", 0, "a", (60, 4 << 30)), ("two", 1, "b", (60, 2 << 30))):
+            run = node.kubelet.containers[(pod_uid, container)]
+            gpus = [n for n in run.device_nodes if n[len("/dev/nvidia") :].isdigit()]
+            assert gpus == [f"/dev/nvidia{gpu}"], (container, run.device_nodes)
+            assert run.mounts["/etc/vcuda"] == str(node.vm_path / uid / f"request-{request}")
+            own = files.unpack((Path(run.mounts["/etc/vcuda"]) / "vcuda.config").read_bytes())
+            assert (own.utilization, own.gpu_memory) == limits, container
+            assert run.proc is not None
+            path = Path(run.mounts["/etc/vcuda"]) / "pids.config"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (not path.exists() or files.read_pids(path) != [run.proc.pid]):
+                time.sleep(0.1)
+            assert files.read_pids(path) == [run.proc.pid], container
+        # A container that names no request of such a claim would get both shares' mounts.
+        node.add_template(_two_request_template("pair2", (10, "1Gi"), (10, "1Gi")))
+        whole = _pod_per_request("q", "pair2")
+        whole["spec"]["containers"][1]["resources"]["claims"] = [{"name": "gpu"}]
+        node.create_pod(whole)
+        node.settle()
+        q = node.pod("q")
+        assert q["status"].get("phase") != "Running"
+        [error] = node.prepare_errors[q["metadata"]["uid"]].values()
+        assert "container two" in error and "whole claim" in error and "request" in error, error

@@ -66,6 +66,11 @@ class ClaimDevice:
     admin: bool = False  # admin access: the whole GPU, consuming none of it
 
     @property
+    def top_request(self) -> str:
+        """The request a container names for this result (``gpus`` for a ``gpus/share`` result)."""
+        return self.request.partition("/")[0]
+
+    @property
     def consumes(self) -> bool:
         """Whether the result takes capacity of its GPU (every result but admin access)."""
         return not self.admin
@@ -109,6 +114,22 @@ class ClaimAllocation:
     def shared(self) -> bool:
         """Whether any result is a share of its GPU (its limits are enforced)."""
         return any(not d.whole for d in self.devices)
+
+    @property
+    def share_requests(self) -> dict[str, tuple[ClaimDevice, ...]]:
+        """The claim's shares by the request a container names (a ``firstAvailable`` result
+        ``gpus/share`` under ``gpus``), in result order."""
+        out: dict[str, list[ClaimDevice]] = {}
+        for d in self.devices:
+            if not d.whole:
+                out.setdefault(d.top_request, []).append(d)
+        return {name: tuple(devs) for name, devs in out.items()}
+
+    @property
+    def per_request(self) -> bool:
+        """Whether the shares belong to several requests: each request is then limited on its own
+        (its own vcuda.config), for the containers that name it."""
+        return len(self.share_requests) > 1
 
     @property
     def share_limits(self) -> tuple[int, int] | None:

@@ -12,7 +12,10 @@ or an image's ``NVIDIA_VISIBLE_DEVICES=all``, adds none; the same value in every
 the runtime's last-wins merge of env across a container's claims changes nothing), the
 interceptor's env, the driver mirror read-only at ``/usr/local/nvidia``, the claim's
 directory read-only at ``/etc/vcuda``, the control device nodes and
-``extra-config.json``'s. No spec names a GPU of another claim.
+``extra-config.json``'s. No spec names a GPU of another claim. A claim whose shares belong to
+several requests has each request limited on its own: the CDI device of each of its shares also
+mounts its request's directory at ``/etc/vcuda``, over the claim's (a container that names a
+request gets that request's devices only).
 Written atomically (temp file, rename).
 """
 
@@ -31,6 +34,7 @@ from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice, check_uid
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import constants as c
 from gpumanager.fileio import atomic_write
+from gpumanager.vmanager.claims import REQUEST_DIR_PREFIX
 
 JSON = dict[str, Any]
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
@@ -104,21 +108,22 @@ def build_spec(settings: CDISettings, claim: ClaimAllocation, gpus: Sequence[GPU
             },
         ],
     }
-    devices = [
-        {
-            "name": device_name(claim.uid, dev),
-            "containerEdits": {
-                "deviceNodes": [
-                    {
-                        "path": by_minor[dev.minor].device_path,
-                        "hostPath": by_minor[dev.minor].device_path,
-                        "permissions": "rwm",
-                    }
-                ]
-            },
-        }
-        for dev in claim.devices
-    ]
+    devices: list[JSON] = []
+    for dev in claim.devices:
+        node = by_minor[dev.minor].device_path
+        own: JSON = {"deviceNodes": [{"path": node, "hostPath": node, "permissions": "rwm"}]}
+        if claim.per_request and not dev.whole:
+            # Its request's limits over the claim's: the runtime applies a device's edits after the
+            # spec's, and a container that names this request gets only this request's devices.
+            own["mounts"] = [
+                {
+                    "hostPath": str(claim_dir(settings, claim.uid) / f"{REQUEST_DIR_PREFIX}{dev.top_request}"),
+                    "containerPath": names.VCUDA_MOUNTPOINT,
+                    "type": "bind",
+                    "options": _MOUNT_OPTIONS,
+                }
+            ]
+        devices.append({"name": device_name(claim.uid, dev), "containerEdits": own})
     return {"cdiVersion": c.CDI_VERSION, "kind": settings.kind, "devices": devices, "containerEdits": edits}
 
 

@@ -12,6 +12,7 @@ Every refusal names the claim, the device and the value.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -26,6 +27,7 @@ from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.topology.nodes import HUNDRED_CORES
 
 JSON = dict[str, Any]
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a request name (a directory of the claim's)
 
 
 class ClaimError(Exception):
@@ -93,10 +95,10 @@ def parse_claim(
 
     Raises ClaimError for a claim whose UID differs, that is not allocated, that holds no device
     of ``driver``, or whose results name another pool, a device this node does not have, a bad
-    quantity, more capacity than the device has, or a share beside a result on another device or a
-    whole one (the limits of a claim are one vcuda.config, for one GPU). Several shares of one
-    device (requests of the claim that the scheduler placed on the same GPU) are allowed: their
-    limits are their sum.
+    quantity, more capacity than the device has, a share beside a whole GPU, or the shares of one
+    request on several GPUs (a request's limits are one vcuda.config, for one GPU: its shares
+    placed on one GPU are limited by their sum). Shares of several requests may be on different
+    GPUs: each request is limited on its own, for the containers that name it.
     """
     who = f"claim {ref}"
     meta = _object(claim, who, "the claim")
@@ -140,14 +142,24 @@ def parse_claim(
                 "holds a device once per request"
             )
     shares = [d for d in devices if not d.whole]
-    if shares and (len(shares) < len(devices) or len({d.minor for d in devices}) > 1):
+    if shares and len(shares) < len(devices):
         listed = ", ".join(f"{d.request}/{d.device}{'' if d.whole else ' (a share)'}" for d in devices)
         raise ClaimError(
-            f"{who} ({ref.uid}): {len(devices)} results ({listed}): a claim with a share must hold one device, "
-            "and only shares of it (its shares are limited together by one vcuda.config, which holds the limits "
-            "of one GPU); ask for shares of different GPUs, or a share beside a whole GPU, in claims of their own, "
-            f"or keep the claim's shares on one GPU with the constraint matchAttribute: {driver}/{c.ATTR_UUID}"
+            f"{who} ({ref.uid}): {len(devices)} results ({listed}): a claim with a share must hold one device per "
+            "request, and only shares (a share's limits are a vcuda.config, which holds the limits of one GPU); ask "
+            "for a whole GPU in a claim of its own"
         )
+    for request, held in ClaimAllocation(ref.uid, ref.namespace, ref.name, tuple(shares)).share_requests.items():
+        if not _LABEL.fullmatch(request):
+            raise ClaimError(f"{who} ({ref.uid}): request name {request!r} is not a DNS label")
+        if len({d.minor for d in held}) > 1:
+            listed = ", ".join(f"{d.request}/{d.device}" for d in held)
+            raise ClaimError(
+                f"{who} ({ref.uid}): request {request!r} holds shares of several GPUs ({listed}): a request's shares "
+                "are limited together by one vcuda.config, which holds the limits of one GPU; keep them on one GPU "
+                f"with the constraint matchAttribute: {driver}/{c.ATTR_UUID}, or ask for each share in a request of "
+                "its own"
+            )
     return ClaimAllocation(uid=ref.uid, namespace=ref.namespace, name=ref.name, devices=tuple(devices)), frozenset(
         tolerant
     )

@@ -71,6 +71,32 @@ def container_claims(pod: Pod) -> dict[str, list[str]]:
     return out
 
 
+def claim_requests(pod: Pod) -> dict[str, dict[str, set[str | None]]]:
+    """Container name -> ResourceClaim name -> the requests of it the container names
+    (``resources.claims[].request``; None: the whole claim). A claim made for extended resources
+    counts under the request its ``requestMappings`` name."""
+    local = claim_names(pod)
+    out: dict[str, dict[str, set[str | None]]] = {}
+    for c in all_containers(pod):
+        named = out.setdefault(str(c.get("name", "")), {})
+        for r in ((c.get("resources") or {}).get("claims")) or []:
+            if isinstance(r, dict) and str(r.get("name")) in local:
+                named.setdefault(local[str(r["name"])], set()).add(str(r["request"]) if r.get("request") else None)
+    ext = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+    if isinstance(ext, dict) and ext.get("resourceClaimName"):
+        claim = str(ext["resourceClaimName"])
+        for mapping in ext.get("requestMappings") or []:
+            if isinstance(mapping, dict) and str(mapping.get("containerName")) in out:
+                request = str(mapping["requestName"]) if mapping.get("requestName") else None
+                out[str(mapping["containerName"])].setdefault(claim, set()).add(request)
+    return out
+
+
+def requests_named(pod: Pod, container: str, claim_name: str) -> set[str | None]:
+    """The requests of claim ``claim_name`` the container names (None: the whole claim)."""
+    return claim_requests(pod).get(container, {}).get(claim_name, set())
+
+
 def containers_using(pod: Pod, claim_name: str) -> list[str]:
     """Names of the pod's containers that use the ResourceClaim ``claim_name``."""
     return [name for name, claims in container_claims(pod).items() if claim_name in claims]
@@ -207,15 +233,20 @@ def container_allocations(
         held = [d for d in claim.devices if d.consumes]
         if not held:
             continue
-        share = claim.share_limits
+        by_request = claim.share_requests if claim.per_request else {}
         for pod, container in consumers(claim, pods, claims, reserved):
             meta = pod.get("metadata") or {}
+            mine = held
+            named = requests_named(pod, container, claim.name)
+            if len(named) == 1 and (request := next(iter(named))) in by_request:
+                mine = list(by_request[str(request)])  # a container that names one request: its limits
+            share = ClaimAllocation(claim.uid, claim.namespace, claim.name, tuple(mine)).share_limits
             out.append(
                 ContainerAllocation(
                     pod_uid=podinfo.uid(pod),
                     container=container,
-                    minors=tuple(dict.fromkeys(d.minor for d in held)),
-                    cores=share[0] if share else 100 * len(held),
+                    minors=tuple(dict.fromkeys(d.minor for d in mine)),
+                    cores=share[0] if share else 100 * len(mine),
                     memory=share[1] if share else 0,
                     namespace=str(meta.get("namespace", "")),
                     pod_name=str(meta.get("name", "")),

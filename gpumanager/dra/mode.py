@@ -472,6 +472,8 @@ class DRAMode:
                 cid = podinfo.container_ids(pod).get(container)
                 if cid:
                     pids.update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
+            if claim.per_request:
+                self._write_request_pids(claim, users)
             ordered = sorted(pids)
             if self._last_pids.get(claim.uid) == ordered:
                 continue
@@ -488,10 +490,38 @@ class DRAMode:
             self._unwritable.written(path)
             self._last_pids[claim.uid] = ordered
             written += 1
-        for uid in [u for u in self._last_pids if u not in live]:
+        for uid in [u for u in self._last_pids if u.partition("/")[0] not in live]:  # "<uid>/<request>" too
             del self._last_pids[uid]
         self._unwritable.forget_all_but(refreshed)
         return written
+
+    def _write_request_pids(self, claim: ClaimAllocation, users: Sequence[tuple[Pod, str]]) -> None:
+        """Each request's pids.config of a claim whose shares belong to several requests: the PIDs of
+        the containers that name that request (an error is logged; the next refresh tries again)."""
+        from gpumanager.allocation import pods as podinfo
+
+        by_request: dict[str, set[int]] = {request: set() for request in claim.share_requests}
+        for pod, container in users:
+            named = consumers.requests_named(pod, container, claim.name)
+            cid = podinfo.container_ids(pod).get(container)
+            if not cid:
+                continue
+            for request in named:
+                if request in by_request:
+                    by_request[str(request)].update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
+        for request, pids in by_request.items():
+            ordered = sorted(pids)
+            key = f"{claim.uid}/{request}"
+            if self._last_pids.get(key) == ordered:
+                continue
+            try:
+                claim_files.write_pids(self._vm, claim.uid, ordered, request)
+            except FileNotFoundError:  # unprepared since it was looked at
+                continue
+            except OSError as exc:
+                log.error("claim %s (%s) request %s: cannot write pids.config: %s", claim.key, claim.uid, request, exc)
+                continue
+            self._last_pids[key] = ordered
 
     def healthz(self) -> dict[str, object]:
         """Details for /healthz."""

@@ -7,7 +7,9 @@ edits, merged by the runtime in the order the container lists them, the last mou
 winning: with a share and another claim (a whole GPU, or a second share), the container would run
 with the other claim's ``/etc/vcuda`` and the share's GPU would no longer be held to the share. So
 a claim is refused when a container of a pod it is reserved for also uses another claim of the
-driver and either of them holds a share; containers that each use one claim are fine. A container
+driver and either of them holds a share; containers that each use one claim are fine. A claim
+whose shares belong to several requests (each limited on its own, for the containers that name
+it) is refused when a container uses all of it, or more than one of its requests. A container
 may use several claims of whole GPUs: each claim's CDI devices bring their own device nodes, and
 no spec names a GPU (``NVIDIA_VISIBLE_DEVICES=void`` in each), so nothing of one claim depends on
 another.
@@ -25,7 +27,7 @@ from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra.apierror import describe
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
-from gpumanager.dra.consumers import container_claims
+from gpumanager.dra.consumers import claim_requests, container_claims
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,17 @@ def review(check: SharingCheck, ref: ClaimRef, data: Mapping[str, Any], claim: C
     for pod in _pods(check, namespace, data):
         meta = pod.get("metadata") or {}
         pod_uid = str(meta.get("uid") or "")
+        if claim.per_request:
+            for container, claims in claim_requests(pod).items():
+                named = claims.get(ref.name, set())
+                if named and (None in named or len(named) > 1):
+                    which = "the whole claim" if None in named else f"requests {', '.join(sorted(map(str, named)))}"
+                    return Review(
+                        f"claim {ref} ({ref.uid}): container {container} of pod {meta.get('namespace')}/"
+                        f"{meta.get('name')} uses {which}, whose shares belong to requests "
+                        f"{', '.join(sorted(claim.share_requests))}, each limited on its own: a container must name "
+                        "one request of it (resources.claims[].request), or the claim must ask for one request"
+                    )
         for container, used in container_claims(pod).items():
             if ref.name not in used or len(used) < 2:
                 continue

@@ -66,8 +66,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: How long Allocate waits for the agent's background start (API server, driver mirror) to finish.
-ALLOCATE_WAIT_SECONDS = 5.0
+#: How long after the agent began Allocate waits for its start (allocation state, API server, driver mirror).
+#: The kubelet calls Allocate without a deadline and fails the pod's admission for good on any error, so an
+#: early refusal fails pods a slow start (a slow disk, a long journal, the first driver mirror) would have
+#: served; but the kubelet admits pods one at a time meanwhile, and its health check calls its sync loop
+#: stuck after 5 minutes: well within that.
+ALLOCATE_WAIT_SECONDS = 60.0
+#: PreStartContainer's wait for the allocation state: the kubelet gives the call 30 s, then fails the
+#: container's start (retried, with backoff).
+PRE_START_WAIT_SECONDS = 25.0
+#: GetPreferredAllocation's wait for the allocation state: without an answer the kubelet chooses itself.
+PREFERRED_WAIT_SECONDS = 5.0
+#: How long the background start waits for the pod cache before Allocate asks the API server directly.
+POD_CACHE_WAIT_SECONDS = 5.0
 #: How long the background start waits for the first registration with the kubelet.
 REGISTRATION_FIRST_SECONDS = 1.0
 #: How long DRA mode's start waits for its first ResourceSlice write before it goes on.
@@ -121,7 +132,9 @@ class Agent:
         self.allocator: Allocator | None = None
         self.recovery: Recovery | None = None
         # The kubelet's calls until the allocation state is loaded (after registration).
-        self.handlers = LateHandlers(ALLOCATE_WAIT_SECONDS)
+        self.handlers = LateHandlers(
+            ALLOCATE_WAIT_SECONDS, pre_start_seconds=PRE_START_WAIT_SECONDS, prefer_seconds=PREFERRED_WAIT_SECONDS
+        )
         self.vmanager: VirtualManager | None = None
         self.mirror: MirrorKeeper | None = None
         self.refresher: PidsRefresher | None = None
@@ -458,7 +471,7 @@ class Agent:
                     lambda: {i: s.healthy for i, s in (health.snapshot() if health else {}).items()},
                     share_mode=self.config.share_mode,
                 )
-            if not cache.wait_synced(ALLOCATE_WAIT_SECONDS):
+            if not cache.wait_synced(POD_CACHE_WAIT_SECONDS):
                 log.warning("the pod cache is not synced yet; Allocate will ask the API server directly")
         pod_resources = PodResourcesClient(Path(self.config.pod_resources_socket))
         if not self.recovery.from_pod_resources(pod_resources, self.pods.lookup):
@@ -628,9 +641,9 @@ class Agent:
 
     def _wait_ready(self) -> str:
         """Allocate waits (bounded) for the background start; '' when it may proceed."""
-        if self.ready.is_set() or self.ready.wait(ALLOCATE_WAIT_SECONDS):  # is_set: no lock once started
+        if self.ready.is_set() or self.ready.wait(self.handlers.remaining()):  # is_set: no lock once started
             return ""
-        return f"the agent is still starting (API server, driver mirror) after {ALLOCATE_WAIT_SECONDS:g} s"
+        return f"the agent is still starting (API server, driver mirror) {ALLOCATE_WAIT_SECONDS:g} s after it began"
 
     def _prepared(self, alloc: ContainerAllocation) -> None:
         """After PreStartContainer's check: limit files, then the pod's annotations (not awaited)."""

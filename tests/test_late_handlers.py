@@ -51,6 +51,19 @@ def test_a_state_that_cannot_be_loaded_refuses_with_the_reason() -> None:
 
 def test_the_wait_is_bounded() -> None:
     late = LateHandlers(wait_seconds=0.01)
-    with pytest.raises(RequestError, match=r"still loading its allocation state after 0\.01 s") as err:
+    with pytest.raises(
+        RequestError, match=r"still loading its allocation state \(waited .* the start may take 0\.01 s"
+    ) as err:
         late.allocate_core(request("a"))
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_pre_start_and_preference_wait_less_than_allocate() -> None:
+    """PreStartContainer has the kubelet's 30 s deadline, GetPreferredAllocation an answer without us:
+    each waits its own bound, within the start's."""
+    late = LateHandlers(wait_seconds=30, pre_start_seconds=0.01, prefer_seconds=0.01)
+    with pytest.raises(RequestError, match="PreStartContainer: .*still loading"):
+        late.pre_start_core(pb.PreStartContainerRequest(devices_ids=["a"]))
+    with pytest.raises(RequestError, match="GetPreferredAllocation: .*still loading"):
+        late.prefer("r", ["x"], [], 1)
+    assert late.remaining() > 1  # Allocate would still wait

@@ -9,12 +9,14 @@ name another GPU than the one the container runs on, and it offers capacity the 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpumanager import names
+from gpumanager.faults import STALL_ENV
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
 from simnode.kubelet import AllocationError
@@ -164,3 +166,22 @@ def test_pod_deleted_before_a_restart_does_not_keep_its_gpu(tmp_path: Path, agen
         after = cluster.run_pod(gpu_pod("after", [("main", 100, 0)]))
         assert answered(after)["main"][0] == (0,)
         wait_agent_matches(cluster, [after])
+
+
+def test_allocate_during_a_slow_load_waits_for_it(tmp_path: Path) -> None:
+    """The kubelet calls Allocate without a deadline and fails the pod's admission for good on an
+    error: an Allocate that arrives while the agent is still loading its state (a slow disk, a long
+    journal) waits for the load rather than failing the pod after a few seconds."""
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "one.json", [gpu(0)]))
+    with cluster:
+        assert cluster.agent is not None
+        live = [cluster.run_pod(gpu_pod("before", [("main", 50, 4)]))]
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        launched = time.monotonic()
+        cluster.start_agent(wait=False, env={STALL_ENV: "recovery:12"})
+        cluster.kubelet.wait_for_registration(names.VCORE_RESOURCE, since=launched, timeout=30, with_devices=True)
+        cluster.kubelet.wait_for_registration(names.VMEMORY_RESOURCE, since=launched, timeout=30, with_devices=True)
+        live.append(cluster.run_pod(gpu_pod("during-the-load", [("main", 50, 4)])))
+        assert answered(live[-1])["main"][0] == (0,)
+        wait_agent_matches(cluster, live)

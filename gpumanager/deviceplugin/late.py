@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,12 +24,18 @@ class LateHandlers:
 
     The device plugin registers before the allocator exists (loading the checkpoint and the
     modules behind it is not on the registration path). Until :meth:`attach` each call waits
-    for it, at most ``wait_seconds``, then is refused with UNAVAILABLE (GetPreferredAllocation
-    then answers no preference, which the kubelet treats as "choose yourself").
+    for it, until ``wait_seconds`` after this object was made (the agent's start), then is
+    refused with UNAVAILABLE. PreStartContainer waits at most ``pre_start_seconds`` of that and
+    GetPreferredAllocation at most ``prefer_seconds`` (then it answers no preference, which the
+    kubelet treats as "choose yourself").
     """
 
-    def __init__(self, wait_seconds: float) -> None:
+    def __init__(
+        self, wait_seconds: float, *, pre_start_seconds: float | None = None, prefer_seconds: float | None = None
+    ) -> None:
         self._wait = wait_seconds
+        self._deadline = time.monotonic() + wait_seconds
+        self._most = {"PreStartContainer": pre_start_seconds, "GetPreferredAllocation": prefer_seconds}
         self._attached = threading.Event()
         self._handlers: Handlers | None = None
         self._preference: PreferenceFn | None = None
@@ -44,9 +51,18 @@ class LateHandlers:
         self._problem = problem
         self._attached.set()
 
+    def remaining(self) -> float:
+        """Seconds left until the start's deadline (0 once past it)."""
+        return max(0.0, self._deadline - time.monotonic())
+
     def _get(self, what: str) -> tuple[Handlers, PreferenceFn]:
-        if not self._attached.wait(self._wait):
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{what}: {self._problem} after {self._wait:g} s")
+        most = self._most.get(what)
+        wait = self.remaining() if most is None else min(most, self.remaining())
+        if not self._attached.is_set() and not self._attached.wait(wait):
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{what}: {self._problem} (waited {wait:.3g} s; the start may take {self._wait:g} s)",
+            )
         if self._handlers is None or self._preference is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{what}: {self._problem}")
         return self._handlers, self._preference

@@ -166,3 +166,19 @@ def test_volume_config_error_is_logged_again_only_when_it_changes(
         keeper.stop()
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and str(config) in errors[0], errors
+
+
+def test_unknown_node_name_says_which_flag_names_it(tmp_path: Path, sim_built: Path) -> None:
+    """A node name the API server does not know (a wrong --hostname-override or $NODE_NAME): the agent
+    never sees its pods; the log says so and which setting to correct, not only '404 Not Found'."""
+    from simnode.cluster import SimCluster
+
+    cluster = SimCluster(tmp_path, "t4-x1", agent_flags=["--hostname-override=no-such-node"])
+    cluster.start(wait=False)
+    try:
+        assert cluster.agent is not None
+        text = cluster.agent.wait_for_log("gpu-inventory on node no-such-node", timeout=30)
+    finally:
+        cluster.stop()
+    line = next(x for x in text.splitlines() if "gpu-inventory on node no-such-node" in x)
+    assert "--hostname-override" in line and "NODE_NAME" in line, line

@@ -83,6 +83,15 @@ class InventoryPublisher:
         body = {"metadata": {"annotations": {ANNOTATION: value}}}
         self._rest.patch_node(self._node, body, content_type=MERGE_PATCH, timeout=self._timeout)
 
+    def _problem(self, exc: Exception) -> str:
+        """What a failed publication says: for a node the API server does not know, which settings name it."""
+        if getattr(exc, "status", None) == 404:
+            return (
+                f"{failure(exc)}: the agent's node name (--hostname-override, else $NODE_NAME, else the host "
+                "name) must be the name of this node's Node object (kubectl get nodes), or its pods are never seen"
+            )
+        return failure(exc)
+
     def _report(self, problem: str) -> None:
         if problem == self._last_error:
             return
@@ -112,7 +121,7 @@ class InventoryPublisher:
                 self._publish(value)
             except Exception as exc:  # any failure (API answer, connection, timeout): keep the thread alive
                 self.failures += 1
-                self._report(failure(exc))
+                self._report(self._problem(exc))
                 self._wake.set()  # still to do
                 if self._stop.wait(retry):
                     return

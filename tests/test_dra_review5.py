@@ -505,3 +505,40 @@ def test_requests_on_two_gpus_run_each_container_on_its_gpu_with_its_share(tmp_p
         assert q["status"].get("phase") != "Running"
         [error] = node.prepare_errors[q["metadata"]["uid"]].values()
         assert "container two" in error and "whole claim" in error and "request" in error, error
+
+
+def test_a_later_pod_using_all_of_a_per_request_claim_counts_against_every_request(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    # A claim is prepared once per node: a second pod that joins it later is never seen by the
+    # Prepare-time check. A container of it that uses all of the claim must still count against
+    # the requests' limits (against every one), never against none.
+    from gpumanager.vmanager import files
+    from simnode.dra_cluster import DRACluster
+
+    with DRACluster(tmp_path / "node", "t4-x1") as node:
+        template = _two_request_template("unused", (30, "2Gi"), (20, "1Gi"))
+        node.resource.create_namespaced_resource_claim(
+            "default", {"metadata": {"name": "team", "namespace": "default"}, "spec": template["spec"]["spec"]}
+        )
+        first = _pod_per_request("p", "unused")
+        first["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "team"}]
+        node.create_pod(first)
+        node.settle()
+        assert node.pod("p")["status"]["phase"] == "Running", node.prepare_errors
+        later = _pod_per_request("q", "unused")
+        later["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "team"}]
+        later["spec"]["containers"] = [later["spec"]["containers"][0]]
+        later["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpu"}]
+        node.create_pod(later, commands={"one": ["sleep", "60"]})
+        node.settle()
+        assert node.kubelet is not None
+        run = node.kubelet.containers.get((node.pod("q")["metadata"]["uid"], "one"))
+        assert run is not None and run.proc is not None
+        uid = node.resource.read_namespaced_resource_claim("team", "default").metadata.uid
+        for request in ("a", "b"):
+            path = node.vm_path / uid / f"request-{request}" / "pids.config"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (not path.exists() or run.proc.pid not in files.read_pids(path)):
+                time.sleep(0.1)
+            assert run.proc.pid in files.read_pids(path), request

@@ -506,7 +506,9 @@ class DRAMode:
             cid = podinfo.container_ids(pod).get(container)
             if not cid:
                 continue
-            for request in named:
+            # A container that uses all of the claim (refused at Prepare when its pod was seen then)
+            # counts against every request: never against none.
+            for request in list(by_request) if None in named else named:
                 if request in by_request:
                     by_request[str(request)].update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
         for request, pids in by_request.items():

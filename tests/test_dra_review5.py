@@ -542,3 +542,19 @@ def test_a_later_pod_using_all_of_a_per_request_claim_counts_against_every_reque
             while time.monotonic() < deadline and (not path.exists() or run.proc.pid not in files.read_pids(path)):
                 time.sleep(0.1)
             assert run.proc.pid in files.read_pids(path), request
+
+
+def test_usage_shows_each_container_its_requests_share() -> None:
+    from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+    from gpumanager.dra.consumers import container_allocations
+
+    def dev(request: str, minor: int, cores: int, memory: int) -> ClaimDevice:
+        return ClaimDevice(request, "node-a", f"gpu-{minor}", minor, f"s-{request}", cores, memory, False)
+
+    claim = ClaimAllocation("u1", "ml", "pair", (dev("a", 0, 30, 4 << 30), dev("b", 1, 60, 2 << 30)))
+    pod = _pod_per_request("p", "unused")
+    pod["metadata"].update({"namespace": "ml", "uid": "pod-1"})
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "pair"}]
+    pod["status"] = {"phase": "Running"}
+    got = {(a.container, a.minors, a.cores, a.memory) for a in container_allocations([claim], [pod])}
+    assert got == {("one", (0,), 30, 4 << 30), ("two", (1,), 60, 2 << 30)}

@@ -182,3 +182,13 @@ def test_unknown_node_name_says_which_flag_names_it(tmp_path: Path, sim_built: P
         cluster.stop()
     line = next(x for x in text.splitlines() if "gpu-inventory on node no-such-node" in x)
     assert "--hostname-override" in line and "NODE_NAME" in line, line
+
+
+def test_no_in_cluster_configuration_says_to_give_a_kubeconfig(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run by hand (not in a pod) without --kubeconfig: the line says what is missing and which flag gives it."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_PORT", raising=False)
+    with pytest.raises(KubeUnavailableError) as err:
+        kube_client("")
+    message = str(err.value)
+    assert "KUBERNETES_SERVICE_HOST" in message and "--kubeconfig" in message, message

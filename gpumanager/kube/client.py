@@ -40,6 +40,11 @@ KUBECONFIG_AUTH_IMPORTS = (
 )
 
 
+#: What a pod's environment holds and the in-cluster configuration needs (with the service account's token).
+SERVICE_HOST_ENV = "KUBERNETES_SERVICE_HOST"
+SERVICE_PORT_ENV = "KUBERNETES_SERVICE_PORT"
+
+
 class KubeUnavailableError(RuntimeError):
     """No usable API server configuration."""
 
@@ -71,6 +76,11 @@ def kube_client(kubeconfig: str = "") -> KubeClient:
     if kubeconfig and not any(os.path.exists(p) for p in _kubeconfig_paths(kubeconfig)):
         # What the loader would find out after loading YAML, OAuth and the typed client (16 MiB).
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: no such file")
+    if not kubeconfig and not (os.environ.get(SERVICE_HOST_ENV) and os.environ.get(SERVICE_PORT_ENV)):
+        raise KubeUnavailableError(
+            f"cannot configure the Kubernetes client from {where}: {SERVICE_HOST_ENV} and {SERVICE_PORT_ENV} "
+            "are not set (not running in a pod): name a kubeconfig with --kubeconfig"
+        )
     # The client's rest module imports kubernetes.utils.retry; loaded first, the utils package
     # (whose __init__ loads the YAML object creator) stays deferred too.
     lazy_package.import_module("kubernetes.utils.quantity")

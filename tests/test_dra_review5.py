@@ -558,3 +558,16 @@ def test_usage_shows_each_container_its_requests_share() -> None:
     pod["status"] = {"phase": "Running"}
     got = {(a.container, a.minors, a.cores, a.memory) for a in container_allocations([claim], [pod])}
     assert got == {("one", (0,), 30, 4 << 30), ("two", (1,), 60, 2 << 30)}
+
+
+def test_every_config_of_a_claim_with_shares_on_two_gpus_is_one_the_interceptor_takes() -> None:
+    # The interceptor fails closed on a vcuda.config with utilization above 100.
+    from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
+    from gpumanager.vmanager.claims import config_for, request_configs
+
+    def dev(request: str, minor: int) -> ClaimDevice:
+        return ClaimDevice(request, "node-a", f"gpu-{minor}", minor, f"s-{request}", 60, 1 << 30, False)
+
+    claim = ClaimAllocation("u1", "ml", "pair", (dev("a", 0), dev("b", 1)))
+    configs = [config_for(claim, "550.54.15"), *request_configs(claim, "550.54.15").values()]
+    assert len(configs) == 3 and all(0 <= cfg.utilization <= 100 for cfg in configs), configs

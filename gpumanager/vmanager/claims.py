@@ -80,7 +80,10 @@ def config_for(claim: ClaimAllocation, driver_version: str) -> files.VcudaConfig
         pod_uid=claim.uid,
         container_name=claim.key,
         gpu_memory=share[1],
-        utilization=share[0],
+        # Over 100 only for a claim whose requests' shares sit on several GPUs: each device of such a
+        # claim mounts its request's directory over this one, and the interceptor refuses a config
+        # above 100 (it fails closed), so it says 100.
+        utilization=min(share[0], names.HUNDRED_CORES),
         limit=0,
         hard_limit=1,
         driver_major=major,

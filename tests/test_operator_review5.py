@@ -3,6 +3,7 @@ and the value (and what to do), never a library's multi-line text or a gRPC core
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -22,6 +23,19 @@ from gpumanager.kube.client import KubeUnavailableError, kube_client
 from simnode.agent_process import AgentProcess
 from simnode.gpusim_state import sim_env
 from tests.agent_fixtures import spec_path
+from tests.volume_fixtures import (
+    DEFAULT_VOLUME_CONF,
+    LIB32,
+    LIB64,
+    LIBX32,
+    V1,
+    DriverStore,
+    driver_store,
+    install_driver,
+    remove_libcuda,
+)
+
+__all__ = ["driver_store"]
 
 NOBODY = 65534
 SERVING = "serving 8 GPUs"
@@ -192,3 +206,35 @@ def test_no_in_cluster_configuration_says_to_give_a_kubeconfig(monkeypatch: pyte
         kube_client("")
     message = str(err.value)
     assert "KUBERNETES_SERVICE_HOST" in message and "--kubeconfig" in message, message
+
+
+def test_mirror_recheck_of_an_unchanged_host_logs_nothing(
+    tmp_path: Path, driver_store: DriverStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mirror is checked again every 5 minutes: an unchanged host (here one whose mirror cannot give
+    shares the interceptor) logs its state once, at the first build, not at every check."""
+    from gpumanager.volume.keeper import MirrorKeeper
+
+    root = tmp_path / "host"
+    install_driver(driver_store, root, V1)
+    remove_libcuda(root, LIB64, LIB32, LIBX32)
+    (tmp_path / "proc").mkdir()
+    conf = json.loads(DEFAULT_VOLUME_CONF.read_text())
+    for volume in conf["volume"]:
+        volume["base"] = str(tmp_path / "vdriver")
+    (tmp_path / "volume.conf").write_text(json.dumps(conf))
+    mirror = MirrorKeeper(
+        volume_config=str(tmp_path / "volume.conf"),
+        driver_root=str(root),
+        share_mode=True,
+        interceptor=str(driver_store.interceptor(0)),
+        proc_root=str(tmp_path / "proc"),
+    )
+    with caplog.at_level("INFO", logger="gpumanager.volume"):
+        assert mirror.build() is True
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        assert mirror.build() is True and mirror.build() is True
+        again = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
+    assert any("share mode has no interceptor" in m for m in first), first
+    assert again == [], again

@@ -125,7 +125,7 @@ class MirrorKeeper:
         self._reported = set(result.warnings)
         for tree in result.removed_trees:
             log.info("driver mirror: removed unused tree %s", tree)
-        if result.changed:
+        if result.changed or not self._built:  # and at the start: which driver the mirror holds
             log.info(
                 "driver mirror %s: %s",
                 result.driver_version.full if result.driver_version else "(no libcuda found)",
@@ -145,6 +145,10 @@ class MirrorKeeper:
         self.nvidia = str(result.nvidia or DEFAULT_VDRIVER / "nvidia")
         self.origin = str(result.origin or DEFAULT_VDRIVER / "origin")
         self.error = ""
+        if result.share_problem and result.share_problem != self._mirror_problem:
+            log.error("driver mirror: %s", result.share_problem)
+        elif self._mirror_problem and not result.share_problem:
+            log.info("driver mirror: shared containers get the interceptor again")
         self._mirror_problem = result.share_problem
         self._built = True
         return True

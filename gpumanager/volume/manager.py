@@ -228,9 +228,9 @@ def build_vdriver(
         share_problem=problem,
         install_in_progress=install.in_progress,
     )
-    if problem:
-        log.error("driver mirror: %s", problem)
-    log.info(
+    # The caller (gpumanager.volume.keeper) logs a change of trees and a share problem once: this runs
+    # at every recheck of the host.
+    log.debug(
         "driver mirror: version %s, %s",
         version or "unknown",
         ", ".join(f"{o.name} -> {o.tree.name}{' (new)' if o.changed else ''}" for o in outcomes),

@@ -642,7 +642,7 @@ class Agent:
     def _wait_ready(self) -> str:
         """Allocate waits (bounded) for the background start; '' when it may proceed."""
         if self.ready.is_set() or self.ready.wait(self.handlers.remaining()):  # is_set: no lock once started
-            return ""
+            return "the agent is stopping" if self._stopping.is_set() else ""
         return f"the agent is still starting (API server, driver mirror) {ALLOCATE_WAIT_SECONDS:g} s after it began"
 
     def _prepared(self, alloc: ContainerAllocation) -> None:
@@ -675,6 +675,9 @@ class Agent:
     def stop(self) -> None:
         """Stop every component, our sockets first; nothing is waited for long (well under 2 s in all)."""
         self._stopping.set()
+        # Kubelet calls waiting for the start are answered now (a stop is not to wait out their waits).
+        self.handlers.fail("the agent is stopping")
+        self.ready.set()
         # A step of the background start in progress finishes first (its components are then
         # stopped here); one that hangs is not waited for beyond the bound.
         locked = self._lifecycle.acquire(timeout=STOP_WAITS_FOR_START_SECONDS)

@@ -9,6 +9,7 @@ name another GPU than the one the container runs on, and it offers capacity the 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from gpumanager import names
 from gpumanager.faults import STALL_ENV
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
-from simnode.kubelet import AllocationError
+from simnode.kubelet import AllocationError, PluginRPCError
 from tests.battery_fixtures import answered, assert_no_overcommit, gpu, memory_of, wait_agent_matches, write_spec
 
 
@@ -185,3 +186,34 @@ def test_allocate_during_a_slow_load_waits_for_it(tmp_path: Path) -> None:
         live.append(cluster.run_pod(gpu_pod("during-the-load", [("main", 50, 4)])))
         assert answered(live[-1])["main"][0] == (0,)
         wait_agent_matches(cluster, live)
+
+
+def test_a_stop_answers_the_calls_waiting_for_the_start(tmp_path: Path) -> None:
+    """SIGTERM while an Allocate waits for a slow start: the call is answered that the agent stops
+    (not left to the server's cancellation), and the agent exits cleanly."""
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "one.json", [gpu(0)]))
+    with cluster:
+        assert cluster.agent is not None
+        cluster.agent.signal(signal.SIGKILL)
+        cluster.agent.wait()
+        launched = time.monotonic()
+        agent = cluster.start_agent(wait=False, env={STALL_ENV: "recovery:60"})
+        for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+            cluster.kubelet.wait_for_registration(resource, since=launched, timeout=30, with_devices=True)
+        errors: list[BaseException] = []
+
+        def admit() -> None:
+            try:
+                cluster.admit(gpu_pod("waiting", [("main", 50, 4)]))
+            except PluginRPCError as exc:
+                errors.append(exc)
+
+        caller = threading.Thread(target=admit, daemon=True)
+        caller.start()
+        # GetPreferredAllocation waits a few seconds, then the kubelet's Allocate waits for the start.
+        agent.wait_for_log("returning no preference", timeout=30)
+        time.sleep(1.0)
+        agent.signal(signal.SIGTERM)
+        assert agent.wait() == 0
+        caller.join(30)
+        assert len(errors) == 1 and "the agent is stopping" in str(errors[0]), errors

@@ -132,6 +132,9 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
             if self._preference is not None:
                 try:
                     chosen = self._preference(available, must, size)
+                except RequestError as exc:  # expected (the agent still starting): no traceback
+                    log.warning("%s: %s; returning no preference", self.resource, exc)
+                    chosen = []
                 except Exception:
                     # The answer is advisory: on any failure let the kubelet choose.
                     log.exception("%s: GetPreferredAllocation failed; returning no preference", self.resource)

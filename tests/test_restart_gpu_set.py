@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 from gpumanager import names
+from gpumanager.device import nvml
+from gpumanager.device.types import GPUInfo
 from gpumanager.faults import STALL_ENV
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
@@ -217,3 +219,20 @@ def test_a_stop_answers_the_calls_waiting_for_the_start(tmp_path: Path) -> None:
         assert agent.wait() == 0
         caller.join(30)
         assert len(errors) == 1 and "the agent is stopping" in str(errors[0]), errors
+
+
+def _info(index: int, uuid: str, bus: str) -> GPUInfo:
+    return GPUInfo(index=index, uuid=uuid, name="GPU", minor=index, memory_total=1 << 30, pci_bus_id=bus)
+
+
+def test_places_of_the_gpus_nvml_counts_now() -> None:
+    """Each saved GPU keeps its place by UUID; a GPU swapped in at a missing one's PCI address takes its
+    place; a GPU counted but lost takes a free saved place; a new one goes after them; a saved GPU not
+    counted stays, with no NVML index."""
+    known = {i: _info(i, f"U{i}", f"bus{i}") for i in range(4)}
+    # U1 gone, U3 counted first, a new GPU at U2's address, a lost one.
+    counted: list[GPUInfo | None] = [_info(0, "U3", "bus3"), _info(1, "U0", "bus0"), _info(2, "N", "bus2"), None]
+    assert nvml._places(known, counted) == {3: 0, 0: 1, 2: 2, 1: 3}
+    counted = [_info(0, "U0", "bus0"), _info(1, "U2", "bus2"), _info(2, "N", "busN")]
+    assert nvml._places(known, counted) == {0: 0, 2: 1, 4: 2, 1: None, 3: None}
+    assert nvml._places(known, [_info(0, "X", "bus0")]) is None  # another node's inventory

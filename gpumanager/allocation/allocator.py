@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from json.encoder import encode_basestring_ascii as _quoted
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -1471,7 +1472,7 @@ class Allocator:
         self._insert(alloc)
         crash_point("allocate-before-checkpoint")
         try:
-            ticket = self._stage([_put(alloc)])
+            ticket = self._stage([_put(alloc)], _put_text(alloc))
         except OSError as exc:
             self._remove(alloc.key)
             self._free(alloc)
@@ -1492,10 +1493,11 @@ class Allocator:
         """Write the whole state as the snapshot now (under the lock)."""
         self._sync(self._stage(None))
 
-    def _stage(self, changes: list[dict[str, Any]] | None) -> int:
+    def _stage(self, changes: list[dict[str, Any]] | None, text: str | None = None) -> int:
         """Under the lock: stage changes as one journal record and return its ticket, to :meth:`_sync`
         (lock released) before answering; or write the whole snapshot now (ticket 0) for ``None``, a
-        large batch, or after a failed write. Raises OSError (and remembers why, for /readyz)."""
+        large batch, or after a failed write. Raises OSError (and remembers why, for /readyz).
+        ``text``: the JSON of a single change, when the caller made it (:func:`_put_text`)."""
         if self._checkpoint_error:
             changes = None  # a write failed lately: the whole state must be written before anything else
         try:
@@ -1503,7 +1505,9 @@ class Allocator:
                 if not changes:
                     return 0
                 try:
-                    return self._store.stage(changes[0] if len(changes) == 1 else {"batch": changes})
+                    if len(changes) == 1:
+                        return self._store.stage(changes[0], text)
+                    return self._store.stage({"batch": changes})
                 except journal.NoSegment:
                     pass  # a nearly full disk: the whole state is written instead, now
             seq = self._store.switch()
@@ -2593,6 +2597,18 @@ class _Subject:
 
 def _put(alloc: ContainerAllocation) -> dict[str, Any]:
     return {"op": "put", "pod": alloc.pod_uid, "container": alloc.container, "entry": alloc.to_json()}
+
+
+def _put_text(alloc: ContainerAllocation) -> str | None:
+    """:func:`_put`'s record as the journal's encoder writes it (compact, keys sorted), by template;
+    None when the entry cannot be made so (the journal then encodes the change itself)."""
+    entry = alloc.to_json_text()
+    if entry is None:
+        return None
+    try:
+        return f'{{"container":{_quoted(alloc.container)},"entry":{entry},"op":"put","pod":{_quoted(alloc.pod_uid)}}}'
+    except TypeError:  # a name that is no string
+        return None
 
 
 def _del(key: tuple[str, str]) -> dict[str, Any]:

@@ -121,8 +121,9 @@ class Loaded:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
-def _record(change: Mapping[str, Any]) -> bytes:
-    body = _ENCODER.encode(change).encode()
+def _record(change: Mapping[str, Any], text: str | None = None) -> bytes:
+    """The record of ``change``: length, CRC and its JSON (``text`` when the caller made it already)."""
+    body = (_ENCODER.encode(change) if text is None else text).encode()
     return b"%08x %08x " % (len(body), zlib.crc32(body)) + body + b"\n"
 
 
@@ -543,10 +544,12 @@ class CheckpointStore:
         """Make one change durable now (raises OSError when it cannot be written)."""
         self.sync(self.stage(change))
 
-    def stage(self, change: Mapping[str, Any]) -> int:
+    def stage(self, change: Mapping[str, Any], text: str | None = None) -> int:
         """Queue one change (under the allocator's lock, so changes keep their order); returns the
-        ticket to :meth:`sync` before answering. Raises OSError when changes cannot be written now."""
-        data = _record(change)
+        ticket to :meth:`sync` before answering. Raises OSError when changes cannot be written now.
+        ``text``: the change as compact JSON with sorted keys, when the caller has it (the same bytes
+        the encoder would write)."""
+        data = _record(change, text)
         with self._io_lock:
             if self._broken is not None:
                 why = self._broken.strerror or str(self._broken)

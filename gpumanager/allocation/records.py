@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _quoted
 from typing import Any
 
 from gpumanager import names, safenames
@@ -100,6 +101,42 @@ class ContainerAllocation:
         if self.mirror:
             entry["Mirror"] = self.mirror
         return entry
+
+    def to_json_text(self) -> str | None:
+        """:meth:`to_json` as compact JSON with sorted keys, exactly as ``json.dumps(self.to_json(),
+        sort_keys=True, separators=(",", ":"))`` writes it (ASCII, escapes and all), made by one
+        template: the journal record of every Allocate holds it. None when a field is not of its
+        plain type (the caller then encodes :meth:`to_json`)."""
+        cores, memory, index = self.cores, self.memory, self.container_index
+        if type(cores) is not int or type(memory) is not int or type(index) is not int:
+            return None  # e.g. a bool, which JSON spells otherwise
+        answered = self.answered_as
+        if len(answered) != 2:
+            return None
+        try:  # the quoting takes strings only (as the encoder writes them); anything else: None
+            parts = []
+            if answered[0] and answered != (self.pod_uid, self.container):
+                parts.append(f'"AnsweredAs":[{_quoted(answered[0])},{_quoted(answered[1])}]')
+            parts.append(f'"Cores":{cores}')
+            if self.device_ids:
+                parts.append('"DeviceIDs":[' + ",".join([_quoted(d) for d in self.device_ids]) + "]")
+            parts.append('"Devices":[' + ",".join([_quoted(d) for d in self.devices]) + "]")
+            if index >= 0:
+                parts.append(f'"Index":{index}')
+            if self.init:
+                parts.append('"Init":true')
+            parts.append(f'"Memory":{memory}')
+            if self.mirror:
+                parts.append(f'"Mirror":{_quoted(self.mirror)}')
+            if self.namespace:
+                parts.append(f'"Namespace":{_quoted(self.namespace)}')
+            if self.pod_name:
+                parts.append(f'"Pod":{_quoted(self.pod_name)}')
+        except TypeError:
+            return None
+        if self.started:
+            parts.append('"Started":true')
+        return "{" + ",".join(parts) + "}"
 
 
 #: Upstream's Cores and Memory are Go int64s, and vcuda.config holds the memory limit as a uint64.

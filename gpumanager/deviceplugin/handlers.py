@@ -39,23 +39,24 @@ Observer = Callable[[str, str, float, bool], None]  # (resource, call, seconds, 
 
 def to_pb(resp: ContainerResponse) -> pb.ContainerAllocateResponse:
     """Our plain answer as the kubelet's message."""
-    msg = pb.ContainerAllocateResponse(
-        mounts=[
-            pb.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only) for m in resp.mounts
-        ],
-        devices=[
-            pb.DeviceSpec(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
-            for d in resp.devices
-        ],
-    )
-    # Item by item: a map given to the constructor goes through the MutableMapping ABC's update
-    # (several Python calls per map, on every Allocate).
-    envs, annotations = msg.envs, msg.annotations
+    msg = pb.ContainerAllocateResponse()
+    fill_pb(resp, msg)
+    return msg
+
+
+def fill_pb(resp: ContainerResponse, msg: pb.ContainerAllocateResponse) -> None:
+    """Write our plain answer into ``msg`` (empty), built in place: a message given to a repeated field
+    or a constructor is copied, and a map given to a constructor goes through the MutableMapping ABC's
+    update (several Python calls per map, on every Allocate)."""
+    mounts, devices, envs, annotations = msg.mounts, msg.devices, msg.envs, msg.annotations
+    for m in resp.mounts:
+        mounts.add(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+    for d in resp.devices:
+        devices.add(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
     for key, value in resp.envs.items():
         envs[key] = value
     for key, value in resp.annotations.items():
         annotations[key] = value
-    return msg
 
 
 class Handlers:
@@ -109,7 +110,7 @@ class Handlers:
         try:
             if not request.container_requests:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty container request")
-            answers = []
+            answer = pb.AllocateResponse()
             for creq in request.container_requests:
                 ids = list(creq.devices_ids)
                 self._validate(names.VCORE_RESOURCE, ids)
@@ -119,11 +120,12 @@ class Handlers:
                         grpc.StatusCode.UNAVAILABLE, f"Allocate for {device_ids.describe(ids)}: {problem}"
                     )
                 try:
-                    answers.append(to_pb(self._allocator.allocate(ids)))
+                    allocated = self._allocator.allocate(ids)
                 except AllocationError as exc:
                     raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+                fill_pb(allocated, answer.container_responses.add())
             ok = True
-            return pb.AllocateResponse(container_responses=answers)
+            return answer
         finally:
             self._timed(names.VCORE_RESOURCE, "Allocate", started, ok)
 

@@ -376,7 +376,10 @@ class Agent:
             return
         self._label_node()
         if self.config.mode == "dra":
-            log.info("DRA driver %s started in %.0f ms", self.config.dra_driver_name, self._since_start_ms())
+            if self.dra is None:  # why is logged above (and on /healthz, /readyz)
+                log.error("DRA driver %s is not serving claims (the error above says why)", self.config.dra_driver_name)
+            else:
+                log.info("DRA driver %s started in %.0f ms", self.config.dra_driver_name, self._since_start_ms())
             return
         log.info(
             "serving %d GPUs: %s=%d, %s=%d devices in %s (started in %.0f ms)",
@@ -459,7 +462,10 @@ class Agent:
 
         cache = api.connect(listener)
         if cache is None:
-            self._component_failed("api-server", f"{api.error}; serving without it (Allocate will refuse)")
+            if dra and "dra" in self.component_errors:  # which logged it, saying what it costs
+                self.component_errors["api-server"] = api.error
+            else:
+                self._component_failed("api-server", f"{api.error}; serving without it (Allocate will refuse)")
             self.pods.fail(api.error)
         else:
             self.pods.attach(cache)
@@ -535,7 +541,10 @@ class Agent:
 
         cfg = self.config
         if self.api is None or self.api.api is None:
-            self._component_failed("dra", "DRA mode needs the API server; not serving claims")
+            why = self.api.error if self.api is not None and self.api.error else "no API client"
+            self._component_failed(
+                "dra", f"DRA mode needs the API server ({why}): the DRA driver is not registered, no claim is prepared"
+            )
             return
         stall_point("start-dra")
         try:

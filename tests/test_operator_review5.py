@@ -238,3 +238,20 @@ def test_mirror_recheck_of_an_unchanged_host_logs_nothing(
         again = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
     assert any("share mode has no interceptor" in m for m in first), first
     assert again == [], again
+
+
+def test_dra_mode_without_api_server_says_why_and_does_not_claim_to_have_started(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    """DRA mode cannot serve without the API server: the log says why (the kubeconfig's problem) in the
+    line that says claims are not served, speaks of claims rather than Allocate, and the start's last line
+    does not announce a started driver."""
+    agent = AgentProcess(tmp_path, spec_path("t4-x1"), extra_args=["--mode=dra"]).start()
+    try:
+        text = agent.wait_for_log("DRA driver vcuda.tencent.com", timeout=30)  # the start's last line
+    finally:
+        agent.stop()
+    dra_line = next(x for x in text.splitlines() if "DRA mode needs the API server" in x)
+    assert "no-kubeconfig" in dra_line, dra_line
+    assert "Allocate" not in text, text
+    assert "started in" not in text, text

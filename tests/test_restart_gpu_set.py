@@ -8,6 +8,7 @@ name another GPU than the one the container runs on, and it offers capacity the 
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -17,8 +18,8 @@ from typing import Any
 import pytest
 
 from gpumanager import names
-from gpumanager.device import nvml
-from gpumanager.device.types import GPUInfo
+from gpumanager.device import inventory, nvml
+from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.faults import STALL_ENV
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import GpuSimState
@@ -236,3 +237,19 @@ def test_places_of_the_gpus_nvml_counts_now() -> None:
     counted = [_info(0, "U0", "bus0"), _info(1, "U2", "bus2"), _info(2, "N", "busN")]
     assert nvml._places(known, counted) == {0: 0, 2: 1, 4: 2, 1: None, 3: None}
     assert nvml._places(known, [_info(0, "X", "bus0")]) is None  # another node's inventory
+
+
+def test_an_inventory_written_by_a_newer_agent_is_used(tmp_path: Path) -> None:
+    """A newer version may save more about each GPU: after a downgrade its inventory still keeps the GPUs'
+    places (the fields this version knows are read, the others left)."""
+    path = tmp_path / inventory.FILE
+    gpus = [_info(0, "U0", "bus0"), _info(1, "U1", "bus1")]
+    inventory.save(path, gpus, NodeTopology(levels=((0, 20), (20, 0))))
+    doc = json.loads(path.read_text())
+    for g in doc["gpus"]:
+        g["pcie_generation"] = 5
+    doc["saved_by"] = "a newer agent"
+    path.write_text(json.dumps(doc))
+    loaded, topology = inventory.load(path)
+    assert loaded == {g.index: g for g in gpus}
+    assert topology is not None and topology.levels == ((0, 20), (20, 0))

@@ -54,13 +54,14 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 
 
 def _gpu(raw: object) -> GPUInfo:
-    """One saved GPU, every field of the type :func:`save` writes (ValueError naming the one that is not)."""
+    """One saved GPU, every field of the type :func:`save` writes (ValueError naming the one that is not).
+    A field this version does not know (a newer agent's, before a downgrade) is left: the GPU's place
+    matters more than what else was said of it."""
     if not isinstance(raw, dict):
         raise ValueError(f"GPU entry {raw!r:.80} is not an object")
+    raw = {key: value for key, value in raw.items() if key in _FIELDS}
     for key, value in raw.items():
-        kinds = _FIELDS.get(key)
-        if kinds is None:
-            raise ValueError(f"GPU entry has an unknown field {key!r:.40}")
+        kinds = _FIELDS[key]
         if bool in kinds:
             ok = isinstance(value, bool)
         else:  # a JSON true is no number here

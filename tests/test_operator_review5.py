@@ -255,3 +255,19 @@ def test_dra_mode_without_api_server_says_why_and_does_not_claim_to_have_started
     assert "no-kubeconfig" in dra_line, dra_line
     assert "Allocate" not in text, text
     assert "started in" not in text, text
+
+
+def test_selftest_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main(["selftest", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("10,30,50,70,90", "default 2", "default 4", "default 200000", "default: all"):
+        assert default in out, (default, out)
+
+
+def test_selftest_refuses_a_negative_gpu_index(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main(["selftest", "--gpu=-1"])
+    assert done.value.code == 2
+    assert "--gpu" in capsys.readouterr().err

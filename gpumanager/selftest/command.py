@@ -64,6 +64,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an NVML index (0 or more)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The self-test's flags."""
     d = Config()
@@ -73,16 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vcuda-library", default=d.vcuda_library, help="the interceptor (default %(default)s)")
     p.add_argument("--driver-root", default=d.driver_root, help="root of the host's driver files (%(default)s)")
-    p.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to test (default 0)")
+    p.add_argument("--gpu", type=_index, default=0, help="NVML index of the GPU to test (default 0)")
     p.add_argument("--memory-mib", type=_positive_int, default=0,
                    help="the test container's memory cap (default: a quarter of the GPU, at most 4096 and at most "
                         "8/9 of what is free on it)")  # fmt: skip
-    p.add_argument("--limits", type=_limits, default=(10, 30, 50, 70, 90), help="SM limits to measure, in %%")
-    p.add_argument("--settle", type=_positive_float, default=2.0, help="seconds before a share is measured")
-    p.add_argument("--measure", type=_positive_float, default=4.0, help="seconds a share is measured over")
+    p.add_argument("--limits", type=_limits, default=(10, 30, 50, 70, 90),
+                   help="SM limits to measure, in %% (default 10,30,50,70,90)")  # fmt: skip
+    p.add_argument("--settle", type=_positive_float, default=2.0, help="seconds before a share is measured (default 2)")
+    p.add_argument("--measure", type=_positive_float, default=4.0, help="seconds a share is measured over (default 4)")
     p.add_argument("--tolerance", type=_positive_float, default=3.0, help="points a share may be off (default 3)")
-    p.add_argument("--calls", type=_positive_int, default=200_000, help="calls per cost measurement")
-    p.add_argument("--only", type=_sections, default=SECTIONS, help=f"sections to run: {','.join(SECTIONS)}")
+    p.add_argument("--calls", type=_positive_int, default=200_000, help="calls per cost measurement (default 200000)")
+    p.add_argument("--only", type=_sections, default=SECTIONS,
+                   help=f"sections to run, comma-separated: {','.join(SECTIONS)} (default: all)")  # fmt: skip
     return p
 
 

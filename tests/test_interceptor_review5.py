@@ -9,6 +9,7 @@ driver), run in a simulated container.  Races are made deterministic with the te
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from simnode.gpusim_state import GpuSimState
 from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
 from tests.test_interceptor_review4 import hooks_built
 from tests.vcuda_fixtures import Container, config_bytes, container, last_json, make_mirror, vcuda_built
@@ -190,3 +192,35 @@ def test_a_launch_description_rewritten_during_the_launch_runs_where_the_gate_lo
     out, err = run_c(exe, [mode, "20"], env, sanitize)
     assert out["launch"] == 0, f"{out}: {err[-4000:]}"
     assert out["s2_busy"] == 0, f"the kernel ran on the stream written after the gate's check: {out}"
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
+def test_an_allocation_whose_capture_another_thread_ended_meanwhile_stays_within_the_cap(
+    container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
+) -> None:
+    """cuMemAllocAsync on a capturing stream is charged as a memory node of the capturing graph, given back when
+    the graph goes.  Another thread ending the capture between that check and the call made the allocation real
+    (the stream's pool) while it was charged as the graph's: destroying the graph returned the charge and the
+    memory stayed, round after round beyond the cap.  A test-only delay after the capture check
+    (VCUDA_TEST_CAPTURE_DELAY_US, in a build with -DVC_TEST_HOOKS) lets the capture end there.  Whatever the
+    interleaving, the GPU must never hold more for the container than its cap (1024 MiB; 6 x 300 MiB asked)."""
+    c = container(1024)
+    del asan_built
+    mirror = hooks_mirror(c, hooks_built, sanitize)
+    exe = build_program("review5_galloc", tmp_path, sanitize)
+    env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_CAPTURE_DELAY_US="200000")
+    if sanitize:
+        env["ASAN_OPTIONS"] = "detect_leaks=0"
+    proc = subprocess.Popen([str(exe), "6", "300", "20"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        with GpuSimState(os.fspath(c.state_path)) as st:
+            held = st.snapshot().used_bytes(0)
+    finally:
+        out, err = proc.communicate("stop\n", timeout=120)
+    assert proc.returncode == 0, line + out + err[-4000:]
+    got = last_json(line)
+    assert isinstance(got, dict) and got["rounds"] == 6, line + err[-4000:]
+    assert held <= c.limit_bytes, f"the GPU holds {held >> 20} MiB for a 1024 MiB container: {got}"

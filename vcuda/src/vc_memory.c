@@ -79,6 +79,9 @@ static uint64_t g_lib_image; /* under g_lib_mu: their whole footprints (code pag
 static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT records) */
 
 static void ordered_frees_atfork_child(void);
+/* Held (read) from a stream-ordered allocation's or free's capture check to its call's end; captures change
+ * under it (written): see cuMemAllocAsync. */
+static pthread_rwlock_t g_capture_rw = PTHREAD_RWLOCK_INITIALIZER;
 
 static void atfork_prepare(void)
 {
@@ -102,6 +105,7 @@ static void atfork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     pthread_mutex_init(&g_lib_mu, NULL);
     pthread_mutex_init(&g_graph_mu, NULL);
+    pthread_rwlock_init(&g_capture_rw, NULL); /* perhaps held by a thread of the parent at the fork */
     for (int i = 0; i < POOL_STRIPES; i++)
         pthread_mutex_init(&g_pool_mu[i], NULL);
     vc_budget_atfork_child();
@@ -490,6 +494,18 @@ static void pool_undo(CUmemoryPool pool, CUdeviceptr dptr, CUstream s, bool ptsz
     vc_log(VC_LOG_INFO, "a pool allocation grew its pool beyond the container's limit: freed, refused");
 }
 
+#ifdef VC_TEST_HOOKS
+/* Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_CAPTURE_DELAY_US between a capture check and the driver call. */
+static void test_capture_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_CAPTURE_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_capture_delay() ((void)0)
+#endif
+
 /*
  * Stream-ordered allocation from pool (NULL: the stream's device's).  Into a capture it becomes a
  * memory node of the capturing graph: its memory is then the graph's and the exec's (below).
@@ -504,6 +520,7 @@ static void pool_undo(CUmemoryPool pool, CUdeviceptr dptr, CUstream s, bool ptsz
                 pthread_mutex_unlock(&g_graph_mu);                                                                 \
                 return CUDA_ERROR_OUT_OF_MEMORY;                                                                   \
             }                                                                                                      \
+            test_capture_delay();                                                                                  \
             CUresult rc_ = (call);                                                                                 \
             if (rc_ != CUDA_SUCCESS)                                                                               \
                 galloc_unreserve(bytesize, took_);                                                                 \
@@ -540,25 +557,59 @@ static void pool_undo(CUmemoryPool pool, CUdeviceptr dptr, CUstream s, bool ptsz
         return rc_;                                                                                                \
     } while (0)
 
+/*
+ * Captures begin and end under g_capture_rw (written); a stream-ordered allocation or free holds it (read) from its
+ * look at the stream's capture to the end of its driver call, so no capture of another thread begins or ends between
+ * the two: an allocation charged as a capturing graph's memory node is one (and one charged as the stream's pool's
+ * is real).  Only captures, which programs begin and end rarely, wait; with the memory limit off nothing is taken.
+ */
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), hStream, false, NULL);
+}
+
+static CUresult alloc_async_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), hStream, true, NULL);
+}
+
+static CUresult alloc_from_pool_async(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), hStream, false, pool);
+}
+
+static CUresult alloc_from_pool_async_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), hStream, true, pool);
+}
+
+#define CAPTURE_STABLE(call)                                                                                       \
+    do {                                                                                                           \
+        pthread_rwlock_rdlock(&g_capture_rw);                                                                      \
+        CUresult rc_ = (call);                                                                                     \
+        pthread_rwlock_unlock(&g_capture_rw);                                                                      \
+        return rc_;                                                                                                \
+    } while (0)
+
 VC_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync)(dptr, bytesize, hStream), hStream, false, NULL);
+    CAPTURE_STABLE(alloc_async(dptr, bytesize, hStream));
 }
 
 VC_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0)
         return REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocAsync_ptsz)(dptr, bytesize, hStream), hStream, true, NULL);
+    CAPTURE_STABLE(alloc_async_ptsz(dptr, bytesize, hStream));
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0 || pool == NULL)
         return REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync)(dptr, bytesize, pool, hStream), hStream, false, pool);
+    CAPTURE_STABLE(alloc_from_pool_async(dptr, bytesize, pool, hStream));
 }
 
 VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
@@ -566,7 +617,64 @@ VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || bytesize == 0 || pool == NULL)
         return REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream);
-    ASYNC_ALLOC(REAL_CU(cuMemAllocFromPoolAsync_ptsz)(dptr, bytesize, pool, hStream), hStream, true, pool);
+    CAPTURE_STABLE(alloc_from_pool_async_ptsz(dptr, bytesize, pool, hStream));
+}
+
+/* Beginning or ending a capture waits for the stream-ordered allocations and frees between their check and call. */
+#define CAPTURE_CHANGE(call)                                                                                       \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited()))                                                                              \
+            return (call);                                                                                         \
+        pthread_rwlock_wrlock(&g_capture_rw);                                                                      \
+        CUresult rc_ = (call);                                                                                     \
+        pthread_rwlock_unlock(&g_capture_rw);                                                                      \
+        return rc_;                                                                                                \
+    } while (0)
+
+VC_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCapture)(hStream));
+}
+
+VC_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hStream)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCapture_ptsz)(hStream));
+}
+
+VC_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCapture_v2)(hStream, mode));
+}
+
+VC_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCapture_v2_ptsz)(hStream, mode));
+}
+
+VC_EXPORT CUresult cuStreamBeginCaptureToGraph(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                               const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                               CUstreamCaptureMode mode)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCaptureToGraph)(hStream, hGraph, dependencies, dependencyData, numDependencies,
+                                                        mode));
+}
+
+VC_EXPORT CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,
+                                                    const CUgraphEdgeData *dependencyData, size_t numDependencies,
+                                                    CUstreamCaptureMode mode)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamBeginCaptureToGraph_ptsz)(hStream, hGraph, dependencies, dependencyData,
+                                                             numDependencies, mode));
+}
+
+VC_EXPORT CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamEndCapture)(hStream, phGraph));
+}
+
+VC_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph)
+{
+    CAPTURE_CHANGE(REAL_CU(cuStreamEndCapture_ptsz)(hStream, phGraph));
 }
 
 /* After a free (of any kind) that succeeded: a pool allocation settles its pool. */
@@ -693,14 +801,14 @@ VC_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync)(dptr, hStream);
-    return free_async(dptr, hStream, false);
+    CAPTURE_STABLE(free_async(dptr, hStream, false));
 }
 
 VC_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemFreeAsync_ptsz)(dptr, hStream);
-    return free_async(dptr, hStream, true);
+    CAPTURE_STABLE(free_async(dptr, hStream, true));
 }
 
 /* Trimming, a new release threshold, destruction: what the pool holds changes. */

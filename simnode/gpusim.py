@@ -6,6 +6,8 @@ sees the change at once::
     gpusim xid --gpu 2 --xid 79            queue an XID critical-error event on GPU 2
     gpusim lost --gpu 1                    GPU 1 answers NVML_ERROR_GPU_IS_LOST
     gpusim restore --gpu 1                 ... and is back
+    gpusim hang --gpu 1                    NVML calls on GPU 1 block (stuck in reset)
+    gpusim unhang --gpu 1                  ... and answer again
     gpusim proc --gpu 0 --pid 4242 --used-mib 1024 [--sm-percent 30] [--mem-percent 10]
     gpusim proc-remove --pid 4242 [--gpu 0]
     gpusim util --gpu 0 --percent 75 [--memory-percent 40]
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--xid", type=int, required=True, help="the XID number, e.g. 79")
     gpu_arg(sub.add_parser("lost", help="make a GPU answer NVML_ERROR_GPU_IS_LOST"))
     gpu_arg(sub.add_parser("restore", help="bring a lost GPU back"))
+    gpu_arg(sub.add_parser("hang", help="make NVML calls on a GPU block (a GPU stuck in reset)"))
+    gpu_arg(sub.add_parser("unhang", help="let a hung GPU's NVML calls answer again"))
     cmd = sub.add_parser("proc", help="add or update a process using a GPU")
     gpu_arg(cmd)
     cmd.add_argument("--pid", type=int, required=True)
@@ -137,6 +141,9 @@ def _run(args: argparse.Namespace) -> str | None:
         if cmd in ("lost", "restore"):
             state.set_lost(args.gpu, cmd == "lost")
             return f"GPU {args.gpu} {'lost' if cmd == 'lost' else 'restored'}"
+        if cmd in ("hang", "unhang"):
+            state.set_hung(args.gpu, cmd == "hang")
+            return f"GPU {args.gpu} {'hung' if cmd == 'hang' else 'answers again'}"
         if cmd == "proc":
             if args.used_mib < 0:
                 raise _UsageError("--used-mib must not be negative")

@@ -71,6 +71,8 @@ TL_DEPTH = 1024
 TL_ENDS = 256
 TL_CKPTS = 128
 GPU_LOST = 0x1
+#: Calls that take the GPU block while set (a GPU stuck in reset): ``gpusim hang``.
+GPU_HUNG = 0x2
 PROC_IN_USE = 0x1
 PROC_CUDA = 0x2  # entry of a simulated-libcuda process (its device memory); reaped when it is gone
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
@@ -680,6 +682,16 @@ class GpuSimState:
                 since = _now_us() if lost else 0
             flags = (flags | GPU_LOST) if lost else (flags & ~GPU_LOST)
             _GPU_HEAD.pack_into(m, off, flags, u_gpu, u_mem, res0, updated, count, since, pad)
+            self._touch(m)
+
+    def set_hung(self, gpu: int, hung: bool = True) -> None:
+        """Makes every NVML call that takes the GPU (its handle, or its handle by index) block until it is
+        released, as calls on a GPU stuck in reset do; ``hung=False`` releases them."""
+        off = self._gpu_offset(gpu)
+        with self._locked() as m:
+            flags, *rest = _GPU_HEAD.unpack_from(m, off)
+            flags = (flags | GPU_HUNG) if hung else (flags & ~GPU_HUNG)
+            _GPU_HEAD.pack_into(m, off, flags, *rest)
             self._touch(m)
 
     def set_utilization(self, gpu: int, gpu_percent: int, memory_percent: int = 0) -> None:

@@ -10,10 +10,13 @@ XID and no failed probe for the quiet period.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +55,45 @@ MIG_ENABLED = "MIG mode"
 CAUSES_LOGGED = 8
 #: Seconds between two log lines of one repeated condition (an ignored XID of one GPU, failing waits).
 LOG_PERIOD = 60.0
+#: Seconds an NVML call on one GPU may take before the GPU is out of service as not answering (a GPU stuck
+#: in reset blocks every call on it). The call is left to finish in that GPU's own thread; the GPU is not
+#: asked again until it has, so the other GPUs' probes and the XID events go on meanwhile.
+NVML_CALL_TIMEOUT = 5.0
+#: The reason of a GPU whose NVML calls do not return (the DRA taint value ``nvml-does-not-answer``).
+NOT_ANSWERING = "NVML does not answer"
+
+
+class _Hung(Exception):
+    """An NVML call on a GPU did not return within NVML_CALL_TIMEOUT, or one before it still has not."""
+
+
+class _GpuCaller:
+    """One daemon thread that makes one GPU's NVML calls for the monitor, so a call that hangs holds only
+    that thread (a daemon: the agent's exit does not wait for it)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        """Run ``call`` in this GPU's thread; its answer (or error) comes in the future."""
+        future: Future[Any] = Future()
+        self._calls.put((future, call))
+        return future
+
+    def close(self) -> None:
+        """End the thread once the calls given to it have returned."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the monitor's thread with the future
+                future.set_exception(exc)
 
 
 def _handle_key(handle: Any) -> int | None:
@@ -118,6 +160,8 @@ class HealthMonitor:
         self._by_handle: dict[int, int] = {}
         self._wait_said_lost = False  # the event wait answered GPU_IS_LOST and no timeout came since
         self._unknown_logged_at = -1e18
+        self._callers: dict[int, _GpuCaller] = {}
+        self._hung: dict[int, Future[Any]] = {}  # of each GPU whose call did not return in time: that call
         self.xid_events = 0
         self.ignored_xid_events = 0
         #: XID events not ignored: counted on its own, so a reader never sees it drop (the difference of
@@ -177,6 +221,8 @@ class HealthMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
+        for caller in self._callers.values():
+            caller.close()
 
     # -- state changes -------------------------------------------------------------------------
 
@@ -265,8 +311,8 @@ class HealthMonitor:
         GPU whose NVML does not support XID events is logged once and left out)."""
         failed: dict[int, str] = {}
         for index, handle in sorted(self._handles.items()):
-            if index in self._registered or index in self._unsupported:
-                continue
+            if index in self._registered or index in self._unsupported or index in self._hung:
+                continue  # a GPU whose NVML call hangs is registered once it answers again
             try:
                 pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
             except pynvml.NVMLError as exc:
@@ -439,10 +485,44 @@ class HealthMonitor:
             elif not count and now - last >= LOG_PERIOD:
                 del self._ignored_seen[key]
 
+    def _submit(self, index: int, call: Callable[[], Any]) -> Future[Any]:
+        """Start ``call`` in GPU ``index``'s thread; raises _Hung while an earlier call on it has not
+        returned (the GPU is not asked again before)."""
+        hung = self._hung.get(index)
+        if hung is not None:
+            if not hung.done():
+                raise _Hung
+            del self._hung[index]
+            log.info("%s: NVML answers again (the call that hung returned)", self.gpu_name(index))
+        caller = self._callers.get(index)
+        if caller is None:
+            caller = self._callers[index] = _GpuCaller(f"gpu-health-{index}")
+        return caller.submit(call)
+
+    def _answer(self, index: int, future: Future[Any], deadline: float) -> Any:
+        """The answer of a call started by _submit, waited for until ``deadline`` (time.monotonic());
+        raises its NVMLError, or _Hung when it has not returned by then."""
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self._hung[index] = future
+            raise _Hung from None
+
+    def _call(self, index: int, call: Callable[[], Any]) -> Any:
+        """``call()`` on GPU ``index``, given NVML_CALL_TIMEOUT to answer (raises _Hung otherwise)."""
+        return self._answer(index, self._submit(index, call), time.monotonic() + NVML_CALL_TIMEOUT)
+
+    def _not_answering(self, index: int) -> None:
+        self._mark_bad(index, NOT_ANSWERING)
+
     def _take_handle(self, index: int) -> bool:
         """Look up GPU ``index``'s handle (False, and the GPU marked bad, when NVML gives none)."""
         try:
-            handle = nvml.handle(index)
+            handle = self._call(index, lambda: nvml.handle(index))
+        except _Hung:
+            self._missing.add(index)
+            self._not_answering(index)
+            return False
         except pynvml.NVMLError as exc:
             if index not in self._missing:
                 log.error("%s: NVML gives no handle (%s); Unhealthy until it does", self.gpu_name(index), exc)
@@ -464,36 +544,53 @@ class HealthMonitor:
         if self._event_set is not None and self._registered | self._unsupported != set(self._handles):
             # GPUs back from lost, and those whose registration failed when the set was made
             self._set_register_problem(self._register_unregistered(self._event_set))
+        # Every GPU is asked at once, so GPUs that hang together cost one timeout, not one each.
+        asked: dict[int, Future[Any] | None] = {}
         for index, handle in list(self._handles.items()):
             try:
-                pynvml.nvmlDeviceGetMemoryInfo(handle)
+                asked[index] = self._submit(index, functools.partial(pynvml.nvmlDeviceGetMemoryInfo, handle))
+            except _Hung:
+                asked[index] = None
+        deadline = time.monotonic() + NVML_CALL_TIMEOUT
+        for index, future in asked.items():
+            handle = self._handles[index]
+            try:
+                if future is None:
+                    raise _Hung
+                self._answer(index, future, deadline)
+                self._probe_answered(index, handle)
+            except _Hung:
+                self._not_answering(index)
             except pynvml.NVMLError as exc:
                 if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                     self._last_answer = self._clock()  # NVML answers: the GPU is gone, not the driver
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
-                continue
-            self._last_answer = self._clock()
+
+    def _probe_answered(self, index: int, handle: object) -> None:
+        """GPU ``index`` answered the probe: its UUID (lost at start), MIG mode and pending reset are
+        checked, and it is back once its quiet period has passed (raises _Hung when one of these hangs)."""
+        self._last_answer = self._clock()
+        if index in self._unnamed:
+            self._learn_uuid(index, handle)
             if index in self._unnamed:
-                self._learn_uuid(index, handle)
-                if index in self._unnamed:
-                    continue  # not offered while it is known only by a guess (its UUID goes to containers)
-            if self._mig_enabled(index, handle):
-                # CUDA runs only in the MIG instances of such a GPU: a share of the whole GPU cannot be used.
-                if self.state(index).healthy:
-                    log.warning(
-                        "%s is in MIG mode: CUDA runs only in its MIG instances, so its shares cannot be used; "
-                        "Unhealthy until MIG is disabled (nvidia-smi -i %s -mig 0)",
-                        self.gpu_name(index),
-                        self._uuids.get(index, index),
-                    )
-                self._mark_bad(index, MIG_ENABLED)
-                continue
-            if self._due_back(index):
-                waiting = self._reset_pending(handle)
-                if waiting:
-                    self._keep_out(index, waiting)
-                    continue
-            self._mark_ok(index)
+                return  # not offered while it is known only by a guess (its UUID goes to containers)
+        if self._mig_enabled(index, handle):
+            # CUDA runs only in the MIG instances of such a GPU: a share of the whole GPU cannot be used.
+            if self.state(index).healthy:
+                log.warning(
+                    "%s is in MIG mode: CUDA runs only in its MIG instances, so its shares cannot be used; "
+                    "Unhealthy until MIG is disabled (nvidia-smi -i %s -mig 0)",
+                    self.gpu_name(index),
+                    self._uuids.get(index, index),
+                )
+            self._mark_bad(index, MIG_ENABLED)
+            return
+        if self._due_back(index):
+            waiting = self._reset_pending(index, handle)
+            if waiting:
+                self._keep_out(index, waiting)
+                return
+        self._mark_ok(index)
 
     def _due_back(self, index: int) -> bool:
         """Whether GPU ``index`` is out of service and its quiet period has passed."""
@@ -501,12 +598,13 @@ class HealthMonitor:
             out = not self._state[index].healthy
             return out and self._clock() - self._last_bad.get(index, -1e18) >= self._quiet
 
-    @staticmethod
-    def _reset_pending(handle: object) -> str:
+    def _reset_pending(self, index: int, handle: object) -> str:
         """Why the GPU's memory is not to be used before a GPU reset ('' when NVML shows nothing pending, or
         cannot tell): rows to remap or pages to retire after an uncorrectable ECC error, a failed remapping."""
         try:
-            _corrected, _uncorrected, pending, failed = pynvml.nvmlDeviceGetRemappedRows(handle)
+            _corrected, _uncorrected, pending, failed = self._call(
+                index, lambda: pynvml.nvmlDeviceGetRemappedRows(handle)
+            )
         except pynvml.NVMLError:
             pass  # GPUs before Ampere have no row remapping
         else:
@@ -515,7 +613,8 @@ class HealthMonitor:
             if pending:
                 return "memory rows wait to be remapped at the next GPU reset"
         try:
-            if pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == pynvml.NVML_FEATURE_ENABLED:
+            pending_pages = self._call(index, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
+            if pending_pages == pynvml.NVML_FEATURE_ENABLED:
                 return "retired memory pages wait for the next GPU reset"
         except pynvml.NVMLError:
             pass  # not supported (Ampere and later remap rows instead)
@@ -535,7 +634,7 @@ class HealthMonitor:
         """A GPU lost at start answers: from now on its log lines name the UUID NVML gives (until NVML gives
         one it stays out of service, said once)."""
         try:
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = self._call(index, lambda: pynvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as exc:
             self._keep_out(index, f"NVML gives no UUID for it ({exc})")
             return
@@ -547,7 +646,7 @@ class HealthMonitor:
         if index in self._no_mig:
             return False
         try:
-            current = pynvml.nvmlDeviceGetMigMode(handle)[0]
+            current = self._call(index, lambda: pynvml.nvmlDeviceGetMigMode(handle))[0]
         except pynvml.NVMLError as exc:
             if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._no_mig.add(index)

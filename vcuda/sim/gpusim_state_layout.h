@@ -42,6 +42,8 @@
 
 /* gpusim_gpu.flags */
 #define GPUSIM_GPU_LOST 0x1u
+/* Calls that take the GPU (its handle, or its handle by index) block while set: a GPU stuck in reset. */
+#define GPUSIM_GPU_HUNG 0x2u
 /* gpusim_proc.flags */
 #define GPUSIM_PROC_IN_USE 0x1u
 /*

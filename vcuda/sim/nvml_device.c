@@ -40,7 +40,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDe
         return rc;
     if (device == NULL || index >= ctx->spec->gpu_count)
         rc = NVML_ERROR_INVALID_ARGUMENT;
-    else if (sim_gpu_lost(ctx, index))
+    else if (sim_gpu_wait_unhung(ctx, index), sim_gpu_lost(ctx, index))
         rc = NVML_ERROR_GPU_IS_LOST;
     else
         *device = sim_handle(index);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Opaque device handles: the address of slot i is the handle of NVML index i. Never written. */
 struct nvmlDevice_st {
@@ -73,6 +74,21 @@ bool sim_gpu_lost(const struct sim_ctx *ctx, unsigned index)
     return lost;
 }
 
+void sim_gpu_wait_unhung(const struct sim_ctx *ctx, unsigned index)
+{
+    for (;;) {
+        if (sim_state_lock(ctx->state) != 0)
+            return;
+        const struct gpusim_gpu *g = sim_state_gpu(ctx->state, index);
+        bool hung = g != NULL && (g->flags & GPUSIM_GPU_HUNG) != 0;
+        sim_state_unlock(ctx->state);
+        if (!hung)
+            return;
+        struct timespec pause = {0, 5 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+    }
+}
+
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, const struct sim_ctx **ctx, unsigned *index)
 {
     nvmlReturn_t rc = sim_enter(ctx);
@@ -83,6 +99,7 @@ nvmlReturn_t sim_enter_device(nvmlDevice_t device, const struct sim_ctx **ctx, u
         sim_leave();
         return NVML_ERROR_INVALID_ARGUMENT;
     }
+    sim_gpu_wait_unhung(*ctx, (unsigned)i);
     if (sim_gpu_lost(*ctx, (unsigned)i)) {
         sim_leave();
         return NVML_ERROR_GPU_IS_LOST;

@@ -47,7 +47,7 @@ void sim_leave(void);
 
 /*
  * sim_enter() plus: device must be a valid handle (else INVALID_ARGUMENT) and
- * the GPU must not be lost (else GPU_IS_LOST).  On failure nothing is held.
+ * the GPU must not be lost (else GPU_IS_LOST).  Blocks while the GPU is hung.  On failure nothing is held.
  */
 nvmlReturn_t sim_enter_device(nvmlDevice_t device, const struct sim_ctx **ctx, unsigned *index);
 
@@ -56,6 +56,9 @@ nvmlDevice_t sim_handle(unsigned index);
 
 /* Index of a handle, or -1 if it is not one of ours or beyond the spec's GPU count. */
 int sim_handle_index(const struct sim_ctx *ctx, nvmlDevice_t device);
+
+/* Blocks while GPU index is marked hung in the state file (a GPU stuck in reset), polling every 5 ms. */
+void sim_gpu_wait_unhung(const struct sim_ctx *ctx, unsigned index);
 
 /* Whether GPU index is marked lost in the state file (takes the state lock). */
 bool sim_gpu_lost(const struct sim_ctx *ctx, unsigned index);

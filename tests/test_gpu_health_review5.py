@@ -1,0 +1,70 @@
+"""GPU health on the simulated node: a GPU whose NVML calls hang, events of GPUs NVML numbers otherwise."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.gpusim_fixtures import SimNode, gpusim_lib, sim_node
+
+__all__ = ["gpusim_lib", "sim_node"]  # fixtures
+
+MakeNode = Callable[[str | Path], SimNode]
+
+PRELUDE = r"""
+import io, json, logging, os, sys, time
+from pathlib import Path
+import pynvml
+import gpumanager.device.health as health
+from gpumanager.device import discovery, nvml
+from gpumanager.device.health import HealthMonitor
+from simnode.gpusim_state import GpuSimState
+
+buf = io.StringIO()
+logging.basicConfig(level=logging.INFO, handlers=[logging.StreamHandler(buf)])
+st = GpuSimState(os.environ["GPUSIM_STATE"])
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+"""
+
+HUNG_GPU = (
+    PRELUDE
+    + r"""
+health.NVML_CALL_TIMEOUT = 0.5
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1)
+mon.start()
+time.sleep(0.3)
+st.set_hung(1, True)  # GPU 1 stuck in reset: every NVML call on it blocks
+time.sleep(0.3)
+st.queue_xid(2, 79)
+other_seen = wait_for(lambda: not mon.state(2).healthy, timeout=5.0)
+hung_out = wait_for(lambda: not mon.state(1).healthy, timeout=5.0)
+reason = mon.state(1).reason
+st.set_hung(1, False)
+back = wait_for(lambda: mon.state(1).healthy, timeout=10.0)
+mon.stop()
+print(json.dumps({"other_seen": other_seen, "hung_out": hung_out, "hung_reason": reason, "back": back}))
+"""
+)
+
+
+def test_a_gpu_whose_nvml_calls_hang_does_not_stop_health_checks_of_the_others(
+    sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(HUNG_GPU, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["other_seen"] is True  # an XID of another GPU is acted on while GPU 1 hangs
+    assert out["hung_out"] is True  # the hung GPU is taken out of service
+    assert "does not answer" in out["hung_reason"]
+    assert out["back"] is True  # and comes back once its calls answer and the quiet period passed

@@ -271,3 +271,20 @@ def test_selftest_refuses_a_negative_gpu_index(capsys: pytest.CaptureFixture[str
         cli.main(["selftest", "--gpu=-1"])
     assert done.value.code == 2
     assert "--gpu" in capsys.readouterr().err
+
+
+def test_an_unreachable_api_server_is_named_in_a_short_line() -> None:
+    """What urllib3 raises for a connection refused is 300 characters naming its pool classes twice; the
+    log line says which server could not be reached and why."""
+    import urllib3
+
+    from gpumanager.kube.apierror import failure
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(urllib3.exceptions.MaxRetryError) as err:
+        urllib3.PoolManager(retries=0).request("GET", f"https://127.0.0.1:{port}/api/v1/pods")
+    text = failure(err.value)
+    assert text.startswith(f"cannot reach the API server at https://127.0.0.1:{port}: "), text
+    assert "Connection refused" in text and "HTTPSConnection" not in text and "MaxRetryError" not in text, text

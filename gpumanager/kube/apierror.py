@@ -7,6 +7,7 @@ its API group, which is what an operator must add to the ClusterRole bound to th
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: The longest part of an answer's message quoted (a proxy's HTML page is not worth more).
@@ -45,4 +46,28 @@ def failure(exc: BaseException) -> str:
     ``ApiException`` is several lines with every response header: never logged as it is."""
     if getattr(exc, "status", None) is not None and hasattr(exc, "body"):
         return describe(exc)
+    unreachable = _unreachable(exc)
+    if unreachable:
+        return unreachable
     return f"{type(exc).__name__}: {exc}"
+
+
+#: How urllib3 starts the text of a connection's error: the connection, named by host and port.
+_CONNECTION_PREFIX = re.compile(r"^\(?<?[\w.]*Connection\w*(?:\([^)]*\))?(?: object)?(?: at 0x[0-9a-f]+>)?,?:?\s*'?")
+
+
+def _unreachable(exc: BaseException) -> str:
+    """For urllib3's MaxRetryError (its text names the pool twice and the URL), the server and why it
+    could not be reached: ``cannot reach the API server at https://host:port: <why>``; "" otherwise."""
+    pool, reason = getattr(exc, "pool", None), getattr(exc, "reason", None)
+    if pool is None or not isinstance(reason, BaseException) or not hasattr(exc, "url"):
+        return ""
+    scheme = getattr(pool, "scheme", "https")
+    host = getattr(pool, "host", "?")
+    port = getattr(pool, "port", None)
+    where = f"{scheme}://{host}" + (f":{port}" if port else "")
+    text = " ".join(str(reason).split())
+    why = _CONNECTION_PREFIX.sub("", text)
+    if text.startswith("(") and why.endswith("')"):  # a (connection, 'message') pair's text
+        why = why[:-2]
+    return f"cannot reach the API server at {where}: {why or type(reason).__name__}"

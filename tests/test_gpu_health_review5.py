@@ -68,3 +68,42 @@ def test_a_gpu_whose_nvml_calls_hang_does_not_stop_health_checks_of_the_others(
     assert out["hung_out"] is True  # the hung GPU is taken out of service
     assert "does not answer" in out["hung_reason"]
     assert out["back"] is True  # and comes back once its calls answer and the quiet period passed
+
+
+HUNG_GPU_METRICS = (
+    PRELUDE
+    + r"""
+from types import SimpleNamespace
+import gpumanager.metrics.bounded as bounded
+from gpumanager.metrics.bounded import NVMLReads
+from gpumanager.metrics.collector import AgentCollector
+bounded.DEADLINE = 0.5
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+agent = SimpleNamespace(gpus=node.gpus, layout=None, health=None, plugins=None, allocator=None)
+collector = AgentCollector(agent, NVMLReads())
+def used():
+    for metric in collector.collect():
+        if metric.name == "gpu_manager_gpu_memory_used_bytes":
+            return sorted(int(s.labels["gpu"]) for s in metric.samples)
+    return None
+before = used()
+st.set_hung(1, True)
+first = used()
+second = used()
+st.set_hung(1, False)
+time.sleep(0.3)
+after = used()
+print(json.dumps({"before": before, "first": first, "second": second, "after": after}))
+"""
+)
+
+
+def test_a_gpu_whose_nvml_calls_hang_leaves_out_only_its_own_metrics(sim_node: MakeNode, tmp_path: Path) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(HUNG_GPU_METRICS, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["before"] == [0, 1, 2, 3]
+    assert out["second"] == [0, 2, 3]  # the hung GPU is not asked again; the others are read
+    assert out["after"] == [0, 1, 2, 3]  # back once its call returned

@@ -37,18 +37,15 @@ class AgentView(Protocol):
     allocator: Allocator | None
 
 
-def _read_usage(gpus: Sequence[GPUInfo]) -> dict[int, tuple[int, float]]:
-    """GPU index -> (memory used in bytes, utilisation percent) of each GPU NVML can read."""
-    out: dict[int, tuple[int, float]] = {}
-    for g in gpus:
-        try:
-            handle = nvml.handle(g.index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
-        except pynvml.NVMLError:
-            continue
-        out[g.index] = (int(memory.used), float(rates.gpu))
-    return out
+def _read_usage(index: int) -> tuple[int, float] | None:
+    """(memory used in bytes, utilisation percent) of GPU ``index``; None when NVML cannot read it."""
+    try:
+        handle = nvml.handle(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+    except pynvml.NVMLError:
+        return None
+    return int(memory.used), float(rates.gpu)
 
 
 def _gauge(name: str, help_text: str, labels: Sequence[str] = GPU_LABELS) -> GaugeMetricFamily:
@@ -90,8 +87,8 @@ class AgentCollector(Collector):
             "gpu_manager_gpu_core_allocated_ratio", "Share of the GPU's compute allocated to containers (0-1)"
         )
         gpus = list(agent.gpus)
-        # While NVML does not answer, no GPU has usage figures (as a lost GPU has none).
-        readings = (self._nvml.run(lambda: _read_usage(gpus)) or {}) if gpus else {}
+        # A GPU NVML does not answer for has no usage figures (as a lost GPU has none).
+        readings = self._nvml.per_gpu([g.index for g in gpus], _read_usage)
         for g in gpus:
             key = [str(g.index), g.uuid]
             info.add_metric([*key, g.name, g.pci_bus_id], 1.0)

@@ -180,19 +180,17 @@ class DisplayData:
         """The tree in gpu-manager's PrintGraph format, processes and memory refreshed from NVML."""
         gpus = list(self._gpus)
 
-        def read() -> dict[int, tuple[Sequence[int], int]]:
-            usages: dict[int, tuple[Sequence[int], int]] = {}
-            for g in gpus:
-                try:
-                    usage = gpu_usage(g.index)
-                except nvml.NVMLError as exc:
-                    log.debug("GPU %d usage unavailable: %s", g.index, exc)
-                    continue
-                usages[g.index] = (usage.pids, usage.used_memory)
-            return usages
+        def read(index: int) -> tuple[Sequence[int], int] | None:
+            try:
+                usage = gpu_usage(index)
+            except nvml.NVMLError as exc:
+                log.debug("GPU %d usage unavailable: %s", index, exc)
+                return None
+            return usage.pids, usage.used_memory
 
-        # While NVML does not answer, the tree is shown without processes (as for lost GPUs).
-        return self._graph((self._nvml.run(read) or {}) if gpus else {})
+        # A GPU NVML does not answer for is shown without processes (as a lost GPU is).
+        read_now = self._nvml.per_gpu([g.index for g in gpus], read)
+        return self._graph({index: usage for index, usage in read_now.items() if usage is not None})
 
     def usages(self) -> display_pb2.UsageResponse:
         """PrintUsages / GET /usage."""

@@ -14,7 +14,7 @@ a new container, a PID new on a GPU, and placements older than ``rescan_period``
 
 NVML is asked on every sample (memory and utilisation are never older than the
 scrape), for at most :data:`gpumanager.metrics.bounded.DEADLINE` seconds: while it does
-not answer, the containers' usage is unknown (left out, as on a lost GPU). What the
+not answer for a GPU, the containers' usage of that GPU is unknown (left out, as on a lost GPU). What the
 allocation state and the pod cache say (which containers, their pods, GPUs and container
 IDs) is looked up again only when their generations moved.
 """
@@ -230,19 +230,17 @@ class UsageSampler:
         return usages
 
     def _read_gpus(self, indexes: Sequence[int], since_us: int) -> dict[int, _GPUSample]:
-        """NVML's processes on each GPU; a GPU it cannot read (or all, while NVML does not answer) unread."""
+        """NVML's processes on each GPU; a GPU it cannot read (or does not answer for) unread."""
 
-        def read() -> dict[int, _GPUSample]:
-            out: dict[int, _GPUSample] = {}
-            for index in indexes:
-                try:
-                    out[index] = _sample_gpu(index, since_us)
-                except pynvml.NVMLError as exc:
-                    log.debug("GPU %d usage unavailable: %s", index, exc)
-                    out[index] = _UNREAD
-            return out
+        def read(index: int) -> _GPUSample:
+            try:
+                return _sample_gpu(index, since_us)
+            except pynvml.NVMLError as exc:
+                log.debug("GPU %d usage unavailable: %s", index, exc)
+                return _UNREAD
 
-        return self._nvml.run(read) or dict.fromkeys(indexes, _UNREAD)
+        read_now = self._nvml.per_gpu(indexes, read)
+        return {index: read_now.get(index, _UNREAD) for index in indexes}
 
     def _idle(self, gpu: GPUInfo) -> DeviceUsage:
         zero = self._zero.get(gpu.index)

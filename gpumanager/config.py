@@ -252,6 +252,7 @@ class Config:
                 f"--dra-driver-name={self.dra_driver_name!r}: must be a DNS subdomain of at most 63 characters "
                 "(lower-case letters, digits, '-' and '.')"
             )
+        self._check_node_name()
         if self.mode == "dra" and not self.dra_driver_name[:1].isalpha():
             raise ConfigError(
                 f"--dra-driver-name={self.dra_driver_name!r}: must start with a letter (it is the vendor of the "
@@ -287,6 +288,22 @@ class Config:
                     "the 108 (with the terminating NUL) a unix socket path holds"
                 )
         return self
+
+    def _check_node_name(self) -> None:
+        """The node name must be one a Node can have: with another the agent watches no pod, ever."""
+        name = self.resolved_node_name()
+        if len(name) <= 253 and _DNS_SUBDOMAIN.match(name):
+            return
+        if self.hostname_override.strip():
+            source = f"--hostname-override={self.hostname_override!r}"
+        elif self.node_name.strip():
+            source = f"$NODE_NAME={self.node_name!r}"
+        else:
+            source = f"the host name {socket.gethostname()!r} (set --hostname-override)"
+        raise ConfigError(
+            f"{source}: {name!r} is not a node name: a DNS subdomain (lower-case letters, digits, '-' and '.') "
+            "of at most 253 characters, as `kubectl get nodes` shows it"
+        )
 
     def resolved_node_name(self) -> str:
         """The node name: --hostname-override, else NODE_NAME (filled in by the CLI), else the host name;

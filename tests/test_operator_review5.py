@@ -288,3 +288,23 @@ def test_an_unreachable_api_server_is_named_in_a_short_line() -> None:
     text = failure(err.value)
     assert text.startswith(f"cannot reach the API server at https://127.0.0.1:{port}: "), text
     assert "Connection refused" in text and "HTTPSConnection" not in text and "MaxRetryError" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        (["--hostname-override=gpu_node_1"], {}, "--hostname-override='gpu_node_1'"),
+        ([], {"NODE_NAME": "node 2"}, "$NODE_NAME='node 2'"),
+    ],
+)
+def test_a_node_name_no_node_can_have_is_refused_naming_its_source(
+    argv: list[str], env: dict[str, str], named: str
+) -> None:
+    """Node names are DNS subdomains: with another name the agent would watch pods of a node that cannot
+    exist, and serve none; exit 2 naming where the name came from."""
+    from gpumanager.config import ConfigError
+
+    args = cli.build_parser({}).parse_args(cli.normalize_argv(argv))
+    with pytest.raises(ConfigError) as err:
+        cli.config_from_args(args, env)
+    assert named in str(err.value) and "DNS subdomain" in str(err.value), str(err.value)

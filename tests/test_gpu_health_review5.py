@@ -6,6 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.gpusim_fixtures import SimNode, gpusim_lib, sim_node
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
@@ -15,6 +17,8 @@ MakeNode = Callable[[str | Path], SimNode]
 PRELUDE = r"""
 import io, json, logging, os, sys, time
 from pathlib import Path
+
+import pytest
 import pynvml
 import gpumanager.device.health as health
 from gpumanager.device import discovery, nvml
@@ -107,3 +111,31 @@ def test_a_gpu_whose_nvml_calls_hang_leaves_out_only_its_own_metrics(sim_node: M
     assert out["before"] == [0, 1, 2, 3]
     assert out["second"] == [0, 2, 3]  # the hung GPU is not asked again; the others are read
     assert out["after"] == [0, 1, 2, 3]  # back once its call returned
+
+
+def test_an_xid_named_only_by_nvml_index_marks_the_gpu_nvml_numbers_so_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pynvml
+
+    from gpumanager.device import nvml
+    from gpumanager.device.health import HealthMonitor
+    from gpumanager.device.types import GPUInfo
+
+    gpus = [
+        GPUInfo(0, "GPU-00000000-0000-0000-0000-000000000000", "T4", 0, 1 << 34, "00000000:18:00.0"),
+        GPUInfo(1, "GPU-11111111-1111-1111-1111-111111111111", "T4", 1, 1 << 34, "00000000:19:00.0"),
+    ]
+    # The device IDs were laid out when NVML numbered these GPUs the other way round.
+    monkeypatch.setattr(nvml, "_nvml_index", {0: 1, 1: 0})
+
+    def no_uuid(handle: object) -> str:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", no_uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetIndex", lambda handle: 0)  # NVML's index 0 now: the agent's GPU 1
+    mon = HealthMonitor(gpus, ignored_xids=(13,), quiet_period=60.0)
+    data = pynvml.c_nvmlEventData_t()
+    data.eventType = pynvml.nvmlEventTypeXidCriticalError
+    data.eventData = 79
+    mon._handle_event(data)
+    assert not mon.state(1).healthy
+    assert mon.state(0).healthy

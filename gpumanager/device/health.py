@@ -434,7 +434,8 @@ class HealthMonitor:
 
     def _event_gpu(self, device: Any) -> int | None:
         """The index of the GPU an event's device handle is: the handle as looked up, else the GPU NVML
-        names for it (by UUID, then by index); None when NVML names none of this node's GPUs."""
+        names for it (by UUID, then by NVML's index of the agent's GPUs); None when NVML names none of
+        this node's GPUs."""
         key = _handle_key(device)
         if key is not None and key in self._by_handle:
             return self._by_handle[key]
@@ -448,7 +449,8 @@ class HealthMonitor:
         if index is None:
             try:
                 found = int(pynvml.nvmlDeviceGetIndex(device))
-                index = found if found in self._uuids else None
+                # NVML's index now; the agent's GPU (its place) differs once NVML numbers the GPUs otherwise.
+                index = next((i for i in sorted(self._uuids) if nvml.nvml_index(i) == found), None)
             except pynvml.NVMLError as exc:
                 log.debug("nvmlDeviceGetIndex of an event's device: %s", exc)
         if index is not None and key is not None:

@@ -308,3 +308,20 @@ def test_a_node_name_no_node_can_have_is_refused_naming_its_source(
     with pytest.raises(ConfigError) as err:
         cli.config_from_args(args, env)
     assert named in str(err.value) and "DNS subdomain" in str(err.value), str(err.value)
+
+
+def test_http_server_header_has_no_trailing_space() -> None:
+    import http.client
+
+    from gpumanager.metrics.http import QueryServer
+
+    server = QueryServer("127.0.0.1", 0, routes={}, metrics=lambda: b"", health=lambda: (True, {}))
+    server.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        conn.request("GET", "/healthz")
+        header = conn.getresponse().getheader("Server")
+        conn.close()
+    finally:
+        server.stop()
+    assert header is not None and header == header.strip() and header.startswith("gpu-manager"), repr(header)

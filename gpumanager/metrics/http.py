@@ -313,7 +313,9 @@ class QueryServer:
             timeout = CLIENT_TIMEOUT
             default_request_version = "HTTP/1.0"  # an unreadable request line still gets a status line
             server_version = "gpu-manager"
-            sys_version = ""
+
+            def version_string(self) -> str:  # http.server's adds " Python/3.x", or a space without it
+                return self.server_version
 
             def setup(self) -> None:
                 super().setup()

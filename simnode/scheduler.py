@@ -6,7 +6,10 @@ It reads the ``extenders`` of a ``KubeSchedulerConfiguration`` (v1: ``urlPrefix`
 own, the way kube-scheduler does:
 
 * one scheduling cycle at a time: the in-tree filter (``NodeResourcesFit`` on the resources the
-  pod requests against ``status.allocatable`` minus what pods bound or assumed there request;
+  pod requests, counted as kube-scheduler counts them: app containers and sidecars added up, each
+  ordinary init container beside the sidecars before it, ``spec.overhead`` on top; against
+  ``status.allocatable`` minus what pods bound or assumed there request; managed resources with
+  ``ignoredByScheduler: true`` are left to the extender;
   ``nodeSelector``; Ready and schedulable nodes), then each interested extender's filter (an
   extender is interested when the pod requests one of its managed resources), then - with more
   than one node left - the extenders' prioritize (``score x weight x 10``; errors ignored, as
@@ -20,7 +23,10 @@ own, the way kube-scheduler does:
   ``unschedulable_timeout``, 5 minutes as kube-scheduler), then tries again after its backoff.
 
 An extender's answer naming a node that was not offered is an error, as in kube-scheduler; an
-error from a non-ignorable extender fails the attempt. Not modelled: preemption, in-tree
+error from a non-ignorable extender fails the attempt. Its HTTP calls are Go's: a POST that went
+out is never sent again (a bind the extender got and then dropped the connection of fails), an
+answer other than 200 is reported as ``failed <verb> with extender at URL <url>, code <status>``
+without its body, and an answer that is not JSON is an error. Not modelled: preemption, in-tree
 scoring plugins, taints, affinity, volumes, scheduling gates, PreBind.
 """
 
@@ -32,6 +38,7 @@ import itertools
 import json
 import logging
 import random
+import select
 import socket
 import threading
 import time
@@ -95,6 +102,8 @@ class ExtenderConfig:
     http_timeout: float = 5.0
     ignorable: bool = False
     managed_resources: tuple[str, ...] = ()
+    ignored_by_scheduler: tuple[str, ...] = ()
+    """Managed resources with ``ignoredByScheduler: true``: the in-tree NodeResourcesFit leaves them to the extender."""
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ExtenderConfig:
@@ -109,6 +118,9 @@ class ExtenderConfig:
             http_timeout=go_duration(raw.get("httpTimeout", "5s")),
             ignorable=bool(raw.get("ignorable", False)),
             managed_resources=tuple(str(m["name"]) for m in raw.get("managedResources") or []),
+            ignored_by_scheduler=tuple(
+                str(m["name"]) for m in raw.get("managedResources") or [] if m.get("ignoredByScheduler")
+            ),
         )
 
     def interested(self, pod: Mapping[str, Any]) -> bool:
@@ -159,39 +171,62 @@ class ExtenderClient:
         self._path = url.path.rstrip("/")
         self._local = threading.local()
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """(a connection, whether it is a kept-alive one being reused). As Go's transport, whose read
+        loop sees an idle connection the server closed and drops it, a kept-alive connection with
+        something to read (its end, or bytes nobody asked for) is closed and a new one dialled."""
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.config.http_timeout)
-            conn.connect()
-            if conn.sock is not None:  # as Go's net/http: no Nagle delay between headers and body
-                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.conn = conn
-        return conn
+        if conn is not None and (conn.sock is None or select.select([conn.sock], [], [], 0)[0]):
+            conn.close()
+            conn = None
+        if conn is not None:
+            return conn, True
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.config.http_timeout)
+        conn.connect()
+        if conn.sock is not None:  # as Go's net/http: no Nagle delay between headers and body
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._local.conn = conn
+        return conn, False
+
+    def _drop(self, conn: http.client.HTTPConnection | None) -> None:
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
 
     def call(self, verb: str, body: object) -> Any:
-        """POST ``<urlPrefix>/<verb>``; raises :class:`ExtenderCallError`."""
+        """POST ``<urlPrefix>/<verb>``; raises :class:`ExtenderCallError`.
+
+        As kube-scheduler's Go client: a POST that went out is never sent again (only one that could
+        not be written on a reused connection is), an answer other than 200 is reported by its status
+        alone (its body is not read), and an answer that is not JSON is an error.
+        """
         data = json.dumps(body).encode()
-        for attempt in (1, 2):  # a kept-alive connection the server closed is redialled once
+        where = self.config.url_prefix
+        for attempt in (1, 2):
             conn: http.client.HTTPConnection | None = None
+            reused = False
             try:
-                conn = self._connection()
+                conn, reused = self._connection()
                 conn.request("POST", f"{self._path}/{verb}", body=data, headers={"Content-Type": "application/json"})
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(conn)
+                if attempt == 1 and reused and not isinstance(exc, TimeoutError):
+                    continue  # nothing reached the extender: safe to send on a new connection
+                raise ExtenderCallError(f"{verb} at {where}: {exc}") from exc
+            try:
                 resp = conn.getresponse()
                 payload = resp.read()
             except (OSError, http.client.HTTPException) as exc:
-                if conn is not None:
-                    conn.close()
-                self._local.conn = None
-                if attempt == 2 or isinstance(exc, TimeoutError):
-                    raise ExtenderCallError(f"{verb} at {self.config.url_prefix}: {exc}") from exc
-                continue
+                self._drop(conn)
+                raise ExtenderCallError(f"{verb} at {where}: {exc}") from exc
+            if resp.will_close:
+                self._drop(conn)
             if resp.status != 200:
-                where = self.config.url_prefix
-                raise ExtenderCallError(
-                    f"failed {verb} with extender at URL {where}, code {resp.status}: {payload[:300]!r}"
-                )
-            return json.loads(payload)
+                raise ExtenderCallError(f"failed {verb} with extender at URL {where}, code {resp.status}")
+            try:
+                return json.loads(payload)
+            except ValueError as exc:
+                raise ExtenderCallError(f"{verb} at {where}: the answer is not JSON: {exc}") from exc
         raise AssertionError("unreachable")
 
 
@@ -200,21 +235,73 @@ def parse_quantity(value: object) -> Decimal:
     return Decimal(_parse_quantity(value))  # type: ignore[no-untyped-call]
 
 
-def _requests(pod: Mapping[str, Any]) -> dict[str, Decimal]:
-    """The pod's effective requests: max(sum of containers, each init container), per resource."""
+def pod_requests(pod: Mapping[str, Any]) -> dict[str, Decimal]:
+    """The pod's effective requests, as kube-scheduler's ``PodRequests`` counts them, per resource.
+
+    The app containers and the sidecars (init containers with ``restartPolicy: Always``, which run
+    beside them) add up; an ordinary init container runs beside the sidecars started before it, and
+    the pod asks for the larger of the two; ``spec.overhead`` adds to it all.
+    """
     spec = pod.get("spec") or {}
+
+    def asked(c: Mapping[str, Any]) -> dict[str, Decimal]:
+        resources = c.get("resources") or {}
+        merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        return {str(name): parse_quantity(value) for name, value in merged.items()}
+
+    def add(into: dict[str, Decimal], more: Mapping[str, Decimal]) -> None:
+        for name, value in more.items():
+            into[name] = into.get(name, Decimal(0)) + value
+
     total: dict[str, Decimal] = {}
     for c in spec.get("containers") or []:
-        resources = c.get("resources") or {}
-        asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        for name, value in asked.items():
-            total[name] = total.get(name, Decimal(0)) + parse_quantity(value)
+        add(total, asked(c))
+    sidecars: dict[str, Decimal] = {}
+    inits: dict[str, Decimal] = {}
     for c in spec.get("initContainers") or []:
-        resources = c.get("resources") or {}
-        asked = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        for name, value in asked.items():
-            total[name] = max(total.get(name, Decimal(0)), parse_quantity(value))
+        own = asked(c)
+        if c.get("restartPolicy") == "Always":
+            add(total, own)
+            add(sidecars, own)
+            running = dict(sidecars)
+        else:
+            running = dict(own)
+            add(running, sidecars)
+        for name, value in running.items():
+            inits[name] = max(inits.get(name, Decimal(0)), value)
+    for name, value in inits.items():
+        total[name] = max(total.get(name, Decimal(0)), value)
+    add(total, {str(k): parse_quantity(v) for k, v in (spec.get("overhead") or {}).items()})
     return total
+
+
+def node_fit_failure(
+    pod: Mapping[str, Any],
+    node: Mapping[str, Any],
+    used: Mapping[str, Decimal],
+    ignored: frozenset[str] = frozenset(),
+) -> str:
+    """ "" when the in-tree filters pass, else the reason (as kube-scheduler words it)."""
+    spec = node.get("spec") or {}
+    if spec.get("unschedulable"):
+        return "node(s) were unschedulable"
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    if not ready or ready[0].get("status") != "True":
+        return "node(s) were not ready"
+    selector = (pod.get("spec") or {}).get("nodeSelector") or {}
+    labels = _meta(node).get("labels") or {}
+    if any(labels.get(k) != v for k, v in selector.items()):
+        return "node(s) didn't match Pod's node affinity/selector"
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    asked = pod_requests(pod)
+    asked["pods"] = Decimal(1)
+    for name, value in sorted(asked.items()):
+        if value <= 0 or name in ignored:
+            continue
+        have = parse_quantity(allocatable[name]) if name in allocatable else Decimal(0)
+        if used.get(name, Decimal(0)) + value > have:
+            return "Too many pods" if name == "pods" else f"Insufficient {name}"
+    return ""
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -266,6 +353,7 @@ class SchedulerStandIn:
     ) -> None:
         self._core = client.CoreV1Api(api)
         self._extenders = [ExtenderClient(e) for e in extenders]
+        self._ignored = frozenset(r for e in extenders for r in e.ignored_by_scheduler)
         self.scheduler_name = scheduler_name
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
@@ -435,7 +523,7 @@ class SchedulerStandIn:
             uid = str(_meta(pod).get("uid", ""))
             seen.add(uid)
             into = used.setdefault(node, {})
-            for name, value in _requests(pod).items():
+            for name, value in pod_requests(pod).items():
                 into[name] = into.get(name, Decimal(0)) + value
             into["pods"] = into.get("pods", Decimal(0)) + 1
         with self._lock:
@@ -446,29 +534,6 @@ class SchedulerStandIn:
                 into[name] = into.get(name, Decimal(0)) + value
             into["pods"] = into.get("pods", Decimal(0)) + 1
         return used
-
-    def _fits(self, pod: Mapping[str, Any], node: Mapping[str, Any], used: Mapping[str, Decimal]) -> str:
-        """ "" when the in-tree filters pass, else the reason (as kube-scheduler words it)."""
-        spec = node.get("spec") or {}
-        if spec.get("unschedulable"):
-            return "node(s) were unschedulable"
-        ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
-        if not ready or ready[0].get("status") != "True":
-            return "node(s) were not ready"
-        selector = (pod.get("spec") or {}).get("nodeSelector") or {}
-        labels = _meta(node).get("labels") or {}
-        if any(labels.get(k) != v for k, v in selector.items()):
-            return "node(s) didn't match Pod's node affinity/selector"
-        allocatable = (node.get("status") or {}).get("allocatable") or {}
-        asked = _requests(pod)
-        asked["pods"] = Decimal(1)
-        for name, value in sorted(asked.items()):
-            if value <= 0:
-                continue
-            have = parse_quantity(allocatable[name]) if name in allocatable else Decimal(0)
-            if used.get(name, Decimal(0)) + value > have:
-                return "Too many pods" if name == "pods" else f"Insufficient {name}"
-        return ""
 
     def _schedule(self, uid: str) -> None:
         pod = self.pods.get(uid)
@@ -484,7 +549,7 @@ class SchedulerStandIn:
         reasons: dict[str, str] = {}
         feasible = []
         for name in sorted(nodes):
-            why = self._fits(pod, nodes[name], used.get(name, {}))
+            why = node_fit_failure(pod, nodes[name], used.get(name, {}), self._ignored)
             if why:
                 reasons[name] = why
             else:
@@ -514,7 +579,7 @@ class SchedulerStandIn:
             return
         chosen = feasible[0] if len(feasible) == 1 else self._score(pod, interested, [nodes[n] for n in feasible])
         with self._lock:
-            self._assumed[uid] = (chosen, _requests(pod))
+            self._assumed[uid] = (chosen, pod_requests(pod))
         binder = next((e for e in interested if e.config.bind_verb), None)
         self._binders.submit(self._bind, uid, key, pod, chosen, binder)
 

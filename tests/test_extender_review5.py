@@ -1,0 +1,161 @@
+"""The scheduler extender and the kube-scheduler stand-in that calls it: as unkind as the real ones."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from gpumanager import names
+from simnode.scheduler import ExtenderCallError, ExtenderClient, ExtenderConfig, node_fit_failure, pod_requests
+
+CORE = names.VCORE_RESOURCE
+MEMORY = names.VMEMORY_RESOURCE
+
+
+def _container(name: str, cores: int, *, sidecar: bool = False) -> dict[str, Any]:
+    limits = {CORE: str(cores)}
+    spec: dict[str, Any] = {"name": name, "resources": {"limits": limits, "requests": limits}}
+    if sidecar:
+        spec["restartPolicy"] = "Always"
+    return spec
+
+
+def _pod(containers: list[dict[str, Any]], inits: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": "default"},
+        "spec": {"containers": containers, "initContainers": list(inits)},
+    }
+
+
+def _node(cores: int) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "n"},
+        "status": {
+            "allocatable": {CORE: str(cores), "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+# -- the stand-in's node-total check --------------------------------------------------------------
+
+
+def test_sidecars_add_to_the_pods_requests_as_kube_scheduler_counts_them() -> None:
+    """A sidecar (restartPolicy: Always) runs beside the app containers: kube-scheduler adds its requests
+    to theirs, and an ordinary init container after it runs beside it too. The stand-in took the
+    largest init container against the sum of the app containers, so a pod the real scheduler finds
+    Insufficient on a node was passed to the extender there."""
+    pod = _pod([_container("app", 60)], [_container("proxy", 50, sidecar=True), _container("setup", 70)])
+    # max(app 60 + proxy 50, setup 70 + proxy 50) = 120
+    assert pod_requests(pod)[CORE] == Decimal(120)
+    assert node_fit_failure(pod, _node(110), {}) == f"Insufficient {CORE}"
+    assert node_fit_failure(pod, _node(120), {}) == ""
+
+
+def test_pod_overhead_counts_in_the_requests() -> None:
+    pod = _pod([_container("app", 60)])
+    pod["spec"]["overhead"] = {"cpu": "250m"}
+    assert pod_requests(pod)["cpu"] == Decimal("0.25")
+
+
+def test_resources_ignored_by_the_scheduler_are_left_to_the_extender() -> None:
+    """``managedResources[].ignoredByScheduler: true``: NodeResourcesFit does not check that resource."""
+    pod = _pod([_container("app", 60)])
+    assert node_fit_failure(pod, _node(0), {}) == f"Insufficient {CORE}"
+    assert node_fit_failure(pod, _node(0), {}, ignored=frozenset({CORE})) == ""
+    config = ExtenderConfig.from_dict(
+        {
+            "urlPrefix": "http://127.0.0.1:1/scheduler",
+            "managedResources": [{"name": CORE, "ignoredByScheduler": True}, {"name": MEMORY}],
+        }
+    )
+    assert config.ignored_by_scheduler == (CORE,)
+    assert config.managed_resources == (CORE, MEMORY)
+
+
+# -- the stand-in's HTTP client -------------------------------------------------------------------
+
+
+@contextmanager
+def _raw_server(answer: bytes | None) -> Iterator[tuple[int, list[bytes]]]:
+    """A one-shot-per-connection HTTP server: reads each request and answers ``answer`` (None: closes
+    the connection without a word). Yields (port, the requests it read)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                while len(body) < length:
+                    body += conn.recv(65536)
+                seen.append(head)
+                if answer is not None:
+                    conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], seen
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def _client(port: int) -> ExtenderClient:
+    return ExtenderClient(ExtenderConfig(url_prefix=f"http://127.0.0.1:{port}/scheduler", http_timeout=5.0))
+
+
+def test_a_posted_verb_is_not_sent_again_when_the_connection_drops_after_it() -> None:
+    """Go's transport never sends a POST again once it was written (it is not idempotent): a bind the
+    extender received and then dropped the connection of fails the attempt; the stand-in sent it again."""
+    with _raw_server(None) as (port, seen), pytest.raises(ExtenderCallError):
+        _client(port).call("bind", {"PodName": "p"})
+    assert len(seen) == 1, seen
+
+
+def test_a_status_other_than_200_is_reported_without_the_body() -> None:
+    """kube-scheduler reports 'failed <verb> with extender at URL <url>, code <status>' and never reads
+    the body: the extender's reason for a 400 reaches only the extender's own log."""
+    body = b'{"Error":"the reason"}'
+    answer = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    with _raw_server(answer) as (port, _seen), pytest.raises(ExtenderCallError) as caught:
+        _client(port).call("filter", {})
+    assert str(caught.value) == f"failed filter with extender at URL http://127.0.0.1:{port}/scheduler, code 400"
+
+
+def test_an_answer_that_is_not_json_is_an_extender_error() -> None:
+    body = b"<html>proxy error</html>"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with _raw_server(answer) as (port, _seen), pytest.raises(ExtenderCallError, match="filter"):
+        _client(port).call("filter", {})

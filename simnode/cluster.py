@@ -41,7 +41,7 @@ from simnode.apiserver_quantity import value as quantity_value
 from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
-from simnode.kubelet import AllocationRecord, KubeletSimulator
+from simnode.kubelet import AllocationRecord, KubeletSimError, KubeletSimulator
 from simnode.kubelet_deletion import PodTerminator
 from simnode.simhost import install_sim_driver, volume_conf
 
@@ -194,6 +194,7 @@ class SimCluster:
         agent_python: str | None = None,
         pod_resources: bool = True,
         fill: str = "sorted",
+        seed: int | None = None,
         api_process: bool = False,
         kubelet_checkpoint: bool = True,
         driver_mirror: bool = True,
@@ -221,6 +222,7 @@ class SimCluster:
             workdir / "device-plugins",
             pod_resources_socket=self.pod_resources_socket if pod_resources else None,
             fill=fill,  # type: ignore[arg-type]
+            seed=seed,
             write_checkpoint=kubelet_checkpoint,
         )
         self._agent_flags = list(agent_flags)
@@ -329,35 +331,77 @@ class SimCluster:
         return created
 
     def admit(self, manifest: Mapping[str, Any], *, create: bool = True) -> PodRun:
-        """Admission as the kubelet does it: Allocate both resources for each GPU container, in order, init
-        containers first (whose devices later containers of the pod may reuse)."""
+        """Admission as the kubelet does it: Allocate for each GPU container, in order, init containers first
+        (whose devices later containers of the pod may reuse), each container's resources in the order the
+        kubelet ranges over its limits (a Go map: random, unless the kubelet's fill is "sorted").
+
+        A refused allocation or a failed Allocate fails the admission as in the kubelet: the pod turns
+        Failed (``UnexpectedAdmissionError``; the status reaches the API server ``status_lag`` later) and is
+        never admitted again, the devices its earlier containers got are free for the next admission, and
+        the :class:`KubeletSimError` is raised."""
         pod = self.create(manifest) if create else dict(manifest)
         run = self.runs[str(pod["metadata"]["uid"])]
         # A sidecar (an init container with restartPolicy Always) runs beside the others: its devices
         # are not reusable, as for an app container.
         inits = [(c, c.get("restartPolicy") != "Always") for c in pod["spec"].get("initContainers") or []]
-        for c, init in [*inits, *((c, False) for c in pod["spec"]["containers"])]:
-            limits = (c.get("resources") or {}).get("limits") or {}
-            cores = int(quantity_value(limits.get(names.VCORE_RESOURCE, 0)))
-            blocks = int(quantity_value(limits.get(names.VMEMORY_RESOURCE, 0)))
-            kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
-            if cores:
-                run.core[c["name"]] = self.kubelet.allocate(names.VCORE_RESOURCE, cores, init_container=init, **kw)
-            if blocks:
-                run.memory[c["name"]] = self.kubelet.allocate(names.VMEMORY_RESOURCE, blocks, init_container=init, **kw)
+        try:
+            for c, init in [*inits, *((c, False) for c in pod["spec"]["containers"])]:
+                limits = (c.get("resources") or {}).get("limits") or {}
+                wanted = {
+                    res: int(quantity_value(limits.get(res, 0)))
+                    for res in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
+                }
+                kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
+                for res in self.kubelet.limits_order(r for r, n in wanted.items() if n):
+                    held = run.core if res == names.VCORE_RESOURCE else run.memory
+                    held[c["name"]] = self.kubelet.allocate(res, wanted[res], init_container=init, **kw)
+        except KubeletSimError as exc:
+            self._admission_failed(run, exc)
+            raise
         return run
 
+    def _admission_failed(self, run: PodRun, exc: KubeletSimError) -> None:
+        """The kubelet rejects the pod: it is not active any more, so its devices are dropped before the next
+        admission (UpdateAllocatedDevices), and its status says Failed a while later."""
+        self.kubelet.remove_pod(run.uid)
+        status = {
+            "reason": "UnexpectedAdmissionError",
+            "message": f"Allocate failed due to {exc}, which is unexpected",
+        }
+        log.info("pod %s/%s failed admission: %s", run.namespace, run.name, status["message"])
+
+        def publish() -> None:
+            try:
+                current = self.api.get_pod(run.namespace, run.name)
+                if current is not None and current["metadata"].get("uid") == run.uid:
+                    self.api.set_pod_phase(run.namespace, run.name, "Failed", **status)
+            except Exception as err:  # the pod went away meanwhile
+                log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
+
+        if self.status_lag <= 0:
+            publish()
+            return
+        timer = threading.Timer(self.status_lag, publish)
+        timer.daemon = True
+        self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
+        timer.start()
+
     def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:
-        """PreStartContainer for each GPU container, then cgroups with a PID; the pod's status (Running,
-        with the container IDs) follows ``status_lag`` seconds later.
+        """PreStartContainer for each GPU container (init containers first; each container's resources in the
+        kubelet's order), then cgroups with a PID; the pod's status (Running, with the container IDs) follows
+        ``status_lag`` seconds later.
+
+        A failing PreStartContainer raises :class:`KubeletSimError`: the kubelet fails that start only
+        (``CreateContainerConfigError``) and tries it again later with a backoff (10 s, doubling up to
+        5 min), calling PreStartContainer again; call this again to play that.
 
         ``publish_status=False``: the containers run (their cgroups exist) but the kubelet's status
         update, which names their IDs, has not reached the API server yet; see publish_status().
         """
-        for name in run.core:
-            self.kubelet.pre_start(names.VCORE_RESOURCE, pod_uid=run.uid, container_name=name)
-            if name in run.memory:
-                self.kubelet.pre_start(names.VMEMORY_RESOURCE, pod_uid=run.uid, container_name=name)
+        for name in dict.fromkeys([*run.core, *run.memory]):
+            held = {names.VCORE_RESOURCE: run.core, names.VMEMORY_RESOURCE: run.memory}
+            for res in self.kubelet.limits_order(r for r, by_name in held.items() if name in by_name):
+                self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
         statuses = []
         for c in run.manifest["spec"]["containers"]:
             cid = f"{run.uid[:8]}{c['name']}".replace("-", "")

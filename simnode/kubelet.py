@@ -1031,6 +1031,16 @@ class KubeletSimulator:
             return (), elapsed
         return tuple(resp.container_responses[0].deviceIDs), elapsed
 
+    def limits_order(self, resources: Iterable[str]) -> list[str]:
+        """The order in which the kubelet goes through a container's resources, for Allocate at admission
+        and PreStartContainer at its start: it ranges over ``container.Resources.Limits``, a Go map, so the
+        order is random on every pass (``fill="random"``); ``fill="sorted"`` keeps the order given."""
+        out = list(resources)
+        if self.fill == "random":
+            with self._lock:
+                self._rng.shuffle(out)
+        return out
+
     def allocate(
         self,
         resource: str,

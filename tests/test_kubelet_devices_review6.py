@@ -1,0 +1,83 @@
+"""The kubelet's device manager as the simulated node plays it, against the real kubelet's: the order of a
+container's Allocate and PreStartContainer calls, a failed admission, and what the agent makes of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.journal import read_document
+from simnode.cluster import SimCluster, gpu_pod
+from simnode.kubelet import KubeletSimError, KubeletSimulator
+
+CORE = names.VCORE_RESOURCE
+MEM = names.VMEMORY_RESOURCE
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, sim_built: Path) -> Iterator[SimCluster]:
+    c = SimCluster(
+        tmp_path, "v100-pcie-x4", fill="random", seed=7, status_lag=0.2, agent_flags=["--allocation-check-period=1"]
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+def ours(c: SimCluster) -> dict[tuple[str, str], dict[str, object]]:
+    data = (read_document(c.checkpoint_dir / names.OWN_CHECKPOINT) or {}).get("PodGPUMapping") or {}
+    return {(uid, name): entry for uid, per in data.items() for name, entry in per.items()}
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_containers_resources_come_in_go_map_order(tmp_path: Path) -> None:
+    """The kubelet ranges over a container's limits (a Go map) for Allocate and PreStartContainer: either
+    resource may come first, on every pass; "sorted" keeps the order given."""
+    sim = KubeletSimulator(tmp_path, fill="random", seed=3)
+    firsts = {sim.limits_order([CORE, MEM])[0] for _ in range(64)}
+    assert firsts == {CORE, MEM}
+    assert KubeletSimulator(tmp_path, fill="sorted").limits_order([CORE, MEM]) == [CORE, MEM]
+
+
+def test_memory_before_core_within_a_container_is_served(cluster: SimCluster) -> None:
+    """Containers whose vcuda-memory Allocate and PreStart come before their vcuda-core ones get the memory
+    and cores they asked for."""
+    containers = [(f"c{i}", 10, 2 + i) for i in range(8)]
+    run = cluster.run_pod(gpu_pod("mixed", containers))
+    sent = [(a.container_name, a.resource) for a in cluster.kubelet.allocations(run.uid)]
+    assert any(sent.index((c, MEM)) < sent.index((c, CORE)) for c, _, _ in containers), sent
+    calls = [(c, r) for r, uid, c, _ in cluster.kubelet.pre_start_calls if uid == run.uid]
+    assert {c for c, r in calls if r == MEM} == {c for c, _, _ in containers}
+    held = ours(cluster)
+    for name, cores, blocks in containers:
+        entry = held[(run.uid, name)]
+        assert (entry["Cores"], entry["Memory"]) == (cores, blocks * names.MEMORY_BLOCK_BYTES), (name, entry)
+
+
+def test_failed_admission_fails_the_pod_and_frees_what_its_first_container_got(cluster: SimCluster) -> None:
+    """The kubelet refuses the second container's memory: the pod turns Failed (UnexpectedAdmissionError) and
+    is not admitted again, the kubelet forgets the first container's devices, and the agent releases the
+    share it gave the first container, so every core is free for the next pod."""
+    total_blocks = len(cluster.kubelet.devices(MEM))
+    pod = gpu_pod("half", [("first", 100, 8), ("second", 100, total_blocks)])
+    with pytest.raises(KubeletSimError, match="requested number of devices unavailable"):
+        cluster.admit(pod)
+    run = next(r for r in cluster.runs.values() if r.name == "half")
+    assert cluster.kubelet.allocations(run.uid) == []
+    wait_until(lambda: cluster.pod(run).get("status", {}).get("phase") == "Failed", "the pod's Failed status")
+    status = cluster.pod(run)["status"]
+    assert status["reason"] == "UnexpectedAdmissionError"
+    assert "Allocate failed due to" in status["message"]
+    wait_until(lambda: not any(uid == run.uid for uid, _ in ours(cluster)), "the failed pod's release")
+    big = cluster.run_pod(gpu_pod("all", [(f"g{i}", 100, 0) for i in range(4)]))
+    assert len(cluster.kubelet.allocations(big.uid)) == 4

@@ -70,13 +70,22 @@ def check_directory(flag: str, value: str) -> None:
             return
         if isinstance(exc, FileExistsError):
             raise ConfigError(f"{flag}={value}: exists and is not a directory") from None
-        raise ConfigError(f"{flag}={value}: cannot create the directory: {exc.strerror} ({exc.errno})") from None
+        denied = _not_root() if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        raise ConfigError(
+            f"{flag}={value}: cannot create the directory: {exc.strerror} ({exc.errno}){denied}"
+        ) from None
     if not path.is_dir():
         if flag == "--checkpoint-path":
             return
         raise ConfigError(f"{flag}={value}: exists and is not a directory")
     if not os.access(path, os.W_OK | os.X_OK) and not _read_only_fs(path):
-        raise ConfigError(f"{flag}={value}: the directory is not writable")
+        raise ConfigError(f"{flag}={value}: the directory is not writable{_not_root()}")
+
+
+def _not_root() -> str:
+    """For a refused write: who the agent runs as, where that is not root ('' for root)."""
+    uid = os.geteuid()
+    return f" by uid {uid} (the agent runs as root on a node)" if uid != 0 else ""
 
 
 def _read_only_fs(path: Path) -> bool:

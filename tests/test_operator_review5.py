@@ -325,3 +325,19 @@ def test_http_server_header_has_no_trailing_space() -> None:
     finally:
         server.stop()
     assert header is not None and header == header.strip() and header.startswith("gpu-manager"), repr(header)
+
+
+def test_a_directory_not_writable_by_a_non_root_agent_says_it_runs_as_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run by hand as an ordinary user, the first refusal is the state directory: the line says whose
+    write was refused and that the agent runs as root, the usual cause."""
+    from gpumanager import flagchecks
+    from gpumanager.config import ConfigError
+
+    monkeypatch.setattr(flagchecks.os, "access", lambda *_: False)
+    monkeypatch.setattr(flagchecks.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError) as err:
+        flagchecks.check_directory("--virtual-manager-path", str(tmp_path))
+    message = str(err.value)
+    assert f"--virtual-manager-path={tmp_path}" in message and "uid 1000" in message and "root" in message, message

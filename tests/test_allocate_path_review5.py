@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, DeviceNode, Mount
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.handlers import fill_pb, to_pb
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod
 
 UID = "8f1c7c1e-1111-2222-3333-444444444444"
 
@@ -102,3 +104,18 @@ def test_the_kubelets_message_built_in_place_equals_the_one_built_whole() -> Non
     fill_pb(answer, in_place.container_responses.add())
     assert in_place == whole
     assert pb.AllocateResponse.FromString(in_place.SerializeToString()) == whole
+
+
+def test_a_pod_allocated_from_a_fresh_list_gets_its_compat32_answer(tmp_path: Path) -> None:
+    # The kubelet asks before the pod watch has delivered the pod: the allocator finds it in a fresh
+    # list of the API server. Its container's env asks for the 32-bit driver libraries all the same.
+    pods = FakePods([])
+    pods.refresh_fills_cache = False  # as the real cache: the watch delivers the pod later
+    pods.hidden = [make_pod("a", [("main", 200, 0)], env={"compat32": "True"})]
+    allocator = make_allocator(tmp_path, pods)
+    fresh = allocator.allocate(core_ids(0, 100) + core_ids(1, 100))
+    pods.show_hidden()
+    cached = FakePods([make_pod("a", [("main", 200, 0)], env={"compat32": "True"})])
+    seen = make_allocator(tmp_path / "seen", cached).allocate(core_ids(0, 100) + core_ids(1, 100))
+    assert fresh.envs["LD_LIBRARY_PATH"] == seen.envs["LD_LIBRARY_PATH"]
+    assert fresh == seen

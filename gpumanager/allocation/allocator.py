@@ -318,13 +318,16 @@ class Allocator:
         with self._lock:
             return self._response((pod_uid, container))
 
-    def _response(self, key: tuple[str, str]) -> ContainerResponse | None:
+    def _response(self, key: tuple[str, str], pod: Pod | None = None) -> ContainerResponse | None:
+        """``key``'s answer (lock held), made once: from ``pod``, the pod object it was allocated from,
+        else the cache's (or a fresh list's, until the cache shows it)."""
         alloc = self._allocs.get(key)
         if alloc is None:
             return None
         cached = self._responses.get(key)
         if cached is None:
-            pod = self._pods.get(alloc.pod_uid)
+            if pod is None:
+                pod = self._pod(alloc.pod_uid)
             cached = build_response(alloc, self._gpus, self._settings.response, compat32=_compat32(pod, alloc))
             self._responses[key] = cached
         return cached
@@ -604,7 +607,8 @@ class Allocator:
         ticket to sync before answering."""
         alloc = decided if decided is not None else self._decide(candidate, device_ids)
         ticket = self._commit(alloc)
-        response = self._response(alloc.key)
+        # From the candidate's pod: one found in a fresh list is not in the cache yet (its env says compat32).
+        response = self._response(alloc.key, candidate.pod)
         assert response is not None
         return alloc, response, ticket
 

@@ -341,3 +341,28 @@ def test_a_directory_not_writable_by_a_non_root_agent_says_it_runs_as_root(
         flagchecks.check_directory("--virtual-manager-path", str(tmp_path))
     message = str(err.value)
     assert f"--virtual-manager-path={tmp_path}" in message and "uid 1000" in message and "root" in message, message
+
+
+def test_driver_binaries_missing_on_the_host_are_one_warning(
+    tmp_path: Path, sim_built: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host without some of the driver's optional programs (MPS, debugdump, persistenced...) is common:
+    the mirror says which are missing in one line, not one line per program at each start."""
+    from gpumanager.volume.keeper import MirrorKeeper
+    from simnode.simhost import install_sim_driver, volume_conf
+
+    root = tmp_path / "host"
+    install_sim_driver(root)  # the libraries, none of the driver's programs
+    (tmp_path / "proc").mkdir()
+    mirror = MirrorKeeper(
+        volume_config=str(volume_conf(tmp_path / "vdriver", tmp_path / "volume.conf")),
+        driver_root=str(root),
+        share_mode=False,
+        interceptor="",
+        proc_root=str(tmp_path / "proc"),
+    )
+    with caplog.at_level("WARNING", logger="gpumanager.volume"):
+        assert mirror.build() is True
+    lines = [r.getMessage() for r in caplog.records if "not found on the PATH" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "'nvidia-smi'" in lines[0] and "'nvidia-debugdump'" in lines[0] and str(root) in lines[0], lines

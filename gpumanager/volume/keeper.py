@@ -8,9 +8,10 @@ answer mounts the share-mode tree, which must exist and hold the interceptor;
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,9 +120,8 @@ class MirrorKeeper:
         self.install_in_progress = ""
         self.next_check = self._period
         # A warning is logged when it appears, not again at every recheck of an unchanged host.
-        for warning in result.warnings:
-            if warning not in self._reported:
-                log.warning("driver mirror: %s", warning)
+        for warning in _grouped([w for w in result.warnings if w not in self._reported]):
+            log.warning("driver mirror: %s", warning)
         self._reported = set(result.warnings)
         for tree in result.removed_trees:
             log.info("driver mirror: removed unused tree %s", tree)
@@ -214,3 +214,24 @@ class MirrorKeeper:
                 self.build()
             except Exception:
                 log.exception("driver mirror check failed; trying again later")
+
+
+#: A program of the driver the mirror did not find (gpumanager.volume.discovery's warning).
+_MISSING_BINARY = re.compile(r"^binary ('[^']*') not found on the PATH of driver root (.*); skipped\Z")
+
+
+def _grouped(warnings: Sequence[str]) -> list[str]:
+    """The warnings to log, the programs missing under one driver root in one line (a host without MPS,
+    debugdump or persistenced lacks several)."""
+    missing: dict[str, list[str]] = {}
+    out: list[str] = []
+    for warning in warnings:
+        match = _MISSING_BINARY.match(warning)
+        if match is None:
+            out.append(warning)
+        else:
+            missing.setdefault(match.group(2), []).append(match.group(1))
+    for root, names in missing.items():
+        what = "binary" if len(names) == 1 else "binaries"
+        out.append(f"{what} {', '.join(names)} not found on the PATH of driver root {root}; skipped")
+    return out

@@ -13,6 +13,7 @@ import pytest
 
 from gpumanager import names
 from simnode.scheduler import ExtenderCallError, ExtenderClient, ExtenderConfig, node_fit_failure, pod_requests
+from tests.extender_fixtures import World
 
 CORE = names.VCORE_RESOURCE
 MEMORY = names.VMEMORY_RESOURCE
@@ -159,3 +160,69 @@ def test_an_answer_that_is_not_json_is_an_extender_error() -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     with _raw_server(answer) as (port, _seen), pytest.raises(ExtenderCallError, match="filter"):
         _client(port).call("filter", {})
+
+
+# -- the extender's HTTP server -------------------------------------------------------------------
+
+
+def _exchange(port: int, data: bytes, *, answers: int) -> list[tuple[int, bytes]]:
+    """Send ``data`` on one connection; read ``answers`` HTTP answers (status, body) off it (fewer when the
+    server closes the connection or stays silent for 5 s)."""
+    out: list[tuple[int, bytes]] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        buffer = b""
+        try:
+            while len(out) < answers:
+                while b"\r\n\r\n" not in buffer:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return out
+                    buffer += chunk
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                length = next(
+                    (int(x.split(b":", 1)[1]) for x in lines[1:] if x.lower().startswith(b"content-length:")), 0
+                )
+                if lines[0].split()[1] != b"204" and not data.startswith(b"HEAD"):
+                    while len(buffer) < length:
+                        chunk = sock.recv(65536)
+                        if not chunk:
+                            return out
+                        buffer += chunk
+                else:
+                    length = 0
+                out.append((int(lines[0].split()[1]), buffer[:length]))
+                buffer = buffer[length:]
+        except TimeoutError:
+            pass
+    return out
+
+
+def test_a_get_with_a_body_keeps_the_connection_in_step(world: World) -> None:
+    """A GET's body is read and dropped (as Go's server does), not parsed as the next request."""
+    world.start_extender()
+    port = world.extender.server.port
+    data = b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhelloGET /version HTTP/1.1\r\nHost: x\r\n\r\n"
+    answers = _exchange(port, data, answers=2)
+    assert [code for code, _ in answers] == [200, 200], answers
+    assert b"version" in answers[1][1].lower() or answers[1][1].startswith(b"{"), answers
+
+
+def test_head_answers_the_headers_of_get(world: World) -> None:
+    """Load balancers and probes may ask HEAD; Go's server answers it for every GET route."""
+    world.start_extender()
+    port = world.extender.server.port
+    answers = _exchange(port, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n", answers=1)
+    assert answers == [(200, b"")], answers
+
+
+def test_conflicting_content_lengths_are_refused(world: World) -> None:
+    """Two Content-Length headers that differ (a request smuggled past a proxy) answer 400 and close the
+    connection; the server read the first and waited for bytes that would never come."""
+    world.start_extender()
+    port = world.extender.server.port
+    data = b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\nContent-Length: 2\r\n\r\n{}"
+    answers = _exchange(port, data, answers=1)
+    assert len(answers) == 1 and answers[0][0] == 400, answers
+    assert b"Content-Length" in answers[0][1], answers

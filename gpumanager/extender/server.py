@@ -5,8 +5,10 @@ configurations written for it keep working), ``POST <prefix>/prioritize`` (also
 ``<prefix>/priorities``, gpu-admission's), ``POST <prefix>/bind``; ``GET /healthz``, ``/readyz``
 (503 until the watches have listed, and while one has failed for longer than 30 s or
 ``--assume-ttl``), ``/version`` (also ``<prefix>/version``), ``/metrics``. HTTP/1.1 with
-keep-alive, as the scheduler's Go client reuses connections. Bodies are JSON; a body that is not
-the verb's argument answers 400 with ``{"Error": ...}`` naming what is wrong.
+keep-alive, as the scheduler's Go client reuses connections (a GET's body is read and dropped, so
+the connection stays in step; HEAD answers GET's headers). Bodies are JSON; a body that is not
+the verb's argument answers 400 with ``{"Error": ...}`` naming what is wrong, as does a request
+with Content-Length headers that differ (its connection is closed).
 """
 
 from __future__ import annotations
@@ -160,12 +162,27 @@ class ExtenderServer:
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":
+                    self.wfile.write(body)
 
             def _json(self, code: int, answer: object) -> None:
                 self._send(code, _json_bytes(answer))
 
+            def do_HEAD(self) -> None:
+                """The headers GET would answer (as Go's server answers HEAD on every GET route)."""
+                self.do_GET()
+
             def do_GET(self) -> None:
+                try:
+                    # A body nobody reads would be parsed as the next request on this connection.
+                    self._read_body()
+                except BadRequestError as exc:
+                    log.warning("%s %s from %s refused (400): %s", self.command, self.path, self.client_address[0], exc)
+                    self._json(400, {"Error": str(exc)})
+                    return
+                except OSError:
+                    self.close_connection = True
+                    return
                 path = self.path.split("?", 1)[0].rstrip("/") or "/"
                 if path in ("/healthz", "/livez"):
                     self._send(200, b"ok", "text/plain; charset=utf-8")
@@ -223,11 +240,13 @@ class ExtenderServer:
                         f"Transfer-Encoding {self.headers.get('Transfer-Encoding')!r} is not supported: send the "
                         "body with a Content-Length (as the kube-scheduler does)"
                     )
-                raw = self.headers.get("Content-Length")
-                try:
-                    length = int(raw or 0)
-                except ValueError:
-                    length = -1
+                given = self.headers.get_all("Content-Length") or []
+                if len(set(given)) > 1:
+                    self.close_connection = True  # which one the body follows is anyone's guess
+                    raise BadRequestError(f"the request has {len(given)} Content-Length headers that differ: {given}")
+                raw = given[0] if given else None
+                text = (raw or "0").strip()
+                length = int(text) if text.isascii() and text.isdigit() else -1  # no sign, ASCII digits: Go's rule
                 if length < 0:
                     self.close_connection = True  # where this body ends is unknown
                     raise BadRequestError(f"Content-Length {raw!r} is not a byte count")

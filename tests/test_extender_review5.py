@@ -13,7 +13,10 @@ import pytest
 
 from gpumanager import names
 from simnode.scheduler import ExtenderCallError, ExtenderClient, ExtenderConfig, node_fit_failure, pod_requests
+from tests import extender_fixtures
 from tests.extender_fixtures import World
+
+world = extender_fixtures.world
 
 CORE = names.VCORE_RESOURCE
 MEMORY = names.VMEMORY_RESOURCE

@@ -366,3 +366,15 @@ def test_driver_binaries_missing_on_the_host_are_one_warning(
     lines = [r.getMessage() for r in caplog.records if "not found on the PATH" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "'nvidia-smi'" in lines[0] and "'nvidia-debugdump'" in lines[0] and str(root) in lines[0], lines
+
+
+def test_extender_tls_files_that_are_not_pem_say_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpumanager.extender import cli as extender_cli
+
+    junk = tmp_path / "tls.pem"
+    junk.write_text("not a certificate\n")
+    with pytest.raises(SystemExit) as done:
+        extender_cli.main([f"--tls-cert-file={junk}", f"--tls-private-key-file={junk}", "--listen=127.0.0.1:0"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--tls-cert-file={junk}" in err and "PEM certificate" in err and "private key" in err, err

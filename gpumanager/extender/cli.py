@@ -100,7 +100,10 @@ def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | Non
     if cert:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
+        except ssl.SSLError as exc:  # its text is OpenSSL's: "[SSL] PEM lib (_ssl.c:3874)"
+            problem = "not a PEM certificate (chain) and the PEM private key that belongs to it"
+            _fail("--tls-cert-file", f"{cert} (key {key})", f"cannot be loaded: {problem} ({exc})")
+        except OSError as exc:
             _fail("--tls-cert-file", f"{cert} (key {key})", f"cannot be loaded: {exc}")
         tls = (cert, key)
     return host, port, tls

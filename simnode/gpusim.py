@@ -8,6 +8,8 @@ sees the change at once::
     gpusim restore --gpu 1                 ... and is back
     gpusim hang --gpu 1                    NVML calls on GPU 1 block (stuck in reset)
     gpusim unhang --gpu 1                  ... and answer again
+    gpusim mig --gpu 0 --on|--off          MIG mode (answered by A100/A30/H100/H200/B200 models only)
+    gpusim compute-mode --gpu 0 --mode EXCLUSIVE_PROCESS   (DEFAULT, EXCLUSIVE_THREAD, PROHIBITED)
     gpusim proc --gpu 0 --pid 4242 --used-mib 1024 [--sm-percent 30] [--mem-percent 10]
     gpusim proc-remove --pid 4242 [--gpu 0]
     gpusim util --gpu 0 --percent 75 [--memory-percent 40]
@@ -26,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from simnode.gpusim_state import GpuSimState, NodeSpec, SpecError, StateError, load_spec
+from simnode.gpusim_state import COMPUTE_MODES, GpuSimState, NodeSpec, SpecError, StateError, load_spec
 
 MIB = 1024 * 1024
 
@@ -54,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     gpu_arg(sub.add_parser("restore", help="bring a lost GPU back"))
     gpu_arg(sub.add_parser("hang", help="make NVML calls on a GPU block (a GPU stuck in reset)"))
     gpu_arg(sub.add_parser("unhang", help="let a hung GPU's NVML calls answer again"))
+    cmd = sub.add_parser("mig", help="turn MIG mode on or off (MIG-capable models)")
+    gpu_arg(cmd)
+    on_off = cmd.add_mutually_exclusive_group(required=True)
+    on_off.add_argument("--on", dest="mig", action="store_true")
+    on_off.add_argument("--off", dest="mig", action="store_false")
+    cmd = sub.add_parser("compute-mode", help="set the compute mode NVML reports")
+    gpu_arg(cmd)
+    cmd.add_argument("--mode", required=True, choices=sorted(COMPUTE_MODES), help="the compute mode")
     cmd = sub.add_parser("proc", help="add or update a process using a GPU")
     gpu_arg(cmd)
     cmd.add_argument("--pid", type=int, required=True)
@@ -144,6 +154,12 @@ def _run(args: argparse.Namespace) -> str | None:
         if cmd in ("hang", "unhang"):
             state.set_hung(args.gpu, cmd == "hang")
             return f"GPU {args.gpu} {'hung' if cmd == 'hang' else 'answers again'}"
+        if cmd == "mig":
+            state.set_mig(args.gpu, args.mig)
+            return f"GPU {args.gpu} MIG mode {'on' if args.mig else 'off'}"
+        if cmd == "compute-mode":
+            state.set_compute_mode(args.gpu, COMPUTE_MODES[args.mode])
+            return f"GPU {args.gpu} compute mode {args.mode}"
         if cmd == "proc":
             if args.used_mib < 0:
                 raise _UsageError("--used-mib must not be negative")

@@ -73,6 +73,12 @@ TL_CKPTS = 128
 GPU_LOST = 0x1
 #: Calls that take the GPU block while set (a GPU stuck in reset): ``gpusim hang``.
 GPU_HUNG = 0x2
+#: MIG mode on (answered by MIG-capable models only: compute capability 8.0, 9.0, 10.0): ``gpusim mig``.
+GPU_MIG = 0x4
+#: Bits 8-9 of a GPU's flags: its compute mode (``gpusim compute-mode``), as nvmlComputeMode_t numbers them.
+GPU_COMPUTE_MODE_SHIFT = 8
+GPU_COMPUTE_MODE_MASK = 0x300
+COMPUTE_MODES = {"DEFAULT": 0, "EXCLUSIVE_THREAD": 1, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
 PROC_IN_USE = 0x1
 PROC_CUDA = 0x2  # entry of a simulated-libcuda process (its device memory); reaped when it is gone
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
@@ -693,6 +699,23 @@ class GpuSimState:
             flags = (flags | GPU_HUNG) if hung else (flags & ~GPU_HUNG)
             _GPU_HEAD.pack_into(m, off, flags, *rest)
             self._touch(m)
+
+    def _set_flags(self, gpu: int, clear: int, add: int) -> None:
+        off = self._gpu_offset(gpu)
+        with self._locked() as m:
+            flags, *rest = _GPU_HEAD.unpack_from(m, off)
+            _GPU_HEAD.pack_into(m, off, (flags & ~clear) | add, *rest)
+            self._touch(m)
+
+    def set_mig(self, gpu: int, enabled: bool = True) -> None:
+        """Turns MIG mode on or off (``nvmlDeviceGetMigMode`` of a MIG-capable model answers it)."""
+        self._set_flags(gpu, GPU_MIG, GPU_MIG if enabled else 0)
+
+    def set_compute_mode(self, gpu: int, mode: int) -> None:
+        """Sets the compute mode ``nvmlDeviceGetComputeMode`` answers (0 DEFAULT .. 3 EXCLUSIVE_PROCESS)."""
+        if not _is_int(mode, 0, 3):
+            raise StateError(f"compute mode {mode!r} out of range (0..3: {', '.join(COMPUTE_MODES)})")
+        self._set_flags(gpu, GPU_COMPUTE_MODE_MASK, mode << GPU_COMPUTE_MODE_SHIFT)
 
     def set_utilization(self, gpu: int, gpu_percent: int, memory_percent: int = 0) -> None:
         """Sets a GPU's current utilisation and records it as a sample."""

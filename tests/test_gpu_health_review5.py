@@ -139,3 +139,83 @@ def test_an_xid_named_only_by_nvml_index_marks_the_gpu_nvml_numbers_so_now(monke
     mon._handle_event(data)
     assert not mon.state(1).healthy
     assert mon.state(0).healthy
+
+
+MODES = (
+    PRELUDE
+    + r"""
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1)
+mon.start()
+time.sleep(0.3)
+st.set_compute_mode(1, 3)  # EXCLUSIVE_PROCESS: the second share's context is refused
+st.set_mig(2, True)
+out = {}
+out["exclusive_out"] = wait_for(lambda: not mon.state(1).healthy, timeout=5.0)
+out["exclusive_reason"] = mon.state(1).reason
+out["mig_out"] = wait_for(lambda: not mon.state(2).healthy, timeout=5.0)
+out["mig_reason"] = mon.state(2).reason
+out["others"] = [mon.state(i).healthy for i in (0, 3)]
+st.set_compute_mode(1, 0)
+st.set_mig(2, False)
+out["exclusive_back"] = wait_for(lambda: mon.state(1).healthy, timeout=10.0)
+out["mig_back"] = wait_for(lambda: mon.state(2).healthy, timeout=10.0)
+mon.stop()
+out["log"] = buf.getvalue()
+print(json.dumps(out))
+"""
+)
+
+
+def test_gpus_in_an_exclusive_compute_mode_or_mig_mode_are_out_of_service_until_set_back(
+    sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("h100-nvlink-x8")
+    done = node.python(MODES, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["mig_out"] is True
+    assert out["mig_reason"] == "MIG mode"
+    assert out["exclusive_out"] is True
+    assert out["exclusive_reason"] == "compute mode EXCLUSIVE_PROCESS"
+    assert "nvidia-smi -i GPU-" in out["log"] and "-c DEFAULT" in out["log"]
+    assert out["others"] == [True, True]
+    assert out["exclusive_back"] is True
+    assert out["mig_back"] is True
+
+
+MODE_ANSWERS = r"""
+import json, os, pynvml as n
+from simnode.gpusim_state import GpuSimState
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+out = {"compute": int(n.nvmlDeviceGetComputeMode(h))}
+try:
+    out["mig"] = list(n.nvmlDeviceGetMigMode(h))
+except n.NVMLError as e:
+    out["mig"] = e.value
+with GpuSimState(os.environ["GPUSIM_STATE"]) as st:
+    st.set_compute_mode(0, 2)
+    st.set_mig(0, True)
+out["compute_after"] = int(n.nvmlDeviceGetComputeMode(h))
+try:
+    out["mig_after"] = list(n.nvmlDeviceGetMigMode(h))
+except n.NVMLError as e:
+    out["mig_after"] = e.value
+print(json.dumps(out))
+"""
+
+
+def test_the_simulated_nvml_answers_compute_and_mig_modes_as_the_model_does(sim_node: MakeNode) -> None:
+    import pynvml
+
+    h100 = json.loads(sim_node("h100-nvlink-x8").python(MODE_ANSWERS).stdout)
+    assert h100 == {"compute": 0, "mig": [0, 0], "compute_after": 2, "mig_after": [1, 1]}
+    t4 = json.loads(sim_node("t4-x1").python(MODE_ANSWERS).stdout)  # a T4 has no MIG
+    assert t4 == {
+        "compute": 0,
+        "mig": pynvml.NVML_ERROR_NOT_SUPPORTED,
+        "compute_after": 2,
+        "mig_after": pynvml.NVML_ERROR_NOT_SUPPORTED,
+    }

@@ -326,7 +326,7 @@ for name, call in [
     ("temperature", lambda: n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
     ("power", lambda: n.nvmlDeviceGetPowerUsage(h)),
     ("ecc", lambda: n.nvmlDeviceGetEccMode(h)),
-    ("mig", lambda: n.nvmlDeviceGetMigMode(h)),
+    ("clock", lambda: n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
 ]:
     try:
         call()
@@ -344,7 +344,7 @@ print(json.dumps(results))
 def test_unimplemented_functions_return_not_supported(sim_node: MakeNode) -> None:
     node = sim_node("h100-nvlink-x8")
     out = run_json(node, STUB_PROBE, str(sim_library_dir() / "libnvidia-ml.map"))
-    for name in ("fan", "temperature", "power", "ecc", "mig"):
+    for name in ("fan", "temperature", "power", "ecc", "clock"):
         assert out[name] == pynvml.NVML_ERROR_NOT_SUPPORTED, name
     assert out["missing"] == []
     assert out["exported"] > 300

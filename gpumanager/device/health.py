@@ -51,6 +51,13 @@ EVENT_SET_RETRY_FIRST = 1.0
 EVENT_SET_RETRY_MAX = 60.0
 #: The reason of a GPU in MIG mode (its shares would land on a GPU that runs CUDA only in MIG instances).
 MIG_ENABLED = "MIG mode"
+#: Compute modes in which a GPU's shares cannot be used (nvmlComputeMode_t), and why: the reason is
+#: 'compute mode <name>' (the DRA taint value ``compute-mode-<name>``).
+UNSHAREABLE_COMPUTE_MODES = {
+    1: ("EXCLUSIVE_THREAD", "only one thread at a time may have a CUDA context on it"),
+    2: ("PROHIBITED", "no CUDA context may be made on it"),
+    3: ("EXCLUSIVE_PROCESS", "only one process at a time may have a CUDA context on it"),
+}
 #: Causes of one unhealthy GPU that are logged (a first, then each other one once, up to this many).
 CAUSES_LOGGED = 8
 #: Seconds between two log lines of one repeated condition (an ignored XID of one GPU, failing waits).
@@ -150,6 +157,7 @@ class HealthMonitor:
         self._registered: set[int] = set()  # GPUs whose XIDs the current event set watches
         self._unsupported: set[int] = set()  # GPUs whose NVML has no XID events (only probed)
         self._no_mig: set[int] = set()  # GPUs whose NVML has no MIG mode (not asked again)
+        self._no_compute_mode: set[int] = set()  # GPUs whose NVML has no compute mode (not asked again)
         self._register_logged_at = -1e18
         self._wait_problem = ""  # the event waits keep failing
         self._register_problem = ""  # some GPUs could not be registered in the event set
@@ -587,6 +595,20 @@ class HealthMonitor:
                 )
             self._mark_bad(index, MIG_ENABLED)
             return
+        mode = self._unshareable_mode(index, handle)
+        if mode is not None:
+            name, why = mode
+            if self.state(index).healthy:
+                log.warning(
+                    "%s is in compute mode %s: %s, so the containers sharing it would be refused theirs; "
+                    "Unhealthy until it is DEFAULT again (nvidia-smi -i %s -c DEFAULT)",
+                    self.gpu_name(index),
+                    name,
+                    why,
+                    self._uuids.get(index, index),
+                )
+            self._mark_bad(index, f"compute mode {name}")
+            return
         if self._due_back(index):
             waiting = self._reset_pending(index, handle)
             if waiting:
@@ -656,6 +678,21 @@ class HealthMonitor:
                 log.debug("%s: nvmlDeviceGetMigMode: %s", self.gpu_name(index), exc)
             return False
         return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    def _unshareable_mode(self, index: int, handle: object) -> tuple[str, str] | None:
+        """The name of GPU ``index``'s compute mode and why it cannot be shared, None in DEFAULT mode (or
+        when NVML does not tell: a GPU whose NVML has no compute mode is not asked again)."""
+        if index in self._no_compute_mode:
+            return None
+        try:
+            mode = int(self._call(index, lambda: pynvml.nvmlDeviceGetComputeMode(handle)))
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._no_compute_mode.add(index)
+            else:
+                log.debug("%s: nvmlDeviceGetComputeMode: %s", self.gpu_name(index), exc)
+            return None
+        return UNSHAREABLE_COMPUTE_MODES.get(mode)
 
     def _run(self) -> None:
         next_probe = 0.0

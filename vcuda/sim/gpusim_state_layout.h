@@ -44,6 +44,11 @@
 #define GPUSIM_GPU_LOST 0x1u
 /* Calls that take the GPU (its handle, or its handle by index) block while set: a GPU stuck in reset. */
 #define GPUSIM_GPU_HUNG 0x2u
+/* MIG mode enabled (current and pending); answered only by MIG-capable models (compute capability 8.0, 9.0, 10.0). */
+#define GPUSIM_GPU_MIG 0x4u
+/* Bits 8-9: the compute mode (nvmlComputeMode_t: 0 DEFAULT, 1 EXCLUSIVE_THREAD, 2 PROHIBITED, 3 EXCLUSIVE_PROCESS). */
+#define GPUSIM_GPU_COMPUTE_MODE_SHIFT 8u
+#define GPUSIM_GPU_COMPUTE_MODE_MASK 0x300u
 /* gpusim_proc.flags */
 #define GPUSIM_PROC_IN_USE 0x1u
 /*

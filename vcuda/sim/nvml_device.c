@@ -2,6 +2,7 @@
 #include "nvml_sim.h"
 
 #include <ctype.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -252,6 +253,56 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, 
     } else {
         *major = g->cc_major;
         *minor = g->cc_minor;
+    }
+    sim_leave();
+    return rc;
+}
+
+/* ---- modes ---------------------------------------------------------------- */
+
+/* The GPU's flags in the state file (0 when they cannot be read). */
+static uint32_t gpu_flags(const struct sim_ctx *ctx, unsigned index)
+{
+    if (sim_state_lock(ctx->state) != 0)
+        return 0;
+    const struct gpusim_gpu *g = sim_state_gpu(ctx->state, index);
+    uint32_t flags = g != NULL ? g->flags : 0;
+    sim_state_unlock(ctx->state);
+    return flags;
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
+{
+    const struct sim_ctx *ctx;
+    unsigned i;
+    nvmlReturn_t rc = sim_enter_device(device, &ctx, &i);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    if (mode == NULL)
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        *mode = (nvmlComputeMode_t)((gpu_flags(ctx, i) & GPUSIM_GPU_COMPUTE_MODE_MASK) >> GPUSIM_GPU_COMPUTE_MODE_SHIFT);
+    sim_leave();
+    return rc;
+}
+
+/* MIG-capable models (A100, A30: 8.0; H100, H200: 9.0; B200: 10.0) answer; the others NOT_SUPPORTED, as on NVML. */
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode, unsigned int *pendingMode)
+{
+    const struct sim_ctx *ctx;
+    unsigned i;
+    nvmlReturn_t rc = sim_enter_device(device, &ctx, &i);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    const struct sim_gpu_spec *g = &ctx->spec->gpus[i];
+    if (currentMode == NULL || pendingMode == NULL) {
+        rc = NVML_ERROR_INVALID_ARGUMENT;
+    } else if (g->cc_major < 8 || g->cc_minor != 0) {
+        rc = NVML_ERROR_NOT_SUPPORTED;
+    } else {
+        unsigned on = (gpu_flags(ctx, i) & GPUSIM_GPU_MIG) != 0 ? NVML_DEVICE_MIG_ENABLE : NVML_DEVICE_MIG_DISABLE;
+        *currentMode = on;
+        *pendingMode = on;
     }
     sim_leave();
     return rc;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
@@ -14,7 +15,7 @@ import pytest
 from gpumanager import names
 from simnode.scheduler import ExtenderCallError, ExtenderClient, ExtenderConfig, node_fit_failure, pod_requests
 from tests import extender_fixtures
-from tests.extender_fixtures import World
+from tests.extender_fixtures import World, gpu_pod, inventory, wait_for
 
 world = extender_fixtures.world
 
@@ -229,3 +230,24 @@ def test_conflicting_content_lengths_are_refused(world: World) -> None:
     answers = _exchange(port, data, answers=1)
     assert len(answers) == 1 and answers[0][0] == 400, answers
     assert b"Content-Length" in answers[0][1], answers
+
+
+# -- bind -----------------------------------------------------------------------------------------
+
+
+def test_a_pod_deleted_between_filter_and_bind_is_refused_as_deleted(world: World) -> None:
+    """The watch still shows the pod (it lags) when the scheduler binds it: the annotation patch finds it
+    gone (404). That is a refusal naming the deletion, not an API error of the extender's."""
+    world.add_node("n", inventory([80]))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    wait_for(lambda: world.extender.pods.get(pod["metadata"]["uid"]) is not None, what="the pod in the watch cache")
+    world.api.hold_watches(True)
+    world.api.delete_pod("default", "p")
+    error = world.bind(pod, "n")
+    world.api.hold_watches(False)
+    assert error == "pod default/p (UID uid-p) was deleted before it could be bound", error
+    assert world.extender.state.assumed_count() == 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{world.extender.server.port}/metrics", timeout=10).read()
+    assert b'gpu_extender_decisions_total{outcome="refused",verb="bind"} 1.0' in metrics
+    assert b'outcome="error",verb="bind"' not in metrics

@@ -391,6 +391,9 @@ class _Bind:
                 # The scheduler hears of the failure and places the pod anew: should the patch be made
                 # after all, that choice holds nothing while the pod is not bound.
                 self._state.given_up(uid, str(patch[names.PREDICATE_TIME]))
+                if isinstance(exc, ApiException) and exc.status == 404:
+                    # Deleted since the scheduler filtered it (the watch had not shown that yet).
+                    raise BindError(f"{self.who} (UID {uid}) was deleted before it could be bound", "refused") from exc
                 raise BindError(f"cannot annotate {self.who}: {_api_text(exc, self.deadline)}") from exc
         self._binding(uid, patched, patch)
         log.info(

@@ -335,8 +335,8 @@ def test_a_directory_not_writable_by_a_non_root_agent_says_it_runs_as_root(
     from gpumanager import flagchecks
     from gpumanager.config import ConfigError
 
-    monkeypatch.setattr(flagchecks.os, "access", lambda *_: False)
-    monkeypatch.setattr(flagchecks.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "access", lambda *_: False)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError) as err:
         flagchecks.check_directory("--virtual-manager-path", str(tmp_path))
     message = str(err.value)
@@ -378,3 +378,23 @@ def test_extender_tls_files_that_are_not_pem_say_so(tmp_path: Path, capsys: pyte
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert f"--tls-cert-file={junk}" in err and "PEM certificate" in err and "private key" in err, err
+
+
+def test_dra_slice_of_an_unknown_node_says_which_setting_names_the_node(caplog: pytest.LogCaptureFixture) -> None:
+    """DRA mode publishes its ResourceSlice for the node it thinks it is on: where the API server has no
+    such Node, the line says the name may be wrong and which settings give it."""
+    from gpumanager.dra.publisher import SlicePublisher
+    from simnode.apiserver import ApiServerSimulator
+
+    driver = "vcuda.tencent.com"
+    with ApiServerSimulator() as api:
+
+        def content(gen: int) -> dict[str, object]:
+            pool = {"name": "no-such-node", "generation": gen, "resourceSliceCount": 1}
+            return {"driver": driver, "nodeName": "no-such-node", "pool": pool, "devices": []}
+
+        pub = SlicePublisher(api.component_client("dra"), node="no-such-node", driver=driver, content=content)
+        with caplog.at_level("WARNING", logger="gpumanager.dra.publisher"):
+            pub.sync()
+    line = next(r.getMessage() for r in caplog.records if "no-such-node" in r.getMessage())
+    assert "--hostname-override" in line and "NODE_NAME" in line, line

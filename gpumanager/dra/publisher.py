@@ -47,6 +47,7 @@ from typing import Any
 from gpumanager.dra import constants as c
 from gpumanager.dra.apierror import describe
 from gpumanager.dra.quantity import QuantityError, parse
+from gpumanager.kube.apierror import unknown_node
 from gpumanager.kube.pods import _lines
 from gpumanager.kube.rest import ApiException, KubeRest, segment
 
@@ -269,6 +270,8 @@ class SlicePublisher:
         except Exception as exc:  # 404 (not registered yet), 403, a hanging server: publish without
             uid = ""
             problem = describe(exc)
+            if getattr(exc, "status", None) == 404:
+                problem += f"; if no Node has that name, {unknown_node(self.node)}"
         else:
             problem = "" if uid else "it has no UID"
         if problem:

@@ -71,3 +71,12 @@ def _unreachable(exc: BaseException) -> str:
     if text.startswith("(") and why.endswith("')"):  # a (connection, 'message') pair's text
         why = why[:-2]
     return f"cannot reach the API server at {where}: {why or type(reason).__name__}"
+
+
+def unknown_node(node: str) -> str:
+    """What a 404 for this agent's own Node means when it lasts: the node name it was given is not one the
+    API server knows, and where that name comes from."""
+    return (
+        f"the agent's node name {node!r} (--hostname-override, else $NODE_NAME, else the host name) must be the "
+        "name of this node's Node object (kubectl get nodes), or its pods are never seen"
+    )

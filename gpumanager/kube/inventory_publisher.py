@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from gpumanager.device.types import GPUInfo, NodeTopology
-from gpumanager.kube.apierror import failure
+from gpumanager.kube.apierror import failure, unknown_node
 from gpumanager.kube.gpu_inventory import ANNOTATION, encode
 from gpumanager.kube.rest import MERGE_PATCH, ApiClient, KubeRest
 
@@ -86,10 +86,7 @@ class InventoryPublisher:
     def _problem(self, exc: Exception) -> str:
         """What a failed publication says: for a node the API server does not know, which settings name it."""
         if getattr(exc, "status", None) == 404:
-            return (
-                f"{failure(exc)}: the agent's node name (--hostname-override, else $NODE_NAME, else the host "
-                "name) must be the name of this node's Node object (kubectl get nodes), or its pods are never seen"
-            )
+            return f"{failure(exc)}: {unknown_node(self._node)}"
         return failure(exc)
 
     def _report(self, problem: str) -> None:

@@ -19,7 +19,8 @@ own, the way kube-scheduler does:
   verb, else by POSTing the Binding itself; on failure the assumption is dropped and the pod
   goes back to the queue with a backoff (1 s doubling to 10 s);
 * a pod that fits nowhere gets ``PodScheduled=False, reason Unschedulable`` with a
-  "0/N nodes are available" message and waits until a pod is deleted or a node changes (or
+  "0/N nodes are available" message and waits until a pod is deleted or a node changes what
+  scheduling looks at (allocatable, labels, annotations, taints, schedulability, conditions) (or
   ``unschedulable_timeout``, 5 minutes as kube-scheduler), then tries again after its backoff.
 
 An extender's answer naming a node that was not offered is an error, as in kube-scheduler; an
@@ -312,6 +313,24 @@ def _key(pod: Mapping[str, Any]) -> str:
     return f"{_meta(pod).get('namespace', 'default')}/{_meta(pod).get('name', '')}"
 
 
+def _scheduling_properties(node: Mapping[str, Any]) -> tuple[object, ...]:
+    """What of a node, changed, makes kube-scheduler move unschedulable pods back to its queue: its
+    allocatable, labels, annotations, taints, schedulability, and conditions (not their heartbeat times)."""
+    status = node.get("status") or {}
+    spec = node.get("spec") or {}
+    conditions = sorted(
+        (str(c.get("type")), str(c.get("status")), str(c.get("reason", ""))) for c in status.get("conditions") or []
+    )
+    return (
+        status.get("allocatable"),
+        _meta(node).get("labels"),
+        _meta(node).get("annotations"),
+        spec.get("taints"),
+        bool(spec.get("unschedulable")),
+        conditions,
+    )
+
+
 def _terminal(pod: Mapping[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
@@ -433,12 +452,7 @@ class SchedulerStandIn:
                 self._wake_waiting()
 
     def _on_node(self, kind: str, node: JSON, prev: JSON | None) -> None:
-        if (
-            kind == "MODIFIED"
-            and prev is not None
-            and (prev.get("status") or {}).get("allocatable") == (node.get("status") or {}).get("allocatable")
-            and (_meta(prev).get("annotations") == _meta(node).get("annotations"))
-        ):
+        if kind == "MODIFIED" and prev is not None and _scheduling_properties(prev) == _scheduling_properties(node):
             return
         with self._lock:
             self._wake_waiting()

@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 
 from gpumanager import names
-from simnode.scheduler import ExtenderCallError, ExtenderClient, ExtenderConfig, node_fit_failure, pod_requests
+from simnode.apiserver import ApiServerSimulator
+from simnode.multinode import pending_pod
+from simnode.scheduler import (
+    ExtenderCallError,
+    ExtenderClient,
+    ExtenderConfig,
+    SchedulerStandIn,
+    node_fit_failure,
+    pod_requests,
+)
 from tests import extender_fixtures
 from tests.extender_fixtures import World, gpu_pod, inventory, wait_for
 
@@ -251,3 +260,32 @@ def test_a_pod_deleted_between_filter_and_bind_is_refused_as_deleted(world: Worl
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{world.extender.server.port}/metrics", timeout=10).read()
     assert b'gpu_extender_decisions_total{outcome="refused",verb="bind"} 1.0' in metrics
     assert b'outcome="error",verb="bind"' not in metrics
+
+
+# -- the stand-in's queue -------------------------------------------------------------------------
+
+
+def _ready(node: dict[str, Any], status: str) -> None:
+    for condition in node["status"]["conditions"]:
+        if condition["type"] == "Ready":
+            condition["status"] = status
+
+
+def test_a_node_turning_ready_moves_unschedulable_pods_back_to_the_queue() -> None:
+    """kube-scheduler requeues unschedulable pods when a node's conditions, labels, taints or
+    schedulability change, not only its allocatable or annotations: the stand-in left them waiting
+    for its 5-minute flush."""
+    api = ApiServerSimulator()
+    api.start()
+    scheduler = SchedulerStandIn(api.client(), initial_backoff=0.05, max_backoff=0.05, unschedulable_timeout=300)
+    try:
+        api.add_node("n", capacity={CORE: "100", MEMORY: "320"})
+        api.update_node("n", lambda node: _ready(node, "False"))
+        scheduler.start()
+        api.create_pod(pending_pod("p", [(50, 4)]))
+        wait_for(lambda: scheduler.stats.unschedulable >= 1, what="the pod found unschedulable")
+        api.update_node("n", lambda node: _ready(node, "True"))
+        wait_for(lambda: scheduler.stats.scheduled == 1, timeout=15, what="the pod scheduled once the node is Ready")
+    finally:
+        scheduler.stop()
+        api.stop()

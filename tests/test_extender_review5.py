@@ -289,3 +289,20 @@ def test_a_node_turning_ready_moves_unschedulable_pods_back_to_the_queue() -> No
     finally:
         scheduler.stop()
         api.stop()
+
+
+def test_a_pod_annotated_but_not_bound_when_the_extender_restarts_keeps_its_gpus(world: World) -> None:
+    """The Binding got no answer, then the extender restarted: the new one, rebuilt from the API server
+    alone, holds the pod's share from its annotations before and after the late Binding lands."""
+    world.add_node("n", inventory([80]))
+    world.start_extender(bind_timeout=1.0)
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    world.api.delay(r"/pods/p/binding$", 4.0, count=1)
+    assert "the binding may still be made" in world.bind(pod, "n")
+    world.stop_extender()
+    world.start_extender()
+    other = world.create(gpu_pod("q", [(60, 4)]))
+    assert "best GPU 0 has 40 cores" in world.filter(other)["FailedNodes"]["n"]
+    wait_for(lambda: (world.api.get_pod("default", "p") or {}).get("spec", {}).get("nodeName") == "n", timeout=10)
+    wait_for(lambda: world.extender.state.pod_count() == 1, what="the extender counting the bound pod")
+    assert "no longer fits" in world.bind(other, "n")

@@ -219,3 +219,39 @@ def test_the_simulated_nvml_answers_compute_and_mig_modes_as_the_model_does(sim_
         "compute_after": 2,
         "mig_after": pynvml.NVML_ERROR_NOT_SUPPORTED,
     }
+
+
+HUNG_AT_START = (
+    PRELUDE
+    + r"""
+import threading
+nvml.DESCRIBE_TIMEOUT = 1.0
+st.set_hung(1, True)  # stuck in reset when the agent starts
+nvml.init()
+found = {}
+def run():
+    found["node"] = discovery.discover(Path(sys.argv[1]))
+t = threading.Thread(target=run, daemon=True)
+t.start()
+t.join(15.0)
+node = found.get("node")
+out = {"done": node is not None}
+if node is not None:
+    out["lost"] = node.lost
+    out["uuids"] = [g.uuid for g in node.gpus]
+    out["log"] = buf.getvalue()
+st.set_hung(1, False)
+print(json.dumps(out))
+"""
+)
+
+
+def test_a_gpu_whose_nvml_calls_hang_at_start_does_not_stop_discovery(sim_node: MakeNode, tmp_path: Path) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(HUNG_AT_START, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["done"] is True  # the other GPUs are served
+    assert out["lost"] == [1]  # the hung one is listed Unhealthy, its device IDs kept
+    assert len(out["uuids"]) == 4
+    assert "GPU 1" in out["log"] and "does not answer" in out["log"]

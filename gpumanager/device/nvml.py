@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ class DriverInfo:
     driver_version: str
     cuda_driver_version: int  # e.g. 12040 for CUDA 12.4
 
+
+#: Seconds NVML may take to describe one GPU at start (all GPUs are asked at once) before that GPU is
+#: counted as lost: a GPU stuck in reset blocks every call on it, and the others are to be served.
+DESCRIBE_TIMEOUT = 10.0
 
 _init_lock = threading.Lock()
 _preloaded: ctypes.CDLL | None = None
@@ -267,6 +272,33 @@ def _log_moved(known: dict[int, GPUInfo], places: dict[int, int | None], counted
             )
 
 
+class _Unanswered(Exception):
+    """NVML did not describe a GPU within DESCRIBE_TIMEOUT."""
+
+
+def _describe_all(count: int) -> list[GPUInfo | BaseException]:
+    """Each GPU NVML counts as it describes it, or the error it raised (_Unanswered when it did not answer
+    within DESCRIBE_TIMEOUT: its thread, a daemon, is left to finish)."""
+    answers: list[GPUInfo | BaseException | None] = [None] * count
+
+    def one(index: int) -> None:
+        try:
+            answers[index] = _describe(index, pynvml.nvmlDeviceGetHandleByIndex(index))
+        except BaseException as exc:  # handed to discover
+            answers[index] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"nvml-describe-{i}", daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + DESCRIBE_TIMEOUT
+    out: list[GPUInfo | BaseException] = []
+    for index, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        answer = None if thread.is_alive() else answers[index]
+        out.append(answer if answer is not None else _Unanswered())
+    return out
+
+
 def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], list[int]]:
     """Every GPU, by the agent's index (the place of its device IDs), and the indices of those that are lost.
 
@@ -279,11 +311,20 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
     global _nvml_index
     known = known or {}
     counted: list[GPUInfo | None] = []
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        try:
+    for index, answer in enumerate(_describe_all(pynvml.nvmlDeviceGetCount())):
+        if isinstance(answer, GPUInfo):
+            counted.append(answer)
+        elif isinstance(answer, _Unanswered):
+            log.error(
+                "GPU %d does not answer NVML within %.0f s at start (stuck in a reset?): serving the other GPUs "
+                "and listing its devices as Unhealthy",
+                index,
+                DESCRIBE_TIMEOUT,
+            )
+            counted.append(None)
+        elif isinstance(answer, pynvml.NVMLError):
             # A lost GPU may have no handle at all (GPU_IS_LOST here), or one whose queries fail.
-            counted.append(_describe(index, pynvml.nvmlDeviceGetHandleByIndex(index)))
-        except pynvml.NVMLError as exc:
+            exc = answer
             # Any error of one GPU (lost, Unknown Error, a timeout, no permission) is that GPU's: the
             # others are served; only the driver's own failures (init, the count) fail the start.
             log.error(
@@ -293,6 +334,8 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
                 exc,
             )
             counted.append(None)
+        else:
+            raise answer
     places = _places(known, counted) if known else None
     if places is None:
         if known:

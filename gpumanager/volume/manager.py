@@ -37,7 +37,7 @@ from gpumanager.volume.config import NVIDIA_VOLUME, VolumeSpec, load_volume_conf
 from gpumanager.volume.discovery import BIN_DIR, Discovery, Identity, SourceFile, driver_version, identity_of
 from gpumanager.volume.elffacts import ElfFacts, read_elf_facts
 from gpumanager.volume.errors import NotElfError, VolumeError
-from gpumanager.volume.inuse import ProcScan, scan_proc
+from gpumanager.volume.inuse import Place, ProcScan, place_of, scan_proc
 from gpumanager.volume.ldcache import CacheArch, LdCache, host_lib_dirs, read_ldcache
 from gpumanager.volume.mirror import CONTROL_LIBRARY, DIR_FOR_BITS, Interceptor, plan_volume
 from gpumanager.volume.publish import current_target, publish, tidy_leftovers
@@ -571,7 +571,7 @@ class _Run:
         for name in current:
             current_inodes |= _inodes(trees / name)
         for tree in stale:
-            reason = _in_use(tree, scan, current_inodes)
+            reason = _in_use(tree, scan, current_inodes, place_of(self.proc_root, tree))
             if reason is not None:
                 self._keep(tree, reason)
                 continue
@@ -585,10 +585,10 @@ class _Run:
         self.kept.append((tree, reason))
 
 
-def _in_use(tree: Path, scan: ProcScan, current_inodes: set[tuple[int, int]]) -> str | None:
+def _in_use(tree: Path, scan: ProcScan, current_inodes: set[tuple[int, int]], place: Place | None) -> str | None:
     if scan.unreadable:
         return f"{len(scan.unreadable)} process(es) could not be inspected (pid {scan.unreadable[0]})"
-    mount = scan.mounts_tree(tree.name)
+    mount = scan.mounts_tree(tree.name, place)
     if mount is not None:
         return f"mounted by a container ({mount})"
     for key in _inodes(tree) - current_inodes:

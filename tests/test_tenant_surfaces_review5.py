@@ -1,0 +1,91 @@
+"""What a tenant's container can make the node agent do through what the agent reads of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_volume_mirror import MountingChild, Node, _can_unshare, node
+from tests.volume_fixtures import V1, V2, driver_store, install_driver, remove_driver
+
+__all__ = ["driver_store", "node"]
+
+_DEVICE = "254:0"  # the host file system holding /etc/gpu-manager and /var/lib/kubelet alike
+
+
+def _agent_mounts(node: Node) -> None:
+    """The agent's own mount table: the host's /etc/gpu-manager/vdriver bind-mounted where the test keeps it."""
+    (node.proc / "self").mkdir()
+    (node.proc / "self" / "mountinfo").write_text(
+        f"20 1 0:30 / / rw - overlay overlay rw\n"
+        f"21 20 {_DEVICE} /etc/gpu-manager/vdriver {node.base.resolve()} rw - ext4 /dev/vda rw\n"
+    )
+
+
+def _container(node: Node, pid: int, *mounts: tuple[str, str, str]) -> None:
+    """A container's process whose mount namespace has these (device, root, mount point) mounts."""
+    (node.proc / str(pid)).mkdir()
+    (node.proc / str(pid) / "maps").write_text("")
+    lines = "".join(
+        f"{i} 1 {dev} {root} {point} ro - ext4 /dev/vda rw\n" for i, (dev, root, point) in enumerate(mounts)
+    )
+    (node.proc / str(pid) / "mountinfo").write_text(lines)
+
+
+def test_a_mount_whose_path_only_names_an_old_driver_tree_does_not_keep_it(node: Node) -> None:
+    """A pod reads the current tree's name in its own mountinfo (the root of /usr/local/nvidia), then mounts
+    an emptyDir with that name as its subPath: the old tree is not mounted by anyone, and goes."""
+    _agent_mounts(node)
+    first = node.run()
+    old = first.volumes[0].tree
+    empty_dir = (
+        f"/var/lib/kubelet/pods/4b1e0c4e-0d7a-4a51-9d0e-3f1c2b7d9a10/volumes/kubernetes.io~empty-dir/x/{old.name}"
+    )
+    _container(node, 77, (_DEVICE, empty_dir, "/scratch"), ("0:50", f"/{old.name}", "/tmp/also"))
+    remove_driver(node.root, V1)
+    install_driver(node.store, node.root, V2)
+    result = node.run()
+    assert old in result.removed_trees, result.kept_trees
+    assert not old.exists()
+
+
+def test_an_old_driver_tree_a_container_mounts_is_kept(node: Node) -> None:
+    """The container started while the tree was current: its mount's root is the tree on the agent's device."""
+    _agent_mounts(node)
+    first = node.run()
+    old_nvidia, old_origin = first.volumes[0].tree, first.volumes[1].tree
+    _container(
+        node,
+        78,
+        (_DEVICE, f"/etc/gpu-manager/vdriver/.trees/{old_nvidia.name}", "/usr/local/nvidia"),
+        (_DEVICE, f"/etc/gpu-manager/vdriver/.trees/{old_origin.name}/lib64", "/opt/lib64"),
+    )
+    remove_driver(node.root, V1)
+    install_driver(node.store, node.root, V2)
+    result = node.run()
+    kept = {tree: why for tree, why in result.kept_trees}
+    assert f"mounted by a container (/etc/gpu-manager/vdriver/.trees/{old_nvidia.name})" == kept[old_nvidia]
+    assert old_origin in kept and old_origin.is_dir()
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs unshare -m (CAP_SYS_ADMIN)")
+def test_real_mount_namespaces_keep_the_mounted_tree_and_not_a_namesake(node: Node, tmp_path: Path) -> None:
+    """With the real mount tables (the agent's own and a 'container's): a directory named after the old tree,
+    bind-mounted, does not keep it; a bind mount of the tree itself does."""
+    (node.proc / "self").symlink_to("/proc/self")
+    first = node.run()
+    old_nvidia, old_origin = first.volumes[0].tree, first.volumes[1].tree
+    namesake = tmp_path / "emptydir" / old_nvidia.name
+    namesake.mkdir(parents=True)
+    with (
+        MountingChild(namesake, tmp_path / "c1") as tenant,
+        MountingChild(old_origin, tmp_path / "c2") as user,
+    ):
+        node.watch(tenant.proc.pid)
+        node.watch(user.proc.pid)
+        remove_driver(node.root, V1)
+        install_driver(node.store, node.root, V2)
+        result = node.run()
+    assert old_nvidia in result.removed_trees
+    assert [tree for tree, _ in result.kept_trees] == [old_origin]

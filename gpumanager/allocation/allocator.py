@@ -2211,10 +2211,12 @@ class Allocator:
 
     def _set_aside_checkpoint(self, why: str) -> None:
         """Move the snapshot and its journal aside: the caller rebuilds from the kubelet's records, and a
-        later start must not replay this journal over the state written from then on."""
-        checkpoint.quarantine(self._checkpoint_path)
+        later start must not replay this journal over the state written from then on. The segments go
+        first: a start that dies in between finds the unusable snapshot again (never its journal alone,
+        replayed over nothing as if it were the whole state)."""
         with self._lock:
             self._store.set_aside_segments(f"its snapshot is unusable ({why})")
+        checkpoint.quarantine(self._checkpoint_path)
         self.claims_in_doubt = True
 
     def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:

@@ -20,6 +20,11 @@ the kubelet's device manager closely:
   it deterministic. IDs freed by :meth:`KubeletSimulator.remove_pod` come first in that order
   (``reuse_freed``, on by default): the kubelet frees a deleted pod's IDs at once and a new
   container of the same size may well get the very same set.
+* A new ``Register`` of a resource makes its endpoint current without stopping the one it replaces
+  (kubelet 1.25 on): that stream reads on, and its end marks every device unhealthy and stops the
+  current endpoint (its calls refused until the next registration); ``keep_replaced_streams=False``
+  closes the old one at once, as kubelets up to 1.24 did. Calls on a stopped endpoint are refused
+  ("endpoint ... has been stopped") before they reach the plugin.
 * :meth:`KubeletSimulator.restart` simulates a kubelet restart: plugin connections dropped (their
   devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
 * An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
@@ -313,10 +318,13 @@ class _Endpoint:
         self.options = options
         self.record = record
         self.stopped = False
+        """The kubelet's stop time is set: its calls are refused ("endpoint ... has been stopped")."""
+        self.closed = False
+        """The simulator dropped the connection: its messages and the end of its stream are ignored."""
         self.thread: threading.Thread | None = None
 
     def close(self) -> None:
-        self.stopped = True
+        self.stopped = self.closed = True
         self.channel.close()  # cancels the ListAndWatch call
 
 
@@ -391,6 +399,13 @@ class KubeletSimulator:
         self._server: grpc.Server | None = None
         self._pr_server: PodResourcesServer | None = None
         self._endpoints: dict[str, _Endpoint] = {}
+        #: A new Register of a resource does not stop the endpoint it replaces (kubelet 1.25 on: a list of
+        #: clients per resource): that stream reads on, its messages still set the resource's devices, and
+        #: when it ends the kubelet's PluginDisconnected, which knows the resource only, marks every device
+        #: unhealthy and sets the stop time of the current endpoint, whose calls are then refused ("has been
+        #: stopped") until the next registration. False: the old endpoint is closed at once (kubelet <= 1.24).
+        self.keep_replaced_streams = True
+        self._replaced: dict[str, list[_Endpoint]] = {}  # resource -> replaced endpoints still reading
         self._devices: dict[str, dict[str, DeviceState]] = {}
         self._history: dict[str, list[DeviceUpdate]] = {}
         self._registrations: list[RegistrationRecord] = []
@@ -559,10 +574,11 @@ class KubeletSimulator:
             pr_server.stop()
 
     def _detach_endpoints_locked(self, kind: Literal["restart", "stop"], reason: str) -> list[_Endpoint]:
-        endpoints = list(self._endpoints.values())
+        endpoints = [*self._endpoints.values(), *(ep for eps in self._replaced.values() for ep in eps)]
+        self._replaced.clear()
         now = time.monotonic()
         for ep in endpoints:
-            ep.stopped = True
+            ep.stopped = ep.closed = True
             if ep.record.ended_at is None:
                 ep.record.ended_at = now
                 ep.record.end_reason = reason
@@ -644,8 +660,12 @@ class KubeletSimulator:
                 )
                 ep = _Endpoint(request.resource_name, path, channel, options, record)
                 old = self._endpoints.get(request.resource_name)
-                if old is not None:
-                    old.stopped = True
+                if old is not None and not old.closed and self.keep_replaced_streams:
+                    # Today's kubelet keeps a list of clients per resource: the replaced one reads on.
+                    self._replaced.setdefault(request.resource_name, []).append(old)
+                    old = None
+                elif old is not None:
+                    old.stopped = old.closed = True
                     if old.record.ended_at is None:
                         old.record.ended_at = time.monotonic()
                         old.record.end_reason = "replaced by a new registration"
@@ -698,7 +718,9 @@ class KubeletSimulator:
             nodes = tuple(int(n.ID) for n in d.topology.nodes) if d.HasField("topology") else ()
             devices[d.ID] = DeviceState(id=d.ID, health=d.health, numa_nodes=nodes)
         with self._cond:
-            if ep.stopped or self._endpoints.get(ep.resource) is not ep:
+            if ep.closed or (
+                self._endpoints.get(ep.resource) is not ep and ep not in self._replaced.get(ep.resource, ())
+            ):
                 return
             rec = ep.record
             if rec.first_list_and_watch_at is None:
@@ -725,10 +747,18 @@ class KubeletSimulator:
             if ep.record.ended_at is None:
                 ep.record.ended_at = time.monotonic()
                 ep.record.end_reason = reason
-            if ep.stopped or self._endpoints.get(ep.resource) is not ep:
+            replaced = self._replaced.get(ep.resource, [])
+            current = self._endpoints.get(ep.resource)
+            if ep in replaced:
+                # PluginDisconnected knows the resource only: the current endpoint gets the stop time.
+                replaced.remove(ep)
+                ep.closed = True
+                if current is not None:
+                    current.stopped = True
+            elif ep.closed or current is not ep:
                 self._cond.notify_all()
                 return
-            ep.stopped = True
+            ep.stopped = ep.closed = True
             self._mark_unhealthy_locked(
                 ep.resource,
                 "disconnected",
@@ -1154,6 +1184,8 @@ class KubeletSimulator:
             with self._lock:
                 device_ids = self._order(picked, order)  # the kubelet sends set.UnsortedList()
             request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=device_ids)])
+            if ep.stopped:
+                raise PluginRPCError("Allocate", None, f"endpoint {resource} has been stopped")
             t0 = time.monotonic()
             try:
                 resp = ep.stub.Allocate(request, timeout=self.rpc_timeout)

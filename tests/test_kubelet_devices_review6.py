@@ -81,3 +81,18 @@ def test_failed_admission_fails_the_pod_and_frees_what_its_first_container_got(c
     wait_until(lambda: not any(uid == run.uid for uid, _ in ours(cluster)), "the failed pod's release")
     big = cluster.run_pod(gpu_pod("all", [(f"g{i}", 100, 0) for i in range(4)]))
     assert len(cluster.kubelet.allocations(big.uid)) == 4
+
+
+def test_sockets_removed_under_a_running_kubelet_leave_the_new_endpoint_usable(cluster: SimCluster) -> None:
+    """Our sockets removed while the kubelet runs on: the agent serves and registers again. Today's kubelet
+    keeps the replaced client, and its stream ending after the new Register would stop the new endpoint;
+    the agent ends the old streams before it registers, so the next pod is admitted and started."""
+    first = cluster.run_pod(gpu_pod("before", [("c", 50, 4)]))
+    counts = {res: cluster.kubelet.registration_count(res) for res in (CORE, MEM)}
+    for name in ("vcore.sock", "vmemory.sock"):
+        (cluster.kubelet.plugin_dir / name).unlink()
+    for res, n in counts.items():
+        cluster.kubelet.wait_for_registration(res, after=n, timeout=15, with_devices=True)
+    wait_until(lambda: all(len(cluster.kubelet.healthy_ids(r)) > 0 for r in (CORE, MEM)), "healthy devices")
+    run = cluster.run_pod(gpu_pod("after", [("c", 50, 4)]))
+    assert (run.uid, "c") in ours(cluster) and (first.uid, "c") in ours(cluster)

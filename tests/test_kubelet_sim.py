@@ -417,6 +417,8 @@ def test_plugin_server_death_marks_unhealthy(sim: KubeletSimulator, plugins: lis
 
 
 def test_reregistration_replaces_endpoint(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
+    """Kubelet <= 1.24: the replaced endpoint is stopped at once and its stream's end is ignored."""
+    sim.keep_replaced_streams = False
     old = start_plugin(sim, plugins, endpoint="old.sock")
     n = sim.registration_count(RES)
     new = FakePlugin(make_devices(topology={"gpu-a": [0], "gpu-b": [1]}), preferred=prefer_last)
@@ -434,6 +436,35 @@ def test_reregistration_replaces_endpoint(sim: KubeletSimulator, plugins: list[F
     assert sim.healthy_ids(RES) == {"gpu-a", "gpu-b"}
     rec2 = sim.allocate(RES, 1, pod_uid="p", container_name="c")
     assert new.allocate_requests == [list(rec2.device_ids)] and old.allocate_requests == []
+
+
+def test_replaced_stream_reads_on_and_its_end_stops_the_new_endpoint(
+    sim: KubeletSimulator, plugins: list[FakePlugin]
+) -> None:
+    """Kubelet 1.25 on: the replaced client reads on (its messages set the devices), and when its stream ends
+    PluginDisconnected marks every device unhealthy and stops the current endpoint: its calls are refused
+    until the plugin registers again, while its own messages still set the devices' health."""
+    old = start_plugin(sim, plugins, endpoint="old.sock")
+    n = sim.registration_count(RES)
+    new = FakePlugin(make_devices(topology={"gpu-a": [0], "gpu-b": [1]}))
+    plugins.append(new)
+    new.serve(sim.plugin_dir, "new.sock")
+    register(sim, "new.sock")
+    sim.wait_for_registration(RES, after=n, with_devices=True)
+    assert not old.stream_closed.wait(0.2), "the replaced ListAndWatch was closed"
+    old.updates.put(make_devices(topology={"gpu-z": []}))
+    sim.wait_for_devices(RES, lambda d: set(d) == {"gpu-z"}, timeout=5)
+    old.updates.put(None)
+    sim.wait_for_devices(RES, lambda d: bool(d) and not any(x.healthy for x in d.values()), timeout=5)
+    new.updates.put(make_devices(topology={"gpu-a": [0], "gpu-b": [1]}))
+    sim.wait_for_devices(RES, 2, timeout=5)
+    with pytest.raises(PluginRPCError, match="has been stopped"):
+        sim.allocate(RES, 1, pod_uid="p", container_name="c")
+    assert new.allocate_requests == []
+    register(sim, "new.sock")
+    sim.wait_for_registration(RES, after=n + 1, with_devices=True)
+    sim.allocate(RES, 1, pod_uid="p", container_name="c")
+    assert len(new.allocate_requests) == 1
 
 
 # ------------------------------------------------------------------------------------------ allocation

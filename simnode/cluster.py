@@ -193,7 +193,7 @@ class SimCluster:
         agent_env: Mapping[str, str] | None = None,
         agent_python: str | None = None,
         pod_resources: bool = True,
-        fill: str = "sorted",
+        fill: str = "random",
         seed: int | None = None,
         api_process: bool = False,
         kubelet_checkpoint: bool = True,

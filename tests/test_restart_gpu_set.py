@@ -194,7 +194,9 @@ def test_allocate_during_a_slow_load_waits_for_it(tmp_path: Path) -> None:
 def test_a_stop_answers_the_calls_waiting_for_the_start(tmp_path: Path) -> None:
     """SIGTERM while an Allocate waits for a slow start: the call is answered that the agent stops
     (not left to the server's cancellation), and the agent exits cleanly."""
-    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "one.json", [gpu(0)]))
+    # vcuda-core first (its GetPreferredAllocation logs the line waited for below): the kubelet's order over a
+    # container's limits is random otherwise.
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "one.json", [gpu(0)]), fill="sorted")
     with cluster:
         assert cluster.agent is not None
         cluster.agent.signal(signal.SIGKILL)

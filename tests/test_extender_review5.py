@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import urllib.request
@@ -306,3 +307,31 @@ def test_a_pod_annotated_but_not_bound_when_the_extender_restarts_keeps_its_gpus
     wait_for(lambda: (world.api.get_pod("default", "p") or {}).get("spec", {}).get("nodeName") == "n", timeout=10)
     wait_for(lambda: world.extender.state.pod_count() == 1, what="the extender counting the bound pod")
     assert "no longer fits" in world.bind(other, "n")
+
+
+def test_a_client_dripping_its_request_is_dropped(world: World) -> None:
+    """A client that sends its request a byte at a time, each within the idle timeout, held a thread for as
+    long as it liked (the timeout was per read); a request must now arrive whole within the idle timeout
+    of its first byte, or its connection is closed."""
+    world.add_node("n", inventory([80]))
+    ext = world.start_extender(idle_timeout=1.0)
+    request = (
+        b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 40 + b"\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    dropped = False
+    with socket.create_connection(("127.0.0.1", ext.server.port), timeout=10) as sock:
+        try:
+            for i in range(len(request)):
+                sock.sendall(request[i : i + 1])
+                ready, _, _ = select.select([sock], [], [], 0.25)  # 0.25 s between bytes
+                if ready:  # the server answered or closed before the request was whole
+                    dropped = sock.recv(65536) == b""
+                    break
+            else:
+                answer = sock.recv(65536)
+                dropped = answer == b""
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+    assert dropped
+    answer = world.filter(world.create(gpu_pod("p", [(50, 4)])))
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["n"], answer  # the others are served

@@ -8,11 +8,14 @@ configurations written for it keep working), ``POST <prefix>/prioritize`` (also
 keep-alive, as the scheduler's Go client reuses connections (a GET's body is read and dropped, so
 the connection stays in step; HEAD answers GET's headers). Bodies are JSON; a body that is not
 the verb's argument answers 400 with ``{"Error": ...}`` naming what is wrong, as does a request
-with Content-Length headers that differ (its connection is closed).
+with Content-Length headers that differ (its connection is closed). A connection may wait for its
+next request as long as the idle timeout between bytes, but a request must arrive whole within the
+idle timeout of its first byte (a client dripping it a byte at a time is dropped).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
@@ -153,6 +156,17 @@ class ExtenderServer:
                         raise
                     self.request.settimeout(None)
                 super().setup()
+                if self.timeout is not None:
+                    self._reader = _DeadlineReader(self.connection, self.timeout)
+                    self.rfile = io.BufferedReader(
+                        self._reader, self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE
+                    )
+
+            def handle_one_request(self) -> None:
+                super().handle_one_request()
+                reader: _DeadlineReader | None = getattr(self, "_reader", None)
+                if reader is not None:
+                    reader.request_done()
 
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)
@@ -259,6 +273,38 @@ class ExtenderServer:
                 return body
 
         return Handler
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads: waiting for a request may last ``limit`` seconds between bytes (an idle
+    keep-alive connection), but once its first byte has come the request must arrive whole within
+    ``limit`` seconds, so a client that drips it a byte at a time cannot hold its thread for ever."""
+
+    def __init__(self, sock: socket.socket, limit: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._limit = limit
+        self._deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def request_done(self) -> None:
+        """The request was answered: the next one's time starts with its first byte."""
+        self._deadline = None
+
+    def readinto(self, buffer: Any) -> int:
+        if self._deadline is None:
+            self._sock.settimeout(self._limit)
+        else:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the request did not arrive whole within {self._limit:g} s")
+            self._sock.settimeout(left)
+        n = self._sock.recv_into(buffer)
+        if n and self._deadline is None:
+            self._deadline = time.monotonic() + self._limit
+        return n
 
 
 def parse_listen(text: str) -> tuple[str, int]:

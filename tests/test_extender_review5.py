@@ -333,5 +333,5 @@ def test_a_client_dripping_its_request_is_dropped(world: World) -> None:
         except (BrokenPipeError, ConnectionResetError):
             dropped = True
     assert dropped
-    answer = world.filter(world.create(gpu_pod("p", [(50, 4)])))
-    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["n"], answer  # the others are served
+    filtered = world.filter(world.create(gpu_pod("p", [(50, 4)])))
+    assert [n["metadata"]["name"] for n in filtered["Nodes"]["items"]] == ["n"], filtered  # the others are served

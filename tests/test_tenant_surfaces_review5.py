@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import uuid
 from pathlib import Path
 
 import pytest
 
+from gpumanager import names
+from gpumanager.vmanager import files, manager
+from tests.test_vmanager_register import GIB, alloc, pod_object
+from tests.test_vmanager_register import Node as VmNode
+from tests.test_vmanager_register import node as vm_node
 from tests.test_volume_mirror import MountingChild, Node, _can_unshare, node
 from tests.volume_fixtures import V1, V2, driver_store, install_driver, remove_driver
 
-__all__ = ["driver_store", "node"]
+__all__ = ["driver_store", "node", "vm_node"]
 
 _DEVICE = "254:0"  # the host file system holding /etc/gpu-manager and /var/lib/kubelet alike
 
@@ -89,3 +97,26 @@ def test_real_mount_namespaces_keep_the_mounted_tree_and_not_a_namesake(node: No
         result = node.run()
     assert old_nvidia in result.removed_trees
     assert [tree for tree, _ in result.kept_trees] == [old_origin]
+
+
+# -- vcuda.sock -----------------------------------------------------------------------------------
+
+
+def test_a_container_registering_in_a_loop_does_not_fill_the_log(
+    vm_node: VmNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every registration is served, but one container calling RegisterVDevice without pause gets a few
+    lines a minute in the agent's log, the rest counted, as its refusals are."""
+    uid = str(uuid.uuid4())
+    cid = "3" * 64
+    vm_node.pods[uid] = pod_object(uid, ["main"], ids={"main": cid})
+    vm_node.allocs[(uid, "main")] = alloc(uid, "main", 30, GIB)
+    vm_node.v.prepare(vm_node.allocs[(uid, "main")])
+    vm_node.cgroup(uid, cid)
+    calls = 4 * manager.REGISTRATION_LOGS_PER_WINDOW
+    with caplog.at_level(logging.INFO, logger=manager.__name__):
+        for _ in range(calls):
+            vm_node.register(uid, pod_uid=uid, container_id=cid)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("registered pod")]
+    assert len(lines) == manager.REGISTRATION_LOGS_PER_WINDOW
+    assert files.read_pids(vm_node.vm / uid / cid / names.PIDS_CONFIG_FILE) == [os.getpid()]

@@ -67,6 +67,9 @@ MAX_FIELD_BYTES = 256
 #: Refusals logged per pod socket in each :data:`REFUSAL_LOG_WINDOW_SECONDS`; the rest are counted.
 REFUSAL_LOGS_PER_WINDOW = 5
 REFUSAL_LOG_WINDOW_SECONDS = 60.0
+#: Registrations logged per pod socket in each :data:`REFUSAL_LOG_WINDOW_SECONDS` (a process registers at
+#: each start; a container calling in a loop must not fill the log); the rest are counted.
+REGISTRATION_LOGS_PER_WINDOW = 10
 #: Characters of a request's value shown in a log line or a refusal.
 _SHOWN = 64
 
@@ -108,8 +111,9 @@ def _describe(req: pb.VDeviceRequest) -> str:
 
 
 class _RefusalLog:
-    """At most ``per_window`` refusals logged per pod socket in each window; those left out are counted
-    and the count logged with the next one (a container calling in a loop must not fill the log)."""
+    """At most ``per_window`` lines (refusals, registrations) logged per pod socket in each window; those
+    left out are counted and the count logged with the next one (a container calling in a loop must not
+    fill the log)."""
 
     def __init__(self, per_window: int, window: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._per_window = per_window
@@ -180,6 +184,7 @@ class VirtualManager:
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
         self._prepare_listeners: list[Callable[[], None]] = []
         self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
+        self._registrations_log = _RefusalLog(REGISTRATION_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
         self._unwritable = UnwritableFiles()  # pids.config files the refresh cannot write (reported)
 
     def pod_dir(self, pod_uid: str) -> Path:
@@ -550,13 +555,16 @@ class VirtualManager:
         if target.by_id:
             for listener in self._prepare_listeners:
                 listener()
-        log.info(
-            "registered pod %s container %s (%s): %d pids",
-            podinfo.pod_key(target.pod),
-            target.name,
-            target.container_id,
-            len(pids),
-        )
+        left_out = self._registrations_log.admit(socket_pod)
+        if left_out is not None:
+            log.info(
+                "registered pod %s container %s (%s): %d pids%s",
+                podinfo.pod_key(target.pod),
+                target.name,
+                target.container_id,
+                len(pids),
+                f" ({left_out} more registrations not logged)" if left_out else "",
+            )
         return directory
 
     # -- pids.config ------------------------------------------------------------------------------
@@ -764,6 +772,7 @@ class VirtualManager:
                 self._registered.pop(registered_key, None)
         self._cgroups.forget_pod(entry.name)
         self._refusals.forget(entry.name)
+        self._registrations_log.forget(entry.name)
 
     def _stop_server(self, pod_uid: str) -> None:
         if self._sockets is not None:

@@ -102,7 +102,6 @@ def test_zeros_in_the_middle_of_a_segment_cost_only_the_records_they_cover(tmp_p
     assert loaded.problems and f"offset {starts[2]}" in loaded.problems[0]
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet")
 def test_a_record_whose_write_failed_is_not_read_back_from_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -236,6 +236,23 @@ def _write_batch(batch: list[tuple[_Segment, int, bytes]]) -> None:
         start = end
 
 
+def _unwrite(batch: list[tuple[_Segment, int, bytes]]) -> None:
+    """Zero the records of a write that failed, best effort. After EIO the page cache may still hold what
+    the write copied into it, and a restart (not a reboot) would read those changes back, answered as
+    refused, as if they had been made."""
+    for segment, offset, data in batch:
+        try:
+            os.pwrite(segment.fd, b"\0" * len(data), offset)
+        except OSError as exc:
+            log.warning(
+                "journal %s: cannot clear the failed write at offset %d (%s); a snapshot replaces it",
+                segment.path,
+                offset,
+                exc,
+            )
+            return
+
+
 #: What each operation needs besides ``op``: the keys naming what it changes (strings), and an entry.
 _OPS: dict[str, tuple[tuple[str, ...], bool]] = {
     "put": (("pod", "container"), True),
@@ -616,6 +633,7 @@ class CheckpointStore:
             error = exc
             for segment, _, _ in batch:
                 segment.hole = True
+            _unwrite(batch)
         finally:
             if release:
                 self._io.acquire()

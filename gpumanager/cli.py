@@ -304,6 +304,9 @@ def setup_logging(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-manager`` command (``gpu-manager selftest ...``: gpumanager/selftest)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from gpumanager.rlimits import raise_open_files_limit
+
+    raise_open_files_limit()  # the pods' vcuda.sock connections must not take the agent's last descriptor
     if argv[:1] == ["selftest"]:
         from gpumanager.selftest import main as selftest
 

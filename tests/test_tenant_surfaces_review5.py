@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -120,3 +122,24 @@ def test_a_container_registering_in_a_loop_does_not_fill_the_log(
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("registered pod")]
     assert len(lines) == manager.REGISTRATION_LOGS_PER_WINDOW
     assert files.read_pids(vm_node.vm / uid / cid / names.PIDS_CONFIG_FILE) == [os.getpid()]
+
+
+_SOFT_LIMIT_PROGRAM = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 4096))
+from gpumanager import cli
+cli.main(["--version"])
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], file=sys.stderr)
+"""
+
+
+def test_the_agent_takes_its_whole_open_files_allowance() -> None:
+    """containerd 2 starts containers with 1024 open files (soft) of 524288 (hard). Each pod's vcuda.sock
+    lets its containers hold up to 64 of the agent's descriptors (16 relayed calls of 3, 16 waiting):
+    sixteen pods' tenants, or one tenant's sixteen pods, would take every descriptor of a soft 1024 and
+    the agent could no longer answer the kubelet. Go programs (upstream's agent) raise the soft limit
+    to the hard one at start; so does ours."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SOFT_LIMIT_PROGRAM], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert int(done.stderr.strip().splitlines()[-1]) == 4096

@@ -288,6 +288,8 @@ class AllocationRecord:
     namespace: str = ""
     reused: bool = False
     """True when the container already held these devices and no ``Allocate`` was issued."""
+    init_container: bool = False
+    """An init container that runs to completion (not a sidecar): PodResources does not list it."""
 
 
 @dataclass
@@ -1231,6 +1233,7 @@ class KubeletSimulator:
                 preferred=preferred,
                 pod_name=info.name,
                 namespace=info.namespace,
+                init_container=init_container,
             )
             self._allocations[key] = record
             self._pod_resources_version += 1
@@ -1390,7 +1393,8 @@ class KubeletSimulator:
                 wanted = {uid for uid, info in self._pods.items() if info.name == name and info.namespace == namespace}
             records: dict[str, list[AllocationRecord]] = {}
             for a in self._allocations.values():
-                if wanted is None or a.pod_uid in wanted:
+                # The kubelet lists a pod's app containers and its sidecars, never its other init containers.
+                if (wanted is None or a.pod_uid in wanted) and not a.init_container:
                     records.setdefault(a.pod_uid, []).append(a)
             made = self._pod_snapshots
             out = []

@@ -13,8 +13,11 @@ simulator), over a real gRPC unix socket, with the message shapes the kubelet pr
   most ``burst`` (kubelet: 100 and 10); a call without a token fails at once with
   ``ResourceExhausted: rejected by rate limit``. Every call is recorded (:attr:`PodResourcesServer.calls`).
 
-Not modelled: CPU/memory-manager fields, dynamic resources, and pods that hold no devices (the
-simulator only knows pods through their allocations).
+* ``List``/``Get`` show a pod's app containers and sidecars (restartable init containers), never its
+  other init containers, whose devices the kubelet holds all the same.
+
+Not modelled: CPU/memory-manager fields, dynamic resources, and pods and containers that hold no devices
+(the simulator only knows pods through their allocations).
 """
 
 from __future__ import annotations

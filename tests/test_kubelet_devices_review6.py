@@ -96,3 +96,26 @@ def test_sockets_removed_under_a_running_kubelet_leave_the_new_endpoint_usable(c
     wait_until(lambda: all(len(cluster.kubelet.healthy_ids(r)) > 0 for r in (CORE, MEM)), "healthy devices")
     run = cluster.run_pod(gpu_pod("after", [("c", 50, 4)]))
     assert (run.uid, "c") in ours(cluster) and (first.uid, "c") in ours(cluster)
+
+
+def test_podresources_leaves_out_init_containers_and_their_start_is_served(cluster: SimCluster) -> None:
+    """The kubelet's PodResources lists app containers and sidecars only: an init container's PreStart cannot
+    be matched through it, and the agent serves it all the same."""
+    manifest = gpu_pod("init", [("app", 50, 4)])
+    limits = {CORE: "50", MEM: "4"}
+    manifest["spec"]["initContainers"] = [
+        {"name": "warmup", "image": "cuda", "resources": {"limits": limits, "requests": dict(limits)}},
+        {
+            "name": "side",
+            "image": "cuda",
+            "restartPolicy": "Always",
+            "resources": {"limits": limits, "requests": dict(limits)},
+        },
+    ]
+    run = cluster.admit(manifest)
+    listed = {c.name for p in cluster.kubelet.pod_resources_snapshot() if p.uid == run.uid for c in p.containers}
+    assert listed == {"app", "side"}
+    cluster.start_containers(run)
+    held = ours(cluster)
+    for name in ("warmup", "side", "app"):
+        assert (held[(run.uid, name)]["Cores"], held[(run.uid, name)]["Memory"]) == (50, 4 * names.MEMORY_BLOCK_BYTES)

@@ -104,8 +104,21 @@ static bool init_mutex(pthread_mutex_t *mu)
     return ok;
 }
 
+/*
+ * The container's host PIDs, sorted, under the budget lock (rpids_room and below); defined here so that a forked
+ * child can drop them.
+ */
+static int *g_rpids;
+static size_t g_rpids_cap;
+
 void vc_budget_atfork_child(void)
 {
+    /*
+     * Another thread of the parent may have been growing the PID buffer at the fork (realloc done, the new address
+     * not yet stored): dropped, never freed, as the SM limiter's buffers are.
+     */
+    g_rpids = NULL;
+    g_rpids_cap = 0;
     atomic_store(&g_slot, -1);
     atomic_store(&g_slot_tried_ns, 0);
     if (g_private && g_hdr != NULL) {
@@ -347,9 +360,6 @@ static uint64_t margin(uint64_t limit)
  * however many (a tenant forking thousands of idle processes must not push one that bypasses the hooks out of
  * the list, its memory then counted nowhere).
  */
-static int *g_rpids;
-static size_t g_rpids_cap;
-
 static bool rpids_room(size_t want)
 {
     if (want <= g_rpids_cap)

@@ -62,8 +62,8 @@ def test_pre_start_and_preference_wait_less_than_allocate() -> None:
     """PreStartContainer has the kubelet's 30 s deadline, GetPreferredAllocation an answer without us:
     each waits its own bound, within the start's."""
     late = LateHandlers(wait_seconds=30, pre_start_seconds=0.01, prefer_seconds=0.01)
-    with pytest.raises(RequestError, match="PreStartContainer: .*still loading"):
+    with pytest.raises(RequestError, match=r"PreStartContainer: .*still loading"):
         late.pre_start_core(pb.PreStartContainerRequest(devices_ids=["a"]))
-    with pytest.raises(RequestError, match="GetPreferredAllocation: .*still loading"):
+    with pytest.raises(RequestError, match=r"GetPreferredAllocation: .*still loading"):
         late.prefer("r", ["x"], [], 1)
     assert late.remaining() > 1  # Allocate would still wait

@@ -14,8 +14,9 @@ own, the way kube-scheduler does:
   extender is interested when the pod requests one of its managed resources), then - with more
   than one node left - the extenders' prioritize (``score x weight x 10``; errors ignored, as
   kube-scheduler does), the highest total wins, ties broken at random;
-* the pod is *assumed* on its node (its requests count there) and bound in the background (up
-  to ``bind_workers`` at once, as binding goroutines): through the extender that has a bind
+* the pod is *assumed* on its node (its requests count there) and bound in the background (each
+  in a thread of its own, as kube-scheduler's binding goroutines, up to ``bind_workers`` (1024) at
+  once): through the extender that has a bind
   verb, else by POSTing the Binding itself; on failure the assumption is dropped and the pod
   goes back to the queue with a backoff (1 s doubling to 10 s);
 * a pod that fits nowhere gets ``PodScheduled=False, reason Unschedulable`` with a
@@ -367,7 +368,7 @@ class SchedulerStandIn:
         initial_backoff: float = 1.0,
         max_backoff: float = 10.0,
         unschedulable_timeout: float = 300.0,
-        bind_workers: int = 16,
+        bind_workers: int = 1024,
         seed: int | None = None,
     ) -> None:
         self._core = client.CoreV1Api(api)

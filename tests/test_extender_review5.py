@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import threading
@@ -9,6 +10,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -335,3 +337,69 @@ def test_a_client_dripping_its_request_is_dropped(world: World) -> None:
     assert dropped
     filtered = world.filter(world.create(gpu_pod("p", [(50, 4)])))
     assert [n["metadata"]["name"] for n in filtered["Nodes"]["items"]] == ["n"], filtered  # the others are served
+
+
+def test_binds_run_as_many_at_once_as_pods_are_scheduled() -> None:
+    """kube-scheduler binds each pod in a goroutine of its own, however many there are: a burst of pods
+    reaches the extender's bind all at once. The stand-in bound 16 at a time."""
+    pods = 24
+    barrier = threading.Barrier(pods, timeout=10)
+    most = [0]
+    inside = [0]
+    guard = threading.Lock()
+
+    class FakeExtender(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            args = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path.endswith("/filter"):
+                answer: object = {"NodeNames": args["NodeNames"], "FailedNodes": {}, "Error": ""}
+            else:
+                with guard:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                try:
+                    barrier.wait()
+                    answer = {"Error": ""}
+                except threading.BrokenBarrierError:
+                    answer = {"Error": "fewer binds at once than pods"}
+                with guard:
+                    inside[0] -= 1
+            body = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), FakeExtender)
+    fake.daemon_threads = True
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    api = ApiServerSimulator()
+    api.start()
+    config = ExtenderConfig(
+        url_prefix=f"http://127.0.0.1:{fake.server_address[1]}/scheduler",
+        filter_verb="filter",
+        bind_verb="bind",
+        node_cache_capable=True,
+        http_timeout=30,
+        managed_resources=(CORE, MEMORY),
+    )
+    scheduler = SchedulerStandIn(api.client(), [config], initial_backoff=0.05, max_backoff=0.05)
+    try:
+        api.add_node("n", capacity={CORE: "10000", MEMORY: "100000"})
+        scheduler.start()
+        for i in range(pods):
+            api.create_pod(pending_pod(f"p{i}", [(10, 4)]))
+        wait_for(lambda: scheduler.stats.scheduled + scheduler.stats.bind_failures >= pods, timeout=30, what="binds")
+        assert most[0] == pods, (most[0], scheduler.stats)
+        assert scheduler.stats.bind_failures == 0
+    finally:
+        scheduler.stop()
+        api.stop()
+        fake.shutdown()
+        fake.server_close()

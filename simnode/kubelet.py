@@ -581,6 +581,10 @@ class KubeletSimulator:
         now = time.monotonic()
         for ep in endpoints:
             ep.stopped = ep.closed = True
+            if kind == "restart":
+                # The restarted kubelet reads its endpoints back from the checkpoint as stopped ones without
+                # options: PreStartContainer (and GetPreferredAllocation) are skipped until the plugin registers.
+                ep.options = None
             if ep.record.ended_at is None:
                 ep.record.ended_at = now
                 ep.record.end_reason = reason

@@ -784,6 +784,26 @@ def test_restart_wipes_sockets_and_recreates_kubelet_sock(sim: KubeletSimulator,
     assert not set(rec2.device_ids) & set(rec.device_ids)
 
 
+def test_restarted_kubelet_starts_containers_without_pre_start_until_the_plugin_registers(
+    sim: KubeletSimulator, plugins: list[FakePlugin]
+) -> None:
+    """After a restart the kubelet knows the resource's endpoint from its checkpoint only, without options:
+    a container (re)started before the plugin registers again gets no PreStartContainer, not an error."""
+    p = start_plugin(sim, plugins, pre_start_required=True)
+    sim.allocate(RES, 1, pod_uid="pod-1", container_name="main")
+    n = sim.registration_count(RES)
+    sim.restart()
+    assert sim.endpoint_options(RES) is None
+    assert sim.pre_start(RES, pod_uid="pod-1", container_name="main") is False
+    assert p.prestart_requests == []
+    p.stop()
+    p.serve(sim.plugin_dir, "fake.sock")
+    register(sim, "fake.sock")
+    sim.wait_for_registration(RES, after=n, with_devices=True)
+    assert sim.pre_start(RES, pod_uid="pod-1", container_name="main") is True
+    assert len(p.prestart_requests) == 1
+
+
 def test_wait_for_registration_times_out(sim: KubeletSimulator) -> None:
     with pytest.raises(TimeoutError):
         sim.wait_for_registration(RES, timeout=0.1)

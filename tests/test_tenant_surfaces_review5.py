@@ -143,3 +143,33 @@ def test_the_agent_takes_its_whole_open_files_allowance() -> None:
         [sys.executable, "-c", _SOFT_LIMIT_PROGRAM], capture_output=True, text=True, timeout=60, check=True
     )
     assert int(done.stderr.strip().splitlines()[-1]) == 4096
+
+
+# -- pids.config ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forged", ["../{victim}/main", "{vm}/{victim}/main", ".."])
+def test_a_container_id_that_is_no_plain_name_never_becomes_a_path(vm_node: VmNode, forged: str) -> None:
+    """A pod status is the kubelet's, but whoever may patch pods/status can write any containerID there.
+    The pids.config refresh joins the ID to the pod's directory: an ID that climbs out of it must not
+    make the agent (root) write the attacker's PIDs into another pod's pids.config, or anywhere else."""
+    victim, attacker = str(uuid.uuid4()), str(uuid.uuid4())
+    victim_cid, attacker_cid = "4" * 64, "5" * 64
+    vm_node.pods[victim] = pod_object(victim, ["main"], ids={"main": victim_cid})
+    vm_node.pods[attacker] = pod_object(attacker, ["main"], ids={"main": attacker_cid})
+    for uid in (victim, attacker):
+        vm_node.allocs[(uid, "main")] = alloc(uid, "main", 30, GIB)
+        vm_node.v.prepare(vm_node.allocs[(uid, "main")])
+    vm_node.cgroup(victim, victim_cid, pid=1000)
+    vm_node.cgroup(attacker, attacker_cid, pid=2000)
+    vm_node.v.refresh_pids(list(vm_node.allocs.values()))
+    victim_pids = vm_node.vm / victim / "main" / names.PIDS_CONFIG_FILE
+    assert files.read_pids(victim_pids) == [1000]
+    forged_id = forged.format(victim=victim, vm=vm_node.vm)
+    status = vm_node.pods[attacker]["status"]["containerStatuses"][0]
+    vm_node.pods[attacker] = {**vm_node.pods[attacker]}  # a new pod object, as the cache gives one
+    status["containerID"] = f"containerd://{forged_id}"
+    vm_node.v.refresh_pids(list(vm_node.allocs.values()))
+    assert files.read_pids(victim_pids) == [1000]
+    assert not (vm_node.vm / names.PIDS_CONFIG_FILE).exists()
+    assert sorted(p.name for p in vm_node.vm.iterdir()) == sorted([victim, attacker])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from gpumanager import names
+from gpumanager import names, safenames
 
 log = logging.getLogger(__name__)
 
@@ -363,12 +363,21 @@ def container_env(container: Mapping[str, Any], name: str) -> str | None:
 
 
 def container_ids(pod: Pod) -> dict[str, str]:
-    """Container name -> runtime container ID (``containerd://<id>`` prefix removed) from the pod status."""
+    """Container name -> runtime container ID (``containerd://<id>`` prefix removed) from the pod status.
+
+    An ID that is not a plain token (:func:`gpumanager.safenames.container_id`: ``/`` or ``..`` in it) is
+    left out, as if the status named none: it becomes part of paths (the container's directory beside
+    its pod's limit files, its cgroup), and whoever may patch ``pods/status`` can write anything there.
+    """
     found = {}
     for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses"):
         cid = str(cs.get("containerID") or "")
         if cid:
-            found[str(cs.get("name", ""))] = cid.split("://", 1)[-1]
+            bare = cid.split("://", 1)[-1]
+            try:
+                found[str(cs.get("name", ""))] = safenames.container_id(bare)
+            except safenames.UnsafeNameError as exc:
+                log.debug("pod %s container %s: %s; taken as no ID", pod_key(pod), cs.get("name", ""), exc)
     return found
 
 

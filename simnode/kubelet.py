@@ -1135,12 +1135,14 @@ class KubeletSimulator:
             if ep is None:
                 raise AllocationError(f"unknown Device Plugin {resource}")
             reusable = self._reusable.get((pod_uid, resource), set())
-            picked: list[str] = self._order(reusable & healthy, order)[:count]
+            # Reusable devices are taken as they are, healthy or not (the kubelet checks only the
+            # container's own devices for health), and the shortfall is what remains to be found.
+            picked: list[str] = self._order(reusable, order)[:count]
             available = healthy - self._in_use_locked(resource)
             if len(available) + len(picked) < count:
                 raise AllocationError(
                     f"requested number of devices unavailable for {resource}. "
-                    f"Requested: {count}, Available: {len(available)}"
+                    f"Requested: {count - len(picked)}, Available: {len(available)}"
                 )
             aligned, unaligned, no_affinity = self._filter_by_affinity_locked(resource, available, numa_hint)
             pending = self._pending.setdefault(resource, set())

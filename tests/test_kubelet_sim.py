@@ -737,6 +737,21 @@ def test_pre_start_called_with_container_devices(sim: KubeletSimulator, plugins:
         sim.pre_start(RES, pod_uid="pod-x", container_name="main")
 
 
+def test_init_containers_devices_are_handed_on_healthy_or_not(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
+    """devicesToReuse is not filtered by health: an app container gets its init container's devices even when
+    one turned unhealthy meanwhile; a shortfall beyond them names what is still needed."""
+    p = start_plugin(sim, plugins)
+    init = sim.allocate(RES, 2, pod_uid="pod-1", container_name="init", init_container=True)
+    sick = init.device_ids[0]
+    p.updates.put(make_devices(unhealthy={sick}))
+    sim.wait_for_devices(RES, 5, timeout=5)
+    app = sim.allocate(RES, 2, pod_uid="pod-1", container_name="app")
+    assert set(app.device_ids) == set(init.device_ids)
+    sim.allocate(RES, 1, pod_uid="pod-3", container_name="init", init_container=True)
+    with pytest.raises(AllocationError, match="Requested: 5, Available: 3"):
+        sim.allocate(RES, 6, pod_uid="pod-3", container_name="app")
+
+
 def test_pre_start_skipped_when_not_required(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
     p = start_plugin(sim, plugins, pre_start_required=False)
     sim.allocate(RES, 1, pod_uid="pod-1", container_name="main")

@@ -200,7 +200,7 @@ def test_claims_a_damaged_journal_lost_are_rebuilt_from_the_api_server(tmp_path:
     assert not node.files("u1")
     (segment,) = (tmp_path / "cp").glob("gpumanager_internal_checkpoint.journal-*")
     data = bytearray(segment.read_bytes())
-    data[30] ^= 0xFF  # damage in u2's record: u2, u3 and u1's release are all lost
+    data[30] ^= 0xFF  # damage in u2's record: u2 is lost (u3 and u1's release, whole records after it, are not)
     segment.write_bytes(bytes(data))
 
     after = Node(tmp_path, api)
@@ -208,9 +208,9 @@ def test_claims_a_damaged_journal_lost_are_rebuilt_from_the_api_server(tmp_path:
     assert [p for p in loaded.problems if "damaged record at offset 0" in p]
     assert list((tmp_path / "cp").glob("gpumanager_internal_checkpoint.journal-*.corrupt-*"))
     assert after.allocator.claims_in_doubt
-    assert [c.uid for c in after.allocator.claims()] == ["u1"], "what the snapshot held, before the damage"
+    assert [c.uid for c in after.allocator.claims()] == ["u3"], "the snapshot's u1, released after; u3 replayed"
     removed = after.preparer.restore_files(verify_recovered=after.allocator.claims_in_doubt)
-    assert removed == ["u1"]
+    assert removed == []
     assert [c.uid for c in after.allocator.claims()] == ["u2", "u3"]
     assert after.allocator.claim("u2") == share("u2", "two")
     assert after.files("u2") and after.files("u3") and not after.files("u1")
@@ -233,12 +233,12 @@ def test_after_damage_a_recovered_claim_the_api_server_no_longer_reserves_is_fre
     api["two"] = api_claim("u2-new", "two")  # deleted and made again under the same name
     (segment,) = (tmp_path / "cp").glob("gpumanager_internal_checkpoint.journal-*")
     data = bytearray(segment.read_bytes())
-    data[30] ^= 0xFF  # both releases lost
+    data[30] ^= 0xFF  # u1's release lost (u2's, the whole record after it, is replayed)
     segment.write_bytes(bytes(data))
     after = Node(tmp_path, api)
     after.allocator.load()
-    assert [c.uid for c in after.allocator.claims()] == ["u1", "u2", "u3"] and after.allocator.claims_in_doubt
-    assert sorted(after.preparer.restore_files(verify_recovered=True)) == ["u1", "u2"]
+    assert [c.uid for c in after.allocator.claims()] == ["u1", "u3"] and after.allocator.claims_in_doubt
+    assert sorted(after.preparer.restore_files(verify_recovered=True)) == ["u1"]
     assert [c.uid for c in after.allocator.claims()] == ["u3"] and after.files("u3")
     assert after.allocator.tree_snapshot()[0][1] == 70
 

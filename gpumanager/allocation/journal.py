@@ -49,6 +49,7 @@ import errno
 import json
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -307,7 +308,7 @@ def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int, str]:
         return None, -1, ""
     end = pos + _HEADER + length
     body = data[pos + _HEADER : end]
-    if len(body) != length or zlib.crc32(body) != crc or data[end : end + 1] != b"\n":
+    if len(body) != length or data[end : end + 1] != b"\n" or zlib.crc32(body) != crc:
         return None, -1, ""
     try:
         change = json.loads(body, parse_int=checkpoint.parse_int)
@@ -349,26 +350,58 @@ def _segment_bytes(path: Path) -> bytes:
     return read_regular(path, SEGMENT_LIMIT)
 
 
+#: Where a record may start after damage: a header right after a record's end or after zeros.
+_RECORD_START = re.compile(rb"(?<=[\n\0])[0-9a-f]{8} [0-9a-f]{8} ")
+
+
+def _next_record(data: bytes, pos: int) -> int:
+    """The offset of the first whole record (its frame and checksum match) after ``pos``; -1 when none.
+
+    Each record carries its own checksum, so damage costs the records it covers, not the rest of its segment.
+    """
+    newline = -1  # the first newline after the header being looked at (they only move forward)
+    for match in _RECORD_START.finditer(data, pos + 1):
+        start = match.start()
+        # Records hold no newline but their last byte: checked before the checksum, so that a long run of
+        # damage is read once, not once per header-like text in it.
+        if newline < start + _HEADER:
+            newline = data.find(b"\n", start + _HEADER)
+            if newline < 0:
+                return -1
+        if newline == start + _HEADER + int(data[start : start + 8], 16) and _parse(data, start)[1] >= 0:
+            return start
+    return -1
+
+
 def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str, int]:
     """The changes of one segment, a problem ('' when it is whole or only cut short at its end), and the
-    offset of a last record cut short (-1 when there is none)."""
+    offset of a last record cut short (-1 when there is none). Past damage (a record whose frame or
+    checksum does not match, zeros with records after them) reading goes on at the next whole record."""
     changes: list[dict[str, Any]] = []
-    skipped: list[str] = []  # whole records holding no change this agent writes: skipped, the rest replayed
+    skipped: list[str] = []  # damage, and whole records holding no change this agent writes; the rest replayed
     pos = 0
-    while pos < len(data) and data[pos] != 0:
-        change, after, why = _parse(data, pos)
-        if after < 0:
+    while pos < len(data):
+        if data[pos] == 0:
+            if not data[pos:].strip(b"\0"):
+                break  # the free rest of the segment
+            skipped.append(f"zeros at offset {pos} with records after them")
+        else:
+            change, after, why = _parse(data, pos)
+            if after >= 0:
+                if change is None:
+                    skipped.append(f"record at offset {pos} skipped: {why}")
+                else:
+                    changes.append(change)
+                pos = after
+                continue
             if last and _cut_short(data, pos):
                 log.info("journal %s: last record cut short at offset %d (a crash while writing); ignored", path, pos)
                 return changes, _skipped(path, skipped), pos
-            return changes, _skipped(path, [*skipped, f"damaged record at offset {pos}"]), -1
-        if change is None:
-            skipped.append(f"record at offset {pos} skipped: {why}")
-        else:
-            changes.append(change)
-        pos = after
-    if data[pos:].strip(b"\0"):
-        return changes, _skipped(path, [*skipped, f"zeros at offset {pos} with records after them"]), -1
+            skipped.append(f"damaged record at offset {pos}")
+        pos = _next_record(data, pos)
+        if pos < 0:
+            break
+        skipped.append(f"records from offset {pos} replayed")
     return changes, _skipped(path, skipped), -1
 
 

@@ -20,9 +20,10 @@ own, the way kube-scheduler does:
   verb, else by POSTing the Binding itself; on failure the assumption is dropped and the pod
   goes back to the queue with a backoff (1 s doubling to 10 s);
 * a pod that fits nowhere gets ``PodScheduled=False, reason Unschedulable`` with a
-  "0/N nodes are available" message and waits until a pod is deleted or a node changes what
-  scheduling looks at (allocatable, labels, annotations, taints, schedulability, conditions) (or
-  ``unschedulable_timeout``, 5 minutes as kube-scheduler), then tries again after its backoff.
+  "0/N nodes are available: <count> <reason>, ..." message (kube-scheduler's: no node named) and
+  waits until a pod is deleted or a node changes what scheduling looks at (allocatable, labels,
+  annotations, taints, schedulability, conditions) (or ``unschedulable_timeout``, 5 minutes as
+  kube-scheduler), then tries again after its backoff.
 
 An extender's answer naming a node that was not offered is an error, as in kube-scheduler; an
 error from a non-ignorable extender fails the attempt. Its HTTP calls are Go's: a POST that went
@@ -586,10 +587,12 @@ class SchedulerStandIn:
             feasible = [n for n in feasible if n in passed]
         if not feasible:
             counts = Counter(reasons.values())
-            detail = ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+            # kube-scheduler's FitError: each reason counted over the nodes, sorted as text, no node named.
+            detail = ", ".join(sorted(f"{n} {why}" for why, n in counts.items()))
             per_node = "; ".join(f"{n}: {why}" for n, why in sorted(reasons.items()))
+            log.info("pod %s fits no node: %s", key, per_node)
             self.stats.unschedulable += 1
-            message = f"0/{len(nodes)} nodes are available: {detail}. ({per_node})"
+            message = f"0/{len(nodes)} nodes are available: {detail}."
             self._failed(uid, key, pod, message, unschedulable=True)
             return
         chosen = feasible[0] if len(feasible) == 1 else self._score(pod, interested, [nodes[n] for n in feasible])

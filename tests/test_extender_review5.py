@@ -403,3 +403,22 @@ def test_binds_run_as_many_at_once_as_pods_are_scheduled() -> None:
         api.stop()
         fake.shutdown()
         fake.server_close()
+
+
+def test_the_unschedulable_message_is_kube_schedulers_histogram() -> None:
+    """kube-scheduler's FitError counts each reason over the nodes and names no node: the stand-in added
+    every node's reason by name, which no one reading a real pod's condition gets."""
+    api = ApiServerSimulator()
+    api.start()
+    scheduler = SchedulerStandIn(api.client(), initial_backoff=0.05, max_backoff=0.05)
+    try:
+        api.add_node("a", capacity={CORE: "100", MEMORY: "320"})
+        api.add_node("b", capacity={CORE: "100", MEMORY: "320"})
+        api.add_node("c", capacity={CORE: "0", MEMORY: "0"})
+        scheduler.start()
+        api.create_pod(pending_pod("p", [(200, 0)]))
+        wait_for(lambda: "default/p" in scheduler.stats.messages, what="the pod found unschedulable")
+        assert scheduler.stats.messages["default/p"] == f"0/3 nodes are available: 3 Insufficient {CORE}."
+    finally:
+        scheduler.stop()
+        api.stop()

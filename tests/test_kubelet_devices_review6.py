@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gpumanager import names
 from gpumanager.allocation.journal import read_document
+from gpumanager.api import podresources_v1_pb2 as pr
+from gpumanager.api import podresources_v1_pb2_grpc as pr_grpc
+from gpumanager.kube.podresources import PodResourcesClient
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.kubelet import KubeletSimError, KubeletSimulator
 
@@ -119,3 +124,40 @@ def test_podresources_leaves_out_init_containers_and_their_start_is_served(clust
     held = ours(cluster)
     for name in ("warmup", "side", "app"):
         assert (held[(run.uid, name)]["Cores"], held[(run.uid, name)]["Memory"]) == (50, 4 * names.MEMORY_BLOCK_BYTES)
+
+
+def test_a_kubelet_with_get_disabled_is_asked_get_once(tmp_path: Path) -> None:
+    """Kubelets 1.27 to 1.33 serve the Get method with its feature gate off: every Get fails with a plain
+    error (code Unknown, "PodResources API Get method disabled"), as a pod it does not know does. Once seen,
+    the client asks List only, instead of spending one of the kubelet's few tokens on a Get every time."""
+
+    class GateOff(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def List(self, request: object, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
+            self.calls.append("List")
+            devices = [pr.ContainerDevices(resource_name=CORE, device_ids=["a", "b"])]
+            pod = pr.PodResources(
+                name="p", namespace="ns", containers=[pr.ContainerResources(name="c", devices=devices)]
+            )
+            return pr.ListPodResourcesResponse(pod_resources=[pod])
+
+        def Get(self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext) -> pr.GetPodResourcesResponse:
+            self.calls.append("Get")
+            context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
+
+    lister = GateOff()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    sock = tmp_path / "kubelet.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    client = PodResourcesClient(sock)
+    try:
+        for _ in range(3):
+            assert client.owner_of(CORE, ["b", "a"], hint=("ns", "p")) == ("ns", "p", "c")
+    finally:
+        client.close()
+        server.stop(0)
+    assert lister.calls.count("Get") == 1, lister.calls

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 #: bucket refilled at 100 a second that holds at most 10; a call without a token is refused.
 KUBELET_QPS = 100.0
 KUBELET_BURST = 10
+#: What a kubelet whose KubeletPodResourcesGet feature gate is off answers every Get with (code Unknown).
+GET_DISABLED = "PodResources API Get method disabled"
 #: Tokens a lookup leaves, when others are in progress, for the List they share and for the
 #: kubelet's other clients (monitoring agents list pods too).
 GET_RESERVE = 3
@@ -196,6 +198,14 @@ class PodResourcesClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("the kubelet's PodResources has no Get (older than 1.27?); using List")
+                self._get_supported = False
+                return None
+            if exc.code() == grpc.StatusCode.UNKNOWN and GET_DISABLED in (exc.details() or ""):
+                # Kubelets 1.27 to 1.33 serve Get with its feature gate (KubeletPodResourcesGet) off by
+                # default: a plain error, as for a pod they do not know, on every call.
+                log.info(
+                    "the kubelet's PodResources Get is turned off (feature gate KubeletPodResourcesGet); using List"
+                )
                 self._get_supported = False
                 return None
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNKNOWN):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from gpumanager import __version__, deferred, names
 from gpumanager.config import Config, ConfigError, parse_node_labels
 from gpumanager.device import discovery, inventory, nvml
-from gpumanager.device.health import HealthMonitor
+from gpumanager.device.health import SAVED_FILE, HealthMonitor
 from gpumanager.device.propagation import HealthPropagation
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devicelists import DeviceLists
@@ -285,6 +285,7 @@ class Agent:
             probe_period=self.config.health_probe_period,
             lost=self.lost,
             report=self._report,
+            saved=Path(self.config.checkpoint_path) / SAVED_FILE,  # GPUs out for an XID stay out across a restart
         )
         # The kubelet hears first: prepared lists, then the allocator (whose lock an Allocate may hold).
         self.propagation = HealthPropagation(self.health, self.gpus, self.lost)

@@ -255,3 +255,45 @@ def test_a_gpu_whose_nvml_calls_hang_at_start_does_not_stop_discovery(sim_node: 
     assert out["lost"] == [1]  # the hung one is listed Unhealthy, its device IDs kept
     assert len(out["uuids"]) == 4
     assert "GPU 1" in out["log"] and "does not answer" in out["log"]
+
+
+ACROSS_RESTART = (
+    PRELUDE
+    + r"""
+saved = Path(sys.argv[1]) / health.SAVED_FILE
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+first = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=1.5, probe_period=0.1, saved=saved)
+first.start()
+time.sleep(0.3)
+st.queue_xid(1, 79)
+out = {"out": wait_for(lambda: not first.state(1).healthy)}
+first.stop()
+# The agent restarts at once: the XID is not sent again.
+second = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=1.5, probe_period=0.1, saved=saved)
+second.start()
+out["after_restart"] = [second.state(i).healthy for i in range(4)]
+out["reason"] = second.state(1).reason
+out["back"] = wait_for(lambda: second.state(1).healthy, timeout=10.0)
+second.stop()
+third = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=1.5, probe_period=0.1, saved=saved)
+third.start()
+out["after_recovery"] = [third.state(i).healthy for i in range(4)]
+third.stop()
+print(json.dumps(out))
+"""
+)
+
+
+def test_a_gpu_out_for_an_xid_stays_out_across_a_restart_until_its_quiet_period_ends(
+    sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(ACROSS_RESTART, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["out"] is True
+    assert out["after_restart"] == [True, False, True, True]
+    assert out["reason"] == "XID 79"
+    assert out["back"] is True
+    assert out["after_recovery"] == [True, True, True, True]  # a GPU back in service is not taken out again

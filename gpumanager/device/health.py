@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
 import queue
 import threading
@@ -18,12 +19,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pynvml
 
 from gpumanager.device import nvml
 from gpumanager.device.types import GPUInfo
+from gpumanager.fileio import atomic_write, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,13 @@ LOG_PERIOD = 60.0
 #: in reset blocks every call on it). The call is left to finish in that GPU's own thread; the GPU is not
 #: asked again until it has, so the other GPUs' probes and the XID events go on meanwhile.
 NVML_CALL_TIMEOUT = 5.0
+#: The file (in --checkpoint-path) that keeps, across a restart, each GPU's last critical XID within its
+#: quiet period: NVML sends an XID once, so a restarted agent would otherwise offer the GPU at once.
+SAVED_FILE = "gpumanager_gpu_health"
+#: Seconds between two writes of that file while critical XIDs keep coming (a GPU going out or coming back
+#: is written at once).
+SAVE_PERIOD = 5.0
+_SAVED_LIMIT = 1 << 20
 #: The reason of a GPU whose NVML calls do not return (the DRA taint value ``nvml-does-not-answer``).
 NOT_ANSWERING = "NVML does not answer"
 
@@ -103,6 +113,12 @@ class _GpuCaller:
                 future.set_exception(exc)
 
 
+def _saved_bytes(entries: dict[str, tuple[str, float]]) -> bytes:
+    """The saved file's content: each GPU's (by UUID) last critical XID and its time (Unix seconds)."""
+    gpus = {uuid: {"reason": reason, "last_xid_unix": round(at, 3)} for uuid, (reason, at) in entries.items()}
+    return json.dumps({"gpus": gpus}, sort_keys=True).encode()
+
+
 def _handle_key(handle: Any) -> int | None:
     """The address behind an NVML device handle, to recognise the device of an event."""
     try:
@@ -124,6 +140,8 @@ class HealthMonitor:
         lost: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
         report: ProblemReport | None = None,
+        saved: Path | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._gpus = list(gpus)
         self._uuids = {g.index: g.uuid for g in self._gpus}
@@ -168,6 +186,13 @@ class HealthMonitor:
         self._by_handle: dict[int, int] = {}
         self._wait_said_lost = False  # the event wait answered GPU_IS_LOST and no timeout came since
         self._unknown_logged_at = -1e18
+        self._saved = saved
+        self._wall = wall
+        self._xid_out: dict[int, tuple[str, float]] = {}  # GPU -> its last critical XID and when (wall clock)
+        self._save_due = False  # a GPU went out or came back: written at the next pass
+        self._saved_at = -1e18
+        self._saved_content = _saved_bytes({})  # nothing is written before some GPU had a critical XID
+        self._save_logged_at = -1e18
         self._callers: dict[int, _GpuCaller] = {}
         self._hung: dict[int, Future[Any]] = {}  # of each GPU whose call did not return in time: that call
         self.xid_events = 0
@@ -175,6 +200,8 @@ class HealthMonitor:
         #: XID events not ignored: counted on its own, so a reader never sees it drop (the difference of
         #: the two counts above, read one after the other, can while events arrive).
         self.critical_xid_events = 0
+        if saved is not None:
+            self._restore(saved)
 
     def add_listener(self, listener: HealthListener) -> None:
         """Call ``listener(gpu_index, state)`` on every health change (from the monitor's thread)."""
@@ -263,6 +290,8 @@ class HealthMonitor:
             new = HealthState(True, "", now)
             self._state[index] = new
             quiet_for = now - self._last_bad.get(index, old.since)
+            if self._xid_out.pop(index, None) is not None:
+                self._save_due = True
         self._notify(index, new)  # the kubelet first: the log line can wait
         log.info(
             "%s is healthy again after %.0f s without errors (was: %s)", self.gpu_name(index), quiet_for, old.reason
@@ -426,6 +455,7 @@ class HealthMonitor:
             return
         self.critical_xid_events += 1
         if index is not None:
+            self._xid_seen(index, f"XID {xid}")
             self._mark_bad(index, f"XID {xid}")
             return
         # A critical error of a GPU that cannot be named is not dropped: every GPU is suspect.
@@ -438,6 +468,7 @@ class HealthMonitor:
                 xid,
             )
         for i in list(self._handles):
+            self._xid_seen(i, f"XID {xid}")
             self._mark_bad(i, f"XID {xid}")  # the same cause (and DRA taint value) as a named GPU's
 
     def _event_gpu(self, device: Any) -> int | None:
@@ -679,6 +710,83 @@ class HealthMonitor:
             return False
         return bool(int(current) == pynvml.NVML_DEVICE_MIG_ENABLE)
 
+    # -- across a restart --------------------------------------------------------------------------
+
+    def _xid_seen(self, index: int, reason: str) -> None:
+        """A critical XID on GPU ``index``: kept for the saved file (written at once when it takes the GPU
+        out, else within SAVE_PERIOD)."""
+        if self._saved is None:
+            return
+        if index not in self._xid_out:
+            self._save_due = True
+        self._xid_out[index] = (self._xid_out.get(index, (reason, 0.0))[0], self._wall())
+
+    def _save_if_due(self) -> None:
+        """Write the saved file when a GPU went out or came back, or SAVE_PERIOD after later XIDs."""
+        if self._saved is None:
+            return
+        now = self._clock()
+        if not self._save_due and now - self._saved_at < SAVE_PERIOD:
+            return
+        content = _saved_bytes({self._uuids.get(i, str(i)): entry for i, entry in self._xid_out.items()})
+        self._save_due = False
+        self._saved_at = now
+        if content == self._saved_content:
+            return
+        try:
+            atomic_write(self._saved, content)
+        except OSError as exc:
+            if now - self._save_logged_at >= LOG_PERIOD:
+                self._save_logged_at = now
+                log.warning(
+                    "cannot write %s (%s): a restart would offer GPUs out of service for an XID at once",
+                    self._saved,
+                    exc,
+                )
+            return
+        self._saved_content = content
+
+    def _restore(self, path: Path) -> None:
+        """GPUs whose last critical XID (saved by the agent before this one) is within the quiet period start
+        out of service with that XID's reason, and come back when the quiet period ends."""
+        try:
+            data = json.loads(read_regular(path, _SAVED_LIMIT))
+            entries = {
+                str(uuid): (str(e["reason"]), float(e["last_xid_unix"])) for uuid, e in dict(data["gpus"]).items()
+            }
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("ignoring %s: %s", path, exc)
+            return
+        now, wall = self._clock(), self._wall()
+        for g in self._gpus:
+            entry = entries.get(g.uuid)
+            if entry is None:
+                continue
+            reason, at = entry
+            age = max(0.0, wall - at)
+            if age >= self._quiet:
+                continue
+            self._xid_out[g.index] = (reason, at)
+            self._last_bad[g.index] = max(self._last_bad.get(g.index, -1e18), now - age)
+            old = self._state[g.index]
+            if old.healthy:
+                self._state[g.index] = HealthState(False, reason, now)
+                self._causes[g.index] = {reason}
+            else:
+                self._causes.setdefault(g.index, {old.reason}).add(reason)
+            log.warning(
+                "%s stays out of service after the restart: %s %.0f s ago (back after %.0f s without errors)",
+                self.gpu_name(g.index),
+                reason,
+                age,
+                self._quiet,
+            )
+        if entries:  # written again at the first pass: without the entries that expired
+            self._saved_content = b""
+            self._save_due = True
+
     def _unshareable_mode(self, index: int, handle: object) -> tuple[str, str] | None:
         """The name of GPU ``index``'s compute mode and why it cannot be shared, None in DEFAULT mode (or
         when NVML does not tell: a GPU whose NVML has no compute mode is not asked again)."""
@@ -716,6 +824,7 @@ class HealthMonitor:
             self._probe()
             self._flush_ignored()
             next_probe = now + self._probe_period
+        self._save_if_due()
         wait_ms = max(1, int(min(self._probe_period, 0.5) * 1000))
         event_set = self._event_set
         if event_set is None:

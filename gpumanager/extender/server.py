@@ -158,6 +158,7 @@ class ExtenderServer:
                 super().setup()
                 if self.timeout is not None:
                     self._reader = _DeadlineReader(self.connection, self.timeout)
+                    self.rfile.close()  # the plain reader setup() made (it holds a reference to the socket)
                     self.rfile = io.BufferedReader(
                         self._reader, self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE
                     )

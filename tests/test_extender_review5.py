@@ -422,3 +422,43 @@ def test_the_unschedulable_message_is_kube_schedulers_histogram() -> None:
     finally:
         scheduler.stop()
         api.stop()
+
+
+def test_two_schedulers_racing_for_the_last_share_bind_one_pod(world: World) -> None:
+    """Two scheduler processes (the cluster's and a second one for GPU pods) call one extender: each
+    filters its pod onto the GPU's last 60 cores, each asks the extender to bind; one pod is bound and
+    the other is refused by bind, naming why, then found unschedulable."""
+    world.add_node("n", inventory([80]), gpus=1)
+    world.start_extender()
+    config = ExtenderConfig(
+        url_prefix=world.url,
+        filter_verb="filter",
+        prioritize_verb="prioritize",
+        bind_verb="bind",
+        http_timeout=10,
+        managed_resources=(CORE, MEMORY),
+    )
+    schedulers = [
+        SchedulerStandIn(world.api.client(), [config], scheduler_name=name, initial_backoff=0.05, max_backoff=0.05)
+        for name in ("default-scheduler", "gpu-scheduler")
+    ]
+    try:
+        for scheduler in schedulers:
+            scheduler.start()
+        for scheduler in schedulers:
+            pod = pending_pod(f"for-{scheduler.scheduler_name}", [(60, 4)])
+            pod["spec"]["schedulerName"] = scheduler.scheduler_name
+            world.api.create_pod(pod)
+        wait_for(lambda: sum(s.stats.scheduled for s in schedulers) == 1, what="one pod bound")
+        wait_for(lambda: sum(s.stats.unschedulable for s in schedulers) >= 1, what="the other found unschedulable")
+        bound = [p for p in world.api.pods() if p["spec"].get("nodeName")]
+        assert len(bound) == 1, bound
+        assert world.extender.state.over_committed() == {}
+        messages = [m for s in schedulers for m in s.stats.messages.values()]
+        # Whichever way the race went: the loser's node total was taken already, the extender's filter saw
+        # the share held, or its bind found it gone ("no longer fits"); at last it is unschedulable.
+        reasons = ("Insufficient", "best GPU 0 has 40 cores", "no longer fits")
+        assert messages and all(any(r in m for r in reasons) for m in messages), messages
+    finally:
+        for scheduler in schedulers:
+            scheduler.stop()

@@ -76,6 +76,7 @@ from simnode.kubelet_podresources import (
     DEFAULT_QPS,
     ContainerSnapshot,
     DeviceSnapshot,
+    GetMethod,
     PodResourcesCall,
     PodResourcesServer,
     PodSnapshot,
@@ -366,6 +367,7 @@ class KubeletSimulator:
         reuse_freed: bool = True,
         pod_resources_qps: float = DEFAULT_QPS,
         pod_resources_burst: int = DEFAULT_BURST,
+        pod_resources_get: GetMethod = "enabled",
     ) -> None:
         """Configure (nothing starts until :meth:`start`).
 
@@ -373,7 +375,7 @@ class KubeletSimulator:
         ``rpc_timeout``: deadline for GetDevicePluginOptions, GetPreferredAllocation and Allocate
         (kubelet: none, i.e. ``None``). ``fill``/``seed``/``rng``: default fill order of picking.
         ``pod_resources_qps``/``pod_resources_burst``: PodResources' rate limit (kubelet: 100 and 10;
-        qps 0: none).
+        qps 0: none). ``pod_resources_get``: how its ``Get`` is served (see :data:`GetMethod`).
         """
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = Path(pod_resources_socket) if pod_resources_socket else None
@@ -385,6 +387,7 @@ class KubeletSimulator:
         self._write_enabled = write_checkpoint
         self.reuse_freed = reuse_freed
         self._pr_limit = (pod_resources_qps, pod_resources_burst)
+        self.pod_resources_get: GetMethod = pod_resources_get
         self._pr_calls: list[PodResourcesCall] = []  # across kubelet restarts
         self._freed: list[str] = []  # IDs freed by remove_pod, most recent first
         #: Records of removed pods still written to the checkpoint file: the kubelet drops a removed pod's
@@ -558,7 +561,9 @@ class KubeletSimulator:
         pr_server = None
         if self.pod_resources_socket is not None:
             qps, burst = self._pr_limit
-            pr_server = PodResourcesServer(self.pod_resources_socket, self, qps=qps, burst=burst, calls=self._pr_calls)
+            pr_server = PodResourcesServer(
+                self.pod_resources_socket, self, qps=qps, burst=burst, calls=self._pr_calls, get=self.pod_resources_get
+            )
             pr_server.start()
         with self._lock:
             self._server = server

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import grpc
 
@@ -46,11 +46,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_QPS = 100.0
 DEFAULT_BURST = 10
 
+GetMethod = Literal["enabled", "disabled", "absent"]
+"""``Get`` as kubelets serve it: ``enabled`` (1.34 on, feature gate KubeletPodResourcesGet on by default),
+``disabled`` (1.27 to 1.33: the gate off by default, every Get a plain error, code Unknown), ``absent``
+(before 1.27: no such method, code Unimplemented)."""
+
 __all__ = [
     "DEFAULT_BURST",
     "DEFAULT_QPS",
     "ContainerSnapshot",
     "DeviceSnapshot",
+    "GetMethod",
     "PodResourcesCall",
     "PodResourcesServer",
     "PodResourcesSource",
@@ -154,7 +160,10 @@ def _pod_message(pod: PodSnapshot) -> Any:
 class _Servicer:
     """Duck-typed ``PodResourcesListerServicer``."""
 
-    def __init__(self, source: PodResourcesSource, limiter: TokenBucket, calls: list[PodResourcesCall]) -> None:
+    def __init__(
+        self, source: PodResourcesSource, limiter: TokenBucket, calls: list[PodResourcesCall], get: GetMethod
+    ) -> None:
+        self._get = get
         self._source = source
         self._limiter = limiter
         self._calls = calls
@@ -209,12 +218,17 @@ class _Servicer:
         return pr.AllocatableResourcesResponse(devices=out)
 
     def Get(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if self._get == "absent":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "unknown method Get for service v1.PodResourcesLister")
         self._admit("Get", context)
+        if self._get == "disabled":
+            context.abort(grpc.StatusCode.UNKNOWN, "PodResources API Get method disabled")
         for pod in self._source.pod_resources_snapshot(request.pod_namespace, request.pod_name):
             if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
                 return pr.GetPodResourcesResponse(pod_resources=_pod_message(pod))
+        # A plain Go error in the kubelet: code Unknown.
         context.abort(
-            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.UNKNOWN,
             f"pod {request.pod_name} in namespace {request.pod_namespace} not found",
         )
 
@@ -230,8 +244,10 @@ class PodResourcesServer:
         qps: float = DEFAULT_QPS,
         burst: int = DEFAULT_BURST,
         calls: list[PodResourcesCall] | None = None,
+        get: GetMethod = "enabled",
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.get = get
         self._source = source
         self._limiter = TokenBucket(qps, burst)
         #: Every call received, in order (appending to a list is atomic under the GIL).
@@ -249,7 +265,9 @@ class PodResourcesServer:
             pass
         # The kubelet serves each call on a goroutine of its own: no small pool to queue behind.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="podresources"))
-        pr_grpc.add_PodResourcesListerServicer_to_server(_Servicer(self._source, self._limiter, self.calls), server)
+        pr_grpc.add_PodResourcesListerServicer_to_server(
+            _Servicer(self._source, self._limiter, self.calls, self.get), server
+        )
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server

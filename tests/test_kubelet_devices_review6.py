@@ -161,3 +161,21 @@ def test_a_kubelet_with_get_disabled_is_asked_get_once(tmp_path: Path) -> None:
         client.close()
         server.stop(0)
     assert lister.calls.count("Get") == 1, lister.calls
+
+
+@pytest.mark.parametrize("get", ["enabled", "disabled", "absent"])
+def test_prestart_finds_its_pod_whatever_the_kubelets_get(tmp_path: Path, sim_built: Path, get: str) -> None:
+    """Two identical pods waiting (Allocate cannot tell them apart): PreStartContainer asks the kubelet who holds
+    the IDs, through Get where the kubelet serves it, through List where its Get is turned off or absent."""
+    c = SimCluster(tmp_path, "v100-pcie-x4", seed=11, status_lag=0.2)
+    c.kubelet.pod_resources_get = get  # type: ignore[assignment]
+    with c:
+        runs = [c.admit(gpu_pod(f"same-{i}", [("c", 25, 2)])) for i in range(2)]
+        for run in runs:
+            c.start_containers(run)
+        held = ours(c)
+        for run in runs:
+            core = {a.resource: a for a in c.kubelet.allocations(run.uid)}[CORE]
+            assert sorted(held[(run.uid, "c")]["DeviceIDs"]) == sorted(core.device_ids)  # type: ignore[call-overload]
+        methods = {call.method for call in c.kubelet.pod_resources_calls}
+        assert ("Get" in methods) is (get != "absent")

@@ -48,7 +48,6 @@ def _offsets(data: bytes) -> list[int]:
     return starts
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet")
 def test_a_crash_after_a_damaged_segment_was_set_aside_loses_nothing_at_the_next_start(tmp_path: Path) -> None:
     """A start that finds damage replays what it can and sets the segment aside; if it dies before its
     snapshot holds what it replayed, the next start must still have those changes, and report the damage."""

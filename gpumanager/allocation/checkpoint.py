@@ -165,6 +165,37 @@ def move_aside(path: Path) -> Path:
     raise OSError(errno.EEXIST, f"{_ASIDE_TRIES} names {stem}[-n] are taken already")
 
 
+def copy_aside(path: Path, data: bytes) -> Path:
+    """Keep a copy of ``path`` (whose content is ``data``) as ``<name>.corrupt-<unix time>[-<n>]``, never
+    over an earlier one, leaving ``path`` in place: a hard link, else a copy written and synced. Returns
+    the copy's path; OSError when none can be made."""
+    stem = f"{path.name}.corrupt-{int(time.time())}"
+    for n in range(_ASIDE_TRIES):
+        target = path.with_name(stem if n == 0 else f"{stem}-{n}")
+        try:
+            os.link(path, target, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV):
+                raise
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+                raise
+        return target
+    raise OSError(errno.EEXIST, f"{_ASIDE_TRIES} names {stem}[-n] are taken already")
+
+
 def _rename_no_replace(path: Path, target: Path) -> bool:
     """Rename ``path`` to ``target`` unless ``target`` exists (False then): a hard link, which fails
     on an existing name, then the old name removed. Where hard links cannot be made (a directory, a

@@ -561,8 +561,28 @@ class CheckpointStore:
             if problem:
                 loaded.problems.append(problem)
                 if quarantine:
-                    self._set_aside(path, problem)
+                    self._keep_aside(path, data, problem)
         return loaded
+
+    def _keep_aside(self, path: Path, data: bytes | None, problem: str) -> None:
+        """Keep a copy of a damaged segment aside for the operator; the segment itself stays in place
+        until the snapshot written at this start holds what was read from it (:meth:`write_snapshot`
+        removes it): moved now, a start that died before that snapshot would leave the next one without
+        its whole records, and without a word of the damage."""
+        if data is None:  # it cannot be read: nothing of it is replayed, and nothing lost by moving it
+            self._set_aside(path, problem)
+            return
+        try:
+            aside = checkpoint.copy_aside(path, data)
+        except OSError as exc:
+            log.error("%s; could not keep a copy of it (%s); the kubelet's records fill what it lost", problem, exc)
+        else:
+            log.error(
+                "%s; a copy is kept as %s, and the segment stays until this start's snapshot replaces it (the "
+                "kubelet's records fill what it lost)",
+                problem,
+                aside,
+            )
 
     def _set_aside(self, path: Path, problem: str) -> None:
         try:

@@ -9,17 +9,20 @@ import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gpumanager import names
+from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import files, manager
+from tests.test_pod_sockets import POD, Sockets, pod_sockets
 from tests.test_vmanager_register import GIB, alloc, pod_object
 from tests.test_vmanager_register import Node as VmNode
 from tests.test_vmanager_register import node as vm_node
 from tests.test_volume_mirror import MountingChild, Node, _can_unshare, node
 from tests.volume_fixtures import V1, V2, driver_store, install_driver, remove_driver
 
-__all__ = ["driver_store", "node", "vm_node"]
+__all__ = ["driver_store", "node", "pod_sockets", "vm_node"]
 
 _DEVICE = "254:0"  # the host file system holding /etc/gpu-manager and /var/lib/kubelet alike
 
@@ -173,3 +176,31 @@ def test_a_container_id_that_is_no_plain_name_never_becomes_a_path(vm_node: VmNo
     assert files.read_pids(victim_pids) == [1000]
     assert not (vm_node.vm / names.PIDS_CONFIG_FILE).exists()
     assert sorted(p.name for p in vm_node.vm.iterdir()) == sorted([victim, attacker])
+
+
+def test_malformed_requests_are_refused_without_a_traceback_each(
+    pod_sockets: Sockets, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A container can send any bytes as a RegisterVDevice request: each one that is no VDeviceRequest is
+    answered INVALID_ARGUMENT, and the agent's log gets a line now and then, not a traceback per call;
+    a well-formed call that follows is served."""
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    corrupt = [b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12" + b"\x80" * 10]
+    with (
+        caplog.at_level(logging.DEBUG),
+        grpc.insecure_channel(f"unix://{pod_sockets.path}") as channel,
+    ):
+        call = channel.unary_unary(
+            "/vcuda.VCUDAService/RegisterVDevice", request_serializer=None, response_deserializer=None
+        )
+        codes = []
+        for body in corrupt * 10:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(body, timeout=20)
+            codes.append(refused.value.code())
+        assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}
+        call(pb.VDeviceRequest(pod_uid=POD, container_id="c1").SerializeToString(), timeout=20)
+    assert pod_sockets.calls == [(POD, "c1")]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "VDeviceRequest" in r.getMessage()]
+    assert len(warned) == 1 and POD in warned[0].getMessage()

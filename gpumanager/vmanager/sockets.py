@@ -39,15 +39,16 @@ import secrets
 import socket
 import stat
 import threading
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gpumanager.api import vcuda_pb2 as pb
-from gpumanager.api import vcuda_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ CONNECTION_LIFETIME_SECONDS = 300.0
 MAX_REQUEST_BYTES = 16 * 1024
 _RELAY_CHUNK = 64 * 1024
 _ABSTRACT_PEER = "unix-abstract:"
+_SERVICE = "vcuda.VCUDAService"
 
 #: Handles one call on the relay's loop: (pod UID of the socket, request, seconds left before the
 #: caller's deadline or None). It must not block the loop (waits are awaited; file work in a thread).
@@ -99,12 +101,24 @@ class CallRefused(Exception):
         self.code = code
 
 
-class _Servicer(pb_grpc.VCUDAServiceServicer):  # type: ignore[misc]
+class _Servicer:
+    """``vcuda.VCUDAService``, given each request as the bytes that came (decoded here: bytes that are no
+    ``VDeviceRequest`` are a refusal of the caller's, not an error of the agent with a traceback)."""
+
     def __init__(self, sockets: PodSockets) -> None:
         self._sockets = sockets
 
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve ``vcuda.VCUDAService/RegisterVDevice`` on ``server``."""
+        handlers = {
+            "RegisterVDevice": grpc.unary_unary_rpc_method_handler(
+                self.RegisterVDevice, response_serializer=pb.VDeviceResponse.SerializeToString
+            )
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+
     async def RegisterVDevice(
-        self, request: pb.VDeviceRequest, context: grpc.aio.ServicerContext[pb.VDeviceRequest, pb.VDeviceResponse]
+        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, pb.VDeviceResponse]
     ) -> pb.VDeviceResponse:
         peer = context.peer()
         pod_uid = self._sockets.pod_of_peer(peer)
@@ -114,6 +128,12 @@ class _Servicer(pb_grpc.VCUDAServiceServicer):  # type: ignore[misc]
                 grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock"
             )
             raise AssertionError("abort returned")  # abort always raises
+        try:
+            request = pb.VDeviceRequest.FromString(raw)
+        except DecodeError as exc:
+            self._sockets.log_malformed(pod_uid, len(raw), exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a VDeviceRequest: {exc}")
+            raise AssertionError("abort returned") from None
         try:
             await self._sockets.handler(pod_uid, request, context.time_remaining())
         except CallRefused as exc:
@@ -135,6 +155,7 @@ class PodSockets:
         self._waiting: dict[str, int] = {}  # pod UID -> connections waiting for one of its slots
         # pod UID -> (when its last closing over the limit was logged, closings not logged since)
         self._closed_log: dict[str, tuple[float, int]] = {}
+        self._malformed_log: dict[str, tuple[float, int]] = {}  # the same, for requests that do not decode
         self._relays: dict[str, set[asyncio.Task[None]]] = {}  # pod UID -> its relay tasks (on the loop)
         self._server: grpc.aio.Server | None = None
         # serve() for one pod at a time (a lock per stripe of pods: fifty pods served at once do not
@@ -169,7 +190,7 @@ class PodSockets:
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
             ]
         )
-        pb_grpc.add_VCUDAServiceServicer_to_server(_Servicer(self), server)
+        _Servicer(self).add_to(server)
         if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
             raise OSError(f"cannot listen on the abstract unix socket {self._name}")
         await server.start()
@@ -292,6 +313,7 @@ class PodSockets:
         with self._lock:
             listener = self._listeners.pop(pod_uid, None)
             self._closed_log.pop(pod_uid, None)
+            self._malformed_log.pop(pod_uid, None)
         # The pod's connections end with its socket: nothing is relayed for a pod no longer served.
         for task in list(self._relays.pop(pod_uid, ())):
             task.cancel()
@@ -376,6 +398,26 @@ class PodSockets:
                     w.close()
             if up_writer is None and upstream is not None:
                 upstream.close()
+
+    def log_malformed(self, pod_uid: str, size: int, exc: Exception) -> None:
+        """Log a request that is no VDeviceRequest: the first of each window per pod, with those left out."""
+        now = time.monotonic()
+        with self._lock:
+            last, left_out = self._malformed_log.get(pod_uid, (None, 0))
+            if last is not None and now - last < CLOSED_LOG_WINDOW_SECONDS:
+                self._malformed_log[pod_uid] = (last, left_out + 1)
+                return
+            if len(self._malformed_log) >= 4096:
+                self._malformed_log.clear()
+            self._malformed_log[pod_uid] = (now, 0)
+        more = f" ({left_out} more since the last report)" if left_out else ""
+        log.warning(
+            "vcuda.sock of pod %s: refused a request of %d bytes that is not a VDeviceRequest (%s)%s",
+            pod_uid,
+            size,
+            exc,
+            more,
+        )
 
     def _log_closed(self, pod_uid: str, busy: int, now: float) -> None:
         """Log a connection closed over the limit: the first of each window, with those left out before."""

@@ -297,3 +297,34 @@ def test_a_gpu_out_for_an_xid_stays_out_across_a_restart_until_its_quiet_period_
     assert out["reason"] == "XID 79"
     assert out["back"] is True
     assert out["after_recovery"] == [True, True, True, True]  # a GPU back in service is not taken out again
+
+
+EARLY_TIMEOUTS = (
+    PRELUDE
+    + r"""
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1)
+calls = [0]
+def wait(event_set, ms):  # a driver whose wait answers TIMEOUT at once instead of waiting
+    calls[0] += 1
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+pynvml.nvmlEventSetWait_v2 = wait
+mon.start()
+time.sleep(0.2)
+before = calls[0]
+time.sleep(1.0)
+during = calls[0] - before
+mon.stop()
+print(json.dumps({"waits": during, "alive_problem": mon.event_problem()}))
+"""
+)
+
+
+def test_an_event_wait_that_times_out_at_once_does_not_spin(sim_node: MakeNode, tmp_path: Path) -> None:
+    node = sim_node("t4-x1")
+    done = node.python(EARLY_TIMEOUTS, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    # Each wait asks for 100 ms: about ten a second, not a core spinning on NVML.
+    assert 0 < out["waits"] < 100, out

@@ -830,12 +830,17 @@ class HealthMonitor:
         if event_set is None:
             self._stop.wait(wait_ms / 1000)
             return next_probe
+        asked_at = time.monotonic()
         try:
             data = pynvml.nvmlEventSetWait_v2(event_set, wait_ms)
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_TIMEOUT:
                 self._wait_said_lost = False
                 self._wait_ok()
+                # A driver whose wait answers TIMEOUT before the time asked would have this loop spin a core.
+                early = wait_ms / 1000 - (time.monotonic() - asked_at)
+                if early > 0.01:
+                    self._stop.wait(early)
                 return next_probe
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                 # Some registered GPU is lost, and the wait says so at once for as long as it stays lost:

@@ -14,6 +14,7 @@ import pytest
 
 from gpumanager import names
 from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.api import vcuda_pb2_grpc as pb_grpc
 from gpumanager.vmanager import files, manager
 from tests.test_pod_sockets import POD, Sockets, pod_sockets
 from tests.test_vmanager_register import GIB, alloc, pod_object
@@ -204,3 +205,24 @@ def test_malformed_requests_are_refused_without_a_traceback_each(
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "VDeviceRequest" in r.getMessage()]
     assert len(warned) == 1 and POD in warned[0].getMessage()
+
+
+def test_calls_from_the_host_network_straight_to_the_server_are_refused_without_a_line_each(
+    pod_sockets: Sockets, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostNetwork pod sees the server's abstract name in /proc/net/unix and may call it in a loop: each
+    call is refused, and the agent's log says so now and then (with the count), not once per call."""
+    pod_sockets.sockets.serve(POD, pod_sockets.path)
+    calls = 30
+    with (
+        caplog.at_level(logging.INFO),
+        grpc.insecure_channel(f"unix-abstract:{pod_sockets.sockets._name}") as channel,
+    ):
+        stub = pb_grpc.VCUDAServiceStub(channel)
+        for _ in range(calls):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert pod_sockets.calls == []
+    lines = [r.getMessage() for r in caplog.records if "did not come in on a pod's vcuda.sock" in r.getMessage()]
+    assert len(lines) == 1

@@ -123,7 +123,7 @@ class _Servicer:
         peer = context.peer()
         pod_uid = self._sockets.pod_of_peer(peer)
         if pod_uid is None:
-            log.warning("RegisterVDevice from %s refused: it did not come in on a pod's vcuda.sock", peer)
+            self._sockets.log_stray(peer)
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock"
             )
@@ -399,17 +399,24 @@ class PodSockets:
             if up_writer is None and upstream is not None:
                 upstream.close()
 
+    def _admit(self, memo: dict[str, tuple[float, int]], key: str, now: float) -> int | None:
+        """None: leave this one out of the log (one was logged for ``key`` in this window; counted); else how
+        many were left out before it."""
+        with self._lock:
+            last, left_out = memo.get(key, (None, 0))
+            if last is not None and now - last < CLOSED_LOG_WINDOW_SECONDS:
+                memo[key] = (last, left_out + 1)
+                return None
+            if len(memo) >= 4096:
+                memo.clear()
+            memo[key] = (now, 0)
+        return left_out
+
     def log_malformed(self, pod_uid: str, size: int, exc: Exception) -> None:
         """Log a request that is no VDeviceRequest: the first of each window per pod, with those left out."""
-        now = time.monotonic()
-        with self._lock:
-            last, left_out = self._malformed_log.get(pod_uid, (None, 0))
-            if last is not None and now - last < CLOSED_LOG_WINDOW_SECONDS:
-                self._malformed_log[pod_uid] = (last, left_out + 1)
-                return
-            if len(self._malformed_log) >= 4096:
-                self._malformed_log.clear()
-            self._malformed_log[pod_uid] = (now, 0)
+        left_out = self._admit(self._malformed_log, pod_uid, time.monotonic())
+        if left_out is None:
+            return
         more = f" ({left_out} more since the last report)" if left_out else ""
         log.warning(
             "vcuda.sock of pod %s: refused a request of %d bytes that is not a VDeviceRequest (%s)%s",
@@ -419,16 +426,20 @@ class PodSockets:
             more,
         )
 
+    def log_stray(self, peer: str) -> None:
+        """Log a call that did not come in on a pod's socket (a process in the host's network namespace
+        calling the server's abstract address): the first of each window, with those left out."""
+        left_out = self._admit(self._malformed_log, "", time.monotonic())  # no pod's key is empty
+        if left_out is None:
+            return
+        more = f" ({left_out} more refused since the last report)" if left_out else ""
+        log.warning("RegisterVDevice from %s refused: it did not come in on a pod's vcuda.sock%s", peer, more)
+
     def _log_closed(self, pod_uid: str, busy: int, now: float) -> None:
         """Log a connection closed over the limit: the first of each window, with those left out before."""
-        with self._lock:
-            last, left_out = self._closed_log.get(pod_uid, (None, 0))
-            if last is not None and now - last < CLOSED_LOG_WINDOW_SECONDS:
-                self._closed_log[pod_uid] = (last, left_out + 1)
-                return
-            if len(self._closed_log) >= 4096:
-                self._closed_log.clear()
-            self._closed_log[pod_uid] = (now, 0)
+        left_out = self._admit(self._closed_log, pod_uid, now)
+        if left_out is None:
+            return
         more = f" ({left_out} more closed since the last report)" if left_out else ""
         log.warning("vcuda.sock of pod %s: %d connections open already; closing another%s", pod_uid, busy, more)
 

@@ -57,7 +57,7 @@ from simnode.extender_process import ExtenderProcess
 from simnode.gpusim_state import repo_root
 from simnode.kubelet import KubeletSimError, KubeletSimulator
 from simnode.kubelet_deletion import PodTerminator
-from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity
+from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity, profile_names
 from simnode.simhost import install_sim_driver, volume_conf
 
 log = logging.getLogger(__name__)
@@ -499,13 +499,13 @@ class MultiNodeCluster:
 
     def start_scheduler(self) -> SchedulerStandIn:
         """Start the scheduler stand-in with the configuration (pointed at our extender, if any)."""
-        name, extenders = load_configuration(
+        _, extenders = load_configuration(
             self._scheduler_config, url_prefix=self.extender.url_prefix if self.extender is not None else None
         )
         self.scheduler = SchedulerStandIn(
             self.api.client(),
             extenders if self.with_extender else (),
-            scheduler_name=name,
+            scheduler_name=profile_names(self._scheduler_config),
             initial_backoff=self._backoff[0],
             max_backoff=self._backoff[1],
             unschedulable_timeout=self._unschedulable_timeout,

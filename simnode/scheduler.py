@@ -157,6 +157,14 @@ def load_configuration(path: str | Path, *, url_prefix: str | None = None) -> tu
     return name, extenders
 
 
+def profile_names(path: str | Path) -> tuple[str, ...]:
+    """The ``schedulerName`` of every profile of a KubeSchedulerConfiguration file (kube-scheduler
+    schedules the pods of each; its extenders serve them all)."""
+    doc = yaml.safe_load(Path(path).read_text())
+    profiles = doc.get("profiles") or [{}]
+    return tuple(str(p.get("schedulerName") or DEFAULT_SCHEDULER) for p in profiles)
+
+
 class ExtenderCallError(Exception):
     """An extender call failed (connection, timeout, status, or an ``Error`` in the answer)."""
 
@@ -358,14 +366,15 @@ class SchedulerStats:
 
 
 class SchedulerStandIn:
-    """Schedules pods of ``scheduler_name`` with ``extenders``. Thread-safe; start/stop."""
+    """Schedules the pods of ``scheduler_name`` (one name, or the names of every profile) with
+    ``extenders``. Thread-safe; start/stop."""
 
     def __init__(
         self,
         api: client.ApiClient,
         extenders: Sequence[ExtenderConfig] = (),
         *,
-        scheduler_name: str = DEFAULT_SCHEDULER,
+        scheduler_name: str | Sequence[str] = DEFAULT_SCHEDULER,
         initial_backoff: float = 1.0,
         max_backoff: float = 10.0,
         unschedulable_timeout: float = 300.0,
@@ -375,7 +384,10 @@ class SchedulerStandIn:
         self._core = client.CoreV1Api(api)
         self._extenders = [ExtenderClient(e) for e in extenders]
         self._ignored = frozenset(r for e in extenders for r in e.ignored_by_scheduler)
-        self.scheduler_name = scheduler_name
+        names = (scheduler_name,) if isinstance(scheduler_name, str) else tuple(scheduler_name)
+        self.scheduler_names = names
+        self.scheduler_name = names[0]
+        """The first profile's name."""
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._unschedulable_timeout = unschedulable_timeout
@@ -433,7 +445,7 @@ class SchedulerStandIn:
         spec = pod.get("spec") or {}
         return (
             not spec.get("nodeName")
-            and (spec.get("schedulerName") or DEFAULT_SCHEDULER) == self.scheduler_name
+            and (spec.get("schedulerName") or DEFAULT_SCHEDULER) in self.scheduler_names
             and not _terminal(pod)
             and not _meta(pod).get("deletionTimestamp")
         )

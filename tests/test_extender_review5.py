@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +24,10 @@ from simnode.scheduler import (
     ExtenderClient,
     ExtenderConfig,
     SchedulerStandIn,
+    load_configuration,
     node_fit_failure,
     pod_requests,
+    profile_names,
 )
 from tests import extender_fixtures
 from tests.extender_fixtures import World, gpu_pod, inventory, wait_for
@@ -462,3 +465,30 @@ def test_two_schedulers_racing_for_the_last_share_bind_one_pod(world: World) -> 
     finally:
         for scheduler in schedulers:
             scheduler.stop()
+
+
+def test_every_profile_of_the_configuration_schedules_its_pods(tmp_path: Path) -> None:
+    """kube-scheduler schedules the pods of each of its profiles (the extenders serve them all); the
+    stand-in took the first profile's name only, and pods naming another stayed Pending for ever."""
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
+        "profiles:\n  - schedulerName: default-scheduler\n  - schedulerName: gpu-scheduler\n"
+    )
+    names_, extenders = load_configuration(path)
+    assert names_ == "default-scheduler" and extenders == []
+    assert profile_names(path) == ("default-scheduler", "gpu-scheduler")
+    api = ApiServerSimulator()
+    api.start()
+    scheduler = SchedulerStandIn(api.client(), scheduler_name=profile_names(path))
+    try:
+        api.add_node("n", capacity={CORE: "1000", MEMORY: "3200"})
+        scheduler.start()
+        for name in profile_names(path):
+            pod = pending_pod(f"for-{name}", [(10, 4)])
+            pod["spec"]["schedulerName"] = name
+            api.create_pod(pod)
+        wait_for(lambda: scheduler.stats.scheduled == 2, what="a pod of each profile bound")
+    finally:
+        scheduler.stop()
+        api.stop()

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from simnode.apiserver_quantity import value as quantity_value
 from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
-from simnode.kubelet import AllocationRecord, KubeletSimError, KubeletSimulator
+from simnode.kubelet import AllocationRecord, KubeletSimError, KubeletSimulator, PluginRPCError
 from simnode.kubelet_deletion import PodTerminator
 from simnode.simhost import install_sim_driver, volume_conf
 
@@ -378,22 +378,17 @@ class SimCluster:
             except Exception as err:  # the pod went away meanwhile
                 log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
 
-        if self.status_lag <= 0:
-            publish()
-            return
-        timer = threading.Timer(self.status_lag, publish)
-        timer.daemon = True
-        self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
-        timer.start()
+        self._later(publish)
 
     def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:
         """PreStartContainer for each GPU container (init containers first; each container's resources in the
         kubelet's order), then cgroups with a PID; the pod's status (Running, with the container IDs) follows
         ``status_lag`` seconds later.
 
-        A failing PreStartContainer raises :class:`KubeletSimError`: the kubelet fails that start only
-        (``CreateContainerConfigError``) and tries it again later with a backoff (10 s, doubling up to
-        5 min), calling PreStartContainer again; call this again to play that.
+        A failing PreStartContainer raises :class:`KubeletSimError`: the kubelet fails that start only and
+        tries it again later with a backoff (10 s, doubling up to 5 min), calling PreStartContainer again;
+        call this again to play that. Meanwhile the container waits (``CreateContainerConfigError``, the
+        error in its message), as the pod's status says ``status_lag`` later.
 
         ``publish_status=False``: the containers run (their cgroups exist) but the kubelet's status
         update, which names their IDs, has not reached the API server yet; see publish_status().
@@ -401,7 +396,11 @@ class SimCluster:
         for name in dict.fromkeys([*run.core, *run.memory]):
             held = {names.VCORE_RESOURCE: run.core, names.VMEMORY_RESOURCE: run.memory}
             for res in self.kubelet.limits_order(r for r, by_name in held.items() if name in by_name):
-                self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
+                try:
+                    self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
+                except KubeletSimError as exc:
+                    self._start_failed(run, name, exc)
+                    raise
         statuses = []
         for c in run.manifest["spec"]["containers"]:
             cid = f"{run.uid[:8]}{c['name']}".replace("-", "")
@@ -426,6 +425,48 @@ class SimCluster:
             self.publish_status(run)
             return
         timer = threading.Timer(self.status_lag, self._publish_late, args=(run,))
+        timer.daemon = True
+        self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
+        timer.start()
+
+    def _start_failed(self, run: PodRun, container: str, exc: KubeletSimError) -> None:
+        """The container's start failed in GetDeviceRunContainerOptions: it waits, with the error as its
+        message, until the kubelet's next try."""
+        if isinstance(exc, PluginRPCError):
+            desc = exc.details
+            if exc.code is not None:
+                code = "".join(part.capitalize() for part in exc.code.name.split("_"))
+                desc = f"rpc error: code = {code} desc = {exc.details}"
+            message = f"device plugin PreStartContainer rpc failed with err: {desc}"
+        else:
+            message = str(exc)
+        waiting = {
+            "name": container,
+            "ready": False,
+            "restartCount": 0,
+            "image": "cuda",
+            "imageID": "",
+            "state": {"waiting": {"reason": "CreateContainerConfigError", "message": message}},
+        }
+        init = any(c.get("name") == container for c in run.manifest["spec"].get("initContainers") or [])
+        status = {"initContainerStatuses" if init else "containerStatuses": [waiting]}
+
+        def publish() -> None:
+            try:
+                current = self.api.get_pod(run.namespace, run.name)
+                if current is not None and current["metadata"].get("uid") == run.uid:
+                    self.api.set_pod_phase(run.namespace, run.name, "Pending", **status)
+            except Exception as err:  # the pod went away meanwhile
+                log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
+
+        self._later(publish)
+
+    def _later(self, publish: Callable[[], None]) -> None:
+        """A status update the kubelet's status manager writes ``status_lag`` later (at once for 0)."""
+        if self.status_lag <= 0:
+            publish()
+            return
+        timer = threading.Timer(self.status_lag, publish)
         timer.daemon = True
         self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
         timer.start()

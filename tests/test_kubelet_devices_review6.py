@@ -179,3 +179,30 @@ def test_prestart_finds_its_pod_whatever_the_kubelets_get(tmp_path: Path, sim_bu
             assert sorted(held[(run.uid, "c")]["DeviceIDs"]) == sorted(core.device_ids)  # type: ignore[call-overload]
         methods = {call.method for call in c.kubelet.pod_resources_calls}
         assert ("Get" in methods) is (get != "absent")
+
+
+def test_a_start_that_failed_for_want_of_the_agent_is_tried_again_and_the_pod_kept(cluster: SimCluster) -> None:
+    """PreStartContainer fails while the agent is down: the kubelet shows the container waiting
+    (CreateContainerConfigError, its error in the message) and tries the start again later. The agent, back,
+    neither releases nor deletes the pod for that message, and the next try starts it."""
+    run = cluster.admit(gpu_pod("waits", [("c", 30, 4)]))
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    with pytest.raises(KubeletSimError):
+        cluster.start_containers(run)
+
+    def waiting() -> str:
+        statuses = cluster.pod(run).get("status", {}).get("containerStatuses") or [{}]
+        return str(statuses[0].get("state", {}).get("waiting", {}).get("reason", ""))
+
+    wait_until(lambda: waiting() == "CreateContainerConfigError", "the container's waiting status")
+    message = cluster.pod(run)["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+    assert message.startswith("device plugin PreStartContainer rpc failed with err: ")
+    counts = {res: cluster.kubelet.registration_count(res) for res in (CORE, MEM)}
+    cluster.start_agent()
+    for res, n in counts.items():
+        cluster.kubelet.wait_for_registration(res, after=n, timeout=15, with_devices=True)
+    time.sleep(1.5)  # an allocation check period: a pod it took for failed would be released by now
+    assert (run.uid, "c") in ours(cluster)
+    cluster.start_containers(run)
+    cluster.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})

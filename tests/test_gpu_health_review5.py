@@ -328,3 +328,18 @@ def test_an_event_wait_that_times_out_at_once_does_not_spin(sim_node: MakeNode, 
     out = json.loads(done.stdout)
     # Each wait asks for 100 ms: about ten a second, not a core spinning on NVML.
     assert 0 < out["waits"] < 100, out
+
+
+def test_nvml_refused_for_a_driver_upgraded_under_it_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pynvml
+
+    from gpumanager.device import nvml
+
+    def mismatch() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", mismatch)
+    with pytest.raises(nvml.NVMLUnavailableError) as caught:
+        nvml.init()
+    message = str(caught.value)
+    assert "kernel module" in message and "reboot" in message, message

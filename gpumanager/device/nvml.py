@@ -76,6 +76,11 @@ def _what_to_do(exc: pynvml.NVMLError) -> str:
         )
     if exc.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
         return " (the NVIDIA kernel module is not loaded on the node: nvidia-smi there says the same)"
+    if exc.value == pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH:
+        return (
+            " (the driver's libraries were upgraded but the old kernel module is still loaded: reboot the node, or"
+            " unload and load the nvidia kernel modules once nothing uses the GPUs; nvidia-smi there says the same)"
+        )
     if exc.value == pynvml.NVML_ERROR_NO_PERMISSION:
         return " (the agent needs read and write access to /dev/nvidiactl and /dev/nvidia*: run it as root)"
     return ""

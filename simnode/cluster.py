@@ -41,7 +41,7 @@ from simnode.apiserver_quantity import value as quantity_value
 from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
-from simnode.kubelet import AllocationRecord, KubeletSimError, KubeletSimulator, PluginRPCError
+from simnode.kubelet import AllocationError, AllocationRecord, KubeletSimError, KubeletSimulator, PluginRPCError
 from simnode.kubelet_deletion import PodTerminator
 from simnode.simhost import install_sim_driver, volume_conf
 
@@ -359,6 +359,21 @@ class SimCluster:
             self._admission_failed(run, exc)
             raise
         return run
+
+    def restart_kubelet(self) -> float:
+        """The kubelet restarts (:meth:`KubeletSimulator.restart`) and admits every pod of the node again at
+        once, before a device plugin can register again. A running container needs nothing (kubelet 1.27 on);
+        a pod admitted whose containers had not started finds its resource without healthy devices and fails
+        its admission (:meth:`admit`). Returns the monotonic time ``kubelet.sock`` was re-created."""
+        created = self.kubelet.restart()
+        for run in list(self.runs.values()):
+            held = [*run.core.values(), *run.memory.values()]
+            if run.statuses or not held or not self.kubelet.allocations(run.uid):
+                continue  # started, without devices, or already failed or gone
+            resource = held[0].resource
+            failed = AllocationError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            self._admission_failed(run, failed)
+        return created
 
     def _admission_failed(self, run: PodRun, exc: KubeletSimError) -> None:
         """The kubelet rejects the pod: it is not active any more, so its devices are dropped before the next

@@ -206,3 +206,23 @@ def test_a_start_that_failed_for_want_of_the_agent_is_tried_again_and_the_pod_ke
     assert (run.uid, "c") in ours(cluster)
     cluster.start_containers(run)
     cluster.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
+
+
+def test_kubelet_restart_fails_a_pod_admitted_but_not_started_and_keeps_the_running_one(cluster: SimCluster) -> None:
+    """At its restart the kubelet admits every pod again before the plugins are back: the running pod needs
+    nothing, the one admitted but not started fails (no healthy devices). The agent releases the failed
+    pod's share, keeps the running one's, and serves the next pod once registered again."""
+    running = cluster.run_pod(gpu_pod("running", [("c", 50, 4)]))
+    pending = cluster.admit(gpu_pod("pending", [("c", 50, 4)]))
+    counts = {res: cluster.kubelet.registration_count(res) for res in (CORE, MEM)}
+    cluster.restart_kubelet()
+    assert cluster.kubelet.allocations(pending.uid) == []
+    assert len(cluster.kubelet.allocations(running.uid)) == 2
+    wait_until(lambda: cluster.pod(pending).get("status", {}).get("phase") == "Failed", "the pending pod's failure")
+    assert "no healthy devices present" in cluster.pod(pending)["status"]["message"]
+    wait_until(lambda: (pending.uid, "c") not in ours(cluster), "the failed pod's release")
+    assert (running.uid, "c") in ours(cluster)
+    for res, n in counts.items():
+        cluster.kubelet.wait_for_registration(res, after=n, timeout=15, with_devices=True)
+    after = cluster.run_pod(gpu_pod("after", [("c", 50, 4)]))
+    assert (after.uid, "c") in ours(cluster)

@@ -15,6 +15,7 @@ from gpumanager import names
 from gpumanager.allocation.journal import read_document
 from gpumanager.api import podresources_v1_pb2 as pr
 from gpumanager.api import podresources_v1_pb2_grpc as pr_grpc
+from gpumanager.kube.owners import OwnerResolver
 from gpumanager.kube.podresources import PodResourcesClient
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.kubelet import KubeletSimError, KubeletSimulator
@@ -226,3 +227,41 @@ def test_kubelet_restart_fails_a_pod_admitted_but_not_started_and_keeps_the_runn
         cluster.kubelet.wait_for_registration(res, after=n, timeout=15, with_devices=True)
     after = cluster.run_pod(gpu_pod("after", [("c", 50, 4)]))
     assert (after.uid, "c") in ours(cluster)
+
+
+def test_a_sidecars_ids_seen_in_a_recent_list_need_no_list_of_their_own(tmp_path: Path) -> None:
+    """A sidecar (an init container that runs on beside the others) keeps its IDs, unlike the other init
+    containers, whose IDs the kubelet hands on: a List made since its Allocate names it rightly, and
+    lookups share it rather than each asking the kubelet (10 calls at once at most) for another."""
+    lists: list[float] = []
+
+    class Lister(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+        def List(self, request: object, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
+            lists.append(time.monotonic())
+            devices = [pr.ContainerDevices(resource_name=CORE, device_ids=["a", "b"])]
+            side = pr.ContainerResources(name="side", devices=devices)
+            return pr.ListPodResourcesResponse(
+                pod_resources=[pr.PodResources(name="p", namespace="ns", containers=[side])]
+            )
+
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+        "spec": {"containers": [{"name": "app"}], "initContainers": [{"name": "side", "restartPolicy": "Always"}]},
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pr_grpc.add_PodResourcesListerServicer_to_server(Lister(), server)
+    sock = tmp_path / "kubelet.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    client = PodResourcesClient(sock)
+    resolver = OwnerResolver(
+        pod_resources=client, kubelet_checkpoint_path=tmp_path / "none", find_pod=lambda ns, name: pod
+    )
+    try:
+        allocated_at = time.monotonic()
+        for _ in range(2):
+            assert resolver.owner(CORE, ["b", "a"], since=allocated_at) == ("u1", "side")
+    finally:
+        client.close()
+        server.stop(0)
+    assert len(lists) == 1, lists

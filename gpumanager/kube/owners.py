@@ -67,11 +67,17 @@ class OwnerResolver:
         return found_cp
 
     def _not_init(self, holder: tuple[str, str, str]) -> bool:
-        """Whether ``holder`` (namespace, pod, container) is one of its pod's app containers, as the pod
-        cache knows it: the kubelet hands an init container's IDs on to the next containers of its pod."""
+        """Whether ``holder`` (namespace, pod, container) is one of its pod's app containers or sidecars
+        (init containers with ``restartPolicy: Always``), as the pod cache knows it: the kubelet hands the IDs
+        of the other init containers on to the next containers of their pod, never a sidecar's."""
         namespace, name, container = holder
         pod = self._find_pod(namespace, name)
         if pod is None:
             return False
         spec = pod.get("spec") or {}
-        return any(c.get("name") == container for c in spec.get("containers") or [] if isinstance(c, dict))
+        sidecars = [
+            c for c in spec.get("initContainers") or [] if isinstance(c, dict) and c.get("restartPolicy") == "Always"
+        ]
+        return any(
+            c.get("name") == container for c in [*(spec.get("containers") or []), *sidecars] if isinstance(c, dict)
+        )

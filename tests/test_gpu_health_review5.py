@@ -343,3 +343,39 @@ def test_nvml_refused_for_a_driver_upgraded_under_it_says_what_to_do(monkeypatch
         nvml.init()
     message = str(caught.value)
     assert "kernel module" in message and "reboot" in message, message
+
+
+HUNG_BEFORE_MONITOR = (
+    PRELUDE
+    + r"""
+import threading
+nvml.DESCRIBE_TIMEOUT = 1.0
+health.NVML_CALL_TIMEOUT = 60.0  # a start that asks the hung GPU again would wait this long
+st.set_hung(1, True)
+st.set_hung(2, True)
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1, lost=node.lost)
+t = threading.Thread(target=mon.start, daemon=True)
+t.start()
+t.join(20.0)
+out = {"lost": node.lost, "started": not t.is_alive(), "healthy": [mon.state(i).healthy for i in range(4)]}
+st.set_hung(1, False)
+st.set_hung(2, False)
+t.join(10.0)
+mon.stop()
+print(json.dumps(out))
+"""
+)
+
+
+def test_the_monitor_starts_without_asking_again_gpus_that_hung_in_discovery(
+    sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(HUNG_BEFORE_MONITOR, str(tmp_path), timeout=90)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["lost"] == [1, 2]
+    assert out["started"] is True  # the kubelet's lists are made without waiting for the hung GPUs
+    assert out["healthy"] == [True, False, False, True]

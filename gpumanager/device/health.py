@@ -239,13 +239,17 @@ class HealthMonitor:
 
     def start(self) -> None:
         """Probe every GPU once, then start the monitoring thread. A GPU NVML gives no handle for (lost) is
-        marked bad, and its handle is asked for again at each probe."""
+        marked bad, and its handle is asked for again at each probe. A GPU lost at start (NVML failed or did
+        not answer for it in discovery) is asked for by the thread only, so the start does not wait for it."""
         for g in self._gpus:
-            self._take_handle(g.index)
+            if g.index in self._unnamed:
+                self._missing.add(g.index)
+            else:
+                self._take_handle(g.index)
         # One probe before the kubelet's lists are made, so a GPU that cannot be used (failing queries, MIG
         # mode) is not offered for the moment before the thread's first probe.
         try:
-            self._probe()
+            self._probe(take_missing=False)
         except Exception:
             log.exception("the first GPU health probe failed; the health thread probes again")
         self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
@@ -579,8 +583,8 @@ class HealthMonitor:
             self._by_handle[key] = index
         return True
 
-    def _probe(self) -> None:
-        for index in sorted(self._missing):
+    def _probe(self, take_missing: bool = True) -> None:
+        for index in sorted(self._missing) if take_missing else ():
             self._take_handle(index)
         if self._event_set is not None and self._registered | self._unsupported != set(self._handles):
             # GPUs back from lost, and those whose registration failed when the set was made

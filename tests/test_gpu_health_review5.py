@@ -41,7 +41,7 @@ def wait_for(cond, timeout=10.0):
 HUNG_GPU = (
     PRELUDE
     + r"""
-health.NVML_CALL_TIMEOUT = 0.5
+health.NVML_CALL_TIMEOUT = 1.0
 nvml.init()
 node = discovery.discover(Path(sys.argv[1]))
 mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1)
@@ -225,7 +225,7 @@ HUNG_AT_START = (
     PRELUDE
     + r"""
 import threading
-nvml.DESCRIBE_TIMEOUT = 1.0
+nvml.DESCRIBE_TIMEOUT = 3.0
 st.set_hung(1, True)  # stuck in reset when the agent starts
 nvml.init()
 found = {}
@@ -349,7 +349,7 @@ HUNG_BEFORE_MONITOR = (
     PRELUDE
     + r"""
 import threading
-nvml.DESCRIBE_TIMEOUT = 1.0
+nvml.DESCRIBE_TIMEOUT = 3.0
 health.NVML_CALL_TIMEOUT = 60.0  # a start that asks the hung GPU again would wait this long
 st.set_hung(1, True)
 st.set_hung(2, True)

@@ -260,7 +260,7 @@ class HealthMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        for caller in self._callers.values():
+        for caller in list(self._callers.values()):  # the thread may still add one if it did not stop in time
             caller.close()
 
     # -- state changes -------------------------------------------------------------------------

@@ -286,6 +286,7 @@ class Agent:
             lost=self.lost,
             report=self._report,
             saved=Path(self.config.checkpoint_path) / SAVED_FILE,  # GPUs out for an XID stay out across a restart
+            shares=self.config.share_mode or self.config.mode == "dra",  # DRA claims always carry shares
         )
         # The kubelet hears first: prepared lists, then the allocator (whose lock an Allocate may hold).
         self.propagation = HealthPropagation(self.health, self.gpus, self.lost)

@@ -379,3 +379,32 @@ def test_the_monitor_starts_without_asking_again_gpus_that_hung_in_discovery(
     assert out["lost"] == [1, 2]
     assert out["started"] is True  # the kubelet's lists are made without waiting for the hung GPUs
     assert out["healthy"] == [True, False, False, True]
+
+
+WHOLE_GPUS_ONLY = (
+    PRELUDE
+    + r"""
+nvml.init()
+node = discovery.discover(Path(sys.argv[1]))
+mon = HealthMonitor(node.gpus, ignored_xids=(13,), quiet_period=0.5, probe_period=0.1, shares=False)
+mon.start()
+st.set_compute_mode(1, 3)  # EXCLUSIVE_PROCESS: a whole GPU for one process, as the operator chose
+st.set_compute_mode(2, 2)  # PROHIBITED: no CUDA at all
+out = {"prohibited_out": wait_for(lambda: not mon.state(2).healthy, timeout=5.0)}
+time.sleep(0.5)
+out["exclusive_healthy"] = mon.state(1).healthy
+out["prohibited_reason"] = mon.state(2).reason
+mon.stop()
+print(json.dumps(out))
+"""
+)
+
+
+def test_without_shares_an_exclusive_process_gpu_is_served_and_a_prohibited_one_is_not(
+    sim_node: MakeNode, tmp_path: Path
+) -> None:
+    node = sim_node("v100-pcie-x4")
+    done = node.python(WHOLE_GPUS_ONLY, str(tmp_path), timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out == {"prohibited_out": True, "exclusive_healthy": True, "prohibited_reason": "compute mode PROHIBITED"}

@@ -55,7 +55,8 @@ EVENT_SET_RETRY_MAX = 60.0
 #: The reason of a GPU in MIG mode (its shares would land on a GPU that runs CUDA only in MIG instances).
 MIG_ENABLED = "MIG mode"
 #: Compute modes in which a GPU's shares cannot be used (nvmlComputeMode_t), and why: the reason is
-#: 'compute mode <name>' (the DRA taint value ``compute-mode-<name>``).
+#: 'compute mode <name>' (the DRA taint value ``compute-mode-<name>``). Where no shares are given
+#: (whole GPUs only) only PROHIBITED takes a GPU out: an exclusive mode is the operator's choice there.
 UNSHAREABLE_COMPUTE_MODES = {
     1: ("EXCLUSIVE_THREAD", "only one thread at a time may have a CUDA context on it"),
     2: ("PROHIBITED", "no CUDA context may be made on it"),
@@ -142,6 +143,7 @@ class HealthMonitor:
         report: ProblemReport | None = None,
         saved: Path | None = None,
         wall: Callable[[], float] = time.time,
+        shares: bool = True,
     ) -> None:
         self._gpus = list(gpus)
         self._uuids = {g.index: g.uuid for g in self._gpus}
@@ -187,6 +189,7 @@ class HealthMonitor:
         self._wait_said_lost = False  # the event wait answered GPU_IS_LOST and no timeout came since
         self._unknown_logged_at = -1e18
         self._saved = saved
+        self._shares = shares  # containers may share a GPU (share mode, DRA): exclusive modes cannot serve them
         self._wall = wall
         self._xid_out: dict[int, tuple[str, float]] = {}  # GPU -> its last critical XID and when (wall clock)
         self._save_due = False  # a GPU went out or came back: written at the next pass
@@ -635,7 +638,7 @@ class HealthMonitor:
             name, why = mode
             if self.state(index).healthy:
                 log.warning(
-                    "%s is in compute mode %s: %s, so the containers sharing it would be refused theirs; "
+                    "%s is in compute mode %s: %s, so containers given it would be refused theirs; "
                     "Unhealthy until it is DEFAULT again (nvidia-smi -i %s -c DEFAULT)",
                     self.gpu_name(index),
                     name,
@@ -803,6 +806,8 @@ class HealthMonitor:
                 self._no_compute_mode.add(index)
             else:
                 log.debug("%s: nvmlDeviceGetComputeMode: %s", self.gpu_name(index), exc)
+            return None
+        if mode != pynvml.NVML_COMPUTEMODE_PROHIBITED and not self._shares:
             return None
         return UNSHAREABLE_COMPUTE_MODES.get(mode)
 

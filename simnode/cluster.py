@@ -66,6 +66,7 @@ class PodRun:
     memory: dict[str, AllocationRecord] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     statuses: list[dict[str, Any]] = field(default_factory=list)  # containerStatuses, once started
+    init_statuses: list[dict[str, Any]] = field(default_factory=list)  # initContainerStatuses, once started
 
     @property
     def uid(self) -> str:
@@ -416,13 +417,19 @@ class SimCluster:
                 except KubeletSimError as exc:
                     self._start_failed(run, name, exc)
                     raise
-        statuses = []
-        for c in run.manifest["spec"]["containers"]:
+        # Init containers ran to completion one after the other (their processes gone); sidecars run on
+        # beside the app containers, as these do.
+        init_statuses = []
+        for c in run.manifest["spec"].get("initContainers") or []:
             cid = f"{run.uid[:8]}{c['name']}".replace("-", "")
-            pid = next(_pid_counter)
-            run.pids[c["name"]] = pid
-            make_cgroup(self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid, [pid])
-            statuses.append(
+            if c.get("restartPolicy") == "Always":
+                init_statuses.append(self._running_status(run, c["name"], cid))
+                continue
+            finished = {"exitCode": 0, "reason": "Completed", "containerID": f"containerd://{cid}"}
+            state = {
+                "terminated": {**finished, "startedAt": "2026-11-21T09:59:58Z", "finishedAt": "2026-11-21T09:59:59Z"}
+            }
+            init_statuses.append(
                 {
                     "name": c["name"],
                     "containerID": f"containerd://{cid}",
@@ -430,10 +437,15 @@ class SimCluster:
                     "restartCount": 0,
                     "image": "cuda",
                     "imageID": "",
-                    "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
+                    "state": state,
                 }
             )
+        statuses = []
+        for c in run.manifest["spec"]["containers"]:
+            cid = f"{run.uid[:8]}{c['name']}".replace("-", "")
+            statuses.append(self._running_status(run, c["name"], cid))
         run.statuses = statuses
+        run.init_statuses = init_statuses
         if not publish_status:
             return
         if self.status_lag <= 0:
@@ -443,6 +455,21 @@ class SimCluster:
         timer.daemon = True
         self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
         timer.start()
+
+    def _running_status(self, run: PodRun, name: str, cid: str) -> dict[str, Any]:
+        """A started container: its cgroup with a fresh PID, and its status."""
+        pid = next(_pid_counter)
+        run.pids[name] = pid
+        make_cgroup(self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid, [pid])
+        return {
+            "name": name,
+            "containerID": f"containerd://{cid}",
+            "ready": True,
+            "restartCount": 0,
+            "image": "cuda",
+            "imageID": "",
+            "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
+        }
 
     def _start_failed(self, run: PodRun, container: str, exc: KubeletSimError) -> None:
         """The container's start failed in GetDeviceRunContainerOptions: it waits, with the error as its
@@ -498,9 +525,10 @@ class SimCluster:
             log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, exc)
 
     def publish_status(self, run: PodRun) -> None:
-        """The kubelet's status update: Running, with the containers' IDs."""
+        """The kubelet's status update: Running, with the containers' IDs (and the init containers')."""
+        extra = {"initContainerStatuses": run.init_statuses} if run.init_statuses else {}
         self.api.set_pod_phase(
-            run.namespace, run.name, "Running", containerStatuses=run.statuses, qosClass="Guaranteed"
+            run.namespace, run.name, "Running", containerStatuses=run.statuses, qosClass="Guaranteed", **extra
         )
 
     def wait_status(self, run: PodRun, timeout: float = 30.0) -> None:

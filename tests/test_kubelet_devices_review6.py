@@ -265,3 +265,24 @@ def test_a_sidecars_ids_seen_in_a_recent_list_need_no_list_of_their_own(tmp_path
         client.close()
         server.stop(0)
     assert len(lists) == 1, lists
+
+
+def test_started_pod_shows_its_init_containers_completed_and_its_sidecar_running(cluster: SimCluster) -> None:
+    """As the kubelet reports a started pod: each init container terminated (exit code 0, its processes
+    gone), each sidecar running beside the app containers with its own cgroup and container ID."""
+    manifest = gpu_pod("phases", [("app", 30, 2)])
+    limits = {CORE: "30", MEM: "2"}
+    manifest["spec"]["initContainers"] = [
+        {"name": "warmup", "image": "cuda", "resources": {"limits": limits, "requests": dict(limits)}},
+        {"name": "side", "image": "cuda", "restartPolicy": "Always", "resources": {"limits": limits}},
+    ]
+    run = cluster.run_pod(manifest)
+    wait_until(lambda: bool(cluster.pod(run).get("status", {}).get("initContainerStatuses")), "the init statuses")
+    states = {s["name"]: s["state"] for s in cluster.pod(run)["status"]["initContainerStatuses"]}
+    assert states["warmup"]["terminated"]["exitCode"] == 0 and "running" in states["side"]
+    assert set(run.pids) == {"side", "app"}
+    pod_dir = cluster.cgroup_root / "kubepods" / f"pod{run.uid}"
+    assert len([d for d in pod_dir.iterdir() if d.is_dir()]) == 2
+    held = ours(cluster)
+    assert {name for uid, name in held if uid == run.uid} == {"warmup", "side", "app"}
+    cluster.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})

@@ -89,6 +89,12 @@ STOP_WAITS_FOR_START_SECONDS = 1.0
 DEFERRED_DRAIN_SECONDS = 0.5
 
 
+#: Seconds the start waits for a driver whose kernel module is not loaded yet (being installed) before
+#: it exits 3: below what the DaemonSet's liveness probe allows a start (15 s + 6 x 10 s), so a driver
+#: loaded meanwhile is used without a restart and the crash-loop backoff that follows it.
+DRIVER_WAIT_SECONDS = 45.0
+
+
 class StartupError(RuntimeError):
     """The agent cannot start; ``exit_code`` is what the process should exit with."""
 
@@ -191,7 +197,7 @@ class Agent:
     def _start_nvml(self) -> None:
         try:
             stall_point("start-nvml")
-            nvml.init(nvml_library(self.config))
+            nvml.init(nvml_library(self.config), wait_for_driver=DRIVER_WAIT_SECONDS, stopping=self._stopping)
             self._nvml_started = True
             node = discovery.discover(Path(self.config.checkpoint_path))
         except nvml.NVMLLibraryError as exc:

@@ -408,3 +408,47 @@ def test_without_shares_an_exclusive_process_gpu_is_served_and_a_prohibited_one_
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out == {"prohibited_out": True, "exclusive_healthy": True, "prohibited_reason": "compute mode PROHIBITED"}
+
+
+def test_nvml_start_waits_for_a_driver_whose_kernel_module_is_not_loaded_yet(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    import pynvml
+
+    from gpumanager.device import nvml
+
+    monkeypatch.setattr(nvml, "RETRY_FIRST_DELAY", 0.01)
+    calls = [0]
+
+    def driver_loads_at_the_third_try() -> None:
+        calls[0] += 1
+        if calls[0] < 3:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", driver_loads_at_the_third_try)
+    with caplog.at_level("WARNING", logger="gpumanager.device.nvml"):
+        nvml.init(wait_for_driver=30.0, stopping=threading.Event())
+    assert calls[0] == 3
+    assert sum("kernel module is not loaded" in r.getMessage() for r in caplog.records) == 1  # said once
+
+    def never() -> None:
+        calls[0] += 1
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", never)
+    stopping = threading.Event()
+    stopping.set()  # a stop signal ends the wait
+    with pytest.raises(nvml.NVMLUnavailableError):
+        nvml.init(wait_for_driver=3600.0, stopping=stopping)
+
+    def mismatch() -> None:
+        calls[0] += 1
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", mismatch)
+    calls[0] = 0
+    with pytest.raises(nvml.NVMLUnavailableError):
+        nvml.init(wait_for_driver=3600.0, stopping=threading.Event())
+    assert calls[0] == 1  # not something waiting clears

@@ -39,16 +39,24 @@ class DriverInfo:
 #: counted as lost: a GPU stuck in reset blocks every call on it, and the others are to be served.
 DESCRIBE_TIMEOUT = 10.0
 
+#: Seconds before the first new attempt of an NVML start that the driver's kernel module not being loaded
+#: yet refused (a driver being installed); doubled at each attempt, up to RETRY_MAX_DELAY.
+RETRY_FIRST_DELAY = 1.0
+RETRY_MAX_DELAY = 10.0
+
 _init_lock = threading.Lock()
 _preloaded: ctypes.CDLL | None = None
 
 
-def init(library_path: str = "") -> None:
+def init(library_path: str = "", *, wait_for_driver: float = 0.0, stopping: threading.Event | None = None) -> None:
     """Load and initialise NVML.
 
     ``library_path`` names a ``libnvidia-ml.so.1`` to use instead of the one the
     dynamic linker finds (for a driver installed under a host root). pynvml opens
     the library by soname, so a library loaded first by path is the one it gets.
+    While NVML says the driver's kernel module is not loaded (a driver being installed), it is asked
+    again with backoff for up to ``wait_for_driver`` seconds (said once in the log), until ``stopping``
+    is set. Raises NVMLUnavailableError.
     """
     global _preloaded
     with _init_lock:
@@ -61,10 +69,29 @@ def init(library_path: str = "") -> None:
                 # pynvml would quietly open whatever libnvidia-ml.so.1 the linker finds instead.
                 raise NVMLLibraryError(f"{library_path!r} is not an NVML library (it has no nvmlInit_v2)")
             _preloaded = lib
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            raise NVMLUnavailableError(f"NVML initialisation failed: {exc}{_what_to_do(exc)}") from exc
+        deadline = time.monotonic() + wait_for_driver
+        delay = RETRY_FIRST_DELAY
+        waited = False
+        while True:
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as exc:
+                left = deadline - time.monotonic()
+                message = f"NVML initialisation failed: {exc}{_what_to_do(exc)}"
+                if exc.value != pynvml.NVML_ERROR_DRIVER_NOT_LOADED or left <= 0:
+                    raise NVMLUnavailableError(message) from exc
+                if not waited:
+                    log.warning("%s; trying again for up to %.0f s", message, left)
+                    waited = True
+                if stopping is not None and stopping.wait(min(delay, left)):
+                    raise NVMLUnavailableError(f"{message}; stopped while waiting for the driver") from exc
+                if stopping is None:
+                    time.sleep(min(delay, left))
+                delay = min(delay * 2, RETRY_MAX_DELAY)
+                continue
+            if waited:
+                log.info("NVML initialised: the driver's kernel module is loaded")
+            return
 
 
 def _what_to_do(exc: pynvml.NVMLError) -> str:

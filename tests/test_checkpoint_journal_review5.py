@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 from pathlib import Path
@@ -189,3 +190,20 @@ def test_damage_then_whole_records_then_a_last_record_cut_short(tmp_path: Path) 
     assert set(loaded.document["PodGPUMapping"]) == {"pod-0", "pod-2", "pod-3"}
     assert len(loaded.problems) == 1 and f"damaged record at offset {starts[1]}" in loaded.problems[0]
     assert f"offset {starts[4]}" not in loaded.problems[0]
+
+
+def test_zeros_between_every_record_cost_no_record(tmp_path: Path) -> None:
+    """Many gaps (each read as damage) are each passed over once; the problem line stays short."""
+    path, _ = _store_with(tmp_path, 40)
+    seg = _segment(path)
+    data = seg.read_bytes()
+    starts = [*_offsets(data), data.index(b"\0")]
+    gapped = b"".join(data[a:b] + b"\0" * 8 for a, b in itertools.pairwise(starts))
+    seg.write_bytes(gapped + b"\0" * (len(data) - len(gapped)))
+
+    loaded = journal.CheckpointStore(path).load()
+    assert loaded.document is not None
+    assert set(loaded.document["PodGPUMapping"]) == {f"pod-{i}" for i in range(40)}
+    (problem,) = loaded.problems
+    assert problem.startswith(f"journal {seg}: zeros at offset {starts[1]} with records after them")
+    assert "more problems" in problem and len(problem) < 600

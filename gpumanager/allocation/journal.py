@@ -331,7 +331,7 @@ def _cut_short(data: bytes, pos: int) -> bool:
     """
     written = data.find(b"\0", pos)
     written = len(data) if written < 0 else written
-    if b"\n" in data[pos:written] or data[written:].strip(b"\0"):
+    if b"\n" in data[pos:written] or data.find(b"\n", written) >= 0 or data[written:].strip(b"\0"):
         return False
     try:
         length = int(data[pos : pos + 8], 16)
@@ -382,8 +382,10 @@ def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, A
     pos = 0
     while pos < len(data):
         if data[pos] == 0:
-            if not data[pos:].strip(b"\0"):
-                break  # the free rest of the segment
+            # Nothing but zeros after: the free rest of the segment (a newline is looked for first: it
+            # stops at the next record, where zeros to the end would be read through at every gap).
+            if data.find(b"\n", pos) < 0 and not data[pos:].strip(b"\0"):
+                break
             skipped.append(f"zeros at offset {pos} with records after them")
         else:
             change, after, why = _parse(data, pos)

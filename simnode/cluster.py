@@ -353,9 +353,14 @@ class SimCluster:
                     for res in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
                 }
                 kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
+                # The kubelet writes its checkpoint once the container's resources are all allocated.
+                made = []
                 for res in self.kubelet.limits_order(r for r, n in wanted.items() if n):
                     held = run.core if res == names.VCORE_RESOURCE else run.memory
-                    held[c["name"]] = self.kubelet.allocate(res, wanted[res], init_container=init, **kw)
+                    held[c["name"]] = self.kubelet.allocate(res, wanted[res], init_container=init, write=False, **kw)
+                    made.append(held[c["name"]])
+                if any(not record.reused for record in made):
+                    self.kubelet.write_checkpoint()
         except KubeletSimError as exc:
             self._admission_failed(run, exc)
             raise

@@ -1094,6 +1094,7 @@ class KubeletSimulator:
         namespace: str | None = None,
         fill: FillOrder | None = None,
         init_container: bool = False,
+        write: bool = True,
     ) -> AllocationRecord:
         """Admit ``count`` devices of ``resource`` for one container, the kubelet's way.
 
@@ -1101,6 +1102,10 @@ class KubeletSimulator:
         devices become reusable within the pod (init containers run one after the other, before the
         app containers), and a later container takes reusable devices first (an app container's
         devices stop being reusable). ``init_container`` says which kind this container is.
+
+        ``write``: write the checkpoint after this allocation. The kubelet writes it once per container,
+        after all of its resources (none when one fails): pass False for all but the last, as
+        :meth:`simnode.cluster.SimCluster.admit` does, or call :meth:`write_checkpoint`.
 
         Reuses the container's recorded devices (no Allocate call) when it already has them;
         otherwise picks from healthy - allocated (NUMA split by ``numa_hint``, then
@@ -1253,7 +1258,7 @@ class KubeletSimulator:
                 reusable.update(device_ids)
             else:
                 reusable.difference_update(device_ids)
-            checkpoint = self._checkpoint_locked()
+            checkpoint = self._checkpoint_locked() if write else None
         self._write_checkpoint(checkpoint)
         with self._cond:
             self._cond.notify_all()

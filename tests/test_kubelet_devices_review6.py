@@ -3,6 +3,7 @@ container's Allocate and PreStartContainer calls, a failed admission, and what t
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -80,6 +81,12 @@ def test_failed_admission_fails_the_pod_and_frees_what_its_first_container_got(c
         cluster.admit(pod)
     run = next(r for r in cluster.runs.values() if r.name == "half")
     assert cluster.kubelet.allocations(run.uid) == []
+    # The kubelet writes its checkpoint once a container's resources are all allocated: never "second".
+    entries = json.loads(cluster.kubelet.checkpoint_path.read_text())["Data"]["PodDeviceEntries"]
+    assert {(e["ContainerName"], e["ResourceName"]) for e in entries if e["PodUID"] == run.uid} == {
+        ("first", CORE),
+        ("first", MEM),
+    }
     wait_until(lambda: cluster.pod(run).get("status", {}).get("phase") == "Failed", "the pod's Failed status")
     status = cluster.pod(run)["status"]
     assert status["reason"] == "UnexpectedAdmissionError"

@@ -207,3 +207,44 @@ def test_zeros_between_every_record_cost_no_record(tmp_path: Path) -> None:
     (problem,) = loaded.problems
     assert problem.startswith(f"journal {seg}: zeros at offset {starts[1]} with records after them")
     assert "more problems" in problem and len(problem) < 600
+
+
+def test_an_entry_from_the_journal_that_cannot_be_trusted_is_named_with_its_segment_and_offset(
+    tmp_path: Path,
+) -> None:
+    """The snapshot may hold another value, or none: the operator is told where the one refused was read."""
+    alloc = make_allocator(tmp_path, FakePods())
+    path = alloc.checkpoint_path
+    store = journal.CheckpointStore(path)
+    store.load()
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    uid = "0c1f6c2e-3d55-4c4e-9a43-1f4a4f1b2c3d"
+    good = {"Devices": ["/dev/nvidia0"], "Cores": 100, "Memory": 1 << 30}
+    store.record({"op": "put", "pod": uid, "container": "a", "entry": good})
+    store.record({"op": "put", "pod": uid, "container": "b", "entry": {**good, "Devices": ["/dev/nvidia1"]}})
+    store.record({"op": "put", "pod": uid, "container": "b", "entry": {**good, "Cores": 150}})
+    store.close()
+    seg = _segment(path)
+    third = _offsets(seg.read_bytes())[2]
+
+    parsed = alloc.load()
+    assert parsed.untrusted == [(uid, "b")]
+    (problem,) = [p for p in parsed.problems if "container b" in p]
+    assert "Cores 150" in problem and f"{seg} at offset {third}" in problem
+
+
+def test_a_journal_entry_naming_a_gpu_this_node_lacks_is_named_with_its_segment_and_offset(tmp_path: Path) -> None:
+    alloc = make_allocator(tmp_path, FakePods())
+    path = alloc.checkpoint_path
+    store = journal.CheckpointStore(path)
+    store.load()
+    store.write_snapshot({"PodGPUMapping": {}}, store.switch())
+    uid = "0c1f6c2e-3d55-4c4e-9a43-1f4a4f1b2c3d"
+    store.record(
+        {"op": "put", "pod": uid, "container": "a", "entry": {"Devices": ["/dev/nvidia9"], "Cores": 100, "Memory": 0}}
+    )
+    store.close()
+
+    parsed = alloc.load()
+    (problem,) = parsed.problems
+    assert "not on this node" in problem and f"{_segment(path)} at offset 0" in problem

@@ -2179,7 +2179,7 @@ class Allocator:
             data = loaded.document
             if data is None:
                 return records.Parsed()
-            parsed = records.from_json(data)
+            parsed = records.from_json(data, loaded.origins)
             claims, claim_problems = claim_records.from_json(data)
         except (checkpoint.CheckpointError, records.RecordError) as exc:
             self._set_aside_checkpoint(str(exc))
@@ -2205,7 +2205,9 @@ class Allocator:
         parsed.untrusted.extend(a.key for a in refused)
         parsed.problems.extend(claim_problems)
         parsed.problems.extend(
-            f"pod {a.pod_uid} container {a.container}: GPU(s) {list(a.minors)} not on this node" for a in refused
+            f"pod {a.pod_uid} container {a.container}: GPU(s) {list(a.minors)} not on this node"
+            + (f" (the {loaded.origins[a.key]})" if a.key in loaded.origins else "")
+            for a in refused
         )
         return parsed
 

@@ -116,6 +116,9 @@ class Loaded:
     #: The snapshot names no journal segment (upstream's, or an odd value): changes journaled from now on
     #: are not replayed over it until a snapshot of ours replaces it.
     unnamed: bool = False
+    #: Where each container's entry was last put by the journal, (pod UID, container) -> 'journal <file> at
+    #: offset <n>' (an entry not listed is the snapshot's): named when the entry cannot be trusted.
+    origins: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 #: One encoder for every record (``json.dumps`` with these options makes a new one per call).
@@ -168,6 +171,19 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
             per.pop(container, None)
             if not per:
                 mapping.pop(pod, None)
+
+
+def _note_origin(origins: dict[tuple[str, str], str], change: Mapping[str, Any], where: str) -> None:
+    """Remember where ``change`` put a container's entry (forget it where it deleted one)."""
+    if "batch" in change:
+        for one in change["batch"]:
+            _note_origin(origins, one, where)
+        return
+    op = change.get("op")
+    if op == "put":
+        origins[(change["pod"], change["container"])] = where
+    elif op == "del":
+        origins.pop((change["pod"], change["container"]), None)
 
 
 class _Segment:
@@ -373,11 +389,12 @@ def _next_record(data: bytes, pos: int) -> int:
     return -1
 
 
-def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, Any]], str, int]:
-    """The changes of one segment, a problem ('' when it is whole or only cut short at its end), and the
-    offset of a last record cut short (-1 when there is none). Past damage (a record whose frame or
-    checksum does not match, zeros with records after them) reading goes on at the next whole record."""
-    changes: list[dict[str, Any]] = []
+def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[tuple[int, dict[str, Any]]], str, int]:
+    """The changes of one segment with their offsets, a problem ('' when it is whole or only cut short at
+    its end), and the offset of a last record cut short (-1 when there is none). Past damage (a record whose
+    frame or checksum does not match, zeros with records after them) reading goes on at the next whole
+    record."""
+    changes: list[tuple[int, dict[str, Any]]] = []
     skipped: list[str] = []  # damage, and whole records holding no change this agent writes; the rest replayed
     pos = 0
     while pos < len(data):
@@ -393,7 +410,7 @@ def _read_segment(data: bytes, path: Path, last: bool) -> tuple[list[dict[str, A
                 if change is None:
                     skipped.append(f"record at offset {pos} skipped: {why}")
                 else:
-                    changes.append(change)
+                    changes.append((pos, change))
                 pos = after
                 continue
             if last and _cut_short(data, pos):
@@ -557,8 +574,9 @@ class CheckpointStore:
                         "agent); not replayed over it"
                     )
                     changes = []
-                for change in changes:
+                for offset, change in changes:
                     apply(document, change)
+                    _note_origin(loaded.origins, change, f"journal {path} at offset {offset}")
                 loaded.replayed += len(changes)
             if problem:
                 loaded.problems.append(problem)

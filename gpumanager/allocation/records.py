@@ -274,10 +274,12 @@ def _salvage(entry: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(m.group(1)) for m in found)) if len(found) == len(devices) else ()
 
 
-def from_json(data: Any) -> Parsed:
+def from_json(data: Any, origins: Mapping[tuple[str, str], str] | None = None) -> Parsed:
     """Parse a checkpoint entry by entry; a bad entry is listed as untrusted, never silently dropped.
 
-    Raises RecordError when the document itself has the wrong shape.
+    ``origins``: where an entry was read when not from the snapshot ((pod UID, container) -> a journal
+    record's file and offset), named in its problem. Raises RecordError when the document itself has the
+    wrong shape.
     """
     if not isinstance(data, Mapping):
         raise RecordError(f"checkpoint is a {type(data).__name__}, not an object")
@@ -296,7 +298,8 @@ def from_json(data: Any) -> Parsed:
             try:
                 parsed.allocations.append(_entry(str(pod_uid), str(container), entry))
             except RecordError as exc:
-                parsed.problems.append(str(exc))
+                origin = origins.get((str(pod_uid), str(container))) if origins else None
+                parsed.problems.append(f"{exc} (the {origin})" if origin else str(exc))
                 parsed.untrusted.append((str(pod_uid), str(container)))
                 minors = _salvage(entry)
                 if minors:

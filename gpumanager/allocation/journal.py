@@ -36,10 +36,12 @@ free rest of a segment. On load the snapshot is read, then every segment in
 order (a change is a put or a delete of one container's or one claim's entry,
 so replaying one the snapshot already holds changes nothing). A record whose
 checksum does not match at the end of the last segment is a write cut short by
-a crash and is ignored; anywhere else it is damage: the segment is moved aside
-and reported, and the caller reconciles with the kubelet's records. A whole record holding no change
-this agent writes (:func:`change_problem`) is skipped and reported the same way; the records after it
-are replayed.
+a crash and is ignored; anywhere else it is damage: reported with the file and
+offset, reading goes on at the next whole record (each has its own checksum), a copy of the segment is
+kept aside, the segment itself stays until the snapshot written at that start replaces it, and the caller
+reconciles with the kubelet's records. A whole record holding no change this agent writes
+(:func:`change_problem`) is skipped and reported the same way; the records after it are replayed. A write
+that fails is cleared to zeros at once (the page cache may hold it), and its changes are refused.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ the kubelet's device manager closely:
   devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
 * An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
 
-Not modelled: the 5-minute endpoint grace period, node status,
+A resource whose endpoint stopped (stream ended, kubelet restarted) and was not registered again within
+``endpoint_stop_grace`` (5 minutes) is forgotten at the next allocation, as the kubelet's GetCapacity
+drops it: allocations fail as for a resource never registered.
+
+Not modelled: node status (capacity, allocatable),
 the Topology Manager (a NUMA hint is passed to :meth:`KubeletSimulator.allocate` directly).
 
 Run as a process for demos::
@@ -90,6 +94,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHECKPOINT_FILE",
     "DEFAULT_DIAL_TIMEOUT",
+    "ENDPOINT_STOP_GRACE",
     "HEALTHY",
     "KUBELET_SOCKET",
     "PRE_START_TIMEOUT",
@@ -121,6 +126,8 @@ KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_DIAL_TIMEOUT = 10.0
 """The kubelet dials a registering plugin with a 10 s blocking timeout."""
 PRE_START_TIMEOUT = 30.0
+ENDPOINT_STOP_GRACE = 300.0
+"""``endpointStopGracePeriod``: a stopped endpoint's resource is dropped after 5 minutes."""
 """``KubeletPreStartContainerRPCTimeoutInSecs``."""
 
 FillOrder = Literal["random", "sorted"]
@@ -246,7 +253,7 @@ class DeviceUpdate:
     """An entry of a resource's device history."""
 
     at: float
-    kind: Literal["list_and_watch", "disconnected", "restart", "stop"]
+    kind: Literal["list_and_watch", "disconnected", "restart", "stop", "expired"]
     devices: Mapping[str, DeviceState]
     registration_index: int | None = None
     detail: str = ""
@@ -320,11 +327,23 @@ class _Endpoint:
         self.stub: Any = pb_grpc.DevicePluginStub(channel)
         self.options = options
         self.record = record
-        self.stopped = False
-        """The kubelet's stop time is set: its calls are refused ("endpoint ... has been stopped")."""
+        self.stopped_at: float | None = None
+        """The kubelet's stop time (monotonic), None while the endpoint is not stopped."""
         self.closed = False
         """The simulator dropped the connection: its messages and the end of its stream are ignored."""
         self.thread: threading.Thread | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """The kubelet's stop time is set: its calls are refused ("endpoint ... has been stopped")."""
+        return self.stopped_at is not None
+
+    @stopped.setter
+    def stopped(self, value: bool) -> None:
+        if not value:
+            self.stopped_at = None
+        elif self.stopped_at is None:
+            self.stopped_at = time.monotonic()
 
     def close(self) -> None:
         self.stopped = self.closed = True
@@ -410,6 +429,10 @@ class KubeletSimulator:
         #: unhealthy and sets the stop time of the current endpoint, whose calls are then refused ("has been
         #: stopped") until the next registration. False: the old endpoint is closed at once (kubelet <= 1.24).
         self.keep_replaced_streams = True
+        #: Seconds after its endpoint stopped (stream ended, kubelet restarted) with no new registration that
+        #: the kubelet forgets a resource (endpointStopGracePeriod; GetCapacity drops it, capacity 0): an
+        #: allocation then fails as for a resource never registered.
+        self.endpoint_stop_grace = ENDPOINT_STOP_GRACE
         self._replaced: dict[str, list[_Endpoint]] = {}  # resource -> replaced endpoints still reading
         self._devices: dict[str, dict[str, DeviceState]] = {}
         self._history: dict[str, list[DeviceUpdate]] = {}
@@ -1117,6 +1140,7 @@ class KubeletSimulator:
         """
         if count <= 0:
             raise ValueError("count must be positive")
+        self._expire_stopped()
         order: FillOrder = fill or self.fill
         started = time.monotonic()
         key = (pod_uid, container_name, resource)
@@ -1264,6 +1288,27 @@ class KubeletSimulator:
             self._cond.notify_all()
         logger.info("allocated %s x%d to %s/%s: %s", resource, count, pod_uid, container_name, ", ".join(device_ids))
         return record
+
+    def _expire_stopped(self) -> None:
+        """Forget the resources whose endpoint stopped more than ``endpoint_stop_grace`` seconds ago (the
+        kubelet's GetCapacity, on its next node status update, writing the checkpoint without them)."""
+        now = time.monotonic()
+        with self._cond:
+            gone = [
+                res
+                for res, ep in self._endpoints.items()
+                if ep.stopped_at is not None and now - ep.stopped_at > self.endpoint_stop_grace
+            ]
+            for res in gone:
+                del self._endpoints[res]
+                self._devices.pop(res, None)
+                self._history.setdefault(res, []).append(
+                    DeviceUpdate(now, "expired", {}, None, f"endpoint stopped over {self.endpoint_stop_grace:g} s ago")
+                )
+            checkpoint = self._checkpoint_locked() if gone else None
+        self._write_checkpoint(checkpoint)
+        if gone:
+            logger.info("forgot resource(s) %s: their endpoint stopped long ago", ", ".join(gone))
 
     def pre_start(self, resource: str, *, pod_uid: str, container_name: str) -> bool:
         """Call PreStartContainer (30 s deadline) if the plugin asked for it; return whether it did.

@@ -410,6 +410,30 @@ def test_stream_end_marks_unhealthy(sim: KubeletSimulator, plugins: list[FakePlu
         sim.allocate(RES, 1, pod_uid="p", container_name="c")
 
 
+def test_a_resource_stopped_past_the_grace_period_is_forgotten(
+    sim: KubeletSimulator, plugins: list[FakePlugin]
+) -> None:
+    """endpointStopGracePeriod: until it ends, the resource is known with no healthy device; then the kubelet
+    drops it (checkpoint included) and an allocation fails as for a resource never registered."""
+    p = start_plugin(sim, plugins)
+    sim.endpoint_stop_grace = 0.3
+    p.updates.put(None)
+    sim.wait_for_devices(RES, lambda d: bool(d) and not any(x.healthy for x in d.values()), timeout=5)
+    with pytest.raises(AllocationError, match="no healthy devices present"):
+        sim.allocate(RES, 1, pod_uid="p", container_name="c")
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            sim.allocate(RES, 1, pod_uid="p", container_name="c")
+        except AllocationError as exc:
+            if "cannot allocate unregistered device" in str(exc):
+                break
+        assert time.monotonic() < deadline, "the resource was never forgotten"
+        time.sleep(0.05)
+    assert RES not in read_checkpoint(sim)["Data"]["RegisteredDevices"]
+    assert sim.updates(RES)[-1].kind == "expired"
+
+
 def test_plugin_server_death_marks_unhealthy(sim: KubeletSimulator, plugins: list[FakePlugin]) -> None:
     p = start_plugin(sim, plugins)
     p.stop()

@@ -52,6 +52,7 @@ import random
 import re
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -402,6 +403,16 @@ class KubeletSimulator:
         self.pre_start_timeout = pre_start_timeout
         self.rpc_timeout = rpc_timeout
         self.fill: FillOrder = fill
+        if rng is None and seed is None:
+            # A fresh order each run, as the kubelet's; named on stderr (shown with a failed test's output) so
+            # that SIMNODE_KUBELET_SEED repeats it.
+            pinned = os.environ.get("SIMNODE_KUBELET_SEED", "")
+            seed = int(pinned) if pinned.strip() else random.randrange(2**32)
+            print(
+                f"kubelet simulator: fill order seed {seed} (SIMNODE_KUBELET_SEED={seed} repeats it)", file=sys.stderr
+            )
+        #: The seed of the fill order (None when the caller gave its own ``rng``).
+        self.seed = seed
         self._rng = rng if rng is not None else random.Random(seed)
         self._write_enabled = write_checkpoint
         self.reuse_freed = reuse_freed

@@ -729,9 +729,9 @@ def test_legacy_families_are_written_again_only_for_a_sample_that_differs(monkey
     renders = []
     real = legacy.render
 
-    def counted(usages: Any) -> str:
+    def counted(usages: Any, node: str = "") -> str:
         renders.append(len(usages))
-        return real(usages)
+        return real(usages, node)
 
     monkeypatch.setattr(legacy, "render", counted)
     for _ in range(3):

@@ -61,8 +61,13 @@ def merged_devices(held: Sequence[ContainerUsage]) -> list[DeviceUsage]:
     return out
 
 
-def render(usages: Sequence[ContainerUsage]) -> str:
-    """The four families for ``usages``; a family without series is left out, as upstream's registry did."""
+def render(usages: Sequence[ContainerUsage], node: str = "") -> str:
+    """The four families for ``usages``; a family without series is left out, as upstream's registry did.
+
+    ``node`` (the agent's node) labels a pod the agent knows only from its allocations (its checkpoint,
+    while the pods cannot be listed): its containers are those allocations' containers, so it keeps its
+    series under the names the allocations recorded.
+    """
     series: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in _HELP}
     # A container using several DRA claims has an allocation for each: its figures are their sums.
     by_pod: dict[str, dict[str, list[ContainerUsage]]] = {}
@@ -71,11 +76,11 @@ def render(usages: Sequence[ContainerUsage]) -> str:
     for by_container in by_pod.values():
         pod = next(iter(by_container.values()))[0].pod
         meta = pod.get("metadata") or {}
-        node = str((pod.get("spec") or {}).get("nodeName", ""))
-        for c in podinfo.containers(pod):
-            cname = str(c.get("name", ""))
+        pod_node = str((pod.get("spec") or {}).get("nodeName", "")) or node
+        listed = [str(c.get("name", "")) for c in podinfo.containers(pod)] or list(by_container)
+        for cname in listed:
             base = dict(
-                zip(BASE, (str(meta.get("name", "")), str(meta.get("namespace", "")), node, cname), strict=True)
+                zip(BASE, (str(meta.get("name", "")), str(meta.get("namespace", "")), pod_node, cname), strict=True)
             )
             held = by_container.get(cname, [])
             cores = sum(u.allocation.cores for u in held)

@@ -32,7 +32,9 @@ class MetricsPage:
         registry: CollectorRegistry,
         sample: Callable[[], list[ContainerUsage]],
         legacy_metrics: bool,
+        node: str = "",
     ) -> None:
+        """``node``: the agent's node, the legacy families' ``node`` of a pod known only from its allocations."""
         # Process-wide: this agent exports no _created series (counters start with the process).
         prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
         registry.register(AgentCollector(agent))
@@ -40,6 +42,7 @@ class MetricsPage:
         self._registry = registry
         self._sample = sample
         self._legacy = legacy_metrics
+        self._node = node
         self._containers = ContainerFamilies()
         self._families = textformat.FamilyText()
         # Upstream's families of the last sample: written again only for a sample that differs (the
@@ -54,7 +57,7 @@ class MetricsPage:
         if self._legacy:
             last, page = self._legacy_last
             if not page or len(last) != len(usages) or not all(map(operator.is_, last, usages)):
-                page = legacy.render(usages).encode()
+                page = legacy.render(usages, self._node).encode()
                 self._legacy_last = (tuple(usages), page)
             body += page
         return body

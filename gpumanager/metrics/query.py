@@ -77,7 +77,11 @@ class QueryEndpoints:
         except (OSError, RuntimeError) as exc:
             self._report("display", f"cannot serve --display-socket={cfg.display_socket}: {exc}")
         page = MetricsPage(
-            agent=self._agent, registry=self.registry, sample=sampler.sample, legacy_metrics=cfg.legacy_metrics
+            agent=self._agent,
+            registry=self.registry,
+            sample=sampler.sample,
+            legacy_metrics=cfg.legacy_metrics,
+            node=cfg.resolved_node_name(),
         )
         routes: dict[str, Callable[[], Any]] = {
             "/graph": lambda: display_pb2.GraphResponse(graph=data.graph_text()),

@@ -248,3 +248,26 @@ def test_a_journal_entry_naming_a_gpu_this_node_lacks_is_named_with_its_segment_
     parsed = alloc.load()
     (problem,) = parsed.problems
     assert "not on this node" in problem and f"{_segment(path)} at offset 0" in problem
+
+
+def test_a_change_whose_write_failed_is_never_reported_durable_however_many_failures_follow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that staged its change and looks for the outcome late (preempted between staging under the
+    allocator's lock and waiting) must learn that its write failed, even after many more failures, each
+    followed by a snapshot that let changes be staged again."""
+    path, _ = _store_with(tmp_path, 0)
+    store = journal.CheckpointStore(path)
+    store.load()
+
+    def eio(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwrite", eio)
+    late = store.stage(_put(_alloc(0)))
+    for i in range(1, 40):
+        with pytest.raises(OSError):
+            store.sync(store.stage(_put(_alloc(i))))  # written with the late one's change: both fail
+        store.write_snapshot({"PodGPUMapping": {}}, store.switch())  # the state written whole: staging resumes
+    with pytest.raises(OSError):
+        store.sync(late)

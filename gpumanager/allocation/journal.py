@@ -84,6 +84,23 @@ MIN_SEGMENT_BYTES = 16 << 10
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+#: How long a failed write is remembered for the callers whose changes it held: while fewer changes than
+#: this were staged after it, and among this many failures (each needs a snapshot written in between).
+_FAILED_TICKETS = 1 << 20
+_FAILED_KEPT = 4096
+
+
+def _failure(failed: list[tuple[int, int, OSError]], ticket: int) -> OSError | None:
+    """Why the write holding ``ticket`` failed (None when it did not): ``failed`` is in ticket order, and
+    a ticket newer than every failure (a write that went well) is answered at the first look."""
+    for first, last, why in reversed(failed):
+        if last < ticket:
+            return None
+        if first <= ticket:
+            return why
+    return None
+
+
 class NoSegment(OSError):
     """No journal segment can be made or holds the change (a nearly full disk): the caller writes the whole
     state as the snapshot instead, durable before it answers."""
@@ -485,7 +502,7 @@ class CheckpointStore:
         self._done = 0
         self._flushing = False
         self._broken: OSError | None = None  # a write failed: every change fails until a snapshot is written
-        self._failed: list[tuple[int, int, OSError]] = []  # (first, last ticket, why), the latest few
+        self._failed: list[tuple[int, int, OSError]] = []  # (first, last ticket, why), in ticket order
         self._switched_at = 0  # the last ticket staged before the newest segment switch
         #: Changes written and flushed (for metrics).
         self.durable_records = 0
@@ -674,11 +691,7 @@ class CheckpointStore:
                     self._io.wait()
                     continue
                 self._flush_locked(release=True)
-            failed = (
-                next((why for first, last, why in self._failed if first <= ticket <= last), None)
-                if self._failed
-                else None
-            )
+            failed = _failure(self._failed, ticket) if self._failed else None
         if failed is not None:
             raise OSError(failed.errno, failed.strerror or str(failed))
 
@@ -717,7 +730,11 @@ class CheckpointStore:
             self.durable_records += len(batch)
         else:
             self._broken = error
-            self._failed = [*self._failed[-15:], (self._done + 1, upto, error)]
+            # Kept until no caller can still be looking for them: a caller preempted between staging and
+            # waiting must learn of the failure even after many more (each followed by a snapshot).
+            floor = upto - _FAILED_TICKETS
+            kept = [f for f in self._failed[-(_FAILED_KEPT - 1) :] if f[1] >= floor]
+            self._failed = [*kept, (self._done + 1, upto, error)]
         self._done = upto
         self._io.notify_all()
 

@@ -271,3 +271,22 @@ def test_a_change_whose_write_failed_is_never_reported_durable_however_many_fail
         store.write_snapshot({"PodGPUMapping": {}}, store.switch())  # the state written whole: staging resumes
     with pytest.raises(OSError):
         store.sync(late)
+
+
+def test_where_hard_links_cannot_be_made_the_damaged_segment_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, _ = _store_with(tmp_path, 3)
+    seg = _segment(path)
+    data = bytearray(seg.read_bytes())
+    data[30] ^= 0x01
+    seg.write_bytes(bytes(data))
+
+    def no_links(src: object, dst: object, **_: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    loaded = journal.CheckpointStore(path).load()
+    assert loaded.problems
+    (copy,) = tmp_path.glob(seg.name + ".corrupt-*")
+    assert copy.read_bytes() == bytes(data) and seg.exists() and not copy.samefile(seg)

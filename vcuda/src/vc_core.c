@@ -70,6 +70,7 @@
 #endif
 #define MAX_QUERIES 4               /* per measurement: one per distinct start, the oldest merged beyond this */
 #define SAMPLE_WINDOW_US 1000000ull /* a sample spans at most 1 s; the next query starts at most 1 s back */
+#define PERIOD_FORGET 32u          /* the sampling period estimate loses 1/32 per new sample time (then the step) */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
 /* upstream (interceptors.md 1.7) */
@@ -114,6 +115,8 @@ struct dev {
     struct pid_seen *seen;    /* PID_TABLE entries (open addressing), allocated at the first measurement */
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
+    bool newest_sampled;      /* newest_us is a sample's time (not a start) */
+    uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
     uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
@@ -561,10 +564,17 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
             e->hit = true;
         }
     }
-    /* The PIDs of this query without a sample were idle until the container's newest sample in the answer. */
-    for (unsigned i = 0; t > 0 && i < d->nown; i++)
-        if (d->own[i].q == q && !d->own[i].hit && d->own[i].us < t)
-            d->own[i].us = t;
+    /*
+     * The PIDs of this query without a sample were idle until one sampling period before the container's newest
+     * sample in the answer: NVML samples each process at its own moment of the period, so a busy PID sampled
+     * later in the period than another has its next sample a period after its last, and moving it to the other's
+     * (newer) time would lose its GPU time in between.  A PID busy in (us, t - period] would have a sample in
+     * (us, t].  No period known yet: none is moved (its entry goes after a window idle).
+     */
+    uint64_t period = d->period_us;
+    for (unsigned i = 0; t > 0 && period > 0 && i < d->nown; i++)
+        if (d->own[i].q == q && !d->own[i].hit && d->own[i].us + period < t)
+            d->own[i].us = t - period;
     return t;
 }
 
@@ -650,6 +660,13 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
     }
     if (newest > d->newest_us) {
         *span_ns = (double)(newest - (d->newest_us > base ? d->newest_us : base)) * 1000.0;
+        if (d->newest_sampled) {
+            uint64_t step = newest - d->newest_us, kept = d->period_us - d->period_us / PERIOD_FORGET;
+            if (step > SAMPLE_WINDOW_US)
+                step = SAMPLE_WINDOW_US;
+            d->period_us = step > kept ? step : kept;
+        }
+        d->newest_sampled = true;
         d->newest_us = newest;
     }
     /*
@@ -841,6 +858,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->completed_seen = d->completed;
         d->last_measure = now;
         d->last_seen_us = d->newest_us = d->base_us = real_us(); /* when NVML answers again, it is not asked for this time twice */
+        d->newest_sampled = false;
         d->nown = 0;
         d->blind = true;
         return;

@@ -1,0 +1,78 @@
+"""The SM limiter holds its share whatever spread NVML's per-process sample timestamps have.
+
+NVML samples each process at its own moment of its sampling period
+(GPUSIM_PROCESS_SAMPLE_SPREAD_US: how far before the period's end at most).  Spreads of 9.5 ms or
+more made the budget controller's pacing swing: bursts over the share, then pauses.  Each case runs
+``launch_loop`` processes of one container under a hard limit and reads from the simulated timeline
+the container's share over consecutive windows; every window and the whole must stay near the limit.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from simnode.gpusim_state import GpuSimState
+from tests.test_vcuda_compute import Node, core_config, loop_built, node
+from tests.vcuda_fixtures import vcuda_built
+
+__all__ = ["loop_built", "node", "vcuda_built"]  # fixtures
+
+SETTLE_S = 2.0
+WINDOW_S = 0.5
+WINDOWS = 6
+WHOLE_PP = 4.0  # the whole measured span: within this many points of the limit
+WINDOW_PP = 8.0  # every window
+
+
+def window_shares(node: Node, gpu: int, pids: set[int]) -> list[float]:
+    """The processes' share (percent) of the GPU's time in WINDOWS consecutive windows after SETTLE_S."""
+    time.sleep(SETTLE_S)
+    out = []
+    with GpuSimState(node.state) as st:
+        before = st.timeline(gpu)
+        for _ in range(WINDOWS):
+            time.sleep(WINDOW_S)
+            after = st.timeline(gpu)
+            assert before is not None and after is not None
+            out.append(100.0 * (after.busy_of(pids) - before.busy_of(pids)) / (after.now_ns - before.now_ns))
+            before = after
+    return out
+
+
+CASES = [
+    # (limit, kernel, processes, spread us, period us: "" for the simulator's default)
+    (10, "spin_1ms", 4, "10000", ""),
+    (30, "spin_1ms", 4, "9500", ""),
+    (50, "spin_1ms", 4, "", ""),
+    (70, "spin_1ms", 4, "10000", ""),
+    (70, "spin_1ms", 3, "9500", ""),
+    (30, "spin_50ms", 3, "10000", ""),
+    (50, "spin_10us", 3, "10000", ""),
+    (30, "spin_1ms", 1, "10000", ""),
+]
+
+
+@pytest.mark.parametrize(("limit", "kernel", "processes", "spread", "period"), CASES)
+def test_the_share_holds_at_wide_sample_spreads(
+    node: Node, tmp_path: Path, limit: int, kernel: str, processes: int, spread: str, period: str
+) -> None:
+    sim = {"GPUSIM_PROCESS_SAMPLE_SPREAD_US": spread} if spread else {}
+    if period:
+        sim["GPUSIM_PROCESS_SAMPLE_PERIOD_US"] = period
+    seconds = SETTLE_S + WINDOW_S * WINDOWS + 1.0
+    gpu = 8
+    procs = [
+        node.loop("c", gpu, seconds, core_config(limit) if k == 0 else None, kernel=kernel, pids=None, **sim)
+        for k in range(processes)
+    ]
+    got = window_shares(node, gpu, {p.pid for p in procs})
+    for p in procs:
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    whole = sum(got) / len(got)
+    print(limit, kernel, processes, spread, period, f"whole {whole:.1f}", " ".join(f"{g:.1f}" for g in got))  # for -s
+    assert abs(whole - limit) <= WHOLE_PP, (whole, got)
+    assert all(abs(g - limit) <= WINDOW_PP for g in got), (limit, got)

@@ -3,10 +3,17 @@ only from its checkpoint, DRA containers before the pod list, and the page's lab
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from dataclasses import replace
 
+import pytest
+
 from gpumanager import names
+from gpumanager.api import display_pb2
 from gpumanager.metrics import legacy, usage
+from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 from tests.test_metrics import GPUS, alloc, pod
 
@@ -23,3 +30,28 @@ def test_a_container_kept_from_the_checkpoint_has_its_legacy_request_series() ->
     kept = legacy.render([ContainerUsage(usage._standin(share), share, [_unmeasured(3)])], node="sim-node")
     assert 'container_request_gpu_utilization{container_name="main",namespace="ml",node="sim-node"' in known
     assert kept == known
+
+
+def test_an_unknown_path_is_answered_404_naming_it_and_what_is_served() -> None:
+    server = QueryServer(
+        "127.0.0.1",
+        0,
+        routes={
+            "/usage": lambda: display_pb2.UsageResponse(),
+            "/version": lambda: display_pb2.VersionResponse(version="abc1234"),
+        },
+        metrics=lambda: b"",
+        health=lambda: (True, {}),
+    )
+    server.start()
+    try:
+        # A pod's usage asked by UID, as if the display API had per-pod answers: it has none.
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/usage/0b1e-pod-uid?x=1", timeout=10)
+        assert caught.value.code == 404
+        error = json.loads(caught.value.read())["error"]
+        assert "/usage/0b1e-pod-uid" in error
+        for served in ("/usage", "/version", "/metrics", "/healthz", "/readyz"):
+            assert served in error
+    finally:
+        server.stop()

@@ -178,6 +178,12 @@ class QueryServer:
         self._thread: threading.Thread | None = None
         self._warned = 0.0
 
+    def _not_found(self, path: str) -> bytes:
+        """The 404 body: the path asked for (its first 200 characters) and the paths served."""
+        served = " ".join([*sorted(self._routes), "/metric", "/metrics", "/healthz", "/readyz"])
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        return json.dumps({"error": f"no endpoint {shown}; this agent serves {served}"}).encode()
+
     @property
     def port(self) -> int:
         """The bound port (useful with port 0)."""
@@ -373,7 +379,7 @@ class QueryServer:
                         body = json.dumps({"ok": ok, **detail}, default=str).encode()
                         self._send(200 if ok else 503, body, "application/json", head=head)
                     else:
-                        self._send(404, b'{"error":"not found"}', "application/json", head=head)
+                        self._send(404, outer._not_found(path), "application/json", head=head)
                 except _SILENT:
                     log.debug("http %s: the client went away", path)
                 except Exception as exc:

@@ -3,16 +3,20 @@ only from its checkpoint, DRA containers before the pod list, and the page's lab
 
 from __future__ import annotations
 
+import inspect
 import json
 import urllib.error
 import urllib.request
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gpumanager import names
 from gpumanager.api import display_pb2
+from gpumanager.dra import prepare, sharing
 from gpumanager.metrics import legacy, usage
+from gpumanager.metrics.calls import CallMetrics
 from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 from tests.test_metrics import GPUS, alloc, pod
@@ -55,3 +59,25 @@ def test_an_unknown_path_is_answered_404_naming_it_and_what_is_served() -> None:
             assert served in error
     finally:
         server.stop()
+
+
+def test_call_latency_buckets_reach_a_prepare_that_waits_on_a_slow_api_server() -> None:
+    # A NodePrepareResources reads its claim (up to the claim read's deadline) and, for a share, the pods
+    # using it (up to the pod read's deadline): one such Prepare must land in a finite bucket, or
+    # histogram_quantile reports the largest finite bound however long the calls take.
+    claim_read = inspect.signature(prepare.api_reader).parameters["timeout"].default
+    pod_read = inspect.signature(sharing.api_pod_reader).parameters["timeout"].default
+    slow = float(claim_read + pod_read)
+    registry = CollectorRegistry()
+    calls = CallMetrics(registry, mode="dra", driver="gpu.tencent.com")
+    calls.observe("gpu.tencent.com", "NodePrepareResources", slow, True)
+    labels = {"resource": "gpu.tencent.com", "call": "NodePrepareResources"}
+    finite = [
+        s
+        for family in registry.collect()
+        for s in family.samples
+        if s.name.endswith("_bucket")
+        and s.labels.get("le") != "+Inf"
+        and all(s.labels[k] == v for k, v in labels.items())
+    ]
+    assert any(s.value == 1.0 for s in finite), f"{slow:g} s is past every finite bucket"

@@ -6,7 +6,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gpumanager import names
 
-_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Up to a minute: a NodePrepareResources waits on claim and pod reads of a slow API server (10 s + 5 s),
+# and the kubelet waits longer than that; latencies past the last bound read as that bound in quantiles.
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RESOURCES = (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
 CALLS = ("Allocate", "PreStartContainer")
 #: The DRA driver's calls (``resource`` is the driver's name in DRA mode).

@@ -8,8 +8,10 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 
 from gpumanager import names
@@ -81,3 +83,11 @@ def test_call_latency_buckets_reach_a_prepare_that_waits_on_a_slow_api_server() 
         and all(s.labels[k] == v for k, v in labels.items())
     ]
     assert any(s.value == 1.0 for s in finite), f"{slow:g} s is past every finite bucket"
+
+
+def test_the_not_registered_alert_says_what_a_dra_agent_misses() -> None:
+    # gpu_manager_kubelet_registered follows the DRA driver's registration in DRA mode: the alert that
+    # fires on it must not send the operator of a DRA node looking for vcuda-core and vcuda-memory.
+    rules = yaml.safe_load((Path(__file__).parent.parent / "deploy/prometheus/gpu-manager.rules.yaml").read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "GPUManagerNotRegistered"]
+    assert "DRA driver" in rule["annotations"]["description"]

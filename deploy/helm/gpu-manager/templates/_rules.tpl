@@ -64,8 +64,8 @@ groups:
           summary: gpu-manager on {{`{{ $labels.instance }}`}} is not registered with the kubelet
           description: >-
             The kubelet on {{`{{ $labels.instance }}`}} has not listed tencent.com/vcuda-core and
-            tencent.com/vcuda-memory from gpu-manager for 5 minutes: the node offers no GPU.
-            See the agent's /readyz and its log.
+            tencent.com/vcuda-memory from gpu-manager (in DRA mode: has not registered its DRA driver)
+            for 5 minutes: the node offers no GPU. See the agent's /readyz and its log.
       - alert: GPUManagerGPUUnhealthy
         expr: gpu_manager_gpu_healthy{ {{- $job -}} } == 0
         for: {{ .Values.prometheusRule.gpuUnhealthyFor }}

@@ -110,12 +110,23 @@ class _Holders:
         return index.get(device_ids)
 
     def _index(self, resource: str) -> dict[frozenset[str], tuple[str, str, str]]:
+        # Each field read of a message makes a Python object: a container's entries of the resource are
+        # picked in one comprehension, and the pod's names read once, only for a pod holding some.
         merged: dict[tuple[str, str, str], list[str]] = {}  # a container's NUMA-split lists, joined
         for pod in self._pods:
+            names: tuple[str, str] | None = None
             for container in pod.containers:
-                for dev in container.devices:
-                    if dev.resource_name == resource:
-                        merged.setdefault((pod.namespace, pod.name, container.name), []).extend(dev.device_ids)
+                held = [dev.device_ids for dev in container.devices if dev.resource_name == resource]
+                if not held:
+                    continue
+                if names is None:
+                    names = (pod.namespace, pod.name)
+                key = (names[0], names[1], container.name)
+                ids = merged.get(key)
+                if ids is None:
+                    ids = merged[key] = []
+                for each in held:
+                    ids.extend(each)
         index: dict[frozenset[str], tuple[str, str, str]] = {}
         for holder, ids in merged.items():
             index.setdefault(frozenset(ids), holder)

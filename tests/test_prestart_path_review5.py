@@ -1,0 +1,102 @@
+"""PreStartContainer's look-up of who holds its device IDs: the index of a PodResources List answers what
+the plain per-device reading of every entry answers, whatever the answer's shape."""
+
+from __future__ import annotations
+
+import random
+
+from gpumanager.api import podresources_v1_pb2 as pb
+from gpumanager.kube.podresources import _Holders
+
+CORE = "tencent.com/vcuda-core"
+MEMORY = "tencent.com/vcuda-memory"
+
+
+def _reference(pods: list[pb.PodResources], resource: str) -> dict[frozenset[str], tuple[str, str, str]]:
+    """Each device entry read on its own: a container's lists of the resource joined, the first holder of
+    a set named."""
+    merged: dict[tuple[str, str, str], list[str]] = {}
+    for pod in pods:
+        for container in pod.containers:
+            for dev in container.devices:
+                if dev.resource_name == resource:
+                    merged.setdefault((pod.namespace, pod.name, container.name), []).extend(dev.device_ids)
+    index: dict[frozenset[str], tuple[str, str, str]] = {}
+    for holder, ids in merged.items():
+        index.setdefault(frozenset(ids), holder)
+    return index
+
+
+def _devices(resource: str, ids: list[str]) -> pb.ContainerDevices:
+    return pb.ContainerDevices(resource_name=resource, device_ids=ids)
+
+
+def _odd_answer() -> list[pb.PodResources]:
+    """NUMA-split lists, a pod listed twice under one name (a pod recreated while the old one ends), two
+    containers with the same set, an entry of no IDs, other resources, a container holding nothing."""
+    return [
+        pb.PodResources(
+            namespace="a",
+            name="p",
+            containers=[
+                pb.ContainerResources(
+                    name="main", devices=[_devices(CORE, ["c-1"]), _devices(MEMORY, ["m-1"]), _devices(CORE, ["c-2"])]
+                ),
+                pb.ContainerResources(name="idle", devices=[]),
+                pb.ContainerResources(name="side", devices=[_devices(CORE, ["c-3"])]),
+            ],
+        ),
+        pb.PodResources(
+            namespace="a",
+            name="q",
+            containers=[
+                pb.ContainerResources(name="main", devices=[_devices(CORE, ["c-3"])]),
+                pb.ContainerResources(name="empty", devices=[_devices(CORE, [])]),
+                pb.ContainerResources(name="mem", devices=[_devices(MEMORY, ["m-2", "m-3"])]),
+            ],
+        ),
+        pb.PodResources(
+            namespace="a",
+            name="p",
+            containers=[pb.ContainerResources(name="side", devices=[_devices(CORE, ["c-4"])])],
+        ),
+        pb.PodResources(
+            namespace="b",
+            name="p",
+            containers=[pb.ContainerResources(name="main", devices=[_devices(CORE, ["c-2", "c-1"])])],
+        ),
+    ]
+
+
+def test_the_index_of_an_odd_answer_is_the_plain_readings() -> None:
+    pods = list(pb.ListPodResourcesResponse(pod_resources=_odd_answer()).pod_resources)
+    for resource in (CORE, MEMORY, "example.com/other"):
+        want = _reference(pods, resource)
+        holders = _Holders(pods)
+        for ids in [*want, frozenset({"c-3", "c-4"}), frozenset({"c-4"}), frozenset()]:
+            assert holders.holder(resource, ids) == want.get(ids), (resource, ids)
+    holders = _Holders(pods)
+    assert holders.holder(CORE, frozenset({"c-1", "c-2"})) == ("a", "p", "main")  # split lists, first holder
+    assert holders.holder(CORE, frozenset({"c-3", "c-4"})) == ("a", "p", "side")  # one name, two entries
+    assert holders.holder(CORE, frozenset()) == ("a", "q", "empty")
+
+
+def test_the_index_of_random_answers_is_the_plain_readings() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        pods = []
+        for _p in range(rng.randint(0, 6)):
+            containers = []
+            for c in range(rng.randint(0, 3)):
+                devices = [
+                    _devices(rng.choice((CORE, MEMORY)), [f"d-{rng.randint(0, 5)}" for _ in range(rng.randint(0, 2))])
+                    for _d in range(rng.randint(0, 3))
+                ]
+                containers.append(pb.ContainerResources(name=f"c{c % 2}", devices=devices))
+            pods.append(pb.PodResources(namespace=rng.choice("xy"), name=rng.choice("pq"), containers=containers))
+        listed = list(pb.ListPodResourcesResponse(pod_resources=pods).pod_resources)
+        want = _reference(listed, CORE)
+        holders = _Holders(listed)
+        for ids in want:
+            assert holders.holder(CORE, ids) == want[ids]
+        assert holders.holder(CORE, frozenset({"none"})) is None

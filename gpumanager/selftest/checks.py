@@ -290,10 +290,17 @@ def four_processes(s: Setup) -> list[Row]:
 # ---- SM share -----------------------------------------------------------------------------------
 
 
-#: How long after the GPU time it covers NVML may still add a process's sample (at least its sampling period: 1/6 s
-#: on most GPUs, 10 ms on the simulated one).  A poll that finds no sample newer than the last one says every
-#: process was idle until this long before it; the launch loops stay until a poll this long after their windows.
-SAMPLE_LAG = 0.5
+#: How long after the GPU time it covers NVML may still add a process's sample: its sampling period (between 1/6 s
+#: and 1 s depending on the product, NVIDIA's nvmlUtilization_t; 10 ms on the simulated GPU) and the time the
+#: driver takes to show a sample (on real GPUs the newest sample is often 0.7 s or more behind the query).  A
+#: poll that finds no sample newer than the last one says every process was idle until this long before it;
+#: the launch loops stay until a poll this long after their windows.  Shorter than a real GPU's period and delay,
+#: the sampler would ask from after the samples still to come, NVML would never show them, and every share read 0.
+SAMPLE_LAG = 2.0
+
+#: The longest stretch before it that one NVML sample describes, when asked from a time no sample marks (the
+#: simulated GPU averages a sample over at most a second; a real one over at most its sampling period of 1 s).
+SAMPLE_SPAN = 1.0
 
 
 @dataclass(frozen=True)
@@ -328,6 +335,7 @@ class UtilSampler:
         self._thread: threading.Thread | None = None
         self._since = 0
         self._start_us = 0
+        self._idle = True  # the last poll found NOT_FOUND (or none was made)
 
     def start(self) -> None:
         """Start sampling, in a thread polling every 0.25 s."""
@@ -339,6 +347,7 @@ class UtilSampler:
     def begin(self) -> None:
         """Start sampling without the thread: from now, only :meth:`poll` and :meth:`stop` poll."""
         self._since = self._start_us = int(self._clock() * 1e6)
+        self._idle = True  # nothing sampled yet: a first sample describes at most SAMPLE_SPAN
         self._spans = []
         self._thread = None
 
@@ -377,23 +386,29 @@ class UtilSampler:
             if getattr(err, "value", None) != self._nvml.NVML_ERROR_NOT_FOUND:
                 return  # NVML cannot tell (the GPU lost): this time stays unsampled
             answer = []
-        newest = credit(self._spans, [(s.pid, s.timeStamp, s.smUtil) for s in answer], self._since)
+        samples = [(s.pid, s.timeStamp, s.smUtil) for s in answer]
+        # After a NOT_FOUND (an idle stretch) a sample describes at most the last SAMPLE_SPAN before it (the
+        # simulated GPU averages over at most a second), not all the time since the last one.
+        reach = int(SAMPLE_SPAN * 1e6) if self._idle else None
+        newest = credit(self._spans, samples, self._since, reach=reach)
+        self._idle = not answer
         if not answer or last:
             newest = max(newest, asked - int(SAMPLE_LAG * 1e6))
         self._since = newest
 
 
-def credit(spans: list[Span], samples: Sequence[tuple[int, int, int]], since: int) -> int:
+def credit(spans: list[Span], samples: Sequence[tuple[int, int, int]], since: int, *, reach: int | None = None) -> int:
     """Add NVML's process samples, (pid, timestamp in us, SM percent), taken after ``since``, to ``spans``;
     returns the newest timestamp (the samples cover the time up to it, for every process).
 
     Each sample covers the time from the process's previous sample in this answer (or ``since``) to its
-    own: a poll that came late (a loaded machine) still counts the whole time it covers.
+    own: a poll that came late (a loaded machine) still counts the whole time it covers.  ``reach`` (us):
+    a process's first sample covers at most that long before its timestamp (the earlier time: idle).
     """
     newest = since
     last: dict[int, int] = {}
     for pid, stamp, util in sorted(samples, key=lambda smp: smp[1]):
-        start = last.get(pid, since)
+        start = last.get(pid, since if reach is None else max(since, stamp - reach))
         if stamp <= start:
             continue
         spans.append(Span(pid, start, stamp, min(util, 100)))

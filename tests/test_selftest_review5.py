@@ -1,0 +1,66 @@
+"""``gpu-manager selftest`` against the real driver's habits that the simulated one is kinder about.
+
+NVML on a real GPU samples each process's utilisation once per sampling period (between 1/6 s and
+1 s depending on the product, NVIDIA's nvmlUtilization_t) and a process's sample is seen some time
+after the moment it describes (newest samples 0.7 s and more behind the time of the query, as
+reported against drivers on real GPUs).  The fake NVML here does both; the simulated one samples
+every 10 ms and shows a sample at once.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gpumanager.selftest import checks
+from tests.test_selftest_sampler import NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
+
+
+class SlowNVML(FakeNVML):
+    """NVML of a real GPU: samples every ``period`` us, each seen ``delay`` us after the moment it describes."""
+
+    def __init__(self, busy: list[Busy], pid: int, *, period: int, delay: int) -> None:
+        super().__init__(busy, exits={}, offsets={pid: 0})
+        self.period, self.delay = period, delay
+
+    def nvmlDeviceGetProcessUtilization(self, handle: str, last_seen: int) -> list[SimpleNamespace]:
+        now = self.now
+        self.now = now - self.delay  # what NVML has seen by now: its samples up to delay ago
+        try:
+            checkpoint = self.now - (self.now - T0) % self.period
+            first = max(last_seen, checkpoint - S)
+            samples = []
+            for pid in self.offsets:
+                busy = self.busy_us(pid, first, checkpoint)
+                if checkpoint > last_seen and checkpoint > first and busy > 0:
+                    util = round(100 * busy / (checkpoint - first))
+                    samples.append(SimpleNamespace(pid=pid, timeStamp=checkpoint, smUtil=util))
+            if not samples:
+                raise FakeNVMLError(NOT_FOUND)
+            return samples
+        finally:
+            self.now = now
+
+
+@pytest.mark.parametrize(("period", "delay"), [(S // 6, 800_000), (S, 700_000)])
+def test_a_real_gpus_slow_and_late_samples_still_cover_the_end_of_the_window(period: int, delay: int) -> None:
+    """A process kept 30 % busy through its window (and a little after, its queued kernels) is read as 30 %:
+    the last poll waits for the samples of the window's end, instead of counting their time as idle."""
+    pid = 31
+    nvml = SlowNVML([Busy(pid, 0.0, 6.05, 0.3)], pid, period=period, delay=delay)
+    sampler = checks.UtilSampler(0, nvml=nvml, clock=lambda: nvml.now / S)
+    sampler.begin()
+    window = (T0 + 2 * S, T0 + 6 * S)
+    stop = 6.0 + checks.SAMPLE_LAG  # as _spin: the last poll SAMPLE_LAG after the window's end
+    at = 0.25
+    while at < stop:
+        nvml.now = T0 + int(at * S)
+        sampler.poll()
+        at += 0.25
+    nvml.now = T0 + int(stop * S)
+    sampler.stop()
+    got = sampler.share(pid, window)
+    assert got is not None
+    assert got == pytest.approx(30.0, abs=1.5)
+

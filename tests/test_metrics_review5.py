@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -16,9 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from gpumanager import names
 from gpumanager.api import display_pb2
+from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.dra import prepare, sharing
 from gpumanager.metrics import legacy, usage
 from gpumanager.metrics.calls import CallMetrics
+from gpumanager.metrics.collector import AgentCollector
 from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 from tests.test_metrics import GPUS, alloc, pod
@@ -91,3 +94,34 @@ def test_the_not_registered_alert_says_what_a_dra_agent_misses() -> None:
     rules = yaml.safe_load((Path(__file__).parent.parent / "deploy/prometheus/gpu-manager.rules.yaml").read_text())
     (rule,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "GPUManagerNotRegistered"]
     assert "DRA driver" in rule["annotations"]["description"]
+
+
+def test_dra_mode_does_not_report_device_plugin_devices_as_advertised() -> None:
+    # A DRA agent offers its GPUs through its ResourceSlice (one device per GPU), not tencent.com/vcuda-*
+    # devices: gpu_manager_advertised_devices said it offered 100 vcuda-core devices per GPU to the kubelet.
+    health = SimpleNamespace(
+        snapshot=lambda: {0: SimpleNamespace(healthy=True), 1: SimpleNamespace(healthy=False)},
+        critical_xid_events=0,
+        ignored_xid_events=0,
+    )
+    agent = SimpleNamespace(
+        gpus=GPUS[:2],
+        layout=DeviceLayout(GPUS[:2]),
+        health=health,
+        plugins=None,
+        allocator=None,
+        dra=None,  # not started yet, or its start failed
+        config=SimpleNamespace(mode="dra", dra_driver_name="gpu.tencent.com"),
+    )
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(agent))  # type: ignore[arg-type]
+    advertised = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "gpu_manager_advertised_devices"
+    }
+    assert advertised == {
+        (("health", names.HEALTHY), ("resource", "gpu.tencent.com")): 1.0,
+        (("health", names.UNHEALTHY), ("resource", "gpu.tencent.com")): 1.0,
+    }

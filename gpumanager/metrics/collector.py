@@ -115,10 +115,18 @@ class AgentCollector(Collector):
         agent = self._agent
         devices = _gauge(
             "gpu_manager_advertised_devices",
-            "Devices advertised to the kubelet, by resource and health",
+            "Devices advertised to the kubelet (DRA mode: in the driver's ResourceSlice), by resource and health",
             ["resource", "health"],
         )
-        if agent.layout is not None:
+        config = getattr(agent, "config", None)
+        if getattr(config, "mode", "") == "dra":
+            # The DRA driver offers one device per GPU in its ResourceSlice, no vcuda-* devices.
+            health = agent.health.snapshot() if agent.health is not None else {}
+            driver = str(getattr(config, "dra_driver_name", ""))
+            bad = sum(1 for g in agent.gpus if (state := health.get(g.index)) is not None and not state.healthy)
+            devices.add_metric([driver, names.HEALTHY], float(len(agent.gpus) - bad))
+            devices.add_metric([driver, names.UNHEALTHY], float(bad))
+        elif agent.layout is not None:
             health = agent.health.snapshot() if agent.health is not None else {}
             for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
                 total = agent.layout.count(resource)

@@ -144,6 +144,10 @@ class Loaded:
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
+#: One decoder for every record read (``json.loads`` with an option makes a new one per call).
+_DECODER = json.JSONDecoder(parse_int=checkpoint.parse_int)
+
+
 def _record(change: Mapping[str, Any], text: str | None = None) -> bytes:
     """The record of ``change``: length, CRC and its JSON (``text`` when the caller made it already)."""
     body = (_ENCODER.encode(change) if text is None else text).encode()
@@ -346,7 +350,7 @@ def _parse(data: bytes, pos: int) -> tuple[dict[str, Any] | None, int, str]:
     if len(body) != length or data[end : end + 1] != b"\n" or zlib.crc32(body) != crc:
         return None, -1, ""
     try:
-        change = json.loads(body, parse_int=checkpoint.parse_int)
+        change = _DECODER.decode(body.decode())  # records are ASCII: anything else is not JSON of ours
     except ValueError:
         return None, end + 1, "not JSON"
     except RecursionError:

@@ -9,11 +9,12 @@ every 10 ms and shows a sample at once.
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
 
-from gpumanager.selftest import checks
+from gpumanager.selftest import checks, programs
 from tests.test_selftest_sampler import NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
 
 
@@ -64,3 +65,20 @@ def test_a_real_gpus_slow_and_late_samples_still_cover_the_end_of_the_window(per
     assert got is not None
     assert got == pytest.approx(30.0, abs=1.5)
 
+
+def _entry(name: str) -> str:
+    body = programs.PTX.split(f".entry {name}(", 1)[1]
+    return body.split("\n}", 1)[0]
+
+
+def test_the_spin_kernel_lasts_a_millisecond_of_time_not_of_sm_clock_cycles() -> None:
+    """A real GPU's SM clock moves with load, power and temperature (an H100 between its base and boost clock,
+    lower still while a limited container leaves it idle); a kernel spinning a count of %clock64 cycles sized
+    by CU_DEVICE_ATTRIBUTE_CLOCK_RATE (the maximum) lasts longer whenever the clock is lower, so a limited
+    run's kernels/s against the unlimited run's read a lower share than the time it had.  The spin kernel
+    waits on the GPU's global nanosecond timer for the nanoseconds it is given: 1 ms whatever the clock."""
+    spin = _entry("spin_1000us")
+    assert "%globaltimer" in spin and "%clock" not in spin
+    assert "CLOCK_RATE" not in programs.SPIN
+    params = programs.SPIN.split("params = ", 1)[1].split("\n", 1)[0]
+    assert eval(params, {"ctypes": ctypes}) == ((1_000_000,), (ctypes.c_uint64,))

@@ -8,21 +8,25 @@ are PTX text, compiled by the driver (``cuModuleLoadData``): no nvcc or NVRTC on
 
 from __future__ import annotations
 
-# spin_1000us spins for the number of clock cycles it is given (1 ms at the SM clock); empty_1ns
-# returns at once.  Their names carry their intended duration, which the simulated driver uses.
+# spin_1000us spins for the nanoseconds it is given (1 ms) on the GPU's global nanosecond timer, not on
+# %clock64: SM clock cycles last longer whenever the clock is below its maximum (load, power, heat), and
+# a kernel of a fixed cycle count would change length between the unlimited and the limited runs.
+# empty_1ns returns at once.  Their names carry their intended duration, which the simulated driver uses.
+# PTX ISA 6.0 for sm_50 and newer: every driver that runs CUDA 12 or 13 compiles it for its GPU (H100/H200
+# sm_90, B200 sm_100).
 PTX = r"""
 .version 6.0
 .target sm_50
 .address_size 64
 
-.visible .entry spin_1000us(.param .u64 cycles)
+.visible .entry spin_1000us(.param .u64 ns)
 {
     .reg .pred %p<2>;
     .reg .b64 %rd<6>;
-    ld.param.u64 %rd1, [cycles];
-    mov.u64 %rd2, %clock64;
+    ld.param.u64 %rd1, [ns];
+    mov.u64 %rd2, %globaltimer;
 $Lspin:
-    mov.u64 %rd3, %clock64;
+    mov.u64 %rd3, %globaltimer;
     sub.s64 %rd4, %rd3, %rd2;
     setp.lt.u64 %p1, %rd4, %rd1;
     @%p1 bra $Lspin;
@@ -180,10 +184,8 @@ SPIN = (
     + r"""
 mod = ok(d.cuModuleLoadData(ARGS["ptx"].encode()))
 fn = ok(d.cuModuleGetFunction(mod, b"spin_1000us"))
-khz = d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev)
-cycles = (khz[1] if khz[0] == R.CUDA_SUCCESS and khz[1] > 0 else 1400000) * 1000 // 1000  # 1 ms
 stream = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
-params = ((cycles,), (ctypes.c_uint64,))
+params = ((1_000_000,), (ctypes.c_uint64,))  # 1 ms of the global timer
 print("running", flush=True)
 start = time.monotonic()
 settle, end = start + ARGS["settle"], start + ARGS["settle"] + ARGS["seconds"]

@@ -79,6 +79,7 @@ from typing import Any, Self
 
 import kubernetes.client
 import kubernetes.config
+from urllib3.util.retry import Retry
 
 from simnode.apiserver_errors import ApiError
 from simnode.apiserver_faults import DownMode, Faults, RequestLog, RequestRecord
@@ -297,12 +298,12 @@ class ApiServerSimulator:
                 token = self._component_tokens.setdefault(component, token)
         return self.client(retries=retries, token=token)
 
-    def client(self, *, retries: int | bool | None = None, token: str | None = None) -> Any:
+    def client(self, *, retries: int | bool | Retry | None = None, token: str | None = None) -> Any:
         """A ``kubernetes.client.ApiClient`` configured from :meth:`kubeconfig` (``token``: a service
         account's, see :meth:`add_service_account`; the simulator's own user otherwise).
 
-        ``retries`` is urllib3's (connection errors only; ``False``/``0`` for none); the
-        client's default is 3.
+        ``retries`` is urllib3's (a count of connection errors only, ``False``/``0`` for none, or a
+        ``Retry``); the client's default is 3.
         """
         cfg = kubernetes.client.Configuration()
         config = self.kubeconfig(token=token)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from urllib3.util.retry import Retry
 
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
@@ -117,7 +118,10 @@ class World:
         rules = resolve_rules(self.extender_rules, "extender")
         if rules is not None and self._token is None:
             self._token = self.api.add_service_account("kube-system", shipped_account("extender"), rules)
-        ext = Extender(self.api.client(token=self._token), settings)
+        # The pool's retries of the real command (gpu-manager-extender: api_client(wait_as_told=False)):
+        # none after a read timeout, so that a bind keeps its deadline.
+        retries = Retry(total=3, connect=0, read=0, respect_retry_after_header=False)
+        ext = Extender(self.api.client(token=self._token, retries=retries), settings)
         ext.start()
         self.extenders.append(ext)
         deadline = time.monotonic() + 10

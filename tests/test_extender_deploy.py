@@ -30,10 +30,17 @@ def test_extender_manifest_rbac_and_command() -> None:
     assert rules == {
         (("pods",), ("get", "list", "watch", "patch")),
         (("pods/binding",), ("create",)),
-        (("nodes",), ("list", "watch")),
+        (("nodes",), ("get", "list", "watch", "patch")),
     }
     deployment = by_kind(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    budget = by_kind(docs, "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["/opt/gpu-manager/bin/gpu-manager-extender"]
     parsed = build_parser().parse_args(container["args"])  # the flags exist and parse

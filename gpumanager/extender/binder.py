@@ -3,8 +3,13 @@
 1. Take the pod from the watch cache (else GET it; a recreated pod, a different UID, is refused).
    A pod already bound to this node, or bound by an earlier bind the watch does not show yet, is
    done (a repeated bind is idempotent); bound to another node, refused.
-2. Under the cluster state's lock, choose GPUs on the node with the pod's own old charges left
-   out, and *assume* them (the next filter and bind see them taken).
+2. Read the node (a current read, not the watch) and the choices other binds, of this replica
+   or another one, recorded on it (:mod:`gpumanager.extender.claims`). Under the cluster state's
+   lock, choose GPUs on the node with the pod's own old charges left out and those recorded
+   choices counted, and *assume* them (the next filter and bind see them taken). Record the
+   choice on the node with its ``metadata.resourceVersion`` as precondition; on 409 Conflict
+   (another bind recorded one meanwhile) put back what the pod held and start over from 2.
+   Binds of one replica to one node take these steps one at a time.
 3. Merge-patch the annotations with ``metadata.resourceVersion`` set (a precondition):
    ``predicate-gpu-idx-<i>`` per GPU container, ``predicate-gpu-idx--<k>`` per GPU init container
    (``-1`` for the first of ``spec.initContainers``: the index under which the agent asks for it),
@@ -12,6 +17,8 @@
    where it is named), ``predicate-node``, ``predicate-time`` (ns),
    ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: put back
    what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
+   Whenever bind gives up after recording its choice, it removes the choice from the node again
+   (best effort: else it lapses after :data:`~gpumanager.extender.claims.CLAIM_TTL`).
 4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
    the pod is not bound to the node after all, drop the assumption and remove the annotations
    again. If the pod is gone (deleted, or recreated under its name: another UID, or the API
@@ -23,7 +30,8 @@
 
 A bind answers within ``timeout`` seconds in all (every API call, and the wait for another bind
 of the same pod, get what is left of it), so that the scheduler, whose ``httpTimeout`` is 5 s by
-default, hears why instead of timing out. No lock is held during API calls except the pod's own.
+default, hears why instead of timing out. No lock is held during API calls except the pod's own
+and, while the choice is made and recorded, the node's.
 """
 
 from __future__ import annotations
@@ -46,12 +54,17 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
 from gpumanager.extender.charges import PodCharges, count_inits, init_containers
+from gpumanager.extender.claims import ANNOTATION as CLAIMS
+from gpumanager.extender.claims import Claim, encode_claims, read_claims
 from gpumanager.extender.placement import Policy, never_served, place
-from gpumanager.extender.state import ClusterState
+from gpumanager.extender.state import Assumption, ClusterState
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+#: How many times one bind chooses again because another bind recorded a choice on the node first
+#: (the bind's deadline ends it sooner under a long burst).
+_NODE_CONFLICTS = 50
 JSON = dict[str, Any]
 
 
@@ -184,6 +197,7 @@ class Binder:
         self._max_conflicts = max_conflicts
         self._timeout = timeout
         self._locks = _PodLocks()
+        self._node_locks = _PodLocks()
         self._on_conflict = on_conflict or (lambda: None)
         self._cached = cached or (lambda _uid: None)
 
@@ -210,6 +224,10 @@ class _Bind:
         self._max_conflicts = binder._max_conflicts
         self._on_conflict = binder._on_conflict
         self._cached = binder._cached
+        self._node_locks = binder._node_locks
+        self._claimed: tuple[str, str] | None = None
+        self._node_conflicts = 0
+        """(pod UID, predicate time) of the choice this bind recorded on the node."""
         self.args = args
         self.deadline = deadline
         self.who = f"pod {args.pod_namespace}/{args.pod_name}"
@@ -296,7 +314,12 @@ class _Bind:
         raise BindError(f"{self.who} is already bound to node {node}", "refused")
 
     def _choose(
-        self, pod: JSON, requests: list[GPURequest], inits: list[GPURequest], sidecars: list[GPURequest]
+        self,
+        pod: JSON,
+        requests: list[GPURequest],
+        inits: list[GPURequest],
+        sidecars: list[GPURequest],
+        claims: Mapping[str, Claim],
     ) -> dict[str, str | None]:
         """Choose GPUs under the state lock and assume what the pod holds (its ordinary init containers as
         the agent counts them, :func:`~gpumanager.extender.charges.count_inits`); returns
@@ -309,7 +332,7 @@ class _Bind:
             gpus = state.node(node)
             if gpus is None:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
-            with state.without(uid):
+            with state.without(uid), state.counting(node, claims, uid):
                 placement = place(gpus, requests, self._policy, inits=inits, sidecars=sidecars)
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
@@ -369,7 +392,15 @@ class _Bind:
         while True:
             uid = podinfo.uid(pod)
             previous = self._state.assumption(uid)
-            patch = self._choose(pod, requests, inits, sidecars)
+            with self._node_locks.hold(self.args.node, self.deadline.left()) as taken:
+                if not taken:
+                    raise BindError(
+                        f"{self.who}: other binds to node {self.args.node} did not finish within "
+                        f"{self.deadline.seconds:g} s"
+                    )
+                patch = self._claim(pod, previous, requests, inits, sidecars)
+            if patch is None:
+                continue
             try:
                 patched = self._patch(str((pod.get("metadata") or {}).get("resourceVersion", "")), patch)
                 break
@@ -391,6 +422,7 @@ class _Bind:
                 # The scheduler hears of the failure and places the pod anew: should the patch be made
                 # after all, that choice holds nothing while the pod is not bound.
                 self._state.given_up(uid, str(patch[names.PREDICATE_TIME]))
+                self._unclaim()
                 if isinstance(exc, ApiException) and exc.status == 404:
                     # Deleted since the scheduler filtered it (the watch had not shown that yet).
                     raise BindError(f"{self.who} (UID {uid}) was deleted before it could be bound", "refused") from exc
@@ -403,6 +435,110 @@ class _Bind:
             ", ".join(f"{k.rsplit('/', 1)[-1]}={v}" for k, v in patch.items() if v is not None),
         )
         return "bound"
+
+    def _read_node(self) -> JSON:
+        """The bind's node from the API server (a current read: the watch may lag)."""
+        node = self.args.node
+        try:
+            response: Any = self._core.read_node(
+                node, _preload_content=False, _request_timeout=self.deadline.call_timeout()
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                raise BindError(f"{self.who}: node {node} not found", "refused") from exc
+            raise BindError(f"{self.who}: cannot read node {node}: {_api_text(exc, self.deadline)}") from exc
+        except Exception as exc:
+            raise BindError(f"{self.who}: cannot read node {node}: {_api_text(exc, self.deadline)}") from exc
+        try:
+            return _json_object(response)
+        except _BadAnswerError as exc:
+            raise BindError(f"{self.who}: cannot read node {node}: {exc}") from exc
+
+    def _record(self, node: JSON, claims: Mapping[str, Claim]) -> None:
+        """Write ``claims`` on the node, on condition that it has not changed since it was read."""
+        rv = str((node.get("metadata") or {}).get("resourceVersion", ""))
+        body = {"metadata": {"resourceVersion": rv, "annotations": {CLAIMS: encode_claims(claims)}}}
+        self._core.patch_node(
+            self.args.node,
+            body,
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+            _request_timeout=self.deadline.call_timeout(),
+        )
+
+    def _claim(
+        self,
+        pod: JSON,
+        previous: Assumption | None,
+        requests: list[GPURequest],
+        inits: list[GPURequest],
+        sidecars: list[GPURequest],
+    ) -> dict[str, str | None] | None:
+        """Choose GPUs with the choices recorded on the node counted, and record this one there;
+        returns the pod's annotation patch, or None when another bind recorded a choice meanwhile
+        (choose again)."""
+        uid = podinfo.uid(pod)
+        node = self._read_node()
+        claims = read_claims(node, time.time())
+        patch = self._choose(pod, requests, inits, sidecars, claims)
+        mine = self._state.assumption(uid)
+        when = str(patch[names.PREDICATE_TIME])
+        charges = mine.charges.charges if mine is not None else ()
+        claims = {**claims, uid: Claim(podinfo.pod_key(pod), time.time(), when, charges)}
+        try:
+            self._record(node, claims)
+        except Exception as exc:
+            self._state.restore(uid, previous)
+            if isinstance(exc, ApiException) and exc.status == 409 and self._node_conflicts < _NODE_CONFLICTS:
+                self._node_conflicts += 1
+                self._on_conflict()
+                log.debug("node %s changed while binding %s; choosing again", self.args.node, self.who)
+                return None
+            self._state.given_up(uid, when)
+            refused = "refused" if isinstance(exc, ApiException) and exc.status == 404 else "error"
+            raise BindError(
+                f"{self.who}: cannot record its GPUs on node {self.args.node}: {_api_text(exc, self.deadline)}",
+                refused,
+            ) from exc
+        self._claimed = (uid, when)
+        return patch
+
+    def _unclaim(self) -> None:
+        """Remove the choice this bind recorded on the node (best effort, in the time left; else it
+        lapses by itself)."""
+        if self._claimed is None:
+            return
+        uid, when = self._claimed
+        self._claimed = None
+        for _ in range(self._max_conflicts + 1):
+            try:
+                node = self._read_node()
+            except BindError:
+                return
+            claims = read_claims(node, time.time())
+            found = claims.pop(uid, None)
+            if found is None or found.predicate_time != when:
+                return
+            try:
+                self._record(node, claims)
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    log.warning(
+                        "%s: cannot remove its GPUs' record from node %s: %s",
+                        self.who,
+                        self.args.node,
+                        _api_text(exc, self.deadline),
+                    )
+                    return
+            except Exception as exc:
+                log.warning(
+                    "%s: cannot remove its GPUs' record from node %s: %s",
+                    self.who,
+                    self.args.node,
+                    _api_text(exc, self.deadline),
+                )
+                return
 
     def _check_earlier_binding(self, pod: JSON) -> bool:
         """Refuse to bind a pod elsewhere while a Binding of it to another node got no answer: the API
@@ -455,6 +591,7 @@ class _Bind:
         if gone or _uid_precondition_failed(exc):
             # Deleted (and maybe recreated under its name): no Binding of this pod will ever be made.
             self._state.forget(uid)
+            self._unclaim()
             now = "" if current is None else f" and recreated under its name (UID now {podinfo.uid(current)})"
             raise BindError(
                 f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; the pod (UID {uid}) "
@@ -477,6 +614,7 @@ class _Bind:
         self._state.forget(uid)
         if patched is not None:
             self._undo(patched, patch)
+        self._unclaim()
         raise BindError(
             f"cannot bind {self.who} to node {node}: {_api_text(exc, self.deadline)}; its GPUs are released"
         ) from exc

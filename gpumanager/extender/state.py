@@ -29,14 +29,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
 from gpumanager.extender.charges import PodCharges, pod_charges
-from gpumanager.extender.nodes import Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
+from gpumanager.extender.claims import Claim
+from gpumanager.extender.nodes import Charge, Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
 
 log = logging.getLogger(__name__)
 
@@ -466,6 +467,35 @@ class ClusterState:
             finally:
                 node.charge(mine.charges, pod=self._key(uid))
 
+    @contextmanager
+    def counting(self, node_name: str, claims: Mapping[str, Claim], skip: str) -> Iterator[None]:
+        """Within the block the node also holds the choices other binds (of any replica) recorded on
+        it (``claims``, by pod UID; ``skip``: the pod being bound), where this state does not count
+        that choice, or a later one of the pod there, already."""
+        with self.lock:
+            node = self._nodes.get(node_name)
+            extra: list[tuple[str, tuple[Charge, ...], PodCharges | None]] = []
+            if node is not None:
+                for uid, claim in claims.items():
+                    mine = self._applied.get(uid)
+                    here = mine if mine is not None and mine.node == node_name else None
+                    if uid == skip or (here is not None and _ns(here.predicate_time) >= _ns(claim.predicate_time)):
+                        continue
+                    extra.append((uid, claim.charges, here))
+            for uid, charges, here in extra:
+                assert node is not None
+                if here is not None:
+                    node.charge(here.charges, -1)
+                node.charge(charges, pod=self._key(uid))
+            try:
+                yield
+            finally:
+                for uid, charges, here in extra:
+                    assert node is not None
+                    node.charge(charges, -1)
+                    if here is not None:
+                        node.charge(here.charges, pod=self._key(uid))
+
     def _reapply(self, uid: str) -> None:
         assumption = self._assumed.get(uid)
         wanted = assumption.charges if assumption is not None else self._watched.get(uid)
@@ -488,6 +518,14 @@ class ClusterState:
                 node.charge(wanted.charges, pod=self._key(uid))
             self._by_node.setdefault(wanted.node, set()).add(uid)
             self._applied[uid] = wanted
+
+
+def _ns(predicate_time: str) -> int:
+    """A predicate time (nanoseconds) as a number; -1 when it is none."""
+    try:
+        return int(predicate_time)
+    except ValueError:
+        return -1
 
 
 def _node_uid(node: Node) -> str:

@@ -16,12 +16,14 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from gpumanager import names
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
 from gpumanager.api import display_pb2
 from gpumanager.deviceplugin.devices import DeviceLayout
-from gpumanager.dra import prepare, sharing
+from gpumanager.dra import consumers, prepare, sharing
 from gpumanager.metrics import legacy, usage
 from gpumanager.metrics.calls import CallMetrics
 from gpumanager.metrics.collector import AgentCollector
+from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
 from tests.test_metrics import GPUS, alloc, pod
@@ -125,3 +127,28 @@ def test_dra_mode_does_not_report_device_plugin_devices_as_advertised() -> None:
         (("health", names.HEALTHY), ("resource", "gpu.tencent.com")): 1.0,
         (("health", names.UNHEALTHY), ("resource", "gpu.tencent.com")): 1.0,
     }
+
+
+def test_a_dra_share_of_all_the_compute_and_part_of_the_memory_reports_its_memory_limit() -> None:
+    # consumedCapacity cores=100, memory=8 GiB: a share whose memory the interceptor limits (the claim is
+    # not whole). Its container's series said the whole GPU's memory was its limit.
+    eight = 8 << 30
+    share = ClaimDevice("gpus", "node", "gpu-2", 2, "s1", 100, eight, whole=False)
+    claim = ClaimAllocation("claim-uid-1", "ml", "c1", (share,))
+    trainer = {
+        "metadata": {"name": "train", "namespace": "ml", "uid": "uid-t"},
+        "spec": {
+            "nodeName": "sim-node",
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "c1"}],
+            "containers": [{"name": "main", "resources": {"claims": [{"name": "gpu"}]}}],
+        },
+        "status": {"phase": "Running"},
+    }
+    (allocation,) = consumers.container_allocations([claim], [trainer])
+    u = ContainerUsage(trainer, allocation, [DeviceUsage(GPUS[2], 0, 0.0, 0.0, ())])
+    lines = ContainerFamilies().render([u]).splitlines()
+    limit = [line for line in lines if line.startswith("gpu_manager_container_gpu_memory_limit_bytes{")]
+    assert limit == [
+        'gpu_manager_container_gpu_memory_limit_bytes{namespace="ml",pod="train",container="main",gpu="2",'
+        f'uuid="{GPUS[2].uuid}"}} {float(eight)!r}'
+    ]

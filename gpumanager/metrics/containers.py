@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import display_pb2 as pb
 from gpumanager.metrics import textformat
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
@@ -49,11 +50,18 @@ FAMILIES = (
 _HEADERS = tuple(textformat.header(name, help_text, "gauge") for name, help_text in FAMILIES)
 
 
+def limited(alloc: ContainerAllocation) -> bool:
+    """Whether the container's use of its GPU is limited: a share of fewer than 100 cores, or a DRA
+    claim's share (consumed capacity; its memory is limited even with all 100 cores). A DRA container
+    holding whole GPUs has no memory recorded (:func:`gpumanager.dra.consumers.container_allocations`)."""
+    return alloc.shared or ("claim_uid" in alloc.extra and alloc.memory > 0)
+
+
 def limits(usage: ContainerUsage, device: DeviceUsage) -> tuple[int, float]:
     """(memory limit in bytes, core share 0-1) of a container on one of its GPUs."""
     alloc = usage.allocation
-    if alloc.shared:
-        return alloc.memory, alloc.cores / names.HUNDRED_CORES
+    if limited(alloc):
+        return alloc.memory, min(alloc.cores, names.HUNDRED_CORES) / names.HUNDRED_CORES
     return device.gpu.memory_total, 1.0
 
 

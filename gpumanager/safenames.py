@@ -57,9 +57,7 @@ def container_id(value: str) -> str:
 
 def child(base: Path, *parts: str) -> Path:
     """``base/part/...`` after checking that each part is one plain path component inside ``base``."""
-    path = base
     for part in parts:
         if not part or part in (".", "..") or "/" in part or "\0" in part:
             raise UnsafeNameError(f"{part!r} is not a single path component under {base}")
-        path = path / part
-    return path
+    return base.joinpath(*parts)  # one path made, not one per part

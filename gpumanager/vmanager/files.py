@@ -121,9 +121,11 @@ def _write_through_spare(path: Path, data: bytes) -> bool:
     The spare is first renamed to a name of this call's own, so two writers never share it (one
     would otherwise truncate the file the other had just put in place).
     """
-    mine = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_takes)}")
+    # Names made as text: the same paths as spare_path() and with_name() give, without a Path made for each.
+    head, name = os.path.split(os.fspath(path))
+    mine = os.path.join(head, f".{name}.{os.getpid()}.{threading.get_ident()}.{next(_takes)}")
     try:
-        os.rename(spare_path(path), mine)
+        os.rename(os.path.join(head, f".{name}.spare"), mine)
     except OSError:
         return False
     try:
@@ -155,7 +157,7 @@ def _write_through_spare(path: Path, data: bytes) -> bool:
     return True
 
 
-def _discard(name: Path) -> None:
+def _discard(name: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(name)
 

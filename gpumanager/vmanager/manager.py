@@ -250,7 +250,6 @@ class VirtualManager:
         )
 
     def _serve(self, pod_uid: str) -> None:
-        sock = self.pod_dir(pod_uid) / names.VCUDA_SOCKET
         with self._lock:
             if self._sockets is None:
                 self._sockets = PodSockets(self._handle)
@@ -258,6 +257,7 @@ class VirtualManager:
             sockets = self._sockets
         if sockets.is_serving(pod_uid):
             return
+        sock = self.pod_dir(pod_uid) / names.VCUDA_SOCKET
         try:
             sockets.serve(pod_uid, sock)
         except OSError as exc:

@@ -1748,6 +1748,7 @@ class Allocator:
                 "mismatch",
             )
         pod = self._pods.get(owner[0])
+        request = _request_of(pod, owner[1])  # read once: the check and the record below
         if theirs is None:
             if pod is None:
                 raise AllocationError(
@@ -1756,7 +1757,6 @@ class Allocator:
                     "know",
                     "mismatch",
                 )
-            request = _request_of(pod, owner[1])
             if request is None or (request.cores, request.memory_bytes) != (mine.cores, mine.memory):
                 raise AllocationError(
                     f"{names.PRESTART_FAILED}: {ids.describe(mine.device_ids)} allocated to pod {key[0]} container "
@@ -1792,7 +1792,6 @@ class Allocator:
             self._free(self._remove(owner) or theirs)
         self._asked_at.update(asked)
         meta = (pod or {}).get("metadata") or {}
-        request = _request_of(pod, owner[1])
         self._place(
             replace(
                 mine,

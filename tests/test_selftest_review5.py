@@ -10,12 +10,22 @@ every 10 ms and shows a sample at once.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from gpumanager.selftest import checks, programs
+from simnode.gpusim_state import repo_root, sim_env, spec_dir
+from simnode.simhost import install_sim_driver
 from tests.test_selftest_sampler import NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
+from tests.vcuda_fixtures import vcuda_built
+
+__all__ = ["vcuda_built"]  # fixtures
 
 
 class SlowNVML(FakeNVML):
@@ -82,3 +92,36 @@ def test_the_spin_kernel_lasts_a_millisecond_of_time_not_of_sm_clock_cycles() ->
     assert "CLOCK_RATE" not in programs.SPIN
     params = programs.SPIN.split("params = ", 1)[1].split("\n", 1)[0]
     assert eval(params, {"ctypes": ctypes}) == ((1_000_000,), (ctypes.c_uint64,))
+
+
+def _selftest_on(tmp_path: Path, spec: dict[str, object], *flags: str) -> subprocess.CompletedProcess[str]:
+    root = tmp_path / "host"
+    install_sim_driver(root)
+    spec_file = tmp_path / "node.json"
+    spec_file.write_text(json.dumps(spec))
+    return subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "selftest", f"--driver-root={root}", *flags],
+        env=sim_env(spec_file, tmp_path / "node.state"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=repo_root(),
+    )
+
+
+def test_cuda_bindings_newer_than_the_drivers_cuda_is_named_before_any_check_runs(
+    vcuda_built: Path, tmp_path: Path
+) -> None:
+    """cuda-bindings N.x needs a driver of CUDA N.0 or newer (NVIDIA's minor-version compatibility: 12.x from
+    driver 525.60.13, 13.x from 580).  With an older driver every program failed on its own and every row
+    said so; the self-test now says which package to install, and runs nothing (exit 2)."""
+    major = int(importlib.metadata.version("cuda-bindings").split(".")[0])
+    spec = json.loads((spec_dir() / "t4-x1.json").read_text())
+    spec["cuda_driver_version"] = (major - 1) * 1000 + 80
+    spec["driver_version"] = "520.61.05"
+    done = _selftest_on(tmp_path, spec, f"--vcuda-library={vcuda_built}", "--only=cost")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"cuda-bindings {importlib.metadata.version('cuda-bindings')}" in done.stderr
+    assert f"CUDA {major - 1}.8" in done.stderr and "520.61.05" in done.stderr
+    assert "Traceback" not in done.stderr and "cost" not in done.stdout

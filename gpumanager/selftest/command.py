@@ -8,6 +8,7 @@ self-test needs is missing (the interceptor, the driver, NVIDIA's cuda-bindings)
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import logging
 import sys
@@ -187,6 +188,36 @@ def _has_cuda_bindings() -> bool:
         return False
 
 
+def _check_bindings_for_driver() -> None:
+    """SelftestError when the installed cuda-bindings is of a newer CUDA major version than the driver runs:
+    cuda-bindings N.x needs a driver of CUDA N.0 or newer (NVIDIA's minor-version compatibility: 12.x from
+    driver 525.60.13, 13.x from 580), and with an older one every program would fail on its own."""
+    import pynvml
+
+    try:
+        version = importlib.metadata.version("cuda-bindings")
+        major = int(version.split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return  # installed some other way (a source tree): the programs say what fails
+    try:
+        cuda = int(pynvml.nvmlSystemGetCudaDriverVersion_v2())
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError:
+        return
+    driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+    if major * 1000 > cuda:
+        have = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        fix = (
+            f"pip install 'cuda-bindings>=12.9,<{cuda // 1000 + 1}' (or upgrade the driver)"
+            if cuda >= 12000
+            else "the self-test needs a driver of CUDA 12.0 (525.60.13) or newer"
+        )
+        raise SelftestError(
+            f"NVIDIA's cuda-bindings {version} needs a driver of CUDA {major}.0 or newer; this node's driver "
+            f"{driver} runs CUDA {have}: {fix}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """The self-test; returns the exit code."""
     if not _has_cuda_bindings():
@@ -207,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         raise SelftestError(f"--driver-root {args.driver_root}: {err}") from err
     import pynvml
 
+    _check_bindings_for_driver()
     try:
         uuid, total, free = _gpu(args.gpu)
         _check_modes(args.gpu)

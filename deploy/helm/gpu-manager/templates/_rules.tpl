@@ -104,7 +104,11 @@ groups:
         expr: >-
           gpu_manager_container_gpu_memory_used_bytes{ {{- $job -}} }
           / gpu_manager_container_gpu_memory_limit_bytes{ {{- $job -}} } > {{ .Values.prometheusRule.memoryNearLimitRatio }}
-          and gpu_manager_container_gpu_core_limit_ratio{ {{- $job -}} } < 1
+          and (
+            gpu_manager_container_gpu_core_limit_ratio{ {{- $job -}} } < 1
+            or gpu_manager_container_gpu_memory_limit_bytes{ {{- $job -}} }
+              < on (instance, gpu, uuid) group_left gpu_manager_gpu_memory_bytes{ {{- $job -}} }
+          )
         for: 5m
         labels:
           severity: warning

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager import names
+from gpumanager.extender import claims
+from gpumanager.extender.nodes import Charge
 from gpumanager.kube.gpu_inventory import ANNOTATION
 from simnode.apiserver import ApiServerSimulator
 from simnode.extender_process import ExtenderProcess
-from tests.extender_fixtures import GIB, gpu_pod, inventory, wait_for
+from tests import extender_fixtures
+from tests.extender_fixtures import GIB, World, gpu_pod, inventory, wait_for
+
+world = extender_fixtures.world
 
 NODE = "gpu-1"
 CORE = names.VCORE_RESOURCE
@@ -133,3 +139,50 @@ def _ignore(fn: Callable[[], object]) -> None:
         fn()
     except OSError:
         pass
+
+
+def _note_node(world: World, name: str, value: str) -> None:
+    def change(node: dict[str, Any]) -> None:
+        node["metadata"].setdefault("annotations", {})[claims.ANNOTATION] = value
+
+    world.api.update_node(name, change)
+
+
+def test_a_choice_another_replica_recorded_counts_until_it_lapses(world: World) -> None:
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    fresh = claims.Claim("default/elsewhere", time.time(), "1", (Charge(0, 60, 4 * names.MEMORY_BLOCK_BYTES),))
+    _note_node(world, "n", claims.encode_claims({"uid-elsewhere": fresh}))
+    assert "no longer fits" in world.bind(pod, "n")
+    stale = claims.Claim("default/elsewhere", time.time() - claims.CLAIM_TTL - 5, "1", fresh.charges)
+    _note_node(world, "n", claims.encode_claims({"uid-elsewhere": stale}))
+    assert world.bind(pod, "n") == ""
+    node = world.api.get_node("n")
+    assert node is not None
+    recorded = claims.read_claims(node, time.time())
+    assert list(recorded) == ["uid-p"] and recorded["uid-p"].charges[0].cores == 60
+
+
+def test_an_unreadable_record_on_the_node_is_replaced(world: World) -> None:
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    _note_node(world, "n", "not json")
+    assert world.bind(pod, "n") == ""
+    node = world.api.get_node("n")
+    assert node is not None
+    assert list(claims.read_claims(node, time.time())) == ["uid-p"]
+    odd = {"uid-x": {"at": "yesterday", "gpus": []}, "uid-y": {"at": time.time(), "gpus": [[0, True, 1]]}}
+    assert claims.read_claims({"metadata": {"annotations": {claims.ANNOTATION: json.dumps(odd)}}}, time.time()) == {}
+
+
+def test_a_failed_binding_takes_its_choice_off_the_node(world: World) -> None:
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    world.api.fail_next("POST", r"/pods/p/binding$", 500)
+    assert "its GPUs are released" in world.bind(pod, "n")
+    node = world.api.get_node("n")
+    assert node is not None
+    assert claims.read_claims(node, time.time()) == {}

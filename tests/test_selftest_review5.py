@@ -12,20 +12,31 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from gpumanager.selftest import checks, programs
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
 from simnode.simhost import install_sim_driver
-from tests.test_selftest_sampler import NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
+from tests.test_selftest_sampler import FAKE_SPIN_HEAD, NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
 from tests.vcuda_fixtures import vcuda_built
 
 __all__ = ["vcuda_built"]  # fixtures
+
+#: A launch loop without CUDA (a window of 0.1 s ending at its report), holding as SPIN does after it.
+FAKE_SPIN = (
+    FAKE_SPIN_HEAD
+    + "def hold():"
+    + programs.PRELUDE.split("def hold():", 1)[1]
+    + programs.SPIN.split("report(rate=", 1)[1].split("\n", 1)[1]
+)
 
 
 class SlowNVML(FakeNVML):
@@ -125,3 +136,77 @@ def test_cuda_bindings_newer_than_the_drivers_cuda_is_named_before_any_check_run
     assert f"cuda-bindings {importlib.metadata.version('cuda-bindings')}" in done.stderr
     assert f"CUDA {major - 1}.8" in done.stderr and "520.61.05" in done.stderr
     assert "Traceback" not in done.stderr and "cost" not in done.stdout
+
+
+class BusyNVML:
+    """NVML of a GPU that another process (``FOREIGN``) keeps half busy: at each poll, a sample of it and of
+    every launch loop started (``pids``), stamped now."""
+
+    NVMLError = FakeNVMLError
+    NVML_ERROR_NOT_FOUND = NOT_FOUND
+    FOREIGN = 4_000_000
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return "gpu0"
+
+    def nvmlDeviceGetProcessUtilization(self, handle: str, last_seen: int) -> list[SimpleNamespace]:
+        now = int(time.time() * 1e6)
+        return [SimpleNamespace(pid=pid, timeStamp=now, smUtil=30) for pid in self.pids] + [
+            SimpleNamespace(pid=self.FOREIGN, timeStamp=now, smUtil=50)
+        ]
+
+
+def test_other_work_on_the_gpu_during_a_share_measurement_is_named_not_read_as_the_limiters_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A GPU of a working node runs other pods' kernels: the launch loops then get what the GPU's time slicing
+    leaves them, and a limit read against that says OFF (or passes by chance) without saying why.  The
+    measurement now fails naming the other processes and what they took."""
+    monkeypatch.setattr(programs, "SPIN", FAKE_SPIN)
+    started: list[int] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
+        proc: subprocess.Popen[str] = popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(checks, "SAMPLE_LAG", 0.3)
+    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
+                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
+                         base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
+    sampler = checks.UtilSampler(0, nvml=BusyNVML(started))
+    with pytest.raises(checks.ChildError) as raised:
+        checks._spin(setup, [setup.plain()], sampler)
+    assert f"PID {BusyNVML.FOREIGN}" in str(raised.value) and "50 %" in str(raised.value)
+    assert "idle GPU" in str(raised.value)
+
+
+def test_a_gpu_without_other_work_measures_as_before(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    class Alone(BusyNVML):
+        def nvmlDeviceGetProcessUtilization(self, handle: str, last_seen: int) -> list[SimpleNamespace]:
+            return [s for s in super().nvmlDeviceGetProcessUtilization(handle, last_seen) if s.pid != self.FOREIGN]
+
+    monkeypatch.setattr(programs, "SPIN", FAKE_SPIN)
+    started: list[int] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
+        proc: subprocess.Popen[str] = popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    monkeypatch.setattr(checks, "SAMPLE_LAG", 0.3)
+    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
+                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
+                         base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
+    ((rate, util),) = checks._spin(setup, [setup.plain()], checks.UtilSampler(0, nvml=Alone(started)))
+    assert rate == 300.0 and util == pytest.approx(30.0)

@@ -183,6 +183,9 @@ class _Watcher:
         self.windows.append(window)
         return 30.0
 
+    def others(self, pids: set[int], window: tuple[int, int]) -> dict[int, float]:
+        return {}
+
 
 def _running(pid: int) -> bool:
     try:

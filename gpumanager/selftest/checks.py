@@ -298,6 +298,9 @@ def four_processes(s: Setup) -> list[Row]:
 #: the sampler would ask from after the samples still to come, NVML would never show them, and every share read 0.
 SAMPLE_LAG = 2.0
 
+#: Other processes' SM percent over a share's window from which the GPU counts as busy with other work.
+BUSY_PERCENT = 1.0
+
 #: The longest stretch before it that one NVML sample describes, when asked from a time no sample marks (the
 #: simulated GPU averages a sample over at most a second; a real one over at most its sampling period of 1 s).
 SAMPLE_SPAN = 1.0
@@ -362,6 +365,12 @@ class UtilSampler:
         """Percent of ``window`` (CLOCK_REALTIME us) that ``pid``'s kernels ran, over the part of it the
         samples cover; None when they cover none of it."""
         return share(self._spans, pid, window, (self._start_us, self._since))
+
+    def others(self, pids: set[int], window: tuple[int, int]) -> dict[int, float]:
+        """The mean SM percent over ``window`` of every sampled process not in ``pids`` that ran in it."""
+        foreign = {sp.pid for sp in self._spans if sp.pid not in pids}
+        found = {pid: self.share(pid, window) for pid in sorted(foreign)}
+        return {pid: pct for pid, pct in found.items() if pct is not None and pct > 0}
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
@@ -473,7 +482,19 @@ def _spin(s: Setup, envs: Sequence[Mapping[str, str]], sampler: UtilSampler) -> 
             except (subprocess.TimeoutExpired, ValueError, OSError):
                 p.kill()
                 p.wait()
-    return [(float(r["rate"]), sampler.share(int(r["pid"]), (int(r["from_us"]), int(r["to_us"])))) for r in results]
+    shares = [(float(r["rate"]), sampler.share(int(r["pid"]), (int(r["from_us"]), int(r["to_us"])))) for r in results]
+    if any(util is not None for _, util in shares):  # NVML knows the programs by these PIDs: the others are others
+        window = (min(int(r["from_us"]) for r in results), max(int(r["to_us"]) for r in results))
+        busy = {pid: pct for pid, pct in sampler.others({int(r["pid"]) for r in results}, window).items()
+                if pct >= BUSY_PERCENT}  # fmt: skip
+        if busy:
+            named = ", ".join(f"PID {pid}: {pct:.0f} %" for pid, pct in sorted(busy.items()))
+            raise ChildError(
+                f"the GPU ran other work during the measurement ({named} of its time), which takes the time "
+                "the share is measured against; run the self-test on an idle GPU (--gpu), or leave the "
+                "share section out (--only memory,views,footprint,cost)"
+            )
+    return shares
 
 
 def sm_shares(s: Setup, limits: Sequence[int]) -> list[Row]:

@@ -186,3 +186,18 @@ def test_a_failed_binding_takes_its_choice_off_the_node(world: World) -> None:
     node = world.api.get_node("n")
     assert node is not None
     assert claims.read_claims(node, time.time()) == {}
+
+
+def test_the_choice_of_a_pod_deleted_since_holds_nothing(world: World) -> None:
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    first = world.create(gpu_pod("first", [(60, 4)]))
+    assert world.bind(first, "n") == ""
+    world.wait_seen(1)
+    world.api.delete_pod("default", "first")  # a short job: gone within the record's 30 s
+    world.wait_seen(0)
+    second = world.create(gpu_pod("second", [(60, 4)]))
+    assert world.bind(second, "n") == ""
+    node = world.api.get_node("n")
+    assert node is not None
+    assert list(claims.read_claims(node, time.time())) == ["uid-second"]

@@ -484,7 +484,8 @@ class _Bind:
         mine = self._state.assumption(uid)
         when = str(patch[names.PREDICATE_TIME])
         charges = mine.charges.charges if mine is not None else ()
-        claims = {**claims, uid: Claim(podinfo.pod_key(pod), time.time(), when, charges)}
+        claims = {u: c for u, c in claims.items() if not self._state.ended(u)}  # kept small
+        claims[uid] = Claim(podinfo.pod_key(pod), time.time(), when, charges)
         try:
             self._record(node, claims)
         except Exception as exc:

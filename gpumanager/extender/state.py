@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 NEVER = float("inf")
 #: How many deleted nodes' UIDs are remembered (see :meth:`ClusterState.deleted_node`).
 DELETED_NODES_KEPT = 4096
+#: How many deleted or ended pods' UIDs are remembered (see :meth:`ClusterState.counting`).
+ENDED_PODS_KEPT = 4096
 
 
 @dataclass
@@ -94,6 +96,9 @@ class ClusterState:
         # When each entry of _given_up was made (a pod deleted before its bind failed leaves one that
         # no pod event will clear).
         self._given_up_at: dict[str, float] = {}
+        # UIDs of pods the watch showed deleted or ended, oldest first (bounded): a choice another
+        # bind recorded on a node for one of them holds nothing any more.
+        self._ended: dict[str, None] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -285,6 +290,10 @@ class ClusterState:
                     )
                 if why:
                     del self._assumed[uid]
+            if kind == "DELETED" or podinfo.phase(pod) in ("Succeeded", "Failed"):
+                self._ended[uid] = None
+                while len(self._ended) > ENDED_PODS_KEPT:
+                    del self._ended[next(iter(self._ended))]
             if kind == "DELETED":
                 self._keys.pop(uid, None)
             else:
@@ -471,7 +480,8 @@ class ClusterState:
     def counting(self, node_name: str, claims: Mapping[str, Claim], skip: str) -> Iterator[None]:
         """Within the block the node also holds the choices other binds (of any replica) recorded on
         it (``claims``, by pod UID; ``skip``: the pod being bound), where this state does not count
-        that choice, or a later one of the pod there, already."""
+        that choice, or a later one of the pod there, already, and where the watch has not shown the
+        pod deleted or ended."""
         with self.lock:
             node = self._nodes.get(node_name)
             extra: list[tuple[str, tuple[Charge, ...], PodCharges | None]] = []
@@ -479,7 +489,11 @@ class ClusterState:
                 for uid, claim in claims.items():
                     mine = self._applied.get(uid)
                     here = mine if mine is not None and mine.node == node_name else None
-                    if uid == skip or (here is not None and _ns(here.predicate_time) >= _ns(claim.predicate_time)):
+                    if (
+                        uid == skip
+                        or uid in self._ended
+                        or (here is not None and _ns(here.predicate_time) >= _ns(claim.predicate_time))
+                    ):
                         continue
                     extra.append((uid, claim.charges, here))
             for uid, charges, here in extra:
@@ -495,6 +509,11 @@ class ClusterState:
                     node.charge(charges, -1)
                     if here is not None:
                         node.charge(here.charges, pod=self._key(uid))
+
+    def ended(self, uid: str) -> bool:
+        """Whether the watch showed the pod deleted or ended (among the last :data:`ENDED_PODS_KEPT`)."""
+        with self.lock:
+            return uid in self._ended
 
     def _reapply(self, uid: str) -> None:
         assumption = self._assumed.get(uid)

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import names
 from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
@@ -26,6 +30,7 @@ from gpumanager.metrics.collector import AgentCollector
 from gpumanager.metrics.containers import ContainerFamilies
 from gpumanager.metrics.http import QueryServer
 from gpumanager.metrics.usage import ContainerUsage, DeviceUsage
+from simnode.cluster import SimCluster, gpu_pod
 from tests.test_metrics import GPUS, alloc, pod
 
 
@@ -152,3 +157,46 @@ def test_a_dra_share_of_all_the_compute_and_part_of_the_memory_reports_its_memor
         'gpu_manager_container_gpu_memory_limit_bytes{namespace="ml",pod="train",container="main",gpu="2",'
         f'uuid="{GPUS[2].uuid}"}} {float(eight)!r}'
     ]
+
+
+def _legacy_requests(port: int) -> dict[tuple[tuple[str, str], ...], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "container_request_gpu_memory"
+    }
+
+
+def _until(what: str, read: Callable[[], dict[tuple[tuple[str, str], ...], float]]) -> Any:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            got = read()
+        except OSError:  # the agent is not listening yet
+            got = {}
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within 60 s")
+        time.sleep(0.1)
+
+
+def test_an_agent_restarted_without_the_api_server_keeps_the_legacy_request_series(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    c = SimCluster(tmp_path, "v100-pcie-x4", status_lag=0, agent_flags=["--legacy-metrics=true"]).start()
+    try:
+        c.run_pod(gpu_pod("train", [("main", 30, 4)], namespace="ml"))
+        assert c.agent is not None
+        port = c.agent.query_port
+        before = _until("the container's legacy series", lambda: _legacy_requests(port))
+        c.agent.stop()
+        c.api.set_down(True)
+        agent = c.start_agent(wait=False)
+        # Its allocation comes back from the checkpoint while the pods cannot be listed: the same series.
+        assert _until("the legacy series after the restart", lambda: _legacy_requests(agent.query_port)) == before
+    finally:
+        c.stop()

@@ -121,7 +121,7 @@ def test_dra_mode_does_not_report_device_plugin_devices_as_advertised() -> None:
         config=SimpleNamespace(mode="dra", dra_driver_name="gpu.tencent.com"),
     )
     registry = CollectorRegistry()
-    registry.register(AgentCollector(agent))  # type: ignore[arg-type]
+    registry.register(AgentCollector(agent))
     advertised = {
         tuple(sorted(s.labels.items())): s.value
         for family in registry.collect()

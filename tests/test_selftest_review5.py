@@ -210,3 +210,93 @@ def test_a_gpu_without_other_work_measures_as_before(monkeypatch: pytest.MonkeyP
                          base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
     ((rate, util),) = checks._spin(setup, [setup.plain()], checks.UtilSampler(0, nvml=Alone(started)))
     assert rate == 300.0 and util == pytest.approx(30.0)
+
+
+LEGACY = "cuMemAlloc (CUDA 2.0 ABI)"
+
+
+@pytest.fixture(scope="module")
+def legacy_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """One simulated T4 for this module's NVML (the parent's NVML reads one node's state for good)."""
+    base = tmp_path_factory.mktemp("legacy")
+    root = base / "host"
+    install_sim_driver(root)
+    env = sim_env(spec_dir() / "t4-x1.json", base / "node.state")
+    saved = {key: os.environ.get(key) for key in ("GPUSIM_SPEC", "GPUSIM_STATE")}
+    os.environ.update({key: env[key] for key in saved})
+    from gpumanager.device import nvml
+    from gpumanager.selftest.mirror import find_driver
+
+    try:
+        nvml.init(str(find_driver(root).libnvml))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return root, env
+
+
+def _legacy_setup(
+    tmp_path: Path, interceptor: Path, node: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> checks.Setup:
+    """The self-test's setup on the simulated T4, the legacy path alone."""
+    from gpumanager.selftest.mirror import find_driver, lay_out
+
+    root, env = node
+    direct, mirror = lay_out(tmp_path, find_driver(root), interceptor.resolve())
+    monkeypatch.setattr(checks, "ALLOCATION_PATHS", (LEGACY,))
+    return checks.Setup(uuid="GPU-46fcd802-f9c7-4094-b452-4517b84b2606", gpu_index=0, gpu_total=15360 << 20,
+                        work=tmp_path, mirror=mirror, direct=direct, cap=512 << 20, settle=1, measure=1, tolerance=3,
+                        calls=10, base_env=env)  # fmt: skip
+
+
+def test_a_driver_that_refuses_the_cuda_2_0_abi_in_a_64_bit_process_is_reported_not_failed(
+    vcuda_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    legacy_node: tuple[Path, dict[str, str]],
+) -> None:
+    """The CUDA 2.0 ABI's cuMemAlloc hands out 32-bit device addresses; a real driver may refuse it in a
+    64-bit process (or not export it).  The interceptor cannot make the driver allocate: the row said FAIL
+    (``stopped by CUDA_ERROR_NOT_SUPPORTED``) for what the driver alone does; it now checks the driver
+    without the interceptor and reports an informational row."""
+    refusing = programs.ALLOCATE.replace(
+        "def legacy():\n", "def legacy():\n    return (R.CUDA_ERROR_NOT_SUPPORTED, 0)\n", 1
+    )
+    assert refusing != programs.ALLOCATE
+    monkeypatch.setattr(programs, "ALLOCATE", refusing)
+    (row,) = checks.allocation_paths(_legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch))
+    assert row.ok and row.informational, row
+    assert "CUDA_ERROR_NOT_SUPPORTED" in row.result and "without the interceptor" in row.result
+
+
+def test_a_driver_whose_32_bit_addresses_run_out_below_the_cap_is_reported_as_proving_nothing(
+    vcuda_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    legacy_node: tuple[Path, dict[str, str]],
+) -> None:
+    """The driver alone stops the 32-bit allocations (out of memory: the low 4 GiB of addresses are used up)
+    before the cap: "held" would pass whether or not the interceptor counts them."""
+    few = programs.ALLOCATE.replace(
+        "def legacy():\n",
+        "def legacy():\n    global n_legacy\n    n_legacy = globals().get('n_legacy', 0) + 1\n"
+        "    if n_legacy > 2:\n        return (R.CUDA_ERROR_OUT_OF_MEMORY, 0)\n",
+        1,
+    )
+    monkeypatch.setattr(programs, "ALLOCATE", few)
+    (row,) = checks.allocation_paths(_legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch))
+    assert row.ok and row.informational, row
+    assert "without the interceptor" in row.result and "below the cap" in row.result
+
+
+def test_the_cuda_2_0_abi_is_judged_as_before_where_the_driver_allocates_through_it(
+    vcuda_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    legacy_node: tuple[Path, dict[str, str]],
+) -> None:
+    (row,) = checks.allocation_paths(_legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch))
+    assert row.ok and not row.informational and row.result.startswith("held:"), row

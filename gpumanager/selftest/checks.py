@@ -27,6 +27,7 @@ from gpumanager.vmanager.files import VcudaConfig, pack
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+LEGACY_PATH = "cuMemAlloc (CUDA 2.0 ABI)"
 ALLOCATION_PATHS = (
     "cuMemAlloc",
     "cuMemAllocPitch",
@@ -37,7 +38,7 @@ ALLOCATION_PATHS = (
     "cuArray3DCreate",
     "cuMipmappedArrayCreate",
     "graph memory node",
-    "cuMemAlloc (CUDA 2.0 ABI)",
+    LEGACY_PATH,
 )
 CHILD_TIMEOUT = 120.0
 
@@ -195,6 +196,11 @@ def allocation_paths(s: Setup) -> list[Row]:
             rows.append(Row("memory", path, "NVML does not tell the process's memory: cannot tell", False))
             continue
         stopped = r["rc"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        if path == LEGACY_PATH and held <= s.cap:
+            alone = _driver_alone(s, args)
+            if alone is not None:
+                rows.append(Row("memory", path, alone, True, informational=True))
+                continue
         if held > s.cap:
             rows.append(Row("memory", path, f"ESCAPED: {mib(held)} held on a {mib(s.cap)} cap", False))
         elif not stopped:
@@ -202,6 +208,27 @@ def allocation_paths(s: Setup) -> list[Row]:
         else:
             rows.append(Row("memory", path, f"held: {mib(held)} of {mib(s.cap)} ({r['count']} allocations)", True))
     return rows
+
+
+def _driver_alone(s: Setup, args: dict[str, Any]) -> str | None:
+    """Why the CUDA 2.0 ABI's path cannot show an escape on this driver, or None when it can.
+
+    Its cuMemAlloc hands out 32-bit device addresses: a driver may refuse it in a 64-bit process (or not
+    export it), or run out of addresses below 4 GiB before the cap.  What the driver does without the
+    interceptor (a cap's worth of allocations at most) tells which: the interceptor cannot make it allocate.
+    """
+    try:
+        r, held = run_held(programs.ALLOCATE, {**args, "most": s.cap // int(args["chunk"]) + 1}, s.plain(), s.uuid)
+    except ChildError:
+        return None  # the path's own row tells what failed
+    if r["rc"] == "CUDA_SUCCESS":
+        return None
+    if int(r["count"]) == 0:
+        return f"the driver refuses it ({r['rc']}, without the interceptor too): nothing to hold"
+    if r["rc"] == "CUDA_ERROR_OUT_OF_MEMORY" and held is not None and held <= s.cap:
+        return (f"the driver alone stops it at {mib(held)} ({r['count']} allocations without the interceptor: "
+                "32-bit addresses), below the cap: nothing to hold")  # fmt: skip
+    return None
 
 
 def memory_views(s: Setup) -> list[Row]:

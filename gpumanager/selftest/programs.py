@@ -71,7 +71,7 @@ def hold():
     sys.stdin.readline()
 """
 
-# One allocation path, to the cap: ARGS chunk (bytes), path.
+# One allocation path, to the cap: ARGS chunk (bytes), path, most (allocations at most; default 100000).
 ALLOCATE = (
     PRELUDE
     + r"""
@@ -111,10 +111,12 @@ def vmm():
     ok(d.cuMemRelease(r[1]))  # the usual pattern: the mapping keeps the memory
     return (R.CUDA_SUCCESS, va)
 def legacy():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemAlloc.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_uint]
+    fn = getattr(ctypes.CDLL("libcuda.so.1"), "cuMemAlloc", None)  # a driver may not export the 2.0 ABI
+    if fn is None:
+        return (R.CUDA_ERROR_NOT_FOUND, 0)
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_uint]
     p = ctypes.c_uint(0)
-    return (R(lib.cuMemAlloc(ctypes.byref(p), chunk)), p.value)
+    return (R(fn(ctypes.byref(p), chunk)), p.value)
 side = int(chunk ** 0.5) // 4  # a square float array of about one chunk
 ALLOC = {
     "cuMemAlloc": lambda: d.cuMemAlloc(chunk),
@@ -129,7 +131,7 @@ ALLOC = {
     "cuMemAlloc (CUDA 2.0 ABI)": legacy,
 }[path]
 count, rc = 0, R.CUDA_SUCCESS
-while count < 100000:
+while count < ARGS.get("most", 100000):
     r = ALLOC()
     rc = r[0]
     if rc != R.CUDA_SUCCESS:

@@ -228,26 +228,39 @@ static nvmlReturn_t process_util_error(void)
 }
 
 /*
- * GPUSIM_PROCESS_SAMPLE_SPREAD_US: the driver samples each process at its own moment of the 10 ms sampling
- * period, up to this many us before the period's end (default 8000; at most the period, 10000; 0: every process
- * at the period's end, one timestamp for all).  So processes of one answer carry different timestamps, as with
- * the real NVML.  (A process sampled 9.5 ms or more before the period's end makes the SM limiter's pacing
- * oscillate: bursts over 1-2 s, a few percent over the share on average; 10000 reproduces it.)
+ * GPUSIM_PROCESS_SAMPLE_PERIOD_US: the driver's per-process sampling period (default DEFAULT_PERIOD_US; 0: the
+ * timeline's 10 ms checkpoint period).  GPUSIM_PROCESS_SAMPLE_SPREAD_US: each process is sampled at its own
+ * moment of each period, up to this many us before the period's end (a hash of its PID and the period, so its
+ * sample times jitter by up to this much from one period to the next; default 8000, at most the period; 0:
+ * every process at the period's end, one timestamp for all).  So processes of one answer carry different
+ * timestamps, as with the real NVML.
  */
 #define DEFAULT_SPREAD_US 8000L
+#define DEFAULT_PERIOD_US 0L
+
+static uint64_t env_us(const char *name, long *cache, long fallback)
+{
+    long v = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *text = getenv(name);
+        char *end = NULL;
+        long parsed = text != NULL && text[0] != '\0' ? strtol(text, &end, 10) : -1;
+        v = parsed >= 0 && end != NULL && *end == '\0' ? parsed : fallback;
+        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
+    }
+    return (uint64_t)v;
+}
 
 static uint64_t sample_spread_us(void)
 {
     static long spread = -1;
-    long v = __atomic_load_n(&spread, __ATOMIC_RELAXED);
-    if (v < 0) {
-        const char *text = getenv("GPUSIM_PROCESS_SAMPLE_SPREAD_US");
-        char *end = NULL;
-        long parsed = text != NULL && text[0] != '\0' ? strtol(text, &end, 10) : -1;
-        v = parsed >= 0 && end != NULL && *end == '\0' ? parsed : DEFAULT_SPREAD_US;
-        __atomic_store_n(&spread, v, __ATOMIC_RELAXED);
-    }
-    return (uint64_t)v;
+    return env_us("GPUSIM_PROCESS_SAMPLE_SPREAD_US", &spread, DEFAULT_SPREAD_US);
+}
+
+static uint64_t sample_period_us(void)
+{
+    static long period = -1;
+    return env_us("GPUSIM_PROCESS_SAMPLE_PERIOD_US", &period, DEFAULT_PERIOD_US);
 }
 
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
@@ -258,7 +271,8 @@ static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsig
         return fault;
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
-    unsigned ntl = sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), tl, MAX_TL_PROCS, &now_us);
+    unsigned ntl =
+        sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(), tl, MAX_TL_PROCS, &now_us);
     if (ntl > MAX_TL_PROCS)
         ntl = MAX_TL_PROCS;
     unsigned n = 0;

@@ -514,17 +514,34 @@ unsigned sim_tl_samples(struct sim_state *st, unsigned gpu, uint64_t since_us, u
     return count;
 }
 
-/* A PID's sampling moment in each checkpoint period: this many us before the checkpoint (a hash, < spread_us). */
-static uint64_t sample_offset_us(uint32_t pid, uint64_t spread_us)
+/* A PID's sampling moment in period k: this many ns before the period's end (a hash of both, < spread, < period). */
+static uint64_t sample_offset_ns(uint32_t pid, uint64_t k, uint64_t spread_ns, uint64_t period_ns)
 {
-    if (spread_us == 0)
+    uint64_t cap = spread_ns < period_ns ? spread_ns : period_ns;
+    if (cap < 1000u)
         return 0;
-    uint64_t h = (uint64_t)pid * 0x9E3779B97F4A7C15ull;
-    return (h >> 32) % (spread_us < GPUSIM_TL_CKPT_NS / 1000u ? spread_us : GPUSIM_TL_CKPT_NS / 1000u);
+    uint64_t h = ((uint64_t)pid * 0x9E3779B97F4A7C15ull) ^ ((k + 1) * 0xC2B2AE3D27D4EB4Full);
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    return (h % (cap / 1000u)) * 1000u;
+}
+
+/* The newest sampling moment of pid at or before last (mono ns): period ends are multiples of period_ns. */
+static uint64_t sample_moment(uint32_t pid, uint64_t last, uint64_t spread_ns, uint64_t period_ns)
+{
+    uint64_t k = last / period_ns, end = k * period_ns, off = sample_offset_ns(pid, k, spread_ns, period_ns);
+    if (end >= off && end - off <= last)
+        return end - off;
+    if (k == 0)
+        return 0;
+    end -= period_ns;
+    off = sample_offset_ns(pid, k - 1, spread_ns, period_ns);
+    return end >= off ? end - off : 0;
 }
 
 unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t spread_us,
-                             struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us)
+                             uint64_t period_us, struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us)
 {
     struct gpusim_tl_gpu *g = lock_gpu(st, gpu);
     if (g == NULL)
@@ -544,6 +561,7 @@ unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_
      */
     uint64_t oldest = n > GPUSIM_TL_CKPTS ? n - GPUSIM_TL_CKPTS : 0;
     uint64_t last = g->ck_t[(n - 1) % GPUSIM_TL_CKPTS];
+    uint64_t period_ns = period_us > 0 ? period_us * 1000u : GPUSIM_TL_CKPT_NS;
     uint64_t from = mono_of(g, since_us);
     uint64_t horizon = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0;
     if (from < horizon)
@@ -556,10 +574,10 @@ unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_
         const struct gpusim_tl_slot *s = &g->slots[i];
         if (!(s->flags & GPUSIM_TL_IN_USE))
             continue;
-        uint64_t off_ns = sample_offset_us(s->pid, spread_us) * 1000u;
-        if (last < off_ns)
+        uint64_t at = sample_moment(s->pid, last, spread_us * 1000u, period_ns);
+        if (at == 0)
             continue;
-        uint64_t at = last - off_ns, ts = real_us_of(g, at);
+        uint64_t ts = real_us_of(g, at);
         if (ts <= since_us || at <= from)
             continue;
         uint64_t b0 = busy_at(g, s->ck_busy, s->busy_ns, from), b1 = busy_at(g, s->ck_busy, s->busy_ns, at);

@@ -1,10 +1,13 @@
-"""The SM limiter holds its share whatever spread NVML's per-process sample timestamps have.
+"""The SM limiter holds its share whatever period and spread NVML's per-process samples have.
 
-NVML samples each process at its own moment of its sampling period
-(GPUSIM_PROCESS_SAMPLE_SPREAD_US: how far before the period's end at most).  Spreads of 9.5 ms or
-more made the budget controller's pacing swing: bursts over the share, then pauses.  Each case runs
-``launch_loop`` processes of one container under a hard limit and reads from the simulated timeline
-the container's share over consecutive windows; every window and the whole must stay near the limit.
+NVML samples each process at its own moment of its sampling period (GPUSIM_PROCESS_SAMPLE_PERIOD_US:
+10 ms by default in the simulator, about 1/6 s on real datacenter GPUs; GPUSIM_PROCESS_SAMPLE_SPREAD_US:
+how far before the period's end at most, jittering from one period to the next).  Spreads of 9.5 ms
+or more (and the default 8 ms, for some PIDs) made the budget controller's pacing swing with several
+processes in a container, and a 1/6 s period made it swing between 0 and 100 % for everyone.  Each
+case runs ``launch_loop`` processes of one container under a hard limit and reads from the simulated
+timeline the container's share over consecutive windows; every window and the whole must stay near
+the limit.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ CASES = [
     (30, "spin_50ms", 3, "10000", ""),
     (50, "spin_10us", 3, "10000", ""),
     (30, "spin_1ms", 1, "10000", ""),
+    (30, "spin_1ms", 4, "40000", "166667"),
+    (70, "spin_1ms", 3, "40000", "166667"),
+    (50, "spin_10us", 2, "20000", "166667"),
+    (10, "spin_1ms", 1, "", "166667"),
 ]
 
 

@@ -70,6 +70,7 @@
 #endif
 #define MAX_QUERIES 4               /* per measurement: one per distinct start, the oldest merged beyond this */
 #define SAMPLE_WINDOW_US 1000000ull /* a sample spans at most 1 s; the next query starts at most 1 s back */
+#define PROVISIONAL 128u           /* per device: provisional charges kept until NVML's samples cover them */
 #define PERIOD_FORGET 32u          /* the sampling period estimate loses 1/32 per new sample time (then the step) */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
 
@@ -116,6 +117,11 @@ struct dev {
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
     bool newest_sampled;      /* newest_us is a sample's time (not a start) */
+    /* Provisional charges: completed launches x cost, charged until NVML's samples cover their time (a ring) */
+    uint64_t prov_completed;  /* completions charged provisionally so far */
+    uint64_t prov_us[PROVISIONAL];
+    double prov_ns[PROVISIONAL];
+    unsigned prov_head, prov_n;
     uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
@@ -831,11 +837,51 @@ static void adapt_rate(struct dev *d, double other_ns, double span_ns)
         d->rate = d->rate + SOFT_RISE < target ? d->rate + SOFT_RISE : target;
 }
 
+/*
+ * NVML's samples come a sampling period late (about 1/6 s on datacenter GPUs; the simulator's default is the
+ * same): without a charge meanwhile, launches would go unpaced for a period, then pause for the debt, and the
+ * share would swing.  So each completed launch is charged its estimated cost at once, provisionally (d->mu
+ * held); when the samples reach the time it was charged at, the provisional charge is refunded and the
+ * measured time stands instead.
+ */
+static void charge_provisional(struct dev *d)
+{
+    if (d->completed <= d->prov_completed) {
+        d->prov_completed = d->completed;
+        return;
+    }
+    double ns = (double)(d->completed - d->prov_completed) * d->cost;
+    d->prov_completed = d->completed;
+    d->credit -= ns;
+    uint64_t us = real_us();
+    if (d->prov_n == PROVISIONAL) { /* full: into the newest (refunded later, never early) */
+        unsigned last = (d->prov_head + d->prov_n - 1) % PROVISIONAL;
+        d->prov_ns[last] += ns;
+        d->prov_us[last] = us;
+        return;
+    }
+    unsigned slot = (d->prov_head + d->prov_n) % PROVISIONAL;
+    d->prov_us[slot] = us;
+    d->prov_ns[slot] = ns;
+    d->prov_n++;
+}
+
+/* Refunds the provisional charges made at or before sample time upto_us (all of them: UINT64_MAX). */
+static void refund_provisional(struct dev *d, uint64_t upto_us)
+{
+    while (d->prov_n > 0 && d->prov_us[d->prov_head] <= upto_us) {
+        d->credit += d->prov_ns[d->prov_head];
+        d->prov_head = (d->prov_head + 1) % PROVISIONAL;
+        d->prov_n--;
+    }
+}
+
 /* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
 static void update(struct dev *d, uint64_t now, uint64_t min_ns)
 {
     refill(d, now);
     poll_markers(d);
+    charge_provisional(d);
     if (now - d->last_measure < min_ns)
         return;
     double own, other, span;
@@ -848,6 +894,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
          */
         bool busy = in_flight(d) > 0 || d->completed != d->completed_seen;
         double charge = busy ? (double)(now - d->last_measure) : 0.0;
+        refund_provisional(d, UINT64_MAX); /* the wall time charged covers them */
         d->credit -= charge;
         if (d->rate > 0 && !vc_core_config()->upstream) {
             uint64_t until = vc_budget_core_charge(d->index, now, (uint64_t)(charge / d->rate));
@@ -870,6 +917,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     d->last_measure = now;
     d->credit -= own;
     d->measured += own;
+    refund_provisional(d, d->base_us);
     /* The container's ledger: processes started later begin with this debt (init_device). */
     double debt = -d->credit;
     uint64_t until = debt > 0 && d->rate > 0 ? now + (uint64_t)(debt / d->rate) : now;
@@ -879,14 +927,21 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         vc_log(VC_LOG_DEBUG, "device %d: rate %.3f credit %.0f us cost %.1f us in flight %.0f measured %.3f s",
                d->index, d->rate, d->credit / 1e3, d->cost / 1e3, in_flight(d), d->measured / 1e9);
     }
+    /*
+     * The cost: the time measured over the launches completed in the same stretch, learnt when the container's
+     * samples come (a sampling period apart): between them launches complete while no time is measured.
+     */
     double done = (double)(d->completed - d->completed_seen);
-    d->completed_seen = d->completed;
-    d->acc_busy = d->acc_busy * COST_DECAY + own;
-    d->acc_done = d->acc_done * COST_DECAY + done;
-    if (d->acc_done >= 1.0 && d->acc_busy > 0)
-        d->cost = d->acc_busy / d->acc_done;
-    else if (span > 0 && done > 0)
+    if (own > 0) {
+        d->completed_seen = d->completed;
+        d->acc_busy = d->acc_busy * COST_DECAY + own;
+        d->acc_done = d->acc_done * COST_DECAY + done;
+        if (d->acc_done >= 1.0)
+            d->cost = d->acc_busy / d->acc_done;
+    } else if (span > 0 && done > 0 && d->acc_busy <= 0) {
+        d->completed_seen = d->completed;
         d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
+    }
     if (vc_core_config()->soft) {
         if (counted_all_as_own()) {
             /* The neighbours' time is in `own` now: they cannot be told idle, so the soft limit holds at its share. */

@@ -1,12 +1,21 @@
-"""PreStartContainer's look-up of who holds its device IDs: the index of a PodResources List answers what
-the plain per-device reading of every entry answers, whatever the answer's shape."""
+"""PreStartContainer's prepared forms match what they stand for: the index of a PodResources List answers
+what the plain per-device reading of every entry answers, whatever the answer's shape, and the journal
+record of a container now started, made by template, is the encoder's."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
+import pytest
+
+from gpumanager.allocation import journal
+from gpumanager.allocation.allocator import _put
 from gpumanager.api import podresources_v1_pb2 as pb
 from gpumanager.kube.podresources import _Holders
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
 CORE = "tencent.com/vcuda-core"
 MEMORY = "tencent.com/vcuda-memory"
@@ -100,3 +109,31 @@ def test_the_index_of_random_answers_is_the_plain_readings() -> None:
         for ids in want:
             assert holders.holder(CORE, ids) == want[ids]
         assert holders.holder(CORE, frozenset({"none"})) is None
+
+
+def test_a_started_containers_journal_record_is_the_encoders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PreStartContainer's record of a container now started, made by template, is what the encoder writes
+    of the change; and the loaded state shows it started."""
+    staged: list[tuple[Mapping[str, Any], str | None]] = []
+    record = journal._record
+
+    def seen(change: Mapping[str, Any], text: str | None = None) -> bytes:
+        staged.append((change, text))
+        return record(change, text)
+
+    pods = FakePods([make_pod("a", [("c", 50, 4)])])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    monkeypatch.setattr(journal, "_record", seen)
+    started = alloc.pre_start(ids, (uid_of("a"), "c"))
+    assert started.started
+    assert len(staged) == 1 and staged[0][1] is not None
+    change, text = staged[0]
+    assert change == _put(started)
+    assert record(change, text) == record(change)
+    monkeypatch.setattr(journal, "_record", record)
+    again = make_allocator(tmp_path, FakePods(pods.items))
+    again.load()
+    loaded = again.get(uid_of("a"), "c")
+    assert loaded is not None and loaded.started and loaded.device_ids == started.device_ids

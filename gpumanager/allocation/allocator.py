@@ -1721,7 +1721,7 @@ class Allocator:
                         started=True,
                     )
                     self._insert(alloc)
-                    self._save_or_report([_put(alloc)])
+                    self._save_or_report([_put(alloc)], _put_text(alloc))
                     changed = True
                 return alloc
         finally:
@@ -2283,11 +2283,12 @@ class Allocator:
         """Why the checkpoint cannot be written now ('' when the last write worked)."""
         return self._checkpoint_error
 
-    def _save_or_report(self, changes: list[dict[str, Any]] | None = None) -> None:
+    def _save_or_report(self, changes: list[dict[str, Any]] | None = None, text: str | None = None) -> None:
         """Stage the changes (made durable when the :meth:`_changing` block ends; the whole snapshot is
-        written now for ``None``); on failure keep serving from memory and remember why (for /readyz)."""
+        written now for ``None``); on failure keep serving from memory and remember why (for /readyz).
+        ``text``: the JSON of a single change, when the caller made it (:func:`_put_text`)."""
         try:
-            ticket = self._stage(changes)
+            ticket = self._stage(changes, text)
         except OSError as exc:
             log.error("cannot write checkpoint %s: %s", self._checkpoint_path, exc)
             return

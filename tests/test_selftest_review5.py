@@ -300,3 +300,35 @@ def test_the_cuda_2_0_abi_is_judged_as_before_where_the_driver_allocates_through
 ) -> None:
     (row,) = checks.allocation_paths(_legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch))
     assert row.ok and not row.informational and row.result.startswith("held:"), row
+
+
+def test_the_programs_are_shown_to_run_through_the_interceptor_and_the_real_driver_behind_it(
+    vcuda_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    legacy_node: tuple[Path, dict[str, str]],
+) -> None:
+    setup = _legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch)
+    row = next(r for r in checks.memory_views(setup) if r.name == "interceptor in the programs")
+    assert row.ok and str(vcuda_built.resolve()) in row.result, row
+
+
+def test_a_container_whose_programs_load_the_driver_directly_is_named_not_only_seen_as_wrong_totals(
+    vcuda_built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    legacy_node: tuple[Path, dict[str, str]],
+) -> None:
+    """A silent pass-through (the programs find the driver's libcuda before the mirror's) showed only as wrong
+    numbers; the row now says which libcuda the programs have."""
+    setup = _legacy_setup(tmp_path, vcuda_built, legacy_node, monkeypatch)
+    container = setup.container
+
+    def direct(*, memory: int = 0, cores: int = 0) -> dict[str, str]:
+        env = container(memory=memory, cores=cores)
+        env["LD_LIBRARY_PATH"] = str(setup.direct)
+        return env
+
+    monkeypatch.setattr(setup, "container", direct)
+    row = next(r for r in checks.memory_views(setup) if r.name == "interceptor in the programs")
+    assert not row.ok and "not loaded" in row.result and str(vcuda_built.resolve()) in row.result, row

@@ -233,10 +233,13 @@ def _driver_alone(s: Setup, args: dict[str, Any]) -> str | None:
 
 def memory_views(s: Setup) -> list[Row]:
     """What cuMemGetInfo, cuDeviceTotalMem and NVML report inside a container holding part of its cap."""
+    interceptor, driver = ((s.mirror / "libcuda.so.1").resolve(), (s.direct / "libcuda.so.1").resolve())
+    args = {"uuid": s.uuid, "alloc": s.cap // 4, "libs": [str(interceptor), str(driver)]}
     try:
-        r, held_now = run_held(programs.VIEWS, {"uuid": s.uuid, "alloc": s.cap // 4}, s.container(memory=s.cap), s.uuid)
+        r, held_now = run_held(programs.VIEWS, args, s.container(memory=s.cap), s.uuid)
     except ChildError as err:
         return [Row("views", "cuMemGetInfo, NVML", f"error: {err}", False)]
+    loaded = [_loaded(interceptor, driver, r)] if "mapped" in r else []
     cap = min(s.cap, s.gpu_total)
 
     def judge(name: str, text: str, total: int, used_ok: bool | None) -> Row:
@@ -248,12 +251,25 @@ def memory_views(s: Setup) -> list[Row]:
 
     held = held_now  # what NVML accounts to the process, or None
     return [
+        *loaded,
         judge("cuMemGetInfo", f"free {mib(r['free'])}, total {mib(r['total'])}", r["total"],
               None if held is None else abs(r["free"] - (cap - held)) <= 2 * MIB),
         Row("views", "cuDeviceTotalMem", mib(r["device_total"]), r["device_total"] == cap),
         judge("nvmlDeviceGetMemoryInfo", f"total {mib(r['nvml_total'])}, used {mib(r['nvml_used'])}",
               r["nvml_total"], None if held is None else abs(r["nvml_used"] - held) <= 2 * MIB),
     ]  # fmt: skip
+
+
+def _loaded(interceptor: Path, driver: Path, report: Mapping[str, Any]) -> Row:
+    """Whether the program had the interceptor and the real driver behind it mapped (not a pass-through)."""
+    name = "interceptor in the programs"
+    if interceptor == driver:
+        return Row("views", name, f"{interceptor} is the driver itself", False)
+    if {str(interceptor), str(driver)} <= set(report["mapped"]):
+        return Row("views", name, f"{interceptor}, the driver {driver} behind it", True)
+    have = ", ".join(report.get("libcuda", [])) or "none"
+    return Row("views", name, f"not loaded: {interceptor} (with {driver} behind it) expected, the programs have "
+               f"libcuda {have}", False)  # fmt: skip
 
 
 def four_processes(s: Setup) -> list[Row]:

@@ -144,7 +144,7 @@ hold()
 """
 )
 
-# What the container sees: ARGS alloc (bytes).
+# What the container sees: ARGS alloc (bytes), libs (files whose mapping into the process it reports).
 VIEWS = (
     PRELUDE
     + r"""
@@ -153,8 +153,11 @@ p = ok(d.cuMemAlloc(ARGS["alloc"]))
 free, total = ok(d.cuMemGetInfo())
 pynvml.nvmlInit()
 m = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByUUID(ARGS["uuid"]))
+with open("/proc/self/maps") as maps:  # the files this process has mapped: which libcuda it really runs
+    mapped = {os.path.realpath(f[5].strip()) for f in (line.split(None, 5) for line in maps) if len(f) == 6}
 report(free=free, total=total, device_total=ok(d.cuDeviceTotalMem(dev)), nvml_total=m.total, nvml_used=m.used,
-       pid=os.getpid())
+       pid=os.getpid(), mapped=[path for path in ARGS["libs"] if path in mapped],
+       libcuda=sorted(p for p in mapped if os.path.basename(p).startswith("libcuda.so")))
 hold()
 """
 )

@@ -123,15 +123,28 @@ def test_a_replica_killed_mid_bind_leaves_the_other_to_finish_without_double_boo
         # one's annotation of pod a hangs: it dies there, after choosing, before the Binding
         sim.delay(r"/namespaces/default/pods/a$", 5.0, method="PATCH", count=1)
         threading.Thread(target=_ignore, args=(lambda: bind(one, a),), daemon=True).start()
-        wait_for(lambda: any(r.method == "PATCH" and r.path.endswith("/pods/a") for r in sim.requests), what="patch")
-        time.sleep(0.2)
+        wait_for(lambda: "uid-a" in recorded(sim), what="one's choice recorded on the node")
+        time.sleep(0.2)  # one waits for the API server's answer to its annotation of pod a
         one.kill()
+        stored = sim.get_pod("default", "a")
+        assert stored is not None and not stored["spec"].get("nodeName")  # killed mid-bind
         # the scheduler heard nothing (connection reset) and retries pod a, on the replica left
+        first_choice = recorded(sim)["uid-a"].predicate_time
         wait_for(lambda: bind(two, a) == "", timeout=15, what="pod a bound by the other replica")
+        stored = sim.get_pod("default", "a")
+        assert stored is not None
+        when = stored["metadata"]["annotations"][names.PREDICATE_TIME]
+        assert when != first_choice and recorded(sim)["uid-a"].predicate_time == when  # two's own choice
         assert bind(two, b) == ""
         assert "no longer fits" in bind(two, c)
         assert bound(sim) == ["a", "b"]
         assert held_cores(sim) == {0: 100}
+
+
+def recorded(sim: ApiServerSimulator) -> dict[str, claims.Claim]:
+    node = sim.get_node(NODE)
+    assert node is not None
+    return claims.read_claims(node, time.time())
 
 
 def _ignore(fn: Callable[[], object]) -> None:

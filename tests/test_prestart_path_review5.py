@@ -137,3 +137,111 @@ def test_a_started_containers_journal_record_is_the_encoders(tmp_path: Path, mon
     again.load()
     loaded = again.get(uid_of("a"), "c")
     assert loaded is not None and loaded.started and loaded.device_ids == started.device_ids
+
+
+def _first_lookups(pods: list[pb.PodResources], resource: str, asked: list[frozenset[str]]) -> None:
+    """Each set asked first of a fresh answer (the look at the few pods whose bytes hold an ID), then a
+    second set of the same answer (the whole index): both what the plain readings say."""
+    reply = pb.ListPodResourcesResponse(pod_resources=pods)
+    want = _reference(list(reply.pod_resources), resource)
+    for ids in asked:
+        holders = _Holders.of_list(pb.ListPodResourcesResponse.FromString(reply.SerializeToString()))
+        assert holders.holder(resource, ids) == want.get(ids), (resource, ids)
+        assert holders.holder(resource, ids) == want.get(ids), (resource, ids)  # asked again: the same
+        other = frozenset({"c-1", "c-2"})
+        assert holders.holder(resource, other) == want.get(other), (resource, ids)
+
+
+def test_a_first_lookup_reads_few_pods_and_answers_as_the_index() -> None:
+    pods = [
+        pb.PodResources(
+            namespace="ns",
+            name=f"p-{i}",
+            containers=[pb.ContainerResources(name="main", devices=[_devices(CORE, [f"c-{i}", f"c-{i}0"])])],
+        )
+        for i in range(1, 13)
+    ]
+    reply = pb.ListPodResourcesResponse(pod_resources=pods)
+    holders = _Holders.of_list(reply)
+    assert holders.holder(CORE, frozenset({"c-1", "c-10"})) == ("ns", "p-1", "main")  # c-1 is in c-10, c-11, c-12
+    assert holders._by_resource == {}, "no whole index for the first lookup"
+    assert holders.holder(CORE, frozenset({"c-1", "c-10"})) == ("ns", "p-1", "main")
+    assert holders._by_resource == {}
+    assert holders.holder(CORE, frozenset({"c-12", "c-120"})) == ("ns", "p-12", "main")
+    assert CORE in holders._by_resource, "the second lookup of the answer indexes it"
+    _first_lookups(
+        pods,
+        CORE,
+        [frozenset({"c-1"}), frozenset({"c-12", "c-120"}), frozenset({"c-3", "c-30", "c-4"}), frozenset({"x"})],
+    )
+
+
+def test_a_first_lookup_of_an_odd_answer_answers_as_the_index() -> None:
+    odd = _odd_answer()
+    asked = [
+        frozenset({"c-1", "c-2"}),
+        frozenset({"c-3"}),
+        frozenset({"c-3", "c-4"}),
+        frozenset({"c-4"}),
+        frozenset({"m-1"}),
+        frozenset({"m-2", "m-3"}),
+        frozenset(),
+        frozenset({"\udcff"}),  # no UTF-8 for it
+    ]
+    for resource in (CORE, MEMORY):
+        _first_lookups(odd, resource, asked)
+    twice = [  # one container listed twice in a pod, a pod without a name, a name also a container's
+        pb.PodResources(
+            namespace="n",
+            name="main",
+            containers=[
+                pb.ContainerResources(name="main", devices=[_devices(CORE, ["u-1"])]),
+                pb.ContainerResources(name="main", devices=[_devices(CORE, ["u-2"])]),
+            ],
+        ),
+        pb.PodResources(
+            namespace="n", name="", containers=[pb.ContainerResources(name="c", devices=[_devices(CORE, ["u-3"])])]
+        ),
+        pb.PodResources(
+            namespace="n", name="", containers=[pb.ContainerResources(name="c", devices=[_devices(CORE, ["u-4"])])]
+        ),
+        pb.PodResources(
+            namespace="n",
+            name="\u00fc",
+            containers=[pb.ContainerResources(name="c", devices=[_devices(CORE, ["\u00e9"])])],
+        ),
+    ]
+    _first_lookups(
+        twice,
+        CORE,
+        [
+            frozenset({"u-1"}),
+            frozenset({"u-1", "u-2"}),
+            frozenset({"u-3"}),
+            frozenset({"u-3", "u-4"}),
+            frozenset({"\u00e9"}),
+        ],
+    )
+
+
+def test_a_first_lookup_of_random_answers_answers_as_the_index() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        pods = []
+        for _p in range(rng.randint(0, 6)):
+            containers = []
+            for _c in range(rng.randint(0, 3)):
+                devices = [
+                    _devices(rng.choice((CORE, MEMORY)), [f"d-{rng.randint(0, 12)}" for _ in range(rng.randint(0, 2))])
+                    for _d in range(rng.randint(0, 3))
+                ]
+                containers.append(pb.ContainerResources(name=rng.choice(["c0", "c1", "d-1"]), devices=devices))
+            pods.append(
+                pb.PodResources(
+                    namespace=rng.choice("xy"), name=rng.choice(["p", "q", "d-1", ""]), containers=containers
+                )
+            )
+        reply = pb.ListPodResourcesResponse(pod_resources=pods)
+        want = _reference(list(reply.pod_resources), CORE)
+        asked = [*want, *(frozenset(rng.sample([f"d-{i}" for i in range(13)], rng.randint(1, 3))) for _ in range(3))]
+        _first_lookups(pods, CORE, asked)

@@ -33,8 +33,8 @@ __all__ = ["vcuda_built"]  # fixtures
 #: A launch loop without CUDA (a window of 0.1 s ending at its report), holding as SPIN does after it.
 FAKE_SPIN = (
     FAKE_SPIN_HEAD
-    + "def hold():"
-    + programs.PRELUDE.split("def hold():", 1)[1]
+    + "def hold("
+    + programs.PRELUDE.split("def hold(", 1)[1]
     + programs.SPIN.split("report(rate=", 1)[1].split("\n", 1)[1]
 )
 
@@ -332,3 +332,59 @@ def test_a_container_whose_programs_load_the_driver_directly_is_named_not_only_s
     monkeypatch.setattr(setup, "container", direct)
     row = next(r for r in checks.memory_views(setup) if r.name == "interceptor in the programs")
     assert not row.ok and "not loaded" in row.result and str(vcuda_built.resolve()) in row.result, row
+
+
+#: A launch loop without CUDA whose "kernel launches" are lines in the file ARGS names (their CLOCK_REALTIME us).
+LOGGING_SPIN = (
+    r"""
+import json, os, sys, time
+ARGS = json.loads(sys.argv[1])
+class d:
+    @staticmethod
+    def cuLaunchKernel(*args):
+        time.sleep(0.002)
+        with open(os.environ["LAUNCH_LOG"], "a") as log:
+            log.write(f"{int(time.time() * 1e6)}\n")
+        return (0,)
+fn = stream = params = None
+print("running", flush=True)
+now = int(time.time() * 1e6)
+print(json.dumps({"rate": 300.0, "pid": os.getpid(), "from_us": now - 100000, "to_us": now}), flush=True)
+"""
+    + "def hold("
+    + programs.PRELUDE.split("def hold(", 1)[1]
+    + programs.SPIN.split("report(rate=", 1)[1].split("\n", 1)[1]
+)
+
+
+def test_the_launch_loops_keep_their_pace_after_their_window_until_nvml_was_last_read(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A real GPU's sample may cover up to a second across the end of a window (a sampling period of 1 s):
+    where the loop went idle at the window's end, that sample's mean took in the idle time after it and a
+    90 % limit read 85 %.  The loops now keep launching, at their limited pace, until NVML was read."""
+    log = tmp_path / "launches"
+    monkeypatch.setattr(programs, "SPIN", LOGGING_SPIN)
+    monkeypatch.setattr(checks, "SAMPLE_LAG", 0.5)
+    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
+                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
+                         base_env={"PATH": os.environ.get("PATH", ""), "LAUNCH_LOG": str(log)})  # fmt: skip
+    stops: list[float] = []
+
+    class Sampler:
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            stops.append(time.time())
+
+        def share(self, pid: int, window: tuple[int, int]) -> float | None:
+            return 30.0
+
+        def others(self, pids: set[int], window: tuple[int, int]) -> dict[int, float]:
+            return {}
+
+    checks._spin(setup, [setup.plain()], Sampler())  # type: ignore[arg-type]
+    launched = [int(line) for line in log.read_text().split()]
+    (stopped,) = stops
+    assert launched and max(launched) >= (stopped - 0.1) * 1e6  # still launching when NVML was last read

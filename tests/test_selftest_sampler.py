@@ -155,6 +155,12 @@ def test_an_nvml_error_other_than_not_found_tells_nothing() -> None:
 #: its report.
 FAKE_SPIN_HEAD = r"""
 import json, os, sys, time
+class d:  # launches that take 2 ms each
+    @staticmethod
+    def cuLaunchKernel(*args):
+        time.sleep(0.002)
+        return (0,)
+fn = stream = params = None
 print("running", flush=True)
 time.sleep(0.05)
 now = int(time.time() * 1e6)
@@ -201,7 +207,7 @@ def test_the_last_poll_comes_after_nvmls_lag_while_the_launch_loops_still_run(
     """NVML has no sample of a process that has exited, so a loop that ended before the last poll lost its
     last stretch; and a poll sooner than NVML's sampling lag after the windows' end cannot tell whether
     they were idle at their end."""
-    hold = "def hold():" + programs.PRELUDE.split("def hold():", 1)[1]
+    hold = "def hold(" + programs.PRELUDE.split("def hold(", 1)[1]
     tail = programs.SPIN.split("report(rate=", 1)[1].split("\n", 1)[1]  # what SPIN does after its report
     monkeypatch.setattr(programs, "SPIN", FAKE_SPIN_HEAD + hold + tail)
     started: list[int] = []

@@ -66,8 +66,13 @@ if rc != R.CUDA_SUCCESS:
     report(context=rc.name)
     sys.exit(0)
 ok(d.cuCtxSetCurrent(ctx))
-def hold():
-    # The self-test reads what NVML accounts to this process now; it says when to go.
+def hold(work=None):
+    # The self-test reads what NVML accounts to this process now; it says when to go.  With work: called
+    # over and over until then (a launch loop keeps its pace while NVML's samples of its window come in).
+    if work is not None:
+        import select
+        while not select.select([sys.stdin], [], [], 0)[0]:
+            work()
     sys.stdin.readline()
 """
 
@@ -183,7 +188,7 @@ hold()
 )
 
 # A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle
-# and the wall-clock window (us) they were counted in, then holds (idle) until told to go.
+# and the wall-clock window (us) they were counted in, then launches on (uncounted) until told to go.
 SPIN = (
     PRELUDE
     + r"""
@@ -206,9 +211,11 @@ while True:
         counted += 1
 elapsed = time.monotonic() - (t0 or end)
 to_us = int(time.time() * 1e6)  # the window NVML's samples are read over (CLOCK_REALTIME, as theirs)
-ok(d.cuStreamSynchronize(stream))
 report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid(), from_us=from_us or to_us, to_us=to_us)
-hold()  # running (idle) until NVML has been read past the window: NVML tells nothing of a process that ended
+# Launching on, at the same pace, until NVML has been read past the window: NVML tells nothing of a process
+# that ended, and a sample that spans the window's end (a real GPU's period is up to a second) averages what
+# came after it in; idle there, it would read the window's end as partly idle.
+hold(lambda: d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, params, 0))
 """
 )
 

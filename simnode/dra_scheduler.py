@@ -22,11 +22,16 @@ enhancement"):
   ``constraints[].matchAttribute`` (every device of the listed requests has the same value of the
   attribute, and has it) and ``distinctAttribute``, by backtracking;
 * the result: ``status.allocation.devices.results[]`` (request, driver, pool, device, ``shareID``
-  for shareable devices, ``consumedCapacity``, the request's tolerations), ``nodeSelector`` for the
-  node, and ``reservedFor`` the pod; then the pod is bound (``pods/binding``).
+  for shareable devices, ``consumedCapacity``, the request's tolerations, ``adminAccess``: set on
+  every result, true or false, as since 1.32), ``nodeSelector`` for the node, and ``reservedFor``
+  the pod; then the pod is bound (``pods/binding``);
+* admin access (``exactly.adminAccess: true``): the device is given whatever other claims hold of it
+  (in use, or its capacity taken), and the result is not counted as allocated, as the real
+  allocator does (the API server admits such requests only in namespaces labelled
+  ``resource.kubernetes.io/admin-access: "true"``; not checked here).
 
 A pod whose claims cannot all be allocated on any node stays pending; :attr:`DRAScheduler.pending`
-says why. Not modelled: ``firstAvailable``, admin access, binding conditions, scoring (there is
+says why. Not modelled: ``firstAvailable``, binding conditions, scoring (there is
 none for DRA yet), preemption, claims shared by several pods on different nodes.
 """
 
@@ -168,6 +173,8 @@ class Allocator:
         self.exclusive: set[tuple[str, str, str]] = set()
         for claim in allocated:
             for r in (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []:
+                if r.get("adminAccess") is True:  # not considered allocated, as the real allocator
+                    continue
                 self._charge((r["driver"], r["pool"], r["device"]), r.get("consumedCapacity"), bool(r.get("shareID")))
 
     @staticmethod
@@ -202,18 +209,21 @@ class Allocator:
     ) -> dict[str, Decimal] | None:
         """What ``request`` consumes of ``c`` (``pending``: what other requests of the claim being
         allocated take of it already), or None when it does not fit."""
-        if c.key in self.exclusive:
+        admin = request.get("adminAccess") is True
+        if c.key in self.exclusive and not admin:
             return None
         multi = bool(c.device.get("allowMultipleAllocations"))
         wanted = ((request.get("capacity") or {}).get("requests")) or {}
         if not multi:
-            return {} if c.key not in self.used else None
+            return {} if c.key not in self.used or admin else None
         out: dict[str, Decimal] = {}
         for name, cap in (c.device.get("capacity") or {}).items():
             amount = rounded(cap, wanted.get(name))
             if amount is None:
                 return None
-            taken = self.used.get(c.key, {}).get(name, Decimal(0)) + (pending or {}).get(name, Decimal(0))
+            taken = (pending or {}).get(name, Decimal(0))
+            if not admin:  # admin access is given a device whatever the others take of it
+                taken += self.used.get(c.key, {}).get(name, Decimal(0))
             if amount + taken > value(cap.get("value", "0")):
                 return None
             out[name] = amount
@@ -302,7 +312,7 @@ class Allocator:
                 # claim (another request, or the next device of the same request: only a
                 # distinctAttribute constraint prevents that), while its capacity lasts.
                 same = [took for chosen, took in choice if chosen.key == c.key]
-                if same and not c.device.get("allowMultipleAllocations"):
+                if same and not c.device.get("allowMultipleAllocations") and request.get("adminAccess") is not True:
                     continue
                 pending: dict[str, Decimal] = {}
                 for took in same:
@@ -329,8 +339,12 @@ class Allocator:
                 result["consumedCapacity"] = {k: _like(v, caps[k].get("value", "0")) for k, v in consumed.items()}
             if request.get("tolerations"):
                 result["tolerations"] = request["tolerations"]
+            # Set on every result since 1.32 (DRAAdminAccess on by default; GA 1.36).
+            admin = request.get("adminAccess") is True
+            result["adminAccess"] = admin
             results.append(result)
-            self._charge(c.key, result.get("consumedCapacity"), multi)
+            if not admin:
+                self._charge(c.key, result.get("consumedCapacity"), multi)
         return results
 
 

@@ -370,8 +370,8 @@ class DRACluster:
             uid = pod["metadata"]["uid"]
             if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 running = any(k[0] == uid for k in self.kubelet.containers)
-                if running or any(uid in c.pods for c in self.kubelet.claims.values()):
-                    self.kubelet.stop_pod(uid)
+                # An Unprepare that failed is tried again the next pass.
+                if (running or uid in self.kubelet.pods_to_unprepare()) and not self.kubelet.stop_pod(uid):
                     changed += 1
         for pod in pods:
             uid = pod["metadata"]["uid"]
@@ -416,7 +416,9 @@ class DRACluster:
             changed += 1
         # Pods deleted from the API server: stop what is left of them.
         known = {p["metadata"]["uid"] for p in pods}
-        for uid in {k[0] for k in self.kubelet.containers} - known:
-            self.kubelet.stop_pod(uid)
-            changed += 1
+        # As the kubelet's reconcile loop: claims still referenced by a pod that is gone (one whose
+        # Prepare failed, or whose Unprepare did) are unprepared.
+        for uid in ({k[0] for k in self.kubelet.containers} | self.kubelet.pods_to_unprepare()) - known:
+            if not self.kubelet.stop_pod(uid):
+                changed += 1
         return changed

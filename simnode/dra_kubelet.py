@@ -6,7 +6,9 @@ What it does as the kubelet does:
   for unix sockets; for each new one (by device and inode) it calls ``GetInfo``, checks the type
   (``DRAPlugin``), the name and the endpoint, picks the newest version it speaks (``versions``:
   ``v1.DRAPlugin``, else ``v1beta1.DRAPlugin``; a 1.33 kubelet speaks only v1beta1) and answers
-  ``NotifyRegistrationStatus``. A socket that disappears
+  ``NotifyRegistrationStatus``; a refused registration is tried again (GetInfo, the checks,
+  NotifyRegistrationStatus) with the plugin manager's backoff, 0.5 s doubling to 2 min 2 s, while the
+  socket stays. A socket that disappears
   deregisters its driver. It reads the driver's ``DRAResourceHealth`` stream while registered;
   a device the stream has not named again within the report's timeout (30 s unless the report
   says otherwise) shows as UNKNOWN, as in the kubelet's health cache.
@@ -16,15 +18,19 @@ What it does as the kubelet does:
   with ``wipe_sockets``, removes the sockets in the registry and plugins directories.
 * **Pods**: :meth:`start_pod` resolves the pod's claims (``resourceClaimName`` or
   ``status.resourceClaimStatuses``), groups them by driver from their allocation results, calls
-  ``NodePrepareResources`` once per driver (claims it has already prepared are not sent again:
-  its claim-info cache survives restarts, like the kubelet's checkpoint), turns each
+  ``NodePrepareResources`` once per driver (claims it has already prepared are not sent again;
+  its claim-info cache survives restarts, like the kubelet's checkpoint, but without the
+  "prepared" mark, so after a restart a claim is sent again with the next pod that uses it;
+  a claim enters the cache before the call, so one whose Prepare failed is unprepared when its
+  pod goes; one claim's error leaves the whole call's claims unprepared), turns each
   container's CDI device IDs into edits read from the CDI spec files (spec-level edits once,
   then each device's; env merged last-wins) and starts the container as a child process.
   :meth:`stop_pod` ends the processes and unprepares claims no other pod on the node uses.
 
 Not as the kubelet: mounts are applied by translating paths (the child's environment values
 that point into a mounted container path get the host path; no mount namespace), device nodes
-are checked for shape only, and a per-claim error is raised to the caller instead of retried.
+are checked for shape only, and a Prepare error is raised to the caller (PrepareFailed) instead of
+retried with backoff: the caller calls again, as the kubelet's next pod sync does.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -72,6 +79,10 @@ class PrepareFailed(RuntimeError):
         self.errors = dict(errors)
 
 
+#: The plugin manager's backoff for a registration that failed (initial and maximum delay).
+REGISTRATION_RETRY_FIRST = 0.5
+REGISTRATION_RETRY_MAX = 122.0
+
 #: The health service a driver lists in GetInfo's supported versions for the kubelet to open its stream.
 HEALTH_SERVICE = "v1.DRAResourceHealth"
 
@@ -102,6 +113,9 @@ class PreparedClaim:
     driver: str
     devices: list[JSON]  # {request_names, pool, device, cdi_ids, share_id}
     pods: set[str] = field(default_factory=set)
+    # Set when NodePrepareResources succeeded; not checkpointed: after a kubelet restart the
+    # claim is sent again with the next pod sandbox that uses it.
+    prepared: bool = False
 
 
 @dataclass
@@ -125,6 +139,86 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+#: CDI specification versions a current runtime loads, and what each newer one adds that a spec needs.
+CDI_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+_SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
+_DEVICE_KEYS = {"name", "annotations", "containerEdits"}
+_EDIT_KEYS = {"env", "deviceNodes", "mounts", "hooks", "additionalGIDs", "intelRdt", "netDevices"}
+_NODE_KEYS = {"path", "hostPath", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"}
+_MOUNT_KEYS = {"hostPath", "containerPath", "type", "options"}
+_HOOK_KEYS = {"hookName", "path", "args", "env", "timeout"}
+_VENDOR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+
+
+def _cdi_version(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def cdi_spec_problem(spec: Any) -> str | None:
+    """Why a CDI runtime refuses to load ``spec`` (one file), or None: unknown fields, a version it
+    does not know or below what the fields used need, a malformed kind or device name, a device
+    with no edits, a malformed env entry, device node, mount or hook."""
+    if not isinstance(spec, dict):
+        return "not an object"
+    if extra := set(spec) - _SPEC_KEYS:
+        return f"unknown fields {sorted(extra)}"
+    version = spec.get("cdiVersion")
+    if version not in CDI_VERSIONS:
+        return f"unsupported cdiVersion {version!r}"
+    vendor, _, klass = str(spec.get("kind", "")).partition("/")
+    if not _VENDOR_CLASS.match(vendor) or not _VENDOR_CLASS.match(klass):
+        return f"invalid kind {spec.get('kind')!r}"
+    devices = spec.get("devices")
+    if not isinstance(devices, list) or not devices:
+        return "no devices"
+    names = [d.get("name") if isinstance(d, dict) else None for d in devices]
+    if len(set(names)) != len(names):
+        return "duplicate device names"
+    need = "0.3.0"
+    edit_sets: list[Any] = [spec.get("containerEdits") or {}]
+    for dev in devices:
+        if not isinstance(dev, dict) or (extra := set(dev) - _DEVICE_KEYS):
+            return f"device {dev!r}: unknown fields"
+        if not isinstance(dev.get("name"), str) or not _DEVICE_NAME.match(dev["name"]):
+            return f"invalid device name {dev.get('name')!r}"
+        if not dev.get("containerEdits"):
+            return f"device {dev['name']} has no edits"
+        if not dev["name"][:1].isalpha():
+            need = max(need, "0.5.0", key=_cdi_version)
+        if dev.get("annotations"):
+            need = max(need, "0.6.0", key=_cdi_version)
+        edit_sets.append(dev["containerEdits"])
+    if spec.get("annotations"):
+        need = max(need, "0.6.0", key=_cdi_version)
+    for edits in edit_sets:
+        if not isinstance(edits, dict) or (extra := set(edits) - _EDIT_KEYS):
+            return f"containerEdits: unknown fields {sorted(extra) if isinstance(edits, dict) else edits!r}"
+        for item in edits.get("env") or []:
+            if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0]:
+                return f"invalid env entry {item!r}"
+        for node in edits.get("deviceNodes") or []:
+            if not isinstance(node, dict) or set(node) - _NODE_KEYS or not str(node.get("path", "")).startswith("/"):
+                return f"invalid device node {node!r}"
+            if not set(str(node.get("permissions", "rwm"))) <= set("rwm"):
+                return f"invalid device node permissions {node!r}"
+            if node.get("hostPath"):
+                need = max(need, "0.5.0", key=_cdi_version)
+        for m in edits.get("mounts") or []:
+            if not isinstance(m, dict) or set(m) - _MOUNT_KEYS:
+                return f"invalid mount {m!r}"
+            if not str(m.get("hostPath", "")).startswith("/") or not str(m.get("containerPath", "")).startswith("/"):
+                return f"invalid mount {m!r}"
+            if m.get("type"):
+                need = max(need, "0.4.0", key=_cdi_version)
+        for hook in edits.get("hooks") or []:
+            if not isinstance(hook, dict) or set(hook) - _HOOK_KEYS or not hook.get("path"):
+                return f"invalid hook {hook!r}"
+    if _cdi_version(version) < _cdi_version(need):
+        return f"cdiVersion {version} is below {need}, which the fields used need"
+    return None
 
 
 class DRAKubeletSimulator:
@@ -154,6 +248,9 @@ class DRAKubeletSimulator:
         self._lock = threading.RLock()
         self._plugins: dict[str, PluginRecord] = {}
         self._seen: dict[Path, tuple[int, int, int]] = {}
+        # Refused registrations: socket -> (when to try again, the backoff used), as the plugin
+        # manager's reconciler retries a failed registration with exponential backoff.
+        self._refused: dict[Path, tuple[float, float]] = {}
         self.claims: dict[str, PreparedClaim] = {}
         self.containers: dict[tuple[str, str], RunningContainer] = {}
         self.registration_log: list[tuple[float, str, str]] = []  # (time, driver, "ok" or error)
@@ -167,6 +264,11 @@ class DRAKubeletSimulator:
     def start(self) -> None:
         """Delete this node's ResourceSlices, then watch the registry directory."""
         self.registry_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            # The claim-info cache read back from the checkpoint: pods and devices kept, no claim
+            # marked prepared (the kubelet keeps that flag in memory only).
+            for claim in self.claims.values():
+                claim.prepared = False
         self._delete_node_slices()
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="dra-kubelet-watch", daemon=True)
@@ -183,6 +285,7 @@ class DRAKubeletSimulator:
                     plugin.channel.close()
             self._plugins.clear()
             self._seen.clear()
+            self._refused.clear()
 
     def restart(self, *, wipe_sockets: bool = False, plugin_dirs: Sequence[Path] = ()) -> None:
         """A kubelet restart: connections dropped, optionally every socket removed, slices deleted."""
@@ -252,7 +355,15 @@ class DRAKubeletSimulator:
                             timer = threading.Timer(self.slice_wipe_delay, self._wipe_driver_slices, args=(name,))
                             timer.daemon = True
                             timer.start()
-            new = [(p, i) for p, i in present.items() if i is not None and self._seen.get(p) != i]
+            now = time.monotonic()
+            for path in list(self._refused):
+                if path not in self._seen:
+                    del self._refused[path]
+            new = [
+                (p, i)
+                for p, i in present.items()
+                if i is not None and (self._seen.get(p) != i or (p in self._refused and now >= self._refused[p][0]))
+            ]
         for path, ident in new:
             self._register(path, ident)
 
@@ -284,8 +395,12 @@ class DRAKubeletSimulator:
             self._seen[path] = ident
             self.registration_log.append((time.monotonic(), info.name, error or "ok"))
             if error:
-                log.warning("kubelet: refused plugin at %s: %s", path, error)
+                _, delay = self._refused.get(path, (0.0, 0.0))
+                delay = min(max(delay * 2, REGISTRATION_RETRY_FIRST), REGISTRATION_RETRY_MAX)
+                self._refused[path] = (time.monotonic() + delay, delay)
+                log.warning("kubelet: refused plugin at %s: %s (tried again in %.1f s)", path, error, delay)
                 return
+            self._refused.pop(path, None)
             record = PluginRecord(info.name, info.endpoint, version, path, ident, time.monotonic())
             record.channel = grpc.insecure_channel(f"unix://{info.endpoint}")
             self._plugins[info.name] = record
@@ -435,51 +550,106 @@ class DRAKubeletSimulator:
         base_env: Mapping[str, str] | None = None,
         cgroup_root: Path | None = None,
     ) -> dict[str, RunningContainer]:
-        """Prepare the pod's claims and start its containers; raises PrepareFailed on claim errors."""
+        """Prepare the pod's claims and start its containers, as the kubelet before a sandbox is made.
+
+        As the kubelet's DRA manager: every claim must list the pod in ``status.reservedFor`` and
+        every driver must be registered (even for claims already prepared); each claim enters the
+        claim-info cache with the pod's reference *before* NodePrepareResources is called, so a
+        claim whose preparation failed is still unprepared when the pod goes; a claim is marked
+        prepared only when every call for the pod succeeded (one claim's error leaves the others of
+        the call unprepared: the next try sends them again); an answer naming an unknown claim or
+        leaving one out fails the pod. Raises PrepareFailed on any of these (the kubelet retries
+        with backoff; the caller calls again)."""
         uid = pod["metadata"]["uid"]
+        pod_name = pod["metadata"].get("name", "")
         claims = self._pod_claims(pod)
         by_driver: dict[str, list[JSON]] = {}
-        for claim in claims.values():
-            results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
-            drivers = sorted({r.get("driver") for r in results if r.get("driver")}) or ["?"]
-            for d in drivers:
-                by_driver.setdefault(str(d), []).append(claim)
         errors: dict[str, str] = {}
-        for driver, driver_claims in sorted(by_driver.items()):
-            todo = [c for c in driver_claims if c["metadata"]["uid"] not in self.claims]
-            if todo:
-                refs = [(c["metadata"]["namespace"], c["metadata"]["name"], c["metadata"]["uid"]) for c in todo]
-                answer = self.prepare(driver, refs)
-                for c in todo:
-                    cuid = c["metadata"]["uid"]
-                    entry = answer.get(cuid)
-                    if entry is None:
-                        errors[c["metadata"]["name"]] = "no entry in the NodePrepareResources response"
-                    elif entry["error"]:
-                        errors[c["metadata"]["name"]] = entry["error"]
-                    else:
-                        with self._lock:
-                            self.claims[cuid] = PreparedClaim(
-                                c["metadata"]["namespace"], c["metadata"]["name"], cuid, driver, entry["devices"]
-                            )
+        for claim in claims.values():
+            md = claim["metadata"]
+            reserved = ((claim.get("status") or {}).get("reservedFor")) or []
+            if not any(r.get("uid") == uid for r in reserved):
+                errors[md["name"]] = (
+                    f"pod {pod_name} ({uid}) is not allowed to use ResourceClaim {md['name']} ({md['uid']})"
+                )
+                continue
+            results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+            drivers = sorted({str(r.get("driver")) for r in results if r.get("driver")})
+            for d in drivers:
+                if d not in self.plugins():
+                    errors[md["name"]] = f"DRA driver {d} is not registered"
+                by_driver.setdefault(d, []).append(claim)
         if errors:
             raise PrepareFailed(errors)
         with self._lock:
             for claim in claims.values():
-                self.claims[claim["metadata"]["uid"]].pods.add(uid)
+                md = claim["metadata"]
+                known = self.claims.get(md["uid"])
+                same_name = [c for c in self.claims.values() if (c.namespace, c.name) == (md["namespace"], md["name"])]
+                if known is None and same_name:
+                    errors[md["name"]] = (
+                        f"old ResourceClaim with same name {md['name']} and different UID "
+                        f"{same_name[0].uid} still exists (previous pod force-deleted?!)"
+                    )
+                    continue
+                if known is None:
+                    results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get(
+                        "results"
+                    ) or []
+                    drivers = sorted({str(r.get("driver")) for r in results if r.get("driver")}) or ["?"]
+                    known = PreparedClaim(md["namespace"], md["name"], md["uid"], drivers[0], [])
+                    self.claims[md["uid"]] = known
+                known.pods.add(uid)  # checkpointed before the call, as the kubelet does
+        if errors:
+            raise PrepareFailed(errors)
+        answers: dict[str, list[JSON]] = {}
+        for driver, driver_claims in sorted(by_driver.items()):
+            todo = [c for c in driver_claims if not self.claims[c["metadata"]["uid"]].prepared]
+            if not todo:
+                continue
+            refs = [(c["metadata"]["namespace"], c["metadata"]["name"], c["metadata"]["uid"]) for c in todo]
+            try:
+                answer = self.prepare(driver, refs)
+            except grpc.RpcError as exc:
+                failed = f"NodePrepareResources: {exc.code()}: {exc.details() if hasattr(exc, 'details') else ''}"
+                raise PrepareFailed({c["metadata"]["name"]: failed for c in todo}) from None
+            by_uid = {c["metadata"]["uid"]: c for c in todo}
+            for cuid, entry in answer.items():
+                if cuid not in by_uid:
+                    raise PrepareFailed({"?": f"NodePrepareResources returned result for unknown claim UID {cuid}"})
+                if entry["error"]:
+                    # The kubelet stops at the first error: no claim of this pod is marked prepared.
+                    raise PrepareFailed({by_uid[cuid]["metadata"]["name"]: entry["error"]})
+                answers[cuid] = entry["devices"]
+            left = [c["metadata"]["name"] for c in todo if c["metadata"]["uid"] not in answer]
+            if left:
+                raise PrepareFailed({n: f"NodePrepareResources skipped {len(left)} ResourceClaims" for n in left})
+        with self._lock:
+            for cuid, devices in answers.items():
+                self.claims[cuid].devices = devices
+                self.claims[cuid].prepared = True
         return self._start_containers(pod, claims, commands or {}, base_env or {}, cgroup_root)
 
-    def _cdi_devices(self) -> dict[str, tuple[JSON, JSON]]:
-        """Fully qualified CDI device ID -> (spec, device), from every spec file."""
+    def _cdi_devices(self) -> tuple[dict[str, tuple[JSON, JSON]], dict[str, str]]:
+        """As a CDI runtime's registry: fully qualified device ID -> (spec, device) from every spec
+        file that loads, and the error of every file that does not (its devices cannot be used;
+        the other files' can)."""
         out: dict[str, tuple[JSON, JSON]] = {}
+        broken: dict[str, str] = {}
         for directory in self.cdi_dirs:
             for path in sorted(directory.glob("*.json")):
-                spec = json.loads(path.read_text())
-                for dev in spec.get("devices") or []:
-                    if not dev.get("containerEdits"):
-                        raise RuntimeError(f"CDI spec {path}: device {dev.get('name')} has no edits (invalid spec)")
+                try:
+                    spec = json.loads(path.read_text())
+                    problem = cdi_spec_problem(spec)
+                except (OSError, ValueError) as exc:
+                    spec, problem = None, f"cannot parse: {exc}"
+                if problem is not None or not isinstance(spec, dict):
+                    broken[str(path)] = problem or "not an object"
+                    log.warning("CDI runtime: spec %s refused: %s", path, broken[str(path)])
+                    continue
+                for dev in spec["devices"]:
                     out[f"{spec['kind']}={dev['name']}"] = (spec, dev)
-        return out
+        return out, broken
 
     def _start_containers(
         self,
@@ -490,7 +660,7 @@ class DRAKubeletSimulator:
         cgroup_root: Path | None,
     ) -> dict[str, RunningContainer]:
         uid = pod["metadata"]["uid"]
-        known = self._cdi_devices()
+        known, broken = self._cdi_devices()
         started: dict[str, RunningContainer] = {}
         for container in pod["spec"]["containers"]:
             refs = ((container.get("resources") or {}).get("claims")) or []
@@ -508,7 +678,11 @@ class DRAKubeletSimulator:
             applied_specs: set[int] = set()
             for cdi_id in ids:
                 if cdi_id not in known:
-                    raise RuntimeError(f"container {container['name']}: CDI device {cdi_id} is not in any spec")
+                    why = "; ".join(f"{p}: {e}" for p, e in sorted(broken.items()))
+                    raise RuntimeError(
+                        f"container {container['name']}: unresolvable CDI device {cdi_id}"
+                        + (f" (refused spec files: {why})" if why else "")
+                    )
                 spec, dev = known[cdi_id]
                 edits_list = []
                 if id(spec) not in applied_specs and spec.get("containerEdits"):
@@ -553,7 +727,12 @@ class DRAKubeletSimulator:
         return ":".join(parts)
 
     def stop_pod(self, pod_uid: str) -> dict[str, str]:
-        """End the pod's containers, then unprepare claims no other pod uses; returns per-claim errors."""
+        """End the pod's containers, then unprepare the claims no other pod uses; returns per-claim errors.
+
+        As the kubelet: every claim that holds the pod's reference is unprepared, prepared or not
+        (a claim whose Prepare failed is unprepared too); the first error (a call error, a
+        per-claim error, a claim left out of the answer) stops it and no claim leaves the cache,
+        so a later call (the kubelet's reconcile loop) sends them all again."""
         with self._lock:
             for key in [k for k in self.containers if k[0] == pod_uid]:
                 run = self.containers.pop(key)
@@ -562,17 +741,37 @@ class DRAKubeletSimulator:
                     run.proc.wait(5)
             done: dict[str, list[PreparedClaim]] = {}
             for claim in self.claims.values():
-                claim.pods.discard(pod_uid)
-                if not claim.pods:
-                    done.setdefault(claim.driver, []).append(claim)
-        errors: dict[str, str] = {}
-        for driver, claims in done.items():
-            answer = self.unprepare(driver, [(c.namespace, c.name, c.uid) for c in claims])
-            for c in claims:
-                err = answer.get(c.uid, "no entry in the NodeUnprepareResources response")
-                if err:
-                    errors[c.name] = err
+                if pod_uid not in claim.pods:
+                    continue
+                if len(claim.pods) > 1:
+                    claim.pods.discard(pod_uid)
                 else:
-                    with self._lock:
-                        self.claims.pop(c.uid, None)
-        return errors
+                    done.setdefault(claim.driver, []).append(claim)
+        for driver, claims in sorted(done.items()):
+            if driver == "?":
+                continue
+            try:
+                answer = self.unprepare(driver, [(c.namespace, c.name, c.uid) for c in claims])
+            except (grpc.RpcError, RuntimeError) as exc:
+                detail = exc.code() if isinstance(exc, grpc.RpcError) else exc
+                return {c.name: f"NodeUnprepareResources: {detail}" for c in claims}
+            names = {c.uid: c.name for c in claims}
+            for cuid, err in answer.items():
+                if cuid not in names:
+                    return {"?": f"NodeUnprepareResources returned result for unknown claim UID {cuid}"}
+                if err:
+                    return {names[cuid]: err}
+            left = [c.name for c in claims if c.uid not in answer]
+            if left:
+                return {n: f"NodeUnprepareResources skipped {len(left)} ResourceClaims" for n in left}
+        with self._lock:
+            for claims in done.values():
+                for c in claims:
+                    self.claims.pop(c.uid, None)
+        return {}
+
+    def pods_to_unprepare(self) -> set[str]:
+        """UIDs of pods still referenced by a claim in the cache (the kubelet's reconcile loop
+        unprepares those of pods that are no longer active)."""
+        with self._lock:
+            return {uid for claim in self.claims.values() for uid in claim.pods}

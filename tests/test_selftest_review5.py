@@ -388,3 +388,35 @@ def test_the_launch_loops_keep_their_pace_after_their_window_until_nvml_was_last
     launched = [int(line) for line in log.read_text().split()]
     (stopped,) = stops
     assert launched and max(launched) >= (stopped - 0.1) * 1e6  # still launching when NVML was last read
+
+
+@pytest.mark.parametrize(
+    ("program", "reason"),
+    [
+        ("report(error='CUDA_ERROR_NO_DEVICE')", "CUDA_ERROR_NO_DEVICE"),
+        ("raise ImportError('libcuda.so.1: cannot open shared object file')", "cannot open shared object file"),
+    ],
+)
+def test_cuda_that_cannot_reach_the_gpu_is_said_once_before_any_check_runs(
+    vcuda_built: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    legacy_node: tuple[Path, dict[str, str]],
+    program: str,
+    reason: str,
+) -> None:
+    """NVML can read the GPU while CUDA cannot use it (no /dev/nvidia-uvm in the pod, no permission on the
+    device files, a driver/library mismatch): every row then failed with the same error, 20 times over.
+    A first program without the interceptor now says why, and nothing runs (exit 2)."""
+    from gpumanager.selftest import command
+
+    root, env = legacy_node
+    for key in ("GPUSIM_SPEC", "GPUSIM_STATE"):
+        monkeypatch.setenv(key, env[key])
+    monkeypatch.setattr(
+        programs, "PROBE", "import json, sys\ndef report(**f):\n    print(json.dumps(f), flush=True)\n" + program
+    )
+    code = command.main([f"--driver-root={root}", f"--vcuda-library={vcuda_built}", "--only=cost"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert reason in err and "without the interceptor" in err and "cost" not in out

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpumanager.config import Config
-from gpumanager.selftest import checks
+from gpumanager.selftest import checks, programs
 from gpumanager.selftest.mirror import SelftestError, check_interceptor, find_driver, lay_out
 
 log = logging.getLogger(__name__)
@@ -265,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         setup = checks.Setup(uuid=uuid, gpu_index=args.gpu, gpu_total=total, work=work, mirror=mirror, direct=direct,
                              cap=cap, settle=args.settle, measure=args.measure, tolerance=args.tolerance,
                              calls=args.calls)  # fmt: skip
+        _probe(setup)
         rows: list[checks.Row] = []
         plan = (
             ("memory", checks.allocation_paths),
@@ -282,6 +283,24 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     print(f"\n{summary(rows, time.monotonic() - started)}")
     return EXIT_FAILED if any(not r.ok for r in rows) else EXIT_OK
+
+
+def _probe(setup: checks.Setup) -> None:
+    """SelftestError unless CUDA, without the interceptor, makes a context on the GPU: NVML can read a GPU that
+    CUDA cannot use (no ``/dev/nvidia-uvm`` in the pod, no permission on the device files, a broken
+    cuda-bindings), and every check would fail with the same error."""
+    try:
+        answer = checks.run_child(programs.PROBE, {"uuid": setup.uuid}, setup.plain())
+    except checks.ChildError as err:
+        reason = str(err)
+    else:
+        if answer.get("context") == "CUDA_SUCCESS":
+            return
+        reason = f"no context: {answer.get('context')}"
+    raise SelftestError(
+        f"--gpu {setup.gpu_index}: CUDA cannot use {setup.uuid} without the interceptor ({reason}); check that the "
+        "device files (/dev/nvidia*, /dev/nvidia-uvm) are there and readable, and that cuda-bindings imports"
+    )
 
 
 def summary(rows: Sequence[checks.Row], seconds: float) -> str:

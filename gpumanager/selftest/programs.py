@@ -76,6 +76,14 @@ def hold(work=None):
     sys.stdin.readline()
 """
 
+# Whether CUDA reaches the GPU at all (run without the interceptor before any check): its primary context.
+PROBE = (
+    PRELUDE
+    + r"""
+report(context="CUDA_SUCCESS", pid=os.getpid())
+"""
+)
+
 # One allocation path, to the cap: ARGS chunk (bytes), path, most (allocations at most; default 100000).
 ALLOCATE = (
     PRELUDE

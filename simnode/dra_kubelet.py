@@ -57,7 +57,6 @@ from gpumanager.api import (
     dra_v1beta1_pb2,
     dra_v1beta1_pb2_grpc,
     drahealth_v1_pb2,
-    drahealth_v1_pb2_grpc,
 )
 from gpumanager.api import pluginregistration_v1_pb2 as reg_pb
 from gpumanager.api import pluginregistration_v1_pb2_grpc as reg_grpc
@@ -235,6 +234,8 @@ class DRAKubeletSimulator:
         rpc_timeout: float = 45.0,
         versions: Sequence[str] = VERSIONS,
         slice_wipe_delay: float = 30.0,
+        health_service: str = HEALTH_SERVICE,
+        health_retry: float = 5.0,
     ) -> None:
         self.registry_dir = registry_dir
         self.node = node
@@ -245,6 +246,11 @@ class DRAKubeletSimulator:
         self._rpc_timeout = rpc_timeout
         self.versions = tuple(versions)
         self.slice_wipe_delay = slice_wipe_delay
+        #: The health service this kubelet calls (``v1alpha1.DRAResourceHealth`` for 1.34/1.35,
+        #: ``v1beta1.`` or ``v1.`` for later ones), and how long it waits to open an ended stream again.
+        self.health_service = health_service
+        self.health_retry = health_retry
+        self.health_stream_starts: dict[str, int] = {}  # driver -> health streams that ended
         self._lock = threading.RLock()
         self._plugins: dict[str, PluginRecord] = {}
         self._seen: dict[Path, tuple[int, int, int]] = {}
@@ -376,7 +382,8 @@ class DRAKubeletSimulator:
                 log.warning("kubelet: GetInfo on %s failed: %s", path, exc.code())
                 return
             error = ""
-            version = next((v for v in self.versions if v in info.supported_versions), "")
+            # As the kubelet: the first of the plugin's list that the kubelet speaks.
+            version = next((v for v in info.supported_versions if v in self.versions), "")
             if info.type != "DRAPlugin":
                 error = f"unsupported plugin type {info.type!r}"
             elif not info.name:
@@ -405,27 +412,42 @@ class DRAKubeletSimulator:
             record.channel = grpc.insecure_channel(f"unix://{info.endpoint}")
             self._plugins[info.name] = record
         log.info("kubelet: registered DRA driver %s (%s at %s)", info.name, version, info.endpoint)
-        if HEALTH_SERVICE not in info.supported_versions:
+        if self.health_service not in info.supported_versions:
             # As the kubelet: a driver's health stream is opened only when its registration lists the service.
-            log.info("kubelet: DRA driver %s does not list %s: no health stream", info.name, HEALTH_SERVICE)
+            log.info("kubelet: DRA driver %s does not list %s: no health stream", info.name, self.health_service)
             return
         thread = threading.Thread(target=self._read_health, args=(record,), name="dra-health", daemon=True)
         thread.start()
         self._health_threads.append(thread)
 
     def _read_health(self, record: PluginRecord) -> None:
+        """Read the driver's health stream (the gRPC service ``health_service``); a stream that ends or
+        cannot be opened is opened again ``health_retry`` seconds later while the driver stays
+        registered, as the kubelet does (every 5 s)."""
         assert record.channel is not None
-        stub = drahealth_v1_pb2_grpc.DRAResourceHealthStub(record.channel)
-        try:
-            for resp in stub.NodeWatchResources(drahealth_v1_pb2.NodeWatchResourcesRequest()):
-                now = time.monotonic()
-                with self._lock:
-                    record.health = {d.device.device_name: (int(d.health), d.message) for d in resp.devices}
-                    for d in resp.devices:
-                        timeout = float(d.health_check_timeout_seconds) or DEFAULT_HEALTH_TIMEOUT
-                        record.health_seen[d.device.device_name] = (now, timeout)
-        except grpc.RpcError:
-            return
+        call = record.channel.unary_stream(
+            f"/{self.health_service}/NodeWatchResources",
+            request_serializer=drahealth_v1_pb2.NodeWatchResourcesRequest.SerializeToString,
+            response_deserializer=drahealth_v1_pb2.NodeWatchResourcesResponse.FromString,
+        )
+        while True:
+            try:
+                for resp in call(drahealth_v1_pb2.NodeWatchResourcesRequest()):
+                    now = time.monotonic()
+                    with self._lock:
+                        record.health = {d.device.device_name: (int(d.health), d.message) for d in resp.devices}
+                        for d in resp.devices:
+                            timeout = float(d.health_check_timeout_seconds) or DEFAULT_HEALTH_TIMEOUT
+                            record.health_seen[d.device.device_name] = (now, timeout)
+            except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed
+                log.info("kubelet: health stream of %s ended: %s", record.name, exc)
+            with self._lock:
+                self.health_stream_starts[record.name] = self.health_stream_starts.get(record.name, 0) + 1
+            if self._stop.wait(self.health_retry):
+                return
+            with self._lock:
+                if self._plugins.get(record.name) is not record:
+                    return
 
     def device_health(self, driver: str) -> dict[str, tuple[int, str]]:
         """Each device's health as the kubelet shows it in pod status: as last reported, or UNKNOWN

@@ -194,3 +194,19 @@ def test_a_refused_registration_is_tried_again_and_the_agent_becomes_ready(t4: D
         except urllib.error.HTTPError:
             assert time.monotonic() < deadline + 10, "never ready after the retry registered it"
             time.sleep(0.1)
+
+
+@pytest.mark.parametrize("service", ["v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
+def test_a_kubelet_of_each_health_api_version_reads_the_health_stream(t4: DRACluster, service: str) -> None:
+    kubelet = t4.kubelet
+    assert kubelet is not None
+    kubelet.stop()
+    kubelet.health_service = service
+    before = kubelet.registrations(DRIVER)
+    kubelet.start()
+    kubelet.wait_registered(DRIVER, after=before)
+    deadline = time.monotonic() + 20
+    while kubelet.device_health(DRIVER).get("gpu-0") is None:
+        assert time.monotonic() < deadline, f"no health report through {service}"
+        time.sleep(0.05)
+    assert kubelet.device_health(DRIVER)["gpu-0"][0] == 1  # HEALTHY

@@ -13,9 +13,10 @@ DEFAULT_CDI_ROOT = "/var/run/cdi"
 DRA_SOCKET = "dra.sock"
 #: PluginInfo.type of a DRA driver.
 PLUGIN_TYPE = "DRAPlugin"
-#: The health stream's gRPC service names: v1, and the alpha name kubelets of 1.34 and 1.35 call
-#: (the same messages, field for field).
-HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+#: The health stream's gRPC service names: v1, the beta name, and the alpha name kubelets of 1.34
+#: and 1.35 call (k8s.io/kubelet pkg/apis/dra-health v1, v1beta1, v1alpha1: the same messages,
+#: field for field).
+HEALTH_SERVICES = ("v1.DRAResourceHealth", "v1beta1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 #: gRPC service names the kubelet may pick from (it takes the newest it speaks of each kind). A
 #: kubelet that speaks dra-health v1 opens the health stream only for a driver listing it here.
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", *HEALTH_SERVICES)

@@ -195,8 +195,8 @@ class HealthFeed:
 
 
 def add_health_servicer(servicer: HealthServicer, server: grpc.Server) -> None:
-    """Serve the health stream as ``v1.DRAResourceHealth`` and, for kubelets of the alpha API, as
-    ``v1alpha1.DRAResourceHealth`` (the same messages)."""
+    """Serve the health stream as ``v1.DRAResourceHealth`` and, for kubelets of the beta and alpha
+    APIs, as ``v1beta1.DRAResourceHealth`` and ``v1alpha1.DRAResourceHealth`` (the same messages)."""
     health_grpc.add_DRAResourceHealthServicer_to_server(servicer, server)
     for name in c.HEALTH_SERVICES[1:]:  # the first, v1, is the generated servicer's
         handler = grpc.unary_stream_rpc_method_handler(

@@ -117,6 +117,7 @@ struct dev {
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
     bool newest_sampled;      /* newest_us is a sample's time (not a start) */
+    bool own_sampled;         /* the last measurement had a new sample of the container's */
     /* Provisional charges: completed launches x cost, charged until NVML's samples cover their time (a ring) */
     uint64_t prov_completed;  /* completions charged provisionally so far */
     uint64_t prov_us[PROVISIONAL];
@@ -631,6 +632,7 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
     }
     uint64_t t_base = 0, unowned = UINT64_MAX;
     bool answered = false;
+    d->own_sampled = false;
     for (unsigned q = 0; q < ns; q++) {
         unsigned n = 0;
         nvmlReturn_t rc = query_samples(d, start[q], &n);
@@ -661,6 +663,7 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
         refresh_pids(now);
         uint64_t t = charge_answer(d, q, start[q], q == ns - 1, n, own, other, &newest, &unowned);
         pthread_mutex_unlock(&g_pids_mu);
+        d->own_sampled = d->own_sampled || t > 0;
         if (q == ns - 1)
             t_base = t;
     }
@@ -932,15 +935,14 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
      * samples come (a sampling period apart): between them launches complete while no time is measured.
      */
     double done = (double)(d->completed - d->completed_seen);
-    if (own > 0) {
+    if (d->own_sampled) {
         d->completed_seen = d->completed;
         d->acc_busy = d->acc_busy * COST_DECAY + own;
         d->acc_done = d->acc_done * COST_DECAY + done;
-        if (d->acc_done >= 1.0)
+        if (d->acc_done >= 1.0 && d->acc_busy > 0)
             d->cost = d->acc_busy / d->acc_done;
-    } else if (span > 0 && done > 0 && d->acc_busy <= 0) {
-        d->completed_seen = d->completed;
-        d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
+        else if (done > 0)
+            d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
     }
     if (vc_core_config()->soft) {
         if (counted_all_as_own()) {

@@ -10,14 +10,16 @@ algorithm ("budget") and once with the upstream gpu-manager token bucket
 (``VCUDA_CORE_ALGORITHM=upstream``, reference/interceptors.md 1.7), side by side on separate
 simulated GPUs of one node.
 
-    python bench/bench_compute.py [--settle 3] [--measure 3] [--only limits,pairs,soft,kernels,overhead]
-                                  [--before PATH]
+    python bench/bench_compute.py [--settle 3] [--measure 3] [--only limits,pairs,soft,kernels,procs,overhead]
+                                  [--before PATH] [--sample-period-us US] [--sample-spread-us US]
 
 Scenarios: limits 10..90 % on a 16-SM and a 132-SM GPU (1 ms kernels); 30/70 and 4 x 25 on one
 GPU; a soft limit (30 %, ceiling 80 %) alone and then with a greedy neighbour; 10 us and 50 ms
 kernels, graph launches and a context-less CUkernel launched with no current context at 30 %;
-the cost per launch (simulated driver alone, interceptor with the limit off, with the limit on
-and never binding; with ``--before PATH`` also another interceptor build).  Target: every share
+three processes in each of 10/30/50/70 % containers; the cost per launch (simulated driver alone,
+interceptor with the limit off, with the limit on and never binding; with ``--before PATH`` also
+another interceptor build).  ``--sample-period-us`` and ``--sample-spread-us`` set how the simulated
+NVML samples each process (its default: every 10 ms; real drivers: about every 1/6 s).  Target: every share
 within 3 points of its limit; limit-off overhead < 5 ns per launch.
 """
 
@@ -95,7 +97,17 @@ class Workload:
     algorithm: str = "budget"
     blocks: int = 0  # 0: 4 blocks per SM
     start_after: float = 0.0
+    processes: int = 1  # launch loops in the container
     proc: subprocess.Popen[str] | None = field(default=None, repr=False)
+    more: list[subprocess.Popen[str]] = field(default_factory=list, repr=False)  # its other processes
+
+    def pids(self) -> set[int]:
+        """The container's process IDs."""
+        return {p.pid for p in ([self.proc] if self.proc is not None else []) + self.more}
+
+
+# The simulated NVML's per-process sampling (--sample-period-us, --sample-spread-us), for every launch loop.
+SIM_ENV: dict[str, str] = {}
 
 
 class Node:
@@ -119,6 +131,7 @@ class Node:
         env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(lib), "GPUSIM_SPEC": str(self.spec),
                "GPUSIM_STATE": str(self.state), "VCUDA_CORE_ALGORITHM": algorithm,
                "VCUDA_BUDGET_DIR": str(self.root / f"shm-c{self.count}")}  # fmt: skip
+        env.update(SIM_ENV)
         cfg = self.root / f"c{self.count}" / "vcuda.config"
         cfg.parent.mkdir()
         if config is not None:
@@ -130,8 +143,10 @@ class Node:
     def start(self, w: Workload, seconds: float) -> None:
         blocks = w.blocks or 4 * self.sms[w.gpu]
         cmd = [str(LOOP), w.path, w.kernel, f"{seconds:.2f}", str(blocks), "256", str(w.gpu)]
-        w.proc = subprocess.Popen(cmd, env=self.env(self.mirror, w.config, w.algorithm), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = self.env(self.mirror, w.config, w.algorithm)  # one container: its processes share it
+        w.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        w.more = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for _ in range(w.processes - 1)]  # fmt: skip
 
 
 def shares(node: Node, workloads: list[Workload], settle: float, measure: float) -> dict[str, float]:
@@ -153,12 +168,13 @@ def shares(node: Node, workloads: list[Workload], settle: float, measure: float)
         assert w.proc is not None
         b0, b1 = before[w.gpu], after[w.gpu]
         assert b0 is not None and b1 is not None
-        out[w.name] = 100.0 * (b1.busy_of({w.proc.pid}) - b0.busy_of({w.proc.pid})) / max(1, b1.now_ns - b0.now_ns)
+        out[w.name] = 100.0 * (b1.busy_of(w.pids()) - b0.busy_of(w.pids())) / max(1, b1.now_ns - b0.now_ns)
     for w in workloads:
         assert w.proc is not None
-        _out, err = w.proc.communicate(timeout=120)
-        if w.proc.returncode != 0:
-            sys.exit(f"launch_loop {w.name} failed ({w.proc.returncode}):\n{err}")
+        for p in [w.proc, *w.more]:
+            _out, err = p.communicate(timeout=120)
+            if p.returncode != 0:
+                sys.exit(f"launch_loop {w.name} failed ({p.returncode}):\n{err}")
     return out
 
 
@@ -178,7 +194,7 @@ def both(ws: list[Workload]) -> list[Workload]:
     for algo in ALGORITHMS:
         for w in ws:
             out.append(Workload(f"{algo}:{w.name}", w.gpu + (4 if algo == "upstream" else 0), w.share, w.kernel,
-                                w.path, w.config, algo, w.blocks, w.start_after))  # fmt: skip
+                                w.path, w.config, algo, w.blocks, w.start_after, w.processes))  # fmt: skip
     return out
 
 
@@ -241,6 +257,17 @@ def scenario_kernels(node: Node, args: argparse.Namespace) -> list[tuple[str, fl
     return [(w.name, 30, got[f"budget:{w.name}"], got[f"upstream:{w.name}"]) for w in ws]
 
 
+def scenario_procs(node: Node, args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
+    print("\nThree processes per container (132 SMs, 1 ms kernels; NVML samples each at its own moment)")
+    print(HEADER)
+    ws = [Workload(f"3procs-{lim}", 8 + i, lim, config=config_bytes(lim), processes=3)
+          for i, lim in enumerate((10, 30, 50, 70))]  # fmt: skip
+    got = shares(node, both(ws), args.settle, args.measure)
+    for w in ws:
+        print(row(f"3 processes, limit {w.share}%", w.share, got, w.name))
+    return [(w.name, w.share, got[f"budget:{w.name}"], got[f"upstream:{w.name}"]) for w in ws]
+
+
 def launch_cost(node: Node, lib: Path, config: bytes | None, algorithm: str, seconds: float) -> float:
     cmd = [str(LOOP), "kernel", "spin_1ns", f"{seconds:.2f}", "1", "32", "15"]
     done = subprocess.run(cmd, env=node.env(lib, config, algorithm), capture_output=True, text=True, check=False)
@@ -288,11 +315,27 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds before measuring (default 3)")
     ap.add_argument("--measure", type=float, default=3.0, help="seconds measured (default 3)")
     ap.add_argument("--overhead-seconds", type=float, default=1.0, help="per launch-cost run (default 1)")
-    ap.add_argument("--only", default="limits,pairs,soft,kernels,overhead", help="comma-separated scenarios")
+    ap.add_argument("--only", default="limits,pairs,soft,kernels,procs,overhead", help="comma-separated scenarios")
+    ap.add_argument(
+        "--sample-period-us",
+        type=int,
+        default=None,
+        help="the simulated NVML's per-process sampling period (GPUSIM_PROCESS_SAMPLE_PERIOD_US)",
+    )
+    ap.add_argument(
+        "--sample-spread-us",
+        type=int,
+        default=None,
+        help="how far before the period's end each process is sampled (GPUSIM_PROCESS_SAMPLE_SPREAD_US)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     ap.add_argument("--before", type=Path, default=None,
                     help="another libcuda-control.so whose launch cost is measured beside this one")  # fmt: skip
     args = ap.parse_args()
+    if args.sample_period_us is not None:
+        SIM_ENV["GPUSIM_PROCESS_SAMPLE_PERIOD_US"] = str(args.sample_period_us)
+    if args.sample_spread_us is not None:
+        SIM_ENV["GPUSIM_PROCESS_SAMPLE_SPREAD_US"] = str(args.sample_spread_us)
     done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:
@@ -306,7 +349,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-compute-") as tmp:
         node = Node(Path(tmp))
         for name, fn in (("limits", scenario_limits), ("pairs", scenario_pairs), ("soft", scenario_soft),
-                         ("kernels", scenario_kernels)):  # fmt: skip
+                         ("kernels", scenario_kernels), ("procs", scenario_procs)):  # fmt: skip
             if name in only:
                 results.extend(fn(node, args))
         if "overhead" in only:

@@ -144,13 +144,12 @@ class _Holders:
         at = data.find(wanted)
         if at < 0:
             return (True, None)  # a holder of these IDs names this one: its bytes are in the answer
-        spans = _pod_spans(data)
-        if spans is None:
+        starts = _pod_starts(data)
+        if starts is None:
             return unsure
         pods = self._pods if isinstance(self._pods, Sequence) else list(self._pods)
-        if len(pods) != len(spans):
+        if len(pods) != len(starts):
             return unsure
-        starts = [start for start, _ in spans]
         holding: list[int] = []  # the pods whose bytes hold the ID, in the answer's order
         while at >= 0:
             i = bisect.bisect_right(starts, at) - 1
@@ -209,10 +208,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _pod_spans(data: bytes) -> list[tuple[int, int]] | None:
-    """Where each PodResources of an encoded ListPodResourcesResponse lies (start, end), in order; None
-    when the encoding holds anything else (another field, a tag of more bytes)."""
-    spans: list[tuple[int, int]] = []
+def _pod_starts(data: bytes) -> list[int] | None:
+    """Where each PodResources of an encoded ListPodResourcesResponse starts, in order (each ends where
+    the next one's tag is); None when the encoding holds anything else (another field, a tag of more
+    bytes)."""
+    starts: list[int] = []
     pos, size = 0, len(data)
     while pos < size:
         if data[pos] != 0x0A:  # field 1 (pod_resources), length-delimited
@@ -231,9 +231,9 @@ def _pod_spans(data: bytes) -> list[tuple[int, int]] | None:
         end = pos + length
         if end > size:
             return None
-        spans.append((pos, end))
+        starts.append(pos)
         pos = end
-    return spans
+    return starts
 
 
 class PodResourcesClient:

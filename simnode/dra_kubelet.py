@@ -14,7 +14,9 @@ What it does as the kubelet does:
   says otherwise) shows as UNKNOWN, as in the kubelet's health cache.
 * **Start and restart** delete every ResourceSlice of its node (as the kubelet does when it
   starts); the slices of a driver whose socket is gone are deleted ``slice_wipe_delay`` seconds
-  (30 by default) later unless it registered again; a restart drops the plugin connections and,
+  (30 by default) later unless it registered again, and so are those of a driver whose
+  ``dra.sock`` has accepted no connection for that long though its registration socket stays
+  (the kubelet watches the gRPC connection); a restart drops the plugin connections and,
   with ``wipe_sockets``, removes the sockets in the registry and plugins directories.
 * **Pods**: :meth:`start_pod` resolves the pod's claims (``resourceClaimName`` or
   ``status.resourceClaimStatuses``), groups them by driver from their allocation results, calls
@@ -39,6 +41,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import threading
 import time
@@ -100,6 +103,10 @@ class PluginRecord:
     health: dict[str, tuple[int, str]] = field(default_factory=dict)  # device -> (status, message)
     # device -> (when the stream last named it, its health_check_timeout_seconds or the default)
     health_seen: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # When the connection to the endpoint was found down (None: connected), and whether the
+    # driver's slices were wiped for it since.
+    down_since: float | None = None
+    wiped: bool = False
 
 
 @dataclass
@@ -128,6 +135,17 @@ class RunningContainer:
     device_nodes: list[str]
     cdi_ids: list[str]
     proc: subprocess.Popen[bytes] | None = None
+
+
+def _accepts(endpoint: str) -> bool:
+    """Whether a unix socket at ``endpoint`` accepts a connection now."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(endpoint)
+        except OSError:
+            return False
+    return True
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:
@@ -330,6 +348,9 @@ class DRAKubeletSimulator:
         with self._lock:
             if driver in self._plugins or self._stop.is_set():
                 return
+        self._delete_driver_slices(driver)
+
+    def _delete_driver_slices(self, driver: str) -> None:
         try:
             listed = self._api.list_resource_slice(field_selector=f"spec.nodeName={self.node},spec.driver={driver}")
             for item in listed.items:
@@ -346,7 +367,29 @@ class DRAKubeletSimulator:
                 log.exception("kubelet plugin watcher failed")
             self._stop.wait(self._period)
 
+    def _check_connections(self) -> None:
+        """As the kubelet's plugin manager watches each plugin's gRPC connection: a driver whose
+        endpoint has accepted no connection for ``slice_wipe_delay`` seconds, though its
+        registration socket stays, is not usable and its slices of this node are deleted."""
+        with self._lock:
+            plugins = list(self._plugins.values())
+        now = time.monotonic()
+        for plugin in plugins:
+            up = _accepts(plugin.endpoint)
+            wipe = False
+            with self._lock:
+                if up:
+                    plugin.down_since, plugin.wiped = None, False
+                elif plugin.down_since is None:
+                    plugin.down_since = now
+                    log.info("kubelet: connection to DRA driver %s at %s is down", plugin.name, plugin.endpoint)
+                elif not plugin.wiped and now - plugin.down_since >= self.slice_wipe_delay:
+                    plugin.wiped = wipe = True
+            if wipe:
+                self._delete_driver_slices(plugin.name)
+
     def _scan(self) -> None:
+        self._check_connections()
         present = {p: _identity(p) for p in self.registry_dir.glob("*.sock")}
         with self._lock:
             for path, ident in list(self._seen.items()):

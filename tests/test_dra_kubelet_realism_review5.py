@@ -10,6 +10,7 @@ of the call in the cache."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -210,3 +211,20 @@ def test_a_kubelet_of_each_health_api_version_reads_the_health_stream(t4: DRAClu
         assert time.monotonic() < deadline, f"no health report through {service}"
         time.sleep(0.05)
     assert kubelet.device_health(DRIVER)["gpu-0"][0] == 1  # HEALTHY
+
+
+def test_a_driver_whose_dra_socket_is_dead_loses_its_slice_and_publishes_it_again(t4: DRACluster) -> None:
+    """The kubelet watches the gRPC connection: a driver killed without removing its sockets is
+    not usable, and its slices go ``slice_wipe_delay`` later; the restarted agent publishes again."""
+    kubelet = t4.kubelet
+    assert kubelet is not None and t4.agent is not None
+    kubelet.slice_wipe_delay = 1.0
+    assert t4.wait_slice(lambda s: s is not None) is not None
+    t4.agent.signal(signal.SIGKILL)
+    t4.agent.wait()
+    assert (t4.registry_dir / f"{DRIVER}-reg.sock").exists(), "a killed agent leaves its sockets"
+    assert t4.wait_slice(lambda s: s is None) is None
+    before = kubelet.registrations(DRIVER)
+    t4.start_agent()
+    kubelet.wait_registered(DRIVER, after=before)
+    assert t4.wait_slice(lambda s: s is not None) is not None

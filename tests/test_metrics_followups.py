@@ -178,9 +178,10 @@ def _missing_alert(value: str, labels: dict[str, str]) -> dict[str, Any]:
         "exp_annotations": {
             "summary": "gpu-manager agents have no scrape target",
             "description": (
-                f"At least {value} gpu-manager agent(s) that the DaemonSet kube-system/gpu-manager-daemonset"
-                " should run have had no scrape target for 10 minutes (a pod deleted and not recreated, a lost"
-                " node, or no agent left at all): GPU pods on their nodes can be neither admitted nor started,"
+                f"At least {value} gpu-manager agent(s) that the DaemonSets kube-system/gpu-manager-daemonset,"
+                " kube-system/gpu-manager-dra should run have had no scrape target for 10 minutes (a pod deleted"
+                " and not recreated, a lost node, or no agent left at all): GPU pods on their nodes can be neither"
+                " admitted nor started,"
                 " and GPUManagerDown does not fire for them."
             ),
         },

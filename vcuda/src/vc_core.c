@@ -857,11 +857,17 @@ static void charge_provisional(struct dev *d)
     d->prov_completed = d->completed;
     d->credit -= ns;
     uint64_t us = real_us();
-    if (d->prov_n == PROVISIONAL) { /* full: into the newest (refunded later, never early) */
-        unsigned last = (d->prov_head + d->prov_n - 1) % PROVISIONAL;
-        d->prov_ns[last] += ns;
-        d->prov_us[last] = us;
-        return;
+    if (d->prov_n == PROVISIONAL) {
+        /*
+         * Full: the oldest charge joins the next one (refunded with it: a slot later, never early).  Merging into
+         * the newest instead moved its time to now at every charge, so at a long sampling period (a charge every
+         * tick, more than PROVISIONAL a period) most of a period's charges stayed unrefunded a period longer than
+         * the samples that covered them: a debt of a period's use, then a refund the credit cap cut off.
+         */
+        unsigned next = (d->prov_head + 1) % PROVISIONAL;
+        d->prov_ns[next] += d->prov_ns[d->prov_head];
+        d->prov_head = next;
+        d->prov_n--;
     }
     unsigned slot = (d->prov_head + d->prov_n) % PROVISIONAL;
     d->prov_us[slot] = us;

@@ -71,6 +71,8 @@ CASES = [
     # the full ring's merges into its newest slot left a period's charges unrefunded (50 % gave about 30 %).
     (50, "spin_1ms", 1, "", "1000000"),
     (90, "spin_1ms", 1, "", "1000000"),
+    # 50 ms kernels against the first guess of the cost (5 ms) flooded the GPU for a period, then held it at 0 %.
+    (30, "spin_50ms", 1, "20000", "1000000"),
 ]
 
 

@@ -118,6 +118,8 @@ struct dev {
     uint64_t newest_us;       /* the newest sample time of any process seen */
     bool newest_sampled;      /* newest_us is a sample's time (not a start) */
     bool own_sampled;         /* the last measurement had a new sample of the container's */
+    bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
+    uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
     /* Provisional charges: completed launches x cost, charged until NVML's samples cover their time (a ring) */
     uint64_t prov_completed;  /* completions charged provisionally so far */
     uint64_t prov_us[PROVISIONAL];
@@ -847,13 +849,25 @@ static void adapt_rate(struct dev *d, double other_ns, double span_ns)
  * held); when the samples reach the time it was charged at, the provisional charge is refunded and the
  * measured time stands instead.
  */
-static void charge_provisional(struct dev *d)
+static void charge_provisional(struct dev *d, uint64_t now)
 {
-    if (d->completed <= d->prov_completed) {
+    /*
+     * Until the first measured cost, the guess may be far too small (50 ms kernels against a 5 ms guess flooded
+     * the GPU for a whole sampling period, then paid for it at 0 %): the wall time a launch was outstanding
+     * bounds its GPU time, so at least that is charged.
+     */
+    double wall = 0;
+    if (!d->cost_learnt && now > d->prov_wall && (in_flight(d) > 0 || d->completed > d->prov_completed))
+        wall = (double)(now - d->prov_wall);
+    if (now > d->prov_wall)
+        d->prov_wall = now;
+    if (d->completed <= d->prov_completed && wall <= 0) {
         d->prov_completed = d->completed;
         return;
     }
-    double ns = (double)(d->completed - d->prov_completed) * d->cost;
+    double ns = (double)(d->completed > d->prov_completed ? d->completed - d->prov_completed : 0) * d->cost;
+    if (ns < wall)
+        ns = wall;
     d->prov_completed = d->completed;
     d->credit -= ns;
     uint64_t us = real_us();
@@ -890,7 +904,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
 {
     refill(d, now);
     poll_markers(d);
-    charge_provisional(d);
+    charge_provisional(d, now);
     if (now - d->last_measure < min_ns)
         return;
     double own, other, span;
@@ -945,8 +959,10 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->completed_seen = d->completed;
         d->acc_busy = d->acc_busy * COST_DECAY + own;
         d->acc_done = d->acc_done * COST_DECAY + done;
-        if (d->acc_done >= 1.0 && d->acc_busy > 0)
+        if (d->acc_done >= 1.0 && d->acc_busy > 0) {
             d->cost = d->acc_busy / d->acc_done;
+            d->cost_learnt = true;
+        }
         else if (done > 0)
             d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
     }
@@ -1135,7 +1151,7 @@ static void init_device(struct dev *d, int index)
     d->index = index;
     d->rate = cfg->soft ? cfg->ceiling / 100.0 : cfg->share / 100.0;
     d->cost = INITIAL_COST_NS;
-    d->last_refill = d->last_measure = mono_ns();
+    d->last_refill = d->last_measure = d->prov_wall = mono_ns();
     d->last_seen_us = real_us();
     if (!cfg->upstream) {
         vc_budget_join();

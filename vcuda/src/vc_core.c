@@ -117,7 +117,9 @@ struct dev {
     unsigned nseen;
     uint64_t newest_us;       /* the newest sample time of any process seen */
     bool newest_sampled;      /* newest_us is a sample's time (not a start) */
-    bool own_sampled;         /* the last measurement had a new sample of the container's */
+    bool self_sampled;        /* the last measurement had a new sample of this process's own */
+    unsigned self;            /* this process's PID */
+    double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
     bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
     uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
     /* Provisional charges: completed launches x cost, charged until NVML's samples cover their time (a ring) */
@@ -568,6 +570,8 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
         if (ts <= from)
             continue;
         *own += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
+        if (buf[i].pid == d->self)
+            d->self_sampled = true;
         if (e != NULL) {
             e->us = ts;
             e->hit = true;
@@ -634,7 +638,8 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
     }
     uint64_t t_base = 0, unowned = UINT64_MAX;
     bool answered = false;
-    d->own_sampled = false;
+    d->self_sampled = false;
+    d->self = (unsigned)getpid(); /* a measurement, not a launch: a fork's child has its own */
     for (unsigned q = 0; q < ns; q++) {
         unsigned n = 0;
         nvmlReturn_t rc = query_samples(d, start[q], &n);
@@ -665,7 +670,6 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
         refresh_pids(now);
         uint64_t t = charge_answer(d, q, start[q], q == ns - 1, n, own, other, &newest, &unowned);
         pthread_mutex_unlock(&g_pids_mu);
-        d->own_sampled = d->own_sampled || t > 0;
         if (q == ns - 1)
             t_base = t;
     }
@@ -951,20 +955,29 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
                d->index, d->rate, d->credit / 1e3, d->cost / 1e3, in_flight(d), d->measured / 1e9);
     }
     /*
-     * The cost: the time measured over the launches completed in the same stretch, learnt when the container's
-     * samples come (a sampling period apart): between them launches complete while no time is measured.
+     * The cost: the container's time measured over this process's launches completed in the same stretch, learnt
+     * when this process's own sample comes (a sampling period apart): between them launches complete while no time
+     * is measured.  Learning at any sample of the container's (another process's, just started, covers a sliver)
+     * divided a sliver of time by a period's launches: the cost fell to microseconds and launches flooded the GPU.
      */
     double done = (double)(d->completed - d->completed_seen);
-    if (d->own_sampled) {
+    d->own_unlearnt += own;
+    if (d->self_sampled) {
         d->completed_seen = d->completed;
-        d->acc_busy = d->acc_busy * COST_DECAY + own;
+        d->acc_busy = d->acc_busy * COST_DECAY + d->own_unlearnt;
+        d->own_unlearnt = 0;
         d->acc_done = d->acc_done * COST_DECAY + done;
         if (d->acc_done >= 1.0 && d->acc_busy > 0) {
             d->cost = d->acc_busy / d->acc_done;
             d->cost_learnt = true;
+        } else if (done > 0 && d->self_sampled) {
+            /*
+             * Launches complete but NVML sees no time in this process's own sample: tiny kernels (halving: a lagging
+             * sample is harmless).  Only its own: another process of the container just started shows 0 % too, and
+             * each of its samples halved the cost of a process not sampled yet, down to a flood of launches.
+             */
+            d->cost *= 0.5;
         }
-        else if (done > 0)
-            d->cost *= 0.5; /* launches complete but NVML sees no time: tiny kernels (halving: a lagging sample is harmless) */
     }
     if (vc_core_config()->soft) {
         if (counted_all_as_own()) {

@@ -118,10 +118,6 @@ struct dev {
     uint64_t newest_us;       /* the newest sample time of any process seen */
     bool newest_sampled;      /* newest_us is a sample's time (not a start) */
     bool self_sampled;        /* the last measurement had a new sample of this process's own */
-    unsigned self;            /* this process's PID */
-    double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
-    bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
-    uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
     /* Provisional charges: completed launches x cost, charged until NVML's samples cover their time (a ring) */
     uint64_t prov_completed;  /* completions charged provisionally so far */
     uint64_t prov_us[PROVISIONAL];
@@ -144,6 +140,11 @@ struct dev {
     int up_limit, up_i, up_procs;
     int64_t up_avg_free;
     uint64_t up_next;
+    /* budget, off the launch path (kept out of the hot fields' cache lines) */
+    unsigned self;            /* this process's PID */
+    double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
+    bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
+    uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -977,6 +978,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
              * each of its samples halved the cost of a process not sampled yet, down to a flood of launches.
              */
             d->cost *= 0.5;
+            d->cost_learnt = true; /* measured: tiny, so the wall time outstanding is no bound worth charging */
         }
     }
     if (vc_core_config()->soft) {

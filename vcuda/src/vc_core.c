@@ -848,8 +848,8 @@ static void adapt_rate(struct dev *d, double other_ns, double span_ns)
 }
 
 /*
- * NVML's samples come a sampling period late (about 1/6 s on datacenter GPUs; the simulator's default is the
- * same): without a charge meanwhile, launches would go unpaced for a period, then pause for the debt, and the
+ * NVML's samples come a sampling period late (1/6 s to 1 s on real GPUs; the simulator's default is 10 ms,
+ * GPUSIM_PROCESS_SAMPLE_PERIOD_US sets it): without a charge meanwhile, launches would go unpaced for a period, then pause for the debt, and the
  * share would swing.  So each completed launch is charged its estimated cost at once, provisionally (d->mu
  * held); when the samples reach the time it was charged at, the provisional charge is refunded and the
  * measured time stands instead.

@@ -114,6 +114,26 @@ class _GpuCaller:
                 future.set_exception(exc)
 
 
+def _outcome(call: Callable[..., Any], handle: object) -> Any:
+    """``call(handle)``'s answer, or the NVMLError it raised (kept to be raised in the monitor's thread)."""
+    try:
+        return call(handle)
+    except pynvml.NVMLError as exc:
+        return exc
+
+
+def _probe_calls(handle: object, ask_mig: bool, ask_mode: bool) -> dict[str, Any]:
+    """One probe's NVML calls on one GPU, made in that GPU's thread in one hand-over: its memory (raises
+    for a lost GPU), then its MIG and compute modes where NVML has them (answers or NVMLErrors)."""
+    pynvml.nvmlDeviceGetMemoryInfo(handle)
+    answers: dict[str, Any] = {}
+    if ask_mig:
+        answers["mig"] = _outcome(pynvml.nvmlDeviceGetMigMode, handle)
+    if ask_mode:
+        answers["mode"] = _outcome(pynvml.nvmlDeviceGetComputeMode, handle)
+    return answers
+
+
 def _saved_bytes(entries: dict[str, tuple[str, float]]) -> bytes:
     """The saved file's content: each GPU's (by UUID) last critical XID and its time (Unix seconds)."""
     gpus = {uuid: {"reason": reason, "last_xid_unix": round(at, 3)} for uuid, (reason, at) in entries.items()}
@@ -178,6 +198,8 @@ class HealthMonitor:
         self._unsupported: set[int] = set()  # GPUs whose NVML has no XID events (only probed)
         self._no_mig: set[int] = set()  # GPUs whose NVML has no MIG mode (not asked again)
         self._no_compute_mode: set[int] = set()  # GPUs whose NVML has no compute mode (not asked again)
+        # The probe's answers of each GPU (``_probe_calls``), read by the checks that follow it.
+        self._probed: dict[int, dict[str, Any]] = {}
         self._register_logged_at = -1e18
         self._wait_problem = ""  # the event waits keep failing
         self._register_problem = ""  # some GPUs could not be registered in the event set
@@ -560,6 +582,17 @@ class HealthMonitor:
         """``call()`` on GPU ``index``, given NVML_CALL_TIMEOUT to answer (raises _Hung otherwise)."""
         return self._answer(index, self._submit(index, call), time.monotonic() + NVML_CALL_TIMEOUT)
 
+    def _probed_or_call(self, index: int, key: str, call: Callable[[], Any]) -> Any:
+        """The answer this probe already has for ``key`` on GPU ``index`` (taken once: raised when it was an
+        NVMLError), else ``call()`` made now as :meth:`_call` makes it."""
+        answers = self._probed.get(index)
+        if answers is not None and key in answers:
+            answer = answers.pop(key)
+            if isinstance(answer, pynvml.NVMLError):
+                raise answer
+            return answer
+        return self._call(index, call)
+
     def _not_answering(self, index: int) -> None:
         self._mark_bad(index, NOT_ANSWERING)
 
@@ -596,7 +629,10 @@ class HealthMonitor:
         asked: dict[int, Future[Any] | None] = {}
         for index, handle in list(self._handles.items()):
             try:
-                asked[index] = self._submit(index, functools.partial(pynvml.nvmlDeviceGetMemoryInfo, handle))
+                call = functools.partial(
+                    _probe_calls, handle, index not in self._no_mig, index not in self._no_compute_mode
+                )
+                asked[index] = self._submit(index, call)
             except _Hung:
                 asked[index] = None
         deadline = time.monotonic() + NVML_CALL_TIMEOUT
@@ -605,7 +641,7 @@ class HealthMonitor:
             try:
                 if future is None:
                     raise _Hung
-                self._answer(index, future, deadline)
+                self._probed[index] = self._answer(index, future, deadline)
                 self._probe_answered(index, handle)
             except _Hung:
                 self._not_answering(index)
@@ -613,6 +649,7 @@ class HealthMonitor:
                 if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
                     self._last_answer = self._clock()  # NVML answers: the GPU is gone, not the driver
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
+        self._probed.clear()
 
     def _probe_answered(self, index: int, handle: object) -> None:
         """GPU ``index`` answered the probe: its UUID (lost at start), MIG mode and pending reset are
@@ -708,7 +745,7 @@ class HealthMonitor:
         if index in self._no_mig:
             return False
         try:
-            current = self._call(index, lambda: pynvml.nvmlDeviceGetMigMode(handle))[0]
+            current = self._probed_or_call(index, "mig", lambda: pynvml.nvmlDeviceGetMigMode(handle))[0]
         except pynvml.NVMLError as exc:
             if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._no_mig.add(index)
@@ -800,7 +837,7 @@ class HealthMonitor:
         if index in self._no_compute_mode:
             return None
         try:
-            mode = int(self._call(index, lambda: pynvml.nvmlDeviceGetComputeMode(handle)))
+            mode = int(self._probed_or_call(index, "mode", lambda: pynvml.nvmlDeviceGetComputeMode(handle)))
         except pynvml.NVMLError as exc:
             if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._no_compute_mode.add(index)

@@ -99,6 +99,11 @@ class _GpuCaller:
         self._calls.put((future, call))
         return future
 
+    def submit_all(self, calls: list[tuple[Future[Any], Callable[[], Any]]]) -> None:
+        """Run each call in this thread, one after the other, in one hand-over; each answer (or error)
+        comes in its future, and a future cancelled before its turn is skipped."""
+        self._calls.put((Future(), functools.partial(_run_each, calls)))
+
     def close(self) -> None:
         """End the thread once the calls given to it have returned."""
         self._calls.put(None)
@@ -112,6 +117,16 @@ class _GpuCaller:
                 future.set_result(call())
             except BaseException as exc:  # handed to the monitor's thread with the future
                 future.set_exception(exc)
+
+
+def _run_each(calls: list[tuple[Future[Any], Callable[[], Any]]]) -> None:
+    for future, call in calls:
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the monitor's thread with the future
+            future.set_exception(exc)
 
 
 def _outcome(call: Callable[..., Any], handle: object) -> Any:
@@ -219,6 +234,9 @@ class HealthMonitor:
         self._saved_content = _saved_bytes({})  # nothing is written before some GPU had a critical XID
         self._save_logged_at = -1e18
         self._callers: dict[int, _GpuCaller] = {}
+        # The thread that makes a probe's calls on every GPU in one hand-over (16 threads woken every
+        # second cost more CPU than the calls); replaced when a call in it hangs.
+        self._round: _GpuCaller | None = None
         self._hung: dict[int, Future[Any]] = {}  # of each GPU whose call did not return in time: that call
         self.xid_events = 0
         self.ignored_xid_events = 0
@@ -287,6 +305,8 @@ class HealthMonitor:
             self._thread.join(timeout=timeout)
         for caller in list(self._callers.values()):  # the thread may still add one if it did not stop in time
             caller.close()
+        if self._round is not None:
+            self._round.close()
 
     # -- state changes -------------------------------------------------------------------------
 
@@ -558,16 +578,20 @@ class HealthMonitor:
     def _submit(self, index: int, call: Callable[[], Any]) -> Future[Any]:
         """Start ``call`` in GPU ``index``'s thread; raises _Hung while an earlier call on it has not
         returned (the GPU is not asked again before)."""
+        self._check_answering(index)
+        caller = self._callers.get(index)
+        if caller is None:
+            caller = self._callers[index] = _GpuCaller(f"gpu-health-{index}")
+        return caller.submit(call)
+
+    def _check_answering(self, index: int) -> None:
+        """Raises _Hung while a call on GPU ``index`` that did not return in time still has not."""
         hung = self._hung.get(index)
         if hung is not None:
             if not hung.done():
                 raise _Hung
             del self._hung[index]
             log.info("%s: NVML answers again (the call that hung returned)", self.gpu_name(index))
-        caller = self._callers.get(index)
-        if caller is None:
-            caller = self._callers[index] = _GpuCaller(f"gpu-health-{index}")
-        return caller.submit(call)
 
     def _answer(self, index: int, future: Future[Any], deadline: float) -> Any:
         """The answer of a call started by _submit, waited for until ``deadline`` (time.monotonic());
@@ -625,23 +649,42 @@ class HealthMonitor:
         if self._event_set is not None and self._registered | self._unsupported != set(self._handles):
             # GPUs back from lost, and those whose registration failed when the set was made
             self._set_register_problem(self._register_unregistered(self._event_set))
-        # Every GPU is asked at once, so GPUs that hang together cost one timeout, not one each.
+        # One thread asks every GPU in turn (one hand-over a probe). When a GPU's call hangs there, the
+        # GPUs after it are asked at once each in its own thread, so GPUs that hang together cost two
+        # timeouts at most, and the round's thread, stuck, is replaced.
         asked: dict[int, Future[Any] | None] = {}
+        calls: dict[int, Callable[[], Any]] = {}
         for index, handle in list(self._handles.items()):
             try:
-                call = functools.partial(
-                    _probe_calls, handle, index not in self._no_mig, index not in self._no_compute_mode
-                )
-                asked[index] = self._submit(index, call)
+                self._check_answering(index)
             except _Hung:
                 asked[index] = None
+                continue
+            calls[index] = functools.partial(
+                _probe_calls, handle, index not in self._no_mig, index not in self._no_compute_mode
+            )
+            asked[index] = Future()
+        batch = [(future, calls[index]) for index, future in asked.items() if future is not None]
+        if batch:
+            if self._round is None:
+                self._round = _GpuCaller("gpu-health-probe")
+            self._round.submit_all(batch)
         deadline = time.monotonic() + NVML_CALL_TIMEOUT
-        for index, future in asked.items():
+        in_round = True  # the futures still waited for are the round thread's
+        for index in list(asked):
             handle = self._handles[index]
+            future = asked[index]
             try:
                 if future is None:
                     raise _Hung
-                self._probed[index] = self._answer(index, future, deadline)
+                try:
+                    answers = self._answer(index, future, deadline)
+                except _Hung:
+                    if in_round:
+                        in_round = False
+                        deadline = self._after_round_hung(asked, calls)
+                    raise
+                self._probed[index] = answers
                 self._probe_answered(index, handle)
             except _Hung:
                 self._not_answering(index)
@@ -650,6 +693,20 @@ class HealthMonitor:
                     self._last_answer = self._clock()  # NVML answers: the GPU is gone, not the driver
                 self._mark_bad(index, "lost" if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST else str(exc))
         self._probed.clear()
+
+    def _after_round_hung(self, asked: dict[int, Future[Any] | None], calls: dict[int, Callable[[], Any]]) -> float:
+        """A call in the probe's round thread hung: the GPUs it had not come to are asked each in its own
+        thread instead (``asked`` updated), the stuck thread is let go, and the new deadline returned."""
+        if self._round is not None:
+            self._round.close()  # ends once the hung call returns; the calls cancelled here are skipped
+            self._round = None
+        for index, future in asked.items():
+            if future is not None and future.cancel():
+                try:
+                    asked[index] = self._submit(index, calls[index])
+                except _Hung:
+                    asked[index] = None
+        return time.monotonic() + NVML_CALL_TIMEOUT
 
     def _probe_answered(self, index: int, handle: object) -> None:
         """GPU ``index`` answered the probe: its UUID (lost at start), MIG mode and pending reset are

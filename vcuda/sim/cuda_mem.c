@@ -1238,12 +1238,10 @@ static void pool_free(struct sim_pool *p, uint64_t va, uint64_t bytes)
     }
 }
 
-static void deferred_frees_due(void);
-
 /* Stream, event or context synchronisation: pools above their release threshold give memory back. */
 void sim_pools_synchronized(void)
 {
-    deferred_frees_due();
+    sim_deferred_frees_due();
     sim_rec_lock();
     for (unsigned i = 0; i < GPUSIM_MAX_GPUS; i++)
         if (g_default_pool[i].reserved > g_default_pool[i].threshold)
@@ -1576,8 +1574,13 @@ struct deferred_free {
 static pthread_mutex_t g_df_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct deferred_free *g_df; /* pending, under g_df_mu */
 
-/* Takes f out of the pending list (false: someone else freed it already). */
-static bool deferred_claim(struct deferred_free *f)
+/*
+ * Takes f out of the pending list and frees it, under g_df_mu all through: a synchronisation that finds the
+ * list without f knows its memory is back (false: someone else freed it already).
+ */
+static void deferred_do(struct deferred_free *f);
+
+static bool deferred_claim_do(struct deferred_free *f)
 {
     bool mine = false;
     pthread_mutex_lock(&g_df_mu);
@@ -1587,6 +1590,8 @@ static bool deferred_claim(struct deferred_free *f)
             mine = true;
             break;
         }
+    if (mine)
+        deferred_do(f);
     pthread_mutex_unlock(&g_df_mu);
     return mine;
 }
@@ -1608,28 +1613,27 @@ static void *deferred_free_thread(void *arg)
 {
     struct deferred_free *f = arg;
     sim_tl_wait(f->state, f->gpu, f->upto);
-    if (deferred_claim(f))
-        deferred_do(f);
+    (void)deferred_claim_do(f);
     return NULL;
 }
 
-/* A synchronisation: the frees whose preceding work is done happen now (not at the driver thread's leisure). */
-static void deferred_frees_due(void)
+/*
+ * A synchronisation, or an event found complete: the frees whose preceding work is done happen now (not at
+ * the driver thread's leisure), and one the driver thread is making is finished before this returns.
+ */
+void sim_deferred_frees_due(void)
 {
-    for (;;) {
-        struct deferred_free *due = NULL;
-        pthread_mutex_lock(&g_df_mu);
-        for (struct deferred_free **p = &g_df; *p != NULL; p = &(*p)->next)
-            if (sim_tl_done((*p)->state, (*p)->gpu, (*p)->upto, NULL)) {
-                due = *p;
-                *p = due->next;
-                break;
-            }
-        pthread_mutex_unlock(&g_df_mu);
-        if (due == NULL)
-            return;
-        deferred_do(due);
+    pthread_mutex_lock(&g_df_mu);
+    for (struct deferred_free **p = &g_df; *p != NULL;) {
+        struct deferred_free *f = *p;
+        if (sim_tl_done(f->state, f->gpu, f->upto, NULL)) {
+            *p = f->next;
+            deferred_do(f);
+        } else {
+            p = &f->next;
+        }
     }
+    pthread_mutex_unlock(&g_df_mu);
 }
 
 static CUresult free_ordered(CUdeviceptr dptr, unsigned gpu)

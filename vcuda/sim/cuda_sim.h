@@ -137,6 +137,8 @@ void sim_ctx_reparent(CUcontext from, CUcontext to);
 
 /* Stream, event or context synchronisation: memory pools above their release threshold give memory back. */
 void sim_pools_synchronized(void);
+/* The stream-ordered frees whose preceding work is done happen now (an event found complete). */
+void sim_deferred_frees_due(void);
 /* A pool allocation's record was taken: its bytes go back to its pool. */
 void sim_pool_free_record(const struct vc_map_entry *e);
 

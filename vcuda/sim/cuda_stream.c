@@ -610,7 +610,10 @@ SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!event_valid(hEvent))
         return CUDA_ERROR_INVALID_HANDLE;
-    return event_done(hEvent) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    if (!event_done(hEvent))
+        return CUDA_ERROR_NOT_READY;
+    sim_deferred_frees_due(); /* a free queued before the event has happened by now */
+    return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)

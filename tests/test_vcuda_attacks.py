@@ -76,6 +76,7 @@ def share_of(c: Container, pids: set[int], settle: float, measure: float) -> flo
     return (b.busy_of(pids) - a.busy_of(pids)) / (b.now_ns - a.now_ns)
 
 
+@pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
 def test_processes_the_agent_has_not_listed_yet_share_one_limit(container: MakeContainer, launch_loop: Path) -> None:
     """Two processes start before the agent wrote them into pids.config (or while it is down): together they
     still get the container's 30 %, not 30 % each."""
@@ -101,6 +102,7 @@ def test_processes_the_agent_has_not_listed_yet_share_one_limit(container: MakeC
 CHILD = ONE_KERNEL
 
 
+@pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
 @pytest.mark.parametrize("limit_mib", [4096, 0], ids=["memory-limit", "no-memory-limit"])
 def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContainer, limit_mib: int) -> None:
     """A tenant starts process after process, each launching one 400 ms kernel and exiting once it ran: a new

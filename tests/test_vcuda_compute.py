@@ -42,6 +42,9 @@ from tests.vcuda_fixtures import (
 
 __all__ = ["vcuda_built"]  # fixture
 
+# Shares of GPU time measured against tight bounds: make test runs these apart from the CPU-heavy rest.
+pytestmark = pytest.mark.timing
+
 LOOP = BUILD / "bench" / "launch_loop"
 PATHS = ("kernel", "kernel_ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "multi", "graph", "graph_ptsz", "proc",
          "proc_ptsz", "launch", "grid", "grid_async")  # fmt: skip

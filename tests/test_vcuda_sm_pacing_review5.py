@@ -23,6 +23,9 @@ from tests.vcuda_fixtures import vcuda_built
 
 __all__ = ["loop_built", "node", "vcuda_built"]  # fixtures
 
+# Shares of GPU time measured against tight bounds: make test runs these apart from the CPU-heavy rest.
+pytestmark = pytest.mark.timing
+
 SETTLE_S = 2.0
 WINDOW_S = 0.5
 WINDOWS = 6

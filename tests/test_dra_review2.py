@@ -3,59 +3,28 @@ API errors that name their cause, and claims the scheduler allocated against oth
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client as k8s
 
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.dra import devices
 from gpumanager.dra.publisher import SlicePublisher
 from simnode.apiserver import ApiServerSimulator
 from simnode.dra_scheduler import Allocator, Selectors
+from tests.dra_slice_fixtures import DRIVER, settle, slice_content, stored_slices
 
-DRIVER = "vcuda.tencent.com"
-GPUS = [
-    GPUInfo(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", i, 81559 << 20, f"00000000:{i + 7:02x}:00.0", 0) for i in range(2)
-]
-TOPOLOGY = NodeTopology(levels=((0, 40), (40, 0)))
 CLASS = {
     "metadata": {"name": "vcuda"},
     "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
 }
 
 
-def _slices(sim: ApiServerSimulator) -> list[dict[str, Any]]:
-    api = k8s.ResourceV1Api(sim.client())
-    resp: Any = api.list_resource_slice(_preload_content=False)
-    items: list[dict[str, Any]] = json.loads(resp.data)["items"]
-    return items
-
-
-def _content(sysfs: Path, taints: dict[int, devices.Taint]) -> Any:
-    def content(generation: int) -> dict[str, Any]:
-        return devices.slice_spec(
-            node="node-a",
-            driver=DRIVER,
-            gpus=GPUS,
-            topology=TOPOLOGY,
-            taints=taints,
-            generation=generation,
-            sysfs_root=sysfs,
-        )
-
-    return content
-
-
 def _settle(pub: SlicePublisher) -> int:
     """Sync until a pass writes nothing; the number of passes that wrote."""
-    for n in range(6):
-        if not pub.sync():
-            return n
-    raise AssertionError("the publisher never settles")
+    return settle(pub, passes=6)
 
 
 def _placed(sim: ApiServerSimulator) -> list[str]:
@@ -78,7 +47,7 @@ def _placed(sim: ApiServerSimulator) -> list[str]:
             }
         },
     }
-    alloc = Allocator(_slices(sim), {"vcuda": CLASS}, [], Selectors())
+    alloc = Allocator(stored_slices(sim), {"vcuda": CLASS}, [], Selectors())
     results = alloc.allocate(claim, "node-a") or []
     return [str(r["device"]) for r in results]
 
@@ -93,11 +62,11 @@ def test_an_unhealthy_gpu_takes_no_new_claim_whether_or_not_the_server_keeps_tai
     # server drops taints, an unhealthy GPU must not be offered at all.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=disabled) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         with caplog.at_level(logging.WARNING, logger="gpumanager.dra.publisher"):
             _settle(pub)
         assert _placed(sim) == ["gpu-1"], "a claim went to the unhealthy GPU"
-        [stored] = _slices(sim)
+        [stored] = stored_slices(sim)
         names = [d["name"] for d in stored["spec"]["devices"]]
         if disabled:
             assert names == ["gpu-1"]
@@ -109,7 +78,7 @@ def test_an_unhealthy_gpu_takes_no_new_claim_whether_or_not_the_server_keeps_tai
         # The GPU comes back: it is offered again.
         taints.clear()
         assert _settle(pub) == 1
-        [stored] = _slices(sim)
+        [stored] = stored_slices(sim)
         assert [d["name"] for d in stored["spec"]["devices"]] == ["gpu-0", "gpu-1"]
         assert not any(d.get("taints") for d in stored["spec"]["devices"])
         assert _placed(sim) == ["gpu-0"]
@@ -125,7 +94,7 @@ def test_a_slice_the_server_refuses_is_reported_with_the_servers_reason(tmp_path
     # The API server says why in the Status it answers (the RBAC rule missing, the field it refuses);
     # "403 Forbidden" or "422 Unprocessable Entity" alone tells an operator nothing to fix.
     with ApiServerSimulator() as sim:
-        content = _content(tmp_path, {})
+        content = slice_content(tmp_path, {})
         pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=content)
         sim.fail_next("POST", "resourceslices", 403, 1, message=FORBIDDEN)
         assert not pub._sync_logged()
@@ -182,7 +151,7 @@ def test_a_product_name_is_cut_to_the_64_bytes_the_api_server_allows(tmp_path: P
     with ApiServerSimulator() as sim:
         pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=content)
         assert pub._sync_logged(), pub.last_error
-        [stored] = _slices(sim)
+        [stored] = stored_slices(sim)
         assert stored["spec"]["devices"][0]["attributes"]["productName"]["string"] == product
 
 

@@ -3,58 +3,26 @@ several shares, and the scheduler simulator allocating them."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client as k8s
 
-from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.dra import devices
 from gpumanager.dra.publisher import SlicePublisher
 from simnode.apiserver import ApiServerSimulator
-
-DRIVER = "vcuda.tencent.com"
-GPUS = [
-    GPUInfo(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", i, 81559 << 20, f"00000000:{i + 7:02x}:00.0", 0) for i in range(2)
-]
-TOPOLOGY = NodeTopology(levels=((0, 40), (40, 0)))
-
-
-def _slices(sim: ApiServerSimulator) -> list[dict[str, Any]]:
-    api = k8s.ResourceV1Api(sim.client())
-    resp: Any = api.list_resource_slice(_preload_content=False)
-    items: list[dict[str, Any]] = json.loads(resp.data)["items"]
-    return items
-
-
-def _content(sysfs: Path, taints: dict[int, devices.Taint]) -> Any:
-    def content(generation: int) -> dict[str, Any]:
-        return devices.slice_spec(
-            node="node-a",
-            driver=DRIVER,
-            gpus=GPUS,
-            topology=TOPOLOGY,
-            taints=taints,
-            generation=generation,
-            sysfs_root=sysfs,
-        )
-
-    return content
+from tests.dra_slice_fixtures import DRIVER, GPUS, settle, slice_content, stored_slices
 
 
 def _settle(pub: SlicePublisher) -> int:
-    for n in range(8):
-        if not pub.sync():
-            return n
-    raise AssertionError("the publisher never settles")
+    """Sync until a pass writes nothing; the number of passes that wrote."""
+    return settle(pub, passes=8)
 
 
 def _published(sim: ApiServerSimulator) -> dict[str, bool]:
     """Device name -> whether it is published with a taint."""
-    [stored] = _slices(sim)
+    [stored] = stored_slices(sim)
     return {d["name"]: bool(d.get("taints")) for d in stored["spec"]["devices"]}
 
 
@@ -65,7 +33,7 @@ def test_taints_are_sent_again_once_the_server_keeps_them(tmp_path: Path) -> Non
     # tolerates the taint can never get it), for as long as the agent runs.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         _settle(pub)
         assert _published(sim) == {"gpu-1": False}
         sim._ops.disabled_features = frozenset()  # the server keeps taints from now on
@@ -79,11 +47,11 @@ def test_taints_dropped_again_after_a_recheck_hide_the_devices_again(tmp_path: P
     # The re-check must not expose an unhealthy GPU for good where the server still drops taints.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         _settle(pub)
         taints[1] = devices.Taint("XID 48", "2026-11-23T00:01:00Z")
         _settle(pub)
-        assert _slices(sim)[0]["spec"]["devices"] == []
+        assert stored_slices(sim)[0]["spec"]["devices"] == []
         assert _settle(pub) == 0, "settled: no write on every pass"
         taints.clear()
         _settle(pub)
@@ -164,7 +132,7 @@ def test_two_requests_of_one_claim_sharing_one_gpu_are_prepared(tmp_path: Path, 
 
 
 def _slice(sysfs: Path) -> dict[str, Any]:
-    spec = _content(sysfs, {})(1)
+    spec = slice_content(sysfs, {})(1)
     return {"metadata": {"name": "node-a-vcuda.tencent.com"}, "spec": spec}
 
 
@@ -305,7 +273,7 @@ def test_an_unhealthy_gpu_is_never_stored_untainted_where_the_server_drops_taint
     # can never be prepared. Not at start, and not at any later re-check.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         stored = _record_stored(pub)
         _settle(pub)
         taints[1] = devices.Taint("XID 48", "2026-11-23T00:01:00Z")
@@ -321,7 +289,7 @@ def test_a_gpu_that_stays_unhealthy_is_tainted_once_the_server_keeps_taints(tmp_
     # finds out, and the GPU is published tainted rather than hidden.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=["DRADeviceTaints"]) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         _settle(pub)
         assert _published(sim) == {"gpu-1": False}
         sim._ops.disabled_features = frozenset()
@@ -398,7 +366,7 @@ def test_a_server_that_refuses_dry_runs_still_gets_the_slice(tmp_path: Path, dis
     # refuses every dry run (400): the taint check must not keep the node's GPUs unpublished.
     taints = {0: devices.Taint("XID 79", "2026-11-23T00:00:00Z")}
     with ApiServerSimulator(disabled_features=disabled) as sim:
-        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=_content(tmp_path, taints))
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
         sim.fail_next("POST", "resourceslices$", 400, 1, message=NO_DRY_RUN)
         _settle(pub)
         assert _published(sim) == ({"gpu-1": False} if disabled else {"gpu-0": True, "gpu-1": False})

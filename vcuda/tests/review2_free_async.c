@@ -25,22 +25,10 @@ int main(int argc, char **argv)
     int rounds = atoi(argv[1]);
     size_t size = (size_t)strtoull(argv[2], NULL, 10) * MIB;
     size_t after = (size_t)strtoull(argv[3], NULL, 10) * MIB;
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
-    CUdevice dev;
-    CUcontext ctx;
-    CUmodule mod;
-    CUfunction fn;
+    open_driver();
+    primary_context();
+    CUfunction fn = load_kernel("fatbin", argv[4]);
     CUstream s;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuDevicePrimaryCtxRetain)(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
-    check(FN(cuModuleLoadData)(&mod, "fatbin"), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, argv[4]), "cuModuleGetFunction");
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
 

@@ -29,17 +29,8 @@ int main(int argc, char **argv)
     size_t after = (size_t)strtoull(argv[3], NULL, 10) * MIB;
     if (rounds < 1 || rounds > MAX_ROUNDS)
         return 2;
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
-    CUdevice dev;
-    CUcontext ctx;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuDevicePrimaryCtxRetain)(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
+    open_driver();
+    primary_context();
 
     CUmemAllocationProp prop = {0};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;

@@ -25,16 +25,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static CUcontext setup(void)
-{
-    CUdevice dev;
-    CUcontext ctx;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuCtxCreate_v2)(&ctx, 0, dev), "cuCtxCreate");
-    return ctx;
-}
-
 static _Atomic bool g_stop;
 static CUcontext g_ctx;
 
@@ -57,13 +47,9 @@ int main(int argc, char **argv)
 {
     if (argc < 3)
         return 2;
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    open_driver();
     if (strcmp(argv[1], "alloc") == 0) {
-        setup();
+        created_context();
         CUdeviceptr p = 0;
         CUresult rc = FN(cuMemAlloc_v2)(&p, (size_t)strtoull(argv[2], NULL, 10) * MIB);
         printf("{\"alloc\": %d}\n", (int)rc);
@@ -73,18 +59,12 @@ int main(int argc, char **argv)
         return 2;
     size_t parent = (size_t)strtoull(argv[2], NULL, 10) * MIB;
     int threads = atoi(argv[3]), forks = atoi(argv[4]);
-    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (nvml == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    void *nvml = open_lib("libnvidia-ml.so.1");
     struct mem { unsigned long long total, free, used; };
-    int (*nvml_init)(void) = (int (*)(void))dlsym(nvml, "nvmlInit_v2");
-    int (*nvml_handle)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2");
-    int (*nvml_mem)(void *, struct mem *) = (int (*)(void *, struct mem *))dlsym(nvml, "nvmlDeviceGetMemoryInfo");
-    if (nvml_init == NULL || nvml_handle == NULL || nvml_mem == NULL)
-        return 2;
-    g_ctx = setup();
+    int (*nvml_init)(void) = (int (*)(void))sym_in(nvml, "nvmlInit_v2");
+    int (*nvml_handle)(unsigned, void **) = (int (*)(unsigned, void **))sym_in(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    int (*nvml_mem)(void *, struct mem *) = (int (*)(void *, struct mem *))sym_in(nvml, "nvmlDeviceGetMemoryInfo");
+    g_ctx = created_context();
     CUdeviceptr held = 0;
     check(FN(cuMemAlloc_v2)(&held, parent), "the parent's allocation");
     pthread_t tid[64];

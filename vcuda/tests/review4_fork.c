@@ -10,7 +10,7 @@
  *   Prints {"forks": N, "ok": N, "failed": N, "stuck": N, "crashed": N}.
  * Loads libcuda.so.1 and libnvidia-ml.so.1 by name (LD_LIBRARY_PATH: the container's driver mirror).
  */
-#include <cuda.h>
+#include "review_driver.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -21,20 +21,6 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-static void *g_lib, *g_nvml;
-
-static void *sym(void *lib, const char *name)
-{
-    void *p = dlsym(lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(g_lib, #name))
 
 struct mem { unsigned long long total, free, used; };
 static int (*nvml_init)(void);
@@ -110,21 +96,13 @@ int main(int argc, char **argv)
     if (argc != 3)
         return 2;
     int threads = atoi(argv[1]), forks = atoi(argv[2]);
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    g_nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL || g_nvml == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
-    nvml_init = (int (*)(void))sym(g_nvml, "nvmlInit_v2");
-    nvml_handle = (int (*)(unsigned, void **))sym(g_nvml, "nvmlDeviceGetHandleByIndex_v2");
-    nvml_mem = (int (*)(void *, struct mem *))sym(g_nvml, "nvmlDeviceGetMemoryInfo");
-    CUdevice dev;
-    CUmodule mod;
-    if (FN(cuInit)(0) != CUDA_SUCCESS || FN(cuDeviceGet)(&dev, 0) != CUDA_SUCCESS ||
-        FN(cuDevicePrimaryCtxRetain)(&g_ctx, dev) != CUDA_SUCCESS || FN(cuCtxSetCurrent)(g_ctx) != CUDA_SUCCESS ||
-        FN(cuModuleLoadData)(&mod, "fatbin") != CUDA_SUCCESS || FN(cuModuleGetFunction)(&g_fn, mod, "spin_10us"))
-        return 3;
+    open_driver();
+    void *nvml = open_lib("libnvidia-ml.so.1");
+    nvml_init = (int (*)(void))sym_in(nvml, "nvmlInit_v2");
+    nvml_handle = (int (*)(unsigned, void **))sym_in(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    nvml_mem = (int (*)(void *, struct mem *))sym_in(nvml, "nvmlDeviceGetMemoryInfo");
+    g_ctx = primary_context();
+    g_fn = load_kernel("fatbin", "spin_10us");
     pthread_t tid[48];
     int n_tid = 0;
     if (threads > 16)

@@ -17,22 +17,10 @@
 
 int main(void)
 {
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
-    CUdevice dev;
-    CUcontext ctx;
-    CUmodule mod;
-    CUfunction fn;
+    open_driver();
+    primary_context();
+    CUfunction fn = load_kernel("fatbin", "spin_1ms");
     CUdeviceptr buf;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuDevicePrimaryCtxRetain)(&ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
-    check(FN(cuModuleLoadData)(&mod, "fatbin"), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "spin_1ms"), "cuModuleGetFunction");
     check(FN(cuMemAlloc_v2)(&buf, 1 << 20), "cuMemAlloc_v2");
     void *args[] = {&buf};
     long launches = 0;

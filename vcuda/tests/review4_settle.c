@@ -70,16 +70,8 @@ int main(int argc, char **argv)
     if (argc != 4)
         return 2;
     int threads = atoi(argv[2]), rounds = atoi(argv[3]);
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
-    CUdevice dev;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuDevicePrimaryCtxRetain)(&g_ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(FN(cuCtxSetCurrent)(g_ctx), "cuCtxSetCurrent");
+    open_driver();
+    g_ctx = primary_context();
     uint64_t before = slot_used(argv[1]);
     pthread_t tid[32];
     if (threads > 32)

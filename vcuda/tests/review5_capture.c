@@ -17,54 +17,24 @@
 #include <unistd.h>
 
 static const char PTX[] = ".version 7.0\n.target sm_75\n.address_size 64\n.visible .entry spin_2ms() { ret; }\n";
-static CUstream g_stream;
-static unsigned g_end_ms;
-static CUcontext g_ctx;
-
-static void *ender(void *arg)
-{
-    CUgraph *graph = arg;
-    usleep(g_end_ms * 1000u);
-    FN(cuCtxSetCurrent)(g_ctx);
-    check(FN(cuStreamEndCapture)(g_stream, graph), "cuStreamEndCapture");
-    return NULL;
-}
-
 int main(int argc, char **argv)
 {
     if (argc != 3) {
         fprintf(stderr, "usage: review5_capture ROUNDS END_MS\n");
         return 2;
     }
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    open_driver();
     int rounds = atoi(argv[1]);
-    g_end_ms = (unsigned)atoi(argv[2]);
-    CUdevice dev;
-    CUmodule mod;
-    CUfunction fn;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuCtxCreate_v2)(&g_ctx, 0, dev), "cuCtxCreate");
-    check(FN(cuModuleLoadData)(&mod, PTX), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "spin_2ms"), "cuModuleGetFunction");
-    check(FN(cuStreamCreate)(&g_stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    struct timed_capture cap = {.after_ms = (unsigned)atoi(argv[2]), .ctx = created_context()};
+    CUfunction fn = load_kernel(PTX, "spin_2ms");
+    check(FN(cuStreamCreate)(&cap.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     int ok = 0;
     for (int i = 0; i < rounds; i++) {
-        CUgraph graph = NULL;
-        check(FN(cuStreamBeginCapture_v2)(g_stream, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture_v2");
-        pthread_t t;
-        if (pthread_create(&t, NULL, ender, &graph) != 0)
-            return 2;
-        CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
-        pthread_join(t, NULL);
-        if (graph != NULL)
-            check(FN(cuGraphDestroy)(graph), "cuGraphDestroy");
+        begin_timed_capture(&cap);
+        CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, cap.stream, NULL, NULL);
+        finish_timed_capture(&cap);
         ok += rc == CUDA_SUCCESS;
-        check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+        check(FN(cuStreamSynchronize)(cap.stream), "cuStreamSynchronize");
     }
     printf("{\"rounds\": %d, \"ok\": %d}\n", rounds, ok);
     return 0;

@@ -17,53 +17,26 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-static CUstream g_stream;
-static unsigned g_end_ms;
-static CUcontext g_ctx;
-
-static void *ender(void *arg)
-{
-    CUgraph *graph = arg;
-    usleep(g_end_ms * 1000u);
-    FN(cuCtxSetCurrent)(g_ctx);
-    check(FN(cuStreamEndCapture)(g_stream, graph), "cuStreamEndCapture");
-    return NULL;
-}
-
 int main(int argc, char **argv)
 {
     if (argc != 4) {
         fprintf(stderr, "usage: review5_galloc ROUNDS MIB END_MS\n");
         return 2;
     }
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    open_driver();
     int rounds = atoi(argv[1]);
     size_t bytes = (size_t)atoi(argv[2]) * MIB;
-    g_end_ms = (unsigned)atoi(argv[3]);
-    CUdevice dev;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuCtxCreate_v2)(&g_ctx, 0, dev), "cuCtxCreate");
-    check(FN(cuStreamCreate)(&g_stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    struct timed_capture cap = {.after_ms = (unsigned)atoi(argv[3]), .ctx = created_context()};
+    check(FN(cuStreamCreate)(&cap.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     int ok = 0;
     for (int i = 0; i < rounds; i++) {
-        CUgraph graph = NULL;
-        check(FN(cuStreamBeginCapture_v2)(g_stream, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture_v2");
-        pthread_t t;
-        if (pthread_create(&t, NULL, ender, &graph) != 0)
-            return 2;
+        begin_timed_capture(&cap);
         CUdeviceptr p = 0;
-        CUresult rc = FN(cuMemAllocAsync)(&p, bytes, g_stream);
-        pthread_join(t, NULL);
-        if (graph != NULL)
-            check(FN(cuGraphDestroy)(graph), "cuGraphDestroy");
+        CUresult rc = FN(cuMemAllocAsync)(&p, bytes, cap.stream);
+        finish_timed_capture(&cap);
         ok += rc == CUDA_SUCCESS;
     }
-    check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+    check(FN(cuStreamSynchronize)(cap.stream), "cuStreamSynchronize");
     printf("{\"rounds\": %d, \"ok\": %d}\n", rounds, ok);
     fflush(stdout);
     char line[16];

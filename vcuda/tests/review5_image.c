@@ -39,17 +39,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: review5_image module|module_ex|fatbinary|library REWRITE_MS\n");
         return 2;
     }
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    open_driver();
     g_rewrite_ms = (unsigned)atoi(argv[2]);
-    CUdevice dev;
-    CUcontext ctx;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuCtxCreate_v2)(&ctx, 0, dev), "cuCtxCreate");
+    created_context();
     memcpy(g_image, SMALL, sizeof(SMALL));
     pthread_t t;
     if (pthread_create(&t, NULL, rewriter, NULL) != 0)

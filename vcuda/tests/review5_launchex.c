@@ -40,21 +40,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: review5_launchex ex|multi SWITCH_MS\n");
         return 2;
     }
-    g_lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (g_lib == NULL) {
-        fprintf(stderr, "%s\n", dlerror());
-        return 2;
-    }
+    open_driver();
     g_switch_ms = (unsigned)atoi(argv[2]);
-    CUdevice dev;
-    CUcontext ctx;
-    CUmodule mod;
-    CUfunction fn;
-    check(FN(cuInit)(0), "cuInit");
-    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
-    check(FN(cuCtxCreate_v2)(&ctx, 0, dev), "cuCtxCreate");
-    check(FN(cuModuleLoadData)(&mod, PTX), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "spin_500ms"), "cuModuleGetFunction");
+    created_context();
+    CUfunction fn = load_kernel(PTX, "spin_500ms");
     check(FN(cuStreamCreate)(&g_s1, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     check(FN(cuStreamCreate)(&g_s2, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     g_cfg = (CUlaunchConfig){.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32, .blockDimY = 1,

@@ -7,11 +7,13 @@ into the test process would shadow the name for every later test.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +59,12 @@ class SimNode:
             timeout=timeout,
             check=False,
         )
+
+    def python_json(self, code: str, *args: str, timeout: float = 30) -> Any:
+        """Runs Python code in a subprocess on this node, which must exit 0; what it printed, parsed as JSON."""
+        done = self.python(code, *args, timeout=timeout)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
 
     def popen_python(self, code: str, *args: str) -> subprocess.Popen[str]:
         """Starts Python code in a subprocess on this node (stdout and stderr piped)."""

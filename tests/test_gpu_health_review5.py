@@ -9,34 +9,13 @@ from pathlib import Path
 import pytest
 
 from tests.gpusim_fixtures import SimNode, gpusim_lib, sim_node
+from tests.test_health_monitor import PRELUDE as HEALTH_PRELUDE
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
 
 MakeNode = Callable[[str | Path], SimNode]
 
-PRELUDE = r"""
-import io, json, logging, os, sys, time
-from pathlib import Path
-
-import pytest
-import pynvml
-import gpumanager.device.health as health
-from gpumanager.device import discovery, nvml
-from gpumanager.device.health import HealthMonitor
-from simnode.gpusim_state import GpuSimState
-
-buf = io.StringIO()
-logging.basicConfig(level=logging.INFO, handlers=[logging.StreamHandler(buf)])
-st = GpuSimState(os.environ["GPUSIM_STATE"])
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-"""
+PRELUDE = HEALTH_PRELUDE + "import gpumanager.device.health as health\n"
 
 HUNG_GPU = (
     PRELUDE
@@ -64,10 +43,7 @@ print(json.dumps({"other_seen": other_seen, "hung_out": hung_out, "hung_reason":
 def test_a_gpu_whose_nvml_calls_hang_does_not_stop_health_checks_of_the_others(
     sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(HUNG_GPU, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(HUNG_GPU, str(tmp_path), timeout=60)
     assert out["other_seen"] is True  # an XID of another GPU is acted on while GPU 1 hangs
     assert out["hung_out"] is True  # the hung GPU is taken out of service
     assert "does not answer" in out["hung_reason"]
@@ -104,10 +80,7 @@ print(json.dumps({"before": before, "first": first, "second": second, "after": a
 
 
 def test_a_gpu_whose_nvml_calls_hang_leaves_out_only_its_own_metrics(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(HUNG_GPU_METRICS, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(HUNG_GPU_METRICS, str(tmp_path), timeout=60)
     assert out["before"] == [0, 1, 2, 3]
     assert out["second"] == [0, 2, 3]  # the hung GPU is not asked again; the others are read
     assert out["after"] == [0, 1, 2, 3]  # back once its call returned
@@ -171,10 +144,7 @@ print(json.dumps(out))
 def test_gpus_in_an_exclusive_compute_mode_or_mig_mode_are_out_of_service_until_set_back(
     sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("h100-nvlink-x8")
-    done = node.python(MODES, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("h100-nvlink-x8").python_json(MODES, str(tmp_path), timeout=60)
     assert out["mig_out"] is True
     assert out["mig_reason"] == "MIG mode"
     assert out["exclusive_out"] is True
@@ -247,10 +217,7 @@ print(json.dumps(out))
 
 
 def test_a_gpu_whose_nvml_calls_hang_at_start_does_not_stop_discovery(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(HUNG_AT_START, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(HUNG_AT_START, str(tmp_path), timeout=60)
     assert out["done"] is True  # the other GPUs are served
     assert out["lost"] == [1]  # the hung one is listed Unhealthy, its device IDs kept
     assert len(out["uuids"]) == 4
@@ -288,10 +255,7 @@ print(json.dumps(out))
 def test_a_gpu_out_for_an_xid_stays_out_across_a_restart_until_its_quiet_period_ends(
     sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(ACROSS_RESTART, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(ACROSS_RESTART, str(tmp_path), timeout=60)
     assert out["out"] is True
     assert out["after_restart"] == [True, False, True, True]
     assert out["reason"] == "XID 79"
@@ -322,10 +286,7 @@ print(json.dumps({"waits": during, "alive_problem": mon.event_problem()}))
 
 
 def test_an_event_wait_that_times_out_at_once_does_not_spin(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("t4-x1")
-    done = node.python(EARLY_TIMEOUTS, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("t4-x1").python_json(EARLY_TIMEOUTS, str(tmp_path), timeout=60)
     # Each wait asks for 100 ms: about ten a second, not a core spinning on NVML.
     assert 0 < out["waits"] < 100, out
 
@@ -372,10 +333,7 @@ print(json.dumps(out))
 def test_the_monitor_starts_without_asking_again_gpus_that_hung_in_discovery(
     sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(HUNG_BEFORE_MONITOR, str(tmp_path), timeout=90)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(HUNG_BEFORE_MONITOR, str(tmp_path), timeout=90)
     assert out["lost"] == [1, 2]
     assert out["started"] is True  # the kubelet's lists are made without waiting for the hung GPUs
     assert out["healthy"] == [True, False, False, True]
@@ -403,10 +361,7 @@ print(json.dumps(out))
 def test_without_shares_an_exclusive_process_gpu_is_served_and_a_prohibited_one_is_not(
     sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(WHOLE_GPUS_ONLY, str(tmp_path), timeout=60)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(WHOLE_GPUS_ONLY, str(tmp_path), timeout=60)
     assert out == {"prohibited_out": True, "exclusive_healthy": True, "prohibited_reason": "compute mode PROHIBITED"}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,10 +55,7 @@ print(json.dumps({"lost": node.lost, "back": back, "xid_seen": seen, "reason": m
 
 
 def test_a_gpu_lost_at_start_is_watched_for_xids_once_it_answers(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("t4-x1")
-    done = node.python(LOST_AT_START, str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("t4-x1").python_json(LOST_AT_START, str(tmp_path))
     assert out == {"lost": [0], "back": True, "xid_seen": True, "reason": "XID 79"}
 
 
@@ -103,10 +99,7 @@ print(json.dumps({"warnings": len(warnings), "created": created[0], "reports": r
 
 
 def test_a_failing_event_wait_is_reported_and_the_event_set_made_again(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(EVENT_WAIT_FAILS, str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(EVENT_WAIT_FAILS, str(tmp_path))
     assert out["warnings"] <= 3, out
     assert out["created"] >= 2, out
     problems = [p for name, p in out["reports"] if p]
@@ -172,10 +165,7 @@ print(json.dumps({"problem": problem, "cleared": cleared, "xid_seen": seen, "rea
 def test_a_gpu_not_registered_when_the_event_set_is_made_again_is_registered_later(
     mode: str, sim_node: MakeNode, tmp_path: Path
 ) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(REGISTER_FAILS_AT_REMAKE, str(tmp_path), mode)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(REGISTER_FAILS_AT_REMAKE, str(tmp_path), mode)
     assert "GPU 1" in out["problem"], out
     assert ["xid-events", out["problem"]] in out["reports"], out
     assert out["reports"][-1] == ["xid-events", None], out
@@ -203,9 +193,6 @@ print(json.dumps({"ignored": mon.ignored_xid_events, "lines": lines, "healthy": 
 
 
 def test_ignored_xids_are_logged_once_per_gpu_and_xid(sim_node: MakeNode, tmp_path: Path) -> None:
-    node = sim_node("v100-pcie-x4")
-    done = node.python(XID_STORM, str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = sim_node("v100-pcie-x4").python_json(XID_STORM, str(tmp_path))
     assert out["ignored"] == 400 and out["healthy"]
     assert len(out["lines"]) == 2, out["lines"]

@@ -597,6 +597,7 @@ class Agent:
             allocator=self.allocator,
             api_client=self.api.api,
             pods=self.pods.pods,
+            pods_synced=self.pods.synced,
             pod=self.pods.get,
             cdi_settings=cdi.CDISettings(
                 root=Path(cfg.cdi_root),

@@ -152,6 +152,7 @@ class DRAMode:
         observe: Callable[[str, float, bool], None],
         report: Callable[[str, str | None], None],
         publisher: SlicePublisher | None = None,
+        pods_synced: Callable[[], bool] = lambda: True,
     ) -> None:
         self.settings = settings
         self.node = node
@@ -161,6 +162,9 @@ class DRAMode:
         self._health = health
         self._allocator = allocator
         self._pods = pods
+        # Whether ``pods`` has listed the node's pods (before, it holds none: which containers use a
+        # claim is not known, and their pids.config files are left as they are).
+        self._pods_synced = pods_synced
         self._pod = pod
         self._vm = vm_path
         self._cgroups = cgroups.CgroupLocator(cgroup_root)
@@ -447,10 +451,14 @@ class DRAMode:
         """Rewrite pids.config of every shared claim whose containers' processes changed.
 
         A file that cannot be written (a full disk, a read-only file system) is reported once and tried
-        again at the next refresh; the other claims' files are still brought up to date.
+        again at the next refresh; the other claims' files are still brought up to date. Until the pod
+        cache has listed the node's pods nothing is written: the files keep the PIDs written before (by
+        this agent before a restart), which an empty list of pods would wipe.
         """
         from gpumanager.allocation import pods as podinfo
 
+        if not self._pods_synced():
+            return 0
         written = 0
         live: set[str] = set()
         refreshed: set[Path] = set()

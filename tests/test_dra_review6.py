@@ -1,0 +1,87 @@
+"""DRA mode: a claim's consumers while the agent's pod cache has not listed pods yet, and late joiners.
+
+Facts (kubelet pkg/kubelet/cm/dra): the kubelet calls NodePrepareResources for a claim once per node;
+a second pod reserved in the same claim is started from the kubelet's claim-info cache without a
+call, and the claim is unprepared when the last pod referring to it goes. So the agent learns of a
+claim's pods only from the API server (its pod cache, and the claims' ``reservedFor``)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumanager.vmanager import files
+from simnode.dra_cluster import DRACluster, claim_pod, claim_template
+
+
+@pytest.fixture
+def t4(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    with DRACluster(tmp_path / "node", "t4-x1") as cluster:
+        yield cluster
+
+
+def _metrics(cluster: DRACluster) -> list[str]:
+    assert cluster.agent is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.agent.query_port}/metrics", timeout=5) as resp:
+        return [ln for ln in resp.read().decode().splitlines() if not ln.startswith("#")]
+
+
+def _wait_pids(path: Path, want: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    got: list[int] = []
+    while time.monotonic() < deadline:
+        got = files.read_pids(path) if path.exists() else []
+        if got == want:
+            break
+        time.sleep(0.1)
+    return got
+
+
+def test_a_restarted_agent_keeps_claims_pids_until_its_pod_cache_has_listed_pods(t4: DRACluster) -> None:
+    # Before its first pod list the agent does not know which containers use a claim: it must not
+    # write the claim's pids.config empty (the interceptor would stop counting the processes only
+    # the agent lists), nor show the claim with no containers.
+    t4.add_template(claim_template("c30", cores=30, memory="4Gi"))
+    t4.create_pod(claim_pod("p", "c30"), commands={"main": ["sleep", "60"]})
+    t4.settle()
+    assert t4.kubelet is not None
+    pod = t4.pod("p")
+    run = t4.kubelet.containers[(pod["metadata"]["uid"], "main")]
+    assert run.proc is not None
+    claim = t4.claim_of("p")
+    uid = claim["metadata"]["uid"]
+    path = t4.vm_path / uid / "pids.config"
+    assert _wait_pids(path, [run.proc.pid]) == [run.proc.pid]
+
+    assert t4.agent is not None
+    t4.agent.stop()
+    t4.api.fail_next("GET", r"^/api/v1/pods$", 500, count=1_000_000, message="etcd is slow")
+    t4.start_agent()
+    t4.agent.wait_for_log("the pod cache is not synced yet", timeout=20)
+    time.sleep(3)  # three pids.config refresh periods
+    assert files.read_pids(path) == [run.proc.pid], "pids.config was rewritten without the pod cache"
+    lines = _metrics(t4)
+    claim_lines = [ln for ln in lines if ln.startswith("gpu_manager_claim_gpu_core_ratio{")]
+    assert len(claim_lines) == 1 and f'claim_uid="{uid}"' in claim_lines[0] and claim_lines[0].endswith(" 0.3")
+    # Which containers use the claim is not known yet: no per-container series and no claim users,
+    # rather than series with wrong or empty labels.
+    assert not [ln for ln in lines if ln.startswith(("gpu_manager_container_", "gpu_manager_claim_containers"))]
+
+    t4.api.clear_faults()
+    assert _wait_pids(path, [run.proc.pid], timeout=20) == [run.proc.pid]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = _metrics(t4)
+        seen = {ln.partition("{")[0] for ln in lines}
+        if {"gpu_manager_claim_containers", "gpu_manager_container_gpu_core_limit_ratio"} <= seen:
+            break
+        time.sleep(0.2)
+    users = [ln for ln in lines if ln.startswith("gpu_manager_claim_containers{")]
+    assert len(users) == 1 and f'claim_uid="{uid}"' in users[0] and 'pod="p"' in users[0], users
+    [limit] = [ln for ln in lines if ln.startswith("gpu_manager_container_gpu_core_limit_ratio{")]
+    assert 'container="main"' in limit and 'namespace="default"' in limit and 'pod="p"' in limit, limit
+    assert limit.endswith(" 0.3"), limit

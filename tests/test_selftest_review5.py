@@ -18,14 +18,23 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from gpumanager.selftest import checks, programs
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
 from simnode.simhost import install_sim_driver
-from tests.test_selftest_sampler import FAKE_SPIN_HEAD, NOT_FOUND, T0, Busy, FakeNVML, FakeNVMLError, S
+from tests.test_selftest_sampler import (
+    FAKE_SPIN_HEAD,
+    NOT_FOUND,
+    T0,
+    Busy,
+    FakeNVML,
+    FakeNVMLError,
+    S,
+    fake_setup,
+    record_started,
+)
 from tests.vcuda_fixtures import vcuda_built
 
 __all__ = ["vcuda_built"]  # fixtures
@@ -169,19 +178,9 @@ def test_other_work_on_the_gpu_during_a_share_measurement_is_named_not_read_as_t
     leaves them, and a limit read against that says OFF (or passes by chance) without saying why.  The
     measurement now fails naming the other processes and what they took."""
     monkeypatch.setattr(programs, "SPIN", FAKE_SPIN)
-    started: list[int] = []
-    popen = subprocess.Popen
-
-    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
-        proc: subprocess.Popen[str] = popen(*args, **kwargs)
-        started.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    started = record_started(monkeypatch)
     monkeypatch.setattr(checks, "SAMPLE_LAG", 0.3)
-    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
-                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
-                         base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
+    setup = fake_setup(tmp_path)
     sampler = checks.UtilSampler(0, nvml=BusyNVML(started))
     with pytest.raises(checks.ChildError) as raised:
         checks._spin(setup, [setup.plain()], sampler)
@@ -195,19 +194,9 @@ def test_a_gpu_without_other_work_measures_as_before(monkeypatch: pytest.MonkeyP
             return [s for s in super().nvmlDeviceGetProcessUtilization(handle, last_seen) if s.pid != self.FOREIGN]
 
     monkeypatch.setattr(programs, "SPIN", FAKE_SPIN)
-    started: list[int] = []
-    popen = subprocess.Popen
-
-    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
-        proc: subprocess.Popen[str] = popen(*args, **kwargs)
-        started.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    started = record_started(monkeypatch)
     monkeypatch.setattr(checks, "SAMPLE_LAG", 0.3)
-    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
-                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
-                         base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
+    setup = fake_setup(tmp_path)
     ((rate, util),) = checks._spin(setup, [setup.plain()], checks.UtilSampler(0, nvml=Alone(started)))
     assert rate == 300.0 and util == pytest.approx(30.0)
 
@@ -366,9 +355,7 @@ def test_the_launch_loops_keep_their_pace_after_their_window_until_nvml_was_last
     log = tmp_path / "launches"
     monkeypatch.setattr(programs, "SPIN", LOGGING_SPIN)
     monkeypatch.setattr(checks, "SAMPLE_LAG", 0.5)
-    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
-                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
-                         base_env={"PATH": os.environ.get("PATH", ""), "LAUNCH_LOG": str(log)})  # fmt: skip
+    setup = fake_setup(tmp_path, LAUNCH_LOG=str(log))
     stops: list[float] = []
 
     class Sampler:

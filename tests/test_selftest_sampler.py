@@ -193,6 +193,27 @@ class _Watcher:
         return {}
 
 
+def record_started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """subprocess.Popen patched to note the PID of each process it starts; the list they are noted in."""
+    started: list[int] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
+        proc: subprocess.Popen[str] = popen(*args, **kwargs)
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    return started
+
+
+def fake_setup(tmp_path: Path, **env: str) -> checks.Setup:
+    """A selftest set-up of a 16 GiB GPU-x with 0.1 s windows, its files in tmp_path, env added to PATH."""
+    return checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
+                        direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
+                        base_env={"PATH": os.environ.get("PATH", ""), **env})  # fmt: skip
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -210,19 +231,9 @@ def test_the_last_poll_comes_after_nvmls_lag_while_the_launch_loops_still_run(
     hold = "def hold(" + programs.PRELUDE.split("def hold(", 1)[1]
     tail = programs.SPIN.split("report(rate=", 1)[1].split("\n", 1)[1]  # what SPIN does after its report
     monkeypatch.setattr(programs, "SPIN", FAKE_SPIN_HEAD + hold + tail)
-    started: list[int] = []
-    popen = subprocess.Popen
-
-    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
-        proc: subprocess.Popen[str] = popen(*args, **kwargs)
-        started.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    started = record_started(monkeypatch)
     _Watcher.pids, _Watcher.stops, _Watcher.windows = started, [], []
-    setup = checks.Setup(uuid="GPU-x", gpu_index=0, gpu_total=1 << 34, work=tmp_path, mirror=tmp_path,
-                         direct=tmp_path, cap=1 << 30, settle=0.1, measure=0.1, tolerance=3.0, calls=10,
-                         base_env={"PATH": os.environ.get("PATH", "")})  # fmt: skip
+    setup = fake_setup(tmp_path)
     results = checks._spin(setup, [setup.plain(), setup.plain()], _Watcher(0))  # type: ignore[arg-type]
     assert results == [(300.0, 30.0), (300.0, 30.0)]
     ((alive, stopped_at),) = _Watcher.stops

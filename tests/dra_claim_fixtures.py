@@ -104,6 +104,18 @@ class DRAClient:
         resp = self.stub.NodeUnprepareResources(req, timeout=timeout)
         return {uid: entry.error for uid, entry in resp.claims.items()}
 
+    def prepare_killed_after_checkpoint(self, ref: tuple[str, str, str]) -> None:
+        """The agent restarted to die in a Prepare of ``ref`` right after writing its checkpoint: the call fails
+        and the agent exits non-zero; then it is started again."""
+        c = self.cluster
+        assert c.agent is not None
+        c.agent.stop()
+        c.start_agent(env={"GPU_MANAGER_CRASH_AT": "prepare-after-checkpoint"})
+        with pytest.raises(grpc.RpcError):
+            self.prepare(ref, timeout=20)
+        assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
+        c.start_agent()
+
     def spec_path(self, uid: str) -> Path:
         """Where the agent writes the claim's CDI spec."""
         return self.cluster.cdi_root / f"{DRIVER}-{uid}.json"

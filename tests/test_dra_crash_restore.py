@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import pytest
 
 from gpumanager.allocation.journal import read_document
@@ -20,13 +19,7 @@ def test_a_kill_between_the_checkpoint_and_the_files_loses_nothing(dra_node: DRA
     c = dra_node.cluster
     share = dra_node.claim("share", [result(cores="30", memory="4Gi", share="s-1")])
     ref = dra_node.ref(share)
-    assert c.agent is not None
-    c.agent.stop()
-    c.start_agent(env={"GPU_MANAGER_CRASH_AT": "prepare-after-checkpoint"})
-    with pytest.raises(grpc.RpcError):
-        dra_node.prepare(ref, timeout=20)
-    assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
-    c.start_agent()
+    dra_node.prepare_killed_after_checkpoint(ref)
     # At start, the claim recorded before the kill has its files.
     spec = dra_node.spec_path(ref[2])
     assert spec.exists() and (c.vm_path / ref[2] / "vcuda.config").exists()

@@ -216,22 +216,14 @@ def test_a_claim_of_two_shares_of_one_gpu_survives_a_kill_and_holds_their_sum(tm
             ],
         )
         ref = node.ref(pair)
-        assert c.agent is not None
-        c.agent.stop()
-        c.start_agent(env={"GPU_MANAGER_CRASH_AT": "prepare-after-checkpoint"})
-        import grpc
-        import pytest
-
-        with pytest.raises(grpc.RpcError):
-            node.prepare(ref, timeout=20)
-        assert c.agent.wait(20) != 0, "the agent did not die at the crash point"
-        c.start_agent()
+        node.prepare_killed_after_checkpoint(ref)
         answer = node.prepare(ref)[ref[2]]
         assert answer.error == "" and len(answer.cdi_ids) == 2 and sorted(answer.share_ids) == ["s-1", "s-2"]
         # 50 cores are held: 51 more do not fit, 50 do.
         big = node.claim("big", [result(cores="51", memory="1Gi", share="s-3")])
         assert "cores=51" in node.prepare(node.ref(big))[big["metadata"]["uid"]].error
         # The checkpoint lost: the claim is rebuilt from the API server, both shares held again.
+        assert c.agent is not None
         c.agent.stop()
         for f in c.checkpoint_dir.iterdir():
             f.unlink()

@@ -5,7 +5,7 @@ record of a container now started, made by template, is the encoder's."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,19 +90,28 @@ def test_the_index_of_an_odd_answer_is_the_plain_readings() -> None:
     assert holders.holder(CORE, frozenset()) == ("a", "q", "empty")
 
 
+def _random_pods(
+    rng: random.Random, last_id: int, container_name: Callable[[int], str], pod_names: Sequence[str]
+) -> list[pb.PodResources]:
+    """Up to six pods in namespaces x and y named from pod_names, each of up to three containers (the c-th named
+    container_name(c)) holding up to three device lists of core or memory IDs d-0 to d-<last_id>."""
+    pods = []
+    for _p in range(rng.randint(0, 6)):
+        containers = []
+        for c in range(rng.randint(0, 3)):
+            devices = [
+                _devices(rng.choice((CORE, MEMORY)), [f"d-{rng.randint(0, last_id)}" for _ in range(rng.randint(0, 2))])
+                for _d in range(rng.randint(0, 3))
+            ]
+            containers.append(pb.ContainerResources(name=container_name(c), devices=devices))
+        pods.append(pb.PodResources(namespace=rng.choice("xy"), name=rng.choice(pod_names), containers=containers))
+    return pods
+
+
 def test_the_index_of_random_answers_is_the_plain_readings() -> None:
     rng = random.Random(5)
     for _ in range(200):
-        pods = []
-        for _p in range(rng.randint(0, 6)):
-            containers = []
-            for c in range(rng.randint(0, 3)):
-                devices = [
-                    _devices(rng.choice((CORE, MEMORY)), [f"d-{rng.randint(0, 5)}" for _ in range(rng.randint(0, 2))])
-                    for _d in range(rng.randint(0, 3))
-                ]
-                containers.append(pb.ContainerResources(name=f"c{c % 2}", devices=devices))
-            pods.append(pb.PodResources(namespace=rng.choice("xy"), name=rng.choice("pq"), containers=containers))
+        pods = _random_pods(rng, 5, lambda c: f"c{c % 2}", "pq")
         listed = list(pb.ListPodResourcesResponse(pod_resources=pods).pod_resources)
         want = _reference(listed, CORE)
         holders = _Holders(listed)
@@ -227,20 +236,7 @@ def test_a_first_lookup_of_an_odd_answer_answers_as_the_index() -> None:
 def test_a_first_lookup_of_random_answers_answers_as_the_index() -> None:
     rng = random.Random(7)
     for _ in range(300):
-        pods = []
-        for _p in range(rng.randint(0, 6)):
-            containers = []
-            for _c in range(rng.randint(0, 3)):
-                devices = [
-                    _devices(rng.choice((CORE, MEMORY)), [f"d-{rng.randint(0, 12)}" for _ in range(rng.randint(0, 2))])
-                    for _d in range(rng.randint(0, 3))
-                ]
-                containers.append(pb.ContainerResources(name=rng.choice(["c0", "c1", "d-1"]), devices=devices))
-            pods.append(
-                pb.PodResources(
-                    namespace=rng.choice("xy"), name=rng.choice(["p", "q", "d-1", ""]), containers=containers
-                )
-            )
+        pods = _random_pods(rng, 12, lambda _c: rng.choice(["c0", "c1", "d-1"]), ["p", "q", "d-1", ""])
         reply = pb.ListPodResourcesResponse(pod_resources=pods)
         want = _reference(list(reply.pod_resources), CORE)
         asked = [*want, *(frozenset(rng.sample([f"d-{i}" for i in range(13)], rng.randint(1, 3))) for _ in range(3))]

@@ -390,16 +390,7 @@ class SimCluster:
             "message": f"Allocate failed due to {exc}, which is unexpected",
         }
         log.info("pod %s/%s failed admission: %s", run.namespace, run.name, status["message"])
-
-        def publish() -> None:
-            try:
-                current = self.api.get_pod(run.namespace, run.name)
-                if current is not None and current["metadata"].get("uid") == run.uid:
-                    self.api.set_pod_phase(run.namespace, run.name, "Failed", **status)
-            except Exception as err:  # the pod went away meanwhile
-                log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
-
-        self._later(publish)
+        self._phase_later(run, "Failed", status)
 
     def start_containers(self, run: PodRun, *, publish_status: bool = True) -> None:
         """PreStartContainer for each GPU container (init containers first; each container's resources in the
@@ -497,12 +488,17 @@ class SimCluster:
         }
         init = any(c.get("name") == container for c in run.manifest["spec"].get("initContainers") or [])
         status = {"initContainerStatuses" if init else "containerStatuses": [waiting]}
+        self._phase_later(run, "Pending", status)
+
+    def _phase_later(self, run: PodRun, phase: str, status: Mapping[str, Any]) -> None:
+        """The pod's phase and ``status`` fields written by the status manager (see _later), unless the pod went
+        away or was replaced by another of its name meanwhile."""
 
         def publish() -> None:
             try:
                 current = self.api.get_pod(run.namespace, run.name)
                 if current is not None and current["metadata"].get("uid") == run.uid:
-                    self.api.set_pod_phase(run.namespace, run.name, "Pending", **status)
+                    self.api.set_pod_phase(run.namespace, run.name, phase, **status)
             except Exception as err:  # the pod went away meanwhile
                 log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
 

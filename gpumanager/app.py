@@ -582,7 +582,7 @@ class Agent:
     def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi
         from gpumanager.dra.mode import DRAMode, DRASettings
-        from gpumanager.metrics.claims import ClaimCollector
+        from gpumanager.metrics.claims import ClaimCollector, FeatureGateCollector
 
         cfg = self.config
         assert self.allocator is not None and self.health is not None and self.mirror is not None
@@ -615,6 +615,9 @@ class Agent:
         )
         if self.query is not None:
             self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus, self.dra.reserved))
+            slices = self._slices
+            if slices is not None:
+                self.query.registry.register(FeatureGateCollector(lambda: slices.gates_off))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:

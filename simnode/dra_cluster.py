@@ -115,6 +115,7 @@ class DRACluster:
         api_process: bool = False,
         status_lag: float = STATUS_LAG_SECONDS,
         agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
+        features_off: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
         # agent_rules: the agent talks to the API server as the service account kube-system/gpu-manager-dra
@@ -125,7 +126,11 @@ class DRACluster:
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         # api_process: the API server in its own process (benchmarks: a real one is another machine,
         # its work must not compete with the stand-ins for this interpreter).
-        self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
+        # features_off: feature gates off on the API server (DRAConsumableCapacity on Kubernetes 1.34, or
+        # 1.35 without it): it drops the fields they guard from what is written.
+        if api_process and features_off:
+            raise ValueError(f"features_off {list(features_off)!r} needs the API server in this process")
+        self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator(disabled_features=features_off)
         self.kubeconfig = workdir / "kubeconfig"
         self.agent_kubeconfig = self.kubeconfig
         # Unix socket paths are limited to 107 bytes: keep the kubelet's directories short.

@@ -7,10 +7,13 @@ claim's pods only from the API server (its pod cache, and the claims' ``reserved
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +88,48 @@ def test_a_restarted_agent_keeps_claims_pids_until_its_pod_cache_has_listed_pods
     [limit] = [ln for ln in lines if ln.startswith("gpu_manager_container_gpu_core_limit_ratio{")]
     assert 'container="main"' in limit and 'namespace="default"' in limit and 'pod="p"' in limit, limit
     assert limit.endswith(" 0.3"), limit
+
+
+def _http_json(cluster: DRACluster, path: str) -> Any:
+    assert cluster.agent is not None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.agent.query_port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # /readyz answers 503 with the same body
+        return json.loads(exc.read())
+
+
+def test_consumable_capacity_off_on_the_api_server_is_said_in_the_log_health_and_metrics(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    # Kubernetes 1.34, or 1.35 without the DRAConsumableCapacity gate: the API server drops
+    # allowMultipleAllocations and requestPolicy from the slice without an error, and its scheduler
+    # gives each GPU to one claim, whole. The agent must say so where an operator looks.
+    with DRACluster(tmp_path / "node", "t4-x1", features_off=["DRAConsumableCapacity"]) as cluster:
+        stored = cluster.slice()
+        assert stored is not None and "allowMultipleAllocations" not in json.dumps(stored), "the server drops it"
+        assert cluster.agent is not None
+        line = cluster.agent.wait_for_log("DRAConsumableCapacity", timeout=20)
+        assert "off" in line and "one claim" in line, line
+        deadline = time.monotonic() + 20
+        health: Any = {}
+        while time.monotonic() < deadline:
+            health = _http_json(cluster, "/healthz")
+            if "resourceslice-fields" in health.get("errors", {}):
+                break
+            time.sleep(0.2)
+        assert "DRAConsumableCapacity" in health["errors"]["resourceslice-fields"], health
+        assert health["feature_gates_off"] == ["DRAConsumableCapacity"], health
+        lines = _metrics(cluster)
+        assert 'gpu_manager_dra_feature_gate_off{gate="DRAConsumableCapacity"} 1.0' in lines, [
+            ln for ln in lines if "gate" in ln
+        ]
+        assert 'gpu_manager_dra_feature_gate_off{gate="DRADeviceTaints"} 0.0' in lines
+
+
+def test_a_server_that_keeps_every_field_reports_no_gate_off(tmp_path: Path, sim_built: Path) -> None:
+    with DRACluster(tmp_path / "node", "t4-x1") as cluster:
+        health = _http_json(cluster, "/healthz")
+        assert health["feature_gates_off"] == [] and "resourceslice-fields" not in health["errors"], health
+        lines = _metrics(cluster)
+        assert 'gpu_manager_dra_feature_gate_off{gate="DRAConsumableCapacity"} 0.0' in lines

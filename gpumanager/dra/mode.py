@@ -29,7 +29,7 @@ from gpumanager.dra import constants as c
 from gpumanager.dra.claims import ClaimError, ClaimNotFound
 from gpumanager.dra.plugin import DRAPluginSockets, socket_paths
 from gpumanager.dra.prepare import ClaimPreparer, api_reader
-from gpumanager.dra.publisher import SlicePublisher
+from gpumanager.dra.publisher import SlicePublisher, gates_message
 from gpumanager.dra.servicers import (
     DeviceHealthState,
     DRAPluginV1,
@@ -127,6 +127,9 @@ def make_publisher(
         content=content,
         on_error=lambda m: report("resourceslice", m),
         on_ok=lambda: report("resourceslice", None),
+        on_gates=lambda gates: report(
+            "resourceslice-fields", gates_message(c.slice_name(node, settings.driver), gates) or None
+        ),
     )
 
 
@@ -543,6 +546,8 @@ class DRAMode:
             "registration_error": state.last_error,
             "claims": len(self.claims()),
             "slice_published": bool(self.publisher and self.publisher.published.is_set()),
+            # Feature gates the API server has off (it dropped the slice's fields they guard).
+            "feature_gates_off": sorted(self.publisher.gates_off) if self.publisher else [],
         }
 
     def ready(self) -> tuple[bool, dict[str, object]]:

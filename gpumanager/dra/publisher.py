@@ -11,7 +11,10 @@ feature gate is off drops the fields it guards (``taints`` without
 ``DRADeviceTaints``, ``allowMultipleAllocations`` and ``requestPolicy`` without
 ``DRAConsumableCapacity``): what it stored for our content is remembered and counts
 as published, with one warning naming what was dropped, instead of a write (and a
-new generation) on every watch event of our own write. A server that drops device taints
+new generation) on every watch event of our own write. The gates found off so are
+:attr:`SlicePublisher.gates_off`, told to ``on_gates`` at each change (the agent reports them in its
+log, /healthz and metrics: a slice without consumable capacity gives each GPU to one claim, whole).
+A server that drops device taints
 (``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
 (unhealthy) GPU would still take new claims, each refused at Prepare. So before a write whose
 content has a tainted device, the write is tried as a dry run (``dryRun=All``: the server drops
@@ -95,6 +98,42 @@ def _dropped(want: Any, have: Any, path: str = "spec") -> list[str]:
     return [] if want == have else [path]
 
 
+#: The feature gates whose fields the API server drops from a ResourceSlice when they are off, and
+#: what an operator loses then.
+CONSUMABLE_CAPACITY = "DRAConsumableCapacity"
+DEVICE_TAINTS = "DRADeviceTaints"
+GATES = (CONSUMABLE_CAPACITY, DEVICE_TAINTS)
+
+
+def _gates(paths: list[str]) -> set[str]:
+    """The feature gates that guard the dropped ``paths`` (as :func:`_dropped` names them)."""
+    out: set[str] = set()
+    for path in paths:
+        if path.endswith(".allowMultipleAllocations") or ".requestPolicy" in path:
+            out.add(CONSUMABLE_CAPACITY)
+        elif ".taints" in path:
+            out.add(DEVICE_TAINTS)
+    return out
+
+
+def gates_message(slice_name: str, gates: frozenset[str]) -> str:
+    """What the API server's feature gates that are off cost, in one line (for the log and /healthz)."""
+    parts = []
+    if CONSUMABLE_CAPACITY in gates:
+        parts.append(
+            f"the API server drops allowMultipleAllocations and requestPolicy from ResourceSlice {slice_name}: "
+            f"feature gate {CONSUMABLE_CAPACITY} is off (Kubernetes 1.34, or 1.35 without the gate on "
+            "kube-apiserver, kube-scheduler and kubelet), so the scheduler gives each GPU to one claim only, "
+            "whole, and the cores and memory a claim asks for are not shared out"
+        )
+    if DEVICE_TAINTS in gates:
+        parts.append(
+            f"the API server drops device taints from ResourceSlice {slice_name}: feature gate {DEVICE_TAINTS} "
+            "is off, so unhealthy GPUs are left out of the slice instead of published tainted"
+        )
+    return "; ".join(parts)
+
+
 def _owned(item: JSON, node: str) -> bool:
     """Whether a slice names the Node ``node`` as its owner."""
     refs = (item.get("metadata") or {}).get("ownerReferences") or []
@@ -127,6 +166,7 @@ class SlicePublisher:
         resync_period: float = 60.0,
         on_error: Callable[[str], None] = lambda _m: None,
         on_ok: Callable[[], None] = lambda: None,
+        on_gates: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
         self._rest = KubeRest(api_client)
         self.node = node
@@ -136,6 +176,10 @@ class SlicePublisher:
         self._resync = resync_period
         self._on_error = on_error
         self._on_ok = on_ok
+        self._on_gates = on_gates
+        # Feature gates the API server was seen to have off (it dropped the fields they guard from a
+        # write of ours); told to ``on_gates`` at each change.
+        self.gates_off: frozenset[str] = frozenset()
         self._selector = f"spec.nodeName={node},spec.driver={driver}"
         self._generation = 0
         # (our content, what the server stored of it), both comparable, when the server did not
@@ -326,7 +370,22 @@ class SlicePublisher:
             self.drops_taints = True
         else:
             self._note_kept(body["spec"], stored.get("spec") or {})
+        self._set_gates()
         return stored
+
+    def _set_gates(self) -> None:
+        """:attr:`gates_off` from what the server kept of our writes; ``on_gates`` when it changed."""
+        gates = set()
+        if self._kept is not None:
+            gates |= _gates(_dropped(*self._kept))
+        if self.drops_taints:
+            gates.add(DEVICE_TAINTS)
+        found = frozenset(gates)
+        if found == self.gates_off:
+            return
+        self.gates_off = found
+        if self._on_gates is not None:
+            self._on_gates(found)
 
     def _try_taints(self, ours: JSON | None, spec: JSON) -> None:
         """Write ``spec`` (which has tainted devices) as a dry run, and set :attr:`drops_taints` from
@@ -417,12 +476,16 @@ class SlicePublisher:
             self._kept = (want, have)
             return
         self._kept = (want, have)
+        dropped = _dropped(want, have)
+        gates = _gates(dropped)
         log.warning(
-            "the API server did not keep %s of ResourceSlice %s (a feature gate that is off: DRADeviceTaints "
-            "for taints, DRAConsumableCapacity for allowMultipleAllocations and requestPolicy); published as "
-            "it was kept",
-            ", ".join(_dropped(want, have)) or "all",
+            "the API server did not keep %s of ResourceSlice %s (%s); published as it was kept",
+            ", ".join(dropped) or "all",
             self.name,
+            f"feature gate {' and '.join(sorted(gates))} off"
+            if gates
+            else "a feature gate that is off: DRADeviceTaints for taints, DRAConsumableCapacity for "
+            "allowMultipleAllocations and requestPolicy",
         )
 
     def _sync_loop(self) -> None:

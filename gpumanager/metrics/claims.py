@@ -10,6 +10,10 @@ GPU, ``namespace`` and ``pod`` for who uses it, plus ``claim`` and ``claim_uid``
 - ``gpu_manager_claim_containers``: containers of a pod that use a prepared claim.
 
 ``share`` is ``false`` for a GPU allocated whole (no limits are enforced), else ``true``.
+
+And, from the ResourceSlice publisher, ``gpu_manager_dra_feature_gate_off{gate}``: 1 for each DRA
+feature gate (``DRAConsumableCapacity``, ``DRADeviceTaints``) the API server was seen to have off
+(it dropped the fields the gate guards from the node's slice), else 0.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra.consumers import consumers
+from gpumanager.dra.publisher import GATES
 
 CLAIM_GPU_LABELS = ("namespace", "claim", "claim_uid", "gpu", "uuid", "share")
 CLAIM_POD_LABELS = ("namespace", "claim", "claim_uid", "pod")
@@ -93,3 +98,25 @@ class ClaimCollector(Collector):
             for name, count in sorted(per_pod.items()):
                 users.add_metric([claim.namespace, claim.name, claim.uid, name], float(count))
         yield from (cores, memory, users)
+
+
+class FeatureGateCollector(Collector):
+    """Which DRA feature gates the API server has off, as seen in what it kept of the node's slice."""
+
+    def __init__(self, gates_off: Callable[[], AbstractSet[str]]) -> None:
+        self._gates_off = gates_off
+
+    def describe(self) -> Sequence[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gpu_manager_dra_feature_gate_off",
+            "1 when the API server dropped the fields this feature gate guards from the node's ResourceSlice "
+            "(the gate is off there and the scheduler ignores them), else 0",
+            labels=["gate"],
+        )
+        off = self._gates_off()
+        for gate in GATES:
+            family.add_metric([gate], 1.0 if gate in off else 0.0)
+        yield family

@@ -18,7 +18,8 @@
    ``gpu-assigned=false``, and stale ``predicate-gpu-idx-*`` removed. On 409 Conflict: put back
    what the pod held before, GET again and start over from 2 (at most ``max_conflicts`` times).
    Whenever bind gives up after recording its choice, it removes the choice from the node again
-   (best effort: else it lapses after :data:`~gpumanager.extender.claims.CLAIM_TTL`).
+   (best effort: else it lapses :data:`~gpumanager.extender.claims.CLAIM_TTL` after each replica first
+   read it).
 4. POST the pod's Binding (with the pod's UID as precondition). If the API server refuses it and
    the pod is not bound to the node after all, drop the assumption and remove the annotations
    again. If the pod is gone (deleted, or recreated under its name: another UID, or the API
@@ -55,7 +56,7 @@ from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
 from gpumanager.extender.charges import PodCharges, count_inits, init_containers
 from gpumanager.extender.claims import ANNOTATION as CLAIMS
-from gpumanager.extender.claims import Claim, encode_claims, read_claims
+from gpumanager.extender.claims import Claim, encode_claims, parse_claims
 from gpumanager.extender.placement import Policy, never_served, place
 from gpumanager.extender.state import Assumption, ClusterState
 
@@ -479,13 +480,14 @@ class _Bind:
         (choose again)."""
         uid = podinfo.uid(pod)
         node = self._read_node()
-        claims = read_claims(node, time.time())
+        claims = self._state.sightings.live(parse_claims(node))
         patch = self._choose(pod, requests, inits, sidecars, claims)
         mine = self._state.assumption(uid)
         when = str(patch[names.PREDICATE_TIME])
         charges = mine.charges.charges if mine is not None else ()
         claims = {u: c for u, c in claims.items() if not self._state.ended(u)}  # kept small
         claims[uid] = Claim(podinfo.pod_key(pod), time.time(), when, charges)
+        self._state.sightings.written(uid, claims[uid])
         try:
             self._record(node, claims)
         except Exception as exc:
@@ -516,7 +518,7 @@ class _Bind:
                 node = self._read_node()
             except BindError:
                 return
-            claims = read_claims(node, time.time())
+            claims = self._state.sightings.live(parse_claims(node))
             found = claims.pop(uid, None)
             if found is None or found.predicate_time != when:
                 return

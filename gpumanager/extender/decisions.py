@@ -1,15 +1,17 @@
 """filter and prioritize: which candidate nodes can hold a pod's GPU containers, and how well.
 
 Neither writes anything. A pod is judged without its own charges (a pod that carries
-predicate annotations from an earlier attempt is judged afresh). A node fails with a reason
-naming the container and the best GPU; it is *unresolvable* (preemption cannot help) when even
-its GPUs with nothing on them could not hold the pod.
+predicate annotations from an earlier attempt is judged afresh), and with the choices binds of
+any replica recorded on the node (:mod:`gpumanager.extender.claims`) counted, as bind counts
+them. A node fails with a reason naming the container and the best GPU; it is *unresolvable*
+(preemption cannot help) when even its GPUs with nothing on them could not hold the pod.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
@@ -57,6 +59,13 @@ class Decider:
     def __init__(self, state: ClusterState, policy: Policy) -> None:
         self.state = state
         self.policy = policy
+
+    def _claimed(self, name: str, uid: str) -> AbstractContextManager[None]:
+        """Within the block the node also holds the choices binds of any replica recorded on it (as the
+        node watch shows them), as bind counts them: a node those fill does not pass only to be refused
+        by bind, again at every retry while the record lasts."""
+        claims = self.state.node_claims(name)
+        return self.state.counting(name, claims, uid) if claims else nullcontext()
 
     def _node(self, name: str, args: ExtenderArgs) -> NodeGPUs | None:
         return self._known(name, args)[0]
@@ -141,7 +150,11 @@ class Decider:
             with self.state.without(uid):
                 for name in node_names:
                     gpus, gone = self._known(name, args)
-                    verdict, reason = ("unresolvable", gone) if gone else self.judge(gpus, requests, inits, sidecars)
+                    if gone:
+                        verdict, reason = "unresolvable", gone
+                    else:
+                        with self._claimed(name, uid):
+                            verdict, reason = self.judge(gpus, requests, inits, sidecars)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)
@@ -188,7 +201,8 @@ class Decider:
             with self.state.without(uid):
                 for name in node_names:
                     gpus = self._node(name, args)
-                    placement = place(gpus, requests, self.policy, sidecars=sidecars) if gpus is not None else None
+                    with self._claimed(name, uid):
+                        placement = place(gpus, requests, self.policy, sidecars=sidecars) if gpus is not None else None
                     score = placement.score if placement is not None and placement.ok else 0
                     scores.append({"Host": name, "Score": score})
         return scores

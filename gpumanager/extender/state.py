@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
 from gpumanager.extender.charges import PodCharges, pod_charges
-from gpumanager.extender.claims import Claim
+from gpumanager.extender.claims import ANNOTATION as CLAIMS
+from gpumanager.extender.claims import Claim, Sightings, parse_claims
 from gpumanager.extender.nodes import Charge, Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ class ClusterState:
         # UIDs of pods the watch showed deleted or ended, oldest first (bounded): a choice another
         # bind recorded on a node for one of them holds nothing any more.
         self._ended: dict[str, None] = {}
+        #: When this replica first read each choice recorded on a node (see :mod:`gpumanager.extender.claims`).
+        self.sightings = Sightings()
+        # Node name -> (the choices annotation as the watch last showed it, its claims).
+        self._node_claims: dict[str, tuple[str, dict[str, Claim]]] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -140,10 +145,28 @@ class ClusterState:
 
     # -- nodes ------------------------------------------------------------------------------------
 
+    def node_claims(self, name: str) -> dict[str, Claim]:
+        """The choices binds (of any replica) recorded on the node, as its watch last showed it, that
+        still count (:class:`~gpumanager.extender.claims.Sightings`), by pod UID."""
+        with self.lock:
+            found = self._node_claims.get(name)
+        return self.sightings.live(found[1]) if found else {}
+
+    def _note_claims(self, name: str, node: Node) -> None:
+        meta = node.get("metadata")
+        notes = meta.get("annotations") if isinstance(meta, dict) else None
+        raw = notes.get(CLAIMS) if isinstance(notes, dict) else None
+        if not isinstance(raw, str) or not raw:
+            self._node_claims.pop(name, None)
+        elif name not in self._node_claims or self._node_claims[name][0] != raw:
+            self._node_claims[name] = (raw, parse_claims(node))
+
     def node_event(self, kind: str, node: Node) -> None:
         """A node was added, changed or deleted."""
         name = node_name(node)
         with self.lock:
+            if kind != "DELETED":
+                self._note_claims(name, node)
             if kind == "DELETED":
                 uid, current = _node_uid(node), self._node_uids.get(name, "")
                 if uid:
@@ -155,6 +178,7 @@ class ClusterState:
                     log.info("node %s: the deleted object (UID %s) was replaced by UID %s; kept", name, uid, current)
                     return
                 self._node_uids.pop(name, None)
+                self._node_claims.pop(name, None)
                 self._fingerprints.pop(name, None)
                 self._unusable.pop(name, None)
                 if self._nodes.pop(name, None) is not None:
@@ -399,9 +423,16 @@ class ClusterState:
         """The pods were listed anew (after a watch gap), the list asked for at ``since``
         (``time.monotonic()``), ``listed`` the UIDs it shows: drop the assumptions, made before,
         of pods it no longer shows (deleted or ended while the watch was away: no event of theirs
-        will come); returns how many were dropped."""
+        will come); returns how many were dropped. Those pods, and the pods of choices recorded on nodes
+        that this state read before ``since`` but the list does not show, count as ended: their recorded
+        choices hold nothing any more."""
         with self.lock:
             gone = [uid for uid, a in self._assumed.items() if a.made < since and uid not in listed]
+            for uid in sorted(set(gone) | self.sightings.pods_read_before(since)):
+                if uid not in listed:
+                    self._ended[uid] = None
+            while len(self._ended) > ENDED_PODS_KEPT:
+                del self._ended[next(iter(self._ended))]
             for uid in gone:
                 found = self._assumed.pop(uid)
                 self._unanswered.pop(uid, None)
@@ -480,11 +511,13 @@ class ClusterState:
     def counting(self, node_name: str, claims: Mapping[str, Claim], skip: str) -> Iterator[None]:
         """Within the block the node also holds the choices other binds (of any replica) recorded on
         it (``claims``, by pod UID; ``skip``: the pod being bound), where this state does not count
-        that choice, or a later one of the pod there, already, and where the watch has not shown the
-        pod deleted or ended."""
+        that very choice (the same predicate time) there already, and where the watch has not shown the
+        pod deleted or ended. Where this state counts another choice of the pod there, both count: the
+        predicate times come from different replicas' clocks, which may disagree, so neither can be
+        told to be the later one (at worst a pod is refused and tried again while the watch lags)."""
         with self.lock:
             node = self._nodes.get(node_name)
-            extra: list[tuple[str, tuple[Charge, ...], PodCharges | None]] = []
+            extra: list[tuple[str, tuple[Charge, ...]]] = []
             if node is not None:
                 for uid, claim in claims.items():
                     mine = self._applied.get(uid)
@@ -492,23 +525,19 @@ class ClusterState:
                     if (
                         uid == skip
                         or uid in self._ended
-                        or (here is not None and _ns(here.predicate_time) >= _ns(claim.predicate_time))
+                        or (here is not None and here.predicate_time == claim.predicate_time)
                     ):
                         continue
-                    extra.append((uid, claim.charges, here))
-            for uid, charges, here in extra:
+                    extra.append((uid, claim.charges))
+            for uid, charges in extra:
                 assert node is not None
-                if here is not None:
-                    node.charge(here.charges, -1)
                 node.charge(charges, pod=self._key(uid))
             try:
                 yield
             finally:
-                for uid, charges, here in extra:
+                for _uid, charges in extra:
                     assert node is not None
                     node.charge(charges, -1)
-                    if here is not None:
-                        node.charge(here.charges, pod=self._key(uid))
 
     def ended(self, uid: str) -> bool:
         """Whether the watch showed the pod deleted or ended (among the last :data:`ENDED_PODS_KEPT`)."""
@@ -537,14 +566,6 @@ class ClusterState:
                 node.charge(wanted.charges, pod=self._key(uid))
             self._by_node.setdefault(wanted.node, set()).add(uid)
             self._applied[uid] = wanted
-
-
-def _ns(predicate_time: str) -> int:
-    """A predicate time (nanoseconds) as a number; -1 when it is none."""
-    try:
-        return int(predicate_time)
-    except ValueError:
-        return -1
 
 
 def _node_uid(node: Node) -> str:

@@ -166,7 +166,7 @@ def test_a_call_from_outside_the_pod_sockets_is_refused(node: Node) -> None:
     """The one gRPC server behind the pod sockets refuses a connection that did not come through one."""
     sockets = node.vm._sockets
     assert sockets is not None
-    with grpc.insecure_channel(f"unix-abstract:{sockets._name}") as channel:
+    with grpc.insecure_channel(f"unix:{sockets._address}") as channel:
         stub = vcuda_pb2_grpc.VCUDAServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=CID), timeout=5)

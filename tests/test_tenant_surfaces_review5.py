@@ -210,13 +210,13 @@ def test_malformed_requests_are_refused_without_a_traceback_each(
 def test_calls_from_the_host_network_straight_to_the_server_are_refused_without_a_line_each(
     pod_sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A hostNetwork pod sees the server's abstract name in /proc/net/unix and may call it in a loop: each
+    """A process that reaches the server's own socket (root on the host) may call it in a loop: each
     call is refused, and the agent's log says so now and then (with the count), not once per call."""
     pod_sockets.sockets.serve(POD, pod_sockets.path)
     calls = 30
     with (
         caplog.at_level(logging.INFO),
-        grpc.insecure_channel(f"unix-abstract:{pod_sockets.sockets._name}") as channel,
+        grpc.insecure_channel(f"unix:{pod_sockets.sockets._address}") as channel,
     ):
         stub = pb_grpc.VCUDAServiceStub(channel)
         for _ in range(calls):

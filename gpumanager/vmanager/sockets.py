@@ -6,23 +6,28 @@ pod's own socket (``<vm>/<pod uid>/vcuda.sock`` on the host). A gRPC server
 per pod would cost a server, its threads and its memory for each running pod,
 and grpcio cannot add a listening port to a server that has started.
 
-So one gRPC server (grpc.aio) listens on a private abstract unix socket, and
-the same thread (one asyncio loop) listens on every pod's ``vcuda.sock``. Each
-connection accepted there is relayed, byte for byte, to the gRPC server over a
-new connection whose own address names it (``<server name>.<random>``, an
-abstract address bound for that connection only, unguessable: a process in the
-host's network namespace sees the names in ``/proc/net/unix`` and could take a
-predictable next one); the server looks that address up among the relayed
-connections and so knows which pod's socket the call came in on. A call on any
-other connection is refused.
+So one gRPC server (grpc.aio) listens on a unix socket in a private directory
+(mode 0700, made at start: no container reaches it; an abstract address would be
+open to every process in the host's network namespace, a hostNetwork pod
+included, which finds it in ``/proc/net/unix`` and could connect to it without
+any limit), and the same thread (one asyncio loop) listens on every pod's
+``vcuda.sock``. Each connection accepted there is relayed, byte for byte, to the
+gRPC server over a new connection whose own address names it
+(``<server name>.<random>``, an abstract address bound for that connection only,
+unguessable); the server looks that address up among the relayed connections and
+so knows which pod's socket the call came in on. A call on any other connection
+is refused.
 
 A call waits without holding a thread (a registration may wait for the pod's
 status), and a pod holds at most :data:`MAX_CONNECTIONS_PER_POD` connections
 with one call each (at most :data:`MAX_WAITING_PER_POD` more wait
 :data:`SLOT_WAIT_SECONDS` for one of them to end, then are closed; any further one
-is closed at once, and the closings are logged at most once a minute per pod), so
-no pod can keep another pod's calls waiting, nor hold the agent's descriptors or
-fill its log by connecting without pause. A pod costs
+is closed at once, and the closings are logged at most once a minute per pod, naming
+the connecting process and its container), all pods together at most
+:data:`MAX_CONNECTIONS_TOTAL` (fewer under a low descriptor limit), and a connection
+without a call in progress (idle, or stopped half-way through its first bytes) is
+closed after :data:`IDLE_SECONDS`; so no pod can keep another pod's calls waiting,
+nor hold the agent's descriptors or fill its log by connecting without pause. A pod costs
 one listening socket and a dictionary entry; a call in progress costs two
 sockets. When a pod's socket is no longer served, its relayed connections end.
 """
@@ -35,9 +40,14 @@ import contextlib
 import errno
 import logging
 import os
+import re
+import resource
 import secrets
+import shutil
 import socket
 import stat
+import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -64,6 +74,12 @@ SLOT_WAIT_SECONDS = 0.5
 MAX_WAITING_PER_POD = 16
 #: Connections closed over the limit are logged once per pod in each such window (with their count).
 CLOSED_LOG_WINDOW_SECONDS = 60.0
+#: Connections relayed at once for all pods together (each costs the agent three descriptors); under a
+#: low descriptor limit at most an eighth of it.
+MAX_CONNECTIONS_TOTAL = 1024
+#: A connection without a call in progress (one that sends nothing, or stops half-way through a
+#: request) is closed after this long; a call waiting for its pod's status is not idle.
+IDLE_SECONDS = 10.0
 #: Calls at once on one connection (the clients make one call per connection).
 CALLS_PER_CONNECTION = 1
 #: The longest a relayed connection lives (a registration is one short call).
@@ -152,6 +168,7 @@ class PodSockets:
         self._peers: dict[str, str] = {}  # bound name of a relayed connection -> pod UID
         self._listeners: dict[str, _Listener] = {}
         self._active: dict[str, int] = {}  # pod UID -> relayed connections now
+        self._total = 0  # relayed connections of all pods now
         self._waiting: dict[str, int] = {}  # pod UID -> connections waiting for one of its slots
         # pod UID -> (when its last closing over the limit was logged, closings not logged since)
         self._closed_log: dict[str, tuple[float, int]] = {}
@@ -166,6 +183,8 @@ class PodSockets:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._private: str | None = None  # the directory of the server's socket, while it runs
+        self._address = ""  # the server's socket in it
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -179,6 +198,7 @@ class PodSockets:
         except BaseException:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=5)
+            self._remove_private()
             raise
         self._loop, self._thread = loop, thread
         self._stopping = False
@@ -188,13 +208,25 @@ class PodSockets:
             options=[
                 ("grpc.max_concurrent_streams", CALLS_PER_CONNECTION),
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                ("grpc.max_connection_idle_ms", max(1, int(IDLE_SECONDS * 1000))),
+                ("grpc.server_handshake_timeout_ms", max(1, int(IDLE_SECONDS * 1000))),
             ]
         )
         _Servicer(self).add_to(server)
-        if server.add_insecure_port(f"unix-abstract:{self._name}") == 0:
-            raise OSError(f"cannot listen on the abstract unix socket {self._name}")
+        self._private = tempfile.mkdtemp(prefix="gpu-manager-vcuda.")  # mode 0700
+        address = os.path.join(self._private, "grpc.sock")
+        if len(os.fsencode(address)) > MAX_SOCKET_PATH:
+            raise OSError(f"cannot listen on {address}: longer than {MAX_SOCKET_PATH} bytes (TMPDIR is too long)")
+        if server.add_insecure_port(f"unix:{address}") == 0:
+            raise OSError(f"cannot listen on the unix socket {address}")
+        self._address = address
         await server.start()
         return server
+
+    def _remove_private(self) -> None:
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
 
     def stop(self) -> None:
         """Stop listening on every pod socket (the files are removed) and stop the server."""
@@ -212,6 +244,7 @@ class PodSockets:
             if not loop.is_running():
                 loop.close()
         self._loop = self._thread = self._server = None
+        self._remove_private()
 
     # -- pod sockets ------------------------------------------------------------------------------
 
@@ -331,22 +364,26 @@ class PodSockets:
         await asyncio.gather(*relays, return_exceptions=True)
 
     async def _relay(self, pod_uid: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # At the limit, a slot is waited for a moment: a client calling again at once, each call on a new
-        # connection, may find its earlier connections not yet torn down (on a busy node).
-        # A few wait so; any further one is closed at once (each waiting one holds a descriptor).
+        # At the limit (the pod's or all pods'), a slot is waited for a moment: a client calling again at
+        # once, each call on a new connection, may find its earlier connections not yet torn down (on a
+        # busy node). A few wait so; any further one is closed at once (each waiting one holds a descriptor).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SLOT_WAIT_SECONDS
         waiting = False
+        admitted = False
         try:
             while True:
+                per_pod, total = MAX_CONNECTIONS_PER_POD, _total_limit()
                 with self._lock:
-                    busy = self._active.get(pod_uid, 0)
-                    if busy < MAX_CONNECTIONS_PER_POD:
+                    busy, all_busy = self._active.get(pod_uid, 0), self._total
+                    if busy < per_pod and all_busy < total:
                         self._active[pod_uid] = busy + 1
+                        self._total += 1
+                        admitted = True
                     elif not waiting and self._waiting.get(pod_uid, 0) < MAX_WAITING_PER_POD:
                         waiting = True
                         self._waiting[pod_uid] = self._waiting.get(pod_uid, 0) + 1
-                if busy < MAX_CONNECTIONS_PER_POD or not waiting or loop.time() >= deadline:
+                if admitted or not waiting or loop.time() >= deadline:
                     break
                 await asyncio.sleep(0.01)
         finally:
@@ -355,9 +392,13 @@ class PodSockets:
                     self._waiting[pod_uid] -= 1
                     if not self._waiting[pod_uid]:
                         del self._waiting[pod_uid]
-        if busy >= MAX_CONNECTIONS_PER_POD:
+        if not admitted:
+            if busy >= per_pod:
+                why = f"{busy} connections open already"
+            else:
+                why = f"{all_busy} connections of all pods open already (limit {total})"
+            self._log_closed(pod_uid, why, _describe_peer(writer), loop.time())
             writer.close()
-            self._log_closed(pod_uid, busy, loop.time())
             return
         task = asyncio.current_task()
         assert task is not None
@@ -367,16 +408,9 @@ class PodSockets:
         up_writer: asyncio.StreamWriter | None = None
         try:
             name, upstream = self._bind_relay_end(pod_uid)
-            await asyncio.get_running_loop().sock_connect(upstream, "\0" + self._name)
+            await asyncio.get_running_loop().sock_connect(upstream, self._address)
             up_reader, up_writer = await asyncio.open_unix_connection(sock=upstream, limit=_RELAY_CHUNK)
-            pumps = asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
-            try:
-                await asyncio.wait_for(pumps, CONNECTION_LIFETIME_SECONDS)
-            finally:
-                # Cancelled (the pod let go, the agent stopping): its outcome is read, so asyncio
-                # does not report an exception nobody retrieved.
-                if pumps.done() and not pumps.cancelled():
-                    pumps.exception()
+            await asyncio.wait_for(_relay_both(reader, writer, up_reader, up_writer), CONNECTION_LIFETIME_SECONDS)
         except TimeoutError:
             log.warning("vcuda.sock of pod %s: connection open for %g s; closed", pod_uid, CONNECTION_LIFETIME_SECONDS)
         except OSError as exc:
@@ -386,6 +420,7 @@ class PodSockets:
                 if name:
                     self._peers.pop(name, None)
                 self._active[pod_uid] -= 1
+                self._total -= 1
                 if not self._active[pod_uid]:
                     del self._active[pod_uid]
             tasks = self._relays.get(pod_uid)
@@ -435,13 +470,14 @@ class PodSockets:
         more = f" ({left_out} more refused since the last report)" if left_out else ""
         log.warning("RegisterVDevice from %s refused: it did not come in on a pod's vcuda.sock%s", peer, more)
 
-    def _log_closed(self, pod_uid: str, busy: int, now: float) -> None:
-        """Log a connection closed over the limit: the first of each window, with those left out before."""
+    def _log_closed(self, pod_uid: str, why: str, peer: Callable[[], str], now: float) -> None:
+        """Log a connection closed over the limit: the first of each window, with those left out before;
+        ``peer`` describes the connecting process (called only for a line that is logged)."""
         left_out = self._admit(self._closed_log, pod_uid, now)
         if left_out is None:
             return
         more = f" ({left_out} more closed since the last report)" if left_out else ""
-        log.warning("vcuda.sock of pod %s: %d connections open already; closing another%s", pod_uid, busy, more)
+        log.warning("vcuda.sock of pod %s: %s; closing another, from %s%s", pod_uid, why, peer(), more)
 
     def _bind_relay_end(self, pod_uid: str) -> tuple[str, socket.socket]:
         """Our end of a relayed connection, bound to a fresh unguessable abstract name for ``pod_uid``."""
@@ -500,6 +536,74 @@ def _unlink_ours(listener: _Listener) -> None:
         st = os.lstat(listener.path)
         if (st.st_dev, st.st_ino) == listener.ident:
             os.unlink(listener.path)
+
+
+def _total_limit() -> int:
+    """:data:`MAX_CONNECTIONS_TOTAL`, or an eighth of the descriptor limit when that is lower (a relayed
+    connection holds three; the kubelet's and the API server's connections need the rest)."""
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return MAX_CONNECTIONS_TOTAL
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_TOTAL
+    return max(MAX_CONNECTIONS_PER_POD, min(MAX_CONNECTIONS_TOTAL, soft // 8))
+
+
+_CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
+_PEERCRED = struct.Struct("3i")
+
+
+def _describe_peer(writer: asyncio.StreamWriter) -> Callable[[], str]:
+    """``pid 1234 (uid 0, container 0123456789ab)``: the process at the other end of an accepted connection
+    (its PID in the agent's PID namespace; 0 when it is in none the agent sees) and its container, read
+    from its cgroup; computed when called."""
+
+    def describe() -> str:
+        sock = writer.get_extra_info("socket")
+        try:
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except (AttributeError, OSError, struct.error):
+            return "an unknown process"
+        if pid <= 0:
+            return f"a process outside the agent's PID namespace (uid {uid})"
+        container = ""
+        try:
+            with open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+                found = _CONTAINER_ID.findall(f.read(65536))
+            if found:
+                container = f", container {found[-1][:12]}"
+        except OSError:
+            pass
+        return f"pid {pid} (uid {uid}{container})"
+
+    return describe
+
+
+async def _relay_both(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+) -> None:
+    """Relay both ways until the server's side ends (the server closed the connection: it answers nothing
+    more, and a client that keeps its end open must not keep the relay), or until both sides have ended."""
+    to_server = asyncio.ensure_future(_pump(reader, up_writer))
+    to_client = asyncio.ensure_future(_pump(up_reader, writer))
+    try:
+        await to_client
+    finally:
+        if to_server.done():
+            if not to_server.cancelled():
+                to_server.exception()  # retrieved: asyncio would report one nobody read
+        else:
+            to_server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_server
+        if not to_client.done():
+            to_client.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_client
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

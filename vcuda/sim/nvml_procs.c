@@ -263,6 +263,19 @@ static uint64_t sample_period_us(void)
     return env_us("GPUSIM_PROCESS_SAMPLE_PERIOD_US", &period, DEFAULT_PERIOD_US);
 }
 
+/*
+ * GPUSIM_PROCESS_SAMPLE_DELAY_US: how long after its moment a per-process sample is delivered (default 0: at once;
+ * at most 1 s).  A real driver shows a sample 0.7 s or more after the time it covers: a query sees only the samples
+ * delivered by then, and one that passes a sample's timestamp back gets each later one once, when it is delivered.
+ */
+#define DEFAULT_DELAY_US 0L
+
+static uint64_t sample_delay_us(void)
+{
+    static long delay = -1;
+    return env_us("GPUSIM_PROCESS_SAMPLE_DELAY_US", &delay, DEFAULT_DELAY_US);
+}
+
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
                                     struct util_sample *out, unsigned max, unsigned *count)
 {
@@ -272,7 +285,8 @@ static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsig
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
     unsigned ntl =
-        sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(), tl, MAX_TL_PROCS, &now_us);
+        sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(), sample_delay_us(), tl,
+                            MAX_TL_PROCS, &now_us);
     if (ntl > MAX_TL_PROCS)
         ntl = MAX_TL_PROCS;
     unsigned n = 0;

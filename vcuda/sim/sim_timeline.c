@@ -13,6 +13,7 @@
 
 #define LIVENESS_NS 200000000ull    /* a slot's process is checked at most every 200 ms */
 #define UTIL_WINDOW_NS 1000000000ull /* per-process utilisation looks back at most 1 s */
+#define MAX_DELAY_US 1000000ull      /* per-process samples are delivered at most 1 s late (checkpoints: 1.28 s) */
 #define MAX_SLEEP_NS 20000000ull     /* waiters re-check at least every 20 ms */
 #define MIN_SLEEP_NS 20000ull
 
@@ -541,7 +542,8 @@ static uint64_t sample_moment(uint32_t pid, uint64_t last, uint64_t spread_ns, u
 }
 
 unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t spread_us,
-                             uint64_t period_us, struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us)
+                             uint64_t period_us, uint64_t delay_us, struct sim_tl_proc_util *out, unsigned max,
+                             uint64_t *now_us)
 {
     struct gpusim_tl_gpu *g = lock_gpu(st, gpu);
     if (g == NULL)
@@ -562,8 +564,17 @@ unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_
     uint64_t oldest = n > GPUSIM_TL_CKPTS ? n - GPUSIM_TL_CKPTS : 0;
     uint64_t last = g->ck_t[(n - 1) % GPUSIM_TL_CKPTS];
     uint64_t period_ns = period_us > 0 ? period_us * 1000u : GPUSIM_TL_CKPT_NS;
+    /*
+     * A sample is delivered delay_us after its moment (a real driver shows it 0.7 s or more late): only moments up
+     * to now - delay are visible, and the second a sample looks back over ends there.  A caller that passed a
+     * sample's timestamp back gets the samples delivered since, each once.
+     */
+    uint64_t delay_ns = (delay_us > MAX_DELAY_US ? MAX_DELAY_US : delay_us) * 1000u;
+    uint64_t visible = now > delay_ns ? now - delay_ns : 0;
+    if (delay_ns > 0 && last > visible)
+        last = visible;
     uint64_t from = mono_of(g, since_us);
-    uint64_t horizon = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0;
+    uint64_t horizon = visible > UTIL_WINDOW_NS ? visible - UTIL_WINDOW_NS : 0;
     if (from < horizon)
         from = horizon;
     if (from < g->ck_t[oldest % GPUSIM_TL_CKPTS])

@@ -76,14 +76,17 @@ struct sim_tl_proc_util {
  * is sampled once per period_us (0: the 10 ms checkpoint period; period ends at
  * multiples of it), at its own moment in it (the period's end minus an offset in
  * [0, spread_us), a hash of its PID and the period: it jitters from one period
- * to the next; spread_us 0: every process at the period's end).  A process's sample is its
- * newest sample moment, if it is newer than since_us; it averages the process's
- * GPU time over (since_us, that moment] (within the last second).  Writes at
+ * to the next; spread_us 0: every process at the period's end), and delivered
+ * delay_us after that moment (at most 1 s).  A process's sample is its newest
+ * delivered sample moment, if it is newer than since_us; it averages the process's
+ * GPU time over (since_us, that moment] (within the second before now - delay_us,
+ * and within the checkpoints kept).  Writes at
  * most max processes with GPU time in their window; *now_us = the newest
  * sample time written.  Returns how many processes had time (may exceed max:
  * only max are written).
  */
 unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t spread_us,
-                             uint64_t period_us, struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us);
+                             uint64_t period_us, uint64_t delay_us, struct sim_tl_proc_util *out, unsigned max,
+                             uint64_t *now_us);
 
 #endif

@@ -530,6 +530,11 @@ class ApiServerSimulator:
         lagging behind the writes, as a loaded API server's watch cache does, while reads are current."""
         self._faults.watches_held = held
 
+    def set_disabled_features(self, gates: Sequence[str]) -> None:
+        """The feature gates that are off from now on (the API server restarted with other
+        ``--feature-gates``, or upgraded): later writes drop the fields of these gates only."""
+        self._ops.disabled_features = frozenset(gates)
+
     def clear_faults(self) -> None:
         """Forget every :meth:`fail_next` and :meth:`delay` rule."""
         self._faults.clear()

@@ -133,3 +133,30 @@ def test_a_server_that_keeps_every_field_reports_no_gate_off(tmp_path: Path, sim
         assert health["feature_gates_off"] == [] and "resourceslice-fields" not in health["errors"], health
         lines = _metrics(cluster)
         assert 'gpu_manager_dra_feature_gate_off{gate="DRAConsumableCapacity"} 0.0' in lines
+
+
+def test_consumable_capacity_turned_on_while_the_agent_runs_is_published_at_the_next_sync(tmp_path: Path) -> None:
+    # Kubernetes 1.35 without DRAConsumableCapacity: the stored slice lacks allowMultipleAllocations,
+    # and the publisher counts it as published. The operator turns the gate on: the agent must offer
+    # consumable capacity again at its next sync, not only after a restart (until then every GPU
+    # goes to one claim, whole).
+    from gpumanager.dra.publisher import SlicePublisher
+    from simnode.apiserver import ApiServerSimulator
+    from tests.dra_slice_fixtures import DRIVER, settle, slice_content, stored_slices
+
+    seen: list[frozenset[str]] = []
+    with ApiServerSimulator(disabled_features=["DRAConsumableCapacity"]) as sim:
+        pub = SlicePublisher(
+            sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, {}), on_gates=seen.append
+        )
+        settle(pub, passes=8)
+        [stored] = stored_slices(sim)
+        assert not any("allowMultipleAllocations" in d for d in stored["spec"]["devices"])
+        assert pub.gates_off == {"DRAConsumableCapacity"} and seen == [frozenset({"DRAConsumableCapacity"})]
+        assert settle(pub, passes=8) == 0, "settled: no write on every pass while the gate is off"
+        sim.set_disabled_features([])
+        settle(pub, passes=8)
+        [stored] = stored_slices(sim)
+        assert all(d.get("allowMultipleAllocations") is True for d in stored["spec"]["devices"]), stored
+        assert pub.gates_off == frozenset() and seen[-1] == frozenset()
+        assert settle(pub, passes=8) == 0

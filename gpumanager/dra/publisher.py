@@ -14,6 +14,8 @@ as published, with one warning naming what was dropped, instead of a write (and 
 new generation) on every watch event of our own write. The gates found off so are
 :attr:`SlicePublisher.gates_off`, told to ``on_gates`` at each change (the agent reports them in its
 log, /healthz and metrics: a slice without consumable capacity gives each GPU to one claim, whole).
+While the stored slice lacks such fields, every sync writes our content as a dry run first, and
+where the server keeps it whole now (the gate turned on while the agent runs) it is written again.
 A server that drops device taints
 (``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
 (unhealthy) GPU would still take new claims, each refused at Prepare. So before a write whose
@@ -273,6 +275,8 @@ class SlicePublisher:
             if self.drops_taints and _tainted(content):
                 self._try_taints(ours, content)  # the server may keep them now
             desired = self._offered(content)
+            if ours is not None and self._kept is not None and _gates(_dropped(*self._kept)):
+                self._try_kept(ours, desired)  # the server may keep the fields of the gate now
             current = False
             if ours is not None:
                 want, have = _comparable(desired), _comparable(ours.get("spec") or {})
@@ -393,6 +397,34 @@ class SlicePublisher:
         webhook that does not declare ``sideEffects: None`` refuses every dry run with 400) leaves
         :attr:`drops_taints` as it was: the write that follows tells. Raises what the write would
         (connection errors, a conflict, throttling, a server error)."""
+        answer = self._dry_run(
+            ours,
+            spec,
+            "device taints",
+            "unhealthy devices stay left out of it"
+            if self.drops_taints
+            else "the write itself shows it (an unhealthy device may be offered untainted until the write that "
+            "follows)",
+        )
+        if answer is None:
+            return
+        kept = not self._taints_dropped(spec, answer.get("spec") or {})
+        if kept and self.drops_taints:
+            log.info(
+                "the API server keeps device taints now (feature gate DRADeviceTaints on): device(s) %s are "
+                "published tainted in ResourceSlice %s",
+                ", ".join(sorted(_tainted(spec))),
+                self.name,
+            )
+            self._left_out = ()
+        self.drops_taints = not kept
+
+    def _dry_run(self, ours: JSON | None, spec: JSON, what: str, otherwise: str) -> JSON | None:
+        """The slice as the server would store ``spec`` (a dry run: ``dryRun=All``, nothing stored), or
+        None where it refuses the dry run itself (an admission webhook that does not declare
+        ``sideEffects: None`` refuses every dry run with 400; warned once per reason, naming ``what``
+        it was to find out and ``otherwise``, what follows). Raises what the write would (connection
+        errors, a conflict, throttling, a server error)."""
         body: JSON = {"apiVersion": c.RESOURCE_API, "kind": "ResourceSlice", "metadata": {"name": self.name}}
         body["spec"] = spec
         dry = [("dryRun", "All")]
@@ -418,28 +450,32 @@ class SlicePublisher:
             problem = describe(exc)
             if problem != self._dry_run_problem:
                 log.warning(
-                    "cannot try ResourceSlice %s as a dry run to see whether the API server keeps device taints "
-                    "(%s); %s",
+                    "cannot try ResourceSlice %s as a dry run to see whether the API server keeps %s (%s); %s",
                     self.name,
+                    what,
                     problem,
-                    "unhealthy devices stay left out of it"
-                    if self.drops_taints
-                    else "the write itself shows it (an unhealthy device may be offered untainted until the "
-                    "write that follows)",
+                    otherwise,
                 )
             self._dry_run_problem = problem
-            return
+            return None
         self._dry_run_problem = ""
-        kept = isinstance(answer, dict) and not self._taints_dropped(spec, answer.get("spec") or {})
-        if kept and self.drops_taints:
-            log.info(
-                "the API server keeps device taints now (feature gate DRADeviceTaints on): device(s) %s are "
-                "published tainted in ResourceSlice %s",
-                ", ".join(sorted(_tainted(spec))),
-                self.name,
-            )
-            self._left_out = ()
-        self.drops_taints = not kept
+        return answer if isinstance(answer, dict) else {}
+
+    def _try_kept(self, ours: JSON, spec: JSON) -> None:
+        """Where the server did not keep fields of a feature gate (:attr:`gates_off`), try ``spec`` as a dry
+        run: where it keeps all of it now (the gate was turned on), forget what it kept before, so this
+        sync writes the slice whole again."""
+        assert self._kept is not None
+        gates = " and ".join(sorted(_gates(_dropped(*self._kept))))
+        answer = self._dry_run(ours, spec, f"the fields of feature gate {gates}", "the slice stays as it was kept")
+        if answer is None or _comparable(answer.get("spec") or {}) != _comparable(spec):
+            return
+        log.info(
+            "the API server keeps the fields of feature gate %s now: ResourceSlice %s is written whole again",
+            gates,
+            self.name,
+        )
+        self._kept = None
 
     def _offered(self, spec: JSON) -> JSON:
         """``spec`` as published: without its tainted devices when the server drops taints."""

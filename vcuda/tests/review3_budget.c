@@ -25,23 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static _Atomic bool g_stop;
-static CUcontext g_ctx;
-
-static void *churn(void *arg)
-{
-    (void)arg;
-    if (FN(cuCtxSetCurrent)(g_ctx) != CUDA_SUCCESS)
-        return NULL;
-    CUresult (*alloc)(CUdeviceptr *, size_t) = FN(cuMemAlloc_v2);
-    CUresult (*release)(CUdeviceptr) = FN(cuMemFree_v2);
-    while (!atomic_load(&g_stop)) {
-        CUdeviceptr p;
-        if (alloc(&p, MIB) == CUDA_SUCCESS)
-            release(p);
-    }
-    return NULL;
-}
+static struct churn g_churn; /* no pause between an allocation and its free */
 
 int main(int argc, char **argv)
 {
@@ -64,14 +48,14 @@ int main(int argc, char **argv)
     int (*nvml_init)(void) = (int (*)(void))sym_in(nvml, "nvmlInit_v2");
     int (*nvml_handle)(unsigned, void **) = (int (*)(unsigned, void **))sym_in(nvml, "nvmlDeviceGetHandleByIndex_v2");
     int (*nvml_mem)(void *, struct mem *) = (int (*)(void *, struct mem *))sym_in(nvml, "nvmlDeviceGetMemoryInfo");
-    g_ctx = created_context();
+    g_churn.ctx = created_context();
     CUdeviceptr held = 0;
     check(FN(cuMemAlloc_v2)(&held, parent), "the parent's allocation");
     pthread_t tid[64];
     if (threads > 64)
         threads = 64;
     for (int i = 0; i < threads; i++)
-        if (pthread_create(&tid[i], NULL, churn, NULL) != 0)
+        if (pthread_create(&tid[i], NULL, churn, &g_churn) != 0)
             return 4;
     usleep(20000);
     int ok = 0, failed = 0, stuck = 0, n = 0;
@@ -119,7 +103,7 @@ int main(int argc, char **argv)
         else
             return 8;
     }
-    atomic_store(&g_stop, true);
+    atomic_store(&g_churn.stop, true);
     for (int i = 0; i < threads; i++)
         pthread_join(tid[i], NULL);
     printf("{\"forks\": %d, \"ok\": %d, \"failed\": %d, \"stuck\": %d, \"child_used_mib\": %lld}\n", n, ok,

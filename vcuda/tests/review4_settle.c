@@ -23,25 +23,7 @@
 
 #define SLOTS_AT 4096 /* the budget file's header; then 64-byte slots: int32 pid, int32 host pid, u64 start, u64 used */
 
-static _Atomic bool g_stop;
-static CUcontext g_ctx;
-
-static void *churn(void *arg)
-{
-    (void)arg;
-    if (FN(cuCtxSetCurrent)(g_ctx) != CUDA_SUCCESS)
-        return NULL;
-    CUresult (*alloc)(CUdeviceptr *, size_t) = FN(cuMemAlloc_v2);
-    CUresult (*release)(CUdeviceptr) = FN(cuMemFree_v2);
-    while (!atomic_load(&g_stop)) {
-        CUdeviceptr p;
-        if (alloc(&p, MIB) == CUDA_SUCCESS) {
-            usleep(100);
-            release(p);
-        }
-    }
-    return NULL;
-}
+static struct churn g_churn = {.hold_us = 100};
 
 /* This process's slot's charge, read from the budget file. */
 static uint64_t slot_used(const char *path)
@@ -71,13 +53,13 @@ int main(int argc, char **argv)
         return 2;
     int threads = atoi(argv[2]), rounds = atoi(argv[3]);
     open_driver();
-    g_ctx = primary_context();
+    g_churn.ctx = primary_context();
     uint64_t before = slot_used(argv[1]);
     pthread_t tid[32];
     if (threads > 32)
         threads = 32;
     for (int i = 0; i < threads; i++)
-        if (pthread_create(&tid[i], NULL, churn, NULL) != 0)
+        if (pthread_create(&tid[i], NULL, churn, &g_churn) != 0)
             return 5;
     int ok = 0;
     for (int r = 0; r < rounds; r++) {
@@ -86,7 +68,7 @@ int main(int argc, char **argv)
         if (FN(cuCtxSetLimit)(CU_LIMIT_MALLOC_HEAP_SIZE, heap + 8 * MIB) == CUDA_SUCCESS)
             ok++;
     }
-    atomic_store(&g_stop, true);
+    atomic_store(&g_churn.stop, true);
     for (int i = 0; i < threads; i++)
         pthread_join(tid[i], NULL);
     uint64_t after = slot_used(argv[1]);

@@ -11,6 +11,8 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -132,6 +134,32 @@ static inline void finish_timed_capture(struct timed_capture *c)
     pthread_join(c->thread, NULL);
     if (c->graph != NULL)
         check(FN(cuGraphDestroy)(c->graph), "cuGraphDestroy");
+}
+
+/* Threads that allocate and free 1 MiB in `ctx` over and over (each allocation held `hold_us` before its free)
+ * until `stop` is set: pthread_create(&t, NULL, churn, &the_struct). */
+struct churn {
+    CUcontext ctx;
+    useconds_t hold_us;
+    _Atomic bool stop;
+};
+
+static inline void *churn(void *arg)
+{
+    struct churn *c = arg;
+    if (FN(cuCtxSetCurrent)(c->ctx) != CUDA_SUCCESS)
+        return NULL;
+    CUresult (*alloc)(CUdeviceptr *, size_t) = FN(cuMemAlloc_v2);
+    CUresult (*release)(CUdeviceptr) = FN(cuMemFree_v2);
+    while (!atomic_load(&c->stop)) {
+        CUdeviceptr p;
+        if (alloc(&p, MIB) == CUDA_SUCCESS) {
+            if (c->hold_us > 0)
+                usleep(c->hold_us);
+            release(p);
+        }
+    }
+    return NULL;
 }
 
 #endif

@@ -57,7 +57,12 @@ def test_a_pids_config_rewritten_within_one_mtime_tick_is_read_again(
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     log: list[str] = []
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr or []], daemon=True)
+
+    def read() -> None:
+        for line in proc.stderr or []:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
 
     def wait_for(text: str) -> bool:
@@ -98,6 +103,26 @@ def hooks_built(vcuda_built: Path) -> Path:
     return VCUDA / "build" / name
 
 
+def hooks_mirror(c: Container, hooks: Path, sanitize: bool) -> Path:
+    """c's driver tree with the test-hook build of the interceptor (and the sanitizer builds when sanitize)."""
+    if sanitize:
+        return asan_mirror(c, hooks / "asan" / "libcuda-control.so")
+    mirror = c.root / "hooks-lib64"
+    make_mirror(mirror, hooks / "libcuda-control.so")
+    return mirror
+
+
+def run_c(exe: Path, args: list[str], env: dict[str, str], sanitize: bool) -> tuple[dict[str, int], str]:
+    """Runs a test program; its last JSON line (numbers) and its stderr."""
+    if sanitize:
+        env = {**env, "ASAN_OPTIONS": "detect_leaks=0"}
+    done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    out = last_json(done.stdout)
+    assert isinstance(out, dict) and all(isinstance(v, int) for v in out.values()), done.stdout
+    return {str(k): int(v) for k, v in out.items()}, done.stderr
+
+
 @pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])
 def test_a_handover_to_the_reconciliation_loses_no_concurrent_charge_or_credit(
     container: MakeContainer, asan_built: Path, hooks_built: Path, tmp_path: Path, sanitize: bool
@@ -110,22 +135,12 @@ def test_a_handover_to_the_reconciliation_loses_no_concurrent_charge_or_credit(
     thread has freed what it allocated, the slot must be back where it was."""
     c = container(1024)
     del asan_built
-    if sanitize:
-        mirror = asan_mirror(c, hooks_built / "asan" / "libcuda-control.so")
-    else:
-        mirror = c.root / "hooks-lib64"
-        make_mirror(mirror, hooks_built / "libcuda-control.so")
+    mirror = hooks_mirror(c, hooks_built, sanitize)
     exe = build_program("review4_settle", tmp_path, sanitize)
     env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_SETTLE_DELAY_US="20000")
-    if sanitize:
-        env["ASAN_OPTIONS"] = "detect_leaks=0"
     budget = c.budget_dir / "0b6e6e0c-1f4a-4c1e-9c53-6d1b2c3d4e5f_main.budget"
-    done = subprocess.run([str(exe), str(budget), "4", "10"], env=env, capture_output=True, text=True, timeout=240,
-                          check=False)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict), done.stdout
-    assert out["rounds_ok"] == 10, f"{out}: {done.stderr}"
+    out, err = run_c(exe, [str(budget), "4", "10"], env, sanitize)
+    assert out["rounds_ok"] == 10, f"{out}: {err}"
     assert out["after"] == out["before"], f"the slot lost concurrent updates: {out}"
 
 
@@ -141,18 +156,9 @@ def test_children_forked_while_threads_create_contexts_launch_and_ask_nvml_neith
     the window wide.  No child may hang or crash."""
     c = container(1024, cores=50)
     del asan_built
-    if sanitize:
-        mirror = asan_mirror(c, hooks_built / "asan" / "libcuda-control.so")
-    else:
-        mirror = c.root / "hooks-lib64"
-        make_mirror(mirror, hooks_built / "libcuda-control.so")
+    mirror = hooks_mirror(c, hooks_built, sanitize)
     exe = build_program("review4_fork", tmp_path, sanitize)
     env = c.env(LD_LIBRARY_PATH=str(mirror), VCUDA_TEST_NVML_DELAY_US="2000")
-    if sanitize:
-        env["ASAN_OPTIONS"] = "detect_leaks=0"
-    done = subprocess.run([str(exe), "2", "20"], env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = last_json(done.stdout)
-    assert isinstance(out, dict), done.stdout
-    assert out["stuck"] == 0 and out["crashed"] == 0, f"{out}: {done.stderr[-4000:]}"
-    assert out["ok"] + out["failed"] == out["forks"] == 20, f"{out}: {done.stderr[-4000:]}"
+    out, err = run_c(exe, ["2", "20"], env, sanitize)
+    assert out["stuck"] == 0 and out["crashed"] == 0, f"{out}: {err[-4000:]}"
+    assert out["ok"] + out["failed"] == out["forks"] == 20, f"{out}: {err[-4000:]}"

@@ -18,33 +18,13 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState
-from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
-from tests.test_interceptor_review4 import hooks_built
-from tests.vcuda_fixtures import Container, config_bytes, container, last_json, make_mirror, vcuda_built
+from tests.test_interceptor_review2 import asan_built, build_program
+from tests.test_interceptor_review4 import hooks_built, hooks_mirror, run_c
+from tests.vcuda_fixtures import Container, config_bytes, container, last_json, vcuda_built
 
 __all__ = ["asan_built", "container", "hooks_built", "vcuda_built"]  # fixtures
 
 MakeContainer = Callable[..., Container]
-
-
-def hooks_mirror(c: Container, hooks: Path, sanitize: bool) -> Path:
-    """c's driver tree with the test-hook build of the interceptor (and the sanitizer builds when sanitize)."""
-    if sanitize:
-        return asan_mirror(c, hooks / "asan" / "libcuda-control.so")
-    mirror = c.root / "hooks-lib64"
-    make_mirror(mirror, hooks / "libcuda-control.so")
-    return mirror
-
-
-def run_c(exe: Path, args: list[str], env: dict[str, str], sanitize: bool) -> tuple[dict[str, int], str]:
-    """Runs a test program; its last JSON line (numbers) and its stderr."""
-    if sanitize:
-        env = {**env, "ASAN_OPTIONS": "detect_leaks=0"}
-    done = subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    out = last_json(done.stdout)
-    assert isinstance(out, dict) and all(isinstance(v, int) for v in out.values()), done.stdout
-    return {str(k): int(v) for k, v in out.items()}, done.stderr
 
 
 @pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "asan"])

@@ -123,6 +123,9 @@ class ApiServerSimulator:
     :func:`simnode.apiserver_resource.drop_disabled_slice_fields`). ``min_request_timeout``: a watch
     without ``timeoutSeconds`` ends (cleanly) after a random ``[1, 2)`` times this many seconds, as the
     real server's ``--min-request-timeout`` (1800 s) ends it; 0 keeps it open until closed.
+    ``resource_api``: False for a server that does not serve ``resource.k8s.io/v1`` (Kubernetes 1.33 and
+    older, or ``--runtime-config=resource.k8s.io/v1=false``): its paths answer 404 with the Status of an
+    unknown resource and ``/apis`` does not list the group.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class ApiServerSimulator:
         version: str = "v1.31.4",
         disabled_features: Sequence[str] = (),
         min_request_timeout: float = 1800.0,
+        resource_api: bool = True,
     ) -> None:
         self._host = host
         self._port = port
@@ -157,6 +161,7 @@ class ApiServerSimulator:
             version=version_info(version),
             token=token,
             bookmark_interval=bookmark_interval,
+            resource_api=resource_api,
         )
         self._lock = threading.Lock()
         self._component_tokens: dict[str, str] = {}

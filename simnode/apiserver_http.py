@@ -32,7 +32,7 @@ from simnode.apiserver_rbac import (
     name_from_field_selector,
     request_attributes,
 )
-from simnode.apiserver_resource import GROUP_KINDS, api_group_list, discovery_document
+from simnode.apiserver_resource import GROUP, GROUP_KINDS, api_group_list, discovery_document
 from simnode.apiserver_store import Key, Store, WatchEnd
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class HttpContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     server_address: str = ""
     rbac: Authorizer = field(default_factory=Authorizer)
+    # Whether resource.k8s.io/v1 is served (Kubernetes 1.34 and later, unless turned off with
+    # --runtime-config=resource.k8s.io/v1=false): when not, its paths answer 404 as unknown ones do.
+    resource_api: bool = True
 
 
 def version_info(git_version: str) -> JSON:
@@ -451,11 +454,15 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             record(200)
             self._send_json(200, resource_list())
             return
+        unserved = not ctx.resource_api and (path == f"/apis/{GROUP}" or path.startswith(f"/apis/{GROUP}/"))
         if path in ("/apis", "/apis/") and method == "GET":
             record(200)
-            self._send_json(200, api_group_list())
+            groups = api_group_list()
+            if not ctx.resource_api:
+                groups["groups"] = [g for g in groups["groups"] if g.get("name") != GROUP]
+            self._send_json(200, groups)
             return
-        discovery = discovery_document(path) if method == "GET" else None
+        discovery = discovery_document(path) if method == "GET" and not unserved else None
         if discovery is not None:
             record(200)
             self._send_json(200, discovery)
@@ -464,7 +471,7 @@ class ApiRequestHandler(BaseHTTPRequestHandler):
             record(404)
             self._send_text(404, "404 page not found\n")
             return
-        route = _parse_api_path(path)
+        route = None if unserved else _parse_api_path(path)
         if route is None:
             # The real server authorizes before it looks for the resource: a service account is
             # refused (403) what it may not do, served here or not, and told 404 only after.

@@ -160,3 +160,23 @@ def test_consumable_capacity_turned_on_while_the_agent_runs_is_published_at_the_
         assert all(d.get("allowMultipleAllocations") is True for d in stored["spec"]["devices"]), stored
         assert pub.gates_off == frozenset() and seen[-1] == frozenset()
         assert settle(pub, passes=8) == 0
+
+
+def test_an_api_server_without_resource_v1_is_named_as_such(tmp_path: Path) -> None:
+    # Kubernetes 1.33 serves only beta versions of resource.k8s.io (and a newer one may have v1 off
+    # with --runtime-config): every slice request answers 404 "the server could not find the
+    # requested resource". The agent must say that DRA mode needs resource.k8s.io/v1, not leave the
+    # operator with a bare 404.
+    from gpumanager.dra.publisher import SlicePublisher
+    from simnode.apiserver import ApiServerSimulator
+    from tests.dra_slice_fixtures import DRIVER, slice_content
+
+    errors: list[str] = []
+    with ApiServerSimulator(resource_api=False, version="v1.33.5") as sim:
+        pub = SlicePublisher(
+            sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, {}), on_error=errors.append
+        )
+        pub.start()  # the first sync is done before it returns
+        pub.stop()
+    assert errors and "404" in errors[0], errors
+    assert "resource.k8s.io/v1" in errors[0] and "1.34" in errors[0], errors

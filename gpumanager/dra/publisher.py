@@ -136,6 +136,20 @@ def gates_message(slice_name: str, gates: frozenset[str]) -> str:
     return "; ".join(parts)
 
 
+def _unserved(exc: BaseException) -> bool:
+    """Whether an API answer is the 404 of a resource the server does not serve (its Status names no
+    object, as a 404 for a missing object does)."""
+    if getattr(exc, "status", None) != 404:
+        return False
+    body = getattr(exc, "body", None)
+    try:
+        data = json.loads(body) if isinstance(body, (str, bytes)) and body else {}
+    except ValueError:
+        return True  # a plain "404 page not found": no such path at all
+    details = data.get("details") if isinstance(data, dict) else None
+    return not (isinstance(details, dict) and details.get("name"))
+
+
 def _owned(item: JSON, node: str) -> bool:
     """Whether a slice names the Node ``node`` as its owner."""
     refs = (item.get("metadata") or {}).get("ownerReferences") or []
@@ -235,6 +249,12 @@ class SlicePublisher:
             self.sync()
         except (ApiException, OSError, ValueError) as exc:
             message = f"cannot publish ResourceSlice {self.name}: {describe(exc)}"
+            if _unserved(exc):
+                message += (
+                    f": the API server does not serve {c.RESOURCE_API}, which DRA mode needs (Kubernetes 1.34 or "
+                    f"later, with {c.RESOURCE_API} not turned off by --runtime-config); on an older cluster run "
+                    "the node with --mode=device-plugin"
+                )
             if message != self.last_error:
                 log.warning("%s (retrying)", message)
             self.last_error = message

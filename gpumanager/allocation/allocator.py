@@ -2518,14 +2518,30 @@ class Allocator:
             self._overcommitted.add(minor)
             cores = sum(min(c, names.HUNDRED_CORES) for c, _ in charges)
             memory = sum(mem for c, mem in charges if c < names.HUNDRED_CORES)
+            holders = sorted(
+                f"{a.namespace}/{a.pod_name or a.pod_uid} container {a.container}"
+                for a in self._allocs.values()
+                if minor in a.minors
+            )
+            holders += sorted(
+                f"claim {c.namespace}/{c.name}"
+                for c in self._claims.values()
+                if any(d.minor == minor for d in c.devices)
+            )
+            shown = ", ".join(holders[:8]) + (f", and {len(holders) - 8} more" if len(holders) > 8 else "")
             log.error(
-                "%s: GPU %d is charged beyond its capacity: %d records hold %d cores and %d bytes of shares%s",
+                "%s: GPU %d (%s, %d MiB) is charged beyond its capacity: %d records hold %d cores and %d bytes of "
+                "shares%s (its memory may have shrunk since they were allocated: ECC turned on, or the GPU "
+                "replaced); held by %s",
                 source,
                 minor,
+                gpu.uuid,
+                gpu.memory_total >> 20,
                 len(charges),
                 cores,
                 memory,
                 " beside a whole-GPU record" if any(c >= names.HUNDRED_CORES for c, _ in charges) else "",
+                shown or "no container",
             )
 
 

@@ -179,9 +179,45 @@ class Handlers:
             self._timed(names.VCORE_RESOURCE, "PreStartContainer", started, ok)
 
     def pre_start_memory(self, request: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
-        """vcuda-memory PreStartContainer: nothing to do beyond validation."""
-        self._validate(names.VMEMORY_RESOURCE, list(request.devices_ids))
+        """vcuda-memory PreStartContainer: nothing to do beyond validation.
+
+        IDs past the last this node advertises are accepted (logged): memory IDs are numbered from each
+        GPU's size, so a GPU with less memory after a restart (ECC turned on, or replaced by a smaller one)
+        leaves the kubelet holding IDs for running containers that are no longer listed, and it names them
+        at every start of those containers. They only counted memory (the size comes from the pod spec):
+        refusing them would keep the container from ever starting again."""
+        ids = list(request.devices_ids)
+        try:
+            self._validate(names.VMEMORY_RESOURCE, ids)
+        except RequestError:
+            if device_ids.duplicates(ids) or not all(self._past_the_last(i) for i in self._unknown_memory(ids)):
+                raise
+            unknown = self._unknown_memory(ids)
+            log.warning(
+                "vcuda-memory PreStartContainer for %s: %d of them (%s) are past the last ID this node "
+                "advertises (%d): a GPU has less memory than when the kubelet handed them out (ECC turned on, "
+                "or the GPU replaced); accepted, as the container's memory limit comes from its pod spec",
+                device_ids.describe(ids),
+                len(unknown),
+                device_ids.describe(unknown),
+                self._layout.count(names.VMEMORY_RESOURCE),
+            )
         return pb.PreStartContainerResponse()
+
+    def _unknown_memory(self, ids: Sequence[str]) -> list[str]:
+        known = self._layout.positions(names.VMEMORY_RESOURCE)
+        return [i for i in ids if i not in known]
+
+    def _past_the_last(self, device_id: str) -> bool:
+        """Whether ``device_id`` is a well-formed vcuda-memory ID numbered past this node's last one."""
+        prefix = self._layout.prefix(names.VMEMORY_RESOURCE)
+        number = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
+        return (
+            number.isascii()
+            and number.isdigit()
+            and number == str(int(number))
+            and int(number) >= self._layout.count(names.VMEMORY_RESOURCE)
+        )
 
 
 def _oserror(exc: OSError) -> str:

@@ -1,0 +1,62 @@
+"""A GPU whose memory size differs across an agent restart (the same GPU with ECC turned on, or one
+replaced at the same place by a smaller one): the vcuda-memory IDs are numbered from each GPU's size, so
+the node advertises fewer of them and IDs the kubelet gave running containers are no longer listed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+from gpumanager import names
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from tests.battery_fixtures import answered, gpu, write_spec
+
+BLOCK = names.MEMORY_BLOCK_BYTES
+
+
+def _spec(path: Path, gpus: list[dict[str, Any]]) -> Path:
+    return write_spec(path, gpus, lambda i, j: "PHB")
+
+
+def _restart_with(cluster: SimCluster, path: Path, gpus: list[dict[str, Any]]) -> None:
+    assert cluster.agent is not None
+    cluster.agent.signal(signal.SIGKILL)
+    cluster.agent.wait()
+    cluster.spec = _spec(path, gpus)
+    cluster.start_agent()
+
+
+def _memory_number(device_id: str) -> int:
+    return int(device_id.rsplit("-", 1)[1])
+
+
+def test_containers_holding_memory_ids_no_longer_listed_start_again(tmp_path: Path) -> None:
+    """Every memory ID of two 16 GiB GPUs is held; ECC is turned on in GPU 1 (15 GiB) while the agent is
+    down, so the last four IDs are no longer advertised. The kubelet calls PreStartContainer for each
+    container start (a crashed container restarted) with the IDs it holds: that start must not be refused
+    for IDs that only counted memory, and the agent reports the over-committed GPU and who holds it."""
+    full = [gpu(i, memory_mib=16384) for i in range(2)]
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "two.json", full))
+    with cluster:
+        live = [
+            cluster.run_pod(gpu_pod(f"p{i}", [("main", 50, 64)], annotations=admission_annotations([[i]], 1)))
+            for i in range(2)
+        ]
+        assert [answered(r)["main"][0] for r in live] == [(0,), (1,)]
+        held = {i for r in live for i in r.memory["main"].device_ids}
+        assert len(held) == 128
+        ecc = dict(full[1], memory_mib=15360)  # the same GPU (same UUID), 1 GiB less with ECC on
+        _restart_with(cluster, tmp_path / "ecc.json", [full[0], ecc])
+        cluster.kubelet.wait_for_devices(names.VMEMORY_RESOURCE, 124, timeout=30)
+        gone = sorted(i for i in held if _memory_number(i) >= 124)
+        assert len(gone) == 4
+        holders = [r for r in live if set(r.memory["main"].device_ids) & set(gone)]
+        assert holders
+        for run in holders:  # its container restarted: the kubelet's PreStartContainer calls again
+            cluster.start_containers(run)
+        assert cluster.agent is not None
+        lines = [line for line in cluster.agent.log_text().splitlines() if "beyond its capacity" in line]
+        assert lines, "no line for the GPU its holders now over-commit"
+        assert all("GPU 1" in line and "15360 MiB" in line and "default/p1 container main" in line for line in lines)
+        assert not any("default/p0" in line for line in lines)

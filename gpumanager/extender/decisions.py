@@ -1,10 +1,16 @@
 """filter and prioritize: which candidate nodes can hold a pod's GPU containers, and how well.
 
 Neither writes anything. A pod is judged without its own charges (a pod that carries
-predicate annotations from an earlier attempt is judged afresh), and with the choices binds of
-any replica recorded on the node (:mod:`gpumanager.extender.claims`) counted, as bind counts
-them. A node fails with a reason naming the container and the best GPU; it is *unresolvable*
-(preemption cannot help) when even its GPUs with nothing on them could not hold the pod.
+predicate annotations from an earlier attempt is judged afresh). A node fails with a reason
+naming the container and the best GPU; it is *unresolvable* (preemption cannot help) when even
+its GPUs with nothing on them could not hold the pod.
+
+The choices binds of any replica recorded on a node (:mod:`gpumanager.extender.claims`), which
+bind counts, lower the node's priority to 0 where they leave no room for the pod, but do not fail
+it in filter: they lapse by time, with no event of the cluster, so a pod filter found no node for
+would wait as unschedulable for an unrelated event (kube-scheduler: up to 5 minutes) after they
+lapsed; passed, it goes to a node with room if one scores better, else to a bind that refuses it
+while the choices last, and the scheduler tries again after its backoff (at most 10 s).
 """
 
 from __future__ import annotations
@@ -62,8 +68,7 @@ class Decider:
 
     def _claimed(self, name: str, uid: str) -> AbstractContextManager[None]:
         """Within the block the node also holds the choices binds of any replica recorded on it (as the
-        node watch shows them), as bind counts them: a node those fill does not pass only to be refused
-        by bind, again at every retry while the record lasts."""
+        node watch shows them), as bind counts them."""
         claims = self.state.node_claims(name)
         return self.state.counting(name, claims, uid) if claims else nullcontext()
 
@@ -150,11 +155,7 @@ class Decider:
             with self.state.without(uid):
                 for name in node_names:
                     gpus, gone = self._known(name, args)
-                    if gone:
-                        verdict, reason = "unresolvable", gone
-                    else:
-                        with self._claimed(name, uid):
-                            verdict, reason = self.judge(gpus, requests, inits, sidecars)
+                    verdict, reason = ("unresolvable", gone) if gone else self.judge(gpus, requests, inits, sidecars)
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from gpumanager.vmanager import files
-from simnode.dra_cluster import DRACluster, claim_pod, claim_template
+from simnode.dra_cluster import DRIVER, DRACluster, claim_pod, claim_template
 
 
 @pytest.fixture
@@ -109,8 +109,9 @@ def test_consumable_capacity_off_on_the_api_server_is_said_in_the_log_health_and
         stored = cluster.slice()
         assert stored is not None and "allowMultipleAllocations" not in json.dumps(stored), "the server drops it"
         assert cluster.agent is not None
-        line = cluster.agent.wait_for_log("DRAConsumableCapacity", timeout=20)
-        assert "off" in line and "one claim" in line, line
+        log_text = cluster.agent.wait_for_log("DRAConsumableCapacity is off", timeout=20)
+        [line] = [ln for ln in log_text.splitlines() if "DRAConsumableCapacity is off" in ln]
+        assert "one claim" in line and "kube-scheduler" in line, line
         deadline = time.monotonic() + 20
         health: Any = {}
         while time.monotonic() < deadline:
@@ -180,3 +181,97 @@ def test_an_api_server_without_resource_v1_is_named_as_such(tmp_path: Path) -> N
         pub.stop()
     assert errors and "404" in errors[0], errors
     assert "resource.k8s.io/v1" in errors[0] and "1.34" in errors[0], errors
+
+
+def _shared_claim(cluster: DRACluster, name: str, cores: int, memory: str) -> None:
+    """A ResourceClaim made by hand (not from a template), for pods to name by resourceClaimName."""
+    request = {"deviceClassName": DRIVER, "capacity": {"requests": {"cores": str(cores), "memory": memory}}}
+    cluster.resource.create_namespaced_resource_claim(
+        "default",
+        {
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": request}]}},
+        },
+    )
+
+
+def _series(cluster: DRACluster, family: str) -> dict[str, str]:
+    """pod label -> the sample's value, of one family (one series per pod expected)."""
+    out = {}
+    for ln in _metrics(cluster):
+        if ln.startswith(family + "{"):
+            labels, _, value = ln.rpartition(" ")
+            pod = labels.split('pod="', 1)[1].split('"', 1)[0]
+            out[pod] = value
+    return out
+
+
+def test_a_pod_joining_a_prepared_claim_later_is_limited_and_shown_as_the_first(t4: DRACluster) -> None:
+    # The kubelet prepares a claim once per node: the second pod's containers start from its cache,
+    # with no call to the driver. They must still count in pids.config, the per-container metrics and
+    # the claim's users, and the claim stays prepared until the last of them goes.
+    _shared_claim(t4, "team", 40, "2Gi")
+    for name in ("a", "b"):
+        manifest = claim_pod(name, "unused")
+        manifest["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "team"}]
+        t4.create_pod(manifest, commands={"main": ["sleep", "60"]})
+        t4.settle()
+        assert t4.pod(name)["status"]["phase"] == "Running", t4.prepare_errors
+    assert t4.kubelet is not None
+    assert [call for call in t4.kubelet.prepare_calls if "team" in call[1]] == [(DRIVER, ["team"])]
+    claim = json.loads(t4.resource.read_namespaced_resource_claim("team", "default", _preload_content=False).data)
+    uid = claim["metadata"]["uid"]
+    procs = {n: t4.kubelet.containers[(t4.pod(n)["metadata"]["uid"], "main")].proc for n in ("a", "b")}
+    pids = {n: p.pid for n, p in procs.items() if p is not None}
+    path = t4.vm_path / uid / "pids.config"
+    assert _wait_pids(path, sorted(pids.values())) == sorted(pids.values())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(_series(t4, "gpu_manager_container_gpu_core_limit_ratio")) < 2:
+        time.sleep(0.2)
+    assert _series(t4, "gpu_manager_container_gpu_core_limit_ratio") == {"a": "0.4", "b": "0.4"}
+    gib2 = str(float(2 << 30))
+    assert _series(t4, "gpu_manager_container_gpu_memory_limit_bytes") == {"a": gib2, "b": gib2}
+    assert _series(t4, "gpu_manager_claim_containers") == {"a": "1.0", "b": "1.0"}
+
+    t4.end_pod("a")
+    t4.settle()
+    assert (t4.vm_path / uid).exists(), "b still uses the claim"
+    assert _wait_pids(path, [pids["b"]]) == [pids["b"]]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "a" in _series(t4, "gpu_manager_container_gpu_core_limit_ratio"):
+        time.sleep(0.2)
+    assert _series(t4, "gpu_manager_container_gpu_core_limit_ratio") == {"b": "0.4"}
+    assert _series(t4, "gpu_manager_claim_containers") == {"b": "1.0"}
+    t4.end_pod("b")
+    t4.settle()
+    assert not (t4.vm_path / uid).exists()
+    assert _series(t4, "gpu_manager_claim_containers") == {}
+
+
+def test_a_late_pod_whose_container_uses_a_share_and_another_prepared_claim_is_reported(t4: DRACluster) -> None:
+    # At Prepare a claim is refused where a container of its pods uses it and another claim of the
+    # driver, one of them a share (the container would run with the other's /etc/vcuda). A pod that
+    # joins both claims after their Prepare gets no call: the kubelet starts it from its cache. The
+    # agent cannot refuse it; it must say so, naming the pod, the container and the claims.
+    _shared_claim(t4, "share", 30, "2Gi")
+    _shared_claim(t4, "other", 20, "1Gi")
+    for name, claims in (("p1", ["share"]), ("p2", ["other"]), ("p3", ["share", "other"])):
+        manifest = claim_pod(name, "unused")
+        manifest["spec"]["resourceClaims"] = [{"name": c, "resourceClaimName": c} for c in claims]
+        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": c} for c in claims]
+        t4.create_pod(manifest, commands={"main": ["sleep", "60"]})
+        t4.settle()
+    assert t4.pod("p3")["status"]["phase"] == "Running", "the kubelet calls no driver for prepared claims"
+    assert t4.agent is not None
+    text = "container main of pod default/p3 uses claims"
+    log_text = t4.agent.wait_for_log(text, timeout=20)
+    [line] = [ln for ln in log_text.splitlines() if text in ln]
+    assert "default/share" in line and "default/other" in line and "not held to" in line, line
+    health = _http_json(t4, "/healthz")
+    assert text in health["errors"].get("claim-sharing", ""), health
+    t4.end_pod("p3")
+    t4.settle()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "claim-sharing" in _http_json(t4, "/healthz")["errors"]:
+        time.sleep(0.2)
+    assert "claim-sharing" not in _http_json(t4, "/healthz")["errors"]

@@ -175,6 +175,8 @@ class DRAMode:
         self._started_unix = time.time()
         self._last_pids: dict[str, list[int]] = {}
         self._unwritable = UnwritableFiles()  # claims' pids.config the refresh cannot write (reported)
+        # Containers of pods that joined prepared claims later, using a share and another claim (reported).
+        self._mixed: dict[tuple[str, str], str] = {}
         # The pods each claim was seen reserved for: which prepared claim a pod's claim name means.
         self.reservations = consumers.Reservations()
         self._asked: set[tuple[str, str, frozenset[str]]] = set()  # (namespace, name, pods) read for that
@@ -470,6 +472,7 @@ class DRAMode:
         self.reservations.prune({c.uid for c in claims})
         self._tell_apart(claims, pods)
         reserved = self.reserved()
+        self._report_mixed(claims, pods, reserved)
         for claim in claims:
             if not claim.shared:
                 continue
@@ -505,6 +508,42 @@ class DRAMode:
             del self._last_pids[uid]
         self._unwritable.forget_all_but(refreshed)
         return written
+
+    def _report_mixed(
+        self, claims: Sequence[ClaimAllocation], pods: Sequence[Pod], reserved: consumers.Reserved
+    ) -> None:
+        """Report the containers that use a prepared share and another prepared claim of the driver.
+
+        The check at Prepare refuses such a claim, but the kubelet prepares a claim once per node: a pod
+        that joins prepared claims later is started from its cache without a call. Its container then
+        runs with one claim's ``/etc/vcuda`` (the runtime's last mount wins), not held to the other's
+        share. Nothing can refuse it now: it is reported (logged, and under ``claim-sharing`` in /healthz)
+        while the pod runs."""
+        from gpumanager.allocation import pods as podinfo
+
+        found: dict[tuple[str, str], str] = {}
+        for pod in pods:
+            if podinfo.is_terminated(pod):
+                continue
+            meta = pod.get("metadata") or {}
+            namespace, uid = str(meta.get("namespace", "")), podinfo.uid(pod)
+            for container, names_used in consumers.container_claims(pod).items():
+                if len(names_used) < 2:
+                    continue
+                held = [c for n in names_used if (c := consumers.owner(uid, namespace, n, claims, reserved))]
+                shares = [c for c in held if c.shared]
+                if len(held) < 2 or not shares:
+                    continue
+                found[(uid, container)] = (
+                    f"container {container} of pod {namespace}/{meta.get('name')} uses claims "
+                    f"{', '.join(c.key for c in held)} of driver {self.settings.driver}, prepared before the pod "
+                    f"joined them (the kubelet did not ask again): it runs with one claim's limits and is not held "
+                    f"to the share of {', '.join(c.key for c in shares)}; a container with a share can use no "
+                    "other claim of this driver"
+                )
+        if found != self._mixed:  # logged by the report, whenever what it says changes
+            self._report("claim-sharing", "; ".join(sorted(found.values())) or None)
+        self._mixed = found
 
     def _write_request_pids(self, claim: ClaimAllocation, users: Sequence[tuple[Pod, str]]) -> None:
         """Each request's pids.config of a claim whose shares belong to several requests: the PIDs of

@@ -401,6 +401,57 @@ class Allocator:
             except (AllocationError, ValueError):
                 return None
 
+    def memory_only_refusal(self, blocks: int) -> str:
+        """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered.
+
+        The kubelet calls it for every container that asks for vcuda-memory, GPU containers included
+        (their memory limit is read from the pod spec at the vcuda-core Allocate). A container asking
+        for memory and no vcuda-core gets no GPU at all (upstream answers it with nothing and the
+        container starts without a GPU, its memory counted as used by the kubelet), so the call is
+        refused when every pending container of this node asking for ``blocks`` asks for no cores: which
+        container a call is for is not said, and one that asks for cores as well may be the one. The
+        cache's pods are asked first; a refusal (or a size the cache does not know) is decided on a fresh
+        list from the API server, and the call is answered as before when it cannot be listed."""
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
+            return ""
+        found = self._memory_only(self._pods.pods(), blocks)
+        if found != []:  # refused only on a fresh list: the cache may not show the pod being admitted yet
+            try:
+                found = self._memory_only(self._pods.refresh(), blocks)
+            except Exception as exc:  # the API server's trouble: answered as before
+                log.debug("vcuda-memory Allocate of %d blocks: pods not listed: %s", blocks, exc)
+                return ""
+        if not found:
+            return ""
+        others = f" (or {', '.join(found[1:4])}{', ...' if len(found) > 4 else ''})" if len(found) > 1 else ""
+        return (
+            f"{found[0]}{others} asks for {blocks} {names.VMEMORY_RESOURCE} without {names.VCORE_RESOURCE}: "
+            f"memory alone gives no GPU (a share asks for both, a whole GPU for {names.VCORE_RESOURCE} in "
+            "hundreds)"
+        )
+
+    @staticmethod
+    def _memory_only(pods: Sequence[Pod], blocks: int) -> list[str] | None:
+        """The pending containers asking for ``blocks`` of memory and no cores ([] when one of that size
+        asks for cores too), None when no pending container asks for that many."""
+        found: list[str] = []
+        seen = False
+        for pod in pods:
+            if podinfo.phase(pod) != "Pending" or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
+                continue
+            try:
+                requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
+            except PodSpecError:
+                continue
+            for r in requests:
+                if r.memory_blocks != blocks:
+                    continue
+                seen = True
+                if r.cores > 0:
+                    return []
+                found.append(f"pod {podinfo.pod_key(pod)} container {r.name}")
+        return found if seen else None
+
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
         """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""
         received = time.monotonic()

@@ -131,12 +131,19 @@ class Handlers:
 
     def allocate_memory(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
         """vcuda-memory Allocate: validated, and one empty answer per container request (the memory
-        size is read from the pod spec by the vcuda-core side)."""
+        size is read from the pod spec by the vcuda-core side); refused for a container that asks for
+        memory without cores (:meth:`Allocator.memory_only_refusal`)."""
         started = time.perf_counter()
         ok = False
         try:
             for creq in request.container_requests:
-                self._validate(names.VMEMORY_RESOURCE, list(creq.devices_ids))
+                ids = list(creq.devices_ids)
+                self._validate(names.VMEMORY_RESOURCE, ids)
+                problem = self._allocator.memory_only_refusal(len(ids)) if self._allocator is not None else ""
+                if problem:
+                    raise RequestError(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {device_ids.describe(ids)}: {problem}"
+                    )
             answer = pb.AllocateResponse()
             for _ in request.container_requests:
                 answer.container_responses.add()  # an empty answer each, made in place (not copied)

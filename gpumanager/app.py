@@ -126,6 +126,7 @@ class Agent:
         self.node_name = config.resolved_node_name()
         self.gpus: list[GPUInfo] = []
         self.lost: list[int] = []  # at start (the health propagation follows those that come back)
+        self.replaced: dict[int, str] = {}  # at start: GPU index -> the UUID the saved inventory had there
         self.driver_version = ""
         self.topology = NodeTopology(levels=())
         self.layout: DeviceLayout | None = None
@@ -205,13 +206,14 @@ class Agent:
         except (nvml.NVMLUnavailableError, nvml.NVMLError) as exc:
             raise StartupError(str(exc), 3) from exc
         self.gpus, self.lost, self.topology = node.gpus, node.lost, node.topology
+        self.replaced = node.replaced
         self.driver_version = node.driver.driver_version
         self.layout = DeviceLayout(self.gpus)
 
     def _start_allocation(self) -> None:
         """Topology tree, allocation state (local files only), the kubelet calls' handlers."""
         from gpumanager.allocation.allocator import Allocator, AllocatorSettings
-        from gpumanager.recovery import Recovery
+        from gpumanager.recovery import Recovery, report_gpus_gone
         from gpumanager.topology import build_tree, empty_tree, render_graph
         from gpumanager.vmanager.manager import VirtualManager
         from gpumanager.volume.keeper import MirrorKeeper
@@ -254,6 +256,7 @@ class Agent:
             gpus=self.gpus,
         )
         recovery.from_disk()
+        report_gpus_gone(allocator.allocations(), self.gpus, self.lost, self.replaced)
         problem = allocator.probe_checkpoint()
         if problem:
             self._component_failed("checkpoint", f"{problem}; serving existing allocations, refusing new ones")

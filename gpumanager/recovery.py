@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
 from gpumanager import names, safenames
@@ -35,6 +35,52 @@ from gpumanager.retry import Backoff
 log = logging.getLogger(__name__)
 
 _DEV = re.compile(r"^/dev/nvidia(\d+)\Z")
+
+
+def report_gpus_gone(
+    allocations: Iterable[ContainerAllocation],
+    gpus: Sequence[GPUInfo],
+    lost: Collection[int],
+    replaced: Mapping[int, str],
+) -> int:
+    """Log each container that holds a GPU NVML no longer counts (``lost``: indexes) or that is another GPU
+    than when it was allocated (``replaced``: index -> the UUID it had); return how many lines were logged.
+
+    Their records are kept (the kubelet counts the IDs until the pod ends), but the containers cannot use
+    what they were given, and only the operator can end them."""
+    by_minor = {g.minor: g for g in gpus}
+    logged = 0
+    for alloc in sorted(allocations, key=lambda a: (a.namespace, a.pod_name, a.pod_uid, a.container)):
+        who = f"pod {alloc.namespace}/{alloc.pod_name or alloc.pod_uid} container {alloc.container}"
+        for minor in alloc.minors:
+            gpu = by_minor.get(minor)
+            if gpu is None:
+                log.error(
+                    "%s holds GPU minor %d, which this node does not have; delete the pod to place it again", who, minor
+                )
+            elif gpu.index in lost:
+                log.error(
+                    "%s holds GPU %d (%s), which NVML no longer counts: the container cannot use it (its device IDs "
+                    "are listed Unhealthy); delete the pod to place it again",
+                    who,
+                    gpu.index,
+                    gpu.uuid,
+                )
+            elif gpu.index in replaced:
+                log.error(
+                    "%s holds GPU %d, allocated as %s; the GPU there was replaced and is %s now: a container "
+                    "started again from the kubelet's saved answer (NVIDIA_VISIBLE_DEVICES=%s) finds no such GPU; "
+                    "delete the pod to place it again",
+                    who,
+                    gpu.index,
+                    replaced[gpu.index],
+                    gpu.uuid,
+                    replaced[gpu.index],
+                )
+            else:
+                continue
+            logged += 1
+    return logged
 
 
 def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAllocation]:

@@ -60,3 +60,31 @@ def test_containers_holding_memory_ids_no_longer_listed_start_again(tmp_path: Pa
         assert lines, "no line for the GPU its holders now over-commit"
         assert all("GPU 1" in line and "15360 MiB" in line and "default/p1 container main" in line for line in lines)
         assert not any("default/p0" in line for line in lines)
+
+
+def test_allocations_on_a_gpu_gone_or_replaced_are_named_at_start(tmp_path: Path) -> None:
+    """Three GPUs each hold a share; while the agent is down GPU 0 is replaced (another UUID at its PCI
+    address) and GPU 1 falls off the bus. The agent starts, keeps the IDs in place, and says which pods
+    hold a GPU that is gone or is another one now (their containers cannot use what they were given)."""
+    full = [gpu(i, memory_mib=16384) for i in range(3)]
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "three.json", full))
+    with cluster:
+        for i in range(3):
+            cluster.run_pod(gpu_pod(f"p{i}", [("main", 50, 8)], annotations=admission_annotations([[i]], 1)))
+        new = dict(gpu(9, memory_mib=16384), pci_bus_id=full[0]["pci_bus_id"], minor=0)
+        _restart_with(cluster, tmp_path / "changed.json", [new, full[2]])
+        cluster.kubelet.wait_for_devices(
+            names.VCORE_RESOURCE,
+            lambda d: len(d) == 300 and sum(x.healthy for x in d.values()) == 200,
+            timeout=30,
+        )
+        assert cluster.agent is not None
+        lines = cluster.agent.log_text().splitlines()
+        replaced = [line for line in lines if "default/p0 container main" in line and "replaced" in line]
+        assert replaced and full[0]["uuid"] in replaced[0] and new["uuid"] in replaced[0], lines[-20:]
+        gone = [line for line in lines if "default/p1 container main" in line and "no longer counts" in line]
+        assert gone and full[1]["uuid"] in gone[0], lines[-20:]
+        assert not [line for line in lines if "default/p2" in line and ("replaced" in line or "no longer" in line)]
+        # A new share still goes to the replaced GPU or GPU 2, never to the lost one.
+        run = cluster.run_pod(gpu_pod("after", [("main", 50, 8)]))
+        assert answered(run)["main"][0] in ((0,), (2,))

@@ -7,7 +7,7 @@ from the inventory saved beside the checkpoint, or shaped like its peers on a ne
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager.device import inventory, nvml
@@ -18,12 +18,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodeGPUs:
-    """The driver, every GPU (lost ones included), the indexes of the lost ones, their topology."""
+    """The driver, every GPU (lost ones included), the indexes of the lost ones, their topology, and the
+    places whose GPU is another one than the saved inventory says (index -> the UUID saved there)."""
 
     driver: nvml.DriverInfo
     gpus: list[GPUInfo]
     lost: list[int]
     topology: NodeTopology
+    replaced: dict[int, str] = field(default_factory=dict)
 
 
 def discover(checkpoint_dir: Path) -> NodeGPUs:
@@ -32,7 +34,12 @@ def discover(checkpoint_dir: Path) -> NodeGPUs:
     known, saved_topology = inventory.load(checkpoint_dir / inventory.FILE)
     driver = nvml.driver_info()
     gpus, lost = nvml.discover(known)
-    node = NodeGPUs(driver, gpus, lost, nvml.topology(gpus, lost, saved_topology))
+    replaced = {
+        g.index: known[g.index].uuid
+        for g in gpus
+        if g.index in known and g.index not in lost and known[g.index].uuid != g.uuid
+    }
+    node = NodeGPUs(driver, gpus, lost, nvml.topology(gpus, lost, saved_topology), replaced)
     _log(node)
     return node
 

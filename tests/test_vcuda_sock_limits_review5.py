@@ -240,3 +240,37 @@ def test_a_refused_connection_names_its_peer(
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_pod_flooding_its_socket_leaves_the_agent_serving_the_kubelet(tmp_path: Path) -> None:
+    """A tenant opens thousands of connections to its vcuda.sock and holds them (most sending nothing):
+    the agent holds a bounded number of descriptors for them, and the kubelet's Allocate and
+    PreStartContainer for another pod are answered meanwhile."""
+    from simnode.cluster import SimCluster, gpu_pod
+
+    with SimCluster(tmp_path / "node", "v100-pcie-x4") as cluster:
+        tenant = cluster.run_pod(gpu_pod("tenant", [("main", 30, 4)]))
+        assert cluster.agent is not None
+        fd_dir = Path(f"/proc/{cluster.agent.pid}/fd")
+        before = len(list(fd_dir.iterdir()))
+        path = cluster.vm_path / tenant.uid / "vcuda.sock"
+        held: list[socket.socket] = []
+        try:
+            for _ in range(2000):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.connect(str(path))
+                except OSError:  # the backlog full: the agent closes faster than this loop connects
+                    sock.close()
+                    continue
+                held.append(sock)
+            other = cluster.run_pod(gpu_pod("other", [("main", 30, 4)]))
+            assert other.core["main"].device_ids
+            # Each relayed connection holds three descriptors; the waiting ones one each.
+            bound = 3 * sockets_module.MAX_CONNECTIONS_PER_POD + sockets_module.MAX_WAITING_PER_POD + 64
+            assert _wait_for(lambda: len(list(fd_dir.iterdir())) - before <= bound), (
+                f"the agent holds {len(list(fd_dir.iterdir())) - before} more descriptors for {len(held)} connections"
+            )
+        finally:
+            for sock in held:
+                sock.close()

@@ -16,7 +16,8 @@ Kept from the real server (what a DRA driver or scheduler can trip over):
 * defaulting of ``exactly.allocationMode`` (``ExactCount``) and ``count`` (1).
 
 Feature gates named off (``ApiServerSimulator(disabled_features=...)``) drop the ResourceSlice
-fields they guard, as the real server does (:func:`drop_disabled_slice_fields`).
+fields they guard, as the real server does (:func:`drop_disabled_slice_fields`), and
+``DRAConsumableCapacity`` those of claims and templates (:func:`drop_disabled_claim_fields`).
 
 Not modelled: ``metadata.generation``, CEL validation of selectors at admission (they are
 evaluated by the scheduler stand-in), ``firstAvailable`` sub-requests, admin access, device taint
@@ -320,6 +321,60 @@ def drop_disabled_slice_fields(old: JSON | None, new: JSON, disabled: frozenset[
                     cap.pop("requestPolicy", None)
 
 
+def _claim_capacity_fields(claim_spec: Any, status: Any, *, drop: bool) -> bool:
+    """Whether a claim's spec (``spec``, or a template's ``spec.spec``) and status use the fields of
+    ``DRAConsumableCapacity``: capacity requests, ``distinctAttribute`` constraints, results' ``shareID``
+    and ``consumedCapacity``, ``status.devices[].shareID``; with ``drop``, removes them."""
+    used = False
+
+    def take(holder: Any, key: str) -> None:
+        nonlocal used
+        if isinstance(holder, dict) and key in holder:
+            used = True
+            if drop:
+                holder.pop(key)
+
+    devices = (claim_spec or {}).get("devices") if isinstance(claim_spec, dict) else None
+    if isinstance(devices, dict):
+        for req in devices.get("requests") or []:
+            if not isinstance(req, dict):
+                continue
+            take(req.get("exactly"), "capacity")
+            for sub in req.get("firstAvailable") or []:
+                take(sub, "capacity")
+        for constraint in devices.get("constraints") or []:
+            take(constraint, "distinctAttribute")
+    if isinstance(status, dict):
+        allocation = status.get("allocation")
+        results = ((allocation or {}).get("devices") or {}).get("results") if isinstance(allocation, dict) else None
+        for result in results or []:
+            take(result, "shareID")
+            take(result, "consumedCapacity")
+        for device in status.get("devices") or []:
+            take(device, "shareID")
+    return used
+
+
+def drop_disabled_claim_fields(old: JSON | None, new: JSON, disabled: frozenset[str]) -> None:
+    """What the real server does with a ResourceClaim's fields of ``DRAConsumableCapacity`` when the gate
+    is off: drops them without an error (capacity requests and ``distinctAttribute`` from the spec,
+    ``shareID`` and ``consumedCapacity`` from the allocation), unless the stored claim already uses them."""
+    if "DRAConsumableCapacity" not in disabled:
+        return
+    if old is not None and _claim_capacity_fields(old.get("spec"), old.get("status"), drop=False):
+        return
+    _claim_capacity_fields(new.get("spec"), new.get("status"), drop=True)
+
+
+def drop_disabled_template_fields(old: JSON | None, new: JSON, disabled: frozenset[str]) -> None:
+    """:func:`drop_disabled_claim_fields` for a ResourceClaimTemplate (its claim spec is ``spec.spec``)."""
+    if "DRAConsumableCapacity" not in disabled:
+        return
+    if old is not None and _claim_capacity_fields((old.get("spec") or {}).get("spec"), None, drop=False):
+        return
+    _claim_capacity_fields((new.get("spec") or {}).get("spec"), None, drop=True)
+
+
 def _prepare_slice_update(old: JSON, new: JSON) -> None:
     _restore_system_meta(old, new, "ResourceSlice")
     validate_resource_slice(new)
@@ -505,6 +560,7 @@ RESOURCE_CLAIMS = ResourceKind(
     prepare_update=_prepare_claim_update,
     prepare_status_update=_prepare_claim_status_update,
     group_version=GROUP_VERSION,
+    drop_disabled=drop_disabled_claim_fields,
 )
 RESOURCE_CLAIM_TEMPLATES = ResourceKind(
     resource="resourceclaimtemplates",
@@ -517,6 +573,7 @@ RESOURCE_CLAIM_TEMPLATES = ResourceKind(
     prepare_update=_prepare_template_update,
     prepare_status_update=_no_status,
     group_version=GROUP_VERSION,
+    drop_disabled=drop_disabled_template_fields,
 )
 RESOURCE_KINDS: Mapping[str, ResourceKind] = {
     k.resource: k for k in (DEVICE_CLASSES, RESOURCE_SLICES, RESOURCE_CLAIMS, RESOURCE_CLAIM_TEMPLATES)

@@ -275,3 +275,24 @@ def test_a_late_pod_whose_container_uses_a_share_and_another_prepared_claim_is_r
     while time.monotonic() < deadline and "claim-sharing" in _http_json(t4, "/healthz")["errors"]:
         time.sleep(0.2)
     assert "claim-sharing" not in _http_json(t4, "/healthz")["errors"]
+
+
+def test_with_consumable_capacity_off_a_share_template_gets_a_whole_gpu_and_the_next_waits(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    # What the agent's report warns of, as the cluster does it: the server drops the template's
+    # capacity requests and the slice's allowMultipleAllocations, so the first pod takes the GPU
+    # whole (no limits) and the second finds none.
+    with DRACluster(tmp_path / "node", "t4-x1", features_off=["DRAConsumableCapacity"]) as cluster:
+        cluster.add_template(claim_template("c30", cores=30, memory="4Gi"))
+        for name in ("p1", "p2"):
+            cluster.create_pod(claim_pod(name, "c30"), commands={"main": ["sleep", "60"]})
+            cluster.settle()
+        assert cluster.pod("p1")["status"]["phase"] == "Running", cluster.prepare_errors
+        assert cluster.pod("p2")["status"].get("phase") != "Running"
+        claim = cluster.claim_of("p1")
+        assert "capacity" not in json.dumps(claim["spec"]), "the server dropped the capacity request"
+        [res] = claim["status"]["allocation"]["devices"]["results"]
+        assert "consumedCapacity" not in res and "shareID" not in res, res
+        config = files.unpack((cluster.vm_path / claim["metadata"]["uid"] / "vcuda.config").read_bytes())
+        assert config.enable == 0, "a whole GPU: no limits"

@@ -210,6 +210,9 @@ class SimCluster:
         self.agent_rules = resolve_rules(agent_rules, "device-plugin")
         self.status_lag = status_lag
         self._status_timers: list[threading.Timer] = []
+        # The kubelet's sync loop handles pod additions one at a time (HandlePodAdditions), the device
+        # manager's Allocate calls inside each admission: admissions of this node never overlap.
+        self._admission = threading.Lock()
         self.spec = Path(spec) if isinstance(spec, Path) or "/" in str(spec) else SPEC_DIR / f"{spec}.json"
         self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator()
         self.kubeconfig = workdir / "kubeconfig"
@@ -339,8 +342,15 @@ class SimCluster:
         A refused allocation or a failed Allocate fails the admission as in the kubelet: the pod turns
         Failed (``UnexpectedAdmissionError``; the status reaches the API server ``status_lag`` later) and is
         never admitted again, the devices its earlier containers got are free for the next admission, and
-        the :class:`KubeletSimError` is raised."""
+        the :class:`KubeletSimError` is raised.
+
+        Admissions are serialised, as the kubelet's sync loop admits one pod at a time: a call made while
+        another admission runs (another thread) waits for it, however long its Allocate takes."""
         pod = self.create(manifest) if create else dict(manifest)
+        with self._admission:
+            return self._admit(pod)
+
+    def _admit(self, pod: Mapping[str, Any]) -> PodRun:
         run = self.runs[str(pod["metadata"]["uid"])]
         # A sidecar (an init container with restartPolicy Always) runs beside the others: its devices
         # are not reusable, as for an app container.

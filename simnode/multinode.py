@@ -9,8 +9,10 @@ a *node loop* doing what the kubelet does with the API server:
   the plugins report (allocatable: the healthy ones);
 * admission of each pod bound to the node, one at a time in arrival order: the resource check
   against allocatable (``OutOf<resource>``), then Allocate for every resource of every container
-  (the agent's refusal makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as
-  the kubelet does), then PreStartContainer, then a cgroup and a PID per container; the status
+  (a container's resources in random order, as the kubelet ranges over its limits, a Go map; the
+  kubelet simulator's seed is printed, ``SIMNODE_KUBELET_SEED`` repeats it; the agent's refusal
+  makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as the kubelet does), then
+  PreStartContainer (in random order too), then a cgroup and a PID per container; the status
   update (``Running`` with the container IDs) reaches the API server ``status_lag`` seconds
   after the containers started (:data:`~simnode.cluster.STATUS_LAG_SECONDS` by default, as the
   single-node harness; 0 publishes it at once);
@@ -22,7 +24,9 @@ a *node loop* doing what the kubelet does with the API server:
 The scheduling is done by :class:`~simnode.scheduler.SchedulerStandIn` configured with
 ``deploy/scheduler/default-scheduler.yaml``; with ``extender=True`` the real
 ``gpu-manager-extender`` process is started and the configuration points at it, without it
-the stand-in only counts the node totals (as a cluster without gpu-admission does).
+the stand-in only counts the node totals (as a cluster without gpu-admission does). It offers the
+nodes in random order and breaks ties at random, from a seed it prints (``SIMNODE_SCHEDULER_SEED``
+or ``seed`` repeats it), and binds the pods concurrently, while each node admits them one at a time.
 """
 
 from __future__ import annotations
@@ -357,12 +361,23 @@ class SimNode:
         try:
             for c in containers:
                 limits = (c.get("resources") or {}).get("limits") or {}
-                for resource in GPU_RESOURCES:
-                    count = int(parse_quantity(limits.get(resource, 0)))
-                    if count:
-                        self.kubelet.allocate(
-                            resource, count, pod_uid=uid, container_name=c["name"], pod_name=name, namespace=namespace
-                        )
+                wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
+                # The kubelet ranges over the container's limits (a Go map: no order) and writes its
+                # checkpoint once the container's resources are all allocated.
+                made = [
+                    self.kubelet.allocate(
+                        resource,
+                        int(parse_quantity(limits[resource])),
+                        pod_uid=uid,
+                        container_name=c["name"],
+                        pod_name=name,
+                        namespace=namespace,
+                        write=False,
+                    )
+                    for resource in self.kubelet.limits_order(wanted)
+                ]
+                if any(not record.reused for record in made):
+                    self.kubelet.write_checkpoint()
         except KubeletSimError as exc:
             self._reject(pod, "UnexpectedAdmissionError", f"Allocate failed due to {exc}, which is unexpected")
             return
@@ -371,13 +386,13 @@ class SimNode:
         statuses = admitted.statuses
         for c in containers:
             limits = (c.get("resources") or {}).get("limits") or {}
-            for resource in GPU_RESOURCES:
-                if int(parse_quantity(limits.get(resource, 0))):
-                    try:
-                        self.kubelet.pre_start(resource, pod_uid=uid, container_name=c["name"])
-                    except KubeletSimError as exc:
-                        self._prestart_failed(pod, c["name"], str(exc))
-                        return
+            wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
+            for resource in self.kubelet.limits_order(wanted):
+                try:
+                    self.kubelet.pre_start(resource, pod_uid=uid, container_name=c["name"])
+                except KubeletSimError as exc:
+                    self._prestart_failed(pod, c["name"], str(exc))
+                    return
             cid = f"{uid.replace('-', '')[:16]}{c['name']}"
             directory = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
             make_cgroup(directory, [next(_pids)])
@@ -425,7 +440,7 @@ class MultiNodeCluster:
         node_status_period: float = 0.5,
         scheduler_backoff: tuple[float, float] = (1.0, 10.0),
         unschedulable_timeout: float = 300.0,
-        seed: int | None = 0,
+        seed: int | None = None,
         bookmark_interval: float = 60.0,
         status_lag: float = STATUS_LAG_SECONDS,
         agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,

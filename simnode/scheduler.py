@@ -13,7 +13,9 @@ own, the way kube-scheduler does:
   ``nodeSelector``; Ready and schedulable nodes), then each interested extender's filter (an
   extender is interested when the pod requests one of its managed resources), then - with more
   than one node left - the extenders' prioritize (``score x weight x 10``; errors ignored, as
-  kube-scheduler does), the highest total wins, ties broken at random;
+  kube-scheduler does), the highest total wins, ties broken at random; the nodes go to the extenders
+  in a random order (kube-scheduler's parallel filter promises none), from a seed printed on stderr
+  that ``SIMNODE_SCHEDULER_SEED`` (or ``seed``) repeats;
 * the pod is *assumed* on its node (its requests count there) and bound in the background (each
   in a thread of its own, as kube-scheduler's binding goroutines, up to ``bind_workers`` (1024) at
   once): through the extender that has a bind
@@ -40,9 +42,11 @@ import http.client
 import itertools
 import json
 import logging
+import os
 import random
 import select
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -391,6 +395,14 @@ class SchedulerStandIn:
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._unschedulable_timeout = unschedulable_timeout
+        if seed is None:
+            # A fresh order each run, as kube-scheduler's; named on stderr (shown with a failed test's output) so
+            # that SIMNODE_SCHEDULER_SEED repeats it.
+            pinned = os.environ.get("SIMNODE_SCHEDULER_SEED", "")
+            seed = int(pinned) if pinned.strip() else random.randrange(2**32)
+            print(f"scheduler stand-in: seed {seed} (SIMNODE_SCHEDULER_SEED={seed} repeats it)", file=sys.stderr)
+        #: The seed of the node order and of the ties between scores.
+        self.seed = seed
         self._random = random.Random(seed)
         self.nodes = Reflector("scheduler-nodes", self._core.list_node)
         self.pods = Reflector("scheduler-pods", self._core.list_pod_for_all_namespaces)
@@ -576,7 +588,11 @@ class SchedulerStandIn:
         used = self._usage()
         reasons: dict[str, str] = {}
         feasible = []
-        for name in sorted(nodes):
+        # kube-scheduler filters the nodes in parallel, from a start that moves on at every cycle: the
+        # extenders get the feasible ones in no particular order.
+        order = list(nodes)
+        self._random.shuffle(order)
+        for name in order:
             why = node_fit_failure(pod, nodes[name], used.get(name, {}), self._ignored)
             if why:
                 reasons[name] = why

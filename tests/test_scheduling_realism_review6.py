@@ -1,9 +1,14 @@
-"""Two extender replicas as a real cluster has them: clocks that disagree, watches that lag, and a filter
-that must not pass a node the other replica's recorded choices fill."""
+"""Scheduling as a real cluster does it: two extender replicas whose clocks disagree and whose
+watches lag, a kube-scheduler that promises no order of nodes, a kubelet that admits one pod at a time."""
 
 from __future__ import annotations
 
+import http.server
+import itertools
+import json
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +16,11 @@ import pytest
 from gpumanager import names
 from gpumanager.extender import claims
 from gpumanager.extender.nodes import Charge
+from simnode.apiserver import ApiServerSimulator
+from simnode.cluster import SimCluster
+from simnode.cluster import gpu_pod as gpu_pod_on_node
+from simnode.multinode import pending_pod
+from simnode.scheduler import ExtenderConfig, SchedulerStandIn
 from tests import extender_fixtures
 from tests.extender_fixtures import World, gpu_pod, inventory, wait_for
 
@@ -67,19 +77,22 @@ def test_a_choice_recorded_by_a_replica_whose_clock_is_ahead_lapses(
     assert world.bind(pod, "n") == ""
 
 
-def test_filter_counts_the_choices_another_replica_recorded_on_the_node(world: World) -> None:
+def test_prioritize_counts_the_choices_another_replica_recorded_on_the_node(world: World) -> None:
     """The other replica chose 60 % of the only GPU of ``full`` (recorded on the node; its pod's
-    annotations not shown by this replica's watch yet): filter sends the pod to ``free``, not to a
-    bind that can only refuse, again and again while the record lasts."""
+    annotations not shown by this replica's watch yet): ``full`` scores 0, so the scheduler sends the
+    pod to ``free`` rather than to a bind that can only refuse it, again at every retry while the record
+    lasts. filter passes ``full`` all the same: the record lapses by time, which no cluster event tells
+    the scheduler, so a pod found unschedulable would wait for an unrelated event once it lapsed."""
     world.add_node("full", inventory([16]))
     world.add_node("free", inventory([16]))
     world.start_extender()
     _note_node(world, "full", _other_replicas_choice(time.time()))
     _watch_shows_note(world, "full")
     pod = world.create(gpu_pod("p", [(60, 4)]))
-    assert world.passed(pod) == ["free"]
     scores = world.scores(pod)
     assert scores["full"] == 0 and scores["free"] > 0, scores
+    assert sorted(world.passed(pod)) == ["free", "full"]
+    assert "no longer fits" in world.bind(pod, "full")
 
 
 def test_a_newer_choice_from_a_replica_whose_clock_is_behind_is_not_taken_for_an_older_one(world: World) -> None:
@@ -102,3 +115,100 @@ def test_a_newer_choice_from_a_replica_whose_clock_is_behind_is_not_taken_for_an
     _note_node(world, "n", claims.encode_claims({x["metadata"]["uid"]: newer}))
     pod = world.create(gpu_pod("p", [(60, 4)]))
     assert "no longer fits" in world.bind(pod, "n")
+
+
+# -- the kube-scheduler stand-in: no order of nodes is promised -------------------------------------
+
+
+class _RecordingExtender(http.server.ThreadingHTTPServer):
+    """A filter-only extender (nodeCacheCapable) that passes every node and records the order offered."""
+
+    def __init__(self) -> None:
+        self.orders: list[list[str]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                args = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.orders.append(list(args["NodeNames"]))
+                body = json.dumps({"NodeNames": args["NodeNames"], "FailedNodes": {}, "Error": ""}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_the_scheduler_stand_in_offers_the_nodes_in_no_fixed_order_and_names_its_seed(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kube-scheduler filters nodes in parallel from a rotating start: an extender gets them in no
+    fixed order. The stand-in shuffles them with a seed it prints, which SIMNODE_SCHEDULER_SEED repeats."""
+    monkeypatch.delenv("SIMNODE_SCHEDULER_SEED", raising=False)
+    recorder = _RecordingExtender()
+    threading.Thread(target=recorder.serve_forever, daemon=True).start()
+    config = ExtenderConfig(
+        url_prefix=f"http://127.0.0.1:{recorder.server_address[1]}", filter_verb="filter", node_cache_capable=True
+    )
+    with ApiServerSimulator() as sim:
+        for i in range(6):
+            sim.add_node(f"node-{i}")
+        scheduler = SchedulerStandIn(sim.client(), [config], initial_backoff=0.1, max_backoff=0.5)
+        seed = scheduler.seed
+        assert f"seed {seed} (SIMNODE_SCHEDULER_SEED={seed} repeats it)" in capfd.readouterr().err
+        scheduler.start()
+        try:
+            for i in range(8):
+                sim.create_pod(pending_pod(f"web-{i}", [(0, 0)]))
+            wait_for(lambda: len(recorder.orders) >= 8, what="eight filter calls")
+        finally:
+            scheduler.stop()
+            recorder.shutdown()
+            recorder.server_close()
+    assert all(sorted(o) == [f"node-{i}" for i in range(6)] for o in recorder.orders), recorder.orders
+    assert len({tuple(o) for o in recorder.orders}) > 1, recorder.orders
+    monkeypatch.setenv("SIMNODE_SCHEDULER_SEED", str(seed))
+    with ApiServerSimulator() as sim:
+        assert SchedulerStandIn(sim.client()).seed == seed
+
+
+# -- the kubelet admits the pods of its node one at a time ------------------------------------------
+
+
+def test_the_simulated_kubelet_admits_the_pods_of_its_node_one_at_a_time(tmp_path: Path, sim_built: Path) -> None:
+    """The kubelet's sync loop handles pod additions one after another (HandlePodAdditions), and the
+    device manager's Allocate calls run inside that admission: pods handed to the simulated kubelet
+    together never have their Allocate calls overlap."""
+    with SimCluster(tmp_path, "v100-pcie-x4") as cluster:
+        for i in range(6):
+            cluster.create(gpu_pod_on_node(f"p{i}", [("c", 25, 2)]))
+        runs = list(cluster.runs.values())
+        go = threading.Event()
+        errors: list[BaseException] = []
+
+        def admit(i: int) -> None:
+            go.wait()
+            try:
+                cluster.admit(runs[i].manifest, create=False)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=admit, args=(i,)) for i in range(len(runs))]
+        for t in threads:
+            t.start()
+        go.set()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        spans = sorted(
+            (min(r.timings.started_at for r in records), max(r.timings.finished_at for r in records))
+            for records in (cluster.kubelet.allocations(run.uid) for run in runs)
+        )
+    assert len(spans) == len(runs)
+    overlapping = [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
+    assert overlapping == [], "admissions of one node overlapped"

@@ -274,3 +274,32 @@ def test_a_pod_flooding_its_socket_leaves_the_agent_serving_the_kubelet(tmp_path
         finally:
             for sock in held:
                 sock.close()
+
+
+def test_a_killed_agents_private_directory_is_removed_at_the_next_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's socket lives in a private temporary directory; an agent killed (SIGKILL) leaves it
+    behind, and the next start removes it, not that of an agent still running."""
+    import subprocess
+    import sys
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="gm-tmp-"))  # short: the socket's path must fit
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"gpu-manager-vcuda.{dead.pid}.abcd1234"
+    stale.mkdir(mode=0o700)
+    (stale / "grpc.sock").touch()
+    alive = tmp_path / f"gpu-manager-vcuda.{os.getppid()}.abcd1234"
+    alive.mkdir(mode=0o700)
+    sockets = PodSockets(lambda *_args: asyncio.sleep(0))
+    sockets.start()
+    try:
+        assert not stale.exists()
+        assert alive.exists()
+        ours = [p for p in tmp_path.iterdir() if p.name.startswith(f"gpu-manager-vcuda.{os.getpid()}.")]
+        assert len(ours) == 1 and (ours[0] / "grpc.sock").exists()
+        assert ours[0].stat().st_mode & 0o777 == 0o700
+    finally:
+        sockets.stop()
+    assert not ours[0].exists()
+    shutil.rmtree(tmp_path, ignore_errors=True)

@@ -89,6 +89,8 @@ CONNECTION_LIFETIME_SECONDS = 300.0
 MAX_REQUEST_BYTES = 16 * 1024
 _RELAY_CHUNK = 64 * 1024
 _ABSTRACT_PEER = "unix-abstract:"
+#: The private directories of the server's socket: ``<tmp>/gpu-manager-vcuda.<pid>.<random>``.
+_PRIVATE_PREFIX = "gpu-manager-vcuda."
 _SERVICE = "vcuda.VCUDAService"
 
 #: Handles one call on the relay's loop: (pod UID of the socket, request, seconds left before the
@@ -213,15 +215,25 @@ class PodSockets:
             ]
         )
         _Servicer(self).add_to(server)
-        self._private = tempfile.mkdtemp(prefix="gpu-manager-vcuda.")  # mode 0700
-        address = os.path.join(self._private, "grpc.sock")
-        if len(os.fsencode(address)) > MAX_SOCKET_PATH:
-            raise OSError(f"cannot listen on {address}: longer than {MAX_SOCKET_PATH} bytes (TMPDIR is too long)")
+        address = self._make_private()
         if server.add_insecure_port(f"unix:{address}") == 0:
             raise OSError(f"cannot listen on the unix socket {address}")
         self._address = address
         await server.start()
         return server
+
+    def _make_private(self) -> str:
+        """A fresh private directory (mode 0700) for the server's socket; the path of that socket. In the
+        temporary directory (``/tmp`` when that path is too long for a unix socket); the directories of
+        agents no longer running are removed first (one killed leaves its directory behind)."""
+        prefix = f"{_PRIVATE_PREFIX}{os.getpid()}."
+        for parent in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):
+            if len(os.fsencode(os.path.join(parent, prefix + "x" * 8, "grpc.sock"))) > MAX_SOCKET_PATH:
+                continue
+            _remove_stale(parent)
+            self._private = tempfile.mkdtemp(prefix=prefix, dir=parent)
+            return os.path.join(self._private, "grpc.sock")
+        raise OSError(f"no temporary directory with a path short enough for a unix socket ({MAX_SOCKET_PATH} bytes)")
 
     def _remove_private(self) -> None:
         if self._private is not None:
@@ -536,6 +548,34 @@ def _unlink_ours(listener: _Listener) -> None:
         st = os.lstat(listener.path)
         if (st.st_dev, st.st_ino) == listener.ident:
             os.unlink(listener.path)
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove the private directories in ``parent`` of agents no longer running (by the PID in the name)."""
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(_PRIVATE_PREFIX):
+            continue
+        pid_text = entry[len(_PRIVATE_PREFIX) :].split(".", 1)[0]
+        if not (pid_text.isascii() and pid_text.isdigit()) or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # that agent runs (or another process took its PID: left alone)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        path = os.path.join(parent, entry)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _total_limit() -> int:

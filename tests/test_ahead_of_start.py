@@ -13,7 +13,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +86,13 @@ def test_prestart_fills_the_spare_and_creates_no_file(vm: VirtualManager) -> Non
     assert not files.spare_path(config).exists()
     assert oct(config.stat().st_mode & 0o777) == oct(0o644)
     assert files.unpack(config.read_bytes()).utilization == 30
-    # Written again (a restarted container): no spare now, the temp-file way, the same content.
+    # Prepared again (a restarted container) with the same values: the file is left as it is.
     vm.prepare(ContainerAllocation(uid, "main", (0,), 30, 4 << 28))
+    assert config.stat().st_ino == spare_inode
+    # With other values: no spare now, the temp-file way.
+    vm.prepare(ContainerAllocation(uid, "main", (0,), 40, 4 << 28))
     assert config.stat().st_ino != spare_inode
-    assert files.unpack(config.read_bytes()).utilization == 30
+    assert files.unpack(config.read_bytes()).utilization == 40
     assert sorted(p.name for p in config.parent.iterdir()) == [names.VCUDA_CONFIG_FILE]
 
 
@@ -100,16 +103,20 @@ def test_a_spare_that_is_not_a_plain_file_of_ours_is_never_written_through(tmp_p
     config.parent.mkdir()
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    values = files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=30)
-    for plant in (
+    plants: list[Callable[[Path], None]] = [
         lambda spare: spare.symlink_to(victim),
         lambda spare: os.link(victim, spare),
         lambda spare: os.mkfifo(spare),  # no reader: opening it to write must not wait for one
-    ):
+    ]
+    for utilization, plant in enumerate(plants, start=30):
         plant(files.spare_path(config))
+        # Other values each time: a config that holds them already is not written at all.
+        values = files.VcudaConfig(
+            pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=utilization
+        )
         files.write_config(config, values)
         assert victim.read_bytes() == b"keep"
-        assert files.unpack(config.read_bytes()).utilization == 30
+        assert files.unpack(config.read_bytes()).utilization == utilization
         assert sorted(p.name for p in config.parent.iterdir()) == [names.VCUDA_CONFIG_FILE]
     os.mkfifo(files.spare_path(config))
     files.make_spare(config)  # something is there already: left as it is, and no wait on the FIFO
@@ -121,8 +128,12 @@ def test_two_writers_never_share_a_spare(tmp_path: Path) -> None:
     vcuda.config at every moment (the second writer never truncates the first one's file in place)."""
     config = tmp_path / "main" / names.VCUDA_CONFIG_FILE
     config.parent.mkdir()
-    values = files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=30)
-    files.write_config(config, values)
+    # Each round other values than the last (a config that holds them already is not written at all).
+    rounds = [
+        files.VcudaConfig(pod_uid=uid_of("a"), container_name="main", gpu_memory=1 << 28, utilization=u)
+        for u in (30, 31)
+    ]
+    files.write_config(config, rounds[1])
     stop = threading.Event()
     sizes: set[int] = set()
 
@@ -134,8 +145,9 @@ def test_two_writers_never_share_a_spare(tmp_path: Path) -> None:
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for _ in range(300):
+        for i in range(300):
             files.make_spare(config)
+            values = rounds[i % 2]
             writers = [threading.Thread(target=files.write_config, args=(config, values)) for _ in range(2)]
             for w in writers:
                 w.start()

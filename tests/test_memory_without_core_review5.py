@@ -27,13 +27,18 @@ def _checkpointed_pods(cluster: SimCluster) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def test_memory_without_cores_is_refused_by_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cores", [None, "0"], ids=["no-cores", "zero-cores"])
+def test_memory_without_cores_is_refused_by_name(tmp_path: Path, cores: str | None) -> None:
     """A container asking for 8 blocks of memory and no cores would get no GPU at all (upstream answers its
     vcuda-memory Allocate with nothing and the container starts without one, its memory counted as used by
     the kubelet): the agent refuses it, naming the pod, the container and the value."""
+    manifest = gpu_pod("memory-only", [("main", 0, 8)])
+    if cores is not None:  # "tencent.com/vcuda-core: 0" written out: the kubelet allocates none of it
+        for key in ("limits", "requests"):
+            manifest["spec"]["containers"][0]["resources"][key][names.VCORE_RESOURCE] = cores
     with _cluster(tmp_path) as cluster:
         with pytest.raises(KubeletSimError) as refused:
-            cluster.run_pod(gpu_pod("memory-only", [("main", 0, 8)]))
+            cluster.run_pod(manifest)
         message = str(refused.value)
         assert "default/memory-only" in message and "main" in message, message
         assert f"8 {names.VMEMORY_RESOURCE}" in message and names.VCORE_RESOURCE in message, message

@@ -79,3 +79,27 @@ def test_memory_only_beside_a_gpu_container_of_the_same_pod_is_refused(tmp_path:
         while any(v != (0, 0) for v in agent_allocated(cluster).values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert all(v == (0, 0) for v in agent_allocated(cluster).values()), agent_allocated(cluster)
+
+
+def test_the_extender_does_not_place_memory_without_cores() -> None:
+    """The scheduler extender refuses such a pod on every node as unresolvable (it would be placed only to
+    fail its admission on the node), naming the container and the value; a pod asking for both passes."""
+    from gpumanager.extender.api import parse_args
+    from gpumanager.extender.decisions import Decider
+    from gpumanager.extender.state import ClusterState
+
+    def pod(limits: dict[str, str]) -> dict[str, object]:
+        return {
+            "metadata": {"name": "p", "namespace": "d", "uid": "u1"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]},
+        }
+
+    decider = Decider(ClusterState(), "binpack")
+    body = json.dumps({"Pod": pod({names.VMEMORY_RESOURCE: "8"}), "NodeNames": ["a", "b"]}).encode()
+    result, _ = decider.filter(parse_args(body))
+    reasons = result["FailedAndUnresolvableNodes"]
+    assert set(reasons) == {"a", "b"}
+    assert "container 'c'" in reasons["a"] and f"8 {names.VMEMORY_RESOURCE} without" in reasons["a"], reasons
+    zero = json.dumps({"Pod": pod({names.VMEMORY_RESOURCE: "8", names.VCORE_RESOURCE: "0"}), "NodeNames": ["a"]})
+    result, _ = decider.filter(parse_args(zero.encode()))
+    assert "a" in result["FailedAndUnresolvableNodes"]

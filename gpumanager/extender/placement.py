@@ -125,14 +125,20 @@ def _invalid(node: NodeGPUs, request: GPURequest, sidecar: bool = False) -> str:
 def never_served(requests: Sequence[GPURequest]) -> str:
     """Why no node can run these containers (all of a pod's, GPU or not), "" when one may.
 
-    A share without ``vcuda-memory`` is no GPU container to gpu-admission, yet the agent refuses
-    its Allocate: the pod would be placed only to fail with ``UnexpectedAdmissionError``.
+    A share without ``vcuda-memory``, or ``vcuda-memory`` without ``vcuda-core``, is no GPU container to
+    gpu-admission, yet the agent refuses its Allocate: the pod would be placed only to fail with
+    ``UnexpectedAdmissionError``.
     """
     for r in requests:
         if 0 < r.cores < HUNDRED_CORES and r.memory_blocks <= 0:
             return (
                 f"{_who(r)}: a share ({r.cores} tencent.com/vcuda-core) needs tencent.com/vcuda-memory "
                 "> 0 as well; the node agent refuses it without"
+            )
+        if r.cores <= 0 < r.memory_blocks:
+            return (
+                f"{_who(r)}: {r.memory_blocks} tencent.com/vcuda-memory without tencent.com/vcuda-core gives "
+                "no GPU; the node agent refuses it"
             )
     return ""
 

@@ -212,3 +212,38 @@ def test_the_simulated_kubelet_admits_the_pods_of_its_node_one_at_a_time(tmp_pat
     assert len(spans) == len(runs)
     overlapping = [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
     assert overlapping == [], "admissions of one node overlapped"
+
+
+def test_a_node_filled_only_by_a_recorded_choice_costs_the_scheduler_retries_until_it_lapses(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only node is full by another replica's recorded choice: the scheduler's binds are refused
+    and retried after its backoff, never parked as unschedulable (no cluster event would come when the
+    choice lapses), and the pod is bound once the choice lapsed, on a GPU not over-committed."""
+    monkeypatch.setattr(claims, "CLAIM_TTL", 1.5)
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    _note_node(world, "n", _other_replicas_choice(time.time()))
+    _watch_shows_note(world, "n")
+    config = ExtenderConfig(
+        url_prefix=world.url,
+        filter_verb="filter",
+        prioritize_verb="prioritize",
+        bind_verb="bind",
+        managed_resources=(names.VCORE_RESOURCE, names.VMEMORY_RESOURCE),
+        ignored_by_scheduler=(names.VCORE_RESOURCE, names.VMEMORY_RESOURCE),
+    )
+    scheduler = SchedulerStandIn(world.api.client(), [config], initial_backoff=0.2, max_backoff=0.5).start()
+    try:
+        world.create(gpu_pod("p", [(60, 4)]))
+
+        def bound() -> bool:
+            found = world.api.get_pod("default", "p")
+            return found is not None and found["spec"].get("nodeName") == "n"
+
+        wait_for(bound, timeout=30, what="pod p bound")
+    finally:
+        scheduler.stop()
+    assert scheduler.stats.bind_failures >= 1
+    assert scheduler.stats.unschedulable == 0
+    assert world.extender.state.over_committed() == {}

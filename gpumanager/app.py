@@ -618,9 +618,7 @@ class Agent:
         )
         if self.query is not None:
             self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus, self.dra.reserved))
-            slices = self._slices
-            if slices is not None:
-                self.query.registry.register(FeatureGateCollector(lambda: slices.gates_off))
+            self.query.registry.register(FeatureGateCollector(self.dra.gates_off))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:

@@ -116,6 +116,7 @@ class DRACluster:
         status_lag: float = STATUS_LAG_SECONDS,
         agent_rules: Sequence[Mapping[str, Any]] | str | None = SHIPPED,
         features_off: Sequence[str] = (),
+        scheduler_features_off: Sequence[str] = (),
     ) -> None:
         self.workdir = workdir
         # agent_rules: the agent talks to the API server as the service account kube-system/gpu-manager-dra
@@ -131,6 +132,9 @@ class DRACluster:
         if api_process and features_off:
             raise ValueError(f"features_off {list(features_off)!r} needs the API server in this process")
         self.api: Any = RemoteApiServer(workdir) if api_process else ApiServerSimulator(disabled_features=features_off)
+        # scheduler_features_off: gates off in the scheduler only (DRAConsumableCapacity: it ignores
+        # allowMultipleAllocations and capacity requests, though the API server keeps them).
+        self._scheduler_consumable = "DRAConsumableCapacity" not in scheduler_features_off
         self.kubeconfig = workdir / "kubeconfig"
         self.agent_kubeconfig = self.kubeconfig
         # Unix socket paths are limited to 107 bytes: keep the kubelet's directories short.
@@ -167,7 +171,7 @@ class DRACluster:
         )
         self.kubelet.start()
         self.controller = ClaimController(self.client, seed=1)
-        self.scheduler = DRAScheduler(self.client, [NODE])
+        self.scheduler = DRAScheduler(self.client, [NODE], consumable_capacity=self._scheduler_consumable)
         self.start_agent()
         return self
 

@@ -165,7 +165,13 @@ class Allocator:
         classes: Mapping[str, JSON],
         allocated: Sequence[JSON],
         selectors: Selectors,
+        *,
+        consumable_capacity: bool = True,
     ) -> None:
+        # consumable_capacity False: the scheduler's DRAConsumableCapacity gate is off (its allocator
+        # knows neither allowMultipleAllocations nor capacity requests: every device goes to one claim,
+        # whole, with no shareID or consumedCapacity in the result).
+        self._consumable = consumable_capacity
         self._classes = classes
         self._sel = selectors
         self.candidates = self._candidates(slices)
@@ -212,7 +218,7 @@ class Allocator:
         admin = request.get("adminAccess") is True
         if c.key in self.exclusive and not admin:
             return None
-        multi = bool(c.device.get("allowMultipleAllocations"))
+        multi = self._consumable and bool(c.device.get("allowMultipleAllocations"))
         wanted = ((request.get("capacity") or {}).get("requests")) or {}
         if not multi:
             return {} if c.key not in self.used or admin else None
@@ -312,7 +318,8 @@ class Allocator:
                 # claim (another request, or the next device of the same request: only a
                 # distinctAttribute constraint prevents that), while its capacity lasts.
                 same = [took for chosen, took in choice if chosen.key == c.key]
-                if same and not c.device.get("allowMultipleAllocations") and request.get("adminAccess") is not True:
+                multi = self._consumable and c.device.get("allowMultipleAllocations")
+                if same and not multi and request.get("adminAccess") is not True:
                     continue
                 pending: dict[str, Decimal] = {}
                 for took in same:
@@ -331,7 +338,7 @@ class Allocator:
             return None
         results = []
         for (name, request), (c, consumed) in zip(slots, choice, strict=True):
-            multi = bool(c.device.get("allowMultipleAllocations"))
+            multi = self._consumable and bool(c.device.get("allowMultipleAllocations"))
             result: JSON = {"request": name, "driver": c.driver, "pool": c.pool, "device": c.device["name"]}
             if multi:
                 result["shareID"] = str(uuid.uuid4())
@@ -351,7 +358,10 @@ class Allocator:
 class DRAScheduler:
     """Schedules pods that use claims, through the real kubernetes client."""
 
-    def __init__(self, api_client: Any, nodes: Sequence[str]) -> None:
+    def __init__(self, api_client: Any, nodes: Sequence[str], *, consumable_capacity: bool = True) -> None:
+        """``consumable_capacity`` False: the DRAConsumableCapacity gate is off in this scheduler
+        (Kubernetes 1.35 with the gate on the API server only): see :class:`Allocator`."""
+        self._consumable = consumable_capacity
         self._api: Any = k8s.ResourceV1Api(api_client)
         self._core: Any = k8s.CoreV1Api(api_client)
         self._nodes = list(nodes)
@@ -409,7 +419,7 @@ class DRAScheduler:
         allocated = [c for c in every if (c.get("status") or {}).get("allocation")]
         reasons = []
         for node in self._nodes:
-            allocator = Allocator(slices, classes, allocated, self._sel)
+            allocator = Allocator(slices, classes, allocated, self._sel, consumable_capacity=self._consumable)
             plan: list[tuple[JSON, list[JSON] | None]] = []
             fits = True
             for claim in claims:

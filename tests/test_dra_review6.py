@@ -130,8 +130,13 @@ def test_consumable_capacity_off_on_the_api_server_is_said_in_the_log_health_and
 
 def test_a_server_that_keeps_every_field_reports_no_gate_off(tmp_path: Path, sim_built: Path) -> None:
     with DRACluster(tmp_path / "node", "t4-x1") as cluster:
+        cluster.add_template(claim_template("c30", cores=30, memory="4Gi"))
+        cluster.create_pod(claim_pod("p1", "c30"), commands={"main": ["sleep", "60"]})
+        cluster.settle()
+        assert cluster.pod("p1")["status"]["phase"] == "Running", cluster.prepare_errors
         health = _http_json(cluster, "/healthz")
-        assert health["feature_gates_off"] == [] and "resourceslice-fields" not in health["errors"], health
+        assert health["feature_gates_off"] == [] and health["claims"] == 1, health
+        assert not {"resourceslice-fields", "scheduler-capacity"} & set(health["errors"]), health
         lines = _metrics(cluster)
         assert 'gpu_manager_dra_feature_gate_off{gate="DRAConsumableCapacity"} 0.0' in lines
 
@@ -296,3 +301,30 @@ def test_with_consumable_capacity_off_a_share_template_gets_a_whole_gpu_and_the_
         assert "consumedCapacity" not in res and "shareID" not in res, res
         config = files.unpack((cluster.vm_path / claim["metadata"]["uid"] / "vcuda.config").read_bytes())
         assert config.enable == 0, "a whole GPU: no limits"
+
+
+def test_a_scheduler_that_ignores_consumable_capacity_is_noticed_at_prepare(tmp_path: Path, sim_built: Path) -> None:
+    # Kubernetes 1.35 with DRAConsumableCapacity on the API server but not on kube-scheduler: the
+    # slice is stored whole, but the scheduler's allocator ignores allowMultipleAllocations and the
+    # claims' capacity requests, and gives each GPU to one claim with no consumed capacity. The
+    # agent sees it at Prepare (a claim that asks for cores and memory, allocated without them) and
+    # must say so, rather than prepare a whole GPU for a 30-core request without a word.
+    with DRACluster(tmp_path / "node", "t4-x1", scheduler_features_off=["DRAConsumableCapacity"]) as cluster:
+        cluster.add_template(claim_template("c30", cores=30, memory="4Gi"))
+        for name in ("p1", "p2"):
+            cluster.create_pod(claim_pod(name, "c30"), commands={"main": ["sleep", "60"]})
+            cluster.settle()
+        assert cluster.pod("p1")["status"]["phase"] == "Running", cluster.prepare_errors
+        assert cluster.pod("p2")["status"].get("phase") != "Running", "the GPU went to p1 whole"
+        claim = cluster.claim_of("p1")
+        assert "capacity" in json.dumps(claim["spec"]) and "consumedCapacity" not in json.dumps(claim["status"])
+        assert cluster.agent is not None
+        text = "without the capacity it asks for"
+        log_text = cluster.agent.wait_for_log(text, timeout=20)
+        [line] = [ln for ln in log_text.splitlines() if text in ln]
+        assert claim["metadata"]["name"] in line and "kube-scheduler" in line and "DRAConsumableCapacity" in line
+        health = _http_json(cluster, "/healthz")
+        assert health["feature_gates_off"] == ["DRAConsumableCapacity"], health
+        assert text in health["errors"].get("scheduler-capacity", ""), health
+        lines = _metrics(cluster)
+        assert 'gpu_manager_dra_feature_gate_off{gate="DRAConsumableCapacity"} 1.0' in lines

@@ -175,6 +175,10 @@ class DRAMode:
         self._started_unix = time.time()
         self._last_pids: dict[str, list[int]] = {}
         self._unwritable = UnwritableFiles()  # claims' pids.config the refresh cannot write (reported)
+        # Feature gates kube-scheduler has off, as seen at Prepare (claims allocated without the capacity
+        # they ask for), and what was reported for it.
+        self.scheduler_gates_off: frozenset[str] = frozenset()
+        self._capacity_problem: str | None = None
         # Containers of pods that joined prepared claims later, using a share and another claim (reported).
         self._mixed: dict[tuple[str, str], str] = {}
         # The pods each claim was seen reserved for: which prepared claim a pod's claim name means.
@@ -216,6 +220,7 @@ class DRAMode:
                 prepared=self._prepared_for,
             ),
             taints=self._taint_values,
+            capacity_seen=self._capacity_seen,
         )
         self.publisher = publisher
         if publisher is None and api_client is not None:
@@ -509,6 +514,26 @@ class DRAMode:
         self._unwritable.forget_all_but(refreshed)
         return written
 
+    def _capacity_seen(self, problem: str | None) -> None:
+        """A prepared claim that asks for capacity was allocated without it (``problem``: the scheduler
+        ignores consumable capacity), or with it (None): reported under ``scheduler-capacity`` from the
+        first such claim until one is allocated its capacity (the report logs the first; each later one
+        is logged here)."""
+        if problem is not None and self._capacity_problem is not None:
+            log.warning("%s", problem)
+            return
+        if problem is None and self._capacity_problem is None:
+            return
+        self._capacity_problem = problem
+        self.scheduler_gates_off = frozenset() if problem is None else frozenset({"DRAConsumableCapacity"})
+        self._report("scheduler-capacity", problem)
+
+    def gates_off(self) -> frozenset[str]:
+        """DRA feature gates seen off: on the API server (it dropped the slice's fields) or in the
+        scheduler (it allocated claims without the capacity they ask for)."""
+        published = self.publisher.gates_off if self.publisher is not None else frozenset()
+        return published | self.scheduler_gates_off
+
     def _report_mixed(
         self, claims: Sequence[ClaimAllocation], pods: Sequence[Pod], reserved: consumers.Reserved
     ) -> None:
@@ -585,8 +610,8 @@ class DRAMode:
             "registration_error": state.last_error,
             "claims": len(self.claims()),
             "slice_published": bool(self.publisher and self.publisher.published.is_set()),
-            # Feature gates the API server has off (it dropped the slice's fields they guard).
-            "feature_gates_off": sorted(self.publisher.gates_off) if self.publisher else [],
+            # Feature gates the API server or the scheduler has off (:meth:`gates_off`).
+            "feature_gates_off": sorted(self.gates_off()),
         }
 
     def ready(self) -> tuple[bool, dict[str, object]]:

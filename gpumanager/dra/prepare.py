@@ -108,6 +108,40 @@ def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
     return read
 
 
+def ignored_capacity(data: Mapping[str, Any], driver: str) -> list[str] | None:
+    """The results of ``driver`` (``request device``) whose request asks for capacity
+    (``capacity.requests``, of ``exactly`` or of the chosen ``firstAvailable`` alternative) but which
+    carry no ``consumedCapacity``; None when no result of the driver answers such a request. Results
+    with admin access consume nothing by design and are left out."""
+    spec = data.get("spec")
+    requests = ((spec.get("devices") or {}).get("requests") or []) if isinstance(spec, Mapping) else []
+    asking: set[str] = set()
+    for req in requests if isinstance(requests, list) else []:
+        if not isinstance(req, Mapping):
+            continue
+        name = str(req.get("name") or "")
+        exactly = req.get("exactly")
+        if isinstance(exactly, Mapping) and ((exactly.get("capacity") or {}).get("requests")):
+            asking.add(name)
+        for sub in req.get("firstAvailable") or []:
+            if isinstance(sub, Mapping) and ((sub.get("capacity") or {}).get("requests")):
+                asking.add(f"{name}/{sub.get('name')}")
+    status = data.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    results = devices.get("results") if isinstance(devices, Mapping) else None
+    found: list[str] | None = None
+    for result in results if isinstance(results, list) else []:
+        if not isinstance(result, Mapping) or result.get("driver") != driver or result.get("adminAccess") is True:
+            continue
+        if str(result.get("request") or "") not in asking:
+            continue
+        found = found if found is not None else []
+        if not result.get("consumedCapacity"):
+            found.append(f"{result.get('request')} {result.get('device')}")
+    return found
+
+
 class ClaimPreparer:
     """Prepares and unprepares claims (thread-safe, serialized)."""
 
@@ -124,8 +158,12 @@ class ClaimPreparer:
         driver_version: str,
         sharing_check: sharing.SharingCheck | None = None,
         taints: Callable[[], Mapping[int, str]] | None = None,
+        capacity_seen: Callable[[str | None], None] | None = None,
     ) -> None:
         self._read = read_claim
+        # Told, for each claim prepared whose requests ask for capacity, why the scheduler allocated
+        # them without it (its DRAConsumableCapacity gate is off), or None when it allocated it.
+        self._capacity_seen = capacity_seen
         # The unhealthy taint's value (its cause) on each tainted GPU, by minor: a result tolerates
         # the taint only if it tolerates that value.
         self._taints = taints
@@ -265,6 +303,7 @@ class ClaimPreparer:
             self._remove_files(claim.uid)
             raise
         t3 = time.perf_counter()
+        self._check_capacity(ref, data)
         log.debug(
             "claim %s prepared: read %.1f ms, recorded and checkpointed %.1f ms, files %.1f ms",
             ref,
@@ -273,6 +312,25 @@ class ClaimPreparer:
             (t3 - t2) * 1000,
         )
         return self._answer(claim)
+
+    def _check_capacity(self, ref: ClaimRef, data: JSON) -> None:
+        """Tell ``capacity_seen`` whether the scheduler allocated the capacity the claim's requests ask
+        for (nothing for a claim that asks for none)."""
+        if self._capacity_seen is None:
+            return
+        asked = ignored_capacity(data, self.driver)
+        if asked is None:
+            return
+        if not asked:
+            self._capacity_seen(None)
+            return
+        message = (
+            f"claim {ref} ({ref.uid}) was allocated {', '.join(asked)} without the capacity it asks for: "
+            "kube-scheduler has feature gate DRAConsumableCapacity off (Kubernetes 1.35 needs it on "
+            "kube-apiserver, kube-scheduler and kubelet), so it gives each GPU to one claim, whole, whatever "
+            "the ResourceSlice offers; prepared as whole GPUs (no limits)"
+        )
+        self._capacity_seen(message)  # logged there
 
     def _check_unreadable(self, claim: ClaimAllocation) -> None:
         """ClaimError when a GPU of ``claim`` is named by the spec of a claim whose record was lost and

@@ -11,9 +11,9 @@ GPU, ``namespace`` and ``pod`` for who uses it, plus ``claim`` and ``claim_uid``
 
 ``share`` is ``false`` for a GPU allocated whole (no limits are enforced), else ``true``.
 
-And, from the ResourceSlice publisher, ``gpu_manager_dra_feature_gate_off{gate}``: 1 for each DRA
-feature gate (``DRAConsumableCapacity``, ``DRADeviceTaints``) the API server was seen to have off
-(it dropped the fields the gate guards from the node's slice), else 0.
+And ``gpu_manager_dra_feature_gate_off{gate}``: 1 for each DRA feature gate (``DRAConsumableCapacity``,
+``DRADeviceTaints``) seen off: on the API server (it dropped the fields the gate guards from the node's
+slice) or in kube-scheduler (it allocated claims without the capacity they ask for), else 0.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class ClaimCollector(Collector):
 
 
 class FeatureGateCollector(Collector):
-    """Which DRA feature gates the API server has off, as seen in what it kept of the node's slice."""
+    """Which DRA feature gates were seen off (the API server's or kube-scheduler's)."""
 
     def __init__(self, gates_off: Callable[[], AbstractSet[str]]) -> None:
         self._gates_off = gates_off
@@ -112,8 +112,8 @@ class FeatureGateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "gpu_manager_dra_feature_gate_off",
-            "1 when the API server dropped the fields this feature gate guards from the node's ResourceSlice "
-            "(the gate is off there and the scheduler ignores them), else 0",
+            "1 when this DRA feature gate was seen off: the API server dropped the fields it guards from the "
+            "node's ResourceSlice, or kube-scheduler allocated claims without the capacity they ask for; else 0",
             labels=["gate"],
         )
         off = self._gates_off()

@@ -10,7 +10,7 @@ from typing import Any
 
 from gpumanager import names
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
-from tests.battery_fixtures import answered, gpu, write_spec
+from tests.battery_fixtures import agent_allocated, answered, gpu, write_spec
 
 BLOCK = names.MEMORY_BLOCK_BYTES
 
@@ -55,6 +55,8 @@ def test_containers_holding_memory_ids_no_longer_listed_start_again(tmp_path: Pa
         assert holders
         for run in holders:  # its container restarted: the kubelet's PreStartContainer calls again
             cluster.start_containers(run)
+        # The metric of memory allocated shows what the GPU's holders hold, beyond its capacity.
+        assert agent_allocated(cluster)[1] == (50, 64 * BLOCK)
         assert cluster.agent is not None
         lines = [line for line in cluster.agent.log_text().splitlines() if "beyond its capacity" in line]
         assert lines, "no line for the GPU its holders now over-commit"

@@ -348,6 +348,21 @@ class Allocator:
                 for leaf in self._tree.leaves
             ]
 
+    def charged_beyond_capacity(self) -> dict[int, tuple[int, int]]:
+        """GPU index -> (cores, bytes) its holders hold, for each GPU charged beyond its capacity (a GPU
+        with less memory after a restart): the tree's figures stop at the capacity and would hide it."""
+        with self._lock:
+            out: dict[int, tuple[int, int]] = {}
+            for minor, charges in self._charges(self._overcommitted).items():
+                gpu = self._by_minor.get(minor)
+                if gpu is None or not charges:
+                    continue
+                whole = any(c >= names.HUNDRED_CORES for c, _ in charges)
+                cores = sum(min(c, names.HUNDRED_CORES) for c, _ in charges)
+                memory = sum(m for c, m in charges if c < names.HUNDRED_CORES)
+                out[gpu.index] = (cores, memory + (gpu.memory_total if whole else 0))
+            return out
+
     def clone_tree(self) -> TopologyTree:
         """A copy of the tree to try choices on."""
         with self._lock:

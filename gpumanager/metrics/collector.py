@@ -102,13 +102,15 @@ class AgentCollector(Collector):
             util.add_metric(key, reading[1] / 100)
         by_index = {g.index: g for g in agent.gpus}
         if agent.allocator is not None:
+            beyond = agent.allocator.charged_beyond_capacity()  # the tree's figures stop at the capacity
             for index, free_cores, free_mem, total_mem, _ in agent.allocator.tree_snapshot():
                 gpu = by_index.get(index)
                 if gpu is None:
                     continue
                 key = [str(index), gpu.uuid]
-                allocated_cores.add_metric(key, (names.HUNDRED_CORES - free_cores) / names.HUNDRED_CORES)
-                allocated_mem.add_metric(key, float(total_mem - free_mem))
+                cores, memory = beyond.get(index, (names.HUNDRED_CORES - free_cores, total_mem - free_mem))
+                allocated_cores.add_metric(key, cores / names.HUNDRED_CORES)
+                allocated_mem.add_metric(key, float(memory))
         yield from (info, healthy, capacity, used, util, allocated_mem, allocated_cores)
 
     def _devices(self) -> Iterator[Metric]:

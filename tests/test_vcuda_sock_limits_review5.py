@@ -303,3 +303,32 @@ def test_a_killed_agents_private_directory_is_removed_at_the_next_start(monkeypa
         sockets.stop()
     assert not ours[0].exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_without_a_writable_temporary_directory_the_pod_sockets_are_served(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only root file system leaves no private directory: the server falls back to an abstract
+    address (said in the log) and the pods register as before."""
+
+    def no_directory(_self: PodSockets) -> str:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(PodSockets, "_make_private", no_directory)
+    directory = Path(tempfile.mkdtemp(prefix="gm-lim-"))
+    calls: list[str] = []
+
+    async def handler(pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
+        calls.append(pod)
+
+    sockets = PodSockets(handler)
+    with caplog.at_level(logging.WARNING, logger=sockets_module.__name__):
+        sockets.start()
+    try:
+        sockets.serve(PODS[0], directory / "vcuda.sock")
+        assert _register(directory / "vcuda.sock", PODS[0]) == grpc.StatusCode.OK
+        assert calls == [PODS[0]]
+        assert any("abstract address" in r.getMessage() for r in caplog.records)
+    finally:
+        sockets.stop()
+        shutil.rmtree(directory, ignore_errors=True)

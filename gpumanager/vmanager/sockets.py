@@ -215,9 +215,18 @@ class PodSockets:
             ]
         )
         _Servicer(self).add_to(server)
-        address = self._make_private()
-        if server.add_insecure_port(f"unix:{address}") == 0:
-            raise OSError(f"cannot listen on the unix socket {address}")
+        try:
+            address = self._make_private()
+            target = f"unix:{address}"
+        except OSError as exc:  # a read-only root file system, say: the abstract address, open to the host network
+            log.warning(
+                "vcuda.sock: no private directory for the server behind the pod sockets (%s); it listens on an "
+                "abstract address, which processes in the host's network namespace can reach",
+                exc,
+            )
+            address, target = "\0" + self._name, f"unix-abstract:{self._name}"
+        if server.add_insecure_port(target) == 0:
+            raise OSError(f"cannot listen on the unix socket {target}")
         self._address = address
         await server.start()
         return server

@@ -10,7 +10,8 @@ So one gRPC server (grpc.aio) listens on a unix socket in a private directory
 (mode 0700, made at start: no container reaches it; an abstract address would be
 open to every process in the host's network namespace, a hostNetwork pod
 included, which finds it in ``/proc/net/unix`` and could connect to it without
-any limit), and the same thread (one asyncio loop) listens on every pod's
+any limit; it is the fallback, logged, when no temporary directory is writable),
+and the same thread (one asyncio loop) listens on every pod's
 ``vcuda.sock``. Each connection accepted there is relayed, byte for byte, to the
 gRPC server over a new connection whose own address names it
 (``<server name>.<random>``, an abstract address bound for that connection only,

@@ -5,6 +5,7 @@ the node advertises fewer of them and IDs the kubelet gave running containers ar
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,29 @@ def test_allocations_on_a_gpu_gone_or_replaced_are_named_at_start(tmp_path: Path
         # A new share still goes to the replaced GPU or GPU 2, never to the lost one.
         run = cluster.run_pod(gpu_pod("after", [("main", 50, 8)]))
         assert answered(run)["main"][0] in ((0,), (2,))
+
+
+def test_a_gpu_over_committed_by_a_smaller_replacement_is_whole_again_once_its_holder_ends(tmp_path: Path) -> None:
+    """GPU 0 is replaced by one with half the memory while a 12 GiB share holds it: nothing more is placed
+    there while the share runs (a new share goes to GPU 1), and once its pod ends GPU 0's new size is free
+    in full, nothing of the old charge left behind."""
+    full = [gpu(i, memory_mib=16384) for i in range(2)]
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "two.json", full))
+    with cluster:
+        big = cluster.run_pod(gpu_pod("big", [("main", 50, 48)], annotations=admission_annotations([[0]], 1)))
+        small = dict(gpu(9, memory_mib=8192), pci_bus_id=full[0]["pci_bus_id"], minor=0)
+        _restart_with(cluster, tmp_path / "replaced.json", [small, full[1]])
+        cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, 200, timeout=30)
+        assert agent_allocated(cluster)[0] == (50, 48 * BLOCK)
+        other = cluster.run_pod(gpu_pod("other", [("main", 20, 4)]))
+        assert answered(other)["main"][0] == (1,)
+        cluster.delete(big, wait=True)
+        deadline = time.monotonic() + 30
+        while agent_allocated(cluster)[0] != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert agent_allocated(cluster)[0] == (0, 0)
+        whole_new = cluster.run_pod(
+            gpu_pod("fills-it", [("main", 50, 32)], annotations=admission_annotations([[0]], 2))
+        )
+        assert answered(whole_new)["main"][0] == (0,)
+        assert agent_allocated(cluster)[0] == (50, 32 * BLOCK)

@@ -117,6 +117,7 @@ def test_no_connection_without_limit_on_the_servers_own_address(served: Served) 
     host's network namespace (a hostNetwork pod) finds in /proc/net/unix: it could open connections
     there without limit (each one a descriptor of the agent's), bypassing every pod's limit."""
     path = served.serve(PODS[0])
+    assert _listening_abstract_names() == [], "the server listens on an abstract address"
     attempts = 300
     held: list[socket.socket] = []
     before = _open_fds()

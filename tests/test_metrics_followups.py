@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import runpy
 import shutil
 import subprocess
@@ -10,6 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpumanager.dra.publisher import GATES
+from gpumanager.metrics.claims import FeatureGateCollector
 
 ROOT = Path(__file__).resolve().parent.parent
 RENDER = runpy.run_path(str(ROOT / "scripts" / "render_manifests.py"))
@@ -215,3 +221,63 @@ def test_agents_that_disappear_entirely_raise_an_alert(tmp_path: Path) -> None:
         ],
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# What the node does meanwhile, in the alert of each gate the agent reports.
+_GATE_CONSEQUENCE = {
+    "DRAConsumableCapacity": (
+        "prepares every claim as a whole GPU",
+        "kube-apiserver, kube-scheduler and every kubelet",
+    ),
+    "DRADeviceTaints": ("leaves its unhealthy GPUs out of the slice", "kube-apiserver and kube-scheduler"),
+}
+
+
+def _gates_page(off: frozenset[str]) -> str:
+    """The agent's gpu_manager_dra_feature_gate_off family with ``off`` seen off."""
+    registry = CollectorRegistry()
+    registry.register(FeatureGateCollector(lambda: off))
+    return generate_latest(registry).decode()
+
+
+def test_each_dra_feature_gate_the_agent_reports_off_alerts_with_what_it_costs(tmp_path: Path) -> None:
+    """The series come from the agent's own collector (its family, label and gate names), with every gate
+    off on one node and none on another: an alert per gate off, each saying what the node does meanwhile
+    and where to turn the gate on."""
+    assert set(GATES) == set(_GATE_CONSEQUENCE), "describe the new gate in GPUManagerDRAFeatureGateOff"
+    series = []
+    for instance, off in (("node-a:5678", set(GATES)), ("node-b:5678", set())):
+        for family in text_string_to_metric_families(_gates_page(frozenset(off))):
+            for sample in family.samples:
+                labels = {**sample.labels, "job": "gpu-manager", "instance": instance}
+                selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                series.append({"series": f"{sample.name}{{{selector}}}", "values": f"{sample.value:g}x12"})
+    assert len(series) == 2 * len(GATES)
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "GPUManagerDRAFeatureGateOff", "exp_alerts": []},
+                # Expected none: promtool fails and lists the alerts that fired with their prose.
+                {"eval_time": "11m", "alertname": "GPUManagerDRAFeatureGateOff", "exp_alerts": []},
+            ],
+        }
+    ]
+    done = _promtool_test(tmp_path, tests)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "time: 9m" not in out, out
+    got = out.split("got:", 1)[1]
+    fired = re.findall(r'Labels:\{(.*?)\}\s*Annotations:\{description="(.*?)", summary="(.*?)"\}', got)
+    by_gate: dict[str, tuple[str, str]] = {}
+    for labels, description, summary in fired:
+        assert 'instance="node-a:5678"' in labels and 'severity="warning"' in labels, labels
+        (gate,) = re.findall(r'gate="(\w+)"', labels)
+        by_gate[gate] = (description, summary)
+    assert set(by_gate) == set(GATES), out
+    for gate, (description, summary) in by_gate.items():
+        assert summary == f"gpu-manager on node-a:5678 finds DRA feature gate {gate} off"
+        does, where = _GATE_CONSEQUENCE[gate]
+        assert f"feature gate {gate} off" in description and does in description, description
+        assert f"Turn the gate on on {where}" in description, description

@@ -100,6 +100,35 @@ groups:
             in the last 10 minutes on {{`{{ $labels.instance }}`}}: the kubelet retries them, the pods
             using those claims stay Terminating and their claims are not released (their GPUs stay
             allocated). The agent's log names each claim and the reason.
+      # DRA mode only: a feature gate the agent relies on, seen off on the API server (it dropped the
+      # fields the gate guards from the node's ResourceSlice) or, for DRAConsumableCapacity, in
+      # kube-scheduler (it allocated a claim without the capacity it asks for).
+      - alert: GPUManagerDRAFeatureGateOff
+        expr: gpu_manager_dra_feature_gate_off{ {{- $job -}} } == 1
+        for: 10m
+        labels:
+          severity: warning
+        annotations:
+          summary: gpu-manager on {{`{{ $labels.instance }}`}} finds DRA feature gate {{`{{ $labels.gate }}`}} off
+          description: >-
+            {{`{{ if eq $labels.gate "DRAConsumableCapacity" }}`}}The API server or kube-scheduler has had feature
+            gate DRAConsumableCapacity off for 10 minutes, as seen by gpu-manager on {{`{{ $labels.instance }}`}}:
+            the scheduler gives each GPU to one claim only, whole, and the node prepares every claim as a
+            whole GPU without core or memory limits, so GPUs are not shared and claims asking for part of
+            one wait for a free GPU. Turn the gate on on kube-apiserver, kube-scheduler and every kubelet
+            (Kubernetes 1.35; on by default from 1.36). The alert clears at the agent's next ResourceSlice
+            sync (within a minute) once the API server keeps the fields, and, for kube-scheduler, at the
+            next claim on the node allocated the capacity it asks for.
+            {{`{{- else if eq $labels.gate "DRADeviceTaints" }}`}}The API server has had feature gate
+            DRADeviceTaints off for 10 minutes, as seen by gpu-manager on {{`{{ $labels.instance }}`}}: it drops
+            device taints from the node's ResourceSlice, and kube-scheduler ignores them, so the node leaves
+            its unhealthy GPUs out of the slice (no new claim gets them) until they are healthy again,
+            instead of publishing them tainted. Turn the gate on on kube-apiserver and kube-scheduler; the
+            agent sees it on at its next ResourceSlice sync while a GPU is unhealthy, else when restarted.
+            {{`{{- else }}`}}The API server or kube-scheduler has had feature gate {{`{{ $labels.gate }}`}} off for
+            10 minutes, as seen by gpu-manager on {{`{{ $labels.instance }}`}}.{{`{{ end }}`}} The agent's /healthz
+            (feature_gates_off, resourceslice-fields, scheduler-capacity) and its log say what was dropped
+            or which claim was allocated without its capacity.
       - alert: GPUManagerContainerNearMemoryLimit
         expr: >-
           gpu_manager_container_gpu_memory_used_bytes{ {{- $job -}} }

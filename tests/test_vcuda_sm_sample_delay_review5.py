@@ -15,10 +15,34 @@ import time
 
 import pytest
 
-from tests.test_vcuda_compute import PACED, Node, loop_built, node
+from simnode.gpusim_state import GpuSimState
+from tests.test_vcuda_compute import PACED, Node, core_config, loop_built, node
 from tests.vcuda_fixtures import BUILD, last_json, run_python, vcuda_built
 
 __all__ = ["loop_built", "node", "vcuda_built"]  # fixtures
+
+SETTLE_S = 3.0  # the samples come a delay late: the first second or so is the limiter's start
+WINDOW_S = 0.5
+WINDOWS = 8
+WHOLE_PP = 4.0  # the whole measured span: within this many points of the limit
+WINDOW_PP = 20.0  # every window at a 1/6 s period (three samples a window), as test_vcuda_sm_pacing_review5
+PERIOD_US = "166667"  # a datacenter GPU's per-process sampling period
+
+
+def window_shares(node: Node, gpu: int, pids: set[int]) -> list[float]:
+    """The processes' share (percent) of the GPU's time in WINDOWS consecutive windows after SETTLE_S."""
+    time.sleep(SETTLE_S)
+    out = []
+    with GpuSimState(node.state) as st:
+        before = st.timeline(gpu)
+        for _ in range(WINDOWS):
+            time.sleep(WINDOW_S)
+            after = st.timeline(gpu)
+            assert before is not None and after is not None
+            out.append(100.0 * (after.busy_of(pids) - before.busy_of(pids)) / (after.now_ns - before.now_ns))
+            before = after
+    return out
+
 
 POLL = r"""
 import pynvml, time
@@ -62,3 +86,37 @@ def test_nvml_delivers_each_process_sample_a_delay_after_its_moment(node: Node, 
         assert ts <= asked - delay_us, (ts, asked, delay_us)  # not delivered before its delay
         assert ts > asked_from and ts > before, (ts, asked_from, before)  # newer than asked, never twice
     assert all(0 < r[2] <= 100 for r in rows), rows
+
+
+CASES = [
+    # (limit, kernel, processes, delay us).  The cost per launch learnt from the launches complete by now rather
+    # than by the sample's time: the first sample (a period's time) over a period and a delay's launches made it a
+    # fifth of the truth, and launches flooded the GPU for seconds (100 %), then paid at 0 %.
+    (30, "spin_1ms", 1, 200000),
+    (30, "spin_50ms", 1, 700000),
+    (50, "spin_50ms", 1, 1000000),
+    (30, "spin_1ms", 3, 700000),
+    (30, "spin_50ms", 3, 700000),
+]
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize(("limit", "kernel", "processes", "delay_us"), CASES)
+def test_the_share_holds_when_samples_come_late(
+    node: Node, limit: int, kernel: str, processes: int, delay_us: int
+) -> None:
+    sim = {"GPUSIM_PROCESS_SAMPLE_PERIOD_US": PERIOD_US, "GPUSIM_PROCESS_SAMPLE_DELAY_US": str(delay_us)}
+    seconds = SETTLE_S + WINDOW_S * WINDOWS + 1.0
+    gpu = 8
+    procs = [
+        node.loop("c", gpu, seconds, core_config(limit) if k == 0 else None, kernel=kernel, pids=None, **sim)
+        for k in range(processes)
+    ]
+    got = window_shares(node, gpu, {p.pid for p in procs})
+    for p in procs:
+        _out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    whole = sum(got) / len(got)
+    print(limit, kernel, processes, delay_us, f"whole {whole:.1f}", " ".join(f"{g:.1f}" for g in got))  # for -s
+    assert abs(whole - limit) <= WHOLE_PP, (whole, got)
+    assert all(abs(g - limit) <= WINDOW_PP for g in got), (limit, got)

@@ -73,6 +73,8 @@
 #define PROVISIONAL 128u           /* per device: provisional charges kept until NVML's samples cover them */
 #define PERIOD_FORGET 32u          /* the sampling period estimate loses 1/32 per new sample time (then the step) */
 #define LEDGER_LOOKBACK_US 1000000ull /* a new process measures from the ledger's sample time, at most 1 s back */
+#define DONE_HISTORY 256u          /* per device: (time, launches completed), to learn the cost at a sample's time */
+#define DONE_STEP_US 10000ull      /* ... one entry per 10 ms at most (2.56 s of a busy process) */
 
 /* upstream (interceptors.md 1.7) */
 #define UP_TICK_NS 120000000ull
@@ -145,6 +147,12 @@ struct dev {
     double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
     bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
     uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
+    uint64_t self_us;         /* the newest sample time of this process's own that was charged */
+    /* Launches completed by each time (real us), a ring: the cost learns from those its own sample's time covers */
+    uint64_t done_us[DONE_HISTORY], done_count[DONE_HISTORY];
+    unsigned done_head, done_n;
+    bool learn_known;         /* learn_done is the count at the time the cost last learnt up to */
+    uint64_t learn_done;
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -571,8 +579,11 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
         if (ts <= from)
             continue;
         *own += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
-        if (buf[i].pid == d->self)
+        if (buf[i].pid == d->self) {
             d->self_sampled = true;
+            if (ts > d->self_us)
+                d->self_us = ts;
+        }
         if (e != NULL) {
             e->us = ts;
             e->hit = true;
@@ -847,12 +858,51 @@ static void adapt_rate(struct dev *d, double other_ns, double span_ns)
         d->rate = d->rate + SOFT_RISE < target ? d->rate + SOFT_RISE : target;
 }
 
+/* Notes (d->mu held) that d->completed launches were complete by real time us (at most every DONE_STEP_US). */
+static void note_done(struct dev *d, uint64_t us)
+{
+    if (d->done_n > 0) {
+        unsigned newest = (d->done_head + d->done_n - 1) % DONE_HISTORY;
+        if (d->done_count[newest] == d->completed || us < d->done_us[newest] + DONE_STEP_US)
+            return; /* nothing new, or too soon: counted at a later time (a sample's share of it one period late) */
+    }
+    if (d->done_n == DONE_HISTORY) {
+        d->done_head = (d->done_head + 1) % DONE_HISTORY;
+        d->done_n--;
+    }
+    unsigned slot = (d->done_head + d->done_n) % DONE_HISTORY;
+    d->done_us[slot] = us;
+    d->done_count[slot] = d->completed;
+    d->done_n++;
+}
+
+/*
+ * The launches known complete by real time us (d->mu held): the newest count noted at or before it.  false when the
+ * history no longer reaches back that far.
+ */
+static bool done_at(const struct dev *d, uint64_t us, uint64_t *count)
+{
+    if (d->done_n == 0 || d->done_us[d->done_head] > us)
+        return false;
+    unsigned lo = 0, hi = d->done_n; /* the first entry newer than us, in [1, done_n] */
+    while (lo < hi) {
+        unsigned mid = lo + (hi - lo) / 2;
+        if (d->done_us[(d->done_head + mid) % DONE_HISTORY] <= us)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *count = d->done_count[(d->done_head + lo - 1) % DONE_HISTORY];
+    return true;
+}
+
 /*
  * NVML's samples come a sampling period late (1/6 s to 1 s on real GPUs; the simulator's default is 10 ms,
- * GPUSIM_PROCESS_SAMPLE_PERIOD_US sets it): without a charge meanwhile, launches would go unpaced for a period, then pause for the debt, and the
- * share would swing.  So each completed launch is charged its estimated cost at once, provisionally (d->mu
- * held); when the samples reach the time it was charged at, the provisional charge is refunded and the
- * measured time stands instead.
+ * GPUSIM_PROCESS_SAMPLE_PERIOD_US sets it), and a real driver shows each 0.7 s or more after its time
+ * (GPUSIM_PROCESS_SAMPLE_DELAY_US): without a charge meanwhile, launches would go unpaced for a period and that
+ * delay, then pause for the debt, and the share would swing.  So each completed launch is charged its estimated
+ * cost at once, provisionally (d->mu held); when the samples reach the time it was charged at, the provisional
+ * charge is refunded and the measured time stands instead.
  */
 static void charge_provisional(struct dev *d, uint64_t now)
 {
@@ -876,6 +926,7 @@ static void charge_provisional(struct dev *d, uint64_t now)
     d->prov_completed = d->completed;
     d->credit -= ns;
     uint64_t us = real_us();
+    note_done(d, us);
     if (d->prov_n == PROVISIONAL) {
         /*
          * Full: the oldest charge joins the next one (refunded with it: a slot later, never early).  Merging into
@@ -960,11 +1011,23 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
      * when this process's own sample comes (a sampling period apart): between them launches complete while no time
      * is measured.  Learning at any sample of the container's (another process's, just started, covers a sliver)
      * divided a sliver of time by a period's launches: the cost fell to microseconds and launches flooded the GPU.
+     * The launches are those complete by the sample's time, not by now: a real driver shows a sample 0.7 s or more
+     * after its time, and the first sample (a period's time) over the launches of a period and that delay made the
+     * cost a fifth of the truth at a 1/6 s period: launches flooded the GPU for seconds, then paid at 0 %.
      */
-    double done = (double)(d->completed - d->completed_seen);
     d->own_unlearnt += own;
-    if (d->self_sampled) {
+    uint64_t done_then = 0;
+    bool known = d->self_sampled && done_at(d, d->self_us, &done_then);
+    if (d->self_sampled)
         d->completed_seen = d->completed;
+    if (d->self_sampled && (!known || !d->learn_known)) {
+        /* The stretch's launches cannot be told (the history no longer reaches its start): learnt from the next. */
+        d->own_unlearnt = 0;
+        d->learn_known = known;
+        d->learn_done = done_then;
+    } else if (d->self_sampled) {
+        double done = done_then > d->learn_done ? (double)(done_then - d->learn_done) : 0.0;
+        d->learn_done = done_then;
         d->acc_busy = d->acc_busy * COST_DECAY + d->own_unlearnt;
         d->own_unlearnt = 0;
         d->acc_done = d->acc_done * COST_DECAY + done;
@@ -1168,6 +1231,13 @@ static void init_device(struct dev *d, int index)
     d->cost = INITIAL_COST_NS;
     d->last_refill = d->last_measure = d->prov_wall = mono_ns();
     d->last_seen_us = real_us();
+    /* No launch complete yet: this process's first sample learns the cost from its launches complete by then. */
+    d->done_us[0] = d->last_seen_us;
+    d->done_count[0] = 0;
+    d->done_head = 0;
+    d->done_n = 1;
+    d->learn_known = true;
+    d->learn_done = 0;
     if (!cfg->upstream) {
         vc_budget_join();
         inherit_ledger(d, index);

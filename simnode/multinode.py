@@ -7,11 +7,12 @@ a *node loop* doing what the kubelet does with the API server:
 * node status: every ``node_status_period`` (10 s, the kubelet's ``nodeStatusUpdateFrequency``)
   the node's capacity and allocatable of the two extended resources are set from the devices
   the plugins report (allocatable: the healthy ones);
-* admission of each pod bound to the node, one at a time in arrival order: the resource check
+* admission of each pod bound to the node, one at a time in arrival order (the kubelet's sync loop): the resource check
   against allocatable (``OutOf<resource>``), then Allocate for every resource of every container
   (a container's resources in random order, as the kubelet ranges over its limits, a Go map; the
   kubelet simulator's seed is printed, ``SIMNODE_KUBELET_SEED`` repeats it; the agent's refusal
-  makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as the kubelet does), then
+  makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as the kubelet does); then, in
+  the pod's own worker thread while the next pod is admitted (the kubelet's pod workers),
   PreStartContainer (in random order too), then a cgroup and a PID per container; the status
   update (``Running`` with the container IDs) reaches the API server ``status_lag`` seconds
   after the containers started (:data:`~simnode.cluster.STATUS_LAG_SECONDS` by default, as the
@@ -178,6 +179,7 @@ class SimNode:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []  # pod workers starting containers
         self.refusals: list[Refusal] = []
         self.running = 0
         self._last_status: dict[str, Any] = {}
@@ -209,6 +211,10 @@ class SimNode:
         self._work.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.join(timeout=10)
         with self._lock:
             timers, self._status_timers = self._status_timers, []
         for timer in timers:
@@ -383,31 +389,49 @@ class SimNode:
             return
         with self._lock:
             admitted = self._admitted[uid] = _Admitted(uid, f"{namespace}/{name}")
-        statuses = admitted.statuses
-        for c in containers:
-            limits = (c.get("resources") or {}).get("limits") or {}
-            wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
-            for resource in self.kubelet.limits_order(wanted):
-                try:
-                    self.kubelet.pre_start(resource, pod_uid=uid, container_name=c["name"])
-                except KubeletSimError as exc:
-                    self._prestart_failed(pod, c["name"], str(exc))
-                    return
-            cid = f"{uid.replace('-', '')[:16]}{c['name']}"
-            directory = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
-            make_cgroup(directory, [next(_pids)])
-            admitted.cgroups.append(directory)
-            statuses.append(
-                {
-                    "name": c["name"],
-                    "containerID": f"containerd://{cid}",
-                    "ready": True,
-                    "restartCount": 0,
-                    "image": c.get("image", ""),
-                    "imageID": "",
-                    "state": {"running": {"startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}},
-                }
-            )
+            # Admitted, the pod is handed to its own pod worker, which starts its containers; the sync
+            # loop goes on to the next pod at once.
+            worker = threading.Thread(target=self._start_pod, args=(pod, admitted), name=f"pod-{name}", daemon=True)
+            self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        worker.start()
+
+    def _start_pod(self, pod: dict[str, Any], admitted: _Admitted) -> None:
+        """The pod worker: PreStartContainer for each container's resources, then its cgroup and PID, then
+        the status update; stops where the pod was removed meanwhile."""
+        md = pod["metadata"]
+        uid = admitted.uid
+        try:
+            for c in pod["spec"].get("containers") or []:
+                limits = (c.get("resources") or {}).get("limits") or {}
+                wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
+                for resource in self.kubelet.limits_order(wanted):
+                    try:
+                        self.kubelet.pre_start(resource, pod_uid=uid, container_name=c["name"])
+                    except KubeletSimError as exc:
+                        self._prestart_failed(pod, c["name"], str(exc))
+                        return
+                cid = f"{uid.replace('-', '')[:16]}{c['name']}"
+                directory = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
+                with self._lock:
+                    if self._admitted.get(uid) is not admitted:
+                        return  # removed while it started
+                    make_cgroup(directory, [next(_pids)])
+                    admitted.cgroups.append(directory)
+                    admitted.statuses.append(
+                        {
+                            "name": c["name"],
+                            "containerID": f"containerd://{cid}",
+                            "ready": True,
+                            "restartCount": 0,
+                            "image": c.get("image", ""),
+                            "imageID": "",
+                            "state": {"running": {"startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}},
+                        }
+                    )
+                    statuses = list(admitted.statuses)
+        except Exception:
+            log.exception("node %s: starting pod %s failed", self.name, admitted.key)
+            return
         self._publish(md, {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}, running=True)
 
     def _prestart_failed(self, pod: dict[str, Any], container: str, message: str) -> None:

@@ -8,6 +8,7 @@ import itertools
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from gpumanager.extender.nodes import Charge
 from simnode.apiserver import ApiServerSimulator
 from simnode.cluster import SimCluster
 from simnode.cluster import gpu_pod as gpu_pod_on_node
-from simnode.multinode import pending_pod
+from simnode.multinode import MultiNodeCluster, pending_pod
 from simnode.scheduler import ExtenderConfig, SchedulerStandIn
 from tests import extender_fixtures
 from tests.extender_fixtures import World, gpu_pod, inventory, wait_for
@@ -247,3 +248,32 @@ def test_a_node_filled_only_by_a_recorded_choice_costs_the_scheduler_retries_unt
     assert scheduler.stats.bind_failures >= 1
     assert scheduler.stats.unschedulable == 0
     assert world.extender.state.over_committed() == {}
+
+
+def test_a_container_slow_to_start_holds_up_no_other_pod_of_its_node(tmp_path: Path, sim_built: Path) -> None:
+    """The kubelet admits pods one at a time, but starts each in its own pod worker: a PreStartContainer
+    that takes long (a slow device plugin) delays that pod only, not the admission of the next one."""
+    cluster = MultiNodeCluster(tmp_path / "c", [("v", "v100-pcie-x4")], extender=False, node_status_period=0.3)
+    with cluster:
+        node = cluster.nodes["v"]
+        release = threading.Event()
+        real = node.kubelet.pre_start
+        slow = {str(uuid.uuid4())}
+
+        def pre_start(resource: str, *, pod_uid: str, container_name: str, **kw: Any) -> Any:
+            if pod_uid in slow:
+                release.wait(30)
+            return real(resource, pod_uid=pod_uid, container_name=container_name, **kw)
+
+        node.kubelet.pre_start = pre_start  # type: ignore[method-assign]
+        try:
+            manifest = pending_pod("slow", [(50, 4)], node="v")
+            manifest["metadata"]["uid"] = next(iter(slow))
+            cluster.create(manifest)
+            wait_for(lambda: bool(node.kubelet.allocations(next(iter(slow)))), what="pod slow admitted")
+            cluster.create(pending_pod("quick", [(50, 4)], node="v"))
+            cluster.wait_phase("quick", timeout=20)
+            assert cluster.pod("slow")["status"]["phase"] == "Pending"
+        finally:
+            release.set()
+        cluster.wait_phase("slow", timeout=20)

@@ -153,6 +153,8 @@ struct dev {
     unsigned done_head, done_n;
     bool learn_known;         /* learn_done is the count at the time the cost last learnt up to */
     uint64_t learn_done;
+    uint64_t lag_us;          /* how far behind now samples are counted: a new sample's age plus a period (likewise) */
+    uint64_t prov_open_us;    /* when the newest provisional slot was opened */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -695,6 +697,13 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
         }
         d->newest_sampled = true;
         d->newest_us = newest;
+        /*
+         * The provisional charges' lag: a sample is seen some time after its moment (at once on the simulator's
+         * defaults, 0.7 s or more on real drivers) and the base it moves is up to a period older still.
+         */
+        uint64_t seen = real_us(), lag = (seen > newest ? seen - newest : 0) + d->period_us;
+        uint64_t kept = d->lag_us - d->lag_us / PERIOD_FORGET;
+        d->lag_us = lag > kept ? lag : kept;
     }
     /*
      * The base moves to the container's newest sample time in its answer (its PIDs without a sample were
@@ -927,6 +936,22 @@ static void charge_provisional(struct dev *d, uint64_t now)
     d->credit -= ns;
     uint64_t us = real_us();
     note_done(d, us);
+    /*
+     * The ring spans twice the samples' lag: a charge within lag / (PROVISIONAL / 2) of the newest slot's opening
+     * joins it (refunded that much later at most).  With a slot per charge (one each tick, one each blocked launch:
+     * hundreds a second) a lag of a second overfilled it, and each charge merged its oldest into the next: the
+     * oldest slot's time then moved as fast as the clock, stayed younger than the samples, and nothing was refunded
+     * until the launches stopped: a debt, a pause, then a refund the credit cap cut (50 % gave 30 %).
+     */
+    uint64_t grain = d->lag_us / (PROVISIONAL / 2);
+    if (d->prov_n > 0 && grain > 0 && us < d->prov_open_us + grain) {
+        unsigned newest = (d->prov_head + d->prov_n - 1) % PROVISIONAL;
+        d->prov_ns[newest] += ns;
+        if (us > d->prov_us[newest])
+            d->prov_us[newest] = us;
+        return;
+    }
+    d->prov_open_us = us;
     if (d->prov_n == PROVISIONAL) {
         /*
          * Full: the oldest charge joins the next one (refunded with it: a slot later, never early).  Merging into

@@ -14,20 +14,26 @@ as published, with one warning naming what was dropped, instead of a write (and 
 new generation) on every watch event of our own write. The gates found off so are
 :attr:`SlicePublisher.gates_off`, told to ``on_gates`` at each change (the agent reports them in its
 log, /healthz and metrics: a slice without consumable capacity gives each GPU to one claim, whole).
-While the stored slice lacks such fields, every sync writes our content as a dry run first, and
-where the server keeps it whole now (the gate turned on while the agent runs) it is written again.
-A server that drops device taints
+Whether the server keeps device taints is found out at the first sync, whatever the GPUs' health:
+our content is written as a dry run (``dryRun=All``: the server drops fields as it would, stores
+nothing; the same RBAC verbs as the write), with a probe taint on one device where none is tainted,
+and the gate counts as off where the taints do not come back. While a gate is off (taints dropped, or
+other fields not kept), every sync does that one dry run again (one for all such gates), and where the
+server keeps it all now (the gate turned on, or the server upgraded, while the agent runs) the slice
+is written whole again and the gate no longer counts as off; a sync with every gate known on costs no
+call but the list. A server that drops device taints
 (``DRADeviceTaints`` off, as in Kubernetes 1.35) has a scheduler that ignores them too: a tainted
-(unhealthy) GPU would still take new claims, each refused at Prepare. So before a write whose
-content has a tainted device, the write is tried as a dry run (``dryRun=All``: the server drops
-fields as it would, stores nothing): where the taints do not come back, tainted devices are left
+(unhealthy) GPU would still take new claims, each refused at Prepare. So tainted devices are left
 out of the slice instead (warned once per set of devices), and put back when their GPU is healthy
-again; no unhealthy GPU is ever stored untainted. While devices are left out so, every sync tries
-their taints again as a dry run, so a server upgraded, or its gate turned on, while the agent runs
-is noticed at the next sync (the devices are then published tainted). A write that comes back
-without the taints all the same (the server changed between the two) is done again without the
-tainted devices. Not seen: a gate turned off while the stored slice holds taints (the server keeps
-fields the stored object already uses), until that slice is written without taints once.
+again (published tainted once the server keeps taints). Before a write whose content has a tainted
+device while the server is believed to keep taints, the write is tried as a dry run too: no unhealthy
+GPU is ever stored untainted. A write that comes back without the taints all the same (the server
+changed between the two) is done again without the tainted devices. A server that refuses dry runs
+(an admission webhook that does not declare ``sideEffects: None``) is warned about; whether it keeps
+taints is then told by the first write of a tainted device. Not seen: a gate turned off while the
+agent runs and believes it on, until a GPU is unhealthy (the dry run before that write finds it),
+nor while the stored slice holds taints (the server keeps fields the stored object already uses),
+until that slice is written without taints once.
 
 The slice names the node's Node object as its owner (``ownerReferences``, read
 when the slice is written), so the garbage collector deletes it with the node; a
@@ -161,6 +167,29 @@ def _tainted(spec: JSON) -> set[str]:
     return {str(d.get("name")) for d in spec.get("devices") or [] if isinstance(d, dict) and d.get("taints")}
 
 
+def _untainted(spec: JSON) -> JSON:
+    """``spec`` without its devices' taints."""
+    out = copy.deepcopy(spec)
+    for dev in out.get("devices") or []:
+        if isinstance(dev, dict):
+            dev.pop("taints", None)
+    return out
+
+
+#: Value of the taint that a dry run puts on one device to find out whether the server keeps taints.
+PROBE_TAINT_VALUE = "feature-gate-probe"
+
+
+def _with_probe_taint(spec: JSON, driver: str) -> JSON:
+    """``spec`` with a taint on its first device (as is where it has no device): only ever written as a
+    dry run, to see whether the server keeps device taints."""
+    out = copy.deepcopy(spec)
+    devs = [d for d in out.get("devices") or [] if isinstance(d, dict)]
+    if devs:
+        devs[0]["taints"] = [{"key": c.taint_key(driver), "value": PROBE_TAINT_VALUE, "effect": c.TAINT_EFFECT}]
+    return out
+
+
 def _to_value(holder: JSON, key: str) -> None:
     if key in holder:
         try:
@@ -204,6 +233,9 @@ class SlicePublisher:
         # The server dropped the device taints of a write (DRADeviceTaints off): tainted devices
         # are then left out of the slice, since its scheduler would place claims on them.
         self.drops_taints = False
+        # Whether :attr:`drops_taints` was found out (a dry run or a write with a taint), so that a
+        # server keeping taints costs no call per sync.
+        self._taints_known = False
         self._left_out: tuple[str, ...] = ()
         self._rewrite = False  # the last write must be done again (the server dropped its taints)
         self._owner_problem = ""
@@ -292,11 +324,9 @@ class SlicePublisher:
             ours_gen = int((((ours or {}).get("spec") or {}).get("pool") or {}).get("generation") or 0)
             wrote = False
             content = self._content(self._generation)
-            if self.drops_taints and _tainted(content):
-                self._try_taints(ours, content)  # the server may keep them now
+            checked = self._recheck(ours, content)  # a gate not known on may be on now
+            self._set_gates()
             desired = self._offered(content)
-            if ours is not None and self._kept is not None and _gates(_dropped(*self._kept)):
-                self._try_kept(ours, desired)  # the server may keep the fields of the gate now
             current = False
             if ours is not None:
                 want, have = _comparable(desired), _comparable(ours.get("spec") or {})
@@ -304,7 +334,7 @@ class SlicePublisher:
                     _owned(ours, self.node) or not self._owner()
                 )
             if not current:
-                stored = self._write(ours, probe=True)
+                stored = self._write(ours, probe=not checked)
                 wrote = True
                 if self._rewrite:  # the server dropped the taints: again, without the tainted devices
                     self._write(stored)
@@ -390,6 +420,8 @@ class SlicePublisher:
         self.published.set()
         stored = stored if isinstance(stored, dict) else {}
         self._rewrite = self._taints_dropped(body["spec"], stored.get("spec") or {})
+        if _tainted(body["spec"]):
+            self._taints_known = True
         if self._rewrite:
             self.drops_taints = True
         else:
@@ -421,30 +453,78 @@ class SlicePublisher:
             ours,
             spec,
             "device taints",
-            "unhealthy devices stay left out of it"
-            if self.drops_taints
-            else "the write itself shows it (an unhealthy device may be offered untainted until the write that "
-            "follows)",
+            "the write itself shows it (an unhealthy device may be offered untainted until the write that follows)",
         )
+        if answer is not None:
+            self._learn_taints(spec, answer.get("spec") or {}, probe=False)
+
+    def _recheck(self, ours: JSON | None, content: JSON) -> bool:
+        """Find out, with one dry run of ``content`` (``dryRun=All``, nothing stored), whatever is not known
+        to be on: whether the server keeps device taints (at the first sync, then at each sync while it
+        drops them; where no device is tainted, one gets a probe taint for the dry run only), and the
+        fields of another feature gate it did not keep (:attr:`gates_off`; where it keeps them now, what
+        it kept before is forgotten, so this sync writes the slice whole again). Nothing to find out
+        (every gate known on) costs no call. Returns whether the dry run kept device taints. Raises
+        what the write would (connection errors, a conflict, throttling, a server error)."""
+        taints = not self._taints_known or self.drops_taints
+        kept_gates = _gates(_dropped(*self._kept)) if ours is not None and self._kept is not None else set()
+        if not taints and not kept_gates:
+            return False
+        spec = content
+        probe = taints and not _tainted(spec)
+        if probe:
+            spec = _with_probe_taint(spec, self.driver)
+        checking = [f"the fields of feature gate {' and '.join(sorted(kept_gates))}"] if kept_gates else []
+        if taints:
+            checking.insert(0, "device taints")
+        if self.drops_taints:
+            otherwise = "unhealthy devices stay left out of it"
+        elif taints and probe:
+            otherwise = "whether it does is known at the first write of an unhealthy GPU"
+        elif taints:
+            otherwise = "the write itself shows it (an unhealthy device may be offered untainted until the write "
+            otherwise += "that follows)"
+        else:
+            otherwise = "the slice stays as it was kept"
+        answer = self._dry_run(ours, spec, " and ".join(checking), otherwise)
         if answer is None:
-            return
-        kept = not self._taints_dropped(spec, answer.get("spec") or {})
-        if kept and self.drops_taints:
+            if probe and not self.drops_taints:
+                self._taints_known = True  # not again at each sync: the first tainted write tells
+            return False
+        got = answer.get("spec") or {}
+        kept = bool(_tainted(spec)) and self._learn_taints(spec, got, probe=probe)
+        if kept_gates and _comparable(_untainted(got)) == _comparable(_untainted(spec)):
             log.info(
-                "the API server keeps device taints now (feature gate DRADeviceTaints on): device(s) %s are "
-                "published tainted in ResourceSlice %s",
-                ", ".join(sorted(_tainted(spec))),
+                "the API server keeps the fields of feature gate %s now: ResourceSlice %s is written whole again",
+                " and ".join(sorted(kept_gates)),
+                self.name,
+            )
+            self._kept = None
+        return kept
+
+    def _learn_taints(self, spec: JSON, got: JSON, *, probe: bool) -> bool:
+        """Set :attr:`drops_taints` from a dry run of ``spec`` (with tainted devices) answered ``got``;
+        ``probe``: its only taint is the probe's. Returns whether the server kept the taints."""
+        kept = not self._taints_dropped(spec, got)
+        if kept and self.drops_taints:
+            what = "unhealthy GPUs are" if probe else f"device(s) {', '.join(sorted(_tainted(spec)))} are"
+            log.info(
+                "the API server keeps device taints now (feature gate DRADeviceTaints on): %s published tainted in "
+                "ResourceSlice %s",
+                what,
                 self.name,
             )
             self._left_out = ()
         self.drops_taints = not kept
+        self._taints_known = True
+        return kept
 
     def _dry_run(self, ours: JSON | None, spec: JSON, what: str, otherwise: str) -> JSON | None:
         """The slice as the server would store ``spec`` (a dry run: ``dryRun=All``, nothing stored), or
         None where it refuses the dry run itself (an admission webhook that does not declare
         ``sideEffects: None`` refuses every dry run with 400; warned once per reason, naming ``what``
         it was to find out and ``otherwise``, what follows). Raises what the write would (connection
-        errors, a conflict, throttling, a server error)."""
+        errors, forbidden, a conflict, throttling, a server error)."""
         body: JSON = {"apiVersion": c.RESOURCE_API, "kind": "ResourceSlice", "metadata": {"name": self.name}}
         body["spec"] = spec
         dry = [("dryRun", "All")]
@@ -465,8 +545,8 @@ class SlicePublisher:
                 )
         except ApiException as exc:
             status = int(exc.status or 0)
-            if not 400 <= status < 500 or status in (409, 429):
-                raise
+            if not 400 <= status < 500 or status in (403, 409, 429):
+                raise  # 403: RBAC decides a dry run as the write itself (same verb), so the write fails too
             problem = describe(exc)
             if problem != self._dry_run_problem:
                 log.warning(
@@ -480,22 +560,6 @@ class SlicePublisher:
             return None
         self._dry_run_problem = ""
         return answer if isinstance(answer, dict) else {}
-
-    def _try_kept(self, ours: JSON, spec: JSON) -> None:
-        """Where the server did not keep fields of a feature gate (:attr:`gates_off`), try ``spec`` as a dry
-        run: where it keeps all of it now (the gate was turned on), forget what it kept before, so this
-        sync writes the slice whole again."""
-        assert self._kept is not None
-        gates = " and ".join(sorted(_gates(_dropped(*self._kept))))
-        answer = self._dry_run(ours, spec, f"the fields of feature gate {gates}", "the slice stays as it was kept")
-        if answer is None or _comparable(answer.get("spec") or {}) != _comparable(spec):
-            return
-        log.info(
-            "the API server keeps the fields of feature gate %s now: ResourceSlice %s is written whole again",
-            gates,
-            self.name,
-        )
-        self._kept = None
 
     def _offered(self, spec: JSON) -> JSON:
         """``spec`` as published: without its tainted devices when the server drops taints."""

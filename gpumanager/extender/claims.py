@@ -38,6 +38,8 @@ ANNOTATION = "tencent.com/gpu-extender-binds"
 CLAIM_TTL = 30.0
 #: A sighting not renewed for this many times :data:`CLAIM_TTL` is forgotten (its choice left the node).
 _FORGET_AFTER = 4
+#: Seconds between two passes that forget such sightings.
+_PRUNE_EVERY = 30.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class Sightings:
         self._lock = threading.Lock()
         # (pod UID, predicate time) -> (first read, last read), time.monotonic().
         self._seen: dict[tuple[str, str], tuple[float, float]] = {}
+        self._pruned = time.monotonic()  # when sightings not renewed were last forgotten
 
     def live(self, claims: Mapping[str, Claim], now: float | None = None) -> dict[str, Claim]:
         """The claims among ``claims`` (read just now) that still count; records their sighting."""
@@ -125,7 +128,8 @@ class Sightings:
                 self._seen[key] = (first, at)
                 if at - first <= ttl:
                     out[uid] = claim
-            if len(self._seen) > 64:
+            if at - self._pruned >= _PRUNE_EVERY:
+                self._pruned = at
                 horizon = at - _FORGET_AFTER * ttl
                 self._seen = {k: v for k, v in self._seen.items() if v[1] >= horizon}
         return out

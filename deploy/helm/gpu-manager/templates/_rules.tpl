@@ -101,7 +101,8 @@ groups:
             using those claims stay Terminating and their claims are not released (their GPUs stay
             allocated). The agent's log names each claim and the reason.
       # DRA mode only: a feature gate the agent relies on, seen off on the API server (it dropped the
-      # fields the gate guards from the node's ResourceSlice) or, for DRAConsumableCapacity, in
+      # fields the gate guards from the node's ResourceSlice, or from a dry run of it: the agent checks
+      # device taints at start, whatever the GPUs' health) or, for DRAConsumableCapacity, in
       # kube-scheduler (it allocated a claim without the capacity it asks for).
       - alert: GPUManagerDRAFeatureGateOff
         expr: gpu_manager_dra_feature_gate_off{ {{- $job -}} } == 1
@@ -124,7 +125,8 @@ groups:
             device taints from the node's ResourceSlice, and kube-scheduler ignores them, so the node leaves
             its unhealthy GPUs out of the slice (no new claim gets them) until they are healthy again,
             instead of publishing them tainted. Turn the gate on on kube-apiserver and kube-scheduler; the
-            agent sees it on at its next ResourceSlice sync while a GPU is unhealthy, else when restarted.
+            alert clears at the agent's next ResourceSlice sync (within a minute) once the API server keeps
+            device taints, whatever the GPUs' health.
             {{`{{- else }}`}}The API server or kube-scheduler has had feature gate {{`{{ $labels.gate }}`}} off for
             10 minutes, as seen by gpu-manager on {{`{{ $labels.instance }}`}}.{{`{{ end }}`}} The agent's /healthz
             (feature_gates_off, resourceslice-fields, scheduler-capacity) and its log say what was dropped

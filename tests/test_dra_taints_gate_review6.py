@@ -16,6 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpumanager.dra import devices
 from gpumanager.dra.publisher import SlicePublisher
 from simnode.apiserver import ApiServerSimulator
@@ -167,3 +169,60 @@ def test_an_agent_on_a_server_without_device_taints_reports_it_with_every_gpu_he
         assert cluster.api.forbidden() == [], "the shipped rules allow what finding out takes"
         stored = cluster.slice()
         assert stored is not None and not any(d.get("taints") for d in stored["spec"]["devices"])
+
+
+def _refuse_dry_runs(pub: SlicePublisher) -> list[tuple[str, bool]]:
+    """Have the publisher's dry runs answered as a server with an admission webhook on ResourceSlices
+    that does not declare ``sideEffects: None`` answers them (400); its calls, counted."""
+    from kubernetes.client.exceptions import ApiException
+
+    calls = _count_calls(pub)
+    counting = pub._rest.json
+
+    def refusing(method: str, path: str, **kwargs: Any) -> Any:
+        out = counting(method, path, **kwargs)  # counted (the simulator stores nothing for a dry run)
+        if any(k == "dryRun" for k, _ in kwargs.get("query") or ()):
+            exc = ApiException(status=400, reason="Bad Request")
+            exc.body = json.dumps({"kind": "Status", "code": 400, "message": NO_DRY_RUN})
+            raise exc
+        return out
+
+    pub._rest.json = refusing  # type: ignore[method-assign]
+    return calls
+
+
+NO_DRY_RUN = 'admission webhook "slices.example.com" does not support dry run'
+
+
+def test_a_server_refusing_dry_runs_is_warned_once_not_asked_at_every_sync(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every dry run refused: finding out at start must not turn into a refused call at every sync
+    # (with every GPU healthy, nor after a restart with an unhealthy GPU already published tainted),
+    # and the slice is published all the same.
+    taints: dict[int, devices.Taint] = {}
+    with ApiServerSimulator() as sim:
+        sim.add_node("node-a")
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
+        calls = _refuse_dry_runs(pub)
+        with caplog.at_level("WARNING", logger="gpumanager.dra.publisher"):
+            settle(pub, passes=8)
+            del calls[:]
+            for _ in range(4):
+                assert not pub.sync()
+        assert calls == [("GET", False)] * 4, calls
+        assert _devices(sim) == {"gpu-0": False, "gpu-1": False}
+        refused = [r.getMessage() for r in caplog.records if "as a dry run" in r.getMessage()]
+        assert len(refused) == 1 and "does not support dry run" in refused[0], refused
+        taints[0] = devices.Taint("XID 79", "2026-11-23T00:00:00Z")
+        settle(pub, passes=8)
+        assert _devices(sim) == {"gpu-0": True, "gpu-1": False}
+        assert pub.gates_off == frozenset()
+
+        restarted = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=slice_content(tmp_path, taints))
+        calls = _refuse_dry_runs(restarted)
+        assert settle(restarted, passes=8) == 0, "the stored slice is current"
+        del calls[:]
+        for _ in range(4):
+            assert not restarted.sync()
+        assert calls == [("GET", False)] * 4, calls

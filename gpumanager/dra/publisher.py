@@ -464,8 +464,9 @@ class SlicePublisher:
         drops them; where no device is tainted, one gets a probe taint for the dry run only), and the
         fields of another feature gate it did not keep (:attr:`gates_off`; where it keeps them now, what
         it kept before is forgotten, so this sync writes the slice whole again). Nothing to find out
-        (every gate known on) costs no call. Returns whether the dry run kept device taints. Raises
-        what the write would (connection errors, a conflict, throttling, a server error)."""
+        (every gate known on) costs no call. Returns whether this sync's write needs no dry run of its
+        taints first (this one kept them, or the server refused it). Raises what the write would
+        (connection errors, forbidden, a conflict, throttling, a server error)."""
         taints = not self._taints_known or self.drops_taints
         kept_gates = _gates(_dropped(*self._kept)) if ours is not None and self._kept is not None else set()
         if not taints and not kept_gates:
@@ -488,9 +489,9 @@ class SlicePublisher:
             otherwise = "the slice stays as it was kept"
         answer = self._dry_run(ours, spec, " and ".join(checking), otherwise)
         if answer is None:
-            if probe and not self.drops_taints:
+            if taints and not self.drops_taints:
                 self._taints_known = True  # not again at each sync: the first tainted write tells
-            return False
+            return taints  # no second dry run before this sync's write: it would be refused the same
         got = answer.get("spec") or {}
         kept = bool(_tainted(spec)) and self._learn_taints(spec, got, probe=probe)
         if kept_gates and _comparable(_untainted(got)) == _comparable(_untainted(spec)):

@@ -226,3 +226,21 @@ def test_a_server_refusing_dry_runs_is_warned_once_not_asked_at_every_sync(
         for _ in range(4):
             assert not restarted.sync()
         assert calls == [("GET", False)] * 4, calls
+
+
+def test_a_node_without_gpus_makes_no_dry_run(tmp_path: Path) -> None:
+    # No device to put a probe taint on: nothing to find out, no call per sync.
+    with ApiServerSimulator(disabled_features=[TAINTS]) as sim:
+        sim.add_node("node-a")
+        whole = slice_content(tmp_path, {})
+
+        def empty(generation: int) -> dict[str, Any]:
+            return {**whole(generation), "devices": []}
+
+        pub = SlicePublisher(sim.client(), node="node-a", driver=DRIVER, content=empty)
+        settle(pub, passes=8)
+        calls = _count_calls(pub)
+        for _ in range(3):
+            assert not pub.sync()
+        assert calls == [("GET", False)] * 3, calls
+        assert pub.gates_off == frozenset()

@@ -468,13 +468,14 @@ class SlicePublisher:
         taints first (this one kept them, or the server refused it). Raises what the write would
         (connection errors, forbidden, a conflict, throttling, a server error)."""
         taints = not self._taints_known or self.drops_taints
-        kept_gates = _gates(_dropped(*self._kept)) if ours is not None and self._kept is not None else set()
-        if not taints and not kept_gates:
-            return False
         spec = content
         probe = taints and not _tainted(spec)
         if probe:
             spec = _with_probe_taint(spec, self.driver)
+            taints = bool(_tainted(spec))  # a slice without devices has nothing to probe with
+        kept_gates = _gates(_dropped(*self._kept)) if ours is not None and self._kept is not None else set()
+        if not taints and not kept_gates:
+            return False
         checking = [f"the fields of feature gate {' and '.join(sorted(kept_gates))}"] if kept_gates else []
         if taints:
             checking.insert(0, "device taints")

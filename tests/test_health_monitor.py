@@ -32,6 +32,14 @@ def wait_for(cond, timeout=10.0):
             return False
         time.sleep(0.02)
     return True
+
+# Whether the monitor's event set holds these GPUs: an XID queued before is not seen (as with NVML), and
+# the set is made by the monitor's thread, whose start a loaded machine delays.
+def watched(mon, *indexes):
+    return mon._event_set is not None and set(indexes) <= mon._registered
+
+def watching(mon, *indexes):
+    assert wait_for(lambda: watched(mon, *indexes), timeout=30.0), f"GPUs {indexes} never registered for XIDs"
 """
 
 LOST_AT_START = (
@@ -45,7 +53,7 @@ mon.start()
 time.sleep(0.3)
 st.set_lost(0, False)
 back = wait_for(lambda: mon.state(0).healthy)
-time.sleep(0.3)  # the event set is made on the loop's next pass
+watching(mon, 0)  # the event set is made on the loop's next pass
 st.queue_xid(0, 79)
 seen = wait_for(lambda: not mon.state(0).healthy)
 mon.stop()
@@ -82,12 +90,12 @@ def create():
 pynvml.nvmlEventSetWait_v2 = wait
 pynvml.nvmlEventSetCreate = create
 mon.start()
-time.sleep(0.3)
+watching(mon, 0, 1, 2, 3)
 failing["on"] = True
 time.sleep(3.0)
 failing["on"] = False
 recovered = wait_for(lambda: reports and reports[-1][1] is None)
-time.sleep(0.3)
+watching(mon, 1)
 st.queue_xid(1, 79)
 seen = wait_for(lambda: not mon.state(1).healthy)
 mon.stop()
@@ -132,7 +140,7 @@ def register(handle, types, es):
 pynvml.nvmlEventSetWait_v2 = wait
 pynvml.nvmlDeviceRegisterEvents = register
 mon.start()
-time.sleep(0.3)
+watching(mon, 0, 1, 2, 3)
 failing["wait"] = True
 wait_for(lambda: mon._event_set is None)
 # GPU 1 cannot be registered when the set is made again: NVML fails for it, or it is lost meanwhile.
@@ -150,7 +158,7 @@ else:
     failing["register"] = False
 cleared = wait_for(lambda: not mon.event_problem())
 wait_for(lambda: mon.state(1).healthy)
-time.sleep(0.3)
+watching(mon, 1)
 st.queue_xid(1, 79)
 seen = wait_for(lambda: not mon.state(1).healthy, timeout=3.0)
 mon.stop()
@@ -180,7 +188,7 @@ nvml.init()
 node = discovery.discover(Path(sys.argv[1]))
 mon = HealthMonitor(node.gpus, ignored_xids=(13, 31), quiet_period=5.0, probe_period=0.1)
 mon.start()
-time.sleep(0.3)
+watching(mon, 0, 1)
 for _ in range(200):
     st.queue_xid(0, 13)
     st.queue_xid(1, 31)

@@ -277,3 +277,15 @@ def test_a_container_slow_to_start_holds_up_no_other_pod_of_its_node(tmp_path: P
         finally:
             release.set()
         cluster.wait_phase("slow", timeout=20)
+
+
+def test_a_replica_started_after_a_pod_was_deleted_does_not_count_the_pods_recorded_choice(world: World) -> None:
+    """A choice recorded on the node for a pod deleted before this replica started: the replica reads the
+    node, then lists the pods, which no longer show it, so the choice holds nothing (before, a restarted
+    replica refused every bind to that GPU for the choice's 30 s)."""
+    world.add_node("n", inventory([16]))
+    gone = claims.Claim("default/gone", time.time(), "1", (Charge(0, 60, 4 * BLOCK),))
+    _note_node(world, "n", claims.encode_claims({"uid-gone": gone}))
+    world.start_extender()
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    assert world.bind(pod, "n") == ""

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 #: Seconds a watch may fail (after its first list) before /readyz says not ready, at most.
 WATCH_GRACE = 30.0
+#: Seconds the pods' watch waits for the nodes' first list before it starts anyway.
+PODS_AFTER_NODES = 10.0
 
 
 def _gpu_pod(pod: dict[str, Any]) -> bool:
@@ -105,12 +107,18 @@ class Extender:
         return self.pods.get(uid) if uid else None
 
     def start(self) -> None:
-        """Start watching and serving (verbs answer once the watches have listed)."""
+        """Start watching and serving (verbs answer once the watches have listed). The pods are listed
+        once the nodes have been (or after :data:`PODS_AFTER_NODES` seconds): a choice recorded on a node
+        for a pod that list no longer shows was one of a pod deleted or ended since, and holds nothing."""
         self.nodes.start()
-        self.pods.start()
+        threading.Thread(target=self._start_pods, name="pods-after-nodes", daemon=True).start()
         self.server.start()
         threading.Thread(target=self._settle, name="gc-freeze", daemon=True).start()
         log.info("policy %s; watching nodes and pods", self.settings.policy)
+
+    def _start_pods(self) -> None:
+        self.nodes.wait_synced(PODS_AFTER_NODES)
+        self.pods.start()
 
     def _settle(self) -> None:
         """Once the first lists are in, move them out of the garbage collector's way: a full collection

@@ -159,7 +159,9 @@ class ClusterState:
         if not isinstance(raw, str) or not raw:
             self._node_claims.pop(name, None)
         elif name not in self._node_claims or self._node_claims[name][0] != raw:
-            self._node_claims[name] = (raw, parse_claims(node))
+            parsed = parse_claims(node)
+            self._node_claims[name] = (raw, parsed)
+            self.sightings.live(parsed)  # read now: a list of the pods started later shows them, or they are gone
 
     def node_event(self, kind: str, node: Node) -> None:
         """A node was added, changed or deleted."""

@@ -155,6 +155,7 @@ struct dev {
     uint64_t learn_done;
     uint64_t lag_us;          /* how far behind now samples are counted: a new sample's age plus a period (likewise) */
     uint64_t prov_open_us;    /* when the newest provisional slot was opened */
+    double prov_done[PROVISIONAL]; /* the launches each provisional charge is for (revalued when the cost is learnt) */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -929,7 +930,8 @@ static void charge_provisional(struct dev *d, uint64_t now)
         d->prov_completed = d->completed;
         return;
     }
-    double ns = (double)(d->completed > d->prov_completed ? d->completed - d->prov_completed : 0) * d->cost;
+    double count = (double)(d->completed > d->prov_completed ? d->completed - d->prov_completed : 0);
+    double ns = count * d->cost;
     if (ns < wall)
         ns = wall;
     d->prov_completed = d->completed;
@@ -947,6 +949,7 @@ static void charge_provisional(struct dev *d, uint64_t now)
     if (d->prov_n > 0 && grain > 0 && us < d->prov_open_us + grain) {
         unsigned newest = (d->prov_head + d->prov_n - 1) % PROVISIONAL;
         d->prov_ns[newest] += ns;
+        d->prov_done[newest] += count;
         if (us > d->prov_us[newest])
             d->prov_us[newest] = us;
         return;
@@ -961,13 +964,34 @@ static void charge_provisional(struct dev *d, uint64_t now)
          */
         unsigned next = (d->prov_head + 1) % PROVISIONAL;
         d->prov_ns[next] += d->prov_ns[d->prov_head];
+        d->prov_done[next] += d->prov_done[d->prov_head];
         d->prov_head = next;
         d->prov_n--;
     }
     unsigned slot = (d->prov_head + d->prov_n) % PROVISIONAL;
     d->prov_us[slot] = us;
     d->prov_ns[slot] = ns;
+    d->prov_done[slot] = count;
     d->prov_n++;
+}
+
+/*
+ * The cost was first learnt (d->mu held): the provisional charges not yet covered by samples are made again at it.
+ * Charged at the first guess (5 ms for 1 ms kernels) or at the wall time launches were outstanding, they held the
+ * container far below its share until the samples came; refunded a sample at a time (samples 1 s late: for a
+ * second), each refund was spent as it came and the share went 30 points over the limit for that second.  Made again
+ * at once, the over-charge comes back in one step, which the credit cap bounds.  Only then: at every later change
+ * (several processes' costs move by tens of percent from one sample to the next) the cap cut the rises and kept the
+ * falls of a second's charges, and 50 % gave 45 %.
+ */
+static void revalue_provisional(struct dev *d)
+{
+    for (unsigned k = 0; k < d->prov_n; k++) {
+        unsigned i = (d->prov_head + k) % PROVISIONAL;
+        double ns = d->prov_done[i] * d->cost;
+        d->credit += d->prov_ns[i] - ns;
+        d->prov_ns[i] = ns;
+    }
 }
 
 /* Refunds the provisional charges made at or before sample time upto_us (all of them: UINT64_MAX). */
@@ -1051,6 +1075,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->learn_known = known;
         d->learn_done = done_then;
     } else if (d->self_sampled) {
+        bool guessed = !d->cost_learnt;
         double done = done_then > d->learn_done ? (double)(done_then - d->learn_done) : 0.0;
         d->learn_done = done_then;
         d->acc_busy = d->acc_busy * COST_DECAY + d->own_unlearnt;
@@ -1068,6 +1093,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
             d->cost *= 0.5;
             d->cost_learnt = true; /* measured: tiny, so the wall time outstanding is no bound worth charging */
         }
+        if (guessed && d->cost_learnt)
+            revalue_provisional(d); /* never before: the charges at the wall time outstanding bound the guess */
     }
     if (vc_core_config()->soft) {
         if (counted_all_as_own()) {

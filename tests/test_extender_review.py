@@ -229,11 +229,13 @@ def test_readyz_reports_a_failing_pod_watch_and_recovers(world: World) -> None:
     _one_gpu_world(world, assume_ttl=1)
     assert _readyz(world)[0] == 200
     world.api.set_down(True, "503")
-    wait_for(lambda: _readyz(world)[0] == 503, timeout=15, what="/readyz answering 503")
-    detail = _readyz(world)[1]
-    assert detail["ready"] is False and "503" in str(detail["pods_watch_error"]), detail
+    wait_for(lambda: _readyz(world)[0] == 503, timeout=30, what="/readyz answering 503")
+    # The node watch may pass its grace first (it says 503 alone then): wait for the pod watch's.
+    wait_for(lambda: "pods_watch_error" in _readyz(world)[1], timeout=30, what="/readyz naming the pod watch")
+    status, detail = _readyz(world)
+    assert status == 503 and detail["ready"] is False and "503" in str(detail["pods_watch_error"]), detail
     world.api.set_down(False)
-    wait_for(lambda: _readyz(world)[0] == 200, timeout=15, what="/readyz answering 200 again")
+    wait_for(lambda: _readyz(world)[0] == 200, timeout=30, what="/readyz answering 200 again")
 
 
 def test_readyz_reports_a_hung_api_server_whose_open_watches_went_silent(world: World) -> None:

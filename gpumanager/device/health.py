@@ -238,6 +238,9 @@ class HealthMonitor:
         # second cost more CPU than the calls); replaced when a call in it hangs.
         self._round: _GpuCaller | None = None
         self._hung: dict[int, Future[Any]] = {}  # of each GPU whose call did not return in time: that call
+        # Of each GPU whose registration in an event set hung: that call and the set it registers the GPU in
+        # once it returns (such a set is not freed before: the call would write to freed memory).
+        self._late_registrations: dict[int, tuple[Future[Any], Any]] = {}
         self.xid_events = 0
         self.ignored_xid_events = 0
         #: XID events not ignored: counted on its own, so a reader never sees it drop (the difference of
@@ -399,8 +402,25 @@ class HealthMonitor:
         for index, handle in sorted(self._handles.items()):
             if index in self._registered or index in self._unsupported or index in self._hung:
                 continue  # a GPU whose NVML call hangs is registered once it answers again
+            late = self._late_registrations.get(index)
+            if late is not None:
+                if not late[0].done():
+                    continue
+                del self._late_registrations[index]
+                if late[1] is event_set and late[0].exception() is None:
+                    self._registered.add(index)  # by the call that hung, once it returned
+                    continue
+            # Through the GPU's own thread, given NVML_CALL_TIMEOUT: a GPU that hangs after the probe that
+            # found it answering must not stop the watch of the others' XIDs and their probes.
+            register = functools.partial(
+                pynvml.nvmlDeviceRegisterEvents, handle, pynvml.nvmlEventTypeXidCriticalError, event_set
+            )
             try:
-                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+                self._call(index, register)
+            except _Hung:
+                self._late_registrations[index] = (self._hung[index], event_set)
+                self._not_answering(index)
+                continue
             except pynvml.NVMLError as exc:
                 if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
                     self._unsupported.add(index)
@@ -435,8 +455,11 @@ class HealthMonitor:
             if self._report is not None:
                 self._report(XID_EVENTS, problem or None)
 
-    @staticmethod
-    def _free(event_set: Any) -> None:
+    def _free(self, event_set: Any) -> None:
+        if any(s is event_set and not f.done() for f, s in self._late_registrations.values()):
+            # A registration in it that hung may still write to it: left allocated (a few bytes) instead.
+            log.debug("an event set a hung GPU's registration may still use is not freed")
+            return
         try:
             pynvml.nvmlEventSetFree(event_set)
         except pynvml.NVMLError as exc:

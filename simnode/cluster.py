@@ -37,7 +37,6 @@ from simnode.agent_process import SPEC_DIR, AgentProcess
 from simnode.apiserver import ApiServerSimulator
 from simnode.apiserver_client import HttpPodApi
 from simnode.apiserver_objects import pod_manifest
-from simnode.apiserver_quantity import value as quantity_value
 from simnode.apiserver_rbac import SHIPPED, resolve_rules, shipped_account
 from simnode.cgroup_files import make_cgroup
 from simnode.gpusim_state import repo_root
@@ -352,25 +351,10 @@ class SimCluster:
 
     def _admit(self, pod: Mapping[str, Any]) -> PodRun:
         run = self.runs[str(pod["metadata"]["uid"])]
-        # A sidecar (an init container with restartPolicy Always) runs beside the others: its devices
-        # are not reusable, as for an app container.
-        inits = [(c, c.get("restartPolicy") != "Always") for c in pod["spec"].get("initContainers") or []]
         try:
-            for c, init in [*inits, *((c, False) for c in pod["spec"]["containers"])]:
-                limits = (c.get("resources") or {}).get("limits") or {}
-                wanted = {
-                    res: int(quantity_value(limits.get(res, 0)))
-                    for res in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)
-                }
-                kw = {"pod_uid": run.uid, "container_name": c["name"], "pod_name": run.name, "namespace": run.namespace}
-                # The kubelet writes its checkpoint once the container's resources are all allocated.
-                made = []
-                for res in self.kubelet.limits_order(r for r, n in wanted.items() if n):
-                    held = run.core if res == names.VCORE_RESOURCE else run.memory
-                    held[c["name"]] = self.kubelet.allocate(res, wanted[res], init_container=init, write=False, **kw)
-                    made.append(held[c["name"]])
-                if any(not record.reused for record in made):
-                    self.kubelet.write_checkpoint()
+            for record in self.kubelet.admit_pod(pod, (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE)):
+                held = run.core if record.resource == names.VCORE_RESOURCE else run.memory
+                held[record.container_name] = record
         except KubeletSimError as exc:
             self._admission_failed(run, exc)
             raise

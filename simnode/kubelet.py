@@ -55,7 +55,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent import futures
 from dataclasses import dataclass
@@ -67,6 +67,7 @@ import grpc
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as _pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as _pb_grpc
+from simnode.apiserver_quantity import value as quantity_value
 from simnode.kubelet_checkpoint import (
     CHECKPOINT_FILE,
     NODE_WITHOUT_TOPOLOGY,
@@ -135,6 +136,16 @@ FillOrder = Literal["random", "sorted"]
 
 # --------------------------------------------------------------------------------------------
 # errors
+
+
+def admission_order(pod: Mapping[str, Any]) -> list[tuple[Mapping[str, Any], bool]]:
+    """The pod's containers in the order the kubelet's device manager allocates and starts them: the init
+    containers in spec order, then the app containers; with each, whether it is an ordinary init container
+    (one that runs to completion, whose devices later containers of the pod may reuse) rather than a sidecar
+    (``restartPolicy: Always``, running beside the app containers) or an app container."""
+    spec = pod.get("spec") or {}
+    inits = [(c, c.get("restartPolicy") != "Always") for c in spec.get("initContainers") or []]
+    return [*inits, *((c, False) for c in spec.get("containers") or [])]
 
 
 class KubeletSimError(RuntimeError):
@@ -1115,6 +1126,37 @@ class KubeletSimulator:
             with self._lock:
                 self._rng.shuffle(out)
         return out
+
+    def admit_pod(self, pod: Mapping[str, Any], resources: Iterable[str]) -> Iterator[AllocationRecord]:
+        """Allocate for every container of ``pod`` asking for any of ``resources``, as the kubelet's device
+        manager admits a pod: in :func:`admission_order` (init containers first, whose devices later
+        containers may reuse), each container's resources in :meth:`limits_order`, the checkpoint written
+        once per container after all of its resources (not when they were all reused).
+
+        Yields each record as it is made; the first failure raises (:class:`KubeletSimError`), the
+        devices allocated before it staying recorded until the caller removes the pod."""
+        md = pod["metadata"]
+        uid, name, namespace = str(md["uid"]), str(md["name"]), str(md.get("namespace") or "default")
+        kinds = list(resources)
+        for c, init in admission_order(pod):
+            limits = (c.get("resources") or {}).get("limits") or {}
+            wanted = {res: int(quantity_value(limits.get(res, 0))) for res in kinds}
+            made = []
+            for res in self.limits_order(r for r, n in wanted.items() if n):
+                record = self.allocate(
+                    res,
+                    wanted[res],
+                    pod_uid=uid,
+                    container_name=str(c["name"]),
+                    pod_name=name,
+                    namespace=namespace,
+                    init_container=init,
+                    write=False,
+                )
+                made.append(record)
+                yield record
+            if any(not record.reused for record in made):
+                self.write_checkpoint()
 
     def allocate(
         self,

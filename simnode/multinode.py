@@ -8,12 +8,17 @@ a *node loop* doing what the kubelet does with the API server:
   the node's capacity and allocatable of the two extended resources are set from the devices
   the plugins report (allocatable: the healthy ones);
 * admission of each pod bound to the node, one at a time in arrival order (the kubelet's sync loop): the resource check
-  against allocatable (``OutOf<resource>``), then Allocate for every resource of every container
-  (a container's resources in random order, as the kubelet ranges over its limits, a Go map; the
+  against allocatable (``OutOf<resource>``; the pod's effective requests, its init containers counted as
+  the kubelet counts them), then Allocate for every resource of every container, the init containers
+  first, in order (an ordinary init container's devices reusable by the later containers of the pod:
+  :meth:`~simnode.kubelet.KubeletSimulator.admit_pod`, as the single-node harness does; a container's
+  resources in random order, as the kubelet ranges over its limits, a Go map; the
   kubelet simulator's seed is printed, ``SIMNODE_KUBELET_SEED`` repeats it; the agent's refusal
   makes the pod ``Failed`` with reason ``UnexpectedAdmissionError``, as the kubelet does); then, in
   the pod's own worker thread while the next pod is admitted (the kubelet's pod workers),
-  PreStartContainer (in random order too), then a cgroup and a PID per container; the status
+  PreStartContainer (in random order too) for each container in the same order, then a cgroup and a PID
+  per container (an ordinary init container has run to completion: no process, its status terminated,
+  ``Completed``; a sidecar runs on beside the app containers); the status
   update (``Running`` with the container IDs) reaches the API server ``status_lag`` seconds
   after the containers started (:data:`~simnode.cluster.STATUS_LAG_SECONDS` by default, as the
   single-node harness; 0 publishes it at once);
@@ -60,9 +65,9 @@ from simnode.cgroup_files import make_cgroup
 from simnode.cluster import STATUS_LAG_SECONDS
 from simnode.extender_process import ExtenderProcess
 from simnode.gpusim_state import repo_root
-from simnode.kubelet import KubeletSimError, KubeletSimulator
+from simnode.kubelet import KubeletSimError, KubeletSimulator, admission_order
 from simnode.kubelet_deletion import PodTerminator
-from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity, profile_names
+from simnode.scheduler import SchedulerStandIn, load_configuration, parse_quantity, pod_requests, profile_names
 from simnode.simhost import install_sim_driver, volume_conf
 
 log = logging.getLogger(__name__)
@@ -339,22 +344,18 @@ class SimNode:
             uid = str(other["metadata"]["uid"])
             if uid == exclude or uid not in self._admitted:
                 continue
-            for c in other["spec"].get("containers") or []:
-                for r, v in ((c.get("resources") or {}).get("limits") or {}).items():
-                    used[r] = used.get(r, Decimal(0)) + parse_quantity(v)
+            for r, v in pod_requests(other).items():
+                used[r] = used.get(r, Decimal(0)) + v
         return used
 
     def _admit(self, pod: dict[str, Any]) -> None:
         md = pod["metadata"]
         uid, name, namespace = str(md["uid"]), str(md["name"]), str(md.get("namespace", "default"))
-        containers = pod["spec"].get("containers") or []
         _, allocatable = self.device_counts()
         used = self._used(uid)
+        requests = pod_requests(pod)  # init containers and sidecars counted as the kubelet's admission does
         for resource in GPU_RESOURCES:
-            asked = sum(
-                (parse_quantity(((c.get("resources") or {}).get("limits") or {}).get(resource, 0)) for c in containers),
-                Decimal(0),
-            )
+            asked = requests.get(resource, Decimal(0))
             have = Decimal(allocatable[resource]) - used.get(resource, Decimal(0))
             if asked > have:
                 self._reject(
@@ -365,25 +366,9 @@ class SimNode:
                 )
                 return
         try:
-            for c in containers:
-                limits = (c.get("resources") or {}).get("limits") or {}
-                wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
-                # The kubelet ranges over the container's limits (a Go map: no order) and writes its
-                # checkpoint once the container's resources are all allocated.
-                made = [
-                    self.kubelet.allocate(
-                        resource,
-                        int(parse_quantity(limits[resource])),
-                        pod_uid=uid,
-                        container_name=c["name"],
-                        pod_name=name,
-                        namespace=namespace,
-                        write=False,
-                    )
-                    for resource in self.kubelet.limits_order(wanted)
-                ]
-                if any(not record.reused for record in made):
-                    self.kubelet.write_checkpoint()
+            # Init containers first, as the kubelet's device manager does (see KubeletSimulator.admit_pod).
+            for _ in self.kubelet.admit_pod(pod, GPU_RESOURCES):
+                pass
         except KubeletSimError as exc:
             self._reject(pod, "UnexpectedAdmissionError", f"Allocate failed due to {exc}, which is unexpected")
             return
@@ -396,12 +381,17 @@ class SimNode:
         worker.start()
 
     def _start_pod(self, pod: dict[str, Any], admitted: _Admitted) -> None:
-        """The pod worker: PreStartContainer for each container's resources, then its cgroup and PID, then
-        the status update; stops where the pod was removed meanwhile."""
+        """The pod worker: for each container, init containers first, PreStartContainer for its resources, then
+        its cgroup and PID (none for an init container run to completion), then the status update; stops
+        where the pod was removed meanwhile."""
         md = pod["metadata"]
         uid = admitted.uid
+        init_statuses: list[dict[str, Any]] = []
+        statuses: list[dict[str, Any]] = []
         try:
-            for c in pod["spec"].get("containers") or []:
+            # Init containers one after the other, each run to completion (its process gone) before the next
+            # starts; a sidecar runs on beside the app containers, as these do.
+            for c, ordinary_init in admission_order(pod):
                 limits = (c.get("resources") or {}).get("limits") or {}
                 wanted = [r for r in GPU_RESOURCES if int(parse_quantity(limits.get(r, 0)))]
                 for resource in self.kubelet.limits_order(wanted):
@@ -412,27 +402,38 @@ class SimNode:
                         return
                 cid = f"{uid.replace('-', '')[:16]}{c['name']}"
                 directory = self.cgroup_root / "kubepods" / f"pod{uid}" / cid
+                now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                status = {
+                    "name": c["name"],
+                    "containerID": f"containerd://{cid}",
+                    "ready": True,
+                    "restartCount": 0,
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "state": {"running": {"startedAt": now}},
+                }
                 with self._lock:
                     if self._admitted.get(uid) is not admitted:
                         return  # removed while it started
+                    if ordinary_init:
+                        done = {"exitCode": 0, "reason": "Completed", "containerID": status["containerID"]}
+                        status["state"] = {"terminated": {**done, "startedAt": now, "finishedAt": now}}
+                        init_statuses.append(status)
+                        continue
                     make_cgroup(directory, [next(_pids)])
                     admitted.cgroups.append(directory)
-                    admitted.statuses.append(
-                        {
-                            "name": c["name"],
-                            "containerID": f"containerd://{cid}",
-                            "ready": True,
-                            "restartCount": 0,
-                            "image": c.get("image", ""),
-                            "imageID": "",
-                            "state": {"running": {"startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}},
-                        }
-                    )
+                    if any(i is c for i in (pod["spec"].get("initContainers") or [])):
+                        init_statuses.append(status)  # a sidecar
+                    else:
+                        admitted.statuses.append(status)
                     statuses = list(admitted.statuses)
         except Exception:
             log.exception("node %s: starting pod %s failed", self.name, admitted.key)
             return
-        self._publish(md, {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}, running=True)
+        published: dict[str, Any] = {"phase": "Running", "containerStatuses": statuses, "qosClass": "BestEffort"}
+        if init_statuses:
+            published["initContainerStatuses"] = init_statuses
+        self._publish(md, published, running=True)
 
     def _prestart_failed(self, pod: dict[str, Any], container: str, message: str) -> None:
         md = pod["metadata"]
@@ -446,7 +447,8 @@ class SimNode:
             "imageID": "",
             "state": {"waiting": {"reason": "CreateContainerError", "message": message}},
         }
-        self._publish(md, {"containerStatuses": [status]})
+        init = any(c.get("name") == container for c in pod["spec"].get("initContainers") or [])
+        self._publish(md, {"initContainerStatuses" if init else "containerStatuses": [status]})
 
 
 class MultiNodeCluster:

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, overload
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -247,23 +247,41 @@ class _Bind:
     def _read(self) -> JSON | None:
         """The pod by name from the API server, whatever its UID; None when there is none."""
         args = self.args
-        try:
-            response: Any = self._core.read_namespaced_pod(
+        return self._read_object(
+            lambda: self._core.read_namespaced_pod(
                 args.pod_name,
                 args.pod_namespace,
                 _preload_content=False,
                 _request_timeout=self.deadline.call_timeout(),
-            )
+            ),
+            f"cannot read {self.who}",
+        )
+
+    @overload
+    def _read_object(self, read: Callable[[], Any], failed: str, missing: str) -> JSON: ...
+
+    @overload
+    def _read_object(self, read: Callable[[], Any], failed: str, missing: None = None) -> JSON | None: ...
+
+    def _read_object(self, read: Callable[[], Any], failed: str, missing: str | None = None) -> JSON | None:
+        """One read from the API server (``read``), its answer as a JSON object.
+
+        Not found (404): None, or with ``missing`` a refusal with that message. Any other failure, or an
+        answer that is not a JSON object: a BindError ``<failed>: <why>``."""
+        try:
+            response: Any = read()
         except ApiException as exc:
             if exc.status == 404:
-                return None
-            raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
+                if missing is None:
+                    return None
+                raise BindError(missing, "refused") from exc
+            raise BindError(f"{failed}: {_api_text(exc, self.deadline)}") from exc
         except Exception as exc:
-            raise BindError(f"cannot read {self.who}: {_api_text(exc, self.deadline)}") from exc
+            raise BindError(f"{failed}: {_api_text(exc, self.deadline)}") from exc
         try:
             return _json_object(response)
         except _BadAnswerError as exc:
-            raise BindError(f"cannot read {self.who}: {exc}") from exc
+            raise BindError(f"{failed}: {exc}") from exc
 
     def _patch(self, rv: str, annotations: Mapping[str, str | None]) -> JSON:
         body = {"metadata": {"resourceVersion": rv, "annotations": dict(annotations)}}
@@ -440,20 +458,11 @@ class _Bind:
     def _read_node(self) -> JSON:
         """The bind's node from the API server (a current read: the watch may lag)."""
         node = self.args.node
-        try:
-            response: Any = self._core.read_node(
-                node, _preload_content=False, _request_timeout=self.deadline.call_timeout()
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                raise BindError(f"{self.who}: node {node} not found", "refused") from exc
-            raise BindError(f"{self.who}: cannot read node {node}: {_api_text(exc, self.deadline)}") from exc
-        except Exception as exc:
-            raise BindError(f"{self.who}: cannot read node {node}: {_api_text(exc, self.deadline)}") from exc
-        try:
-            return _json_object(response)
-        except _BadAnswerError as exc:
-            raise BindError(f"{self.who}: cannot read node {node}: {exc}") from exc
+        return self._read_object(
+            lambda: self._core.read_node(node, _preload_content=False, _request_timeout=self.deadline.call_timeout()),
+            f"{self.who}: cannot read node {node}",
+            f"{self.who}: node {node} not found",
+        )
 
     def _record(self, node: JSON, claims: Mapping[str, Claim]) -> None:
         """Write ``claims`` on the node, on condition that it has not changed since it was read."""

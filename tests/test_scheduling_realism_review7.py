@@ -83,3 +83,28 @@ def test_an_app_container_reusing_its_init_containers_devices_runs_on_the_gpu_it
             assert _visible(cluster, uid, "c0") == gpus[int(ann[f"{PREFIX}0"])]
         assert cluster.refusals() == []
         assert cluster.over_committed() == {}
+
+
+def test_a_gpu_sidecar_runs_beside_the_app_container_on_the_gpu_its_annotation_names(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    """An init container with ``restartPolicy: Always`` (a sidecar) keeps running beside the app container:
+    its devices are its own (not handed on), it gets a process of its own, and its status says running."""
+    gpus = [g.uuid for g in load_spec(spec_dir() / f"{SPEC}.json").gpus]
+    cluster = MultiNodeCluster(tmp_path / "c", [("v", SPEC)], node_status_period=0.3, scheduler_backoff=(0.2, 1.0))
+    with cluster:
+        pod = _with_init("p", init=(40, 4), app=(40, 4))
+        pod["spec"]["initContainers"][0]["restartPolicy"] = "Always"
+        cluster.create(pod)
+        running = cluster.wait_phase("p", timeout=60)
+        uid = str(running["metadata"]["uid"])
+        ann = running["metadata"]["annotations"]
+        records = cluster.nodes["v"].kubelet.allocations(uid)
+        ids = {(r.container_name, r.resource): set(r.device_ids) for r in records}
+        assert not ids[("setup", names.VCORE_RESOURCE)] & ids[("c0", names.VCORE_RESOURCE)]
+        assert _visible(cluster, uid, "setup") == gpus[int(ann[f"{PREFIX}-1"])]
+        assert _visible(cluster, uid, "c0") == gpus[int(ann[f"{PREFIX}0"])]
+        inits = running["status"]["initContainerStatuses"]
+        assert [s["name"] for s in inits] == ["setup"] and "running" in inits[0]["state"]
+        assert len(list((cluster.nodes["v"].cgroup_root / "kubepods" / f"pod{uid}").iterdir())) == 2
+        assert cluster.refusals() == []

@@ -284,9 +284,10 @@ class HealthMonitor:
         return ""
 
     def start(self) -> None:
-        """Probe every GPU once, then start the monitoring thread. A GPU NVML gives no handle for (lost) is
-        marked bad, and its handle is asked for again at each probe. A GPU lost at start (NVML failed or did
-        not answer for it in discovery) is asked for by the thread only, so the start does not wait for it."""
+        """Probe every GPU once and register those answering for XID events, then start the monitoring
+        thread. A GPU NVML gives no handle for (lost) is marked bad, and its handle is asked for again at
+        each probe. A GPU lost at start (NVML failed or did not answer for it in discovery) is asked for by
+        the thread only, so the start does not wait for it."""
         for g in self._gpus:
             if g.index in self._unnamed:
                 self._missing.add(g.index)
@@ -298,6 +299,12 @@ class HealthMonitor:
             self._probe(take_missing=False)
         except Exception:
             log.exception("the first GPU health probe failed; the health thread probes again")
+        # The event set too, before the GPUs are offered: NVML shows a set only the XIDs raised after its
+        # GPUs were registered, and the thread may run late on a loaded node.
+        try:
+            self._ensure_events()
+        except Exception:
+            log.exception("registering the GPUs for XID events failed; the health thread tries again")
         self._thread = threading.Thread(target=self._run, name="gpu-health", daemon=True)
         self._thread.start()
 

@@ -354,6 +354,7 @@ class _Queued:
     attempts: int = 0
     unschedulable_since: float | None = None
     last_message: str = ""
+    cycle: int = 0  # the scheduling cycle of its latest attempt
 
 
 @dataclass
@@ -414,6 +415,11 @@ class SchedulerStandIn:
         self._queued: dict[str, _Queued] = {}
         self._waiting: set[str] = set()  # unschedulable: wait for a cluster event
         self._in_flight: set[str] = set()  # being scheduled or bound
+        # kube-scheduler's scheduling cycle (one a pod taken from the queue) and the cycle of the latest
+        # cluster event that moves unschedulable pods: a pod found unschedulable after such an event came
+        # during its attempt goes back to the queue after its backoff (the event may have made it fit).
+        self._cycle = 0
+        self._move_cycle = -1
         self._assumed: dict[str, tuple[str, dict[str, Decimal]]] = {}
         self._binders = ThreadPoolExecutor(max_workers=bind_workers, thread_name_prefix="sched-bind")
         self._stop = threading.Event()
@@ -485,6 +491,7 @@ class SchedulerStandIn:
 
     def _wake_waiting(self) -> None:
         """A cluster event: unschedulable pods go back to the queue (after their backoff)."""
+        self._move_cycle = self._cycle
         for uid in list(self._waiting):
             self._waiting.discard(uid)
             queued = self._queued.get(uid)
@@ -519,6 +526,8 @@ class SchedulerStandIn:
                     _, _, uid = heapq.heappop(self._heap)
                     if uid in self._queued and uid not in self._waiting and uid not in self._in_flight:
                         self._in_flight.add(uid)
+                        self._cycle += 1
+                        self._queued[uid].cycle = self._cycle
                         return uid
                     continue
                 wait = self._heap[0][0] - now if self._heap else 1.0
@@ -546,7 +555,7 @@ class SchedulerStandIn:
                 return
             queued.attempts += 1
             queued.last_message = message
-            if unschedulable:
+            if unschedulable and self._move_cycle < queued.cycle:
                 queued.unschedulable_since = time.monotonic()
                 self._waiting.add(uid)
             else:

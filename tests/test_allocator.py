@@ -55,7 +55,8 @@ def test_response_paths_are_normalised_as_paths() -> None:
             Mount("/usr/local/nvidia", "/vd/nvidia", True),
             Mount("/etc/vcuda", f"/etc/gpu-manager/vm/{uid_of('b')}", True),
         )
-        assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/main/vcuda.config"
+        # The answer's container directory in the answer's pod directory: where the agent writes it.
+        assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/side/vcuda.config"
         assert [d.host_path for d in resp.devices] == ["/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     root = build_response(alloc, gpus, ResponseSettings("/vd/nvidia", "/vd/origin", "/"))
     assert root.mounts[1].host_path == f"/{uid_of('b')}"

@@ -214,6 +214,9 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
         self._guessed: set[tuple[str, str]] = set()
+        # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
+        # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
+        self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
         # Unstarted allocations whose IDs came again in an Allocate answered as a repeat: perhaps the
         # kubelet gave them to another pod after failing this one's admission (see _hand_over).
         self._repeated: set[tuple[str, str]] = set()
@@ -671,12 +674,50 @@ class Allocator:
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
         """Decide (unless ``decided``) and stage; returns the allocation, its answer and the journal
         ticket to sync before answering."""
-        alloc = decided if decided is not None else self._decide(candidate, device_ids)
+        alloc = self._with_free_answer(decided if decided is not None else self._decide(candidate, device_ids))
         ticket = self._commit(alloc)
         # From the candidate's pod: one found in a fresh list is not in the cache yet (its env says compat32).
         response = self._response(alloc.key, candidate.pod)
         assert response is not None
         return alloc, response, ticket
+
+    def _with_free_answer(self, alloc: ContainerAllocation) -> ContainerAllocation:
+        """``alloc``, answered with a directory no other container is answered with (lock held).
+
+        Its own, unless a container of another pod took over an answer naming it: PreStartContainer
+        found that the kubelet gave the IDs matched to ``alloc``'s container (the first of identical
+        waiting pods) to that one, which mounts the directory the answer named. Then the directory of
+        that container's own name, which it does not mount; if another took that over too, the next
+        one along, as the both-allocated swap leaves them. With one container per name, the chain
+        ends at a name nobody is answered with."""
+        name = alloc.answered
+        seen = {alloc.key}
+        while True:
+            users = self._answering.get(name, set()) - {alloc.key}
+            if not users:
+                break
+            holder = min(users)
+            if holder in seen:  # only where records already shared a name (an older agent's): left as it was
+                log.warning(
+                    "pod %s container %s: no unused directory found for its answer; answered with %s/%s, "
+                    "which pod %s container %s is answered with too",
+                    *alloc.key,
+                    *alloc.answered,
+                    *holder,
+                )
+                return alloc
+            seen.add(holder)
+            name = holder
+        if name == alloc.answered:
+            return alloc
+        log.info(
+            "pod %s container %s is answered with the directory of pod %s container %s: pod %s container %s, "
+            "which started with the IDs first matched to it, mounts its own",
+            *alloc.key,
+            *name,
+            *min(self._answering[alloc.answered]),
+        )
+        return replace(alloc, answered_as=name)
 
     def _allocate_taking_back(
         self, candidate: Candidate, device_ids: tuple[str, ...], wanted: frozenset[str], received: float
@@ -1468,7 +1509,11 @@ class Allocator:
 
     def _insert(self, alloc: ContainerAllocation) -> None:
         key = alloc.key
+        old = self._allocs.get(key)
+        if old is not None:
+            self._unanswer(old)
         self._allocs[key] = alloc
+        self._answering.setdefault(alloc.answered, set()).add(key)
         self._generation += 1
         containers = self._by_pod.get(alloc.pod_uid)
         if containers is None:
@@ -1485,6 +1530,8 @@ class Allocator:
 
     def _remove(self, key: tuple[str, str]) -> ContainerAllocation | None:
         alloc = self._allocs.pop(key, None)
+        if alloc is not None:
+            self._unanswer(alloc)
         self._guessed.discard(key)
         self._repeated.discard(key)
         self._generation += 1
@@ -1508,6 +1555,14 @@ class Allocator:
                 if same:
                     self._by_ids[wanted] = max(same, key=self._rank)
         return alloc
+
+    def _unanswer(self, alloc: ContainerAllocation) -> None:
+        """Drop ``alloc`` from the containers answered with its directory (lock held)."""
+        users = self._answering.get(alloc.answered)
+        if users is not None:
+            users.discard(alloc.key)
+            if not users:
+                del self._answering[alloc.answered]
 
     def _rank(self, key: tuple[str, str]) -> int:
         """Where the kubelet allocates ``key`` among its pod's GPU containers (-1 when unknown)."""

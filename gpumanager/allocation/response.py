@@ -96,7 +96,8 @@ def build_response(
     envs = {
         "LD_LIBRARY_PATH": _LIB if compat32 else _LIB64,
         "NVIDIA_VISIBLE_DEVICES": ",".join([g.uuid for g in chosen]),
-        names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{allocation.container}/{names.VCUDA_CONFIG_FILE}",
+        # The container directory of the answer (another container's name when the answer is another's).
+        names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{allocation.answered[1]}/{names.VCUDA_CONFIG_FILE}",
     }
     devices = tuple([DeviceNode(path, path) for path in [g.device_path for g in chosen]]) + parts.common_devices
     mounts = (

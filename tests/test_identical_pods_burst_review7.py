@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import collections
+import os
+import shutil
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +16,11 @@ import pytest
 
 from gpumanager import names
 from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse
+from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import files
+from gpumanager.vmanager.manager import VirtualManager
 from simnode.cluster import PodRun, SimCluster, gpu_pod
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
@@ -154,3 +161,60 @@ def test_the_other_directorys_config_path_names_its_container(tmp_path: Path) ->
     assert a_rec is not None and a_rec.answered == (uid_of("b"), "y")
     assert _vcuda_mount(second_answer) == f"/etc/gpu-manager/vm/{uid_of('b')}"
     assert second_answer.envs[names.VCUDA_CONFIG_ENV] == f"{names.VCUDA_MOUNTPOINT}/y/{names.VCUDA_CONFIG_FILE}"
+
+
+# -- the pod sockets: each container registers where its answer's directory is --------------------------------------
+
+
+def _pod(uid: str, container: str, cid: str) -> dict[str, object]:
+    return {
+        "metadata": {"uid": uid, "name": f"p-{uid[:4]}", "namespace": "default"},
+        "spec": {"containers": [{"name": container}]},
+        "status": {
+            "phase": "Running",
+            "qosClass": "Guaranteed",
+            "containerStatuses": [{"name": container, "containerID": f"containerd://{cid}"}],
+        },
+    }
+
+
+def test_a_container_answered_with_the_taker_s_directory_registers_on_that_directory_s_socket(
+    tmp_path: Path,
+) -> None:
+    """b took a's first answer (it mounts a's directory); a was answered with b's: each registers on the
+    socket of the directory it mounts and its files are written there, in the answer's container directory."""
+    a, b = str(uuid.uuid4()), str(uuid.uuid4())
+    short = Path(tempfile.mkdtemp(prefix="vmi", dir="/tmp"))  # a vcuda.sock path must fit a unix address
+    pods = {a: _pod(a, "x", "a" * 64), b: _pod(b, "y", "b" * 64)}
+    allocs = {
+        (b, "y"): ContainerAllocation(b, "y", (0,), 50, 1 << 30, answered_as=(a, "x"), started=True),
+        (a, "x"): ContainerAllocation(a, "x", (1,), 50, 1 << 30, answered_as=(b, "y"), started=True),
+    }
+    for uid, cid in ((a, "a" * 64), (b, "b" * 64)):  # cgroupfs container cgroups holding a process (ours)
+        leaf = tmp_path / "cg" / "kubepods" / f"pod{uid}" / cid
+        leaf.mkdir(parents=True)
+        (leaf / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    vm = VirtualManager(
+        vm_path=short / "vm",
+        cgroup_root=tmp_path / "cg",
+        allocation=lambda u, c: allocs.get((u, c)),
+        pod=pods.get,
+        driver_version="550.54.15",
+    )
+    try:
+        for each in allocs.values():
+            vm.prepare(each)
+        for uid, name, socket_pod, subdir in ((a, "x", b, "y"), (b, "y", a, "x")):
+            written = vm.register(socket_pod, pb.VDeviceRequest(pod_uid=uid, container_name=name), time_left=1.0)
+            assert written == short / "vm" / socket_pod / subdir
+            config = files.unpack((written / names.VCUDA_CONFIG_FILE).read_bytes())
+            assert (config.pod_uid, config.container_name) == (uid, name)
+            assert (written / names.PIDS_CONFIG_FILE).exists()
+        # Only b mounts a's directory: a registration there by the name of that directory is b's.
+        written = vm.register(a, pb.VDeviceRequest(pod_uid=a, container_name="x"), time_left=1.0)
+        assert written == short / "vm" / a / "x"
+        config = files.unpack((written / names.VCUDA_CONFIG_FILE).read_bytes())
+        assert (config.pod_uid, config.container_name) == (b, "y")
+    finally:
+        vm.stop()
+        shutil.rmtree(short, ignore_errors=True)

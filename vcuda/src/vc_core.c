@@ -976,11 +976,13 @@ static void charge_provisional(struct dev *d, uint64_t now)
 }
 
 /*
- * The cost was first learnt (d->mu held): the provisional charges not yet covered by samples are made again at it.
+ * The cost was first learnt, or changed by a factor of 2 or more (d->mu held): the provisional charges not yet covered
+ * by samples are made again at it (10 us kernels halve from the first guess for a second: the charges at each older
+ * cost came back a sample at a time too, and 3 processes ran 74-100 % under a 50 % limit for most of a second).
  * Charged at the first guess (5 ms for 1 ms kernels) or at the wall time launches were outstanding, they held the
  * container far below its share until the samples came; refunded a sample at a time (samples 1 s late: for a
  * second), each refund was spent as it came and the share went 30 points over the limit for that second.  Made again
- * at once, the over-charge comes back in one step, which the credit cap bounds.  Only then: at every later change
+ * at once, the over-charge comes back in one step, which the credit cap bounds.  Only then: at every change
  * (several processes' costs move by tens of percent from one sample to the next) the cap cut the rises and kept the
  * falls of a second's charges, and 50 % gave 45 %.
  */
@@ -1075,7 +1077,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->learn_known = known;
         d->learn_done = done_then;
     } else if (d->self_sampled) {
-        bool guessed = !d->cost_learnt;
+        bool revalue = !d->cost_learnt;
+        double before = d->cost;
         double done = done_then > d->learn_done ? (double)(done_then - d->learn_done) : 0.0;
         d->learn_done = done_then;
         d->acc_busy = d->acc_busy * COST_DECAY + d->own_unlearnt;
@@ -1092,8 +1095,10 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
              */
             d->cost *= 0.5;
             d->cost_learnt = true; /* measured: tiny, so the wall time outstanding is no bound worth charging */
+            revalue = true;
         }
-        if (guessed && d->cost_learnt)
+        revalue = revalue || d->cost < before * 0.5 || d->cost > before * 2.0;
+        if (revalue && d->cost_learnt)
             revalue_provisional(d); /* never before: the charges at the wall time outstanding bound the guess */
     }
     if (vc_core_config()->soft) {

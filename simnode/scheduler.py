@@ -25,7 +25,8 @@ own, the way kube-scheduler does:
   "0/N nodes are available: <count> <reason>, ..." message (kube-scheduler's: no node named) and
   waits until a pod is deleted or a node changes what scheduling looks at (allocatable, labels,
   annotations, taints, schedulability, conditions) (or ``unschedulable_timeout``, 5 minutes as
-  kube-scheduler), then tries again after its backoff.
+  kube-scheduler), then tries again after its backoff; such an event during the pod's own attempt
+  sends it back after its backoff at once (kube-scheduler's move request cycle).
 
 An extender's answer naming a node that was not offered is an error, as in kube-scheduler; an
 error from a non-ignorable extender fails the attempt. Its HTTP calls are Go's: a POST that went

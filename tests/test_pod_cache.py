@@ -252,6 +252,27 @@ class _SlowFirstList:
         return answer
 
 
+class _ArrivalLock:
+    """PodCache's refresh lock, noting each thread that took it: a caller of refresh takes it once it
+    arrived (its arrival time taken) to find the list on its way."""
+
+    def __init__(self, cache: PodCache) -> None:
+        self._lock = cache._refresh_lock
+        self.takers: set[int | None] = set()
+        cache._refresh_lock = self  # type: ignore[assignment]
+
+    def __enter__(self) -> _ArrivalLock:
+        self._lock.acquire()
+        self.takers.add(threading.get_ident())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def arrived(self, threads: list[threading.Thread]) -> bool:
+        return {t.ident for t in threads} <= self.takers
+
+
 def test_a_refresh_never_answers_with_a_list_taken_before_it_was_asked(api: ApiServerSimulator) -> None:
     # A list in flight when a caller arrives may predate pods the caller knows of: the allocator
     # frees the holders such a list lacks. The caller waits for it, then for a list of its own.
@@ -263,9 +284,10 @@ def test_a_refresh_never_answers_with_a_list_taken_before_it_was_asked(api: ApiS
     eventually(lambda: len(slow.taken) == 1)
     api.create_pod(pod_manifest("late"))
     second: list[list[dict[str, object]]] = []
+    lock = _ArrivalLock(c)
     t2 = threading.Thread(target=lambda: second.append(c.refresh()))
     t2.start()
-    time.sleep(0.2)
+    eventually(lambda: lock.arrived([t2]))  # it found the first list on its way (a loaded machine may delay it)
     slow.release.set()
     t.join(10)
     t2.join(10)
@@ -280,10 +302,11 @@ def test_callers_arriving_while_a_list_is_on_its_way_share_the_next_one(api: Api
     threads = [threading.Thread(target=c.refresh)]
     threads[0].start()
     eventually(lambda: len(slow.taken) == 1)
+    lock = _ArrivalLock(c)
     threads += [threading.Thread(target=c.refresh) for _ in range(5)]
     for t in threads[1:]:
         t.start()
-    time.sleep(0.2)
+    eventually(lambda: lock.arrived(threads[1:]))  # each found the first list on its way
     slow.release.set()
     for t in threads:
         t.join(10)

@@ -1813,7 +1813,8 @@ class Allocator:
                     elif owner in self._allocs and frozenset(self._allocs[owner].device_ids) == wanted:
                         key = owner  # containers of one pod holding the same IDs: the kubelet's pick
                     elif key is not None and key != owner:
-                        self._reassign(key, owner)
+                        for mine, theirs in self._taken_over(key, owner, wanted):
+                            self._reassign(mine, theirs)
                         key, changed = owner, True
                 if key is None:
                     whose = (
@@ -1848,6 +1849,27 @@ class Allocator:
         finally:
             if changed:
                 self._notify()
+
+    def _taken_over(
+        self, key: tuple[str, str], owner: tuple[str, str], wanted: frozenset[str]
+    ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The (our record, kubelet's holder) pairs to swap when the kubelet says ``owner`` holds the IDs
+        ``wanted`` we recorded for ``key`` (lock held).
+
+        ``key`` alone, unless several containers of ``key``'s pod hold ``wanted`` (an init container's
+        IDs handed on to the next container) and ``owner``'s pod, another, has each of their names:
+        the kubelet's records name either of that pod's containers holding the IDs (PreStartContainer
+        names no container), and each got the answer of the container of the same name, whose
+        directory it mounts. Then every one of them is swapped with the container of its name."""
+        group = sorted(
+            c for c in self._by_pod.get(key[0], ()) if frozenset(self._allocs[(key[0], c)].device_ids) == wanted
+        )
+        pod = self._pods.get(owner[0])
+        if owner[0] == key[0] or len(group) < 2 or owner[1] not in group or pod is None:
+            return [(key, owner)]
+        if any(_request_of(pod, c) is None for c in group):
+            return [(key, owner)]
+        return [((key[0], c), (owner[0], c)) for c in group]
 
     def _same_name(self, key: tuple[str, str], owner: tuple[str, str]) -> bool:
         """Whether ``owner`` is the same container name of a pod of the same namespace and name as our

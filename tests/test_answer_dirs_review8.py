@@ -1,0 +1,68 @@
+"""Which pod directory each container's answer names, after PreStartContainer repairs a guess among
+identical waiting pods: the record of the container that starts names the directory its answer mounts."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.response import ContainerResponse
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+
+def _answered_by(response: ContainerResponse) -> tuple[str, str]:
+    """The (pod UID, container) directory an answer mounts: its /etc/vcuda mount and VCUDA_CONFIG_PATH."""
+    mount = next(m.host_path for m in response.mounts if m.container_path == names.VCUDA_MOUNTPOINT)
+    config = PurePosixPath(response.envs[names.VCUDA_CONFIG_ENV])
+    return (PurePosixPath(mount).name, config.parent.name)
+
+
+def _with_init(name: str, second: int) -> dict[str, object]:
+    """A pod with an init container and an app container asking for the same share."""
+    pod = make_pod(name, [("app", 50, 4)], created=f"2026-11-21T10:00:0{second}Z")
+    spec = pod["spec"]
+    assert isinstance(spec, dict)
+    limits = {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}
+    spec["initContainers"] = [{"name": "setup", "image": "cuda", "resources": {"limits": limits}}]
+    return pod
+
+
+def _answers_are_distinct(alloc: Allocator) -> None:
+    held = alloc.allocations()
+    answered = [a.answered for a in held]
+    assert len(set(answered)) == len(answered), f"answers shared: {[(a.key, a.answered) for a in held]}"
+
+
+@pytest.mark.parametrize("named_first", ["setup", "app"])
+def test_a_pod_whose_init_container_handed_its_ids_on_takes_over_both_answers_by_name(
+    tmp_path: Path, named_first: str
+) -> None:
+    """The kubelet admits q (its init container's IDs handed on to its app container) while p, identical
+    and first in line, waits: both Allocates are matched to p's containers. PreStartContainer names only
+    the IDs, which both of q's containers hold, so the kubelet's records name either of them; each of q's
+    containers then holds the record of the answer it was given (p's setup answer for q's setup, p's app
+    answer for q's app), and p keeps none of the IDs q holds."""
+    p, q = uid_of("p"), uid_of("q")
+    alloc = make_allocator(tmp_path, FakePods([_with_init("p", 0), _with_init("q", 1)]))
+    ids = core_ids(0, 50)
+    given = {"setup": _answered_by(alloc.allocate(ids)), "app": _answered_by(alloc.allocate(ids))}
+    assert given == {"setup": (p, "setup"), "app": (p, "app")}, "both matched to p, the first in line"
+    other = "app" if named_first == "setup" else "setup"
+    for name in (named_first, other):
+        started = alloc.pre_start(ids, (q, name))
+        assert started.pod_uid == q
+        for container in ("setup", "app"):
+            record = alloc.get(q, container)
+            if record is not None:
+                assert record.answered == given[container], f"q/{container} mounts {given[container]}"
+    assert all(a.pod_uid == q for a in alloc.allocations()), [a.key for a in alloc.allocations()]
+    # p is admitted next: its answers name directories no container of q mounts.
+    later = core_ids(1, 50)
+    p_given = [_answered_by(alloc.allocate(later)), _answered_by(alloc.allocate(later))]
+    assert not set(p_given) & set(given.values())
+    for name in ("setup", "app"):
+        alloc.pre_start(later, (p, name))
+    _answers_are_distinct(alloc)

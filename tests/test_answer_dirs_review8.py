@@ -66,3 +66,50 @@ def test_a_pod_whose_init_container_handed_its_ids_on_takes_over_both_answers_by
     for name in ("setup", "app"):
         alloc.pre_start(later, (p, name))
     _answers_are_distinct(alloc)
+
+
+def test_a_pod_whose_ids_were_matched_to_a_deleted_identical_pod_still_starts_with_its_answer(tmp_path: Path) -> None:
+    """c took a's first answer; b's Allocate was matched to a (still first in line) and answered with c's
+    directory; a is deleted before b starts. The kubelet starts b with those IDs: b takes over the
+    allocation the guess made for a (its GPUs and the directory its answer mounts) instead of being
+    refused at every try of its start."""
+    a, b, c = uid_of("a"), uid_of("b"), uid_of("c")
+    pods = FakePods([make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("abc")])
+    alloc = make_allocator(tmp_path, pods)
+    first, second = core_ids(0, 50), core_ids(1, 50)
+    alloc.allocate(first)
+    alloc.pre_start(first, (c, "main"))
+    b_answer = alloc.allocate(second)  # the kubelet admits b; matched to a
+    guessed = alloc.get(a, "main")
+    assert guessed is not None and _answered_by(b_answer) == guessed.answered == (c, "main")
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != a]
+    alloc.release_pod(a)
+    started = alloc.pre_start(second, (b, "main"))
+    assert started.key == (b, "main")
+    assert started.answered == _answered_by(b_answer)
+    assert started.minors == guessed.minors
+    _answers_are_distinct(alloc)
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    again = restarted.get(b, "main")
+    assert again is not None and again.answered == (c, "main") and again.started
+
+
+def test_a_deleted_pods_guess_is_not_taken_over_once_its_ids_are_allocated_again(tmp_path: Path) -> None:
+    """The guess was right after all: the kubelet freed a's IDs with a and gives them to a new Allocate,
+    which is answered anew; a later start naming them finds that answer's record."""
+    a, b = uid_of("a"), uid_of("b")
+    pods = FakePods([make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("ab")])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    alloc.allocate(ids)
+    alloc.allocate(core_ids(1, 50))  # b
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != a]
+    alloc.release_pod(a)
+    pods.items.append(make_pod("d", [("main", 50, 4)], created="2026-11-21T10:00:05Z"))
+    answer = alloc.allocate(ids)  # d gets a's freed IDs
+    assert _answered_by(answer) == (uid_of("d"), "main")
+    started = alloc.pre_start(ids, (uid_of("d"), "main"))
+    assert started.key == (uid_of("d"), "main") and started.answered == (uid_of("d"), "main")
+    assert alloc.get(b, "main") is not None
+    _answers_are_distinct(alloc)

@@ -76,6 +76,9 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 #: How long a pod allocated from a fresh list (the pod cache had not seen it) counts as alive while the cache
 #: has still not shown it: the cache's silence about it is its watch lagging, not the pod's end.
 FRESH_LIST_GRACE_SECONDS = 60.0
+#: The most guessed allocations freed before their container started that are remembered, for a pod of
+#: the same request the kubelet gave their IDs to (see Allocator._take_freed_guess).
+_FREED_GUESSES_KEPT = 1024
 
 
 class AllocationError(Exception):
@@ -214,6 +217,9 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
         self._guessed: set[tuple[str, str]] = set()
+        # Guessed allocations freed before their container started, by their IDs: the kubelet may have
+        # given the IDs (and our answer) to another waiting pod, which PreStartContainer names.
+        self._freed_guesses: dict[frozenset[str], ContainerAllocation] = {}
         # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
         self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
@@ -495,6 +501,8 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
+                # IDs given out again: a guess freed with them no longer tells whose they are.
+                self._freed_guesses.pop(wanted, None)
                 suspect = self._by_ids.get(wanted)
                 if suspect is not None:
                     self._take_pod_changes()  # whether a later container of its pod waits for them
@@ -1816,6 +1824,8 @@ class Allocator:
                         for mine, theirs in self._taken_over(key, owner, wanted):
                             self._reassign(mine, theirs)
                         key, changed = owner, True
+                if key is None and owner is not None and self._take_freed_guess(wanted, owner):
+                    key, changed = owner, True
                 if key is None:
                     whose = (
                         f"pod {owner[0]} container {owner[1]}"
@@ -1849,6 +1859,55 @@ class Allocator:
         finally:
             if changed:
                 self._notify()
+
+    def _take_freed_guess(self, wanted: frozenset[str], owner: tuple[str, str]) -> bool:
+        """Whether ``owner``, which the kubelet says starts with ``wanted`` and which has no allocation,
+        took over the allocation a guess made for a container of an identical pod deleted before it
+        started (lock held). The kubelet gave that container's IDs, and so our answer, to ``owner``: it
+        gets the answer's GPUs and the directory it mounts, when both are still free."""
+        alloc = self._freed_guesses.pop(wanted, None)
+        if alloc is None or owner in self._allocs or self._answering.get(alloc.answered):
+            return False
+        pod = self._pods.get(owner[0])
+        request = _request_of(pod, owner[1])
+        if pod is None or request is None or (request.cores, request.memory_bytes) != (alloc.cores, alloc.memory):
+            return False
+        meta = pod.get("metadata") or {}
+        taken = replace(
+            alloc,
+            pod_uid=owner[0],
+            container=owner[1],
+            namespace=str(meta.get("namespace", "")),
+            pod_name=str(meta.get("name", "")),
+            container_index=request.index,
+            answered_as=alloc.answered,
+            init=_runs_first(pod, request),
+            mirror=_mirror_of(pod),
+            started=False,
+        )
+        try:
+            self._place(taken)
+        except (KeyError, ValueError) as exc:
+            log.warning(
+                "pod %s container %s starts with %s, matched to pod %s container %s, which was deleted before it "
+                "started; its GPUs %s cannot be taken over: %s",
+                *owner,
+                ids.describe(alloc.device_ids),
+                *alloc.key,
+                list(alloc.minors),
+                exc,
+            )
+            return False
+        self._save_or_report([_put(taken)])
+        log.info(
+            "pod %s container %s starts with %s, matched to pod %s container %s (the first of identical pods "
+            "waiting), which was deleted before it started: it takes over that allocation (GPUs %s)",
+            *owner,
+            ids.describe(alloc.device_ids),
+            *alloc.key,
+            list(alloc.minors),
+        )
+        return True
 
     def _taken_over(
         self, key: tuple[str, str], owner: tuple[str, str], wanted: frozenset[str]
@@ -1981,12 +2040,17 @@ class Allocator:
         repeated = []
         for container in sorted(self._by_pod.get(pod_uid, ())):
             asked_again = (pod_uid, container) in self._repeated
+            guessed = (pod_uid, container) in self._guessed
             alloc = self._remove((pod_uid, container))
             if alloc is not None:
                 self._free(alloc)
                 freed.append(alloc)
                 if asked_again and not alloc.started:
                     repeated.append(alloc)
+                elif guessed and not alloc.started and alloc.device_ids:
+                    if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
+                        self._freed_guesses.clear()
+                    self._freed_guesses[frozenset(alloc.device_ids)] = alloc
         self._mirror_gone.pop(pod_uid, None)
         self._stopping.pop(pod_uid, None)
         if freed:

@@ -113,3 +113,20 @@ def test_a_deleted_pods_guess_is_not_taken_over_once_its_ids_are_allocated_again
     assert started.key == (uid_of("d"), "main") and started.answered == (uid_of("d"), "main")
     assert alloc.get(b, "main") is not None
     _answers_are_distinct(alloc)
+
+
+def test_a_deleted_pods_guess_is_taken_over_after_an_agent_restart_too(tmp_path: Path) -> None:
+    """The agent restarts between b's Allocate (matched to a) and a's deletion: b still starts."""
+    a, b = uid_of("a"), uid_of("b")
+    pods = FakePods([make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("ab")])
+    before = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    b_answer = before.allocate(ids)  # the kubelet admits b; matched to a
+    before.close()
+    after = make_allocator(tmp_path, pods)
+    after.load()
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != a]
+    after.release_pod(a)
+    started = after.pre_start(ids, (b, "main"))
+    assert started.key == (b, "main") and started.answered == _answered_by(b_answer) == (a, "main")
+    _answers_are_distinct(after)

@@ -76,8 +76,8 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 #: How long a pod allocated from a fresh list (the pod cache had not seen it) counts as alive while the cache
 #: has still not shown it: the cache's silence about it is its watch lagging, not the pod's end.
 FRESH_LIST_GRACE_SECONDS = 60.0
-#: The most guessed allocations freed before their container started that are remembered, for a pod of
-#: the same request the kubelet gave their IDs to (see Allocator._take_freed_guess).
+#: The most allocations freed before their container started that are remembered, for a pod of the same
+#: request the kubelet gave their IDs to (see Allocator._take_freed_guess).
 _FREED_GUESSES_KEPT = 1024
 
 
@@ -217,8 +217,8 @@ class Allocator:
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
         self._guessed: set[tuple[str, str]] = set()
-        # Guessed allocations freed before their container started, by their IDs: the kubelet may have
-        # given the IDs (and our answer) to another waiting pod, which PreStartContainer names.
+        # Allocations freed before their container started, by their IDs: after a guess among identical
+        # pods the kubelet may have given the IDs (and our answer) to another, which PreStartContainer names.
         self._freed_guesses: dict[frozenset[str], ContainerAllocation] = {}
         # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
@@ -1862,9 +1862,10 @@ class Allocator:
 
     def _take_freed_guess(self, wanted: frozenset[str], owner: tuple[str, str]) -> bool:
         """Whether ``owner``, which the kubelet says starts with ``wanted`` and which has no allocation,
-        took over the allocation a guess made for a container of an identical pod deleted before it
-        started (lock held). The kubelet gave that container's IDs, and so our answer, to ``owner``: it
-        gets the answer's GPUs and the directory it mounts, when both are still free."""
+        took over the allocation of a container of an identical pod freed before it started (lock held):
+        a guess among identical waiting pods. No Allocate has given the IDs out since, so the kubelet
+        gave them, and our answer, to ``owner``: it gets the answer's GPUs and the directory it mounts,
+        when both are still free."""
         alloc = self._freed_guesses.pop(wanted, None)
         if alloc is None or owner in self._allocs or self._answering.get(alloc.answered):
             return False
@@ -2040,14 +2041,15 @@ class Allocator:
         repeated = []
         for container in sorted(self._by_pod.get(pod_uid, ())):
             asked_again = (pod_uid, container) in self._repeated
-            guessed = (pod_uid, container) in self._guessed
             alloc = self._remove((pod_uid, container))
             if alloc is not None:
                 self._free(alloc)
                 freed.append(alloc)
                 if asked_again and not alloc.started:
                     repeated.append(alloc)
-                elif guessed and not alloc.started and alloc.device_ids:
+                elif not alloc.started and alloc.device_ids:
+                    # Perhaps a guess among identical pods (not known after a restart): the kubelet may
+                    # have given the IDs to another; a new Allocate of them forgets this.
                     if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
                         self._freed_guesses.clear()
                     self._freed_guesses[frozenset(alloc.device_ids)] = alloc

@@ -130,3 +130,23 @@ def test_a_deleted_pods_guess_is_taken_over_after_an_agent_restart_too(tmp_path:
     started = after.pre_start(ids, (b, "main"))
     assert started.key == (b, "main") and started.answered == _answered_by(b_answer) == (a, "main")
     _answers_are_distinct(after)
+
+
+@pytest.mark.parametrize("named_first", ["setup", "app"])
+def test_a_deleted_pods_init_and_app_guesses_are_taken_over_each_by_its_name(tmp_path: Path, named_first: str) -> None:
+    """q's init container's IDs, handed on to its app container, were both matched to p's containers;
+    p is deleted before q starts: each of q's containers takes over the record of the answer it got."""
+    p, q = uid_of("p"), uid_of("q")
+    pods = FakePods([_with_init("p", 0), _with_init("q", 1)])
+    alloc = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    given = {"setup": _answered_by(alloc.allocate(ids)), "app": _answered_by(alloc.allocate(ids))}
+    pods.items = [pod for pod in pods.items if pod["metadata"]["uid"] != p]
+    alloc.release_pod(p)
+    other = "app" if named_first == "setup" else "setup"
+    for name in (named_first, other):
+        assert alloc.pre_start(ids, (q, name)).pod_uid == q
+    for container in ("setup", "app"):
+        record = alloc.get(q, container)
+        assert record is not None and record.answered == given[container], (container, record)
+    _answers_are_distinct(alloc)

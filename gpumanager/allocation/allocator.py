@@ -219,7 +219,8 @@ class Allocator:
         self._guessed: set[tuple[str, str]] = set()
         # Allocations freed before their container started, by their IDs: after a guess among identical
         # pods the kubelet may have given the IDs (and our answer) to another, which PreStartContainer names.
-        self._freed_guesses: dict[frozenset[str], ContainerAllocation] = {}
+        # (Those of one pod: an init container's IDs handed on to the next container.)
+        self._freed_guesses: dict[frozenset[str], list[ContainerAllocation]] = {}
         # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
         self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
@@ -1865,50 +1866,77 @@ class Allocator:
         took over the allocation of a container of an identical pod freed before it started (lock held):
         a guess among identical waiting pods. No Allocate has given the IDs out since, so the kubelet
         gave them, and our answer, to ``owner``: it gets the answer's GPUs and the directory it mounts,
-        when both are still free."""
-        alloc = self._freed_guesses.pop(wanted, None)
-        if alloc is None or owner in self._allocs or self._answering.get(alloc.answered):
+        when both are still free. Several containers of that pod held the IDs (an init container's,
+        handed on): each goes to the container of ``owner``'s pod of its name, which got its answer."""
+        freed = self._freed_guesses.pop(wanted, None)
+        if not freed or owner in self._allocs:
             return False
         pod = self._pods.get(owner[0])
-        request = _request_of(pod, owner[1])
-        if pod is None or request is None or (request.cores, request.memory_bytes) != (alloc.cores, alloc.memory):
+        if pod is None:
             return False
-        meta = pod.get("metadata") or {}
-        taken = replace(
-            alloc,
-            pod_uid=owner[0],
-            container=owner[1],
-            namespace=str(meta.get("namespace", "")),
-            pod_name=str(meta.get("name", "")),
-            container_index=request.index,
-            answered_as=alloc.answered,
-            init=_runs_first(pod, request),
-            mirror=_mirror_of(pod),
-            started=False,
-        )
-        try:
-            self._place(taken)
-        except (KeyError, ValueError) as exc:
-            log.warning(
-                "pod %s container %s starts with %s, matched to pod %s container %s, which was deleted before it "
-                "started; its GPUs %s cannot be taken over: %s",
-                *owner,
+        if len(freed) == 1:
+            pairs = [(freed[0], owner)]
+        else:
+            pairs = [(a, (owner[0], a.container)) for a in freed]
+            if owner[1] not in {a.container for a in freed}:
+                return False
+        if any(not self._can_take_freed(a, target, pod) for a, target in pairs):
+            return False
+        taken: list[ContainerAllocation] = []
+        for alloc, target in pairs:
+            request = _request_of(pod, target[1])
+            assert request is not None
+            meta = pod.get("metadata") or {}
+            made = replace(
+                alloc,
+                pod_uid=target[0],
+                container=target[1],
+                namespace=str(meta.get("namespace", "")),
+                pod_name=str(meta.get("name", "")),
+                container_index=request.index,
+                answered_as=alloc.answered,
+                init=_runs_first(pod, request),
+                mirror=_mirror_of(pod),
+                started=False,
+            )
+            try:
+                self._place(made)
+            except (KeyError, ValueError) as exc:
+                log.warning(
+                    "pod %s container %s starts with %s, matched to pod %s container %s, which was freed before "
+                    "it started; its GPUs %s cannot be taken over: %s",
+                    *target,
+                    ids.describe(alloc.device_ids),
+                    *alloc.key,
+                    list(alloc.minors),
+                    exc,
+                )
+                for done in taken:
+                    self._free(self._remove(done.key) or done)
+                return False
+            taken.append(made)
+        self._save_or_report([_put(a) for a in taken])
+        for alloc, target in pairs:
+            log.info(
+                "pod %s container %s starts with %s, matched to pod %s container %s (the first of identical "
+                "pods waiting), which was freed before it started: it takes over that allocation (GPUs %s)",
+                *target,
                 ids.describe(alloc.device_ids),
                 *alloc.key,
                 list(alloc.minors),
-                exc,
             )
-            return False
-        self._save_or_report([_put(taken)])
-        log.info(
-            "pod %s container %s starts with %s, matched to pod %s container %s (the first of identical pods "
-            "waiting), which was deleted before it started: it takes over that allocation (GPUs %s)",
-            *owner,
-            ids.describe(alloc.device_ids),
-            *alloc.key,
-            list(alloc.minors),
+        return owner in self._allocs
+
+    def _can_take_freed(self, alloc: ContainerAllocation, target: tuple[str, str], pod: Pod) -> bool:
+        """Whether container ``target`` of ``pod``, unallocated and asking for what ``alloc`` was
+        allocated, can take ``alloc`` over with the directory its answer named, still unused (lock held)."""
+        request = _request_of(pod, target[1])
+        return (
+            target not in self._allocs
+            and request is not None
+            and (request.cores, request.memory_bytes) == (alloc.cores, alloc.memory)
+            and not self._answering.get(alloc.answered)
         )
-        return True
 
     def _taken_over(
         self, key: tuple[str, str], owner: tuple[str, str], wanted: frozenset[str]
@@ -2052,7 +2080,10 @@ class Allocator:
                     # have given the IDs to another; a new Allocate of them forgets this.
                     if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
                         self._freed_guesses.clear()
-                    self._freed_guesses[frozenset(alloc.device_ids)] = alloc
+                    same = self._freed_guesses.get(frozenset(alloc.device_ids))
+                    if same is None or same[0].pod_uid != pod_uid:
+                        same = self._freed_guesses[frozenset(alloc.device_ids)] = []
+                    same.append(alloc)
         self._mirror_gone.pop(pod_uid, None)
         self._stopping.pop(pod_uid, None)
         if freed:

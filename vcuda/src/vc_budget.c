@@ -76,6 +76,12 @@ struct budget_header {
         _Atomic uint64_t debt_until_ns; /* CLOCK_MONOTONIC ns until which the container pays off GPU time it overused */
         _Atomic uint64_t seen_us;       /* NVML sample time up to which that is measured */
     } core[MAX_DEVICES];                /* offset 1024: the SM limit's ledger per CUDA device (vc_core.c) */
+    /*
+     * offset 2048, per CUDA device: until when (CLOCK_MONOTONIC ns) the container pays off the GPU time its processes
+     * were charged provisionally and NVML's samples do not cover yet (a sum: each process adds its charges and takes
+     * back what it refunds; what a process leaves when it exits stays, paid off at the rate).
+     */
+    _Atomic uint64_t core_prov_until_ns[MAX_DEVICES];
 };
 
 _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
@@ -84,6 +90,7 @@ _Static_assert(offsetof(struct budget_header, untracked) == 128, "header layout"
 _Static_assert(offsetof(struct budget_header, context_size) == 192, "header layout");
 _Static_assert(offsetof(struct budget_header, unseen_until_ns) == 704, "header layout");
 _Static_assert(offsetof(struct budget_header, core) == 1024, "header layout");
+_Static_assert(offsetof(struct budget_header, core_prov_until_ns) == 2048, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
 #define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
@@ -609,7 +616,12 @@ unsigned vc_budget_host_pids(int *out, unsigned max)
     for (unsigned i = 0; i < high && n < max; i++) {
         int32_t pid = atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed);
         int32_t host = atomic_load_explicit(&g_slots[i].host_pid, memory_order_relaxed);
-        if (pid != 0)
+        /*
+         * A process that is gone is no longer the container's here, even before its slot is reaped: what it was
+         * charged provisionally and its samples did not cover yet (samples come late) it left in the container's
+         * sum of such charges (vc_budget_core_provisional), and its late samples counted too would count that twice.
+         */
+        if (pid != 0 && vc_proc_alive(pid, g_slots[i].start))
             out[n++] = host > 0 ? host : pid; /* unknown: right in the host PID namespace (as container_pids) */
     }
     return n;
@@ -709,12 +721,29 @@ uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns)
     return next;
 }
 
-void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us)
+void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us, uint64_t *prov_until_ns)
 {
     pthread_once(&g_open_once, open_budget);
-    *debt_until_ns = *seen_us = 0;
+    *debt_until_ns = *seen_us = *prov_until_ns = 0;
     if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
         return;
     *debt_until_ns = atomic_load_explicit(&g_hdr->core[dev].debt_until_ns, memory_order_relaxed);
     *seen_us = atomic_load_explicit(&g_hdr->core[dev].seen_us, memory_order_relaxed);
+    *prov_until_ns = atomic_load_explicit(&g_hdr->core_prov_until_ns[dev], memory_order_relaxed);
+}
+
+void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES || delta_ns == 0)
+        return;
+    _Atomic uint64_t *p = &g_hdr->core_prov_until_ns[dev];
+    uint64_t cur = atomic_load_explicit(p, memory_order_relaxed), next;
+    do {
+        uint64_t from = cur > now_ns ? cur : now_ns;
+        if (delta_ns > 0)
+            next = from + (uint64_t)delta_ns;
+        else
+            next = from - now_ns > (uint64_t)-delta_ns ? from - (uint64_t)-delta_ns : now_ns;
+    } while (!atomic_compare_exchange_weak_explicit(p, &cur, next, memory_order_relaxed, memory_order_relaxed));
 }

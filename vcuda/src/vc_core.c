@@ -156,6 +156,8 @@ struct dev {
     uint64_t lag_us;          /* how far behind now samples are counted: a new sample's age plus a period (likewise) */
     uint64_t prov_open_us;    /* when the newest provisional slot was opened */
     double prov_done[PROVISIONAL]; /* the launches each provisional charge is for (revalued when the cost is learnt) */
+    double prov_shared;       /* wall ns of pay-off this process's provisional charges hold in the container's sum */
+    uint64_t prov_inherited;  /* mono ns until which the debt this process began with holds others' provisional charges */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -1006,12 +1008,41 @@ static void refund_provisional(struct dev *d, uint64_t upto_us)
     }
 }
 
+/* The provisional charges of this process not yet covered by samples (ns). */
+static double provisional_ns(const struct dev *d)
+{
+    double sum = 0;
+    for (unsigned k = 0; k < d->prov_n; k++)
+        sum += d->prov_ns[(d->prov_head + k) % PROVISIONAL];
+    return sum;
+}
+
+/*
+ * The container's sum of provisional charges (the budget file) follows this process's (d->mu held).  A process that
+ * exits before NVML's samples cover its charges (samples come 0.7 s or more late on real drivers; a process of one
+ * 400 ms kernel is gone by then, and its late samples are no longer the container's once it is gone) leaves
+ * them there, and the next process starts with them as debt; a process that lives refunds its part as the samples
+ * come, so the measured time, published in the ledger, is not counted twice.
+ */
+static void share_provisional(struct dev *d, uint64_t now)
+{
+    if (d->rate <= 0 || vc_core_config()->upstream)
+        return;
+    double want = provisional_ns(d) / d->rate;
+    double delta = want - d->prov_shared;
+    if (delta > -1000.0 && delta < 1000.0 && !(want == 0 && d->prov_shared != 0))
+        return;
+    vc_budget_core_provisional(d->index, now, (int64_t)delta);
+    d->prov_shared = want;
+}
+
 /* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
 static void update(struct dev *d, uint64_t now, uint64_t min_ns)
 {
     refill(d, now);
     poll_markers(d);
     charge_provisional(d, now);
+    share_provisional(d, now);
     if (now - d->last_measure < min_ns)
         return;
     double own, other, span;
@@ -1025,6 +1056,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         bool busy = in_flight(d) > 0 || d->completed != d->completed_seen;
         double charge = busy ? (double)(now - d->last_measure) : 0.0;
         refund_provisional(d, UINT64_MAX); /* the wall time charged covers them */
+        share_provisional(d, now);
         d->credit -= charge;
         if (d->rate > 0 && !vc_core_config()->upstream) {
             uint64_t until = vc_budget_core_charge(d->index, now, (uint64_t)(charge / d->rate));
@@ -1048,8 +1080,13 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     d->credit -= own;
     d->measured += own;
     refund_provisional(d, d->base_us);
-    /* The container's ledger: processes started later begin with this debt (init_device). */
-    double debt = -d->credit;
+    /*
+     * The container's ledger: processes started later begin with this debt (init_device), the measured part (the
+     * provisional charges are in the container's sum of them, share_provisional).
+     */
+    double debt = -(d->credit + provisional_ns(d));
+    if (d->prov_inherited > now)
+        debt -= d->rate * (double)(d->prov_inherited - now); /* still in the container's sum: not counted twice */
     uint64_t until = debt > 0 && d->rate > 0 ? now + (uint64_t)(debt / d->rate) : now;
     vc_budget_core_publish(d->index, until, d->last_seen_us);
     if (now >= d->next_log) {
@@ -1101,6 +1138,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         if (revalue && d->cost_learnt)
             revalue_provisional(d); /* never before: the charges at the wall time outstanding bound the guess */
     }
+    share_provisional(d, now);
     if (vc_core_config()->soft) {
         if (counted_all_as_own()) {
             /* The neighbours' time is in `own` now: they cannot be told idle, so the soft limit holds at its share. */
@@ -1266,11 +1304,14 @@ static void *watcher(void *arg)
  */
 static void inherit_ledger(struct dev *d, int index)
 {
-    uint64_t until, seen;
-    vc_budget_core_ledger(index, &until, &seen);
+    uint64_t until, seen, prov;
+    vc_budget_core_ledger(index, &until, &seen, &prov);
     uint64_t now = d->last_refill;
-    if (until > now)
-        d->credit = -d->rate * (double)(until - now);
+    /* The measured debt and the provisional charges samples do not cover yet (of processes gone, too). */
+    double owed = (until > now ? (double)(until - now) : 0.0) + (prov > now ? (double)(prov - now) : 0.0);
+    if (owed > 0)
+        d->credit = -d->rate * owed;
+    d->prov_inherited = prov;
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }

@@ -266,7 +266,13 @@ void vc_budget_note_context(int64_t delta);
  * used by processes that are gone is not forgotten.
  */
 void vc_budget_core_publish(int dev, uint64_t debt_until_ns, uint64_t seen_us);
-void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us);
+void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us, uint64_t *prov_until_ns);
+/*
+ * The container's provisional charges on dev, a sum over its processes, as the time (CLOCK_MONOTONIC ns) until
+ * which they are paid off at the rate: delta_ns (charged: > 0, refunded: < 0) moves it, from now_ns if it was
+ * paid off, never below now_ns.  A process that exits before NVML's samples cover its charges leaves them there.
+ */
+void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns);
 /* Adds add_ns to the container's debt on dev (from now_ns if it was paid off); returns the time it is paid off at
  * (0: no shared budget). */
 uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns);

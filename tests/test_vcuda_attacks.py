@@ -102,15 +102,9 @@ def test_processes_the_agent_has_not_listed_yet_share_one_limit(container: MakeC
 CHILD = ONE_KERNEL
 
 
-@pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
-@pytest.mark.parametrize("limit_mib", [4096, 0], ids=["memory-limit", "no-memory-limit"])
-def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContainer, limit_mib: int) -> None:
-    """A tenant starts process after process, each launching one 400 ms kernel and exiting once it ran: a new
-    process must start with the debt of GPU time the container's processes before it used beyond the share (and
-    count what they used after their last measurement), not with a free first launch.  The ledger lives in the
-    container's budget file whether or not the container has a memory limit (gpu_memory = 0)."""
-    c = container(limit_mib, cores=30)
-    env = c.env()
+def fresh_one_kernel_share(c: Container, env: dict[str, str]) -> tuple[float, int]:
+    """Processes of one 400 ms kernel each, started one after another in ``c`` for 3 s of settling then 8 s
+    measured: the GPU's share over the measured span and how many processes started in all."""
     fresh = FreshProcesses([sys.executable, "-c", CHILD, "spin_400ms"], env, cwd=repo_root())
     try:
         fresh.feed(time.monotonic() + 3.0)  # settling: the first processes find no debt
@@ -124,8 +118,19 @@ def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContai
     finally:
         fresh.stop()
     assert a is not None and b is not None
-    share = (b.busy_ns - a.busy_ns) / wall
-    assert fresh.started >= 6
+    return (b.busy_ns - a.busy_ns) / wall, fresh.started
+
+
+@pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
+@pytest.mark.parametrize("limit_mib", [4096, 0], ids=["memory-limit", "no-memory-limit"])
+def test_one_long_kernel_per_fresh_process_keeps_the_share(container: MakeContainer, limit_mib: int) -> None:
+    """A tenant starts process after process, each launching one 400 ms kernel and exiting once it ran: a new
+    process must start with the debt of GPU time the container's processes before it used beyond the share (and
+    count what they used after their last measurement), not with a free first launch.  The ledger lives in the
+    container's budget file whether or not the container has a memory limit (gpu_memory = 0)."""
+    c = container(limit_mib, cores=30)
+    share, started = fresh_one_kernel_share(c, c.env())
+    assert started >= 6
     assert share <= 0.36, f"processes of one long kernel each got {share:.1%} of the GPU in a 30 % container"
 
 

@@ -8,15 +8,12 @@ before its kernel's samples arrive: the container's debt must still reach the ne
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from simnode.gpusim_state import GpuSimState, repo_root
-from tests.vcuda_fixtures import ONE_KERNEL, Container, FreshProcesses, container, vcuda_built
+from tests.test_vcuda_attacks import fresh_one_kernel_share
+from tests.vcuda_fixtures import Container, container, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
 
@@ -34,19 +31,7 @@ def test_one_long_kernel_per_fresh_process_at_late_samples(container: MakeContai
     not count the same time again)."""
     c = container(limit_mib, cores=30)
     env = c.env(GPUSIM_PROCESS_SAMPLE_DELAY_US=DELAY_US, GPUSIM_PROCESS_SAMPLE_PERIOD_US=PERIOD_US)
-    fresh = FreshProcesses([sys.executable, "-c", ONE_KERNEL, "spin_400ms"], env, cwd=Path(repo_root()))
-    try:
-        fresh.feed(time.monotonic() + 3.0)  # settling: the first processes find no debt
-        with GpuSimState(c.state_path) as st:
-            a = st.timeline(0)
-        t0 = time.monotonic_ns()
-        fresh.feed(time.monotonic() + 8.0)
-        with GpuSimState(c.state_path) as st:
-            b = st.timeline(0)
-        wall = time.monotonic_ns() - t0
-    finally:
-        fresh.stop()
-    assert a is not None and b is not None
-    share = (b.busy_ns - a.busy_ns) / wall
-    assert fresh.started >= 6
+    share, started = fresh_one_kernel_share(c, env)
+    print(f"SHARE {share:.3f} started {started}")  # for -s
+    assert started >= 6
     assert share <= 0.36, f"processes of one long kernel each got {share:.1%} of the GPU in a 30 % container"

@@ -34,13 +34,16 @@ WINDOW_PP = 8.0  # every window (10 ms sampling period)
 WINDOW_PP_LONG = 20.0  # every window at a 1/6 s period: three samples a window; a swing goes 0 <-> 100
 
 
-def window_shares(node: Node, gpu: int, pids: set[int]) -> list[float]:
-    """The processes' share (percent) of the GPU's time in WINDOWS consecutive windows after SETTLE_S."""
-    time.sleep(SETTLE_S)
+def window_shares(
+    node: Node, gpu: int, pids: set[int], *, settle: float = SETTLE_S, windows: int = WINDOWS
+) -> list[float]:
+    """The processes' share (percent) of the GPU's time in ``windows`` consecutive windows of WINDOW_S after
+    ``settle`` seconds."""
+    time.sleep(settle)
     out = []
     with GpuSimState(node.state) as st:
         before = st.timeline(gpu)
-        for _ in range(WINDOWS):
+        for _ in range(windows):
             time.sleep(WINDOW_S)
             after = st.timeline(gpu)
             assert before is not None and after is not None

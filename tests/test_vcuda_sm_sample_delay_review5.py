@@ -17,12 +17,13 @@ import pytest
 
 from simnode.gpusim_state import GpuSimState
 from tests.test_vcuda_compute import PACED, Node, core_config, loop_built, node
+from tests.test_vcuda_sm_pacing_review5 import WINDOW_S
+from tests.test_vcuda_sm_pacing_review5 import window_shares as pacing_window_shares
 from tests.vcuda_fixtures import BUILD, last_json, run_python, vcuda_built
 
 __all__ = ["loop_built", "node", "vcuda_built"]  # fixtures
 
 SETTLE_S = 3.0  # the samples come a delay late: the first second or so is the limiter's start
-WINDOW_S = 0.5
 WINDOWS = 8
 WHOLE_PP = 4.0  # the whole measured span: within this many points of the limit
 WINDOW_PP = 20.0  # every window at a 1/6 s period (three samples a window), as test_vcuda_sm_pacing_review5
@@ -30,18 +31,8 @@ PERIOD_US = "166667"  # a datacenter GPU's per-process sampling period
 
 
 def window_shares(node: Node, gpu: int, pids: set[int]) -> list[float]:
-    """The processes' share (percent) of the GPU's time in WINDOWS consecutive windows after SETTLE_S."""
-    time.sleep(SETTLE_S)
-    out = []
-    with GpuSimState(node.state) as st:
-        before = st.timeline(gpu)
-        for _ in range(WINDOWS):
-            time.sleep(WINDOW_S)
-            after = st.timeline(gpu)
-            assert before is not None and after is not None
-            out.append(100.0 * (after.busy_of(pids) - before.busy_of(pids)) / (after.now_ns - before.now_ns))
-            before = after
-    return out
+    """The processes' share (percent) of the GPU's time in WINDOWS windows after SETTLE_S (this file's longer ones)."""
+    return pacing_window_shares(node, gpu, pids, settle=SETTLE_S, windows=WINDOWS)
 
 
 POLL = r"""

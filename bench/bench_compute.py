@@ -328,6 +328,12 @@ def main() -> int:
         default=None,
         help="how far before the period's end each process is sampled (GPUSIM_PROCESS_SAMPLE_SPREAD_US)",
     )
+    ap.add_argument(
+        "--sample-delay-us",
+        type=int,
+        default=None,
+        help="how late each per-process sample is shown (GPUSIM_PROCESS_SAMPLE_DELAY_US; real drivers: 0.7 s or more)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     ap.add_argument("--before", type=Path, default=None,
                     help="another libcuda-control.so whose launch cost is measured beside this one")  # fmt: skip
@@ -336,6 +342,8 @@ def main() -> int:
         SIM_ENV["GPUSIM_PROCESS_SAMPLE_PERIOD_US"] = str(args.sample_period_us)
     if args.sample_spread_us is not None:
         SIM_ENV["GPUSIM_PROCESS_SAMPLE_SPREAD_US"] = str(args.sample_spread_us)
+    if args.sample_delay_us is not None:
+        SIM_ENV["GPUSIM_PROCESS_SAMPLE_DELAY_US"] = str(args.sample_delay_us)
     done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:

@@ -435,12 +435,14 @@ class Allocator:
         container starts without a GPU, its memory counted as used by the kubelet), so the call is
         refused when every pending container of this node asking for ``blocks`` asks for no cores: which
         container a call is for is not said, and one that asks for cores as well may be the one. The
-        cache's pods are asked first; a refusal (or a size the cache does not know) is decided on a fresh
-        list from the API server, and the call is answered as before when it cannot be listed."""
+        cache's pods are asked first: a size no pending container of the cache asks for is answered as
+        before (the kubelet calls this for every container with memory, so a list from the API server on
+        each call it cannot place would cost every node's admissions a LIST); a refusal is decided on a
+        fresh list from the API server, and the call is answered as before when it cannot be listed."""
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
             return ""
         found = self._memory_only(self._pods.pods(), blocks)
-        if found != []:  # refused only on a fresh list: the cache may not show the pod being admitted yet
+        if found:  # refused only on a fresh list: the cache may not show the pod being admitted yet
             try:
                 found = self._memory_only(self._pods.refresh(), blocks)
             except Exception as exc:  # the API server's trouble: answered as before

@@ -110,13 +110,7 @@ class _GpuCaller:
 
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:
-            future, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # handed to the monitor's thread with the future
-                future.set_exception(exc)
+            _run_each([item])
 
 
 def _run_each(calls: list[tuple[Future[Any], Callable[[], Any]]]) -> None:

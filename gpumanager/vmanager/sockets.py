@@ -130,14 +130,16 @@ class _Servicer:
     def add_to(self, server: grpc.aio.Server) -> None:
         """Serve ``vcuda.VCUDAService/RegisterVDevice`` on ``server``."""
         handlers = {
-            "RegisterVDevice": grpc.unary_unary_rpc_method_handler(
+            # Request-streaming on our side (a unary call on the wire): the handler runs once the call's
+            # headers came, so a request that never comes whole is given up after IDLE_SECONDS.
+            "RegisterVDevice": grpc.stream_unary_rpc_method_handler(
                 self.RegisterVDevice, response_serializer=pb.VDeviceResponse.SerializeToString
             )
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
 
     async def RegisterVDevice(
-        self, raw: bytes, context: grpc.aio.ServicerContext[bytes, pb.VDeviceResponse]
+        self, _requests: object, context: grpc.aio.ServicerContext[bytes, pb.VDeviceResponse]
     ) -> pb.VDeviceResponse:
         peer = context.peer()
         pod_uid = self._sockets.pod_of_peer(peer)
@@ -147,6 +149,18 @@ class _Servicer:
                 grpc.StatusCode.PERMISSION_DENIED, "this connection did not come in on a pod's vcuda.sock"
             )
             raise AssertionError("abort returned")  # abort always raises
+        # A call whose request stops half-way (headers, then nothing) is no call in progress: it would
+        # hold its pod's connection slot for CONNECTION_LIFETIME_SECONDS.
+        try:
+            raw = await asyncio.wait_for(context.read(), IDLE_SECONDS)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no request came within {IDLE_SECONDS:g} s of the call"
+            )
+            raise AssertionError("abort returned") from None
+        if not isinstance(raw, bytes):  # grpc.aio.EOF: the call ended without a request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request")
+            raise AssertionError("abort returned")
         try:
             request = pb.VDeviceRequest.FromString(raw)
         except DecodeError as exc:

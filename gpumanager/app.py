@@ -5,8 +5,9 @@ before it):
 
 1. NVML: inventory (a lost GPU is kept, Unhealthy); health watching.
 2. The device-plugin servers listen and register with the kubelet; ListAndWatch is served.
-3. In the background, once registered: the topology tree and the allocation state from our
-   checkpoint and the kubelet's (local files only); the kubelet's calls wait (bounded) for it.
+3. In the background, once registered and the kubelet has the first full ListAndWatch of both
+   resources (bounded): the topology tree and the allocation state from our checkpoint and
+   the kubelet's (local files only); the kubelet's calls wait (bounded) for it.
 4. Then the driver mirror, display and HTTP, then the API-server side (the Kubernetes client
    is loaded only now), recovery from PodResources, the periodic loops. Allocate waits
    (bounded) for this; registration and ListAndWatch never do.
@@ -79,7 +80,8 @@ PRE_START_WAIT_SECONDS = 25.0
 PREFERRED_WAIT_SECONDS = 5.0
 #: How long the background start waits for the pod cache before Allocate asks the API server directly.
 POD_CACHE_WAIT_SECONDS = 5.0
-#: How long the background start waits for the first registration with the kubelet.
+#: How long the background start waits for the first registration with the kubelet and the kubelet's
+#: first full ListAndWatch of both resources.
 REGISTRATION_FIRST_SECONDS = 1.0
 #: How long DRA mode's start waits for its first ResourceSlice write before it goes on.
 SLICE_FIRST_SECONDS = 1.0
@@ -347,9 +349,10 @@ class Agent:
     # -- the background part of the start --------------------------------------------------------
 
     def _start_background(self) -> None:
-        # Registration first: loading the Kubernetes client would compete with it for the interpreter.
+        # Registration and the kubelet's first lists first: loading the allocation state and the
+        # Kubernetes client would compete with them for the interpreter.
         if self.plugins is not None:
-            self.plugins.registered_event.wait(REGISTRATION_FIRST_SECONDS)
+            self.plugins.wait_listed(REGISTRATION_FIRST_SECONDS)
         if self.config.mode == "dra":
             try:
                 self._start_dra_slices()

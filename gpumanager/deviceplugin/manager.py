@@ -42,6 +42,10 @@ def _changed_at(path: Path) -> int | None:
 #: kubelet's own socket has not changed (no kubelet restart), before we serve there again.
 TAKEOVER_GRACE_SECONDS = 0.2
 
+#: How long, after the first registration, the directory watch waits for the kubelet's first full
+#: ListAndWatch of every resource before it is opened.
+FIRST_LISTS_SECONDS = 1.0
+
 
 @dataclass
 class RegistrationStatus:
@@ -111,6 +115,23 @@ class PluginManager:
                 self._watch = DirectoryWatch(directory)
             except OSError as exc:
                 log.warning("cannot watch %s (%s); checking it every %g s only", directory, exc, self._period)
+
+    def wait_listed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the kubelet is registered with and has been sent the full
+        device list of every resource on a ListAndWatch stream; whether it has (False also on stop).
+
+        Work that competes for the interpreter (loading modules, a subprocess) waits for this: started
+        as soon as Register returned, it held up the kubelet's dial-back, GetDevicePluginOptions and the
+        first lists by tens of milliseconds."""
+        deadline = time.monotonic() + timeout
+        events = [self.registered_event, *(s.servicer.first_list_sent for s in self._servers)]
+        for event in events:
+            while not event.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                event.wait(min(left, 0.05))  # looks at the stop between waits
+        return True
 
     def alive(self) -> bool:
         """Whether the watch loop is running."""
@@ -269,9 +290,11 @@ class PluginManager:
                 return
             if not watch_opened:
                 watch_opened = True
-                # Only after the first registration: opening it costs the start 10 ms (inotify_simple
-                # finds the C library with ldconfig). A change meanwhile is not missed: this pass
-                # runs again at once and compares the sockets with those it saw.
+                # Only after the first registration and the kubelet's first lists: opening it costs
+                # 10 ms (inotify_simple finds the C library with ldconfig, a subprocess). A change
+                # meanwhile is not missed: this pass runs again at once and compares the sockets with
+                # those it saw.
+                self.wait_listed(FIRST_LISTS_SECONDS)
                 self._open_watch()
                 continue
             timeout = self._period

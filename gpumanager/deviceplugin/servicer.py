@@ -65,6 +65,8 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         # Bumped by stop(): streams of an older generation end, new ones start fresh.
         self._generation = 0
         self.streams_served = 0
+        #: Set once a ListAndWatch stream has sent its full list (the start's background work waits for it).
+        self.first_list_sent = threading.Event()
 
     def notify(self) -> None:
         """The device list changed: every open ListAndWatch stream sends it again."""
@@ -112,8 +114,9 @@ class ResourceServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
                 continue
             encoded = self._devices()
             log.debug("%s: sending the device list (%d bytes)", self.resource, len(encoded))
-            yield encoded
+            yield encoded  # resumed once the message is sent, when gRPC asks for the next
             sent = version
+            self.first_list_sent.set()
 
     def wake(self) -> None:
         """Let every stream look at its state again (a stream ended)."""

@@ -80,10 +80,10 @@ def test_a_choice_recorded_by_a_replica_whose_clock_is_ahead_lapses(
 
 def test_prioritize_counts_the_choices_another_replica_recorded_on_the_node(world: World) -> None:
     """The other replica chose 60 % of the only GPU of ``full`` (recorded on the node; its pod's
-    annotations not shown by this replica's watch yet): ``full`` scores 0, so the scheduler sends the
-    pod to ``free`` rather than to a bind that can only refuse it, again at every retry while the record
-    lasts. filter passes ``full`` all the same: the record lapses by time, which no cluster event tells
-    the scheduler, so a pod found unschedulable would wait for an unrelated event once it lapsed."""
+    annotations not shown by this replica's watch yet): ``full`` scores 0, and filter fails it since
+    ``free`` has room, so the scheduler sends the pod to ``free`` rather than to a bind that can only
+    refuse it. (Where no node has room, filter passes it: see
+    test_a_node_filled_only_by_a_recorded_choice_costs_the_scheduler_retries_until_it_lapses.)"""
     world.add_node("full", inventory([16]))
     world.add_node("free", inventory([16]))
     world.start_extender()
@@ -92,7 +92,7 @@ def test_prioritize_counts_the_choices_another_replica_recorded_on_the_node(worl
     pod = world.create(gpu_pod("p", [(60, 4)]))
     scores = world.scores(pod)
     assert scores["full"] == 0 and scores["free"] > 0, scores
-    assert sorted(world.passed(pod)) == ["free", "full"]
+    assert sorted(world.passed(pod)) == ["free"]
     assert "no longer fits" in world.bind(pod, "full")
 
 

@@ -6,11 +6,14 @@ naming the container and the best GPU; it is *unresolvable* (preemption cannot h
 its GPUs with nothing on them could not hold the pod.
 
 The choices binds of any replica recorded on a node (:mod:`gpumanager.extender.claims`), which
-bind counts, lower the node's priority to 0 where they leave no room for the pod, but do not fail
-it in filter: they lapse by time, with no event of the cluster, so a pod filter found no node for
-would wait as unschedulable for an unrelated event (kube-scheduler: up to 5 minutes) after they
-lapsed; passed, it goes to a node with room if one scores better, else to a bind that refuses it
-while the choices last, and the scheduler tries again after its backoff (at most 10 s).
+bind counts, fail the node in filter where they leave no room for the pod and another candidate
+has room with them counted: the scheduler could only be refused by bind there (another replica
+filled it; this replica's pod watch has not shown that pod's annotations yet). Where no candidate
+has room with them counted, such nodes pass (prioritize scores them 0): the choices lapse by time,
+with no event of the cluster, so a pod filter found no node for could wait as unschedulable for an
+unrelated event (kube-scheduler: up to 5 minutes) after they lapsed; passed, it goes to a bind that
+refuses it while the choices last, and the scheduler tries again after its backoff (at most 10 s).
+The choices are read from the node watch: no API call per request.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
 from gpumanager.extender.api import JSON, SHAPE_ERRORS, ExtenderArgs, error_filter_result, filter_result
 from gpumanager.extender.charges import init_containers
+from gpumanager.extender.claims import ANNOTATION as CLAIMS_ANNOTATION
 from gpumanager.extender.nodes import NodeGPUs
 from gpumanager.extender.placement import Policy, fits, never_served, place
 from gpumanager.extender.state import ClusterState
@@ -121,6 +125,30 @@ class Decider:
         never = fits(gpus, requests, self.policy, empty=True, inits=inits, sidecars=sidecars)
         return ("unresolvable" if never else "fail"), problem
 
+    def _claimed_problem(
+        self,
+        name: str,
+        uid: str,
+        gpus: NodeGPUs,
+        requests: list[GPURequest],
+        inits: list[GPURequest],
+        sidecars: list[GPURequest],
+    ) -> str:
+        """Why the pod, which fits the node as the watches show it, does not fit once the choices binds
+        recorded on the node (and the watch does not show yet) are counted; "" when it fits (lock held)."""
+        recorded = self.state.uncounted(name, self.state.node_claims(name), uid)
+        if not recorded:
+            return ""  # none, or each already counted from the pods' own annotations
+        with self.state.counting(name, recorded, uid):
+            problem = fits(gpus, requests, self.policy, inits=inits, sidecars=sidecars)
+        if not problem:
+            return ""
+        pods = sorted({c.pod or u for u, c in recorded.items()})
+        return (
+            f"{problem}, counting the choices binds recorded on the node (annotation {CLAIMS_ANNOTATION}) "
+            f"for pods {', '.join(pods)}"
+        )
+
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
         """``ExtenderFilterResult`` for the candidates, and the count of each outcome. A pod or node
         object of an unexpected shape gets an error naming the pod, not a failed call."""
@@ -149,6 +177,8 @@ class Decider:
         passed: list[str] = []
         failed: dict[str, str] = {}
         unresolvable: dict[str, str] = {}
+        # Nodes that pass but where the choices binds recorded leave no room: node -> why.
+        claimed: dict[str, str] = {}
         uid = podinfo.uid(args.pod)
         with self.state.lock:
             self.state.expire()
@@ -156,6 +186,10 @@ class Decider:
                 for name in node_names:
                     gpus, gone = self._known(name, args)
                     verdict, reason = ("unresolvable", gone) if gone else self.judge(gpus, requests, inits, sidecars)
+                    if verdict == "pass" and gpus is not None:
+                        reason = self._claimed_problem(name, uid, gpus, requests, inits, sidecars)
+                        if reason:
+                            claimed[name] = reason
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)
@@ -163,6 +197,12 @@ class Decider:
                         failed[name] = reason
                     else:
                         unresolvable[name] = reason
+        if claimed and len(claimed) < len(passed):
+            # Another node has room: the scheduler is not sent to a bind that can only refuse the pod.
+            passed = [name for name in passed if name not in claimed]
+            failed.update(claimed)
+            outcomes["pass"] -= len(claimed)
+            outcomes["fail"] += len(claimed)
         log.debug(
             "filter %s: %d pass, %d fail, %d unresolvable",
             podinfo.pod_key(args.pod),

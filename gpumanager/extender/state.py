@@ -38,7 +38,7 @@ from gpumanager.allocation.pods import Pod
 from gpumanager.extender.charges import PodCharges, pod_charges
 from gpumanager.extender.claims import ANNOTATION as CLAIMS
 from gpumanager.extender.claims import Claim, Sightings, parse_claims
-from gpumanager.extender.nodes import Charge, Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
+from gpumanager.extender.nodes import Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
 
 log = logging.getLogger(__name__)
 
@@ -519,18 +519,7 @@ class ClusterState:
         told to be the later one (at worst a pod is refused and tried again while the watch lags)."""
         with self.lock:
             node = self._nodes.get(node_name)
-            extra: list[tuple[str, tuple[Charge, ...]]] = []
-            if node is not None:
-                for uid, claim in claims.items():
-                    mine = self._applied.get(uid)
-                    here = mine if mine is not None and mine.node == node_name else None
-                    if (
-                        uid == skip
-                        or uid in self._ended
-                        or (here is not None and here.predicate_time == claim.predicate_time)
-                    ):
-                        continue
-                    extra.append((uid, claim.charges))
+            extra = [(uid, c.charges) for uid, c in self.uncounted(node_name, claims, skip).items()]
             for uid, charges in extra:
                 assert node is not None
                 node.charge(charges, pod=self._key(uid))
@@ -540,6 +529,26 @@ class ClusterState:
                 for _uid, charges in extra:
                     assert node is not None
                     node.charge(charges, -1)
+
+    def uncounted(self, node_name: str, claims: Mapping[str, Claim], skip: str) -> dict[str, Claim]:
+        """The choices among ``claims`` (recorded on the node) that :meth:`counting` adds to what the node
+        holds: not of ``skip``, not of a pod the watch has shown deleted or ended, not that very choice
+        (the same predicate time) counted there already; empty for a node this state does not hold."""
+        with self.lock:
+            if node_name not in self._nodes:
+                return {}
+            out: dict[str, Claim] = {}
+            for uid, claim in claims.items():
+                mine = self._applied.get(uid)
+                here = mine if mine is not None and mine.node == node_name else None
+                if (
+                    uid == skip
+                    or uid in self._ended
+                    or (here is not None and here.predicate_time == claim.predicate_time)
+                ):
+                    continue
+                out[uid] = claim
+            return out
 
     def ended(self, uid: str) -> bool:
         """Whether the watch showed the pod deleted or ended (among the last :data:`ENDED_PODS_KEPT`)."""

@@ -1,0 +1,138 @@
+"""Two extender replicas against one API server: filter honours the choices the other replica recorded
+on a node (annotation ``tencent.com/gpu-extender-binds``) before its pod watch shows the pod's own
+annotations, so the scheduler is not sent to a node whose bind can only refuse the pod."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from gpumanager.extender import claims
+from gpumanager.extender.nodes import Charge
+from gpumanager.extender.service import Extender
+from tests import extender_fixtures
+from tests.extender_fixtures import BLOCK, World, gpu_pod, inventory, wait_for
+
+world = extender_fixtures.world
+
+
+def _post(ext: Extender, verb: str, body: object) -> Any:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{ext.server.port}/scheduler/{verb}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _filter(world: World, ext: Extender, pod: dict[str, Any]) -> dict[str, Any]:
+    answer: dict[str, Any] = _post(ext, "filter", {"Pod": pod, "Nodes": {"items": world.api.nodes()}})
+    assert answer["Error"] == "", answer
+    return answer
+
+
+def _passed(answer: dict[str, Any]) -> list[str]:
+    return sorted(n["metadata"]["name"] for n in (answer["Nodes"] or {}).get("items") or [])
+
+
+def _bind(ext: Extender, pod: dict[str, Any], node: str) -> str:
+    md = pod["metadata"]
+    args = {"PodName": md["name"], "PodNamespace": "default", "PodUID": md["uid"], "Node": node}
+    return str(_post(ext, "bind", args)["Error"])
+
+
+def _other_bind_in_flight(world: World, one: Extender, two: Extender, x: dict[str, Any]) -> threading.Thread:
+    """Replica ``one`` binds pod ``x`` to node ``full``: it records its choice on the node, then its
+    patch of x's annotations hangs (a slow API server), so replica ``two``'s watches show the record
+    but not the pod's annotations. Returns the thread of one's bind (it ends bound)."""
+    world.api.delay(r"/namespaces/default/pods/x$", 3.0, method="PATCH", count=1)
+    outcome: list[str] = []
+    thread = threading.Thread(target=lambda: outcome.append(_bind(one, x, "full")), daemon=True)
+    thread.start()
+    wait_for(lambda: "uid-x" in two.state.node_claims("full"), what="replica two's node watch shows one's choice")
+    assert two.state.pod_count() == 0  # its pod watch has not shown x chosen yet
+    thread.outcome = outcome  # type: ignore[attr-defined]
+    return thread
+
+
+def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has_room(world: World) -> None:
+    world.add_node("full", inventory([16]))
+    world.add_node("free", inventory([16]))
+    one, two = world.start_extender(), world.start_extender()
+    x = world.create(gpu_pod("x", [(60, 4)]))
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    other = _other_bind_in_flight(world, one, two, x)
+    answer = _filter(world, two, y)
+    # Before: both passed, and a scheduler that picked "full" (prioritize scores it 0, but a tie or the
+    # scheduler's own scores may still pick it) got a bind that could only refuse the pod.
+    assert _passed(answer) == ["free"], answer["FailedNodes"]
+    reason = answer["FailedNodes"]["full"]
+    assert "default/x" in reason and claims.ANNOTATION in reason, reason
+    assert "full" not in (answer.get("FailedAndUnresolvableNodes") or {})
+    assert _bind(two, y, "free") == ""
+    other.join(10)
+    assert other.outcome == [""]  # type: ignore[attr-defined]
+    for ext in (one, two):
+        wait_for(lambda e=ext: e.state.pod_count() == 2, what="both pods counted")  # type: ignore[misc]
+        assert ext.state.over_committed() == {}
+
+
+def test_filter_still_passes_a_node_filled_only_by_a_record_when_no_node_has_room(world: World) -> None:
+    """No other node has room: the node passes (prioritize scores it 0, bind decides). Failing it would
+    park the pod as unschedulable, and a record that lapses (its bind died) brings no cluster event."""
+    world.add_node("full", inventory([16]))
+    one, two = world.start_extender(), world.start_extender()
+    x = world.create(gpu_pod("x", [(60, 4)]))
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    other = _other_bind_in_flight(world, one, two, x)
+    assert _passed(_filter(world, two, y)) == ["full"]
+    assert "no longer fits" in _bind(two, y, "full")  # never an over-commit
+    other.join(10)
+    assert other.outcome == [""]  # type: ignore[attr-defined]
+
+
+def _note(world: World, node: str, uid: str, pod: str) -> None:
+    claim = claims.Claim(pod, time.time(), "1", (Charge(0, 60, 4 * BLOCK),))
+
+    def change(obj: dict[str, Any]) -> None:
+        obj["metadata"].setdefault("annotations", {})[claims.ANNOTATION] = claims.encode_claims({uid: claim})
+
+    world.api.update_node(node, change)
+
+
+def test_a_record_that_lapsed_no_longer_fails_the_node(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record whose bind died (never bound, never removed) counts for its lifetime, as bind counts it,
+    then filter passes the node again: no GPU is blocked for ever."""
+    monkeypatch.setattr(claims, "CLAIM_TTL", 1.0)
+    world.add_node("full", inventory([16]))
+    world.add_node("free", inventory([16]))
+    ext = world.start_extender()
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    _note(world, "full", "uid-dead", "default/dead")
+    wait_for(lambda: bool(ext.state.node_claims("full")), what="the record shown")
+    assert _passed(_filter(world, ext, y)) == ["free"]
+    time.sleep(1.2)
+    assert _passed(_filter(world, ext, y)) == ["free", "full"]
+    assert _bind(ext, y, "full") == ""
+
+
+def test_a_record_of_a_deleted_pod_does_not_fail_the_node(world: World) -> None:
+    """The pod of the record was deleted (the watch showed it): its record holds nothing, in filter as in bind."""
+    world.add_node("full", inventory([16]))
+    world.add_node("free", inventory([16]))
+    ext = world.start_extender()
+    gone = world.create(gpu_pod("gone", [(60, 4)]))
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    _note(world, "full", gone["metadata"]["uid"], "default/gone")
+    wait_for(lambda: bool(ext.state.node_claims("full")), what="the record shown")
+    assert _passed(_filter(world, ext, y)) == ["free"]
+    world.api.delete_pod("default", "gone")
+    wait_for(lambda: ext.state.ended(gone["metadata"]["uid"]), what="the deletion shown")
+    assert _passed(_filter(world, ext, y)) == ["free", "full"]
+    assert _bind(ext, y, "full") == ""

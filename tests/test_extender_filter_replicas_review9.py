@@ -12,11 +12,14 @@ from typing import Any
 
 import pytest
 
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.allocation.pods import PodSpecError
 from gpumanager.extender import claims
 from gpumanager.extender.nodes import Charge
 from gpumanager.extender.service import Extender
 from tests import extender_fixtures
-from tests.extender_fixtures import BLOCK, World, gpu_pod, inventory, wait_for
+from tests.extender_fixtures import BLOCK, PREFIX, World, gpu_pod, inventory, wait_for
 
 world = extender_fixtures.world
 
@@ -136,3 +139,47 @@ def test_a_record_of_a_deleted_pod_does_not_fail_the_node(world: World) -> None:
     wait_for(lambda: ext.state.ended(gone["metadata"]["uid"]), what="the deletion shown")
     assert _passed(_filter(world, ext, y)) == ["free", "full"]
     assert _bind(ext, y, "full") == ""
+
+
+# -- odd values written by others ------------------------------------------------------------------
+
+
+def test_an_index_annotation_of_thousands_of_digits_is_refused_by_name(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``predicate-gpu-idx-0`` of 5000 digits: Python refuses to convert so long a number (ValueError,
+    not PodSpecError), which escaped the pod watch's listener with a traceback, the pod's event lost
+    (the agent's Allocate read the same function). It is an annotation that names no GPU: the pod is
+    counted with that container unplaced, a warning naming the pod and the annotation."""
+    world.add_node("n", inventory([16]))
+    ext = world.start_extender()
+    notes = {f"{PREFIX}0": "1" * 5000, names.PREDICATE_NODE: "n", names.PREDICATE_TIME: "1"}
+    pod = world.create(gpu_pod("long", [(30, 4)], node="n", annotations=notes, phase="Running"))
+    wait_for(lambda: ext.state.unplaced() == 1, what="the pod counted, its container unplaced")
+    assert "Traceback" not in caplog.text
+    assert "listener failed" not in caplog.text
+    with pytest.raises(PodSpecError) as err:
+        podinfo.predicated_gpus(pod, 0)
+    assert "default/long" in str(err.value) and f"{PREFIX}0" in str(err.value)
+    assert len(str(err.value)) < 300  # the value is shown cut short
+
+
+def test_a_recorded_choice_with_negative_numbers_frees_nothing(world: World) -> None:
+    """A record on the node whose charges are negative (a hand edit, a damaged value) would take cores off
+    what the GPU holds, and bind would over-commit it: such a record is not read."""
+    world.add_node("n", inventory([16]))
+    ext = world.start_extender()
+    held_notes = {f"{PREFIX}0": "0", names.PREDICATE_NODE: "n", names.PREDICATE_TIME: "1", names.GPU_ASSIGNED: "true"}
+    world.create(gpu_pod("a", [(60, 4)], node="n", annotations=held_notes, phase="Running"))
+    world.wait_seen(1)
+    value = json.dumps(
+        {"uid-odd": {"pod": "default/odd", "at": time.time(), "time": "2", "gpus": [[0, -60, -4 * BLOCK]]}}
+    )
+
+    def change(obj: dict[str, Any]) -> None:
+        obj["metadata"].setdefault("annotations", {})[claims.ANNOTATION] = value
+
+    world.api.update_node("n", change)
+    p = world.create(gpu_pod("p", [(60, 4)]))
+    assert "no longer fits" in _bind(ext, p, "n")
+    assert ext.state.over_committed() == {}

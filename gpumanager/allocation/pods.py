@@ -263,18 +263,26 @@ def _malformed_predicate_time(who: str, shown: str) -> None:
     )
 
 
+#: How much of an annotation's odd value an error shows.
+_SHOWN_CHARS = 80
+
+
 def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
     """Minor numbers from ``tencent.com/predicate-gpu-idx-<i>``; None when absent; PodSpecError when malformed."""
     key = f"{names.PREDICATE_GPU_IDX_PREFIX}{container_index}"
     raw = pod_annotations(pod).get(key)
     if raw is None:
         return None
+    shown = (
+        repr(raw) if len(repr(raw)) <= _SHOWN_CHARS else f"{repr(raw)[:_SHOWN_CHARS]}... ({len(str(raw))} characters)"
+    )
     if not isinstance(raw, str):
-        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={raw!r} is not a list of GPU indices")
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={shown} is not a list of GPU indices")
     parts = [p.strip() for p in raw.split(",")]
     # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and other scripts' digits.
-    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
-        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={raw!r} is not a list of GPU indices")
+    # At most 18 digits (an int64, as upstream's strconv.Atoi): int() refuses more than 4300.
+    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= 18 for p in parts):
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={shown} is not a list of GPU indices")
     return [int(p) for p in parts]
 
 

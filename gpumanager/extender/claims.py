@@ -69,8 +69,12 @@ def _claim(value: Any) -> Claim | None:
         return None
     charges = []
     for g in gpus:
-        if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in g)):
-            return None
+        if not (
+            isinstance(g, list)
+            and len(g) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in g)
+        ):
+            return None  # a negative number would take charges off the GPU: the record is not read
         charges.append(Charge(g[0], g[1], g[2]))
     return Claim(str(value.get("pod") or ""), float(at), str(value.get("time") or ""), tuple(charges))
 

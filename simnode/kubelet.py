@@ -457,6 +457,8 @@ class KubeletSimulator:
         self.endpoint_stop_grace = ENDPOINT_STOP_GRACE
         self._replaced: dict[str, list[_Endpoint]] = {}  # resource -> replaced endpoints still reading
         self._devices: dict[str, dict[str, DeviceState]] = {}
+        # Per resource: the last ListAndWatch message read and what it read as (see _on_devices).
+        self._last_read: dict[str, tuple[bytes, dict[str, DeviceState]]] = {}
         self._history: dict[str, list[DeviceUpdate]] = {}
         self._registrations: list[RegistrationRecord] = []
         self._registration_errors: list[tuple[float, str, str]] = []
@@ -756,9 +758,16 @@ class KubeletSimulator:
 
     def _run_list_and_watch(self, ep: _Endpoint) -> None:
         reason = "listAndWatch stream ended"
+        # Each message is taken as it arrives, read later (_on_devices): a Go kubelet reads each stream
+        # in its own goroutine, while here both share one interpreter.
+        list_and_watch = ep.channel.unary_stream(
+            "/v1beta1.DevicePlugin/ListAndWatch",
+            request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=None,
+        )
         try:
-            for resp in ep.stub.ListAndWatch(pb.Empty()):
-                self._on_devices(ep, resp)
+            for raw in list_and_watch(pb.Empty()):
+                self._on_devices(ep, raw, time.monotonic())
         except grpc.RpcError as err:
             code, details = _rpc_error_parts(err)
             code_name = code.name if code is not None else "Unknown"
@@ -767,12 +776,20 @@ class KubeletSimulator:
             reason = f"{type(err).__name__}: {err}"
         self._on_stream_end(ep, reason)
 
-    def _on_devices(self, ep: _Endpoint, resp: Any) -> None:
-        now = time.monotonic()
-        devices: dict[str, DeviceState] = {}
-        for d in resp.devices:
-            nodes = tuple(int(n.ID) for n in d.topology.nodes) if d.HasField("topology") else ()
-            devices[d.ID] = DeviceState(id=d.ID, health=d.health, numa_nodes=nodes)
+    def _on_devices(self, ep: _Endpoint, raw: bytes, now: float) -> None:
+        """One ListAndWatch message (``raw``, received at ``now``). A list the same as the resource's
+        last one (every re-registration sends it again) is not read device by device again: that took
+        this interpreter 10 ms for 2,560 IDs (35 ms on 16 x H200), during which the other resource's
+        answer waited to be received and was timestamped late."""
+        last = self._last_read.get(ep.resource)
+        if last is not None and last[0] == raw:
+            devices = last[1]  # never changed in place: every update replaces the resource's dict
+        else:
+            devices = {}
+            for d in pb.ListAndWatchResponse.FromString(raw).devices:
+                nodes = tuple(int(n.ID) for n in d.topology.nodes) if d.HasField("topology") else ()
+                devices[d.ID] = DeviceState(id=d.ID, health=d.health, numa_nodes=nodes)
+            self._last_read[ep.resource] = (raw, devices)
         with self._cond:
             if ep.closed or (
                 self._endpoints.get(ep.resource) is not ep and ep not in self._replaced.get(ep.resource, ())

@@ -269,7 +269,7 @@ class Recovery:
         }
         found = from_kubelet_checkpoint(entries)
         missing = [a for a in found if not allocator.holds(a.key)]
-        taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint))
+        taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint), kubelet_holds=True)
         self.rebuilt += taken
         self._settle_untrusted()
         if taken or full_rebuild or self._untrusted:
@@ -357,7 +357,7 @@ class Recovery:
             for a in found
             if not self._allocator.holds(a.key) and not (a.mirror and self._allocator.holds((a.mirror, a.container)))
         ]
-        taken = self._allocator.adopt(missing, source="PodResources")
+        taken = self._allocator.adopt(missing, source="PodResources", kubelet_holds=True, answered=False)
         self.rebuilt += taken
         if taken:
             log.info("rebuilt %d container allocations from PodResources", taken)

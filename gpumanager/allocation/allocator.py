@@ -1667,7 +1667,13 @@ class Allocator:
         return ticket
 
     def _document(self) -> dict[str, Any]:
-        return _document(list(self._allocs.values()), list(self._claims.values()))
+        document = _document(list(self._allocs.values()), list(self._claims.values()))
+        if self._freed_guesses:
+            document[journal.FREED_KEY] = {
+                ",".join(sorted(wanted)): {same[0].pod_uid: {a.container: a.to_json() for a in same}}
+                for wanted, same in self._freed_guesses.items()
+            }
+        return document
 
     @property
     def checkpoint_writes(self) -> int:
@@ -2118,6 +2124,7 @@ class Allocator:
     def _release_locked(self, pod_uid: str) -> list[ContainerAllocation]:
         freed = []
         repeated = []
+        remembered: set[tuple[str, str]] = set()
         for container in sorted(self._by_pod.get(pod_uid, ())):
             asked_again = (pod_uid, container) in self._repeated
             alloc = self._remove((pod_uid, container))
@@ -2127,19 +2134,15 @@ class Allocator:
                 if asked_again and not alloc.started:
                     repeated.append(alloc)
                 elif not alloc.started and alloc.device_ids:
-                    # Perhaps a guess among identical pods (not known after a restart): the kubelet may
-                    # have given the IDs to another; a new Allocate of them forgets this.
-                    if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
-                        self._freed_guesses.clear()
-                    same = self._freed_guesses.get(frozenset(alloc.device_ids))
-                    if same is None or same[0].pod_uid != pod_uid:
-                        same = self._freed_guesses[frozenset(alloc.device_ids)] = []
-                    same.append(alloc)
+                    # Perhaps a guess among identical pods: the kubelet may have given the IDs to another;
+                    # a new Allocate of them forgets this. Its del record keeps it across a restart.
+                    self._remember_freed(alloc)
+                    remembered.add(alloc.key)
         self._mirror_gone.pop(pod_uid, None)
         self._stopping.pop(pod_uid, None)
         if freed:
             self._fresh_only.pop(pod_uid, None)
-            self._save_or_report([_del(a.key) for a in freed])
+            self._save_or_report([_del(a.key, a if a.key in remembered else None) for a in freed])
             log.info(
                 "released pod %s (%s): %s",
                 pod_uid,
@@ -2149,6 +2152,17 @@ class Allocator:
         for alloc in repeated:
             self._hand_over(alloc)
         return freed
+
+    def _remember_freed(self, alloc: ContainerAllocation) -> None:
+        """Remember ``alloc``, freed before its container started, by its IDs (lock held): those of one pod
+        per set of IDs (an init container's, handed on), at most :data:`_FREED_GUESSES_KEPT` sets."""
+        wanted = frozenset(alloc.device_ids)
+        same = self._freed_guesses.get(wanted)
+        if same is None or same[0].pod_uid != alloc.pod_uid:
+            if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
+                self._freed_guesses.pop(next(iter(self._freed_guesses)))  # the oldest
+            same = self._freed_guesses[wanted] = []
+        same.append(alloc)
 
     def _hand_over(self, alloc: ContainerAllocation) -> None:
         """``alloc``, just released, never started, and its IDs were asked for again: the kubelet gave them
@@ -2485,6 +2499,7 @@ class Allocator:
         # Claims first, without recording them again: they are on disk as loaded.
         self.adopt_claims(claims, source=str(self._checkpoint_path), save=False)
         taken, refused = self._adopt(parsed.allocations, source=str(self._checkpoint_path))
+        self._restore_freed(data)
         if loaded.problems or loaded.unnamed:
             # Segments moved aside held changes (a release too) that are now only in memory; a snapshot
             # naming no segment (upstream's, after an upgrade) would have the next start discard every
@@ -2501,6 +2516,24 @@ class Allocator:
         )
         return parsed
 
+    def _restore_freed(self, document: Mapping[str, Any]) -> None:
+        """The allocations freed before their container started that the checkpoint remembers (a container
+        the kubelet gave their IDs and our answer to may take one over at its start), but for IDs an
+        allocation holds: given out again since."""
+        found, problems = records.freed_from_json(document, key=journal.FREED_KEY)
+        for problem in problems:
+            log.warning("checkpoint %s: %s; not remembered", self._checkpoint_path, problem)
+        with self._lock:
+            for wanted, same in list(found.items())[-_FREED_GUESSES_KEPT:]:
+                if wanted not in self._by_ids and all(m in self._by_minor for a in same for m in a.minors):
+                    self._freed_guesses[wanted] = same
+        if self._freed_guesses:
+            log.info(
+                "checkpoint %s remembers %d allocations freed before their containers started",
+                self._checkpoint_path,
+                len(self._freed_guesses),
+            )
+
     def _set_aside_checkpoint(self, why: str) -> None:
         """Move the snapshot and its journal aside: the caller rebuilds from the kubelet's records, and a
         later start must not replay this journal over the state written from then on. The segments go
@@ -2511,13 +2544,28 @@ class Allocator:
         checkpoint.quarantine(self._checkpoint_path)
         self.claims_in_doubt = True
 
-    def adopt(self, allocs: Sequence[ContainerAllocation], *, source: str) -> int:
+    def adopt(
+        self,
+        allocs: Sequence[ContainerAllocation],
+        *,
+        source: str,
+        kubelet_holds: bool = False,
+        answered: bool = True,
+    ) -> int:
         """Take over allocations recorded elsewhere (our checkpoint, the kubelet's); returns how many.
 
         Containers we already hold are left as they are; entries naming a GPU this node does not
         have or an unsafe name are refused (and logged).
+
+        ``kubelet_holds``: the kubelet's records say each container holds its device IDs now. An allocation
+        made for an identical pod's container (the first in line when the kubelet gave its IDs to this one)
+        that has not started, or one freed before its container started, with those very IDs and the same
+        request, is what the kubelet gave this container our answer of: it is taken over, never kept
+        beside (its GPUs charged twice, its pod holding IDs it never got). ``answered``: each record was
+        read from the kubelet's copy of our answer, its GPUs and directory the answer's; otherwise
+        (PodResources, which has only the IDs) they come from the allocation taken over.
         """
-        taken, refused = self._adopt(allocs, source=source)
+        taken, refused = self._adopt(allocs, source=source, kubelet_holds=kubelet_holds, answered=answered)
         for alloc in refused:
             log.error(
                 "%s: cannot take pod %s container %s: GPU(s) %s not on this node",
@@ -2529,12 +2577,20 @@ class Allocator:
         return len(taken)
 
     def _adopt(
-        self, allocs: Sequence[ContainerAllocation], *, source: str
+        self,
+        allocs: Sequence[ContainerAllocation],
+        *,
+        source: str,
+        kubelet_holds: bool = False,
+        answered: bool = True,
     ) -> tuple[list[ContainerAllocation], list[ContainerAllocation]]:
         taken: list[ContainerAllocation] = []
         refused: list[ContainerAllocation] = []
+        dropped: list[tuple[str, str]] = []  # unstarted allocations taken over
         with self._changing():
             for alloc in allocs:
+                if kubelet_holds and alloc.key not in self._allocs:
+                    alloc = self._taking_over(alloc, source, answered=answered, dropped=dropped)
                 try:
                     safenames.pod_uid(alloc.pod_uid)
                     safenames.container_name(alloc.container)
@@ -2551,11 +2607,63 @@ class Allocator:
                 taken.append(alloc)
                 self._unmarked |= not (alloc.init or alloc.mirror)
             self._warn_overcommit(source)
-            if taken:
-                self._save_or_report([_put(a) for a in taken])
-        if taken:
+            if taken or dropped:
+                taken_keys = {a.key for a in taken}
+                self._save_or_report([_del(k) for k in dropped if k not in taken_keys] + [_put(a) for a in taken])
+        if taken or dropped:
             self._notify()
         return taken, refused
+
+    def _taking_over(
+        self, alloc: ContainerAllocation, source: str, *, answered: bool, dropped: list[tuple[str, str]]
+    ) -> ContainerAllocation:
+        """``alloc``, which the kubelet's records say holds its IDs, as it takes over the allocation made for
+        another pod's container with those IDs and request that never started, or one freed before its
+        container started (lock held; see :meth:`adopt`). The allocation taken over leaves the state (its
+        key added to ``dropped``) or the remembered freed ones."""
+        if not alloc.device_ids:
+            return alloc
+        wanted = frozenset(alloc.device_ids)
+        holder = self._by_ids.get(wanted)
+        if holder is not None:
+            if holder[0] == alloc.pod_uid:
+                return alloc
+            group = [
+                self._allocs[(holder[0], c)]
+                for c in sorted(self._by_pod.get(holder[0], ()))
+                if frozenset(self._allocs[(holder[0], c)].device_ids) == wanted
+            ]
+            matched = _same_request(group, alloc)
+            if matched is None or matched.started:
+                return alloc
+            self._free(self._remove(matched.key) or matched)
+            dropped.append(matched.key)
+            what = "holds, not started"
+        else:
+            freed = self._freed_guesses.get(wanted)
+            matched = _same_request(freed or [], alloc)
+            if freed is None or matched is None or matched.pod_uid == alloc.pod_uid:
+                return alloc
+            if not answered and self._answering.get(matched.answered):
+                return alloc  # its directory is another container's answer now
+            freed.remove(matched)
+            if not freed:
+                del self._freed_guesses[wanted]
+            what = "held, freed before it started"
+        if not answered:
+            alloc = replace(alloc, minors=matched.minors, answered_as=matched.answered)
+        log.info(
+            "%s: pod %s container %s holds %s, which pod %s container %s %s (the match of their Allocate among "
+            "identical pods): it takes over that allocation (GPUs %s, the directory of pod %s container %s)",
+            source,
+            *alloc.key,
+            ids.describe(alloc.device_ids),
+            *matched.key,
+            what,
+            list(alloc.minors),
+            *alloc.answered,
+        )
+        return alloc
 
     def holds(self, key: tuple[str, str]) -> bool:
         """Whether (pod UID, container) has an allocation."""
@@ -2855,6 +2963,16 @@ def _runs_first(pod: Pod, request: GPURequest) -> bool:
     return request.index < 0 and not podinfo.is_sidecar(pod, request.name)
 
 
+def _same_request(group: Sequence[ContainerAllocation], alloc: ContainerAllocation) -> ContainerAllocation | None:
+    """The one of ``group`` (allocations of one pod holding the same IDs) that ``alloc``'s container took the
+    answer of: of its request, and of its name when several are."""
+    same = [a for a in group if (a.cores, a.memory) == (alloc.cores, alloc.memory)]
+    named = [a for a in same if a.container == alloc.container]
+    if named:
+        return named[0]
+    return same[0] if len(same) == 1 else None
+
+
 def _share_key(alloc: ContainerAllocation) -> tuple[str, frozenset[str], tuple[int, ...]]:
     """The containers of a pod holding the same device IDs on the same GPUs (an init container and the
     one it handed its IDs to) share one charge: the larger of their cores and memory."""
@@ -2926,8 +3044,12 @@ def _put_text(alloc: ContainerAllocation) -> str | None:
         return None
 
 
-def _del(key: tuple[str, str]) -> dict[str, Any]:
-    return {"op": "del", "pod": key[0], "container": key[1]}
+def _del(key: tuple[str, str], freed: ContainerAllocation | None = None) -> dict[str, Any]:
+    """The record of a container's allocation deleted; ``freed``: the allocation, freed before its container
+    started, remembered by its IDs (:data:`journal.FREED_KEY`; older readers ignore the key)."""
+    if freed is None:
+        return {"op": "del", "pod": key[0], "container": key[1]}
+    return {"op": "del", "pod": key[0], "container": key[1], "freed": freed.to_json()}
 
 
 def _claim_put(claim: ClaimAllocation) -> dict[str, Any]:

@@ -69,6 +69,13 @@ log = logging.getLogger(__name__)
 #: it; upstream's writer drops it, so a snapshot without it was not written by this agent).
 JOURNAL_KEY = "JournalSegment"
 
+#: The snapshot's key for allocations freed before their container started, remembered by their device IDs
+#: (a container the kubelet gave those IDs and our answer to may take one over): ``{"<the IDs, sorted and
+#: comma-joined>": {"<pod uid>": {"<container>": <entry>}}}``, one pod per set of IDs. A ``del`` record
+#: carries the freed entry under ``freed``; a ``put`` of the same IDs forgets it. Upstream's reader and
+#: older versions of this agent ignore both (keys they do not know).
+FREED_KEY = "FreedUnstarted"
+
 #: Size of one journal segment (about 2000 changes of a one-GPU container).
 SEGMENT_BYTES = 1 << 20
 _HEADER = 18  # "%08x %08x " before the JSON
@@ -188,12 +195,41 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
         if not isinstance(per, dict):  # the journal's entry is newer than a malformed one
             per = mapping[pod] = {}
         per[container] = change.get("entry")
+        _forget_freed(document, change.get("entry"))
     elif change.get("op") == "del":
         per = mapping.get(pod)
         if isinstance(per, dict):
             per.pop(container, None)
             if not per:
                 mapping.pop(pod, None)
+        freed = change.get("freed")
+        ids = freed_key(freed.get("DeviceIDs")) if isinstance(freed, Mapping) else None
+        if ids is not None:
+            remembered = document.get(FREED_KEY)
+            if not isinstance(remembered, dict):
+                remembered = document[FREED_KEY] = {}
+            same = remembered.get(ids)
+            if not isinstance(same, dict) or list(same) != [pod]:  # those of one pod only, as in memory
+                same = remembered[ids] = {pod: {}}
+            same[pod][container] = freed
+
+
+def freed_key(device_ids: object) -> str | None:
+    """The key of ``FREED_KEY`` for these device IDs (None when they are not a non-empty list of strings)."""
+    if not isinstance(device_ids, list) or not device_ids or not all(isinstance(i, str) for i in device_ids):
+        return None
+    return ",".join(sorted(device_ids))
+
+
+def _forget_freed(document: dict[str, Any], entry: object) -> None:
+    """A put of an entry holding some device IDs: the allocation freed with them is no longer remembered
+    (an Allocate gave them out again, or a container took it over)."""
+    remembered = document.get(FREED_KEY)
+    if not remembered or not isinstance(remembered, dict) or not isinstance(entry, Mapping):
+        return
+    ids = freed_key(entry.get("DeviceIDs"))
+    if ids is not None and remembered.pop(ids, None) is not None and not remembered:
+        document.pop(FREED_KEY, None)
 
 
 def _note_origin(origins: dict[tuple[str, str], str], change: Mapping[str, Any], where: str) -> None:

@@ -313,3 +313,39 @@ def to_json(allocations: Iterable[ContainerAllocation]) -> dict[str, Any]:
     for a in allocations:
         mapping.setdefault(a.pod_uid, {})[a.container] = a.to_json()
     return {"PodGPUMapping": mapping}
+
+
+def freed_from_json(data: Any, *, key: str) -> tuple[dict[frozenset[str], list[ContainerAllocation]], list[str]]:
+    """Allocations freed before their container started, by their device IDs, from the document's ``key``
+    (``{"<IDs>": {"<pod uid>": {"<container>": <entry>}}}``), and what was skipped and why. Each entry is
+    checked as in ``PodGPUMapping`` and must hold the IDs it is kept under; an unusable one is skipped (it is
+    only a hint for a container that may start with those IDs)."""
+    found: dict[frozenset[str], list[ContainerAllocation]] = {}
+    problems: list[str] = []
+    remembered = data.get(key) if isinstance(data, Mapping) else None
+    if remembered is None:
+        return found, problems
+    if not isinstance(remembered, Mapping):
+        return found, [f"{key} {_shown(remembered)} is not an object"]
+    for ids, per_pod in remembered.items():
+        if not isinstance(per_pod, Mapping) or len(per_pod) != 1:
+            problems.append(f"{key} {_shown(ids)}: {_shown(per_pod)} is not one pod's entries")
+            continue
+        pod_uid, per_container = next(iter(per_pod.items()))
+        if not isinstance(per_container, Mapping) or not per_container:
+            problems.append(f"{key} {_shown(ids)}: pod {pod_uid}: {_shown(per_container)} is not its entries")
+            continue
+        same: list[ContainerAllocation] = []
+        for container, entry in per_container.items():
+            try:
+                alloc = _entry(str(pod_uid), str(container), entry)
+            except RecordError as exc:
+                problems.append(f"{key} {_shown(ids)}: {exc}")
+                continue
+            if not alloc.device_ids or ",".join(sorted(alloc.device_ids)) != ids:
+                problems.append(f"{key} {_shown(ids)}: pod {pod_uid} container {container} holds other device IDs")
+                continue
+            same.append(alloc)
+        if same:
+            found[frozenset(same[0].device_ids)] = same
+    return found, problems

@@ -1926,10 +1926,11 @@ class Allocator:
         when both are still free. Several containers of that pod held the IDs (an init container's,
         handed on): each goes to the container of ``owner``'s pod of its name, which got its answer."""
         freed = self._freed_guesses.pop(wanted, None)
-        if not freed or owner in self._allocs:
+        if not freed:
             return False
         pod = self._pods.get(owner[0])
         if pod is None:
+            self._freed_guesses[wanted] = freed  # the kubelet's next try of the start may find it
             return False
         if len(freed) == 1:
             pairs = [(freed[0], owner)]
@@ -1937,8 +1938,18 @@ class Allocator:
             pairs = [(a, (owner[0], a.container)) for a in freed]
             if owner[1] not in {a.container for a in freed}:
                 return False
-        if any(not self._can_take_freed(a, target, pod) for a, target in pairs):
+        # A container of ``owner``'s pod recorded, unstarted, with other IDs: those were matched to it by a
+        # guess too (the kubelet admitted the identical pods in another order than they wait in), and they
+        # are the deleted pod's, which the kubelet freed with it. Such a record gives way, remembered by
+        # its IDs as a freed guess in turn (another pod may start with them).
+        displaced = [self._allocs[target] for _, target in pairs if target in self._allocs]
+        if any(d.started or not d.device_ids or frozenset(d.device_ids) == wanted for d in displaced):
             return False
+        gone = {d.key for d in displaced}
+        if any(not self._can_take_freed(a, target, pod, gone) for a, target in pairs):
+            return False
+        for d in displaced:
+            self._free(self._remove(d.key) or d)
         taken: list[ContainerAllocation] = []
         for alloc, target in pairs:
             request = _request_of(pod, target[1])
@@ -1970,9 +1981,25 @@ class Allocator:
                 )
                 for done in taken:
                     self._free(self._remove(done.key) or done)
+                for d in displaced:
+                    self._place(d)
                 return False
             taken.append(made)
-        self._save_or_report([_put(a) for a in taken])
+        for d in displaced:
+            same = self._freed_guesses.get(frozenset(d.device_ids))
+            if same is None or same[0].pod_uid != d.pod_uid:
+                if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
+                    self._freed_guesses.clear()
+                same = self._freed_guesses[frozenset(d.device_ids)] = []
+            same.append(d)
+            log.info(
+                "pod %s container %s starts with other IDs than the %s matched to it (identical pods admitted "
+                "in another order than they waited in): those are freed (GPUs %s), remembered by their IDs",
+                *d.key,
+                ids.describe(d.device_ids),
+                list(d.minors),
+            )
+        self._save_or_report([_del(d.key) for d in displaced] + [_put(a) for a in taken])
         for alloc, target in pairs:
             log.info(
                 "pod %s container %s starts with %s, matched to pod %s container %s (the first of identical "
@@ -1984,15 +2011,23 @@ class Allocator:
             )
         return owner in self._allocs
 
-    def _can_take_freed(self, alloc: ContainerAllocation, target: tuple[str, str], pod: Pod) -> bool:
-        """Whether container ``target`` of ``pod``, unallocated and asking for what ``alloc`` was
-        allocated, can take ``alloc`` over with the directory its answer named, still unused (lock held)."""
+    def _can_take_freed(
+        self,
+        alloc: ContainerAllocation,
+        target: tuple[str, str],
+        pod: Pod,
+        giving_way: set[tuple[str, str]] | None = None,
+    ) -> bool:
+        """Whether container ``target`` of ``pod``, unallocated (or its record among ``giving_way``) and
+        asking for what ``alloc`` was allocated, can take ``alloc`` over with the directory its answer
+        named, unused but by ``giving_way`` (lock held)."""
+        away = giving_way or set()
         request = _request_of(pod, target[1])
         return (
-            target not in self._allocs
+            (target not in self._allocs or target in away)
             and request is not None
             and (request.cores, request.memory_bytes) == (alloc.cores, alloc.memory)
-            and not self._answering.get(alloc.answered)
+            and not self._answering.get(alloc.answered, set()) - away
         )
 
     def _taken_over(

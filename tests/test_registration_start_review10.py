@@ -112,3 +112,46 @@ def test_the_kubelet_simulator_does_not_read_an_unchanged_list_again(
     finally:
         agent.stop()
         kubelet.stop()
+
+
+def test_the_kubelet_simulator_reads_a_long_new_list_yielding_the_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new list of thousands of devices (8,500 vcuda-memory IDs on 16 x H200) took the simulator's
+    interpreter ~30 ms in one stretch; the other resource's stream, read in another thread as a Go
+    kubelet does in its own goroutine, is let in between every READ_YIELD_EVERY devices."""
+    from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+
+    count = 4 * kubelet_module.READ_YIELD_EVERY + 1
+    raw = pb.ListAndWatchResponse(
+        devices=[pb.Device(ID=f"{names.VMEMORY_RESOURCE}-0-{i}", health="Healthy") for i in range(count)]
+    ).SerializeToString()
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", fill="sorted")
+    record = kubelet_module.RegistrationRecord(
+        index=0,
+        resource=names.VMEMORY_RESOURCE,
+        endpoint="m.sock",
+        version="v1beta1",
+        options=pb.DevicePluginOptions(),
+        request_options=pb.DevicePluginOptions(),
+        registered_at=time.monotonic(),
+        connected_at=time.monotonic(),
+    )
+    channel = kubelet_module.grpc.insecure_channel(f"unix://{tmp_path / 'none.sock'}")
+    ep = _Endpoint(names.VMEMORY_RESOURCE, tmp_path / "m.sock", channel, pb.DevicePluginOptions(), record)
+    kubelet._endpoints[names.VMEMORY_RESOURCE] = ep
+    yields: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if seconds == 0:
+            yields.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(kubelet_module.time, "sleep", sleep)
+    try:
+        kubelet._on_devices(ep, raw, time.monotonic())
+    finally:
+        channel.close()
+    assert len(kubelet.devices(names.VMEMORY_RESOURCE)) == count
+    assert len(yields) == 4

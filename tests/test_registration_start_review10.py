@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 import simnode.kubelet as kubelet_module
@@ -137,7 +138,7 @@ def test_the_kubelet_simulator_reads_a_long_new_list_yielding_the_interpreter(
         registered_at=time.monotonic(),
         connected_at=time.monotonic(),
     )
-    channel = kubelet_module.grpc.insecure_channel(f"unix://{tmp_path / 'none.sock'}")
+    channel = grpc.insecure_channel(f"unix://{tmp_path / 'none.sock'}")
     ep = _Endpoint(names.VMEMORY_RESOURCE, tmp_path / "m.sock", channel, pb.DevicePluginOptions(), record)
     kubelet._endpoints[names.VMEMORY_RESOURCE] = ep
     yields: list[float] = []
@@ -148,7 +149,7 @@ def test_the_kubelet_simulator_reads_a_long_new_list_yielding_the_interpreter(
             yields.append(seconds)
         real_sleep(seconds)
 
-    monkeypatch.setattr(kubelet_module.time, "sleep", sleep)
+    monkeypatch.setattr(time, "sleep", sleep)  # the module the simulator calls
     try:
         kubelet._on_devices(ep, raw, time.monotonic())
     finally:

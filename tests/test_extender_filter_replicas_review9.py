@@ -183,3 +183,28 @@ def test_a_recorded_choice_with_negative_numbers_frees_nothing(world: World) -> 
     p = world.create(gpu_pod("p", [(60, 4)]))
     assert "no longer fits" in _bind(ext, p, "n")
     assert ext.state.over_committed() == {}
+
+
+# -- predicate time: the agent's order of the pods waiting on a node -------------------------------
+
+
+def test_a_bind_after_another_replicas_records_a_later_predicate_time_whatever_the_clocks(world: World) -> None:
+    """The node agent matches each kubelet Allocate to the waiting pod of the smallest predicate time.
+    Another replica, whose clock is a minute ahead, recorded a choice on the node just now: a pod bound
+    here after it must not carry a smaller predicate time (the agent would take it for the earlier pod
+    and, where their memory differs, refuse both at PreStartContainer)."""
+    world.add_node("n", inventory([16, 16]))
+    ext = world.start_extender()
+    ahead = time.time_ns() + 60 * 10**9
+    claim = claims.Claim("default/elsewhere", time.time() + 60, str(ahead), (Charge(0, 60, 4 * BLOCK),))
+
+    def change(obj: dict[str, Any]) -> None:
+        obj["metadata"].setdefault("annotations", {})[claims.ANNOTATION] = claims.encode_claims({"uid-else": claim})
+
+    world.api.update_node("n", change)
+    p = world.create(gpu_pod("p", [(30, 4)]))
+    assert _bind(ext, p, "n") == ""
+    mine = int(world.annotations(p)[names.PREDICATE_TIME])
+    assert mine > ahead
+    recorded = claims.parse_claims(world.api.nodes()[0])
+    assert recorded["uid-p"].predicate_time == str(mine) and recorded["uid-else"].predicate_time == str(ahead)

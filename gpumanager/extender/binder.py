@@ -146,6 +146,19 @@ def _api_text(exc: Exception, deadline: _Deadline | None = None) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _predicate_time(claims: Mapping[str, Claim], uid: str) -> int:
+    """The predicate time of a choice made now, after the choices ``claims`` recorded on the node (not
+    of pod ``uid``): this replica's clock in nanoseconds, or past the largest of theirs when that is
+    later. The node agent matches each Allocate to the waiting pod of the smallest predicate time;
+    replicas' clocks may disagree, and a pod bound after another must not read as chosen before it."""
+    now = time.time_ns()
+    for other, claim in claims.items():
+        value = claim.predicate_time
+        if other != uid and value.isascii() and value.isdigit() and len(value) <= 19:
+            now = max(now, int(value) + 1)
+    return now
+
+
 def _uid_precondition_failed(exc: Exception) -> bool:
     """Whether the API server refused a request because the object's UID is no longer the one asked for."""
     return isinstance(exc, ApiException) and exc.status == 409 and "Precondition failed: UID" in _api_text(exc)
@@ -355,7 +368,7 @@ class _Bind:
                 placement = place(gpus, requests, self._policy, inits=inits, sidecars=sidecars)
             if not placement.ok:
                 raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
-            now = str(time.time_ns())
+            now = str(_predicate_time(claims, uid))
             charges = tuple(
                 count_inits(
                     [c for choice in placement.choices for c in choice.charges()],

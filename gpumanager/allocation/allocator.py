@@ -79,6 +79,9 @@ FRESH_LIST_GRACE_SECONDS = 60.0
 #: The most allocations freed before their container started that are remembered, for a pod of the same
 #: request the kubelet gave their IDs to (see Allocator._take_freed_guess).
 _FREED_GUESSES_KEPT = 1024
+#: The most pods whose containers asking for vcuda-memory without vcuda-core are remembered (see
+#: Allocator.memory_only_starting); all are forgotten past it, and read again.
+_MEMORY_ONLY_KEPT = 8192
 
 
 class AllocationError(Exception):
@@ -232,6 +235,8 @@ class Allocator:
         self._asked_at: dict[frozenset[str], float] = {}
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
+        # Per pod UID, its containers asking for vcuda-memory without vcuda-core: (name, blocks).
+        self._memory_only_of: dict[str, tuple[tuple[str, int], ...]] = {}
         # The containers of each pod holding an allocation.
         self._by_pod: dict[str, set[str]] = {}
         # The pod source's generation this allocator's view of the pods is up to date with.
@@ -505,6 +510,38 @@ class Allocator:
         except PodSpecError:
             return ()
         return tuple((r.memory_blocks, r.cores > 0) for r in requests if r.memory_blocks > 0)
+
+    def memory_only_starting(self, blocks: int) -> dict[tuple[str, str], str]:
+        """The containers of this node's pods (as the cache shows them) asking for ``blocks`` of vcuda-memory
+        without vcuda-core that have not run yet, by (pod UID, container), each with its name for a message.
+
+        A vcuda-memory Allocate of such a container beside a pending share of the same memory size is
+        answered (the call carries only IDs: it may be the share's); its PreStartContainer, whose IDs the
+        kubelet's records name, is where it is told apart. Empty (the kubelet is not asked) in the common
+        case of no such container. One that ran already (its status names a container ID: answered before
+        this check, or by upstream) is left to start again as it did."""
+        found: dict[tuple[str, str], str] = {}
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
+            return found
+        known = self._memory_only_of
+        for pod in self._pods.pods():
+            uid = podinfo.uid(pod)
+            asking = known.get(uid)
+            if asking is None:  # a pod's containers never change: read once per pod
+                try:
+                    requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
+                except PodSpecError:
+                    requests = []
+                asking = tuple((r.name, r.memory_blocks) for r in requests if r.cores <= 0 and r.memory_blocks > 0)
+                if len(known) >= _MEMORY_ONLY_KEPT:
+                    known.clear()
+                known[uid] = asking
+            if not asking or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
+                continue
+            for name, size in asking:
+                if size == blocks and not _has_run(pod, name):
+                    found[(uid, name)] = f"pod {podinfo.pod_key(pod)} container {name}"
+        return found
 
     @staticmethod
     def _memory_only(pods: Sequence[Pod], blocks: int) -> list[str] | None:
@@ -2996,6 +3033,18 @@ def _mirror_of(pod: Pod) -> str:
 def _runs_first(pod: Pod, request: GPURequest) -> bool:
     """Whether ``request`` is an init container that ends before its pod's other containers start."""
     return request.index < 0 and not podinfo.is_sidecar(pod, request.name)
+
+
+def _has_run(pod: Pod, container: str) -> bool:
+    """Whether the pod's status shows ``container`` has run (it names a container ID, or a restart)."""
+    status = pod.get("status")
+    if not isinstance(status, dict):
+        return False
+    for field in ("containerStatuses", "initContainerStatuses"):
+        for cs in status.get(field) or []:
+            if isinstance(cs, dict) and cs.get("name") == container:
+                return bool(cs.get("containerID")) or bool(cs.get("restartCount"))
+    return False
 
 
 def _same_request(group: Sequence[ContainerAllocation], alloc: ContainerAllocation) -> ContainerAllocation | None:

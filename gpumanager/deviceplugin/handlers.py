@@ -209,7 +209,27 @@ class Handlers:
                 device_ids.describe(unknown),
                 self._layout.count(names.VMEMORY_RESOURCE),
             )
+        self._refuse_memory_only(ids)
         return pb.PreStartContainerResponse()
+
+    def _refuse_memory_only(self, ids: Sequence[str]) -> None:
+        """Refuse the start of a container asking for vcuda-memory without vcuda-core whose Allocate was
+        answered beside a pending share of its size (:meth:`Allocator.memory_only_starting`): the kubelet's
+        records say whose IDs these are. Nothing is asked when the pod cache shows no such container."""
+        suspects = self._allocator.memory_only_starting(len(ids)) if self._allocator is not None else {}
+        if not suspects:
+            return
+        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, None)
+        who = suspects.get(owner) if owner is not None else None
+        if who is None:
+            return
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{names.PRESTART_FAILED}: {who} asks for {len(ids)} {names.VMEMORY_RESOURCE} without "
+            f"{names.VCORE_RESOURCE} ({device_ids.describe(ids)}): memory alone gives no GPU (a share asks for "
+            f"both, a whole GPU for {names.VCORE_RESOURCE} in hundreds); its Allocate was answered because a "
+            "pending container with cores asked for the same memory",
+        )
 
     def _unknown_memory(self, ids: Sequence[str]) -> list[str]:
         known = self._layout.positions(names.VMEMORY_RESOURCE)

@@ -71,3 +71,22 @@ def test_a_chain_of_identical_pods_admitted_out_of_order_survives_a_deletion(tmp
         assert started.answered == given[name]
         assert frozenset(started.device_ids) == frozenset(ids)
     assert sorted(r.key for r in alloc.allocations()) == sorted([(b, "main"), (c, "main")])
+
+
+def test_the_record_that_gave_way_is_remembered_across_a_restart(tmp_path: Path) -> None:
+    """As above, and the agent restarts after a started: a holds its own IDs and the record of b's IDs that
+    gave way does not come back as a's (or anyone's) allocation."""
+    a, b = uid_of("a"), uid_of("b")
+    pods = _identical("a", "b")
+    alloc = make_allocator(tmp_path, pods)
+    x, y = core_ids(0, 50), core_ids(1, 50)
+    alloc.allocate(x)
+    alloc.allocate(y)
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != b]
+    alloc.release_pod(b)
+    alloc.pre_start(y, (a, "main"))
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    record = restarted.get(a, "main")
+    assert record is not None and record.started and frozenset(record.device_ids) == frozenset(y)
+    assert [r.key for r in restarted.allocations()] == [(a, "main")]

@@ -2023,12 +2023,7 @@ class Allocator:
                 return False
             taken.append(made)
         for d in displaced:
-            same = self._freed_guesses.get(frozenset(d.device_ids))
-            if same is None or same[0].pod_uid != d.pod_uid:
-                if len(self._freed_guesses) >= _FREED_GUESSES_KEPT:
-                    self._freed_guesses.clear()
-                same = self._freed_guesses[frozenset(d.device_ids)] = []
-            same.append(d)
+            self._remember_freed(d)
             log.info(
                 "pod %s container %s starts with other IDs than the %s matched to it (identical pods admitted "
                 "in another order than they waited in): those are freed (GPUs %s), remembered by their IDs",
@@ -2036,7 +2031,7 @@ class Allocator:
                 ids.describe(d.device_ids),
                 list(d.minors),
             )
-        self._save_or_report([_del(d.key) for d in displaced] + [_put(a) for a in taken])
+        self._save_or_report([_del(d.key, d) for d in displaced] + [_put(a) for a in taken])
         for alloc, target in pairs:
             log.info(
                 "pod %s container %s starts with %s, matched to pod %s container %s (the first of identical "

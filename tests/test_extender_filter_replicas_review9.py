@@ -208,3 +208,60 @@ def test_a_bind_after_another_replicas_records_a_later_predicate_time_whatever_t
     assert mine > ahead
     recorded = claims.parse_claims(world.api.nodes()[0])
     assert recorded["uid-p"].predicate_time == str(mine) and recorded["uid-else"].predicate_time == str(ahead)
+
+
+# -- one pod bound by two binds at once (the scheduler retried on another node) ----------------------
+
+
+def test_a_second_bind_of_a_pod_to_another_node_waits_for_the_first(world: World) -> None:
+    """The scheduler lost replica one's answer and bound the pod again, to another node, through replica
+    two, while one's Binding was still on its way. Two overwrote one's annotations (naming n2), one's
+    Binding was made (the pod runs on n1), two's was refused and left its annotations: the pod ran on n1
+    with annotations naming n2, counted on no GPU of n1 once one's record lapsed, and the agent chose a
+    GPU there by itself. Two now refuses while one's choice of the pod is recorded on n1."""
+    world.add_node("n1", inventory([16]))
+    world.add_node("n2", inventory([16]))
+    one, two = world.start_extender(), world.start_extender()
+    p = world.create(gpu_pod("p", [(60, 4)]))
+    world.api.delay(r"/namespaces/default/pods/p/binding", 1.0, method="POST", count=1)
+    first: list[str] = []
+    thread = threading.Thread(target=lambda: first.append(_bind(one, p, "n1")), daemon=True)
+    thread.start()
+    wait_for(lambda: world.annotations(p).get(names.PREDICATE_NODE) == "n1", what="one's choice written")
+    world.api.delay(r"pods/p/binding$", 2.0, method="POST", count=1)
+    second = _bind(two, p, "n2")
+    thread.join(10)
+    assert first == [""]
+    stored = world.api.get_pod("default", "p")
+    assert stored is not None and stored["spec"]["nodeName"] == "n1"
+    notes = stored["metadata"]["annotations"]
+    assert notes[names.PREDICATE_NODE] == "n1" and notes[f"{PREFIX}0"] == "0", notes
+    assert "n1" in second and second != "", second
+    for ext in (one, two):
+        wait_for(lambda e=ext: e.state.pod_count() == 1 and e.state.unplaced() == 0, what="p counted on n1")  # type: ignore[misc]
+        gpus = ext.state.node("n1")
+        assert gpus is not None and gpus.held[0].cores == 60
+
+
+def test_a_second_bind_that_read_the_pod_stale_removes_its_record_when_it_steps_back(world: World) -> None:
+    """As above, but replica two's watch had not shown one's choice: two records its own on n2, its patch
+    of the pod meets 409, it reads the pod again, sees one's choice in flight and steps back, removing
+    its record from n2 (else n2's GPU stayed held for the record's lifetime)."""
+    world.add_node("n1", inventory([16]))
+    world.add_node("n2", inventory([16]))
+    one, two = world.start_extender(), world.start_extender()
+    p = world.create(gpu_pod("p", [(60, 4)]))
+    wait_for(lambda: two._cached_pod("uid-p") is not None, what="two caches p")
+    world.api.hold_watches(True)
+    world.api.delay(r"/namespaces/default/pods/p/binding", 2.0, method="POST", count=1)
+    first: list[str] = []
+    thread = threading.Thread(target=lambda: first.append(_bind(one, p, "n1")), daemon=True)
+    thread.start()
+    wait_for(lambda: world.annotations(p).get(names.PREDICATE_NODE) == "n1", what="one's choice written")
+    second = _bind(two, p, "n2")
+    world.api.hold_watches(False)
+    thread.join(10)
+    assert first == [""]
+    assert "n1" in second, second
+    n2 = next(n for n in world.api.nodes() if n["metadata"]["name"] == "n2")
+    assert "uid-p" not in claims.parse_claims(n2)

@@ -53,6 +53,7 @@ from urllib3.exceptions import TimeoutError as Urllib3TimeoutError
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import GPURequest, PodSpecError
+from gpumanager.extender import claims as claims_module
 from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
 from gpumanager.extender.charges import PodCharges, count_inits, init_containers
 from gpumanager.extender.claims import ANNOTATION as CLAIMS
@@ -423,6 +424,11 @@ class _Bind:
         conflicts = 0
         while True:
             uid = podinfo.uid(pod)
+            try:
+                self._check_other_choice(pod)
+            except BindError:
+                self._unclaim()  # a choice recorded at an earlier turn (the pod had changed)
+                raise
             previous = self._state.assumption(uid)
             with self._node_locks.hold(self.args.node, self.deadline.left()) as taken:
                 if not taken:
@@ -564,6 +570,32 @@ class _Bind:
                     _api_text(exc, self.deadline),
                 )
                 return
+
+    def _check_other_choice(self, pod: JSON) -> None:
+        """Refuse while another bind, of any replica, may still bind the pod to another node: the pod
+        carries that bind's choice of the other node (not bound yet) and the choice is recorded there and
+        counts still (read from the API server: one call, only for a pod chosen for another node).
+        Overwritten here, a Binding that bind then made would leave the pod on that node with annotations
+        naming this one: counted on no GPU there, its GPUs chosen by the agent alone."""
+        notes = podinfo.pod_annotations(pod)
+        other, when = notes.get(names.PREDICATE_NODE), notes.get(names.PREDICATE_TIME)
+        if not isinstance(other, str) or not other or other == self.args.node or not isinstance(when, str):
+            return
+        found = self._read_object(
+            lambda: self._core.read_node(other, _preload_content=False, _request_timeout=self.deadline.call_timeout()),
+            f"{self.who}: cannot read node {other}, for which another bind chose it",
+        )
+        if found is None:
+            return  # that node is gone: no Binding there will be made
+        claim = self._state.sightings.live(parse_claims(found)).get(podinfo.uid(pod))
+        if claim is None or claim.predicate_time != when:
+            return  # that bind failed (it removed its record) or its record lapsed
+        raise BindError(
+            f"{self.who}: another bind chose node {other} for it (predicate time {when}, recorded on that node) "
+            f"and may still bind it there; refused until that bind ends or its record lapses "
+            f"({claims_module.CLAIM_TTL:g} s after this extender first read it)",
+            "refused",
+        )
 
     def _check_earlier_binding(self, pod: JSON) -> bool:
         """Refuse to bind a pod elsewhere while a Binding of it to another node got no answer: the API

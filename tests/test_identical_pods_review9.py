@@ -90,3 +90,40 @@ def test_the_record_that_gave_way_is_remembered_across_a_restart(tmp_path: Path)
     record = restarted.get(a, "main")
     assert record is not None and record.started and frozenset(record.device_ids) == frozenset(y)
     assert [r.key for r in restarted.allocations()] == [(a, "main")]
+
+
+def _cores_by_gpu(alloc: object) -> dict[int, int]:
+    held: dict[int, int] = {}
+    for record in alloc.allocations():  # type: ignore[attr-defined]
+        for minor in record.minors:
+            held[minor] = held.get(minor, 0) + min(record.cores, 100)
+    return held
+
+
+def test_the_room_of_a_freed_guess_is_not_given_to_another_pod_while_room_is_left_elsewhere(tmp_path: Path) -> None:
+    """b is admitted while a, identical, is first in line: b's IDs X are matched to a, a share on GPU g. a is
+    deleted before b starts; the kubelet still counts X as b's, but g's room was free to the next Allocate:
+    d (40 cores) was placed there (beside a GPU with 70 cores free) and b's start then took over a's allocation on g,
+    over-committing it. The room of a freed allocation is left for the pod that may take it over while
+    other room fits."""
+    pods = FakePods(
+        [make_pod(n, [("main", 100, 0)], created=f"2026-11-21T09:00:0{i}Z") for i, n in enumerate(("w1", "w2"))]
+        + [make_pod("e", [("main", 50, 4)], created="2026-11-21T09:00:05Z")]
+        + [make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("ab")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    alloc.allocate(core_ids(0, 100))
+    alloc.allocate(core_ids(1, 100))
+    alloc.allocate(core_ids(2, 50))  # e
+    x = core_ids(2, 50, start=50)
+    alloc.allocate(x)  # the kubelet admits b: matched to a
+    pods.items.append(make_pod("f", [("main", 30, 4)], created="2026-11-21T10:00:05Z"))
+    alloc.allocate(core_ids(3, 30))
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != uid_of("a")]
+    alloc.release_pod(uid_of("a"))
+    pods.items.append(make_pod("d", [("main", 40, 4)], created="2026-11-21T10:00:06Z"))
+    alloc.allocate(core_ids(3, 40, start=30))  # the kubelet has 70 IDs free: 40 for d
+    started = alloc.pre_start(x, (uid_of("b"), "main"))
+    assert started.key == (uid_of("b"), "main")
+    over = {minor: cores for minor, cores in _cores_by_gpu(alloc).items() if cores > 100}
+    assert not over, f"GPUs charged beyond 100 cores: {over}"

@@ -590,8 +590,12 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
-                # IDs given out again: a guess freed with them no longer tells whose they are.
+                # IDs given out again: a guess freed with them no longer tells whose they are. Some of a
+                # guess's IDs given out: the kubelet freed them, no container starts with them all.
                 self._freed_guesses.pop(wanted, None)
+                if self._freed_guesses:
+                    for gone in [w for w in self._freed_guesses if not wanted.isdisjoint(w)]:
+                        del self._freed_guesses[gone]
                 suspect = self._by_ids.get(wanted)
                 if suspect is not None:
                     self._take_pod_changes()  # whether a later container of its pod waits for them
@@ -1304,7 +1308,12 @@ class Allocator:
             )
         else:
             tree = self._tree_without_predicated(pod, req)
-            indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
+            kept = self._without_freed_room(tree, device_ids)
+            indices = choose(self._lending_inits(kept, podinfo.uid(pod)), cores, memory)
+            if indices:
+                tree = kept
+            elif kept is not tree:  # no room but that of freed allocations: they are likely freed indeed
+                indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
             if not indices and tree is not self._tree:
                 log.warning(
                     "%s: no GPU is left beside those predicated for the pod's other containers; choosing among all",
@@ -1394,6 +1403,39 @@ class Allocator:
                 "exhausted",
             )
         return who
+
+    def _without_freed_room(self, tree: TopologyTree, device_ids: Sequence[str]) -> TopologyTree:
+        """``tree``, or a copy of it where the allocations freed before their containers started (remembered
+        by their IDs) still hold their GPUs' room (lock held).
+
+        Such an allocation may have been a guess among identical pods: the kubelet still counts its IDs
+        as the pod's it gave them to, whose start takes it over on the same GPUs (its answer names them).
+        Placing another container in that room over-commits the GPU then. It is left while other room
+        fits; an Allocate of some of its IDs (``device_ids``) shows the kubelet freed them."""
+        if not self._freed_guesses:
+            return tree
+        given = frozenset(device_ids)
+        held: dict[int, tuple[int, int]] = {}
+        for wanted, same in self._freed_guesses.items():
+            if not given.isdisjoint(wanted):
+                continue
+            for alloc in same:
+                for minor in alloc.minors:
+                    cores, memory = held.get(minor, (0, 0))
+                    held[minor] = (max(cores, alloc.cores), max(memory, alloc.memory))
+        if not held:
+            return tree
+        scratch = tree.clone()
+        for minor, (cores, memory) in sorted(held.items()):
+            try:
+                leaf = scratch.leaf_by_minor(minor)
+            except (KeyError, ValueError):
+                continue
+            if cores >= names.HUNDRED_CORES:
+                scratch.occupy(leaf.index, names.HUNDRED_CORES, leaf.allocatable_memory)
+            else:
+                scratch.occupy(leaf.index, min(cores, leaf.allocatable_cores), min(memory, leaf.allocatable_memory))
+        return scratch
 
     def _tree_without_predicated(self, pod: Pod, req: GPURequest) -> TopologyTree:
         """The tree an init container (no predicate annotation names it) chooses from (lock held): the

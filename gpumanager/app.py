@@ -256,6 +256,7 @@ class Agent:
             kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
             layout=self.layout,
             gpus=self.gpus,
+            vm_path=Path(cfg.virtual_manager_path),
         )
         recovery.from_disk()
         report_gpus_gone(allocator.allocations(), self.gpus, self.lost, self.replaced)

@@ -12,9 +12,12 @@ Sources, most exact first:
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from gpumanager import names, safenames
@@ -27,10 +30,12 @@ from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
 from gpumanager.faults import stall_point
+from gpumanager.fileio import read_regular
 from gpumanager.kube import kubelet_checkpoint
 from gpumanager.kube.kubelet_checkpoint import KubeletEntry
 from gpumanager.kube.podresources import ContainerDevices, PodResourcesClient, PodResourcesUnavailableError
 from gpumanager.retry import Backoff
+from gpumanager.vmanager import files as vcuda_files
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +203,47 @@ def from_pod_resources(
     return out
 
 
+def answered_elsewhere(vm_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """The containers whose ``vcuda.config`` lies in another container's directory under ``vm_path``: (pod
+    UID, container) -> (pod UID, container) of the directory. PreStartContainer writes a container's file in
+    the directory its answer named, which is another's after it took over an identical pod's answer; with
+    both checkpoints lost, that file alone still says which directory the container mounts. Only plain
+    files of this agent's user of the right size, in directories named as pods and containers are, count."""
+    found: dict[tuple[str, str], tuple[str, str]] = {}
+    uid = os.geteuid()
+    try:
+        pod_dirs = [e for e in os.scandir(vm_path) if e.is_dir(follow_symlinks=False)]
+    except OSError as exc:
+        log.debug("cannot list %s: %s", vm_path, exc)
+        return found
+    for pod_dir in pod_dirs:
+        try:
+            safenames.pod_uid(pod_dir.name)
+        except safenames.UnsafeNameError:
+            continue
+        try:
+            container_dirs = [e for e in os.scandir(pod_dir.path) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for container_dir in container_dirs:
+            try:
+                safenames.container_name(container_dir.name)
+            except safenames.UnsafeNameError:
+                continue
+            path = Path(container_dir.path) / names.VCUDA_CONFIG_FILE
+            try:
+                st = path.lstat()
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size != vcuda_files.CONFIG_SIZE:
+                    continue
+                config = vcuda_files.unpack(read_regular(path, vcuda_files.CONFIG_SIZE))
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+            here = (pod_dir.name, container_dir.name)
+            if config.pod_uid and config.container_name and (config.pod_uid, config.container_name) != here:
+                found[(config.pod_uid, config.container_name)] = here
+    return found
+
+
 def _config_mirror(pod: Pod) -> str:
     """A mirror pod's static pod (its config hash, the kubelet's UID of the static pod); '' for any other."""
     value = podinfo.pod_annotations(pod).get(MIRROR_ANNOTATION)
@@ -223,9 +269,11 @@ class Recovery:
         kubelet_checkpoint_path: Path,
         layout: DeviceLayout,
         gpus: Sequence[GPUInfo],
+        vm_path: Path | None = None,
     ) -> None:
         self._allocator = allocator
         self._kubelet_checkpoint = kubelet_checkpoint_path
+        self._vm_path = vm_path  # where containers' vcuda.config files are (--virtual-manager-path)
         self._layout = layout
         self._gpus = list(gpus)
         self._untrusted: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -357,12 +405,37 @@ class Recovery:
             for a in found
             if not self._allocator.holds(a.key) and not (a.mirror and self._allocator.holds((a.mirror, a.container)))
         ]
+        if missing and self._vm_path is not None:
+            missing = self._with_directories(missing, self._vm_path)
         taken = self._allocator.adopt(missing, source="PodResources", kubelet_holds=True, answered=False)
         self.rebuilt += taken
         if taken:
             log.info("rebuilt %d container allocations from PodResources", taken)
         self._settle_untrusted(final=True)
         return unnamed
+
+    def _with_directories(self, missing: list[ContainerAllocation], vm_path: Path) -> list[ContainerAllocation]:
+        """``missing`` (rebuilt from PodResources, which has no answer), each answered with the directory its
+        ``vcuda.config`` lies in when that is another's (:func:`answered_elsewhere`) and free: no pod the
+        cache knows of that UID, nothing held or answered with it."""
+        elsewhere = answered_elsewhere(vm_path)
+        if not elsewhere:
+            return missing
+        out = []
+        used: set[tuple[str, str]] = set()
+        for alloc in missing:
+            directory = elsewhere.get(alloc.key)
+            if directory is not None and directory not in used and self._allocator.directory_free(directory):
+                used.add(directory)
+                log.info(
+                    "PodResources: pod %s container %s, whose vcuda.config is in the directory of pod %s "
+                    "container %s (the answer it took over), is answered with that directory",
+                    *alloc.key,
+                    *directory,
+                )
+                alloc = replace(alloc, answered_as=directory)
+            out.append(alloc)
+        return out
 
     def _settle_untrusted(self, *, final: bool = False) -> None:
         for key in [k for k in self._untrusted if self._allocator.holds(k)]:

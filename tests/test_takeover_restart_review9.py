@@ -83,8 +83,9 @@ def _delete_a(c: SimCluster, run_a: PodRun) -> None:
     _wait_until(lambda: run_a.uid not in _mapping(c), "a's allocation to be freed")
 
 
-def _check_b(c: SimCluster, run_a: PodRun, run_b: PodRun) -> None:
-    """b holds what its answer named, nothing else holds it, nothing of a is back."""
+def _check_b(c: SimCluster, run_a: PodRun, run_b: PodRun, *, rebuilt: bool = False) -> None:
+    """b holds what its answer named, nothing else holds it, nothing of a is back. ``rebuilt``: from the
+    kubelet's PodResources alone, which does not say that b has started."""
     answer = run_b.core["main"].response
     mapping = _mapping(c)
     assert run_a.uid not in mapping, f"a's allocation came back: {mapping}"
@@ -94,7 +95,7 @@ def _check_b(c: SimCluster, run_a: PodRun, run_b: PodRun) -> None:
     assert (entry["Cores"], entry["Memory"]) == (50, 4 * names.MEMORY_BLOCK_BYTES)
     assert sorted(entry["DeviceIDs"]) == sorted(run_b.core["main"].device_ids)
     assert tuple(entry.get("AnsweredAs") or (run_b.uid, "main")) == _answered_dir(run_b)
-    assert entry.get("Started") is True
+    assert entry.get("Started") is (None if rebuilt else True)
     devices = [d for per in mapping.values() for e in per.values() for d in e["Devices"]]
     # The vcuda.config b reads (the directory its answer mounts) names b, with its budget.
     pod_dir, container_dir = _answered_dir(run_b)
@@ -162,3 +163,108 @@ def test_a_crash_inside_the_start_that_takes_over(cluster: SimCluster, point: st
     cluster.start_agent()
     cluster.start_containers(run_b)
     _check_b(cluster, run_a, run_b)
+
+
+def test_both_checkpoints_lost_after_the_take_over(cluster: SimCluster) -> None:
+    """Our checkpoint and the kubelet's are both lost after b took a's allocation over: PodResources has only
+    b's IDs, and the vcuda.config written for b in a's directory says which directory b mounts."""
+    run_a, run_b = _admit_b_matched_to_a(cluster)
+    _delete_a(cluster, run_a)
+    cluster.start_containers(run_b)
+    cluster.wait_annotations(run_b, {names.GPU_ASSIGNED: "true"})  # b's real GPU, as PodResources' rebuild reads
+    assert cluster.agent is not None and cluster.agent.stop() == 0
+    for path in cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}*"):
+        path.unlink()
+    cluster.kubelet.checkpoint_path.unlink(missing_ok=True)
+    cluster.start_agent()
+    _wait_until(lambda: run_b.uid in _mapping(cluster), "b's allocation to be rebuilt")
+    time.sleep(2.0)  # a pass of the pod lifecycle, which removes the directories of pods that are gone
+    _check_b(cluster, run_a, run_b, rebuilt=True)
+
+
+@pytest.mark.parametrize("where", ["live-pod", "own", "foreign-owner"])
+def test_a_vcuda_config_in_a_directory_not_free_does_not_move_a_rebuilt_container(tmp_path: Path, where: str) -> None:
+    """A rebuild from PodResources alone answers a container with the directory holding its vcuda.config only
+    when that directory belongs to no one: a file naming b in the directory of a pod that still exists (a
+    container there can write its own directory) leaves b with its own."""
+    import os
+
+    from gpumanager.deviceplugin.devices import DeviceLayout
+    from gpumanager.kube.podresources import ContainerDevices
+    from gpumanager.recovery import Recovery
+    from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of, v100x4
+
+    b, c = uid_of("b"), uid_of("c")
+    pods = [make_pod("b", [("main", 50, 4)], phase="Running"), make_pod("c", [("main", 50, 4)], phase="Running")]
+    gone = uid_of("gone")
+    holder = c if where == "live-pod" else gone
+    vm = tmp_path / "vm"
+    config = vm / holder / "main" / names.VCUDA_CONFIG_FILE
+    config.parent.mkdir(parents=True)
+    config.write_bytes(files.pack(files.VcudaConfig(pod_uid=b, container_name="main", gpu_memory=1, utilization=50)))
+    if where == "own":  # b's file in its own directory: nothing to move
+        config.rename(vm / holder / "main" / "other")
+        (vm / b / "main").mkdir(parents=True)
+        (vm / holder / "main" / "other").rename(vm / b / "main" / names.VCUDA_CONFIG_FILE)
+    alloc = make_allocator(tmp_path, FakePods(pods))
+    gpus, _ = v100x4()
+    try:
+        if where == "foreign-owner" and os.geteuid() == 0:
+            os.chown(config, 12345, 12345)
+        elif where == "foreign-owner":
+            pytest.skip("a file of another user can be made by root only")
+        rec = Recovery(
+            alloc, kubelet_checkpoint_path=tmp_path / "none", layout=DeviceLayout(gpus), gpus=gpus, vm_path=vm
+        )
+        rec.from_disk()
+        listed = ContainerDevices("default", "b", "main", CORE, tuple(core_ids(1, 50)))
+        rec.from_pod_resources(
+            _answering([listed]),
+            lambda ns, name: next((p for p in pods if p["metadata"]["name"] == name), None),
+        )
+        record = alloc.get(b, "main")
+        assert record is not None and record.answered == (b, "main"), record
+    finally:
+        alloc.close()
+
+
+def test_a_vcuda_config_in_a_gone_pods_directory_answers_a_rebuilt_container_with_it(tmp_path: Path) -> None:
+    from gpumanager.deviceplugin.devices import DeviceLayout
+    from gpumanager.kube.podresources import ContainerDevices
+    from gpumanager.recovery import Recovery
+    from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of, v100x4
+
+    b, gone = uid_of("b"), uid_of("gone")
+    pods = [make_pod("b", [("main", 50, 4)], phase="Running")]
+    vm = tmp_path / "vm"
+    config = vm / gone / "main" / names.VCUDA_CONFIG_FILE
+    config.parent.mkdir(parents=True)
+    config.write_bytes(files.pack(files.VcudaConfig(pod_uid=b, container_name="main", gpu_memory=1, utilization=50)))
+    alloc = make_allocator(tmp_path, FakePods(pods))
+    gpus, _ = v100x4()
+    try:
+        rec = Recovery(
+            alloc, kubelet_checkpoint_path=tmp_path / "none", layout=DeviceLayout(gpus), gpus=gpus, vm_path=vm
+        )
+        rec.from_disk()
+        listed = ContainerDevices("default", "b", "main", CORE, tuple(core_ids(1, 50)))
+        rec.from_pod_resources(_answering([listed]), lambda ns, name: pods[0] if name == "b" else None)
+        record = alloc.get(b, "main")
+        assert record is not None and record.answered == (gone, "main"), record
+    finally:
+        alloc.close()
+
+
+class _FixedPodResources:
+    """A PodResources client whose kubelet answers with ``entries``."""
+
+    def __init__(self, entries: list[Any]) -> None:
+        self.entries = entries
+
+    def list_all(self) -> list[Any]:
+        return list(self.entries)
+
+
+def _answering(entries: list[Any]) -> Any:
+    """A PodResources client (duck-typed) answering ``entries``."""
+    return _FixedPodResources(entries)

@@ -2774,6 +2774,14 @@ class Allocator:
         )
         return alloc
 
+    def directory_free(self, answered: tuple[str, str]) -> bool:
+        """Whether the (pod UID, container) directory ``answered`` belongs to no one: no container is answered
+        with it, no allocation is of its pod, and the pod cache knows no pod of that UID."""
+        with self._lock:
+            if self._answering.get(answered) or answered[0] in self._by_pod:
+                return False
+        return self._pods.get(answered[0]) is None
+
     def holds(self, key: tuple[str, str]) -> bool:
         """Whether (pod UID, container) has an allocation."""
         with self._lock:

@@ -135,3 +135,28 @@ def test_a_malformed_freed_entry_is_skipped_with_its_name(tmp_path: Path, caplog
         assert alloc.pre_start(ids, (b, "main")).key == (b, "main")
     finally:
         alloc.close()
+
+
+@pytest.mark.parametrize("stop", ["clean", "crash"])
+def test_some_of_a_freed_allocations_ids_given_out_again_forget_it_across_a_restart(tmp_path: Path, stop: str) -> None:
+    """An Allocate of some of a freed allocation's IDs shows the kubelet freed them: no container starts with
+    them all, and after a restart the allocation is not remembered either."""
+    a = uid_of("a")
+    pods = _identical("a", "b")
+    before = make_allocator(tmp_path, pods)
+    ids = core_ids(0, 50)
+    before.allocate(ids)
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != a]
+    before.release_pod(a)
+    before.allocate(ids[:25] + core_ids(1, 25))  # b's, with half of a's freed IDs
+    assert before._freed_guesses == {}
+    if stop == "clean":
+        before.close()
+    else:
+        _crash(before)
+    after = make_allocator(tmp_path, pods)
+    try:
+        after.load()
+        assert after._freed_guesses == {}
+    finally:
+        after.close()

@@ -72,7 +72,7 @@ JOURNAL_KEY = "JournalSegment"
 #: The snapshot's key for allocations freed before their container started, remembered by their device IDs
 #: (a container the kubelet gave those IDs and our answer to may take one over): ``{"<the IDs, sorted and
 #: comma-joined>": {"<pod uid>": {"<container>": <entry>}}}``, one pod per set of IDs. A ``del`` record
-#: carries the freed entry under ``freed``; a ``put`` of the same IDs forgets it. Upstream's reader and
+#: carries the freed entry under ``freed``; a ``put`` of any of the same IDs forgets it. Upstream's reader and
 #: older versions of this agent ignore both (keys they do not know).
 FREED_KEY = "FreedUnstarted"
 
@@ -221,14 +221,26 @@ def freed_key(device_ids: object) -> str | None:
     return ",".join(sorted(device_ids))
 
 
+#: Up to this many remembered freed allocations, a put forgets each that shares any ID with it (beyond, only the
+#: one of the very same IDs: the allocator drops the others at load, when an allocation holds some of their IDs).
+_FREED_OVERLAP_SCAN = 64
+
+
 def _forget_freed(document: dict[str, Any], entry: object) -> None:
-    """A put of an entry holding some device IDs: the allocation freed with them is no longer remembered
-    (an Allocate gave them out again, or a container took it over)."""
+    """A put of an entry holding some device IDs: the allocations freed with any of them are no longer
+    remembered (an Allocate gave them out again, or a container took one over)."""
     remembered = document.get(FREED_KEY)
     if not remembered or not isinstance(remembered, dict) or not isinstance(entry, Mapping):
         return
     ids = freed_key(entry.get("DeviceIDs"))
-    if ids is not None and remembered.pop(ids, None) is not None and not remembered:
+    if ids is None:
+        return
+    remembered.pop(ids, None)
+    if remembered and len(remembered) <= _FREED_OVERLAP_SCAN:
+        given = set(ids.split(","))
+        for key in [k for k in remembered if not given.isdisjoint(str(k).split(","))]:
+            del remembered[key]
+    if not remembered:
         document.pop(FREED_KEY, None)
 
 

@@ -96,12 +96,18 @@ def _check_b(c: SimCluster, run_a: PodRun, run_b: PodRun, *, rebuilt: bool = Fal
     assert sorted(entry["DeviceIDs"]) == sorted(run_b.core["main"].device_ids)
     assert tuple(entry.get("AnsweredAs") or (run_b.uid, "main")) == _answered_dir(run_b)
     assert entry.get("Started") is (None if rebuilt else True)
-    devices = [d for per in mapping.values() for e in per.values() for d in e["Devices"]]
+    # No other record holds b's IDs or b's directory, and the GPU is charged for what its holders ask.
+    others = [
+        (uid, name, e) for uid, per in mapping.items() for name, e in per.items() if (uid, name) != (run_b.uid, "main")
+    ]
+    assert not [o for o in others if set(o[2].get("DeviceIDs") or ()) & set(entry["DeviceIDs"])], mapping
+    assert not [o for o in others if tuple(o[2].get("AnsweredAs") or (o[0], o[1])) == _answered_dir(run_b)], mapping
+    on_gpu = [e for _, _, e in others if e["Devices"] == entry["Devices"]]
+    assert sum(e["Cores"] for e in on_gpu) + entry["Cores"] <= 100, mapping
     # The vcuda.config b reads (the directory its answer mounts) names b, with its budget.
     pod_dir, container_dir = _answered_dir(run_b)
     config = files.unpack((c.vm_path / pod_dir / container_dir / "vcuda.config").read_bytes())
     assert (config.pod_uid, config.container_name) == (run_b.uid, "main")
-    assert devices.count(entry["Devices"][0]) == 1, mapping
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
@@ -268,3 +274,20 @@ class _FixedPodResources:
 def _answering(entries: list[Any]) -> Any:
     """A PodResources client (duck-typed) answering ``entries``."""
     return _FixedPodResources(entries)
+
+
+def test_a_restart_before_the_start_does_not_charge_the_gpu_twice(tmp_path: Path, sim_built: Path) -> None:
+    """One GPU; b's IDs were matched to a (first in line), and the agent restarts before b starts. The
+    kubelet's records say b holds those IDs: b takes over the allocation made for a instead of being rebuilt
+    beside it (the GPU charged for both, 100 cores for one share), and c's share still fits."""
+    from tests.battery_fixtures import gpu, write_spec
+
+    spec = write_spec(tmp_path / "one.json", [gpu(0, memory_mib=16384)], lambda i, j: "PHB")
+    with SimCluster(tmp_path / "node", spec) as c:
+        run_a, run_b = _admit_b_matched_to_a(c)
+        _restart(c, "kill")
+        mapping = _mapping(c)
+        assert list(mapping) == [run_b.uid], mapping
+        c.run_pod(gpu_pod("c", [("main", 50, 4)]))  # refused before: GPU 0 charged 100 cores
+        c.start_containers(run_b)
+        _check_b(c, run_a, run_b)

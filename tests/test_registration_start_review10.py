@@ -156,3 +156,34 @@ def test_the_kubelet_simulator_reads_a_long_new_list_yielding_the_interpreter(
         channel.close()
     assert len(kubelet.devices(names.VMEMORY_RESOURCE)) == count
     assert len(yields) == 4
+
+
+def test_a_kubelet_that_starts_after_the_agent_is_registered_with_without_waiting_for_first_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory watch waits for the kubelet's first lists only once registered: with no kubelet yet,
+    it opens at once, so the kubelet.sock made later is seen when it appears."""
+    from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+    from gpumanager.deviceplugin import manager as manager_module
+    from gpumanager.deviceplugin.manager import PluginManager
+    from gpumanager.deviceplugin.server import PluginServer
+    from gpumanager.deviceplugin.servicer import ResourceServicer
+
+    monkeypatch.setattr(manager_module, "FIRST_LISTS_SECONDS", 60.0)  # a wait there would show
+    listed = pb.ListAndWatchResponse(devices=[pb.Device(ID="r-0", health="Healthy")]).SerializeToString()
+    servicer = ResourceServicer("example.com/r", devices=lambda: listed, options=pb.DevicePluginOptions())
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    plugins = PluginManager(
+        [PluginServer(servicer, tmp_path / "device-plugins" / "r.sock")],
+        kubelet.socket_path,
+        options_for=lambda _server: pb.DevicePluginOptions(),
+        watch_period=600.0,
+    )
+    plugins.start()
+    try:
+        time.sleep(0.3)  # the first registration has failed: no kubelet.sock
+        kubelet.start()
+        kubelet.wait_for_registration("example.com/r", timeout=20, with_devices=True)
+    finally:
+        plugins.stop()
+        kubelet.stop()

@@ -293,8 +293,9 @@ class PluginManager:
                 # Only after the first registration and the kubelet's first lists: opening it costs
                 # 10 ms (inotify_simple finds the C library with ldconfig, a subprocess). A change
                 # meanwhile is not missed: this pass runs again at once and compares the sockets with
-                # those it saw.
-                self.wait_listed(FIRST_LISTS_SECONDS)
+                # those it saw. Not registered (no kubelet yet): opened at once, to see it come.
+                if self.registered_event.is_set():
+                    self.wait_listed(FIRST_LISTS_SECONDS)
                 self._open_watch()
                 continue
             timeout = self._period

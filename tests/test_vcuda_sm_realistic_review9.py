@@ -11,14 +11,19 @@ share (20 % and 13 % of a 30 % container were seen).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.test_vcuda_attacks import fresh_one_kernel_share
-from tests.vcuda_fixtures import Container, container, vcuda_built
+from simnode.gpusim_state import GpuSimState, repo_root
+from tests.test_vcuda_attacks import CHILD, fresh_one_kernel_share, launch_loop
+from tests.vcuda_fixtures import Container, FreshProcesses, container, vcuda_built
 
-__all__ = ["container", "vcuda_built"]  # fixtures
+__all__ = ["container", "launch_loop", "vcuda_built"]  # fixtures
 
 MakeContainer = Callable[..., Container]
 
@@ -45,3 +50,36 @@ def test_fresh_processes_of_one_long_kernel_get_the_share_at_a_real_drivers_samp
     assert started >= 6
     assert share <= LIMIT + ROOM, f"processes of one long kernel each got {share:.1%} of the GPU in a 30 % container"
     assert share >= LIMIT - ROOM, f"processes of one long kernel each got only {share:.1%} in a 30 % container"
+
+
+@pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
+def test_fresh_processes_beside_a_long_lived_one_do_not_take_more_than_the_share(
+    container: MakeContainer, launch_loop: Path
+) -> None:
+    """What processes that are gone left charged is cut to the time they can have used only against each other's
+    stretches: a process of the container that lives on and sees its own samples takes its charges back, so fresh
+    processes of one 400 ms kernel each, overlapping a long-lived process of 1 ms kernels, must still pay for all
+    of theirs (the container held to its share, not the share plus what the fresh ones used beside it)."""
+    c = container(0, cores=30)
+    env = c.env(GPUSIM_PROCESS_SAMPLE_DELAY_US=DELAY_US, GPUSIM_PROCESS_SAMPLE_PERIOD_US=PERIOD_US)
+    steady = subprocess.Popen([str(launch_loop), "kernel", "spin_1ms", "14"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=repo_root())  # fmt: skip
+    fresh = FreshProcesses([sys.executable, "-c", CHILD, "spin_400ms"], env, cwd=repo_root())
+    try:
+        fresh.feed(time.monotonic() + 3.0)
+        with GpuSimState(c.state_path) as st:
+            a = st.timeline(0)
+        t0 = time.monotonic_ns()
+        fresh.feed(time.monotonic() + 8.0)
+        with GpuSimState(c.state_path) as st:
+            b = st.timeline(0)
+        wall = time.monotonic_ns() - t0
+    finally:
+        fresh.stop()
+        steady.kill()
+        steady.communicate(timeout=30)
+    assert a is not None and b is not None
+    share = (b.busy_ns - a.busy_ns) / wall
+    print(f"SHARE {share:.3f} started {fresh.started}")  # for -s
+    assert fresh.started >= 4
+    assert share <= LIMIT + ROOM, f"a long-lived process and fresh ones got {share:.1%} of the GPU in a 30 % container"

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.pods import Pod
 from tests.alloc_fixtures import FakePods, make_allocator, make_pod
 
 
@@ -49,3 +53,28 @@ def test_memory_allocate_follows_the_pods_as_they_change(tmp_path: Path) -> None
     pods.lost_track = True  # the cache relisted: every pod is read again
     pods.items.append(make_pod("after-relist", [("c", 0, 5)]))
     assert "default/after-relist" in alloc.memory_only_refusal(5)
+
+
+def test_a_look_at_every_pod_cut_short_by_an_error_is_taken_again_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod whose object cannot be read fails the call (as a look at every pod did); the next call does not
+    build on the half-made look, which missed the pods after it."""
+    pods, alloc = _node(tmp_path)
+    pods.items.append(make_pod("memory-only", [("c", 0, 6)]))
+    assert "default/memory-only" in alloc.memory_only_refusal(6)
+    pods.items.insert(0, make_pod("odd", [("c", 0, 7)]))
+    pods.lost_track = True  # the cache relisted: the next call looks at every pod
+    real = podinfo.gpu_requests
+
+    def unreadable(pod: Pod) -> list[podinfo.GPURequest]:
+        if pod["metadata"]["name"] == "odd":
+            raise RuntimeError("odd pod")
+        return real(pod)
+
+    monkeypatch.setattr(podinfo, "gpu_requests", unreadable)
+    with pytest.raises(RuntimeError):
+        alloc.memory_only_refusal(6)
+    monkeypatch.setattr(podinfo, "gpu_requests", real)
+    assert "default/memory-only" in alloc.memory_only_refusal(6)
+    assert "default/odd" in alloc.memory_only_refusal(7)

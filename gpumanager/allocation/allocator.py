@@ -477,6 +477,8 @@ class Allocator:
         with self._memory_lock:
             generation, changed = self._pods.changes(self._memory_generation)
             if changed is None:
+                # Looked at again from the start should a pod that cannot be read cut this look short.
+                self._memory_generation = -1
                 self._memory_asks, self._memory_sizes = {}, {}
                 for pod in self._pods.pods():
                     self._set_memory_asks(podinfo.uid(pod), pod)

@@ -8,6 +8,9 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +21,10 @@ from gpumanager.allocation.pods import PodSpecError
 from gpumanager.extender import claims
 from gpumanager.extender.nodes import Charge
 from gpumanager.extender.service import Extender
+from simnode.apiserver import ApiServerSimulator
+from simnode.extender_process import ExtenderProcess
 from tests import extender_fixtures
-from tests.extender_fixtures import BLOCK, PREFIX, World, gpu_pod, inventory, wait_for
+from tests.extender_fixtures import BLOCK, PREFIX, World, gpu_pod, http_error, inventory, wait_for
 
 world = extender_fixtures.world
 
@@ -265,3 +270,69 @@ def test_a_second_bind_that_read_the_pod_stale_removes_its_record_when_it_steps_
     assert "n1" in second, second
     n2 = next(n for n in world.api.nodes() if n["metadata"]["name"] == "n2")
     assert "uid-p" not in claims.parse_claims(n2)
+
+
+# -- quantities no API server stores, sent straight to the extender --------------------------------
+
+
+def _filter_raw(world: World, pod: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"Pod": pod, "NodeNames": ["n"]}).encode()
+    return http_error(world, "filter", body)
+
+
+@pytest.mark.parametrize("resource", [names.VCORE_RESOURCE, names.VMEMORY_RESOURCE])
+def test_a_limit_of_thousands_of_digits_is_refused_naming_the_pod_not_a_500(world: World, resource: str) -> None:
+    """The API server caps every quantity at 2**63-1, but the extender's port takes any request: a limit of
+    5000 digits raised ValueError from int() and filter answered 500 ('internal error')."""
+    world.add_node("n", inventory([16]))
+    world.start_extender()
+    pod = gpu_pod("huge", [(30, 4)])
+    for part in ("limits", "requests"):
+        pod["spec"]["containers"][0]["resources"][part][resource] = "1" * 5000
+    status, answer = _filter_raw(world, pod)
+    assert status == 200, answer
+    assert "default/huge" in answer["Error"] and resource in answer["Error"], answer
+
+
+@contextmanager
+def _extender_process(tmp_path: Path) -> Iterator[ExtenderProcess]:
+    """The real command (its own interpreter: a request that held the GIL for minutes would stall a test
+    serving it in-process) against the API-server simulator with one node ``n``."""
+    with ApiServerSimulator() as sim:
+        world = World(sim)
+        world.add_node("n", inventory([16]))
+        proc = ExtenderProcess(tmp_path, sim.write_component_kubeconfig(tmp_path / "kubeconfig", "extender"))
+        proc.start()
+        try:
+            yield proc
+        finally:
+            proc.kill()
+
+
+def _post_within(proc: ExtenderProcess, body: object) -> Any:
+    """filter, the answer as decoded; a TimeoutError when none came within 30 s (a hang guard, not a timing)."""
+    return proc.post("filter", body)
+
+
+def test_a_limit_with_a_huge_exponent_is_refused_without_computing_it(tmp_path: Path) -> None:
+    """``1e999999999`` read as a whole number took int() minutes of the interpreter (the whole extender,
+    the GIL held); it is refused at once as larger than any quantity."""
+    pod = gpu_pod("exp", [(30, 4)])
+    for part in ("limits", "requests"):
+        pod["spec"]["containers"][0]["resources"][part][names.VCORE_RESOURCE] = "1e999999999"
+    with _extender_process(tmp_path) as proc:
+        answer = _post_within(proc, {"Pod": pod, "NodeNames": ["n"]})
+    assert "default/exp" in answer["Error"] and "1e999999999" in answer["Error"], answer
+
+
+def test_a_node_capacity_with_a_huge_exponent_reads_as_unreadable(tmp_path: Path) -> None:
+    """A Node object sent in a filter request (``nodeCacheCapable: false``) that the watch has not shown:
+    its capacity ``1e999999999`` is read as no capacity, not computed."""
+    huge = "1e999999999"
+    node = {
+        "metadata": {"name": "odd", "uid": "uid-odd"},
+        "status": {"capacity": {names.VCORE_RESOURCE: huge}, "allocatable": {names.VCORE_RESOURCE: huge}},
+    }
+    with _extender_process(tmp_path) as proc:
+        answer = _post_within(proc, {"Pod": gpu_pod("p", [(30, 4)]), "Nodes": {"items": [node]}})
+    assert "odd" in (answer.get("FailedAndUnresolvableNodes") or {}), answer

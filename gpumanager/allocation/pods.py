@@ -103,12 +103,18 @@ def containers(pod: Pod) -> list[Mapping[str, Any]]:
     return _spec_list(pod, "containers")
 
 
+#: How much of an odd value an error shows.
+_SHOWN_CHARS = 80
+#: The largest quantity the API server stores (it caps larger ones).
+MAX_QUANTITY = 2**63 - 1
+
+
 def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
     limits = _mapping(_mapping(container.get("resources")).get("limits"))
     raw = limits.get(resource)
     if raw is None:
         return 0
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18:
         return int(raw)  # the common spelling, as parse_quantity would read it
     # Loaded here, not with the module: the device plugin registers with the kubelet before it
     # needs any pod. Only the quantity module, not the whole client (see gpumanager.lazy_package).
@@ -120,9 +126,19 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
         value = Decimal(parse_quantity(raw))
     except (ValueError, TypeError, ArithmeticError):
         value = Decimal(-1)
+    shown = (
+        repr(raw) if len(repr(raw)) <= _SHOWN_CHARS else f"{repr(raw)[:_SHOWN_CHARS]}... ({len(str(raw))} characters)"
+    )
+    if value.is_finite() and value > MAX_QUANTITY:
+        # Checked before to_integral_value() and int(): 1e999999999 would take them minutes. The API server
+        # stores no larger quantity; only a request sent straight to a component carries one.
+        raise PodSpecError(
+            f"pod {pod_key(pod)} container {container.get('name')}: {resource} limit {shown} is larger than "
+            f"any quantity (2^63-1)"
+        )
     if not value.is_finite() or value != value.to_integral_value() or value < 0:
         raise PodSpecError(
-            f"pod {pod_key(pod)} container {container.get('name')}: {resource} limit {raw!r} is not a whole number"
+            f"pod {pod_key(pod)} container {container.get('name')}: {resource} limit {shown} is not a whole number"
         )
     return int(value)
 
@@ -261,10 +277,6 @@ def _malformed_predicate_time(who: str, shown: str) -> None:
         names.PREDICATE_TIME,
         shown,
     )
-
-
-#: How much of an annotation's odd value an error shows.
-_SHOWN_CHARS = 80
 
 
 def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:

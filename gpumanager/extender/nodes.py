@@ -60,13 +60,18 @@ class _Held:
     whole: int = 0
 
 
+#: The largest quantity the API server stores (it caps larger ones).
+_MAX_QUANTITY = 2**63 - 1
+
+
 def _quantity(raw: object) -> int:
     """A capacity as the API server answers it (canonical form: ten GPUs have ``1k`` cores); 0 if unreadable."""
     try:
         value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
     except (ValueError, TypeError, ArithmeticError):
         return 0
-    return int(value) if value.is_finite() and value >= 0 else 0
+    # Bounded before int(): 1e999999999 would take it minutes (the API server stores no larger quantity).
+    return int(value) if value.is_finite() and 0 <= value <= _MAX_QUANTITY else 0
 
 
 def _resources(node: Node, section: str) -> Mapping[str, Any]:

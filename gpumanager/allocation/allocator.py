@@ -1269,6 +1269,11 @@ class Allocator:
                 order = entry.order
             else:
                 done = [key in allocs or key in retired for key in entry.keys]
+                if any(d and key in allocs and allocs[key].started for key, d in zip(entry.keys, done, strict=True)):
+                    # A container of the pod has started: the kubelet admitted the pod, every Allocate of
+                    # it came before (a container without a record of its own was handed the IDs of an
+                    # init container whose answer it got). None of its containers waits.
+                    continue
                 found = next((r for r, d in zip(entry.requests, done, strict=True) if not d and r.cores == cores), None)
                 if found is None:
                     continue

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager import names
-from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.records import ContainerAllocation
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
@@ -70,3 +70,69 @@ def test_a_pod_whose_init_container_started_waits_for_no_other_allocate(tmp_path
     _start(alloc, z, (uid_of("q"), "main"), started)  # setup ended
     started = [r for r in started if r.key != (uid_of("q"), "setup")]
     assert not _running_beyond(started), {r.key: r.minors for r in started}
+
+
+def test_an_app_container_given_none_of_its_init_containers_ids_is_not_placed_in_their_room(tmp_path: Path) -> None:
+    """q (setup and main, a whole GPU each, setup's IDs handed on) waits before p (a whole GPU); GPUs 2
+    and 3 are free. The kubelet admits p first: X is matched to q's setup (first in line), GPU 2. Then q:
+    its setup's IDs Y were matched to q's main and placed in the room of q's setup, GPU 2 again. p
+    started with X and q with Y, both on GPU 2, GPU 3 idle. The kubelet hands an init container's IDs
+    on: a later container given none of them does not follow that allocation, whose room is not its."""
+    pods = FakePods(
+        [
+            _filler("f0", 100, 0),
+            _filler("f1", 100, 1),
+            _with_init("q", 100, 0, "2026-11-21T10:00:00Z"),
+            make_pod("p", [("main", 100, 0)], created="2026-11-21T10:00:01Z"),
+        ]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    started: list[ContainerAllocation] = []
+    for gpu, name in ((0, "f0"), (1, "f1")):
+        alloc.allocate(core_ids(gpu, 100))
+        _start(alloc, core_ids(gpu, 100), (uid_of(name), "main"), started)
+    x, y = core_ids(2, 100), core_ids(3, 100)
+    alloc.allocate(x)  # p
+    alloc.allocate(y)  # q's setup
+    alloc.allocate(y)  # q's main, handed setup's IDs
+    _start(alloc, y, (uid_of("q"), "setup"), started)
+    _start(alloc, x, (uid_of("p"), "main"), started)
+    assert not _running_beyond(started), {r.key: r.minors for r in started}
+
+
+def test_an_init_allocation_whose_ids_its_pod_did_not_hand_on_is_charged_beside_the_others(tmp_path: Path) -> None:
+    """q (setup 40 and main 40, setup's IDs handed on) waits before p (40). The kubelet admits p first (X,
+    matched to q's setup, GPU 3), then q: its Y, matched to q's main, went to GPU 3 too, and GPU 3 was
+    charged 40 cores (the larger of an init container and the container it hands its IDs to), not 80.
+    r (30) was then placed on GPU 3 (the others have 10 cores left): p, q and r ran there with 110
+    cores. An init allocation whose IDs its pod's others do not hold is charged beside them, as the
+    kubelet counts both sets of IDs."""
+    pods = FakePods(
+        [
+            *(_filler(f"f{g}", 90, g) for g in (1, 2, 3)),
+            _with_init("q", 40, 2, "2026-11-21T10:00:00Z"),
+            make_pod("p", [("main", 40, 2)], created="2026-11-21T10:00:01Z"),
+            make_pod("r", [("main", 30, 4)], created="2026-11-21T10:00:02Z"),
+        ]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    started: list[ContainerAllocation] = []
+    for gpu, name in ((0, "f1"), (1, "f2"), (2, "f3")):
+        alloc.allocate(core_ids(gpu, 90))
+        _start(alloc, core_ids(gpu, 90), (uid_of(name), "main"), started)
+    x, y = core_ids(3, 40), core_ids(3, 40, start=40)
+    z = core_ids(3, 20, start=80) + core_ids(0, 10, start=90)  # the kubelet's free IDs
+    alloc.allocate(x)  # p
+    alloc.allocate(y)  # q's setup
+    alloc.allocate(y)  # q's main
+    try:
+        alloc.allocate(z)  # r: no room left (a refused Allocate fails r's admission)
+    except AllocationError as exc:
+        assert exc.kind == "exhausted"
+    else:
+        _start(alloc, z, (uid_of("r"), "main"), started)
+    _start(alloc, x, (uid_of("p"), "main"), started)
+    _start(alloc, y, (uid_of("q"), "setup"), started)
+    started = [r for r in started if r.key != (uid_of("q"), "setup")]
+    _start(alloc, y, (uid_of("q"), "main"), started)
+    assert not _running_beyond(started), {r.key: (r.minors, r.cores) for r in started}

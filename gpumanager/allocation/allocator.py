@@ -1314,20 +1314,21 @@ class Allocator:
                 who, predicated, cores, memory, self._lending_inits(self._tree, podinfo.uid(pod))
             )
         else:
+            uid = podinfo.uid(pod)
             tree = self._tree_without_predicated(pod, req)
             kept = self._without_freed_room(tree, device_ids)
-            indices = choose(self._lending_inits(kept, podinfo.uid(pod)), cores, memory)
+            indices = self._choose_lending(kept, uid, cores, memory, device_ids)
             if indices:
                 tree = kept
             elif kept is not tree:  # no room but that of freed allocations: they are likely freed indeed
-                indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
+                indices = self._choose_lending(tree, uid, cores, memory, device_ids)
             if not indices and tree is not self._tree:
                 log.warning(
                     "%s: no GPU is left beside those predicated for the pod's other containers; choosing among all",
                     who,
                 )
                 tree = self._tree
-                indices = choose(self._lending_inits(tree, podinfo.uid(pod)), cores, memory)
+                indices = self._choose_lending(tree, uid, cores, memory, device_ids)
             if not indices:
                 raise AllocationError(f"{who}: {self._why_none(cores, memory)}", "exhausted")
             minors = tuple([tree.leaf(i).minor for i in indices])
@@ -1547,14 +1548,21 @@ class Allocator:
         larger of each), the groups of init containers (:attr:`ContainerAllocation.init`) together as
         one, beyond what the others hold there: init containers run one at a time and end before the
         others start (the kubelet counts a pod as the larger of its init containers and the sum of the
-        others, and hands an init container's IDs on). ``lend``: without that init charge."""
+        others, and hands an init container's IDs on). ``lend``: without that init charge.
+
+        An init group none of whose IDs the others there hold (they all have IDs) is charged beside
+        them: the kubelet handed its IDs to none of them and counts both sets of IDs as held. Such an
+        allocation was made for another pod (a guess among identical pods: the kubelet admitted the
+        other one, which starts with those IDs on those GPUs)."""
         groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int, bool]] = {}
+        unnamed = False  # a member recorded without IDs
         members = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
         if extra is not None:
             members = [a for a in members if a.container != extra.container] + [extra]
         for a in members:
             if minor not in a.minors:
                 continue
+            unnamed |= not a.device_ids
             share = _share_key(a)
             held = groups.get(share)
             groups[share] = (
@@ -1564,6 +1572,12 @@ class Allocator:
             )
         charges = [(cores, memory) for cores, memory, init in groups.values() if not init]
         inits = [(cores, memory) for cores, memory, init in groups.values() if init]
+        if inits and charges and not unnamed:
+            handed = frozenset().union(*[share[1] for share, (_, _, init) in groups.items() if not init])
+            inits = []
+            for share, (cores, memory, init) in groups.items():
+                if init:
+                    (inits if not handed.isdisjoint(share[1]) else charges).append((cores, memory))
         if inits and not lend:
             gpu = self._by_minor.get(minor)
             total = gpu.memory_total if gpu is not None else 0
@@ -1581,16 +1595,39 @@ class Allocator:
                 charges.append(beyond)
         return charges
 
-    def _lending_inits(self, tree: TopologyTree, pod_uid: str) -> TopologyTree:
+    def _choose_lending(
+        self, tree: TopologyTree, pod_uid: str, cores: int, memory: int, device_ids: Sequence[str]
+    ) -> list[int]:
+        """The GPUs :func:`choose` picks in ``tree`` for a container of ``pod_uid`` given ``device_ids``
+        (lock held), the room of its pod's init containers lent to it (:meth:`_lending_inits`) only
+        when ``device_ids`` share an ID with theirs.
+
+        The kubelet hands an init container's IDs on to the pod's later containers (each takes what it
+        needs of them first): a later container given none of them does not follow that allocation,
+        which was then made for another pod (a guess among identical pods: the kubelet admitted the
+        other one, which starts with those IDs on those GPUs), and placing it in that room would have it
+        run beside that pod on a GPU without room for both."""
+        return choose(self._lending_inits(tree, pod_uid, device_ids), cores, memory)
+
+    def _lending_inits(self, tree: TopologyTree, pod_uid: str, device_ids: Sequence[str] = ()) -> TopologyTree:
         """``tree``, or a copy of it without the charge of ``pod_uid``'s init containers beyond its other
         containers (lock held): a later container of the pod may take their place, as they will have
-        ended when it starts (the kubelet hands their IDs on)."""
+        ended when it starts (the kubelet hands their IDs on). ``device_ids`` (a later container's
+        Allocate): ``tree`` itself unless they share an ID with one of those init allocations (one
+        recorded without IDs counts as sharing)."""
         held = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
         for a in held:
             if a.init:
                 break
         else:  # none of its containers is an init container (a loop: no generator on every Allocate)
             return tree
+        if device_ids:
+            given = frozenset(device_ids)
+            for a in held:
+                if a.init and (not a.device_ids or not given.isdisjoint(a.device_ids)):
+                    break
+            else:  # given none of its init containers' IDs: their allocations are not what it follows
+                return tree
         scratch = tree.clone()
         for minor in sorted({m for a in held for m in a.minors}):
             try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpumanager import names
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.records import ContainerAllocation
@@ -136,3 +138,48 @@ def test_an_init_allocation_whose_ids_its_pod_did_not_hand_on_is_charged_beside_
     started = [r for r in started if r.key != (uid_of("q"), "setup")]
     _start(alloc, y, (uid_of("q"), "main"), started)
     assert not _running_beyond(started), {r.key: (r.minors, r.cores) for r in started}
+
+
+def test_a_start_that_would_crowd_its_gpu_waits_for_room_there(tmp_path: Path) -> None:
+    """b is admitted while a, identical, is first in line: b's IDs X are matched to a, a share on GPU 2
+    beside e. a is deleted before b starts; the kubelet still counts X as b's, and has 40 IDs free (10
+    cores left on GPU 0, 30 on GPU 3): X's room is the only room left for d (40), whose Allocate is
+    answered there. The kubelet's Allocate names no pod, so that
+    cannot be told apart from a's IDs freed with it. Whichever of d and b starts second would run
+    beyond GPU 2's 100 cores: its start is refused (the kubelet tries it again, the message naming the
+    pod, the container and the GPU) until room frees there."""
+    pods = FakePods(
+        [_filler("w0", 90, 0), _filler("w1", 100, 1), _filler("e", 50, 2), _filler("f", 70, 3)]
+        + [make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("ab")]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    started: list[ContainerAllocation] = []
+    for gpu, cores, name in ((0, 90, "w0"), (1, 100, "w1"), (2, 50, "e"), (3, 70, "f")):
+        alloc.allocate(core_ids(gpu, cores))
+        _start(alloc, core_ids(gpu, cores), (uid_of(name), "main"), started)
+    on = {r.key[0]: r.minors for r in started}
+    x = core_ids(2, 50, start=50)
+    alloc.allocate(x)  # the kubelet admits b: matched to a, first in line
+    guessed = alloc.get(uid_of("a"), "main")
+    assert guessed is not None and guessed.minors == on[uid_of("e")]
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != uid_of("a")]
+    alloc.release_pod(uid_of("a"))
+    pods.items.append(make_pod("d", [("main", 40, 4)], created="2026-11-21T10:00:06Z"))
+    d_ids = core_ids(0, 10, start=90) + core_ids(3, 30, start=70)  # the kubelet's 40 free IDs
+    alloc.allocate(d_ids)
+    d = alloc.get(uid_of("d"), "main")
+    assert d is not None and d.minors == guessed.minors, "the only room left for d"
+    _start(alloc, d_ids, (uid_of("d"), "main"), started)
+    with pytest.raises(AllocationError) as refused:
+        alloc.pre_start(x, (uid_of("b"), "main"))
+    assert refused.value.kind == "unavailable"
+    message = str(refused.value)
+    assert uid_of("b") in message and "container main" in message and f"GPU {guessed.minors[0]}" in message
+    assert names.PRESTART_FAILED not in message  # not a failure the kubelet marks the pod failed for
+    assert not _running_beyond(started)
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != uid_of("d")]
+    alloc.release_pod(uid_of("d"))
+    started = [r for r in started if r.pod_uid != uid_of("d")]
+    _start(alloc, x, (uid_of("b"), "main"), started)  # the kubelet's next try
+    assert not _running_beyond(started)
+    assert [r.key for r in alloc.allocations() if r.pod_uid == uid_of("b")] == [(uid_of("b"), "main")]

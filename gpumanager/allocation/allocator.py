@@ -1541,14 +1541,21 @@ class Allocator:
         return cores, memory
 
     def _pod_charges(
-        self, pod_uid: str, minor: int, *, extra: ContainerAllocation | None = None, lend: bool = False
+        self,
+        pod_uid: str,
+        minor: int,
+        *,
+        extra: ContainerAllocation | None = None,
+        lend: bool = False,
+        started_only: bool = False,
     ) -> list[tuple[int, int]]:
         """The (cores, memory) charges a pod's allocations (and ``extra``, not yet in the state) put on
         GPU ``minor``: one per group of its containers holding the same IDs (:func:`_share_key`, the
         larger of each), the groups of init containers (:attr:`ContainerAllocation.init`) together as
         one, beyond what the others hold there: init containers run one at a time and end before the
         others start (the kubelet counts a pod as the larger of its init containers and the sum of the
-        others, and hands an init container's IDs on). ``lend``: without that init charge.
+        others, and hands an init container's IDs on). ``lend``: without that init charge;
+        ``started_only``: only the containers that have started (and ``extra``).
 
         An init group none of whose IDs the others there hold (they all have IDs) is charged beside
         them: the kubelet handed its IDs to none of them and counts both sets of IDs as held. Such an
@@ -1557,6 +1564,8 @@ class Allocator:
         groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int, bool]] = {}
         unnamed = False  # a member recorded without IDs
         members = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
+        if started_only:
+            members = [a for a in members if a.started]
         if extra is not None:
             members = [a for a in members if a.container != extra.container] + [extra]
         for a in members:
@@ -2026,6 +2035,10 @@ class Allocator:
                         "tencent.com/vcuda-core)",
                         "mismatch",
                     )
+                if not alloc.started and self._overcommitted.intersection(alloc.minors):
+                    crowded = self._crowded(alloc)
+                    if crowded:
+                        raise AllocationError(crowded, "unavailable")
                 if not alloc.device_ids or not alloc.started:
                     self._remove(key)
                     alloc = replace(
@@ -2040,6 +2053,53 @@ class Allocator:
         finally:
             if changed:
                 self._notify()
+
+    def _crowded(self, alloc: ContainerAllocation) -> str:
+        """Why ``alloc``'s container cannot start, or '' (lock held): on one of its GPUs, it and the
+        containers started there (and the claims prepared there) hold more than the GPU has.
+
+        That happens only after a guess among identical pods (the kubelet's Allocate names no pod, and
+        it admits them in its own order): an allocation freed with the pod it was guessed for, its room
+        then given to another container, taken over by the pod the kubelet gave its IDs to; or two
+        allocations of one GPU each counted as another's. Its answer named those GPUs, so the container
+        can run on no other: its start waits (the kubelet tries it again) until room frees there."""
+        for minor in alloc.minors:
+            gpu = self._by_minor.get(minor)
+            if gpu is None:
+                continue
+            charges = list(self._pod_charges(alloc.pod_uid, minor, extra=alloc, started_only=True))
+            running: list[str] = []
+            for uid in sorted({a.pod_uid for a in self._allocs.values() if a.started and minor in a.minors}):
+                held = self._pod_charges(uid, minor, started_only=True) if uid != alloc.pod_uid else []
+                if held:
+                    charges.extend(held)
+                    one = self._allocs[(uid, next(iter(self._by_pod[uid])))]
+                    running.append(f"{one.namespace}/{one.pod_name}" if one.pod_name else uid)
+            for claim in self._claims.values():
+                for dev in claim.devices:
+                    if dev.consumes and dev.minor == minor:
+                        charges.append((names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory))
+                        running.append(f"claim {claim.uid}")
+            wholes = sum(1 for c, _ in charges if c >= names.HUNDRED_CORES)
+            cores = sum(min(c, names.HUNDRED_CORES) for c, _ in charges)
+            memory = sum(m for c, m in charges if c < names.HUNDRED_CORES) + wholes * gpu.memory_total
+            if cores <= names.HUNDRED_CORES and memory <= gpu.memory_total:
+                continue
+            shown = ", ".join(running[:4]) + (f" and {len(running) - 4} more" if len(running) > 4 else "")
+            who = f"{alloc.namespace}/{alloc.pod_name} ({alloc.pod_uid})" if alloc.pod_name else alloc.pod_uid
+            asks = (
+                "a whole GPU"
+                if alloc.cores >= names.HUNDRED_CORES
+                else f"{alloc.cores} cores, {alloc.memory >> 20} MiB"
+            )
+            return (
+                f"pod {who} container {alloc.container} cannot start yet: its answer named GPU {gpu.index} "
+                f"({gpu.uuid}), where the containers of {shown or 'no pod'} have started; with its {asks} they "
+                f"would hold {cores} cores and {memory >> 20} MiB of the GPU's {names.HUNDRED_CORES} cores and "
+                f"{gpu.memory_total >> 20} MiB (its IDs were matched to an identical pod, and the room went to "
+                "another container meanwhile); the kubelet's next try of the start succeeds once room frees there"
+            )
+        return ""
 
     def _take_freed_guess(self, wanted: frozenset[str], owner: tuple[str, str]) -> bool:
         """Whether ``owner``, which the kubelet says starts with ``wanted`` and which has no allocation,

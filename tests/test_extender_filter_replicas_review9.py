@@ -55,18 +55,23 @@ def _bind(ext: Extender, pod: dict[str, Any], node: str) -> str:
     return str(_post(ext, "bind", args)["Error"])
 
 
-def _other_bind_in_flight(world: World, one: Extender, two: Extender, x: dict[str, Any]) -> threading.Thread:
+def _other_bind_in_flight(
+    world: World, one: Extender, two: Extender, x: dict[str, Any]
+) -> tuple[threading.Thread, list[str]]:
     """Replica ``one`` binds pod ``x`` to node ``full``: it records its choice on the node, then its
     patch of x's annotations hangs (a slow API server), so replica ``two``'s watches show the record
-    but not the pod's annotations. Returns the thread of one's bind (it ends bound)."""
+    but not the pod's annotations. Returns the thread of one's bind and the list its answer goes to."""
     world.api.delay(r"/namespaces/default/pods/x$", 3.0, method="PATCH", count=1)
     outcome: list[str] = []
     thread = threading.Thread(target=lambda: outcome.append(_bind(one, x, "full")), daemon=True)
     thread.start()
     wait_for(lambda: "uid-x" in two.state.node_claims("full"), what="replica two's node watch shows one's choice")
     assert two.state.pod_count() == 0  # its pod watch has not shown x chosen yet
-    thread.outcome = outcome  # type: ignore[attr-defined]
-    return thread
+    return thread, outcome
+
+
+def _wait_counted(ext: Extender, pods: int) -> None:
+    wait_for(lambda: ext.state.pod_count() == pods and ext.state.unplaced() == 0, what=f"{pods} pods counted, placed")
 
 
 def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has_room(world: World) -> None:
@@ -75,7 +80,7 @@ def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has
     one, two = world.start_extender(), world.start_extender()
     x = world.create(gpu_pod("x", [(60, 4)]))
     y = world.create(gpu_pod("y", [(60, 4)]))
-    other = _other_bind_in_flight(world, one, two, x)
+    other, outcome = _other_bind_in_flight(world, one, two, x)
     answer = _filter(world, two, y)
     # Before: both passed, and a scheduler that picked "full" (prioritize scores it 0, but a tie or the
     # scheduler's own scores may still pick it) got a bind that could only refuse the pod.
@@ -85,9 +90,9 @@ def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has
     assert "full" not in (answer.get("FailedAndUnresolvableNodes") or {})
     assert _bind(two, y, "free") == ""
     other.join(10)
-    assert other.outcome == [""]  # type: ignore[attr-defined]
+    assert outcome == [""]
     for ext in (one, two):
-        wait_for(lambda e=ext: e.state.pod_count() == 2, what="both pods counted")  # type: ignore[misc]
+        _wait_counted(ext, 2)
         assert ext.state.over_committed() == {}
 
 
@@ -98,11 +103,11 @@ def test_filter_still_passes_a_node_filled_only_by_a_record_when_no_node_has_roo
     one, two = world.start_extender(), world.start_extender()
     x = world.create(gpu_pod("x", [(60, 4)]))
     y = world.create(gpu_pod("y", [(60, 4)]))
-    other = _other_bind_in_flight(world, one, two, x)
+    other, outcome = _other_bind_in_flight(world, one, two, x)
     assert _passed(_filter(world, two, y)) == ["full"]
     assert "no longer fits" in _bind(two, y, "full")  # never an over-commit
     other.join(10)
-    assert other.outcome == [""]  # type: ignore[attr-defined]
+    assert outcome == [""]
 
 
 def _note(world: World, node: str, uid: str, pod: str) -> None:
@@ -243,7 +248,7 @@ def test_a_second_bind_of_a_pod_to_another_node_waits_for_the_first(world: World
     assert notes[names.PREDICATE_NODE] == "n1" and notes[f"{PREFIX}0"] == "0", notes
     assert "n1" in second and second != "", second
     for ext in (one, two):
-        wait_for(lambda e=ext: e.state.pod_count() == 1 and e.state.unplaced() == 0, what="p counted on n1")  # type: ignore[misc]
+        _wait_counted(ext, 1)
         gpus = ext.state.node("n1")
         assert gpus is not None and gpus.held[0].cores == 60
 

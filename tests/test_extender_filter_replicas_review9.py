@@ -59,9 +59,10 @@ def _other_bind_in_flight(
     world: World, one: Extender, two: Extender, x: dict[str, Any]
 ) -> tuple[threading.Thread, list[str]]:
     """Replica ``one`` binds pod ``x`` to node ``full``: it records its choice on the node, then its
-    patch of x's annotations hangs (a slow API server), so replica ``two``'s watches show the record
-    but not the pod's annotations. Returns the thread of one's bind and the list its answer goes to."""
-    world.api.delay(r"/namespaces/default/pods/x$", 3.0, method="PATCH", count=1)
+    patch of x's annotations hangs 5 s (a slow API server; its bind may take 10), so replica ``two``'s
+    watches show the record but not the pod's annotations. Returns the thread of one's bind and the
+    list its answer goes to."""
+    world.api.delay(r"/namespaces/default/pods/x$", 5.0, method="PATCH", count=1)
     outcome: list[str] = []
     thread = threading.Thread(target=lambda: outcome.append(_bind(one, x, "full")), daemon=True)
     thread.start()
@@ -77,7 +78,7 @@ def _wait_counted(ext: Extender, pods: int) -> None:
 def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has_room(world: World) -> None:
     world.add_node("full", inventory([16]))
     world.add_node("free", inventory([16]))
-    one, two = world.start_extender(), world.start_extender()
+    one, two = world.start_extender(bind_timeout=10.0), world.start_extender(bind_timeout=10.0)
     x = world.create(gpu_pod("x", [(60, 4)]))
     y = world.create(gpu_pod("y", [(60, 4)]))
     other, outcome = _other_bind_in_flight(world, one, two, x)
@@ -100,7 +101,7 @@ def test_filter_still_passes_a_node_filled_only_by_a_record_when_no_node_has_roo
     """No other node has room: the node passes (prioritize scores it 0, bind decides). Failing it would
     park the pod as unschedulable, and a record that lapses (its bind died) brings no cluster event."""
     world.add_node("full", inventory([16]))
-    one, two = world.start_extender(), world.start_extender()
+    one, two = world.start_extender(bind_timeout=10.0), world.start_extender(bind_timeout=10.0)
     x = world.create(gpu_pod("x", [(60, 4)]))
     y = world.create(gpu_pod("y", [(60, 4)]))
     other, outcome = _other_bind_in_flight(world, one, two, x)

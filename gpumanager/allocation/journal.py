@@ -161,17 +161,19 @@ def _record(change: Mapping[str, Any], text: str | None = None) -> bytes:
     return b"%08x %08x " % (len(body), zlib.crc32(body)) + body + b"\n"
 
 
-def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
+def apply(document: dict[str, Any], change: Mapping[str, Any], freed: FreedIndex | None = None) -> None:
     """Apply one journal change (or a batch of them) to a checkpoint document, in place.
 
     A container's entry (``PodGPUMapping``) is put or deleted by ``put``/``del``; a prepared
-    claim's (``Claims``, DRA mode) by ``claim-put``/``claim-del``.
+    claim's (``Claims``, DRA mode) by ``claim-put``/``claim-del``. ``freed``: the index of the document's
+    remembered freed allocations by device ID, kept over a whole replay (without it, each put looks at
+    every one).
     """
     if "batch" in change:
         batch = change.get("batch")
         for one in batch if isinstance(batch, list) else []:
             if isinstance(one, Mapping):
-                apply(document, one)
+                apply(document, one, freed)
         return
     op = change.get("op")
     if op in ("claim-put", "claim-del"):
@@ -195,15 +197,16 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
         if not isinstance(per, dict):  # the journal's entry is newer than a malformed one
             per = mapping[pod] = {}
         per[container] = change.get("entry")
-        _forget_freed(document, change.get("entry"))
+        _forget_freed(document, change.get("entry"), freed)
     elif change.get("op") == "del":
         per = mapping.get(pod)
         if isinstance(per, dict):
             per.pop(container, None)
             if not per:
                 mapping.pop(pod, None)
-        freed = change.get("freed")
-        ids = freed_key(freed.get("DeviceIDs")) if isinstance(freed, Mapping) else None
+        index = freed
+        freed_entry = change.get("freed")
+        ids = freed_key(freed_entry.get("DeviceIDs")) if isinstance(freed_entry, Mapping) else None
         if ids is not None:
             remembered = document.get(FREED_KEY)
             if not isinstance(remembered, dict):
@@ -211,7 +214,9 @@ def apply(document: dict[str, Any], change: Mapping[str, Any]) -> None:
             same = remembered.get(ids)
             if not isinstance(same, dict) or list(same) != [pod]:  # those of one pod only, as in memory
                 same = remembered[ids] = {pod: {}}
-            same[pod][container] = freed
+                if index is not None:
+                    index.added(remembered, ids)
+            same[pod][container] = freed_entry
 
 
 def freed_key(device_ids: object) -> str | None:
@@ -221,12 +226,44 @@ def freed_key(device_ids: object) -> str | None:
     return ",".join(sorted(device_ids))
 
 
-#: Up to this many remembered freed allocations, a put forgets each that shares any ID with it (beyond, only the
-#: one of the very same IDs: the allocator drops the others at load, when an allocation holds some of their IDs).
-_FREED_OVERLAP_SCAN = 64
+class FreedIndex:
+    """The keys of a document's remembered freed allocations (:data:`FREED_KEY`) by each device ID they hold,
+    kept over one replay: a put forgets every one sharing an ID with it, as the running agent did, without
+    looking at each (up to a journal's thousands of puts over a thousand remembered)."""
+
+    __slots__ = ("_by_id", "_remembered")
+
+    def __init__(self) -> None:
+        self._remembered: dict[str, Any] | None = None
+        self._by_id: dict[str, set[str]] = {}
+
+    def _over(self, remembered: dict[str, Any]) -> None:
+        if remembered is not self._remembered:  # first use, or the document's mapping was made anew
+            self._remembered = remembered
+            self._by_id = {}
+            for key in remembered:
+                self.added(remembered, key)
+
+    def added(self, remembered: dict[str, Any], key: str) -> None:
+        """``key`` was just remembered in ``remembered``."""
+        if remembered is not self._remembered:
+            self._over(remembered)
+            return
+        for one in str(key).split(","):
+            self._by_id.setdefault(one, set()).add(key)
+
+    def sharing(self, remembered: dict[str, Any], ids: str) -> list[str]:
+        """The keys of ``remembered`` holding any of ``ids`` (comma-joined)."""
+        self._over(remembered)
+        found: set[str] = set()
+        for one in ids.split(","):
+            keys = self._by_id.pop(one, None)
+            if keys:
+                found |= keys
+        return [k for k in found if k in remembered]
 
 
-def _forget_freed(document: dict[str, Any], entry: object) -> None:
+def _forget_freed(document: dict[str, Any], entry: object, index: FreedIndex | None) -> None:
     """A put of an entry holding some device IDs: the allocations freed with any of them are no longer
     remembered (an Allocate gave them out again, or a container took one over)."""
     remembered = document.get(FREED_KEY)
@@ -235,11 +272,13 @@ def _forget_freed(document: dict[str, Any], entry: object) -> None:
     ids = freed_key(entry.get("DeviceIDs"))
     if ids is None:
         return
-    remembered.pop(ids, None)
-    if remembered and len(remembered) <= _FREED_OVERLAP_SCAN:
+    if index is not None:
+        gone = index.sharing(remembered, ids)
+    else:
         given = set(ids.split(","))
-        for key in [k for k in remembered if not given.isdisjoint(str(k).split(","))]:
-            del remembered[key]
+        gone = [k for k in remembered if not given.isdisjoint(str(k).split(","))]
+    for key in gone:
+        del remembered[key]
     if not remembered:
         document.pop(FREED_KEY, None)
 
@@ -613,6 +652,7 @@ class CheckpointStore:
             # New segments continue this snapshot: never numbered below it, or the next start skips them.
             self._seq = max(self._seq, first - 1)
         loaded = Loaded(document, unnamed=snapshot is not None and first is None)
+        freed = FreedIndex()
         if not isinstance(document.get("PodGPUMapping") or {}, dict):
             return loaded  # the caller reports the shape
         contents: list[tuple[Path, bytes | None, str]] = []
@@ -646,7 +686,7 @@ class CheckpointStore:
                     )
                     changes = []
                 for offset, change in changes:
-                    apply(document, change)
+                    apply(document, change, freed)
                     _note_origin(loaded.origins, change, f"journal {path} at offset {offset}")
                 loaded.replayed += len(changes)
             if problem:

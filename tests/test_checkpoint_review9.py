@@ -1,0 +1,57 @@
+"""Allocations freed before their container started, kept in the checkpoint (``FreedUnstarted`` and the ``del``
+record's ``freed``): what a restart brings back is what the running agent remembered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpumanager import names
+from gpumanager.allocation import journal
+from gpumanager.allocation.allocator import Allocator
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+
+def _crash(alloc: Allocator) -> None:
+    """The process ends without its stop: no snapshot written at stop (only the open files closed)."""
+    alloc._closing.set()
+    alloc._store.close()
+
+
+def _freed_entry(ids: list[str], minor: int, cores: int, memory: int) -> dict[str, object]:
+    return {"Devices": [f"/dev/nvidia{minor}"], "Cores": cores, "Memory": memory, "DeviceIDs": ids}
+
+
+def test_some_ids_given_out_again_forget_a_freed_allocation_with_many_remembered(tmp_path: Path) -> None:
+    """With many freed allocations remembered (more than a replay scanned for shared IDs), an Allocate of some
+    of one's IDs forgets it in memory; after a crash that left the Allocate, the start and the release of its
+    container in the journal, the replay forgets it too (its GPU's room is not held for it again)."""
+    ids = core_ids(0, 50)
+    freed = {",".join(sorted(ids)): {uid_of("a"): {"main": _freed_entry(ids, 0, 50, 1 << 30)}}}
+    for i in range(80):
+        one = core_ids(3, 1, start=i)
+        freed[",".join(one)] = {uid_of(f"x{i}"): {"main": _freed_entry(one, 3, 1, 1 << 20)}}
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / names.OWN_CHECKPOINT).write_text(
+        json.dumps({"PodGPUMapping": {}, journal.FREED_KEY: freed})
+    )
+    d = uid_of("d")
+    pods = FakePods([make_pod("d", [("main", 10, 4)], created="2026-11-21T10:00:05Z")])
+    before = make_allocator(tmp_path, pods)
+    before.load()
+    assert frozenset(ids) in before._freed_guesses
+    some = core_ids(0, 10)
+    before.allocate(some)
+    before.pre_start(some, (d, "main"))
+    assert frozenset(ids) not in before._freed_guesses, "the kubelet freed them: forgotten in memory"
+    remembered = set(before._freed_guesses)
+    pods.items = []
+    before.release_pod(d)
+    _crash(before)
+    after = make_allocator(tmp_path, pods)
+    try:
+        after.load()
+        assert frozenset(ids) not in after._freed_guesses
+        assert set(after._freed_guesses) == remembered
+    finally:
+        after.close()

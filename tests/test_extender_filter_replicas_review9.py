@@ -342,3 +342,14 @@ def test_a_node_capacity_with_a_huge_exponent_reads_as_unreadable(tmp_path: Path
     with _extender_process(tmp_path) as proc:
         answer = _post_within(proc, {"Pod": gpu_pod("p", [(30, 4)]), "Nodes": {"items": [node]}})
     assert "odd" in (answer.get("FailedAndUnresolvableNodes") or {}), answer
+
+
+def test_a_pod_chosen_for_a_node_name_the_api_server_refuses_still_binds(world: World) -> None:
+    """The pod's predicate-node is a name no node can have (a hand edit): reading that node is refused
+    (400), which must not fail every bind of the pod."""
+    world.add_node("n", inventory([16]))
+    ext = world.start_extender()
+    notes = {f"{PREFIX}0": "0", names.PREDICATE_NODE: "Not A Node!", names.PREDICATE_TIME: "1"}
+    p = world.create(gpu_pod("p", [(30, 4)], annotations=notes))
+    world.api.fail_next("GET", r"/nodes/Not", 400, count=5, message="invalid node name")
+    assert _bind(ext, p, "n") == ""

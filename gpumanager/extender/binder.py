@@ -581,10 +581,18 @@ class _Bind:
         other, when = notes.get(names.PREDICATE_NODE), notes.get(names.PREDICATE_TIME)
         if not isinstance(other, str) or not other or other == self.args.node or not isinstance(when, str):
             return
-        found = self._read_object(
-            lambda: self._core.read_node(other, _preload_content=False, _request_timeout=self.deadline.call_timeout()),
-            f"{self.who}: cannot read node {other}, for which another bind chose it",
-        )
+        try:
+            found = self._read_object(
+                lambda: self._core.read_node(
+                    other, _preload_content=False, _request_timeout=self.deadline.call_timeout()
+                ),
+                f"{self.who}: cannot read node {other}, for which another bind chose it",
+            )
+        except BindError as exc:
+            # Cannot tell (a name no node can have, an API error): bound as before this look, not refused
+            # at every retry.
+            log.info("%s; binding it to %s all the same", exc, self.args.node)
+            return
         if found is None:
             return  # that node is gone: no Binding there will be made
         claim = self._state.sightings.live(parse_claims(found)).get(podinfo.uid(pod))

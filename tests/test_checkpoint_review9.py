@@ -4,9 +4,13 @@ record's ``freed``): what a restart brings back is what the running agent rememb
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import pytest
+
 from gpumanager import names
+from gpumanager.allocation import allocator as allocator_module
 from gpumanager.allocation import journal
 from gpumanager.allocation.allocator import Allocator
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
@@ -55,3 +59,33 @@ def test_some_ids_given_out_again_forget_a_freed_allocation_with_many_remembered
         assert set(after._freed_guesses) == remembered
     finally:
         after.close()
+
+
+def test_a_flood_of_malformed_freed_entries_is_read_only_as_far_as_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged snapshot's ``FreedUnstarted`` of thousands of malformed entries: only as many as the agent
+    keeps (the newest) are read, each skipped by name; the older ones are one line, not one each."""
+    kept = allocator_module._FREED_GUESSES_KEPT
+    freed = {
+        f"id-{i}": {uid_of(f"x{i}"): {"main": {"Devices": ["/dev/nvidia3"], "Cores": "x", "Memory": 1}}}
+        for i in range(kept + 2000)
+    }
+    ids = core_ids(0, 50)
+    freed[",".join(sorted(ids))] = {uid_of("a"): {"main": _freed_entry(ids, 0, 50, 1 << 30)}}
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / names.OWN_CHECKPOINT).write_text(
+        json.dumps({"PodGPUMapping": {}, journal.FREED_KEY: freed})
+    )
+    alloc = make_allocator(tmp_path, FakePods([]))
+    try:
+        with caplog.at_level(logging.WARNING):
+            alloc.load()
+        lines = [r.getMessage() for r in caplog.records if journal.FREED_KEY in r.getMessage()]
+        assert len(lines) <= kept + 1
+        assert any("'id-2001'" in line and "Cores 'x'" in line for line in lines), "the newest named"
+        assert not any("'id-2000'" in line or "'id-0'" in line for line in lines)
+        assert any("2001" in line and "older" in line for line in lines), "the rest counted"
+        assert list(alloc._freed_guesses) == [frozenset(ids)]
+    finally:
+        alloc.close()

@@ -2733,12 +2733,12 @@ class Allocator:
         """The allocations freed before their container started that the checkpoint remembers (a container
         the kubelet gave their IDs and our answer to may take one over at its start), but those some of whose
         IDs an allocation holds: given out again since."""
-        found, problems = records.freed_from_json(document, key=journal.FREED_KEY)
+        found, problems = records.freed_from_json(document, key=journal.FREED_KEY, newest=_FREED_GUESSES_KEPT)
         for problem in problems:
             log.warning("checkpoint %s: %s; not remembered", self._checkpoint_path, problem)
         with self._lock:
             held = {i for a in self._allocs.values() for i in a.device_ids} if found else set()
-            for wanted, same in list(found.items())[-_FREED_GUESSES_KEPT:]:
+            for wanted, same in found.items():
                 # Some of its IDs held: an Allocate gave them out again since (the kubelet had freed them).
                 if held.isdisjoint(wanted) and all(m in self._by_minor for a in same for m in a.minors):
                     self._freed_guesses[wanted] = same

@@ -315,11 +315,14 @@ def to_json(allocations: Iterable[ContainerAllocation]) -> dict[str, Any]:
     return {"PodGPUMapping": mapping}
 
 
-def freed_from_json(data: Any, *, key: str) -> tuple[dict[frozenset[str], list[ContainerAllocation]], list[str]]:
+def freed_from_json(
+    data: Any, *, key: str, newest: int | None = None
+) -> tuple[dict[frozenset[str], list[ContainerAllocation]], list[str]]:
     """Allocations freed before their container started, by their device IDs, from the document's ``key``
     (``{"<IDs>": {"<pod uid>": {"<container>": <entry>}}}``), and what was skipped and why. Each entry is
     checked as in ``PodGPUMapping`` and must hold the IDs it is kept under; an unusable one is skipped (it is
-    only a hint for a container that may start with those IDs)."""
+    only a hint for a container that may start with those IDs). ``newest``: only the last that many sets of
+    IDs are read (the others, older, counted in one problem)."""
     found: dict[frozenset[str], list[ContainerAllocation]] = {}
     problems: list[str] = []
     remembered = data.get(key) if isinstance(data, Mapping) else None
@@ -327,7 +330,13 @@ def freed_from_json(data: Any, *, key: str) -> tuple[dict[frozenset[str], list[C
         return found, problems
     if not isinstance(remembered, Mapping):
         return found, [f"{key} {_shown(remembered)} is not an object"]
-    for ids, per_pod in remembered.items():
+    items = list(remembered.items())
+    if newest is not None and len(items) > newest:
+        problems.append(
+            f"{key} holds {len(items)} sets of IDs; the {len(items) - newest} older than the newest {newest}"
+        )
+        items = items[len(items) - newest :]
+    for ids, per_pod in items:
         if not isinstance(per_pod, Mapping) or len(per_pod) != 1:
             problems.append(f"{key} {_shown(ids)}: {_shown(per_pod)} is not one pod's entries")
             continue

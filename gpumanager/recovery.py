@@ -208,8 +208,13 @@ def answered_elsewhere(vm_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     UID, container) -> (pod UID, container) of the directory. PreStartContainer writes a container's file in
     the directory its answer named, which is another's after it took over an identical pod's answer; with
     both checkpoints lost, that file alone still says which directory the container mounts. Only plain
-    files of this agent's user of the right size, in directories named as pods and containers are, count."""
+    files of this agent's user of the right size, in directories named as pods and containers are, count.
+
+    A container can write into the directory it mounts (a writable mount), so such a file is taken only when
+    nothing contradicts it: a container that two directories' files name, or whose own directory holds a
+    file naming it (PreStartContainer wrote it there: it mounts its own), is left out."""
     found: dict[tuple[str, str], tuple[str, str]] = {}
+    doubtful: dict[tuple[str, str], str] = {}  # named -> why its file elsewhere is not taken
     uid = os.geteuid()
     try:
         pod_dirs = [e for e in os.scandir(vm_path) if e.is_dir(follow_symlinks=False)]
@@ -239,8 +244,25 @@ def answered_elsewhere(vm_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
             except (OSError, ValueError, UnicodeDecodeError):
                 continue
             here = (pod_dir.name, container_dir.name)
-            if config.pod_uid and config.container_name and (config.pod_uid, config.container_name) != here:
-                found[(config.pod_uid, config.container_name)] = here
+            named = (config.pod_uid, config.container_name)
+            if not config.pod_uid or not config.container_name:
+                continue
+            if named == here:
+                doubtful[named] = "its own directory holds one naming it"
+            elif named in found:
+                doubtful.setdefault(named, f"the directory of pod {here[0]} container {here[1]} holds one too")
+            else:
+                found[named] = here
+    for named, why in doubtful.items():
+        if named in found:
+            log.warning(
+                "%s: a vcuda.config naming pod %s container %s lies in the directory of pod %s container %s, "
+                "but %s; not taken as the directory it mounts",
+                vm_path,
+                *named,
+                *found.pop(named),
+                why,
+            )
     return found
 
 

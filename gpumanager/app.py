@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from gpumanager.allocation.pods import Pod
     from gpumanager.allocation.records import ContainerAllocation
     from gpumanager.allocation.response import ResponseSettings
+    from gpumanager.deviceplugin.replaced import ReplacedGPUs
     from gpumanager.dra.mode import DRAMode
     from gpumanager.dra.publisher import SlicePublisher
     from gpumanager.kube.connection import ApiConnection
@@ -129,6 +130,8 @@ class Agent:
         self.gpus: list[GPUInfo] = []
         self.lost: list[int] = []  # at start (the health propagation follows those that come back)
         self.replaced: dict[int, str] = {}  # at start: GPU index -> the UUID the saved inventory had there
+        self.was: dict[int, GPUInfo] = {}  # at start: the saved inventory (GPU index -> the GPU saved there)
+        self.replaced_gpus: ReplacedGPUs | None = None  # starts from answers naming a GPU since replaced
         self.driver_version = ""
         self.topology = NodeTopology(levels=())
         self.layout: DeviceLayout | None = None
@@ -209,12 +212,14 @@ class Agent:
             raise StartupError(str(exc), 3) from exc
         self.gpus, self.lost, self.topology = node.gpus, node.lost, node.topology
         self.replaced = node.replaced
+        self.was = node.was
         self.driver_version = node.driver.driver_version
         self.layout = DeviceLayout(self.gpus)
 
     def _start_allocation(self) -> None:
         """Topology tree, allocation state (local files only), the kubelet calls' handlers."""
         from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+        from gpumanager.deviceplugin.replaced import ReplacedGPUs
         from gpumanager.recovery import Recovery, report_gpus_gone
         from gpumanager.topology import build_tree, empty_tree, render_graph
         from gpumanager.vmanager.manager import VirtualManager
@@ -259,7 +264,12 @@ class Agent:
             vm_path=Path(cfg.virtual_manager_path),
         )
         recovery.from_disk()
-        report_gpus_gone(allocator.allocations(), self.gpus, self.lost, self.replaced)
+        guard = self.replaced_gpus = ReplacedGPUs(
+            self.was, self.gpus, self.lost, allocator.allocations, pod_name=self._pod_name
+        )
+        affected = guard.note_held(allocator.allocations())  # each logged with what its next start does
+        guard.note_answered(recovery.kubelet_answers)
+        report_gpus_gone([a for a in allocator.allocations() if a.key not in affected], self.gpus, self.lost)
         problem = allocator.probe_checkpoint()
         if problem:
             self._component_failed("checkpoint", f"{problem}; serving existing allocations, refusing new ones")
@@ -344,6 +354,7 @@ class Agent:
             prepared=self._prepared,
             observe=self._observe_call,
             ready=self._wait_ready,
+            replaced=self.replaced_gpus,
         )
         self.handlers.attach(handlers, Preference(allocator.clone_tree, self.layout, preview=allocator.preview).choose)
 
@@ -677,6 +688,14 @@ class Agent:
         for each in self.allocator.holding_same_ids(alloc):  # the kubelet does not say which of them starts
             self.vmanager.prepare(each)
         deferred.later(self._annotate, alloc.pod_uid)  # the patcher's thread wakes once the call is answered
+
+    def _pod_name(self, pod_uid: str) -> tuple[str, str] | None:
+        """(namespace, name) of the pod of that UID in the pod cache, or None."""
+        pod: Pod | None = self.pods.get(pod_uid)
+        meta = pod.get("metadata") if isinstance(pod, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            return None
+        return str(meta.get("namespace") or "default"), str(meta["name"])
 
     def _annotate(self, pod_uid: str) -> None:
         if self.api is None or self.allocator is None:

@@ -16,7 +16,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
@@ -46,10 +46,10 @@ def report_gpus_gone(
     allocations: Iterable[ContainerAllocation],
     gpus: Sequence[GPUInfo],
     lost: Collection[int],
-    replaced: Mapping[int, str],
 ) -> int:
-    """Log each container that holds a GPU NVML no longer counts (``lost``: indexes) or that is another GPU
-    than when it was allocated (``replaced``: index -> the UUID it had); return how many lines were logged.
+    """Log each container that holds a GPU NVML no longer counts (``lost``: indexes) or a device node this
+    node does not have; return how many lines were logged. (A container whose device node reaches another
+    GPU than when it was allocated is told of by :mod:`gpumanager.deviceplugin.replaced`.)
 
     Their records are kept (the kubelet counts the IDs until the pod ends), but the containers cannot use
     what they were given, and only the operator can end them."""
@@ -70,17 +70,6 @@ def report_gpus_gone(
                     who,
                     gpu.index,
                     gpu.uuid,
-                )
-            elif gpu.index in replaced:
-                log.error(
-                    "%s holds GPU %d, allocated as %s; the GPU there was replaced and is %s now: a container "
-                    "started again from the kubelet's saved answer (NVIDIA_VISIBLE_DEVICES=%s) finds no such GPU; "
-                    "delete the pod to place it again",
-                    who,
-                    gpu.index,
-                    replaced[gpu.index],
-                    gpu.uuid,
-                    replaced[gpu.index],
                 )
             else:
                 continue
@@ -305,6 +294,8 @@ class Recovery:
         #: not answer): any entry of ours may be one of them.
         self._unnamed_holders = False
         self.rebuilt = 0
+        # The answers the kubelet's checkpoint holds, as read at start (each names the GPUs' device nodes).
+        self.kubelet_answers: list[ContainerAllocation] = []
 
     def from_disk(self) -> None:
         """Our checkpoint, then the kubelet checkpoint for whatever is missing."""
@@ -337,7 +328,7 @@ class Recovery:
         self._named |= {
             (e.pod_uid, e.container) for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids
         }
-        found = from_kubelet_checkpoint(entries)
+        found = self.kubelet_answers = from_kubelet_checkpoint(entries)
         missing = [a for a in found if not allocator.holds(a.key)]
         taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint), kubelet_holds=True)
         self.rebuilt += taken
@@ -428,7 +419,8 @@ class Recovery:
             if not self._allocator.holds(a.key) and not (a.mirror and self._allocator.holds((a.mirror, a.container)))
         ]
         if missing and self._vm_path is not None:
-            missing = self._with_directories(missing, self._vm_path)
+            running = {a.pod_uid for a in found} | {a.mirror for a in found if a.mirror}
+            missing = self._with_directories(missing, self._vm_path, running=running, all_named=not unnamed)
         taken = self._allocator.adopt(missing, source="PodResources", kubelet_holds=True, answered=False)
         self.rebuilt += taken
         if taken:
@@ -436,18 +428,39 @@ class Recovery:
         self._settle_untrusted(final=True)
         return unnamed
 
-    def _with_directories(self, missing: list[ContainerAllocation], vm_path: Path) -> list[ContainerAllocation]:
+    def _with_directories(
+        self, missing: list[ContainerAllocation], vm_path: Path, *, running: Collection[str], all_named: bool
+    ) -> list[ContainerAllocation]:
         """``missing`` (rebuilt from PodResources, which has no answer), each answered with the directory its
         ``vcuda.config`` lies in when that is another's (:func:`answered_elsewhere`) and free: no pod the
-        cache knows of that UID, nothing held or answered with it."""
+        kubelet lists (``running``: their UIDs) or the cache knows of that UID, nothing held or answered with
+        it. Not when some pod the kubelet lists could not be named (``all_named`` False): its directory may
+        be that one (the cache, not synced yet or without the API server, cannot tell)."""
         elsewhere = answered_elsewhere(vm_path)
         if not elsewhere:
+            return missing
+        if not all_named:
+            moved = [a for a in missing if a.key in elsewhere]
+            if moved:
+                log.warning(
+                    "PodResources: %d containers' vcuda.config lie in other directories (pod %s container %s in "
+                    "the directory of pod %s container %s first), but some pods the kubelet lists could not be "
+                    "named (theirs may be those directories); answered with their own",
+                    len(moved),
+                    *moved[0].key,
+                    *elsewhere[moved[0].key],
+                )
             return missing
         out = []
         used: set[tuple[str, str]] = set()
         for alloc in missing:
             directory = elsewhere.get(alloc.key)
-            if directory is not None and directory not in used and self._allocator.directory_free(directory):
+            if (
+                directory is not None
+                and directory not in used
+                and directory[0] not in running
+                and self._allocator.directory_free(directory)
+            ):
                 used.add(directory)
                 log.info(
                     "PodResources: pod %s container %s, whose vcuda.config is in the directory of pod %s "

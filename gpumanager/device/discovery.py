@@ -18,14 +18,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodeGPUs:
-    """The driver, every GPU (lost ones included), the indexes of the lost ones, their topology, and the
-    places whose GPU is another one than the saved inventory says (index -> the UUID saved there)."""
+    """The driver, every GPU (lost ones included), the indexes of the lost ones, their topology, the
+    places whose GPU is another one than the saved inventory says (index -> the UUID saved there), and
+    the saved inventory itself (index -> the GPU as last seen whole; empty on a new node)."""
 
     driver: nvml.DriverInfo
     gpus: list[GPUInfo]
     lost: list[int]
     topology: NodeTopology
     replaced: dict[int, str] = field(default_factory=dict)
+    was: dict[int, GPUInfo] = field(default_factory=dict)
 
 
 def discover(checkpoint_dir: Path) -> NodeGPUs:
@@ -39,7 +41,7 @@ def discover(checkpoint_dir: Path) -> NodeGPUs:
         for g in gpus
         if g.index in known and g.index not in lost and known[g.index].uuid != g.uuid
     }
-    node = NodeGPUs(driver, gpus, lost, nvml.topology(gpus, lost, saved_topology), replaced)
+    node = NodeGPUs(driver, gpus, lost, nvml.topology(gpus, lost, saved_topology), replaced, known)
     _log(node)
     return node
 

@@ -16,6 +16,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.deviceplugin.replaced import ReplacedGPUs, ReplacedRefusal
 from gpumanager.deviceplugin.servicer import RequestError
 from gpumanager.faults import crash_point
 
@@ -71,8 +72,10 @@ class Handlers:
         prepared: PreparedFn,
         observe: Observer | None = None,
         ready: ReadyFn | None = None,
+        replaced: ReplacedGPUs | None = None,
     ) -> None:
         self._allocator = allocator
+        self._replaced = replaced if replaced is not None and replaced.active else None
         self._ready = ready
         self._layout = layout
         self._owner = owner
@@ -164,7 +167,25 @@ class Handlers:
             try:
                 alloc = self._allocator.pre_start(ids, owner)
             except AllocationError as exc:
+                why = (
+                    self._replaced.explain_missing(*owner)
+                    if self._replaced and owner and exc.kind == "not_found"
+                    else ""
+                )
+                if why:  # its record could not be kept: it named a device node that is no GPU now
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{names.PRESTART_FAILED}: {why}") from exc
                 raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+            if self._replaced is not None:
+                try:
+                    self._replaced.check(alloc)
+                except ReplacedRefusal as exc:
+                    # For good: "PreStartContainer check failed" (the pod is to be placed again); a start
+                    # waiting for room on the replacement is retried by the kubelet (UNAVAILABLE).
+                    if exc.lasting:
+                        raise RequestError(
+                            grpc.StatusCode.FAILED_PRECONDITION, f"{names.PRESTART_FAILED}: {exc}"
+                        ) from exc
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             crash_point("prestart-before-files")
             try:
                 self._prepared(alloc)

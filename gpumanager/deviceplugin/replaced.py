@@ -1,0 +1,279 @@
+"""Containers started again from an answer that named a GPU since replaced (while the agent was down).
+
+The kubelet saves each Allocate answer (``NVIDIA_VISIBLE_DEVICES`` with the GPU's UUID, the device node
+``/dev/nvidia<minor>``, the ``/etc/vcuda`` mount) and starts the container from it again at every restart,
+a node's reboot included, without asking for another; only PreStartContainer is called. When the GPU
+behind a device node the answer named is another one now, the container can only reach what that node
+is today:
+
+- the GPU now at the same place (the replacement, numbered with the same minor): it runs there, with
+  the budget of its vcuda.config, when that fits the new GPU beside the containers started there since
+  (so a smaller GPU is never over-committed); otherwise its start waits (UNAVAILABLE: the kubelet tries
+  again, and room frees as pods there end), or is refused for good when its share alone cannot fit;
+- another GPU (the driver numbered the GPUs otherwise) or no GPU at all: refused for good, naming the
+  pod, the container, the old and the new GPU and the device nodes; the pod is to be placed again.
+
+Only allocations held when the agent started are looked at: an answer given since names the GPUs as
+they are. Nothing is looked at on a node whose GPUs kept their device nodes (the common case).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from gpumanager import names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device.types import GPUInfo
+
+log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+
+
+class ReplacedRefusal(Exception):
+    """A start refused; ``lasting`` when no wait can mend it (the pod is to be placed again)."""
+
+    def __init__(self, message: str, *, lasting: bool) -> None:
+        super().__init__(message)
+        self.lasting = lasting
+
+
+@dataclass(frozen=True)
+class _Change:
+    """A device node whose GPU is another one than the saved inventory says: ``was`` the GPU it was,
+    ``now`` the GPU it reaches today (None: no GPU), ``at_place`` the GPU now at ``was``'s place."""
+
+    was: GPUInfo
+    now: GPUInfo | None
+    at_place: GPUInfo | None
+
+
+def _who(alloc: ContainerAllocation) -> str:
+    pod = f"{alloc.namespace}/{alloc.pod_name}" if alloc.pod_name else alloc.pod_uid
+    return f"pod {pod} container {alloc.container}"
+
+
+def _pod(alloc: ContainerAllocation) -> str:
+    return f"{alloc.namespace}/{alloc.pod_name}" if alloc.pod_name else alloc.pod_uid
+
+
+class ReplacedGPUs:
+    """What a start of a container allocated before a GPU's replacement may reach (see the module)."""
+
+    def __init__(
+        self,
+        was: Mapping[int, GPUInfo],
+        gpus: Sequence[GPUInfo],
+        lost: Iterable[int],
+        allocations: Callable[[], Sequence[ContainerAllocation]],
+        pod_name: Callable[[str], tuple[str, str] | None] = lambda uid: None,
+    ) -> None:
+        """``was``: the saved inventory (place -> GPU); ``gpus`` and ``lost``: the GPUs now (lost ones are
+        described as saved, so their device nodes are not counted as reaching them); ``allocations``: every
+        allocation held now (for the room on a replacement); ``pod_name``: a pod's (namespace, name) by
+        its UID, when known (a saved answer names only the UID)."""
+        lost_places = set(lost)
+        now_by_minor = {g.minor: g for g in gpus if g.index not in lost_places}
+        by_place = {g.index: g for g in gpus if g.index not in lost_places}
+        self._changes: dict[int, _Change] = {}
+        for old in was.values():
+            now = now_by_minor.get(old.minor)
+            if now is not None and now.uuid == old.uuid:
+                continue
+            if now is None and old.index in lost_places:
+                continue  # a GPU lost at start: reported as such, its device IDs Unhealthy
+            self._changes[old.minor] = _Change(old, now, by_place.get(old.index))
+        self._allocations = allocations
+        self._pod_name = pod_name
+        self._lock = threading.Lock()
+        # Allocations held at start that name a changed device node, by (pod UID, container).
+        self._affected: dict[tuple[str, str], ContainerAllocation] = {}
+        # Answers the kubelet saved that name a changed device node but that no allocation holds.
+        self._unheld: dict[tuple[str, str], ContainerAllocation] = {}
+        self._started: set[tuple[str, str]] = set()  # of those, started again on their replacement
+        self._logged: set[tuple[tuple[str, str], str]] = set()
+
+    @property
+    def active(self) -> bool:
+        """Whether some device node reaches another GPU than before the agent's start."""
+        return bool(self._changes)
+
+    def note_held(self, allocations: Iterable[ContainerAllocation]) -> frozenset[tuple[str, str]]:
+        """Remember the allocations held at start that name a changed device node, each logged with what
+        its next start will do; return their (pod UID, container) keys."""
+        if not self._changes:
+            return frozenset()
+        for alloc in allocations:
+            changes = [self._changes[m] for m in alloc.minors if m in self._changes]
+            if not changes:
+                continue
+            self._affected[alloc.key] = alloc
+            problem = self._lasting_problem(alloc, changes)
+            if problem:
+                log.error("%s", problem)
+            else:
+                log.warning("%s", self._runs_there(alloc, changes, "at its next start it runs on the new GPU"))
+        return frozenset(self._affected)
+
+    def note_answered(self, answers: Iterable[ContainerAllocation]) -> int:
+        """Remember the kubelet's saved answers (its checkpoint, read at start) that name a changed device
+        node and that no allocation holds (their record named a device node this node no longer has), so
+        that their containers' starts are refused with the reason; each logged. Return how many."""
+        count = 0
+        for answer in answers:
+            if answer.key in self._affected or not any(m in self._changes for m in answer.minors):
+                continue
+            changes = [self._changes[m] for m in answer.minors if m in self._changes]
+            problem = self._lasting_problem(answer, changes)
+            if problem:
+                self._unheld[answer.key] = answer
+                log.error("%s", problem)
+                count += 1
+        return count
+
+    def check(self, alloc: ContainerAllocation) -> None:
+        """Raise :class:`ReplacedRefusal` when ``alloc``'s container, starting from its saved answer, would
+        reach another GPU than the one at its place, or one without room for it; else note it started."""
+        if not self._changes:
+            return
+        held = self._affected.get(alloc.key)
+        if held is None or held.minors != alloc.minors:
+            return  # answered since the start: it names the GPUs as they are
+        changes = [self._changes[m] for m in alloc.minors if m in self._changes]
+        problem = self._lasting_problem(alloc, changes)
+        if problem:
+            self._log_once(alloc, "lasting", logging.ERROR, problem)
+            raise ReplacedRefusal(problem, lasting=True)
+        crowded = ""
+        with self._lock:  # the look at the room and the note of the start, one at a time
+            for change in changes:
+                crowded = self._crowded(alloc, change)
+                if crowded:
+                    break
+            else:
+                self._started.add(alloc.key)
+        if crowded:
+            self._log_once(alloc, "crowded", logging.WARNING, crowded)
+            raise ReplacedRefusal(crowded, lasting=False)
+        self._log_once(alloc, "started", logging.WARNING, self._runs_there(alloc, changes, "starts again"))
+
+    def explain_missing(self, pod_uid: str, container: str) -> str:
+        """Why the container of a start with no allocation cannot start, when its allocation at the
+        agent's start named a device node that no longer reaches its GPU ('' otherwise)."""
+        held = self._affected.get((pod_uid, container)) or self._unheld.get((pod_uid, container))
+        if held is None:
+            return ""
+        if not held.pod_name:
+            named = self._pod_name(pod_uid)
+            if named is not None:
+                held = replace(held, namespace=named[0], pod_name=named[1])
+        changes = [self._changes[m] for m in held.minors if m in self._changes]
+        return self._lasting_problem(held, changes) or ""
+
+    # -- what each case says -----------------------------------------------------------------------
+
+    def _lasting_problem(self, alloc: ContainerAllocation, changes: Sequence[_Change]) -> str:
+        """Why no wait lets the container start, or ''."""
+        for change in changes:
+            was, now, there = change.was, change.now, change.at_place
+            head = (
+                f"{_who(alloc)} was answered with GPU {was.index} ({was.uuid}, {was.device_path}), replaced "
+                "while the agent was down"
+            )
+            place = (
+                f"GPU {was.index} is {there.uuid} at {there.device_path} now"
+                if there is not None
+                else f"NVML counts no GPU at GPU {was.index}'s place now"
+            )
+            tail = (
+                "; the kubelet starts the container again from its saved answer (NVIDIA_VISIBLE_DEVICES="
+                f"{was.uuid}, {was.device_path}) and never asks for another: delete the pod to place it again"
+            )
+            if now is None:
+                return f"{head}: {place}, and {was.device_path} is no GPU{tail}"
+            if there is None or now.index != was.index:
+                return (
+                    f"{head}: {place}, and {was.device_path} is GPU {now.index} ({now.uuid}), which the "
+                    f"container's allocation is not counted on{tail}"
+                )
+            if alloc.shared and alloc.memory > now.memory_total:
+                return (
+                    f"{head}: GPU {was.index} is {now.uuid} at {now.device_path} now, with "
+                    f"{now.memory_total // _MIB} MiB, less than the container's {alloc.memory // _MIB} MiB{tail}"
+                )
+        return ""
+
+    def _runs_there(self, alloc: ContainerAllocation, changes: Sequence[_Change], what: str) -> str:
+        parts = []
+        for change in changes:
+            assert change.now is not None
+            parts.append(
+                f"GPU {change.was.index} was {change.was.uuid} and is {change.now.uuid} now (replaced while the "
+                f"agent was down), at {change.now.device_path} as before"
+            )
+        budget = "a whole GPU" if not alloc.shared else f"{alloc.cores} cores and {alloc.memory // _MIB} MiB"
+        return (
+            f"{_who(alloc)} {what}: {'; '.join(parts)}; its saved answer's device node reaches the new GPU, "
+            f"its vcuda.config keeps its budget ({budget}); its NVIDIA_VISIBLE_DEVICES still names the old "
+            "UUID, which only the NVIDIA container runtime reads (delete the pod if that refuses it)"
+        )
+
+    def _crowded(self, alloc: ContainerAllocation, change: _Change) -> str:
+        """Why ``alloc`` cannot start on ``change``'s replacement yet, or '' (lock held): with the containers
+        counted there (started again since the agent's start, or answered since), it would hold more than
+        the new GPU has."""
+        gpu = change.now
+        assert gpu is not None
+        by_pod: dict[str, list[ContainerAllocation]] = {}
+        for other in self._allocations():
+            if change.was.minor not in other.minors or other.key == alloc.key:
+                continue
+            if other.key in self._affected and other.key not in self._started:
+                continue  # not started again since the replacement: it runs nowhere
+            by_pod.setdefault(other.pod_uid, []).append(other)
+        by_pod.setdefault(alloc.pod_uid, []).append(alloc)
+        cores = memory = 0
+        for held in by_pod.values():
+            pod_cores, pod_memory = _pod_charge(held, gpu)
+            cores += pod_cores
+            memory += pod_memory
+        if cores <= names.HUNDRED_CORES and memory <= gpu.memory_total:
+            return ""
+        others = sorted({_pod(a) for uid, held in by_pod.items() if uid != alloc.pod_uid for a in held})
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        return (
+            f"{_who(alloc)} cannot start yet: GPU {change.was.index} was {change.was.uuid} and is {gpu.uuid} now "
+            f"(replaced while the agent was down), with {gpu.memory_total // _MIB} MiB; with the containers of "
+            f"{shown or 'no pod'} started there, its {alloc.cores} cores and {alloc.memory // _MIB} MiB would make "
+            f"{cores} cores and {memory // _MIB} MiB; the kubelet's next try of the start succeeds once room frees "
+            "there (or delete the pod to place it again)"
+        )
+
+    def _log_once(self, alloc: ContainerAllocation, what: str, level: int, message: str) -> None:
+        key = (alloc.key, what)
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        log.log(level, "%s", message)
+
+
+def _pod_charge(held: Sequence[ContainerAllocation], gpu: GPUInfo) -> tuple[int, int]:
+    """(cores, memory) one pod's containers hold on ``gpu``: its init containers run one at a time before
+    the others, so the pod holds the most of any init container and of its other containers together."""
+
+    def charge(a: ContainerAllocation) -> tuple[int, int]:
+        if not a.shared:
+            return names.HUNDRED_CORES, gpu.memory_total
+        return a.cores, a.memory
+
+    apps = [charge(a) for a in held if not a.init]
+    inits = [charge(a) for a in held if a.init]
+    app_cores, app_memory = sum(c for c, _ in apps), sum(m for _, m in apps)
+    return (
+        max([app_cores, *(c for c, _ in inits)]),
+        max([app_memory, *(m for _, m in inits)]),
+    )

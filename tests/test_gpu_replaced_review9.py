@@ -18,6 +18,9 @@ import grpc
 import pytest
 
 from gpumanager import names
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device.types import GPUInfo
+from gpumanager.deviceplugin.replaced import ReplacedGPUs, ReplacedRefusal
 from gpumanager.vmanager import files
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
 from simnode.kubelet import PluginRPCError
@@ -160,3 +163,37 @@ def test_a_gpu_not_replaced_starts_again_as_before(tmp_path: Path) -> None:
         cluster.start_containers(run)
         assert _config(cluster, run).gpu_memory == 8 * BLOCK
         assert not [line for line in _log(cluster).splitlines() if "default/p1" in line and "starts again" in line]
+
+
+def _info(index: int, uuid: str, minor: int, memory_mib: int) -> GPUInfo:
+    return GPUInfo(index, uuid, "NVIDIA A100-PCIE-40GB", minor, memory_mib << 20, f"00000000:{16 + index:02X}:00.0")
+
+
+def test_an_init_container_and_its_pods_containers_share_the_room_on_a_replacement() -> None:
+    """After the node's reboot a pod's init container runs again, then its app containers: the pod holds
+    the larger of the two on the (smaller) replacement, not their sum, so both start; another pod's share
+    that would take the GPU past its memory waits."""
+    old = _info(0, "GPU-old", 0, 16384)
+    new = _info(0, "GPU-new", 0, 8192)
+    mib = 1 << 20
+
+    def alloc(pod: str, container: str, memory_mib: int, *, init: bool = False) -> ContainerAllocation:
+        return ContainerAllocation(
+            pod, container, (0,), 30, memory_mib * mib, namespace="default", pod_name=pod, started=True, init=init
+        )
+
+    held = [alloc("a", "setup", 6144, init=True), alloc("a", "main", 6144), alloc("b", "main", 4096)]
+    guard = ReplacedGPUs({0: old}, [new], [], lambda: held)
+    assert guard.active and guard.note_held(held) == {h.key for h in held}
+    guard.check(held[0])
+    guard.check(held[1])  # max(6144, 6144) of pod a, not 12288
+    with pytest.raises(ReplacedRefusal) as caught:
+        guard.check(held[2])  # 6144 + 4096 > 8192
+    assert not caught.value.lasting and "default/a" in str(caught.value) and "GPU-new" in str(caught.value)
+
+
+def test_nothing_is_looked_at_when_every_device_node_reaches_its_gpu() -> None:
+    """The common case: the saved inventory names the GPUs there now (a lost one as saved): no check."""
+    gpus = [_info(0, "GPU-a", 0, 16384), _info(1, "GPU-b", 1, 16384)]
+    guard = ReplacedGPUs({g.index: g for g in gpus}, gpus, [1], lambda: [])
+    assert not guard.active

@@ -66,3 +66,37 @@ def test_a_vcuda_config_naming_b_in_a_gone_directory_does_not_move_b_when_contra
         assert record is not None and record.answered == (b, "main"), record
     finally:
         alloc.close()
+
+
+@pytest.mark.parametrize("how", ["cache-not-synced", "unnamed-pod"])
+def test_a_vcuda_config_in_a_running_pods_directory_does_not_move_b(tmp_path: Path, how: str) -> None:
+    """c runs (the kubelet's PodResources lists it) and wrote a vcuda.config naming b into the directory it
+    mounts; the pod cache does not know c (not synced yet, or c deleted at the API server while its containers
+    still run), or c cannot be named at all (the API server does not answer): its directory is not free, and b
+    keeps its own (else b's and c's files would share c's directory)."""
+    b, c = uid_of("b"), uid_of("c")
+    pod_b = make_pod("b", [("main", 50, 4)], phase="Running")
+    pod_c = make_pod("c", [("main", 50, 4)], phase="Running")
+    vm = tmp_path / "vm"
+    _plant(vm, c, b)
+    cache = FakePods([pod_b])
+    cache.is_synced = False
+    alloc = make_allocator(tmp_path, cache)
+    gpus, _ = v100x4()
+    lookup = {"b": pod_b, "c": pod_c if how == "cache-not-synced" else None}
+    try:
+        rec = Recovery(
+            alloc, kubelet_checkpoint_path=tmp_path / "none", layout=DeviceLayout(gpus), gpus=gpus, vm_path=vm
+        )
+        rec.from_disk()
+        listed = [
+            ContainerDevices("default", "b", "main", CORE, tuple(core_ids(1, 50))),
+            ContainerDevices("default", "c", "main", CORE, tuple(core_ids(2, 50))),
+        ]
+        rec.from_pod_resources(_FixedPodResources(listed), lambda ns, name: lookup.get(name))  # type: ignore[arg-type]
+        record = alloc.get(b, "main")
+        assert record is not None and record.answered == (b, "main"), record
+        if how == "cache-not-synced":
+            assert alloc.get(c, "main") is not None
+    finally:
+        alloc.close()

@@ -219,6 +219,7 @@ class Agent:
     def _start_allocation(self) -> None:
         """Topology tree, allocation state (local files only), the kubelet calls' handlers."""
         from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+        from gpumanager.deviceplugin.replaced import FILE as replaced_file
         from gpumanager.deviceplugin.replaced import ReplacedGPUs
         from gpumanager.recovery import Recovery, report_gpus_gone
         from gpumanager.topology import build_tree, empty_tree, render_graph
@@ -265,7 +266,12 @@ class Agent:
         )
         recovery.from_disk()
         guard = self.replaced_gpus = ReplacedGPUs(
-            self.was, self.gpus, self.lost, allocator.allocations, pod_name=self._pod_name
+            self.was,
+            self.gpus,
+            self.lost,
+            allocator.allocations,
+            pod_name=self._pod_name,
+            state_path=Path(cfg.checkpoint_path) / replaced_file,
         )
         affected = guard.note_held(allocator.allocations())  # each logged with what its next start does
         guard.note_answered(recovery.kubelet_answers)

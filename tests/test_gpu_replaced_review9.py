@@ -197,3 +197,31 @@ def test_nothing_is_looked_at_when_every_device_node_reaches_its_gpu() -> None:
     gpus = [_info(0, "GPU-a", 0, 16384), _info(1, "GPU-b", 1, 16384)]
     guard = ReplacedGPUs({g.index: g for g in gpus}, gpus, [1], lambda: [])
     assert not guard.active
+
+
+def test_what_a_start_found_holds_across_another_restart_of_the_agent(tmp_path: Path) -> None:
+    """The agent that found GPU 0 replaced saves the new inventory; restarted again before every container
+    started, it still checks them: the share already running on the smaller replacement is counted there
+    (the other waits); a pod answered since with the new GPU is not checked."""
+    old = [gpu(i, memory_mib=16384) for i in range(2)]
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "before.json", old))
+    with cluster:
+        runs = [
+            cluster.run_pod(gpu_pod(f"s{i}", [("main", 40, 24)], annotations=admission_annotations([[0]], 1)))
+            for i in range(2)
+        ]
+        new = dict(gpu(7, memory_mib=8192), pci_bus_id=old[0]["pci_bus_id"], minor=0)
+        _restart_with(cluster, tmp_path / "after.json", [new, old[1]])
+        cluster.start_containers(runs[0])
+        _restart_with(cluster, tmp_path / "again.json", [new, old[1]])  # the inventory names the new GPU now
+        err = _refusal(cluster, runs[1])
+        assert err.code == grpc.StatusCode.UNAVAILABLE and "default/s0" in err.details, err
+        cluster.start_containers(runs[0])  # counted there already: it starts again
+        cluster.delete(runs[0], wait=True)
+        cluster.delete(runs[1], wait=True)
+        # A pod answered with the new GPU is none of those: started again after yet another restart of the
+        # agent, it is not checked against the old GPU.
+        fresh = cluster.run_pod(gpu_pod("fresh", [("main", 40, 24)], annotations=admission_annotations([[0]], 1)))
+        _restart_with(cluster, tmp_path / "last.json", [new, old[1]])
+        cluster.start_containers(fresh)
+        assert not [line for line in _log(cluster).splitlines() if "default/fresh" in line and "replaced" in line]

@@ -53,7 +53,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _gpu(raw: object) -> GPUInfo:
+def gpu_entry(raw: object) -> GPUInfo:
     """One saved GPU, every field of the type :func:`save` writes (ValueError naming the one that is not).
     A field this version does not know (a newer agent's, before a downgrade) is left: the GPU's place
     matters more than what else was said of it."""
@@ -76,7 +76,7 @@ def load(path: Path) -> tuple[dict[int, GPUInfo], NodeTopology | None]:
     """The saved GPUs by index and topology; empty when missing or unreadable (logged, naming the file)."""
     try:
         data = json.loads(read_regular(path, _LIMIT))
-        gpus = {g.index: g for g in map(_gpu, data["gpus"])}
+        gpus = {g.index: g for g in map(gpu_entry, data["gpus"])}
         topology = NodeTopology(
             levels=tuple(tuple(int(v) for v in row) for row in data["levels"]),
             nvlink=tuple((int(a), int(b), int(c)) for a, b, c in data.get("nvlink", [])),

@@ -15,20 +15,33 @@ is today:
 
 Only allocations held when the agent started are looked at: an answer given since names the GPUs as
 they are. Nothing is looked at on a node whose GPUs kept their device nodes (the common case).
+
+The saved inventory names the new GPUs from the first start that saw them, so what that start found is
+kept beside the checkpoint (:data:`FILE`: the GPUs as they were, the containers answered with them, and
+which of those started again since) until none of those containers is held: an agent restarted again
+before they all started goes on checking them, the ones already running on the replacement counted there.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.device import inventory
 from gpumanager.device.types import GPUInfo
+from gpumanager.fileio import atomic_write, read_regular
 
 log = logging.getLogger(__name__)
+
+#: Beside the checkpoint: what a start found changed, until its containers are all gone.
+FILE = "gpumanager_replaced_gpus"
+_LIMIT = 16 << 20
 
 _MIB = 1 << 20
 
@@ -70,22 +83,32 @@ class ReplacedGPUs:
         lost: Iterable[int],
         allocations: Callable[[], Sequence[ContainerAllocation]],
         pod_name: Callable[[str], tuple[str, str] | None] = lambda uid: None,
+        state_path: Path | None = None,
     ) -> None:
         """``was``: the saved inventory (place -> GPU); ``gpus`` and ``lost``: the GPUs now (lost ones are
         described as saved, so their device nodes are not counted as reaching them); ``allocations``: every
         allocation held now (for the room on a replacement); ``pod_name``: a pod's (namespace, name) by
-        its UID, when known (a saved answer names only the UID)."""
+        its UID, when known (a saved answer names only the UID); ``state_path``: :data:`FILE` (what an
+        earlier start found), or None to keep nothing."""
+        self._path = state_path
+        pending, self._pending_keys, started = _load(state_path)
         lost_places = set(lost)
         now_by_minor = {g.minor: g for g in gpus if g.index not in lost_places}
         by_place = {g.index: g for g in gpus if g.index not in lost_places}
         self._changes: dict[int, _Change] = {}
-        for old in was.values():
+        fresh = {old.minor: old for old in was.values()}
+        for old in [*fresh.values(), *pending.values()]:  # this start's findings first
+            if old.minor in self._changes:
+                continue
             now = now_by_minor.get(old.minor)
             if now is not None and now.uuid == old.uuid:
                 continue
             if now is None and old.index in lost_places:
                 continue  # a GPU lost at start: reported as such, its device IDs Unhealthy
             self._changes[old.minor] = _Change(old, now, by_place.get(old.index))
+        # Device nodes found changed at this start (any holder of them was answered before); those an
+        # earlier start found count only for the containers it named (others were answered since).
+        self._fresh = {m for m, c in self._changes.items() if fresh.get(m) == c.was}
         self._allocations = allocations
         self._pod_name = pod_name
         self._lock = threading.Lock()
@@ -93,7 +116,7 @@ class ReplacedGPUs:
         self._affected: dict[tuple[str, str], ContainerAllocation] = {}
         # Answers the kubelet saved that name a changed device node but that no allocation holds.
         self._unheld: dict[tuple[str, str], ContainerAllocation] = {}
-        self._started: set[tuple[str, str]] = set()  # of those, started again on their replacement
+        self._started: set[tuple[str, str]] = set(started)  # of those, started again on their replacement
         self._logged: set[tuple[tuple[str, str], str]] = set()
 
     @property
@@ -105,10 +128,12 @@ class ReplacedGPUs:
         """Remember the allocations held at start that name a changed device node, each logged with what
         its next start will do; return their (pod UID, container) keys."""
         if not self._changes:
+            with self._lock:
+                self._save()  # nothing left of an earlier start's findings
             return frozenset()
         for alloc in allocations:
             changes = [self._changes[m] for m in alloc.minors if m in self._changes]
-            if not changes:
+            if not changes or (alloc.key not in self._pending_keys and not self._fresh.intersection(alloc.minors)):
                 continue
             self._affected[alloc.key] = alloc
             problem = self._lasting_problem(alloc, changes)
@@ -116,6 +141,9 @@ class ReplacedGPUs:
                 log.error("%s", problem)
             else:
                 log.warning("%s", self._runs_there(alloc, changes, "at its next start it runs on the new GPU"))
+        self._started &= self._affected.keys()
+        with self._lock:
+            self._save()
         return frozenset(self._affected)
 
     def note_answered(self, answers: Iterable[ContainerAllocation]) -> int:
@@ -126,6 +154,8 @@ class ReplacedGPUs:
         for answer in answers:
             if answer.key in self._affected or not any(m in self._changes for m in answer.minors):
                 continue
+            if answer.key not in self._pending_keys and not self._fresh.intersection(answer.minors):
+                continue  # answered since an earlier start found the change
             changes = [self._changes[m] for m in answer.minors if m in self._changes]
             problem = self._lasting_problem(answer, changes)
             if problem:
@@ -154,7 +184,9 @@ class ReplacedGPUs:
                 if crowded:
                     break
             else:
-                self._started.add(alloc.key)
+                if alloc.key not in self._started:
+                    self._started.add(alloc.key)
+                    self._save()
         if crowded:
             self._log_once(alloc, "crowded", logging.WARNING, crowded)
             raise ReplacedRefusal(crowded, lasting=False)
@@ -172,6 +204,25 @@ class ReplacedGPUs:
                 held = replace(held, namespace=named[0], pod_name=named[1])
         changes = [self._changes[m] for m in held.minors if m in self._changes]
         return self._lasting_problem(held, changes) or ""
+
+    def _save(self) -> None:
+        """Keep what this start found for the next one (lock held); errors logged (it only helps a later
+        start), the file removed once no container answered before the change is held."""
+        if self._path is None:
+            return
+        try:
+            if not self._affected:
+                self._path.unlink(missing_ok=True)
+                return
+            minors = {m for a in self._affected.values() for m in a.minors if m in self._changes}
+            doc = {
+                "gpus": [asdict(self._changes[m].was) for m in sorted(minors)],
+                "containers": sorted([list(k) for k in self._affected]),
+                "started": sorted([list(k) for k in self._started]),
+            }
+            atomic_write(self._path, json.dumps(doc, sort_keys=True).encode(), durable=True)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self._path, exc)
 
     # -- what each case says -----------------------------------------------------------------------
 
@@ -277,3 +328,30 @@ def _pod_charge(held: Sequence[ContainerAllocation], gpu: GPUInfo) -> tuple[int,
         max([app_cores, *(c for c, _ in inits)]),
         max([app_memory, *(m for _, m in inits)]),
     )
+
+
+def _load(
+    path: Path | None,
+) -> tuple[dict[int, GPUInfo], set[tuple[str, str]], set[tuple[str, str]]]:
+    """What an earlier start found (:data:`FILE`): its old GPUs by minor, the containers answered with
+    them, and those started again since; empty when missing or unreadable (logged, naming the file)."""
+    if path is None:
+        return {}, set(), set()
+    try:
+        data = json.loads(read_regular(path, _LIMIT))
+        gpus = {g.minor: g for g in map(inventory.gpu_entry, data["gpus"])}
+
+        def keys(name: str) -> set[tuple[str, str]]:
+            out = set()
+            for item in data[name]:
+                if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                    raise ValueError(f"{name} entry {item!r:.80} is not a [pod UID, container] pair")
+                out.add((item[0], item[1]))
+            return out
+
+        return gpus, keys("containers"), keys("started")
+    except FileNotFoundError:
+        return {}, set(), set()
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return {}, set(), set()

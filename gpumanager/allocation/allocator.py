@@ -166,6 +166,18 @@ class _Detached:
 
 
 @dataclass(frozen=True)
+class _Swap:
+    """Our record of some IDs (``mine``) and the record of the container the kubelet says holds them
+    (``theirs``, None when it has none), and what each becomes: ``taken``, ``mine`` as that container's,
+    with its own memory budget; ``given``, ``theirs`` as ``mine``'s container's, with that one's."""
+
+    mine: ContainerAllocation
+    theirs: ContainerAllocation | None
+    taken: ContainerAllocation
+    given: ContainerAllocation | None
+
+
+@dataclass(frozen=True)
 class OwnerHint:
     """What the allocator tells PreStartContainer's look-up of who holds some device IDs."""
 
@@ -1548,6 +1560,7 @@ class Allocator:
         extra: ContainerAllocation | None = None,
         lend: bool = False,
         started_only: bool = False,
+        of: Sequence[ContainerAllocation] | None = None,
     ) -> list[tuple[int, int]]:
         """The (cores, memory) charges a pod's allocations (and ``extra``, not yet in the state) put on
         GPU ``minor``: one per group of its containers holding the same IDs (:func:`_share_key`, the
@@ -1555,7 +1568,8 @@ class Allocator:
         one, beyond what the others hold there: init containers run one at a time and end before the
         others start (the kubelet counts a pod as the larger of its init containers and the sum of the
         others, and hands an init container's IDs on). ``lend``: without that init charge;
-        ``started_only``: only the containers that have started (and ``extra``).
+        ``started_only``: only the containers that have started (and ``extra``); ``of``: these allocations
+        of the pod instead of its records (a change weighed before it is made).
 
         An init group none of whose IDs the others there hold (they all have IDs) is charged beside
         them: the kubelet handed its IDs to none of them and counts both sets of IDs as held. Such an
@@ -1563,7 +1577,7 @@ class Allocator:
         other one, which starts with those IDs on those GPUs)."""
         groups: dict[tuple[str, frozenset[str], tuple[int, ...]], tuple[int, int, bool]] = {}
         unnamed = False  # a member recorded without IDs
-        members = [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
+        members = list(of) if of is not None else [self._allocs[(pod_uid, c)] for c in self._by_pod.get(pod_uid, ())]
         if started_only:
             members = [a for a in members if a.started]
         if extra is not None:
@@ -2011,8 +2025,10 @@ class Allocator:
                     elif owner in self._allocs and frozenset(self._allocs[owner].device_ids) == wanted:
                         key = owner  # containers of one pod holding the same IDs: the kubelet's pick
                     elif key is not None and key != owner:
-                        for mine, theirs in self._taken_over(key, owner, wanted):
-                            self._reassign(mine, theirs)
+                        swaps = [self._swap_of(mine, theirs) for mine, theirs in self._taken_over(key, owner, wanted)]
+                        self._weigh(swaps)
+                        for swap in swaps:
+                            self._reassign(swap)
                         key, changed = owner, True
                 if key is None and owner is not None and self._take_freed_guess(wanted, owner):
                     key, changed = owner, True
@@ -2061,8 +2077,10 @@ class Allocator:
         That happens only after a guess among identical pods (the kubelet's Allocate names no pod, and
         it admits them in its own order): an allocation freed with the pod it was guessed for, its room
         then given to another container, taken over by the pod the kubelet gave its IDs to; or two
-        allocations of one GPU each counted as another's. Its answer named those GPUs, so the container
-        can run on no other: its start waits (the kubelet tries it again) until room frees there."""
+        allocations of one GPU each counted as another's; or, of two pods asking for as many cores and
+        another memory size, the one whose start swapped the two (:meth:`_reassign`) left the other's
+        budget on GPUs without room for it. Its answer named those GPUs, so the container can run on no
+        other: its start waits (the kubelet tries it again) until room frees there."""
         for minor in alloc.minors:
             gpu = self._by_minor.get(minor)
             if gpu is None:
@@ -2096,10 +2114,60 @@ class Allocator:
                 f"pod {who} container {alloc.container} cannot start yet: its answer named GPU {gpu.index} "
                 f"({gpu.uuid}), where the containers of {shown or 'no pod'} have started; with its {asks} they "
                 f"would hold {cores} cores and {memory >> 20} MiB of the GPU's {names.HUNDRED_CORES} cores and "
-                f"{gpu.memory_total >> 20} MiB (its IDs were matched to an identical pod, and the room went to "
-                "another container meanwhile); the kubelet's next try of the start succeeds once room frees there"
+                f"{gpu.memory_total >> 20} MiB (its IDs were matched to another pod asking for as many cores, "
+                "which the kubelet admitted after it; the room there went to others); the kubelet's next try of the "
+                "start succeeds once room frees there"
             )
         return ""
+
+    def _short_of_room(
+        self,
+        taken: ContainerAllocation,
+        was: ContainerAllocation,
+        replaced: Mapping[tuple[str, str], ContainerAllocation | None],
+    ) -> str:
+        """Why ``taken``, with a larger memory budget than ``was``, the allocation of the same IDs it takes
+        over, would leave one of its GPUs charged beyond what it has once the records of ``replaced``'s keys
+        are its values (None: none), counting every other allocation (started or not) and prepared claim
+        there; '' when it fits (lock held)."""
+        for minor in sorted(set(taken.minors)):
+            charges = self._charges_replacing(minor, replaced)
+            gpu = self._by_minor.get(minor)
+            if gpu is None or not _beyond(charges, gpu.memory_total):
+                continue
+            wholes = sum(1 for c, _ in charges if c >= names.HUNDRED_CORES)
+            cores = sum(min(c, names.HUNDRED_CORES) for c, _ in charges)
+            memory = sum(m for c, m in charges if c < names.HUNDRED_CORES) + wholes * gpu.memory_total
+            left = max(0, gpu.memory_total - (memory - taken.memory))
+            who = f"{taken.namespace}/{taken.pod_name} ({taken.pod_uid})" if taken.pod_name else taken.pod_uid
+            other = f"{was.namespace}/{was.pod_name} ({was.pod_uid})" if was.pod_name else was.pod_uid
+            return (
+                f"pod {who} container {taken.container} cannot start yet: the kubelet gave it "
+                f"{ids.describe(taken.device_ids)} ({names.VCORE_RESOURCE}), matched to pod {other} container "
+                f"{was.container}, which asks for as many cores and {was.memory >> 20} MiB; their answer named GPU "
+                f"{gpu.index} ({gpu.uuid}), where its {taken.memory >> 20} MiB do not fit: {left >> 20} MiB are left "
+                f"beside the other allocations there (with it they would hold {cores} cores and {memory >> 20} MiB "
+                f"of the GPU's {names.HUNDRED_CORES} cores and {gpu.memory_total >> 20} MiB); the kubelet's next "
+                "try of the start succeeds once room frees there (deleting the pod has it placed again)"
+            )
+        return ""
+
+    def _charges_replacing(
+        self, minor: int, replaced: Mapping[tuple[str, str], ContainerAllocation | None]
+    ) -> list[tuple[int, int]]:
+        """The charges GPU ``minor`` would hold (:meth:`_charges`) were the records of ``replaced``'s keys
+        its values (None: none) (lock held)."""
+        uids = {a.pod_uid for a in self._allocs.values() if minor in a.minors} | {k[0] for k in replaced}
+        out: list[tuple[int, int]] = []
+        for uid in sorted(uids):
+            members = [self._allocs[(uid, c)] for c in self._by_pod.get(uid, ()) if (uid, c) not in replaced]
+            members += [a for k, a in replaced.items() if a is not None and k[0] == uid]
+            out.extend(self._pod_charges(uid, minor, of=members))
+        for claim in self._claims.values():
+            for dev in claim.devices:
+                if dev.consumes and dev.minor == minor:
+                    out.append((names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory))
+        return out
 
     def _take_freed_guess(self, wanted: frozenset[str], owner: tuple[str, str]) -> bool:
         """Whether ``owner``, which the kubelet says starts with ``wanted`` and which has no allocation,
@@ -2131,25 +2199,41 @@ class Allocator:
         gone = {d.key for d in displaced}
         if any(not self._can_take_freed(a, target, pod, gone) for a, target in pairs):
             return False
-        for d in displaced:
-            self._free(self._remove(d.key) or d)
-        taken: list[ContainerAllocation] = []
+        meta = pod.get("metadata") or {}
+        made_of: list[tuple[ContainerAllocation, ContainerAllocation]] = []
         for alloc, target in pairs:
             request = _request_of(pod, target[1])
             assert request is not None
-            meta = pod.get("metadata") or {}
-            made = replace(
-                alloc,
-                pod_uid=target[0],
-                container=target[1],
-                namespace=str(meta.get("namespace", "")),
-                pod_name=str(meta.get("name", "")),
-                container_index=request.index,
-                answered_as=alloc.answered,
-                init=_runs_first(pod, request),
-                mirror=_mirror_of(pod),
-                started=False,
+            made_of.append(
+                (
+                    alloc,
+                    replace(
+                        alloc,
+                        pod_uid=target[0],
+                        container=target[1],
+                        namespace=str(meta.get("namespace", "")),
+                        pod_name=str(meta.get("name", "")),
+                        container_index=request.index,
+                        answered_as=alloc.answered,
+                        init=_runs_first(pod, request),
+                        mirror=_mirror_of(pod),
+                        started=False,
+                        memory=request.memory_bytes,  # as many cores, perhaps another memory size
+                    ),
+                )
             )
+        replaced: dict[tuple[str, str], ContainerAllocation | None] = {d.key: None for d in displaced}
+        replaced.update((made.key, made) for _, made in made_of)
+        for alloc, made in made_of:
+            short = self._short_of_room(made, alloc, replaced) if made.memory > alloc.memory else ""
+            if short:
+                self._freed_guesses[wanted] = freed  # nothing changes: the kubelet's next try looks again
+                raise AllocationError(short, "unavailable")
+        for d in displaced:
+            self._free(self._remove(d.key) or d)
+        taken: list[ContainerAllocation] = []
+        for alloc, made in made_of:
+            target = made.key
             try:
                 self._place(made)
             except (KeyError, ValueError) as exc:
@@ -2197,14 +2281,15 @@ class Allocator:
         giving_way: set[tuple[str, str]] | None = None,
     ) -> bool:
         """Whether container ``target`` of ``pod``, unallocated (or its record among ``giving_way``) and
-        asking for what ``alloc`` was allocated, can take ``alloc`` over with the directory its answer
-        named, unused but by ``giving_way`` (lock held)."""
+        asking for as many cores as ``alloc`` was allocated (the vcuda-core Allocate names no memory), can
+        take ``alloc`` over with the directory its answer named, unused but by ``giving_way`` (lock held);
+        whether its GPUs have room for its memory budget is weighed apart (:meth:`_short_of_room`)."""
         away = giving_way or set()
         request = _request_of(pod, target[1])
         return (
             (target not in self._allocs or target in away)
             and request is not None
-            and (request.cores, request.memory_bytes) == (alloc.cores, alloc.memory)
+            and request.cores == alloc.cores  # its own memory budget: weighed against the GPUs' room
             and not self._answering.get(alloc.answered, set()) - away
         )
 
@@ -2238,7 +2323,9 @@ class Allocator:
             return False
         return (mine.namespace, mine.pod_name) == podinfo.namespace_name(pod)
 
-    def _reassign(self, key: tuple[str, str], owner: tuple[str, str]) -> None:
+    def _swap_of(self, key: tuple[str, str], owner: tuple[str, str]) -> _Swap:
+        """The records a swap of our record ``key`` with the kubelet's holder ``owner`` of its IDs makes
+        (lock held; nothing changes); AllocationError when the kubelet's view cannot be taken."""
         mine = self._allocs[key]
         theirs = self._allocs.get(owner)
         if theirs is not None and theirs.started and theirs.device_ids and theirs.device_ids != mine.device_ids:
@@ -2258,29 +2345,74 @@ class Allocator:
                     "know",
                     "mismatch",
                 )
-            if request is None or (request.cores, request.memory_bytes) != (mine.cores, mine.memory):
+            if request is None or request.cores != mine.cores:
                 raise AllocationError(
                     f"{names.PRESTART_FAILED}: {ids.describe(mine.device_ids)} allocated to pod {key[0]} container "
                     f"{key[1]} are used by pod {owner[0]} container {owner[1]}, whose request differs",
                     "mismatch",
                 )
-        elif (theirs.cores, theirs.memory) != (mine.cores, mine.memory):
+            budget = request.memory_bytes
+        elif theirs.cores != mine.cores:
             raise AllocationError(
                 f"{names.PRESTART_FAILED}: pod {owner[0]} container {owner[1]} starts with "
                 f"{ids.describe(mine.device_ids)} allocated to pod {key[0]} container {key[1]}, and their requests "
                 "differ",
                 "mismatch",
             )
-        # Expected after a guess among identical waiting pods (Allocate does not name the pod): said at
-        # INFO; a swap of a match that was not a guess is worth an operator's look.
-        log.log(
-            logging.INFO if key in self._guessed else logging.WARNING,
-            "pod %s container %s starts with the devices matched to pod %s container %s; swapping the two",
-            owner[0],
-            owner[1],
-            key[0],
-            key[1],
+        else:
+            budget = theirs.memory
+        # The same cores, perhaps another memory size: the vcuda-core Allocate carries only core IDs, so a
+        # pod admitted before another of its size in cores is matched to the one first in line. Each takes
+        # the other's allocation (its GPUs, its answer's directory) with its own memory budget.
+        meta = (pod or {}).get("metadata") or {}
+        taken = replace(
+            mine,
+            pod_uid=owner[0],
+            container=owner[1],
+            namespace=str(meta.get("namespace", "")),
+            pod_name=str(meta.get("name", "")),
+            container_index=request.index if request else -1,
+            answered_as=mine.answered,
+            init=pod is not None and request is not None and _runs_first(pod, request),
+            mirror=_mirror_of(pod) if pod is not None else "",
+            memory=budget,
         )
+        given = None
+        if theirs is not None:
+            # Its start waits, when its budget does not fit there, for room among the containers started on
+            # those GPUs (:meth:`_crowded`): its answer named them, the kubelet gave it those IDs.
+            given = replace(
+                theirs,
+                pod_uid=key[0],
+                container=key[1],
+                namespace=mine.namespace,
+                pod_name=mine.pod_name,
+                container_index=mine.container_index,
+                answered_as=theirs.answered,
+                init=mine.init,
+                mirror=mine.mirror,
+                memory=mine.memory,
+            )
+        return _Swap(mine, theirs, taken, given)
+
+    def _weigh(self, swaps: Sequence[_Swap]) -> None:
+        """Refuse (UNAVAILABLE; nothing changes, the kubelet's next try of the start looks again) swaps
+        that would leave a container taking over an allocation with a larger memory budget on GPUs without
+        room for it, all of them made (lock held)."""
+        replaced: dict[tuple[str, str], ContainerAllocation | None] = {}
+        for swap in swaps:
+            replaced[swap.mine.key] = swap.given
+            replaced[swap.taken.key] = swap.taken
+        for swap in swaps:
+            if swap.taken.memory > swap.mine.memory:
+                short = self._short_of_room(swap.taken, swap.mine, replaced)
+                if short:
+                    raise AllocationError(short, "unavailable")
+
+    def _reassign(self, swap: _Swap) -> None:
+        """Make a swap of :meth:`_swap_of` (lock held)."""
+        mine, theirs, taken, given = swap.mine, swap.theirs, swap.taken, swap.given
+        key, owner, budget = mine.key, taken.key, taken.memory
         # Removed and put back with their charges: one may leave (or join) a pod's init container's share.
         # When their IDs' Allocate reached us stays known: the IDs are held still.
         asked = {
@@ -2288,38 +2420,34 @@ class Allocator:
             for a in (mine, theirs)
             if a and (ids_ := frozenset(a.device_ids)) in self._asked_at
         }
+        guessed = key in self._guessed
         self._free(self._remove(key) or mine)
         if theirs is not None:
             self._free(self._remove(owner) or theirs)
         self._asked_at.update(asked)
-        meta = (pod or {}).get("metadata") or {}
-        self._place(
-            replace(
-                mine,
-                pod_uid=owner[0],
-                container=owner[1],
-                namespace=str(meta.get("namespace", "")),
-                pod_name=str(meta.get("name", "")),
-                container_index=request.index if request else -1,
-                answered_as=mine.answered,
-                init=pod is not None and request is not None and _runs_first(pod, request),
-                mirror=_mirror_of(pod) if pod is not None else "",
-            )
+        self._place(taken)
+        if given is not None:
+            self._place(given)
+        touched = set(mine.minors) | set(theirs.minors if theirs is not None else ())
+        if self._overcommitted & touched:
+            self._recharge(touched)  # charged beyond only for a moment, while one of the two was placed
+        # Expected after a guess among identical waiting pods (Allocate does not name the pod), or among pods
+        # asking for as many cores (it names no memory): said at INFO; a swap of a match that was not a guess
+        # is worth an operator's look.
+        log.log(
+            logging.INFO if guessed or budget != mine.memory else logging.WARNING,
+            "pod %s container %s starts with the devices matched to pod %s container %s; swapping the two%s",
+            owner[0],
+            owner[1],
+            key[0],
+            key[1],
+            (
+                f" (the same cores, {budget >> 20} MiB instead of {mine.memory >> 20} MiB: each takes the other's "
+                "GPUs and answer with its own memory budget)"
+                if budget != mine.memory
+                else ""
+            ),
         )
-        if theirs is not None:
-            self._place(
-                replace(
-                    theirs,
-                    pod_uid=key[0],
-                    container=key[1],
-                    namespace=mine.namespace,
-                    pod_name=mine.pod_name,
-                    container_index=mine.container_index,
-                    answered_as=theirs.answered,
-                    init=mine.init,
-                    mirror=mine.mirror,
-                )
-            )
         changes = [_del(key), _del(owner)]
         changes += [_put(self._allocs[k]) for k in (owner, key) if k in self._allocs]
         self._save_or_report(changes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from gpumanager import names
 from gpumanager.allocation import allocator as allocator_module
 from gpumanager.allocation import journal
 from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.records import ContainerAllocation
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
 
@@ -20,6 +22,10 @@ def _crash(alloc: Allocator) -> None:
     """The process ends without its stop: no snapshot written at stop (only the open files closed)."""
     alloc._closing.set()
     alloc._store.close()
+
+
+def _document(tmp_path: Path) -> dict[str, Any]:
+    return journal.read_document(tmp_path / "checkpoint" / names.OWN_CHECKPOINT) or {}
 
 
 def _freed_entry(ids: list[str], minor: int, cores: int, memory: int) -> dict[str, object]:
@@ -89,3 +95,29 @@ def test_a_flood_of_malformed_freed_entries_is_read_only_as_far_as_kept(
         assert list(alloc._freed_guesses) == [frozenset(ids)]
     finally:
         alloc.close()
+
+
+def test_a_container_the_kubelets_records_give_some_of_a_freed_allocations_ids_forgets_it(tmp_path: Path) -> None:
+    """The checkpoint remembers an allocation freed before its container started; the kubelet's records (our
+    journal lost the put) show a container holding some of its IDs: the kubelet freed them, no container
+    starts with them all, and the allocation's GPU room is no longer held for it, now or after a restart."""
+    ids = core_ids(0, 50)
+    freed = {",".join(sorted(ids)): {uid_of("a"): {"main": _freed_entry(ids, 0, 50, 1 << 30)}}}
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / names.OWN_CHECKPOINT).write_text(
+        json.dumps({"PodGPUMapping": {}, journal.FREED_KEY: freed})
+    )
+    x = uid_of("x")
+    pods = FakePods([make_pod("x", [("main", 10, 4)], phase="Running")])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        alloc.load()
+        assert frozenset(ids) in alloc._freed_guesses
+        held = ContainerAllocation(
+            pod_uid=x, container="main", minors=(0,), cores=10, memory=1 << 30, device_ids=tuple(core_ids(0, 10))
+        )
+        assert alloc.adopt([held], source="kubelet checkpoint", kubelet_holds=True) == 1
+        assert alloc._freed_guesses == {}
+    finally:
+        alloc.close()
+    assert journal.FREED_KEY not in _document(tmp_path)

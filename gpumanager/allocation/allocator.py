@@ -2949,6 +2949,13 @@ class Allocator:
                 self._insert(alloc)
                 taken.append(alloc)
                 self._unmarked |= not (alloc.init or alloc.mirror)
+                if self._freed_guesses and alloc.device_ids:
+                    # Its IDs given out again (the kubelet freed them): no container starts with all of a
+                    # freed allocation's that shares one, as an Allocate of them shows (its put forgets them
+                    # on replay too).
+                    given = frozenset(alloc.device_ids)
+                    for gone in [w for w in self._freed_guesses if not given.isdisjoint(w)]:
+                        del self._freed_guesses[gone]
             self._warn_overcommit(source)
             if taken or dropped:
                 taken_keys = {a.key for a in taken}

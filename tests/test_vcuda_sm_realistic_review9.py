@@ -30,9 +30,14 @@ MakeContainer = Callable[..., Container]
 DELAY_US = "700000"  # a real driver's sample lag
 PERIOD_US = "166667"  # a datacenter GPU's per-process sampling period
 LIMIT = 0.30
-# 6 points either way, as the escape bound of the fresh-process tests (tests/test_vcuda_attacks.py): 8 s measured
-# hold six 400 ms kernels at 30 %, one kernel more or less being 5 points.
-ROOM = 0.06
+# 4 points either way, as the whole measured span of the SM window tests (WHOLE_PP): at 30 % two fresh processes that
+# wait out one debt launch together, a pair of 400 ms kernels every 2.67 s, three pairs in the 8 s measured.  With the
+# debt taken once at a process's start, a process that started while another's kernel ran launched into the debt of
+# the next one's kernel, and the share read 30-36 % in 8 s (36.3 % once at a real driver's sampling).
+ROOM = 0.04
+# A process of the container that lives on beside fresh ones: 6 points, the escape bound of the fresh-process tests
+# (tests/test_vcuda_attacks.py).
+ESCAPE_ROOM = 0.06
 
 
 @pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
@@ -82,4 +87,4 @@ def test_fresh_processes_beside_a_long_lived_one_do_not_take_more_than_the_share
     share = (b.busy_ns - a.busy_ns) / wall
     print(f"SHARE {share:.3f} started {fresh.started}")  # for -s
     assert fresh.started >= 4
-    assert share <= LIMIT + ROOM, f"a long-lived process and fresh ones got {share:.1%} of the GPU in a 30 % container"
+    assert share <= LIMIT + ESCAPE_ROOM, f"a long-lived process and fresh ones got {share:.1%} of a 30 % container"

@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 from gpumanager import names, safenames
+from gpumanager.dra import quantity
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,6 @@ def containers(pod: Pod) -> list[Mapping[str, Any]]:
     return _spec_list(pod, "containers")
 
 
-#: How much of an odd value an error shows.
-_SHOWN_CHARS = 80
 #: The largest quantity the API server stores (it caps larger ones).
 MAX_QUANTITY = 2**63 - 1
 
@@ -116,19 +115,13 @@ def _quantity(pod: Pod, container: Mapping[str, Any], resource: str) -> int:
         return 0
     if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= 18:
         return int(raw)  # the common spelling, as parse_quantity would read it
-    # Loaded here, not with the module: the device plugin registers with the kubelet before it
-    # needs any pod. Only the quantity module, not the whole client (see gpumanager.lazy_package).
-    from gpumanager import lazy_package
-
-    parse_quantity = lazy_package.import_module("kubernetes.utils.quantity").parse_quantity
     try:
-        # A quantity, as the API server answers it in canonical form: 1000 reads back as "1k".
-        value = Decimal(parse_quantity(raw))
-    except (ValueError, TypeError, ArithmeticError):
+        # A quantity, as the API server answers it in canonical form: 1000 reads back as "1k". Only the
+        # API server's grammar: Decimal() alone would also read "5_000", "١٢٣" and "5 k".
+        value = quantity.parse(raw)
+    except quantity.QuantityError:
         value = Decimal(-1)
-    shown = (
-        repr(raw) if len(repr(raw)) <= _SHOWN_CHARS else f"{repr(raw)[:_SHOWN_CHARS]}... ({len(str(raw))} characters)"
-    )
+    shown = quantity.shown(raw)
     if value.is_finite() and value > MAX_QUANTITY:
         # Checked before to_integral_value() and int(): 1e999999999 would take them minutes. The API server
         # stores no larger quantity; only a request sent straight to a component carries one.
@@ -285,9 +278,7 @@ def predicated_gpus(pod: Pod, container_index: int) -> list[int] | None:
     raw = pod_annotations(pod).get(key)
     if raw is None:
         return None
-    shown = (
-        repr(raw) if len(repr(raw)) <= _SHOWN_CHARS else f"{repr(raw)[:_SHOWN_CHARS]}... ({len(str(raw))} characters)"
-    )
+    shown = quantity.shown(raw)
     if not isinstance(raw, str):
         raise PodSpecError(f"pod {pod_key(pod)}: annotation {key}={shown} is not a list of GPU indices")
     parts = [p.strip() for p in raw.split(",")]

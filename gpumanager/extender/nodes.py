@@ -16,13 +16,11 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
-
-from kubernetes.utils import parse_quantity
 
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.dra import quantity
 from gpumanager.kube.gpu_inventory import ANNOTATION, InventoryError, decode
 from gpumanager.topology import HUNDRED_CORES, Level, TopologyTree, build_tree
 
@@ -67,8 +65,8 @@ _MAX_QUANTITY = 2**63 - 1
 def _quantity(raw: object) -> int:
     """A capacity as the API server answers it (canonical form: ten GPUs have ``1k`` cores); 0 if unreadable."""
     try:
-        value = Decimal(parse_quantity(raw))  # type: ignore[no-untyped-call]
-    except (ValueError, TypeError, ArithmeticError):
+        value = quantity.parse(raw)  # the API server's grammar: not "5_000", "١٢٣" or "5 k"
+    except quantity.QuantityError:
         return 0
     # Bounded before int(): 1e999999999 would take it minutes (the API server stores no larger quantity).
     return int(value) if value.is_finite() and 0 <= value <= _MAX_QUANTITY else 0

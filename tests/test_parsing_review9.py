@@ -1,0 +1,75 @@
+"""Values from outside (pod limits, node capacities, quantities) read as Kubernetes reads them.
+
+The API server takes a quantity only in its grammar: ASCII digits, an optional sign, decimal point
+and exponent, one suffix (``1k``, ``1Ki``, ``1e3``), surrounding spaces trimmed. Python's ``Decimal``
+(and so the client's ``parse_quantity``) also takes ``5_000``, other scripts' digits (``١٢٣``,
+fullwidth ``\uff11\uff12``) and a space before the suffix: such a value never comes from the API server, only in a
+request sent straight to a component, and must be refused as the API server refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpumanager import names
+from gpumanager.allocation import pods as podinfo
+from gpumanager.dra import quantity
+from gpumanager.extender.nodes import node_gpus
+
+#: Text the API server refuses as a quantity, though Decimal() reads a number from it.
+NOT_QUANTITIES = ["5_000", "1_00", "١٢٣", "\uff11\uff12", "5 k", "1_0k"]
+#: Spellings the API server takes (and answers in canonical form).
+QUANTITIES = [("100", 100), (" 200 ", 200), ("+300", 300), ("1e2", 100), ("1E2", 100), ("1k", 1000), ("2.", 2)]
+
+
+def _pod(limit: object) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {names.VCORE_RESOURCE: limit}}}]},
+    }
+
+
+@pytest.mark.parametrize("text", NOT_QUANTITIES)
+def test_pod_limit_the_api_server_refuses_is_refused_naming_pod_container_and_value(text: str) -> None:
+    with pytest.raises(podinfo.PodSpecError) as info:
+        podinfo.gpu_requests(_pod(text))
+    message = str(info.value)
+    assert "ns/p" in message and "main" in message and repr(text) in message
+
+
+@pytest.mark.parametrize(("text", "value"), QUANTITIES)
+def test_pod_limit_in_any_spelling_the_api_server_takes_is_read_by_value(text: str, value: int) -> None:
+    (request,) = podinfo.gpu_requests(_pod(text))
+    assert request.cores == value
+
+
+def _node(cores: object) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "n"},
+        "status": {"capacity": {names.VCORE_RESOURCE: cores, names.VMEMORY_RESOURCE: "64"}},
+    }
+
+
+@pytest.mark.parametrize("text", ["2_00", "٢٠٠", "\uff12\uff10\uff10", "2 k"])
+def test_node_capacity_the_api_server_refuses_reads_as_no_gpus(text: str) -> None:
+    assert node_gpus(_node(text)) is None
+
+
+def test_node_capacity_in_canonical_form_is_read() -> None:
+    found = node_gpus(_node("200"))
+    assert found is not None and len(found.tree.leaves) == 2
+
+
+@pytest.mark.parametrize("text", NOT_QUANTITIES)
+def test_shared_quantity_parser_refuses_what_the_api_server_refuses(text: str) -> None:
+    with pytest.raises(quantity.QuantityError):
+        quantity.parse(text)
+
+
+def test_quantity_error_shows_a_long_value_cut_short() -> None:
+    text = "9" * 5000 + "x"
+    with pytest.raises(quantity.QuantityError) as info:
+        quantity.parse(text)
+    assert len(str(info.value)) < 300 and "5001 characters" in str(info.value)

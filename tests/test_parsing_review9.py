@@ -9,6 +9,7 @@ request sent straight to a component, and must be refused as the API server refu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,3 +74,20 @@ def test_quantity_error_shows_a_long_value_cut_short() -> None:
     with pytest.raises(quantity.QuantityError) as info:
         quantity.parse(text)
     assert len(str(info.value)) < 300 and "5001 characters" in str(info.value)
+
+
+def test_stale_socket_directories_named_with_a_pid_beyond_any_pid_are_left_and_the_rest_cleaned(
+    tmp_path: Path,
+) -> None:
+    """Anyone may create a directory in /tmp: ``gpu-manager-vcuda.<PID>.x`` with a PID larger than a
+    pid_t made os.kill() raise OverflowError, so the vcuda socket server never started."""
+    from gpumanager.vmanager import sockets
+
+    prefix = sockets._PRIVATE_PREFIX
+    odd = [tmp_path / f"{prefix}{2**31}.a", tmp_path / f"{prefix}{'9' * 200}.b"]
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead = tmp_path / f"{prefix}{pid_max + 1}.c"  # no process has a PID above pid_max
+    for d in [*odd, dead]:
+        d.mkdir()
+    sockets._remove_stale(str(tmp_path))
+    assert all(d.is_dir() for d in odd) and not dead.exists()

@@ -584,7 +584,11 @@ def _remove_stale(parent: str) -> None:
         if not entry.startswith(_PRIVATE_PREFIX):
             continue
         pid_text = entry[len(_PRIVATE_PREFIX) :].split(".", 1)[0]
-        if not (pid_text.isascii() and pid_text.isdigit()) or int(pid_text) == os.getpid():
+        # A PID is a positive pid_t: a larger number (anyone may create a directory here) is no agent's, and
+        # os.kill() would raise OverflowError for it.
+        if not (pid_text.isascii() and pid_text.isdigit() and len(pid_text) <= 10) or not 0 < int(pid_text) < 2**31:
+            continue
+        if int(pid_text) == os.getpid():
             continue
         try:
             os.kill(int(pid_text), 0)

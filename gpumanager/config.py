@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpumanager import names
+from gpumanager import flagspec, names
 from gpumanager.flagspec import (
     choice,
     duration,
@@ -206,8 +206,11 @@ class Config:
             ("--sample-period", self.sample_period),
             ("--allocation-check-period", self.allocation_check_period),
         ):
-            if value <= 0:
-                raise ConfigError(f"{flag}={value}: must be a positive number of seconds")
+            if not 0 < value <= flagspec.MAX_SECONDS:
+                raise ConfigError(
+                    f"{flag}={value}: must be a positive number of seconds, at most {flagspec.MAX_SECONDS} "
+                    "(Go's longest duration)"
+                )
         for flag, fvalue in (
             ("--health-quiet-period", self.health_quiet_period),
             ("--health-probe-period", self.health_probe_period),

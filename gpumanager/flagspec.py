@@ -70,12 +70,32 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean")
 
 
+#: How much of a refused value an error shows.
+_SHOWN_CHARS = 80
+#: The int64 range of Go's flag integers (strconv.ParseInt's "value out of range" beyond it).
+_INT64 = range(-(2**63), 2**63)
+#: Whole seconds of Go's longest duration (2^63-1 ns, about 292 years), also threading.TIMEOUT_MAX: a
+#: longer wait raises OverflowError.
+MAX_SECONDS = 9223372036
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
 def parse_int(text: str) -> int:
-    """A decimal integer."""
+    """A decimal integer in the int64 range, of ASCII digits (int() alone also reads other scripts' digits)."""
+    value = text.strip()
+    digits = value.lstrip("+-").replace("_", "")
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"{_shown(text)} is not an integer")
     try:
-        return int(text.strip())
+        number = int(value) if len(digits) <= 19 else None  # int() refuses more than 4300 digits
     except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
+        raise ValueError(f"{_shown(text)} is not an integer") from None
+    if number is None or number not in _INT64:
+        raise ValueError(f"{_shown(text)} is out of range (a 64-bit integer)")
+    return number
 
 
 _DURATION_UNITS = (("ms", 0.001), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
@@ -90,7 +110,8 @@ _GO_PARTS = re.compile(r"([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m
 
 def parse_duration(text: str) -> float:
     """A Go duration as time.ParseDuration reads it (500ms, 5s, 1m0s, 1h30m, 1.5h), or a number of
-    seconds; a finite number (not nan, inf or 1e999). A negative one is parsed (and refused by the flag)."""
+    seconds; a finite number (not nan, inf or 1e999) of at most :data:`MAX_SECONDS`. A negative one is
+    parsed (and refused by the flag)."""
     value = text.strip()
     seconds: float | None = None
     if _GO_DURATION.fullmatch(value):
@@ -100,7 +121,9 @@ def parse_duration(text: str) -> float:
     elif _SECONDS.fullmatch(value):
         seconds = float(value)
     if seconds is None or not math.isfinite(seconds):
-        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m, 1m30s)")
+        raise ValueError(f"{_shown(text)} is not a duration (e.g. 30s, 5m, 1m30s)")
+    if abs(seconds) > MAX_SECONDS:
+        raise ValueError(f"{_shown(text)} is longer than any duration ({MAX_SECONDS} s, about 292 years)")
     return seconds
 
 

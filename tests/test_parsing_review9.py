@@ -91,3 +91,63 @@ def test_stale_socket_directories_named_with_a_pid_beyond_any_pid_are_left_and_t
         d.mkdir()
     sockets._remove_stale(str(tmp_path))
     assert all(d.is_dir() for d in odd) and not dead.exists()
+
+
+def _flags(*argv: str) -> Any:
+    from gpumanager import cli
+
+    args = cli.build_parser({}).parse_args(cli.normalize_argv(argv))
+    return cli.config_from_args(args, {})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--query-port=\u0661\u0662\u0663",  # Arabic-Indic 123: int() reads it, Go's strconv.ParseInt does not
+        "--v=\uff15",  # fullwidth 5
+        "--v=99999999999999999999",  # beyond an int64: Go's "value out of range"
+        "--log-file-max-size=-99999999999999999999",
+    ],
+)
+def test_integer_flag_go_refuses_is_refused_naming_flag_and_value(
+    argv: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _flags(argv)
+    err = capsys.readouterr().err
+    assert argv.split("=")[0] in err and repr(argv.split("=", 1)[1]) in err
+
+
+def test_integer_flag_of_5000_digits_is_refused_with_the_value_cut_short(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _flags("--sample-period=" + "9" * 5000)
+    err = capsys.readouterr().err
+    assert "--sample-period" in err and "5000 characters" in err and len(err) < 600
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--wait-timeout=1e300",  # more than Go's longest duration (2^63-1 ns, about 292 years)
+        "--kubelet-watch-period=9999999999s",
+        "--health-probe-period=3000000h",
+        "--allocation-check-period=99999999999",  # seconds: Event.wait() raised OverflowError in the check
+        "--sample-period=99999999999999",
+    ],
+)
+def test_period_longer_than_any_go_duration_is_refused_naming_the_flag(argv: str) -> None:
+    from gpumanager.config import ConfigError
+
+    try:
+        _flags(argv)
+    except ConfigError as exc:
+        assert argv.split("=")[0] in str(exc)
+    except SystemExit:
+        pass  # refused by the parser, naming the flag on stderr
+    else:
+        raise AssertionError(f"{argv} was accepted")
+
+
+def test_longest_go_duration_is_still_accepted() -> None:
+    config = _flags("--wait-timeout=2562047h", "--allocation-check-period=9223372036")
+    assert config.wait_timeout == 2562047 * 3600 and config.allocation_check_period == 9223372036

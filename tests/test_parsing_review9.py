@@ -151,3 +151,34 @@ def test_period_longer_than_any_go_duration_is_refused_naming_the_flag(argv: str
 def test_longest_go_duration_is_still_accepted() -> None:
     config = _flags("--wait-timeout=2562047h", "--allocation-check-period=9223372036")
     assert config.wait_timeout == 2562047 * 3600 and config.allocation_check_period == 9223372036
+
+
+def _annotated(annotations: dict[str, str]) -> dict[str, Any]:
+    pod = _pod("100")
+    pod["metadata"]["annotations"] = annotations
+    pod["metadata"]["creationTimestamp"] = "2026-01-02T03:04:05Z"
+    return pod
+
+
+def test_predicate_time_of_5000_digits_orders_the_pod_by_its_creation_time(caplog: pytest.LogCaptureFixture) -> None:
+    """int() raised ValueError for it (not the warning and creation time of any other odd value), so the
+    allocator skipped the pod as unreadable: it was never given its GPUs."""
+    created = podinfo.predicate_time(_annotated({}))
+    assert podinfo.predicate_time(_annotated({names.PREDICATE_TIME: "1" * 5000})) == created
+    assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+
+
+def test_predicate_time_with_leading_zeros_reads_as_go_reads_it() -> None:
+    assert podinfo.predicate_time(_annotated({names.PREDICATE_TIME: "0" * 5000 + "7"})) == 7
+
+
+def test_core_limit_of_5000_digits_is_refused_naming_the_pod_and_the_value_cut_short() -> None:
+    with pytest.raises(podinfo.PodSpecError) as info:
+        podinfo.core_limit(_annotated({names.VCORE_LIMIT_ANNOTATION: "1" * 5000}))
+    assert "ns/p" in str(info.value) and "5000 characters" in str(info.value) and len(str(info.value)) < 400
+
+
+def test_go_integers_beyond_64_bits_read_as_errors_as_in_go() -> None:
+    assert podinfo.go_atoi("9" * 5000) is None and podinfo.go_parse_uint("9" * 5000) is None
+    assert podinfo.go_atoi("-" + "0" * 5000 + "12") == -12 and podinfo.go_parse_uint("0" * 5000 + "12") == 12
+    assert podinfo.go_atoi(str(2**63)) is None and podinfo.go_parse_uint(str(2**64 - 1)) == 2**64 - 1

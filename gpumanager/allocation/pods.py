@@ -256,7 +256,7 @@ def predicate_time(pod: Pod) -> int:
         value = go_parse_uint(raw) if isinstance(raw, str) else None
         if value is not None:
             return value
-        _malformed_predicate_time(pod_key(pod), repr(raw))
+        _malformed_predicate_time(pod_key(pod), quantity.shown(raw))
     return _rfc3339_ns(str(_mapping(pod.get("metadata")).get("creationTimestamp", "")))
 
 
@@ -414,8 +414,17 @@ def go_atoi(text: str) -> int | None:
     """
     if not _GO_DECIMAL.fullmatch(text):
         return None
-    value = int(text)
-    return value if _INT64_MIN <= value <= _INT64_MAX else None
+    value = _bounded_int(text)
+    return value if value is not None and _INT64_MIN <= value <= _INT64_MAX else None
+
+
+def _bounded_int(text: str) -> int | None:
+    """An optionally signed run of ASCII digits as an int; None past 20 significant digits (beyond any
+    64-bit integer: Go's range error), leading zeros ignored as Go ignores them (int() refuses more than
+    4300 digits)."""
+    sign = text[0] if text[0] in "+-" else ""
+    digits = text[len(sign) :].lstrip("0") or "0"
+    return int(sign + digits) if len(digits) <= 20 else None
 
 
 #: What Go's strconv.ParseUint(s, 10, 64) takes: ASCII decimal digits only (no sign, no spaces, no '_').
@@ -427,8 +436,8 @@ def go_parse_uint(text: str) -> int | None:
     """``text`` as Go's ``strconv.ParseUint(text, 10, 64)`` reads it; None where it returns an error."""
     if not _GO_UNSIGNED.fullmatch(text):
         return None
-    value = int(text)
-    return value if value <= _UINT64_MAX else None
+    value = _bounded_int(text)
+    return value if value is not None and value <= _UINT64_MAX else None
 
 
 def core_limit(pod: Pod) -> int | None:
@@ -437,8 +446,9 @@ def core_limit(pod: Pod) -> int | None:
     if raw is None:
         return None
     value = go_atoi(raw) if isinstance(raw, str) else None
+    shown = quantity.shown(raw)
     if value is None:
-        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is not an integer")
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={shown} is not an integer")
     if value < 0:
-        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={raw!r} is negative")
+        raise PodSpecError(f"pod {pod_key(pod)}: annotation {names.VCORE_LIMIT_ANNOTATION}={shown} is negative")
     return min(value, names.HUNDRED_CORES)

@@ -298,3 +298,56 @@ def test_a_pod_whose_init_container_handed_its_ids_on_takes_both_over_with_its_b
     assert sorted(records) == [(q, "app"), (q, "setup")]
     assert {r.memory for r in records.values()} == {8 * BLOCK}
     _fits(alloc)
+
+
+@pytest.mark.parametrize(
+    ("source", "cache_late"), [("kubelet checkpoint", False), ("kubelet checkpoint", True), ("PodResources", False)]
+)
+def test_a_restart_between_the_allocate_and_the_start_keeps_each_pods_own_budget(
+    tmp_path: Path, source: str, cache_late: bool
+) -> None:
+    """The agent restarts after the kubelet gave X (matched to x) to y, before y starts. Its records come
+    back from the kubelet's: its checkpoint holds our answer (x's GPUs, directory and memory); PodResources
+    only the IDs (y's request read from its pod). y takes over x's allocation, never kept beside it (its
+    GPU charged twice, x holding IDs it never got), and starts with its own budget, also when the pod cache
+    shows y only after the records are read (``cache_late``); x, allocated next, starts with its own."""
+    pods = _pods()
+    alloc = make_allocator(tmp_path, pods)
+    first, second = core_ids(2, 50), core_ids(3, 50)
+    alloc.allocate(first)
+    matched = _record(alloc, "x")
+    alloc.close()
+    restarted = make_allocator(tmp_path, pods)
+    restarted.load()
+    answered = source == "kubelet checkpoint"
+    held = ContainerAllocation(
+        pod_uid=uid_of("y"),
+        container="main",
+        minors=matched.minors,
+        cores=50,
+        memory=matched.memory if answered else 8 * BLOCK,  # the answer's annotation, or y's request
+        device_ids=tuple(first),
+        namespace="default",
+        pod_name="y",
+        container_index=0,
+        answered_as=matched.answered if answered else ("", ""),
+    )
+    if cache_late:
+        y_pod = next(p for p in pods.items if p["metadata"]["uid"] == uid_of("y"))
+        pods.items.remove(y_pod)
+    assert restarted.adopt([held], source=source, kubelet_holds=True, answered=answered) == 1
+    if cache_late:
+        pods.items.append(y_pod)
+    assert [r.key for r in restarted.allocations()] == [(uid_of("y"), "main")], "x's allocation was taken over"
+    started_y = restarted.pre_start(first, (uid_of("y"), "main"))
+    assert (started_y.memory, started_y.minors, started_y.answered) == (8 * BLOCK, matched.minors, matched.answered)
+    restarted.allocate(second)
+    started_x = restarted.pre_start(second, (uid_of("x"), "main"))
+    assert (started_x.memory, frozenset(started_x.device_ids)) == (4 * BLOCK, frozenset(second))
+    _fits(restarted)
+    again = make_allocator(tmp_path, pods)
+    again.load()
+    assert {r.key: (r.memory, r.started) for r in again.allocations()} == {
+        (uid_of("x"), "main"): (4 * BLOCK, True),
+        (uid_of("y"), "main"): (8 * BLOCK, True),
+    }

@@ -2051,6 +2051,8 @@ class Allocator:
                         "tencent.com/vcuda-core)",
                         "mismatch",
                     )
+                if not alloc.started and alloc.answered[0] != alloc.pod_uid:
+                    alloc = self._own_budget(alloc)
                 if not alloc.started and self._overcommitted.intersection(alloc.minors):
                     crowded = self._crowded(alloc)
                     if crowded:
@@ -2119,6 +2121,41 @@ class Allocator:
                 "start succeeds once room frees there"
             )
         return ""
+
+    def _own_budget(self, alloc: ContainerAllocation) -> ContainerAllocation:
+        """``alloc``, unstarted, answered for another pod's container (a guess, taken over), with the memory
+        budget its own pod asks for when that is another for as many cores (lock held): after a restart its
+        record came from the kubelet's copy of our answer, which holds the memory of the container the
+        answer was made for. Refused (UNAVAILABLE, nothing changed) when its GPUs have no room for more."""
+        request = _request_of(self._pods.get(alloc.pod_uid), alloc.container)
+        if request is None or request.cores != alloc.cores or request.memory_bytes == alloc.memory:
+            return alloc
+        made = replace(alloc, memory=request.memory_bytes)
+        if made.memory > alloc.memory:
+            answered = replace(alloc, pod_uid=alloc.answered[0], container=alloc.answered[1], namespace="", pod_name="")
+            short = self._short_of_room(made, answered, {alloc.key: made})
+            if short:
+                raise AllocationError(short, "unavailable")
+        ids_ = frozenset(alloc.device_ids)
+        asked = self._asked_at.get(ids_)
+        guessed = alloc.key in self._guessed
+        self._free(self._remove(alloc.key) or alloc)
+        self._place(made)
+        if asked is not None:
+            self._asked_at[ids_] = asked
+        if guessed:
+            self._guessed.add(made.key)
+        if self._overcommitted.intersection(made.minors):
+            self._recharge(made.minors)
+        log.info(
+            "pod %s container %s starts with the answer made for pod %s container %s: its own memory budget, "
+            "%d MiB instead of %d MiB",
+            *made.key,
+            *alloc.answered,
+            made.memory >> 20,
+            alloc.memory >> 20,
+        )
+        return made
 
     def _short_of_room(
         self,
@@ -2986,6 +3023,7 @@ class Allocator:
             matched = _same_request(group, alloc)
             if matched is None or matched.started:
                 return alloc
+            alloc = self._with_own_memory(alloc)
             self._free(self._remove(matched.key) or matched)
             dropped.append(matched.key)
             what = "holds, not started"
@@ -2994,6 +3032,7 @@ class Allocator:
             matched = _same_request(freed or [], alloc)
             if freed is None or matched is None or matched.pod_uid == alloc.pod_uid:
                 return alloc
+            alloc = self._with_own_memory(alloc)
             if not answered and self._answering.get(matched.answered):
                 return alloc  # its directory is another container's answer now
             freed.remove(matched)
@@ -3014,6 +3053,15 @@ class Allocator:
             *alloc.answered,
         )
         return alloc
+
+    def _with_own_memory(self, alloc: ContainerAllocation) -> ContainerAllocation:
+        """``alloc`` with the memory its pod asks for, when the pod cache shows it asking for as many cores
+        (lock held): the kubelet's copy of our answer holds the memory of the container it was made for,
+        another pod's after a guess (the pod not yet shown: :meth:`_own_budget` at its start)."""
+        request = _request_of(self._pods.get(alloc.pod_uid), alloc.container)
+        if request is None or request.cores != alloc.cores:
+            return alloc
+        return replace(alloc, memory=request.memory_bytes)
 
     def directory_free(self, answered: tuple[str, str]) -> bool:
         """Whether the (pod UID, container) directory ``answered`` belongs to no one: no container is answered
@@ -3335,12 +3383,18 @@ def _has_run(pod: Pod, container: str) -> bool:
 
 def _same_request(group: Sequence[ContainerAllocation], alloc: ContainerAllocation) -> ContainerAllocation | None:
     """The one of ``group`` (allocations of one pod holding the same IDs) that ``alloc``'s container took the
-    answer of: of its request, and of its name when several are."""
-    same = [a for a in group if (a.cores, a.memory) == (alloc.cores, alloc.memory)]
-    named = [a for a in same if a.container == alloc.container]
-    if named:
-        return named[0]
-    return same[0] if len(same) == 1 else None
+    answer of: of its request, and of its name when several are; else, likewise, of as many cores (the
+    vcuda-core Allocate names no memory: a pod asking for another memory size may have been matched)."""
+    for same in (
+        [a for a in group if (a.cores, a.memory) == (alloc.cores, alloc.memory)],
+        [a for a in group if a.cores == alloc.cores],
+    ):
+        named = [a for a in same if a.container == alloc.container]
+        if named:
+            return named[0]
+        if len(same) == 1:
+            return same[0]
+    return None
 
 
 def _share_key(alloc: ContainerAllocation) -> tuple[str, frozenset[str], tuple[int, ...]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -29,6 +28,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+from gpumanager.dra import quantity
 from gpumanager.faults import stall_point
 from gpumanager.fileio import read_regular
 from gpumanager.kube import kubelet_checkpoint
@@ -38,8 +38,6 @@ from gpumanager.retry import Backoff
 from gpumanager.vmanager import files as vcuda_files
 
 log = logging.getLogger(__name__)
-
-_DEV = re.compile(r"^/dev/nvidia(\d+)\Z")
 
 
 def report_gpus_gone(
@@ -86,13 +84,24 @@ def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAl
         try:
             resp = pb.ContainerAllocateResponse.FromString(e.alloc_resp)
             devices = [d for d in resp.annotations.get(names.VDEVICE_ANNOTATION, "").split(",") if d]
-            minors = tuple(int(m.group(1)) for d in devices if (m := _DEV.match(d)))
-            cores = int(resp.annotations.get(names.VCORE_RESOURCE, "0"))
-            memory = int(resp.annotations.get(names.VMEMORY_RESOURCE, "0"))
+            minors = tuple(m for d in devices if (m := records.device_minor(d)) is not None)
+            # Read as Go reads them: int() alone also reads " 10 ", "1_0" and other scripts' digits.
+            cores = podinfo.go_atoi(resp.annotations.get(names.VCORE_RESOURCE, "0"))
+            memory = podinfo.go_atoi(resp.annotations.get(names.VMEMORY_RESOURCE, "0"))
         except Exception as exc:
             log.warning("kubelet checkpoint: pod %s container %s: unusable AllocResp: %s", e.pod_uid, e.container, exc)
             continue
         where = f"kubelet checkpoint: pod {e.pod_uid} container {e.container}"
+        if cores is None or memory is None:
+            log.warning(
+                "%s: AllocResp says %s=%s, %s=%s: not numbers of ours; skipped",
+                where,
+                names.VCORE_RESOURCE,
+                quantity.shown(resp.annotations.get(names.VCORE_RESOURCE)),
+                names.VMEMORY_RESOURCE,
+                quantity.shown(resp.annotations.get(names.VMEMORY_RESOURCE)),
+            )
+            continue
         if not minors or len(minors) != len(devices):
             log.warning("%s: no devices in AllocResp", where)
             continue

@@ -182,3 +182,54 @@ def test_go_integers_beyond_64_bits_read_as_errors_as_in_go() -> None:
     assert podinfo.go_atoi("9" * 5000) is None and podinfo.go_parse_uint("9" * 5000) is None
     assert podinfo.go_atoi("-" + "0" * 5000 + "12") == -12 and podinfo.go_parse_uint("0" * 5000 + "12") == 12
     assert podinfo.go_atoi(str(2**63)) is None and podinfo.go_parse_uint(str(2**64 - 1)) == 2**64 - 1
+
+
+#: A GPU's device node with other scripts' digits: Python's \d and int() read a minor from them.
+NOT_DEVICE_NODES = ["/dev/nvidia\u0661", "/dev/nvidia\uff11", "/dev/nvidia1\u0660"]
+
+
+@pytest.mark.parametrize("device", NOT_DEVICE_NODES)
+def test_checkpoint_entry_with_a_device_node_of_non_ascii_digits_is_untrusted(device: str) -> None:
+    from gpumanager.allocation import records
+
+    uid = "0b5e1c2a-3d4f-4a6b-8c9d-0e1f2a3b4c5d"
+    entry = {"Devices": [device], "Cores": 10, "Memory": 268435456}
+    parsed = records.from_json({"PodGPUMapping": {uid: {"main": entry}}})
+    assert parsed.allocations == [] and parsed.untrusted == [(uid, "main")]
+    assert parsed.salvaged == {} and any(repr(device) in p for p in parsed.problems)
+
+
+@pytest.mark.parametrize("device", [*NOT_DEVICE_NODES, "/dev/nvidia" + "1" * 5000])
+def test_kubelet_answer_naming_a_device_node_of_non_ascii_or_5000_digits_is_not_recovered(
+    device: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpumanager import recovery
+    from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+    from gpumanager.kube.kubelet_checkpoint import KubeletEntry
+
+    resp = pb.ContainerAllocateResponse(
+        annotations={names.VDEVICE_ANNOTATION: device, names.VCORE_RESOURCE: "10", names.VMEMORY_RESOURCE: "0"}
+    )
+    entry = KubeletEntry("uid-1", "main", names.VCORE_RESOURCE, ("a",) * 10, resp.SerializeToString())
+    assert recovery.from_kubelet_checkpoint([entry]) == []
+    assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+
+
+@pytest.mark.parametrize("cores", ["\u0661\u0660", "1_0", " 10 ", "1" * 5000])
+def test_kubelet_answer_with_cores_not_written_as_ours_is_not_recovered(
+    cores: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpumanager import recovery
+    from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+    from gpumanager.kube.kubelet_checkpoint import KubeletEntry
+
+    resp = pb.ContainerAllocateResponse(
+        annotations={
+            names.VDEVICE_ANNOTATION: "/dev/nvidia0",
+            names.VCORE_RESOURCE: cores,
+            names.VMEMORY_RESOURCE: "0",
+        }
+    )
+    entry = KubeletEntry("uid-1", "main", names.VCORE_RESOURCE, (), resp.SerializeToString())
+    assert recovery.from_kubelet_checkpoint([entry]) == []
+    assert all(len(r.getMessage()) < 1000 for r in caplog.records)

@@ -23,7 +23,8 @@ from typing import Any
 
 from gpumanager import names, safenames
 
-_DEVICE_RE = re.compile(r"^/dev/nvidia(\d{1,9})\Z")  # no minor has more digits: int() of 5000 raises
+#: ASCII digits only (\d and int() also read other scripts' digits); no minor has more than 9: int() of 5000 raises.
+_DEVICE_RE = re.compile(r"/dev/nvidia([0-9]{1,9})\Z")
 
 
 class RecordError(ValueError):
@@ -151,11 +152,17 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _minor(device: object, where: str) -> int:
+def device_minor(device: object) -> int | None:
+    """The minor number of a GPU's device node ``/dev/nvidia<N>`` (ASCII digits); None for anything else."""
     m = _DEVICE_RE.match(device) if isinstance(device, str) else None
-    if m is None:
+    return int(m.group(1)) if m is not None else None
+
+
+def _minor(device: object, where: str) -> int:
+    minor = device_minor(device)
+    if minor is None:
         raise RecordError(f"{where}: device {_shown(device)} is not /dev/nvidia<N>")
-    return int(m.group(1))
+    return minor
 
 
 def _int(value: object, where: str, what: str, *, low: int = 0, high: int = _INT64_MAX) -> int:
@@ -270,8 +277,8 @@ def _salvage(entry: Any) -> tuple[int, ...]:
     devices = entry.get("Devices") if isinstance(entry, Mapping) else None
     if not isinstance(devices, list):
         return ()
-    found = [m for d in devices if isinstance(d, str) and (m := _DEVICE_RE.match(d))]
-    return tuple(dict.fromkeys(int(m.group(1)) for m in found)) if len(found) == len(devices) else ()
+    found = [minor for d in devices if (minor := device_minor(d)) is not None]
+    return tuple(dict.fromkeys(found)) if len(found) == len(devices) else ()
 
 
 def from_json(data: Any, origins: Mapping[tuple[str, str], str] | None = None) -> Parsed:

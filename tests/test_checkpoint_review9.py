@@ -121,3 +121,30 @@ def test_a_container_the_kubelets_records_give_some_of_a_freed_allocations_ids_f
     finally:
         alloc.close()
     assert journal.FREED_KEY not in _document(tmp_path)
+
+
+def test_a_freed_entry_skipped_at_load_is_logged_with_its_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A remembered freed allocation naming a GPU this node does not have, or some of whose IDs an allocation
+    holds, is skipped and logged, naming its IDs, its pod and container and why (not dropped in silence)."""
+    gone_gpu, given = core_ids(2, 50), core_ids(0, 50)
+    freed = {
+        ",".join(sorted(gone_gpu)): {uid_of("g"): {"main": _freed_entry(gone_gpu, 9, 50, 1 << 30)}},
+        ",".join(sorted(given)): {uid_of("a"): {"main": _freed_entry(given, 0, 50, 1 << 30)}},
+    }
+    holder = {"main": {**_freed_entry(core_ids(0, 10), 0, 10, 1 << 30), "Started": True}}
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / names.OWN_CHECKPOINT).write_text(
+        json.dumps({"PodGPUMapping": {uid_of("x"): holder}, journal.FREED_KEY: freed})
+    )
+    alloc = make_allocator(tmp_path, FakePods([]))
+    try:
+        with caplog.at_level(logging.INFO):
+            alloc.load()
+        assert alloc._freed_guesses == {}
+        text = caplog.text
+        assert f"pod {uid_of('g')} container main" in text and "GPU" in text and "9" in text
+        assert f"pod {uid_of('a')} container main" in text and "given out again" in text
+    finally:
+        alloc.close()

@@ -2905,8 +2905,20 @@ class Allocator:
             held = {i for a in self._allocs.values() for i in a.device_ids} if found else set()
             for wanted, same in found.items():
                 # Some of its IDs held: an Allocate gave them out again since (the kubelet had freed them).
-                if held.isdisjoint(wanted) and all(m in self._by_minor for a in same for m in a.minors):
+                missing = sorted({m for a in same for m in a.minors} - self._by_minor.keys())
+                if held.isdisjoint(wanted) and not missing:
                     self._freed_guesses[wanted] = same
+                else:
+                    log.info(
+                        "checkpoint %s: %s %s: pod %s container %s %s; not remembered",
+                        self._checkpoint_path,
+                        journal.FREED_KEY,
+                        ids.describe(sorted(wanted)),
+                        *same[0].key,
+                        f"names GPU(s) {missing} this node does not have"
+                        if missing
+                        else "held some of those IDs, given out again since",
+                    )
         if self._freed_guesses:
             log.info(
                 "checkpoint %s remembers %d allocations freed before their containers started",

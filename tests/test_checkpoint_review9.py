@@ -145,6 +145,6 @@ def test_a_freed_entry_skipped_at_load_is_logged_with_its_name(
         assert alloc._freed_guesses == {}
         text = caplog.text
         assert f"pod {uid_of('g')} container main" in text and "GPU" in text and "9" in text
-        assert f"pod {uid_of('a')} container main" in text and "given out again" in text
+        assert f"pod {uid_of('a')} container main" in text and "an allocation holds some of its IDs" in text
     finally:
         alloc.close()

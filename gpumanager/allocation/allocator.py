@@ -2910,14 +2910,14 @@ class Allocator:
                     self._freed_guesses[wanted] = same
                 else:
                     log.info(
-                        "checkpoint %s: %s %s: pod %s container %s %s; not remembered",
+                        "checkpoint %s: %s %s: pod %s container %s: %s; not remembered",
                         self._checkpoint_path,
                         journal.FREED_KEY,
                         ids.describe(sorted(wanted)),
                         *same[0].key,
-                        f"names GPU(s) {missing} this node does not have"
+                        f"it names GPU(s) {missing}, which this node does not have"
                         if missing
-                        else "held some of those IDs, given out again since",
+                        else "an allocation holds some of its IDs (given out again since)",
                     )
         if self._freed_guesses:
             log.info(

@@ -233,3 +233,20 @@ def test_kubelet_answer_with_cores_not_written_as_ours_is_not_recovered(
     entry = KubeletEntry("uid-1", "main", names.VCORE_RESOURCE, (), resp.SerializeToString())
     assert recovery.from_kubelet_checkpoint([entry]) == []
     assert all(len(r.getMessage()) < 1000 for r in caplog.records)
+
+
+def test_device_id_numbered_with_5000_digits_is_no_device_of_the_node() -> None:
+    """int() raised ValueError for it: the kubelet's request failed INTERNAL with a traceback logged."""
+    from gpumanager.allocation import ids
+    from gpumanager.device.types import GPUInfo
+    from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
+
+    layout = DeviceLayout(
+        [GPUInfo(index=0, uuid="GPU-0", name="", minor=0, memory_total=1 << 34, pci_bus_id="0000:00:01.0")]
+    )
+    for resource in (names.VCORE_RESOURCE, names.VMEMORY_RESOURCE):
+        odd = layout.prefix(resource) + "1" * 5000
+        assert ids.number(odd) == -1
+        with pytest.raises(UnknownDeviceError) as info:
+            layout.gpu_of(resource, odd)
+        assert len(str(info.value)) < 400

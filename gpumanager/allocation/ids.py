@@ -9,10 +9,26 @@ from collections.abc import Iterable, Sequence
 SHOWN = 6
 
 
+#: More digits than any device ID's number has (int() refuses more than 4300).
+_MAX_DIGITS = 18
+
+
+def tail_number(tail: str) -> int | None:
+    """``tail`` as a device ID's number: ASCII digits (``isdigit()`` also takes ``²``, int() other scripts'
+    digits), at most 18 of them; None otherwise."""
+    return int(tail) if tail.isascii() and tail.isdigit() and len(tail) <= _MAX_DIGITS else None
+
+
+def brief(device_id: str) -> str:
+    """``repr(device_id)`` for a message, cut short (with its length) past 80 characters."""
+    text = repr(device_id)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(device_id)} characters)"
+
+
 def number(device_id: str) -> int:
     """The trailing number of a fake device ID (-1 when there is none)."""
-    tail = device_id[device_id.rfind("-") + 1 :]
-    return int(tail) if tail.isascii() and tail.isdigit() else -1
+    found = tail_number(device_id[device_id.rfind("-") + 1 :])
+    return -1 if found is None else found
 
 
 def in_order(device_ids: Iterable[str]) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpumanager import names
+from gpumanager.allocation import ids as device_ids
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 
@@ -113,10 +114,9 @@ class DeviceLayout:
             known = self._positions[resource].get(device_id)
             if known is not None:
                 return known[0]
-        number_text = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
-        if not (number_text.isascii() and number_text.isdigit()):  # isdigit() takes ², which int() refuses
-            raise UnknownDeviceError(f"device ID {device_id!r} is not a {resource} device of this node")
-        number = int(number_text)
+        number = device_ids.tail_number(device_id[len(prefix) :]) if device_id.startswith(prefix) else None
+        if number is None:
+            raise UnknownDeviceError(f"device ID {device_ids.brief(device_id)} is not a {resource} device of this node")
         if resource == names.VCORE_RESOURCE:
             gpu = number // names.HUNDRED_CORES
             if gpu < len(self._core):

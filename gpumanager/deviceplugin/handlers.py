@@ -259,13 +259,9 @@ class Handlers:
     def _past_the_last(self, device_id: str) -> bool:
         """Whether ``device_id`` is a well-formed vcuda-memory ID numbered past this node's last one."""
         prefix = self._layout.prefix(names.VMEMORY_RESOURCE)
-        number = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
-        return (
-            number.isascii()
-            and number.isdigit()
-            and number == str(int(number))
-            and int(number) >= self._layout.count(names.VMEMORY_RESOURCE)
-        )
+        text = device_id[len(prefix) :] if device_id.startswith(prefix) else ""
+        number = device_ids.tail_number(text)
+        return number is not None and text == str(number) and number >= self._layout.count(names.VMEMORY_RESOURCE)
 
 
 def _oserror(exc: OSError) -> str:

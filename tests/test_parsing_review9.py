@@ -250,3 +250,29 @@ def test_device_id_numbered_with_5000_digits_is_no_device_of_the_node() -> None:
         with pytest.raises(UnknownDeviceError) as info:
             layout.gpu_of(resource, odd)
         assert len(str(info.value)) < 400
+
+
+def test_gpu_inventory_annotation_with_a_5000_digit_number_is_an_inventory_error() -> None:
+    """json.loads raised ValueError (not JSONDecodeError) for it, which escaped decode()."""
+    from gpumanager.kube import gpu_inventory
+
+    with pytest.raises(gpu_inventory.InventoryError) as info:
+        gpu_inventory.decode('{"version": ' + "1" * 5000 + "}")
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        '{"at": ' + "9" * 4000 + ', "gpus": []}',  # math.isfinite() raised OverflowError for it
+        '{"at": 1, "gpus": [[' + "9" * 4000 + ", 1, 1]]}",
+        '{"at": 1, "gpus": [[0, ' + "9" * 20 + ", 1]]}",  # beyond an int64
+        '{"at": 1, "gpus": [[0, 1, ' + "9" * 20 + "]]}",
+    ],
+)
+def test_node_claim_record_with_numbers_beyond_an_int64_is_not_read(record: str) -> None:
+    from gpumanager.extender import claims
+
+    good = '{"at": 1, "gpus": [[0, 10, 1024]]}'
+    node = {"metadata": {"name": "n", "annotations": {claims.ANNOTATION: f'{{"odd": {record}, "good": {good}}}'}}}
+    assert list(claims.parse_claims(node)) == ["good"]

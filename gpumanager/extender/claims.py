@@ -61,20 +61,27 @@ class Claim:
         }
 
 
+#: The largest number a claim holds (its writers' Go peers read int64s).
+_INT64_MAX = 2**63 - 1
+
+
 def _claim(value: Any) -> Claim | None:
     if not isinstance(value, dict):
         return None
     at, gpus = value.get("at"), value.get("gpus")
-    if not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at) or not isinstance(gpus, list):
+    if isinstance(at, int) and not isinstance(at, bool) and abs(at) <= _INT64_MAX:
+        at = float(at)  # math.isfinite() of a larger int raises OverflowError
+    if not isinstance(at, float) or not math.isfinite(at) or not isinstance(gpus, list):
         return None
     charges = []
     for g in gpus:
         if not (
             isinstance(g, list)
             and len(g) == 3
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in g)
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _INT64_MAX for x in g)
         ):
-            return None  # a negative number would take charges off the GPU: the record is not read
+            # A negative number would take charges off the GPU, one past an int64 is no one's: not read.
+            return None
         charges.append(Charge(g[0], g[1], g[2]))
     return Claim(str(value.get("pod") or ""), float(at), str(value.get("time") or ""), tuple(charges))
 

@@ -131,15 +131,28 @@ def _int(raw: Mapping[str, object], key: str, where: str, *, lo: int = 0, option
     value = raw.get(key)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise InventoryError(f"{where}.{key}={value!r} is not an integer >= {lo}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _INT64_MAX:
+        raise InventoryError(f"{where}.{key}={_shown(value)} is not an integer from {lo} to 2^63-1")
     return value
+
+
+#: The largest integer the agent writes (its Go peers read int64s).
+_INT64_MAX = 2**63 - 1
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut short for a message (repr() of an int of more than 4300 digits raises)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return "<a number of more than 4300 digits>"
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def _gpu(raw: object, position: int, count: int) -> InventoryGPU:
     where = f"gpus[{position}]"
     if not isinstance(raw, dict):
-        raise InventoryError(f"{where} is not an object: {raw!r}")
+        raise InventoryError(f"{where} is not an object: {_shown(raw)}")
     index = _int(raw, "index", where)
     minor = _int(raw, "minor", where)
     memory = _int(raw, "memory", where)
@@ -182,13 +195,15 @@ def decode(text: str) -> Inventory:
         raise InventoryError(f"not JSON: {exc}") from None
     except RecursionError:
         raise InventoryError("JSON nested too deeply to read") from None
+    except ValueError as exc:  # a number of more than 4300 digits (int() refuses it)
+        raise InventoryError(f"cannot read its JSON: {str(exc)[:120]}") from None
     if not isinstance(data, dict):
         raise InventoryError(f"not a JSON object: {text[:80]!r}")
     if data.get("version") != VERSION:
-        raise InventoryError(f"version={data.get('version')!r}, only {VERSION} is understood")
+        raise InventoryError(f"version={_shown(data.get('version'))}, only {VERSION} is understood")
     raw_gpus = data.get("gpus")
     if not isinstance(raw_gpus, list):
-        raise InventoryError(f"gpus={raw_gpus!r} is not a list")
+        raise InventoryError(f"gpus={_shown(raw_gpus)} is not a list")
     gpus = tuple(sorted((_gpu(g, i, len(raw_gpus)) for i, g in enumerate(raw_gpus)), key=lambda g: g.index))
     if [g.index for g in gpus] != list(range(len(gpus))):
         raise InventoryError(f"GPU indices {[g.index for g in gpus]} are not 0..{len(gpus) - 1}")

@@ -276,3 +276,20 @@ def test_node_claim_record_with_numbers_beyond_an_int64_is_not_read(record: str)
     good = '{"at": 1, "gpus": [[0, 10, 1024]]}'
     node = {"metadata": {"name": "n", "annotations": {claims.ANNOTATION: f'{{"odd": {record}, "good": {good}}}'}}}
     assert list(claims.parse_claims(node)) == ["good"]
+
+
+@pytest.mark.parametrize("at", ["1" * 400, "[" * 50000, "NaN", "1e400", '"inf"'])
+def test_saved_gpu_health_with_a_time_that_is_no_time_is_ignored(
+    at: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An integer too large for a float raised OverflowError, JSON nested too deeply RecursionError, out
+    of the health monitor's constructor (the agent did not start); NaN or infinity kept the GPU out."""
+    from gpumanager.device.health import HealthMonitor
+    from gpumanager.device.types import GPUInfo
+
+    gpu = GPUInfo(index=0, uuid="GPU-0", name="", minor=0, memory_total=1 << 34, pci_bus_id="0000:00:01.0")
+    saved = tmp_path / "saved.json"
+    saved.write_text('{"gpus": {"GPU-0": {"reason": "xid-79", "last_xid_unix": ' + at + "}}}")
+    monitor = HealthMonitor([gpu], saved=saved, quiet_period=300, ignored_xids=(), probe_period=1.0)
+    assert monitor.state(0).healthy
+    assert any(str(saved) in r.getMessage() for r in caplog.records)

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -141,6 +142,16 @@ def _probe_calls(handle: object, ask_mig: bool, ask_mode: bool) -> dict[str, Any
     if ask_mode:
         answers["mode"] = _outcome(pynvml.nvmlDeviceGetComputeMode, handle)
     return answers
+
+
+def _saved_time(value: object) -> float:
+    """A saved XID's unix time; ValueError when it is no time (NaN, infinite, a string, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"last_xid_unix {value!r:.80} is not a number")
+    at = float(value)  # OverflowError past a float's range
+    if not math.isfinite(at):
+        raise ValueError(f"last_xid_unix {value!r} is not a finite number")
+    return at
 
 
 def _saved_bytes(entries: dict[str, tuple[str, float]]) -> bytes:
@@ -877,12 +888,15 @@ class HealthMonitor:
         try:
             data = json.loads(read_regular(path, _SAVED_LIMIT))
             entries = {
-                str(uuid): (str(e["reason"]), float(e["last_xid_unix"])) for uuid, e in dict(data["gpus"]).items()
+                str(uuid): (str(e["reason"]), _saved_time(e["last_xid_unix"])) for uuid, e in dict(data["gpus"]).items()
             }
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("ignoring %s: %s", path, exc)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+            log.warning("ignoring %s: %s", path, str(exc)[:200])
+            return
+        except RecursionError:
+            log.warning("ignoring %s: its JSON is nested too deeply to read", path)
             return
         now, wall = self._clock(), self._wall()
         for g in self._gpus:

@@ -84,6 +84,9 @@ class _GatedWatch:
     def wake(self) -> None:
         self.gate.release()
 
+    def take_created(self, name: str) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 

@@ -27,6 +27,8 @@ class DirectoryWatch:
         self._wake_r, self._wake_w = os.pipe()
         self._inotify: INotify | None = None
         self._watching = False
+        self._tracked: set[str] = set()  # names take_created was asked about
+        self._created: set[str] = set()  # of those, the ones made or moved in since the last take_created
         try:
             self._inotify = INotify(nonblocking=True)
         except OSError as exc:
@@ -54,12 +56,25 @@ class DirectoryWatch:
         if self._inotify is not None and self._inotify.fileno() in ready:
             for event in self._inotify.read(timeout=0):
                 changed = True
+                if event.mask & (flags.CREATE | flags.MOVED_TO) and event.name in self._tracked:
+                    self._created.add(event.name)
                 if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED):
                     self._watching = False  # the directory itself went away: watch it again when it is back
         if self._wake_r in ready:
             with contextlib.suppress(OSError):
                 os.read(self._wake_r, 64)
         return changed
+
+    def take_created(self, name: str) -> bool:
+        """Whether an entry ``name`` was made (or moved) in the directory since the last call, as read by
+        :meth:`wait`: a file made again under the inode number and the change time of the one removed (a
+        delete and a create within one clock tick) is still seen as new here. Names are followed from their
+        first call on."""
+        self._tracked.add(name)
+        if name in self._created:
+            self._created.discard(name)
+            return True
+        return False
 
     def wake(self) -> None:
         """Make a pending :meth:`wait` return now."""

@@ -7,7 +7,11 @@ identity of ``kubelet.sock`` and of our own sockets: when ours is gone or
 replaced the servers serve again at once, and when the kubelet's is re-created,
 or ours were restarted, both resources register again, in this process. Until
 the kubelet answers, registration is retried with the agent's jittered backoff
-and each change of state is logged once.
+and each change of state is logged once. Two things cut that wait short: a
+``kubelet.sock`` made since the failed try (a new kubelet, even one whose socket
+got the inode number and change time of the one before), and a socket that
+refused the connection (a kubelet between its bind and its listen), which is
+tried again within milliseconds a few times before the backoff applies.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ def _changed_at(path: Path) -> int | None:
 #: How long our removed socket is watched for another process that listens at its path, when the
 #: kubelet's own socket has not changed (no kubelet restart), before we serve there again.
 TAKEOVER_GRACE_SECONDS = 0.2
+
+#: A Register whose connection the kubelet's socket refused (nothing listens there yet) is tried again
+#: after this, doubling, this many times before the registration backoff applies: a kubelet's socket
+#: exists from its bind, a moment before its listen (longer on a busy node), and no file event tells
+#: when it listens. A dead kubelet's socket costs these few refused connections.
+QUICK_RETRY_FIRST = 0.01
+QUICK_RETRIES = 6
 
 #: How long, after the first registration, the directory watch waits for the kubelet's first full
 #: ListAndWatch of every resource before it is opened.
@@ -150,14 +161,19 @@ class PluginManager:
                     s.restart()
             self.status.server_restarts += 1
 
+    def _serve_intact(self) -> None:
+        if not all(s.socket_intact() for s in self._servers):
+            self._restart_servers()
+
     def _register_all(self) -> tuple[int, int]:
         """Register every resource; return the identity of the ``kubelet.sock`` that answered."""
         # A stopped server's listener removes its socket path as it goes, possibly after a new
-        # server took the path: check just before the kubelet dials us back.
-        if not all(s.socket_intact() for s in self._servers):
-            self._restart_servers()
+        # server took the path; and a kubelet restarting since this pass looked wipes our sockets
+        # before it makes the kubelet.sock dialled. Checked once that socket is held, just before
+        # the dial: a socket of ours gone then, and not served again, has the kubelet's dial-back
+        # retry for up to 10 s while this loop waits for the Register.
         endpoints = [Endpoint(s.socket_path.name, s.servicer.resource, self._options_for(s)) for s in self._servers]
-        return register(self._kubelet_socket, endpoints, timeout=self._register_timeout)
+        return register(self._kubelet_socket, endpoints, timeout=self._register_timeout, before_dial=self._serve_intact)
 
     def _yield_to_other(self, taken: Sequence[PluginServer]) -> None:
         """Another process serves at our socket path (a second agent on the node): the kubelet talks to it
@@ -208,6 +224,7 @@ class PluginManager:
         need_register = True
         watch_opened = False
         next_try = 0.0
+        quick = 0  # quick retries made since the last registration or the last new kubelet.sock
         backoff = Backoff()
         kubelet_id = socket_identity(self._kubelet_socket)
         self._kubelet_changed = _changed_at(self._kubelet_socket)
@@ -234,16 +251,25 @@ class PluginManager:
                     self._restart_servers()
                     need_register, next_try = True, 0.0
                 current = socket_identity(self._kubelet_socket)
-                if current != kubelet_id:
+                changed_at = _changed_at(self._kubelet_socket)
+                created = self._watch is not None and self._watch.take_created(self._kubelet_socket.name)
+                renewed = current != kubelet_id
+                if not renewed and need_register and current is not None:
+                    # A try failed (or is due): a kubelet.sock made since the look before it is a new
+                    # kubelet to try at once, not after the backoff, though it may have the old one's
+                    # inode number (the file system reuses it), and even its change time (a delete and a
+                    # create within one tick of the kernel's clock): the directory watch saw it made.
+                    renewed = changed_at != self._kubelet_changed or created
+                if renewed:
                     if current is not None:
                         log.info("%s was (re)created; registering again", self._kubelet_socket)
-                        need_register, next_try = True, 0.0
+                        need_register, next_try, quick = True, 0.0, 0
                     else:
                         log.info("%s disappeared; waiting for the kubelet", self._kubelet_socket)
                         self.status.registered = False
                         self.registered_event.clear()
                     kubelet_id = current
-                    self._kubelet_changed = _changed_at(self._kubelet_socket)
+                    self._kubelet_changed = changed_at
                 now = time.monotonic()
                 if need_register and not self._yielded and now >= next_try:
                     try:
@@ -261,10 +287,16 @@ class PluginManager:
                         self.registered_event.clear()
                         self._set_error(str(exc))
                         # From the end of the attempt: a kubelet that took long to refuse is not asked
-                        # again at once.
-                        next_try = time.monotonic() + backoff.next_delay()
+                        # again at once. A socket nothing listens at yet is looked at again within
+                        # moments, a few times (see QUICK_RETRY_FIRST).
+                        if exc.unreachable and quick < QUICK_RETRIES:
+                            delay = QUICK_RETRY_FIRST * 2**quick
+                            quick += 1
+                        else:
+                            delay = backoff.next_delay()
+                        next_try = time.monotonic() + delay
                     else:
-                        need_register = False
+                        need_register, quick = False, 0
                         backoff.reset()
                         kubelet_id = dialled
                         self._kubelet_changed = changed

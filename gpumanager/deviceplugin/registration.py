@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +17,15 @@ from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 
 
 class RegistrationError(RuntimeError):
-    """The kubelet could not be reached or refused the registration."""
+    """The kubelet could not be reached or refused the registration.
+
+    ``unreachable``: no kubelet answered at an existing ``kubelet.sock`` (the connection was refused or
+    dropped: a dead kubelet's socket, or a new kubelet's between its bind and its listen), as opposed to
+    a kubelet's own refusal or a missing socket."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,11 @@ REGISTER_DEADLINE = 60.0
 
 
 def register(
-    kubelet_socket: Path, endpoints: Sequence[Endpoint], *, timeout: float = REGISTER_DEADLINE
+    kubelet_socket: Path,
+    endpoints: Sequence[Endpoint],
+    *,
+    timeout: float = REGISTER_DEADLINE,
+    before_dial: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Send one RegisterRequest per endpoint to the kubelet, all at once over one connection.
 
@@ -45,8 +57,11 @@ def register(
     time of one. Returns the (device, inode) of the ``kubelet.sock`` registered with: the socket
     file is held open and dialled through that handle (``/proc/self/fd/<n>``, on a connection of
     this call's own), so a kubelet that re-creates it meanwhile is told apart from the one that
-    answered. Without procfs the path itself is dialled. ``timeout`` is each call's deadline. Raises
-    RegistrationError with the reason of the first failure, in endpoint order.
+    answered. Without procfs the path itself is dialled. ``timeout`` is each call's deadline.
+    ``before_dial`` runs once the socket is held, just before the dial: the kubelet that made that
+    socket has wiped the directory already (it does so before it listens), so endpoint sockets found
+    intact there are the ones it will dial back. Raises RegistrationError with the reason of the
+    first failure, in endpoint order.
     """
     try:
         handle = os.open(kubelet_socket, os.O_PATH | os.O_CLOEXEC)
@@ -62,6 +77,8 @@ def register(
             raise RegistrationError(f"kubelet socket {kubelet_socket} is not a socket")
         through = f"/proc/self/fd/{handle}"
         dial = through if os.path.exists(through) else str(kubelet_socket)
+        if before_dial is not None:
+            before_dial()
         _register_through(dial, kubelet_socket, endpoints, timeout)
     finally:
         os.close(handle)
@@ -102,7 +119,8 @@ def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpo
                 details = str(exc.details() or "").replace(path, str(kubelet_socket))
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     raise RegistrationError(
-                        f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: {details}"
+                        f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: {details}",
+                        unreachable=True,
                     ) from exc
                 raise RegistrationError(
                     f"kubelet at {kubelet_socket} refused registration of {ep.resource} ({ep.endpoint}): "

@@ -2340,16 +2340,65 @@ class Allocator:
         IDs handed on to the next container) and ``owner``'s pod, another, has each of their names:
         the kubelet's records name either of that pod's containers holding the IDs (PreStartContainer
         names no container), and each got the answer of the container of the same name, whose
-        directory it mounts. Then every one of them is swapped with the container of its name."""
+        directory it mounts. Then every one of them is swapped with the container of its name.
+
+        Likewise when ``key`` alone holds ``wanted`` and several containers of ``owner``'s pod hold the IDs
+        recorded for ``owner``: those records go to ``key``'s pod together (:meth:`_handed_back`)."""
         group = sorted(
             c for c in self._by_pod.get(key[0], ()) if frozenset(self._allocs[(key[0], c)].device_ids) == wanted
         )
         pod = self._pods.get(owner[0])
-        if owner[0] == key[0] or len(group) < 2 or owner[1] not in group or pod is None:
+        if owner[0] == key[0] or pod is None:
             return [(key, owner)]
-        if any(_request_of(pod, c) is None for c in group):
+        if len(group) < 2:
+            return [(key, owner), *self._handed_back(key, owner)]
+        if owner[1] not in group or any(_request_of(pod, c) is None for c in group):
             return [(key, owner)]
         return [((key[0], c), (owner[0], c)) for c in group]
+
+    def _handed_back(
+        self, key: tuple[str, str], owner: tuple[str, str]
+    ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The swaps that go with swapping our record ``key`` and ``owner``'s (another pod's) when other
+        containers of ``owner``'s pod hold the IDs recorded for ``owner`` (lock held): its init container's
+        IDs handed on, each container with its own answer. The kubelet gave those IDs to one pod, ``key``'s
+        by the swap, whose containers mount those answers' directories: each of those records goes to a
+        container of ``key``'s pod asking for as many cores (the one of its name, else one left), swapped
+        with that container's record, if any (a guess, not started, put where ``owner``'s pod has room).
+        None when ``owner`` holds no such group, or ``key``'s pod cannot take all of it: ``key`` and
+        ``owner`` alone are swapped then."""
+        theirs = self._allocs.get(owner)
+        if theirs is None or not theirs.device_ids or theirs.started:
+            return []
+        held = frozenset(theirs.device_ids)
+        others = sorted(
+            c
+            for c in self._by_pod.get(owner[0], ())
+            if c != owner[1] and frozenset(self._allocs[(owner[0], c)].device_ids) == held
+        )
+        mine = self._pods.get(key[0])
+        if not others or mine is None or any(self._allocs[(owner[0], c)].started for c in others):
+            return []
+        spare = [
+            r.name
+            for r in self._gpu_containers(key[0], mine)
+            if r.name != key[1]
+            and r.cores == theirs.cores
+            and not ((key[0], r.name) in self._allocs and self._allocs[(key[0], r.name)].started)
+            and ((key[0], r.name) not in self._allocs or self._allocs[(key[0], r.name)].cores == theirs.cores)
+        ]
+        partners = {c: c for c in others if c in spare}
+        left = [n for n in spare if n not in partners.values()]
+        for c in others:
+            if c not in partners:
+                if not left:
+                    return []
+                partners[c] = left.pop(0)
+        pairs: list[tuple[tuple[str, str], tuple[str, str]]] = []
+        for c in others:
+            there = (key[0], partners[c])
+            pairs.append((there, (owner[0], c)) if there in self._allocs else ((owner[0], c), there))
+        return pairs
 
     def _same_name(self, key: tuple[str, str], owner: tuple[str, str]) -> bool:
         """Whether ``owner`` is the same container name of a pod of the same namespace and name as our

@@ -1,0 +1,78 @@
+"""Deterministic cases of the kubelet model (tests/test_allocation_model_review9.py): identical pods whose
+Allocates the agent matched to one another (the kubelet's Allocate names no pod, and it admits pods in its
+own order), repaired at PreStartContainer, where the kubelet names the pod holding the IDs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from gpumanager import names
+from gpumanager.allocation.allocator import Allocator
+from gpumanager.allocation.response import ContainerResponse
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, uid_of
+
+
+def _pod(name: str, second: int, *, init: bool, cores: int = 40, blocks: int = 2) -> dict[str, Any]:
+    """A pod asking for ``cores`` and ``blocks`` in its container main (and as much in an init container
+    setup, whose IDs the kubelet hands on to main)."""
+    limits = {names.VCORE_RESOURCE: str(cores), names.VMEMORY_RESOURCE: str(blocks)}
+
+    def spec(cname: str) -> dict[str, Any]:
+        return {"name": cname, "image": "cuda", "resources": {"limits": limits, "requests": limits}}
+
+    body: dict[str, Any] = {"nodeName": "node-1", "containers": [spec("main")]}
+    if init:
+        body["initContainers"] = [spec("setup")]
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "uid": uid_of(name),
+            "annotations": {},
+            "creationTimestamp": f"2026-11-21T10:00:{second:02d}Z",
+        },
+        "spec": body,
+        "status": {"phase": "Pending"},
+    }
+
+
+def _mounted(response: ContainerResponse) -> tuple[str, str]:
+    """The (pod directory, container directory) an Allocate answer mounts and names its vcuda.config in."""
+    mount = next(m.host_path for m in response.mounts if m.container_path == names.VCUDA_MOUNTPOINT)
+    config = PurePosixPath(response.envs[names.VCUDA_CONFIG_ENV])
+    return PurePosixPath(mount).name, config.parent.name
+
+
+def _start(alloc: Allocator, ids: Sequence[str], owner: tuple[str, str]) -> set[tuple[str, str]]:
+    """PreStartContainer: the directories whose vcuda.config the agent writes (every record holding the IDs)."""
+    started = alloc.pre_start(ids, (uid_of(owner[0]), owner[1]))
+    return {r.answered for r in [started, *alloc.holding_same_ids(started)]}
+
+
+def test_a_pod_handed_the_ids_of_a_pod_whose_init_container_hands_its_own_on_keeps_both_answers(
+    tmp_path: Path,
+) -> None:
+    """a and b each have an init container handing its IDs on, c asks for as much; the kubelet admits c,
+    b, a: c's IDs are matched to a's init container, b's to a's main, a's to b's two containers (each its
+    own answer). When b's init container starts with its IDs, both of b's records of a's IDs become a's:
+    a's main, started after b is deleted, finds its vcuda.config where its answer mounts."""
+    pods = FakePods([_pod("a", 1, init=True), _pod("b", 2, init=True), _pod("c", 3, init=False)])
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        ids_c, ids_b, ids_a = core_ids(0, 40), core_ids(1, 40), core_ids(2, 40)
+        answer_c = _mounted(alloc.allocate(ids_c))
+        answer_b = _mounted(alloc.allocate(ids_b))
+        assert _mounted(alloc.allocate(ids_b)) == answer_b  # b's main: its init container's IDs, handed on
+        answer_a_setup = _mounted(alloc.allocate(ids_a))
+        answer_a_main = _mounted(alloc.allocate(ids_a))
+        assert answer_a_setup != answer_a_main
+
+        assert answer_b in _start(alloc, ids_b, ("b", "setup"))
+        assert answer_c in _start(alloc, ids_c, ("c", "main"))
+        assert answer_a_setup in _start(alloc, ids_a, ("a", "main"))  # the kubelet names either holder
+        alloc.release_pod(uid_of("b"))
+        assert answer_a_main in _start(alloc, ids_a, ("a", "main"))
+    finally:
+        alloc.close()

@@ -383,13 +383,9 @@ def test_a_random_kubelet_never_over_commits_a_gpu(seed: int, tmp_path: Path) ->
 
 
 # Seeds (of the first thousand) that still break an invariant other than the GPUs' capacity:
-# - 477, 612: a container of a pod whose init container hands its IDs on starts, and no
-#   record holding its IDs is answered with the directory its answer mounts (its vcuda.config is
-#   written elsewhere);
-# - 865, 926: an allocation matched to an identical pod is replaced when that pod's own Allocate comes
-#   (taken for an answer the kubelet lost), and the pod the kubelet gave its IDs is refused at every
-#   start ('no allocation').
-KNOWN = [477, 612, 865, 926]
+# - 612: a container of a pod whose init container hands its IDs on starts, and no record holding its
+#   IDs is answered with the directory its answer mounts (its vcuda.config is written elsewhere).
+KNOWN = [612]
 
 
 @pytest.mark.xfail(strict=True, reason="a known defect (see KNOWN)")

@@ -76,3 +76,42 @@ def test_a_pod_handed_the_ids_of_a_pod_whose_init_container_hands_its_own_on_kee
         assert answer_a_main in _start(alloc, ids_a, ("a", "main"))
     finally:
         alloc.close()
+
+
+def test_a_pod_whose_guessed_record_is_taken_back_waits_again_and_keeps_the_ids_it_was_given(
+    tmp_path: Path,
+) -> None:
+    """a, b, c, d ask for as much. b's IDs are matched to a, and b is deleted; a's IDs are matched to c,
+    c's to d. a starts with its IDs: the swap leaves c the record of b's IDs, a guess. A pod e is given
+    some of b's IDs (the kubelet freed them), which takes that record back: c has none, and waits again.
+    d's own Allocate is matched to c, not taken for an answer the kubelet lost (which would replace the
+    record holding c's IDs); c and d then start, each with the IDs the kubelet gave it."""
+    shape = {"w1": (10, 128), "w2": (60, 2), "w3": (60, 2), "e": (50, 2)}  # w1: a GPU's memory
+    order = ["w1", "w2", "w3", "a", "b", "c", "d", "e"]
+    pods = FakePods(
+        [
+            _pod(n, i, init=False, cores=shape.get(n, (40, 2))[0], blocks=shape.get(n, (40, 2))[1])
+            for i, n in enumerate(order)
+        ]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        ids_b, ids_a, ids_c, ids_d = core_ids(2, 40), core_ids(2, 40, 40), core_ids(3, 40), core_ids(3, 40, 40)
+        alloc.allocate(core_ids(0, 10))
+        alloc.allocate(ids_b)
+        pods.items = [p for p in pods.items if p["metadata"]["name"] != "b"]
+        alloc.release_pod(uid_of("b"))
+        answer_a = _mounted(alloc.allocate(ids_a))
+        answer_c = _mounted(alloc.allocate(ids_c))
+        alloc.allocate(core_ids(0, 60, 10))
+        alloc.allocate(core_ids(1, 60, 40))
+        assert answer_a in _start(alloc, ids_a, ("a", "main"))
+        # e: no GPU has room for it until b's IDs (some given to it) are taken back.
+        alloc.allocate(core_ids(2, 30) + core_ids(2, 20, 80))
+        answer_d = _mounted(alloc.allocate(ids_d))
+
+        assert answer_c in _start(alloc, ids_c, ("c", "main"))
+        assert answer_d in _start(alloc, ids_d, ("d", "main"))
+        assert {a.pod_uid for a in alloc.allocations() if a.started} == {uid_of("a"), uid_of("c"), uid_of("d")}
+    finally:
+        alloc.close()

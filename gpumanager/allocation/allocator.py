@@ -931,16 +931,30 @@ class Allocator:
 
     def _take_back(self, key: tuple[str, str]) -> None:
         """The kubelet gave ``key``'s device IDs to a new container: ``key`` no longer holds them."""
+        guessed = key in self._guessed
         alloc = self._remove(key)
         if alloc is None:
             return
         self._free(alloc)
         self._save_or_report([_del(key)])
-        self._note_retired(alloc)
+        self._note_retired(alloc, guessed=guessed)
 
-    def _note_retired(self, alloc: ContainerAllocation) -> None:
+    def _note_retired(self, alloc: ContainerAllocation, *, guessed: bool = False) -> None:
         """``alloc``'s container will not ask again: the kubelet allocates a container once (it reuses
-        IDs across restarts)."""
+        IDs across restarts). Unless ``guessed``: the IDs were matched to it among pods asking for as
+        many cores (or left to it by a swap at PreStartContainer), and the kubelet may have given them to
+        another; that container may still wait for its own (lock held)."""
+        if guessed:
+            log.info(
+                "%s of pod %s container %s come back in a new Allocate: they were matched to that container "
+                "among pods asking for as many cores, and the kubelet gave them to another, whose IDs it "
+                "may still wait for; releasing GPUs %s",
+                ids.describe(alloc.device_ids),
+                alloc.pod_uid,
+                alloc.container,
+                list(alloc.minors),
+            )
+            return
         if len(self._retired) > 4096:
             self._retired.clear()
             self._reindex()  # the containers dropped from the heaps as retired may wait again
@@ -996,7 +1010,7 @@ class Allocator:
         if key == successor:
             return  # the same container, allocated anew: its new record replaces the old one
         self._save_or_report([_del(key)])
-        self._note_retired(held.alloc)
+        self._note_retired(held.alloc, guessed=held.guessed)
 
     def _allocate_instead(
         self,
@@ -2029,6 +2043,9 @@ class Allocator:
                         self._weigh(swaps)
                         for swap in swaps:
                             self._reassign(swap)
+                        # A record given to the other container is one the kubelet did not give ``owner``:
+                        # whose IDs they are is still a guess.
+                        self._guessed.update(s.given.key for s in swaps if s.given is not None)
                         key, changed = owner, True
                 if key is None and owner is not None and self._take_freed_guess(wanted, owner):
                     key, changed = owner, True

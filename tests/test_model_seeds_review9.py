@@ -115,3 +115,31 @@ def test_a_pod_whose_guessed_record_is_taken_back_waits_again_and_keeps_the_ids_
         assert {a.pod_uid for a in alloc.allocations() if a.started} == {uid_of("a"), uid_of("c"), uid_of("d")}
     finally:
         alloc.close()
+
+
+def test_an_answer_freed_with_the_pod_it_was_matched_to_goes_to_the_container_of_its_name(tmp_path: Path) -> None:
+    """x asks for as much as b's and c's init and app containers. b's IDs are matched to x, c's to b's
+    two containers (each its own answer). b's init container starts: it takes x's record, x takes the
+    record of c's IDs answered to c's init container; b's other record of c's IDs, answered to c's app
+    container, is freed when b is deleted. c's init container takes x's record; c's app container then
+    takes the freed one, whose directory it mounts, not its init container's."""
+    pods = FakePods(
+        [_pod("x", 1, init=False, cores=20, blocks=8)]
+        + [_pod(n, i, init=True, cores=20, blocks=8) for i, n in ((2, "b"), (3, "c"))]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        ids_b, ids_c = core_ids(0, 20), core_ids(1, 20)
+        answer_b = _mounted(alloc.allocate(ids_b))
+        assert _mounted(alloc.allocate(ids_b)) == answer_b  # b's app container: its init container's IDs
+        answer_c_setup = _mounted(alloc.allocate(ids_c))
+        answer_c_main = _mounted(alloc.allocate(ids_c))
+        assert answer_c_setup != answer_c_main
+
+        assert answer_b in _start(alloc, ids_b, ("b", "setup"))
+        pods.items = [p for p in pods.items if p["metadata"]["name"] != "b"]
+        alloc.release_pod(uid_of("b"))
+        assert answer_c_setup in _start(alloc, ids_c, ("c", "setup"))
+        assert answer_c_main in _start(alloc, ids_c, ("c", "main"))
+    finally:
+        alloc.close()

@@ -2038,6 +2038,11 @@ class Allocator:
                         key = owner  # recorded without IDs (e.g. by an older gpu-manager)
                     elif owner in self._allocs and frozenset(self._allocs[owner].device_ids) == wanted:
                         key = owner  # containers of one pod holding the same IDs: the kubelet's pick
+                    elif key is not None and key[0] == owner[0] and self._freed_for(wanted, owner):
+                        # Another container of ``owner``'s pod holds the IDs (handed on), and the record
+                        # answered to ``owner`` was freed with the pod it was matched to: ``owner`` mounts
+                        # that answer's directory, not the other container's.
+                        key, changed = owner, True
                     elif key is not None and key != owner:
                         swaps = [self._swap_of(mine, theirs) for mine, theirs in self._taken_over(key, owner, wanted)]
                         self._weigh(swaps)
@@ -2326,6 +2331,14 @@ class Allocator:
                 list(alloc.minors),
             )
         return owner in self._allocs
+
+    def _freed_for(self, wanted: frozenset[str], owner: tuple[str, str]) -> bool:
+        """Whether ``owner``, unallocated, took over (:meth:`_take_freed_guess`) the one allocation of
+        ``wanted`` freed before it started, recorded for a container of ``owner``'s name (lock held)."""
+        freed = self._freed_guesses.get(wanted, [])
+        if owner in self._allocs or len(freed) != 1 or freed[0].container != owner[1]:
+            return False
+        return self._take_freed_guess(wanted, owner)
 
     def _can_take_freed(
         self,

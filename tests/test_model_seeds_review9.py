@@ -143,3 +143,31 @@ def test_an_answer_freed_with_the_pod_it_was_matched_to_goes_to_the_container_of
         assert answer_c_main in _start(alloc, ids_c, ("c", "main"))
     finally:
         alloc.close()
+
+
+def test_an_allocate_no_container_waits_for_is_no_lost_answer_of_a_pod_that_has_started(tmp_path: Path) -> None:
+    """x's init container starts (the kubelet names x's app container, which holds the same IDs). z's IDs
+    are matched to y, and z is deleted; y's own Allocate then finds no container waiting. It is taken for
+    an answer the kubelet lost: y's, whose record holds IDs the kubelet freed, not x's init container's,
+    whose pod the kubelet admitted whole before starting it: x's init container keeps its directory to
+    itself."""
+    pods = FakePods(
+        [_pod("x", 1, init=True, cores=10, blocks=1)]
+        + [_pod(n, i, init=False, cores=10, blocks=1) for i, n in ((2, "y"), (3, "z"))]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        ids_x, ids_y, ids_z = core_ids(0, 10), core_ids(1, 10), core_ids(2, 10)
+        answer_x_setup = _mounted(alloc.allocate(ids_x))
+        assert _mounted(alloc.allocate(ids_x)) != answer_x_setup
+        assert answer_x_setup in _start(alloc, ids_x, ("x", "main"))  # its init container starts
+        alloc.allocate(ids_z)
+        pods.items = [p for p in pods.items if p["metadata"]["name"] != "z"]
+        alloc.release_pod(uid_of("z"))
+        answer_y = _mounted(alloc.allocate(ids_y))
+
+        assert answer_y != answer_x_setup
+        assert answer_y in _start(alloc, ids_y, ("y", "main"))
+        assert answer_x_setup in {a.answered for a in alloc.allocations_of(uid_of("x"))}
+    finally:
+        alloc.close()

@@ -1041,8 +1041,9 @@ class Allocator:
         waits: one of a pending pod in the fresh list, not started, holding an allocation of ``cores``
         cores. The kubelet allocates a container once and keeps its IDs across its restarts; asking again
         means it never recorded our first answer, whose IDs it may hand out again: ``wanted`` may share IDs
-        with that container's, never with another's. The first such container in upstream's order; None
-        when there is none."""
+        with that container's, never with another's. Not a container of a pod one of whose containers has
+        started: the kubelet starts none before it has recorded every answer of the pod. The first such
+        container in upstream's order; None when there is none."""
         holders = {key for key, alloc in self._allocs.items() if not wanted.isdisjoint(alloc.device_ids)}
         if len(holders) > 1:
             return None  # IDs of several containers: not one answer the kubelet lost
@@ -1052,6 +1053,8 @@ class Allocator:
                 uid = podinfo.uid(pod)
                 if uid not in self._by_pod or podinfo.phase(pod) != "Pending":
                     continue
+                if any(self._allocs[(uid, c)].started for c in self._by_pod[uid]):
+                    continue  # admitted whole before any of its containers started: no answer of it was lost
                 if podinfo.is_terminated(pod) or podinfo.is_deleting(pod) or podinfo.should_delete(pod):
                     continue
                 started = podinfo.started_containers(pod)

@@ -293,3 +293,23 @@ def test_saved_gpu_health_with_a_time_that_is_no_time_is_ignored(
     monitor = HealthMonitor([gpu], saved=saved, quiet_period=300, ignored_xids=(), probe_period=1.0)
     assert monitor.state(0).healthy
     assert any(str(saved) in r.getMessage() for r in caplog.records)
+
+
+def test_volume_config_holding_a_5000_digit_number_is_a_volume_error_naming_the_file(tmp_path: Path) -> None:
+    """json.loads raised ValueError (not JSONDecodeError) for it: a traceback at the start."""
+    from gpumanager.volume.config import load_volume_config
+    from gpumanager.volume.errors import VolumeError
+
+    path = tmp_path / "volume.conf"
+    path.write_text('{"volume": [], "x": ' + "1" * 5000 + "}")
+    with pytest.raises(VolumeError) as info:
+        load_volume_config(path)
+    assert str(path) in str(info.value) and len(str(info.value)) < 400
+
+
+def test_volume_tree_manifest_nested_too_deeply_reads_as_an_incomplete_tree(tmp_path: Path) -> None:
+    from gpumanager.volume.tree import manifest_path, read_manifest
+
+    tree = tmp_path / "nvidia"
+    manifest_path(tree).write_text("[" * 100_000 + "]" * 100_000)
+    assert read_manifest(tree) is None

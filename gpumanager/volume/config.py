@@ -65,6 +65,8 @@ def load_volume_config(path: Path) -> VolumeConfig:
         raise VolumeError(f"volume config {path} is not valid JSON: {err}") from err
     except RecursionError:
         raise VolumeError(f"volume config {path} is not valid JSON: nested too deeply") from None
+    except ValueError as err:  # a number of more than 4300 digits (int() refuses it)
+        raise VolumeError(f"volume config {path} cannot be read: {str(err)[:120]}") from None
     return parse_volume_config(raw, path)
 
 

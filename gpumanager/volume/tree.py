@@ -75,7 +75,7 @@ def read_manifest(tree: Path) -> Manifest | None:
             driver_version=raw.get("driver_version"),
             entries=dict(raw["entries"]),
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 

@@ -171,3 +171,30 @@ def test_an_allocate_no_container_waits_for_is_no_lost_answer_of_a_pod_that_has_
         assert answer_x_setup in {a.answered for a in alloc.allocations_of(uid_of("x"))}
     finally:
         alloc.close()
+
+
+def test_the_records_of_a_pods_ids_split_between_two_pods_all_go_to_it_at_its_start(tmp_path: Path) -> None:
+    """x asks for as much as b's and c's init and app containers. b's IDs are matched to x, c's to b's
+    two containers (each its own answer). b's init container starts: it takes x's record, and x, with
+    one container, takes one of b's records of c's IDs, the other staying with b. When c starts, both
+    records of its IDs become its own, whichever pod held them: each of its containers finds its
+    vcuda.config where its answer mounts, also once b is deleted."""
+    pods = FakePods(
+        [_pod("x", 1, init=False, cores=20, blocks=8)]
+        + [_pod(n, i, init=True, cores=20, blocks=8) for i, n in ((2, "b"), (3, "c"))]
+    )
+    alloc = make_allocator(tmp_path, pods)
+    try:
+        ids_b, ids_c = core_ids(0, 20), core_ids(1, 20)
+        answer_b = _mounted(alloc.allocate(ids_b))
+        assert _mounted(alloc.allocate(ids_b)) == answer_b  # b's app container: its init container's IDs
+        answer_c_setup = _mounted(alloc.allocate(ids_c))
+        answer_c_main = _mounted(alloc.allocate(ids_c))
+
+        assert answer_b in _start(alloc, ids_b, ("b", "setup"))
+        assert {answer_c_setup, answer_c_main} <= _start(alloc, ids_c, ("c", "setup"))
+        pods.items = [p for p in pods.items if p["metadata"]["name"] != "b"]
+        alloc.release_pod(uid_of("b"))
+        assert {answer_c_setup, answer_c_main} <= _start(alloc, ids_c, ("c", "main"))
+    finally:
+        alloc.close()

@@ -2384,10 +2384,50 @@ class Allocator:
         if owner[0] == key[0] or pod is None:
             return [(key, owner)]
         if len(group) < 2:
-            return [(key, owner), *self._handed_back(key, owner)]
+            return self._gathered(owner, wanted) or [(key, owner), *self._handed_back(key, owner)]
         if owner[1] not in group or any(_request_of(pod, c) is None for c in group):
             return [(key, owner)]
         return [((key[0], c), (owner[0], c)) for c in group]
+
+    def _gathered(
+        self, owner: tuple[str, str], wanted: frozenset[str]
+    ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The swaps that bring to ``owner``'s pod every record of ``wanted`` when they lie in several
+        other pods, none started (lock held): the answers made for its containers (an init container's IDs
+        handed on), split by an earlier swap whose holder pod had fewer containers. Each goes to the
+        container of ``owner``'s pod its answer was made for (the name of its directory), else to one left
+        asking for as many cores, that container's record (a guess, not started) taking its place. None
+        when they lie in one pod, or ``owner``'s pod cannot take them all."""
+        holders = sorted(k for k, a in self._allocs.items() if frozenset(a.device_ids) == wanted)
+        pod = self._pods.get(owner[0])
+        if pod is None or len({k[0] for k in holders}) < 2 or any(k[0] == owner[0] for k in holders):
+            return []
+        if any(self._allocs[k].started for k in holders):
+            return []
+        cores = self._allocs[holders[0]].cores
+        names_ = [
+            r.name
+            for r in self._gpu_containers(owner[0], pod)
+            if r.cores == cores
+            and not ((owner[0], r.name) in self._allocs and self._allocs[(owner[0], r.name)].started)
+            and ((owner[0], r.name) not in self._allocs or self._allocs[(owner[0], r.name)].cores == cores)
+        ]
+        if owner[1] not in names_ or len(names_) < len(holders):
+            return []
+        targets: dict[tuple[str, str], str] = {}
+        for k in holders:
+            name = self._allocs[k].answered[1]
+            if name in names_ and name not in targets.values():
+                targets[k] = name
+        left = [n for n in names_ if n not in targets.values()]
+        if owner[1] in left:
+            left.insert(0, left.pop(left.index(owner[1])))  # ``owner`` gets one of them
+        for k in holders:
+            if k not in targets:
+                targets[k] = left.pop(0)
+        if owner[1] not in targets.values():
+            return []
+        return [(k, (owner[0], targets[k])) for k in holders]
 
     def _handed_back(
         self, key: tuple[str, str], owner: tuple[str, str]

@@ -62,6 +62,7 @@ class Chaos:
         self.n = 0
         self.events: list[str] = []
         self.last_refusal: dict[str, str] = {}  # pod UID -> why its last start failed
+        self.later: list[threading.Timer] = []  # deletions the API server did not take at once
 
     def why(self, what: str) -> str:
         return f"seed {self.seed}: {what}; last events: {self.events[-12:]}"
@@ -115,13 +116,18 @@ class Chaos:
         try:
             self.c.delete(run)
         except Exception:  # the API server may be the fault
-            threading.Timer(4.0, self._delete_later, args=(run,)).start()
+            self.later.append(threading.Timer(1.0, self._delete_later, args=(run,)))
+            self.later[-1].start()
 
     def _delete_later(self, run: PodRun) -> None:
-        try:
-            self.c.delete(run)
-        except Exception:
-            pass
+        """The deletion again until the API server takes it (as the user's kubectl or controller retries)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.c.delete(run)
+                return
+            except Exception:
+                time.sleep(0.5)
 
     def step_pods(self) -> None:
         r = self.rng.random()
@@ -149,7 +155,8 @@ class Chaos:
                 self.c.delete(run)
             except Exception:
                 self.c._stop_pod(run.uid)
-                threading.Timer(4.0, self._delete_later, args=(run,)).start()
+                self.later.append(threading.Timer(1.0, self._delete_later, args=(run,)))
+                self.later[-1].start()
         elif self.live:  # a container restarts: the kubelet calls PreStartContainer again
             run = self.rng.choice(self.live)
             inits = {c["name"] for c in run.manifest["spec"].get("initContainers") or []}
@@ -326,6 +333,8 @@ def run_round(tmp_path: Path, seed: int, chaos_out: list[Chaos] | None = None) -
         # The faults end: every admitted container starts (the kubelet retries its start).
         cluster.api.clear_faults()
         cluster.api.set_down(False)
+        for timer in chaos.later:
+            timer.join(70)
         deadline = time.monotonic() + 30
         while chaos.pending and time.monotonic() < deadline:
             for run in list(chaos.pending):

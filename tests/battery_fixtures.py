@@ -169,8 +169,9 @@ def held(runs: Iterable[PodRun], memory_of: Mapping[int, int]) -> dict[int, tupl
                 c, b = target.get(m, (0, 0))
                 whole = cores >= names.HUNDRED_CORES
                 target[m] = (c + (names.HUNDRED_CORES if whole else cores), b + (memory_of[m] if whole else memory))
-        for m in memory_of:
-            c, b = max([rest.get(m, (0, 0)), *(d.get(m, (0, 0)) for d in per_init.values())])
+        for m in memory_of:  # each figure the most of any one group, not the pair with the most cores
+            groups = [rest.get(m, (0, 0)), *(d.get(m, (0, 0)) for d in per_init.values())]
+            c, b = max(g[0] for g in groups), max(g[1] for g in groups)
             out[m] = (out[m][0] + c, out[m][1] + b)
     return out
 

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,6 +42,7 @@ from simnode.kubelet import KubeletSimError
 from tests.battery_fixtures import (
     agent_allocated,
     assert_no_overcommit,
+    held,
     http_get,
     memory_of,
     spec_a100_pcie_x2,
@@ -411,3 +413,24 @@ def test_room_of_a_freed_allocation_the_kubelet_still_holds_is_not_given_away(tm
         with contextlib.suppress(KubeletSimError):
             cluster.start_containers(cluster.admit(c, create=False))
         cluster.start_containers(run_b)  # raises while its GPU has no room for it
+
+
+def test_a_pod_with_an_init_container_holds_the_most_of_each_figure() -> None:
+    """An init container of more memory and fewer cores than the app container on its GPU: the pod holds
+    the app's cores and the init container's memory there (the agent charges each figure so)."""
+    block = names.MEMORY_BLOCK_BYTES
+
+    def record(cores: int, blocks: int) -> Any:
+        annotations = {
+            names.VDEVICE_ANNOTATION: "/dev/nvidia0",
+            names.VCORE_RESOURCE: str(cores),
+            names.VMEMORY_RESOURCE: str(blocks * block),
+        }
+        return SimpleNamespace(response=SimpleNamespace(annotations=annotations))
+
+    manifest = gpu_pod("p", [("init", 20, 6), ("main", 30, 2)])
+    manifest["metadata"]["uid"] = "u"
+    manifest["spec"]["initContainers"] = [manifest["spec"]["containers"].pop(0)]
+    run = PodRun(manifest, core={"init": record(20, 6), "main": record(30, 2)})
+    assert held([run], {0: 100 * block}) == {0: (30, 6 * block)}
+    assert held_own([run], {0: 100 * block}) == {0: (30, 6 * block)}

@@ -2650,7 +2650,11 @@ class Allocator:
                 ", ".join(f"{a.container} on GPUs {list(a.minors)}" for a in freed),
             )
         for alloc in repeated:
-            self._hand_over(alloc)
+            if not self._hand_over(alloc) and alloc.device_ids and frozenset(alloc.device_ids) not in self._by_ids:
+                # No pod waits with its request (another memory size, or the cache not showing it): the pod
+                # the kubelet gave the IDs to takes it over when it starts, as any allocation freed unstarted.
+                self._remember_freed(alloc)
+                self._save_or_report([_del(alloc.key, alloc)])
         return freed
 
     def _remember_freed(self, alloc: ContainerAllocation) -> None:
@@ -2664,27 +2668,27 @@ class Allocator:
             same = self._freed_guesses[wanted] = []
         same.append(alloc)
 
-    def _hand_over(self, alloc: ContainerAllocation) -> None:
+    def _hand_over(self, alloc: ContainerAllocation) -> bool:
         """``alloc``, just released, never started, and its IDs were asked for again: the kubelet gave them
         (and so our answer) to another pod after failing this one's admission, before its status said so.
         The container that waits first with the same request takes the allocation over, its answer
         unchanged (lock held); PreStartContainer, which hears from the kubelet who starts, repairs a wrong
-        pick among identical pods as after any guess."""
+        pick among identical pods as after any guess. Returns whether a container took it over."""
         if not alloc.device_ids or frozenset(alloc.device_ids) in self._by_ids:
-            return
+            return False
         self._retired.add(alloc.key)  # its pod has ended: never matched again
         self._take_pod_changes()
         candidate = self._match_cached(alloc.cores)
         if candidate is None or podinfo.uid(candidate.pod) == alloc.pod_uid:
-            return
+            return False
         if candidate.request.memory_bytes != alloc.memory:
-            return
+            return False
         try:
             taken = replace(self._allocation(candidate, alloc.device_ids, alloc.minors), answered_as=alloc.answered)
             self._place(taken)
         except (KeyError, ValueError) as exc:
             log.warning("cannot hand pod %s container %s's GPUs on: %s", *alloc.key, exc)
-            return
+            return False
         self._guessed.add(taken.key)
         self._save_or_report([_put(taken)])
         log.info(
@@ -2696,6 +2700,7 @@ class Allocator:
             podinfo.pod_key(candidate.pod),
             candidate.request.name,
         )
+        return True
 
     def recycle(self) -> list[str]:
         """Free pods that are gone or finished (only with a complete view of the node's pods). A

@@ -159,7 +159,6 @@ struct dev {
     double prov_shared;       /* wall ns of pay-off this process's provisional charges hold in the container's sum */
     uint64_t prov_inherited;  /* mono ns until which the debt this process began with holds others' provisional charges */
     uint64_t first_launch;    /* mono ns of this process's first launch on the device (0: none yet) */
-    uint64_t sum_seen;        /* the container's provisional sum (mono ns paid off at) last taken into the credit */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -1051,33 +1050,10 @@ static void share_provisional(struct dev *d, uint64_t now)
     vc_budget_core_note(d->index, provisional_ns(d), d->rate, from, d->prov_wall);
 }
 
-/*
- * Until its first launch (d->mu held), a process follows the container's sum of provisional charges, which it took as
- * debt when it started (inherit_ledger): what the others charge meanwhile is added to its debt, what they take back
- * (their samples came, or a process gone was settled to the time it can have used) is taken off.  With the sum taken
- * once, a process that started while another's kernel ran waited out that one's whole wall time charge while the
- * next process, started after it was settled, launched and charged its own kernel unseen: the first then launched
- * into the second's debt, and fresh processes of one 400 ms kernel took 36 % of a 30 % container over 8 s.
- */
-static void follow_sum(struct dev *d, uint64_t now)
-{
-    uint64_t until, seen, prov;
-    vc_budget_core_ledger(d->index, &until, &seen, &prov);
-    if (prov == d->sum_seen)
-        return;
-    double was = d->sum_seen > now ? (double)(d->sum_seen - now) : 0.0;
-    double is = prov > now ? (double)(prov - now) : 0.0;
-    d->credit -= d->rate * (is - was);
-    d->sum_seen = prov;
-    d->prov_inherited = prov; /* still the container's sum: left out of the measured debt it publishes */
-}
-
 /* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
 static void update(struct dev *d, uint64_t now, uint64_t min_ns)
 {
     refill(d, now);
-    if (d->first_launch == 0 && d->rate > 0 && !vc_core_config()->upstream)
-        follow_sum(d, now);
     poll_markers(d);
     charge_provisional(d, now);
     share_provisional(d, now);
@@ -1351,7 +1327,7 @@ static void inherit_ledger(struct dev *d, int index)
     double owed = (until > now ? (double)(until - now) : 0.0) + (prov > now ? (double)(prov - now) : 0.0);
     if (owed > 0)
         d->credit = -d->rate * owed;
-    d->prov_inherited = d->sum_seen = prov;
+    d->prov_inherited = prov;
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }

@@ -158,7 +158,6 @@ struct dev {
     double prov_done[PROVISIONAL]; /* the launches each provisional charge is for (revalued when the cost is learnt) */
     double prov_shared;       /* wall ns of pay-off this process's provisional charges hold in the container's sum */
     uint64_t prov_inherited;  /* mono ns until which the debt this process began with holds others' provisional charges */
-    uint64_t first_launch;    /* mono ns of this process's first launch on the device (0: none yet) */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -1035,19 +1034,6 @@ static void share_provisional(struct dev *d, uint64_t now)
         return;
     vc_budget_core_provisional(d->index, now, (int64_t)delta);
     d->prov_shared = want;
-    /*
-     * Where its GPU time not covered by samples lies, should the process be gone before they come (the container
-     * then keeps its charges, at most the time it can have used beside the others gone: vc_budget_core_note): after
-     * its first launch, and after the newest sample of its own that was charged.
-     */
-    uint64_t from = d->first_launch, r = real_us();
-    if (d->self_us > 0) {
-        uint64_t back = r > d->self_us ? (r - d->self_us) * 1000u : 0;
-        uint64_t sampled = now > back ? now - back : 0;
-        if (sampled > from)
-            from = sampled;
-    }
-    vc_budget_core_note(d->index, provisional_ns(d), d->rate, from, d->prov_wall);
 }
 
 /* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
@@ -1184,8 +1170,6 @@ static uint64_t budget_gate(struct dev *d)
         refill(d, now);
     }
     uint64_t count = ++d->launched;
-    if (VC_UNLIKELY(d->first_launch == 0))
-        d->first_launch = now;
     pthread_mutex_unlock(&d->mu);
     return count;
 }

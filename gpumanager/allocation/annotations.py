@@ -11,15 +11,21 @@ from gpumanager.allocation.records import ContainerAllocation
 
 
 def ready_annotations(pod: Pod, allocations: Sequence[ContainerAllocation]) -> dict[str, str]:
-    """``predicate-gpu-idx-<i>`` with the real GPU minors of each allocated container, and
-    ``gpu-assigned=true`` once every GPU container of the pod has its GPUs."""
+    """``predicate-gpu-idx-<i>`` with the real GPU minors of each allocated container (init containers
+    under their negative index, ``-1`` for the first, as the extender wrote them), and
+    ``gpu-assigned=true`` once every GPU container of ``spec.containers`` has its GPUs.
+
+    The init containers' indices are rewritten too: the kubelet may have given the pod the IDs matched to
+    an identical pod (the records swapped at PreStartContainer), and the extender charges an init
+    container on the GPU its annotation names."""
     by_name = {a.container: a for a in allocations}
     out: dict[str, str] = {}
     try:
         wanted = podinfo.gpu_containers(pod)
+        every = podinfo.allocation_order(pod)
     except PodSpecError:
         return out
-    for request in wanted:
+    for request in every:
         alloc = by_name.get(request.name)
         if alloc is not None:
             out[f"{names.PREDICATE_GPU_IDX_PREFIX}{request.index}"] = ",".join(str(m) for m in alloc.minors)

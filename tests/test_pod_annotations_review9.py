@@ -50,3 +50,21 @@ def test_gpu_assigned_waits_for_the_init_containers_allocation_too() -> None:
     GPU is named, the init container's annotation is left as the extender wrote it."""
     pod = _pod({f"{PREFIX}-1": "1", f"{PREFIX}0": "1"})
     assert ready_annotations(pod, [_alloc("c0", 0, 2)]) == {f"{PREFIX}0": "2", names.GPU_ASSIGNED: "true"}
+
+
+def test_an_init_container_whose_record_went_to_its_app_container_is_named_on_that_records_gpus() -> None:
+    """The kubelet admitted q before p (identical pods): p's init container was given the answer made for
+    q's (GPU 3), and its app container, handed those IDs, the same answer; at the app container's start
+    that one record is its (answered as q's init container). The init container ran on GPU 3 too: the
+    annotation the extender wrote for it (GPU 1, where q's init container runs) is rewritten."""
+    pod = _pod({f"{PREFIX}-1": "1", f"{PREFIX}0": "0"})
+    record = ContainerAllocation(
+        pod_uid="uid-q",
+        container="c0",
+        minors=(3,),
+        cores=60,
+        memory=2 * GIB,
+        container_index=0,
+        answered_as=("uid-p", "setup"),
+    )
+    assert missing_annotations(pod, [record]) == {f"{PREFIX}-1": "3", f"{PREFIX}0": "3", names.GPU_ASSIGNED: "true"}

@@ -17,7 +17,8 @@ def ready_annotations(pod: Pod, allocations: Sequence[ContainerAllocation]) -> d
 
     The init containers' indices are rewritten too: the kubelet may have given the pod the IDs matched to
     an identical pod (the records swapped at PreStartContainer), and the extender charges an init
-    container on the GPU its annotation names."""
+    container on the GPU its annotation names. An init container with no record of its own whose answer
+    another container of the pod holds (handed its IDs and its answer) is named on that record's GPUs."""
     by_name = {a.container: a for a in allocations}
     out: dict[str, str] = {}
     try:
@@ -25,8 +26,13 @@ def ready_annotations(pod: Pod, allocations: Sequence[ContainerAllocation]) -> d
         every = podinfo.allocation_order(pod)
     except PodSpecError:
         return out
+    # An init container's answer may be the record of another container now: its app container, handed
+    # its IDs and given its answer (no room for a share of its own), took that record at its start.
+    answered = {a.answered[1]: a for a in allocations if a.answered[1] != a.container}
     for request in every:
         alloc = by_name.get(request.name)
+        if alloc is None and request.index < 0:
+            alloc = answered.get(request.name)
         if alloc is not None:
             out[f"{names.PREDICATE_GPU_IDX_PREFIX}{request.index}"] = ",".join(str(m) for m in alloc.minors)
     if wanted and all(r.name in by_name for r in wanted):

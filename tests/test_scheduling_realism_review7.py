@@ -4,6 +4,7 @@ reusable by a later container) and calls PreStartContainer before each starts.""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,17 @@ def _visible(cluster: MultiNodeCluster, uid: str, container: str) -> str:
     core = [r for r in records if r.resource == names.VCORE_RESOURCE and r.container_name == container]
     assert core, f"no vcuda-core Allocate for container {container}: {[r.container_name for r in records]}"
     return str(core[0].response.envs["NVIDIA_VISIBLE_DEVICES"])
+
+
+def _assigned_annotations(cluster: MultiNodeCluster, name: str, timeout: float = 30.0) -> dict[str, str]:
+    """The pod's annotations once the agent has written ``gpu-assigned=true`` and the GPU indices its
+    containers were given (a patch queued after PreStartContainer; the start does not wait for it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ann: dict[str, str] = cluster.pod(name)["metadata"].get("annotations") or {}
+        if ann.get(names.GPU_ASSIGNED) == "true" or time.monotonic() > deadline:
+            return ann
+        time.sleep(0.1)
 
 
 def test_a_gpu_init_container_placed_by_the_extender_is_allocated_and_started_on_its_gpu(
@@ -65,8 +77,9 @@ def test_an_app_container_reusing_its_init_containers_devices_runs_on_the_gpu_it
     tmp_path: Path, sim_built: Path
 ) -> None:
     """The init container and the app container ask for as much: the kubelet hands the init container's
-    device IDs on to the app container (devicesToReuse). Each Allocate must still be answered with the GPU
-    the extender named for that container, and a second such pod fits beside the first without refusal."""
+    device IDs on to the app container (devicesToReuse). Each container runs on the GPU its pod's
+    annotations name once the agent has written them (the extender's choice, unless the kubelet admitted
+    the identical pods in the other order), and a second such pod fits beside the first without refusal."""
     gpus = [g.uuid for g in load_spec(spec_dir() / f"{SPEC}.json").gpus]
     cluster = MultiNodeCluster(tmp_path / "c", [("v", SPEC)], node_status_period=0.3, scheduler_backoff=(0.2, 1.0))
     with cluster:
@@ -75,10 +88,15 @@ def test_an_app_container_reusing_its_init_containers_devices_runs_on_the_gpu_it
         for name in ("p", "q"):
             running = cluster.wait_phase(name, timeout=60)
             uid = str(running["metadata"]["uid"])
-            ann = running["metadata"]["annotations"]
             records = cluster.nodes["v"].kubelet.allocations(uid)
             ids = {(r.container_name, r.resource): set(r.device_ids) for r in records}
             assert ids[("setup", names.VCORE_RESOURCE)] == ids[("c0", names.VCORE_RESOURCE)]  # reused
+            # The two pods are identical and an Allocate names no pod: when the kubelet admits q before p,
+            # q is given the IDs (and GPU) the agent chose for p, and the records are swapped at
+            # PreStartContainer. So the extender's annotations need not name where a container runs; the
+            # agent rewrites them after the start (gpu-assigned=true, not awaited by the start), and from
+            # then on they must name the GPU each container, the init container included, really runs on.
+            ann = _assigned_annotations(cluster, name)
             assert _visible(cluster, uid, "setup") == gpus[int(ann[f"{PREFIX}-1"])]
             assert _visible(cluster, uid, "c0") == gpus[int(ann[f"{PREFIX}0"])]
         assert cluster.refusals() == []

@@ -1339,10 +1339,19 @@ class Allocator:
             )
             predicated = None
         if predicated is not None:
-            minors = self._check_predicated(
-                who, predicated, cores, memory, self._lending_inits(self._tree, podinfo.uid(pod))
-            )
-        else:
+            try:
+                minors = self._check_predicated(
+                    who, predicated, cores, memory, self._lending_inits(self._tree, podinfo.uid(pod))
+                )
+            except AllocationError as exc:
+                if exc.kind != "exhausted" or not self._answer_taken_by_other_pod(podinfo.uid(pod), req.name):
+                    raise
+                # The kubelet admitted an identical pod first: it got the answer made for this container
+                # on the predicated GPUs (swapped at its start) and runs there; the GPUs predicated for it
+                # are this pod's room now, or any other.
+                log.warning("%s: %s, taken by the identical pod admitted first: choosing by itself", who, exc)
+                predicated = None
+        if predicated is None:
             uid = podinfo.uid(pod)
             tree = self._tree_without_predicated(pod, req)
             kept = self._without_freed_room(tree, device_ids)
@@ -1505,6 +1514,10 @@ class Allocator:
                     memory = min(other.memory_bytes, leaf.allocatable_memory)
                     scratch.occupy(leaf.index, cores, memory)
         return scratch
+
+    def _answer_taken_by_other_pod(self, pod_uid: str, container: str) -> bool:
+        """Whether another pod's container holds the answer made for this one (a swap at its start)."""
+        return any(a.answered == (pod_uid, container) and a.pod_uid != pod_uid for a in self._allocs.values())
 
     def _check_predicated(
         self, who: _Subject, minors: list[int], cores: int, memory: int, tree: TopologyTree

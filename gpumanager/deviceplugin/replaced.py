@@ -14,7 +14,9 @@ is today:
   pod, the container, the old and the new GPU and the device nodes; the pod is to be placed again.
 
 Only allocations held when the agent started are looked at: an answer given since names the GPUs as
-they are. Nothing is looked at on a node whose GPUs kept their device nodes (the common case).
+they are. A container whose record was dropped at the start (it named a device node this node no longer
+has) and rebuilt since from PodResources with the same device IDs still starts from its saved answer, and
+is refused the same. Nothing is looked at on a node whose GPUs kept their device nodes (the common case).
 
 The saved inventory names the new GPUs from the first start that saw them, so what that start found is
 kept beside the checkpoint (:data:`FILE`: the GPUs as they were, the containers answered with them, and
@@ -170,7 +172,18 @@ class ReplacedGPUs:
         if not self._changes:
             return
         held = self._affected.get(alloc.key)
-        if held is None or held.minors != alloc.minors:
+        if held is None:
+            saved = self._unheld.get(alloc.key)
+            if saved is not None and set(saved.device_ids) == set(alloc.device_ids):
+                # Its record was dropped at the start and rebuilt since from PodResources (the same device
+                # IDs, placed on the GPU now at their place): the kubelet still starts it from the saved
+                # answer, whose device node reaches no GPU or another one.
+                problem = self.explain_missing(*alloc.key)
+                if problem:
+                    self._log_once(alloc, "lasting", logging.ERROR, problem)
+                    raise ReplacedRefusal(problem, lasting=True)
+            return
+        if held.minors != alloc.minors:
             return  # answered since the start: it names the GPUs as they are
         changes = [self._changes[m] for m in alloc.minors if m in self._changes]
         problem = self._lasting_problem(alloc, changes)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from gpumanager import names
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from tests.battery_fixtures import answered, gpu

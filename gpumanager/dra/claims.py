@@ -23,7 +23,7 @@ from gpumanager.device.types import GPUInfo
 from gpumanager.dra import constants as c
 from gpumanager.dra.cdi import device_name as cdi_device_name
 from gpumanager.dra.devices import published_memory
-from gpumanager.dra.quantity import QuantityError, parse
+from gpumanager.dra.quantity import QuantityError, parse, shown
 from gpumanager.topology.nodes import HUNDRED_CORES
 
 JSON = dict[str, Any]
@@ -222,3 +222,45 @@ def _amount(consumed: Mapping[str, Any], key: str, default: Decimal, at: str) ->
         return parse(consumed[key])
     except QuantityError as exc:
         raise ClaimError(f"{at}: consumed {key} {consumed[key]!r}: {exc}") from None
+
+
+def config_problem(claim: Mapping[str, Any], ref: ClaimRef, held: ClaimAllocation, driver: str) -> str | None:
+    """Why the claim's configuration (``status.allocation.devices.config``, from its class or itself)
+    cannot be honoured, or None. The driver takes no configuration: opaque parameters addressed to it
+    for a request it holds a result of (every request when the entry names none) are refused, with
+    the claim, the entry and the value named, rather than dropped without a word (a user copying
+    another driver's ``GpuConfig`` would run with something else than asked for). Empty parameters
+    ask nothing and pass; entries of other drivers are theirs."""
+    who = f"claim {ref} ({ref.uid})"
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    entries = devices.get("config") if isinstance(devices, Mapping) else None
+    if entries is None:
+        return None
+    if not isinstance(entries, list):
+        return f"{who}: status.allocation.devices.config {shown(entries)} is not a list"
+    ours = {d.request for d in held.devices} | {d.top_request for d in held.devices}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            return f"{who}: status.allocation.devices.config[{i}] {shown(entry)} is not an object"
+        opaque = entry.get("opaque")
+        if opaque is None or (isinstance(opaque, Mapping) and opaque.get("driver") != driver):
+            continue
+        where = f"{who}: configuration {i} ({entry.get('source') or 'no source'})"
+        if not isinstance(opaque, Mapping):
+            return f"{where}: opaque {shown(opaque)} is not an object"
+        requests = entry.get("requests") or []
+        if not isinstance(requests, list):
+            return f"{where}: requests {shown(requests)} is not a list"
+        if requests and not ours & {str(r) for r in requests}:
+            continue
+        parameters = opaque.get("parameters")
+        if parameters in (None, {}):
+            continue
+        return (
+            f"{where} gives driver {driver} parameters {shown(parameters)}: this driver takes no configuration "
+            "(a share is asked for with capacity requests, cores and memory); remove the parameters from the claim "
+            "or its DeviceClass"
+        )
+    return None

@@ -31,7 +31,8 @@ from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi, sharing
 from gpumanager.dra import constants as c
 from gpumanager.dra.apierror import describe
-from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
+from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, config_problem, parse_claim
+from gpumanager.dra.reads import get_within
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
 
@@ -64,37 +65,17 @@ class Outcome:
 def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
     """A ClaimReader over the kubernetes client (GET .../resourceclaims/{name}).
 
-    ``timeout`` bounds the whole answer, not each read of it: a server (or a proxy) that trickles
-    its answer a byte at a time held a Prepare for as long as it liked. The GET runs in a thread of
-    its own; past the deadline the claim gets its error, and the thread ends with the connection.
+    ``timeout`` bounds the whole answer, not each read of it (:func:`~gpumanager.dra.reads.get_within`):
+    past the deadline the claim gets its error.
     """
     from gpumanager.kube.rest import ApiException, KubeRest, segment
 
     rest = KubeRest(api_client)
 
-    def get(path: str) -> Any:
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def fetch() -> None:
-            try:
-                box["out"] = rest.get_object(path, timeout=timeout)
-            except BaseException as exc:  # handed to the caller below
-                box["exc"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=fetch, name="read-claim", daemon=True).start()
-        if not done.wait(timeout):
-            raise TimeoutError(f"no whole answer within {timeout:g} s")
-        if "exc" in box:
-            raise box["exc"]
-        return box["out"]
-
     def read(namespace: str, name: str) -> JSON:
         path = f"/apis/{c.RESOURCE_API}/namespaces/{segment(namespace)}/resourceclaims/{segment(name)}"
         try:
-            out: JSON = get(path)
+            out: JSON = get_within(rest, path, timeout)
         except ApiException as exc:
             if exc.status == 404:
                 raise ClaimNotFound(f"claim {namespace}/{name} not found") from None
@@ -292,6 +273,9 @@ class ClaimPreparer:
             gpus=self._gpus,
             taints=self._taints() if self._taints is not None else None,
         )
+        problem = config_problem(data, ref, claim, self.driver)
+        if problem is not None:
+            raise ClaimError(problem)
         self._check_unreadable(claim)
         self._allocator.prepare_claim(claim, allow_unhealthy=tolerant)
         crash_point("prepare-after-checkpoint")

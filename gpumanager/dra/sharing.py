@@ -28,6 +28,7 @@ from gpumanager.device.types import GPUInfo
 from gpumanager.dra.apierror import describe
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.dra.consumers import claim_requests, container_claims
+from gpumanager.dra.reads import get_within
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,14 @@ def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str]
     """GET a pod: None when the API server answers 404; ClaimError (naming the pod and the error)
     when it cannot be read otherwise (another status, a connection error, a timeout, not an object),
     so the kubelet retries the Prepare rather than the check passing unseen."""
-    from gpumanager.kube.rest import ApiException, KubeRest
+    from gpumanager.kube.rest import ApiException, KubeRest, pod_path
 
     rest = KubeRest(api_client)
 
     def read(namespace: str, name: str) -> JSON | None:
         try:
-            out = rest.read_pod(namespace, name, timeout=timeout)
+            # Bounded as a whole: a server that trickles its answer must not hold the Prepare.
+            out = get_within(rest, pod_path(namespace, name), timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None

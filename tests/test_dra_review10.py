@@ -1,0 +1,128 @@
+"""DRA mode driven as the kubelet and the API server would: opaque configuration addressed to the driver,
+and the reads a Prepare makes bounded as a whole."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager.dra.claims import ClaimError, ClaimRef
+from tests.test_dra_checkpoint import DRIVER, Node, api_claim
+from tests.test_kube_rest import _kubeconfig
+
+
+def _with_config(claim: dict[str, Any], *entries: dict[str, Any]) -> dict[str, Any]:
+    claim["status"]["allocation"]["devices"]["config"] = list(entries)
+    return claim
+
+
+def _opaque(driver: str, parameters: Any, requests: list[str] | None = None, source: str = "FromClaim") -> Any:
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests is not None:
+        entry["requests"] = requests
+    return entry
+
+
+def _node(tmp_path: Path) -> Node:
+    node = Node(tmp_path, {})
+    node.allocator.probe_checkpoint()
+    return node
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        _opaque(DRIVER, {"apiVersion": "gpu.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}),
+        _opaque(DRIVER, {"cores": 30}, requests=["gpu"], source="FromClass"),
+        _opaque(DRIVER, "not an object"),
+    ],
+)
+def test_opaque_configuration_for_the_driver_is_refused_naming_the_claim_and_the_value(
+    tmp_path: Path, entry: dict[str, Any]
+) -> None:
+    # The driver takes no configuration: parameters meant for it (a user copying another driver's
+    # GpuConfig, expecting MPS or time-slicing) were dropped without a word, and the container ran
+    # with something else than asked for.
+    node = _node(tmp_path)
+    node.api["one"] = _with_config(api_claim("u1", "one"), entry)
+    outcome = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert outcome.error and not outcome.devices
+    assert "claim ml/one (u1)" in outcome.error and DRIVER in outcome.error, outcome.error
+    shown = entry["opaque"]["parameters"]
+    first = next(iter(shown)) if isinstance(shown, dict) else shown
+    assert repr(first) in outcome.error, outcome.error
+    assert "Traceback" not in outcome.error
+    assert node.allocator.claims() == [] and not list((tmp_path / "cdi").glob("*.json")), "nothing is left behind"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        _opaque("gpu.nvidia.com", {"kind": "GpuConfig", "sharing": {"strategy": "MPS"}}),  # another driver's
+        _opaque(DRIVER, {}),  # nothing asked
+        _opaque(DRIVER, None),
+        _opaque(DRIVER, {"cores": 30}, requests=["other-request"]),  # for a request of no result of ours
+    ],
+)
+def test_configuration_that_asks_nothing_of_the_driver_is_prepared(tmp_path: Path, entry: dict[str, Any]) -> None:
+    node = _node(tmp_path)
+    node.api["one"] = _with_config(api_claim("u1", "one"), entry)
+    outcome = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert not outcome.error and outcome.devices
+
+
+def test_a_claim_prepared_before_is_answered_again_without_its_configuration_read(tmp_path: Path) -> None:
+    # The kubelet's retry of a prepared claim gets the same answer: the check is made once, at the first Prepare.
+    node = _node(tmp_path)
+    node.api["one"] = api_claim("u1", "one")
+    first = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    node.api["one"] = _with_config(api_claim("u1", "one"), _opaque(DRIVER, {"cores": 30}))
+    again = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert not first.error and again == first
+
+
+def test_a_pod_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: Path) -> None:
+    """The check of the containers that use a share reads their pods: each read of the answer came within
+    the timeout, the whole never did, and the Prepare waited as long as the server liked."""
+    from gpumanager.dra.sharing import api_pod_reader
+    from gpumanager.kube.client import api_client
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    kubeconfig = _kubeconfig(tmp_path, port)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            api_pod_reader(api_client(kubeconfig), timeout=1.0)("ns", "pod-a")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    stop.set()
+    listener.close()
+    assert outcome, "the pod read still waits on an answer that never ends"
+    assert isinstance(outcome[0], ClaimError) and "pod ns/pod-a" in str(outcome[0]), outcome

@@ -6,14 +6,15 @@ naming the container and the best GPU; it is *unresolvable* (preemption cannot h
 its GPUs with nothing on them could not hold the pod.
 
 The choices binds of any replica recorded on a node (:mod:`gpumanager.extender.claims`), which
-bind counts, fail the node in filter where they leave no room for the pod and another candidate
-has room with them counted: the scheduler could only be refused by bind there (another replica
-filled it; this replica's pod watch has not shown that pod's annotations yet). Where no candidate
-has room with them counted, such nodes pass (prioritize scores them 0): the choices lapse by time,
-with no event of the cluster, so a pod filter found no node for could wait as unschedulable for an
-unrelated event (kube-scheduler: up to 5 minutes) after they lapsed; passed, it goes to a bind that
-refuses it while the choices last, and the scheduler tries again after its backoff (at most 10 s).
-The choices are read from the node watch: no API call per request.
+bind counts, fail the node in filter where they leave no room for the pod: the scheduler could only
+be refused by bind there (another replica filled it; this replica's pod watch has not shown that
+pod's annotations yet). They fail it as *resolvable* (the choice ends when its pod is bound, which
+is a cluster event that sends the pod back to the scheduling queue, or lapses), also when no
+candidate has room: the pod then stays Pending with every node failed, never passed to a bind
+that can only refuse it. The choices are read from the node watch: no API call per request.
+
+Every reason starts with ``node <name>:``: the kube-scheduler folds equal reasons into one line of
+the pod's FailedScheduling event, and a reason that names its node says which node lacks what.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def _pod_key(pod: object) -> str:
     if not isinstance(meta, dict):
         return "(unnamed)"
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def named(node: str, reason: str) -> str:
+    """``reason`` starting with ``node <node>:`` (unchanged when it already names the node first)."""
+    if not reason or reason.startswith((f"node {node}:", f"node {node} ")):
+        return reason
+    return f"node {node}: {reason}"
 
 
 class Decider:
@@ -170,7 +178,7 @@ class Decider:
         node_names = args.names
         if never:
             outcomes["unresolvable"] += len(node_names)
-            return filter_result(args, [], {}, dict.fromkeys(node_names, never)), outcomes
+            return filter_result(args, [], {}, {name: named(name, never) for name in node_names}), outcomes
         if not requests and not inits and not sidecars:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes
@@ -189,16 +197,17 @@ class Decider:
                     if verdict == "pass" and gpus is not None:
                         reason = self._claimed_problem(name, uid, gpus, requests, inits, sidecars)
                         if reason:
-                            claimed[name] = reason
+                            claimed[name] = named(name, reason)
                     outcomes[verdict] += 1
+                    reason = named(name, reason)
                     if verdict == "pass":
                         passed.append(name)
                     elif verdict == "fail":
                         failed[name] = reason
                     else:
                         unresolvable[name] = reason
-        if claimed and len(claimed) < len(passed):
-            # Another node has room: the scheduler is not sent to a bind that can only refuse the pod.
+        if claimed:
+            # The scheduler is not sent to a bind that can only refuse the pod, even when no node has room.
             passed = [name for name in passed if name not in claimed]
             failed.update(claimed)
             outcomes["pass"] -= len(claimed)

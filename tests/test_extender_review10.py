@@ -1,0 +1,84 @@
+"""The extender as the kube-scheduler (and several of its replicas) use it: a pod no node can hold stays
+Pending with every node failed for a reason naming the node; odd requests and odd objects get an answer
+naming them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpumanager.extender import claims
+from gpumanager.extender.nodes import Charge
+from tests.extender_fixtures import BLOCK, World, gpu_pod, held, inventory, wait_for, world
+
+__all__ = ["world"]
+
+
+def _note(world: World, node: str, uid: str, pod: str) -> None:
+    """Record on ``node`` the choice of another replica's bind (60 cores, 4 blocks on GPU 0) for ``pod``."""
+    claim = claims.Claim(pod, time.time(), "1", (Charge(0, 60, 4 * BLOCK),))
+
+    def change(obj: dict[str, Any]) -> None:
+        obj["metadata"].setdefault("annotations", {})[claims.ANNOTATION] = claims.encode_claims({uid: claim})
+
+    world.api.update_node(node, change)
+
+
+def _passed(answer: dict[str, Any]) -> list[str]:
+    return sorted(n["metadata"]["name"] for n in (answer["Nodes"] or {}).get("items") or [])
+
+
+def _node_name_of(world: World, pod: dict[str, Any]) -> str:
+    found = world.api.get_pod("default", pod["metadata"]["name"])
+    assert found is not None
+    return str(found["spec"].get("nodeName") or "")
+
+
+def test_no_node_has_room_counting_recorded_choices_every_node_fails_and_the_pod_stays_pending(
+    world: World,
+) -> None:
+    """Every candidate is filled by choices another replica's binds recorded (its pod watch lags): filter
+    passed them all, so the scheduler went on to bind a pod that no node could hold."""
+    for node in ("full", "also-full"):
+        world.add_node(node, inventory([16]), gpus=1, memory_gib=16)
+    ext = world.start_extender()
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    _note(world, "full", "uid-x1", "default/x1")
+    _note(world, "also-full", "uid-x2", "default/x2")
+    wait_for(lambda: bool(ext.state.node_claims("full")) and bool(ext.state.node_claims("also-full")), what="records")
+    answer = world.filter(y)
+    assert answer["Error"] == ""
+    assert _passed(answer) == [], answer
+    failed = answer["FailedNodes"]
+    assert set(failed) == {"full", "also-full"}, answer
+    assert "node full" in failed["full"] and "default/x1" in failed["full"] and "needs 60 cores" in failed["full"]
+    assert "node also-full" in failed["also-full"] and "default/x2" in failed["also-full"]
+    assert answer["FailedAndUnresolvableNodes"] == {}  # preempting, or the record ending, may make room
+    names_only = world.post("filter", {"Pod": y, "NodeNames": ["full", "also-full"]})
+    assert names_only["NodeNames"] == [] and set(names_only["FailedNodes"]) == {"full", "also-full"}
+    # A scheduler that binds anyway is refused, and the pod stays Pending.
+    assert "no longer fits" in world.bind(y, "full")
+    assert _node_name_of(world, y) == ""
+
+
+def test_every_failed_node_is_named_in_its_reason(world: World) -> None:
+    """The scheduler's event folds equal reasons ("2 container 'c0' needs..."): each names its node."""
+    for node in ("n1", "n2"):
+        world.add_node(node, inventory([80]), gpus=1)
+        world.create(gpu_pod(f"on-{node}", [(100, 0)], node=node, annotations=held(node, [[0]]), phase="Running"))
+    world.add_node("cpu", None, gpus=0)
+    world.start_extender()
+    world.wait_seen(2)
+    pod = world.create(gpu_pod("a", [(100, 0)]))
+    answer = world.filter(pod)
+    assert _passed(answer) == []
+    reasons = {**answer["FailedNodes"], **answer["FailedAndUnresolvableNodes"]}
+    assert set(reasons) == {"n1", "n2", "cpu"}, answer
+    for node, reason in reasons.items():
+        assert reason.startswith(f"node {node}: "), (node, reason)
+    assert "needs 1 whole GPU(s)" in answer["FailedNodes"]["n1"]
+    odd = world.create(gpu_pod("odd", [(150, 0)]))
+    for node, reason in world.filter(odd, ["n1", "n2"])["FailedAndUnresolvableNodes"].items():
+        assert reason.startswith(f"node {node}: ") and "150 tencent.com/vcuda-core" in reason, reason
+    assert "no longer fits" in world.bind(pod, "n1")
+    assert _node_name_of(world, pod) == ""

@@ -4,12 +4,13 @@ naming them."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from gpumanager.extender import claims
 from gpumanager.extender.nodes import Charge
-from tests.extender_fixtures import BLOCK, World, gpu_pod, held, inventory, wait_for, world
+from tests.extender_fixtures import BLOCK, World, gpu_pod, held, http_error, inventory, wait_for, world
 
 __all__ = ["world"]
 
@@ -82,3 +83,20 @@ def test_every_failed_node_is_named_in_its_reason(world: World) -> None:
         assert reason.startswith(f"node {node}: ") and "150 tencent.com/vcuda-core" in reason, reason
     assert "no longer fits" in world.bind(pod, "n1")
     assert _node_name_of(world, pod) == ""
+
+
+def test_a_node_object_or_name_without_a_name_is_refused_naming_its_place(world: World) -> None:
+    """A Node object without ``metadata.name`` was judged as a node called "" (and answered as one)."""
+    world.add_node("n1", inventory([80]), gpus=1)
+    world.start_extender()
+    pod = world.create(gpu_pod("a", [(50, 4)]))
+    node = world.api.nodes()[0]
+    for verb in ("filter", "prioritize"):
+        for body, where in (
+            ({"Pod": pod, "Nodes": {"items": [node, {"metadata": {}}]}}, "ExtenderArgs.Nodes.items[1]"),
+            ({"Pod": pod, "Nodes": {"items": [{"metadata": {"name": ""}}]}}, "ExtenderArgs.Nodes.items[0]"),
+            ({"Pod": pod, "NodeNames": ["n1", ""]}, "ExtenderArgs.NodeNames[1]"),
+        ):
+            status, answer = http_error(world, verb, json.dumps(body).encode())
+            assert status == 400, (verb, body, answer)
+            assert where in answer["Error"] and "name" in answer["Error"], answer

@@ -128,8 +128,13 @@ def parse_args(body: bytes) -> ExtenderArgs:
         raw: dict[str, msgspec.Raw] = {}
         for i, item in enumerate(nodes.items or []):
             head: _NodeHead = _decode(_HEAD, item, f"ExtenderArgs.Nodes.items[{i}]")
+            if not head.metadata.name:
+                raise BadRequestError(f"ExtenderArgs.Nodes.items[{i}] has no metadata.name")
             raw[head.metadata.name] = item
         return ExtenderArgs(pod=pod, node_names=None, raw_nodes=raw)
+    for i, name in enumerate(names or []):
+        if not name:
+            raise BadRequestError(f"ExtenderArgs.NodeNames[{i}] is an empty name")
     return ExtenderArgs(pod=pod, node_names=list(names or []))
 
 

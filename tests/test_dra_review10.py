@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gpumanager.dra import cdi
 from gpumanager.dra.claims import ClaimError, ClaimRef
 from tests.test_dra_checkpoint import DRIVER, Node, api_claim
 from tests.test_kube_rest import _kubeconfig
@@ -126,3 +127,51 @@ def test_a_pod_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: 
     listener.close()
     assert outcome, "the pod read still waits on an answer that never ends"
     assert isinstance(outcome[0], ClaimError) and "pod ns/pod-a" in str(outcome[0]), outcome
+
+
+def _crash_in_unprepare(node: Node, uid: str) -> None:
+    """The agent killed in an Unprepare after its checkpoint record, before its files went (the
+    ``unprepare-after-checkpoint`` crash point): the record is gone, the CDI spec and directory stay."""
+    assert node.allocator.unprepare_claim(uid) is not None
+    assert node.files(uid)
+
+
+@pytest.mark.parametrize("left", ["not allocated", "no device of the driver"])
+def test_files_of_a_claim_unprepared_by_a_crash_and_deallocated_since_are_removed_at_the_restart(
+    tmp_path: Path, left: str
+) -> None:
+    # The kubelet got no answer to the Unprepare; the pod ended and the resourceclaim controller cleared
+    # the claim's allocation (a standalone claim outlives its pod). Nothing can prepare that claim on this
+    # node again, yet its CDI spec and directory were kept forever ("cannot be recorded again"), the
+    # error logged at every start.
+    node = _node(tmp_path)
+    node.api["one"] = api_claim("u1", "one")
+    assert not node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"].error
+    _crash_in_unprepare(node, "u1")
+    claim = api_claim("u1", "one", reserved=False)
+    if left == "not allocated":
+        del claim["status"]["allocation"]
+    else:  # allocated again since, to another driver's device
+        claim["status"]["allocation"]["devices"]["results"][0]["driver"] = "gpu.nvidia.com"
+
+    after = Node(tmp_path, {"one": claim})
+    after.allocator.load()
+    removed = after.preparer.restore_files()
+    assert removed == ["u1"]
+    assert not cdi.spec_path(after.cdi, "u1").exists() and not (after.vm / "u1").exists()
+    assert after.allocator.claims() == [] and after.preparer.unreadable() == {}
+
+
+def test_files_of_a_claim_unprepared_by_a_crash_but_still_allocated_are_rebuilt(tmp_path: Path) -> None:
+    # Still allocated: the kubelet may still hold it prepared (it retries the Unprepare it got no answer
+    # to), so it is recorded again and its GPU held until that Unprepare comes.
+    node = _node(tmp_path)
+    node.api["one"] = api_claim("u1", "one")
+    assert not node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"].error
+    _crash_in_unprepare(node, "u1")
+    after = Node(tmp_path, {"one": api_claim("u1", "one")})
+    after.allocator.load()
+    assert after.preparer.restore_files() == []
+    assert [c.uid for c in after.allocator.claims()] == ["u1"] and after.files("u1")
+    assert after.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    assert not cdi.spec_path(after.cdi, "u1").exists() and not (after.vm / "u1").exists()

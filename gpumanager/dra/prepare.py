@@ -403,7 +403,8 @@ class ClaimPreparer:
     def reconcile(self, *, verify_recovered: bool = False) -> list[str]:
         """After a restart, while the kubelet is served (the API server may be slow or hang): a claim
         whose spec is on disk but whose record was lost or could not be trusted is rebuilt from the
-        API server, and its files removed only when the API server no longer has it. Returns the
+        API server, and its files removed only when the API server no longer has it, or no longer
+        allocates it a device of the driver (nothing can prepare it here again). Returns the
         UIDs removed. A claim the kubelet prepared or unprepared since the start is left as the kubelet
         had it (its word is newer). A claim the API server cannot be asked about now stays in
         :meth:`unreadable` (no new claim on its GPUs) for :meth:`retry_unreadable`.
@@ -527,15 +528,13 @@ class ClaimPreparer:
                 exc,
             )
             return "unreadable", None
-        if data is None or (data.get("metadata") or {}).get("uid") != uid:  # deleted, or recreated: gone
-            with self._lock:
-                if uid in self._touched:  # the kubelet prepared or unprepared it meanwhile
-                    return "kept", None
-                log.info(
-                    "removing the CDI spec and directory of claim %s (%s): the API server no longer has it", ref, uid
-                )
-                self._remove_files(uid)
-            return "removed", None
+        if data is None or (data.get("metadata") or {}).get("uid") != uid:  # deleted, or recreated
+            return self._remove_gone(ref, "the API server no longer has it")
+        if not _holds_driver(data, self.driver):
+            # Deallocated since (its pod ended while the agent was down, between the Unprepare's record and
+            # the removal of its files), or allocated again to another driver: the kubelet prepares only
+            # an allocated claim, so nothing can prepare it here again.
+            return self._remove_gone(ref, f"it is no longer allocated a device of driver {self.driver}")
         pool = self._pool_of(data)
         try:
             claim, _tolerant = parse_claim(data, ref, driver=self.driver, pool=pool, gpus=self._gpus)
@@ -557,6 +556,16 @@ class ClaimPreparer:
                 self.pool,
             )
         return "rebuilt", claim
+
+    def _remove_gone(self, ref: ClaimRef, why: str) -> tuple[str, ClaimAllocation | None]:
+        """:meth:`_rebuild` of a claim nothing can prepare here again: its files are removed ("removed"),
+        unless the kubelet prepared or unprepared it meanwhile ("kept": its word is newer)."""
+        with self._lock:
+            if ref.uid in self._touched:
+                return "kept", None
+            log.info("removing the CDI spec and directory of claim %s (%s): %s", ref, ref.uid, why)
+            self._remove_files(ref.uid)
+        return "removed", None
 
     def _pool_of(self, data: Mapping[str, Any]) -> str:
         """The pool a claim with this node's files was prepared from: this node's, or, where every result of
@@ -580,6 +589,16 @@ class ClaimPreparer:
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""
         return {c.uid: c for c in self._allocator.claims()}
+
+
+def _holds_driver(data: Mapping[str, Any], driver: str) -> bool:
+    """Whether the claim as the API server has it is allocated a device of ``driver``."""
+    status = data.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    results = devices.get("results") if isinstance(devices, Mapping) else None
+    listed = results if isinstance(results, list) else []
+    return any(isinstance(r, Mapping) and r.get("driver") == driver for r in listed)
 
 
 def _same_claim(known: ClaimAllocation, ref: ClaimRef) -> None:

@@ -8,7 +8,9 @@ import json
 import time
 from typing import Any
 
-from gpumanager.extender import claims
+import pytest
+
+from gpumanager.extender import claims, service
 from gpumanager.extender.nodes import Charge
 from tests.extender_fixtures import BLOCK, World, gpu_pod, held, http_error, inventory, wait_for, world
 
@@ -100,3 +102,37 @@ def test_a_node_object_or_name_without_a_name_is_refused_naming_its_place(world:
             status, answer = http_error(world, verb, json.dumps(body).encode())
             assert status == 400, (verb, body, answer)
             assert where in answer["Error"] and "name" in answer["Error"], answer
+
+
+def test_a_record_that_lapsed_is_taken_off_the_node_so_a_pending_pod_is_tried_again(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record left by a replica that died mid-bind fails the node until it lapses; the lapse itself
+    changed nothing in the cluster, so a pod failed on it waited for an unrelated event (the
+    scheduler: up to 5 minutes). The extender now takes lapsed records off the node (a Node update,
+    which sends unschedulable pods back to the queue)."""
+    monkeypatch.setattr(claims, "CLAIM_TTL", 1.0)
+    monkeypatch.setattr(service, "SWEEP_EVERY", 0.2)
+    world.add_node("full", inventory([16]), gpus=1, memory_gib=16)
+    ext = world.start_extender()
+    y = world.create(gpu_pod("y", [(60, 4)]))
+    _note(world, "full", "uid-dead", "default/dead")
+    wait_for(lambda: bool(ext.state.node_claims("full")), what="the record shown")
+    assert "default/dead" in world.filter(y)["FailedNodes"]["full"]
+
+    def record() -> str:
+        return str(world.api.nodes()[0]["metadata"].get("annotations", {}).get(claims.ANNOTATION, ""))
+
+    wait_for(lambda: "uid-dead" not in record(), timeout=5, what="the lapsed record taken off the node")
+    assert _passed(world.filter(y)) == ["full"]
+    assert world.bind(y, "full") == ""
+
+
+def test_a_live_record_is_not_taken_off_the_node(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "SWEEP_EVERY", 0.1)
+    world.add_node("full", inventory([16]), gpus=1, memory_gib=16)
+    ext = world.start_extender()
+    _note(world, "full", "uid-live", "default/live")
+    wait_for(lambda: bool(ext.state.node_claims("full")), what="the record shown")
+    time.sleep(0.6)
+    assert "uid-live" in world.api.nodes()[0]["metadata"]["annotations"][claims.ANNOTATION]

@@ -30,6 +30,8 @@ POD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 WATCH_GRACE = 30.0
 #: Seconds the pods' watch waits for the nodes' first list before it starts anyway.
 PODS_AFTER_NODES = 10.0
+#: Seconds between two passes that take lapsed recorded choices off the nodes (see :meth:`Binder.drop_lapsed`).
+SWEEP_EVERY = 5.0
 
 
 def _gpu_pod(pod: dict[str, Any]) -> bool:
@@ -64,6 +66,8 @@ class Extender:
     def __init__(self, api: client.ApiClient, settings: ExtenderSettings) -> None:
         self.settings = settings
         self.state = ClusterState(assume_ttl=settings.assume_ttl)
+        self._stopping = threading.Event()
+        self._sweep_errors: dict[str, str] = {}
         self.decider = Decider(self.state, settings.policy)
         self.metrics = ExtenderMetrics(self._sizes)
         self.binder = Binder(
@@ -114,6 +118,7 @@ class Extender:
         threading.Thread(target=self._start_pods, name="pods-after-nodes", daemon=True).start()
         self.server.start()
         threading.Thread(target=self._settle, name="gc-freeze", daemon=True).start()
+        threading.Thread(target=self._sweep, name="lapsed-choices", daemon=True).start()
         log.info("policy %s; watching nodes and pods", self.settings.policy)
 
     def _start_pods(self) -> None:
@@ -133,8 +138,26 @@ class Extender:
                 self.state.pod_count(),
             )
 
+    def _sweep(self) -> None:
+        """Every :data:`SWEEP_EVERY` seconds, take the recorded choices that lapsed off their nodes."""
+        while not self._stopping.wait(SWEEP_EVERY):
+            if not self.synced():
+                continue
+            for name in self.state.nodes_with_lapsed_claims():
+                try:
+                    self.binder.drop_lapsed(name)
+                except Exception as exc:  # the API server's answer, a timeout: the next pass tries again
+                    text = f"{type(exc).__name__}: {exc}"
+                    # A conflict is a bind writing meanwhile (it drops them too); other errors once each.
+                    quiet = getattr(exc, "status", None) == 409 or self._sweep_errors.get(name) == text
+                    self._sweep_errors[name] = text
+                    (log.debug if quiet else log.warning)(
+                        "node %s: cannot take the lapsed choices recorded on it off: %s", name, text[:300]
+                    )
+
     def stop(self) -> None:
         """Stop serving and watching."""
+        self._stopping.set()
         self.server.stop()
         self.pods.stop()
         self.nodes.stop()

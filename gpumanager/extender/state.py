@@ -152,6 +152,20 @@ class ClusterState:
             found = self._node_claims.get(name)
         return self.sightings.live(found[1]) if found else {}
 
+    def nodes_with_lapsed_claims(self) -> list[str]:
+        """Nodes whose recorded choices, as the watch last showed them, include some that lapsed here
+        and that held GPUs while they counted (not of a pod the watch showed ended, nor a choice the
+        pod's own annotations count here): their lapse freed room that no cluster event announced."""
+        with self.lock:
+            found = [(name, parsed) for name, (_raw, parsed) in self._node_claims.items()]
+        out = []
+        for name, parsed in found:
+            live = self.sightings.live(parsed)
+            lapsed = {uid: c for uid, c in parsed.items() if uid not in live}
+            if lapsed and self.uncounted(name, lapsed, ""):
+                out.append(name)
+        return out
+
     def _note_claims(self, name: str, node: Node) -> None:
         meta = node.get("metadata")
         notes = meta.get("annotations") if isinstance(meta, dict) else None

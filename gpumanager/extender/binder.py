@@ -233,35 +233,31 @@ class Binder:
         showed ended); returns how many. A lapse changes nothing in the cluster by itself, so a pod the
         scheduler failed on such a choice waited for an unrelated event: this Node update sends it back
         to the scheduling queue. One try, with the node's ``resourceVersion`` as precondition (a bind
-        writing meanwhile wins; the next pass tries again). Raises ApiException and urllib3 errors."""
+        writing meanwhile wins; the next pass tries again); no lock is taken, so no bind waits for it.
+        Raises ApiException and urllib3 errors."""
         deadline = _Deadline(self._timeout)
-        with self._node_locks.hold(node_name, deadline.left()) as taken:
-            if not taken:
-                return 0
-            response = self._core.read_node(node_name, _preload_content=False, _request_timeout=deadline.call_timeout())
-            node = _json_object(response)
-            recorded = parse_claims(node)
-            if not recorded:
-                return 0
-            live = self._state.sightings.live(recorded)
-            keep = {uid: c for uid, c in live.items() if not self._state.ended(uid)}
-            if len(keep) == len(recorded):
-                return 0
-            rv = str((node.get("metadata") or {}).get("resourceVersion", ""))
-            value: str | None = encode_claims(keep) if keep else None
-            body = {"metadata": {"resourceVersion": rv, "annotations": {CLAIMS: value}}}
-            self._core.patch_node(
-                node_name,
-                body,
-                _content_type=MERGE_PATCH,
-                _preload_content=False,
-                _request_timeout=deadline.call_timeout(),
-            )
-            dropped = sorted(c.pod or uid for uid, c in recorded.items() if uid not in keep)
-            log.info(
-                "node %s: took off the choices recorded for pods %s (lapsed or ended)", node_name, ", ".join(dropped)
-            )
-            return len(recorded) - len(keep)
+        response = self._core.read_node(node_name, _preload_content=False, _request_timeout=deadline.call_timeout())
+        node = _json_object(response)
+        recorded = parse_claims(node)
+        if not recorded:
+            return 0
+        live = self._state.sightings.live(recorded)
+        keep = {uid: c for uid, c in live.items() if not self._state.ended(uid)}
+        if len(keep) == len(recorded):
+            return 0
+        rv = str((node.get("metadata") or {}).get("resourceVersion", ""))
+        value: str | None = encode_claims(keep) if keep else None
+        body = {"metadata": {"resourceVersion": rv, "annotations": {CLAIMS: value}}}
+        self._core.patch_node(
+            node_name,
+            body,
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+            _request_timeout=deadline.call_timeout(),
+        )
+        dropped = sorted(c.pod or uid for uid, c in recorded.items() if uid not in keep)
+        log.info("node %s: took off the choices recorded for pods %s (lapsed or ended)", node_name, ", ".join(dropped))
+        return len(recorded) - len(keep)
 
 
 class _Bind:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 
 from gpumanager.dra import cdi
 from gpumanager.dra.claims import ClaimError, ClaimRef
-from tests.test_dra_checkpoint import DRIVER, Node, api_claim
+from gpumanager.dra.prepare import ClaimPreparer
+from tests.test_dra_checkpoint import DRIVER, GPUS, Node, api_claim
 from tests.test_kube_rest import _kubeconfig
 
 
@@ -175,3 +177,84 @@ def test_files_of_a_claim_unprepared_by_a_crash_but_still_allocated_are_rebuilt(
     assert [c.uid for c in after.allocator.claims()] == ["u1"] and after.files("u1")
     assert after.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
     assert not cdi.spec_path(after.cdi, "u1").exists() and not (after.vm / "u1").exists()
+
+
+class _SlowReads:
+    """A reader whose every GET takes ``seconds`` (an API server that is slow, or hangs up to the read's
+    own deadline)."""
+
+    def __init__(self, api: dict[str, dict[str, Any]], seconds: float) -> None:
+        self.api, self.seconds = api, seconds
+
+    def __call__(self, namespace: str, name: str) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return self.api[name]
+
+
+def _preparer(node: Node, read: Any, answer_within: float) -> ClaimPreparer:
+    return ClaimPreparer(
+        read_claim=read,
+        allocator=node.allocator,
+        gpus=GPUS,
+        driver=DRIVER,
+        pool="node-a",
+        cdi_settings=node.cdi,
+        vm_path=node.vm,
+        driver_version="550.54.15",
+        answer_within=answer_within,
+    )
+
+
+def test_a_prepare_of_several_claims_on_a_slow_api_server_answers_every_claim_in_time(tmp_path: Path) -> None:
+    # The kubelet gives each NodePrepareResources 45 s; it sends every claim of a pod of the driver in one
+    # call. Each claim's GET may take up to its own deadline (10 s), one after the other: five claims on
+    # a hung API server were answered after the kubelet had given up, which then saw DeadlineExceeded
+    # and none of the claims' errors.
+    node = _node(tmp_path)
+    api = {f"c{i}": api_claim(f"u{i}", f"c{i}", cores=10) for i in range(4)}
+    preparer = _preparer(node, _SlowReads(api, 3.0), answer_within=1.0)
+    start = time.monotonic()
+    outcomes = preparer.prepare([ClaimRef("ml", f"c{i}", f"u{i}") for i in range(4)])
+    took = time.monotonic() - start
+    assert took < 2.0, f"answered after {took:.1f} s"
+    assert sorted(outcomes) == [f"u{i}" for i in range(4)]
+    for i in range(4):
+        error = outcomes[f"u{i}"].error
+        assert f"claim ml/c{i} (u{i})" in error and "1 s" in error, error
+    time.sleep(3.5)  # the GETs end: a claim already answered with an error is not prepared behind its back
+    assert node.allocator.claims() == [] and not list((tmp_path / "cdi").glob("*.json"))
+    # The kubelet's retry, on an API server that answers again, prepares them.
+    again = _preparer(node, _SlowReads(api, 0.0), answer_within=1.0).prepare(
+        [ClaimRef("ml", f"c{i}", f"u{i}") for i in range(4)]
+    )
+    assert all(not o.error and o.devices for o in again.values()), again
+
+
+def test_the_claims_of_one_prepare_are_read_side_by_side(tmp_path: Path) -> None:
+    # Four GETs of 0.6 s each fit in 1.5 s only when they do not wait for one another.
+    node = _node(tmp_path)
+    api = {f"c{i}": api_claim(f"u{i}", f"c{i}", cores=10) for i in range(4)}
+    outcomes = _preparer(node, _SlowReads(api, 0.6), answer_within=1.5).prepare(
+        [ClaimRef("ml", f"c{i}", f"u{i}") for i in range(4)]
+    )
+    assert all(not o.error and o.devices for o in outcomes.values()), outcomes
+    assert sorted(c.uid for c in node.allocator.claims()) == [f"u{i}" for i in range(4)]
+
+
+def test_claims_of_one_prepare_are_recorded_in_the_request_order(tmp_path: Path) -> None:
+    # Two claims the scheduler wrongly placed on one GPU beyond its capacity (60 + 60 cores): the first
+    # of the request is prepared, the second refused naming the amounts, however fast each was read.
+    node = _node(tmp_path)
+    api = {"first": api_claim("u1", "first", cores=60), "second": api_claim("u2", "second", cores=60)}
+    delays = {"first": 0.5, "second": 0.0}
+
+    def read(namespace: str, name: str) -> dict[str, Any]:
+        time.sleep(delays[name])
+        return api[name]
+
+    outcomes = _preparer(node, read, answer_within=5.0).prepare(
+        [ClaimRef("ml", "first", "u1"), ClaimRef("ml", "second", "u2")]
+    )
+    assert not outcomes["u1"].error and outcomes["u1"].devices
+    assert "claim ml/second (u2)" in outcomes["u2"].error and "cores=60" in outcomes["u2"].error, outcomes["u2"]
+    assert [c.uid for c in node.allocator.claims()] == ["u1"]

@@ -54,6 +54,21 @@ class PreparedDevice:
     share_id: str
 
 
+#: Seconds a NodePrepareResources is answered within: below the kubelet's 45 s call timeout (k/k
+#: pkg/kubelet/cm/dra/plugin, defaultClientCallTimeout), past which it sees no claim's answer.
+PREPARE_ANSWER_WITHIN = 30.0
+
+
+@dataclass
+class _Call:
+    """One NodePrepareResources: when it is answered, whether it was (no claim is recorded after), and
+    the claims it recorded. ``closed`` and ``recorded`` change under the preparer's lock."""
+
+    deadline: float
+    closed: bool = False
+    recorded: set[str] = field(default_factory=set)
+
+
 @dataclass
 class Outcome:
     """The answer for one claim: devices, or an error."""
@@ -140,8 +155,10 @@ class ClaimPreparer:
         sharing_check: sharing.SharingCheck | None = None,
         taints: Callable[[], Mapping[int, str]] | None = None,
         capacity_seen: Callable[[str | None], None] | None = None,
+        answer_within: float = PREPARE_ANSWER_WITHIN,
     ) -> None:
         self._read = read_claim
+        self._answer_within = answer_within
         # Told, for each claim prepared whose requests ask for capacity, why the scheduler allocated
         # them without it (its DRAConsumableCapacity gate is off), or None when it allocated it.
         self._capacity_seen = capacity_seen
@@ -189,25 +206,75 @@ class ClaimPreparer:
             cdi.write_spec(self._cdi, claim, self._gpus)
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, Outcome]:
-        """One NodePrepareResources: an outcome for every claim UID of the request."""
-        out: dict[str, Outcome] = {}
-        for ref in refs:
+        """One NodePrepareResources: an outcome for every claim UID of the request, within
+        ``answer_within`` seconds.
+
+        The claims are read side by side (each one's reads of the API server wait for no other's), and
+        recorded in the request's order (of two claims the scheduler placed on one GPU beyond its
+        capacity, the first is prepared).
+        A claim not prepared by then is answered with an error naming it, and is not recorded later
+        behind the kubelet's back (its retry prepares it): the kubelet gives the whole call 45 s and,
+        past that, sees none of the claims' answers.
+        """
+        call = _Call(deadline=time.monotonic() + self._answer_within)
+        done: dict[str, Outcome] = {}
+        done_lock = threading.Lock()
+
+        def run(ref: ClaimRef, after: threading.Event | None, finished: threading.Event) -> None:
             try:
-                out[ref.uid] = Outcome(self._prepare_one(ref))
-            except (ClaimError, AllocationError) as exc:
-                log.warning("NodePrepareResources: %s", exc)
-                out[ref.uid] = Outcome(error=str(exc))
-            except OSError as exc:
-                message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
-                log.error("NodePrepareResources: %s", message)
-                out[ref.uid] = Outcome(error=message)
-            except Exception as exc:  # a claim no check foresaw: its own error, the others go on
-                message = f"claim {ref} ({ref.uid}): cannot be prepared: {type(exc).__name__}: {exc}"
-                log.exception("NodePrepareResources: %s", message)
-                out[ref.uid] = Outcome(error=message)
+                outcome = self._prepare_guarded(ref, call, after)
+                with done_lock:
+                    done[ref.uid] = outcome
+            finally:
+                finished.set()
+
+        workers = []
+        after: threading.Event | None = None
+        for ref in refs:
+            finished = threading.Event()
+            worker = threading.Thread(target=run, args=(ref, after, finished), name="prepare-claim", daemon=True)
+            workers.append((ref, worker))
+            after = finished
+        for _, worker in workers:
+            worker.start()
+        for _, worker in workers:
+            worker.join(max(0.0, call.deadline - time.monotonic()))
+        if any(worker.is_alive() for _, worker in workers):
+            with self._lock:  # a claim being recorded now finishes first; none is recorded after this
+                call.closed = True
+            for ref, worker in workers:
+                if ref.uid in call.recorded:  # recorded and its files written: its answer follows at once
+                    worker.join()
+        with done_lock:
+            out = dict(done)
+        for ref, _ in workers:
+            if ref.uid not in out:
+                out[ref.uid] = Outcome(
+                    error=f"claim {ref} ({ref.uid}): not prepared within {self._answer_within:g} s (the API server "
+                    "is slow to answer the reads its Prepare makes); nothing was recorded, the kubelet retries"
+                )
+                log.warning("NodePrepareResources: %s", out[ref.uid].error)
         return out
 
-    def _prepare_one(self, ref: ClaimRef) -> list[PreparedDevice]:
+    def _prepare_guarded(self, ref: ClaimRef, call: _Call, after: threading.Event | None) -> Outcome:
+        """:meth:`_prepare_one`, every failure as the claim's own error."""
+        try:
+            return Outcome(self._prepare_one(ref, call, after))
+        except (ClaimError, AllocationError) as exc:
+            log.warning("NodePrepareResources: %s", exc)
+            return Outcome(error=str(exc))
+        except OSError as exc:
+            message = f"claim {ref} ({ref.uid}): cannot write its files: {exc}"
+            log.error("NodePrepareResources: %s", message)
+            return Outcome(error=message)
+        except Exception as exc:  # a claim no check foresaw: its own error, the others go on
+            message = f"claim {ref} ({ref.uid}): cannot be prepared: {type(exc).__name__}: {exc}"
+            log.exception("NodePrepareResources: %s", message)
+            return Outcome(error=message)
+
+    def _prepare_one(self, ref: ClaimRef, call: _Call, after: threading.Event | None) -> list[PreparedDevice]:
+        """Prepare one claim of ``call``: read it, then record it once the claim before it in the
+        request is done (``after``), unless the call was answered meanwhile."""
         _check_ref_uid(ref)
         with self._lock:
             self._touched.add(ref.uid)
@@ -228,8 +295,14 @@ class ClaimPreparer:
             data = self._read(ref.namespace, ref.name)
             self._check_sharing(ref, data)
             t1 = time.perf_counter()
+            if after is not None:
+                after.wait(max(0.0, call.deadline - time.monotonic()))
             with self._lock:
-                return self._record(ref, data, t0, t1, begun)
+                if call.closed:
+                    raise ClaimError(f"claim {ref} ({ref.uid}): answered before its reads ended; not recorded")
+                answer = self._record(ref, data, t0, t1, begun)
+                call.recorded.add(ref.uid)
+                return answer
         finally:
             with self._lock:
                 left = self._reading[ref.uid] - 1

@@ -258,3 +258,40 @@ def test_claims_of_one_prepare_are_recorded_in_the_request_order(tmp_path: Path)
     assert not outcomes["u1"].error and outcomes["u1"].devices
     assert "claim ml/second (u2)" in outcomes["u2"].error and "cores=60" in outcomes["u2"].error, outcomes["u2"]
     assert [c.uid for c in node.allocator.claims()] == ["u1"]
+
+
+@pytest.mark.parametrize("deleted", [True, False])
+def test_a_claim_directory_left_by_an_unprepare_cut_short_after_its_cdi_spec_went_is_looked_at_again(
+    tmp_path: Path, deleted: bool
+) -> None:
+    # Killed between removing the CDI spec and the directory: no record, no spec, so nothing looked at
+    # the directory again and it stayed forever. It is a claim's files like a spec: rebuilt when the API
+    # server still allocates the claim (the kubelet retries the Unprepare it got no answer to), removed
+    # when it no longer has it.
+    node = _node(tmp_path)
+    node.api["one"] = api_claim("u1", "one")
+    node.api["two"] = api_claim("u2", "two")
+    for uid, name in (("u1", "one"), ("u2", "two")):
+        assert not node.preparer.prepare([ClaimRef("ml", name, uid)])[uid].error
+    _crash_in_unprepare(node, "u1")
+    cdi.remove_spec(node.cdi, "u1")
+    pod_dir = node.vm / "0b1e-pod-uid" / "main"  # a device-plugin pod's directory: not a claim's
+    pod_dir.mkdir(parents=True)
+    (pod_dir / "vcuda.config").write_bytes(b"x")
+    api = dict(node.api)
+    if deleted:
+        del api["one"]
+
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    after.preparer.restore_local()
+    assert set(after.preparer.unreadable()) == {"u1"}, "its GPUs may be held until the API server says"
+    removed = after.preparer.reconcile()
+    assert after.files("u2") and (pod_dir / "vcuda.config").exists()
+    if deleted:
+        assert removed == ["u1"] and not (after.vm / "u1").exists()
+        assert [c.uid for c in after.allocator.claims()] == ["u2"]
+    else:
+        assert removed == [] and after.files("u1")
+        assert [c.uid for c in after.allocator.claims()] == ["u1", "u2"]
+    assert after.preparer.unreadable() == {}

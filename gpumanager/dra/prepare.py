@@ -465,18 +465,19 @@ class ClaimPreparer:
                     self._write_files(claim)
                 except Exception as exc:  # one claim's files: the others and the start go on
                     log.error("claim %s (%s): cannot restore its files: %s", claim.key, claim.uid, exc)
-            # Specs with no record wait for reconcile(): until it has rebuilt or removed them, their GPUs
-            # take no new claim (they may be held).
+            # Claims with files (a spec, or only a directory: an Unprepare cut short between removing the
+            # two) but no record wait for reconcile(): until it has rebuilt or removed them, their GPUs
+            # take no new claim (they may be held; all of them where no spec says which).
             known = {claim.uid for claim in self._allocator.claims()}
-            for uid in cdi.specs_on_disk(self._cdi):
+            for uid in self._with_files():
                 if uid not in known:
                     self._unreadable[uid] = cdi.spec_gpus(self._cdi, uid, self._gpus)
                     self._had_files.add(uid)
 
     def reconcile(self, *, verify_recovered: bool = False) -> list[str]:
         """After a restart, while the kubelet is served (the API server may be slow or hang): a claim
-        whose spec is on disk but whose record was lost or could not be trusted is rebuilt from the
-        API server, and its files removed only when the API server no longer has it, or no longer
+        whose spec or directory is on disk but whose record was lost or could not be trusted is rebuilt
+        from the API server, and its files removed only when the API server no longer has it, or no longer
         allocates it a device of the driver (nothing can prepare it here again). Returns the
         UIDs removed. A claim the kubelet prepared or unprepared since the start is left as the kubelet
         had it (its word is newer). A claim the API server cannot be asked about now stays in
@@ -490,9 +491,13 @@ class ClaimPreparer:
             known = {c.uid: c for c in self._allocator.claims()}
         removed = [uid for uid in (list(known) if verify_recovered else []) if self._checked(known[uid])]
         with self._lock:
-            unknown = [uid for uid in cdi.specs_on_disk(self._cdi) if uid not in known and uid not in removed]
+            unknown = [uid for uid in self._with_files() if uid not in known and uid not in removed]
         removed += self._rebuild_all(unknown)
         return removed
+
+    def _with_files(self) -> list[str]:
+        """UIDs of the claims with a CDI spec or a directory on disk."""
+        return sorted(set(cdi.specs_on_disk(self._cdi)) | set(_claim_dirs(self._vm)))
 
     def retry_unreadable(self) -> int:
         """Try again to rebuild the claims whose rebuild could not ask the API server; returns how
@@ -662,6 +667,16 @@ class ClaimPreparer:
     def claims(self) -> Mapping[str, ClaimAllocation]:
         """Prepared claims by UID."""
         return {c.uid: c for c in self._allocator.claims()}
+
+
+def _claim_dirs(vm_path: Path) -> list[str]:
+    """UIDs of the claim directories under ``vm_path``: those whose own vcuda.config names a claim
+    (``<namespace>/<name>``; a device-plugin pod's directory holds one per container, a level below)."""
+    try:
+        entries = sorted(p.name for p in vm_path.iterdir() if p.is_dir())
+    except OSError:
+        return []
+    return [u for u in entries if uid_problem(u) is None and claim_files.recorded_key(vm_path, u) is not None]
 
 
 def _holds_driver(data: Mapping[str, Any], driver: str) -> bool:

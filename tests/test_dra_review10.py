@@ -295,3 +295,31 @@ def test_a_claim_directory_left_by_an_unprepare_cut_short_after_its_cdi_spec_wen
         assert removed == [] and after.files("u1")
         assert [c.uid for c in after.allocator.claims()] == ["u1", "u2"]
     assert after.preparer.unreadable() == {}
+
+
+def test_a_prepare_whose_files_and_then_its_undo_record_cannot_be_written_leaves_no_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The spec cannot be written (a full disk), and undoing the record fails too: the claim's directory,
+    # already written, was left behind with no record, and the kubelet was told the checkpoint's error
+    # instead of why the claim was not prepared.
+    from gpumanager.allocation.allocator import AllocationError
+
+    node = _node(tmp_path)
+    node.api["one"] = api_claim("u1", "one")
+
+    def no_space(*_args: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    real_unprepare = node.allocator.unprepare_claim
+
+    def unprepare_fails(uid: str) -> Any:
+        real_unprepare(uid)  # freed in memory all the same, as the allocator does
+        raise AllocationError(f"claim ml/one ({uid}): cannot write checkpoint: No space left on device")
+
+    monkeypatch.setattr(cdi, "write_spec", no_space)
+    monkeypatch.setattr(node.allocator, "unprepare_claim", unprepare_fails)
+    outcome = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert "claim ml/one (u1): cannot write its files" in outcome.error and "No space" in outcome.error, outcome
+    assert not (node.vm / "u1").exists() and not cdi.spec_path(node.cdi, "u1").exists()
+    assert node.allocator.claims() == []

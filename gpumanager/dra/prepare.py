@@ -356,9 +356,16 @@ class ClaimPreparer:
         try:
             self._write_files(claim)
         except Exception:  # recorded but not usable: undone, so the kubelet's retry starts afresh
-            self._allocator.unprepare_claim(claim.uid)
-            self._remove_files(claim.uid)
-            raise
+            try:
+                self._allocator.unprepare_claim(claim.uid)
+            except AllocationError as exc:  # freed all the same; the next checkpoint write records it
+                log.error("claim %s (%s): undoing its record after its files failed: %s", ref, ref.uid, exc)
+            finally:
+                try:
+                    self._remove_files(claim.uid)
+                except OSError as exc:  # the restart's reconcile looks at files without a record again
+                    log.error("claim %s (%s): cannot remove what was written of its files: %s", ref, ref.uid, exc)
+            raise  # the files' error: why the claim was not prepared
         t3 = time.perf_counter()
         self._check_capacity(ref, data)
         log.debug(

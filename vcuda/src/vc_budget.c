@@ -211,9 +211,7 @@ out:
 
 static void open_budget(void)
 {
-    const char *dir = getenv("VCUDA_BUDGET_DIR");
-    if (dir == NULL || dir[0] == '\0')
-        dir = "/dev/shm/vcuda";
+    const char *dir = vc_budget_dir();
     if (mkdir(dir, 01777) == 0)
         (void)chmod(dir, 01777); /* shared by every user, like /tmp */
     char path[PATH_MAX];

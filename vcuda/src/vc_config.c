@@ -29,6 +29,31 @@ static uint64_t g_context_reserve = DEFAULT_CONTEXT_RESERVE;
 static char g_budget_name[256];
 static struct vc_core_config g_core;
 static char g_pids_path[PATH_MAX];
+static char g_budget_dir[PATH_MAX];
+
+/*
+ * The container's environment is its tenant's: it can set any variable before the library loads.  Where the
+ * agent's read-only mount holds a config (g_locked), nothing that bears on the limits is taken from the
+ * environment: the config must be one in the mount, the budget file is in its fixed directory, the SM algorithm
+ * is the default and a context is reserved at least the default (README.md "Configuration").  A build with the
+ * test-only hooks (-DVC_TEST_HOOKS) takes stand-ins for the mount and the budget directory from the test
+ * harness; a shipped library has none.
+ */
+#define VC_CONFIG_ROOT "/etc/vcuda"
+#define VC_BUDGET_DIR "/dev/shm/vcuda"
+static bool g_locked;
+#ifdef VC_TEST_HOOKS
+static const char *test_or(const char *name, const char *fixed)
+{
+    const char *v = getenv(name);
+    return v != NULL && v[0] != '\0' ? v : fixed;
+}
+#define FIXED_ROOT() test_or("VCUDA_TEST_CONFIG_ROOT", VC_CONFIG_ROOT)
+#define FIXED_BUDGET_DIR() test_or("VCUDA_TEST_BUDGET_DIR", VC_BUDGET_DIR)
+#else
+#define FIXED_ROOT() VC_CONFIG_ROOT
+#define FIXED_BUDGET_DIR() VC_BUDGET_DIR
+#endif
 
 const struct vc_core_config *vc_core_config(void)
 {
@@ -67,6 +92,16 @@ uint64_t vc_context_reserve(void)
 const char *vc_budget_name(void)
 {
     return g_budget_name;
+}
+
+const char *vc_budget_dir(void)
+{
+    return g_budget_dir;
+}
+
+bool vc_env_locked(void)
+{
+    return g_locked;
 }
 
 void vc_log_write(int level, const char *fmt, ...)
@@ -245,22 +280,95 @@ static enum load_result load_from_subdirs(const char *root, struct vc_resource_d
     return load_config(pick, cfg);
 }
 
-/* The lookup order of README.md; returns CFG_OK with the path in used, or CFG_MISSING. */
+/* Whether root holds a vcuda.config: at its top or in a directory of its own (the agent's and upstream's layouts). */
+static bool holds_config(const char *root)
+{
+    char path[PATH_MAX];
+    struct stat sb;
+    if ((size_t)snprintf(path, sizeof(path), "%s/vcuda.config", root) < sizeof(path) && stat(path, &sb) == 0)
+        return true;
+    DIR *d = opendir(root);
+    if (d == NULL)
+        return false;
+    bool found = false;
+    struct dirent *e;
+    while (!found && (e = readdir(d)) != NULL)
+        found = e->d_name[0] != '.' &&
+                (size_t)snprintf(path, sizeof(path), "%s/%s/vcuda.config", root, e->d_name) < sizeof(path) &&
+                stat(path, &sb) == 0;
+    closedir(d);
+    return found;
+}
+
+/*
+ * Whether path, resolved (no .., no symbolic link out), is root's vcuda.config or the vcuda.config of a directory
+ * in root; what it resolves to in resolved ("" when it does not resolve).
+ */
+static bool in_root(const char *path, const char *root, char resolved[PATH_MAX])
+{
+    char rr[PATH_MAX];
+    resolved[0] = '\0';
+    if (realpath(path, resolved) == NULL) {
+        resolved[0] = '\0';
+        return false;
+    }
+    if (realpath(root, rr) == NULL)
+        return false;
+    size_t n = strcmp(rr, "/") == 0 ? 0 : strlen(rr);
+    if (strncmp(resolved, rr, n) != 0 || resolved[n] != '/')
+        return false;
+    const char *rest = resolved + n + 1, *slash = strchr(rest, '/');
+    if (slash == NULL)
+        return strcmp(rest, "vcuda.config") == 0;
+    return slash > rest && strcmp(slash + 1, "vcuda.config") == 0;
+}
+
+/* Whether a and b name the same directory. */
+static bool same_dir(const char *a, const char *b)
+{
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+/*
+ * The lookup order of README.md; returns CFG_OK with the path in used, or CFG_MISSING.  Where the mount holds
+ * a config (g_locked), VCUDA_CONFIG_PATH must name one in it and VCUDA_CONFIG_ROOT is not taken; when none of
+ * its configs is this container's, CUDA is refused (g_bad) rather than run without limits.
+ */
 static enum load_result find_config(struct vc_resource_data *cfg, char *used, size_t usedlen)
 {
+    const char *fixed = FIXED_ROOT();
+    g_locked = holds_config(fixed);
     const char *explicit_path = getenv("VCUDA_CONFIG_PATH");
     if (explicit_path != NULL && explicit_path[0] != '\0') {
-        enum load_result r = load_config(explicit_path, cfg);
-        if (r == CFG_OK) {
-            snprintf(used, usedlen, "%s", explicit_path);
-            return r;
+        char resolved[PATH_MAX];
+        if (g_locked && !in_root(explicit_path, fixed, resolved)) {
+            if (resolved[0] == '\0')
+                vc_log(VC_LOG_WARN, "VCUDA_CONFIG_PATH=%s does not exist; trying the upstream layouts in %s",
+                       explicit_path, fixed);
+            else
+                vc_log(VC_LOG_ERROR, "VCUDA_CONFIG_PATH=%s: ignored: it resolves to %s, not to a vcuda.config in %s "
+                       "(the container's read-only mount, which holds its config); trying the layouts there",
+                       explicit_path, resolved, fixed);
+        } else {
+            enum load_result r = load_config(explicit_path, cfg);
+            if (r == CFG_OK) {
+                snprintf(used, usedlen, "%s", explicit_path);
+                return r;
+            }
+            if (r == CFG_MISSING)
+                vc_log(VC_LOG_WARN, "VCUDA_CONFIG_PATH=%s does not exist; trying the upstream layouts",
+                       explicit_path);
         }
-        if (r == CFG_MISSING)
-            vc_log(VC_LOG_WARN, "VCUDA_CONFIG_PATH=%s does not exist; trying the upstream layouts", explicit_path);
     }
     const char *root = getenv("VCUDA_CONFIG_ROOT");
-    if (root == NULL || root[0] == '\0')
-        root = "/etc/vcuda";
+    if (root == NULL || root[0] == '\0') {
+        root = fixed;
+    } else if (g_locked && !same_dir(root, fixed)) {
+        vc_log(VC_LOG_ERROR, "VCUDA_CONFIG_ROOT=%s: ignored: the configs of this container are in %s (its "
+               "read-only mount)", root, fixed);
+        root = fixed;
+    }
     char path[PATH_MAX];
     snprintf(path, sizeof(path), "%s/vcuda.config", root);
     enum load_result r = load_config(path, cfg);
@@ -268,7 +376,26 @@ static enum load_result find_config(struct vc_resource_data *cfg, char *used, si
         snprintf(used, usedlen, "%s", path);
         return r;
     }
-    return load_from_subdirs(root, cfg, used, usedlen) == CFG_OK ? CFG_OK : CFG_MISSING;
+    if (load_from_subdirs(root, cfg, used, usedlen) == CFG_OK)
+        return CFG_OK;
+    if (g_locked && g_bad[0] == '\0')
+        snprintf(g_bad, sizeof(g_bad), "%s: holds vcuda configs, none of them this container's (the one the "
+                 "agent's VCUDA_CONFIG_PATH names)", root);
+    return CFG_MISSING;
+}
+
+/* The budget file's directory: the fixed one where the mount holds a config, else VCUDA_BUDGET_DIR if set. */
+static void budget_dir(void)
+{
+    const char *fixed = FIXED_BUDGET_DIR(), *dir = getenv("VCUDA_BUDGET_DIR");
+    if (dir == NULL || dir[0] == '\0') {
+        dir = fixed;
+    } else if (g_locked && strcmp(dir, fixed) != 0) {
+        vc_log(VC_LOG_ERROR, "VCUDA_BUDGET_DIR=%s: ignored: the budget of a container given limits is in %s, shared "
+               "by all its processes", dir, fixed);
+        dir = fixed;
+    }
+    snprintf(g_budget_dir, sizeof(g_budget_dir), "%s", dir);
 }
 
 static void sanitize(char *dst, size_t len, const char *src)
@@ -295,6 +422,10 @@ static void core_config(const struct vc_resource_data *cfg, const char *used)
     else
         snprintf(g_pids_path, sizeof(g_pids_path), "pids.config");
     const char *algo = getenv("VCUDA_CORE_ALGORITHM");
+    if (g_locked && algo != NULL && algo[0] != '\0' && strcmp(algo, "budget") != 0) {
+        vc_log(VC_LOG_ERROR, "VCUDA_CORE_ALGORITHM=%s: ignored in a container given limits; using budget", algo);
+        algo = NULL;
+    }
     g_core.upstream = algo != NULL && strcmp(algo, "upstream") == 0;
     if (algo != NULL && algo[0] != '\0' && !g_core.upstream && strcmp(algo, "budget") != 0)
         vc_log(VC_LOG_WARN, "VCUDA_CORE_ALGORITHM=%s: expected budget or upstream; using budget", algo);
@@ -329,15 +460,22 @@ __attribute__((constructor)) static void vc_config_init(void)
     if (level != NULL && level[0] != '\0')
         atomic_store(&vc_log_level, atoi(level));
 
+    static struct vc_resource_data cfg; /* 8 KiB: not on a possibly small loader stack */
+    char used[PATH_MAX] = "";
+    enum load_result found = find_config(&cfg, used, sizeof(used));
+    budget_dir();
+
     const char *reserve = getenv("VCUDA_CONTEXT_RESERVE");
     if (reserve != NULL && reserve[0] != '\0' && !parse_size(reserve, &g_context_reserve)) {
         vc_log(VC_LOG_ERROR, "VCUDA_CONTEXT_RESERVE=%s: expected bytes like 300M; using 256M", reserve);
         g_context_reserve = DEFAULT_CONTEXT_RESERVE;
+    } else if (g_locked && g_context_reserve < DEFAULT_CONTEXT_RESERVE) {
+        /* Less would let contexts be created before their memory is reserved: more only costs the container. */
+        vc_log(VC_LOG_ERROR, "VCUDA_CONTEXT_RESERVE=%s: below 256M in a container given limits; using 256M", reserve);
+        g_context_reserve = DEFAULT_CONTEXT_RESERVE;
     }
 
-    static struct vc_resource_data cfg; /* 8 KiB: not on a possibly small loader stack */
-    char used[PATH_MAX] = "";
-    if (find_config(&cfg, used, sizeof(used)) != CFG_OK) {
+    if (found != CFG_OK) {
         if (g_bad[0] != '\0') {
             vc_log(VC_LOG_ERROR, "%s: no usable vcuda config, so this container's GPU limits cannot be applied: CUDA "
                    "is refused (cuInit fails with CUDA_ERROR_NOT_PERMITTED)", g_bad);

@@ -218,6 +218,13 @@ uint64_t vc_limit_bytes(void);
 uint64_t vc_context_reserve(void);
 /* The budget file's name inside its directory (derived from the config). */
 const char *vc_budget_name(void);
+/*
+ * The budget file's directory: /dev/shm/vcuda, or VCUDA_BUDGET_DIR where the container's mount holds no config
+ * (README.md "Configuration": in a container given limits the environment is the tenant's).
+ */
+const char *vc_budget_dir(void);
+/* Whether the container's mount holds a config: then no variable that bears on the limits is taken. */
+bool vc_env_locked(void);
 
 /* ---- the container's shared budget (vc_budget.c) ---------------------------- */
 

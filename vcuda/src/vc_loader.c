@@ -147,6 +147,12 @@ static void *open_real(const char *what, const char *env, const char *prefix, co
 {
     char path[PATH_MAX + 256];
     const char *override = getenv(env);
+    if (override != NULL && override[0] != '\0' && vc_env_locked()) {
+        /* In a container given limits the environment is the tenant's: the driver is the one next to us. */
+        vc_log(VC_LOG_ERROR, "%s=%s: ignored in a container given limits; using the %s next to this library", env,
+               override, what);
+        override = NULL;
+    }
     if (override != NULL && override[0] != '\0') {
         snprintf(path, sizeof(path), "%s", override);
     } else if (!find_next_to_self(prefix, path, sizeof(path))) {

@@ -62,6 +62,11 @@ def test_no_node_has_room_counting_recorded_choices_every_node_fails_and_the_pod
     # A scheduler that binds anyway is refused, and the pod stays Pending.
     assert "no longer fits" in world.bind(y, "full")
     assert _node_name_of(world, y) == ""
+    # Nothing of the refused bind is left: no annotations on the pod, no record on the node, nothing assumed.
+    assert not [k for k in world.annotations(y) if k.startswith("tencent.com/")], world.annotations(y)
+    full = next(n for n in world.api.nodes() if n["metadata"]["name"] == "full")
+    assert "uid-y" not in claims.parse_claims(full)
+    assert ext.state.assumed_count() == 0 and ext.state.over_committed() == {}
 
 
 def test_every_failed_node_is_named_in_its_reason(world: World) -> None:

@@ -323,3 +323,20 @@ def test_a_prepare_whose_files_and_then_its_undo_record_cannot_be_written_leaves
     assert "claim ml/one (u1): cannot write its files" in outcome.error and "No space" in outcome.error, outcome
     assert not (node.vm / "u1").exists() and not cdi.spec_path(node.cdi, "u1").exists()
     assert node.allocator.claims() == []
+
+
+def test_an_unprepare_while_the_prepare_reads_its_claim_wins(tmp_path: Path) -> None:
+    # The kubelet gave up on a Prepare (its pod went) and sent the Unprepare while the claim's GET was still
+    # in flight: the Prepare must not record the claim after the Unprepare succeeded.
+    node = _node(tmp_path)
+    api = {"one": api_claim("u1", "one")}
+    preparer = _preparer(node, _SlowReads(api, 0.8), answer_within=5.0)
+    result: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: result.update(preparer.prepare([ClaimRef("ml", "one", "u1")])))
+    worker.start()
+    time.sleep(0.3)
+    assert preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    worker.join(5)
+    assert "u1" in result and "unprepared while" in result["u1"].error, result
+    assert node.allocator.claims() == [] and not list((tmp_path / "cdi").glob("*.json"))
+    assert not (node.vm / "u1").exists()

@@ -340,3 +340,30 @@ def test_an_unprepare_while_the_prepare_reads_its_claim_wins(tmp_path: Path) -> 
     assert "u1" in result and "unprepared while" in result["u1"].error, result
     assert node.allocator.claims() == [] and not list((tmp_path / "cdi").glob("*.json"))
     assert not (node.vm / "u1").exists()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"devices": {"requests": [{"name": "gpu", "exactly": {"capacity": ["cores"]}}]}},
+        {"devices": {"requests": [{"name": "gpu", "firstAvailable": [{"name": "a", "capacity": "cores"}]}]}},
+        {"devices": {"requests": [{"name": "gpu", "exactly": {"capacity": {"requests": "cores=30"}}}]}},
+        {"devices": "requests"},
+    ],
+)
+def test_a_claim_spec_of_an_odd_shape_does_not_fail_a_claim_already_recorded(
+    tmp_path: Path, spec: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The spec is read after the claim was recorded and its files written, only to tell whether the
+    # scheduler honoured its capacity requests: an odd shape there raised, the kubelet was told the
+    # claim failed ("AttributeError", a traceback in the log) while it stayed prepared, its GPU held.
+    node = _node(tmp_path)
+    seen: list[str | None] = []
+    node.preparer._capacity_seen = seen.append
+    claim = api_claim("u1", "one")
+    claim["spec"] = spec
+    node.api["one"] = claim
+    outcome = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert not outcome.error and outcome.devices, outcome
+    assert [c.uid for c in node.allocator.claims()] == ["u1"]
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"

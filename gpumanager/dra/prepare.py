@@ -104,23 +104,31 @@ def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
     return read
 
 
+def _asks_capacity(request: Any) -> bool:
+    """Whether a request (``exactly``, or a ``firstAvailable`` alternative) has ``capacity.requests``
+    (any shape: the spec is read only to report on the scheduler, never to fail a claim)."""
+    capacity = request.get("capacity") if isinstance(request, Mapping) else None
+    return bool(capacity.get("requests")) if isinstance(capacity, Mapping) else False
+
+
 def ignored_capacity(data: Mapping[str, Any], driver: str) -> list[str] | None:
     """The results of ``driver`` (``request device``) whose request asks for capacity
     (``capacity.requests``, of ``exactly`` or of the chosen ``firstAvailable`` alternative) but which
     carry no ``consumedCapacity``; None when no result of the driver answers such a request. Results
     with admin access consume nothing by design and are left out."""
     spec = data.get("spec")
-    requests = ((spec.get("devices") or {}).get("requests") or []) if isinstance(spec, Mapping) else []
+    spec_devices = spec.get("devices") if isinstance(spec, Mapping) else None
+    requests = spec_devices.get("requests") if isinstance(spec_devices, Mapping) else None
     asking: set[str] = set()
     for req in requests if isinstance(requests, list) else []:
         if not isinstance(req, Mapping):
             continue
         name = str(req.get("name") or "")
-        exactly = req.get("exactly")
-        if isinstance(exactly, Mapping) and ((exactly.get("capacity") or {}).get("requests")):
+        if _asks_capacity(req.get("exactly")):
             asking.add(name)
-        for sub in req.get("firstAvailable") or []:
-            if isinstance(sub, Mapping) and ((sub.get("capacity") or {}).get("requests")):
+        subs = req.get("firstAvailable")
+        for sub in subs if isinstance(subs, list) else []:
+            if isinstance(sub, Mapping) and _asks_capacity(sub):
                 asking.add(f"{name}/{sub.get('name')}")
     status = data.get("status")
     allocation = status.get("allocation") if isinstance(status, Mapping) else None
@@ -367,7 +375,16 @@ class ClaimPreparer:
                     log.error("claim %s (%s): cannot remove what was written of its files: %s", ref, ref.uid, exc)
             raise  # the files' error: why the claim was not prepared
         t3 = time.perf_counter()
-        self._check_capacity(ref, data)
+        try:  # a report on the scheduler: never fails the claim, recorded and usable now
+            self._check_capacity(ref, data)
+        except Exception as exc:
+            log.error(
+                "claim %s (%s): cannot tell whether its capacity was allocated: %s: %s",
+                ref,
+                ref.uid,
+                type(exc).__name__,
+                exc,
+            )
         log.debug(
             "claim %s prepared: read %.1f ms, recorded and checkpointed %.1f ms, files %.1f ms",
             ref,

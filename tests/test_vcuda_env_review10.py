@@ -187,3 +187,24 @@ def test_the_shipped_library_reads_no_test_variable(vcuda_built: Path, asan_buil
     their variable names."""
     for lib in (vcuda_built, asan_built, BUILD / "libcuda-control.so"):
         assert b"VCUDA_TEST_" not in lib.read_bytes(), lib
+
+
+def own_cgroup_name() -> str | None:
+    """A path component of this process's cgroups long enough to be taken for a container id (12 characters)."""
+    names = [part for line in Path("/proc/self/cgroup").read_text().splitlines() for part in line.split("/")]
+    return next((n for n in reversed(names) if len(n) >= 12 and ":" not in n), None)
+
+
+def test_a_siblings_config_is_refused_where_the_cgroup_names_this_containers(tenant: Tenant) -> None:
+    """Upstream's layout: the mount holds the pod's containers' directories, named by container id.  A tenant
+    naming another container's config (a bigger limit) in VCUDA_CONFIG_PATH had its limit.  Where a directory
+    is named by this container's id (in /proc/self/cgroup), only that one's config applies."""
+    own = own_cgroup_name()
+    if own is None:
+        pytest.skip("no path component of 12 characters or more in /proc/self/cgroup to stand for a container id")
+    tenant.c.config_path.parent.rename(tenant.mount / own)
+    sibling = tenant.own_config(tenant.mount / "5ab1e0000000000000000000000000000000000000000000000000000000cafe")
+    out, err = tenant.grab(VCUDA_CONFIG_PATH=str(sibling))
+    capped(out, err)
+    assert f"VCUDA_CONFIG_PATH={sibling}: ignored: another container's config" in err, err[-4000:]
+    capped(*tenant.grab(VCUDA_CONFIG_PATH=None))

@@ -323,6 +323,28 @@ static bool in_root(const char *path, const char *root, char resolved[PATH_MAX])
     return slash > rest && strcmp(slash + 1, "vcuda.config") == 0;
 }
 
+/*
+ * Whether resolved (a config in root) lies in a directory of root other than the one of this container's id
+ * (upstream's layout: the directory whose name is in /proc/self/cgroup), when root has such a directory.
+ */
+static bool another_containers(const char *resolved, const char *root)
+{
+    DIR *d = opendir(root);
+    if (d == NULL)
+        return false;
+    char own[PATH_MAX] = "", path[PATH_MAX];
+    struct dirent *e;
+    while (own[0] == '\0' && (e = readdir(d)) != NULL) {
+        struct stat sb;
+        if (e->d_name[0] != '.' &&
+            (size_t)snprintf(path, sizeof(path), "%s/%s/vcuda.config", root, e->d_name) < sizeof(path) &&
+            stat(path, &sb) == 0 && in_own_cgroup(e->d_name) && realpath(path, own) == NULL)
+            own[0] = '\0';
+    }
+    closedir(d);
+    return own[0] != '\0' && strcmp(own, resolved) != 0;
+}
+
 /* Whether a and b name the same directory. */
 static bool same_dir(const char *a, const char *b)
 {
@@ -350,6 +372,9 @@ static enum load_result find_config(struct vc_resource_data *cfg, char *used, si
                 vc_log(VC_LOG_ERROR, "VCUDA_CONFIG_PATH=%s: ignored: it resolves to %s, not to a vcuda.config in %s "
                        "(the container's read-only mount, which holds its config); trying the layouts there",
                        explicit_path, resolved, fixed);
+        } else if (g_locked && another_containers(resolved, fixed)) {
+            vc_log(VC_LOG_ERROR, "VCUDA_CONFIG_PATH=%s: ignored: another container's config, this container's "
+                   "directory in %s is the one named in /proc/self/cgroup", explicit_path, fixed);
         } else {
             enum load_result r = load_config(explicit_path, cfg);
             if (r == CFG_OK) {

@@ -367,3 +367,50 @@ def test_a_claim_spec_of_an_odd_shape_does_not_fail_a_claim_already_recorded(
     assert not outcome.error and outcome.devices, outcome
     assert [c.uid for c in node.allocator.claims()] == ["u1"]
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+def _pod(containers_claims: list[str]) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": "pod-u1", "name": "pod-one", "namespace": "ml"},
+        "spec": {
+            "resourceClaims": [{"name": n, "resourceClaimName": n} for n in containers_claims],
+            "containers": [{"name": "main", "resources": {"claims": [{"name": n} for n in containers_claims]}}],
+        },
+    }
+
+
+@pytest.mark.parametrize("odd", ["reservedFor", "pod metadata", "pod resourceClaims", "other claim metadata"])
+def test_odd_shapes_met_by_the_sharing_check_get_a_clear_error_naming_the_claim(
+    tmp_path: Path, odd: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The check of the containers that use a share reads the pods the claim is reserved for and the other
+    # claims those containers use: a field of the wrong shape there gave "TypeError: 'int' object is not
+    # iterable" and a traceback.
+    from gpumanager.dra import sharing
+
+    node = _node(tmp_path)
+    pod = _pod(["one", "two"])
+    claim, other = api_claim("u1", "one"), api_claim("u2", "two")
+    if odd == "reservedFor":
+        claim["status"]["reservedFor"] = 5
+    elif odd == "pod metadata":
+        pod["metadata"] = "pod-one"
+    elif odd == "pod resourceClaims":
+        pod["spec"]["resourceClaims"] = 7
+    else:
+        other["metadata"] = "two"
+    node.api.update({"one": claim, "two": other})
+    node.preparer._sharing = sharing.SharingCheck(
+        driver=DRIVER,
+        pool="node-a",
+        gpus=GPUS,
+        pod_by_uid=lambda uid: None,
+        read_pod=lambda namespace, name: pod,
+        read_claim=node.read,
+        prepared=lambda *args: None,
+    )
+    outcome = node.preparer.prepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert outcome.error.startswith("claim ml/one (u1): not prepared"), outcome.error
+    assert "shape" in outcome.error and "Error:" not in outcome.error, outcome.error
+    assert node.allocator.claims() == []
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"

@@ -32,6 +32,7 @@ from gpumanager.dra import cdi, sharing
 from gpumanager.dra import constants as c
 from gpumanager.dra.apierror import describe
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, config_problem, parse_claim
+from gpumanager.dra.quantity import shown
 from gpumanager.dra.reads import get_within
 from gpumanager.faults import crash_point
 from gpumanager.vmanager import claims as claim_files
@@ -332,6 +333,12 @@ class ClaimPreparer:
             found = sharing.review(self._sharing, ref, data, claim)
         except ClaimError as exc:  # a pod or claim that cannot be read: no pass unseen, the kubelet retries
             raise ClaimError(f"claim {ref} ({ref.uid}): not prepared: {exc}") from None
+        except (AttributeError, TypeError, ValueError, KeyError) as exc:  # an API server's odd answer
+            raise ClaimError(
+                f"claim {ref} ({ref.uid}): not prepared: a field of the wrong shape in the claim's reservedFor, a "
+                f"pod it is reserved for, or another claim of that pod's containers ({shown(str(exc))}); the "
+                "containers that use it cannot be checked"
+            ) from None
         if found.problem is not None:
             raise ClaimError(found.problem)
 

@@ -10,6 +10,7 @@ AddressSanitizer/UBSan) with the variables a tenant would set, and judges what t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -190,9 +191,9 @@ def test_the_shipped_library_reads_no_test_variable(vcuda_built: Path, asan_buil
 
 
 def own_cgroup_name() -> str | None:
-    """A path component of this process's cgroups long enough to be taken for a container id (12 characters)."""
-    names = [part for line in Path("/proc/self/cgroup").read_text().splitlines() for part in line.split("/")]
-    return next((n for n in reversed(names) if len(n) >= 12 and ":" not in n), None)
+    """A run of 32 hex digits or more in this process's cgroup paths, to stand for its container id."""
+    ids = re.findall(r"[0-9a-f]{32,}", Path("/proc/self/cgroup").read_text())
+    return ids[-1] if ids else None
 
 
 def test_a_siblings_config_is_refused_where_the_cgroup_names_this_containers(tenant: Tenant) -> None:
@@ -201,7 +202,7 @@ def test_a_siblings_config_is_refused_where_the_cgroup_names_this_containers(ten
     is named by this container's id (in /proc/self/cgroup), only that one's config applies."""
     own = own_cgroup_name()
     if own is None:
-        pytest.skip("no path component of 12 characters or more in /proc/self/cgroup to stand for a container id")
+        pytest.skip("no run of 32 hex digits in /proc/self/cgroup to stand for a container id")
     tenant.c.config_path.parent.rename(tenant.mount / own)
     sibling = tenant.own_config(tenant.mount / "5ab1e0000000000000000000000000000000000000000000000000000000cafe")
     out, err = tenant.grab(VCUDA_CONFIG_PATH=str(sibling))

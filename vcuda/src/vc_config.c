@@ -324,8 +324,21 @@ static bool in_root(const char *path, const char *root, char resolved[PATH_MAX])
 }
 
 /*
+ * Whether name can only be a container id: 32 hex digits or more (a Kubernetes container name that long and all
+ * hex could still occur, but not as a part of its own cgroup path, which holds its id and its pod's dashed UID).
+ */
+static bool id_like(const char *name)
+{
+    size_t n = 0;
+    for (; name[n] != '\0'; n++)
+        if (!isxdigit((unsigned char)name[n]))
+            return false;
+    return n >= 32;
+}
+
+/*
  * Whether resolved (a config in root) lies in a directory of root other than the one of this container's id
- * (upstream's layout: the directory whose name is in /proc/self/cgroup), when root has such a directory.
+ * (upstream's layout: the directory whose name, a container id, is in /proc/self/cgroup), when root has one.
  */
 static bool another_containers(const char *resolved, const char *root)
 {
@@ -338,7 +351,7 @@ static bool another_containers(const char *resolved, const char *root)
         struct stat sb;
         if (e->d_name[0] != '.' &&
             (size_t)snprintf(path, sizeof(path), "%s/%s/vcuda.config", root, e->d_name) < sizeof(path) &&
-            stat(path, &sb) == 0 && in_own_cgroup(e->d_name) && realpath(path, own) == NULL)
+            stat(path, &sb) == 0 && id_like(e->d_name) && in_own_cgroup(e->d_name) && realpath(path, own) == NULL)
             own[0] = '\0';
     }
     closedir(d);

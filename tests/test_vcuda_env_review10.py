@@ -159,11 +159,12 @@ def test_private_budget_directories_do_not_split_the_ledger(tenant: Tenant) -> N
 
 
 def test_the_tenants_algorithm_reserve_and_libraries_are_not_taken(tenant: Tenant) -> None:
-    """VCUDA_CORE_ALGORITHM=upstream chose upstream's weaker SM limiter (graph launches and cooperative kernels
-    not paced), VCUDA_CONTEXT_RESERVE=1 let contexts be created before anything was reserved for them (the
-    whole footprint charged only once the driver made it), VCUDA_LIBNVML named the NVML the container's usage
-    is measured with.  In a container whose config is in the mount none is taken from the environment: each
-    refusal is logged with the variable and its value, and the limits hold."""
+    """VCUDA_CORE_ALGORITHM=upstream chose upstream's weaker SM limiter (graph launches and cuLaunchKernelEx not
+    paced), VCUDA_CONTEXT_RESERVE=1 let a context be created with next to nothing reserved for it (its
+    footprint charged only once the driver made it: processes starting together could pass the cap until
+    then), VCUDA_LIBNVML named the NVML the container's usage is measured with.  In a container whose config
+    is in the mount none is taken from the environment: each refusal is logged with the variable and its
+    value, and the limits hold."""
     tenant.c.config_path.write_bytes(config_bytes(LIMIT_MIB * MIB, cores=30))
     tenant_nvml = str(tenant.c.root / "tenant" / "libnvidia-ml.so.1")
     out, err = tenant.grab(VCUDA_CORE_ALGORITHM="upstream", VCUDA_CONTEXT_RESERVE="1", VCUDA_LIBNVML=tenant_nvml)

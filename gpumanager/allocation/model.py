@@ -37,7 +37,7 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 
 
 #: The most allocations freed before their container started that are remembered, for a pod of the same
-#: request the kubelet gave their IDs to (see Allocator._take_freed_guess).
+#: request the kubelet gave their IDs to (see freed_unstarted.take_freed_guess).
 _FREED_GUESSES_KEPT = 1024
 
 

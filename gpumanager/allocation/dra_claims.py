@@ -1,0 +1,194 @@
+"""DRA claims prepared on this node: recording a claim and occupying its GPUs, dropping it at Unprepare, and taking
+over claims from the checkpoint or rebuilt. The public functions take the allocator's lock themselves; the others
+are called with it held."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gpumanager import names
+from gpumanager.allocation import gpu_charges
+from gpumanager.allocation.claims import ClaimAllocation
+from gpumanager.allocation.model import (
+    AllocationError,
+    _claim_del,
+    _claim_device_text,
+    _claim_put,
+    _oserror,
+)
+from gpumanager.faults import crash_point
+
+if TYPE_CHECKING:
+    from gpumanager.allocation.allocator import Allocator
+
+log = logging.getLogger(__name__)
+
+
+def claims(allocator: Allocator) -> list[ClaimAllocation]:
+    """Every prepared claim, ordered by UID."""
+    with allocator._lock:
+        return [allocator._claims[uid] for uid in sorted(allocator._claims)]
+
+
+def claim(allocator: Allocator, uid: str) -> ClaimAllocation | None:
+    """A prepared claim by UID."""
+    with allocator._lock:
+        return allocator._claims.get(uid)
+
+
+def prepare_claim(
+    allocator: Allocator, claim: ClaimAllocation, *, allow_unhealthy: frozenset[int] = frozenset()
+) -> bool:
+    """Record a claim and occupy its GPUs; one journal record, durable before returning. Returns False
+    when it was already prepared (a repeated Prepare: nothing changes).
+
+    Refused (AllocationError naming the claim, the device and the amounts, nothing changed) when
+    a GPU is not on this node, is unhealthy (unless its minor is in ``allow_unhealthy``: the
+    result tolerates the taint), or cannot hold what the claim consumes next to the claims
+    already prepared.
+    """
+    who = f"claim {claim.key} ({claim.uid})"
+    with allocator._lock:
+        known = allocator._claims.get(claim.uid)
+        if known is not None:
+            return False
+        wanted: dict[int, tuple[int, int, bool]] = {}
+        for dev in claim.devices:
+            try:
+                leaf = allocator._tree.leaf_by_minor(dev.minor)
+            except (KeyError, ValueError):
+                raise AllocationError(
+                    f"{who}: device {dev.device}: GPU minor {dev.minor} is not on this node"
+                ) from None
+            if not leaf.healthy and dev.minor not in allow_unhealthy:
+                raise AllocationError(f"{who}: device {dev.device} is unhealthy", "unavailable")
+            if not dev.consumes:
+                continue
+            cores, memory, whole = wanted.get(dev.minor, (0, 0, False))
+            wanted[dev.minor] = (cores + dev.cores, memory + dev.memory, whole or dev.whole)
+        for minor, (cores, memory, whole) in sorted(wanted.items()):
+            leaf = allocator._tree.leaf_by_minor(minor)
+            name = next(d.device for d in claim.devices if d.minor == minor)
+            free_cores, free_memory = leaf.allocatable_cores, leaf.allocatable_memory
+            if whole and free_cores < names.HUNDRED_CORES:
+                raise AllocationError(
+                    f"{who}: device {name} is asked for whole but holds {names.HUNDRED_CORES - free_cores} cores "
+                    f"of other allocations",
+                    "exhausted",
+                )
+            if cores > free_cores or memory > free_memory:
+                raise AllocationError(
+                    f"{who}: device {name}: consumed capacity cores={cores} memory={memory} is more than the "
+                    f"device has left (cores={free_cores} memory={free_memory})",
+                    "exhausted",
+                )
+        occupy_claim(allocator, claim)
+        allocator._claims[claim.uid] = claim
+        allocator._generation += 1
+        crash_point("prepare-before-checkpoint")
+        try:
+            ticket = allocator._stage([_claim_put(claim)])
+        except OSError as exc:
+            drop_claim(allocator, claim.uid)
+            raise AllocationError(
+                f"{who}: {allocator._checkpoint_error}; no claim is prepared until it can be written", "unavailable"
+            ) from exc
+    try:
+        allocator._sync_or_undo(
+            ticket, lambda: allocator._claims.get(claim.uid) is claim and drop_claim(allocator, claim.uid) is not None
+        )
+    except OSError as exc:
+        raise AllocationError(
+            f"{who}: cannot write checkpoint {allocator._checkpoint_path}: {_oserror(exc)}; no claim is prepared "
+            "until it can be written",
+            "unavailable",
+        ) from exc
+    crash_point("prepare-after-checkpoint")
+    allocator._notify()
+    log.info(
+        "prepared %s: %s",
+        who,
+        ", ".join(f"{d.device} ({_claim_device_text(d)})" for d in claim.devices),
+    )
+    return True
+
+
+def drop_claim(allocator: Allocator, uid: str) -> ClaimAllocation | None:
+    """Forget a prepared claim and free its GPUs; returns it, or None when none has ``uid``. Called with the
+    allocator's lock held."""
+    claim = allocator._claims.pop(uid, None)
+    if claim is None:
+        return None
+    allocator._generation += 1
+    if allocator._overcommitted.intersection(d.minor for d in claim.devices):
+        gpu_charges.recharge(allocator, tuple(d.minor for d in claim.devices))
+        return claim
+    for dev in claim.devices:
+        if not dev.consumes:
+            continue
+        try:
+            leaf = allocator._tree.leaf_by_minor(dev.minor)
+        except (KeyError, ValueError):
+            continue
+        allocator._tree.free(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+    return claim
+
+
+def occupy_claim(allocator: Allocator, claim: ClaimAllocation) -> None:
+    """Take what the claim's results consume of their GPUs (admin access takes nothing)."""
+    for dev in claim.devices:
+        if dev.consumes:
+            leaf = allocator._tree.leaf_by_minor(dev.minor)
+            allocator._note_beyond(leaf, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+            allocator._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
+
+
+def unprepare_claim(allocator: Allocator, uid: str) -> ClaimAllocation | None:
+    """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare).
+
+    AllocationError when the record cannot be written: the claim is freed all the same.
+    """
+    with allocator._lock:
+        claim = drop_claim(allocator, uid)
+        if claim is None:
+            return None
+        try:
+            ticket = allocator._stage([_claim_del(uid)])
+        except OSError as exc:
+            # Freed in memory all the same: the kubelet retries an Unprepare that failed, and the
+            # next write (a whole snapshot after a failure) records it.
+            raise AllocationError(f"claim {claim.key} ({uid}): {allocator._checkpoint_error}", "unavailable") from exc
+    try:
+        allocator._sync(ticket)
+    except OSError as exc:
+        raise AllocationError(
+            f"claim {claim.key} ({uid}): cannot write checkpoint {allocator._checkpoint_path}: {_oserror(exc)}",
+            "unavailable",
+        ) from exc
+    allocator._notify()
+    log.info("unprepared claim %s (%s)", claim.key, uid)
+    return claim
+
+
+def adopt_claims(allocator: Allocator, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
+    """Take over prepared claims (from the checkpoint, or rebuilt); returns how many."""
+    taken: list[ClaimAllocation] = []
+    with allocator._changing():
+        for claim in claims:
+            unknown = [m for m in claim.minors if m not in allocator._by_minor]
+            if unknown:
+                log.warning("%s: dropping claim %s: GPU(s) %s not on this node", source, claim.key, unknown)
+                continue
+            if claim.uid in allocator._claims:
+                continue
+            occupy_claim(allocator, claim)
+            allocator._claims[claim.uid] = claim
+            allocator._generation += 1
+            taken.append(claim)
+        if taken and save:
+            allocator._save_or_report([_claim_put(c) for c in taken])
+    if taken:
+        allocator._notify()
+    return len(taken)

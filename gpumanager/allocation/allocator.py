@@ -53,6 +53,7 @@ from gpumanager.allocation import (
     ids,
     journal,
     matching,
+    memory_only,
     placement,
     prestart,
     records,
@@ -69,7 +70,6 @@ from gpumanager.allocation.model import (
     _Detached,
     _document,
     _Fresh,
-    _has_run,
     _oserror,
     _Swap,
 )
@@ -115,7 +115,7 @@ from gpumanager.allocation.model import (
 from gpumanager.allocation.model import (
     _put_text as _put_text,
 )
-from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
+from gpumanager.allocation.pods import GPURequest, Pod
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
 from gpumanager.device.types import GPUInfo
@@ -394,131 +394,13 @@ class Allocator:
                 return None
 
     def memory_only_refusal(self, blocks: int) -> str:
-        """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered.
-
-        The kubelet calls it for every container that asks for vcuda-memory, GPU containers included
-        (their memory limit is read from the pod spec at the vcuda-core Allocate). A container asking
-        for memory and no vcuda-core gets no GPU at all (upstream answers it with nothing and the
-        container starts without a GPU, its memory counted as used by the kubelet), so the call is
-        refused when every pending container of this node asking for ``blocks`` asks for no cores: which
-        container a call is for is not said, and one that asks for cores as well may be the one. The
-        cache's pods are asked first: a size no pending container of the cache asks for is answered as
-        before (the kubelet calls this for every container with memory, so a list from the API server on
-        each call it cannot place would cost every node's admissions a LIST); a refusal is decided on a
-        fresh list from the API server, and the call is answered as before when it cannot be listed."""
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
-            return ""
-        if not self._memory_only_cached(blocks):
-            return ""
-        try:  # refused only on a fresh list: the cache may not show the pod being admitted yet
-            found = self._memory_only(self._pods.refresh(), blocks)
-        except Exception as exc:  # the API server's trouble: answered as before
-            log.debug("vcuda-memory Allocate of %d blocks: pods not listed: %s", blocks, exc)
-            return ""
-        if not found:
-            return ""
-        others = f" (or {', '.join(found[1:4])}{', ...' if len(found) > 4 else ''})" if len(found) > 1 else ""
-        return (
-            f"{found[0]}{others} asks for {blocks} {names.VMEMORY_RESOURCE} without {names.VCORE_RESOURCE}: "
-            f"memory alone gives no GPU (a share asks for both, a whole GPU for {names.VCORE_RESOURCE} in "
-            "hundreds)"
-        )
-
-    def _memory_only_cached(self, blocks: int) -> bool:
-        """Whether the pod source shows a pending container asking for ``blocks`` of memory without cores,
-        and none of that size asking for cores too (what :meth:`_memory_only` finds on those pods)."""
-        with self._memory_lock:
-            generation, changed = self._pods.changes(self._memory_generation)
-            if changed is None:
-                # Looked at again from the start should a pod that cannot be read cut this look short.
-                self._memory_generation = -1
-                self._memory_asks, self._memory_sizes = {}, {}
-                for pod in self._pods.pods():
-                    self._set_memory_asks(podinfo.uid(pod), pod)
-            else:
-                for uid in changed:
-                    self._set_memory_asks(uid, self._pods.get(uid))
-            self._memory_generation = generation
-            counts = self._memory_sizes.get(blocks)
-            return counts is not None and counts[0] == 0 and counts[1] > 0
-
-    def _set_memory_asks(self, uid: str, pod: Pod | None) -> None:
-        """Bring the memory sizes one pod's containers ask for up to date (``pod`` None: it is gone)."""
-        asks = self._memory_asks_of(pod) if pod is not None else ()
-        for size, cored in self._memory_asks.pop(uid, ()):
-            counts = self._memory_sizes[size]
-            counts[0 if cored else 1] -= 1
-            if counts == [0, 0]:
-                del self._memory_sizes[size]
-        if asks:
-            self._memory_asks[uid] = asks
-            for size, cored in asks:
-                self._memory_sizes.setdefault(size, [0, 0])[0 if cored else 1] += 1
-
-    @staticmethod
-    def _memory_asks_of(pod: Pod) -> tuple[tuple[int, bool], ...]:
-        """(memory blocks, asks for cores too) of each container of a pending pod that asks for memory."""
-        if podinfo.phase(pod) != "Pending" or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
-            return ()
-        try:
-            requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
-        except PodSpecError:
-            return ()
-        return tuple((r.memory_blocks, r.cores > 0) for r in requests if r.memory_blocks > 0)
+        """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered."""
+        return memory_only.memory_only_refusal(self, blocks)
 
     def memory_only_starting(self, blocks: int) -> dict[tuple[str, str], str]:
         """The containers of this node's pods (as the cache shows them) asking for ``blocks`` of vcuda-memory
-        without vcuda-core that have not run yet, by (pod UID, container), each with its name for a message.
-
-        A vcuda-memory Allocate of such a container beside a pending share of the same memory size is
-        answered (the call carries only IDs: it may be the share's); its PreStartContainer, whose IDs the
-        kubelet's records name, is where it is told apart. Empty (the kubelet is not asked) in the common
-        case of no such container. One that ran already (its status names a container ID: answered before
-        this check, or by upstream) is left to start again as it did."""
-        found: dict[tuple[str, str], str] = {}
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
-            return found
-        known = self._memory_only_of
-        for pod in self._pods.pods():
-            uid = podinfo.uid(pod)
-            asking = known.get(uid)
-            if asking is None:  # a pod's containers never change: read once per pod
-                try:
-                    requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
-                except PodSpecError:
-                    requests = []
-                asking = tuple((r.name, r.memory_blocks) for r in requests if r.cores <= 0 and r.memory_blocks > 0)
-                if len(known) >= _MEMORY_ONLY_KEPT:
-                    known.clear()
-                known[uid] = asking
-            if not asking or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
-                continue
-            for name, size in asking:
-                if size == blocks and not _has_run(pod, name):
-                    found[(uid, name)] = f"pod {podinfo.pod_key(pod)} container {name}"
-        return found
-
-    @staticmethod
-    def _memory_only(pods: Sequence[Pod], blocks: int) -> list[str] | None:
-        """The pending containers asking for ``blocks`` of memory and no cores ([] when one of that size
-        asks for cores too), None when no pending container asks for that many."""
-        found: list[str] = []
-        seen = False
-        for pod in pods:
-            if podinfo.phase(pod) != "Pending" or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
-                continue
-            try:
-                requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
-            except PodSpecError:
-                continue
-            for r in requests:
-                if r.memory_blocks != blocks:
-                    continue
-                seen = True
-                if r.cores > 0:
-                    return []
-                found.append(f"pod {podinfo.pod_key(pod)} container {r.name}")
-        return found if seen else None
+        without vcuda-core that have not run yet, by (pod UID, container), each with its name for a message."""
+        return memory_only.memory_only_starting(self, blocks)
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
         """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""

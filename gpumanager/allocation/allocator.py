@@ -30,6 +30,18 @@ tell, rebuilds both from every pod; the periodic recycle checks every holder.
 A pod found by asking the API server (the cache had not seen it yet) counts
 as alive while the cache has not shown it; after :data:`FRESH_LIST_GRACE_SECONDS`
 the periodic recycle asks the API server again, and frees it only if it is gone there.
+
+The state and its lock are the Allocator's, here, with the Allocate path and the journal glue; the
+work on them is in modules named for it, functions taking the allocator (most called with its lock
+held, as their docstrings say): :mod:`~gpumanager.allocation.matching` (which pod container an
+Allocate is for), :mod:`~gpumanager.allocation.placement` (which GPUs it gets),
+:mod:`~gpumanager.allocation.prestart` (PreStartContainer's checks and swaps),
+:mod:`~gpumanager.allocation.freed_unstarted` (allocations freed before their start, IDs handed on),
+:mod:`~gpumanager.allocation.release` (pods that end), :mod:`~gpumanager.allocation.adoption`
+(taking over the checkpoint's and the kubelet's records), :mod:`~gpumanager.allocation.gpu_charges`
+(what each GPU is charged with), :mod:`~gpumanager.allocation.memory_only` (vcuda-memory without
+vcuda-core) and :mod:`~gpumanager.allocation.dra_claims` (DRA claims); the shared types and pure
+helpers are in :mod:`~gpumanager.allocation.model`.
 """
 
 from __future__ import annotations
@@ -64,6 +76,18 @@ from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.model import (
     _BATCH_SNAPSHOT,
     _COMPACT_RETRY_MAX,
+    _FREED_GUESSES_KEPT,
+    _MEMORY_ONLY_KEPT,
+    FORCED_STOP_MARGIN_SECONDS,
+    MIRROR_ANNOTATION,
+    MIRROR_GRACE_SECONDS,
+    AllocationError,
+    AllocatorSettings,
+    Candidate,
+    ChangeListener,
+    OwnerHint,
+    PodSource,
+    Waiting,
     _Changing,
     _compat32,
     _del,
@@ -71,49 +95,9 @@ from gpumanager.allocation.model import (
     _document,
     _Fresh,
     _oserror,
+    _put,
+    _put_text,
     _Swap,
-)
-from gpumanager.allocation.model import (
-    _FREED_GUESSES_KEPT as _FREED_GUESSES_KEPT,
-)
-from gpumanager.allocation.model import (
-    _MEMORY_ONLY_KEPT as _MEMORY_ONLY_KEPT,
-)
-from gpumanager.allocation.model import (
-    FORCED_STOP_MARGIN_SECONDS as FORCED_STOP_MARGIN_SECONDS,
-)
-from gpumanager.allocation.model import (
-    MIRROR_ANNOTATION as MIRROR_ANNOTATION,
-)
-from gpumanager.allocation.model import (
-    MIRROR_GRACE_SECONDS as MIRROR_GRACE_SECONDS,
-)
-from gpumanager.allocation.model import (
-    AllocationError as AllocationError,
-)
-from gpumanager.allocation.model import (
-    AllocatorSettings as AllocatorSettings,
-)
-from gpumanager.allocation.model import (
-    Candidate as Candidate,
-)
-from gpumanager.allocation.model import (
-    ChangeListener as ChangeListener,
-)
-from gpumanager.allocation.model import (
-    OwnerHint as OwnerHint,
-)
-from gpumanager.allocation.model import (
-    PodSource as PodSource,
-)
-from gpumanager.allocation.model import (
-    Waiting as Waiting,
-)
-from gpumanager.allocation.model import (
-    _put as _put,
-)
-from gpumanager.allocation.model import (
-    _put_text as _put_text,
 )
 from gpumanager.allocation.pods import GPURequest, Pod
 from gpumanager.allocation.records import ContainerAllocation
@@ -121,6 +105,26 @@ from gpumanager.allocation.response import ContainerResponse, ResponseSettings, 
 from gpumanager.device.types import GPUInfo
 from gpumanager.faults import crash_point
 from gpumanager.topology import GPUNode, TopologyTree, render_graph
+
+#: What other modules import from here (the state's parts live in the modules named above).
+__all__ = [
+    "FORCED_STOP_MARGIN_SECONDS",
+    "FRESH_LIST_GRACE_SECONDS",
+    "MIRROR_ANNOTATION",
+    "MIRROR_GRACE_SECONDS",
+    "_FREED_GUESSES_KEPT",
+    "_MEMORY_ONLY_KEPT",
+    "AllocationError",
+    "Allocator",
+    "AllocatorSettings",
+    "Candidate",
+    "ChangeListener",
+    "OwnerHint",
+    "PodSource",
+    "Waiting",
+    "_put",
+    "_put_text",
+]
 
 log = logging.getLogger(__name__)
 

@@ -1345,9 +1345,11 @@ class Allocator:
         when it was already prepared (a repeated Prepare: nothing changes)."""
         return dra_claims.prepare_claim(self, claim, allow_unhealthy=allow_unhealthy)
 
-    def unprepare_claim(self, uid: str) -> ClaimAllocation | None:
-        """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare)."""
-        return dra_claims.unprepare_claim(self, uid)
+    def unprepare_claim(self, uid: str, *, keep_unwritten: bool = True) -> ClaimAllocation | None:
+        """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare).
+        When the record cannot be written: AllocationError, the claim kept prepared (unless ``keep_unwritten``
+        is False: freed all the same)."""
+        return dra_claims.unprepare_claim(self, uid, keep_unwritten=keep_unwritten)
 
     def adopt_claims(self, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
         """Take over prepared claims (from the checkpoint, or rebuilt); returns how many."""

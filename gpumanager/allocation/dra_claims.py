@@ -145,10 +145,15 @@ def occupy_claim(allocator: Allocator, claim: ClaimAllocation) -> None:
             allocator._tree.occupy(leaf.index, names.HUNDRED_CORES if dev.whole else dev.cores, dev.memory)
 
 
-def unprepare_claim(allocator: Allocator, uid: str) -> ClaimAllocation | None:
+def unprepare_claim(allocator: Allocator, uid: str, *, keep_unwritten: bool = True) -> ClaimAllocation | None:
     """Free a claim's GPUs (one journal record); None when it was not prepared (a repeated Unprepare).
 
-    AllocationError when the record cannot be written: the claim is freed all the same.
+    AllocationError when the record cannot be written; the claim is then kept prepared, its GPUs held, as
+    the checkpoint still has it: the kubelet retries an Unprepare that failed, and that retry writes the
+    release. (Freed in memory only, the claim would come back from the checkpoint at the next start while
+    the kubelet, told by its retry that the claim was unprepared, never unprepares it again.)
+    ``keep_unwritten=False``: freed all the same (a release no one retries; the next write, a whole
+    snapshot after a failure, records it).
     """
     with allocator._lock:
         claim = drop_claim(allocator, uid)
@@ -157,19 +162,41 @@ def unprepare_claim(allocator: Allocator, uid: str) -> ClaimAllocation | None:
         try:
             ticket = allocator._stage([_claim_del(uid)])
         except OSError as exc:
-            # Freed in memory all the same: the kubelet retries an Unprepare that failed, and the
-            # next write (a whole snapshot after a failure) records it.
-            raise AllocationError(f"claim {claim.key} ({uid}): {allocator._checkpoint_error}", "unavailable") from exc
+            if keep_unwritten:
+                keep_claim(allocator, claim)
+            raise AllocationError(
+                f"claim {claim.key} ({uid}): {allocator._checkpoint_error}{_unwritten(keep_unwritten)}", "unavailable"
+            ) from exc
     try:
-        allocator._sync(ticket)
+        if keep_unwritten:
+            allocator._sync_or_undo(ticket, lambda: keep_claim(allocator, claim))
+        else:
+            allocator._sync(ticket)
     except OSError as exc:
         raise AllocationError(
-            f"claim {claim.key} ({uid}): cannot write checkpoint {allocator._checkpoint_path}: {_oserror(exc)}",
+            f"claim {claim.key} ({uid}): cannot write checkpoint {allocator._checkpoint_path}: {_oserror(exc)}"
+            f"{_unwritten(keep_unwritten)}",
             "unavailable",
         ) from exc
     allocator._notify()
     log.info("unprepared claim %s (%s)", claim.key, uid)
     return claim
+
+
+def _unwritten(kept: bool) -> str:
+    return "; kept prepared until its release can be written" if kept else "; freed all the same"
+
+
+def keep_claim(allocator: Allocator, claim: ClaimAllocation) -> bool:
+    """Take back a claim whose release could not be written: it holds its GPUs again. False (nothing done)
+    when its UID was prepared again meanwhile. Takes the allocator's lock (held by the caller or not)."""
+    with allocator._lock:
+        if claim.uid in allocator._claims:
+            return False
+        occupy_claim(allocator, claim)
+        allocator._claims[claim.uid] = claim
+        allocator._generation += 1
+        return True
 
 
 def adopt_claims(allocator: Allocator, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:

@@ -9,7 +9,10 @@ written, and only then is the answer given. A failure leaves nothing behind and
 is reported for that claim alone; the other claims of the request proceed.
 
 Unprepare, per claim: frees it, removes its CDI spec and directory; a claim that
-is not prepared succeeds (the kubelet retries). Recording and file changes are
+is not prepared succeeds (the kubelet retries). A release the checkpoint cannot
+take fails, the claim left prepared with its files, so that the kubelet's retry
+writes it (answered done unwritten, the claim would come back at the next start,
+held for good). Recording and file changes are
 serialized, but the API server is asked with no lock held: a claim whose GET
 hangs holds up its own Prepare only. A claim unprepared while its GET is in
 flight is not prepared by that GET's answer.
@@ -373,7 +376,7 @@ class ClaimPreparer:
         except Exception:  # recorded but not usable: undone, so the kubelet's retry starts afresh
             try:
                 self._allocator.unprepare_claim(claim.uid)
-            except AllocationError as exc:  # freed all the same; the next checkpoint write records it
+            except AllocationError as exc:  # kept prepared: the kubelet's retried Prepare (or its Unprepare) ends it
                 log.error("claim %s (%s): undoing its record after its files failed: %s", ref, ref.uid, exc)
             finally:
                 try:
@@ -608,8 +611,9 @@ class ClaimPreparer:
                 return False
             log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
             try:
-                self._allocator.unprepare_claim(claim.uid)
-            except AllocationError as exc:  # freed all the same; the next checkpoint write records it
+                # No kubelet retries this release: freed all the same, the next checkpoint write records it.
+                self._allocator.unprepare_claim(claim.uid, keep_unwritten=False)
+            except AllocationError as exc:
                 log.error("claim %s (%s): %s", ref, claim.uid, exc)
             self._remove_files(claim.uid)
         return True

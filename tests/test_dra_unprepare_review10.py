@@ -1,0 +1,137 @@
+"""NodeUnprepareResources when the checkpoint cannot be written: the claim stays prepared (in memory as on
+disk) and the kubelet is told the Unprepare failed, so that its retry writes the release again. Freed in
+memory only, the claim came back from the checkpoint at the next start, files rewritten, its share held
+for good: the kubelet, told the retry succeeded, never unprepares it again."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from gpumanager.allocation import journal
+from gpumanager.allocation.allocator import AllocationError
+from gpumanager.allocation.journal import read_document
+from gpumanager.dra.claims import ClaimRef
+from tests.test_dra_checkpoint import Node, allocator, api_claim, share
+
+
+def _full(self: object, *args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkpoint write fails: journal records and whole snapshots."""
+    monkeypatch.setattr(journal._Segment, "write_at", _full)
+    monkeypatch.setattr(journal.CheckpointStore, "write_snapshot", _full)
+
+
+def _on_disk(tmp_path: Path) -> list[str]:
+    """The claims the next start finds (the snapshot with the journal replayed)."""
+    after = allocator(tmp_path)
+    after.load()
+    return [c.uid for c in after.claims()]
+
+
+@pytest.mark.parametrize("fails", ["record", "snapshot"])
+def test_an_unprepare_that_cannot_be_written_keeps_the_claim(
+    tmp_path: Path, fails: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``record``: the journal record cannot be written (sync); ``snapshot``: a write failed before, so the
+    release is staged as a whole snapshot, which fails too (stage)."""
+    a = allocator(tmp_path)
+    a.probe_checkpoint()
+    a.prepare_claim(share("u1", "one"))
+    a.prepare_claim(share("u2", "two"))
+    if fails == "record":
+        monkeypatch.setattr(journal._Segment, "write_at", _full)
+    else:
+        _disk_full(monkeypatch)
+        with pytest.raises(AllocationError):
+            a.prepare_claim(share("u3", "three"))  # a failed write: the next one is a whole snapshot
+    generation = a.generation
+    with pytest.raises(AllocationError, match=r"claim ml/one \(u1\): .*ENOSPC.*kept prepared") as err:
+        a.unprepare_claim("u1")
+    assert err.value.kind == "unavailable"
+    assert [c.uid for c in a.claims()] == ["u1", "u2"], "still prepared, as the checkpoint says"
+    assert a.tree_snapshot()[0][1] == 40, "its 30 cores still held"
+    assert a.generation >= generation
+    monkeypatch.undo()
+    assert _on_disk(tmp_path) == ["u1", "u2"]
+    # The kubelet's retry, once the disk has room, writes the release.
+    assert a.unprepare_claim("u1") == share("u1", "one")
+    assert [c.uid for c in a.claims()] == ["u2"] and a.tree_snapshot()[0][1] == 70
+    assert _on_disk(tmp_path) == ["u2"]
+    assert sorted((read_document(a.checkpoint_path) or {}).get("Claims", {})) in (["u1", "u2"], ["u2"])
+
+
+def test_write_fails_then_the_agent_restarts_the_kubelets_retry_frees_the_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.prepare("u2", "two")
+    _disk_full(monkeypatch)
+    out = node.preparer.unprepare([ClaimRef("ml", "one", "u1")])
+    assert "ENOSPC" in out["u1"]
+    assert node.allocator.claim("u1") is not None and node.files("u1"), "left prepared, files and all"
+    # The kubelet retries while the disk is still full: refused again, never 'done' with the release unwritten.
+    out = node.preparer.unprepare([ClaimRef("ml", "one", "u1")])
+    assert "ENOSPC" in out["u1"] and node.allocator.claim("u1") is not None and node.files("u1")
+    monkeypatch.undo()
+    # The agent restarts before anything could be written: the claim is back, as the kubelet still has it.
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    assert after.preparer.restore_files(verify_recovered=after.allocator.claims_in_doubt) == []
+    assert [c.uid for c in after.allocator.claims()] == ["u1", "u2"] and after.files("u1")
+    # The kubelet's retry of the Unprepare it was refused frees it for good.
+    assert after.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    assert not after.files("u1") and after.allocator.tree_snapshot()[0][1] == 70
+    third = Node(tmp_path, api)
+    third.allocator.load()
+    third.preparer.restore_files(verify_recovered=third.allocator.claims_in_doubt)
+    assert [c.uid for c in third.allocator.claims()] == ["u2"] and not third.files("u1")
+    assert third.allocator.tree_snapshot()[0][1] == 70, "no share of u1 held after any number of starts"
+
+
+def test_write_fails_then_the_retry_succeeds_and_the_agent_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order of the defect: the release unwritten, the kubelet's retry answered 'done', a restart before any
+    later write. The retry now writes the release before it answers."""
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.prepare("u2", "two")
+    monkeypatch.setattr(journal._Segment, "write_at", _full)
+    assert "ENOSPC" in node.preparer.unprepare([ClaimRef("ml", "one", "u1")])["u1"]
+    monkeypatch.undo()
+    assert node.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    assert not node.files("u1")
+    # SIGKILL now: no compaction, no close.
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    after.preparer.restore_files(verify_recovered=after.allocator.claims_in_doubt)
+    assert [c.uid for c in after.allocator.claims()] == ["u2"]
+    assert not after.files("u1"), "its files must not be rewritten"
+    assert after.allocator.tree_snapshot()[0][1] == 70
+
+
+def test_the_files_are_left_until_the_release_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the files were already gone (removed by hand, or a tmpfs /var/run/cdi after a reboot) or not,
+    a failed write leaves the claim prepared, and the retry removes what is left."""
+    api = {"one": api_claim("u1", "one")}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.preparer._remove_files("u1")
+    _disk_full(monkeypatch)
+    assert "ENOSPC" in node.preparer.unprepare([ClaimRef("ml", "one", "u1")])["u1"]
+    assert node.allocator.claim("u1") is not None
+    monkeypatch.undo()
+    assert node.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
+    assert node.allocator.claims() == [] and not node.files("u1") and _on_disk(tmp_path) == []

@@ -290,13 +290,17 @@ def taken_over(
     directory it mounts. Then every one of them is swapped with the container of its name.
 
     Likewise when ``key`` alone holds ``wanted`` and several containers of ``owner``'s pod hold the IDs
-    recorded for ``owner``: those records go to ``key``'s pod together (:func:`handed_back`)."""
+    recorded for ``owner``: those records go to ``key``'s pod together (:func:`handed_back`). And when the
+    records of ``wanted`` lie in several pods, ``owner``'s among them or not, none started, they all go to
+    ``owner``'s pod (:func:`gathered`), also when ``key`` is in ``owner``'s pod."""
     group = sorted(
         c for c in allocator._by_pod.get(key[0], ()) if frozenset(allocator._allocs[(key[0], c)].device_ids) == wanted
     )
     pod = allocator._pods.get(owner[0])
-    if owner[0] == key[0] or pod is None:
+    if pod is None:
         return [(key, owner)]
+    if owner[0] == key[0]:
+        return gathered(allocator, owner, wanted) or [(key, owner)]
     if len(group) < 2:
         return gathered(allocator, owner, wanted) or [(key, owner), *handed_back(allocator, key, owner)]
     if owner[1] not in group or any(_request_of(pod, c) is None for c in group):
@@ -307,15 +311,18 @@ def taken_over(
 def gathered(
     allocator: Allocator, owner: tuple[str, str], wanted: frozenset[str]
 ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
-    """The swaps that bring to ``owner``'s pod every record of ``wanted`` when they lie in several
-    other pods, none started (lock held): the answers made for its containers (an init container's IDs
-    handed on), split by an earlier swap whose holder pod had fewer containers. Each goes to the
-    container of ``owner``'s pod its answer was made for (the name of its directory), else to one left
-    asking for as many cores, that container's record (a guess, not started) taking its place. None
-    when they lie in one pod, or ``owner``'s pod cannot take them all."""
+    """The swaps that bring to ``owner``'s pod every record of ``wanted`` when they lie in several pods,
+    ``owner``'s among them or not, none started (lock held): the answers made for its containers (an init
+    container's IDs handed on), split by an earlier swap whose holder pod had fewer containers (the
+    kubelet's records name either container holding the IDs, so one record may be in ``owner``'s pod
+    already, under another container's name than its answer's). Each goes to the container of
+    ``owner``'s pod its answer was made for (the name of its directory), else to one left asking for as
+    many cores, that container's record (a guess, not started) taking its place. The pairs are made in
+    order (:func:`prestart.planned_swaps`): a record of ``owner``'s pod moves before another takes its
+    place. None when they lie in one pod, or ``owner``'s pod cannot take them all."""
     holders = sorted(k for k, a in allocator._allocs.items() if frozenset(a.device_ids) == wanted)
     pod = allocator._pods.get(owner[0])
-    if pod is None or len({k[0] for k in holders}) < 2 or any(k[0] == owner[0] for k in holders):
+    if pod is None or len({k[0] for k in holders}) < 2:
         return []
     if any(allocator._allocs[k].started for k in holders):
         return []
@@ -342,7 +349,8 @@ def gathered(
             targets[k] = left.pop(0)
     if owner[1] not in targets.values():
         return []
-    return [(k, (owner[0], targets[k])) for k in holders]
+    pairs = [(k, (owner[0], targets[k])) for k in holders if k != (owner[0], targets[k])]
+    return sorted(pairs, key=lambda pair: pair[0][0] != owner[0])  # ``owner``'s pod's records first
 
 
 def handed_back(

@@ -66,16 +66,19 @@ def pre_start(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str,
                     # that answer's directory, not the other container's.
                     key, changed = owner, True
                 elif key is not None and key != owner:
-                    swaps = [
-                        swap_of(allocator, mine, theirs)
-                        for mine, theirs in freed_unstarted.taken_over(allocator, key, owner, wanted)
-                    ]
+                    swaps = planned_swaps(allocator, freed_unstarted.taken_over(allocator, key, owner, wanted))
                     weigh(allocator, swaps)
                     for swap in swaps:
                         allocator._reassign(swap)
                     # A record given to the other container is one the kubelet did not give ``owner``:
-                    # whose IDs they are is still a guess.
-                    allocator._guessed.update(s.given.key for s in swaps if s.given is not None)
+                    # whose IDs they are is still a guess (unless a later swap of these took it on).
+                    given: set[tuple[str, str]] = set()
+                    for swap in swaps:
+                        given.discard(swap.taken.key)
+                        given.discard(swap.mine.key)
+                        if swap.given is not None:
+                            given.add(swap.given.key)
+                    allocator._guessed.update(given)
                     key, changed = owner, True
             if key is None and owner is not None and freed_unstarted.take_freed_guess(allocator, wanted, owner):
                 key, changed = owner, True
@@ -262,11 +265,41 @@ def same_name(allocator: Allocator, key: tuple[str, str], owner: tuple[str, str]
     return (mine.namespace, mine.pod_name) == podinfo.namespace_name(pod)
 
 
-def swap_of(allocator: Allocator, key: tuple[str, str], owner: tuple[str, str]) -> _Swap:
+def planned_swaps(allocator: Allocator, pairs: Sequence[tuple[tuple[str, str], tuple[str, str]]]) -> list[_Swap]:
+    """The swaps (:func:`swap_of`) that move the record of each pair's first key to its second, made one
+    after the other (lock held; nothing changes): a record moved by an earlier swap is taken from where
+    that swap left it, and a key an earlier swap emptied or filled holds what that swap left there.
+    Pairs whose keys are all apart make the swaps each would alone."""
+    state: dict[tuple[str, str], ContainerAllocation | None] = {}
+    where = {key: key for key, _ in pairs}  # where each pair's record lies after the swaps so far
+    swaps: list[_Swap] = []
+    for key, target in pairs:
+        now = where[key]
+        if now == target:
+            continue
+        swap = swap_of(allocator, now, target, state)
+        state[now], state[target] = swap.given, swap.taken
+        for other, at in where.items():
+            if at == target:
+                where[other] = now  # the record that was there went where this one was
+        where[key] = target
+        swaps.append(swap)
+    return swaps
+
+
+def swap_of(
+    allocator: Allocator,
+    key: tuple[str, str],
+    owner: tuple[str, str],
+    state: Mapping[tuple[str, str], ContainerAllocation | None] | None = None,
+) -> _Swap:
     """The records a swap of our record ``key`` with the kubelet's holder ``owner`` of its IDs makes
-    (lock held; nothing changes); AllocationError when the kubelet's view cannot be taken."""
-    mine = allocator._allocs[key]
-    theirs = allocator._allocs.get(owner)
+    (lock held; nothing changes), the records of ``state``'s keys being its values (None: none) after
+    earlier swaps; AllocationError when the kubelet's view cannot be taken."""
+    planned = state or {}
+    mine = planned[key] if key in planned else allocator._allocs[key]
+    theirs = planned[owner] if owner in planned else allocator._allocs.get(owner)
+    assert mine is not None, key  # only a key holding a record is swapped
     if theirs is not None and theirs.started and theirs.device_ids and theirs.device_ids != mine.device_ids:
         raise AllocationError(
             f"{names.PRESTART_FAILED}: the kubelet's records name pod {owner[0]} container {owner[1]} as holding "

@@ -135,3 +135,31 @@ def test_the_files_are_left_until_the_release_is_written(tmp_path: Path, monkeyp
     monkeypatch.undo()
     assert node.preparer.unprepare([ClaimRef("ml", "one", "u1")]) == {"u1": ""}
     assert node.allocator.claims() == [] and not node.files("u1") and _on_disk(tmp_path) == []
+
+
+def test_a_claim_rebuilt_at_start_while_the_checkpoint_cannot_be_written_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim with files but no record (its record lost) is rebuilt from the API server at start; when its
+    record cannot be written then, it is not left with its files and no record (its GPUs free to another
+    claim, for good): it waits with the claims the API server could not be asked about, its GPUs taking no
+    new claim, and is rebuilt once the checkpoint can be written."""
+    api = {"one": api_claim("u1", "one", cores=30), "big": api_claim("u2", "big", cores=80)}
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    for f in (tmp_path / "cp").iterdir():  # the record lost (a checkpoint directory wiped)
+        f.unlink()
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    _disk_full(monkeypatch)
+    assert after.preparer.restore_files(verify_recovered=after.allocator.claims_in_doubt) == []
+    assert after.allocator.claims() == [] and after.files("u1")
+    assert set(after.preparer.unreadable()) == {"u1"}, "its rebuild waits; meanwhile its GPU takes no new claim"
+    monkeypatch.undo()
+    out = after.preparer.prepare([ClaimRef("ml", "big", "u2")])["u2"]
+    assert "u1" in out.error and not out.devices, "80 cores beside u1's 30 would over-commit gpu-0"
+    assert after.preparer.retry_unreadable() == 0
+    assert [c.uid for c in after.allocator.claims()] == ["u1"] and after.files("u1")
+    assert after.allocator.tree_snapshot()[0][1] == 70
+    assert _on_disk(tmp_path) == ["u1"]

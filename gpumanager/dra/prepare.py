@@ -194,9 +194,9 @@ class ClaimPreparer:
         self._unprepared_while_read: dict[str, int] = {}
         # Claim UIDs the kubelet prepared or unprepared since the start: reconcile() leaves them be.
         self._touched: set[str] = set()
-        # Claims with a CDI spec but no record whose rebuild could not ask the API server, by UID: the
-        # GPUs (minors) their spec names. Retried (retry_unreadable) until rebuilt or removed;
-        # meanwhile no new claim is prepared on those GPUs (they may be taken).
+        # Claims with a CDI spec but no record whose rebuild could not ask the API server (or could not write
+        # their record), by UID: the GPUs (minors) their spec names. Retried (retry_unreadable) until rebuilt
+        # or removed; meanwhile no new claim is prepared on those GPUs (they may be taken).
         self._unreadable: dict[str, frozenset[int]] = {}
         self._had_files: set[str] = set()  # UIDs of every claim restore_local() found so: not new claims
 
@@ -621,7 +621,8 @@ class ClaimPreparer:
     def _rebuild(self, uid: str) -> tuple[str, ClaimAllocation | None]:
         """A claim with files but no record: ("rebuilt", claim) from the API server, ("removed", None)
         when the API server no longer has it, ("unreadable", None) when the API server cannot be asked
-        now (tried again later), ("kept", None) when it cannot be told otherwise."""
+        now or its record cannot be written now (tried again later), ("kept", None) when it cannot be told
+        otherwise."""
         key = claim_files.recorded_key(self._vm, uid)
         if key is None:
             log.warning("claim %s has a CDI spec but no record and no readable vcuda.config: files left", uid)
@@ -655,7 +656,19 @@ class ClaimPreparer:
                 if uid in self._touched:
                     return "kept", None
                 self._allocator.prepare_claim(claim, allow_unhealthy=frozenset(claim.minors))
-        except (ClaimError, AllocationError) as exc:
+        except AllocationError as exc:
+            if exc.kind == "unavailable":  # its record cannot be written now (every GPU's health is tolerated)
+                log.error(
+                    "claim %s (%s) has files but no record, and cannot be recorded again now (tried again later; "
+                    "meanwhile its GPUs take no new claim): %s",
+                    ref,
+                    uid,
+                    exc,
+                )
+                return "unreadable", None
+            log.error("claim %s (%s) has files but no record, and cannot be recorded again: %s", ref, uid, exc)
+            return "kept", None
+        except ClaimError as exc:
             log.error("claim %s (%s) has files but no record, and cannot be recorded again: %s", ref, uid, exc)
             return "kept", None
         log.warning("claim %s (%s): its record was lost or could not be trusted; rebuilt from the API server", ref, uid)

@@ -353,6 +353,8 @@ class Agent:
             kubelet_checkpoint_path=Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT,
             find_pod=self.pods.lookup,
         )
+        # Asked only when a request's only room is that of an allocation freed before its start.
+        allocator.set_holder_lookup(lambda ids: owners.owner(names.VCORE_RESOURCE, ids))
         handlers = Handlers(
             allocator=allocator,
             layout=self.layout,

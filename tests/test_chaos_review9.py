@@ -383,11 +383,6 @@ def test_chaos_under_churn(tmp_path: Path, sim_built: Path, seed: int) -> None:
     run_round(tmp_path, seed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an Allocate placed in the room of an allocation freed before its start, whose IDs the kubelet "
-    "still holds for an admitted pod, leaves that pod's start refused until room frees",
-)
 def test_room_of_a_freed_allocation_the_kubelet_still_holds_is_not_given_away(tmp_path: Path, sim_built: Path) -> None:
     """Identical pods a and b wait; the kubelet admits b (its IDs matched to a, first in line), then a, whose
     Allocate finds no GPU with room (the cores left are split between the GPUs) and fails its admission; a is

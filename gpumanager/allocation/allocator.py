@@ -85,6 +85,7 @@ from gpumanager.allocation.model import (
     AllocatorSettings,
     Candidate,
     ChangeListener,
+    FreedRoomWithheld,
     OwnerHint,
     PodSource,
     Waiting,
@@ -181,6 +182,9 @@ class Allocator:
         # pods the kubelet may have given the IDs (and our answer) to another, which PreStartContainer names.
         # (Those of one pod: an init container's IDs handed on to the next container.)
         self._freed_guesses: dict[frozenset[str], list[ContainerAllocation]] = {}
+        # The kubelet's holder (pod UID, container) of a set of device IDs, None when none: asked (lock
+        # released) only when a request's only room is that of an allocation freed before its start.
+        self._holder_of: Callable[[Sequence[str]], tuple[str, str] | None] | None = None
         # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
         self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
@@ -313,6 +317,13 @@ class Allocator:
             self._responses[key] = cached
         return cached
 
+    def set_holder_lookup(self, holder_of: Callable[[Sequence[str]], tuple[str, str] | None]) -> None:
+        """Where the kubelet's holder of vcuda-core device IDs is asked: (pod UID, container), or None when
+        no container holds them or nobody can tell. Without it, the room of an allocation freed before
+        its start goes to a request that has no other (the kubelet's holder of its IDs is not asked)."""
+        with self._lock:
+            self._holder_of = holder_of
+
     def set_response_settings(self, response: ResponseSettings) -> None:
         """Answers from now on use these node-wide settings (e.g. the driver mirror's paths once built)."""
         with self._lock:
@@ -407,7 +418,20 @@ class Allocator:
         return memory_only.memory_only_starting(self, blocks)
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerResponse:
-        """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated)."""
+        """Answer one kubelet Allocate for ``device_ids`` (vcuda-core IDs, already validated).
+
+        Where the only room is that of allocations freed before their containers started, the kubelet is
+        asked (lock released) whether it still holds their IDs: for a pod it gave them to (a guess among
+        identical pods), which takes the allocation over now, its room kept; for nobody, the room is free
+        (:func:`freed_unstarted.settle_freed_room`). The request is then matched once more."""
+        try:
+            return self._allocate_once(device_ids)
+        except FreedRoomWithheld as exc:
+            if not freed_unstarted.settle_freed_room(self, exc.freed):
+                raise
+        return self._allocate_once(device_ids)
+
+    def _allocate_once(self, device_ids: Sequence[str]) -> ContainerResponse:
         received = time.monotonic()
         cores = len(device_ids)
         if cores == 0:

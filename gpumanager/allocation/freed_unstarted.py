@@ -445,3 +445,67 @@ def hand_over(allocator: Allocator, alloc: ContainerAllocation) -> bool:
         candidate.request.name,
     )
     return True
+
+
+def settle_freed_room(allocator: Allocator, freed: tuple[frozenset[str], ...]) -> bool:
+    """Whether the room of the allocations freed before their start, remembered by the IDs ``freed``,
+    may be given to a request that has no other: ask the kubelet (lock released) who holds those IDs.
+
+    The kubelet hands a container IDs no other container of an active pod holds, and keeps them its
+    pod's until the pod ends; it never says which pod an Allocate is for, so after a guess among
+    identical waiting pods the pod it gave the IDs to may wait to start with our answer. A holder the
+    pod cache knows takes the allocation over now (as its start would), keeping the room; a holder it
+    cannot take it over for (another memory size with no room, a container of the freed pod) keeps the
+    room held; when no container holds them, or nobody can tell, they are forgotten and the room is
+    free, as before this was asked. Returns whether anything changed (the request is matched again)."""
+    lookup = allocator._holder_of
+    if lookup is None or not freed:
+        return False
+    holders: dict[frozenset[str], tuple[str, str] | None] = {}
+    for wanted in freed:
+        try:
+            holders[wanted] = lookup(ids.in_order(wanted))
+        except Exception as exc:  # nobody can tell: the room is given, as before the kubelet was asked
+            log.warning("cannot ask the kubelet which container holds %s: %s", ids.describe(sorted(wanted)), exc)
+            holders[wanted] = None
+    changed = False
+    with allocator._changing():
+        for wanted, holder in holders.items():
+            same = allocator._freed_guesses.get(wanted)
+            if not same:
+                changed = True  # given out again meanwhile: the kubelet freed them
+                continue
+            if holder is None:
+                del allocator._freed_guesses[wanted]
+                changed = True
+                log.info(
+                    "%s, matched to pod %s container %s, freed before it started: the kubelet holds them for no "
+                    "container, so the room they held on GPUs %s is free",
+                    ids.describe(sorted(wanted)),
+                    *same[0].key,
+                    list(same[0].minors),
+                )
+                continue
+            took = False
+            if holder[0] not in {a.pod_uid for a in same}:
+                try:
+                    took = take_freed_guess(allocator, wanted, holder)
+                except AllocationError as exc:
+                    log.info(
+                        "pod %s container %s cannot take over %s yet: %s", *holder, ids.describe(sorted(wanted)), exc
+                    )
+            if took:
+                changed = True
+                continue
+            allocator._freed_guesses.setdefault(wanted, same)  # the kubelet holds them: their room stays held
+            log.info(
+                "%s, matched to pod %s container %s, freed before it started, are held by pod %s container %s in "
+                "the kubelet's records: the room they held on GPUs %s stays held",
+                ids.describe(sorted(wanted)),
+                *same[0].key,
+                *holder,
+                list(same[0].minors),
+            )
+    if changed:
+        allocator._notify()
+    return changed

@@ -54,6 +54,17 @@ class AllocationError(Exception):
         self.kind = kind
 
 
+class FreedRoomWithheld(AllocationError):
+    """No GPU has room for a request but where allocations freed before their containers started held it
+    (remembered by their IDs, ``freed``): the kubelet may still hold those IDs for the pod it gave them to,
+    whose start takes the allocation over on the same GPUs. Whether it does is asked before that room is
+    given to another (:func:`~gpumanager.allocation.freed_unstarted.settle_freed_room`)."""
+
+    def __init__(self, message: str, freed: tuple[frozenset[str], ...]) -> None:
+        super().__init__(message, "exhausted")
+        self.freed = freed
+
+
 class PodSource(Protocol):
     """Where the allocator learns about the pods of this node."""
 

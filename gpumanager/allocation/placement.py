@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpumanager import names, safenames
-from gpumanager.allocation import gpu_charges
+from gpumanager.allocation import gpu_charges, ids
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.model import (
     AllocationError,
     Candidate,
+    FreedRoomWithheld,
     _mirror_of,
     _runs_first,
     _Subject,
@@ -73,8 +74,11 @@ def decide(allocator: Allocator, candidate: Candidate, device_ids: tuple[str, ..
         indices = gpu_charges.choose_lending(allocator, kept, uid, cores, memory, device_ids)
         if indices:
             tree = kept
-        elif kept is not tree:  # no room but that of freed allocations: they are likely freed indeed
+        elif kept is not tree:  # no room but that of freed allocations: likely freed indeed
             indices = gpu_charges.choose_lending(allocator, tree, uid, cores, memory, device_ids)
+            if indices and allocator._holder_of is not None:
+                # Unless the kubelet holds their IDs for a pod that waits to start: asked (lock released).
+                raise withheld(allocator, who, {tree.leaf(i).minor for i in indices}, device_ids)
         if not indices and tree is not allocator._tree:
             log.warning(
                 "%s: no GPU is left beside those predicated for the pod's other containers; choosing among all",
@@ -203,6 +207,28 @@ def without_freed_room(allocator: Allocator, tree: TopologyTree, device_ids: Seq
         else:
             scratch.occupy(leaf.index, min(cores, leaf.allocatable_cores), min(memory, leaf.allocatable_memory))
     return scratch
+
+
+def withheld(allocator: Allocator, who: _Subject, minors: set[int], device_ids: Sequence[str]) -> FreedRoomWithheld:
+    """The refusal of ``who``, whose only room is on ``minors``, held there by allocations freed before
+    their containers started (lock held): the kubelet may still hold their IDs for another pod."""
+    given = frozenset(device_ids)
+    freed = [
+        (wanted, same)
+        for wanted, same in allocator._freed_guesses.items()
+        if given.isdisjoint(wanted) and any(minors.intersection(a.minors) for a in same)
+    ]
+    named = "; ".join(
+        f"pod {same[0].pod_uid} container {same[0].container} ({ids.describe(sorted(wanted))}, GPUs "
+        f"{list(same[0].minors)})"
+        for wanted, same in freed
+    )
+    return FreedRoomWithheld(
+        f"{who}: no GPU has room for it but GPUs {sorted(minors)}, held by allocations freed before their "
+        f"containers started: {named}; the kubelet may still hold their IDs for the pod it gave them to, "
+        "whose start takes that room",
+        tuple(wanted for wanted, _ in freed),
+    )
 
 
 def tree_without_predicated(allocator: Allocator, pod: Pod, req: GPURequest) -> TopologyTree:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpumanager.allocation import journal
 from gpumanager.allocation.allocator import AllocationError
 from gpumanager.allocation.journal import read_document
-from gpumanager.dra.claims import ClaimRef
+from gpumanager.dra.claims import ClaimError, ClaimRef
 from tests.test_dra_checkpoint import Node, allocator, api_claim, share
 
 
@@ -163,3 +164,94 @@ def test_a_claim_rebuilt_at_start_while_the_checkpoint_cannot_be_written_is_trie
     assert [c.uid for c in after.allocator.claims()] == ["u1"] and after.files("u1")
     assert after.allocator.tree_snapshot()[0][1] == 70
     assert _on_disk(tmp_path) == ["u1"]
+
+
+def _damage_u1s_release(tmp_path: Path, api: dict[str, Any]) -> None:
+    """u1 and u2 prepared and in the snapshot; u1 unprepared, its release damaged in the journal; u1's pod gone."""
+    node = Node(tmp_path, api)
+    node.allocator.probe_checkpoint()
+    node.prepare("u1", "one")
+    node.prepare("u2", "two")
+    node.allocator.compact()
+    node.preparer.unprepare([ClaimRef("ml", "one", "u1")])
+    api["one"] = api_claim("u1", "one", reserved=False)
+    (segment,) = (tmp_path / "cp").glob("gpumanager_internal_checkpoint.journal-*")
+    data = bytearray(segment.read_bytes())
+    data[30] ^= 0xFF  # u1's release lost
+    segment.write_bytes(bytes(data))
+
+
+def test_a_claim_the_check_after_damage_cannot_free_is_checked_again_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start after damage writes the whole state (the damage gone from disk), then checks the recovered
+    claims: u1, whose release the damage lost, is reserved for no pod. When its release cannot be written and
+    the agent restarts before any later write, the next start must still check u1 (no kubelet unprepares it)."""
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    _damage_u1s_release(tmp_path, api)
+    first = Node(tmp_path, api)
+    first.allocator.load()
+    assert first.allocator.claims_in_doubt and not first.allocator.checkpoint_error, "the whole state written"
+    _disk_full(monkeypatch)
+    first.preparer.restore_files(verify_recovered=True)
+    assert first.allocator.claim("u1") is not None and first.files("u1"), "kept as the checkpoint has it"
+    monkeypatch.undo()
+    # SIGKILL before any later write.
+    second = Node(tmp_path, api)
+    second.allocator.load()
+    assert second.allocator.claims_in_doubt, "u1 was never checked: still in doubt"
+    assert second.preparer.restore_files(verify_recovered=second.allocator.claims_in_doubt) == ["u1"]
+    assert [c.uid for c in second.allocator.claims()] == ["u2"] and not second.files("u1")
+    third = Node(tmp_path, api)
+    third.allocator.load()
+    assert not third.allocator.claims_in_doubt, "checked: no doubt left"
+    assert [c.uid for c in third.allocator.claims()] == ["u2"]
+
+
+def test_a_claim_the_check_after_damage_cannot_free_is_freed_once_the_checkpoint_can_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    _damage_u1s_release(tmp_path, api)
+    first = Node(tmp_path, api)
+    first.allocator.load()
+    _disk_full(monkeypatch)
+    first.preparer.restore_files(verify_recovered=True)
+    monkeypatch.undo()
+    first.preparer.retry_unreadable()
+    assert [c.uid for c in first.allocator.claims()] == ["u2"] and not first.files("u1")
+    assert _on_disk(tmp_path) == ["u2"]
+
+
+@pytest.mark.parametrize("then", ["restart", "retry"])
+def test_a_check_after_damage_the_api_server_cannot_answer_is_made_again(tmp_path: Path, then: str) -> None:
+    """The check of u1 and u2 cannot ask the API server: both stay in doubt (in the checkpoint too); the next
+    start, or the retry in the background, checks them: u1 freed, u2 (reserved) no longer in doubt."""
+    api = {"one": api_claim("u1", "one"), "two": api_claim("u2", "two")}
+    _damage_u1s_release(tmp_path, api)
+    node = Node(tmp_path, api)
+    node.allocator.load()
+
+    def unreachable(namespace: str, name: str) -> dict[str, Any]:
+        raise ClaimError(f"claim {namespace}/{name}: cannot read it: connection refused")
+
+    node.preparer._read = unreachable
+    assert node.preparer.restore_files(verify_recovered=True) == []
+    assert node.preparer.unchecked() == ["u1", "u2"]
+    if then == "restart":
+        node.allocator._closing.set()
+        node.allocator._store.close()  # SIGKILL
+        node = Node(tmp_path, api)
+        node.allocator.load()
+        assert node.allocator.claims_in_doubt, "the marks are in the checkpoint"
+        assert node.preparer.restore_files(verify_recovered=node.allocator.claims_in_doubt) == ["u1"]
+    else:
+        node.preparer._read = node.read
+        assert node.preparer.retry_unreadable() == 0
+    assert node.preparer.unchecked() == [] and [c.uid for c in node.allocator.claims()] == ["u2"]
+    assert not node.files("u1") and node.files("u2")
+    node.allocator._closing.set()
+    node.allocator._store.close()
+    after = Node(tmp_path, api)
+    after.allocator.load()
+    assert not after.allocator.claims_in_doubt and [c.uid for c in after.allocator.claims()] == ["u2"]

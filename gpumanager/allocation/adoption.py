@@ -75,12 +75,21 @@ def read_checkpoint(allocator: Allocator) -> records.Parsed:
         raise AllocationError(why, "unavailable") from exc
     parsed.problems.extend(loaded.problems)
     parsed.journal_damaged = bool(loaded.problems)
-    allocator.claims_in_doubt = bool(loaded.problems or claim_problems)
-    # Claims first, without recording them again: they are on disk as loaded.
-    allocator.adopt_claims(claims, source=str(allocator._checkpoint_path), save=False)
+    damaged = bool(loaded.problems or claim_problems)
+    if damaged:
+        # A release the damage lost may bring a claim back: each recovered claim is in doubt until checked
+        # against the API server, and stays so in the checkpoint (written below, or by its own record) until
+        # then, whatever the starts in between (a check cut short is made again at the next one).
+        claims = [c if c.in_doubt else replace(c, in_doubt=True) for c in claims]
+    allocator.claims_in_doubt = damaged or any(c.in_doubt for c in claims)
+    # Claims first, recorded again only when marked in doubt now and no whole state is written below.
+    rewrite = bool(loaded.problems or loaded.unnamed)
+    allocator.adopt_claims(
+        claims, source=str(allocator._checkpoint_path), save=damaged and not rewrite and bool(claims)
+    )
     taken, refused = adopt_records(allocator, parsed.allocations, source=str(allocator._checkpoint_path))
     restore_freed(allocator, data)
-    if loaded.problems or loaded.unnamed:
+    if rewrite:
         # Segments moved aside held changes (a release too) that are now only in memory; a snapshot
         # naming no segment (upstream's, after an upgrade) would have the next start discard every
         # change journaled over it. The whole state is written at once, before any change.

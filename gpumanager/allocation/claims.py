@@ -13,6 +13,10 @@ under ``Claims`` (a key upstream gpu-manager ignores)::
                                              "Minor": 0, "ShareID": "…", "Cores": 30,
                                              "Memory": 4294967296, "Whole": false}]}}}
 
+A claim recovered from a damaged checkpoint (whose lost part may have held its release) carries
+``"Doubt": true`` until it has been checked against the API server: a start after a check that
+could not conclude checks it again.
+
 A result of an admin-access request (``"Admin": true``, written only then) gives its container
 the whole GPU but consumes nothing of it: the kube-scheduler does not count such results, so
 neither does the allocation state.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpumanager.allocation.records import RecordError
@@ -104,6 +108,11 @@ class ClaimAllocation:
     #: GPUs, as a container with a share uses no other claim): its CDI spec names them in
     #: ``NVIDIA_VISIBLE_DEVICES`` too, since the runtime keeps only the last spec's variable.
     visible: tuple[int, ...] = ()
+    #: Recovered from a damaged checkpoint (which may have lost its release) and not yet checked against
+    #: the API server: kept so in the checkpoint (``"Doubt": true``) until the check concludes, so that a
+    #: start after a check cut short (a release that could not be written, an API server not answering)
+    #: checks it again. Not part of what the claim is (equality ignores it).
+    in_doubt: bool = field(default=False, compare=False)
 
     @property
     def minors(self) -> tuple[int, ...]:
@@ -155,6 +164,8 @@ class ClaimAllocation:
         }
         if self.visible:
             out["Visible"] = list(self.visible)
+        if self.in_doubt:
+            out["Doubt"] = True
         return out
 
 
@@ -222,6 +233,7 @@ def from_json(data: Any) -> tuple[list[ClaimAllocation], list[str]]:
                     name=_field(entry, "Name", str, where),
                     devices=tuple(parsed),
                     visible=_minors(entry, "Visible", where),
+                    in_doubt="Doubt" in entry and _field(entry, "Doubt", bool, where),
                 )
             )
         except RecordError as exc:

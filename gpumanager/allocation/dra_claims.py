@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpumanager import names
@@ -197,6 +198,24 @@ def keep_claim(allocator: Allocator, claim: ClaimAllocation) -> bool:
         allocator._claims[claim.uid] = claim
         allocator._generation += 1
         return True
+
+
+def in_doubt(allocator: Allocator) -> list[ClaimAllocation]:
+    """The prepared claims still in doubt (recovered from a damaged checkpoint, not yet checked), by UID."""
+    with allocator._lock:
+        return [c for uid in sorted(allocator._claims) if (c := allocator._claims[uid]).in_doubt]
+
+
+def settle_doubt(allocator: Allocator, uid: str) -> None:
+    """A claim in doubt was checked and stays prepared: its record loses the mark (one journal record; when it
+    cannot be written, the next start checks the claim again, which keeps it again)."""
+    with allocator._changing():
+        claim = allocator._claims.get(uid)
+        if claim is None or not claim.in_doubt:
+            return
+        settled = replace(claim, in_doubt=False)
+        allocator._claims[uid] = settled
+        allocator._save_or_report([_claim_put(settled)])
 
 
 def adopt_claims(allocator: Allocator, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:

@@ -294,7 +294,8 @@ class DRAMode:
 
     def _reconcile(self, verify_recovered: bool) -> None:
         """Check the restored claims; then, with backoff, try again the claims whose rebuild could not
-        ask the API server, until each is rebuilt or removed (or the mode stops)."""
+        ask the API server, until each is rebuilt or removed, and the claims whose check did not conclude
+        (still in doubt), until each is kept or freed (or the mode stops)."""
         try:
             stale = self.preparer.reconcile(verify_recovered=verify_recovered)
         except Exception:
@@ -303,7 +304,7 @@ class DRAMode:
         if stale:
             log.info("removed the files of %d claims that are not prepared", len(stale))
         delay = Backoff()
-        while self.preparer.unreadable():
+        while self.preparer.unreadable() or self.preparer.unchecked():
             if delay.wait(self._stopping):
                 return
             try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumanager.allocation import dra_claims
 from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
@@ -519,11 +520,15 @@ class ClaimPreparer:
 
         ``verify_recovered`` (the checkpoint had damage, so a release may have been lost with it):
         a recovered claim the API server no longer has, or reserves for no pod, is freed and its
-        files removed.
+        files removed. A claim still marked in doubt (a check an earlier start could not finish) is
+        checked whatever ``verify_recovered``; one whose check cannot conclude now (the API server not
+        answering, its release not written) stays in doubt, in the checkpoint too, for
+        :meth:`retry_unreadable` and the next start.
         """
         with self._lock:
             known = {c.uid: c for c in self._allocator.claims()}
-        removed = [uid for uid in (list(known) if verify_recovered else []) if self._checked(known[uid])]
+        check = [uid for uid, c in known.items() if verify_recovered or c.in_doubt]
+        removed = [uid for uid in check if self._checked(known[uid])]
         with self._lock:
             unknown = [uid for uid in self._with_files() if uid not in known and uid not in removed]
         removed += self._rebuild_all(unknown)
@@ -534,14 +539,22 @@ class ClaimPreparer:
         return sorted(set(cdi.specs_on_disk(self._cdi)) | set(_claim_dirs(self._vm)))
 
     def retry_unreadable(self) -> int:
-        """Try again to rebuild the claims whose rebuild could not ask the API server; returns how
-        many still wait."""
+        """Try again to rebuild the claims whose rebuild could not ask the API server, and to check the
+        claims still in doubt (:meth:`unchecked`); returns how many of the first still wait."""
         with self._lock:
             uids = list(self._unreadable)
         if uids:
             self._rebuild_all(uids)
+        for claim in self._allocator.claims():
+            if claim.in_doubt:
+                self._checked(claim)
         with self._lock:
             return len(self._unreadable)
+
+    def unchecked(self) -> list[str]:
+        """UIDs of the prepared claims recovered from a damaged checkpoint whose check against the API server
+        has not concluded yet (retried by :meth:`retry_unreadable`)."""
+        return [c.uid for c in self._allocator.claims() if c.in_doubt]
 
     def _rebuild_all(self, uids: Sequence[str]) -> list[str]:
         """:meth:`_rebuild` each claim, then write the rebuilt ones' files; returns the UIDs removed.
@@ -589,32 +602,43 @@ class ClaimPreparer:
     def _free_if_gone(self, claim: ClaimAllocation) -> bool:
         """Whether a recovered claim was released in a change the damaged checkpoint lost: the API server
         no longer has it (or has another claim of that name), or reserves it for no pod. Then it is
-        freed and its files removed."""
+        freed and its files removed. A claim kept (reserved, or prepared or unprepared by the kubelet
+        since the start) is no longer in doubt; one whose check cannot conclude (the API server not
+        answering, its release not written) stays in doubt."""
         ref = ClaimRef(claim.namespace, claim.name, claim.uid)
         try:
             data: JSON | None = self._read(claim.namespace, claim.name)
         except ClaimNotFound:
             data = None
         except ClaimError as exc:
-            log.warning("claim %s (%s): cannot check it against the API server (%s); kept", ref, claim.uid, exc)
+            log.warning(
+                "claim %s (%s): cannot check it against the API server (%s); kept, checked again later",
+                ref,
+                claim.uid,
+                exc,
+            )
             return False
         meta = data.get("metadata") if isinstance(data, dict) else None
         if isinstance(meta, dict) and meta.get("uid") == claim.uid:
             status = data.get("status") if isinstance(data, dict) else None
             if isinstance(status, dict) and status.get("reservedFor"):
+                dra_claims.settle_doubt(self._allocator, claim.uid)
                 return False
             reason = "it is reserved for no pod"
         else:
             reason = "the API server no longer has it"
         with self._lock:
-            if claim.uid in self._touched:  # the kubelet prepared or unprepared it meanwhile
+            if claim.uid in self._touched:  # the kubelet prepared or unprepared it meanwhile: its word stands
+                dra_claims.settle_doubt(self._allocator, claim.uid)
                 return False
             log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
             try:
-                # No kubelet retries this release: freed all the same, the next checkpoint write records it.
-                self._allocator.unprepare_claim(claim.uid, keep_unwritten=False)
+                self._allocator.unprepare_claim(claim.uid)
             except AllocationError as exc:
-                log.error("claim %s (%s): %s", ref, claim.uid, exc)
+                # Kept, files and all, in doubt as the checkpoint has it: checked again once the checkpoint
+                # can be written, or at the next start (no kubelet will unprepare it).
+                log.error("claim %s (%s): %s; checked again later", ref, claim.uid, exc)
+                return False
             self._remove_files(claim.uid)
         return True
 

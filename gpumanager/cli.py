@@ -343,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NodeLockError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+    if stopped is None:
+        _dir_locks, stopped = hold_socket_dir_locks(config, signals)
     if stopped is not None:
         log.info("received %s while waiting for the node's lock; exiting", stopped.name)
         return EXIT_OK
@@ -494,12 +496,19 @@ _LOCK_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 def _open_lock_base(directory: Path) -> tuple[int | None, str]:
     """The checkpoint directory, opened to be locked (created if missing); or, when it is no directory,
     that entry when it is a regular file. (None, why) when neither can be opened."""
-    with contextlib.suppress(OSError):
+    not_created: OSError | None = None
+    try:
         directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        not_created = exc
     try:
         return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), ""
     except OSError as exc:
         why = f"cannot open {directory}: {exc.strerror or exc}"
+        if exc.errno == errno.ENOENT and not_created is not None:  # why it is missing: mkdir's own error
+            uid = os.geteuid()
+            who = f" (the agent runs as uid {uid})" if uid != 0 else ""
+            why = f"cannot create {directory}: {not_created.strerror or not_created}{who}"
         if exc.errno != errno.ENOTDIR:
             return None, why
     try:
@@ -539,6 +548,57 @@ def _mode(fd: int, test: Callable[[int], bool]) -> bool:
         return test(os.fstat(fd).st_mode)
     except OSError:
         return False
+
+
+def _socket_dirs(config: Config) -> list[tuple[str, Path]]:
+    """The directories whose sockets and files one agent alone may serve, with their flags."""
+    if config.mode == "dra":
+        return [("--dra-plugin-path", config.dra_socket_dir)]
+    return [
+        ("--device-plugin-path", Path(config.device_plugin_path)),
+        ("--virtual-manager-path", Path(config.virtual_manager_path)),
+    ]
+
+
+def hold_socket_dir_locks(config: Config, signals: SignalPipe) -> tuple[list[int], signal.Signals | None]:
+    """Lock the directories the agent serves its sockets in (:func:`_socket_dirs`), waiting while another
+    agent holds one: a second agent given another --checkpoint-path (whose lock it therefore took) must not
+    remove the first one's sockets and serve over them, nor delete its pods' directories. A directory that
+    is --checkpoint-path itself, or another one's, is locked once (a second lock on it would wait on the
+    agent's own); one that cannot be opened is left to the start, which names the problem. Returns the
+    descriptors held (kept open for the process's life) and the stop signal that ended a wait ([] then)."""
+    from gpumanager.signals import STOP
+
+    seen: set[tuple[int, int]] = set()
+    with contextlib.suppress(OSError):
+        st = os.stat(config.checkpoint_path)
+        seen.add((st.st_dev, st.st_ino))
+    held: list[int] = []
+    for flag, directory in _socket_dirs(config):
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in seen:
+            os.close(fd)
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        what = f"{flag}={directory}, served there with another --checkpoint-path than {config.checkpoint_path}"
+        try:
+            received = _flock_waiting(fd, what, None, signals)
+        except OSError:  # a file system without locks: the checkpoint's lock is all there is
+            os.close(fd)
+            continue
+        if received is not None and received in STOP:
+            os.close(fd)
+            for other in held:
+                os.close(other)
+            return [], received
+        held.append(fd)
+    return held, None
 
 
 def _flock_waiting(fd: int, what: str, holder: int | None, signals: SignalPipe) -> signal.Signals | None:

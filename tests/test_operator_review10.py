@@ -1,0 +1,168 @@
+"""What an operator meets at start: a second agent on the node given another --checkpoint-path never
+takes the first one's sockets; a checkpoint directory that cannot be created says why; the in-cluster
+configuration names the missing token file; the extender refuses an --assume-ttl that never ends."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumanager import cli, names
+from gpumanager.cli import hold_node_lock, hold_socket_dir_locks
+from gpumanager.config import Config
+from gpumanager.signals import SignalPipe
+from simnode.agent_process import AgentProcess
+from simnode.gpusim_state import spec_dir
+
+
+@pytest.fixture
+def signal_pipe() -> Iterator[SignalPipe]:
+    pipe = SignalPipe()  # not installed: signals are written into it by hand
+    yield pipe
+    pipe.close()
+
+
+def _inodes(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in directory.iterdir() if p.name.endswith(".sock")}
+
+
+def test_a_second_agent_with_another_checkpoint_path_waits_and_leaves_the_first_ones_sockets(
+    tmp_path: Path,
+) -> None:
+    spec = spec_dir() / "t4-x1.json"
+    first = AgentProcess(tmp_path, spec).start()
+    second: AgentProcess | None = None
+    try:
+        first.wait_for_log("serving 1 GPUs", timeout=60)
+        before = _inodes(first.plugin_dir)
+        assert names.VCORE_SOCKET in before and names.VMEMORY_SOCKET in before
+        second = AgentProcess(
+            tmp_path,
+            spec,
+            extra_args=[
+                f"--checkpoint-path={tmp_path / 'other-checkpoint'}",
+                f"--display-socket={tmp_path / 'o.sock'}",
+            ],
+        )
+        second.log_path = tmp_path / "second.log"
+        second.start()
+        text = second.wait_for_log("holds the node", timeout=60)
+        assert f"--device-plugin-path={first.plugin_dir}" in text, text
+        assert "Traceback" not in text
+        assert _inodes(first.plugin_dir) == before
+        second.signal(signal.SIGTERM)
+        assert second.wait(30) == cli.EXIT_OK, second.log_text()
+        assert _inodes(first.plugin_dir) == before
+        assert "serving 1 GPUs" not in second.log_text()
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+
+
+def test_socket_directory_locks_skip_the_directory_already_locked_as_the_checkpoint(
+    tmp_path: Path, signal_pipe: SignalPipe
+) -> None:
+    """--device-plugin-path and --virtual-manager-path the same directory as --checkpoint-path: locked once,
+    never a wait on the agent's own lock."""
+    config = Config(
+        checkpoint_path=str(tmp_path), device_plugin_path=str(tmp_path), virtual_manager_path=str(tmp_path / ".")
+    )
+    fd, stopped = hold_node_lock(tmp_path, signal_pipe)
+    assert fd is not None and stopped is None
+    os.write(signal_pipe._write, bytes([signal.SIGTERM]))  # a wait would end with it; none must happen
+    fds, stopped = hold_socket_dir_locks(config, signal_pipe)
+    try:
+        assert stopped is None and fds == []
+    finally:
+        os.close(fd)
+
+
+def test_the_socket_directory_lock_waits_for_its_holder_and_ends_on_sigterm(
+    tmp_path: Path, signal_pipe: SignalPipe, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugins = tmp_path / "dp"
+    config = Config(checkpoint_path=str(tmp_path / "ck"), device_plugin_path=str(plugins))
+    held, stopped = hold_socket_dir_locks(config, signal_pipe)
+    assert stopped is None and len(held) == 2  # --device-plugin-path and --virtual-manager-path
+    other = SignalPipe()
+    try:
+        os.write(other._write, bytes([signal.SIGTERM]))
+        with caplog.at_level(logging.WARNING, logger="gpumanager.cli"):
+            fds, stopped = hold_socket_dir_locks(config, other)
+        assert fds == [] and stopped == signal.SIGTERM
+        assert f"--device-plugin-path={plugins}" in caplog.text
+    finally:
+        other.close()
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_checkpoint_directory_that_cannot_be_created_says_why(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("runs the agent as another user")
+    top = Path(tempfile.mkdtemp(prefix="gm-ro-", dir="/tmp"))  # pytest's own directories are root's alone
+    request.addfinalizer(lambda: shutil.rmtree(top, ignore_errors=True))
+    top.chmod(0o755)
+    base = top / "ro"
+    base.mkdir(mode=0o555)
+    node = base / "checkpoint"
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "gpumanager.cli",
+            f"--checkpoint-path={node}",
+            f"--device-plugin-path={tmp_path / 'dp'}",
+            "--hostname-override=sim-node",
+        ],
+        capture_output=True,
+        timeout=60,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])},
+    )
+    err = done.stderr.decode()
+    assert done.returncode == cli.EXIT_CONFIG, err[-2000:]
+    line = next(line for line in err.splitlines() if "single-instance lock" in line)
+    assert str(node) in line and "Permission denied" in line and "No such file" not in line, line
+    assert "Traceback" not in err
+
+
+def test_the_in_cluster_configuration_names_the_missing_token_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from gpumanager.kube import client
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    incluster = pytest.importorskip("kubernetes.config.incluster_config")
+    token = tmp_path / "serviceaccount" / "token"
+    monkeypatch.setattr(incluster, "SERVICE_TOKEN_FILENAME", str(token))
+    with pytest.raises(client.KubeUnavailableError) as info:
+        client.kube_client("")
+    assert str(token) in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("ttl", ["inf", "1e400"])
+def test_the_extender_refuses_an_assume_ttl_that_never_ends(ttl: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumanager.extender.cli", f"--assume-ttl={ttl}", "--kubeconfig=/nonexistent"],
+        capture_output=True,
+        timeout=60,
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err[-2000:]
+    assert "--assume-ttl" in err and "Traceback" not in err, err[-2000:]

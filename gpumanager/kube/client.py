@@ -101,8 +101,31 @@ def kube_client(kubeconfig: str = "") -> KubeClient:
         cfg.proxy = cfg.proxy
         return KubeClient(cfg, rest)
     except Exception as exc:  # the loader raises whatever its YAML parser or a malformed structure raises
-        reason = _not_a_kubeconfig(kubeconfig) or " ".join(str(exc).split())  # one log line
+        reason = (_not_a_kubeconfig(kubeconfig) if kubeconfig else _incluster_problem()) or " ".join(
+            str(exc).split()
+        )  # one log line
         raise KubeUnavailableError(f"cannot configure the Kubernetes client from {where}: {reason}") from exc
+
+
+def _incluster_problem() -> str:
+    """Which file of the pod's service account the in-cluster configuration misses, naming it (the
+    loader's own error names none); "" when both are there."""
+    incluster = lazy_package.import_module("kubernetes.config.incluster_config")
+    for what, path in (
+        ("service account token", incluster.SERVICE_TOKEN_FILENAME),
+        ("service account CA certificate", incluster.SERVICE_CERT_FILENAME),
+    ):
+        try:
+            empty = os.path.getsize(path) == 0
+        except OSError as exc:
+            return (
+                f"the {what} {path} cannot be read ({exc.strerror or exc}): the pod needs a service account "
+                "with its token mounted (automountServiceAccountToken must not be false), or name a kubeconfig "
+                "with --kubeconfig"
+            )
+        if empty:
+            return f"the {what} {path} is empty"
+    return ""
 
 
 def _not_a_kubeconfig(kubeconfig: str) -> str:

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The longest --assume-ttl: Go's longest duration, in seconds (what the scheduler's own TTLs allow).
+MAX_ASSUME_TTL = 9223372036
+
+
 def _fail(flag: str, value: str, problem: str) -> NoReturn:
     print(f"gpu-manager-extender: invalid flag: {flag}={value}: {problem}", file=sys.stderr)
     raise SystemExit(EXIT_CONFIG)
@@ -85,8 +89,8 @@ def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | Non
         _fail("--listen", args.listen, str(exc))
     if args.url_prefix and not args.url_prefix.startswith("/"):
         _fail("--url-prefix", args.url_prefix, "must start with /")
-    if not args.assume_ttl > 0:  # NaN too: an assumption would never end
-        _fail("--assume-ttl", str(args.assume_ttl), "must be positive")
+    if not 0 < args.assume_ttl <= MAX_ASSUME_TTL:  # NaN and infinity too: an assumption would never end
+        _fail("--assume-ttl", str(args.assume_ttl), f"must be positive and at most {MAX_ASSUME_TTL} seconds")
     if not 0 < args.bind_timeout <= 600:
         _fail("--bind-timeout", str(args.bind_timeout), "must be more than 0 and at most 600 seconds")
     if args.kubeconfig and not Path(args.kubeconfig).is_file():

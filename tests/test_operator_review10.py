@@ -166,3 +166,37 @@ def test_the_extender_refuses_an_assume_ttl_that_never_ends(ttl: str) -> None:
     err = done.stderr.decode()
     assert done.returncode == 2, err[-2000:]
     assert "--assume-ttl" in err and "Traceback" not in err, err[-2000:]
+
+
+_EARLY_SIGNAL = """
+import os, signal, sys
+import gpumanager.rlimits as rlimits
+from gpumanager import cli
+
+def stopped_now():  # the first thing main() does: a stop signal arrives before the agent took the signals
+    os.kill(os.getpid(), signal.{name})
+
+rlimits.raise_open_files_limit = stopped_now
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_before_the_signals_are_taken_exits_0_in_one_line(tmp_path: Path, name: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _EARLY_SIGNAL.format(name=name),
+            f"--checkpoint-path={tmp_path / 'ck'}",
+            f"--device-plugin-path={tmp_path / 'dp'}",
+            "--hostname-override=sim-node",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
+    err = done.stderr.decode()
+    assert done.returncode == cli.EXIT_OK, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1 and name in err, err
+    assert not (tmp_path / "ck").exists()

@@ -22,6 +22,9 @@ from gpumanager.flagspec import (
     xid_list,
 )
 
+#: The shortest --health-probe-period and --kubelet-watch-period, seconds.
+MIN_PERIOD = 0.01
+
 #: A pod UID (a UUID in its 36-character text form) names its directory under --virtual-manager-path.
 POD_UID_LENGTH = 36
 
@@ -123,9 +126,10 @@ class Config:
         names.DEFAULT_IGNORED_XIDS, "XIDs (comma-separated decimal numbers) that never make a GPU unhealthy"
     )
     health_quiet_period: float = duration(300.0, "error-free time before an unhealthy GPU is offered again")
-    health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there")
+    health_probe_period: float = duration(1.0, "how often every GPU is asked whether it is still there (at least 10ms)")
     kubelet_watch_period: float = duration(
-        5.0, "safety-net check of the kubelet socket and the agent's own (inotify reports changes at once)"
+        5.0,
+        "safety-net check of the kubelet socket and the agent's own (inotify reports changes at once; at least 10ms)",
     )
     # DRA mode (one mode per node).
     mode: str = choice(
@@ -220,6 +224,12 @@ class Config:
         ):
             if fvalue < 0 or (flag != "--health-quiet-period" and fvalue == 0):
                 raise ConfigError(f"{flag}={fvalue}: must be a positive number of seconds")
+        for flag, fvalue in (
+            ("--health-probe-period", self.health_probe_period),
+            ("--kubelet-watch-period", self.kubelet_watch_period),
+        ):
+            if fvalue < MIN_PERIOD:  # shorter, the agent does little but wake up (1ns: a third of a CPU)
+                raise ConfigError(f"{flag}={fvalue:g}: must be at least 10ms (0.01 seconds)")
         if self.log_file_max_size <= 0:
             raise ConfigError(f"--log-file-max-size={self.log_file_max_size}: must be a positive number of MiB")
         if self.cgroup_driver not in ("cgroupfs", "systemd"):

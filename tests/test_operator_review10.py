@@ -18,7 +18,7 @@ import pytest
 
 from gpumanager import cli, names
 from gpumanager.cli import hold_node_lock, hold_socket_dir_locks
-from gpumanager.config import Config
+from gpumanager.config import Config, ConfigError
 from gpumanager.signals import SignalPipe
 from simnode.agent_process import AgentProcess
 from simnode.gpusim_state import spec_dir
@@ -200,3 +200,18 @@ def test_a_stop_signal_before_the_signals_are_taken_exits_0_in_one_line(tmp_path
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     assert len(err.strip().splitlines()) == 1 and name in err, err
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("flag", ["--kubelet-watch-period", "--health-probe-period"])
+@pytest.mark.parametrize("value", ["1ns", "0.0000001", "9ms"])
+def test_a_period_so_short_the_agent_would_spin_is_refused(flag: str, value: str) -> None:
+    args = cli.build_parser({}).parse_args([f"{flag}={value}", "--hostname-override=sim-node"])
+    with pytest.raises(ConfigError, match=f"^{flag}=") as info:
+        cli.config_from_args(args, {})
+    assert "at least 10ms" in str(info.value)
+
+
+@pytest.mark.parametrize("flag", ["--kubelet-watch-period", "--health-probe-period"])
+def test_a_period_of_10ms_is_taken(flag: str) -> None:
+    args = cli.build_parser({}).parse_args([f"{flag}=10ms", "--hostname-override=sim-node"])
+    cli.config_from_args(args, {})

@@ -244,6 +244,8 @@ class Allocator:
         self._memory_lock = threading.Lock()
         self._memory_generation = -1
         self._memory_asks: dict[str, tuple[tuple[int, bool], ...]] = {}
+        # The sizes each pod's containers ask for (memory_only.memory_asks_of), read once per pod.
+        self._memory_parsed: dict[str, tuple[tuple[int, bool], ...]] = {}
         self._memory_sizes: dict[int, list[int]] = {}
         # The checkpoint on disk has been loaded into the state (:meth:`load`).
         self._loaded = False

@@ -76,7 +76,9 @@ def cached_memory_only(allocator: Allocator, blocks: int) -> bool:
 
 def set_memory_asks(allocator: Allocator, uid: str, pod: Pod | None) -> None:
     """Bring the memory sizes one pod's containers ask for up to date (``pod`` None: it is gone)."""
-    asks = memory_asks_of(pod) if pod is not None else ()
+    asks = memory_asks_of(pod, allocator._memory_parsed) if pod is not None else ()
+    if pod is None:
+        allocator._memory_parsed.pop(uid, None)
     for size, cored in allocator._memory_asks.pop(uid, ()):
         counts = allocator._memory_sizes[size]
         counts[0 if cored else 1] -= 1
@@ -88,15 +90,29 @@ def set_memory_asks(allocator: Allocator, uid: str, pod: Pod | None) -> None:
             allocator._memory_sizes.setdefault(size, [0, 0])[0 if cored else 1] += 1
 
 
-def memory_asks_of(pod: Pod) -> tuple[tuple[int, bool], ...]:
-    """(memory blocks, asks for cores too) of each container of a pending pod that asks for memory."""
+def memory_asks_of(
+    pod: Pod, parsed: dict[str, tuple[tuple[int, bool], ...]] | None = None
+) -> tuple[tuple[int, bool], ...]:
+    """(memory blocks, asks for cores too) of each container of a pending pod that asks for memory.
+    ``parsed``: what earlier calls read from pods' specs, by UID (a pod's containers and limits never
+    change; most changes a pod goes through are of its status), read and kept there."""
     if podinfo.phase(pod) != "Pending" or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
         return ()
+    uid = podinfo.uid(pod) if parsed is not None else ""
+    asks = parsed.get(uid) if parsed is not None and uid else None
+    if asks is not None:
+        return asks
     try:
         requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
     except PodSpecError:
-        return ()
-    return tuple((r.memory_blocks, r.cores > 0) for r in requests if r.memory_blocks > 0)
+        asks = ()
+    else:
+        asks = tuple((r.memory_blocks, r.cores > 0) for r in requests if r.memory_blocks > 0)
+    if parsed is not None and uid:
+        if len(parsed) >= _MEMORY_ONLY_KEPT:
+            parsed.clear()
+        parsed[uid] = asks
+    return asks
 
 
 def memory_only_starting(allocator: Allocator, blocks: int) -> dict[tuple[str, str], str]:

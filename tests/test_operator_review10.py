@@ -215,3 +215,18 @@ def test_a_period_so_short_the_agent_would_spin_is_refused(flag: str, value: str
 def test_a_period_of_10ms_is_taken(flag: str) -> None:
     args = cli.build_parser({}).parse_args([f"{flag}=10ms", "--hostname-override=sim-node"])
     cli.config_from_args(args, {})
+
+
+def test_a_device_plugin_path_that_is_a_file_is_refused_as_such(tmp_path: Path) -> None:
+    afile = tmp_path / "not-a-directory"
+    afile.write_text("")
+    agent = AgentProcess(tmp_path / "node", spec_dir() / "t4-x1.json", extra_args=[f"--device-plugin-path={afile}"])
+    agent.plugin_dir = tmp_path / "node" / "unused"  # start() creates it; the flag that counts comes last
+    agent.start()
+    try:
+        assert agent.wait(60) == cli.EXIT_CONFIG, agent.log_text()[-3000:]
+    finally:
+        agent.stop()
+    text = agent.log_text()
+    assert f"--device-plugin-path={afile}: exists and is not a directory" in text, text[-3000:]
+    assert "Traceback" not in text and "Errno" not in text, text[-3000:]

@@ -602,7 +602,7 @@ def hold_socket_dir_locks(config: Config, signals: SignalPipe) -> tuple[list[int
     held: list[int] = []
     for flag, directory in _socket_dirs(config):
         with contextlib.suppress(OSError):
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # as the start makes it
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:

@@ -87,11 +87,6 @@ def test_a_damaged_journal_whose_state_cannot_be_written_at_start_is_found_damag
     assert [c.uid for c in second.allocator.claims()] == ["u1", "u2"], "u2 rebuilt from its files and the API server"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PreStartContainer answers a swap whose record could not be written (prestart.py, _changing/_settle "
-    "only log the failure): to fix there, not in release.py/adoption.py",
-)
 def test_a_prestart_swap_that_cannot_be_written_is_not_answered_as_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -174,6 +174,9 @@ class Allocator:
         self._listeners: list[ChangeListener] = []
         self._compact_wake = threading.Event()  # a change: the compactor looks again
         self._checkpoint_error = ""
+        # Records a PreStartContainer changed (refused: the change could not be written), until the whole
+        # state is written: the kubelet's next try of that start writes it before it is answered.
+        self._unwritten_starts: set[tuple[str, str]] = set()
         # Containers whose device IDs the kubelet handed to another container: never matched again.
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
@@ -962,6 +965,7 @@ class Allocator:
             self._store.mark_clean()
             self._snapshot_writes += 1
             self._checkpoint_error = ""
+            self._unwritten_starts.clear()
             return 0
         except OSError as exc:
             self._write_failed(exc)

@@ -36,89 +36,161 @@ def pre_start(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str,
     ``owner`` is the (pod UID, container) the kubelet says holds ``device_ids`` (None when it
     could not be asked). When our record of those IDs belongs to another container with the
     same request, the two are swapped: the kubelet's view wins.
+
+    Answered only once what it changed in the records (a swap, a take-over, the gathering of a pod's
+    records, the mark that the container started) is durable: the kubelet tells who holds the IDs once
+    per start, and a restart reading the records as they were before would charge the GPUs the
+    container runs on to another. When the change cannot be written the start is refused (UNAVAILABLE:
+    the kubelet tries it again), the record not marked started; the change is kept in memory (the
+    kubelet's view) and marked unwritten: the next try writes the whole state before it is answered,
+    also when it finds nothing left to change.
     """
-    wanted = frozenset(device_ids)
     changed = False
     try:
         with allocator._changing():
-            key = allocator._by_ids.get(wanted)
-            if owner is not None and key is not None and key != owner and same_name(allocator, key, owner):
-                # The kubelet names pods, not UIDs: a pod recreated under the same name, the cache
-                # still showing the old one. Our record of these IDs is the pod that got them.
-                owner = key
-            elif (
-                owner is not None
-                and key is not None
-                and key[1] == owner[1]
-                and allocator._allocs[key].mirror == owner[0]
-            ):
-                # The kubelet's checkpoint names a static pod by its own UID (the config hash), which
-                # its mirror pod, the one we allocated to, carries as kubernetes.io/config.mirror.
-                owner = key
-            if owner is not None:
-                if key is None and owner in allocator._allocs and not allocator._allocs[owner].device_ids:
-                    key = owner  # recorded without IDs (e.g. by an older gpu-manager)
-                elif owner in allocator._allocs and frozenset(allocator._allocs[owner].device_ids) == wanted:
-                    key = owner  # containers of one pod holding the same IDs: the kubelet's pick
-                elif key is not None and key[0] == owner[0] and freed_unstarted.freed_for(allocator, wanted, owner):
-                    # Another container of ``owner``'s pod holds the IDs (handed on), and the record
-                    # answered to ``owner`` was freed with the pod it was matched to: ``owner`` mounts
-                    # that answer's directory, not the other container's.
-                    key, changed = owner, True
-                elif key is not None and key != owner:
-                    swaps = planned_swaps(allocator, freed_unstarted.taken_over(allocator, key, owner, wanted))
-                    weigh(allocator, swaps)
-                    for swap in swaps:
-                        allocator._reassign(swap)
-                    # A record given to the other container is one the kubelet did not give ``owner``:
-                    # whose IDs they are is still a guess (unless a later swap of these took it on).
-                    given: set[tuple[str, str]] = set()
-                    for swap in swaps:
-                        given.discard(swap.taken.key)
-                        given.discard(swap.mine.key)
-                        if swap.given is not None:
-                            given.add(swap.given.key)
-                    allocator._guessed.update(given)
-                    key, changed = owner, True
-            if key is None and owner is not None and freed_unstarted.take_freed_guess(allocator, wanted, owner):
-                key, changed = owner, True
-            if key is None:
-                whose = (
-                    f"pod {owner[0]} container {owner[1]}" if owner else "a container the kubelet's records do not name"
-                )
-                raise AllocationError(
-                    f"{names.PRESTART_FAILED}: no allocation for {ids.describe(device_ids)} "
-                    f"(tencent.com/vcuda-core) of {whose}",
-                    "not_found",
-                )
-            alloc = allocator._allocs[key]
-            if alloc.cores != len(wanted):
-                raise AllocationError(
-                    f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} was allocated "
-                    f"{alloc.cores} cores but starts with {ids.describe(device_ids)} ({len(wanted)} "
-                    "tencent.com/vcuda-core)",
-                    "mismatch",
-                )
-            if not alloc.started and alloc.answered[0] != alloc.pod_uid:
-                alloc = own_budget(allocator, alloc)
-            if not alloc.started and allocator._overcommitted.intersection(alloc.minors):
-                crowded = why_crowded(allocator, alloc)
-                if crowded:
-                    raise AllocationError(crowded, "unavailable")
-            if not alloc.device_ids or not alloc.started:
-                allocator._remove(key)
-                alloc = replace(
-                    alloc,
-                    device_ids=alloc.device_ids or ids.in_order(wanted),
-                    started=True,
-                )
-                allocator._insert(alloc)
-                allocator._save_or_report([_put(alloc)], _put_text(alloc))
-                changed = True
-            return alloc
+            before = dict(allocator._allocs)
+            staged, failures = len(allocator._unsettled), allocator.checkpoint_write_failures
+            try:
+                alloc, unstarted = _checked(allocator, device_ids, owner)
+            finally:
+                touched = {
+                    k for k in before.keys() | allocator._allocs.keys() if before.get(k) is not allocator._allocs.get(k)
+                }
+                changed = bool(touched)
+            # This call's records, made durable below, lock released, their failure answered (not only logged).
+            tickets = allocator._unsettled[staged:]
+            del allocator._unsettled[staged:]
+            problem = allocator._checkpoint_error if allocator.checkpoint_write_failures != failures else ""
+            if not problem and _relies_on_unwritten(allocator, alloc):
+                # An earlier start's change, refused unwritten, and nothing to change now: written first.
+                try:
+                    allocator._stage(None)
+                except OSError:
+                    raise _unwritten_start(allocator, alloc, device_ids, allocator._checkpoint_error) from None
+        written = not problem
+        for ticket in tickets:
+            try:
+                allocator._sync(ticket)
+            except OSError:
+                written = False
+        if not written:
+            with allocator._lock:
+                problem = allocator._checkpoint_error  # '' when the whole state was written since: it holds the change
+                if problem:
+                    if unstarted is not None and allocator._allocs.get(alloc.key) is alloc:
+                        allocator._remove(alloc.key)  # the container does not start: not marked started
+                        allocator._insert(unstarted)
+                    allocator._unwritten_starts.update(touched)
+                    raise _unwritten_start(allocator, alloc, device_ids, problem)
+        return alloc
     finally:
         if changed:
             allocator._notify()
+
+
+def _relies_on_unwritten(allocator: Allocator, alloc: ContainerAllocation) -> bool:
+    """Whether ``alloc``, or a record holding the same IDs, was changed by a start refused because the
+    change could not be written, not written since (lock held)."""
+    if not allocator._unwritten_starts:
+        return False
+    if alloc.key in allocator._unwritten_starts:
+        return True
+    wanted = frozenset(alloc.device_ids)
+    return any(
+        (held := allocator._allocs.get(key)) is not None and frozenset(held.device_ids) == wanted
+        for key in allocator._unwritten_starts
+    )
+
+
+def _unwritten_start(
+    allocator: Allocator, alloc: ContainerAllocation, device_ids: Sequence[str], problem: str
+) -> AllocationError:
+    """The refusal of a start whose records could not be written (not "PreStartContainer check failed",
+    which the kubelet takes as the pod's failure for good)."""
+    who = f"{alloc.namespace}/{alloc.pod_name} ({alloc.pod_uid})" if alloc.pod_name else alloc.pod_uid
+    return AllocationError(
+        f"PreStartContainer for pod {who} container {alloc.container} ({ids.describe(device_ids)}): {problem}; "
+        f"its allocation (GPUs {', '.join(str(m) for m in alloc.minors) or 'none'}) is not recorded durably, "
+        "so the container does not start yet; the kubelet's next try of the start writes it",
+        "unavailable",
+    )
+
+
+def _checked(
+    allocator: Allocator, device_ids: Sequence[str], owner: tuple[str, str] | None
+) -> tuple[ContainerAllocation, ContainerAllocation | None]:
+    """The work of :func:`pre_start` (lock held): the container's allocation, and its record before it
+    was marked started here (None when it was started already)."""
+    wanted = frozenset(device_ids)
+    key = allocator._by_ids.get(wanted)
+    if owner is not None and key is not None and key != owner and same_name(allocator, key, owner):
+        # The kubelet names pods, not UIDs: a pod recreated under the same name, the cache
+        # still showing the old one. Our record of these IDs is the pod that got them.
+        owner = key
+    elif owner is not None and key is not None and key[1] == owner[1] and allocator._allocs[key].mirror == owner[0]:
+        # The kubelet's checkpoint names a static pod by its own UID (the config hash), which
+        # its mirror pod, the one we allocated to, carries as kubernetes.io/config.mirror.
+        owner = key
+    if owner is not None:
+        if key is None and owner in allocator._allocs and not allocator._allocs[owner].device_ids:
+            key = owner  # recorded without IDs (e.g. by an older gpu-manager)
+        elif owner in allocator._allocs and frozenset(allocator._allocs[owner].device_ids) == wanted:
+            key = owner  # containers of one pod holding the same IDs: the kubelet's pick
+        elif key is not None and key[0] == owner[0] and freed_unstarted.freed_for(allocator, wanted, owner):
+            # Another container of ``owner``'s pod holds the IDs (handed on), and the record
+            # answered to ``owner`` was freed with the pod it was matched to: ``owner`` mounts
+            # that answer's directory, not the other container's.
+            key = owner
+        elif key is not None and key != owner:
+            swaps = planned_swaps(allocator, freed_unstarted.taken_over(allocator, key, owner, wanted))
+            weigh(allocator, swaps)
+            for swap in swaps:
+                allocator._reassign(swap)
+            # A record given to the other container is one the kubelet did not give ``owner``:
+            # whose IDs they are is still a guess (unless a later swap of these took it on).
+            given: set[tuple[str, str]] = set()
+            for swap in swaps:
+                given.discard(swap.taken.key)
+                given.discard(swap.mine.key)
+                if swap.given is not None:
+                    given.add(swap.given.key)
+            allocator._guessed.update(given)
+            key = owner
+    if key is None and owner is not None and freed_unstarted.take_freed_guess(allocator, wanted, owner):
+        key = owner
+    if key is None:
+        whose = f"pod {owner[0]} container {owner[1]}" if owner else "a container the kubelet's records do not name"
+        raise AllocationError(
+            f"{names.PRESTART_FAILED}: no allocation for {ids.describe(device_ids)} "
+            f"(tencent.com/vcuda-core) of {whose}",
+            "not_found",
+        )
+    alloc = allocator._allocs[key]
+    if alloc.cores != len(wanted):
+        raise AllocationError(
+            f"{names.PRESTART_FAILED}: pod {alloc.pod_uid} container {alloc.container} was allocated "
+            f"{alloc.cores} cores but starts with {ids.describe(device_ids)} ({len(wanted)} "
+            "tencent.com/vcuda-core)",
+            "mismatch",
+        )
+    if not alloc.started and alloc.answered[0] != alloc.pod_uid:
+        alloc = own_budget(allocator, alloc)
+    if not alloc.started and allocator._overcommitted.intersection(alloc.minors):
+        crowded = why_crowded(allocator, alloc)
+        if crowded:
+            raise AllocationError(crowded, "unavailable")
+    unstarted = None
+    if not alloc.device_ids or not alloc.started:
+        unstarted = alloc
+        allocator._remove(key)
+        alloc = replace(
+            alloc,
+            device_ids=alloc.device_ids or ids.in_order(wanted),
+            started=True,
+        )
+        allocator._insert(alloc)
+        allocator._save_or_report([_put(alloc)], _put_text(alloc))
+    return alloc, unstarted
 
 
 def why_crowded(allocator: Allocator, alloc: ContainerAllocation) -> str:

@@ -178,6 +178,12 @@ class Agent:
         self.started_at = time.monotonic()
         log.info("gpu-manager %s starting on node %s", __version__, self.node_name)
         log_compat_flags(cfg)
+        if not Path(cfg.cgroup_root).is_dir():  # the host's cgroup file system not mounted there: said once
+            log.warning(
+                "--cgroup-root=%s does not exist or is no directory: no container's processes can be found, so "
+                "per-container usage stays empty (mount the host's /sys/fs/cgroup there)",
+                cfg.cgroup_root,
+            )
         try:
             extra_devices = load_extra_devices(cfg.extra_config)
             self._labels = parse_node_labels(cfg.node_labels)

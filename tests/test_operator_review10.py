@@ -230,3 +230,15 @@ def test_a_device_plugin_path_that_is_a_file_is_refused_as_such(tmp_path: Path) 
     text = agent.log_text()
     assert f"--device-plugin-path={afile}: exists and is not a directory" in text, text[-3000:]
     assert "Traceback" not in text and "Errno" not in text, text[-3000:]
+
+
+def test_a_cgroup_root_that_does_not_exist_is_named_at_start(tmp_path: Path) -> None:
+    missing = tmp_path / "no-cgroup-fs"
+    agent = AgentProcess(tmp_path / "node", spec_dir() / "t4-x1.json", extra_args=[f"--cgroup-root={missing}"])
+    agent.start()
+    try:
+        text = agent.wait_for_log("serving 1 GPUs", timeout=60)
+    finally:
+        assert agent.stop() == cli.EXIT_OK
+    lines = [line for line in text.splitlines() if f"--cgroup-root={missing}" in line]
+    assert len(lines) == 1 and "WARNING" in lines[0] and "does not exist" in lines[0], text[-3000:]

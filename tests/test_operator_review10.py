@@ -242,3 +242,25 @@ def test_a_cgroup_root_that_does_not_exist_is_named_at_start(tmp_path: Path) -> 
         assert agent.stop() == cli.EXIT_OK
     lines = [line for line in text.splitlines() if f"--cgroup-root={missing}" in line]
     assert len(lines) == 1 and "WARNING" in lines[0] and "does not exist" in lines[0], text[-3000:]
+
+
+@pytest.mark.parametrize("flag", ["--bogus", "--gpu=-1", "--memory-mib=0", "--limits=abc"])
+def test_a_bad_selftest_flag_is_one_line_exit_2(flag: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "gpumanager.cli", "selftest", flag], capture_output=True, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and "gpu-manager selftest: error:" in err, err
+    assert "--help" in err and "Traceback" not in err, err
+
+
+def test_a_selftest_vcuda_library_that_is_a_directory_is_not_called_missing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "selftest", f"--vcuda-library={tmp_path}"],
+        capture_output=True,
+        timeout=60,
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    if "cuda-bindings" in err:
+        pytest.skip("NVIDIA's cuda-bindings are not installed: the flag is not looked at")
+    assert f"--vcuda-library {tmp_path}: is a directory, not the interceptor's file" in err, err

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from gpumanager.config import Config
 from gpumanager.selftest import checks, programs
@@ -75,10 +76,18 @@ def _index(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line (exit 2), as the agent's own flags are, not after the usage summary."""
+
+    def error(self, message: str) -> NoReturn:
+        one_line = " ".join(message.split("\n"))
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The self-test's flags."""
     d = Config()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="gpu-manager selftest",
         description="Prove memory and SM isolation on this node's GPU with the installed interceptor.",
     )
@@ -226,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
             "pip install 'gpu-manager[selftest]' (the gpu-manager image has it)"
         )
     interceptor = Path(args.vcuda_library)
+    if interceptor.is_dir():
+        raise SelftestError(f"--vcuda-library {interceptor}: is a directory, not the interceptor's file")
     if not interceptor.is_file():
         raise SelftestError(f"--vcuda-library {interceptor}: no such file")
     check_interceptor(interceptor)

@@ -264,3 +264,17 @@ def test_a_selftest_vcuda_library_that_is_a_directory_is_not_called_missing(tmp_
     if "cuda-bindings" in err:
         pytest.skip("NVIDIA's cuda-bindings are not installed: the flag is not looked at")
     assert f"--vcuda-library {tmp_path}: is a directory, not the interceptor's file" in err, err
+
+
+def test_a_display_socket_path_that_is_a_regular_file_is_never_removed(tmp_path: Path) -> None:
+    precious = tmp_path / "volume.conf"
+    precious.write_text("an operator's file, named by mistake\n")
+    agent = AgentProcess(tmp_path / "node", spec_dir() / "t4-x1.json", extra_args=[f"--display-socket={precious}"])
+    agent.start()
+    try:
+        text = agent.wait_for_log("serving 1 GPUs", timeout=60)
+    finally:
+        assert agent.stop() == cli.EXIT_OK
+    assert precious.read_text() == "an operator's file, named by mistake\n"
+    lines = [line for line in text.splitlines() if f"--display-socket={precious}" in line]
+    assert lines and "not a socket" in lines[0], text[-3000:]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -61,12 +63,17 @@ class DisplayServer:
         self._pool: futures.ThreadPoolExecutor | None = None
 
     def start(self) -> None:
-        """Replace a stale socket and serve."""
+        """Replace a stale socket and serve; anything else at the path is left there (OSError)."""
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.socket_path.unlink()
+            mode = os.lstat(self.socket_path).st_mode
         except FileNotFoundError:
             pass
+        else:
+            if not stat.S_ISSOCK(mode):  # a file named by mistake is never removed
+                raise OSError(f"{self.socket_path} exists and is not a socket; it is left as it is")
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
         check_bindable(self.socket_path)
         pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="display")
         loop = asyncio.new_event_loop()
@@ -91,11 +98,10 @@ class DisplayServer:
         return server
 
     def stop(self) -> None:
-        """Stop serving and remove the socket."""
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        """Stop serving and remove the socket (only a socket: a file there was never ours)."""
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                self.socket_path.unlink()
         loop, server = self._loop, self._server
         if loop is not None and server is not None:
             with contextlib.suppress(Exception):

@@ -48,15 +48,13 @@ def pre_start(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str,
     changed = False
     try:
         with allocator._changing():
-            before = dict(allocator._allocs)
+            before = dict(allocator._allocs)  # the records as they were (replaced, never changed in place)
+            generation = allocator._generation
             staged, failures = len(allocator._unsettled), allocator.checkpoint_write_failures
             try:
                 alloc, unstarted = _checked(allocator, device_ids, owner)
             finally:
-                touched = {
-                    k for k in before.keys() | allocator._allocs.keys() if before.get(k) is not allocator._allocs.get(k)
-                }
-                changed = bool(touched)
+                changed = allocator._generation != generation
             # This call's records, made durable below, lock released, their failure answered (not only logged).
             tickets = allocator._unsettled[staged:]
             del allocator._unsettled[staged:]
@@ -80,7 +78,13 @@ def pre_start(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str,
                     if unstarted is not None and allocator._allocs.get(alloc.key) is alloc:
                         allocator._remove(alloc.key)  # the container does not start: not marked started
                         allocator._insert(unstarted)
-                    allocator._unwritten_starts.update(touched)
+                    # The records changed since (others' changes too, while the lock was released: marked
+                    # all the same, until the whole state is written).
+                    now = allocator._allocs
+                    allocator._unwritten_starts.update(
+                        k for k in before.keys() | now.keys() if before.get(k) is not now.get(k)
+                    )
+                    allocator._unwritten_starts.add(alloc.key)
                     raise _unwritten_start(allocator, alloc, device_ids, problem)
         return alloc
     finally:

@@ -54,6 +54,10 @@ VCUDA_CONFIG_ENV = "VCUDA_CONFIG_PATH"
 VCUDA_CONFIG_FILE = "vcuda.config"
 PIDS_CONFIG_FILE = "pids.config"
 VCUDA_SOCKET = "vcuda.sock"
+#: Under ``--virtual-manager-path``: ``configs/<pod uid>/<container>/``, each container's own directory of
+#: limit files, mounted alone at ``/etc/vcuda/<container>`` (the pod's directory, mounted at /etc/vcuda for
+#: its vcuda.sock, keeps an empty mount point there): no container sees another's.
+VCUDA_CONFIGS_DIR = "configs"
 OWN_CHECKPOINT = "gpumanager_internal_checkpoint"
 
 #: Marker the kubelet shows in a container's waiting message when PreStartContainer fails.

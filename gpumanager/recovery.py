@@ -202,8 +202,9 @@ def from_pod_resources(
 
 
 def answered_elsewhere(vm_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
-    """The containers whose ``vcuda.config`` lies in another container's directory under ``vm_path``: (pod
-    UID, container) -> (pod UID, container) of the directory. PreStartContainer writes a container's file in
+    """The containers whose ``vcuda.config`` lies in another container's directory under ``vm_path`` (its own
+    directory under ``configs``, or in an earlier version's answers the pod's): (pod UID, container) -> (pod
+    UID, container) of the directory. PreStartContainer writes a container's file in
     the directory its answer named, which is another's after it took over an identical pod's answer; with
     both checkpoints lost, that file alone still says which directory the container mounts. Only plain
     files of this agent's user of the right size, in directories named as pods and containers are, count.
@@ -214,10 +215,17 @@ def answered_elsewhere(vm_path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     found: dict[tuple[str, str], tuple[str, str]] = {}
     doubtful: dict[tuple[str, str], str] = {}  # named -> why its file elsewhere is not taken
     uid = os.geteuid()
-    try:
-        pod_dirs = [e for e in os.scandir(vm_path) if e.is_dir(follow_symlinks=False)]
-    except OSError as exc:
-        log.debug("cannot list %s: %s", vm_path, exc)
+    pod_dirs: list[os.DirEntry[str]] = []
+    # The containers' own directories (<vm>/configs/<pod uid>/<container>), and the pods' directories, where
+    # an earlier version's answers have them (<vm>/<pod uid>/<container>).
+    for root in (vm_path / names.VCUDA_CONFIGS_DIR, vm_path):
+        try:
+            pod_dirs += [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.debug("cannot list %s: %s", root, exc)
+    if not pod_dirs:
         return found
     for pod_dir in pod_dirs:
         try:

@@ -27,6 +27,7 @@ from gpumanager.allocation.journal import read_document
 from gpumanager.vmanager import files
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
 from simnode.gpusim_state import repo_root, sim_env, spec_dir
+from simnode.mounts import host_path
 from simnode.simhost import install_sim_driver, volume_conf
 
 CORE = names.VCORE_RESOURCE
@@ -89,9 +90,7 @@ def capped_client(c: SimCluster, run: PodRun) -> str:
     assert c.agent is not None
     env = sim_env(c.spec, c.agent.state)
     env["LD_LIBRARY_PATH"] = str(Path(mounts["/usr/local/nvidia"]) / "lib64")
-    env["VCUDA_CONFIG_PATH"] = str(
-        Path(mounts["/etc/vcuda"]) / Path(resp.envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
-    )
+    env["VCUDA_CONFIG_PATH"] = str(host_path(resp.mounts, resp.envs["VCUDA_CONFIG_PATH"]))
     env["VCUDA_BUDGET_DIR"] = str(c.workdir / "shm")
     done = subprocess.run([sys.executable, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:

@@ -70,7 +70,9 @@ def test_a_pending_gpu_pod_is_prepared_before_its_start(vm: VirtualManager) -> N
     directory = vm.pod_dir(uid_of("a"))
     assert sorted(p.name for p in directory.iterdir()) == ["main", "setup", names.VCUDA_SOCKET, "whole"]
     for container in ("main", "setup", "whole"):
-        assert files.spare_path(directory / container / names.VCUDA_CONFIG_FILE).stat().st_size == 0
+        # In the container's own directory (mounted at /etc/vcuda/<container>), not in its mount point.
+        assert files.spare_path(vm.own_dir(uid_of("a"), container) / names.VCUDA_CONFIG_FILE).stat().st_size == 0
+        assert list((directory / container).iterdir()) == []
     assert vm.serving() == [uid_of("a")]
     with socket.socket(socket.AF_UNIX) as client:
         client.connect(str(directory / names.VCUDA_SOCKET))  # listening already
@@ -79,7 +81,7 @@ def test_a_pending_gpu_pod_is_prepared_before_its_start(vm: VirtualManager) -> N
 def test_prestart_fills_the_spare_and_creates_no_file(vm: VirtualManager) -> None:
     uid = uid_of("a")
     vm.prepare_ahead(uid, ["main"])
-    config = vm.pod_dir(uid) / "main" / names.VCUDA_CONFIG_FILE
+    config = vm.own_dir(uid, "main") / names.VCUDA_CONFIG_FILE
     spare_inode = files.spare_path(config).stat().st_ino
     vm.prepare(ContainerAllocation(uid, "main", (0,), 30, 4 << 28))
     assert config.stat().st_ino == spare_inode, "the spare became the vcuda.config"

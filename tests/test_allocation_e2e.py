@@ -56,6 +56,7 @@ def test_annotated_share_pod_end_to_end(cluster: SimCluster) -> None:
     assert [(m.container_path, m.host_path) for m in resp.mounts] == [
         ("/usr/local/nvidia", str(cluster.workdir / "vdriver" / "nvidia")),
         ("/etc/vcuda", str(cluster.vm_path / run.uid)),
+        ("/etc/vcuda/main", str(cluster.vm_path / "configs" / run.uid / "main")),
     ]
     assert dict(resp.annotations) == {
         CORE: "30",
@@ -63,7 +64,7 @@ def test_annotated_share_pod_end_to_end(cluster: SimCluster) -> None:
         names.VDEVICE_ANNOTATION: "/dev/nvidia5",
     }
     assert run.memory["main"].response.ByteSize() == 0
-    cfg = files.unpack((cluster.vm_path / run.uid / "main" / "vcuda.config").read_bytes())
+    cfg = files.unpack((cluster.vm_path / "configs" / run.uid / "main" / "vcuda.config").read_bytes())
     assert (cfg.pod_uid, cfg.container_name, cfg.gpu_memory, cfg.utilization, cfg.hard_limit, cfg.enable) == (
         run.uid,
         "main",
@@ -132,7 +133,7 @@ def test_identical_pods_arriving_together_get_distinct_gpus(cluster: SimCluster)
 def test_prestart_through_the_kubelet_checkpoint_without_podresources(tmp_path: Path, sim_built: Path) -> None:
     with SimCluster(tmp_path, "v100-pcie-x4", pod_resources=False) as c:
         run = c.run_pod(gpu_pod("x", [("c", 50, 4)]))
-        assert (c.vm_path / run.uid / "c" / "vcuda.config").exists()
+        assert (c.vm_path / "configs" / run.uid / "c" / "vcuda.config").exists()
         c.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
 
 
@@ -140,7 +141,7 @@ def test_prestart_through_podresources_without_the_kubelet_checkpoint(tmp_path: 
     with SimCluster(tmp_path, "v100-pcie-x4", kubelet_checkpoint=False) as c:
         assert not (tmp_path / "device-plugins" / names.KUBELET_CHECKPOINT).exists()
         run = c.run_pod(gpu_pod("x", [("c", 200, 0)]))
-        assert (c.vm_path / run.uid / "c" / "vcuda.config").exists()
+        assert (c.vm_path / "configs" / run.uid / "c" / "vcuda.config").exists()
         c.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
 
 
@@ -208,7 +209,7 @@ def test_vcuda_sock_registration_and_isolation(cluster: SimCluster) -> None:
     with grpc.insecure_channel(f"unix://{sock}") as ch:
         stub = vcuda_pb2_grpc.VCUDAServiceStub(ch)
         stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_name="main"), timeout=5)
-        assert files.read_pids(cluster.vm_path / a.uid / "main" / "pids.config") == [a.pids["main"]]
+        assert files.read_pids(cluster.vm_path / "configs" / a.uid / "main" / "pids.config") == [a.pids["main"]]
         cid = f"{a.uid[:8]}main".replace("-", "")
         stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_id=cid), timeout=5)
         assert (cluster.vm_path / a.uid / cid / "vcuda.config").stat().st_size == 8240
@@ -219,13 +220,13 @@ def test_vcuda_sock_registration_and_isolation(cluster: SimCluster) -> None:
             stub.RegisterVDevice(vcuda_pb2.VDeviceRequest(pod_uid=a.uid, container_name="intruder"), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert not (cluster.vm_path / a.uid / "intruder").exists()
-    assert not (cluster.vm_path / b.uid / "main" / "pids.config").exists()
+    assert not (cluster.vm_path / "configs" / b.uid / "main" / "pids.config").exists()
 
 
 def test_shared_containers_pids_config_follows_their_processes(cluster: SimCluster) -> None:
     run = cluster.run_pod(gpu_pod("pids", [("main", 20, 4)]))
     whole = cluster.run_pod(gpu_pod("nopids", [("main", 100, 0)]))
-    path = cluster.vm_path / run.uid / "main" / "pids.config"
+    path = cluster.vm_path / "configs" / run.uid / "main" / "pids.config"
 
     def pids() -> list[int]:
         return files.read_pids(path) if path.exists() else []
@@ -240,7 +241,7 @@ def test_shared_containers_pids_config_follows_their_processes(cluster: SimClust
     while pids() != sorted([7, run.pids["main"]]):
         assert time.monotonic() < deadline + 5, f"pids.config is {pids()}"
         time.sleep(0.1)
-    assert not (cluster.vm_path / whole.uid / "main" / "pids.config").exists()
+    assert not (cluster.vm_path / "configs" / whole.uid / "main" / "pids.config").exists()
 
 
 def test_node_labels_with_gpu_model(tmp_path: Path, sim_built: Path) -> None:
@@ -396,7 +397,7 @@ def test_a_pods_directory_and_socket_are_ready_before_the_kubelet_starts_it(clus
     created = cluster.create(gpu_pod("early", [("main", 30, 8)]))
     uid = str(created["metadata"]["uid"])
     directory = cluster.vm_path / uid
-    config = directory / "main" / names.VCUDA_CONFIG_FILE
+    config = cluster.vm_path / "configs" / uid / "main" / names.VCUDA_CONFIG_FILE  # the container's own directory
     wait_until(lambda: (directory / names.VCUDA_SOCKET).exists() and files.spare_path(config).exists())
     spare_inode = files.spare_path(config).stat().st_ino
     run = cluster.admit(created, create=False)
@@ -413,3 +414,5 @@ def test_a_pods_directory_and_socket_are_ready_before_the_kubelet_starts_it(clus
     wait_until(lambda: (never_dir / names.VCUDA_SOCKET).exists())
     cluster.delete(cluster.runs[str(never["metadata"]["uid"])], wait=True)
     wait_until(lambda: not never_dir.exists() and not directory.exists())
+    wait_until(lambda: not (cluster.vm_path / "configs" / uid).exists())
+    assert not (cluster.vm_path / "configs" / str(never["metadata"]["uid"])).exists()

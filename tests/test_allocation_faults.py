@@ -105,7 +105,7 @@ def test_crash_inside_prestart_then_the_kubelet_retries(cluster: SimCluster, poi
     restart_agent(cluster)
     cluster.start_containers(run)  # the kubelet starts the container again: PreStart succeeds
     assert ours(cluster) == kubelets(cluster)
-    assert (cluster.vm_path / run.uid / "c" / "vcuda.config").stat().st_size == 8240
+    assert (cluster.vm_path / "configs" / run.uid / "c" / "vcuda.config").stat().st_size == 8240
     cluster.wait_annotations(run, {"tencent.com/gpu-assigned": "true"})
 
 

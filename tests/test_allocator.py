@@ -37,6 +37,8 @@ def test_share_response_has_upstreams_exact_shape(tmp_path: Path) -> None:
     assert [(m.container_path, m.host_path, m.read_only) for m in resp.mounts] == [
         ("/usr/local/nvidia", "/etc/gpu-manager/vdriver/nvidia", True),
         ("/etc/vcuda", f"/etc/gpu-manager/vm/{uid_of('a')}", True),
+        # The container's own directory, mounted alone over its (empty) mount point in the pod's.
+        ("/etc/vcuda/main", f"/etc/gpu-manager/vm/configs/{uid_of('a')}/main", True),
     ]
     assert resp.annotations == {
         "tencent.com/vcuda-core": "50",
@@ -54,12 +56,14 @@ def test_response_paths_are_normalised_as_paths() -> None:
         assert resp.mounts == (
             Mount("/usr/local/nvidia", "/vd/nvidia", True),
             Mount("/etc/vcuda", f"/etc/gpu-manager/vm/{uid_of('b')}", True),
+            Mount("/etc/vcuda/side", f"/etc/gpu-manager/vm/configs/{uid_of('b')}/side", True),
         )
         # The answer's container directory in the answer's pod directory: where the agent writes it.
         assert resp.envs["VCUDA_CONFIG_PATH"] == "/etc/vcuda/side/vcuda.config"
         assert [d.host_path for d in resp.devices] == ["/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     root = build_response(alloc, gpus, ResponseSettings("/vd/nvidia", "/vd/origin", "/"))
     assert root.mounts[1].host_path == f"/{uid_of('b')}"
+    assert root.mounts[2].host_path == f"/configs/{uid_of('b')}/side"
 
 
 def test_whole_gpus_mount_the_untouched_driver_and_compat32(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_prestart_retried_after_the_agent_died_between_allocate_and_prestart(tmp
         wait_agent_matches(cluster, runs)
         for run in runs:
             for name in run.core:
-                config = cluster.vm_path / run.uid / name / "vcuda.config"
+                config = cluster.vm_path / "configs" / run.uid / name / "vcuda.config"
                 assert config.is_file(), config
 
 

@@ -16,6 +16,7 @@ from gpumanager import names
 from gpumanager.vmanager import files
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
 from simnode.kubelet import PluginRPCError
+from simnode.mounts import host_path
 from tests.battery_fixtures import (
     answered,
     assert_no_overcommit,
@@ -133,10 +134,9 @@ def test_a_container_handed_its_init_containers_ids_runs_under_its_own_limits(
         cluster.start_containers(run)
         for name, blocks in (("warmup", memory[0]), ("app", memory[1])):
             response = run.core[name].response
-            mounts = {m.container_path: m.host_path for m in response.mounts}
             config_path = Path(response.envs["VCUDA_CONFIG_PATH"])
             assert config_path == Path("/etc/vcuda") / name / "vcuda.config"
-            config = files.unpack((Path(mounts["/etc/vcuda"]) / config_path.relative_to("/etc/vcuda")).read_bytes())
+            config = files.unpack(host_path(response.mounts, str(config_path)).read_bytes())
             assert (config.container_name, config.gpu_memory) == (name, blocks * names.MEMORY_BLOCK_BYTES)
         cluster.delete(run)
         wait_agent_matches(cluster, [])
@@ -167,9 +167,8 @@ def test_device_ids_handed_on_before_the_agent_sees_the_deletion(tmp_path: Path,
         second = cluster.admit(gpu_pod("second", [("main", 100, 0)]))
         assert second.core["main"].device_ids == first.core["main"].device_ids  # the very same IDs
         cluster.start_containers(second)
-        mounts = {m.container_path: m.host_path for m in second.core["main"].response.mounts}
         envs = dict(second.core["main"].response.envs)
-        config = Path(mounts["/etc/vcuda"]) / Path(envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
+        config = host_path(second.core["main"].response.mounts, envs["VCUDA_CONFIG_PATH"])
         assert config.is_file(), config  # the file its answer points at is there
         assert config.read_bytes()[:48].rstrip(b"\0").decode() == second.uid
         cluster.api.delete_pod(first.namespace, first.name)

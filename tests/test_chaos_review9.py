@@ -234,7 +234,7 @@ class Chaos:
                 where = answered_dir(rec.response)
                 other = seen.setdefault(where, f"{run.name}/{name}")
                 assert other == f"{run.name}/{name}", self.why(f"{when}: {other} and {run.name}/{name} share {where}")
-                path = self.c.vm_path / where[0] / where[1] / "vcuda.config"
+                path = self.c.vm_path / "configs" / where[0] / where[1] / "vcuda.config"
                 assert path.is_file(), self.why(f"{when}: {run.name}/{name}: no {path}")
                 config = files.unpack(path.read_bytes())
                 cores, memory = own_budget(run, name)

@@ -74,7 +74,7 @@ def test_reused_device_ids_go_to_the_new_pod_and_it_starts(cluster: SimCluster) 
     wait_until(lambda: (old.uid, "c") not in ours(cluster), what="the old pod's release")
     cluster.start_containers(new)  # PreStart is accepted: the IDs are the new pod's
     assert (new.uid, "c") in ours(cluster)
-    assert (cluster.vm_path / new.uid / "c" / "vcuda.config").exists()
+    assert (cluster.vm_path / "configs" / new.uid / "c" / "vcuda.config").exists()
 
 
 def test_hanging_api_server_holds_up_only_calls_that_need_it(cluster: SimCluster) -> None:

@@ -14,6 +14,7 @@ from gpumanager import names
 from gpumanager.vmanager import files
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.gpusim_state import GpuSimState, repo_root, sim_env
+from simnode.mounts import host_path
 from simnode.simhost import install_sim_driver, volume_conf
 from tests.vcuda_fixtures import PRELUDE
 
@@ -57,7 +58,7 @@ def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path)
         resp = run.core["main"].response
         mounts = {m.container_path: m.host_path for m in resp.mounts}
         config_in_container = resp.envs["VCUDA_CONFIG_PATH"]
-        host_config = Path(mounts["/etc/vcuda"]) / Path(config_in_container).relative_to("/etc/vcuda")
+        host_config = host_path(resp.mounts, config_in_container)
         assert c.agent is not None
         env = sim_env(c.spec, c.agent.state)
         env["LD_LIBRARY_PATH"] = str(Path(mounts["/usr/local/nvidia"]) / "lib64")
@@ -96,7 +97,7 @@ def test_two_processes_of_a_shared_pod_stay_within_its_vcuda_core_together(tmp_p
         run = c.run_pod(gpu_pod("shared", [("main", 30, 4)]))
         resp = run.core["main"].response
         mounts = {m.container_path: m.host_path for m in resp.mounts}
-        host_config = Path(mounts["/etc/vcuda"]) / Path(resp.envs["VCUDA_CONFIG_PATH"]).relative_to("/etc/vcuda")
+        host_config = host_path(resp.mounts, resp.envs["VCUDA_CONFIG_PATH"])
         assert c.agent is not None
         env = sim_env(c.spec, c.agent.state)
         env.update(

@@ -151,7 +151,7 @@ def test_registers_with_the_agent(client_built: Path, node: Node) -> None:
 def test_legacy_container_name_and_go_flag_spellings(client_built: Path, node: Node) -> None:
     args = [f"-addr={node.sock()}", "-bus-id", "0000:3b:00.0", f"--pod-uid={POD}", "-cont-name", "main"]
     assert run_client(client_built, *args).rc == 0
-    assert files.read_pids(node.vm_path / POD / "main" / names.PIDS_CONFIG_FILE) == [17, 4242]
+    assert files.read_pids(node.vm_path / "configs" / POD / "main" / names.PIDS_CONFIG_FILE) == [17, 4242]
 
 
 def test_refusal_exits_non_zero_with_the_agents_reason(client_built: Path, node: Node) -> None:

@@ -50,7 +50,7 @@ def _refusal(cluster: SimCluster, run: PodRun) -> PluginRPCError:
 
 
 def _config(cluster: SimCluster, run: PodRun, container: str = "main") -> files.VcudaConfig:
-    return files.unpack((cluster.vm_path / run.uid / container / names.VCUDA_CONFIG_FILE).read_bytes())
+    return files.unpack((cluster.vm_path / "configs" / run.uid / container / names.VCUDA_CONFIG_FILE).read_bytes())
 
 
 def _log(cluster: SimCluster) -> str:

@@ -22,6 +22,7 @@ from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import files
 from gpumanager.vmanager.manager import VirtualManager
 from simnode.cluster import PodRun, SimCluster, gpu_pod
+from simnode.mounts import host_path
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
 
@@ -65,9 +66,7 @@ def test_identical_pods_started_together_each_mount_their_own_directory(cluster:
     # The vcuda.config each container reads (its mount, VCUDA_CONFIG_PATH below it) was written for it.
     for run in runs:
         response = run.core["main"].response
-        mount = next(m.host_path for m in response.mounts if m.container_path == names.VCUDA_MOUNTPOINT)
-        inside = Path(response.envs[names.VCUDA_CONFIG_ENV]).relative_to(names.VCUDA_MOUNTPOINT)
-        config = files.unpack((Path(mount) / inside).read_bytes())
+        config = files.unpack(host_path(response.mounts, response.envs[names.VCUDA_CONFIG_ENV]).read_bytes())
         assert (config.pod_uid, config.container_name) == (run.uid, "main")
 
 
@@ -206,13 +205,13 @@ def test_a_container_answered_with_the_taker_s_directory_registers_on_that_direc
             vm.prepare(each)
         for uid, name, socket_pod, subdir in ((a, "x", b, "y"), (b, "y", a, "x")):
             written = vm.register(socket_pod, pb.VDeviceRequest(pod_uid=uid, container_name=name), time_left=1.0)
-            assert written == short / "vm" / socket_pod / subdir
+            assert written == short / "vm" / "configs" / socket_pod / subdir
             config = files.unpack((written / names.VCUDA_CONFIG_FILE).read_bytes())
             assert (config.pod_uid, config.container_name) == (uid, name)
             assert (written / names.PIDS_CONFIG_FILE).exists()
         # Only b mounts a's directory: a registration there by the name of that directory is b's.
         written = vm.register(a, pb.VDeviceRequest(pod_uid=a, container_name="x"), time_left=1.0)
-        assert written == short / "vm" / a / "x"
+        assert written == short / "vm" / "configs" / a / "x"
         config = files.unpack((written / names.VCUDA_CONFIG_FILE).read_bytes())
         assert (config.pod_uid, config.container_name) == (b, "y")
     finally:

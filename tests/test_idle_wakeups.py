@@ -144,7 +144,7 @@ def test_pids_refresh_sleeps_until_a_shared_container_is_prepared(tmp_path: Path
     )
     refresher = PidsRefresher(vm, lambda: list(allocations), period=0.1)
     refresher.start()
-    pids = vm_path / POD / "main" / names.PIDS_CONFIG_FILE
+    pids = vm_path / "configs" / POD / "main" / names.PIDS_CONFIG_FILE
     try:
         assert idle_switches(named_thread("pids-refresh")) <= ASLEEP  # no shared container: nothing to do
         allocations.append(alloc)

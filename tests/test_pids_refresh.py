@@ -49,7 +49,9 @@ class Node:
         return self.vm.refresh_pids([self.alloc])
 
     def pids(self, subdir: str) -> list[int]:
-        return files.read_pids(self.vm_path / POD / subdir / names.PIDS_CONFIG_FILE)
+        # A container's own directory (by its name), or one of the pod's directory (by a container ID).
+        directory = self.vm.own_dir(POD, subdir) if subdir == "main" else self.vm_path / POD / subdir
+        return files.read_pids(directory / names.PIDS_CONFIG_FILE)
 
     def register(self) -> None:
         self.vm.register(POD, vcuda_pb2.VDeviceRequest(pod_uid=POD, container_id=CID))
@@ -111,10 +113,10 @@ def test_a_restarted_container_is_followed_to_its_new_cgroup(node: Node) -> None
 
 def test_a_directory_made_after_a_refresh_gets_the_file(node: Node) -> None:
     """The container's directory went away (an operator cleaned up): the file is written once it is back."""
-    shutil.rmtree(node.vm_path / POD / "main")
+    shutil.rmtree(node.vm.own_dir(POD, "main"))
     node.refresh()
-    assert not (node.vm_path / POD / "main").exists()
-    (node.vm_path / POD / "main").mkdir()
+    assert not node.vm.own_dir(POD, "main").exists()
+    node.vm.own_dir(POD, "main").mkdir()
     node.refresh()
     assert node.pids("main") == [17]
 
@@ -133,9 +135,10 @@ def test_collecting_only_some_directories_leaves_the_others_for_the_full_pass(no
     for uid in (gone_a, gone_b):
         (node.vm_path / uid / "main").mkdir(parents=True)
     assert node.vm.gc({POD}, only={gone_a, POD, never_made}) == [gone_a]
-    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, gone_b])
+    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, gone_b, names.VCUDA_CONFIGS_DIR])
     assert node.vm.gc({POD}) == [gone_b]
-    assert [p.name for p in node.vm_path.iterdir()] == [POD]
+    assert sorted(p.name for p in node.vm_path.iterdir()) == sorted([POD, names.VCUDA_CONFIGS_DIR])
+    assert [p.name for p in node.vm.configs_path.iterdir()] == [POD]
 
 
 @pytest.mark.parametrize("refreshed", [True, False], ids=["refresh-each-restart", "no-refresh-sees-it"])

@@ -17,6 +17,7 @@ from gpumanager.allocation.journal import read_document
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.vmanager import files
 from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+from simnode.mounts import host_path
 from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 
 MIB = 1 << 20
@@ -251,8 +252,7 @@ def test_through_the_agent_each_pod_runs_with_its_own_budget_in_the_directory_it
         for name, blocks in (("x", 4), ("y", 8)):
             run = runs[name]
             response = run.core["main"].response
-            mount = next(m.host_path for m in response.mounts if m.container_path == names.VCUDA_MOUNTPOINT)
-            config = files.unpack((Path(mount) / "main" / names.VCUDA_CONFIG_FILE).read_bytes())
+            config = files.unpack(host_path(response.mounts, response.envs[names.VCUDA_CONFIG_ENV]).read_bytes())
             assert (config.pod_uid, config.gpu_memory, config.utilization) == (run.uid, blocks * BLOCK, 50), name
             assert mapping[run.uid]["main"]["Memory"] == blocks * BLOCK
             gpus = {int(i.rsplit("-", 1)[1]) // 100 for i in run.core["main"].device_ids}

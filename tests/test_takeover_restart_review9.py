@@ -106,7 +106,7 @@ def _check_b(c: SimCluster, run_a: PodRun, run_b: PodRun, *, rebuilt: bool = Fal
     assert sum(e["Cores"] for e in on_gpu) + entry["Cores"] <= 100, mapping
     # The vcuda.config b reads (the directory its answer mounts) names b, with its budget.
     pod_dir, container_dir = _answered_dir(run_b)
-    config = files.unpack((c.vm_path / pod_dir / container_dir / "vcuda.config").read_bytes())
+    config = files.unpack((c.vm_path / "configs" / pod_dir / container_dir / "vcuda.config").read_bytes())
     assert (config.pod_uid, config.container_name) == (run_b.uid, "main")
 
 

@@ -223,10 +223,13 @@ def test_upgrade_keeps_every_allocation_file_and_socket(old_node: OldNode, tmp_p
             assert identity(path) == before, path  # vcuda.config of old containers: never rewritten
 
     # A container of an old pod restarts: the kubelet's PreStart finds the adopted allocation
-    # (recorded without device IDs) and the new container gets its own vcuda.config beside the old.
+    # (recorded without device IDs) and the new container gets its own vcuda.config beside the old (in its own
+    # directory: upstream's library reads the one its registration by container ID writes in the pod's).
     pair = node.runs["pair"]
     assert cluster.kubelet.pre_start(CORE, pod_uid=pair.uid, container_name="a")
-    restarted = files.unpack((cluster.vm_path / pair.uid / "a" / names.VCUDA_CONFIG_FILE).read_bytes())
+    restarted = files.unpack(
+        (cluster.vm_path / names.VCUDA_CONFIGS_DIR / pair.uid / "a" / names.VCUDA_CONFIG_FILE).read_bytes()
+    )
     assert (restarted.container_name, restarted.utilization, restarted.gpu_memory) == ("a", 40, 4 << 28)
     assert (
         identity(node.container_dir("pair", "a") / names.VCUDA_CONFIG_FILE)
@@ -270,4 +273,10 @@ def test_old_pods_are_freed_when_they_end_and_old_trees_when_unused(old_node: Ol
     node.restart_agent()
     eventually(lambda: legacy_trees(node) == {}, "old trees no longer used are removed")
     eventually(lambda: sorted(node.checkpoint()) == [again.uid], "ended pods are freed")
-    eventually(lambda: sorted(os.listdir(cluster.vm_path)) == [again.uid], "ended pods' directories are removed")
+    eventually(
+        lambda: (
+            sorted(os.listdir(cluster.vm_path)) == sorted([again.uid, names.VCUDA_CONFIGS_DIR])
+            and os.listdir(cluster.vm_path / names.VCUDA_CONFIGS_DIR) == [again.uid]
+        ),
+        "ended pods' directories are removed",
+    )

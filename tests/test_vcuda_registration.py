@@ -165,7 +165,7 @@ def test_two_gpu_containers_wait_for_the_status(cluster: SimCluster) -> None:
     b_dir = cluster.vm_path / run.uid / container_id(run, "b")
     assert files.read_pids(b_dir / names.PIDS_CONFIG_FILE) == [run.pids["b"]]
     assert files.unpack((b_dir / names.VCUDA_CONFIG_FILE).read_bytes()).utilization == 30
-    assert files.read_pids(cluster.vm_path / run.uid / "a" / names.PIDS_CONFIG_FILE) == [run.pids["a"]]
+    assert files.read_pids(cluster.vm_path / "configs" / run.uid / "a" / names.PIDS_CONFIG_FILE) == [run.pids["a"]]
 
 
 def test_a_container_the_status_never_names_is_refused_within_the_callers_deadline(cluster: SimCluster) -> None:

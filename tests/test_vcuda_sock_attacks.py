@@ -82,7 +82,7 @@ def test_one_pods_waiting_calls_do_not_starve_another_pods_registration(cluster:
             client = _gpu_client(cluster, victim, "--cont-name", "main", "--timeout", "8")
             _out, err = client.communicate(timeout=30)
             assert client.returncode == 0, err
-            assert (cluster.vm_path / victim.uid / "main" / names.PIDS_CONFIG_FILE).exists()
+            assert (cluster.vm_path / "configs" / victim.uid / "main" / names.PIDS_CONFIG_FILE).exists()
             for ch in channels:
                 ch.close()
             for f in waiting:
@@ -142,7 +142,7 @@ def test_gpu_client_registers_across_an_agent_restart_mid_call(cluster: SimClust
     cluster.publish_status(run)
     _out, err = client.communicate(timeout=60)
     assert client.returncode == 0, err
-    assert (cluster.vm_path / run.uid / "main" / names.PIDS_CONFIG_FILE).exists()
+    assert (cluster.vm_path / "configs" / run.uid / "main" / names.PIDS_CONFIG_FILE).exists()
 
 
 def test_connections_to_a_pods_socket_end_with_the_pod(cluster: SimCluster) -> None:
@@ -202,7 +202,7 @@ def test_a_short_prefix_of_an_id_cannot_write_into_another_containers_directory(
         assert _register(channel, run.uid, ids["main"], 10.0) == grpc.StatusCode.OK
     from gpumanager.vmanager.files import read_pids
 
-    written = cluster.vm_path / run.uid / "b" / "pids.config"  # container b's own (by its name)
+    written = cluster.vm_path / "configs" / run.uid / "b" / "pids.config"  # container b's own (by its name)
     assert run.pids["main"] not in (read_pids(written) if written.exists() else []), "main's PIDs in b's file"
     assert sorted(p.name for p in (cluster.vm_path / run.uid).iterdir() if p.is_dir()) == sorted(
         ["b", "main", ids["main"][:12], ids["main"]]

@@ -125,7 +125,7 @@ def test_an_init_container_registers_by_its_name(node: Node) -> None:
     uid = _init_pod(node, {"init": init_cid})
     node.cgroup(uid, init_cid)
     directory = node.register(uid, pod_uid=uid, container_name="init")
-    assert directory == node.vm / uid / "init"
+    assert directory == node.vm / "configs" / uid / "init"
     assert files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes()).gpu_memory == GIB
     assert (directory / names.PIDS_CONFIG_FILE).exists()
 
@@ -176,7 +176,7 @@ def test_the_refresh_writes_a_swapped_registration_where_it_was_made(swapped: No
     (swapped.cgroups / "kubepods" / f"pod{POD_B}" / CID_B / "cgroup.procs").write_text("4242\n")
     swapped.v.refresh_pids(list(swapped.allocs.values()))
     assert files.read_pids(swapped.vm / POD_A / CID_B / names.PIDS_CONFIG_FILE) == [4242]
-    assert files.read_pids(swapped.vm / POD_A / "main" / names.PIDS_CONFIG_FILE) == [4242]
+    assert files.read_pids(swapped.vm / "configs" / POD_A / "main" / names.PIDS_CONFIG_FILE) == [4242]
     assert not (swapped.vm / POD_B / CID_B).exists()
 
 
@@ -266,7 +266,9 @@ PID_A, PID_B = 1111, 2222
 
 
 def _pids(node: Node, pod_uid: str, subdir: str) -> list[int]:
-    return files.read_pids(node.vm / pod_uid / subdir / names.PIDS_CONFIG_FILE)
+    # A container's own directory (by its name: 63 characters at most), or the pod's (by a container ID).
+    directory = node.vm / "configs" / pod_uid / subdir if len(subdir) <= 63 else node.vm / pod_uid / subdir
+    return files.read_pids(directory / names.PIDS_CONFIG_FILE)
 
 
 def _refresh_twice(node: Node) -> None:
@@ -293,12 +295,12 @@ def test_a_registration_by_name_in_a_pod_swap_writes_the_directory_the_container
 ) -> None:
     node = swapped_in_pod
     directory = node.register(POD_P, pod_uid=POD_P, container_name="a")
-    assert directory == node.vm / POD_P / "b"
+    assert directory == node.vm / "configs" / POD_P / "b"
     assert files.unpack((directory / names.VCUDA_CONFIG_FILE).read_bytes()).utilization == 10
     assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
     _refresh_twice(node)
     assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
-    assert node.register(POD_P, container_name="b") == node.vm / POD_P / "a"
+    assert node.register(POD_P, container_name="b") == node.vm / "configs" / POD_P / "a"
     _refresh_twice(node)
     assert (_pids(node, POD_P, "b"), _pids(node, POD_P, "a")) == ([PID_A], [PID_B])
 
@@ -320,7 +322,7 @@ def test_a_registration_by_name_on_the_socket_of_a_swapped_directory_is_its_moun
     assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])
     # Only A.main mounts B's directory: a call on B's socket is A.main's, whichever pod it names.
     directory = node.register(POD_B, pod_uid=pod_uid, container_name="main")
-    assert directory == node.vm / POD_B / "main"
+    assert directory == node.vm / "configs" / POD_B / "main"
     assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])
     _refresh_twice(node)
     assert (_pids(node, POD_B, "main"), _pids(node, POD_A, "main")) == ([PID_A], [PID_B])

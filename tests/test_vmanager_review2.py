@@ -34,6 +34,7 @@ def test_gc_removes_only_pod_directories(tmp_path: Path) -> None:
     manager = _manager(tmp_path)
     vm = manager.vm_path
     (vm / POD / "main").mkdir(parents=True)
+    (vm / "configs" / POD / "main").mkdir(parents=True)  # its container's own directory
     (vm / "lost+found").mkdir()
     (vm / "checkpoint").mkdir()
     (vm / "checkpoint" / "gpumanager_internal_checkpoint").write_text("{}")
@@ -42,7 +43,8 @@ def test_gc_removes_only_pod_directories(tmp_path: Path) -> None:
     removed = manager.gc(active=[OTHER])
 
     assert removed == [POD]
-    assert sorted(p.name for p in vm.iterdir()) == ["checkpoint", "lost+found", "vdriver"]
+    assert sorted(p.name for p in vm.iterdir()) == ["checkpoint", "configs", "lost+found", "vdriver"]
+    assert list((vm / "configs").iterdir()) == []
     assert (vm / "checkpoint" / "gpumanager_internal_checkpoint").read_text() == "{}"
 
 
@@ -265,7 +267,7 @@ def test_a_pids_config_that_cannot_be_written_is_reported_once_and_blocks_no_oth
         allocs[uid] = ContainerAllocation(pod_uid=uid, container="main", minors=(0,), cores=20, memory=1 << 30)
     vm = tmp_path / "vm"
     for uid in uids.values():
-        (vm / uid / "main").mkdir(parents=True)
+        (vm / "configs" / uid / "main").mkdir(parents=True)
     manager = VirtualManager(
         vm_path=vm,
         cgroup_root=tmp_path / "cgroup",
@@ -274,7 +276,7 @@ def test_a_pids_config_that_cannot_be_written_is_reported_once_and_blocks_no_oth
         driver_version="550.54.15",
     )
     real = files.write_pids
-    broken = vm / POD / "main" / names.PIDS_CONFIG_FILE
+    broken = vm / "configs" / POD / "main" / names.PIDS_CONFIG_FILE
 
     def write_pids(path: Path, pids: list[int], **kwargs: bool) -> list[int]:
         if path == broken:
@@ -285,7 +287,7 @@ def test_a_pids_config_that_cannot_be_written_is_reported_once_and_blocks_no_oth
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             manager.refresh_pids(list(allocs.values()))
-    assert files.read_pids(vm / OTHER / "main" / names.PIDS_CONFIG_FILE) == [os.getpid()]
+    assert files.read_pids(vm / "configs" / OTHER / "main" / names.PIDS_CONFIG_FILE) == [os.getpid()]
     reports = [r for r in caplog.records if str(broken) in r.getMessage()]
     assert len(reports) == 1, [r.getMessage() for r in caplog.records]
     assert "No space left on device" in reports[0].getMessage()

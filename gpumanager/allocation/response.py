@@ -58,6 +58,7 @@ class ResponseSettings:
             shared_driver=Mount(names.DRIVER_MOUNTPOINT, self.vdriver_nvidia, True),
             whole_driver=Mount(names.DRIVER_MOUNTPOINT, self.vdriver_origin, True),
             vm_dir=str(PurePosixPath(self.virtual_manager_path)),
+            configs_dir=str(PurePosixPath(self.virtual_manager_path) / names.VCUDA_CONFIGS_DIR),
         )
 
 
@@ -67,6 +68,7 @@ class _Parts:
     shared_driver: Mount
     whole_driver: Mount
     vm_dir: str  # the virtual manager directory, normalised as a path
+    configs_dir: str  # its directory of containers' own directories
 
 
 def _child(directory: str, name: str) -> str:
@@ -87,22 +89,29 @@ def build_response(
 ) -> ContainerResponse:
     """gpu-manager's response (§3.4), plus ``VCUDA_CONFIG_PATH`` naming the container's vcuda.config.
 
+    ``/etc/vcuda`` is the pod's directory (its vcuda.sock, and the directories upstream's library
+    registers by container ID); ``/etc/vcuda/<container>``, mounted after it, the container's own
+    directory ``<vm>/configs/<pod uid>/<container>`` (its vcuda.config and pids.config): a sibling's
+    directory is an empty mount point in this container's view.
+
     Pod UIDs and container names are safe names (no slash, never empty), so paths are joined as text.
     """
     parts = settings._parts
     by_minor = {g.minor: g for g in gpus}
     chosen = [by_minor[m] for m in allocation.minors]
     # List comprehensions, not generators: one call each rather than one per GPU and one more.
+    pod, container = allocation.answered
     envs = {
         "LD_LIBRARY_PATH": _LIB if compat32 else _LIB64,
         "NVIDIA_VISIBLE_DEVICES": ",".join([g.uuid for g in chosen]),
         # The container directory of the answer (another container's name when the answer is another's).
-        names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{allocation.answered[1]}/{names.VCUDA_CONFIG_FILE}",
+        names.VCUDA_CONFIG_ENV: f"{names.VCUDA_MOUNTPOINT}/{container}/{names.VCUDA_CONFIG_FILE}",
     }
     devices = tuple([DeviceNode(path, path) for path in [g.device_path for g in chosen]]) + parts.common_devices
     mounts = (
         parts.shared_driver if allocation.shared else parts.whole_driver,
-        Mount(names.VCUDA_MOUNTPOINT, _child(parts.vm_dir, allocation.answered[0]), True),
+        Mount(names.VCUDA_MOUNTPOINT, _child(parts.vm_dir, pod), True),
+        Mount(f"{names.VCUDA_MOUNTPOINT}/{container}", f"{parts.configs_dir}/{pod}/{container}", True),
     )
     annotations = {
         names.VCORE_RESOURCE: str(allocation.cores),

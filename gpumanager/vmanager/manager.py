@@ -1,12 +1,23 @@
 """Per-pod directories and limit files, and the ``vcuda.VCUDAService`` on each pod's ``vcuda.sock``.
 
-At PreStartContainer the pod's directory ``<vm>/<pod uid>`` (mounted read-only
-at ``/etc/vcuda``) gets ``<container>/vcuda.config``, the file our interceptor
-reads (named by ``VCUDA_CONFIG_PATH``), and the pod's ``vcuda.sock`` is served
-(all pods' sockets by one server, :mod:`gpumanager.vmanager.sockets`), for the
-upstream vcuda-controller library, which registers with ``RegisterVDevice``
-through ``gpu-client``; we then write ``pids.config`` (and ``vcuda.config`` if
-it is missing) where it looks: ``<container id>/`` or ``<container name>/``.
+Each container of a pod mounts the pod's directory ``<vm>/<pod uid>`` read-only at
+``/etc/vcuda`` (its ``vcuda.sock``), and its own directory
+``<vm>/configs/<pod uid>/<container>`` read-only at ``/etc/vcuda/<container>``
+(both made at PreStartContainer, before the runtime creates the container); the
+pod's directory keeps an empty ``<container>`` directory as its mount point, so a
+container sees its own limit files alone, never a sibling's. At
+PreStartContainer the container's directory gets ``vcuda.config``, the file our
+interceptor reads (named by ``VCUDA_CONFIG_PATH``), and the pod's ``vcuda.sock``
+is served (all pods' sockets by one server, :mod:`gpumanager.vmanager.sockets`),
+for the upstream vcuda-controller library, which registers with
+``RegisterVDevice`` through ``gpu-client``; we then write ``pids.config`` (and
+``vcuda.config`` if it is missing) where it looks: ``<pod dir>/<container id>/``
+or the container's directory (``/etc/vcuda/<container name>``).
+
+A container answered by an earlier version (its answer, which the kubelet keeps
+and never asks again, mounts the pod's directory alone) has no directory under
+``configs``, and that version left its vcuda.config (or the spare of it) in
+``<pod dir>/<container>/``: its files stay there (:meth:`VirtualManager.container_dir`).
 
 A process may register before the kubelet's status update, which names its
 container ID, reaches us. Such a container is recognised by its cgroup below
@@ -186,10 +197,43 @@ class VirtualManager:
         self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
         self._registrations_log = _RefusalLog(REGISTRATION_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
         self._unwritable = UnwritableFiles()  # pids.config files the refresh cannot write (reported)
+        # (answered pod UID, container) -> its own directory under configs/, once seen (it stays so).
+        self._own_dirs: dict[tuple[str, str], Path] = {}
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
         return self.vm_path / pod_uid
+
+    @property
+    def configs_path(self) -> Path:
+        """``<vm>/configs``: the containers' own directories, by pod UID and container."""
+        return self.vm_path / names.VCUDA_CONFIGS_DIR
+
+    def own_dir(self, pod_uid: str, container: str) -> Path:
+        """``<vm>/configs/<pod uid>/<container>``, which an answer for (pod, container) mounts at
+        ``/etc/vcuda/<container>`` (ValueError for an unsafe name)."""
+        return safenames.child(self.configs_path, safenames.pod_uid(pod_uid), safenames.container_name(container))
+
+    def container_dir(self, answered: tuple[str, str]) -> Path:
+        """Where the container answered as ``answered`` (pod UID, container) reads its limit files: its own
+        directory, which its answer mounts at ``/etc/vcuda/<container>``; but ``<pod dir>/<container>``
+        for an answer of an earlier version (or of upstream's agent), which mounts the pod's directory
+        alone: there is no own directory then, and that version left the container's vcuda.config or its
+        spare in the pod's directory (this version never writes a file there). ValueError for an unsafe
+        name."""
+        known = self._own_dirs.get(answered)
+        if known is not None:
+            return known
+        own = self.own_dir(*answered)
+        earlier = safenames.child(self.pod_dir(answered[0]), answered[1])
+        found = own
+        if not own.is_dir() and any(
+            os.path.lexists(earlier / name)
+            for name in (names.VCUDA_CONFIG_FILE, files.spare_path(Path(names.VCUDA_CONFIG_FILE)).name)
+        ):
+            found = earlier
+        self._own_dirs[answered] = found
+        return found
 
     def add_prepare_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each container is prepared (its files written), and after each
@@ -206,10 +250,16 @@ class VirtualManager:
     def prepare(self, alloc: ContainerAllocation) -> Path:
         """Write the container's vcuda.config where its answer points and serve the pod's vcuda.sock."""
         answered_pod, answered_container = alloc.answered
-        # The allocator refuses unsafe names already; nothing is ever written outside the pod's directory.
+        # The allocator refuses unsafe names already; nothing is ever written outside the pod's directories.
         directory = safenames.child(self.vm_path, safenames.pod_uid(answered_pod))
         directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = safenames.child(directory, safenames.container_name(answered_container), names.VCUDA_CONFIG_FILE)
+        own = self.container_dir(alloc.answered)
+        if own.parent != directory:
+            # Its mount point in the pod's directory (mounted read-only before it: the runtime cannot make
+            # it), left empty: the container's files are in its own directory, mounted there.
+            safenames.child(directory, safenames.container_name(answered_container)).mkdir(mode=0o755, exist_ok=True)
+            own.mkdir(mode=0o755, parents=True, exist_ok=True)
+        path = own / names.VCUDA_CONFIG_FILE
         files.write_config(path, self.config_for(alloc))
         self._serve(answered_pod)
         for listener in self._prepare_listeners:
@@ -224,8 +274,10 @@ class VirtualManager:
         directory.mkdir(mode=0o755, parents=True, exist_ok=True)
         for name in containers:
             container = safenames.child(directory, safenames.container_name(name))
-            container.mkdir(mode=0o755, exist_ok=True)
-            files.make_spare(container / names.VCUDA_CONFIG_FILE)
+            own = self.container_dir((pod_uid, name))  # its own directory, or an earlier version's answer's
+            container.mkdir(mode=0o755, exist_ok=True)  # the mount point of its own directory (or that one)
+            own.mkdir(mode=0o755, parents=True, exist_ok=True)
+            files.make_spare(own / names.VCUDA_CONFIG_FILE)
         self._serve(pod_uid)
 
     def config_for(self, alloc: ContainerAllocation) -> files.VcudaConfig:
@@ -509,9 +561,12 @@ class VirtualManager:
         pids = self._cgroups.pids(target.pod_uid, target.container_id, qos)
         if not pids:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
-        # The directory the container mounts (its answer's pod: the socket's), then its answer's
-        # container or the ID it gave.
-        directory = safenames.child(self.pod_dir(target.alloc.answered[0]), target.subdir)
+        # By its ID: below the pod's directory the container mounts (its answer's pod: the socket's); by
+        # its name: the directory of its answer's container (its own, mounted at /etc/vcuda/<name>).
+        if target.by_id:
+            directory = safenames.child(self.pod_dir(target.alloc.answered[0]), target.subdir)
+        else:
+            directory = self.container_dir(target.alloc.answered)
         path = directory / names.PIDS_CONFIG_FILE
         with self._pids_lock:
             try:
@@ -677,10 +732,9 @@ class VirtualManager:
         return cid
 
     def _answered_dir(self, alloc: ContainerAllocation) -> Path:
-        """``<pod dir>/<container>`` of the container's answer: the files it reads, and a registration by
-        its name writes."""
-        answered_pod, answered_container = alloc.answered
-        return self.pod_dir(answered_pod) / answered_container
+        """The directory of the container's answer (:meth:`container_dir`): the files it reads, and a
+        registration by its name writes."""
+        return self.container_dir(alloc.answered)
 
     def _registered_dir(self, alloc: ContainerAllocation, cid: str) -> Path:
         """Where a registration of the container by its ID writes: below the directory it mounts."""
@@ -735,21 +789,24 @@ class VirtualManager:
         """
         keep = set(active)
         removed: list[str] = []
+        configs = self.configs_path
         if only is None:
             if not self.vm_path.is_dir():
                 return removed
             # Pod directories alone (named by a pod UID): not what else lives there (``lost+found`` of a
             # mounted volume, the agent's own directories when the path is their parent).
-            entries = sorted(
-                e for e in self.vm_path.iterdir() if e.name not in keep and _is_pod_uid(e.name) and e.is_dir()
-            )
+            uids = {e.name for e in self.vm_path.iterdir() if e.name not in keep and _is_pod_uid(e.name) and e.is_dir()}
+            if configs.is_dir():
+                uids |= {e.name for e in configs.iterdir() if e.name not in keep and _is_pod_uid(e.name) and e.is_dir()}
         else:
-            entries = [self.vm_path / uid for uid in sorted(set(only) - keep) if _is_pod_uid(uid)]
-            entries = [e for e in entries if e.is_dir()]
-        for entry in entries:
-            self._stop_server(entry.name)
+            uids = {uid for uid in set(only) - keep if _is_pod_uid(uid)}
+            uids = {u for u in uids if (self.vm_path / u).is_dir() or (configs / u).is_dir()}
+        for uid in sorted(uids):
+            entry = self.vm_path / uid
+            self._stop_server(uid)
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry.name)
+            shutil.rmtree(configs / uid, ignore_errors=True)
+            removed.append(uid)
             self._forget(entry)
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))
@@ -758,9 +815,13 @@ class VirtualManager:
     def _forget(self, entry: Path) -> None:
         """Drop what is remembered of a removed pod directory (lists copied: other threads add meanwhile)."""
         prefix = str(entry) + os.sep
-        for path in [p for p in list(self._last_pids) if str(p).startswith(prefix)]:
+        own_prefix = str(self.configs_path / entry.name) + os.sep
+        for path in [p for p in list(self._last_pids) if str(p).startswith((prefix, own_prefix))]:
             self._last_pids.pop(path, None)
         self._unwritable.forget_under(entry)
+        self._unwritable.forget_under(self.configs_path / entry.name)
+        for answered in [k for k in list(self._own_dirs) if k[0] == entry.name]:
+            self._own_dirs.pop(answered, None)
         for key in [k for k in list(self._current) if k[0] == entry.name]:
             self._current.pop(key, None)
         for ids_key in [k for k in list(self._ids_of) if k[0] == entry.name]:
@@ -768,7 +829,7 @@ class VirtualManager:
         for id_dir in [d for d in list(self._id_dirs) if d.parent == entry]:
             self._id_dirs.pop(id_dir, None)
         for registered_key, path in list(self._registered.items()):
-            if registered_key[0] == entry.name or str(path).startswith(prefix):
+            if registered_key[0] == entry.name or str(path).startswith((prefix, own_prefix)):
                 self._registered.pop(registered_key, None)
         self._cgroups.forget_pod(entry.name)
         self._refusals.forget(entry.name)

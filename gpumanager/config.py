@@ -71,7 +71,10 @@ class Config:
         "", "node name (pods are watched with spec.nodeName=)", shown="$NODE_NAME, else the host name", metavar="NAME"
     )
     virtual_manager_path: str = text(
-        names.DEFAULT_VIRTUAL_MANAGER_PATH, "per-pod directories, mounted at /etc/vcuda", metavar="DIR"
+        names.DEFAULT_VIRTUAL_MANAGER_PATH,
+        "per-pod directories, mounted at /etc/vcuda, and each container's own directory "
+        "configs/<pod uid>/<container>, mounted at /etc/vcuda/<container>",
+        metavar="DIR",
     )
     device_plugin_path: str = text(names.DEFAULT_DEVICE_PLUGIN_PATH, "kubelet device-plugin directory", metavar="DIR")
     checkpoint_path: str = text(

@@ -3,7 +3,6 @@ and the reads a Prepare makes bounded as a whole."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from gpumanager.dra import cdi
 from gpumanager.dra.claims import ClaimError, ClaimRef
 from gpumanager.dra.prepare import ClaimPreparer
 from tests.test_dra_checkpoint import DRIVER, GPUS, Node, api_claim
-from tests.test_kube_rest import _kubeconfig
+from tests.test_kube_rest import read_from_a_trickling_server
 
 
 def _with_config(claim: dict[str, Any], *entries: dict[str, Any]) -> dict[str, Any]:
@@ -94,39 +93,9 @@ def test_a_pod_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: 
     from gpumanager.dra.sharing import api_pod_reader
     from gpumanager.kube.client import api_client
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4)
-    port = listener.getsockname()[1]
-    stop = threading.Event()
-
-    def trickle() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
-            while not stop.wait(0.2):
-                try:
-                    conn.sendall(b" ")
-                except OSError:
-                    return
-
-    threading.Thread(target=trickle, daemon=True).start()
-    kubeconfig = _kubeconfig(tmp_path, port)
-    outcome: list[BaseException | None] = []
-
-    def read() -> None:
-        try:
-            api_pod_reader(api_client(kubeconfig), timeout=1.0)("ns", "pod-a")
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(10)
-    stop.set()
-    listener.close()
+    outcome = read_from_a_trickling_server(
+        tmp_path, lambda kubeconfig: api_pod_reader(api_client(kubeconfig), timeout=1.0)("ns", "pod-a"), 10
+    )
     assert outcome, "the pod read still waits on an answer that never ends"
     assert isinstance(outcome[0], ClaimError) and "pod ns/pod-a" in str(outcome[0]), outcome
 

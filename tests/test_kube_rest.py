@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -228,13 +228,12 @@ def test_a_hanging_api_server_is_asked_once_per_call(tmp_path: Path) -> None:
         listener.close()
 
 
-def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: Path) -> None:
-    """Each read of the answer comes within the timeout, the whole never does: the claim gets its error."""
+def read_from_a_trickling_server(
+    directory: Path, read: Callable[[str], object], wait: float
+) -> list[BaseException | None]:
+    """Run ``read(kubeconfig)`` against a server that sends a 200 header and then one byte every 0.2 s for
+    ever; return what it ended with ([None]: it returned, [exc]: it raised, []: still waiting after ``wait``)."""
     import socket
-
-    from gpumanager.dra.claims import ClaimError
-    from gpumanager.dra.prepare import api_reader
-    from gpumanager.kube.client import api_client
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -254,21 +253,33 @@ def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path
                     return
 
     threading.Thread(target=trickle, daemon=True).start()
-    kubeconfig = _kubeconfig(tmp_path, port)
+    kubeconfig = _kubeconfig(directory, port)
     outcome: list[BaseException | None] = []
 
-    def read() -> None:
+    def run() -> None:
         try:
-            api_reader(api_client(kubeconfig), timeout=1.0)("ns", "claim-a")
+            read(kubeconfig)
             outcome.append(None)
         except BaseException as exc:
             outcome.append(exc)
 
-    reader = threading.Thread(target=read, daemon=True)
+    reader = threading.Thread(target=run, daemon=True)
     reader.start()
-    reader.join(20)
+    reader.join(wait)
     stop.set()
     listener.close()
+    return outcome
+
+
+def test_a_claim_answer_trickled_a_byte_at_a_time_is_bounded_as_a_whole(tmp_path: Path) -> None:
+    """Each read of the answer comes within the timeout, the whole never does: the claim gets its error."""
+    from gpumanager.dra.claims import ClaimError
+    from gpumanager.dra.prepare import api_reader
+    from gpumanager.kube.client import api_client
+
+    outcome = read_from_a_trickling_server(
+        tmp_path, lambda kubeconfig: api_reader(api_client(kubeconfig), timeout=1.0)("ns", "claim-a"), 20
+    )
     assert outcome, "the read still waits on an answer that never ends"
     assert isinstance(outcome[0], ClaimError) and "claim ns/claim-a" in str(outcome[0]), outcome
 

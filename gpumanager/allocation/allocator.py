@@ -177,6 +177,10 @@ class Allocator:
         # Records a PreStartContainer changed (refused: the change could not be written), until the whole
         # state is written: the kubelet's next try of that start writes it before it is answered.
         self._unwritten_starts: set[tuple[str, str]] = set()
+        # While a PreStartContainer may have to mark what changed meanwhile (:func:`prestart._watch`): each
+        # key whose record was replaced or removed, with the record it held before.
+        self._watchers = 0
+        self._touched: list[tuple[tuple[str, str], ContainerAllocation | None]] = []
         # Containers whose device IDs the kubelet handed to another container: never matched again.
         self._retired: set[tuple[str, str]] = set()
         # Allocations matched while other pods waited with the same request, until PreStartContainer.
@@ -831,6 +835,8 @@ class Allocator:
         old = self._allocs.get(key)
         if old is not None:
             self._unanswer(old)
+        if self._watchers:
+            self._touched.append((key, old))
         self._allocs[key] = alloc
         self._answering.setdefault(alloc.answered, set()).add(key)
         self._generation += 1
@@ -851,6 +857,8 @@ class Allocator:
         alloc = self._allocs.pop(key, None)
         if alloc is not None:
             self._unanswer(alloc)
+            if self._watchers:
+                self._touched.append((key, alloc))
         self._guessed.discard(key)
         self._repeated.discard(key)
         self._generation += 1
@@ -1111,6 +1119,15 @@ class Allocator:
     def pre_start(self, device_ids: Sequence[str], owner: tuple[str, str] | None) -> ContainerAllocation:
         """Check a PreStartContainer against our records; return the container's allocation."""
         return prestart.pre_start(self, device_ids, owner)
+
+    def prepare_start(self, device_ids: Sequence[str], owner: tuple[str, str] | None) -> ContainerAllocation:
+        """Check a PreStartContainer against our records; return the container's allocation, not yet
+        marked started: :meth:`mark_started` once the start's other checks passed and its files are written."""
+        return prestart.prepare_start(self, device_ids, owner)
+
+    def mark_started(self, alloc: ContainerAllocation) -> ContainerAllocation:
+        """Mark the allocation :meth:`prepare_start` returned started, durably; AllocationError when it cannot be."""
+        return prestart.mark_started(self, alloc)
 
     def _reassign(self, swap: _Swap) -> None:
         """Make a swap of :func:`prestart.swap_of` (lock held)."""

@@ -1,6 +1,7 @@
 """PreStartContainer: checking the kubelet's view of who holds some device IDs against the allocator's records, the
 room a container takes at its start, and the swaps of two identical requests the kubelet admitted in the other
-order. pre_start takes the allocator's lock itself; the others are called with it held."""
+order. pre_start, prepare_start and mark_started take the allocator's lock themselves; the others are called with it
+held."""
 
 from __future__ import annotations
 
@@ -31,65 +32,171 @@ log = logging.getLogger(__name__)
 
 
 def pre_start(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str, str] | None) -> ContainerAllocation:
-    """Check a PreStartContainer against our records; return the container's allocation.
+    """Check a PreStartContainer against our records and mark the container started (:func:`prepare_start`,
+    then :func:`mark_started`); return the container's allocation."""
+    return mark_started(allocator, prepare_start(allocator, device_ids, owner))
+
+
+def prepare_start(
+    allocator: Allocator, device_ids: Sequence[str], owner: tuple[str, str] | None
+) -> ContainerAllocation:
+    """Check a PreStartContainer against our records; return the container's allocation, not yet marked
+    started (:func:`mark_started`, once the container's files are written).
 
     ``owner`` is the (pod UID, container) the kubelet says holds ``device_ids`` (None when it
     could not be asked). When our record of those IDs belongs to another container with the
     same request, the two are swapped: the kubelet's view wins.
 
     Answered only once what it changed in the records (a swap, a take-over, the gathering of a pod's
-    records, the mark that the container started) is durable: the kubelet tells who holds the IDs once
+    records, the IDs of a record kept without them) is durable: the kubelet tells who holds the IDs once
     per start, and a restart reading the records as they were before would charge the GPUs the
     container runs on to another. When the change cannot be written the start is refused (UNAVAILABLE:
-    the kubelet tries it again), the record not marked started; the change is kept in memory (the
-    kubelet's view) and marked unwritten: the next try writes the whole state before it is answered,
-    also when it finds nothing left to change.
+    the kubelet tries it again); the change is kept in memory (the kubelet's view) and marked unwritten:
+    the next try writes the whole state before it is answered, also when it finds nothing left to change.
     """
     changed = False
+    mark = -1
     try:
         with allocator._changing():
-            before = dict(allocator._allocs)  # the records as they were (replaced, never changed in place)
+            mark = _watch(allocator)
             generation = allocator._generation
             staged, failures = len(allocator._unsettled), allocator.checkpoint_write_failures
             try:
-                alloc, unstarted = _checked(allocator, device_ids, owner)
+                alloc = _checked(allocator, device_ids, owner)
             finally:
                 changed = allocator._generation != generation
-            # This call's records, made durable below, lock released, their failure answered (not only logged).
-            tickets = allocator._unsettled[staged:]
-            del allocator._unsettled[staged:]
-            problem = allocator._checkpoint_error if allocator.checkpoint_write_failures != failures else ""
+            tickets, problem = _this_calls(allocator, staged, failures)
             if not problem and _relies_on_unwritten(allocator, alloc):
                 # An earlier start's change, refused unwritten, and nothing to change now: written first.
                 try:
                     allocator._stage(None)
                 except OSError:
                     raise _unwritten_start(allocator, alloc, device_ids, allocator._checkpoint_error) from None
-        written = not problem
-        for ticket in tickets:
-            try:
-                allocator._sync(ticket)
-            except OSError:
-                written = False
-        if not written:
-            with allocator._lock:
-                problem = allocator._checkpoint_error  # '' when the whole state was written since: it holds the change
-                if problem:
-                    if unstarted is not None and allocator._allocs.get(alloc.key) is alloc:
-                        allocator._remove(alloc.key)  # the container does not start: not marked started
-                        allocator._insert(unstarted)
-                    # The records changed since (others' changes too, while the lock was released: marked
-                    # all the same, until the whole state is written).
-                    now = allocator._allocs
-                    allocator._unwritten_starts.update(
-                        k for k in before.keys() | now.keys() if before.get(k) is not now.get(k)
-                    )
-                    allocator._unwritten_starts.add(alloc.key)
-                    raise _unwritten_start(allocator, alloc, device_ids, problem)
+        _durable(allocator, alloc, device_ids, tickets, problem, mark, None)
         return alloc
     finally:
+        _unwatch(allocator, mark)
         if changed:
             allocator._notify()
+
+
+def mark_started(allocator: Allocator, alloc: ContainerAllocation) -> ContainerAllocation:
+    """Mark ``alloc`` (from :func:`prepare_start`) started, durably before it is answered; return the record.
+
+    Called once the start's other checks passed and the container's files are written: a start refused
+    before leaves the record not started (a later Allocate of its IDs is then a repeat, not IDs given on).
+    Refused (UNAVAILABLE, the kubelet tries the start again) when the record changed meanwhile, when its
+    GPUs have no room for it now (:func:`why_crowded`), or when the mark cannot be written (the record
+    left not started, the change marked unwritten as in :func:`prepare_start`)."""
+    if alloc.started:
+        return alloc
+    key = alloc.key
+    changed = False
+    mark = -1
+    try:
+        with allocator._changing():
+            current = allocator._allocs.get(key)
+            if current is not alloc:
+                if current is not None and current.started and current.device_ids == alloc.device_ids:
+                    return current  # another try of the same start marked it
+                raise _changed_meanwhile(alloc)
+            if allocator._overcommitted.intersection(alloc.minors):
+                crowded = why_crowded(allocator, alloc)  # others may have started there since it was checked
+                if crowded:
+                    raise AllocationError(crowded, "unavailable")
+            mark = _watch(allocator)
+            staged, failures = len(allocator._unsettled), allocator.checkpoint_write_failures
+            started = replace(alloc, started=True)
+            allocator._remove(key)
+            allocator._insert(started)
+            changed = True
+            allocator._save_or_report([_put(started)], _put_text(started))
+            tickets, problem = _this_calls(allocator, staged, failures)
+        _durable(allocator, started, started.device_ids, tickets, problem, mark, alloc)
+        return started
+    finally:
+        _unwatch(allocator, mark)
+        if changed:
+            allocator._notify()
+
+
+def _changed_meanwhile(alloc: ContainerAllocation) -> AllocationError:
+    who = f"{alloc.namespace}/{alloc.pod_name} ({alloc.pod_uid})" if alloc.pod_name else alloc.pod_uid
+    return AllocationError(
+        f"PreStartContainer for pod {who} container {alloc.container} ({ids.describe(alloc.device_ids)}): its "
+        "allocation changed (or was released) while its files were written, so the container does not start "
+        "yet; the kubelet's next try of the start looks again",
+        "unavailable",
+    )
+
+
+def _watch(allocator: Allocator) -> int:
+    """Start noting the records changed from now on (lock held); returns where this call's notes begin."""
+    allocator._watchers += 1
+    return len(allocator._touched)
+
+
+def _unwatch(allocator: Allocator, mark: int) -> None:
+    """Stop the notes begun at ``mark`` (-1: none were); dropped once no call reads them."""
+    if mark < 0:
+        return
+    with allocator._lock:
+        allocator._watchers -= 1
+        if not allocator._watchers:
+            allocator._touched.clear()
+
+
+def _changed_since(allocator: Allocator, mark: int) -> set[tuple[str, str]]:
+    """The keys whose record is another than at ``mark`` (lock held): records are replaced, never changed
+    in place, so a key put back to the record it held is not counted."""
+    first: dict[tuple[str, str], ContainerAllocation | None] = {}
+    for key, old in allocator._touched[mark:]:
+        first.setdefault(key, old)
+    now = allocator._allocs
+    return {key for key, old in first.items() if old is not now.get(key)}
+
+
+def _this_calls(allocator: Allocator, staged: int, failures: int) -> tuple[list[int], str]:
+    """This call's journal records, taken to be made durable with the lock released (their failure
+    answered, not only logged), and why staging them failed ('' when it did not) (lock held)."""
+    tickets = allocator._unsettled[staged:]
+    del allocator._unsettled[staged:]
+    problem = allocator._checkpoint_error if allocator.checkpoint_write_failures != failures else ""
+    return tickets, problem
+
+
+def _durable(
+    allocator: Allocator,
+    alloc: ContainerAllocation,
+    device_ids: Sequence[str],
+    tickets: Sequence[int],
+    problem: str,
+    mark: int,
+    unstarted: ContainerAllocation | None,
+) -> None:
+    """Return once ``tickets`` are durable (lock released); else refuse the start, the records changed
+    since ``mark`` marked unwritten and ``alloc`` put back to ``unstarted`` (not None: the mark that it
+    started is undone)."""
+    written = not problem
+    for ticket in tickets:
+        try:
+            allocator._sync(ticket)
+        except OSError:
+            written = False
+    if written:
+        return
+    with allocator._lock:
+        problem = allocator._checkpoint_error  # '' when the whole state was written since: it holds the change
+        if not problem:
+            return
+        if unstarted is not None and allocator._allocs.get(alloc.key) is alloc:
+            allocator._remove(alloc.key)  # the container does not start: not marked started
+            allocator._insert(unstarted)
+        # The records changed since (others' changes too, while the lock was released: marked all the
+        # same, until the whole state is written).
+        allocator._unwritten_starts.update(_changed_since(allocator, mark))
+        allocator._unwritten_starts.add(alloc.key)
+        raise _unwritten_start(allocator, alloc, device_ids, problem)
 
 
 def _relies_on_unwritten(allocator: Allocator, alloc: ContainerAllocation) -> bool:
@@ -120,11 +227,8 @@ def _unwritten_start(
     )
 
 
-def _checked(
-    allocator: Allocator, device_ids: Sequence[str], owner: tuple[str, str] | None
-) -> tuple[ContainerAllocation, ContainerAllocation | None]:
-    """The work of :func:`pre_start` (lock held): the container's allocation, and its record before it
-    was marked started here (None when it was started already)."""
+def _checked(allocator: Allocator, device_ids: Sequence[str], owner: tuple[str, str] | None) -> ContainerAllocation:
+    """The work of :func:`prepare_start` (lock held): the container's allocation, not marked started."""
     wanted = frozenset(device_ids)
     key = allocator._by_ids.get(wanted)
     if owner is not None and key is not None and key != owner and same_name(allocator, key, owner):
@@ -183,18 +287,12 @@ def _checked(
         crowded = why_crowded(allocator, alloc)
         if crowded:
             raise AllocationError(crowded, "unavailable")
-    unstarted = None
-    if not alloc.device_ids or not alloc.started:
-        unstarted = alloc
+    if not alloc.device_ids:  # recorded without IDs (e.g. by an older gpu-manager): the kubelet's
         allocator._remove(key)
-        alloc = replace(
-            alloc,
-            device_ids=alloc.device_ids or ids.in_order(wanted),
-            started=True,
-        )
+        alloc = replace(alloc, device_ids=ids.in_order(wanted))
         allocator._insert(alloc)
         allocator._save_or_report([_put(alloc)], _put_text(alloc))
-    return alloc, unstarted
+    return alloc
 
 
 def why_crowded(allocator: Allocator, alloc: ContainerAllocation) -> str:

@@ -165,7 +165,7 @@ class Handlers:
             hint = self._allocator.owner_hint(ids)
             owner = self._owner(names.VCORE_RESOURCE, ids, hint.pod, hint.since)
             try:
-                alloc = self._allocator.pre_start(ids, owner)
+                alloc = self._allocator.prepare_start(ids, owner)  # marked started once its files are written
             except AllocationError as exc:
                 why = (
                     self._replaced.explain_missing(*owner)
@@ -200,6 +200,10 @@ class Handlers:
                     f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}; "
                     "the kubelet's next try of the start writes them again",
                 ) from exc
+            try:
+                self._allocator.mark_started(alloc)
+            except AllocationError as exc:
+                raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
             crash_point("prestart-after-files")
             ok = True
             return pb.PreStartContainerResponse()

@@ -175,9 +175,11 @@ class Handlers:
                 if why:  # its record could not be kept: it named a device node that is no GPU now
                     raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"{names.PRESTART_FAILED}: {why}") from exc
                 raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
-            if self._replaced is not None:
+            replaced = self._replaced
+            on_replacement = False  # its room on a replacement reserved until noted or dropped
+            if replaced is not None:
                 try:
-                    self._replaced.check(alloc)
+                    on_replacement = replaced.check(alloc)
                 except ReplacedRefusal as exc:
                     # For good: "PreStartContainer check failed" (the pod is to be placed again); a start
                     # waiting for room on the replacement is retried by the kubelet (UNAVAILABLE).
@@ -186,29 +188,40 @@ class Handlers:
                             grpc.StatusCode.FAILED_PRECONDITION, f"{names.PRESTART_FAILED}: {exc}"
                         ) from exc
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-            crash_point("prestart-before-files")
             try:
-                self._prepared(alloc)
-            except OSError as exc:
-                # The kubelet retries the start; the message says whose files could not be written and why.
-                # Not upstream's "PreStartContainer check failed": the kubelet puts the message in the
-                # container's waiting state, where it marks the pod failed for good (its GPUs freed by
-                # the allocation check, the pod deleted when a controller owns it).
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"PreStartContainer for pod {alloc.pod_uid} container {alloc.container} "
-                    f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}; "
-                    "the kubelet's next try of the start writes them again",
-                ) from exc
-            try:
-                self._allocator.mark_started(alloc)
-            except AllocationError as exc:
-                raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
+                self._start(alloc, ids)
+            except BaseException:
+                if on_replacement and replaced is not None:
+                    replaced.forget(alloc)  # it did not start: no room taken there
+                raise
+            if on_replacement and replaced is not None:
+                replaced.note_started(alloc)  # counted there from now on (and at the agent's next start)
             crash_point("prestart-after-files")
             ok = True
             return pb.PreStartContainerResponse()
         finally:
             self._timed(names.VCORE_RESOURCE, "PreStartContainer", started, ok)
+
+    def _start(self, alloc: ContainerAllocation, ids: Sequence[str]) -> None:
+        """A start let through by the checks: write the container's files, then mark its record started."""
+        crash_point("prestart-before-files")
+        try:
+            self._prepared(alloc)
+        except OSError as exc:
+            # The kubelet retries the start; the message says whose files could not be written and why.
+            # Not upstream's "PreStartContainer check failed": the kubelet puts the message in the
+            # container's waiting state, where it marks the pod failed for good (its GPUs freed by
+            # the allocation check, the pod deleted when a controller owns it).
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"PreStartContainer for pod {alloc.pod_uid} container {alloc.container} "
+                f"({device_ids.describe(ids)}): cannot write its files: {_oserror(exc)}; "
+                "the kubelet's next try of the start writes them again",
+            ) from exc
+        try:
+            self._allocator.mark_started(alloc)
+        except AllocationError as exc:
+            raise RequestError(_CODES.get(exc.kind, grpc.StatusCode.UNKNOWN), str(exc)) from exc
 
     def pre_start_memory(self, request: pb.PreStartContainerRequest) -> pb.PreStartContainerResponse:
         """vcuda-memory PreStartContainer: nothing to do beyond validation.

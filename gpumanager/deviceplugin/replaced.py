@@ -119,6 +119,9 @@ class ReplacedGPUs:
         # Answers the kubelet saved that name a changed device node but that no allocation holds.
         self._unheld: dict[tuple[str, str], ContainerAllocation] = {}
         self._started: set[tuple[str, str]] = set(started)  # of those, started again on their replacement
+        # Of those, starts let through by check and not yet noted or dropped (by key: how many in flight),
+        # counted on their replacement meanwhile, so that two starts at once cannot both take its last room.
+        self._starting: dict[tuple[str, str], int] = {}
         self._logged: set[tuple[tuple[str, str], str]] = set()
 
     @property
@@ -166,11 +169,13 @@ class ReplacedGPUs:
                 count += 1
         return count
 
-    def check(self, alloc: ContainerAllocation) -> None:
+    def check(self, alloc: ContainerAllocation) -> bool:
         """Raise :class:`ReplacedRefusal` when ``alloc``'s container, starting from its saved answer, would
-        reach another GPU than the one at its place, or one without room for it; else note it started."""
+        reach another GPU than the one at its place, or one without room for it. Return whether it starts
+        on a replacement: its room there is then reserved (counted for the other starts) until the start is
+        noted (:meth:`note_started`, once it succeeded) or dropped (:meth:`forget`, when it failed after)."""
         if not self._changes:
-            return
+            return False
         held = self._affected.get(alloc.key)
         if held is None:
             saved = self._unheld.get(alloc.key)
@@ -182,28 +187,55 @@ class ReplacedGPUs:
                 if problem:
                     self._log_once(alloc, "lasting", logging.ERROR, problem)
                     raise ReplacedRefusal(problem, lasting=True)
-            return
+            return False
         if held.minors != alloc.minors:
-            return  # answered since the start: it names the GPUs as they are
+            return False  # answered since the start: it names the GPUs as they are
         changes = [self._changes[m] for m in alloc.minors if m in self._changes]
         problem = self._lasting_problem(alloc, changes)
         if problem:
             self._log_once(alloc, "lasting", logging.ERROR, problem)
             raise ReplacedRefusal(problem, lasting=True)
         crowded = ""
-        with self._lock:  # the look at the room and the note of the start, one at a time
+        with self._lock:  # the look at the room and its reservation, one start at a time
             for change in changes:
                 crowded = self._crowded(alloc, change)
                 if crowded:
                     break
             else:
-                if alloc.key not in self._started:
-                    self._started.add(alloc.key)
-                    self._save()
+                self._starting[alloc.key] = self._starting.get(alloc.key, 0) + 1
         if crowded:
             self._log_once(alloc, "crowded", logging.WARNING, crowded)
             raise ReplacedRefusal(crowded, lasting=False)
+        return True
+
+    def note_started(self, alloc: ContainerAllocation) -> None:
+        """``alloc``'s start, let through by :meth:`check`, succeeded: it counts on the replacement from now
+        on, kept for the agent's next start."""
+        with self._lock:
+            if not self._unreserve(alloc.key):
+                return
+            if alloc.key not in self._started:
+                self._started.add(alloc.key)
+                self._save()
+        changes = [self._changes[m] for m in alloc.minors if m in self._changes]
         self._log_once(alloc, "started", logging.WARNING, self._runs_there(alloc, changes, "starts again"))
+
+    def forget(self, alloc: ContainerAllocation) -> None:
+        """``alloc``'s start, let through by :meth:`check`, failed after (its files, its record's mark):
+        the room reserved for it on the replacement is free again."""
+        with self._lock:
+            self._unreserve(alloc.key)
+
+    def _unreserve(self, key: tuple[str, str]) -> bool:
+        """Drop one reservation of ``key`` (lock held); whether there was one."""
+        count = self._starting.get(key, 0)
+        if count <= 0:
+            return False
+        if count == 1:
+            del self._starting[key]
+        else:
+            self._starting[key] = count - 1
+        return True
 
     def explain_missing(self, pod_uid: str, container: str) -> str:
         """Why the container of a start with no allocation cannot start, when its allocation at the
@@ -287,16 +319,16 @@ class ReplacedGPUs:
 
     def _crowded(self, alloc: ContainerAllocation, change: _Change) -> str:
         """Why ``alloc`` cannot start on ``change``'s replacement yet, or '' (lock held): with the containers
-        counted there (started again since the agent's start, or answered since), it would hold more than
-        the new GPU has."""
+        counted there (started again since the agent's start or starting now, or answered since), it would
+        hold more than the new GPU has."""
         gpu = change.now
         assert gpu is not None
         by_pod: dict[str, list[ContainerAllocation]] = {}
         for other in self._allocations():
             if change.was.minor not in other.minors or other.key == alloc.key:
                 continue
-            if other.key in self._affected and other.key not in self._started:
-                continue  # not started again since the replacement: it runs nowhere
+            if other.key in self._affected and other.key not in self._started and other.key not in self._starting:
+                continue  # not started again since the replacement (nor starting): it runs nowhere
             by_pod.setdefault(other.pod_uid, []).append(other)
         by_pod.setdefault(alloc.pod_uid, []).append(alloc)
         cores = memory = 0

@@ -167,7 +167,7 @@ def test_a_container_id_that_is_no_plain_name_never_becomes_a_path(vm_node: VmNo
     vm_node.cgroup(victim, victim_cid, pid=1000)
     vm_node.cgroup(attacker, attacker_cid, pid=2000)
     vm_node.v.refresh_pids(list(vm_node.allocs.values()))
-    victim_pids = vm_node.vm / victim / "main" / names.PIDS_CONFIG_FILE
+    victim_pids = vm_node.vm / names.VCUDA_CONFIGS_DIR / victim / "main" / names.PIDS_CONFIG_FILE
     assert files.read_pids(victim_pids) == [1000]
     forged_id = forged.format(victim=victim, vm=vm_node.vm)
     status = vm_node.pods[attacker]["status"]["containerStatuses"][0]
@@ -176,7 +176,15 @@ def test_a_container_id_that_is_no_plain_name_never_becomes_a_path(vm_node: VmNo
     vm_node.v.refresh_pids(list(vm_node.allocs.values()))
     assert files.read_pids(victim_pids) == [1000]
     assert not (vm_node.vm / names.PIDS_CONFIG_FILE).exists()
-    assert sorted(p.name for p in vm_node.vm.iterdir()) == sorted([victim, attacker])
+    for planted in (
+        vm_node.vm / victim / "main" / names.PIDS_CONFIG_FILE,
+        vm_node.vm / victim / names.PIDS_CONFIG_FILE,
+    ):
+        assert not planted.exists() or 2000 not in files.read_pids(planted), planted
+    assert sorted(p.name for p in vm_node.vm.iterdir()) == sorted([victim, attacker, names.VCUDA_CONFIGS_DIR])
+    assert sorted(p.name for p in (vm_node.vm / names.VCUDA_CONFIGS_DIR).iterdir()) == sorted([victim, attacker])
+    for uid in (victim, attacker):  # nothing but the container's own directory in each
+        assert [p.name for p in (vm_node.vm / names.VCUDA_CONFIGS_DIR / uid).iterdir()] == ["main"]
 
 
 def test_malformed_requests_are_refused_without_a_traceback_each(

@@ -24,7 +24,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation import records
 from gpumanager.allocation.allocator import MIRROR_ANNOTATION, AllocationError, Allocator
 from gpumanager.allocation.pods import Pod, PodSpecError
-from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.records import LAYOUT_OWN, LAYOUT_POD, LAYOUT_UNKNOWN, ContainerAllocation
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.devices import DeviceLayout, UnknownDeviceError
@@ -128,6 +128,7 @@ def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAl
                 memory=memory,
                 device_ids=e.device_ids,
                 answered_as=_answered_as(resp, (e.pod_uid, e.container)),
+                layout=_layout_of(resp),
                 # The kubelet keys a static pod by its own UID, the config hash its mirror pod carries as
                 # kubernetes.io/config.mirror: the pod outlives its mirror pods, as when allocated.
                 mirror=e.pod_uid if safenames.is_static_pod_uid(e.pod_uid) else "",
@@ -145,6 +146,14 @@ def _answered_as(resp: pb.ContainerAllocateResponse, key: tuple[str, str]) -> tu
     if not pod or not container or (pod, container) == key:
         return ("", "")
     return (pod, container)
+
+
+def _layout_of(resp: pb.ContainerAllocateResponse) -> str:
+    """Where the answer puts the container's limit files: its own directory when it mounts one below
+    ``/etc/vcuda``; the pod's directory when it mounts that alone (an earlier version's answer)."""
+    below = PurePosixPath(names.VCUDA_MOUNTPOINT)
+    nested = any(below in PurePosixPath(m.container_path).parents for m in resp.mounts)
+    return LAYOUT_OWN if nested else LAYOUT_POD
 
 
 def from_pod_resources(
@@ -196,6 +205,8 @@ def from_pod_resources(
                 pod_name=e.pod,
                 container_index=request.index,
                 mirror=_config_mirror(pod),
+                # No answer to tell where it mounts its files: both places (never none).
+                layout=LAYOUT_UNKNOWN,
             )
         )
     return out

@@ -223,13 +223,11 @@ def test_upgrade_keeps_every_allocation_file_and_socket(old_node: OldNode, tmp_p
             assert identity(path) == before, path  # vcuda.config of old containers: never rewritten
 
     # A container of an old pod restarts: the kubelet's PreStart finds the adopted allocation
-    # (recorded without device IDs) and the new container gets its own vcuda.config beside the old (in its own
-    # directory: upstream's library reads the one its registration by container ID writes in the pod's).
+    # (recorded without device IDs) and the new container gets its own vcuda.config beside the old, where
+    # upstream's answer, which the kubelet keeps, mounts it: in the pod's directory (it mounts no other).
     pair = node.runs["pair"]
     assert cluster.kubelet.pre_start(CORE, pod_uid=pair.uid, container_name="a")
-    restarted = files.unpack(
-        (cluster.vm_path / names.VCUDA_CONFIGS_DIR / pair.uid / "a" / names.VCUDA_CONFIG_FILE).read_bytes()
-    )
+    restarted = files.unpack((cluster.vm_path / pair.uid / "a" / names.VCUDA_CONFIG_FILE).read_bytes())
     assert (restarted.container_name, restarted.utilization, restarted.gpu_memory) == ("a", 40, 4 << 28)
     assert (
         identity(node.container_dir("pair", "a") / names.VCUDA_CONFIG_FILE)

@@ -270,7 +270,7 @@ def taking_over(
             del allocator._freed_guesses[wanted]
         what = "held, freed before it started"
     if not answered:
-        alloc = replace(alloc, minors=matched.minors, answered_as=matched.answered)
+        alloc = replace(alloc, minors=matched.minors, answered_as=matched.answered, layout=matched.layout)
     log.info(
         "%s: pod %s container %s holds %s, which pod %s container %s %s (the match of their Allocate among "
         "identical pods): it takes over that allocation (GPUs %s, the directory of pod %s container %s)",

@@ -427,7 +427,9 @@ def hand_over(allocator: Allocator, alloc: ContainerAllocation) -> bool:
         return False
     try:
         taken = replace(
-            placement.allocation(allocator, candidate, alloc.device_ids, alloc.minors), answered_as=alloc.answered
+            placement.allocation(allocator, candidate, alloc.device_ids, alloc.minors),
+            answered_as=alloc.answered,
+            layout=alloc.layout,
         )
         allocator._place(taken)
     except (KeyError, ValueError) as exc:

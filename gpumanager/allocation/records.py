@@ -27,6 +27,18 @@ from gpumanager import names, safenames
 _DEVICE_RE = re.compile(r"/dev/nvidia([0-9]{1,9})\Z")
 
 
+#: The container's own directory ``<vm>/configs/<pod uid>/<container>``, which this version's answer mounts
+#: at ``/etc/vcuda/<container>`` (checkpoint ``"Layout": "own"``).
+LAYOUT_OWN = "own"
+#: ``<vm>/<pod uid>/<container>``: an earlier version's answer mounts the pod's directory alone (no
+#: ``Layout`` in its record, which that version never writes).
+LAYOUT_POD = "pod"
+#: Not known (a record rebuilt without the answer): the files go to both places, so the container reads
+#: them whichever its answer mounts (``"Layout": "unknown"``).
+LAYOUT_UNKNOWN = "unknown"
+LAYOUTS = (LAYOUT_OWN, LAYOUT_POD, LAYOUT_UNKNOWN)
+
+
 class RecordError(ValueError):
     """A checkpoint entry that cannot be used; the message names the pod, container and value."""
 
@@ -59,6 +71,9 @@ class ContainerAllocation:
     # A static pod's config hash (its mirror pod's ``kubernetes.io/config.mirror``): the kubelet's pod, which
     # outlives the deletion of its mirror pod, the API object made again under a new UID.
     mirror: str = ""
+    # Where the answer the runtime got puts the container's limit files (see LAYOUTS): this version's
+    # answers mount the container's own directory; a record without the field is an earlier version's.
+    layout: str = LAYOUT_OWN
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -101,6 +116,8 @@ class ContainerAllocation:
             entry["Init"] = True
         if self.mirror:
             entry["Mirror"] = self.mirror
+        if self.layout != LAYOUT_POD:
+            entry["Layout"] = self.layout
         return entry
 
     def to_json_text(self) -> str | None:
@@ -126,6 +143,8 @@ class ContainerAllocation:
                 parts.append(f'"Index":{index}')
             if self.init:
                 parts.append('"Init":true')
+            if self.layout != LAYOUT_POD:
+                parts.append(f'"Layout":{_quoted(self.layout)}')
             parts.append(f'"Memory":{memory}')
             if self.mirror:
                 parts.append(f'"Mirror":{_quoted(self.mirror)}')
@@ -222,6 +241,16 @@ def _answered(entry: Mapping[str, Any], where: str) -> tuple[str, str]:
         raise RecordError(f"{where}: AnsweredAs: {exc}") from None
 
 
+def _layout(entry: Mapping[str, Any], where: str) -> str:
+    """``Layout``: missing in an earlier version's record (its answers mount the pod's directory alone)."""
+    if "Layout" not in entry:
+        return LAYOUT_POD
+    value = entry["Layout"]
+    if not isinstance(value, str) or value not in (LAYOUT_OWN, LAYOUT_UNKNOWN):
+        raise RecordError(f"{where}: Layout {_shown(value)} is not {LAYOUT_OWN!r} or {LAYOUT_UNKNOWN!r}")
+    return value
+
+
 @dataclass
 class Parsed:
     """A checkpoint read entry by entry: what can be trusted, and what must be rebuilt."""
@@ -270,6 +299,7 @@ def _entry(pod_uid: str, container: str, entry: Any) -> ContainerAllocation:
         started=started,
         init=init,
         mirror=_string(entry, "Mirror", where),
+        layout=_layout(entry, where),
     )
 
 

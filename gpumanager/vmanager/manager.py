@@ -15,9 +15,10 @@ for the upstream vcuda-controller library, which registers with
 or the container's directory (``/etc/vcuda/<container name>``).
 
 A container answered by an earlier version (its answer, which the kubelet keeps
-and never asks again, mounts the pod's directory alone) has no directory under
-``configs``, and that version left its vcuda.config (or the spare of it) in
-``<pod dir>/<container>/``: its files stay there (:meth:`VirtualManager.container_dir`).
+and never asks again, mounts the pod's directory alone) reads its files in
+``<pod dir>/<container>/``, whether or not that version wrote one there before the
+upgrade: its record says so (``layout``, kept in the checkpoint; a record rebuilt
+without its answer gets its files in both places) (:meth:`VirtualManager.container_dirs`).
 
 A process may register before the kubelet's status update, which names its
 container ID, reaches us. Such a container is recognised by its cgroup below
@@ -51,7 +52,7 @@ import grpc
 from gpumanager import names, safenames
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod, PodSpecError
-from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.allocation.records import LAYOUT_OWN, LAYOUT_POD, ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import cgroups, files
 from gpumanager.vmanager.sockets import CallRefused, PodSockets
@@ -235,6 +236,20 @@ class VirtualManager:
         self._own_dirs[answered] = found
         return found
 
+    def container_dirs(self, alloc: ContainerAllocation) -> list[Path]:
+        """Where the container of ``alloc`` reads its limit files, by the layout its record keeps of the
+        answer the runtime got: its own directory (:meth:`container_dir`) for this version's answer;
+        ``<pod dir>/<container>`` for an earlier version's (it mounts the pod's directory alone), whether or
+        not that version wrote a file there; both when not known (a record rebuilt without the answer): a
+        container must never find no limits. ValueError for an unsafe name."""
+        if alloc.layout == LAYOUT_OWN:
+            return [self.container_dir(alloc.answered)]
+        pod, container = alloc.answered
+        earlier = safenames.child(self.pod_dir(safenames.pod_uid(pod)), safenames.container_name(container))
+        if alloc.layout == LAYOUT_POD:
+            return [earlier]
+        return [self.own_dir(pod, container), earlier]
+
     def add_prepare_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each container is prepared (its files written), and after each
         registration by a container ID (a directory that :meth:`refresh_pids` removes once the
@@ -253,14 +268,15 @@ class VirtualManager:
         # The allocator refuses unsafe names already; nothing is ever written outside the pod's directories.
         directory = safenames.child(self.vm_path, safenames.pod_uid(answered_pod))
         directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        own = self.container_dir(alloc.answered)
-        if own.parent != directory:
-            # Its mount point in the pod's directory (mounted read-only before it: the runtime cannot make
-            # it), left empty: the container's files are in its own directory, mounted there.
-            safenames.child(directory, safenames.container_name(answered_container)).mkdir(mode=0o755, exist_ok=True)
+        targets = self.container_dirs(alloc)
+        # Its mount point in the pod's directory (mounted read-only before its own directory: the runtime
+        # cannot make it), left empty when the container's files are in its own directory, mounted there.
+        safenames.child(directory, safenames.container_name(answered_container)).mkdir(mode=0o755, exist_ok=True)
+        config = self.config_for(alloc)
+        for own in targets:
             own.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path = own / names.VCUDA_CONFIG_FILE
-        files.write_config(path, self.config_for(alloc))
+            files.write_config(own / names.VCUDA_CONFIG_FILE, config)
+        path = targets[0] / names.VCUDA_CONFIG_FILE
         self._serve(answered_pod)
         for listener in self._prepare_listeners:
             listener()
@@ -563,10 +579,11 @@ class VirtualManager:
             raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
         # By its ID: below the pod's directory the container mounts (its answer's pod: the socket's); by
         # its name: the directory of its answer's container (its own, mounted at /etc/vcuda/<name>).
+        also: list[Path] = []  # by its name, where the layout is not known: the other place too
         if target.by_id:
             directory = safenames.child(self.pod_dir(target.alloc.answered[0]), target.subdir)
         else:
-            directory = self.container_dir(target.alloc.answered)
+            directory, *also = self.container_dirs(target.alloc)
         path = directory / names.PIDS_CONFIG_FILE
         with self._pids_lock:
             try:
@@ -585,6 +602,13 @@ class VirtualManager:
             # container's files no longer all hold the same list, and a refresh in progress must not
             # remember what it wrote (this may have overwritten it).
             self._last_pids[path] = pids
+            for other in also:  # the refresh writes it again where this fails
+                try:
+                    files.write_pids(other / names.PIDS_CONFIG_FILE, pids, make_dir=True)
+                except OSError as exc:
+                    log.debug("cannot write %s: %s", other / names.PIDS_CONFIG_FILE, exc)
+                else:
+                    self._last_pids[other / names.PIDS_CONFIG_FILE] = pids
             # A restarted container registers under its new ID: what is remembered of the old one goes
             # (a crash-looping container added one entry per restart, even when no refresh saw it).
             before = self._registered.get((target.pod_uid, target.name))
@@ -731,10 +755,10 @@ class VirtualManager:
         self._ids_of[key] = (pod, cid)
         return cid
 
-    def _answered_dir(self, alloc: ContainerAllocation) -> Path:
-        """The directory of the container's answer (:meth:`container_dir`): the files it reads, and a
+    def _answered_dirs(self, alloc: ContainerAllocation) -> list[Path]:
+        """The directories of the container's answer (:meth:`container_dirs`): the files it reads, and a
         registration by its name writes."""
-        return self.container_dir(alloc.answered)
+        return self.container_dirs(alloc)
 
     def _registered_dir(self, alloc: ContainerAllocation, cid: str) -> Path:
         """Where a registration of the container by its ID writes: below the directory it mounts."""
@@ -742,7 +766,7 @@ class VirtualManager:
 
     def _write_pids_of(self, alloc: ContainerAllocation, cid: str, pids: list[int]) -> tuple[bool, int]:
         """Write ``pids`` wherever the container's files are; (whether every place exists, files written)."""
-        targets = [self._answered_dir(alloc)]
+        targets = self._answered_dirs(alloc)
         registered = self._registered_dir(alloc, cid)
         if registered.is_dir():
             targets.append(registered)

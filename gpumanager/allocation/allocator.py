@@ -196,7 +196,7 @@ class Allocator:
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
         self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
         # Unstarted allocations whose IDs came again in an Allocate answered as a repeat: perhaps the
-        # kubelet gave them to another pod after failing this one's admission (see _hand_over).
+        # kubelet gave them to another pod after failing this one's admission (see freed_unstarted.hand_over).
         self._repeated: set[tuple[str, str]] = set()
         # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
         # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).

@@ -57,7 +57,7 @@ def memory_only_refusal(allocator: Allocator, blocks: int) -> str:
 
 def cached_memory_only(allocator: Allocator, blocks: int) -> bool:
     """Whether the pod source shows a pending container asking for ``blocks`` of memory without cores,
-    and none of that size asking for cores too (what :meth:`_memory_only` finds on those pods)."""
+    and none of that size asking for cores too (what :func:`pending_memory_only` finds on those pods)."""
     with allocator._memory_lock:
         generation, changed = allocator._pods.changes(allocator._memory_generation)
         if changed is None:

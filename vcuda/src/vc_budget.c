@@ -7,8 +7,7 @@
  *   header (4096 bytes): magic "VCUDABGT", version, header_size, file_size,
  *     limit, slot_count, high (slots in use are below it), a process-shared
  *     robust mutex
- *   slots[1024] (64 bytes): pid, start time, used bytes, context bytes, the SM limit's provisional charges the
- *     process holds in the container's sum and the stretch of time they lie in
+ *   slots[1024] (64 bytes): pid, start time, used bytes, context bytes
  *
  * Reserve-then-allocate: a reservation takes the mutex, sums the slots, and
  * adds to the caller's slot only if the total stays within the limit; the
@@ -49,16 +48,7 @@ struct budget_slot {
     uint64_t start;          /* the process's start time (/proc/<pid>/stat field 22) */
     _Atomic uint64_t used;   /* bytes reserved by the process, contexts included */
     _Atomic uint64_t context; /* of which contexts */
-    /*
-     * The SM limit's provisional charges this process holds in the container's sum (vc_budget_core_note): its GPU ns,
-     * on device prov_dev - 1 (0: none), paid off at prov_rate_ppm; its GPU time not covered by NVML's samples lies in
-     * [prov_from_ns, prov_at_ns] (CLOCK_MONOTONIC).  Read when the process is gone (settle_provisional).
-     */
-    _Atomic uint64_t prov_gpu_ns;
-    _Atomic uint64_t prov_from_ns;
-    _Atomic uint64_t prov_at_ns;
-    _Atomic uint32_t prov_dev;
-    _Atomic uint32_t prov_rate_ppm;
+    uint64_t reserved[4];
 };
 
 #define MAX_DEVICES 64
@@ -92,13 +82,6 @@ struct budget_header {
      * back what it refunds; what a process leaves when it exits stays, paid off at the rate).
      */
     _Atomic uint64_t core_prov_until_ns[MAX_DEVICES];
-    /*
-     * offset 2560, per CUDA device: the newest stretch of time [from_ns, to_ns] (CLOCK_MONOTONIC) in which processes
-     * that are gone left provisional charges in the sum, and the GPU ns of them kept there (settle_provisional).
-     */
-    struct {
-        _Atomic uint64_t from_ns, to_ns, kept_ns;
-    } core_gone[MAX_DEVICES];
 };
 
 _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
@@ -108,7 +91,6 @@ _Static_assert(offsetof(struct budget_header, context_size) == 192, "header layo
 _Static_assert(offsetof(struct budget_header, unseen_until_ns) == 704, "header layout");
 _Static_assert(offsetof(struct budget_header, core) == 1024, "header layout");
 _Static_assert(offsetof(struct budget_header, core_prov_until_ns) == 2048, "header layout");
-_Static_assert(offsetof(struct budget_header, core_gone) == 2560, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
 #define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
@@ -273,9 +255,7 @@ static void budget_unlock(void)
     pthread_mutex_unlock(&g_hdr->mu);
 }
 
-static void settle_provisional(struct budget_slot *s, int32_t pid);
-
-/* Clears the slots of processes that are gone (lock held), settling their provisional charges; returns how many. */
+/* Clears the slots of processes that are gone (lock held); returns how many. */
 static unsigned reap(void)
 {
     unsigned n = 0, high = atomic_load(&g_hdr->high), new_high = 0;
@@ -290,7 +270,6 @@ static unsigned reap(void)
         }
         vc_log(VC_LOG_INFO, "process %d is gone: its %llu bytes return to the container", (int)pid,
                (unsigned long long)atomic_load(&s->used));
-        settle_provisional(s, pid);
         atomic_store(&s->used, 0);
         atomic_store(&s->context, 0);
         atomic_store(&s->host_pid, 0);
@@ -337,8 +316,6 @@ static int my_slot(void)
         if (slot >= 0) {
             struct budget_slot *s = &g_slots[slot];
             s->start = start;
-            atomic_store(&s->prov_dev, 0); /* first: a slot left by a process that was gone unreaped */
-            atomic_store(&s->prov_gpu_ns, 0);
             atomic_store(&s->used, 0);
             atomic_store(&s->context, 0);
             atomic_store(&s->host_pid, vc_host_pid());
@@ -677,16 +654,12 @@ bool vc_budget_unseen(uint64_t now_ns)
 
 void vc_budget_join(void)
 {
+    if (atomic_load_explicit(&g_slot, memory_order_acquire) >= 0)
+        return;
     pthread_once(&g_open_once, open_budget);
     if (g_hdr == NULL || !budget_lock())
         return;
-    /*
-     * Without a memory limit nothing else frees the slots of processes that are gone; with one, this process took its
-     * slot at its first context, perhaps long before: either way the provisional charges processes gone since left are
-     * settled (settle_provisional) before the SM limit takes the container's ledger (a process that took it first
-     * waited out the whole over-charge of two overlapping kernels).
-     */
-    reap();
+    reap(); /* without a memory limit nothing else frees the slots of processes that are gone */
     budget_unlock();
     my_slot();
 }
@@ -771,93 +744,4 @@ void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns)
         else
             next = from - now_ns > (uint64_t)-delta_ns ? from - (uint64_t)-delta_ns : now_ns;
     } while (!atomic_compare_exchange_weak_explicit(p, &cur, next, memory_order_relaxed, memory_order_relaxed));
-}
-
-void vc_budget_core_note(int dev, double gpu_ns, double rate, uint64_t from_ns, uint64_t at_ns)
-{
-    int slot = atomic_load_explicit(&g_slot, memory_order_acquire);
-    if (slot < 0 || g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES || rate <= 0)
-        return;
-    struct budget_slot *s = &g_slots[slot];
-    uint32_t was = atomic_load_explicit(&s->prov_dev, memory_order_relaxed);
-    if (was != 0 && was != (uint32_t)dev + 1)
-        return; /* one device per process is settled; another's charges stay in its sum (on the safe side) */
-    atomic_store_explicit(&s->prov_gpu_ns, gpu_ns > 0 ? (uint64_t)gpu_ns : 0, memory_order_relaxed);
-    atomic_store_explicit(&s->prov_from_ns, from_ns, memory_order_relaxed);
-    atomic_store_explicit(&s->prov_at_ns, at_ns, memory_order_relaxed);
-    atomic_store_explicit(&s->prov_rate_ppm, rate >= 1.0 ? 1000000u : (uint32_t)(rate * 1e6), memory_order_relaxed);
-    atomic_store_explicit(&s->prov_dev, (uint32_t)dev + 1, memory_order_release);
-}
-
-/*
- * A process that is gone left its provisional charges in the container's sum (under the budget lock, from reap):
- * its late samples no longer count as the container's, so they stay as debt, but never more than the GPU time the
- * processes that are gone can have used.  Until a process's cost per launch is learnt each launch is charged at least
- * the wall time it was outstanding; two processes' kernels on one time-sliced GPU (no MPS: one context runs at a
- * time) each take twice their GPU time in wall time, and with samples 0.7 s late every fresh process of one 400 ms
- * kernel was gone before they came: each pair of overlapping kernels left twice its GPU time, and fresh processes
- * got 13-25 % of a 30 % container.  The gone processes' stretches of uncovered time are joined (the newest run of
- * overlapping ones): together they keep at most that run's length, each at most what it was charged.
- */
-static void settle_provisional(struct budget_slot *s, int32_t pid)
-{
-    uint32_t dev1 = atomic_load_explicit(&s->prov_dev, memory_order_acquire);
-    uint64_t gpu = atomic_load_explicit(&s->prov_gpu_ns, memory_order_relaxed);
-    uint64_t from = atomic_load_explicit(&s->prov_from_ns, memory_order_relaxed);
-    uint64_t at = atomic_load_explicit(&s->prov_at_ns, memory_order_relaxed);
-    uint32_t ppm = atomic_load_explicit(&s->prov_rate_ppm, memory_order_relaxed);
-    atomic_store(&s->prov_dev, 0);
-    atomic_store(&s->prov_gpu_ns, 0);
-    if (dev1 == 0 || dev1 > MAX_DEVICES || gpu == 0 || ppm == 0)
-        return;
-    unsigned dev = dev1 - 1;
-    if (at < from)
-        at = from;
-    uint64_t gs = atomic_load(&g_hdr->core_gone[dev].from_ns), ge = atomic_load(&g_hdr->core_gone[dev].to_ns);
-    uint64_t kept = atomic_load(&g_hdr->core_gone[dev].kept_ns), keep = gpu;
-    if (ge > 0 && from <= ge && at >= gs) {
-        /* Overlaps the run: the run grows to the union; what its processes keep is at most its length. */
-        gs = from < gs ? from : gs;
-        ge = at > ge ? at : ge;
-        uint64_t room = ge - gs > kept ? ge - gs - kept : 0;
-        keep = gpu < room ? gpu : room;
-        kept += keep;
-    } else if (at > ge) {
-        /* A new run (older ones are forgotten: a later process overlapping them is only clipped less). */
-        gs = from;
-        ge = at;
-        keep = gpu < at - from ? gpu : at - from;
-        kept = keep;
-    } /* else older than the run and apart from it: kept whole */
-    atomic_store(&g_hdr->core_gone[dev].from_ns, gs);
-    atomic_store(&g_hdr->core_gone[dev].to_ns, ge);
-    atomic_store(&g_hdr->core_gone[dev].kept_ns, kept);
-    if (keep >= gpu)
-        return;
-    double back = (double)(gpu - keep) / ((double)ppm / 1e6); /* pay-off ns */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-    vc_log(VC_LOG_DEBUG, "device %u: process %d left %.1f ms of provisional charges, %.1f ms of them GPU time it can "
-           "have used beside the container's processes gone before it", dev, (int)pid, (double)gpu / 1e6,
-           (double)keep / 1e6);
-    vc_budget_core_provisional((int)dev, now, -(int64_t)back);
-}
-
-void vc_budget_core_settle(int dev, uint64_t *debt_until_ns, uint64_t *prov_until_ns)
-{
-    uint64_t seen;
-    pthread_once(&g_open_once, open_budget);
-    if (g_hdr != NULL && !g_private && budget_lock()) {
-        /*
-         * The provisional charges processes gone since left are settled first (reap), then the whole ledger is read
-         * under the lock: what a process gone before its samples came keeps, and what one that lived handed from
-         * the sum to the measured debt (published before its sum falls), are read together, never as deltas.
-         */
-        reap();
-        vc_budget_core_ledger(dev, debt_until_ns, &seen, prov_until_ns);
-        budget_unlock();
-        return;
-    }
-    vc_budget_core_ledger(dev, debt_until_ns, &seen, prov_until_ns);
 }

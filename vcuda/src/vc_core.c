@@ -158,7 +158,6 @@ struct dev {
     double prov_done[PROVISIONAL]; /* the launches each provisional charge is for (revalued when the cost is learnt) */
     double prov_shared;       /* wall ns of pay-off this process's provisional charges hold in the container's sum */
     uint64_t prov_inherited;  /* mono ns until which the debt this process began with holds others' provisional charges */
-    uint64_t first_launch;    /* mono ns of this process's first launch on the device (0: none yet) */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -1035,42 +1034,6 @@ static void share_provisional(struct dev *d, uint64_t now)
         return;
     vc_budget_core_provisional(d->index, now, (int64_t)delta);
     d->prov_shared = want;
-    /*
-     * Where its GPU time not covered by samples lies, should the process be gone before they come (the container
-     * then keeps its charges, at most the time it can have used beside the others gone: vc_budget_core_note): after
-     * its first launch, and after the newest sample of its own that was charged.
-     */
-    uint64_t from = d->first_launch, r = real_us();
-    if (d->self_us > 0) {
-        uint64_t back = r > d->self_us ? (r - d->self_us) * 1000u : 0;
-        uint64_t sampled = now > back ? now - back : 0;
-        if (sampled > from)
-            from = sampled;
-    }
-    vc_budget_core_note(d->index, provisional_ns(d), d->rate, from, d->prov_wall);
-}
-
-/*
- * Until its first launch (d->mu held) a process's debt is read again from the whole ledger at every update, after the
- * provisional charges of processes gone since were settled (vc_budget_core_settle): the container's sum of them as it
- * stands now (what others charged since this process started is added, what was settled or taken back is not owed),
- * and of the measured part the larger of this process's own (what it inherited and measured since) and the
- * container's measured debt, which a process that takes its provisional charges back because its samples came has
- * raised before its charges leave the sum.  A process that took the sum as debt once, when it started, waited out
- * the whole wall time charge of a kernel running then while the next process, started after that was settled,
- * charged its own kernel unseen; one that followed the sum's falls (deltas) took a fall whose time had gone to the
- * measured debt off its debt, and counted that time again only if it measured the sample while the other lived.
- */
-static void reread_ledger(struct dev *d, uint64_t now)
-{
-    uint64_t until, prov;
-    vc_budget_core_settle(d->index, &until, &prov);
-    double measured = d->credit + (d->prov_inherited > now ? d->rate * (double)(d->prov_inherited - now) : 0.0);
-    double ledger = until > now ? -d->rate * (double)(until - now) : 0.0;
-    if (ledger < measured)
-        measured = ledger;
-    d->credit = measured - (prov > now ? d->rate * (double)(prov - now) : 0.0);
-    d->prov_inherited = prov; /* the container's sum: left out of the measured debt it publishes */
 }
 
 /* Refill, markers, and (at most every min_ns) the measured GPU time (d->mu held). */
@@ -1082,8 +1045,6 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     share_provisional(d, now);
     if (now - d->last_measure < min_ns)
         return;
-    if (d->first_launch == 0 && d->rate > 0 && !vc_core_config()->upstream)
-        reread_ledger(d, now); /* at most as often as it measures: the budget lock and a look at each slot's process */
     double own, other, span;
     if (!measure(d, now, &own, &other, &span)) {
         /*
@@ -1209,8 +1170,6 @@ static uint64_t budget_gate(struct dev *d)
         refill(d, now);
     }
     uint64_t count = ++d->launched;
-    if (VC_UNLIKELY(d->first_launch == 0))
-        d->first_launch = now;
     pthread_mutex_unlock(&d->mu);
     return count;
 }

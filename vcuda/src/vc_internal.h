@@ -280,17 +280,6 @@ void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us, 
  * paid off, never below now_ns.  A process that exits before NVML's samples cover its charges leaves them there.
  */
 void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns);
-/*
- * What this process holds in that sum on dev: gpu_ns of GPU time charged (paid off at rate), its GPU time not covered
- * by NVML's samples lying in [from_ns, at_ns] (CLOCK_MONOTONIC).  When the process is gone, the container keeps at
- * most the GPU time the processes gone can have used in their stretches together (one device per process).
- */
-void vc_budget_core_note(int dev, double gpu_ns, double rate, uint64_t from_ns, uint64_t at_ns);
-/*
- * Settles the provisional charges of the container's processes that are gone (under the budget lock), then reads its
- * measured debt and its sum of provisional charges on dev, both paid off at (CLOCK_MONOTONIC ns).
- */
-void vc_budget_core_settle(int dev, uint64_t *debt_until_ns, uint64_t *prov_until_ns);
 /* Adds add_ns to the container's debt on dev (from now_ns if it was paid off); returns the time it is paid off at
  * (0: no shared budget). */
 uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns);

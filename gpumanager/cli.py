@@ -114,6 +114,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p = _Parser(
         prog="gpu-manager",
         formatter_class=_HelpFormatter,
+        # Go's flag package takes whole names only: a prefix (--share=true) or klog's --log_file must
+        # be refused as given, not read as --share-mode or --log-file-max-size.
+        allow_abbrev=False,
         description="Share NVIDIA GPUs between Kubernetes containers (tencent.com/vcuda-core, vcuda-memory).",
         epilog="Every flag can also be set with the environment variable shown; the flag wins. "
         "Durations: as Go writes them (500ms, 30s, 1m0s, 1h30m) or seconds. "

@@ -1,0 +1,46 @@
+"""The gpu-manager command line refuses what Go's flag package refuses, naming what was given."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumanager.cli import build_parser, normalize_argv
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as stop:
+        build_parser({}).parse_args(normalize_argv(argv))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--share=true",  # a prefix of --share-mode: Go refuses "flag provided but not defined: -share"
+        "--hostname=node1",  # of --hostname-override
+        "--volume=/etc/gpu-manager/volume.conf",  # of --volume-config
+        "-share=true",
+        "--node-label=a=b",  # a typo of --node-labels
+    ],
+)
+def test_a_prefix_of_a_flag_is_not_that_flag(capsys: pytest.CaptureFixture[str], arg: str) -> None:
+    err = _refusal(capsys, [arg])
+    assert arg.split("=", 1)[0].lstrip("-") in err, err
+
+
+def test_klog_log_file_is_refused_as_itself_not_as_log_file_max_size(capsys: pytest.CaptureFixture[str]) -> None:
+    # klog's --log_file (a flag gpu-manager does not have) must not be read as --log-file-max-size.
+    err = _refusal(capsys, ["--log_file=/var/log/gpu-manager.log"])
+    assert "--log-file-max-size" not in err, err
+    assert "log-file" in err, err
+
+
+def test_whole_flag_names_still_work() -> None:
+    args = build_parser({}).parse_args(
+        normalize_argv(["--share_mode=true", "-v=4", "--log-file-max-size=5", "--hostname-override=node1"])
+    )
+    assert args.share_mode is True and args.v == 4 and args.log_file_max_size == 5
+    assert args.hostname_override == "node1"

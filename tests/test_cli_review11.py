@@ -44,3 +44,12 @@ def test_whole_flag_names_still_work() -> None:
     )
     assert args.share_mode is True and args.v == 4 and args.log_file_max_size == 5
     assert args.hostname_override == "node1"
+
+
+def test_selftest_refuses_a_prefix_of_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpumanager.selftest.command import build_parser as selftest_parser
+
+    with pytest.raises(SystemExit) as stop:
+        selftest_parser().parse_args(["--mem=100"])  # not --memory-mib
+    assert stop.value.code == 2
+    assert "--mem=100" in capsys.readouterr().err

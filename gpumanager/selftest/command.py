@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = Config()
     p = _Parser(
         prog="gpu-manager selftest",
+        allow_abbrev=False,  # whole flag names only, as the agent's: --mem is not --memory-mib
         description="Prove memory and SM isolation on this node's GPU with the installed interceptor.",
     )
     p.add_argument("--vcuda-library", default=d.vcuda_library, help="the interceptor (default %(default)s)")

@@ -46,8 +46,13 @@ _OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _PROBES = ("/healthz", "/readyz")
 
 
+def json_body(value: object) -> bytes:
+    """``value`` as JSON the way grpc-gateway's Go marshaller wrote it: compact, UTF-8 text as it is."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+
+
 def _canned(status: str, error: str) -> bytes:
-    body = json.dumps({"error": error}).encode() + b"\n"
+    body = json_body({"error": error}) + b"\n"
     head = f"HTTP/1.0 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return head.encode() + b"Connection: close\r\n\r\n" + body
 
@@ -55,6 +60,14 @@ def _canned(status: str, error: str) -> bytes:
 _BUSY = _canned("503 Service Unavailable", "too many connections; retry")
 _SLOW = _canned("408 Request Timeout", "request headers not received in time")
 _TOO_BIG = _canned("431 Request Header Fields Too Large", "request headers too large")
+_TLS = _canned(
+    "400 Bad Request",
+    "this port serves plain HTTP, not TLS: scrape it with scheme http, not https",
+)
+_BLANK = _canned("400 Bad Request", "no request line: the client sent only empty lines and stopped")
+_CUT = _canned("400 Bad Request", "the request stopped before the end of its request line and headers")
+#: The first byte of a TLS handshake record: no HTTP request starts with it (a method is a token).
+_TLS_RECORD = 0x16
 
 
 @dataclass
@@ -65,6 +78,8 @@ class _Pending:
     address: Any
     deadline: float
     head: bytearray = field(default_factory=bytearray)
+    #: Empty lines came before the request line (skipped, as RFC 9112 section 2.2 asks).
+    blank: bool = False
 
 
 def _head_state(head: bytes | bytearray) -> str:
@@ -153,7 +168,7 @@ class _Server(ThreadingHTTPServer):
 
 def message_json(message: Message) -> bytes:
     """JSON like grpc-gateway v1: original proto field names, zero values omitted."""
-    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True)).encode()
+    return json_body(json_format.MessageToDict(message, preserving_proto_field_name=True))
 
 
 class QueryServer:
@@ -182,7 +197,7 @@ class QueryServer:
         """The 404 body: the path asked for (its first 200 characters) and the paths served."""
         served = " ".join([*sorted(self._routes), "/metric", "/metrics", "/healthz", "/readyz"])
         shown = path if len(path) <= 200 else path[:200] + "..."
-        return json.dumps({"error": f"no endpoint {shown}; this agent serves {served}"}).encode()
+        return json_body({"error": f"no endpoint {shown}; this agent serves {served}"})
 
     @property
     def port(self) -> int:
@@ -260,9 +275,18 @@ class QueryServer:
             return
         except OSError:
             chunk = b""
-        if not chunk:  # the client went away
-            self._drop(selector, pending, fd, b"")
+        if not chunk:  # the client stopped writing: it may still read why its request is not served
+            self._drop(selector, pending, fd, _CUT if entry.head else _BLANK if entry.blank else b"")
             return
+        if not entry.head:
+            stripped = chunk.lstrip(b"\r\n")  # empty lines before the request line are ignored
+            entry.blank = entry.blank or len(stripped) < len(chunk)
+            chunk = stripped
+            if not chunk:
+                return
+            if chunk[0] == _TLS_RECORD:  # a TLS client (scheme https): say so now, in plain HTTP
+                self._drop(selector, pending, fd, _TLS)
+                return
         entry.head += chunk
         state = _head_state(entry.head)
         if state == "more":
@@ -343,7 +367,7 @@ class QueryServer:
                 self.close_connection = True
                 reason = self.responses.get(code, ("Error", ""))[0]
                 self.log_error("code %d, message %s", code, message or reason)
-                body = json.dumps({"error": message or reason}).encode()
+                body = json_body({"error": message or reason})
                 self.send_response(code, reason)
                 self.send_header("Connection", "close")
                 self.send_header("Content-Type", "application/json")
@@ -376,7 +400,7 @@ class QueryServer:
                         self._send(200, outer._metrics(), CONTENT_TYPE, head=head)
                     elif path in ("/healthz", "/readyz"):
                         ok, detail = (outer._health if path == "/healthz" else outer._ready)()
-                        body = json.dumps({"ok": ok, **detail}, default=str).encode()
+                        body = json_body({"ok": ok, **detail})
                         self._send(200 if ok else 503, body, "application/json", head=head)
                     else:
                         self._send(404, outer._not_found(path), "application/json", head=head)
@@ -386,7 +410,7 @@ class QueryServer:
                     log.exception("http %s failed", path)
                     if not self._answered:  # never a second status line after the first
                         try:
-                            self._send(500, json.dumps({"error": str(exc)}).encode(), "application/json")
+                            self._send(500, json_body({"error": str(exc)}), "application/json")
                         except OSError:
                             pass
 

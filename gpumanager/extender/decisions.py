@@ -90,9 +90,11 @@ class Decider:
     def _known(self, name: str, args: ExtenderArgs) -> tuple[NodeGPUs | None, str]:
         """The node's GPUs, or None with why ("" when the node has none)."""
         gpus = self.state.node(name)
-        if gpus is None and name in args.raw_nodes:
+        if gpus is None and name in args.raw_nodes and not self.state.seen_node(name):
             # The scheduler may know a node the watch has not shown yet, or still one the watch has
-            # shown deleted (its cache lags): that one is not brought back.
+            # shown deleted (its cache lags): that one is not brought back. A node the watch shows
+            # (without GPUs, or unusable) is judged as the watch shows it: the scheduler's copy may
+            # be older (GPUs since gone) and would otherwise replace it until the node's next event.
             obj = args.node_object(name)
             if obj is not None:
                 if self.state.deleted_node(obj):

@@ -452,14 +452,39 @@ class _Bind:
             return "bound"
         if self._check_earlier_binding(pod):
             return "already_bound"
+        try:
+            found = self._annotate(pod, requests, inits, sidecars)
+        except BaseException:
+            # Whatever ends the bind before its Binding (a refusal on a later turn, a failed read after a
+            # conflict) takes the choice an earlier turn recorded off the node: it holds nothing now.
+            self._unclaim()
+            raise
+        if found is None:
+            self._unclaim()  # an earlier bind made the Binding: this turn's choice holds nothing
+            return "already_bound"
+        uid, patched, patch = found
+        self._binding(uid, patched, patch)
+        log.info(
+            "bound %s to %s: %s",
+            self.who,
+            self.args.node,
+            ", ".join(f"{k.rsplit('/', 1)[-1]}={v}" for k, v in patch.items() if v is not None),
+        )
+        return "bound"
+
+    def _annotate(
+        self,
+        pod: JSON,
+        requests: list[GPURequest],
+        inits: list[GPURequest],
+        sidecars: list[GPURequest],
+    ) -> tuple[str, JSON, dict[str, str | None]] | None:
+        """Choose and record the GPUs, and write the pod's annotations; returns (pod UID, the patched pod,
+        the patch), or None when the pod turns out bound to the node by an earlier bind."""
         conflicts = 0
         while True:
             uid = podinfo.uid(pod)
-            try:
-                self._check_other_choice(pod)
-            except BindError:
-                self._unclaim()  # a choice recorded at an earlier turn (the pod had changed)
-                raise
+            self._check_other_choice(pod)  # refused: run() takes off a choice recorded at an earlier turn
             previous = self._state.assumption(uid)
             with self._node_locks.hold(self.args.node, self.deadline.left()) as taken:
                 if not taken:
@@ -486,7 +511,7 @@ class _Bind:
                         mine = self._state.assumption(uid)
                         if mine is not None and mine.charges.node == self.args.node:
                             self._state.assumed_bound(uid)  # an earlier bind that could not tell made it
-                        return "already_bound"
+                        return None
                     continue
                 # The scheduler hears of the failure and places the pod anew: should the patch be made
                 # after all, that choice holds nothing while the pod is not bound.
@@ -496,14 +521,7 @@ class _Bind:
                     # Deleted since the scheduler filtered it (the watch had not shown that yet).
                     raise BindError(f"{self.who} (UID {uid}) was deleted before it could be bound", "refused") from exc
                 raise BindError(f"cannot annotate {self.who}: {_api_text(exc, self.deadline)}") from exc
-        self._binding(uid, patched, patch)
-        log.info(
-            "bound %s to %s: %s",
-            self.who,
-            self.args.node,
-            ", ".join(f"{k.rsplit('/', 1)[-1]}={v}" for k, v in patch.items() if v is not None),
-        )
-        return "bound"
+        return uid, patched, patch
 
     def _read_node(self) -> JSON:
         """The bind's node from the API server (a current read: the watch may lag)."""

@@ -1,0 +1,168 @@
+"""The extender against a scheduler whose view differs from its own, and odd requests over HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from gpumanager.extender.service import Extender, ExtenderSettings
+from simnode.apiserver import ApiServerSimulator
+
+JSON = dict[str, Any]
+CORE = "tencent.com/vcuda-core"
+MEMORY = "tencent.com/vcuda-memory"
+
+
+def _container(name: str, cores: int, blocks: int) -> JSON:
+    limits = {}
+    if cores:
+        limits[CORE] = str(cores)
+    if blocks:
+        limits[MEMORY] = str(blocks)
+    return {"name": name, "image": "x", "resources": {"limits": limits}}
+
+
+def gpu_pod(name: str, containers: Sequence[tuple[int, int]], inits: Sequence[tuple[int, int]] = ()) -> JSON:
+    spec: JSON = {"containers": [_container(f"c{i}", *c) for i, c in enumerate(containers)]}
+    if inits:
+        spec["initContainers"] = [_container(f"i{i}", *c) for i, c in enumerate(inits)]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+class World:
+    def __init__(self, sim: ApiServerSimulator) -> None:
+        self.sim = sim
+        self.extenders: list[Extender] = []
+
+    def extender(self, **settings: Any) -> Extender:
+        ext = Extender(self.sim.client(), ExtenderSettings(host="127.0.0.1", port=0, **settings))
+        ext.start()
+        self.extenders.append(ext)
+        wait_for(ext.synced)
+        return ext
+
+    def node(self, name: str, gpus: int, blocks: int) -> JSON:
+        return self.sim.add_node(name, capacity={CORE: gpus * 100, MEMORY: blocks})
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    with ApiServerSimulator(bookmark_interval=1.0) as sim:
+        w = World(sim)
+        try:
+            yield w
+        finally:
+            for ext in w.extenders:
+                ext.stop()
+
+
+def post(ext: Extender, verb: str, body: object) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", ext.server.port, timeout=30)
+    try:
+        conn.request("POST", f"/scheduler/{verb}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def bind_args(pod: JSON, node: str) -> JSON:
+    meta = pod["metadata"]
+    return {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+
+
+def _no_gpus(node: JSON) -> None:
+    for section in ("capacity", "allocatable"):
+        node["status"][section][CORE] = "0"
+        node["status"][section][MEMORY] = "0"
+
+
+def test_a_stale_node_object_sent_by_the_scheduler_does_not_bring_back_gpus_the_watch_saw_go(world: World) -> None:
+    world.node("a", 2, 32)
+    stale = world.sim.get_node("a")
+    ext = world.extender()
+    world.sim.update_node("a", _no_gpus)  # the device plugin went away: the kubelet zeroes the capacity
+    wait_for(lambda: ext.state.node("a") is None)
+    pod = world.sim.create_pod(gpu_pod("p1", [(50, 4)]))
+    # The scheduler's cache still holds the node as it was.
+    code, result = post(ext, "filter", {"Pod": pod, "Nodes": {"items": [stale]}, "NodeNames": None})
+    assert code == 200
+    assert result["Nodes"]["items"] == []
+    assert "node a: node has no tencent.com/vcuda-core" in result["FailedAndUnresolvableNodes"]["a"]
+    assert ext.state.node("a") is None
+    code, answer = post(ext, "bind", bind_args(pod, "a"))
+    assert "has no GPUs" in answer["Error"]
+    assert not (world.sim.get_pod("default", "p1") or {}).get("spec", {}).get("nodeName")
+
+
+def test_a_node_object_sent_by_the_scheduler_before_the_watch_shows_it_is_judged(world: World) -> None:
+    ext = world.extender()
+    world.sim.hold_watches(True)  # the node watch lags behind the scheduler's cache
+    node = world.sim.add_node("late", capacity={CORE: 100, MEMORY: 16})
+    pod = gpu_pod("p1", [(50, 4)])
+    pod["metadata"]["uid"] = "uid-p1"
+    try:
+        code, result = post(ext, "filter", {"Pod": pod, "Nodes": {"items": [node]}, "NodeNames": None})
+    finally:
+        world.sim.hold_watches(False)
+    assert code == 200
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["late"]
+
+
+def _recorded(sim: ApiServerSimulator, node: str) -> dict[str, Any]:
+    notes = (sim.get_node(node) or {}).get("metadata", {}).get("annotations") or {}
+    raw = notes.get("tencent.com/gpu-extender-binds")
+    return json.loads(raw) if raw else {}
+
+
+def test_a_bind_that_gives_up_after_a_conflict_takes_its_choice_off_the_node(world: World) -> None:
+    world.node("a", 1, 16)
+    ext = world.extender()
+    pod = world.sim.create_pod(gpu_pod("p1", [(60, 4)]))
+    wait_for(lambda: ext.pods.get(pod["metadata"]["uid"]) is not None)
+    # The annotation patch meets a conflict, and reading the pod again then fails.
+    world.sim.fail_next("PATCH", r"/namespaces/default/pods/p1$", 409, message="the object has been modified")
+    world.sim.fail_next("GET", r"/namespaces/default/pods/p1$", 500, message="etcd is away")
+    code, answer = post(ext, "bind", bind_args(pod, "a"))
+    assert code == 200 and "etcd is away" in answer["Error"]
+    assert pod["metadata"]["uid"] not in _recorded(world.sim, "a")
+    assert not ext.state.is_assumed(pod["metadata"]["uid"])
+    # The GPU is free for another pod at once, not after the record lapses.
+    other = world.sim.create_pod(gpu_pod("p2", [(60, 4)]))
+    code, result = post(ext, "filter", {"Pod": other, "NodeNames": ["a"]})
+    assert result["NodeNames"] == ["a"], result
+
+
+def test_a_bind_refused_on_its_second_turn_takes_the_first_turns_choice_off_the_node(world: World) -> None:
+    world.node("a", 1, 16)
+    ext = world.extender()
+    pod = world.sim.create_pod(gpu_pod("p1", [(60, 4)]))
+    wait_for(lambda: ext.pods.get(pod["metadata"]["uid"]) is not None)
+    # The first annotation patch meets a conflict; on the second turn the node cannot be read.
+    world.sim.fail_next("PATCH", r"/namespaces/default/pods/p1$", 409, message="the object has been modified")
+    calls: list[str] = []
+    original = ext.binder._core.read_node
+
+    def read_node(name: str, **kw: Any) -> Any:
+        calls.append(name)
+        if len(calls) == 2:
+            raise RuntimeError("node read failed")
+        return original(name, **kw)
+
+    ext.binder._core.read_node = read_node  # type: ignore[method-assign]
+    code, answer = post(ext, "bind", bind_args(pod, "a"))
+    assert code == 200 and "node read failed" in answer["Error"], answer
+    ext.binder._core.read_node = original  # type: ignore[method-assign]
+    assert pod["metadata"]["uid"] not in _recorded(world.sim, "a")

@@ -10,8 +10,9 @@ sees them, median and p99:
   --burst concurrent Allocate calls whose requests were made before the burst: the calls alone, without
           the simulated kubelet's own admission work (in Python, on the same two cores) inside the figure
   --burst concurrent vcuda-memory Allocate (validation only): what gRPC and this client cost a burst
-  the same burst through the kubelet simulator for a plugin that does nothing (bench/floor_plugin.py, in its
-          own process): what the simulator, gRPC and this machine cost a burst, beside what ours costs
+  the same pods, one at a time and in a burst, through the kubelet simulator for a plugin that does nothing
+          (bench/floor_plugin.py, in its own process): what the simulator, gRPC and this machine cost, beside
+          what ours costs
   GET /metrics with those pods running                                  (target p99 < 20 ms)
   the agent's RSS with every pod running                                (target < 80 MiB)
   GetPreferredAllocation, and what one O_DSYNC journal write costs on this disk (back to back, and 5 ms
@@ -30,14 +31,16 @@ same steps too (the order alternates between node specs); each block carries the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +53,7 @@ from figures import (
     histogram,
     histogram_quantile,
     load,
+    percentile,
     prompt_threads,
     spec_arg,
     variants,
@@ -168,10 +172,21 @@ def burst_calls(cluster: SimCluster, count: int, offset: int) -> list[float]:
     return took
 
 
-def burst_through_floor_plugin(cluster: SimCluster, count: int) -> tuple[list[float], list[float]]:
-    """:func:`burst`'s calls (Allocate of 3 with GetPreferredAllocation, Allocate of 2 without, then
-    PreStartContainer; each pod from its own thread) through the kubelet simulator, for
-    ``bench/floor_plugin.py``'s resources: a plugin that answers at once, in its own process."""
+@dataclass
+class FloorFigures:
+    """What a plugin that does nothing costs through the kubelet simulator: one pod at a time (each
+    right after one of ours in the fill, so both meet the same machine) and in a burst."""
+
+    seq_allocate: list[float] = field(default_factory=list)
+    seq_prestart: list[float] = field(default_factory=list)
+    burst_allocate: list[float] = field(default_factory=list)
+    burst_prestart: list[float] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def floor_plugin(cluster: SimCluster) -> Iterator[None]:
+    """``bench/floor_plugin.py`` (a plugin that answers every call at once) in its own process, registered
+    with the kubelet simulator beside the agent, for as long as the block runs."""
     plugin = subprocess.Popen(
         [
             sys.executable,
@@ -188,35 +203,43 @@ def burst_through_floor_plugin(cluster: SimCluster, count: int) -> tuple[list[fl
             raise RuntimeError(f"bench/floor_plugin.py did not register (exit status {plugin.poll()})")
         for resource in (FLOOR_CORE, FLOOR_MEMORY):
             cluster.kubelet.wait_for_registration(resource, timeout=30, with_devices=True)
-        allocate: list[float] = []
-        prestart: list[float] = []
-        lock = threading.Lock()
-        go = threading.Event()
-
-        def one(i: int) -> None:
-            go.wait()
-            uid = f"floor-{i:03d}"
-            core = cluster.kubelet.allocate(FLOOR_CORE, 3, pod_uid=uid, container_name="main")
-            cluster.kubelet.allocate(FLOOR_MEMORY, 2, pod_uid=uid, container_name="main")
-            started = time.perf_counter()
-            cluster.kubelet.pre_start(FLOOR_CORE, pod_uid=uid, container_name="main")
-            took = time.perf_counter() - started
-            with lock:
-                allocate.append(core.timings.allocate_seconds or 0.0)
-                prestart.append(took)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
-        for t in threads:
-            t.start()
-        go.set()
-        for t in threads:
-            t.join(120)
-        if len(prestart) != count:
-            raise RuntimeError(f"{count - len(prestart)} of {count} pods failed against bench/floor_plugin.py")
-        return allocate, prestart
+        yield
     finally:
         plugin.terminate()
         plugin.wait(30)
+
+
+def floor_pod(cluster: SimCluster, uid: str) -> tuple[float, float]:
+    """The fill's calls for one pod (Allocate of 3 with GetPreferredAllocation, Allocate of 2 without,
+    then PreStartContainer) through the kubelet simulator for the floor plugin's resources: the seconds
+    its Allocate and PreStartContainer took."""
+    core = cluster.kubelet.allocate(FLOOR_CORE, 3, pod_uid=uid, container_name="main")
+    cluster.kubelet.allocate(FLOOR_MEMORY, 2, pod_uid=uid, container_name="main")
+    started = time.perf_counter()
+    cluster.kubelet.pre_start(FLOOR_CORE, pod_uid=uid, container_name="main")
+    return core.timings.allocate_seconds or 0.0, time.perf_counter() - started
+
+
+def floor_burst(cluster: SimCluster, count: int, got: FloorFigures) -> None:
+    """:func:`burst`'s calls for ``count`` pods, each from its own thread, for the floor plugin."""
+    lock = threading.Lock()
+    go = threading.Event()
+
+    def one(i: int) -> None:
+        go.wait()
+        allocate, prestart = floor_pod(cluster, f"floor-burst-{i:03d}")
+        with lock:
+            got.burst_allocate.append(allocate)
+            got.burst_prestart.append(prestart)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(120)
+    if len(got.burst_prestart) != count:
+        raise RuntimeError(f"{count - len(got.burst_prestart)} of {count} pods failed against bench/floor_plugin.py")
 
 
 def whole_gpus(cluster: SimCluster, rounds: int) -> list[float]:
@@ -270,8 +293,7 @@ class Figures:
     burst_prestart: list[float] = field(default_factory=list)
     burst_floor: list[float] = field(default_factory=list)
     burst_calls: list[float] = field(default_factory=list)
-    floor_allocate: list[float] = field(default_factory=list)
-    floor_prestart: list[float] = field(default_factory=list)
+    floor: FloorFigures = field(default_factory=lambda: FloorFigures())
     scrape: list[float] = field(default_factory=list)
     scrape_kib: int = 0
     dsync: list[float] = field(default_factory=list)
@@ -293,6 +315,7 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         agent_python=variant.python,
         api_process=True,
     )
+    floor = contextlib.ExitStack()
     cluster.start()
     try:
         got.dsync = dsync_write_seconds(cluster.checkpoint_dir)
@@ -304,7 +327,11 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         manifests = [gpu_pod(f"bench-{i:03d}", [("main", 3, 2)]) for i in range(args.pods)]
         created = [cluster.create(m) for m in manifests]
         time.sleep(1.0)  # let the agent's pod cache see them, as it would before the kubelet admits them
-        for manifest in created:
+        floor.enter_context(floor_plugin(cluster))
+        for i, manifest in enumerate(created):
+            allocate, prestart = floor_pod(cluster, f"floor-seq-{i:03d}")
+            got.floor.seq_allocate.append(allocate)
+            got.floor.seq_prestart.append(prestart)
             run_ = cluster.admit(manifest, create=False)
             got.allocate.append(run_.core["main"].timings.allocate_seconds or 0.0)
             got.allocate_memory.append(run_.memory["main"].timings.allocate_seconds or 0.0)
@@ -334,10 +361,25 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
         for run_ in burst_runs:  # their devices free again for the calls below (a full 8-GPU node has 50 left)
             cluster.delete(run_, wait=True)
         got.burst_calls = burst_calls(cluster, args.burst, args.pods + args.burst)
-        got.floor_allocate, got.floor_prestart = burst_through_floor_plugin(cluster, args.burst)
+        floor_burst(cluster, args.burst, got.floor)
     finally:
+        floor.close()
         cluster.stop()
     return got
+
+
+def _verdict(seconds: list[float], pct: float, target_ms: float) -> str:
+    if not seconds:
+        return ""
+    value = percentile([s * 1000 for s in seconds], pct)
+    return f" (target p{pct:g} < {target_ms:g} ms: {'ok' if value < target_ms else 'OVER TARGET'})"
+
+
+def _above(ours: list[float], floor: list[float]) -> str:
+    if not ours or not floor:
+        return "no samples"
+    a, b = [s * 1000 for s in ours], [s * 1000 for s in floor]
+    return f"+{statistics.median(a) - statistics.median(b):.2f} ms, +{percentile(a, 99) - percentile(b, 99):.2f} ms"
 
 
 def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
@@ -361,8 +403,14 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     )
     each(
         f"Allocate (vcuda-core), node filling up to {args.pods} pods (p50 < 1 ms, p99 < 3 ms)",
-        lambda f: figure("", f.allocate, target_ms=3),
+        lambda f: figure("", f.allocate, target_ms=3) + _verdict(f.allocate, 50, 1),
     )
+    each(
+        f"Allocate, {args.pods} pods one at a time, for a plugin that does nothing (the fill's floor: "
+        "this client, gRPC and this machine)",
+        lambda f: figure("", f.floor.seq_allocate),
+    )
+    each("  the fill's Allocate above that floor (median, p99)", lambda f: _above(f.allocate, f.floor.seq_allocate))
     each(
         f"Allocate (vcuda-core), one whole GPU each, on the empty node ({args.whole_rounds} rounds over its GPUs)",
         lambda f: figure("", f.whole),
@@ -373,15 +421,16 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     )
     each("GetPreferredAllocation (vcuda-core), same pods", lambda f: figure("", f.preferred))
     each("PreStartContainer (vcuda-core), same pods", lambda f: figure("", f.prestart, target_ms=20))
+    each("PreStartContainer, same pods, for a plugin that does nothing", lambda f: figure("", f.floor.seq_prestart))
     each(f"{args.burst} concurrent Allocate", lambda f: figure("", f.burst_allocate, target_ms=50))
     each(f"{args.burst} concurrent PreStartContainer", lambda f: figure("", f.burst_prestart, target_ms=50))
     each(
         f"{args.burst} concurrent Allocate, the same burst for a plugin that does nothing (the simulator's floor)",
-        lambda f: figure("", f.floor_allocate),
+        lambda f: figure("", f.floor.burst_allocate),
     )
     each(
         f"{args.burst} concurrent PreStartContainer, the same burst for a plugin that does nothing",
-        lambda f: figure("", f.floor_prestart),
+        lambda f: figure("", f.floor.burst_prestart),
     )
     each(
         f"{args.burst} concurrent Allocate calls, requests made before the burst (no kubelet work inside)",

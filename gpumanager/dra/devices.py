@@ -88,8 +88,16 @@ def pcie_root(bus_id: str, sysfs_root: Path) -> str | None:
     return None
 
 
+#: Health reasons that name the same cause as another, by the value of that one: a GPU lost while the agent
+#: runs is ``lost``, and found lost again by the agent's next start (``lost at start``) it is the same GPU
+#: in the same state, so its taint keeps its value (a claim placed there tolerating ``lost`` stays
+#: prepared, and the slice is not rewritten for a restart).
+_SAME_CAUSE = {"lost at start": "lost"}
+
+
 def taint_value(reason: str) -> str:
     """A health reason as a label value (``XID 79`` -> ``xid-79``), at most 63 characters."""
+    reason = _SAME_CAUSE.get(reason.strip().lower(), reason)
     value = _LABEL_UNSAFE.sub("-", reason.strip().lower()).strip("-._")
     return value[:63].rstrip("-._") or "unhealthy"
 

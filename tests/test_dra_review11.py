@@ -1,0 +1,82 @@
+"""DRA mode: what a restart or an odd claim must not change (taint values, over-commit, files)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simnode.dra_cluster import DRIVER, NODE, DRACluster
+from simnode.gpusim_state import GpuSimState
+
+JSON = dict[str, Any]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    with DRACluster(tmp_path, "v100-pcie-x4", health_quiet_period="1h", status_lag=0) as c:
+        yield c
+
+
+def make_claim(c: DRACluster, name: str, results: list[JSON]) -> tuple[str, str, str]:
+    """A claim allocated ``results`` (as a scheduler would write them); (namespace, name, uid)."""
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+    }
+    c.resource.create_namespaced_resource_claim("default", body)
+    stored = json.loads(
+        c.resource.patch_namespaced_resource_claim_status(
+            name,
+            "default",
+            {"status": {"allocation": {"devices": {"results": results}}}},
+            _content_type="application/merge-patch+json",
+            _preload_content=False,
+        ).data
+    )
+    return ("default", name, stored["metadata"]["uid"])
+
+
+def share(device: str, cores: str, memory: str, **extra: Any) -> JSON:
+    out = {
+        "request": "gpu",
+        "driver": DRIVER,
+        "pool": NODE,
+        "device": device,
+        "shareID": str(uuid.uuid4()),
+        "consumedCapacity": {"cores": cores, "memory": memory},
+    }
+    out.update(extra)
+    return out
+
+
+def taint_values(c: DRACluster, device: str) -> list[str]:
+    s = c.slice()
+    assert s is not None
+    dev = next(d for d in s["spec"]["devices"] if d["name"] == device)
+    return [t["value"] for t in dev.get("taints") or []]
+
+
+def test_lost_gpu_keeps_its_taint_value_across_an_agent_restart(cluster: DRACluster) -> None:
+    """A GPU lost while the agent runs is tainted ``lost``; the agent restarted finds it lost again at its
+    start: the cause is the same, so is the taint's value, and a claim placed there tolerating
+    ``lost`` (the value it was scheduled against) is still prepared."""
+    assert cluster.agent is not None
+    with GpuSimState(cluster.agent.state) as st:
+        st.set_lost(2)
+    cluster.wait_slice(lambda s: s is not None and taint_values(cluster, "gpu-2") == ["lost"])
+    cluster.agent.stop()
+    cluster.start_agent()
+    cluster.wait_slice(lambda s: s is not None and bool(taint_values(cluster, "gpu-2")))
+    assert taint_values(cluster, "gpu-2") == ["lost"]
+    tolerates = {"key": f"{DRIVER}/unhealthy", "operator": "Equal", "value": "lost", "effect": "NoSchedule"}
+    ref = make_claim(cluster, "diag", [share("gpu-2", "10", "1Gi", tolerations=[tolerates])])
+    assert cluster.kubelet is not None
+    answer = cluster.kubelet.prepare(DRIVER, [ref])
+    assert answer[ref[2]]["error"] == ""

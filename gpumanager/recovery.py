@@ -75,6 +75,61 @@ def report_gpus_gone(
     return logged
 
 
+#: How many pods one line names before it says how many more there are.
+_PODS_NAMED = 20
+
+
+def report_moved_vm_path(
+    entries: Sequence[KubeletEntry],
+    vm_path: Path,
+    allocation: Callable[[str, str], ContainerAllocation | None],
+) -> int:
+    """Log, once per directory, the share containers we hold whose answer (the kubelet's stored AllocResp,
+    used again at each start of the container) mounts ``/etc/vcuda`` from another directory than
+    ``vm_path`` (--virtual-manager-path changed since they were answered); return how many there are.
+
+    Their allocations stand, but their processes look for ``vcuda.sock`` and the limit files where this
+    agent no longer serves or writes them (the upstream library ends a process whose registration finds
+    no one). A whole GPU's container is not named: its driver mount holds no interceptor."""
+    current = PurePosixPath(os.path.normpath(str(vm_path)))
+    moved: dict[PurePosixPath, list[str]] = {}
+    for e in entries:
+        if e.resource != names.VCORE_RESOURCE or not e.alloc_resp:
+            continue
+        alloc = allocation(e.pod_uid, e.container)
+        if alloc is None or alloc.cores >= 100:
+            continue
+        try:
+            resp = pb.ContainerAllocateResponse.FromString(e.alloc_resp)
+        except Exception:  # unusable answers are reported where they are read (from_kubelet_checkpoint)
+            continue
+        pod_dir = next((m.host_path for m in resp.mounts if m.container_path == names.VCUDA_MOUNTPOINT), "")
+        if not pod_dir:
+            continue
+        answered = PurePosixPath(os.path.normpath(pod_dir)).parent
+        if answered == current:
+            continue
+        pod = f"{alloc.namespace}/{alloc.pod_name}" if alloc.pod_name else f"pod {alloc.pod_uid}"
+        moved.setdefault(answered, []).append(f"{pod} container {alloc.container}")
+    for answered, containers in sorted(moved.items()):
+        shown = ", ".join(containers[:_PODS_NAMED])
+        if len(containers) > _PODS_NAMED:
+            shown += f" and {len(containers) - _PODS_NAMED} more"
+        log.error(
+            "%d running share containers were answered with /etc/vcuda under %s, not under "
+            "--virtual-manager-path=%s: their processes look for vcuda.sock and their limit files there, where "
+            "this agent does not serve or write them (a new CUDA process in them is ended at its registration); "
+            "their GPU shares stay allocated. Start the agent with --virtual-manager-path=%s until these pods "
+            "have ended, or delete them: %s",
+            len(containers),
+            answered,
+            vm_path,
+            answered,
+            shown,
+        )
+    return sum(len(c) for c in moved.values())
+
+
 def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAllocation]:
     """Allocations recorded in the AllocResp of vcuda-core entries."""
     out = []
@@ -361,6 +416,8 @@ class Recovery:
         taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint), kubelet_holds=True)
         self.rebuilt += taken
         self._settle_untrusted()
+        if self._vm_path is not None:
+            report_moved_vm_path(entries, self._vm_path, allocator.get)
         if taken or full_rebuild or self._untrusted:
             log.info(
                 "rebuilt %d container allocations from the kubelet (its checkpoint names %d)", self.rebuilt, len(found)

@@ -1,0 +1,112 @@
+"""Recovery after restarts of the agent and the kubelet, checked through the agent's own surfaces.
+
+Each test drives the real agent process on the simulated node (SimCluster) and compares what the
+kubelet gave each container (its stored Allocate answer) with what the agent says it holds (/usage,
+the per-GPU metrics) after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumanager import names
+from simnode.cluster import SimCluster, admission_annotations, gpu_pod
+
+pytestmark = pytest.mark.usefixtures("sim_built")
+
+
+def _get(cluster: SimCluster, path: str) -> str:
+    assert cluster.agent is not None
+    url = f"http://127.0.0.1:{cluster.agent.query_port}{path}"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return str(answer.read().decode())
+
+
+def _usage(cluster: SimCluster) -> dict[tuple[str, str], tuple[tuple[int, ...], float, float]]:
+    """(pod uid, container) -> (GPU indexes, GPUs' worth of cores, MiB) as /usage says."""
+    out = {}
+    for uid, pod in json.loads(_get(cluster, "/usage")).get("usage", {}).items():
+        for container, spec in pod["spec"].items():
+            cards = tuple(sorted(int(d["card_idx"]) for d in pod["stat"][container]["dev"]))
+            out[(uid, container)] = (cards, float(spec["gpu"]), float(spec["mem"]))
+    return out
+
+
+def _answers(cluster: SimCluster) -> dict[tuple[str, str], tuple[tuple[int, ...], float, float]]:
+    """The same, as the kubelet's stored Allocate answers (vcuda-core) say."""
+    out = {}
+    for rec in cluster.kubelet.allocations():
+        if rec.resource != names.VCORE_RESOURCE:
+            continue
+        ann = dict(rec.response.annotations)
+        devices = [d for d in ann[names.VDEVICE_ANNOTATION].split(",") if d]
+        cards = tuple(sorted(int(d.removeprefix("/dev/nvidia")) for d in devices))
+        out[(rec.pod_uid, rec.container_name)] = (
+            cards,
+            int(ann[names.VCORE_RESOURCE]) / 100,
+            int(ann[names.VMEMORY_RESOURCE]) / 2**20,
+        )
+    return out
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[SimCluster]:
+    sim = SimCluster(tmp_path, "h100-nvlink-x8", seed=11, status_lag=0, fill="sorted")
+    sim.start()
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def test_restart_with_another_virtual_manager_path_names_the_pods_answered_with_the_old_one(
+    cluster: SimCluster,
+) -> None:
+    """A share container mounts <old vm>/<pod uid> at /etc/vcuda (its answer, stored by the kubelet, is
+    used again at each restart of the container). An agent started again with another
+    --virtual-manager-path serves vcuda.sock and writes limit files where that container does not look:
+    the upstream library ends a process whose registration finds no one. The allocations are kept; the
+    agent says which pods were answered with which directory, and what to do."""
+    cluster.run_pod(gpu_pod("share", [("main", 40, 8)], annotations=admission_annotations([[2]], 1)))
+    cluster.run_pod(gpu_pod("whole", [("main", 100, 8)]))
+    before = _usage(cluster)
+    assert before == _answers(cluster)
+    old_vm = cluster.vm_path
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    cluster.vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-moved-"))
+    try:
+        mark = len(cluster.agent.log_text())
+        cluster.start_agent()
+        log = cluster.agent.log_text()[mark:]
+        assert _usage(cluster) == before  # nothing lost, nothing moved
+        errors = [line for line in log.splitlines() if " ERROR " in line and "--virtual-manager-path" in line]
+        assert errors, log[-3000:]
+        text = "\n".join(errors)
+        assert f"--virtual-manager-path={cluster.vm_path}" in text
+        assert str(old_vm) in text
+        assert "default/share" in text
+        assert "default/whole" not in text  # a whole GPU's container does not load the library
+        assert "Traceback" not in log
+    finally:
+        cluster.agent.stop()
+        shutil.rmtree(cluster.vm_path, ignore_errors=True)
+        cluster.vm_path = old_vm
+        cluster.start_agent()
+
+
+def test_restart_with_the_same_virtual_manager_path_says_nothing_of_it(cluster: SimCluster) -> None:
+    cluster.run_pod(gpu_pod("share", [("main", 40, 8)]))
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    mark = len(cluster.agent.log_text())
+    cluster.start_agent()
+    log = cluster.agent.log_text()[mark:]
+    assert "--virtual-manager-path" not in log

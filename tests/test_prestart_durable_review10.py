@@ -59,15 +59,21 @@ def _identical_pair() -> FakePods:
     return FakePods([make_pod("x", [("main", 60, 4)]), make_pod("y", [("main", 60, 4)], created=LATER)])
 
 
-def test_a_swap_that_cannot_be_written_is_refused_and_written_by_the_kubelets_next_try(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _both_allocated(tmp_path: Path) -> tuple[FakePods, Allocator, list[str], list[str]]:
+    """Two identical pods x and y, both allocated: ``first`` matched to x, ``second`` to y."""
     pods = _identical_pair()
     alloc = make_allocator(tmp_path, pods)
     alloc.probe_checkpoint()
     first, second = core_ids(2, 60), core_ids(3, 60)
-    alloc.allocate(first)  # matched to x, given by the kubelet to y
+    alloc.allocate(first)
     alloc.allocate(second)
+    return pods, alloc, first, second
+
+
+def test_a_swap_that_cannot_be_written_is_refused_and_written_by_the_kubelets_next_try(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pods, alloc, first, second = _both_allocated(tmp_path)  # first matched to x, given by the kubelet to y
     x_record = alloc.get(uid_of("x"), "main")
     assert x_record is not None
     gpus_of_first = x_record.minors
@@ -90,12 +96,7 @@ def test_a_swap_that_cannot_be_written_is_refused_and_written_by_the_kubelets_ne
 def test_a_swap_refused_unwritten_is_made_again_after_a_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods = _identical_pair()
-    alloc = make_allocator(tmp_path, pods)
-    alloc.probe_checkpoint()
-    first, second = core_ids(2, 60), core_ids(3, 60)
-    alloc.allocate(first)
-    alloc.allocate(second)
+    pods, alloc, first, _second = _both_allocated(tmp_path)
     x_record = alloc.get(uid_of("x"), "main")
     assert x_record is not None
     gpus_of_first = x_record.minors
@@ -120,12 +121,7 @@ def test_a_retry_that_finds_nothing_to_change_writes_the_unwritten_change_before
     """x started with its IDs; the kubelet then names y as their holder: y takes x's started record (nothing
     left to mark). That swap cannot be written: refused. The kubelet's next try finds y holding the IDs,
     started, nothing to change: it is answered only once the state is written."""
-    pods = _identical_pair()
-    alloc = make_allocator(tmp_path, pods)
-    alloc.probe_checkpoint()
-    first, second = core_ids(2, 60), core_ids(3, 60)
-    alloc.allocate(first)
-    alloc.allocate(second)
+    pods, alloc, first, _second = _both_allocated(tmp_path)
     x_started = alloc.pre_start(first, (uid_of("x"), "main"))
     assert x_started.key == (uid_of("x"), "main") and x_started.started
     _disk_full(monkeypatch, snapshot_too=False)  # the journal cannot be written; a whole snapshot can
@@ -143,12 +139,7 @@ def test_a_retry_that_finds_nothing_to_change_writes_the_unwritten_change_before
 def test_a_retry_that_finds_nothing_to_change_is_refused_while_the_state_cannot_be_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods = _identical_pair()
-    alloc = make_allocator(tmp_path, pods)
-    alloc.probe_checkpoint()
-    first, second = core_ids(2, 60), core_ids(3, 60)
-    alloc.allocate(first)
-    alloc.allocate(second)
+    _pods, alloc, first, _second = _both_allocated(tmp_path)
     alloc.pre_start(first, (uid_of("x"), "main"))
     _disk_full(monkeypatch)
     _refused(alloc, first, (uid_of("y"), "main"))

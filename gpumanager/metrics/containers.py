@@ -14,6 +14,13 @@ out a GPU NVML cannot read, as ``gpu_manager_gpu_memory_used_bytes`` does):
 A container using several DRA claims has an allocation for each; it has one series per GPU all
 the same, with the limits of its claims on that GPU added up (at most the whole GPU).
 
+DRA mode also has ``gpu_manager_claim_gpu_memory_used_bytes`` (labels as
+``gpu_manager_claim_gpu_memory_bytes``: ``namespace, claim, claim_uid, gpu, uuid, share``): the
+memory the processes of all the containers using a claim use on one of its GPUs together. A
+claim's limits are enforced on its containers together (one ``vcuda.config``, all their PIDs in
+its ``pids.config``), so two containers may fill a claim while neither is near its limit alone.
+Left out while NVML cannot read the GPU.
+
 A container's lines are rendered again only when its usage, allocation or pod changed.
 """
 
@@ -48,6 +55,15 @@ FAMILIES = (
 )
 
 _HEADERS = tuple(textformat.header(name, help_text, "gauge") for name, help_text in FAMILIES)
+
+CLAIM_USED = "gpu_manager_claim_gpu_memory_used_bytes"
+CLAIM_LABELS = ("namespace", "claim", "claim_uid", "gpu", "uuid", "share")
+_CLAIM_HEADER = textformat.header(
+    CLAIM_USED,
+    "GPU memory the processes of all containers using a prepared ResourceClaim use on this GPU together "
+    "(the claim's memory limit is enforced on them together)",
+    "gauge",
+)
 
 
 def limited(alloc: ContainerAllocation) -> bool:
@@ -105,6 +121,7 @@ class ContainerFamilies:
         for head, lines in zip(_HEADERS, columns, strict=True):
             parts.append(head)
             parts.extend(lines)
+        parts.append(_claims_used(usages))
         text = "".join(parts)
         self._last = (tuple(usages), text)
         return text
@@ -152,6 +169,42 @@ def _lines(devices: Sequence[_Device], label_sets: _Labels) -> tuple[str, ...]:
         for lines, (name, _), value in zip(out, FAMILIES[: 4 if d.measured else 2], values, strict=False):
             lines.append(f"{name}{label_text} {value!r}\n")
     return tuple("".join(lines) for lines in out)
+
+
+def _claims_used(usages: Sequence[ContainerUsage]) -> str:
+    """``gpu_manager_claim_gpu_memory_used_bytes``: per DRA claim and GPU, what the processes of its
+    containers use there together; nothing (not even the header) without a claim."""
+    used: dict[tuple[str, int], tuple[tuple[str, ...], int, bool]] = {}  # (claim UID, GPU) -> labels, bytes, known
+    counted: set[tuple[str, int, tuple[str, str]]] = set()  # each container once per claim and GPU
+    for u in usages:
+        alloc = u.allocation
+        claim_uid = str(alloc.extra.get("claim_uid") or "")
+        if not claim_uid:
+            continue
+        share = "true" if limited(alloc) else "false"
+        for d in u.devices:
+            seen = (claim_uid, d.gpu.index, alloc.key)
+            if seen in counted:
+                continue
+            counted.add(seen)
+            key = (claim_uid, d.gpu.index)
+            values: tuple[str, ...] = (
+                alloc.namespace,
+                str(alloc.extra.get("claim", "")),
+                claim_uid,
+                str(d.gpu.index),
+                d.gpu.uuid,
+                share,
+            )
+            _, total, known = used.get(key, (values, 0, True))
+            used[key] = (values, total + d.used_bytes, known and d.measured)
+    if not used:
+        return ""
+    lines = [_CLAIM_HEADER]
+    for _, (values, total, known) in sorted(used.items()):
+        if known:  # a GPU NVML cannot read: the claim's use there is unknown, not 0
+            lines.append(f"{CLAIM_USED}{textformat.labels(CLAIM_LABELS, values)} {float(total)!r}\n")
+    return "".join(lines)
 
 
 def usage_response(usages: Sequence[ContainerUsage]) -> pb.UsageResponse:

@@ -150,6 +150,25 @@ groups:
             Container {{`{{ $labels.container }}`}} of {{`{{ $labels.namespace }}/{{ $labels.pod }}`}} uses
             {{`{{ $value | humanizePercentage }}`}} of its GPU memory limit on GPU {{`{{ $labels.gpu }}`}};
             its next allocations will fail with out-of-memory.
+      # DRA mode: a share claim's limits hold for all its containers together (one vcuda.config, all their
+      # PIDs in one pids.config), so several containers can fill it while none is near the limit alone. A
+      # claim of one container is left to GPUManagerContainerNearMemoryLimit (its series carry the claim's limit).
+      - alert: GPUManagerClaimNearMemoryLimit
+        expr: >-
+          gpu_manager_claim_gpu_memory_used_bytes{ {{- $job -}},share="true"}
+          / gpu_manager_claim_gpu_memory_bytes{ {{- $job -}},share="true"} > {{ .Values.prometheusRule.memoryNearLimitRatio }}
+          and on (instance, claim_uid)
+            (sum by (instance, claim_uid) (gpu_manager_claim_containers{ {{- $job -}} }) > 1)
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: >-
+            claim {{`{{ $labels.namespace }}/{{ $labels.claim }}`}} is near its GPU memory limit on GPU {{`{{ $labels.gpu }}`}}
+          description: >-
+            The containers using claim {{`{{ $labels.namespace }}/{{ $labels.claim }}`}} use
+            {{`{{ $value | humanizePercentage }}`}} of its GPU memory limit on
+            GPU {{`{{ $labels.gpu }}`}} ({{`{{ $labels.uuid }}`}}) together; their next allocations will fail with out-of-memory.
       - alert: GPUManagerCheckpointWriteFailures
         expr: increase(gpu_manager_checkpoint_write_failures_total{ {{- $job -}} }[10m]) > 0
         labels:

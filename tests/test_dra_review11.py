@@ -80,3 +80,22 @@ def test_lost_gpu_keeps_its_taint_value_across_an_agent_restart(cluster: DRAClus
     assert cluster.kubelet is not None
     answer = cluster.kubelet.prepare(DRIVER, [ref])
     assert answer[ref[2]]["error"] == ""
+
+
+def test_prepare_whose_spec_cannot_be_written_leaves_no_claim_directory(cluster: DRACluster) -> None:
+    """A Prepare whose CDI spec cannot be written (the CDI root is a file, not a directory) fails for that
+    claim and leaves nothing behind: not its record, and not the directory with its vcuda.config (a directory
+    without a record would, after a restart, hold every GPU until the API server is asked about it)."""
+    assert cluster.kubelet is not None
+    ref = make_claim(cluster, "a", [share("gpu-0", "50", "1Gi")])
+    if cluster.cdi_root.exists():
+        for p in cluster.cdi_root.iterdir():
+            p.unlink()
+        cluster.cdi_root.rmdir()
+    cluster.cdi_root.write_text("not a directory\n")
+    answer = cluster.kubelet.prepare(DRIVER, [ref])[ref[2]]
+    assert "cannot write its files" in answer["error"] and ref[2] in answer["error"]
+    assert not (cluster.vm_path / ref[2]).exists()
+    cluster.cdi_root.unlink()
+    other = make_claim(cluster, "b", [share("gpu-0", "100", "1Gi")])
+    assert cluster.kubelet.prepare(DRIVER, [other])[other[2]]["error"] == ""  # nothing of "a" holds gpu-0

@@ -447,9 +447,13 @@ class ClaimPreparer:
             return dict(self._unreadable)
 
     def _remove_files(self, uid: str) -> None:
-        """Remove the claim's spec and directory (``uid`` is checked: no path leaves their roots)."""
-        cdi.remove_spec(self._cdi, uid)
-        claim_files.remove(self._vm, uid)
+        """Remove the claim's spec and directory (``uid`` is checked: no path leaves their roots). Each is
+        removed whatever became of the other (a spec that cannot be removed must not leave the directory,
+        which a restart would take for a claim whose record was lost); the first error is raised after."""
+        try:
+            cdi.remove_spec(self._cdi, uid)
+        finally:
+            claim_files.remove(self._vm, uid)
 
     def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """One NodeUnprepareResources: an error text (empty: done) for every claim UID."""

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager.api import display_pb2 as display
 from gpumanager.metrics.http import QueryServer
+from simnode.cluster import SimCluster, gpu_pod
 
 
 @pytest.fixture
@@ -134,3 +139,83 @@ def test_a_request_of_empty_lines_alone_is_answered_400(server: QueryServer) -> 
             answer += chunk
     assert answer.startswith(b"HTTP/1.0 400 "), answer[:200]
     assert "request line" in json.loads(_body(answer))["error"]
+
+
+def _families(body: bytes) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def _consistent(body: bytes) -> list[str]:
+    """What a page says that its allocations cannot be: more than a whole GPU's compute or memory given
+    to the containers on one GPU, limits beyond what the GPU's own allocated figures say."""
+    page = _families(body)
+    capacity = {labels["gpu"]: value for labels, value in page.get("gpu_manager_gpu_memory_bytes", [])}
+    cores: dict[str, float] = {}
+    memory: dict[str, float] = {}
+    for labels, value in page.get("gpu_manager_container_gpu_core_limit_ratio", []):
+        cores[labels["gpu"]] = cores.get(labels["gpu"], 0.0) + value
+    for labels, value in page.get("gpu_manager_container_gpu_memory_limit_bytes", []):
+        memory[labels["gpu"]] = memory.get(labels["gpu"], 0.0) + value
+    wrong = [f"GPU {gpu}: container core limits add up to {total}" for gpu, total in cores.items() if total > 1 + 1e-9]
+    wrong += [
+        f"GPU {gpu}: container memory limits {total} > {capacity.get(gpu)}"
+        for gpu, total in memory.items()
+        if total > capacity.get(gpu, 0)
+    ]
+    return wrong
+
+
+def test_series_of_deleted_pods_vanish_and_scrapes_during_churn_stay_consistent(
+    tmp_path: Path, sim_built: Path
+) -> None:
+    """Pods created and deleted in a burst while three scrapers read the page: every page parses and no
+    GPU has more than its compute or memory given out in the per-container series; once the pods are gone
+    the page has no series of theirs, /usage is empty, and the page is the size it was."""
+    with SimCluster(tmp_path, "h100-nvlink-x8", status_lag=0) as c:
+        assert c.agent is not None
+        url = f"http://127.0.0.1:{c.agent.query_port}"
+        before = urllib.request.urlopen(url + "/metrics", timeout=10).read()
+        stop = threading.Event()
+        wrong: list[str] = []
+        scrapes = [0]
+
+        def scrape() -> None:
+            while not stop.is_set():
+                try:
+                    wrong.extend(_consistent(urllib.request.urlopen(url + "/metrics", timeout=10).read()))
+                    scrapes[0] += 1
+                except Exception as exc:  # a failed scrape is a finding too
+                    wrong.append(repr(exc))
+
+        threads = [threading.Thread(target=scrape, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(25):
+                runs = [
+                    c.run_pod(gpu_pod(f"churn{i}-{j}", [("main", 25, 2), ("side", 25, 2)], namespace=f"ns{i % 3}"))
+                    for j in range(4)
+                ]
+                for run in runs:
+                    c.delete(run, wait=True)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=20)
+        assert not wrong, wrong[:5]
+        assert scrapes[0] > 25
+        deadline = time.monotonic() + 20
+        while True:
+            after = urllib.request.urlopen(url + "/metrics", timeout=10).read()
+            left = [line for line in after.decode().splitlines() if 'pod="churn' in line]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, left[:5]
+        assert json.loads(urllib.request.urlopen(url + "/usage", timeout=10).read()) == {}
+        assert set(_families(after)) == set(_families(before))
+        assert len(after) < len(before) * 1.1

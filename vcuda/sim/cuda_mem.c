@@ -439,6 +439,8 @@ static CUresult alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size
         return rc;
     if (dptr == NULL || pitch == NULL || width == 0 || height == 0 || (elem != 4 && elem != 8 && elem != 16))
         return CUDA_ERROR_INVALID_VALUE;
+    if (width > SIZE_MAX - (SIM_ALLOC_ALIGN - 1)) /* no pitch holds it */
+        return CUDA_ERROR_OUT_OF_MEMORY;
     size_t p = (width + SIM_ALLOC_ALIGN - 1) / SIM_ALLOC_ALIGN * SIM_ALLOC_ALIGN;
     if (height > SIZE_MAX / p)
         return CUDA_ERROR_OUT_OF_MEMORY;

@@ -252,7 +252,7 @@ VC_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
 {
     if (VC_LIKELY(!vc_limited()) || dptr == NULL || pPitch == NULL || WidthInBytes == 0 || Height == 0)
         return REAL_CU(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t guess = mul_sat((WidthInBytes + 511) / 512 * 512, Height);
+    uint64_t guess = mul_sat(WidthInBytes > UINT64_MAX - 511 ? UINT64_MAX : (WidthInBytes + 511) / 512 * 512, Height);
     if (!vc_budget_reserve(guess))
         return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = REAL_CU(cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);

@@ -48,7 +48,8 @@ struct budget_slot {
     uint64_t start;          /* the process's start time (/proc/<pid>/stat field 22) */
     _Atomic uint64_t used;   /* bytes reserved by the process, contexts included */
     _Atomic uint64_t context; /* of which contexts */
-    uint64_t reserved[4];
+    _Atomic uint64_t unbacked; /* of `used`: charged before the GPU holds it (graph allocations not instantiated) */
+    uint64_t reserved[3];
 };
 
 #define MAX_DEVICES 64
@@ -272,6 +273,7 @@ static unsigned reap(void)
                (unsigned long long)atomic_load(&s->used));
         atomic_store(&s->used, 0);
         atomic_store(&s->context, 0);
+        atomic_store(&s->unbacked, 0);
         atomic_store(&s->host_pid, 0);
         atomic_store(&s->pid, 0);
         n++;
@@ -287,6 +289,26 @@ static uint64_t sum_used(void)
     for (unsigned i = 0; i < high; i++)
         if (atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) != 0)
             sum += atomic_load_explicit(&g_slots[i].used, memory_order_relaxed);
+    return sum;
+}
+
+/*
+ * What the GPU holds of the slots' charges at most: their sum less what is charged before the GPU backs it.  Such
+ * a charge (a graph's allocation node from its creation to its graph's instantiation) must not stand in, at a
+ * reconciliation, for memory the GPU holds that no hook charged: that memory would count nowhere, and the GPU
+ * would hold both once the charge is backed.
+ */
+static uint64_t sum_held(void)
+{
+    uint64_t sum = 0;
+    unsigned high = atomic_load(&g_hdr->high);
+    for (unsigned i = 0; i < high; i++) {
+        if (atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) == 0)
+            continue;
+        uint64_t used = atomic_load_explicit(&g_slots[i].used, memory_order_relaxed);
+        uint64_t unbacked = atomic_load_explicit(&g_slots[i].unbacked, memory_order_relaxed);
+        sum += used > unbacked ? used - unbacked : 0;
+    }
     return sum;
 }
 
@@ -318,6 +340,7 @@ static int my_slot(void)
             s->start = start;
             atomic_store(&s->used, 0);
             atomic_store(&s->context, 0);
+            atomic_store(&s->unbacked, 0);
             atomic_store(&s->host_pid, vc_host_pid());
             atomic_store(&s->pid, pid);
             if ((unsigned)slot >= atomic_load(&g_hdr->high))
@@ -445,12 +468,12 @@ static bool reconcile(uint64_t now)
      * the slots are summed, which would show them as memory no hook sees.  The larger of the sums before and
      * after the NVML read counts every allocation the read may have seen.
      */
-    uint64_t tracked_before = sum_used();
+    uint64_t tracked_before = sum_held();
     uint64_t gpu = vc_nvml_used_by(g_rpids, (unsigned)n, &ok);
     atomic_store(&g_hdr->reconciled_ns, now);
     if (!ok)
         return false;
-    uint64_t tracked_after = sum_used();
+    uint64_t tracked_after = sum_held();
     uint64_t tracked = tracked_before > tracked_after ? tracked_before : tracked_after;
     uint64_t untracked = gpu > tracked ? gpu - tracked : 0;
     uint64_t before = atomic_exchange(&g_hdr->untracked, untracked);
@@ -688,6 +711,13 @@ void vc_budget_note_context(int64_t delta)
     int slot = atomic_load(&g_slot);
     if (slot >= 0)
         atomic_fetch_add(&g_slots[slot].context, (uint64_t)delta);
+}
+
+void vc_budget_note_unbacked(int64_t delta)
+{
+    int slot = atomic_load(&g_slot);
+    if (slot >= 0)
+        atomic_fetch_add(&g_slots[slot].unbacked, (uint64_t)delta);
 }
 
 static void atomic_max(_Atomic uint64_t *p, uint64_t v)

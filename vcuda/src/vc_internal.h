@@ -267,6 +267,11 @@ void vc_budget_learn_context(int dev, uint64_t bytes);
 /* Bytes this process charged for contexts (its slot's context field). */
 void vc_budget_note_context(int64_t delta);
 /*
+ * Bytes of this process's charge the GPU does not hold yet (its slot's unbacked field): a reconciliation does not
+ * count them as held, so they cannot stand in for memory no hook charged (README.md "Whole footprint").
+ */
+void vc_budget_note_unbacked(int64_t delta);
+/*
  * The SM limit's ledger of the container, per CUDA device, shared by its processes: until when (CLOCK_MONOTONIC
  * ns) the container pays off GPU time it used beyond its share, as measured up to NVML sample time seen_us.
  * Each process publishes its view (both kept at their maximum); a new process starts from it, so GPU time

@@ -30,7 +30,7 @@ enum rec_kind {
                     aux2 = 1 once exported (cuMemExportToShareableHandle) */
     REC_GNODE,   /* key = CUgraphNode of a memory allocation node, aux = its graph, aux2 = its address */
     REC_GALLOC,  /* key = address of a graph allocation, size, aux = its graph (0: gone), aux2 = the exec holding
-                    it (0: none), gpu = GA_* flags */
+                    it (0: none), gpu = GA_* flags, ctx = what of size the GPU does not hold until an exec backs it */
     REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
     REC_MODULE,  /* key = CUmodule, size = its estimated footprint (freed with its context) */
     REC_LIBRARY, /* key = CUlibrary, size = what it is charged beyond its variables per context (0 unless NVML
@@ -308,10 +308,12 @@ static CUgraph capture_graph(CUstream s, bool ptsz)
     return rc == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_ACTIVE ? g : NULL;
 }
 
-static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
+/* unbacked: what of bytes the graph pools' memory does not hold yet (galloc_reserve noted it so). */
+static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph, uint64_t unbacked)
 {
     atomic_store_explicit(&g_graph_seen, true, memory_order_relaxed);
-    struct vc_map_entry e = {.key = dptr, .kind = REC_GALLOC, .size = bytes, .aux = (uint64_t)(uintptr_t)graph};
+    struct vc_map_entry e = {
+        .key = dptr, .kind = REC_GALLOC, .size = bytes, .aux = (uint64_t)(uintptr_t)graph, .ctx = unbacked};
     pthread_mutex_lock(&g_mu);
     int rc = vc_map_put(&g_recs, &e);
     if (rc == 0) {
@@ -319,7 +321,7 @@ static void remember_galloc(uint64_t dptr, uint64_t bytes, CUgraph graph)
         g_galloc_bytes += bytes;
     }
     pthread_mutex_unlock(&g_mu);
-    if (rc != 0)
+    if (rc != 0) /* charged, and counted as not held, until the process exits: on the safe side */
         vc_log(VC_LOG_ERROR, "out of host memory: %llu bytes stay charged until this process exits",
                (unsigned long long)bytes);
 }
@@ -525,7 +527,7 @@ static void test_capture_delay(void)
             if (rc_ != CUDA_SUCCESS)                                                                               \
                 galloc_unreserve(bytesize, took_);                                                                 \
             else                                                                                                   \
-                remember_galloc(*dptr, bytesize, graph_);                                                          \
+                remember_galloc(*dptr, bytesize, graph_, bytesize - took_);                                        \
             pthread_mutex_unlock(&g_graph_mu);                                                                     \
             return rc_;                                                                                            \
         }                                                                                                          \
@@ -1288,10 +1290,20 @@ VC_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
  * node takes `kept` first).  Summed over the devices.
  */
 
+/* Its exec (instantiation, or a launch) backs the allocation (g_mu held): the GPU holds all of its charge now. */
+static void galloc_backed(struct vc_map_entry *e)
+{
+    if (e->ctx != 0) {
+        vc_budget_note_unbacked(-(int64_t)e->ctx);
+        e->ctx = 0;
+    }
+}
+
 /* Returns the bytes when nothing holds the allocation any more (g_mu held; e is in the map). */
 static void galloc_settle(struct vc_map_entry *e)
 {
     if (e->aux == 0 && e->aux2 == 0 && !(e->gpu & GA_OUTSTANDING)) {
+        galloc_backed(e); /* its charge goes (as pending) whether or not a launch backed it */
         g_graph_pending += e->size;
         g_galloc_bytes -= e->size;
         vc_map_find(&g_recs, e->key, REC_GALLOC, NULL, true);
@@ -1326,24 +1338,33 @@ static uint64_t graph_pool_settle(void)
     return released;
 }
 
-/* g_graph_mu held: reserves a new graph allocation; what the graph pools keep serves first (*took). */
+/*
+ * g_graph_mu held: reserves a new graph allocation; what the graph pools keep serves first (*took).  The rest is
+ * charged before the GPU holds it (until its graph is instantiated), and noted so: a reconciliation must not
+ * take this charge for memory the GPU holds, or it would stand in for memory no hook charged (a module, a bigger
+ * heap), and the GPU would hold both once the graph runs.
+ */
 static bool galloc_reserve(uint64_t bytes, uint64_t *took)
 {
     pthread_mutex_lock(&g_mu);
     *took = bytes < g_graph_kept ? bytes : g_graph_kept;
     g_graph_kept -= *took;
     pthread_mutex_unlock(&g_mu);
-    if (vc_budget_reserve(bytes - *took))
+    if (vc_budget_reserve(bytes - *took)) {
+        vc_budget_note_unbacked((int64_t)(bytes - *took));
         return true;
-    galloc_unreserve(0, *took);
+    }
+    galloc_unreserve(*took, *took); /* nothing was reserved beyond what the pools keep */
     return false;
 }
 
+/* Undoes galloc_reserve(bytes, &took). */
 static void galloc_unreserve(uint64_t bytes, uint64_t took)
 {
     pthread_mutex_lock(&g_mu);
     g_graph_kept += took;
     pthread_mutex_unlock(&g_mu);
+    vc_budget_note_unbacked(-(int64_t)(bytes - took));
     vc_budget_release(bytes - took);
 }
 
@@ -1399,7 +1420,7 @@ static void remember_gnode(CUgraphNode node, CUgraph graph, uint64_t dptr)
         if (rc_ != CUDA_SUCCESS)                                                                                   \
             galloc_unreserve(bytes_, took_);                                                                       \
         else                                                                                                       \
-            remember_galloc((dptr), bytes_, hGraph);                                                               \
+            remember_galloc((dptr), bytes_, hGraph, bytes_ - took_);                                               \
         pthread_mutex_unlock(&g_graph_mu);                                                                         \
         if (rc_ == CUDA_SUCCESS)                                                                                   \
             remember_gnode(*phGraphNode, hGraph, (dptr));                                                          \
@@ -1478,8 +1499,10 @@ struct graph_change {
 static void galloc_instantiated(struct vc_map_entry *e, void *arg)
 {
     const struct graph_change *c = arg;
-    if (e->aux == c->match)
+    if (e->aux == c->match) {
         e->aux2 = c->set;
+        galloc_backed(e); /* the exec's memory from now on */
+    }
 }
 
 static void galloc_exec_gone(struct vc_map_entry *e, void *arg)
@@ -1503,7 +1526,10 @@ static void galloc_graph_gone(struct vc_map_entry *e, void *arg)
 static void galloc_launched(struct vc_map_entry *e, void *arg)
 {
     const struct graph_change *c = arg;
-    if (e->aux2 == c->match && !(e->gpu & GA_FREED_IN_GRAPH))
+    if (e->aux2 != c->match)
+        return;
+    galloc_backed(e);
+    if (!(e->gpu & GA_FREED_IN_GRAPH))
         e->gpu |= GA_OUTSTANDING;
 }
 

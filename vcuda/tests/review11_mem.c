@@ -1,0 +1,536 @@
+/*
+ * A tenant's attempts to hold more device memory than its container's limit (tests/test_vcuda_memory_review11.py).
+ *
+ *   review11_mem <scenario> <limit MiB>
+ *
+ * Each scenario allocates through the interceptor (the libcuda.so.1 of LD_LIBRARY_PATH) as far as it lets it, then
+ * prints one line "held <MiB>": what NVML accounts to this process on GPU 0 (the simulated driver's record of what
+ * the GPU holds for it), asked through the interceptor's NVML forwarders.  Exit 0 when the scenario ran; 2/3 on a
+ * set-up failure.
+ */
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+#include <nvml.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MIB (1ull << 20)
+
+static void *g_lib;
+
+static void *sym(const char *name)
+{
+    void *p = dlsym(g_lib, name);
+    if (p == NULL) {
+        fprintf(stderr, "missing %s\n", name);
+        exit(2);
+    }
+    return p;
+}
+
+#define FN(name) ((__typeof__(&name))sym(#name))
+
+static void check(CUresult rc, const char *what)
+{
+    if (rc != CUDA_SUCCESS) {
+        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
+        exit(3);
+    }
+}
+
+/* What NVML accounts to this process on GPU 0, in bytes. */
+static uint64_t held(void)
+{
+    static bool init;
+    if (!init) {
+        if (FN(nvmlInit_v2)() != NVML_SUCCESS) {
+            fprintf(stderr, "nvmlInit failed\n");
+            exit(2);
+        }
+        init = true;
+    }
+    nvmlDevice_t dev;
+    if (FN(nvmlDeviceGetHandleByIndex_v2)(0, &dev) != NVML_SUCCESS) {
+        fprintf(stderr, "nvmlDeviceGetHandleByIndex failed\n");
+        exit(2);
+    }
+    nvmlProcessInfo_t procs[64];
+    unsigned n = 64;
+    if (FN(nvmlDeviceGetComputeRunningProcesses_v3)(dev, &n, procs) != NVML_SUCCESS) {
+        fprintf(stderr, "nvmlDeviceGetComputeRunningProcesses failed\n");
+        exit(2);
+    }
+    uint64_t sum = 0;
+    for (unsigned i = 0; i < n; i++)
+        if (procs[i].pid == (unsigned)getpid())
+            sum += procs[i].usedGpuMemory;
+    return sum;
+}
+
+static void report(void)
+{
+    printf("held %llu\n", (unsigned long long)(held() / MIB));
+    fflush(stdout);
+}
+
+static CUcontext primary(void)
+{
+    check(FN(cuInit)(0), "cuInit");
+    CUcontext ctx;
+    check(FN(cuDevicePrimaryCtxRetain)(&ctx, 0), "cuDevicePrimaryCtxRetain");
+    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
+    return ctx;
+}
+
+/* ---- stream-ordered allocations while another thread switches the device's current pool ------------------- */
+
+static CUmemoryPool g_pools[2];
+static atomic_bool g_stop;
+
+static void *switch_pools(void *arg)
+{
+    (void)arg;
+    CUcontext ctx;
+    check(FN(cuDevicePrimaryCtxRetain)(&ctx, 0), "cuDevicePrimaryCtxRetain");
+    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
+    while (!atomic_load(&g_stop)) {
+        FN(cuDeviceSetMemPool)(0, g_pools[1]);
+        FN(cuDeviceSetMemPool)(0, g_pools[0]);
+    }
+    return NULL;
+}
+
+static uint64_t pool_reserved(CUmemoryPool pool)
+{
+    cuuint64_t v = 0;
+    check(FN(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v), "cuMemPoolGetAttribute");
+    return v;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/*
+ * The device's current pool is P1 but for moments when another thread makes it P2.  Whatever came from P1 is
+ * given back at once (freed, the pool trimmed): the container's charge stays far from its limit.  What came from
+ * P2 is kept.  For 0.8 s, or until twice the limit is held.
+ */
+static void pool_switch(uint64_t limit_mib)
+{
+    primary();
+    CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                            .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+    for (int i = 0; i < 2; i++)
+        check(FN(cuMemPoolCreate)(&g_pools[i], &props), "cuMemPoolCreate");
+    check(FN(cuDeviceSetMemPool)(0, g_pools[0]), "cuDeviceSetMemPool");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    pthread_t t;
+    pthread_create(&t, NULL, switch_pools, NULL);
+    double end = now_s() + 0.8;
+    unsigned kept = 0, tries = 0;
+    while (now_s() < end && pool_reserved(g_pools[1]) < 2 * limit_mib * MIB) {
+        CUdeviceptr p;
+        uint64_t before = pool_reserved(g_pools[1]);
+        tries++;
+        if (FN(cuMemAllocAsync)(&p, 8 * MIB, s) != CUDA_SUCCESS)
+            continue;
+        if (pool_reserved(g_pools[1]) > before) {
+            kept++;
+            continue;
+        }
+        check(FN(cuMemFreeAsync)(p, s), "cuMemFreeAsync");
+        check(FN(cuStreamSynchronize)(s), "cuStreamSynchronize");
+        check(FN(cuMemPoolTrimTo)(g_pools[0], 0), "cuMemPoolTrimTo");
+    }
+    atomic_store(&g_stop, true);
+    pthread_join(t, NULL);
+    check(FN(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    fprintf(stderr, "%u tries, %u kept from the second pool\n", tries, kept);
+    report();
+}
+
+
+/* ---- plain paths to exhaustion ------------------------------------------------------------------------- */
+
+/* cuMemAlloc_v2 in steps until refused. */
+static void fill(size_t step)
+{
+    CUdeviceptr p;
+    while (FN(cuMemAlloc_v2)(&p, step) == CUDA_SUCCESS)
+        ;
+}
+
+static void base(void)
+{
+    primary();
+    fill(8 * MIB);
+    report();
+}
+
+/* Pitch sizes that wrap 64 bits, then the rest of the limit. */
+static void pitch_wrap(void)
+{
+    primary();
+    CUdeviceptr p;
+    size_t pitch;
+    size_t widths[] = {SIZE_MAX, SIZE_MAX - 100, SIZE_MAX / 2 + 1, (size_t)1 << 40, 4 * MIB};
+    size_t heights[] = {1, 2, 3, (size_t)1 << 24, 1};
+    for (unsigned i = 0; i < sizeof(widths) / sizeof(widths[0]); i++)
+        for (unsigned k = 0; k < 64; k++)
+            if (FN(cuMemAllocPitch_v2)(&p, &pitch, widths[i], heights[i], 4) != CUDA_SUCCESS)
+                break;
+    fill(8 * MIB);
+    report();
+}
+
+/* Every array shape in growing sizes until refused. */
+static void arrays(void)
+{
+    primary();
+    CUarray a;
+    for (int round = 0; round < 4; round++) {
+        for (size_t w = 1u << 16; w >= 64; w /= 2) {
+            CUDA_ARRAY3D_DESCRIPTOR d = {.Width = w, .Height = w, .Depth = round == 3 ? 64 : 0,
+                                         .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4,
+                                         .Flags = round == 2 ? CUDA_ARRAY3D_LAYERED : 0};
+            if (round == 2)
+                d.Depth = 64;
+            while (FN(cuArray3DCreate_v2)(&a, &d) == CUDA_SUCCESS)
+                ;
+            CUmipmappedArray m;
+            while (FN(cuMipmappedArrayCreate)(&m, &d, 16) == CUDA_SUCCESS)
+                ;
+            CUDA_ARRAY_DESCRIPTOR d2 = {.Width = w, .Height = w / 4, .Format = CU_AD_FORMAT_UNSIGNED_INT8,
+                                        .NumChannels = 1};
+            while (FN(cuArrayCreate_v2)(&a, &d2) == CUDA_SUCCESS)
+                ;
+        }
+    }
+    report();
+}
+
+/* The hooked allocators as cuGetProcAddress hands them out, every version and flag, each used to exhaustion. */
+static void getproc(void)
+{
+    primary();
+    int versions[] = {0, 1000, 2000, 3000, 3020, 4000, 11020, 12000, 12040, 13000, 99999, -1};
+    cuuint64_t flags[] = {CU_GET_PROC_ADDRESS_DEFAULT, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                          CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, 7};
+    for (unsigned v = 0; v < sizeof(versions) / sizeof(versions[0]); v++)
+        for (unsigned f = 0; f < sizeof(flags) / sizeof(flags[0]); f++)
+            for (int which = 0; which < 2; which++) {
+                void *fn = NULL;
+                CUdriverProcAddressQueryResult st;
+                CUresult rc = which ? FN(cuGetProcAddress_v2)("cuMemAlloc", &fn, versions[v], flags[f], &st)
+                                    : FN(cuGetProcAddress)("cuMemAlloc", &fn, versions[v], flags[f]);
+                if (rc != CUDA_SUCCESS || fn == NULL)
+                    continue;
+                Dl_info info;
+                if (dladdr(fn, &info) && info.dli_fname && strstr(info.dli_fname, "550.54.15"))
+                    fprintf(stderr, "cuMemAlloc at version %d flags %llu: the real driver's (%s)\n", versions[v],
+                            (unsigned long long)flags[f], info.dli_fname);
+                if (versions[v] >= 3020) {
+                    CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))fn;
+                    CUdeviceptr p;
+                    while (alloc(&p, 8 * MIB) == CUDA_SUCCESS)
+                        ;
+                } else {
+                    CUresult (*alloc)(unsigned *, unsigned) = (CUresult(*)(unsigned *, unsigned))fn;
+                    unsigned p;
+                    while (alloc(&p, 8 * MIB) == CUDA_SUCCESS)
+                        ;
+                }
+            }
+    report();
+}
+
+/* Graphs with memory nodes: each instantiated, launched, its exec and graph destroyed without freeing. */
+static void graphs(void)
+{
+    CUcontext ctx = primary();
+    (void)ctx;
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int i = 0; i < 64; i++) {
+        CUgraph g;
+        check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+        CUDA_MEM_ALLOC_NODE_PARAMS np = {.poolProps = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                                       .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}},
+                                         .bytesize = 64 * MIB};
+        CUgraphNode n;
+        if (FN(cuGraphAddMemAllocNode)(&n, g, NULL, 0, &np) != CUDA_SUCCESS) {
+            FN(cuGraphDestroy)(g);
+            continue;
+        }
+        CUgraphExec e;
+        if (FN(cuGraphInstantiateWithFlags)(&e, g, 0) == CUDA_SUCCESS) {
+            FN(cuGraphLaunch)(e, s);
+            FN(cuStreamSynchronize)(s);
+            if (i % 2)
+                FN(cuGraphExecDestroy)(e);
+        }
+        if (i % 3)
+            FN(cuGraphDestroy)(g);
+    }
+    fill(8 * MIB);
+    report();
+}
+
+/* Contexts made and destroyed around allocations; allocations made in one context, freed in another. */
+static void contexts(void)
+{
+    check(FN(cuInit)(0), "cuInit");
+    for (int i = 0; i < 8; i++) {
+        CUcontext a, b;
+        if (FN(cuCtxCreate_v2)(&a, 0, 0) != CUDA_SUCCESS)
+            continue;
+        CUdeviceptr p;
+        if (FN(cuCtxCreate_v2)(&b, 0, 0) == CUDA_SUCCESS) {
+            FN(cuCtxSetCurrent)(a);
+            FN(cuMemAlloc_v2)(&p, 64 * MIB);
+            FN(cuCtxSetCurrent)(b);
+            FN(cuMemFree_v2)(p);
+            FN(cuMemAlloc_v2)(&p, 64 * MIB);
+            FN(cuCtxDestroy_v2)(a);
+            FN(cuCtxDestroy_v2)(b); /* with what was allocated in it */
+        } else {
+            FN(cuCtxDestroy_v2)(a);
+        }
+    }
+    primary();
+    fill(8 * MIB);
+    report();
+}
+
+/* VMM: one allocation mapped twice, released, retained, unmapped in every order. */
+static void vmm(void)
+{
+    primary();
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+    size_t gran = 0;
+    check(FN(cuMemGetAllocationGranularity)(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity");
+    size_t size = (64 * MIB + gran - 1) / gran * gran;
+    for (int i = 0; i < 64; i++) {
+        CUmemGenericAllocationHandle h, h2;
+        if (FN(cuMemCreate)(&h, size, &prop, 0) != CUDA_SUCCESS)
+            break;
+        CUdeviceptr va;
+        check(FN(cuMemAddressReserve)(&va, 2 * size, 0, 0, 0), "cuMemAddressReserve");
+        FN(cuMemMap)(va, size, 0, h, 0);
+        FN(cuMemMap)(va + size, size, 0, h, 0);
+        FN(cuMemMap)(va, size, 0, h, 0); /* already mapped */
+        switch (i % 4) {
+        case 0:
+            FN(cuMemRelease)(h);
+            FN(cuMemUnmap)(va, 2 * size);
+            break;
+        case 1:
+            FN(cuMemUnmap)(va, size);
+            FN(cuMemUnmap)(va, size);
+            FN(cuMemRelease)(h);
+            FN(cuMemRelease)(h);
+            break;
+        case 2:
+            if (FN(cuMemRetainAllocationHandle)(&h2, (void *)(uintptr_t)va) == CUDA_SUCCESS) {
+                FN(cuMemRelease)(h2);
+                FN(cuMemRelease)(h2);
+            }
+            FN(cuMemUnmap)(va, size);
+            break;
+        default:
+            FN(cuMemRelease)(h);
+            FN(cuMemAddressFree)(va, 2 * size);
+            break;
+        }
+    }
+    fill(8 * MIB);
+    report();
+}
+
+/* Many threads allocating at once. */
+static void *racer(void *arg)
+{
+    CUcontext ctx = arg;
+    FN(cuCtxSetCurrent)(ctx);
+    CUdeviceptr p;
+    for (int i = 0; i < 2000; i++) {
+        if (FN(cuMemAlloc_v2)(&p, 1 * MIB) != CUDA_SUCCESS && i % 2)
+            continue;
+        if (i % 3 == 0)
+            FN(cuMemFree_v2)(p);
+    }
+    return NULL;
+}
+
+static void threads(void)
+{
+    CUcontext ctx = primary();
+    pthread_t t[16];
+    for (int i = 0; i < 16; i++)
+        pthread_create(&t[i], NULL, racer, ctx);
+    for (int i = 0; i < 16; i++)
+        pthread_join(t[i], NULL);
+    fill(1 * MIB);
+    report();
+}
+
+/* Frees that should give nothing back: twice, inside an allocation, a foreign address, in the wrong ABI. */
+static void frees(void)
+{
+    primary();
+    for (int i = 0; i < 256; i++) {
+        CUdeviceptr p;
+        if (FN(cuMemAlloc_v2)(&p, 16 * MIB) != CUDA_SUCCESS)
+            break;
+        FN(cuMemFree_v2)(p + 4096);
+        FN(cuMemFree)((CUdeviceptr_v1)p);
+        FN(cuMemFree_v2)(p & ~(CUdeviceptr)0xffffffffu);
+        CUstream s = NULL;
+        FN(cuMemFreeAsync)(p + 1, s);
+        unsigned q;
+        if (FN(cuMemAlloc)(&q, 16 * MIB) == CUDA_SUCCESS)
+            FN(cuMemFree_v2)(q);
+    }
+    report();
+}
+
+
+/*
+ * A graph's allocation node is charged from its creation, before the GPU backs it.  Memory no hook charges (a
+ * bigger malloc heap, handed over to the reconciliation with NVML) is then made while the node's charge stands in
+ * for it; instantiating the graph backs the node as well.
+ */
+static void graph_phantom(uint64_t limit_mib)
+{
+    primary();
+    uint64_t ctx = held();
+    uint64_t node = (limit_mib * MIB - ctx) / MIB / 2 * 2 * MIB - 16 * MIB;
+    CUgraph g;
+    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+    CUDA_MEM_ALLOC_NODE_PARAMS np = {.poolProps = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                                   .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}},
+                                     .bytesize = node};
+    CUgraphNode n;
+    check(FN(cuGraphAddMemAllocNode)(&n, g, NULL, 0, &np), "cuGraphAddMemAllocNode");
+    size_t heap = 0;
+    check(FN(cuCtxGetLimit)(&heap, CU_LIMIT_MALLOC_HEAP_SIZE), "cuCtxGetLimit");
+    uint64_t grown = 0;
+    while (grown < node && FN(cuCtxSetLimit)(CU_LIMIT_MALLOC_HEAP_SIZE, heap + grown + 16 * MIB) == CUDA_SUCCESS)
+        grown += 16 * MIB; /* each step fits beside the node's charge */
+    fprintf(stderr, "node %llu MiB, heap +%llu MiB\n", (unsigned long long)(node / MIB),
+            (unsigned long long)(grown / MIB));
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    if (rc == CUDA_SUCCESS) {
+        CUstream s;
+        check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        FN(cuGraphLaunch)(e, s);
+        FN(cuStreamSynchronize)(s);
+    }
+    report();
+}
+
+
+/* A graph allocation launched, freed, its graph and exec gone: the device's graph memory pool keeps its memory. */
+static void graph_pool_keeps(CUstream s, size_t bytes)
+{
+    CUgraph g;
+    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+    CUDA_MEM_ALLOC_NODE_PARAMS np = {.poolProps = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                                   .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}},
+                                     .bytesize = bytes};
+    CUgraphNode n;
+    check(FN(cuGraphAddMemAllocNode)(&n, g, NULL, 0, &np), "cuGraphAddMemAllocNode");
+    CUgraphExec e;
+    check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
+    check(FN(cuGraphLaunch)(e, s), "cuGraphLaunch");
+    check(FN(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    check(FN(cuMemFree_v2)(np.dptr), "cuMemFree_v2");
+    check(FN(cuGraphExecDestroy)(e), "cuGraphExecDestroy");
+    check(FN(cuGraphDestroy)(g), "cuGraphDestroy");
+}
+
+/*
+ * With memory kept by the graph pool, an allocation node too big for what the container has left is refused;
+ * then the rest of the limit is allocated again, three times.
+ */
+static void graph_refused(uint64_t limit_mib)
+{
+    primary();
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    graph_pool_keeps(s, 64 * MIB);
+    for (int round = 0; round < 3; round++) {
+        fill(8 * MIB);
+        CUgraph g;
+        check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+        CUDA_MEM_ALLOC_NODE_PARAMS np = {.poolProps = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                                       .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}},
+                                         .bytesize = limit_mib * MIB};
+        CUgraphNode n;
+        CUresult rc = FN(cuGraphAddMemAllocNode)(&n, g, NULL, 0, &np);
+        fprintf(stderr, "allocation node of the whole limit: %d\n", (int)rc);
+        FN(cuGraphDestroy)(g);
+    }
+    fill(8 * MIB);
+    report();
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 3) {
+        fprintf(stderr, "usage: review11_mem SCENARIO LIMIT_MIB\n");
+        return 2;
+    }
+    g_lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (g_lib == NULL) {
+        fprintf(stderr, "%s\n", dlerror());
+        return 2;
+    }
+    uint64_t limit = strtoull(argv[2], NULL, 10);
+    if (strcmp(argv[1], "pool-switch") == 0)
+        pool_switch(limit);
+    else if (strcmp(argv[1], "graph-phantom") == 0)
+        graph_phantom(limit);
+    else if (strcmp(argv[1], "graph-refused") == 0)
+        graph_refused(limit);
+    else if (strcmp(argv[1], "base") == 0)
+        base();
+    else if (strcmp(argv[1], "pitch-wrap") == 0)
+        pitch_wrap();
+    else if (strcmp(argv[1], "arrays") == 0)
+        arrays();
+    else if (strcmp(argv[1], "getproc") == 0)
+        getproc();
+    else if (strcmp(argv[1], "graphs") == 0)
+        graphs();
+    else if (strcmp(argv[1], "contexts") == 0)
+        contexts();
+    else if (strcmp(argv[1], "vmm") == 0)
+        vmm();
+    else if (strcmp(argv[1], "threads") == 0)
+        threads();
+    else if (strcmp(argv[1], "frees") == 0)
+        frees();
+    else {
+        fprintf(stderr, "unknown scenario %s\n", argv[1]);
+        return 2;
+    }
+    return 0;
+}

@@ -384,16 +384,19 @@ class _Bind:
         inits: list[GPURequest],
         sidecars: list[GPURequest],
         claims: Mapping[str, Claim],
+        current: JSON,
     ) -> dict[str, str | None]:
         """Choose GPUs under the state lock and assume what the pod holds (its ordinary init containers as
         the agent counts them, :func:`~gpumanager.extender.charges.count_inits`); returns
-        the annotation patch (naming the init containers' GPUs too)."""
+        the annotation patch (naming the init containers' GPUs too). The node's GPUs are taken from
+        ``current``, the node as just read (the node watch may lag: a GPU the agent has since marked
+        unhealthy, or GPUs since gone)."""
         uid = podinfo.uid(pod)
         node = self.args.node
         state = self._state
         with state.lock:
             state.expire()
-            gpus = state.node(node)
+            gpus = state.add_node(current)
             if gpus is None:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid), state.counting(node, claims, uid):
@@ -558,7 +561,7 @@ class _Bind:
         uid = podinfo.uid(pod)
         node = self._read_node()
         claims = self._state.sightings.live(parse_claims(node))
-        patch = self._choose(pod, requests, inits, sidecars, claims)
+        patch = self._choose(pod, requests, inits, sidecars, claims, node)
         mine = self._state.assumption(uid)
         when = str(patch[names.PREDICATE_TIME])
         charges = mine.charges.charges if mine is not None else ()

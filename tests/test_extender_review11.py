@@ -166,3 +166,65 @@ def test_a_bind_refused_on_its_second_turn_takes_the_first_turns_choice_off_the_
     assert code == 200 and "node read failed" in answer["Error"], answer
     ext.binder._core.read_node = original  # type: ignore[method-assign]
     assert pod["metadata"]["uid"] not in _recorded(world.sim, "a")
+
+
+def _inventory(healthy: dict[int, bool]) -> str:
+    from gpumanager.device.types import GPUInfo, NodeTopology
+    from gpumanager.kube.gpu_inventory import encode
+
+    gpus = [
+        GPUInfo(index=i, uuid=f"GPU-{i}", name="T4", minor=i, memory_total=16 << 30, pci_bus_id=f"0000:0{i}:00.0")
+        for i in range(len(healthy))
+    ]
+    levels = tuple(tuple(0 if i == j else 50 for j in range(len(gpus))) for i in range(len(gpus)))
+    return encode(gpus, NodeTopology(levels=levels), healthy, share_mode=True)
+
+
+def test_bind_chooses_among_the_gpus_of_the_node_it_reads_not_of_a_lagging_watch(world: World) -> None:
+    world.sim.add_node(
+        "a",
+        capacity={CORE: 200, MEMORY: 128},
+        annotations={"tencent.com/gpu-inventory": _inventory({0: True, 1: True})},
+    )
+    ext = world.extender()
+    busy = world.sim.create_pod(gpu_pod("busy", [(30, 4)]))
+    assert post(ext, "bind", bind_args(busy, "a"))[1]["Error"] == ""
+    pod = world.sim.create_pod(gpu_pod("p1", [(50, 4)]))
+    wait_for(lambda: ext.pods.get(pod["metadata"]["uid"]) is not None)
+    world.sim.hold_watches(True)  # the watch lags; the node read is current
+    try:
+        # The agent marks GPU 0 (where binpack would put the share, beside 'busy') unhealthy.
+        sick = _inventory({0: False, 1: True})
+        world.sim.update_node("a", lambda n: n["metadata"]["annotations"].update({"tencent.com/gpu-inventory": sick}))
+        _code, answer = post(ext, "bind", bind_args(pod, "a"))
+    finally:
+        world.sim.hold_watches(False)
+    assert answer["Error"] == ""
+    notes = world.sim.get_pod("default", "p1")["metadata"]["annotations"]
+    assert notes["tencent.com/predicate-gpu-idx-0"] == "1"
+
+
+def test_a_choice_recorded_for_a_pod_deleted_before_the_start_holds_nothing_once_the_verbs_answer(
+    world: World,
+) -> None:
+    gone = {"pod": "default/gone", "at": time.time(), "time": "1", "gpus": [[0, 60, 1 << 30]]}
+    world.sim.add_node(
+        "a",
+        capacity={CORE: 100, MEMORY: 16},
+        annotations={"tencent.com/gpu-extender-binds": json.dumps({"u-gone": gone})},
+    )
+    ext = Extender(world.sim.client(), ExtenderSettings(host="127.0.0.1", port=0))
+    world.extenders.append(ext)
+    original = ext.state.relisted
+
+    def slow_relisted(listed: Any, since: float) -> int:
+        time.sleep(1.0)  # a busy process: the pods' list is in, its consequences not yet drawn
+        return original(listed, since)
+
+    ext.state.relisted = slow_relisted  # type: ignore[method-assign]
+    ext.start()
+    wait_for(ext.synced)
+    pod = gpu_pod("p1", [(60, 4)])
+    pod["metadata"]["uid"] = "u-p1"
+    code, result = post(ext, "filter", {"Pod": pod, "NodeNames": ["a"]})
+    assert code == 200 and result["NodeNames"] == ["a"], result

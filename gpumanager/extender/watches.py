@@ -3,11 +3,14 @@ showed, and for how long it has been failing."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Set
 from typing import Any
 
-from gpumanager.kube.reflector import Reflector, object_key
+from gpumanager.kube.reflector import Reflector
+
+log = logging.getLogger(__name__)
 
 #: ``on_relist(since, keys)``: a list asked for at ``since`` (``time.monotonic()``) showed the objects ``keys``.
 RelistListener = Callable[[float, Set[str]], object]
@@ -60,12 +63,15 @@ class Watch(Reflector):
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
 
-    def _relist(self) -> None:
-        since = time.monotonic()
-        super()._relist()
+    def _listed(self, since: float, keys: Set[str]) -> None:
+        # Before the watch reads as synced: the verbs answer once it is, and must not count what this
+        # list tells is gone (the choices recorded for pods deleted before the extender started).
         self._working()
         if self._on_relist is not None:
-            self._on_relist(since, {object_key(o) for o in self.objects()})
+            try:
+                self._on_relist(since, set(keys))
+            except Exception:  # as a listener's failure: logged, the watch goes on
+                log.exception("%s: the relist listener failed", self.name)
 
     def _watch(self) -> None:
         try:

@@ -16,7 +16,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 from gpumanager.kube.apierror import failure
@@ -171,7 +171,13 @@ class Reflector:
         items, meta = list_pages(self._page, what=self.name, page_size=self._page_size, keep=self._keep)
         return items, str(meta.get("resourceVersion", ""))
 
+    def _listed(self, since: float, keys: Set[str]) -> None:
+        """A complete list, asked for at ``since`` (``time.monotonic()``), showed the objects ``keys`` and
+        its events were delivered; called before :meth:`synced` turns true (a subclass draws what the list
+        tells before anyone reads the cache as listed)."""
+
     def _relist(self) -> None:
+        since = time.monotonic()
         items, rv = self._list()
         self.lists += 1
         fresh = {object_key(o): o for o in items}
@@ -188,6 +194,7 @@ class Reflector:
         for key, obj in old.items():
             if key not in fresh:
                 self._emit("DELETED", obj, obj)
+        self._listed(since, fresh.keys())
         self._synced.set()
         log.info("%s: listed %d (resourceVersion %s)", self.name, len(fresh), rv)
 

@@ -189,9 +189,11 @@ class Agent:
             self._labels = parse_node_labels(cfg.node_labels)
             check_directory("--virtual-manager-path", cfg.virtual_manager_path)
             check_directory("--checkpoint-path", cfg.checkpoint_path)
-            if cfg.mode == "dra":  # the directories of its sockets
+            if cfg.mode == "dra":  # the directories of its sockets and its CDI specs
                 check_directory("--plugin-registry-path", cfg.plugin_registry_path)
                 check_directory("--dra-plugin-path", str(cfg.dra_socket_dir))
+                # where every claim's CDI spec goes: one that cannot be a directory prepares no claim
+                check_directory("--cdi-root", cfg.cdi_root)
             elif Path(cfg.device_plugin_path).exists() and not Path(cfg.device_plugin_path).is_dir():
                 # (a directory it cannot write fails the start below, with the errno)
                 raise ConfigError(f"--device-plugin-path={cfg.device_plugin_path}: exists and is not a directory")

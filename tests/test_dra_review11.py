@@ -99,3 +99,20 @@ def test_prepare_whose_spec_cannot_be_written_leaves_no_claim_directory(cluster:
     cluster.cdi_root.unlink()
     other = make_claim(cluster, "b", [share("gpu-0", "100", "1Gi")])
     assert cluster.kubelet.prepare(DRIVER, [other])[other[2]]["error"] == ""  # nothing of "a" holds gpu-0
+
+
+def test_a_cdi_root_that_is_a_file_stops_the_start_naming_the_flag(tmp_path: Path, start_agent: Any) -> None:
+    """--cdi-root that is not a directory: no claim could ever be prepared, so the agent does not register
+    and publish GPUs it cannot give; it exits 2 at start naming the flag, as for the other DRA paths."""
+    root = tmp_path / "cdi-file"
+    root.write_text("x\n")
+    agent = start_agent("t4-x1", "--mode=dra", f"--cdi-root={root}")
+    assert agent.wait(30) == 2
+    assert f"--cdi-root={root}" in agent.log_text()
+
+
+def test_a_missing_cdi_root_is_created_at_start(tmp_path: Path, start_agent: Any) -> None:
+    root = tmp_path / "run" / "cdi"
+    agent = start_agent("t4-x1", "--mode=dra", f"--cdi-root={root}")
+    agent.wait_for_log("DRA driver vcuda.tencent.com", timeout=30)  # past the checks of its flags
+    assert root.is_dir()

@@ -20,7 +20,8 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 from gpumanager import names
 from gpumanager.allocation.journal import read_document
@@ -103,6 +104,16 @@ def capped_client(c: SimCluster, run: PodRun) -> str:
     )
 
 
+def vcuda_config_file(resp: Any) -> Path:
+    """Where the host holds the vcuda.config an Allocate answer gives its container: the file its
+    VCUDA_CONFIG_PATH names, under the mount that puts it there (the container's own directory)."""
+    in_container = PurePosixPath(resp.envs["VCUDA_CONFIG_PATH"])
+    for mount in resp.mounts:
+        if in_container.parent == PurePosixPath(mount.container_path):
+            return Path(mount.host_path) / in_container.name
+    raise RuntimeError(f"no mount of the answer holds {in_container}")
+
+
 def run(workdir: Path, spec: Path) -> int:
     """Run the demo in ``workdir``; returns the agent's exit code."""
     say(f"== Simulated node: {spec.name}; work directory {workdir}")
@@ -142,7 +153,7 @@ def run(workdir: Path, spec: Path) -> int:
             f"   notebook (30 cores, 4 GiB; gpu-admission chose GPU 6): {resp.annotations[names.VDEVICE_ANNOTATION]}, "
             f"mounts {resp.mounts[0].host_path} at /usr/local/nvidia"
         )
-        cfg = files.unpack((c.vm_path / share.uid / "jupyter" / "vcuda.config").read_bytes())
+        cfg = files.unpack(vcuda_config_file(resp).read_bytes())
         say(
             f"   its vcuda.config: gpu_memory={cfg.gpu_memory >> 20} MiB utilization={cfg.utilization} "
             f"enable={cfg.enable}; env VCUDA_CONFIG_PATH={resp.envs['VCUDA_CONFIG_PATH']}"

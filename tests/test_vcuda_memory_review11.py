@@ -141,6 +141,7 @@ SCENARIOS = [
     "pool-switch",
     "graph-phantom",
     "graph-refused",
+    "library-phantom",
 ]
 
 

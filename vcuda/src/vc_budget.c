@@ -49,7 +49,8 @@ struct budget_slot {
     _Atomic uint64_t used;   /* bytes reserved by the process, contexts included */
     _Atomic uint64_t context; /* of which contexts */
     _Atomic uint64_t unbacked; /* of `used`: charged before the GPU holds it (graph allocations not instantiated) */
-    uint64_t reserved[3];
+    _Atomic uint64_t unbacked_libs; /* likewise: the variables of libraries never asked for, once per context */
+    uint64_t reserved[2];
 };
 
 #define MAX_DEVICES 64
@@ -274,6 +275,7 @@ static unsigned reap(void)
         atomic_store(&s->used, 0);
         atomic_store(&s->context, 0);
         atomic_store(&s->unbacked, 0);
+        atomic_store(&s->unbacked_libs, 0);
         atomic_store(&s->host_pid, 0);
         atomic_store(&s->pid, 0);
         n++;
@@ -294,7 +296,8 @@ static uint64_t sum_used(void)
 
 /*
  * What the GPU holds of the slots' charges at most: their sum less what is charged before the GPU backs it.  Such
- * a charge (a graph's allocation node from its creation to its graph's instantiation) must not stand in, at a
+ * a charge (a graph's allocation node from its creation to its graph's instantiation, a library's variables in
+ * every context until it is first asked for) must not stand in, at a
  * reconciliation, for memory the GPU holds that no hook charged: that memory would count nowhere, and the GPU
  * would hold both once the charge is backed.
  */
@@ -306,7 +309,8 @@ static uint64_t sum_held(void)
         if (atomic_load_explicit(&g_slots[i].pid, memory_order_relaxed) == 0)
             continue;
         uint64_t used = atomic_load_explicit(&g_slots[i].used, memory_order_relaxed);
-        uint64_t unbacked = atomic_load_explicit(&g_slots[i].unbacked, memory_order_relaxed);
+        uint64_t unbacked = atomic_load_explicit(&g_slots[i].unbacked, memory_order_relaxed) +
+                            atomic_load_explicit(&g_slots[i].unbacked_libs, memory_order_relaxed);
         sum += used > unbacked ? used - unbacked : 0;
     }
     return sum;
@@ -341,6 +345,7 @@ static int my_slot(void)
             atomic_store(&s->used, 0);
             atomic_store(&s->context, 0);
             atomic_store(&s->unbacked, 0);
+            atomic_store(&s->unbacked_libs, 0);
             atomic_store(&s->host_pid, vc_host_pid());
             atomic_store(&s->pid, pid);
             if ((unsigned)slot >= atomic_load(&g_hdr->high))
@@ -718,6 +723,13 @@ void vc_budget_note_unbacked(int64_t delta)
     int slot = atomic_load(&g_slot);
     if (slot >= 0)
         atomic_fetch_add(&g_slots[slot].unbacked, (uint64_t)delta);
+}
+
+void vc_budget_set_unbacked_libs(uint64_t bytes)
+{
+    int slot = my_slot();
+    if (slot >= 0)
+        atomic_store(&g_slots[slot].unbacked_libs, bytes);
 }
 
 static void atomic_max(_Atomic uint64_t *p, uint64_t v)

@@ -271,6 +271,8 @@ void vc_budget_note_context(int64_t delta);
  * count them as held, so they cannot stand in for memory no hook charged (README.md "Whole footprint").
  */
 void vc_budget_note_unbacked(int64_t delta);
+/* The same for the variables of libraries never asked for, charged in every live context (a total, not a change). */
+void vc_budget_set_unbacked_libs(uint64_t bytes);
 /*
  * The SM limit's ledger of the container, per CUDA device, shared by its processes: until when (CLOCK_MONOTONIC
  * ns) the container pays off GPU time it used beyond its share, as measured up to NVML sample time seen_us.

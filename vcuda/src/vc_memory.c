@@ -77,6 +77,7 @@ static pthread_mutex_t g_lib_mu = PTHREAD_MUTEX_INITIALIZER; /* held across libr
 static uint64_t g_lib_vars;  /* under g_lib_mu: the live libraries' variables, one copy of each */
 static uint64_t g_lib_image; /* under g_lib_mu: their whole footprints (code pages too) */
 static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT records) */
+static uint64_t g_lib_unasked; /* under g_lib_mu: the variables of the live libraries never asked for (lib_unbacked) */
 
 static void ordered_frees_atfork_child(void);
 /* Held (read) from a stream-ordered allocation's or free's capture check to its call's end; captures change
@@ -100,7 +101,7 @@ static void atfork_child(void)
     g_gallocs = 0;
     g_graph_kept = g_graph_pending = g_galloc_bytes = 0;
     atomic_store(&g_graph_seen, false);
-    g_lib_vars = g_lib_image = g_lib_ctxs = 0;
+    g_lib_vars = g_lib_image = g_lib_ctxs = g_lib_unasked = 0;
     ordered_frees_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
     pthread_mutex_init(&g_lib_mu, NULL);
@@ -1841,6 +1842,17 @@ static bool eager_loading(void)
     return m != 0;
 }
 
+/*
+ * g_lib_mu held.  A library never asked for is in no context (it goes into one lazily, when something there first
+ * asks for it), yet its variables are charged once per live context: the GPU does not hold that charge, which must
+ * not stand in, at a reconciliation, for memory the GPU holds that no hook charged (it would count nowhere, and the
+ * GPU would hold both once the library is asked for).  extra: variables about to be added to g_lib_unasked.
+ */
+static void lib_unbacked(uint64_t extra)
+{
+    vc_budget_set_unbacked_libs(eager_loading() ? 0 : mul_sat(g_lib_unasked + extra, g_lib_ctxs));
+}
+
 static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUlibrary lib)
 {
     if (rc != CUDA_SUCCESS) {
@@ -1849,11 +1861,13 @@ static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUl
     }
     uint64_t vars = est > VC_IMAGE_PAGE ? est - VC_IMAGE_PAGE : 0, stays = mul_sat(vars, g_lib_ctxs);
     bool kept;
+    lib_unbacked(vars);
     bool fits = vc_budget_settle_untracked(reserved - stays, &kept);
     struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)lib, .kind = REC_LIBRARY, .size = kept ? reserved - stays : 0,
                              .aux = vars, .aux2 = est};
     if (!fits && REAL_CU(cuLibraryUnload)(lib) == CUDA_SUCCESS) {
         vc_budget_release(stays + e.size);
+        lib_unbacked(0);
         vc_log(VC_LOG_INFO, "a library took the container above its limit: unloaded, refused");
         vc_budget_reconcile_now();
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1861,12 +1875,13 @@ static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUl
     pthread_mutex_lock(&g_mu);
     int put = vc_map_put(&g_recs, &e);
     pthread_mutex_unlock(&g_mu);
-    if (put != 0) { /* charged on, but never again for a new context */
+    if (put != 0) { /* charged on, but never again for a new context (and counted as not held: the safe side) */
         vc_log(VC_LOG_ERROR, "out of host memory: a library's %llu bytes stay charged until this process exits",
                (unsigned long long)(stays + e.size));
     } else {
         g_lib_vars += vars;
         g_lib_image += est;
+        g_lib_unasked += vars;
     }
     return fits ? rc : CUDA_ERROR_OUT_OF_MEMORY;
 }
@@ -1981,6 +1996,10 @@ VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)
         vc_budget_release(e.size + mul_sat(e.aux, g_lib_ctxs));
         g_lib_vars -= e.aux;
         g_lib_image -= e.aux2;
+        if (e.gpu == 0) { /* never asked for */
+            g_lib_unasked -= e.aux;
+            lib_unbacked(0);
+        }
     }
     pthread_mutex_unlock(&g_lib_mu);
     if (rc == CUDA_SUCCESS)
@@ -2020,6 +2039,9 @@ static CUresult library_asked(CUlibrary lib)
         pthread_mutex_lock(&g_mu);
         e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
         if (e != NULL && e->gpu == 0) {
+            /* From now on it may go into any context at any time (a kernel's first launch there): held. */
+            g_lib_unasked -= e->aux;
+            lib_unbacked(0);
             e->gpu = 1;
             e->aux += code;
             g_lib_vars += code;
@@ -2077,9 +2099,10 @@ void vc_memory_context_end(CUcontext ctx)
         pthread_mutex_lock(&g_mu);
         int put = vc_map_put(&g_recs, &e);
         pthread_mutex_unlock(&g_mu);
-        if (put == 0)
+        if (put == 0) {
             g_lib_ctxs++;
-        else /* never given back: on the safe side */
+            lib_unbacked(0);
+        } else /* never given back: on the safe side */
             vc_log(VC_LOG_ERROR, "out of host memory: a context's %llu bytes of library variables stay charged",
                    (unsigned long long)g_lib_vars);
     }
@@ -2154,6 +2177,7 @@ void vc_memory_context_gone(CUcontext ctx)
     pthread_mutex_lock(&g_lib_mu); /* the libraries' variables it was charged */
     if (take((uint64_t)(uintptr_t)ctx, REC_CONTEXT, NULL)) {
         g_lib_ctxs--;
+        lib_unbacked(0);
         vc_budget_release(g_lib_vars);
     }
     pthread_mutex_unlock(&g_lib_mu);

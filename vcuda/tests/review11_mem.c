@@ -492,6 +492,48 @@ static void graph_refused(uint64_t limit_mib)
     report();
 }
 
+
+/* Grows the current context's malloc heap in 16 MiB steps (memory no hook charges) up to `most`; what it grew by. */
+static uint64_t grow_heap(uint64_t most)
+{
+    size_t heap = 0;
+    check(FN(cuCtxGetLimit)(&heap, CU_LIMIT_MALLOC_HEAP_SIZE), "cuCtxGetLimit");
+    uint64_t grown = 0;
+    while (grown < most && FN(cuCtxSetLimit)(CU_LIMIT_MALLOC_HEAP_SIZE, heap + grown + 16 * MIB) == CUDA_SUCCESS)
+        grown += 16 * MIB;
+    return grown;
+}
+
+/*
+ * A library's variables are charged from its load in every live context, before the driver puts the library
+ * into one (lazily, at its first use there).  Memory no hook charges is made meanwhile; then the library is used.
+ */
+static void library_phantom(uint64_t limit_mib)
+{
+    primary();
+    uint64_t ctx = held();
+    uint64_t vars = (limit_mib * MIB - ctx) / (2 * MIB) * (2 * MIB) - 32 * MIB;
+    char ptx[512];
+    snprintf(ptx, sizeof(ptx),
+             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .global .align 8 .b8 big[%llu];\n"
+             ".visible .entry k() { ret; }\n",
+             (unsigned long long)vars);
+    CUlibrary lib;
+    CUresult rc = FN(cuLibraryLoadData)(&lib, ptx, NULL, NULL, 0, NULL, NULL, 0);
+    fprintf(stderr, "library of %llu MiB of variables: %d\n", (unsigned long long)(vars / MIB), (int)rc);
+    if (rc != CUDA_SUCCESS) {
+        report();
+        return;
+    }
+    uint64_t grown = grow_heap(vars);
+    CUdeviceptr p;
+    size_t size;
+    rc = FN(cuLibraryGetGlobal)(&p, &size, lib, "big");
+    fprintf(stderr, "heap +%llu MiB, the library's variable asked for: %d\n", (unsigned long long)(grown / MIB),
+            (int)rc);
+    report();
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -510,6 +552,8 @@ int main(int argc, char **argv)
         graph_phantom(limit);
     else if (strcmp(argv[1], "graph-refused") == 0)
         graph_refused(limit);
+    else if (strcmp(argv[1], "library-phantom") == 0)
+        library_phantom(limit);
     else if (strcmp(argv[1], "base") == 0)
         base();
     else if (strcmp(argv[1], "pitch-wrap") == 0)

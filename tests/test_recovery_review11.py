@@ -110,3 +110,49 @@ def test_restart_with_the_same_virtual_manager_path_says_nothing_of_it(cluster: 
     cluster.start_agent()
     log = cluster.agent.log_text()[mark:]
     assert "--virtual-manager-path" not in log
+
+
+def test_a_snapshot_of_a_layout_this_agent_does_not_read_is_set_aside_and_named(cluster: SimCluster) -> None:
+    """A snapshot without PodGPUMapping but with keys this agent does not know (a newer version's layout,
+    left by a downgrade) used to be read as "no allocations", silently, and was then overwritten by the
+    first snapshot written: what only it held was gone without a copy or a word. It is now refused like
+    a damaged one: named with the keys it holds, kept aside as <name>.corrupt-<time>, and the allocations
+    are rebuilt from the kubelet's records."""
+    running = cluster.run_pod(gpu_pod("running", [("main", 40, 8)]))
+    cluster.admit(gpu_pod("waiting", [("main", 30, 8)]))
+    before = _usage(cluster)
+    assert len(before) == 2 and running.uid in {uid for uid, _ in before}
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    snapshot = cluster.checkpoint_dir / names.OWN_CHECKPOINT
+    newer = {"Version": 7, "Allocations": json.loads(snapshot.read_text())["PodGPUMapping"]}
+    snapshot.write_text(json.dumps(newer))
+    for segment in cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}.journal-*"):
+        segment.unlink()
+    mark = len(cluster.agent.log_text())
+    cluster.start_agent()
+    log = cluster.agent.log_text()[mark:]
+    assert _usage(cluster) == before  # rebuilt from the kubelet's records
+    unusable = [line for line in log.splitlines() if "our checkpoint" in line and "unusable" in line]
+    assert unusable, log[-3000:]
+    assert str(snapshot) in unusable[0]
+    assert "'Allocations'" in unusable[0] and "'Version'" in unusable[0]
+    kept = list(cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}.corrupt-*"))
+    assert [json.loads(p.read_text()) for p in kept] == [newer]
+    assert "Traceback" not in log
+
+
+def test_a_snapshot_with_no_entries_at_all_is_an_empty_one(cluster: SimCluster) -> None:
+    """``{}`` and upstream's ``{"PodGPUMapping": null}`` hold no allocation: nothing is set aside."""
+    assert cluster.agent is not None
+    for empty in ("{}", '{"PodGPUMapping":null}'):
+        cluster.agent.stop()
+        snapshot = cluster.checkpoint_dir / names.OWN_CHECKPOINT
+        snapshot.write_text(empty)
+        for segment in cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}.journal-*"):
+            segment.unlink()
+        mark = len(cluster.agent.log_text())
+        cluster.start_agent()
+        log = cluster.agent.log_text()[mark:]
+        assert "unusable" not in log, log[-2000:]
+        assert not list(cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}.corrupt-*"))

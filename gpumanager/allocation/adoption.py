@@ -65,9 +65,13 @@ def read_checkpoint(allocator: Allocator) -> records.Parsed:
             return records.Parsed()
         parsed = records.from_json(data, loaded.origins)
         claims, claim_problems = claim_records.from_json(data)
-    except (checkpoint.CheckpointError, records.RecordError) as exc:
+    except checkpoint.CheckpointError as exc:  # names the file
         set_aside_checkpoint(allocator, str(exc))
         raise AllocationError(str(exc), "unavailable") from exc
+    except records.RecordError as exc:
+        why = f"checkpoint {allocator._checkpoint_path}: {exc}"
+        set_aside_checkpoint(allocator, why)
+        raise AllocationError(why, "unavailable") from exc
     except Exception as exc:  # a shape no check foresaw: the same as unreadable, never a failed start
         why = f"checkpoint {allocator._checkpoint_path} cannot be loaded: {type(exc).__name__}: {exc}"
         log.exception("%s", why)

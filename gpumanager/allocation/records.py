@@ -311,6 +311,11 @@ def _salvage(entry: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(found)) if len(found) == len(devices) else ()
 
 
+#: The top-level keys of a checkpoint document besides PodGPUMapping that this agent writes (prepared claims,
+#: allocations freed before their start, the journal segment continuing the snapshot).
+DOCUMENT_KEYS = frozenset({"PodGPUMapping", "Claims", "FreedUnstarted", "JournalSegment"})
+
+
 def from_json(data: Any, origins: Mapping[tuple[str, str], str] | None = None) -> Parsed:
     """Parse a checkpoint entry by entry; a bad entry is listed as untrusted, never silently dropped.
 
@@ -320,6 +325,19 @@ def from_json(data: Any, origins: Mapping[tuple[str, str], str] | None = None) -
     """
     if not isinstance(data, Mapping):
         raise RecordError(f"checkpoint is a {type(data).__name__}, not an object")
+    if "PodGPUMapping" not in data:
+        # Upstream's file and ours always carry it (upstream's may be null): without it, keys of no layout
+        # this agent knows are another program's state (a newer version's, left by a downgrade), not "no
+        # allocations"; read as empty, the first snapshot written would replace it.
+        unknown = sorted(str(k) for k in data if k not in DOCUMENT_KEYS)
+        if unknown:
+            shown = ", ".join(repr(k) for k in unknown[:8])
+            if len(unknown) > 8:
+                shown += f" and {len(unknown) - 8} more"
+            raise RecordError(
+                f"no PodGPUMapping, but {shown}: not a layout this agent reads (a newer version's, left by a "
+                "downgrade?)"
+            )
     mapping = data.get("PodGPUMapping")
     if mapping is None:
         mapping = {}

@@ -304,6 +304,12 @@ def setup_logging(args: argparse.Namespace) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other control characters escaped (``\\n``): a flag's value that
+    holds one must not split the one line that refuses it, nor forge a log line of its own."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gpu-manager`` command (``gpu-manager selftest ...``: gpumanager/selftest)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -338,7 +344,7 @@ def _main(argv: list[str]) -> int:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        log.error("invalid configuration: %s", exc)
+        log.error("invalid configuration: %s", one_line(str(exc)))
         return EXIT_CONFIG
 
     from gpumanager import lazy_package
@@ -363,7 +369,7 @@ def _main(argv: list[str]) -> int:
     agent = Agent(config)
     received = _start_unless_stopped(agent, signals)
     if isinstance(received, StartupError):
-        log.error("cannot start: %s", received)
+        log.error("cannot start: %s", one_line(str(received)))
         _stop_within(agent, STOP_DEADLINE)
         return received.exit_code
     if received is None:  # started (else a stop signal came during the start)

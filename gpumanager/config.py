@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,6 +205,16 @@ class Config:
         """Path of the kubelet's Registration socket."""
         return Path(self.device_plugin_path) / names.KUBELET_SOCKET
 
+    def _check_gpu_client(self) -> None:
+        """--gpu-client names a regular file (a name the kernel refuses, too long say, is named as such)."""
+        try:
+            st = os.stat(self.gpu_client)
+        except OSError as exc:
+            reason = "no such file" if exc.errno == errno.ENOENT else exc.strerror or str(exc)
+            raise ConfigError(f"--gpu-client={self.gpu_client}: {reason}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"--gpu-client={self.gpu_client}: not a regular file")
+
     def validate(self) -> Config:
         """Check every value; raise ConfigError naming the flag and the value. Returns self."""
         if self.driver != "nvidia":
@@ -261,8 +273,8 @@ class Config:
             if x < 0:
                 raise ConfigError(f"--ignored-xids: {x} is not a valid XID")
         parse_node_labels(self.node_labels)
-        if self.gpu_client and not Path(self.gpu_client).is_file():
-            raise ConfigError(f"--gpu-client={self.gpu_client}: no such file")
+        if self.gpu_client:
+            self._check_gpu_client()
         if not _DNS_SUBDOMAIN.match(self.dra_driver_name) or len(self.dra_driver_name) > 63:
             raise ConfigError(
                 f"--dra-driver-name={self.dra_driver_name!r}: must be a DNS subdomain of at most 63 characters "

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from gpumanager.cli import build_parser, normalize_argv
@@ -53,3 +57,30 @@ def test_selftest_refuses_a_prefix_of_its_flags(capsys: pytest.CaptureFixture[st
         selftest_parser().parse_args(["--mem=100"])  # not --memory-mib
     assert stop.value.code == 2
     assert "--mem=100" in capsys.readouterr().err
+
+
+def test_a_gpu_client_path_too_long_for_the_kernel_is_one_config_error() -> None:
+    from gpumanager.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--gpu-client=x+: File name too long$"):
+        Config(gpu_client="x" * 5000, node_name="node1").validate()
+
+
+def test_a_gpu_client_that_is_a_directory_is_refused(tmp_path: Path) -> None:
+    from gpumanager.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"--gpu-client=.*: not a regular file"):
+        Config(gpu_client=str(tmp_path), node_name="node1").validate()
+
+
+def test_a_value_with_a_line_break_is_refused_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "--checkpoint-path=relative\nINFO forged line", "--v=0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "--checkpoint-path=relative\\nINFO forged line" in done.stderr, done.stderr

@@ -228,3 +228,25 @@ def test_a_choice_recorded_for_a_pod_deleted_before_the_start_holds_nothing_once
     pod["metadata"]["uid"] = "u-p1"
     code, result = post(ext, "filter", {"Pod": pod, "NodeNames": ["a"]})
     assert code == 200 and result["NodeNames"] == ["a"], result
+
+
+def test_a_bind_taking_its_choice_back_puts_back_the_record_another_bind_of_the_pod_made(world: World) -> None:
+    world.node("a", 1, 16)
+    r1 = world.extender()
+    r2 = world.extender()
+    pod = world.sim.create_pod(gpu_pod("p1", [(60, 4)]))
+    uid = pod["metadata"]["uid"]
+    wait_for(lambda: r1.pods.get(uid) is not None)
+    world.sim.hold_watches(True)  # neither replica's watch shows what the other does
+    try:
+        # Replica 2 binds the pod to node a (a scheduler that lost its lease had sent it there).
+        assert post(r2, "bind", bind_args(pod, "a"))[1]["Error"] == ""
+        theirs = _recorded(world.sim, "a")[uid]
+        # Replica 1 binds it to the same node from its stale cached copy: its patch meets a conflict,
+        # and it finds the pod bound there.
+        code, answer = post(r1, "bind", bind_args(pod, "a"))
+        assert code == 200 and answer["Error"] == "", answer
+        # The record of the choice the pod was bound with is on the node, not replica 1's unused one.
+        assert _recorded(world.sim, "a").get(uid) == theirs
+    finally:
+        world.sim.hold_watches(False)

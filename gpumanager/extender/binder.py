@@ -272,6 +272,9 @@ class _Bind:
         self._cached = binder._cached
         self._node_locks = binder._node_locks
         self._claimed: tuple[str, str] | None = None
+        # The record of the pod that this bind's first record replaced (another bind's, of any replica,
+        # of the same pod): put back when this bind takes its own off.
+        self._replaced: Claim | None = None
         self._node_conflicts = 0
         """(pod UID, predicate time) of the choice this bind recorded on the node."""
         self.args = args
@@ -566,6 +569,8 @@ class _Bind:
         when = str(patch[names.PREDICATE_TIME])
         charges = mine.charges.charges if mine is not None else ()
         claims = {u: c for u, c in claims.items() if not self._state.ended(u)}  # kept small
+        if self._claimed is None:  # this bind's first record: what it replaces is another bind's
+            self._replaced = claims.get(uid)
         claims[uid] = Claim(podinfo.pod_key(pod), time.time(), when, charges)
         self._state.sightings.written(uid, claims[uid])
         try:
@@ -587,8 +592,8 @@ class _Bind:
         return patch
 
     def _unclaim(self) -> None:
-        """Remove the choice this bind recorded on the node (best effort, in the time left; else it
-        lapses by itself)."""
+        """Remove the choice this bind recorded on the node, putting back the record of the pod it
+        replaced, if any (best effort, in the time left; else it lapses by itself)."""
         if self._claimed is None:
             return
         uid, when = self._claimed
@@ -602,6 +607,9 @@ class _Bind:
             found = claims.pop(uid, None)
             if found is None or found.predicate_time != when:
                 return
+            if self._replaced is not None and self._replaced.predicate_time != when:
+                # Another bind's record of the pod, which this one replaced: that bind may have bound it.
+                claims[uid] = self._replaced
             try:
                 self._record(node, claims)
                 return

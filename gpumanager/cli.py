@@ -271,6 +271,10 @@ def setup_logging(args: argparse.Namespace) -> None:
                 Path(args.log_dir) / "gpu-manager.log",
                 maxBytes=max(1, args.log_file_max_size) << 20,
                 backupCount=LOG_BACKUPS,
+                # UTF-8 whatever the locale; a host path that is not UTF-8 (its bytes kept as
+                # surrogate escapes) is written escaped, not lost with a "Logging error" on stderr
+                encoding="utf-8",
+                errors="backslashreplace",
             )
         )
     if args.logtostderr or args.alsologtostderr or not handlers:

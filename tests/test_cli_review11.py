@@ -84,3 +84,27 @@ def test_a_value_with_a_line_break_is_refused_in_one_line() -> None:
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--checkpoint-path=relative\\nINFO forged line" in done.stderr, done.stderr
+
+
+def test_a_path_that_is_not_utf8_is_logged_to_the_log_file(tmp_path: Path) -> None:
+    # A host path with a byte that is not UTF-8 (a driver directory named in Latin-1) reaches the
+    # log as a surrogate escape; the file must get the line, not a "Logging error" traceback.
+    script = (
+        "import logging, sys\n"
+        "from gpumanager.cli import build_parser, normalize_argv, setup_logging\n"
+        "setup_logging(build_parser({}).parse_args(normalize_argv(sys.argv[1:])))\n"
+        "logging.getLogger('gpumanager.volume.keeper').warning('mirrored %s', "
+        "b'/usr/lib/caf\\xe9/libcuda.so.1'.decode('utf-8', 'surrogateescape'))\n"
+    )
+    for fmt in ("text", "json"):
+        log_dir = tmp_path / fmt
+        done = subprocess.run(
+            [sys.executable, "-c", script, f"--log-dir={log_dir}", f"--log-format={fmt}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0 and "Logging error" not in done.stderr, done.stderr
+        written = (log_dir / "gpu-manager.log").read_text(encoding="utf-8")
+        assert "mirrored /usr/lib/caf" in written and "libcuda.so.1" in written, written

@@ -86,6 +86,28 @@ def env_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+#: ``GPU_MANAGER_*`` variables that are no flag's: the build's commit and the crash and stall points
+#: of the fault tests (gpumanager.buildinfo, gpumanager.faults).
+OWN_VARIABLES = frozenset({"GPU_MANAGER_COMMIT", "GPU_MANAGER_CRASH_AT", "GPU_MANAGER_STALL_AT"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``GPU_MANAGER_*`` variable set in ``environ`` that names no flag: a misspelled
+    one (``GPU_MANAGER_SHARE_MOD``) would otherwise change nothing, unseen."""
+    known = {field.env for field in flagspec.flag_fields(Config)}
+    unknown = sorted(n for n in environ if n.startswith("GPU_MANAGER_") and n not in known | OWN_VARIABLES)
+    if not unknown:
+        return []
+    import difflib  # only for a variable to warn about: not loaded at every start
+
+    warnings = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.append(f"the environment variable {name} names no flag{hint}; it is ignored")
+    return warnings
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Wraps help text at spaces only, so paths and flag names stay whole."""
 
@@ -345,6 +367,8 @@ def _main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"gpu-manager: --log-dir={args.log_dir}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    for warning in unknown_variables(os.environ):
+        log.warning("%s", warning)
     try:
         config = config_from_args(args)
     except ConfigError as exc:

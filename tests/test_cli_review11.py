@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,20 @@ def test_a_path_that_is_not_utf8_is_logged_to_the_log_file(tmp_path: Path) -> No
         assert done.returncode == 0 and "Logging error" not in done.stderr, done.stderr
         written = (log_dir / "gpu-manager.log").read_text(encoding="utf-8")
         assert "mirrored /usr/lib/caf" in written and "libcuda.so.1" in written, written
+
+
+def test_a_misspelled_flag_variable_is_warned_about() -> None:
+    # GPU_MANAGER_SHARE_MOD (for GPU_MANAGER_SHARE_MODE) changes nothing: the operator must be told.
+    env = {**os.environ, "GPU_MANAGER_SHARE_MOD": "true", "GPU_MANAGER_COMMIT": "abc"}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", "--query-port=99999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "GPU_MANAGER_SHARE_MOD" in line]
+    assert len(warned) == 1 and "GPU_MANAGER_SHARE_MODE" in warned[0] and "WARNING" in warned[0], done.stderr
+    assert "GPU_MANAGER_COMMIT" not in done.stderr, done.stderr  # the build's own variable is no flag's

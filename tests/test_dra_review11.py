@@ -116,3 +116,52 @@ def test_a_missing_cdi_root_is_created_at_start(tmp_path: Path, start_agent: Any
     agent = start_agent("t4-x1", "--mode=dra", f"--cdi-root={root}")
     agent.wait_for_log("DRA driver vcuda.tencent.com", timeout=30)  # past the checks of its flags
     assert root.is_dir()
+
+
+def _reboot_without_gpu(c: DRACluster, spec_file: Path, gone: int) -> None:
+    """The node restarts and GPU ``gone`` is no longer enumerated: the driver numbers the GPUs after it one
+    lower (minors follow the order in which the driver finds the GPUs). The agent starts again."""
+    assert c.agent is not None
+    c.agent.stop()
+    spec = json.loads(spec_file.read_text())
+    del spec["gpus"][gone]
+    for i, gpu in enumerate(spec["gpus"]):
+        gpu["minor"] = i
+    spec["topology"] = [[0 if a == b else 30 for b in range(len(spec["gpus"]))] for a in range(len(spec["gpus"]))]
+    spec_file.write_text(json.dumps(spec))
+    Path(c.agent.state).unlink()  # the simulated driver's run-time state goes with the reboot
+    c.start_agent()
+
+
+def test_gpu_gone_at_reboot_with_the_minors_after_it_shifted(tmp_path: Path, sim_built: Path) -> None:
+    """After a reboot that lost GPU 1 (not enumerated) the driver gives GPUs 2 and 3 minors 1 and 2. The
+    agent keeps GPU 1's place (listed lost) and still serves: the lost GPU must not keep minor 1, which is
+    GPU 2's now (two GPUs of one minor stopped the start: 'duplicate GPU minor number'). A claim prepared
+    on gpu-2 before the reboot keeps gpu-2 (its /dev/nvidia1 now, its capacity charged there), and a new
+    claim on gpu-2 gets /dev/nvidia1."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text((Path(__file__).parent.parent / "deploy/sim/v100-pcie-x4.json").read_text())
+    with DRACluster(tmp_path / "node", spec_file, health_quiet_period="1h", status_lag=0) as c:
+        assert c.kubelet is not None
+        before = make_claim(c, "before", [share("gpu-2", "60", "1Gi")])
+        assert c.kubelet.prepare(DRIVER, [before])[before[2]]["error"] == ""
+        _reboot_without_gpu(c, spec_file, 1)
+        s = c.wait_slice(lambda s: s is not None and taint_values(c, "gpu-1") == ["lost"])
+        minors = {d["name"]: d["attributes"]["minor"]["int"] for d in s["spec"]["devices"]}
+        assert (minors["gpu-0"], minors["gpu-2"], minors["gpu-3"]) == (0, 1, 2)
+        assert minors["gpu-1"] not in (0, 1, 2)
+        for name in ("gpu-0", "gpu-2", "gpu-3"):
+            assert taint_values(c, name) == []
+
+        def nodes(uid: str) -> list[str]:
+            spec = json.loads((c.cdi_root / f"{DRIVER}-{uid}.json").read_text())
+            return [n["path"] for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]]
+
+        # the claim prepared before the reboot: gpu-2's device node now, and gpu-2's capacity
+        assert c.kubelet.prepare(DRIVER, [before])[before[2]]["error"] == ""
+        assert nodes(before[2]) == ["/dev/nvidia1"]
+        over = make_claim(c, "over", [share("gpu-2", "50", "1Gi")])
+        assert "more than the device has left" in c.kubelet.prepare(DRIVER, [over])[over[2]]["error"]
+        fits = make_claim(c, "fits", [share("gpu-3", "100", "1Gi")])
+        assert c.kubelet.prepare(DRIVER, [fits])[fits[2]]["error"] == ""
+        assert nodes(fits[2]) == ["/dev/nvidia2"]

@@ -5,6 +5,7 @@ are called with it held."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -218,11 +219,45 @@ def settle_doubt(allocator: Allocator, uid: str) -> None:
         allocator._save_or_report([_claim_put(settled)])
 
 
+#: A result's device: ``gpu-<the agent's index of the GPU>``.
+_DEVICE = re.compile(r"gpu-(\d+)", re.ASCII)
+
+
+def _current_minors(allocator: Allocator, claim: ClaimAllocation) -> ClaimAllocation:
+    """``claim`` with each result's minor that of its device's GPU now.
+
+    A result names its GPU by device (``gpu-<index>``: the agent's index stays with the GPU, by UUID), and
+    the record keeps the GPU's minor as it was at Prepare. After a reboot the driver may have numbered the
+    GPUs otherwise (a GPU no longer found moves the ones after it one lower): the record's minor is then
+    another GPU's, whose device node the claim's CDI spec would give and whose capacity it would take."""
+    by_index = {g.index: g for g in allocator._gpus}
+    devices = []
+    for dev in claim.devices:
+        found = _DEVICE.fullmatch(dev.device)
+        gpu = by_index.get(int(found.group(1))) if found else None
+        if gpu is not None and gpu.minor != dev.minor:
+            log.warning(
+                "claim %s (%s): %s is minor %d now (was %d when it was prepared): the driver numbered the GPUs "
+                "otherwise since; the claim follows its device",
+                claim.key,
+                claim.uid,
+                dev.device,
+                gpu.minor,
+                dev.minor,
+            )
+            dev = replace(dev, minor=gpu.minor)
+        devices.append(dev)
+    return replace(claim, devices=tuple(devices)) if tuple(devices) != claim.devices else claim
+
+
 def adopt_claims(allocator: Allocator, claims: Sequence[ClaimAllocation], *, source: str, save: bool = True) -> int:
-    """Take over prepared claims (from the checkpoint, or rebuilt); returns how many."""
+    """Take over prepared claims (from the checkpoint, or rebuilt); returns how many. A result whose GPU
+    has another minor now (:func:`_current_minors`) follows its device, and its record is written again."""
     taken: list[ClaimAllocation] = []
+    moved: list[ClaimAllocation] = []
     with allocator._changing():
-        for claim in claims:
+        for recorded in claims:
+            claim = _current_minors(allocator, recorded)
             unknown = [m for m in claim.minors if m not in allocator._by_minor]
             if unknown:
                 log.warning("%s: dropping claim %s: GPU(s) %s not on this node", source, claim.key, unknown)
@@ -233,8 +268,12 @@ def adopt_claims(allocator: Allocator, claims: Sequence[ClaimAllocation], *, sou
             allocator._claims[claim.uid] = claim
             allocator._generation += 1
             taken.append(claim)
+            if claim is not recorded:
+                moved.append(claim)
         if taken and save:
             allocator._save_or_report([_claim_put(c) for c in taken])
+        elif moved:
+            allocator._save_or_report([_claim_put(c) for c in moved])
     if taken:
         allocator._notify()
     return len(taken)

@@ -392,7 +392,35 @@ def discover(known: dict[int, GPUInfo] | None = None) -> tuple[list[GPUInfo], li
         else:
             gpus.append(dataclasses.replace(g, index=place))
     _nvml_index = {p: n for p, n in places.items() if n != p}
-    return gpus, lost
+    return _unique_minors(gpus, lost), lost
+
+
+def _unique_minors(gpus: list[GPUInfo], lost: list[int]) -> list[GPUInfo]:
+    """``gpus`` with each lost GPU's minor moved where a GPU NVML describes now has it.
+
+    The driver numbers the GPUs (their minors, ``/dev/nvidia<minor>``) in the order it finds them at boot:
+    a GPU no longer found takes its number with it and the GPUs after it move one lower, so the minor
+    saved for a lost GPU may be a live GPU's now. That number names the live GPU's device node; the lost
+    GPU (which has no node) gets the first number no GPU has, and the live one keeps its own."""
+    live = {g.minor for g in gpus if g.index not in lost}
+    taken = {g.minor for g in gpus}
+    out = []
+    for g in gpus:
+        if g.index in lost and g.minor in live:
+            minor = next(m for m in range(len(taken) + len(gpus) + 1) if m not in taken)
+            taken.add(minor)
+            log.warning(
+                "GPU %d (%s) is lost, and its minor %d is GPU %s's now (the driver numbered the GPUs again "
+                "without it): it is counted with minor %d, which no GPU has",
+                g.index,
+                g.uuid,
+                g.minor,
+                next(o.index for o in gpus if o.minor == g.minor and o.index not in lost),
+                minor,
+            )
+            g = dataclasses.replace(g, minor=minor)
+        out.append(g)
+    return out
 
 
 @dataclass

@@ -142,6 +142,7 @@ SCENARIOS = [
     "graph-phantom",
     "graph-refused",
     "library-phantom",
+    "library-kernel",
 ]
 
 

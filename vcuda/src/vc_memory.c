@@ -34,7 +34,8 @@ enum rec_kind {
     REC_MAP,     /* key = start of a cuMemMap range of a REC_VMM allocation, size, aux = the handle */
     REC_MODULE,  /* key = CUmodule, size = its estimated footprint (freed with its context) */
     REC_LIBRARY, /* key = CUlibrary, size = what it is charged beyond its variables per context (0 unless NVML
-                    could not tell at its load), aux = its variables (one copy), aux2 = its whole footprint */
+                    could not tell at its load), aux = its variables (one copy; its code too once asked for, gpu = 1),
+                    aux2 = its whole footprint, ctx = the context this process put it into (0: none known) */
     REC_CONTEXT, /* key = a live CUcontext: the libraries' variables are charged once more for it */
     REC_POOL,    /* key = CUmemoryPool, size = what the budget holds for it, aux = its live allocations' bytes,
                     gpu = 1 once destroyed (then it settles on aux) */
@@ -77,7 +78,7 @@ static pthread_mutex_t g_lib_mu = PTHREAD_MUTEX_INITIALIZER; /* held across libr
 static uint64_t g_lib_vars;  /* under g_lib_mu: the live libraries' variables, one copy of each */
 static uint64_t g_lib_image; /* under g_lib_mu: their whole footprints (code pages too) */
 static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT records) */
-static uint64_t g_lib_unasked; /* under g_lib_mu: the variables of the live libraries never asked for (lib_unbacked) */
+static uint64_t g_lib_unloaded; /* under g_lib_mu: what each context is charged for the libraries in none (lib_unbacked) */
 
 static void ordered_frees_atfork_child(void);
 /* Held (read) from a stream-ordered allocation's or free's capture check to its call's end; captures change
@@ -101,7 +102,7 @@ static void atfork_child(void)
     g_gallocs = 0;
     g_graph_kept = g_graph_pending = g_galloc_bytes = 0;
     atomic_store(&g_graph_seen, false);
-    g_lib_vars = g_lib_image = g_lib_ctxs = g_lib_unasked = 0;
+    g_lib_vars = g_lib_image = g_lib_ctxs = g_lib_unloaded = 0;
     ordered_frees_atfork_child();
     pthread_mutex_init(&g_mu, NULL);
     pthread_mutex_init(&g_lib_mu, NULL);
@@ -1843,14 +1844,22 @@ static bool eager_loading(void)
 }
 
 /*
- * g_lib_mu held.  A library never asked for is in no context (it goes into one lazily, when something there first
- * asks for it), yet its variables are charged once per live context: the GPU does not hold that charge, which must
- * not stand in, at a reconciliation, for memory the GPU holds that no hook charged (it would count nowhere, and the
- * GPU would hold both once the library is asked for).  extra: variables about to be added to g_lib_unasked.
+ * g_lib_mu held.  A library goes into a context lazily (when something there first asks for it, a kernel's first
+ * launch included), yet it is charged once per live context beforehand (its variables, and its code once asked
+ * for): the GPU does not hold that charge in the contexts the library is not in yet, and it must not stand in, at a
+ * reconciliation, for memory the GPU holds that no hook charged (that memory would count nowhere, and the GPU would
+ * hold both once the library goes in).  Counted as held: one copy of each library this process put into a context
+ * when it was asked for (library_asked).  extra: a library's charge about to be added to g_lib_unloaded.
  */
 static void lib_unbacked(uint64_t extra)
 {
-    vc_budget_set_unbacked_libs(eager_loading() ? 0 : mul_sat(g_lib_unasked + extra, g_lib_ctxs));
+    uint64_t none = g_lib_unloaded + extra, some = g_lib_vars > g_lib_unloaded ? g_lib_vars - g_lib_unloaded : 0;
+    uint64_t copies = mul_sat(none, g_lib_ctxs);
+    if (g_lib_ctxs > 1) {
+        uint64_t more = mul_sat(some, g_lib_ctxs - 1);
+        copies = copies > UINT64_MAX - more ? UINT64_MAX : copies + more;
+    }
+    vc_budget_set_unbacked_libs(eager_loading() ? 0 : copies);
 }
 
 static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUlibrary lib)
@@ -1881,7 +1890,7 @@ static CUresult library_loaded(uint64_t est, uint64_t reserved, CUresult rc, CUl
     } else {
         g_lib_vars += vars;
         g_lib_image += est;
-        g_lib_unasked += vars;
+        g_lib_unloaded += vars;
     }
     return fits ? rc : CUDA_ERROR_OUT_OF_MEMORY;
 }
@@ -1996,10 +2005,9 @@ VC_EXPORT CUresult cuLibraryUnload(CUlibrary library)
         vc_budget_release(e.size + mul_sat(e.aux, g_lib_ctxs));
         g_lib_vars -= e.aux;
         g_lib_image -= e.aux2;
-        if (e.gpu == 0) { /* never asked for */
-            g_lib_unasked -= e.aux;
-            lib_unbacked(0);
-        }
+        if (e.ctx == 0)
+            g_lib_unloaded -= e.aux;
+        lib_unbacked(0);
     }
     pthread_mutex_unlock(&g_lib_mu);
     if (rc == CUDA_SUCCESS)
@@ -2022,9 +2030,9 @@ static CUresult library_asked(CUlibrary lib)
     uint64_t key = (uint64_t)(uintptr_t)lib;
     pthread_mutex_lock(&g_mu);
     struct vc_map_entry *e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
-    bool fresh = e != NULL && e->gpu == 0;
+    bool known = e != NULL, fresh = known && e->gpu == 0, in_ctx = known && e->ctx != 0;
     pthread_mutex_unlock(&g_mu);
-    if (!fresh || eager_loading()) /* asked before, unknown, or already in every context (EAGER) */
+    if (!known || eager_loading() || (!fresh && in_ctx)) /* unknown, in every context (EAGER), or asked and put */
         return CUDA_SUCCESS;
     CUresult rc = CUDA_SUCCESS;
     pthread_mutex_lock(&g_lib_mu); /* library unloads and context births wait */
@@ -2039,16 +2047,33 @@ static CUresult library_asked(CUlibrary lib)
         pthread_mutex_lock(&g_mu);
         e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
         if (e != NULL && e->gpu == 0) {
-            /* From now on it may go into any context at any time (a kernel's first launch there): held. */
-            g_lib_unasked -= e->aux;
-            lib_unbacked(0);
             e->gpu = 1;
             e->aux += code;
             g_lib_vars += code;
+            if (e->ctx == 0)
+                g_lib_unloaded += code;
         } else {
             vc_budget_release(code > 0 ? bytes : 0);
         }
         pthread_mutex_unlock(&g_mu);
+        /*
+         * Charged: put into the current context now rather than at its kernels' first launch there (which no hook
+         * sees), so that the GPU holds what this context is charged for it.  Without a current context it stays in
+         * none as far as the budget knows (charged, not counted as held).
+         */
+        CUcontext ctx = NULL;
+        CUmodule mod;
+        if (REAL_CU(cuCtxGetCurrent)(&ctx) == CUDA_SUCCESS && ctx != NULL &&
+            REAL_CU(cuLibraryGetModule)(&mod, lib) == CUDA_SUCCESS) {
+            pthread_mutex_lock(&g_mu);
+            e = vc_map_lookup(&g_recs, key, REC_LIBRARY);
+            if (e != NULL && e->ctx == 0) {
+                e->ctx = (uint64_t)(uintptr_t)ctx;
+                g_lib_unloaded -= e->aux;
+            }
+            pthread_mutex_unlock(&g_mu);
+        }
+        lib_unbacked(0);
     }
     pthread_mutex_unlock(&g_lib_mu);
     return rc;
@@ -2167,6 +2192,15 @@ static void release_entry(const struct vc_map_entry *e, void *arg)
     vc_budget_release(e->size);
 }
 
+/* g_mu and g_lib_mu held: a library this process put into context arg (now gone) is in no context known. */
+static void lib_left(struct vc_map_entry *e, void *arg)
+{
+    if (e->ctx != 0 && e->ctx == (uint64_t)(uintptr_t)arg) {
+        e->ctx = 0;
+        g_lib_unloaded += e->aux;
+    }
+}
+
 void vc_memory_context_gone(CUcontext ctx)
 {
     static const enum rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_MODULE};
@@ -2175,11 +2209,15 @@ void vc_memory_context_gone(CUcontext ctx)
         vc_map_remove_if(&g_recs, kinds[i], of_context, release_entry, ctx);
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_lock(&g_lib_mu); /* the libraries' variables it was charged */
-    if (take((uint64_t)(uintptr_t)ctx, REC_CONTEXT, NULL)) {
+    pthread_mutex_lock(&g_mu);
+    vc_map_each(&g_recs, REC_LIBRARY, lib_left, ctx); /* the libraries put into it are in no context known now */
+    pthread_mutex_unlock(&g_mu);
+    bool charged = take((uint64_t)(uintptr_t)ctx, REC_CONTEXT, NULL);
+    if (charged)
         g_lib_ctxs--;
-        lib_unbacked(0);
+    lib_unbacked(0);
+    if (charged)
         vc_budget_release(g_lib_vars);
-    }
     pthread_mutex_unlock(&g_lib_mu);
 }
 

@@ -506,9 +506,10 @@ static uint64_t grow_heap(uint64_t most)
 
 /*
  * A library's variables are charged from its load in every live context, before the driver puts the library
- * into one (lazily, at its first use there).  Memory no hook charges is made meanwhile; then the library is used.
+ * into one (lazily, at its first use there).  Memory no hook charges is made meanwhile; then the library is used:
+ * a variable asked for, or (by_kernel) a kernel asked for before and launched after.
  */
-static void library_phantom(uint64_t limit_mib)
+static void library_phantom(uint64_t limit_mib, bool by_kernel)
 {
     primary();
     uint64_t ctx = held();
@@ -525,12 +526,22 @@ static void library_phantom(uint64_t limit_mib)
         report();
         return;
     }
-    uint64_t grown = grow_heap(vars);
-    CUdeviceptr p;
-    size_t size;
-    rc = FN(cuLibraryGetGlobal)(&p, &size, lib, "big");
-    fprintf(stderr, "heap +%llu MiB, the library's variable asked for: %d\n", (unsigned long long)(grown / MIB),
-            (int)rc);
+    if (by_kernel) { /* asked for, but in no context until the kernel's first launch there */
+        CUkernel k;
+        check(FN(cuLibraryGetKernel)(&k, lib, "k"), "cuLibraryGetKernel");
+        uint64_t grown = grow_heap(vars);
+        rc = FN(cuLaunchKernel)((CUfunction)k, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        fprintf(stderr, "heap +%llu MiB, the library's kernel launched: %d\n", (unsigned long long)(grown / MIB),
+                (int)rc);
+        FN(cuCtxSynchronize)();
+    } else {
+        uint64_t grown = grow_heap(vars);
+        CUdeviceptr p;
+        size_t size;
+        rc = FN(cuLibraryGetGlobal)(&p, &size, lib, "big");
+        fprintf(stderr, "heap +%llu MiB, the library's variable asked for: %d\n", (unsigned long long)(grown / MIB),
+                (int)rc);
+    }
     report();
 }
 
@@ -553,7 +564,9 @@ int main(int argc, char **argv)
     else if (strcmp(argv[1], "graph-refused") == 0)
         graph_refused(limit);
     else if (strcmp(argv[1], "library-phantom") == 0)
-        library_phantom(limit);
+        library_phantom(limit, false);
+    else if (strcmp(argv[1], "library-kernel") == 0)
+        library_phantom(limit, true);
     else if (strcmp(argv[1], "base") == 0)
         base();
     else if (strcmp(argv[1], "pitch-wrap") == 0)

@@ -156,3 +156,50 @@ def test_a_snapshot_with_no_entries_at_all_is_an_empty_one(cluster: SimCluster) 
         log = cluster.agent.log_text()[mark:]
         assert "unusable" not in log, log[-2000:]
         assert not list(cluster.checkpoint_dir.glob(f"{names.OWN_CHECKPOINT}.corrupt-*"))
+
+
+def _over_committed(cluster: SimCluster) -> dict[int, float]:
+    """GPUs whose shares (from /usage) add up to more than the whole GPU."""
+    per_gpu: dict[int, float] = {}
+    for cards, gpus, _ in _usage(cluster).values():
+        for card in cards:
+            per_gpu[card] = per_gpu.get(card, 0.0) + gpus / len(cards)
+    return {card: share for card, share in per_gpu.items() if share > 1.0001}
+
+
+def test_sigkill_at_each_stage_and_a_kubelet_restart_keep_every_container_on_its_answer(cluster: SimCluster) -> None:
+    """SIGKILL with containers answered but not started, a kubelet restart while the agent is down, a pod
+    deleted while it is down and a new pod placed on the GPU it freed: after each restart the agent holds
+    exactly what the kubelet's stored answers say (GPUs, cores, memory), no more, and no GPU is
+    over-committed."""
+    assert cluster.agent is not None
+    a = cluster.run_pod(gpu_pod("a", [("main", 50, 16)], annotations=admission_annotations([[0]], 1)))
+    cluster.run_pod(gpu_pod("b", [("main", 100, 32), ("side", 30, 4)]))
+    waiting = [
+        cluster.admit(gpu_pod("x", [("main", 40, 8)])),
+        cluster.admit(gpu_pod("y", [("main", 200, 8)])),
+    ]
+    assert _usage(cluster) == _answers(cluster)
+
+    cluster.agent.signal(9)
+    cluster.agent.wait()
+    cluster.start_agent()
+    assert _usage(cluster) == _answers(cluster)
+    for run in waiting:
+        cluster.start_containers(run)
+    assert _usage(cluster) == _answers(cluster)
+
+    cluster.agent.signal(9)
+    cluster.agent.wait()
+    cluster.restart_kubelet()
+    cluster.start_agent()
+    assert _usage(cluster) == _answers(cluster)
+
+    cluster.agent.signal(9)
+    cluster.agent.wait()
+    cluster.delete(a, wait=True)
+    cluster.start_agent()
+    cluster.run_pod(gpu_pod("n", [("main", 60, 16)], annotations=admission_annotations([[0]], 2)))
+    assert _usage(cluster) == _answers(cluster)
+    assert a.uid not in {uid for uid, _ in _usage(cluster)}
+    assert not _over_committed(cluster)

@@ -107,7 +107,7 @@ def report_moved_vm_path(
         if not pod_dir:
             continue
         answered = PurePosixPath(os.path.normpath(pod_dir)).parent
-        if answered == current:
+        if answered == current or _same_directory(Path(answered), vm_path):
             continue
         pod = f"{alloc.namespace}/{alloc.pod_name}" if alloc.pod_name else f"pod {alloc.pod_uid}"
         moved.setdefault(answered, []).append(f"{pod} container {alloc.container}")
@@ -128,6 +128,14 @@ def report_moved_vm_path(
             shown,
         )
     return sum(len(c) for c in moved.values())
+
+
+def _same_directory(a: Path, b: Path) -> bool:
+    """Whether two paths reach one directory (another spelling, a symbolic link); False when either cannot be read."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def from_kubelet_checkpoint(entries: Sequence[KubeletEntry]) -> list[ContainerAllocation]:

@@ -203,3 +203,22 @@ def test_sigkill_at_each_stage_and_a_kubelet_restart_keep_every_container_on_its
     assert _usage(cluster) == _answers(cluster)
     assert a.uid not in {uid for uid, _ in _usage(cluster)}
     assert not _over_committed(cluster)
+
+
+def test_a_virtual_manager_path_reaching_the_same_directory_by_a_link_is_no_move(cluster: SimCluster) -> None:
+    cluster.run_pod(gpu_pod("share", [("main", 40, 8)]))
+    old_vm = cluster.vm_path
+    link = Path(tempfile.mkdtemp(prefix="gm-ln-")) / "vm"
+    link.symlink_to(old_vm)
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    cluster.vm_path = link
+    try:
+        mark = len(cluster.agent.log_text())
+        cluster.start_agent()
+        assert "--virtual-manager-path" not in cluster.agent.log_text()[mark:]
+    finally:
+        cluster.agent.stop()
+        cluster.vm_path = old_vm
+        shutil.rmtree(link.parent, ignore_errors=True)
+        cluster.start_agent()

@@ -250,3 +250,42 @@ def test_a_bind_taking_its_choice_back_puts_back_the_record_another_bind_of_the_
         assert _recorded(world.sim, "a").get(uid) == theirs
     finally:
         world.sim.hold_watches(False)
+
+
+def test_a_bind_in_flight_when_the_extender_is_told_to_stop_is_finished_and_answered(tmp_path: Any) -> None:
+    import threading
+
+    from simnode.extender_process import ExtenderProcess
+
+    with ApiServerSimulator(bookmark_interval=1.0) as sim:
+        sim.add_node("a", capacity={CORE: 100, MEMORY: 16})
+        pod = sim.create_pod(gpu_pod("p1", [(60, 4)]))
+        proc = ExtenderProcess(tmp_path, sim.write_kubeconfig(tmp_path / "kubeconfig")).start()
+        try:
+            sim.delay(r"/pods/p1/binding$", 2.0)  # the Binding is on its way when the rollout stops this pod
+            answers: list[object] = []
+
+            def bind() -> None:
+                try:
+                    answers.append(proc.post("bind", bind_args(pod, "a")))
+                except Exception as exc:
+                    answers.append(exc)
+
+            caller = threading.Thread(target=bind)
+            caller.start()
+            # The node's record and the pod's annotations are written, the Binding is held.
+            wait_for(
+                lambda: (
+                    "tencent.com/predicate-node"
+                    in (sim.get_pod("default", "p1") or {})["metadata"].get("annotations", {})
+                )
+            )
+            time.sleep(0.3)
+            assert proc.proc is not None
+            proc.proc.send_signal(15)
+            caller.join(20)
+            assert answers == [{"Error": ""}], answers
+            assert proc.wait(20) == 0
+            assert (sim.get_pod("default", "p1") or {})["spec"].get("nodeName") == "a"
+        finally:
+            proc.stop()

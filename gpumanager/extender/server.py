@@ -104,6 +104,10 @@ class ExtenderServer:
                 self._httpd.socket, server_side=True, do_handshake_on_connect=False
             )
         self._thread: threading.Thread | None = None
+        # Verb requests being answered, and whether the server is stopping (see stop()).
+        self._busy = threading.Condition()
+        self._in_flight = 0
+        self._closing = False
 
     @property
     def port(self) -> int:
@@ -123,10 +127,31 @@ class ExtenderServer:
             self._prefix,
         )
 
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
+    def stop(self, drain: float = 0.0) -> None:
+        """Stop serving and close the socket. ``drain``: seconds to wait for the verb requests being
+        answered (a bind cut short between its annotations and its Binding leaves the pod chosen for a
+        node and not bound); connections kept alive are closed after their answer."""
+        with self._busy:
+            self._closing = True
         self._httpd.shutdown()
+        deadline = time.monotonic() + drain
+        with self._busy:
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._busy.wait(left)
+            if self._in_flight:
+                log.warning("stopping with %d request(s) not answered yet", self._in_flight)
         self._httpd.server_close()
+
+    def _request_started(self) -> bool:
+        """Count a verb request in; False when the server is stopping (answer it, then close)."""
+        with self._busy:
+            self._in_flight += 1
+            return not self._closing
+
+    def _request_done(self) -> None:
+        with self._busy:
+            self._in_flight -= 1
+            self._busy.notify_all()
 
     def _verb_of(self, path: str) -> str | None:
         if self._prefix and not path.startswith(self._prefix + "/"):
@@ -176,6 +201,8 @@ class ExtenderServer:
                 self.send_response(code)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)
@@ -212,6 +239,14 @@ class ExtenderServer:
                     self._json(404, {"Error": f"no such path {path!r}"})
 
             def do_POST(self) -> None:
+                if not outer._request_started():
+                    self.close_connection = True
+                try:
+                    self._post()
+                finally:
+                    outer._request_done()
+
+            def _post(self) -> None:
                 started = time.perf_counter()
                 path = self.path.split("?", 1)[0].rstrip("/")
                 verb = outer._verb_of(path)

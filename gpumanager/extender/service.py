@@ -158,7 +158,8 @@ class Extender:
     def stop(self) -> None:
         """Stop serving and watching."""
         self._stopping.set()
-        self.server.stop()
+        # The binds being answered finish first (each within --bind-timeout), the watches still running.
+        self.server.stop(drain=self.settings.bind_timeout + 1.0)
         self.pods.stop()
         self.nodes.stop()
 

@@ -9,3 +9,7 @@ class VolumeError(Exception):
 
 class NotElfError(VolumeError):
     """A file that should be an ELF object is not one (or is unreadable as one)."""
+
+
+class SourceChangedError(VolumeError):
+    """A driver file changed while the mirror read it (a driver being installed): worth trying again soon."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpumanager.volume.errors import VolumeError
+from gpumanager.volume.errors import SourceChangedError, VolumeError
 
 if TYPE_CHECKING:
     from gpumanager.volume.manager import VdriverResult
@@ -106,6 +106,9 @@ class MirrorKeeper:
         except VolumeError as exc:
             if self._new_error(str(exc)):
                 log.error("driver mirror not built: %s", exc)
+            # a driver file written while it was read: an install is going on, look again soon
+            if isinstance(exc, SourceChangedError):
+                self.next_check = self._retry
             self._configured_paths()
             return False
         except Exception as exc:  # a reader's surprise must not end the agent's start

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumanager.volume.discovery import Identity, identity_of
-from gpumanager.volume.errors import VolumeError
+from gpumanager.volume.errors import SourceChangedError, VolumeError
 from gpumanager.volume.mirror import DIRS, TreePlan, usable_name
 
 log = logging.getLogger(__name__)
@@ -205,8 +205,8 @@ def _clone(source: Path, dst: Path, reuse: Path | None, link_source: bool, expec
     copy_file(source, dst, expected)
 
 
-def _changed(source: Path) -> VolumeError:
-    return VolumeError(
+def _changed(source: Path) -> SourceChangedError:
+    return SourceChangedError(
         f"{source} changed while the driver mirror read it (a driver being installed?); "
         "the tree is not published, the mirror is built again at its next check"
     )

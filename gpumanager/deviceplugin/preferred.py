@@ -99,7 +99,7 @@ class Preference:
         offered -= taken
         counts = self._counts(resource, offered)
         if counts is None:  # some IDs not spelt as this node spells its own: one at a time
-            return self._choose_each(resource, chosen, [d for d in available if d in offered], need)
+            return self._choose_each(resource, chosen, [d for d in dict.fromkeys(available) if d in offered], need)
         for gpu in self._gpus(resource, counts, need, chosen):
             if len(chosen) >= size:
                 break

@@ -1,0 +1,277 @@
+"""The device plugin as the kubelet drives it: GetPreferredAllocation with awkward requests, placement of
+whole GPUs and shares, GPU health in ListAndWatch, streams and kubelet restarts, on the simulated node."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpumanager import names
+from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from simnode.cluster import SimCluster, gpu_pod
+from simnode.gpusim_state import GpuSimState
+
+CORE = names.VCORE_RESOURCE
+MEM = names.VMEMORY_RESOURCE
+CORE_ID = names.VCORE_ID_PREFIX
+GiB = 1 << 30
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="dp-r11-") as d:
+        yield Path(d)
+
+
+def _stub(cluster: SimCluster, sock: str) -> tuple[grpc.Channel, pb_grpc.DevicePluginStub]:
+    channel = grpc.insecure_channel(f"unix://{cluster.kubelet.plugin_dir / sock}")
+    return channel, pb_grpc.DevicePluginStub(channel)
+
+
+def _prefer(stub: pb_grpc.DevicePluginStub, available: list[str], must: list[str], size: int) -> list[str]:
+    answer = stub.GetPreferredAllocation(
+        pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, must_include_deviceIDs=must, allocation_size=size
+                )
+            ]
+        ),
+        timeout=10,
+    )
+    return list(answer.container_responses[0].deviceIDs)
+
+
+def _core_ids(gpu: int) -> list[str]:
+    return [f"{CORE_ID}{gpu * 100 + n}" for n in range(100)]
+
+
+def _gpus_of(run_record: object) -> list[int]:
+    value = run_record.response.annotations[names.VDEVICE_ANNOTATION]  # type: ignore[attr-defined]
+    return sorted(int(p.rsplit("nvidia", 1)[1]) for p in value.split(","))
+
+
+def _check_answer(answer: list[str], available: list[str], must: list[str], size: int) -> None:
+    assert len(answer) == len(set(answer)), f"duplicate IDs in {answer}"
+    assert len(answer) <= max(size, 0)
+    for device_id in must[:size]:
+        assert device_id in answer
+    for device_id in answer:
+        assert device_id in available or device_id in must, device_id
+
+
+def test_preferred_allocation_awkward_requests(workdir: Path) -> None:
+    with SimCluster(workdir, "h100-nvlink-x8") as cluster:
+        channel, stub = _stub(cluster, "vcore.sock")
+        try:
+            everything = [i for g in range(8) for i in _core_ids(g)]
+            cases: list[tuple[list[str], list[str], int]] = [
+                # must_include on two different GPUs, a whole GPU and a half asked
+                (everything, [f"{CORE_ID}5", f"{CORE_ID}520"], 150),
+                # fewer IDs offered than asked
+                (_core_ids(3)[:50], [], 300),
+                # nothing asked
+                (everything, [], 0),
+                (everything, [f"{CORE_ID}7"], 0),
+                # more asked than the node has
+                (everything, [], 100_000),
+                # unknown IDs, offered and must-include
+                ([f"{CORE_ID}99999", "bogus", "", *_core_ids(1)], [f"{CORE_ID}99999"], 100),
+                (["tencent.com/vcuda-memory-268435456-3", *_core_ids(2)], [], 100),
+                # duplicates offered
+                ([*_core_ids(4)[:30], *_core_ids(4)[:30], f"{CORE_ID}0x"], [], 40),
+                ([*_core_ids(4)[:30], *_core_ids(4)[:30]], [], 40),
+                # must-include more than asked
+                (everything, _core_ids(6)[:20], 10),
+                # negative-looking and padded numbers
+                ([f"{CORE_ID}-1", f"{CORE_ID}007", *_core_ids(0)[:10]], [], 5),
+            ]
+            for available, must, size in cases:
+                answer = _prefer(stub, available, must, size)
+                _check_answer(answer, available, must, size)
+            # A whole GPU asked when every ID is offered: all of one GPU's.
+            answer = _prefer(stub, everything, [], 200)
+            gpus = {int(i[len(CORE_ID) :]) // 100 for i in answer}
+            assert len(answer) == 200 and len(gpus) == 2
+        finally:
+            channel.close()
+        channel, stub = _stub(cluster, "vmemory.sock")
+        try:
+            mem_ids = sorted(cluster.kubelet.devices(MEM))
+            for available, must, size in [
+                (mem_ids, [], 0),
+                (mem_ids[:5], [], 50),
+                ([*mem_ids[:5], *mem_ids[:5]], [], 8),
+                ([*mem_ids[:5], "x", f"{names.VMEMORY_ID_PREFIX}999999"], [mem_ids[-1]], 4),
+            ]:
+                answer = _prefer(stub, available, must, size)
+                _check_answer(answer, available, must, size)
+        finally:
+            channel.close()
+
+
+@pytest.mark.parametrize("spec,domains", [("h100-nvlink-x8", 1), ("h200-x16", 2)])
+def test_whole_gpus_land_on_close_sets(workdir: Path, spec: str, domains: int) -> None:
+    with SimCluster(workdir, spec) as cluster:
+        n = 8 * domains
+        placed: list[list[int]] = []
+        for i, count in enumerate([2, 2, 4] * domains):
+            run = cluster.admit(gpu_pod(f"w{i}", [("main", 100 * count, 0)]))
+            placed.append(_gpus_of(run.core["main"]))
+        used = [g for p in placed for g in p]
+        assert len(used) == len(set(used)) == n, placed
+        for gpus in placed:
+            numa = {g // 4 for g in gpus}  # four GPUs per NUMA node (PIX pairs inside)
+            assert len(numa) == 1, (placed, gpus)
+            if len(gpus) == 2:
+                assert gpus[0] % 2 == 0 and gpus[1] == gpus[0] + 1, (placed, gpus)
+        if domains == 2:
+            for run in list(cluster.runs.values()):
+                cluster.delete(run, wait=True)
+            for i in range(2):
+                run = cluster.admit(gpu_pod(f"e{i}", [("main", 800, 0)]))
+                assert _gpus_of(run.core["main"]) in (list(range(8)), list(range(8, 16)))
+
+
+def test_shares_never_overfill_a_gpu(workdir: Path) -> None:
+    rng = random.Random(11)
+    with SimCluster(workdir, "v100-pcie-x4") as cluster:
+        gpu_memory = {g: 16 * GiB for g in range(4)}
+        live: dict[str, tuple[list[int], int, int]] = {}
+        runs = {}
+        for step in range(60):
+            if live and rng.random() < 0.4:
+                uid = rng.choice(sorted(live))
+                cluster.delete(runs.pop(uid), wait=True)
+                del live[uid]
+                continue
+            cores = rng.choice([10, 25, 30, 50, 70, 100, 200])
+            blocks = 0 if cores >= 100 else rng.choice([1, 4, 8, 16, 24, 40])
+            try:
+                run = cluster.admit(gpu_pod(f"s{step}", [("main", cores, blocks)]))
+            except Exception:
+                continue
+            record = run.core["main"]
+            live[run.uid] = (_gpus_of(record), cores, blocks * names.MEMORY_BLOCK_BYTES)
+            runs[run.uid] = run
+            used_cores = {g: 0 for g in range(4)}
+            used_mem = {g: 0 for g in range(4)}
+            for gpus, c, m in live.values():
+                for g in gpus:
+                    used_cores[g] += min(c, 100)
+                    used_mem[g] += m if c < 100 else gpu_memory[g]
+            assert all(v <= 100 for v in used_cores.values()), (step, used_cores, live)
+            assert all(used_mem[g] <= gpu_memory[g] for g in range(4)), (step, used_mem, live)
+
+
+def _only_unhealthy(cluster: SimCluster, gpu: int | None, count: int) -> None:
+    layout_core = {f"{CORE_ID}{n}" for n in range(gpu * 100, gpu * 100 + 100)} if gpu is not None else set()
+
+    def core_ok(devs: dict) -> bool:  # type: ignore[type-arg]
+        return len(devs) == count * 100 and {i for i, d in devs.items() if not d.healthy} == layout_core
+
+    cluster.kubelet.wait_for_devices(CORE, core_ok, timeout=15)
+    mem = cluster.kubelet.devices(MEM)
+    per_gpu = len(mem) // count
+
+    def mem_ok(devs: dict) -> bool:  # type: ignore[type-arg]
+        bad = {int(i.rsplit("-", 1)[1]) // per_gpu for i, d in devs.items() if not d.healthy}
+        nbad = sum(1 for d in devs.values() if not d.healthy)
+        return (bad == ({gpu} if gpu is not None else set())) and nbad == (per_gpu if gpu is not None else 0)
+
+    cluster.kubelet.wait_for_devices(MEM, mem_ok, timeout=15)
+
+
+def test_every_critical_xid_marks_one_gpu_and_recovery_brings_it_back(workdir: Path) -> None:
+    flags = ["--health-quiet-period=1s", "--health-probe-period=100ms"]
+    with SimCluster(workdir, "v100-pcie-x4", agent_flags=flags) as cluster:
+        assert cluster.agent is not None
+        with GpuSimState(cluster.agent.state) as state:
+            for xid in (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140):
+                state.queue_xid(2, xid)
+                _only_unhealthy(cluster, 2, 4)
+                _only_unhealthy(cluster, None, 4)
+            # ignored ones never do
+            for xid in names.DEFAULT_IGNORED_XIDS:
+                state.queue_xid(1, xid)
+            time.sleep(1.0)
+            assert all(d.healthy for d in cluster.kubelet.devices(CORE).values())
+            # a GPU falling off the bus mid-run, and coming back
+            state.set_lost(3)
+            _only_unhealthy(cluster, 3, 4)
+            state.set_lost(3, False)
+            _only_unhealthy(cluster, None, 4)
+
+
+def _threads_and_fds(pid: int) -> tuple[int, int]:
+    return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_kubelet_restarts_fifty_times_without_leaks(workdir: Path) -> None:
+    with SimCluster(workdir, "t4-x1") as cluster:
+        assert cluster.agent is not None
+        pid = cluster.agent.pid
+        counts = []
+        for cycle in range(50):
+            since = time.monotonic()
+            cluster.kubelet.restart()
+            for resource in (CORE, MEM):
+                cluster.kubelet.wait_for_registration(resource, since=since, timeout=15, with_devices=True)
+            if cycle in (9, 49):
+                time.sleep(0.5)
+                counts.append(_threads_and_fds(pid))
+        assert cluster.kubelet.registration_count(CORE) >= 51
+        (t10, f10), (t50, f50) = counts
+        assert t50 <= t10 + 2 and f50 <= f10 + 4, counts
+        run = cluster.admit(gpu_pod("after", [("main", 50, 4)]))
+        assert run.core["main"].response.annotations[names.VCORE_RESOURCE] == "50"
+
+
+def test_two_listandwatch_streams_and_a_cancelled_one(workdir: Path) -> None:
+    flags = ["--health-quiet-period=1s", "--health-probe-period=100ms"]
+    with SimCluster(workdir, "v100-pcie-x4", agent_flags=flags) as cluster:
+        assert cluster.agent is not None
+        channel, stub = _stub(cluster, "vcore.sock")
+        try:
+            a = stub.ListAndWatch(pb.Empty())
+            b = stub.ListAndWatch(pb.Empty())
+            assert len(next(a).devices) == 400
+            assert len(next(b).devices) == 400
+            a.cancel()
+            with GpuSimState(cluster.agent.state) as state:
+                state.queue_xid(0, 79)
+                msg = next(b)
+                assert sum(1 for d in msg.devices if d.health == names.UNHEALTHY) == 100
+                c = stub.ListAndWatch(pb.Empty())
+                first = next(c)
+                assert sum(1 for d in first.devices if d.health == names.UNHEALTHY) == 100
+                msg = next(b)  # recovery
+                assert all(d.health == names.HEALTHY for d in msg.devices)
+                c.cancel()
+            b.cancel()
+        finally:
+            channel.close()
+        # the kubelet's own stream still works
+        run = cluster.admit(gpu_pod("after", [("main", 100, 0)]))
+        assert run.core["main"].response.annotations[names.VCORE_RESOURCE] == "100"
+
+
+def test_h200_lists_fit_the_default_message_limit(workdir: Path) -> None:
+    with SimCluster(workdir, "h200-x16") as cluster:
+        channel, stub = _stub(cluster, "vmemory.sock")
+        try:
+            stream = stub.ListAndWatch(pb.Empty())
+            msg = next(stream)
+            assert len(msg.devices) == len(cluster.kubelet.devices(MEM)) >= 16 * 500
+            assert msg.ByteSize() < 4 * 1024 * 1024
+            stream.cancel()
+        finally:
+            channel.close()

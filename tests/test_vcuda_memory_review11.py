@@ -4,7 +4,8 @@ Each scenario runs the C program in a container-like set-up: a driver mirror who
 ``libnvidia-ml.so.1`` are the interceptor in front of the simulated driver, a ``vcuda.config`` with a memory limit,
 a budget directory of its own.  The program pushes one allocation path as far as the interceptor lets it and
 prints what NVML accounts to it on the GPU (the simulated driver's record of what the GPU holds): never above the
-limit.  Every scenario also runs against the ASan/UBSan builds of the interceptor and of the simulated driver.
+limit, at the end and at the GPU's peak (the simulated node's record).  Every scenario also runs against the
+ASan/UBSan builds of the interceptor and of the simulated driver.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager.vmanager import files
+from simnode.gpusim_state import GpuSimState
 
 ROOT = Path(__file__).resolve().parents[1]
 VCUDA = ROOT / "vcuda"
@@ -97,8 +99,8 @@ def _mirror(where: Path, variant: str) -> Path:
     return where
 
 
-def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> int:
-    """Runs one scenario; returns the MiB NVML accounts to the program on the GPU at its end."""
+def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int]:
+    """Runs one scenario; returns the MiB NVML accounts to the program on the GPU at its end, and the GPU's peak."""
     mirror = _mirror(tmp_path / "mirror", variant)
     config = tmp_path / "config" / "vcuda.config"
     config.parent.mkdir()
@@ -125,7 +127,9 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     assert done.returncode == 0, f"{scenario} ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     m = re.search(r"^held (\d+)$", done.stdout, re.M)
     assert m is not None, f"{scenario} ({variant}): no report\n{done.stdout}\n{done.stderr}"
-    return int(m.group(1))
+    with GpuSimState(str(tmp_path / "node.state")) as st:
+        peak = st.snapshot(1).gpus[0].used_peak
+    return int(m.group(1)), peak >> 20
 
 
 SCENARIOS = [
@@ -134,6 +138,7 @@ SCENARIOS = [
     "arrays",
     "getproc",
     "graphs",
+    "fork",
     "contexts",
     "vmm",
     "threads",
@@ -151,5 +156,6 @@ SCENARIOS = [
 def test_the_gpu_never_holds_more_than_the_limit(
     programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
 ) -> None:
-    held = _run(programs, tmp_path, variant, scenario)
+    held, peak = _run(programs, tmp_path, variant, scenario)
     assert held <= LIMIT_MIB, f"{scenario} ({variant}): the GPU holds {held} MiB for a {LIMIT_MIB} MiB container"
+    assert peak <= LIMIT_MIB, f"{scenario} ({variant}): the GPU held {peak} MiB at its peak"

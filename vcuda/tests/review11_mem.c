@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MIB (1ull << 20)
@@ -47,7 +49,9 @@ static void check(CUresult rc, const char *what)
     }
 }
 
-/* What NVML accounts to this process on GPU 0, in bytes. */
+static bool g_all; /* held() counts every process on the GPU (the node runs only this container) */
+
+/* What NVML accounts to this process (g_all: to every process) on GPU 0, in bytes. */
 static uint64_t held(void)
 {
     static bool init;
@@ -71,7 +75,7 @@ static uint64_t held(void)
     }
     uint64_t sum = 0;
     for (unsigned i = 0; i < n; i++)
-        if (procs[i].pid == (unsigned)getpid())
+        if (g_all || procs[i].pid == (unsigned)getpid())
             sum += procs[i].usedGpuMemory;
     return sum;
 }
@@ -545,6 +549,48 @@ static void library_phantom(uint64_t limit_mib, bool by_kernel)
     report();
 }
 
+
+/*
+ * Half the limit allocated, then a fork: the child makes its own context and allocates what it can, the parent
+ * the rest; a second child exits without freeing, and the parent allocates again.  Every process of the container
+ * counts.
+ */
+static void forked(void)
+{
+    primary();
+    CUdeviceptr p;
+    for (int i = 0; i < 32 && FN(cuMemAlloc_v2)(&p, 8 * MIB) == CUDA_SUCCESS; i++)
+        ;
+    int ready[2];
+    if (pipe(ready) != 0)
+        exit(2);
+    pid_t child = fork();
+    if (child == 0) {
+        primary();
+        fill(8 * MIB);
+        if (write(ready[1], "x", 1) != 1)
+            _exit(2);
+        pause(); /* holds its memory until killed */
+        _exit(0);
+    }
+    char c;
+    if (read(ready[0], &c, 1) != 1)
+        exit(2);
+    fill(8 * MIB);
+    pid_t quitter = fork();
+    if (quitter == 0) {
+        primary();
+        fill(8 * MIB);
+        _exit(0); /* without freeing */
+    }
+    waitpid(quitter, NULL, 0);
+    fill(8 * MIB);
+    g_all = true;
+    report();
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -567,6 +613,8 @@ int main(int argc, char **argv)
         library_phantom(limit, false);
     else if (strcmp(argv[1], "library-kernel") == 0)
         library_phantom(limit, true);
+    else if (strcmp(argv[1], "fork") == 0)
+        forked();
     else if (strcmp(argv[1], "base") == 0)
         base();
     else if (strcmp(argv[1], "pitch-wrap") == 0)

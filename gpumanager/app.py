@@ -397,6 +397,7 @@ class Agent:
             log.exception("cannot load the allocation state")
             self._component_failed("allocation", f"cannot load the allocation state: {exc}")
             self.handlers.fail(f"the allocation state could not be loaded: {exc}")
+            self._withdraw_slices("the allocation state could not be loaded")
             self.ready.set()
             return
         try:
@@ -602,6 +603,12 @@ class Agent:
                 f"cannot serve the DRA driver on {dra_sock} (--dra-plugin-path) and {reg_sock} "
                 f"(--plugin-registry-path): {exc}; not serving claims",
             )
+            # Made but not serving: not the agent's DRA driver (the start's last line, /readyz, the stop).
+            with self._lifecycle:
+                dra, self.dra = self.dra, None
+            if dra is not None:
+                dra.stop()
+            self._withdraw_slices("the DRA driver cannot be served")
             return
         from gpumanager.dra.constants import slice_name
 
@@ -615,6 +622,12 @@ class Agent:
             slice_name(self.node_name, cfg.dra_driver_name),
             self.dra.sockets.service_socket,
         )
+
+    def _withdraw_slices(self, why: str) -> None:
+        """DRA mode serves no claim: the ResourceSlice published first in the start is deleted, so that no
+        claim is placed on GPUs that cannot be prepared."""
+        if self.config.mode == "dra" and self._slices is not None:
+            self._slices.withdraw(why)
 
     def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi

@@ -165,3 +165,25 @@ def test_gpu_gone_at_reboot_with_the_minors_after_it_shifted(tmp_path: Path, sim
         fits = make_claim(c, "fits", [share("gpu-3", "100", "1Gi")])
         assert c.kubelet.prepare(DRIVER, [fits])[fits[2]]["error"] == ""
         assert nodes(fits[2]) == ["/dev/nvidia2"]
+
+
+def test_a_driver_that_serves_no_claim_publishes_no_gpu(tmp_path: Path, sim_built: Path) -> None:
+    """The slice goes out early in the start (the scheduler waits on it); when the start then fails to serve
+    claims (here dra.sock cannot be bound: a directory is in its way), the GPUs must not stay offered: every
+    claim placed on them would fail its Prepare for good. The slice is deleted and not published again."""
+    from simnode.dra_kubelet import DRAKubeletSimulator
+
+    c = DRACluster(tmp_path, "v100-pcie-x4", health_quiet_period="1h", status_lag=0)
+    try:
+        c.start_api()
+        c.kubelet = DRAKubeletSimulator(
+            registry_dir=c.registry_dir, api_client=c.client, node=NODE, cdi_dirs=[c.cdi_root]
+        )
+        c.kubelet.start()
+        (c.plugin_dir / "dra.sock").mkdir(parents=True)
+        agent = c.start_agent(wait=False)
+        agent.wait_for_log("is not serving claims", timeout=30)
+        c.wait_slice(lambda s: s is None, timeout=10)
+        assert "cannot serve the DRA driver" in agent.log_text()
+    finally:
+        c.stop()

@@ -241,6 +241,7 @@ class SlicePublisher:
         self._owner_problem = ""
         self._dry_run_problem = ""  # why the last dry run was refused (warned once per reason)
         self._lock = threading.Lock()
+        self._withdrawn = False  # withdraw() deleted the slice: no sync writes it again
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -274,6 +275,26 @@ class SlicePublisher:
         """The content changed (health): sync soon."""
         self._wake.set()
 
+    def withdraw(self, why: str) -> None:
+        """Stop syncing and delete the node's slice: the driver serves no claim (``why``), so no GPU of this
+        node may be offered (each claim placed there would fail its Prepare for good, while the scheduler
+        could place it on another node). A delete that fails is logged; the kubelet deletes the slices of a
+        driver it does not have registered when it starts."""
+        self.stop()
+        with self._lock:  # after a sync in progress, which may have written the slice again
+            self._withdrawn = True
+            self.published.clear()
+            try:
+                self._rest.delete_object(f"{SLICES}/{segment(self.name)}", timeout=REQUEST_TIMEOUT)
+            except ApiException as exc:
+                if exc.status != 404:
+                    log.error("cannot delete ResourceSlice %s (%s): %s", self.name, why, describe(exc))
+                    return
+            except Exception as exc:  # a connection error, a timeout
+                log.error("cannot delete ResourceSlice %s (%s): %s", self.name, why, exc)
+                return
+        log.warning("deleted ResourceSlice %s: %s, so none of this node's GPUs is offered", self.name, why)
+
     # -- sync ---------------------------------------------------------------------------------
 
     def _sync_logged(self) -> bool:
@@ -306,6 +327,8 @@ class SlicePublisher:
     def sync(self) -> bool:
         """One pass; returns whether it wrote. Raises ApiException and connection errors."""
         with self._lock:
+            if self._withdrawn:  # a sync that waited for the lock while the slice was withdrawn
+                return False
             self.syncs += 1
             listed = self._rest.list_objects(SLICES, field_selector=self._selector, timeout=REQUEST_TIMEOUT)
             items = (listed or {}).get("items") or []

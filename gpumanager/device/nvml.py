@@ -401,13 +401,13 @@ def _unique_minors(gpus: list[GPUInfo], lost: list[int]) -> list[GPUInfo]:
     The driver numbers the GPUs (their minors, ``/dev/nvidia<minor>``) in the order it finds them at boot:
     a GPU no longer found takes its number with it and the GPUs after it move one lower, so the minor
     saved for a lost GPU may be a live GPU's now. That number names the live GPU's device node; the lost
-    GPU (which has no node) gets the first number no GPU has, and the live one keeps its own."""
+    GPU (which has no node) gets a number above every GPU's, and the live one keeps its own."""
     live = {g.minor for g in gpus if g.index not in lost}
     taken = {g.minor for g in gpus}
     out = []
     for g in gpus:
         if g.index in lost and g.minor in live:
-            minor = next(m for m in range(len(taken) + len(gpus) + 1) if m not in taken)
+            minor = max(taken) + 1  # above every number the driver gave (as a stand-in without a saved minor)
             taken.add(minor)
             log.warning(
                 "GPU %d (%s) is lost, and its minor %d is GPU %s's now (the driver numbered the GPUs again "

@@ -93,6 +93,15 @@ def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | Non
         _fail("--assume-ttl", str(args.assume_ttl), f"must be positive and at most {MAX_ASSUME_TTL} seconds")
     if not 0 < args.bind_timeout <= 600:
         _fail("--bind-timeout", str(args.bind_timeout), "must be more than 0 and at most 600 seconds")
+    if args.assume_ttl < args.bind_timeout:
+        # A replica that sees a pod chosen for a node (not bound) holds its GPUs there for --assume-ttl
+        # only: shorter than a bind may take, they would be let go while another replica's bind still runs.
+        _fail(
+            "--assume-ttl",
+            f"{args.assume_ttl:g}",
+            f"must be at least --bind-timeout={args.bind_timeout:g}: a pod chosen for a node would stop "
+            "holding its GPUs there while its bind still runs",
+        )
     if args.kubeconfig and not Path(args.kubeconfig).is_file():
         _fail("--kubeconfig", args.kubeconfig, "no such file")
     cert, key = args.tls_cert_file, args.tls_private_key_file

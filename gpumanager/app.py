@@ -256,6 +256,7 @@ class Agent:
             interceptor=cfg.vcuda_library,
             gpu_client=cfg.gpu_client_path,
             proc_root=cfg.proc_root,
+            report=self._mirror_state,
         )
         allocator = Allocator(
             gpus=self.gpus,
@@ -701,6 +702,14 @@ class Agent:
         problem = self.api.label_node(self._labels, self.gpus[0].name if self.gpus else "")
         if problem:
             self._component_failed("node-labels", problem)
+
+    def _mirror_state(self, error: str) -> None:
+        """After each build of the driver mirror: its error ('' when built) in the probes' bodies (the
+        keeper logs it; a start-time failure is logged by the start)."""
+        if error:
+            self.component_errors["volume"] = f"driver mirror not built: {error}"
+        else:
+            self.component_errors.pop("volume", None)
 
     def _component_failed(self, name: str, message: str) -> None:
         self.component_errors[name] = message

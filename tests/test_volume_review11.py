@@ -5,8 +5,18 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +95,78 @@ def test_a_driver_file_changed_while_copied_is_read_again_soon(
     assert keeper.build() is True, keeper.error
     assert keeper.share_problem == ""
     assert keeper.next_check == 300.0
+
+
+def test_a_mirror_error_of_the_start_leaves_the_probe_body_once_a_build_succeeds(
+    tmp_path: Path, driver_store: DriverStore
+) -> None:
+    # The first build fails (a broken volume.conf); the operator repairs it and sends SIGHUP. The
+    # rebuilt mirror must not be reported as "not built" by /healthz and /readyz for ever after.
+    root = tmp_path / "host"
+    install_driver(driver_store, root)
+    conf_file = tmp_path / "volume.conf"
+    conf_file.write_text("{not json")
+    sim = ROOT / "vcuda" / "build" / "sim"
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": str(sim),
+        "GPUSIM_SPEC": str(ROOT / "deploy" / "sim" / "t4-x1.json"),
+        "GPUSIM_STATE": str(tmp_path / "gpusim.state"),
+    }
+    kubelet = subprocess.Popen(
+        [sys.executable, "-m", "simnode.kubelet", "--plugin-dir", str(tmp_path / "dp")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log_file = tmp_path / "agent.log"
+    vm = Path(tempfile.mkdtemp(prefix="vm", dir="/tmp"))  # pods' vcuda.sock paths must fit a unix socket
+    agent = None
+    try:
+        agent = subprocess.Popen(
+            [
+                sys.executable, "-m", "gpumanager.cli", "--hostname-override=node1", "--query-port=0",
+                f"--device-plugin-path={tmp_path / 'dp'}", f"--display-socket={tmp_path / 'gm.sock'}",
+                f"--checkpoint-path={tmp_path / 'cp'}", f"--virtual-manager-path={vm}",
+                f"--volume-config={conf_file}", f"--driver-root={root}", f"--proc-root={tmp_path / 'noproc'}",
+            ],
+            env=env,
+            stdout=log_file.open("w"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        port = _wait_for(lambda: re.search(r"HTTP on 127\.0\.0\.1:(\d+)", log_file.read_text()), 60, log_file)
+        url = f"http://127.0.0.1:{port.group(1)}/healthz"
+        _wait_for(lambda: "volume" in _errors(url), 30, log_file)
+        conf = json.loads((ROOT / "deploy" / "volume.conf").read_text())
+        for volume in conf["volume"]:
+            volume["base"] = str(tmp_path / "vdriver")
+        conf_file.write_text(json.dumps(conf))
+        agent.send_signal(signal.SIGHUP)
+        _wait_for(lambda: (tmp_path / "vdriver" / "origin").is_symlink(), 30, log_file)
+        _wait_for(lambda: "volume" not in _errors(url), 10, log_file)
+    finally:
+        for process in (agent, kubelet):
+            if process is not None:
+                process.terminate()
+                process.wait(10)
+        shutil.rmtree(vm, ignore_errors=True)
+
+
+def _errors(url: str) -> dict[str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as refused:
+        body = refused.read()
+    errors: dict[str, str] = json.loads(body)["errors"]
+    return errors
+
+
+def _wait_for(probe: Callable[[], Any], seconds: float, log_file: Path) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = probe()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"not within {seconds} s; agent log:\n{log_file.read_text()[-3000:]}")

@@ -47,7 +47,10 @@ class MirrorKeeper:
         retry: float = INSTALL_RETRY_SECONDS,
         settle: float = INSTALL_SETTLE_SECONDS,
         clock: Callable[[], float] = time.time,
+        report: Callable[[str], None] | None = None,
     ) -> None:
+        """``report`` is called after each build with its error ('' when it succeeded)."""
+        self._report = report or (lambda _error: None)
         self._gpu_client = gpu_client
         self._proc_root = proc_root
         self._config = volume_config
@@ -86,9 +89,14 @@ class MirrorKeeper:
     def build(self) -> bool:
         """Build (or check) the mirror now; False with :attr:`error` set when it fails. A failure is
         logged by the rechecks after :meth:`start` (once until it changes); the first build's caller
-        reports its own."""
+        reports its own. Either way the outcome goes to ``report``."""
         if not self._config:
             return False
+        built = self._build()
+        self._report(self.error)
+        return built
+
+    def _build(self) -> bool:
         # Loaded here, after registration: ELF reading is the slowest import of the agent.
         from gpumanager.volume.manager import build_vdriver
 

@@ -275,3 +275,69 @@ def test_h200_lists_fit_the_default_message_limit(workdir: Path) -> None:
             stream.cancel()
         finally:
             channel.close()
+
+
+class _RefusingKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
+    """A kubelet that refuses the first ``refusals`` Register calls as the real one refuses a taken name."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls: list[str] = []
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.calls.append(request.resource_name)
+        if len(self.calls) <= self.refusals:
+            context.abort(
+                grpc.StatusCode.UNKNOWN,
+                f'the ResourceName "{request.resource_name}" is already taken by another active device plugin',
+            )
+        return pb.Empty()
+
+
+def test_a_kubelet_that_refuses_registration_is_named_and_retried(workdir: Path) -> None:
+    from concurrent import futures
+
+    cluster = SimCluster(workdir, "t4-x1")
+    cluster.start(agent=False)
+    try:
+        cluster.kubelet.stop()
+        refusing = _RefusingKubelet(refusals=6)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(refusing, server)
+        server.add_insecure_port(f"unix://{cluster.kubelet.socket_path}")
+        server.start()
+        try:
+            agent = cluster.start_agent(wait=False)
+            deadline = time.monotonic() + 30
+            while len(refusing.calls) < 8 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(refusing.calls) >= 8, refusing.calls  # retried after the refusals, in process
+            assert agent.proc is not None and agent.proc.poll() is None
+            log = agent.wait_for_log("registered with the kubelet after", timeout=30)
+            refused = [line for line in log.splitlines() if "refused registration" in line]
+            assert refused, log[-3000:]
+            assert "already taken" in refused[0] and "tencent.com/vcuda-" in refused[0], refused[0]
+            # one line for the repeated refusal, not one per try
+            assert len([ln for ln in refused if "not registered with the kubelet" in ln]) <= 2, refused
+            assert "Traceback" not in log
+        finally:
+            server.stop(None)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("cores,memory_blocks", [(100, 0), (200, 0), (30, 8)])
+def test_allocate_keeps_the_numa_node_the_topology_manager_chose(workdir: Path, cores: int, memory_blocks: int) -> None:
+    """With the kubelet's Topology Manager, the IDs offered and given are those of the NUMA node it chose (and
+    the CPUs it pins are there): the GPUs the agent answers with must be on that node when it has room."""
+    with SimCluster(workdir, "h100-nvlink-x8") as cluster:
+        for numa, gpus in ((1, range(4, 8)), (0, range(4))):
+            pod = cluster.create(gpu_pod(f"numa{numa}", [("main", cores, memory_blocks)]))
+            uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+            record = cluster.kubelet.allocate(
+                CORE, cores, pod_uid=uid, container_name="main", numa_hint={numa}, pod_name=name, namespace="default"
+            )
+            id_gpus = {int(i[len(CORE_ID) :]) // 100 for i in record.device_ids}
+            assert id_gpus <= set(gpus), record.device_ids  # the kubelet kept to the node
+            placed = _gpus_of(record)
+            assert set(placed) <= set(gpus), (numa, placed)

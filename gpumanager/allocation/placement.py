@@ -71,11 +71,11 @@ def decide(allocator: Allocator, candidate: Candidate, device_ids: tuple[str, ..
         uid = podinfo.uid(pod)
         tree = tree_without_predicated(allocator, pod, req)
         kept = without_freed_room(allocator, tree, device_ids)
-        indices = gpu_charges.choose_lending(allocator, kept, uid, cores, memory, device_ids)
+        indices = numa_first(allocator, kept, uid, cores, memory, device_ids)
         if indices:
             tree = kept
         elif kept is not tree:  # no room but that of freed allocations: likely freed indeed
-            indices = gpu_charges.choose_lending(allocator, tree, uid, cores, memory, device_ids)
+            indices = numa_first(allocator, tree, uid, cores, memory, device_ids)
             if indices and allocator._holder_of is not None:
                 # Unless the kubelet holds their IDs for a pod that waits to start: asked (lock released).
                 raise withheld(allocator, who, {tree.leaf(i).minor for i in indices}, device_ids)
@@ -85,11 +85,57 @@ def decide(allocator: Allocator, candidate: Candidate, device_ids: tuple[str, ..
                 who,
             )
             tree = allocator._tree
-            indices = gpu_charges.choose_lending(allocator, tree, uid, cores, memory, device_ids)
+            indices = numa_first(allocator, tree, uid, cores, memory, device_ids)
         if not indices:
             raise AllocationError(f"{who}: {why_none(allocator, cores, memory)}", "exhausted")
         minors = tuple([tree.leaf(i).minor for i in indices])
     return allocation(allocator, candidate, device_ids, minors)
+
+
+def numa_nodes_of(tree: TopologyTree, device_ids: Sequence[str]) -> frozenset[int] | None:
+    """The NUMA nodes of the GPUs that the vcuda-core ``device_ids`` name (GPU g owns IDs 100g .. 100g+99)
+    when they are fewer than the node's: the kubelet's Topology Manager offers and gives only IDs of the
+    NUMA nodes it chose (and pins the container's CPUs there). None when they are all of them, or some
+    GPU named or of the node has no NUMA node."""
+    everywhere: set[int] = set()
+    for leaf in tree.leaves:
+        if leaf.info.numa_node is None:
+            return None
+        everywhere.add(leaf.info.numa_node)
+    named: set[int] = set()
+    for device_id in device_ids:
+        tail = ids.tail_number(device_id[len(names.VCORE_ID_PREFIX) :])
+        if not device_id.startswith(names.VCORE_ID_PREFIX) or tail is None:
+            return None
+        try:
+            numa = tree.leaf(tail // names.HUNDRED_CORES).info.numa_node
+        except (KeyError, IndexError, ValueError):
+            return None
+        if numa is None:
+            return None
+        named.add(numa)
+        if len(named) == len(everywhere):
+            return None
+    return frozenset(named) if named else None
+
+
+def numa_first(
+    allocator: Allocator, tree: TopologyTree, pod_uid: str, cores: int, memory: int, device_ids: Sequence[str]
+) -> list[int]:
+    """:func:`~gpumanager.allocation.gpu_charges.choose_lending` among the GPUs on the NUMA nodes of the
+    GPUs the kubelet gave IDs of (:func:`numa_nodes_of`) when they can hold the container, else among all.
+    Lock held."""
+    nodes = numa_nodes_of(tree, device_ids)
+    if nodes is not None:
+        outside = [leaf for leaf in tree.leaves if leaf.info.numa_node not in nodes]
+        narrowed = tree.clone()
+        for leaf in outside:
+            narrowed.occupy(leaf.index, leaf.allocatable_cores, leaf.allocatable_memory)
+        picked = gpu_charges.choose_lending(allocator, narrowed, pod_uid, cores, memory, device_ids)
+        # An init container's room lent back may lie outside: only a choice inside counts.
+        if picked and not set(picked) & {leaf.index for leaf in outside}:
+            return picked
+    return gpu_charges.choose_lending(allocator, tree, pod_uid, cores, memory, device_ids)
 
 
 def allocation(

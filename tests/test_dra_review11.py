@@ -187,3 +187,24 @@ def test_a_driver_that_serves_no_claim_publishes_no_gpu(tmp_path: Path, sim_buil
         assert "cannot serve the DRA driver" in agent.log_text()
     finally:
         c.stop()
+
+
+def test_socket_directory_replaced_by_a_file_is_said_without_traceback(cluster: DRACluster) -> None:
+    """The directory of dra.sock replaced by a file: the sockets cannot be served again. The agent says so
+    in one error line naming the socket and the error (no traceback each pass), and serves them again, and
+    is registered again, once the directory can be made."""
+    import shutil
+    import time
+
+    assert cluster.agent is not None and cluster.kubelet is not None
+    before = cluster.kubelet.registrations(DRIVER)
+    shutil.rmtree(cluster.plugin_dir)
+    cluster.plugin_dir.write_text("not a directory\n")
+    cluster.agent.wait_for_log("cannot serve the DRA sockets again", timeout=30)
+    time.sleep(7)  # more passes of the watch
+    log = cluster.agent.log_text()
+    assert "Traceback" not in log
+    assert log.count("cannot serve the DRA sockets again") == 1
+    assert str(cluster.plugin_dir / "dra.sock") in log
+    cluster.plugin_dir.unlink()
+    cluster.kubelet.wait_registered(DRIVER, after=before, timeout=30)

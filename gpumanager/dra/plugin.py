@@ -50,6 +50,15 @@ class RegistrationState:
     history: list[float] = field(default_factory=list)
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """:func:`socket_identity`, None also where the path cannot be looked at (its directory replaced by a
+    file): no socket of ours is there."""
+    try:
+        return socket_identity(path)
+    except OSError:
+        return None
+
+
 class _Socket:
     def __init__(self, path: Path, register: Sequence[Register], executor: futures.ThreadPoolExecutor) -> None:
         self.path = path
@@ -77,7 +86,7 @@ class _Socket:
         if self._server is not None:
             self._server.stop(grace=0.5).wait(2.0)
             self._server = None
-        if self.identity is not None and socket_identity(self.path) == self.identity:
+        if self.identity is not None and _identity(self.path) == self.identity:
             try:
                 self.path.unlink()
             except FileNotFoundError:
@@ -85,7 +94,7 @@ class _Socket:
         self.identity = None
 
     def intact(self) -> bool:
-        return self.identity is not None and socket_identity(self.path) == self.identity
+        return self.identity is not None and _identity(self.path) == self.identity
 
 
 class DRAPluginSockets:
@@ -182,15 +191,31 @@ class DRAPluginSockets:
         return min(self._period, max(left, 0.0))
 
     def _run(self) -> None:
+        unserved = ""  # why the sockets could not be served again at the last pass (said once)
         while not self._stop.wait(self._next_look()):
             try:
                 if not (self._service.intact() and self._registration.intact()):
-                    log.info("a DRA socket was removed (kubelet restart?); serving both again")
+                    if not unserved:
+                        log.info("a DRA socket was removed (kubelet restart?); serving both again")
                     self.state.registered = False
                     self.registered_event.clear()
                     self._registration.stop()
                     self._service.stop()
-                    self._serve()
+                    try:
+                        self._serve()
+                    except (OSError, RuntimeError) as exc:  # its directory cannot be made, the bind refused
+                        why = (
+                            f"cannot serve the DRA sockets again ({self.service_socket}, {self.registration_socket}): "
+                            f"{exc}; the kubelet cannot call the driver until they can be served (tried again "
+                            "every pass)"
+                        )
+                        if why != unserved:
+                            log.error("%s", why)
+                        unserved = why
+                        continue
+                    if unserved:
+                        log.info("DRA sockets served again after: %s", unserved)
+                    unserved = ""
                     self.state.server_restarts += 1
                 if not self._overdue_told and self.overdue():
                     self._overdue_told = True

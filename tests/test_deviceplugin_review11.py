@@ -341,3 +341,68 @@ def test_allocate_keeps_the_numa_node_the_topology_manager_chose(workdir: Path, 
             assert id_gpus <= set(gpus), record.device_ids  # the kubelet kept to the node
             placed = _gpus_of(record)
             assert set(placed) <= set(gpus), (numa, placed)
+
+
+def test_plugin_directory_removed_with_the_kubelet_and_made_again(workdir: Path) -> None:
+    import shutil
+
+    with SimCluster(workdir, "t4-x1", agent_flags=["--kubelet-watch-period=30s"]) as cluster:
+        for _ in range(3):
+            cluster.kubelet.stop()
+            shutil.rmtree(cluster.kubelet.plugin_dir)
+            time.sleep(0.3)
+            since = cluster.kubelet.start()
+            for resource in (CORE, MEM):
+                record = cluster.kubelet.wait_for_registration(resource, since=since, timeout=5, with_devices=True)
+                assert record is not None
+        run = cluster.admit(gpu_pod("after", [("main", 50, 4)]))
+        assert run.core["main"].response.annotations[CORE] == "50"
+
+
+def test_a_gpu_lost_before_the_start_is_listed_unhealthy_and_comes_back(workdir: Path) -> None:
+    flags = ["--health-quiet-period=1s", "--health-probe-period=100ms"]
+    cluster = SimCluster(workdir, "v100-pcie-x4", agent_flags=flags)
+    cluster.start(agent=False)
+    try:
+        state_path = workdir / "gpusim.state"
+        with GpuSimState(state_path) as state:
+            state.set_lost(1)
+            cluster.start_agent()
+            assert cluster.agent is not None and cluster.agent.state == state_path
+            _only_unhealthy(cluster, 1, 4)
+            state.set_lost(1, False)
+            _only_unhealthy(cluster, None, 4)
+            run = cluster.admit(gpu_pod("after", [("main", 400, 0)]))
+            assert _gpus_of(run.core["main"]) == [0, 1, 2, 3]
+    finally:
+        cluster.stop()
+
+
+def test_directory_watch_follows_a_directory_made_again_while_the_old_one_is_held_open(workdir: Path) -> None:
+    """The agent holds its device-plugin directory open (its lock): removed, that directory lives on
+    without an entry (no DELETE_SELF comes), and a watch left on it never sees the new one's files."""
+    import shutil
+    import threading
+
+    from gpumanager.deviceplugin.dirwatch import DirectoryWatch
+
+    directory = workdir / "device-plugins"
+    directory.mkdir()
+    held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    watch = DirectoryWatch(directory)
+    try:
+        (directory / "vcore.sock").write_text("")
+        assert watch.wait(2)
+        shutil.rmtree(directory)
+        assert watch.wait(2)  # the entry's removal is seen
+        directory.mkdir()
+        watch.wait(0.05)
+        timer = threading.Timer(0.2, (directory / "kubelet.sock").write_text, ("",))
+        timer.start()
+        started = time.monotonic()
+        assert watch.wait(10)
+        assert time.monotonic() - started < 5
+        timer.join()
+    finally:
+        watch.close()
+        os.close(held)

@@ -27,6 +27,10 @@ class DirectoryWatch:
         self._wake_r, self._wake_w = os.pipe()
         self._inotify: INotify | None = None
         self._watching = False
+        self._wd: int | None = None
+        # (device, inode) of the directory watched: one removed while a process holds it open (the
+        # agent's lock on it) lives on without an entry, and its watch gets no DELETE_SELF.
+        self._identity: tuple[int, int] | None = None
         self._tracked: set[str] = set()  # names take_created was asked about
         self._created: set[str] = set()  # of those, the ones made or moved in since the last take_created
         try:
@@ -36,18 +40,38 @@ class DirectoryWatch:
         self._arm()
 
     def _arm(self) -> None:
-        if self._inotify is None or self._watching:
+        if self._inotify is None:
             return
         try:
-            self._inotify.add_watch(str(self._dir), _EVENTS)
+            st = os.stat(self._dir)  # before the watch is added: a directory swapped meanwhile differs
+            identity: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        except OSError:
+            identity = None
+        if self._watching:
+            if identity == self._identity:
+                return
+            # Removed (or replaced) while held open somewhere: the watch is on a directory without an
+            # entry, which no one makes files in any more.
+            log.info("%s was removed or replaced; watching it again", self._dir)
+            self._watching = False
+            if self._wd is not None:
+                with contextlib.suppress(OSError):
+                    self._inotify.rm_watch(self._wd)
+                self._wd = None
+        if identity is None:
+            return
+        try:
+            self._wd = self._inotify.add_watch(str(self._dir), _EVENTS)
             self._watching = True
+            self._identity = identity
         except OSError as exc:
             log.debug("cannot watch %s yet: %s", self._dir, exc)
 
     def wait(self, timeout: float) -> bool:
         """Block until something changes in the directory (True), or ``timeout`` / :meth:`wake` (False)."""
         self._arm()
-        fds = [self._wake_r] + ([self._inotify.fileno()] if self._inotify is not None and self._watching else [])
+        # The inotify descriptor even while nothing is watched: events of a watch just dropped are still read.
+        fds = [self._wake_r] + ([self._inotify.fileno()] if self._inotify is not None else [])
         try:
             ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
         except (OSError, ValueError):
@@ -58,7 +82,7 @@ class DirectoryWatch:
                 changed = True
                 if event.mask & (flags.CREATE | flags.MOVED_TO) and event.name in self._tracked:
                     self._created.add(event.name)
-                if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED):
+                if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED) and event.wd == self._wd:
                     self._watching = False  # the directory itself went away: watch it again when it is back
         if self._wake_r in ready:
             with contextlib.suppress(OSError):

@@ -11,6 +11,12 @@ the verb's argument answers 400 with ``{"Error": ...}`` naming what is wrong, as
 with Content-Length headers that differ (its connection is closed). A connection may wait for its
 next request as long as the idle timeout between bytes, but a request must arrive whole within the
 idle timeout of its first byte (a client dripping it a byte at a time is dropped).
+
+Bounds, so that no client can take the memory the process is given: a body larger than
+:data:`MAX_BODY` is answered 413 naming the bound; large bodies share a budget of that size while
+they are read and answered (one that does not fit within :data:`BODY_WAIT` seconds gets 503); at most
+:data:`MAX_CONNECTIONS` connections are served at once, the idle ones closed to make room for new
+ones, and a connection beyond them while every one is busy gets 503 within :data:`ACCEPT_WAIT` s.
 """
 
 from __future__ import annotations
@@ -34,7 +40,25 @@ from gpumanager.extender.metrics import ExtenderMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 64 << 20
+#: The largest request body taken (413 beyond, naming it): ExtenderArgs carrying 5,000 Node objects of
+#: 10 KiB on average (a Node with the kubelet's list of 50 images is 10-15 KiB, without it about 5 KiB; the
+#: scheduler sends only the nodes its own filters passed, which for a vcuda pod are the GPU nodes). A
+#: scheduler that sends more should send names (``nodeCacheCapable: true``, some 20 bytes a node): the
+#: extender judges every node its watch has shown from the watch anyway.
+MAX_BODY = 48 << 20
+#: Bodies larger than this share a budget of ``max_body`` bytes while they are read and answered (an answer
+#: holds about as much again: the Node objects that pass), so that many large bodies at once cannot add
+#: up past the memory limit; smaller ones (a bind, names of a few thousand nodes) are never held up.
+SMALL_BODY = 128 << 10
+#: Seconds a large body waits for room in that budget before it is answered 503.
+BODY_WAIT = 3.0
+#: Connections served at once, each by a thread of its own. At the limit, idle ones (waiting for their
+#: next request) are closed, the longest idle first; when every one is busy with a request, a new
+#: connection waits :data:`ACCEPT_WAIT` seconds for one to end, then is answered 503 and closed.
+MAX_CONNECTIONS = 128
+ACCEPT_WAIT = 1.0
+#: Seconds between two warnings about connections refused because every connection was busy.
+_REFUSED_LOG_EVERY = 10.0
 #: gpu-admission's verb names (its routes), so scheduler configurations written for it keep working.
 _ALIASES = {"predicates": "filter", "priorities": "prioritize"}
 
@@ -52,10 +76,143 @@ class Routes:
     version: dict[str, str]
 
 
+class RefusedError(Exception):
+    """A request refused before its verb ran, with the HTTP status to answer (413, 503)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Connections:
+    """The open connections, each idle (waiting for its next request) or busy with one; at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Condition()
+        self._idle: dict[socket.socket, None] = {}  # the longest idle first
+        self._busy: set[socket.socket] = set()
+        self._refused = 0
+        self._refused_logged = -_REFUSED_LOG_EVERY
+
+    def admit(self, sock: socket.socket, wait: float) -> bool:
+        """Count a new connection in (idle), closing idle ones to make room; False when every connection
+        stayed busy for ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while len(self._idle) + len(self._busy) >= self.limit:
+                if self._idle:
+                    oldest = next(iter(self._idle))
+                    del self._idle[oldest]
+                    try:  # its thread reads the end of the connection and stops
+                        socket.socket.shutdown(oldest, socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._refused += 1
+                    now = time.monotonic()
+                    if now - self._refused_logged >= _REFUSED_LOG_EVERY:
+                        log.warning(
+                            "%d connection(s) refused (503): all %d connections are busy with requests",
+                            self._refused,
+                            self.limit,
+                        )
+                        self._refused, self._refused_logged = 0, now
+                    return False
+                self._lock.wait(left)
+            self._idle[sock] = None
+            return True
+
+    def busy(self, sock: socket.socket) -> bool:
+        """A request began on ``sock``; False when the connection was closed as idle meanwhile."""
+        with self._lock:
+            if sock not in self._idle:
+                return False
+            del self._idle[sock]
+            self._busy.add(sock)
+            return True
+
+    def idle(self, sock: socket.socket) -> None:
+        """The request on ``sock`` was answered: it waits for the next (the newest idle)."""
+        with self._lock:
+            if sock in self._busy:
+                self._busy.discard(sock)
+                self._idle[sock] = None
+
+    def closed(self, sock: socket.socket) -> None:
+        """``sock`` is about to be closed (before its descriptor can be reused)."""
+        with self._lock:
+            self._idle.pop(sock, None)
+            self._busy.discard(sock)
+            self._lock.notify_all()
+
+
+class _Budget:
+    """Bytes of large request bodies being read and answered, at most ``size`` at once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used = 0
+        self._lock = threading.Condition()
+
+    def take(self, n: int, wait: float) -> int:
+        """Take ``n`` bytes, waiting up to ``wait`` seconds for room; returns the bytes in use by others
+        when there was none (0 when taken)."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while self.used + n > self.size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self.used
+                self._lock.wait(left)
+            self.used += n
+            return 0
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+            self._lock.notify_all()
+
+
+def _refuse_busy(sock: socket.socket, limit: int) -> None:
+    """Answer 503 on a connection not served (a plain one; a TLS one is only closed), without blocking."""
+    if isinstance(sock, ssl.SSLSocket):
+        return
+    body = _json_bytes({"Error": f"the extender is serving {limit} connections, each busy with a request; try again"})
+    head = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    try:
+        sock.setblocking(False)
+        sock.send(head + body)
+        # What the client sent already is read, so that closing does not reset the connection (and the
+        # answer with it) before the client reads it.
+        for _ in range(16):
+            if not sock.recv(65536):
+                break
+    except OSError:
+        pass
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    connections: _Connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.admit(request, ACCEPT_WAIT):
+            _refuse_busy(request, self.connections.limit)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.connections.closed(request)
+        super().shutdown_request(request)
 
 
 class _Server6(_Server):
@@ -83,8 +240,12 @@ class ExtenderServer:
         url_prefix: str = "/scheduler",
         tls: tuple[str, str] | None = None,
         idle_timeout: float | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        max_body: int = MAX_BODY,
     ) -> None:
         self._idle_timeout = idle_timeout
+        self._max_body = max_body
+        self._budget = _Budget(max_body)
         self._routes = routes
         self._metrics = metrics
         self._prefix = "/" + url_prefix.strip("/") if url_prefix.strip("/") else ""
@@ -94,6 +255,7 @@ class ExtenderServer:
             # reach the pod over IPv6, which a socket bound to 0.0.0.0 never answers.
             server_class, host = _ServerDual, "::"
         self._httpd = server_class((host, port), self._handler_class())
+        self._httpd.connections = _Connections(max_connections)
         self.tls = tls is not None
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -181,18 +343,25 @@ class ExtenderServer:
                         raise
                     self.request.settimeout(None)
                 super().setup()
-                if self.timeout is not None:
-                    self._reader = _DeadlineReader(self.connection, self.timeout)
-                    self.rfile.close()  # the plain reader setup() made (it holds a reference to the socket)
-                    self.rfile = io.BufferedReader(
-                        self._reader, self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE
-                    )
+                self._taken = 0  # bytes of the body budget this request holds
+                sock = self.request
+                self._reader = _DeadlineReader(
+                    self.connection, self.timeout, lambda: outer._httpd.connections.busy(sock)
+                )
+                self.rfile.close()  # the plain reader setup() made (it holds a reference to the socket)
+                self.rfile = io.BufferedReader(
+                    self._reader, self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE
+                )
 
             def handle_one_request(self) -> None:
-                super().handle_one_request()
-                reader: _DeadlineReader | None = getattr(self, "_reader", None)
-                if reader is not None:
-                    reader.request_done()
+                try:
+                    super().handle_one_request()
+                finally:
+                    if self._taken:
+                        outer._budget.give(self._taken)
+                        self._taken = 0
+                    self._reader.request_done()
+                    outer._httpd.connections.idle(self.request)
 
             def log_message(self, format: str, *args: object) -> None:
                 log.debug("http: " + format, *args)
@@ -221,6 +390,12 @@ class ExtenderServer:
                 except BadRequestError as exc:
                     log.warning("%s %s from %s refused (400): %s", self.command, self.path, self.client_address[0], exc)
                     self._json(400, {"Error": str(exc)})
+                    return
+                except RefusedError as exc:
+                    log.warning(
+                        "%s %s from %s refused (%d): %s", self.command, self.path, self.client_address[0], exc.code, exc
+                    )
+                    self._json(exc.code, {"Error": str(exc)})
                     return
                 except OSError:
                     self.close_connection = True
@@ -265,6 +440,9 @@ class ExtenderServer:
                     # filter with extender at URL ..., code 400"): the reason is logged here.
                     log.warning("%s from %s refused (400): %s", path, self.client_address[0], exc)
                     code, payload = 400, _json_bytes({"Error": str(exc)})
+                except RefusedError as exc:
+                    log.warning("%s from %s refused (%d): %s", path, self.client_address[0], exc.code, exc)
+                    code, payload = exc.code, _json_bytes({"Error": str(exc)})
                 except OSError:  # the client went away, or stalled past the timeout: nobody to answer
                     code = 0
                     self.close_connection = True
@@ -300,9 +478,25 @@ class ExtenderServer:
                 if length < 0:
                     self.close_connection = True  # where this body ends is unknown
                     raise BadRequestError(f"Content-Length {raw!r} is not a byte count")
-                if length > MAX_BODY:
-                    self.close_connection = True
-                    raise BadRequestError(f"the body is {length} bytes, more than {MAX_BODY}")
+                limit = outer._max_body
+                if length > limit:
+                    self.close_connection = True  # the body is not read
+                    raise RefusedError(
+                        413,
+                        f"the body is {length} bytes, more than the extender takes ({limit} bytes, "
+                        f"{limit / (1 << 20):g} MiB); a scheduler with this many nodes should send their names "
+                        "(nodeCacheCapable: true)",
+                    )
+                if length > SMALL_BODY:
+                    others = outer._budget.take(length, BODY_WAIT)
+                    if others:
+                        self.close_connection = True  # the body is not read
+                        raise RefusedError(
+                            503,
+                            f"request bodies of {others} bytes are being read or answered; this one's {length} "
+                            f"bytes would pass the {limit} bytes taken at once; try again",
+                        )
+                    self._taken = length
                 body = self.rfile.read(length) if length > 0 else b""
                 if len(body) < length:
                     raise ConnectionResetError(f"the client sent {len(body)} of {length} bytes")
@@ -314,12 +508,16 @@ class ExtenderServer:
 class _DeadlineReader(io.RawIOBase):
     """A connection's reads: waiting for a request may last ``limit`` seconds between bytes (an idle
     keep-alive connection), but once its first byte has come the request must arrive whole within
-    ``limit`` seconds, so a client that drips it a byte at a time cannot hold its thread for ever."""
+    ``limit`` seconds, so a client that drips it a byte at a time cannot hold its thread for ever
+    (``limit`` None: no timeout). ``on_request`` is called at a request's first byte (False: the
+    connection was closed as idle meanwhile)."""
 
-    def __init__(self, sock: socket.socket, limit: float) -> None:
+    def __init__(self, sock: socket.socket, limit: float | None, on_request: Callable[[], bool]) -> None:
         super().__init__()
         self._sock = sock
         self._limit = limit
+        self._on_request = on_request
+        self._started = False
         self._deadline: float | None = None
 
     def readable(self) -> bool:
@@ -327,6 +525,7 @@ class _DeadlineReader(io.RawIOBase):
 
     def request_done(self) -> None:
         """The request was answered: the next one's time starts with its first byte."""
+        self._started = False
         self._deadline = None
 
     def readinto(self, buffer: Any) -> int:
@@ -338,8 +537,12 @@ class _DeadlineReader(io.RawIOBase):
                 raise TimeoutError(f"the request did not arrive whole within {self._limit:g} s")
             self._sock.settimeout(left)
         n = self._sock.recv_into(buffer)
-        if n and self._deadline is None:
-            self._deadline = time.monotonic() + self._limit
+        if n and not self._started:
+            self._started = True
+            if self._limit is not None:
+                self._deadline = time.monotonic() + self._limit
+            if not self._on_request():
+                raise ConnectionResetError("the connection was closed as idle to make room for others")
         return n
 
 

@@ -18,7 +18,7 @@ from gpumanager.extender.charges import is_gpu_pod
 from gpumanager.extender.decisions import Decider
 from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.placement import Policy
-from gpumanager.extender.server import ExtenderServer, Routes
+from gpumanager.extender.server import MAX_BODY, MAX_CONNECTIONS, ExtenderServer, Routes
 from gpumanager.extender.state import ClusterState
 from gpumanager.extender.watches import Watch
 
@@ -55,6 +55,11 @@ class ExtenderSettings:
     """Seconds a bind may take in all (below the scheduler's ``httpTimeout``, 5 s by default)."""
     idle_timeout: float = 120.0
     """Seconds a connection may stay silent (longer than Go's 90 s idle keep-alive, so the scheduler closes first)."""
+    max_connections: int = MAX_CONNECTIONS
+    """Connections served at once (see :data:`~gpumanager.extender.server.MAX_CONNECTIONS`)."""
+    max_body: int = MAX_BODY
+    """The largest request body taken, and the bytes of large bodies taken at once (see
+    :data:`~gpumanager.extender.server.MAX_BODY`)."""
     watch_timeout: int = 60
     """Seconds each watch asks the API server to keep it open: one silent past it (and a few seconds
     more, :func:`~gpumanager.kube.reflector.watch_read_timeout`) is taken for a hung API server."""
@@ -105,6 +110,8 @@ class Extender:
             url_prefix=settings.url_prefix,
             tls=settings.tls,
             idle_timeout=settings.idle_timeout,
+            max_connections=settings.max_connections,
+            max_body=settings.max_body,
         )
 
     def _cached_pod(self, uid: str) -> dict[str, Any] | None:

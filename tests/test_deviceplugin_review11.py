@@ -3,6 +3,7 @@ whole GPUs and shares, GPU health in ListAndWatch, streams and kubelet restarts,
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -406,3 +407,78 @@ def test_directory_watch_follows_a_directory_made_again_while_the_old_one_is_hel
     finally:
         watch.close()
         os.close(held)
+
+
+def test_topology_manager_hints_never_overfill_a_gpu(workdir: Path) -> None:
+    """Random admissions (whole GPUs and shares, each with a random NUMA hint or none) and deletions: no GPU
+    ever holds more than 100 cores or its memory in the answers given."""
+    rng = random.Random(7)
+    with SimCluster(workdir, "h100-nvlink-x8") as cluster:
+        spec = json.loads(cluster.spec.read_text())
+        memory = {g: int(gpu["memory_mib"]) << 20 for g, gpu in enumerate(spec["gpus"])}
+        live: dict[str, tuple[list[int], int, int]] = {}
+        for step in range(50):
+            if live and rng.random() < 0.35:
+                uid = rng.choice(sorted(live))
+                cluster.delete(cluster.runs[uid], wait=True)
+                del live[uid]
+                continue
+            cores = rng.choice([10, 20, 50, 70, 100, 200, 400])
+            blocks = 0 if cores >= 100 else rng.choice([1, 8, 40, 100])
+            hint = rng.choice([{0}, {1}, None])
+            pod = cluster.create(gpu_pod(f"h{step}", [("main", cores, blocks)]))
+            uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
+            try:
+                record = cluster.kubelet.allocate(
+                    CORE,
+                    cores,
+                    pod_uid=uid,
+                    container_name="main",
+                    numa_hint=hint,
+                    pod_name=name,
+                    namespace="default",
+                    write=not blocks,
+                )
+                if blocks:
+                    cluster.kubelet.allocate(
+                        MEM,
+                        blocks,
+                        pod_uid=uid,
+                        container_name="main",
+                        numa_hint=hint,
+                        pod_name=name,
+                        namespace="default",
+                    )
+            except Exception:
+                cluster.kubelet.remove_pod(uid)
+                continue
+            gpus = _gpus_of(record)
+            live[uid] = (gpus, cores, blocks * names.MEMORY_BLOCK_BYTES)
+            used_cores = dict.fromkeys(range(8), 0)
+            used_mem = dict.fromkeys(range(8), 0)
+            for held, c, m in live.values():
+                for g in held:
+                    used_cores[g] += min(c, 100)
+                    used_mem[g] += m if c < 100 else memory[g]
+            assert all(v <= 100 for v in used_cores.values()), (step, used_cores)
+            assert all(used_mem[g] <= memory[g] for g in range(8)), (step, used_mem)
+
+
+def test_preferred_allocation_steers_away_from_an_unhealthy_gpu(workdir: Path) -> None:
+    flags = ["--health-quiet-period=60s", "--health-probe-period=100ms"]
+    with SimCluster(workdir, "v100-pcie-x4", agent_flags=flags) as cluster:
+        assert cluster.agent is not None
+        with GpuSimState(cluster.agent.state) as state:
+            state.queue_xid(2, 79)
+            _only_unhealthy(cluster, 2, 4)
+        channel, stub = _stub(cluster, "vcore.sock")
+        try:
+            # the kubelet's list may be older than the health change
+            offered = [*_core_ids(2), *_core_ids(3)]
+            for size in (100, 30, 99):
+                answer = _prefer(stub, offered, [], size)
+                assert answer and {int(i[len(CORE_ID) :]) // 100 for i in answer} == {3}, (size, answer[:3])
+            answer = _prefer(stub, [*_core_ids(2), *_core_ids(0), *_core_ids(1)], [], 200)
+            assert {int(i[len(CORE_ID) :]) // 100 for i in answer} == {0, 1}
+        finally:
+            channel.close()

@@ -482,3 +482,18 @@ def test_preferred_allocation_steers_away_from_an_unhealthy_gpu(workdir: Path) -
             assert {int(i[len(CORE_ID) :]) // 100 for i in answer} == {0, 1}
         finally:
             channel.close()
+
+
+def test_preferred_allocation_of_a_negative_size_is_empty() -> None:
+    """allocation_size is an int32: a negative one is answered with nothing, not with the must-include IDs
+    less as many as it says (a slice from the end)."""
+    from gpumanager.deviceplugin.devices import DeviceLayout
+    from gpumanager.deviceplugin.preferred import Preference
+    from gpumanager.topology.synthetic import levels_from_groups, make_gpus, tree_from_levels
+
+    tree = tree_from_levels(levels_from_groups(4, {20: [[0, 1], [2, 3]]}))
+    preference = Preference(tree.clone, DeviceLayout(make_gpus(4)))
+    everything = [f"{CORE_ID}{n}" for n in range(400)]
+    for size in (-5, -1, 0):
+        assert preference.choose(CORE, everything, everything[:10], size) == []
+        assert preference.choose(CORE, everything, [], size) == []

@@ -89,7 +89,9 @@ class Preference:
 
     def choose(self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Up to ``size`` IDs from ``available``, starting with ``must_include``; from each GPU chosen, its
-        IDs of lowest number first."""
+        IDs of lowest number first; none for a size of 0 or less."""
+        if size <= 0:
+            return []
         chosen = list(dict.fromkeys(must_include))[:size]
         if len(chosen) >= size:
             return chosen

@@ -98,7 +98,7 @@ def test_filter_fails_a_node_the_other_replica_just_filled_when_another_node_has
 
 
 def test_filter_fails_a_node_filled_only_by_a_record_also_when_no_node_has_room(world: World) -> None:
-    """No other node has room: the node still fails (resolvable, naming the node and the record's pod),
+    """No other node has room: the node still fails (resolvable, naming the record's pod),
     so the pod stays Pending instead of going to a bind that can only refuse it."""
     world.add_node("full", inventory([16]))
     one, two = world.start_extender(bind_timeout=10.0), world.start_extender(bind_timeout=10.0)
@@ -106,7 +106,7 @@ def test_filter_fails_a_node_filled_only_by_a_record_also_when_no_node_has_room(
     y = world.create(gpu_pod("y", [(60, 4)]))
     other, outcome = _other_bind_in_flight(world, one, two, x)
     answer = _filter(world, two, y)
-    assert _passed(answer) == [] and "node full: " in answer["FailedNodes"]["full"], answer
+    assert _passed(answer) == [] and "default/x" in answer["FailedNodes"]["full"], answer
     assert "no longer fits" in _bind(two, y, "full")  # never an over-commit
     other.join(10)
     assert outcome == [""]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,7 +17,8 @@ import pytest
 from gpumanager.extender import server as server_module
 from gpumanager.extender.metrics import ExtenderMetrics
 from gpumanager.extender.server import ExtenderServer, Routes
-from tests.extender_fixtures import wait_for
+from simnode.apiserver import ApiServerSimulator
+from tests.extender_fixtures import World, gpu_pod, held, inventory, wait_for
 
 CMD = [sys.executable, "-m", "gpumanager.extender.cli"]
 
@@ -160,3 +162,44 @@ def test_large_bodies_are_taken_one_budget_at_a_time(monkeypatch: pytest.MonkeyP
             assert _ask(sock, b" " * 400_000 + b"{}")[0] == 200
     finally:
         server.stop()
+
+
+# -- 3. filter reasons fold across nodes ----------------------------------------------------------
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    api = ApiServerSimulator()
+    api.start()
+    w = World(api)
+    try:
+        yield w
+    finally:
+        for ext in w.extenders:
+            ext.stop()
+        api.stop()
+
+
+def test_equal_failures_give_equal_reasons_that_the_scheduler_folds(world: World) -> None:
+    """Each reason named its node, so the scheduler's message counted every node apart ("1 node n1: ...,
+    1 node n2: ...") and grew with the cluster; the node is the reason's key, not part of it."""
+    nodes = [f"n{i}" for i in range(6)]
+    for node in nodes:
+        world.add_node(node, inventory([80]), gpus=1)
+        world.create(gpu_pod(f"on-{node}", [(60, 4)], node=node, annotations=held(node, [[0]]), phase="Running"))
+    world.add_node("cpu", None, gpus=0)
+    world.start_extender()
+    world.wait_seen(len(nodes))
+    answer = world.filter(world.create(gpu_pod("a", [(60, 4)])))
+    assert set(answer["FailedNodes"]) == set(nodes), answer
+    assert len(set(answer["FailedNodes"].values())) == 1, answer["FailedNodes"]
+    reason = answer["FailedNodes"]["n0"]
+    assert "container 'c0' needs 60 cores" in reason and "best GPU 0 has 40 cores" in reason, reason
+    assert not any(node in reason for node in nodes), reason
+    assert answer["FailedAndUnresolvableNodes"]["cpu"] == "node has no tencent.com/vcuda-core", answer
+    odd = world.create(gpu_pod("odd", [(150, 0)]))
+    unresolvable = world.filter(odd, nodes)["FailedAndUnresolvableNodes"]
+    assert len(set(unresolvable.values())) == 1 and "150 tencent.com/vcuda-core" in unresolvable["n0"], unresolvable
+    unknown = world.post("filter", {"Pod": odd, "NodeNames": ["ghost-1", "ghost-2"]})["FailedAndUnresolvableNodes"]
+    assert len(set(unknown.values())) == 1 and "not known to the extender" in unknown["ghost-1"], unknown
+    assert "ghost" not in unknown["ghost-1"], unknown

@@ -13,8 +13,10 @@ is a cluster event that sends the pod back to the scheduling queue, or lapses), 
 candidate has room: the pod then stays Pending with every node failed, never passed to a bind
 that can only refuse it. The choices are read from the node watch: no API call per request.
 
-Every reason starts with ``node <name>:``: the kube-scheduler folds equal reasons into one line of
-the pod's FailedScheduling event, and a reason that names its node says which node lacks what.
+A reason does not name its node (the node is its key in FailedNodes): the kube-scheduler counts
+equal reasons together in the pod's condition and FailedScheduling event ("0/500 nodes are
+available: 480 container 'c0' needs ..."), which a reason per node name would make as long as the
+list of nodes (the event is cut at 1,024 characters).
 """
 
 from __future__ import annotations
@@ -64,13 +66,6 @@ def _pod_key(pod: object) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
-def named(node: str, reason: str) -> str:
-    """``reason`` starting with ``node <node>:`` (unchanged when it already names the node first)."""
-    if not reason or reason.startswith((f"node {node}:", f"node {node} ")):
-        return reason
-    return f"node {node}: {reason}"
-
-
 class Decider:
     """Answers filter and prioritize from a :class:`ClusterState`."""
 
@@ -98,18 +93,18 @@ class Decider:
             obj = args.node_object(name)
             if obj is not None:
                 if self.state.deleted_node(obj):
-                    uid = (obj.get("metadata") or {}).get("uid")
-                    return None, f"node {name} (UID {uid}) has been deleted"
+                    log.debug("node %s (UID %s) has been deleted", name, (obj.get("metadata") or {}).get("uid"))
+                    return None, "the node has been deleted (the extender's node watch showed it deleted)"
                 gpus = self.state.add_node(obj)
         unusable = self.state.unusable(name) if gpus is None else ""
         if unusable:
-            return None, f"node {name}: {unusable}"
+            return None, unusable
         if gpus is None and name not in args.raw_nodes and self.state.deleted_name(name):
-            return None, f"node {name} has been deleted"
+            return None, "the node has been deleted (the extender's node watch showed it deleted)"
         if gpus is None and not self.state.seen_node(name):
             return None, (
-                f"node {name} is not known to the extender: its node watch has not shown it (yet), "
-                f"or its object could not be read"
+                "the node is not known to the extender: its node watch has not shown it (yet), "
+                "or its object could not be read"
             )
         return gpus, ""
 
@@ -180,7 +175,7 @@ class Decider:
         node_names = args.names
         if never:
             outcomes["unresolvable"] += len(node_names)
-            return filter_result(args, [], {}, {name: named(name, never) for name in node_names}), outcomes
+            return filter_result(args, [], {}, dict.fromkeys(node_names, never)), outcomes
         if not requests and not inits and not sidecars:
             outcomes["pass"] += len(node_names)
             return filter_result(args, node_names, {}, {}), outcomes
@@ -199,9 +194,8 @@ class Decider:
                     if verdict == "pass" and gpus is not None:
                         reason = self._claimed_problem(name, uid, gpus, requests, inits, sidecars)
                         if reason:
-                            claimed[name] = named(name, reason)
+                            claimed[name] = reason
                     outcomes[verdict] += 1
-                    reason = named(name, reason)
                     if verdict == "pass":
                         passed.append(name)
                     elif verdict == "fail":

@@ -497,3 +497,24 @@ def test_preferred_allocation_of_a_negative_size_is_empty() -> None:
     for size in (-5, -1, 0):
         assert preference.choose(CORE, everything, everything[:10], size) == []
         assert preference.choose(CORE, everything, [], size) == []
+
+
+def test_an_xid_storm_sends_one_change_and_an_agent_restart_keeps_the_gpu_out(workdir: Path) -> None:
+    flags = ["--health-quiet-period=4s", "--health-probe-period=100ms"]
+    with SimCluster(workdir, "v100-pcie-x4", agent_flags=flags) as cluster:
+        assert cluster.agent is not None
+        before = len(cluster.kubelet.updates(CORE))
+        with GpuSimState(cluster.agent.state) as state:
+            for _ in range(2000):
+                state.queue_xid(1, 48)
+            _only_unhealthy(cluster, 1, 4)
+            time.sleep(0.5)
+            # one list with GPU 1 out (the stream may also have been in the middle of nothing else)
+            assert len(cluster.kubelet.updates(CORE)) - before <= 2
+            cluster.agent.stop()
+            cluster.start_agent()
+            first = cluster.kubelet.updates(CORE)[-1].devices
+            # still out after the restart, within its quiet period
+            bad = {i for i, d in cluster.kubelet.devices(CORE).items() if not d.healthy}
+            assert bad == set(_core_ids(1)) or any(not d.healthy for d in first.values())
+            _only_unhealthy(cluster, None, 4)

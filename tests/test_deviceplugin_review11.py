@@ -518,3 +518,23 @@ def test_an_xid_storm_sends_one_change_and_an_agent_restart_keeps_the_gpu_out(wo
             bad = {i for i, d in cluster.kubelet.devices(CORE).items() if not d.healthy}
             assert bad == set(_core_ids(1)) or any(not d.healthy for d in first.values())
             _only_unhealthy(cluster, None, 4)
+
+
+def test_our_sockets_removed_under_a_live_kubelet_many_times(workdir: Path) -> None:
+    """Not a kubelet restart: someone removes our sockets while the kubelet runs on. Each time the agent serves
+    again and registers again, and the kubelet keeps the resources usable (a stream of the old endpoint
+    ending after the new registration would mark every device unhealthy and stop the new endpoint)."""
+    with SimCluster(workdir, "v100-pcie-x4") as cluster:
+        for cycle in range(12):
+            since = time.monotonic()
+            victims = ["vcore.sock", "vmemory.sock"] if cycle % 3 else ["vcore.sock"]
+            for name in victims:
+                (cluster.kubelet.plugin_dir / name).unlink()
+            for resource in (CORE, MEM) if cycle % 3 else (CORE,):
+                cluster.kubelet.wait_for_registration(resource, since=since, timeout=10, with_devices=True)
+            time.sleep(0.3)
+            cluster.kubelet.wait_for_devices(CORE, 400, timeout=10)
+            cluster.kubelet.wait_for_devices(MEM, len(cluster.kubelet.devices(MEM)), timeout=10)
+            run = cluster.admit(gpu_pod(f"c{cycle}", [("main", 10, 1)]))
+            assert run.core["main"].response.annotations[CORE] == "10"
+            cluster.delete(run, wait=True)

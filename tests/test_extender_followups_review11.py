@@ -203,3 +203,25 @@ def test_equal_failures_give_equal_reasons_that_the_scheduler_folds(world: World
     unknown = world.post("filter", {"Pod": odd, "NodeNames": ["ghost-1", "ghost-2"]})["FailedAndUnresolvableNodes"]
     assert len(set(unknown.values())) == 1 and "not known to the extender" in unknown["ghost-1"], unknown
     assert "ghost" not in unknown["ghost-1"], unknown
+
+
+# -- 4. a pod whose Binding got no answer ---------------------------------------------------------
+
+
+def test_while_a_binding_got_no_answer_filter_passes_only_its_node(world: World) -> None:
+    """filter passed the pod on every node with room while bind refused all but the node of its unanswered
+    Binding (for up to --assume-ttl): the scheduler kept choosing nodes bind could only refuse."""
+    for node in ("n", "m", "k"):
+        world.add_node(node, inventory([80]), gpus=1)
+    world.start_extender(bind_timeout=1.0)
+    pod = world.create(gpu_pod("p", [(60, 4)]))
+    world.api.delay(r"/pods/p/binding$", 4.0, method="POST", count=1)  # made, but answered too late
+    assert "may still be made" in world.bind(pod, "n")
+    answer = world.filter(pod)
+    assert [n["metadata"]["name"] for n in answer["Nodes"]["items"]] == ["n"], answer
+    others = answer["FailedAndUnresolvableNodes"]
+    assert set(others) == {"m", "k"} and others["m"] == others["k"], answer
+    assert "Binding of the pod to node n got no answer" in others["m"], others
+    assert answer["FailedNodes"] == {}, answer
+    assert "an earlier Binding to node n got no answer" in world.bind(pod, "m")  # as bind says
+    wait_for(lambda: (world.api.get_pod("default", "p") or {})["spec"].get("nodeName") == "n", what="the binding")

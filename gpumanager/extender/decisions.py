@@ -13,6 +13,10 @@ is a cluster event that sends the pod back to the scheduling queue, or lapses), 
 candidate has room: the pod then stays Pending with every node failed, never passed to a bind
 that can only refuse it. The choices are read from the node watch: no API call per request.
 
+While a Binding of the pod got no answer (bind timed out; the API server may still make it), only
+that Binding's node passes: the others fail as unresolvable, naming it, since bind refuses them
+until the pod shows where it is (at most ``assume_ttl``).
+
 A reason does not name its node (the node is its key in FailedNodes): the kube-scheduler counts
 equal reasons together in the pod's condition and FailedScheduling event ("0/500 nodes are
 available: 480 container 'c0' needs ..."), which a reason per node name would make as long as the
@@ -187,8 +191,19 @@ class Decider:
         uid = podinfo.uid(args.pod)
         with self.state.lock:
             self.state.expire()
+            # A Binding of the pod that got no answer may still be made: bind refuses every other node
+            # until the pod shows where it is, so filter passes none of them (preempting cannot help).
+            earlier = self.state.unanswered_binding(uid) if uid else None
+            elsewhere = (
+                f"an earlier Binding of the pod to node {earlier} got no answer and may still be made: no other "
+                f"node can take the pod until it shows where it is (at most {self.state.assume_ttl:g} s)"
+            )
             with self.state.without(uid):
                 for name in node_names:
+                    if earlier is not None and name != earlier:
+                        outcomes["unresolvable"] += 1
+                        unresolvable[name] = elsewhere
+                        continue
                     gpus, gone = self._known(name, args)
                     verdict, reason = ("unresolvable", gone) if gone else self.judge(gpus, requests, inits, sidecars)
                     if verdict == "pass" and gpus is not None:

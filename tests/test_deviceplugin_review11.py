@@ -327,21 +327,29 @@ def test_a_kubelet_that_refuses_registration_is_named_and_retried(workdir: Path)
         cluster.stop()
 
 
-@pytest.mark.parametrize("cores,memory_blocks", [(100, 0), (200, 0), (30, 8)])
-def test_allocate_keeps_the_numa_node_the_topology_manager_chose(workdir: Path, cores: int, memory_blocks: int) -> None:
+@pytest.mark.parametrize(
+    "spec,cores,memory_blocks",
+    [("h100-nvlink-x8", 100, 0), ("h100-nvlink-x8", 200, 0), ("h100-nvlink-x8", 30, 8), ("l40s-domains-x4", 50, 8)],
+)
+def test_allocate_keeps_the_numa_node_the_topology_manager_chose(
+    workdir: Path, spec: str, cores: int, memory_blocks: int
+) -> None:
     """With the kubelet's Topology Manager, the IDs offered and given are those of the NUMA node it chose (and
     the CPUs it pins are there): the GPUs the agent answers with must be on that node when it has room."""
-    with SimCluster(workdir, "h100-nvlink-x8") as cluster:
-        for numa, gpus in ((1, range(4, 8)), (0, range(4))):
+    with SimCluster(workdir, spec) as cluster:
+        gpus_spec = json.loads(cluster.spec.read_text())["gpus"]
+        index_of = {int(gpu["minor"]): g for g, gpu in enumerate(gpus_spec)}
+        for numa in (1, 0):
+            gpus = {g for g, gpu in enumerate(gpus_spec) if gpu["numa_node"] == numa}
             pod = cluster.create(gpu_pod(f"numa{numa}", [("main", cores, memory_blocks)]))
             uid, name = pod["metadata"]["uid"], pod["metadata"]["name"]
             record = cluster.kubelet.allocate(
                 CORE, cores, pod_uid=uid, container_name="main", numa_hint={numa}, pod_name=name, namespace="default"
             )
             id_gpus = {int(i[len(CORE_ID) :]) // 100 for i in record.device_ids}
-            assert id_gpus <= set(gpus), record.device_ids  # the kubelet kept to the node
-            placed = _gpus_of(record)
-            assert set(placed) <= set(gpus), (numa, placed)
+            assert id_gpus <= gpus, record.device_ids  # the kubelet kept to the node
+            placed = {index_of[m] for m in _gpus_of(record)}
+            assert placed <= gpus, (numa, placed)
 
 
 def test_plugin_directory_removed_with_the_kubelet_and_made_again(workdir: Path) -> None:
@@ -538,3 +546,48 @@ def test_our_sockets_removed_under_a_live_kubelet_many_times(workdir: Path) -> N
             run = cluster.admit(gpu_pod(f"c{cycle}", [("main", 10, 1)]))
             assert run.core["main"].response.annotations[CORE] == "10"
             cluster.delete(run, wait=True)
+
+
+def test_two_container_pods_with_numa_hints_never_overfill_a_gpu(workdir: Path) -> None:
+    rng = random.Random(3)
+    with SimCluster(workdir, "l40s-domains-x4") as cluster:
+        spec = json.loads(cluster.spec.read_text())
+        memory = {g: int(gpu["memory_mib"]) << 20 for g, gpu in enumerate(spec["gpus"])}
+        index_of = {int(gpu["minor"]): g for g, gpu in enumerate(spec["gpus"])}
+        hint: dict[str, set[int] | None] = {"now": None}
+        allocate = cluster.kubelet.allocate
+
+        def with_hint(*args, **kwargs):  # type: ignore[no-untyped-def]
+            return allocate(*args, numa_hint=hint["now"], **kwargs)
+
+        cluster.kubelet.allocate = with_hint  # type: ignore[method-assign]
+        live: dict[str, list[tuple[list[int], int, int]]] = {}
+        for step in range(40):
+            if live and rng.random() < 0.35:
+                uid = rng.choice(sorted(live))
+                cluster.delete(cluster.runs[uid], wait=True)
+                del live[uid]
+                continue
+            hint["now"] = rng.choice([{0}, {1}, None])
+            containers = []
+            for c in range(rng.choice([1, 2])):
+                cores = rng.choice([10, 30, 60, 100, 200])
+                containers.append((f"c{c}", cores, 0 if cores >= 100 else rng.choice([1, 16, 60])))
+            try:
+                run = cluster.admit(gpu_pod(f"m{step}", containers))
+            except Exception:
+                continue
+            held = []
+            for cname, cores, blocks in containers:
+                gpus = [index_of[m] for m in _gpus_of(run.core[cname])]
+                held.append((gpus, cores, blocks * names.MEMORY_BLOCK_BYTES))
+            live[run.uid] = held
+            used_cores = dict.fromkeys(memory, 0)
+            used_mem = dict.fromkeys(memory, 0)
+            for pod in live.values():
+                for gpus, c, m in pod:
+                    for g in gpus:
+                        used_cores[g] += min(c, 100)
+                        used_mem[g] += m if c < 100 else memory[g]
+            assert all(v <= 100 for v in used_cores.values()), (step, used_cores, live)
+            assert all(used_mem[g] <= memory[g] for g in memory), (step, used_mem)

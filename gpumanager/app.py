@@ -231,7 +231,7 @@ class Agent:
         """Topology tree, allocation state (local files only), the kubelet calls' handlers."""
         from gpumanager.allocation.allocator import Allocator, AllocatorSettings
         from gpumanager.deviceplugin.replaced import FILE as replaced_file
-        from gpumanager.deviceplugin.replaced import ReplacedGPUs
+        from gpumanager.deviceplugin.replaced import ReplacedGPUs, renumbered
         from gpumanager.recovery import Recovery, report_gpus_gone
         from gpumanager.topology import build_tree, empty_tree, render_graph
         from gpumanager.vmanager.manager import VirtualManager
@@ -266,6 +266,7 @@ class Agent:
             checkpoint_path=Path(cfg.checkpoint_path) / names.OWN_CHECKPOINT,
             share_problem=lambda: self.mirror.share_problem if self.mirror else "",
         )
+        allocator.renumbered = renumbered(self.was, self.gpus)
         self.allocator = allocator
         if self.propagation is not None:
             self.propagation.attach_allocator(allocator)
@@ -277,6 +278,11 @@ class Agent:
             vm_path=Path(cfg.virtual_manager_path),
         )
         recovery.from_disk()
+        if self.lost and allocator.renumbered and all(i in self.was for i in self.lost):
+            # The records taken over follow their GPUs' minors of now (written again as such): the inventory
+            # says so too (the lost GPUs as saved, with the minors they are counted with), or the next start
+            # would move them again.
+            inventory.save(Path(cfg.checkpoint_path) / inventory.FILE, self.gpus, self.topology)
         guard = self.replaced_gpus = ReplacedGPUs(
             self.was,
             self.gpus,
@@ -284,6 +290,7 @@ class Agent:
             allocator.allocations,
             pod_name=self._pod_name,
             state_path=Path(cfg.checkpoint_path) / replaced_file,
+            renumbered=allocator.renumbered_from,
         )
         affected = guard.note_held(allocator.allocations())  # each logged with what its next start does
         guard.note_answered(recovery.kubelet_answers)

@@ -110,6 +110,33 @@ def read_checkpoint(allocator: Allocator) -> records.Parsed:
     return parsed
 
 
+def renumber(allocator: Allocator, alloc: ContainerAllocation, source: str) -> ContainerAllocation:
+    """``alloc`` with each GPU's minor as the driver numbers that GPU now (:attr:`Allocator.renumbered`).
+
+    A record names its GPUs by minor, as they were when it was answered. After a reboot that no longer
+    found a GPU the driver numbers the GPUs after it one lower: the recorded minor is then another GPU's
+    (or the lost GPU's, counted with a minor no GPU has), whose capacity the record would take while the
+    kubelet's device IDs for it, and the limits of its answer, are of its own GPU. The record follows its
+    GPU (written again as taken over); its start from the saved answer, whose device node reaches another
+    GPU now, is refused (:mod:`gpumanager.deviceplugin.replaced`)."""
+    moved = allocator.renumbered
+    if not moved or not any(m in moved for m in alloc.minors):
+        return alloc
+    minors = tuple(moved.get(m, m) for m in alloc.minors)
+    if alloc.key not in allocator._allocs:
+        allocator.renumbered_from.setdefault(alloc.key, alloc.minors)
+    log.warning(
+        "%s: pod %s container %s: GPU minor(s) %s are %s now (the driver numbered the GPUs otherwise since it "
+        "was answered); its allocation follows its GPU(s)",
+        source,
+        alloc.pod_uid,
+        alloc.container,
+        list(alloc.minors),
+        list(minors),
+    )
+    return replace(alloc, minors=minors)
+
+
 def restore_freed(allocator: Allocator, document: Mapping[str, Any]) -> None:
     """The allocations freed before their container started that the checkpoint remembers (a container
     the kubelet gave their IDs and our answer to may take one over at its start), but those some of whose
@@ -120,6 +147,8 @@ def restore_freed(allocator: Allocator, document: Mapping[str, Any]) -> None:
     with allocator._lock:
         held = {i for a in allocator._allocs.values() for i in a.device_ids} if found else set()
         for wanted, same in found.items():
+            if allocator.renumbered:
+                same = [renumber(allocator, a, str(allocator._checkpoint_path)) for a in same]
             # Some of its IDs held: an Allocate gave them out again since (the kubelet had freed them).
             missing = sorted({m for a in same for m in a.minors} - allocator._by_minor.keys())
             if held.isdisjoint(wanted) and not missing:
@@ -202,6 +231,8 @@ def adopt_records(
     dropped: list[tuple[str, str]] = []  # unstarted allocations taken over
     with allocator._changing():
         for alloc in allocs:
+            if answered:
+                alloc = renumber(allocator, alloc, source)
             if kubelet_holds and alloc.key not in allocator._allocs:
                 alloc = taking_over(allocator, alloc, source, answered=answered, dropped=dropped)
             try:

@@ -150,6 +150,11 @@ class Allocator:
     ) -> None:
         self._gpus = list(gpus)
         self._by_minor = {g.minor: g for g in self._gpus}
+        #: A GPU's minor when the records being taken over were answered -> its minor now, for each GPU the
+        #: driver numbered otherwise since (set before :meth:`load`; see :func:`adoption.renumber`).
+        self.renumbered: dict[int, int] = {}
+        #: The records so moved, by (pod UID, container): the minors they named (those of their saved answer).
+        self.renumbered_from: dict[tuple[str, str], tuple[int, ...]] = {}
         self._largest = max((g.memory_total for g in self._gpus), default=0)  # the largest GPU's memory
         self._tree = tree
         self._lock = threading.RLock()

@@ -86,15 +86,19 @@ class ReplacedGPUs:
         allocations: Callable[[], Sequence[ContainerAllocation]],
         pod_name: Callable[[str], tuple[str, str] | None] = lambda uid: None,
         state_path: Path | None = None,
+        renumbered: Mapping[tuple[str, str], tuple[int, ...]] | None = None,
     ) -> None:
         """``was``: the saved inventory (place -> GPU); ``gpus`` and ``lost``: the GPUs now (lost ones are
         described as saved, so their device nodes are not counted as reaching them); ``allocations``: every
         allocation held now (for the room on a replacement); ``pod_name``: a pod's (namespace, name) by
         its UID, when known (a saved answer names only the UID); ``state_path``: :data:`FILE` (what an
-        earlier start found), or None to keep nothing."""
+        earlier start found), or None to keep nothing; ``renumbered``: the minors the records moved to their
+        GPUs' minors of now named (those of their saved answers; see :func:`renumbered`), by (pod UID,
+        container)."""
         self._path = state_path
-        pending, self._pending_keys, started = _load(state_path)
-        lost_places = set(lost)
+        pending, self._pending_keys, started, self._answered_then = _load(state_path)
+        self._then = dict(renumbered or {})
+        lost_places = self._lost = set(lost)
         now_by_minor = {g.minor: g for g in gpus if g.index not in lost_places}
         by_place = {g.index: g for g in gpus if g.index not in lost_places}
         self._changes: dict[int, _Change] = {}
@@ -114,8 +118,10 @@ class ReplacedGPUs:
         self._allocations = allocations
         self._pod_name = pod_name
         self._lock = threading.Lock()
-        # Allocations held at start that name a changed device node, by (pod UID, container).
+        # Allocations held at start that name a changed device node, by (pod UID, container), with the
+        # minors of their saved answer; and the minors their record held at start (those of now).
         self._affected: dict[tuple[str, str], ContainerAllocation] = {}
+        self._held_minors: dict[tuple[str, str], tuple[int, ...]] = {}
         # Answers the kubelet saved that name a changed device node but that no allocation holds.
         self._unheld: dict[tuple[str, str], ContainerAllocation] = {}
         self._started: set[tuple[str, str]] = set(started)  # of those, started again on their replacement
@@ -136,11 +142,13 @@ class ReplacedGPUs:
             with self._lock:
                 self._save()  # nothing left of an earlier start's findings
             return frozenset()
-        for alloc in allocations:
+        for held in allocations:
+            alloc = self._as_answered(held)
             changes = [self._changes[m] for m in alloc.minors if m in self._changes]
             if not changes or (alloc.key not in self._pending_keys and not self._fresh.intersection(alloc.minors)):
                 continue
             self._affected[alloc.key] = alloc
+            self._held_minors[alloc.key] = held.minors
             problem = self._lasting_problem(alloc, changes)
             if problem:
                 log.error("%s", problem)
@@ -188,9 +196,9 @@ class ReplacedGPUs:
                     self._log_once(alloc, "lasting", logging.ERROR, problem)
                     raise ReplacedRefusal(problem, lasting=True)
             return False
-        if held.minors != alloc.minors:
+        if self._held_minors.get(alloc.key) != alloc.minors:
             return False  # answered since the start: it names the GPUs as they are
-        changes = [self._changes[m] for m in alloc.minors if m in self._changes]
+        changes = [self._changes[m] for m in held.minors if m in self._changes]
         problem = self._lasting_problem(alloc, changes)
         if problem:
             self._log_once(alloc, "lasting", logging.ERROR, problem)
@@ -217,7 +225,8 @@ class ReplacedGPUs:
             if alloc.key not in self._started:
                 self._started.add(alloc.key)
                 self._save()
-        changes = [self._changes[m] for m in alloc.minors if m in self._changes]
+        held = self._affected.get(alloc.key, alloc)
+        changes = [self._changes[m] for m in held.minors if m in self._changes]
         self._log_once(alloc, "started", logging.WARNING, self._runs_there(alloc, changes, "starts again"))
 
     def forget(self, alloc: ContainerAllocation) -> None:
@@ -264,6 +273,8 @@ class ReplacedGPUs:
                 "gpus": [asdict(self._changes[m].was) for m in sorted(minors)],
                 "containers": sorted([list(k) for k in self._affected]),
                 "started": sorted([list(k) for k in self._started]),
+                # The device nodes each one's saved answer names (its record follows its GPU's minor).
+                "answered": sorted([[*k, list(a.minors)] for k, a in self._affected.items()]),
             }
             atomic_write(self._path, json.dumps(doc, sort_keys=True).encode(), durable=True)
         except OSError as exc:
@@ -275,15 +286,20 @@ class ReplacedGPUs:
         """Why no wait lets the container start, or ''."""
         for change in changes:
             was, now, there = change.was, change.now, change.at_place
-            head = (
-                f"{_who(alloc)} was answered with GPU {was.index} ({was.uuid}, {was.device_path}), replaced "
-                "while the agent was down"
+            head = f"{_who(alloc)} was answered with GPU {was.index} ({was.uuid}, {was.device_path}), " + (
+                "which the driver numbered otherwise since (a GPU no longer found at boot moves the GPUs after "
+                "it one lower)"
+                if (there is not None and there.uuid == was.uuid) or was.index in self._lost
+                else "replaced while the agent was down"
             )
-            place = (
-                f"GPU {was.index} is {there.uuid} at {there.device_path} now"
-                if there is not None
-                else f"NVML counts no GPU at GPU {was.index}'s place now"
-            )
+            if there is not None and there.uuid == was.uuid:
+                place = f"GPU {was.index} is at {there.device_path} now"
+            elif there is not None:
+                place = f"GPU {was.index} is {there.uuid} at {there.device_path} now"
+            elif was.index in self._lost:
+                place = f"GPU {was.index} is no longer counted by NVML (lost)"
+            else:
+                place = f"NVML counts no GPU at GPU {was.index}'s place now"
             tail = (
                 "; the kubelet starts the container again from its saved answer (NVIDIA_VISIBLE_DEVICES="
                 f"{was.uuid}, {was.device_path}) and never asks for another: delete the pod to place it again"
@@ -348,6 +364,12 @@ class ReplacedGPUs:
             "there (or delete the pod to place it again)"
         )
 
+    def _as_answered(self, alloc: ContainerAllocation) -> ContainerAllocation:
+        """``alloc`` (a record held at start) with the minors of its saved answer: those an earlier start
+        kept (:data:`FILE`), else those its record named before it was moved to its GPUs' minors of now."""
+        minors = self._answered_then.get(alloc.key) or self._then.get(alloc.key) or alloc.minors
+        return alloc if minors == alloc.minors else replace(alloc, minors=minors)
+
     def _log_once(self, alloc: ContainerAllocation, what: str, level: int, message: str) -> None:
         key = (alloc.key, what)
         with self._lock:
@@ -377,11 +399,12 @@ def _pod_charge(held: Sequence[ContainerAllocation], gpu: GPUInfo) -> tuple[int,
 
 def _load(
     path: Path | None,
-) -> tuple[dict[int, GPUInfo], set[tuple[str, str]], set[tuple[str, str]]]:
+) -> tuple[dict[int, GPUInfo], set[tuple[str, str]], set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
     """What an earlier start found (:data:`FILE`): its old GPUs by minor, the containers answered with
-    them, and those started again since; empty when missing or unreadable (logged, naming the file)."""
+    them, those started again since, and the minors of their saved answers (when kept); empty when missing
+    or unreadable (logged, naming the file)."""
     if path is None:
-        return {}, set(), set()
+        return {}, set(), set(), {}
     try:
         data = json.loads(read_regular(path, _LIMIT))
         gpus = {g.minor: g for g in map(inventory.gpu_entry, data["gpus"])}
@@ -394,9 +417,34 @@ def _load(
                 out.add((item[0], item[1]))
             return out
 
-        return gpus, keys("containers"), keys("started")
+        answered: dict[tuple[str, str], tuple[int, ...]] = {}
+        for item in data.get("answered", []):
+            if not (
+                isinstance(item, list)
+                and len(item) == 3
+                and all(isinstance(x, str) for x in item[:2])
+                and isinstance(item[2], list)
+                and all(type(m) is int and m >= 0 for m in item[2])
+            ):
+                raise ValueError(f"answered entry {item!r:.80} is not a [pod UID, container, [minors]] triple")
+            answered[(item[0], item[1])] = tuple(item[2])
+        return gpus, keys("containers"), keys("started"), answered
     except FileNotFoundError:
-        return {}, set(), set()
+        return {}, set(), set(), {}
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         log.warning("ignoring %s: %s", path, exc)
-        return {}, set(), set()
+        return {}, set(), set(), {}
+
+
+def renumbered(was: Mapping[int, GPUInfo], gpus: Sequence[GPUInfo]) -> dict[int, int]:
+    """The minor of each GPU of ``was`` (the saved inventory, by place) -> its minor now, where they differ:
+    the driver numbered the GPUs otherwise (one no longer found moves those after it one lower; a lost GPU
+    is counted with a minor no GPU has). Only a GPU that is the same one (by UUID; a lost one is described
+    as saved): a record answered with its old minor is its own, as the kubelet's device IDs (which name the
+    GPU's place) say. A GPU replaced since is left to the start check (see the module)."""
+    now = {g.index: g for g in gpus}
+    return {
+        old.minor: gpu.minor
+        for place, old in was.items()
+        if (gpu := now.get(place)) is not None and gpu.uuid == old.uuid and gpu.minor != old.minor
+    }

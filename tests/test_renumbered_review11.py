@@ -1,0 +1,164 @@
+"""A node reboots and one GPU is no longer found: the driver numbers the GPUs after it one lower (their
+minors, ``/dev/nvidia<N>``, and NVML indices), in device-plugin mode.
+
+The kubelet keeps each container's device IDs (vcuda-core IDs in the range of the GPU's place, which
+stays with the GPU by UUID) and its saved Allocate answer, whose device node names the GPU's minor as it
+was. The checkpoint records allocations by minor too. After the renumbering:
+
+- each allocation stays charged to the GPU its device IDs name (the GPU it was computed for), not to the
+  GPU that now has the recorded minor, nor to the lost GPU that took a free minor;
+- a container whose saved device node now reaches another GPU (or no GPU) is refused at
+  PreStartContainer, naming both GPUs and the device node; it never runs on a GPU that does not count it;
+- /metrics and /usage name each allocation's GPU by its UUID; ListAndWatch advertises every place's IDs,
+  the lost GPU's Unhealthy."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gpumanager import names
+from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
+from simnode.kubelet import PluginRPCError
+from tests.battery_fixtures import answered, gpu, http_get, write_spec
+
+BLOCK = names.MEMORY_BLOCK_BYTES
+SHARES = {1: (30, 4), 2: (50, 8), 3: (70, 12)}  # place -> (cores, memory blocks)
+
+
+def _spec(path: Path, gpus: list[dict[str, Any]]) -> Path:
+    return write_spec(path, gpus, lambda i, j: "PHB")
+
+
+def _core_ids_of(place: int) -> set[str]:
+    return {f"{names.VCORE_ID_PREFIX}{n}" for n in range(place * 100, place * 100 + 100)}
+
+
+def _restart_with(cluster: SimCluster, path: Path, gpus: list[dict[str, Any]]) -> None:
+    assert cluster.agent is not None
+    cluster.agent.signal(signal.SIGKILL)
+    cluster.agent.wait()
+    cluster.spec = _spec(path, gpus)
+    cluster.start_agent()
+    cluster.kubelet.wait_for_devices(names.VCORE_RESOURCE, lambda d: len(d) == 400, timeout=30)
+
+
+def _refusal(cluster: SimCluster, run: PodRun) -> PluginRPCError:
+    with pytest.raises(PluginRPCError) as caught:
+        cluster.start_containers(run)
+    return caught.value
+
+
+def _allocated_by_uuid(cluster: SimCluster) -> dict[str, tuple[int, int]]:
+    """UUID -> (cores, memory bytes) the agent's /metrics says are allocated."""
+    _, body = http_get(cluster, "/metrics")
+    out: dict[str, list[int]] = {}
+    for line in body.splitlines():
+        for i, metric in enumerate(("gpu_manager_gpu_core_allocated_ratio", "gpu_manager_gpu_memory_allocated_bytes")):
+            if line.startswith(metric + "{"):
+                labels, value = line[len(metric) + 1 :].rsplit("} ", 1)
+                uuid = labels.split('uuid="', 1)[1].split('"', 1)[0]
+                out.setdefault(uuid, [0, 0])[i] = round(float(value) * (100 if i == 0 else 1))
+    return {u: (c, m) for u, (c, m) in out.items()}
+
+
+@pytest.fixture
+def renumbered(tmp_path: Path) -> Any:
+    """4 GPUs of 16 GiB; a share on each of GPUs 1, 2 and 3 (30, 50 and 70 cores; 1, 2 and 3 GiB); the node
+    reboots without GPU 1: GPU 2 is /dev/nvidia1 now, GPU 3 /dev/nvidia2."""
+    full = [gpu(i, memory_mib=16384) for i in range(4)]
+    cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "four.json", full))
+    with cluster:
+        runs = {
+            i: cluster.run_pod(
+                gpu_pod(f"p{i}", [("main", SHARES[i][0], SHARES[i][1])], annotations=admission_annotations([[i]], 1))
+            )
+            for i in (1, 2, 3)
+        }
+        for i, run in runs.items():
+            assert answered(run)["main"][0] == (i,)
+        after = [full[0], dict(full[2], minor=1), dict(full[3], minor=2)]
+        _restart_with(cluster, tmp_path / "three.json", after)
+        yield cluster, full, runs
+
+
+def _assert_charged_by_place(cluster: SimCluster, full: list[dict[str, Any]], extra: int = 0) -> None:
+    got = _allocated_by_uuid(cluster)
+    for i, (cores, blocks) in SHARES.items():
+        assert got.get(full[i]["uuid"]) == (cores, blocks * BLOCK), (i, got)
+    assert got.get(full[0]["uuid"]) == (extra, extra and 4 * BLOCK), got
+
+
+def test_allocations_stay_charged_to_the_gpu_their_ids_name(renumbered: Any) -> None:
+    cluster, full, _ = renumbered
+    _assert_charged_by_place(cluster, full)
+
+
+def test_a_second_agent_restart_keeps_the_charges(renumbered: Any, tmp_path: Path) -> None:
+    """The agent restarts again (no reboot: the GPUs numbered as after it): the records, written again with
+    the minors of now, are not moved a second time."""
+    cluster, full, runs = renumbered
+    _restart_with(cluster, tmp_path / "three-again.json", [full[0], dict(full[2], minor=1), dict(full[3], minor=2)])
+    _assert_charged_by_place(cluster, full)
+    err = _refusal(cluster, runs[2])
+    assert full[3]["uuid"] in err.details and "/dev/nvidia2" in err.details, err.details
+
+
+def test_usage_names_each_allocation_by_its_gpu(renumbered: Any) -> None:
+    cluster, full, runs = renumbered
+    status, body = http_get(cluster, "/usage")
+    assert status == 200, body
+    doc = json.loads(body)
+    for i in (2, 3):
+        devs = doc["usage"][runs[i].uid]["stat"]["main"].get("dev", [])
+        assert [(d["id"], d["card_idx"]) for d in devs] == [(full[i]["pci_bus_id"], str(i))], (i, doc)
+    assert not doc["usage"][runs[1].uid]["stat"]["main"].get("dev"), doc  # the lost GPU: no device to show
+
+
+def test_a_restart_whose_device_node_reaches_another_gpu_is_refused(renumbered: Any) -> None:
+    cluster, full, runs = renumbered
+    err = _refusal(cluster, runs[2])  # /dev/nvidia2 is GPU 3 now
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+    for part in ("default/p2", "container main", full[2]["uuid"], full[3]["uuid"], "/dev/nvidia2", "delete the pod"):
+        assert part in err.details, (part, err.details)
+    # The reason is the renumbering, not a replacement: GPU 2 is the same GPU, at /dev/nvidia1 now.
+    assert "replaced" not in err.details and "numbered otherwise" in err.details, err.details
+    assert "/dev/nvidia1" in err.details, err.details
+    err = _refusal(cluster, runs[1])  # GPU 1 is lost; /dev/nvidia1 is GPU 2 now
+    for part in ("default/p1", full[1]["uuid"], full[2]["uuid"], "no longer counted", "delete the pod"):
+        assert part in err.details, (part, err.details)
+    assert "replaced" not in err.details, err.details
+    err = _refusal(cluster, runs[3])  # /dev/nvidia3 is no GPU now
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+    for part in ("default/p3", full[3]["uuid"], "/dev/nvidia3", "delete the pod"):
+        assert part in err.details, (part, err.details)
+    assert "replaced" not in err.details and "numbered otherwise" in err.details, err.details
+
+
+def test_list_and_watch_keeps_every_place_only_the_lost_gpu_unhealthy(renumbered: Any) -> None:
+    cluster, _, _ = renumbered
+    cluster.kubelet.wait_for_devices(
+        names.VCORE_RESOURCE,
+        lambda d: {i for i, x in d.items() if not x.healthy} == _core_ids_of(1),
+        timeout=30,
+    )
+    assert set(cluster.kubelet.devices(names.VCORE_RESOURCE)) == set().union(*map(_core_ids_of, range(4)))
+
+
+def test_new_pods_never_overcommit_the_renumbered_gpus(renumbered: Any) -> None:
+    """With p2 and p3 held (50 and 70 cores on GPUs 2 and 3), a new 60-core share fits only GPU 0
+    (/dev/nvidia0), with IDs of GPU 0's place; the charges of the others stay."""
+    cluster, full, _ = renumbered
+    new = cluster.run_pod(gpu_pod("n0", [("main", 60, 4)]))
+    assert answered(new)["main"][0] == (0,), answered(new)
+    assert set(new.core["main"].device_ids) <= _core_ids_of(0), sorted(new.core["main"].device_ids)[:5]
+    got = _allocated_by_uuid(cluster)
+    for uuid, (cores, memory) in got.items():
+        assert cores <= 100 and memory <= 16 << 30, (uuid, got)
+    for i, (cores, blocks) in SHARES.items():
+        assert got.get(full[i]["uuid"]) == (cores, blocks * BLOCK), (i, got)

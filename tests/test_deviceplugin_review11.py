@@ -591,3 +591,31 @@ def test_two_container_pods_with_numa_hints_never_overfill_a_gpu(workdir: Path) 
                         used_mem[g] += m if c < 100 else memory[g]
             assert all(v <= 100 for v in used_cores.values()), (step, used_cores, live)
             assert all(used_mem[g] <= memory[g] for g in memory), (step, used_mem)
+
+
+def test_allocate_and_prestart_name_an_unknown_id(workdir: Path) -> None:
+    with SimCluster(workdir, "t4-x1") as cluster:
+        for sock, prefix in (("vcore.sock", CORE_ID), ("vmemory.sock", names.VMEMORY_ID_PREFIX)):
+            channel, stub = _stub(cluster, sock)
+            try:
+                for bad in (f"{prefix}999999", "x" * 100_000, f"{prefix}1\n2", ""):
+                    ids = [f"{prefix}0", bad]
+                    for call, request in (
+                        (
+                            stub.Allocate,
+                            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+                        ),
+                        (stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=ids)),
+                    ):
+                        if call == stub.PreStartContainer and sock == "vmemory.sock" and bad.endswith("999999"):
+                            call(request, timeout=10)  # accepted by design: a GPU that shrank since
+                            continue
+                        with pytest.raises(grpc.RpcError) as caught:
+                            call(request, timeout=10)
+                        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+                        details = caught.value.details() or ""
+                        assert len(details) < 2000, len(details)
+                        assert bad[:20].replace("\n", "\\n") in details or repr(bad[:20])[1:-1] in details, details
+            finally:
+                channel.close()
+        assert "Traceback" not in (cluster.agent.log_text() if cluster.agent else "")

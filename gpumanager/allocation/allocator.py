@@ -454,7 +454,7 @@ class Allocator:
         if len(wanted) != cores:  # some ID twice: which one, for the message
             doubled = ids.duplicates(device_ids)
             raise AllocationError(
-                f"Allocate for {ids.describe(device_ids)}: device ID {doubled[0]} appears more than once"
+                f"Allocate for {ids.describe(device_ids)}: device ID {ids.shown(doubled[0])} appears more than once"
             )
         ordered = ids.in_order(device_ids)
         changed = False

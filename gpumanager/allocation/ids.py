@@ -49,12 +49,18 @@ def duplicates(device_ids: Iterable[str]) -> list[str]:
     return [i for i, n in counts.items() if n > 1]
 
 
+def shown(device_id: str) -> str:
+    """An ID as a message lists it: as it is, or :func:`brief` when it is long or holds a character that is not
+    printable (a line break would split the log line; a long one, the kubelet's limit on a status message)."""
+    return device_id if len(device_id) <= 80 and device_id.isprintable() else brief(device_id)
+
+
 def describe(device_ids: Sequence[str]) -> str:
     """``devices a, b, c`` for a few IDs; the first ones and a count for many."""
     ordered = sorted(device_ids, key=lambda i: (i.rsplit("-", 1)[0], number(i), i))
     if not ordered:
         return "no devices"
     if len(ordered) <= SHOWN:
-        return "devices " + ", ".join(ordered)
-    head = ", ".join(ordered[:SHOWN])
-    return f"{len(ordered)} devices {head}, ... {ordered[-1]}"
+        return "devices " + ", ".join(map(shown, ordered))
+    head = ", ".join(map(shown, ordered[:SHOWN]))
+    return f"{len(ordered)} devices {head}, ... {shown(ordered[-1])}"

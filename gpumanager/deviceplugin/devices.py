@@ -125,7 +125,9 @@ class DeviceLayout:
             pos = bisect.bisect_right(self._mem_starts, number) - 1
             if pos >= 0 and number < self._memory[pos].start + self._memory[pos].count:
                 return self._memory[pos].gpu
-        raise UnknownDeviceError(f"device ID {device_id!r} is past the last {resource} device of this node")
+        raise UnknownDeviceError(
+            f"device ID {device_ids.brief(device_id)} is past the last {resource} device of this node"
+        )
 
     def group_by_gpu(self, resource: str, device_ids: Iterable[str]) -> dict[int, list[str]]:
         """Split device IDs by GPU (raises UnknownDeviceError on a foreign ID)."""

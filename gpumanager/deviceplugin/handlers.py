@@ -92,7 +92,8 @@ class Handlers:
         if doubled:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{resource}: {device_ids.describe(ids)}: device ID {doubled[0]} appears more than once",
+                f"{resource}: {device_ids.describe(ids)}: device ID {device_ids.shown(doubled[0])} "
+                "appears more than once",
             )
         for device_id in ids:
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -28,15 +29,18 @@ EXIT_CONFIG = 2
 
 
 class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line (exit 2), as :func:`_fail` does, not after a usage summary."""
+
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_CONFIG, f"{self.prog}: invalid flag: {message}\n")
+        one_line = " ".join(message.split("\n"))
+        self.exit(EXIT_CONFIG, f"{self.prog}: invalid flag: {one_line} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser."""
     p = _Parser(
         prog="gpu-manager-extender",
+        allow_abbrev=False,  # a prefix (--assume=30) is refused as given, as Go's flag package does
         description="kube-scheduler extender placing tencent.com/vcuda-* requests on GPUs that can hold them.",
     )
     p.add_argument("--listen", default=":3456", help="address to serve on, host:port or :port (default %(default)s)")
@@ -122,6 +126,11 @@ def _validate(args: argparse.Namespace) -> tuple[str, int, tuple[str, str] | Non
     return host, port, tls
 
 
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    os.write(2, f"gpu-manager-extender: received {signal.Signals(signum).name} while starting; exiting\n".encode())
+    os._exit(EXIT_OK)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``gpu-manager-extender``."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -129,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-manager-extender {__version__}")
         return EXIT_OK
     host, port, tls = _validate(args)
+    # Until it serves (its service and the API client load for hundreds of ms), a stop ends it at once.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_while_starting)
     logging.basicConfig(
         level=logging.DEBUG if args.v >= 4 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from gpumanager import names
+from gpumanager.vmanager import files
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
 from simnode.kubelet import PluginRPCError
 from tests.battery_fixtures import answered, gpu, http_get, write_spec
@@ -162,3 +163,33 @@ def test_new_pods_never_overcommit_the_renumbered_gpus(renumbered: Any) -> None:
         assert cores <= 100 and memory <= 16 << 30, (uuid, got)
     for i, (cores, blocks) in SHARES.items():
         assert got.get(full[i]["uuid"]) == (cores, blocks * BLOCK), (i, got)
+
+
+def test_the_gpu_found_again_at_the_next_reboot(renumbered: Any, tmp_path: Path) -> None:
+    """The next reboot finds GPU 1 again: the driver numbers the GPUs as at first. The records follow their
+    GPUs back (charged by place), and each container's saved answer reaches its own GPU again."""
+    cluster, full, runs = renumbered
+    assert cluster.agent is not None
+    cluster.agent.signal(signal.SIGKILL)
+    cluster.agent.wait()
+    cluster.spec = _spec(tmp_path / "four-again.json", full)
+    cluster.start_agent()
+    cluster.kubelet.wait_for_devices(
+        names.VCORE_RESOURCE, lambda d: len(d) == 400 and all(x.healthy for x in d.values()), timeout=30
+    )
+    _assert_charged_by_place(cluster, full)
+    _, body = http_get(cluster, "/usage")
+    doc = json.loads(body)
+    for i in (1, 2, 3):
+        devs = doc["usage"][runs[i].uid]["stat"]["main"].get("dev", [])
+        assert [(d["id"], d["card_idx"]) for d in devs] == [(full[i]["pci_bus_id"], str(i))], (i, doc)
+    # Each saved answer's device node reaches the container's own GPU again: every start succeeds, with
+    # the budget it was answered with, and no line calls its GPU replaced or renumbered.
+    for i in (1, 2, 3):
+        cluster.start_containers(runs[i])
+        config = files.unpack(
+            (cluster.vm_path / "configs" / runs[i].uid / "main" / names.VCUDA_CONFIG_FILE).read_bytes()
+        )
+        assert (config.utilization, config.gpu_memory) == (SHARES[i][0], SHARES[i][1] * BLOCK), (i, config)
+    tail = cluster.agent.log_text().split("serving 4 GPUs")[-1]
+    assert "PreStartContainer refused" not in tail, tail[-3000:]

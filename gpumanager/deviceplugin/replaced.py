@@ -101,20 +101,24 @@ class ReplacedGPUs:
         lost_places = self._lost = set(lost)
         now_by_minor = {g.minor: g for g in gpus if g.index not in lost_places}
         by_place = {g.index: g for g in gpus if g.index not in lost_places}
-        self._changes: dict[int, _Change] = {}
-        fresh = {old.minor: old for old in was.values()}
-        for old in [*fresh.values(), *pending.values()]:  # this start's findings first
-            if old.minor in self._changes:
-                continue
+
+        def change(old: GPUInfo) -> _Change | None:
             now = now_by_minor.get(old.minor)
             if now is not None and now.uuid == old.uuid:
-                continue
+                return None
             if now is None and old.index in lost_places:
-                continue  # a GPU lost at start: reported as such, its device IDs Unhealthy
-            self._changes[old.minor] = _Change(old, now, by_place.get(old.index))
-        # Device nodes found changed at this start (any holder of them was answered before); those an
-        # earlier start found count only for the containers it named (others were answered since).
-        self._fresh = {m for m, c in self._changes.items() if fresh.get(m) == c.was}
+                return None  # a GPU lost at start: reported as such, its device IDs Unhealthy
+            return _Change(old, now, by_place.get(old.index))
+
+        # Device nodes found changed at this start, by the minor the saved inventory gave them (any holder of
+        # them was answered before).
+        self._changes: dict[int, _Change] = {
+            old.minor: found for old in was.values() if (found := change(old)) is not None
+        }
+        # What the device nodes an earlier start found changed reach now (None: their GPU again, or a lost
+        # GPU), for the containers it named alone (answered with the minors of then: a GPU no longer found
+        # may have been found again since, the driver numbering the GPUs as before).
+        self._pending_changes: dict[int, _Change | None] = {old.minor: change(old) for old in pending.values()}
         self._allocations = allocations
         self._pod_name = pod_name
         self._lock = threading.Lock()
@@ -133,19 +137,32 @@ class ReplacedGPUs:
     @property
     def active(self) -> bool:
         """Whether some device node reaches another GPU than before the agent's start."""
-        return bool(self._changes)
+        return bool(self._changes) or any(c is not None for c in self._pending_changes.values())
+
+    def _changes_of(self, alloc: ContainerAllocation) -> list[_Change]:
+        """The changes of the device nodes ``alloc`` (a saved answer's minors) names: for a container an
+        earlier start named, what that start found where it found it; else what this start found."""
+        out = []
+        for m in alloc.minors:
+            if alloc.key in self._pending_keys and m in self._pending_changes:
+                found = self._pending_changes[m]
+            else:
+                found = self._changes.get(m)
+            if found is not None:
+                out.append(found)
+        return out
 
     def note_held(self, allocations: Iterable[ContainerAllocation]) -> frozenset[tuple[str, str]]:
         """Remember the allocations held at start that name a changed device node, each logged with what
         its next start will do; return their (pod UID, container) keys."""
-        if not self._changes:
+        if not self.active:
             with self._lock:
                 self._save()  # nothing left of an earlier start's findings
             return frozenset()
         for held in allocations:
             alloc = self._as_answered(held)
-            changes = [self._changes[m] for m in alloc.minors if m in self._changes]
-            if not changes or (alloc.key not in self._pending_keys and not self._fresh.intersection(alloc.minors)):
+            changes = self._changes_of(alloc)
+            if not changes:
                 continue
             self._affected[alloc.key] = alloc
             self._held_minors[alloc.key] = held.minors
@@ -165,11 +182,9 @@ class ReplacedGPUs:
         that their containers' starts are refused with the reason; each logged. Return how many."""
         count = 0
         for answer in answers:
-            if answer.key in self._affected or not any(m in self._changes for m in answer.minors):
-                continue
-            if answer.key not in self._pending_keys and not self._fresh.intersection(answer.minors):
-                continue  # answered since an earlier start found the change
-            changes = [self._changes[m] for m in answer.minors if m in self._changes]
+            changes = [] if answer.key in self._affected else self._changes_of(answer)
+            if not changes:
+                continue  # held, or naming no device node changed for it
             problem = self._lasting_problem(answer, changes)
             if problem:
                 self._unheld[answer.key] = answer
@@ -182,7 +197,7 @@ class ReplacedGPUs:
         reach another GPU than the one at its place, or one without room for it. Return whether it starts
         on a replacement: its room there is then reserved (counted for the other starts) until the start is
         noted (:meth:`note_started`, once it succeeded) or dropped (:meth:`forget`, when it failed after)."""
-        if not self._changes:
+        if not self.active:
             return False
         held = self._affected.get(alloc.key)
         if held is None:
@@ -198,7 +213,7 @@ class ReplacedGPUs:
             return False
         if self._held_minors.get(alloc.key) != alloc.minors:
             return False  # answered since the start: it names the GPUs as they are
-        changes = [self._changes[m] for m in held.minors if m in self._changes]
+        changes = self._changes_of(held)
         problem = self._lasting_problem(alloc, changes)
         if problem:
             self._log_once(alloc, "lasting", logging.ERROR, problem)
@@ -226,7 +241,7 @@ class ReplacedGPUs:
                 self._started.add(alloc.key)
                 self._save()
         held = self._affected.get(alloc.key, alloc)
-        changes = [self._changes[m] for m in held.minors if m in self._changes]
+        changes = self._changes_of(held)
         self._log_once(alloc, "started", logging.WARNING, self._runs_there(alloc, changes, "starts again"))
 
     def forget(self, alloc: ContainerAllocation) -> None:
@@ -256,7 +271,7 @@ class ReplacedGPUs:
             named = self._pod_name(pod_uid)
             if named is not None:
                 held = replace(held, namespace=named[0], pod_name=named[1])
-        changes = [self._changes[m] for m in held.minors if m in self._changes]
+        changes = self._changes_of(held)
         return self._lasting_problem(held, changes) or ""
 
     def _save(self) -> None:
@@ -268,9 +283,9 @@ class ReplacedGPUs:
             if not self._affected:
                 self._path.unlink(missing_ok=True)
                 return
-            minors = {m for a in self._affected.values() for m in a.minors if m in self._changes}
+            was = {c.was.minor: c.was for a in self._affected.values() for c in self._changes_of(a)}
             doc = {
-                "gpus": [asdict(self._changes[m].was) for m in sorted(minors)],
+                "gpus": [asdict(g) for _, g in sorted(was.items())],
                 "containers": sorted([list(k) for k in self._affected]),
                 "started": sorted([list(k) for k in self._started]),
                 # The device nodes each one's saved answer names (its record follows its GPU's minor).

@@ -466,6 +466,11 @@ class VirtualManager:
             # whole: the container whose status names ``<id>``; its files go where it reads, ``crio-<id>/``.
             bare = cgroups.without_runtime_prefix(req.container_id)
             matches = [n for n, cid in ids.items() if bare is not None and cid == bare]
+        if matches or _CONTAINER_ID.fullmatch(req.container_id) is not None:
+            # Its directory would be the pod directory's entry of that name: a container's mount point (its
+            # limit files, for an earlier version's answer), removed with the registration once its
+            # "container" ends, were the ID one of the names.
+            self._refuse_a_name_as_id(socket_pod, pod, req.container_id)
         if len(matches) == 1:
             name = matches[0]
             alloc = self._allocated(socket_pod, pod_uid, name, where)
@@ -488,6 +493,26 @@ class VirtualManager:
         raise _NotYet(
             f"container ID {_short(req.container_id)} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
         )
+
+    def _refuse_a_name_as_id(self, socket_pod: str, pod: Pod, container_id: str) -> None:
+        """Refuse a container ID that is a container's name in the request's pod or the socket's: the
+        socket pod's directory holds an entry of that name, which no registration by ID may take."""
+        pods = [pod]
+        if podinfo.uid(pod) != socket_pod:
+            other = self._pod(socket_pod)
+            if other is not None:
+                pods.append(other)
+        for each in pods:
+            try:
+                taken = _container_names(each)
+            except PodSpecError:
+                continue
+            if container_id in taken:
+                raise RegistrationRefused(
+                    f"container ID {_short(container_id)} is the name of a container of pod "
+                    f"{podinfo.pod_key(each)}, not a container ID",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
 
     def _allocated(self, socket_pod: str, pod_uid: str, name: str, where: str) -> ContainerAllocation:
         alloc = self._allocation(pod_uid, name)

@@ -1,0 +1,90 @@
+"""Attacks on the virtual manager: registrations, limit files, cgroups, clean-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
+
+UID = "0b7c6a1e-1111-4222-8333-944455556666"
+ID_WORKER = "a" * 64
+GIB = 1 << 30
+
+
+def _pod(statuses: dict[str, str]) -> dict[str, Any]:
+    def container(name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "resources": {"limits": {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}},
+        }
+
+    return {
+        "metadata": {"uid": UID, "name": "p", "namespace": "ns"},
+        "spec": {"containers": [container("worker"), container("gpu-main")]},
+        "status": {
+            "qosClass": "BestEffort",
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": n, "containerID": f"containerd://{cid}", "state": {"running": {}}}
+                for n, cid in statuses.items()
+            ],
+        },
+    }
+
+
+def _alloc(name: str) -> ContainerAllocation:
+    return ContainerAllocation(pod_uid=UID, container=name, minors=(0,), cores=50, memory=GIB, namespace="ns")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[tuple[VirtualManager, Path, dict[str, Any]]]:
+    cg = tmp_path / "cgroup"
+    state: dict[str, Any] = {"pod": _pod({"worker": ID_WORKER})}
+    allocs = {(UID, "worker"): _alloc("worker"), (UID, "gpu-main"): _alloc("gpu-main")}
+    vm = VirtualManager(
+        vm_path=tmp_path / "vm",
+        cgroup_root=cg,
+        allocation=lambda uid, name: allocs.get((uid, name)),
+        pod=lambda uid: state["pod"] if uid == UID else None,
+        driver_version="550.54.15",
+    )
+    state["allocs"] = list(allocs.values())
+    try:
+        yield vm, cg, state
+    finally:
+        vm.stop()
+
+
+def _procs(directory: Path, *pids: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
+
+
+def test_registration_by_an_id_that_is_a_container_name_never_touches_that_containers_directory(
+    world: tuple[VirtualManager, Path, dict[str, Any]],
+) -> None:
+    """A process that can make a cgroup below its own (a container with a writable cgroup) names it after a
+    sibling container that has not started yet, and registers by that "ID": the pod directory's entry of
+    that name is the sibling's mount point (its limit files for an earlier version's answer). It must not
+    get the caller's PIDs, nor be removed once the made-up cgroup is gone."""
+    vm, cg, state = world
+    pod_cg = cg / "kubepods" / "besteffort" / f"pod{UID}"
+    _procs(pod_cg / ID_WORKER, 100)
+    vm.prepare_ahead(UID, ["worker", "gpu-main"])
+    vm.prepare(_alloc("worker"))
+    mount_point = vm.pod_dir(UID) / "gpu-main"
+    assert mount_point.is_dir()
+    _procs(pod_cg / ID_WORKER / "gpu-main", 4242)  # made by the worker's process
+    with pytest.raises(RegistrationRefused, match="gpu-main"):
+        vm.register(UID, pb.VDeviceRequest(container_id="gpu-main"), time_left=1.0)
+    assert not (mount_point / "pids.config").exists()
+    (pod_cg / ID_WORKER / "gpu-main" / "cgroup.procs").unlink()
+    (pod_cg / ID_WORKER / "gpu-main").rmdir()
+    vm.refresh_pids(state["allocs"])
+    assert mount_point.is_dir(), "the sibling's mount point was removed"

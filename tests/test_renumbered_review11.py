@@ -218,3 +218,82 @@ def test_records_rebuilt_from_the_kubelets_answers_follow_their_gpus(tmp_path: P
         _assert_charged_by_place(cluster, full)
         err = _refusal(cluster, runs[2])
         assert full[3]["uuid"] in err.details and "/dev/nvidia2" in err.details, err.details
+
+
+# ---- the allocation state alone ----------------------------------------------------------------------------
+
+
+def _renumbered_allocator(tmp_path: Path, pods: Any, moved: dict[int, int]) -> Any:
+    """The allocator of a start after GPU 1 of four was no longer found: GPUs 2 and 3 are minors 1 and 2,
+    the lost GPU 1 is counted with minor 3; ``moved``: the minors of the records to move (empty at a later
+    start, when the saved inventory says the minors of now)."""
+    from dataclasses import replace as _replace
+
+    from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+    from gpumanager.allocation.response import ResponseSettings
+    from gpumanager.topology import build_tree
+    from tests.alloc_fixtures import v100x4
+
+    gpus, topo = v100x4()
+    gpus = [_replace(g, minor={0: 0, 1: 3, 2: 1, 3: 2}[g.index]) for g in gpus]
+    tree = build_tree(gpus, topo)
+    tree.set_healthy(1, False)
+    allocator = Allocator(
+        gpus=gpus,
+        tree=tree,
+        pods=pods,
+        settings=AllocatorSettings(
+            share_mode=True,
+            response=ResponseSettings(
+                vdriver_nvidia="/etc/gpu-manager/vdriver/nvidia",
+                vdriver_origin="/etc/gpu-manager/vdriver/origin",
+                virtual_manager_path="/etc/gpu-manager/vm",
+            ),
+        ),
+        checkpoint_path=tmp_path / "checkpoint" / names.OWN_CHECKPOINT,
+    )
+    allocator.renumbered = dict(moved)
+    return allocator
+
+
+def test_remembered_freed_allocations_follow_their_gpu_once(tmp_path: Path) -> None:
+    """An allocation freed before its container started (kept in the checkpoint for a container the kubelet
+    may have given its IDs) names its GPU by minor too: it follows its GPU at the renumbered start, and
+    the state is written so, so that the next start (no move: the inventory says the minors of now) finds
+    it on the same GPU, not on the GPU that has its old minor."""
+    from gpumanager.allocation.allocator import Allocator
+    from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
+
+    def crash(alloc: Allocator) -> None:
+        alloc._closing.set()
+        alloc._store.close()
+
+    whole = [make_pod(f"x{g}", [("main", 100, 0)], created=f"2026-11-21T09:00:0{g}Z") for g in range(3)]
+    pods = FakePods(
+        [*whole, *(make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate("ab"))]
+    )
+    before = make_allocator(tmp_path, pods)
+    before.load()
+    for g in range(3):  # GPUs 0, 1 and 2 taken whole: the share goes to GPU 3
+        before.allocate(core_ids(g, 100))
+    ids = core_ids(3, 50)
+    before.allocate(ids)  # the kubelet admits b; matched to a (first in line)
+    guessed = before.get(uid_of("a"), "main")
+    assert guessed is not None
+    pods.items = [p for p in pods.items if p["metadata"]["uid"] != uid_of("a")]
+    before.release_pod(uid_of("a"))
+    crash(before)
+    assert guessed.minors == (3,), guessed.minors
+    now_minor = {0: 0, 1: 3, 2: 1, 3: 2}
+    want = tuple(now_minor[m] for m in guessed.minors)
+
+    after = _renumbered_allocator(tmp_path, pods, {1: 3, 2: 1, 3: 2})
+    after.load()
+    assert [a.minors for same in after._freed_guesses.values() for a in same] == [want]
+    crash(after)
+    again = _renumbered_allocator(tmp_path, pods, {})
+    try:
+        again.load()
+        assert [a.minors for same in again._freed_guesses.values() for a in same] == [want]
+    finally:
+        again.close()

@@ -93,7 +93,10 @@ def read_checkpoint(allocator: Allocator) -> records.Parsed:
     )
     taken, refused = adopt_records(allocator, parsed.allocations, source=str(allocator._checkpoint_path))
     restore_freed(allocator, data)
-    if rewrite:
+    # Records named by the minors the driver gave before (:func:`renumber`) follow their GPUs: the whole state
+    # is written with the minors of now (the freed-before-start entries too, which no record of theirs
+    # writes again), before the next start reads it with no move left to make.
+    if rewrite or allocator.renumbered:
         # Segments moved aside held changes (a release too) that are now only in memory; a snapshot
         # naming no segment (upstream's, after an upgrade) would have the next start discard every
         # change journaled over it. The whole state is written at once, before any change.

@@ -10,6 +10,7 @@ import pytest
 
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.vmanager import files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 
 UID = "0b7c6a1e-1111-4222-8333-944455556666"
@@ -88,3 +89,29 @@ def test_registration_by_an_id_that_is_a_container_name_never_touches_that_conta
     (pod_cg / ID_WORKER / "gpu-main").rmdir()
     vm.refresh_pids(state["allocs"])
     assert mount_point.is_dir(), "the sibling's mount point was removed"
+
+
+def test_a_pod_removed_while_its_registration_writes_gets_no_directory_made_again(
+    world: tuple[VirtualManager, Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pod goes (its directories removed) while a registration by container ID is between its
+    pids.config and its vcuda.config: the registration is refused, and no directory of the pod is made
+    again (only the periodic clean-up would find it, a period later)."""
+    vm, cg, _state = world
+    pod_cg = cg / "kubepods" / "besteffort" / f"pod{UID}"
+    _procs(pod_cg / ID_WORKER, 100)
+    vm.prepare_ahead(UID, ["worker", "gpu-main"])
+    vm.prepare(_alloc("worker"))
+    real = files.write_pids
+
+    def write_then_pod_gone(path: Path, pids: Any, **kwargs: Any) -> list[int]:
+        written = real(path, pids, **kwargs)
+        vm.gc([], only=[UID])
+        return written
+
+    monkeypatch.setattr(files, "write_pids", write_then_pod_gone)
+    with pytest.raises(RegistrationRefused, match="gone"):
+        vm.register(UID, pb.VDeviceRequest(container_id=ID_WORKER), time_left=1.0)
+    leftovers = [str(p) for p in vm.vm_path.rglob("*")]
+    assert leftovers == [] or all(UID not in p for p in leftovers), leftovers
+    assert not vm.has_registered_ids()

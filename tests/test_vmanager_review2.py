@@ -221,7 +221,7 @@ def test_a_registration_that_cannot_write_its_config_is_refused_naming_the_file(
         driver_version="550.54.15",
     )
 
-    def full(path: Path, _config: files.VcudaConfig) -> None:
+    def full(path: Path, _config: files.VcudaConfig, **_how: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(files, "write_config", full)

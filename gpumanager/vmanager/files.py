@@ -186,16 +186,27 @@ def _holds(path: Path, data: bytes) -> bool:
         os.close(fd)
 
 
-def write_config(path: Path, config: VcudaConfig) -> None:
+def write_config(path: Path, config: VcudaConfig, *, make_dirs: bool = True) -> None:
     """Write (or replace) a vcuda.config, atomically: through its spare when one was made ahead,
     else through a temp file. A file that holds these values already (a restarted container's) is
-    left as it is: reading it costs a few microseconds, a new file and a rename ~0.3 ms or more."""
+    left as it is: reading it costs a few microseconds, a new file and a rename ~0.3 ms or more.
+
+    ``make_dirs=False``: a missing directory is not made (FileNotFoundError): one removed meanwhile
+    (its pod gone) stays removed."""
     # Not fsynced: after a power loss the containers are gone too, and PreStart writes it again.
     data = pack(config)
     if _holds(path, data):
         return
-    if not _write_through_spare(path, data):
+    if _write_through_spare(path, data):
+        return
+    if make_dirs:
         atomic_write(path, data)
+        return
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _replace_in(dir_fd, path.name, data)
+    finally:
+        os.close(dir_fd)
 
 
 def write_pids(path: Path, pids: Iterable[int], *, make_dir: bool = False) -> list[int]:

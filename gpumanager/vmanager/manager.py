@@ -651,7 +651,20 @@ class VirtualManager:
         config = directory / names.VCUDA_CONFIG_FILE
         if not config.exists():  # as upstream: written once; a running container may be reading it
             try:
-                files.write_config(config, self.config_for(target.alloc))
+                files.write_config(config, self.config_for(target.alloc), make_dirs=False)
+            except FileNotFoundError:
+                # Removed since its pids.config was written (the pod is gone, and what was remembered of it
+                # may have been dropped before this registration noted its own): nothing of it is kept.
+                with self._pids_lock:
+                    self._last_pids.pop(path, None)
+                    if self._registered.get((target.pod_uid, target.name)) == path:
+                        del self._registered[(target.pod_uid, target.name)]
+                    if target.by_id and self._id_dirs.get(directory) == (target.pod_uid, target.container_id):
+                        del self._id_dirs[directory]
+                raise RegistrationRefused(
+                    f"the directory {directory} of pod {target.alloc.answered[0]} is gone: not writing {config}",
+                    grpc.StatusCode.NOT_FOUND,
+                ) from None
             except OSError as exc:
                 raise RegistrationRefused(
                     f"cannot write {config}: {exc.strerror or exc}", grpc.StatusCode.UNAVAILABLE

@@ -144,11 +144,12 @@ def test_whole_gpus_land_on_close_sets(workdir: Path, spec: str, domains: int) -
 
 def test_shares_never_overfill_a_gpu(workdir: Path) -> None:
     rng = random.Random(11)
-    with SimCluster(workdir, "v100-pcie-x4") as cluster:
-        gpu_memory = {g: 16 * GiB for g in range(4)}
+    with SimCluster(workdir, "v100-pcie-x4", status_lag=0.05) as cluster:
+        spec = json.loads(cluster.spec.read_text())
+        gpu_memory = {g: int(gpu["memory_mib"]) << 20 for g, gpu in enumerate(spec["gpus"])}
         live: dict[str, tuple[list[int], int, int]] = {}
         runs = {}
-        for step in range(60):
+        for step in range(150):
             if live and rng.random() < 0.4:
                 uid = rng.choice(sorted(live))
                 cluster.delete(runs.pop(uid), wait=True)
@@ -421,11 +422,11 @@ def test_topology_manager_hints_never_overfill_a_gpu(workdir: Path) -> None:
     """Random admissions (whole GPUs and shares, each with a random NUMA hint or none) and deletions: no GPU
     ever holds more than 100 cores or its memory in the answers given."""
     rng = random.Random(7)
-    with SimCluster(workdir, "h100-nvlink-x8") as cluster:
+    with SimCluster(workdir, "h100-nvlink-x8", status_lag=0.05) as cluster:
         spec = json.loads(cluster.spec.read_text())
         memory = {g: int(gpu["memory_mib"]) << 20 for g, gpu in enumerate(spec["gpus"])}
         live: dict[str, tuple[list[int], int, int]] = {}
-        for step in range(50):
+        for step in range(120):
             if live and rng.random() < 0.35:
                 uid = rng.choice(sorted(live))
                 cluster.delete(cluster.runs[uid], wait=True)
@@ -550,7 +551,7 @@ def test_our_sockets_removed_under_a_live_kubelet_many_times(workdir: Path) -> N
 
 def test_two_container_pods_with_numa_hints_never_overfill_a_gpu(workdir: Path) -> None:
     rng = random.Random(3)
-    with SimCluster(workdir, "l40s-domains-x4") as cluster:
+    with SimCluster(workdir, "l40s-domains-x4", status_lag=0.05) as cluster:
         spec = json.loads(cluster.spec.read_text())
         memory = {g: int(gpu["memory_mib"]) << 20 for g, gpu in enumerate(spec["gpus"])}
         index_of = {int(gpu["minor"]): g for g, gpu in enumerate(spec["gpus"])}
@@ -562,7 +563,7 @@ def test_two_container_pods_with_numa_hints_never_overfill_a_gpu(workdir: Path) 
 
         cluster.kubelet.allocate = with_hint  # type: ignore[method-assign]
         live: dict[str, list[tuple[list[int], int, int]]] = {}
-        for step in range(40):
+        for step in range(100):
             if live and rng.random() < 0.35:
                 uid = rng.choice(sorted(live))
                 cluster.delete(cluster.runs[uid], wait=True)

@@ -167,8 +167,12 @@ def test_new_pods_never_overcommit_the_renumbered_gpus(renumbered: Any) -> None:
 
 def test_the_gpu_found_again_at_the_next_reboot(renumbered: Any, tmp_path: Path) -> None:
     """The next reboot finds GPU 1 again: the driver numbers the GPUs as at first. The records follow their
-    GPUs back (charged by place), and each container's saved answer reaches its own GPU again."""
+    GPUs back (charged by place), and each container's saved answer reaches its own GPU again. A share
+    answered while GPU 2 was /dev/nvidia1 stays charged to GPU 2, and its start (its saved /dev/nvidia1 is
+    GPU 1 again) is refused, naming both GPUs."""
     cluster, full, runs = renumbered
+    late = cluster.run_pod(gpu_pod("late", [("main", 40, 4)], annotations=admission_annotations([[1]], 2)))
+    assert answered(late)["main"][0] == (1,)  # GPU 2, /dev/nvidia1 then
     assert cluster.agent is not None
     cluster.agent.signal(signal.SIGKILL)
     cluster.agent.wait()
@@ -177,7 +181,21 @@ def test_the_gpu_found_again_at_the_next_reboot(renumbered: Any, tmp_path: Path)
     cluster.kubelet.wait_for_devices(
         names.VCORE_RESOURCE, lambda d: len(d) == 400 and all(x.healthy for x in d.values()), timeout=30
     )
-    _assert_charged_by_place(cluster, full)
+    got = _allocated_by_uuid(cluster)
+    assert got.get(full[2]["uuid"]) == (SHARES[2][0] + 40, (SHARES[2][1] + 4) * BLOCK), got
+    for i in (1, 3):
+        assert got.get(full[i]["uuid"]) == (SHARES[i][0], SHARES[i][1] * BLOCK), (i, got)
+    err = _refusal(cluster, late)
+    for part in (
+        "default/late",
+        full[2]["uuid"],
+        full[1]["uuid"],
+        "/dev/nvidia1",
+        "/dev/nvidia2",
+        "numbered otherwise",
+    ):
+        assert part in err.details, (part, err.details)
+    assert "replaced" not in err.details, err.details
     _, body = http_get(cluster, "/usage")
     doc = json.loads(body)
     for i in (1, 2, 3):
@@ -192,7 +210,8 @@ def test_the_gpu_found_again_at_the_next_reboot(renumbered: Any, tmp_path: Path)
         )
         assert (config.utilization, config.gpu_memory) == (SHARES[i][0], SHARES[i][1] * BLOCK), (i, config)
     tail = cluster.agent.log_text().split("serving 4 GPUs")[-1]
-    assert "PreStartContainer refused" not in tail, tail[-3000:]
+    refused = [line for line in tail.splitlines() if "PreStartContainer refused" in line and "default/late" not in line]
+    assert not refused, refused
 
 
 def test_records_rebuilt_from_the_kubelets_answers_follow_their_gpus(tmp_path: Path) -> None:

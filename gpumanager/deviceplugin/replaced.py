@@ -302,8 +302,8 @@ class ReplacedGPUs:
         for change in changes:
             was, now, there = change.was, change.now, change.at_place
             head = f"{_who(alloc)} was answered with GPU {was.index} ({was.uuid}, {was.device_path}), " + (
-                "which the driver numbered otherwise since (a GPU no longer found at boot moves the GPUs after "
-                "it one lower)"
+                "which the driver numbered otherwise since (a GPU no longer found at boot, or found again, "
+                "moves the GPUs after it)"
                 if (there is not None and there.uuid == was.uuid) or was.index in self._lost
                 else "replaced while the agent was down"
             )

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
-from gpumanager.vmanager import files
+from gpumanager.vmanager import claims, files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 
 UID = "0b7c6a1e-1111-4222-8333-944455556666"
@@ -60,6 +63,13 @@ def world(tmp_path: Path) -> Iterator[tuple[VirtualManager, Path, dict[str, Any]
         yield vm, cg, state
     finally:
         vm.stop()
+
+
+def _claim(uid: str) -> ClaimAllocation:
+    def share(request: str, share_id: str) -> ClaimDevice:
+        return ClaimDevice(request, "node", "gpu-0", 0, share_id, 20, GIB, False)
+
+    return ClaimAllocation(uid, "ns", "c", (share("a", "s1"), share("b", "s2")))
 
 
 def _procs(directory: Path, *pids: int) -> None:
@@ -115,3 +125,43 @@ def test_a_pod_removed_while_its_registration_writes_gets_no_directory_made_agai
     leftovers = [str(p) for p in vm.vm_path.rglob("*")]
     assert leftovers == [] or all(UID not in p for p in leftovers), leftovers
     assert not vm.has_registered_ids()
+
+
+@pytest.fixture
+def strict_umask() -> Iterator[None]:
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_directories_a_container_reads_are_open_to_any_user_whatever_the_agents_umask(
+    world: tuple[VirtualManager, Path, dict[str, Any]], strict_umask: None
+) -> None:
+    """An agent started with umask 077 (a hardened host's service, an image's default): the pod's directory
+    (mounted at /etc/vcuda, holding vcuda.sock), the container's own directory and a registration's
+    directory are made 0755, so a container running as another user than root reaches its limit files
+    and its socket."""
+    vm, cg, _state = world
+    _procs(cg / "kubepods" / "besteffort" / f"pod{UID}" / ID_WORKER, 100)
+    vm.prepare_ahead(UID, ["worker", "gpu-main"])
+    vm.prepare(_alloc("worker"))
+    vm.register(UID, pb.VDeviceRequest(container_id=ID_WORKER), time_left=1.0)
+    claim = vm.vm_path / "0c1a1e2e-3333-4444-8555-966677778888"
+    claims.write_config(vm.vm_path, _claim(claim.name), "550.54.15")
+    made = [
+        vm.vm_path,
+        vm.pod_dir(UID),
+        vm.pod_dir(UID) / "worker",
+        vm.pod_dir(UID) / "gpu-main",
+        vm.pod_dir(UID) / ID_WORKER,
+        vm.configs_path,
+        vm.configs_path / UID,
+        vm.own_dir(UID, "worker"),
+        vm.own_dir(UID, "gpu-main"),
+        claim,
+        claim / "request-a",
+    ]
+    modes = {str(p.relative_to(vm.vm_path.parent)): oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
+    assert all(m == "0o755" for m in modes.values()), modes

@@ -99,6 +99,25 @@ def driver_version_fields(version: str) -> tuple[int, int]:
     return major, minor
 
 
+def make_open_dirs(path: Path) -> None:
+    """Make ``path`` and its missing parents, mode 0755 whatever the agent's umask (a container running as
+    any user reaches its limit files and its socket through them); existing ones are left as they are."""
+    missing: list[Path] = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue  # made meanwhile by another thread: as it made it
+        os.chmod(directory, 0o755)
+
+
 def spare_path(path: Path) -> Path:
     """``.<name>.spare`` beside ``path``: an empty file made ahead, filled and renamed over ``path``."""
     return path.with_name(f".{path.name}.spare")
@@ -200,6 +219,7 @@ def write_config(path: Path, config: VcudaConfig, *, make_dirs: bool = True) -> 
     if _write_through_spare(path, data):
         return
     if make_dirs:
+        make_open_dirs(path.parent)
         atomic_write(path, data)
         return
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -219,8 +239,12 @@ def write_pids(path: Path, pids: Iterable[int], *, make_dir: bool = False) -> li
     ordered = sorted({int(p) for p in pids})
     data = struct.pack(f"<{len(ordered)}i", *ordered)
     if make_dir:
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path.parent, 0o755)
+        except FileExistsError:
+            pass
+        else:
+            os.chmod(path.parent, 0o755)  # whatever the umask
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(dir_fd, fcntl.LOCK_EX)

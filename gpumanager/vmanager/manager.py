@@ -267,14 +267,14 @@ class VirtualManager:
         answered_pod, answered_container = alloc.answered
         # The allocator refuses unsafe names already; nothing is ever written outside the pod's directories.
         directory = safenames.child(self.vm_path, safenames.pod_uid(answered_pod))
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        files.make_open_dirs(directory)
         targets = self.container_dirs(alloc)
         # Its mount point in the pod's directory (mounted read-only before its own directory: the runtime
         # cannot make it), left empty when the container's files are in its own directory, mounted there.
-        safenames.child(directory, safenames.container_name(answered_container)).mkdir(mode=0o755, exist_ok=True)
+        files.make_open_dirs(safenames.child(directory, safenames.container_name(answered_container)))
         config = self.config_for(alloc)
         for own in targets:
-            own.mkdir(mode=0o755, parents=True, exist_ok=True)
+            files.make_open_dirs(own)
             files.write_config(own / names.VCUDA_CONFIG_FILE, config)
         path = targets[0] / names.VCUDA_CONFIG_FILE
         self._serve(answered_pod)
@@ -287,12 +287,12 @@ class VirtualManager:
         starts it (see :mod:`gpumanager.vmanager.ahead`). ValueError for an unsafe name, OSError when a
         directory cannot be made."""
         directory = safenames.child(self.vm_path, safenames.pod_uid(pod_uid))
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        files.make_open_dirs(directory)
         for name in containers:
             container = safenames.child(directory, safenames.container_name(name))
             own = self.container_dir((pod_uid, name))  # its own directory, or an earlier version's answer's
-            container.mkdir(mode=0o755, exist_ok=True)  # the mount point of its own directory (or that one)
-            own.mkdir(mode=0o755, parents=True, exist_ok=True)
+            files.make_open_dirs(container)  # the mount point of its own directory (or that one)
+            files.make_open_dirs(own)
             files.make_spare(own / names.VCUDA_CONFIG_FILE)
         self._serve(pod_uid)
 

@@ -640,7 +640,7 @@ class Agent:
     def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi
         from gpumanager.dra.mode import DRAMode, DRASettings
-        from gpumanager.metrics.claims import ClaimCollector, FeatureGateCollector
+        from gpumanager.metrics.claims import ClaimCollector, DRAStateCollector, FeatureGateCollector
 
         cfg = self.config
         assert self.allocator is not None and self.health is not None and self.mirror is not None
@@ -674,6 +674,8 @@ class Agent:
         if self.query is not None:
             self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus, self.dra.reserved))
             self.query.registry.register(FeatureGateCollector(self.dra.gates_off))
+            dra = self.dra
+            self.query.registry.register(DRAStateCollector(lambda: dra.leaked_freed))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:
@@ -686,6 +688,8 @@ class Agent:
     def _start_loops(self) -> None:
         assert self.allocator is not None and self.vmanager is not None
         if self.check is not None:
+            if self.dra is not None:  # claims the kubelet never unprepares, freed once the API server says gone
+                self.check.also(self.dra.free_leaked)
             self.check.start()
         from gpumanager.vmanager.refresh import ClaimPidsRefresher, PidsRefresher
 

@@ -59,6 +59,12 @@ class AllocationCheck:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._also: list[Callable[[], object]] = []  # run after each check, in this loop (:meth:`also`)
+
+    def also(self, task: Callable[[], object]) -> None:
+        """Run ``task`` after each periodic check, in the check's thread (an error is logged; the next period
+        runs it again). Added before :meth:`start`."""
+        self._also.append(task)
 
     def start(self) -> None:
         """Run the loop in the background."""
@@ -195,6 +201,12 @@ class AllocationCheck:
                     self.check()
                 except Exception:
                     log.exception("allocation check failed; trying again next period")
+                for task in self._also:
+                    try:
+                        task()
+                    except Exception:
+                        name = getattr(task, "__name__", task)
+                        log.exception("periodic check %s failed; trying again next period", name)
             first = True
             self._wake.wait(self._period)
             self._wake.clear()

@@ -65,6 +65,9 @@ class DRASettings:
     #: How long the kubelet may take to register the driver once its sockets are served before that is
     #: logged and reported (--wait-timeout); 0: never.
     registration_wait: float = 0.0
+    #: How long a prepared claim must have been used by no pod of the node (seen so at each periodic check)
+    #: before the API server is asked whether it is gone (two --allocation-check-period).
+    leak_grace: float = 60.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> DRASettings:
@@ -78,6 +81,7 @@ class DRASettings:
             watch_period=cfg.kubelet_watch_period,
             health_report_period=cfg.health_probe_period,
             registration_wait=cfg.wait_timeout,
+            leak_grace=2.0 * cfg.allocation_check_period,
         )
 
 
@@ -184,6 +188,9 @@ class DRAMode:
         # The pods each claim was seen reserved for: which prepared claim a pod's claim name means.
         self.reservations = consumers.Reservations()
         self._asked: set[tuple[str, str, frozenset[str]]] = set()  # (namespace, name, pods) read for that
+        # Prepared claims no pod of the node used at the last periodic checks: UID -> since when (monotonic).
+        self._unused_since: dict[str, float] = {}
+        self.leaked_freed = 0  # claims freed by :meth:`free_leaked` (gpu_manager_dra_leaked_claims_freed_total)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
             api_read = api_reader(api_client)
@@ -515,6 +522,79 @@ class DRAMode:
         self._unwritable.forget_all_but(refreshed)
         return written
 
+    def _in_use(self, claims: Sequence[ClaimAllocation], pods: Sequence[Pod]) -> set[str]:
+        """UIDs of the prepared claims that a pod of the node that has not finished names (in
+        ``spec.resourceClaims``, its generated claims, or the claim of its extended resources): the one of
+        that name seen reserved for the pod, or, where that is not known, every prepared claim of the name."""
+        from gpumanager.allocation import pods as podinfo
+
+        reserved = self.reserved()
+        used: set[str] = set()
+        for pod in pods:
+            if podinfo.is_terminated(pod):
+                continue
+            meta = pod.get("metadata") or {}
+            namespace, uid = str(meta.get("namespace", "")), podinfo.uid(pod)
+            named = set(consumers.claim_names(pod).values())
+            ext = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+            if isinstance(ext, dict) and ext.get("resourceClaimName"):
+                named.add(str(ext["resourceClaimName"]))
+            for name in named:
+                owner = consumers.owner(uid, namespace, name, claims, reserved)
+                if owner is not None:
+                    used.add(owner.uid)
+                else:
+                    used.update(c.uid for c in claims if (c.namespace, c.name) == (namespace, name))
+        return used
+
+    def free_leaked(self) -> list[str]:
+        """Free the prepared claims the kubelet will never unprepare (its DRA state lost, or their pod
+        force-deleted while it was down); returns their UIDs. Run at each periodic check.
+
+        A claim no pod of the node that has not finished names, at every check for ``leak_grace`` seconds, is
+        looked up on the API server; it is freed (its GPUs' capacity, its CDI spec and directory) only when the
+        answer is positive: 404, or a claim of that name with another UID, and no pod names it still. An error
+        or a timeout frees nothing (and the other claims wait for the next check). Nothing is looked at until
+        the pod cache has listed the node's pods."""
+        if not self._pods_synced():
+            return []
+        now = time.monotonic()
+        claims = [c for c in self.claims() if not c.in_doubt]  # in doubt: the restart's check frees those
+        used = self._in_use(claims, self._pods())
+        self._unused_since = {c.uid: self._unused_since.get(c.uid, now) for c in claims if c.uid not in used}
+        freed: list[str] = []
+        for claim in claims:
+            since = self._unused_since.get(claim.uid)
+            if since is None or now - since < self.settings.leak_grace:
+                continue
+            try:
+                data = self._read_claim(claim.namespace, claim.name)
+            except ClaimNotFound:
+                why = "the API server no longer has it (404)"
+            except ClaimError as exc:
+                log.info(
+                    "claim %s (%s) is used by no pod of this node; whether the API server still has it cannot be "
+                    "told now (%s): kept, asked again at the next check",
+                    claim.key,
+                    claim.uid,
+                    exc,
+                )
+                break  # the API server does not answer: the others would wait as long, for nothing
+            else:
+                current = consumers.reserved_pods(data)[0]
+                if not current or current == claim.uid:  # it has it (a pod may come for it): asked again later
+                    self._unused_since[claim.uid] = time.monotonic()
+                    continue
+                why = f"the API server's claim of that name is another one (UID {current})"
+            if claim.uid in self._in_use(self.claims(), self._pods()):  # a pod came meanwhile
+                self._unused_since.pop(claim.uid, None)
+                continue
+            if self.preparer.free_gone(claim, why):
+                self._unused_since.pop(claim.uid, None)
+                self.leaked_freed += 1
+                freed.append(claim.uid)
+        return freed
+
     def _capacity_seen(self, problem: str | None) -> None:
         """A prepared claim that asks for capacity was allocated without it (``problem``: the scheduler
         ignores consumable capacity), or with it (None): reported under ``scheduler-capacity`` from the
@@ -610,6 +690,9 @@ class DRAMode:
             "registered": state.registered,
             "registration_error": state.last_error,
             "claims": len(self.claims()),
+            # Prepared claims freed because the API server no longer has them and no pod uses them, though the
+            # kubelet never unprepared them (:meth:`free_leaked`).
+            "leaked_claims_freed": self.leaked_freed,
             "slice_published": bool(self.publisher and self.publisher.published.is_set()),
             # Feature gates the API server or the scheduler has off (:meth:`gates_off`).
             "feature_gates_off": sorted(self.gates_off()),

@@ -455,6 +455,35 @@ class ClaimPreparer:
         finally:
             claim_files.remove(self._vm, uid)
 
+    def free_gone(self, claim: ClaimAllocation, why: str) -> bool:
+        """Free a prepared claim the kubelet will never unprepare: the API server no longer has it (``why``) and
+        no pod of the node uses it. Its record is released (its GPUs' capacity with it) and its CDI spec and
+        directory removed, in one logged line naming it and its GPUs. Nothing is done (False) where the claim
+        changed meanwhile (the kubelet unprepared it, or a Prepare of it is under way), or where its release
+        cannot be written (logged; tried again at the next check)."""
+        gpus = ", ".join(dict.fromkeys(d.device for d in claim.devices)) or "none"
+        with self._lock:
+            if claim.uid in self._reading or self._allocator.claim(claim.uid) != claim:
+                return False
+            try:
+                self._allocator.unprepare_claim(claim.uid)
+            except AllocationError as exc:
+                log.error("claim %s (%s) on %s: %s, but it cannot be freed: %s", claim.key, claim.uid, gpus, why, exc)
+                return False
+            try:
+                self._remove_files(claim.uid)
+            except OSError as exc:  # the record is freed: a restart removes what is left (a spec without record)
+                log.error("claim %s (%s): cannot remove its files: %s", claim.key, claim.uid, exc)
+        log.warning(
+            "freed claim %s (%s) on %s: %s and no pod of this node uses it, but the kubelet never unprepared it (its "
+            "DRA state lost, or the pod force-deleted while it was down); its CDI spec and directory are removed",
+            claim.key,
+            claim.uid,
+            gpus,
+            why,
+        )
+        return True
+
     def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """One NodeUnprepareResources: an error text (empty: done) for every claim UID."""
         out: dict[str, str] = {}

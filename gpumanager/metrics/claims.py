@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gpumanager import names
@@ -120,3 +120,23 @@ class FeatureGateCollector(Collector):
         for gate in GATES:
             family.add_metric([gate], 1.0 if gate in off else 0.0)
         yield family
+
+
+class DRAStateCollector(Collector):
+    """``gpu_manager_dra_leaked_claims_freed_total``: prepared claims freed because the API server no longer has
+    them and no pod of the node uses them, though the kubelet never unprepared them."""
+
+    def __init__(self, leaked_freed: Callable[[], int]) -> None:
+        self._leaked_freed = leaked_freed
+
+    def describe(self) -> Sequence[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        freed = CounterMetricFamily(
+            "gpu_manager_dra_leaked_claims_freed",
+            "Prepared claims freed because the API server no longer has them (404, or another claim of that name) "
+            "and no pod of the node uses them, though the kubelet never unprepared them",
+        )
+        freed.add_metric([], float(self._leaked_freed()))
+        yield freed

@@ -620,3 +620,24 @@ def test_allocate_and_prestart_name_an_unknown_id(workdir: Path) -> None:
             finally:
                 channel.close()
         assert "Traceback" not in (cluster.agent.log_text() if cluster.agent else "")
+
+
+def test_a_gpu_lost_and_back_under_a_running_pod_keeps_its_room_taken(workdir: Path) -> None:
+    from simnode.cluster import admission_annotations
+
+    flags = ["--health-quiet-period=1s", "--health-probe-period=100ms"]
+    with SimCluster(workdir, "v100-pcie-x4", agent_flags=flags, status_lag=0.05) as cluster:
+        assert cluster.agent is not None
+        annotations = admission_annotations([[1]], time.time_ns())
+        held = cluster.admit(gpu_pod("held", [("main", 100, 0)], annotations=annotations))
+        cluster.start_containers(held)
+        assert _gpus_of(held.core["main"]) == [1]
+        with GpuSimState(cluster.agent.state) as state:
+            state.set_lost(1)
+            _only_unhealthy(cluster, 1, 4)
+            state.set_lost(1, False)
+            _only_unhealthy(cluster, None, 4)
+        run = cluster.admit(gpu_pod("rest", [("main", 300, 0)]))
+        assert _gpus_of(run.core["main"]) == [0, 2, 3]
+        with pytest.raises(Exception):
+            cluster.admit(gpu_pod("more", [("main", 10, 1)]))

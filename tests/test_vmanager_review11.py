@@ -13,7 +13,7 @@ import pytest
 from gpumanager.allocation.claims import ClaimAllocation, ClaimDevice
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
-from gpumanager.vmanager import claims, files
+from gpumanager.vmanager import cgroups, claims, files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 
 UID = "0b7c6a1e-1111-4222-8333-944455556666"
@@ -165,3 +165,25 @@ def test_directories_a_container_reads_are_open_to_any_user_whatever_the_agents_
     ]
     modes = {str(p.relative_to(vm.vm_path.parent)): oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
     assert all(m == "0o755" for m in modes.values()), modes
+
+
+def test_processes_outside_the_agents_pid_namespace_are_no_pids_and_are_reported(
+    world: tuple[VirtualManager, Path, dict[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent run without hostPID reads 0 in cgroup v2's cgroup.procs for each process it cannot see: a
+    pids.config of zeros matches no process (the container's memory use counted as none) and a
+    registration with it was answered as if it had found the container's processes. Zero is no PID: the
+    registration is refused naming the cause, the file holds no zero, and the cause is logged."""
+    vm, cg, state = world
+    monkeypatch.setattr(cgroups, "_hidden_seen", False)  # reported once per process
+    _procs(cg / "kubepods" / "besteffort" / f"pod{UID}" / ID_WORKER, 0, 0)
+    vm.prepare_ahead(UID, ["worker", "gpu-main"])
+    vm.prepare(_alloc("worker"))
+    with pytest.raises(RegistrationRefused, match="PID namespace"):
+        vm.register(UID, pb.VDeviceRequest(container_id=ID_WORKER), time_left=1.0)
+    vm.refresh_pids(state["allocs"])
+    written = vm.own_dir(UID, "worker") / "pids.config"
+    assert 0 not in files.read_pids(written)
+    assert "hostPID" in caplog.text

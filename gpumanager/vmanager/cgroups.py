@@ -154,15 +154,36 @@ def pids_under(directory: Path | str) -> list[int]:
     return sorted(found)
 
 
+_hidden_seen = False  # a cgroup.procs named a process outside the agent's PID namespace (as 0)
+
+
+def hidden_processes_seen() -> bool:
+    """Whether a ``cgroup.procs`` read named a process outside the agent's PID namespace (the agent does
+    not run with hostPID: it cannot tell containers' host PIDs)."""
+    return _hidden_seen
+
+
 def _read_procs(path: str) -> list[int]:
-    """The PIDs of one ``cgroup.procs`` (empty when it cannot be read)."""
+    """The PIDs of one ``cgroup.procs`` (empty when it cannot be read). Under cgroup v2 a process outside
+    the reader's PID namespace is listed as 0: no PID, left out (and reported once)."""
+    global _hidden_seen
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         log.debug("cannot read %s: %s", path, exc)
         return []
-    return [int(word) for word in data.split() if word.isdigit()]
+    pids = [int(word) for word in data.split() if word.isdigit()]
+    if 0 in pids:
+        if not _hidden_seen:
+            _hidden_seen = True
+            log.warning(
+                "%s names processes outside the agent's PID namespace (listed as 0): pids.config files cannot "
+                "hold containers' host PIDs; run the agent with hostPID",
+                path,
+            )
+        pids = [p for p in pids if p > 0]
+    return pids
 
 
 def _pids_of(directory: str, links: int) -> list[int]:

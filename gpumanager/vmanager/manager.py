@@ -601,7 +601,12 @@ class VirtualManager:
         self._cgroups.find_claimed(target.pod_uid, target.container_id, qos)
         pids = self._cgroups.pids(target.pod_uid, target.container_id, qos)
         if not pids:
-            raise RegistrationRefused(f"empty pids: no process found in the cgroup of container {target.container_id}")
+            why = ""
+            if cgroups.hidden_processes_seen():
+                why = "; the processes cgroups list are outside the agent's PID namespace: run the agent with hostPID"
+            raise RegistrationRefused(
+                f"empty pids: no process found in the cgroup of container {target.container_id}{why}"
+            )
         # By its ID: below the pod's directory the container mounts (its answer's pod: the socket's); by
         # its name: the directory of its answer's container (its own, mounted at /etc/vcuda/<name>).
         also: list[Path] = []  # by its name, where the layout is not known: the other place too

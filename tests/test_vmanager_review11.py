@@ -187,3 +187,36 @@ def test_processes_outside_the_agents_pid_namespace_are_no_pids_and_are_reported
     written = vm.own_dir(UID, "worker") / "pids.config"
     assert 0 not in files.read_pids(written)
     assert "hostPID" in caplog.text
+
+
+def test_a_pod_directory_that_cannot_be_removed_is_reported_once_not_logged_as_removed(
+    world: tuple[VirtualManager, Path, dict[str, Any]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read-only (or failing) vm directory: the directory of a pod that is gone cannot be removed. Each
+    periodic clean-up said it had removed it; it is now reported as not removed, with the reason, once."""
+    import errno
+    import logging
+    import shutil
+
+    vm, _cg, _state = world
+    vm.prepare_ahead(UID, ["worker"])
+    real_rmtree = shutil.rmtree
+
+    def read_only(path: Any, ignore_errors: bool = False, **kwargs: Any) -> None:
+        if ignore_errors:
+            return
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", read_only)
+    caplog.set_level(logging.INFO, logger="gpumanager.vmanager.manager")
+    assert vm.gc([]) == []
+    assert vm.gc([]) == []
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [line for line in lines if "removed the directories" in line], lines
+    failed = [line for line in lines if "cannot remove" in line]
+    assert len(failed) == 1 and UID in failed[0] and "Read-only file system" in failed[0], lines
+    assert vm.gc([]) == [UID]
+    assert not vm.pod_dir(UID).exists()

@@ -198,6 +198,8 @@ class VirtualManager:
         self._refusals = _RefusalLog(REFUSAL_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
         self._registrations_log = _RefusalLog(REGISTRATION_LOGS_PER_WINDOW, REFUSAL_LOG_WINDOW_SECONDS)
         self._unwritable = UnwritableFiles()  # pids.config files the refresh cannot write (reported)
+        # Pods that are gone whose directory could not be removed (reported once each).
+        self._unremovable: set[str] = set()
         # (answered pod UID, container) -> its own directory under configs/, once seen (it stays so).
         self._own_dirs: dict[tuple[str, str], Path] = {}
 
@@ -871,10 +873,21 @@ class VirtualManager:
         for uid in sorted(uids):
             entry = self.vm_path / uid
             self._stop_server(uid)
-            shutil.rmtree(entry, ignore_errors=True)
-            shutil.rmtree(configs / uid, ignore_errors=True)
-            removed.append(uid)
+            failure = _remove_tree(entry) or _remove_tree(configs / uid)
             self._forget(entry)
+            if failure is None:
+                removed.append(uid)
+                with self._lock:
+                    self._unremovable.discard(uid)
+                continue
+            with self._lock:  # reported once per pod (each periodic check tries again)
+                known = uid in self._unremovable
+                if not known:
+                    if len(self._unremovable) >= 4096:
+                        self._unremovable.clear()
+                    self._unremovable.add(uid)
+            if not known:
+                log.warning("cannot remove the directory of pod %s, which is gone: %s; trying again", uid, failure)
         if removed:
             log.info("removed the directories of %d pods that are gone: %s", len(removed), ", ".join(removed))
         return removed
@@ -937,6 +950,20 @@ class VirtualManager:
             sockets, self._sockets = self._sockets, None
         if sockets is not None:
             sockets.stop()
+
+
+def _remove_tree(path: Path) -> str | None:
+    """Remove a directory tree; None when it is gone, else why it is not (the first failure)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return None
+    try:
+        shutil.rmtree(path)  # once more, for the reason (only when something was left)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return str(exc)
+    return None
 
 
 def _is_pod_uid(name: str) -> bool:

@@ -220,3 +220,36 @@ def test_a_pod_directory_that_cannot_be_removed_is_reported_once_not_logged_as_r
     assert len(failed) == 1 and UID in failed[0] and "Read-only file system" in failed[0], lines
     assert vm.gc([]) == [UID]
     assert not vm.pod_dir(UID).exists()
+
+
+def test_after_an_agent_restart_a_crio_registrations_pids_config_is_still_kept_current(
+    tmp_path: Path, world: tuple[VirtualManager, Path, dict[str, Any]]
+) -> None:
+    """CRI-O with the cgroupfs driver: the library registers with the last component of its cgroup path,
+    ``crio-<id>``, and reads ``/etc/vcuda/crio-<id>/pids.config``. The refresh kept that file current
+    only while the agent remembered the registration: after a restart a process the container forks (it
+    does not register again) was never added."""
+    vm, cg, state = world
+    crio = cg / "kubepods" / "besteffort" / f"pod{UID}" / f"crio-{ID_WORKER}"
+    _procs(crio, 100)
+    vm.prepare_ahead(UID, ["worker", "gpu-main"])
+    vm.prepare(_alloc("worker"))
+    vm.register(UID, pb.VDeviceRequest(pod_uid=UID, container_id=f"crio-{ID_WORKER}"), time_left=1.0)
+    registered = vm.pod_dir(UID) / f"crio-{ID_WORKER}" / "pids.config"
+    assert files.read_pids(registered) == [100]
+    vm.stop()
+    again = VirtualManager(
+        vm_path=vm.vm_path,
+        cgroup_root=cg,
+        allocation=lambda uid, name: next((a for a in state["allocs"] if a.key == (uid, name)), None),
+        pod=lambda uid: state["pod"] if uid == UID else None,
+        driver_version="550.54.15",
+    )
+    try:
+        again.resume([UID])
+        _procs(crio, 100, 101)  # a process forked by the container's
+        again.refresh_pids(state["allocs"])
+        assert files.read_pids(registered) == [100, 101]
+        assert files.read_pids(again.own_dir(UID, "worker") / "pids.config") == [100, 101]
+    finally:
+        again.stop()

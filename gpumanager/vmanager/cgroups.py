@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 _QOS = ("", "burstable", "besteffort")
 _PREFIXES = ("cri-containerd", "crio", "docker", "containerd")
+#: The prefixes runtimes put before a container ID in its cgroup's name.
+RUNTIME_PREFIXES = _PREFIXES
 _V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "systemd")
 #: After a search of the whole tree found no cgroup for a container, the next one waits this long.
 SEARCH_BACKOFF_SECONDS = 30.0

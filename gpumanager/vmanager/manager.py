@@ -815,6 +815,13 @@ class VirtualManager:
         registered = self._registered_dir(alloc, cid)
         if registered.is_dir():
             targets.append(registered)
+        # Registered under another name of its ID (CRI-O's cgroupfs ``crio-<id>``, which the library sends
+        # whole), by an earlier run of the agent too (then not remembered): the processes it forks later
+        # never register.
+        for prefix in cgroups.RUNTIME_PREFIXES:
+            prefixed = registered.with_name(f"{prefix}-{cid}")
+            if prefixed.is_dir():
+                targets.append(prefixed)
         # Where its last registration wrote, when that was by another name of its ID (``crio-<id>``).
         last = self._registered.get(alloc.key)
         if (

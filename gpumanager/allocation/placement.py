@@ -102,14 +102,17 @@ def numa_nodes_of(tree: TopologyTree, device_ids: Sequence[str]) -> frozenset[in
         if leaf.info.numa_node is None:
             return None
         everywhere.add(leaf.info.numa_node)
+    # The IDs were checked against this node's (Allocate): the GPU is the number less its last two digits,
+    # so the distinct heads are looked at, not each of up to 1,600 IDs.
+    cut = len(names.VCORE_ID_PREFIX)
     named: set[int] = set()
-    for device_id in device_ids:
-        tail = ids.tail_number(device_id[len(names.VCORE_ID_PREFIX) :])
-        if not device_id.startswith(names.VCORE_ID_PREFIX) or tail is None:
+    for head in {device_id[cut:-2] for device_id in device_ids}:
+        gpu = ids.tail_number(head) if head else 0
+        if gpu is None:
             return None
         try:
-            numa = tree.leaf(tail // names.HUNDRED_CORES).info.numa_node
-        except (KeyError, IndexError, ValueError):
+            numa = tree.leaf(gpu).info.numa_node
+        except ValueError:
             return None
         if numa is None:
             return None

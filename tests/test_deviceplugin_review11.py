@@ -7,6 +7,7 @@ import json
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.api import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.gpusim_state import GpuSimState
+from simnode.kubelet import KubeletSimError
 
 CORE = names.VCORE_RESOURCE
 MEM = names.VMEMORY_RESOURCE
@@ -639,5 +641,47 @@ def test_a_gpu_lost_and_back_under_a_running_pod_keeps_its_room_taken(workdir: P
             _only_unhealthy(cluster, None, 4)
         run = cluster.admit(gpu_pod("rest", [("main", 300, 0)]))
         assert _gpus_of(run.core["main"]) == [0, 2, 3]
-        with pytest.raises(Exception):
+        with pytest.raises(KubeletSimError):
             cluster.admit(gpu_pod("more", [("main", 10, 1)]))
+
+
+class _HangingKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
+    """A kubelet that takes every Register and never answers it (busy, or stuck in its shutdown)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = threading.Event()
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.calls += 1
+        self.release.wait(60)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "shutting down")
+
+
+def test_a_hung_kubelet_replaced_by_a_new_one_is_registered_with_at_once(workdir: Path) -> None:
+    from concurrent import futures
+
+    cluster = SimCluster(workdir, "t4-x1")
+    cluster.start(agent=False)
+    try:
+        cluster.kubelet.stop()
+        hanging = _HangingKubelet()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(hanging, server)
+        server.add_insecure_port(f"unix://{cluster.kubelet.socket_path}")
+        server.start()
+        agent = cluster.start_agent(wait=False)
+        deadline = time.monotonic() + 20
+        while hanging.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hanging.calls >= 1
+        time.sleep(0.5)
+        # the hung kubelet dies (its connections closed) and a new one starts
+        hanging.release.set()
+        server.stop(None)
+        since = cluster.kubelet.start()
+        for resource in (CORE, MEM):
+            cluster.kubelet.wait_for_registration(resource, since=since, timeout=5, with_devices=True)
+        assert agent.proc is not None and agent.proc.poll() is None
+    finally:
+        cluster.stop()

@@ -675,7 +675,7 @@ class Agent:
             self.query.registry.register(ClaimCollector(self.dra.claims, self.pods.pods, self.gpus, self.dra.reserved))
             self.query.registry.register(FeatureGateCollector(self.dra.gates_off))
             dra = self.dra
-            self.query.registry.register(DRAStateCollector(lambda: dra.leaked_freed))
+            self.query.registry.register(DRAStateCollector(lambda: dra.leaked_freed, lambda: bool(dra.slice_withdrawn)))
         self.dra.start()
 
     def _report(self, name: str, message: str | None) -> None:

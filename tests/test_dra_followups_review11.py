@@ -179,3 +179,82 @@ def test_an_api_server_that_errs_or_hangs_frees_nothing(cluster: DRACluster) -> 
     assert not spec_gone(cluster, ref[2]) and healthz(cluster)["claims"] == 1
     cluster.api.clear_faults()
     wait_for("the claim freed once the API server answers", lambda: spec_gone(cluster, ref[2]), timeout=40)
+
+
+# -- 2. the slice withdrawn while the driver cannot be served ------------------------------------
+
+
+@pytest.fixture
+def fast(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    # The sockets' watch every 0.2 s: a refusal or unserved sockets lasting two passes (at least 1 s) withdraw.
+    with DRACluster(tmp_path, "t4-x1", agent_flags=["--kubelet-watch-period=0.2"], status_lag=0) as c:
+        yield c
+
+
+def refused(c: DRACluster) -> bool:
+    assert c.kubelet is not None
+    return any(name == DRIVER and result != "ok" for _, name, result in c.kubelet.registration_log)
+
+
+def test_the_slice_is_withdrawn_while_the_kubelet_refuses_the_driver(fast: DRACluster) -> None:
+    """A kubelet that refuses the registration (here: it speaks none of the driver's versions) cannot prepare a
+    claim: the slice it deletes at its start is not published again, so no claim is placed on these GPUs; it is
+    published again once the kubelet registers the driver."""
+    from simnode.dra_kubelet import VERSIONS
+
+    kubelet = fast.kubelet
+    assert kubelet is not None and fast.agent is not None
+    kubelet.stop()
+    kubelet.versions = ("v9.DRAPlugin",)
+    before = kubelet.registrations(DRIVER)
+    kubelet.start()
+    wait_for("the registration refused", lambda: refused(fast))
+    fast.wait_slice(lambda s: s is None, timeout=10)
+    time.sleep(3)  # the agent's slice watch, its periodic passes: it stays withdrawn
+    assert fast.slice() is None
+    assert "withdrawn" in healthz(fast)["slice_withdrawn"]
+    assert "gpu_manager_dra_slice_withdrawn 1.0" in metrics(fast)
+    log = fast.agent.log_text()
+    assert log.count("withdrawing ResourceSlice") == 1, log[-3000:]
+    kubelet.versions = VERSIONS
+    kubelet.wait_registered(DRIVER, after=before, timeout=60)
+    fast.wait_slice(lambda s: s is not None, timeout=20)
+    assert "publishing ResourceSlice" in fast.agent.log_text()
+    assert healthz(fast)["slice_withdrawn"] == ""
+    assert "gpu_manager_dra_slice_withdrawn 0.0" in metrics(fast)
+
+
+def test_the_slice_is_withdrawn_while_the_sockets_cannot_be_served(fast: DRACluster) -> None:
+    """The directory of dra.sock replaced by a file: the sockets cannot be served again, no claim can be prepared.
+    The slice is withdrawn (and not published again when the kubelet deletes it), then published again once the
+    sockets are served again."""
+    import shutil
+
+    kubelet = fast.kubelet
+    assert kubelet is not None and fast.agent is not None
+    before = kubelet.registrations(DRIVER)
+    shutil.rmtree(fast.plugin_dir)
+    fast.plugin_dir.write_text("not a directory\n")
+    fast.agent.wait_for_log("cannot serve the DRA sockets again", timeout=30)
+    fast.wait_slice(lambda s: s is None, timeout=10)
+    kubelet.restart()  # deletes the node's slices at its start
+    time.sleep(3)
+    assert fast.slice() is None
+    fast.plugin_dir.unlink()
+    kubelet.wait_registered(DRIVER, after=before, timeout=30)
+    fast.wait_slice(lambda s: s is not None, timeout=20)
+
+
+def test_a_kubelet_restart_does_not_withdraw_the_slice(fast: DRACluster) -> None:
+    """A kubelet restart that removes the sockets: served again, registered again, the slice published again,
+    never withdrawn."""
+    kubelet = fast.kubelet
+    assert kubelet is not None and fast.agent is not None
+    for _ in range(3):
+        before = kubelet.registrations(DRIVER)
+        kubelet.restart(wipe_sockets=True, plugin_dirs=[fast.plugin_dir])
+        kubelet.wait_registered(DRIVER, after=before, timeout=30)
+        fast.wait_slice(lambda s: s is not None, timeout=20)
+    time.sleep(2)
+    assert fast.slice() is not None
+    assert "withdrawing ResourceSlice" not in fast.agent.log_text()

@@ -68,6 +68,9 @@ class DRASettings:
     #: How long a prepared claim must have been used by no pod of the node (seen so at each periodic check)
     #: before the API server is asked whether it is gone (two --allocation-check-period).
     leak_grace: float = 60.0
+    #: How long the kubelet may refuse the driver's registration, or its sockets stay unserved, before the
+    #: ResourceSlice is withdrawn (two passes of the sockets' watch, at least 1 s).
+    withdraw_grace: float = 10.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> DRASettings:
@@ -82,6 +85,7 @@ class DRASettings:
             health_report_period=cfg.health_probe_period,
             registration_wait=cfg.wait_timeout,
             leak_grace=2.0 * cfg.allocation_check_period,
+            withdraw_grace=max(1.0, 2.0 * cfg.kubelet_watch_period),
         )
 
 
@@ -236,6 +240,11 @@ class DRAMode:
             )
         self.feed = HealthFeed(self.pool, self.health_states, settings.health_report_period)
         self._reconciler: threading.Thread | None = None  # the background check of restored claims
+        # Since when (monotonic) the kubelet refuses the driver or its sockets are not served (None: they are),
+        # and why the ResourceSlice is withdrawn for it ('' while it is not).
+        self._unserving_since: float | None = None
+        self.slice_withdrawn = ""
+        self._serving_lock = threading.Lock()
         self._stopping = threading.Event()
         reg_sock, dra_sock = socket_paths(settings.plugin_registry_path, settings.plugin_path, settings.driver)
         v1 = DRAPluginV1(self.preparer, observe)
@@ -255,6 +264,7 @@ class DRAMode:
             watch_period=settings.watch_period,
             registration_wait=settings.registration_wait,
             on_overdue=self._registration_overdue,
+            on_pass=self.check_serving,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -340,6 +350,53 @@ class DRAMode:
     def _on_registration(self, registered: bool, error: str) -> None:
         self.sockets.on_status(registered, error)
         self._report("dra-registration", None if registered else f"kubelet refused the DRA registration: {error}")
+        self.check_serving()
+
+    def _serving_problem(self) -> str:
+        """Why the kubelet cannot call the driver now ('' when it can, or may: registered or waiting for it)."""
+        if self.sockets.unserved:
+            return f"the DRA sockets cannot be served ({self.sockets.unserved})"
+        if self.sockets.state.last_error:
+            return f"the kubelet refuses to register DRA driver {self.settings.driver}: {self.sockets.state.last_error}"
+        return ""
+
+    def check_serving(self) -> None:
+        """Withdraw the ResourceSlice while the kubelet refuses the driver's registration or its sockets cannot be
+        served, once that has lasted ``withdraw_grace`` seconds (a kubelet restart serves and registers them again
+        sooner); publish it again once they are served and no refusal stands. Each change is logged. Called after
+        each pass of the sockets' watch and at each registration status."""
+        problem = self._serving_problem()
+        name = c.slice_name(self.node, self.settings.driver)
+        with self._serving_lock:
+            if not problem:
+                self._unserving_since = None
+                if not self.slice_withdrawn:
+                    return
+                log.info(
+                    "publishing ResourceSlice %s again: the DRA driver is served and not refused now (it was withdrawn "
+                    "because %s)",
+                    name,
+                    self.slice_withdrawn.partition(" withdrawn: ")[2],
+                )
+                self.slice_withdrawn = ""
+                if self.publisher is not None:
+                    self.publisher.release()
+                return
+            now = time.monotonic()
+            if self._unserving_since is None:
+                self._unserving_since = now
+            if self.slice_withdrawn or now - self._unserving_since < self.settings.withdraw_grace:
+                return
+            self.slice_withdrawn = f"ResourceSlice {name} withdrawn: {problem}"
+            log.warning(
+                "withdrawing ResourceSlice %s: %s (for %.0f s), so no claim can be prepared here; none of this node's "
+                "GPUs is offered until the driver is served and registered again",
+                name,
+                problem,
+                now - self._unserving_since,
+            )
+            if self.publisher is not None:
+                self.publisher.hold(self.slice_withdrawn)
 
     def not_registered(self, within: str = "") -> str:
         """Why the kubelet has not registered the driver (what /readyz and the overdue line say); ``within``
@@ -693,6 +750,9 @@ class DRAMode:
             # Prepared claims freed because the API server no longer has them and no pod uses them, though the
             # kubelet never unprepared them (:meth:`free_leaked`).
             "leaked_claims_freed": self.leaked_freed,
+            # Why the ResourceSlice is withdrawn ('' when it is not): the kubelet refuses the driver, or its sockets
+            # cannot be served (:meth:`check_serving`).
+            "slice_withdrawn": self.slice_withdrawn,
             "slice_published": bool(self.publisher and self.publisher.published.is_set()),
             # Feature gates the API server or the scheduler has off (:meth:`gates_off`).
             "feature_gates_off": sorted(self.gates_off()),
@@ -710,6 +770,8 @@ class DRAMode:
         state = self.sockets.state
         if not state.registered or state.last_error:
             problems.append(self.not_registered())
-        if not (self.publisher and self.publisher.published.is_set()):
+        if self.slice_withdrawn:
+            problems.append(self.slice_withdrawn)
+        elif not (self.publisher and self.publisher.published.is_set()):
             problems.append("the ResourceSlice is not published yet")
         return "; ".join(problems)

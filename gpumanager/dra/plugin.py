@@ -111,6 +111,7 @@ class DRAPluginSockets:
         max_workers: int = 16,
         registration_wait: float = 0.0,
         on_overdue: Callable[[], None] | None = None,
+        on_pass: Callable[[], None] | None = None,
     ) -> None:
         self.registration_socket = registration_socket
         self.service_socket = service_socket
@@ -126,6 +127,9 @@ class DRAPluginSockets:
         self._on_overdue = on_overdue
         self._served_at = 0.0  # monotonic time the sockets were last served
         self._overdue_told = False  # on_overdue was called since they were served
+        self._on_pass = on_pass  # called after each pass of the watch
+        #: Why the sockets could not be served again at the last pass ('' while they are served).
+        self.unserved = ""
 
     # -- registration status (called by the Registration servicer) -----------------------------
 
@@ -191,39 +195,48 @@ class DRAPluginSockets:
         return min(self._period, max(left, 0.0))
 
     def _run(self) -> None:
-        unserved = ""  # why the sockets could not be served again at the last pass (said once)
         while not self._stop.wait(self._next_look()):
-            try:
-                if not (self._service.intact() and self._registration.intact()):
-                    if not unserved:
-                        log.info("a DRA socket was removed (kubelet restart?); serving both again")
-                    self.state.registered = False
-                    self.registered_event.clear()
-                    self._registration.stop()
-                    self._service.stop()
-                    try:
-                        self._serve()
-                    except (OSError, RuntimeError) as exc:  # its directory cannot be made, the bind refused
-                        why = (
-                            f"cannot serve the DRA sockets again ({self.service_socket}, {self.registration_socket}): "
-                            f"{exc}; the kubelet cannot call the driver until they can be served (tried again "
-                            "every pass)"
-                        )
-                        if why != unserved:
-                            log.error("%s", why)
-                        unserved = why
-                        continue
-                    if unserved:
-                        log.info("DRA sockets served again after: %s", unserved)
-                    unserved = ""
-                    self.state.server_restarts += 1
-                if not self._overdue_told and self.overdue():
-                    self._overdue_told = True
-                    if self._on_overdue is not None:
-                        self._on_overdue()
-            except Exception:
-                log.exception("DRA socket watch failed; continuing")
-                self._stop.wait(1.0)
+            self._pass()
+            if self._on_pass is not None:
+                try:
+                    self._on_pass()
+                except Exception:
+                    log.exception("DRA socket watch: the check after its pass failed; continuing")
+
+    def _pass(self) -> None:
+        """One pass of the watch: serve the sockets again where they were removed; tell an overdue registration."""
+        unserved = self.unserved  # said once
+        try:
+            if not (self._service.intact() and self._registration.intact()):
+                if not unserved:
+                    log.info("a DRA socket was removed (kubelet restart?); serving both again")
+                self.state.registered = False
+                self.registered_event.clear()
+                self._registration.stop()
+                self._service.stop()
+                try:
+                    self._serve()
+                except (OSError, RuntimeError) as exc:  # its directory cannot be made, the bind refused
+                    why = (
+                        f"cannot serve the DRA sockets again ({self.service_socket}, {self.registration_socket}): "
+                        f"{exc}; the kubelet cannot call the driver until they can be served (tried again "
+                        "every pass)"
+                    )
+                    if why != unserved:
+                        log.error("%s", why)
+                    self.unserved = why
+                    return
+                if unserved:
+                    log.info("DRA sockets served again after: %s", unserved)
+                self.unserved = ""
+                self.state.server_restarts += 1
+            if not self._overdue_told and self.overdue():
+                self._overdue_told = True
+                if self._on_overdue is not None:
+                    self._on_overdue()
+        except Exception:
+            log.exception("DRA socket watch failed; continuing")
+            self._stop.wait(1.0)
 
 
 def socket_paths(registry: str, plugin_path: str, driver: str) -> tuple[Path, Path]:

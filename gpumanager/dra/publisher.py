@@ -242,6 +242,7 @@ class SlicePublisher:
         self._dry_run_problem = ""  # why the last dry run was refused (warned once per reason)
         self._lock = threading.Lock()
         self._withdrawn = False  # withdraw() deleted the slice: no sync writes it again
+        self._held = ""  # why the slice is withdrawn for now (hold()); '' while it is published
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -275,6 +276,41 @@ class SlicePublisher:
         """The content changed (health): sync soon."""
         self._wake.set()
 
+    def hold(self, why: str) -> None:
+        """Withdraw the slice for now: the driver cannot prepare claims (``why``). Syncs delete it (soon, and
+        whenever it is written again: the kubelet's start, an operator) instead of writing it, until
+        :meth:`release`."""
+        self._held = why
+        self.published.clear()
+        self._wake.set()
+
+    def release(self) -> None:
+        """Publish the slice again after :meth:`hold` (soon)."""
+        self._held = ""
+        self._wake.set()
+
+    @property
+    def held(self) -> str:
+        """Why the slice is withdrawn for now ('' when it is not)."""
+        return self._held
+
+    def _sync_held(self, items: list[JSON]) -> bool:
+        """A sync while the slice is held back: delete every slice of this node and driver (ours, and stale
+        ones, which offer the same GPUs). Returns whether one was deleted; raises what a delete raises."""
+        self.published.clear()
+        deleted = False
+        for item in items:
+            name = str((item.get("metadata") or {}).get("name"))
+            try:
+                self._rest.delete_object(f"{SLICES}/{segment(name)}", timeout=REQUEST_TIMEOUT)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                continue
+            log.info("deleted ResourceSlice %s: withdrawn while the driver cannot prepare claims", name)
+            deleted = True
+        return deleted
+
     def withdraw(self, why: str) -> None:
         """Stop syncing and delete the node's slice: the driver serves no claim (``why``), so no GPU of this
         node may be offered (each claim placed there would fail its Prepare for good, while the scheduler
@@ -301,7 +337,8 @@ class SlicePublisher:
         try:
             self.sync()
         except (ApiException, OSError, ValueError) as exc:
-            message = f"cannot publish ResourceSlice {self.name}: {describe(exc)}"
+            doing = "withdraw" if self._held else "publish"
+            message = f"cannot {doing} ResourceSlice {self.name}: {describe(exc)}"
             if _unserved(exc):
                 message += (
                     f": the API server does not serve {c.RESOURCE_API}, which DRA mode needs (Kubernetes 1.34 or "
@@ -332,6 +369,8 @@ class SlicePublisher:
             self.syncs += 1
             listed = self._rest.list_objects(SLICES, field_selector=self._selector, timeout=REQUEST_TIMEOUT)
             items = (listed or {}).get("items") or []
+            if self._held:
+                return self._sync_held(items)
             ours: JSON | None = None
             stale: list[str] = []
             newest_other = 0  # the newest generation of another slice of this node and driver

@@ -124,10 +124,13 @@ class FeatureGateCollector(Collector):
 
 class DRAStateCollector(Collector):
     """``gpu_manager_dra_leaked_claims_freed_total``: prepared claims freed because the API server no longer has
-    them and no pod of the node uses them, though the kubelet never unprepared them."""
+    them and no pod of the node uses them, though the kubelet never unprepared them; and
+    ``gpu_manager_dra_slice_withdrawn``: 1 while the ResourceSlice is withdrawn (the kubelet refuses the driver, or
+    its sockets cannot be served)."""
 
-    def __init__(self, leaked_freed: Callable[[], int]) -> None:
+    def __init__(self, leaked_freed: Callable[[], int], slice_withdrawn: Callable[[], bool]) -> None:
         self._leaked_freed = leaked_freed
+        self._slice_withdrawn = slice_withdrawn
 
     def describe(self) -> Sequence[Metric]:
         return []
@@ -140,3 +143,10 @@ class DRAStateCollector(Collector):
         )
         freed.add_metric([], float(self._leaked_freed()))
         yield freed
+        withdrawn = GaugeMetricFamily(
+            "gpu_manager_dra_slice_withdrawn",
+            "1 while the node's ResourceSlice is withdrawn because the kubelet refuses the driver's registration or "
+            "its sockets cannot be served, else 0",
+        )
+        withdrawn.add_metric([], 1.0 if self._slice_withdrawn() else 0.0)
+        yield withdrawn

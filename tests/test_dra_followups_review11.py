@@ -258,3 +258,22 @@ def test_a_kubelet_restart_does_not_withdraw_the_slice(fast: DRACluster) -> None
     time.sleep(2)
     assert fast.slice() is not None
     assert "withdrawing ResourceSlice" not in fast.agent.log_text()
+
+
+def test_a_force_deleted_pod_whose_containers_still_run_keeps_its_claim(cluster: DRACluster) -> None:
+    """A pod force-deleted while the kubelet was down: its containers run until the kubelet is back (its cgroup
+    is there). Its claim, deleted too, is kept while that cgroup is there, and freed once it is gone."""
+    ref = make_claim(cluster, "forced", [share("gpu-0", "50")])
+    prepared(cluster, ref)
+    pod = bound_pod(cluster, "forced-pod", "forced")
+    uid = pod["metadata"]["uid"]
+    cgroup = cluster.cgroup_root / "kubepods" / f"pod{uid}" / "c1"
+    cgroup.mkdir(parents=True)
+    time.sleep(3)  # the agent's checks see the pod use the claim
+    cluster.core.delete_namespaced_pod("forced-pod", "default", grace_period_seconds=0)
+    delete_claim(cluster, "forced")
+    time.sleep(5)
+    assert not spec_gone(cluster, ref[2]) and healthz(cluster)["claims"] == 1
+    cgroup.rmdir()
+    cgroup.parent.rmdir()
+    wait_for("the claim freed once the pod's containers stopped", lambda: spec_gone(cluster, ref[2]))

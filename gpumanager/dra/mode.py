@@ -194,6 +194,10 @@ class DRAMode:
         self._asked: set[tuple[str, str, frozenset[str]]] = set()  # (namespace, name, pods) read for that
         # Prepared claims no pod of the node used at the last periodic checks: UID -> since when (monotonic).
         self._unused_since: dict[str, float] = {}
+        # Prepared claim UID -> the pods seen naming it: a claim whose pod's cgroup is still there (a pod
+        # force-deleted while the kubelet was down: its containers run until the kubelet is back) is not freed.
+        self._users: dict[str, set[str]] = {}
+        self._cgroup_root = cgroup_root
         self.leaked_freed = 0  # claims freed by :meth:`free_leaked` (gpu_manager_dra_leaked_claims_freed_total)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
@@ -598,11 +602,24 @@ class DRAMode:
                 named.add(str(ext["resourceClaimName"]))
             for name in named:
                 owner = consumers.owner(uid, namespace, name, claims, reserved)
-                if owner is not None:
-                    used.add(owner.uid)
-                else:
-                    used.update(c.uid for c in claims if (c.namespace, c.name) == (namespace, name))
+                users = (
+                    [owner] if owner is not None else [c for c in claims if (c.namespace, c.name) == (namespace, name)]
+                )
+                for claim in users:
+                    used.add(claim.uid)
+                    self._users.setdefault(claim.uid, set()).add(uid)
         return used
+
+    def _running(self, claim: ClaimAllocation) -> list[str]:
+        """UIDs of the pods seen naming ``claim`` whose cgroup is still there (their containers may still run)."""
+        out = []
+        for uid in sorted(self._users.get(claim.uid, ())):
+            try:
+                if cgroups.pod_cgroups(self._cgroup_root, uid):
+                    out.append(uid)
+            except OSError:  # cannot be looked at: as the allocation check, taken for gone
+                continue
+        return out
 
     def free_leaked(self) -> list[str]:
         """Free the prepared claims the kubelet will never unprepare (its DRA state lost, or their pod
@@ -610,7 +627,9 @@ class DRAMode:
 
         A claim no pod of the node that has not finished names, at every check for ``leak_grace`` seconds, is
         looked up on the API server; it is freed (its GPUs' capacity, its CDI spec and directory) only when the
-        answer is positive: 404, or a claim of that name with another UID, and no pod names it still. An error
+        answer is positive: 404, or a claim of that name with another UID, no pod names it still, and no pod seen
+        using it has its cgroup left (containers of a pod force-deleted while the kubelet was down run until the
+        kubelet is back; after a restart of the agent, such pods are not known). An error
         or a timeout frees nothing (and the other claims wait for the next check). Nothing is looked at until
         the pod cache has listed the node's pods."""
         if not self._pods_synced():
@@ -619,6 +638,8 @@ class DRAMode:
         claims = [c for c in self.claims() if not c.in_doubt]  # in doubt: the restart's check frees those
         used = self._in_use(claims, self._pods())
         self._unused_since = {c.uid: self._unused_since.get(c.uid, now) for c in claims if c.uid not in used}
+        prepared = {c.uid for c in self.claims()}
+        self._users = {uid: pods for uid, pods in self._users.items() if uid in prepared}
         freed: list[str] = []
         for claim in claims:
             since = self._unused_since.get(claim.uid)
@@ -645,6 +666,17 @@ class DRAMode:
                 why = f"the API server's claim of that name is another one (UID {current})"
             if claim.uid in self._in_use(self.claims(), self._pods()):  # a pod came meanwhile
                 self._unused_since.pop(claim.uid, None)
+                continue
+            running = self._running(claim)
+            if running:
+                log.info(
+                    "claim %s (%s): %s, but the cgroup of pod %s that used it is still there (its containers may "
+                    "run until the kubelet stops them): kept, looked at again at the next check",
+                    claim.key,
+                    claim.uid,
+                    why,
+                    ", ".join(running),
+                )
                 continue
             if self.preparer.free_gone(claim, why):
                 self._unused_since.pop(claim.uid, None)

@@ -342,11 +342,11 @@ def test_shares_placed_after_the_renumbering_never_overcommit(tmp_path: Path) ->
             cluster.run_pod(gpu_pod("n4", [("main", 40, 4)]))
 
 
-@pytest.mark.xfail(reason="after an agent restart GetPreferredAllocation steers a share to another GPU than Allocate")
 def test_after_an_agent_restart_a_shares_ids_name_the_gpu_it_is_answered_with(tmp_path: Path) -> None:
-    """No renumbering: GPUs 1-3 hold 60-core shares, GPU 0 is free; after an agent restart a 40-core share
-    is answered with GPU 1 (tightest fit) but the IDs the kubelet took at the agent's preference are GPU
-    0's: the kubelet's IDs no longer name the GPU the container runs on."""
+    """No renumbering: GPUs 1-3 hold 60-core shares, GPU 0 is free; after an agent restart (which rebuilds
+    the deleted pod's record from the kubelet's checkpoint, then frees it, its room held while the kubelet
+    may still hold its IDs) a 40-core share's IDs, taken at the agent's preference, name the GPU it is
+    answered with: the kubelet offering the freed IDs as available tells that it holds them for nobody."""
     full = [gpu(i, memory_mib=16384) for i in range(4)]
     cluster = SimCluster(tmp_path / "node", _spec(tmp_path / "four.json", full))
     with cluster:

@@ -52,6 +52,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -404,14 +405,23 @@ class Allocator:
 
     # -- Allocate ---------------------------------------------------------------------------------
 
-    def preview(self, cores: int) -> list[int] | None:
-        """The GPU indices the next Allocate of ``cores`` vcuda-core would place on, changing nothing:
-        the container the cache says waits first for that many, placed as Allocate places it (its
-        ``predicate-gpu-idx``, else the evaluators with its memory). None when no known container
-        waits for that many or its Allocate would be refused."""
+    def preview(self, cores: int, offered: AbstractSet[str] = frozenset()) -> list[int] | None:
+        """The GPU indices the next Allocate of ``cores`` vcuda-core would place on: the container the
+        cache says waits first for that many, placed as Allocate places it (its ``predicate-gpu-idx``,
+        else the evaluators with its memory). None when no known container waits for that many or its
+        Allocate would be refused.
+
+        Nothing is changed but this: an allocation freed before its container started whose IDs the
+        kubelet ``offered`` as available (GetPreferredAllocation) is no longer held for a pod the kubelet
+        may have given them to. The kubelet offers only IDs it holds for no pod; without this, that room
+        counted as taken here while the Allocate that follows, given those IDs, found it free and placed
+        elsewhere than the IDs it was steered to."""
         if isinstance(cores, bool) or not isinstance(cores, int) or cores <= 0:
             return None
         with self._lock:
+            if offered and self._freed_guesses:
+                for gone in [w for w in self._freed_guesses if not w.isdisjoint(offered)]:
+                    del self._freed_guesses[gone]
             self._take_pod_changes()
             candidate = self._match_cached(cores)
             if candidate is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 from gpumanager import names
 from gpumanager.allocation import ids as device_ids
@@ -39,11 +40,12 @@ class Preference:
         scratch_tree: Callable[[], TopologyTree],
         layout: DeviceLayout,
         *,
-        preview: Callable[[int], list[int] | None] | None = None,
+        preview: Callable[[int, AbstractSet[str]], list[int] | None] | None = None,
     ) -> None:
         self._scratch_tree = scratch_tree  # a copy of the allocator's tree, taken under its lock
         self._layout = layout
-        # The GPUs the next Allocate of a size would place on (Allocator.preview), or None.
+        # The GPUs the next Allocate of a size would place on, given the IDs the kubelet offers
+        # (Allocator.preview), or None.
         self._preview = preview
 
     def _by_gpu(self, resource: str, ids: Sequence[str]) -> tuple[dict[int, list[str]], dict[str, int]]:
@@ -102,7 +104,7 @@ class Preference:
         counts = self._counts(resource, offered)
         if counts is None:  # some IDs not spelt as this node spells its own: one at a time
             return self._choose_each(resource, chosen, [d for d in dict.fromkeys(available) if d in offered], need)
-        for gpu in self._gpus(resource, counts, need, chosen):
+        for gpu in self._gpus(resource, counts, need, chosen, offered):
             if len(chosen) >= size:
                 break
             for device_id in self._layout.ids_by_gpu(resource)[gpu][0]:
@@ -121,22 +123,24 @@ class Preference:
             counts[gpu] = len(ids & offered) if len(ids) <= len(offered) else len(offered & ids)
         return counts if sum(counts.values()) == len(offered) else None
 
-    def _gpus(self, resource: str, counts: dict[int, int], need: int, chosen: list[str]) -> list[int]:
+    def _gpus(
+        self, resource: str, counts: dict[int, int], need: int, chosen: list[str], offered: AbstractSet[str]
+    ) -> list[int]:
         if resource == names.VCORE_RESOURCE:
             if not chosen:
-                planned = self._planned(counts, need)
+                planned = self._planned(counts, need, offered)
                 if planned:
                     return planned
             return self._core_gpus(counts, need, self._by_gpu(resource, chosen)[0])
         return self._memory_gpus(counts, need)
 
-    def _planned(self, free: dict[int, int], need: int) -> list[int]:
+    def _planned(self, free: dict[int, int], need: int, offered: AbstractSet[str]) -> list[int]:
         """The GPUs Allocate would place ``need`` cores on, if the kubelet offers enough IDs of each
         (all 100 of a whole GPU, ``need`` of a share's); else []."""
         if self._preview is None:
             return []
         try:
-            planned = self._preview(need)
+            planned = self._preview(need, offered)
         except Exception:
             log.exception("GetPreferredAllocation: the allocator's preview of %d cores failed", need)
             return []
@@ -150,7 +154,7 @@ class Preference:
     def _choose_each(self, resource: str, chosen: list[str], offered: list[str], need: int) -> list[str]:
         """:meth:`choose` with each offered ID looked up by itself (some are not spelt as ours)."""
         free, odd = self._by_gpu(resource, offered)
-        for gpu in self._gpus(resource, {g: len(ids) for g, ids in free.items()}, need, chosen):
+        for gpu in self._gpus(resource, {g: len(ids) for g, ids in free.items()}, need, chosen, frozenset(offered)):
             if need <= 0:
                 break
             picked = self._lowest(resource, free.get(gpu, []), need, odd)

@@ -198,6 +198,7 @@ class DRAMode:
         # force-deleted while the kubelet was down: its containers run until the kubelet is back) is not freed.
         self._users: dict[str, set[str]] = {}
         self._cgroup_root = cgroup_root
+        self._kept_said: dict[str, str] = {}  # unused claim UID -> why it was last said kept
         self.leaked_freed = 0  # claims freed by :meth:`free_leaked` (gpu_manager_dra_leaked_claims_freed_total)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
         if api_client is not None:
@@ -610,6 +611,12 @@ class DRAMode:
                     self._users.setdefault(claim.uid, set()).add(uid)
         return used
 
+    def _say_kept(self, uid: str, text: str) -> None:
+        """Log why an unused claim is kept, once while the reason stays the same."""
+        if self._kept_said.get(uid) != text:
+            log.info("%s", text)
+        self._kept_said[uid] = text
+
     def _running(self, claim: ClaimAllocation) -> list[str]:
         """UIDs of the pods seen naming ``claim`` whose cgroup is still there (their containers may still run)."""
         out = []
@@ -640,6 +647,7 @@ class DRAMode:
         self._unused_since = {c.uid: self._unused_since.get(c.uid, now) for c in claims if c.uid not in used}
         prepared = {c.uid for c in self.claims()}
         self._users = {uid: pods for uid, pods in self._users.items() if uid in prepared}
+        self._kept_said = {uid: text for uid, text in self._kept_said.items() if uid in self._unused_since}
         freed: list[str] = []
         for claim in claims:
             since = self._unused_since.get(claim.uid)
@@ -650,12 +658,10 @@ class DRAMode:
             except ClaimNotFound:
                 why = "the API server no longer has it (404)"
             except ClaimError as exc:
-                log.info(
-                    "claim %s (%s) is used by no pod of this node; whether the API server still has it cannot be "
-                    "told now (%s): kept, asked again at the next check",
-                    claim.key,
+                self._say_kept(
                     claim.uid,
-                    exc,
+                    f"claim {claim.key} ({claim.uid}) is used by no pod of this node; whether the API server still "
+                    f"has it cannot be told now ({exc}): kept, asked again at the next check",
                 )
                 break  # the API server does not answer: the others would wait as long, for nothing
             else:
@@ -669,13 +675,11 @@ class DRAMode:
                 continue
             running = self._running(claim)
             if running:
-                log.info(
-                    "claim %s (%s): %s, but the cgroup of pod %s that used it is still there (its containers may "
-                    "run until the kubelet stops them): kept, looked at again at the next check",
-                    claim.key,
+                self._say_kept(
                     claim.uid,
-                    why,
-                    ", ".join(running),
+                    f"claim {claim.key} ({claim.uid}): {why}, but the cgroup of pod {', '.join(running)} that used "
+                    "it is still there (its containers may run until the kubelet stops them): kept, looked at again "
+                    "at the next check",
                 )
                 continue
             if self.preparer.free_gone(claim, why):

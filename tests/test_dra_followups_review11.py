@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from simnode.dra_cluster import DRIVER, NODE, DRACluster
+from tests.test_dra_review11 import make_claim
 
 JSON = dict[str, Any]
 
@@ -24,27 +25,6 @@ def cluster(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
     # A check period of 1 s: a claim unused for two periods (2 s) is looked at.
     with DRACluster(tmp_path, "v100-pcie-x4", agent_flags=["--allocation-check-period=1"], status_lag=0) as c:
         yield c
-
-
-def make_claim(c: DRACluster, name: str, results: list[JSON]) -> tuple[str, str, str]:
-    """A claim allocated ``results`` (as a scheduler would write them); (namespace, name, uid)."""
-    body = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
-    }
-    c.resource.create_namespaced_resource_claim("default", body)
-    stored = json.loads(
-        c.resource.patch_namespaced_resource_claim_status(
-            name,
-            "default",
-            {"status": {"allocation": {"devices": {"results": results}}}},
-            _content_type="application/merge-patch+json",
-            _preload_content=False,
-        ).data
-    )
-    return ("default", name, stored["metadata"]["uid"])
 
 
 def share(device: str, cores: str, memory: str = "1Gi") -> JSON:

@@ -18,12 +18,12 @@ from tests.test_dra_followups_review11 import (
     bound_pod,
     delete_claim,
     healthz,
-    make_claim,
     prepared,
     share,
     spec_gone,
     wait_for,
 )
+from tests.test_dra_review11 import make_claim
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ sees them, median and p99:
 
 Every Allocate answer is durable before it leaves the agent (the checkpoint journal), so one flush
 of the disk is the floor of an Allocate. With ``--before REF`` the agent of git revision REF runs the
-same steps too (the order alternates between node specs); each block carries the load average. With
+same steps too (the order alternates between node specs); each block carries the load average. This
+process (the kubelet simulator's) runs each agent's block with its garbage collector off
+(:func:`figures.no_collector_pauses`): a Go kubelet's collector does not stop it mid-call. With
 ``--before-python PATH`` that agent (or this checkout's, without ``--before``) runs on another interpreter
 (one with the agent's dependencies, e.g. another venv's python).
 
@@ -53,6 +55,7 @@ from figures import (
     histogram,
     histogram_quantile,
     load,
+    no_collector_pauses,
     percentile,
     prompt_threads,
     spec_arg,
@@ -386,7 +389,7 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
     print(f"== node {spec.name}: {args.pods} shared pods (3 vcuda-core, 512 MiB each), then a burst of {args.burst}")
     got: dict[str, Figures] = {}
     for variant in agents:
-        with tempfile.TemporaryDirectory(prefix="bench-allocation-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="bench-allocation-") as tmp, no_collector_pauses():
             got[variant.label] = measure(spec, Path(tmp), args, variant)
     width = max(len(v.label) for v in agents)
 

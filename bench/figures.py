@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import subprocess
@@ -36,6 +37,27 @@ def prompt_threads() -> None:
     wrote the checkpoint, and that wait was counted as the agent's (XID -> Unhealthy medians of 4-10
     ms in steps of 5 ms; 3 ms with this). The agent's own interpreter is left as it is."""
     sys.setswitchinterval(SWITCH_INTERVAL)
+
+
+@contextlib.contextmanager
+def no_collector_pauses() -> Iterator[None]:
+    """Keep this process's cyclic garbage collector from stopping the simulators mid-measurement.
+
+    The kubelet simulator runs in the benchmark's own interpreter and stands in for a Go kubelet, whose
+    collector runs beside its goroutines. Here a full collection stops every simulator thread: in a
+    side-by-side run the second agent measured met a 99 ms pause of this process (its heap grown by the
+    first's run) while PreStartContainer asked the kubelet's pod-resources service who starts, and that
+    wait was counted as the agent's (one call of 50 at 111 ms; 16 ms for the first agent). So the heap is
+    collected and frozen before, and the collector stays off for the block (the memory is freed after)."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        gc.collect()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -81,8 +81,8 @@ static uint64_t g_lib_ctxs;  /* under g_lib_mu: live contexts (REC_CONTEXT recor
 static uint64_t g_lib_unloaded; /* under g_lib_mu: what each context is charged for the libraries in none (lib_unbacked) */
 
 static void ordered_frees_atfork_child(void);
-/* Held (read) from a stream-ordered allocation's or free's capture check to its call's end; captures change
- * under it (written): see cuMemAllocAsync. */
+/* Held (read) from a stream-ordered allocation's or free's capture check (and look at the device's current pool)
+ * to its call's end; captures and current pools change under it (written): see cuMemAllocAsync. */
 static pthread_rwlock_t g_capture_rw = PTHREAD_RWLOCK_INITIALIZER;
 
 static void atfork_prepare(void)
@@ -565,7 +565,12 @@ static void test_capture_delay(void)
  * Captures begin and end under g_capture_rw (written); a stream-ordered allocation or free holds it (read) from its
  * look at the stream's capture to the end of its driver call, so no capture of another thread begins or ends between
  * the two: an allocation charged as a capturing graph's memory node is one (and one charged as the stream's pool's
- * is real).  Only captures, which programs begin and end rarely, wait; with the memory limit off nothing is taken.
+ * is real).  The device's current pool changes under it too (cuDeviceSetMemPool, and cuMemPoolDestroy, which makes
+ * the default pool current again when it destroys the current one): cuMemAllocAsync charges the pool it looked up,
+ * and the driver allocates from the one current at the call, so another thread switching the pool between the two
+ * had the growth of a pool that was not charged go unseen (and the looked-up pool, which did not grow, give its
+ * reservation back).  Only captures and pool changes, which programs make rarely, wait; with the memory limit off
+ * nothing is taken.
  */
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
@@ -624,7 +629,10 @@ VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
     CAPTURE_STABLE(alloc_from_pool_async_ptsz(dptr, bytesize, pool, hStream));
 }
 
-/* Beginning or ending a capture waits for the stream-ordered allocations and frees between their check and call. */
+/*
+ * Beginning or ending a capture, or changing a device's current pool, waits for the stream-ordered allocations and
+ * frees between their check and call.
+ */
 #define CAPTURE_CHANGE(call)                                                                                       \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()))                                                                              \
@@ -634,6 +642,11 @@ VC_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
         pthread_rwlock_unlock(&g_capture_rw);                                                                      \
         return rc_;                                                                                                \
     } while (0)
+
+VC_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    CAPTURE_CHANGE(REAL_CU(cuDeviceSetMemPool)(dev, pool));
+}
 
 VC_EXPORT CUresult cuStreamBeginCapture(CUstream hStream)
 {
@@ -849,6 +862,7 @@ VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuMemPoolDestroy)(pool);
+    pthread_rwlock_wrlock(&g_capture_rw); /* a device's current pool may change (cuMemAllocAsync) */
     pthread_mutex_lock(pool_mu(pool));
     pthread_mutex_lock(&g_mu);
     struct vc_map_entry *p = vc_map_lookup(&g_recs, (uint64_t)(uintptr_t)pool, REC_POOL);
@@ -876,6 +890,7 @@ VC_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         pool_settle(pool, pool_reserved_now(pool), 0, 0); /* not destroyed: trimmed all the same */
     }
     pthread_mutex_unlock(pool_mu(pool));
+    pthread_rwlock_unlock(&g_capture_rw);
     return rc;
 }
 

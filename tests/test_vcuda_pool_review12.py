@@ -1,0 +1,98 @@
+"""A tenant's attempts to hold more GPU memory than its container's limit through memory pools
+(vcuda/tests/review12_pool.c).
+
+Each scenario runs the C program in a container-like set-up (the driver mirror, ``vcuda.config`` and budget
+directory of tests/test_vcuda_memory_review11.py): the interceptor in front of the simulated driver, plain and
+under ASan/UBSan.  What NVML accounts to the program at its end, and the GPU's peak, must stay within the limit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpumanager.vmanager import files
+from simnode.gpusim_state import GpuSimState
+from tests.test_vcuda_memory_review11 import SAN_FLAGS, SPEC, VCUDA, _include_dirs, _mirror
+
+SOURCE = VCUDA / "tests" / "review12_pool.c"
+LIMIT_MIB = 1024
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The scenario program, plain and under ASan/UBSan, after the interceptor and the simulated driver are built."""
+    subprocess.run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(VCUDA),
+            "sim",
+            "interceptor",
+            "build/asan/libcuda-control.so",
+            "build/sim-asan/libcuda.so.1",
+            "build/sim-asan/libnvidia-ml.so.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    out = tmp_path_factory.mktemp("review12-bin")
+    incs = [f"-I{d}" for d in _include_dirs()]
+    built = {}
+    for variant, extra in (("plain", []), ("asan", SAN_FLAGS)):
+        exe = out / f"review12_pool_{variant}"
+        flags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-g", *extra, *incs]
+        subprocess.run(["cc", *flags, "-o", str(exe), str(SOURCE), "-ldl", "-pthread"], check=True)
+        built[variant] = exe
+    return built
+
+
+def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int, str]:
+    """Runs one scenario; returns the MiB NVML accounts to the program at its end, the GPU's peak, and stderr."""
+    mirror = _mirror(tmp_path / "mirror", variant)
+    config = tmp_path / "config" / "vcuda.config"
+    config.parent.mkdir()
+    config.write_bytes(
+        files.pack(
+            files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=LIMIT_MIB << 20, utilization=0)
+        )
+    )
+    budget = tmp_path / "budget"
+    budget.mkdir()
+    env = dict(os.environ)
+    env.update(
+        LD_LIBRARY_PATH=str(mirror),
+        GPUSIM_SPEC=str(SPEC),
+        GPUSIM_STATE=str(tmp_path / "node.state"),
+        VCUDA_CONFIG_PATH=str(config),
+        VCUDA_BUDGET_DIR=str(budget),
+        ASAN_OPTIONS="detect_leaks=0",
+    )
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run(
+        [str(programs[variant]), scenario, str(LIMIT_MIB)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"{scenario} ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    m = re.search(r"^held (\d+)$", done.stdout, re.M)
+    assert m is not None, f"{scenario} ({variant}): no report\n{done.stdout}\n{done.stderr}"
+    with GpuSimState(str(tmp_path / "node.state")) as st:
+        peak = st.snapshot(1).gpus[0].used_peak
+    return int(m.group(1)), peak >> 20, done.stderr
+
+
+SCENARIOS = ["switch-race", "destroy-race"]
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_gpu_never_holds_more_than_the_limit(
+    programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
+) -> None:
+    held, peak, err = _run(programs, tmp_path, variant, scenario)
+    assert held <= LIMIT_MIB, f"{scenario} ({variant}): the GPU holds {held} MiB for a {LIMIT_MIB} MiB container\n{err}"
+    assert peak <= LIMIT_MIB, f"{scenario} ({variant}): the GPU held {peak} MiB at its peak\n{err}"

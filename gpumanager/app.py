@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from gpumanager.device.propagation import HealthPropagation
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devicelists import DeviceLists
 from gpumanager.deviceplugin.devices import DeviceLayout
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.deviceplugin.late import LateHandlers
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.resources import vcuda_plugins
@@ -124,8 +125,11 @@ def _ignore(*_args: object) -> None:
 class Agent:
     """The node agent: owns every component and their order of start and stop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, held_locks: Sequence[int] = ()) -> None:
+        """``held_locks``: the descriptors of the socket directories the command line locked (the lock of
+        --device-plugin-path is moved to that directory when it is made again)."""
         self.config = config
+        self._held_locks = tuple(held_locks)
         self.node_name = config.resolved_node_name()
         self.gpus: list[GPUInfo] = []
         self.lost: list[int] = []  # at start (the health propagation follows those that come back)
@@ -349,7 +353,12 @@ class Agent:
         self.propagation.attach_device_lists(lists, self.servicers)
         dp_dir = Path(cfg.device_plugin_path)
         self.plugins, servicers = vcuda_plugins(
-            lists, self.handlers, dp_dir, cfg.kubelet_socket, watch_period=cfg.kubelet_watch_period
+            lists,
+            self.handlers,
+            dp_dir,
+            cfg.kubelet_socket,
+            watch_period=cfg.kubelet_watch_period,
+            dir_lock=DirectoryLock(dp_dir, f"--device-plugin-path={dp_dir}", self._held_locks),
         )
         self.servicers.extend(servicers)
         try:

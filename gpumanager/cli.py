@@ -394,7 +394,7 @@ def _main(argv: list[str]) -> int:
     if stopped is not None:
         log.info("received %s while waiting for the node's lock; exiting", stopped.name)
         return EXIT_OK
-    agent = Agent(config)
+    agent = Agent(config, held_locks=_dir_locks)
     received = _start_unless_stopped(agent, signals)
     if isinstance(received, StartupError):
         log.error("cannot start: %s", one_line(str(received)))

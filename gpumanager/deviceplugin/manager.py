@@ -16,6 +16,7 @@ tried again within milliseconds a few times before the backoff applies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.deviceplugin.dirwatch import DirectoryWatch
 from gpumanager.deviceplugin.registration import REGISTER_DEADLINE, Endpoint, RegistrationError, register
 from gpumanager.deviceplugin.server import PluginServer, socket_identity, socket_served
@@ -81,8 +83,12 @@ class PluginManager:
         options_for: Callable[[PluginServer], pb.DevicePluginOptions],
         watch_period: float = 5.0,
         register_timeout: float = REGISTER_DEADLINE,
+        dir_lock: DirectoryLock | None = None,
     ) -> None:
+        """``dir_lock``: the agent's lock on the directory of the sockets (see :mod:`.dirlock`), moved to
+        that directory when it is made again; None when nothing locks it."""
         self._servers = list(servers)
+        self._dir_lock = dir_lock
         self._kubelet_socket = kubelet_socket
         self._options_for = options_for
         self._period = watch_period
@@ -156,6 +162,13 @@ class PluginManager:
         with self._lock:
             if self._stop.is_set():
                 return
+            if self._dir_lock is not None:
+                # The directory made (as the servers would) and locked before anything listens there: a
+                # second agent started meanwhile waits for this one; one that locked it first keeps it.
+                with contextlib.suppress(OSError):
+                    self._dir_lock.path.mkdir(mode=0o750, parents=True, exist_ok=True)
+                if not self._dir_lock.follow():
+                    return
             for s in self._servers:
                 if not s.socket_intact():
                     s.restart()
@@ -189,6 +202,18 @@ class PluginManager:
         self.status.registered = False
         self.status.last_error = message
         self.registered_event.clear()
+
+    def _own_directory(self) -> bool:
+        """Whether this agent holds the lock of the directory at the sockets' path (moved there when that
+        directory was made again): when another agent locked it first, the kubelet talks to that one, and
+        this one neither serves nor registers there until it lets go (said once, by the lock)."""
+        lock = self._dir_lock
+        if lock is None or lock.follow():
+            return True
+        self.status.registered = False
+        self.status.last_error = f"another gpu-manager holds the lock of {lock.path}"
+        self.registered_event.clear()
+        return False
 
     def _set_error(self, message: str) -> None:
         if message != self.status.last_error:
@@ -230,6 +255,10 @@ class PluginManager:
         self._kubelet_changed = _changed_at(self._kubelet_socket)
         while not self._stop.is_set():
             try:
+                if not self._own_directory():
+                    need_register = True
+                    self._wait(self._period)  # woken by the directory's changes (the other agent's exit)
+                    continue
                 broken = [s for s in self._servers if not s.socket_intact()]
                 # Served by someone else: another plugin at our path. A kubelet restart empties the
                 # directory, kubelet.sock included, and the kubelet waits on us to serve again: at once.
@@ -271,7 +300,8 @@ class PluginManager:
                     kubelet_id = current
                     self._kubelet_changed = changed_at
                 now = time.monotonic()
-                if need_register and not self._yielded and now >= next_try:
+                holds = self._dir_lock is None or self._dir_lock.held
+                if need_register and not self._yielded and holds and now >= next_try:
                     try:
                         # The kubelet.sock that answered: it may have appeared since it was looked for
                         # above, even after the last look before the dial (a kubelet starting while we

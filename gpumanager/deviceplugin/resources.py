@@ -13,6 +13,7 @@ from pathlib import Path
 from gpumanager import names
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
 from gpumanager.deviceplugin.devicelists import DeviceLists
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.deviceplugin.late import LateHandlers
 from gpumanager.deviceplugin.manager import PluginManager
 from gpumanager.deviceplugin.server import PluginServer
@@ -26,6 +27,7 @@ def vcuda_plugins(
     kubelet_socket: Path,
     *,
     watch_period: float,
+    dir_lock: DirectoryLock | None = None,
 ) -> tuple[PluginManager, list[ResourceServicer]]:
     """The plugin manager of both resources (not started) and their servicers, in that order."""
     # The kubelet asks GetPreferredAllocation for vcuda-core only: those IDs say which GPU a container
@@ -51,6 +53,10 @@ def vcuda_plugins(
         servicers.append(servicer)
         servers.append(PluginServer(servicer, plugin_dir / sock))
     manager = PluginManager(
-        servers, kubelet_socket, options_for=lambda server: server.servicer.options, watch_period=watch_period
+        servers,
+        kubelet_socket,
+        options_for=lambda server: server.servicer.options,
+        watch_period=watch_period,
+        dir_lock=dir_lock,
     )
     return manager, servicers

@@ -85,7 +85,7 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     return int(m.group(1)), peak >> 20, done.stderr
 
 
-SCENARIOS = ["switch-race", "destroy-race"]
+SCENARIOS = ["switch-race", "destroy-race", "max-size"]
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
@@ -96,3 +96,13 @@ def test_the_gpu_never_holds_more_than_the_limit(
     held, peak, err = _run(programs, tmp_path, variant, scenario)
     assert held <= LIMIT_MIB, f"{scenario} ({variant}): the GPU holds {held} MiB for a {LIMIT_MIB} MiB container\n{err}"
     assert peak <= LIMIT_MIB, f"{scenario} ({variant}): the GPU held {peak} MiB at its peak\n{err}"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_a_pool_keeps_within_its_max_size_and_a_refused_allocation_returns_its_reservation(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """The simulated pool refuses to grow beyond CUmemPoolProps.maxSize (the program exits 4 otherwise); the
+    interceptor gives back what it reserved for the refused allocation, so cuMemAlloc then fills the limit."""
+    held, _, err = _run(programs, tmp_path, variant, "max-size")
+    assert held >= LIMIT_MIB - 8, f"max-size ({variant}): {held} MiB held at the end, the limit is {LIMIT_MIB}\n{err}"

@@ -1093,7 +1093,9 @@ SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcce
  * (cuMemFreeAsync, or cuMemFree of a pool pointer) returns the bytes to the pool, not to the GPU.
  * The pool gives reserved memory back when a stream, event or context is synchronised and it holds
  * more than its CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (default 0), and on cuMemPoolTrimTo.  The GPU (and
- * NVML) sees the reserved bytes.  Pool allocations are REC_DEV records with aux = the pool.
+ * NVML) sees the reserved bytes.  Pool allocations are REC_DEV records with aux = the pool.  A pool
+ * created with a maxSize never reserves more than that: an allocation that would grow it beyond fails
+ * with CUDA_ERROR_OUT_OF_MEMORY.
  *
  * As with the real allocator, an allocation is one contiguous range: the reserved memory is a set of
  * segments (each grown for an allocation that found no room, in whole chunks), and an allocation takes
@@ -1119,6 +1121,7 @@ struct sim_pool {
     bool destroyed;            /* cuMemPoolDestroy with allocations outstanding */
     int reuse[3];              /* CU_MEMPOOL_ATTR_REUSE_* */
     uint64_t threshold;        /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
+    uint64_t max_size;         /* CUmemPoolProps.maxSize: what it may reserve at most (0: no bound of its own) */
     uint64_t reserved, used, reserved_high, used_high;
     struct pool_seg *seg;
     unsigned nseg, capseg;
@@ -1306,7 +1309,7 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *po
     struct sim_pool *p = malloc(sizeof(*p));
     if (p == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *p = (struct sim_pool){.gpu = (unsigned)poolProps->location.id, .reuse = {1, 1, 1}};
+    *p = (struct sim_pool){.gpu = (unsigned)poolProps->location.id, .reuse = {1, 1, 1}, .max_size = poolProps->maxSize};
     sim_rec_lock();
     struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)p, .kind = REC_POOL, .gpu = p->gpu};
     rc = g_npools >= sizeof(g_pools) / sizeof(g_pools[0]) || vc_map_put(sim_recs(), &e) != 0 ? CUDA_ERROR_OUT_OF_MEMORY
@@ -1457,7 +1460,9 @@ static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, CUmemoryPool pool)
     }
     if (rc == CUDA_SUCCESS && off == UINT64_MAX) { /* no room: a new segment */
         grow = (need + POOL_CHUNK - 1) / POOL_CHUNK * POOL_CHUNK;
-        if (p->nseg == p->capseg) {
+        if (p->max_size != 0 && (grow > p->max_size || p->reserved > p->max_size - grow))
+            rc = CUDA_ERROR_OUT_OF_MEMORY; /* the pool may not reserve more than its maxSize */
+        if (rc == CUDA_SUCCESS && p->nseg == p->capseg) {
             unsigned cap = p->capseg ? p->capseg * 2 : 4;
             struct pool_seg *n = realloc(p->seg, cap * sizeof(*n));
             if (n == NULL)

@@ -200,6 +200,40 @@ static void switch_race(bool destroying, uint64_t limit_mib)
     report();
 }
 
+/* ---- a pool created with a maximum size ---------------------------------------------------------------------- */
+
+/*
+ * A pool of at most 64 MiB: a second 40 MiB allocation from it fails (the pool may not grow beyond its maxSize;
+ * exit 4 if it does), and what was reserved for it comes back: the rest of the limit is then filled with cuMemAlloc.
+ */
+static void max_size(void)
+{
+    primary();
+    CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                            .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0},
+                            .maxSize = 64 * MIB};
+    CUmemoryPool pool;
+    check(FN(cuMemPoolCreate)(&pool, &props), "cuMemPoolCreate");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUdeviceptr p, q;
+    check(FN(cuMemAllocFromPoolAsync)(&p, 40 * MIB, pool, s), "cuMemAllocFromPoolAsync");
+    CUresult rc = FN(cuMemAllocFromPoolAsync)(&q, 40 * MIB, pool, s);
+    if (rc != CUDA_ERROR_OUT_OF_MEMORY) {
+        fprintf(stderr, "a second 40 MiB from a pool of at most 64 MiB: %d, not CUDA_ERROR_OUT_OF_MEMORY\n", (int)rc);
+        exit(4);
+    }
+    cuuint64_t reserved = 0;
+    check(FN(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved), "cuMemPoolGetAttribute");
+    if (reserved > 64 * MIB) {
+        fprintf(stderr, "a pool of at most 64 MiB reserves %llu bytes\n", (unsigned long long)reserved);
+        exit(4);
+    }
+    while (FN(cuMemAlloc_v2)(&q, 8 * MIB) == CUDA_SUCCESS)
+        ;
+    report();
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -216,6 +250,8 @@ int main(int argc, char **argv)
         switch_race(false, limit);
     else if (strcmp(argv[1], "destroy-race") == 0)
         switch_race(true, limit);
+    else if (strcmp(argv[1], "max-size") == 0)
+        max_size();
     else {
         fprintf(stderr, "unknown scenario %s\n", argv[1]);
         return 2;

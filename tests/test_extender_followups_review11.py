@@ -194,7 +194,7 @@ def test_equal_failures_give_equal_reasons_that_the_scheduler_folds(world: World
     assert set(answer["FailedNodes"]) == set(nodes), answer
     assert len(set(answer["FailedNodes"].values())) == 1, answer["FailedNodes"]
     reason = answer["FailedNodes"]["n0"]
-    assert "container 'c0' needs 60 cores" in reason and "best GPU 0 has 40 cores" in reason, reason
+    assert "container 'c0' needs 60 cores" in reason and "no GPU has 60 free cores" in reason, reason
     assert not any(node in reason for node in nodes), reason
     assert answer["FailedAndUnresolvableNodes"]["cpu"] == "node has no tencent.com/vcuda-core", answer
     odd = world.create(gpu_pod("odd", [(150, 0)]))

@@ -308,7 +308,7 @@ def test_a_pod_annotated_but_not_bound_when_the_extender_restarts_keeps_its_gpus
     world.stop_extender()
     world.start_extender()
     other = world.create(gpu_pod("q", [(60, 4)]))
-    assert "best GPU 0 has 40 cores" in world.filter(other)["FailedNodes"]["n"]
+    assert "no GPU has 60 free cores" in world.filter(other)["FailedNodes"]["n"]
     wait_for(lambda: (world.api.get_pod("default", "p") or {}).get("spec", {}).get("nodeName") == "n", timeout=10)
     wait_for(lambda: world.extender.state.pod_count() == 1, what="the extender counting the bound pod")
     assert "no longer fits" in world.bind(other, "n")
@@ -460,7 +460,7 @@ def test_two_schedulers_racing_for_the_last_share_bind_one_pod(world: World) -> 
         messages = [m for s in schedulers for m in s.stats.messages.values()]
         # Whichever way the race went: the loser's node total was taken already, the extender's filter saw
         # the share held, or its bind found it gone ("no longer fits"); at last it is unschedulable.
-        reasons = ("Insufficient", "best GPU 0 has 40 cores", "no longer fits")
+        reasons = ("Insufficient", "no GPU has 60 free cores", "no longer fits")
         assert messages and all(any(r in m for r in reasons) for m in messages), messages
     finally:
         for scheduler in schedulers:

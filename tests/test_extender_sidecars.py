@@ -40,7 +40,7 @@ def test_a_sidecar_that_does_not_fit_beside_the_app_container_is_refused(world: 
     answer = world.filter(pod)
     reason = answer["FailedAndUnresolvableNodes"]["n"]  # even the empty GPU cannot hold both
     # The sidecar is placed first (the kubelet allocates init containers first): the app has no room.
-    assert "container 'c0' needs 60 cores" in reason and "best GPU 0 has 50 cores" in reason, answer
+    assert "container 'c0' needs 60 cores" in reason and "no GPU has 60 free cores" in reason, answer
     answer = world.filter(world.create(with_inits(gpu_pod("p2", [(0, 0)]), [("proxy", 110, 8, True)])))
     assert "sidecar 'proxy': 110 tencent.com/vcuda-core" in answer["FailedAndUnresolvableNodes"]["n"], answer
     assert "no longer fits" in world.bind(pod, "n")

@@ -58,7 +58,7 @@ from gpumanager.extender.api import SHAPE_ERRORS, BindingArgs
 from gpumanager.extender.charges import PodCharges, count_inits, init_containers
 from gpumanager.extender.claims import ANNOTATION as CLAIMS
 from gpumanager.extender.claims import Claim, encode_claims, parse_claims
-from gpumanager.extender.placement import Policy, never_served, place
+from gpumanager.extender.placement import Policy, free_figures, never_served, place
 from gpumanager.extender.state import Assumption, ClusterState
 
 log = logging.getLogger(__name__)
@@ -404,8 +404,9 @@ class _Bind:
                 raise BindError(f"{self.who}: node {node} has no GPUs the extender knows of", "refused")
             with state.without(uid), state.counting(node, claims, uid):
                 placement = place(gpus, requests, self._policy, inits=inits, sidecars=sidecars)
-            if not placement.ok:
-                raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed}", "refused")
+                figures = "" if placement.ok else free_figures(gpus.tree)
+            if not placement.ok:  # about one node: its own figures too
+                raise BindError(f"{self.who} no longer fits on node {node}: {placement.failed} ({figures})", "refused")
             now = str(_predicate_time(claims, uid))
             charges = tuple(
                 count_inits(

@@ -2,8 +2,8 @@
 
 Neither writes anything. A pod is judged without its own charges (a pod that carries
 predicate annotations from an earlier attempt is judged afresh). A node fails with a reason
-naming the container and the best GPU; it is *unresolvable* (preemption cannot help) when even
-its GPUs with nothing on them could not hold the pod.
+naming the container, what it needs and what the node lacks; it is *unresolvable* (preemption
+cannot help) when even its GPUs with nothing on them could not hold the pod.
 
 The choices binds of any replica recorded on a node (:mod:`gpumanager.extender.claims`), which
 bind counts, fail the node in filter where they leave no room for the pod: the scheduler could only
@@ -17,10 +17,13 @@ While a Binding of the pod got no answer (bind timed out; the API server may sti
 that Binding's node passes: the others fail as unresolvable, naming it, since bind refuses them
 until the pod shows where it is (at most ``assume_ttl``).
 
-A reason does not name its node (the node is its key in FailedNodes): the kube-scheduler counts
-equal reasons together in the pod's condition and FailedScheduling event ("0/500 nodes are
-available: 480 container 'c0' needs ..."), which a reason per node name would make as long as the
-list of nodes (the event is cut at 1,024 characters).
+A reason names neither its node (the node is its key in FailedNodes) nor the node's own figures
+(free cores and MiB per GPU, which GPUs are unhealthy, the pods whose binds were recorded on it):
+the kube-scheduler counts equal reasons together in the pod's condition and FailedScheduling event
+("0/500 nodes are available: 480 container 'c0' needs ..."), which a reason per node would make as
+long as the list of nodes (the event is cut at 1,024 characters). Nodes that fail for the same cause
+(no GPU with that many free cores; that much memory free on the node but on no single GPU; ...)
+get the same reason; each failing node's figures are logged at debug level.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from gpumanager.extender.api import JSON, SHAPE_ERRORS, ExtenderArgs, error_filt
 from gpumanager.extender.charges import init_containers
 from gpumanager.extender.claims import ANNOTATION as CLAIMS_ANNOTATION
 from gpumanager.extender.nodes import NodeGPUs
-from gpumanager.extender.placement import Policy, fits, never_served, place
+from gpumanager.extender.placement import Policy, fits, free_figures, never_served, place
 from gpumanager.extender.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -129,8 +132,8 @@ class Decider:
         problem = fits(gpus, requests, self.policy, inits=inits, sidecars=sidecars)
         if not problem:
             return "pass", ""
-        if gpus.note:
-            problem += f"; {gpus.note}"
+        if gpus.basis:
+            problem += f"; {gpus.basis}"
         never = fits(gpus, requests, self.policy, empty=True, inits=inits, sidecars=sidecars)
         return ("unresolvable" if never else "fail"), problem
 
@@ -150,13 +153,18 @@ class Decider:
             return ""  # none, or each already counted from the pods' own annotations
         with self.state.counting(name, recorded, uid):
             problem = fits(gpus, requests, self.policy, inits=inits, sidecars=sidecars)
+            if problem and log.isEnabledFor(logging.DEBUG):
+                pods = sorted({c.pod or u for u, c in recorded.items()})
+                log.debug(
+                    "filter: node %s: %s, counting the choices binds recorded for pods %s (%s)",
+                    name,
+                    problem,
+                    ", ".join(pods),
+                    free_figures(gpus.tree),
+                )
         if not problem:
             return ""
-        pods = sorted({c.pod or u for u, c in recorded.items()})
-        return (
-            f"{problem}, counting the choices binds recorded on the node (annotation {CLAIMS_ANNOTATION}) "
-            f"for pods {', '.join(pods)}"
-        )
+        return f"{problem}, counting the choices binds recorded on the node (annotation {CLAIMS_ANNOTATION})"
 
     def filter(self, args: ExtenderArgs) -> tuple[JSON, Counter[str]]:
         """``ExtenderFilterResult`` for the candidates, and the count of each outcome. A pod or node
@@ -189,6 +197,8 @@ class Decider:
         # Nodes that pass but where the choices binds recorded leave no room: node -> why.
         claimed: dict[str, str] = {}
         uid = podinfo.uid(args.pod)
+        debug = log.isEnabledFor(logging.DEBUG)
+        key = podinfo.pod_key(args.pod) if debug else ""
         with self.state.lock:
             self.state.expire()
             # A Binding of the pod that got no answer may still be made: bind refuses every other node
@@ -210,6 +220,14 @@ class Decider:
                         reason = self._claimed_problem(name, uid, gpus, requests, inits, sidecars)
                         if reason:
                             claimed[name] = reason
+                    if debug and verdict != "pass":  # what the reason leaves out: the node's own figures
+                        log.debug(
+                            "filter %s: node %s: %s (%s)",
+                            key,
+                            name,
+                            reason,
+                            free_figures(gpus.tree) if gpus is not None else "no GPUs",
+                        )
                     outcomes[verdict] += 1
                     if verdict == "pass":
                         passed.append(name)

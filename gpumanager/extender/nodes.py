@@ -103,7 +103,9 @@ class NodeGPUs:
     share_mode: bool
     from_inventory: bool
     note: str = ""
-    """Why the node is judged by its capacity (empty when the annotation was used)."""
+    """Why the node is judged by its capacity, and as what (empty when the annotation was used)."""
+    basis: str = ""
+    """:attr:`note` without the node's own figures (the same on every node judged so), for filter's reasons."""
     held: dict[int, _Held] = field(default_factory=dict)
     missing: set[int] = field(default_factory=set)
     """Minors of GPUs the node does not have that a pod was charged on (each logged once)."""
@@ -198,7 +200,8 @@ def _from_inventory(name: str, text: str) -> NodeGPUs:
     return NodeGPUs(name, tree, empty, share_mode=inventory.share_mode, from_inventory=True)
 
 
-def _from_capacity(name: str, node: Node, why: str) -> NodeGPUs | None:
+def _from_capacity(name: str, node: Node, why: str, cause: str) -> NodeGPUs | None:
+    """``why``: why the capacity is used, for logs; ``cause``: the same without the node's own figures."""
     capacity = _resources(node, "capacity")
     raw = capacity.get(names.VCORE_RESOURCE, 0)
     count = _quantity(raw) // HUNDRED_CORES
@@ -225,8 +228,15 @@ def _from_capacity(name: str, node: Node, why: str) -> NodeGPUs | None:
         levels=tuple(tuple(0 if i == j else int(Level.SYSTEM) for j in range(count)) for i in range(count))
     )
     note = f"{why}: judged as {count} equal GPUs of {blocks} vcuda-memory blocks (node capacity divided evenly)"
+    basis = f"{cause}: judged as equal GPUs (node capacity divided evenly)"
     return NodeGPUs(
-        name, build_tree(gpus, flat), build_tree(gpus, flat), share_mode=True, from_inventory=False, note=note
+        name,
+        build_tree(gpus, flat),
+        build_tree(gpus, flat),
+        share_mode=True,
+        from_inventory=False,
+        note=note,
+        basis=basis,
     )
 
 
@@ -236,9 +246,11 @@ def node_gpus(node: Node) -> NodeGPUs | None:
     name = node_name(node)
     text = ((node.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
     if text is None:
-        return _from_capacity(name, node, f"no {ANNOTATION} annotation")
+        why = f"no {ANNOTATION} annotation"
+        return _from_capacity(name, node, why, why)
     try:
         return _from_inventory(name, str(text))
     except (InventoryError, ValueError) as exc:
         log.warning("node %s: annotation %s is unusable (%s); using its capacity", name, ANNOTATION, exc)
-        return _from_capacity(name, node, f"annotation {ANNOTATION} unusable ({exc})")
+        why = f"annotation {ANNOTATION} unusable"
+        return _from_capacity(name, node, f"{why} ({exc})", why)

@@ -82,14 +82,15 @@ def pick(tree: TopologyTree, request: GPURequest, policy: Policy) -> list[int]:
     return choose(tree, request.cores, request.memory_bytes if request.shared else 0)
 
 
-def _best_gpu_text(tree: TopologyTree) -> str:
-    healthy = [leaf for leaf in tree.leaves if leaf.healthy]
-    if not healthy:
-        return "every GPU is unhealthy"
-    best = max(healthy, key=lambda g: (g.allocatable_cores, g.allocatable_memory, -g.index))
-    return (
-        f"best GPU {best.minor} has {best.allocatable_cores} cores / {best.allocatable_memory // MIB} MiB free "
-        f"of {best.total_memory // MIB} MiB"
+def free_figures(tree: TopologyTree) -> str:
+    """What each GPU of the node has free, for logs and bind's refusal (a node's own figures, which a
+    reason given to filter leaves out)."""
+    return ", ".join(
+        f"GPU {leaf.minor}: {leaf.allocatable_cores} cores / {leaf.allocatable_memory // MIB} MiB free of "
+        f"{leaf.total_memory // MIB} MiB"
+        if leaf.healthy
+        else f"GPU {leaf.minor}: unhealthy"
+        for leaf in tree.leaves
     )
 
 
@@ -99,17 +100,45 @@ def _who(request: GPURequest, sidecar: bool = False) -> str:
 
 
 def _why_not(tree: TopologyTree, request: GPURequest, sidecar: bool = False) -> str:
+    """Why one container does not fit the tree now, in words that name what it lacks and none of the
+    node's own figures: nodes that fail alike get the same reason, which the kube-scheduler counts
+    together (its event lists each distinct reason). The figures are :func:`free_figures`."""
     who = _who(request, sidecar)
-    unhealthy = [leaf.minor for leaf in tree.leaves if not leaf.healthy]
+    healthy = [leaf for leaf in tree.leaves if leaf.healthy]
+    sick = len(healthy) < len(tree)
     if request.shared:
-        need = f"{request.cores} cores and {request.memory_bytes // MIB} MiB on one GPU"
-        text = f"{who} needs {need}: {_best_gpu_text(tree)}"
+        cores, memory = request.cores, request.memory_bytes
+        text = f"{who} needs {cores} cores and {memory // MIB} MiB on one GPU: "
+        if not healthy:
+            return text + "every GPU of the node is unhealthy"
+        if not any(leaf.total_memory >= memory for leaf in healthy):
+            text += f"no GPU of the node has {memory // MIB} MiB of memory"
+        else:
+            core_fit = any(leaf.allocatable_cores >= cores for leaf in healthy)
+            memory_fit = any(leaf.allocatable_memory >= memory for leaf in healthy)
+            if core_fit and memory_fit:
+                text += "no single GPU has both free (the free cores and the free memory are on different GPUs)"
+            else:
+                short = [] if core_fit else [f"no GPU has {cores} free cores"]
+                if not memory_fit:
+                    mib = memory // MIB
+                    if sum(leaf.allocatable_memory for leaf in healthy) >= memory:
+                        short.append(f"GPU memory fragmented: {mib} MiB free on the node in all but on no single GPU")
+                    else:
+                        short.append(f"no GPU has {mib} MiB free")
+                text += " and ".join(short)
     else:
-        free = [leaf.minor for leaf in tree.leaves if leaf.available]
         whole = request.cores // HUNDRED_CORES
-        text = f"{who} needs {whole} whole GPU(s): {len(free)} entirely free and healthy ({free})"
-    if unhealthy:
-        text += f", unhealthy: {unhealthy}"
+        text = f"{who} needs {whole} whole GPU(s): "
+        if len(tree) < whole:
+            return text + f"the node has fewer than {whole} GPUs"
+        if not healthy:
+            return text + "every GPU of the node is unhealthy"
+        if len(healthy) < whole:
+            return text + f"fewer than {whole} GPUs of the node are healthy"
+        text += f"fewer than {whole} healthy GPUs are entirely free" if whole > 1 else "no healthy GPU is entirely free"
+    if sick:
+        text += " (the node has unhealthy GPUs)"
     return text
 
 

@@ -136,6 +136,13 @@ class Config:
         5.0,
         "safety-net check of the kubelet socket and the agent's own (inotify reports changes at once; at least 10ms)",
     )
+    replaced_gpu_wait: float = duration(
+        300.0,
+        "how long a container started again on a smaller GPU that replaced its own while the agent was down waits"
+        " for room there (its start refused with UNAVAILABLE, the kubelet trying again), from its first refused"
+        " start, before its start is refused for good (PreStartContainer check failed: the pod is placed again);"
+        " 0: at once",
+    )
     # DRA mode (one mode per node).
     mode: str = choice(
         "device-plugin",
@@ -239,6 +246,11 @@ class Config:
         ):
             if fvalue < 0 or (flag != "--health-quiet-period" and fvalue == 0):
                 raise ConfigError(f"{flag}={fvalue}: must be a positive number of seconds")
+        if self.replaced_gpu_wait < 0:
+            raise ConfigError(
+                f"--replaced-gpu-wait={self.replaced_gpu_wait:g}s: must not be negative"
+                " (0: a start without room on a replacement is refused for good at once)"
+            )
         for flag, fvalue in (
             ("--health-probe-period", self.health_probe_period),
             ("--kubelet-watch-period", self.kubelet_watch_period),
@@ -263,6 +275,17 @@ class Config:
         ):
             if not Path(path_value).is_absolute():
                 raise ConfigError(f"{flag}={path_value}: must be an absolute path")
+        if self.mode == "dra":
+            # Other processes find these by path: the kubelet's plugin watcher the registration socket, the
+            # kubelet dials dra.sock at the endpoint the registration names, the container runtime reads
+            # the CDI specs. A relative path is the agent's working directory's, which neither of them shares.
+            for flag, path_value in (
+                ("--plugin-registry-path", self.plugin_registry_path),
+                ("--dra-plugin-path", str(self.dra_socket_dir)),
+                ("--cdi-root", self.cdi_root),
+            ):
+                if not Path(path_value).is_absolute():
+                    raise ConfigError(f"{flag}={path_value}: must be an absolute path (DRA mode)")
         try:
             socket.getaddrinfo(
                 self.query_addr or None, self.query_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

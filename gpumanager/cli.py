@@ -20,6 +20,7 @@ import fnmatch
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -106,6 +107,28 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         hint = f" (did you mean {close[0]}?)" if close else ""
         warnings.append(f"the environment variable {name} names no flag{hint}; it is ignored")
     return warnings
+
+
+_FLAG_IN_TEXT = re.compile(r"--([a-z][a-z0-9-]*)")
+
+
+def name_variables(message: str, argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """``message`` (which names flags, ``--query-port=70000: ...``) with the ``GPU_MANAGER_*`` variable and
+    its value added for each flag it names whose value came from that variable: one not on the command
+    line. A manifest that sets ``GPU_MANAGER_CDI_ROOT`` holds no ``--cdi-root`` to look for."""
+    given = set()
+    for arg in normalize_argv(argv):
+        if arg == "--":
+            break
+        if arg.startswith("--"):
+            given.add(arg.partition("=")[0])
+    by_flag = {field.flag: field for field in flagspec.flag_fields(Config)}
+    named = []
+    for flag in dict.fromkeys("--" + m for m in _FLAG_IN_TEXT.findall(message)):
+        field = by_flag.get(flag)
+        if field is not None and flag not in given and field.env in environ:
+            named.append(f"{flag} is {field.env}={environ[field.env]!r} from the environment")
+    return f"{message} ({'; '.join(named)})" if named else message
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -365,14 +388,14 @@ def _main(argv: list[str]) -> int:
     try:
         setup_logging(args)
     except OSError as exc:
-        print(f"gpu-manager: --log-dir={args.log_dir}: {exc}", file=sys.stderr)
+        print(f"gpu-manager: {name_variables(f'--log-dir={args.log_dir}: {exc}', argv, os.environ)}", file=sys.stderr)
         return EXIT_CONFIG
     for warning in unknown_variables(os.environ):
         log.warning("%s", warning)
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        log.error("invalid configuration: %s", one_line(str(exc)))
+        log.error("invalid configuration: %s", one_line(name_variables(str(exc), argv, os.environ)))
         return EXIT_CONFIG
 
     from gpumanager import lazy_package
@@ -387,7 +410,7 @@ def _main(argv: list[str]) -> int:
     try:
         _lock_fd, stopped = hold_node_lock(Path(config.checkpoint_path), signals)
     except NodeLockError as exc:
-        log.error("%s", exc)
+        log.error("%s", name_variables(str(exc), argv, os.environ))
         return EXIT_CONFIG
     if stopped is None:
         _dir_locks, stopped = hold_socket_dir_locks(config, signals)
@@ -397,7 +420,7 @@ def _main(argv: list[str]) -> int:
     agent = Agent(config, held_locks=_dir_locks)
     received = _start_unless_stopped(agent, signals)
     if isinstance(received, StartupError):
-        log.error("cannot start: %s", one_line(str(received)))
+        log.error("cannot start: %s", one_line(name_variables(str(received), argv, os.environ)))
         _stop_within(agent, STOP_DEADLINE)
         return received.exit_code
     if received is None:  # started (else a stop signal came during the start)

@@ -1,7 +1,14 @@
 """What an operator new to the project meets: relative DRA paths, which the kubelet and the container
-runtime could not find, are refused at start."""
+runtime could not find, are refused at start; a value that a ``GPU_MANAGER_*`` variable set (as
+deploy/dra/daemonset.yaml sets its paths) and that the agent refuses is named by that variable, not only
+by a flag the manifest does not hold."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +33,65 @@ def test_dra_mode_refuses_a_relative_path_others_must_find(flag: str, value: str
 def test_device_plugin_mode_leaves_the_dra_paths_alone() -> None:
     args = cli.build_parser({}).parse_args(cli.normalize_argv(["--cdi-root=run/cdi"]))
     assert cli.config_from_args(args, {}).cdi_root == "run/cdi"
+
+
+def _agent(tmp_path: Path, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The agent's command, with every directory it would write in under ``tmp_path``."""
+    own = [
+        f"--checkpoint-path={tmp_path / 'checkpoint'}",
+        f"--device-plugin-path={tmp_path / 'dp'}",
+        f"--virtual-manager-path={tmp_path / 'vm'}",
+        f"--display-socket={tmp_path / 'gm.sock'}",
+        "--hostname-override=sim-node",
+    ]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GPU_MANAGER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "gpumanager.cli", *own, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={**clean, **env, "PYTHONPATH": str(Path(cli.__file__).parents[1])},
+        check=False,
+    )
+
+
+def test_a_value_refused_at_validation_names_the_variable_that_set_it(tmp_path: Path) -> None:
+    done = _agent(tmp_path, [], {"GPU_MANAGER_QUERY_PORT": "70000"})
+    assert done.returncode == cli.EXIT_CONFIG, done.stderr[-2000:]
+    line = next(line for line in done.stderr.splitlines() if "70000" in line)
+    assert "GPU_MANAGER_QUERY_PORT" in line, line
+    assert "Traceback" not in done.stderr
+
+
+def test_a_value_refused_at_start_names_the_variable_that_set_it(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-libnvidia-ml.so.1"
+    done = _agent(tmp_path, [], {"GPU_MANAGER_NVML_LIB": str(missing)})
+    assert done.returncode == cli.EXIT_CONFIG, done.stderr[-2000:]
+    line = next(line for line in done.stderr.splitlines() if str(missing) in line)
+    assert "GPU_MANAGER_NVML_LIB" in line, line
+
+
+def test_a_relative_path_from_a_variable_names_the_variable(tmp_path: Path) -> None:
+    done = _agent(tmp_path, [], {"GPU_MANAGER_CDI_ROOT": "var/run/cdi", "GPU_MANAGER_MODE": "dra"})
+    assert done.returncode == cli.EXIT_CONFIG, done.stderr[-2000:]
+    line = next(line for line in done.stderr.splitlines() if "var/run/cdi" in line)
+    assert "GPU_MANAGER_CDI_ROOT" in line, line
+
+
+def test_a_value_given_as_a_flag_is_named_as_the_flag_alone(tmp_path: Path) -> None:
+    # The flag wins over the variable: the refused value is the flag's, and the variable is not blamed.
+    done = _agent(tmp_path, ["--query-port=70000"], {"GPU_MANAGER_QUERY_PORT": "5678"})
+    assert done.returncode == cli.EXIT_CONFIG, done.stderr[-2000:]
+    line = next(line for line in done.stderr.splitlines() if "70000" in line)
+    assert "--query-port=70000" in line and "GPU_MANAGER_QUERY_PORT" not in line, line
+
+
+def test_the_variable_is_named_for_every_spelling_of_the_flag_on_the_command_line() -> None:
+    # -query_port on the command line is --query-port: the variable did not set it.
+    message = "--query-port=70000: must be between 0 and 65535"
+    environ = {"GPU_MANAGER_QUERY_PORT": "70000"}
+    assert cli.name_variables(message, ["-query_port=70000"], environ) == message
+    assert cli.name_variables(message, ["--query_port", "70000"], environ) == message
+    named = cli.name_variables(message, [], environ)
+    assert named.startswith(message) and "GPU_MANAGER_QUERY_PORT='70000'" in named, named

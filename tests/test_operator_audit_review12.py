@@ -1,7 +1,7 @@
 """What an operator new to the project meets: relative DRA paths, which the kubelet and the container
 runtime could not find, are refused at start; a value that a ``GPU_MANAGER_*`` variable set (as
 deploy/dra/daemonset.yaml sets its paths) and that the agent refuses is named by that variable, not only
-by a flag the manifest does not hold."""
+by a flag the manifest does not hold; ``gpu-manager-extender --help`` shows every default."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from gpumanager import cli
 from gpumanager.config import ConfigError
+from gpumanager.extender import cli as extender_cli
 
 
 @pytest.mark.parametrize(
@@ -95,3 +96,13 @@ def test_the_variable_is_named_for_every_spelling_of_the_flag_on_the_command_lin
     assert cli.name_variables(message, ["--query_port", "70000"], environ) == message
     named = cli.name_variables(message, [], environ)
     assert named.startswith(message) and "GPU_MANAGER_QUERY_PORT='70000'" in named, named
+
+
+@pytest.mark.parametrize(("flag", "default"), [("--policy", "binpack"), ("--v", "0"), ("--listen", ":3456")])
+def test_extender_help_shows_each_default(flag: str, default: str) -> None:
+    text = " ".join(extender_cli.build_parser().format_help().split())
+    start = text.index(f" {flag} ", text.index("options:"))
+    entry = text[start : start + 400]
+    following = entry.find(" --", 2)
+    entry = entry if following < 0 else entry[:following]
+    assert f"default {default}" in entry, entry

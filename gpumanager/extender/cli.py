@@ -44,12 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="kube-scheduler extender placing tencent.com/vcuda-* requests on GPUs that can hold them.",
     )
     p.add_argument("--listen", default=":3456", help="address to serve on, host:port or :port (default %(default)s)")
-    p.add_argument("--kubeconfig", default="", help="kubeconfig file; empty means in-cluster")
+    p.add_argument("--kubeconfig", default="", help="kubeconfig file; empty means in-cluster (the default)")
     p.add_argument(
         "--policy",
         default="binpack",
         choices=POLICIES,
-        help="binpack: fill used GPUs first, keeping whole GPUs free; spread: emptiest GPU first",
+        help="binpack: fill used GPUs first, keeping whole GPUs free; spread: emptiest GPU first (default %(default)s)",
     )
     p.add_argument("--url-prefix", default="/scheduler", help="path prefix of the verbs (default %(default)s)")
     p.add_argument("--tls-cert-file", default="", help="serve HTTPS with this certificate (PEM)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a bind may take in all, API calls included; keep it below the scheduler's httpTimeout "
         "(default %(default)s)",
     )
-    p.add_argument("--v", type=int, default=0, help="log verbosity (>= 4 logs debug messages)")
+    p.add_argument("--v", type=int, default=0, help="log verbosity (>= 4 logs debug messages) (default %(default)s)")
     p.add_argument("--version", action="store_true", help="print the version and exit")
     return p
 

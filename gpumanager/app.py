@@ -295,6 +295,7 @@ class Agent:
             pod_name=self._pod_name,
             state_path=Path(cfg.checkpoint_path) / replaced_file,
             renumbered=allocator.renumbered_from,
+            wait_limit=cfg.replaced_gpu_wait,
         )
         affected = guard.note_held(allocator.allocations())  # each logged with what its next start does
         guard.note_answered(recovery.kubelet_answers)

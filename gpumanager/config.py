@@ -140,8 +140,8 @@ class Config:
         300.0,
         "how long a container started again on a smaller GPU that replaced its own while the agent was down waits"
         " for room there (its start refused with UNAVAILABLE, the kubelet trying again), from its first refused"
-        " start, before its start is refused for good (PreStartContainer check failed: the pod is placed again);"
-        " 0: at once",
+        " start, before its start is refused for good (PreStartContainer check failed: the pod is to be placed"
+        " again); 0: at once",
     )
     # DRA mode (one mode per node).
     mode: str = choice(

@@ -9,7 +9,8 @@ is today:
 - the GPU now at the same place (the replacement, numbered with the same minor): it runs there, with
   the budget of its vcuda.config, when that fits the new GPU beside the containers started there since
   (so a smaller GPU is never over-committed); otherwise its start waits (UNAVAILABLE: the kubelet tries
-  again, and room frees as pods there end), or is refused for good when its share alone cannot fit;
+  again, and room frees as pods there end), at most the wait limit (--replaced-gpu-wait) from its first
+  refused start, after which it is refused for good, as it is at once when its share alone cannot fit;
 - another GPU (the driver numbered the GPUs otherwise) or no GPU at all: refused for good, naming the
   pod, the container, the old and the new GPU and the device nodes; the pod is to be placed again.
 
@@ -29,11 +30,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpumanager import names
+from gpumanager import flagspec, names
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.device import inventory
 from gpumanager.device.types import GPUInfo
@@ -47,6 +49,11 @@ _LIMIT = 16 << 20
 
 _MIB = 1 << 20
 
+#: How long a start may wait for room on a replacement, from its first refused start (--replaced-gpu-wait),
+#: before it is refused for good: the kubelet tries a start that failed again with a backoff growing to
+#: 5 minutes, so a pod whose room never frees would otherwise stay in ContainerCreating for ever.
+WAIT_SECONDS = 300.0
+
 
 class ReplacedRefusal(Exception):
     """A start refused; ``lasting`` when no wait can mend it (the pod is to be placed again)."""
@@ -54,6 +61,23 @@ class ReplacedRefusal(Exception):
     def __init__(self, message: str, *, lasting: bool) -> None:
         super().__init__(message)
         self.lasting = lasting
+
+
+@dataclass(frozen=True)
+class _Crowding:
+    """A start without room on a replacement: ``gpu`` (the new GPU at ``place``), what the container needs
+    there and what is free beside ``others`` (the pods counted there), and what the two would make."""
+
+    place: int
+    was_uuid: str
+    gpu: GPUInfo
+    need_cores: int
+    need_memory: int
+    free_cores: int
+    free_memory: int
+    total_cores: int
+    total_memory: int
+    others: str
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,9 @@ class ReplacedGPUs:
         pod_name: Callable[[str], tuple[str, str] | None] = lambda uid: None,
         state_path: Path | None = None,
         renumbered: Mapping[tuple[str, str], tuple[int, ...]] | None = None,
+        *,
+        wait_limit: float = WAIT_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``was``: the saved inventory (place -> GPU); ``gpus`` and ``lost``: the GPUs now (lost ones are
         described as saved, so their device nodes are not counted as reaching them); ``allocations``: every
@@ -94,8 +121,13 @@ class ReplacedGPUs:
         its UID, when known (a saved answer names only the UID); ``state_path``: :data:`FILE` (what an
         earlier start found), or None to keep nothing; ``renumbered``: the minors the records moved to their
         GPUs' minors of now named (those of their saved answers; see :func:`renumbered`), by (pod UID,
-        container)."""
+        container); ``wait_limit``: seconds a start may wait for room on a replacement, from its first refused
+        start, before it is refused for good (:data:`WAIT_SECONDS`); ``clock``: the time they are counted in."""
         self._path = state_path
+        self._wait_limit = wait_limit
+        self._clock = clock
+        # Starts refused for want of room on a replacement: when the first one was, by (pod UID, container).
+        self._waiting: dict[tuple[str, str], float] = {}
         pending, self._pending_keys, started, self._answered_then = _load(state_path)
         self._then = dict(renumbered or {})
         lost_places = self._lost = set(lost)
@@ -218,18 +250,27 @@ class ReplacedGPUs:
         if problem:
             self._log_once(alloc, "lasting", logging.ERROR, problem)
             raise ReplacedRefusal(problem, lasting=True)
-        crowded = ""
+        crowded: _Crowding | None = None
+        waited = 0.0
         with self._lock:  # the look at the room and its reservation, one start at a time
             for change in changes:
                 crowded = self._crowded(alloc, change)
-                if crowded:
+                if crowded is not None:
+                    now = self._clock()
+                    waited = now - self._waiting.setdefault(alloc.key, now)
                     break
             else:
+                self._waiting.pop(alloc.key, None)
                 self._starting[alloc.key] = self._starting.get(alloc.key, 0) + 1
-        if crowded:
-            self._log_once(alloc, "crowded", logging.WARNING, crowded)
-            raise ReplacedRefusal(crowded, lasting=False)
-        return True
+        if crowded is None:
+            return True
+        if waited >= self._wait_limit:
+            problem = self._waited_too_long(alloc, crowded, waited)
+            self._log_once(alloc, "waited", logging.ERROR, problem)
+            raise ReplacedRefusal(problem, lasting=True)
+        message = self._crowded_message(alloc, crowded)
+        self._log_once(alloc, "crowded", logging.WARNING, message)
+        raise ReplacedRefusal(message, lasting=False)
 
     def note_started(self, alloc: ContainerAllocation) -> None:
         """``alloc``'s start, let through by :meth:`check`, succeeded: it counts on the replacement from now
@@ -348,8 +389,8 @@ class ReplacedGPUs:
             "UUID, which only the NVIDIA container runtime reads (delete the pod if that refuses it)"
         )
 
-    def _crowded(self, alloc: ContainerAllocation, change: _Change) -> str:
-        """Why ``alloc`` cannot start on ``change``'s replacement yet, or '' (lock held): with the containers
+    def _crowded(self, alloc: ContainerAllocation, change: _Change) -> _Crowding | None:
+        """Why ``alloc`` cannot start on ``change``'s replacement yet, or None (lock held): with the containers
         counted there (started again since the agent's start or starting now, or answered since), it would
         hold more than the new GPU has."""
         gpu = change.now
@@ -361,6 +402,7 @@ class ReplacedGPUs:
             if other.key in self._affected and other.key not in self._started and other.key not in self._starting:
                 continue  # not started again since the replacement (nor starting): it runs nowhere
             by_pod.setdefault(other.pod_uid, []).append(other)
+        used = [_pod_charge(held, gpu) for held in by_pod.values()]  # without this container
         by_pod.setdefault(alloc.pod_uid, []).append(alloc)
         cores = memory = 0
         for held in by_pod.values():
@@ -368,15 +410,43 @@ class ReplacedGPUs:
             cores += pod_cores
             memory += pod_memory
         if cores <= names.HUNDRED_CORES and memory <= gpu.memory_total:
-            return ""
+            return None
         others = sorted({_pod(a) for uid, held in by_pod.items() if uid != alloc.pod_uid for a in held})
         shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        need_cores, need_memory = _pod_charge([alloc], gpu)
+        return _Crowding(
+            place=change.was.index,
+            was_uuid=change.was.uuid,
+            gpu=gpu,
+            need_cores=need_cores,
+            need_memory=need_memory,
+            free_cores=max(0, names.HUNDRED_CORES - sum(c for c, _ in used)),
+            free_memory=max(0, gpu.memory_total - sum(m for _, m in used)),
+            total_cores=cores,
+            total_memory=memory,
+            others=shown or "no pod",
+        )
+
+    def _crowded_message(self, alloc: ContainerAllocation, crowded: _Crowding) -> str:
+        gpu = crowded.gpu
         return (
-            f"{_who(alloc)} cannot start yet: GPU {change.was.index} was {change.was.uuid} and is {gpu.uuid} now "
+            f"{_who(alloc)} cannot start yet: GPU {crowded.place} was {crowded.was_uuid} and is {gpu.uuid} now "
             f"(replaced while the agent was down), with {gpu.memory_total // _MIB} MiB; with the containers of "
-            f"{shown or 'no pod'} started there, its {alloc.cores} cores and {alloc.memory // _MIB} MiB would make "
-            f"{cores} cores and {memory // _MIB} MiB; the kubelet's next try of the start succeeds once room frees "
-            "there (or delete the pod to place it again)"
+            f"{crowded.others} started there, its {alloc.cores} cores and {alloc.memory // _MIB} MiB would make "
+            f"{crowded.total_cores} cores and {crowded.total_memory // _MIB} MiB; the kubelet's next try of the "
+            f"start succeeds once room frees there, within {flagspec.format_duration(self._wait_limit)} of its "
+            "first refused start (--replaced-gpu-wait; or delete the pod to place it again)"
+        )
+
+    def _waited_too_long(self, alloc: ContainerAllocation, crowded: _Crowding, waited: float) -> str:
+        gpu = crowded.gpu
+        return (
+            f"{_who(alloc)} waited {_waited(waited)} for room on GPU {crowded.place} ({gpu.uuid}, "
+            f"{gpu.memory_total // _MIB} MiB, at {gpu.device_path}; it was {crowded.was_uuid}, replaced while the "
+            f"agent was down), longer than --replaced-gpu-wait={flagspec.format_duration(self._wait_limit)}: it "
+            f"needs {crowded.need_cores} cores and {crowded.need_memory // _MIB} MiB there, and with the "
+            f"containers of {crowded.others} started there {crowded.free_cores} cores and "
+            f"{crowded.free_memory // _MIB} MiB free; not waiting longer: delete the pod to place it again"
         )
 
     def _as_answered(self, alloc: ContainerAllocation) -> ContainerAllocation:
@@ -392,6 +462,18 @@ class ReplacedGPUs:
                 return
             self._logged.add(key)
         log.log(level, "%s", message)
+
+
+def _waited(seconds: float) -> str:
+    """``seconds`` as Go spells a duration, to the second (5m0s, 1m10s, 31s; 0s under a second)."""
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
 
 
 def _pod_charge(held: Sequence[ContainerAllocation], gpu: GPUInfo) -> tuple[int, int]:

@@ -66,6 +66,7 @@ class PodRun:
     pids: dict[str, int] = field(default_factory=dict)
     statuses: list[dict[str, Any]] = field(default_factory=list)  # containerStatuses, once started
     init_statuses: list[dict[str, Any]] = field(default_factory=list)  # initContainerStatuses, once started
+    sandbox: str = ""  # the ID of its sandbox (the pause container), whose cgroup is beside its containers'
 
     @property
     def uid(self) -> str:
@@ -448,6 +449,7 @@ class SimCluster:
 
     def _running_status(self, run: PodRun, name: str, cid: str) -> dict[str, Any]:
         """A started container: its cgroup with a fresh PID, and its status."""
+        self._sandbox(run)
         pid = next(_pid_counter)
         run.pids[name] = pid
         make_cgroup(self.cgroup_root / "kubepods" / f"pod{run.uid}" / cid, [pid])
@@ -460,6 +462,49 @@ class SimCluster:
             "imageID": "",
             "state": {"running": {"startedAt": "2026-11-21T10:00:00Z"}},
         }
+
+    def _sandbox(self, run: PodRun) -> None:
+        """The pod's sandbox, made before its first container as the runtime does: the pause container's
+        cgroup beside the containers' (``kubepods/pod<uid>/<sandbox id>``), an ID no status names."""
+        pod_dir = self.cgroup_root / "kubepods" / f"pod{run.uid}"
+        if not pod_dir.is_dir():
+            run.sandbox = uuid.uuid5(uuid.NAMESPACE_OID, run.uid).hex
+            make_cgroup(pod_dir / run.sandbox, [next(_pid_counter)])
+
+    def restart_container(self, run: PodRun, name: str, *, publish_status: bool = True) -> str:
+        """The container ``name`` exits and the kubelet starts it again, as on a node: its cgroup goes with the
+        old process, PreStartContainer is called for its resources again, and the new container has a new
+        ID, a new cgroup with a fresh PID (``run.pids``). The pod's status naming the new ID (restartCount
+        one more, the old one's end as ``lastState``) reaches the API server ``status_lag`` later; until then
+        it names the old ID. ``publish_status=False``: not at all until :meth:`publish_status`. Returns the
+        new container ID."""
+        statuses = run.statuses if any(s["name"] == name for s in run.statuses) else run.init_statuses
+        index = next((i for i, s in enumerate(statuses) if s["name"] == name), None)
+        if index is None:
+            raise KeyError(f"pod {run.namespace}/{run.name} has no started container {name}")
+        old = statuses[index]
+        old_cid = str(old["containerID"]).split("://", 1)[-1]
+        shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{run.uid}" / old_cid, ignore_errors=True)
+        held = {names.VCORE_RESOURCE: run.core, names.VMEMORY_RESOURCE: run.memory}
+        for res in self.kubelet.limits_order(r for r, by_name in held.items() if name in by_name):
+            self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
+        restarts = int(old.get("restartCount", 0)) + 1
+        cid = f"{run.uid[:8]}{name}r{restarts}".replace("-", "")
+        status = self._running_status(run, name, cid)
+        status["restartCount"] = restarts
+        status["lastState"] = {
+            "terminated": {
+                "exitCode": 1,
+                "reason": "Error",
+                "containerID": old["containerID"],
+                "startedAt": "2026-11-21T10:00:00Z",
+                "finishedAt": "2026-11-21T10:05:00Z",
+            }
+        }
+        statuses[index] = status
+        if publish_status:
+            self._later(lambda: self._publish_late(run))
+        return cid
 
     def _start_failed(self, run: PodRun, container: str, exc: KubeletSimError) -> None:
         """The container's start failed in GetDeviceRunContainerOptions: it waits, with the error as its

@@ -402,6 +402,41 @@ def started_containers(pod: Pod) -> set[str]:
     return found
 
 
+def may_run(pod: Pod) -> list[str] | None:
+    """Names of the pod's containers and init containers that run or may be started (again), by its
+    spec and status: all but an init container that completed (not a sidecar), and a container whose
+    status says it ended where the pod's ``restartPolicy`` does not start it again (``Never``; ``OnFailure``
+    after a success). A status that lags names an ended container as running: it is counted.
+    None when the pod is being deleted (the kubelet starts none of its containers) or its spec is
+    malformed."""
+    if is_deleting(pod):
+        return None
+    try:
+        specs = _spec_list(pod, "containers")
+        inits = _spec_list(pod, "initContainers")
+    except PodSpecError:
+        return None
+    policy = _mapping(pod.get("spec")).get("restartPolicy") or "Always"
+    ended: dict[str, int | None] = {}  # name -> exit code of a container whose status says it ended
+    for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses"):
+        terminated = _mapping(_mapping(cs.get("state")).get("terminated"))
+        if terminated:
+            code = terminated.get("exitCode")
+            ended[str(cs.get("name", ""))] = code if isinstance(code, int) else None
+    found = []
+    for c in inits:
+        name = str(c.get("name", ""))
+        if c.get("restartPolicy") == "Always" or name not in ended:
+            found.append(name)
+        elif ended[name] != 0 and policy != "Never":
+            found.append(name)  # a failed init container is run again
+    for c in specs:
+        name = str(c.get("name", ""))
+        if name not in ended or policy == "Always" or (policy == "OnFailure" and ended[name] != 0):
+            found.append(name)
+    return found
+
+
 #: What Go's strconv.Atoi takes: an optional sign, then ASCII decimal digits (no spaces, no '_').
 _GO_DECIMAL = re.compile(r"[+-]?[0-9]+")
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1

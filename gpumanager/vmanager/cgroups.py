@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,24 @@ def without_runtime_prefix(name: str) -> str | None:
     return None
 
 
+def id_in_name(name: str) -> str | None:
+    """The container ID a cgroup directory's name holds (:func:`_names_container`'s forms), or None: a
+    control file, a slice, CRI-O's ``crio-conmon-<id>`` (the monitor's, not the container's)."""
+    base = name.removesuffix(".scope")
+    if ":" in base:
+        parts = base.split(":")
+        return parts[2] if len(parts) == 3 and parts[1] in _PREFIXES and parts[2] else None
+    for prefix in _PREFIXES:
+        if base.startswith(f"{prefix}-"):
+            rest = base[len(prefix) + 1 :]
+            if not rest or (prefix == "crio" and rest.startswith("conmon-")):
+                return None
+            return rest
+    if not base or "." in base:
+        return None
+    return base
+
+
 def pids_under(directory: Path | str) -> list[int]:
     """Every PID in ``cgroup.procs`` of a cgroup and its descendants, sorted."""
     found: set[int] = set()
@@ -237,6 +255,9 @@ class CgroupLocator:
         self._searched: dict[tuple[str, str], float] = {}  # container -> when a whole-tree search missed it
         # pod UID -> (when, the directories below its cgroup then); for IDs no status names.
         self._listings: dict[str, tuple[float, list[Path]]] = {}
+        # pod UID -> (its cgroup directory where its containers' are, the names in it when a container's
+        # cgroup was first found there): what was there before a restart (the sandbox's, too).
+        self._before: dict[str, tuple[str, frozenset[str]]] = {}
         self._pod_searched: dict[str, float] = {}  # pod UID -> its last whole-tree search for a claimed ID
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
@@ -263,7 +284,59 @@ class CgroupLocator:
         if len(self._dirs) >= self._limit:
             self._dirs.clear()
         self._dirs[key] = str(found)
+        if key[0] not in self._before:
+            self._note_pod(key[0], found.parent)
         return found
+
+    def _note_pod(self, pod_uid: str, directory: Path) -> None:
+        """Remember what the pod's cgroup directory holds now (once: a listing per pod, not per pass)."""
+        if pod_uid not in directory.name and pod_uid.replace("-", "_") not in directory.name:
+            return  # a container's cgroup not directly below its pod's (an unusual layout)
+        try:
+            names = frozenset(os.listdir(directory))
+        except OSError:
+            return
+        self._limit_memo(self._before)
+        self._before[pod_uid] = (str(directory), names)
+
+    def located(self, pod_uid: str, container_id: str) -> bool:
+        """Whether the container's cgroup was found at the last look (:meth:`pids`, :meth:`find`)."""
+        return (pod_uid, container_id) in self._dirs
+
+    def watches(self, pod_uid: str) -> bool:
+        """Whether the pod's cgroup directory was seen holding a container's (:meth:`new_below_pod`)."""
+        return pod_uid in self._before
+
+    def new_below_pod(self, pod_uid: str, ids: Collection[str]) -> tuple[set[str], list[tuple[str, Path]]] | None:
+        """Of the container IDs ``ids`` (those the pod's statuses name), the ones without a cgroup below the
+        pod's now; and the containers' cgroups there that name none of them and were not there when the pod's
+        cgroup was first seen (the sandbox's was): (their ID, directory). None when the pod's cgroup was
+        never seen holding a container's, or is gone (it is not looked at again: a pod's does not return).
+        """
+        entry = self._before.get(pod_uid)
+        if entry is None:
+            return None
+        directory, before = entry
+        try:
+            listed = os.listdir(directory)
+        except FileNotFoundError:
+            self._before.pop(pod_uid, None)
+            return None
+        except OSError as exc:
+            log.debug("cannot list %s: %s", directory, exc)
+            return None
+        present = {}
+        for name in listed:
+            found = id_in_name(name)
+            if found is not None:
+                present[found] = name
+        missing = {i for i in ids if i not in present}
+        new = [
+            (found, Path(directory, name))
+            for found, name in present.items()
+            if name not in before and found not in ids and os.path.isdir(os.path.join(directory, name))
+        ]
+        return missing, new
 
     def find_claimed(self, pod_uid: str, container_id: str, qos: str | None = None) -> Path | None:
         """The cgroup of a container ID that no pod status names (a caller's claim, maybe bogus).
@@ -303,7 +376,11 @@ class CgroupLocator:
         return found
 
     def _limit_memo(
-        self, memo: dict[str, tuple[float, list[Path]]] | dict[str, float] | dict[tuple[str, str], str]
+        self,
+        memo: dict[str, tuple[float, list[Path]]]
+        | dict[str, float]
+        | dict[tuple[str, str], str]
+        | dict[str, tuple[str, frozenset[str]]],
     ) -> None:
         if len(memo) >= self._limit:
             memo.clear()
@@ -335,3 +412,4 @@ class CgroupLocator:
                 memo.pop(key, None)
         self._listings.pop(pod_uid, None)
         self._pod_searched.pop(pod_uid, None)
+        self._before.pop(pod_uid, None)

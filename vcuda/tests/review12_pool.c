@@ -152,13 +152,16 @@ static void *switch_pools(void *arg)
  * Allocates `big` MiB from the device's current pool while another thread switches it (between two pools of its
  * own, or by destroying a current pool), then `rest` MiB with cuMemAlloc: the two together are above the limit,
  * so the second must fail, whichever pool the first came from.  When it does, both are given back (freed, the
- * pools trimmed) and it is tried again, for 3 s or until the second one is let through.
+ * pools trimmed) and it is tried again, for 3 s or until the second one is let through.  The first one leaves
+ * less than a quarter of the limit, so its reservation is reconciled with NVML (tens of microseconds between the
+ * interceptor's look at the current pool and its driver call: the switch lands there within a few hundred tries);
+ * the second one, once the first is not charged, leaves more, and is let through without a reconciliation.
  */
 static void switch_race(bool destroying, uint64_t limit_mib)
 {
     primary();
     uint64_t ctx_mib = held() / MIB;
-    uint64_t big = limit_mib / 2, rest = limit_mib - ctx_mib - big + 64; /* 64 MiB above the limit together */
+    uint64_t big = limit_mib * 5 / 8, rest = limit_mib - ctx_mib - big + 64; /* 64 MiB above the limit together */
     CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
                             .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
     for (int i = 0; i < 2; i++)

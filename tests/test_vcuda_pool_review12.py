@@ -85,7 +85,7 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     return int(m.group(1)), peak >> 20, done.stderr
 
 
-SCENARIOS = ["switch-race", "destroy-race", "max-size"]
+SCENARIOS = ["switch-race", "destroy-race", "getproc", "max-size"]
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])

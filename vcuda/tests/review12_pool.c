@@ -203,6 +203,33 @@ static void switch_race(bool destroying, uint64_t limit_mib)
     report();
 }
 
+/* ---- cuDeviceSetMemPool through cuGetProcAddress at every version and flag ------------------------------------ */
+
+/* Exit 4 unless every lookup answers the interceptor's cuDeviceSetMemPool (the exported name's). */
+static void getproc(void)
+{
+    primary();
+    void *hook = sym("cuDeviceSetMemPool");
+    int versions[] = {11020, 11030, 11080, 12000, 12040, 12090};
+    cuuint64_t flags[] = {CU_GET_PROC_ADDRESS_DEFAULT, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                          CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM};
+    for (size_t v = 0; v < sizeof(versions) / sizeof(versions[0]); v++) {
+        for (size_t f = 0; f < sizeof(flags) / sizeof(flags[0]); f++) {
+            void *p = NULL, *p1 = NULL;
+            CUdriverProcAddressQueryResult st;
+            const char *name = "cuDeviceSetMemPool";
+            check(FN(cuGetProcAddress_v2)(name, &p, versions[v], flags[f], &st), "cuGetProcAddress_v2");
+            check(FN(cuGetProcAddress)(name, &p1, versions[v], flags[f]), "cuGetProcAddress");
+            if (p != hook || p1 != hook) {
+                fprintf(stderr, "cuGetProcAddress(cuDeviceSetMemPool, %d, %llu): %p / %p, not the hook %p\n", versions[v],
+                        (unsigned long long)flags[f], p, p1, hook);
+                exit(4);
+            }
+        }
+    }
+    report();
+}
+
 /* ---- a pool created with a maximum size ---------------------------------------------------------------------- */
 
 /*
@@ -253,6 +280,8 @@ int main(int argc, char **argv)
         switch_race(false, limit);
     else if (strcmp(argv[1], "destroy-race") == 0)
         switch_race(true, limit);
+    else if (strcmp(argv[1], "getproc") == 0)
+        getproc();
     else if (strcmp(argv[1], "max-size") == 0)
         max_size();
     else {

@@ -10,12 +10,18 @@ kernel makes the files), and times, median and p99:
   a sweep in which one container in ten gained a process (its pids.config rewritten)
   a sweep in which nothing changed while ``--terminating`` more pods end: their containers' cgroups are
   gone, their allocations not yet (they are asked for each second until the pods are deleted)
+  a sweep in which nothing changed while ``--terminating`` of the containers wait to start again (a
+  crash loop's back-off): their cgroups are gone, their pods' (with the sandbox's) are not, and their
+  statuses still name the old IDs (the pod's cgroup is looked at for a new container's)
 
-With ``--before REF`` the same sweeps run on the code of revision REF too, on the same tree, side by
-side (each variant in its own process).
+Each pod's cgroup holds its sandbox's (the pause container's) beside its container's, as on a node.
+
+``--cpu`` times each sweep by the CPU time of its process instead of the wall clock (a machine others
+use at the same time). With ``--before REF`` the same sweeps run on the code of revision REF too, on
+the same tree, side by side (each variant in its own process).
 
     python bench/bench_pids_refresh.py [--containers 250] [--terminating 50] [--sweeps 40] [--cgroupfs DIR]
-                                       [--before REF]
+                                       [--before REF] [--cpu]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.vmanager.manager import VirtualManager
 
 spec = json.loads(sys.argv[1])
+clock = time.process_time if spec["cpu"] else time.perf_counter
 pods = {
     uid: {
         "metadata": {"uid": uid, "name": f"p{i}", "namespace": "default"},
@@ -60,21 +67,36 @@ vm.refresh_pids(allocs)  # the first sweep writes every file
 quiet, changing = [], []
 procs = [Path(p) for p in spec["procs"]]
 for sweep in range(spec["sweeps"]):
-    started = time.perf_counter()
+    started = clock()
     vm.refresh_pids(allocs)
-    quiet.append(time.perf_counter() - started)
+    quiet.append(clock() - started)
     for n, path in enumerate(procs):
         if n % 10 == sweep % 10:
             path.write_text(f"{100000 + sweep}\n" if spec["writable"] else "")
-    started = time.perf_counter()
+    started = clock()
     vm.refresh_pids(allocs)
-    changing.append(time.perf_counter() - started)
+    changing.append(clock() - started)
 terminating = []
 for sweep in range(spec["sweeps"]):
-    started = time.perf_counter()
+    started = clock()
     vm.refresh_pids(ending)
-    terminating.append(time.perf_counter() - started)
-print(json.dumps({"quiet": quiet, "changing": changing, "terminating": terminating}))
+    terminating.append(clock() - started)
+# The first containers' cgroups go (moved aside: the tree is the next variant's too), their pods' stay.
+parking = Path(spec["parking"])
+parking.mkdir()
+waiting_dirs = [Path(p).parent for p in spec["procs"][: spec["waiting"]]]
+for n, directory in enumerate(waiting_dirs):
+    directory.rename(parking / str(n))
+waiting = []
+try:
+    for sweep in range(spec["sweeps"]):
+        started = clock()
+        vm.refresh_pids(allocs)
+        waiting.append(clock() - started)
+finally:
+    for n, directory in enumerate(waiting_dirs):
+        (parking / str(n)).rename(directory)
+print(json.dumps({"quiet": quiet, "changing": changing, "terminating": terminating, "waiting": waiting}))
 """
 
 
@@ -84,10 +106,14 @@ def build_tree(root: Path, count: int, *, cgroupfs: bool) -> tuple[list[tuple[st
     for i in range(count):
         uid, cid = str(uuid.uuid4()), f"{i:064x}"
         directory = root / "kubepods" / f"pod{uid}" / cid
+        sandbox = directory.with_name(uuid.uuid4().hex * 2)
         if cgroupfs:
             directory.mkdir(parents=True)
+            sandbox.mkdir()
         else:
+            make_cgroup(directory.parent, [], V1_MEMORY_FILES)
             make_cgroup(directory, [10000 + i], V1_MEMORY_FILES)
+            make_cgroup(sandbox, [20000 + i], V1_MEMORY_FILES)
         containers.append((uid, cid))
         procs.append(str(directory / "cgroup.procs"))
     return containers, procs
@@ -109,6 +135,7 @@ def main() -> int:
     parser.add_argument("--sweeps", type=int, default=40)
     parser.add_argument("--cgroupfs", type=Path, help="build the tree on this cgroup mount instead of plain files")
     parser.add_argument("--before", metavar="REF", help="also measure the code of git revision REF, side by side")
+    parser.add_argument("--cpu", action="store_true", help="time sweeps by CPU time, not the wall clock")
     args = parser.parse_args()
     cgroupfs = args.cgroupfs is not None
     with tempfile.TemporaryDirectory(prefix="bench-pids-") as tmp:
@@ -131,6 +158,9 @@ def main() -> int:
                         "root": str(root),
                         "vm": str(Path(tmp) / f"vm-{i}"),
                         "sweeps": args.sweeps,
+                        "cpu": args.cpu,
+                        "waiting": min(args.terminating, args.containers),
+                        "parking": str(Path(tmp) / f"parked-{i}"),
                         # cgroupfs refuses arbitrary PIDs in cgroup.procs: there, only the reads are timed.
                         "writable": not cgroupfs,
                     }
@@ -146,10 +176,12 @@ def main() -> int:
                     ("quiet", "a sweep, nothing changed"),
                     ("changing", "a sweep, one container in ten gained a process"),
                     ("terminating", f"a sweep, nothing changed, {args.terminating} more pods ending (cgroups gone)"),
+                    ("waiting", f"a sweep, nothing changed, {args.terminating} containers waiting to start again"),
                 ):
                     print(title)
                     for label, got in results.items():
-                        print(f"    {label:22s} {figure('', got[key])}")
+                        if key in got:
+                            print(f"    {label:22s} {figure('', got[key])}")
         finally:
             remove_tree(root, cgroupfs=cgroupfs)
     print(f"   done; {load()}")

@@ -106,3 +106,21 @@ def test_extender_help_shows_each_default(flag: str, default: str) -> None:
     following = entry.find(" --", 2)
     entry = entry if following < 0 else entry[:following]
     assert f"default {default}" in entry, entry
+
+
+def _chart_notes(values: dict[str, object]) -> str:
+    import runpy
+
+    render = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "render_manifests.py"))["render"]
+    return str(render(values)["NOTES.txt"])
+
+
+def test_chart_notes_name_the_labels_its_node_selector_asks_for() -> None:
+    # Helm merges the map: null takes the default label out.
+    notes = _chart_notes({"nodeSelector": {"nvidia-device-enable": None, "gpu-pool": "a100"}})
+    assert "kubectl label node <node> gpu-pool=a100" in notes, notes
+    assert "nvidia-device-enable" not in notes, notes
+
+
+def test_chart_notes_keep_the_upstream_label_by_default() -> None:
+    assert "kubectl label node <node> nvidia-device-enable=enable" in _chart_notes({})

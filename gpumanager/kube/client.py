@@ -158,10 +158,35 @@ def _kubeconfig_paths(kubeconfig: str) -> list[str]:
     return [os.path.expanduser(p) for p in kubeconfig.split(os.pathsep) if p]
 
 
+#: The longest wait a ``Retry-After`` answer is granted before its request is sent again (seconds).
+RETRY_AFTER_MAX = 10.0
+
+
+class _BoundedRetry(Retry):
+    """urllib3's ``Retry``, waiting at most :data:`RETRY_AFTER_MAX` for one ``Retry-After``.
+
+    urllib3 sleeps whatever a 429/503 asks (up to six hours) inside the request, past its timeout: one
+    answer saying ``Retry-After: 3600`` (a proxy's, an overloaded server's) held the pod cache's list,
+    and with it every PreStartContainer lookup, for three hours, long after the server answered again.
+    """
+
+    def parse_retry_after(self, retry_after: str) -> float:
+        seconds = super().parse_retry_after(retry_after)
+        if seconds > RETRY_AFTER_MAX:
+            log.warning(
+                "the API server asked to wait %g s before retrying (Retry-After: %s); retrying after %g s",
+                seconds,
+                retry_after.strip(),
+                RETRY_AFTER_MAX,
+            )
+            return RETRY_AFTER_MAX
+        return seconds
+
+
 def retries() -> Retry:
     """What the client's HTTP pool retries by itself: a redirect and a 429/503 with Retry-After
-    (three in all, as urllib3's default), but no connection or read error. With urllib3's default,
-    a read timeout was retried three times over new connections, so a call to a hanging API server
-    took four times its timeout (a 10 s ResourceSlice write, 40 s); every caller retries with a
-    backoff of its own."""
-    return Retry(total=3, connect=0, read=0)
+    (three in all, as urllib3's default, each wait at most :data:`RETRY_AFTER_MAX`), but no
+    connection or read error. With urllib3's default, a read timeout was retried three times over
+    new connections, so a call to a hanging API server took four times its timeout (a 10 s
+    ResourceSlice write, 40 s); every caller retries with a backoff of its own."""
+    return _BoundedRetry(total=3, connect=0, read=0)

@@ -10,7 +10,7 @@ sees the change at once::
     gpusim unhang --gpu 1                  ... and answer again
     gpusim mig --gpu 0 --on|--off          MIG mode (answered by A100/A30/H100/H200/B200 models only)
     gpusim compute-mode --gpu 0 --mode EXCLUSIVE_PROCESS   (DEFAULT, EXCLUSIVE_THREAD, PROHIBITED)
-    gpusim proc --gpu 0 --pid 4242 --used-mib 1024 [--sm-percent 30] [--mem-percent 10]
+    gpusim proc --gpu 0 --pid 4242 --used-mib 1024 [--sm-percent 30] [--mem-percent 10] [--graphics]
     gpusim proc-remove --pid 4242 [--gpu 0]
     gpusim util --gpu 0 --percent 75 [--memory-percent 40]
     gpusim show [--json]                   (also the simulated GPU time of GPUs that ran kernels)
@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     cmd.add_argument("--used-mib", type=int, required=True, help="device memory it uses, MiB")
     cmd.add_argument("--sm-percent", type=int, default=0, help="its SM utilisation (process utilisation)")
     cmd.add_argument("--mem-percent", type=int, default=0, help="its memory utilisation")
+    cmd.add_argument("--graphics", action="store_true", help="a graphics process (not a compute one)")
     cmd = sub.add_parser("proc-remove", help="remove a process (from one GPU or all)")
     gpu_arg(cmd, required=False)
     cmd.add_argument("--pid", type=int, required=True)
@@ -164,7 +165,12 @@ def _run(args: argparse.Namespace) -> str | None:
             if args.used_mib < 0:
                 raise _UsageError("--used-mib must not be negative")
             state.set_process(
-                args.gpu, args.pid, args.used_mib * MIB, sm_util=args.sm_percent, mem_util=args.mem_percent
+                args.gpu,
+                args.pid,
+                args.used_mib * MIB,
+                sm_util=args.sm_percent,
+                mem_util=args.mem_percent,
+                graphics=args.graphics,
             )
             return f"pid {args.pid} uses {args.used_mib} MiB on GPU {args.gpu}"
         if cmd == "proc-remove":

@@ -81,6 +81,7 @@ GPU_COMPUTE_MODE_MASK = 0x300
 COMPUTE_MODES = {"DEFAULT": 0, "EXCLUSIVE_THREAD": 1, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
 PROC_IN_USE = 0x1
 PROC_CUDA = 0x2  # entry of a simulated-libcuda process (its device memory); reaped when it is gone
+PROC_GRAPHICS = 0x4  # a graphics context: listed by nvmlDeviceGetGraphicsRunningProcesses, not the compute list
 EVENT_TYPE_XID = 0x8  # nvmlEventTypeXidCriticalError
 NVLINK_MAX_LINKS = 18  # NVML_NVLINK_MAX_LINKS of the nvml.h the simulator is built against
 TOPOLOGY_LEVELS = (0, 10, 20, 30, 40, 50)  # NVML_TOPOLOGY_INTERNAL .. NVML_TOPOLOGY_SYSTEM
@@ -437,6 +438,7 @@ class ProcessEntry:
     mem_util: int
     updated_us: int
     cuda: bool = False  # written by the simulated libcuda (reaped when the process is gone)
+    graphics: bool = False  # a graphics process (nvmlDeviceGetGraphicsRunningProcesses lists it)
 
 
 @dataclass(frozen=True)
@@ -736,8 +738,11 @@ class GpuSimState:
             off = self._procs.offset + i * self._procs.stride
             yield off, _PROC.unpack_from(m, off)
 
-    def set_process(self, gpu: int, pid: int, used_bytes: int, *, sm_util: int = 0, mem_util: int = 0) -> None:
-        """Adds or updates the (pid, gpu) entry of the process table."""
+    def set_process(
+        self, gpu: int, pid: int, used_bytes: int, *, sm_util: int = 0, mem_util: int = 0, graphics: bool = False
+    ) -> None:
+        """Adds or updates the (pid, gpu) entry of the process table (``graphics``: a graphics process, which
+        nvmlDeviceGetGraphicsRunningProcesses lists instead of the compute processes' query)."""
         self._gpu_offset(gpu)
         if not _is_int(pid, 1, 2**32 - 1) or not _is_int(used_bytes, 0, 2**64 - 1):
             raise StateError(f"invalid pid {pid!r} or used bytes {used_bytes!r}")
@@ -755,7 +760,8 @@ class GpuSimState:
             if target is None:
                 raise StateError(f"{self.path}: process table full ({self._procs.count} entries)")
             m[target : target + self._procs.stride] = bytes(self._procs.stride)
-            _PROC.pack_into(m, target, pid, gpu, used_bytes, PROC_IN_USE, sm_util, mem_util, 0, _now_us(), 0)
+            flags = PROC_IN_USE | (PROC_GRAPHICS if graphics else 0)
+            _PROC.pack_into(m, target, pid, gpu, used_bytes, flags, sm_util, mem_util, 0, _now_us(), 0)
             self._touch(m)
 
     def remove_process(self, pid: int, gpu: int | None = None) -> int:
@@ -793,7 +799,7 @@ class GpuSimState:
                 if e_seq == seq:
                     events.append(Event(seq, e_gpu, e_type, e_data, e_time))
             procs = [
-                ProcessEntry(pid, gpu, used, sm, mem, updated, bool(flags & PROC_CUDA))
+                ProcessEntry(pid, gpu, used, sm, mem, updated, bool(flags & PROC_CUDA), bool(flags & PROC_GRAPHICS))
                 for _off, (pid, gpu, used, flags, sm, mem, _r0, updated, _r1) in self._proc_slots(m)
                 if flags & PROC_IN_USE
             ]

@@ -58,6 +58,11 @@
  * reaped.
  */
 #define GPUSIM_PROC_CUDA 0x2u
+/*
+ * A graphics context: nvmlDeviceGetGraphicsRunningProcesses* list the entry, the compute queries do not (its
+ * memory counts in the GPU's use all the same).
+ */
+#define GPUSIM_PROC_GRAPHICS 0x4u
 
 struct gpusim_section {
     uint32_t id;          /* GPUSIM_SECTION_*; 0 = unused slot */

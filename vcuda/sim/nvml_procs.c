@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "sim_timeline.h"
 
@@ -30,8 +31,30 @@ static void return_delay(void)
     }
 }
 
-/* One entry point for all versions: v1 fills nvmlProcessInfo_v1_t, v2/v3 fill nvmlProcessInfo_v2_t. */
-static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void *infos, bool v1)
+/*
+ * GPUSIM_OWN_PID_NAMESPACE=1: this process runs in a PID namespace of its own (a pod without hostPID) in which
+ * no other process of the node is seen. A driver that translates the PIDs it reports into the caller's namespace
+ * shows the processes it cannot translate with PID 0: every process but the caller itself, here.
+ */
+static uint32_t shown_pid(uint32_t pid)
+{
+    static long own_namespace = -1;
+    if (sim_env_knob("GPUSIM_OWN_PID_NAMESPACE", &own_namespace) == 0)
+        return pid;
+    return pid == (uint32_t)getpid() ? pid : 0u;
+}
+
+/* Whether the process list asked for (graphics or compute) holds entry p of GPU i. */
+static bool listed(const struct gpusim_proc *p, unsigned i, bool graphics)
+{
+    return (p->flags & GPUSIM_PROC_IN_USE) && p->gpu == i && ((p->flags & GPUSIM_PROC_GRAPHICS) != 0) == graphics;
+}
+
+/*
+ * One entry point for all versions of both lists: v1 fills nvmlProcessInfo_v1_t, v2/v3 fill nvmlProcessInfo_v2_t;
+ * graphics: the graphics processes, else the compute ones.
+ */
+static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void *infos, bool v1, bool graphics)
 {
     const struct sim_ctx *ctx;
     unsigned i;
@@ -50,7 +73,7 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void
     unsigned cap = sim_state_proc_capacity(ctx->state), n = 0;
     for (unsigned s = 0; s < cap; s++) {
         const struct gpusim_proc *p = sim_state_proc(ctx->state, s);
-        n += (p->flags & GPUSIM_PROC_IN_USE) && p->gpu == i;
+        n += listed(p, i, graphics);
     }
     if (*count < n) {
         rc = NVML_ERROR_INSUFFICIENT_SIZE;
@@ -60,15 +83,15 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void
         unsigned k = 0;
         for (unsigned s = 0; s < cap && k < n; s++) {
             const struct gpusim_proc *p = sim_state_proc(ctx->state, s);
-            if (!(p->flags & GPUSIM_PROC_IN_USE) || p->gpu != i)
+            if (!listed(p, i, graphics))
                 continue;
             if (v1) {
                 nvmlProcessInfo_v1_t *out = (nvmlProcessInfo_v1_t *)infos + k;
-                out->pid = p->pid;
+                out->pid = shown_pid(p->pid);
                 out->usedGpuMemory = p->used_bytes;
             } else {
                 nvmlProcessInfo_v2_t *out = (nvmlProcessInfo_v2_t *)infos + k;
-                out->pid = p->pid;
+                out->pid = shown_pid(p->pid);
                 out->usedGpuMemory = p->used_bytes;
                 out->gpuInstanceId = 0xFFFFFFFFu;
                 out->computeInstanceId = 0xFFFFFFFFu;
@@ -86,19 +109,37 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned *count, void
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
                                                              nvmlProcessInfo_v1_t *infos)
 {
-    return running_processes(device, infoCount, infos, true);
+    return running_processes(device, infoCount, infos, true, false);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
                                                                 nvmlProcessInfo_v2_t *infos)
 {
-    return running_processes(device, infoCount, infos, false);
+    return running_processes(device, infoCount, infos, false, false);
 }
 
 SIM_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
                                                                 nvmlProcessInfo_t *infos)
 {
-    return running_processes(device, infoCount, infos, false);
+    return running_processes(device, infoCount, infos, false, false);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_v1_t *infos)
+{
+    return running_processes(device, infoCount, infos, true, true);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_v2_t *infos)
+{
+    return running_processes(device, infoCount, infos, false, true);
+}
+
+SIM_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                                 nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, infoCount, infos, false, true);
 }
 
 /* ---- utilisation -------------------------------------------------------- */
@@ -342,7 +383,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvm
     } else {
         for (unsigned k = 0; k < n; k++)
             utilization[k] = (nvmlProcessUtilizationSample_t){
-                .pid = buf[k].pid, .timeStamp = buf[k].ts, .smUtil = buf[k].sm, .memUtil = buf[k].mem};
+                .pid = shown_pid(buf[k].pid), .timeStamp = buf[k].ts, .smUtil = buf[k].sm, .memUtil = buf[k].mem};
         *processSamplesCount = n;
     }
     sim_leave();
@@ -377,7 +418,7 @@ SIM_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t devic
     } else {
         for (unsigned k = 0; k < n; k++)
             info->procUtilArray[k] = (nvmlProcessUtilizationInfo_v1_t){
-                .timeStamp = buf[k].ts, .pid = buf[k].pid, .smUtil = buf[k].sm, .memUtil = buf[k].mem};
+                .timeStamp = buf[k].ts, .pid = shown_pid(buf[k].pid), .smUtil = buf[k].sm, .memUtil = buf[k].mem};
         info->processSamplesCount = n;
     }
     sim_leave();

@@ -649,7 +649,7 @@ class Agent:
 
     def _start_dra_mode(self) -> None:
         from gpumanager.dra import cdi
-        from gpumanager.dra.mode import DRAMode, DRASettings
+        from gpumanager.dra.mode import DRAMode, DRASettings, nvml_processes
         from gpumanager.metrics.claims import ClaimCollector, DRAStateCollector, FeatureGateCollector
 
         cfg = self.config
@@ -678,6 +678,7 @@ class Agent:
             vm_path=Path(cfg.virtual_manager_path),
             cgroup_root=Path(cfg.cgroup_root),
             proc_root=Path(cfg.proc_root),
+            gpu_processes=nvml_processes,
             driver_version=self.driver_version,
             observe=functools.partial(self._observe_call, cfg.dra_driver_name),
             report=self._report,

@@ -11,7 +11,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +89,29 @@ class DRASettings:
         )
 
 
+#: What NVML lists running on each GPU asked about (by the agent's index): the PIDs (0 for each process it shows
+#: without one), or why that cannot be told.
+GPUProcesses = Callable[[Sequence[int]], Mapping[int, tuple[int, ...] | str]]
+
+
+def nvml_processes(indexes: Sequence[int]) -> dict[int, tuple[int, ...] | str]:
+    """What NVML lists running on each GPU of ``indexes`` (compute and graphics processes), or why that cannot be
+    told: NVML answers an error for the GPU, or does not answer within the bound of the agent's NVML reads (a GPU
+    stuck in a reset; not asked again until that read returns). A lost GPU runs nothing: its processes' contexts
+    end with the reset that brings it back."""
+    from gpumanager.device import nvml, usage
+    from gpumanager.metrics.bounded import DEADLINE, NVML
+
+    def read(index: int) -> tuple[int, ...] | str:
+        try:
+            return usage.running_pids(index)
+        except nvml.NVMLError as exc:
+            return () if nvml.is_gpu_lost(exc) else f"NVML answers {exc}"
+
+    got = NVML.per_gpu(list(indexes), read)
+    return {i: got.get(i, f"NVML has not answered for it within {DEADLINE:g} s") for i in indexes}
+
+
 def _rfc3339(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -141,6 +164,23 @@ def make_publisher(
     )
 
 
+def _processes(pids: Sequence[int]) -> str:
+    """The processes NVML lists, as the log names them (0: a process NVML shows without its PID)."""
+    seen = [pid for pid in pids if pid > 0]
+    hidden = len(pids) - len(seen)
+    parts = []
+    if seen:
+        parts.append(
+            f"process{'es' if len(seen) > 1 else ''} {', '.join(map(str, seen[:3]))}{' ...' if len(seen) > 3 else ''}"
+        )
+    if hidden:
+        parts.append(
+            f"{hidden} process{'es' if hidden > 1 else ''} with no PID (of a PID namespace the agent does not see: "
+            "it runs without hostPID?)"
+        )
+    return " and ".join(parts)
+
+
 class DRAMode:
     """The DRA face of the agent."""
 
@@ -165,6 +205,7 @@ class DRAMode:
         publisher: SlicePublisher | None = None,
         pods_synced: Callable[[], bool] = lambda: True,
         proc_root: Path = Path("/proc"),
+        gpu_processes: GPUProcesses | None = None,
     ) -> None:
         self.settings = settings
         self.node = node
@@ -200,6 +241,8 @@ class DRAMode:
         self._users: dict[str, set[str]] = {}
         self._cgroup_root = cgroup_root
         self._proc_root = proc_root  # the host's /proc (hostPID): whether a claim's listed processes live
+        # What runs on the GPUs (NVML): a whole-GPU claim's GPU is its own, so what runs there is its containers'.
+        self._gpu_processes = gpu_processes
         self._kept_said: dict[str, str] = {}  # unused claim UID -> why it was last said kept
         self.leaked_freed = 0  # claims freed by :meth:`free_leaked` (gpu_manager_dra_leaked_claims_freed_total)
         read_pod: Callable[[str, str], dict[str, Any] | None] = sharing.no_pod
@@ -623,22 +666,39 @@ class DRAMode:
             log.info("%s", text)
         self._kept_said[uid] = text
 
-    def _running(self, claim: ClaimAllocation) -> list[str]:
-        """What still runs of the containers that used ``claim``: the pods seen naming it whose cgroup is
-        still there, and the processes its pids.config files list that are alive (after a restart of the
-        agent the pods seen before are not known; a share claim's files still name their processes)."""
+    def _running(self, claim: ClaimAllocation) -> tuple[list[str], list[str]]:
+        """What still runs of the containers that used ``claim``: the pods seen naming it whose cgroup is still there,
+        the processes its pids.config files list that are alive (after a restart of the agent the pods seen before
+        are not known; a share claim's files still name their processes), and the processes NVML lists on the whole
+        GPUs it holds (a whole GPU is the claim's alone: what runs there is its containers', whatever PID NVML shows
+        it under; a whole-GPU claim has no pids.config). Then the GPUs of which NVML cannot tell what runs there."""
         out = []
         for uid in sorted(self._users.get(claim.uid, ())):
             try:
                 if cgroups.pod_cgroups(self._cgroup_root, uid):
-                    out.append(f"the cgroup of pod {uid}")
+                    out.append(f"the cgroup of pod {uid} is still there")
             except OSError:  # cannot be looked at: as the allocation check, taken for gone
                 continue
         alive = self._alive(self._listed_pids(claim))
         if alive:
             shown = ", ".join(map(str, alive[:3])) + (" ..." if len(alive) > 3 else "")
-            out.append(f"process {shown} (in its pids.config)")
-        return out
+            out.append(f"process {shown} of its pids.config is alive")
+        unknown = []
+        for index, found in self._on_whole_gpus(claim).items():
+            if isinstance(found, str):
+                unknown.append(f"GPU {index}: {found}")
+            elif found:
+                out.append(f"NVML lists {_processes(found)} on GPU {index}, which the claim holds whole")
+        return out, unknown
+
+    def _on_whole_gpus(self, claim: ClaimAllocation) -> Mapping[int, tuple[int, ...] | str]:
+        """What NVML lists running on the GPUs ``claim`` holds whole (not by admin access, which takes a GPU other
+        claims hold too), by the agent's index; nothing for a share claim, whose GPU is shared."""
+        if self._gpu_processes is None or claim.shared:
+            return {}
+        by_minor = {g.minor: g.index for g in self._gpus}
+        owned = sorted({by_minor[d.minor] for d in claim.devices if d.whole and not d.admin and d.minor in by_minor})
+        return self._gpu_processes(owned) if owned else {}
 
     def _alive(self, pids: list[int]) -> list[int]:
         return [pid for pid in pids if (self._proc_root / str(pid)).exists()]
@@ -669,7 +729,8 @@ class DRAMode:
         looked up on the API server; it is freed (its GPUs' capacity, its CDI spec and directory) only when the
         answer is positive: 404, or a claim of that name with another UID, no pod names it still, and no pod seen
         using it has its cgroup left (containers of a pod force-deleted while the kubelet was down run until the
-        kubelet is back; after a restart of the agent, such pods are not known). An error
+        kubelet is back; after a restart of the agent, such pods are not known), no process its pids.config lists is
+        alive, and NVML lists no process on a GPU it holds whole (nor fails to tell: the claim is then kept). An error
         or a timeout frees nothing (and the other claims wait for the next check). Nothing is looked at until
         the pod cache has listed the node's pods."""
         if not self._pods_synced():
@@ -706,13 +767,20 @@ class DRAMode:
             if claim.uid in self._in_use(self.claims(), self._pods()):  # a pod came meanwhile
                 self._unused_since.pop(claim.uid, None)
                 continue
-            running = self._running(claim)
+            running, unknown = self._running(claim)
             if running:
                 self._say_kept(
                     claim.uid,
-                    f"claim {claim.key} ({claim.uid}): {why}, but {' and '.join(running)} of the containers that "
-                    "used it is still there (they may run until the kubelet stops them): kept, looked at again at "
-                    "the next check",
+                    f"claim {claim.key} ({claim.uid}): {why}, but the containers that used it may still run (until "
+                    f"the kubelet stops them): {'; '.join(running)}; kept, looked at again at the next check",
+                )
+                continue
+            if unknown:
+                self._say_kept(
+                    claim.uid,
+                    f"claim {claim.key} ({claim.uid}): {why}, but whether the containers that used it still run "
+                    f"processes on the GPUs it holds whole cannot be told: {'; '.join(unknown)}; kept, looked at again "
+                    "at the next check",
                 )
                 continue
             if self.preparer.free_gone(claim, why):

@@ -3,9 +3,14 @@ front of them) do: long Retry-After answers, objects of unexpected shape, stream
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -43,3 +48,176 @@ def test_pod_cache_lists_soon_after_a_429_asking_an_hour(sim: ApiServerSimulator
         assert [p["metadata"]["name"] for p in cache.pods()] == ["p0"]
     finally:
         cache.stop()
+
+
+class RawApi:
+    """An API server answering what a test scripts, byte for byte: ``list_body(handler)`` for a list of
+    pods, ``watch(handler)`` for a watch (which writes the response itself)."""
+
+    def __init__(self) -> None:
+        self.list_body: Any = lambda _h: {"kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": []}
+        self.watch: Any = None
+        self.watches = 0
+        self.lists = 0
+        self.stopping = threading.Event()
+        raw = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                query = parse_qs(urlsplit(self.path).query)
+                if query.get("watch") == ["true"]:
+                    raw.watches += 1
+                    if raw.watch is not None:
+                        raw.watch(self)
+                        return
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                raw.lists += 1
+                body = json.dumps(raw.list_body(self)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def start_stream(self, handler: BaseHTTPRequestHandler) -> None:
+        """Answer a watch 200 with a chunked body that :meth:`event` writes to."""
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+
+    @staticmethod
+    def event(handler: BaseHTTPRequestHandler, event: Any) -> None:
+        data = json.dumps(event).encode() + b"\n"
+        handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        handler.wfile.flush()
+
+    def kubeconfig(self, path: Path) -> str:
+        url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": url}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        return str(path)
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def raw() -> Any:
+    server = RawApi()
+    yield server
+    server.close()
+
+
+def _pod(name: str, uid: str, **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "namespace": "default", "uid": uid, "resourceVersion": "5", **meta},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c"}]},
+        "status": {"phase": "Pending"},
+    }
+
+
+def test_pod_cache_lists_a_node_holding_a_pod_of_unexpected_shape(
+    raw: RawApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One object of the list whose metadata is a list (or null, or whose labels are a list) failed
+    the whole list, every time: the cache never synced, and no pod of the node could start. The
+    object is skipped, named, and the others are cached."""
+    odd = _pod("odd", "u-odd")
+    odd["metadata"] = ["name", "odd"]
+    items = [_pod("good", "u-good", labels=["a", "b"]), odd, {"metadata": None, "kind": "Pod"}, _pod("fine", "u-fine")]
+    raw.list_body = lambda _h: {"metadata": {"resourceVersion": "10"}, "items": items}
+    cache = PodCache(kube_client(raw.kubeconfig(tmp_path / "kc")), NODE, request_timeout=5.0)
+    caplog.set_level(logging.INFO)
+    cache.start()
+    try:
+        assert cache.wait_synced(8.0), f"never synced: {caplog.text[-2000:]}"
+        assert sorted(p["metadata"]["name"] for p in cache.pods()) == ["fine", "good"]
+        assert cache.find("default", "good") is not None
+    finally:
+        cache.stop()
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_pod_cache_watches_again_after_a_watch_that_goes_silent(raw: RawApi, tmp_path: Path) -> None:
+    """A watch stream that stops sending without closing (a hung API server, a proxy that lost its
+    upstream) is dropped and watched again, with BOOKMARKs and events of unknown types taken in stride."""
+    raw.list_body = lambda _h: {"metadata": {"resourceVersion": "10"}, "items": [_pod("a", "u-a")]}
+
+    def silent(handler: BaseHTTPRequestHandler) -> None:
+        raw.start_stream(handler)
+        raw.event(handler, {"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "11"}}})
+        raw.event(handler, {"type": "SURPRISE", "object": {"metadata": {"uid": "u-x"}}})
+        raw.event(handler, {"type": "ADDED", "object": _pod(f"b{raw.watches}", f"u-b{raw.watches}")})
+        raw.stopping.wait(60)
+
+    raw.watch = silent
+    cache = PodCache(kube_client(raw.kubeconfig(tmp_path / "kc")), NODE, request_timeout=2.0, watch_timeout=1)
+    cache.start()
+    try:
+        deadline = time.monotonic() + 20
+        while raw.watches < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert raw.watches >= 2, "a silent watch was never dropped"
+        assert cache.find("default", "b1") is not None
+        assert cache.get("u-x") is None
+    finally:
+        cache.stop()
+
+
+def test_pod_watch_skips_events_of_unexpected_shape(
+    raw: RawApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watch event whose object is no pod (metadata a list, no object at all, a bare string) failed the
+    watch, which resumed from the same resourceVersion into the same event: no later change was seen."""
+
+    def odd(handler: BaseHTTPRequestHandler) -> None:
+        raw.start_stream(handler)
+        raw.event(handler, {"type": "ADDED", "object": {"metadata": ["x"]}})
+        raw.event(handler, {"type": "MODIFIED", "object": "pod"})
+        raw.event(handler, {"type": "BOOKMARK", "object": {"metadata": []}})
+        raw.event(handler, ["not", "an", "event"])
+        raw.event(handler, {"type": "ADDED", "object": _pod("later", "u-later")})
+        raw.stopping.wait(60)
+
+    raw.watch = odd
+    caplog.set_level(logging.INFO)
+    cache = PodCache(kube_client(raw.kubeconfig(tmp_path / "kc")), NODE, request_timeout=5.0, watch_timeout=30)
+    cache.start()
+    try:
+        deadline = time.monotonic() + 8
+        while cache.find("default", "later") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cache.find("default", "later") is not None, caplog.text[-2000:]
+        assert raw.watches == 1
+    finally:
+        cache.stop()
+    assert 'is no pod (its metadata is not an object but ["x"])' in caplog.text
+    assert not [r for r in caplog.records if r.exc_info]

@@ -71,6 +71,37 @@ class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
 
 
+def unusable(obj: object) -> str:
+    """Why an object the API server sent as a pod cannot be one ("" when it can): not a JSON object, its
+    metadata not one, or no UID. A real server never sends such a thing, but one that did failed every
+    list of the node (a single such object kept the cache from ever listing) or every watch from it."""
+    if not isinstance(obj, dict):
+        return f"not an object but {_shown(obj)}"
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict):
+        return f"its metadata is not an object but {_shown(meta)}"
+    if not meta.get("uid") or not isinstance(meta.get("uid"), str):
+        return f"its metadata.uid is {_shown(meta.get('uid'))}"
+    return ""
+
+
+def _shown(value: object) -> str:
+    """A value of an answer for a log line: its JSON, at most 80 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _described(obj: object) -> str:
+    """What can be told of an unusable object's identity (its namespace/name when it has them)."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    if isinstance(meta, dict) and (meta.get("name") or meta.get("namespace")):
+        return f"pod {meta.get('namespace', '')}/{meta.get('name', '')}"
+    return "an object"
+
+
 def _name_of(pod: Mapping[str, Any]) -> tuple[str, str]:
     meta = pod.get("metadata") or {}
     return str(meta.get("namespace", "")), str(meta.get("name", ""))
@@ -302,7 +333,15 @@ class PodCache:
 
     def _list(self) -> tuple[list[Pod], str]:
         data = self._rest.list_pods(field_selector=self._selector, timeout=self._timeout, page_size=self._page_size)
-        items: list[Pod] = [dict(p) for p in data.get("items") or []]
+        items: list[Pod] = []
+        for p in data.get("items") or []:
+            why = unusable(p)
+            if why:
+                log.warning(
+                    "the pod list of node %s holds %s that is no pod (%s); skipped", self._node, _described(p), why
+                )
+                continue
+            items.append(dict(p))
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def _relist(self) -> None:
@@ -358,19 +397,34 @@ class PodCache:
             # be watched again in a hot loop.
             raise ShortWatchError(f"very short watch: ended within {_SHORT_WATCH_SECONDS:g} s with no event")
 
-    def _apply(self, event: dict[str, Any]) -> None:
+    def _apply(self, event: Any) -> None:
+        if not isinstance(event, dict):
+            log.warning("pod watch of node %s: an event that is not an object (%s); skipped", self._node, _shown(event))
+            return
         kind = event.get("type")
         obj = event.get("object") or {}
+        if not isinstance(obj, dict):
+            obj = {"message": _shown(obj)}
+        if kind in ("ADDED", "MODIFIED", "DELETED") and unusable(obj):
+            log.warning(
+                "pod watch of node %s: %s event of %s that is no pod (%s); skipped",
+                self._node,
+                kind,
+                _described(obj),
+                unusable(obj),
+            )
+            return
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise WatchExpiredError(str(obj.get("message", "")))
             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-        rv = str((obj.get("metadata") or {}).get("resourceVersion", ""))
+        meta = obj.get("metadata")
+        rv = str(meta.get("resourceVersion", "")) if isinstance(meta, dict) else ""
         if kind == "BOOKMARK":
             with self._lock:
                 self._rv = rv or self._rv
             return
-        uid = str((obj.get("metadata") or {}).get("uid", ""))
+        uid = str(meta.get("uid", "")) if isinstance(meta, dict) else ""
         with self._lock:
             if kind == "DELETED":
                 gone = self._pods.pop(uid, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,10 +22,15 @@ import pytest
 
 from gpumanager import names
 from gpumanager.allocation.records import ContainerAllocation
+from gpumanager.api import vcuda_pb2 as pb
 from gpumanager.vmanager import files
-from gpumanager.vmanager.manager import VirtualManager
+from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 from simnode.cgroup_files import V1_MEMORY_FILES, V2_FILES, make_cgroup
 from simnode.cluster import SimCluster, gpu_pod
+from tests.gpu_client_fixtures import client_built
+from tests.test_vcuda_registration import gpu_client
+
+__all__ = ["client_built"]
 
 UID = "7d1c2b3a-4e5f-4a6b-8c7d-9e0f1a2b3c4d"
 SANDBOX = "5a" * 32
@@ -307,7 +313,7 @@ def _read(path: Path) -> list[int] | None:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, sim_built: Path) -> Iterator[SimCluster]:
+def cluster(tmp_path: Path, sim_built: Path, client_built: Path) -> Iterator[SimCluster]:
     with SimCluster(tmp_path, "v100-pcie-x4", status_lag=1.0) as c:
         yield c
 
@@ -325,6 +331,10 @@ def test_on_the_simulated_node_a_restart_keeps_the_container_held_to_its_share(c
     while _read(own) != [run.pids["main"]] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _read(own) == [run.pids["main"]], "the restarted container's processes are not its own"
+    # gpu-client registering by the container's name meanwhile is answered, with the new processes.
+    registered = gpu_client(cluster, run, "--cont-name", "main")
+    assert registered.returncode == 0, registered.stderr
+    assert _read(own) == [run.pids["main"]]
     cluster.publish_status(run)
     time.sleep(1.5)
     assert _read(own) == [run.pids["main"]]
@@ -338,3 +348,51 @@ def test_on_the_simulated_node_a_restart_keeps_the_container_held_to_its_share(c
         time.sleep(0.05)
     assert cluster.pod(run)["status"]["containerStatuses"][0]["restartCount"] == 2
     assert not (cluster.cgroup_root / "kubepods" / f"pod{run.uid}" / before.split("://")[1]).exists()
+
+
+def test_a_registration_by_name_during_the_gap_is_written_with_the_new_processes(plain: Node) -> None:
+    """gpu-client registers by the container's name: the status's ID (the old one) has no cgroup, and the
+    registration was refused for empty PIDs (the library ends the process when its registration fails)."""
+    plain.refresh()
+    new = plain.restart("main", cid("m1"))
+    assert plain.vm is not None
+    written = plain.vm.register(UID, pb.VDeviceRequest(pod_uid=UID, container_name="main"), time_left=3.0)
+    assert written == plain.vm.own_dir(UID, "main")
+    assert plain.pids("main") == [new]
+
+
+def test_a_registration_by_name_waits_for_the_status_when_the_new_cgroup_is_not_told_apart(plain: Node) -> None:
+    plain.refresh()
+    plain.stop("aux")
+    new = plain.restart("main", cid("m1"))
+    assert plain.vm is not None
+    vm = plain.vm
+    got: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            got["dir"] = vm.register(UID, pb.VDeviceRequest(pod_uid=UID, container_name="main"), time_left=10.0)
+        except RegistrationRefused as exc:
+            got["refused"] = str(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)
+    assert caller.is_alive(), got  # waiting, not refused, not written
+    assert plain.pids("main") != [new] or "dir" not in got
+    plain.publish()  # the status names both new IDs (aux's: none, it has not started again)
+    caller.join(10)
+    assert got.get("dir") == vm.own_dir(UID, "main"), got
+    assert plain.pids("main") == [new]
+
+
+def test_a_registration_by_name_of_a_container_whose_cgroup_stays_gone_is_refused_after_the_wait(
+    plain: Node,
+) -> None:
+    plain.refresh()
+    plain.stop("main")
+    plain.refresh()
+    assert plain.vm is not None
+    with pytest.raises(RegistrationRefused, match=f"container main of pod ns/p: the cgroup of its ID {cid('m0')[:12]}"):
+        plain.vm.register(UID, pb.VDeviceRequest(pod_uid=UID, container_name="main"), time_left=1.5)
+    assert plain.pids("main") == []

@@ -74,6 +74,8 @@ _DEADLINE_MARGIN_SECONDS = 0.5
 _CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 #: The shortest prefix of a container ID taken for it (docker's short IDs).
 _SHORT_ID = 12
+#: At most this many IDs of gone cgroups are remembered for registrations by name (then forgotten at once).
+_GONE_IDS_LIMIT = 4096
 #: The longest field of a request accepted (a pod UID is 36 bytes, a container ID 64, a name 63).
 MAX_FIELD_BYTES = 256
 #: Refusals logged per pod socket in each :data:`REFUSAL_LOG_WINDOW_SECONDS`; the rest are counted.
@@ -202,6 +204,8 @@ class VirtualManager:
         self._unremovable: set[str] = set()
         # (answered pod UID, container) -> its own directory under configs/, once seen (it stays so).
         self._own_dirs: dict[tuple[str, str], Path] = {}
+        # (pod UID, container ID) a status names whose cgroup a registration by name found gone.
+        self._gone_ids: dict[tuple[str, str], None] = {}
 
     def pod_dir(self, pod_uid: str) -> Path:
         """``<vm>/<pod uid>``."""
@@ -455,6 +459,7 @@ class VirtualManager:
             container_id = ids.get(name, "")
             if not container_id:
                 raise _NotYet(f"container {name} of {where} has no container ID yet")
+            container_id = self._running_id(pod, alloc, container_id, where, use_cgroups=use_cgroups)
             return _Target(pod_uid, pod, name, container_id, alloc.answered[1], alloc)
         # A prefix names a container only when it is at least a short ID (12 characters, as docker prints
         # them) and no container of the pod is called so: its files go into a directory of that name, and
@@ -494,6 +499,33 @@ class VirtualManager:
                 return _Target(pod_uid, pod, name, req.container_id, req.container_id, alloc, by_id=True)
         raise _NotYet(
             f"container ID {_short(req.container_id)} is not a container of {where}", grpc.StatusCode.PERMISSION_DENIED
+        )
+
+    def _running_id(
+        self, pod: Pod, alloc: ContainerAllocation, container_id: str, where: str, *, use_cgroups: bool
+    ) -> str:
+        """The ID of the container's running cgroup, for a registration by its name: the one its status
+        names, or, when that one's cgroup is gone (it restarted, and the status update naming its new ID
+        has not come yet), the new one's (:meth:`_restarted`). _NotYet while it cannot be told; without
+        ``use_cgroups`` (no I/O) as long as the last look found the status's ID gone."""
+        key = (alloc.pod_uid, container_id)
+        if not use_cgroups:
+            if key in self._gone_ids:
+                raise _NotYet(f"container {alloc.container} of {where}: the cgroup of its ID {container_id} is gone")
+            return container_id
+        # As the refresh looks for it (the tree is searched at most every SEARCH_BACKOFF_SECONDS per ID).
+        if self._cgroups.find(alloc.pod_uid, container_id, podinfo.qos_class(pod)) is not None:
+            self._gone_ids.pop(key, None)
+            return container_id
+        restarted = self._restarted(alloc, pod)
+        if restarted is not None:
+            return restarted[0]
+        if len(self._gone_ids) >= _GONE_IDS_LIMIT:
+            self._gone_ids.clear()
+        self._gone_ids[key] = None
+        raise _NotYet(
+            f"container {alloc.container} of {where}: the cgroup of its ID {container_id} is gone, and no "
+            "cgroup below its pod's is told to be its new one (the status does not name a new ID yet)"
         )
 
     def _refuse_a_name_as_id(self, socket_pod: str, pod: Pod, container_id: str) -> None:

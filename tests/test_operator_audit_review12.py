@@ -124,3 +124,20 @@ def test_chart_notes_name_the_labels_its_node_selector_asks_for() -> None:
 
 def test_chart_notes_keep_the_upstream_label_by_default() -> None:
     assert "kubectl label node <node> nvidia-device-enable=enable" in _chart_notes({})
+
+
+def test_extender_metrics_carry_no_created_series() -> None:
+    # As the agent's page: a counter's start is the process's; a _created gauge per label set is clutter
+    # that no dashboard reads. A fresh process, since the switch is process-wide.
+    code = (
+        "from prometheus_client.exposition import generate_latest\n"
+        "from gpumanager.extender.metrics import ExtenderMetrics\n"
+        "m = ExtenderMetrics(lambda: {})\n"
+        "m.requests.labels('filter', '200').inc()\n"
+        "m.latency.labels('filter').observe(0.01)\n"
+        "m.decisions.labels('filter', 'pass').inc()\n"
+        "print(generate_latest(m.registry).decode())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "gpu_extender_requests_total" in done.stdout
+    assert "_created" not in done.stdout, done.stdout

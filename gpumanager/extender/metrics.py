@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -49,6 +50,8 @@ class ExtenderMetrics:
     """The extender's collectors in their own registry."""
 
     def __init__(self, sizes: Callable[[], dict[str, float]]) -> None:
+        # Process-wide, as the agent's page: counters start with the process, so no _created series.
+        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "gpu_extender_requests",

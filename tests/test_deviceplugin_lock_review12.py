@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpumanager import cli, names
-from simnode.agent_process import AgentProcess
+from simnode.agent_process import AgentProcess, vm_path_for
 from simnode.gpusim_state import spec_dir
 
 SOCKETS = (names.VCORE_SOCKET, names.VMEMORY_SOCKET)
@@ -40,6 +40,21 @@ def _remove(directory: Path) -> None:
     shutil.rmtree(gone)
 
 
+def _second(tmp_path: Path, spec: Path) -> AgentProcess:
+    """Another agent with its own checkpoint and pod directories: only the kubelet's directory is shared."""
+    second = AgentProcess(
+        tmp_path,
+        spec,
+        extra_args=[
+            f"--checkpoint-path={tmp_path / 'other-checkpoint'}",
+            f"--display-socket={tmp_path / 'o.sock'}",
+            f"--virtual-manager-path={vm_path_for(tmp_path / 'other')}",
+        ],
+    )
+    second.log_path = tmp_path / "second.log"
+    return second.start()
+
+
 def _served(directory: Path) -> bool:
     try:
         return set(SOCKETS) <= set(_inodes(directory))
@@ -57,17 +72,7 @@ def test_a_second_agent_started_after_the_directory_was_made_again_waits_for_the
         first.plugin_dir.mkdir(mode=0o750, exist_ok=True)  # the agent may have made it first
         _until(lambda: _served(first.plugin_dir), 30, "the first agent serves in the directory made again")
         before = _inodes(first.plugin_dir)
-        second = AgentProcess(
-            tmp_path,
-            spec,
-            extra_args=[
-                f"--checkpoint-path={tmp_path / 'other-checkpoint'}",
-                f"--display-socket={tmp_path / 'o.sock'}",
-                f"--virtual-manager-path={tmp_path / 'ovm'}",  # its own: only the kubelet's directory is shared
-            ],
-        )
-        second.log_path = tmp_path / "second.log"
-        second.start()
+        second = _second(tmp_path, spec)
         # Without the lock it goes on to serve: it replaces the sockets, or exits when they answer.
         _until(
             lambda: any(t in second.log_text() for t in ("holds the node", "serving 1 GPUs", "cannot start")),
@@ -101,8 +106,12 @@ def test_a_directory_made_again_and_locked_by_another_agent_first_is_left_to_it(
         made.mkdir(mode=0o750)
         held = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _remove(first.plugin_dir)
-        os.rename(made, first.plugin_dir)  # over an empty directory the agent may have made meanwhile
+        first.signal(signal.SIGSTOP)  # the other agent is quicker this time
+        try:
+            _remove(first.plugin_dir)
+            os.rename(made, first.plugin_dir)
+        finally:
+            first.signal(signal.SIGCONT)
         _until(
             lambda: "holds the lock" in first.log_text() or _served(first.plugin_dir),
             30,
@@ -117,17 +126,7 @@ def test_a_directory_made_again_and_locked_by_another_agent_first_is_left_to_it(
         os.close(held)
         held = None
         _until(lambda: _served(first.plugin_dir), 30, "the first agent serves there once the lock is let go")
-        second = AgentProcess(
-            tmp_path,
-            spec,
-            extra_args=[
-                f"--checkpoint-path={tmp_path / 'other-checkpoint'}",
-                f"--display-socket={tmp_path / 'o.sock'}",
-                f"--virtual-manager-path={tmp_path / 'ovm'}",  # its own: only the kubelet's directory is shared
-            ],
-        )
-        second.log_path = tmp_path / "second.log"
-        second.start()
+        second = _second(tmp_path, spec)
         try:
             second.wait_for_log("holds the node", timeout=60)  # the first agent holds the directory now
         finally:

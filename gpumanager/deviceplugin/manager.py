@@ -213,6 +213,12 @@ class PluginManager:
         self.status.registered = False
         self.status.last_error = f"another gpu-manager holds the lock of {lock.path}"
         self.registered_event.clear()
+        with self._lock:
+            for s in self._servers:
+                # Served there a moment before it was swapped for the one locked: not ours to serve in.
+                if s.socket_intact():
+                    with contextlib.suppress(OSError):
+                        s.socket_path.unlink()
         return False
 
     def _set_error(self, message: str) -> None:

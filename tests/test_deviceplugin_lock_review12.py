@@ -135,3 +135,28 @@ def test_a_directory_made_again_and_locked_by_another_agent_first_is_left_to_it(
         if held is not None:
             os.close(held)
         first.stop()
+
+
+def test_the_holder_is_read_from_proc_locks(tmp_path: Path) -> None:
+    """The holder's pid as /proc/locks gives it; a waiter's line ("->") and a holder this PID namespace does
+    not see (pid 0) name no one."""
+    from gpumanager.deviceplugin.dirlock import lock_holders
+
+    st = os.stat(tmp_path)
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    locks = tmp_path / "locks"
+    locks.write_text(
+        f"1: POSIX  ADVISORY  WRITE 11 {file} 0 EOF\n"
+        f"2: FLOCK  ADVISORY  WRITE 4321 {file} 0 EOF\n"
+        f"2: -> FLOCK  ADVISORY  WRITE 99 {file} 0 EOF\n"
+        f"3: FLOCK  ADVISORY  WRITE 0 {file} 0 EOF\n"
+        f"4: FLOCK  ADVISORY  WRITE 77 {file}1 0 EOF\n"
+    )
+    assert lock_holders(st, locks) == [4321]
+    assert lock_holders(st, tmp_path / "missing") == []
+    held = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert os.getpid() in lock_holders(st)  # the kernel's own list
+    finally:
+        os.close(held)

@@ -21,6 +21,7 @@ from typing import Any
 from gpumanager import names
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.dra import quantity
+from gpumanager.kube import shape
 from gpumanager.kube.gpu_inventory import ANNOTATION, InventoryError, decode
 from gpumanager.topology import HUNDRED_CORES, Level, TopologyTree, build_tree
 
@@ -72,18 +73,36 @@ def _quantity(raw: object) -> int:
     return int(value) if value.is_finite() and 0 <= value <= _MAX_QUANTITY else 0
 
 
+def _field(value: object) -> Mapping[str, Any]:
+    """An object field of a node, as a mapping: {} when absent or of another shape (a server that sent a
+    list there failed the state's listener, so the node was never judged)."""
+    return value if isinstance(value, dict) else {}
+
+
 def _resources(node: Node, section: str) -> Mapping[str, Any]:
-    return ((node.get("status") or {}).get(section)) or {}
+    return _field(_field(node.get("status")).get(section))
 
 
 def node_name(node: Node) -> str:
     """``metadata.name``."""
-    return str((node.get("metadata") or {}).get("name", ""))
+    return str(_field(node.get("metadata")).get("name", ""))
+
+
+def node_annotations(node: Node) -> Mapping[str, Any]:
+    """``metadata.annotations`` ({} when absent or not a map, which is warned of, naming the node)."""
+    annotations = _field(node.get("metadata")).get("annotations")
+    if annotations is not None and not isinstance(annotations, dict):
+        log.warning(
+            "node %s: metadata.annotations is not a map but %s; taken as none",
+            node_name(node),
+            shape.shown(annotations),
+        )
+    return _field(annotations)
 
 
 def fingerprint(node: Node) -> tuple[str, str, str]:
     """What the GPUs of a node are built from: the annotation and the two capacities."""
-    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    annotations = node_annotations(node)
     capacity = _resources(node, "capacity")
     return (
         str(annotations.get(ANNOTATION, "")),
@@ -244,7 +263,7 @@ def node_gpus(node: Node) -> NodeGPUs | None:
     """The node's GPUs with nothing charged, or None when it has none (:class:`UnusableNodeError`
     when its capacity claims more than :data:`MAX_CAPACITY_GPUS`)."""
     name = node_name(node)
-    text = ((node.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
+    text = _field(_field(node.get("metadata")).get("annotations")).get(ANNOTATION)
     if text is None:
         why = f"no {ANNOTATION} annotation"
         return _from_capacity(name, node, why, why)

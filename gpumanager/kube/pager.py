@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpumanager.kube import shape
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
@@ -50,6 +52,9 @@ def list_pages(
             while True:
                 page = fetch(limit, token) or {}
                 for item in page.get("items") or []:
+                    if not isinstance(item, dict):  # no real server sends one; it failed the whole list
+                        log.warning("%s: an item that is not an object (%s); skipped", what, shape.shown(item))
+                        continue
                     obj = dict(item)
                     if keep is None or keep(obj):
                         items.append(obj)

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from gpumanager.kube import shape
 from gpumanager.kube.apierror import failure
 from gpumanager.kube.pager import LIST_PAGE_SIZE
 from gpumanager.kube.reflector import watch_read_timeout
@@ -72,34 +73,13 @@ class WatchExpiredError(Exception):
 
 
 def unusable(obj: object) -> str:
-    """Why an object the API server sent as a pod cannot be one ("" when it can): not a JSON object, its
-    metadata not one, or no UID. A real server never sends such a thing, but one that did failed every
-    list of the node (a single such object kept the cache from ever listing) or every watch from it."""
-    if not isinstance(obj, dict):
-        return f"not an object but {_shown(obj)}"
-    meta = obj.get("metadata")
-    if not isinstance(meta, dict):
-        return f"its metadata is not an object but {_shown(meta)}"
-    if not meta.get("uid") or not isinstance(meta.get("uid"), str):
-        return f"its metadata.uid is {_shown(meta.get('uid'))}"
-    return ""
-
-
-def _shown(value: object) -> str:
-    """A value of an answer for a log line: its JSON, at most 80 characters."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """Why an object the API server sent as a pod cannot be one ("" when it can): see
+    :func:`gpumanager.kube.shape.problem` (a UID is required)."""
+    return shape.problem(obj, uid=True)
 
 
 def _described(obj: object) -> str:
-    """What can be told of an unusable object's identity (its namespace/name when it has them)."""
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
-    if isinstance(meta, dict) and (meta.get("name") or meta.get("namespace")):
-        return f"pod {meta.get('namespace', '')}/{meta.get('name', '')}"
-    return "an object"
+    return shape.described(obj, "pod")
 
 
 def _name_of(pod: Mapping[str, Any]) -> tuple[str, str]:
@@ -399,12 +379,14 @@ class PodCache:
 
     def _apply(self, event: Any) -> None:
         if not isinstance(event, dict):
-            log.warning("pod watch of node %s: an event that is not an object (%s); skipped", self._node, _shown(event))
+            log.warning(
+                "pod watch of node %s: an event that is not an object (%s); skipped", self._node, shape.shown(event)
+            )
             return
         kind = event.get("type")
         obj = event.get("object") or {}
         if not isinstance(obj, dict):
-            obj = {"message": _shown(obj)}
+            obj = {"message": shape.shown(obj)}
         if kind in ("ADDED", "MODIFIED", "DELETED") and unusable(obj):
             log.warning(
                 "pod watch of node %s: %s event of %s that is no pod (%s); skipped",

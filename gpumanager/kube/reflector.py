@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Set
 from typing import Any
 
+from gpumanager.kube import shape
 from gpumanager.kube.apierror import failure
 from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
 
@@ -62,7 +63,13 @@ def _lines(response: Any) -> Iterator[bytes]:
 
 def object_key(obj: Obj) -> str:
     """The object's UID (the cache key)."""
-    return str((obj.get("metadata") or {}).get("uid", ""))
+    meta = obj.get("metadata")
+    return str(meta.get("uid", "")) if isinstance(meta, dict) else ""
+
+
+def _version(obj: Obj) -> object:
+    meta = obj.get("metadata")
+    return meta.get("resourceVersion") if isinstance(meta, dict) else None
 
 
 class Reflector:
@@ -168,8 +175,19 @@ class Reflector:
 
     def _list(self) -> tuple[list[Obj], str]:
         """The objects ``keep`` keeps of every page, and the last page's resourceVersion."""
-        items, meta = list_pages(self._page, what=self.name, page_size=self._page_size, keep=self._keep)
+        items, meta = list_pages(self._page, what=self.name, page_size=self._page_size, keep=self._usable)
         return items, str(meta.get("resourceVersion", ""))
+
+    def _usable(self, obj: Obj) -> bool:
+        """Whether a listed object is one (:func:`gpumanager.kube.shape.problem`; warned of when not) that
+        ``keep`` keeps."""
+        why = shape.problem(obj)
+        if why:
+            log.warning(
+                "%s: the list holds %s that is no API object (%s); skipped", self.name, shape.described(obj), why
+            )
+            return False
+        return self._keep(obj)
 
     def _listed(self, since: float, keys: Set[str]) -> None:
         """A complete list, asked for at ``since`` (``time.monotonic()``), showed the objects ``keys`` and
@@ -189,7 +207,7 @@ class Reflector:
             prev = old.get(key)
             if prev is None:
                 self._emit("ADDED", obj, None)
-            elif prev.get("metadata", {}).get("resourceVersion") != obj.get("metadata", {}).get("resourceVersion"):
+            elif _version(prev) != _version(obj):
                 self._emit("MODIFIED", obj, prev)
         for key, obj in old.items():
             if key not in fresh:
@@ -226,14 +244,28 @@ class Reflector:
             # (an API server or a proxy ending every watch must not be watched again in a hot loop).
             raise RuntimeError(f"very short watch: ended within {_SHORT_WATCH_SECONDS:g} s with no event")
 
-    def _apply(self, event: dict[str, Any]) -> None:
+    def _apply(self, event: Any) -> None:
+        if not isinstance(event, dict):
+            log.warning("%s: a watch event that is not an object (%s); skipped", self.name, shape.shown(event))
+            return
         kind = event.get("type")
         obj = event.get("object") or {}
+        if not isinstance(obj, dict):
+            obj = {"message": shape.shown(obj)}
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise WatchExpiredError(str(obj.get("message", "")))
             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-        rv = str((obj.get("metadata") or {}).get("resourceVersion", ""))
+        if kind in ("ADDED", "MODIFIED", "DELETED") and shape.problem(obj):
+            log.warning(
+                "%s: a %s event of %s that is no API object (%s); skipped",
+                self.name,
+                kind,
+                shape.described(obj),
+                shape.problem(obj),
+            )
+            return
+        rv = str(_version(obj) or "")
         if kind == "BOOKMARK":
             with self._lock:
                 self._rv = rv or self._rv

@@ -1,0 +1,75 @@
+"""The scheduler extender's watches against an API server sending objects of unexpected shape."""
+
+from __future__ import annotations
+
+import logging
+import time
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from gpumanager.extender.state import ClusterState
+from gpumanager.extender.watches import Watch
+from gpumanager.kube.client import api_client
+from tests.test_apiserver_attack_review12 import RawApi
+
+
+@pytest.fixture()
+def raw() -> Any:
+    server = RawApi()
+    yield server
+    server.close()
+
+
+def _node(name: str, **meta: Any) -> dict[str, Any]:
+    return {
+        "kind": "Node",
+        "metadata": {"name": name, "uid": f"u-{name}", "resourceVersion": "3", **meta},
+        "status": {"capacity": {"tencent.com/vcuda-core": "200", "tencent.com/vcuda-memory": "64"}},
+    }
+
+
+def test_node_watch_survives_nodes_of_unexpected_shape(
+    raw: RawApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node whose annotations were a list failed the state's listener with a traceback (and the node was
+    never judged); a node whose metadata was null failed every later list (the relist compared it with
+    what the first list held), so the watch listed again every 10 s for ever and missed every change.
+    Each is now judged or skipped with a warning naming it, and the good nodes stay known."""
+    odd_notes = _node("odd-notes", annotations=["tencent.com/gpu-inventory"])
+    odd_status = _node("odd-status")
+    odd_status["status"] = ["capacity"]
+    no_meta = {"kind": "Node", "metadata": None}
+    items = [_node("good"), odd_notes, odd_status, no_meta, "node"]
+    raw.list_body = lambda _h: {"metadata": {"resourceVersion": "10"}, "items": items}
+
+    def expire(handler: BaseHTTPRequestHandler) -> None:
+        raw.start_stream(handler)
+        if raw.watches == 1:  # the first watch: 410, a list again
+            raw.event(handler, {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}})
+            handler.wfile.write(b"0\r\n\r\n")
+            return
+        raw.stopping.wait(60)
+
+    raw.watch = expire
+    caplog.set_level(logging.INFO)
+    state = ClusterState(assume_ttl=30)
+    api = api_client(raw.kubeconfig(tmp_path / "kc"), wait_as_told=False)
+    watch = Watch("nodes", client.CoreV1Api(api).list_node, watch_timeout=30)
+    watch.add_listener(lambda kind, obj, _prev: state.node_event(kind, obj))
+    watch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while raw.watches < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw.watches >= 2, caplog.text[-3000:]
+        assert raw.lists == 2
+        assert watch.failing() is None, watch.failing()
+        assert state.seen_node("good")
+    finally:
+        watch.stop()
+    assert not [r.getMessage() for r in caplog.records if r.exc_info]
+    assert "odd-notes" in caplog.text

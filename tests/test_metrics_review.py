@@ -278,7 +278,7 @@ def _raw(port: int, request: bytes) -> bytes:
 )
 def test_absolute_form_request_target_is_served(server: QueryServer, target: bytes, status: bytes) -> None:
     """RFC 9112 3.2.2: a server must accept a request target in absolute form (proxies send it)."""
-    answer = _raw(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = _raw(server.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status in answer.split(b"\r\n", 1)[0] + b" ", answer[:200]
 
 

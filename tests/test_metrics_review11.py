@@ -67,8 +67,8 @@ def _body(answer: bytes) -> bytes:
 def test_display_paths_answer_compact_json_as_the_gateway_did(server: QueryServer, path: str, expected: bytes) -> None:
     """grpc-gateway v1 wrote compact JSON (docs/monitoring.md shows ``{"version":"3eda4fe"}``): scripts
     that match the text (``grep '"version":"'``) keep working after the upgrade."""
-    answer, _ = _exchange(server.port, f"GET {path} HTTP/1.1\r\nHost: node\r\n\r\n".encode())
-    assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
+    answer, _ = _exchange(server.port, f"GET {path} HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert _body(answer) == expected
 
 
@@ -77,13 +77,13 @@ def test_usage_keeps_non_ascii_text_as_utf8(server: QueryServer) -> None:
     usage = display.UsageResponse()
     usage.usage["uid-1"].cluster = "équipe"
     server._routes["/usage"] = lambda: usage
-    answer, _ = _exchange(server.port, b"GET /usage HTTP/1.1\r\n\r\n")
+    answer, _ = _exchange(server.port, b"GET /usage HTTP/1.1\r\nConnection: close\r\n\r\n")
     assert _body(answer) == '{"usage":{"uid-1":{"cluster":"équipe"}}}'.encode()
 
 
 def test_error_answers_are_compact_json_too(server: QueryServer) -> None:
-    answer, _ = _exchange(server.port, b"GET /nope HTTP/1.1\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.0 404 ")
+    answer, _ = _exchange(server.port, b"GET /nope HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 404 ")
     body = _body(answer)
     assert body.startswith(b'{"error":"no endpoint /nope;'), body
     assert json.loads(body)["error"].startswith("no endpoint /nope")
@@ -110,8 +110,8 @@ def test_a_tls_handshake_does_not_hold_a_slot_while_scrapes_go_on(server: QueryS
     try:
         for s in hellos:
             s.sendall(_CLIENT_HELLO)
-        answer, _ = _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
-        assert answer.startswith(b"HTTP/1.0 200 ")
+        answer, _ = _exchange(server.port, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 ")
         for s in hellos:
             assert s.recv(20).startswith(b"HTTP/1.0 400 ")
     finally:
@@ -123,8 +123,8 @@ def test_a_tls_handshake_does_not_hold_a_slot_while_scrapes_go_on(server: QueryS
 def test_empty_lines_before_the_request_line_are_ignored(server: QueryServer, lead: bytes) -> None:
     """RFC 9112 2.2: a server SHOULD ignore at least one empty line before the request line (a client
     that ended its last request with an extra CRLF); it used to close the connection without a word."""
-    answer, _ = _exchange(server.port, lead + b"GET /version HTTP/1.1\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.0 200 "), answer[:200]
+    answer, _ = _exchange(server.port, lead + b"GET /version HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert _body(answer) == b'{"version":"3eda4fe"}'
 
 

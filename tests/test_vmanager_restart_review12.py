@@ -27,7 +27,10 @@ from gpumanager.vmanager import files
 from gpumanager.vmanager.manager import RegistrationRefused, VirtualManager
 from simnode.cgroup_files import V1_MEMORY_FILES, V2_FILES, make_cgroup
 from simnode.cluster import SimCluster, gpu_pod
+from simnode.dra_cluster import DRACluster
 from tests.gpu_client_fixtures import client_built
+from tests.test_dra_followups_review11 import bound_pod, prepared, share, wait_for
+from tests.test_dra_review11 import make_claim
 from tests.test_vcuda_registration import gpu_client
 
 __all__ = ["client_built"]
@@ -396,3 +399,40 @@ def test_a_registration_by_name_of_a_container_whose_cgroup_stays_gone_is_refuse
     with pytest.raises(RegistrationRefused, match=f"container main of pod ns/p: the cgroup of its ID {cid('m0')[:12]}"):
         plain.vm.register(UID, pb.VDeviceRequest(pod_uid=UID, container_name="main"), time_left=1.5)
     assert plain.pids("main") == []
+
+
+@pytest.fixture
+def dra(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
+    with DRACluster(tmp_path, "v100-pcie-x4", status_lag=0) as c:
+        yield c
+
+
+def test_dra_a_restarted_containers_new_processes_are_in_its_claims_pids_config_before_the_status(
+    dra: DRACluster,
+) -> None:
+    ref = make_claim(dra, "restarts", [share("gpu-0", "50")])
+    prepared(dra, ref)
+    pod = bound_pod(dra, "restarts-pod", "restarts")
+    pod_cgroup = dra.cgroup_root / "kubepods" / f"pod{pod['metadata']['uid']}"
+    make_cgroup(pod_cgroup / SANDBOX, [61000])  # the sandbox's, then the container's
+    make_cgroup(pod_cgroup / cid("d0"), [61001])
+    status = {"name": "main", "containerID": f"containerd://{cid('d0')}", "ready": True, "restartCount": 0}
+    running = {"running": {"startedAt": "2026-11-21T10:00:00Z"}}
+    dra.core.patch_namespaced_pod_status(
+        "restarts-pod",
+        "default",
+        {
+            "status": {
+                "qosClass": "BestEffort",
+                "containerStatuses": [{**status, "image": "cuda", "imageID": "", "state": running}],
+            }
+        },
+        _content_type="application/merge-patch+json",
+    )
+    path = dra.vm_path / ref[2] / names.PIDS_CONFIG_FILE
+    wait_for("the claim's pids.config names the container's process", lambda: _read(path) == [61001])
+    shutil.rmtree(pod_cgroup / cid("d0"))  # it restarts; the status still names the old ID
+    make_cgroup(pod_cgroup / cid("d1"), [61002])
+    wait_for("the claim's pids.config names the new process", lambda: _read(path) == [61002], timeout=4)
+    time.sleep(1.5)
+    assert _read(path) == [61002]

@@ -40,7 +40,7 @@ from gpumanager.dra.servicers import (
     add_health_servicer,
 )
 from gpumanager.retry import Backoff
-from gpumanager.vmanager import cgroups, files
+from gpumanager.vmanager import cgroups, files, restarts
 from gpumanager.vmanager import claims as claim_files
 from gpumanager.vmanager.unwritable import UnwritableFiles
 
@@ -603,9 +603,8 @@ class DRAMode:
             pids: set[int] = set()
             users = consumers.consumers(claim, pods, claims, reserved)
             for pod, container in users:
-                cid = podinfo.container_ids(pod).get(container)
-                if cid:
-                    pids.update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
+                # A container that restarted is followed to its new cgroup before its status names it.
+                pids.update(restarts.container_pids(self._cgroups, pod, container))
             if claim.per_request:
                 self._write_request_pids(claim, users)
             if not users:
@@ -853,14 +852,14 @@ class DRAMode:
         by_request: dict[str, set[int]] = {request: set() for request in claim.share_requests}
         for pod, container in users:
             named = consumers.requests_named(pod, container, claim.name)
-            cid = podinfo.container_ids(pod).get(container)
-            if not cid:
+            if not podinfo.container_ids(pod).get(container):
                 continue
+            found = restarts.container_pids(self._cgroups, pod, container)
             # A container that uses all of the claim (refused at Prepare when its pod was seen then)
             # counts against every request: never against none.
             for request in list(by_request) if None in named else named:
                 if request in by_request:
-                    by_request[str(request)].update(self._cgroups.pids(podinfo.uid(pod), cid, podinfo.qos_class(pod)))
+                    by_request[str(request)].update(found)
         for request, pids in by_request.items():
             ordered = sorted(pids)
             key = f"{claim.uid}/{request}"

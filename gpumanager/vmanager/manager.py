@@ -54,7 +54,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import LAYOUT_OWN, LAYOUT_POD, ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
-from gpumanager.vmanager import cgroups, files
+from gpumanager.vmanager import cgroups, files, restarts
 from gpumanager.vmanager.sockets import CallRefused, PodSockets
 from gpumanager.vmanager.unwritable import UnwritableFiles
 
@@ -791,37 +791,10 @@ class VirtualManager:
         return written
 
     def _restarted(self, alloc: ContainerAllocation, pod: Pod) -> tuple[str, list[int]] | None:
-        """The ID and PIDs of the container's new cgroup, when it restarted and its pod's status still
-        names the old ID (whose cgroup is gone): the kubelet's status update naming the new one comes a
-        second or two later, and meanwhile its new processes must be held to its limits.
-
-        The new cgroup is one below the pod's that no status names and that was not there when the
-        pod's cgroup was first seen (the sandbox's was). It is taken only when nothing else can be it:
-        exactly one such cgroup, and of the pod's containers that may run (:func:`podinfo.may_run`),
-        this one alone without a cgroup of the ID its status names (or without an ID yet). Two
-        containers restarting at once, or one of them without a GPU, get nothing until the status says.
-        """
-        if not self._cgroups.watches(alloc.pod_uid):
-            return None
-        may_run = podinfo.may_run(pod)
-        if may_run is None or alloc.container not in may_run:
-            return None
-        ids = podinfo.container_ids(pod)
-        below = self._cgroups.new_below_pod(alloc.pod_uid, set(ids.values()))
-        if below is None:
-            return None
-        missing, new = below
-        if len(new) != 1:
-            return None
-        owners = [name for name in may_run if ids.get(name, "") in missing or not ids.get(name)]
-        if owners != [alloc.container]:
-            return None
-        new_id, directory = new[0]
-        try:
-            safenames.container_id(new_id)
-        except safenames.UnsafeNameError:
-            return None
-        return new_id, cgroups.pids_under(directory)
+        """The ID and PIDs of the container's new cgroup, when it restarted and its pod's status still names
+        the old ID, whose cgroup is gone (:func:`restarts.new_cgroup`); None when it cannot be told."""
+        found = restarts.new_cgroup(self._cgroups, pod, alloc.container)
+        return (found[0], cgroups.pids_under(found[1])) if found is not None else None
 
     def _remove_ended_ids(self, answered_by: dict[str, set[str]]) -> None:
         """Remove the ``<pod dir>/<container id>/`` of registrations whose container has ended: its ID

@@ -436,3 +436,16 @@ def test_dra_a_restarted_containers_new_processes_are_in_its_claims_pids_config_
     wait_for("the claim's pids.config names the new process", lambda: _read(path) == [61002], timeout=4)
     time.sleep(1.5)
     assert _read(path) == [61002]
+
+
+def test_an_ephemeral_container_started_while_a_gpu_container_waits_to_restart_is_not_taken_for_it(
+    plain: Node,
+) -> None:
+    """kubectl debug adds an ephemeral container: its cgroup appears below the pod's, named by no status
+    for a second or two, while the GPU container whose cgroup is gone waits for its back-off."""
+    plain.refresh()
+    plain.stop("main")
+    plain.spec_extra = {"ephemeralContainers": [{"name": "debug", "image": "busybox"}]}
+    debug = plain.start("debug", cid("e0"), published=False)
+    plain.refresh()
+    assert debug not in plain.pids("main")

@@ -373,7 +373,7 @@ def container_env(container: Mapping[str, Any], name: str) -> str | None:
     return None
 
 
-def container_ids(pod: Pod) -> dict[str, str]:
+def container_ids(pod: Pod, *, ephemeral: bool = False) -> dict[str, str]:
     """Container name -> runtime container ID (``containerd://<id>`` prefix removed) from the pod status.
 
     An ID that is not a plain token (:func:`gpumanager.safenames.container_id`: ``/`` or ``..`` in it) is
@@ -381,7 +381,10 @@ def container_ids(pod: Pod) -> dict[str, str]:
     its pod's limit files, its cgroup), and whoever may patch ``pods/status`` can write anything there.
     """
     found = {}
-    for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses"):
+    statuses = _statuses(pod) + _statuses(pod, "initContainerStatuses")
+    if ephemeral:  # ``kubectl debug``'s containers too (names are unique across the three lists)
+        statuses += _statuses(pod, "ephemeralContainerStatuses")
+    for cs in statuses:
         cid = str(cs.get("containerID") or "")
         if cid:
             bare = cid.split("://", 1)[-1]
@@ -406,7 +409,8 @@ def may_run(pod: Pod) -> list[str] | None:
     """Names of the pod's containers and init containers that run or may be started (again), by its
     spec and status: all but an init container that completed (not a sidecar), and a container whose
     status says it ended where the pod's ``restartPolicy`` does not start it again (``Never``; ``OnFailure``
-    after a success). A status that lags names an ended container as running: it is counted.
+    after a success). A status that lags names an ended container as running: it is counted. Ephemeral
+    containers (``kubectl debug``) that have not ended are counted too: one may start at any time.
     None when the pod is being deleted (the kubelet starts none of its containers) or its spec is
     malformed."""
     if is_deleting(pod):
@@ -414,11 +418,12 @@ def may_run(pod: Pod) -> list[str] | None:
     try:
         specs = _spec_list(pod, "containers")
         inits = _spec_list(pod, "initContainers")
+        debug = _spec_list(pod, "ephemeralContainers")
     except PodSpecError:
         return None
     policy = _mapping(pod.get("spec")).get("restartPolicy") or "Always"
     ended: dict[str, int | None] = {}  # name -> exit code of a container whose status says it ended
-    for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses"):
+    for cs in _statuses(pod) + _statuses(pod, "initContainerStatuses") + _statuses(pod, "ephemeralContainerStatuses"):
         terminated = _mapping(_mapping(cs.get("state")).get("terminated"))
         if terminated:
             code = terminated.get("exitCode")
@@ -434,6 +439,7 @@ def may_run(pod: Pod) -> list[str] | None:
         name = str(c.get("name", ""))
         if name not in ended or policy == "Always" or (policy == "OnFailure" and ended[name] != 0):
             found.append(name)
+    found += [str(c.get("name", "")) for c in debug if str(c.get("name", "")) not in ended]  # never restarted
     return found
 
 

@@ -6,8 +6,9 @@ is gone. Its new processes must be held to its limits all the same (their pids.c
 cgroup is told apart below the pod's: one that no status names and that was not there when the pod's
 cgroup was first seen (:meth:`CgroupLocator.new_below_pod`; the sandbox's was). It is taken only when
 nothing else can be it: exactly one such cgroup, and of the pod's containers that may run
-(:func:`podinfo.may_run`), this one alone without a cgroup of the ID its status names (or without an ID
-yet). Two containers restarting at once, or one of them without a GPU, get nothing until the status says.
+(:func:`podinfo.may_run`, ephemeral ones too), this one alone without a cgroup of the ID its status
+names (or without an ID yet). Two containers restarting at once, or one of them without a GPU, or a
+``kubectl debug`` container starting meanwhile, get nothing until the status says.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def new_cgroup(locator: CgroupLocator, pod: Pod, container: str) -> tuple[str, P
     may_run = podinfo.may_run(pod)
     if may_run is None or container not in may_run:
         return None
-    ids = podinfo.container_ids(pod)
+    ids = podinfo.container_ids(pod, ephemeral=True)
     below = locator.new_below_pod(uid, set(ids.values()))
     if below is None:
         return None

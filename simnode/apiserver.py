@@ -87,7 +87,7 @@ from simnode.apiserver_http import HttpContext, SimHTTPServer, version_info
 from simnode.apiserver_objects import NODES, PODS, meta, node_object, pod_manifest
 from simnode.apiserver_ops import Operations
 from simnode.apiserver_rbac import Attributes, ServiceAccount, make_rules, shipped_account, shipped_rules
-from simnode.apiserver_store import Change, Store
+from simnode.apiserver_store import Change, Store, StoreBackup
 
 log = logging.getLogger(__name__)
 
@@ -472,6 +472,17 @@ class ApiServerSimulator:
     def clear_requests(self) -> None:
         """Empty :attr:`requests`."""
         self._requests.clear()
+
+    def backup(self) -> StoreBackup:
+        """A snapshot of every object and the resourceVersion (what an etcd backup holds)."""
+        return self._store.backup()
+
+    def restore(self, backup: StoreBackup) -> None:
+        """Go back to ``backup`` as a cluster whose etcd was restored from it does: its objects, its
+        (lower) resourceVersion, no history, every watch dropped. A client resuming a watch from a
+        resourceVersion seen since is answered 504 "Too large resource version" after a 3 s wait."""
+        self._store.restore(backup)
+        log.info("API-server simulator restored to resourceVersion %d", backup.rv)
 
     # ------------------------------------------------------------------ faults
 

@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,22 @@ def decode_continue(token: str) -> tuple[int, Key]:
     return rv, (ns, name)
 
 
+#: Seconds a watch from a resourceVersion not reached yet waits for it (the real watch cache's blockTimeout).
+TOO_LARGE_WAIT = 3.0
+
+
+def too_large(wanted: int, current: int) -> ApiError:
+    """504 "Too large resource version", as the real server answers a read from a resourceVersion it has
+    not reached."""
+    return ApiError(
+        504,
+        f"Too large resource version: {wanted}, current: {current}",
+        reason="Timeout",
+        details={"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}]},
+        retry_after=1,
+    )
+
+
 @dataclass(frozen=True)
 class WatchPlan:
     """An opened watch and how its stream behaves."""
@@ -188,15 +205,7 @@ class Operations:
             if match == "Exact" and wanted == 0:
                 raise bad_request('resourceVersionMatch "exact" is forbidden for resourceVersion "0"')
             if wanted > current:
-                raise ApiError(
-                    504,
-                    f"Too large resource version: {wanted}, current: {current}",
-                    reason="Timeout",
-                    details={
-                        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}]
-                    },
-                    retry_after=1,
-                )
+                raise too_large(wanted, current)
             if match == "Exact":
                 at = wanted
         result = self.store.list(
@@ -234,6 +243,8 @@ class Operations:
             )
         initial = send_initial or rv_param in (None, "0")
         since = None if initial or rv_param is None else parse_rv(rv_param)
+        if since is not None:
+            self._wait_fresh(since)
         try:
             watcher = self.store.watch(
                 kind,
@@ -253,6 +264,16 @@ class Operations:
             return WatchPlan(watcher, None, float(timeout), bookmarks)
         ends = self.min_request_timeout * (1.0 + random.random()) if self.min_request_timeout > 0 else None
         return WatchPlan(watcher, None, ends, bookmarks)
+
+    def _wait_fresh(self, wanted: int) -> None:
+        """A watch from a resourceVersion the server has not reached: as the real watch cache, wait up to
+        :data:`TOO_LARGE_WAIT` seconds for it, then answer 504 "Too large resource version" (what a client
+        resuming after the server's history went back, an etcd restored from a backup, is told)."""
+        deadline = time.monotonic() + TOO_LARGE_WAIT
+        while self.store.rv < wanted:
+            if time.monotonic() >= deadline:
+                raise too_large(wanted, self.store.rv)
+            time.sleep(0.05)
 
     def get(self, kind: ResourceKind, key: Key) -> JSON:
         """``GET`` one object."""

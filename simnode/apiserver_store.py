@@ -130,6 +130,14 @@ class ListResult:
     remaining: int
 
 
+@dataclass(frozen=True)
+class StoreBackup:
+    """A copy of the store's objects at one resourceVersion (:meth:`Store.backup`)."""
+
+    rv: int
+    objects: dict[str, dict[Key, JSON]]
+
+
 class Store:
     """Objects of every served kind, the resourceVersion counter, the change history, watchers."""
 
@@ -386,6 +394,22 @@ class Store:
                 self._history.popleft()
             self._compacted = max(self._compacted, min(target, self._rv + 1) - 1)
             return self._compacted
+
+    def backup(self) -> StoreBackup:
+        """What an etcd snapshot holds: every object and the resourceVersion now."""
+        with self.lock:
+            return StoreBackup(self._rv, copy.deepcopy(self._objects))
+
+    def restore(self, backup: StoreBackup) -> None:
+        """The server's state as ``backup`` held it, as after an etcd restored from a snapshot: the
+        objects and the resourceVersion go back (a client's later resourceVersion is one the server has
+        not reached), the history is gone and every watch is dropped (the API server restarted)."""
+        with self.lock:
+            self._objects = copy.deepcopy(backup.objects)
+            self._rv = backup.rv
+            self._history.clear()
+            self._compacted = backup.rv
+        self.close_watches(abrupt=True)
 
     # ------------------------------------------------------------------ watching
 

@@ -14,6 +14,7 @@ from kubernetes import client
 from gpumanager.extender.state import ClusterState
 from gpumanager.extender.watches import Watch
 from gpumanager.kube.client import api_client
+from simnode.apiserver import ApiServerSimulator
 from tests.test_apiserver_attack_review12 import RawApi
 
 
@@ -73,3 +74,30 @@ def test_node_watch_survives_nodes_of_unexpected_shape(
         watch.stop()
     assert not [r.getMessage() for r in caplog.records if r.exc_info]
     assert "odd-notes" in caplog.text
+
+
+def test_node_watch_lists_again_when_the_resource_version_went_back(tmp_path: Path) -> None:
+    """After the API server's etcd was restored from a backup, each watch from the extender's (now too large)
+    resourceVersion was answered 504 "Too large resource version" and tried again from it for ever: no node
+    added or changed since was seen. The watch lists again."""
+    with ApiServerSimulator() as sim:
+        sim.add_node("before")
+        backup = sim.backup()
+        api = api_client(str(sim.write_kubeconfig(tmp_path / "kc")), wait_as_told=False)
+        watch = Watch("nodes", client.CoreV1Api(api).list_node, watch_timeout=30)
+        watch.start()
+        try:
+            assert watch.wait_synced(5.0)
+            for i in range(4):
+                sim.add_node(f"more{i}")
+            deadline = time.monotonic() + 5
+            while len(watch) < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sim.restore(backup)
+            sim.add_node("after")
+            deadline = time.monotonic() + 25
+            while len(watch) != 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert sorted(n["metadata"]["name"] for n in watch.objects()) == ["after", "before"]
+        finally:
+            watch.stop()

@@ -221,3 +221,62 @@ def test_pod_watch_skips_events_of_unexpected_shape(
         cache.stop()
     assert 'is no pod (its metadata is not an object but ["x"])' in caplog.text
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_pod_cache_lists_again_when_the_resource_version_went_back(sim: ApiServerSimulator, tmp_path: Path) -> None:
+    """After the API server's etcd was restored from a backup its resourceVersion is lower than the one the
+    cache watched from: every watch from it was answered 504 "Too large resource version" and watched again
+    from the same resourceVersion, for ever, so no pod created or deleted since was ever seen (the GPUs of
+    the deleted stayed held). The cache lists again, as client-go's reflector does."""
+    sim.create_pod(pod_manifest("before", node=NODE))
+    backup = sim.backup()
+    sim.create_pod(pod_manifest("lost", node=NODE))
+    cache = PodCache(_client(sim, tmp_path), NODE, request_timeout=5.0)
+    cache.start()
+    try:
+        assert cache.wait_synced(5.0)
+        assert sim.wait_for_watches(1)
+        for i in range(5):  # the cache's resourceVersion moves well past the backup's
+            sim.create_pod(pod_manifest(f"more{i}", node=NODE))
+        deadline = time.monotonic() + 5
+        while cache.find("default", "more4") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sim.restore(backup)
+        sim.create_pod(pod_manifest("after", node=NODE))
+        deadline = time.monotonic() + 25
+        while cache.find("default", "after") is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cache.find("default", "after") is not None, "the pod created after the restore was never seen"
+        assert cache.find("default", "lost") is None
+        assert sorted(p["metadata"]["name"] for p in cache.pods()) == ["after", "before"]
+    finally:
+        cache.stop()
+
+
+def test_pod_cache_lists_again_when_a_watch_is_answered_410(raw: RawApi, tmp_path: Path) -> None:
+    """A watch refused with HTTP 410 Gone (rather than a 410 ERROR event in a 200 stream, as an API server
+    without its watch cache or a proxy answers) was watched again from the same resourceVersion for ever."""
+    raw.list_body = lambda _h: {"metadata": {"resourceVersion": str(10 + raw.lists)}, "items": []}
+
+    def gone(handler: BaseHTTPRequestHandler) -> None:
+        if raw.lists >= 2:
+            raw.start_stream(handler)
+            raw.stopping.wait(60)
+            return
+        body = json.dumps({"kind": "Status", "status": "Failure", "code": 410, "reason": "Expired"}).encode()
+        handler.send_response(410)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    raw.watch = gone
+    cache = PodCache(kube_client(raw.kubeconfig(tmp_path / "kc")), NODE, request_timeout=5.0)
+    cache.start()
+    try:
+        deadline = time.monotonic() + 10
+        while raw.lists < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw.lists >= 2, f"listed {raw.lists} time(s), watched {raw.watches} time(s)"
+    finally:
+        cache.stop()

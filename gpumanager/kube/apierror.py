@@ -73,6 +73,40 @@ def _unreachable(exc: BaseException) -> str:
     return f"cannot reach the API server at {where}: {why or type(reason).__name__}"
 
 
+def too_large_status(status: object) -> bool:
+    """Whether a Status object (a watch's ERROR event, or an answer's body) says "Too large resource version":
+    the server has not reached the resourceVersion asked for, which after its etcd was restored from a
+    backup (its resourceVersion went back) it never will."""
+    if not isinstance(status, dict) or status.get("code") != 504:
+        return False
+    details = status.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    if isinstance(causes, list) and any(
+        isinstance(c, dict) and c.get("reason") == "ResourceVersionTooLarge" for c in causes
+    ):
+        return True
+    return "too large resource version" in str(status.get("message", "")).lower()
+
+
+def resource_version_unusable(exc: BaseException) -> bool:
+    """Whether a refused watch (an ``ApiException``) says its resourceVersion cannot be watched from: 410
+    Gone (too old), or 504 "Too large resource version" (the server's went back). Watching again from it
+    fails the same way for ever; only a new list gives one that works."""
+    status = getattr(exc, "status", None)
+    if status == 410:
+        return True
+    if status != 504:
+        return False
+    body = getattr(exc, "body", None)
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    try:
+        data = json.loads(body) if isinstance(body, str) else None
+    except ValueError:
+        return False
+    return too_large_status(data)
+
+
 def unknown_node(node: str) -> str:
     """What a 404 for this agent's own Node means when it lasts: the node name it was given is not one the
     API server knows, and where that name comes from."""

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from gpumanager.kube import shape
-from gpumanager.kube.apierror import failure
+from gpumanager.kube.apierror import failure, resource_version_unusable, too_large_status
 from gpumanager.kube.pager import LIST_PAGE_SIZE
 from gpumanager.kube.reflector import watch_read_timeout
 from gpumanager.kube.rest import ApiClient, KubeRest
@@ -348,12 +348,17 @@ class PodCache:
         log.info("listed %d pods on node %s (resourceVersion %s)", len(fresh), self._node, rv)
 
     def _watch(self) -> None:
-        response: Any = self._rest.watch_pods(
-            field_selector=self._selector,
-            resource_version=self._rv,
-            timeout_seconds=self._watch_timeout,
-            timeout=(self._timeout, watch_read_timeout(self._watch_timeout)),
-        )
+        try:
+            response: Any = self._rest.watch_pods(
+                field_selector=self._selector,
+                resource_version=self._rv,
+                timeout_seconds=self._watch_timeout,
+                timeout=(self._timeout, watch_read_timeout(self._watch_timeout)),
+            )
+        except Exception as exc:
+            if resource_version_unusable(exc):  # watched again from it, it fails the same way for ever
+                raise WatchExpiredError(f"resourceVersion {self._rv}: {failure(exc)}") from exc
+            raise
         self._response = response
         if self._stop.is_set():
             response.shutdown()
@@ -397,7 +402,7 @@ class PodCache:
             )
             return
         if kind == "ERROR":
-            if obj.get("code") == 410:
+            if obj.get("code") == 410 or too_large_status(obj):
                 raise WatchExpiredError(str(obj.get("message", "")))
             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
         meta = obj.get("metadata")

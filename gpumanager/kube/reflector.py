@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 from gpumanager.kube import shape
-from gpumanager.kube.apierror import failure
+from gpumanager.kube.apierror import failure, resource_version_unusable, too_large_status
 from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,12 @@ class Reflector:
         }
         if self._selector:
             kwargs["field_selector"] = self._selector
-        response = self._call(**kwargs)
+        try:
+            response = self._call(**kwargs)
+        except Exception as exc:
+            if resource_version_unusable(exc):  # watched again from it, it fails the same way for ever
+                raise WatchExpiredError(f"resourceVersion {self._rv}: {failure(exc)}") from exc
+            raise
         self._response = response
         started, events = time.monotonic(), 0
         try:
@@ -253,7 +258,7 @@ class Reflector:
         if not isinstance(obj, dict):
             obj = {"message": shape.shown(obj)}
         if kind == "ERROR":
-            if obj.get("code") == 410:
+            if obj.get("code") == 410 or too_large_status(obj):
                 raise WatchExpiredError(str(obj.get("message", "")))
             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
         if kind in ("ADDED", "MODIFIED", "DELETED") and shape.problem(obj):

@@ -52,6 +52,7 @@ import copy
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,8 @@ REQUEST_TIMEOUT = 10.0
 SLICES = f"/apis/{c.RESOURCE_API}/resourceslices"
 _BACKOFF_START = 0.2
 _BACKOFF_MAX = 10.0
+#: A watch that ends sooner with no event is an error, retried after the backoff.
+_SHORT_WATCH_SECONDS = 1.0
 
 
 def _comparable(spec: JSON) -> Any:
@@ -704,10 +707,12 @@ class SlicePublisher:
                     timeout_seconds=300,
                     timeout=(REQUEST_TIMEOUT, 330),
                 )
+                opened, events = time.monotonic(), 0
                 try:
                     for line in _lines(response):
                         if self._stop.is_set():
                             return
+                        events += 1
                         event = json.loads(line)
                         etype = event.get("type")
                         if etype == "ERROR":
@@ -718,6 +723,10 @@ class SlicePublisher:
                             self._wake.set()
                 finally:
                     response.release_conn()
+                if not events and not self._stop.is_set() and time.monotonic() - opened < _SHORT_WATCH_SECONDS:
+                    # An API server (or a proxy that does not stream) ending every watch at once must not be
+                    # listed and watched again in a hot loop (client-go's "very short watch").
+                    raise RuntimeError(f"very short watch: ended within {_SHORT_WATCH_SECONDS:g} s with no event")
                 backoff = _BACKOFF_START
             except Exception as exc:
                 if self._stop.is_set():

@@ -280,3 +280,30 @@ def test_pod_cache_lists_again_when_a_watch_is_answered_410(raw: RawApi, tmp_pat
         assert raw.lists >= 2, f"listed {raw.lists} time(s), watched {raw.watches} time(s)"
     finally:
         cache.stop()
+
+
+def test_annotation_patch_outlasts_a_503_storm(
+    sim: ApiServerSimulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's ready annotations (gpu-assigned=true) were given up after 10 failed attempts, about 3 minutes
+    of backoff: an API server answering 503 for longer (a control-plane upgrade) left the pod without them
+    for good, though it answered again later. Failures that say nothing of the pod (5xx, 429, a connection
+    error) no longer count toward giving up."""
+    from gpumanager.kube.patcher import AnnotationPatcher
+    from gpumanager.retry import Backoff
+
+    monkeypatch.setattr(Backoff, "next_delay", lambda _self: 0.02)
+    created = sim.create_pod(pod_manifest("p0", node=NODE))
+    sim.fail_next("PATCH", r"/pods/p0$", 503, count=25)
+    sim.fail_next("PATCH", r"/pods/p0$", 500, count=10)
+    sim.fail_next("PATCH", r"/pods/p0$", 429, count=10)
+    patcher = AnnotationPatcher(_client(sim, tmp_path))
+    patcher.start()
+    try:
+        done = patcher.submit("default", "p0", created["metadata"]["uid"], {"tencent.com/gpu-assigned": "true"})
+        assert done.wait(20.0)
+    finally:
+        patcher.stop()
+    pod = sim.get_pod("default", "p0")
+    assert pod is not None
+    assert pod["metadata"]["annotations"].get("tencent.com/gpu-assigned") == "true", patcher.failed

@@ -1,10 +1,12 @@
 """Pod annotation patches, off the critical path: a queue and one worker that retries.
 
 Patches are strategic-merge patches of ``metadata.annotations``. A pod that is
-gone (404) is dropped; conflicts, server errors and connection failures are
-retried with the agent's jittered backoff (:mod:`gpumanager.retry`) up to
-``max_attempts``. Several patches queued for one pod are merged, later values
-winning.
+gone (404) is dropped; refusals are retried with the agent's jittered backoff
+(:mod:`gpumanager.retry`) up to ``max_attempts``, while failures that say nothing
+of the pod (a 5xx, a 429, a 401 while the token is renewed, a connection error
+or a timeout) are retried until the API server answers: an outage longer than the
+attempts' backoff (a control-plane upgrade) no longer loses the annotations.
+Several patches queued for one pod are merged, later values winning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from gpumanager.retry import Backoff
 
 log = logging.getLogger(__name__)
 
+#: Statuses under 500 that say nothing of the patch: too many requests, and a token expired (renewed
+#: from its file within a minute).
+_TRANSIENT = frozenset({401, 429})
+
 
 @dataclass
 class _Pending:
@@ -28,6 +34,9 @@ class _Pending:
     name: str
     annotations: dict[str, str]
     attempts: int = 0
+    """Failed attempts that count toward giving up (refusals of the patch itself)."""
+    failure: str = ""
+    """The last failure, warned of once (each new one is warned of again)."""
     not_before: float = 0.0
     done: list[threading.Event] = field(default_factory=list)
     backoff: Backoff = field(default_factory=Backoff)
@@ -95,18 +104,21 @@ class AnnotationPatcher:
             if item is None:
                 return
             uid, pending = item
-            if self._apply(uid, pending):
+            outcome = self._apply(uid, pending)
+            if outcome is True:
                 for event in pending.done:
                     event.set()
                 continue
-            pending.attempts += 1
+            if outcome is False:
+                pending.attempts += 1
             if pending.attempts >= self._max:
                 self.failed += 1
                 log.error(
-                    "giving up annotating pod %s/%s after %d attempts",
+                    "giving up annotating pod %s/%s after %d refusals (the last: %s)",
                     pending.namespace,
                     pending.name,
                     pending.attempts,
+                    pending.failure,
                 )
                 for event in pending.done:
                     event.set()
@@ -119,7 +131,17 @@ class AnnotationPatcher:
                     pending.done.extend(newer.done)
                 self._queue[uid] = pending
 
-    def _apply(self, uid: str, p: _Pending) -> bool:
+    def _failed(self, p: _Pending, message: str) -> None:
+        """Warn of a failed attempt once per kind of failure (a long outage would warn every 30 s a pod)."""
+        if message != p.failure:
+            log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, message)
+            p.failure = message
+        else:
+            log.debug("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, message)
+
+    def _apply(self, uid: str, p: _Pending) -> bool | None:
+        """True: applied (or not needed); False: refused (counts toward giving up); None: the API server
+        did not answer for the pod (an outage, an overload, a token being renewed): retried until it does."""
         # The UID makes the patch apply to this pod only, never to a namesake created since (a
         # StatefulSet's pod created again): the API server refuses a patch that would change it.
         body = {"metadata": {"uid": uid, "annotations": p.annotations} if uid else {"annotations": p.annotations}}
@@ -139,11 +161,11 @@ class AnnotationPatcher:
                     exc.reason,
                 )
                 return True
-            log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, failure(exc))
-            return False
+            self._failed(p, failure(exc))
+            return None if exc.status in _TRANSIENT or exc.status >= 500 else False
         except Exception as exc:
-            log.warning("annotating pod %s/%s: %s (will retry)", p.namespace, p.name, exc)
-            return False
+            self._failed(p, failure(exc))
+            return None
         self.applied += 1
         log.info("annotated pod %s/%s: %s", p.namespace, p.name, p.annotations)
         return True

@@ -449,3 +449,29 @@ def test_an_ephemeral_container_started_while_a_gpu_container_waits_to_restart_i
     debug = plain.start("debug", cid("e0"), published=False)
     plain.refresh()
     assert debug not in plain.pids("main")
+
+
+def test_a_new_sandbox_is_not_taken_for_the_container_and_restarts_are_followed_again_after(plain: Node) -> None:
+    """The pod's sandbox died: the kubelet makes a new one (its cgroup first) and starts every container
+    again. The new sandbox's cgroup is one new cgroup no status names, while the GPU container (the only
+    one left to run) has none: it is not the container's."""
+    plain.spec_extra = {"restartPolicy": "OnFailure"}
+    for done in ("aux", "side"):
+        plain.stop(done)
+        plain.extra_status[done] = {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    plain.refresh()
+    plain.stop("main")
+    plain._remove(SANDBOX)
+    pause = plain.next_pid()
+    plain._make("5b" * 32, [pause])
+    plain.refresh()
+    assert pause not in plain.pids("main")
+    new = plain.start("main", cid("m1"), published=False)
+    plain.refresh()
+    assert pause not in plain.pids("main")
+    plain.publish()
+    plain.refresh()
+    assert plain.pids("main") == [new]
+    again = plain.restart("main", cid("m2"))  # the new sandbox stays: told apart again
+    plain.refresh()
+    assert plain.pids("main") == [again]

@@ -258,6 +258,10 @@ class CgroupLocator:
         # pod UID -> (its cgroup directory where its containers' are, the names in it when a container's
         # cgroup was first found there): what was there before a restart (the sandbox's, too).
         self._before: dict[str, tuple[str, frozenset[str]]] = {}
+        # pod UID -> the names of those that no status named then (its sandbox's; see settle()), and the
+        # pods whose names are not told yet.
+        self._sandboxes: dict[str, frozenset[str]] = {}
+        self._unsettled: set[str] = set()
         self._pod_searched: dict[str, float] = {}  # pod UID -> its last whole-tree search for a claimed ID
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
@@ -297,7 +301,27 @@ class CgroupLocator:
         except OSError:
             return
         self._limit_memo(self._before)
+        if not self._before:
+            self._sandboxes.clear()
+            self._unsettled.clear()
         self._before[pod_uid] = (str(directory), names)
+        self._unsettled.add(pod_uid)
+
+    def unsettled(self, pod_uid: str) -> bool:
+        """Whether the pod's cgroup was just seen and which of its entries no status names is not told yet
+        (:meth:`settle`); a look at an empty set while none is."""
+        return bool(self._unsettled) and pod_uid in self._unsettled
+
+    def settle(self, pod_uid: str, ids: Collection[str]) -> None:
+        """Tell what the pod's cgroup held when first seen that the pod's statuses do not name (``ids``, read
+        at the same time): its sandbox's cgroup (the pause container's). Should one of them go, the sandbox
+        was made again and every container starts again: :meth:`new_below_pod` tells nothing then."""
+        entry = self._before.get(pod_uid)
+        self._unsettled.discard(pod_uid)
+        if entry is None:
+            return
+        unnamed = frozenset(n for n in entry[1] if (found := id_in_name(n)) is not None and found not in ids)
+        self._sandboxes[pod_uid] = unnamed
 
     def located(self, pod_uid: str, container_id: str) -> bool:
         """Whether the container's cgroup was found at the last look (:meth:`pids`, :meth:`find`)."""
@@ -311,19 +335,26 @@ class CgroupLocator:
         """Of the container IDs ``ids`` (those the pod's statuses name), the ones without a cgroup below the
         pod's now; and the containers' cgroups there that name none of them and were not there when the pod's
         cgroup was first seen (the sandbox's was): (their ID, directory). None when the pod's cgroup was
-        never seen holding a container's, or is gone (it is not looked at again: a pod's does not return).
+        never seen holding a container's (or :meth:`settle` was not called), is gone (it is not looked at
+        again: a pod's does not return), or no longer holds its sandbox's.
         """
         entry = self._before.get(pod_uid)
-        if entry is None:
+        sandboxes = self._sandboxes.get(pod_uid)
+        if entry is None or sandboxes is None:
             return None
         directory, before = entry
         try:
             listed = os.listdir(directory)
         except FileNotFoundError:
-            self._before.pop(pod_uid, None)
+            self._forget_before(pod_uid)
             return None
         except OSError as exc:
             log.debug("cannot list %s: %s", directory, exc)
+            return None
+        if not sandboxes.issubset(listed):
+            # The sandbox was made again (its new cgroup is not a container's): seen anew at the next
+            # container found.
+            self._forget_before(pod_uid)
             return None
         present = {}
         for name in listed:
@@ -375,6 +406,11 @@ class CgroupLocator:
             self._dirs[key] = str(found)
         return found
 
+    def _forget_before(self, pod_uid: str) -> None:
+        self._before.pop(pod_uid, None)
+        self._sandboxes.pop(pod_uid, None)
+        self._unsettled.discard(pod_uid)
+
     def _limit_memo(
         self,
         memo: dict[str, tuple[float, list[Path]]]
@@ -412,4 +448,4 @@ class CgroupLocator:
                 memo.pop(key, None)
         self._listings.pop(pod_uid, None)
         self._pod_searched.pop(pod_uid, None)
-        self._before.pop(pod_uid, None)
+        self._forget_before(pod_uid)

@@ -514,7 +514,9 @@ class VirtualManager:
                 raise _NotYet(f"container {alloc.container} of {where}: the cgroup of its ID {container_id} is gone")
             return container_id
         # As the refresh looks for it (the tree is searched at most every SEARCH_BACKOFF_SECONDS per ID).
-        if self._cgroups.find(alloc.pod_uid, container_id, podinfo.qos_class(pod)) is not None:
+        found = self._cgroups.find(alloc.pod_uid, container_id, podinfo.qos_class(pod))
+        restarts.settle(self._cgroups, pod)
+        if found is not None:
             self._gone_ids.pop(key, None)
             return container_id
         restarted = self._restarted(alloc, pod)
@@ -758,6 +760,8 @@ class VirtualManager:
                 continue
             registrations = self._registrations
             pids = self._cgroups.pids(alloc.pod_uid, cid, podinfo.qos_class(pod))
+            if self._cgroups.unsettled(alloc.pod_uid):
+                restarts.settle(self._cgroups, pod)
             if not pids and not self._cgroups.located(alloc.pod_uid, cid):
                 restarted = self._restarted(alloc, pod)
                 if restarted is not None:

@@ -21,6 +21,15 @@ from gpumanager.allocation.pods import Pod
 from gpumanager.vmanager.cgroups import CgroupLocator, pids_under
 
 
+def settle(locator: CgroupLocator, pod: Pod) -> None:
+    """Right after a look at one of the pod's containers' cgroups: when that look saw the pod's cgroup for
+    the first time, tell the locator which of its entries the pod's statuses do not name (its sandbox's,
+    :meth:`CgroupLocator.settle`). A look at an empty set otherwise."""
+    uid = podinfo.uid(pod)
+    if locator.unsettled(uid):
+        locator.settle(uid, set(podinfo.container_ids(pod, ephemeral=True).values()))
+
+
 def new_cgroup(locator: CgroupLocator, pod: Pod, container: str) -> tuple[str, Path] | None:
     """The container ID and cgroup directory of ``container``'s new cgroup, when it restarted and its
     pod's status still names the old ID (whose cgroup the caller found gone); None when it cannot be told."""
@@ -56,6 +65,7 @@ def container_pids(locator: CgroupLocator, pod: Pod, container: str) -> list[int
     if not cid:
         return []
     pids = locator.pids(uid, cid, podinfo.qos_class(pod))
+    settle(locator, pod)
     if pids or locator.located(uid, cid):
         return pids
     found = new_cgroup(locator, pod, container)

@@ -282,6 +282,9 @@ class DRAMode:
             ),
             taints=self._taint_values,
             capacity_seen=self._capacity_seen,
+            # A claim in doubt (a damaged checkpoint) found released is freed by the periodic check's rule: once
+            # nothing of its containers runs.
+            running=self._running,
         )
         self.publisher = publisher
         if publisher is None and api_client is not None:
@@ -736,7 +739,8 @@ class DRAMode:
             return []
         now = time.monotonic()
         claims = [c for c in self.claims() if not c.in_doubt]  # in doubt: the restart's check frees those
-        used = self._in_use(claims, self._pods())
+        # The pods seen using a claim in doubt are noted too: their cgroups keep it from that check (_running).
+        used = self._in_use(self.claims(), self._pods())
         self._unused_since = {c.uid: self._unused_since.get(c.uid, now) for c in claims if c.uid not in used}
         prepared = {c.uid for c in self.claims()}
         self._users = {uid: pods for uid, pods in self._users.items() if uid in prepared}

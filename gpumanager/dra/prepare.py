@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 JSON = dict[str, Any]
 ClaimReader = Callable[[str, str], JSON]
 """``(namespace, name) -> claim`` as JSON; raises ClaimError when it cannot be read."""
+RunningCheck = Callable[[ClaimAllocation], tuple[list[str], list[str]]]
+"""``claim -> (what of its containers still runs, what cannot be told)``, each as the log names it: a prepared claim
+the API server no longer has is freed only when both are empty (the rule of the periodic leaked-claim check)."""
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,12 @@ class ClaimPreparer:
         taints: Callable[[], Mapping[int, str]] | None = None,
         capacity_seen: Callable[[str | None], None] | None = None,
         answer_within: float = PREPARE_ANSWER_WITHIN,
+        running: RunningCheck | None = None,
     ) -> None:
         self._read = read_claim
+        # What still runs of a claim's containers: a claim in doubt found released is freed only once nothing does.
+        self._running = running
+        self._kept_said: dict[str, str] = {}  # claim UID in doubt -> why it was last said kept
         self._answer_within = answer_within
         # Told, for each claim prepared whose requests ask for capacity, why the scheduler allocated
         # them without it (its DRAConsumableCapacity gate is off), or None when it allocated it.
@@ -501,6 +508,7 @@ class ClaimPreparer:
                     continue
                 self._touched.add(ref.uid)
                 self._unreadable.pop(ref.uid, None)
+                self._kept_said.pop(ref.uid, None)
                 if ref.uid in self._reading:
                     self._unprepared_while_read[ref.uid] = self._unprepares
                     self._unprepares += 1
@@ -553,7 +561,8 @@ class ClaimPreparer:
 
         ``verify_recovered`` (the checkpoint had damage, so a release may have been lost with it):
         a recovered claim the API server no longer has, or reserves for no pod, is freed and its
-        files removed. A claim still marked in doubt (a check an earlier start could not finish) is
+        files removed once nothing of its containers runs (kept in doubt until then, looked at again by
+        :meth:`retry_unreadable`). A claim still marked in doubt (a check an earlier start could not finish) is
         checked whatever ``verify_recovered``; one whose check cannot conclude now (the API server not
         answering, its release not written) stays in doubt, in the checkpoint too, for
         :meth:`retry_unreadable` and the next start.
@@ -635,9 +644,12 @@ class ClaimPreparer:
     def _free_if_gone(self, claim: ClaimAllocation) -> bool:
         """Whether a recovered claim was released in a change the damaged checkpoint lost: the API server
         no longer has it (or has another claim of that name), or reserves it for no pod. Then it is
-        freed and its files removed. A claim kept (reserved, or prepared or unprepared by the kubelet
-        since the start) is no longer in doubt; one whose check cannot conclude (the API server not
-        answering, its release not written) stays in doubt."""
+        freed and its files removed, once nothing of its containers runs (the ``running`` check: a process
+        its pids.config lists alive, one NVML lists on a GPU it holds whole, or NVML unable to tell; a pod
+        force-deleted while the kubelet was down leaves its containers running). A claim kept (reserved, or
+        prepared or unprepared by the kubelet since the start) is no longer in doubt; one whose check cannot
+        conclude (the API server not answering, its release not written, its containers still running)
+        stays in doubt, prepared and its room counted."""
         ref = ClaimRef(claim.namespace, claim.name, claim.uid)
         try:
             data: JSON | None = self._read(claim.namespace, claim.name)
@@ -655,15 +667,20 @@ class ClaimPreparer:
         if isinstance(meta, dict) and meta.get("uid") == claim.uid:
             status = data.get("status") if isinstance(data, dict) else None
             if isinstance(status, dict) and status.get("reservedFor"):
+                self._kept_said.pop(claim.uid, None)
                 dra_claims.settle_doubt(self._allocator, claim.uid)
                 return False
             reason = "it is reserved for no pod"
         else:
             reason = "the API server no longer has it"
+        if claim.uid not in self._touched and self._still_runs(claim, ref, reason):
+            return False
         with self._lock:
             if claim.uid in self._touched:  # the kubelet prepared or unprepared it meanwhile: its word stands
+                self._kept_said.pop(claim.uid, None)
                 dra_claims.settle_doubt(self._allocator, claim.uid)
                 return False
+            self._kept_said.pop(claim.uid, None)
             log.warning("claim %s (%s) came back from a damaged checkpoint, but %s: freeing it", ref, claim.uid, reason)
             try:
                 self._allocator.unprepare_claim(claim.uid)
@@ -673,6 +690,33 @@ class ClaimPreparer:
                 log.error("claim %s (%s): %s; checked again later", ref, claim.uid, exc)
                 return False
             self._remove_files(claim.uid)
+        return True
+
+    def _still_runs(self, claim: ClaimAllocation, ref: ClaimRef, reason: str) -> bool:
+        """Whether a claim in doubt found released must be kept for its containers, which may still run: the
+        ``running`` check names what of them runs, or what cannot be told. Why it is kept is logged once while it
+        stays the same. Not asked with the preparer's lock held (NVML may be slow to answer)."""
+        if self._running is None:
+            return False
+        running, unknown = self._running(claim)
+        if running:
+            text = (
+                f"claim {ref} ({claim.uid}) came back from a damaged checkpoint and {reason}, but the containers that "
+                f"used it may still run: {'; '.join(running)}; kept (prepared, its room counted) and in doubt, looked "
+                "at again until nothing runs"
+            )
+        elif unknown:
+            text = (
+                f"claim {ref} ({claim.uid}) came back from a damaged checkpoint and {reason}, but whether the "
+                f"containers that used it still run processes on the GPUs it holds whole cannot be told: "
+                f"{'; '.join(unknown)}; kept (prepared, its room counted) and in doubt, looked at again"
+            )
+        else:
+            return False
+        with self._lock:
+            if self._kept_said.get(claim.uid) != text:
+                log.warning("%s", text)
+            self._kept_said[claim.uid] = text
         return True
 
     def _rebuild(self, uid: str) -> tuple[str, ClaimAllocation | None]:

@@ -349,3 +349,49 @@ def test_a_client_that_reads_slowly_gets_the_whole_page(monkeypatch: pytest.Monk
         c.close()
     finally:
         s.stop()
+
+
+def test_the_next_request_on_a_kept_connection_has_the_header_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle, a kept connection waits up to the idle timeout; once its next request has begun, that request
+    must come whole within the header deadline, as on a new connection."""
+    monkeypatch.setattr(mhttp, "HEADER_DEADLINE", 0.5)
+    s = _server()
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=5) as c:
+            c.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+            _read_answer(c)
+            time.sleep(0.8)  # idle longer than the header deadline: kept
+            c.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n")  # and then never ends its headers
+            started = time.monotonic()
+            head, _ = _read_answer(c)
+            assert head.startswith(b"HTTP/1.0 408 "), head
+            assert time.monotonic() - started < 3
+    finally:
+        s.stop()
+
+
+def test_stop_closes_kept_and_unread_connections() -> None:
+    s = _server(metrics=lambda: BIG)
+    kept = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+    kept.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+    _read_answer(kept)
+    unread = socket.socket()
+    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    unread.connect(("127.0.0.1", s.port))
+    unread.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.3)
+    s.stop()
+    try:
+        assert kept.recv(100) == b""
+        unread.settimeout(5)
+        got = 0
+        try:
+            while chunk := unread.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert got < len(BIG)
+        assert _handler_threads() == 0
+    finally:
+        kept.close()
+        unread.close()

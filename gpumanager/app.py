@@ -722,7 +722,12 @@ class Agent:
     def _label_node(self) -> None:
         if self.api is None or not self._labels:
             return
-        problem = self.api.label_node(self._labels, self.gpus[0].name if self.gpus else "")
+        # Labels the API server did not take at start go on being tried; once applied, the error goes.
+        problem = self.api.label_node(
+            self._labels,
+            self.gpus[0].name if self.gpus else "",
+            on_result=lambda message: self._report("node-labels", message or None),
+        )
         if problem:
             self._component_failed("node-labels", problem)
 

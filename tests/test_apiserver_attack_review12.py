@@ -307,3 +307,54 @@ def test_annotation_patch_outlasts_a_503_storm(
     pod = sim.get_pod("default", "p0")
     assert pod is not None
     assert pod["metadata"]["annotations"].get("tencent.com/gpu-assigned") == "true", patcher.failed
+
+
+def _node_labels(sim: ApiServerSimulator) -> dict[str, str]:
+    node = sim.get_node(NODE) or {}
+    return dict((node.get("metadata") or {}).get("labels") or {})
+
+
+def test_node_labels_survive_a_token_that_expired(sim: ApiServerSimulator, tmp_path: Path) -> None:
+    """One 401 (a service-account token expired, renewed from its file within a minute) made the agent give
+    up --node-labels for good: the node never got its labels (a nodeSelector on the GPU model never matched)."""
+    from gpumanager.kube.connection import ApiConnection
+
+    sim.fail_next("PATCH", rf"^/api/v1/nodes/{NODE}$", 401, count=1)
+    conn = ApiConnection(kubeconfig=str(sim.write_kubeconfig(tmp_path / "kc")), node_name=NODE)
+    assert conn.client() is not None
+    try:
+        assert conn.label_node({"gaia.tencent.com/gpu-model": ""}, "NVIDIA H100 80GB HBM3") == ""
+    finally:
+        conn.stop()
+    assert _node_labels(sim).get("gaia.tencent.com/gpu-model") == "H100"
+
+
+def test_node_labels_are_applied_once_a_long_outage_ends(
+    sim: ApiServerSimulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API server answering 503 for longer than the labelling's minute at start made the agent give up
+    --node-labels for good, though the server answered again later. The error is told at once and the
+    labels go on being tried in the background until they are applied (and the error is then withdrawn)."""
+    from gpumanager.kube import nodelabels
+    from gpumanager.kube.connection import ApiConnection
+    from gpumanager.retry import Backoff
+
+    monkeypatch.setattr(nodelabels, "LABEL_WINDOW", 0.5)
+    monkeypatch.setattr(Backoff, "next_delay", lambda _self: 0.05)
+    sim.fail_next("PATCH", rf"^/api/v1/nodes/{NODE}$", 503, count=40)
+    conn = ApiConnection(kubeconfig=str(sim.write_kubeconfig(tmp_path / "kc")), node_name=NODE)
+    assert conn.client() is not None
+    results: list[str] = []
+    try:
+        problem = conn.label_node({"l": "v"}, "NVIDIA H100 80GB HBM3", on_result=results.append)
+        assert "503" in problem and NODE in problem, problem
+        deadline = time.monotonic() + 15
+        while _node_labels(sim).get("l") != "v" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _node_labels(sim).get("l") == "v"
+        deadline = time.monotonic() + 5
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert results == [""]
+    finally:
+        conn.stop()

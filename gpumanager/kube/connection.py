@@ -81,14 +81,48 @@ class ApiConnection:
         if self.inventory is not None:
             self.inventory.changed()
 
-    def label_node(self, labels: dict[str, str], gpu_name: str) -> str:
-        """Apply ``--node-labels`` (retrying with backoff); returns the error or ''."""
+    def label_node(
+        self, labels: dict[str, str], gpu_name: str, *, on_result: Callable[[str], None] | None = None
+    ) -> str:
+        """Apply ``--node-labels`` (retrying with backoff for :data:`~gpumanager.kube.nodelabels.LABEL_WINDOW`);
+        returns the error or ''. Labels the API server did not take in that time (it was down, overloaded) go
+        on being tried in the background until it does: ``on_result('')`` then tells that they are applied."""
         if self.api is None or not labels:
             return ""
         resolved = nodelabels.resolve(labels, gpu_name)
-        if nodelabels.apply(self.api, self._node, resolved, stop=self._stop):
+        if not resolved:
             return ""
-        return f"could not label node {self._node} with {resolved}"
+        outcome, problem = nodelabels.label(
+            self.api, self._node, resolved, timeout=nodelabels.LABEL_WINDOW, stop=self._stop
+        )
+        if outcome in ("labelled", "stopped"):
+            return ""
+        if outcome == "unanswered":
+            threading.Thread(
+                target=self._label_later, args=(resolved, on_result), name="node-labels", daemon=True
+            ).start()
+            return f"could not label node {self._node} with {resolved} yet: {problem} (retrying)"
+        return f"could not label node {self._node} with {resolved}: {problem}"
+
+    def _label_later(self, labels: dict[str, str], on_result: Callable[[str], None] | None) -> None:
+        """Try the labels until the API server takes (or refuses) them, or the agent stops."""
+        while not self._stop.is_set():
+            outcome, problem = nodelabels.label(
+                self.api, self._node, labels, timeout=nodelabels.LABEL_WINDOW, stop=self._stop
+            )
+            if outcome == "labelled":
+                if on_result is not None:
+                    on_result("")
+                return
+            if outcome == "refused":
+                message = f"could not label node {self._node} with {labels}: {problem}"
+                if on_result is not None:
+                    on_result(message)
+                else:
+                    log.error("%s", message)
+                return
+            if outcome == "stopped":
+                return
 
     def annotate(self, pod: Pod | None, allocations: Sequence[ContainerAllocation]) -> None:
         """Queue the ready annotations the pod lacks (not awaited)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Literal
 
 from gpumanager.kube.apierror import failure
 from gpumanager.kube.rest import MERGE_PATCH, ApiClient, ApiException, KubeRest
@@ -33,36 +34,61 @@ def resolve(labels: dict[str, str], gpu_name: str) -> dict[str, str]:
     return out
 
 
+#: Seconds the start tries to label the node before it reports the failure (the labelling goes on after it).
+LABEL_WINDOW = 60.0
+#: Statuses that refuse the labels themselves: tried again, they are refused again.
+_REFUSALS = frozenset({403, 404, 422})
+
+Outcome = Literal["labelled", "refused", "unanswered", "stopped"]
+
+
+def label(
+    api: ApiClient,
+    node: str,
+    labels: dict[str, str],
+    *,
+    timeout: float,
+    stop: threading.Event,
+) -> tuple[Outcome, str]:
+    """Merge-patch the labels onto the node, retrying with backoff for up to ``timeout`` seconds:
+    ``(outcome, the last problem)``. ``refused``: the API server refused them (403, 404, 422; trying again
+    is no use); ``unanswered``: it did not take them within ``timeout`` (an outage, an overload, a 401 while
+    the token is renewed; worth trying again later)."""
+    rest = KubeRest(api)
+    deadline = time.monotonic() + timeout
+    backoff = Backoff()
+    while True:
+        try:
+            rest.patch_node(node, {"metadata": {"labels": labels}}, content_type=MERGE_PATCH, timeout=10)
+            log.info("labelled node %s: %s", node, labels)
+            return "labelled", ""
+        except ApiException as exc:
+            problem = failure(exc)
+            if exc.status in _REFUSALS:
+                return "refused", problem
+        except Exception as exc:
+            problem = failure(exc)
+        delay = backoff.next_delay()
+        if time.monotonic() + delay > deadline:
+            return "unanswered", problem
+        if stop.wait(delay):
+            return "stopped", problem
+
+
 def apply(
     api: ApiClient,
     node: str,
     labels: dict[str, str],
     *,
-    timeout: float = 60.0,
+    timeout: float = LABEL_WINDOW,
     stop: threading.Event | None = None,
 ) -> bool:
     """Merge-patch the labels onto the node, retrying with backoff for up to ``timeout`` seconds."""
     if not labels:
         return True
-    rest = KubeRest(api)
-    deadline = time.monotonic() + timeout
-    backoff = Backoff()
-    stop = stop or threading.Event()
-    while True:
-        try:
-            rest.patch_node(node, {"metadata": {"labels": labels}}, content_type=MERGE_PATCH, timeout=10)
-            log.info("labelled node %s: %s", node, labels)
-            return True
-        except ApiException as exc:
-            problem = failure(exc)
-            if exc.status in (401, 403, 404, 422):
-                log.error("cannot label node %s: %s", node, problem)
-                return False
-        except Exception as exc:
-            problem = str(exc)
-        delay = backoff.next_delay()
-        if time.monotonic() + delay > deadline:
-            log.error("gave up labelling node %s: %s", node, problem)
-            return False
-        if stop.wait(delay):
-            return False
+    outcome, problem = label(api, node, labels, timeout=timeout, stop=stop or threading.Event())
+    if outcome == "refused":
+        log.error("cannot label node %s: %s", node, problem)
+    elif outcome == "unanswered":
+        log.error("gave up labelling node %s: %s", node, problem)
+    return outcome == "labelled"

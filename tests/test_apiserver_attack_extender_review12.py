@@ -101,3 +101,17 @@ def test_node_watch_lists_again_when_the_resource_version_went_back(tmp_path: Pa
             assert sorted(n["metadata"]["name"] for n in watch.objects()) == ["after", "before"]
         finally:
             watch.stop()
+
+
+def test_pod_of_unexpected_spec_is_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A pod whose spec was a string or a list failed the extender's pod listener with a traceback."""
+    from simnode.apiserver_objects import pod_manifest
+
+    state = ClusterState(assume_ttl=30)
+    for spec in ("spec", ["containers"], 5):
+        pod = pod_manifest("p", node="n1")
+        pod["metadata"]["uid"] = "u1"
+        pod["spec"] = spec
+        for kind in ("ADDED", "MODIFIED", "DELETED"):
+            state.pod_event(kind, pod)
+    assert not [r for r in caplog.records if r.exc_info]

@@ -18,7 +18,9 @@ as is one whose annotations were chosen for another node than the one it is boun
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpumanager import names
 from gpumanager.allocation import pods as podinfo
@@ -43,9 +45,16 @@ class PodCharges:
     """The pod is bound to :attr:`node` (else it was only chosen for it, by ``predicate-node``)."""
 
 
+def pod_spec(pod: Pod) -> Mapping[str, Any]:
+    """The pod's spec ({} when absent or not an object: a spec of another shape failed the pod watch's
+    listener with a traceback)."""
+    spec = pod.get("spec")
+    return spec if isinstance(spec, dict) else {}
+
+
 def pod_node(pod: Pod) -> str:
     """``spec.nodeName``, else the ``predicate-node`` annotation, else ``""``."""
-    bound = str((pod.get("spec") or {}).get("nodeName") or "")
+    bound = str(pod_spec(pod).get("nodeName") or "")
     return bound or str(podinfo.pod_annotations(pod).get(names.PREDICATE_NODE) or "")
 
 
@@ -64,7 +73,7 @@ def init_containers(pod: Pod) -> tuple[list[GPURequest], list[GPURequest]]:
     requests = podinfo.init_gpu_requests(pod)
     if not requests:
         return [], []
-    specs = (pod.get("spec") or {}).get("initContainers") or []
+    specs = pod_spec(pod).get("initContainers") or []
     ordinary: list[GPURequest] = []
     sidecars: list[GPURequest] = []
     for request in requests:
@@ -104,7 +113,7 @@ def pod_charges(pod: Pod) -> PodCharges | None:
         return None
     charges: list[Charge] = []
     unplaced = 0
-    bound = bool((pod.get("spec") or {}).get("nodeName"))
+    bound = bool(pod_spec(pod).get("nodeName"))
     here = podinfo.predicated_here(pod)
     for request in requests:
         if not here:  # chosen for another node: the agent here chooses by itself

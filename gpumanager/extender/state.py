@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod
-from gpumanager.extender.charges import PodCharges, pod_charges
+from gpumanager.extender.charges import PodCharges, pod_charges, pod_spec
 from gpumanager.extender.claims import ANNOTATION as CLAIMS
 from gpumanager.extender.claims import Claim, Sightings, parse_claims
 from gpumanager.extender.nodes import Node, NodeGPUs, UnusableNodeError, fingerprint, node_gpus, node_name
@@ -277,7 +277,7 @@ class ClusterState:
         """A pod was added, changed or deleted (as the watch shows it)."""
         uid = podinfo.uid(pod)
         with self.lock:
-            bound_to = str((pod.get("spec") or {}).get("nodeName") or "")
+            bound_to = str(pod_spec(pod).get("nodeName") or "")
             if kind == "DELETED" or bound_to:
                 self._unanswered.pop(uid, None)  # bound (or gone): no Binding is pending any more
                 self._given_up.pop(uid, None)

@@ -158,6 +158,8 @@ struct dev {
     double prov_done[PROVISIONAL]; /* the launches each provisional charge is for (revalued when the cost is learnt) */
     double prov_shared;       /* wall ns of pay-off this process's provisional charges hold in the container's sum */
     uint64_t prov_inherited;  /* mono ns until which the debt this process began with holds others' provisional charges */
+    bool busy_measured;       /* launches were outstanding at the last measurement ... */
+    uint64_t launched_measured; /* ... or were made since it (launched was this then) */
 };
 
 static struct dev g_dev[MAX_DEVICES];
@@ -1045,6 +1047,16 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     share_provisional(d, now);
     if (now - d->last_measure < min_ns)
         return;
+    /*
+     * NVML answers for the last second only (SAMPLE_WINDOW_US).  When this process measured nothing for longer (it
+     * was stopped: SIGSTOP, a debugger, a thread stuck under d->mu) while its launches were outstanding, the GPU ran
+     * them meanwhile and the time beyond that second can no longer be measured: it is charged as used (all of it:
+     * more than the GPU time they can have used).  Without this, a 2.5 s kernel queued before a 3.5 s stop cost
+     * 1 s of the container's share, and a tenant could repeat it (a long kernel, a stop) for most of the GPU.
+     */
+    const uint64_t gap = now - d->last_measure;
+    const bool stalled = gap > SAMPLE_WINDOW_US * 1000u && (d->busy_measured || d->launched != d->launched_measured);
+    d->launched_measured = d->launched;
     double own, other, span;
     if (!measure(d, now, &own, &other, &span)) {
         /*
@@ -1070,6 +1082,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->newest_sampled = false;
         d->nown = 0;
         d->blind = true;
+        d->busy_measured = in_flight(d) > 0;
         return;
     }
     if (d->blind) {
@@ -1079,6 +1092,13 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     d->last_measure = now;
     d->credit -= own;
     d->measured += own;
+    if (VC_UNLIKELY(stalled)) {
+        double lost = (double)(gap - SAMPLE_WINDOW_US * 1000u);
+        d->credit -= lost;
+        vc_log(VC_LOG_INFO, "device %d: nothing measured for %.2f s while launches were outstanding: the %.2f s "
+               "NVML no longer answers for are charged as used", d->index, (double)gap / 1e9, lost / 1e9);
+    }
+    d->busy_measured = in_flight(d) > 0;
     refund_provisional(d, d->base_us);
     /*
      * The container's ledger: processes started later begin with this debt (init_device), the measured part (the

@@ -1,0 +1,188 @@
+"""A tenant's attempts to run more kernels than its container's SM share admits (vcuda/tests/review12_sm.c).
+
+Each scenario runs the C program in a container-like set-up: a driver mirror whose ``libcuda.so.1`` and
+``libnvidia-ml.so.1`` are the interceptor in front of the simulated driver, a ``vcuda.config`` with a 30 % SM share
+and no memory limit, a budget directory of its own.  The program offers kernels of 50 ms of simulated GPU time
+through one launch path for at most a second of wall time and reports how many launch calls the interceptor let
+through.  The check is functional, not a share over time: at 30 % the gate admits a few hundred ms of GPU time in
+that second (a handful of such kernels, however slow the machine), while a path that escapes the gate admits all
+100 at once.  Every scenario also runs against the ASan/UBSan builds of the interceptor and of the simulated driver.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpumanager.vmanager import files
+
+ROOT = Path(__file__).resolve().parents[1]
+VCUDA = ROOT / "vcuda"
+BUILD = VCUDA / "build"
+SPEC = ROOT / "deploy" / "sim" / "t4-x1.json"
+SOURCE = VCUDA / "tests" / "review12_sm.c"
+DRIVER_VERSION = "550.54.15"
+SHARE = 30
+# 1 s at 30 % is 300 ms of GPU time: 6 kernels of 50 ms, plus what the gate lets queue (in flight x cost) and the
+# burst the credit cap allows (100 ms of the rate).  An ungated path admits all 100 offered.
+MOST_ADMITTED = 30
+SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+
+
+def _include_dirs() -> list[str]:
+    out = subprocess.run(
+        ["make", "-s", "-C", str(VCUDA), "--eval=print-inc:\n\t@echo $(CUDA_INCLUDE) $(NVML_INCLUDE)", "print-inc"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The scenario program, plain and under ASan/UBSan, after the interceptor and the simulated driver are built."""
+    subprocess.run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(VCUDA),
+            "sim",
+            "interceptor",
+            "build/asan/libcuda-control.so",
+            "build/sim-asan/libcuda.so.1",
+            "build/sim-asan/libnvidia-ml.so.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    out = tmp_path_factory.mktemp("review12-sm-bin")
+    incs = [f"-I{d}" for d in _include_dirs()]
+    built = {}
+    for variant, extra in (("plain", []), ("asan", SAN_FLAGS)):
+        exe = out / f"review12_sm_{variant}"
+        subprocess.run(
+            [
+                "cc",
+                "-std=c11",
+                "-D_GNU_SOURCE",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-O1",
+                "-g",
+                *extra,
+                *incs,
+                "-o",
+                str(exe),
+                str(SOURCE),
+                "-ldl",
+                "-pthread",
+            ],
+            check=True,
+        )
+        built[variant] = exe
+    return built
+
+
+def _mirror(where: Path, variant: str) -> Path:
+    """A driver mirror as the agent makes it: the interceptor under the sonames, the driver under its full names."""
+    where.mkdir()
+    interceptor = BUILD / ("asan" if variant == "asan" else "") / "libcuda-control.so"
+    sim = BUILD / ("sim-asan" if variant == "asan" else "sim")
+    for soname in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        (where / soname).symlink_to(interceptor)
+    (where / f"libcuda.so.{DRIVER_VERSION}").symlink_to(sim / "libcuda.so.1")
+    (where / f"libnvidia-ml.so.{DRIVER_VERSION}").symlink_to(sim / "libnvidia-ml.so.1")
+    return where
+
+
+def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str, **extra: str) -> list[int]:
+    """Runs one scenario; returns the launches admitted, one figure per report line."""
+    mirror = _mirror(tmp_path / "mirror", variant)
+    config = tmp_path / "config" / "vcuda.config"
+    config.parent.mkdir()
+    config.write_bytes(
+        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
+    )
+    budget = tmp_path / "budget"
+    budget.mkdir()
+    env = dict(os.environ)
+    env.update(
+        LD_LIBRARY_PATH=str(mirror),
+        GPUSIM_SPEC=str(SPEC),
+        GPUSIM_STATE=str(tmp_path / "node.state"),
+        VCUDA_CONFIG_PATH=str(config),
+        VCUDA_BUDGET_DIR=str(budget),
+        ASAN_OPTIONS="detect_leaks=0",
+        **extra,
+    )
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([str(programs[variant]), scenario], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{scenario} ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    found = [int(n) for n in re.findall(r"^admitted (\d+) of", done.stdout, re.M)]
+    assert found, f"{scenario} ({variant}): no report\n{done.stdout}\n{done.stderr}"
+    return found
+
+
+SCENARIOS = ["kernel"]
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_launch_path_is_gated(programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str) -> None:
+    for admitted in _run(programs, tmp_path, variant, scenario):
+        assert admitted <= MOST_ADMITTED, f"{scenario} ({variant}): {admitted} kernels of 50 ms in 1 s at {SHARE} %"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_a_first_launch_stuck_in_its_log_line_lets_no_other_launch_through(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """The first limited launch logs the limit it sets up (LOGGER_LEVEL=4, the tenant's variable).  With stderr a
+    full pipe nobody reads, that write blocks for good: the device was marked set up before it was marked limited,
+    so every other thread's launches went through ungated for as long as the write blocked."""
+    (admitted,) = _run(programs, tmp_path, variant, "stall", LOGGER_LEVEL="4")
+    assert admitted <= MOST_ADMITTED, f"stall ({variant}): {admitted} kernels of 50 ms admitted in 1 s at {SHARE} %"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_a_kernel_that_ran_while_the_process_was_stopped_is_paid_for(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """A 2.5 s kernel, then the process is stopped for 3.5 s (SIGSTOP, SIGCONT): NVML answers for the last second
+    only, so the limiter, measuring nothing meanwhile, charged 1 s of it and then admitted a share's worth of
+    kernels at once (10 of 50 ms in the next second).  The time it could not measure is charged now: the container
+    owes about 1.5 s and admits at most the launch that was on its way before the first measurement."""
+    (admitted,) = _run(programs, tmp_path, variant, "stopped")
+    assert admitted <= 2, f"stopped ({variant}): {admitted} kernels of 50 ms admitted in the second after the stop"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """Every launch entry point (cuLaunchKernel, Ex, cooperative, multi-device, graph, legacy) asked for through
+    cuGetProcAddress and cuGetProcAddress_v2, at every version from 2.0 to 13.0 and every flag, is the
+    interceptor's."""
+    mirror = _mirror(tmp_path / "mirror", variant)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(mirror), GPUSIM_SPEC=str(SPEC), GPUSIM_STATE=str(tmp_path / "s"))
+    config = tmp_path / "config" / "vcuda.config"
+    config.parent.mkdir()
+    config.write_bytes(
+        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
+    )
+    (tmp_path / "budget").mkdir()
+    env.update(VCUDA_CONFIG_PATH=str(config), VCUDA_BUDGET_DIR=str(tmp_path / "budget"), ASAN_OPTIONS="detect_leaks=0")
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([str(programs[variant]), "getproc"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"getproc ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    m = re.search(r"^found (\d+) escapes (\d+)$", done.stdout, re.M)
+    assert m is not None, done.stdout
+    assert int(m.group(1)) > 500, done.stdout
+    assert int(m.group(2)) == 0, done.stdout

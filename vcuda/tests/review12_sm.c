@@ -1,0 +1,322 @@
+/*
+ * A tenant's attempts to run more kernels than its container's SM share admits (tests/test_vcuda_sm_review12.py).
+ *
+ *   review12_sm <scenario>
+ *
+ * Each scenario offers up to OFFERED kernels of 50 ms of simulated GPU time through one launch path for at most
+ * WINDOW_MS of wall time, and prints one line "admitted <n> of <offered> in <ms> ms": how many launch calls returned
+ * (the work the interceptor let through to the driver).  At a 30 % share the gate admits a few hundred ms of GPU time
+ * in that window, i.e. a handful of such kernels; an ungated path admits all of them at once.  Exit 0 when the
+ * scenario ran; 2/3 on a set-up failure.  Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's mirror).
+ */
+#include "review_driver.h"
+
+#include <nvml.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#define OFFERED 100
+#define WINDOW_MS 1000.0
+
+static const char PTX[] = ".version 7.0\n.target sm_75\n.address_size 64\n.visible .entry spin_50ms() { ret; }\n"
+                          ".visible .entry spin_2500ms() { ret; }\n"
+                          ".visible .entry spin_5000ms() { ret; }\n";
+
+typedef CUresult (*multi_fn)(CUDA_LAUNCH_PARAMS *, unsigned int, unsigned int); /* deprecated in cuda.h */
+typedef CUresult (*grid_fn)(CUfunction, int, int);
+typedef CUresult (*grid_async_fn)(CUfunction, int, int, CUstream);
+typedef CUresult (*shape_fn)(CUfunction, int, int, int);
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              CUstream, void **, void **);
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static CUfunction g_fn, g_long;
+static CUstream g_stream;
+static CUcontext g_ctx;
+
+/* Offers kernels through `one` (returns a launch's result) until OFFERED or the window is over; prints the count. */
+static void offer(CUresult (*one)(void))
+{
+    double start = now_ms();
+    int admitted = 0;
+    while (admitted < OFFERED && now_ms() - start < WINDOW_MS) {
+        check(one(), "launch");
+        admitted++;
+    }
+    printf("admitted %d of %d in %.0f ms\n", admitted, OFFERED, now_ms() - start);
+    fflush(stdout);
+}
+
+static CUresult one_kernel(void)
+{
+    return FN(cuLaunchKernel)(g_fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
+}
+
+/*
+ * The first limited launch of the process sets the limiter up for the device and logs it (LOGGER_LEVEL=4, the
+ * tenant's variable).  The tenant has made its stderr a pipe that nobody reads and that is full: that thread's
+ * log line blocks for good.  The other threads' launches must still be gated.
+ */
+static void *first_launch(void *arg)
+{
+    (void)arg;
+    FN(cuCtxSetCurrent)(g_ctx);
+    CUstream s;
+    if (FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+        return NULL;
+    FN(cuLaunchKernel)(g_fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+    return NULL;
+}
+
+static void stall(void)
+{
+    int p[2];
+    if (pipe(p) != 0)
+        exit(2);
+    fcntl(p[1], F_SETFL, O_NONBLOCK);
+    char block[4096];
+    memset(block, 'x', sizeof(block));
+    while (write(p[1], block, sizeof(block)) > 0)
+        ;
+    while (write(p[1], block, 1) > 0)
+        ;
+    fcntl(p[1], F_SETFL, 0);
+    if (FN(nvmlInit_v2)() != NVML_SUCCESS) /* the real NVML is opened (and logged) before stderr is the pipe */
+        exit(2);
+    fflush(stderr);
+    int saved = dup(2);
+    dup2(p[1], 2);
+    pthread_t t;
+    if (pthread_create(&t, NULL, first_launch, NULL) != 0)
+        exit(2);
+    usleep(300000); /* the first launch is in its log line now */
+    offer(one_kernel);
+    dup2(saved, 2);
+    _exit(0); /* the first thread never comes back */
+}
+
+/*
+ * Every launch entry point the driver hands out through cuGetProcAddress and cuGetProcAddress_v2, at every version
+ * and flag: the address must be the interceptor's (the object cuInit is found in), never the driver's.  Prints
+ * "escapes <n>" and one line per escape.
+ */
+static void getproc(void)
+{
+    static const char *const names[] = {"cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
+                                        "cuLaunchCooperativeKernelMultiDevice", "cuGraphLaunch", "cuLaunch",
+                                        "cuLaunchGrid", "cuLaunchGridAsync", "cuGetProcAddress"};
+    static const int versions[] = {2000, 3000, 3020, 4000, 6000, 7000, 9000, 10000, 11000, 11030, 11060, 11080,
+                                   12000, 12010, 12030, 12040, 12050, 12060, 12080, 12090, 13000, 99999};
+    static const cuuint64_t flags[] = {CU_GET_PROC_ADDRESS_DEFAULT, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+                                       CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM};
+    Dl_info self;
+    if (dladdr(sym("cuInit"), &self) == 0)
+        exit(2);
+    CUresult (*gpa)(const char *, void **, int, cuuint64_t) = (__typeof__(gpa))sym("cuGetProcAddress");
+    CUresult (*gpa2)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *) =
+        (__typeof__(gpa2))sym("cuGetProcAddress_v2");
+    int escapes = 0, found = 0;
+    for (size_t n = 0; n < sizeof(names) / sizeof(names[0]); n++)
+        for (size_t v = 0; v < sizeof(versions) / sizeof(versions[0]); v++)
+            for (size_t f = 0; f < sizeof(flags) / sizeof(flags[0]); f++)
+                for (int which = 0; which < 2; which++) {
+                    void *p = NULL;
+                    CUdriverProcAddressQueryResult st;
+                    CUresult rc = which == 0 ? gpa(names[n], &p, versions[v], flags[f])
+                                             : gpa2(names[n], &p, versions[v], flags[f], &st);
+                    if (rc != CUDA_SUCCESS || p == NULL)
+                        continue;
+                    found++;
+                    Dl_info info;
+                    if (dladdr(p, &info) == 0 || info.dli_fbase != self.dli_fbase) {
+                        escapes++;
+                        printf("escape %s version %d flags %llu via %s: %s\n", names[n], versions[v],
+                               (unsigned long long)flags[f], which == 0 ? "cuGetProcAddress" : "cuGetProcAddress_v2",
+                               dladdr(p, &info) != 0 && info.dli_fname != NULL ? info.dli_fname : "?");
+                    }
+                }
+    printf("found %d escapes %d\n", found, escapes);
+}
+
+/*
+ * One kernel of 2.5 s (admitted: nothing is in flight), then the process has itself stopped (SIGSTOP from a child,
+ * SIGCONT 3.5 s later): its limiter measures nothing meanwhile, and NVML answers for the last second only.  The
+ * kernel's 2.5 s must still be paid for: at 30 % the container owes about 1.5 s after it (5 s of no launches).
+ */
+static void stopped(void)
+{
+    /* The limiter learns what a launch costs first (else a launch is charged the wall time it was outstanding). */
+    for (double start = now_ms(); now_ms() - start < 1500.0;)
+        check(one_kernel(), "cuLaunchKernel");
+    check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+    check(FN(cuLaunchKernel)(g_long, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL), "cuLaunchKernel");
+    pid_t parent = getpid();
+    pid_t child = fork();
+    if (child < 0)
+        exit(2);
+    if (child == 0) {
+        kill(parent, SIGSTOP);
+        usleep(3500000);
+        kill(parent, SIGCONT);
+        _exit(0);
+    }
+    int status;
+    while (waitpid(child, &status, 0) < 0 && errno == EINTR)
+        ;
+    offer(one_kernel);
+}
+
+/*
+ * Two threads' first launches at once (an interceptor built with -DVC_TEST_HOOKS holds the one that sets the
+ * device's limiter up for VCUDA_TEST_INIT_DELAY_US in the middle of it): the other thread's launches must wait for
+ * the limiter, not pass while it is half set up.
+ */
+static void init_race(void)
+{
+    pthread_t t;
+    if (pthread_create(&t, NULL, first_launch, NULL) != 0)
+        exit(2);
+    usleep(200000); /* the first launch is setting the limiter up now */
+    offer(one_kernel);
+    pthread_join(t, NULL);
+}
+
+static void thread_exits(int sig)
+{
+    (void)sig;
+    if ((pid_t)syscall(SYS_gettid) != getpid())
+        pthread_exit(NULL);
+}
+
+/* Ends every thread of the process but the calling (main) one: a signal whose handler calls pthread_exit. */
+static int end_other_threads(void)
+{
+    struct sigaction sa = {.sa_handler = thread_exits};
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGUSR2, &sa, NULL) != 0)
+        exit(2);
+    int ended = 0;
+    DIR *dir = opendir("/proc/self/task");
+    if (dir == NULL)
+        exit(2);
+    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
+        int tid = atoi(e->d_name);
+        if (tid > 0 && tid != getpid() && syscall(SYS_tgkill, getpid(), tid, SIGUSR2) == 0)
+            ended++;
+    }
+    closedir(dir);
+    usleep(100000);
+    return ended;
+}
+
+/*
+ * The limiter's watcher (the thread that measures every 10 ms) is ended by the tenant (a signal handler that calls
+ * pthread_exit).  Then kernels of 2.5 s, one every 300 ms: each launch found credit enough (300 ms of refill at
+ * 30 % is more than the 50 ms a launch was learnt to cost) and went without a look at NVML, so nothing was ever
+ * measured.  Gated, the second waits until the first is paid for: at most 2 in the 3 s.
+ */
+static void no_watcher(void)
+{
+    for (double start = now_ms(); now_ms() - start < 1500.0;)
+        check(one_kernel(), "cuLaunchKernel");
+    check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+    int ended = end_other_threads();
+    double start = now_ms();
+    int admitted = 0;
+    while (now_ms() - start < 3000.0) {
+        check(FN(cuLaunchKernel)(g_long, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL), "cuLaunchKernel");
+        admitted++;
+        usleep(300000);
+    }
+    printf("ended %d threads\n", ended);
+    printf("admitted %d of %d in %.0f ms\n", admitted, admitted, now_ms() - start);
+    fflush(stdout);
+    _exit(0); /* the long kernels are not waited for */
+}
+
+/*
+ * A chain of processes, one after the other: each launches a kernel of 5 s (gated: it waits for the debt of those
+ * before it) and exits 1 s later, its kernel still running.  Prints "elapsed <ms>" for the whole chain; the test
+ * compares it with the GPU time the chain used (the simulated node's timeline).
+ */
+static void exit_tail(const char *self, int processes)
+{
+    double start = now_ms();
+    for (int i = 0; i < processes; i++) {
+        pid_t child = fork();
+        if (child < 0)
+            exit(2);
+        if (child == 0) {
+            execl(self, self, "tail-child", (char *)NULL);
+            _exit(2);
+        }
+        int status;
+        while (waitpid(child, &status, 0) < 0 && errno == EINTR)
+            ;
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            exit(3);
+    }
+    printf("elapsed %.0f\n", now_ms() - start);
+}
+
+static void tail_child(void)
+{
+    open_driver();
+    created_context();
+    CUfunction fn = load_kernel(PTX, "spin_5000ms");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    usleep(1000000);
+    _exit(0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: review12_sm <scenario>\n");
+        return 2;
+    }
+    if (strcmp(argv[1], "exit-tail") == 0) {
+        exit_tail(argv[0], 5);
+        return 0;
+    }
+    if (strcmp(argv[1], "tail-child") == 0)
+        tail_child();
+    open_driver();
+    g_ctx = created_context();
+    g_fn = load_kernel(PTX, "spin_50ms");
+    g_long = load_kernel(PTX, "spin_2500ms");
+    check(FN(cuStreamCreate)(&g_stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    const char *s = argv[1];
+    if (strcmp(s, "stall") == 0)
+        stall();
+    else if (strcmp(s, "init-race") == 0)
+        init_race();
+    else if (strcmp(s, "no-watcher") == 0)
+        no_watcher();
+    else if (strcmp(s, "stopped") == 0)
+        stopped();
+    else if (strcmp(s, "getproc") == 0)
+        getproc();
+    else if (strcmp(s, "kernel") == 0)
+        offer(one_kernel);
+    else {
+        fprintf(stderr, "unknown scenario %s\n", s);
+        return 2;
+    }
+    return 0;
+}

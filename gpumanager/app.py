@@ -372,6 +372,7 @@ class Agent:
         """The kubelet's Allocate, PreStartContainer and GetPreferredAllocation, now that the state is loaded."""
         from gpumanager.deviceplugin.handlers import Handlers
         from gpumanager.deviceplugin.preferred import Preference
+        from gpumanager.kube.kubelet_checkpoint import CheckpointFile, records_container
         from gpumanager.kube.owners import OwnerResolver
         from gpumanager.kube.podresources import PodResourcesClient
 
@@ -384,6 +385,9 @@ class Agent:
         )
         # Asked only when a request's only room is that of an allocation freed before its start.
         allocator.set_holder_lookup(lambda ids: owners.owner(names.VCORE_RESOURCE, ids))
+        # Asked only when a request names the IDs of a started container whose pod runs.
+        kubelet_file = CheckpointFile(Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT)
+        allocator.set_kubelet_records(lambda key: records_container(kubelet_file, names.VCORE_RESOURCE, key))
         handlers = Handlers(
             allocator=allocator,
             layout=self.layout,

@@ -365,14 +365,20 @@ class SimCluster:
         """The kubelet restarts (:meth:`KubeletSimulator.restart`) and admits every pod of the node again at
         once, before a device plugin can register again. A running container needs nothing (kubelet 1.27 on);
         a pod admitted whose containers had not started finds its resource without healthy devices and fails
-        its admission (:meth:`admit`). Returns the monotonic time ``kubelet.sock`` was re-created."""
+        its admission (:meth:`admit`). A kubelet whose ``kubelet_internal_checkpoint`` was removed or damaged
+        knows no devices of any container afterwards: a running container runs on (no Allocate), but its next
+        start fails (:meth:`restart_container`). Returns the monotonic time ``kubelet.sock`` was re-created."""
+        admitted = {run.uid for run in self.runs.values() if self.kubelet.allocations(run.uid)}
         created = self.kubelet.restart()
         for run in list(self.runs.values()):
             held = [*run.core.values(), *run.memory.values()]
-            if run.statuses or not held or not self.kubelet.allocations(run.uid):
+            if run.statuses or not held or run.uid not in admitted:
                 continue  # started, without devices, or already failed or gone
             resource = held[0].resource
-            failed = AllocationError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            if resource in self.kubelet.resources():
+                failed = AllocationError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            else:
+                failed = AllocationError(f"cannot allocate unregistered device {resource}")
             self._admission_failed(run, failed)
         return created
 

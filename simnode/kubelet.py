@@ -26,7 +26,11 @@ the kubelet's device manager closely:
   closes the old one at once, as kubelets up to 1.24 did. Calls on a stopped endpoint are refused
   ("endpoint ... has been stopped") before they reach the plugin.
 * :meth:`KubeletSimulator.restart` simulates a kubelet restart: plugin connections dropped (their
-  devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created.
+  devices unhealthy), every unix socket in the directory removed, ``kubelet.sock`` re-created. The
+  allocations come back from ``kubelet_internal_checkpoint``: with that file missing or damaged the
+  restarted kubelet knows no container's devices, and a container that starts again later fails in
+  PreStartContainer's look-up ("no devices found allocated in local cache ...") before any plugin
+  call, as the kubelet's GetDeviceRunContainerOptions checks that before it would allocate again.
 * An optional PodResources v1 server (:mod:`simnode.kubelet_podresources`).
 
 A resource whose endpoint stopped (stream ended, kubelet restarted) and was not registered again within
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import random
@@ -553,7 +558,8 @@ class KubeletSimulator:
 
         The Registration server stops, plugin channels close (their devices turn unhealthy),
         every unix socket in the directory is removed (plugins' sockets included), then
-        ``kubelet.sock`` is created again. Allocations, like the checkpoint, survive.
+        ``kubelet.sock`` is created again. Allocations survive as the checkpoint holds them; when it is
+        missing or damaged, the restarted kubelet knows none (:meth:`_read_checkpoint`).
         """
         with self._cond:
             if not self._running:
@@ -564,9 +570,47 @@ class KubeletSimulator:
         self._stop_servers()
         self._close_endpoints(endpoints)
         self.cleanup_plugin_directory()
+        self._read_checkpoint()
         created = self._start_servers()
         logger.info("kubelet simulator restarted; kubelet.sock re-created")
         return created
+
+    def _read_checkpoint(self) -> None:
+        """What a starting kubelet's device manager knows (``readCheckpoint``): the allocations and
+        endpoints of ``kubelet_internal_checkpoint``. A file that is missing (the directory removed and
+        made again) or cannot be read (damaged) leaves it knowing none ("Continue after failing to read
+        checkpoint file. Device allocation info may NOT be up-to-date"): every container's devices,
+        every resource and its endpoint are forgotten until the plugins register again. A file that reads
+        holds what this simulator knows (it writes it on every change), which is kept. Without
+        checkpoint writing (``write_checkpoint=False``) the state is kept as it is."""
+        if not self._write_enabled:
+            return
+        try:
+            document = json.loads(self.checkpoint_path.read_text())
+            readable = isinstance(document, dict) and isinstance(document.get("Data"), dict)
+            problem = "" if readable else "no Data object"
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            readable, problem = False, f"{type(err).__name__}: {err}"
+        if readable:
+            return
+        with self._cond:
+            forgotten = len(self._allocations)
+            self._allocations.clear()
+            self._departed.clear()
+            self._reusable.clear()
+            self._pending.clear()
+            self._endpoints.clear()
+            self._replaced.clear()
+            self._devices.clear()
+            self._last_read.clear()
+            self._pod_resources_version += 1
+            self._cond.notify_all()
+        logger.warning(
+            "kubelet restarted without a readable %s (%s): %d device allocation(s) and every resource forgotten",
+            self.checkpoint_path,
+            problem,
+            forgotten,
+        )
 
     def __enter__(self) -> KubeletSimulator:
         self.start()
@@ -1393,11 +1437,16 @@ class KubeletSimulator:
         """Call PreStartContainer (30 s deadline) if the plugin asked for it; return whether it did.
 
         Raises :class:`KubeletSimError` when the container holds no devices of ``resource`` or the
-        endpoint is gone, and :class:`PluginRPCError` when the call fails.
+        endpoint is gone, and :class:`PluginRPCError` when the call fails. A resource the kubelet
+        neither has registered nor allocated (its checkpoint lost, the plugin not back yet) is skipped.
         """
         with self._lock:
             ep = self._endpoints.get(resource)
             if ep is None:
+                if resource not in self._devices and not any(k[2] == resource for k in self._allocations):
+                    # isDevicePluginResource: neither registered nor allocated (a restarted kubelet whose
+                    # checkpoint was lost, before the plugin registers): the resource is skipped.
+                    return False
                 raise KubeletSimError(f"endpoint not found in cache for a registered resource: {resource}")
             if ep.options is None or not ep.options.pre_start_required:
                 return False

@@ -19,7 +19,11 @@ its record is durable; a record that cannot be written undoes its change.
 Device IDs come back: the kubelet frees a deleted pod's IDs at once and may
 hand the same set to a new container of the same size. The same IDs are a
 repeat of an earlier Allocate only while their holder is alive and has not
-started; otherwise the old allocation is freed and the request matched anew.
+started; otherwise the old allocation is freed and the request matched anew,
+unless its container started, the kubelet's own records hold no devices of it
+and the API server shows its pod running: a kubelet restarted without its
+``kubelet_internal_checkpoint`` counts every ID free while the containers run,
+so that container keeps its GPUs and the request is matched beside it.
 
 Allocate looks only at what changed: the allocator keeps an index of the pods
 that may still wait for GPUs (pending, not assigned, not being deleted) and
@@ -198,6 +202,8 @@ class Allocator:
         # The kubelet's holder (pod UID, container) of a set of device IDs, None when none: asked (lock
         # released) only when a request's only room is that of an allocation freed before its start.
         self._holder_of: Callable[[Sequence[str]], tuple[str, str] | None] | None = None
+        # Whether the kubelet's records hold devices of a (pod UID, container) (set_kubelet_records).
+        self._kubelet_records: Callable[[tuple[str, str]], bool] | None = None
         # The containers answered with each (pod UID, container) directory ``<vm>/<pod uid>/<container>``,
         # which they mount (ContainerAllocation.answered): one each, so that no two share a vcuda.config.
         self._answering: dict[tuple[str, str], set[tuple[str, str]]] = {}
@@ -338,6 +344,15 @@ class Allocator:
         its start goes to a request that has no other (the kubelet's holder of its IDs is not asked)."""
         with self._lock:
             self._holder_of = holder_of
+
+    def set_kubelet_records(self, records: Callable[[tuple[str, str]], bool]) -> None:
+        """Where the kubelet's own records are asked (lock released) whether they hold vcuda-core devices
+        for a (pod UID, container); False also when they cannot be read. Asked only when an Allocate names
+        the IDs of a started container whose pod the cache shows running: without its records (the kubelet
+        restarted without its checkpoint), and its pod running at the API server, that container keeps its
+        GPUs and the request is matched beside it. Without it, such IDs mean the container ended."""
+        with self._lock:
+            self._kubelet_records = records
 
     def set_response_settings(self, response: ResponseSettings) -> None:
         """Answers from now on use these node-wide settings (e.g. the driver mirror's paths once built)."""
@@ -488,12 +503,28 @@ class Allocator:
                 suspect = self._by_ids.get(wanted)
                 if suspect is not None:
                     self._take_pod_changes()  # whether a later container of its pod waits for them
+                # IDs a started container holds, its pod running in the cache: given on because the pod
+                # ended (the cache lagging), or because the kubelet lost its record of that container (it
+                # restarted without its checkpoint). Its records and the API server tell (lock released).
+                records = self._kubelet_records
+                running = (
+                    suspect
+                    if suspect is not None and records is not None and matching.started_and_alive(self, suspect)
+                    else None
+                )
                 if suspect is not None and (
                     not matching.is_repeat(self, suspect)
                     or matching.handed_within_pod(self, suspect, cores) is not None
                 ):
                     suspect = None
             handed_on = suspect is not None and matching.gone_at_server(self, suspect)
+            runs_on = (
+                running is not None
+                and records is not None
+                and not records(running)
+                and matching.alive_at_server(self, running)
+            )
+            keep: frozenset[tuple[str, str]] = frozenset()  # holders of some of ``wanted`` never taken back
             with self._changing():
                 known = self._by_ids.get(wanted)
                 within = matching.handed_within_pod(self, known, cores) if known is not None else None
@@ -533,6 +564,26 @@ class Allocator:
                         release.release_locked(self, known[0])
                         matching.set_waiting(self, known[0], None)
                         changed = True
+                    elif runs_on and known == running and self._allocs[known].started:
+                        # Its container started, its pod runs at the API server and the kubelet's records
+                        # have no devices of it: the kubelet lost them, and counts these IDs free while that
+                        # container runs, which keeps its GPUs; the request is matched anew beside it, never
+                        # into its room.
+                        keep = frozenset({known})
+                        kept = self._allocs[known]
+                        log.warning(
+                            "Allocate for %s: these IDs are held by pod %s/%s (UID %s) container %s, which has "
+                            "started, and the API server shows its pod running: the kubelet no longer counts them "
+                            "as that container's (it lost its record of it: kubelet_internal_checkpoint removed "
+                            "or damaged before the kubelet restarted). That container keeps its GPUs %s and the "
+                            "request is matched anew beside it; the kubelet cannot start that container again "
+                            "(no devices in its local cache): delete its pod to have it made again",
+                            ids.describe(ordered),
+                            kept.namespace,
+                            kept.pod_name,
+                            *known,
+                            list(kept.minors),
+                        )
                     else:
                         # Given on by the kubelet (its container started or ended), or asked again for
                         # that container: taken back only once another container gets them.
@@ -542,7 +593,9 @@ class Allocator:
                     candidate = self._match_cached(cores)
                     if candidate is not None:
                         try:
-                            alloc, response, ticket = self._allocate_taking_back(candidate, ordered, wanted, received)
+                            alloc, response, ticket = self._allocate_taking_back(
+                                candidate, ordered, wanted, received, keep
+                            )
                             changed = True
                             if candidate.guess:
                                 self._guessed.add(alloc.key)
@@ -575,7 +628,7 @@ class Allocator:
                         raise full
                     candidate = found
                     changed = True  # an allocation may be taken back even if this one fails
-                    alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
+                    alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received, keep)
                     release.note_fresh(self, candidate.pod)
             elif candidate is None:
                 # The cache has not seen the pod yet: ask the API server, with the lock released.
@@ -614,7 +667,7 @@ class Allocator:
                         changed = True
                         first = freed_unstarted.detach(self, (podinfo.uid(lost.pod), lost.request.name))
                         try:
-                            alloc, response, ticket = self._allocate_taking_back(lost, ordered, wanted, received)
+                            alloc, response, ticket = self._allocate_taking_back(lost, ordered, wanted, received, keep)
                         except AllocationError:
                             freed_unstarted.reattach(self, first)
                             raise
@@ -632,7 +685,9 @@ class Allocator:
                     else:
                         candidate = found
                         changed = True  # an allocation may be taken back even if this one fails
-                        alloc, response, ticket = self._allocate_instead(held, candidate, ordered, wanted, received)
+                        alloc, response, ticket = self._allocate_instead(
+                            held, candidate, ordered, wanted, received, keep
+                        )
                         release.note_fresh(self, candidate.pod)
             if repeat is not None and known is not None:
                 try:
@@ -713,15 +768,21 @@ class Allocator:
         return replace(alloc, answered_as=name)
 
     def _allocate_taking_back(
-        self, candidate: Candidate, device_ids: tuple[str, ...], wanted: frozenset[str], received: float
+        self,
+        candidate: Candidate,
+        device_ids: tuple[str, ...],
+        wanted: frozenset[str],
+        received: float,
+        keep: AbstractSet[tuple[str, str]] = frozenset(),
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
         """:meth:`_allocate_locked`; where no GPU has room, the containers of other pods that held some of
-        ``wanted`` are taken back first (:func:`freed_unstarted.take_back_handed_on`) and it is tried once more. The
-        same whether the candidate came from the pod cache or from a fresh list of the API server."""
+        ``wanted`` are taken back first (:func:`freed_unstarted.take_back_handed_on`), but those of ``keep``
+        (found running), and it is tried once more. The same whether the candidate came from the pod cache
+        or from a fresh list of the API server."""
         try:
             made = self._allocate_locked(candidate, device_ids)
         except AllocationError as exc:
-            if exc.kind != "exhausted" or not freed_unstarted.take_back_handed_on(self, wanted, candidate):
+            if exc.kind != "exhausted" or not freed_unstarted.take_back_handed_on(self, wanted, candidate, keep):
                 raise
             made = self._allocate_locked(candidate, device_ids)
         self._asked_at[wanted] = received
@@ -761,6 +822,7 @@ class Allocator:
         device_ids: tuple[str, ...],
         wanted: frozenset[str],
         received: float,
+        keep: AbstractSet[tuple[str, str]] = frozenset(),
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
         """:meth:`_allocate_taking_back` after a look at the API server (lock held again): the holder
         of ``wanted`` is taken out again for the attempt (if the state is still as it was), and put
@@ -771,7 +833,7 @@ class Allocator:
             else:
                 held = None  # released or changed meanwhile
         try:
-            made = self._allocate_taking_back(candidate, device_ids, wanted, received)
+            made = self._allocate_taking_back(candidate, device_ids, wanted, received, keep)
         except AllocationError:
             freed_unstarted.reattach(self, held)
             raise

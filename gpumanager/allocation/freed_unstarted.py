@@ -5,6 +5,7 @@ putting it back or retiring it. Called with the allocator's lock held."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -35,19 +36,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def take_back_handed_on(allocator: Allocator, wanted: frozenset[str], candidate: Candidate) -> bool:
+def take_back_handed_on(
+    allocator: Allocator,
+    wanted: frozenset[str],
+    candidate: Candidate,
+    keep: AbstractSet[tuple[str, str]] = frozenset(),
+) -> bool:
     """Take back the containers of other pods that held some of ``wanted`` (under the lock).
 
     The kubelet never hands out an ID a container of an active pod holds: seeing one again in a
     request for another pod means it stopped counting that pod (its containers stopped), even if the
     pod's status does not say so yet. A container of the candidate's own pod (an init container whose
-    devices the kubelet reuses) keeps its IDs. True when one was taken back.
+    devices the kubelet reuses) keeps its IDs, as do those of ``keep``: found running at the API server
+    (a kubelet that lost its checkpoint counts their IDs free). True when one was taken back.
     """
     pod_uid = podinfo.uid(candidate.pod)
     handed_on = [
         key
         for key, alloc in allocator._allocs.items()
-        if key[0] != pod_uid and alloc.device_ids and not wanted.isdisjoint(alloc.device_ids)
+        if key[0] != pod_uid and key not in keep and alloc.device_ids and not wanted.isdisjoint(alloc.device_ids)
     ]
     for key in handed_on:
         take_back(allocator, key)

@@ -231,6 +231,38 @@ def gone_at_server(allocator: Allocator, key: tuple[str, str]) -> bool:
     return not alive
 
 
+def started_and_alive(allocator: Allocator, key: tuple[str, str]) -> bool:
+    """Whether ``key``'s container has started and the pod cache shows its pod neither ended nor being deleted
+    (lock held): an Allocate naming its IDs does not tell that it stopped before the API server is asked."""
+    alloc = allocator._allocs.get(key)
+    if alloc is None or not alloc.started:
+        return False
+    pod = allocator._pods.get(key[0])
+    return pod is not None and not podinfo.is_terminated(pod) and not podinfo.is_deleting(pod)
+
+
+def alive_at_server(allocator: Allocator, key: tuple[str, str]) -> bool:
+    """Whether the API server, listed now, shows ``key``'s pod neither ended nor being deleted; True when it
+    cannot be asked (the container is not known to have stopped). Called with the lock released.
+
+    The kubelet hands out an ID a container holds only once it stops counting that container's pod (the
+    pod ended or is being deleted, which the API server shows first but for the kubelet's status lag of a
+    pod ending by itself), or once it lost its record of the container: a kubelet restarted without its
+    ``kubelet_internal_checkpoint`` (the device-plugin directory removed and made again, the file damaged)
+    counts every ID free while the containers run on."""
+    try:
+        fresh = allocator._pods.refresh()
+    except Exception as exc:
+        log.warning(
+            "cannot ask the API server whether pod %s still runs (%s): its container %s keeps its GPUs",
+            key[0],
+            exc,
+            key[1],
+        )
+        return True
+    return any(podinfo.uid(p) == key[0] and not podinfo.is_terminated(p) and not podinfo.is_deleting(p) for p in fresh)
+
+
 def refresh_for_room(allocator: Allocator, full: AllocationError) -> list[Pod]:
     """The node's pods listed now, for a request ``full`` refused; that refusal if none can be had."""
     try:

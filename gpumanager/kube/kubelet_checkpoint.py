@@ -183,6 +183,17 @@ class CheckpointFile:
             return self._entries
 
 
+def records_container(file: CheckpointFile, resource: str, key: tuple[str, str]) -> bool:
+    """Whether the kubelet's checkpoint holds devices of ``resource`` for ``key`` (pod UID, container); False
+    when the file is missing or cannot be used, which a kubelet starting from it reads as no records at all."""
+    try:
+        entries = file.entries()
+    except KubeletCheckpointError as exc:
+        log.warning("%s: no records of pod %s container %s can be read in it: %s", file.path, *key, exc)
+        return False
+    return any(e.resource == resource and (e.pod_uid, e.container) == key and e.device_ids for e in entries)
+
+
 def owner_of(entries: Iterable[KubeletEntry], resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:
     """(pod UID, container) holding exactly ``device_ids`` of ``resource``."""
     wanted = frozenset(device_ids)

@@ -358,3 +358,40 @@ def test_node_labels_are_applied_once_a_long_outage_ends(
         assert results == [""]
     finally:
         conn.stop()
+
+
+def test_pod_watch_drops_an_endless_event(raw: RawApi, tmp_path: Path) -> None:
+    """A watch stream that sends bytes without ever ending the line (a broken proxy, a server gone wrong) was
+    read into memory without bound, to the agent's out-of-memory kill. A line longer than any object the API
+    server stores ends the watch, which is watched again."""
+    sent: list[int] = []
+
+    def endless(handler: BaseHTTPRequestHandler) -> None:
+        raw.start_stream(handler)
+        if raw.watches > 1:
+            raw.stopping.wait(60)
+            return
+        block = b"x" * (1 << 20)
+        total = 0
+        try:
+            while total < (200 << 20) and not raw.stopping.is_set():
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
+                total += len(block)
+        except OSError:
+            pass
+        sent.append(total)
+
+    raw.watch = endless
+    cache = PodCache(kube_client(raw.kubeconfig(tmp_path / "kc")), NODE, request_timeout=5.0)
+    cache.start()
+    try:
+        deadline = time.monotonic() + 30
+        while raw.watches < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw.watches >= 2, "the endless event was never given up"
+        deadline = time.monotonic() + 10
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sent and sent[0] < (100 << 20), sent
+    finally:
+        cache.stop()

@@ -60,7 +60,7 @@ from gpumanager.dra import constants as c
 from gpumanager.dra.apierror import describe
 from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.kube.apierror import unknown_node
-from gpumanager.kube.pods import _lines
+from gpumanager.kube.reflector import event_lines
 from gpumanager.kube.rest import ApiException, KubeRest, segment
 
 log = logging.getLogger(__name__)
@@ -709,7 +709,7 @@ class SlicePublisher:
                 )
                 opened, events = time.monotonic(), 0
                 try:
-                    for line in _lines(response):
+                    for line in event_lines(response):
                         if self._stop.is_set():
                             return
                         events += 1

@@ -32,13 +32,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpumanager.kube import shape
 from gpumanager.kube.apierror import failure, resource_version_unusable, too_large_status
 from gpumanager.kube.pager import LIST_PAGE_SIZE
-from gpumanager.kube.reflector import watch_read_timeout
+from gpumanager.kube.reflector import event_lines, watch_read_timeout
 from gpumanager.kube.rest import ApiClient, KubeRest
 from gpumanager.retry import Backoff
 
@@ -105,18 +105,6 @@ def _interned(value: Any) -> Any:
     if type(value) is str and len(value) <= _INTERNED_CHARS:
         return sys.intern(value)
     return value
-
-
-def _lines(response: Any) -> Iterator[bytes]:
-    buffer = b""
-    for chunk in response.stream(amt=None, decode_content=True):
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if line.strip():
-                yield line
-    if buffer.strip():
-        yield buffer
 
 
 class _Flight:
@@ -365,7 +353,7 @@ class PodCache:
         started = time.monotonic()
         events = 0
         try:
-            for line in _lines(response):
+            for line in event_lines(response):
                 if self._stop.is_set():
                     return
                 self._apply(json.loads(line))

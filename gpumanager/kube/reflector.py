@@ -49,16 +49,38 @@ class WatchExpiredError(Exception):
     """The API server no longer has the history the watch asked for (HTTP 410)."""
 
 
-def _lines(response: Any) -> Iterator[bytes]:
-    buffer = b""
+#: The longest watch event taken (bytes): far above the largest object the API server stores (etcd takes
+#: 1.5 MiB a request), so only a stream gone wrong (bytes without a line end, from a broken proxy) reaches it.
+MAX_EVENT_BYTES = 16 << 20
+
+
+class WatchEventTooLargeError(ValueError):
+    """A watch stream sent more than :data:`MAX_EVENT_BYTES` without ending its line."""
+
+
+def event_lines(response: Any, limit: int = MAX_EVENT_BYTES) -> Iterator[bytes]:
+    """The non-blank lines of a watch stream (one JSON event each), each at most ``limit`` bytes:
+    :class:`WatchEventTooLargeError` past it. Read into memory without a bound, an endless line took the
+    process to its out-of-memory kill; each chunk's lines are cut without copying the rest of it again."""
+    pending = bytearray()
     for chunk in response.stream(amt=None, decode_content=True):
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if line.strip():
-                yield line
-    if buffer.strip():
-        yield buffer
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                pending += chunk[start:]
+                break
+            pending += chunk[start:end]
+            start = end + 1
+            if pending.strip():
+                yield bytes(pending)
+            pending.clear()
+        if len(pending) > limit:
+            raise WatchEventTooLargeError(
+                f"a watch event longer than {limit >> 20} MiB (no line end in {len(pending)} bytes); watching again"
+            )
+    if pending.strip():
+        yield bytes(pending)
 
 
 def object_key(obj: Obj) -> str:
@@ -236,7 +258,7 @@ class Reflector:
         self._response = response
         started, events = time.monotonic(), 0
         try:
-            for line in _lines(response):
+            for line in event_lines(response):
                 if self._stop.is_set():
                     return
                 self._apply(json.loads(line))

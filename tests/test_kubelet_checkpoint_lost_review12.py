@@ -197,3 +197,25 @@ def test_the_ids_of_a_running_container_of_a_pod_being_deleted_at_the_api_server
     pods.gone_at_server.add(uid_of("run"))
     alloc.allocate(ids)
     assert alloc.get(uid_of("run"), "c") is None and alloc.get(uid_of("next"), "c") is not None
+
+
+def test_ids_overlapping_a_running_container_the_kubelet_has_no_record_of_never_take_its_room(
+    tmp_path: Path,
+) -> None:
+    """No GPU has room, and the request's IDs share some with a running container the kubelet lost the
+    record of (not all of them): it is not taken back for them (take_back_handed_on), the request is refused."""
+    run = make_pod("run", [("c", 100, 8)])
+    pods = FakePods([run])
+    alloc = make_allocator(tmp_path, pods)
+    alloc.set_kubelet_records(lambda key: False)
+    gpus = len(alloc.tree_snapshot())
+    alloc.allocate(core_ids(0, 100))
+    alloc.pre_start(core_ids(0, 100), (uid_of("run"), "c"))
+    run["status"] = {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}]}
+    for g in range(1, gpus):
+        pods.items.append(make_pod(f"o{g}", [("c", 100, 8)], created=f"2026-11-21T10:0{g}:00Z"))
+        alloc.allocate(core_ids(g, 100))
+    pods.items.append(make_pod("next", [("c", 50, 8)], created="2026-11-21T11:00:00Z"))
+    with pytest.raises(AllocationError):
+        alloc.allocate(core_ids(0, 50))
+    assert alloc.get(uid_of("run"), "c") is not None and alloc.get(uid_of("next"), "c") is None

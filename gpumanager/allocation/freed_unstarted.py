@@ -47,8 +47,10 @@ def take_back_handed_on(
     The kubelet never hands out an ID a container of an active pod holds: seeing one again in a
     request for another pod means it stopped counting that pod (its containers stopped), even if the
     pod's status does not say so yet. A container of the candidate's own pod (an init container whose
-    devices the kubelet reuses) keeps its IDs, as do those of ``keep``: found running at the API server
-    (a kubelet that lost its checkpoint counts their IDs free). True when one was taken back.
+    devices the kubelet reuses) keeps its IDs, as do those of ``keep``, found running at the API server,
+    and every started container whose pod the cache shows running and of which the kubelet's records hold
+    no devices: a kubelet restarted without its checkpoint counts their IDs free while they run. True when
+    one was taken back.
     """
     pod_uid = podinfo.uid(candidate.pod)
     handed_on = [
@@ -56,6 +58,19 @@ def take_back_handed_on(
         for key, alloc in allocator._allocs.items()
         if key[0] != pod_uid and key not in keep and alloc.device_ids and not wanted.isdisjoint(alloc.device_ids)
     ]
+    records = allocator._kubelet_records
+    if records is not None:
+        lost = [key for key in handed_on if matching.started_and_alive(allocator, key) and not records(key)]
+        for key in lost:
+            log.warning(
+                "%s share IDs with pod %s container %s, which has started and runs, and which the kubelet's "
+                "records hold no devices of (it lost them: kubelet_internal_checkpoint removed or damaged before "
+                "the kubelet restarted): that container keeps its GPUs %s",
+                ids.describe(ids.in_order(wanted)),
+                *key,
+                list(allocator._allocs[key].minors),
+            )
+        handed_on = [key for key in handed_on if key not in lost]
     for key in handed_on:
         take_back(allocator, key)
     return bool(handed_on)
@@ -490,7 +505,7 @@ def settle_freed_room(allocator: Allocator, freed: tuple[frozenset[str], ...]) -
                 log.info(
                     "%s, matched to pod %s container %s, freed before it started: the kubelet holds them for no "
                     "container, so the room they held on GPUs %s is free",
-                    ids.describe(sorted(wanted)),
+                    ids.describe(ids.in_order(wanted)),
                     *same[0].key,
                     list(same[0].minors),
                 )
@@ -510,7 +525,7 @@ def settle_freed_room(allocator: Allocator, freed: tuple[frozenset[str], ...]) -
             log.info(
                 "%s, matched to pod %s container %s, freed before it started, are held by pod %s container %s in "
                 "the kubelet's records: the room they held on GPUs %s stays held",
-                ids.describe(sorted(wanted)),
+                ids.describe(ids.in_order(wanted)),
                 *same[0].key,
                 *holder,
                 list(same[0].minors),

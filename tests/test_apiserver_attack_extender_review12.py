@@ -115,3 +115,42 @@ def test_pod_of_unexpected_spec_is_no_traceback(caplog: pytest.LogCaptureFixture
         for kind in ("ADDED", "MODIFIED", "DELETED"):
             state.pod_event(kind, pod)
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_watch_keeps_no_managed_fields(raw: RawApi, tmp_path: Path) -> None:
+    """The extender kept every GPU pod of the cluster as the API server sent it, managedFields included (the
+    server's record of which client set which field, never read here, most of a pod's size): 20,000 pods
+    held 193 MiB, 38 MiB without them. They are dropped as the agent's pod cache drops them."""
+    fields = [{"manager": "kubelet", "operation": "Update", "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}}]
+
+    def pod(i: int) -> dict[str, Any]:
+        return {
+            "metadata": {
+                "name": f"p{i}",
+                "namespace": "default",
+                "uid": f"u{i}",
+                "resourceVersion": "5",
+                "managedFields": fields,
+            },
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"tencent.com/vcuda-core": "50"}}}]},
+        }
+
+    raw.list_body = lambda _h: {"metadata": {"resourceVersion": "10"}, "items": [pod(i) for i in range(50)]}
+
+    def one_more(handler: BaseHTTPRequestHandler) -> None:
+        raw.start_stream(handler)
+        raw.event(handler, {"type": "ADDED", "object": pod(50)})
+        raw.stopping.wait(60)
+
+    raw.watch = one_more
+    api = api_client(raw.kubeconfig(tmp_path / "kc"), wait_as_told=False)
+    watch = Watch("pods", client.CoreV1Api(api).list_pod_for_all_namespaces, watch_timeout=30)
+    watch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(watch) < 51 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(watch) == 51
+        assert not [o for o in watch.objects() if "managedFields" in o["metadata"]]
+    finally:
+        watch.stop()

@@ -45,6 +45,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -727,6 +728,11 @@ class DRAKubeletSimulator:
         uid = pod["metadata"]["uid"]
         known, broken = self._cdi_devices()
         started: dict[str, RunningContainer] = {}
+        if cgroup_root is not None:
+            # The sandbox (the pause container) first, its cgroup beside the containers': no status names it.
+            pod_cgroup = cgroup_root / "kubepods" / f"pod{uid}"
+            if not pod_cgroup.is_dir():
+                make_cgroup(pod_cgroup / uuid.uuid5(uuid.NAMESPACE_OID, uid).hex, [1])
         for container in pod["spec"]["containers"]:
             refs = ((container.get("resources") or {}).get("claims")) or []
             ids: list[str] = []

@@ -112,6 +112,17 @@ def admission_annotations(gpus: Sequence[Sequence[int]], predicate_time: int) ->
     return out
 
 
+def _start_error(exc: KubeletSimError) -> str:
+    """The message of a container whose start failed in GetDeviceRunContainerOptions, as its status shows it."""
+    if isinstance(exc, PluginRPCError):
+        desc = exc.details
+        if exc.code is not None:
+            code = "".join(part.capitalize() for part in exc.code.name.split("_"))
+            desc = f"rpc error: code = {code} desc = {exc.details}"
+        return f"device plugin PreStartContainer rpc failed with err: {desc}"
+    return str(exc)
+
+
 class RemoteApiServer(HttpPodApi):
     """The API-server simulator in its own process, driven over HTTP with the real client.
 
@@ -483,30 +494,52 @@ class SimCluster:
         ID, a new cgroup with a fresh PID (``run.pids``). The pod's status naming the new ID (restartCount
         one more, the old one's end as ``lastState``) reaches the API server ``status_lag`` later; until then
         it names the old ID. ``publish_status=False``: not at all until :meth:`publish_status`. Returns the
-        new container ID."""
+        new container ID. A failing PreStartContainer (or the kubelet's own check before it) raises
+        :class:`KubeletSimError`: the container is not made, and the status says it waits
+        (``CreateContainerConfigError``, the error as its message) with the old one's end as ``lastState``."""
         statuses = run.statuses if any(s["name"] == name for s in run.statuses) else run.init_statuses
         index = next((i for i, s in enumerate(statuses) if s["name"] == name), None)
         if index is None:
             raise KeyError(f"pod {run.namespace}/{run.name} has no started container {name}")
         old = statuses[index]
-        old_cid = str(old["containerID"]).split("://", 1)[-1]
-        shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{run.uid}" / old_cid, ignore_errors=True)
         held = {names.VCORE_RESOURCE: run.core, names.VMEMORY_RESOURCE: run.memory}
-        for res in self.kubelet.limits_order(r for r, by_name in held.items() if name in by_name):
-            self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
+        if old.get("containerID"):
+            old_cid = str(old["containerID"]).split("://", 1)[-1]
+            shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{run.uid}" / old_cid, ignore_errors=True)
+            ended = {
+                "terminated": {
+                    "exitCode": 1,
+                    "reason": "Error",
+                    "containerID": old["containerID"],
+                    "startedAt": "2026-11-21T10:00:00Z",
+                    "finishedAt": "2026-11-21T10:05:00Z",
+                }
+            }
+        else:  # its last start failed: the kubelet tries again, the container that ran last still ended
+            ended = dict(old.get("lastState") or {})
+        try:
+            for res in self.kubelet.limits_order(r for r, by_name in held.items() if name in by_name):
+                self.kubelet.pre_start(res, pod_uid=run.uid, container_name=name)
+        except KubeletSimError as exc:
+            # The new container is never created: the status says it waits (CreateContainerConfigError, the
+            # kubelet's error as its message), its old one's end as lastState; the pod stays Running.
+            statuses[index] = {
+                "name": name,
+                "ready": False,
+                "restartCount": int(old.get("restartCount", 0)),
+                "image": "cuda",
+                "imageID": "",
+                "state": {"waiting": {"reason": "CreateContainerConfigError", "message": _start_error(exc)}},
+                "lastState": ended,
+            }
+            if publish_status:
+                self._later(lambda: self._publish_late(run))
+            raise
         restarts = int(old.get("restartCount", 0)) + 1
         cid = f"{run.uid[:8]}{name}r{restarts}".replace("-", "")
         status = self._running_status(run, name, cid)
         status["restartCount"] = restarts
-        status["lastState"] = {
-            "terminated": {
-                "exitCode": 1,
-                "reason": "Error",
-                "containerID": old["containerID"],
-                "startedAt": "2026-11-21T10:00:00Z",
-                "finishedAt": "2026-11-21T10:05:00Z",
-            }
-        }
+        status["lastState"] = ended
         statuses[index] = status
         if publish_status:
             self._later(lambda: self._publish_late(run))
@@ -515,14 +548,7 @@ class SimCluster:
     def _start_failed(self, run: PodRun, container: str, exc: KubeletSimError) -> None:
         """The container's start failed in GetDeviceRunContainerOptions: it waits, with the error as its
         message, until the kubelet's next try."""
-        if isinstance(exc, PluginRPCError):
-            desc = exc.details
-            if exc.code is not None:
-                code = "".join(part.capitalize() for part in exc.code.name.split("_"))
-                desc = f"rpc error: code = {code} desc = {exc.details}"
-            message = f"device plugin PreStartContainer rpc failed with err: {desc}"
-        else:
-            message = str(exc)
+        message = _start_error(exc)
         waiting = {
             "name": container,
             "ready": False,

@@ -17,6 +17,7 @@ Those IDs coming back do not mean that container ended: its GPU share must stay 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,26 @@ def test_a_restarted_container_fails_before_any_plugin_call_and_its_share_stays_
     assert len(cluster.kubelet.pre_start_calls) == pre_starts
     assert len(cluster.kubelet.allocations()) <= allocations
     assert _usage(cluster) == before
+    # The pod runs on with its container waiting, which the agent names once, with what to do.
+    status = cluster.pod(run)["status"]
+    assert status["phase"] == "Running"
+    waiting = status["containerStatuses"][0]["state"]["waiting"]
+    assert waiting["reason"] == "CreateContainerConfigError"
+    assert waiting["message"] == (
+        f"no devices found allocated in local cache for pod {run.uid}, container main, resource "
+        + waiting["message"].rsplit("resource ", 1)[1]
+    )
+    assert cluster.agent is not None
+    deadline = time.monotonic() + 10
+    while not (told := [line for line in cluster.agent.log_text().splitlines() if "cannot start again" in line]):
+        assert time.monotonic() < deadline, cluster.agent.log_text()[-3000:]
+        time.sleep(0.05)
+    assert " ERROR " in told[0] and "pod default/a container main" in told[0]
+    assert "its GPUs [0] stay held for it" in told[0] and "delete the pod" in told[0]
+    with pytest.raises(KubeletSimError):  # the kubelet's next try fails the same way, told once
+        cluster.restart_container(run, "main")
+    time.sleep(0.5)
+    assert len([line for line in cluster.agent.log_text().splitlines() if "cannot start again" in line]) == 1
 
 
 def test_a_new_pod_handed_the_ids_of_a_running_container_does_not_take_its_gpu_share(cluster: SimCluster) -> None:

@@ -60,6 +60,8 @@ class AllocationCheck:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._also: list[Callable[[], object]] = []  # run after each check, in this loop (:meth:`also`)
+        # Per pod UID, its containers reported as waiting for devices the kubelet lost the record of.
+        self._told_lost: dict[str, set[str]] = {}
 
     def also(self, task: Callable[[], object]) -> None:
         """Run ``task`` after each periodic check, in the check's thread (an error is logged; the next period
@@ -92,7 +94,10 @@ class AllocationCheck:
     def on_pod_event(self, kind: str, pod: Pod) -> None:
         """Pod watch listener: a pod that is deleted or has ended gives its GPUs back at once."""
         if not (kind == "DELETED" or podinfo.is_terminated(pod)):
+            self._tell_lost_records(pod)
             return
+        if self._told_lost:
+            self._told_lost.pop(podinfo.uid(pod), None)
         if kind == "DELETED" and self._allocator.keep_deleted_mirror(pod):
             return  # a static pod's mirror pod: the static pod runs on
         uid = podinfo.uid(pod)
@@ -108,6 +113,34 @@ class AllocationCheck:
             # ended at once).
             only = {uid} | {a.answered[0] for a in freed}
             self._collect_dirs(self.active_pod_dirs(among=only), only=only)
+
+    def _tell_lost_records(self, pod: Pod) -> None:
+        """Log once per container that the kubelet cannot start it again: it has no record of its devices
+        (its checkpoint was removed or damaged before it restarted) and fails each start before asking the
+        agent, which keeps its GPUs held for it until the pod is deleted."""
+        try:
+            lost = podinfo.without_device_records(pod)
+        except Exception:  # an odd pod object: nothing to tell
+            return
+        if not lost:
+            return
+        uid = podinfo.uid(pod)
+        told = self._told_lost.setdefault(uid, set())
+        for container, message in lost:
+            if container in told:
+                continue
+            told.add(container)
+            alloc = self._allocator.get(uid, container)
+            held = f"its GPUs {list(alloc.minors)} stay held for it" if alloc is not None else "it holds no GPUs here"
+            log.error(
+                "pod %s container %s cannot start again: the kubelet has no record of its devices (its "
+                "kubelet_internal_checkpoint was removed or damaged before it restarted) and fails each start "
+                "before asking this agent (%s); %s until the pod is deleted: delete the pod to have it made again",
+                podinfo.pod_key(pod),
+                container,
+                message[:300],
+                held,
+            )
 
     def _held_while_stopping(self, pod: Pod, uid: str) -> bool:
         """A pod removed while its status names a container not stopped (or none: the status lags the start)

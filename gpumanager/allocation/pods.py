@@ -327,6 +327,23 @@ def should_delete(pod: Pod) -> bool:
     return False
 
 
+#: The kubelet's error for a start of a container whose devices it has no record of (its
+#: GetDeviceRunContainerOptions, before any plugin call): its checkpoint was lost before it restarted.
+KUBELET_NO_DEVICES = "no devices found allocated in local cache"
+
+
+def without_device_records(pod: Pod) -> list[tuple[str, str]]:
+    """(container, message) of each container waiting because the kubelet has no record of its vcuda devices."""
+    found = []
+    for field in ("initContainerStatuses", "containerStatuses"):
+        for cs in _statuses(pod, field):
+            waiting = _mapping(_mapping(cs.get("state")).get("waiting"))
+            message = str(waiting.get("message", ""))
+            if KUBELET_NO_DEVICES in message and (names.VCORE_RESOURCE in message or names.VMEMORY_RESOURCE in message):
+                found.append((str(cs.get("name", "")), message))
+    return found
+
+
 def is_terminated(pod: Pod) -> bool:
     """The pod will not run (again): Succeeded/Failed, or being deleted with no running container.
 

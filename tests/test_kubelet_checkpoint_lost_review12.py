@@ -240,3 +240,18 @@ def test_ids_overlapping_a_running_container_the_kubelet_has_no_record_of_never_
     with pytest.raises(AllocationError):
         alloc.allocate(core_ids(0, 50))
     assert alloc.get(uid_of("run"), "c") is not None and alloc.get(uid_of("next"), "c") is None
+
+
+def test_an_agent_restarted_after_the_kubelet_lost_its_checkpoint_keeps_every_share(cluster: SimCluster) -> None:
+    """The kubelet's records and PodResources no longer name the running containers: they free nothing."""
+    one = cluster.run_pod(gpu_pod("a", [("main", 50, 16)], annotations=admission_annotations([[0]], 1)))
+    cluster.run_pod(gpu_pod("b", [("main", 100, 16)]))
+    before = _usage(cluster)
+    _lose_checkpoint_and_restart_kubelet(cluster)
+    assert cluster.agent is not None
+    cluster.agent.stop()
+    cluster.start_agent()
+    assert _usage(cluster) == before
+    new = cluster.run_pod(gpu_pod("c", [("main", 50, 16)], annotations=admission_annotations([[0]], 2)))
+    usage = _usage(cluster)
+    assert usage[(one.uid, "main")] == ((0,), 0.5) and usage[(new.uid, "main")] == ((0,), 0.5)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -395,3 +397,57 @@ def test_pod_watch_drops_an_endless_event(raw: RawApi, tmp_path: Path) -> None:
         assert sent and sent[0] < (100 << 20), sent
     finally:
         cache.stop()
+
+
+def test_pod_list_refused_by_a_connection_reset_says_so_in_one_clear_line(tmp_path: Path) -> None:
+    """An API server (or a TLS endpoint in front of it) resetting every connection: Allocate's refusal quoted
+    urllib3's own text for the list it asked ("HTTPSConnectionPool(host=..., port=...): Max retries exceeded
+    with url: ... (Caused by ProtocolError(...))") to the pod's events. It now names the server and why, as
+    the pod cache's own log line does."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(50)
+    port = srv.getsockname()[1]
+    stopping = threading.Event()
+
+    def reset_all() -> None:
+        while not stopping.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(100)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_all, daemon=True).start()
+    config = tmp_path / "kc"
+    config.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}", "insecure-skip-tls-verify": True}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    from types import SimpleNamespace
+
+    from gpumanager.allocation.matching import refresh_pods
+    from gpumanager.allocation.model import AllocationError
+
+    cache = PodCache(kube_client(str(config)), NODE, request_timeout=2.0)
+    try:
+        with pytest.raises(AllocationError) as refused:
+            refresh_pods(SimpleNamespace(_pods=cache), 50, ["vcore-0"])  # type: ignore[arg-type]
+    finally:
+        stopping.set()
+        srv.close()
+    message = str(refused.value)
+    assert f"the API server cannot be asked: cannot reach the API server at https://127.0.0.1:{port}" in message
+    assert "reset" in message.lower() and "Max retries" not in message and "\n" not in message, message

@@ -110,6 +110,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, ResponseSettings, build_response
 from gpumanager.device.types import GPUInfo
 from gpumanager.faults import crash_point
+from gpumanager.kube.apierror import plain
 from gpumanager.topology import GPUNode, TopologyTree, render_graph
 
 #: What other modules import from here (the state's parts live in the modules named above).
@@ -1294,7 +1295,7 @@ class Allocator:
                 "pods %s, allocated from the API server's list, are still not in the pod cache, and the API server "
                 "cannot be asked whether they run (%s): kept",
                 ", ".join(overdue),
-                exc,
+                plain(exc),
             )
             return False
         alive = {podinfo.uid(p) for p in fresh if not podinfo.is_terminated(p)}

@@ -20,6 +20,7 @@ from gpumanager.allocation.model import (
     _Detached,
 )
 from gpumanager.allocation.pods import GPURequest, Pod, PodSpecError
+from gpumanager.kube.apierror import plain
 
 if TYPE_CHECKING:
     from gpumanager.allocation.allocator import Allocator
@@ -205,7 +206,7 @@ def refresh_pods(allocator: Allocator, cores: int, device_ids: Sequence[str]) ->
     except Exception as exc:
         raise AllocationError(
             f"Allocate for {ids.describe(device_ids)}: no pending pod known on this node needs {cores} "
-            f"tencent.com/vcuda-core, and the API server cannot be asked: {exc}",
+            f"tencent.com/vcuda-core, and the API server cannot be asked: {plain(exc)}",
             "unavailable",
         ) from exc
 
@@ -219,7 +220,7 @@ def gone_at_server(allocator: Allocator, key: tuple[str, str]) -> bool:
         log.warning(
             "cannot ask the API server whether pod %s still exists (%s): its container's Allocate is taken as repeated",
             key[0],
-            exc,
+            plain(exc),
         )
         return False
     alive = any(podinfo.uid(p) == key[0] and not podinfo.is_terminated(p) for p in fresh)
@@ -256,7 +257,7 @@ def alive_at_server(allocator: Allocator, key: tuple[str, str]) -> bool:
         log.warning(
             "cannot ask the API server whether pod %s still runs (%s): its container %s keeps its GPUs",
             key[0],
-            exc,
+            plain(exc),
             key[1],
         )
         return True
@@ -269,7 +270,7 @@ def refresh_for_room(allocator: Allocator, full: AllocationError) -> list[Pod]:
         return allocator._pods.refresh()
     except Exception as exc:
         raise AllocationError(
-            f"{full} (the API server could not be asked which pods still hold it: {exc})", full.kind
+            f"{full} (the API server could not be asked which pods still hold it: {plain(exc)})", full.kind
         ) from exc
 
 

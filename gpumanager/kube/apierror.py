@@ -52,6 +52,14 @@ def failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def plain(exc: BaseException) -> str:
+    """As :func:`failure`, but an error that is no API answer nor a connection's is its text alone (the
+    agent's own errors say what failed: a type name before them says nothing more)."""
+    if getattr(exc, "status", None) is not None and hasattr(exc, "body"):
+        return describe(exc)
+    return _unreachable(exc) or " ".join(str(exc).split()) or type(exc).__name__
+
+
 #: How urllib3 starts the text of a connection's error: the connection, named by host and port.
 _CONNECTION_PREFIX = re.compile(r"^\(?<?[\w.]*Connection\w*(?:\([^)]*\))?(?: object)?(?: at 0x[0-9a-f]+>)?,?:?\s*'?")
 

@@ -30,6 +30,7 @@ SHARE = 30
 # 1 s at 30 % is 300 ms of GPU time: 6 kernels of 50 ms, plus what the gate lets queue (in flight x cost) and the
 # burst the credit cap allows (100 ms of the rate).  An ungated path admits all 100 offered.
 MOST_ADMITTED = 30
+HOOKS = "t_VC_TEST_HOOKS"  # the interceptor built with -DVC_TEST_HOOKS (as tests/test_vcuda_compute.py names it)
 SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
 
 
@@ -87,6 +88,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             check=True,
         )
         built[variant] = exe
+    built["hooks"] = built["plain"]
     return built
 
 
@@ -94,6 +96,8 @@ def _mirror(where: Path, variant: str) -> Path:
     """A driver mirror as the agent makes it: the interceptor under the sonames, the driver under its full names."""
     where.mkdir()
     interceptor = BUILD / ("asan" if variant == "asan" else "") / "libcuda-control.so"
+    if variant == "hooks":
+        interceptor = BUILD / HOOKS / "libcuda-control.so"
     sim = BUILD / ("sim-asan" if variant == "asan" else "sim")
     for soname in ("libcuda.so.1", "libnvidia-ml.so.1"):
         (where / soname).symlink_to(interceptor)
@@ -186,3 +190,13 @@ def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
     assert m is not None, done.stdout
     assert int(m.group(1)) > 500, done.stdout
     assert int(m.group(2)) == 0, done.stdout
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tmp_path: Path, variant: str) -> None:
+    """The tenant ends the limiter's watcher thread (a signal handler that calls pthread_exit), then launches a
+    2.5 s kernel every 300 ms: each found the 90 ms of refill it needed and went without a look at NVML, so nothing
+    was measured and all 10 went in 3 s of a 30 % share.  A launch now measures itself when the watcher has not for
+    50 ms: the second waits for the first to be paid for."""
+    (admitted,) = _run(programs, tmp_path, variant, "no-watcher")
+    assert admitted <= 2, f"no-watcher ({variant}): {admitted} kernels of 2.5 s admitted in 3 s at {SHARE} %"

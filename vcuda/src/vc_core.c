@@ -38,6 +38,7 @@
 #define MARKER_WORK_NS 100000.0     /* a marker after at least this much estimated work (or when none is out) */
 #define TICK_NS 10000000ull         /* watcher period (budget) */
 #define MEASURE_MIN_NS 2000000ull   /* a blocked launch re-measures at most every 2 ms */
+#define WATCHER_LATE_NS 50000000ull /* a launch measures itself when the watcher has not for this long */
 #define BURST_WALL_NS 100000000ull  /* credit beyond the work in flight: at most 100 ms of the rate */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
@@ -1176,6 +1177,14 @@ static uint64_t budget_gate(struct dev *d)
     pthread_mutex_lock(&d->mu);
     uint64_t now = mono_ns();
     refill(d, now); /* the fast path: markers are polled only when the launch would have to wait */
+    /*
+     * ... and NVML is asked only by the watcher, every 10 ms.  Where it has not measured for a while (the tenant ended
+     * the thread: a signal handler that calls pthread_exit; it could not be started; it is starved), the launch
+     * measures first: else launches spaced so that the refill covered each one's cost (a 2.5 s kernel every 300 ms
+     * at 30 %) never looked at what the GPU ran for them.
+     */
+    if (VC_UNLIKELY(now - d->last_measure > WATCHER_LATE_NS))
+        update(d, now, 0);
     while (d->credit < in_flight(d) * d->cost) {
         update(d, now, MEASURE_MIN_NS);
         double missing = in_flight(d) * d->cost - d->credit;

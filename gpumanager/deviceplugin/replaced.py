@@ -20,15 +20,17 @@ has) and rebuilt since from PodResources with the same device IDs still starts f
 is refused the same. Nothing is looked at on a node whose GPUs kept their device nodes (the common case).
 
 The saved inventory names the new GPUs from the first start that saw them, so what that start found is
-kept beside the checkpoint (:data:`FILE`: the GPUs as they were, the containers answered with them, and
-which of those started again since) until none of those containers is held: an agent restarted again
-before they all started goes on checking them, the ones already running on the replacement counted there.
+kept beside the checkpoint (:data:`FILE`: the GPUs as they were, the containers answered with them,
+which of those started again since, and when the starts waiting for room were first refused) until none
+of those containers is held: an agent restarted again before they all started goes on checking them, the
+ones already running on the replacement counted there, and a wait for room goes on from its first refusal.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -113,7 +115,7 @@ class ReplacedGPUs:
         renumbered: Mapping[tuple[str, str], tuple[int, ...]] | None = None,
         *,
         wait_limit: float = WAIT_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``was``: the saved inventory (place -> GPU); ``gpus`` and ``lost``: the GPUs now (lost ones are
         described as saved, so their device nodes are not counted as reaching them); ``allocations``: every
@@ -122,13 +124,14 @@ class ReplacedGPUs:
         earlier start found), or None to keep nothing; ``renumbered``: the minors the records moved to their
         GPUs' minors of now named (those of their saved answers; see :func:`renumbered`), by (pod UID,
         container); ``wait_limit``: seconds a start may wait for room on a replacement, from its first refused
-        start, before it is refused for good (:data:`WAIT_SECONDS`); ``clock``: the time they are counted in."""
+        start, before it is refused for good (:data:`WAIT_SECONDS`); ``clock``: the time they are counted in (the
+        wall clock: the first refusal's time is kept in ``state_path`` for the next start)."""
         self._path = state_path
         self._wait_limit = wait_limit
         self._clock = clock
-        # Starts refused for want of room on a replacement: when the first one was, by (pod UID, container).
-        self._waiting: dict[tuple[str, str], float] = {}
-        pending, self._pending_keys, started, self._answered_then = _load(state_path)
+        # Starts refused for want of room on a replacement: when the first one was, by (pod UID, container);
+        # kept in the file, so that an agent restart does not start the wait again.
+        pending, self._pending_keys, started, self._answered_then, self._waiting = _load(state_path)
         self._then = dict(renumbered or {})
         lost_places = self._lost = set(lost)
         now_by_minor = {g.minor: g for g in gpus if g.index not in lost_places}
@@ -204,6 +207,7 @@ class ReplacedGPUs:
             else:
                 log.warning("%s", self._runs_there(alloc, changes, "at its next start it runs on the new GPU"))
         self._started &= self._affected.keys()
+        self._waiting = {k: t for k, t in self._waiting.items() if k in self._affected}
         with self._lock:
             self._save()
         return frozenset(self._affected)
@@ -257,10 +261,15 @@ class ReplacedGPUs:
                 crowded = self._crowded(alloc, change)
                 if crowded is not None:
                     now = self._clock()
-                    waited = now - self._waiting.setdefault(alloc.key, now)
+                    first = self._waiting.get(alloc.key)
+                    if first is None:
+                        first = self._waiting[alloc.key] = now
+                        self._save()  # the wait goes on from here after an agent restart
+                    waited = max(0.0, now - first)
                     break
             else:
-                self._waiting.pop(alloc.key, None)
+                if self._waiting.pop(alloc.key, None) is not None:
+                    self._save()
                 self._starting[alloc.key] = self._starting.get(alloc.key, 0) + 1
         if crowded is None:
             return True
@@ -331,6 +340,8 @@ class ReplacedGPUs:
                 "started": sorted([list(k) for k in self._started]),
                 # The device nodes each one's saved answer names (its record follows its GPU's minor).
                 "answered": sorted([[*k, list(a.minors)] for k, a in self._affected.items()]),
+                # When each start still waiting for room on a replacement was first refused (wall clock, s).
+                "waiting": sorted([[*k, t] for k, t in self._waiting.items() if k in self._affected]),
             }
             atomic_write(self._path, json.dumps(doc, sort_keys=True).encode(), durable=True)
         except OSError as exc:
@@ -496,12 +507,19 @@ def _pod_charge(held: Sequence[ContainerAllocation], gpu: GPUInfo) -> tuple[int,
 
 def _load(
     path: Path | None,
-) -> tuple[dict[int, GPUInfo], set[tuple[str, str]], set[tuple[str, str]], dict[tuple[str, str], tuple[int, ...]]]:
+) -> tuple[
+    dict[int, GPUInfo],
+    set[tuple[str, str]],
+    set[tuple[str, str]],
+    dict[tuple[str, str], tuple[int, ...]],
+    dict[tuple[str, str], float],
+]:
     """What an earlier start found (:data:`FILE`): its old GPUs by minor, the containers answered with
-    them, those started again since, and the minors of their saved answers (when kept); empty when missing
-    or unreadable (logged, naming the file)."""
+    them, those started again since, the minors of their saved answers (when kept) and when the starts
+    waiting for room were first refused (when kept); empty when missing or unreadable (logged, naming the
+    file). A damaged ``waiting`` field alone is dropped (logged): those waits start again."""
     if path is None:
-        return {}, set(), set(), {}
+        return {}, set(), set(), {}, {}
     try:
         data = json.loads(read_regular(path, _LIMIT))
         gpus = {g.minor: g for g in map(inventory.gpu_entry, data["gpus"])}
@@ -525,12 +543,38 @@ def _load(
             ):
                 raise ValueError(f"answered entry {item!r:.80} is not a [pod UID, container, [minors]] triple")
             answered[(item[0], item[1])] = tuple(item[2])
-        return gpus, keys("containers"), keys("started"), answered
+        return gpus, keys("containers"), keys("started"), answered, _load_waiting(path, data.get("waiting", []))
     except FileNotFoundError:
-        return {}, set(), set(), {}
+        return {}, set(), set(), {}, {}
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         log.warning("ignoring %s: %s", path, exc)
-        return {}, set(), set(), {}
+        return {}, set(), set(), {}, {}
+
+
+def _load_waiting(path: Path, items: object) -> dict[tuple[str, str], float]:
+    """The ``waiting`` field of :data:`FILE`: (pod UID, container) -> its first refusal's time; empty
+    (logged, naming the file and the entry) when it is damaged."""
+    waiting: dict[tuple[str, str], float] = {}
+    if not isinstance(items, list):
+        log.warning("ignoring the waiting field of %s: %r is not a list; those waits start again", path, items)
+        return {}
+    for item in items:
+        if not (
+            isinstance(item, list)
+            and len(item) == 3
+            and all(isinstance(x, str) for x in item[:2])
+            and type(item[2]) in (int, float)
+            and math.isfinite(item[2])
+        ):
+            log.warning(
+                "ignoring the waiting field of %s: entry %.80r is not a [pod UID, container, time] triple; those "
+                "waits start again",
+                path,
+                item,
+            )
+            return {}
+        waiting[(item[0], item[1])] = float(item[2])
+    return waiting
 
 
 def renumbered(was: Mapping[int, GPUInfo], gpus: Sequence[GPUInfo]) -> dict[int, int]:

@@ -3,6 +3,6 @@ device-plugin side)."""
 
 from __future__ import annotations
 
-from gpumanager.kube.apierror import MAX_MESSAGE, describe
+from gpumanager.kube.apierror import MAX_MESSAGE, describe, plain
 
-__all__ = ["MAX_MESSAGE", "describe"]
+__all__ = ["MAX_MESSAGE", "describe", "plain"]

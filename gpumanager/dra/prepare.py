@@ -34,7 +34,7 @@ from gpumanager.allocation.claims import ClaimAllocation, uid_problem
 from gpumanager.device.types import GPUInfo
 from gpumanager.dra import cdi, sharing
 from gpumanager.dra import constants as c
-from gpumanager.dra.apierror import describe
+from gpumanager.dra.apierror import describe, plain
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, config_problem, parse_claim
 from gpumanager.dra.quantity import shown
 from gpumanager.dra.reads import get_within
@@ -104,7 +104,7 @@ def api_reader(api_client: Any, timeout: float = 10.0) -> ClaimReader:
                 raise ClaimNotFound(f"claim {namespace}/{name} not found") from None
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: {describe(exc)}") from None
         except Exception as exc:  # connection errors, timeouts, a body that is not JSON
-            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {exc}") from None
+            raise ClaimError(f"claim {namespace}/{name}: cannot read it: {plain(exc)}") from None
         if not isinstance(out, dict):
             raise ClaimError(f"claim {namespace}/{name}: cannot read it: the answer is not an object")
         return out

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumanager.dra import constants as c
-from gpumanager.dra.apierror import describe
+from gpumanager.dra.apierror import describe, plain
 from gpumanager.dra.quantity import QuantityError, parse
 from gpumanager.kube.apierror import unknown_node
 from gpumanager.kube.reflector import event_lines
@@ -354,7 +354,7 @@ class SlicePublisher:
             self._on_error(message)
             return False
         except Exception as exc:  # urllib3 errors and the like: keep going
-            self.last_error = f"cannot publish ResourceSlice {self.name}: {exc}"
+            self.last_error = f"cannot publish ResourceSlice {self.name}: {plain(exc)}"
             log.warning("%s (retrying)", self.last_error)
             self._on_error(self.last_error)
             return False

@@ -25,7 +25,7 @@ from typing import Any
 from gpumanager.allocation.claims import ClaimAllocation
 from gpumanager.allocation.pods import Pod
 from gpumanager.device.types import GPUInfo
-from gpumanager.dra.apierror import describe
+from gpumanager.dra.apierror import describe, plain
 from gpumanager.dra.claims import ClaimError, ClaimNotFound, ClaimRef, parse_claim
 from gpumanager.dra.consumers import claim_requests, container_claims
 from gpumanager.dra.reads import get_within
@@ -160,7 +160,7 @@ def api_pod_reader(api_client: Any, timeout: float = 5.0) -> Callable[[str, str]
             ) from None
         except Exception as exc:  # connection errors, timeouts, a body that is not JSON
             raise ClaimError(
-                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: {exc}"
+                f"pod {namespace}/{name}: cannot read it to check the containers that use the claim: {plain(exc)}"
             ) from None
         if not isinstance(out, dict):
             raise ClaimError(f"pod {namespace}/{name}: cannot read it: the answer is not an object")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,28 @@ def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tm
     50 ms: the second waits for the first to be paid for."""
     (admitted,) = _run(programs, tmp_path, variant, "no-watcher")
     assert admitted <= 2, f"no-watcher ({variant}): {admitted} kernels of 2.5 s admitted in 3 s at {SHARE} %"
+
+
+def test_a_launch_waits_for_a_limiter_another_thread_is_setting_up(programs: dict[str, Path], tmp_path: Path) -> None:
+    """Two threads' first launches at once.  The device was marked set up before it was marked limited, so a launch
+    that came between the two stores went through ungated (for as long as the thread setting it up was preempted
+    there; -DVC_TEST_HOOKS widens the window with VCUDA_TEST_INIT_DELAY_US).  The limited mark comes first now: a
+    launch that finds the device set up finds it limited."""
+    done = subprocess.run(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(VCUDA),
+            f"BUILD=build/{HOOKS}",
+            "CFLAGS=-O2 -g -DVC_TEST_HOOKS",
+            "interceptor",
+            f"PYTHON={sys.executable}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (admitted,) = _run(programs, tmp_path, "hooks", "init-race", VCUDA_TEST_INIT_DELAY_US="800000")
+    assert admitted <= MOST_ADMITTED, f"init-race: {admitted} kernels of 50 ms admitted in 1 s at {SHARE} %"

@@ -1345,6 +1345,18 @@ static void inherit_ledger(struct dev *d, int index)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }
 
+#ifdef VC_TEST_HOOKS
+/* Tests only: VCUDA_TEST_INIT_DELAY_US in the middle of a device's set-up, between its first and its second store. */
+static void test_init_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_INIT_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_init_delay() ((void)0)
+#endif
+
 static void init_device(struct dev *d, int index)
 {
     pthread_mutex_lock(&g_init_mu);
@@ -1378,12 +1390,19 @@ static void init_device(struct dev *d, int index)
     d->up_thr = thr > 0 ? thr : 1024;
     d->up_total = d->up_sm * d->up_thr * UP_FACTOR;
     d->up_limit = cfg->share;
+    /*
+     * usable before ready: a launch that finds the device ready goes by usable alone (gate_charge).  The other order
+     * let another thread's launches through ungated between the two stores (for as long as this thread was
+     * preempted there).
+     */
+    if (found)
+        __atomic_store_n(&d->usable, true, __ATOMIC_RELEASE);
+    test_init_delay();
     __atomic_store_n(&d->ready, true, __ATOMIC_RELEASE);
     if (!found) {
         vc_log(VC_LOG_ERROR, "device %d: no NVML handle (NVML %s): the SM limit is NOT enforced on it", index,
                vc_nvml_ready() ? "has no such UUID" : "unavailable");
     } else {
-        __atomic_store_n(&d->usable, true, __ATOMIC_RELEASE);
         vc_log(VC_LOG_INFO, "device %d: SM limit %d%%%s, %s", index, cfg->share,
                cfg->soft ? " (soft)" : "", cfg->upstream ? "upstream algorithm" : "budget algorithm");
         if (!g_watcher) {

@@ -12,6 +12,7 @@ import pytest
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.device.types import GPUInfo
 from gpumanager.deviceplugin.replaced import ReplacedGPUs, ReplacedRefusal
+from tests.test_vmanager_restart_review12 import LAYOUTS, SANDBOX, UID, Layout, Node, cid
 
 MIB = 1 << 20
 OLD = GPUInfo(0, "GPU-old", "Tesla T4", 0, 16384 * MIB, "00000000:10:00.0", 0)
@@ -95,3 +96,55 @@ def test_a_start_that_found_room_forgets_its_wait_and_old_files_read_as_before(t
     with pytest.raises(ReplacedRefusal) as waits:
         damaged.check(held[1])
     assert not waits.value.lasting
+
+
+# -- per-container usage of a restarted container ------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_usage_of_a_restarted_container_goes_to_it_before_its_status_names_the_new_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: Layout
+) -> None:
+    """NVML shows the restarted container's new process on its GPU while the status still names the old
+    container ID (gone): the usage is the container's, found in its new cgroup as the pids refresh finds it
+    (the pod's sandbox cgroup is not taken for it); and still once the status names the new ID."""
+    from gpumanager.metrics import usage
+
+    gpu0 = GPUInfo(0, "GPU-0", "Tesla T4", 0, 16384 * MIB, "00000000:10:00.0", 0)
+    n = Node(layout, tmp_path / "cgroup", tmp_path / "vm")
+    n._make(SANDBOX, [n.next_pid()])
+    main = n.start("main", cid("m0"))
+    n.start("aux", cid("a0"))
+    n.start("side", cid("s0"))
+    allocs = [
+        ContainerAllocation(UID, name, (0,), 30, 1 << 30, namespace="ns", pod_name="p", started=True)
+        for name in ("main", "aux")
+    ]
+    procs: dict[int, int] = {main: 100 * MIB}
+    monkeypatch.setattr(usage, "_sample_gpu", lambda index, since: usage._GPUSample(dict(procs), {}, {}))
+    now = [1000.0]
+    sampler = usage.UsageSampler(
+        gpus=[gpu0],
+        allocations=lambda: list(allocs),
+        pod=lambda uid: n.pod() if uid == UID else None,
+        cgroup_root=n.root,
+        sample_period=1.0,
+        clock=lambda: now[0],
+    )
+
+    def used() -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {
+            u.container: (u.devices[0].used_bytes, u.devices[0].pids)
+            for u in sampler.sample()
+            if u.devices[0].used_bytes
+        }
+
+    assert used() == {"main": (100 * MIB, (main,))}
+    new = n.restart("main", cid("m1"))
+    procs.clear()
+    procs[new] = 200 * MIB
+    now[0] += 1
+    assert used() == {"main": (200 * MIB, (new,))}
+    n.publish()
+    now[0] += 1
+    assert used() == {"main": (200 * MIB, (new,))}

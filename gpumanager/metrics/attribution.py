@@ -49,8 +49,17 @@ def _share(text: str) -> float:
 class ProcessOwners:
     """The container of each GPU process, brought up to date by :meth:`update` once per sample."""
 
-    def __init__(self, locator: cgroups.CgroupLocator, *, rescan_period: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        locator: cgroups.CgroupLocator,
+        *,
+        rescan_period: float,
+        clock: Callable[[], float],
+        read: Callable[[Key, Container], list[int]] | None = None,
+    ) -> None:
+        """``read``: a container's PIDs (its cgroup's; the locator's reading of the container ID by default)."""
         self._locator = locator
+        self._read_pids = read or (lambda key, c: locator.pids(key[0], c[0], c[1]))
         self._period = rescan_period
         self._clock = clock
         self._readings: dict[Key, _Reading] = {}
@@ -135,7 +144,7 @@ class ProcessOwners:
             return
         for key in todo:
             container = containers[key]
-            pids = self._locator.pids(key[0], container[0], container[1])
+            pids = self._read_pids(key, container)
             first = key not in self._readings
             until = now + self._period * (_share("/".join(key)) if first else 1.0)
             self._readings[key] = _Reading(container, frozenset(pids), now, until)

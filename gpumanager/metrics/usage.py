@@ -10,7 +10,10 @@ and ``/usage``.
 Which container a GPU process belongs to is read from the containers' cgroups
 (``cgroup.procs``), as little as possible (:mod:`gpumanager.metrics.attribution`):
 a new container, a PID new on a GPU, and placements older than ``rescan_period``
-(which bounds how long a PID reused by another container could be misattributed).
+(which bounds how long a PID reused by another container could be misattributed). A container
+that restarted, whose pod's status still names the old container ID (its cgroup gone) for a second
+or two, is read in its new cgroup, told apart as the pids.config refresh tells it
+(:mod:`gpumanager.vmanager.restarts`), so that its new processes' usage is its own meanwhile.
 
 NVML is asked on every sample (memory and utilisation are never older than the
 scrape), for at most :data:`gpumanager.metrics.bounded.DEADLINE` seconds: while it does
@@ -37,7 +40,7 @@ from gpumanager.device import nvml
 from gpumanager.device.types import GPUInfo
 from gpumanager.metrics.attribution import Key, ProcessOwners
 from gpumanager.metrics.bounded import NVML, NVMLReads
-from gpumanager.vmanager import cgroups
+from gpumanager.vmanager import cgroups, restarts
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class _Plan:
     indexes: tuple[int, ...]  # the GPUs to ask NVML about: those of some container
     containers: dict[Key, tuple[str, str | None]]  # (container ID, QoS class) of each running container
     holders: dict[int, list[Key]]  # GPU index -> the containers holding it
+    pods: dict[str, Pod]  # pod UID -> the pod its containers' IDs were read from
 
 
 @dataclass
@@ -160,7 +164,8 @@ class UsageSampler:
         self._synced = synced
         self._standins: dict[str, Pod] = {}  # pod UID -> the stand-in pod made from its allocation
         self._period = sample_period
-        self._owners = ProcessOwners(cgroups.CgroupLocator(cgroup_root), rescan_period=rescan_period, clock=clock)
+        self._locator = cgroups.CgroupLocator(cgroup_root)
+        self._owners = ProcessOwners(self._locator, rescan_period=rescan_period, clock=clock, read=self._pids_of)
         self._plan: _Plan | None = None
         self._last: dict[Key, ContainerUsage] = {}  # the last sample's usages
         self._zero: dict[int, DeviceUsage] = {}  # by GPU index: no process of the container there
@@ -228,6 +233,17 @@ class UsageSampler:
         if new or len(last) != len(usages):
             self._last = {u.allocation.key: u for u in usages}
         return usages
+
+    def _pids_of(self, key: Key, container: tuple[str, str | None]) -> list[int]:
+        """The PIDs of the container of ``key`` (pod UID, container), running as ``container`` (the ID its
+        pod's status names, its QoS class): its cgroup's, or, when that one is gone (it restarted and the
+        status does not name the new ID yet), its new cgroup's, when that can be told (as the pids.config
+        refresh finds it)."""
+        plan = self._plan
+        pod = plan.pods.get(key[0]) if plan is not None else None
+        if pod is None or podinfo.container_ids(pod).get(key[1]) != container[0]:
+            return self._locator.pids(key[0], container[0], container[1])
+        return restarts.container_pids(self._locator, pod, key[1])
 
     def _read_gpus(self, indexes: Sequence[int], since_us: int) -> dict[int, _GPUSample]:
         """NVML's processes on each GPU; a GPU it cannot read (or does not answer for) unread."""
@@ -313,7 +329,8 @@ class UsageSampler:
             for g in h.gpus:
                 holders.setdefault(g.index, []).append(h.allocation.key)
         indexes = tuple(sorted(holders))
-        self._plan = plan = _Plan(version, tuple(held), indexes, containers, holders)
+        pods = {h.allocation.pod_uid: h.pod for h in held}
+        self._plan = plan = _Plan(version, tuple(held), indexes, containers, holders, pods)
         self.plans += 1
         return plan
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpumanager.vmanager import files
+from simnode.gpusim_state import GpuSimState
 
 ROOT = Path(__file__).resolve().parents[1]
 VCUDA = ROOT / "vcuda"
@@ -226,3 +227,40 @@ def test_a_launch_waits_for_a_limiter_another_thread_is_setting_up(programs: dic
     assert done.returncode == 0, done.stdout + done.stderr
     (admitted,) = _run(programs, tmp_path, "hooks", "init-race", VCUDA_TEST_INIT_DELAY_US="800000")
     assert admitted <= MOST_ADMITTED, f"init-race: {admitted} kernels of 50 ms admitted in 1 s at {SHARE} %"
+
+
+@pytest.mark.timing
+@pytest.mark.xfail(
+    strict=False,
+    reason="not fixed: the container's sum of provisional charges is a pay-off deadline that runs down with the wall "
+    "clock while the process that holds them also refills its credit, so a process that exits leaves rate x (time "
+    "they were held) too little of its last charges to the next one (0.28 s of each 1 s process at 0.7 s sample delay)",
+)
+def test_a_chain_of_processes_that_exit_with_a_kernel_running_keeps_the_share(
+    programs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Five processes one after the other, each launching a 5 s kernel (gated: it waits for the debt of those before
+    it) and exiting 1 s later with it still running, NVML's samples 0.7 s late as on a real driver: the chain must
+    use at most its 30 % of the time it took, plus the last process's second (nobody pays for it) and a margin."""
+    mirror = _mirror(tmp_path / "mirror", "plain")
+    config = tmp_path / "config" / "vcuda.config"
+    config.parent.mkdir()
+    config.write_bytes(
+        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
+    )
+    (tmp_path / "budget").mkdir()
+    state = tmp_path / "node.state"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(mirror), GPUSIM_SPEC=str(SPEC), GPUSIM_STATE=str(state))
+    env.update(VCUDA_CONFIG_PATH=str(config), VCUDA_BUDGET_DIR=str(tmp_path / "budget"))
+    env["GPUSIM_PROCESS_SAMPLE_DELAY_US"] = "700000"
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([str(programs["plain"]), "exit-tail"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    m = re.search(r"^elapsed (\d+)$", done.stdout, re.M)
+    assert m is not None, done.stdout
+    elapsed = int(m.group(1)) / 1000
+    with GpuSimState(str(state)) as st:
+        timeline = st.timeline(0)
+    assert timeline is not None
+    busy = timeline.busy_ns / 1e9
+    assert busy <= SHARE / 100 * elapsed + 1.5, f"the chain used {busy:.2f} s of the GPU in {elapsed:.2f} s"

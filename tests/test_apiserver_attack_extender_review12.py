@@ -154,3 +154,23 @@ def test_watch_keeps_no_managed_fields(raw: RawApi, tmp_path: Path) -> None:
         assert not [o for o in watch.objects() if "managedFields" in o["metadata"]]
     finally:
         watch.stop()
+
+
+def test_bind_refused_by_a_connection_reset_says_so_in_one_clear_line(tmp_path: Path) -> None:
+    """A bind whose API server reset the connection answered the scheduler with urllib3's own text
+    ("MaxRetryError: HTTPSConnectionPool(...): Max retries exceeded with url: ... (Caused by ...)"), which
+    the scheduler shows in the pod's events. It now names the server and why."""
+    from gpumanager.extender.api import BindingArgs
+    from gpumanager.extender.binder import Binder, BindError
+    from tests.test_apiserver_attack_dra_review12 import _resetting_server
+
+    config, port, srv = _resetting_server(tmp_path)
+    try:
+        binder = Binder(api_client(config, wait_as_told=False), ClusterState(assume_ttl=30), "binpack")
+        with pytest.raises(BindError) as refused:
+            binder.bind(BindingArgs("p", "default", "u-p", "node-1"))
+    finally:
+        srv.close()
+    message = str(refused.value)
+    assert f"cannot reach the API server at https://127.0.0.1:{port}" in message, message
+    assert "Max retries" not in message and "\n" not in message, message

@@ -60,6 +60,7 @@ from gpumanager.extender.claims import ANNOTATION as CLAIMS
 from gpumanager.extender.claims import Claim, encode_claims, parse_claims
 from gpumanager.extender.placement import Policy, free_figures, never_served, place
 from gpumanager.extender.state import Assumption, ClusterState
+from gpumanager.kube.apierror import unreachable
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def _api_text(exc: Exception, deadline: _Deadline | None = None) -> str:
         except (ValueError, AttributeError):
             message = ""
         return f"{exc.status} {exc.reason}" + (f": {message}" if message else "")
-    return f"{type(exc).__name__}: {exc}"
+    return unreachable(exc) or f"{type(exc).__name__}: {exc}"
 
 
 def _predicate_time(claims: Mapping[str, Claim], uid: str) -> int:

@@ -64,6 +64,11 @@ def plain(exc: BaseException) -> str:
 _CONNECTION_PREFIX = re.compile(r"^\(?<?[\w.]*Connection\w*(?:\([^)]*\))?(?: object)?(?: at 0x[0-9a-f]+>)?,?:?\s*'?")
 
 
+def unreachable(exc: BaseException) -> str:
+    """For urllib3's MaxRetryError, ``cannot reach the API server at <server>: <why>``; "" otherwise."""
+    return _unreachable(exc)
+
+
 def _unreachable(exc: BaseException) -> str:
     """For urllib3's MaxRetryError (its text names the pool twice and the URL), the server and why it
     could not be reached: ``cannot reach the API server at https://host:port: <why>``; "" otherwise."""

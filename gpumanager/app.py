@@ -130,6 +130,8 @@ class Agent:
         --device-plugin-path is moved to that directory when it is made again)."""
         self.config = config
         self._held_locks = tuple(held_locks)
+        # Device-plugin mode: the lock of --virtual-manager-path, moved with the directory made again.
+        self._vm_lock: DirectoryLock | None = None
         self.node_name = config.resolved_node_name()
         self.gpus: list[GPUInfo] = []
         self.lost: list[int] = []  # at start (the health propagation follows those that come back)
@@ -310,6 +312,7 @@ class Agent:
             allocation=allocator.get,
             pod=self.pods.get,
             driver_version=self.driver_version,
+            dir_lock=self._vm_lock,
         )
         # The pods that hold allocations (an agent restart) get their vcuda.sock back now, not once the
         # API server answered: the upstream library kills a process whose registration finds no one
@@ -353,13 +356,23 @@ class Agent:
         # Health changes reach the lists from now on (the servicers are woken once they exist).
         self.propagation.attach_device_lists(lists, self.servicers)
         dp_dir = Path(cfg.device_plugin_path)
+        vm_dir = Path(cfg.virtual_manager_path)
+        dp_lock = DirectoryLock(dp_dir, f"--device-plugin-path={dp_dir}", self._held_locks)
+        try:
+            same = vm_dir.samefile(dp_dir)
+        except OSError:
+            same = False
+        # One lock per directory (the command line locked it once): the pods' directory made again is
+        # locked before anything is written there, as the sockets' is.
+        self._vm_lock = dp_lock if same else DirectoryLock(vm_dir, f"--virtual-manager-path={vm_dir}", self._held_locks)
         self.plugins, servicers = vcuda_plugins(
             lists,
             self.handlers,
             dp_dir,
             cfg.kubelet_socket,
             watch_period=cfg.kubelet_watch_period,
-            dir_lock=DirectoryLock(dp_dir, f"--device-plugin-path={dp_dir}", self._held_locks),
+            dir_lock=dp_lock,
+            also_follow=[] if same else [self._vm_lock],
         )
         self.servicers.extend(servicers)
         try:
@@ -684,6 +697,7 @@ class Agent:
             proc_root=Path(cfg.proc_root),
             gpu_processes=nvml_processes,
             driver_version=self.driver_version,
+            dir_lock=DirectoryLock(cfg.dra_socket_dir, f"--dra-plugin-path={cfg.dra_socket_dir}", self._held_locks),
             observe=functools.partial(self._observe_call, cfg.dra_driver_name),
             report=self._report,
         )

@@ -1,7 +1,8 @@
 """The agent's lock (flock) on the directory it serves its sockets in, kept on the directory at that path.
 
-The command line locks the device-plugin directory before the agent serves, so that a second agent waits
-instead of replacing the first one's sockets. A directory removed and made again (a kubelet reinstalled,
+The command line locks the directories the agent serves or writes in (--device-plugin-path and
+--virtual-manager-path; --dra-plugin-path in DRA mode) before the agent serves, so that a second agent waits
+instead of replacing the first one's sockets and files. A directory removed and made again (a kubelet reinstalled,
 an operator's rm -rf) is another directory: a lock on the removed one guards nothing. :meth:`follow` moves
 the lock to the directory at the path now, or says (once) that another process locked it first.
 """
@@ -129,6 +130,13 @@ class DirectoryLock:
         if old is not None:
             with contextlib.suppress(OSError):
                 os.close(old)
+
+    def make_and_follow(self, mode: int = 0o750) -> bool:
+        """:meth:`follow`, the directory made first when it is missing (as the servers make it before they
+        listen there): a directory made by this agent is locked before anything is served or written in it."""
+        with contextlib.suppress(OSError):
+            self.path.mkdir(mode=mode, parents=True, exist_ok=True)
+        return self.follow()
 
     def close(self) -> None:
         """Let the lock go (the process's exit does too)."""

@@ -84,11 +84,16 @@ class PluginManager:
         watch_period: float = 5.0,
         register_timeout: float = REGISTER_DEADLINE,
         dir_lock: DirectoryLock | None = None,
+        also_follow: Sequence[DirectoryLock] = (),
     ) -> None:
         """``dir_lock``: the agent's lock on the directory of the sockets (see :mod:`.dirlock`), moved to
-        that directory when it is made again; None when nothing locks it."""
+        that directory when it is made again; None when nothing locks it. ``also_follow``: the agent's
+        locks on other directories it writes in (--virtual-manager-path), moved at each pass of the watch
+        loop too, so that a directory made again there is locked within a period even while nothing is
+        written in it (its writers follow the lock too before they write)."""
         self._servers = list(servers)
         self._dir_lock = dir_lock
+        self._also_follow = tuple(also_follow)
         self._kubelet_socket = kubelet_socket
         self._options_for = options_for
         self._period = watch_period
@@ -261,6 +266,8 @@ class PluginManager:
         self._kubelet_changed = _changed_at(self._kubelet_socket)
         while not self._stop.is_set():
             try:
+                for other in self._also_follow:
+                    other.make_and_follow(0o755)
                 if not self._own_directory():
                     need_register = True
                     self._wait(self._period)  # woken by the directory's changes (the other agent's exit)

@@ -8,6 +8,7 @@ same options: PreStartContainer is required, GetPreferredAllocation is offered.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 from gpumanager import names
@@ -28,6 +29,7 @@ def vcuda_plugins(
     *,
     watch_period: float,
     dir_lock: DirectoryLock | None = None,
+    also_follow: Sequence[DirectoryLock] = (),
 ) -> tuple[PluginManager, list[ResourceServicer]]:
     """The plugin manager of both resources (not started) and their servicers, in that order."""
     # The kubelet asks GetPreferredAllocation for vcuda-core only: those IDs say which GPU a container
@@ -58,5 +60,6 @@ def vcuda_plugins(
         options_for=lambda server: server.servicer.options,
         watch_period=watch_period,
         dir_lock=dir_lock,
+        also_follow=also_follow,
     )
     return manager, servicers

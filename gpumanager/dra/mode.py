@@ -24,6 +24,7 @@ from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_v1_pb2_grpc
 from gpumanager.device.health import HealthMonitor, HealthState
 from gpumanager.device.types import GPUInfo, NodeTopology
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.dra import cdi, consumers, devices, sharing
 from gpumanager.dra import constants as c
 from gpumanager.dra.claims import ClaimError, ClaimNotFound
@@ -206,7 +207,10 @@ class DRAMode:
         pods_synced: Callable[[], bool] = lambda: True,
         proc_root: Path = Path("/proc"),
         gpu_processes: GPUProcesses | None = None,
+        dir_lock: DirectoryLock | None = None,
     ) -> None:
+        """``dir_lock``: the agent's lock on --dra-plugin-path, moved with the directory made again
+        (:class:`DRAPluginSockets`)."""
         self.settings = settings
         self.node = node
         self.pool = node
@@ -315,6 +319,7 @@ class DRAMode:
                 lambda s: add_health_servicer(health_servicer, s),
             ],
             watch_period=settings.watch_period,
+            dir_lock=dir_lock,
             registration_wait=settings.registration_wait,
             on_overdue=self._registration_overdue,
             on_pass=self.check_serving,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.deviceplugin.server import check_bindable, socket_identity
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,12 @@ class DRAPluginSockets:
         registration_wait: float = 0.0,
         on_overdue: Callable[[], None] | None = None,
         on_pass: Callable[[], None] | None = None,
+        dir_lock: DirectoryLock | None = None,
     ) -> None:
+        """``dir_lock``: the agent's lock on the service socket's directory (--dra-plugin-path), moved to
+        that directory when it is made again, before the sockets are served there; while another agent
+        holds it, neither socket is served (the kubelet talks to that agent)."""
+        self._dir_lock = dir_lock
         self.registration_socket = registration_socket
         self.service_socket = service_socket
         self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="dra")
@@ -207,6 +213,8 @@ class DRAPluginSockets:
         """One pass of the watch: serve the sockets again where they were removed; tell an overdue registration."""
         unserved = self.unserved  # said once
         try:
+            if not self._own_directory():
+                return
             if not (self._service.intact() and self._registration.intact()):
                 if not unserved:
                     log.info("a DRA socket was removed (kubelet restart?); serving both again")
@@ -237,6 +245,22 @@ class DRAPluginSockets:
         except Exception:
             log.exception("DRA socket watch failed; continuing")
             self._stop.wait(1.0)
+
+    def _own_directory(self) -> bool:
+        """Whether this agent holds the lock of the directory at the service socket's path (made, when
+        missing, and locked before anything is served there). While another agent holds it, this one's
+        sockets are closed (that agent serves the driver) and :attr:`unserved` says why; the lock says it
+        once in the log."""
+        lock = self._dir_lock
+        if lock is None or lock.make_and_follow(0o750):
+            return True
+        if self._service.identity is not None or self._registration.identity is not None:
+            self.state.registered = False
+            self.registered_event.clear()
+            self._registration.stop()
+            self._service.stop()
+        self.unserved = f"another gpu-manager holds the lock of --dra-plugin-path={lock.path}"
+        return False
 
 
 def socket_paths(registry: str, plugin_path: str, driver: str) -> tuple[Path, Path]:

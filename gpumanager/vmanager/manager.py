@@ -37,6 +37,7 @@ of pods that are gone are removed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
@@ -54,6 +55,7 @@ from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.pods import Pod, PodSpecError
 from gpumanager.allocation.records import LAYOUT_OWN, LAYOUT_POD, ContainerAllocation
 from gpumanager.api import vcuda_pb2 as pb
+from gpumanager.deviceplugin.dirlock import DirectoryLock
 from gpumanager.vmanager import cgroups, files, restarts
 from gpumanager.vmanager.sockets import CallRefused, PodSockets
 from gpumanager.vmanager.unwritable import UnwritableFiles
@@ -170,8 +172,12 @@ class VirtualManager:
         allocation: AllocationLookup,
         pod: PodLookup,
         driver_version: str,
+        dir_lock: DirectoryLock | None = None,
     ) -> None:
+        """``dir_lock``: the agent's lock on ``vm_path`` (moved with the directory when it is made again):
+        while another agent holds the directory there, nothing is written or removed in it."""
         self.vm_path = vm_path
+        self._dir_lock = dir_lock
         self._allocation = allocation
         self._pod = pod
         self._driver = files.driver_version_fields(driver_version)
@@ -268,8 +274,26 @@ class VirtualManager:
 
     # -- PreStartContainer ------------------------------------------------------------------------
 
+    def _owns_directory(self, *, make: bool = False) -> bool:
+        """Whether this agent holds the lock of the directory at ``vm_path`` (moved there when it was made
+        again; ``make``: made first when missing, locked before anything is written in it)."""
+        lock = self._dir_lock
+        if lock is None:
+            return True
+        return lock.make_and_follow(0o755) if make else lock.follow()
+
+    def _check_owned(self) -> None:
+        """OSError (the kubelet tries the start again) while another agent holds the directory."""
+        if not self._owns_directory(make=True):
+            raise OSError(
+                errno.EBUSY,
+                f"another gpu-manager holds the lock of --virtual-manager-path={self.vm_path} (made again since "
+                "this agent locked it); not writing there while it holds it",
+            )
+
     def prepare(self, alloc: ContainerAllocation) -> Path:
         """Write the container's vcuda.config where its answer points and serve the pod's vcuda.sock."""
+        self._check_owned()
         answered_pod, answered_container = alloc.answered
         # The allocator refuses unsafe names already; nothing is ever written outside the pod's directories.
         directory = safenames.child(self.vm_path, safenames.pod_uid(answered_pod))
@@ -292,6 +316,7 @@ class VirtualManager:
         """Make a pod's directory and its containers' and serve its vcuda.sock, before the kubelet
         starts it (see :mod:`gpumanager.vmanager.ahead`). ValueError for an unsafe name, OSError when a
         directory cannot be made."""
+        self._check_owned()
         directory = safenames.child(self.vm_path, safenames.pod_uid(pod_uid))
         files.make_open_dirs(directory)
         for name in containers:
@@ -736,6 +761,8 @@ class VirtualManager:
         directories the upstream library registered (``<pod dir>/<container id>/``). A container
         whose PIDs are those last written everywhere costs a read of its cgroup and nothing more.
         """
+        if not self._owns_directory():
+            return 0  # another agent's directory now (said by the lock)
         written = 0
         seen_containers: set[tuple[str, str]] = set()  # (pod UID, container)
         # (pod UID, container ID) -> (pod directory, directory name) of its registered pids.config, and
@@ -909,6 +936,8 @@ class VirtualManager:
         Only directories named by a pod UID are pods' directories; anything else is left alone.
         ``only``: look at these pods' directories alone instead of every directory.
         """
+        if not self._owns_directory():
+            return []  # another agent's pods' directories now (said by the lock)
         keep = set(active)
         removed: list[str] = []
         configs = self.configs_path

@@ -9,9 +9,10 @@ largest part of a pod, which the agent never reads), and with their keys and sho
 interned: each pod decoded from its own watch event would otherwise hold its own copy of every
 key and of the values pods share (image, namespace, node, resource names), about half of what a
 cached pod costs. The watch resumes from the last resourceVersion it saw; a "too old
-resource version" answer (410) starts over with a fresh list. Failures and 410s
-wait the agent's jittered backoff (:mod:`gpumanager.retry`, 0.8 s doubling to
-30 s) and each change of state is logged once.
+resource version" answer (410, as an ERROR event or the watch's own status) or a "too large
+resource version" one (504: the server's resourceVersion went back, its etcd restored from a
+backup) starts over with a fresh list. Failures and such answers wait the agent's jittered
+backoff (:mod:`gpumanager.retry`, 0.8 s doubling to 30 s) and each change of state is logged once.
 
 :meth:`PodCache.refresh` (a list for a pod the cache has not seen yet, asked
 inside a kubelet call) has a short total deadline: one list at a time runs in
@@ -69,7 +70,7 @@ class PodListError(RuntimeError):
 
 
 class WatchExpiredError(Exception):
-    """The API server no longer has the history the watch asked for (HTTP 410)."""
+    """The watch's resourceVersion cannot be watched from (410 Gone, or 504 too large): a new list is needed."""
 
 
 def unusable(obj: object) -> str:

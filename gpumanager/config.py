@@ -67,7 +67,11 @@ class Config:
     )
     sample_period: int = number(1, "seconds of NVML utilisation samples behind the usage metrics", metavar="SECONDS")
     node_labels: str = text(
-        "", "k=v,... applied to the node; gaia.tencent.com/gpu-model gets the GPU model", shown="none", metavar="LABELS"
+        "",
+        "k=v,... applied to the node; gaia.tencent.com/gpu-model gets the GPU model; retried until the API server "
+        "takes them (refused for good only on 403, 404 or 422)",
+        shown="none",
+        metavar="LABELS",
     )
     hostname_override: str = text(
         "", "node name (pods are watched with spec.nodeName=)", shown="$NODE_NAME, else the host name", metavar="NAME"

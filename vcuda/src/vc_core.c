@@ -1055,7 +1055,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
      * more than the GPU time they can have used).  Without this, a 2.5 s kernel queued before a 3.5 s stop cost
      * 1 s of the container's share, and a tenant could repeat it (a long kernel, a stop) for most of the GPU.
      */
-    const uint64_t gap = now - d->last_measure;
+    /* The watcher's now is read before it takes d->mu: a launch may have measured later meanwhile. */
+    const uint64_t gap = now > d->last_measure ? now - d->last_measure : 0;
     const bool stalled = gap > SAMPLE_WINDOW_US * 1000u && (d->busy_measured || d->launched != d->launched_measured);
     d->launched_measured = d->launched;
     double own, other, span;
@@ -1067,7 +1068,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
          * the container's processes pay for each other's time (and a process started later inherits it).
          */
         bool busy = in_flight(d) > 0 || d->completed != d->completed_seen;
-        double charge = busy ? (double)(now - d->last_measure) : 0.0;
+        double charge = busy ? (double)gap : 0.0;
         refund_provisional(d, UINT64_MAX); /* the wall time charged covers them */
         share_provisional(d, now);
         d->credit -= charge;
@@ -1183,7 +1184,7 @@ static uint64_t budget_gate(struct dev *d)
      * measures first: else launches spaced so that the refill covered each one's cost (a 2.5 s kernel every 300 ms
      * at 30 %) never looked at what the GPU ran for them.
      */
-    if (VC_UNLIKELY(now - d->last_measure > WATCHER_LATE_NS))
+    if (VC_UNLIKELY(now > d->last_measure && now - d->last_measure > WATCHER_LATE_NS))
         update(d, now, 0);
     while (d->credit < in_flight(d) * d->cost) {
         update(d, now, MEASURE_MIN_NS);

@@ -136,7 +136,25 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str,
     return found
 
 
-SCENARIOS = ["kernel"]
+SCENARIOS = [
+    "kernel",
+    "kernel-ptsz",
+    "ex",
+    "ex-ptsz",
+    "coop",
+    "coop-ptsz",
+    "multi",
+    "grid-async",
+    "legacy",
+    "grid",
+    "graph-captured",
+    "graph-built",
+    "graph-ptsz",
+    "library",
+    "threads",
+    "contexts",
+    "green",
+]
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
@@ -196,10 +214,11 @@ def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
 def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tmp_path: Path, variant: str) -> None:
-    """The tenant ends the limiter's watcher thread (a signal handler that calls pthread_exit), then launches a
-    2.5 s kernel every 300 ms: each found the 90 ms of refill it needed and went without a look at NVML, so nothing
-    was measured and all 10 went in 3 s of a 30 % share.  A launch now measures itself when the watcher has not for
-    50 ms: the second waits for the first to be paid for."""
+    """The limiter's watcher thread (the one that measures every 10 ms) cannot be started: the tenant refuses its
+    creation (as a full pids cgroup does; it could as well end the thread with a signal handler that calls
+    pthread_exit).  Then a 2.5 s kernel every 300 ms: each found the 90 ms of refill it needed and went without a
+    look at NVML, so nothing was measured and all 10 went in 3 s of a 30 % share.  A launch now measures itself
+    when nothing was measured for 50 ms: the second waits for the first to be paid for."""
     (admitted,) = _run(programs, tmp_path, variant, "no-watcher")
     assert admitted <= 2, f"no-watcher ({variant}): {admitted} kernels of 2.5 s admitted in 3 s at {SHARE} %"
 

@@ -16,9 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
-#include <dirent.h>
 #include <signal.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -63,6 +61,177 @@ static void offer(CUresult (*one)(void))
 static CUresult one_kernel(void)
 {
     return FN(cuLaunchKernel)(g_fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
+}
+
+static CUresult one_kernel_ptsz(void)
+{
+    return ((launch_fn)sym("cuLaunchKernel_ptsz"))(g_fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
+}
+
+static CUlaunchConfig ex_config(void)
+{
+    return (CUlaunchConfig){.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32, .blockDimY = 1,
+                            .blockDimZ = 1, .hStream = g_stream};
+}
+
+static CUresult one_ex(void)
+{
+    CUlaunchConfig c = ex_config();
+    return FN(cuLaunchKernelEx)(&c, g_fn, NULL, NULL);
+}
+
+static CUresult one_ex_ptsz(void)
+{
+    CUlaunchConfig c = ex_config();
+    return ((__typeof__(&cuLaunchKernelEx))sym("cuLaunchKernelEx_ptsz"))(&c, g_fn, NULL, NULL);
+}
+
+static CUresult one_coop(void)
+{
+    return FN(cuLaunchCooperativeKernel)(g_fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL);
+}
+
+static CUresult one_coop_ptsz(void)
+{
+    return ((__typeof__(&cuLaunchCooperativeKernel))sym("cuLaunchCooperativeKernel_ptsz"))(g_fn, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL);
+}
+
+static CUresult one_multi(void)
+{
+    CUDA_LAUNCH_PARAMS p = {.function = g_fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                            .blockDimY = 1, .blockDimZ = 1, .hStream = g_stream};
+    return ((multi_fn)sym("cuLaunchCooperativeKernelMultiDevice"))(&p, 1, 0);
+}
+
+static CUresult one_grid_async(void)
+{
+    return ((grid_async_fn)sym("cuLaunchGridAsync"))(g_fn, 1, 1, g_stream);
+}
+
+static CUresult one_grid(void)
+{
+    return ((grid_fn)sym("cuLaunchGrid"))(g_fn, 1, 1);
+}
+
+static CUresult one_legacy(void)
+{
+    return ((CUresult(*)(CUfunction))sym("cuLaunch"))(g_fn);
+}
+
+static CUgraphExec g_exec;
+
+static CUresult one_graph(void)
+{
+    return FN(cuGraphLaunch)(g_exec, g_stream);
+}
+
+static CUresult one_graph_ptsz(void)
+{
+    return ((__typeof__(&cuGraphLaunch))sym("cuGraphLaunch_ptsz"))(g_exec, g_stream);
+}
+
+/* g_exec: a graph of one 50 ms kernel, captured from a stream (captured) or built node by node. */
+static void make_graph(bool captured)
+{
+    CUgraph graph;
+    if (captured) {
+        check(FN(cuStreamBeginCapture_v2)(g_stream, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture_v2");
+        check(one_kernel(), "captured cuLaunchKernel");
+        check(FN(cuStreamEndCapture)(g_stream, &graph), "cuStreamEndCapture");
+    } else {
+        check(FN(cuGraphCreate)(&graph, 0), "cuGraphCreate");
+        CUDA_KERNEL_NODE_PARAMS kp = {.func = g_fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                      .blockDimY = 1, .blockDimZ = 1};
+        CUgraphNode node;
+        check(FN(cuGraphAddKernelNode_v2)(&node, graph, NULL, 0, &kp), "cuGraphAddKernelNode");
+    }
+    check(FN(cuGraphInstantiateWithFlags)(&g_exec, graph, 0), "cuGraphInstantiate");
+}
+
+/* A CUkernel of a library, launched as a CUfunction on a created stream while no context is current. */
+static void library_kernel(void)
+{
+    CUlibrary lib;
+    CUkernel k;
+    check(FN(cuLibraryLoadData)(&lib, PTX, NULL, NULL, 0, NULL, NULL, 0), "cuLibraryLoadData");
+    check(FN(cuLibraryGetKernel)(&k, lib, "spin_50ms"), "cuLibraryGetKernel");
+    g_fn = (CUfunction)k;
+    CUcontext none = NULL;
+    check(FN(cuCtxPopCurrent_v2)(&none), "cuCtxPopCurrent");
+    offer(one_kernel);
+}
+
+/* Launches spread over several threads, each with a stream of its own. */
+#define THREADS 8
+static _Atomic int g_admitted;
+static double g_start;
+
+static void *launcher(void *arg)
+{
+    (void)arg;
+    FN(cuCtxSetCurrent)(g_ctx);
+    CUstream s;
+    if (FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+        return NULL;
+    while (atomic_load(&g_admitted) < OFFERED && now_ms() - g_start < WINDOW_MS)
+        if (FN(cuLaunchKernel)(g_fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL) == CUDA_SUCCESS)
+            atomic_fetch_add(&g_admitted, 1);
+    return NULL;
+}
+
+static void threads(void)
+{
+    pthread_t t[THREADS];
+    g_start = now_ms();
+    for (int i = 0; i < THREADS; i++)
+        if (pthread_create(&t[i], NULL, launcher, NULL) != 0)
+            exit(2);
+    for (int i = 0; i < THREADS; i++)
+        pthread_join(t[i], NULL);
+    printf("admitted %d of %d in %.0f ms\n", atomic_load(&g_admitted), OFFERED, now_ms() - g_start);
+}
+
+/* Launches spread over several contexts of the device, each with its module and stream. */
+#define CONTEXTS 4
+static CUfunction g_fns[CONTEXTS];
+static CUstream g_streams[CONTEXTS];
+static CUcontext g_ctxs[CONTEXTS];
+static unsigned g_next;
+
+static CUresult one_in_next_context(void)
+{
+    unsigned i = g_next++ % CONTEXTS;
+    FN(cuCtxSetCurrent)(g_ctxs[i]);
+    return FN(cuLaunchKernel)(g_fns[i], 1, 1, 1, 32, 1, 1, 0, g_streams[i], NULL, NULL);
+}
+
+static void contexts(void)
+{
+    for (int i = 0; i < CONTEXTS; i++) {
+        g_ctxs[i] = created_context();
+        g_fns[i] = load_kernel(PTX, "spin_50ms");
+        check(FN(cuStreamCreate)(&g_streams[i], CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    }
+    offer(one_in_next_context);
+}
+
+/* A green context's stream. */
+static void green(void)
+{
+    CUdevice dev;
+    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    CUdevResource sm;
+    check(FN(cuDeviceGetDevResource)(dev, &sm, CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource");
+    CUdevResourceDesc desc;
+    check(FN(cuDevResourceGenerateDesc)(&desc, &sm, 1), "cuDevResourceGenerateDesc");
+    CUgreenCtx gc;
+    check(FN(cuGreenCtxCreate)(&gc, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate");
+    CUcontext ctx;
+    check(FN(cuCtxFromGreenCtx)(&ctx, gc), "cuCtxFromGreenCtx");
+    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
+    g_fn = load_kernel(PTX, "spin_50ms");
+    check(FN(cuGreenCtxStreamCreate)(&g_stream, gc, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate");
+    offer(one_kernel);
 }
 
 /*
@@ -194,46 +363,35 @@ static void init_race(void)
     pthread_join(t, NULL);
 }
 
-static void thread_exits(int sig)
-{
-    (void)sig;
-    if ((pid_t)syscall(SYS_gettid) != getpid())
-        pthread_exit(NULL);
-}
+/*
+ * Thread creation the tenant refuses once g_refuse_threads is set (this program's pthread_create comes first in the
+ * process's symbol lookup): as where the container's pids cgroup is full when the limiter starts its watcher.
+ */
+static atomic_bool g_refuse_threads;
 
-/* Ends every thread of the process but the calling (main) one: a signal whose handler calls pthread_exit. */
-static int end_other_threads(void)
+int pthread_create(pthread_t *thread, const pthread_attr_t *attr, void *(*start)(void *), void *arg)
 {
-    struct sigaction sa = {.sa_handler = thread_exits};
-    sigemptyset(&sa.sa_mask);
-    if (sigaction(SIGUSR2, &sa, NULL) != 0)
-        exit(2);
-    int ended = 0;
-    DIR *dir = opendir("/proc/self/task");
-    if (dir == NULL)
-        exit(2);
-    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
-        int tid = atoi(e->d_name);
-        if (tid > 0 && tid != getpid() && syscall(SYS_tgkill, getpid(), tid, SIGUSR2) == 0)
-            ended++;
-    }
-    closedir(dir);
-    usleep(100000);
-    return ended;
+    static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+    if (atomic_load(&g_refuse_threads))
+        return EAGAIN;
+    if (real == NULL)
+        *(void **)&real = dlsym(RTLD_NEXT, "pthread_create");
+    return real(thread, attr, start, arg);
 }
 
 /*
- * The limiter's watcher (the thread that measures every 10 ms) is ended by the tenant (a signal handler that calls
- * pthread_exit).  Then kernels of 2.5 s, one every 300 ms: each launch found credit enough (300 ms of refill at
- * 30 % is more than the 50 ms a launch was learnt to cost) and went without a look at NVML, so nothing was ever
- * measured.  Gated, the second waits until the first is paid for: at most 2 in the 3 s.
+ * The limiter's watcher (the thread that measures every 10 ms) cannot be started (the tenant refuses threads; it
+ * could as well end it with a signal handler that calls pthread_exit).  Then kernels of 2.5 s, one every 300 ms:
+ * each launch found credit enough (300 ms of refill at 30 % is more than the 50 ms a launch was learnt to cost) and
+ * went without a look at NVML, so nothing was ever measured.  Gated, the second waits until the first is paid for:
+ * at most 2 in the 3 s.
  */
 static void no_watcher(void)
 {
+    atomic_store(&g_refuse_threads, true);
     for (double start = now_ms(); now_ms() - start < 1500.0;)
         check(one_kernel(), "cuLaunchKernel");
     check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
-    int ended = end_other_threads();
     double start = now_ms();
     int admitted = 0;
     while (now_ms() - start < 3000.0) {
@@ -241,7 +399,6 @@ static void no_watcher(void)
         admitted++;
         usleep(300000);
     }
-    printf("ended %d threads\n", ended);
     printf("admitted %d of %d in %.0f ms\n", admitted, admitted, now_ms() - start);
     fflush(stdout);
     _exit(0); /* the long kernels are not waited for */
@@ -315,6 +472,35 @@ int main(int argc, char **argv)
         getproc();
     else if (strcmp(s, "kernel") == 0)
         offer(one_kernel);
+    else if (strcmp(s, "kernel-ptsz") == 0)
+        offer(one_kernel_ptsz);
+    else if (strcmp(s, "ex") == 0)
+        offer(one_ex);
+    else if (strcmp(s, "ex-ptsz") == 0)
+        offer(one_ex_ptsz);
+    else if (strcmp(s, "coop") == 0)
+        offer(one_coop);
+    else if (strcmp(s, "coop-ptsz") == 0)
+        offer(one_coop_ptsz);
+    else if (strcmp(s, "multi") == 0)
+        offer(one_multi);
+    else if (strcmp(s, "legacy") == 0 || strcmp(s, "grid") == 0 || strcmp(s, "grid-async") == 0) {
+        check(((shape_fn)sym("cuFuncSetBlockShape"))(g_fn, 32, 1, 1), "cuFuncSetBlockShape");
+        offer(strcmp(s, "grid") == 0 ? one_grid : strcmp(s, "legacy") == 0 ? one_legacy : one_grid_async);
+    } else if (strcmp(s, "graph-captured") == 0 || strcmp(s, "graph-built") == 0) {
+        make_graph(strcmp(s, "graph-captured") == 0);
+        offer(one_graph);
+    } else if (strcmp(s, "graph-ptsz") == 0) {
+        make_graph(true);
+        offer(one_graph_ptsz);
+    } else if (strcmp(s, "library") == 0)
+        library_kernel();
+    else if (strcmp(s, "threads") == 0)
+        threads();
+    else if (strcmp(s, "contexts") == 0)
+        contexts();
+    else if (strcmp(s, "green") == 0)
+        green();
     else {
         fprintf(stderr, "unknown scenario %s\n", s);
         return 2;

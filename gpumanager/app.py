@@ -385,7 +385,7 @@ class Agent:
         """The kubelet's Allocate, PreStartContainer and GetPreferredAllocation, now that the state is loaded."""
         from gpumanager.deviceplugin.handlers import Handlers
         from gpumanager.deviceplugin.preferred import Preference
-        from gpumanager.kube.kubelet_checkpoint import CheckpointFile, records_container
+        from gpumanager.kube.kubelet_checkpoint import KubeletRecords
         from gpumanager.kube.owners import OwnerResolver
         from gpumanager.kube.podresources import PodResourcesClient
 
@@ -398,9 +398,20 @@ class Agent:
         )
         # Asked only when a request's only room is that of an allocation freed before its start.
         allocator.set_holder_lookup(lambda ids: owners.owner(names.VCORE_RESOURCE, ids))
-        # Asked only when a request names the IDs of a started container whose pod runs.
-        kubelet_file = CheckpointFile(Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT)
-        allocator.set_kubelet_records(lambda key: records_container(kubelet_file, names.VCORE_RESOURCE, key))
+        # Asked only when a request names the IDs of a started container whose pod runs: whether the kubelet
+        # forgot that container (it started before the kubelet's last restart, or this agent's start, and the
+        # kubelet's checkpoint read then does not list it). Read here from what recovery read at start, and
+        # again at each registration with a restarted kubelet; never per Allocate.
+        records = KubeletRecords(Path(cfg.device_plugin_path) / names.KUBELET_CHECKPOINT, names.VCORE_RESOURCE)
+        assert self.recovery is not None
+
+        def started() -> list[tuple[str, str]]:
+            return [a.key for a in allocator.allocations() if a.started]
+
+        records.note_restart(started(), listed=self.recovery.kubelet_listed)
+        assert self.plugins is not None
+        self.plugins.on_kubelet_restart(lambda: records.note_restart(started()))
+        allocator.set_kubelet_records(records.holds)
         handlers = Handlers(
             allocator=allocator,
             layout=self.layout,

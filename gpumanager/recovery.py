@@ -387,6 +387,9 @@ class Recovery:
         self.rebuilt = 0
         # The answers the kubelet's checkpoint holds, as read at start (each names the GPUs' device nodes).
         self.kubelet_answers: list[ContainerAllocation] = []
+        # The (pod UID, container) the kubelet's checkpoint, read at start, lists with vcuda-core devices
+        # (none when it is missing or cannot be used: the kubelet reading it knows none either).
+        self.kubelet_listed: frozenset[tuple[str, str]] = frozenset()
 
     def from_disk(self) -> None:
         """Our checkpoint, then the kubelet checkpoint for whatever is missing."""
@@ -416,9 +419,10 @@ class Recovery:
                 self._kubelet_answered = True
             else:
                 log.info("%s does not exist; PodResources alone tells what the kubelet holds", self._kubelet_checkpoint)
-        self._named |= {
+        self.kubelet_listed = frozenset(
             (e.pod_uid, e.container) for e in entries if e.resource == names.VCORE_RESOURCE and e.device_ids
-        }
+        )
+        self._named |= self.kubelet_listed
         found = self.kubelet_answers = from_kubelet_checkpoint(entries)
         missing = [a for a in found if not allocator.holds(a.key)]
         taken = allocator.adopt(missing, source=str(self._kubelet_checkpoint), kubelet_holds=True)

@@ -651,6 +651,17 @@ class SimCluster:
             self._stalled.discard(run.uid)
             self._stop_pod(run.uid)
 
+    def end_pod(self, run: PodRun) -> None:
+        """The pod's containers end by themselves (a Job's, exit 0; restartPolicy Never): their cgroups go and
+        the kubelet stops counting the pod at once (its device IDs are free for the next pod), while the
+        status update (containers terminated, phase Succeeded) reaches the API server ``status_lag`` later, as
+        the kubelet's status manager writes it."""
+        from simnode.kubelet_deletion import terminated_statuses
+
+        shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{run.uid}", ignore_errors=True)
+        self.kubelet.remove_pod(run.uid)
+        self._phase_later(run, "Succeeded", {"containerStatuses": terminated_statuses(run.statuses)})
+
     def _stop_pod(self, uid: str) -> None:
         """The kubelet stops the pod's containers (their cgroups go) and frees its device IDs."""
         if uid in self._slow:

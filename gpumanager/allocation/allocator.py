@@ -20,10 +20,13 @@ Device IDs come back: the kubelet frees a deleted pod's IDs at once and may
 hand the same set to a new container of the same size. The same IDs are a
 repeat of an earlier Allocate only while their holder is alive and has not
 started; otherwise the old allocation is freed and the request matched anew,
-unless its container started, the kubelet's own records hold no devices of it
-and the API server shows its pod running: a kubelet restarted without its
-``kubelet_internal_checkpoint`` counts every ID free while the containers run,
-so that container keeps its GPUs and the request is matched beside it.
+unless the kubelet forgot that container and the API server shows its pod
+running: a kubelet restarted without its ``kubelet_internal_checkpoint`` counts
+every ID free while the containers run, so a container that started before the
+kubelet's last restart (or this agent's start) and that its checkpoint, read
+then, does not list keeps its GPUs and the request is matched beside it. A
+container the kubelet listed after its restart and no longer counts ended (a
+Job's pod, its status not at the API server yet): its IDs go to the request.
 
 Allocate looks only at what changed: the allocator keeps an index of the pods
 that may still wait for GPUs (pending, not assigned, not being deleted) and
@@ -347,11 +350,13 @@ class Allocator:
             self._holder_of = holder_of
 
     def set_kubelet_records(self, records: Callable[[tuple[str, str]], bool]) -> None:
-        """Where the kubelet's own records are asked (lock released) whether they hold vcuda-core devices
-        for a (pod UID, container); False also when they cannot be read. Asked only when an Allocate names
-        the IDs of a started container whose pod the cache shows running: without its records (the kubelet
-        restarted without its checkpoint), and its pod running at the API server, that container keeps its
-        GPUs and the request is matched beside it. Without it, such IDs mean the container ended."""
+        """Where the kubelet's own records are asked (lock released) whether they still count a (pod UID,
+        container)'s vcuda-core devices as held: False only for a container the kubelet forgot, one that
+        started before its last restart (or this agent's start) and that its checkpoint, read then, does not
+        list (:class:`gpumanager.kube.kubelet_checkpoint.KubeletRecords`: read once per kubelet restart, not
+        per call). Asked only when an Allocate names the IDs of a started container whose pod the cache shows
+        running: a forgotten one, its pod running at the API server, keeps its GPUs and the request is matched
+        beside it. Otherwise (and without it) such IDs mean the container ended."""
         with self._lock:
             self._kubelet_records = records
 
@@ -505,8 +510,8 @@ class Allocator:
                 if suspect is not None:
                     self._take_pod_changes()  # whether a later container of its pod waits for them
                 # IDs a started container holds, its pod running in the cache: given on because the pod
-                # ended (the cache lagging), or because the kubelet lost its record of that container (it
-                # restarted without its checkpoint). Its records and the API server tell (lock released).
+                # ended (the cache lagging), or because the kubelet forgot that container (it restarted
+                # without its checkpoint). Its records since its restart and the API server tell (lock released).
                 records = self._kubelet_records
                 running = (
                     suspect

@@ -106,6 +106,13 @@ class PluginManager:
         self._watch: DirectoryWatch | None = None
         self._yielded = False  # another process serves at one of our socket paths
         self._kubelet_changed: int | None = None  # change time (ns) of the kubelet.sock registered with
+        self._restarted: list[Callable[[], object]] = []  # on_kubelet_restart
+
+    def on_kubelet_restart(self, listener: Callable[[], object]) -> None:
+        """``listener()`` (from the watch thread) once registered again with a kubelet whose ``kubelet.sock``
+        was re-created since the last registration (a kubelet restart): it has read its checkpoint by then.
+        Not for the first registration of this process."""
+        self._restarted.append(listener)
 
     def start(self) -> None:
         """Start serving and the watch loop; returns at once (registration proceeds in the background)."""
@@ -182,6 +189,13 @@ class PluginManager:
     def _serve_intact(self) -> None:
         if not all(s.socket_intact() for s in self._servers):
             self._restart_servers()
+
+    def _tell_restarted(self) -> None:
+        for listener in list(self._restarted):
+            try:
+                listener()
+            except Exception:
+                log.exception("handling the kubelet's restart failed; continuing")
 
     def _register_all(self) -> tuple[int, int]:
         """Register every resource; return the identity of the ``kubelet.sock`` that answered."""
@@ -264,6 +278,7 @@ class PluginManager:
         backoff = Backoff()
         kubelet_id = socket_identity(self._kubelet_socket)
         self._kubelet_changed = _changed_at(self._kubelet_socket)
+        restarted = False  # kubelet.sock re-created since the last registration (on_kubelet_restart)
         while not self._stop.is_set():
             try:
                 for other in self._also_follow:
@@ -306,6 +321,7 @@ class PluginManager:
                     if current is not None:
                         log.info("%s was (re)created; registering again", self._kubelet_socket)
                         need_register, next_try, quick = True, 0.0, 0
+                        restarted = restarted or self.status.registrations > 0
                     else:
                         log.info("%s disappeared; waiting for the kubelet", self._kubelet_socket)
                         self.status.registered = False
@@ -357,6 +373,9 @@ class PluginManager:
                         self.status.history.append(self.status.last_registered_at)
                         del self.status.history[:-100]
                         self.registered_event.set()
+                        if restarted:
+                            restarted = False
+                            self._tell_restarted()
             except Exception:
                 # Never exit to recover: log and keep watching.
                 log.exception("device-plugin watch loop error; continuing")

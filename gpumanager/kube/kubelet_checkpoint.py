@@ -183,15 +183,57 @@ class CheckpointFile:
             return self._entries
 
 
-def records_container(file: CheckpointFile, resource: str, key: tuple[str, str]) -> bool:
-    """Whether the kubelet's checkpoint holds devices of ``resource`` for ``key`` (pod UID, container); False
-    when the file is missing or cannot be used, which a kubelet starting from it reads as no records at all."""
-    try:
-        entries = file.entries()
-    except KubeletCheckpointError as exc:
-        log.warning("%s: no records of pod %s container %s can be read in it: %s", file.path, *key, exc)
-        return False
-    return any(e.resource == resource and (e.pod_uid, e.container) == key and e.device_ids for e in entries)
+class KubeletRecords:
+    """Which containers the kubelet forgot: those that had started before its last restart (or before this
+    agent's start) and that its checkpoint, read then, does not list with devices of ``resource``.
+
+    The kubelet loses its records of running containers only across its restart (its
+    ``kubelet_internal_checkpoint`` removed or damaged meanwhile): it then counts their IDs free and may hand
+    them to a new pod while they run on. A container it listed after its restart that it no longer lists
+    later ended (a Job's pod ending by itself, its status not at the API server yet): its IDs are free for
+    good. The file is read once per :meth:`note_restart`, never per question; before the first, nothing
+    is known forgotten.
+    """
+
+    def __init__(self, path: Path, resource: str) -> None:
+        self.path = path
+        self.resource = resource
+        self._lock = threading.Lock()
+        self._forgotten: frozenset[tuple[str, str]] = frozenset()
+
+    def note_restart(
+        self, started: Iterable[tuple[str, str]], listed: Iterable[tuple[str, str]] | None = None
+    ) -> frozenset[tuple[str, str]]:
+        """The kubelet restarted (or this agent started): of the containers ``started`` now, those that
+        ``listed`` (the checkpoint's (pod UID, container) holding devices of the resource; read from the file
+        when None) lacks are forgotten from now on, until the next call. A file that cannot be used lists
+        none, as the kubelet reading it knows none. Returns the forgotten ones."""
+        if listed is None:
+            try:
+                entries = read(self.path)
+            except KubeletCheckpointError as exc:
+                log.warning("%s: read after the kubelet's restart, it names no container: %s", self.path, exc)
+                entries = []
+            listed = [(e.pod_uid, e.container) for e in entries if e.resource == self.resource and e.device_ids]
+        known = frozenset(listed)
+        forgotten = frozenset(key for key in started if key not in known)
+        with self._lock:
+            self._forgotten = forgotten
+        if forgotten:
+            log.warning(
+                "%s: the kubelet has no record of %d running container(s) of %s: %s",
+                self.path,
+                len(forgotten),
+                self.resource,
+                ", ".join(f"pod {uid} container {c}" for uid, c in sorted(forgotten)),
+            )
+        return forgotten
+
+    def holds(self, key: tuple[str, str]) -> bool:
+        """Whether the kubelet still counts ``key``'s (pod UID, container) devices as held, as far as its
+        restarts tell: False only for a container it forgot (see the class)."""
+        with self._lock:
+            return key not in self._forgotten
 
 
 def owner_of(entries: Iterable[KubeletEntry], resource: str, device_ids: Sequence[str]) -> tuple[str, str] | None:

@@ -8,16 +8,14 @@ under ASan/UBSan.  What NVML accounts to the program at its end, and the GPU's p
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from gpumanager.vmanager import files
 from simnode.gpusim_state import GpuSimState
-from tests.test_vcuda_memory_review11 import SAN_FLAGS, SPEC, VCUDA, _include_dirs, _mirror
+from tests.vcuda_scenario import VCUDA, build_programs, container_env
 
 SOURCE = VCUDA / "tests" / "review12_pool.c"
 LIMIT_MIB = 1024
@@ -26,54 +24,12 @@ LIMIT_MIB = 1024
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The scenario program, plain and under ASan/UBSan, after the interceptor and the simulated driver are built."""
-    subprocess.run(
-        [
-            "make",
-            "-s",
-            "-C",
-            str(VCUDA),
-            "sim",
-            "interceptor",
-            "build/asan/libcuda-control.so",
-            "build/sim-asan/libcuda.so.1",
-            "build/sim-asan/libnvidia-ml.so.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    out = tmp_path_factory.mktemp("review12-bin")
-    incs = [f"-I{d}" for d in _include_dirs()]
-    built = {}
-    for variant, extra in (("plain", []), ("asan", SAN_FLAGS)):
-        exe = out / f"review12_pool_{variant}"
-        flags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-O1", "-g", *extra, *incs]
-        subprocess.run(["cc", *flags, "-o", str(exe), str(SOURCE), "-ldl", "-pthread"], check=True)
-        built[variant] = exe
-    return built
+    return build_programs(tmp_path_factory.mktemp("review12-bin"), SOURCE)
 
 
 def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int, str]:
     """Runs one scenario; returns the MiB NVML accounts to the program at its end, the GPU's peak, and stderr."""
-    mirror = _mirror(tmp_path / "mirror", variant)
-    config = tmp_path / "config" / "vcuda.config"
-    config.parent.mkdir()
-    config.write_bytes(
-        files.pack(
-            files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=LIMIT_MIB << 20, utilization=0)
-        )
-    )
-    budget = tmp_path / "budget"
-    budget.mkdir()
-    env = dict(os.environ)
-    env.update(
-        LD_LIBRARY_PATH=str(mirror),
-        GPUSIM_SPEC=str(SPEC),
-        GPUSIM_STATE=str(tmp_path / "node.state"),
-        VCUDA_CONFIG_PATH=str(config),
-        VCUDA_BUDGET_DIR=str(budget),
-        ASAN_OPTIONS="detect_leaks=0",
-    )
-    env.pop("LD_PRELOAD", None)
+    env = container_env(tmp_path, variant, pod_uid="pod-review12", memory_mib=LIMIT_MIB)
     done = subprocess.run(
         [str(programs[variant]), scenario, str(LIMIT_MIB)], env=env, capture_output=True, text=True, timeout=120
     )

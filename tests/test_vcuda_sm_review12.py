@@ -11,7 +11,6 @@ that second (a handful of such kernels, however slow the machine), while a path 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -19,116 +18,34 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager.vmanager import files
 from simnode.gpusim_state import GpuSimState
+from tests.vcuda_scenario import BUILD, VCUDA, build_programs, container_env
 
-ROOT = Path(__file__).resolve().parents[1]
-VCUDA = ROOT / "vcuda"
-BUILD = VCUDA / "build"
-SPEC = ROOT / "deploy" / "sim" / "t4-x1.json"
 SOURCE = VCUDA / "tests" / "review12_sm.c"
-DRIVER_VERSION = "550.54.15"
 SHARE = 30
 # 1 s at 30 % is 300 ms of GPU time: 6 kernels of 50 ms, plus what the gate lets queue (in flight x cost) and the
 # burst the credit cap allows (100 ms of the rate).  An ungated path admits all 100 offered.
 MOST_ADMITTED = 30
 HOOKS = "t_VC_TEST_HOOKS"  # the interceptor built with -DVC_TEST_HOOKS (as tests/test_vcuda_compute.py names it)
-SAN_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
-
-
-def _include_dirs() -> list[str]:
-    out = subprocess.run(
-        ["make", "-s", "-C", str(VCUDA), "--eval=print-inc:\n\t@echo $(CUDA_INCLUDE) $(NVML_INCLUDE)", "print-inc"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.split()
 
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The scenario program, plain and under ASan/UBSan, after the interceptor and the simulated driver are built."""
-    subprocess.run(
-        [
-            "make",
-            "-s",
-            "-C",
-            str(VCUDA),
-            "sim",
-            "interceptor",
-            "build/asan/libcuda-control.so",
-            "build/sim-asan/libcuda.so.1",
-            "build/sim-asan/libnvidia-ml.so.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    out = tmp_path_factory.mktemp("review12-sm-bin")
-    incs = [f"-I{d}" for d in _include_dirs()]
-    built = {}
-    for variant, extra in (("plain", []), ("asan", SAN_FLAGS)):
-        exe = out / f"review12_sm_{variant}"
-        subprocess.run(
-            [
-                "cc",
-                "-std=c11",
-                "-D_GNU_SOURCE",
-                "-Wall",
-                "-Wextra",
-                "-Werror",
-                "-O1",
-                "-g",
-                *extra,
-                *incs,
-                "-o",
-                str(exe),
-                str(SOURCE),
-                "-ldl",
-                "-pthread",
-            ],
-            check=True,
-        )
-        built[variant] = exe
+    built = build_programs(tmp_path_factory.mktemp("review12-sm-bin"), SOURCE)
     built["hooks"] = built["plain"]
     return built
 
 
-def _mirror(where: Path, variant: str) -> Path:
-    """A driver mirror as the agent makes it: the interceptor under the sonames, the driver under its full names."""
-    where.mkdir()
-    interceptor = BUILD / ("asan" if variant == "asan" else "") / "libcuda-control.so"
-    if variant == "hooks":
-        interceptor = BUILD / HOOKS / "libcuda-control.so"
-    sim = BUILD / ("sim-asan" if variant == "asan" else "sim")
-    for soname in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        (where / soname).symlink_to(interceptor)
-    (where / f"libcuda.so.{DRIVER_VERSION}").symlink_to(sim / "libcuda.so.1")
-    (where / f"libnvidia-ml.so.{DRIVER_VERSION}").symlink_to(sim / "libnvidia-ml.so.1")
-    return where
+def _env(tmp_path: Path, variant: str) -> dict[str, str]:
+    """A container with a 30 % SM share and no memory limit; ``variant`` "hooks": the -DVC_TEST_HOOKS interceptor."""
+    interceptor = BUILD / HOOKS / "libcuda-control.so" if variant == "hooks" else None
+    return container_env(tmp_path, variant, pod_uid="pod-review12", share=SHARE, interceptor=interceptor)
 
 
 def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str, **extra: str) -> list[int]:
     """Runs one scenario; returns the launches admitted, one figure per report line."""
-    mirror = _mirror(tmp_path / "mirror", variant)
-    config = tmp_path / "config" / "vcuda.config"
-    config.parent.mkdir()
-    config.write_bytes(
-        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
-    )
-    budget = tmp_path / "budget"
-    budget.mkdir()
-    env = dict(os.environ)
-    env.update(
-        LD_LIBRARY_PATH=str(mirror),
-        GPUSIM_SPEC=str(SPEC),
-        GPUSIM_STATE=str(tmp_path / "node.state"),
-        VCUDA_CONFIG_PATH=str(config),
-        VCUDA_BUDGET_DIR=str(budget),
-        ASAN_OPTIONS="detect_leaks=0",
-        **extra,
-    )
-    env.pop("LD_PRELOAD", None)
+    env = {**_env(tmp_path, variant), **extra}
     done = subprocess.run([str(programs[variant]), scenario], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{scenario} ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     found = [int(n) for n in re.findall(r"^admitted (\d+) of", done.stdout, re.M)]
@@ -194,16 +111,7 @@ def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
     """Every launch entry point (cuLaunchKernel, Ex, cooperative, multi-device, graph, legacy) asked for through
     cuGetProcAddress and cuGetProcAddress_v2, at every version from 2.0 to 13.0 and every flag, is the
     interceptor's."""
-    mirror = _mirror(tmp_path / "mirror", variant)
-    env = dict(os.environ, LD_LIBRARY_PATH=str(mirror), GPUSIM_SPEC=str(SPEC), GPUSIM_STATE=str(tmp_path / "s"))
-    config = tmp_path / "config" / "vcuda.config"
-    config.parent.mkdir()
-    config.write_bytes(
-        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
-    )
-    (tmp_path / "budget").mkdir()
-    env.update(VCUDA_CONFIG_PATH=str(config), VCUDA_BUDGET_DIR=str(tmp_path / "budget"), ASAN_OPTIONS="detect_leaks=0")
-    env.pop("LD_PRELOAD", None)
+    env = _env(tmp_path, variant)
     done = subprocess.run([str(programs[variant]), "getproc"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"getproc ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     m = re.search(r"^found (\d+) escapes (\d+)$", done.stdout, re.M)
@@ -261,18 +169,9 @@ def test_a_chain_of_processes_that_exit_with_a_kernel_running_keeps_the_share(
     """Five processes one after the other, each launching a 5 s kernel (gated: it waits for the debt of those before
     it) and exiting 1 s later with it still running, NVML's samples 0.7 s late as on a real driver: the chain must
     use at most its 30 % of the time it took, plus the last process's second (nobody pays for it) and a margin."""
-    mirror = _mirror(tmp_path / "mirror", "plain")
-    config = tmp_path / "config" / "vcuda.config"
-    config.parent.mkdir()
-    config.write_bytes(
-        files.pack(files.VcudaConfig(pod_uid="pod-review12", container_name="c", gpu_memory=0, utilization=SHARE))
-    )
-    (tmp_path / "budget").mkdir()
     state = tmp_path / "node.state"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(mirror), GPUSIM_SPEC=str(SPEC), GPUSIM_STATE=str(state))
-    env.update(VCUDA_CONFIG_PATH=str(config), VCUDA_BUDGET_DIR=str(tmp_path / "budget"))
+    env = _env(tmp_path, "plain")
     env["GPUSIM_PROCESS_SAMPLE_DELAY_US"] = "700000"
-    env.pop("LD_PRELOAD", None)
     done = subprocess.run([str(programs["plain"]), "exit-tail"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     m = re.search(r"^elapsed (\d+)$", done.stdout, re.M)

@@ -25,75 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define MIB (1ull << 20)
-
-static void *g_lib;
-
-static void *sym(const char *name)
-{
-    void *p = dlsym(g_lib, name);
-    if (p == NULL) {
-        fprintf(stderr, "missing %s\n", name);
-        exit(2);
-    }
-    return p;
-}
-
-#define FN(name) ((__typeof__(&name))sym(#name))
-
-static void check(CUresult rc, const char *what)
-{
-    if (rc != CUDA_SUCCESS) {
-        fprintf(stderr, "%s failed: %d\n", what, (int)rc);
-        exit(3);
-    }
-}
-
-static bool g_all; /* held() counts every process on the GPU (the node runs only this container) */
-
-/* What NVML accounts to this process (g_all: to every process) on GPU 0, in bytes. */
-static uint64_t held(void)
-{
-    static bool init;
-    if (!init) {
-        if (FN(nvmlInit_v2)() != NVML_SUCCESS) {
-            fprintf(stderr, "nvmlInit failed\n");
-            exit(2);
-        }
-        init = true;
-    }
-    nvmlDevice_t dev;
-    if (FN(nvmlDeviceGetHandleByIndex_v2)(0, &dev) != NVML_SUCCESS) {
-        fprintf(stderr, "nvmlDeviceGetHandleByIndex failed\n");
-        exit(2);
-    }
-    nvmlProcessInfo_t procs[64];
-    unsigned n = 64;
-    if (FN(nvmlDeviceGetComputeRunningProcesses_v3)(dev, &n, procs) != NVML_SUCCESS) {
-        fprintf(stderr, "nvmlDeviceGetComputeRunningProcesses failed\n");
-        exit(2);
-    }
-    uint64_t sum = 0;
-    for (unsigned i = 0; i < n; i++)
-        if (g_all || procs[i].pid == (unsigned)getpid())
-            sum += procs[i].usedGpuMemory;
-    return sum;
-}
-
-static void report(void)
-{
-    printf("held %llu\n", (unsigned long long)(held() / MIB));
-    fflush(stdout);
-}
-
-static CUcontext primary(void)
-{
-    check(FN(cuInit)(0), "cuInit");
-    CUcontext ctx;
-    check(FN(cuDevicePrimaryCtxRetain)(&ctx, 0), "cuDevicePrimaryCtxRetain");
-    check(FN(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
-    return ctx;
-}
+#include "scenario.h"
 
 /* ---- stream-ordered allocations while another thread switches the device's current pool ------------------- */
 
@@ -118,13 +50,6 @@ static uint64_t pool_reserved(CUmemoryPool pool)
     cuuint64_t v = 0;
     check(FN(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &v), "cuMemPoolGetAttribute");
     return v;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 /*

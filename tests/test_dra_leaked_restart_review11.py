@@ -11,19 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from gpumanager import names
-from gpumanager.vmanager import files
 from simnode.dra_cluster import DRACluster
+from tests.test_dra_doubt_running_review12 import share_with_process
 from tests.test_dra_followups_review11 import (
-    bound_pod,
     delete_claim,
     healthz,
-    prepared,
-    share,
     spec_gone,
     wait_for,
 )
-from tests.test_dra_review11 import make_claim
 
 
 @pytest.fixture
@@ -33,37 +28,9 @@ def cluster(tmp_path: Path, sim_built: Path) -> Iterator[DRACluster]:
 
 
 def test_after_an_agent_restart_a_claim_whose_processes_run_is_kept(cluster: DRACluster) -> None:
-    ref = make_claim(cluster, "forced", [share("gpu-0", "50")])
-    prepared(cluster, ref)
-    pod = bound_pod(cluster, "forced-pod", "forced")
     sleeper = subprocess.Popen(["sleep", "300"])
     try:
-        running = {"running": {"startedAt": "2026-11-21T10:00:00Z"}}
-        status = {"name": "main", "containerID": "containerd://c1", "ready": True, "restartCount": 0}
-        cluster.core.patch_namespaced_pod_status(
-            "forced-pod",
-            "default",
-            {
-                "status": {
-                    "qosClass": "BestEffort",
-                    "containerStatuses": [{**status, "image": "cuda:12", "imageID": "", "state": running}],
-                }
-            },
-            _content_type="application/merge-patch+json",
-        )
-        cgroup = cluster.cgroup_root / "kubepods" / f"pod{pod['metadata']['uid']}" / "c1"
-        cgroup.mkdir(parents=True)
-        (cgroup / "cgroup.procs").write_text(f"{sleeper.pid}\n")
-        pids = cluster.vm_path / ref[2] / names.PIDS_CONFIG_FILE
-
-        def listed() -> bool:
-            try:
-                return sleeper.pid in files.read_pids(pids)
-            except OSError:
-                return False
-
-        wait_for("the claim's pids.config names the container's process", listed)
-        cluster.core.delete_namespaced_pod("forced-pod", "default", grace_period_seconds=0)
+        ref = share_with_process(cluster, "forced", sleeper)
         delete_claim(cluster, "forced")
         assert cluster.agent is not None
         cluster.agent.stop()

@@ -12,7 +12,6 @@ kubelet's last restart and that its checkpoint, read after that restart, no long
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,21 +20,9 @@ import pytest
 from gpumanager import names
 from gpumanager.kube.kubelet_checkpoint import KubeletRecords
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
+from tests.test_kubelet_checkpoint_lost_review12 import _usage
 
 LAG = 6.0
-
-
-def _usage(cluster: SimCluster) -> dict[tuple[str, str], tuple[tuple[int, ...], float]]:
-    assert cluster.agent is not None
-    url = f"http://127.0.0.1:{cluster.agent.query_port}/usage"
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        usage = json.loads(answer.read().decode()).get("usage", {})
-    out = {}
-    for uid, pod in usage.items():
-        for container, spec in pod["spec"].items():
-            cards = tuple(sorted(int(d["card_idx"]) for d in pod["stat"][container]["dev"]))
-            out[(uid, container)] = (cards, float(spec["gpu"]))
-    return out
 
 
 def _restart_kubelet(cluster: SimCluster) -> None:

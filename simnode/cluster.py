@@ -561,9 +561,9 @@ class SimCluster:
         status = {"initContainerStatuses" if init else "containerStatuses": [waiting]}
         self._phase_later(run, "Pending", status)
 
-    def _phase_later(self, run: PodRun, phase: str, status: Mapping[str, Any]) -> None:
-        """The pod's phase and ``status`` fields written by the status manager (see _later), unless the pod went
-        away or was replaced by another of its name meanwhile."""
+    def _phase_later(self, run: PodRun, phase: str, status: Mapping[str, Any], lag: float | None = None) -> None:
+        """The pod's phase and ``status`` fields written by the status manager (see _later; ``lag`` instead of
+        ``status_lag``), unless the pod went away or was replaced by another of its name meanwhile."""
 
         def publish() -> None:
             try:
@@ -573,14 +573,15 @@ class SimCluster:
             except Exception as err:  # the pod went away meanwhile
                 log.info("status update of pod %s/%s not written: %s", run.namespace, run.name, err)
 
-        self._later(publish)
+        self._later(publish, lag)
 
-    def _later(self, publish: Callable[[], None]) -> None:
-        """A status update the kubelet's status manager writes ``status_lag`` later (at once for 0)."""
-        if self.status_lag <= 0:
+    def _later(self, publish: Callable[[], None], lag: float | None = None) -> None:
+        """A status update the kubelet's status manager writes ``status_lag`` (or ``lag``) later (at once for 0)."""
+        wait = self.status_lag if lag is None else lag
+        if wait <= 0:
             publish()
             return
-        timer = threading.Timer(self.status_lag, publish)
+        timer = threading.Timer(wait, publish)
         timer.daemon = True
         self._status_timers = [t for t in self._status_timers if t.is_alive()] + [timer]
         timer.start()
@@ -651,16 +652,16 @@ class SimCluster:
             self._stalled.discard(run.uid)
             self._stop_pod(run.uid)
 
-    def end_pod(self, run: PodRun) -> None:
+    def end_pod(self, run: PodRun, *, status_lag: float | None = None) -> None:
         """The pod's containers end by themselves (a Job's, exit 0; restartPolicy Never): their cgroups go and
         the kubelet stops counting the pod at once (its device IDs are free for the next pod), while the
-        status update (containers terminated, phase Succeeded) reaches the API server ``status_lag`` later, as
-        the kubelet's status manager writes it."""
+        status update (containers terminated, phase Succeeded) reaches the API server ``status_lag`` (the
+        cluster's unless given) later, as the kubelet's status manager writes it."""
         from simnode.kubelet_deletion import terminated_statuses
 
         shutil.rmtree(self.cgroup_root / "kubepods" / f"pod{run.uid}", ignore_errors=True)
         self.kubelet.remove_pod(run.uid)
-        self._phase_later(run, "Succeeded", {"containerStatuses": terminated_statuses(run.statuses)})
+        self._phase_later(run, "Succeeded", {"containerStatuses": terminated_statuses(run.statuses)}, status_lag)
 
     def _stop_pod(self, uid: str) -> None:
         """The kubelet stops the pod's containers (their cgroups go) and frees its device IDs."""

@@ -78,7 +78,9 @@ def test_the_ids_of_a_job_that_ended_go_to_the_next_pod_when_no_gpu_has_other_ro
         _restart_kubelet(cluster)
         assert cluster.kubelet.allocations(job.uid)  # the checkpoint kept its records
 
-    cluster.end_pod(job)  # its status (Succeeded) reaches the API server LAG s later
+    # Its status (Succeeded) reaches the API server 120 s later: long after the checks below, however loaded
+    # the machine (with LAG, the two admissions below took longer than that once).
+    cluster.end_pod(job, status_lag=120)
     cluster.run_pod(gpu_pod("other", [("main", 50, 16)], annotations=admission_annotations([[1]], 6)))
     assert not any(e.pod_uid == job.uid for e in cluster.kubelet.checkpoint_entries())
 

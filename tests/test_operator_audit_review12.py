@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ def _agent(tmp_path: Path, argv: list[str], env: dict[str, str]) -> subprocess.C
     own = [
         f"--checkpoint-path={tmp_path / 'checkpoint'}",
         f"--device-plugin-path={tmp_path / 'dp'}",
-        f"--virtual-manager-path={tmp_path / 'vm'}",
+        # Short: each pod's vcuda.sock below it must fit a unix socket address (xdist's tmp_path does not).
+        f"--virtual-manager-path={tempfile.mkdtemp(prefix='vm', dir='/tmp')}",
         f"--display-socket={tmp_path / 'gm.sock'}",
         "--hostname-override=sim-node",
     ]

@@ -72,8 +72,10 @@ def unreachable(exc: BaseException) -> str:
 def _unreachable(exc: BaseException) -> str:
     """For urllib3's MaxRetryError (its text names the pool twice and the URL), the server and why it
     could not be reached: ``cannot reach the API server at https://host:port: <why>``; "" otherwise."""
+    if not hasattr(exc, "url"):  # not a MaxRetryError (urllib3 2's NewConnectionError warns at a look at .pool)
+        return ""
     pool, reason = getattr(exc, "pool", None), getattr(exc, "reason", None)
-    if pool is None or not isinstance(reason, BaseException) or not hasattr(exc, "url"):
+    if pool is None or not isinstance(reason, BaseException):
         return ""
     scheme = getattr(pool, "scheme", "https")
     host = getattr(pool, "host", "?")

@@ -22,7 +22,7 @@ from gpumanager.kube.kubelet_checkpoint import KubeletRecords
 from simnode.cluster import PodRun, SimCluster, admission_annotations, gpu_pod
 from tests.test_kubelet_checkpoint_lost_review12 import _usage
 
-LAG = 0.5  # the other pods' status lag; the Job's is its own (end_pod)
+LAG = 6.0
 
 
 def _restart_kubelet(cluster: SimCluster) -> None:
@@ -79,7 +79,7 @@ def test_the_ids_of_a_job_that_ended_go_to_the_next_pod_when_no_gpu_has_other_ro
         assert cluster.kubelet.allocations(job.uid)  # the checkpoint kept its records
 
     # Its status (Succeeded) reaches the API server 120 s later: long after the checks below, however loaded
-    # the machine (with a 6 s lag, the two admissions below took longer than that once).
+    # the machine (with LAG, the two admissions below took longer than that once).
     cluster.end_pod(job, status_lag=120)
     cluster.run_pod(gpu_pod("other", [("main", 50, 16)], annotations=admission_annotations([[1]], 6)))
     assert not any(e.pod_uid == job.uid for e in cluster.kubelet.checkpoint_entries())

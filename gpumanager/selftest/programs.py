@@ -12,6 +12,16 @@ from __future__ import annotations
 # %clock64: SM clock cycles last longer whenever the clock is below its maximum (load, power, heat), and
 # a kernel of a fixed cycle count would change length between the unlimited and the limited runs.
 # empty_1ns returns at once.  Their names carry their intended duration, which the simulated driver uses.
+#
+# spin_cycles_1000us (the two containers run together, only) spins the SM clock cycles it is given (sized to 1 ms
+# at the GPU's clock) and counts only the cycles its own context ran: a gap of 65536 cycles or more between two
+# reads of %clock64 (about 30 us; the context was switched out, or the warp resumed on another SM) is not
+# counted.  A GPU time-slices between contexts, and neither timer stops while a context is switched out: a
+# %globaltimer spin, or a plain %clock64 one, preempted mid-way ends as soon as it is resumed, so two processes
+# each complete far more than half of what one does alone (an H200, driver 580: 668/s each against 999/s alone,
+# for both).  This one completes only after its cycles ran (465/s each: two contexts lose about 7 % of the GPU
+# to switching), so its kernels/s are its context's GPU time.  Both containers run at once, at one clock, so
+# their shares of the pair's kernels do not follow the clock.
 # PTX ISA 6.0 for sm_50 and newer: every driver that runs CUDA 12 or 13 compiles it for its GPU (H100/H200
 # sm_90, B200 sm_100).
 PTX = r"""
@@ -30,6 +40,24 @@ $Lspin:
     sub.s64 %rd4, %rd3, %rd2;
     setp.lt.u64 %p1, %rd4, %rd1;
     @%p1 bra $Lspin;
+    ret;
+}
+
+.visible .entry spin_cycles_1000us(.param .u64 cycles)
+{
+    .reg .pred %p<3>;
+    .reg .b64 %rd<7>;
+    ld.param.u64 %rd1, [cycles];
+    mov.u64 %rd5, 0;
+    mov.u64 %rd2, %clock64;
+$Lcycle:
+    mov.u64 %rd3, %clock64;
+    sub.s64 %rd4, %rd3, %rd2;
+    mov.u64 %rd2, %rd3;
+    setp.lt.u64 %p2, %rd4, 65536;
+    @%p2 add.s64 %rd5, %rd5, %rd4;
+    setp.lt.u64 %p1, %rd5, %rd1;
+    @%p1 bra $Lcycle;
     ret;
 }
 
@@ -195,15 +223,11 @@ hold()
 """
 )
 
-# A continuously fed, unsynchronised launch loop: ARGS settle, seconds; reports launches per second after settle
-# and the wall-clock window (us) they were counted in, then launches on (uncounted) until told to go.
-SPIN = (
-    PRELUDE
-    + r"""
-mod = ok(d.cuModuleLoadData(ARGS["ptx"].encode()))
-fn = ok(d.cuModuleGetFunction(mod, b"spin_1000us"))
+# A continuously fed, unsynchronised launch loop of ``fn`` with ``params`` (set by the program before it): ARGS
+# settle, seconds; reports launches per second after settle and the wall-clock window (us) they were counted in,
+# then launches on (uncounted) until told to go.
+_LAUNCH_LOOP = r"""
 stream = ok(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING))
-params = ((1_000_000,), (ctypes.c_uint64,))  # 1 ms of the global timer
 print("running", flush=True)
 start = time.monotonic()
 settle, end = start + ARGS["settle"], start + ARGS["settle"] + ARGS["seconds"]
@@ -225,6 +249,31 @@ report(rate=counted / elapsed if elapsed > 0 else 0.0, pid=os.getpid(), from_us=
 # came after it in; idle there, it would read the window's end as partly idle.
 hold(lambda: d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, params, 0))
 """
+
+# The launch loop of spin_1000us (1 ms of the global timer): the single-container shares.
+SPIN = (
+    PRELUDE
+    + r"""
+mod = ok(d.cuModuleLoadData(ARGS["ptx"].encode()))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_1000us"))
+params = ((1_000_000,), (ctypes.c_uint64,))  # 1 ms of the global timer
+"""
+    + _LAUNCH_LOOP
+)
+
+# The launch loop of spin_cycles_1000us (1 ms of SM clock cycles at the GPU's clock, counted while its context
+# runs): the containers that run together, whose kernels/s must be their GPU time.
+SPIN_CYCLES = (
+    PRELUDE
+    + r"""
+mod = ok(d.cuModuleLoadData(ARGS["ptx"].encode()))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_cycles_1000us"))
+clock = getattr(d.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_CLOCK_RATE", None)  # kHz: cycles per ms
+khz = d.cuDeviceGetAttribute(clock, dev) if clock is not None else (None,)
+cycles = khz[1] if khz[0] == R.CUDA_SUCCESS and khz[1] > 0 else 1_500_000  # unknown clock: ~1 ms at 1.5 GHz
+params = ((cycles,), (ctypes.c_uint64,))
+"""
+    + _LAUNCH_LOOP
 )
 
 # Per-call cost, through ctypes (the same overhead with and without the interceptor): ARGS calls.

@@ -317,6 +317,23 @@ static uint64_t sample_delay_us(void)
     return env_us("GPUSIM_PROCESS_SAMPLE_DELAY_US", &delay, DEFAULT_DELAY_US);
 }
 
+/*
+ * GPUSIM_PROCESS_SAMPLE_MODE=gpu: the samples a real driver gives (seen on an H200, driver 580.159): one per period
+ * for the whole GPU, naming one process (the one resident when it was taken), with the GPU's busy percent as its
+ * smUtil (sim_tl_gpu_samples).  Anything else (default, "process"): each process's own share of the period.
+ */
+static bool sample_per_gpu(void)
+{
+    static int mode = -1;
+    int v = __atomic_load_n(&mode, __ATOMIC_RELAXED);
+    if (v < 0) {
+        const char *text = getenv("GPUSIM_PROCESS_SAMPLE_MODE");
+        v = text != NULL && strcmp(text, "gpu") == 0;
+        __atomic_store_n(&mode, v, __ATOMIC_RELAXED);
+    }
+    return v == 1;
+}
+
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
                                     struct util_sample *out, unsigned max, unsigned *count)
 {
@@ -325,9 +342,11 @@ static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsig
         return fault;
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
-    unsigned ntl =
-        sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(), sample_delay_us(), tl,
-                            MAX_TL_PROCS, &now_us);
+    unsigned ntl = sample_per_gpu()
+                       ? sim_tl_gpu_samples(ctx->state, i, lastSeen, sample_period_us(), sample_delay_us(), tl,
+                                            MAX_TL_PROCS, &now_us)
+                       : sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(),
+                                             sample_delay_us(), tl, MAX_TL_PROCS, &now_us);
     if (ntl > MAX_TL_PROCS)
         ntl = MAX_TL_PROCS;
     unsigned n = 0;

@@ -605,3 +605,90 @@ unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_
     unlock_gpu(g);
     return count;
 }
+
+/* A well-spread hash of k (which process a period's sample names). */
+static uint64_t mix64(uint64_t k)
+{
+    uint64_t h = (k + 1) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 30;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 27;
+    h *= 0x94D049BB133111EBull;
+    return h ^ (h >> 31);
+}
+
+unsigned sim_tl_gpu_samples(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t period_us,
+                            uint64_t delay_us, struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us)
+{
+    struct gpusim_tl_gpu *g = lock_gpu(st, gpu);
+    if (g == NULL)
+        return 0;
+    uint64_t now = sim_mono_ns();
+    advance(g, now);
+    uint64_t n = g->ck_count;
+    *now_us = 0;
+    if (n < 2 || max == 0) {
+        unlock_gpu(g);
+        return 0;
+    }
+    uint64_t oldest = n > GPUSIM_TL_CKPTS ? n - GPUSIM_TL_CKPTS : 0;
+    uint64_t period_ns = period_us > 0 ? period_us * 1000u : GPUSIM_TL_CKPT_NS;
+    uint64_t delay_ns = (delay_us > MAX_DELAY_US ? MAX_DELAY_US : delay_us) * 1000u;
+    uint64_t visible = now > delay_ns ? now - delay_ns : 0;
+    uint64_t last = g->ck_t[(n - 1) % GPUSIM_TL_CKPTS];
+    if (last > visible)
+        last = visible;
+    uint64_t from = mono_of(g, since_us);
+    uint64_t horizon = visible > UTIL_WINDOW_NS ? visible - UTIL_WINDOW_NS : 0;
+    if (from < horizon)
+        from = horizon;
+    if (from < g->ck_t[oldest % GPUSIM_TL_CKPTS])
+        from = g->ck_t[oldest % GPUSIM_TL_CKPTS];
+    /* Period ends in (from + period, last]: each period whole within what is kept, newest first. */
+    unsigned count = 0;
+    for (uint64_t end = last / period_ns * period_ns; end >= from + period_ns && end > 0; end -= period_ns) {
+        uint64_t start = end - period_ns;
+        uint64_t total = busy_at(g, g->ck_busy, g->busy_ns, end) - busy_at(g, g->ck_busy, g->busy_ns, start);
+        uint64_t ts = real_us_of(g, end);
+        if (total == 0 || ts <= since_us)
+            continue;
+        uint64_t sum = 0, busy[GPUSIM_TL_SLOTS];
+        for (unsigned i = 0; i < GPUSIM_TL_SLOTS; i++) {
+            const struct gpusim_tl_slot *s = &g->slots[i];
+            busy[i] = 0;
+            if (s->flags & GPUSIM_TL_IN_USE) {
+                uint64_t b0 = busy_at(g, s->ck_busy, s->busy_ns, start), b1 = busy_at(g, s->ck_busy, s->busy_ns, end);
+                busy[i] = b1 > b0 ? b1 - b0 : 0;
+                sum += busy[i];
+            }
+        }
+        if (sum == 0)
+            continue;
+        uint64_t pick = mix64(end / period_ns) % sum, acc = 0;
+        unsigned chosen = 0;
+        for (unsigned i = 0; i < GPUSIM_TL_SLOTS; i++) {
+            acc += busy[i];
+            if (busy[i] > 0 && pick < acc) {
+                chosen = i;
+                break;
+            }
+        }
+        if (count < max)
+            out[count] = (struct sim_tl_proc_util){.pid = g->slots[chosen].pid, .sm_percent = percent(total, period_ns),
+                                                   .busy_ns = total, .ts_us = ts};
+        if (ts > *now_us)
+            *now_us = ts;
+        count++;
+        if (count >= max)
+            break; /* the newest max periods */
+    }
+    /* Oldest first, as the driver's buffer is read. */
+    unsigned written = count < max ? count : max;
+    for (unsigned a = 0, b = written; a + 1 < b; a++, b--) {
+        struct sim_tl_proc_util t = out[a];
+        out[a] = out[b - 1];
+        out[b - 1] = t;
+    }
+    unlock_gpu(g);
+    return written;
+}

@@ -40,6 +40,7 @@
 #define MEASURE_MIN_NS 2000000ull   /* a blocked launch re-measures at most every 2 ms */
 #define WATCHER_LATE_NS 50000000ull /* a launch measures itself when the watcher has not for this long */
 #define BURST_WALL_NS 100000000ull  /* credit beyond the work in flight: at most 100 ms of the rate */
+#define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -127,6 +128,7 @@ struct dev {
     double prov_ns[PROVISIONAL];
     unsigned prov_head, prov_n;
     uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
+    bool per_gpu;             /* the driver samples the GPU, one process per period (a PID seen twice in one answer) */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
     uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
@@ -537,6 +539,41 @@ static struct own_pid *own_insert(struct dev *d, unsigned pid, uint64_t us, unsi
 }
 
 /*
+ * Whether an answer (sorted by time) shows the driver's per-GPU sampling: one process named per period, every period
+ * kept since the query's start s, so a busy process appears at two times.  (Sampled per process, each process has
+ * its newest sample only.)  Seen on an H200 with driver 580: each 200 ms sample names the process resident when it
+ * was taken, with the whole GPU's busy percent.
+ */
+static bool answer_per_gpu(const nvmlProcessUtilizationSample_t *buf, unsigned n, uint64_t s)
+{
+    for (unsigned i = 0; i < n; i++) {
+        if (buf[i].timeStamp <= s)
+            continue;
+        for (unsigned j = i + 1; j < n; j++)
+            if (buf[j].pid == buf[i].pid && buf[j].timeStamp != buf[i].timeStamp)
+                return true;
+    }
+    return false;
+}
+
+/*
+ * How long before its time a sample at ts describes (us): NVML's documented "last sample period".  Sampled per
+ * process, a sample averages its process's use since the query's start (at most SAMPLE_WINDOW_US: a second).  Sampled
+ * per GPU, it describes one period: the time since the answer's previous sample (prev, any process), else the period
+ * learnt; charging it since the process's own previous sample put every period named for others on it (a 30 %
+ * container named once a second paid a second at 99 %).
+ */
+static uint64_t span_limit_us(const struct dev *d, uint64_t ts, uint64_t prev)
+{
+    if (!d->per_gpu)
+        return SAMPLE_WINDOW_US;
+    uint64_t span = d->period_us > 0 ? d->period_us : SAMPLE_WINDOW_US;
+    if (prev > 0 && prev < ts && ts - prev < span)
+        span = ts - prev;
+    return span;
+}
+
+/*
  * One query's samples (d->mu and g_pids_mu held): the container's PIDs of query q (start s) are charged
  * smUtil x (ts - s), each over the window its average was taken over; base: the query of the PIDs without
  * an entry (they start at the base), which also measures the neighbours.  Returns the newest sample time of
@@ -548,13 +585,22 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
 {
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
-    uint64_t t = 0, stale = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0;
+    if (!d->per_gpu && answer_per_gpu(buf, n, s)) {
+        d->per_gpu = true;
+        vc_log(VC_LOG_INFO, "device %d: NVML names one process per sample (the driver samples the whole GPU): each "
+               "sample is charged over one sampling period, and the periods named for others count as idle",
+               d->index);
+    }
+    uint64_t t = 0, stale = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0, prev_any = 0;
     for (unsigned i = 0; i < n; i++) {
         uint64_t ts = buf[i].timeStamp, from;
         if (ts <= s)
             continue;
         if (ts > *newest)
             *newest = ts;
+        uint64_t covers = span_limit_us(d, ts, prev_any);
+        if (ts > prev_any)
+            prev_any = ts; /* sorted: the answer's newest so far */
         double util = (double)(buf[i].smUtil > 100 ? 100 : buf[i].smUtil);
         if (!in_container(buf[i].pid)) {
             if (!base)
@@ -570,7 +616,7 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
                 continue;
             if (last != NULL)
                 *last = ts;
-            *other += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
+            *other += util * (double)(ts - from > covers ? covers : ts - from) * 10.0;
             continue;
         }
         if (ts > t)
@@ -586,7 +632,7 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
         from = e != NULL && e->hit ? e->us : s;
         if (ts <= from)
             continue;
-        *own += util * (double)(ts - from > SAMPLE_WINDOW_US ? SAMPLE_WINDOW_US : ts - from) * 10.0;
+        *own += util * (double)(ts - from > covers ? covers : ts - from) * 10.0;
         if (buf[i].pid == d->self) {
             d->self_sampled = true;
             if (ts > d->self_us)
@@ -604,6 +650,8 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
      * (newer) time would lose its GPU time in between.  A PID busy in (us, t - period] would have a sample in
      * (us, t].  No period known yet: none is moved (its entry goes after a window idle).
      */
+    if (d->per_gpu && base && prev_any > t)
+        t = prev_any; /* the periods named for others: the container's PIDs count as idle in them */
     uint64_t period = d->period_us;
     for (unsigned i = 0; t > 0 && period > 0 && i < d->nown; i++)
         if (d->own[i].q == q && !d->own[i].hit && d->own[i].us + period < t)
@@ -843,12 +891,24 @@ static double in_flight(const struct dev *d)
     return d->launched > d->completed ? (double)(d->launched - d->completed) : 0.0;
 }
 
+/*
+ * The credit kept beyond the work in flight (wall ns of the rate).  Where the driver names one process per sampling
+ * period (per_gpu), a process is charged a whole period's time at once when named and nothing in the periods named
+ * for others: the credit swings by a period's time between namings, and a cap of less than a few periods cut the
+ * refunds of the periods it was not named in (a 30 % container beside a 70 % one ran at 7 %).
+ */
+static uint64_t burst_wall_ns(const struct dev *d)
+{
+    uint64_t lumps = d->per_gpu ? (uint64_t)PER_GPU_BURST_PERIODS * d->period_us * 1000u : 0;
+    return lumps > BURST_WALL_NS ? lumps : BURST_WALL_NS;
+}
+
 static void refill(struct dev *d, uint64_t now)
 {
     if (now > d->last_refill)
         d->credit += d->rate * (double)(now - d->last_refill);
     d->last_refill = now;
-    double cap = in_flight(d) * d->cost + d->rate * (double)BURST_WALL_NS + d->cost;
+    double cap = in_flight(d) * d->cost + d->rate * (double)burst_wall_ns(d) + d->cost;
     if (d->credit > cap)
         d->credit = cap;
 }

@@ -24,6 +24,7 @@ IDs) is looked up again only when their generations moved.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -106,28 +107,47 @@ class _Plan:
 class _GPUSample:
     procs: dict[int, int]  # pid -> used bytes
     sm_sum: dict[int, float]  # pid -> summed smUtil percent
-    sm_count: dict[int, int]  # pid -> number of samples
+    sm_count: dict[int, float]  # pid -> what its sum is divided by: its samples, or the periods in the window
 
 
 _EMPTY = _GPUSample({}, {}, {})
 _UNREAD = _GPUSample({}, {}, {})  # a GPU NVML could not be asked about (lost)
 
 
-def _sample_gpu(index: int, since_us: int) -> _GPUSample:
+def _sample_gpu(index: int, since_us: int, *, now_us: int | None = None) -> _GPUSample:
     handle = nvml.handle(index)
     procs = {int(p.pid): int(p.usedGpuMemory or 0) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
     sm_sum: dict[int, float] = {}
-    sm_count: dict[int, int] = {}
+    sm_count: dict[int, float] = {}
     if procs:
         try:
-            for s in pynvml.nvmlDeviceGetProcessUtilization(handle, since_us):
-                pid = int(s.pid)
-                sm_sum[pid] = sm_sum.get(pid, 0.0) + float(s.smUtil)
-                sm_count[pid] = sm_count.get(pid, 0) + 1
+            samples = [(int(s.pid), int(s.timeStamp), float(s.smUtil))
+                       for s in pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)]  # fmt: skip
         except pynvml.NVMLError as exc:
             if exc.value != pynvml.NVML_ERROR_NOT_FOUND:  # NOT_FOUND: no sample in the window
                 log.debug("GPU %d process utilisation: %s", index, exc)
+            samples = []
+        periods = _periods_in_window(samples, since_us, int(time.time() * 1e6) if now_us is None else now_us)
+        for pid, _ts, sm in samples:
+            sm_sum[pid] = sm_sum.get(pid, 0.0) + sm
+            sm_count[pid] = periods if periods else sm_count.get(pid, 0.0) + 1
     return _GPUSample(procs, sm_sum, sm_count)
+
+
+def _periods_in_window(samples: Sequence[tuple[int, int, float]], since_us: int, now_us: int) -> float:
+    """How many sampling periods the window holds where the driver samples the whole GPU (0: it samples each
+    process).  Such a driver (an H200's, 580.159) names one process per period with the GPU's busy percent, and
+    keeps every period, so a busy process appears at several times: its samples are divided by the window's
+    periods, not by their own count (named once in five periods it read 99 %, not 20 %).  Sampled per process, each
+    process has one sample, its average over the window."""
+    times: dict[int, set[int]] = {}
+    for pid, ts, _sm in samples:
+        times.setdefault(pid, set()).add(ts)
+    if all(len(stamps) < 2 for stamps in times.values()):
+        return 0.0
+    stamps = sorted({ts for _pid, ts, _sm in samples})
+    period = min(b - a for a, b in itertools.pairwise(stamps))
+    return max(1.0, (now_us - since_us) / period) if period > 0 else 0.0
 
 
 class UsageSampler:

@@ -644,10 +644,11 @@ unsigned sim_tl_gpu_samples(struct sim_state *st, unsigned gpu, uint64_t since_u
         from = horizon;
     if (from < g->ck_t[oldest % GPUSIM_TL_CKPTS])
         from = g->ck_t[oldest % GPUSIM_TL_CKPTS];
-    /* Period ends in (from + period, last]: each period whole within what is kept, newest first. */
+    /* Period ends in (from, last], newest first; a period older than the checkpoints kept is read over what is. */
     unsigned count = 0;
-    for (uint64_t end = last / period_ns * period_ns; end >= from + period_ns && end > 0; end -= period_ns) {
-        uint64_t start = end - period_ns;
+    uint64_t kept = g->ck_t[oldest % GPUSIM_TL_CKPTS];
+    for (uint64_t end = last / period_ns * period_ns; end > from && end >= period_ns; end -= period_ns) {
+        uint64_t start = end - period_ns < kept ? kept : end - period_ns;
         uint64_t total = busy_at(g, g->ck_busy, g->busy_ns, end) - busy_at(g, g->ck_busy, g->busy_ns, start);
         uint64_t ts = real_us_of(g, end);
         if (total == 0 || ts <= since_us)
@@ -674,7 +675,7 @@ unsigned sim_tl_gpu_samples(struct sim_state *st, unsigned gpu, uint64_t since_u
             }
         }
         if (count < max)
-            out[count] = (struct sim_tl_proc_util){.pid = g->slots[chosen].pid, .sm_percent = percent(total, period_ns),
+            out[count] = (struct sim_tl_proc_util){.pid = g->slots[chosen].pid, .sm_percent = percent(total, end - start),
                                                    .busy_ns = total, .ts_us = ts};
         if (ts > *now_us)
             *now_us = ts;

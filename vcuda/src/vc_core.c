@@ -41,6 +41,7 @@
 #define WATCHER_LATE_NS 50000000ull /* a launch measures itself when the watcher has not for this long */
 #define BURST_WALL_NS 100000000ull  /* credit beyond the work in flight: at most 100 ms of the rate */
 #define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
+#define PER_GPU_ANSWER_MAX 256u     /* such a driver's answer: a sample per period of the window (1 s at 4 ms) */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -540,21 +541,33 @@ static struct own_pid *own_insert(struct dev *d, unsigned pid, uint64_t us, unsi
 }
 
 /*
- * Whether an answer (sorted by time) shows the driver's per-GPU sampling: one process named per period, every period
- * kept since the query's start s, so a busy process appears at two times.  (Sampled per process, each process has
- * its newest sample only.)  Seen on an H200 with driver 580: each 200 ms sample names the process resident when it
- * was taken, with the whole GPU's busy percent.
+ * What an answer (sorted by time) shows of the driver's sampling: +1 per GPU, one process named per period with every
+ * period kept since the query's start s, so a busy process appears at two times (seen on an H200 with driver 580: each
+ * 200 ms sample names the process resident when it was taken, with the whole GPU's busy percent); -1 per process,
+ * two processes sampled at one time or within half the per-GPU period learnt (one period holds several processes'
+ * samples: moving the base to another's sample would skip the container's earlier one in that period); 0 neither.
+ * A per-GPU answer holds a sample per period of the window: more than PER_GPU_ANSWER_MAX samples are a per-process
+ * answer of many processes (and the pairwise look stays small).
  */
-static bool answer_per_gpu(const nvmlProcessUtilizationSample_t *buf, unsigned n, uint64_t s)
+static int answer_sampling(const nvmlProcessUtilizationSample_t *buf, unsigned n, uint64_t s, uint64_t period_us)
 {
-    for (unsigned i = 0; i < n; i++) {
+    bool twice = false;
+    for (unsigned i = 0; i + 1 < n; i++) {
         if (buf[i].timeStamp <= s)
             continue;
-        for (unsigned j = i + 1; j < n; j++)
-            if (buf[j].pid == buf[i].pid && buf[j].timeStamp != buf[i].timeStamp)
-                return true;
+        uint64_t step = buf[i + 1].timeStamp - buf[i].timeStamp;
+        if (buf[i + 1].pid != buf[i].pid && (step == 0 || (period_us > 0 && step < period_us / 2)))
+            return -1;
     }
-    return false;
+    if (n > PER_GPU_ANSWER_MAX)
+        return 0;
+    for (unsigned i = 0; i < n && !twice; i++) {
+        if (buf[i].timeStamp <= s)
+            continue;
+        for (unsigned j = i + 1; j < n && !twice; j++)
+            twice = buf[j].pid == buf[i].pid && buf[j].timeStamp != buf[i].timeStamp;
+    }
+    return twice ? 1 : 0;
 }
 
 /*
@@ -611,13 +624,16 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
 {
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
-    learn_gpu_period(d, buf, n, s);
-    if (!d->per_gpu && answer_per_gpu(buf, n, s)) {
-        d->per_gpu = true;
-        vc_log(VC_LOG_INFO, "device %d: NVML names one process per sample (the driver samples the whole GPU): each "
-               "sample is charged over one sampling period, and the periods named for others count as idle",
-               d->index);
+    int sampling = answer_sampling(buf, n, s, d->gpu_period_us);
+    if (sampling != 0 && d->per_gpu != (sampling > 0)) {
+        d->per_gpu = sampling > 0;
+        vc_log(VC_LOG_INFO, d->per_gpu ? "device %d: NVML names one process per sample (the driver samples the whole "
+               "GPU): each sample is charged over one sampling period, and the periods named for others count as idle"
+               : "device %d: NVML samples several processes in one period: each sample is charged since the process's "
+               "previous one", d->index);
     }
+    if (d->per_gpu)
+        learn_gpu_period(d, buf, n, s); /* not from a per-process answer: its steps are the spread of moments */
     uint64_t t = 0, stale = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0, prev_any = 0;
     for (unsigned i = 0; i < n; i++) {
         uint64_t ts = buf[i].timeStamp, from;

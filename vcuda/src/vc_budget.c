@@ -84,6 +84,12 @@ struct budget_header {
      * back what it refunds; what a process leaves when it exits stays, paid off at the rate).
      */
     _Atomic uint64_t core_prov_until_ns[MAX_DEVICES];
+    /*
+     * offset 2560, per CUDA device: how NVML samples it, as the container's processes learnt it (vc_core.c): 0 not
+     * known yet, 1 per process, else per GPU, one process named per period of this many us.  A new process starts
+     * from it: one that lives a few periods may never see a PID named twice in an answer to learn it itself.
+     */
+    _Atomic uint64_t core_sampling[MAX_DEVICES];
 };
 
 _Static_assert(sizeof(struct budget_slot) == 64, "slot layout");
@@ -93,6 +99,7 @@ _Static_assert(offsetof(struct budget_header, context_size) == 192, "header layo
 _Static_assert(offsetof(struct budget_header, unseen_until_ns) == 704, "header layout");
 _Static_assert(offsetof(struct budget_header, core) == 1024, "header layout");
 _Static_assert(offsetof(struct budget_header, core_prov_until_ns) == 2048, "header layout");
+_Static_assert(offsetof(struct budget_header, core_sampling) == 2560, "header layout");
 _Static_assert(sizeof(struct budget_header) <= BUDGET_HEADER, "header fits");
 
 #define BUDGET_FILE_SIZE ((size_t)BUDGET_HEADER + BUDGET_SLOTS * sizeof(struct budget_slot))
@@ -770,6 +777,22 @@ void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us, 
     *debt_until_ns = atomic_load_explicit(&g_hdr->core[dev].debt_until_ns, memory_order_relaxed);
     *seen_us = atomic_load_explicit(&g_hdr->core[dev].seen_us, memory_order_relaxed);
     *prov_until_ns = atomic_load_explicit(&g_hdr->core_prov_until_ns[dev], memory_order_relaxed);
+}
+
+void vc_budget_core_set_sampling(int dev, uint64_t sampling)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
+        return;
+    atomic_store_explicit(&g_hdr->core_sampling[dev], sampling, memory_order_relaxed);
+}
+
+uint64_t vc_budget_core_sampling(int dev)
+{
+    pthread_once(&g_open_once, open_budget);
+    if (g_hdr == NULL || dev < 0 || dev >= MAX_DEVICES)
+        return 0;
+    return atomic_load_explicit(&g_hdr->core_sampling[dev], memory_order_relaxed);
 }
 
 void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns)

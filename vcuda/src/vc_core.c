@@ -42,6 +42,7 @@
 #define BURST_WALL_NS 100000000ull  /* credit beyond the work in flight: at most 100 ms of the rate */
 #define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
 #define PER_GPU_ANSWER_MAX 256u     /* such a driver's answer: a sample per period of the window (1 s at 4 ms) */
+#define SAMPLING_PROBE_NS 1000000000u /* while per-process sampling is assumed, a whole window is looked at each second */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -129,7 +130,8 @@ struct dev {
     double prov_ns[PROVISIONAL];
     unsigned prov_head, prov_n;
     uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
-    bool per_gpu;             /* the driver samples the GPU, one process per period (a PID seen twice in one answer) */
+    bool per_gpu;             /* the driver samples the GPU, one process per period (answer_sampling) */
+    uint64_t probed_ns;       /* when the sampling was last looked at over a whole window (probe_sampling; 0: never) */
     uint64_t gpu_period_us;   /* ... its period: the shortest step between an answer's samples (0: not seen yet) */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
@@ -595,6 +597,56 @@ static void learn_gpu_period(struct dev *d, const nvmlProcessUtilizationSample_t
         d->gpu_period_us += (step - d->gpu_period_us) / PERIOD_FORGET;
 }
 
+/* What this process learnt of the driver's sampling, for the container's processes that start after it. */
+static void publish_sampling(const struct dev *d)
+{
+    uint64_t sampling = d->per_gpu && d->gpu_period_us > VC_SAMPLING_PER_PROCESS ? d->gpu_period_us
+                        : d->per_gpu                                          ? 0
+                                                                              : VC_SAMPLING_PER_PROCESS;
+    if (vc_budget_core_sampling(d->index) != sampling)
+        vc_budget_core_set_sampling(d->index, sampling);
+}
+
+/* The driver's sampling as an answer showed it (d->mu held): logged when it changes. */
+static void set_sampling(struct dev *d, bool per_gpu)
+{
+    if (d->per_gpu == per_gpu)
+        return;
+    d->per_gpu = per_gpu;
+    vc_log(VC_LOG_INFO, per_gpu ? "device %d: NVML names one process per sample (the driver samples the whole GPU): "
+           "each sample is charged over one sampling period, and the periods named for others count as idle"
+           : "device %d: NVML samples several processes in one period: each sample is charged since the process's "
+           "previous one", d->index);
+}
+
+/*
+ * While per-process sampling is assumed, once a second (d->mu held): the answer for the whole last window, for the
+ * sampling only (nothing is charged from it).  A per-GPU driver's answer holds every period of the window, so a busy
+ * process is in it at two times; a process that measures every period has one new sample in each of its own
+ * answers and never saw that.  Charged since the PID's own previous sample, each sample then spanned the periods
+ * named for the container's other processes too: two busy processes of a 30 % container alone on the GPU got 20 %
+ * together, fresh processes of one 400 ms kernel each 19-21 %.  Not from the answers' steps across measurements: a
+ * process sampled per process at jittering moments beside one sampled rarely looked the same, and charged over the
+ * shortest step a 30 % container took 73 %.
+ */
+static void probe_sampling(struct dev *d, uint64_t now)
+{
+    if (d->per_gpu || (d->probed_ns != 0 && now - d->probed_ns < SAMPLING_PROBE_NS))
+        return;
+    d->probed_ns = now;
+    uint64_t s = real_us();
+    s = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0;
+    unsigned n = 0;
+    if (query_samples(d, s, &n) != NVML_SUCCESS || n < 2)
+        return;
+    qsort(d->samples, n, sizeof(*d->samples), cmp_sample_time);
+    if (answer_sampling(d->samples, n, s, d->gpu_period_us) <= 0)
+        return;
+    set_sampling(d, true);
+    learn_gpu_period(d, d->samples, n, s);
+    publish_sampling(d);
+}
+
 /*
  * How long before its time a sample at ts describes (us): NVML's documented "last sample period".  Sampled per
  * process, a sample averages its process's use since the query's start (at most SAMPLE_WINDOW_US: a second).  Sampled
@@ -625,15 +677,12 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
     int sampling = answer_sampling(buf, n, s, d->gpu_period_us);
-    if (sampling != 0 && d->per_gpu != (sampling > 0)) {
-        d->per_gpu = sampling > 0;
-        vc_log(VC_LOG_INFO, d->per_gpu ? "device %d: NVML names one process per sample (the driver samples the whole "
-               "GPU): each sample is charged over one sampling period, and the periods named for others count as idle"
-               : "device %d: NVML samples several processes in one period: each sample is charged since the process's "
-               "previous one", d->index);
-    }
+    if (sampling != 0)
+        set_sampling(d, sampling > 0);
     if (d->per_gpu)
         learn_gpu_period(d, buf, n, s); /* not from a per-process answer: its steps are the spread of moments */
+    if (sampling != 0)
+        publish_sampling(d);
     uint64_t t = 0, stale = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0, prev_any = 0;
     for (unsigned i = 0; i < n; i++) {
         uint64_t ts = buf[i].timeStamp, from;
@@ -715,6 +764,7 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
 static bool measure(struct dev *d, uint64_t now, double *own, double *other, double *span_ns)
 {
     *own = *other = *span_ns = 0;
+    probe_sampling(d, now);
     uint64_t base = d->base_us, newest = d->newest_us;
     if (newest > SAMPLE_WINDOW_US && base < newest - SAMPLE_WINDOW_US)
         base = newest - SAMPLE_WINDOW_US; /* a window spans at most 1 s */
@@ -1445,6 +1495,16 @@ static void inherit_ledger(struct dev *d, int index)
     if (owed > 0)
         d->credit = -d->rate * owed;
     d->prov_inherited = prov;
+    /*
+     * The sampling the container's processes learnt: a process that lives a few periods may never see a PID of its
+     * own named twice in one answer, and charged each per-GPU sample over the time since the query's start (up to a
+     * second at the GPU's busy percent) it held fresh processes of one 400 ms kernel to 20 % of a 30 % share.
+     */
+    uint64_t sampling = vc_budget_core_sampling(index);
+    if (sampling > VC_SAMPLING_PER_PROCESS) {
+        d->per_gpu = true;
+        d->gpu_period_us = sampling;
+    }
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }

@@ -287,6 +287,13 @@ void vc_budget_core_ledger(int dev, uint64_t *debt_until_ns, uint64_t *seen_us, 
  * paid off, never below now_ns.  A process that exits before NVML's samples cover its charges leaves them there.
  */
 void vc_budget_core_provisional(int dev, uint64_t now_ns, int64_t delta_ns);
+/*
+ * How NVML samples CUDA device dev, as the container's processes learnt it: 0 not known, VC_SAMPLING_PER_PROCESS, else
+ * per GPU with one process named per period of that many us.  A new process starts from it.
+ */
+#define VC_SAMPLING_PER_PROCESS 1u
+void vc_budget_core_set_sampling(int dev, uint64_t sampling);
+uint64_t vc_budget_core_sampling(int dev);
 /* Adds add_ns to the container's debt on dev (from now_ns if it was paid off); returns the time it is paid off at
  * (0: no shared budget). */
 uint64_t vc_budget_core_charge(int dev, uint64_t now_ns, uint64_t add_ns);

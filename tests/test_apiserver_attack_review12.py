@@ -59,6 +59,7 @@ class RawApi:
     def __init__(self) -> None:
         self.list_body: Any = lambda _h: {"kind": "PodList", "metadata": {"resourceVersion": "10"}, "items": []}
         self.watch: Any = None
+        self.list_raw: Any = None  # writes a list's whole response itself, as ``watch`` does
         self.watches = 0
         self.lists = 0
         self.stopping = threading.Event()
@@ -83,6 +84,9 @@ class RawApi:
                     self.end_headers()
                     return
                 raw.lists += 1
+                if raw.list_raw is not None:
+                    raw.list_raw(self)
+                    return
                 body = json.dumps(raw.list_body(self)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

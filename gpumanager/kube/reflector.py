@@ -23,6 +23,7 @@ from typing import Any
 from gpumanager.kube import shape
 from gpumanager.kube.apierror import failure, resource_version_unusable, too_large_status
 from gpumanager.kube.pager import LIST_PAGE_SIZE, list_pages
+from gpumanager.kube.rest import read_body
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ class Reflector:
         if token:
             kwargs["_continue"] = token
         response = self._call(**kwargs)
-        return json.loads(response.data)
+        return json.loads(read_body(response, f"{self.name}: a list page"))
 
     def _list(self) -> tuple[list[Obj], str]:
         """The objects ``keep`` keeps of every page, and the last page's resourceVersion."""

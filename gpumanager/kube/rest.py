@@ -36,6 +36,41 @@ USER_AGENT = f"gpu-manager/{__version__}"
 
 Timeout = float | tuple[float, float] | None
 
+#: The longest answer read into memory. A page is at most LIST_PAGE_SIZE objects; pods carrying the largest
+#: annotations seen (a ``last-applied-configuration`` of a big spec) are tens of KiB each, so a page stays far
+#: under it. An answer without end (a broken proxy, a server gone wrong) was read to the agent's memory limit.
+MAX_BODY_BYTES = 128 << 20
+#: The part of an error answer kept for its message.
+MAX_ERROR_BODY_BYTES = 64 << 10
+_READ_BYTES = 1 << 20
+
+
+class AnswerTooLargeError(ValueError):
+    """An API server's answer longer than :data:`MAX_BODY_BYTES`."""
+
+
+def read_body(response: Any, what: str, limit: int | None = None, *, cut: bool = False) -> bytes:
+    """The body of a response not read yet, at most ``limit`` bytes (default :data:`MAX_BODY_BYTES`).
+    Past it: the first ``limit`` bytes where ``cut``, else :class:`AnswerTooLargeError` naming ``what``.
+    Either way the rest is not read and the connection is closed rather than reused."""
+    limit = MAX_BODY_BYTES if limit is None else limit
+    if not hasattr(response, "stream"):
+        response = response.response  # the client's RESTResponse: the urllib3 response it wraps
+    parts: list[bytes] = []
+    total = 0
+    for chunk in response.stream(_READ_BYTES, decode_content=True):
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            response.close()
+            if cut:
+                return b"".join(parts)[:limit]
+            raise AnswerTooLargeError(
+                f"{what}: the API server's answer is longer than {limit >> 20} MiB; not read further"
+            )
+    response.release_conn()
+    return b"".join(parts)
+
 
 def _query_value(value: object) -> str:
     if isinstance(value, bool):
@@ -88,8 +123,9 @@ class KubeRest:
             )
         response = self._rest.request(method, url, headers=headers, body=body, _request_timeout=timeout)
         if not 200 <= response.status <= 299:
-            response.read()
-            text = response.data.decode("utf-8", "replace") if response.data else None
+            data = read_body(response, f"{method} {path}", MAX_ERROR_BODY_BYTES, cut=True)
+            response.data = data  # what the exception reads
+            text = data.decode("utf-8", "replace") if data else None
             raise ApiException.from_response(http_resp=response, body=text, data=None)
         return response.response
 
@@ -97,7 +133,7 @@ class KubeRest:
         """``request`` and the body decoded as JSON (None when empty); ``ValueError`` naming the
         request and the start of the body when it is not JSON."""
         response = self.request(method, path, **kwargs)
-        data = response.data
+        data = read_body(response, f"{method} {path}")
         try:
             return json.loads(data) if data else None
         except ValueError as exc:  # a proxy's HTML page, a truncated answer

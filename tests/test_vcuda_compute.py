@@ -330,6 +330,11 @@ def test_upstream_baseline_is_selectable(node: Node) -> None:
 # ---- what NVML reports of other processes ---------------------------------------------------------
 
 
+#: The simulated NVML's other sampling (GPUSIM_PROCESS_SAMPLE_MODE; its default samples the whole GPU, as an H200's
+#: driver does): each process at its own moment.  The neighbours below stand for processes sampled so.
+PER_PROCESS = "process"
+
+
 @contextmanager
 def neighbours(state: Path, gpu: int, count: int, period: float) -> Iterator[None]:
     """`count` processes outside the container (PIDs 700000..) that NVML reports a fresh 1 % utilisation sample
@@ -376,8 +381,9 @@ def test_more_processes_than_the_first_sample_buffer_holds(node: Node) -> None:
 def test_a_neighbours_newer_sample_times_do_not_shorten_the_containers_spans(node: Node) -> None:
     """A process outside the container whose samples are stamped later than the container's (here: every 5 ms, by the
     wall clock, while the timeline's samples carry their 10 ms checkpoint): each PID's sample spans from that PID's
-    previous sample, not from the newest of anyone's (which credited the container part of its GPU time back)."""
-    p = node.loop("a", 4, 4.5, core_config(30))
+    previous sample, not from the newest of anyone's (which credited the container part of its GPU time back).
+    Samples per process: a driver that samples the whole GPU names no process between its periods."""
+    p = node.loop("a", 4, 4.5, core_config(30), GPUSIM_PROCESS_SAMPLE_MODE=PER_PROCESS)
     with neighbours(node.state, 4, 1, period=0.005):
         got = shares(node, {"30": (4, p)}, 2.0, 1.5)
     assert 15 <= got["30"] <= 40, got
@@ -495,9 +501,9 @@ while time.time() < end:
 
 
 def test_nvml_stamps_each_process_sample_with_its_own_time(node: Node) -> None:
-    """As the real driver, the simulated NVML samples each process at its own moment of the sampling period: the
+    """Sampling per process, the simulated NVML samples each process at its own moment of the sampling period: the
     processes of one answer carry different timestamps (GPUSIM_PROCESS_SAMPLE_SPREAD_US=0: all the same)."""
-    sim = {"LD_LIBRARY_PATH": str(BUILD / "sim")}
+    sim = {"LD_LIBRARY_PATH": str(BUILD / "sim"), "GPUSIM_PROCESS_SAMPLE_MODE": PER_PROCESS}
     program = r"""
 import pynvml, time
 pynvml.nvmlInit()

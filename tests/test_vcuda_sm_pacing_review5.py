@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState
-from tests.test_vcuda_compute import Node, core_config, loop_built, neighbours, node
+from tests.test_vcuda_compute import PER_PROCESS, Node, core_config, loop_built, neighbours, node
 from tests.vcuda_fixtures import vcuda_built
 
 __all__ = ["loop_built", "node", "vcuda_built"]  # fixtures
@@ -118,9 +118,14 @@ def test_a_neighbours_frequent_samples_do_not_shrink_the_cost_before_the_contain
     """At a 1/6 s sampling period a neighbour's samples (here every 5 ms) came long before the container's first:
     each halved the learnt cost per launch as if NVML saw no time for the launches completed, so the launches
     flooded the GPU and the debt then held the container at 0 %.  The cost now learns from the container's own
-    samples only."""
+    samples only (sampled per process, as the neighbour is)."""
     p = node.loop(
-        "a", 4, SETTLE_S + WINDOW_S * WINDOWS + 1.0, core_config(30), GPUSIM_PROCESS_SAMPLE_PERIOD_US="166667"
+        "a",
+        4,
+        SETTLE_S + WINDOW_S * WINDOWS + 1.0,
+        core_config(30),
+        GPUSIM_PROCESS_SAMPLE_PERIOD_US="166667",
+        GPUSIM_PROCESS_SAMPLE_MODE=PER_PROCESS,
     )
     with neighbours(node.state, 4, 1, period=0.005):
         got = window_shares(node, 4, {p.pid})

@@ -318,9 +318,9 @@ static uint64_t sample_delay_us(void)
 }
 
 /*
- * GPUSIM_PROCESS_SAMPLE_MODE=gpu: the samples a real driver gives (seen on an H200, driver 580.159): one per period
- * for the whole GPU, naming one process (the one resident when it was taken), with the GPU's busy percent as its
- * smUtil (sim_tl_gpu_samples).  Anything else (default, "process"): each process's own share of the period.
+ * GPUSIM_PROCESS_SAMPLE_MODE: "gpu" (the default), the samples a real driver gives (seen on an H200, driver 580.159):
+ * one per period for the whole GPU, naming one process (the one resident when it was taken), with the GPU's busy
+ * percent as its smUtil (sim_tl_gpu_samples); "process": each process's own share of the period, at its own moment.
  */
 static bool sample_per_gpu(void)
 {
@@ -328,7 +328,7 @@ static bool sample_per_gpu(void)
     int v = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (v < 0) {
         const char *text = getenv("GPUSIM_PROCESS_SAMPLE_MODE");
-        v = text != NULL && strcmp(text, "gpu") == 0;
+        v = text == NULL || strcmp(text, "process") != 0;
         __atomic_store_n(&mode, v, __ATOMIC_RELAXED);
     }
     return v == 1;

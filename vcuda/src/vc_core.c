@@ -132,6 +132,7 @@ struct dev {
     uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
     bool per_gpu;             /* the driver samples the GPU, one process per period (answer_sampling) */
     uint64_t probed_ns;       /* when the sampling was last looked at over a whole window (probe_sampling; 0: never) */
+    _Atomic int sampling_note; /* a change of sampling to log once d->mu is let go (1 per GPU, 2 per process; 0 none) */
     uint64_t gpu_period_us;   /* ... its period: the shortest step between an answer's samples (0: not seen yet) */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
@@ -607,16 +608,28 @@ static void publish_sampling(const struct dev *d)
         vc_budget_core_set_sampling(d->index, sampling);
 }
 
-/* The driver's sampling as an answer showed it (d->mu held): logged when it changes. */
+/*
+ * The driver's sampling as an answer showed it (d->mu held).  A change is logged by the watcher once it has let d->mu
+ * go (log_sampling): a log line written under d->mu to a stderr that is a full pipe nobody reads held every launch of
+ * the device for good.
+ */
 static void set_sampling(struct dev *d, bool per_gpu)
 {
     if (d->per_gpu == per_gpu)
         return;
     d->per_gpu = per_gpu;
-    vc_log(VC_LOG_INFO, per_gpu ? "device %d: NVML names one process per sample (the driver samples the whole GPU): "
-           "each sample is charged over one sampling period, and the periods named for others count as idle"
-           : "device %d: NVML samples several processes in one period: each sample is charged since the process's "
-           "previous one", d->index);
+    atomic_store_explicit(&d->sampling_note, per_gpu ? 1 : 2, memory_order_relaxed);
+}
+
+/* The watcher, d->mu not held: a change of the sampling, once. */
+static void log_sampling(struct dev *d)
+{
+    int note = atomic_exchange_explicit(&d->sampling_note, 0, memory_order_relaxed);
+    if (note != 0)
+        vc_log(VC_LOG_INFO, note == 1 ? "device %d: NVML names one process per sample (the driver samples the whole "
+               "GPU): each sample is charged over one sampling period, and the periods named for others count as idle"
+               : "device %d: NVML samples several processes in one period: each sample is charged since the "
+               "process's previous one", d->index);
 }
 
 /*
@@ -1473,6 +1486,7 @@ static void *watcher(void *arg)
                 update(d, now, 0);
             }
             pthread_mutex_unlock(&d->mu);
+            log_sampling(d);
         }
     }
     return NULL;

@@ -258,7 +258,7 @@ def scenario_kernels(node: Node, args: argparse.Namespace) -> list[tuple[str, fl
 
 
 def scenario_procs(node: Node, args: argparse.Namespace) -> list[tuple[str, float, float, float]]:
-    print("\nThree processes per container (132 SMs, 1 ms kernels; NVML samples each at its own moment)")
+    print("\nThree processes per container (132 SMs, 1 ms kernels)")
     print(HEADER)
     ws = [Workload(f"3procs-{lim}", 8 + i, lim, config=config_bytes(lim), processes=3)
           for i, lim in enumerate((10, 30, 50, 70))]  # fmt: skip
@@ -334,6 +334,13 @@ def main() -> int:
         default=None,
         help="how late each per-process sample is shown (GPUSIM_PROCESS_SAMPLE_DELAY_US; real drivers: 0.7 s or more)",
     )
+    ap.add_argument(
+        "--sample-mode",
+        choices=("gpu", "process"),
+        default=None,
+        help="how the simulated NVML samples (GPUSIM_PROCESS_SAMPLE_MODE): gpu (its default, an H200's driver: one "
+        "process named per period with the GPU's busy percent) or process (each process's own share)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     ap.add_argument("--before", type=Path, default=None,
                     help="another libcuda-control.so whose launch cost is measured beside this one")  # fmt: skip
@@ -344,6 +351,8 @@ def main() -> int:
         SIM_ENV["GPUSIM_PROCESS_SAMPLE_SPREAD_US"] = str(args.sample_spread_us)
     if args.sample_delay_us is not None:
         SIM_ENV["GPUSIM_PROCESS_SAMPLE_DELAY_US"] = str(args.sample_delay_us)
+    if args.sample_mode is not None:
+        SIM_ENV["GPUSIM_PROCESS_SAMPLE_MODE"] = args.sample_mode
     done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip
     if done.returncode != 0:
@@ -351,6 +360,8 @@ def main() -> int:
     only = set(args.only.split(","))
     print(f"bench_compute: shares in % of the GPU's time; ours = budget algorithm, upstream = gpu-manager 1.7; "
           f"target |error| <= {TARGET_PP:g} points")  # fmt: skip
+    sampling = {k: v for k, v in SIM_ENV.items() if k.startswith("GPUSIM_PROCESS_SAMPLE_")}
+    print(f"simulated NVML sampling: {sampling or 'the defaults (per GPU, one process named per 10 ms period)'}")
     t0 = time.monotonic()
     results: list[tuple[str, float, float, float]] = []
     overhead: dict[str, float] = {}

@@ -55,7 +55,13 @@ def read_body(response: Any, what: str, limit: int | None = None, *, cut: bool =
     Either way the rest is not read and the connection is closed rather than reused."""
     limit = MAX_BODY_BYTES if limit is None else limit
     if not hasattr(response, "stream"):
-        response = response.response  # the client's RESTResponse: the urllib3 response it wraps
+        inner = getattr(response, "response", None)  # the client's RESTResponse: the urllib3 response it wraps
+        if not hasattr(inner, "stream"):  # a body read already (nothing to bound any more)
+            data: bytes = response.data
+            if len(data) > limit and not cut:
+                raise AnswerTooLargeError(f"{what}: the API server's answer is longer than {limit >> 20} MiB")
+            return data[:limit]
+        response = inner
     parts: list[bytes] = []
     total = 0
     for chunk in response.stream(_READ_BYTES, decode_content=True):

@@ -98,3 +98,32 @@ def test_preferred_ignores_a_preview_the_kubelet_has_no_ids_for(tmp_path: Path) 
     chosen = pref.choose(VCORE, offered, [], 50)
     assert len(chosen) == 50 and set(chosen) <= set(offered)
     assert 3 not in _gpus_of(layout, chosen)
+
+
+def test_preferred_follows_a_pod_the_cache_has_not_seen_yet(tmp_path: Path) -> None:
+    # The kubelet admits the pod as soon as its own watch shows it; ours may lag behind (a loaded node, a
+    # slow API server). The preference asks the API server then, as Allocate does, instead of steering the
+    # kubelet to the GPU the evaluators would pick for an unknown pod.
+    pod = make_pod("lagged", [("c0", 50, 4)], annotations={f"{names.PREDICATE_GPU_IDX_PREFIX}0": "2"})
+    pods = FakePods([])
+    pods.hidden.append(pod)
+    pods.refresh_fills_cache = False  # as the real cache: a list does not change it, its watch does
+    alloc = make_allocator(tmp_path, pods)
+    pref, layout = _preference(alloc)
+    chosen = pref.choose(VCORE, _free_core_ids(alloc, layout, set()), [], 50)
+    assert pods.refreshes == 1
+    assert _gpus_of(layout, chosen) == {2}
+    alloc.allocate(chosen)
+    placed = alloc.get(pod["metadata"]["uid"], "c0")
+    assert placed is not None and placed.minors == (2,)
+
+
+def test_preferred_without_a_waiting_pod_when_the_api_server_cannot_be_asked(tmp_path: Path) -> None:
+    # No pod waits in the cache and the list fails: the evaluators' answer, the failure not passed on.
+    pods = FakePods([])
+    pods.refresh_error = TimeoutError("the API server did not answer a pod list within 3 s")
+    alloc = make_allocator(tmp_path, pods)
+    pref, layout = _preference(alloc)
+    chosen = pref.choose(VCORE, _free_core_ids(alloc, layout, set()), [], 50)
+    assert pods.refreshes == 1
+    assert _gpus_of(layout, chosen) == {0}

@@ -432,6 +432,9 @@ class Allocator:
         else the evaluators with its memory). None when no known container waits for that many or its
         Allocate would be refused.
 
+        A container the cache does not know yet is looked for in a list asked of the API server now (the
+        kubelet admits a pod as soon as its own watch shows it; ours may lag).
+
         Nothing is changed but this: an allocation freed before its container started whose IDs the
         kubelet ``offered`` as available (GetPreferredAllocation) is no longer held for a pod the kubelet
         may have given them to. The kubelet offers only IDs it holds for no pod; without this, that room
@@ -445,13 +448,31 @@ class Allocator:
                     del self._freed_guesses[gone]
             self._take_pod_changes()
             candidate = self._match_cached(cores)
-            if candidate is None:
-                return None
-            try:
-                decided = placement.decide(self, candidate, ())
-                return [self._tree.leaf_by_minor(m).index for m in decided.minors]
-            except (AllocationError, ValueError):
-                return None
+            if candidate is not None:
+                return self._placed_gpus(candidate)
+        # The cache has not seen the pod yet (its watch lags the kubelet's): ask the API server, with the
+        # lock released, as the Allocate that follows will.
+        try:
+            fresh = self._pods.refresh()
+        except Exception as exc:
+            log.info(
+                "GetPreferredAllocation for %d tencent.com/vcuda-core: no pending pod known on this node needs "
+                "that many, and the API server cannot be asked (%s): no preference from a pod",
+                cores,
+                plain(exc),
+            )
+            return None
+        with self._lock:
+            candidate = matching.match_waiting(self, fresh, cores)
+            return None if candidate is None else self._placed_gpus(candidate)
+
+    def _placed_gpus(self, candidate: Candidate) -> list[int] | None:
+        """The GPU indices Allocate would place ``candidate`` on, None when it would be refused (lock held)."""
+        try:
+            decided = placement.decide(self, candidate, ())
+            return [self._tree.leaf_by_minor(m).index for m in decided.minors]
+        except (AllocationError, ValueError):
+            return None
 
     def memory_only_refusal(self, blocks: int) -> str:
         """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered."""

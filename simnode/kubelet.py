@@ -731,7 +731,13 @@ class KubeletSimulator:
             self._reject(context, request, f'the ResourceName "{request.resource_name}" is invalid')
 
         path = _go_join(self.plugin_dir, request.endpoint)
-        channel = grpc.insecure_channel(f"unix://{path}", options=[("grpc.default_authority", "localhost")])
+        # A connection of this dial's own, as each of the Go kubelet's dials is: from grpc's shared pool, it
+        # would take over the reconnect backoff of a dial of an earlier kubelet generation to the same path
+        # (still waiting on a socket that generation's successor removed), grown over the failed tries to
+        # many seconds.
+        channel = grpc.insecure_channel(
+            f"unix://{path}", options=[("grpc.default_authority", "localhost"), ("grpc.use_local_subchannel_pool", 1)]
+        )
         error: str | None = None
         options: Any = None
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -263,3 +264,44 @@ def test_the_owner_resolver_trusts_an_early_list_only_for_an_app_container_of_a_
         known.clear()  # the pod cache does not know the pod (yet)
         assert owners.owner("r", ["a", "b", "c"], None, allocated) is None
         assert lister.calls == ["List"] * 3
+
+
+def test_the_first_call_after_the_kubelet_is_back_is_answered(tmp_path: Path) -> None:
+    """The kubelet is down for a while (an upgrade) and the agent keeps asking; then it serves again on the
+    same path. A long-lived channel waits out its reconnect backoff (grown to seconds, up to two minutes
+    after a long outage) and fails every call meanwhile: the first call after the kubelet is back must get
+    its answer."""
+    sock = tmp_path / "kubelet.sock"
+    lister = _Lister(with_get=True)
+
+    def start() -> grpc.Server:
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        pb_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+        server.add_insecure_port(f"unix://{sock}")
+        server.start()
+        return server
+
+    server = start()
+    client = PodResourcesClient(sock)
+    try:
+        assert client.list_all()
+        server.stop(None).wait()
+        sock.unlink(missing_ok=True)
+        stale = socket.socket(socket.AF_UNIX)  # a socket nobody listens on, as a killed kubelet leaves it
+        stale.bind(str(sock))
+        stale.close()
+        failures = 0
+        end = time.monotonic() + 6.0  # long enough for the backoff to grow past 2.5 s
+        while time.monotonic() < end:
+            with pytest.raises(PodResourcesUnavailableError):
+                client.list_all()
+            failures += 1
+            time.sleep(0.2)
+        sock.unlink()
+        server = start()
+        answered = client.list_all()  # no retry: the first call
+        assert [d.resource for d in answered if d.resource == "other"] == ["other"], answered
+        assert failures > 10
+    finally:
+        client.close()
+        server.stop(None)

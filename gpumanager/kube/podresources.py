@@ -239,7 +239,8 @@ def _pod_starts(data: bytes) -> list[int] | None:
 class PodResourcesClient:
     """Asks the kubelet (``/var/lib/kubelet/pod-resources/kubelet.sock``) over one long-lived channel.
 
-    The channel reconnects by itself when the kubelet restarts (the socket path stays).
+    A call the kubelet cannot be reached for closes the channel; the next call dials again (the socket path
+    stays across a kubelet restart).
 
     The kubelet allows 100 calls a second in bursts of 10 and refuses the rest
     (``ResourceExhausted``), and a List costs it (and us) every pod of the node. So a lookup
@@ -265,9 +266,22 @@ class PodResourcesClient:
             raise PodResourcesUnavailableError(f"PodResources socket {self.socket_path} does not exist")
         with self._lock:
             if self._channel is None:
-                self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+                # A connection of its own: one from grpc's shared pool may be one that waits out a backoff.
+                self._channel = grpc.insecure_channel(
+                    f"unix://{self.socket_path}", options=[("grpc.use_local_subchannel_pool", 1)]
+                )
                 self._stub_of_channel = pb_grpc.PodResourcesListerStub(self._channel)
             return self._stub_of_channel
+
+    def _unreachable(self, stub: Any) -> None:
+        """The kubelet could not be reached through ``stub``'s channel: the next call dials afresh. A channel
+        kept would wait out its reconnect backoff (grown over a kubelet's outage to seconds, up to two
+        minutes) before it dials again, failing every call meanwhile, the kubelet long back."""
+        with self._lock:
+            if self._stub_of_channel is not stub or self._channel is None:
+                return  # another call replaced it already
+            channel, self._channel, self._stub_of_channel = self._channel, None, None
+        channel.close()
 
     @property
     def waiting_for_list(self) -> int:
@@ -288,9 +302,12 @@ class PodResourcesClient:
 
     def _list(self) -> pb.ListPodResourcesResponse:
         self._budget.take()  # asked even without a token: the last way to know
+        stub = self._stub()
         try:
-            reply: pb.ListPodResourcesResponse = self._stub().List(pb.ListPodResourcesRequest(), timeout=self._timeout)
+            reply: pb.ListPodResourcesResponse = stub.List(pb.ListPodResourcesRequest(), timeout=self._timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._unreachable(stub)
             raise PodResourcesUnavailableError(
                 f"PodResources List on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
             ) from exc
@@ -305,11 +322,12 @@ class PodResourcesClient:
         """:meth:`get` with its token already reckoned."""
         if not self._get_supported:
             return None
+        stub = self._stub()
         try:
-            reply = self._stub().Get(
-                pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self._timeout
-            )
+            reply = stub.Get(pb.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=self._timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._unreachable(stub)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("the kubelet's PodResources has no Get (older than 1.27?); using List")
                 self._get_supported = False

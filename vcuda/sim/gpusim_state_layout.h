@@ -153,10 +153,11 @@ struct gpusim_proc {
 #define GPUSIM_TL_NONE 0xFFFFFFFFu
 #define GPUSIM_TL_READY 2u       /* gpusim_tl_gpu.init: the mutex is initialised */
 #define GPUSIM_TL_IN_USE 0x1u    /* gpusim_tl_slot.flags */
+#define GPUSIM_TL_GONE 0x2u      /* gpusim_tl_slot.flags: its process is gone; pid and busy checkpoints kept */
 
 struct gpusim_tl_slot {
     uint32_t pid;            /* 0 = free */
-    uint32_t flags;          /* GPUSIM_TL_IN_USE */
+    uint32_t flags;          /* GPUSIM_TL_IN_USE, or GPUSIM_TL_GONE (free, its history kept until taken) */
     uint64_t owner_start;    /* /proc/<pid>/stat field 22 (tells a reused pid apart) */
     uint64_t busy_ns;        /* GPU time this process's kernels have run, cumulative */
     uint64_t head_seq;       /* kernels with seq < head_seq are done; head_seq runs next */

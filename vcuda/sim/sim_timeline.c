@@ -124,10 +124,14 @@ static bool has_work(const struct gpusim_tl_slot *s)
     return (s->flags & GPUSIM_TL_IN_USE) && s->head_seq < s->tail_seq;
 }
 
+/*
+ * The slot's process is gone: its queue is dropped and the slot is free, but its PID and busy checkpoints stay until
+ * another process takes it.  A driver that samples the whole GPU keeps the samples naming a process after it exits
+ * (each was taken while it ran); without them an answer over the last second, after short processes, was empty.
+ */
 static void clear_slot(struct gpusim_tl_slot *s)
 {
-    s->pid = 0;
-    s->flags = 0;
+    s->flags = GPUSIM_TL_GONE;
     s->owner_start = 0;
     s->head_seq = s->tail_seq;
     s->head_left_ns = 0;
@@ -245,7 +249,9 @@ static struct gpusim_tl_slot *my_slot(struct gpusim_tl_gpu *g, unsigned gpu, boo
                 atomic_store_explicit(&g_my_slot[gpu], ((uint64_t)me.pid << 32) | (i + 1), memory_order_relaxed);
                 return s;
             }
-            if (free_slot == NULL && !(s->flags & GPUSIM_TL_IN_USE))
+            /* A never used slot first, else the gone one taken longest ago: its history is the least wanted. */
+            if (!(s->flags & GPUSIM_TL_IN_USE) &&
+                (free_slot == NULL || (free_slot->flags != 0 && (s->flags == 0 || s->since_ns < free_slot->since_ns))))
                 free_slot = s;
         }
         if (free_slot != NULL || !create)
@@ -661,7 +667,7 @@ unsigned sim_tl_gpu_samples(struct sim_state *st, unsigned gpu, uint64_t since_u
         for (unsigned i = 0; i < GPUSIM_TL_SLOTS; i++) {
             const struct gpusim_tl_slot *s = &g->slots[i];
             busy[i] = 0;
-            if (s->flags & GPUSIM_TL_IN_USE) {
+            if (s->flags & (GPUSIM_TL_IN_USE | GPUSIM_TL_GONE)) { /* a gone process is named for its periods */
                 uint64_t b0 = busy_at(g, s->ck_busy, s->busy_ns, start), b1 = busy_at(g, s->ck_busy, s->busy_ns, end);
                 busy[i] = b1 > b0 ? b1 - b0 : 0;
                 sum += busy[i];

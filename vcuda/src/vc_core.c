@@ -134,6 +134,7 @@ struct dev {
     uint64_t probed_ns;       /* when the sampling was last looked at over a whole window (probe_sampling; 0: never) */
     _Atomic int sampling_note; /* a change of sampling to log once d->mu is let go (1 per GPU, 2 per process; 0 none) */
     uint64_t gpu_period_us;   /* ... its period: the shortest step between an answer's samples (0: not seen yet) */
+    bool period_hint;         /* per_gpu and gpu_period_us are the budget file's, not yet seen in an answer */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
     uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
@@ -592,10 +593,11 @@ static void learn_gpu_period(struct dev *d, const nvmlProcessUtilizationSample_t
     }
     if (step == 0)
         return;
-    if (d->gpu_period_us == 0 || step < d->gpu_period_us)
-        d->gpu_period_us = step;
+    if (d->gpu_period_us == 0 || step < d->gpu_period_us || d->period_hint)
+        d->gpu_period_us = step; /* a hint from the budget file is replaced by the driver's own step at once */
     else
         d->gpu_period_us += (step - d->gpu_period_us) / PERIOD_FORGET;
+    d->period_hint = false;
 }
 
 /* What this process learnt of the driver's sampling, for the container's processes that start after it. */
@@ -615,6 +617,8 @@ static void publish_sampling(const struct dev *d)
  */
 static void set_sampling(struct dev *d, bool per_gpu)
 {
+    if (!per_gpu)
+        d->period_hint = false;
     if (d->per_gpu == per_gpu)
         return;
     d->per_gpu = per_gpu;
@@ -644,7 +648,7 @@ static void log_sampling(struct dev *d)
  */
 static void probe_sampling(struct dev *d, uint64_t now)
 {
-    if (d->per_gpu || (d->probed_ns != 0 && now - d->probed_ns < SAMPLING_PROBE_NS))
+    if ((d->per_gpu && !d->period_hint) || (d->probed_ns != 0 && now - d->probed_ns < SAMPLING_PROBE_NS))
         return;
     d->probed_ns = now;
     uint64_t s = real_us();
@@ -653,7 +657,14 @@ static void probe_sampling(struct dev *d, uint64_t now)
     if (query_samples(d, s, &n) != NVML_SUCCESS || n < 2)
         return;
     qsort(d->samples, n, sizeof(*d->samples), cmp_sample_time);
-    if (answer_sampling(d->samples, n, s, d->gpu_period_us) <= 0)
+    /* A hint's period takes no part: the tenant can write the budget file. */
+    int sampling = answer_sampling(d->samples, n, s, d->period_hint ? 0 : d->gpu_period_us);
+    if (sampling < 0 && d->period_hint) {
+        set_sampling(d, false); /* the file said per GPU; the driver's answer says per process */
+        publish_sampling(d);
+        return;
+    }
+    if (sampling < 0 || (sampling == 0 && !d->period_hint))
         return;
     set_sampling(d, true);
     learn_gpu_period(d, d->samples, n, s);
@@ -689,7 +700,7 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
 {
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
-    int sampling = answer_sampling(buf, n, s, d->gpu_period_us);
+    int sampling = answer_sampling(buf, n, s, d->period_hint ? 0 : d->gpu_period_us);
     if (sampling != 0)
         set_sampling(d, sampling > 0);
     if (d->per_gpu)
@@ -1516,8 +1527,14 @@ static void inherit_ledger(struct dev *d, int index)
      */
     uint64_t sampling = vc_budget_core_sampling(index);
     if (sampling > VC_SAMPLING_PER_PROCESS) {
+        /*
+         * A hint, checked at the first measurement against a whole window's answer (probe_sampling), and replaced
+         * by the first step an answer shows: the tenant can write the file, and charged over a period of 2 us
+         * written there, fresh processes of a 30 % container took 62 %.
+         */
         d->per_gpu = true;
         d->gpu_period_us = sampling;
+        d->period_hint = true;
     }
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;

@@ -43,6 +43,7 @@
 #define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
 #define PER_GPU_ANSWER_MAX 256u     /* such a driver's answer: a sample per period of the window (1 s at 4 ms) */
 #define SAMPLING_PROBE_NS 1000000000u /* while per-process sampling is assumed, a whole window is looked at each second */
+#define HINT_PROBE_NS 50000000u      /* ... and every 50 ms while the budget file's sampling is not checked yet */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -648,7 +649,8 @@ static void log_sampling(struct dev *d)
  */
 static void probe_sampling(struct dev *d, uint64_t now)
 {
-    if ((d->per_gpu && !d->period_hint) || (d->probed_ns != 0 && now - d->probed_ns < SAMPLING_PROBE_NS))
+    uint64_t every = d->period_hint ? HINT_PROBE_NS : SAMPLING_PROBE_NS;
+    if ((d->per_gpu && !d->period_hint) || (d->probed_ns != 0 && now - d->probed_ns < every))
         return;
     d->probed_ns = now;
     uint64_t s = real_us();

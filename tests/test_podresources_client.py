@@ -305,3 +305,29 @@ def test_the_first_call_after_the_kubelet_is_back_is_answered(tmp_path: Path) ->
     finally:
         client.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("call", ["list", "get"])
+def test_a_channel_closed_under_a_call_is_an_unavailable_kubelet(
+    served: tuple[PodResourcesClient, _Lister], monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """Another lookup found the kubelet gone and dropped the channel between this call's taking it and its RPC:
+    grpc raises ValueError for a closed channel, which must reach callers as the kubelet being unavailable (what
+    recovery and PreStartContainer fall back on), never as an error nobody catches."""
+    client, _lister = served
+    assert client.list_all()
+    taken = client._stub
+
+    def taken_then_closed() -> object:
+        stub = taken()
+        client.close()
+        return stub
+
+    monkeypatch.setattr(client, "_stub", taken_then_closed)
+    with pytest.raises(PodResourcesUnavailableError, match="PodResources (List|Get) on .*kubelet.sock failed"):
+        if call == "list":
+            client.list_all()
+        else:
+            client.get("ml", "train")
+    monkeypatch.undo()
+    assert client.list_all()  # the next call dials afresh

@@ -311,6 +311,8 @@ class PodResourcesClient:
             raise PodResourcesUnavailableError(
                 f"PodResources List on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
             ) from exc
+        except ValueError as exc:  # the channel closed under it by another call that found the kubelet gone
+            raise PodResourcesUnavailableError(f"PodResources List on {self.socket_path} failed: {exc}") from exc
         return reply
 
     def get(self, namespace: str, name: str) -> list[ContainerDevices] | None:
@@ -347,6 +349,8 @@ class PodResourcesClient:
             raise PodResourcesUnavailableError(
                 f"PodResources Get on {self.socket_path} failed: {exc.code().name}: {exc.details()}"
             ) from exc
+        except ValueError as exc:  # the channel closed under it by another call that found the kubelet gone
+            raise PodResourcesUnavailableError(f"PodResources Get on {self.socket_path} failed: {exc}") from exc
         return _flatten([reply.pod_resources])
 
     def owner_of(

@@ -324,7 +324,7 @@ def test_a_channel_closed_under_a_call_is_an_unavailable_kubelet(
         return stub
 
     monkeypatch.setattr(client, "_stub", taken_then_closed)
-    with pytest.raises(PodResourcesUnavailableError, match="PodResources (List|Get) on .*kubelet.sock failed"):
+    with pytest.raises(PodResourcesUnavailableError, match=r"PodResources (List|Get) on .*kubelet\.sock failed"):
         if call == "list":
             client.list_all()
         else:

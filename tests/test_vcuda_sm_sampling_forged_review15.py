@@ -57,15 +57,26 @@ def forging(budget_dir: Path, value: int) -> Iterator[list[int]]:
         thread.join(5)
 
 
+SAMPLINGS = {
+    "per-gpu-200ms": PER_GPU,
+    # A per-process driver answers one sample per busy process: a whole window's answer never shows per-GPU
+    # sampling, so the forged hint is never confirmed nor refuted, and two processes' samples at their own moments
+    # must not be read as a period.
+    "per-process": {"GPUSIM_PROCESS_SAMPLE_MODE": "process"},
+}
+
+
 @pytest.mark.timing  # a share of GPU time against a tight bound (make test runs it apart)
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_a_sampling_period_forged_in_the_budget_file_buys_no_gpu_time(
-    container: Callable[..., Container],
+    container: Callable[..., Container], sampling: str
 ) -> None:
-    """Fresh processes of one 400 ms kernel each, two at a time, in a 30 % container sampled as the H200 is
-    (one process named per 200 ms), the file's period forged to 2 us all along: the container gets its 30 %."""
+    """Fresh processes of one 400 ms kernel each, two at a time, in a 30 % container, the file's period forged to
+    2 us all along: the container gets its 30 %, sampled as the H200 is (one process named per 200 ms) and
+    sampled per process."""
     c = container(4096, cores=30)
     with forging(c.budget_dir, FORGED_PERIOD_US) as writes:
-        share, started = fresh_one_kernel_share(c, c.env(GPUSIM_PROCESS_SAMPLE_DELAY_US="0", **PER_GPU))
+        share, started = fresh_one_kernel_share(c, c.env(GPUSIM_PROCESS_SAMPLE_DELAY_US="0", **SAMPLINGS[sampling]))
     assert writes[0] > 100
     assert started >= 6
     assert share <= LIMIT + ROOM, f"fresh processes beside a forged sampling period got {share:.1%}"

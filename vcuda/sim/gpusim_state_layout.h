@@ -164,7 +164,7 @@ struct gpusim_tl_slot {
     uint64_t tail_seq;       /* seq of the next kernel submitted */
     uint64_t head_left_ns;   /* time left of kernel head_seq (when head_seq < tail_seq) */
     uint64_t checked_ns;     /* last liveness check (CLOCK_MONOTONIC) */
-    uint64_t since_ns;       /* when the slot was taken */
+    uint64_t since_ns;       /* when the slot was taken (GPUSIM_TL_GONE: when its process was found gone) */
     uint64_t reserved[8];
     uint64_t ck_busy[GPUSIM_TL_CKPTS];  /* busy_ns at checkpoint n, in [n % GPUSIM_TL_CKPTS] */
     uint64_t end_ns[GPUSIM_TL_ENDS];    /* completion time of kernel seq, in [seq % GPUSIM_TL_ENDS] */

@@ -129,9 +129,10 @@ static bool has_work(const struct gpusim_tl_slot *s)
  * another process takes it.  A driver that samples the whole GPU keeps the samples naming a process after it exits
  * (each was taken while it ran); without them an answer over the last second, after short processes, was empty.
  */
-static void clear_slot(struct gpusim_tl_slot *s)
+static void clear_slot(struct gpusim_tl_slot *s, uint64_t now)
 {
     s->flags = GPUSIM_TL_GONE;
+    s->since_ns = now; /* a gone slot's since_ns: when its process was found gone */
     s->owner_start = 0;
     s->head_seq = s->tail_seq;
     s->head_left_ns = 0;
@@ -145,7 +146,7 @@ static bool alive(struct gpusim_tl_slot *s, uint64_t wall)
     s->checked_ns = wall;
     if (vc_proc_alive((int)s->pid, s->owner_start))
         return true;
-    clear_slot(s);
+    clear_slot(s, wall);
     return false;
 }
 
@@ -249,7 +250,7 @@ static struct gpusim_tl_slot *my_slot(struct gpusim_tl_gpu *g, unsigned gpu, boo
                 atomic_store_explicit(&g_my_slot[gpu], ((uint64_t)me.pid << 32) | (i + 1), memory_order_relaxed);
                 return s;
             }
-            /* A never used slot first, else the gone one taken longest ago: its history is the least wanted. */
+            /* A never used slot first, else the one whose process has been gone longest: its history is the least wanted. */
             if (!(s->flags & GPUSIM_TL_IN_USE) &&
                 (free_slot == NULL || (free_slot->flags != 0 && (s->flags == 0 || s->since_ns < free_slot->since_ns))))
                 free_slot = s;
@@ -260,7 +261,7 @@ static struct gpusim_tl_slot *my_slot(struct gpusim_tl_gpu *g, unsigned gpu, boo
         for (unsigned i = 0; i < GPUSIM_TL_SLOTS; i++) {
             struct gpusim_tl_slot *s = &g->slots[i];
             if ((s->flags & GPUSIM_TL_IN_USE) && !vc_proc_alive((int)s->pid, s->owner_start))
-                clear_slot(s);
+                clear_slot(s, now);
         }
     }
     if (free_slot == NULL || !create)
@@ -413,7 +414,7 @@ void sim_tl_release_self(struct sim_state *st)
         advance(g, sim_mono_ns());
         struct gpusim_tl_slot *s = my_slot(g, gpu, false, 0);
         if (s != NULL)
-            clear_slot(s);
+            clear_slot(s, g->now_ns);
         unlock_gpu(g);
         atomic_store_explicit(&g_my_slot[gpu], 0, memory_order_relaxed);
     }

@@ -43,7 +43,8 @@
 #define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
 #define PER_GPU_ANSWER_MAX 256u     /* such a driver's answer: a sample per period of the window (1 s at 4 ms) */
 #define SAMPLING_PROBE_NS 1000000000u /* while per-process sampling is assumed, a whole window is looked at each second */
-#define HINT_PROBE_NS 50000000u      /* ... and every 50 ms while the budget file's sampling is not checked yet */
+#define HINT_PROBE_NS 50000000u      /* ... every 50 ms where the budget file says per GPU (HINT_LOOKS times) */
+#define HINT_LOOKS 20u               /* ... for a second, then once a second */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -133,9 +134,9 @@ struct dev {
     uint64_t period_us;       /* NVML's sampling period: the longest step of newest_us, slowly forgotten (0: unknown) */
     bool per_gpu;             /* the driver samples the GPU, one process per period (answer_sampling) */
     uint64_t probed_ns;       /* when the sampling was last looked at over a whole window (probe_sampling; 0: never) */
+    unsigned eager_looks;     /* looks left 50 ms apart: the budget file says the container's processes saw per GPU */
     _Atomic int sampling_note; /* a change of sampling to log once d->mu is let go (1 per GPU, 2 per process; 0 none) */
     uint64_t gpu_period_us;   /* ... its period: the shortest step between an answer's samples (0: not seen yet) */
-    bool period_hint;         /* per_gpu and gpu_period_us are the budget file's, not yet seen in an answer */
     uint64_t base_us;         /* the container's PIDs without an entry in own are counted up to this sample time */
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
     uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
@@ -594,11 +595,10 @@ static void learn_gpu_period(struct dev *d, const nvmlProcessUtilizationSample_t
     }
     if (step == 0)
         return;
-    if (d->gpu_period_us == 0 || step < d->gpu_period_us || d->period_hint)
-        d->gpu_period_us = step; /* a hint from the budget file is replaced by the driver's own step at once */
+    if (d->gpu_period_us == 0 || step < d->gpu_period_us)
+        d->gpu_period_us = step;
     else
         d->gpu_period_us += (step - d->gpu_period_us) / PERIOD_FORGET;
-    d->period_hint = false;
 }
 
 /* What this process learnt of the driver's sampling, for the container's processes that start after it. */
@@ -618,8 +618,6 @@ static void publish_sampling(const struct dev *d)
  */
 static void set_sampling(struct dev *d, bool per_gpu)
 {
-    if (!per_gpu)
-        d->period_hint = false;
     if (d->per_gpu == per_gpu)
         return;
     d->per_gpu = per_gpu;
@@ -649,24 +647,19 @@ static void log_sampling(struct dev *d)
  */
 static void probe_sampling(struct dev *d, uint64_t now)
 {
-    uint64_t every = d->period_hint ? HINT_PROBE_NS : SAMPLING_PROBE_NS;
-    if ((d->per_gpu && !d->period_hint) || (d->probed_ns != 0 && now - d->probed_ns < every))
+    uint64_t every = d->eager_looks > 0 ? HINT_PROBE_NS : SAMPLING_PROBE_NS;
+    if (d->per_gpu || (d->probed_ns != 0 && now - d->probed_ns < every))
         return;
     d->probed_ns = now;
+    if (d->eager_looks > 0)
+        d->eager_looks--;
     uint64_t s = real_us();
     s = s > SAMPLE_WINDOW_US ? s - SAMPLE_WINDOW_US : 0;
     unsigned n = 0;
     if (query_samples(d, s, &n) != NVML_SUCCESS || n < 2)
         return;
     qsort(d->samples, n, sizeof(*d->samples), cmp_sample_time);
-    /* A hint's period takes no part: the tenant can write the budget file. */
-    int sampling = answer_sampling(d->samples, n, s, d->period_hint ? 0 : d->gpu_period_us);
-    if (sampling < 0 && d->period_hint) {
-        set_sampling(d, false); /* the file said per GPU; the driver's answer says per process */
-        publish_sampling(d);
-        return;
-    }
-    if (sampling < 0 || (sampling == 0 && !d->period_hint))
+    if (answer_sampling(d->samples, n, s, d->gpu_period_us) <= 0)
         return;
     set_sampling(d, true);
     learn_gpu_period(d, d->samples, n, s);
@@ -702,7 +695,7 @@ static uint64_t charge_answer(struct dev *d, unsigned q, uint64_t s, bool base, 
 {
     nvmlProcessUtilizationSample_t *buf = d->samples;
     qsort(buf, n, sizeof(*buf), cmp_sample_time); /* a PID's samples in order: each spans from the one before */
-    int sampling = answer_sampling(buf, n, s, d->period_hint ? 0 : d->gpu_period_us);
+    int sampling = answer_sampling(buf, n, s, d->gpu_period_us);
     if (sampling != 0)
         set_sampling(d, sampling > 0);
     if (d->per_gpu)
@@ -1525,19 +1518,15 @@ static void inherit_ledger(struct dev *d, int index)
     /*
      * The sampling the container's processes learnt: a process that lives a few periods may never see a PID of its
      * own named twice in one answer, and charged each per-GPU sample over the time since the query's start (up to a
-     * second at the GPU's busy percent) it held fresh processes of one 400 ms kernel to 20 % of a 30 % share.
+     * second at the GPU's busy percent) it held fresh processes of one 400 ms kernel to 20 % of a 30 % share.  Where
+     * they saw per-GPU sampling, this process looks at a whole window's answer at its first measurement and every
+     * 50 ms for a second (probe_sampling), and charges per GPU once an answer of its own shows it.  The file's word
+     * is never charged by: the tenant can write it.  Taken as the sampling, a period of 2 us written there let fresh
+     * processes of a 30 % container take 62 %; with a per-process driver, charging per GPU on that word alone (each
+     * sample over the time since another process's) let them take 41 %.
      */
-    uint64_t sampling = vc_budget_core_sampling(index);
-    if (sampling > VC_SAMPLING_PER_PROCESS) {
-        /*
-         * A hint, checked at the first measurement against a whole window's answer (probe_sampling), and replaced
-         * by the first step an answer shows: the tenant can write the file, and charged over a period of 2 us
-         * written there, fresh processes of a 30 % container took 62 %.
-         */
-        d->per_gpu = true;
-        d->gpu_period_us = sampling;
-        d->period_hint = true;
-    }
+    if (vc_budget_core_sampling(index) > VC_SAMPLING_PER_PROCESS)
+        d->eager_looks = HINT_LOOKS;
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }

@@ -43,8 +43,8 @@
 #define PER_GPU_BURST_PERIODS 4u    /* ... or, where the driver names one process per period, 4 periods of it */
 #define PER_GPU_ANSWER_MAX 256u     /* such a driver's answer: a sample per period of the window (1 s at 4 ms) */
 #define SAMPLING_PROBE_NS 1000000000u /* while per-process sampling is assumed, a whole window is looked at each second */
-#define HINT_PROBE_NS 50000000u      /* ... every 50 ms where the budget file says per GPU (HINT_LOOKS times) */
-#define HINT_LOOKS 20u               /* ... for a second, then once a second */
+#define EAGER_PROBE_NS 50000000u      /* ... every 50 ms where the budget file says per GPU (EAGER_LOOKS times) */
+#define EAGER_LOOKS 20u               /* ... for a second, then once a second */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
 #define WAIT_MIN_NS 50000ull
@@ -647,7 +647,7 @@ static void log_sampling(struct dev *d)
  */
 static void probe_sampling(struct dev *d, uint64_t now)
 {
-    uint64_t every = d->eager_looks > 0 ? HINT_PROBE_NS : SAMPLING_PROBE_NS;
+    uint64_t every = d->eager_looks > 0 ? EAGER_PROBE_NS : SAMPLING_PROBE_NS;
     if (d->per_gpu || (d->probed_ns != 0 && now - d->probed_ns < every))
         return;
     d->probed_ns = now;
@@ -1526,7 +1526,7 @@ static void inherit_ledger(struct dev *d, int index)
      * sample over the time since another process's) let them take 41 %.
      */
     if (vc_budget_core_sampling(index) > VC_SAMPLING_PER_PROCESS)
-        d->eager_looks = HINT_LOOKS;
+        d->eager_looks = EAGER_LOOKS;
     if (seen > 0 && seen < d->last_seen_us)
         d->last_seen_us = d->last_seen_us - seen > LEDGER_LOOKBACK_US ? d->last_seen_us - LEDGER_LOOKBACK_US : seen;
 }

@@ -266,6 +266,7 @@ def whole_gpus(cluster: SimCluster, rounds: int) -> list[float]:
 
 
 CALL_SECONDS = "gpu_manager_kubelet_call_duration_seconds"
+WRITE_SECONDS = "gpu_manager_checkpoint_write_duration_seconds"
 
 
 def scrape(url: str) -> str:
@@ -352,6 +353,9 @@ def measure(spec: Path, workdir: Path, args: argparse.Namespace, variant: Varian
                 labels = {"resource": CORE, "call": call}
                 b, a = histogram(before, CALL_SECONDS, labels), histogram(after, CALL_SECONDS, labels)
                 got.inside[f"{phase} {call}"] = (histogram_quantile(0.5, b, a), histogram_quantile(0.99, b, a))
+            journal = {"kind": "journal"}
+            b, a = histogram(before, WRITE_SECONDS, journal), histogram(after, WRITE_SECONDS, journal)
+            got.inside[f"{phase} journal write"] = (histogram_quantile(0.5, b, a), histogram_quantile(0.99, b, a))
         got.pods = len(created) + args.burst
         for _ in range(args.scrapes):
             started = time.perf_counter()
@@ -449,6 +453,9 @@ def run(spec: Path, args: argparse.Namespace, agents: list[Variant]) -> None:
 
     print("the agent's own time in the call (from its latency histogram, interpolated within buckets):")
     for key in ("fill Allocate", "fill PreStartContainer", "burst Allocate", "burst PreStartContainer"):
+        each(f"  {key}", inside(key))
+    print("  of which the journal write each waited for (the agent's own figure of its disk; nan: not exported)")
+    for key in ("fill journal write", "burst journal write"):
         each(f"  {key}", inside(key))
     each(
         f"GET /metrics with {args.pods + args.burst} containers",

@@ -1051,6 +1051,12 @@ class Allocator:
         """Checkpoint writes done: journal records made durable and whole snapshots (for metrics)."""
         return self._snapshot_writes + self._store.durable_records
 
+    def observe_checkpoint_writes(self, observe: Callable[[str, float], None]) -> None:
+        """Tell ``observe(kind, seconds)`` of every durable checkpoint write from now on: ``"journal"``
+        (one write of the changes staged so far: what an Allocate waits for) or ``"snapshot"`` (the
+        whole state). Called once the kubelet's call has its answer; not for writes that failed."""
+        self._store.on_write = observe
+
     def _save(self) -> None:
         """Write the whole state as the snapshot now (under the lock)."""
         self._sync(self._stage(None))

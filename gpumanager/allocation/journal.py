@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumanager import deferred
 from gpumanager.allocation import checkpoint
 from gpumanager.fileio import fsync_dir, read_regular
 
@@ -676,6 +677,10 @@ class CheckpointStore:
         self._switched_at = 0  # the last ticket staged before the newest segment switch
         #: Changes written and flushed (for metrics).
         self.durable_records = 0
+        #: Told of each durable write, (kind, seconds): ``"journal"`` for one write of the records staged so
+        #: far (what an Allocate waits for), ``"snapshot"`` for the whole state. Called once the call being
+        #: answered has its answer (:func:`gpumanager.deferred.later`), never for a write that failed.
+        self.on_write: Callable[[str, float], None] | None = None
         #: The disk had no room for a whole segment lately: what was said about it ('' when it had).
         self._short_said: set[str] = set()
 
@@ -885,9 +890,12 @@ class CheckpointStore:
         if error is None and (batch[0][0].hole if len(batch) == 1 else any(s.hole for s, _, _ in batch)):
             # Staged behind a write that failed (before the failure was known): never read back.
             error = OSError(errno.EIO, "staged behind a journal write that failed")
+        took = -1.0
         try:
             if error is None:
+                started = time.perf_counter()
                 _write_batch(batch)
+                took = time.perf_counter() - started
         except OSError as exc:
             error = exc
             for segment, _, _ in batch:
@@ -899,6 +907,8 @@ class CheckpointStore:
             self._flushing = False
         if error is None:
             self.durable_records += len(batch)
+            if self.on_write is not None and took >= 0:
+                deferred.later(self.on_write, "journal", took)
         else:
             self._broken = error
             # Kept until no caller can still be looking for them: a caller preempted between staging and
@@ -1033,7 +1043,10 @@ class CheckpointStore:
         with self._snap_lock:
             if seq <= self._snapshot_seq:
                 return
+            started = time.perf_counter()
             checkpoint.write_json(self.path, {**document, JOURNAL_KEY: seq})
+            if self.on_write is not None:
+                deferred.later(self.on_write, "snapshot", time.perf_counter() - started)
             self._snapshot_seq = seq
             with self._io:
                 self._broken = None  # the whole state is on disk: the journal starts afresh

@@ -48,3 +48,31 @@ class CallMetrics:
         self.duration.labels(resource, call).observe(seconds)
         if not ok:
             self.errors.labels(resource, call).inc()
+
+
+#: From 50 us (a flush of a local NVMe drive) to 10 s (a network disk that stalls).
+_WRITE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
+#: The kinds of checkpoint write (gpumanager.allocation.journal.CheckpointStore.on_write).
+WRITE_KINDS = ("journal", "snapshot")
+
+
+class CheckpointWriteMetrics:
+    """``gpu_manager_checkpoint_write_duration_seconds{kind}``: how long each durable checkpoint write took,
+    ``kind="journal"`` for the record write every Allocate and PreStartContainer waits for before it answers
+    (a write and the disk's cache flush), ``kind="snapshot"`` for the whole state written in the background.
+    Both series exist from the start."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "gpu_manager_checkpoint_write_duration_seconds",
+            "Time of one durable checkpoint write (journal: what an Allocate waits for the disk)",
+            ["kind"],
+            buckets=_WRITE_BUCKETS,
+            registry=registry,
+        )
+        for kind in WRITE_KINDS:
+            self.duration.labels(kind)
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """Record one write."""
+        self.duration.labels(kind).observe(seconds)

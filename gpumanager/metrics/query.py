@@ -17,7 +17,7 @@ from gpumanager import buildinfo
 from gpumanager.allocation.allocator import Allocator
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.api import display_pb2
-from gpumanager.metrics.calls import CallMetrics
+from gpumanager.metrics.calls import CallMetrics, CheckpointWriteMetrics
 from gpumanager.metrics.collector import AgentView
 from gpumanager.metrics.display import DisplayServer, DisplayServicer
 from gpumanager.metrics.endpoints import DisplayData, ProbedAgent, agent_probes
@@ -62,6 +62,8 @@ class QueryEndpoints:
         self.probes = agent_probes(agent)
         self.registry = CollectorRegistry()
         self.calls = CallMetrics(self.registry, mode=cfg.mode, driver=cfg.dra_driver_name)
+        self.checkpoint_writes = CheckpointWriteMetrics(self.registry)
+        allocator.observe_checkpoint_writes(self.checkpoint_writes.observe)
         self.display: DisplayServer | None = None
         self.http: QueryServer | None = None
 

@@ -234,6 +234,8 @@ def test_a_failed_flush_refuses_every_allocation_in_it_and_leaves_no_trace(
 ) -> None:
     pods, alloc, gated = gated_allocator(tmp_path, monkeypatch, 3)
     gated.error = OSError(errno.ENOSPC, "No space left on device")
+    timed: list[tuple[str, float]] = []
+    alloc.observe_checkpoint_writes(lambda kind, seconds: timed.append((kind, seconds)))
 
     def one(i: int) -> None:
         try:
@@ -248,6 +250,7 @@ def test_a_failed_flush_refuses_every_allocation_in_it_and_leaves_no_trace(
     assert alloc.allocations() == []
     assert [cores for _, cores, _, _, _ in alloc.tree_snapshot()] == [100] * 4
     assert alloc.checkpoint_write_failures >= 1
+    assert [kind for kind, _ in timed if kind == "journal"] == [], "a write that failed is not timed"
     gated.error = None
     alloc.allocate(core_ids(1, 10))
     assert [a.pod_uid for a in make_allocator(tmp_path, pods).load().allocations] == [uid_of("p0")]

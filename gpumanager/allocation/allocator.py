@@ -1054,7 +1054,9 @@ class Allocator:
     def observe_checkpoint_writes(self, observe: Callable[[str, float], None]) -> None:
         """Tell ``observe(kind, seconds)`` of every durable checkpoint write from now on: ``"journal"``
         (one write of the changes staged so far: what an Allocate waits for) or ``"snapshot"`` (the
-        whole state). Called once the kubelet's call has its answer; not for writes that failed."""
+        whole state, encoded and written: in the background, or by the call itself after a failed write,
+        on a nearly full disk or for a batch too large for one record). Not for writes that failed; see
+        :attr:`journal.CheckpointStore.on_write` for when it is called."""
         self._store.on_write = observe
 
     def _save(self) -> None:

@@ -678,8 +678,10 @@ class CheckpointStore:
         #: Changes written and flushed (for metrics).
         self.durable_records = 0
         #: Told of each durable write, (kind, seconds): ``"journal"`` for one write of the records staged so
-        #: far (what an Allocate waits for), ``"snapshot"`` for the whole state. Called once the call being
-        #: answered has its answer (:func:`gpumanager.deferred.later`), never for a write that failed.
+        #: far (what an Allocate waits for), ``"snapshot"`` for the whole state, its encoding included. Inside a
+        #: device-plugin call, once its answer has left (:func:`gpumanager.deferred.later`); elsewhere (the
+        #: DRA driver's calls, background writes) at once, the store's io lock perhaps held: it must be quick
+        #: and never call back into the store. Never for a write that failed.
         self.on_write: Callable[[str, float], None] | None = None
         #: The disk had no room for a whole segment lately: what was said about it ('' when it had).
         self._short_said: set[str] = set()

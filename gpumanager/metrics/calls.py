@@ -58,9 +58,10 @@ WRITE_KINDS = ("journal", "snapshot")
 
 class CheckpointWriteMetrics:
     """``gpu_manager_checkpoint_write_duration_seconds{kind}``: how long each durable checkpoint write took,
-    ``kind="journal"`` for the record write every Allocate and PreStartContainer waits for before it answers
-    (a write and the disk's cache flush), ``kind="snapshot"`` for the whole state written in the background.
-    Both series exist from the start."""
+    ``kind="journal"`` for the record write a call that changes the state waits for before it answers (a
+    write and the disk's cache flush), ``kind="snapshot"`` for the whole state, encoded and written (in the
+    background, or by a call after a failed write or on a nearly full disk). Both series exist from the
+    start."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.duration = Histogram(

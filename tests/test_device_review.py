@@ -495,16 +495,17 @@ def test_gpu_in_mig_mode_is_unhealthy_when_start_returns(nvml: FakeNVML, monkeyp
     """The device lists are made right after the monitor starts: a GPU that cannot be used (MIG mode, or
     failing NVML queries) is known to be out by then, not at the thread's first probe."""
     release = threading.Event()
-
-    def create() -> object:
-        release.wait(30)
-        return object()
-
-    monkeypatch.setattr(pynvml, "nvmlEventSetCreate", create)
     nvml.mig = {2: pynvml.NVML_DEVICE_MIG_ENABLE}
     nvml.no_handle = {}
     nvml.lost.add(3)  # a handle, but its queries fail
     monitor = _monitor(nvml, Clock())
+    first_step = monitor._step
+
+    def step(next_probe: float) -> float:  # the thread's first probe waits until the states are read
+        release.wait(30)
+        return first_step(next_probe)
+
+    monkeypatch.setattr(monitor, "_step", step)
     monitor.start()
     try:
         states = monitor.snapshot()
@@ -523,7 +524,8 @@ def test_nvml_answering_that_every_gpu_is_lost_still_answers(nvml: FakeNVML) -> 
     An NVML that answers nothing else (an error of its own) is still a problem."""
     clock = Clock()
     nvml.lost.update(range(4))
-    monitor = _monitor(nvml, clock, probe_period=1.0)
+    # A probe at each step (the clock moves 1 s a step) and an event wait of 10 ms, not 0.5 s, per step.
+    monitor = _monitor(nvml, clock, probe_period=0.01)
     _prepare(monitor)
     next_probe = 0.0
     for _ in range(30):

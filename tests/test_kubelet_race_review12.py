@@ -43,9 +43,7 @@ def cluster(tmp_path: Path, sim_built: Path) -> Iterator[SimCluster]:
 
 
 def _share(cluster: SimCluster, name: str, cores: int, gpu: int, at: int) -> PodRun:
-    run = cluster.run_pod(gpu_pod(name, [("main", cores, 16)], annotations=admission_annotations([[gpu]], at)))
-    cluster.wait_status(run)
-    return run
+    return cluster.run_pod(gpu_pod(name, [("main", cores, 16)], annotations=admission_annotations([[gpu]], at)))
 
 
 def _core_ids(cluster: SimCluster, run: PodRun) -> dict[str, set[str]]:
@@ -68,11 +66,15 @@ def test_the_ids_of_a_job_that_ended_go_to_the_next_pod_when_no_gpu_has_other_ro
         cluster.kubelet.keep_departed_in_checkpoint = False
     if restart == "before the job":
         _restart_kubelet(cluster)
-    _share(cluster, "filler", 50, 0, 1)
-    _share(cluster, "half", 50, 1, 2)
-    _share(cluster, "whole2", 100, 2, 3)
-    _share(cluster, "whole3", 100, 3, 4)
+    runs = [
+        _share(cluster, "filler", 50, 0, 1),
+        _share(cluster, "half", 50, 1, 2),
+        _share(cluster, "whole2", 100, 2, 3),
+        _share(cluster, "whole3", 100, 3, 4),
+    ]
     job = _share(cluster, "job", 50, 0, 5)
+    for run in [*runs, job]:  # every status in the API server (LAG after each start)
+        cluster.wait_status(run)
     held = _core_ids(cluster, job)
     if restart == "while the job runs":
         _restart_kubelet(cluster)

@@ -112,6 +112,10 @@ class FakePods:
         self.show_hidden()
         return [p for p in self.items if p["metadata"]["uid"] not in self.gone_at_server]
 
+    def recent(self, within: float) -> list[Pod] | None:
+        """No list serves a later call: each call that needs one refreshes (counted)."""
+        return None
+
     def show_hidden(self) -> None:
         """The cache's watch delivers the pods only the API server knew."""
         self.items.extend(self.hidden)

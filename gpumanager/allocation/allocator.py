@@ -89,6 +89,7 @@ from gpumanager.allocation.model import (
     FORCED_STOP_MARGIN_SECONDS,
     MIRROR_ANNOTATION,
     MIRROR_GRACE_SECONDS,
+    RECENT_LIST_SECONDS,
     AllocationError,
     AllocatorSettings,
     Candidate,
@@ -450,8 +451,15 @@ class Allocator:
             candidate = self._match_cached(cores)
             if candidate is not None:
                 return self._placed_gpus(candidate)
-        # The cache has not seen the pod yet (its watch lags the kubelet's): ask the API server, with the
-        # lock released, as the Allocate that follows will.
+        # The cache has not seen the pod yet (its watch lags the kubelet's): the list made for the call
+        # before, while the cache knows nothing newer, else one asked of the API server now (the lock
+        # released). The Allocate that follows finds the pod in the same list.
+        recent = self._pods.recent(RECENT_LIST_SECONDS)
+        if recent is not None:
+            with self._lock:
+                candidate = matching.match_waiting(self, recent, cores)
+                if candidate is not None:
+                    return self._placed_gpus(candidate)
         try:
             fresh = self._pods.refresh()
         except Exception as exc:
@@ -646,6 +654,17 @@ class Allocator:
                 except OSError as exc:
                     raise self._unwritten(known, ordered, exc) from exc
                 return repeat
+            if candidate is None and full is None and (recent := self._pods.recent(RECENT_LIST_SECONDS)) is not None:
+                # The cache has not seen the pod yet, but the list just made for the call before (the
+                # kubelet's GetPreferredAllocation) may show it, and the cache knows nothing newer: it
+                # serves for finding the pod. Not found there: the API server is asked, as below.
+                with self._changing():
+                    found = matching.match_waiting(self, recent, cores)
+                    if found is not None:
+                        candidate = found
+                        changed = True  # an allocation may be taken back even if this one fails
+                        alloc, response, ticket = self._allocate_instead(held, found, ordered, wanted, received, keep)
+                        release.note_fresh(self, found.pod)
             if candidate is None and full is not None:
                 fresh = matching.refresh_for_room(self, full)
                 with self._changing():

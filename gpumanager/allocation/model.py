@@ -65,6 +65,12 @@ class FreedRoomWithheld(AllocationError):
         self.freed = freed
 
 
+#: How long a list made for one kubelet call still serves the next to find a pod the cache has not shown yet
+#: (:meth:`PodSource.recent`): the kubelet's GetPreferredAllocation, Allocate and the container's
+#: PreStartContainer follow each other within that while its watch runs ahead of ours.
+RECENT_LIST_SECONDS = 2.0
+
+
 class PodSource(Protocol):
     """Where the allocator learns about the pods of this node."""
 
@@ -85,6 +91,10 @@ class PodSource(Protocol):
     def refresh(self) -> list[Pod]:
         """Pods of this node freshly listed from the API server, within a short deadline (raises when it
         cannot; the message says the API server did not answer)."""
+
+    def recent(self, within: float) -> list[Pod] | None:
+        """The pods of the last :meth:`refresh`'s list when it was sent less than ``within`` seconds ago and
+        the cache has taken in no change since it was sent (nothing it knows is newer); else None."""
 
 
 @dataclass(frozen=True)

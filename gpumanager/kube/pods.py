@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpumanager.allocation.model import RECENT_LIST_SECONDS
 from gpumanager.kube import shape
 from gpumanager.kube.apierror import failure, resource_version_unusable, too_large_status
 from gpumanager.kube.pager import LIST_PAGE_SIZE
@@ -108,11 +109,21 @@ def _interned(value: Any) -> Any:
     return value
 
 
+def _named(pods: list[Pod], namespace: str, name: str) -> Pod | None:
+    """The first of ``pods`` of that namespace and name."""
+    for p in pods:
+        meta = p.get("metadata") or {}
+        if meta.get("namespace") == namespace and meta.get("name") == name:
+            return p
+    return None
+
+
 class _Flight:
     """One list of :meth:`PodCache.refresh` on its way: when it was sent, and its answer."""
 
-    def __init__(self, sent: float) -> None:
+    def __init__(self, sent: float, generation: int) -> None:
         self.sent = sent
+        self.generation = generation  # the cache's when the list was sent
         self.done = threading.Event()
         self.items: list[Pod] | None = None
         self.error: BaseException | None = None
@@ -226,7 +237,9 @@ class PodCache:
                 if last is not None and last.sent >= arrived:
                     flight = last  # answered already, sent after this caller asked
                 elif flight is None:
-                    flight = self._refresh_flight = _Flight(time.monotonic())
+                    with self._lock:
+                        generation = self._generation
+                    flight = self._refresh_flight = _Flight(time.monotonic(), generation)
                     threading.Thread(target=self._refresh_once, args=(flight,), name="pod-refresh", daemon=True).start()
             if not flight.done.wait(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"the API server did not answer a pod list within {self._refresh_deadline:g} s")
@@ -251,21 +264,36 @@ class PodCache:
             self._refresh_last = flight
         flight.done.set()
 
+    def recent(self, within: float) -> list[Pod] | None:
+        """The pods of the last :meth:`refresh`'s list when it was sent less than ``within`` seconds ago and
+        the cache has taken in no change since it was sent (nothing it knows is newer); else None.
+
+        For finding a pod the cache has not shown yet, in the list just made for the call before (the
+        kubelet's GetPreferredAllocation, then its Allocate, then the container's PreStartContainer, while
+        the watch lags): not for telling that a pod is gone, which needs a list sent after the caller asked."""
+        last = self._refresh_last
+        if last is None or last.items is None or time.monotonic() - last.sent >= within:
+            return None
+        with self._lock:
+            if self._generation != last.generation:
+                return None
+        return last.items
+
     def lookup(self, namespace: str, name: str) -> Pod | None:
-        """A pod by namespace and name: from the cache, else from a fresh list (bounded as :meth:`refresh`)."""
+        """A pod by namespace and name: from the cache, else from a list made less than
+        :data:`RECENT_LIST_SECONDS` ago, else from a fresh list (bounded as :meth:`refresh`)."""
         pod = self.find(namespace, name)
         if pod is not None:
             return pod
+        recent = self.recent(RECENT_LIST_SECONDS)
+        pod = _named(recent, namespace, name) if recent is not None else None
+        if pod is not None:
+            return pod
         try:
-            fresh = self.refresh()
+            return _named(self.refresh(), namespace, name)
         except Exception as exc:
             log.warning("cannot look up pod %s/%s: %s", namespace, name, failure(exc))
             return None
-        for p in fresh:
-            meta = p.get("metadata") or {}
-            if meta.get("namespace") == namespace and meta.get("name") == name:
-                return p
-        return None
 
     # -- lifecycle --------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ class _Cache(Protocol):
     def find(self, namespace: str, name: str) -> Pod | None: ...
     def lookup(self, namespace: str, name: str) -> Pod | None: ...
     def refresh(self) -> list[Pod]: ...
+    def recent(self, within: float) -> list[Pod] | None: ...
     def wait_synced(self, timeout: float) -> bool: ...
 
 
@@ -88,3 +89,8 @@ class PodSourceProxy:
         if self._cache is None:
             raise RuntimeError(self._reason)
         return self._cache.refresh()
+
+    def recent(self, within: float) -> list[Pod] | None:
+        """The last fresh list's pods while nothing newer is known (:meth:`PodCache.recent`); None before
+        the cache is attached."""
+        return self._cache.recent(within) if self._cache is not None else None

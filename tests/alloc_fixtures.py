@@ -112,7 +112,7 @@ class FakePods:
         self.show_hidden()
         return [p for p in self.items if p["metadata"]["uid"] not in self.gone_at_server]
 
-    def recent(self, within: float) -> list[Pod] | None:
+    def recent(self, within: float, since: float) -> list[Pod] | None:
         """No list serves a later call: each call that needs one refreshes (counted)."""
         return None
 

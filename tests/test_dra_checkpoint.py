@@ -48,6 +48,9 @@ class NoPods:
     def refresh(self) -> list[Any]:
         return []
 
+    def recent(self, within: float, since: float) -> list[Any] | None:
+        return None
+
 
 def allocator(tmp_path: Path) -> Allocator:
     settings = AllocatorSettings(True, ResponseSettings("n", "o", str(tmp_path / "vm")))

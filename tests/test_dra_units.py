@@ -226,6 +226,9 @@ def test_claim_records_survive_the_checkpoint_and_bad_entries_are_skipped(tmp_pa
         def refresh(self) -> list[Any]:
             return []
 
+        def recent(self, within: float, since: float) -> list[Any] | None:
+            return None
+
     settings = AllocatorSettings(True, ResponseSettings("n", "o", str(tmp_path / "vm")))
     path = tmp_path / "cp" / "gpumanager_internal_checkpoint"
     a = Allocator(gpus=GPUS, tree=tree, pods=NoPods(), settings=settings, checkpoint_path=path)

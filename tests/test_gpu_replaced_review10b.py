@@ -47,7 +47,7 @@ def _guard(tmp_path: Path, allocator: Allocator, was: dict[int, GPUInfo]) -> Rep
     return guard
 
 
-def _owner(resource: str, ids: Any, pod: Any, since: Any) -> tuple[str, str]:
+def _owner(resource: str, ids: Any, pod: Any, since: Any, listed: Any) -> tuple[str, str]:
     return next((uid_of(name), "c") for name, mine in IDS.items() if set(mine) == set(ids))
 
 

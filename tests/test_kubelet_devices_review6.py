@@ -262,7 +262,7 @@ def test_a_sidecars_ids_seen_in_a_recent_list_need_no_list_of_their_own(tmp_path
     server.start()
     client = PodResourcesClient(sock)
     resolver = OwnerResolver(
-        pod_resources=client, kubelet_checkpoint_path=tmp_path / "none", find_pod=lambda ns, name: pod
+        pod_resources=client, kubelet_checkpoint_path=tmp_path / "none", find_pod=lambda ns, name, listed: pod
     )
     try:
         allocated_at = time.monotonic()

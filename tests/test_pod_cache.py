@@ -313,12 +313,22 @@ def test_callers_arriving_while_a_list_is_on_its_way_share_the_next_one(api: Api
     assert len(slow.taken) == 2, f"{len(slow.taken)} lists for 6 callers: the five late ones must share one"
 
 
+def _pod_lists(api: ApiServerSimulator) -> int:
+    return sum(
+        1
+        for r in api.requests
+        if r.method == "GET" and r.path == "/api/v1/pods" and r.query.get("watch") not in ("true", "1")
+    )
+
+
 def test_a_recent_list_serves_only_while_the_cache_knows_nothing_newer(
-    api: ApiServerSimulator, cache: PodCache, monkeypatch: pytest.MonkeyPatch
+    api: ApiServerSimulator, cache: PodCache
 ) -> None:
-    """recent() gives the last fresh list to find a pod the watch has not shown yet; never once the cache
-    took in a change after that list was sent (a pod it lists may be gone), nor once it is older than asked."""
-    assert cache.recent(60.0) is None  # no fresh list yet
+    """recent() gives the last fresh list to find a pod the watch has not shown yet: only a list sent since the
+    time asked, younger than asked, and never once the cache took in a change after that list was sent (a
+    pod it lists may be gone)."""
+    asked = time.monotonic()
+    assert cache.recent(60.0, asked) is None  # no fresh list yet
     generation = cache.changes(0)[0]
     api.hold_watches(True)
     try:
@@ -326,34 +336,36 @@ def test_a_recent_list_serves_only_while_the_cache_knows_nothing_newer(
         listed = cache.refresh()
         assert [p["metadata"]["name"] for p in listed] == ["late"]
         assert names(cache) == set()  # the watch lags
-        recent = cache.recent(60.0)
+        recent = cache.recent(60.0, asked)
         assert recent is not None and [p["metadata"]["name"] for p in recent] == ["late"]
-        assert cache.lookup("default", "late") is not None
-        now = time.monotonic()
-        monkeypatch.setattr(podcache.time, "monotonic", lambda: now + 61.0)
-        assert cache.recent(60.0) is None  # too old for the caller
-        monkeypatch.undo()
+        assert cache.recent(0.0, asked) is None  # older than the caller takes
+        assert cache.recent(60.0, time.monotonic()) is None  # sent before the caller's time
         api.delete_pod("default", "late")
     finally:
         api.hold_watches(False)
     eventually(lambda: cache.changes(0)[0] >= generation + 2)  # the cache took in the creation and the deletion
-    assert cache.recent(60.0) is None
-    assert cache.lookup("default", "late") is None  # asked again: gone
+    assert cache.recent(60.0, asked) is None
+    assert cache.lookup("default", "late", asked) is None  # asked again: gone
 
 
-def test_a_lookup_the_cache_cannot_answer_uses_the_list_just_made(api: ApiServerSimulator, cache: PodCache) -> None:
+def test_a_lookup_the_cache_cannot_answer_uses_a_list_sent_since_the_time_given(
+    api: ApiServerSimulator, cache: PodCache
+) -> None:
     """A PreStartContainer right after the Allocate that listed the pods finds its pod in that list: one list
-    for both, while the watch lags."""
+    for both, while the watch lags. Without a time, or with one after the list was sent, it lists again."""
     api.hold_watches(True)
     try:
         api.create_pod(pod_manifest("late"))
+        began = time.monotonic()
         cache.refresh()
-        lists = cache.lists
         api.clear_requests()
-        assert (cache.lookup("default", "late") or {}).get("metadata", {}).get("name") == "late"
-        assert not [r for r in api.requests if r.method == "GET" and r.path == "/api/v1/pods"], api.requests
-        assert cache.lists == lists
-        assert cache.lookup("default", "never-made") is None  # not in it: the API server is asked
-        assert [r for r in api.requests if r.method == "GET" and r.path == "/api/v1/pods"]
+        assert (cache.lookup("default", "late", began) or {}).get("metadata", {}).get("name") == "late"
+        assert _pod_lists(api) == 0
+        assert cache.lookup("default", "never-made", began) is None  # not in it: the API server is asked
+        assert _pod_lists(api) == 1
+        assert cache.lookup("default", "late") is not None  # no time given: listed again
+        assert _pod_lists(api) == 2
+        assert cache.lookup("default", "late", time.monotonic()) is not None  # the last list is older
+        assert _pod_lists(api) == 3
     finally:
         api.hold_watches(False)

@@ -244,7 +244,7 @@ def test_the_owner_resolver_trusts_an_early_list_only_for_an_app_container_of_a_
     spec: dict[str, object] = {"containers": [{"name": "main"}]}
     known = {"uid": "u-1"}
 
-    def find_pod(namespace: str, name: str) -> dict[str, object] | None:
+    def find_pod(namespace: str, name: str, listed: float | None) -> dict[str, object] | None:
         if (namespace, name) != ("ml", "train") or not known:
             return None
         return {"metadata": {"uid": known["uid"], "name": name, "namespace": namespace}, "spec": spec}

@@ -143,6 +143,9 @@ log = logging.getLogger(__name__)
 #: How long a pod allocated from a fresh list (the pod cache had not seen it) counts as alive while the cache
 #: has still not shown it: the cache's silence about it is its watch lagging, not the pod's end.
 FRESH_LIST_GRACE_SECONDS = 60.0
+#: Admissions whose start is kept for their PreStartContainer (Allocator._began): the kubelet starts a
+#: container soon after its admission, so older ones are of no use (their lists are too old by then).
+_BEGAN_KEPT = 64
 
 
 class Allocator:
@@ -218,6 +221,12 @@ class Allocator:
         # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
         # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).
         self._asked_at: dict[frozenset[str], float] = {}
+        # When the last GetPreferredAllocation of each size reached us: the admission of the next Allocate of
+        # that size began then (the kubelet admits one pod at a time), which takes it (one Allocate each).
+        self._previewed: dict[int, float] = {}
+        # When the admission of IDs allocated from a list made for their GetPreferredAllocation began (their
+        # PreStartContainer finds the pod in a list sent since then); at most _BEGAN_KEPT, newest last.
+        self._began: dict[frozenset[str], float] = {}
         # A pod's containers and limits never change: parse them once per pod.
         self._parsed: dict[str, list[GPURequest]] = {}
         # Per pod UID, its containers asking for vcuda-memory without vcuda-core: (name, blocks).
@@ -322,7 +331,8 @@ class Allocator:
                 return OwnerHint(None, None)
             alloc = self._allocs.get(key) if key not in self._guessed else None
             pod = (alloc.namespace, alloc.pod_name) if alloc is not None and alloc.pod_name else None
-            return OwnerHint(pod, self._asked_at.get(frozenset(device_ids)))
+            since = self._asked_at.get(frozenset(device_ids))
+            return OwnerHint(pod, since, self._began.get(frozenset(device_ids), since))
 
     def response_of(self, pod_uid: str, container: str) -> ContainerResponse | None:
         """The Allocate answer a container was given (rebuilt after a restart)."""
@@ -443,7 +453,9 @@ class Allocator:
         elsewhere than the IDs it was steered to."""
         if isinstance(cores, bool) or not isinstance(cores, int) or cores <= 0:
             return None
+        arrived = time.monotonic()
         with self._lock:
+            self._previewed[cores] = arrived
             if offered and self._freed_guesses:
                 for gone in [w for w in self._freed_guesses if not w.isdisjoint(offered)]:
                     del self._freed_guesses[gone]
@@ -451,15 +463,8 @@ class Allocator:
             candidate = self._match_cached(cores)
             if candidate is not None:
                 return self._placed_gpus(candidate)
-        # The cache has not seen the pod yet (its watch lags the kubelet's): the list made for the call
-        # before, while the cache knows nothing newer, else one asked of the API server now (the lock
-        # released). The Allocate that follows finds the pod in the same list.
-        recent = self._pods.recent(RECENT_LIST_SECONDS)
-        if recent is not None:
-            with self._lock:
-                candidate = matching.match_waiting(self, recent, cores)
-                if candidate is not None:
-                    return self._placed_gpus(candidate)
+        # The cache has not seen the pod yet (its watch lags the kubelet's): ask the API server, with the
+        # lock released. The Allocate that follows finds the pod in the same list.
         try:
             fresh = self._pods.refresh()
         except Exception as exc:
@@ -529,6 +534,8 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
+                began = self._previewed.pop(cores, None)  # this admission's GetPreferredAllocation
+                self._began.pop(wanted, None)
                 # IDs given out again: a guess freed with them no longer tells whose they are. Some of a
                 # guess's IDs given out: the kubelet freed them, no container starts with them all.
                 self._freed_guesses.pop(wanted, None)
@@ -654,10 +661,15 @@ class Allocator:
                 except OSError as exc:
                     raise self._unwritten(known, ordered, exc) from exc
                 return repeat
-            if candidate is None and full is None and (recent := self._pods.recent(RECENT_LIST_SECONDS)) is not None:
-                # The cache has not seen the pod yet, but the list just made for the call before (the
-                # kubelet's GetPreferredAllocation) may show it, and the cache knows nothing newer: it
-                # serves for finding the pod. Not found there: the API server is asked, as below.
+            if (
+                candidate is None
+                and full is None
+                and began is not None
+                and (recent := self._pods.recent(RECENT_LIST_SECONDS, began)) is not None
+            ):
+                # The cache has not seen the pod yet, but the list made for this admission's
+                # GetPreferredAllocation (sent after it came, the cache knowing nothing newer) may show it:
+                # it serves as a list asked now would. Not found there: the API server is asked, as below.
                 with self._changing():
                     found = matching.match_waiting(self, recent, cores)
                     if found is not None:
@@ -665,6 +677,9 @@ class Allocator:
                         changed = True  # an allocation may be taken back even if this one fails
                         alloc, response, ticket = self._allocate_instead(held, found, ordered, wanted, received, keep)
                         release.note_fresh(self, found.pod)
+                        self._began[wanted] = began
+                        while len(self._began) > _BEGAN_KEPT:
+                            del self._began[next(iter(self._began))]
             if candidate is None and full is not None:
                 fresh = matching.refresh_for_room(self, full)
                 with self._changing():

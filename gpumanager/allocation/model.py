@@ -65,8 +65,8 @@ class FreedRoomWithheld(AllocationError):
         self.freed = freed
 
 
-#: How long a list made for one kubelet call still serves the next to find a pod the cache has not shown yet
-#: (:meth:`PodSource.recent`): the kubelet's GetPreferredAllocation, Allocate and the container's
+#: How long a list made for one kubelet call of an admission still serves the next to find a pod the cache has
+#: not shown yet (:meth:`PodSource.recent`): the kubelet's GetPreferredAllocation, Allocate and the container's
 #: PreStartContainer follow each other within that while its watch runs ahead of ours.
 RECENT_LIST_SECONDS = 2.0
 
@@ -92,9 +92,9 @@ class PodSource(Protocol):
         """Pods of this node freshly listed from the API server, within a short deadline (raises when it
         cannot; the message says the API server did not answer)."""
 
-    def recent(self, within: float) -> list[Pod] | None:
-        """The pods of the last :meth:`refresh`'s list when it was sent less than ``within`` seconds ago and
-        the cache has taken in no change since it was sent (nothing it knows is newer); else None."""
+    def recent(self, within: float, since: float) -> list[Pod] | None:
+        """The pods of the last :meth:`refresh`'s list when it was sent at ``since`` (``time.monotonic()``) or
+        later, less than ``within`` seconds ago, and the cache has taken in no change since; else None."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,9 @@ class OwnerHint:
     #: When the kubelet's Allocate of these IDs reached us (``time.monotonic()``); None when the
     #: allocation is not of this run (restored from the checkpoint) or unknown.
     since: float | None
+    #: When the admission of these IDs began (the GetPreferredAllocation before their Allocate, else that
+    #: Allocate): a list of the node's pods sent since then may name the pod (:meth:`PodSource.recent`).
+    listed: float | None = None
 
 
 def _beyond(charges: Sequence[tuple[int, int]], total_memory: int) -> bool:

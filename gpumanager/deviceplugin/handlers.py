@@ -30,8 +30,9 @@ _CODES = {
     "mismatch": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-#: (resource, device IDs, (namespace, pod) to ask first, when their Allocate reached us) -> (pod UID, container).
-OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None, float | None], tuple[str, str] | None]
+#: (resource, device IDs, (namespace, pod) to ask first, when their Allocate reached us, when their admission
+#: began) -> (pod UID, container).
+OwnerFn = Callable[[str, Sequence[str], tuple[str, str] | None, float | None, float | None], tuple[str, str] | None]
 #: Blocks (bounded) until Allocate can be served; returns '' or why it cannot be yet.
 ReadyFn = Callable[[], str]
 PreparedFn = Callable[[ContainerAllocation], None]
@@ -164,7 +165,7 @@ class Handlers:
             ids = list(request.devices_ids)
             self._validate(names.VCORE_RESOURCE, ids)
             hint = self._allocator.owner_hint(ids)
-            owner = self._owner(names.VCORE_RESOURCE, ids, hint.pod, hint.since)
+            owner = self._owner(names.VCORE_RESOURCE, ids, hint.pod, hint.since, hint.listed)
             try:
                 alloc = self._allocator.prepare_start(ids, owner)  # marked started once its files are written
             except AllocationError as exc:
@@ -258,7 +259,7 @@ class Handlers:
         suspects = self._allocator.memory_only_starting(len(ids)) if self._allocator is not None else {}
         if not suspects:
             return
-        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, None)
+        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, None, None)
         who = suspects.get(owner) if owner is not None else None
         if who is None:
             return

@@ -12,7 +12,9 @@ from gpumanager.kube.podresources import PodResourcesClient, PodResourcesUnavail
 
 log = logging.getLogger(__name__)
 
-FindPod = Callable[[str, str], Pod | None]
+#: A pod by (namespace, name), from the pod cache, else from a list of the node's pods sent since the time
+#: given (``time.monotonic()``; None: none made before), else from a fresh list.
+FindPod = Callable[[str, str, float | None], Pod | None]
 
 
 class OwnerResolver:
@@ -36,22 +38,27 @@ class OwnerResolver:
         device_ids: Sequence[str],
         hint: tuple[str, str] | None = None,
         since: float | None = None,
+        listed: float | None = None,
     ) -> tuple[str, str] | None:
         """(pod UID, container) that the kubelet says holds exactly ``device_ids``; None when nobody says.
 
         ``hint`` is the (namespace, pod name) we believe holds them: asked first. ``since``: when the
         kubelet's Allocate of these IDs reached us (``time.monotonic()``), if in this run: a PodResources
-        List made since then may answer (:meth:`PodResourcesClient.owner_of`).
+        List made since then may answer (:meth:`PodResourcesClient.owner_of`). ``listed``: when their
+        admission began; a list of the node's pods sent since then may name the pod the cache does not
+        show yet.
         """
         if self._pr is not None:
             try:
-                found = self._pr.owner_of(resource, device_ids, hint, since=since, trust=self._not_init)
+                found = self._pr.owner_of(
+                    resource, device_ids, hint, since=since, trust=lambda holder: self._not_init(holder, listed)
+                )
             except PodResourcesUnavailableError as exc:
                 log.debug("%s; trying the kubelet checkpoint", exc)
             else:
                 if found is not None:
                     namespace, name, container = found
-                    pod = self._find_pod(namespace, name)
+                    pod = self._find_pod(namespace, name, listed)
                     if pod is not None:
                         self.last_source = "PodResources"
                         return (str((pod.get("metadata") or {}).get("uid", "")), container)
@@ -66,12 +73,12 @@ class OwnerResolver:
             self.last_source = "kubelet checkpoint"
         return found_cp
 
-    def _not_init(self, holder: tuple[str, str, str]) -> bool:
+    def _not_init(self, holder: tuple[str, str, str], listed: float | None = None) -> bool:
         """Whether ``holder`` (namespace, pod, container) is one of its pod's app containers or sidecars
         (init containers with ``restartPolicy: Always``), as the pod cache knows it: the kubelet hands the IDs
         of the other init containers on to the next containers of their pod, never a sidecar's."""
         namespace, name, container = holder
-        pod = self._find_pod(namespace, name)
+        pod = self._find_pod(namespace, name, listed)
         if pod is None:
             return False
         spec = pod.get("spec") or {}

@@ -264,28 +264,31 @@ class PodCache:
             self._refresh_last = flight
         flight.done.set()
 
-    def recent(self, within: float) -> list[Pod] | None:
-        """The pods of the last :meth:`refresh`'s list when it was sent less than ``within`` seconds ago and
-        the cache has taken in no change since it was sent (nothing it knows is newer); else None.
+    def recent(self, within: float, since: float) -> list[Pod] | None:
+        """The pods of the last :meth:`refresh`'s list when it was sent at ``since`` (``time.monotonic()``) or
+        later, less than ``within`` seconds ago, and the cache has taken in no change since it was sent; else
+        None.
 
-        For finding a pod the cache has not shown yet, in the list just made for the call before (the
-        kubelet's GetPreferredAllocation, then its Allocate, then the container's PreStartContainer, while
-        the watch lags): not for telling that a pod is gone, which needs a list sent after the caller asked."""
+        For the calls of one admission behind a lagging watch: ``since`` is when the first of them reached
+        the agent (the kubelet's GetPreferredAllocation), so the list shows the node's pods as they were once
+        the kubelet had chosen the pod it admits; an older list may show as waiting a pod that has since
+        failed its admission or been replaced by another of its name."""
         last = self._refresh_last
-        if last is None or last.items is None or time.monotonic() - last.sent >= within:
+        if last is None or last.items is None or last.sent < since or time.monotonic() - last.sent >= within:
             return None
         with self._lock:
             if self._generation != last.generation:
                 return None
         return last.items
 
-    def lookup(self, namespace: str, name: str) -> Pod | None:
-        """A pod by namespace and name: from the cache, else from a list made less than
-        :data:`RECENT_LIST_SECONDS` ago, else from a fresh list (bounded as :meth:`refresh`)."""
+    def lookup(self, namespace: str, name: str, since: float | None = None) -> Pod | None:
+        """A pod by namespace and name: from the cache, else (with ``since``) from a list sent since then
+        and less than :data:`RECENT_LIST_SECONDS` ago (:meth:`recent`), else from a fresh list (bounded as
+        :meth:`refresh`)."""
         pod = self.find(namespace, name)
         if pod is not None:
             return pod
-        recent = self.recent(RECENT_LIST_SECONDS)
+        recent = self.recent(RECENT_LIST_SECONDS, since) if since is not None else None
         pod = _named(recent, namespace, name) if recent is not None else None
         if pod is not None:
             return pod

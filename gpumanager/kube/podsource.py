@@ -20,9 +20,9 @@ class _Cache(Protocol):
     def get(self, uid: str) -> Pod | None: ...
     def changes(self, since: int) -> tuple[int, frozenset[str] | None]: ...
     def find(self, namespace: str, name: str) -> Pod | None: ...
-    def lookup(self, namespace: str, name: str) -> Pod | None: ...
+    def lookup(self, namespace: str, name: str, since: float | None = None) -> Pod | None: ...
     def refresh(self) -> list[Pod]: ...
-    def recent(self, within: float) -> list[Pod] | None: ...
+    def recent(self, within: float, since: float) -> list[Pod] | None: ...
     def wait_synced(self, timeout: float) -> bool: ...
 
 
@@ -80,9 +80,10 @@ class PodSourceProxy:
         """A cached pod by namespace and name."""
         return self._cache.find(namespace, name) if self._cache is not None else None
 
-    def lookup(self, namespace: str, name: str) -> Pod | None:
-        """A pod by namespace and name, listing again (briefly) when the cache does not have it."""
-        return self._cache.lookup(namespace, name) if self._cache is not None else None
+    def lookup(self, namespace: str, name: str, since: float | None = None) -> Pod | None:
+        """A pod by namespace and name, listing again (briefly) when the cache does not have it (with
+        ``since``, a list sent since then serves first: :meth:`PodCache.lookup`)."""
+        return self._cache.lookup(namespace, name, since) if self._cache is not None else None
 
     def refresh(self) -> list[Pod]:
         """Pods freshly listed (bounded); raises when there is no API server."""
@@ -90,7 +91,7 @@ class PodSourceProxy:
             raise RuntimeError(self._reason)
         return self._cache.refresh()
 
-    def recent(self, within: float) -> list[Pod] | None:
-        """The last fresh list's pods while nothing newer is known (:meth:`PodCache.recent`); None before
-        the cache is attached."""
-        return self._cache.recent(within) if self._cache is not None else None
+    def recent(self, within: float, since: float) -> list[Pod] | None:
+        """The last fresh list's pods when sent since ``since`` and nothing newer is known
+        (:meth:`PodCache.recent`); None before the cache is attached."""
+        return self._cache.recent(within, since) if self._cache is not None else None

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from gpumanager.allocation.pods import Pod
 from simnode.apiserver_faults import RequestRecord
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.kubelet import KubeletSimError
+from tests.alloc_fixtures import FakePods, core_ids, make_allocator, make_pod, uid_of
 from tests.test_kubelet_checkpoint_lost_review12 import _usage
 
 
@@ -96,3 +98,49 @@ def test_a_pod_refused_its_gpus_does_not_stand_for_the_next_pod_asking_as_much(t
             c.api.hold_watches(False)
         usage = _usage_of(c, 1)
         assert set(usage) == {(small.uid, "main")}, usage
+
+
+class _LaggingPods(FakePods):
+    """A cache that shows no pod (``items``) while the API server lists ``hidden``; recent() as the pod
+    cache's: the last list, when sent since the time asked, young enough, and no change taken in since."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refresh_fills_cache = False
+        self.last: tuple[float, list[Pod]] | None = None
+
+    def refresh(self) -> list[Pod]:
+        sent = time.monotonic()
+        items = super().refresh()
+        self.last = (sent, items)
+        return items
+
+    def recent(self, within: float, since: float) -> list[Pod] | None:
+        if self.last is None or self.last[0] < since or time.monotonic() - self.last[0] >= within:
+            return None
+        return self.last[1]
+
+
+@pytest.mark.parametrize("orphan", [30, 50])
+def test_a_preferred_allocation_whose_allocate_never_came_serves_no_other_admission(
+    tmp_path: Path, orphan: int
+) -> None:
+    """A GetPreferredAllocation whose Allocate never came (refused before the allocator, the kubelet restarted
+    meanwhile) leaves nothing an Allocate without one of its own (Topology Manager's aligned IDs, an init
+    container's reused IDs) takes for its admission's start: ``next`` is matched on a list made for it, not on
+    the one made for ``other``'s admission, which still shows ``web-0``, deleted since."""
+    pods = _LaggingPods()
+    allocator = make_allocator(tmp_path, pods)
+    allocator.preview(orphan)  # its Allocate never comes
+    web0 = make_pod("web-0", [("main", 30, 4)], created="2026-11-21T10:00:00Z")
+    other = make_pod("other", [("main", 50, 4)], created="2026-11-21T10:00:01Z")
+    pods.hidden += [web0, other]
+    allocator.preview(50)
+    allocator.allocate(core_ids(0, 50))  # other's admission, from the list its preview made
+    pods.hidden.remove(web0)  # deleted at the API server; the cache's watch lags
+    pods.hidden.append(make_pod("next", [("main", 30, 4)], created="2026-11-21T10:00:02Z"))
+    listed = pods.refreshes
+    allocator.allocate(core_ids(1, 30))  # no GetPreferredAllocation of its own
+    assert pods.refreshes == listed + 1
+    held = {(a.pod_uid, a.container) for a in allocator.allocations()}
+    assert held == {(uid_of("other"), "main"), (uid_of("next"), "main")}, held

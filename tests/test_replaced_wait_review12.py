@@ -113,7 +113,7 @@ def test_the_refusal_for_good_is_failed_precondition_at_prestart(tmp_path: Path)
     guard = ReplacedGPUs({0: OLD}, [NEW], [], allocator.allocations, clock=clock, wait_limit=30)
     guard.note_held(allocator.allocations())
 
-    def owner(resource: object, devs: object, pod: object, since: object) -> tuple[str, str]:
+    def owner(resource: object, devs: object, pod: object, since: object, listed: object) -> tuple[str, str]:
         return next((uid_of(name), "c") for name, mine in ids.items() if set(mine) == set(devs))  # type: ignore[arg-type]
 
     handlers = Handlers(

@@ -221,9 +221,11 @@ class Allocator:
         # When the kubelet's Allocate of each allocation's IDs reached us (time.monotonic(); this run's),
         # kept while the IDs are held, whichever container they turn out to be (swaps, records replaced).
         self._asked_at: dict[frozenset[str], float] = {}
-        # When the last GetPreferredAllocation of each size reached us: the admission of the next Allocate of
-        # that size began then (the kubelet admits one pod at a time), which takes it (one Allocate each).
-        self._previewed: dict[int, float] = {}
+        # (size, when it reached us) of the last GetPreferredAllocation: the kubelet sends a container's Allocate
+        # right after it (it admits one pod at a time), so the next Allocate takes it, whatever its size, and
+        # counts its admission as begun then only when it asks as much and comes within RECENT_LIST_SECONDS. A
+        # note whose Allocate never came (refused before the allocator, a kubelet restart) serves no other.
+        self._previewed: tuple[int, float] | None = None
         # When the admission of IDs allocated from a list made for their GetPreferredAllocation began (their
         # PreStartContainer finds the pod in a list sent since then); at most _BEGAN_KEPT, newest last.
         self._began: dict[frozenset[str], float] = {}
@@ -455,7 +457,7 @@ class Allocator:
             return None
         arrived = time.monotonic()
         with self._lock:
-            self._previewed[cores] = arrived
+            self._previewed = (cores, arrived)
             if offered and self._freed_guesses:
                 for gone in [w for w in self._freed_guesses if not w.isdisjoint(offered)]:
                     del self._freed_guesses[gone]
@@ -534,7 +536,12 @@ class Allocator:
             # restart between our answer and its record) before the pod watch tells of the deletion.
             # Only the API server can tell (asked with the lock released; unreachable: a repeat).
             with self._lock:
-                began = self._previewed.pop(cores, None)  # this admission's GetPreferredAllocation
+                note, self._previewed = self._previewed, None  # this admission's GetPreferredAllocation
+                began = (
+                    note[1]
+                    if note is not None and note[0] == cores and received - note[1] < RECENT_LIST_SECONDS
+                    else None
+                )
                 self._began.pop(wanted, None)
                 # IDs given out again: a guess freed with them no longer tells whose they are. Some of a
                 # guess's IDs given out: the kubelet freed them, no container starts with them all.

@@ -219,17 +219,19 @@ def test_calls_from_the_host_network_straight_to_the_server_are_refused_without_
     pod_sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A process that reaches the server's own socket (root on the host) may call it in a loop: each
-    call is refused, and the agent's log says so now and then (with the count), not once per call."""
+    call is refused, and the agent's log says so now and then (with the count), not once per call.
+
+    Each call on a connection of its own: the server takes one call at a time per connection
+    (CALLS_PER_CONNECTION), so a call sent on the same connection before the server has closed the last
+    one's stream is refused by HTTP/2 itself (REFUSED_STREAM, seen as UNAVAILABLE) before any handler runs."""
     pod_sockets.sockets.serve(POD, pod_sockets.path)
     calls = 30
-    with (
-        caplog.at_level(logging.INFO),
-        grpc.insecure_channel(f"unix:{pod_sockets.sockets._address}") as channel,
-    ):
-        stub = pb_grpc.VCUDAServiceStub(channel)
+    with caplog.at_level(logging.INFO):
         for _ in range(calls):
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20)
+            with grpc.insecure_channel(f"unix:{pod_sockets.sockets._address}") as channel:
+                stub = pb_grpc.VCUDAServiceStub(channel)
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.RegisterVDevice(pb.VDeviceRequest(pod_uid=POD, container_id="c1"), timeout=20)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert pod_sockets.calls == []
     lines = [r.getMessage() for r in caplog.records if "did not come in on a pod's vcuda.sock" in r.getMessage()]

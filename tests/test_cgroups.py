@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,6 +89,21 @@ def test_the_locator_finds_a_cgroup_that_moved(tmp_path: Path) -> None:
     assert locator.pids(UID, CID) == []
 
 
+def count_walks(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[str]:
+    """Every walk of the whole tree at ``root`` from now on (a search's), with the first container ID
+    asked meanwhile unknown: the list grows by one entry per walk."""
+    walks: list[str] = []
+    real_walk = os.walk
+
+    def counted(top: str | Path, *args: Any, **kwargs: Any) -> Any:
+        if Path(top) == root:
+            walks.append(str(top))
+        return real_walk(top, *args, **kwargs)
+
+    monkeypatch.setattr(cgroups.os, "walk", counted)
+    return walks
+
+
 def test_a_missing_cgroup_is_searched_for_in_the_whole_tree_at_most_every_backoff(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,30 +111,84 @@ def test_a_missing_cgroup_is_searched_for_in_the_whole_tree_at_most_every_backof
     hundreds of pods must not walk its whole cgroup tree for each of them each time."""
     for i in range(3):
         make(tmp_path, f"kubepods/pod{i:08d}-0000-0000-0000-000000000000/c{i}", [100 + i])
-    searches: list[str] = []
-    real_search = cgroups._search
-
-    def counted(root: Path, pod_uid: str, container_id: str, max_depth: int = 8) -> Path | None:
-        searches.append(container_id)
-        return real_search(root, pod_uid, container_id, max_depth)
-
-    monkeypatch.setattr(cgroups, "_search", counted)
+    walks = count_walks(monkeypatch, tmp_path)
     now = [1000.0]
     locator = cgroups.CgroupLocator(tmp_path, search_backoff=30.0, clock=lambda: now[0])
     for _ in range(5):
         assert locator.pids(UID, CID, "Guaranteed") == []
-    assert searches == [CID]
+    assert len(walks) == 1
     now[0] += 30.0
     assert locator.pids(UID, CID, "Guaranteed") == []
-    assert searches == [CID, CID]
-    # A registration (its container certainly runs) searches at once.
+    assert len(walks) == 2
+    # A registration (its container certainly runs) searches at once, in a walk of its own.
     assert locator.pids(UID, CID, "Guaranteed", search=True) == []
     assert locator.find(UID, CID, "Guaranteed", search=True) is None
-    assert searches == [CID] * 4
+    assert len(walks) == 4
     # Made under a standard name meanwhile: found at once, without a search.
     make(tmp_path, f"kubepods/pod{UID}/{CID}", [5])
     assert locator.pids(UID, CID, "Guaranteed") == [5]
-    assert searches == [CID] * 4
+    assert len(walks) == 4
+
+
+def test_containers_missed_together_share_one_walk_of_the_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fifty pods that end together: each of their containers is asked for in the same sweep, their
+    cgroups gone. One walk of the tree answers them all, and still finds the one among them whose cgroup
+    has a name of its own; a container missed once that walk is older than TREE_WALK_SECONDS walks again."""
+    running = [(f"{i:08d}-1111-2222-3333-444444444444", f"run{i}") for i in range(20)]
+    for uid, cid in running:
+        make(tmp_path, f"kubepods/pod{uid}/{cid}", [7])
+    ended = [(f"{i:08d}-5555-6666-7777-888888888888", f"{i:064x}") for i in range(50)]
+    odd_uid, odd_cid = ended[17]
+    make(
+        tmp_path,
+        f"system.slice/containerd.service/kubepods-pod{odd_uid.replace('-', '_')}.slice:cri-containerd:{odd_cid}",
+        [321],
+    )
+    walks = count_walks(monkeypatch, tmp_path)
+    now = [50.0]
+    locator = cgroups.CgroupLocator(tmp_path, clock=lambda: now[0])
+    for uid, cid in running:
+        assert locator.pids(uid, cid, "Guaranteed") == [7]
+    assert walks == []  # found by their standard names
+    got = {cid: locator.pids(uid, cid, "Guaranteed") for uid, cid in ended}
+    assert got == {cid: ([321] if cid == odd_cid else []) for _, cid in ended}
+    assert len(walks) == 1
+    # A directory the walk saw is gone since: not found in the walk (a container that restarted meanwhile).
+    gone_uid, gone_cid = ended[3]
+    make(tmp_path, f"odd/pod-{gone_uid}/{gone_cid}", [5])
+    assert locator.pids(gone_uid, gone_cid, "Guaranteed", search=True) == [5]
+    assert len(walks) == 2
+    (tmp_path / f"odd/pod-{gone_uid}/{gone_cid}/cgroup.procs").unlink()
+    (tmp_path / f"odd/pod-{gone_uid}/{gone_cid}").rmdir()
+    assert locator.find(gone_uid, gone_cid, "Guaranteed") is None  # searched in that walk
+    assert not locator.located(gone_uid, gone_cid)
+    assert len(walks) == 2
+    now[0] += cgroups.TREE_WALK_SECONDS
+    assert locator.pids(UID, CID, "Guaranteed") == []  # missed for the first time, the walk too old
+    assert len(walks) == 3
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        CID,
+        f"cri-containerd-{CID}.scope",
+        f"crio-{CID}",
+        f"docker-{CID}.scope",
+        f"kubepods-pod{U_}.slice:cri-containerd:{CID}",
+        f"kubepods-pod{U_}.slice:crio:x:containerd:{CID}",
+    ],
+)
+def test_a_walk_finds_what_a_search_finds(tmp_path: Path, name: str) -> None:
+    """The walk shared by a sweep's misses finds the directory a search of the tree for that one container
+    finds, whichever name a runtime gave it, and not a piece of a name or a monitor's."""
+    make(tmp_path, f"odd/pod-{UID}/{name}", [1])
+    make(tmp_path, f"odd/pod-{UID}/crio-conmon-{CID}", [2])
+    make(tmp_path, f"odd/pod-{UID}/x{CID}", [3])
+    index = cgroups._index_tree(tmp_path)
+    for asked in (CID, CID[:-1], "conmon-" + CID, "x" + CID, "pod", "slice"):
+        assert cgroups._search_index(index, UID, asked) == cgroups._search(tmp_path, UID, asked), asked
+    assert cgroups._search_index(index, UID, CID) == tmp_path / f"odd/pod-{UID}/{name}"
 
 
 def test_an_unusual_layout_is_found_by_the_search_after_the_backoff(tmp_path: Path) -> None:

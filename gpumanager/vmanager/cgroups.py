@@ -18,7 +18,9 @@ A container whose cgroup is gone (its pod terminating) or not made yet is asked
 for each second until its allocation ends; :class:`CgroupLocator` searches the
 whole tree for it at most every :data:`SEARCH_BACKOFF_SECONDS` (a node with
 hundreds of pods has thousands of cgroup directories), looking only at the
-standard names in between. A container ID that no pod status names (a caller's
+standard names in between (its pod's directory first: a pod that ended has none).
+The containers missed within :data:`TREE_WALK_SECONDS` of a walk are searched for
+in that walk: pods that end together cost one walk, not one each. A container ID that no pod status names (a caller's
 claim, :meth:`CgroupLocator.find_claimed`) is looked for only below the pod's own
 cgroup directory, listed at most every :data:`POD_LISTING_SECONDS` per pod, however
 many IDs are asked for.
@@ -41,25 +43,14 @@ RUNTIME_PREFIXES = _PREFIXES
 _V1_CONTROLLERS = ("memory", "pids", "cpu,cpuacct", "cpuacct", "systemd")
 #: After a search of the whole tree found no cgroup for a container, the next one waits this long.
 SEARCH_BACKOFF_SECONDS = 30.0
+#: How long one walk of the whole tree answers the searches of every container missed meanwhile: a sweep
+#: asks for hundreds of containers within milliseconds, and those of pods that ended together would
+#: otherwise each walk it.
+TREE_WALK_SECONDS = 0.5
 #: How long a listing of a pod's cgroup directory answers for every ID asked of that pod.
 POD_LISTING_SECONDS = 1.0
 #: How deep below the pod's cgroup directory a container's is looked for.
 _POD_LISTING_DEPTH = 3
-
-
-def _candidates(pod_uid: str, container_id: str, qos: str | None) -> Iterator[str]:
-    classes = _QOS if qos is None else (("" if qos.lower() == "guaranteed" else qos.lower()),)
-    under = pod_uid.replace("-", "_")
-    for q in classes:
-        base = "kubepods" + (f"/{q}" if q else "")
-        yield f"{base}/pod{pod_uid}/{container_id}"
-        for prefix in _PREFIXES:
-            yield f"{base}/pod{pod_uid}/{prefix}-{container_id}"
-            yield f"{base}/pod{pod_uid}/{prefix}-{container_id}.scope"
-        slice_dir = "kubepods.slice" + (f"/kubepods-{q}.slice" if q else "")
-        pod_slice = f"kubepods{'-' + q if q else ''}-pod{under}.slice"
-        for prefix in _PREFIXES:
-            yield f"{slice_dir}/{pod_slice}/{prefix}-{container_id}.scope"
 
 
 def _pod_candidates(pod_uid: str, qos: str | None) -> Iterator[str]:
@@ -104,12 +95,38 @@ def find_container_cgroup(
 ) -> Path | None:
     """The container's cgroup directory, or None. ``search=False``: by the standard names only, without
     searching the tree."""
-    for root in _roots(cgroup_root):
-        for rel in _candidates(pod_uid, container_id, qos):
-            path = root / rel
-            if path.is_dir():
-                return path
+    found = _standard_cgroup(cgroup_root, pod_uid, container_id, qos)
+    if found is not None:
+        return Path(found)
     return _search(cgroup_root, pod_uid, container_id) if search else None
+
+
+def _standard_cgroup(cgroup_root: Path, pod_uid: str, container_id: str, qos: str | None) -> str | None:
+    """The container's cgroup directory by the standard names (the module's list: for each hierarchy and
+    QoS class, cgroupfs's, then systemd's), or None. A pod's directory is looked at before its
+    containers': a pod that ended has none, and costs a look per hierarchy, not one per name (the
+    pids.config refresh asks for its containers each second until their allocations end)."""
+    classes = _QOS if qos is None else (("" if qos.lower() == "guaranteed" else qos.lower()),)
+    under = pod_uid.replace("-", "_")
+    isdir = os.path.isdir
+    for root in _roots(cgroup_root):
+        top = str(root)
+        for q in classes:
+            pod_dir = f"{top}/kubepods{'/' + q if q else ''}/pod{pod_uid}"
+            if isdir(pod_dir):
+                if isdir(found := f"{pod_dir}/{container_id}"):
+                    return found
+                for prefix in _PREFIXES:
+                    for name in (f"{prefix}-{container_id}", f"{prefix}-{container_id}.scope"):
+                        if isdir(found := f"{pod_dir}/{name}"):
+                            return found
+            slice_dir = f"{top}/kubepods.slice" + (f"/kubepods-{q}.slice" if q else "")
+            pod_slice = f"{slice_dir}/kubepods{'-' + q if q else ''}-pod{under}.slice"
+            if isdir(pod_slice):
+                for prefix in _PREFIXES:
+                    if isdir(found := f"{pod_slice}/{prefix}-{container_id}.scope"):
+                        return found
+    return None
 
 
 def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int = 8) -> Path | None:
@@ -122,6 +139,52 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
             continue
         if _names_container(here.name, container_id) and any(m in str(here) for m in pod_marks):
             return here
+    return None
+
+
+def _index_tree(cgroup_root: Path, max_depth: int = 8) -> dict[str, list[str]]:
+    """One walk of the tree (as deep as :func:`_search` looks): every directory whose name may name a
+    container, by each container ID it may name (:func:`_ids_named`), in the order of the walk."""
+    index: dict[str, list[str]] = {}
+    base_depth = len(cgroup_root.parts)
+    for dirpath, dirnames, _ in os.walk(cgroup_root):
+        here = Path(dirpath)
+        if len(here.parts) - base_depth >= max_depth:
+            dirnames[:] = []
+            continue
+        for key in _ids_named(here.name):
+            index.setdefault(key, []).append(dirpath)
+    return index
+
+
+def _ids_named(name: str) -> set[str]:
+    """Every container ID for which :func:`_names_container` may take a directory of this name for the
+    container's: the name itself, what follows a runtime's prefix, what follows containerd's
+    ``:<prefix>:`` (``.scope`` left out)."""
+    base = name.removesuffix(".scope")
+    ids = {base}
+    for prefix in _PREFIXES:
+        if base.startswith(f"{prefix}-"):
+            ids.add(base[len(prefix) + 1 :])
+        marker = f":{prefix}:"
+        at = base.find(marker)
+        while at >= 0:
+            ids.add(base[at + len(marker) :])
+            at = base.find(marker, at + 1)
+    return ids
+
+
+def _search_index(index: dict[str, list[str]], pod_uid: str, container_id: str) -> Path | None:
+    """What :func:`_search` finds, from a walk's index (:func:`_index_tree`): a directory gone since the
+    walk is not (a container that restarted meanwhile)."""
+    pod_marks = (pod_uid, pod_uid.replace("-", "_"))
+    for dirpath in index.get(container_id, ()):
+        if (
+            _names_container(os.path.basename(dirpath), container_id)
+            and any(m in dirpath for m in pod_marks)
+            and os.path.isdir(dirpath)
+        ):
+            return Path(dirpath)
     return None
 
 
@@ -263,6 +326,7 @@ class CgroupLocator:
         self._sandboxes: dict[str, frozenset[str]] = {}
         self._unsettled: set[str] = set()
         self._pod_searched: dict[str, float] = {}  # pod UID -> its last whole-tree search for a claimed ID
+        self._walked: tuple[float, dict[str, list[str]]] | None = None  # the last walk of the tree, and when
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
         """The container's cgroup directory (below its pod's), or None when there is none."""
@@ -276,7 +340,9 @@ class CgroupLocator:
         now = self._clock()
         missed = self._searched.get(key)
         whole = search or missed is None or now - missed >= self._backoff
-        found = find_container_cgroup(self.root, key[0], key[1], qos, search=whole)
+        found = find_container_cgroup(self.root, key[0], key[1], qos, search=False)
+        if found is None and whole:
+            found = self._search(key[0], key[1], fresh=search)
         if found is None:
             self._dirs.pop(key, None)
             if whole:
@@ -291,6 +357,15 @@ class CgroupLocator:
         if key[0] not in self._before:
             self._note_pod(key[0], found.parent)
         return found
+
+    def _search(self, pod_uid: str, container_id: str, *, fresh: bool) -> Path | None:
+        """The whole tree searched for the container: a walk made within :data:`TREE_WALK_SECONDS` answers
+        (one walk for every container a sweep misses), unless ``fresh``."""
+        now = self._clock()
+        walked = self._walked
+        if fresh or walked is None or not 0 <= now - walked[0] < TREE_WALK_SECONDS:
+            walked = self._walked = (now, _index_tree(self.root))
+        return _search_index(walked[1], pod_uid, container_id)
 
     def _note_pod(self, pod_uid: str, directory: Path) -> None:
         """Remember what the pod's cgroup directory holds now (once: a listing per pod, not per pass)."""

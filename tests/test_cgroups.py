@@ -90,17 +90,16 @@ def test_the_locator_finds_a_cgroup_that_moved(tmp_path: Path) -> None:
 
 
 def count_walks(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[str]:
-    """Every walk of the whole tree at ``root`` from now on (a search's), with the first container ID
-    asked meanwhile unknown: the list grows by one entry per walk."""
+    """Every walk of the whole tree at ``root`` from now on (a search's): each lists ``root`` once."""
     walks: list[str] = []
-    real_walk = os.walk
+    real_scandir = os.scandir
 
-    def counted(top: str | Path, *args: Any, **kwargs: Any) -> Any:
-        if Path(top) == root:
-            walks.append(str(top))
-        return real_walk(top, *args, **kwargs)
+    def counted(path: Any = ".") -> Any:
+        if Path(path) == root:
+            walks.append(str(path))
+        return real_scandir(path)
 
-    monkeypatch.setattr(cgroups.os, "walk", counted)
+    monkeypatch.setattr(cgroups.os, "scandir", counted)
     return walks
 
 

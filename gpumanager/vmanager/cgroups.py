@@ -66,7 +66,10 @@ def _pod_candidates(pod_uid: str, qos: str | None) -> Iterator[str]:
 def pod_cgroups(cgroup_root: Path, pod_uid: str, qos: str | None = None) -> list[Path]:
     """The pod's cgroup directories that exist (one per hierarchy: v2, or each v1 controller)."""
     return [
-        root / rel for root in _roots(cgroup_root) for rel in _pod_candidates(pod_uid, qos) if (root / rel).is_dir()
+        Path(root, rel)
+        for root in _roots(cgroup_root)
+        for rel in _pod_candidates(pod_uid, qos)
+        if os.path.isdir(f"{root}/{rel}")
     ]
 
 
@@ -84,10 +87,11 @@ def _list_below(directories: list[Path], max_depth: int = _POD_LISTING_DEPTH) ->
     return found
 
 
-def _roots(cgroup_root: Path) -> list[Path]:
-    roots = [cgroup_root]
-    roots += [cgroup_root / c for c in _V1_CONTROLLERS if (cgroup_root / c).is_dir()]
-    return roots
+def _roots(cgroup_root: Path) -> list[str]:
+    """The unified hierarchy's root and every v1 controller's there is (paths as text: this is asked for
+    every container not found, each second)."""
+    top = str(cgroup_root)
+    return [top, *(d for c in _V1_CONTROLLERS if os.path.isdir(d := f"{top}/{c}"))]
 
 
 def find_container_cgroup(
@@ -109,8 +113,7 @@ def _standard_cgroup(cgroup_root: Path, pod_uid: str, container_id: str, qos: st
     classes = _QOS if qos is None else (("" if qos.lower() == "guaranteed" else qos.lower()),)
     under = pod_uid.replace("-", "_")
     isdir = os.path.isdir
-    for root in _roots(cgroup_root):
-        top = str(root)
+    for top in _roots(cgroup_root):
         for q in classes:
             pod_dir = f"{top}/kubepods{'/' + q if q else ''}/pod{pod_uid}"
             if isdir(pod_dir):
@@ -143,17 +146,24 @@ def _search(cgroup_root: Path, pod_uid: str, container_id: str, max_depth: int =
 
 
 def _index_tree(cgroup_root: Path, max_depth: int = 8) -> dict[str, list[str]]:
-    """One walk of the tree (as deep as :func:`_search` looks): every directory whose name may name a
-    container, by each container ID it may name (:func:`_ids_named`), in the order of the walk."""
+    """One walk of the tree (as deep as :func:`_search` looks, in the same order, not into links): every
+    directory whose name may name a container, by each container ID it may name (:func:`_ids_named`)."""
     index: dict[str, list[str]] = {}
-    base_depth = len(cgroup_root.parts)
-    for dirpath, dirnames, _ in os.walk(cgroup_root):
-        here = Path(dirpath)
-        if len(here.parts) - base_depth >= max_depth:
-            dirnames[:] = []
-            continue
-        for key in _ids_named(here.name):
-            index.setdefault(key, []).append(dirpath)
+
+    def visit(path: str, name: str, depth: int) -> None:
+        if depth >= max_depth:
+            return
+        for key in _ids_named(name):
+            index.setdefault(key, []).append(path)
+        try:
+            with os.scandir(path) as entries:
+                below = [(e.path, e.name) for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for child, child_name in below:
+            visit(child, child_name, depth + 1)
+
+    visit(str(cgroup_root), cgroup_root.name, 0)
     return index
 
 

@@ -63,6 +63,11 @@ for uid in pods:
     (vm_path / uid / "main").mkdir(parents=True, exist_ok=True)
 vm = VirtualManager(vm_path=vm_path, cgroup_root=Path(spec["root"]), allocation=lambda u, c: None, pod=pods.get,
                     driver_version="550.54.15")
+# Every directory the containers' answers read from, as the agent makes them when they start: a missing one
+# would be looked for again each second.
+for alloc in ending:
+    for directory in vm.container_dirs(alloc) if hasattr(vm, "container_dirs") else ():
+        directory.mkdir(parents=True, exist_ok=True)
 vm.refresh_pids(allocs)  # the first sweep writes every file
 quiet, changing = [], []
 procs = [Path(p) for p in spec["procs"]]

@@ -228,3 +228,11 @@ def test_crio_with_cgroupfs_is_found_by_name_and_its_conmon_is_not_the_container
 def test_only_a_runtimes_own_prefix_names_the_container(tmp_path: Path, name: str) -> None:
     make(tmp_path, f"somewhere/pod{UID}/{name}", [777])
     assert cgroups.find_container_cgroup(tmp_path, UID, CID) is None
+
+
+def test_a_cgroup_procs_larger_than_one_read_is_read_whole(tmp_path: Path) -> None:
+    """A container of thousands of processes: its cgroup.procs is longer than one read gives."""
+    pids = list(range(100000, 130000))
+    make(tmp_path, f"kubepods/pod{UID}/{CID}", pids)
+    assert (tmp_path / f"kubepods/pod{UID}/{CID}/cgroup.procs").stat().st_size > 3 * cgroups._READ_BYTES
+    assert cgroups.CgroupLocator(tmp_path).pids(UID, CID) == pids

@@ -247,6 +247,7 @@ def pids_under(directory: Path | str) -> list[int]:
     return sorted(found)
 
 
+_READ_BYTES = 65536  # a cgroup.procs is read in pieces this large (the kernel may give less before its end)
 _hidden_seen = False  # a cgroup.procs named a process outside the agent's PID namespace (as 0)
 
 
@@ -261,11 +262,18 @@ def _read_procs(path: str) -> list[int]:
     the reader's PID namespace is listed as 0: no PID, left out (and reported once)."""
     global _hidden_seen
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        # Plain system calls: no file object (this is read for every shared container each second).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = []
+            while chunk := os.read(fd, _READ_BYTES):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
     except OSError as exc:
         log.debug("cannot read %s: %s", path, exc)
         return []
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     pids = [int(word) for word in data.split() if word.isdigit()]
     if 0 in pids:
         if not _hidden_seen:

@@ -71,7 +71,7 @@ test-min-deps: build
 	$(MIN_VENV)/bin/python scripts/min_constraints.py --verify
 	$(MIN_VENV)/bin/pytest -p no:cacheprovider -n $(PYTEST_WORKERS) $(E2E_TESTS)
 
-BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn bench_pids_refresh bench_lagging_watch
+BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn bench_pids_refresh bench_lagging_watch bench_pods_ending
 bench: build
 	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 

@@ -236,3 +236,44 @@ def test_a_cgroup_procs_larger_than_one_read_is_read_whole(tmp_path: Path) -> No
     make(tmp_path, f"kubepods/pod{UID}/{CID}", pids)
     assert (tmp_path / f"kubepods/pod{UID}/{CID}/cgroup.procs").stat().st_size > 3 * cgroups._READ_BYTES
     assert cgroups.CgroupLocator(tmp_path).pids(UID, CID) == pids
+
+
+def test_a_cgroup_made_after_a_shared_walk_is_not_missed_for_the_backoff(tmp_path: Path) -> None:
+    """A walk made for another container (a pod that ended) does not show a cgroup made after it: a container
+    first asked for then is searched for again at its next ask, not only 30 s later (a node whose cgroups
+    have names of their own, which only the search finds)."""
+    now = [100.0]
+    locator = cgroups.CgroupLocator(tmp_path, search_backoff=30.0, clock=lambda: now[0])
+    assert locator.pids("ended-pod", "ended") == []  # walks the tree
+    uid = "bbbb-cccc"
+    make(tmp_path, f"kubelet.slice/kubelet-kubepods.slice/pod-{uid}.slice/cri-containerd-bbb.scope", [4242])
+    now[0] += 0.3
+    assert locator.pids(uid, "bbb") == []  # the walk shared, made before the cgroup
+    now[0] += 1.0
+    assert locator.pids(uid, "bbb") == [4242]
+    # A walk made since the first miss is believed: no search again within the backoff.
+    now[0] += 1.0
+    assert locator.pids("ended-pod", "ended") == []
+    assert locator.pids(uid, "gone") == []
+    make(tmp_path, f"kubelet.slice/kubelet-kubepods.slice/pod-{uid}.slice/cri-containerd-gone.scope", [7])
+    now[0] += 1.0
+    assert locator.pids(uid, "gone") == []
+    now[0] += 30.0
+    assert locator.pids(uid, "gone") == [7]
+
+
+def test_a_directory_that_cannot_be_listed_is_not_taken_by_a_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a search of the tree for one container leaves out a directory it cannot list, so does the walk."""
+    make(tmp_path, f"odd/pod-{UID}/crio-{CID}", [1])
+    real_scandir = os.scandir
+
+    def refusing(path: Any = ".") -> Any:
+        if str(path).endswith(f"crio-{CID}"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(cgroups.os, "scandir", refusing)
+    assert cgroups._search(tmp_path, UID, CID) is None
+    assert cgroups._search_index(cgroups._index_tree(tmp_path), UID, CID) is None

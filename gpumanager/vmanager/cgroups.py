@@ -20,7 +20,9 @@ whole tree for it at most every :data:`SEARCH_BACKOFF_SECONDS` (a node with
 hundreds of pods has thousands of cgroup directories), looking only at the
 standard names in between (its pod's directory first: a pod that ended has none).
 The containers missed within :data:`TREE_WALK_SECONDS` of a walk are searched for
-in that walk: pods that end together cost one walk, not one each. A container ID that no pod status names (a caller's
+in that walk: pods that end together cost a walk or two, not one each. Only a walk
+made since a container was first missed starts its backoff (one made before may
+not show a cgroup made since): the next ask searches again. A container ID that no pod status names (a caller's
 claim, :meth:`CgroupLocator.find_claimed`) is looked for only below the pod's own
 cgroup directory, listed at most every :data:`POD_LISTING_SECONDS` per pod, however
 many IDs are asked for.
@@ -153,13 +155,13 @@ def _index_tree(cgroup_root: Path, max_depth: int = 8) -> dict[str, list[str]]:
     def visit(path: str, name: str, depth: int) -> None:
         if depth >= max_depth:
             return
-        for key in _ids_named(name):
-            index.setdefault(key, []).append(path)
         try:
             with os.scandir(path) as entries:
                 below = [(e.path, e.name) for e in entries if e.is_dir(follow_symlinks=False)]
         except OSError:
-            return
+            return  # not listed, not taken (as os.walk leaves it out)
+        for key in _ids_named(name):
+            index.setdefault(key, []).append(path)
         for child, child_name in below:
             visit(child, child_name, depth + 1)
 
@@ -345,6 +347,8 @@ class CgroupLocator:
         self._unsettled: set[str] = set()
         self._pod_searched: dict[str, float] = {}  # pod UID -> its last whole-tree search for a claimed ID
         self._walked: tuple[float, dict[str, list[str]]] | None = None  # the last walk of the tree, and when
+        # container -> when the standard names first missed it, until a walk made since searched for it.
+        self._missing: dict[tuple[str, str], float] = {}
 
     def find(self, pod_uid: str, container_id: str, qos: str | None = None, *, search: bool = False) -> Path | None:
         """The container's cgroup directory (below its pod's), or None when there is none."""
@@ -359,16 +363,23 @@ class CgroupLocator:
         missed = self._searched.get(key)
         whole = search or missed is None or now - missed >= self._backoff
         found = find_container_cgroup(self.root, key[0], key[1], qos, search=False)
+        walked = now
         if found is None and whole:
-            found = self._search(key[0], key[1], fresh=search)
+            found, walked = self._search(key[0], key[1], fresh=search)
         if found is None:
             self._dirs.pop(key, None)
             if whole:
-                if len(self._searched) >= self._limit:
-                    self._searched.clear()
-                self._searched[key] = now
+                self._limit_memo(self._missing)
+                if walked >= self._missing.setdefault(key, now):
+                    # Searched for by a walk made since it was first missed: none again for the backoff. A
+                    # walk made before (another container's) may not show a cgroup made since: the next
+                    # ask searches again, in a walk of its own or one shared with it.
+                    del self._missing[key]
+                    self._limit_memo(self._searched)
+                    self._searched[key] = now
             return None
         self._searched.pop(key, None)
+        self._missing.pop(key, None)
         if len(self._dirs) >= self._limit:
             self._dirs.clear()
         self._dirs[key] = str(found)
@@ -376,14 +387,14 @@ class CgroupLocator:
             self._note_pod(key[0], found.parent)
         return found
 
-    def _search(self, pod_uid: str, container_id: str, *, fresh: bool) -> Path | None:
-        """The whole tree searched for the container: a walk made within :data:`TREE_WALK_SECONDS` answers
-        (one walk for every container a sweep misses), unless ``fresh``."""
+    def _search(self, pod_uid: str, container_id: str, *, fresh: bool) -> tuple[Path | None, float]:
+        """The whole tree searched for the container, and when that walk was made: a walk made within
+        :data:`TREE_WALK_SECONDS` answers (one walk for the containers a sweep misses), unless ``fresh``."""
         now = self._clock()
         walked = self._walked
         if fresh or walked is None or not 0 <= now - walked[0] < TREE_WALK_SECONDS:
             walked = self._walked = (now, _index_tree(self.root))
-        return _search_index(walked[1], pod_uid, container_id)
+        return _search_index(walked[1], pod_uid, container_id), walked[0]
 
     def _note_pod(self, pod_uid: str, directory: Path) -> None:
         """Remember what the pod's cgroup directory holds now (once: a listing per pod, not per pass)."""
@@ -509,6 +520,7 @@ class CgroupLocator:
         memo: dict[str, tuple[float, list[Path]]]
         | dict[str, float]
         | dict[tuple[str, str], str]
+        | dict[tuple[str, str], float]
         | dict[str, tuple[str, frozenset[str]]],
     ) -> None:
         if len(memo) >= self._limit:
@@ -536,7 +548,7 @@ class CgroupLocator:
 
     def forget_pod(self, pod_uid: str) -> None:
         """Drop what is remembered of a pod's containers."""
-        for memo in (self._dirs, self._searched):
+        for memo in (self._dirs, self._searched, self._missing):
             for key in [k for k in list(memo) if k[0] == pod_uid]:  # list(): other threads add meanwhile
                 memo.pop(key, None)
         self._listings.pop(pod_uid, None)

@@ -85,3 +85,41 @@ def test_connections_over_the_limit_do_not_pile_up(
                 sock.close()
     lines = [r for r in caplog.records if "connections open already" in r.getMessage()]
     assert len(lines) <= 2, f"{len(lines)} log lines for {extra_count} refused connections"
+
+
+def test_a_restart_serves_every_pods_socket_again_in_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent restart on a node of 250 pods serves each pod's vcuda.sock again: one line says so, not one
+    per pod; a pod prepared afterwards still has its own line."""
+    from gpumanager.vmanager.manager import VirtualManager
+
+    def manager() -> VirtualManager:
+        return VirtualManager(
+            vm_path=tmp_path / "vm",
+            cgroup_root=tmp_path / "cgroup",
+            allocation=lambda uid, name: None,
+            pod=lambda uid: None,
+            driver_version="550.54.15",
+        )
+
+    uids = [f"0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(5)]
+    first = manager()
+    try:
+        for uid in uids:
+            first.prepare_ahead(uid, ["main"])
+    finally:
+        first.stop()
+    again = manager()
+    try:
+        with caplog.at_level(logging.INFO, logger="gpumanager.vmanager.manager"):
+            again.resume(uids)
+        assert sorted(again.serving()) == uids
+        lines = [r.getMessage() for r in caplog.records if "vcuda.sock" in r.getMessage()]
+        assert lines == [f"serving the vcuda.sock of 5 pods again, in {tmp_path / 'vm'}"]
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpumanager.vmanager.manager"):
+            again.prepare_ahead("00000009-aaaa-bbbb-cccc-dddddddddddd", ["main"])
+        assert [r.getMessage() for r in caplog.records if "vcuda.sock" in r.getMessage()] == [
+            f"serving {tmp_path / 'vm' / '00000009-aaaa-bbbb-cccc-dddddddddddd' / 'vcuda.sock'}"
+        ]
+    finally:
+        again.stop()

@@ -348,21 +348,24 @@ class VirtualManager:
             enable=1 if alloc.cores < names.HUNDRED_CORES else 0,
         )
 
-    def _serve(self, pod_uid: str) -> None:
+    def _serve(self, pod_uid: str, *, quiet: bool = False) -> bool:
+        """Serve the pod's vcuda.sock; whether it was served now (not already, no failure). ``quiet``: the
+        line saying so is a debug line (a restart serves every pod's again, and says so once)."""
         with self._lock:
             if self._sockets is None:
                 self._sockets = PodSockets(self._handle)
                 self._sockets.start()
             sockets = self._sockets
         if sockets.is_serving(pod_uid):
-            return
+            return False
         sock = self.pod_dir(pod_uid) / names.VCUDA_SOCKET
         try:
             sockets.serve(pod_uid, sock)
         except OSError as exc:
             log.warning("not serving %s: %s", sock, exc)
-            return
-        log.info("serving %s", sock)
+            return False
+        log.log(logging.DEBUG if quiet else logging.INFO, "serving %s", sock)
+        return True
 
     async def _handle(self, socket_pod: str, req: pb.VDeviceRequest, time_left: float | None) -> None:
         try:
@@ -1007,11 +1010,14 @@ class VirtualManager:
 
     def resume(self, pod_uids: Iterable[str]) -> None:
         """Serve again the sockets of pods that have a directory (after an agent restart)."""
+        served = 0
         for uid in pod_uids:
             directory = self.pod_dir(uid)
             if directory.is_dir():
-                self._serve(uid)
+                served += self._serve(uid, quiet=True)
                 self._adopt_id_dirs(directory)
+        if served:
+            log.info("serving the vcuda.sock of %d pods again, in %s", served, self.vm_path)
 
     def _adopt_id_dirs(self, directory: Path) -> None:
         """Take the registrations' directories a previous run left in a pod's directory into account

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,9 +94,11 @@ def test_a_restart_serves_every_pods_socket_again_in_one_line(tmp_path: Path, ca
     per pod; a pod prepared afterwards still has its own line."""
     from gpumanager.vmanager.manager import VirtualManager
 
+    vm_path = Path(tempfile.mkdtemp(prefix="gm-vm-"))  # short: a unix socket's path has at most 107 bytes
+
     def manager() -> VirtualManager:
         return VirtualManager(
-            vm_path=tmp_path / "vm",
+            vm_path=vm_path,
             cgroup_root=tmp_path / "cgroup",
             allocation=lambda uid, name: None,
             pod=lambda uid: None,
@@ -114,12 +118,13 @@ def test_a_restart_serves_every_pods_socket_again_in_one_line(tmp_path: Path, ca
             again.resume(uids)
         assert sorted(again.serving()) == uids
         lines = [r.getMessage() for r in caplog.records if "vcuda.sock" in r.getMessage()]
-        assert lines == [f"serving the vcuda.sock of 5 pods again, in {tmp_path / 'vm'}"]
+        assert lines == [f"serving the vcuda.sock of 5 pods again, in {vm_path}"]
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="gpumanager.vmanager.manager"):
             again.prepare_ahead("00000009-aaaa-bbbb-cccc-dddddddddddd", ["main"])
         assert [r.getMessage() for r in caplog.records if "vcuda.sock" in r.getMessage()] == [
-            f"serving {tmp_path / 'vm' / '00000009-aaaa-bbbb-cccc-dddddddddddd' / 'vcuda.sock'}"
+            f"serving {vm_path / '00000009-aaaa-bbbb-cccc-dddddddddddd' / 'vcuda.sock'}"
         ]
     finally:
         again.stop()
+        shutil.rmtree(vm_path, ignore_errors=True)

@@ -318,20 +318,27 @@ static uint64_t sample_delay_us(void)
 }
 
 /*
- * GPUSIM_PROCESS_SAMPLE_MODE: "gpu" (the default), the samples a real driver gives (seen on an H200, driver 580.159):
- * one per period for the whole GPU, naming one process (the one resident when it was taken), with the GPU's busy
- * percent as its smUtil (sim_tl_gpu_samples); "process": each process's own share of the period, at its own moment.
+ * GPUSIM_PROCESS_SAMPLE_MODE: how the driver samples (sim_tl_gpu_samples, sim_tl_process_util).  "gpu" (the
+ * default): one sample per period for the whole GPU, naming one process drawn in proportion to its GPU time in the
+ * period, with the GPU's busy percent as its smUtil, every period's sample in an answer.  "window": what an H200 with
+ * driver 580.159 answers: one sample per period naming the process with the most GPU time in it, and an answer from a
+ * lastSeenTimeStamp other than 0 holds one sample per process named since, averaged over the window's periods.
+ * "process": each process's own share of the period, at its own moment.
  */
-static bool sample_per_gpu(void)
+enum sample_mode { SAMPLE_PER_PROCESS, SAMPLE_PER_GPU, SAMPLE_WINDOW };
+
+static enum sample_mode sample_mode(void)
 {
     static int mode = -1;
     int v = __atomic_load_n(&mode, __ATOMIC_RELAXED);
     if (v < 0) {
         const char *text = getenv("GPUSIM_PROCESS_SAMPLE_MODE");
-        v = text == NULL || strcmp(text, "process") != 0;
+        v = text != NULL && strcmp(text, "process") == 0  ? SAMPLE_PER_PROCESS
+            : text != NULL && strcmp(text, "window") == 0 ? SAMPLE_WINDOW
+                                                           : SAMPLE_PER_GPU;
         __atomic_store_n(&mode, v, __ATOMIC_RELAXED);
     }
-    return v == 1;
+    return (enum sample_mode)v;
 }
 
 static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsigned long long lastSeen,
@@ -342,9 +349,10 @@ static nvmlReturn_t process_samples(const struct sim_ctx *ctx, unsigned i, unsig
         return fault;
     struct sim_tl_proc_util tl[MAX_TL_PROCS];
     uint64_t now_us = 0;
-    unsigned ntl = sample_per_gpu()
-                       ? sim_tl_gpu_samples(ctx->state, i, lastSeen, sample_period_us(), sample_delay_us(), tl,
-                                            MAX_TL_PROCS, &now_us)
+    enum sample_mode mode = sample_mode();
+    unsigned ntl = mode != SAMPLE_PER_PROCESS
+                       ? sim_tl_gpu_samples(ctx->state, i, lastSeen, sample_period_us(), sample_delay_us(),
+                                            mode == SAMPLE_WINDOW, tl, MAX_TL_PROCS, &now_us)
                        : sim_tl_process_util(ctx->state, i, lastSeen, sample_spread_us(), sample_period_us(),
                                              sample_delay_us(), tl, MAX_TL_PROCS, &now_us);
     if (ntl > MAX_TL_PROCS)

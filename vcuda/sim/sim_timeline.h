@@ -90,14 +90,18 @@ unsigned sim_tl_process_util(struct sim_state *st, unsigned gpu, uint64_t since_
                              uint64_t *now_us);
 
 /*
- * Per-process utilisation samples as a real driver gives them (seen on an H200 with driver 580): ONE sample per
- * period for the whole GPU, at the period's end, naming ONE process, the one resident at the sampling moment
- * (drawn, by a hash of the period, in proportion to each process's GPU time in the period), with the whole
- * GPU's busy percent over the period as its smUtil.  Every period's sample since since_us is kept (within the
- * checkpoints kept and the second before now - delay_us), oldest first; at most max written (the newest), the
- * count of all returned.  A process named by no sample ran nonetheless: per-process shares are a draw per period.
+ * Per-process utilisation samples where the driver samples the whole GPU (an H200 with driver 580.159): ONE sample per
+ * period, at the period's end, naming ONE process with the whole GPU's busy percent over the period as its smUtil.
+ * averaged false: the named process is drawn, by a hash of the period, in proportion to each process's GPU time in
+ * it, and every period's sample since since_us is given (within the checkpoints kept and the second before now -
+ * delay_us), oldest first, at most max (the newest); returns how many were written.  averaged true, what the H200
+ * answers: the named process is the one with the most GPU time in the period, and a query from a since_us other than
+ * 0 gets one sample per process named in the window, at its newest period's time, its smUtil the sum of its periods'
+ * busy percents over the count of the window's periods (since_us 0: every period's sample, as above).  A process named
+ * by no sample ran nonetheless.
  */
 unsigned sim_tl_gpu_samples(struct sim_state *st, unsigned gpu, uint64_t since_us, uint64_t period_us,
-                            uint64_t delay_us, struct sim_tl_proc_util *out, unsigned max, uint64_t *now_us);
+                            uint64_t delay_us, bool averaged, struct sim_tl_proc_util *out, unsigned max,
+                            uint64_t *now_us);
 
 #endif

@@ -47,6 +47,9 @@
 #define EAGER_LOOKS 20u               /* ... for a second, then once a second */
 #define INITIAL_COST_NS 5000000.0   /* until measured: conservative (one launch in flight) */
 #define COST_DECAY 0.97             /* per measurement, of the cost estimate's sums */
+#define WAIT_IN_FLIGHT_NS 1000000ull /* a waiting launch looks for the completion of those outstanding this often */
+#define WALL_BOUND_LAUNCHES 8.0     /* the wall bound of the cost is set over at least this many launches ... */
+#define WALL_BOUND_NS 50000000.0    /* ... and this much wall time with launches outstanding */
 #define WAIT_MIN_NS 50000ull
 #define WAIT_MAX_NS 10000000ull
 #define SOFT_MARGIN 0.05            /* soft limit: leave this much of the GPU to busy neighbours */
@@ -158,6 +161,8 @@ struct dev {
     double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
     bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
     uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
+    double wall_busy, wall_done; /* wall ns with launches outstanding, and launches completed, since the bound last set */
+    double wall_cost;         /* the wall time outstanding per launch completed (ns; 0: not yet): the cost's bound */
     uint64_t self_us;         /* the newest sample time of this process's own that was charged */
     /* Launches completed by each time (real us), a ring: the cost learns from those its own sample's time covers */
     uint64_t done_us[DONE_HISTORY], done_count[DONE_HISTORY];
@@ -186,6 +191,7 @@ static int *g_pids;
 static unsigned g_npids, g_pids_cap;
 static bool g_pids_all;
 static bool g_unseen; /* a process of the container without a budget slot may run unseen (vc_budget_unseen) */
+static unsigned g_slot_others; /* live processes of the container with a budget slot, this one left out */
 static uint64_t g_pids_checked;
 /*
  * Which pids.config was read last: the agent replaces it by rename (a new inode) as often as once a second,
@@ -327,6 +333,10 @@ static void refresh_pids(uint64_t now)
             for (unsigned i = 0; i < g_nfile_pids; i++)
                 g_pids[n++] = g_file_pids[i];
         unsigned room = g_pids_cap - n, got = vc_budget_host_pids(g_pids + n, room);
+        g_slot_others = 0;
+        for (unsigned i = n; i < n + got; i++)
+            if (g_pids[i] != (int)getpid() && g_pids[i] != vc_host_pid())
+                g_slot_others++;
         n += got;
         if (got < room)
             break;
@@ -352,6 +362,18 @@ static bool counted_all_as_own(void)
     bool all = g_pids_all || g_unseen;
     pthread_mutex_unlock(&g_pids_mu);
     return all;
+}
+
+/*
+ * Whether this process runs the container's CUDA work alone: no other live process of the container uses the
+ * interceptor (its budget file's slots), and the container's PIDs are known.  Its GPU time is then the container's.
+ */
+static bool alone_in_container(void)
+{
+    pthread_mutex_lock(&g_pids_mu);
+    bool alone = !g_pids_all && !g_unseen && g_slot_others == 0;
+    pthread_mutex_unlock(&g_pids_mu);
+    return alone;
 }
 
 static bool in_container(unsigned pid)
@@ -1084,6 +1106,40 @@ static bool done_at(const struct dev *d, uint64_t us, uint64_t *count)
 }
 
 /*
+ * The cost per launch is at most the wall time this process had launches outstanding per launch completed: no launch
+ * uses more GPU time than it is outstanding.  NVML cannot always tell the cost: an H200 with driver 580 names, for
+ * each 200 ms period, the process with the most GPU time in it, with the whole GPU's busy percent, so a 30 % container
+ * beside a 70 % one learnt 8.1 ms for its 1 ms kernels from its first sample (the whole GPU's time over its first
+ * launches), or kept the 5 ms guess when it was never named, and was never named again to learn better: it ran at 7 %.
+ * The bound is an upper bound of the truth too (the wall time counts the time the GPU gave other contexts), so the
+ * launches are never charged less than they used.  Set over WALL_BOUND_LAUNCHES launches and WALL_BOUND_NS of wall
+ * time with launches outstanding (d->mu held).
+ */
+static void revalue_provisional(struct dev *d);
+
+static void bound_cost(struct dev *d, double busy, double count)
+{
+    d->wall_busy += busy;
+    d->wall_done += count;
+    if (d->wall_done < WALL_BOUND_LAUNCHES || d->wall_busy < WALL_BOUND_NS)
+        return;
+    /*
+     * Only for a process alone in its container: with several, the cost is the container's time per launch of this
+     * process (each charges the container's time), more than this process's own wall time per launch, and bounded by
+     * it three processes of 10 us kernels launched three times their share until the late samples came (73 % of a
+     * 50 % limit for half a second).
+     */
+    d->wall_cost = alone_in_container() ? d->wall_busy / d->wall_done : 0;
+    d->wall_busy = d->wall_done = 0;
+    if (d->wall_cost <= 0 || d->cost <= d->wall_cost)
+        return;
+    bool revalue = d->cost_learnt && d->cost > d->wall_cost * 2.0;
+    d->cost = d->wall_cost;
+    if (revalue)
+        revalue_provisional(d);
+}
+
+/*
  * NVML's samples come a sampling period late (1/6 s to 1 s on real GPUs; the simulator's default is 10 ms,
  * GPUSIM_PROCESS_SAMPLE_PERIOD_US sets it), and a real driver shows each 0.7 s or more after its time
  * (GPUSIM_PROCESS_SAMPLE_DELAY_US): without a charge meanwhile, launches would go unpaced for a period and that
@@ -1098,16 +1154,19 @@ static void charge_provisional(struct dev *d, uint64_t now)
      * the GPU for a whole sampling period, then paid for it at 0 %): the wall time a launch was outstanding
      * bounds its GPU time, so at least that is charged.
      */
-    double wall = 0;
-    if (!d->cost_learnt && now > d->prov_wall && (in_flight(d) > 0 || d->completed > d->prov_completed))
-        wall = (double)(now - d->prov_wall);
+    double busy = 0;
+    if (now > d->prov_wall && (in_flight(d) > 0 || d->completed > d->prov_completed))
+        busy = (double)(now - d->prov_wall);
+    double wall = d->cost_learnt ? 0 : busy;
     if (now > d->prov_wall)
         d->prov_wall = now;
     if (d->completed <= d->prov_completed && wall <= 0) {
+        d->wall_busy += busy;
         d->prov_completed = d->completed;
         return;
     }
     double count = (double)(d->completed > d->prov_completed ? d->completed - d->prov_completed : 0);
+    bound_cost(d, busy, count);
     double ns = count * d->cost;
     if (ns < wall)
         ns = wall;
@@ -1285,8 +1344,11 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     vc_budget_core_publish(d->index, until, d->last_seen_us);
     if (now >= d->next_log) {
         d->next_log = now + 1000000000u;
-        vc_log(VC_LOG_DEBUG, "device %d: rate %.3f credit %.0f us cost %.1f us in flight %.0f measured %.3f s",
-               d->index, d->rate, d->credit / 1e3, d->cost / 1e3, in_flight(d), d->measured / 1e9);
+        vc_log(VC_LOG_DEBUG, "device %d: rate %.3f credit %.0f us cost %.1f us%s in flight %.0f measured %.3f s; "
+               "sampled %s, period %llu us (per GPU %llu us), self sampled %d, base %lld us ago",
+               d->index, d->rate, d->credit / 1e3, d->cost / 1e3, d->cost_learnt ? "" : " (guess)", in_flight(d),
+               d->measured / 1e9, d->per_gpu ? "per GPU" : "per process", (unsigned long long)d->period_us,
+               (unsigned long long)d->gpu_period_us, (int)d->self_sampled, (long long)(real_us() - d->base_us));
     }
     /*
      * The cost: the container's time measured over this process's launches completed in the same stretch, learnt
@@ -1317,6 +1379,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->acc_done = d->acc_done * COST_DECAY + done;
         if (d->acc_done >= 1.0 && d->acc_busy > 0) {
             d->cost = d->acc_busy / d->acc_done;
+            if (d->wall_cost > 0 && d->cost > d->wall_cost && alone_in_container())
+                d->cost = d->wall_cost; /* the whole GPU's time named for this process: bound_cost */
             d->cost_learnt = true;
         } else if (done > 0 && d->self_sampled) {
             /*
@@ -1365,6 +1429,13 @@ static uint64_t budget_gate(struct dev *d)
             break;
         double wait = d->rate > 0 ? missing / d->rate : (double)WAIT_MAX_NS;
         uint64_t w = wait < (double)WAIT_MIN_NS ? WAIT_MIN_NS : wait > (double)WAIT_MAX_NS ? WAIT_MAX_NS : (uint64_t)wait;
+        /*
+         * With launches outstanding, their completion is looked for at least every WAIT_IN_FLIGHT_NS: seen up to
+         * 10 ms late, it counted as wall time outstanding, and the cost's wall bound (bound_cost) of a container
+         * paced at a few ms a launch rose with its own waits.
+         */
+        if (in_flight(d) > 0 && w > WAIT_IN_FLIGHT_NS)
+            w = WAIT_IN_FLIGHT_NS;
         pthread_mutex_unlock(&d->mu);
         sleep_ns(w);
         pthread_mutex_lock(&d->mu);

@@ -614,6 +614,7 @@ class _Bind:
                 claims[uid] = self._replaced
             try:
                 self._record(node, claims)
+                self._state.taken_off(self.args.node, uid, when)
                 return
             except ApiException as exc:
                 if exc.status != 409:

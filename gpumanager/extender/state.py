@@ -47,6 +47,8 @@ NEVER = float("inf")
 DELETED_NODES_KEPT = 4096
 #: How many deleted or ended pods' UIDs are remembered (see :meth:`ClusterState.counting`).
 ENDED_PODS_KEPT = 4096
+#: Choices taken off nodes by this replica's binds that the nodes' watch has not shown gone yet, at most.
+TAKEN_OFF_KEPT = 4096
 
 
 @dataclass
@@ -104,6 +106,9 @@ class ClusterState:
         self.sightings = Sightings()
         # Node name -> (the choices annotation as the watch last showed it, its claims).
         self._node_claims: dict[str, tuple[str, dict[str, Claim]]] = {}
+        # (node, pod UID) -> the predicate time of a choice a bind of this replica took off the node, until the
+        # node's watch shows it gone.
+        self._taken_off: dict[tuple[str, str], str] = {}
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -147,10 +152,24 @@ class ClusterState:
 
     def node_claims(self, name: str) -> dict[str, Claim]:
         """The choices binds (of any replica) recorded on the node, as its watch last showed it, that
-        still count (:class:`~gpumanager.extender.claims.Sightings`), by pod UID."""
+        still count (:class:`~gpumanager.extender.claims.Sightings`; not one a bind of this replica took off,
+        :meth:`taken_off`), by pod UID."""
         with self.lock:
             found = self._node_claims.get(name)
-        return self.sightings.live(found[1]) if found else {}
+            if not found:
+                return {}
+            taken = {uid: self._taken_off[(name, uid)] for uid in found[1] if (name, uid) in self._taken_off}
+        live = self.sightings.live(found[1])
+        return {uid: c for uid, c in live.items() if taken.get(uid) != c.predicate_time}
+
+    def taken_off(self, name: str, uid: str, predicate_time: str) -> None:
+        """A bind of this replica took the pod's choice of ``predicate_time`` off node ``name``: it holds nothing
+        from now, though the node's watch may show it a while longer (a filter then refused the node for GPUs that
+        were free)."""
+        with self.lock:
+            self._taken_off[(name, uid)] = predicate_time
+            while len(self._taken_off) > TAKEN_OFF_KEPT:
+                del self._taken_off[next(iter(self._taken_off))]
 
     def nodes_with_lapsed_claims(self) -> list[str]:
         """Nodes whose recorded choices, as the watch last showed them, include some that lapsed here
@@ -176,6 +195,11 @@ class ClusterState:
             parsed = parse_claims(node)
             self._node_claims[name] = (raw, parsed)
             self.sightings.live(parsed)  # read now: a list of the pods started later shows them, or they are gone
+        shown = self._node_claims.get(name, ("", {}))[1]
+        for key in [k for k in self._taken_off if k[0] == name]:
+            claim = shown.get(key[1])
+            if claim is None or claim.predicate_time != self._taken_off[key]:
+                del self._taken_off[key]  # the watch shows it gone
 
     def node_event(self, kind: str, node: Node) -> None:
         """A node was added, changed or deleted."""

@@ -71,6 +71,7 @@ SCENARIOS = [
     "threads",
     "contexts",
     "green",
+    "failed-burst",
 ]
 
 

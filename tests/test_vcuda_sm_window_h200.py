@@ -99,8 +99,9 @@ def _costs(stderr: str) -> list[tuple[float, bool]]:
 def test_a_container_never_named_paces_by_its_wall_time_not_the_guess(node: Node) -> None:
     """A 30 % container beside an unlimited process is rarely named, so NVML never tells its cost per launch: it kept
     the 5 ms guess for its 1 ms kernels and ran at 7 % of the GPU (the H200: 7 %, 63-85 kernels/s). The wall time its
-    launches are outstanding bounds their cost: about 2.7 ms here (each waits for the other's 1 ms time slice), about
-    1.2 ms on the H200, where it then ran at 12.6 %. Not over its limit either way."""
+    launches are outstanding bounds their cost: 3-4.6 ms here (each waits for the other's 1 ms time slice, and the
+    launches still outstanding when the bound is set count in its wall time), about 1.2 ms on the H200, where it then
+    ran at 12.6 %. Not over its limit either way."""
     config = core_config(30)
     limited = node.loop("30", 8, 9.0, config, **H200, LOGGER_LEVEL="5")
     plain = node.loop("plain", 8, 9.0, None, LD_LIBRARY_PATH=str(BUILD / "sim"), **H200)
@@ -117,8 +118,10 @@ def test_a_container_never_named_paces_by_its_wall_time_not_the_guess(node: Node
     costs = _costs(err)
     print("beside an unlimited process", share, costs[-4:])
     assert len(costs) >= 6, err[-2000:]
-    late = costs[len(costs) // 2 :]
-    assert all(cost <= 3500 for cost, _guess in late), costs  # 5000 (the guess) before
+    late = [cost for cost, _guess in costs[len(costs) // 2 :]]
+    # 5000 (the guess) all along before; the bound is dropped for a moment (the guess again) when launches take twice
+    # longer than it allows, as a queue of longer kernels would
+    assert sum(late) / len(late) <= 4200, costs
     assert share <= 33, share
 
 

@@ -575,6 +575,7 @@ class _Bind:
             self._replaced = claims.get(uid)
         claims[uid] = Claim(podinfo.pod_key(pod), time.time(), when, charges)
         self._state.sightings.written(uid, claims[uid])
+        self._state.recorded(self.args.node, uid)
         try:
             self._record(node, claims)
         except Exception as exc:

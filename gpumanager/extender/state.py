@@ -162,6 +162,12 @@ class ClusterState:
         live = self.sightings.live(found[1])
         return {uid: c for uid, c in live.items() if taken.get(uid) != c.predicate_time}
 
+    def recorded(self, name: str, uid: str) -> None:
+        """A bind of this replica recorded the pod's choice on node ``name``: one it took off before, perhaps of the
+        same predicate time, counts again."""
+        with self.lock:
+            self._taken_off.pop((name, uid), None)
+
     def taken_off(self, name: str, uid: str, predicate_time: str) -> None:
         """A bind of this replica took the pod's choice of ``predicate_time`` off node ``name``: it holds nothing
         from now, though the node's watch may show it a while longer (a filter then refused the node for GPUs that

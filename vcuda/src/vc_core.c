@@ -161,8 +161,14 @@ struct dev {
     double own_unlearnt;      /* the container's time measured since the cost last learnt (ns) */
     bool cost_learnt;         /* the cost per launch comes from a measurement (else INITIAL_COST_NS, a guess) */
     uint64_t prov_wall;       /* mono ns up to which provisional charges are made */
-    double wall_busy, wall_done; /* wall ns with launches outstanding, and launches completed, since the bound last set */
-    double wall_cost;         /* the wall time outstanding per launch completed (ns; 0: not yet): the cost's bound */
+    double wall_busy;         /* wall ns with launches outstanding since the cost's wall bound was last set */
+    uint64_t wall_from;       /* ok_done when it was last set */
+    double wall_cost;         /* the wall time outstanding per launch completed (ns; 0: none): the cost's bound */
+    double free_cost;         /* the cost without that bound: the guess, or as learnt from NVML */
+    uint64_t ok_launched;     /* launches that reached the GPU with a completion marker to come (not failed, not
+                                 counted done unseen: mark_unknown) */
+    uint64_t ok_done;         /* of those, the ones a completed marker covers */
+    uint64_t ev_ok[MARKERS];  /* ok_launched when each marker was recorded */
     uint64_t self_us;         /* the newest sample time of this process's own that was charged */
     /* Launches completed by each time (real us), a ring: the cost learns from those its own sample's time covers */
     uint64_t done_us[DONE_HISTORY], done_count[DONE_HISTORY];
@@ -192,6 +198,7 @@ static unsigned g_npids, g_pids_cap;
 static bool g_pids_all;
 static bool g_unseen; /* a process of the container without a budget slot may run unseen (vc_budget_unseen) */
 static unsigned g_slot_others; /* live processes of the container with a budget slot, this one left out */
+static unsigned g_file_others; /* PIDs of pids.config other than this process */
 static uint64_t g_pids_checked;
 /*
  * Which pids.config was read last: the agent replaces it by rename (a new inode) as often as once a second,
@@ -329,9 +336,13 @@ static void refresh_pids(uint64_t now)
         g_pids[n++] = (int)getpid(); /* right in the host PID namespace (and the simulated node) */
         if (vc_host_pid() > 0 && vc_host_pid() != (int)getpid())
             g_pids[n++] = vc_host_pid();
+        g_file_others = 0;
         if (!all)
-            for (unsigned i = 0; i < g_nfile_pids; i++)
+            for (unsigned i = 0; i < g_nfile_pids; i++) {
                 g_pids[n++] = g_file_pids[i];
+                if (g_file_pids[i] != (int)getpid() && g_file_pids[i] != vc_host_pid())
+                    g_file_others++;
+            }
         unsigned room = g_pids_cap - n, got = vc_budget_host_pids(g_pids + n, room);
         g_slot_others = 0;
         for (unsigned i = n; i < n + got; i++)
@@ -365,13 +376,14 @@ static bool counted_all_as_own(void)
 }
 
 /*
- * Whether this process runs the container's CUDA work alone: no other live process of the container uses the
- * interceptor (its budget file's slots), and the container's PIDs are known.  Its GPU time is then the container's.
+ * Whether this process is the container's only one: pids.config (the agent's list) names no other, nor does the
+ * budget file (the container's processes that use the interceptor; the tenant can write it, so it alone is not taken
+ * at its word), and this process read both itself (not a fork's copy of its parent's reading).
  */
 static bool alone_in_container(void)
 {
     pthread_mutex_lock(&g_pids_mu);
-    bool alone = !g_pids_all && !g_unseen && g_slot_others == 0;
+    bool alone = g_pids_owner == getpid() && !g_pids_all && !g_unseen && g_slot_others == 0 && g_file_others == 0;
     pthread_mutex_unlock(&g_pids_mu);
     return alone;
 }
@@ -936,6 +948,8 @@ static void poll_markers(struct dev *d)
         /* Complete (or broken: never wait on it again). */
         if (d->ev_count[d->head] > d->completed)
             d->completed = d->ev_count[d->head];
+        if (d->ev_ok[d->head] > d->ok_done)
+            d->ok_done = d->ev_ok[d->head];
         d->head = (d->head + 1) % MARKERS;
         d->n--;
     }
@@ -975,10 +989,15 @@ static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count, CUc
         }
         pushed = true;
     }
-    if (ctx != d->marker_ctx && d->n > 0)
+    if (ctx != d->marker_ctx && d->n > 0) {
         mark_unknown(d, count); /* another context's markers are still out */
-    else if (!record_marker(d, s, ptsz, count))
-        mark_unknown(d, count);
+    } else {
+        d->ok_launched++;
+        if (!record_marker(d, s, ptsz, count)) {
+            d->ok_launched--;
+            mark_unknown(d, count);
+        }
+    }
     if (pushed) {
         CUcontext popped;
         REAL_CU(cuCtxPopCurrent_v2)(&popped);
@@ -1013,6 +1032,7 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
         return false;
     if (count > d->ev_count[slot] || !full)
         d->ev_count[slot] = count;
+    d->ev_ok[slot] = d->ok_launched;
     d->marked = count;
     d->n += full ? 0 : 1;
     return true;
@@ -1067,12 +1087,15 @@ static void adapt_rate(struct dev *d, double other_ns, double span_ns)
         d->rate = d->rate + SOFT_RISE < target ? d->rate + SOFT_RISE : target;
 }
 
-/* Notes (d->mu held) that d->completed launches were complete by real time us (at most every DONE_STEP_US). */
+/*
+ * Notes (d->mu held) how many launches that reached the GPU a marker showed complete by real time us (ok_done, at most
+ * every DONE_STEP_US): the cost learns from them.
+ */
 static void note_done(struct dev *d, uint64_t us)
 {
     if (d->done_n > 0) {
         unsigned newest = (d->done_head + d->done_n - 1) % DONE_HISTORY;
-        if (d->done_count[newest] == d->completed || us < d->done_us[newest] + DONE_STEP_US)
+        if (d->done_count[newest] == d->ok_done || us < d->done_us[newest] + DONE_STEP_US)
             return; /* nothing new, or too soon: counted at a later time (a sample's share of it one period late) */
     }
     if (d->done_n == DONE_HISTORY) {
@@ -1081,7 +1104,7 @@ static void note_done(struct dev *d, uint64_t us)
     }
     unsigned slot = (d->done_head + d->done_n) % DONE_HISTORY;
     d->done_us[slot] = us;
-    d->done_count[slot] = d->completed;
+    d->done_count[slot] = d->ok_done; /* not launches that failed (counted complete): 2000 of them made the cost tiny */
     d->done_n++;
 }
 
@@ -1111,31 +1134,41 @@ static bool done_at(const struct dev *d, uint64_t us, uint64_t *count)
  * each 200 ms period, the process with the most GPU time in it, with the whole GPU's busy percent, so a 30 % container
  * beside a 70 % one learnt 8.1 ms for its 1 ms kernels from its first sample (the whole GPU's time over its first
  * launches), or kept the 5 ms guess when it was never named, and was never named again to learn better: it ran at 7 %.
- * The bound is an upper bound of the truth too (the wall time counts the time the GPU gave other contexts), so the
- * launches are never charged less than they used.  Set over WALL_BOUND_LAUNCHES launches and WALL_BOUND_NS of wall
- * time with launches outstanding (d->mu held).
+ * The bound is an upper bound of the truth too (the wall time counts the time the GPU gave other contexts).  Only
+ * launches that reached the GPU and whose completion a marker showed count (ok_done): a failed launch, or one counted
+ * done unseen (mark_unknown), took no wall time here, and counted, a burst of them made the bound nanoseconds.  The
+ * bound is set anew over every WALL_BOUND_LAUNCHES such launches and WALL_BOUND_NS of wall time with launches
+ * outstanding, so it rises with longer kernels; and it is dropped as soon as the launches outstanding have taken more
+ * than twice it would allow (long kernels queued under a bound set by short ones).  Only for a process alone in its
+ * container: with several, the cost is the container's time per launch of this process (each charges the
+ * container's time), more than this process's own wall time per launch, and bounded by it three processes of 10 us
+ * kernels launched three times their share until the late samples came (73 % of a 50 % limit for half a second).
+ * d->mu held.
  */
+static void set_cost(struct dev *d)
+{
+    d->cost = d->wall_cost > 0 && d->wall_cost < d->free_cost ? d->wall_cost : d->free_cost;
+}
+
 static void revalue_provisional(struct dev *d);
 
-static void bound_cost(struct dev *d, double busy, double count)
+static void bound_cost(struct dev *d, double busy)
 {
     d->wall_busy += busy;
-    d->wall_done += count;
-    if (d->wall_done < WALL_BOUND_LAUNCHES || d->wall_busy < WALL_BOUND_NS)
+    double done = (double)(d->ok_done - d->wall_from);
+    if (d->wall_cost > 0 && d->wall_busy > WALL_BOUND_NS &&
+        d->wall_busy > 2.0 * d->wall_cost * (done + in_flight(d))) {
+        d->wall_cost = 0; /* the launches take longer now than the bound allows: the estimate alone, until set anew */
+        set_cost(d);
+    }
+    if (done < WALL_BOUND_LAUNCHES || d->wall_busy < WALL_BOUND_NS)
         return;
-    /*
-     * Only for a process alone in its container: with several, the cost is the container's time per launch of this
-     * process (each charges the container's time), more than this process's own wall time per launch, and bounded by
-     * it three processes of 10 us kernels launched three times their share until the late samples came (73 % of a
-     * 50 % limit for half a second).
-     */
-    d->wall_cost = alone_in_container() ? d->wall_busy / d->wall_done : 0;
-    d->wall_busy = d->wall_done = 0;
-    if (d->wall_cost <= 0 || d->cost <= d->wall_cost)
-        return;
-    bool revalue = d->cost_learnt && d->cost > d->wall_cost * 2.0;
-    d->cost = d->wall_cost;
-    if (revalue)
+    double before = d->cost;
+    d->wall_cost = alone_in_container() ? d->wall_busy / done : 0;
+    d->wall_busy = 0;
+    d->wall_from = d->ok_done;
+    set_cost(d);
+    if (d->cost_learnt && (d->cost < before * 0.5 || d->cost > before * 2.0))
         revalue_provisional(d);
 }
 
@@ -1161,12 +1194,12 @@ static void charge_provisional(struct dev *d, uint64_t now)
     if (now > d->prov_wall)
         d->prov_wall = now;
     if (d->completed <= d->prov_completed && wall <= 0) {
-        d->wall_busy += busy;
+        bound_cost(d, busy);
         d->prov_completed = d->completed;
         return;
     }
     double count = (double)(d->completed > d->prov_completed ? d->completed - d->prov_completed : 0);
-    bound_cost(d, busy, count);
+    bound_cost(d, busy);
     double ns = count * d->cost;
     if (ns < wall)
         ns = wall;
@@ -1378,9 +1411,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
         d->own_unlearnt = 0;
         d->acc_done = d->acc_done * COST_DECAY + done;
         if (d->acc_done >= 1.0 && d->acc_busy > 0) {
-            d->cost = d->acc_busy / d->acc_done;
-            if (d->wall_cost > 0 && d->cost > d->wall_cost && alone_in_container())
-                d->cost = d->wall_cost; /* the whole GPU's time named for this process: bound_cost */
+            d->free_cost = d->acc_busy / d->acc_done;
+            set_cost(d); /* bounded by the wall time outstanding (the whole GPU's time named for this process) */
             d->cost_learnt = true;
         } else if (done > 0 && d->self_sampled) {
             /*
@@ -1388,7 +1420,8 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
              * sample is harmless).  Only its own: another process of the container just started shows 0 % too, and
              * each of its samples halved the cost of a process not sampled yet, down to a flood of launches.
              */
-            d->cost *= 0.5;
+            d->free_cost = d->cost * 0.5;
+            set_cost(d);
             d->cost_learnt = true; /* measured: tiny, so the wall time outstanding is no bound worth charging */
             revalue = true;
         }
@@ -1624,7 +1657,7 @@ static void init_device(struct dev *d, int index)
     const struct vc_core_config *cfg = vc_core_config();
     d->index = index;
     d->rate = cfg->soft ? cfg->ceiling / 100.0 : cfg->share / 100.0;
-    d->cost = INITIAL_COST_NS;
+    d->cost = d->free_cost = INITIAL_COST_NS;
     d->last_refill = d->last_measure = d->prov_wall = mono_ns();
     d->last_seen_us = real_us();
     /* No launch complete yet: this process's first sample learns the cost from its launches complete by then. */
@@ -1690,6 +1723,7 @@ static void atfork_child(void)
     pthread_mutex_init(&g_pids_mu, NULL);
     g_watcher = false;
     g_pids_owner = 0;
+    g_slot_others = g_file_others = 0; /* read again by the child itself (alone_in_container) */
     g_pids = NULL, g_npids = g_pids_cap = 0; /* the same for the PID lists (grown under g_pids_mu) */
     g_file_pids = NULL, g_nfile_pids = g_file_cap = 0;
     g_pids_stamp = (struct pids_stamp){0};

@@ -442,6 +442,20 @@ static void tail_child(void)
     _exit(0);
 }
 
+/*
+ * The cost's wall bound (vc_core.c, bound_cost) counts the launches completed: one kernel, then a burst of launches
+ * the driver refuses (no function), each counted complete at once, made it nanoseconds, and the gate then let every
+ * kernel offered through at once.
+ */
+static void failed_burst(void)
+{
+    check(one_kernel(), "launch");
+    check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+    for (int i = 0; i < 2000; i++)
+        (void)FN(cuLaunchKernel)(NULL, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
+    offer(one_kernel);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -501,6 +515,8 @@ int main(int argc, char **argv)
         contexts();
     else if (strcmp(s, "green") == 0)
         green();
+    else if (strcmp(s, "failed-burst") == 0)
+        failed_burst();
     else {
         fprintf(stderr, "unknown scenario %s\n", s);
         return 2;

@@ -91,7 +91,11 @@ def test_the_socket_directory_lock_waits_for_its_holder_and_ends_on_sigterm(
     tmp_path: Path, signal_pipe: SignalPipe, caplog: pytest.LogCaptureFixture
 ) -> None:
     plugins = tmp_path / "dp"
-    config = Config(checkpoint_path=str(tmp_path / "ck"), device_plugin_path=str(plugins))
+    # Every directory the test's own: the lock is taken in --virtual-manager-path too, which the default would make
+    # on the host (/etc/gpu-manager/vm).
+    config = Config(
+        checkpoint_path=str(tmp_path / "ck"), device_plugin_path=str(plugins), virtual_manager_path=str(tmp_path / "vm")
+    )
     held, stopped = hold_socket_dir_locks(config, signal_pipe)
     assert stopped is None and len(held) == 2  # --device-plugin-path and --virtual-manager-path
     other = SignalPipe()

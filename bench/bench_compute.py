@@ -336,10 +336,12 @@ def main() -> int:
     )
     ap.add_argument(
         "--sample-mode",
-        choices=("gpu", "process"),
+        choices=("window", "gpu", "process"),
         default=None,
-        help="how the simulated NVML samples (GPUSIM_PROCESS_SAMPLE_MODE): gpu (its default, an H200's driver: one "
-        "process named per period with the GPU's busy percent) or process (each process's own share)",
+        help="how the simulated NVML samples (GPUSIM_PROCESS_SAMPLE_MODE): window (its default, as an H200's driver "
+        "answers: the busiest process of each period named with the GPU's busy percent, one averaged sample per "
+        "process named), gpu (every period's sample, its process drawn by GPU time) or process (each process's own "
+        "share)",
     )
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     ap.add_argument("--before", type=Path, default=None,

@@ -330,8 +330,9 @@ def test_upstream_baseline_is_selectable(node: Node) -> None:
 # ---- what NVML reports of other processes ---------------------------------------------------------
 
 
-#: The simulated NVML's other sampling (GPUSIM_PROCESS_SAMPLE_MODE; its default samples the whole GPU, as an H200's
-#: driver does): each process at its own moment.  The neighbours below stand for processes sampled so.
+#: The simulated NVML's other sampling (GPUSIM_PROCESS_SAMPLE_MODE; its default answers as an H200's driver does, naming
+#: the busiest process of each period): each process at its own moment.  The neighbours below stand for processes
+#: sampled so.
 PER_PROCESS = "process"
 
 

@@ -87,9 +87,9 @@ def test_nvml_delivers_each_process_sample_a_delay_after_its_moment(node: Node, 
     assert all(0 < r[2] <= 100 for r in rows), rows
 
 
-# Sampled per GPU (the simulator's default), three processes of 50 ms kernels with samples 0.7 s late swing from one
-# run to the next: 11, 22, 25, 32 % of a 30 % share in four runs, whole seconds at 0 % (the H200 showed its samples
-# within 0.1 s). Kept in sight; the same case sampled per process holds.
+# Sampled per GPU (GPUSIM_PROCESS_SAMPLE_MODE=gpu), three processes of 50 ms kernels with samples 0.7 s late swing
+# from one run to the next: 11, 22, 25, 32 % of a 30 % share in four runs, whole seconds at 0 % (the H200 showed its
+# samples within 0.1 s). Kept in sight; the same case sampled per process holds.
 PER_GPU_LATE_UNDER_SHARE = pytest.mark.xfail(
     strict=False,
     reason="known: sampled per GPU, 3 processes of 50 ms kernels with samples 0.7 s late get 11-32 % of a 30 % share",
@@ -110,7 +110,7 @@ CASES = [
     (50, "spin_1ms", 1, 1000000),
     (50, "spin_1ms", 3, 1000000),
 ]
-# Each sampled per GPU (the simulator's default), and the case that does not hold so yet also per process.
+# Each sampled per GPU (GPUSIM_PROCESS_SAMPLE_MODE=gpu), and the case that does not hold so yet also per process.
 PARAMS = [
     *((*case, "gpu") for case in CASES),
     pytest.param(30, "spin_50ms", 3, 700000, "gpu", marks=PER_GPU_LATE_UNDER_SHARE, id="30-spin_50ms-3-700000-gpu"),

@@ -318,11 +318,12 @@ static uint64_t sample_delay_us(void)
 }
 
 /*
- * GPUSIM_PROCESS_SAMPLE_MODE: how the driver samples (sim_tl_gpu_samples, sim_tl_process_util).  "gpu" (the
- * default): one sample per period for the whole GPU, naming one process drawn in proportion to its GPU time in the
- * period, with the GPU's busy percent as its smUtil, every period's sample in an answer.  "window": what an H200 with
- * driver 580.159 answers: one sample per period naming the process with the most GPU time in it, and an answer from a
- * lastSeenTimeStamp other than 0 holds one sample per process named since, averaged over the window's periods.
+ * GPUSIM_PROCESS_SAMPLE_MODE: how the driver samples (sim_tl_gpu_samples, sim_tl_process_util).  "window" (the
+ * default, as unkind as the real driver): what an H200 with driver 580.159 answers: one sample per period naming the
+ * process with the most GPU time in it, and an answer from a lastSeenTimeStamp other than 0 holds one sample per
+ * process named since, averaged over the window's periods.  "gpu": one sample per period for the whole GPU, naming one
+ * process drawn in proportion to its GPU time in the period, with the GPU's busy percent as its smUtil, every
+ * period's sample in an answer (that driver's whole buffer, read from 0).
  * "process": each process's own share of the period, at its own moment.
  */
 enum sample_mode { SAMPLE_PER_PROCESS, SAMPLE_PER_GPU, SAMPLE_WINDOW };
@@ -334,8 +335,8 @@ static enum sample_mode sample_mode(void)
     if (v < 0) {
         const char *text = getenv("GPUSIM_PROCESS_SAMPLE_MODE");
         v = text != NULL && strcmp(text, "process") == 0  ? SAMPLE_PER_PROCESS
-            : text != NULL && strcmp(text, "window") == 0 ? SAMPLE_WINDOW
-                                                           : SAMPLE_PER_GPU;
+            : text != NULL && strcmp(text, "gpu") == 0    ? SAMPLE_PER_GPU
+                                                           : SAMPLE_WINDOW;
         __atomic_store_n(&mode, v, __ATOMIC_RELAXED);
     }
     return (enum sample_mode)v;

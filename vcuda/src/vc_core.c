@@ -1467,7 +1467,8 @@ static uint64_t budget_gate(struct dev *d)
          * WAIT_IN_FLIGHT_NS: seen up to 10 ms late, it counted as wall time outstanding, and the cost's wall bound
          * (bound_cost) of a container paced at a few ms a launch rose with its own waits.  Only there: the bound
          * applies to no other, and three processes of 50 ms kernels under a 30 % limit with samples 0.7 s late
-         * that all woke every 1 ms swung to 46-51 % of the GPU for half a second in 4 of 10 runs (0 of 18 without).
+         * that all woke every 1 ms swung to 46-51 % of the GPU for half a second in 4 of 10 runs (in none of 16
+         * without).
          */
         if (in_flight(d) > 0 && w > WAIT_IN_FLIGHT_NS && alone_in_container())
             w = WAIT_IN_FLIGHT_NS;

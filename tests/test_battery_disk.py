@@ -37,9 +37,9 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def _fill(directory: Path) -> Path:
-    """Take every free byte of the file system."""
+    """Take every free byte of the file system; called again, take what was freed since (appends)."""
     filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         chunk = b"\0" * 65536
         with contextlib.suppress(OSError):
@@ -79,6 +79,30 @@ def _settle(cluster: SimCluster, live: list[PodRun]) -> None:
     wait_agent_matches(cluster, live)
 
 
+def _full_disk_pods(cluster: SimCluster, live: list[PodRun]) -> dict[str, object]:
+    """New pods while the checkpoint's disk is full, until /readyz says not ready; its body.
+
+    A new allocation is answered only once durable: recorded in the journal's preallocated room, or refused
+    naming the path and the errno. Before each pod the disk is filled again: the agent's own clean-up (a
+    compaction that removes an old segment) frees room, and a fill that raced it would leave the disk with
+    room for the rest of the test. Once changes stop, the snapshot the agent writes finds no room, and
+    /readyz says so; a few more pods (each a change, each a snapshot due) give it more chances.
+    """
+    for i in range(12):
+        _fill(cluster.checkpoint_dir)
+        name = f"full-{i}"
+        try:
+            live.append(cluster.run_pod(gpu_pod(name, [("main", 10, 2)])))
+        except PluginRPCError as exc:
+            assert str(cluster.checkpoint_dir) in exc.details and "ENOSPC" in exc.details, exc.details
+            cluster.delete(next(r for r in cluster.runs.values() if r.name == name))
+        if i < 5:
+            continue  # six pods first, as many as the journal's room takes
+        with contextlib.suppress(AssertionError):
+            return _wait_ready(cluster, False, timeout=5.0)
+    return _wait_ready(cluster, False)
+
+
 def test_checkpoint_disk_full_then_room_again(tmp_path: Path) -> None:
     spec = spec_odd_mixed(tmp_path / "spec.json")
     cluster = SimCluster(tmp_path / "node", spec, fill="random", agent_flags=["--allocation-check-period=1"])
@@ -88,15 +112,7 @@ def test_checkpoint_disk_full_then_room_again(tmp_path: Path) -> None:
         filler = _fill(cluster.checkpoint_dir)
         # Pods end while the disk is full: freed in memory all the same.
         cluster.delete(live.pop())
-        # A new allocation is answered only once durable: recorded in the journal's preallocated room,
-        # or refused naming the path and the errno.
-        for i in range(6):
-            try:
-                live.append(cluster.run_pod(gpu_pod(f"full-{i}", [("main", 10, 2)])))
-            except PluginRPCError as exc:
-                assert str(cluster.checkpoint_dir) in exc.details and "ENOSPC" in exc.details, exc.details
-                cluster.delete(next(r for r in cluster.runs.values() if r.name == f"full-{i}"))
-        body = _wait_ready(cluster, False)
+        body = _full_disk_pods(cluster, live)
         assert "checkpoint" in body["missing"], body  # type: ignore[operator]
         assert cluster.agent is not None and cluster.agent.proc is not None
         # SIGKILL while the disk is full: the agent comes back, serves what it has, refuses the rest.
@@ -104,6 +120,7 @@ def test_checkpoint_disk_full_then_room_again(tmp_path: Path) -> None:
         cluster.agent.wait()
         cluster.start_agent()
         _settle(cluster, live)
+        _fill(cluster.checkpoint_dir)  # what the start's own clean-up freed, if anything
         _refused_for_disk(cluster, "after-kill", "ENOSPC")
         body = _wait_ready(cluster, False)
         assert str(cluster.checkpoint_dir) in str(body["missing"]), body

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -135,3 +136,56 @@ def test_missing_and_unreadable_paths_are_registration_errors(tmp_path: Path) ->
         register(tmp_path / "kubelet.sock", ENDPOINTS, timeout=2)
     with pytest.raises(RegistrationError, match="null byte"):
         register(tmp_path / "kube\0let.sock", ENDPOINTS, timeout=2)
+
+
+class _Silent(_Kubelet):
+    """A kubelet that takes the Register and never answers it (until the test ends)."""
+
+    def __init__(self, path: Path) -> None:
+        self.received = threading.Event()
+        self.release = threading.Event()
+        super().__init__(path)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.received.set()
+        self.release.wait(60)
+        return pb.Empty()
+
+
+@pytest.mark.parametrize("replacement", ["another kubelet", "none yet"])
+def test_a_registration_the_kubelet_never_answers_ends_when_its_socket_is_made_again(
+    tmp_path: Path, kubelets: tuple[_Kubelet, _Kubelet], replacement: str
+) -> None:
+    """The kubelet dialled holds the Register without an answer, then kubelet.sock is made again (a new
+    kubelet) or removed (a restart under way). The registration must end then, as unreachable (retried at
+    once), not wait out its deadline while the new kubelet waits for us: an agent once went unregistered
+    for a whole deadline after two kubelet restarts a few milliseconds apart."""
+    silent = _Silent(tmp_path / "silent.sock")
+    sock = tmp_path / "kubelet.sock"
+    _point(sock, silent.path)
+    outcome: list[BaseException | tuple[int, int]] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(register(sock, ENDPOINTS, timeout=30))
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    try:
+        assert silent.received.wait(10), "the silent kubelet never got the Register"
+        if replacement == "another kubelet":
+            _point(sock, kubelets[1].path)
+        else:
+            sock.unlink()
+        worker.join(10)
+        assert not worker.is_alive(), "the registration still waits on the kubelet whose socket is gone"
+        (got,) = outcome
+        assert isinstance(got, RegistrationError), got
+        assert got.unreachable, got
+        assert str(sock) in str(got) and "example.com/r" in str(got), got
+        assert kubelets[1].calls == 0, "register() itself only ends the call; the caller registers again"
+    finally:
+        silent.release.set()
+        silent.server.stop(None)

@@ -42,6 +42,11 @@ class Endpoint:
 #: registration that the kubelet may have made and we count as failed.
 REGISTER_DEADLINE = 60.0
 
+#: How often a Register not yet answered looks whether ``kubelet.sock`` still names the socket dialled.
+#: A kubelet that made it again is a new kubelet (the old one is gone, or going); the call to the old one
+#: is ended then, not left to its deadline while the new kubelet waits for us.
+REPLACED_CHECK_SECONDS = 0.02
+
 
 def register(
     kubelet_socket: Path,
@@ -60,8 +65,10 @@ def register(
     answered. Without procfs the path itself is dialled. ``timeout`` is each call's deadline.
     ``before_dial`` runs once the socket is held, just before the dial: the kubelet that made that
     socket has wiped the directory already (it does so before it listens), so endpoint sockets found
-    intact there are the ones it will dial back. Raises RegistrationError with the reason of the
-    first failure, in endpoint order.
+    intact there are the ones it will dial back. A call still unanswered once ``kubelet_socket`` names
+    another file, or none, ends then (a new kubelet, or one starting: the one dialled is gone) as
+    unreachable, rather than at its deadline. Raises RegistrationError with the reason of the first
+    failure, in endpoint order.
     """
     try:
         handle = os.open(kubelet_socket, os.O_PATH | os.O_CLOEXEC)
@@ -79,13 +86,41 @@ def register(
         dial = through if os.path.exists(through) else str(kubelet_socket)
         if before_dial is not None:
             before_dial()
-        _register_through(dial, kubelet_socket, endpoints, timeout)
+        _register_through(dial, kubelet_socket, endpoints, timeout, (st.st_dev, st.st_ino))
     finally:
         os.close(handle)
     return (st.st_dev, st.st_ino)
 
 
-def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpoint], timeout: float) -> None:
+def _still_there(kubelet_socket: Path, dialled: tuple[int, int]) -> bool:
+    """Whether ``kubelet_socket`` still names the file dialled. The handle held on that file keeps its
+    inode number from being reused, so another number (or no file) is another kubelet.sock."""
+    try:
+        st = os.stat(kubelet_socket)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == dialled
+
+
+def _answer(call: grpc.Future[pb.Empty], kubelet_socket: Path, dialled: tuple[int, int], ep: Endpoint) -> None:
+    """Wait for a Register's answer (its own deadline bounds the wait); raise RegistrationError
+    (unreachable) once ``kubelet_socket`` no longer names the socket it was sent to."""
+    while True:
+        try:
+            call.result(timeout=REPLACED_CHECK_SECONDS)
+            return
+        except grpc.FutureTimeoutError:
+            if not _still_there(kubelet_socket, dialled):
+                raise RegistrationError(
+                    f"cannot reach the kubelet at {kubelet_socket} to register {ep.resource}: the kubelet "
+                    "dialled did not answer before its socket was made again or removed (a kubelet restart)",
+                    unreachable=True,
+                ) from None
+
+
+def _register_through(
+    path: str, kubelet_socket: Path, endpoints: Sequence[Endpoint], timeout: float, dialled: tuple[int, int]
+) -> None:
     # A connection of this call's own: with grpc's shared pool, a channel to the same target (the same
     # fd number, as a registration before this one used) may still be connected to the kubelet.sock
     # that was there then.
@@ -111,7 +146,11 @@ def _register_through(path: str, kubelet_socket: Path, endpoints: Sequence[Endpo
         ]
         for ep, call in calls:
             try:
-                call.result()
+                _answer(call, kubelet_socket, dialled, ep)
+            except RegistrationError:
+                for _ep, other in calls:
+                    other.cancel()
+                raise
             except grpc.RpcError as exc:
                 for _ep, other in calls:
                     other.cancel()

@@ -11,19 +11,17 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import empty_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import buildinfo, names
 from gpumanager.api import display_pb2_grpc
 from simnode.cluster import SimCluster, gpu_pod
 from simnode.gpusim_state import load_spec, spec_dir
 from tests.agent_fixtures import gpusim
+from tests.metrics_text import samples, value
 
 CORE = names.VCORE_RESOURCE
 MIB = 1 << 20
 SPEC = load_spec(spec_dir() / "h100-nvlink-x8.json")
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def start(tmp_path: Path, *flags: str) -> SimCluster:
@@ -41,18 +39,6 @@ def scrape(c: SimCluster, path: str = "/metrics") -> str:
     assert c.agent is not None
     with urllib.request.urlopen(f"http://127.0.0.1:{c.agent.query_port}{path}", timeout=10) as r:
         return str(r.read().decode())
-
-
-def samples(text: str) -> Samples:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(got: Samples, name: str, **labels: str) -> float:
-    return got[(name, tuple(sorted(labels.items())))]
 
 
 def metered_pods(c: SimCluster) -> tuple[int, dict[str, int]]:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpumanager import names
 from gpumanager.kube.gpu_inventory import ANNOTATION
@@ -25,6 +24,7 @@ from simnode.multinode import MultiNodeCluster, pending_pod
 from simnode.scheduler import SchedulerStandIn
 from tests.agent_fixtures import gpusim
 from tests.extender_fixtures import wait_for
+from tests.metrics_text import samples, value
 
 GIB_BLOCKS = (1 << 30) // names.MEMORY_BLOCK_BYTES
 PREFIX = names.PREDICATE_GPU_IDX_PREFIX
@@ -184,19 +184,10 @@ def test_concurrent_pods_never_over_commit(cluster: MultiNodeCluster) -> None:
     assert cluster.over_committed() == {}
 
 
-def _sample(metrics: str, name: str, **labels: str) -> float:
-    """The value of one sample of the extender's /metrics text (0 when it is not there yet)."""
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
 def test_bind_conflict_and_failed_binding_are_retried(cluster: MultiNodeCluster) -> None:
     """Counted from this test's start: the extender is the module's, and a test before it on the same worker (the
     concurrent pods) may have had conflicts of its own."""
-    before = extender(cluster).metrics()
+    before = samples(extender(cluster).metrics())
     cluster.api.fail_next("PATCH", r"/pods/conflicted$", 409)
     cluster.api.fail_next("POST", r"/pods/requeued/binding$", 500, message="the binding was lost")
     cluster.create(pending_pod("conflicted", [(40, 4)]))
@@ -204,11 +195,12 @@ def test_bind_conflict_and_failed_binding_are_retried(cluster: MultiNodeCluster)
     for name in ("conflicted", "requeued"):
         cluster.wait_phase(name)
     metrics = extender(cluster).metrics()
+    after = samples(metrics)
     conflicts = "gpu_extender_bind_conflicts_total"
-    assert _sample(metrics, conflicts) - _sample(before, conflicts) >= 1, metrics
+    assert value(after, conflicts, absent=0.0) - value(before, conflicts, absent=0.0) >= 1, metrics
     errors = {"outcome": "error", "verb": "bind"}
-    failed = _sample(metrics, "gpu_extender_decisions_total", **errors)
-    assert failed - _sample(before, "gpu_extender_decisions_total", **errors) >= 1, metrics
+    failed = value(after, "gpu_extender_decisions_total", absent=0.0, **errors)
+    assert failed - value(before, "gpu_extender_decisions_total", absent=0.0, **errors) >= 1, metrics
     assert (
         cluster.scheduler is not None and "the binding was lost" in cluster.scheduler.stats.messages["default/requeued"]
     )

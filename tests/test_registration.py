@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -186,6 +187,76 @@ def test_a_registration_the_kubelet_never_answers_ends_when_its_socket_is_made_a
         assert got.unreachable, got
         assert str(sock) in str(got) and "example.com/r" in str(got), got
         assert kubelets[1].calls == 0, "register() itself only ends the call; the caller registers again"
+    finally:
+        silent.release.set()
+        silent.server.stop(None)
+
+
+class _Slow(_Kubelet):
+    """A kubelet that answers each Register after ``delay`` seconds."""
+
+    def __init__(self, path: Path, delay: float) -> None:
+        self.received = threading.Event()
+        self.delay = delay
+        super().__init__(path)
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        self.received.set()
+        time.sleep(self.delay)
+        self.calls += 1
+        return pb.Empty()
+
+
+def test_a_kubelet_that_made_its_socket_again_still_answers_the_register_it_has(
+    tmp_path: Path, kubelets: tuple[_Kubelet, _Kubelet]
+) -> None:
+    """A kubelet whose own gRPC server failed listens on a new socket and still serves the connections it had:
+    its answer, a moment after the socket was made again, is a registration made (not one to send again, to
+    overlap with the one it handles)."""
+    slow = _Slow(tmp_path / "slow.sock", delay=registration.REPLACED_GRACE_SECONDS / 3)
+    sock = tmp_path / "kubelet.sock"
+    _point(sock, slow.path)
+    outcome: list[BaseException | tuple[int, int]] = []
+    worker = threading.Thread(target=lambda: outcome.append(register(sock, ENDPOINTS, timeout=30)), daemon=True)
+    worker.start()
+    try:
+        assert slow.received.wait(10)
+        _point(sock, kubelets[0].path)
+        worker.join(10)
+        assert outcome == [slow.identity] and slow.calls == 1, outcome
+    finally:
+        slow.server.stop(None)
+
+
+def test_without_procfs_an_unanswered_register_waits_for_its_deadline(
+    tmp_path: Path, kubelets: tuple[_Kubelet, _Kubelet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path itself is dialled: the file reached may be newer than the one held, so a replaced path tells
+    nothing, and the call ends at its deadline, as a refusal naming it."""
+    real_exists = os.path.exists
+    monkeypatch.setattr(
+        registration.os.path, "exists", lambda p: False if str(p).startswith("/proc/") else real_exists(p)
+    )
+    silent = _Silent(tmp_path / "silent.sock")
+    sock = tmp_path / "kubelet.sock"
+    _point(sock, silent.path)
+    outcome: list[BaseException | tuple[int, int]] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(register(sock, ENDPOINTS, timeout=2))
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    try:
+        assert silent.received.wait(10)
+        _point(sock, kubelets[1].path)
+        worker.join(10)
+        (got,) = outcome
+        assert isinstance(got, RegistrationError) and not got.unreachable, got
+        assert "DEADLINE_EXCEEDED" in str(got), got
     finally:
         silent.release.set()
         silent.server.stop(None)

@@ -11,7 +11,10 @@ and each change of state is logged once. Two things cut that wait short: a
 ``kubelet.sock`` made since the failed try (a new kubelet, even one whose socket
 got the inode number and change time of the one before), and a socket that
 refused the connection (a kubelet between its bind and its listen), which is
-tried again within milliseconds a few times before the backoff applies.
+tried again within milliseconds a few times before the backoff applies. A
+Register the kubelet leaves unanswered ends once its socket is made again or
+removed (:func:`~gpumanager.deviceplugin.registration.register`), counted as
+unreachable, and the new kubelet is asked at once.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ TAKEOVER_GRACE_SECONDS = 0.2
 #: A Register whose connection the kubelet's socket refused (nothing listens there yet) is tried again
 #: after this, doubling, this many times before the registration backoff applies: a kubelet's socket
 #: exists from its bind, a moment before its listen (longer on a busy node), and no file event tells
-#: when it listens. A dead kubelet's socket costs these few refused connections.
+#: when it listens. A dead kubelet's socket costs these few refused connections (as does a Register
+#: left unanswered by a kubelet whose socket was made again: the new one is asked at once regardless).
 QUICK_RETRY_FIRST = 0.01
 QUICK_RETRIES = 6
 

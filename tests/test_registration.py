@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -139,18 +139,48 @@ def test_missing_and_unreadable_paths_are_registration_errors(tmp_path: Path) ->
         register(tmp_path / "kube\0let.sock", ENDPOINTS, timeout=2)
 
 
-class _Silent(_Kubelet):
-    """A kubelet that takes the Register and never answers it (until the test ends)."""
+class _Late(_Kubelet):
+    """A kubelet that takes each Register and answers it ``after`` seconds later, or once released."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, after: float = 60.0) -> None:
         self.received = threading.Event()
         self.release = threading.Event()
+        self.after = after
         super().__init__(path)
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
         self.received.set()
-        self.release.wait(60)
+        self.release.wait(self.after)
+        self.calls += 1
         return pb.Empty()
+
+
+@contextlib.contextmanager
+def _replaced_while_registering(
+    late: _Late, sock: Path, timeout: float, replace: Callable[[], object]
+) -> Iterator[list[BaseException | tuple[int, int]]]:
+    """register() with ``late`` at ``sock`` on a thread of its own; once ``late`` has the call, ``replace()``;
+    yields what register() returned or raised once it ended."""
+    _point(sock, late.path)
+    outcome: list[BaseException | tuple[int, int]] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(register(sock, ENDPOINTS, timeout=timeout))
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    try:
+        assert late.received.wait(10), "the kubelet never got the Register"
+        replace()
+        worker.join(10)
+        assert not worker.is_alive(), "the registration still waits on the kubelet whose socket is gone"
+        yield outcome
+    finally:
+        late.release.set()
+        late.server.stop(None)
 
 
 @pytest.mark.parametrize("replacement", ["another kubelet", "none yet"])
@@ -161,50 +191,14 @@ def test_a_registration_the_kubelet_never_answers_ends_when_its_socket_is_made_a
     kubelet) or removed (a restart under way). The registration must end then, as unreachable (retried at
     once), not wait out its deadline while the new kubelet waits for us: an agent once went unregistered
     for a whole deadline after two kubelet restarts a few milliseconds apart."""
-    silent = _Silent(tmp_path / "silent.sock")
     sock = tmp_path / "kubelet.sock"
-    _point(sock, silent.path)
-    outcome: list[BaseException | tuple[int, int]] = []
-
-    def attempt() -> None:
-        try:
-            outcome.append(register(sock, ENDPOINTS, timeout=30))
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
-    worker = threading.Thread(target=attempt, daemon=True)
-    worker.start()
-    try:
-        assert silent.received.wait(10), "the silent kubelet never got the Register"
-        if replacement == "another kubelet":
-            _point(sock, kubelets[1].path)
-        else:
-            sock.unlink()
-        worker.join(10)
-        assert not worker.is_alive(), "the registration still waits on the kubelet whose socket is gone"
+    replace = (lambda: _point(sock, kubelets[1].path)) if replacement == "another kubelet" else sock.unlink
+    with _replaced_while_registering(_Late(tmp_path / "silent.sock"), sock, 30, replace) as outcome:
         (got,) = outcome
         assert isinstance(got, RegistrationError), got
         assert got.unreachable, got
         assert str(sock) in str(got) and "example.com/r" in str(got), got
         assert kubelets[1].calls == 0, "register() itself only ends the call; the caller registers again"
-    finally:
-        silent.release.set()
-        silent.server.stop(None)
-
-
-class _Slow(_Kubelet):
-    """A kubelet that answers each Register after ``delay`` seconds."""
-
-    def __init__(self, path: Path, delay: float) -> None:
-        self.received = threading.Event()
-        self.delay = delay
-        super().__init__(path)
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
-        self.received.set()
-        time.sleep(self.delay)
-        self.calls += 1
-        return pb.Empty()
 
 
 def test_a_kubelet_that_made_its_socket_again_still_answers_the_register_it_has(
@@ -213,19 +207,10 @@ def test_a_kubelet_that_made_its_socket_again_still_answers_the_register_it_has(
     """A kubelet whose own gRPC server failed listens on a new socket and still serves the connections it had:
     its answer, a moment after the socket was made again, is a registration made (not one to send again, to
     overlap with the one it handles)."""
-    slow = _Slow(tmp_path / "slow.sock", delay=registration.REPLACED_GRACE_SECONDS / 3)
+    slow = _Late(tmp_path / "slow.sock", after=registration.REPLACED_GRACE_SECONDS / 3)
     sock = tmp_path / "kubelet.sock"
-    _point(sock, slow.path)
-    outcome: list[BaseException | tuple[int, int]] = []
-    worker = threading.Thread(target=lambda: outcome.append(register(sock, ENDPOINTS, timeout=30)), daemon=True)
-    worker.start()
-    try:
-        assert slow.received.wait(10)
-        _point(sock, kubelets[0].path)
-        worker.join(10)
+    with _replaced_while_registering(slow, sock, 30, lambda: _point(sock, kubelets[0].path)) as outcome:
         assert outcome == [slow.identity] and slow.calls == 1, outcome
-    finally:
-        slow.server.stop(None)
 
 
 def test_without_procfs_an_unanswered_register_waits_for_its_deadline(
@@ -237,26 +222,9 @@ def test_without_procfs_an_unanswered_register_waits_for_its_deadline(
     monkeypatch.setattr(
         registration.os.path, "exists", lambda p: False if str(p).startswith("/proc/") else real_exists(p)
     )
-    silent = _Silent(tmp_path / "silent.sock")
     sock = tmp_path / "kubelet.sock"
-    _point(sock, silent.path)
-    outcome: list[BaseException | tuple[int, int]] = []
-
-    def attempt() -> None:
-        try:
-            outcome.append(register(sock, ENDPOINTS, timeout=2))
-        except BaseException as exc:  # handed to the test's thread
-            outcome.append(exc)
-
-    worker = threading.Thread(target=attempt, daemon=True)
-    worker.start()
-    try:
-        assert silent.received.wait(10)
-        _point(sock, kubelets[1].path)
-        worker.join(10)
+    silent = _Late(tmp_path / "silent.sock")
+    with _replaced_while_registering(silent, sock, 2, lambda: _point(sock, kubelets[1].path)) as outcome:
         (got,) = outcome
         assert isinstance(got, RegistrationError) and not got.unreachable, got
         assert "DEADLINE_EXCEEDED" in str(got), got
-    finally:
-        silent.release.set()
-        silent.server.stop(None)

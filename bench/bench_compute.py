@@ -321,7 +321,7 @@ def main() -> int:
         type=int,
         default=None,
         help="the simulated NVML's per-process sampling period (GPUSIM_PROCESS_SAMPLE_PERIOD_US; its default: "
-        "200000, an H200's; 0: 10 ms)",
+        "0, 10 ms; an H200's: 200000)",
     )
     ap.add_argument(
         "--sample-spread-us",
@@ -364,7 +364,7 @@ def main() -> int:
     print(f"bench_compute: shares in % of the GPU's time; ours = budget algorithm, upstream = gpu-manager 1.7; "
           f"target |error| <= {TARGET_PP:g} points")  # fmt: skip
     sampling = {k: v for k, v in SIM_ENV.items() if k.startswith("GPUSIM_PROCESS_SAMPLE_")}
-    defaults = "the defaults (as an H200 samples: the busiest process of each 200 ms period named)"
+    defaults = "the defaults (as an H200 names processes: the busiest of each period, every 10 ms here)"
     print(f"simulated NVML sampling: {sampling or defaults}")
     t0 = time.monotonic()
     results: list[tuple[str, float, float, float]] = []

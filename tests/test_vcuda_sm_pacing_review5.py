@@ -61,8 +61,8 @@ def window_shares(
 
 
 CASES = [
-    # (limit, kernel, processes, spread us, period us: "" for the timeline's 10 ms, kinder than the simulator's
-    # default, an H200's 200 ms, which the cases with a period of 200000 use)
+    # (limit, kernel, processes, spread us, period us: "" for the timeline's 10 ms, the simulator's default and
+    # kinder than an H200's 200 ms, which the cases with a period of 200000 use)
     (10, "spin_1ms", 4, "10000", ""),
     (30, "spin_1ms", 4, "9500", ""),
     (50, "spin_1ms", 4, "", ""),
@@ -95,7 +95,7 @@ def test_the_share_holds_at_wide_sample_spreads(
     node: Node, tmp_path: Path, limit: int, kernel: str, processes: int, spread: str, period: str
 ) -> None:
     sim = {"GPUSIM_PROCESS_SAMPLE_SPREAD_US": spread} if spread else {}
-    # No period: the timeline's 10 ms, which these cases (and their tighter bound) were made for.
+    # No period: the timeline's 10 ms, which these cases (and their tighter bound) were made for, whatever the default.
     sim["GPUSIM_PROCESS_SAMPLE_PERIOD_US"] = period or "0"
     # A window holds a few kernels of a 50 ms kernel's processes at most (3 at 30 % of 0.5 s): one kernel more or
     # less is 10 points, so their windows are 1 s (a process's pause and its catching up, one window each, read

@@ -69,6 +69,7 @@ def test_nvml_delivers_each_process_sample_a_delay_after_its_moment(node: Node, 
         "LD_LIBRARY_PATH": str(BUILD / "sim"),
         "GPUSIM_PROCESS_SAMPLE_DELAY_US": str(delay_us),
         "GPUSIM_PROCESS_SAMPLE_MODE": PER_PROCESS,
+        "GPUSIM_PROCESS_SAMPLE_PERIOD_US": "0",  # the timeline's 10 ms: a sample every 10 ms to look at
     }
     loop = subprocess.Popen([sys.executable, "-c", PACED, "3.0", "0.004", "12"], env=node.env("s", None, None, **sim))
     try:

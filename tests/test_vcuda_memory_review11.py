@@ -29,8 +29,9 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_programs(tmp_path_factory.mktemp("review11-bin"), SOURCE)
 
 
-def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int]:
-    """Runs one scenario; returns the MiB NVML accounts to the program on the GPU at its end, and the GPU's peak."""
+def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int, str]:
+    """Runs one scenario; returns the MiB NVML accounts to the program on the GPU at its end, the GPU's peak, and
+    what the program wrote to stderr."""
     env = container_env(tmp_path, variant, pod_uid="pod-review11", memory_mib=LIMIT_MIB)
     done = subprocess.run(
         [str(programs[variant]), scenario, str(LIMIT_MIB)], env=env, capture_output=True, text=True, timeout=120
@@ -40,7 +41,7 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     assert m is not None, f"{scenario} ({variant}): no report\n{done.stdout}\n{done.stderr}"
     with GpuSimState(str(tmp_path / "node.state")) as st:
         peak = st.snapshot(1).gpus[0].used_peak
-    return int(m.group(1)), peak >> 20
+    return int(m.group(1)), peak >> 20, done.stderr
 
 
 SCENARIOS = [
@@ -59,6 +60,8 @@ SCENARIOS = [
     "graph-refused",
     "library-phantom",
     "library-kernel",
+    "local-frame",
+    "local-frame-full",
 ]
 
 
@@ -67,6 +70,30 @@ SCENARIOS = [
 def test_the_gpu_never_holds_more_than_the_limit(
     programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
 ) -> None:
-    held, peak = _run(programs, tmp_path, variant, scenario)
+    held, peak, _ = _run(programs, tmp_path, variant, scenario)
     assert held <= LIMIT_MIB, f"{scenario} ({variant}): the GPU holds {held} MiB for a {LIMIT_MIB} MiB container"
     assert peak <= LIMIT_MIB, f"{scenario} ({variant}): the GPU held {peak} MiB at its peak"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_a_launch_that_would_grow_the_stack_past_the_limit_is_refused(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """A kernel with a 64 KiB local frame, launched in a container at its limit: the driver would grow the stack by
+    63 KiB for every thread the GPU holds (2520 MiB on the simulated T4, 16632 MiB on an H200); the launch is
+    refused with CUDA_ERROR_OUT_OF_MEMORY (2), as the driver refuses one whose stack it cannot make."""
+    held, peak, err = _run(programs, tmp_path, variant, "local-frame-full")
+    assert "launch: 2" in err, f"local-frame-full ({variant}): {err}"
+    assert held <= LIMIT_MIB and peak <= LIMIT_MIB, f"local-frame-full ({variant}): {held} / peak {peak} MiB"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_a_stack_grown_by_a_launch_counts_toward_the_limit(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """An 8 KiB frame fits (7 KiB more for each of the simulated T4's 40960 resident threads: 280 MiB): the launch
+    goes, and what the container allocates after it stops at the limit with the grown stack counted, once."""
+    held, peak, err = _run(programs, tmp_path, variant, "local-frame")
+    assert "launch: 0" in err, f"local-frame ({variant}): {err}"
+    assert LIMIT_MIB - 8 <= held <= LIMIT_MIB, f"local-frame ({variant}): {held} MiB held at the end"
+    assert peak <= LIMIT_MIB, f"local-frame ({variant}): the GPU held {peak} MiB at its peak"

@@ -1110,16 +1110,10 @@ SIM_EXPORT CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit)
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+/* Sets c's limit (on device dev), charging or giving back the device memory it takes (g_ctx_mu held). */
+static CUresult set_limit_in(CUcontext c, int dev, CUlimit limit, size_t value)
 {
-    int dev;
-    if ((unsigned)limit >= SIM_LIMITS)
-        return CUDA_ERROR_UNSUPPORTED_LIMIT;
-    CUresult rc = sim_cu_current_device(&dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    CUcontext c = sim_cu_current();
-    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = CUDA_SUCCESS;
     size_t old = c->limit_set[limit] ? c->limits[limit] : limit_default(limit);
     uint64_t before = limit_bytes(limit, old, dev), after = limit_bytes(limit, value, dev);
     if (after > before)
@@ -1131,6 +1125,35 @@ SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         c->limit_set[limit] = true;
         c->extra_bytes = c->extra_bytes - before + after;
     }
+    return rc;
+}
+
+SIM_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    int dev;
+    if ((unsigned)limit >= SIM_LIMITS)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    CUresult rc = sim_cu_current_device(&dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&g_ctx_mu);
+    rc = set_limit_in(sim_cu_current(), dev, limit, value);
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+/*
+ * A launch of a kernel whose local frame is bigger than ctx's stack: the stack grows to it for every resident
+ * thread, as a real driver does at such a launch (never back down); CUDA_ERROR_OUT_OF_MEMORY when the GPU cannot
+ * hold it.
+ */
+CUresult sim_ctx_stack_at_least(CUcontext ctx, size_t bytes)
+{
+    if (!sim_cu_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&g_ctx_mu);
+    size_t cur = ctx->limit_set[CU_LIMIT_STACK_SIZE] ? ctx->limits[CU_LIMIT_STACK_SIZE] : SIM_DEFAULT_STACK;
+    CUresult rc = bytes > cur ? set_limit_in(ctx, ctx->device, CU_LIMIT_STACK_SIZE, bytes) : CUDA_SUCCESS;
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;
 }

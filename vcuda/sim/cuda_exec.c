@@ -52,6 +52,7 @@ struct sim_function {
     uint64_t named_ns;  /* duration from the name ("..._<N>ns|us|ms"), 0 = the cost model */
     /* The legacy launch API's state: cuFuncSetBlockShape, cuFuncSetSharedSize, cuParamSetSize. */
     unsigned bx, by, bz, shared, param_size;
+    uint64_t local;     /* bytes of local memory (its stack frame) per thread: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES */
     char name[64];
 };
 
@@ -151,6 +152,125 @@ static void collect_var(const char *name, size_t len, uint64_t bytes, void *arg)
     e->addr = 0;
 }
 
+/*
+ * The local memory (stack frame) each thread of a kernel takes: the .local variables its PTX body declares.  A real
+ * driver grows the context's stack (that much per resident thread) at the launch of a kernel whose frame is bigger
+ * (an H200 with driver 580: a 64 KiB frame took 16632 MiB more at its first launch).  Kept per entry name for the
+ * process (the largest seen under a name), read when a function or kernel of that name is made.
+ */
+#define LOCAL_ENTRIES 4096u
+static struct {
+    char name[64];
+    uint64_t bytes;
+} g_local[LOCAL_ENTRIES];
+static unsigned g_nlocal;
+static pthread_mutex_t g_local_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t ptx_type_bytes(const char *t)
+{
+    if (strncmp(t, ".b8", 3) == 0 || strncmp(t, ".u8", 3) == 0 || strncmp(t, ".s8", 3) == 0)
+        return 1;
+    if (strncmp(t, ".b16", 4) == 0 || strncmp(t, ".u16", 4) == 0 || strncmp(t, ".s16", 4) == 0 ||
+        strncmp(t, ".f16", 4) == 0)
+        return 2;
+    if (strncmp(t, ".b32", 4) == 0 || strncmp(t, ".u32", 4) == 0 || strncmp(t, ".s32", 4) == 0 ||
+        strncmp(t, ".f32", 4) == 0)
+        return 4;
+    return 8;
+}
+
+/* The bytes of one ".local [.align N] .type name[d1][d2]...;" declaration at p (just after ".local"). */
+static uint64_t local_decl_bytes(const char *p, const char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t'))
+        p++;
+    if (end - p > 6 && strncmp(p, ".align", 6) == 0) {
+        p += 6;
+        while (p < end && (*p == ' ' || *p == '\t' || (*p >= '0' && *p <= '9')))
+            p++;
+    }
+    if (p >= end || *p != '.')
+        return 0;
+    uint64_t bytes = ptx_type_bytes(p);
+    while (p < end && *p != ';' && *p != '[')
+        p++;
+    while (p < end && *p == '[') {
+        uint64_t n = strtoull(p + 1, NULL, 10);
+        bytes = n > 0 && bytes <= UINT64_MAX / n ? bytes * n : bytes;
+        while (p < end && *p != ']')
+            p++;
+        if (p < end)
+            p++;
+    }
+    return bytes;
+}
+
+static void note_local(const char *name, size_t len, uint64_t bytes)
+{
+    if (len == 0 || len >= sizeof(g_local[0].name))
+        return;
+    pthread_mutex_lock(&g_local_mu);
+    unsigned i = 0;
+    while (i < g_nlocal && !(strncmp(g_local[i].name, name, len) == 0 && g_local[i].name[len] == '\0'))
+        i++;
+    if (i == g_nlocal && g_nlocal < LOCAL_ENTRIES) {
+        memcpy(g_local[i].name, name, len);
+        g_local[i].name[len] = '\0';
+        g_local[i].bytes = 0;
+        g_nlocal++;
+    }
+    if (i < g_nlocal && bytes > g_local[i].bytes)
+        g_local[i].bytes = bytes;
+    pthread_mutex_unlock(&g_local_mu);
+}
+
+/* Notes the local frame of every .entry of a PTX image (a binary image: none). */
+static void note_entries_local(const void *image)
+{
+    const char *s = image, *e;
+    while ((e = strstr(s, ".entry")) != NULL) {
+        const char *n = e + 6;
+        while (*n == ' ' || *n == '\t')
+            n++;
+        size_t len = strcspn(n, " \t\r\n(");
+        const char *open = strchr(n + len, '{');
+        if (open == NULL)
+            return;
+        int depth = 0;
+        const char *c = open;
+        for (; *c != '\0'; c++) {
+            if (*c == '{')
+                depth++;
+            else if (*c == '}' && --depth == 0)
+                break;
+        }
+        uint64_t local = 0;
+        for (const char *l = open; (l = strstr(l, ".local")) != NULL && l < c; l += 6) {
+            const char *semi = strchr(l, ';');
+            if (semi == NULL || semi > c)
+                break;
+            if (l[6] == ' ' || l[6] == '\t')
+                local += local_decl_bytes(l + 6, semi);
+        }
+        note_local(n, len, local);
+        if (*c == '\0')
+            return;
+        s = c;
+    }
+}
+
+/* The local frame noted for kernels named name (0: none). */
+static uint64_t entry_local(const char *name)
+{
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&g_local_mu);
+    for (unsigned i = 0; i < g_nlocal; i++)
+        if (strcmp(g_local[i].name, name) == 0)
+            bytes = g_local[i].bytes;
+    pthread_mutex_unlock(&g_local_mu);
+    return bytes;
+}
+
 /* Parses image: its footprint and variables (l->v malloc'ed, the caller frees it). */
 static CUresult image_vars(const void *image, uint64_t *bytes, struct var_list *l)
 {
@@ -162,6 +282,7 @@ static CUresult image_vars(const void *image, uint64_t *bytes, struct var_list *
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *bytes = vc_image_footprint(image);
+    note_entries_local(image);
     return CUDA_SUCCESS;
 }
 
@@ -326,7 +447,7 @@ SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const 
     struct sim_function *f = malloc(sizeof(*f));
     if (f == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *f = (struct sim_function){.module = hmod, .named_ns = duration_in_name(name)};
+    *f = (struct sim_function){.module = hmod, .named_ns = duration_in_name(name), .local = entry_local(name)};
     snprintf(f->name, sizeof(f->name), "%s", name);
     if (sim_put((uint64_t)(uintptr_t)f, REC_FUNCTION, 0, 0, (uint64_t)(uintptr_t)hmod) != 0) {
         free(f);
@@ -543,6 +664,7 @@ SIM_EXPORT CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, con
     if (k == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
     k->fn.named_ns = duration_in_name(name);
+    k->fn.local = entry_local(name);
     snprintf(k->fn.name, sizeof(k->fn.name), "%s", name);
     k->library = library;
     if (sim_put((uint64_t)(uintptr_t)k, REC_KERNEL, NO_GPU, 0, (uint64_t)(uintptr_t)library) != 0) {
@@ -676,8 +798,50 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     CUgraph capture = sim_stream_capture(stream);
     if (capture != NULL) /* captured: a kernel node of the capturing graph, nothing runs */
         return sim_graph_kernel_node(NULL, capture, ns);
+    uint64_t local = ((const struct sim_function *)(void *)f)->local;
+    if (local > SIM_DEFAULT_STACK) { /* the stack grows to the kernel's frame, for every resident thread */
+        CUcontext ctx;
+        if ((rc = cuStreamGetCtx(stream, &ctx)) != CUDA_SUCCESS ||
+            (rc = sim_ctx_stack_at_least(ctx, (size_t)local)) != CUDA_SUCCESS)
+            return rc;
+    }
     run_on_gpu(gpu, stream, ns);
     return CUDA_SUCCESS;
+}
+
+static CUresult function_attribute(int *pi, CUfunction_attribute attrib, const struct sim_function *f)
+{
+    switch (attrib) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: *pi = f->local > INT32_MAX ? INT32_MAX : (int)f->local; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = 32; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+    case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 75; return CUDA_SUCCESS;
+    default:
+        if ((unsigned)attrib >= (unsigned)CU_FUNC_ATTRIBUTE_MAX)
+            return CUDA_ERROR_INVALID_VALUE;
+        *pi = 0;
+        return CUDA_SUCCESS;
+    }
+}
+
+SIM_EXPORT CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc)
+{
+    if (pi == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!callable(hfunc))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return function_attribute(pi, attrib, (const struct sim_function *)(void *)hfunc);
+}
+
+SIM_EXPORT CUresult cuKernelGetAttribute(int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev)
+{
+    (void)dev;
+    if (pi == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)kernel, REC_KERNEL, NULL, false))
+        return CUDA_ERROR_INVALID_HANDLE;
+    return function_attribute(pi, attrib, &((const struct sim_kernel *)(void *)kernel)->fn);
 }
 
 SIM_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,

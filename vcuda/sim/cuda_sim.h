@@ -85,6 +85,8 @@ uint64_t sim_va_alloc(unsigned gpu, uint64_t size, uint64_t align);
 void sim_ctx_each(void (*fn)(CUcontext ctx, void *arg), void *arg);
 /* A context came alive: libraries loaded eagerly (CUDA_MODULE_LOADING=EAGER) go into it. */
 CUresult sim_libraries_context_created(CUcontext ctx);
+/* A launch's local frame: ctx's stack grows to bytes per resident thread (charged); an error if it cannot. */
+CUresult sim_ctx_stack_at_least(CUcontext ctx, size_t bytes);
 
 /* Context memory (the GPU's context size): charged for each context while it lives. */
 CUresult sim_ctx_memory_acquire(int device);

@@ -233,6 +233,15 @@ bool vc_env_locked(void);
  * the hooks charged plus what the GPU holds for the container beyond that (reconciled with NVML's
  * per-process memory when the reservation comes near the cap, README.md "Whole footprint").
  */
+/* The stack every context has from its start (CU_LIMIT_STACK_SIZE, bytes per thread). */
+#define VC_DEFAULT_STACK 1024u
+
+/*
+ * Before a launch of f on stream s (memory cap on): the context's stack grown to f's local frame, as the driver
+ * would grow it at the launch; CUDA_ERROR_OUT_OF_MEMORY when that does not fit the container (the launch must not go).
+ */
+CUresult vc_memory_launch_frame(CUfunction f, CUstream s);
+
 bool vc_budget_reserve(uint64_t bytes);
 /*
  * Memory the driver takes inside a call in amounts no hook can know exactly (a module or library loaded

@@ -2169,12 +2169,9 @@ static uint64_t limit_growth(CUlimit limit, size_t old, size_t value)
     }
 }
 
-/* A bigger stack, malloc heap or printf FIFO takes device memory of the context (freed with it). */
-VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+/* The current context's limit grown from old to value: reserved, made, reconciled (undone when over the cap). */
+static CUresult grow_limit(CUlimit limit, size_t old, size_t value)
 {
-    size_t old = 0;
-    if (VC_LIKELY(!vc_limited()) || REAL_CU(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS || value <= old)
-        return REAL_CU(cuCtxSetLimit)(limit, value); /* nothing grows: nothing to check */
     uint64_t est = limit_growth(limit, old, value);
     if (!vc_budget_reserve(est))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -2192,6 +2189,63 @@ VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     vc_log(VC_LOG_INFO, "a context limit took the container above its limit: restored, refused");
     vc_budget_reconcile_now();
     return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* A bigger stack, malloc heap or printf FIFO takes device memory of the context (freed with it). */
+VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
+{
+    size_t old = 0;
+    if (VC_LIKELY(!vc_limited()) || REAL_CU(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS || value <= old)
+        return REAL_CU(cuCtxSetLimit)(limit, value); /* nothing grows: nothing to check */
+    return grow_limit(limit, old, value);
+}
+
+/* The local memory each thread of a CUkernel (launched as a function, as cuda.h allows) takes on the current
+ * context's device. */
+static bool kernel_frame_bytes(CUfunction f, int *local)
+{
+    CUdevice dev;
+    return REAL_CU(cuCtxGetDevice)(&dev) == CUDA_SUCCESS &&
+           REAL_CU(cuKernelGetAttribute)(local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, (CUkernel)f, dev) == CUDA_SUCCESS;
+}
+
+/*
+ * Before a launch of f on stream s.  A kernel whose local frame is bigger than its context's stack makes the driver
+ * grow the stack at its launch, for every thread the GPU can hold, and never give it back: on an H200 (driver 580)
+ * one launch of a kernel with a 64 KiB frame, in a container at its 1024 MiB cap, took 16632 MiB more.  So the
+ * stack is grown here first, as cuCtxSetLimit(CU_LIMIT_STACK_SIZE) does it (the growth reserved, the launch refused
+ * with CUDA_ERROR_OUT_OF_MEMORY when it does not fit, as the driver refuses one it cannot give the stack).  The
+ * launch's context is the stream's (a CUkernel runs in it).  An f whose frame cannot be told, or a stream whose
+ * context cannot be made current, is left to the driver (which refuses such a launch itself).  A launch recorded
+ * into a graph (the stream capturing) runs nothing: a graph's kernels are not looked at (vcuda/README.md, limits).
+ */
+CUresult vc_memory_launch_frame(CUfunction f, CUstream s)
+{
+    int local = 0;
+    bool known = REAL_CU(cuFuncGetAttribute)(&local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f) == CUDA_SUCCESS;
+    if (known && local <= (int)VC_DEFAULT_STACK)
+        return CUDA_SUCCESS; /* within the stack every context has from its start */
+    CUstreamCaptureStatus capturing = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (REAL_CU(cuStreamIsCapturing)(s, &capturing) == CUDA_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE)
+        return CUDA_SUCCESS; /* recorded into a graph, not run (a limit set now would end the capture) */
+    CUcontext ctx = NULL, cur = NULL;
+    bool pushed = false;
+    if (s != NULL && REAL_CU(cuStreamGetCtx)(s, &ctx) == CUDA_SUCCESS && ctx != NULL &&
+        REAL_CU(cuCtxGetCurrent)(&cur) == CUDA_SUCCESS && ctx != cur) {
+        if (REAL_CU(cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS)
+            return CUDA_SUCCESS;
+        pushed = true;
+    }
+    CUresult rc = CUDA_SUCCESS;
+    size_t old = 0;
+    if ((known || kernel_frame_bytes(f, &local)) && local > 0 &&
+        REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) == CUDA_SUCCESS && (size_t)local > old)
+        rc = grow_limit(CU_LIMIT_STACK_SIZE, old, (size_t)local);
+    if (pushed) {
+        CUcontext popped;
+        REAL_CU(cuCtxPopCurrent_v2)(&popped);
+    }
+    return rc;
 }
 
 /* ---- what a destroyed context takes with it ----------------------------------------------------- */

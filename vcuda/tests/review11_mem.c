@@ -291,12 +291,39 @@ static void vmm(void)
     report();
 }
 
+/*
+ * A kernel whose local frame (frame_kib per thread) is bigger than the context's stack: the driver grows the stack at
+ * its launch, for every thread the GPU can hold.  fill_first: the container is at its limit when it is launched (the
+ * launch must be refused); else the rest of the limit is allocated after it (the grown stack counts).
+ */
+static void local_frame(unsigned frame_kib, bool fill_first)
+{
+    primary();
+    char ptx[256];
+    snprintf(ptx, sizeof(ptx),
+             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
+             "    .local .align 8 .b8 buf[%u];\n    ret;\n}\n",
+             frame_kib * 1024u);
+    CUmodule mod;
+    CUfunction fn;
+    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
+    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    if (fill_first)
+        fill(2 * MIB);
+    CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+    fprintf(stderr, "launch: %d\n", (int)rc);
+    FN(cuCtxSynchronize)();
+    if (!fill_first)
+        fill(2 * MIB);
+    report();
+}
+
 /* Many threads allocating at once. */
 static void *racer(void *arg)
 {
     CUcontext ctx = arg;
     FN(cuCtxSetCurrent)(ctx);
-    CUdeviceptr p;
+    CUdeviceptr p = 0; /* a free of a failed first allocation frees nothing (a real driver crashes on garbage) */
     for (int i = 0; i < 2000; i++) {
         if (FN(cuMemAlloc_v2)(&p, 1 * MIB) != CUDA_SUCCESS && i % 2)
             continue;
@@ -538,6 +565,10 @@ int main(int argc, char **argv)
         library_phantom(limit, false);
     else if (strcmp(argv[1], "library-kernel") == 0)
         library_phantom(limit, true);
+    else if (strcmp(argv[1], "local-frame-full") == 0)
+        local_frame(64, true);
+    else if (strcmp(argv[1], "local-frame") == 0)
+        local_frame(8, false);
     else if (strcmp(argv[1], "fork") == 0)
         forked();
     else if (strcmp(argv[1], "base") == 0)

@@ -62,6 +62,7 @@ SCENARIOS = [
     "library-kernel",
     "local-frame",
     "local-frame-full",
+    "streams",
 ]
 
 

@@ -304,7 +304,7 @@ static void freed_with_context(const struct vc_map_entry *e, void *arg)
 {
     (void)arg;
     if (e->kind == REC_DEV || e->kind == REC_LEGACY || e->kind == REC_ARRAY || e->kind == REC_MIPMAP ||
-        e->kind == REC_MODULE)
+        e->kind == REC_MODULE || e->kind == REC_STREAM)
         sim_mem_uncharge(e->gpu, e->size);
     if (e->kind == REC_ARRAY || e->kind == REC_MIPMAP || e->kind == REC_STREAM || e->kind == REC_MODULE)
         free((void *)(uintptr_t)e->key);

@@ -30,6 +30,7 @@
 
 #define SIM_LIMITS CU_LIMIT_MAX
 #define SIM_DEFAULT_STACK 1024u         /* CU_LIMIT_STACK_SIZE: bytes per thread */
+#define SIM_STREAM_BYTES (544u << 10)   /* device memory a created stream takes (an H200, driver 580: 500 took 272 MiB) */
 #define SIM_DEFAULT_HEAP (8ull << 20)   /* CU_LIMIT_MALLOC_HEAP_SIZE */
 #define SIM_DEFAULT_FIFO (1ull << 20)   /* CU_LIMIT_PRINTF_FIFO_SIZE */
 

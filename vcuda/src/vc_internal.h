@@ -226,13 +226,6 @@ const char *vc_budget_dir(void);
 /* Whether the container's mount holds a config: then no variable that bears on the limits is taken. */
 bool vc_env_locked(void);
 
-/* ---- the container's shared budget (vc_budget.c) ---------------------------- */
-
-/*
- * Reserves bytes for this process; false when the container's limit would be exceeded.  Counts what
- * the hooks charged plus what the GPU holds for the container beyond that (reconciled with NVML's
- * per-process memory when the reservation comes near the cap, README.md "Whole footprint").
- */
 /* The stack every context has from its start (CU_LIMIT_STACK_SIZE, bytes per thread). */
 #define VC_DEFAULT_STACK 1024u
 
@@ -242,6 +235,13 @@ bool vc_env_locked(void);
  */
 CUresult vc_memory_launch_frame(CUfunction f, CUstream s);
 
+/* ---- the container's shared budget (vc_budget.c) ---------------------------- */
+
+/*
+ * Reserves bytes for this process; false when the container's limit would be exceeded.  Counts what
+ * the hooks charged plus what the GPU holds for the container beyond that (reconciled with NVML's
+ * per-process memory when the reservation comes near the cap, README.md "Whole footprint").
+ */
 bool vc_budget_reserve(uint64_t bytes);
 /*
  * Memory the driver takes inside a call in amounts no hook can know exactly (a module or library loaded

@@ -2200,6 +2200,58 @@ VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     return grow_limit(limit, old, value);
 }
 
+/*
+ * A stream takes device memory of its context that no allocation call shows (an H200 with driver 580: 500 streams
+ * made in a container at its 1024 MiB cap took the GPU to 1292 MiB).  Its creation reserves STREAM_RESERVE first
+ * (refused with CUDA_ERROR_OUT_OF_MEMORY when that does not fit) and hands it over to the reconciliation after the
+ * call, as a context limit does: what the GPU then holds for the container counts, and a stream that took the
+ * container above its limit is destroyed again and refused.  What it holds leaves the charge with it (NVML) at the
+ * next reconciliation.
+ */
+#define STREAM_RESERVE (2ull << 20)
+
+static CUresult stream_made(CUresult rc, CUstream *ph)
+{
+    if (rc != CUDA_SUCCESS) {
+        vc_budget_release(STREAM_RESERVE);
+        return rc;
+    }
+    bool kept;
+    if (vc_budget_settle_untracked(STREAM_RESERVE, &kept))
+        return rc;
+    if (kept)
+        vc_budget_release(STREAM_RESERVE);
+    REAL_CU(cuStreamDestroy_v2)(*ph);
+    *ph = NULL;
+    vc_log(VC_LOG_INFO, "a stream took the container above its limit: destroyed, refused");
+    vc_budget_reconcile_now();
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+#define STREAM_CREATE(ph, call)                                                                                    \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited()) || (ph) == NULL)                                                              \
+            return (call);                                                                                         \
+        if (!vc_budget_reserve(STREAM_RESERVE))                                                                    \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                       \
+        return stream_made((call), (ph));                                                                          \
+    } while (0)
+
+VC_EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)
+{
+    STREAM_CREATE(phStream, REAL_CU(cuStreamCreate)(phStream, Flags));
+}
+
+VC_EXPORT CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    STREAM_CREATE(phStream, REAL_CU(cuStreamCreateWithPriority)(phStream, flags, priority));
+}
+
+VC_EXPORT CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority)
+{
+    STREAM_CREATE(phStream, REAL_CU(cuGreenCtxStreamCreate)(phStream, greenCtx, flags, priority));
+}
+
 /* The local memory each thread of a CUkernel (launched as a function, as cuda.h allows) takes on the current
  * context's device. */
 static bool kernel_frame_bytes(CUfunction f, int *local)

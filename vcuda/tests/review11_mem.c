@@ -318,6 +318,21 @@ static void local_frame(unsigned frame_kib, bool fill_first)
     report();
 }
 
+/* Streams made in a container at its limit: each takes device memory of its context that no allocation shows. */
+static void streams(void)
+{
+    primary();
+    fill(2 * MIB);
+    unsigned made = 0;
+    for (int i = 0; i < 200; i++) {
+        CUstream s;
+        if (FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS)
+            made++;
+    }
+    fprintf(stderr, "streams made: %u\n", made);
+    report();
+}
+
 /* Many threads allocating at once. */
 static void *racer(void *arg)
 {
@@ -565,6 +580,8 @@ int main(int argc, char **argv)
         library_phantom(limit, false);
     else if (strcmp(argv[1], "library-kernel") == 0)
         library_phantom(limit, true);
+    else if (strcmp(argv[1], "streams") == 0)
+        streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)
         local_frame(64, true);
     else if (strcmp(argv[1], "local-frame") == 0)

@@ -63,6 +63,8 @@ SCENARIOS = [
     "local-frame",
     "local-frame-full",
     "streams",
+    "graph-frame",
+    "graph-frame-capture",
 ]
 
 
@@ -98,3 +100,16 @@ def test_a_stack_grown_by_a_launch_counts_toward_the_limit(
     assert "launch: 0" in err, f"local-frame ({variant}): {err}"
     assert LIMIT_MIB - 8 <= held <= LIMIT_MIB, f"local-frame ({variant}): {held} MiB held at the end"
     assert peak <= LIMIT_MIB, f"local-frame ({variant}): the GPU held {peak} MiB at its peak"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+@pytest.mark.parametrize("scenario", ["graph-frame", "graph-frame-capture"])
+def test_a_graph_whose_kernels_would_grow_the_stack_past_the_limit_is_refused(
+    programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
+) -> None:
+    """A graph of a kernel with a 64 KiB local frame (added as a node, or recorded by a capture), instantiated in a
+    container at its limit: its launch would grow the stack as the kernel's own launch would; the instantiation is
+    refused with CUDA_ERROR_OUT_OF_MEMORY (2)."""
+    held, peak, err = _run(programs, tmp_path, variant, scenario)
+    assert "instantiate: 2" in err, f"{scenario} ({variant}): {err}"
+    assert held <= LIMIT_MIB and peak <= LIMIT_MIB, f"{scenario} ({variant}): {held} / peak {peak} MiB"

@@ -93,8 +93,13 @@ class Container:
         return self.root / "node.state"
 
     def env(self, **overrides: str | None) -> dict[str, str]:
-        """Environment of a process in this container; an override of None removes the variable."""
+        """Environment of a process in this container; an override of None removes the variable.
+
+        Its streams take no device memory (GPUSIM_STREAM_KIB=0): the tests here count each path's bytes exactly,
+        and a stream's own memory (an H200's ~0.55 MiB, which the simulator charges by default) is the reconciliation's
+        (tests/test_vcuda_memory_review11.py "streams" and test_vcuda_streams_take_memory in test_vcuda_sim.py)."""
         env = sim_env(self.spec_path, self.state_path)
+        env["GPUSIM_STREAM_KIB"] = "0"
         env["LD_LIBRARY_PATH"] = str(self.mirror)
         env["VCUDA_CONFIG_PATH"] = str(self.config_path)
         env["VCUDA_CONFIG_ROOT"] = str(self.root / "etc-vcuda")

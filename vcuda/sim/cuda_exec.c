@@ -797,7 +797,7 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, gpu, (uint64_t)gx * gy * gz, (uint64_t)bx * by * bz);
     CUgraph capture = sim_stream_capture(stream);
     if (capture != NULL) /* captured: a kernel node of the capturing graph, nothing runs */
-        return sim_graph_kernel_node(NULL, capture, ns);
+        return sim_graph_kernel_node(NULL, capture, ns, f, ((const struct sim_function *)(void *)f)->local);
     uint64_t local = ((const struct sim_function *)(void *)f)->local;
     if (local > SIM_DEFAULT_STACK) { /* the stack grows to the kernel's frame, for every resident thread */
         CUcontext ctx;
@@ -1036,6 +1036,7 @@ enum { NODE_KERNEL = 0, NODE_ALLOC = 1, NODE_FREE = 2 };
 struct sim_graph_obj {
     _Atomic uint64_t kernel_ns;
     _Atomic uint32_t kernels;
+    _Atomic uint64_t local; /* the largest local frame of its kernels (a node: its kernel's) */
     CUgraph graph; /* an exec: the graph it was instantiated from (an identity only: may be gone) */
 };
 
@@ -1234,14 +1235,18 @@ static void node_gone(const struct vc_map_entry *e, void *arg)
 }
 
 /* Adds a kernel node of ns to graph (records lock not held). */
-CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns)
+CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns, CUfunction f, uint64_t local)
 {
     CUgraphNode n;
-    CUresult rc = new_node(&n, graph, NODE_KERNEL, ns, 0);
+    CUresult rc = new_node(&n, graph, NODE_KERNEL, ns, (uint64_t)(uintptr_t)f);
     if (rc == CUDA_SUCCESS) {
         struct sim_graph_obj *g = (struct sim_graph_obj *)(void *)graph;
         atomic_fetch_add(&g->kernel_ns, ns);
         atomic_fetch_add(&g->kernels, 1);
+        atomic_store(&((struct sim_graph_obj *)(void *)n)->local, local);
+        uint64_t had = atomic_load(&g->local);
+        while (local > had && !atomic_compare_exchange_weak(&g->local, &had, local))
+            ; /* the graph's largest frame: a removed node leaves it (a driver may keep what it sized) */
         if (node != NULL)
             *node = n;
     }
@@ -1263,7 +1268,7 @@ static CUresult add_kernel_node(CUgraphNode *node, CUgraph graph, const CUgraphN
         return rc;
     uint64_t ns = kernel_ns((const struct sim_function *)(void *)f, (unsigned)dev, (uint64_t)gx * gy * gz,
                             (uint64_t)bx * by * bz);
-    return sim_graph_kernel_node(node, graph, ns);
+    return sim_graph_kernel_node(node, graph, ns, f, ((const struct sim_function *)(void *)f)->local);
 }
 
 SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
@@ -1379,6 +1384,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
     atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
     atomic_store(&x->kernels, atomic_load(&g->kernels));
+    atomic_store(&x->local, atomic_load(&g->local));
     x->graph = graph;
     struct instantiation in = {graph, *exec, CUDA_SUCCESS};
     sim_rec_lock();
@@ -1448,13 +1454,82 @@ static CUresult graph_launch(CUgraphExec exec, CUstream stream)
     const struct sim_graph_obj *x = (const struct sim_graph_obj *)(void *)exec;
     CUgraph capture = sim_stream_capture(stream);
     if (capture != NULL) /* launched into a capture: its kernels become a node of the capturing graph */
-        return sim_graph_kernel_node(NULL, capture, atomic_load(&x->kernel_ns));
+        return sim_graph_kernel_node(NULL, capture, atomic_load(&x->kernel_ns), NULL, atomic_load(&x->local));
+    /* Its kernels' largest local frame: the stack grows to it at the launch, as a real driver's (an H200). */
+    uint64_t local = atomic_load(&x->local);
+    if (local > SIM_DEFAULT_STACK) {
+        CUcontext ctx;
+        if ((rc = cuStreamGetCtx(stream, &ctx)) != CUDA_SUCCESS ||
+            (rc = sim_ctx_stack_at_least(ctx, (size_t)local)) != CUDA_SUCCESS)
+            return rc;
+    }
     /* Its kernel nodes run back to back: one entry of their total duration. */
     if (atomic_load(&x->kernels) > 0)
         run_on_gpu(gpu, stream, atomic_load(&x->kernel_ns));
     sim_rec_lock();
     vc_map_each(sim_recs(), REC_GALLOC, galloc_launched, exec);
     sim_rec_unlock();
+    return CUDA_SUCCESS;
+}
+
+struct node_list {
+    CUgraph graph;
+    CUgraphNode *nodes;
+    size_t n, room;
+};
+
+static void collect_node(struct vc_map_entry *e, void *arg)
+{
+    struct node_list *l = arg;
+    if (e->aux != (uint64_t)(uintptr_t)l->graph)
+        return;
+    if (l->nodes != NULL && l->n < l->room)
+        l->nodes[l->n] = (CUgraphNode)(uintptr_t)e->key;
+    l->n++;
+}
+
+/* The graph's nodes (cuda.h: with nodes NULL, their number). */
+SIM_EXPORT CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes)
+{
+    if (sim_cu_node() == NULL)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (numNodes == NULL || !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct node_list l = {hGraph, nodes, 0, nodes != NULL ? *numNodes : 0};
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_GNODE, collect_node, &l);
+    sim_rec_unlock();
+    if (nodes != NULL && l.n > l.room)
+        l.n = l.room;
+    *numNodes = l.n;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphNodeGetType(CUgraphNode hNode, CUgraphNodeType *type)
+{
+    struct vc_map_entry e;
+    if (type == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    *type = e.ctx == NODE_KERNEL  ? CU_GRAPH_NODE_TYPE_KERNEL
+            : e.ctx == NODE_ALLOC ? CU_GRAPH_NODE_TYPE_MEM_ALLOC
+                                  : CU_GRAPH_NODE_TYPE_MEM_FREE;
+    return CUDA_SUCCESS;
+}
+
+/* A kernel node's function (NULL for a graph launched into a capture: its kernels are one node here). */
+SIM_EXPORT CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode hNode, CUDA_KERNEL_NODE_PARAMS *nodeParams)
+{
+    struct vc_map_entry e;
+    if (nodeParams == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_KERNEL)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(nodeParams, 0, sizeof(*nodeParams));
+    nodeParams->func = (CUfunction)(uintptr_t)e.aux2;
+    nodeParams->gridDimX = nodeParams->gridDimY = nodeParams->gridDimZ = 1;
+    nodeParams->blockDimX = nodeParams->blockDimY = nodeParams->blockDimZ = 1;
     return CUDA_SUCCESS;
 }
 

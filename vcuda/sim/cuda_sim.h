@@ -151,8 +151,9 @@ void sim_pool_free_record(const struct vc_map_entry *e);
 CUresult sim_graph_alloc_node(CUgraphNode *node, CUgraph graph, unsigned gpu, uint64_t bytes, CUdeviceptr *dptr);
 /* A free node of graph for a graph allocation dptr (node may be NULL). */
 CUresult sim_graph_free_node(CUgraphNode *node, CUgraph graph, CUdeviceptr dptr);
-/* A kernel node of ns nanoseconds (node may be NULL). */
-CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns);
+/* A kernel node of ns nanoseconds, of function f (NULL: a graph's kernels) whose local frame is local bytes
+ * (node may be NULL). */
+CUresult sim_graph_kernel_node(CUgraphNode *node, CUgraph graph, uint64_t ns, CUfunction f, uint64_t local);
 /* cuMemFree(Async) of an allocation a graph launch left live; false if dptr is not one. */
 bool sim_graph_free(uint64_t dptr);
 

@@ -25,6 +25,18 @@ struct sim_stream {
 
 static uint64_t g_capture_ids; /* under the records lock */
 
+/*
+ * Device memory a created stream takes: SIM_STREAM_BYTES (an H200 with driver 580: 500 streams took 272 MiB), or
+ * GPUSIM_STREAM_KIB when set (a knob for tests; 0 turns it off).
+ */
+static uint64_t stream_bytes(void)
+{
+    const char *s = getenv("GPUSIM_STREAM_KIB");
+    if (s != NULL && s[0] != '\0')
+        return strtoull(s, NULL, 10) << 10;
+    return SIM_STREAM_BYTES;
+}
+
 CUresult sim_stream_create_in(CUstream *ph, CUcontext ctx)
 {
     if (ph == NULL)
@@ -38,18 +50,19 @@ CUresult sim_stream_create_in(CUstream *ph, CUcontext ctx)
     s->ctx = ctx;
     atomic_init(&s->upto, 0);
     /* Device memory of its own, which no allocation call shows (an H200, driver 580: 272 MiB for 500 streams). */
-    CUresult rc = sim_mem_charge((unsigned)ctx->device, SIM_STREAM_BYTES);
+    uint64_t bytes = stream_bytes();
+    CUresult rc = sim_mem_charge((unsigned)ctx->device, bytes);
     if (rc != CUDA_SUCCESS) {
         free(s);
         return rc;
     }
     struct vc_map_entry e = {.key = (uint64_t)(uintptr_t)s, .kind = REC_STREAM, .gpu = (unsigned)ctx->device,
-                             .size = SIM_STREAM_BYTES, .ctx = (uint64_t)(uintptr_t)ctx}; /* freed with its context */
+                             .size = bytes, .ctx = (uint64_t)(uintptr_t)ctx}; /* freed with its context */
     sim_rec_lock();
     int put = vc_map_put(sim_recs(), &e);
     sim_rec_unlock();
     if (put != 0) {
-        sim_mem_uncharge((unsigned)ctx->device, SIM_STREAM_BYTES);
+        sim_mem_uncharge((unsigned)ctx->device, bytes);
         free(s);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

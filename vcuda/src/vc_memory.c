@@ -1579,10 +1579,65 @@ void vc_memory_graph_launched(CUgraphExec exec)
         return rc_;                                                                                                \
     } while (0)
 
+static CUresult grow_limit(CUlimit limit, size_t old, size_t value);
+static bool function_frame(CUfunction f, int *local);
+
+#define GRAPH_DEPTH 16 /* child graphs looked into, at most this deep */
+
+/* The largest local frame of graph g's kernels, its child graphs' too (0: none bigger than nothing). */
+static int graph_frame(CUgraph g, int depth)
+{
+    size_t n = 0;
+    if (depth > GRAPH_DEPTH || REAL_CU(cuGraphGetNodes)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
+        return 0;
+    CUgraphNode *nodes = malloc(n * sizeof(*nodes));
+    if (nodes == NULL)
+        return 0;
+    int most = 0;
+    if (REAL_CU(cuGraphGetNodes)(g, nodes, &n) == CUDA_SUCCESS) {
+        for (size_t i = 0; i < n; i++) {
+            CUgraphNodeType t;
+            int local = 0;
+            CUDA_KERNEL_NODE_PARAMS_v2 p;
+            CUgraph child;
+            if (REAL_CU(cuGraphNodeGetType)(nodes[i], &t) != CUDA_SUCCESS)
+                continue;
+            if (t == CU_GRAPH_NODE_TYPE_KERNEL && REAL_CU(cuGraphKernelNodeGetParams_v2)(nodes[i], &p) == CUDA_SUCCESS)
+                function_frame(p.func != NULL ? p.func : (CUfunction)p.kern, &local);
+            else if (t == CU_GRAPH_NODE_TYPE_GRAPH &&
+                     REAL_CU(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) == CUDA_SUCCESS)
+                local = graph_frame(child, depth + 1);
+            if (local > most)
+                most = local;
+        }
+    }
+    free(nodes);
+    return most;
+}
+
+/* The current context's stack grown to frame (a launch's kernels' largest) before the driver would grow it. */
+static CUresult stack_for(int frame)
+{
+    size_t old = 0;
+    if (frame <= (int)VC_DEFAULT_STACK || REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) != CUDA_SUCCESS ||
+        (size_t)frame <= old)
+        return CUDA_SUCCESS;
+    return grow_limit(CU_LIMIT_STACK_SIZE, old, (size_t)frame);
+}
+
+/*
+ * A graph's kernels grow the stack of the context it runs in as a launch of each would (an H200, driver 580: a graph of
+ * one kernel with a 64 KiB frame took the GPU from 1028 to 17660 MiB at its launch, in a container at its 1024 MiB
+ * cap).  So before a graph is instantiated (or an exec updated from one) the stack is grown to its kernels' largest
+ * frame, refused with CUDA_ERROR_OUT_OF_MEMORY when it does not fit.
+ */
 #define INSTANTIATED(call, exec, graph)                                                                            \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()) || (exec) == NULL)                                                            \
             return (call);                                                                                         \
+        CUresult st_ = stack_for(graph_frame((graph), 0));                                                         \
+        if (st_ != CUDA_SUCCESS)                                                                                   \
+            return st_;                                                                                            \
         GRAPH_POOL_CHANGE(call, graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph),              \
                                               (uint64_t)(uintptr_t) * (exec)));                                    \
     } while (0)
@@ -1617,6 +1672,66 @@ VC_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
 {
     INSTANTIATED(REAL_CU(cuGraphInstantiateWithParams_ptsz)(phGraphExec, hGraph, instantiateParams), phGraphExec,
                  hGraph);
+}
+
+/* An exec's kernel changed, or the exec updated from a graph: the stack grown first to the new kernels' frame. */
+static CUresult frame_of_params(CUfunction func, CUkernel kern)
+{
+    int local = 0;
+    return function_frame(func != NULL ? func : (CUfunction)kern, &local) ? stack_for(local) : CUDA_SUCCESS;
+}
+
+VC_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                     const CUDA_KERNEL_NODE_PARAMS *nodeParams)
+{
+    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL) {
+        CUresult rc = frame_of_params(nodeParams->func, nodeParams->kern);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecKernelNodeSetParams_v2)(hGraphExec, hNode, nodeParams);
+}
+
+VC_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                  const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams)
+{
+    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL) {
+        CUresult rc = frame_of_params(nodeParams->func, NULL);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecKernelNodeSetParams)(hGraphExec, hNode, nodeParams);
+}
+
+VC_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams)
+{
+    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL && nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL) {
+        CUresult rc = frame_of_params(nodeParams->kernel.func, nodeParams->kernel.kern);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecNodeSetParams)(hGraphExec, hNode, nodeParams);
+}
+
+VC_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
+{
+    if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
+        CUresult rc = stack_for(graph_frame(hGraph, 0));
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecUpdate_v2)(hGraphExec, hGraph, resultInfo);
+}
+
+VC_EXPORT CUresult cuGraphExecUpdate(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,
+                                     CUgraphExecUpdateResult *updateResult_out)
+{
+    if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
+        CUresult rc = stack_for(graph_frame(hGraph, 0));
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecUpdate)(hGraphExec, hGraph, hErrorNode_out, updateResult_out);
 }
 
 VC_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
@@ -2252,10 +2367,14 @@ VC_EXPORT CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCt
     STREAM_CREATE(phStream, REAL_CU(cuGreenCtxStreamCreate)(phStream, greenCtx, flags, priority));
 }
 
-/* The local memory each thread of a CUkernel (launched as a function, as cuda.h allows) takes on the current
- * context's device. */
-static bool kernel_frame_bytes(CUfunction f, int *local)
+/* The local memory each thread of f takes: a function's, or a CUkernel's (cuda.h lets one go where a function does)
+ * on the current context's device. */
+static bool function_frame(CUfunction f, int *local)
 {
+    if (f == NULL)
+        return false;
+    if (REAL_CU(cuFuncGetAttribute)(local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f) == CUDA_SUCCESS)
+        return true;
     CUdevice dev;
     return REAL_CU(cuCtxGetDevice)(&dev) == CUDA_SUCCESS &&
            REAL_CU(cuKernelGetAttribute)(local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, (CUkernel)f, dev) == CUDA_SUCCESS;
@@ -2290,7 +2409,7 @@ CUresult vc_memory_launch_frame(CUfunction f, CUstream s)
     }
     CUresult rc = CUDA_SUCCESS;
     size_t old = 0;
-    if ((known || kernel_frame_bytes(f, &local)) && local > 0 &&
+    if ((known || function_frame(f, &local)) && local > 0 &&
         REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) == CUDA_SUCCESS && (size_t)local > old)
         rc = grow_limit(CU_LIMIT_STACK_SIZE, old, (size_t)local);
     if (pushed) {

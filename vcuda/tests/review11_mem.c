@@ -318,6 +318,47 @@ static void local_frame(unsigned frame_kib, bool fill_first)
     report();
 }
 
+/*
+ * A graph of one kernel with a 64 KiB local frame, in a container at its limit: the driver grows the stack for its
+ * kernels when the graph runs.  by_capture: the kernel is recorded by a stream capture, else added as a node.
+ */
+static void graph_frame(bool by_capture)
+{
+    primary();
+    char ptx[256];
+    snprintf(ptx, sizeof(ptx),
+             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
+             "    .local .align 8 .b8 buf[65536];\n    ret;\n}\n");
+    CUmodule mod;
+    CUfunction fn;
+    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
+    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g;
+    if (by_capture) {
+        check(FN(cuStreamBeginCapture_v2)(s, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture_v2");
+        CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+        fprintf(stderr, "captured launch: %d\n", (int)rc);
+        check(FN(cuStreamEndCapture)(s, &g), "cuStreamEndCapture");
+    } else {
+        check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+        CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                     .blockDimY = 1, .blockDimZ = 1};
+        CUgraphNode n;
+        check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    }
+    fill(2 * MIB);
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    if (rc == CUDA_SUCCESS) {
+        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+        FN(cuStreamSynchronize)(s);
+    }
+    report();
+}
+
 /* Streams made in a container at its limit: each takes device memory of its context that no allocation shows. */
 static void streams(void)
 {
@@ -389,6 +430,8 @@ static void frees(void)
 static void graph_phantom(uint64_t limit_mib)
 {
     primary();
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); /* before the limit is reached */
     uint64_t ctx = held();
     uint64_t node = (limit_mib * MIB - ctx) / MIB / 2 * 2 * MIB - 16 * MIB;
     CUgraph g;
@@ -409,8 +452,6 @@ static void graph_phantom(uint64_t limit_mib)
     CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
     fprintf(stderr, "instantiate: %d\n", (int)rc);
     if (rc == CUDA_SUCCESS) {
-        CUstream s;
-        check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
         FN(cuGraphLaunch)(e, s);
         FN(cuStreamSynchronize)(s);
     }
@@ -533,6 +574,7 @@ static void forked(void)
         exit(2);
     pid_t child = fork();
     if (child == 0) {
+        close(ready[0]);
         primary();
         fill(8 * MIB);
         if (write(ready[1], "x", 1) != 1)
@@ -540,9 +582,14 @@ static void forked(void)
         pause(); /* holds its memory until killed */
         _exit(0);
     }
+    close(ready[1]); /* a child that ends without a word (a real driver: no CUDA after a fork) ends the read */
     char c;
-    if (read(ready[0], &c, 1) != 1)
+    if (read(ready[0], &c, 1) != 1) {
+        fprintf(stderr, "the forked child could not use CUDA\n");
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
         exit(2);
+    }
     fill(8 * MIB);
     pid_t quitter = fork();
     if (quitter == 0) {
@@ -580,6 +627,10 @@ int main(int argc, char **argv)
         library_phantom(limit, false);
     else if (strcmp(argv[1], "library-kernel") == 0)
         library_phantom(limit, true);
+    else if (strcmp(argv[1], "graph-frame") == 0)
+        graph_frame(false);
+    else if (strcmp(argv[1], "graph-frame-capture") == 0)
+        graph_frame(true);
     else if (strcmp(argv[1], "streams") == 0)
         streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)

@@ -51,13 +51,15 @@ TARGET_PP = 3.0
 TARGET_OFF_NS = 5.0
 
 
-def config_bytes(share: int, *, hard: bool = True, ceiling: int = 0, enable: int = 1, name: str = "c") -> bytes:
-    """vcuda.config (resource_data_t, 8240 bytes): no memory limit, the given SM share."""
+def config_bytes(
+    share: int, *, hard: bool = True, ceiling: int = 0, enable: int = 1, name: str = "c", memory_mib: int = 0
+) -> bytes:
+    """vcuda.config (resource_data_t, 8240 bytes): the given SM share, and a memory limit (0: none)."""
     buf = bytearray(8240)
     struct.pack_into("48s", buf, 0, b"bench-pod")
     struct.pack_into("<i", buf, 48, ceiling)
     struct.pack_into("4096s", buf, 4096, name.encode())
-    struct.pack_into("<QiiiiI", buf, 8208, 0, share, 1 if hard else 0, 550, 0, enable)
+    struct.pack_into("<QiiiiI", buf, 8208, memory_mib << 20, share, 1 if hard else 0, 550, 0, enable)
     return bytes(buf)
 
 
@@ -279,7 +281,8 @@ def launch_cost(node: Node, lib: Path, config: bytes | None, algorithm: str, sec
 def scenario_overhead(node: Node, args: argparse.Namespace) -> dict[str, float]:
     print("\nCost per cuLaunchKernel (1 ns kernels: the limit never binds), median of batches, best of 3 runs")
     sim = BUILD / "sim"
-    runs: dict[str, list[float]] = {"sim": [], "off": [], "on": [], "upstream": []}
+    runs: dict[str, list[float]] = {"sim": [], "off": [], "on": [], "upstream": [], "mem": []}
+    mem = config_bytes(0, memory_mib=8192)  # the memory cap alone: each launch looks at its kernel's local frame
     before = None
     if args.before is not None:
         before = node.root / "before-lib64"
@@ -288,26 +291,33 @@ def scenario_overhead(node: Node, args: argparse.Namespace) -> dict[str, float]:
             (before / name).symlink_to(args.before.resolve())
         for lib in ("libcuda.so", "libnvidia-ml.so"):
             (before / f"{lib}.{DRIVER_VERSION}").symlink_to(BUILD / "sim" / f"{lib}.{DRIVER_VERSION}")
-        runs.update({"before-off": [], "before-on": []})
+        runs.update({"before-off": [], "before-on": [], "before-mem": []})
     for _ in range(3):  # interleaved, so that drifting machine load hits every variant alike
         runs["sim"].append(launch_cost(node, sim, None, "budget", args.overhead_seconds))
         runs["off"].append(launch_cost(node, node.mirror, config_bytes(0), "budget", args.overhead_seconds))
         runs["on"].append(launch_cost(node, node.mirror, config_bytes(90), "budget", args.overhead_seconds))
         runs["upstream"].append(launch_cost(node, node.mirror, config_bytes(90), "upstream", args.overhead_seconds))
+        runs["mem"].append(launch_cost(node, node.mirror, mem, "budget", args.overhead_seconds))
         if before is not None:
             runs["before-off"].append(launch_cost(node, before, config_bytes(0), "budget", args.overhead_seconds))
             runs["before-on"].append(launch_cost(node, before, config_bytes(90), "budget", args.overhead_seconds))
+            runs["before-mem"].append(launch_cost(node, before, mem, "budget", args.overhead_seconds))
     best = {k: min(v) for k, v in runs.items()}
     print(f"  simulated driver alone        {best['sim']:8.1f} ns")
     off = best["off"] - best["sim"]
     print(f"  interceptor, limit off        {best['off']:8.1f} ns   ({off:+.1f} ns; target < {TARGET_OFF_NS:g})")
     print(f"  interceptor, limit on (ours)  {best['on']:8.1f} ns   ({best['on'] - best['sim']:+.1f} ns)")
     print(f"  interceptor, upstream         {best['upstream']:8.1f} ns   ({best['upstream'] - best['sim']:+.1f} ns)")
+    print(f"  interceptor, memory cap only  {best['mem']:8.1f} ns   ({best['mem'] - best['sim']:+.1f} ns)")
     if before is not None:
-        for key, label in (("before-off", "--before, limit off"), ("before-on", "--before, limit on")):
+        for key, label in (
+            ("before-off", "--before, limit off"),
+            ("before-on", "--before, limit on"),
+            ("before-mem", "--before, memory cap only"),
+        ):
             print(f"  {label:<29} {best[key]:8.1f} ns   ({best[key] - best['sim']:+.1f} ns)")
     return {"sim_ns": best["sim"], "off_extra_ns": off, "on_extra_ns": best["on"] - best["sim"],
-            "upstream_extra_ns": best["upstream"] - best["sim"]}  # fmt: skip
+            "upstream_extra_ns": best["upstream"] - best["sim"], "mem_extra_ns": best["mem"] - best["sim"]}  # fmt: skip
 
 
 def main() -> int:

@@ -65,6 +65,7 @@ SCENARIOS = [
     "streams",
     "graph-frame",
     "graph-frame-capture",
+    "graph-shrink",
 ]
 
 

@@ -160,7 +160,7 @@ static void collect_var(const char *name, size_t len, uint64_t bytes, void *arg)
  */
 #define LOCAL_ENTRIES 4096u
 static struct {
-    char name[64];
+    char name[256];
     uint64_t bytes;
 } g_local[LOCAL_ENTRIES];
 static unsigned g_nlocal;
@@ -207,8 +207,8 @@ static uint64_t local_decl_bytes(const char *p, const char *end)
 
 static void note_local(const char *name, size_t len, uint64_t bytes)
 {
-    if (len == 0 || len >= sizeof(g_local[0].name))
-        return;
+    if (len == 0 || len >= sizeof(g_local[0].name) || bytes == 0)
+        return; /* only frames: a name without one reads 0 */
     pthread_mutex_lock(&g_local_mu);
     unsigned i = 0;
     while (i < g_nlocal && !(strncmp(g_local[i].name, name, len) == 0 && g_local[i].name[len] == '\0'))

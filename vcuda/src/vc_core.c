@@ -1940,10 +1940,10 @@ static void gate_after(const struct gate *g, CUstream s, bool ptsz, CUresult rc)
 #define GRIDS(x, y, z) ((uint64_t)(x) * (uint64_t)(y) * (uint64_t)(z))
 
 /* With the memory cap on, a launch whose kernel needs a bigger stack goes only when the stack fits (vc_memory.c). */
-#define FRAME_FITS(f, stream)                                                                                      \
+#define FRAME_FITS(f, stream, ptsz)                                                                                \
     do {                                                                                                           \
         if (VC_UNLIKELY(vc_limited())) {                                                                           \
-            CUresult frc_ = vc_memory_launch_frame((f), (stream));                                                 \
+            CUresult frc_ = vc_memory_launch_frame((f), (stream), (ptsz));                                         \
             if (frc_ != CUDA_SUCCESS)                                                                              \
                 return frc_;                                                                                       \
         }                                                                                                          \
@@ -1962,7 +1962,7 @@ VC_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned 
                                   unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
 {
-    FRAME_FITS(f, hStream);
+    FRAME_FITS(f, hStream, false);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
                                        sharedMemBytes, hStream, kernelParams, extra);
@@ -1976,7 +1976,7 @@ VC_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsi
                                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
                                        void **kernelParams, void **extra)
 {
-    FRAME_FITS(f, hStream);
+    FRAME_FITS(f, hStream, true);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
                                             sharedMemBytes, hStream, kernelParams, extra);
@@ -1992,7 +1992,7 @@ VC_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsi
 VC_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
     if (config != NULL)
-        FRAME_FITS(f, config->hStream);
+        FRAME_FITS(f, config->hStream, false);
     if (VC_LIKELY(!vc_core_limited()) || config == NULL)
         return REAL_CU(cuLaunchKernelEx)(config, f, kernelParams, extra);
     const CUlaunchConfig c = *config;
@@ -2003,7 +2003,7 @@ VC_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, 
 VC_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)
 {
     if (config != NULL)
-        FRAME_FITS(f, config->hStream);
+        FRAME_FITS(f, config->hStream, true);
     if (VC_LIKELY(!vc_core_limited()) || config == NULL)
         return REAL_CU(cuLaunchKernelEx_ptsz)(config, f, kernelParams, extra);
     const CUlaunchConfig c = *config;
@@ -2016,7 +2016,7 @@ VC_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX
                                              unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
                                              void **kernelParams)
 {
-    FRAME_FITS(f, hStream);
+    FRAME_FITS(f, hStream, false);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
                                                   sharedMemBytes, hStream, kernelParams);
@@ -2030,7 +2030,7 @@ VC_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gri
                                                   unsigned int blockDimY, unsigned int blockDimZ,
                                                   unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
 {
-    FRAME_FITS(f, hStream);
+    FRAME_FITS(f, hStream, true);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY,
                                                        blockDimZ, sharedMemBytes, hStream, kernelParams);
@@ -2044,7 +2044,7 @@ VC_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
                                                         unsigned int flags)
 {
     for (unsigned i = 0; launchParamsList != NULL && i < numDevices && i < MAX_DEVICES; i++)
-        FRAME_FITS(launchParamsList[i].function, launchParamsList[i].hStream);
+        FRAME_FITS(launchParamsList[i].function, launchParamsList[i].hStream, false);
     if (VC_LIKELY(!vc_core_limited()) || launchParamsList == NULL || vc_core_config()->upstream)
         return REAL_CU(cuLaunchCooperativeKernelMultiDevice)(launchParamsList, numDevices, flags);
     if (numDevices > MAX_DEVICES)
@@ -2100,7 +2100,7 @@ VC_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 /* The legacy launches (block shape from cuFuncSetBlockShape; upstream counts 1 resp. w x h grids). */
 VC_EXPORT CUresult cuLaunch(CUfunction f)
 {
-    FRAME_FITS(f, NULL);
+    FRAME_FITS(f, NULL, false);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunch)(f);
     GATED(NULL, false, 1, true, REAL_CU(cuLaunch)(f));
@@ -2108,7 +2108,7 @@ VC_EXPORT CUresult cuLaunch(CUfunction f)
 
 VC_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 {
-    FRAME_FITS(f, NULL);
+    FRAME_FITS(f, NULL, false);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchGrid)(f, grid_width, grid_height);
     GATED(NULL, false, GRIDS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), true,
@@ -2117,7 +2117,7 @@ VC_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 
 VC_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
 {
-    FRAME_FITS(f, hStream);
+    FRAME_FITS(f, hStream, false);
     if (VC_LIKELY(!vc_core_limited()))
         return REAL_CU(cuLaunchGridAsync)(f, grid_width, grid_height, hStream);
     GATED(hStream, false, GRIDS(grid_width > 0 ? grid_width : 1, grid_height > 0 ? grid_height : 1, 1), true,

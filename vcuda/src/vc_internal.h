@@ -230,10 +230,11 @@ bool vc_env_locked(void);
 #define VC_DEFAULT_STACK 1024u
 
 /*
- * Before a launch of f on stream s (memory cap on): the context's stack grown to f's local frame, as the driver
+ * Before a launch of f on stream s (ptsz: of a _ptsz entry point; memory cap on): the context's stack grown to f's
+ * local frame, as the driver
  * would grow it at the launch; CUDA_ERROR_OUT_OF_MEMORY when that does not fit the container (the launch must not go).
  */
-CUresult vc_memory_launch_frame(CUfunction f, CUstream s);
+CUresult vc_memory_launch_frame(CUfunction f, CUstream s, bool ptsz);
 
 /* ---- the container's shared budget (vc_budget.c) ---------------------------- */
 

@@ -1581,6 +1581,7 @@ void vc_memory_graph_launched(CUgraphExec exec)
 
 static CUresult grow_limit(CUlimit limit, size_t old, size_t value);
 static bool function_frame(CUfunction f, int *local);
+static CUresult stack_at_least(size_t want);
 
 #define GRAPH_DEPTH 16 /* child graphs looked into, at most this deep */
 
@@ -1615,14 +1616,34 @@ static int graph_frame(CUgraph g, int depth)
     return most;
 }
 
+/*
+ * The current context's stack grown to want bytes per thread, when it is smaller.  One thread at a time: two that read
+ * the same old value would each set theirs, the smaller last (a shrink the next launch regrows uncharged), and a
+ * refusal restores the value read.  The call is made in relaxed capture mode for this thread: a stack set while
+ * another thread captures in global mode must not end that capture.
+ */
+static pthread_mutex_t g_stack_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static CUresult stack_at_least(size_t want)
+{
+    CUresult rc = CUDA_SUCCESS;
+    size_t old = 0;
+    pthread_mutex_lock(&g_stack_mu);
+    if (REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) == CUDA_SUCCESS && want > old) {
+        CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        bool exchanged = REAL_CU(cuThreadExchangeStreamCaptureMode)(&mode) == CUDA_SUCCESS;
+        rc = grow_limit(CU_LIMIT_STACK_SIZE, old, want);
+        if (exchanged)
+            REAL_CU(cuThreadExchangeStreamCaptureMode)(&mode);
+    }
+    pthread_mutex_unlock(&g_stack_mu);
+    return rc;
+}
+
 /* The current context's stack grown to frame (a launch's kernels' largest) before the driver would grow it. */
 static CUresult stack_for(int frame)
 {
-    size_t old = 0;
-    if (frame <= (int)VC_DEFAULT_STACK || REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) != CUDA_SUCCESS ||
-        (size_t)frame <= old)
-        return CUDA_SUCCESS;
-    return grow_limit(CU_LIMIT_STACK_SIZE, old, (size_t)frame);
+    return frame > (int)VC_DEFAULT_STACK ? stack_at_least((size_t)frame) : CUDA_SUCCESS;
 }
 
 /*
@@ -1705,12 +1726,25 @@ VC_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec hGraphExec, CUgrap
 
 VC_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams)
 {
-    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL && nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL) {
-        CUresult rc = frame_of_params(nodeParams->kernel.func, nodeParams->kernel.kern);
+    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL &&
+        (nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL || nodeParams->type == CU_GRAPH_NODE_TYPE_GRAPH)) {
+        CUresult rc = nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL
+                          ? frame_of_params(nodeParams->kernel.func, nodeParams->kernel.kern)
+                          : stack_for(graph_frame(nodeParams->graph.graph, 0));
         if (rc != CUDA_SUCCESS)
             return rc;
     }
     return REAL_CU(cuGraphExecNodeSetParams)(hGraphExec, hNode, nodeParams);
+}
+
+VC_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph)
+{
+    if (VC_UNLIKELY(vc_limited()) && childGraph != NULL) {
+        CUresult rc = stack_for(graph_frame(childGraph, 0));
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return REAL_CU(cuGraphExecChildGraphNodeSetParams)(hGraphExec, hNode, childGraph);
 }
 
 VC_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
@@ -2310,7 +2344,11 @@ static CUresult grow_limit(CUlimit limit, size_t old, size_t value)
 VC_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     size_t old = 0;
-    if (VC_LIKELY(!vc_limited()) || REAL_CU(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS || value <= old)
+    if (VC_LIKELY(!vc_limited()) || REAL_CU(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS)
+        return REAL_CU(cuCtxSetLimit)(limit, value);
+    if (limit == CU_LIMIT_STACK_SIZE) /* never shrunk under a cap: a launch or graph checked against it regrows it */
+        return value <= old ? CUDA_SUCCESS : stack_at_least(value);
+    if (value <= old)
         return REAL_CU(cuCtxSetLimit)(limit, value); /* nothing grows: nothing to check */
     return grow_limit(limit, old, value);
 }
@@ -2332,10 +2370,11 @@ static CUresult stream_made(CUresult rc, CUstream *ph)
         return rc;
     }
     bool kept;
-    if (vc_budget_settle_untracked(STREAM_RESERVE, &kept))
-        return rc;
+    bool fits = vc_budget_settle_untracked(STREAM_RESERVE, &kept);
     if (kept)
-        vc_budget_release(STREAM_RESERVE);
+        vc_budget_release(STREAM_RESERVE); /* NVML cannot tell: not charged for the process's life per stream */
+    if (fits)
+        return rc;
     REAL_CU(cuStreamDestroy_v2)(*ph);
     *ph = NULL;
     vc_log(VC_LOG_INFO, "a stream took the container above its limit: destroyed, refused");
@@ -2390,14 +2429,15 @@ static bool function_frame(CUfunction f, int *local)
  * context cannot be made current, is left to the driver (which refuses such a launch itself).  A launch recorded
  * into a graph (the stream capturing) runs nothing: a graph's kernels are not looked at (vcuda/README.md, limits).
  */
-CUresult vc_memory_launch_frame(CUfunction f, CUstream s)
+CUresult vc_memory_launch_frame(CUfunction f, CUstream s, bool ptsz)
 {
     int local = 0;
     bool known = REAL_CU(cuFuncGetAttribute)(&local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f) == CUDA_SUCCESS;
     if (known && local <= (int)VC_DEFAULT_STACK)
         return CUDA_SUCCESS; /* within the stack every context has from its start */
     CUstreamCaptureStatus capturing = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (REAL_CU(cuStreamIsCapturing)(s, &capturing) == CUDA_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE)
+    CUstream as = ptsz && s == NULL ? CU_STREAM_PER_THREAD : s; /* a _ptsz call's NULL is the per-thread stream */
+    if (REAL_CU(cuStreamIsCapturing)(as, &capturing) == CUDA_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE)
         return CUDA_SUCCESS; /* recorded into a graph, not run (a limit set now would end the capture) */
     CUcontext ctx = NULL, cur = NULL;
     bool pushed = false;
@@ -2408,10 +2448,8 @@ CUresult vc_memory_launch_frame(CUfunction f, CUstream s)
         pushed = true;
     }
     CUresult rc = CUDA_SUCCESS;
-    size_t old = 0;
-    if ((known || function_frame(f, &local)) && local > 0 &&
-        REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) == CUDA_SUCCESS && (size_t)local > old)
-        rc = grow_limit(CU_LIMIT_STACK_SIZE, old, (size_t)local);
+    if ((known || function_frame(f, &local)) && local > (int)VC_DEFAULT_STACK)
+        rc = stack_at_least((size_t)local);
     if (pushed) {
         CUcontext popped;
         REAL_CU(cuCtxPopCurrent_v2)(&popped);

@@ -359,6 +359,39 @@ static void graph_frame(bool by_capture)
     report();
 }
 
+/*
+ * A graph of one kernel with an 8 KiB local frame is instantiated (its stack grown and charged), the stack set back
+ * to 1 KiB (which would give the memory back), the container filled to its limit, then the graph launched: the
+ * driver grows the stack again at the launch.
+ */
+static void graph_shrink(void)
+{
+    primary();
+    char ptx[256];
+    snprintf(ptx, sizeof(ptx),
+             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
+             "    .local .align 8 .b8 buf[8192];\n    ret;\n}\n");
+    CUmodule mod;
+    CUfunction fn;
+    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
+    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g;
+    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+    CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                 .blockDimY = 1, .blockDimZ = 1};
+    CUgraphNode n;
+    check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    CUgraphExec e;
+    check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
+    fprintf(stderr, "shrink: %d\n", (int)FN(cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, 1024));
+    fill(2 * MIB);
+    fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+    FN(cuStreamSynchronize)(s);
+    report();
+}
+
 /* Streams made in a container at its limit: each takes device memory of its context that no allocation shows. */
 static void streams(void)
 {
@@ -631,6 +664,8 @@ int main(int argc, char **argv)
         graph_frame(false);
     else if (strcmp(argv[1], "graph-frame-capture") == 0)
         graph_frame(true);
+    else if (strcmp(argv[1], "graph-shrink") == 0)
+        graph_shrink();
     else if (strcmp(argv[1], "streams") == 0)
         streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)

@@ -291,6 +291,33 @@ static void vmm(void)
     report();
 }
 
+/* The kernel frame_1us of a module whose PTX gives each thread a local frame of frame_bytes (in the current context). */
+static CUfunction frame_kernel(unsigned frame_bytes)
+{
+    char ptx[256];
+    snprintf(ptx, sizeof(ptx),
+             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
+             "    .local .align 8 .b8 buf[%u];\n    ret;\n}\n",
+             frame_bytes);
+    CUmodule mod;
+    CUfunction fn;
+    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
+    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    return fn;
+}
+
+/* A graph of one node launching fn once (one block of 32 threads). */
+static CUgraph kernel_graph(CUfunction fn)
+{
+    CUgraph g;
+    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+    CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                 .blockDimY = 1, .blockDimZ = 1};
+    CUgraphNode n;
+    check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    return g;
+}
+
 /*
  * A kernel whose local frame (frame_kib per thread) is bigger than the context's stack: the driver grows the stack at
  * its launch, for every thread the GPU can hold.  fill_first: the container is at its limit when it is launched (the
@@ -299,15 +326,7 @@ static void vmm(void)
 static void local_frame(unsigned frame_kib, bool fill_first)
 {
     primary();
-    char ptx[256];
-    snprintf(ptx, sizeof(ptx),
-             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
-             "    .local .align 8 .b8 buf[%u];\n    ret;\n}\n",
-             frame_kib * 1024u);
-    CUmodule mod;
-    CUfunction fn;
-    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    CUfunction fn = frame_kernel(frame_kib * 1024u);
     if (fill_first)
         fill(2 * MIB);
     CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
@@ -325,14 +344,7 @@ static void local_frame(unsigned frame_kib, bool fill_first)
 static void graph_frame(bool by_capture)
 {
     primary();
-    char ptx[256];
-    snprintf(ptx, sizeof(ptx),
-             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
-             "    .local .align 8 .b8 buf[65536];\n    ret;\n}\n");
-    CUmodule mod;
-    CUfunction fn;
-    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    CUfunction fn = frame_kernel(65536);
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     CUgraph g;
@@ -342,11 +354,7 @@ static void graph_frame(bool by_capture)
         fprintf(stderr, "captured launch: %d\n", (int)rc);
         check(FN(cuStreamEndCapture)(s, &g), "cuStreamEndCapture");
     } else {
-        check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
-        CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
-                                     .blockDimY = 1, .blockDimZ = 1};
-        CUgraphNode n;
-        check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+        g = kernel_graph(fn);
     }
     fill(2 * MIB);
     CUgraphExec e;
@@ -367,22 +375,10 @@ static void graph_frame(bool by_capture)
 static void graph_shrink(void)
 {
     primary();
-    char ptx[256];
-    snprintf(ptx, sizeof(ptx),
-             ".version 7.0\n.target sm_75\n.address_size 64\n\n.visible .entry frame_1us()\n{\n"
-             "    .local .align 8 .b8 buf[8192];\n    ret;\n}\n");
-    CUmodule mod;
-    CUfunction fn;
-    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
-    check(FN(cuModuleGetFunction)(&fn, mod, "frame_1us"), "cuModuleGetFunction");
+    CUfunction fn = frame_kernel(8192);
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    CUgraph g;
-    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
-    CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
-                                 .blockDimY = 1, .blockDimZ = 1};
-    CUgraphNode n;
-    check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    CUgraph g = kernel_graph(fn);
     CUgraphExec e;
     check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
     fprintf(stderr, "shrink: %d\n", (int)FN(cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, 1024));

@@ -66,6 +66,8 @@ SCENARIOS = [
     "graph-frame",
     "graph-frame-capture",
     "graph-shrink",
+    "exec-update",
+    "exec-node-params",
 ]
 
 
@@ -113,4 +115,17 @@ def test_a_graph_whose_kernels_would_grow_the_stack_past_the_limit_is_refused(
     refused with CUDA_ERROR_OUT_OF_MEMORY (2)."""
     held, peak, err = _run(programs, tmp_path, variant, scenario)
     assert "instantiate: 2" in err, f"{scenario} ({variant}): {err}"
+    assert held <= LIMIT_MIB and peak <= LIMIT_MIB, f"{scenario} ({variant}): {held} / peak {peak} MiB"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+@pytest.mark.parametrize("scenario", ["exec-update", "exec-node-params"])
+def test_an_exec_made_to_run_a_kernel_that_would_grow_the_stack_past_the_limit_is_refused(
+    programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
+) -> None:
+    """An instantiated graph, in a container at its limit, updated from a graph of a kernel with a 64 KiB local frame
+    (or its node given that kernel): its next launch would grow the stack; the update is refused with
+    CUDA_ERROR_OUT_OF_MEMORY (2) and the exec keeps running what it ran."""
+    held, peak, err = _run(programs, tmp_path, variant, scenario)
+    assert "update: 2" in err and "launch: 0" in err, f"{scenario} ({variant}): {err}"
     assert held <= LIMIT_MIB and peak <= LIMIT_MIB, f"{scenario} ({variant}): {held} / peak {peak} MiB"

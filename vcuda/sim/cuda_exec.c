@@ -1533,6 +1533,55 @@ SIM_EXPORT CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode hNode, CUDA_KERNEL
     return CUDA_SUCCESS;
 }
 
+/* An exec's kernels' largest frame rises to local (its launches grow the stack to it). */
+static void exec_frame_at_least(CUgraphExec exec, uint64_t local)
+{
+    struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)exec;
+    uint64_t had = atomic_load(&x->local);
+    while (local > had && !atomic_compare_exchange_weak(&x->local, &had, local))
+        ;
+}
+
+/* A kernel node of an exec runs another function from now on (its frame counts at the exec's next launches). */
+SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                      const CUDA_KERNEL_NODE_PARAMS *nodeParams)
+{
+    struct vc_map_entry e;
+    if (nodeParams == NULL || !sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
+        !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_KERNEL)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUfunction f = nodeParams->func != NULL ? nodeParams->func : (CUfunction)nodeParams->kern;
+    if (!callable(f))
+        return CUDA_ERROR_INVALID_HANDLE;
+    exec_frame_at_least(hGraphExec, ((const struct sim_function *)(void *)f)->local);
+    return CUDA_SUCCESS;
+}
+
+/* An exec takes a graph's kernels (their time and largest frame); a graph with memory nodes cannot be taken. */
+SIM_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
+{
+    if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
+        !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct node_list l = {hGraph, NULL, 0, 0};
+    sim_rec_lock();
+    vc_map_each(sim_recs(), REC_GNODE, collect_node, &l);
+    sim_rec_unlock();
+    const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)hGraph;
+    struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)hGraphExec;
+    bool kernels_only = l.n == atomic_load(&g->kernels);
+    if (resultInfo != NULL) {
+        memset(resultInfo, 0, sizeof(*resultInfo));
+        resultInfo->result = kernels_only ? CU_GRAPH_EXEC_UPDATE_SUCCESS : CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
+    }
+    if (!kernels_only)
+        return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
+    atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
+    atomic_store(&x->kernels, atomic_load(&g->kernels));
+    exec_frame_at_least(hGraphExec, atomic_load(&g->local));
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraph, CUstream hStream)
 {
     return graph_launch(hGraph, hStream);

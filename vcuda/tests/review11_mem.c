@@ -388,6 +388,41 @@ static void graph_shrink(void)
     report();
 }
 
+/*
+ * An exec of a one-node graph whose kernel has no frame, in a container at its limit, made to run a kernel with a
+ * 64 KiB local frame: by_update from a graph of it (cuGraphExecUpdate), else by its node's parameters
+ * (cuGraphExecKernelNodeSetParams); then launched.
+ */
+static void exec_update(bool by_update)
+{
+    primary();
+    CUfunction small = frame_kernel(16), big = frame_kernel(65536);
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g;
+    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
+    CUDA_KERNEL_NODE_PARAMS p = {.func = small, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                 .blockDimY = 1, .blockDimZ = 1};
+    CUgraphNode n;
+    check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    CUgraphExec e;
+    check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
+    CUgraph bigger = kernel_graph(big);
+    fill(2 * MIB);
+    CUresult rc;
+    if (by_update) {
+        CUgraphExecUpdateResultInfo info;
+        rc = FN(cuGraphExecUpdate_v2)(e, bigger, &info);
+    } else {
+        p.func = big;
+        rc = FN(cuGraphExecKernelNodeSetParams_v2)(e, n, &p);
+    }
+    fprintf(stderr, "update: %d\n", (int)rc);
+    fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+    FN(cuStreamSynchronize)(s);
+    report();
+}
+
 /* Streams made in a container at its limit: each takes device memory of its context that no allocation shows. */
 static void streams(void)
 {
@@ -662,6 +697,10 @@ int main(int argc, char **argv)
         graph_frame(true);
     else if (strcmp(argv[1], "graph-shrink") == 0)
         graph_shrink();
+    else if (strcmp(argv[1], "exec-update") == 0)
+        exec_update(true);
+    else if (strcmp(argv[1], "exec-node-params") == 0)
+        exec_update(false);
     else if (strcmp(argv[1], "streams") == 0)
         streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)

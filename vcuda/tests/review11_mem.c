@@ -306,15 +306,23 @@ static CUfunction frame_kernel(unsigned frame_bytes)
     return fn;
 }
 
-/* A graph of one node launching fn once (one block of 32 threads). */
-static CUgraph kernel_graph(CUfunction fn)
+/* The parameters of one launch of fn (one block of 32 threads, no arguments). */
+static CUDA_KERNEL_NODE_PARAMS once(CUfunction fn)
+{
+    return (CUDA_KERNEL_NODE_PARAMS){.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                     .blockDimY = 1, .blockDimZ = 1};
+}
+
+/* A graph of one node launching fn once; *node (unless NULL) is that node. */
+static CUgraph kernel_graph(CUfunction fn, CUgraphNode *node)
 {
     CUgraph g;
     check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
-    CUDA_KERNEL_NODE_PARAMS p = {.func = fn, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
-                                 .blockDimY = 1, .blockDimZ = 1};
+    CUDA_KERNEL_NODE_PARAMS p = once(fn);
     CUgraphNode n;
     check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    if (node != NULL)
+        *node = n;
     return g;
 }
 
@@ -354,7 +362,7 @@ static void graph_frame(bool by_capture)
         fprintf(stderr, "captured launch: %d\n", (int)rc);
         check(FN(cuStreamEndCapture)(s, &g), "cuStreamEndCapture");
     } else {
-        g = kernel_graph(fn);
+        g = kernel_graph(fn, NULL);
     }
     fill(2 * MIB);
     CUgraphExec e;
@@ -378,7 +386,7 @@ static void graph_shrink(void)
     CUfunction fn = frame_kernel(8192);
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    CUgraph g = kernel_graph(fn);
+    CUgraph g = kernel_graph(fn, NULL);
     CUgraphExec e;
     check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
     fprintf(stderr, "shrink: %d\n", (int)FN(cuCtxSetLimit)(CU_LIMIT_STACK_SIZE, 1024));
@@ -399,22 +407,18 @@ static void exec_update(bool by_update)
     CUfunction small = frame_kernel(16), big = frame_kernel(65536);
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    CUgraph g;
-    check(FN(cuGraphCreate)(&g, 0), "cuGraphCreate");
-    CUDA_KERNEL_NODE_PARAMS p = {.func = small, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
-                                 .blockDimY = 1, .blockDimZ = 1};
     CUgraphNode n;
-    check(FN(cuGraphAddKernelNode_v2)(&n, g, NULL, 0, &p), "cuGraphAddKernelNode_v2");
+    CUgraph g = kernel_graph(small, &n);
     CUgraphExec e;
     check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
-    CUgraph bigger = kernel_graph(big);
+    CUgraph bigger = kernel_graph(big, NULL);
     fill(2 * MIB);
     CUresult rc;
     if (by_update) {
         CUgraphExecUpdateResultInfo info;
         rc = FN(cuGraphExecUpdate_v2)(e, bigger, &info);
     } else {
-        p.func = big;
+        CUDA_KERNEL_NODE_PARAMS p = once(big);
         rc = FN(cuGraphExecKernelNodeSetParams_v2)(e, n, &p);
     }
     fprintf(stderr, "update: %d\n", (int)rc);

@@ -44,6 +44,19 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     return int(m.group(1)), peak >> 20, done.stderr
 
 
+#: An exec made to run a kernel of a 64 KiB frame: updated from a graph, or its kernel node given that kernel, through
+#: CUDA 12's calls, their CUDA 10-11 ABIs (by name, and through cuGetProcAddress at 11.4), and CUDA 12.2's generic
+#: node call.
+EXEC_CHANGES = [
+    "exec-update",
+    "exec-node-params",
+    "exec-update-v1",
+    "exec-node-params-v1",
+    "exec-update-proc-v1",
+    "exec-node-params-proc-v1",
+    "exec-node-set-params",
+]
+
 SCENARIOS = [
     "base",
     "pitch-wrap",
@@ -66,8 +79,7 @@ SCENARIOS = [
     "graph-frame",
     "graph-frame-capture",
     "graph-shrink",
-    "exec-update",
-    "exec-node-params",
+    *EXEC_CHANGES,
 ]
 
 
@@ -119,7 +131,7 @@ def test_a_graph_whose_kernels_would_grow_the_stack_past_the_limit_is_refused(
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
-@pytest.mark.parametrize("scenario", ["exec-update", "exec-node-params"])
+@pytest.mark.parametrize("scenario", EXEC_CHANGES)
 def test_an_exec_made_to_run_a_kernel_that_would_grow_the_stack_past_the_limit_is_refused(
     programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
 ) -> None:

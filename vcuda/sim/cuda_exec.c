@@ -1542,24 +1542,56 @@ static void exec_frame_at_least(CUgraphExec exec, uint64_t local)
         ;
 }
 
-/* A kernel node of an exec runs another function from now on (its frame counts at the exec's next launches). */
-SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
-                                                      const CUDA_KERNEL_NODE_PARAMS *nodeParams)
+/* A kernel node of an exec runs function (or CUkernel) f from now on (its frame counts at the exec's next launches). */
+static CUresult exec_kernel_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, CUfunction f)
 {
     struct vc_map_entry e;
-    if (nodeParams == NULL || !sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
+    if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
         !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_KERNEL)
         return CUDA_ERROR_INVALID_VALUE;
-    CUfunction f = nodeParams->func != NULL ? nodeParams->func : (CUfunction)nodeParams->kern;
     if (!callable(f))
         return CUDA_ERROR_INVALID_HANDLE;
     exec_frame_at_least(hGraphExec, ((const struct sim_function *)(void *)f)->local);
     return CUDA_SUCCESS;
 }
 
-/* An exec takes a graph's kernels (their time and largest frame); a graph with memory nodes cannot be taken. */
-SIM_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
+SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                      const CUDA_KERNEL_NODE_PARAMS *nodeParams)
 {
+    if (nodeParams == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return exec_kernel_node_set(hGraphExec, hNode,
+                                nodeParams->func != NULL ? nodeParams->func : (CUfunction)nodeParams->kern);
+}
+
+/* The CUDA 10-11 entry point: a function only (no CUkernel). */
+SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                   const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams)
+{
+    if (nodeParams == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    return exec_kernel_node_set(hGraphExec, hNode, nodeParams->func);
+}
+
+/*
+ * A node of an exec given new parameters of its own type (CUDA 12.2).  Kernel nodes take another function, as
+ * above; the simulated graphs' other nodes (memory allocations and frees) cannot be changed in an exec, as in the
+ * driver, and a type that is not the node's is refused, both with CUDA_ERROR_INVALID_VALUE.
+ */
+SIM_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams)
+{
+    struct vc_map_entry e;
+    if (nodeParams == NULL || !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) ||
+        nodeParams->type != CU_GRAPH_NODE_TYPE_KERNEL || e.ctx != NODE_KERNEL)
+        return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v3 *k = &nodeParams->kernel;
+    return exec_kernel_node_set(hGraphExec, hNode, k->func != NULL ? k->func : (CUfunction)k->kern);
+}
+
+/* An exec takes a graph's kernels (their time and largest frame); a graph with memory nodes cannot be taken. */
+static CUresult exec_update(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResult *result)
+{
+    *result = CU_GRAPH_EXEC_UPDATE_ERROR;
     if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
         !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
@@ -1569,17 +1601,39 @@ SIM_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph,
     sim_rec_unlock();
     const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)hGraph;
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)hGraphExec;
-    bool kernels_only = l.n == atomic_load(&g->kernels);
-    if (resultInfo != NULL) {
-        memset(resultInfo, 0, sizeof(*resultInfo));
-        resultInfo->result = kernels_only ? CU_GRAPH_EXEC_UPDATE_SUCCESS : CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
-    }
-    if (!kernels_only)
+    if (l.n != atomic_load(&g->kernels)) {
+        *result = CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
         return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
+    }
     atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
     atomic_store(&x->kernels, atomic_load(&g->kernels));
     exec_frame_at_least(hGraphExec, atomic_load(&g->local));
+    *result = CU_GRAPH_EXEC_UPDATE_SUCCESS;
     return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
+{
+    CUgraphExecUpdateResult result;
+    CUresult rc = exec_update(hGraphExec, hGraph, &result);
+    if (resultInfo != NULL && rc != CUDA_ERROR_INVALID_VALUE) {
+        memset(resultInfo, 0, sizeof(*resultInfo));
+        resultInfo->result = result;
+    }
+    return rc;
+}
+
+/* The CUDA 10.2-11 entry point: the result and the node it failed at (none here) through two pointers. */
+SIM_EXPORT CUresult cuGraphExecUpdate(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,
+                                      CUgraphExecUpdateResult *updateResult_out)
+{
+    CUgraphExecUpdateResult result;
+    CUresult rc = exec_update(hGraphExec, hGraph, &result);
+    if (hErrorNode_out != NULL)
+        *hErrorNode_out = NULL;
+    if (updateResult_out != NULL)
+        *updateResult_out = result;
+    return rc;
 }
 
 SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraph, CUstream hStream)

@@ -401,7 +401,23 @@ static void graph_shrink(void)
  * 64 KiB local frame: by_update from a graph of it (cuGraphExecUpdate), else by its node's parameters
  * (cuGraphExecKernelNodeSetParams); then launched.
  */
-static void exec_update(bool by_update)
+/* How exec_update changes the exec: the CUDA 12 calls, their CUDA 10-11 ABIs (found by name, or as a CUDA 11 runtime
+ * finds them: through cuGetProcAddress at its version), or the generic node call of CUDA 12.2. */
+enum exec_change { UPDATE_V2, NODE_V2, UPDATE_V1, NODE_V1, UPDATE_PROC_V1, NODE_PROC_V1, NODE_GENERIC };
+
+static void *proc_at(const char *name, int version)
+{
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st;
+    check(FN(cuGetProcAddress_v2)(name, &fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &st), "cuGetProcAddress_v2");
+    if (fn == NULL) {
+        fprintf(stderr, "cuGetProcAddress_v2(%s, %d): no function\n", name, version);
+        exit(1);
+    }
+    return fn;
+}
+
+static void exec_update(enum exec_change how)
 {
     primary();
     CUfunction small = frame_kernel(16), big = frame_kernel(65536);
@@ -413,13 +429,33 @@ static void exec_update(bool by_update)
     check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
     CUgraph bigger = kernel_graph(big, NULL);
     fill(2 * MIB);
-    CUresult rc;
-    if (by_update) {
-        CUgraphExecUpdateResultInfo info;
-        rc = FN(cuGraphExecUpdate_v2)(e, bigger, &info);
-    } else {
-        CUDA_KERNEL_NODE_PARAMS p = once(big);
-        rc = FN(cuGraphExecKernelNodeSetParams_v2)(e, n, &p);
+    CUresult rc = CUDA_ERROR_UNKNOWN;
+    CUDA_KERNEL_NODE_PARAMS p = once(big);
+    CUDA_KERNEL_NODE_PARAMS_v1 p1 = {.func = big, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                     .blockDimY = 1, .blockDimZ = 1};
+    CUgraphExecUpdateResultInfo info;
+    CUgraphExecUpdateResult result;
+    CUgraphNode failed;
+    switch (how) {
+    case UPDATE_V2: rc = FN(cuGraphExecUpdate_v2)(e, bigger, &info); break;
+    case NODE_V2: rc = FN(cuGraphExecKernelNodeSetParams_v2)(e, n, &p); break;
+    case UPDATE_V1: rc = FN(cuGraphExecUpdate)(e, bigger, &failed, &result); break;
+    case NODE_V1: rc = FN(cuGraphExecKernelNodeSetParams)(e, n, &p1); break;
+    case UPDATE_PROC_V1:
+        rc = ((__typeof__(&cuGraphExecUpdate))proc_at("cuGraphExecUpdate", 11040))(e, bigger, &failed, &result);
+        break;
+    case NODE_PROC_V1:
+        rc = ((__typeof__(&cuGraphExecKernelNodeSetParams))proc_at("cuGraphExecKernelNodeSetParams", 11040))(e, n, &p1);
+        break;
+    case NODE_GENERIC: {
+        CUgraphNodeParams gp = {.type = CU_GRAPH_NODE_TYPE_KERNEL};
+        gp.kernel.func = big;
+        gp.kernel.gridDimX = gp.kernel.gridDimY = gp.kernel.gridDimZ = 1;
+        gp.kernel.blockDimX = 32;
+        gp.kernel.blockDimY = gp.kernel.blockDimZ = 1;
+        rc = FN(cuGraphExecNodeSetParams)(e, n, &gp);
+        break;
+    }
     }
     fprintf(stderr, "update: %d\n", (int)rc);
     fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
@@ -702,9 +738,19 @@ int main(int argc, char **argv)
     else if (strcmp(argv[1], "graph-shrink") == 0)
         graph_shrink();
     else if (strcmp(argv[1], "exec-update") == 0)
-        exec_update(true);
+        exec_update(UPDATE_V2);
     else if (strcmp(argv[1], "exec-node-params") == 0)
-        exec_update(false);
+        exec_update(NODE_V2);
+    else if (strcmp(argv[1], "exec-update-v1") == 0)
+        exec_update(UPDATE_V1);
+    else if (strcmp(argv[1], "exec-node-params-v1") == 0)
+        exec_update(NODE_V1);
+    else if (strcmp(argv[1], "exec-update-proc-v1") == 0)
+        exec_update(UPDATE_PROC_V1);
+    else if (strcmp(argv[1], "exec-node-params-proc-v1") == 0)
+        exec_update(NODE_PROC_V1);
+    else if (strcmp(argv[1], "exec-node-set-params") == 0)
+        exec_update(NODE_GENERIC);
     else if (strcmp(argv[1], "streams") == 0)
         streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)

@@ -44,6 +44,9 @@ def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str)
     return int(m.group(1)), peak >> 20, done.stderr
 
 
+#: A graph of a kernel with a 64 KiB frame: as a node, recorded by a capture, in a child graph 3 deep, and 40 deep.
+GRAPH_FRAMES = ["graph-frame", "graph-frame-capture", "graph-frame-child", "graph-frame-deep"]
+
 #: An exec made to run a kernel of a 64 KiB frame: updated from a graph, or its kernel node given that kernel, through
 #: CUDA 12's calls, their CUDA 10-11 ABIs (by name, and through cuGetProcAddress at 11.4), and CUDA 12.2's generic
 #: node call.
@@ -55,6 +58,8 @@ EXEC_CHANGES = [
     "exec-update-proc-v1",
     "exec-node-params-proc-v1",
     "exec-node-set-params",
+    "exec-child-params",
+    "exec-child-set-params",
 ]
 
 SCENARIOS = [
@@ -76,8 +81,7 @@ SCENARIOS = [
     "local-frame",
     "local-frame-full",
     "streams",
-    "graph-frame",
-    "graph-frame-capture",
+    *GRAPH_FRAMES,
     "graph-shrink",
     *EXEC_CHANGES,
 ]
@@ -118,7 +122,7 @@ def test_a_stack_grown_by_a_launch_counts_toward_the_limit(
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
-@pytest.mark.parametrize("scenario", ["graph-frame", "graph-frame-capture"])
+@pytest.mark.parametrize("scenario", GRAPH_FRAMES)
 def test_a_graph_whose_kernels_would_grow_the_stack_past_the_limit_is_refused(
     programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
 ) -> None:

@@ -445,6 +445,65 @@ print(json.dumps(out))
                                       "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]  # fmt: skip
 
 
+def test_a_child_graph_node_embeds_a_clone_that_runs_with_its_graph(vcuda_built: Path, tmp_path: Path) -> None:
+    """cuGraphAddChildGraphNode clones the child graph into the node (cuda.h): the original can go, the embedded
+    graph is the node's (what is added to it runs too, memory nodes excepted), and it goes with the node's graph. A
+    child graph with memory nodes is refused."""
+    del vcuda_built
+    done = run_python(
+        r"""
+import time
+T = d.CUgraphNodeType
+s = ok(d.cuStreamCreate(0))
+mod = ok(d.cuModuleLoadData(b"x"))
+fn = ok(d.cuModuleGetFunction(mod, b"spin_20ms"))
+p = d.CUDA_KERNEL_NODE_PARAMS()
+p.func = fn
+p.gridDimX = p.gridDimY = p.gridDimZ = 1
+p.blockDimX, p.blockDimY, p.blockDimZ = 32, 1, 1
+inner = ok(d.cuGraphCreate(0))
+ok(d.cuGraphAddKernelNode(inner, None, 0, p))
+outer = ok(d.cuGraphCreate(0))
+node = ok(d.cuGraphAddChildGraphNode(outer, None, 0, inner))
+emb = ok(d.cuGraphChildGraphNodeGetGraph(node))
+out = {"type": ok(d.cuGraphNodeGetType(node)).name, "cloned": int(emb) != int(inner),
+       "emb_nodes": ok(d.cuGraphGetNodes(emb))[1]}
+ok(d.cuGraphDestroy(inner))  # the node keeps its clone
+ok(d.cuGraphAddKernelNode(emb, None, 0, p))  # changes to the embedded graph are the node's
+
+def ran(graph):
+    x = ok(d.cuGraphInstantiate(graph, 0))
+    t = time.monotonic()
+    ok(d.cuGraphLaunch(x, s)); ok(d.cuStreamSynchronize(s))
+    took = time.monotonic() - t
+    ok(d.cuGraphExecDestroy(x))
+    return took
+
+out["ran"] = ran(outer)  # two 20 ms kernels
+top = ok(d.cuGraphCreate(0))
+ok(d.cuGraphAddChildGraphNode(top, None, 0, outer))  # nested: outer cloned, its child's clone cloned in turn
+out["nested_ran"] = ran(top)
+ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+buf = ok(d.cuMemAllocAsync(1 << 20, s))
+ok(d.cuMemFreeAsync(buf, s))
+with_memory = ok(d.cuStreamEndCapture(s))
+out["memory_child"] = d.cuGraphAddChildGraphNode(top, None, 0, with_memory)[0].name
+ok(d.cuGraphDestroy(outer))  # its node's embedded graph goes with it
+out["emb_after"] = d.cuGraphGetNodes(emb)[0].name
+ok(d.cuGraphDestroy(top))
+print(json.dumps(out))
+""",
+        sim_only_env("t4-x1", tmp_path / "node.state"),
+    )
+    assert done.returncode == 0, done.stderr
+    out = last_json(done.stdout)
+    assert isinstance(out, dict)
+    assert out["type"] == "CU_GRAPH_NODE_TYPE_GRAPH" and out["cloned"] is True and out["emb_nodes"] == 1
+    assert out["ran"] >= 0.039 and out["nested_ran"] >= 0.039, out
+    assert out["memory_child"] == "CUDA_ERROR_INVALID_VALUE"
+    assert out["emb_after"] == "CUDA_ERROR_INVALID_VALUE"
+
+
 def test_contexts_and_modules_take_memory_nvml_shows_per_process(vcuda_built: Path, tmp_path: Path) -> None:
     """Every context takes its GPU model's size (the spec may set it), every module a 2 MiB page; NVML's process
     list shows it per process."""

@@ -1031,13 +1031,14 @@ SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_hei
  * destroying the graph frees nothing.  REC_GALLOC (key = address, aux = its struct sim_galloc) keeps
  * one allocation's state; a node record (REC_GNODE) carries its type in ctx.
  */
-enum { NODE_KERNEL = 0, NODE_ALLOC = 1, NODE_FREE = 2 };
+enum { NODE_KERNEL = 0, NODE_ALLOC = 1, NODE_FREE = 2, NODE_CHILD = 3 };
 
 struct sim_graph_obj {
     _Atomic uint64_t kernel_ns;
     _Atomic uint32_t kernels;
     _Atomic uint64_t local; /* the largest local frame of its kernels (a node: its kernel's) */
-    CUgraph graph; /* an exec: the graph it was instantiated from (an identity only: may be gone) */
+    CUgraph graph; /* an exec: the graph it was instantiated from (an identity only: may be gone); a graph: the graph
+                      it is embedded in (a child node's clone), else NULL */
 };
 
 struct sim_galloc {
@@ -1129,6 +1130,8 @@ static void galloc_settle(struct sim_galloc *a)
 /* A memory allocation node of graph (also what a captured cuMemAllocAsync becomes). */
 CUresult sim_graph_alloc_node(CUgraphNode *node, CUgraph graph, unsigned gpu, uint64_t bytes, CUdeviceptr *dptr)
 {
+    if (((const struct sim_graph_obj *)(void *)graph)->graph != NULL)
+        return CUDA_ERROR_INVALID_VALUE; /* a child node's embedded graph takes no memory nodes (cuda.h) */
     uint64_t va = sim_va_alloc(gpu, bytes, SIM_ALLOC_ALIGN);
     struct sim_galloc *a = calloc(1, sizeof(*a));
     if (va == 0 || a == NULL) {
@@ -1160,6 +1163,8 @@ CUresult sim_graph_alloc_node(CUgraphNode *node, CUgraph graph, unsigned gpu, ui
 /* A free node of graph for dptr (also what a captured cuMemFreeAsync becomes). */
 CUresult sim_graph_free_node(CUgraphNode *node, CUgraph graph, CUdeviceptr dptr)
 {
+    if (((const struct sim_graph_obj *)(void *)graph)->graph != NULL)
+        return CUDA_ERROR_INVALID_VALUE;
     sim_rec_lock();
     struct sim_galloc *a = galloc_of(dptr);
     bool ok = a != NULL && !a->freed_in_graph;
@@ -1216,7 +1221,11 @@ SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGra
     return sim_graph_free_node(phGraphNode, hGraph, dptr);
 }
 
-/* A node goes (records lock held): its graph's kernel time, or its allocation's graph. */
+/* Embedded graphs of child nodes that went, destroyed once the records lock is released (orphans_destroy). */
+static CUgraph *g_orphans;
+static size_t g_orphan_count, g_orphan_room;
+
+/* A node goes (records lock held): its graph's kernel time, its allocation's graph, or its embedded graph. */
 static void node_gone(const struct vc_map_entry *e, void *arg)
 {
     (void)arg;
@@ -1224,6 +1233,16 @@ static void node_gone(const struct vc_map_entry *e, void *arg)
         struct sim_graph_obj *g = (struct sim_graph_obj *)(uintptr_t)e->aux;
         atomic_fetch_sub(&g->kernel_ns, e->size);
         atomic_fetch_sub(&g->kernels, 1);
+    } else if (e->ctx == NODE_CHILD) {
+        if (g_orphan_count == g_orphan_room) {
+            size_t room = g_orphan_room != 0 ? 2 * g_orphan_room : 16;
+            CUgraph *grown = realloc(g_orphans, room * sizeof(*grown));
+            if (grown == NULL)
+                abort(); /* a handful of pointers: the simulated driver's own memory is gone */
+            g_orphans = grown;
+            g_orphan_room = room;
+        }
+        g_orphans[g_orphan_count++] = (CUgraph)(uintptr_t)e->aux2;
     } else if (e->ctx == NODE_ALLOC) {
         struct sim_galloc *a = galloc_of(e->aux2);
         if (a != NULL) {
@@ -1300,6 +1319,22 @@ static bool node_of_graph(const struct vc_map_entry *e, void *graph)
     return e->aux == (uint64_t)(uintptr_t)graph;
 }
 
+static void graph_destroy(CUgraph hGraph);
+
+/* The embedded graphs of the child nodes just removed go too (records lock not held; theirs in turn). */
+static void orphans_destroy(void)
+{
+    for (;;) {
+        sim_rec_lock();
+        CUgraph g = g_orphan_count > 0 ? g_orphans[--g_orphan_count] : NULL;
+        sim_rec_unlock();
+        if (g == NULL)
+            return;
+        if (sim_find((uint64_t)(uintptr_t)g, REC_GRAPH, NULL, true))
+            graph_destroy(g);
+    }
+}
+
 SIM_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
 {
     if (sim_cu_node() == NULL)
@@ -1309,7 +1344,18 @@ SIM_EXPORT CUresult cuGraphDestroyNode(CUgraphNode hNode)
     sim_rec_lock();
     vc_map_remove_if(sim_recs(), REC_GNODE, node_is, node_gone, hNode);
     sim_rec_unlock();
+    orphans_destroy();
     return CUDA_SUCCESS;
+}
+
+/* A graph whose record is removed already: its nodes, and the embedded graphs of its child nodes. */
+static void graph_destroy(CUgraph hGraph)
+{
+    sim_rec_lock();
+    vc_map_remove_if(sim_recs(), REC_GNODE, node_of_graph, node_gone, hGraph);
+    sim_rec_unlock();
+    free(hGraph);
+    orphans_destroy();
 }
 
 SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
@@ -1318,10 +1364,165 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (!sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, true))
         return CUDA_ERROR_INVALID_VALUE;
-    sim_rec_lock();
-    vc_map_remove_if(sim_recs(), REC_GNODE, node_of_graph, node_gone, hGraph);
-    sim_rec_unlock();
-    free(hGraph);
+    graph_destroy(hGraph);
+    return CUDA_SUCCESS;
+}
+
+/*
+ * Child graph nodes.  cuGraphAddChildGraphNode embeds a clone of the child graph (cuda.h: "the child graph is cloned
+ * in this call"): its kernel nodes, and its own child nodes' clones in turn; a child graph with memory nodes is
+ * refused (cuda.h: allocation and free nodes cannot be in a child graph), CUDA_ERROR_NOT_SUPPORTED.  The node's
+ * kernels count in its graph (their time, their largest frame); cuGraphChildGraphNodeGetGraph answers the embedded
+ * graph, which goes with the node.
+ */
+struct node_entries {
+    CUgraph graph;
+    struct vc_map_entry *entries;
+    size_t n, room;
+};
+
+static void collect_entry(struct vc_map_entry *e, void *arg)
+{
+    struct node_entries *l = arg;
+    if (e->aux != (uint64_t)(uintptr_t)l->graph)
+        return;
+    if (l->entries != NULL && l->n < l->room)
+        l->entries[l->n] = *e;
+    l->n++;
+}
+
+/* The node records of graph (malloc'd; NULL with *n 0 for none, or when memory ran out: *n then SIZE_MAX). */
+static struct vc_map_entry *graph_entries(CUgraph graph, size_t *n)
+{
+    for (;;) {
+        struct node_entries l = {graph, NULL, 0, 0};
+        sim_rec_lock();
+        vc_map_each(sim_recs(), REC_GNODE, collect_entry, &l);
+        sim_rec_unlock();
+        if (l.n == 0) {
+            *n = 0;
+            return NULL;
+        }
+        l.room = l.n;
+        l.entries = malloc(l.room * sizeof(*l.entries));
+        if (l.entries == NULL) {
+            *n = SIZE_MAX;
+            return NULL;
+        }
+        l.n = 0;
+        sim_rec_lock();
+        vc_map_each(sim_recs(), REC_GNODE, collect_entry, &l);
+        sim_rec_unlock();
+        if (l.n <= l.room) {
+            *n = l.n;
+            return l.entries;
+        }
+        free(l.entries); /* nodes were added meanwhile: again */
+    }
+}
+
+static CUresult add_child_node(CUgraphNode *node, CUgraph parent, CUgraph child, unsigned depth);
+
+/* A clone of graph: its kernel nodes, its child nodes (their embedded graphs cloned in turn). */
+static CUresult clone_graph(CUgraph *out, CUgraph graph, unsigned depth)
+{
+    if (depth > 1024)
+        return CUDA_ERROR_NOT_SUPPORTED; /* far beyond any graph a program builds: not simulated */
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(graph, &n);
+    if (n == SIZE_MAX)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    for (size_t i = 0; i < n; i++) {
+        if (entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE) {
+            free(entries);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    CUgraph clone = NULL;
+    CUresult rc = new_object((void **)&clone, REC_GRAPH, NO_GPU, 0, 0);
+    for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
+        const struct vc_map_entry *e = &entries[i];
+        if (e->ctx == NODE_KERNEL)
+            rc = sim_graph_kernel_node(NULL, clone, e->size, (CUfunction)(uintptr_t)e->aux2,
+                                       atomic_load(&((const struct sim_graph_obj *)(uintptr_t)e->key)->local));
+        else
+            rc = add_child_node(NULL, clone, (CUgraph)(uintptr_t)e->aux2, depth + 1);
+    }
+    free(entries);
+    if (rc != CUDA_SUCCESS) {
+        if (clone != NULL && sim_find((uint64_t)(uintptr_t)clone, REC_GRAPH, NULL, true))
+            graph_destroy(clone);
+        return rc;
+    }
+    *out = clone;
+    return CUDA_SUCCESS;
+}
+
+static CUresult add_child_node(CUgraphNode *node, CUgraph parent, CUgraph child, unsigned depth)
+{
+    CUgraph clone;
+    CUresult rc = clone_graph(&clone, child, depth);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    ((struct sim_graph_obj *)(void *)clone)->graph = parent;
+    CUgraphNode n;
+    rc = new_node(&n, parent, NODE_CHILD, 0, (uint64_t)(uintptr_t)clone);
+    if (rc != CUDA_SUCCESS) {
+        if (sim_find((uint64_t)(uintptr_t)clone, REC_GRAPH, NULL, true))
+            graph_destroy(clone);
+        return rc;
+    }
+    if (node != NULL)
+        *node = n;
+    return CUDA_SUCCESS;
+}
+
+/* What graph runs, its child nodes' embedded graphs (as they are now) included: the kernels' time, their number, their
+ * largest frame; false when memory ran out for the walk. */
+struct graph_totals {
+    uint64_t ns, local;
+    uint32_t kernels;
+};
+
+static bool graph_totals(CUgraph graph, struct graph_totals *t, unsigned depth)
+{
+    const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
+    t->ns += atomic_load(&g->kernel_ns);
+    t->kernels += atomic_load(&g->kernels);
+    uint64_t local = atomic_load(&g->local);
+    if (local > t->local)
+        t->local = local;
+    if (depth > 1024)
+        return false;
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(graph, &n);
+    if (n == SIZE_MAX)
+        return false;
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; i++)
+        if (entries[i].ctx == NODE_CHILD)
+            ok = graph_totals((CUgraph)(uintptr_t)entries[i].aux2, t, depth + 1);
+    free(entries);
+    return ok;
+}
+
+SIM_EXPORT CUresult cuGraphAddChildGraphNode(CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *dependencies,
+                                             size_t numDependencies, CUgraph childGraph)
+{
+    CUresult rc = check_graph(hGraph, dependencies, numDependencies);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (phGraphNode == NULL || childGraph == hGraph || !sim_find((uint64_t)(uintptr_t)childGraph, REC_GRAPH, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    return add_child_node(phGraphNode, hGraph, childGraph, 0);
+}
+
+SIM_EXPORT CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode hNode, CUgraph *phGraph)
+{
+    struct vc_map_entry e;
+    if (phGraph == NULL || !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_CHILD)
+        return CUDA_ERROR_INVALID_VALUE;
+    *phGraph = (CUgraph)(uintptr_t)e.aux2;
     return CUDA_SUCCESS;
 }
 
@@ -1380,11 +1581,17 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
     CUresult rc = new_object((void **)exec, REC_GEXEC, NO_GPU, 0, (uint64_t)(uintptr_t)graph);
     if (rc != CUDA_SUCCESS)
         return rc;
-    const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)graph;
+    struct graph_totals t = {0, 0, 0};
+    if (!graph_totals(graph, &t, 0)) {
+        sim_find((uint64_t)(uintptr_t)*exec, REC_GEXEC, NULL, true);
+        free(*exec);
+        *exec = NULL;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)*exec;
-    atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
-    atomic_store(&x->kernels, atomic_load(&g->kernels));
-    atomic_store(&x->local, atomic_load(&g->local));
+    atomic_store(&x->kernel_ns, t.ns);
+    atomic_store(&x->kernels, t.kernels);
+    atomic_store(&x->local, t.local);
     x->graph = graph;
     struct instantiation in = {graph, *exec, CUDA_SUCCESS};
     sim_rec_lock();
@@ -1514,6 +1721,7 @@ SIM_EXPORT CUresult cuGraphNodeGetType(CUgraphNode hNode, CUgraphNodeType *type)
         return CUDA_ERROR_INVALID_VALUE;
     *type = e.ctx == NODE_KERNEL  ? CU_GRAPH_NODE_TYPE_KERNEL
             : e.ctx == NODE_ALLOC ? CU_GRAPH_NODE_TYPE_MEM_ALLOC
+            : e.ctx == NODE_CHILD ? CU_GRAPH_NODE_TYPE_GRAPH
                                   : CU_GRAPH_NODE_TYPE_MEM_FREE;
     return CUDA_SUCCESS;
 }
@@ -1578,14 +1786,52 @@ SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec hGraphExec, CUgra
  * above; the simulated graphs' other nodes (memory allocations and frees) cannot be changed in an exec, as in the
  * driver, and a type that is not the node's is refused, both with CUDA_ERROR_INVALID_VALUE.
  */
+static CUresult exec_child_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph);
+
 SIM_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams)
 {
     struct vc_map_entry e;
-    if (nodeParams == NULL || !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) ||
-        nodeParams->type != CU_GRAPH_NODE_TYPE_KERNEL || e.ctx != NODE_KERNEL)
+    if (nodeParams == NULL || !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (nodeParams->type == CU_GRAPH_NODE_TYPE_GRAPH && e.ctx == NODE_CHILD)
+        return exec_child_node_set(hGraphExec, hNode, nodeParams->graph.graph);
+    if (nodeParams->type != CU_GRAPH_NODE_TYPE_KERNEL || e.ctx != NODE_KERNEL)
         return CUDA_ERROR_INVALID_VALUE;
     const CUDA_KERNEL_NODE_PARAMS_v3 *k = &nodeParams->kernel;
     return exec_kernel_node_set(hGraphExec, hNode, k->func != NULL ? k->func : (CUfunction)k->kern);
+}
+
+/*
+ * A child node of an exec runs another graph's kernels from now on (their largest frame counts at the exec's next
+ * launches; their time is not taken over).  The graph must hold no memory nodes, as for cuGraphAddChildGraphNode.
+ */
+static CUresult exec_child_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph)
+{
+    struct vc_map_entry e;
+    if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
+        !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_CHILD ||
+        !sim_find((uint64_t)(uintptr_t)childGraph, REC_GRAPH, NULL, false))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(childGraph, &n);
+    if (n == SIZE_MAX)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    bool memory = false;
+    for (size_t i = 0; i < n; i++)
+        memory |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
+    free(entries);
+    struct graph_totals t = {0, 0, 0};
+    if (memory)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!graph_totals(childGraph, &t, 0))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    exec_frame_at_least(hGraphExec, t.local);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph)
+{
+    return exec_child_node_set(hGraphExec, hNode, childGraph);
 }
 
 /* An exec takes a graph's kernels (their time and largest frame); a graph with memory nodes cannot be taken. */
@@ -1595,19 +1841,25 @@ static CUresult exec_update(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecU
     if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
         !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
-    struct node_list l = {hGraph, NULL, 0, 0};
-    sim_rec_lock();
-    vc_map_each(sim_recs(), REC_GNODE, collect_node, &l);
-    sim_rec_unlock();
-    const struct sim_graph_obj *g = (const struct sim_graph_obj *)(void *)hGraph;
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(hGraph, &n);
+    if (n == SIZE_MAX)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    bool memory = false;
+    for (size_t i = 0; i < n; i++)
+        memory |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
+    free(entries);
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)hGraphExec;
-    if (l.n != atomic_load(&g->kernels)) {
+    if (memory) {
         *result = CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
         return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
     }
-    atomic_store(&x->kernel_ns, atomic_load(&g->kernel_ns));
-    atomic_store(&x->kernels, atomic_load(&g->kernels));
-    exec_frame_at_least(hGraphExec, atomic_load(&g->local));
+    struct graph_totals t = {0, 0, 0};
+    if (!graph_totals(hGraph, &t, 0))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    atomic_store(&x->kernel_ns, t.ns);
+    atomic_store(&x->kernels, t.kernels);
+    exec_frame_at_least(hGraphExec, t.local);
     *result = CU_GRAPH_EXEC_UPDATE_SUCCESS;
     return CUDA_SUCCESS;
 }

@@ -1583,36 +1583,72 @@ static CUresult grow_limit(CUlimit limit, size_t old, size_t value);
 static bool function_frame(CUfunction f, int *local);
 static CUresult stack_at_least(size_t want);
 
-#define GRAPH_DEPTH 16 /* child graphs looked into, at most this deep */
+#define GRAPH_WALK_LIMIT 65536 /* graphs (a graph and each child graph in it) looked into for one graph, at most */
 
-/* The largest local frame of graph g's kernels, its child graphs' too (0: none bigger than nothing). */
-static int graph_frame(CUgraph g, int depth)
+/* Pushes child graph c onto the walk's list (grown as needed); false when no memory is left for it. */
+static bool walk_push(CUgraph **todo, size_t *top, size_t *room, CUgraph c)
 {
-    size_t n = 0;
-    if (depth > GRAPH_DEPTH || REAL_CU(cuGraphGetNodes)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
-        return 0;
-    CUgraphNode *nodes = malloc(n * sizeof(*nodes));
-    if (nodes == NULL)
-        return 0;
-    int most = 0;
-    if (REAL_CU(cuGraphGetNodes)(g, nodes, &n) == CUDA_SUCCESS) {
-        for (size_t i = 0; i < n; i++) {
-            CUgraphNodeType t;
-            int local = 0;
-            CUDA_KERNEL_NODE_PARAMS_v2 p;
-            CUgraph child;
-            if (REAL_CU(cuGraphNodeGetType)(nodes[i], &t) != CUDA_SUCCESS)
-                continue;
-            if (t == CU_GRAPH_NODE_TYPE_KERNEL && REAL_CU(cuGraphKernelNodeGetParams_v2)(nodes[i], &p) == CUDA_SUCCESS)
-                function_frame(p.func != NULL ? p.func : (CUfunction)p.kern, &local);
-            else if (t == CU_GRAPH_NODE_TYPE_GRAPH &&
-                     REAL_CU(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) == CUDA_SUCCESS)
-                local = graph_frame(child, depth + 1);
-            if (local > most)
-                most = local;
-        }
+    if (*top == *room) {
+        size_t grown = *room * 2;
+        CUgraph *more = realloc(*todo, grown * sizeof(**todo));
+        if (more == NULL)
+            return false;
+        *todo = more;
+        *room = grown;
     }
-    free(nodes);
+    (*todo)[(*top)++] = c;
+    return true;
+}
+
+/*
+ * The largest local frame of graph g's kernels, those of its child graphs at any depth too (0: none bigger than
+ * nothing); -1 when they cannot all be looked at (more than GRAPH_WALK_LIMIT graphs, or no host memory for the walk):
+ * the caller refuses (stack_for).  The walk keeps its own list: a graph nested thousands deep costs no call stack.
+ */
+static int graph_frame(CUgraph g)
+{
+    size_t room = 16, top = 0, seen = 0;
+    CUgraph *todo = malloc(room * sizeof(*todo));
+    if (todo == NULL)
+        return -1;
+    todo[top++] = g;
+    int most = 0;
+    while (top > 0 && most >= 0) {
+        CUgraph cur = todo[--top];
+        size_t n = 0;
+        if (++seen > GRAPH_WALK_LIMIT) {
+            most = -1;
+            break;
+        }
+        if (REAL_CU(cuGraphGetNodes)(cur, NULL, &n) != CUDA_SUCCESS || n == 0)
+            continue;
+        CUgraphNode *nodes = malloc(n * sizeof(*nodes));
+        if (nodes == NULL) {
+            most = -1;
+            break;
+        }
+        if (REAL_CU(cuGraphGetNodes)(cur, nodes, &n) == CUDA_SUCCESS) {
+            for (size_t i = 0; i < n && most >= 0; i++) {
+                CUgraphNodeType t;
+                int local = 0;
+                CUDA_KERNEL_NODE_PARAMS_v2 p;
+                CUgraph child;
+                if (REAL_CU(cuGraphNodeGetType)(nodes[i], &t) != CUDA_SUCCESS)
+                    continue;
+                if (t == CU_GRAPH_NODE_TYPE_KERNEL &&
+                    REAL_CU(cuGraphKernelNodeGetParams_v2)(nodes[i], &p) == CUDA_SUCCESS)
+                    function_frame(p.func != NULL ? p.func : (CUfunction)p.kern, &local);
+                else if (t == CU_GRAPH_NODE_TYPE_GRAPH &&
+                         REAL_CU(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) == CUDA_SUCCESS &&
+                         !walk_push(&todo, &top, &room, child))
+                    most = -1;
+                if (local > most && most >= 0)
+                    most = local;
+            }
+        }
+        free(nodes);
+    }
+    free(todo);
     return most;
 }
 
@@ -1643,6 +1679,12 @@ static CUresult stack_at_least(size_t want)
 /* The current context's stack grown to frame (a launch's kernels' largest) before the driver would grow it. */
 static CUresult stack_for(int frame)
 {
+    if (frame < 0) {
+        vc_log(VC_LOG_WARN, "a graph's kernels could not all be looked at for their stack (more than %d graphs nested "
+                            "in it, or no host memory left): refused under the memory limit",
+               GRAPH_WALK_LIMIT);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     return frame > (int)VC_DEFAULT_STACK ? stack_at_least((size_t)frame) : CUDA_SUCCESS;
 }
 
@@ -1656,7 +1698,7 @@ static CUresult stack_for(int frame)
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()) || (exec) == NULL)                                                            \
             return (call);                                                                                         \
-        CUresult st_ = stack_for(graph_frame((graph), 0));                                                         \
+        CUresult st_ = stack_for(graph_frame(graph));                                                              \
         if (st_ != CUDA_SUCCESS)                                                                                   \
             return st_;                                                                                            \
         GRAPH_POOL_CHANGE(call, graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph),              \
@@ -1730,7 +1772,7 @@ VC_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode 
         (nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL || nodeParams->type == CU_GRAPH_NODE_TYPE_GRAPH)) {
         CUresult rc = nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL
                           ? frame_of_params(nodeParams->kernel.func, nodeParams->kernel.kern)
-                          : stack_for(graph_frame(nodeParams->graph.graph, 0));
+                          : stack_for(graph_frame(nodeParams->graph.graph));
         if (rc != CUDA_SUCCESS)
             return rc;
     }
@@ -1740,7 +1782,7 @@ VC_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode 
 VC_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph)
 {
     if (VC_UNLIKELY(vc_limited()) && childGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(childGraph, 0));
+        CUresult rc = stack_for(graph_frame(childGraph));
         if (rc != CUDA_SUCCESS)
             return rc;
     }
@@ -1750,7 +1792,7 @@ VC_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CU
 VC_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
 {
     if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(hGraph, 0));
+        CUresult rc = stack_for(graph_frame(hGraph));
         if (rc != CUDA_SUCCESS)
             return rc;
     }
@@ -1761,7 +1803,7 @@ VC_EXPORT CUresult cuGraphExecUpdate(CUgraphExec hGraphExec, CUgraph hGraph, CUg
                                      CUgraphExecUpdateResult *updateResult_out)
 {
     if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(hGraph, 0));
+        CUresult rc = stack_for(graph_frame(hGraph));
         if (rc != CUDA_SUCCESS)
             return rc;
     }

@@ -349,7 +349,25 @@ static void local_frame(unsigned frame_kib, bool fill_first)
  * A graph of one kernel with a 64 KiB local frame, in a container at its limit: the driver grows the stack for its
  * kernels when the graph runs.  by_capture: the kernel is recorded by a stream capture, else added as a node.
  */
-static void graph_frame(bool by_capture)
+/* A graph whose one node is a child graph, levels deep, around g (levels 0: g itself); *node (unless NULL) is that
+ * node. */
+static CUgraph nested(CUgraph g, unsigned levels, CUgraphNode *node)
+{
+    for (unsigned i = 0; i < levels; i++) {
+        CUgraph outer;
+        check(FN(cuGraphCreate)(&outer, 0), "cuGraphCreate");
+        CUgraphNode n;
+        check(FN(cuGraphAddChildGraphNode)(&n, outer, NULL, 0, g), "cuGraphAddChildGraphNode");
+        if (node != NULL)
+            *node = n;
+        g = outer;
+    }
+    return g;
+}
+
+/* A graph of a kernel with a 64 KiB frame, instantiated at the limit: as a node, recorded by a capture, or in a child
+ * graph nesting levels deep. */
+static void graph_frame(bool by_capture, unsigned nesting)
 {
     primary();
     CUfunction fn = frame_kernel(65536);
@@ -362,7 +380,7 @@ static void graph_frame(bool by_capture)
         fprintf(stderr, "captured launch: %d\n", (int)rc);
         check(FN(cuStreamEndCapture)(s, &g), "cuStreamEndCapture");
     } else {
-        g = kernel_graph(fn, NULL);
+        g = nested(kernel_graph(fn, NULL), nesting, NULL);
     }
     fill(2 * MIB);
     CUgraphExec e;
@@ -403,7 +421,17 @@ static void graph_shrink(void)
  */
 /* How exec_update changes the exec: the CUDA 12 calls, their CUDA 10-11 ABIs (found by name, or as a CUDA 11 runtime
  * finds them: through cuGetProcAddress at its version), or the generic node call of CUDA 12.2. */
-enum exec_change { UPDATE_V2, NODE_V2, UPDATE_V1, NODE_V1, UPDATE_PROC_V1, NODE_PROC_V1, NODE_GENERIC };
+enum exec_change {
+    UPDATE_V2,
+    NODE_V2,
+    UPDATE_V1,
+    NODE_V1,
+    UPDATE_PROC_V1,
+    NODE_PROC_V1,
+    NODE_GENERIC,
+    CHILD_SET,
+    CHILD_GENERIC
+};
 
 static void *proc_at(const char *name, int version)
 {
@@ -424,7 +452,8 @@ static void exec_update(enum exec_change how)
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     CUgraphNode n;
-    CUgraph g = kernel_graph(small, &n);
+    bool child = how == CHILD_SET || how == CHILD_GENERIC; /* the exec's node is a child graph of that kernel */
+    CUgraph g = child ? nested(kernel_graph(small, NULL), 1, &n) : kernel_graph(small, &n);
     CUgraphExec e;
     check(FN(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
     CUgraph bigger = kernel_graph(big, NULL);
@@ -453,6 +482,13 @@ static void exec_update(enum exec_change how)
         gp.kernel.gridDimX = gp.kernel.gridDimY = gp.kernel.gridDimZ = 1;
         gp.kernel.blockDimX = 32;
         gp.kernel.blockDimY = gp.kernel.blockDimZ = 1;
+        rc = FN(cuGraphExecNodeSetParams)(e, n, &gp);
+        break;
+    }
+    case CHILD_SET: rc = FN(cuGraphExecChildGraphNodeSetParams)(e, n, bigger); break;
+    case CHILD_GENERIC: {
+        CUgraphNodeParams gp = {.type = CU_GRAPH_NODE_TYPE_GRAPH};
+        gp.graph.graph = bigger;
         rc = FN(cuGraphExecNodeSetParams)(e, n, &gp);
         break;
     }
@@ -732,9 +768,13 @@ int main(int argc, char **argv)
     else if (strcmp(argv[1], "library-kernel") == 0)
         library_phantom(limit, true);
     else if (strcmp(argv[1], "graph-frame") == 0)
-        graph_frame(false);
+        graph_frame(false, 0);
     else if (strcmp(argv[1], "graph-frame-capture") == 0)
-        graph_frame(true);
+        graph_frame(true, 0);
+    else if (strcmp(argv[1], "graph-frame-child") == 0)
+        graph_frame(false, 3);
+    else if (strcmp(argv[1], "graph-frame-deep") == 0)
+        graph_frame(false, 40);
     else if (strcmp(argv[1], "graph-shrink") == 0)
         graph_shrink();
     else if (strcmp(argv[1], "exec-update") == 0)
@@ -751,6 +791,10 @@ int main(int argc, char **argv)
         exec_update(NODE_PROC_V1);
     else if (strcmp(argv[1], "exec-node-set-params") == 0)
         exec_update(NODE_GENERIC);
+    else if (strcmp(argv[1], "exec-child-params") == 0)
+        exec_update(CHILD_SET);
+    else if (strcmp(argv[1], "exec-child-set-params") == 0)
+        exec_update(CHILD_GENERIC);
     else if (strcmp(argv[1], "streams") == 0)
         streams();
     else if (strcmp(argv[1], "local-frame-full") == 0)

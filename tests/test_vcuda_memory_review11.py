@@ -82,6 +82,10 @@ SCENARIOS = [
     "local-frame-full",
     "streams",
     *GRAPH_FRAMES,
+    "graph-no-context",
+    "graph-other-context",
+    "child-graph-destroyed",
+    "graph-in-capture",
     "graph-shrink",
     *EXEC_CHANGES,
 ]

@@ -1039,6 +1039,7 @@ struct sim_graph_obj {
     _Atomic uint64_t local; /* the largest local frame of its kernels (a node: its kernel's) */
     CUgraph graph; /* an exec: the graph it was instantiated from (an identity only: may be gone); a graph: the graph
                       it is embedded in (a child node's clone), else NULL */
+    _Atomic(void *) fn; /* an exec: a function of its kernels with the largest frame (NULL: no kernel) */
 };
 
 struct sim_galloc {
@@ -1362,7 +1363,10 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph hGraph)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, true))
+    /* A child node's embedded graph is the node's (cuda.h: "the node retains ownership"): it goes with the node. */
+    if (!sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false) ||
+        ((const struct sim_graph_obj *)(void *)hGraph)->graph != NULL ||
+        !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, true))
         return CUDA_ERROR_INVALID_VALUE;
     graph_destroy(hGraph);
     return CUDA_SUCCESS;
@@ -1445,7 +1449,7 @@ static CUresult clone_graph(CUgraph *out, CUgraph graph, unsigned depth)
         if (e->ctx == NODE_KERNEL)
             rc = sim_graph_kernel_node(NULL, clone, e->size, (CUfunction)(uintptr_t)e->aux2,
                                        atomic_load(&((const struct sim_graph_obj *)(uintptr_t)e->key)->local));
-        else
+        else if (e->ctx == NODE_CHILD && sim_find(e->aux2, REC_GRAPH, NULL, false))
             rc = add_child_node(NULL, clone, (CUgraph)(uintptr_t)e->aux2, depth + 1);
     }
     free(entries);
@@ -1482,6 +1486,8 @@ static CUresult add_child_node(CUgraphNode *node, CUgraph parent, CUgraph child,
 struct graph_totals {
     uint64_t ns, local;
     uint32_t kernels;
+    CUfunction fn;      /* a kernel of the largest frame of those it runs now */
+    uint64_t fn_local;  /* that frame */
 };
 
 static bool graph_totals(CUgraph graph, struct graph_totals *t, unsigned depth)
@@ -1499,9 +1505,18 @@ static bool graph_totals(CUgraph graph, struct graph_totals *t, unsigned depth)
     if (n == SIZE_MAX)
         return false;
     bool ok = true;
-    for (size_t i = 0; i < n && ok; i++)
-        if (entries[i].ctx == NODE_CHILD)
-            ok = graph_totals((CUgraph)(uintptr_t)entries[i].aux2, t, depth + 1);
+    for (size_t i = 0; i < n && ok; i++) {
+        const struct vc_map_entry *e = &entries[i];
+        if (e->ctx == NODE_CHILD && sim_find(e->aux2, REC_GRAPH, NULL, false))
+            ok = graph_totals((CUgraph)(uintptr_t)e->aux2, t, depth + 1);
+        else if (e->ctx == NODE_KERNEL && e->aux2 != 0) {
+            uint64_t frame = atomic_load(&((const struct sim_graph_obj *)(uintptr_t)e->key)->local);
+            if (t->fn == NULL || frame > t->fn_local) {
+                t->fn = (CUfunction)(uintptr_t)e->aux2;
+                t->fn_local = frame;
+            }
+        }
+    }
     free(entries);
     return ok;
 }
@@ -1581,7 +1596,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
     CUresult rc = new_object((void **)exec, REC_GEXEC, NO_GPU, 0, (uint64_t)(uintptr_t)graph);
     if (rc != CUDA_SUCCESS)
         return rc;
-    struct graph_totals t = {0, 0, 0};
+    struct graph_totals t = {0, 0, 0, NULL, 0};
     if (!graph_totals(graph, &t, 0)) {
         sim_find((uint64_t)(uintptr_t)*exec, REC_GEXEC, NULL, true);
         free(*exec);
@@ -1592,6 +1607,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph graph)
     atomic_store(&x->kernel_ns, t.ns);
     atomic_store(&x->kernels, t.kernels);
     atomic_store(&x->local, t.local);
+    atomic_store(&x->fn, (void *)t.fn);
     x->graph = graph;
     struct instantiation in = {graph, *exec, CUDA_SUCCESS};
     sim_rec_lock();
@@ -1650,6 +1666,29 @@ static void galloc_launched(struct vc_map_entry *e, void *arg)
         a->outstanding = true;
 }
 
+/*
+ * An exec launched into a capture becomes a child graph node of the capturing graph, as with a real driver.  Its
+ * embedded graph holds the exec's kernels as one kernel node: their total time, and a function of the largest frame
+ * (what the stack must grow to when the captured graph runs).
+ */
+static CUresult captured_exec(CUgraph capture, const struct sim_graph_obj *x)
+{
+    CUgraph emb = NULL;
+    CUresult rc = new_object((void **)&emb, REC_GRAPH, NO_GPU, 0, 0);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    ((struct sim_graph_obj *)(void *)emb)->graph = capture;
+    CUfunction fn = (CUfunction)atomic_load(&x->fn);
+    if (atomic_load(&x->kernels) > 0 && fn != NULL)
+        rc = sim_graph_kernel_node(NULL, emb, atomic_load(&x->kernel_ns), fn, atomic_load(&x->local));
+    CUgraphNode n;
+    if (rc == CUDA_SUCCESS)
+        rc = new_node(&n, capture, NODE_CHILD, 0, (uint64_t)(uintptr_t)emb);
+    if (rc != CUDA_SUCCESS && sim_find((uint64_t)(uintptr_t)emb, REC_GRAPH, NULL, true))
+        graph_destroy(emb);
+    return rc;
+}
+
 static CUresult graph_launch(CUgraphExec exec, CUstream stream)
 {
     unsigned gpu;
@@ -1660,8 +1699,8 @@ static CUresult graph_launch(CUgraphExec exec, CUstream stream)
         return CUDA_ERROR_INVALID_VALUE;
     const struct sim_graph_obj *x = (const struct sim_graph_obj *)(void *)exec;
     CUgraph capture = sim_stream_capture(stream);
-    if (capture != NULL) /* launched into a capture: its kernels become a node of the capturing graph */
-        return sim_graph_kernel_node(NULL, capture, atomic_load(&x->kernel_ns), NULL, atomic_load(&x->local));
+    if (capture != NULL) /* launched into a capture: a child graph node of the capturing graph */
+        return captured_exec(capture, x);
     /* Its kernels' largest local frame: the stack grows to it at the launch, as a real driver's (an H200). */
     uint64_t local = atomic_load(&x->local);
     if (local > SIM_DEFAULT_STACK) {
@@ -1742,12 +1781,14 @@ SIM_EXPORT CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode hNode, CUDA_KERNEL
 }
 
 /* An exec's kernels' largest frame rises to local (its launches grow the stack to it). */
-static void exec_frame_at_least(CUgraphExec exec, uint64_t local)
+static void exec_frame_at_least(CUgraphExec exec, uint64_t local, CUfunction fn)
 {
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)exec;
     uint64_t had = atomic_load(&x->local);
     while (local > had && !atomic_compare_exchange_weak(&x->local, &had, local))
         ;
+    if (fn != NULL && (local > had || atomic_load(&x->fn) == NULL))
+        atomic_store(&x->fn, (void *)fn); /* the function a launch into a capture names */
 }
 
 /* A kernel node of an exec runs function (or CUkernel) f from now on (its frame counts at the exec's next launches). */
@@ -1759,7 +1800,7 @@ static CUresult exec_kernel_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, 
         return CUDA_ERROR_INVALID_VALUE;
     if (!callable(f))
         return CUDA_ERROR_INVALID_HANDLE;
-    exec_frame_at_least(hGraphExec, ((const struct sim_function *)(void *)f)->local);
+    exec_frame_at_least(hGraphExec, ((const struct sim_function *)(void *)f)->local, f);
     return CUDA_SUCCESS;
 }
 
@@ -1820,12 +1861,12 @@ static CUresult exec_child_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, C
     for (size_t i = 0; i < n; i++)
         memory |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
     free(entries);
-    struct graph_totals t = {0, 0, 0};
+    struct graph_totals t = {0, 0, 0, NULL, 0};
     if (memory)
         return CUDA_ERROR_INVALID_VALUE;
     if (!graph_totals(childGraph, &t, 0))
         return CUDA_ERROR_OUT_OF_MEMORY;
-    exec_frame_at_least(hGraphExec, t.local);
+    exec_frame_at_least(hGraphExec, t.local, t.fn);
     return CUDA_SUCCESS;
 }
 
@@ -1854,12 +1895,12 @@ static CUresult exec_update(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecU
         *result = CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
         return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
     }
-    struct graph_totals t = {0, 0, 0};
+    struct graph_totals t = {0, 0, 0, NULL, 0};
     if (!graph_totals(hGraph, &t, 0))
         return CUDA_ERROR_OUT_OF_MEMORY;
     atomic_store(&x->kernel_ns, t.ns);
     atomic_store(&x->kernels, t.kernels);
-    exec_frame_at_least(hGraphExec, t.local);
+    exec_frame_at_least(hGraphExec, t.local, t.fn);
     *result = CU_GRAPH_EXEC_UPDATE_SUCCESS;
     return CUDA_SUCCESS;
 }

@@ -2067,6 +2067,11 @@ VC_EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
 {
     if (VC_LIKELY(!vc_core_limited() && !vc_limited()))
         return REAL_CU(cuGraphLaunch)(hGraphExec, hStream);
+    if (vc_limited()) {
+        CUresult frc = vc_memory_graph_launch_frame(hGraphExec, hStream, false);
+        if (frc != CUDA_SUCCESS)
+            return frc;
+    }
     CUresult rc;
     if (vc_core_limited()) {
         struct gate g = gate_before(hStream, false, 1, false);
@@ -2084,6 +2089,11 @@ VC_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
 {
     if (VC_LIKELY(!vc_core_limited() && !vc_limited()))
         return REAL_CU(cuGraphLaunch_ptsz)(hGraphExec, hStream);
+    if (vc_limited()) {
+        CUresult frc = vc_memory_graph_launch_frame(hGraphExec, hStream, true);
+        if (frc != CUDA_SUCCESS)
+            return frc;
+    }
     CUresult rc;
     if (vc_core_limited()) {
         struct gate g = gate_before(hStream, true, 1, false);

@@ -235,6 +235,8 @@ bool vc_env_locked(void);
  * would grow it at the launch; CUDA_ERROR_OUT_OF_MEMORY when that does not fit the container (the launch must not go).
  */
 CUresult vc_memory_launch_frame(CUfunction f, CUstream s, bool ptsz);
+/* Before a launch of a graph exec (memory cap on): its kernels' frame fits its stream's context's stack. */
+CUresult vc_memory_graph_launch_frame(CUgraphExec exec, CUstream s, bool ptsz);
 
 /* ---- the container's shared budget (vc_budget.c) ---------------------------- */
 

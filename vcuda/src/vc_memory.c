@@ -39,6 +39,7 @@ enum rec_kind {
     REC_CONTEXT, /* key = a live CUcontext: the libraries' variables are charged once more for it */
     REC_POOL,    /* key = CUmemoryPool, size = what the budget holds for it, aux = its live allocations' bytes,
                     gpu = 1 once destroyed (then it settles on aux) */
+    REC_GEXEC,   /* key = CUgraphExec whose kernels' largest frame is above the default stack, aux = that frame */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* guards g_recs and g_gallocs */
@@ -1602,8 +1603,8 @@ static bool walk_push(CUgraph **todo, size_t *top, size_t *room, CUgraph c)
 
 /*
  * The largest local frame of graph g's kernels, those of its child graphs at any depth too (0: none bigger than
- * nothing); -1 when they cannot all be looked at (more than GRAPH_WALK_LIMIT graphs, or no host memory for the walk):
- * the caller refuses (stack_for).  The walk keeps its own list: a graph nested thousands deep costs no call stack.
+ * nothing); -1 when they cannot all be looked at (a kernel node whose function's frame cannot be told, more than
+ * GRAPH_WALK_LIMIT graphs, or no host memory for the walk): the caller refuses (stack_for).  The walk keeps its own list: a graph nested thousands deep costs no call stack.
  */
 static int graph_frame(CUgraph g)
 {
@@ -1635,10 +1636,11 @@ static int graph_frame(CUgraph g)
                 CUgraph child;
                 if (REAL_CU(cuGraphNodeGetType)(nodes[i], &t) != CUDA_SUCCESS)
                     continue;
-                if (t == CU_GRAPH_NODE_TYPE_KERNEL &&
-                    REAL_CU(cuGraphKernelNodeGetParams_v2)(nodes[i], &p) == CUDA_SUCCESS)
-                    function_frame(p.func != NULL ? p.func : (CUfunction)p.kern, &local);
-                else if (t == CU_GRAPH_NODE_TYPE_GRAPH &&
+                if (t == CU_GRAPH_NODE_TYPE_KERNEL) {
+                    if (REAL_CU(cuGraphKernelNodeGetParams_v2)(nodes[i], &p) != CUDA_SUCCESS ||
+                        !function_frame(p.func != NULL ? p.func : (CUfunction)p.kern, &local))
+                        most = -1; /* a kernel whose frame cannot be told */
+                } else if (t == CU_GRAPH_NODE_TYPE_GRAPH &&
                          REAL_CU(cuGraphChildGraphNodeGetGraph)(nodes[i], &child) == CUDA_SUCCESS &&
                          !walk_push(&todo, &top, &room, child))
                     most = -1;
@@ -1665,7 +1667,9 @@ static CUresult stack_at_least(size_t want)
     CUresult rc = CUDA_SUCCESS;
     size_t old = 0;
     pthread_mutex_lock(&g_stack_mu);
-    if (REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) == CUDA_SUCCESS && want > old) {
+    if (REAL_CU(cuCtxGetLimit)(&old, CU_LIMIT_STACK_SIZE) != CUDA_SUCCESS) {
+        rc = CUDA_ERROR_INVALID_CONTEXT; /* no context to grow it in: nothing the kernels may run in is checked */
+    } else if (want > old) {
         CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
         bool exchanged = REAL_CU(cuThreadExchangeStreamCaptureMode)(&mode) == CUDA_SUCCESS;
         rc = grow_limit(CU_LIMIT_STACK_SIZE, old, want);
@@ -1676,12 +1680,33 @@ static CUresult stack_at_least(size_t want)
     return rc;
 }
 
+/* Notes an exec's kernels' largest frame (the larger of what is noted already and frame) for its launches. */
+static void exec_frame_note(CUgraphExec exec, int frame)
+{
+    if (exec == NULL || frame <= (int)VC_DEFAULT_STACK)
+        return;
+    pthread_mutex_lock(&g_mu);
+    struct vc_map_entry *e = vc_map_lookup(&g_recs, (uint64_t)(uintptr_t)exec, REC_GEXEC);
+    int rc = 0;
+    if (e != NULL) {
+        if ((uint64_t)frame > e->aux)
+            e->aux = (uint64_t)frame;
+    } else {
+        struct vc_map_entry fresh = {.key = (uint64_t)(uintptr_t)exec, .kind = REC_GEXEC, .aux = (uint64_t)frame};
+        rc = vc_map_put(&g_recs, &fresh);
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (rc != 0) /* its launches in another context go unchecked: said once per exec */
+        vc_log(VC_LOG_ERROR, "out of host memory: a graph's kernels' frame is not kept for its launches");
+}
+
 /* The current context's stack grown to frame (a launch's kernels' largest) before the driver would grow it. */
 static CUresult stack_for(int frame)
 {
     if (frame < 0) {
-        vc_log(VC_LOG_WARN, "a graph's kernels could not all be looked at for their stack (more than %d graphs nested "
-                            "in it, or no host memory left): refused under the memory limit",
+        vc_log(VC_LOG_WARN, "a graph's kernels could not all be looked at for their stack (a kernel whose frame cannot "
+                            "be told, more than %d graphs nested in it, or no host memory left): refused under the "
+                            "memory limit",
                GRAPH_WALK_LIMIT);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1698,11 +1723,13 @@ static CUresult stack_for(int frame)
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited()) || (exec) == NULL)                                                            \
             return (call);                                                                                         \
-        CUresult st_ = stack_for(graph_frame(graph));                                                              \
+        int frame_ = graph_frame(graph);                                                                           \
+        CUresult st_ = stack_for(frame_);                                                                          \
         if (st_ != CUDA_SUCCESS)                                                                                   \
             return st_;                                                                                            \
-        GRAPH_POOL_CHANGE(call, graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph),              \
-                                              (uint64_t)(uintptr_t) * (exec)));                                    \
+        GRAPH_POOL_CHANGE(call, (graph_changed(rc_, galloc_instantiated, (uint64_t)(uintptr_t)(graph),             \
+                                               (uint64_t)(uintptr_t) * (exec)),                                    \
+                                 exec_frame_note(*(exec), frame_)));                                               \
     } while (0)
 
 VC_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
@@ -1737,83 +1764,85 @@ VC_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
                  hGraph);
 }
 
-/* An exec's kernel changed, or the exec updated from a graph: the stack grown first to the new kernels' frame. */
-static CUresult frame_of_params(CUfunction func, CUkernel kern)
+/* The frame of a kernel node's new function (or CUkernel); -1 when it cannot be told. */
+static int params_frame(CUfunction func, CUkernel kern)
 {
     int local = 0;
-    return function_frame(func != NULL ? func : (CUfunction)kern, &local) ? stack_for(local) : CUDA_SUCCESS;
+    return function_frame(func != NULL ? func : (CUfunction)kern, &local) ? local : -1;
 }
+
+/*
+ * An exec whose kernels change (a node given another function or child graph, the exec updated from a graph): the
+ * current context's stack grown first to the new kernels' frame, as for an instantiation, and the exec's frame noted
+ * for its launches (vc_memory_graph_launch_frame).
+ */
+#define EXEC_CHANGED(exec, frame, call)                                                                            \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited()))                                                                              \
+            return (call);                                                                                         \
+        int f_ = (frame);                                                                                          \
+        CUresult rc_ = stack_for(f_);                                                                              \
+        if (rc_ != CUDA_SUCCESS)                                                                                   \
+            return rc_;                                                                                            \
+        rc_ = (call);                                                                                              \
+        if (rc_ == CUDA_SUCCESS)                                                                                   \
+            exec_frame_note((exec), f_);                                                                           \
+        return rc_;                                                                                                \
+    } while (0)
 
 VC_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
                                                      const CUDA_KERNEL_NODE_PARAMS *nodeParams)
 {
-    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL) {
-        CUresult rc = frame_of_params(nodeParams->func, nodeParams->kern);
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecKernelNodeSetParams_v2)(hGraphExec, hNode, nodeParams);
+    EXEC_CHANGED(hGraphExec, nodeParams != NULL ? params_frame(nodeParams->func, nodeParams->kern) : 0,
+                 REAL_CU(cuGraphExecKernelNodeSetParams_v2)(hGraphExec, hNode, nodeParams));
 }
 
 VC_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode,
                                                   const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams)
 {
-    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL) {
-        CUresult rc = frame_of_params(nodeParams->func, NULL);
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecKernelNodeSetParams)(hGraphExec, hNode, nodeParams);
+    EXEC_CHANGED(hGraphExec, nodeParams != NULL ? params_frame(nodeParams->func, NULL) : 0,
+                 REAL_CU(cuGraphExecKernelNodeSetParams)(hGraphExec, hNode, nodeParams));
+}
+
+static int node_params_frame(const CUgraphNodeParams *p)
+{
+    if (p == NULL)
+        return 0;
+    if (p->type == CU_GRAPH_NODE_TYPE_KERNEL)
+        return params_frame(p->kernel.func, p->kernel.kern);
+    return p->type == CU_GRAPH_NODE_TYPE_GRAPH ? graph_frame(p->graph.graph) : 0;
 }
 
 VC_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams)
 {
-    if (VC_UNLIKELY(vc_limited()) && nodeParams != NULL &&
-        (nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL || nodeParams->type == CU_GRAPH_NODE_TYPE_GRAPH)) {
-        CUresult rc = nodeParams->type == CU_GRAPH_NODE_TYPE_KERNEL
-                          ? frame_of_params(nodeParams->kernel.func, nodeParams->kernel.kern)
-                          : stack_for(graph_frame(nodeParams->graph.graph));
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecNodeSetParams)(hGraphExec, hNode, nodeParams);
+    EXEC_CHANGED(hGraphExec, node_params_frame(nodeParams),
+                 REAL_CU(cuGraphExecNodeSetParams)(hGraphExec, hNode, nodeParams));
 }
 
 VC_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph)
 {
-    if (VC_UNLIKELY(vc_limited()) && childGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(childGraph));
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecChildGraphNodeSetParams)(hGraphExec, hNode, childGraph);
+    EXEC_CHANGED(hGraphExec, childGraph != NULL ? graph_frame(childGraph) : 0,
+                 REAL_CU(cuGraphExecChildGraphNodeSetParams)(hGraphExec, hNode, childGraph));
 }
 
 VC_EXPORT CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo)
 {
-    if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(hGraph));
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecUpdate_v2)(hGraphExec, hGraph, resultInfo);
+    EXEC_CHANGED(hGraphExec, hGraph != NULL ? graph_frame(hGraph) : 0,
+                 REAL_CU(cuGraphExecUpdate_v2)(hGraphExec, hGraph, resultInfo));
 }
 
 VC_EXPORT CUresult cuGraphExecUpdate(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,
                                      CUgraphExecUpdateResult *updateResult_out)
 {
-    if (VC_UNLIKELY(vc_limited()) && hGraph != NULL) {
-        CUresult rc = stack_for(graph_frame(hGraph));
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    return REAL_CU(cuGraphExecUpdate)(hGraphExec, hGraph, hErrorNode_out, updateResult_out);
+    EXEC_CHANGED(hGraphExec, hGraph != NULL ? graph_frame(hGraph) : 0,
+                 REAL_CU(cuGraphExecUpdate)(hGraphExec, hGraph, hErrorNode_out, updateResult_out));
 }
 
 VC_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
     if (VC_LIKELY(!vc_limited()))
         return REAL_CU(cuGraphExecDestroy)(hGraphExec);
+    take((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL); /* a later exec at its address starts without a frame */
     GRAPH_POOL_CHANGE(REAL_CU(cuGraphExecDestroy)(hGraphExec),
                       graph_changed(rc_, galloc_exec_gone, (uint64_t)(uintptr_t)hGraphExec, 0));
 }
@@ -2471,12 +2500,34 @@ static bool function_frame(CUfunction f, int *local)
  * context cannot be made current, is left to the driver (which refuses such a launch itself).  A launch recorded
  * into a graph (the stream capturing) runs nothing: a graph's kernels are not looked at (vcuda/README.md, limits).
  */
+static CUresult frame_in_stream(CUfunction f, bool known, int local, CUstream s, bool ptsz);
+
 CUresult vc_memory_launch_frame(CUfunction f, CUstream s, bool ptsz)
 {
     int local = 0;
     bool known = REAL_CU(cuFuncGetAttribute)(&local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f) == CUDA_SUCCESS;
     if (known && local <= (int)VC_DEFAULT_STACK)
         return CUDA_SUCCESS; /* within the stack every context has from its start */
+    return frame_in_stream(f, known, local, s, ptsz);
+}
+
+/*
+ * Before a launch of graph exec on stream s: its kernels' frame, noted when it was instantiated or changed, against the
+ * stack of the stream's context, which need not be the context that was current then (another context's stream, or
+ * none current at the instantiation): grown there first, or the launch refused, as a kernel's launch is.
+ */
+CUresult vc_memory_graph_launch_frame(CUgraphExec exec, CUstream s, bool ptsz)
+{
+    struct vc_map_entry e;
+    pthread_mutex_lock(&g_mu);
+    bool noted = vc_map_find(&g_recs, (uint64_t)(uintptr_t)exec, REC_GEXEC, &e, false);
+    pthread_mutex_unlock(&g_mu);
+    return noted ? frame_in_stream(NULL, true, (int)e.aux, s, ptsz) : CUDA_SUCCESS;
+}
+
+/* A launch of local bytes a thread (f's, when not known) on stream s: the stack of s's context grown to it first. */
+static CUresult frame_in_stream(CUfunction f, bool known, int local, CUstream s, bool ptsz)
+{
     CUstreamCaptureStatus capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     CUstream as = ptsz && s == NULL ? CU_STREAM_PER_THREAD : s; /* a _ptsz call's NULL is the per-thread stream */
     if (REAL_CU(cuStreamIsCapturing)(as, &capturing) == CUDA_SUCCESS && capturing != CU_STREAM_CAPTURE_STATUS_NONE)

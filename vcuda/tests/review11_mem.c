@@ -745,6 +745,103 @@ static void forked(void)
     waitpid(child, NULL, 0);
 }
 
+/*
+ * A graph of a kernel with a 64 KiB frame instantiated in a container at its limit with no context current (no stack
+ * to grow then), then launched on a stream of the primary context.
+ */
+static void graph_no_context(void)
+{
+    primary();
+    CUfunction fn = frame_kernel(65536);
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g = kernel_graph(fn, NULL);
+    fill(2 * MIB);
+    CUcontext ctx;
+    check(FN(cuCtxPopCurrent_v2)(&ctx), "cuCtxPopCurrent_v2");
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    check(FN(cuCtxPushCurrent_v2)(ctx), "cuCtxPushCurrent_v2");
+    if (rc == CUDA_SUCCESS) {
+        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+        FN(cuStreamSynchronize)(s);
+    }
+    report();
+}
+
+/*
+ * A graph of a kernel with a 3 KiB frame made in a second context, instantiated with the primary context current (its
+ * stack grown), launched on a stream of the second context (whose stack the launch grows), then the container filled.
+ */
+static void graph_other_context(void)
+{
+    primary();
+    CUcontext first, second;
+    check(FN(cuCtxGetCurrent)(&first), "cuCtxGetCurrent");
+    check(FN(cuCtxCreate_v2)(&second, 0, 0), "cuCtxCreate_v2");
+    CUfunction fn = frame_kernel(3072);
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g = kernel_graph(fn, NULL);
+    check(FN(cuCtxSetCurrent)(first), "cuCtxSetCurrent");
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    if (rc == CUDA_SUCCESS) {
+        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+        FN(cuStreamSynchronize)(s);
+    }
+    fill(2 * MIB);
+    report();
+}
+
+/* A child node's embedded graph destroyed by the program (cuda.h: the node owns it), then its graph instantiated. */
+static void child_graph_destroyed(void)
+{
+    primary();
+    CUgraphNode n;
+    CUgraph g = nested(kernel_graph(frame_kernel(16), NULL), 1, &n);
+    CUgraph embedded;
+    check(FN(cuGraphChildGraphNodeGetGraph)(n, &embedded), "cuGraphChildGraphNodeGetGraph");
+    fprintf(stderr, "destroy embedded: %d\n", (int)FN(cuGraphDestroy)(embedded));
+    CUgraphExec e;
+    fprintf(stderr, "instantiate: %d\n", (int)FN(cuGraphInstantiateWithFlags)(&e, g, 0));
+    fprintf(stderr, "destroy: %d\n", (int)FN(cuGraphDestroy)(g));
+    report();
+}
+
+/*
+ * An exec of a kernel with a 64 KiB frame (instantiated with room to spare) launched into a capture; the captured graph
+ * is instantiated and launched once the container is at its limit.
+ */
+static void graph_in_capture(void)
+{
+    primary();
+    CUfunction fn = frame_kernel(65536);
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUgraph g = kernel_graph(fn, NULL);
+    CUgraphExec inner;
+    CUcontext ctx;
+    check(FN(cuCtxPopCurrent_v2)(&ctx), "cuCtxPopCurrent_v2"); /* as graph_no_context: no stack grown for it */
+    fprintf(stderr, "inner instantiate: %d\n", (int)FN(cuGraphInstantiateWithFlags)(&inner, g, 0));
+    check(FN(cuCtxPushCurrent_v2)(ctx), "cuCtxPushCurrent_v2");
+    check(FN(cuStreamBeginCapture_v2)(s, CU_STREAM_CAPTURE_MODE_RELAXED), "cuStreamBeginCapture_v2");
+    fprintf(stderr, "captured launch: %d\n", (int)FN(cuGraphLaunch)(inner, s));
+    CUgraph captured;
+    check(FN(cuStreamEndCapture)(s, &captured), "cuStreamEndCapture");
+    fill(2 * MIB);
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, captured, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    if (rc == CUDA_SUCCESS) {
+        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+        FN(cuStreamSynchronize)(s);
+    }
+    report();
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -775,6 +872,14 @@ int main(int argc, char **argv)
         graph_frame(false, 3);
     else if (strcmp(argv[1], "graph-frame-deep") == 0)
         graph_frame(false, 40);
+    else if (strcmp(argv[1], "graph-no-context") == 0)
+        graph_no_context();
+    else if (strcmp(argv[1], "graph-other-context") == 0)
+        graph_other_context();
+    else if (strcmp(argv[1], "child-graph-destroyed") == 0)
+        child_graph_destroyed();
+    else if (strcmp(argv[1], "graph-in-capture") == 0)
+        graph_in_capture();
     else if (strcmp(argv[1], "graph-shrink") == 0)
         graph_shrink();
     else if (strcmp(argv[1], "exec-update") == 0)

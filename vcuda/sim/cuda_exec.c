@@ -1425,6 +1425,20 @@ static struct vc_map_entry *graph_entries(CUgraph graph, size_t *n)
     }
 }
 
+/* Whether graph holds memory allocation or free nodes (1) or not (0); -1 when memory ran out to look. */
+static int memory_nodes(CUgraph graph)
+{
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(graph, &n);
+    if (n == SIZE_MAX)
+        return -1;
+    int found = 0;
+    for (size_t i = 0; i < n; i++)
+        found |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
+    free(entries);
+    return found;
+}
+
 static CUresult add_child_node(CUgraphNode *node, CUgraph parent, CUgraph child, unsigned depth);
 
 /* A clone of graph: its kernel nodes, its child nodes (their embedded graphs cloned in turn). */
@@ -1432,16 +1446,13 @@ static CUresult clone_graph(CUgraph *out, CUgraph graph, unsigned depth)
 {
     if (depth > 1024)
         return CUDA_ERROR_NOT_SUPPORTED; /* far beyond any graph a program builds: not simulated */
+    int memory = memory_nodes(graph);
+    if (memory != 0)
+        return memory < 0 ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_INVALID_VALUE;
     size_t n;
     struct vc_map_entry *entries = graph_entries(graph, &n);
     if (n == SIZE_MAX)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    for (size_t i = 0; i < n; i++) {
-        if (entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE) {
-            free(entries);
-            return CUDA_ERROR_INVALID_VALUE;
-        }
-    }
     CUgraph clone = NULL;
     CUresult rc = new_object((void **)&clone, REC_GRAPH, NO_GPU, 0, 0);
     for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
@@ -1853,16 +1864,11 @@ static CUresult exec_child_node_set(CUgraphExec hGraphExec, CUgraphNode hNode, C
         !sim_find((uint64_t)(uintptr_t)hNode, REC_GNODE, &e, false) || e.ctx != NODE_CHILD ||
         !sim_find((uint64_t)(uintptr_t)childGraph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
-    size_t n;
-    struct vc_map_entry *entries = graph_entries(childGraph, &n);
-    if (n == SIZE_MAX)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    bool memory = false;
-    for (size_t i = 0; i < n; i++)
-        memory |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
-    free(entries);
+    int memory = memory_nodes(childGraph);
     struct graph_totals t = {0, 0, 0, NULL, 0};
-    if (memory)
+    if (memory < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (memory > 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (!graph_totals(childGraph, &t, 0))
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -1882,16 +1888,11 @@ static CUresult exec_update(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecU
     if (!sim_find((uint64_t)(uintptr_t)hGraphExec, REC_GEXEC, NULL, false) ||
         !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
-    size_t n;
-    struct vc_map_entry *entries = graph_entries(hGraph, &n);
-    if (n == SIZE_MAX)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    bool memory = false;
-    for (size_t i = 0; i < n; i++)
-        memory |= entries[i].ctx == NODE_ALLOC || entries[i].ctx == NODE_FREE;
-    free(entries);
+    int memory = memory_nodes(hGraph);
     struct sim_graph_obj *x = (struct sim_graph_obj *)(void *)hGraphExec;
-    if (memory) {
+    if (memory < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (memory > 0) {
         *result = CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED;
         return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
     }

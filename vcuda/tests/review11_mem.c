@@ -349,6 +349,18 @@ static void local_frame(unsigned frame_kib, bool fill_first)
  * A graph of one kernel with a 64 KiB local frame, in a container at its limit: the driver grows the stack for its
  * kernels when the graph runs.  by_capture: the kernel is recorded by a stream capture, else added as a node.
  */
+/* g instantiated ("instantiate: <rc>") and, when it was, launched on s ("launch: <rc>") and waited for. */
+static void instantiate_and_launch(CUgraph g, CUstream s)
+{
+    CUgraphExec e;
+    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
+    fprintf(stderr, "instantiate: %d\n", (int)rc);
+    if (rc == CUDA_SUCCESS) {
+        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
+        FN(cuStreamSynchronize)(s);
+    }
+}
+
 /* A graph whose one node is a child graph, levels deep, around g (levels 0: g itself); *node (unless NULL) is that
  * node. */
 static CUgraph nested(CUgraph g, unsigned levels, CUgraphNode *node)
@@ -383,13 +395,7 @@ static void graph_frame(bool by_capture, unsigned nesting)
         g = nested(kernel_graph(fn, NULL), nesting, NULL);
     }
     fill(2 * MIB);
-    CUgraphExec e;
-    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
-    fprintf(stderr, "instantiate: %d\n", (int)rc);
-    if (rc == CUDA_SUCCESS) {
-        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
-        FN(cuStreamSynchronize)(s);
-    }
+    instantiate_and_launch(g, s);
     report();
 }
 
@@ -785,13 +791,7 @@ static void graph_other_context(void)
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     CUgraph g = kernel_graph(fn, NULL);
     check(FN(cuCtxSetCurrent)(first), "cuCtxSetCurrent");
-    CUgraphExec e;
-    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, g, 0);
-    fprintf(stderr, "instantiate: %d\n", (int)rc);
-    if (rc == CUDA_SUCCESS) {
-        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
-        FN(cuStreamSynchronize)(s);
-    }
+    instantiate_and_launch(g, s);
     fill(2 * MIB);
     report();
 }
@@ -832,13 +832,7 @@ static void graph_in_capture(void)
     CUgraph captured;
     check(FN(cuStreamEndCapture)(s, &captured), "cuStreamEndCapture");
     fill(2 * MIB);
-    CUgraphExec e;
-    CUresult rc = FN(cuGraphInstantiateWithFlags)(&e, captured, 0);
-    fprintf(stderr, "instantiate: %d\n", (int)rc);
-    if (rc == CUDA_SUCCESS) {
-        fprintf(stderr, "launch: %d\n", (int)FN(cuGraphLaunch)(e, s));
-        FN(cuStreamSynchronize)(s);
-    }
+    instantiate_and_launch(captured, s);
     report();
 }
 

@@ -1729,22 +1729,6 @@ static CUresult graph_launch(CUgraphExec exec, CUstream stream)
     return CUDA_SUCCESS;
 }
 
-struct node_list {
-    CUgraph graph;
-    CUgraphNode *nodes;
-    size_t n, room;
-};
-
-static void collect_node(struct vc_map_entry *e, void *arg)
-{
-    struct node_list *l = arg;
-    if (e->aux != (uint64_t)(uintptr_t)l->graph)
-        return;
-    if (l->nodes != NULL && l->n < l->room)
-        l->nodes[l->n] = (CUgraphNode)(uintptr_t)e->key;
-    l->n++;
-}
-
 /* The graph's nodes (cuda.h: with nodes NULL, their number). */
 SIM_EXPORT CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes)
 {
@@ -1752,13 +1736,18 @@ SIM_EXPORT CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *
         return CUDA_ERROR_NOT_INITIALIZED;
     if (numNodes == NULL || !sim_find((uint64_t)(uintptr_t)hGraph, REC_GRAPH, NULL, false))
         return CUDA_ERROR_INVALID_VALUE;
-    struct node_list l = {hGraph, nodes, 0, nodes != NULL ? *numNodes : 0};
-    sim_rec_lock();
-    vc_map_each(sim_recs(), REC_GNODE, collect_node, &l);
-    sim_rec_unlock();
-    if (nodes != NULL && l.n > l.room)
-        l.n = l.room;
-    *numNodes = l.n;
+    size_t n;
+    struct vc_map_entry *entries = graph_entries(hGraph, &n);
+    if (n == SIZE_MAX)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (nodes != NULL) {
+        if (n > *numNodes)
+            n = *numNodes;
+        for (size_t i = 0; i < n; i++)
+            nodes[i] = (CUgraphNode)(uintptr_t)entries[i].key;
+    }
+    free(entries);
+    *numNodes = n;
     return CUDA_SUCCESS;
 }
 

@@ -73,6 +73,7 @@ SCENARIOS = [
     "vmm",
     "threads",
     "frees",
+    "free-async-context-destroyed",
     "pool-switch",
     "graph-phantom",
     "graph-refused",

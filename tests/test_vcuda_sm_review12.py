@@ -70,6 +70,8 @@ SCENARIOS = [
     "library",
     "threads",
     "contexts",
+    "contexts-rested",
+    "context-destroyed",
     "green",
     "failed-burst",
 ]

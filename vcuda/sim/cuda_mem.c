@@ -306,7 +306,8 @@ static void freed_with_context(const struct vc_map_entry *e, void *arg)
     if (e->kind == REC_DEV || e->kind == REC_LEGACY || e->kind == REC_ARRAY || e->kind == REC_MIPMAP ||
         e->kind == REC_MODULE || e->kind == REC_STREAM)
         sim_mem_uncharge(e->gpu, e->size);
-    if (e->kind == REC_ARRAY || e->kind == REC_MIPMAP || e->kind == REC_STREAM || e->kind == REC_MODULE)
+    if (e->kind == REC_ARRAY || e->kind == REC_MIPMAP || e->kind == REC_STREAM || e->kind == REC_MODULE ||
+        e->kind == REC_EVENT)
         free((void *)(uintptr_t)e->key);
 }
 
@@ -314,7 +315,7 @@ static void freed_with_context(const struct vc_map_entry *e, void *arg)
 void sim_ctx_gone(CUcontext ctx)
 {
     static const enum sim_rec_kind kinds[] = {REC_DEV, REC_LEGACY, REC_ARRAY, REC_MIPMAP, REC_STREAM, REC_MODULE,
-                                              REC_MODVAR};
+                                              REC_MODVAR, REC_EVENT};
     sim_rec_lock();
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         vc_map_remove_if(&g_recs, kinds[i], of_context, freed_with_context, ctx);

@@ -117,6 +117,7 @@ enum sim_rec_kind {
     REC_IPC,       /* key = address of an opened IPC memory handle, size, aux = open count */
     REC_HOSTREG,   /* key = host address registered with cuMemHostRegister, size */
     REC_MODVAR,    /* key = address of a loaded module's variable, size, aux = the module */
+    REC_EVENT,     /* key = CUevent (destroyed with its context) */
 };
 
 #define NO_GPU UINT32_MAX

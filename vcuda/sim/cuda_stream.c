@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -519,10 +520,12 @@ SIM_EXPORT CUresult cuCtxSynchronize(void)
 
 /* ---- events ------------------------------------------------------------------------------ */
 
-#define SIM_EVENT_MAGIC 0x45565453u
-
+/*
+ * An event belongs to the context it was created in and is destroyed with it (cuda.h: destroying a context frees
+ * its resources).  A handle the driver has freed is not a handle: what a real driver does with it is undefined (it
+ * reads or frees freed memory), so the simulated one stops the process there, naming the call, rather than answer.
+ */
 struct CUevent_st {
-    uint32_t magic;
     unsigned flags;
     unsigned gpu;
     bool recorded;
@@ -531,9 +534,25 @@ struct CUevent_st {
     uint64_t end_ns;  /* its completion time once seen complete, else 0 */
 };
 
-static bool event_valid(CUevent e)
+/* Whether e is a live event (NULL: not; a freed one stops the process); *ctx: the context it belongs to. */
+static bool event_valid_in(CUevent e, const char *call, CUcontext *ctx)
 {
-    return e != NULL && e->magic == SIM_EVENT_MAGIC;
+    if (e == NULL)
+        return false;
+    struct vc_map_entry r;
+    if (!sim_find((uint64_t)(uintptr_t)e, REC_EVENT, &r, false)) {
+        fprintf(stderr, "simulated libcuda: %s of event %p, which is destroyed (by cuEventDestroy, or with its "
+                "context): a real driver's use of freed memory\n", call, (void *)e);
+        abort();
+    }
+    if (ctx != NULL)
+        *ctx = (CUcontext)(uintptr_t)r.ctx;
+    return true;
+}
+
+static bool event_valid(CUevent e, const char *call)
+{
+    return event_valid_in(e, call, NULL);
 }
 
 SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
@@ -547,7 +566,11 @@ SIM_EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags)
     struct CUevent_st *e = calloc(1, sizeof(*e));
     if (e == NULL)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *e = (struct CUevent_st){.magic = SIM_EVENT_MAGIC, .flags = Flags, .gpu = (unsigned)dev};
+    *e = (struct CUevent_st){.flags = Flags, .gpu = (unsigned)dev};
+    if (sim_put((uint64_t)(uintptr_t)e, REC_EVENT, (unsigned)dev, 0, 0) != 0) { /* in the current context */
+        free(e);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     *phEvent = e;
     return CUDA_SUCCESS;
 }
@@ -556,9 +579,10 @@ static CUresult event_destroy(CUevent e)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(e))
+    if (!event_valid(e, "cuEventDestroy"))
         return CUDA_ERROR_INVALID_HANDLE;
-    e->magic = 0;
+    if (!sim_find((uint64_t)(uintptr_t)e, REC_EVENT, NULL, true))
+        return CUDA_ERROR_INVALID_HANDLE; /* another thread destroyed it meanwhile */
     free(e);
     return CUDA_SUCCESS;
 }
@@ -573,15 +597,22 @@ SIM_EXPORT CUresult cuEventDestroy_v2(CUevent hEvent)
     return event_destroy(hEvent);
 }
 
+/* cuda.h: the event and the stream must be of the same context (else CUDA_ERROR_INVALID_HANDLE). */
 static CUresult event_record(CUevent e, CUstream s)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(e))
+    CUcontext ectx, sctx;
+    if (!event_valid_in(e, "cuEventRecord", &ectx))
+        return CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = stream_ctx(s, &sctx);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (sctx != ectx)
         return CUDA_ERROR_INVALID_HANDLE;
     unsigned gpu;
     uint64_t upto;
-    CUresult rc = stream_upto(s, &gpu, &upto);
+    rc = stream_upto(s, &gpu, &upto);
     if (rc != CUDA_SUCCESS)
         return rc;
     e->gpu = gpu;
@@ -630,7 +661,7 @@ SIM_EXPORT CUresult cuEventQuery(CUevent hEvent)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(hEvent))
+    if (!event_valid(hEvent, "cuEventQuery"))
         return CUDA_ERROR_INVALID_HANDLE;
     if (!event_done(hEvent))
         return CUDA_ERROR_NOT_READY;
@@ -642,7 +673,7 @@ SIM_EXPORT CUresult cuEventSynchronize(CUevent hEvent)
 {
     if (sim_cu_node() == NULL)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!event_valid(hEvent))
+    if (!event_valid(hEvent, "cuEventSynchronize"))
         return CUDA_ERROR_INVALID_HANDLE;
     if (hEvent->recorded)
         sim_tl_wait(sim_cu_node()->state, hEvent->gpu, hEvent->upto);
@@ -657,8 +688,8 @@ static CUresult elapsed(float *ms, CUevent a, CUevent b)
         return CUDA_ERROR_NOT_INITIALIZED;
     if (ms == NULL)
         return CUDA_ERROR_INVALID_VALUE;
-    if (!event_valid(a) || !event_valid(b) || (a->flags & CU_EVENT_DISABLE_TIMING) ||
-        (b->flags & CU_EVENT_DISABLE_TIMING) || !a->recorded || !b->recorded)
+    if (!event_valid(a, "cuEventElapsedTime") || !event_valid(b, "cuEventElapsedTime") ||
+        (a->flags & CU_EVENT_DISABLE_TIMING) || (b->flags & CU_EVENT_DISABLE_TIMING) || !a->recorded || !b->recorded)
         return CUDA_ERROR_INVALID_HANDLE;
     if (!event_done(a) || !event_done(b))
         return CUDA_ERROR_NOT_READY;

@@ -310,10 +310,11 @@ static CUresult context_gone(CUresult rc, CUcontext ctx)
     if (rc != CUDA_SUCCESS)
         return rc;
     if (VC_UNLIKELY(vc_core_limited()))
-        vc_core_streams_changed(); /* its streams are gone with it */
+        vc_core_context_gone(ctx); /* its streams and events are gone with it */
     if (VC_UNLIKELY(vc_limited()) && ctx != NULL) {
         vc_memory_context_gone(ctx);
         forget_ctx(ctx);
+        vc_memory_ordered_frees_gone(ctx);
     }
     return rc;
 }
@@ -478,13 +479,15 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
     if (rc == CUDA_SUCCESS) {
         if (VC_UNLIKELY(vc_core_limited()))
-            vc_core_streams_changed(); /* its streams are detached */
+            vc_core_context_gone(ctx); /* its streams are detached, its events gone */
         if (VC_UNLIKELY(vc_limited())) {
             if (ctx != NULL) {
                 vc_memory_context_moved(ctx, known ? primary_of(dev) : NULL); /* the primary context's memory */
                 vc_memory_context_gone(ctx);                                  /* its modules, its libraries */
             }
             forget_ctx(key);
+            if (ctx != NULL)
+                vc_memory_ordered_frees_gone(ctx);
         }
         if (known && !primary_active(dev))
             primary_gone(rc, dev); /* its reference was the last */

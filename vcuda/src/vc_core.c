@@ -144,12 +144,13 @@ struct dev {
     struct own_pid *own;      /* the container's PIDs counted up to another time, sorted by PID (own_cap of room) */
     uint64_t *starts;         /* room for own_cap + 1 query starts (measure) */
     unsigned nown, own_cap;
-    /* markers */
-    CUcontext marker_ctx;
+    /* markers: each in the context of the launch it follows (its stream's) */
+    CUcontext ev_ctx[MARKERS];
     CUevent ev[MARKERS];
     uint64_t ev_count[MARKERS];
     unsigned head, n; /* ring of outstanding markers */
     uint64_t marked;  /* launch number of the newest marker */
+    uint64_t unmarked; /* the newest launch without a marker of its own, done once the ring is empty (mark_unknown) */
     /* upstream */
     _Atomic int64_t up_cur;
     int64_t up_share, up_total, up_sm, up_thr;
@@ -937,39 +938,59 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
 
 static void poll_markers(struct dev *d)
 {
-    if (d->n == 0)
-        return;
-    CUcontext ctx = d->marker_ctx;
-    bool pushed = REAL_CU(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
+    CUcontext pushed = NULL; /* the context made current to ask for a marker (its own), if any */
     while (d->n > 0) {
-        CUresult rc = REAL_CU(cuEventQuery)(d->ev[d->head]);
-        if (rc == CUDA_ERROR_NOT_READY)
-            break;
+        unsigned h = d->head;
+        /* NULL: its context is gone, and the launches with it (vc_core_context_gone) */
+        if (d->ev[h] != NULL) {
+            if (d->ev_ctx[h] != pushed) {
+                CUcontext popped;
+                if (pushed != NULL)
+                    REAL_CU(cuCtxPopCurrent_v2)(&popped);
+                pushed = REAL_CU(cuCtxPushCurrent_v2)(d->ev_ctx[h]) == CUDA_SUCCESS ? d->ev_ctx[h] : NULL;
+            }
+            if (REAL_CU(cuEventQuery)(d->ev[h]) == CUDA_ERROR_NOT_READY)
+                break;
+        }
         /* Complete (or broken: never wait on it again). */
-        if (d->ev_count[d->head] > d->completed)
-            d->completed = d->ev_count[d->head];
-        if (d->ev_ok[d->head] > d->ok_done)
-            d->ok_done = d->ev_ok[d->head];
-        d->head = (d->head + 1) % MARKERS;
+        if (d->ev_count[h] > d->completed)
+            d->completed = d->ev_count[h];
+        if (d->ev_ok[h] > d->ok_done)
+            d->ok_done = d->ev_ok[h];
+        d->head = (h + 1) % MARKERS;
         d->n--;
     }
-    if (pushed) {
+    if (pushed != NULL) {
         CUcontext popped;
         REAL_CU(cuCtxPopCurrent_v2)(&popped);
     }
+    if (d->n == 0 && d->unmarked > d->completed)
+        d->completed = d->unmarked; /* launches without a marker, after the markers out at their launch */
 }
 
 /*
- * After a launch (d->mu held): a marker on its stream, in the markers' context.
- * With all MARKERS out, the newest is recorded again here, so the last launch
- * is always covered (launches without a marker of their own would otherwise
- * count as in flight for ever).
+ * After a launch (d->mu held): a marker on its stream, in its context.  With all MARKERS out, the newest is recorded
+ * again here, so the last launch is always covered (launches without a marker of their own would otherwise count as
+ * in flight for ever).  A marker shows every launch before it complete (the ring is asked in order): one of another
+ * context, or of another stream, may still run when it completes, at most the work between two markers
+ * (MARKER_WORK_NS).  The markers of several contexts share the ring, each event created in its launch's context: a
+ * launch in another context than the outstanding markers' once counted complete at once, and with it every launch
+ * before it, so that launches round-robin over two contexts were never in flight and went ungated until the next
+ * measurement (a whole offer of 50 ms kernels at once under a 30 % limit).
  */
 static void mark_unknown(struct dev *d, uint64_t count)
 {
-    /* No marker for this launch: count it as done (the measured GPU time still charges the credit). */
-    if (d->completed < count)
-        d->completed = count;
+    /*
+     * No marker for this launch (its stream's context cannot be told, or the marker could not be recorded: another
+     * thread destroyed the stream right after the launch): it counts as done once the markers out now have completed
+     * (at once if none is), as the launches before it.  Counted done at once, it made those done too.
+     */
+    if (d->n == 0) {
+        if (d->completed < count)
+            d->completed = count;
+    } else if (d->unmarked < count) {
+        d->unmarked = count;
+    }
 }
 
 static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count);
@@ -989,14 +1010,10 @@ static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count, CUc
         }
         pushed = true;
     }
-    if (ctx != d->marker_ctx && d->n > 0) {
-        mark_unknown(d, count); /* another context's markers are still out */
-    } else {
-        d->ok_launched++;
-        if (!record_marker(d, s, ptsz, count)) {
-            d->ok_launched--;
-            mark_unknown(d, count);
-        }
+    d->ok_launched++;
+    if (!record_marker(d, s, ptsz, count)) {
+        d->ok_launched--;
+        mark_unknown(d, count);
     }
     if (pushed) {
         CUcontext popped;
@@ -1010,22 +1027,20 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
     CUcontext ctx = NULL;
     if (REAL_CU(cuCtxGetCurrent)(&ctx) != CUDA_SUCCESS || ctx == NULL)
         return false;
-    if (ctx != d->marker_ctx) {
-        for (unsigned i = 0; i < MARKERS; i++) {
-            if (d->ev[i] != NULL)
-                REAL_CU(cuEventDestroy_v2)(d->ev[i]);
-            d->ev[i] = NULL;
-        }
-        d->marker_ctx = ctx;
-        d->head = 0;
-    }
     if (d->n > 0 && (double)(count - d->marked) * d->cost < MARKER_WORK_NS)
         return true; /* cheap launches: one marker per MARKER_WORK_NS of work is enough */
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
-    if (d->ev[slot] == NULL && REAL_CU(cuEventCreate)(&d->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+    if (d->ev[slot] != NULL && d->ev_ctx[slot] != ctx) {
+        REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_context_gone) */
         d->ev[slot] = NULL;
-        return false;
+    }
+    if (d->ev[slot] == NULL) {
+        if (REAL_CU(cuEventCreate)(&d->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+            d->ev[slot] = NULL;
+            return false;
+        }
+        d->ev_ctx[slot] = ctx;
     }
     CUresult rc = ptsz ? REAL_CU(cuEventRecord_ptsz)(d->ev[slot], s) : REAL_CU(cuEventRecord)(d->ev[slot], s);
     if (rc != CUDA_SUCCESS)
@@ -1578,10 +1593,26 @@ static void up_gate(struct dev *d, uint64_t grids)
 
 /* ---- devices and the watcher ---------------------------------------------------------------- */
 
+#ifdef VC_TEST_HOOKS
+/*
+ * Tests only: VCUDA_TEST_WATCHER_DELAY_US before the watcher's first tick, as when a loaded node does not schedule it
+ * (other processes burning the CPU, a sanitizer's slowness): launches meanwhile are held by the gate alone.
+ */
+static void test_watcher_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_WATCHER_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_watcher_delay() ((void)0)
+#endif
+
 static void *watcher(void *arg)
 {
     (void)arg;
     const bool upstream = vc_core_config()->upstream;
+    test_watcher_delay();
     for (;;) {
         sleep_ns(TICK_NS);
         uint64_t now = mono_ns();
@@ -1826,6 +1857,30 @@ int vc_stream_device(CUstream s)
 void vc_core_streams_changed(void)
 {
     atomic_fetch_add_explicit(&g_stream_gen, 1, memory_order_acq_rel);
+}
+
+/*
+ * A context was destroyed: its events went with it (the driver's), so the markers in it are forgotten, never
+ * destroyed again, and those outstanding count as complete (its launches are gone too).
+ */
+void vc_core_context_gone(CUcontext ctx)
+{
+    vc_core_streams_changed();
+    if (ctx == NULL)
+        return;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        struct dev *d = &g_dev[i];
+        if (!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_mutex_lock(&d->mu);
+        for (unsigned k = 0; k < MARKERS; k++) {
+            if (d->ev_ctx[k] == ctx) {
+                d->ev[k] = NULL;
+                d->ev_ctx[k] = NULL;
+            }
+        }
+        pthread_mutex_unlock(&d->mu);
+    }
 }
 
 #ifdef VC_TEST_HOOKS

@@ -173,6 +173,8 @@ static inline bool vc_refused(void)
 
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
+/* ... and, once its own charge is released, the frees queued in it (their events went with it): to the reconciliation. */
+void vc_memory_ordered_frees_gone(CUcontext ctx);
 /* A green context is gone: the memory allocated in it (it shares its primary context's) is primary's from now on. */
 void vc_memory_context_moved(CUcontext from, CUcontext to);
 
@@ -199,6 +201,9 @@ bool vc_memory_refresh_pools(void);
 
 /* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
 void vc_core_streams_changed(void);
+
+/* A context was destroyed (its streams and events with it): the SM gate forgets its completion markers there. */
+void vc_core_context_gone(CUcontext ctx);
 
 struct vc_core_config {
     int share;     /* percent of the GPU: vcuda.config `utilization` (tencent.com/vcuda-core) */

@@ -718,6 +718,7 @@ static void freed(const struct vc_map_entry *e)
 
 struct ordered_free {
     CUevent ev;
+    uint64_t ctx; /* the context the event is in: destroyed with it (ordered_frees_gone) */
     uint64_t bytes;
 };
 
@@ -758,7 +759,34 @@ static uint64_t ordered_frees_done(void)
     return credited;
 }
 
-static bool ordered_free_push(CUevent ev, uint64_t bytes)
+/*
+ * A context was destroyed: the events of the frees queued in it went with it (never asked for or destroyed again:
+ * the handles are the driver's freed memory).  Whether their memory is free by now, the GPU tells: the bytes are
+ * handed over to the reconciliation, once the context's own charge is gone (else it would stand in for them).
+ */
+void vc_memory_ordered_frees_gone(CUcontext ctx)
+{
+    if (atomic_load_explicit(&g_of_count, memory_order_relaxed) == 0)
+        return;
+    uint64_t handover = 0;
+    pthread_mutex_lock(&g_of_mu);
+    for (size_t i = 0; i < g_of_n;) {
+        if (g_of[i].ctx != (uint64_t)(uintptr_t)ctx) {
+            i++;
+            continue;
+        }
+        handover += g_of[i].bytes;
+        g_of[i] = g_of[--g_of_n];
+    }
+    atomic_store(&g_of_count, g_of_n);
+    pthread_mutex_unlock(&g_of_mu);
+    if (handover > 0) {
+        bool kept;
+        vc_budget_settle_untracked(handover, &kept);
+    }
+}
+
+static bool ordered_free_push(CUevent ev, uint64_t ctx, uint64_t bytes)
 {
     bool ok = true;
     pthread_mutex_lock(&g_of_mu);
@@ -771,7 +799,7 @@ static bool ordered_free_push(CUevent ev, uint64_t bytes)
             g_of = n, g_of_cap = cap;
     }
     if (ok) {
-        g_of[g_of_n++] = (struct ordered_free){ev, bytes};
+        g_of[g_of_n++] = (struct ordered_free){ev, ctx, bytes};
         atomic_store(&g_of_count, g_of_n);
     }
     pthread_mutex_unlock(&g_of_mu);
@@ -784,7 +812,7 @@ static void ordered_free(CUstream s, bool ptsz, uint64_t bytes)
     CUevent ev = NULL;
     if (REAL_CU(cuEventCreate)(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS) {
         CUresult rc = ptsz ? REAL_CU(cuEventRecord_ptsz)(ev, s) : REAL_CU(cuEventRecord)(ev, s);
-        if (rc == CUDA_SUCCESS && ordered_free_push(ev, bytes))
+        if (rc == CUDA_SUCCESS && ordered_free_push(ev, current_ctx(), bytes))
             return;
         REAL_CU(cuEventDestroy_v2)(ev);
     }

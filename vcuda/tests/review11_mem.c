@@ -245,6 +245,33 @@ static void contexts(void)
     report();
 }
 
+/*
+ * Memory freed with cuMemFreeAsync behind a long kernel, in a context then destroyed with the free still queued:
+ * the event the interceptor follows the free with went with the context (the driver's freed memory, never to be
+ * asked for again; the simulated driver stops the process), and the memory with it.  Then the rest of the limit.
+ */
+static void free_async_context_destroyed(void)
+{
+    static const char ptx[] = ".version 7.0\n.target sm_75\n.address_size 64\n.visible .entry spin_3000ms() { ret; }\n";
+    check(FN(cuInit)(0), "cuInit");
+    CUcontext a;
+    check(FN(cuCtxCreate_v2)(&a, 0, 0), "cuCtxCreate");
+    CUmodule mod;
+    CUfunction fn;
+    check(FN(cuModuleLoadData)(&mod, ptx), "cuModuleLoadData");
+    check(FN(cuModuleGetFunction)(&fn, mod, "spin_3000ms"), "cuModuleGetFunction");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUdeviceptr p;
+    check(FN(cuMemAlloc_v2)(&p, 256 * MIB), "cuMemAlloc");
+    check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
+    check(FN(cuMemFreeAsync)(p, s), "cuMemFreeAsync");
+    check(FN(cuCtxDestroy_v2)(a), "cuCtxDestroy");
+    primary();
+    fill(8 * MIB);
+    report();
+}
+
 /* VMM: one allocation mapped twice, released, retained, unmapped in every order. */
 static void vmm(void)
 {
@@ -920,6 +947,8 @@ int main(int argc, char **argv)
         threads();
     else if (strcmp(argv[1], "frees") == 0)
         frees();
+    else if (strcmp(argv[1], "free-async-context-destroyed") == 0)
+        free_async_context_destroyed();
     else {
         fprintf(stderr, "unknown scenario %s\n", argv[1]);
         return 2;

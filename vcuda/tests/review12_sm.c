@@ -205,14 +205,47 @@ static CUresult one_in_next_context(void)
     return FN(cuLaunchKernel)(g_fns[i], 1, 1, 1, 32, 1, 1, 0, g_streams[i], NULL, NULL);
 }
 
-static void contexts(void)
+static void contexts(bool rested)
 {
     for (int i = 0; i < CONTEXTS; i++) {
         g_ctxs[i] = created_context();
         g_fns[i] = load_kernel(PTX, "spin_50ms");
         check(FN(cuStreamCreate)(&g_streams[i], CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     }
+    if (rested) {
+        /*
+         * A kernel in each context, waited for, then a rest: the limiter has measured them and its credit is full
+         * when the offer starts, so the first launches find another context's marker outstanding with credit to
+         * spare.  Such a launch was counted complete at once, and every launch before it with it: nothing stayed in
+         * flight, and the gate let the whole offer through before its next measurement.
+         */
+        for (int i = 0; i < CONTEXTS; i++) {
+            check(one_in_next_context(), "launch");
+            check(FN(cuStreamSynchronize)(g_streams[i]), "cuStreamSynchronize");
+        }
+        usleep(500000);
+    }
     offer(one_in_next_context);
+}
+
+/*
+ * Kernels in a context that is then destroyed with one still running, then the offer in a new context.  The
+ * context's events went with it: the limiter must neither ask for nor destroy its markers there again (a real
+ * driver's freed memory; the simulated driver stops the process), and must still gate the new context's launches.
+ */
+static void context_destroyed(void)
+{
+    CUcontext gone = created_context();
+    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int i = 0; i < 3; i++)
+        check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "launch");
+    check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
+    g_ctx = created_context();
+    g_fn = load_kernel(PTX, "spin_50ms");
+    check(FN(cuStreamCreate)(&g_stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    offer(one_kernel);
 }
 
 /* A green context's stream. */
@@ -511,10 +544,12 @@ int main(int argc, char **argv)
         library_kernel();
     else if (strcmp(s, "threads") == 0)
         threads();
-    else if (strcmp(s, "contexts") == 0)
-        contexts();
+    else if (strcmp(s, "contexts") == 0 || strcmp(s, "contexts-rested") == 0)
+        contexts(strcmp(s, "contexts-rested") == 0);
     else if (strcmp(s, "green") == 0)
         green();
+    else if (strcmp(s, "context-destroyed") == 0)
+        context_destroyed();
     else if (strcmp(s, "failed-burst") == 0)
         failed_burst();
     else {

@@ -85,6 +85,18 @@ def test_every_launch_path_is_gated(programs: dict[str, Path], tmp_path: Path, s
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_launch_path_is_gated_with_credit_in_hand(
+    programs: dict[str, Path], tmp_path: Path, scenario: str, variant: str
+) -> None:
+    """The same offer after one launch through the path and half a second's rest: the limiter's credit is full
+    when it starts.  Launches round-robin over four contexts then went through all at once (100 of 100): a launch
+    in another context than the outstanding markers' counted complete at once, and every launch before it."""
+    for admitted in _run(programs, tmp_path, variant, scenario, REVIEW12_RESTED="1"):
+        assert admitted <= MOST_ADMITTED, f"{scenario} rested ({variant}): {admitted} kernels of 50 ms in 1 s"
+
+
+@pytest.mark.parametrize("variant", ["plain", "asan"])
 def test_a_first_launch_stuck_in_its_log_line_lets_no_other_launch_through(
     programs: dict[str, Path], tmp_path: Path, variant: str
 ) -> None:

@@ -6,7 +6,8 @@
  * Each scenario offers up to OFFERED kernels of 50 ms of simulated GPU time through one launch path for at most
  * WINDOW_MS of wall time, and prints one line "admitted <n> of <offered> in <ms> ms": how many launch calls returned
  * (the work the interceptor let through to the driver).  At a 30 % share the gate admits a few hundred ms of GPU time
- * in that window, i.e. a handful of such kernels; an ungated path admits all of them at once.  Exit 0 when the
+ * in that window, i.e. a handful of such kernels; an ungated path admits all of them at once.  With REVIEW12_RESTED
+ * set, the offer comes after one launch through the path and half a second's rest (the credit full).  Exit 0 when the
  * scenario ran; 2/3 on a set-up failure.  Loads libcuda.so.1 by name (LD_LIBRARY_PATH: the container's mirror).
  */
 #include "review_driver.h"
@@ -48,6 +49,11 @@ static CUcontext g_ctx;
 /* Offers kernels through `one` (returns a launch's result) until OFFERED or the window is over; prints the count. */
 static void offer(CUresult (*one)(void))
 {
+    if (getenv("REVIEW12_RESTED") != NULL) {
+        /* One launch through the path, then a rest: the offer starts with the limiter's credit full. */
+        check(one(), "launch");
+        usleep(500000);
+    }
     double start = now_ms();
     int admitted = 0;
     while (admitted < OFFERED && now_ms() - start < WINDOW_MS) {

@@ -72,6 +72,7 @@ SCENARIOS = [
     "contexts",
     "contexts-rested",
     "context-destroyed",
+    "stack-full",
     "green",
     "failed-burst",
 ]

@@ -254,6 +254,22 @@ static void context_destroyed(void)
     offer(one_kernel);
 }
 
+/*
+ * The thread's context stack filled (another context pushed until the driver refuses), then kernels on a stream of
+ * the first context: the limiter cannot make the stream's context current to tell its device or record a marker
+ * there.  Such a launch was counted complete at once: nothing was ever in flight (1025 of 50 ms admitted in 1 s).
+ */
+static void stack_full(void)
+{
+    CUdevice dev;
+    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    CUcontext other;
+    check(FN(cuCtxCreate_v2)(&other, 0, dev), "cuCtxCreate");
+    for (int i = 0; i < 4096 && FN(cuCtxPushCurrent_v2)(other) == CUDA_SUCCESS; i++)
+        ;
+    offer(one_kernel);
+}
+
 /* A green context's stream. */
 static void green(void)
 {
@@ -556,6 +572,8 @@ int main(int argc, char **argv)
         green();
     else if (strcmp(s, "context-destroyed") == 0)
         context_destroyed();
+    else if (strcmp(s, "stack-full") == 0)
+        stack_full();
     else if (strcmp(s, "failed-burst") == 0)
         failed_burst();
     else {

@@ -73,6 +73,7 @@ SCENARIOS = [
     "contexts-rested",
     "context-destroyed",
     "stack-full",
+    "taught",
     "green",
     "failed-burst",
 ]

@@ -11,9 +11,13 @@
  *   cost    (ns per launch) learnt as measured GPU time / launches completed;
  *   in flight = launches issued - launches known complete (completion markers:
  *           an event recorded after a launch, at most MARKERS outstanding);
- *   a launch may go when credit >= in_flight x cost, else it sleeps until the
- *   refill covers the difference.  The long-run share equals rate whatever the
- *   cost estimate (it only bounds the queued work); nothing depends on SM count.
+ *   a launch may go when credit >= in_flight x cost and fewer than MAX_UNSEEN
+ *   are in flight, else it sleeps until the refill covers the difference or
+ *   the oldest completes.  The long-run share equals rate whatever the cost
+ *   estimate (it only bounds the queued work); nothing depends on SM count.
+ *   The cost is learnt from what ran: cheap kernels teach a tiny one, and the
+ *   kernels launched next may be long.  MAX_UNSEEN bounds what they queue
+ *   before a measurement shows it (1025 of 50 ms after 1 us ones without it).
  *
  * Algorithm "upstream" (VCUDA_CORE_ALGORITHM=upstream): gpu-manager's token
  * bucket of reference/interceptors.md 1.7, kept as a baseline for the bench.
@@ -36,6 +40,7 @@
 #define MAX_DEVICES 64
 #define MARKERS 64                  /* completion markers outstanding per device */
 #define MARKER_WORK_NS 100000.0     /* a marker after at least this much estimated work (or when none is out) */
+#define MAX_UNSEEN 16u              /* launches in flight at most, whatever their estimated cost (a marker each 8) */
 #define TICK_NS 10000000ull         /* watcher period (budget) */
 #define MEASURE_MIN_NS 2000000ull   /* a blocked launch re-measures at most every 2 ms */
 #define WATCHER_LATE_NS 50000000ull /* a launch measures itself when the watcher has not for this long */
@@ -1029,8 +1034,8 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
     CUcontext ctx = NULL;
     if (REAL_CU(cuCtxGetCurrent)(&ctx) != CUDA_SUCCESS || ctx == NULL)
         return false;
-    if (d->n > 0 && (double)(count - d->marked) * d->cost < MARKER_WORK_NS)
-        return true; /* cheap launches: one marker per MARKER_WORK_NS of work is enough */
+    if (d->n > 0 && (double)(count - d->marked) * d->cost < MARKER_WORK_NS && count - d->marked < MAX_UNSEEN / 2)
+        return true; /* cheap launches: one marker per MARKER_WORK_NS of work (and per MAX_UNSEEN / 2) is enough */
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
     if (d->ev[slot] != NULL && d->ev_ctx[slot] != ctx) {
@@ -1472,12 +1477,13 @@ static uint64_t budget_gate(struct dev *d)
      */
     if (VC_UNLIKELY(now > d->last_measure && now - d->last_measure > WATCHER_LATE_NS))
         update(d, now, 0);
-    while (d->credit < in_flight(d) * d->cost) {
+    while (d->credit < in_flight(d) * d->cost || in_flight(d) >= MAX_UNSEEN) {
         update(d, now, MEASURE_MIN_NS);
         double missing = in_flight(d) * d->cost - d->credit;
-        if (missing <= 0)
+        if (missing <= 0 && in_flight(d) < MAX_UNSEEN)
             break;
-        double wait = d->rate > 0 ? missing / d->rate : (double)WAIT_MAX_NS;
+        /* Credit enough, MAX_UNSEEN in flight: looked at again when the oldest may have completed. */
+        double wait = missing <= 0 ? d->cost : d->rate > 0 ? missing / d->rate : (double)WAIT_MAX_NS;
         uint64_t w = wait < (double)WAIT_MIN_NS ? WAIT_MIN_NS : wait > (double)WAIT_MAX_NS ? WAIT_MAX_NS : (uint64_t)wait;
         /*
          * With launches outstanding, a process alone in its container looks for their completion at least every

@@ -1601,26 +1601,10 @@ static void up_gate(struct dev *d, uint64_t grids)
 
 /* ---- devices and the watcher ---------------------------------------------------------------- */
 
-#ifdef VC_TEST_HOOKS
-/*
- * Tests only: VCUDA_TEST_WATCHER_DELAY_US before the watcher's first tick, as when a loaded node does not schedule it
- * (other processes burning the CPU, a sanitizer's slowness): launches meanwhile are held by the gate alone.
- */
-static void test_watcher_delay(void)
-{
-    const char *us = getenv("VCUDA_TEST_WATCHER_DELAY_US");
-    if (us != NULL)
-        usleep((useconds_t)atoi(us));
-}
-#else
-#define test_watcher_delay() ((void)0)
-#endif
-
 static void *watcher(void *arg)
 {
     (void)arg;
     const bool upstream = vc_core_config()->upstream;
-    test_watcher_delay();
     for (;;) {
         sleep_ns(TICK_NS);
         uint64_t now = mono_ns();

@@ -74,6 +74,7 @@ SCENARIOS = [
     "context-destroyed",
     "stack-full",
     "taught",
+    "refused-after-sync",
     "green",
     "failed-burst",
 ]

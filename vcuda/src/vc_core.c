@@ -1000,6 +1000,24 @@ static void mark_unknown(struct dev *d, uint64_t count)
         d->unmarked = count;
 }
 
+/*
+ * A launch the driver refused (d->mu held): it never ran, and counts done with the launches before it, at once when
+ * no marker is out (nor a launch without one waiting for its time).  Counted done alone (the count of launches done
+ * bumped by one) while markers were out, it stood for an earlier launch: a marker's completion then raised that count
+ * no further, and that launch stayed in flight for ever.  Seen after a kernel waited for with cuStreamSynchronize and
+ * a burst of refused launches before the watcher had looked: the wall time of that phantom was charged while the
+ * cost was still a guess, the credit never came back, and the next launch waited for good.
+ */
+static void launch_failed(struct dev *d, uint64_t count)
+{
+    if (d->n == 0 && d->unmarked <= d->completed) {
+        if (d->completed < count)
+            d->completed = count;
+    } else if (d->unmarked < count) {
+        d->unmarked = count;
+    }
+}
+
 static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count);
 
 static void add_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count, CUcontext ctx)
@@ -1953,8 +1971,8 @@ static void add_completion(const struct gate *g, CUstream s, bool ptsz, CUresult
     pthread_mutex_lock(&g->d->mu);
     if (rc == CUDA_SUCCESS)
         add_marker(g->d, s, ptsz, g->count, g->ctx);
-    else if (g->d->completed < g->count)
-        g->d->completed++; /* it never ran: one fewer in flight */
+    else
+        launch_failed(g->d, g->count);
     pthread_mutex_unlock(&g->d->mu);
 }
 

@@ -285,6 +285,24 @@ static void taught(void)
     offer(one_kernel);
 }
 
+/*
+ * A rest (the credit full), a kernel waited for with cuStreamSynchronize, and at once a burst of launches the driver
+ * refuses, before the limiter has looked at the kernel's marker: each refused launch was counted done on its own,
+ * standing for the kernel, whose marker then raised the count no further.  That phantom stayed in flight, its wall
+ * time charged while the cost was still a guess, and a later launch could wait for good.
+ */
+static void refused_after_sync(void)
+{
+    CUfunction cheap = load_kernel(PTX, "spin_1us");
+    check(FN(cuLaunchKernel)(cheap, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL), "launch");
+    usleep(500000);
+    check(one_kernel(), "launch");
+    check(FN(cuStreamSynchronize)(g_stream), "cuStreamSynchronize");
+    for (int i = 0; i < 50; i++)
+        (void)FN(cuLaunchKernel)(NULL, 1, 1, 1, 32, 1, 1, 0, g_stream, NULL, NULL);
+    offer(one_kernel);
+}
+
 /* A green context's stream. */
 static void green(void)
 {
@@ -591,6 +609,8 @@ int main(int argc, char **argv)
         stack_full();
     else if (strcmp(s, "taught") == 0)
         taught();
+    else if (strcmp(s, "refused-after-sync") == 0)
+        refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)
         failed_burst();
     else {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState
-from tests.vcuda_scenario import VCUDA, build_programs, container_env
+from tests.vcuda_scenario import HOOKS_INTERCEPTOR, VCUDA, build_hooks_interceptor, build_programs, container_env
 
 SOURCE = VCUDA / "tests" / "review11_mem.c"
 LIMIT_MIB = 1024
@@ -29,12 +29,19 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_programs(tmp_path_factory.mktemp("review11-bin"), SOURCE)
 
 
-def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str) -> tuple[int, int, str]:
-    """Runs one scenario; returns the MiB NVML accounts to the program on the GPU at its end, the GPU's peak, and
-    what the program wrote to stderr."""
-    env = container_env(tmp_path, variant, pod_uid="pod-review11", memory_mib=LIMIT_MIB)
+def _run(programs: dict[str, Path], tmp_path: Path, variant: str, scenario: str, **extra: str) -> tuple[int, int, str]:
+    """Runs one scenario (``extra``: more environment); returns the MiB NVML accounts to the program on the GPU at
+    its end, the GPU's peak, and what the program wrote to stderr.  ``variant`` "hooks": the plain program in front
+    of the interceptor built with -DVC_TEST_HOOKS (the ``hooks`` fixture)."""
+    interceptor = HOOKS_INTERCEPTOR if variant == "hooks" else None
+    env = container_env(
+        tmp_path, "plain" if variant == "hooks" else variant, pod_uid="pod-review11", memory_mib=LIMIT_MIB,
+        interceptor=interceptor,
+    )  # fmt: skip
+    env.update(extra)
+    program = programs["plain" if variant == "hooks" else variant]
     done = subprocess.run(
-        [str(programs[variant]), scenario, str(LIMIT_MIB)], env=env, capture_output=True, text=True, timeout=120
+        [str(program), scenario, str(LIMIT_MIB)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, f"{scenario} ({variant}): exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     m = re.search(r"^held (\d+)$", done.stdout, re.M)
@@ -74,6 +81,7 @@ SCENARIOS = [
     "threads",
     "frees",
     "free-async-context-destroyed",
+    "free-async-context-destroyed-watched",
     "pool-switch",
     "graph-phantom",
     "graph-refused",
@@ -100,6 +108,21 @@ def test_the_gpu_never_holds_more_than_the_limit(
     held, peak, _ = _run(programs, tmp_path, variant, scenario)
     assert held <= LIMIT_MIB, f"{scenario} ({variant}): the GPU holds {held} MiB for a {LIMIT_MIB} MiB container"
     assert peak <= LIMIT_MIB, f"{scenario} ({variant}): the GPU held {peak} MiB at its peak"
+
+
+def test_no_event_of_a_destroyed_context_is_asked_for_after_the_destroy(
+    programs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A free queued behind a long kernel in a context then destroyed, while another thread asks for the memory
+    view (which looks at the queued frees first).  The driver frees the context's events in its destroy; the
+    interceptor forgot the free's event only after it returned, and the other thread could ask for it in between:
+    the simulated driver stops the process.  A test-only delay right after the driver's destroy
+    (VCUDA_TEST_DESTROY_DELAY_US, -DVC_TEST_HOOKS) holds that moment open."""
+    build_hooks_interceptor()
+    held, peak, _ = _run(
+        programs, tmp_path, "hooks", "free-async-context-destroyed-watched", VCUDA_TEST_DESTROY_DELAY_US="100000"
+    )
+    assert held <= LIMIT_MIB and peak <= LIMIT_MIB, f"the GPU holds {held} MiB (peak {peak}) on {LIMIT_MIB}"
 
 
 @pytest.mark.parametrize("variant", ["plain", "asan"])

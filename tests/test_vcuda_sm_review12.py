@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from simnode.gpusim_state import GpuSimState
-from tests.vcuda_scenario import BUILD, VCUDA, build_programs, container_env
+from tests.vcuda_scenario import HOOKS_INTERCEPTOR, VCUDA, build_hooks_interceptor, build_programs, container_env
 
 SOURCE = VCUDA / "tests" / "review12_sm.c"
 SHARE = 30
 # 1 s at 30 % is 300 ms of GPU time: 6 kernels of 50 ms, plus what the gate lets queue (in flight x cost) and the
 # burst the credit cap allows (100 ms of the rate).  An ungated path admits all 100 offered.
 MOST_ADMITTED = 30
-HOOKS = "t_VC_TEST_HOOKS"  # the interceptor built with -DVC_TEST_HOOKS (as tests/test_vcuda_compute.py names it)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _env(tmp_path: Path, variant: str) -> dict[str, str]:
     """A container with a 30 % SM share and no memory limit; ``variant`` "hooks": the -DVC_TEST_HOOKS interceptor."""
-    interceptor = BUILD / HOOKS / "libcuda-control.so" if variant == "hooks" else None
+    interceptor = HOOKS_INTERCEPTOR if variant == "hooks" else None
     return container_env(tmp_path, variant, pod_uid="pod-review12", share=SHARE, interceptor=interceptor)
 
 
@@ -72,6 +70,8 @@ SCENARIOS = [
     "contexts",
     "contexts-rested",
     "context-destroyed",
+    "primary-released",
+    "green-destroyed",
     "stack-full",
     "taught",
     "refused-after-sync",
@@ -138,6 +138,20 @@ def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
     assert int(m.group(2)) == 0, done.stdout
 
 
+@pytest.mark.usefixtures("hooks")
+@pytest.mark.parametrize("scenario", ["context-destroyed", "primary-released", "green-destroyed"])
+def test_no_marker_of_a_destroyed_context_is_touched_after_the_destroy(
+    programs: dict[str, Path], tmp_path: Path, scenario: str
+) -> None:
+    """Kernels outstanding in a context that goes (destroyed, the primary context's last release, a green
+    context's destroy).  The driver frees the context's events in its destroy; the limiter forgot its markers there
+    only after it returned, and its watcher (every 10 ms), a launch waiting for credit or a marker recorded in the
+    slot could ask for, or destroy, a freed event in between: the simulated driver stops the process.  A test-only
+    delay right after the driver's destroy (VCUDA_TEST_DESTROY_DELAY_US, -DVC_TEST_HOOKS) holds that moment open."""
+    for admitted in _run(programs, tmp_path, "hooks", scenario, VCUDA_TEST_DESTROY_DELAY_US="100000"):
+        assert admitted <= MOST_ADMITTED, f"{scenario} (destroy delayed): {admitted} kernels of 50 ms in 1 s"
+
+
 @pytest.mark.parametrize("variant", ["plain", "asan"])
 def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tmp_path: Path, variant: str) -> None:
     """The limiter's watcher thread (the one that measures every 10 ms) cannot be started: the tenant refuses its
@@ -149,27 +163,19 @@ def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tm
     assert admitted <= 2, f"no-watcher ({variant}): {admitted} kernels of 2.5 s admitted in 3 s at {SHARE} %"
 
 
+@pytest.fixture(scope="module")
+def hooks(programs: dict[str, Path]) -> None:
+    """The interceptor built with -DVC_TEST_HOOKS (under vcuda/build/t_VC_TEST_HOOKS), for the "hooks" variant."""
+    del programs
+    build_hooks_interceptor()
+
+
+@pytest.mark.usefixtures("hooks")
 def test_a_launch_waits_for_a_limiter_another_thread_is_setting_up(programs: dict[str, Path], tmp_path: Path) -> None:
     """Two threads' first launches at once.  The device was marked set up before it was marked limited, so a launch
     that came between the two stores went through ungated (for as long as the thread setting it up was preempted
     there; -DVC_TEST_HOOKS widens the window with VCUDA_TEST_INIT_DELAY_US).  The limited mark comes first now: a
     launch that finds the device set up finds it limited."""
-    done = subprocess.run(
-        [
-            "make",
-            "-s",
-            "-C",
-            str(VCUDA),
-            f"BUILD=build/{HOOKS}",
-            "CFLAGS=-O2 -g -DVC_TEST_HOOKS",
-            "interceptor",
-            f"PYTHON={sys.executable}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
     (admitted,) = _run(programs, tmp_path, "hooks", "init-race", VCUDA_TEST_INIT_DELAY_US="800000")
     assert admitted <= MOST_ADMITTED, f"init-race: {admitted} kernels of 50 ms admitted in 1 s at {SHARE} %"
 

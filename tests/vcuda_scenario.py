@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from gpumanager.vmanager import files
@@ -52,6 +53,19 @@ def build_programs(out: Path, source: Path) -> dict[str, Path]:
         subprocess.run(["cc", *flags, "-o", str(exe), str(source), "-ldl", "-pthread"], check=True)
         built[variant] = exe
     return built
+
+
+#: The interceptor built with -DVC_TEST_HOOKS (the test-only delays): vcuda/build/t_VC_TEST_HOOKS/libcuda-control.so.
+HOOKS_INTERCEPTOR = BUILD / "t_VC_TEST_HOOKS" / "libcuda-control.so"
+
+
+def build_hooks_interceptor() -> Path:
+    """Builds the interceptor with -DVC_TEST_HOOKS (HOOKS_INTERCEPTOR) and returns it."""
+    command = ["make", "-s", "-C", str(VCUDA), f"BUILD=build/{HOOKS_INTERCEPTOR.parent.name}",
+               "CFLAGS=-O2 -g -DVC_TEST_HOOKS", "interceptor", f"PYTHON={sys.executable}"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return HOOKS_INTERCEPTOR
 
 
 def mirror(where: Path, variant: str, interceptor: Path | None = None) -> Path:

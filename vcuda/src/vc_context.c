@@ -286,6 +286,18 @@ VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 
 /* ---- destroying a context --------------------------------------------------------------------------- */
 
+#ifdef VC_TEST_HOOKS
+/* Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_DESTROY_DELAY_US right after the driver destroyed a context. */
+static void test_destroy_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_DESTROY_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+#define test_destroy_delay() ((void)0)
+#endif
+
 static void forget_ctx(CUcontext ctx)
 {
     uint64_t bytes = 0;
@@ -304,29 +316,81 @@ static void forget_ctx(CUcontext ctx)
     }
 }
 
-/* After ctx went away (rc: the driver's answer): its own memory and what was allocated in it are freed. */
-static CUresult context_gone(CUresult rc, CUcontext ctx)
+/*
+ * Around the driver's destroy of a context.  The driver frees the context's events in it, those the SM gate marks
+ * launches with and those that follow a cuMemFreeAsync: the locks under which they are asked for are held from
+ * before the call until they are forgotten (destroy_forget), so that no other thread asks for one the driver has
+ * freed (vc_core_destroy_begin, vc_memory_destroy_begin).
+ */
+struct destroying {
+    bool core, memory;
+    bool forgot;       /* a context went */
+    uint64_t handover; /* the bytes of the frees queued in the contexts gone: to the reconciliation after */
+};
+
+static struct destroying destroy_begin(void)
 {
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    if (VC_UNLIKELY(vc_core_limited()))
-        vc_core_context_gone(ctx); /* its streams and events are gone with it */
+    struct destroying h = {.core = vc_core_limited(), .memory = vc_limited()};
+    if (h.core)
+        vc_core_destroy_begin();
+    if (h.memory)
+        vc_memory_destroy_begin();
+    return h;
+}
+
+/* With the locks held: ctx went (NULL: a context whose handle is unknown). */
+static void destroy_forget(struct destroying *h, CUcontext ctx)
+{
+    h->forgot = true;
+    if (h->core)
+        vc_core_forget_context(ctx);
+    if (h->memory && ctx != NULL)
+        h->handover += vc_memory_ordered_frees_forget(ctx);
+}
+
+static void destroy_end(const struct destroying *h)
+{
+    if (h->forgot)
+        test_destroy_delay();
+    if (h->memory)
+        vc_memory_destroy_end();
+    if (h->core)
+        vc_core_destroy_end();
+}
+
+/* After ctx went away (its markers and queued frees forgotten): its own memory and what was allocated in it. */
+static void context_gone(CUcontext ctx)
+{
     if (VC_UNLIKELY(vc_limited()) && ctx != NULL) {
         vc_memory_context_gone(ctx);
         forget_ctx(ctx);
-        vc_memory_ordered_frees_gone(ctx);
     }
-    return rc;
 }
+
+#define DESTROYED(call, ctx)                                                                                       \
+    do {                                                                                                           \
+        if (VC_LIKELY(!vc_limited() && !vc_core_limited()))                                                       \
+            return (call);                                                                                         \
+        struct destroying h_ = destroy_begin();                                                                    \
+        CUresult rc_ = (call);                                                                                     \
+        if (rc_ == CUDA_SUCCESS)                                                                                   \
+            destroy_forget(&h_, (ctx));                                                                            \
+        destroy_end(&h_);                                                                                          \
+        if (rc_ == CUDA_SUCCESS) {                                                                                 \
+            context_gone(ctx);                                                                                     \
+            vc_memory_ordered_frees_handover(h_.handover); /* the context's own charge is released */             \
+        }                                                                                                          \
+        return rc_;                                                                                                \
+    } while (0)
 
 VC_EXPORT CUresult cuCtxDestroy(CUcontext ctx)
 {
-    return context_gone(REAL_CU(cuCtxDestroy)(ctx), ctx);
+    DESTROYED(REAL_CU(cuCtxDestroy)(ctx), ctx);
 }
 
 VC_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
-    return context_gone(REAL_CU(cuCtxDestroy_v2)(ctx), ctx);
+    DESTROYED(REAL_CU(cuCtxDestroy_v2)(ctx), ctx);
 }
 
 static CUcontext primary_of(CUdevice dev)
@@ -334,12 +398,10 @@ static CUcontext primary_of(CUdevice dev)
     return dev >= 0 && dev < MAX_DEVICES ? atomic_load(&g_primary[dev]) : NULL;
 }
 
-/* The primary context of dev is gone (released for the last time, or reset). */
-static CUresult primary_gone(CUresult rc, CUdevice dev)
+/* The primary context of dev is gone (released for the last time, or reset; forgotten by destroy_forget). */
+static void primary_gone(CUdevice dev, uint64_t handover)
 {
-    if (rc != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES)
-        return rc;
-    context_gone(rc, primary_of(dev));
+    context_gone(primary_of(dev));
     if (VC_UNLIKELY(vc_limited())) {
         uint64_t bytes = g_primary_bytes[dev];
         g_primary_bytes[dev] = 0;
@@ -348,18 +410,26 @@ static CUresult primary_gone(CUresult rc, CUdevice dev)
             vc_budget_note_context(-(int64_t)bytes);
         }
     }
-    return rc;
+    vc_memory_ordered_frees_handover(handover);
 }
 
-/* A release destroys the primary context when it was the last reference. */
+/*
+ * A release destroys the primary context when it was the last reference, which only the driver knows: the locks
+ * are held around every release (destroy_begin), and it went if the context is no longer active after it.
+ */
 #define RELEASED(call, dev)                                                                                        \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || (dev) < 0 || (dev) >= MAX_DEVICES)                  \
             return (call);                                                                                         \
         pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
+        struct destroying h_ = destroy_begin();                                                                    \
         CUresult rc_ = (call);                                                                                     \
-        if (rc_ == CUDA_SUCCESS && !primary_active(dev))                                                           \
-            primary_gone(rc_, (dev));                                                                              \
+        bool gone_ = rc_ == CUDA_SUCCESS && !primary_active(dev);                                                  \
+        if (gone_)                                                                                                 \
+            destroy_forget(&h_, primary_of(dev));                                                                  \
+        destroy_end(&h_);                                                                                          \
+        if (gone_)                                                                                                 \
+            primary_gone((dev), h_.handover);                                                                      \
         pthread_mutex_unlock(&g_primary_mu[dev]);                                                                  \
         return rc_;                                                                                                \
     } while (0)
@@ -476,21 +546,27 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     bool known = dev >= 0 && dev < MAX_DEVICES;
     if (known)
         pthread_mutex_lock(&g_primary_mu[dev]);
+    struct destroying h = destroy_begin();
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
+    bool primary_went = false;
     if (rc == CUDA_SUCCESS) {
-        if (VC_UNLIKELY(vc_core_limited()))
-            vc_core_context_gone(ctx); /* its streams are detached, its events gone */
+        destroy_forget(&h, ctx); /* its streams are detached, its events gone */
+        primary_went = known && !primary_active(dev); /* its reference was the last */
+        if (primary_went)
+            destroy_forget(&h, primary_of(dev));
+    }
+    destroy_end(&h);
+    if (rc == CUDA_SUCCESS) {
         if (VC_UNLIKELY(vc_limited())) {
             if (ctx != NULL) {
                 vc_memory_context_moved(ctx, known ? primary_of(dev) : NULL); /* the primary context's memory */
                 vc_memory_context_gone(ctx);                                  /* its modules, its libraries */
             }
             forget_ctx(key);
-            if (ctx != NULL)
-                vc_memory_ordered_frees_gone(ctx);
         }
-        if (known && !primary_active(dev))
-            primary_gone(rc, dev); /* its reference was the last */
+        if (primary_went)
+            primary_gone(dev, 0);
+        vc_memory_ordered_frees_handover(h.handover);
     }
     if (known)
         pthread_mutex_unlock(&g_primary_mu[dev]);

@@ -947,7 +947,7 @@ static void poll_markers(struct dev *d)
     CUcontext pushed = NULL; /* the context made current to ask for a marker (its own), if any */
     while (d->n > 0) {
         unsigned h = d->head;
-        /* NULL: its context is gone, and the launches with it (vc_core_context_gone) */
+        /* NULL: its context is gone, and the launches with it (vc_core_forget_context) */
         if (d->ev[h] != NULL) {
             if (d->ev_ctx[h] != pushed) {
                 CUcontext popped;
@@ -1057,7 +1057,7 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
     if (d->ev[slot] != NULL && d->ev_ctx[slot] != ctx) {
-        REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_context_gone) */
+        REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_forget_context) */
         d->ev[slot] = NULL;
     }
     if (d->ev[slot] == NULL) {
@@ -1870,27 +1870,39 @@ void vc_core_streams_changed(void)
 }
 
 /*
- * A context was destroyed: its events went with it (the driver's), so the markers in it are forgotten, never
- * destroyed again, and those outstanding count as complete (its launches are gone too).
+ * A context is being destroyed (vc_context.c): the driver frees its events in the destroy, those of the markers in it
+ * too.  Every device's lock is held from before the destroy until the markers there are forgotten (never asked for
+ * or destroyed again; those outstanding count as complete: its launches are gone too).  Forgotten only after the
+ * destroy returned, they could be asked for in between, by the watcher or a launch waiting for credit, or destroyed
+ * to record another context's marker in the slot: the driver's freed memory.
  */
-void vc_core_context_gone(CUcontext ctx)
+void vc_core_destroy_begin(void)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        pthread_mutex_lock(&g_dev[i].mu);
+}
+
+/* Between vc_core_destroy_begin and vc_core_destroy_end: ctx is gone. */
+void vc_core_forget_context(CUcontext ctx)
 {
     vc_core_streams_changed();
     if (ctx == NULL)
         return;
     for (int i = 0; i < MAX_DEVICES; i++) {
         struct dev *d = &g_dev[i];
-        if (!__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE))
-            continue;
-        pthread_mutex_lock(&d->mu);
         for (unsigned k = 0; k < MARKERS; k++) {
             if (d->ev_ctx[k] == ctx) {
                 d->ev[k] = NULL;
                 d->ev_ctx[k] = NULL;
             }
         }
-        pthread_mutex_unlock(&d->mu);
     }
+}
+
+void vc_core_destroy_end(void)
+{
+    for (int i = MAX_DEVICES - 1; i >= 0; i--)
+        pthread_mutex_unlock(&g_dev[i].mu);
 }
 
 #ifdef VC_TEST_HOOKS

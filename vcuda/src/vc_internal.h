@@ -173,8 +173,16 @@ static inline bool vc_refused(void)
 
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
-/* ... and, once its own charge is released, the frees queued in it (their events went with it): to the reconciliation. */
-void vc_memory_ordered_frees_gone(CUcontext ctx);
+/*
+ * Around the driver's destroy of a context (it frees the context's events): from vc_memory_destroy_begin to
+ * vc_memory_destroy_end no queued free's event is asked for.  vc_memory_ordered_frees_forget, in between, forgets
+ * the frees queued in a context gone and returns their bytes, which vc_memory_ordered_frees_handover gives to the
+ * reconciliation once the context's own charge is released.
+ */
+void vc_memory_destroy_begin(void);
+uint64_t vc_memory_ordered_frees_forget(CUcontext ctx);
+void vc_memory_destroy_end(void);
+void vc_memory_ordered_frees_handover(uint64_t bytes);
 /* A green context is gone: the memory allocated in it (it shares its primary context's) is primary's from now on. */
 void vc_memory_context_moved(CUcontext from, CUcontext to);
 
@@ -202,8 +210,14 @@ bool vc_memory_refresh_pools(void);
 /* A stream or context was destroyed: the SM gate's stream-to-device lookups must be redone. */
 void vc_core_streams_changed(void);
 
-/* A context was destroyed (its streams and events with it): the SM gate forgets its completion markers there. */
-void vc_core_context_gone(CUcontext ctx);
+/*
+ * Around the driver's destroy of a context (its streams and events go with it): from vc_core_destroy_begin to
+ * vc_core_destroy_end the SM gate asks for, records and destroys no completion marker, and
+ * vc_core_forget_context, in between, forgets the markers of a context gone (NULL: only its streams).
+ */
+void vc_core_destroy_begin(void);
+void vc_core_forget_context(CUcontext ctx);
+void vc_core_destroy_end(void);
 
 struct vc_core_config {
     int share;     /* percent of the GPU: vcuda.config `utilization` (tencent.com/vcuda-core) */

@@ -718,7 +718,7 @@ static void freed(const struct vc_map_entry *e)
 
 struct ordered_free {
     CUevent ev;
-    uint64_t ctx; /* the context the event is in: destroyed with it (ordered_frees_gone) */
+    uint64_t ctx; /* the context the event is in: destroyed with it (vc_memory_ordered_frees_forget) */
     uint64_t bytes;
 };
 
@@ -760,29 +760,43 @@ static uint64_t ordered_frees_done(void)
 }
 
 /*
- * A context was destroyed: the events of the frees queued in it went with it (never asked for or destroyed again:
- * the handles are the driver's freed memory).  Whether their memory is free by now, the GPU tells: the bytes are
- * handed over to the reconciliation, once the context's own charge is gone (else it would stand in for them).
+ * A context is being destroyed (vc_context.c): the driver frees the events of the frees queued in it.  g_of_mu is
+ * held from before the destroy until they are forgotten (never asked for or destroyed again): forgotten only after
+ * the destroy returned, another thread's look at the queued frees could ask for one in between.  Whether their
+ * memory is free by now, the GPU tells: the bytes are handed over to the reconciliation, once the context's own
+ * charge is gone (else it would stand in for them).
  */
-void vc_memory_ordered_frees_gone(CUcontext ctx)
+void vc_memory_destroy_begin(void)
 {
-    if (atomic_load_explicit(&g_of_count, memory_order_relaxed) == 0)
-        return;
-    uint64_t handover = 0;
     pthread_mutex_lock(&g_of_mu);
+}
+
+/* Between vc_memory_destroy_begin and vc_memory_destroy_end: ctx is gone; the bytes of the frees queued in it. */
+uint64_t vc_memory_ordered_frees_forget(CUcontext ctx)
+{
+    uint64_t bytes = 0;
     for (size_t i = 0; i < g_of_n;) {
         if (g_of[i].ctx != (uint64_t)(uintptr_t)ctx) {
             i++;
             continue;
         }
-        handover += g_of[i].bytes;
+        bytes += g_of[i].bytes;
         g_of[i] = g_of[--g_of_n];
     }
+    return bytes;
+}
+
+void vc_memory_destroy_end(void)
+{
     atomic_store(&g_of_count, g_of_n);
     pthread_mutex_unlock(&g_of_mu);
-    if (handover > 0) {
+}
+
+void vc_memory_ordered_frees_handover(uint64_t bytes)
+{
+    if (bytes > 0) {
         bool kept;
-        vc_budget_settle_untracked(handover, &kept);
+        vc_budget_settle_untracked(bytes, &kept);
     }
 }
 

@@ -245,15 +245,33 @@ static void contexts(void)
     report();
 }
 
+/* Asks for the memory view (cuMemGetInfo: the interceptor looks at the frees still queued first) until g_stop. */
+static void *view_memory(void *arg)
+{
+    (void)arg;
+    primary();
+    while (!atomic_load(&g_stop)) {
+        size_t free_b, total;
+        FN(cuMemGetInfo_v2)(&free_b, &total);
+        usleep(500);
+    }
+    return NULL;
+}
+
 /*
  * Memory freed with cuMemFreeAsync behind a long kernel, in a context then destroyed with the free still queued:
  * the event the interceptor follows the free with went with the context (the driver's freed memory, never to be
  * asked for again; the simulated driver stops the process), and the memory with it.  Then the rest of the limit.
+ * `watched`: another thread asks for the memory view all along, so that it looks at the queued frees at any moment,
+ * the one right after the driver's destroy too (VCUDA_TEST_DESTROY_DELAY_US, -DVC_TEST_HOOKS, holds it open).
  */
-static void free_async_context_destroyed(void)
+static void free_async_context_destroyed(bool watched)
 {
     static const char ptx[] = ".version 7.0\n.target sm_75\n.address_size 64\n.visible .entry spin_3000ms() { ret; }\n";
     check(FN(cuInit)(0), "cuInit");
+    pthread_t t;
+    if (watched && pthread_create(&t, NULL, view_memory, NULL) != 0)
+        exit(2);
     CUcontext a;
     check(FN(cuCtxCreate_v2)(&a, 0, 0), "cuCtxCreate");
     CUmodule mod;
@@ -266,7 +284,13 @@ static void free_async_context_destroyed(void)
     check(FN(cuMemAlloc_v2)(&p, 256 * MIB), "cuMemAlloc");
     check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "cuLaunchKernel");
     check(FN(cuMemFreeAsync)(p, s), "cuMemFreeAsync");
+    if (watched)
+        usleep(20000); /* the other thread has looked at the queued free */
     check(FN(cuCtxDestroy_v2)(a), "cuCtxDestroy");
+    if (watched) {
+        atomic_store(&g_stop, true);
+        pthread_join(t, NULL);
+    }
     primary();
     fill(8 * MIB);
     report();
@@ -948,7 +972,9 @@ int main(int argc, char **argv)
     else if (strcmp(argv[1], "frees") == 0)
         frees();
     else if (strcmp(argv[1], "free-async-context-destroyed") == 0)
-        free_async_context_destroyed();
+        free_async_context_destroyed(false);
+    else if (strcmp(argv[1], "free-async-context-destroyed-watched") == 0)
+        free_async_context_destroyed(true);
     else {
         fprintf(stderr, "unknown scenario %s\n", argv[1]);
         return 2;

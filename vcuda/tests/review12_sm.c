@@ -236,19 +236,51 @@ static void contexts(bool rested)
 }
 
 /*
- * Kernels in a context that is then destroyed with one still running, then the offer in a new context.  The
- * context's events went with it: the limiter must neither ask for nor destroy its markers there again (a real
- * driver's freed memory; the simulated driver stops the process), and must still gate the new context's launches.
+ * Kernels in a context that then goes (kind: "created", cuCtxDestroy; "primary", the primary context's last
+ * release; "green", cuGreenCtxDestroy, which releases the primary context too) with them still running, then the
+ * offer in a new context.  The context's events went with it: the limiter must neither ask for nor destroy its
+ * markers there again (a real driver's freed memory; the simulated driver stops the process), at no moment (its
+ * watcher looks every 10 ms, and VCUDA_TEST_DESTROY_DELAY_US, in a build with -DVC_TEST_HOOKS, holds the moment
+ * right after the driver's destroy open), and must still gate the new context's launches.
  */
-static void context_destroyed(void)
+static void context_destroyed(const char *kind)
 {
-    CUcontext gone = created_context();
-    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    CUdevice dev;
+    check(FN(cuInit)(0), "cuInit");
+    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    CUcontext gone = NULL;
+    CUgreenCtx green = NULL;
     CUstream s;
-    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    if (strcmp(kind, "primary") == 0) {
+        check(FN(cuDevicePrimaryCtxRetain)(&gone, dev), "cuDevicePrimaryCtxRetain");
+        check(FN(cuCtxSetCurrent)(gone), "cuCtxSetCurrent");
+    } else if (strcmp(kind, "green") == 0) {
+        CUdevResource sm;
+        check(FN(cuDeviceGetDevResource)(dev, &sm, CU_DEV_RESOURCE_TYPE_SM), "cuDeviceGetDevResource");
+        CUdevResourceDesc desc;
+        check(FN(cuDevResourceGenerateDesc)(&desc, &sm, 1), "cuDevResourceGenerateDesc");
+        check(FN(cuGreenCtxCreate)(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate");
+        check(FN(cuCtxFromGreenCtx)(&gone, green), "cuCtxFromGreenCtx");
+        check(FN(cuCtxSetCurrent)(gone), "cuCtxSetCurrent");
+    } else {
+        gone = created_context();
+    }
+    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    if (green != NULL)
+        check(FN(cuGreenCtxStreamCreate)(&s, green, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate");
+    else
+        check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     for (int i = 0; i < 3; i++)
         check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "launch");
-    check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
+    if (strcmp(kind, "primary") == 0) {
+        check(FN(cuCtxSetCurrent)(NULL), "cuCtxSetCurrent");
+        check(FN(cuDevicePrimaryCtxRelease_v2)(dev), "cuDevicePrimaryCtxRelease");
+    } else if (green != NULL) {
+        check(FN(cuCtxSetCurrent)(NULL), "cuCtxSetCurrent");
+        check(FN(cuGreenCtxDestroy)(green), "cuGreenCtxDestroy");
+    } else {
+        check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
+    }
     g_ctx = created_context();
     g_fn = load_kernel(PTX, "spin_50ms");
     check(FN(cuStreamCreate)(&g_stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
@@ -604,7 +636,11 @@ int main(int argc, char **argv)
     else if (strcmp(s, "green") == 0)
         green();
     else if (strcmp(s, "context-destroyed") == 0)
-        context_destroyed();
+        context_destroyed("created");
+    else if (strcmp(s, "primary-released") == 0)
+        context_destroyed("primary");
+    else if (strcmp(s, "green-destroyed") == 0)
+        context_destroyed("green");
     else if (strcmp(s, "stack-full") == 0)
         stack_full();
     else if (strcmp(s, "taught") == 0)

@@ -138,6 +138,18 @@ def test_cuGetProcAddress_hands_out_only_gated_launch_entry_points(
     assert int(m.group(2)) == 0, done.stdout
 
 
+@pytest.mark.parametrize("variant", ["plain", "asan"])
+def test_launches_on_a_stream_another_thread_destroys_run_through(
+    programs: dict[str, Path], tmp_path: Path, variant: str
+) -> None:
+    """1 us kernels for a second on a stream another thread keeps replacing (made anew, the one before destroyed):
+    launches find their stream destroyed in the driver or right after it (the limiter's marker then fails).  The
+    simulated driver wrote to the stream it had looked up, freed meanwhile by the other thread (ASan stopped the
+    process); the process must run through, with launches admitted."""
+    (admitted,) = _run(programs, tmp_path, variant, "stream-churn")
+    assert admitted > 0, f"stream-churn ({variant}): no launch admitted in a second"
+
+
 @pytest.mark.usefixtures("hooks")
 @pytest.mark.parametrize("scenario", ["context-destroyed", "primary-released", "green-destroyed"])
 def test_no_marker_of_a_destroyed_context_is_touched_after_the_destroy(

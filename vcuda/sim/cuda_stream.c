@@ -27,6 +27,17 @@ struct sim_stream {
 static uint64_t g_capture_ids; /* under the records lock */
 
 /*
+ * The created stream behind s (records lock held), or NULL.  What a stream holds is read under that lock: another
+ * thread may destroy (and free) it at any moment, and a call on it then answers CUDA_ERROR_INVALID_HANDLE.
+ */
+static struct sim_stream *stream_of(CUstream s)
+{
+    if (sim_special_stream(s) || vc_map_lookup(sim_recs(), (uint64_t)(uintptr_t)s, REC_STREAM) == NULL)
+        return NULL;
+    return (struct sim_stream *)(void *)s;
+}
+
+/*
  * Device memory a created stream takes: SIM_STREAM_BYTES (an H200 with driver 580: 500 streams took 272 MiB), or
  * GPUSIM_STREAM_KIB when set (a knob for tests; 0 turns it off).
  */
@@ -94,10 +105,12 @@ static CUresult stream_ctx(CUstream s, CUcontext *pctx)
         *pctx = c;
         return CUDA_SUCCESS;
     }
-    if (!sim_find((uint64_t)(uintptr_t)s, REC_STREAM, NULL, false))
-        return CUDA_ERROR_INVALID_HANDLE;
-    *pctx = ((struct sim_stream *)(void *)s)->ctx;
-    return CUDA_SUCCESS;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    if (st != NULL)
+        *pctx = st->ctx;
+    sim_rec_unlock();
+    return st != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
@@ -214,27 +227,31 @@ static CUresult stream_upto(CUstream s, unsigned *gpu, uint64_t *upto)
     CUresult rc = sim_stream_device(s, gpu);
     if (rc != CUDA_SUCCESS)
         return rc;
-    const struct sim_node *n = sim_cu_node();
-    *upto = sim_special_stream(s) ? sim_tl_tail(n->state, *gpu)
-                              : atomic_load(&((struct sim_stream *)(void *)s)->upto);
-    return CUDA_SUCCESS;
+    if (sim_special_stream(s)) {
+        *upto = sim_tl_tail(sim_cu_node()->state, *gpu);
+        return CUDA_SUCCESS;
+    }
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    if (st != NULL)
+        *upto = atomic_load(&st->upto);
+    sim_rec_unlock();
+    return st != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
+/* Looked up again: another thread may have destroyed the stream since the launch looked it up. */
 void sim_stream_mark(CUstream s, uint64_t upto)
 {
-    if (!sim_special_stream(s))
-        atomic_store(&((struct sim_stream *)(void *)s)->upto, upto);
+    if (sim_special_stream(s))
+        return;
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    if (st != NULL)
+        atomic_store(&st->upto, upto);
+    sim_rec_unlock();
 }
 
 /* ---- stream capture ------------------------------------------------------------------------ */
-
-/* The created stream behind s (records lock held), or NULL. */
-static struct sim_stream *stream_of(CUstream s)
-{
-    if (sim_special_stream(s) || vc_map_lookup(sim_recs(), (uint64_t)(uintptr_t)s, REC_STREAM) == NULL)
-        return NULL;
-    return (struct sim_stream *)(void *)s;
-}
 
 CUgraph sim_stream_capture(CUstream s)
 {

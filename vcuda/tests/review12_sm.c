@@ -304,6 +304,56 @@ static void stack_full(void)
 }
 
 /*
+ * Kernels of 1 us for a second on a stream that another thread keeps replacing: it makes a new stream, publishes it
+ * and destroys the one before, so that a launch often finds its stream destroyed while it is in the driver, or
+ * right after (the limiter's marker on it then fails).  A launch refused for its destroyed stream is tried again on
+ * the new one.  The process must run through (the simulated driver, under ASan, wrote to a stream it had looked up
+ * and another thread had freed since) and its launches must stay gated: it prints the launches admitted.
+ */
+static _Atomic(CUstream) g_churned;
+static atomic_bool g_churn_stop;
+
+static void *churn_streams(void *arg)
+{
+    (void)arg;
+    FN(cuCtxSetCurrent)(g_ctx);
+    while (!atomic_load(&g_churn_stop)) {
+        CUstream fresh;
+        if (FN(cuStreamCreate)(&fresh, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+            continue;
+        CUstream old = atomic_exchange(&g_churned, fresh);
+        FN(cuStreamDestroy_v2)(old);
+    }
+    return NULL;
+}
+
+static void stream_churn(void)
+{
+    CUfunction cheap = load_kernel(PTX, "spin_1us");
+    CUstream first;
+    check(FN(cuStreamCreate)(&first, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    atomic_store(&g_churned, first);
+    pthread_t t;
+    if (pthread_create(&t, NULL, churn_streams, NULL) != 0)
+        exit(2);
+    double start = now_ms();
+    long admitted = 0, refused = 0;
+    while (now_ms() - start < WINDOW_MS) {
+        CUresult rc = FN(cuLaunchKernel)(cheap, 1, 1, 1, 32, 1, 1, 0, atomic_load(&g_churned), NULL, NULL);
+        if (rc == CUDA_SUCCESS)
+            admitted++;
+        else if (rc == CUDA_ERROR_INVALID_HANDLE)
+            refused++;
+        else
+            check(rc, "launch");
+    }
+    atomic_store(&g_churn_stop, true);
+    pthread_join(t, NULL);
+    printf("admitted %ld of 1 us (%ld refused: their stream destroyed) in %.0f ms\n", admitted, refused,
+           now_ms() - start);
+}
+
+/*
  * Kernels of 1 us for 0.3 s first: the limiter learns a cost of about 1 us a launch, and at that cost its credit
  * covered a thousand launches in flight.  The 50 ms kernels offered next all went (1025 queued at once, 51 s of
  * GPU time) before a measurement showed what they were.
@@ -645,6 +695,8 @@ int main(int argc, char **argv)
         stack_full();
     else if (strcmp(s, "taught") == 0)
         taught();
+    else if (strcmp(s, "stream-churn") == 0)
+        stream_churn();
     else if (strcmp(s, "refused-after-sync") == 0)
         refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)

@@ -164,6 +164,19 @@ def test_no_marker_of_a_destroyed_context_is_touched_after_the_destroy(
         assert admitted <= MOST_ADMITTED, f"{scenario} (destroy delayed): {admitted} kernels of 50 ms in 1 s"
 
 
+@pytest.mark.usefixtures("hooks")
+def test_launches_in_another_context_go_on_while_a_context_is_destroyed(
+    programs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A thread launches 1 us kernels in its own context while another destroys a context that ran kernels (their
+    markers still in the limiter's ring), the destroy made to last half a second (VCUDA_TEST_DESTROY_DELAY_US,
+    -DVC_TEST_HOOKS).  The limiter held every device's lock across the driver's destroy, which waits for the
+    context's work: no launch went meanwhile, and a host function of that context waiting for another thread's
+    launch would have waited for good.  Its markers there are now only left alone until the destroy returned."""
+    (admitted,) = _run(programs, tmp_path, "hooks", "destroy-elsewhere", VCUDA_TEST_DESTROY_DELAY_US="500000")
+    assert admitted >= 10, f"destroy-elsewhere: {admitted} launches in another context during a 0.5 s destroy"
+
+
 @pytest.mark.parametrize("variant", ["plain", "asan"])
 def test_launches_measure_when_the_watcher_is_gone(programs: dict[str, Path], tmp_path: Path, variant: str) -> None:
     """The limiter's watcher thread (the one that measures every 10 ms) cannot be started: the tenant refuses its

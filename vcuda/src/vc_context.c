@@ -318,44 +318,26 @@ static void forget_ctx(CUcontext ctx)
 
 /*
  * Around the driver's destroy of a context.  The driver frees the context's events in it, those the SM gate marks
- * launches with and those that follow a cuMemFreeAsync: the locks under which they are asked for are held from
- * before the call until they are forgotten (destroy_forget), so that no other thread asks for one the driver has
- * freed (vc_core_destroy_begin, vc_memory_destroy_begin).
+ * launches with and those that follow a cuMemFreeAsync: they are marked as dying before the call, so that no other
+ * thread asks for one the driver may have freed, and forgotten after it once the context is gone (its answer).  No
+ * lock is held across the call, which waits for the context's work.  destroy_end returns the bytes of the frees
+ * queued in the context, for the reconciliation once the context's own charge is released.
  */
-struct destroying {
-    bool core, memory;
-    bool forgot;       /* a context went */
-    uint64_t handover; /* the bytes of the frees queued in the contexts gone: to the reconciliation after */
-};
-
-static struct destroying destroy_begin(void)
+static void destroy_begin(CUcontext ctx)
 {
-    struct destroying h = {.core = vc_core_limited(), .memory = vc_limited()};
-    if (h.core)
-        vc_core_destroy_begin();
-    if (h.memory)
-        vc_memory_destroy_begin();
-    return h;
+    if (VC_UNLIKELY(vc_core_limited()))
+        vc_core_context_dying(ctx);
+    if (VC_UNLIKELY(vc_limited()))
+        vc_memory_context_dying(ctx);
 }
 
-/* With the locks held: ctx went (NULL: a context whose handle is unknown). */
-static void destroy_forget(struct destroying *h, CUcontext ctx)
+static uint64_t destroy_end(CUcontext ctx, bool gone)
 {
-    h->forgot = true;
-    if (h->core)
-        vc_core_forget_context(ctx);
-    if (h->memory && ctx != NULL)
-        h->handover += vc_memory_ordered_frees_forget(ctx);
-}
-
-static void destroy_end(const struct destroying *h)
-{
-    if (h->forgot)
+    if (gone)
         test_destroy_delay();
-    if (h->memory)
-        vc_memory_destroy_end();
-    if (h->core)
-        vc_core_destroy_end();
+    if (VC_UNLIKELY(vc_core_limited()))
+        vc_core_context_destroyed(ctx, gone);
+    return VC_UNLIKELY(vc_limited()) ? vc_memory_context_destroyed(ctx, gone) : 0;
 }
 
 /* After ctx went away (its markers and queued frees forgotten): its own memory and what was allocated in it. */
@@ -371,14 +353,12 @@ static void context_gone(CUcontext ctx)
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited() && !vc_core_limited()))                                                       \
             return (call);                                                                                         \
-        struct destroying h_ = destroy_begin();                                                                    \
+        destroy_begin(ctx);                                                                                        \
         CUresult rc_ = (call);                                                                                     \
-        if (rc_ == CUDA_SUCCESS)                                                                                   \
-            destroy_forget(&h_, (ctx));                                                                            \
-        destroy_end(&h_);                                                                                          \
+        uint64_t handover_ = destroy_end((ctx), rc_ == CUDA_SUCCESS);                                              \
         if (rc_ == CUDA_SUCCESS) {                                                                                 \
             context_gone(ctx);                                                                                     \
-            vc_memory_ordered_frees_handover(h_.handover); /* the context's own charge is released */             \
+            vc_memory_ordered_frees_handover(handover_); /* the context's own charge is released */               \
         }                                                                                                          \
         return rc_;                                                                                                \
     } while (0)
@@ -414,22 +394,21 @@ static void primary_gone(CUdevice dev, uint64_t handover)
 }
 
 /*
- * A release destroys the primary context when it was the last reference, which only the driver knows: the locks
- * are held around every release (destroy_begin), and it went if the context is no longer active after it.
+ * A release destroys the primary context when it was the last reference, which only the driver knows: its events are
+ * marked as dying around every release (destroy_begin), and it went if the context is no longer active after it.
  */
 #define RELEASED(call, dev)                                                                                        \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || (dev) < 0 || (dev) >= MAX_DEVICES)                  \
             return (call);                                                                                         \
         pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
-        struct destroying h_ = destroy_begin();                                                                    \
+        CUcontext primary_ = primary_of(dev);                                                                      \
+        destroy_begin(primary_);                                                                                   \
         CUresult rc_ = (call);                                                                                     \
         bool gone_ = rc_ == CUDA_SUCCESS && !primary_active(dev);                                                  \
+        uint64_t handover_ = destroy_end(primary_, gone_);                                                         \
         if (gone_)                                                                                                 \
-            destroy_forget(&h_, primary_of(dev));                                                                  \
-        destroy_end(&h_);                                                                                          \
-        if (gone_)                                                                                                 \
-            primary_gone((dev), h_.handover);                                                                      \
+            primary_gone((dev), handover_);                                                                        \
         pthread_mutex_unlock(&g_primary_mu[dev]);                                                                  \
         return rc_;                                                                                                \
     } while (0)
@@ -546,16 +525,13 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     bool known = dev >= 0 && dev < MAX_DEVICES;
     if (known)
         pthread_mutex_lock(&g_primary_mu[dev]);
-    struct destroying h = destroy_begin();
+    CUcontext primary = known ? primary_of(dev) : NULL; /* goes too when the green context held the last reference */
+    destroy_begin(ctx);
+    destroy_begin(primary);
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
-    bool primary_went = false;
-    if (rc == CUDA_SUCCESS) {
-        destroy_forget(&h, ctx); /* its streams are detached, its events gone */
-        primary_went = known && !primary_active(dev); /* its reference was the last */
-        if (primary_went)
-            destroy_forget(&h, primary_of(dev));
-    }
-    destroy_end(&h);
+    bool primary_went = rc == CUDA_SUCCESS && known && !primary_active(dev);
+    uint64_t handover = destroy_end(ctx, rc == CUDA_SUCCESS); /* its streams are detached, its events gone */
+    handover += destroy_end(primary, primary_went);
     if (rc == CUDA_SUCCESS) {
         if (VC_UNLIKELY(vc_limited())) {
             if (ctx != NULL) {
@@ -566,7 +542,7 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
         }
         if (primary_went)
             primary_gone(dev, 0);
-        vc_memory_ordered_frees_handover(h.handover);
+        vc_memory_ordered_frees_handover(handover);
     }
     if (known)
         pthread_mutex_unlock(&g_primary_mu[dev]);

@@ -940,6 +940,83 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
     return true;
 }
 
+/*
+ * Contexts being destroyed (vc_context.c): the driver frees their events in the destroy, those of the markers there
+ * too, at a moment nobody can tell.  From before the destroy until the markers are forgotten, the slots of such a
+ * context are neither asked for (poll_markers stops at one, as at a marker not yet complete) nor destroyed to record
+ * another's (record_marker records none: the launch goes without a marker).  Forgotten only after the destroy
+ * returned, with nothing to stop a look in between, the watcher, a launch waiting for credit or a marker recorded in
+ * the slot asked for or destroyed a freed event.  No lock of the limiter is held across the driver's destroy, which
+ * waits for the context's work: a host function there waiting for another thread's launch would wait for good.  The
+ * list is written with every device's lock held and read with one.
+ */
+#define DYING_MAX 16
+
+static CUcontext g_dying[DYING_MAX];
+static unsigned g_ndying;
+
+static void lock_devices(void)
+{
+    for (int i = 0; i < MAX_DEVICES; i++)
+        pthread_mutex_lock(&g_dev[i].mu);
+}
+
+static void unlock_devices(void)
+{
+    for (int i = MAX_DEVICES - 1; i >= 0; i--)
+        pthread_mutex_unlock(&g_dev[i].mu);
+}
+
+/* Whether ctx is being destroyed (a device's lock held). */
+static bool dying(CUcontext ctx)
+{
+    for (unsigned i = 0; i < g_ndying; i++)
+        if (g_dying[i] == ctx)
+            return true;
+    return false;
+}
+
+void vc_core_context_dying(CUcontext ctx)
+{
+    if (ctx == NULL)
+        return;
+    for (;;) {
+        lock_devices();
+        bool room = g_ndying < DYING_MAX;
+        if (room)
+            g_dying[g_ndying++] = ctx;
+        unlock_devices();
+        if (room)
+            return;
+        sleep_ns(WAIT_MIN_NS); /* DYING_MAX destroys at once: one of them ends soon */
+    }
+}
+
+void vc_core_context_destroyed(CUcontext ctx, bool gone)
+{
+    if (gone)
+        vc_core_streams_changed();
+    if (ctx == NULL)
+        return;
+    lock_devices();
+    for (unsigned i = 0; i < g_ndying; i++) {
+        if (g_dying[i] == ctx) {
+            g_dying[i] = g_dying[--g_ndying];
+            break;
+        }
+    }
+    for (int i = 0; gone && i < MAX_DEVICES; i++) {
+        struct dev *d = &g_dev[i];
+        for (unsigned k = 0; k < MARKERS; k++) {
+            if (d->ev_ctx[k] == ctx) {
+                d->ev[k] = NULL; /* the driver's freed memory; those outstanding count as complete */
+                d->ev_ctx[k] = NULL;
+            }
+        }
+    }
+    unlock_devices();
+}
+
 /* ---- completion markers ---------------------------------------------------------------------- */
 
 static void poll_markers(struct dev *d)
@@ -947,8 +1024,10 @@ static void poll_markers(struct dev *d)
     CUcontext pushed = NULL; /* the context made current to ask for a marker (its own), if any */
     while (d->n > 0) {
         unsigned h = d->head;
-        /* NULL: its context is gone, and the launches with it (vc_core_forget_context) */
+        /* NULL: its context is gone, and the launches with it (vc_core_context_destroyed) */
         if (d->ev[h] != NULL) {
+            if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[h]))
+                break; /* its context is being destroyed: looked at again once it is (vc_core_context_destroyed) */
             if (d->ev_ctx[h] != pushed) {
                 CUcontext popped;
                 if (pushed != NULL)
@@ -1057,7 +1136,9 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
     if (d->ev[slot] != NULL && d->ev_ctx[slot] != ctx) {
-        REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_forget_context) */
+        if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[slot]))
+            return false; /* the driver may be freeing it (vc_core_context_dying) */
+        REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_context_destroyed) */
         d->ev[slot] = NULL;
     }
     if (d->ev[slot] == NULL) {
@@ -1869,41 +1950,6 @@ void vc_core_streams_changed(void)
     atomic_fetch_add_explicit(&g_stream_gen, 1, memory_order_acq_rel);
 }
 
-/*
- * A context is being destroyed (vc_context.c): the driver frees its events in the destroy, those of the markers in it
- * too.  Every device's lock is held from before the destroy until the markers there are forgotten (never asked for
- * or destroyed again; those outstanding count as complete: its launches are gone too).  Forgotten only after the
- * destroy returned, they could be asked for in between, by the watcher or a launch waiting for credit, or destroyed
- * to record another context's marker in the slot: the driver's freed memory.
- */
-void vc_core_destroy_begin(void)
-{
-    for (int i = 0; i < MAX_DEVICES; i++)
-        pthread_mutex_lock(&g_dev[i].mu);
-}
-
-/* Between vc_core_destroy_begin and vc_core_destroy_end: ctx is gone. */
-void vc_core_forget_context(CUcontext ctx)
-{
-    vc_core_streams_changed();
-    if (ctx == NULL)
-        return;
-    for (int i = 0; i < MAX_DEVICES; i++) {
-        struct dev *d = &g_dev[i];
-        for (unsigned k = 0; k < MARKERS; k++) {
-            if (d->ev_ctx[k] == ctx) {
-                d->ev[k] = NULL;
-                d->ev_ctx[k] = NULL;
-            }
-        }
-    }
-}
-
-void vc_core_destroy_end(void)
-{
-    for (int i = MAX_DEVICES - 1; i >= 0; i--)
-        pthread_mutex_unlock(&g_dev[i].mu);
-}
 
 #ifdef VC_TEST_HOOKS
 /*

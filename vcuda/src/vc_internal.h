@@ -174,14 +174,13 @@ static inline bool vc_refused(void)
 /* cuda.h: a destroyed context (or a reset primary one) frees what was allocated in it: its charges return. */
 void vc_memory_context_gone(CUcontext ctx);
 /*
- * Around the driver's destroy of a context (it frees the context's events): from vc_memory_destroy_begin to
- * vc_memory_destroy_end no queued free's event is asked for.  vc_memory_ordered_frees_forget, in between, forgets
- * the frees queued in a context gone and returns their bytes, which vc_memory_ordered_frees_handover gives to the
+ * Around the driver's destroy of a context (it frees the context's events): from vc_memory_context_dying to
+ * vc_memory_context_destroyed the events of the frees queued in it are not asked for; once it is gone, the frees are
+ * forgotten, and vc_memory_context_destroyed returns their bytes, which vc_memory_ordered_frees_handover gives to the
  * reconciliation once the context's own charge is released.
  */
-void vc_memory_destroy_begin(void);
-uint64_t vc_memory_ordered_frees_forget(CUcontext ctx);
-void vc_memory_destroy_end(void);
+void vc_memory_context_dying(CUcontext ctx);
+uint64_t vc_memory_context_destroyed(CUcontext ctx, bool gone);
 void vc_memory_ordered_frees_handover(uint64_t bytes);
 /* A green context is gone: the memory allocated in it (it shares its primary context's) is primary's from now on. */
 void vc_memory_context_moved(CUcontext from, CUcontext to);
@@ -211,13 +210,12 @@ bool vc_memory_refresh_pools(void);
 void vc_core_streams_changed(void);
 
 /*
- * Around the driver's destroy of a context (its streams and events go with it): from vc_core_destroy_begin to
- * vc_core_destroy_end the SM gate asks for, records and destroys no completion marker, and
- * vc_core_forget_context, in between, forgets the markers of a context gone (NULL: only its streams).
+ * Around the driver's destroy of a context (its streams and events go with it): from vc_core_context_dying to
+ * vc_core_context_destroyed the SM gate neither asks for nor destroys its completion markers there; once it is gone
+ * (the driver's answer), they are forgotten.  No lock is held in between.  NULL: a context whose handle is unknown.
  */
-void vc_core_destroy_begin(void);
-void vc_core_forget_context(CUcontext ctx);
-void vc_core_destroy_end(void);
+void vc_core_context_dying(CUcontext ctx);
+void vc_core_context_destroyed(CUcontext ctx, bool gone);
 
 struct vc_core_config {
     int share;     /* percent of the GPU: vcuda.config `utilization` (tencent.com/vcuda-core) */

@@ -718,7 +718,7 @@ static void freed(const struct vc_map_entry *e)
 
 struct ordered_free {
     CUevent ev;
-    uint64_t ctx; /* the context the event is in: destroyed with it (vc_memory_ordered_frees_forget) */
+    uint64_t ctx; /* the context the event is in: destroyed with it (vc_memory_context_destroyed) */
     uint64_t bytes;
 };
 
@@ -726,12 +726,24 @@ static pthread_mutex_t g_of_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct ordered_free *g_of; /* under g_of_mu */
 static size_t g_of_n, g_of_cap;
 static _Atomic size_t g_of_count; /* g_of_n, read without the lock */
+#define OF_DYING_MAX 16
+static uint64_t g_of_dying[OF_DYING_MAX]; /* contexts being destroyed (vc_memory_context_dying), under g_of_mu */
+static unsigned g_of_ndying;
+
+static bool of_dying(uint64_t ctx)
+{
+    for (unsigned i = 0; i < g_of_ndying; i++)
+        if (g_of_dying[i] == ctx)
+            return true;
+    return false;
+}
 
 static void ordered_frees_atfork_child(void)
 {
     /* The parent's events and bytes: its slot's, not the child's. */
     g_of = NULL;
     g_of_n = g_of_cap = 0;
+    g_of_ndying = 0; /* the parent's destroys */
     atomic_store(&g_of_count, 0);
     pthread_mutex_init(&g_of_mu, NULL);
 }
@@ -744,8 +756,9 @@ static uint64_t ordered_frees_done(void)
     uint64_t credited = 0;
     pthread_mutex_lock(&g_of_mu);
     for (size_t i = 0; i < g_of_n;) {
-        /* NOT_READY: still queued; anything else (done, or its context is gone and took the memory): freed. */
-        if (REAL_CU(cuEventQuery)(g_of[i].ev) == CUDA_ERROR_NOT_READY) {
+        /* NOT_READY: still queued; anything else (done, or its context is gone and took the memory): freed.  Its
+         * context being destroyed: the event may be freed (vc_memory_context_destroyed settles it). */
+        if ((g_of_ndying > 0 && of_dying(g_of[i].ctx)) || REAL_CU(cuEventQuery)(g_of[i].ev) == CUDA_ERROR_NOT_READY) {
             i++;
             continue;
         }
@@ -760,36 +773,53 @@ static uint64_t ordered_frees_done(void)
 }
 
 /*
- * A context is being destroyed (vc_context.c): the driver frees the events of the frees queued in it.  g_of_mu is
- * held from before the destroy until they are forgotten (never asked for or destroyed again): forgotten only after
- * the destroy returned, another thread's look at the queued frees could ask for one in between.  Whether their
- * memory is free by now, the GPU tells: the bytes are handed over to the reconciliation, once the context's own
- * charge is gone (else it would stand in for them).
+ * A context is being destroyed (vc_context.c): the driver frees the events of the frees queued in it, at a moment
+ * nobody can tell.  From before the destroy until they are forgotten, they are not asked for (ordered_frees_done
+ * passes them by); forgotten only after the destroy returned, another thread's look at the queued frees could ask
+ * for one in between.  No lock is held across the destroy (it waits for the context's work).  Whether their memory
+ * is free by now, the GPU tells: the bytes are handed over to the reconciliation, once the context's own charge is
+ * gone (else it would stand in for them).
  */
-void vc_memory_destroy_begin(void)
+void vc_memory_context_dying(CUcontext ctx)
 {
-    pthread_mutex_lock(&g_of_mu);
+    if (ctx == NULL)
+        return;
+    for (;;) {
+        pthread_mutex_lock(&g_of_mu);
+        bool room = g_of_ndying < OF_DYING_MAX;
+        if (room)
+            g_of_dying[g_of_ndying++] = (uint64_t)(uintptr_t)ctx;
+        pthread_mutex_unlock(&g_of_mu);
+        if (room)
+            return;
+        usleep(50); /* OF_DYING_MAX destroys at once: one of them ends soon */
+    }
 }
 
-/* Between vc_memory_destroy_begin and vc_memory_destroy_end: ctx is gone; the bytes of the frees queued in it. */
-uint64_t vc_memory_ordered_frees_forget(CUcontext ctx)
+/* The bytes of the frees queued in ctx when it is gone (0 when it is not). */
+uint64_t vc_memory_context_destroyed(CUcontext ctx, bool gone)
 {
-    uint64_t bytes = 0;
-    for (size_t i = 0; i < g_of_n;) {
-        if (g_of[i].ctx != (uint64_t)(uintptr_t)ctx) {
+    if (ctx == NULL)
+        return 0;
+    uint64_t bytes = 0, key = (uint64_t)(uintptr_t)ctx;
+    pthread_mutex_lock(&g_of_mu);
+    for (unsigned i = 0; i < g_of_ndying; i++) {
+        if (g_of_dying[i] == key) {
+            g_of_dying[i] = g_of_dying[--g_of_ndying];
+            break;
+        }
+    }
+    for (size_t i = 0; gone && i < g_of_n;) {
+        if (g_of[i].ctx != key) {
             i++;
             continue;
         }
         bytes += g_of[i].bytes;
         g_of[i] = g_of[--g_of_n];
     }
-    return bytes;
-}
-
-void vc_memory_destroy_end(void)
-{
     atomic_store(&g_of_count, g_of_n);
     pthread_mutex_unlock(&g_of_mu);
+    return bytes;
 }
 
 void vc_memory_ordered_frees_handover(uint64_t bytes)

@@ -288,6 +288,56 @@ static void context_destroyed(const char *kind)
 }
 
 /*
+ * Another thread's launches while a context is destroyed.  Kernels in the context first, complete (their markers
+ * stay in the limiter's ring), then the destroy; from just before it, another thread launches 1 us kernels in its
+ * own context until the destroy has returned, and the launches that went meanwhile are counted.  The limiter held
+ * every device's lock across the driver's destroy, which waits for the context's work: nothing launched anywhere
+ * meanwhile (VCUDA_TEST_DESTROY_DELAY_US, -DVC_TEST_HOOKS, makes the destroy last), and a host function of the
+ * context waiting for another thread's launch would have waited for good.
+ */
+static atomic_int g_destroy_phase; /* 0: before, 1: destroying, 2: done */
+static _Atomic long g_during;
+
+static void *launch_during_destroy(void *arg)
+{
+    (void)arg;
+    check(FN(cuCtxSetCurrent)(g_ctx), "cuCtxSetCurrent");
+    CUfunction cheap = load_kernel(PTX, "spin_1us");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    while (atomic_load(&g_destroy_phase) == 0)
+        usleep(1000);
+    while (atomic_load(&g_destroy_phase) == 1)
+        if (FN(cuLaunchKernel)(cheap, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL) == CUDA_SUCCESS &&
+            atomic_load(&g_destroy_phase) == 1)
+            atomic_fetch_add(&g_during, 1);
+    return NULL;
+}
+
+static void destroy_elsewhere(void)
+{
+    pthread_t t;
+    if (pthread_create(&t, NULL, launch_during_destroy, NULL) != 0)
+        exit(2);
+    CUcontext gone = created_context();
+    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int i = 0; i < 3; i++)
+        check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "launch");
+    check(FN(cuCtxSynchronize)(), "cuCtxSynchronize");
+    usleep(100000); /* the limiter's watcher has seen the markers complete */
+    atomic_store(&g_destroy_phase, 1);
+    usleep(20000); /* the other thread launches */
+    double start = now_ms();
+    check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
+    double took = now_ms() - start;
+    atomic_store(&g_destroy_phase, 2);
+    pthread_join(t, NULL);
+    printf("admitted %ld of 1 us in another context while the destroy took %.0f ms\n", atomic_load(&g_during), took);
+}
+
+/*
  * The thread's context stack filled (another context pushed until the driver refuses), then kernels on a stream of
  * the first context: the limiter cannot make the stream's context current to tell its device or record a marker
  * there.  Such a launch was counted complete at once: nothing was ever in flight (1025 of 50 ms admitted in 1 s).
@@ -697,6 +747,8 @@ int main(int argc, char **argv)
         taught();
     else if (strcmp(s, "stream-churn") == 0)
         stream_churn();
+    else if (strcmp(s, "destroy-elsewhere") == 0)
+        destroy_elsewhere();
     else if (strcmp(s, "refused-after-sync") == 0)
         refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)

@@ -37,6 +37,19 @@ static struct sim_stream *stream_of(CUstream s)
     return (struct sim_stream *)(void *)s;
 }
 
+/* A created stream's context and last kernel (either NULL: not asked), read under the records lock. */
+static CUresult stream_read(CUstream s, CUcontext *ctx, uint64_t *upto)
+{
+    sim_rec_lock();
+    struct sim_stream *st = stream_of(s);
+    if (st != NULL && ctx != NULL)
+        *ctx = st->ctx;
+    if (st != NULL && upto != NULL)
+        *upto = atomic_load(&st->upto);
+    sim_rec_unlock();
+    return st != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 /*
  * Device memory a created stream takes: SIM_STREAM_BYTES (an H200 with driver 580: 500 streams took 272 MiB), or
  * GPUSIM_STREAM_KIB when set (a knob for tests; 0 turns it off).
@@ -105,12 +118,7 @@ static CUresult stream_ctx(CUstream s, CUcontext *pctx)
         *pctx = c;
         return CUDA_SUCCESS;
     }
-    sim_rec_lock();
-    struct sim_stream *st = stream_of(s);
-    if (st != NULL)
-        *pctx = st->ctx;
-    sim_rec_unlock();
-    return st != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return stream_read(s, pctx, NULL);
 }
 
 SIM_EXPORT CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
@@ -231,12 +239,7 @@ static CUresult stream_upto(CUstream s, unsigned *gpu, uint64_t *upto)
         *upto = sim_tl_tail(sim_cu_node()->state, *gpu);
         return CUDA_SUCCESS;
     }
-    sim_rec_lock();
-    struct sim_stream *st = stream_of(s);
-    if (st != NULL)
-        *upto = atomic_load(&st->upto);
-    sim_rec_unlock();
-    return st != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return stream_read(s, NULL, upto);
 }
 
 /* Looked up again: another thread may have destroyed the stream since the launch looked it up. */

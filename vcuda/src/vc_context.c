@@ -323,10 +323,10 @@ static void forget_ctx(CUcontext ctx)
  * lock is held across the call, which waits for the context's work.  destroy_end returns the bytes of the frees
  * queued in the context, for the reconciliation once the context's own charge is released.
  */
-static void destroy_begin(CUcontext ctx)
+static void destroy_begin(CUcontext ctx, bool sure)
 {
     if (VC_UNLIKELY(vc_core_limited()))
-        vc_core_context_dying(ctx);
+        vc_core_context_dying(ctx, sure);
     if (VC_UNLIKELY(vc_limited()))
         vc_memory_context_dying(ctx);
 }
@@ -353,7 +353,7 @@ static void context_gone(CUcontext ctx)
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited() && !vc_core_limited()))                                                       \
             return (call);                                                                                         \
-        destroy_begin(ctx);                                                                                        \
+        destroy_begin((ctx), true);                                                                                \
         CUresult rc_ = (call);                                                                                     \
         uint64_t handover_ = destroy_end((ctx), rc_ == CUDA_SUCCESS);                                              \
         if (rc_ == CUDA_SUCCESS) {                                                                                 \
@@ -397,13 +397,13 @@ static void primary_gone(CUdevice dev, uint64_t handover)
  * A release destroys the primary context when it was the last reference, which only the driver knows: its events are
  * marked as dying around every release (destroy_begin), and it went if the context is no longer active after it.
  */
-#define RELEASED(call, dev)                                                                                        \
+#define RELEASED(call, dev, reset)                                                                                 \
     do {                                                                                                           \
         if (VC_LIKELY(!vc_limited() && !vc_core_limited()) || (dev) < 0 || (dev) >= MAX_DEVICES)                  \
             return (call);                                                                                         \
         pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
         CUcontext primary_ = primary_of(dev);                                                                      \
-        destroy_begin(primary_);                                                                                   \
+        destroy_begin(primary_, (reset));                                                                          \
         CUresult rc_ = (call);                                                                                     \
         bool gone_ = rc_ == CUDA_SUCCESS && !primary_active(dev);                                                  \
         uint64_t handover_ = destroy_end(primary_, gone_);                                                         \
@@ -415,22 +415,22 @@ static void primary_gone(CUdevice dev, uint64_t handover)
 
 VC_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 {
-    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease)(dev), dev, false);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
-    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxRelease_v2)(dev), dev, false);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev)
 {
-    RELEASED(REAL_CU(cuDevicePrimaryCtxReset)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxReset)(dev), dev, true);
 }
 
 VC_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
-    RELEASED(REAL_CU(cuDevicePrimaryCtxReset_v2)(dev), dev);
+    RELEASED(REAL_CU(cuDevicePrimaryCtxReset_v2)(dev), dev, true);
 }
 
 /* ---- green contexts (CUDA 12.4) ---------------------------------------------------------------------------- */
@@ -526,8 +526,8 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     if (known)
         pthread_mutex_lock(&g_primary_mu[dev]);
     CUcontext primary = known ? primary_of(dev) : NULL; /* goes too when the green context held the last reference */
-    destroy_begin(ctx);
-    destroy_begin(primary);
+    destroy_begin(ctx, true);
+    destroy_begin(primary, false);
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
     bool primary_went = rc == CUDA_SUCCESS && known && !primary_active(dev);
     uint64_t handover = destroy_end(ctx, rc == CUDA_SUCCESS); /* its streams are detached, its events gone */

@@ -943,16 +943,23 @@ static bool measure(struct dev *d, uint64_t now, double *own, double *other, dou
 /*
  * Contexts being destroyed (vc_context.c): the driver frees their events in the destroy, those of the markers there
  * too, at a moment nobody can tell.  From before the destroy until the markers are forgotten, the slots of such a
- * context are neither asked for (poll_markers stops at one, as at a marker not yet complete) nor destroyed to record
- * another's (record_marker records none: the launch goes without a marker).  Forgotten only after the destroy
- * returned, with nothing to stop a look in between, the watcher, a launch waiting for credit or a marker recorded in
- * the slot asked for or destroyed a freed event.  No lock of the limiter is held across the driver's destroy, which
- * waits for the context's work: a host function there waiting for another thread's launch would wait for good.  The
- * list is written with every device's lock held and read with one.
+ * context are neither asked for nor destroyed to record another's (record_marker records none: the launch goes
+ * without a marker).  Forgotten only after the destroy returned, with nothing to stop a look in between, the
+ * watcher, a launch waiting for credit or a marker recorded in the slot asked for or destroyed a freed event.  No
+ * lock of the limiter is held across the driver's destroy, which waits for the context's work: a host function there
+ * waiting for another thread's launch would wait for good.  For the same reason, a context that goes for sure
+ * (cuCtxDestroy, cuGreenCtxDestroy, cuDevicePrimaryCtxReset) has its launches count as complete from the start of
+ * the destroy (poll_markers passes its markers as complete): its work ends with the destroy, and other threads'
+ * launches that wait for credit do not wait for it.  One that may stay (a primary context's release, the last only
+ * if the driver says so after) is waited for: poll_markers stops at its first marker until the release returned.
+ * The list is written with every device's lock held and read with one.
  */
 #define DYING_MAX 16
 
-static CUcontext g_dying[DYING_MAX];
+static struct dying_ctx {
+    CUcontext ctx;
+    bool sure; /* destroyed for sure: its launches count as complete */
+} g_dying[DYING_MAX];
 static unsigned g_ndying;
 
 static void lock_devices(void)
@@ -967,16 +974,19 @@ static void unlock_devices(void)
         pthread_mutex_unlock(&g_dev[i].mu);
 }
 
-/* Whether ctx is being destroyed (a device's lock held). */
-static bool dying(CUcontext ctx)
+/* Whether ctx is being destroyed (a device's lock held); *sure: for sure. */
+static bool dying(CUcontext ctx, bool *sure)
 {
-    for (unsigned i = 0; i < g_ndying; i++)
-        if (g_dying[i] == ctx)
+    for (unsigned i = 0; i < g_ndying; i++) {
+        if (g_dying[i].ctx == ctx) {
+            *sure = g_dying[i].sure;
             return true;
+        }
+    }
     return false;
 }
 
-void vc_core_context_dying(CUcontext ctx)
+void vc_core_context_dying(CUcontext ctx, bool sure)
 {
     if (ctx == NULL)
         return;
@@ -984,7 +994,7 @@ void vc_core_context_dying(CUcontext ctx)
         lock_devices();
         bool room = g_ndying < DYING_MAX;
         if (room)
-            g_dying[g_ndying++] = ctx;
+            g_dying[g_ndying++] = (struct dying_ctx){ctx, sure};
         unlock_devices();
         if (room)
             return;
@@ -1000,7 +1010,7 @@ void vc_core_context_destroyed(CUcontext ctx, bool gone)
         return;
     lock_devices();
     for (unsigned i = 0; i < g_ndying; i++) {
-        if (g_dying[i] == ctx) {
+        if (g_dying[i].ctx == ctx) {
             g_dying[i] = g_dying[--g_ndying];
             break;
         }
@@ -1026,8 +1036,12 @@ static void poll_markers(struct dev *d)
         unsigned h = d->head;
         /* NULL: its context is gone, and the launches with it (vc_core_context_destroyed) */
         if (d->ev[h] != NULL) {
-            if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[h]))
-                break; /* its context is being destroyed: looked at again once it is (vc_core_context_destroyed) */
+            bool sure = false;
+            if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[h], &sure)) {
+                if (!sure)
+                    break; /* a release that may destroy it: looked at again once it returned */
+                goto complete; /* its work ends with the destroy (vc_core_context_dying) */
+            }
             if (d->ev_ctx[h] != pushed) {
                 CUcontext popped;
                 if (pushed != NULL)
@@ -1037,6 +1051,7 @@ static void poll_markers(struct dev *d)
             if (REAL_CU(cuEventQuery)(d->ev[h]) == CUDA_ERROR_NOT_READY)
                 break;
         }
+    complete:
         /* Complete (or broken: never wait on it again). */
         if (d->ev_count[h] > d->completed)
             d->completed = d->ev_count[h];
@@ -1136,7 +1151,8 @@ static bool record_marker(struct dev *d, CUstream s, bool ptsz, uint64_t count)
     bool full = d->n >= MARKERS;
     unsigned slot = (d->head + d->n - (full ? 1 : 0)) % MARKERS;
     if (d->ev[slot] != NULL && d->ev_ctx[slot] != ctx) {
-        if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[slot]))
+        bool sure;
+        if (VC_UNLIKELY(g_ndying > 0) && dying(d->ev_ctx[slot], &sure))
             return false; /* the driver may be freeing it (vc_core_context_dying) */
         REAL_CU(cuEventDestroy_v2)(d->ev[slot]); /* another context's (alive: vc_core_context_destroyed) */
         d->ev[slot] = NULL;

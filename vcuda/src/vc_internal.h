@@ -213,8 +213,10 @@ void vc_core_streams_changed(void);
  * Around the driver's destroy of a context (its streams and events go with it): from vc_core_context_dying to
  * vc_core_context_destroyed the SM gate neither asks for nor destroys its completion markers there; once it is gone
  * (the driver's answer), they are forgotten.  No lock is held in between.  NULL: a context whose handle is unknown.
+ * sure: the call destroys it whatever happens (not a release that may leave it alive): its launches count as
+ * complete from now.
  */
-void vc_core_context_dying(CUcontext ctx);
+void vc_core_context_dying(CUcontext ctx, bool sure);
 void vc_core_context_destroyed(CUcontext ctx, bool gone);
 
 struct vc_core_config {

@@ -289,7 +289,7 @@ static void context_destroyed(const char *kind)
 
 /*
  * Another thread's launches while a context is destroyed.  Kernels in the context first, complete (their markers
- * stay in the limiter's ring), then the destroy; from just before it, another thread launches 1 us kernels in its
+ * stay in the limiter's ring) or, `running`, still running (the limiter counts them in flight), then the destroy; from just before it, another thread launches 1 us kernels in its
  * own context until the destroy has returned, and the launches that went meanwhile are counted.  The limiter held
  * every device's lock across the driver's destroy, which waits for the context's work: nothing launched anywhere
  * meanwhile (VCUDA_TEST_DESTROY_DELAY_US, -DVC_TEST_HOOKS, makes the destroy last), and a host function of the
@@ -314,7 +314,7 @@ static void *launch_during_destroy(void *arg)
     return NULL;
 }
 
-static void destroy_elsewhere(void)
+static void destroy_elsewhere(bool running)
 {
     pthread_t t;
     if (pthread_create(&t, NULL, launch_during_destroy, NULL) != 0)
@@ -325,8 +325,10 @@ static void destroy_elsewhere(void)
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     for (int i = 0; i < 3; i++)
         check(FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL), "launch");
-    check(FN(cuCtxSynchronize)(), "cuCtxSynchronize");
-    usleep(100000); /* the limiter's watcher has seen the markers complete */
+    if (!running) {
+        check(FN(cuCtxSynchronize)(), "cuCtxSynchronize");
+        usleep(100000); /* the limiter's watcher has seen the markers complete */
+    }
     atomic_store(&g_destroy_phase, 1);
     usleep(20000); /* the other thread launches */
     double start = now_ms();
@@ -335,6 +337,18 @@ static void destroy_elsewhere(void)
     atomic_store(&g_destroy_phase, 2);
     pthread_join(t, NULL);
     printf("admitted %ld of 1 us in another context while the destroy took %.0f ms\n", atomic_load(&g_during), took);
+}
+
+/* One kernel in a context made for it, destroyed right after the launch with the kernel running. */
+static CUresult one_in_fresh_context(void)
+{
+    CUcontext c = created_context();
+    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+    check(FN(cuCtxDestroy_v2)(c), "cuCtxDestroy");
+    return rc;
 }
 
 /*
@@ -737,6 +751,8 @@ int main(int argc, char **argv)
         green();
     else if (strcmp(s, "context-destroyed") == 0)
         context_destroyed("created");
+    else if (strcmp(s, "context-churn") == 0)
+        offer(one_in_fresh_context);
     else if (strcmp(s, "primary-released") == 0)
         context_destroyed("primary");
     else if (strcmp(s, "green-destroyed") == 0)
@@ -748,7 +764,9 @@ int main(int argc, char **argv)
     else if (strcmp(s, "stream-churn") == 0)
         stream_churn();
     else if (strcmp(s, "destroy-elsewhere") == 0)
-        destroy_elsewhere();
+        destroy_elsewhere(false);
+    else if (strcmp(s, "destroy-elsewhere-running") == 0)
+        destroy_elsewhere(true);
     else if (strcmp(s, "refused-after-sync") == 0)
         refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)

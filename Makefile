@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo demo-dra test test-min-deps lint bench build clean proto deploy-check prometheus manifests
+.PHONY: demo demo-dra test test-known test-min-deps lint bench build clean proto deploy-check prometheus manifests
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +44,17 @@ lint: $(VENV)/.installed
 # Those marked timing measure a container's share of GPU time against tight bounds; a CPU taken by
 # the other tests delays their limiters' threads, so they run afterwards, one at a time.
 PYTEST_WORKERS ?= 4
+# Those marked known_limit (every xfail: a limit not yet overcome, which its reason names) cannot fail the run and
+# are left to `make test-known`.
 test: build lint deploy-check prometheus
-	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not timing" || { echo "tests failed: running the failed ones once more, alone"; \
-	  $(VENV)/bin/pytest -n 0 -m "not timing" --last-failed --last-failed-no-failures none; }
-	$(VENV)/bin/pytest -n 0 -m timing || { echo "timing tests failed: running the failed ones once more, alone"; \
-	  $(VENV)/bin/pytest -n 0 -m timing --last-failed --last-failed-no-failures none; }
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not timing and not known_limit" || { echo "tests failed: running the failed ones once more, alone"; \
+	  $(VENV)/bin/pytest -n 0 -m "not timing and not known_limit" --last-failed --last-failed-no-failures none; }
+	$(VENV)/bin/pytest -n 0 -m "timing and not known_limit" || { echo "timing tests failed: running the failed ones once more, alone"; \
+	  $(VENV)/bin/pytest -n 0 -m "timing and not known_limit" --last-failed --last-failed-no-failures none; }
+
+# The known limits' measurements, one at a time: XPASS where one has been overcome.
+test-known: build prometheus
+	$(VENV)/bin/pytest -n 0 -rxX -m known_limit
 
 # Debian's prometheus package (prometheus and promtool) for the alert, dashboard and metrics tests.
 prometheus:

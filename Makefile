@@ -38,18 +38,22 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # The tests run in PYTEST_WORKERS processes (pytest-xdist): most of them wait on simulated
-# processes and sockets rather than compute (three kept two cores 40 % busy), so four share two cores
-# well. 0 runs them in one. A test that fails (some wait on threads of the agent that four processes
-# on two cores can hold up for seconds) runs once more on its own; one that fails twice fails the run.
+# processes and sockets rather than compute (six kept two cores about 60 % busy on average and
+# finished in 7.5 minutes where four took 11), so six share two cores well. 0 runs them in one. A test
+# that fails (some wait on threads of the agent that six processes on two cores can hold up for
+# seconds) runs once more on its own; one that fails twice fails the run.
 # Those marked timing measure a container's share of GPU time against tight bounds; a CPU taken by
-# the other tests delays their limiters' threads, so they run afterwards, one at a time.
-PYTEST_WORKERS ?= 4
+# the other tests delays their limiters' threads, so they run afterwards, apart from them. Among
+# themselves they run TIMING_WORKERS at a time: each waits on simulated GPU time (four of them kept
+# the two cores 5-8 % busy), and one at a time they took 10 minutes of the run.
+PYTEST_WORKERS ?= 6
+TIMING_WORKERS ?= 4
 # Those marked known_limit (every xfail: a limit not yet overcome, which its reason names) cannot fail the run and
 # are left to `make test-known`.
 test: build lint deploy-check prometheus
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) -m "not timing and not known_limit" || { echo "tests failed: running the failed ones once more, alone"; \
 	  $(VENV)/bin/pytest -n 0 -m "not timing and not known_limit" --last-failed --last-failed-no-failures none; }
-	$(VENV)/bin/pytest -n 0 -m "timing and not known_limit" || { echo "timing tests failed: running the failed ones once more, alone"; \
+	$(VENV)/bin/pytest -n $(TIMING_WORKERS) -m "timing and not known_limit" || { echo "timing tests failed: running the failed ones once more, alone"; \
 	  $(VENV)/bin/pytest -n 0 -m "timing and not known_limit" --last-failed --last-failed-no-failures none; }
 
 # The known limits' measurements, one at a time: XPASS where one has been overcome.

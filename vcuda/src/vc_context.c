@@ -32,12 +32,23 @@ static struct charged_ctx g_ctx[MAX_CONTEXTS];
 static _Atomic(CUcontext) g_primary[MAX_DEVICES]; /* each device's primary context, once retained */
 static uint64_t g_primary_bytes[MAX_DEVICES];     /* what its primary context is charged, while active */
 static pthread_mutex_t g_primary_mu[MAX_DEVICES];
+/*
+ * The references to each device's primary context that this process holds as the driver counts them: a retain each
+ * (less a release each), and one per green context made on the device (cuda.h: it retains the primary context, and
+ * its destroy releases it).  A release that drops the last one destroys the context for sure (primary_goes).
+ */
+static atomic_int g_primary_refs[MAX_DEVICES];
+static atomic_int g_greens[MAX_DEVICES];
 
 static void atfork_child(void)
 {
     /* The child holds none of its parent's contexts (nor their charges, which are the parent's slot's). */
     memset(g_ctx, 0, sizeof(g_ctx));
     memset(g_primary_bytes, 0, sizeof(g_primary_bytes));
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        atomic_store(&g_primary_refs[i], 0);
+        atomic_store(&g_greens[i], 0);
+    }
     pthread_mutex_init(&g_mu, NULL);
     for (int i = 0; i < MAX_DEVICES; i++)
         pthread_mutex_init(&g_primary_mu[i], NULL);
@@ -243,13 +254,43 @@ static bool primary_active(CUdevice dev)
     return REAL_CU(cuDevicePrimaryCtxGetState)(dev, &flags, &active) == CUDA_SUCCESS && active;
 }
 
+/*
+ * Whether a release of dev's primary context (`release`; else the destroy of a green context made on it) drops the
+ * last reference, so that the driver destroys the context for sure: its launches then count as complete from the
+ * start (vc_core_context_dying), and other threads' launches waiting for credit do not wait for the driver's
+ * destroy, which waits for the context's work.  A reference taken where this process cannot see it (the driver's
+ * own) is not counted: the release then leaves the context alive at once, and the GPU time its launches take is
+ * still charged by NVML's samples.  g_primary_mu[dev] held.
+ */
+static bool primary_goes(CUdevice dev, bool release)
+{
+    int refs = atomic_load(&g_primary_refs[dev]), greens = atomic_load(&g_greens[dev]);
+    return release ? refs == 1 && greens == 0 : refs == 0 && greens == 1;
+}
+
+static void primary_unref(atomic_int *count)
+{
+    int n = atomic_load(count);
+    while (n > 0 && !atomic_compare_exchange_weak(count, &n, n - 1))
+        ;
+}
+
 /* The primary context costs memory when it comes alive (its first retain), not at every retain. */
 VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    if (VC_LIKELY(!vc_limited()) || dev < 0 || dev >= MAX_DEVICES || pctx == NULL) {
+    if (dev < 0 || dev >= MAX_DEVICES || pctx == NULL)
+        return REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
+    if (VC_LIKELY(!vc_limited())) {
+        bool counted = vc_core_limited(); /* counted under the lock a release holds (primary_goes) */
+        if (counted)
+            pthread_mutex_lock(&g_primary_mu[dev]);
         CUresult rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
-        if (rc == CUDA_SUCCESS && pctx != NULL && dev >= 0 && dev < MAX_DEVICES)
+        if (rc == CUDA_SUCCESS) {
             atomic_store(&g_primary[dev], *pctx);
+            atomic_fetch_add(&g_primary_refs[dev], 1);
+        }
+        if (counted)
+            pthread_mutex_unlock(&g_primary_mu[dev]);
         return rc;
     }
     pthread_mutex_lock(&g_primary_mu[dev]);
@@ -278,8 +319,10 @@ VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         }
         vc_memory_context_end(born);
     }
-    if (rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS) {
         atomic_store(&g_primary[dev], *pctx); /* the same handle for the device's whole life (cuda.h) */
+        atomic_fetch_add(&g_primary_refs[dev], 1);
+    }
     pthread_mutex_unlock(&g_primary_mu[dev]);
     return rc;
 }
@@ -394,8 +437,10 @@ static void primary_gone(CUdevice dev, uint64_t handover)
 }
 
 /*
- * A release destroys the primary context when it was the last reference, which only the driver knows: its events are
- * marked as dying around every release (destroy_begin), and it went if the context is no longer active after it.
+ * A release destroys the primary context when it was the last reference: its events are marked as dying around every
+ * release (destroy_begin), its launches counted complete from the start when the release drops the last reference
+ * this process counted (primary_goes), and it went if the context is no longer active after it.  A reset destroys it
+ * for sure and leaves the count as it was: a count above the driver's only makes a later last release wait, as before.
  */
 #define RELEASED(call, dev, reset)                                                                                 \
     do {                                                                                                           \
@@ -403,8 +448,10 @@ static void primary_gone(CUdevice dev, uint64_t handover)
             return (call);                                                                                         \
         pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
         CUcontext primary_ = primary_of(dev);                                                                      \
-        destroy_begin(primary_, (reset));                                                                          \
+        destroy_begin(primary_, (reset) || primary_goes((dev), true));                                             \
         CUresult rc_ = (call);                                                                                     \
+        if (rc_ == CUDA_SUCCESS && !(reset))                                                                       \
+            primary_unref(&g_primary_refs[dev]);                                                                   \
         bool gone_ = rc_ == CUDA_SUCCESS && !primary_active(dev);                                                  \
         uint64_t handover_ = destroy_end(primary_, gone_);                                                         \
         if (gone_)                                                                                                 \
@@ -476,13 +523,21 @@ static CUresult green_create(CUgreenCtx *ph, CUdevResourceDesc desc, CUdevice de
 
 VC_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags)
 {
-    if (VC_LIKELY(!vc_limited()) || dev < 0 || dev >= MAX_DEVICES || phCtx == NULL)
+    if (dev < 0 || dev >= MAX_DEVICES || phCtx == NULL)
         return REAL_CU(cuGreenCtxCreate)(phCtx, desc, dev, flags);
+    if (VC_LIKELY(!vc_limited())) {
+        CUresult rc = REAL_CU(cuGreenCtxCreate)(phCtx, desc, dev, flags);
+        if (rc == CUDA_SUCCESS)
+            atomic_fetch_add(&g_greens[dev], 1); /* a reference to the primary context (primary_goes) */
+        return rc;
+    }
     CUcontext primary;
     CUresult rc = cuDevicePrimaryCtxRetain(&primary, dev); /* charged here if this brings it alive */
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = green_create(phCtx, desc, dev, flags);
+    if (rc == CUDA_SUCCESS)
+        atomic_fetch_add(&g_greens[dev], 1);
     cuDevicePrimaryCtxRelease_v2(dev); /* ours; the green context holds the driver's (failed: the last one goes) */
     return rc;
 }
@@ -527,8 +582,10 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
         pthread_mutex_lock(&g_primary_mu[dev]);
     CUcontext primary = known ? primary_of(dev) : NULL; /* goes too when the green context held the last reference */
     destroy_begin(ctx, true);
-    destroy_begin(primary, false);
+    destroy_begin(primary, known && primary_goes(dev, false));
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
+    if (rc == CUDA_SUCCESS && known)
+        primary_unref(&g_greens[dev]);
     bool primary_went = rc == CUDA_SUCCESS && known && !primary_active(dev);
     uint64_t handover = destroy_end(ctx, rc == CUDA_SUCCESS); /* its streams are detached, its events gone */
     handover += destroy_end(primary, primary_went);

@@ -288,7 +288,8 @@ static void context_destroyed(const char *kind)
 }
 
 /*
- * Another thread's launches while a context is destroyed.  Kernels in the context first, complete (their markers
+ * Another thread's launches while a context is destroyed (`primary`: the device's primary context, released for the
+ * last time).  Kernels in the context first, complete (their markers
  * stay in the limiter's ring) or, `running`, still running (the limiter counts them in flight), then the destroy; from just before it, another thread launches 1 us kernels in its
  * own context until the destroy has returned, and the launches that went meanwhile are counted.  The limiter held
  * every device's lock across the driver's destroy, which waits for the context's work: nothing launched anywhere
@@ -314,12 +315,20 @@ static void *launch_during_destroy(void *arg)
     return NULL;
 }
 
-static void destroy_elsewhere(bool running)
+static void destroy_elsewhere(bool running, bool primary)
 {
     pthread_t t;
     if (pthread_create(&t, NULL, launch_during_destroy, NULL) != 0)
         exit(2);
-    CUcontext gone = created_context();
+    CUdevice dev;
+    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    CUcontext gone = NULL;
+    if (primary) {
+        check(FN(cuDevicePrimaryCtxRetain)(&gone, dev), "cuDevicePrimaryCtxRetain");
+        check(FN(cuCtxSetCurrent)(gone), "cuCtxSetCurrent");
+    } else {
+        gone = created_context();
+    }
     CUfunction fn = load_kernel(PTX, "spin_50ms");
     CUstream s;
     check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
@@ -332,7 +341,12 @@ static void destroy_elsewhere(bool running)
     atomic_store(&g_destroy_phase, 1);
     usleep(20000); /* the other thread launches */
     double start = now_ms();
-    check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
+    if (primary) {
+        check(FN(cuCtxSetCurrent)(NULL), "cuCtxSetCurrent");
+        check(FN(cuDevicePrimaryCtxRelease_v2)(dev), "cuDevicePrimaryCtxRelease"); /* its only reference */
+    }
+    else
+        check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
     double took = now_ms() - start;
     atomic_store(&g_destroy_phase, 2);
     pthread_join(t, NULL);
@@ -349,6 +363,38 @@ static CUresult one_in_fresh_context(void)
     CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
     check(FN(cuCtxDestroy_v2)(c), "cuCtxDestroy");
     return rc;
+}
+
+/*
+ * One kernel in the device's primary context, retained for it and released right after the launch with the kernel
+ * running: the last release destroys it (primary-churn), or, with a reference held all along (primary-held-churn),
+ * leaves it alive, its kernels still running and still to be waited for.
+ */
+static CUresult one_in_primary(void)
+{
+    CUdevice dev;
+    check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    CUcontext primary;
+    check(FN(cuDevicePrimaryCtxRetain)(&primary, dev), "cuDevicePrimaryCtxRetain");
+    check(FN(cuCtxSetCurrent)(primary), "cuCtxSetCurrent");
+    CUfunction fn = load_kernel(PTX, "spin_50ms");
+    CUstream s;
+    check(FN(cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUresult rc = FN(cuLaunchKernel)(fn, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+    check(FN(cuCtxSetCurrent)(NULL), "cuCtxSetCurrent");
+    check(FN(cuDevicePrimaryCtxRelease_v2)(dev), "cuDevicePrimaryCtxRelease");
+    return rc;
+}
+
+static void primary_churn(bool held)
+{
+    if (held) {
+        CUdevice dev;
+        check(FN(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+        CUcontext primary;
+        check(FN(cuDevicePrimaryCtxRetain)(&primary, dev), "cuDevicePrimaryCtxRetain");
+    }
+    offer(one_in_primary);
 }
 
 /*
@@ -765,6 +811,8 @@ int main(int argc, char **argv)
         context_destroyed("created");
     else if (strcmp(s, "context-churn") == 0)
         offer(one_in_fresh_context);
+    else if (strcmp(s, "primary-churn") == 0 || strcmp(s, "primary-held-churn") == 0)
+        primary_churn(strcmp(s, "primary-held-churn") == 0);
     else if (strcmp(s, "primary-released") == 0)
         context_destroyed("primary");
     else if (strcmp(s, "green-destroyed") == 0)
@@ -776,9 +824,11 @@ int main(int argc, char **argv)
     else if (strcmp(s, "stream-churn") == 0)
         stream_churn();
     else if (strcmp(s, "destroy-elsewhere") == 0)
-        destroy_elsewhere(false);
+        destroy_elsewhere(false, false);
     else if (strcmp(s, "destroy-elsewhere-running") == 0)
-        destroy_elsewhere(true);
+        destroy_elsewhere(true, false);
+    else if (strcmp(s, "release-elsewhere-running") == 0)
+        destroy_elsewhere(true, true);
     else if (strcmp(s, "refused-after-sync") == 0)
         refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from simnode.gpusim_state import repo_root
+from tests.make_lock import run_make
 
 VCUDA = repo_root() / "vcuda"
 CLIENT = VCUDA / "build" / "gpu-client"
@@ -17,7 +17,7 @@ ASAN_CLIENT = VCUDA / "build" / "asan" / "gpu-client"
 
 def build_client() -> Path:
     """``make -C vcuda client`` (incremental): the static client and its sanitizer build."""
-    done = subprocess.run(
+    done = run_make(
         ["make", "-C", str(VCUDA), "client", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,

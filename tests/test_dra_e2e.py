@@ -5,7 +5,6 @@ real kubernetes client."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -19,6 +18,7 @@ from gpumanager.vmanager import files
 from simnode.dra_cluster import DRIVER, NODE, DRACluster, claim_pod, claim_template
 from simnode.gpusim_state import GpuSimState, repo_root
 from simnode.simhost import install_sim_driver, volume_conf
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import PRELUDE
 
 GiB = 1 << 30
@@ -217,7 +217,7 @@ def test_cuda_program_started_through_the_cdi_edits_is_held_to_its_claim(t4_mirr
 
 
 def test_sm_limit_of_a_30_core_claim_holds(t4_mirror: DRACluster) -> None:
-    done = subprocess.run(
+    done = run_make(
         ["make", "-s", "-C", str(repo_root() / "vcuda"), "bench", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ from simnode.cluster import SimCluster, gpu_pod
 from simnode.gpusim_state import GpuSimState, repo_root, sim_env
 from simnode.mounts import host_path
 from simnode.simhost import install_sim_driver, volume_conf
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import PRELUDE
 
 MIB = 1 << 20
@@ -77,7 +78,7 @@ def test_pod_memory_cap_holds_for_a_cuda_client(tmp_path: Path, sim_built: Path)
 
 def test_two_processes_of_a_shared_pod_stay_within_its_vcuda_core_together(tmp_path: Path, sim_built: Path) -> None:
     """The agent keeps pids.config current, so the container's processes are limited as one."""
-    done = subprocess.run(
+    done = run_make(
         ["make", "-s", "-C", str(repo_root() / "vcuda"), "bench", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,

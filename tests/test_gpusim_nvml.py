@@ -15,6 +15,7 @@ import pytest
 
 from simnode.gpusim_state import GpuSimState, SpecError, load_spec, repo_root, sim_library_dir
 from tests.gpusim_fixtures import SPEC_NAMES, SimNode, gpusim_lib, sim_node
+from tests.make_lock import run_make
 
 __all__ = ["gpusim_lib", "sim_node"]  # fixtures
 
@@ -651,7 +652,7 @@ def test_missing_environment_and_unreadable_files(sim_node: MakeNode, tmp_path: 
 
 
 def test_make_test_runs_the_c_tests_under_sanitizers(gpusim_lib: Path) -> None:
-    done = subprocess.run(
+    done = run_make(
         ["make", "-C", str(repo_root() / "vcuda"), "test", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import BUILD, DRIVER_VERSION, MIB, VCUDA, Container, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
@@ -41,7 +42,7 @@ def asan_built(vcuda_built: Path) -> Path:
     """The sanitizer builds of the interceptor and the simulated driver (make test's)."""
     del vcuda_built
     targets = ["build/asan/libcuda-control.so", "build/sim-asan/libcuda.so.1", "build/sim-asan/libnvidia-ml.so.1"]
-    done = subprocess.run(["make", "-C", str(VCUDA), *targets, f"PYTHON={sys.executable}"], capture_output=True,
+    done = run_make(["make", "-C", str(VCUDA), *targets, f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return BUILD / "asan" / "libcuda-control.so"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.make_lock import run_make
 from tests.test_interceptor_review2 import asan_built, asan_mirror, build_program
 from tests.vcuda_fixtures import VCUDA, Container, container, last_json, make_mirror, vcuda_built
 
@@ -98,7 +99,7 @@ def hooks_built(vcuda_built: Path) -> Path:
     name = "t_VC_TEST_HOOKS"
     command = ["make", "-C", str(VCUDA), f"BUILD=build/{name}", "CFLAGS=-O2 -g -DVC_TEST_HOOKS", "interceptor",
                f"build/{name}/asan/libcuda-control.so", f"PYTHON={sys.executable}"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    done = run_make(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return VCUDA / "build" / name
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import GpuSimState, repo_root
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import (
     BUILD,
     KEEPING_POOL,
@@ -59,7 +60,7 @@ def run(c: Container, code: str, timeout: float = 120, **env: str | None) -> dic
 @pytest.fixture(scope="module")
 def launch_loop(vcuda_built: Path) -> Path:
     del vcuda_built
-    done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
+    done = run_make(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return BUILD / "bench" / "launch_loop"

@@ -27,6 +27,7 @@ import pytest
 
 from simnode import gpusim_state as sim_state
 from simnode.gpusim_state import GpuSimState, repo_root
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import (
     BUILD,
     DRIVER_VERSION,
@@ -106,7 +107,7 @@ class Node:
 
 @pytest.fixture(scope="module")
 def loop_built(vcuda_built: Path) -> Path:
-    done = subprocess.run(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
+    done = run_make(["make", "-C", str(VCUDA), "bench", f"PYTHON={sys.executable}"], capture_output=True,
                           text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return LOOP
@@ -551,9 +552,7 @@ def interceptor_mirror(root: Path, defines: str) -> Path:
     """A driver mirror whose interceptor is built with the test-only ``defines`` (under vcuda/build/)."""
     name = "t" + "".join(c if c.isalnum() else "_" for c in defines)
     command = ["make", "-C", str(VCUDA), f"BUILD=build/{name}", f"CFLAGS=-O2 -g {defines}", "interceptor"]
-    done = subprocess.run(
-        [*command, f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=600, check=False
-    )
+    done = run_make([*command, f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     mirror = root / name
     make_mirror(mirror, VCUDA / "build" / name / "libcuda-control.so")

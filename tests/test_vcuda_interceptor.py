@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from simnode.gpusim_state import repo_root
+from tests.make_lock import run_make
 from tests.vcuda_fixtures import BUILD, MIB, Container, config_bytes, container, last_json, vcuda_built
 
 __all__ = ["container", "vcuda_built"]  # fixtures
@@ -238,7 +239,7 @@ def test_exports_every_cuda_and_nvml_function(vcuda_built: object) -> None:
 
 def test_make_test_runs_the_c_tests_under_sanitizers(vcuda_built: object) -> None:
     del vcuda_built
-    done = subprocess.run(
+    done = run_make(
         ["make", "-C", str(repo_root() / "vcuda"), "test", f"PYTHON={sys.executable}"],
         capture_output=True,
         text=True,

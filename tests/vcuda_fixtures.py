@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from simnode.gpusim_state import ensure_sim_built, load_spec, repo_root, sim_env, spec_dir
+from tests.make_lock import run_make
 
 VCUDA = repo_root() / "vcuda"
 BUILD = VCUDA / "build"
@@ -144,7 +145,7 @@ def ensure_vcuda_built() -> None:
     """Builds the simulated driver and the interceptor (make is incremental)."""
     ensure_sim_built()
     cmd = ["make", "-C", str(VCUDA), "sim", "interceptor", f"PYTHON={sys.executable}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    done = run_make(cmd, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from gpumanager.vmanager import files
+from tests.make_lock import run_make
 
 ROOT = Path(__file__).resolve().parents[1]
 VCUDA = ROOT / "vcuda"
@@ -32,7 +33,7 @@ _MAKE_TARGETS = [
 
 def include_dirs() -> list[str]:
     """The CUDA and NVML header directories the interceptor's Makefile found."""
-    out = subprocess.run(
+    out = run_make(
         ["make", "-s", "-C", str(VCUDA), "--eval=print-inc:\n\t@echo $(CUDA_INCLUDE) $(NVML_INCLUDE)", "print-inc"],
         capture_output=True,
         text=True,
@@ -44,7 +45,7 @@ def include_dirs() -> list[str]:
 def build_programs(out: Path, source: Path) -> dict[str, Path]:
     """``source`` built into ``out`` as ``{"plain": ..., "asan": ...}``, the interceptor and the simulated driver
     (plain and ASan/UBSan) built first."""
-    subprocess.run(["make", "-s", "-C", str(VCUDA), *_MAKE_TARGETS], check=True, capture_output=True)
+    run_make(["make", "-s", "-C", str(VCUDA), *_MAKE_TARGETS], check=True, capture_output=True)
     incs = [f"-I{d}" for d in include_dirs()]
     built = {}
     for variant, extra in (("plain", []), ("asan", SAN_FLAGS)):
@@ -63,7 +64,7 @@ def build_hooks_interceptor() -> Path:
     """Builds the interceptor with -DVC_TEST_HOOKS (HOOKS_INTERCEPTOR) and returns it."""
     command = ["make", "-s", "-C", str(VCUDA), f"BUILD=build/{HOOKS_INTERCEPTOR.parent.name}",
                "CFLAGS=-O2 -g -DVC_TEST_HOOKS", "interceptor", f"PYTHON={sys.executable}"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = run_make(command, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return HOOKS_INTERCEPTOR
 

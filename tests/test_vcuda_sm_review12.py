@@ -242,6 +242,21 @@ def test_launches_in_another_context_go_on_while_a_context_is_destroyed(
     assert admitted >= 10, f"{scenario}: {admitted} launches in another context during a 0.5 s destroy"
 
 
+@pytest.mark.usefixtures("hooks")
+def test_a_release_that_leaves_the_primary_context_alive_is_not_taken_for_its_last(
+    programs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The primary context retained twice, 50 ms kernels running in it, then one release, made to last half a second
+    (VCUDA_TEST_RELEASE_DELAY_US, -DVC_TEST_HOOKS), while another thread launches 1 us kernels in its own context.
+    The context stays alive with its kernels: they are waited for as launches in flight, and the other thread's
+    launches wait for credit meanwhile.  Were the release taken for the last (the count of references one short),
+    its kernels would count as complete at its start and the other thread's launches would go (about 250)."""
+    (admitted,) = _run(
+        programs, tmp_path, "hooks", "release-elsewhere-running-held", VCUDA_TEST_RELEASE_DELAY_US="500000"
+    )
+    assert admitted < 10, f"{admitted} launches in another context while a release that was not the last lasted 0.5 s"
+
+
 @pytest.mark.parametrize("variant", ["plain", "asan"])
 def test_launches_the_driver_refuses_cost_no_gpu_time(programs: dict[str, Path], tmp_path: Path, variant: str) -> None:
     """Once NVML's samples have taught the limiter a kernel's cost (50 ms), 2000 launches the driver refuses (no

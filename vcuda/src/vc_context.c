@@ -39,6 +39,7 @@ static pthread_mutex_t g_primary_mu[MAX_DEVICES];
  */
 static atomic_int g_primary_refs[MAX_DEVICES];
 static atomic_int g_greens[MAX_DEVICES];
+static atomic_bool g_refs_unknown[MAX_DEVICES]; /* a release taken for the last left the context alive */
 
 static void atfork_child(void)
 {
@@ -48,6 +49,7 @@ static void atfork_child(void)
     for (int i = 0; i < MAX_DEVICES; i++) {
         atomic_store(&g_primary_refs[i], 0);
         atomic_store(&g_greens[i], 0);
+        atomic_store(&g_refs_unknown[i], false);
     }
     pthread_mutex_init(&g_mu, NULL);
     for (int i = 0; i < MAX_DEVICES; i++)
@@ -258,14 +260,29 @@ static bool primary_active(CUdevice dev)
  * Whether a release of dev's primary context (`release`; else the destroy of a green context made on it) drops the
  * last reference, so that the driver destroys the context for sure: its launches then count as complete from the
  * start (vc_core_context_dying), and other threads' launches waiting for credit do not wait for the driver's
- * destroy, which waits for the context's work.  A reference taken where this process cannot see it (the driver's
- * own) is not counted: the release then leaves the context alive at once, and the GPU time its launches take is
- * still charged by NVML's samples.  g_primary_mu[dev] held.
+ * destroy, which waits for the context's work.  Each count goes up before the driver's call that takes a reference
+ * (and back down if it fails), so that a release meanwhile sees one more and waits, as a release always did.  A
+ * reference taken where this process cannot see it (the driver's own) is not counted: a release taken for the last
+ * then leaves the context alive, its launches still running counted complete (up to 16 more go, and NVML's samples
+ * charge what they ran); the device's count is no longer trusted after that (primary_stayed), and its releases are
+ * waited for again.  g_primary_mu[dev] held.
  */
 static bool primary_goes(CUdevice dev, bool release)
 {
+    if (atomic_load(&g_refs_unknown[dev]))
+        return false;
     int refs = atomic_load(&g_primary_refs[dev]), greens = atomic_load(&g_greens[dev]);
     return release ? refs == 1 && greens == 0 : refs == 0 && greens == 1;
+}
+
+/* A release or destroy taken for the primary context's last left it alive: a reference went uncounted. */
+static void primary_stayed(CUdevice dev)
+{
+    if (!atomic_exchange(&g_refs_unknown[dev], true))
+        vc_log(VC_LOG_WARN,
+               "the primary context of device %d stayed alive after a release of the last reference this process "
+               "counted (the driver holds one the interceptor did not see): its releases are waited for from now on",
+               (int)dev);
 }
 
 static void primary_unref(atomic_int *count)
@@ -281,16 +298,13 @@ VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (dev < 0 || dev >= MAX_DEVICES || pctx == NULL)
         return REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
     if (VC_LIKELY(!vc_limited())) {
-        bool counted = vc_core_limited(); /* counted under the lock a release holds (primary_goes) */
-        if (counted)
-            pthread_mutex_lock(&g_primary_mu[dev]);
+        /* No lock: a release holds it across the driver's destroy, which a host function may hold up. */
+        atomic_fetch_add(&g_primary_refs[dev], 1);
         CUresult rc = REAL_CU(cuDevicePrimaryCtxRetain)(pctx, dev);
-        if (rc == CUDA_SUCCESS) {
+        if (rc == CUDA_SUCCESS)
             atomic_store(&g_primary[dev], *pctx);
-            atomic_fetch_add(&g_primary_refs[dev], 1);
-        }
-        if (counted)
-            pthread_mutex_unlock(&g_primary_mu[dev]);
+        else
+            primary_unref(&g_primary_refs[dev]);
         return rc;
     }
     pthread_mutex_lock(&g_primary_mu[dev]);
@@ -321,7 +335,7 @@ VC_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     }
     if (rc == CUDA_SUCCESS) {
         atomic_store(&g_primary[dev], *pctx); /* the same handle for the device's whole life (cuda.h) */
-        atomic_fetch_add(&g_primary_refs[dev], 1);
+        atomic_fetch_add(&g_primary_refs[dev], 1); /* under the lock every release holds */
     }
     pthread_mutex_unlock(&g_primary_mu[dev]);
     return rc;
@@ -337,8 +351,16 @@ static void test_destroy_delay(void)
     if (us != NULL)
         usleep((useconds_t)atoi(us));
 }
+/* Tests only: VCUDA_TEST_RELEASE_DELAY_US right after a release of a primary context that left it alive. */
+static void test_release_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_RELEASE_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
 #else
 #define test_destroy_delay() ((void)0)
+#define test_release_delay() ((void)0)
 #endif
 
 static void forget_ctx(CUcontext ctx)
@@ -448,11 +470,16 @@ static void primary_gone(CUdevice dev, uint64_t handover)
             return (call);                                                                                         \
         pthread_mutex_lock(&g_primary_mu[dev]);                                                                    \
         CUcontext primary_ = primary_of(dev);                                                                      \
-        destroy_begin(primary_, (reset) || primary_goes((dev), true));                                             \
+        bool last_ = !(reset) && primary_goes((dev), true);                                                        \
+        destroy_begin(primary_, (reset) || last_);                                                                 \
         CUresult rc_ = (call);                                                                                     \
         if (rc_ == CUDA_SUCCESS && !(reset))                                                                       \
             primary_unref(&g_primary_refs[dev]);                                                                   \
         bool gone_ = rc_ == CUDA_SUCCESS && !primary_active(dev);                                                  \
+        if (last_ && rc_ == CUDA_SUCCESS && !gone_)                                                                \
+            primary_stayed(dev);                                                                                   \
+        if (!gone_)                                                                                                \
+            test_release_delay();                                                                                  \
         uint64_t handover_ = destroy_end(primary_, gone_);                                                         \
         if (gone_)                                                                                                 \
             primary_gone((dev), handover_);                                                                        \
@@ -525,19 +552,22 @@ VC_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
 {
     if (dev < 0 || dev >= MAX_DEVICES || phCtx == NULL)
         return REAL_CU(cuGreenCtxCreate)(phCtx, desc, dev, flags);
+    atomic_fetch_add(&g_greens[dev], 1); /* a reference to the primary context (primary_goes), before the driver's */
     if (VC_LIKELY(!vc_limited())) {
         CUresult rc = REAL_CU(cuGreenCtxCreate)(phCtx, desc, dev, flags);
-        if (rc == CUDA_SUCCESS)
-            atomic_fetch_add(&g_greens[dev], 1); /* a reference to the primary context (primary_goes) */
+        if (rc != CUDA_SUCCESS)
+            primary_unref(&g_greens[dev]);
         return rc;
     }
     CUcontext primary;
     CUresult rc = cuDevicePrimaryCtxRetain(&primary, dev); /* charged here if this brings it alive */
-    if (rc != CUDA_SUCCESS)
+    if (rc != CUDA_SUCCESS) {
+        primary_unref(&g_greens[dev]);
         return rc;
+    }
     rc = green_create(phCtx, desc, dev, flags);
-    if (rc == CUDA_SUCCESS)
-        atomic_fetch_add(&g_greens[dev], 1);
+    if (rc != CUDA_SUCCESS)
+        primary_unref(&g_greens[dev]);
     cuDevicePrimaryCtxRelease_v2(dev); /* ours; the green context holds the driver's (failed: the last one goes) */
     return rc;
 }
@@ -581,12 +611,15 @@ VC_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     if (known)
         pthread_mutex_lock(&g_primary_mu[dev]);
     CUcontext primary = known ? primary_of(dev) : NULL; /* goes too when the green context held the last reference */
+    bool last = known && primary_goes(dev, false);
     destroy_begin(ctx, true);
-    destroy_begin(primary, known && primary_goes(dev, false));
+    destroy_begin(primary, last);
     CUresult rc = REAL_CU(cuGreenCtxDestroy)(hCtx);
     if (rc == CUDA_SUCCESS && known)
         primary_unref(&g_greens[dev]);
     bool primary_went = rc == CUDA_SUCCESS && known && !primary_active(dev);
+    if (last && rc == CUDA_SUCCESS && !primary_went)
+        primary_stayed(dev);
     uint64_t handover = destroy_end(ctx, rc == CUDA_SUCCESS); /* its streams are detached, its events gone */
     handover += destroy_end(primary, primary_went);
     if (rc == CUDA_SUCCESS) {

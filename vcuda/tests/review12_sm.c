@@ -289,7 +289,7 @@ static void context_destroyed(const char *kind)
 
 /*
  * Another thread's launches while a context is destroyed (`primary`: the device's primary context, released for the
- * last time).  Kernels in the context first, complete (their markers
+ * last time; `held`: with another reference kept, so that the release leaves it alive and its kernels running).  Kernels in the context first, complete (their markers
  * stay in the limiter's ring) or, `running`, still running (the limiter counts them in flight), then the destroy; from just before it, another thread launches 1 us kernels in its
  * own context until the destroy has returned, and the launches that went meanwhile are counted.  The limiter held
  * every device's lock across the driver's destroy, which waits for the context's work: nothing launched anywhere
@@ -315,7 +315,7 @@ static void *launch_during_destroy(void *arg)
     return NULL;
 }
 
-static void destroy_elsewhere(bool running, bool primary)
+static void destroy_elsewhere(bool running, bool primary, bool held)
 {
     pthread_t t;
     if (pthread_create(&t, NULL, launch_during_destroy, NULL) != 0)
@@ -325,6 +325,8 @@ static void destroy_elsewhere(bool running, bool primary)
     CUcontext gone = NULL;
     if (primary) {
         check(FN(cuDevicePrimaryCtxRetain)(&gone, dev), "cuDevicePrimaryCtxRetain");
+        if (held) /* a reference kept: the release below is not the last */
+            check(FN(cuDevicePrimaryCtxRetain)(&gone, dev), "cuDevicePrimaryCtxRetain");
         check(FN(cuCtxSetCurrent)(gone), "cuCtxSetCurrent");
     } else {
         gone = created_context();
@@ -343,7 +345,7 @@ static void destroy_elsewhere(bool running, bool primary)
     double start = now_ms();
     if (primary) {
         check(FN(cuCtxSetCurrent)(NULL), "cuCtxSetCurrent");
-        check(FN(cuDevicePrimaryCtxRelease_v2)(dev), "cuDevicePrimaryCtxRelease"); /* its only reference */
+        check(FN(cuDevicePrimaryCtxRelease_v2)(dev), "cuDevicePrimaryCtxRelease"); /* the last one unless held */
     }
     else
         check(FN(cuCtxDestroy_v2)(gone), "cuCtxDestroy");
@@ -824,11 +826,13 @@ int main(int argc, char **argv)
     else if (strcmp(s, "stream-churn") == 0)
         stream_churn();
     else if (strcmp(s, "destroy-elsewhere") == 0)
-        destroy_elsewhere(false, false);
+        destroy_elsewhere(false, false, false);
     else if (strcmp(s, "destroy-elsewhere-running") == 0)
-        destroy_elsewhere(true, false);
+        destroy_elsewhere(true, false, false);
     else if (strcmp(s, "release-elsewhere-running") == 0)
-        destroy_elsewhere(true, true);
+        destroy_elsewhere(true, true, false);
+    else if (strcmp(s, "release-elsewhere-running-held") == 0)
+        destroy_elsewhere(true, true, true);
     else if (strcmp(s, "refused-after-sync") == 0)
         refused_after_sync();
     else if (strcmp(s, "failed-burst") == 0)

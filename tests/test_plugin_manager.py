@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from concurrent import futures
@@ -47,9 +48,9 @@ def test_a_kubelet_restart_before_the_directory_is_watched_is_seen_without_waiti
     real_watch = manager_module.DirectoryWatch
     restarts: list[float] = []
 
-    def restart_then_watch(directory: Path) -> manager_module.DirectoryWatch:
+    def restart_then_watch(directory: Path, names: Any = None) -> manager_module.DirectoryWatch:
         restarts.append(kubelet.restart())
-        return real_watch(directory)
+        return real_watch(directory, names)
 
     monkeypatch.setattr(manager_module, "DirectoryWatch", restart_then_watch)
     plugins = _started_manager(tmp_path, kubelet)
@@ -73,7 +74,7 @@ class _GatedWatch:
         self.passes = 0
         self._lock = threading.Lock()
 
-    def __call__(self, directory: Path) -> _GatedWatch:
+    def __call__(self, directory: Path, names: Any = None) -> _GatedWatch:
         return self
 
     def wait(self, timeout: float) -> bool:
@@ -332,3 +333,64 @@ def test_a_kubelet_socket_made_again_under_the_same_inode_number_is_a_restart_no
     finally:
         plugins.stop()
         kubelet.stop()
+
+
+def test_the_kubelets_checkpoint_writes_do_not_wake_the_registration_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet rewrites kubelet_internal_checkpoint in the device-plugin directory (a temporary file
+    and a rename) on every allocation. The registration loop has nothing to do then, and a pass of it
+    competes with the Allocate and PreStartContainer calls being answered: only the kubelet's socket and
+    ours wake it. A kubelet restart still does, at once (the safety-net poll is 600 s away)."""
+    kubelet = KubeletSimulator(tmp_path / "device-plugins", dial_timeout=10.0)
+    kubelet.start()
+    woken: list[bool] = []
+    waits = threading.Semaphore(0)
+    real_watch = manager_module.DirectoryWatch
+
+    class Counting(real_watch):  # type: ignore[misc,valid-type]
+        def wait(self, timeout: float) -> bool:
+            waits.release()
+            changed: bool = super().wait(timeout)
+            woken.append(changed)
+            return changed
+
+    monkeypatch.setattr(manager_module, "DirectoryWatch", Counting)
+    plugins = _started_manager(tmp_path, kubelet)
+    try:
+        kubelet.wait_for_registration(RESOURCE, after=0, timeout=10)
+        assert waits.acquire(timeout=10), "the registration loop never waited on the directory watch"
+        before = len(woken)
+        for _ in range(20):
+            kubelet.write_checkpoint()
+            (tmp_path / "device-plugins" / "other-plugin.sock").touch()
+            (tmp_path / "device-plugins" / "other-plugin.sock").unlink()
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert True not in woken[before:], f"woken {woken[before:].count(True)} times by other entries' changes"
+        kubelet.restart()
+        kubelet.wait_for_registration(RESOURCE, after=1, timeout=10)
+        assert True in woken[before:]
+    finally:
+        plugins.stop()
+        kubelet.stop()
+
+
+def test_a_directory_watch_counts_only_its_names_and_those_it_was_asked_about(tmp_path: Path) -> None:
+    from gpumanager.deviceplugin.dirwatch import DirectoryWatch
+
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    watch = DirectoryWatch(directory, {"kubelet.sock"})
+    try:
+        (directory / ".kubelet_internal_checkpoint.tmp").write_text("{}")
+        os.replace(directory / ".kubelet_internal_checkpoint.tmp", directory / "kubelet_internal_checkpoint")
+        assert watch.wait(0.2) is False
+        (directory / "kubelet.sock").touch()
+        assert watch.wait(5) is True
+        assert watch.take_created("vcore.sock") is False  # followed from now on
+        (directory / "vcore.sock").touch()
+        assert watch.wait(5) is True
+        assert watch.take_created("vcore.sock") is True
+    finally:
+        watch.close()

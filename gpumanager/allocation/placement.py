@@ -97,11 +97,9 @@ def numa_nodes_of(tree: TopologyTree, device_ids: Sequence[str]) -> frozenset[in
     when they are fewer than the node's: the kubelet's Topology Manager offers and gives only IDs of the
     NUMA nodes it chose (and pins the container's CPUs there). None when they are all of them, or some
     GPU named or of the node has no NUMA node."""
-    everywhere: set[int] = set()
-    for leaf in tree.leaves:
-        if leaf.info.numa_node is None:
-            return None
-        everywhere.add(leaf.info.numa_node)
+    everywhere = tree.numa_nodes
+    if everywhere is None:
+        return None
     # The IDs were checked against this node's (Allocate): the GPU is the number less its last two digits,
     # so the distinct heads are looked at, not each of up to 1,600 IDs.
     cut = len(names.VCORE_ID_PREFIX)

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import select
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from inotify_simple import INotify, flags
@@ -18,12 +20,19 @@ _EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM | flag
 class DirectoryWatch:
     """inotify on one directory; :meth:`wait` returns on a change, a timeout, or :meth:`wake`.
 
+    ``names``: the entries whose changes count (and changes to the directory itself); a change to any
+    other entry is read and dropped, and :meth:`wait` goes on waiting. The kubelet rewrites its
+    ``kubelet_internal_checkpoint`` in the device-plugin directory (a temporary file and a rename) on
+    every allocation: the caller's loop, woken for each, would compete with the calls being answered.
+    None: every entry counts.
+
     Without inotify (or when the directory cannot be watched) :meth:`wait` simply sleeps: the
     caller's own periodic check still sees every change, later.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, names: Iterable[str] | None = None) -> None:
         self._dir = directory
+        self._names = None if names is None else frozenset(names)
         self._wake_r, self._wake_w = os.pipe()
         self._inotify: INotify | None = None
         self._watching = False
@@ -68,32 +77,40 @@ class DirectoryWatch:
             log.debug("cannot watch %s yet: %s", self._dir, exc)
 
     def wait(self, timeout: float) -> bool:
-        """Block until something changes in the directory (True), or ``timeout`` / :meth:`wake` (False)."""
+        """Block until something that counts changes in the directory (True), or ``timeout`` /
+        :meth:`wake` (False)."""
         self._arm()
         # The inotify descriptor even while nothing is watched: events of a watch just dropped are still read.
         fds = [self._wake_r] + ([self._inotify.fileno()] if self._inotify is not None else [])
-        try:
-            ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
-        except (OSError, ValueError):
-            return False
-        changed = False
-        if self._inotify is not None and self._inotify.fileno() in ready:
-            for event in self._inotify.read(timeout=0):
-                changed = True
-                if event.mask & (flags.CREATE | flags.MOVED_TO) and event.name in self._tracked:
-                    self._created.add(event.name)
-                if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED) and event.wd == self._wd:
-                    self._watching = False  # the directory itself went away: watch it again when it is back
-        if self._wake_r in ready:
-            with contextlib.suppress(OSError):
-                os.read(self._wake_r, 64)
-        return changed
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            try:
+                ready, _, _ = select.select(fds, [], [], max(0.0, deadline - time.monotonic()))
+            except (OSError, ValueError):
+                return False
+            changed = False
+            if self._inotify is not None and self._inotify.fileno() in ready:
+                for event in self._inotify.read(timeout=0):
+                    name = event.name
+                    if self._names is not None and name and name not in self._names and name not in self._tracked:
+                        continue  # another entry's change (the queue overflowing has no name: it counts)
+                    changed = True
+                    if event.mask & (flags.CREATE | flags.MOVED_TO) and event.name in self._tracked:
+                        self._created.add(event.name)
+                    if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED) and event.wd == self._wd:
+                        self._watching = False  # the directory itself went away: watch it again when it is back
+            woken = self._wake_r in ready
+            if woken:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 64)
+            if changed or woken or not ready or time.monotonic() >= deadline:
+                return changed
 
     def take_created(self, name: str) -> bool:
         """Whether an entry ``name`` was made (or moved) in the directory since the last call, as read by
         :meth:`wait`: a file made again under the inode number and the change time of the one removed (a
         delete and a create within one clock tick) is still seen as new here. Names are followed from their
-        first call on."""
+        first call on (and count as changes from then on, whatever ``names`` the watch was made with)."""
         self._tracked.add(name)
         if name in self._created:
             self._created.discard(name)

@@ -144,8 +144,11 @@ class PluginManager:
         with self._lock:
             if self._stop.is_set():
                 return
+            # The loop looks at the kubelet's socket and ours: the rest of the directory (the kubelet's
+            # checkpoint, rewritten at every allocation, other plugins' sockets) does not wake it.
+            watched = {self._kubelet_socket.name, *(s.socket_path.name for s in self._servers)}
             try:
-                self._watch = DirectoryWatch(directory)
+                self._watch = DirectoryWatch(directory, watched)
             except OSError as exc:
                 log.warning("cannot watch %s (%s); checking it every %g s only", directory, exc, self._period)
 

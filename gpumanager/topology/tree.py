@@ -70,6 +70,7 @@ class TopologyTree:
         self.leaves: tuple[GPUNode, ...] = tuple(sorted(leaves, key=lambda leaf: leaf.index))
         self._by_index = {leaf.index: leaf for leaf in self.leaves}
         self._by_minor = {leaf.minor: leaf for leaf in self.leaves}
+        self._numa_nodes: frozenset[int] | None = _numa_nodes(self.leaves)
 
     def __len__(self) -> int:
         return len(self.leaves)
@@ -90,6 +91,12 @@ class TopologyTree:
             return self._by_minor[minor]
         except (KeyError, TypeError):
             raise ValueError(f"unknown GPU minor number {minor!r}") from None
+
+    @property
+    def numa_nodes(self) -> frozenset[int] | None:
+        """The NUMA nodes of the node's GPUs; None when some GPU has none (or there is no GPU). Kept
+        with the tree (every share's Allocate asks), made again when a GPU's description is replaced."""
+        return self._numa_nodes
 
     def leaf_by_device_path(self, path: str) -> GPUNode:
         """Return the GPU whose device node is ``path`` (e.g. ``/dev/nvidia3``)."""
@@ -208,6 +215,7 @@ class TopologyTree:
         leaf.info = info
         leaf.allocatable_memory = max(0, info.memory_total - used)
         self._by_minor = {g.minor: g for g in self.leaves}
+        self._numa_nodes = _numa_nodes(self.leaves)
 
     def set_healthy(self, index: int, healthy: bool) -> None:
         """Mark GPU ``index`` healthy or not.
@@ -229,6 +237,15 @@ class TopologyTree:
             raise ValueError(f"GPU {index}: used memory must be a non-negative int, got {used_memory!r}")
         leaf.pids = tuple(int(pid) for pid in pids)
         leaf.used_memory = used_memory
+
+
+def _numa_nodes(leaves: Iterable[GPUNode]) -> frozenset[int] | None:
+    nodes = set()
+    for leaf in leaves:
+        if leaf.info.numa_node is None:
+            return None
+        nodes.add(leaf.info.numa_node)
+    return frozenset(nodes) if nodes else None
 
 
 def _check_amounts(index: int, cores: int, memory: int) -> None:

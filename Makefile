@@ -88,7 +88,7 @@ test-min-deps: build
 	  echo "tests failed on the minimum dependencies: running the failed ones once more, alone"; \
 	  $(MIN_VENV)/bin/pytest $(MIN_CACHE) -n 0 --last-failed --last-failed-no-failures none $(E2E_TESTS); }
 
-BENCHES ?= bench_registration bench_allocation bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn bench_pids_refresh bench_lagging_watch bench_pods_ending
+BENCHES ?= bench_registration bench_allocation bench_allocate_handler bench_metrics bench_volume bench_interceptor bench_compute bench_dra bench_vcuda_sock bench_extender bench_churn bench_pids_refresh bench_lagging_watch bench_pods_ending
 bench: build
 	for b in $(BENCHES); do echo "== $$b"; $(PY) bench/$$b.py || exit 1; done
 

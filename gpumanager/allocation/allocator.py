@@ -75,6 +75,7 @@ from gpumanager.allocation import (
     matching,
     memory_only,
     placement,
+    prepared,
     prestart,
     records,
     release,
@@ -226,6 +227,8 @@ class Allocator:
         # counts its admission as begun then only when it asks as much and comes within RECENT_LIST_SECONDS. A
         # note whose Allocate never came (refused before the allocator, a kubelet restart) serves no other.
         self._previewed: tuple[int, float] | None = None
+        # The placement and answer the last preview made, for the Allocate that follows it (prepared.py).
+        self._prepared: prepared.Prepared | None = None
         # When the admission of IDs allocated from a list made for their GetPreferredAllocation began (their
         # PreStartContainer finds the pod in a list sent since then); at most _BEGAN_KEPT, newest last.
         self._began: dict[frozenset[str], float] = {}
@@ -458,6 +461,7 @@ class Allocator:
         arrived = time.monotonic()
         with self._lock:
             self._previewed = (cores, arrived)
+            self._prepared = None
             if offered and self._freed_guesses:
                 for gone in [w for w in self._freed_guesses if not w.isdisjoint(offered)]:
                     del self._freed_guesses[gone]
@@ -485,9 +489,11 @@ class Allocator:
         """The GPU indices Allocate would place ``candidate`` on, None when it would be refused (lock held)."""
         try:
             decided = placement.decide(self, candidate, ())
-            return [self._tree.leaf_by_minor(m).index for m in decided.minors]
+            placed = [self._tree.leaf_by_minor(m).index for m in decided.minors]
         except (AllocationError, ValueError):
             return None
+        self._prepared = prepared.prepare(self, candidate, decided)
+        return placed
 
     def memory_only_refusal(self, blocks: int) -> str:
         """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered."""
@@ -786,12 +792,15 @@ class Allocator:
     def _allocate_locked(
         self, candidate: Candidate, device_ids: tuple[str, ...], decided: ContainerAllocation | None = None
     ) -> tuple[ContainerAllocation, ContainerResponse, int]:
-        """Decide (unless ``decided``) and stage; returns the allocation, its answer and the journal
-        ticket to sync before answering."""
-        alloc = self._with_free_answer(
-            decided if decided is not None else placement.decide(self, candidate, device_ids)
-        )
+        """Decide (unless ``decided``: what its GetPreferredAllocation prepared, when it still holds, else
+        anew) and stage; returns the allocation, its answer and the journal ticket to sync before answering."""
+        made = prepared.take(self, candidate, device_ids) if decided is None else None
+        if decided is None:
+            decided = made[0] if made is not None else placement.decide(self, candidate, device_ids)
+        alloc = self._with_free_answer(decided)
         ticket = self._commit(alloc)
+        if made is not None and alloc is decided:  # answered with its own directory, as prepared
+            self._responses[alloc.key] = made[1]
         # From the candidate's pod: one found in a fresh list is not in the cache yet (its env says compat32).
         response = self._response(alloc.key, candidate.pod)
         assert response is not None

@@ -71,6 +71,9 @@ class TopologyTree:
         self._by_index = {leaf.index: leaf for leaf in self.leaves}
         self._by_minor = {leaf.minor: leaf for leaf in self.leaves}
         self._numa_nodes: frozenset[int] | None = _numa_nodes(self.leaves)
+        #: Counts the changes the evaluators' choices depend on (allocations, health, the number of processes
+        #: on a GPU, a GPU's description): a choice made at one count is the choice at the same count.
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self.leaves)
@@ -153,6 +156,7 @@ class TopologyTree:
         leaf = self.leaf(index)
         if type(cores) is not int or type(memory) is not int or cores < 0 or memory < 0:
             _check_amounts(index, cores, memory)  # plain non-negative ints pass without a call
+        self.version += 1
         leaf.in_pool = False
         if cores >= HUNDRED_CORES:
             if leaf.allocatable_cores < HUNDRED_CORES:
@@ -187,6 +191,7 @@ class TopologyTree:
         leaf = self.leaf(index)
         if type(cores) is not int or type(memory) is not int or cores < 0 or memory < 0:
             _check_amounts(index, cores, memory)
+        self.version += 1
         if cores >= HUNDRED_CORES:
             leaf.allocatable_cores = HUNDRED_CORES
             leaf.allocatable_memory = leaf.total_memory
@@ -211,6 +216,7 @@ class TopologyTree:
         """What NVML says of GPU ``info.index`` now replaces what the tree was built with (a GPU lost at
         start was described by a guess); what is allocated on it stays allocated."""
         leaf = self.leaf(info.index)
+        self.version += 1
         used = leaf.total_memory - leaf.allocatable_memory
         leaf.info = info
         leaf.allocatable_memory = max(0, info.memory_total - used)
@@ -228,6 +234,7 @@ class TopologyTree:
             raise ValueError(f"GPU {index}: healthy must be a bool, got {healthy!r}")
         if leaf.healthy != healthy:
             log.info("GPU %d marked %s", index, "healthy" if healthy else "unhealthy")
+            self.version += 1
         leaf.healthy = healthy
 
     def update_usage(self, index: int, pids: Sequence[int], used_memory: int) -> None:
@@ -235,7 +242,10 @@ class TopologyTree:
         leaf = self.leaf(index)
         if isinstance(used_memory, bool) or not isinstance(used_memory, int) or used_memory < 0:
             raise ValueError(f"GPU {index}: used memory must be a non-negative int, got {used_memory!r}")
-        leaf.pids = tuple(int(pid) for pid in pids)
+        new = tuple(int(pid) for pid in pids)
+        if len(new) != len(leaf.pids):  # the evaluators sort by the number of processes
+            self.version += 1
+        leaf.pids = new
         leaf.used_memory = used_memory
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from figures import Variant, add_before_arguments, figure, prompt_threads, spec_arg, variants
+from figures import Variant, add_before_arguments, percentile, prompt_threads, spec_arg, variants
 
 from simnode.agent_process import SPEC_DIR
 
@@ -193,15 +194,27 @@ def _measure(variant: Variant, spec: Path, gap: float, args: argparse.Namespace)
         str(args.journal_dir),
     ]
     env = {**os.environ, **variant.env}
-    # This checkout's simnode and bench helpers stay importable; the variant's gpumanager comes first.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (variant.env.get("PYTHONPATH"), str(SPEC_DIR.parents[1])) if p)
-    done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    # The variant's gpumanager first; this checkout's simnode and bench helpers after it (PYTHONSAFEPATH
+    # leaves the script's own directory out of the path).
+    here = Path(__file__).resolve().parent
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (variant.env.get("PYTHONPATH"), str(here.parent), str(here)) if p)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant.label}: {' '.join(command)} failed:\n{done.stderr}")
     result: dict[str, list[float]] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
 def _merged(runs: Iterable[dict[str, list[float]]], key: str) -> list[float]:
     return [s for run in runs for s in run[key]]
+
+
+def _figure(name: str, seconds: list[float]) -> str:
+    """One line in microseconds (the handler alone is tens of them): n, median, p99."""
+    if not seconds:
+        return f"{name:44s} no samples"
+    us = [s * 1e6 for s in seconds]
+    return f"{name:44s} n={len(us):5d} median={statistics.median(us):7.0f} us p99={percentile(us, 99):7.0f} us"
 
 
 def main() -> int:
@@ -236,8 +249,8 @@ def main() -> int:
                 print(f"  {variant.label}:")
                 for gap, title in ((0.0, "back to back"), (args.gap / 1000, f"{args.gap:g} ms after the last call")):
                     runs = got[(variant.label, gap)]
-                    print(figure(f"    Allocate handler, {title}:", _merged(runs, "handler")))
-                    print(figure("      of which the journal write:", _merged(runs, "journal")))
+                    print(_figure(f"    Allocate handler, {title}:", _merged(runs, "handler")))
+                    print(_figure("      of which the journal write:", _merged(runs, "journal")))
     return 0
 
 

@@ -4,6 +4,7 @@ exactly what that Allocate would make (gpumanager/allocation/prepared.py)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from gpumanager import names
 from gpumanager.allocation import placement
 from gpumanager.allocation import prepared as prepared_module
-from gpumanager.allocation.allocator import Allocator, AllocatorSettings
+from gpumanager.allocation.allocator import AllocationError, Allocator, AllocatorSettings
 from gpumanager.allocation.model import _compat32
 from gpumanager.allocation.response import ResponseSettings, build_response
 from gpumanager.device.types import GPUInfo, NodeTopology
@@ -40,9 +41,12 @@ def _node(count: int) -> tuple[list[GPUInfo], NodeTopology]:
     return gpus, NodeTopology(levels=levels)
 
 
-def _allocator(tmp_path: Path, pods: FakePods, count: int = 4) -> tuple[Allocator, Preference, DeviceLayout]:
+def _allocator(
+    tmp_path: Path, pods: FakePods, count: int = 4, share_problem: Callable[[], str] = lambda: ""
+) -> tuple[Allocator, Preference, DeviceLayout]:
     gpus, topology = _node(count)
     allocator = Allocator(
+        share_problem=share_problem,
         gpus=gpus,
         tree=build_tree(gpus, topology),
         pods=pods,
@@ -194,3 +198,14 @@ def test_an_allocation_freed_in_between_places_the_container_anew(tmp_path: Path
     allocator.allocate(chosen)
     placed = allocator.get(third["metadata"]["uid"], "c0")
     assert placed is not None and placed.minors == (0,)
+
+
+def test_a_share_is_refused_when_the_interceptor_is_lost_after_get_preferred_allocation(tmp_path: Path) -> None:
+    problem = [""]
+    pod = make_pod("p", [("c0", 50, 4)])
+    allocator, preference, layout = _allocator(tmp_path, FakePods([pod]), share_problem=lambda: problem[0])
+    chosen = preference.choose(VCORE, _free_ids(layout, 4, set()), [], 50)
+    problem[0] = "the driver mirror is not built (disk full)"
+    with pytest.raises(AllocationError, match="disk full"):
+        allocator.allocate(chosen)
+    assert allocator.get(pod["metadata"]["uid"], "c0") is None

@@ -15,8 +15,9 @@ changed in between:
 
 Nothing is kept where the choice depends on the IDs themselves: while the room of allocations freed before
 their containers started is held (IDs given from it free it), or while the pod holds GPUs already (an init
-container lends its room only to a container given some of its IDs). The checks that do not depend on the
-placement (safe names, share mode and its interceptor) are made again at the Allocate.
+container lends its room only to a container given some of its IDs). Of the checks that do not depend on the
+placement, the one whose outcome can change meanwhile (a share needs the interceptor's driver mirror) is made
+again at the Allocate.
 
 Called with the allocator's lock held.
 """
@@ -107,5 +108,7 @@ def take(
         number = ids.tail_number(device_id[cut:])
         if number is None or number // names.HUNDRED_CORES not in kept.gpus:
             return None
-    placement.checked(allocator, candidate, tuple(device_ids))
+    if request.cores < names.HUNDRED_CORES and allocator._share_problem():
+        # The one check of the preview's that can fail since (the interceptor's mirror broke): its refusal.
+        placement.checked(allocator, candidate, tuple(device_ids))
     return replace(kept.decided, device_ids=tuple(device_ids)), kept.response

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from figures import Variant, add_before_arguments, percentile, prompt_threads, spec_arg, variants
+from figures import Variant, add_before_arguments, percentile, spec_arg, variants
 
 from simnode.agent_process import SPEC_DIR
 
@@ -212,9 +212,9 @@ def _merged(runs: Iterable[dict[str, list[float]]], key: str) -> list[float]:
 def _figure(name: str, seconds: list[float]) -> str:
     """One line in microseconds (the handler alone is tens of them): n, median, p99."""
     if not seconds:
-        return f"{name:44s} no samples"
+        return f"{name:50s} no samples"
     us = [s * 1e6 for s in seconds]
-    return f"{name:44s} n={len(us):5d} median={statistics.median(us):7.0f} us p99={percentile(us, 99):7.0f} us"
+    return f"{name:50s} n={len(us):5d} median={statistics.median(us):7.0f} us p99={percentile(us, 99):7.0f} us"
 
 
 def main() -> int:
@@ -235,7 +235,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.child_spec is not None:
         return _child(args)
-    prompt_threads()
     specs = args.spec or [SPEC_DIR / "h100-nvlink-x8.json", SPEC_DIR / "h200-x16.json"]
     with variants(args.before, args.before_python) as agents:
         for spec in specs:

@@ -59,7 +59,11 @@ def uid_of(name: str) -> str:
 
 
 class FakePods:
-    """A PodSource over a list the test controls; ``refresh_error`` simulates an API server outage."""
+    """A PodSource over a list the test controls; ``refresh_error`` simulates an API server outage.
+
+    Unlike the agent's pod cache (a new object for each version of a pod), tests may change a pod in place:
+    between a GetPreferredAllocation and its Allocate, replace the pod instead, or the answer prepared for
+    the old version is used (allocation/prepared.py tells versions apart by object)."""
 
     def __init__(self, pods: Sequence[Pod] = ()) -> None:
         self.items: list[Pod] = list(pods)

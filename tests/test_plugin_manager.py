@@ -77,7 +77,7 @@ class _GatedWatch:
     def __call__(self, directory: Path, names: Any = None) -> _GatedWatch:
         return self
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, *, every: bool = False) -> bool:
         with self._lock:
             self.passes += 1
         return self.gate.acquire(timeout=600)
@@ -349,9 +349,9 @@ def test_the_kubelets_checkpoint_writes_do_not_wake_the_registration_loop(
     real_watch = manager_module.DirectoryWatch
 
     class Counting(real_watch):  # type: ignore[misc,valid-type]
-        def wait(self, timeout: float) -> bool:
+        def wait(self, timeout: float, *, every: bool = False) -> bool:
             waits.release()
-            changed: bool = super().wait(timeout)
+            changed: bool = super().wait(timeout, every=every)
             woken.append(changed)
             return changed
 
@@ -392,5 +392,54 @@ def test_a_directory_watch_counts_only_its_names_and_those_it_was_asked_about(tm
         (directory / "vcore.sock").touch()
         assert watch.wait(5) is True
         assert watch.take_created("vcore.sock") is True
+    finally:
+        watch.close()
+
+
+def test_a_directory_made_again_while_held_open_is_seen_through_other_entries_changes(tmp_path: Path) -> None:
+    """The agent's lock holds the device-plugin directory open: removed, it gets no DELETE_SELF, and when
+    none of the names watched was in it, the only changes the watch sees are of other entries (the
+    kubelet's checkpoint). Those must still tell it the directory went, or a kubelet.sock made in the new
+    one waits for the safety-net poll."""
+    from gpumanager.deviceplugin.dirwatch import DirectoryWatch
+
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    (directory / "kubelet_internal_checkpoint").write_text("{}")
+    held = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    watch = DirectoryWatch(directory, {"kubelet.sock"})
+
+    def made_again() -> None:
+        (directory / "kubelet_internal_checkpoint").unlink()
+        directory.rmdir()
+        directory.mkdir()
+        (directory / "kubelet.sock").touch()
+
+    try:
+        watch.wait(0.05)  # watching
+        timer = threading.Timer(0.2, made_again)  # while the watch waits
+        timer.start()
+        assert watch.wait(5) is True
+        timer.join()
+        (directory / "kubelet.sock").unlink()
+        (directory / "kubelet.sock").touch()
+        assert watch.wait(5) is True  # the new directory is watched
+    finally:
+        watch.close()
+        os.close(held)
+
+
+def test_every_entry_counts_when_asked(tmp_path: Path) -> None:
+    """Waiting for another agent that holds the directory to go: its sockets may have other names."""
+    from gpumanager.deviceplugin.dirwatch import DirectoryWatch
+
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    watch = DirectoryWatch(directory, {"kubelet.sock"})
+    try:
+        (directory / "other-agent.sock").touch()
+        assert watch.wait(5, every=True) is True
+        (directory / "other-agent.sock").unlink()
+        assert watch.wait(0.2) is False
     finally:
         watch.close()

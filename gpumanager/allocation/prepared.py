@@ -5,8 +5,8 @@ preview that steers its IDs places the container as the Allocate would. That pla
 kept, and the Allocate uses them (instead of placing the container again) when nothing they depend on has
 changed in between:
 
-- the same container of the same pod object (the pod cache replaces a pod's object when it changes),
-  asking as much;
+- the same container of the same pod object, asking as much (the pod cache and a list from the API server
+  make a new object for each version of a pod, and nothing changes one in place);
 - no allocation made or freed since (the allocator's generation), and the topology tree in the same state
   (allocations, health, the processes counted on each GPU: its version);
 - the answers' node-wide settings unchanged;

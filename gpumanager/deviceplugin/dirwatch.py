@@ -14,6 +14,10 @@ from inotify_simple import INotify, flags
 
 log = logging.getLogger(__name__)
 
+#: After changes of other entries only, how long until the directory is looked at once more
+#: (:meth:`DirectoryWatch.wait`).
+RECHECK_SECONDS = 0.1
+
 _EVENTS = flags.CREATE | flags.DELETE | flags.MOVED_TO | flags.MOVED_FROM | flags.DELETE_SELF | flags.MOVE_SELF
 
 
@@ -76,35 +80,62 @@ class DirectoryWatch:
         except OSError as exc:
             log.debug("cannot watch %s yet: %s", self._dir, exc)
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, *, every: bool = False) -> bool:
         """Block until something that counts changes in the directory (True), or ``timeout`` /
-        :meth:`wake` (False)."""
+        :meth:`wake` (False). ``every``: any entry's change counts this time (another process's sockets,
+        whose names this watch does not know)."""
         self._arm()
         # The inotify descriptor even while nothing is watched: events of a watch just dropped are still read.
         fds = [self._wake_r] + ([self._inotify.fileno()] if self._inotify is not None else [])
         deadline = time.monotonic() + max(0.0, timeout)
+        recheck: float | None = None  # when to look again whether the directory is still the one watched
         while True:
+            until = deadline if recheck is None else min(deadline, recheck)
             try:
-                ready, _, _ = select.select(fds, [], [], max(0.0, deadline - time.monotonic()))
+                ready, _, _ = select.select(fds, [], [], max(0.0, until - time.monotonic()))
             except (OSError, ValueError):
                 return False
-            changed = False
+            changed = dropped = False
             if self._inotify is not None and self._inotify.fileno() in ready:
                 for event in self._inotify.read(timeout=0):
                     name = event.name
-                    if self._names is not None and name and name not in self._names and name not in self._tracked:
-                        continue  # another entry's change (the queue overflowing has no name: it counts)
+                    if (
+                        not every
+                        and self._names is not None
+                        and name
+                        and name not in self._names
+                        and name not in self._tracked
+                    ):
+                        dropped = True  # another entry's change (the queue overflowing has no name: it counts)
+                        continue
                     changed = True
                     if event.mask & (flags.CREATE | flags.MOVED_TO) and event.name in self._tracked:
                         self._created.add(event.name)
                     if event.mask & (flags.DELETE_SELF | flags.MOVE_SELF | flags.IGNORED) and event.wd == self._wd:
                         self._watching = False  # the directory itself went away: watch it again when it is back
+            if not changed and self._watching and (dropped or (recheck is not None and not ready)):
+                # Removed (or made again) while held open (the agent's lock), the directory gets no DELETE_SELF,
+                # and the last changes seen may all be of other entries: its own removal comes just after them
+                # (``rm -r``), so it is looked at now and once more a moment later. Counts as a change: the
+                # caller's next wait watches the new one.
+                if self._replaced():
+                    changed = True
+                else:
+                    recheck = time.monotonic() + RECHECK_SECONDS if dropped else None
             woken = self._wake_r in ready
             if woken:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 64)
-            if changed or woken or not ready or time.monotonic() >= deadline:
+            if changed or woken or (ready and not dropped) or time.monotonic() >= deadline:
                 return changed
+
+    def _replaced(self) -> bool:
+        """Whether the directory at the path is no longer the one watched (gone, or made again)."""
+        try:
+            st = os.stat(self._dir)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._identity
 
     def take_created(self, name: str) -> bool:
         """Whether an entry ``name`` was made (or moved) in the directory since the last call, as read by

@@ -252,9 +252,9 @@ class PluginManager:
             log.warning("not registered with the kubelet: %s (retrying)", message)
         self.status.last_error = message
 
-    def _wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float, *, every: bool = False) -> None:
         if self._watch is not None:
-            self._watch.wait(timeout)
+            self._watch.wait(timeout, every=every)
         else:
             self._stop.wait(timeout)
 
@@ -292,7 +292,8 @@ class PluginManager:
                     other.make_and_follow(0o755)
                 if not self._own_directory():
                     need_register = True
-                    self._wait(self._period)  # woken by the directory's changes (the other agent's exit)
+                    # Woken by the directory's changes (the other agent's exit: its sockets, whatever their names).
+                    self._wait(self._period, every=True)
                     continue
                 broken = [s for s in self._servers if not s.socket_intact()]
                 # Served by someone else: another plugin at our path. A kubelet restart empties the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +135,18 @@ def v100x4() -> tuple[list[GPUInfo], NodeTopology]:
     return gpus, NodeTopology(levels=levels)
 
 
-def make_allocator(tmp_path: Path, pods: FakePods, *, share_mode: bool = True) -> Allocator:
-    gpus, topo = v100x4()
+def make_allocator(
+    tmp_path: Path,
+    pods: FakePods,
+    *,
+    share_mode: bool = True,
+    node: tuple[list[GPUInfo], NodeTopology] | None = None,
+    share_problem: Callable[[], str] = lambda: "",
+) -> Allocator:
+    """An allocator over ``node`` (default :func:`v100x4`), its checkpoint under ``tmp_path``."""
+    gpus, topo = node if node is not None else v100x4()
     return Allocator(
+        share_problem=share_problem,
         gpus=gpus,
         tree=build_tree(gpus, topo),
         pods=pods,

@@ -13,14 +13,13 @@ import pytest
 from gpumanager import names
 from gpumanager.allocation import placement
 from gpumanager.allocation import prepared as prepared_module
-from gpumanager.allocation.allocator import AllocationError, Allocator, AllocatorSettings
+from gpumanager.allocation.allocator import AllocationError, Allocator
 from gpumanager.allocation.model import _compat32
-from gpumanager.allocation.response import ResponseSettings, build_response
+from gpumanager.allocation.response import build_response
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.preferred import Preference
-from gpumanager.topology import build_tree
-from tests.alloc_fixtures import MIB, FakePods, make_pod
+from tests.alloc_fixtures import MIB, FakePods, make_allocator, make_pod
 
 VCORE = names.VCORE_RESOURCE
 
@@ -44,23 +43,9 @@ def _node(count: int) -> tuple[list[GPUInfo], NodeTopology]:
 def _allocator(
     tmp_path: Path, pods: FakePods, count: int = 4, share_problem: Callable[[], str] = lambda: ""
 ) -> tuple[Allocator, Preference, DeviceLayout]:
-    gpus, topology = _node(count)
-    allocator = Allocator(
-        share_problem=share_problem,
-        gpus=gpus,
-        tree=build_tree(gpus, topology),
-        pods=pods,
-        settings=AllocatorSettings(
-            share_mode=True,
-            response=ResponseSettings(
-                vdriver_nvidia="/etc/gpu-manager/vdriver/nvidia",
-                vdriver_origin="/etc/gpu-manager/vdriver/origin",
-                virtual_manager_path="/etc/gpu-manager/vm",
-            ),
-        ),
-        checkpoint_path=tmp_path / "checkpoint" / names.OWN_CHECKPOINT,
-    )
-    layout = DeviceLayout(gpus)
+    node = _node(count)
+    allocator = make_allocator(tmp_path, pods, node=node, share_problem=share_problem)
+    layout = DeviceLayout(node[0])
     return allocator, Preference(allocator.clone_tree, layout, preview=allocator.preview), layout
 
 

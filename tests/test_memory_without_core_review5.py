@@ -103,3 +103,28 @@ def test_the_extender_does_not_place_memory_without_cores() -> None:
     zero = json.dumps({"Pod": pod({names.VMEMORY_RESOURCE: "8", names.VCORE_RESOURCE: "0"}), "NodeNames": ["a"]})
     result, _ = decider.filter(parse_args(zero.encode()))
     assert "a" in result["FailedAndUnresolvableNodes"]
+
+
+@pytest.mark.parametrize("cores", [None, "0"], ids=["no-cores", "zero-cores"])
+def test_memory_without_cores_is_refused_behind_a_lagging_watch(tmp_path: Path, cores: str | None) -> None:
+    """The kubelet admits a pod as soon as its own watch shows it; ours may not show it yet, through the
+    Allocate and the start both. The container asking for memory alone is still refused, by name (at its
+    start: the Allocate, which carries only IDs, cannot tell whose it is without a list of the pods)."""
+    manifest = gpu_pod("memory-only", [("main", 0, 8)])
+    if cores is not None:
+        for key in ("limits", "requests"):
+            manifest["spec"]["containers"][0]["resources"][key][names.VCORE_RESOURCE] = cores
+    with _cluster(tmp_path) as cluster:
+        cluster.api.hold_watches(True)  # the agent's pod cache does not see the pod
+        try:
+            with pytest.raises(KubeletSimError) as refused:
+                cluster.run_pod(manifest)
+            message = str(refused.value)
+            assert "default/memory-only" in message and "main" in message, message
+            assert f"8 {names.VMEMORY_RESOURCE}" in message and names.VCORE_RESOURCE in message, message
+            # A share asking as much memory, behind the same lagging watch, starts.
+            ok = cluster.run_pod(gpu_pod("share", [("main", 50, 8)]))
+            assert answered(ok)["main"][0] == (0,)
+        finally:
+            cluster.api.hold_watches(False)
+        assert "memory-only" not in _checkpointed_pods(cluster)

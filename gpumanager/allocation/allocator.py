@@ -285,6 +285,9 @@ class Allocator:
         # The sizes each pod's containers ask for (memory_only.memory_asks_of), read once per pod.
         self._memory_parsed: dict[str, tuple[tuple[int, bool], ...]] = {}
         self._memory_sizes: dict[int, list[int]] = {}
+        # The IDs of vcuda-memory Allocates the pod cache could not explain, with when each came, oldest first
+        # (memory_only.note_unexplained): their PreStartContainer looks at whose they are.
+        self._memory_unexplained: dict[frozenset[str], float] = {}
         # The checkpoint on disk has been loaded into the state (:meth:`load`).
         self._loaded = False
 
@@ -495,9 +498,19 @@ class Allocator:
         self._prepared = prepared.prepare(self, candidate, decided)
         return placed
 
-    def memory_only_refusal(self, blocks: int) -> str:
-        """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered."""
-        return memory_only.memory_only_refusal(self, blocks)
+    def memory_only_refusal(self, blocks: int, device_ids: Sequence[str] = ()) -> str:
+        """Why a vcuda-memory Allocate of ``blocks`` IDs (``device_ids``) is refused, or "" when it is answered."""
+        return memory_only.memory_only_refusal(self, blocks, device_ids)
+
+    def memory_unexplained_since(self, device_ids: Sequence[str]) -> float | None:
+        """When the vcuda-memory Allocate of ``device_ids`` came, if the pod cache could not say whose it
+        could be (its watch lagged); asked once, at the start of their container."""
+        return memory_only.unexplained_since(self, device_ids)
+
+    def memory_only_owner(self, owner: tuple[str, str], blocks: int, since: float) -> str:
+        """The name of container ``owner`` when it asks for ``blocks`` of vcuda-memory and no vcuda-core and
+        has not run, else "" (:func:`memory_only.memory_only_owner`)."""
+        return memory_only.memory_only_owner(self, owner, blocks, since)
 
     def memory_only_starting(self, blocks: int) -> dict[tuple[str, str], str]:
         """The containers of this node's pods (as the cache shows them) asking for ``blocks`` of vcuda-memory

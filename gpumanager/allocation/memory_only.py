@@ -1,11 +1,16 @@
 """Containers asking for vcuda-memory without vcuda-core: which pending containers of a size ask for memory alone,
 kept up to date from the pod cache's changes, and the refusal of a vcuda-memory Allocate that can only be theirs.
-cached_memory_only takes the allocator's memory lock (not its state lock) and set_memory_asks is called with it
-held; the others take no lock."""
+
+A vcuda-memory Allocate the pod cache cannot explain (it shows no pending container asking for that much: the
+kubelet's watch showed the pod before ours did) is answered, and its IDs are noted; their PreStartContainer,
+when the kubelet's records name the container, looks at that container's spec (:func:`memory_only_owner`).
+cached_memory_only, cached_memory_counts and the notes take the allocator's memory lock (not its state lock);
+set_memory_asks is called with it held; the others take no lock."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -13,6 +18,7 @@ from gpumanager import names
 from gpumanager.allocation import pods as podinfo
 from gpumanager.allocation.model import (
     _MEMORY_ONLY_KEPT,
+    RECENT_LIST_SECONDS,
     _has_run,
 )
 from gpumanager.allocation.pods import Pod, PodSpecError
@@ -22,8 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long the IDs of a vcuda-memory Allocate the pod cache could not explain wait for their start: the
+#: kubelet starts an admitted container within seconds, or retries its start for as long as its pod lives.
+UNEXPLAINED_SECONDS = 600.0
+#: At most this many such notes are kept (the oldest go first).
+UNEXPLAINED_KEPT = 256
 
-def memory_only_refusal(allocator: Allocator, blocks: int) -> str:
+
+def memory_only_refusal(allocator: Allocator, blocks: int, device_ids: Sequence[str] = ()) -> str:
     """Why a vcuda-memory Allocate of ``blocks`` IDs is refused, or "" when it is answered.
 
     The kubelet calls it for every container that asks for vcuda-memory, GPU containers included
@@ -35,10 +47,17 @@ def memory_only_refusal(allocator: Allocator, blocks: int) -> str:
     cache's pods are asked first: a size no pending container of the cache asks for is answered as
     before (the kubelet calls this for every container with memory, so a list from the API server on
     each call it cannot place would cost every node's admissions a LIST); a refusal is decided on a
-    fresh list from the API server, and the call is answered as before when it cannot be listed."""
+    fresh list from the API server, and the call is answered as before when it cannot be listed. When the
+    cache shows no pending container of that size at all (its watch lags), ``device_ids`` are noted for
+    their PreStartContainer (:func:`note_unexplained`)."""
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
         return ""
-    if not cached_memory_only(allocator, blocks):
+    counts = cached_memory_counts(allocator, blocks)
+    if counts is None:
+        if device_ids:
+            note_unexplained(allocator, blocks, device_ids)
+        return ""
+    if not (counts[0] == 0 and counts[1] > 0):
         return ""
     try:  # refused only on a fresh list: the cache may not show the pod being admitted yet
         found = pending_memory_only(allocator._pods.refresh(), blocks)
@@ -58,6 +77,13 @@ def memory_only_refusal(allocator: Allocator, blocks: int) -> str:
 def cached_memory_only(allocator: Allocator, blocks: int) -> bool:
     """Whether the pod source shows a pending container asking for ``blocks`` of memory without cores,
     and none of that size asking for cores too (what :func:`pending_memory_only` finds on those pods)."""
+    counts = cached_memory_counts(allocator, blocks)
+    return counts is not None and counts[0] == 0 and counts[1] > 0
+
+
+def cached_memory_counts(allocator: Allocator, blocks: int) -> tuple[int, int] | None:
+    """How many pending containers the pod source shows asking for ``blocks`` of memory (with cores, without);
+    None when it shows none."""
     with allocator._memory_lock:
         generation, changed = allocator._pods.changes(allocator._memory_generation)
         if changed is None:
@@ -71,7 +97,84 @@ def cached_memory_only(allocator: Allocator, blocks: int) -> bool:
                 set_memory_asks(allocator, uid, allocator._pods.get(uid))
         allocator._memory_generation = generation
         counts = allocator._memory_sizes.get(blocks)
-        return counts is not None and counts[0] == 0 and counts[1] > 0
+        return (counts[0], counts[1]) if counts is not None else None
+
+
+def note_unexplained(allocator: Allocator, blocks: int, device_ids: Sequence[str]) -> None:
+    """Note the IDs of a vcuda-memory Allocate of ``blocks`` that no pending container of the pod cache asks
+    for, for their PreStartContainer (:func:`unexplained_since`). Not noted when a container holding an
+    allocation not started yet asks for that much (its vcuda-core Allocate came first, from a list of the
+    pods: this is most likely its memory)."""
+    if _asked_by_unstarted(allocator, blocks):
+        return
+    now = time.monotonic()
+    with allocator._memory_lock:
+        notes = allocator._memory_unexplained
+        notes.pop(frozenset(device_ids), None)
+        notes[frozenset(device_ids)] = now
+        while notes and (len(notes) > UNEXPLAINED_KEPT or now - next(iter(notes.values())) > UNEXPLAINED_SECONDS):
+            del notes[next(iter(notes))]
+
+
+def unexplained_since(allocator: Allocator, device_ids: Sequence[str]) -> float | None:
+    """When the vcuda-memory Allocate of ``device_ids`` reached us, if the pod cache could not explain it and
+    it was not asked since; the note is taken (a container's later starts are not looked at again)."""
+    with allocator._memory_lock:
+        if not allocator._memory_unexplained:
+            return None
+        since = allocator._memory_unexplained.pop(frozenset(device_ids), None)
+    if since is None or time.monotonic() - since > UNEXPLAINED_SECONDS:
+        return None
+    return since
+
+
+def _asked_by_unstarted(allocator: Allocator, blocks: int) -> bool:
+    """Whether a container holding an allocation that has not started asks for ``blocks`` of memory, as its
+    pod's spec was read when it was placed."""
+    with allocator._lock:
+        for alloc in allocator._allocs.values():
+            if alloc.started:
+                continue
+            requests = allocator._parsed.get(alloc.pod_uid) or ()
+            if any(r.name == alloc.container and r.memory_blocks == blocks for r in requests):
+                return True
+    return False
+
+
+def memory_only_owner(allocator: Allocator, owner: tuple[str, str], blocks: int, since: float) -> str:
+    """The name, for a message, of container ``owner`` (pod UID, container) when it asks for ``blocks`` of
+    vcuda-memory without vcuda-core and has not run; "" when it holds an allocation, asks for cores, ran
+    already, or its pod cannot be found. ``since``: when its vcuda-memory Allocate reached us (a list of the
+    node's pods sent since then shows its pod). Called with no lock held: it may list the pods."""
+    uid, container = owner
+    if allocator.get(uid, container) is not None:
+        return ""
+    pod = allocator._pods.get(uid)
+    if pod is None:
+        listed = allocator._pods.recent(RECENT_LIST_SECONDS, since)
+        if listed is None:
+            try:
+                listed = allocator._pods.refresh()
+            except Exception as exc:  # the API server's trouble: started as before
+                log.warning(
+                    "vcuda-memory PreStartContainer of pod %s container %s: its pod cannot be listed (%s); "
+                    "started without checking that it asks for vcuda-core too",
+                    uid,
+                    container,
+                    exc,
+                )
+                return ""
+        pod = next((p for p in listed if podinfo.uid(p) == uid), None)
+    if pod is None or podinfo.is_terminated(pod) or podinfo.is_deleting(pod) or _has_run(pod, container):
+        return ""
+    try:
+        requests = podinfo.init_gpu_requests(pod) + podinfo.gpu_requests(pod)
+    except PodSpecError:
+        return ""
+    for r in requests:
+        if r.name == container:
+            return f"pod {podinfo.pod_key(pod)} container {container}" if r.cores <= 0 and r.memory_blocks > 0 else ""
+    return ""
 
 
 def set_memory_asks(allocator: Allocator, uid: str, pod: Pod | None) -> None:

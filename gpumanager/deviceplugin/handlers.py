@@ -144,7 +144,7 @@ class Handlers:
             for creq in request.container_requests:
                 ids = list(creq.devices_ids)
                 self._validate(names.VMEMORY_RESOURCE, ids)
-                problem = self._allocator.memory_only_refusal(len(ids)) if self._allocator is not None else ""
+                problem = self._allocator.memory_only_refusal(len(ids), ids) if self._allocator is not None else ""
                 if problem:
                     raise RequestError(
                         grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {device_ids.describe(ids)}: {problem}"
@@ -255,20 +255,29 @@ class Handlers:
     def _refuse_memory_only(self, ids: Sequence[str]) -> None:
         """Refuse the start of a container asking for vcuda-memory without vcuda-core whose Allocate was
         answered beside a pending share of its size (:meth:`Allocator.memory_only_starting`): the kubelet's
-        records say whose IDs these are. Nothing is asked when the pod cache shows no such container."""
-        suspects = self._allocator.memory_only_starting(len(ids)) if self._allocator is not None else {}
-        if not suspects:
+        records say whose IDs these are. So is one whose Allocate the pod cache could not explain (its watch
+        lagged: :meth:`Allocator.memory_unexplained_since`), from its pod's spec. Nothing is asked otherwise."""
+        if self._allocator is None:
             return
-        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, None, None)
-        who = suspects.get(owner) if owner is not None else None
+        suspects = self._allocator.memory_only_starting(len(ids))
+        since = self._allocator.memory_unexplained_since(ids)
+        if not suspects and since is None:
+            return
+        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, since, since)
+        if owner is None:
+            return
+        who = suspects.get(owner)
+        why = "a pending container with cores asked for the same memory"
+        if who is None and since is not None:
+            who = self._allocator.memory_only_owner(owner, len(ids), since) or None
+            why = "the pod was not yet known to this node's agent"
         if who is None:
             return
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{names.PRESTART_FAILED}: {who} asks for {len(ids)} {names.VMEMORY_RESOURCE} without "
             f"{names.VCORE_RESOURCE} ({device_ids.describe(ids)}): memory alone gives no GPU (a share asks for "
-            f"both, a whole GPU for {names.VCORE_RESOURCE} in hundreds); its Allocate was answered because a "
-            "pending container with cores asked for the same memory",
+            f"both, a whole GPU for {names.VCORE_RESOURCE} in hundreds); its Allocate was answered because {why}",
         )
 
     def _unknown_memory(self, ids: Sequence[str]) -> list[str]:

@@ -5,6 +5,8 @@ Allocate each, through the agent's own ``Handlers.allocate_core`` (validation, m
 journal record made durable, the answer in protobuf), each with the IDs that GetPreferredAllocation steers
 to (asked just before, as the kubelet does), and prints the median and p99 of:
 
+  the same for pods that each take one whole GPU (100 vcuda-core IDs), --whole-rounds rounds of one per GPU
+      on the empty node, before the fill
   the handler, back to back: what its code costs with every cache warm
   the handler, --gap ms after the previous call, the process asleep meanwhile: what a kubelet call meets
       (on a virtual machine the same code can take several times as long after a pause: caches and branch
@@ -14,7 +16,7 @@ to (asked just before, as the kubelet does), and prints the median and p99 of:
 The pod source is a list in memory (the agent's cache answers the same questions). With ``--before REF``
 the handler of git revision REF is measured too, in a process of its own, the two alternating round by round.
 
-    python bench/bench_allocate_handler.py [--pods 200] [--rounds 3] [--gap 5] [--spec ...]
+    python bench/bench_allocate_handler.py [--pods 200] [--rounds 3] [--gap 5] [--whole-rounds 4] [--spec ...]
                                            [--journal-dir DIR] [--before REF]
 """
 
@@ -86,8 +88,11 @@ class _Pods:
         return None
 
 
-def _pod(i: int) -> dict[str, Any]:
-    limits = {"tencent.com/vcuda-core": "3", "tencent.com/vcuda-memory": "2"}
+def _pod(i: int, *, whole: bool = False) -> dict[str, Any]:
+    """A pending pod asking for a share (3 cores, 2 memory blocks), or for one whole GPU (100 cores)."""
+    limits = (
+        {"tencent.com/vcuda-core": "100"} if whole else {"tencent.com/vcuda-core": "3", "tencent.com/vcuda-memory": "2"}
+    )
     return {
         "metadata": {
             "name": f"bench-{i:03d}",
@@ -104,8 +109,10 @@ def _pod(i: int) -> dict[str, Any]:
     }
 
 
-def fill(spec: Path, pods: int, gap: float, journal_dir: Path) -> dict[str, list[float]]:
-    """Seconds of each Allocate (``handler``) and of each journal write inside one (``journal``)."""
+def fill(spec: Path, pods: int, gap: float, journal_dir: Path, whole_rounds: int) -> dict[str, list[float]]:
+    """Seconds of each Allocate (``handler``) and of each journal write inside one (``journal``); first, on the
+    empty node, ``whole_rounds`` rounds of one whole-GPU pod per GPU, all pending at once and freed after
+    each round (``whole``, ``whole journal``)."""
     from gpumanager import names
     from gpumanager.allocation.allocator import Allocator, AllocatorSettings
     from gpumanager.allocation.response import ResponseSettings
@@ -148,34 +155,53 @@ def fill(spec: Path, pods: int, gap: float, journal_dir: Path) -> dict[str, list
         layout = DeviceLayout(gpus)
         handlers = Handlers(allocator=allocator, layout=layout, owner=lambda *_: None, prepared=lambda _a: None)
         preference = Preference(allocator.clone_tree, layout, preview=allocator.preview)
-        free = {f"{names.VCORE_ID_PREFIX}{n}" for n in range(names.HUNDRED_CORES * len(gpus))}
+        every = {f"{names.VCORE_ID_PREFIX}{n}" for n in range(names.HUNDRED_CORES * len(gpus))}
         took: list[float] = []
+        whole: list[float] = []
+        whole_writes: list[float] = []
+
+        def allocate(pod: dict[str, Any], cores: int, free: set[str], into: list[float]) -> None:
+            if gap:
+                time.sleep(gap)
+            chosen = preference.choose(names.VCORE_RESOURCE, sorted(free), [], cores)
+            request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
+            inside[0] = True
+            started = time.perf_counter()
+            handlers.allocate_core(request)
+            into.append(time.perf_counter() - started)
+            inside[0] = False
+            free.difference_update(chosen)
+            pod["status"] = {"phase": "Running"}
+            source.put(pod)
+            alloc = allocator.get(pod["metadata"]["uid"], "main")
+            assert alloc is not None
+            allocator.mark_started(alloc)
+
         try:
+            for r in range(whole_rounds):
+                round_pods = [_pod(pods + r * len(gpus) + i, whole=True) for i in range(len(gpus))]
+                for pod in round_pods:
+                    source.put(pod)
+                free = set(every)
+                for pod in round_pods:
+                    allocate(pod, names.HUNDRED_CORES, free, whole)
+                for pod in round_pods:
+                    pod["status"] = {"phase": "Succeeded"}
+                    source.put(pod)
+                    allocator.release_pod(pod["metadata"]["uid"])
+            whole_writes, writes[:] = list(writes), []
+            free = set(every)
             for i in range(pods):
                 pod = _pod(i)
                 source.put(pod)
-                if gap:
-                    time.sleep(gap)
-                chosen = preference.choose(names.VCORE_RESOURCE, sorted(free), [], 3)
-                request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
-                inside[0] = True
-                started = time.perf_counter()
-                handlers.allocate_core(request)
-                took.append(time.perf_counter() - started)
-                inside[0] = False
-                free.difference_update(chosen)
-                pod["status"] = {"phase": "Running"}
-                source.put(pod)
-                alloc = allocator.get(pod["metadata"]["uid"], "main")
-                assert alloc is not None
-                allocator.mark_started(alloc)
+                allocate(pod, 3, free, took)
         finally:
             allocator.close()
-    return {"handler": took, "journal": writes}
+    return {"handler": took, "journal": writes, "whole": whole, "whole journal": whole_writes}
 
 
 def _child(args: argparse.Namespace) -> int:
-    out = fill(args.child_spec, args.pods, args.child_gap, args.journal_dir)
+    out = fill(args.child_spec, args.pods, args.child_gap, args.journal_dir, args.whole_rounds)
     print(json.dumps(out))
     return 0
 
@@ -192,6 +218,8 @@ def _measure(variant: Variant, spec: Path, gap: float, args: argparse.Namespace)
         str(args.pods),
         "--journal-dir",
         str(args.journal_dir),
+        "--whole-rounds",
+        str(args.whole_rounds),
     ]
     env = {**os.environ, **variant.env}
     # The variant's gpumanager first; this checkout's simnode and bench helpers after it (PYTHONSAFEPATH
@@ -222,6 +250,9 @@ def main() -> int:
     parser.add_argument("--spec", type=spec_arg, action="append", default=None, help="node spec (repeatable)")
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="fills per agent, spec and pause")
+    parser.add_argument(
+        "--whole-rounds", type=int, default=4, help="rounds of whole-GPU pods (one per GPU) before each fill"
+    )
     parser.add_argument("--gap", type=float, default=5.0, help="milliseconds between calls for the paused figure")
     parser.add_argument(
         "--journal-dir",
@@ -250,6 +281,8 @@ def main() -> int:
                     runs = got[(variant.label, gap)]
                     print(_figure(f"    Allocate handler, {title}:", _merged(runs, "handler")))
                     print(_figure("      of which the journal write:", _merged(runs, "journal")))
+                    print(_figure(f"    Allocate of a whole GPU, {title}:", _merged(runs, "whole")))
+                    print(_figure("      of which the journal write:", _merged(runs, "whole journal")))
     return 0
 
 

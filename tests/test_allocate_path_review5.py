@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from pathlib import Path
 
 import pytest
 
-from gpumanager.allocation import journal
+from gpumanager.allocation import journal, records
 from gpumanager.allocation.allocator import _put, _put_text
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse, DeviceNode, Mount
@@ -26,7 +27,12 @@ def _variants() -> list[ContainerAllocation]:
     found = []
     for (ns, pod), ids, minors, (cores, memory), index, answered, started, init, mirror in itertools.product(
         [(names[1], "p-001"), (names[2], names[3]), (names[0], names[0]), (names[4], names[5])],
-        [(), ("tencent.com/vcuda-core-1",), tuple(f"tencent.com/vcuda-core-{i}" for i in range(100, 200))],
+        [
+            (),
+            ("tencent.com/vcuda-core-1",),
+            tuple(f"tencent.com/vcuda-core-{i}" for i in range(100, 200)),
+            ("", 'q"x', "b\\y", "\x7f", "c\u00fc", "\x01", '","'),
+        ],
         [(0,), (3, 1, 7)],
         [(3, 2 << 28), (100, 0), (200, (1 << 63) - 1)],
         [-1, 0, 12],
@@ -119,3 +125,16 @@ def test_a_pod_allocated_from_a_fresh_list_gets_its_compat32_answer(tmp_path: Pa
     seen = make_allocator(tmp_path / "seen", cached).allocate(core_ids(0, 100) + core_ids(1, 100))
     assert fresh.envs["LD_LIBRARY_PATH"] == seen.envs["LD_LIBRARY_PATH"]
     assert fresh == seen
+
+
+def test_a_list_of_strings_quoted_at_once_is_the_encoders() -> None:
+    """The journal's one-join quoting of device IDs (and device nodes) writes what the encoder writes, for
+    strings that need no escape and for every kind that does (quotes, backslashes, control characters,
+    DEL, non-ASCII, the separator itself)."""
+    rng = random.Random(7)
+    alphabet = ["a", "-", '"', "\\", ",", "\x01", "\x1f", "\x7f", "\u00e9", "\U0001f600", " "]
+    for _ in range(5000):
+        items = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(5))) for _ in range(rng.randrange(5))]
+        assert records._quoted_list(items) == json.dumps(items, separators=(",", ":")), items
+    with pytest.raises(TypeError):
+        records._quoted_list(["a", 3])  # type: ignore[list-item]

@@ -24,13 +24,12 @@ Called with the allocator's lock held.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpumanager import names
-from gpumanager.allocation import placement
+from gpumanager.allocation import ids, placement
 from gpumanager.allocation.model import Candidate, _compat32
 from gpumanager.allocation.pods import Pod
 from gpumanager.allocation.records import ContainerAllocation
@@ -53,16 +52,9 @@ class Prepared:
     memory: int
     #: The allocation as the preview placed it (no device IDs yet).
     decided: ContainerAllocation
-    #: The vcuda-core IDs of its GPUs (a vcuda-core ID's number over 100 is its GPU's NVML index).
-    gpu_ids: frozenset[str]
+    #: NVML indices of its GPUs (a vcuda-core ID's number over 100).
+    gpus: frozenset[int]
     response: ContainerResponse
-
-
-@functools.lru_cache(maxsize=256)
-def _core_ids(gpu: int) -> frozenset[str]:
-    """The vcuda-core IDs of the GPU of NVML index ``gpu``, as the kubelet is given them."""
-    first = gpu * names.HUNDRED_CORES
-    return frozenset(f"{names.VCORE_ID_PREFIX}{n}" for n in range(first, first + names.HUNDRED_CORES))
 
 
 def prepare(allocator: Allocator, candidate: Candidate, decided: ContainerAllocation) -> Prepared | None:
@@ -71,10 +63,9 @@ def prepare(allocator: Allocator, candidate: Candidate, decided: ContainerAlloca
     if allocator._freed_guesses or allocator._by_pod.get(decided.pod_uid):
         return None
     try:
-        gpus = [allocator._tree.leaf_by_minor(m).index for m in decided.minors]
+        gpus = frozenset(allocator._tree.leaf_by_minor(m).index for m in decided.minors)
     except ValueError:
         return None
-    gpu_ids = _core_ids(gpus[0]) if len(gpus) == 1 else frozenset().union(*map(_core_ids, gpus))
     settings = allocator._settings.response
     response = build_response(decided, allocator._gpus, settings, compat32=_compat32(candidate.pod, decided))
     return Prepared(
@@ -86,7 +77,7 @@ def prepare(allocator: Allocator, candidate: Candidate, decided: ContainerAlloca
         cores=candidate.request.cores,
         memory=candidate.request.memory_bytes,
         decided=decided,
-        gpu_ids=gpu_ids,
+        gpus=gpus,
         response=response,
     )
 
@@ -112,8 +103,11 @@ def take(
         or allocator._freed_guesses
     ):
         return None
-    if not kept.gpu_ids.issuperset(device_ids):
-        return None
+    cut = len(names.VCORE_ID_PREFIX)
+    for device_id in device_ids:
+        number = ids.tail_number(device_id[cut:])
+        if number is None or number // names.HUNDRED_CORES not in kept.gpus:
+            return None
     if request.cores < names.HUNDRED_CORES and allocator._share_problem():
         # The one check of the preview's that can fail since (the interceptor's mirror broke): its refusal.
         placement.checked(allocator, candidate, tuple(device_ids))

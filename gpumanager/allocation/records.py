@@ -137,8 +137,8 @@ class ContainerAllocation:
                 parts.append(f'"AnsweredAs":[{_quoted(answered[0])},{_quoted(answered[1])}]')
             parts.append(f'"Cores":{cores}')
             if self.device_ids:
-                parts.append('"DeviceIDs":' + _quoted_list(self.device_ids))
-            parts.append('"Devices":' + _quoted_list(self.devices))
+                parts.append('"DeviceIDs":[' + ",".join([_quoted(d) for d in self.device_ids]) + "]")
+            parts.append('"Devices":[' + ",".join([_quoted(d) for d in self.devices]) + "]")
             if index >= 0:
                 parts.append(f'"Index":{index}')
             if self.init:
@@ -157,19 +157,6 @@ class ContainerAllocation:
         if self.started:
             parts.append('"Started":true')
         return "{" + ",".join(parts) + "}"
-
-
-def _quoted_list(strings: Iterable[str]) -> str:
-    """A list of strings as compact JSON, exactly as ``json.dumps(list(strings), separators=(",", ":"))``
-    writes it. Strings of printable ASCII with no quote or backslash (every device ID the kubelet sends
-    this node) are written as they are, in one join, not quoted one by one: a Python call per ID, 100 of
-    them for a whole GPU. Raises TypeError for an item that is not a string."""
-    items = list(strings)
-    joined = '","'.join(items)
-    # The only quotes are the separators'; no backslash, no character JSON escapes (control, non-ASCII).
-    if joined.isascii() and joined.isprintable() and joined.count('"') == 2 * len(items) - 2 and "\\" not in joined:
-        return f'["{joined}"]' if items else "[]"
-    return "[" + ",".join([_quoted(item) for item in items]) + "]"
 
 
 #: Upstream's Cores and Memory are Go int64s, and vcuda.config holds the memory limit as a uint64.

@@ -58,11 +58,11 @@ def test_a_memory_allocate_the_cache_cannot_explain_is_noted_for_its_start(tmp_p
     assert since is not None
     assert alloc.memory_unexplained_since(ids) is None, "taken: a later start of the container is not looked at"
     uid = hidden["metadata"]["uid"]
-    assert alloc.memory_only_owner((uid, "c"), 6, since) == "pod default/late container c"
+    assert alloc.memory_only_owner((uid, "c"), since) == "pod default/late container c"
     assert pods.refreshes == 1
-    assert alloc.memory_only_owner((uid, "other"), 6, since) == "", "no such container: nothing to say"
+    assert alloc.memory_only_owner((uid, "other"), since) == "", "no such container: nothing to say"
     hidden["status"]["containerStatuses"] = [{"name": "c", "containerID": "containerd://1", "restartCount": 0}]
-    assert alloc.memory_only_owner((uid, "c"), 6, since) == "", "it ran already: it starts again as it did"
+    assert alloc.memory_only_owner((uid, "c"), since) == "", "it ran already: it starts again as it did"
 
 
 def test_a_memory_allocate_the_cache_explains_is_not_noted(tmp_path: Path) -> None:
@@ -87,10 +87,10 @@ def test_a_memory_allocate_the_cache_explains_is_not_noted(tmp_path: Path) -> No
     assert alloc.memory_only_refusal(7, ids) == ""
     since = alloc.memory_unexplained_since(ids)
     assert since is not None
-    assert alloc.memory_only_owner((cored["metadata"]["uid"], "c"), 7, since) == "", "not listed: starts as before"
+    assert alloc.memory_only_owner((cored["metadata"]["uid"], "c"), since) == "", "not listed: starts as before"
     pods.refresh_error = None
-    assert alloc.memory_only_owner((cored["metadata"]["uid"], "c"), 7, since) == "", "it asks for cores too"
-    assert alloc.memory_only_owner((first["metadata"]["uid"], "c"), 5, since) == "", "it holds an allocation"
+    assert alloc.memory_only_owner((cored["metadata"]["uid"], "c"), since) == "", "it asks for cores too"
+    assert alloc.memory_only_owner((first["metadata"]["uid"], "c"), since) == "", "it holds an allocation"
 
 
 def test_notes_are_kept_for_a_while_and_in_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

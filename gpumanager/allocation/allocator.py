@@ -507,10 +507,10 @@ class Allocator:
         could be (its watch lagged); asked once, at the start of their container."""
         return memory_only.unexplained_since(self, device_ids)
 
-    def memory_only_owner(self, owner: tuple[str, str], blocks: int, since: float) -> str:
-        """The name of container ``owner`` when it asks for ``blocks`` of vcuda-memory and no vcuda-core and
-        has not run, else "" (:func:`memory_only.memory_only_owner`)."""
-        return memory_only.memory_only_owner(self, owner, blocks, since)
+    def memory_only_owner(self, owner: tuple[str, str], since: float) -> str:
+        """The name of container ``owner`` when it asks for vcuda-memory and no vcuda-core and has not run,
+        else "" (:func:`memory_only.memory_only_owner`)."""
+        return memory_only.memory_only_owner(self, owner, since)
 
     def memory_only_starting(self, blocks: int) -> dict[tuple[str, str], str]:
         """The containers of this node's pods (as the cache shows them) asking for ``blocks`` of vcuda-memory

@@ -119,9 +119,9 @@ def note_unexplained(allocator: Allocator, blocks: int, device_ids: Sequence[str
 def unexplained_since(allocator: Allocator, device_ids: Sequence[str]) -> float | None:
     """When the vcuda-memory Allocate of ``device_ids`` reached us, if the pod cache could not explain it and
     it was not asked since; the note is taken (a container's later starts are not looked at again)."""
+    if not allocator._memory_unexplained:  # the common case, looked at without the lock
+        return None
     with allocator._memory_lock:
-        if not allocator._memory_unexplained:
-            return None
         since = allocator._memory_unexplained.pop(frozenset(device_ids), None)
     if since is None or time.monotonic() - since > UNEXPLAINED_SECONDS:
         return None
@@ -141,9 +141,9 @@ def _asked_by_unstarted(allocator: Allocator, blocks: int) -> bool:
     return False
 
 
-def memory_only_owner(allocator: Allocator, owner: tuple[str, str], blocks: int, since: float) -> str:
-    """The name, for a message, of container ``owner`` (pod UID, container) when it asks for ``blocks`` of
-    vcuda-memory without vcuda-core and has not run; "" when it holds an allocation, asks for cores, ran
+def memory_only_owner(allocator: Allocator, owner: tuple[str, str], since: float) -> str:
+    """The name, for a message, of container ``owner`` (pod UID, container) when it asks for vcuda-memory
+    without vcuda-core and has not run; "" when it holds an allocation, asks for cores, ran
     already, or its pod cannot be found. ``since``: when its vcuda-memory Allocate reached us (a list of the
     node's pods sent since then shows its pod). Called with no lock held: it may list the pods."""
     uid, container = owner

@@ -269,7 +269,7 @@ class Handlers:
         who = suspects.get(owner)
         why = "a pending container with cores asked for the same memory"
         if who is None and since is not None:
-            who = self._allocator.memory_only_owner(owner, len(ids), since) or None
+            who = self._allocator.memory_only_owner(owner, since) or None
             why = "the pod was not yet known to this node's agent"
         if who is None:
             return

@@ -45,7 +45,9 @@ def test_a_share_starts_without_asking_the_kubelet_when_no_memory_only_container
     """The memory PreStartContainer of a container with cores asks the kubelet nothing when the pod cache
     shows no container asking memory without cores (it is called for every container with memory)."""
     with _cluster(tmp_path) as cluster:
-        run = cluster.admit(gpu_pod("share", [("main", 50, 8)]))
+        created = cluster.create(gpu_pod("share", [("main", 50, 8)]))
+        time.sleep(1.0)  # the agent's pod cache shows it (behind a lagging watch its start is looked at)
+        run = cluster.admit(created, create=False)
         before = len(cluster.kubelet.pod_resources_calls)
         cluster.kubelet.pre_start(MEMORY, pod_uid=run.uid, container_name="main")
         assert len(cluster.kubelet.pod_resources_calls) == before

@@ -504,8 +504,18 @@ class Allocator:
 
     def memory_unexplained_since(self, device_ids: Sequence[str]) -> float | None:
         """When the vcuda-memory Allocate of ``device_ids`` came, if the pod cache could not say whose it
-        could be (its watch lagged); asked once, at the start of their container."""
+        could be (its watch lagged), until a start of their container is let through
+        (:meth:`settle_memory_unexplained`)."""
         return memory_only.unexplained_since(self, device_ids)
+
+    def settle_memory_unexplained(self, device_ids: Sequence[str]) -> None:
+        """A start with ``device_ids`` was let through: their container's later starts are not looked at again."""
+        memory_only.settle_unexplained(self, device_ids)
+
+    def memory_only_init(self, pod_uid: str, blocks: int) -> str:
+        """The name of an init container of pod ``pod_uid`` asking for ``blocks`` of vcuda-memory without
+        vcuda-core that has not run, else "" (:func:`memory_only.memory_only_init`)."""
+        return memory_only.memory_only_init(self, pod_uid, blocks)
 
     def memory_only_owner(self, owner: tuple[str, str], since: float) -> str:
         """The name of container ``owner`` when it asks for vcuda-memory and no vcuda-core and has not run,

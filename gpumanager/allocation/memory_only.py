@@ -52,6 +52,8 @@ def memory_only_refusal(allocator: Allocator, blocks: int, device_ids: Sequence[
     their PreStartContainer (:func:`note_unexplained`)."""
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks <= 0:
         return ""
+    if device_ids:
+        renew_noted(allocator, device_ids)
     counts = cached_memory_counts(allocator, blocks)
     if counts is None:
         if device_ids:
@@ -102,11 +104,9 @@ def cached_memory_counts(allocator: Allocator, blocks: int) -> tuple[int, int] |
 
 def note_unexplained(allocator: Allocator, blocks: int, device_ids: Sequence[str]) -> None:
     """Note the IDs of a vcuda-memory Allocate of ``blocks`` that no pending container of the pod cache asks
-    for, for their PreStartContainer (:func:`unexplained_since`). Not noted when a container holding an
-    allocation not started yet asks for that much (its vcuda-core Allocate came first, from a list of the
-    pods: this is most likely its memory)."""
-    if _asked_by_unstarted(allocator, blocks):
-        return
+    for, for their PreStartContainer (:func:`unexplained_since`). Noted even when a container holding an
+    allocation not started yet asks for that much: the memory-only container may be another of its pod's, or
+    of a pod admitted after it, which the cache does not show either; the start tells them apart."""
     now = time.monotonic()
     with allocator._memory_lock:
         notes = allocator._memory_unexplained
@@ -117,28 +117,68 @@ def note_unexplained(allocator: Allocator, blocks: int, device_ids: Sequence[str
 
 
 def unexplained_since(allocator: Allocator, device_ids: Sequence[str]) -> float | None:
-    """When the vcuda-memory Allocate of ``device_ids`` reached us, if the pod cache could not explain it and
-    it was not asked since; the note is taken (a container's later starts are not looked at again)."""
+    """When the vcuda-memory Allocate of ``device_ids`` reached us, if the pod cache could not explain it. The
+    note stays until a start of their container is let through (:func:`settle_unexplained`): the kubelet
+    tries a refused start again, perhaps while our watch still lags."""
     if not allocator._memory_unexplained:  # the common case, looked at without the lock
         return None
     with allocator._memory_lock:
-        since = allocator._memory_unexplained.pop(frozenset(device_ids), None)
+        since = allocator._memory_unexplained.get(frozenset(device_ids))
     if since is None or time.monotonic() - since > UNEXPLAINED_SECONDS:
         return None
     return since
 
 
-def _asked_by_unstarted(allocator: Allocator, blocks: int) -> bool:
-    """Whether a container holding an allocation that has not started asks for ``blocks`` of memory, as its
-    pod's spec was read when it was placed."""
-    with allocator._lock:
-        for alloc in allocator._allocs.values():
-            if alloc.started:
-                continue
-            requests = allocator._parsed.get(alloc.pod_uid) or ()
-            if any(r.name == alloc.container and r.memory_blocks == blocks for r in requests):
-                return True
-    return False
+def renew_noted(allocator: Allocator, device_ids: Sequence[str]) -> None:
+    """The kubelet gives noted IDs to a container again (an app container taking over its init container's,
+    or the next pod once the noted one is gone, say after a refused start): the note is dated now, so their
+    start is judged on the kubelet's records from this Allocate on, not on those of the time it was made."""
+    if not allocator._memory_unexplained:  # the common case, looked at without the lock
+        return
+    key = frozenset(device_ids)
+    with allocator._memory_lock:
+        notes = allocator._memory_unexplained
+        if notes.pop(key, None) is not None:
+            notes[key] = time.monotonic()
+
+
+def settle_unexplained(allocator: Allocator, device_ids: Sequence[str]) -> None:
+    """Forget the note of ``device_ids``: their container's start was let through, its later starts are not
+    looked at again."""
+    if not allocator._memory_unexplained:
+        return
+    with allocator._memory_lock:
+        allocator._memory_unexplained.pop(frozenset(device_ids), None)
+
+
+def memory_only_init(allocator: Allocator, pod_uid: str, blocks: int) -> str:
+    """The name, for a message, of an init container of pod ``pod_uid`` (not a sidecar) asking for ``blocks``
+    of vcuda-memory without vcuda-core that has not run; "" when there is none or the pod is not known.
+
+    The kubelet hands an init container's IDs on to the app containers of its pod, and its records then
+    name the app container holding them: a start with those IDs before that init container has run is the
+    init container's own (app containers start once every init container has run). The pod is read from
+    the cache, else from the last list of the node's pods (sent for an Allocate of this admission); no list
+    is asked for."""
+    pod = allocator._pods.get(pod_uid)
+    if pod is None:
+        listed = allocator._pods.recent(RECENT_LIST_SECONDS, 0.0)
+        pod = next((p for p in listed or () if podinfo.uid(p) == pod_uid), None)
+    if pod is None or podinfo.is_terminated(pod) or podinfo.is_deleting(pod):
+        return ""
+    try:
+        inits = podinfo.init_gpu_requests(pod)
+    except PodSpecError:
+        return ""
+    for r in inits:
+        if (
+            r.cores <= 0
+            and r.memory_blocks == blocks
+            and not podinfo.is_sidecar(pod, r.name)
+            and not _has_run(pod, r.name)
+        ):
+            return f"pod {podinfo.pod_key(pod)} init container {r.name}"
+    return ""
 
 
 def memory_only_owner(allocator: Allocator, owner: tuple[str, str], since: float) -> str:

@@ -12,6 +12,7 @@ import grpc
 from gpumanager import deferred, names
 from gpumanager.allocation import ids as device_ids
 from gpumanager.allocation.allocator import AllocationError, Allocator
+from gpumanager.allocation.model import RECENT_LIST_SECONDS
 from gpumanager.allocation.records import ContainerAllocation
 from gpumanager.allocation.response import ContainerResponse
 from gpumanager.api import deviceplugin_v1beta1_pb2 as pb
@@ -263,15 +264,32 @@ class Handlers:
         since = self._allocator.memory_unexplained_since(ids)
         if not suspects and since is None:
             return
-        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, since, since)
+        # The pod's UID from the cache, else from a list sent for this admission: its vcuda-core Allocate, which
+        # may have come just before this memory's (the kubelet allocates a container's resources in any order).
+        listed = since - RECENT_LIST_SECONDS if since is not None else None
+        owner = self._owner(names.VMEMORY_RESOURCE, ids, None, since, listed)
         if owner is None:
+            log.warning(
+                "vcuda-memory PreStartContainer for %s: neither the kubelet's PodResources nor its checkpoint "
+                "names the container holding these IDs; started without checking that it asks for %s too",
+                device_ids.describe(ids),
+                names.VCORE_RESOURCE,
+            )
+            self._allocator.settle_memory_unexplained(ids)
             return
         who = suspects.get(owner)
         why = "a pending container with cores asked for the same memory"
-        if who is None and since is not None:
-            who = self._allocator.memory_only_owner(owner, since) or None
+        if who is None:
+            # The kubelet's records name the app container its init container handed the IDs on to.
+            who = self._allocator.memory_only_init(owner[0], len(ids)) or None
+            why = f"the kubelet hands its IDs on to container {owner[1]}, which asks for cores"
+        if who is None:
+            # Not a container the cache shows (its watch lags): its pod's spec says, from a list if need be.
+            seen = since if since is not None else time.monotonic() - RECENT_LIST_SECONDS
+            who = self._allocator.memory_only_owner(owner, seen) or None
             why = "the pod was not yet known to this node's agent"
         if who is None:
+            self._allocator.settle_memory_unexplained(ids)
             return
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,

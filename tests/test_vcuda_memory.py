@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -211,10 +212,12 @@ print(json.dumps([d.cuMemFree(0x1234)[0].name, d.cuMemFreeAsync(0x1234, 0)[0].na
 
 
 HOLD = r"""
-import threading
+import threading, time
 held, lock = [], threading.Lock()
 print("ready", flush=True)
-sys.stdin.readline()  # start together
+# Start together: at the moment the test names, both processes already waiting for it (a "go" written to
+# one and then the other lets the first fill the container before the second is scheduled on a busy machine).
+time.sleep(max(0.0, float(sys.stdin.readline()) - time.time()))
 def worker():
     ok(d.cuCtxSetCurrent(ctx))
     while True:
@@ -239,9 +242,10 @@ def test_two_processes_racing_never_exceed_the_cap(container: MakeContainer) -> 
         for p in procs:
             assert p.stdout is not None and p.stdin is not None
             assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.stderr else ""
+        start = time.time() + 0.3
         for p in procs:
             assert p.stdin is not None
-            p.stdin.write("go\n")
+            p.stdin.write(f"{start}\n")
             p.stdin.flush()
         counts = []
         for p in procs:
@@ -728,9 +732,10 @@ def test_four_processes_hold_the_cap_with_their_contexts(container: MakeContaine
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        start = time.time() + 0.3
         for p in procs:
             assert p.stdin is not None
-            p.stdin.write("go\n")
+            p.stdin.write(f"{start}\n")
             p.stdin.flush()
         results = []
         for p in procs:

@@ -19,7 +19,7 @@ from gpumanager.allocation.response import build_response
 from gpumanager.device.types import GPUInfo, NodeTopology
 from gpumanager.deviceplugin.devices import DeviceLayout
 from gpumanager.deviceplugin.preferred import Preference
-from tests.alloc_fixtures import MIB, FakePods, make_allocator, make_pod
+from tests.alloc_fixtures import MIB, FakePods, make_allocator, make_pod, uid_of
 
 VCORE = names.VCORE_RESOURCE
 
@@ -63,7 +63,8 @@ class _Checked:
             made = real(allocator, candidate, device_ids)
             if made is not None:
                 self.used += 1
-                fresh = placement.decide(allocator, candidate, tuple(device_ids))
+                # As the Allocate makes it: placed, then answered with a directory nobody else is answered with.
+                fresh = allocator._with_free_answer(placement.decide(allocator, candidate, tuple(device_ids)))
                 assert made[0] == fresh, f"prepared {made[0]}, placed anew {fresh}"
                 answer = build_response(
                     fresh, allocator._gpus, allocator._settings.response, compat32=_compat32(candidate.pod, fresh)
@@ -194,3 +195,27 @@ def test_a_share_is_refused_when_the_interceptor_is_lost_after_get_preferred_all
     with pytest.raises(AllocationError, match="disk full"):
         allocator.allocate(chosen)
     assert allocator.get(pod["metadata"]["uid"], "c0") is None
+
+
+def test_a_container_whose_directory_another_pod_took_over_uses_its_prepared_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Identical pods a and b: the kubelet gave the IDs matched to a to b (PreStartContainer), so b mounts a's
+    directory. The next Allocate (a's) is answered with b's directory, and the answer prepared at its
+    GetPreferredAllocation already names it: used as it is, equal to one made anew."""
+    checked = _Checked(monkeypatch)
+    pods = FakePods(
+        [make_pod(n, [("main", 50, 4)], created=f"2026-11-21T10:00:0{i}Z") for i, n in enumerate(("a", "b"))]
+    )
+    allocator, preference, layout = _allocator(tmp_path, pods)
+    first = preference.choose(VCORE, _free_ids(layout, 4, set()), [], 50)
+    allocator.allocate(first)  # matched to a, the first in line
+    allocator.pre_start(first, (uid_of("b"), "main"))  # the kubelet gave them to b
+    second = preference.choose(VCORE, _free_ids(layout, 4, set(first)), [], 50)
+    answer = allocator.allocate(second)
+    assert checked.asked == 2 and checked.used == 2, f"prepared used {checked.used} times of {checked.asked}"
+    mount = next(m.host_path for m in answer.mounts if m.container_path == names.VCUDA_MOUNTPOINT)
+    assert mount == f"/etc/gpu-manager/vm/{uid_of('b')}", "b's own directory, which nobody mounts"
+    held = allocator.get(uid_of("a"), "main")
+    assert held is not None and held.answered == (uid_of("b"), "main")
+    assert allocator.response_of(uid_of("a"), "main") == answer

@@ -821,6 +821,16 @@ class Allocator:
         if decided is None:
             decided = made[0] if made is not None else placement.decide(self, candidate, device_ids)
         alloc = self._with_free_answer(decided)
+        if alloc.answered != alloc.key:
+            # Once answered: the kubelet does not wait for the log.
+            deferred.later(
+                log.info,
+                "pod %s container %s is answered with the directory of pod %s container %s: pod %s container %s, "
+                "which started with the IDs first matched to it, mounts its own",
+                *alloc.key,
+                *alloc.answered,
+                *min(self._answering.get(alloc.key) or {("?", "?")}),
+            )
         ticket = self._commit(alloc)
         if made is not None and alloc is decided:  # answered with its own directory, as prepared
             self._responses[alloc.key] = made[1]
@@ -830,7 +840,13 @@ class Allocator:
         return alloc, response, ticket
 
     def _with_free_answer(self, alloc: ContainerAllocation) -> ContainerAllocation:
-        """``alloc``, answered with a directory no other container is answered with (lock held).
+        """``alloc``, answered with :meth:`free_answer` (lock held): itself where that is its answer already."""
+        name = self.free_answer(alloc)
+        return alloc if name == alloc.answered else replace(alloc, answered_as=name)
+
+    def free_answer(self, alloc: ContainerAllocation) -> tuple[str, str]:
+        """The directory (pod UID, container) to answer ``alloc`` with: one no other container is answered with
+        (lock held).
 
         Its own, unless a container of another pod took over an answer naming it: PreStartContainer
         found that the kubelet gave the IDs matched to ``alloc``'s container (the first of identical
@@ -841,10 +857,10 @@ class Allocator:
         name = alloc.answered
         seen = {alloc.key}
         while True:
-            users = self._answering.get(name, set()) - {alloc.key}
-            if not users:
-                break
-            holder = min(users)
+            users = self._answering.get(name)
+            if not users or (len(users) == 1 and alloc.key in users):
+                return name
+            holder = min(users - {alloc.key})
             if holder in seen:  # only where records already shared a name (an older agent's): left as it was
                 log.warning(
                     "pod %s container %s: no unused directory found for its answer; answered with %s/%s, "
@@ -853,19 +869,9 @@ class Allocator:
                     *alloc.answered,
                     *holder,
                 )
-                return alloc
+                return alloc.answered
             seen.add(holder)
             name = holder
-        if name == alloc.answered:
-            return alloc
-        log.info(
-            "pod %s container %s is answered with the directory of pod %s container %s: pod %s container %s, "
-            "which started with the IDs first matched to it, mounts its own",
-            *alloc.key,
-            *name,
-            *min(self._answering[alloc.answered]),
-        )
-        return replace(alloc, answered_as=name)
 
     def _allocate_taking_back(
         self,

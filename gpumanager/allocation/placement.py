@@ -146,10 +146,14 @@ def numa_first(
 
 
 def allocation(
-    allocator: Allocator, candidate: Candidate, device_ids: tuple[str, ...], minors: tuple[int, ...]
+    allocator: Allocator,
+    candidate: Candidate,
+    device_ids: tuple[str, ...],
+    minors: tuple[int, ...],
+    answered_as: tuple[str, str] = ("", ""),
 ) -> ContainerAllocation:
-    """The allocation of the candidate's container on ``minors`` with ``device_ids``. Called with the
-    allocator's lock held."""
+    """The allocation of the candidate's container on ``minors`` with ``device_ids``, answered with the directory
+    ``answered_as`` (its own when not given). Called with the allocator's lock held."""
     pod, req = candidate.pod, candidate.request
     meta = pod.get("metadata") or {}
     return ContainerAllocation(
@@ -164,6 +168,7 @@ def allocation(
         container_index=req.index,
         init=_runs_first(pod, req),
         mirror=_mirror_of(pod),
+        answered_as=answered_as,
     )
 
 

@@ -13,6 +13,11 @@ changed in between:
 - every ID given on a GPU the container was placed on: IDs of other GPUs (another NUMA node's) make the
   Allocate place it again.
 
+The answer names the directory the Allocate would answer with: the container's own, or, where a container of
+another pod took that over (the kubelet gave it the IDs first matched to this one), the free one
+:meth:`Allocator.free_answer` names. Who is answered with which directory changes only with an allocation
+made or freed, so the generation covers it.
+
 Nothing is kept where the choice depends on the IDs themselves: while the room of allocations freed before
 their containers started is held (IDs given from it free it), or while the pod holds GPUs already (an init
 container lends its room only to a container given some of its IDs). Of the checks that do not depend on the
@@ -25,7 +30,7 @@ Called with the allocator's lock held.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gpumanager import names
@@ -66,6 +71,9 @@ def prepare(allocator: Allocator, candidate: Candidate, decided: ContainerAlloca
         gpus = frozenset(allocator._tree.leaf_by_minor(m).index for m in decided.minors)
     except ValueError:
         return None
+    answered = allocator.free_answer(decided)
+    if answered != decided.answered:  # its own directory was taken over by another pod's container (a swap)
+        decided = replace(decided, answered_as=answered)
     settings = allocator._settings.response
     response = build_response(decided, allocator._gpus, settings, compat32=_compat32(candidate.pod, decided))
     return Prepared(
@@ -112,4 +120,7 @@ def take(
         # The one check of the preview's that can fail since (the interceptor's mirror broke): its refusal.
         placement.checked(allocator, candidate, tuple(device_ids))
     # Made as the placement makes it (dataclasses.replace reads every field of the record: three times as long).
-    return placement.allocation(allocator, candidate, tuple(device_ids), kept.decided.minors), kept.response
+    return (
+        placement.allocation(allocator, candidate, tuple(device_ids), kept.decided.minors, kept.decided.answered_as),
+        kept.response,
+    )

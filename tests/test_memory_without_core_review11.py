@@ -148,3 +148,29 @@ def test_a_share_given_the_ids_of_a_refused_memory_only_container_starts(tmp_pat
             assert _start(cluster, share, "main") == ""
         finally:
             cluster.api.hold_watches(False)
+
+
+@pytest.mark.parametrize("lagging", [False, True], ids=["cached", "lagging-watch"])
+def test_an_init_container_with_cores_before_a_memory_only_app_container_is_refused_naming_both(
+    tmp_path: Path, lagging: bool
+) -> None:
+    """The pod cannot run as written (its app container asks for memory alone and would get no GPU). The kubelet
+    hands the init container's IDs on to that app container, so its records name the app container at the init
+    container's start: the refusal says which start it refuses and which container is at fault."""
+    manifest = gpu_pod("init-then-memory", [])
+    manifest["spec"]["initContainers"] = [_container("init", 50, 4)]
+    manifest["spec"]["containers"] = [_container("app", 0, 4)]
+    with _cluster(tmp_path) as cluster:
+        if lagging:
+            cluster.api.hold_watches(True)
+        try:
+            created = cluster.create(manifest)
+            if not lagging:
+                time.sleep(1.0)
+            run = cluster.admit(created, create=False)
+            assert _start(cluster, run, "init", CORE) == ""
+            refused = _start(cluster, run, "init")
+            assert "default/init-then-memory container app asks for 4" in refused, refused
+            assert "init container init" in refused, refused
+        finally:
+            cluster.api.hold_watches(False)

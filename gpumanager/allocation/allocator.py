@@ -517,6 +517,11 @@ class Allocator:
         vcuda-core that has not run, else "" (:func:`memory_only.memory_only_init`)."""
         return memory_only.memory_only_init(self, pod_uid, blocks)
 
+    def init_handing_on(self, pod_uid: str, blocks: int) -> str:
+        """The name of an init container of pod ``pod_uid`` asking for ``blocks`` of vcuda-memory and vcuda-core
+        that has not run, else "" (:func:`memory_only.init_handing_on`)."""
+        return memory_only.init_handing_on(self, pod_uid, blocks)
+
     def memory_only_owner(self, owner: tuple[str, str], since: float) -> str:
         """The name of container ``owner`` when it asks for vcuda-memory and no vcuda-core and has not run,
         else "" (:func:`memory_only.memory_only_owner`)."""

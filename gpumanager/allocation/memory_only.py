@@ -160,6 +160,18 @@ def memory_only_init(allocator: Allocator, pod_uid: str, blocks: int) -> str:
     init container's own (app containers start once every init container has run). The pod is read from
     the cache, else from the last list of the node's pods (sent for an Allocate of this admission); no list
     is asked for."""
+    return _unrun_init(allocator, pod_uid, blocks, cored=False)
+
+
+def init_handing_on(allocator: Allocator, pod_uid: str, blocks: int) -> str:
+    """As :func:`memory_only_init`, for an init container asking for vcuda-core as well: the one whose start a
+    memory-only app container of its pod (the holder the kubelet's records name) is refused at."""
+    return _unrun_init(allocator, pod_uid, blocks, cored=True)
+
+
+def _unrun_init(allocator: Allocator, pod_uid: str, blocks: int, *, cored: bool) -> str:
+    """The first init container of pod ``pod_uid`` (not a sidecar) that has not run and asks for ``blocks`` of
+    vcuda-memory, with vcuda-core (``cored``) or without, named for a message; "" when there is none."""
     pod = allocator._pods.get(pod_uid)
     if pod is None:
         listed = allocator._pods.recent(RECENT_LIST_SECONDS, 0.0)
@@ -172,7 +184,7 @@ def memory_only_init(allocator: Allocator, pod_uid: str, blocks: int) -> str:
         return ""
     for r in inits:
         if (
-            r.cores <= 0
+            (r.cores > 0) == cored
             and r.memory_blocks == blocks
             and not podinfo.is_sidecar(pod, r.name)
             and not _has_run(pod, r.name)

@@ -279,10 +279,12 @@ class Handlers:
             return
         who = suspects.get(owner)
         why = "a pending container with cores asked for the same memory"
+        handed = False  # the memory-only container is an init container, not the holder the records name
         if who is None:
             # The kubelet's records name the app container its init container handed the IDs on to.
             who = self._allocator.memory_only_init(owner[0], len(ids)) or None
             why = f"the kubelet hands its IDs on to container {owner[1]}, which asks for cores"
+            handed = who is not None
         if who is None:
             # Not a container the cache shows (its watch lags): its pod's spec says, from a list if need be.
             seen = since if since is not None else time.monotonic() - RECENT_LIST_SECONDS
@@ -291,11 +293,20 @@ class Handlers:
         if who is None:
             self._allocator.settle_memory_unexplained(ids)
             return
+        # The holder is at fault; where it is an app container and an init container with cores has not run,
+        # the start is that init container's, which hands it these IDs: the pod cannot run as written.
+        starting = "" if handed else self._allocator.init_handing_on(owner[0], len(ids))
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{names.PRESTART_FAILED}: {who} asks for {len(ids)} {names.VMEMORY_RESOURCE} without "
             f"{names.VCORE_RESOURCE} ({device_ids.describe(ids)}): memory alone gives no GPU (a share asks for "
-            f"both, a whole GPU for {names.VCORE_RESOURCE} in hundreds); its Allocate was answered because {why}",
+            f"both, a whole GPU for {names.VCORE_RESOURCE} in hundreds); its Allocate was answered because {why}"
+            + (
+                f"; this is the start of {starting}, whose IDs the kubelet hands on to container {owner[1]}: "
+                "the pod cannot run as written"
+                if starting
+                else ""
+            ),
         )
 
     def _unknown_memory(self, ids: Sequence[str]) -> list[str]:

@@ -1459,6 +1459,14 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
     poll_markers(d);
     charge_provisional(d, now);
     share_provisional(d, now);
+    /*
+     * The clock read again, after the markers: a stop (SIGSTOP, a debugger) that lands after the caller read it (the
+     * watcher reads it before taking d->mu) showed the launches the stop hid complete, while the gap measured from
+     * the time read before it hid the stop itself: a 2.5 s kernel queued before a 3.5 s stop went unpaid.
+     */
+    const uint64_t fresh = mono_ns();
+    if (fresh > now)
+        now = fresh;
     if (now - d->last_measure < min_ns)
         return;
     /*
@@ -1468,7 +1476,7 @@ static void update(struct dev *d, uint64_t now, uint64_t min_ns)
      * more than the GPU time they can have used).  Without this, a 2.5 s kernel queued before a 3.5 s stop cost
      * 1 s of the container's share, and a tenant could repeat it (a long kernel, a stop) for most of the GPU.
      */
-    /* The watcher's now is read before it takes d->mu: a launch may have measured later meanwhile. */
+    /* Read again above; a caller's now may still trail a measurement made meanwhile. */
     const uint64_t gap = now > d->last_measure ? now - d->last_measure : 0;
     const bool stalled = gap > SAMPLE_WINDOW_US * 1000u && (d->busy_measured || d->launched != d->launched_measured);
     d->launched_measured = d->launched;
@@ -1728,6 +1736,21 @@ static void up_gate(struct dev *d, uint64_t grids)
 
 /* ---- devices and the watcher ---------------------------------------------------------------- */
 
+#ifdef VC_TEST_HOOKS
+/*
+ * Tests only (built with -DVC_TEST_HOOKS): VCUDA_TEST_WATCHER_DELAY_US between the watcher reading the clock and taking a
+ * device's lock, where a stop (SIGSTOP) can land on a busy machine.
+ */
+static void test_watcher_delay(void)
+{
+    const char *us = getenv("VCUDA_TEST_WATCHER_DELAY_US");
+    if (us != NULL)
+        usleep((useconds_t)atoi(us));
+}
+#else
+static void test_watcher_delay(void) {}
+#endif
+
 static void *watcher(void *arg)
 {
     (void)arg;
@@ -1739,6 +1762,7 @@ static void *watcher(void *arg)
             struct dev *d = &g_dev[i];
             if (!__atomic_load_n(&d->usable, __ATOMIC_ACQUIRE))
                 continue;
+            test_watcher_delay();
             pthread_mutex_lock(&d->mu);
             if (upstream) {
                 if (now >= d->up_next) {
